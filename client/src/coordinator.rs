@@ -1,0 +1,430 @@
+//! The coordinator side: evaluate rounds of tool calls before running them.
+//!
+//! ```no_run
+//! # async fn demo() -> Result<(), guardmesh_client::ClientError> {
+//! use guardmesh_client::{Batch, Coordinator, Outcome};
+//! let mesh = Coordinator::connect("http://127.0.0.1:50051").await?;
+//! let session = mesh.session("session-1").await?;
+//! let decision = session
+//!     .evaluate(Batch::new(0).call("c1", "sql.query", r#"{"sql":"DELETE FROM t"}"#))
+//!     .await?;
+//! for call in &decision.calls {
+//!     match &call.outcome {
+//!         Outcome::Proceed => { /* run call.final_call */ }
+//!         Outcome::Steer { content } | Outcome::Cancel { content } => {
+//!             /* give `content` to the model instead of the tool's result */
+//!         }
+//!     }
+//! }
+//! # Ok(()) }
+//! ```
+
+use crate::error::ClientError;
+use crate::proto::pre_tool_service_client::PreToolServiceClient;
+use crate::proto::{
+    Action, BatchContext, BatchDecision, EvaluateRequest, EvaluateResponse, GuardTrace, ToolCall,
+    evaluate_response,
+};
+use std::collections::{BTreeSet, HashMap};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::Duration;
+use tokio::sync::{mpsc, oneshot};
+use tokio_stream::wrappers::ReceiverStream;
+use tonic::transport::Channel;
+
+/// One round of tool calls to evaluate.
+#[derive(Debug, Clone, Default)]
+pub struct Batch {
+    pub turn_index: u32,
+    pub model_text: String,
+    pub metadata: HashMap<String, String>,
+    pub calls: Vec<ToolCall>,
+    /// Deadline for the batch; `None` uses the mesh's default.
+    pub timeout: Option<Duration>,
+}
+
+impl Batch {
+    /// An empty batch for turn `turn_index`.
+    pub fn new(turn_index: u32) -> Self {
+        Self {
+            turn_index,
+            ..Self::default()
+        }
+    }
+
+    /// Adds a call; `arguments` is a JSON object as text.
+    pub fn call(
+        mut self,
+        call_id: impl Into<String>,
+        tool: impl Into<String>,
+        arguments: impl Into<String>,
+    ) -> Self {
+        self.calls.push(ToolCall {
+            call_id: call_id.into(),
+            tool: tool.into(),
+            arguments: arguments.into(),
+        });
+        self
+    }
+
+    /// Sets the model's text for the round.
+    pub fn model_text(mut self, text: impl Into<String>) -> Self {
+        self.model_text = text.into();
+        self
+    }
+
+    /// Adds a metadata entry (tenant, user, agent, ...).
+    pub fn meta(mut self, key: impl Into<String>, value: impl Into<String>) -> Self {
+        self.metadata.insert(key.into(), value.into());
+        self
+    }
+
+    /// Sets the batch's deadline.
+    pub fn timeout(mut self, timeout: Duration) -> Self {
+        self.timeout = Some(timeout);
+        self
+    }
+
+    fn into_request(self, batch_id: String, session_id: &str) -> EvaluateRequest {
+        EvaluateRequest {
+            batch_id,
+            context: Some(BatchContext {
+                session_id: session_id.to_owned(),
+                turn_index: self.turn_index,
+                model_text: self.model_text,
+                metadata: self.metadata,
+            }),
+            calls: self.calls,
+            timeout_ms: self
+                .timeout
+                .map_or(0, |t| u32::try_from(t.as_millis()).unwrap_or(u32::MAX).max(1)),
+        }
+    }
+}
+
+/// What to do with one call.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Outcome {
+    /// Run `CallOutcome::final_call`.
+    Proceed,
+    /// Do not run it; give the model `content` as an error result (it should
+    /// fix the call and retry).
+    Steer { content: String },
+    /// Do not run it; give the model `content` as a benign result (it should
+    /// move on).
+    Cancel { content: String },
+}
+
+/// The mesh's decision for one call.
+#[derive(Debug, Clone, PartialEq)]
+pub struct CallOutcome {
+    pub call_id: String,
+    pub outcome: Outcome,
+    /// The call as the coordinator sent it (R12).
+    pub original: ToolCall,
+    /// The call as it must run, after rewrites (R12).
+    pub final_call: ToolCall,
+    /// The guard whose skip decided, for steer and cancel.
+    pub decided_by: Option<String>,
+    /// True when the skip comes from a guard's failure (R13).
+    pub failure: bool,
+    /// Mutate guards that rewrote the call, in order.
+    pub rewritten_by: Vec<String>,
+    /// `fail_open` guards that failed and were bypassed.
+    pub bypassed: Vec<String>,
+}
+
+impl CallOutcome {
+    /// Whether the call may run.
+    pub fn proceeds(&self) -> bool {
+        self.outcome == Outcome::Proceed
+    }
+
+    /// Whether a guard rewrote the call.
+    pub fn rewritten(&self) -> bool {
+        self.original != self.final_call
+    }
+
+    /// A diff-friendly view of a rewrite: the top-level argument keys that
+    /// were added, removed or changed, sorted. Empty when nothing changed or
+    /// the arguments are not JSON objects.
+    pub fn changed_argument_keys(&self) -> Vec<String> {
+        let parse = |text: &str| match serde_json::from_str::<serde_json::Value>(text) {
+            Ok(serde_json::Value::Object(map)) => map,
+            _ => serde_json::Map::new(),
+        };
+        let before = parse(&self.original.arguments);
+        let after = parse(&self.final_call.arguments);
+        let keys: BTreeSet<&String> = before.keys().chain(after.keys()).collect();
+        keys.into_iter()
+            .filter(|k| before.get(*k) != after.get(*k))
+            .cloned()
+            .collect()
+    }
+}
+
+/// The mesh's answer for one batch.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Decision {
+    pub batch_id: String,
+    /// One per call, in batch order (R2).
+    pub calls: Vec<CallOutcome>,
+    /// The calls to run, final form, in batch order.
+    pub execute: Vec<ToolCall>,
+    /// One entry per guard of the chain (R21).
+    pub trace: Vec<GuardTrace>,
+    pub chain_revision: u64,
+    /// OpenTelemetry trace id, when tracing is on.
+    pub trace_id: String,
+}
+
+impl Decision {
+    fn empty(batch_id: String) -> Self {
+        Self {
+            batch_id,
+            calls: Vec::new(),
+            execute: Vec::new(),
+            trace: Vec::new(),
+            chain_revision: 0,
+            trace_id: String::new(),
+        }
+    }
+
+    /// Reads a wire decision.
+    pub fn from_wire(batch_id: String, wire: BatchDecision) -> Result<Self, ClientError> {
+        let calls = wire
+            .decisions
+            .into_iter()
+            .map(|d| {
+                let outcome = match Action::try_from(d.action) {
+                    Ok(Action::Proceed) => Outcome::Proceed,
+                    Ok(Action::Steer) => Outcome::Steer { content: d.content },
+                    Ok(Action::Cancel) => Outcome::Cancel { content: d.content },
+                    _ => {
+                        return Err(ClientError::Protocol(format!(
+                            "call {:?} has no action ({})",
+                            d.call_id, d.action
+                        )));
+                    }
+                };
+                let original = d.original.unwrap_or_default();
+                Ok(CallOutcome {
+                    call_id: d.call_id,
+                    outcome,
+                    final_call: d.call.unwrap_or_else(|| original.clone()),
+                    original,
+                    decided_by: (!d.decided_by.is_empty()).then_some(d.decided_by),
+                    failure: d.failure,
+                    rewritten_by: d.rewritten_by,
+                    bypassed: d.bypassed,
+                })
+            })
+            .collect::<Result<_, _>>()?;
+        Ok(Self {
+            batch_id,
+            calls,
+            execute: wire.execute,
+            trace: wire.trace,
+            chain_revision: wire.chain_revision,
+            trace_id: wire.trace_id,
+        })
+    }
+
+    /// The decision for `call_id`.
+    pub fn call(&self, call_id: &str) -> Option<&CallOutcome> {
+        self.calls.iter().find(|c| c.call_id == call_id)
+    }
+}
+
+/// A connection to a mesh's `PreToolService`.
+#[derive(Debug, Clone)]
+pub struct Coordinator {
+    client: PreToolServiceClient<Channel>,
+}
+
+impl Coordinator {
+    /// Connects to `endpoint` (`http://host:port`).
+    pub async fn connect(endpoint: impl Into<String>) -> Result<Self, ClientError> {
+        let channel = tonic::transport::Endpoint::from_shared(endpoint.into())?
+            .tcp_nodelay(true)
+            .connect()
+            .await?;
+        Ok(Self::from_channel(channel))
+    }
+
+    /// Uses an existing channel (for TLS or custom settings).
+    pub fn from_channel(channel: Channel) -> Self {
+        Self {
+            client: PreToolServiceClient::new(channel)
+                .max_decoding_message_size(64 << 20)
+                .max_encoding_message_size(64 << 20),
+        }
+    }
+
+    /// Opens a stream for one agent session.
+    pub async fn session(&self, session_id: impl Into<String>) -> Result<Session, ClientError> {
+        self.session_with(session_id, tonic::metadata::MetadataMap::new())
+            .await
+    }
+
+    /// Opens a session stream with extra request metadata (e.g. a W3C
+    /// `traceparent`, R22).
+    pub async fn session_with(
+        &self,
+        session_id: impl Into<String>,
+        metadata: tonic::metadata::MetadataMap,
+    ) -> Result<Session, ClientError> {
+        let (tx, rx) = mpsc::channel(64);
+        let mut request = tonic::Request::new(ReceiverStream::new(rx));
+        *request.metadata_mut() = metadata;
+        let mut client = self.client.clone();
+        let mut answers = client.evaluate(request).await?.into_inner();
+        let waiting: Waiting = Arc::default();
+        let reader_waiting = waiting.clone();
+        let reader = tokio::spawn(async move {
+            let end = loop {
+                match answers.message().await {
+                    Ok(Some(answer)) => {
+                        let waiter = reader_waiting
+                            .lock()
+                            .unwrap_or_else(PoisonError::into_inner)
+                            .remove(&answer.batch_id);
+                        if let Some(waiter) = waiter {
+                            let _ = waiter.send(Ok(answer));
+                        }
+                    }
+                    Ok(None) => break None,
+                    Err(status) => break Some(status),
+                }
+            };
+            let waiters = std::mem::take(
+                &mut *reader_waiting
+                    .lock()
+                    .unwrap_or_else(PoisonError::into_inner),
+            );
+            for (batch_id, waiter) in waiters {
+                let _ = waiter.send(Err(match &end {
+                    Some(status) => ClientError::Status(status.clone()),
+                    None => ClientError::SessionClosed(batch_id),
+                }));
+            }
+            reader_waiting
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner)
+                .insert(CLOSED.to_owned(), oneshot::channel().0);
+        });
+        Ok(Session {
+            session_id: session_id.into(),
+            tx,
+            waiting,
+            next: AtomicU64::new(1),
+            reader,
+        })
+    }
+
+    /// Evaluates one batch with a unary call, without a session stream.
+    pub async fn evaluate_once(
+        &self,
+        session_id: &str,
+        batch: Batch,
+    ) -> Result<Decision, ClientError> {
+        let batch_id = format!("{session_id}/{}", batch.turn_index);
+        if batch.calls.is_empty() {
+            return Ok(Decision::empty(batch_id));
+        }
+        let mut client = self.client.clone();
+        let timeout = batch.timeout;
+        let mut request = tonic::Request::new(batch.into_request(batch_id.clone(), session_id));
+        if let Some(timeout) = timeout {
+            request.set_timeout(timeout);
+        }
+        let decision = client.evaluate_batch(request).await?.into_inner();
+        Decision::from_wire(batch_id, decision)
+    }
+}
+
+/// Marks a session whose stream has ended.
+const CLOSED: &str = "\0closed";
+
+type Waiting = Arc<Mutex<HashMap<String, oneshot::Sender<Result<EvaluateResponse, ClientError>>>>>;
+
+/// One agent session: a stream on which batches are evaluated. Several
+/// batches may be in flight at once; each is answered exactly once (R19).
+#[derive(Debug)]
+pub struct Session {
+    session_id: String,
+    tx: mpsc::Sender<EvaluateRequest>,
+    waiting: Waiting,
+    next: AtomicU64,
+    reader: tokio::task::JoinHandle<()>,
+}
+
+impl Drop for Session {
+    fn drop(&mut self) {
+        self.reader.abort();
+    }
+}
+
+impl Session {
+    /// The session's id.
+    pub fn id(&self) -> &str {
+        &self.session_id
+    }
+
+    /// Evaluates one round of calls. A batch with no calls is answered here,
+    /// without contacting the mesh (R1).
+    pub async fn evaluate(&self, batch: Batch) -> Result<Decision, ClientError> {
+        let n = self.next.fetch_add(1, Ordering::Relaxed);
+        let batch_id = format!("{}/{}/{n}", self.session_id, batch.turn_index);
+        if batch.calls.is_empty() {
+            return Ok(Decision::empty(batch_id));
+        }
+        self.evaluate_raw(batch.into_request(batch_id, &self.session_id))
+            .await
+    }
+
+    /// Sends a batch exactly as given (its `batch_id` included) and waits
+    /// for its answer. Unlike [`Session::evaluate`], an empty batch is sent.
+    pub async fn evaluate_raw(&self, request: EvaluateRequest) -> Result<Decision, ClientError> {
+        let answer = self.send_raw(request).await?.await.map_err(|_| {
+            ClientError::SessionClosed(String::new())
+        })??;
+        let batch_id = answer.batch_id;
+        match answer.result {
+            Some(evaluate_response::Result::Decision(decision)) => {
+                Decision::from_wire(batch_id, decision)
+            }
+            Some(evaluate_response::Result::Error(error)) => Err(ClientError::Status(
+                tonic::Status::new(tonic::Code::from(error.code), error.message),
+            )),
+            None => Err(ClientError::Protocol(format!(
+                "answer for batch {batch_id:?} has neither decision nor error"
+            ))),
+        }
+    }
+
+    /// Queues a batch; the returned receiver yields its answer.
+    async fn send_raw(
+        &self,
+        request: EvaluateRequest,
+    ) -> Result<oneshot::Receiver<Result<EvaluateResponse, ClientError>>, ClientError> {
+        let batch_id = request.batch_id.clone();
+        let (tx, rx) = oneshot::channel();
+        {
+            let mut waiting = self.waiting.lock().unwrap_or_else(PoisonError::into_inner);
+            if waiting.contains_key(CLOSED) {
+                return Err(ClientError::SessionClosed(batch_id));
+            }
+            waiting.insert(batch_id.clone(), tx);
+        }
+        if self.tx.send(request).await.is_err() {
+            self.waiting
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner)
+                .remove(&batch_id);
+            return Err(ClientError::SessionClosed(batch_id));
+        }
+        Ok(rx)
+    }
+}

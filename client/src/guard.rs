@@ -1,0 +1,188 @@
+//! The guard side: write a guard as a trait impl and serve it.
+//!
+//! ```no_run
+//! use guardmesh_client::guard::{Guard, serve};
+//! use guardmesh_client::proto::{GuardBatch, ToolCall, Verdict};
+//! use guardmesh_client::verdict::steer;
+//!
+//! struct NoDeleteWithoutWhere;
+//!
+//! impl Guard for NoDeleteWithoutWhere {
+//!     fn check(&self, call: &ToolCall, _batch: &GuardBatch) -> Option<Verdict> {
+//!         let sql = call.arguments.to_ascii_uppercase();
+//!         (sql.contains("DELETE") && !sql.contains("WHERE"))
+//!             .then(|| steer(&call.call_id, "DELETE needs a WHERE clause; add one and retry."))
+//!     }
+//! }
+//!
+//! # async fn run() -> Result<(), Box<dyn std::error::Error>> {
+//! let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+//! serve(NoDeleteWithoutWhere, listener, std::future::pending()).await?;
+//! # Ok(()) }
+//! ```
+
+use crate::proto::guard_service_server::{GuardService, GuardServiceServer};
+use crate::proto::{
+    GuardBatch, JudgeRequest, JudgeResponse, ToolCall, Verdict, judge_request,
+};
+use std::collections::HashMap;
+use std::future::Future;
+use std::sync::{Arc, Mutex, PoisonError};
+use tokio::net::TcpListener;
+use tokio::sync::mpsc;
+use tokio_stream::wrappers::{ReceiverStream, TcpListenerStream};
+use tonic::{Request, Response, Status, Streaming};
+
+/// A guard. Implement [`Guard::check`] to judge call by call, or
+/// [`Guard::judge`] to see the whole batch at once (and await I/O). Both
+/// default to proceeding: a guard only says what it objects to.
+pub trait Guard: Send + Sync + 'static {
+    /// Judges one call. `None` proceeds.
+    fn check(&self, call: &ToolCall, batch: &GuardBatch) -> Option<Verdict> {
+        let _ = (call, batch);
+        None
+    }
+
+    /// Judges a batch: the calls this guard applies to (R9). Calls without a
+    /// verdict proceed. An `Err` fails the request (the mesh applies the
+    /// guard's failure policy, R13).
+    fn judge(&self, batch: &GuardBatch) -> impl Future<Output = Result<Vec<Verdict>, Status>> + Send {
+        let verdicts = batch
+            .calls
+            .iter()
+            .filter_map(|call| self.check(call, batch))
+            .collect();
+        std::future::ready(Ok(verdicts))
+    }
+}
+
+/// `GuardService` for any [`Guard`]: judges the batches of a stream
+/// concurrently, answers each exactly once, and stops work on a batch the
+/// mesh cancels.
+#[derive(Debug)]
+pub struct GuardServer<G> {
+    guard: Arc<G>,
+}
+
+impl<G: Guard> GuardServer<G> {
+    pub fn new(guard: G) -> Self {
+        Self {
+            guard: Arc::new(guard),
+        }
+    }
+
+    /// Shares an already shared guard.
+    pub fn from_arc(guard: Arc<G>) -> Self {
+        Self { guard }
+    }
+}
+
+#[tonic::async_trait]
+impl<G: Guard> GuardService for GuardServer<G> {
+    type JudgeStream = ReceiverStream<Result<JudgeResponse, Status>>;
+
+    async fn judge(
+        &self,
+        request: Request<Streaming<JudgeRequest>>,
+    ) -> Result<Response<Self::JudgeStream>, Status> {
+        let mut inbound = request.into_inner();
+        let (tx, rx) = mpsc::channel(256);
+        let guard = self.guard.clone();
+        tokio::spawn(async move {
+            let running: Arc<Mutex<HashMap<u64, tokio::task::AbortHandle>>> = Arc::default();
+            loop {
+                let message = tokio::select! {
+                    message = inbound.message() => message,
+                    () = tx.closed() => break,
+                };
+                match message {
+                    Ok(Some(JudgeRequest {
+                        kind: Some(judge_request::Kind::Batch(batch)),
+                    })) => {
+                        let id = batch.request_id;
+                        let guard = guard.clone();
+                        let tx = tx.clone();
+                        let done = running.clone();
+                        let span = tracing::info_span!(
+                            "guard.judge",
+                            guard = %batch.guard,
+                            batch_id = %batch.batch_id,
+                            calls = batch.calls.len(),
+                        );
+                        let task = tokio::spawn(tracing::Instrument::instrument(
+                            async move {
+                                let answer = match guard.judge(&batch).await {
+                                    Ok(verdicts) => Ok(JudgeResponse {
+                                        request_id: id,
+                                        verdicts,
+                                        partial: false,
+                                    }),
+                                    Err(status) => {
+                                        tracing::warn!(%status, "guard failed a batch");
+                                        Err(status)
+                                    }
+                                };
+                                done.lock().unwrap_or_else(PoisonError::into_inner).remove(&id);
+                                let _ = tx.send(answer).await;
+                            },
+                            span,
+                        ));
+                        running
+                            .lock()
+                            .unwrap_or_else(PoisonError::into_inner)
+                            .insert(id, task.abort_handle());
+                    }
+                    Ok(Some(JudgeRequest {
+                        kind: Some(judge_request::Kind::Cancel(cancel)),
+                    })) => {
+                        let task = running
+                            .lock()
+                            .unwrap_or_else(PoisonError::into_inner)
+                            .remove(&cancel.request_id);
+                        if let Some(task) = task {
+                            task.abort();
+                        }
+                    }
+                    Ok(Some(JudgeRequest { kind: None })) => {}
+                    Ok(None) | Err(_) => break,
+                }
+            }
+            for (_, task) in running.lock().unwrap_or_else(PoisonError::into_inner).drain() {
+                task.abort();
+            }
+        });
+        Ok(Response::new(ReceiverStream::new(rx)))
+    }
+}
+
+/// Serves `guard` on `listener` until `shutdown` completes, with gRPC health
+/// (`grpc.health.v1`) and server reflection.
+pub async fn serve<G: Guard>(
+    guard: G,
+    listener: TcpListener,
+    shutdown: impl Future<Output = ()> + Send,
+) -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
+    serve_arc(Arc::new(guard), listener, shutdown).await
+}
+
+/// [`serve`] for a guard the caller keeps a handle to (to inspect state).
+pub async fn serve_arc<G: Guard>(
+    guard: Arc<G>,
+    listener: TcpListener,
+    shutdown: impl Future<Output = ()> + Send,
+) -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
+    let (health, health_service) = tonic_health::server::health_reporter();
+    health.set_serving::<GuardServiceServer<GuardServer<G>>>().await;
+    let reflection = tonic_reflection::server::Builder::configure()
+        .register_encoded_file_descriptor_set(guardmesh_proto::FILE_DESCRIPTOR_SET)
+        .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
+        .build_v1()?;
+    tonic::transport::Server::builder()
+        .tcp_nodelay(true)
+        .add_service(health_service)
+        .add_service(reflection)
+        .add_service(GuardServiceServer::new(GuardServer::from_arc(guard)))
+        .serve_with_incoming_shutdown(TcpListenerStream::new(listener), shutdown)
+        .await?;
+    Ok(())
+}

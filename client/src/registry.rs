@@ -1,0 +1,149 @@
+//! Registering guards with a mesh.
+
+use crate::error::ClientError;
+use crate::proto::guard_registry_client::GuardRegistryClient;
+use crate::proto::{
+    DeregisterRequest, FailurePolicy, GuardMode, GuardRole, GuardSpec, ListRequest, ListResponse,
+    RegisterRequest, RegisterResponse, RewriteGrant,
+};
+use std::time::Duration;
+use tonic::transport::Channel;
+
+/// A guard registration, built fluently.
+///
+/// ```
+/// use guardmesh_client::Registration;
+/// use guardmesh_client::proto::FailurePolicy;
+/// use std::time::Duration;
+/// let spec = Registration::validate("sql-where", "http://127.0.0.1:7001")
+///     .tools(["sql.*"])
+///     .timeout(Duration::from_millis(200))
+///     .failure_policy(FailurePolicy::FailClosed)
+///     .build();
+/// assert_eq!(spec.tools, ["sql.*"]);
+/// ```
+#[derive(Debug, Clone)]
+pub struct Registration(GuardSpec);
+
+impl Registration {
+    /// A validate guard: judges calls (R3).
+    pub fn validate(name: impl Into<String>, endpoint: impl Into<String>) -> Self {
+        Self(GuardSpec {
+            name: name.into(),
+            endpoint: endpoint.into(),
+            ..GuardSpec::default()
+        })
+    }
+
+    /// A mutate guard: may rewrite the tools of `grant` (R10, R11).
+    pub fn mutate<I, S>(name: impl Into<String>, endpoint: impl Into<String>, grant: I) -> Self
+    where
+        I: IntoIterator<Item = S>,
+        S: Into<String>,
+    {
+        let mut r = Self::validate(name, endpoint);
+        r.0.role = GuardRole::Mutate as i32;
+        r.0.grant = Some(RewriteGrant {
+            tools: grant.into_iter().map(Into::into).collect(),
+            may_rename: false,
+        });
+        r
+    }
+
+    /// Lets a mutate guard rename tools within its grant.
+    pub fn may_rename(mut self) -> Self {
+        if let Some(grant) = self.0.grant.as_mut() {
+            grant.may_rename = true;
+        }
+        self
+    }
+
+    /// The tools the guard judges (names or globs); default all (R9).
+    pub fn tools<I, S>(mut self, tools: I) -> Self
+    where
+        I: IntoIterator<Item = S>,
+        S: Into<String>,
+    {
+        self.0.tools = tools.into_iter().map(Into::into).collect();
+        self
+    }
+
+    /// Its timeout (R14).
+    pub fn timeout(mut self, timeout: Duration) -> Self {
+        self.0.timeout_ms = u32::try_from(timeout.as_millis()).unwrap_or(u32::MAX).max(1);
+        self
+    }
+
+    /// Its failure policy (R13).
+    pub fn failure_policy(mut self, policy: FailurePolicy) -> Self {
+        self.0.failure_policy = policy as i32;
+        self
+    }
+
+    /// Its priority: lower runs first.
+    pub fn priority(mut self, priority: i32) -> Self {
+        self.0.priority = priority;
+        self
+    }
+
+    /// Consulted and traced, never applied (R18).
+    pub fn dry_run(mut self) -> Self {
+        self.0.mode = GuardMode::DryRun as i32;
+        self
+    }
+
+    /// The wire registration.
+    pub fn build(self) -> GuardSpec {
+        self.0
+    }
+}
+
+impl From<Registration> for GuardSpec {
+    fn from(r: Registration) -> Self {
+        r.0
+    }
+}
+
+/// A client of a mesh's `GuardRegistry`.
+#[derive(Debug, Clone)]
+pub struct Registrar {
+    client: GuardRegistryClient<Channel>,
+}
+
+impl Registrar {
+    /// Connects to the mesh at `endpoint` (`http://host:port`).
+    pub async fn connect(endpoint: impl Into<String>) -> Result<Self, ClientError> {
+        let channel = tonic::transport::Endpoint::from_shared(endpoint.into())?
+            .connect()
+            .await?;
+        Ok(Self::from_channel(channel))
+    }
+
+    pub fn from_channel(channel: Channel) -> Self {
+        Self {
+            client: GuardRegistryClient::new(channel),
+        }
+    }
+
+    /// Registers (or updates in place) a guard.
+    pub async fn register(
+        &self,
+        spec: impl Into<GuardSpec>,
+    ) -> Result<RegisterResponse, ClientError> {
+        let request = RegisterRequest {
+            guard: Some(spec.into()),
+        };
+        Ok(self.client.clone().register(request).await?.into_inner())
+    }
+
+    /// Removes a guard; returns whether one was removed.
+    pub async fn deregister(&self, name: impl Into<String>) -> Result<bool, ClientError> {
+        let request = DeregisterRequest { name: name.into() };
+        Ok(self.client.clone().deregister(request).await?.into_inner().removed)
+    }
+
+    /// The chain in order.
+    pub async fn list(&self) -> Result<ListResponse, ClientError> {
+        Ok(self.client.clone().list(ListRequest {}).await?.into_inner())
+    }
+}

@@ -1,0 +1,64 @@
+//! Constructors for a guard's verdicts.
+//!
+//! A guard returns verdicts only for the calls it objects to or rewrites;
+//! every call without a verdict proceeds.
+
+use crate::proto::{Rewrite, Skip, SkipKind, Verdict, verdict::Outcome};
+
+/// Skips the call as *steer*: the model reads `content` as an error result
+/// and is expected to fix the call and retry.
+pub fn steer(call_id: impl Into<String>, content: impl Into<String>) -> Verdict {
+    skip(call_id, content, SkipKind::Steer)
+}
+
+/// Skips the call as *cancel*: the model reads `content` as a benign result
+/// ("not allowed") and is expected to move on.
+pub fn cancel(call_id: impl Into<String>, content: impl Into<String>) -> Verdict {
+    skip(call_id, content, SkipKind::Cancel)
+}
+
+fn skip(call_id: impl Into<String>, content: impl Into<String>, kind: SkipKind) -> Verdict {
+    Verdict {
+        call_id: call_id.into(),
+        outcome: Some(Outcome::Skip(Skip {
+            content: content.into(),
+            kind: kind as i32,
+        })),
+    }
+}
+
+/// Replaces the call's arguments (mutate guards, within their grant).
+pub fn rewrite_arguments(call_id: impl Into<String>, arguments: &serde_json::Value) -> Verdict {
+    Verdict {
+        call_id: call_id.into(),
+        outcome: Some(Outcome::Rewrite(Rewrite {
+            tool: None,
+            arguments: Some(arguments.to_string()),
+        })),
+    }
+}
+
+/// Renames the call's tool, optionally with new arguments (mutate guards
+/// whose grant allows renaming).
+pub fn rename(
+    call_id: impl Into<String>,
+    tool: impl Into<String>,
+    arguments: Option<&serde_json::Value>,
+) -> Verdict {
+    Verdict {
+        call_id: call_id.into(),
+        outcome: Some(Outcome::Rewrite(Rewrite {
+            tool: Some(tool.into()),
+            arguments: arguments.map(|a| a.to_string()),
+        })),
+    }
+}
+
+/// An explicit proceed. Never needed (no verdict means proceed), but useful
+/// for guards that answer every call.
+pub fn proceed(call_id: impl Into<String>) -> Verdict {
+    Verdict {
+        call_id: call_id.into(),
+        outcome: None,
+    }
+}

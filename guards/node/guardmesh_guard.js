@@ -1,0 +1,847 @@
+'use strict';
+/**
+ * guardmesh guard kit for Node.js.
+ *
+ * A *guard* is a gRPC service that judges an AI agent's tool calls before they
+ * run. The mesh keeps one long-lived `GuardService.Judge` stream open to each
+ * guard and sends it many batches on it, concurrently. This module hides that
+ * stream: a guard author writes one function
+ *
+ *     judge(batch) -> verdicts | Promise<verdicts>
+ *
+ * returning (an array or iterable of) verdicts for the calls it does not want
+ * to run as they are; a call without a verdict proceeds. Verdicts are built
+ * with `steer`, `cancel`, `rewrite` and `proceed`.
+ *
+ * A complete guard:
+ *
+ *     const gg = require('./guardmesh_guard');
+ *     gg.main((batch) => batch.calls
+ *       .filter((call) => call.tool === 'fs.delete')
+ *       .map((call) => gg.cancel(call.callId, 'Deleting files is not allowed.')),
+ *       { defaults: { name: 'no-delete' } });
+ *
+ * `node my_guard.js --port 0 --mesh 127.0.0.1:50051` serves, registers with
+ * the mesh and prints `LISTENING <port>`.
+ *
+ * What the kit does for the author:
+ *  - judges the batches of one stream concurrently (each judge call is its own
+ *    promise) and answers each request exactly once, in whatever order the
+ *    judgements finish;
+ *  - sends only verdicts for call ids it was sent, at most one per call, and no
+ *    skip with blank content (each dropped with a warning, SPEC.md R8);
+ *  - honours `CancelBatch`: a cancelled request is not answered, and
+ *    `batch.signal` / `batch.cancelled` / `batch.sleep()` let a slow judge
+ *    stop early;
+ *  - sends the stream's response headers as soon as it opens;
+ *  - serves `grpc.health.v1.Health`;
+ *  - joins the coordinator's trace (SPEC.md R22): each batch is judged inside
+ *    an `@opentelemetry/api` span `guard.judge` whose parent is the batch's
+ *    `traceparent` (recorded only when a tracer provider is registered; no
+ *    SDK needed);
+ *  - registers the guard with the mesh (`GuardRegistry.Register`);
+ *  - stops gracefully on SIGTERM and SIGINT.
+ *
+ * A judge that throws (or rejects) ends the whole stream with INTERNAL: the
+ * mesh then applies the guard's failure policy (SPEC.md R13) to every request
+ * still open on it, at once, instead of waiting for its timeout. A judge that
+ * computes synchronously blocks the event loop while it runs; make slow work
+ * asynchronous.
+ *
+ * The wire types are loaded at run time from the repository's
+ * `proto/guardmesh/v1/guardmesh.proto` (or from `$GUARDMESH_PROTO_ROOT`).
+ */
+
+const crypto = require('node:crypto');
+const fs = require('node:fs');
+const path = require('node:path');
+const { parseArgs } = require('node:util');
+
+const grpc = require('@grpc/grpc-js');
+const protoLoader = require('@grpc/proto-loader');
+
+/** `@opentelemetry/api`, or null when it is not installed. */
+const otel = (() => {
+  try {
+    return require('@opentelemetry/api');
+  } catch {
+    return null;
+  }
+})();
+
+const PROTO_ROOT = process.env.GUARDMESH_PROTO_ROOT || path.resolve(__dirname, '..', '..', 'proto');
+const LOADER_OPTIONS = {
+  keepCase: true, // field names as in the .proto: call_id, request_id...
+  longs: String, // uint64 request ids stay exact
+  enums: String,
+  defaults: true,
+  oneofs: true, // JudgeRequest.kind is 'batch' or 'cancel'
+  includeDirs: [PROTO_ROOT],
+};
+
+/** The `guardmesh.v1` package: message and service constructors. */
+const pb = grpc.loadPackageDefinition(
+  protoLoader.loadSync('guardmesh/v1/guardmesh.proto', LOADER_OPTIONS),
+).guardmesh.v1;
+
+const GUARD_SERVICE = 'guardmesh.v1.GuardService';
+
+// ---------------------------------------------------------------------------
+// Logging (stderr; stdout carries only the LISTENING line)
+// ---------------------------------------------------------------------------
+
+const LEVELS = { debug: 10, info: 20, warn: 30, warning: 30, error: 40 };
+const log = {
+  level: LEVELS.info,
+  name: 'guard',
+  write(level, args) {
+    if (LEVELS[level] < this.level) return;
+    const text = args.map((a) => (typeof a === 'string' ? a : (a && a.stack) || String(a))).join(' ');
+    process.stderr.write(`${new Date().toISOString()} ${level.toUpperCase()} ${this.name}: ${text}\n`);
+  },
+  debug(...args) { this.write('debug', args); },
+  info(...args) { this.write('info', args); },
+  warn(...args) { this.write('warn', args); },
+  error(...args) { this.write('error', args); },
+};
+
+// ---------------------------------------------------------------------------
+// What a judge function sees
+// ---------------------------------------------------------------------------
+
+/** One tool call of a batch, as the mesh sent it. */
+class Call {
+  constructor(call) {
+    /** @type {string} */ this.callId = call.call_id;
+    /** @type {string} */ this.tool = call.tool;
+    /** The arguments as sent: a JSON object, as text ('' means {}). */
+    this.arguments = call.arguments;
+    /** The arguments parsed ({} when empty or not a JSON object). */
+    this.args = parseObject(call.arguments);
+  }
+}
+
+function parseObject(text) {
+  if (!text || !text.trim()) return {};
+  try {
+    const value = JSON.parse(text);
+    return value !== null && typeof value === 'object' && !Array.isArray(value) ? value : {};
+  } catch {
+    return {};
+  }
+}
+
+/**
+ * The part of a batch this guard is asked to judge (a `GuardBatch`).
+ * `signal` aborts when the mesh cancels the request or the stream ends.
+ */
+class Batch {
+  constructor(request, guardName) {
+    this.raw = request;
+    /** @type {string} uint64, as decimal text */ this.requestId = request.request_id;
+    this.batchId = request.batch_id;
+    /** The name the guard is registered under (the kit's name if unset). */
+    this.guard = request.guard || guardName;
+    /** The turn's context: {session_id, turn_index, model_text, metadata}. */
+    this.context = request.context || { session_id: '', turn_index: 0, model_text: '', metadata: {} };
+    this.calls = (request.calls || []).map((c) => new Call(c));
+    this.deadlineMs = request.deadline_ms;
+    this.traceparent = request.traceparent;
+    this.tracestate = request.tracestate;
+    this.receivedAt = Date.now();
+    this._controller = new AbortController();
+    /** @type {AbortSignal} */ this.signal = this._controller.signal;
+  }
+
+  get sessionId() { return this.context.session_id; }
+
+  get turnIndex() { return this.context.turn_index; }
+
+  get modelText() { return this.context.model_text; }
+
+  get metadata() { return this.context.metadata || {}; }
+
+  /** The answer's deadline (epoch ms), or null when none was given. */
+  get deadline() { return this.deadlineMs ? this.receivedAt + this.deadlineMs : null; }
+
+  /** True once the mesh cancelled this request (or the stream ended). */
+  get cancelled() { return this.signal.aborted; }
+
+  /** Resolves after `ms` milliseconds: true, or false early on cancellation. */
+  sleep(ms) {
+    if (this.cancelled) return Promise.resolve(false);
+    return new Promise((resolve) => {
+      const onAbort = () => { clearTimeout(timer); resolve(false); };
+      const timer = setTimeout(() => { this.signal.removeEventListener('abort', onAbort); resolve(true); }, ms);
+      this.signal.addEventListener('abort', onAbort, { once: true });
+    });
+  }
+
+  /** The call with this id, or undefined. */
+  call(callId) { return this.calls.find((c) => c.callId === callId); }
+
+  _cancel() { this._controller.abort(); }
+}
+
+// ---------------------------------------------------------------------------
+// Verdict helpers
+// ---------------------------------------------------------------------------
+
+function skip(callId, content, kind) {
+  if (typeof content !== 'string' || !content.trim()) {
+    throw new TypeError(`skip of call ${JSON.stringify(callId)} needs non-blank content (R8)`);
+  }
+  return { call_id: callId, skip: { content, kind } };
+}
+
+/** Skip the call as an error the model should fix and retry (R7). */
+function steer(callId, content) { return skip(callId, content, 'SKIP_KIND_STEER'); }
+
+/** Skip the call with a benign "not allowed" result; the model moves on. */
+function cancel(callId, content) { return skip(callId, content, 'SKIP_KIND_CANCEL'); }
+
+/**
+ * Run the call changed (mutate guards, within their grant: R11).
+ * `args` replaces the arguments whole: an object (serialized as JSON) or JSON
+ * object text; `tool` renames the call (needs may_rename). null/undefined
+ * leaves that part as it was.
+ */
+function rewrite(callId, args = null, tool = null) {
+  const change = {};
+  if (args !== null && args !== undefined) {
+    if (typeof args === 'string') {
+      if (args.trim() && !isObjectText(args)) {
+        throw new TypeError(`rewrite of call ${JSON.stringify(callId)}: arguments must be a JSON object`);
+      }
+      change.arguments = args;
+    } else if (typeof args === 'object' && !Array.isArray(args)) {
+      change.arguments = JSON.stringify(args);
+    } else {
+      throw new TypeError(`rewrite of call ${JSON.stringify(callId)}: arguments must be an object`);
+    }
+  }
+  if (tool !== null && tool !== undefined) {
+    if (!tool) throw new TypeError(`rewrite of call ${JSON.stringify(callId)}: tool name must not be empty`);
+    change.tool = tool;
+  }
+  return { call_id: callId, rewrite: change };
+}
+
+function isObjectText(text) {
+  try {
+    const value = JSON.parse(text);
+    return value !== null && typeof value === 'object' && !Array.isArray(value);
+  } catch {
+    return false;
+  }
+}
+
+/** An explicit "run it": the same as sending no verdict for the call. */
+function proceed(callId) { return { call_id: callId }; }
+
+/** The verdicts of a judge's result that the protocol allows (R8). */
+function conforming(batch, result) {
+  if (result === null || result === undefined) return [];
+  const items = typeof result[Symbol.iterator] === 'function' ? [...result] : [result];
+  const sent = new Set(batch.calls.map((c) => c.callId));
+  const seen = new Set();
+  const verdicts = [];
+  const where = `batch ${JSON.stringify(batch.batchId)} (request ${batch.requestId})`;
+  for (const verdict of items) {
+    if (!verdict || typeof verdict !== 'object' || typeof verdict.call_id !== 'string') {
+      throw new TypeError(`judge produced ${JSON.stringify(verdict)}, expected a verdict `
+        + '(build verdicts with steer, cancel, rewrite or proceed)');
+    }
+    if (!sent.has(verdict.call_id)) {
+      log.warn(`${where}: dropping a verdict for call ${JSON.stringify(verdict.call_id)}, which was not sent`);
+    } else if (seen.has(verdict.call_id)) {
+      log.warn(`${where}: dropping a second verdict for call ${JSON.stringify(verdict.call_id)}`);
+    } else if (verdict.skip && !(verdict.skip.content || '').trim()) {
+      log.warn(`${where}: dropping a skip with blank content for call ${JSON.stringify(verdict.call_id)}`);
+    } else {
+      seen.add(verdict.call_id);
+      verdicts.push(verdict);
+    }
+  }
+  return verdicts;
+}
+
+// ---------------------------------------------------------------------------
+// Tracing (R22)
+// ---------------------------------------------------------------------------
+
+const TRACEPARENT = /^([0-9a-f]{2})-([0-9a-f]{32})-([0-9a-f]{16})-([0-9a-f]{2})$/;
+
+/** The context a batch's span starts in: its W3C trace context, if any. */
+function parentContext(batch) {
+  const root = otel.ROOT_CONTEXT;
+  if (!batch.traceparent) return root;
+  const carrier = { traceparent: batch.traceparent };
+  if (batch.tracestate) carrier.tracestate = batch.tracestate;
+  // The registered propagator (an SDK registers W3C trace context) first...
+  const extracted = otel.propagation.extract(root, carrier);
+  if (otel.trace.getSpanContext(extracted)) return extracted;
+  // ...else, with no SDK, read the W3C header ourselves.
+  const m = TRACEPARENT.exec(batch.traceparent.trim());
+  if (!m || m[1] === 'ff') return root;
+  const spanContext = {
+    traceId: m[2], spanId: m[3], traceFlags: parseInt(m[4], 16) & 1, isRemote: true,
+  };
+  if (!otel.isSpanContextValid(spanContext)) return root;
+  if (batch.tracestate) spanContext.traceState = otel.createTraceState(batch.tracestate);
+  return otel.trace.setSpanContext(root, spanContext);
+}
+
+/** Runs the judge function on a batch inside a `guard.judge` span. */
+async function judgeTraced(judgeFn, batch) {
+  if (!otel) return conforming(batch, await judgeFn(batch));
+  const parent = parentContext(batch);
+  const span = otel.trace.getTracer('guardmesh.guard').startSpan('guard.judge', {
+    kind: otel.SpanKind.SERVER,
+    attributes: {
+      'guardmesh.guard': batch.guard,
+      'guardmesh.batch_id': batch.batchId,
+      'guardmesh.request_id': batch.requestId,
+      'guardmesh.calls': batch.calls.length,
+      'guardmesh.call_ids': batch.calls.map((c) => c.callId),
+    },
+  }, parent);
+  try {
+    const result = await otel.context.with(otel.trace.setSpan(parent, span), () => judgeFn(batch));
+    const verdicts = conforming(batch, result);
+    span.setAttribute('guardmesh.skipped', verdicts.filter((v) => v.skip).length);
+    span.setAttribute('guardmesh.rewritten', verdicts.filter((v) => v.rewrite).length);
+    span.setAttribute('guardmesh.cancelled', batch.cancelled);
+    return verdicts;
+  } catch (err) {
+    span.recordException(err);
+    span.setStatus({ code: otel.SpanStatusCode.ERROR, message: String(err && err.message) });
+    throw err;
+  } finally {
+    span.end();
+  }
+}
+
+/**
+ * Registers a global tracer provider that appends each finished span to
+ * `file` as one JSON line: {name, trace_id, span_id, parent_span_id,
+ * attributes, ...}. A minimal stand-in for an SDK, for tests that check trace
+ * ids without an OTLP receiver. Returns the provider.
+ */
+function installFileTracing(file, serviceName = 'guardmesh-guard') {
+  if (!otel) throw new Error('--otlp-file needs @opentelemetry/api');
+  const hrNanos = () => (BigInt(Date.now()) * 1000000n).toString();
+
+  class FileSpan {
+    constructor(name, options, parentSpanContext) {
+      this.name = name;
+      this.kind = options.kind ?? otel.SpanKind.INTERNAL;
+      this.attributes = { ...(options.attributes || {}) };
+      this.events = [];
+      this.status = { code: otel.SpanStatusCode.UNSET };
+      this.parentSpanId = parentSpanContext ? parentSpanContext.spanId : null;
+      this.context = {
+        traceId: parentSpanContext ? parentSpanContext.traceId : crypto.randomBytes(16).toString('hex'),
+        spanId: crypto.randomBytes(8).toString('hex'),
+        traceFlags: otel.TraceFlags.SAMPLED,
+        traceState: parentSpanContext ? parentSpanContext.traceState : undefined,
+      };
+      this.start = hrNanos();
+      this.ended = false;
+    }
+
+    spanContext() { return this.context; }
+
+    setAttribute(key, value) { this.attributes[key] = value; return this; }
+
+    setAttributes(attributes) { Object.assign(this.attributes, attributes); return this; }
+
+    addEvent(name, attributes) { this.events.push({ name, attributes }); return this; }
+
+    addLink() { return this; }
+
+    addLinks() { return this; }
+
+    setStatus(status) { this.status = status; return this; }
+
+    updateName(name) { this.name = name; return this; }
+
+    isRecording() { return !this.ended; }
+
+    recordException(err) {
+      return this.addEvent('exception', { 'exception.message': String(err && err.message) });
+    }
+
+    end() {
+      if (this.ended) return;
+      this.ended = true;
+      fs.appendFileSync(file, `${JSON.stringify({
+        name: this.name,
+        trace_id: this.context.traceId,
+        span_id: this.context.spanId,
+        parent_span_id: this.parentSpanId,
+        kind: otel.SpanKind[this.kind],
+        service: serviceName,
+        start_time_unix_nano: this.start,
+        end_time_unix_nano: hrNanos(),
+        status: otel.SpanStatusCode[this.status.code],
+        attributes: this.attributes,
+      })}\n`);
+    }
+  }
+
+  const tracer = {
+    startSpan(name, options = {}, ctx = otel.context.active()) {
+      const parent = options.root ? undefined : otel.trace.getSpanContext(ctx);
+      return new FileSpan(name, options, parent && otel.isSpanContextValid(parent) ? parent : undefined);
+    },
+    startActiveSpan(name, ...rest) {
+      const fn = rest.pop();
+      const [options = {}, ctx = otel.context.active()] = rest;
+      const span = this.startSpan(name, options, ctx);
+      return otel.context.with(otel.trace.setSpan(ctx, span), fn, undefined, span);
+    },
+  };
+  const provider = { getTracer: () => tracer };
+  otel.trace.setGlobalTracerProvider(provider);
+  return provider;
+}
+
+// ---------------------------------------------------------------------------
+// The Judge stream
+// ---------------------------------------------------------------------------
+
+/**
+ * Serves one Judge stream. A request stays in `pending` from its arrival
+ * until its answer is written or it is cancelled: that is what makes every
+ * request answered exactly once and a cancelled one never.
+ */
+function judgeStream(call, judgeFn, guardName, streams, draining) {
+  // grpc-js would otherwise hold the headers back until the first answer.
+  call.sendMetadata(new grpc.Metadata());
+  const pending = new Map(); // request id -> Batch
+  let reading = true;
+  let ended = false;
+
+  const stream = {
+    /** Ends the stream (OK) once it is idle and read out, or draining. */
+    maybeEnd() {
+      if (!ended && pending.size === 0 && (!reading || draining.value)) {
+        ended = true;
+        call.end();
+      }
+    },
+  };
+  streams.add(stream);
+
+  const finish = () => {
+    for (const batch of pending.values()) batch._cancel();
+    pending.clear();
+    ended = true;
+    streams.delete(stream);
+  };
+
+  const fail = (details) => {
+    if (ended) return;
+    finish();
+    // On a server stream, an 'error' event becomes the call's status.
+    call.emit('error', { code: grpc.status.INTERNAL, details });
+  };
+
+  const start = (request) => {
+    const batch = new Batch(request, guardName);
+    if (pending.has(batch.requestId)) {
+      log.warn(`ignoring request ${batch.requestId}: already outstanding on this stream`);
+      return;
+    }
+    pending.set(batch.requestId, batch);
+    judgeTraced(judgeFn, batch).then(
+      (verdicts) => {
+        if (pending.get(batch.requestId) !== batch) {
+          log.debug(`request ${batch.requestId} was cancelled; its answer is dropped`);
+          return;
+        }
+        pending.delete(batch.requestId);
+        if (!ended) call.write({ request_id: batch.requestId, verdicts, partial: false });
+        stream.maybeEnd();
+      },
+      (err) => {
+        log.error(`judge failed on batch ${JSON.stringify(batch.batchId)} (request ${batch.requestId}):`, err);
+        if (pending.get(batch.requestId) === batch) {
+          fail(`guard failed on batch ${JSON.stringify(batch.batchId)}: ${err && err.message}`);
+        }
+      },
+    );
+  };
+
+  const cancelRequest = (requestId) => {
+    const batch = pending.get(requestId);
+    if (!batch) {
+      log.debug(`cancel of request ${requestId}, which is not outstanding`);
+      return;
+    }
+    pending.delete(requestId);
+    batch._cancel();
+    log.debug(`request ${requestId} (batch ${JSON.stringify(batch.batchId)}) cancelled`);
+    stream.maybeEnd();
+  };
+
+  call.on('data', (request) => {
+    if (request.kind === 'batch') start(request.batch);
+    else if (request.kind === 'cancel') cancelRequest(request.cancel.request_id);
+    else log.warn('ignoring a JudgeRequest with neither batch nor cancel');
+  });
+  call.on('end', () => { reading = false; stream.maybeEnd(); });
+  call.on('cancelled', finish);
+  call.on('close', finish);
+}
+
+// ---------------------------------------------------------------------------
+// Health (grpc.health.v1), defined inline to need no extra package
+// ---------------------------------------------------------------------------
+
+const HEALTH_JSON = {
+  nested: { grpc: { nested: { health: { nested: { v1: { nested: {
+    HealthCheckRequest: { fields: { service: { type: 'string', id: 1 } } },
+    HealthCheckResponse: {
+      fields: { status: { type: 'ServingStatus', id: 1 } },
+      nested: { ServingStatus: { values: { UNKNOWN: 0, SERVING: 1, NOT_SERVING: 2, SERVICE_UNKNOWN: 3 } } },
+    },
+    Health: {
+      methods: {
+        Check: { requestType: 'HealthCheckRequest', responseType: 'HealthCheckResponse' },
+        Watch: { requestType: 'HealthCheckRequest', responseType: 'HealthCheckResponse', responseStream: true },
+      },
+    },
+  } } } } } } },
+};
+const healthService = grpc.loadPackageDefinition(
+  protoLoader.fromJSON(HEALTH_JSON, LOADER_OPTIONS),
+).grpc.health.v1.Health.service;
+
+/** A grpc.health.v1.Health implementation with settable statuses. */
+class Health {
+  constructor() {
+    this.statuses = new Map();
+    this.watchers = new Map(); // service -> Set of calls
+  }
+
+  set(service, status) {
+    this.statuses.set(service, status);
+    for (const call of this.watchers.get(service) || []) call.write({ status });
+  }
+
+  /** Reports NOT_SERVING for every service, for a graceful stop. */
+  shutdown() {
+    for (const service of this.statuses.keys()) this.set(service, 'NOT_SERVING');
+  }
+
+  handlers() {
+    return {
+      Check: (call, callback) => {
+        const status = this.statuses.get(call.request.service);
+        if (status === undefined) callback({ code: grpc.status.NOT_FOUND, details: 'unknown service' });
+        else callback(null, { status });
+      },
+      Watch: (call) => {
+        const { service } = call.request;
+        if (!this.watchers.has(service)) this.watchers.set(service, new Set());
+        this.watchers.get(service).add(call);
+        call.on('cancelled', () => this.watchers.get(service).delete(call));
+        call.write({ status: this.statuses.get(service) ?? 'SERVICE_UNKNOWN' });
+      },
+    };
+  }
+}
+
+// ---------------------------------------------------------------------------
+// Serving and registering
+// ---------------------------------------------------------------------------
+
+/**
+ * Starts serving `judgeFn` as a GuardService, with grpc.health.v1 (overall and
+ * GuardService SERVING). Resolves to {server, port}; `server.stop(graceMs)`
+ * stops gracefully (NOT_SERVING, each stream ends once its outstanding
+ * requests are answered, the rest is cancelled after `graceMs`).
+ */
+async function serve(judgeFn, { port = 0, host = '127.0.0.1', name = '' } = {}) {
+  const grpcServer = new grpc.Server();
+  const streams = new Set();
+  const draining = { value: false };
+  const health = new Health();
+  grpcServer.addService(pb.GuardService.service, {
+    Judge: (call) => judgeStream(call, judgeFn, name, streams, draining),
+  });
+  grpcServer.addService(healthService, health.handlers());
+  const address = host.includes(':') ? `[${host}]:${port}` : `${host}:${port}`;
+  const bound = await new Promise((resolve, reject) => {
+    grpcServer.bindAsync(address, grpc.ServerCredentials.createInsecure(),
+      (err, p) => (err ? reject(err) : resolve(p)));
+  });
+  health.set('', 'SERVING');
+  health.set(GUARD_SERVICE, 'SERVING');
+  log.info(`guard ${JSON.stringify(name)} serving on ${host}:${bound}`);
+
+  const server = {
+    grpcServer,
+    port: bound,
+    name,
+    /** Stops gracefully; resolves once stopped. */
+    stop(graceMs = 5000) {
+      health.shutdown();
+      draining.value = true;
+      for (const stream of [...streams]) stream.maybeEnd();
+      return new Promise((resolve) => {
+        const timer = setTimeout(() => { grpcServer.forceShutdown(); resolve(); }, graceMs);
+        grpcServer.tryShutdown(() => { clearTimeout(timer); resolve(); });
+      });
+    },
+  };
+  return { server, port: bound };
+}
+
+const ENUMS = {
+  role: ['GUARD_ROLE_', ['validate', 'mutate']],
+  failurePolicy: ['FAILURE_POLICY_', ['fail_closed', 'fail_open', 'abort']],
+  mode: ['GUARD_MODE_', ['enforce', 'dry_run']],
+};
+
+function enumName(kind, value) {
+  const [prefix, names] = ENUMS[kind];
+  let key = String(value).trim().toLowerCase().replace(/-/g, '_');
+  if (key.startsWith(prefix.toLowerCase())) key = key.slice(prefix.length);
+  if (!names.includes(key)) {
+    throw new TypeError(`unknown ${kind} ${JSON.stringify(value)}: expected one of ${names.join(', ')}`);
+  }
+  return prefix + key.toUpperCase();
+}
+
+function list(value) {
+  if (value === null || value === undefined) return [];
+  if (Array.isArray(value)) return value;
+  return String(value).split(',').map((s) => s.trim()).filter(Boolean);
+}
+
+function channelTarget(address) {
+  return address.replace(/^(https?|grpc):\/\//, '').replace(/\/+$/, '');
+}
+
+function registryClient(meshAddr) {
+  return new pb.GuardRegistry(channelTarget(meshAddr), grpc.credentials.createInsecure());
+}
+
+function unary(client, method, request, timeoutMs) {
+  const deadline = Date.now() + timeoutMs;
+  return new Promise((resolve, reject) => {
+    client.waitForReady(deadline, (readyErr) => {
+      if (readyErr) { reject(readyErr); return; }
+      client[method](request, { deadline }, (err, response) => (err ? reject(err) : resolve(response)));
+    });
+  });
+}
+
+/**
+ * Registers (or updates) this guard with the mesh at `meshAddr`. The endpoint
+ * is `endpoint` or `http://HOST:PORT` (127.0.0.1 for a wildcard host). Enum
+ * options take short names ('mutate', 'fail_open', 'dry_run'); list options an
+ * array or comma-separated text. Waits up to `timeoutMs` for the mesh.
+ * Resolves to the RegisterResponse.
+ */
+async function register(meshAddr, name, port, {
+  host = '127.0.0.1', endpoint = null, role = 'validate', tools = [], failurePolicy = 'fail_closed',
+  timeoutMs = 0, priority = 0, mode = 'enforce', grantTools = [], mayRename = false,
+  waitMs = 10000,
+} = {}) {
+  if (!endpoint) {
+    const reach = ['', '0.0.0.0', '::', '[::]'].includes(host) ? '127.0.0.1' : host;
+    endpoint = reach.includes(':') ? `http://[${reach}]:${port}` : `http://${reach}:${port}`;
+  }
+  const guard = {
+    name,
+    endpoint,
+    role: enumName('role', role),
+    tools: list(tools),
+    timeout_ms: timeoutMs,
+    failure_policy: enumName('failurePolicy', failurePolicy),
+    priority,
+    mode: enumName('mode', mode),
+    grant: { tools: list(grantTools), may_rename: mayRename },
+  };
+  const client = registryClient(meshAddr);
+  try {
+    const response = await unary(client, 'Register', { guard }, waitMs);
+    log.info(`registered guard ${JSON.stringify(name)} (${endpoint}) with ${meshAddr}: `
+      + `revision ${response.revision}, position ${response.position}, `
+      + `${response.created ? 'created' : 'updated'}`);
+    return response;
+  } finally {
+    client.close();
+  }
+}
+
+/** Removes the guard `name` from the mesh's chain; resolves true if it was there. */
+async function deregister(meshAddr, name, waitMs = 5000) {
+  const client = registryClient(meshAddr);
+  try {
+    const response = await unary(client, 'Deregister', { name }, waitMs);
+    log.info(`deregistered guard ${JSON.stringify(name)} from ${meshAddr} (removed: ${response.removed})`);
+    return response.removed;
+  } finally {
+    client.close();
+  }
+}
+
+// ---------------------------------------------------------------------------
+// Command line
+// ---------------------------------------------------------------------------
+
+/** The kit's flags, in `util.parseArgs` form. All values are strings or booleans. */
+const KIT_OPTIONS = {
+  host: { type: 'string', default: '127.0.0.1' },
+  port: { type: 'string', default: '0' },
+  mesh: { type: 'string' },
+  name: { type: 'string', default: 'guard' },
+  role: { type: 'string', default: 'validate' },
+  tools: { type: 'string', default: '' },
+  'failure-policy': { type: 'string', default: 'fail_closed' },
+  'timeout-ms': { type: 'string', default: '0' },
+  priority: { type: 'string', default: '0' },
+  'dry-run': { type: 'boolean', default: false },
+  'grant-tools': { type: 'string', default: '' },
+  'may-rename': { type: 'boolean', default: false },
+  endpoint: { type: 'string' },
+  'deregister-on-exit': { type: 'boolean', default: false },
+  'otlp-file': { type: 'string' },
+  'log-level': { type: 'string', default: 'info' },
+  help: { type: 'boolean', short: 'h', default: false },
+};
+
+const KIT_HELP = `guard kit flags:
+  --host ADDR             address to serve on (default 127.0.0.1)
+  --port N                port to serve on; 0 picks one (default)
+  --mesh ADDR             register with the mesh at ADDR (host:port) once serving
+  --name NAME             registered guard name
+  --role validate|mutate  (default validate)
+  --tools LIST            comma-separated tools judged, names or globs (default: all)
+  --failure-policy P      fail_closed (default), fail_open or abort
+  --timeout-ms N          time to answer a batch; 0: the mesh's default
+  --priority N            chain position: lower first (default 0)
+  --dry-run               register in mode dry_run: consulted, never applied
+  --grant-tools LIST      mutate guards: comma-separated tools it may rewrite
+  --may-rename            mutate guards: may change a call's tool name
+  --endpoint URL          endpoint to register (default http://HOST:PORT)
+  --deregister-on-exit    deregister on SIGTERM/SIGINT (default: stay, R15)
+  --otlp-file PATH        append each finished span to PATH as a JSON line
+  --log-level LEVEL       stderr log level: debug, info (default), warn, error`;
+
+function integer(flag, text) {
+  if (!/^-?\d+$/.test(String(text).trim())) throw new TypeError(`--${flag}: not an integer: ${text}`);
+  return Number.parseInt(text, 10);
+}
+
+/**
+ * Parses the kit's flags plus a guard's own (`options`, in `util.parseArgs`
+ * form, e.g. {'delay-ms': {type: 'string', default: '0'}}); `defaults`
+ * overrides flag defaults by flag name (e.g. {name: 'my-guard'}). Prints
+ * usage and exits on --help or a bad flag. Returns the flags with numbers
+ * parsed and kebab-case names as given.
+ */
+function parseFlags(argv = process.argv.slice(2), { options = {}, defaults = {}, usage = '' } = {}) {
+  const all = { ...KIT_OPTIONS, ...options };
+  for (const [flag, value] of Object.entries(defaults)) {
+    if (all[flag]) all[flag] = { ...all[flag], default: value };
+  }
+  const help = () => `${usage ? `${usage}\n\n` : ''}${KIT_HELP}`;
+  let values;
+  try {
+    ({ values } = parseArgs({ args: argv, options: all, strict: true, allowPositionals: false }));
+    if (values.help) {
+      process.stdout.write(`${help()}\n`);
+      process.exit(0);
+    }
+    for (const flag of ['port', 'timeout-ms', 'priority']) values[flag] = integer(flag, values[flag]);
+    enumName('role', values.role);
+    enumName('failurePolicy', values['failure-policy']);
+    if (!(values['log-level'] in LEVELS)) throw new TypeError(`--log-level: unknown level ${values['log-level']}`);
+  } catch (err) {
+    process.stderr.write(`${err.message}\n\n${help()}\n`);
+    process.exit(2);
+  }
+  return values;
+}
+
+/**
+ * Serves `judgeFn` as the parsed flags say, until SIGTERM or SIGINT. Prints
+ * exactly one line to stdout, `LISTENING <port>`, once serving (and
+ * registered, with --mesh); logs go to stderr. Exits the process: 0 after a
+ * graceful stop, 1 if serving or registration failed.
+ */
+async function run(judgeFn, flags) {
+  log.name = flags.name;
+  log.level = LEVELS[flags['log-level']];
+  if (flags['otlp-file']) installFileTracing(flags['otlp-file'], flags.name);
+  let server;
+  try {
+    ({ server } = await serve(judgeFn, { port: flags.port, host: flags.host, name: flags.name }));
+    if (flags.mesh) {
+      await register(flags.mesh, flags.name, server.port, {
+        host: flags.host,
+        endpoint: flags.endpoint,
+        role: flags.role,
+        tools: flags.tools,
+        failurePolicy: flags['failure-policy'],
+        timeoutMs: flags['timeout-ms'],
+        priority: flags.priority,
+        mode: flags['dry-run'] ? 'dry_run' : 'enforce',
+        grantTools: flags['grant-tools'],
+        mayRename: flags['may-rename'],
+      });
+    }
+  } catch (err) {
+    log.error(flags.mesh ? `could not serve or register with the mesh at ${flags.mesh}:` : 'could not serve:', err);
+    if (server) server.grpcServer.forceShutdown();
+    process.exit(1);
+  }
+  process.stdout.write(`LISTENING ${server.port}\n`);
+
+  let stopping = false;
+  const stop = async () => {
+    if (stopping) return;
+    stopping = true;
+    log.info('stopping');
+    if (flags.mesh && flags['deregister-on-exit']) {
+      await deregister(flags.mesh, flags.name).catch((err) => log.warn('could not deregister:', err));
+    }
+    await server.stop(5000);
+    log.info('stopped');
+    process.exit(0);
+  };
+  process.on('SIGTERM', stop);
+  process.on('SIGINT', stop);
+}
+
+/**
+ * Parses the kit's flags (plus `options`, with `defaults`: see parseFlags),
+ * then serves `judgeFn`: see run.
+ */
+function main(judgeFn, { argv, options, defaults, usage } = {}) {
+  return run(judgeFn, parseFlags(argv, { options, defaults, usage }));
+}
+
+module.exports = {
+  Batch,
+  Call,
+  cancel,
+  deregister,
+  installFileTracing,
+  log,
+  main,
+  parseFlags,
+  pb,
+  proceed,
+  register,
+  rewrite,
+  run,
+  serve,
+  steer,
+};

@@ -1,0 +1,844 @@
+"""guardmesh guard kit for Python.
+
+A *guard* is a gRPC service that judges an AI agent's tool calls before they
+run. The mesh keeps one long-lived ``GuardService.Judge`` stream open to each
+guard and sends it many batches on it, concurrently. This module hides that
+stream: a guard author writes one function ::
+
+    def judge(batch: Batch) -> Iterable[Verdict] | None
+
+and returns (or yields) a verdict for the calls it does not want to run as
+they are. A call without a verdict proceeds. Verdicts are built with the
+helpers :func:`steer`, :func:`cancel`, :func:`rewrite` and :func:`proceed`.
+
+A complete guard::
+
+    import guardmesh_guard as gg
+
+    def judge(batch):
+        for call in batch.calls:
+            if call.tool == "fs.delete":
+                yield gg.cancel(call.call_id, "Deleting files is not allowed.")
+
+    if __name__ == "__main__":
+        gg.main(judge, name="no-delete")
+
+Run it with ``build/venv/bin/python my_guard.py --port 0 --mesh 127.0.0.1:50051``:
+it serves, registers with the mesh, and prints ``LISTENING <port>``.
+
+What the kit does for the author:
+
+* judges the batches of one stream concurrently, on a thread pool, and answers
+  each request exactly once, in whatever order the judgements finish;
+* sends only verdicts for call ids it was sent, at most one per call, and no
+  skip with blank content (each dropped with a warning, see SPEC.md R8);
+* honours ``CancelBatch``: a cancelled request is not answered, and
+  :attr:`Batch.cancelled` / :meth:`Batch.sleep` let a slow judge stop early;
+* sends the stream's response headers as soon as it opens;
+* serves ``grpc.health.v1.Health`` (and server reflection);
+* joins the coordinator's trace (SPEC.md R22): when ``opentelemetry`` is
+  installed and a TracerProvider is configured, each batch is judged inside a
+  span ``guard.judge`` whose parent is the batch's ``traceparent``;
+* registers the guard with the mesh (``GuardRegistry.Register``);
+* stops gracefully on SIGTERM and SIGINT.
+
+A judge that raises ends the whole stream with ``INTERNAL``: the mesh then
+applies the guard's failure policy (SPEC.md R13) to every request still open
+on it, at once, instead of waiting for its timeout.
+
+The wire stubs are generated from ``proto/`` by ``scripts/setup-polyglot``
+into ``build/python-gen``; the kit finds them there (or on ``sys.path``, or in
+the directory named by ``GUARDMESH_PYTHON_GEN``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import dataclasses
+import json
+import logging
+import os
+import queue
+import signal
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any, Callable, Iterable, Mapping, Optional, Sequence, Union
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+__all__ = [
+    "Batch",
+    "Call",
+    "GuardServer",
+    "JudgeFn",
+    "argument_parser",
+    "cancel",
+    "deregister",
+    "install_file_tracing",
+    "main",
+    "pb",
+    "proceed",
+    "register",
+    "rewrite",
+    "run",
+    "serve",
+    "steer",
+]
+
+log = logging.getLogger("guardmesh.guard")
+
+
+def _load_stubs():
+    """Imports the generated ``guardmesh.v1`` stubs, adding their directory."""
+    try:
+        from guardmesh.v1 import guardmesh_pb2, guardmesh_pb2_grpc
+    except ImportError:
+        candidates = [
+            os.environ.get("GUARDMESH_PYTHON_GEN"),
+            str(Path(__file__).resolve().parents[2] / "build" / "python-gen"),
+        ]
+        for candidate in candidates:
+            if candidate and os.path.isdir(candidate) and candidate not in sys.path:
+                sys.path.insert(0, candidate)
+        try:
+            from guardmesh.v1 import guardmesh_pb2, guardmesh_pb2_grpc
+        except ImportError as err:
+            raise ImportError(
+                "guardmesh.v1 stubs not found: run scripts/setup-polyglot, "
+                "or point GUARDMESH_PYTHON_GEN at the generated stubs"
+            ) from err
+    return guardmesh_pb2, guardmesh_pb2_grpc
+
+
+#: The generated ``guardmesh.v1`` messages (``pb.Verdict``, ``pb.ToolCall``...).
+pb, pb_grpc = _load_stubs()
+
+try:  # OpenTelemetry is optional: without it the kit simply does not trace.
+    from opentelemetry import context as _otel_context
+    from opentelemetry import trace as _otel_trace
+    from opentelemetry.trace.propagation.tracecontext import (
+        TraceContextTextMapPropagator,
+    )
+
+    _PROPAGATOR = TraceContextTextMapPropagator()
+except ImportError:  # pragma: no cover - depends on the environment
+    _otel_trace = None
+
+GUARD_SERVICE = pb.DESCRIPTOR.services_by_name["GuardService"].full_name
+
+
+# ---------------------------------------------------------------------------
+# What a judge function sees
+# ---------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Call:
+    """One tool call of a batch, as the mesh sent it."""
+
+    call_id: str
+    tool: str
+    #: The arguments as sent: a JSON object, as text ("" means ``{}``).
+    arguments: str
+    #: The arguments parsed (``{}`` when empty or not a JSON object).
+    args: dict
+
+    @classmethod
+    def from_proto(cls, call: "pb.ToolCall") -> "Call":
+        try:
+            args = json.loads(call.arguments) if call.arguments.strip() else {}
+        except ValueError:
+            args = {}
+        if not isinstance(args, dict):
+            args = {}
+        return cls(call.call_id, call.tool, call.arguments, args)
+
+
+class Batch:
+    """The part of a batch this guard is asked to judge (a ``GuardBatch``).
+
+    The judge function may check :attr:`cancelled` (or wait with
+    :meth:`sleep`) to give up early on a batch the mesh no longer needs.
+    """
+
+    def __init__(self, request: "pb.GuardBatch", guard_name: str = ""):
+        self.raw: pb.GuardBatch = request
+        self.request_id: int = request.request_id
+        self.batch_id: str = request.batch_id
+        #: The name the guard is registered under (the kit's name if unset).
+        self.guard: str = request.guard or guard_name
+        self.context: pb.BatchContext = request.context
+        self.calls: list[Call] = [Call.from_proto(c) for c in request.calls]
+        self.deadline_ms: int = request.deadline_ms
+        self.traceparent: str = request.traceparent
+        self.tracestate: str = request.tracestate
+        self.received_at: float = time.monotonic()
+        self._cancelled = threading.Event()
+
+    @property
+    def session_id(self) -> str:
+        return self.context.session_id
+
+    @property
+    def turn_index(self) -> int:
+        return self.context.turn_index
+
+    @property
+    def model_text(self) -> str:
+        return self.context.model_text
+
+    @property
+    def metadata(self) -> Mapping[str, str]:
+        return self.context.metadata
+
+    @property
+    def deadline(self) -> Optional[float]:
+        """The answer's deadline on the ``time.monotonic()`` clock, if any."""
+        if not self.deadline_ms:
+            return None
+        return self.received_at + self.deadline_ms / 1000.0
+
+    @property
+    def cancelled(self) -> bool:
+        """True once the mesh cancelled this request (or the stream ended)."""
+        return self._cancelled.is_set()
+
+    def sleep(self, seconds: float) -> bool:
+        """Sleeps, waking early on cancellation. True if it slept fully."""
+        return not self._cancelled.wait(seconds)
+
+    def call(self, call_id: str) -> Call:
+        """The call with this id (KeyError if it was not sent)."""
+        for c in self.calls:
+            if c.call_id == call_id:
+                return c
+        raise KeyError(call_id)
+
+    def __repr__(self) -> str:
+        return (
+            f"Batch(request_id={self.request_id}, batch_id={self.batch_id!r}, "
+            f"calls={[c.call_id for c in self.calls]})"
+        )
+
+
+Verdicts = Optional[Union["pb.Verdict", Iterable["pb.Verdict"]]]
+#: A judge function: a batch in, verdicts out (a list, a generator, one
+#: verdict, or None for "all proceed"). It runs on a worker thread.
+JudgeFn = Callable[[Batch], Verdicts]
+
+
+# ---------------------------------------------------------------------------
+# Verdict helpers
+# ---------------------------------------------------------------------------
+
+
+def _skip(call_id: str, content: str, kind: int) -> "pb.Verdict":
+    if not content or not content.strip():
+        raise ValueError(f"skip of call {call_id!r} needs non-blank content (R8)")
+    return pb.Verdict(call_id=call_id, skip=pb.Skip(content=content, kind=kind))
+
+
+def steer(call_id: str, content: str) -> "pb.Verdict":
+    """Skip the call as an error the model should fix and retry (R7)."""
+    return _skip(call_id, content, pb.SKIP_KIND_STEER)
+
+
+def cancel(call_id: str, content: str) -> "pb.Verdict":
+    """Skip the call with a benign "not allowed" result; the model moves on."""
+    return _skip(call_id, content, pb.SKIP_KIND_CANCEL)
+
+
+def rewrite(
+    call_id: str,
+    arguments: Union[Mapping[str, Any], str, None] = None,
+    tool: Optional[str] = None,
+) -> "pb.Verdict":
+    """Run the call changed (mutate guards, within their grant: R11).
+
+    ``arguments`` replaces the call's arguments whole: a mapping (serialized
+    as JSON) or JSON object text. ``tool`` renames the call (needs
+    ``may_rename``). Whatever is None is left as it was.
+    """
+    change = pb.Rewrite()
+    if arguments is not None:
+        if isinstance(arguments, str):
+            parsed = json.loads(arguments) if arguments.strip() else {}
+            if not isinstance(parsed, dict):
+                raise ValueError(f"rewrite of call {call_id!r}: arguments must be a JSON object")
+            change.arguments = arguments
+        else:
+            change.arguments = json.dumps(dict(arguments), ensure_ascii=False)
+    if tool is not None:
+        if not tool:
+            raise ValueError(f"rewrite of call {call_id!r}: tool name must not be empty")
+        change.tool = tool
+    return pb.Verdict(call_id=call_id, rewrite=change)
+
+
+def proceed(call_id: str) -> "pb.Verdict":
+    """An explicit "run it": the same as sending no verdict for the call."""
+    return pb.Verdict(call_id=call_id)
+
+
+def _conforming(batch: Batch, result: Verdicts) -> list:
+    """The verdicts of a judge's result that the protocol allows (R8)."""
+    if result is None:
+        return []
+    if isinstance(result, pb.Verdict):
+        result = [result]
+    sent = {c.call_id for c in batch.calls}
+    seen: set[str] = set()
+    verdicts = []
+    for verdict in result:
+        if not isinstance(verdict, pb.Verdict):
+            raise TypeError(
+                f"judge produced {type(verdict).__name__}, expected a Verdict "
+                "(build verdicts with steer, cancel, rewrite or proceed)"
+            )
+        where = f"batch {batch.batch_id!r} (request {batch.request_id})"
+        if verdict.call_id not in sent:
+            log.warning("%s: dropping a verdict for call %r, which was not sent",
+                        where, verdict.call_id)
+            continue
+        if verdict.call_id in seen:
+            log.warning("%s: dropping a second verdict for call %r", where, verdict.call_id)
+            continue
+        if verdict.WhichOneof("outcome") == "skip" and not verdict.skip.content.strip():
+            log.warning("%s: dropping a skip with blank content for call %r",
+                        where, verdict.call_id)
+            continue
+        seen.add(verdict.call_id)
+        verdicts.append(verdict)
+    return verdicts
+
+
+# ---------------------------------------------------------------------------
+# The Judge stream
+# ---------------------------------------------------------------------------
+
+_WAKE = object()  # something changed: re-check whether the stream is done
+_CLOSED = object()  # the RPC terminated (cancelled by the peer or the server)
+
+
+@dataclasses.dataclass
+class _Failure:
+    request_id: int
+    message: str
+
+
+class _Stream:
+    """One open Judge stream: its outstanding requests and its outbox.
+
+    A reader thread takes requests off the stream; batches are judged on the
+    kit's executor; the RPC's own thread (the response generator) sends what
+    lands in the outbox. A request stays in ``pending`` from its arrival until
+    its answer is sent or it is cancelled, which is what makes every request
+    answered exactly once and a cancelled one never.
+    """
+
+    def __init__(self, servicer: "_GuardServicer", context: grpc.ServicerContext):
+        self.servicer = servicer
+        self.context = context
+        self.outbox: "queue.SimpleQueue[Any]" = queue.SimpleQueue()
+        self.lock = threading.Lock()
+        self.pending: dict[int, Batch] = {}
+        self.reading = True
+
+    # -- reader thread ------------------------------------------------------
+
+    def read(self, requests: Iterable["pb.JudgeRequest"]) -> None:
+        try:
+            for request in requests:
+                kind = request.WhichOneof("kind")
+                if kind == "batch":
+                    self._start(request.batch)
+                elif kind == "cancel":
+                    self._cancel(request.cancel.request_id)
+                else:
+                    log.warning("ignoring a JudgeRequest with neither batch nor cancel")
+        except Exception as err:  # the RPC ended under the iterator
+            log.debug("judge stream read ended: %r", err)
+        finally:
+            with self.lock:
+                self.reading = False
+            self.outbox.put(_WAKE)
+
+    def _start(self, request: "pb.GuardBatch") -> None:
+        batch = Batch(request, self.servicer.name)
+        with self.lock:
+            if batch.request_id in self.pending:
+                log.warning("ignoring request %d: already outstanding on this stream",
+                            batch.request_id)
+                return
+            self.pending[batch.request_id] = batch
+        try:
+            self.servicer.executor.submit(self._judge, batch)
+        except RuntimeError:  # the executor shut down: the server is stopping
+            self._forget(batch.request_id)
+
+    def _cancel(self, request_id: int) -> None:
+        batch = self._forget(request_id)
+        if batch is None:
+            log.debug("cancel of request %d, which is not outstanding", request_id)
+        else:
+            log.debug("request %d (batch %r) cancelled", request_id, batch.batch_id)
+
+    def _forget(self, request_id: int) -> Optional[Batch]:
+        with self.lock:
+            batch = self.pending.pop(request_id, None)
+        if batch is not None:
+            batch._cancelled.set()
+            self.outbox.put(_WAKE)
+        return batch
+
+    # -- worker threads -----------------------------------------------------
+
+    def _judge(self, batch: Batch) -> None:
+        if batch.cancelled:
+            return
+        try:
+            verdicts = self.servicer.judge(batch)
+        except Exception as err:
+            log.exception("judge failed on batch %r (request %d)", batch.batch_id, batch.request_id)
+            failure = _Failure(batch.request_id,
+                               f"guard failed on batch {batch.batch_id!r}: {err!r}")
+            with self.lock:
+                if batch.request_id in self.pending:
+                    self.outbox.put(failure)
+            return
+        response = pb.JudgeResponse(request_id=batch.request_id, verdicts=verdicts)
+        with self.lock:
+            if batch.request_id in self.pending:
+                self.outbox.put(response)
+            else:
+                log.debug("request %d was cancelled; its answer is dropped", batch.request_id)
+
+    # -- the RPC's thread ---------------------------------------------------
+
+    def responses(self) -> Iterable["pb.JudgeResponse"]:
+        """The response stream: yields answers until the stream is done."""
+        while True:
+            item = self.outbox.get()
+            if item is _CLOSED:
+                self._cancel_all()
+                return
+            if isinstance(item, _Failure):
+                self._cancel_all()
+                self.context.abort(grpc.StatusCode.INTERNAL, item.message)
+            if isinstance(item, pb.JudgeResponse):
+                with self.lock:
+                    live = self.pending.pop(item.request_id, None) is not None
+                if live:
+                    yield item
+            with self.lock:
+                idle = not self.pending
+                done = idle and (not self.reading or self.servicer.draining.is_set())
+            if done:
+                return
+
+    def close(self) -> None:
+        self.outbox.put(_CLOSED)
+
+    def wake(self) -> None:
+        self.outbox.put(_WAKE)
+
+    def _cancel_all(self) -> None:
+        with self.lock:
+            batches = list(self.pending.values())
+            self.pending.clear()
+        for batch in batches:
+            batch._cancelled.set()
+
+
+class _GuardServicer(pb_grpc.GuardServiceServicer):
+    def __init__(self, judge_fn: JudgeFn, name: str, workers: int):
+        self.judge_fn = judge_fn
+        self.name = name
+        self.executor = concurrent.futures.ThreadPoolExecutor(
+            max_workers=workers, thread_name_prefix="guard-judge")
+        self.draining = threading.Event()
+        self.streams: set[_Stream] = set()
+        self.streams_lock = threading.Lock()
+
+    def Judge(self, request_iterator, context):
+        # The sync server would otherwise hold the headers back until the first
+        # answer; send them now, so a peer waiting for them is not stalled.
+        context.send_initial_metadata(())
+        stream = _Stream(self, context)
+        context.add_callback(stream.close)
+        with self.streams_lock:
+            self.streams.add(stream)
+        reader = threading.Thread(target=stream.read, args=(request_iterator,),
+                                  name="guard-judge-reader", daemon=True)
+        reader.start()
+        try:
+            yield from stream.responses()
+        finally:
+            with self.streams_lock:
+                self.streams.discard(stream)
+
+    def drain(self) -> None:
+        """Ends each stream (with OK) once it has no outstanding request."""
+        self.draining.set()
+        with self.streams_lock:
+            streams = list(self.streams)
+        for stream in streams:
+            stream.wake()
+
+    def judge(self, batch: Batch) -> list:
+        """Runs the judge function on a batch, in a span when tracing."""
+        if _otel_trace is None:
+            return _conforming(batch, self.judge_fn(batch))
+        carrier = {}
+        if batch.traceparent:
+            carrier["traceparent"] = batch.traceparent
+            if batch.tracestate:
+                carrier["tracestate"] = batch.tracestate
+        parent = _PROPAGATOR.extract(carrier, context=_otel_context.Context())
+        tracer = _otel_trace.get_tracer("guardmesh.guard")
+        attributes = {
+            "guardmesh.guard": batch.guard,
+            "guardmesh.batch_id": batch.batch_id,
+            "guardmesh.request_id": batch.request_id,
+            "guardmesh.calls": len(batch.calls),
+            "guardmesh.call_ids": [c.call_id for c in batch.calls],
+        }
+        with tracer.start_as_current_span("guard.judge", context=parent,
+                                          kind=_otel_trace.SpanKind.SERVER,
+                                          attributes=attributes) as span:
+            verdicts = _conforming(batch, self.judge_fn(batch))
+            outcomes = [v.WhichOneof("outcome") for v in verdicts]
+            span.set_attribute("guardmesh.skipped", outcomes.count("skip"))
+            span.set_attribute("guardmesh.rewritten", outcomes.count("rewrite"))
+            span.set_attribute("guardmesh.cancelled", batch.cancelled)
+            return verdicts
+
+
+# ---------------------------------------------------------------------------
+# Serving and registering
+# ---------------------------------------------------------------------------
+
+
+class GuardServer:
+    """A running guard: the gRPC server plus the kit's worker pool."""
+
+    def __init__(self, grpc_server: grpc.Server, servicer: _GuardServicer,
+                 health_servicer: health.HealthServicer, port: int):
+        self.grpc_server = grpc_server
+        self.port = port
+        self.name = servicer.name
+        self._servicer = servicer
+        self._health = health_servicer
+
+    def stop(self, grace: Optional[float] = 5.0) -> threading.Event:
+        """Stops gracefully: reports NOT_SERVING, refuses new streams, lets
+        each open stream finish its outstanding requests (ending it with OK),
+        and cancels what is still open after ``grace`` seconds. Returns an
+        event set once stopped."""
+        self._health.enter_graceful_shutdown()
+        self._servicer.drain()
+        stopped = self.grpc_server.stop(grace)
+        executor = self._servicer.executor
+
+        def shutdown_executor() -> None:
+            stopped.wait()
+            executor.shutdown(wait=False, cancel_futures=True)
+
+        threading.Thread(target=shutdown_executor, daemon=True).start()
+        return stopped
+
+    def wait_for_termination(self, timeout: Optional[float] = None) -> bool:
+        return self.grpc_server.wait_for_termination(timeout)
+
+
+def serve(
+    judge_fn: JudgeFn,
+    port: int = 0,
+    host: str = "127.0.0.1",
+    *,
+    name: str = "",
+    workers: int = 32,
+    max_streams: int = 16,
+    reflection: bool = True,
+) -> tuple[GuardServer, int]:
+    """Starts serving ``judge_fn`` as a GuardService; returns (server, port).
+
+    ``port=0`` picks a free port. ``name`` is used when a batch does not say
+    which guard it is for (logs and spans). ``workers`` bounds the batches
+    judged at once across all streams; ``max_streams`` the Judge streams (and
+    other RPCs) served at once. Also serves ``grpc.health.v1.Health``, with
+    the overall and the GuardService status SERVING, and, when
+    ``grpcio-reflection`` is installed and ``reflection`` is true, server
+    reflection.
+    """
+    servicer = _GuardServicer(judge_fn, name, workers)
+    server = grpc.server(
+        concurrent.futures.ThreadPoolExecutor(max_workers=max_streams + 4,
+                                              thread_name_prefix="guard-rpc"),
+        maximum_concurrent_rpcs=max_streams,
+    )
+    pb_grpc.add_GuardServiceServicer_to_server(servicer, server)
+    health_servicer = health.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    service_names = [GUARD_SERVICE, health.SERVICE_NAME]
+    if reflection:
+        try:
+            from grpc_reflection.v1alpha import reflection as grpc_reflection
+        except ImportError:
+            log.debug("grpcio-reflection not installed: no server reflection")
+        else:
+            service_names.append(grpc_reflection.SERVICE_NAME)
+            grpc_reflection.enable_server_reflection(service_names, server)
+    address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+    bound = server.add_insecure_port(address)
+    if not bound:
+        raise RuntimeError(f"could not bind {address}")
+    server.start()
+    for service in ("", GUARD_SERVICE):
+        health_servicer.set(service, health_pb2.HealthCheckResponse.SERVING)
+    log.info("guard %r serving on %s:%d", name, host, bound)
+    return GuardServer(server, servicer, health_servicer, bound), bound
+
+
+def _enum(enum_type, prefix: str, value) -> int:
+    """An enum value from an int, a short name ("fail_open") or a full name."""
+    if isinstance(value, int):
+        return value
+    key = str(value).strip().upper().replace("-", "_")
+    if not key.startswith(prefix):
+        key = prefix + key
+    try:
+        return enum_type.Value(key)
+    except ValueError:
+        names = ", ".join(n[len(prefix):].lower() for n in enum_type.keys())
+        raise ValueError(f"unknown value {value!r}: expected one of {names}") from None
+
+
+def _channel_target(address: str) -> str:
+    for scheme in ("http://", "https://", "grpc://"):
+        if address.startswith(scheme):
+            return address[len(scheme):].rstrip("/")
+    return address
+
+
+def _list(value: Union[str, Sequence[str], None]) -> list[str]:
+    if value is None:
+        return []
+    if isinstance(value, str):
+        return [item.strip() for item in value.split(",") if item.strip()]
+    return list(value)
+
+
+def register(
+    mesh_addr: str,
+    name: str,
+    port: int,
+    *,
+    host: str = "127.0.0.1",
+    endpoint: Optional[str] = None,
+    role: Union[str, int] = "validate",
+    tools: Union[str, Sequence[str], None] = None,
+    failure_policy: Union[str, int] = "fail_closed",
+    timeout_ms: int = 0,
+    priority: int = 0,
+    mode: Union[str, int] = "enforce",
+    grant_tools: Union[str, Sequence[str], None] = None,
+    may_rename: bool = False,
+    timeout: float = 10.0,
+) -> "pb.RegisterResponse":
+    """Registers (or updates) this guard with the mesh at ``mesh_addr``.
+
+    The endpoint registered is ``endpoint`` or ``http://HOST:PORT`` (with
+    127.0.0.1 for a wildcard host). Enum arguments take short names
+    (``"mutate"``, ``"fail_open"``, ``"dry_run"``); list arguments take a
+    sequence or comma-separated text. Waits up to ``timeout`` seconds for the
+    mesh to be reachable; raises ``grpc.RpcError`` if registration fails.
+    """
+    if endpoint is None:
+        reach = "127.0.0.1" if host in ("", "0.0.0.0", "::", "[::]") else host
+        endpoint = f"http://[{reach}]:{port}" if ":" in reach else f"http://{reach}:{port}"
+    spec = pb.GuardSpec(
+        name=name,
+        endpoint=endpoint,
+        role=_enum(pb.GuardRole, "GUARD_ROLE_", role),
+        tools=_list(tools),
+        timeout_ms=timeout_ms,
+        failure_policy=_enum(pb.FailurePolicy, "FAILURE_POLICY_", failure_policy),
+        priority=priority,
+        mode=_enum(pb.GuardMode, "GUARD_MODE_", mode),
+        grant=pb.RewriteGrant(tools=_list(grant_tools), may_rename=may_rename),
+    )
+    with grpc.insecure_channel(_channel_target(mesh_addr)) as channel:
+        stub = pb_grpc.GuardRegistryStub(channel)
+        response = stub.Register(pb.RegisterRequest(guard=spec),
+                                 timeout=timeout, wait_for_ready=True)
+    log.info("registered guard %r (%s) with %s: revision %d, position %d, %s",
+             name, endpoint, mesh_addr, response.revision, response.position,
+             "created" if response.created else "updated")
+    return response
+
+
+def deregister(mesh_addr: str, name: str, timeout: float = 5.0) -> bool:
+    """Removes the guard ``name`` from the mesh's chain; True if it was there."""
+    with grpc.insecure_channel(_channel_target(mesh_addr)) as channel:
+        stub = pb_grpc.GuardRegistryStub(channel)
+        response = stub.Deregister(pb.DeregisterRequest(name=name), timeout=timeout)
+    log.info("deregistered guard %r from %s (removed: %s)", name, mesh_addr, response.removed)
+    return response.removed
+
+
+# ---------------------------------------------------------------------------
+# Tracing to a file
+# ---------------------------------------------------------------------------
+
+
+def install_file_tracing(path: str, service_name: str = "guardmesh-guard"):
+    """Installs a global SDK TracerProvider that appends each finished span
+    to ``path`` as one JSON line::
+
+        {"name": ..., "trace_id": "<32 hex>", "span_id": "<16 hex>",
+         "parent_span_id": "<16 hex>" | null, "attributes": {...}, ...}
+
+    For tests that check trace ids without an OTLP receiver. Needs
+    ``opentelemetry-sdk``. Returns the provider.
+    """
+    from opentelemetry.sdk.resources import Resource
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import (
+        SimpleSpanProcessor,
+        SpanExporter,
+        SpanExportResult,
+    )
+
+    class JsonLinesSpanExporter(SpanExporter):
+        def __init__(self, file_path: str):
+            self._path = file_path
+            self._lock = threading.Lock()
+
+        def export(self, spans) -> SpanExportResult:
+            lines = []
+            for span in spans:
+                parent = span.parent
+                lines.append(json.dumps({
+                    "name": span.name,
+                    "trace_id": format(span.context.trace_id, "032x"),
+                    "span_id": format(span.context.span_id, "016x"),
+                    "parent_span_id": format(parent.span_id, "016x") if parent else None,
+                    "kind": span.kind.name,
+                    "service": span.resource.attributes.get("service.name"),
+                    "start_time_unix_nano": span.start_time,
+                    "end_time_unix_nano": span.end_time,
+                    "status": span.status.status_code.name,
+                    "attributes": {k: list(v) if isinstance(v, tuple) else v
+                                   for k, v in (span.attributes or {}).items()},
+                }, default=str))
+            with self._lock, open(self._path, "a", encoding="utf-8") as out:
+                out.write("".join(line + "\n" for line in lines))
+            return SpanExportResult.SUCCESS
+
+    provider = TracerProvider(resource=Resource.create({"service.name": service_name}))
+    provider.add_span_processor(SimpleSpanProcessor(JsonLinesSpanExporter(path)))
+    _otel_trace.set_tracer_provider(provider)
+    return provider
+
+
+# ---------------------------------------------------------------------------
+# Command line
+# ---------------------------------------------------------------------------
+
+
+def argument_parser(description: Optional[str] = None, *, name: str = "guard",
+                    role: str = "validate", **defaults: Any) -> argparse.ArgumentParser:
+    """The kit's command-line flags; add a guard's own flags to it.
+
+    ``name``, ``role`` and any other ``defaults`` (by destination, e.g.
+    ``grant_tools="*"``) become the flags' defaults.
+    """
+    parser = argparse.ArgumentParser(description=description)
+    kit = parser.add_argument_group("guard kit")
+    choice = lambda s: s.strip().lower().replace("-", "_")  # noqa: E731
+    kit.add_argument("--host", default="127.0.0.1", help="address to serve on (default 127.0.0.1)")
+    kit.add_argument("--port", type=int, default=0, help="port to serve on; 0 picks one (default)")
+    kit.add_argument("--mesh", metavar="ADDR",
+                     help="register with the mesh at ADDR (host:port) once serving")
+    kit.add_argument("--name", default=name, help=f"registered guard name (default {name})")
+    kit.add_argument("--role", type=choice, choices=["validate", "mutate"], default=role)
+    kit.add_argument("--tools", default="",
+                     help="comma-separated tools judged, names or globs (default: all)")
+    kit.add_argument("--failure-policy", type=choice, default="fail_closed",
+                     choices=["fail_closed", "fail_open", "abort"])
+    kit.add_argument("--timeout-ms", type=int, default=0,
+                     help="time to answer a batch; 0: the mesh's default")
+    kit.add_argument("--priority", type=int, default=0, help="chain position: lower first")
+    kit.add_argument("--dry-run", action="store_true",
+                     help="register in mode dry_run: consulted and traced, never applied")
+    kit.add_argument("--grant-tools", default="",
+                     help="mutate guards: comma-separated tools it may rewrite")
+    kit.add_argument("--may-rename", action="store_true",
+                     help="mutate guards: may change a call's tool name")
+    kit.add_argument("--endpoint",
+                     help="endpoint to register (default http://HOST:PORT)")
+    kit.add_argument("--deregister-on-exit", action="store_true",
+                     help="deregister from the mesh on SIGTERM/SIGINT (default: stay, R15)")
+    kit.add_argument("--otlp-file", metavar="PATH",
+                     help="append each finished span to PATH as a JSON line")
+    kit.add_argument("--workers", type=int, default=32, help="batches judged at once")
+    kit.add_argument("--log-level", default="info", help="stderr log level (default info)")
+    parser.set_defaults(**defaults)
+    return parser
+
+
+def run(judge_fn: JudgeFn, args: argparse.Namespace) -> int:
+    """Serves ``judge_fn`` as the parsed flags say, until SIGTERM or SIGINT.
+
+    Prints exactly one line to stdout, ``LISTENING <port>``, once serving
+    (and registered, with ``--mesh``). Logs go to stderr. Returns the exit
+    status: 0 after a graceful stop, 1 if registration failed. Call it from
+    the main thread (it installs signal handlers).
+    """
+    logging.basicConfig(
+        stream=sys.stderr, level=args.log_level.upper(),
+        format=f"%(asctime)s %(levelname)s {args.name}: %(message)s")
+    provider = install_file_tracing(args.otlp_file, args.name) if args.otlp_file else None
+
+    stop = threading.Event()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, lambda *_: stop.set())
+
+    server, port = serve(judge_fn, args.port, args.host, name=args.name, workers=args.workers)
+    if args.mesh:
+        try:
+            register(args.mesh, args.name, port, host=args.host, endpoint=args.endpoint,
+                     role=args.role, tools=args.tools, failure_policy=args.failure_policy,
+                     timeout_ms=args.timeout_ms, priority=args.priority,
+                     mode="dry_run" if args.dry_run else "enforce",
+                     grant_tools=args.grant_tools, may_rename=args.may_rename)
+        except grpc.RpcError as err:
+            log.error("could not register with the mesh at %s: %s", args.mesh, err)
+            server.stop(0).wait()
+            return 1
+    print(f"LISTENING {port}", flush=True)
+
+    while not stop.wait(0.5):
+        pass
+    log.info("stopping")
+    if args.mesh and args.deregister_on_exit:
+        try:
+            deregister(args.mesh, args.name)
+        except grpc.RpcError as err:
+            log.warning("could not deregister: %s", err)
+    server.stop(grace=5.0).wait()
+    if provider is not None:
+        provider.shutdown()
+    log.info("stopped")
+    return 0
+
+
+def main(judge_fn: JudgeFn, argv: Optional[Sequence[str]] = None, **defaults: Any) -> None:
+    """Parses the kit's flags (``defaults`` as in :func:`argument_parser`),
+    serves ``judge_fn`` and exits with :func:`run`'s status."""
+    sys.exit(run(judge_fn, argument_parser(**defaults).parse_args(argv)))

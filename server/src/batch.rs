@@ -1,0 +1,894 @@
+//! Judging one batch: mutate guards one after another (R10), then validate
+//! guards concurrently through the [`Fold`] (R3, R4, R5), then one decision
+//! per call (R2) and one trace entry per guard (R21).
+
+use crate::fold::{Fold, FoldGuard, Resolution};
+use crate::link::{GuardFailure, LinkEvent};
+use crate::mesh::{Chain, ChainGuard, Mesh};
+use crate::spec::Guard;
+use crate::validate;
+use guardmesh_proto::v1::{
+    Action, BatchContext, BatchDecision, CallDecision, EvaluateRequest, FailurePolicy, GuardBatch,
+    GuardRole, GuardTrace, JudgeResponse, Skip, SkipKind, ToolCall, TraceStatus, Verdict,
+    verdict::Outcome,
+};
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::Duration;
+use tokio::sync::mpsc;
+use tokio::time::Instant;
+use tonic::Status;
+
+/// W3C trace context handed on to guards (R22).
+#[derive(Debug, Clone, Default)]
+pub struct TraceContext {
+    pub traceparent: String,
+    pub tracestate: String,
+    /// 32 hex digits, or empty when tracing is off.
+    pub trace_id: String,
+}
+
+/// Why a batch got no decision.
+#[derive(Debug)]
+pub enum BatchError {
+    /// Refused before any guard was contacted (R20).
+    Refused(validate::Refusal),
+    /// A guard with failure policy `abort` failed (R13).
+    Aborted { guard: String, failure: GuardFailure },
+}
+
+impl BatchError {
+    pub fn status(&self) -> Status {
+        match self {
+            Self::Refused(refusal) => refusal.status.clone(),
+            Self::Aborted { guard, failure } => Status::unavailable(format!(
+                "batch aborted: guard {guard:?} failed ({failure}) and its failure policy is abort"
+            )),
+        }
+    }
+}
+
+/// A call being judged.
+struct Call {
+    original: ToolCall,
+    current: ToolCall,
+    fixed: Option<Fixed>,
+    rewritten_by: Vec<String>,
+    bypassed: Vec<String>,
+}
+
+/// A skip that fixed a call.
+struct Fixed {
+    content: String,
+    kind: SkipKind,
+    by: String,
+    failure: bool,
+}
+
+fn unavailable(guard: &Guard) -> Fixed {
+    Fixed {
+        content: format!(
+            "Tool call blocked: guard {} is unavailable, so this call cannot be checked. Do not retry it now.",
+            guard.name
+        ),
+        kind: SkipKind::Cancel,
+        by: guard.name.clone(),
+        failure: true,
+    }
+}
+
+/// A guard's verdicts after the checks of R8 and R11.
+#[derive(Default)]
+struct Checked {
+    /// (call index, skip); blank skips already dropped.
+    skips: Vec<(usize, Skip)>,
+    /// (call index, the call as rewritten).
+    rewrites: Vec<(usize, ToolCall)>,
+    /// Call indices answered with a plain proceed.
+    proceeds: Vec<usize>,
+    /// Why verdicts were dropped (R8).
+    malformed: Vec<String>,
+}
+
+/// Checks `verdicts` from `guard`, which was sent the calls at `sent`.
+/// `answered` tracks calls already answered by this guard (R8: a second
+/// verdict is ignored). A rewrite outside the grant rejects the whole
+/// answer (R11): the error names why.
+fn check_verdicts(
+    guard: &Guard,
+    calls: &[Call],
+    index_of: &HashMap<String, usize>,
+    sent: &[bool],
+    answered: &mut [bool],
+    verdicts: Vec<Verdict>,
+) -> Result<Checked, String> {
+    let mut checked = Checked::default();
+    for verdict in verdicts {
+        let index = index_of
+            .get(verdict.call_id.as_str())
+            .copied()
+            .filter(|&i| sent[i]);
+        match (verdict.outcome, index) {
+            (Some(Outcome::Rewrite(_)), None) => {
+                return Err(format!(
+                    "rewrite for call id {:?}, which was not sent to this guard",
+                    verdict.call_id
+                ));
+            }
+            (_, None) => checked.malformed.push(format!(
+                "verdict for call id {:?}, which was not sent to this guard",
+                verdict.call_id
+            )),
+            (outcome, Some(i)) if answered[i] => {
+                let _ = outcome;
+                checked
+                    .malformed
+                    .push(format!("second verdict for call {:?} ignored", verdict.call_id));
+            }
+            (None, Some(i)) => {
+                answered[i] = true;
+                checked.proceeds.push(i);
+            }
+            (Some(Outcome::Skip(skip)), Some(i)) => {
+                answered[i] = true;
+                if skip.content.trim().is_empty() {
+                    checked.malformed.push(format!(
+                        "skip for call {:?} has blank content; counted as proceed",
+                        verdict.call_id
+                    ));
+                    checked.proceeds.push(i);
+                } else if SkipKind::try_from(skip.kind).is_err() {
+                    // An unknown kind from a newer guard: the skip stands, as
+                    // the safer reading, and is steered (R7's default).
+                    checked.skips.push((
+                        i,
+                        Skip {
+                            content: skip.content,
+                            kind: SkipKind::Steer as i32,
+                        },
+                    ));
+                } else {
+                    checked.skips.push((i, skip));
+                }
+            }
+            (Some(Outcome::Rewrite(rewrite)), Some(i)) => {
+                answered[i] = true;
+                let call = &calls[i].current;
+                if guard.role != GuardRole::Mutate {
+                    return Err(format!(
+                        "validate guard sent a rewrite for call {:?}; only mutate guards may rewrite",
+                        call.call_id
+                    ));
+                }
+                if !guard.grant_tools.matches(&call.tool) {
+                    return Err(format!(
+                        "rewrite of call {:?}: the grant does not cover tool {:?}",
+                        call.call_id, call.tool
+                    ));
+                }
+                let mut next = call.clone();
+                if let Some(tool) = rewrite.tool
+                    && tool != call.tool
+                {
+                    if !guard.may_rename {
+                        return Err(format!(
+                            "rewrite of call {:?} renames tool {:?} to {tool:?} without the rename grant",
+                            call.call_id, call.tool
+                        ));
+                    }
+                    if tool.trim().is_empty() || !guard.grant_tools.matches(&tool) {
+                        return Err(format!(
+                            "rewrite of call {:?} renames tool {:?} to {tool:?}, outside the grant",
+                            call.call_id, call.tool
+                        ));
+                    }
+                    next.tool = tool;
+                }
+                if let Some(arguments) = rewrite.arguments {
+                    if !validate::is_json_object(&arguments) || arguments.trim().is_empty() {
+                        return Err(format!(
+                            "rewrite of call {:?}: arguments are not a JSON object",
+                            call.call_id
+                        ));
+                    }
+                    next.arguments = arguments;
+                }
+                if next == *call {
+                    checked.proceeds.push(i);
+                } else {
+                    checked.rewrites.push((i, next));
+                }
+            }
+        }
+    }
+    Ok(checked)
+}
+
+/// What happened at one guard, collected into its trace entry.
+struct GuardRun {
+    sent: Vec<bool>,
+    sent_any: bool,
+    request_id: Option<u64>,
+    started: Option<Instant>,
+    finished: Option<Instant>,
+    skipped: Vec<usize>,
+    rewritten: Vec<usize>,
+    malformed: Vec<String>,
+    failure: Option<GuardFailure>,
+    superseded: bool,
+    answered: Vec<bool>,
+}
+
+impl GuardRun {
+    fn new(calls: usize) -> Self {
+        Self {
+            sent: vec![false; calls],
+            sent_any: false,
+            request_id: None,
+            started: None,
+            finished: None,
+            skipped: Vec::new(),
+            rewritten: Vec::new(),
+            malformed: Vec::new(),
+            failure: None,
+            superseded: false,
+            answered: vec![false; calls],
+        }
+    }
+
+    /// The status this run would have if the guard enforced.
+    fn status(&self) -> TraceStatus {
+        match &self.failure {
+            _ if !self.sent_any => TraceStatus::NotApplicable,
+            Some(GuardFailure::TimedOut(_)) => TraceStatus::TimedOut,
+            Some(GuardFailure::RejectedRewrite(_)) => TraceStatus::RejectedRewrite,
+            Some(_) => TraceStatus::Failed,
+            None if self.superseded => TraceStatus::Superseded,
+            None if !self.malformed.is_empty() => TraceStatus::Malformed,
+            None if !self.skipped.is_empty() => TraceStatus::Skipped,
+            None if !self.rewritten.is_empty() => TraceStatus::Rewrote,
+            None => TraceStatus::Proceeded,
+        }
+    }
+}
+
+fn guard_batch(
+    request: &EvaluateRequest,
+    context: &Option<BatchContext>,
+    guard: &Guard,
+    calls: &[Call],
+    sent: &[bool],
+    budget: Duration,
+    trace: &TraceContext,
+) -> GuardBatch {
+    GuardBatch {
+        request_id: 0,
+        batch_id: request.batch_id.clone(),
+        guard: guard.name.clone(),
+        context: context.clone(),
+        calls: calls
+            .iter()
+            .zip(sent)
+            .filter(|(_, sent)| **sent)
+            .map(|(call, _)| call.current.clone())
+            .collect(),
+        deadline_ms: u32::try_from(budget.as_millis()).unwrap_or(u32::MAX),
+        traceparent: trace.traceparent.clone(),
+        tracestate: trace.tracestate.clone(),
+    }
+}
+
+impl Mesh {
+    /// Judges one batch. `deadline` is the batch's deadline (R14).
+    pub async fn evaluate(
+        &self,
+        request: EvaluateRequest,
+        deadline: Instant,
+        trace: TraceContext,
+    ) -> Result<BatchDecision, BatchError> {
+        let started = Instant::now();
+        if let Err(refusal) = validate::check(&request, &self.config.limits) {
+            self.metrics.refused(refusal.reason);
+            self.metrics.batch("refused", 0.0);
+            tracing::info!(batch_id = %request.batch_id, reason = refusal.reason, "batch refused: {}", refusal.status.message());
+            return Err(BatchError::Refused(refusal));
+        }
+        let chain = self.chain();
+        // R1: zero calls contact no guard.
+        if request.calls.is_empty() {
+            self.metrics.batch("decided", started.elapsed().as_secs_f64());
+            return Ok(BatchDecision {
+                decisions: Vec::new(),
+                execute: Vec::new(),
+                trace: chain
+                    .guards
+                    .iter()
+                    .map(|g| GuardTrace {
+                        guard: g.guard.name.clone(),
+                        role: g.guard.role as i32,
+                        status: TraceStatus::NotApplicable as i32,
+                        ..Default::default()
+                    })
+                    .collect(),
+                chain_revision: chain.revision,
+                trace_id: trace.trace_id,
+            });
+        }
+        let mut judging = Judging::new(self, &chain, request, deadline, trace);
+        let result = judging.run().await;
+        let outcome = if result.is_ok() { "decided" } else { "aborted" };
+        self.metrics.batch(outcome, started.elapsed().as_secs_f64());
+        result
+    }
+}
+
+/// The state of one batch being judged.
+struct Judging<'a> {
+    mesh: &'a Mesh,
+    chain: &'a Chain,
+    request: EvaluateRequest,
+    context: Option<BatchContext>,
+    calls: Vec<Call>,
+    /// Call id to index; ids never change, not even by rewrites.
+    index_of: HashMap<String, usize>,
+    runs: Vec<GuardRun>,
+    deadline: Instant,
+    trace: TraceContext,
+}
+
+impl<'a> Judging<'a> {
+    fn new(
+        mesh: &'a Mesh,
+        chain: &'a Chain,
+        mut request: EvaluateRequest,
+        deadline: Instant,
+        trace: TraceContext,
+    ) -> Self {
+        let calls: Vec<Call> = std::mem::take(&mut request.calls)
+            .into_iter()
+            .map(|call| Call {
+                current: call.clone(),
+                original: call,
+                fixed: None,
+                rewritten_by: Vec::new(),
+                bypassed: Vec::new(),
+            })
+            .collect();
+        let n = calls.len();
+        let index_of = calls
+            .iter()
+            .enumerate()
+            .map(|(i, c)| (c.original.call_id.clone(), i))
+            .collect();
+        Self {
+            index_of,
+            mesh,
+            chain,
+            context: request.context.take(),
+            request,
+            calls,
+            runs: (0..chain.guards.len()).map(|_| GuardRun::new(n)).collect(),
+            deadline,
+            trace,
+        }
+    }
+
+    async fn run(&mut self) -> Result<BatchDecision, BatchError> {
+        // R10: mutate guards first, one after another, in chain order.
+        for g in 0..self.chain.guards.len() {
+            if self.chain.guards[g].guard.role == GuardRole::Mutate {
+                self.mutate(g).await?;
+            }
+        }
+        self.validate().await?;
+        Ok(self.decide())
+    }
+
+    /// Which calls guard `g` is sent: those it applies to and that are not
+    /// already fixed (R9).
+    fn select(&self, g: usize) -> Vec<bool> {
+        let guard = &self.chain.guards[g].guard;
+        self.calls
+            .iter()
+            .map(|call| call.fixed.is_none() && guard.tools.matches(&call.current.tool))
+            .collect()
+    }
+
+    /// The time guard `g` gets: its timeout within what is left of the
+    /// batch's deadline (R14).
+    fn budget(&self, guard: &Guard, now: Instant) -> Duration {
+        guard
+            .timeout
+            .min(self.deadline.saturating_duration_since(now))
+    }
+
+    fn send(
+        &mut self,
+        g: usize,
+        tag: usize,
+        events: &mpsc::UnboundedSender<LinkEvent>,
+        now: Instant,
+    ) -> Result<Instant, GuardFailure> {
+        let ChainGuard { guard, link } = &self.chain.guards[g];
+        let budget = self.budget(guard, now);
+        let run = &mut self.runs[g];
+        run.started = Some(now);
+        if budget.is_zero() {
+            return Err(GuardFailure::TimedOut(Duration::ZERO));
+        }
+        let batch = guard_batch(
+            &self.request,
+            &self.context,
+            guard,
+            &self.calls,
+            &run.sent,
+            budget,
+            &self.trace,
+        );
+        run.request_id = Some(link.send(batch, tag, events)?);
+        Ok(now + budget)
+    }
+
+    /// Consults mutate guard `g` and applies what it says (R10, R11, R12).
+    async fn mutate(&mut self, g: usize) -> Result<(), BatchError> {
+        let sent = self.select(g);
+        if !sent.contains(&true) {
+            return Ok(());
+        }
+        self.runs[g].sent_any = true;
+        self.runs[g].sent = sent;
+        let (events_tx, mut events) = mpsc::unbounded_channel();
+        let now = Instant::now();
+        let answer = match self.send(g, 0, &events_tx, now) {
+            Err(failure) => Err(failure),
+            Ok(guard_deadline) => {
+                let mut verdicts = Vec::new();
+                loop {
+                    tokio::select! {
+                        event = events.recv() => match event {
+                            Some(LinkEvent::Answer { response, .. }) => {
+                                verdicts.extend(response.verdicts);
+                                if !response.partial {
+                                    break Ok(verdicts);
+                                }
+                            }
+                            Some(LinkEvent::Failed { failure, .. }) => break Err(failure),
+                            None => break Err(GuardFailure::StreamClosed),
+                        },
+                        () = tokio::time::sleep_until(guard_deadline) => {
+                            break Err(GuardFailure::TimedOut(guard_deadline - now));
+                        }
+                    }
+                }
+            }
+        };
+        self.runs[g].finished = Some(Instant::now());
+        if answer.is_err()
+            && let Some(id) = self.runs[g].request_id
+        {
+            self.chain.guards[g].link.cancel(id);
+        }
+        let guard = self.chain.guards[g].guard.clone();
+        let checked = answer.and_then(|verdicts| {
+            let run = &mut self.runs[g];
+            check_verdicts(&guard, &self.calls, &self.index_of, &run.sent, &mut run.answered, verdicts)
+                .map_err(GuardFailure::RejectedRewrite)
+        });
+        match checked {
+            Ok(checked) => {
+                let run = &mut self.runs[g];
+                run.malformed = checked.malformed;
+                run.skipped = checked.skips.iter().map(|(i, _)| *i).collect();
+                run.rewritten = checked.rewrites.iter().map(|(i, _)| *i).collect();
+                if guard.enforced() {
+                    for (i, skip) in checked.skips {
+                        self.calls[i].fixed = Some(Fixed {
+                            content: skip.content,
+                            kind: SkipKind::try_from(skip.kind).unwrap_or(SkipKind::Steer),
+                            by: guard.name.clone(),
+                            failure: false,
+                        });
+                    }
+                    for (i, call) in checked.rewrites {
+                        self.calls[i].current = call;
+                        self.calls[i].rewritten_by.push(guard.name.clone());
+                    }
+                }
+                Ok(())
+            }
+            Err(failure) => self.guard_failed(g, failure),
+        }
+    }
+
+    /// Applies guard `g`'s failure policy to the calls it was sent that are
+    /// not fixed yet (R13). Used for mutate guards; the fold does the same
+    /// for validate guards.
+    fn guard_failed(&mut self, g: usize, failure: GuardFailure) -> Result<(), BatchError> {
+        let guard = self.chain.guards[g].guard.clone();
+        self.log_failure(&guard, &failure);
+        let run = &mut self.runs[g];
+        run.failure = Some(failure.clone());
+        if !guard.enforced() {
+            return Ok(());
+        }
+        match guard.failure_policy {
+            FailurePolicy::Abort => Err(BatchError::Aborted {
+                guard: guard.name.clone(),
+                failure,
+            }),
+            FailurePolicy::FailClosed => {
+                for (i, call) in self.calls.iter_mut().enumerate() {
+                    if run.sent[i] && call.fixed.is_none() {
+                        call.fixed = Some(unavailable(&guard));
+                    }
+                }
+                Ok(())
+            }
+            FailurePolicy::FailOpen => {
+                for (i, call) in self.calls.iter_mut().enumerate() {
+                    if run.sent[i] && call.fixed.is_none() {
+                        call.bypassed.push(guard.name.clone());
+                    }
+                }
+                Ok(())
+            }
+        }
+    }
+
+    fn log_failure(&self, guard: &Guard, failure: &GuardFailure) {
+        tracing::warn!(
+            guard = %guard.name,
+            batch_id = %self.request.batch_id,
+            trace_id = %self.trace.trace_id,
+            policy = ?guard.failure_policy,
+            dry_run = !guard.enforced(),
+            error = %failure,
+            "guard failed"
+        );
+    }
+
+    /// Consults the validate guards concurrently and folds their verdicts
+    /// as if in chain order (R3, R4, R5).
+    async fn validate(&mut self) -> Result<(), BatchError> {
+        let order: Vec<usize> = (0..self.chain.guards.len())
+            .filter(|&g| self.chain.guards[g].guard.role == GuardRole::Validate)
+            .collect();
+        if order.is_empty() {
+            return Ok(());
+        }
+        for &g in &order {
+            let sent = self.select(g);
+            self.runs[g].sent_any = sent.contains(&true);
+            self.runs[g].sent = sent;
+        }
+        let fold_guards = order
+            .iter()
+            .map(|&g| FoldGuard {
+                enforced: self.chain.guards[g].guard.enforced(),
+                policy: self.chain.guards[g].guard.failure_policy,
+            })
+            .collect();
+        let runs = &self.runs;
+        let mut fold = Fold::new(fold_guards, self.calls.len(), |k, c| runs[order[k]].sent[c]);
+        let (events_tx, mut events) = mpsc::unbounded_channel();
+        let mut deadlines: Vec<Option<Instant>> = vec![None; order.len()];
+        let now = Instant::now();
+        for (k, &g) in order.iter().enumerate() {
+            if !self.runs[g].sent_any {
+                continue;
+            }
+            match self.send(g, k, &events_tx, now) {
+                Ok(at) => deadlines[k] = Some(at),
+                Err(failure) => {
+                    self.runs[g].finished = Some(now);
+                    self.log_failure(&self.chain.guards[g].guard.clone(), &failure);
+                    self.runs[g].failure = Some(failure);
+                    fold.fail(k);
+                }
+            }
+        }
+        while !fold.done() {
+            let next_deadline = deadlines.iter().flatten().min().copied();
+            let event = match next_deadline {
+                Some(at) => tokio::select! {
+                    event = events.recv() => event,
+                    () = tokio::time::sleep_until(at) => None,
+                },
+                None => events.recv().await,
+            };
+            match event {
+                Some(LinkEvent::Answer { tag: k, response }) => {
+                    self.on_answer(&order, k, response, &mut fold, &mut deadlines);
+                }
+                Some(LinkEvent::Failed { tag: k, failure }) => {
+                    let g = order[k];
+                    deadlines[k] = None;
+                    self.runs[g].finished = Some(Instant::now());
+                    self.log_failure(&self.chain.guards[g].guard.clone(), &failure);
+                    self.runs[g].failure = Some(failure);
+                    fold.fail(k);
+                }
+                None => {
+                    let now = Instant::now();
+                    for k in 0..order.len() {
+                        if let Some(at) = deadlines[k]
+                            && at <= now
+                        {
+                            let g = order[k];
+                            deadlines[k] = None;
+                            if let Some(id) = self.runs[g].request_id {
+                                self.chain.guards[g].link.cancel(id);
+                            }
+                            let waited = at - self.runs[g].started.unwrap_or(at);
+                            let failure = GuardFailure::TimedOut(waited);
+                            self.runs[g].finished = Some(now);
+                            self.log_failure(&self.chain.guards[g].guard.clone(), &failure);
+                            self.runs[g].failure = Some(failure);
+                            fold.fail(k);
+                        }
+                    }
+                }
+            }
+        }
+        // R5: what is still out can no longer change a decision.
+        for (k, &g) in order.iter().enumerate() {
+            if deadlines[k].is_some() && fold.pending(k) {
+                if let Some(id) = self.runs[g].request_id {
+                    self.chain.guards[g].link.cancel(id);
+                }
+                self.runs[g].superseded = true;
+            }
+        }
+        if let Some(k) = fold.aborted_by() {
+            let g = order[k];
+            return Err(BatchError::Aborted {
+                guard: self.chain.guards[g].guard.name.clone(),
+                failure: self.runs[g]
+                    .failure
+                    .clone()
+                    .unwrap_or(GuardFailure::StreamClosed),
+            });
+        }
+        for c in 0..self.calls.len() {
+            if self.calls[c].fixed.is_some() {
+                continue;
+            }
+            for k in fold.bypassed(c).collect::<Vec<_>>() {
+                let name = self.chain.guards[order[k]].guard.name.clone();
+                self.calls[c].bypassed.push(name);
+            }
+            match fold.resolution(c) {
+                Resolution::Proceed | Resolution::Open | Resolution::Abort(_) => {}
+                Resolution::Skip(k) => {
+                    let guard = &self.chain.guards[order[k]].guard;
+                    let skip = fold.take_skip(k, c).unwrap_or_default();
+                    self.calls[c].fixed = Some(Fixed {
+                        content: skip.content,
+                        kind: SkipKind::try_from(skip.kind).unwrap_or(SkipKind::Steer),
+                        by: guard.name.clone(),
+                        failure: false,
+                    });
+                }
+                Resolution::FailClosed(k) => {
+                    let guard = self.chain.guards[order[k]].guard.clone();
+                    self.calls[c].fixed = Some(unavailable(&guard));
+                }
+            }
+        }
+        Ok(())
+    }
+
+    fn on_answer(
+        &mut self,
+        order: &[usize],
+        k: usize,
+        response: JudgeResponse,
+        fold: &mut Fold,
+        deadlines: &mut [Option<Instant>],
+    ) {
+        let g = order[k];
+        let guard = self.chain.guards[g].guard.clone();
+        let final_answer = !response.partial;
+        let run = &mut self.runs[g];
+        match check_verdicts(
+            &guard,
+            &self.calls,
+            &self.index_of,
+            &run.sent,
+            &mut run.answered,
+            response.verdicts,
+        ) {
+            Ok(checked) => {
+                for i in checked.proceeds {
+                    fold.answer(k, i, None);
+                }
+                for (i, skip) in checked.skips {
+                    run.skipped.push(i);
+                    fold.answer(k, i, Some(skip));
+                }
+                run.malformed.extend(checked.malformed);
+                if final_answer {
+                    deadlines[k] = None;
+                    run.finished = Some(Instant::now());
+                    fold.complete(k);
+                }
+            }
+            Err(reason) => {
+                // R11: a validate guard may not rewrite; the whole answer is
+                // rejected and the guard fails per its policy.
+                deadlines[k] = None;
+                run.finished = Some(Instant::now());
+                if !final_answer && let Some(id) = run.request_id {
+                    self.chain.guards[g].link.cancel(id);
+                }
+                let failure = GuardFailure::RejectedRewrite(reason);
+                self.log_failure(&guard, &failure);
+                self.runs[g].failure = Some(failure);
+                fold.fail(k);
+            }
+        }
+    }
+
+    /// One decision per call (R2) and one trace entry per guard (R21).
+    fn decide(&mut self) -> BatchDecision {
+        let metrics = &self.mesh.metrics;
+        let mut decisions = Vec::with_capacity(self.calls.len());
+        let mut execute = Vec::new();
+        for call in std::mem::take(&mut self.calls) {
+            let mut decision = CallDecision {
+                call_id: call.original.call_id.clone(),
+                action: Action::Proceed as i32,
+                call: None,
+                original: Some(call.original),
+                content: String::new(),
+                decided_by: String::new(),
+                failure: false,
+                rewritten_by: call.rewritten_by,
+                bypassed: call.bypassed,
+            };
+            for name in &decision.bypassed {
+                metrics.bypassed(name);
+            }
+            match call.fixed {
+                None => {
+                    metrics.call("proceed");
+                    execute.push(call.current.clone());
+                }
+                Some(fixed) => {
+                    decision.action = match fixed.kind {
+                        SkipKind::Steer => Action::Steer,
+                        SkipKind::Cancel => Action::Cancel,
+                    } as i32;
+                    metrics.call(match fixed.kind {
+                        SkipKind::Steer => "steer",
+                        SkipKind::Cancel => "cancel",
+                    });
+                    decision.content = fixed.content;
+                    decision.decided_by = fixed.by;
+                    decision.failure = fixed.failure;
+                }
+            }
+            decision.call = Some(call.current);
+            decisions.push(decision);
+        }
+        let ids: Vec<&str> = decisions.iter().map(|d| d.call_id.as_str()).collect();
+        let trace = self
+            .chain
+            .guards
+            .iter()
+            .zip(&self.runs)
+            .map(|(ChainGuard { guard, .. }, run)| {
+                let status = run.status();
+                let pick = |indices: &[usize]| indices.iter().map(|&i| ids[i].to_owned()).collect();
+                let latency = match (run.started, run.finished) {
+                    (Some(s), Some(f)) => Some(f - s),
+                    _ => None,
+                };
+                let mut error = match &run.failure {
+                    Some(failure) => failure.to_string(),
+                    None => String::new(),
+                };
+                if run.failure.is_none() && !run.malformed.is_empty() {
+                    error = run.malformed.join("; ");
+                    tracing::warn!(
+                        guard = %guard.name,
+                        batch_id = %self.request.batch_id,
+                        trace_id = %self.trace.trace_id,
+                        "malformed verdicts dropped: {error}"
+                    );
+                }
+                let reported = if guard.enforced() {
+                    status
+                } else {
+                    TraceStatus::DryRun
+                };
+                if !guard.enforced() && status != TraceStatus::NotApplicable {
+                    tracing::info!(
+                        guard = %guard.name,
+                        batch_id = %self.request.batch_id,
+                        would = status.as_str_name(),
+                        would_skip = ?run.skipped.iter().map(|&i| ids[i]).collect::<Vec<_>>(),
+                        would_rewrite = ?run.rewritten.iter().map(|&i| ids[i]).collect::<Vec<_>>(),
+                        "dry-run guard"
+                    );
+                }
+                metrics.guard_outcome(
+                    &guard.name,
+                    status_label(reported),
+                    latency.map(|l| l.as_secs_f64()),
+                );
+                GuardTrace {
+                    guard: guard.name.clone(),
+                    role: guard.role as i32,
+                    status: reported as i32,
+                    latency_us: latency.map_or(0, |l| u64::try_from(l.as_micros()).unwrap_or(u64::MAX)),
+                    sent_call_ids: pick(
+                        &run
+                            .sent
+                            .iter()
+                            .enumerate()
+                            .filter(|(_, s)| **s)
+                            .map(|(i, _)| i)
+                            .collect::<Vec<_>>(),
+                    ),
+                    skipped_call_ids: pick(&run.skipped),
+                    rewritten_call_ids: pick(&run.rewritten),
+                    error,
+                    dry_run_status: if guard.enforced() {
+                        TraceStatus::Unspecified as i32
+                    } else {
+                        status as i32
+                    },
+                }
+            })
+            .collect();
+        BatchDecision {
+            decisions,
+            execute,
+            trace,
+            chain_revision: self.chain.revision,
+            trace_id: std::mem::take(&mut self.trace.trace_id),
+        }
+    }
+}
+
+/// The metrics label of a trace status.
+pub fn status_label(status: TraceStatus) -> &'static str {
+    match status {
+        TraceStatus::Unspecified => "unspecified",
+        TraceStatus::Proceeded => "proceeded",
+        TraceStatus::Skipped => "skipped",
+        TraceStatus::Rewrote => "rewrote",
+        TraceStatus::NotApplicable => "not_applicable",
+        TraceStatus::Superseded => "superseded",
+        TraceStatus::Failed => "failed",
+        TraceStatus::TimedOut => "timed_out",
+        TraceStatus::Malformed => "malformed",
+        TraceStatus::RejectedRewrite => "rejected_rewrite",
+        TraceStatus::DryRun => "dry_run",
+    }
+}
+
+/// Convenience for tests and tools: the decision's statuses by guard name.
+pub fn statuses(decision: &BatchDecision) -> Vec<(String, TraceStatus)> {
+    decision
+        .trace
+        .iter()
+        .map(|t| {
+            (
+                t.guard.clone(),
+                TraceStatus::try_from(t.status).unwrap_or(TraceStatus::Unspecified),
+            )
+        })
+        .collect()
+}
+
+#[allow(dead_code)]
+fn _assert_send(mesh: Arc<Mesh>) {
+    fn is_send<T: Send>(_: T) {}
+    is_send(async move {
+        let _ = mesh
+            .evaluate(EvaluateRequest::default(), Instant::now(), TraceContext::default())
+            .await;
+    });
+}

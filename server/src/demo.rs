@@ -1,0 +1,1 @@
+//! `guardmesh demo` (filled in below).

@@ -1,0 +1,140 @@
+//! The mesh: a registry, the links to its guards, and the settings every
+//! batch is judged with.
+//!
+//! Each batch is judged against one [`Chain`] snapshot (R17). Snapshots are
+//! rebuilt lazily when the registry's chain changes, reusing the open link of
+//! every guard whose endpoint did not change, so a re-registration neither
+//! drops the guard's stream nor moves it in the chain.
+
+use crate::link::{GuardLink, LinkConfig};
+use crate::metrics::Metrics;
+use crate::registry::{ChainSpec, Registry};
+use crate::spec::Guard;
+use crate::validate::Limits;
+use arc_swap::ArcSwap;
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::Duration;
+
+/// Settings of a mesh.
+#[derive(Debug, Clone)]
+pub struct MeshConfig {
+    /// Timeout of a guard registered with `timeout_ms = 0`.
+    pub default_guard_timeout: Duration,
+    /// Deadline of a batch that states none.
+    pub default_batch_timeout: Duration,
+    /// Cap on any batch deadline (R14).
+    pub max_batch_timeout: Duration,
+    pub limits: Limits,
+    pub link: LinkConfig,
+}
+
+impl Default for MeshConfig {
+    fn default() -> Self {
+        Self {
+            default_guard_timeout: Duration::from_secs(1),
+            default_batch_timeout: Duration::from_secs(5),
+            max_batch_timeout: Duration::from_secs(30),
+            limits: Limits::default(),
+            link: LinkConfig::default(),
+        }
+    }
+}
+
+/// A guard of a chain snapshot and its link.
+#[derive(Debug)]
+pub struct ChainGuard {
+    pub guard: Arc<Guard>,
+    pub link: Arc<GuardLink>,
+}
+
+/// One consistent view of the chain (R17).
+#[derive(Debug)]
+pub struct Chain {
+    pub revision: u64,
+    pub guards: Vec<ChainGuard>,
+    spec: Arc<ChainSpec>,
+}
+
+/// The mesh.
+pub struct Mesh {
+    pub config: MeshConfig,
+    pub metrics: Arc<Metrics>,
+    registry: Arc<dyn Registry>,
+    chain: ArcSwap<Chain>,
+    rebuild: Mutex<()>,
+}
+
+impl std::fmt::Debug for Mesh {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Mesh").field("config", &self.config).finish()
+    }
+}
+
+impl Mesh {
+    pub fn new(config: MeshConfig, registry: Arc<dyn Registry>) -> Arc<Self> {
+        Arc::new(Self {
+            config,
+            metrics: Arc::new(Metrics::new()),
+            registry,
+            chain: ArcSwap::from_pointee(Chain {
+                revision: 0,
+                guards: Vec::new(),
+                spec: Arc::new(ChainSpec::default()),
+            }),
+            rebuild: Mutex::new(()),
+        })
+    }
+
+    pub fn registry(&self) -> &dyn Registry {
+        self.registry.as_ref()
+    }
+
+    /// The current chain snapshot (R17). Must be called within a tokio
+    /// runtime: new guards' links start connecting here.
+    pub fn chain(&self) -> Arc<Chain> {
+        let spec = self.registry.chain();
+        let current = self.chain.load_full();
+        if Arc::ptr_eq(&current.spec, &spec) {
+            return current;
+        }
+        let _guard = self.rebuild.lock().unwrap_or_else(PoisonError::into_inner);
+        let current = self.chain.load_full();
+        let spec = self.registry.chain();
+        if Arc::ptr_eq(&current.spec, &spec) {
+            return current;
+        }
+        let mut links: HashMap<&str, &Arc<GuardLink>> = current
+            .guards
+            .iter()
+            .map(|g| (g.guard.name.as_str(), &g.link))
+            .collect();
+        let guards = spec
+            .guards
+            .iter()
+            .map(|guard| {
+                let link = match links.remove(guard.name.as_str()) {
+                    Some(link) if link.endpoint() == guard.endpoint => link.clone(),
+                    _ => Arc::new(GuardLink::spawn(
+                        &guard.name,
+                        &guard.endpoint,
+                        self.config.link.clone(),
+                        self.metrics.clone(),
+                    )),
+                };
+                ChainGuard {
+                    guard: guard.clone(),
+                    link,
+                }
+            })
+            .collect();
+        let chain = Arc::new(Chain {
+            revision: spec.revision,
+            guards,
+            spec,
+        });
+        self.metrics.chain_size(chain.guards.len());
+        self.chain.store(chain.clone());
+        chain
+    }
+}

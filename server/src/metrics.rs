@@ -1,0 +1,196 @@
+//! Counters and histograms of the mesh, in the Prometheus text format.
+//!
+//! Each mesh owns its [`Metrics`] (no process globals), so several meshes in
+//! one process (tests, the demo) keep separate, exact counts.
+
+use prometheus_client::encoding::EncodeLabelSet;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
+use prometheus_client::registry::Registry;
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct OutcomeLabel {
+    outcome: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct DecisionLabel {
+    decision: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct GuardStatusLabel {
+    guard: String,
+    status: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct GuardLabel {
+    guard: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct ReasonLabel {
+    reason: &'static str,
+}
+
+fn latency_histogram() -> Histogram {
+    // 50 µs .. ~1.6 s
+    Histogram::new(exponential_buckets(0.000_05, 2.0, 16))
+}
+
+/// The mesh's metrics.
+pub struct Metrics {
+    registry: Registry,
+    batches: Family<OutcomeLabel, Counter>,
+    calls: Family<DecisionLabel, Counter>,
+    guard_outcomes: Family<GuardStatusLabel, Counter>,
+    bypassed: Family<GuardLabel, Counter>,
+    spurious: Family<GuardLabel, Counter>,
+    refused: Family<ReasonLabel, Counter>,
+    guard_latency: Family<GuardLabel, Histogram, fn() -> Histogram>,
+    batch_latency: Histogram,
+    chain_guards: Gauge,
+}
+
+impl std::fmt::Debug for Metrics {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Metrics")
+    }
+}
+
+impl Default for Metrics {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl Metrics {
+    pub fn new() -> Self {
+        let mut registry = Registry::with_prefix("guardmesh");
+        let batches = Family::<OutcomeLabel, Counter>::default();
+        registry.register(
+            "batches",
+            "Batches answered, by outcome (decided, refused, aborted)",
+            batches.clone(),
+        );
+        let calls = Family::<DecisionLabel, Counter>::default();
+        registry.register(
+            "calls",
+            "Call decisions, by decision (proceed, steer, cancel)",
+            calls.clone(),
+        );
+        let guard_outcomes = Family::<GuardStatusLabel, Counter>::default();
+        registry.register(
+            "guard_outcomes",
+            "What each guard did per batch, by guard and trace status",
+            guard_outcomes.clone(),
+        );
+        let bypassed = Family::<GuardLabel, Counter>::default();
+        registry.register(
+            "guard_bypassed_calls",
+            "Calls that proceeded past a failed fail_open guard, by guard",
+            bypassed.clone(),
+        );
+        let spurious = Family::<GuardLabel, Counter>::default();
+        registry.register(
+            "guard_spurious_answers",
+            "Answers from guards for requests no batch waits for (late, cancelled, unknown)",
+            spurious.clone(),
+        );
+        let refused = Family::<ReasonLabel, Counter>::default();
+        registry.register(
+            "batches_refused",
+            "Batches refused before any guard was contacted, by reason",
+            refused.clone(),
+        );
+        let guard_latency =
+            Family::<GuardLabel, Histogram, fn() -> Histogram>::new_with_constructor(latency_histogram);
+        registry.register(
+            "guard_latency_seconds",
+            "Time from sending a batch to a guard to its answer or failure",
+            guard_latency.clone(),
+        );
+        let batch_latency = latency_histogram();
+        registry.register(
+            "batch_latency_seconds",
+            "Time to decide a batch",
+            batch_latency.clone(),
+        );
+        let chain_guards = Gauge::default();
+        registry.register("chain_guards", "Guards in the current chain", chain_guards.clone());
+        Self {
+            registry,
+            batches,
+            calls,
+            guard_outcomes,
+            bypassed,
+            spurious,
+            refused,
+            guard_latency,
+            batch_latency,
+            chain_guards,
+        }
+    }
+
+    pub fn batch(&self, outcome: &'static str, seconds: f64) {
+        self.batches.get_or_create(&OutcomeLabel { outcome }).inc();
+        if outcome == "decided" {
+            self.batch_latency.observe(seconds);
+        }
+    }
+
+    pub fn refused(&self, reason: &'static str) {
+        self.refused.get_or_create(&ReasonLabel { reason }).inc();
+    }
+
+    pub fn call(&self, decision: &'static str) {
+        self.calls.get_or_create(&DecisionLabel { decision }).inc();
+    }
+
+    pub fn guard_outcome(&self, guard: &str, status: &'static str, seconds: Option<f64>) {
+        self.guard_outcomes
+            .get_or_create(&GuardStatusLabel {
+                guard: guard.to_owned(),
+                status,
+            })
+            .inc();
+        if let Some(seconds) = seconds {
+            self.guard_latency
+                .get_or_create(&GuardLabel {
+                    guard: guard.to_owned(),
+                })
+                .observe(seconds);
+        }
+    }
+
+    pub fn bypassed(&self, guard: &str) {
+        self.bypassed
+            .get_or_create(&GuardLabel {
+                guard: guard.to_owned(),
+            })
+            .inc();
+    }
+
+    pub fn spurious_answer(&self, guard: &str) {
+        self.spurious
+            .get_or_create(&GuardLabel {
+                guard: guard.to_owned(),
+            })
+            .inc();
+    }
+
+    pub fn chain_size(&self, guards: usize) {
+        self.chain_guards.set(i64::try_from(guards).unwrap_or(i64::MAX));
+    }
+
+    /// The metrics in the Prometheus text exposition format.
+    pub fn encode(&self) -> String {
+        let mut out = String::new();
+        // Writing into a String cannot fail.
+        let _ = prometheus_client::encoding::text::encode(&mut out, &self.registry);
+        out
+    }
+}

@@ -1,0 +1,68 @@
+//! The mesh's gRPC server: `PreToolService`, `GuardRegistry`, health and
+//! reflection, composed in one place.
+
+use crate::mesh::Mesh;
+use crate::service::{PreTool, Registrar};
+use guardmesh_proto::v1::guard_registry_server::GuardRegistryServer;
+use guardmesh_proto::v1::pre_tool_service_server::PreToolServiceServer;
+use std::future::Future;
+use std::sync::Arc;
+use tokio::net::TcpListener;
+use tokio::sync::watch;
+use tokio_stream::wrappers::TcpListenerStream;
+
+/// Errors that stop the server.
+#[derive(Debug, thiserror::Error)]
+pub enum ServeError {
+    #[error("reflection service: {0}")]
+    Reflection(#[from] tonic_reflection::server::Error),
+    #[error("transport: {0}")]
+    Transport(#[from] tonic::transport::Error),
+}
+
+/// Serves the mesh on `listener` until `shutdown` completes, then drains:
+/// no new connections or streams, open coordinator streams stop taking
+/// batches, in-flight batches are answered, and streams end cleanly.
+pub async fn run(
+    listener: TcpListener,
+    mesh: Arc<Mesh>,
+    shutdown: impl Future<Output = ()> + Send,
+) -> Result<(), ServeError> {
+    // Dial the guards of the config file before the first batch needs them.
+    let _ = mesh.chain();
+    let (health, health_service) = tonic_health::server::health_reporter();
+    health
+        .set_serving::<PreToolServiceServer<PreTool>>()
+        .await;
+    health
+        .set_serving::<GuardRegistryServer<Registrar>>()
+        .await;
+    let reflection = tonic_reflection::server::Builder::configure()
+        .register_encoded_file_descriptor_set(guardmesh_proto::FILE_DESCRIPTOR_SET)
+        .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
+        .build_v1()?;
+    let (drain_tx, drain_rx) = watch::channel(false);
+    // The transport limit is well above the per-batch limit, which is
+    // checked per message so that an oversized batch is refused alone and
+    // its stream stays open (R20).
+    let transport_limit = mesh.config.limits.max_batch_bytes.saturating_mul(4).max(16 << 20);
+    let pre_tool = PreToolServiceServer::new(PreTool::new(mesh.clone(), drain_rx))
+        .max_decoding_message_size(transport_limit)
+        .max_encoding_message_size(transport_limit);
+    let registrar = GuardRegistryServer::new(Registrar::new(mesh.clone()));
+    let signal = async move {
+        shutdown.await;
+        tracing::info!("shutting down: draining in-flight batches");
+        health.set_not_serving::<PreToolServiceServer<PreTool>>().await;
+        let _ = drain_tx.send(true);
+    };
+    tonic::transport::Server::builder()
+        .tcp_nodelay(true)
+        .add_service(health_service)
+        .add_service(reflection)
+        .add_service(pre_tool)
+        .add_service(registrar)
+        .serve_with_incoming_shutdown(TcpListenerStream::new(listener), signal)
+        .await?;
+    Ok(())
+}

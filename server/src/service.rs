@@ -1,0 +1,327 @@
+//! The gRPC services of the mesh: `PreToolService` for coordinators and
+//! `GuardRegistry` for registrars.
+
+use crate::batch::{BatchError, TraceContext};
+use crate::mesh::Mesh;
+use crate::registry::RegistryError;
+use guardmesh_proto::v1::guard_registry_server::GuardRegistry;
+use guardmesh_proto::v1::pre_tool_service_server::PreToolService;
+use guardmesh_proto::v1::{
+    BatchDecision, DeregisterRequest, DeregisterResponse, EvaluateRequest, EvaluateResponse,
+    ListRequest, ListResponse, RegisterRequest, RegisterResponse, evaluate_response,
+};
+use std::collections::HashSet;
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::Duration;
+use tokio::sync::{mpsc, watch};
+use tokio::task::JoinSet;
+use tokio::time::Instant;
+use tokio_stream::wrappers::ReceiverStream;
+use tonic::metadata::MetadataMap;
+use tonic::{Request, Response, Status, Streaming};
+
+/// Reads W3C trace context from request metadata (R22).
+pub fn trace_context(metadata: &MetadataMap) -> TraceContext {
+    let get = |key: &str| {
+        metadata
+            .get(key)
+            .and_then(|v| v.to_str().ok())
+            .unwrap_or_default()
+            .to_owned()
+    };
+    let traceparent = get("traceparent");
+    let trace_id = parse_traceparent(&traceparent)
+        .map(str::to_owned)
+        .unwrap_or_default();
+    TraceContext {
+        traceparent: if trace_id.is_empty() { String::new() } else { traceparent },
+        tracestate: get("tracestate"),
+        trace_id,
+    }
+}
+
+/// The trace id of a valid `traceparent` (`00-<32 hex>-<16 hex>-<2 hex>`).
+pub fn parse_traceparent(value: &str) -> Option<&str> {
+    let mut parts = value.split('-');
+    let version = parts.next()?;
+    let trace_id = parts.next()?;
+    let span_id = parts.next()?;
+    let flags = parts.next()?;
+    let hex = |s: &str, n: usize| s.len() == n && s.bytes().all(|b| b.is_ascii_hexdigit());
+    (hex(version, 2)
+        && version != "ff"
+        && hex(trace_id, 32)
+        && trace_id.bytes().any(|b| b != b'0')
+        && hex(span_id, 16)
+        && hex(flags, 2))
+    .then_some(trace_id)
+}
+
+/// Parses a `grpc-timeout` header (`<digits><H|M|S|m|u|n>`).
+pub fn grpc_timeout(metadata: &MetadataMap) -> Option<Duration> {
+    let value = metadata.get("grpc-timeout")?.to_str().ok()?;
+    let (digits, unit) = value.split_at(value.len().checked_sub(1)?);
+    let amount: u64 = digits.parse().ok()?;
+    Some(match unit {
+        "H" => Duration::from_secs(amount.saturating_mul(3600)),
+        "M" => Duration::from_secs(amount.saturating_mul(60)),
+        "S" => Duration::from_secs(amount),
+        "m" => Duration::from_millis(amount),
+        "u" => Duration::from_micros(amount),
+        "n" => Duration::from_nanos(amount),
+        _ => return None,
+    })
+}
+
+/// `PreToolService`.
+#[derive(Debug, Clone)]
+pub struct PreTool {
+    mesh: Arc<Mesh>,
+    draining: watch::Receiver<bool>,
+}
+
+impl PreTool {
+    /// `draining` turns true when the server shuts down: open streams stop
+    /// taking batches, finish the ones in flight, and end cleanly.
+    pub fn new(mesh: Arc<Mesh>, draining: watch::Receiver<bool>) -> Self {
+        Self { mesh, draining }
+    }
+
+    fn deadline(&self, timeout_ms: u32, transport: Option<Duration>) -> Instant {
+        let config = &self.mesh.config;
+        let asked = match (timeout_ms, transport) {
+            (0, None) => config.default_batch_timeout,
+            (0, Some(t)) => t,
+            (ms, None) => Duration::from_millis(u64::from(ms)),
+            (ms, Some(t)) => Duration::from_millis(u64::from(ms)).min(t),
+        };
+        Instant::now() + asked.min(config.max_batch_timeout)
+    }
+}
+
+#[tonic::async_trait]
+impl PreToolService for PreTool {
+    type EvaluateStream = ReceiverStream<Result<EvaluateResponse, Status>>;
+
+    async fn evaluate(
+        &self,
+        request: Request<Streaming<EvaluateRequest>>,
+    ) -> Result<Response<Self::EvaluateStream>, Status> {
+        let trace = trace_context(request.metadata());
+        let mut inbound = request.into_inner();
+        let (tx, rx) = mpsc::channel(64);
+        let this = self.clone();
+        tokio::spawn(async move {
+            let in_flight: Arc<Mutex<HashSet<String>>> = Arc::default();
+            let mut tasks = JoinSet::new();
+            let mut draining = this.draining.clone();
+            loop {
+                tokio::select! {
+                    message = inbound.message() => match message {
+                        Ok(Some(batch)) => {
+                            this.spawn_batch(&mut tasks, batch, &trace, &tx, &in_flight);
+                        }
+                        Ok(None) => break,
+                        Err(status) => {
+                            tracing::info!(%status, "coordinator stream ended with an error");
+                            break;
+                        }
+                    },
+                    Some(_) = tasks.join_next(), if !tasks.is_empty() => {}
+                    () = tx.closed() => {
+                        // The coordinator went away: nobody reads the answers.
+                        tasks.abort_all();
+                        return;
+                    }
+                    _ = draining.wait_for(|draining| *draining) => {
+                        tracing::debug!("draining: no new batches on this stream");
+                        break;
+                    }
+                }
+            }
+            while tasks.join_next().await.is_some() {}
+        });
+        Ok(Response::new(ReceiverStream::new(rx)))
+    }
+
+    async fn evaluate_batch(
+        &self,
+        request: Request<EvaluateRequest>,
+    ) -> Result<Response<BatchDecision>, Status> {
+        let trace = trace_context(request.metadata());
+        let transport = grpc_timeout(request.metadata());
+        let batch = request.into_inner();
+        let deadline = self.deadline(batch.timeout_ms, transport);
+        match self.mesh.evaluate(batch, deadline, trace).await {
+            Ok(decision) => Ok(Response::new(decision)),
+            Err(error) => Err(error.status()),
+        }
+    }
+}
+
+impl PreTool {
+    fn spawn_batch(
+        &self,
+        tasks: &mut JoinSet<()>,
+        batch: EvaluateRequest,
+        trace: &TraceContext,
+        tx: &mpsc::Sender<Result<EvaluateResponse, Status>>,
+        in_flight: &Arc<Mutex<HashSet<String>>>,
+    ) {
+        let batch_id = batch.batch_id.clone();
+        let duplicate = !in_flight
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .insert(batch_id.clone());
+        let tx = tx.clone();
+        if duplicate {
+            self.mesh.metrics.refused("duplicate_batch_id");
+            tasks.spawn(async move {
+                let error = Status::invalid_argument(format!(
+                    "batch_id {batch_id:?} is already in flight on this stream"
+                ));
+                let _ = tx.send(Ok(error_response(batch_id, &error))).await;
+            });
+            return;
+        }
+        let mesh = self.mesh.clone();
+        let deadline = self.deadline(batch.timeout_ms, None);
+        let trace = trace.clone();
+        let in_flight = in_flight.clone();
+        tasks.spawn(async move {
+            let result = mesh.evaluate(batch, deadline, trace).await;
+            in_flight
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner)
+                .remove(&batch_id);
+            let response = match result {
+                Ok(decision) => EvaluateResponse {
+                    batch_id,
+                    result: Some(evaluate_response::Result::Decision(decision)),
+                },
+                Err(error) => error_response(batch_id, &error_status(&error)),
+            };
+            let _ = tx.send(Ok(response)).await;
+        });
+    }
+}
+
+fn error_status(error: &BatchError) -> Status {
+    error.status()
+}
+
+fn error_response(batch_id: String, status: &Status) -> EvaluateResponse {
+    EvaluateResponse {
+        batch_id,
+        result: Some(evaluate_response::Result::Error(
+            guardmesh_proto::v1::BatchError {
+                code: status.code() as i32,
+                message: status.message().to_owned(),
+            },
+        )),
+    }
+}
+
+/// `GuardRegistry`.
+#[derive(Debug, Clone)]
+pub struct Registrar {
+    mesh: Arc<Mesh>,
+}
+
+impl Registrar {
+    pub fn new(mesh: Arc<Mesh>) -> Self {
+        Self { mesh }
+    }
+}
+
+fn registry_status(error: RegistryError) -> Status {
+    match error {
+        RegistryError::Invalid(e) => Status::invalid_argument(e.to_string()),
+        RegistryError::Unavailable(e) => Status::unavailable(e),
+    }
+}
+
+#[tonic::async_trait]
+impl GuardRegistry for Registrar {
+    async fn register(
+        &self,
+        request: Request<RegisterRequest>,
+    ) -> Result<Response<RegisterResponse>, Status> {
+        let Some(spec) = request.into_inner().guard else {
+            return Err(Status::invalid_argument("RegisterRequest.guard is missing"));
+        };
+        let name = spec.name.clone();
+        let out = self
+            .mesh
+            .registry()
+            .register(spec)
+            .await
+            .map_err(registry_status)?;
+        // Start dialing the guard now rather than on its first batch.
+        let _ = self.mesh.chain();
+        tracing::info!(guard = %name, revision = out.revision, position = out.position, created = out.created, "guard registered");
+        Ok(Response::new(RegisterResponse {
+            revision: out.revision,
+            position: u32::try_from(out.position).unwrap_or(u32::MAX),
+            created: out.created,
+        }))
+    }
+
+    async fn deregister(
+        &self,
+        request: Request<DeregisterRequest>,
+    ) -> Result<Response<DeregisterResponse>, Status> {
+        let name = request.into_inner().name;
+        let out = self
+            .mesh
+            .registry()
+            .deregister(name.clone())
+            .await
+            .map_err(registry_status)?;
+        let _ = self.mesh.chain();
+        tracing::info!(guard = %name, revision = out.revision, removed = out.removed, "guard deregistered");
+        Ok(Response::new(DeregisterResponse {
+            revision: out.revision,
+            removed: out.removed,
+        }))
+    }
+
+    async fn list(&self, _request: Request<ListRequest>) -> Result<Response<ListResponse>, Status> {
+        let chain = self.mesh.registry().chain();
+        Ok(Response::new(ListResponse {
+            revision: chain.revision,
+            guards: chain.guards.iter().map(|g| g.to_spec()).collect(),
+        }))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn r22_traceparent_parsing() {
+        let ok = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01";
+        assert_eq!(parse_traceparent(ok), Some("4bf92f3577b34da6a3ce929d0e0e4736"));
+        for bad in [
+            "",
+            "00-00000000000000000000000000000000-00f067aa0ba902b7-01",
+            "ff-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01",
+            "00-4bf92f3577b34da6a3ce929d0e0e473-00f067aa0ba902b7-01",
+            "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7",
+        ] {
+            assert_eq!(parse_traceparent(bad), None, "{bad}");
+        }
+    }
+
+    #[test]
+    fn r14_grpc_timeout_header() {
+        let mut m = MetadataMap::new();
+        m.insert("grpc-timeout", "250m".parse().unwrap());
+        assert_eq!(grpc_timeout(&m), Some(Duration::from_millis(250)));
+        m.insert("grpc-timeout", "3S".parse().unwrap());
+        assert_eq!(grpc_timeout(&m), Some(Duration::from_secs(3)));
+        m.insert("grpc-timeout", "x".parse().unwrap());
+        assert_eq!(grpc_timeout(&m), None);
+    }
+}

@@ -1,0 +1,280 @@
+//! A guard's registration, checked and compiled for the hot path.
+//!
+//! `GuardSpec` on the wire is plain data; [`Guard`] is the same registration
+//! after validation, with its tool patterns compiled once so that matching a
+//! call against a guard costs no allocation per batch.
+
+use globset::{Glob, GlobSet, GlobSetBuilder};
+use guardmesh_proto::v1::{FailurePolicy, GuardMode, GuardRole, GuardSpec, RewriteGrant};
+use std::time::Duration;
+
+/// Why a registration was refused. Every variant names the offending field.
+#[derive(Debug, thiserror::Error)]
+pub enum SpecError {
+    #[error("guard name must not be empty")]
+    EmptyName,
+    #[error("guard name {0:?} is invalid: use letters, digits, '.', '_', '-' or '/' (at most 128)")]
+    BadName(String),
+    #[error("guard {name:?}: endpoint {endpoint:?} is invalid: {reason}")]
+    BadEndpoint {
+        name: String,
+        endpoint: String,
+        reason: String,
+    },
+    #[error("guard {name:?}: tool pattern {pattern:?} is invalid: {source}")]
+    BadPattern {
+        name: String,
+        pattern: String,
+        #[source]
+        source: globset::Error,
+    },
+    #[error("guard {name:?}: unknown {field} value {value}")]
+    UnknownEnum {
+        name: String,
+        field: &'static str,
+        value: i32,
+    },
+}
+
+/// Tool-name patterns: exact names and globs. Empty matches every tool.
+#[derive(Debug, Clone)]
+pub struct ToolSet {
+    patterns: Vec<String>,
+    set: Option<GlobSet>,
+}
+
+impl ToolSet {
+    /// Compiles `patterns`; an empty list matches all tools when
+    /// `empty_matches_all`, no tool otherwise.
+    fn compile(name: &str, patterns: &[String], empty_matches_all: bool) -> Result<Self, SpecError> {
+        if patterns.is_empty() {
+            return Ok(Self {
+                patterns: Vec::new(),
+                set: if empty_matches_all {
+                    None
+                } else {
+                    Some(GlobSet::empty())
+                },
+            });
+        }
+        let mut builder = GlobSetBuilder::new();
+        for pattern in patterns {
+            let glob = Glob::new(pattern).map_err(|source| SpecError::BadPattern {
+                name: name.to_owned(),
+                pattern: pattern.clone(),
+                source,
+            })?;
+            builder.add(glob);
+        }
+        let set = builder.build().map_err(|source| SpecError::BadPattern {
+            name: name.to_owned(),
+            pattern: patterns.join(","),
+            source,
+        })?;
+        Ok(Self {
+            patterns: patterns.to_vec(),
+            set: Some(set),
+        })
+    }
+
+    /// Whether `tool` is in the set.
+    pub fn matches(&self, tool: &str) -> bool {
+        match &self.set {
+            None => true,
+            Some(set) => set.is_match(tool),
+        }
+    }
+
+    /// The patterns as registered.
+    pub fn patterns(&self) -> &[String] {
+        &self.patterns
+    }
+}
+
+/// A validated registration.
+#[derive(Debug, Clone)]
+pub struct Guard {
+    pub name: String,
+    pub endpoint: String,
+    pub role: GuardRole,
+    pub tools: ToolSet,
+    pub timeout: Duration,
+    pub failure_policy: FailurePolicy,
+    pub priority: i32,
+    pub mode: GuardMode,
+    /// What a mutate guard may rewrite; always empty for validate guards.
+    pub grant_tools: ToolSet,
+    pub may_rename: bool,
+}
+
+impl Guard {
+    /// Checks and compiles a wire registration. `default_timeout` replaces a
+    /// zero `timeout_ms`.
+    pub fn from_spec(spec: &GuardSpec, default_timeout: Duration) -> Result<Self, SpecError> {
+        let name = spec.name.trim();
+        if name.is_empty() {
+            return Err(SpecError::EmptyName);
+        }
+        if name.len() > 128
+            || !name
+                .chars()
+                .all(|c| c.is_ascii_alphanumeric() || matches!(c, '.' | '_' | '-' | '/'))
+        {
+            return Err(SpecError::BadName(spec.name.clone()));
+        }
+        let name = name.to_owned();
+        let endpoint = normalize_endpoint(&name, &spec.endpoint)?;
+        let role = GuardRole::try_from(spec.role).map_err(|_| SpecError::UnknownEnum {
+            name: name.clone(),
+            field: "role",
+            value: spec.role,
+        })?;
+        let failure_policy =
+            FailurePolicy::try_from(spec.failure_policy).map_err(|_| SpecError::UnknownEnum {
+                name: name.clone(),
+                field: "failure_policy",
+                value: spec.failure_policy,
+            })?;
+        let mode = GuardMode::try_from(spec.mode).map_err(|_| SpecError::UnknownEnum {
+            name: name.clone(),
+            field: "mode",
+            value: spec.mode,
+        })?;
+        let tools = ToolSet::compile(&name, &spec.tools, true)?;
+        let grant = match role {
+            GuardRole::Mutate => spec.grant.clone().unwrap_or_default(),
+            GuardRole::Validate => RewriteGrant::default(),
+        };
+        let grant_tools = ToolSet::compile(&name, &grant.tools, false)?;
+        let timeout = if spec.timeout_ms == 0 {
+            default_timeout
+        } else {
+            Duration::from_millis(u64::from(spec.timeout_ms))
+        };
+        Ok(Self {
+            name,
+            endpoint,
+            role,
+            tools,
+            timeout,
+            failure_policy,
+            priority: spec.priority,
+            mode,
+            grant_tools,
+            may_rename: grant.may_rename,
+        })
+    }
+
+    /// The registration as it goes back on the wire (`List`).
+    pub fn to_spec(&self) -> GuardSpec {
+        GuardSpec {
+            name: self.name.clone(),
+            endpoint: self.endpoint.clone(),
+            role: self.role as i32,
+            tools: self.tools.patterns().to_vec(),
+            timeout_ms: u32::try_from(self.timeout.as_millis()).unwrap_or(u32::MAX),
+            failure_policy: self.failure_policy as i32,
+            priority: self.priority,
+            mode: self.mode as i32,
+            grant: (self.role == GuardRole::Mutate).then(|| RewriteGrant {
+                tools: self.grant_tools.patterns().to_vec(),
+                may_rename: self.may_rename,
+            }),
+        }
+    }
+
+    /// Whether the guard's verdicts are applied (not a dry run, R18).
+    pub fn enforced(&self) -> bool {
+        self.mode == GuardMode::Enforce
+    }
+}
+
+/// Accepts `http://host:port`, `https://host:port` or a bare `host:port`
+/// (read as `http://`), and refuses anything a channel could not dial.
+fn normalize_endpoint(name: &str, endpoint: &str) -> Result<String, SpecError> {
+    let bad = |reason: &str| SpecError::BadEndpoint {
+        name: name.to_owned(),
+        endpoint: endpoint.to_owned(),
+        reason: reason.to_owned(),
+    };
+    let trimmed = endpoint.trim();
+    if trimmed.is_empty() {
+        return Err(bad("empty"));
+    }
+    let full = if trimmed.contains("://") {
+        trimmed.to_owned()
+    } else {
+        format!("http://{trimmed}")
+    };
+    let uri = full
+        .parse::<tonic::transport::Uri>()
+        .map_err(|e| bad(&e.to_string()))?;
+    match uri.scheme_str() {
+        Some("http") | Some("https") => {}
+        _ => return Err(bad("scheme must be http or https")),
+    }
+    let Some(authority) = uri.authority() else {
+        return Err(bad("no host"));
+    };
+    if authority.host().is_empty() {
+        return Err(bad("no host"));
+    }
+    if authority.port_u16().is_none() {
+        return Err(bad("no port"));
+    }
+    if uri.path() != "/" && !uri.path().is_empty() {
+        return Err(bad("must not have a path"));
+    }
+    Ok(format!("{}://{}", uri.scheme_str().unwrap_or("http"), authority))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn spec(name: &str, endpoint: &str) -> GuardSpec {
+        GuardSpec {
+            name: name.into(),
+            endpoint: endpoint.into(),
+            ..Default::default()
+        }
+    }
+
+    #[test]
+    fn r16_endpoint_forms() {
+        let d = Duration::from_secs(1);
+        let g = Guard::from_spec(&spec("a", "127.0.0.1:9"), d).unwrap();
+        assert_eq!(g.endpoint, "http://127.0.0.1:9");
+        assert!(Guard::from_spec(&spec("a", "http://[::1]:9"), d).is_ok());
+        for bad in ["", "127.0.0.1", "ftp://x:1", "http://:1", "not a uri:1", "http://h:1/path"] {
+            let err = Guard::from_spec(&spec("a", bad), d).unwrap_err();
+            assert!(matches!(err, SpecError::BadEndpoint { .. }), "{bad}: {err}");
+        }
+    }
+
+    #[test]
+    fn r9_tools_globs_and_default_all() {
+        let d = Duration::from_secs(1);
+        let mut s = spec("a", "h:1");
+        let all = Guard::from_spec(&s, d).unwrap();
+        assert!(all.tools.matches("anything"));
+        s.tools = vec!["sql.*".into(), "shell".into()];
+        let some = Guard::from_spec(&s, d).unwrap();
+        assert!(some.tools.matches("sql.query"));
+        assert!(some.tools.matches("shell"));
+        assert!(!some.tools.matches("shell.exec"));
+        assert!(!some.grant_tools.matches("sql.query"), "validate guards have no grant");
+        s.tools = vec!["[".into()];
+        assert!(matches!(Guard::from_spec(&s, d), Err(SpecError::BadPattern { .. })));
+    }
+
+    #[test]
+    fn r16_unknown_enum_refused() {
+        let mut s = spec("a", "h:1");
+        s.failure_policy = 7;
+        assert!(matches!(
+            Guard::from_spec(&s, Duration::from_secs(1)),
+            Err(SpecError::UnknownEnum { field: "failure_policy", .. })
+        ));
+    }
+}
