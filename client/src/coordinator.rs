@@ -96,9 +96,9 @@ impl Batch {
                 metadata: self.metadata,
             }),
             calls: self.calls,
-            timeout_ms: self
-                .timeout
-                .map_or(0, |t| u32::try_from(t.as_millis()).unwrap_or(u32::MAX).max(1)),
+            timeout_ms: self.timeout.map_or(0, |t| {
+                u32::try_from(t.as_millis()).unwrap_or(u32::MAX).max(1)
+            }),
         }
     }
 }
@@ -387,9 +387,11 @@ impl Session {
     /// Sends a batch exactly as given (its `batch_id` included) and waits
     /// for its answer. Unlike [`Session::evaluate`], an empty batch is sent.
     pub async fn evaluate_raw(&self, request: EvaluateRequest) -> Result<Decision, ClientError> {
-        let answer = self.send_raw(request).await?.await.map_err(|_| {
-            ClientError::SessionClosed(String::new())
-        })??;
+        let answer = self
+            .send_raw(request)
+            .await?
+            .await
+            .map_err(|_| ClientError::SessionClosed(String::new()))??;
         let batch_id = answer.batch_id;
         match answer.result {
             Some(evaluate_response::Result::Decision(decision)) => {

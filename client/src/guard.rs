@@ -22,9 +22,7 @@
 //! ```
 
 use crate::proto::guard_service_server::{GuardService, GuardServiceServer};
-use crate::proto::{
-    GuardBatch, JudgeRequest, JudgeResponse, ToolCall, Verdict, judge_request,
-};
+use crate::proto::{GuardBatch, JudgeRequest, JudgeResponse, ToolCall, Verdict, judge_request};
 use std::collections::HashMap;
 use std::future::Future;
 use std::sync::{Arc, Mutex, PoisonError};
@@ -46,7 +44,10 @@ pub trait Guard: Send + Sync + 'static {
     /// Judges a batch: the calls this guard applies to (R9). Calls without a
     /// verdict proceed. An `Err` fails the request (the mesh applies the
     /// guard's failure policy, R13).
-    fn judge(&self, batch: &GuardBatch) -> impl Future<Output = Result<Vec<Verdict>, Status>> + Send {
+    fn judge(
+        &self,
+        batch: &GuardBatch,
+    ) -> impl Future<Output = Result<Vec<Verdict>, Status>> + Send {
         let verdicts = batch
             .calls
             .iter()
@@ -112,18 +113,32 @@ impl<G: Guard> GuardService for GuardServer<G> {
                         let task = tokio::spawn(tracing::Instrument::instrument(
                             async move {
                                 let answer = match guard.judge(&batch).await {
-                                    Ok(verdicts) => Ok(JudgeResponse {
+                                    Ok(verdicts) => JudgeResponse {
                                         request_id: id,
                                         verdicts,
                                         partial: false,
-                                    }),
+                                        error: String::new(),
+                                    },
                                     Err(status) => {
+                                        // Fails this request only; the
+                                        // stream and its other batches live.
                                         tracing::warn!(%status, "guard failed a batch");
-                                        Err(status)
+                                        JudgeResponse {
+                                            request_id: id,
+                                            verdicts: Vec::new(),
+                                            partial: false,
+                                            error: format!(
+                                                "{}: {}",
+                                                status.code(),
+                                                status.message()
+                                            ),
+                                        }
                                     }
                                 };
-                                done.lock().unwrap_or_else(PoisonError::into_inner).remove(&id);
-                                let _ = tx.send(answer).await;
+                                done.lock()
+                                    .unwrap_or_else(PoisonError::into_inner)
+                                    .remove(&id);
+                                let _ = tx.send(Ok(answer)).await;
                             },
                             span,
                         ));
@@ -147,7 +162,11 @@ impl<G: Guard> GuardService for GuardServer<G> {
                     Ok(None) | Err(_) => break,
                 }
             }
-            for (_, task) in running.lock().unwrap_or_else(PoisonError::into_inner).drain() {
+            for (_, task) in running
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner)
+                .drain()
+            {
                 task.abort();
             }
         });
@@ -172,7 +191,9 @@ pub async fn serve_arc<G: Guard>(
     shutdown: impl Future<Output = ()> + Send,
 ) -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
     let (health, health_service) = tonic_health::server::health_reporter();
-    health.set_serving::<GuardServiceServer<GuardServer<G>>>().await;
+    health
+        .set_serving::<GuardServiceServer<GuardServer<G>>>()
+        .await;
     let reflection = tonic_reflection::server::Builder::configure()
         .register_encoded_file_descriptor_set(guardmesh_proto::FILE_DESCRIPTOR_SET)
         .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)

@@ -70,7 +70,9 @@ impl Registration {
 
     /// Its timeout (R14).
     pub fn timeout(mut self, timeout: Duration) -> Self {
-        self.0.timeout_ms = u32::try_from(timeout.as_millis()).unwrap_or(u32::MAX).max(1);
+        self.0.timeout_ms = u32::try_from(timeout.as_millis())
+            .unwrap_or(u32::MAX)
+            .max(1);
         self
     }
 
@@ -139,7 +141,13 @@ impl Registrar {
     /// Removes a guard; returns whether one was removed.
     pub async fn deregister(&self, name: impl Into<String>) -> Result<bool, ClientError> {
         let request = DeregisterRequest { name: name.into() };
-        Ok(self.client.clone().deregister(request).await?.into_inner().removed)
+        Ok(self
+            .client
+            .clone()
+            .deregister(request)
+            .await?
+            .into_inner()
+            .removed)
     }
 
     /// The chain in order.

@@ -34,7 +34,10 @@ pub enum BatchError {
     /// Refused before any guard was contacted (R20).
     Refused(validate::Refusal),
     /// A guard with failure policy `abort` failed (R13).
-    Aborted { guard: String, failure: GuardFailure },
+    Aborted {
+        guard: String,
+        failure: GuardFailure,
+    },
 }
 
 impl BatchError {
@@ -121,9 +124,10 @@ fn check_verdicts(
             )),
             (outcome, Some(i)) if answered[i] => {
                 let _ = outcome;
-                checked
-                    .malformed
-                    .push(format!("second verdict for call {:?} ignored", verdict.call_id));
+                checked.malformed.push(format!(
+                    "second verdict for call {:?} ignored",
+                    verdict.call_id
+                ));
             }
             (None, Some(i)) => {
                 answered[i] = true;
@@ -296,7 +300,8 @@ impl Mesh {
         let chain = self.chain();
         // R1: zero calls contact no guard.
         if request.calls.is_empty() {
-            self.metrics.batch("decided", started.elapsed().as_secs_f64());
+            self.metrics
+                .batch("decided", started.elapsed().as_secs_f64());
             return Ok(BatchDecision {
                 decisions: Vec::new(),
                 execute: Vec::new(),
@@ -446,6 +451,9 @@ impl<'a> Judging<'a> {
                 loop {
                     tokio::select! {
                         event = events.recv() => match event {
+                            Some(LinkEvent::Answer { response, .. }) if !response.error.is_empty() => {
+                                break Err(GuardFailure::Refused(response.error));
+                            }
                             Some(LinkEvent::Answer { response, .. }) => {
                                 verdicts.extend(response.verdicts);
                                 if !response.partial {
@@ -471,8 +479,15 @@ impl<'a> Judging<'a> {
         let guard = self.chain.guards[g].guard.clone();
         let checked = answer.and_then(|verdicts| {
             let run = &mut self.runs[g];
-            check_verdicts(&guard, &self.calls, &self.index_of, &run.sent, &mut run.answered, verdicts)
-                .map_err(GuardFailure::RejectedRewrite)
+            check_verdicts(
+                &guard,
+                &self.calls,
+                &self.index_of,
+                &run.sent,
+                &mut run.answered,
+                verdicts,
+            )
+            .map_err(GuardFailure::RejectedRewrite)
         });
         match checked {
             Ok(checked) => {
@@ -688,6 +703,21 @@ impl<'a> Judging<'a> {
     ) {
         let g = order[k];
         let guard = self.chain.guards[g].guard.clone();
+        if !response.error.is_empty() {
+            deadlines[k] = None;
+            let run = &mut self.runs[g];
+            run.finished = Some(Instant::now());
+            if response.partial
+                && let Some(id) = run.request_id
+            {
+                self.chain.guards[g].link.cancel(id);
+            }
+            let failure = GuardFailure::Refused(response.error);
+            self.log_failure(&guard, &failure);
+            self.runs[g].failure = Some(failure);
+            fold.fail(k);
+            return;
+        }
         let final_answer = !response.partial;
         let run = &mut self.runs[g];
         match check_verdicts(
@@ -797,7 +827,7 @@ impl<'a> Judging<'a> {
                         "malformed verdicts dropped: {error}"
                     );
                 }
-                let reported = if guard.enforced() {
+                let reported = if guard.enforced() || status == TraceStatus::NotApplicable {
                     status
                 } else {
                     TraceStatus::DryRun
@@ -821,10 +851,10 @@ impl<'a> Judging<'a> {
                     guard: guard.name.clone(),
                     role: guard.role as i32,
                     status: reported as i32,
-                    latency_us: latency.map_or(0, |l| u64::try_from(l.as_micros()).unwrap_or(u64::MAX)),
+                    latency_us: latency
+                        .map_or(0, |l| u64::try_from(l.as_micros()).unwrap_or(u64::MAX)),
                     sent_call_ids: pick(
-                        &run
-                            .sent
+                        &run.sent
                             .iter()
                             .enumerate()
                             .filter(|(_, s)| **s)
@@ -834,10 +864,10 @@ impl<'a> Judging<'a> {
                     skipped_call_ids: pick(&run.skipped),
                     rewritten_call_ids: pick(&run.rewritten),
                     error,
-                    dry_run_status: if guard.enforced() {
-                        TraceStatus::Unspecified as i32
-                    } else {
+                    dry_run_status: if reported == TraceStatus::DryRun {
                         status as i32
+                    } else {
+                        TraceStatus::Unspecified as i32
                     },
                 }
             })
@@ -888,7 +918,11 @@ fn _assert_send(mesh: Arc<Mesh>) {
     fn is_send<T: Send>(_: T) {}
     is_send(async move {
         let _ = mesh
-            .evaluate(EvaluateRequest::default(), Instant::now(), TraceContext::default())
+            .evaluate(
+                EvaluateRequest::default(),
+                Instant::now(),
+                TraceContext::default(),
+            )
             .await;
     });
 }

@@ -282,16 +282,24 @@ mod tests {
         assert_eq!(a.role, GuardRole::Mutate as i32);
         assert_eq!(a.mode, GuardMode::DryRun as i32);
         assert!(a.grant.unwrap().may_rename);
-        assert_eq!(config.guards[0].to_spec().failure_policy, FailurePolicy::Abort as i32);
+        assert_eq!(
+            config.guards[0].to_spec().failure_policy,
+            FailurePolicy::Abort as i32
+        );
     }
 
     #[test]
     fn config_errors_name_the_problem() {
-        let err = Config::parse("[[guard]]\nname = \"x\"\nendpoint = \"h:1\"\nfailure_policy = \"maybe\"\n", "cfg.toml")
+        let err = Config::parse(
+            "[[guard]]\nname = \"x\"\nendpoint = \"h:1\"\nfailure_policy = \"maybe\"\n",
+            "cfg.toml",
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(err.contains("cfg.toml") && err.contains("maybe"), "{err}");
+        let err = Config::parse("lissen = 1", "cfg.toml")
             .unwrap_err()
             .to_string();
-        assert!(err.contains("cfg.toml") && err.contains("maybe"), "{err}");
-        let err = Config::parse("lissen = 1", "cfg.toml").unwrap_err().to_string();
         assert!(err.contains("lissen"), "{err}");
     }
 }

@@ -71,7 +71,11 @@ impl Fold {
         let mut cells = Vec::with_capacity(guards.len() * calls);
         for g in 0..guards.len() {
             for c in 0..calls {
-                cells.push(if sent(g, c) { Cell::Pending } else { Cell::NotSent });
+                cells.push(if sent(g, c) {
+                    Cell::Pending
+                } else {
+                    Cell::NotSent
+                });
             }
         }
         let mut fold = Self {
@@ -95,9 +99,7 @@ impl Fold {
 
     /// Whether guard `g` still has an unanswered call.
     pub fn pending(&self, g: usize) -> bool {
-        self.cells[g * self.calls..(g + 1) * self.calls]
-            .iter()
-            .any(|cell| *cell == Cell::Pending)
+        self.cells[g * self.calls..(g + 1) * self.calls].contains(&Cell::Pending)
     }
 
     /// Records guard `g`'s verdict for call `c`. A verdict for a call that is
@@ -259,7 +261,10 @@ mod tests {
 
     #[test]
     fn r13_fail_open_is_bypassed_and_recorded() {
-        let guards = vec![enforce(FailurePolicy::FailOpen), enforce(FailurePolicy::FailClosed)];
+        let guards = vec![
+            enforce(FailurePolicy::FailOpen),
+            enforce(FailurePolicy::FailClosed),
+        ];
         let mut f = Fold::new(guards, 1, |_, _| true);
         f.fail(0);
         f.complete(1);
@@ -284,7 +289,11 @@ mod tests {
         let mut f = Fold::new(guards_dry_fail(), 1, |_, _| true);
         f.fail(0);
         f.complete(1);
-        assert_eq!(f.resolution(0), Resolution::Proceed, "a failing dry-run guard aborts nothing");
+        assert_eq!(
+            f.resolution(0),
+            Resolution::Proceed,
+            "a failing dry-run guard aborts nothing"
+        );
     }
 
     fn guards_dry_fail() -> Vec<FoldGuard> {
@@ -325,7 +334,11 @@ mod tests {
 
     fn scenario() -> impl Strategy<Value = Scenario> {
         (1usize..6, 1usize..6).prop_flat_map(|(calls, guards)| {
-            let guard = (any::<bool>(), policy(), prop::collection::vec(any::<bool>(), calls));
+            let guard = (
+                any::<bool>(),
+                policy(),
+                prop::collection::vec(any::<bool>(), calls),
+            );
             let behaviour = prop_oneof![
                 prop::collection::vec(any::<bool>(), calls).prop_map(Behaviour::Answer),
                 (0usize..6, prop::collection::vec(any::<bool>(), calls))
@@ -448,8 +461,8 @@ mod tests {
                 }
             }
             // Drain what the shuffle left, in guard order.
-            for g in 0..s.guards.len() {
-                while let Some(event) = queues[g].pop_front() {
+            for (g, queue) in queues.iter_mut().enumerate() {
+                while let Some(event) = queue.pop_front() {
                     if fold.done() { break; }
                     match event {
                         Some((c, true)) => { fold.answer(g, c, skip("no")); }

@@ -19,20 +19,26 @@
 //! * [`spec`]: a registration checked and compiled.
 //! * [`validate`]: refusing bad batches before any guard sees them (R20).
 //! * [`config`]: the TOML config file.
-//! * [`metrics`]: counters and histograms in the Prometheus text format.
+//! * [`metrics`]: counters and histograms in the Prometheus text format;
+//!   [`metrics_http`] serves them.
+//! * [`telemetry`]: logs (and traces).
+//! * [`examples`]: example guards written with the Rust SDK.
 //! * [`demo`]: the self-contained demo behind `guardmesh demo`.
 
 pub mod batch;
 pub mod config;
 pub mod demo;
+pub mod examples;
 pub mod fold;
 pub mod link;
 pub mod mesh;
 pub mod metrics;
+pub mod metrics_http;
 pub mod registry;
 pub mod server;
 pub mod service;
 pub mod spec;
+pub mod telemetry;
 pub mod validate;
 
 pub use batch::TraceContext;

@@ -30,6 +30,8 @@ pub enum GuardFailure {
     Unreachable(Arc<str>),
     #[error("answered with gRPC error {code:?}: {message}")]
     Status { code: tonic::Code, message: String },
+    #[error("answered with an error: {0}")]
+    Refused(String),
     #[error("closed its stream without answering")]
     StreamClosed,
     #[error("did not answer within {0:?}")]
@@ -144,8 +146,10 @@ impl std::fmt::Debug for GuardLink {
 impl Drop for GuardLink {
     fn drop(&mut self) {
         self.task.abort();
-        self.shared
-            .fail_all(GuardFailure::Unreachable("guard link closed".into()), Conn::Down("guard link closed".into()));
+        self.shared.fail_all(
+            GuardFailure::Unreachable("guard link closed".into()),
+            Conn::Down("guard link closed".into()),
+        );
     }
 }
 
@@ -225,7 +229,11 @@ impl GuardLink {
 }
 
 /// The link's life: connect, serve one stream, back off, repeat.
-async fn run(shared: Arc<Shared>, config: LinkConfig, first_rx: mpsc::UnboundedReceiver<JudgeRequest>) {
+async fn run(
+    shared: Arc<Shared>,
+    config: LinkConfig,
+    first_rx: mpsc::UnboundedReceiver<JudgeRequest>,
+) {
     let mut rx = Some(first_rx);
     let mut backoff = config.backoff_initial;
     loop {
@@ -266,7 +274,10 @@ async fn serve_stream(
         }
         Err(error) => {
             let reason: Arc<str> = format!("bad endpoint {}: {error}", shared.endpoint).into();
-            shared.fail_all(GuardFailure::Unreachable(reason.clone()), Conn::Down(reason));
+            shared.fail_all(
+                GuardFailure::Unreachable(reason.clone()),
+                Conn::Down(reason),
+            );
             return false;
         }
     };
@@ -275,7 +286,10 @@ async fn serve_stream(
         Err(error) => {
             let reason: Arc<str> = format!("{}: {}", shared.endpoint, error_chain(&error)).into();
             tracing::warn!(guard = %shared.name, error = %reason, "guard unreachable");
-            shared.fail_all(GuardFailure::Unreachable(reason.clone()), Conn::Down(reason));
+            shared.fail_all(
+                GuardFailure::Unreachable(reason.clone()),
+                Conn::Down(reason),
+            );
             return false;
         }
     };

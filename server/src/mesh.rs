@@ -67,7 +67,9 @@ pub struct Mesh {
 
 impl std::fmt::Debug for Mesh {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Mesh").field("config", &self.config).finish()
+        f.debug_struct("Mesh")
+            .field("config", &self.config)
+            .finish()
     }
 }
 

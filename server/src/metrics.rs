@@ -107,7 +107,9 @@ impl Metrics {
             refused.clone(),
         );
         let guard_latency =
-            Family::<GuardLabel, Histogram, fn() -> Histogram>::new_with_constructor(latency_histogram);
+            Family::<GuardLabel, Histogram, fn() -> Histogram>::new_with_constructor(
+                latency_histogram,
+            );
         registry.register(
             "guard_latency_seconds",
             "Time from sending a batch to a guard to its answer or failure",
@@ -120,7 +122,11 @@ impl Metrics {
             batch_latency.clone(),
         );
         let chain_guards = Gauge::default();
-        registry.register("chain_guards", "Guards in the current chain", chain_guards.clone());
+        registry.register(
+            "chain_guards",
+            "Guards in the current chain",
+            chain_guards.clone(),
+        );
         Self {
             registry,
             batches,
@@ -183,7 +189,8 @@ impl Metrics {
     }
 
     pub fn chain_size(&self, guards: usize) {
-        self.chain_guards.set(i64::try_from(guards).unwrap_or(i64::MAX));
+        self.chain_guards
+            .set(i64::try_from(guards).unwrap_or(i64::MAX));
     }
 
     /// The metrics in the Prometheus text exposition format.

@@ -31,12 +31,8 @@ pub async fn run(
     // Dial the guards of the config file before the first batch needs them.
     let _ = mesh.chain();
     let (health, health_service) = tonic_health::server::health_reporter();
-    health
-        .set_serving::<PreToolServiceServer<PreTool>>()
-        .await;
-    health
-        .set_serving::<GuardRegistryServer<Registrar>>()
-        .await;
+    health.set_serving::<PreToolServiceServer<PreTool>>().await;
+    health.set_serving::<GuardRegistryServer<Registrar>>().await;
     let reflection = tonic_reflection::server::Builder::configure()
         .register_encoded_file_descriptor_set(guardmesh_proto::FILE_DESCRIPTOR_SET)
         .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
@@ -45,7 +41,12 @@ pub async fn run(
     // The transport limit is well above the per-batch limit, which is
     // checked per message so that an oversized batch is refused alone and
     // its stream stays open (R20).
-    let transport_limit = mesh.config.limits.max_batch_bytes.saturating_mul(4).max(16 << 20);
+    let transport_limit = mesh
+        .config
+        .limits
+        .max_batch_bytes
+        .saturating_mul(4)
+        .max(16 << 20);
     let pre_tool = PreToolServiceServer::new(PreTool::new(mesh.clone(), drain_rx))
         .max_decoding_message_size(transport_limit)
         .max_encoding_message_size(transport_limit);
@@ -53,7 +54,9 @@ pub async fn run(
     let signal = async move {
         shutdown.await;
         tracing::info!("shutting down: draining in-flight batches");
-        health.set_not_serving::<PreToolServiceServer<PreTool>>().await;
+        health
+            .set_not_serving::<PreToolServiceServer<PreTool>>()
+            .await;
         let _ = drain_tx.send(true);
     };
     tonic::transport::Server::builder()

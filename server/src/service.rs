@@ -34,7 +34,11 @@ pub fn trace_context(metadata: &MetadataMap) -> TraceContext {
         .map(str::to_owned)
         .unwrap_or_default();
     TraceContext {
-        traceparent: if trace_id.is_empty() { String::new() } else { traceparent },
+        traceparent: if trace_id.is_empty() {
+            String::new()
+        } else {
+            traceparent
+        },
         tracestate: get("tracestate"),
         trace_id,
     }
@@ -302,7 +306,10 @@ mod tests {
     #[test]
     fn r22_traceparent_parsing() {
         let ok = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01";
-        assert_eq!(parse_traceparent(ok), Some("4bf92f3577b34da6a3ce929d0e0e4736"));
+        assert_eq!(
+            parse_traceparent(ok),
+            Some("4bf92f3577b34da6a3ce929d0e0e4736")
+        );
         for bad in [
             "",
             "00-00000000000000000000000000000000-00f067aa0ba902b7-01",

@@ -46,7 +46,11 @@ pub struct ToolSet {
 impl ToolSet {
     /// Compiles `patterns`; an empty list matches all tools when
     /// `empty_matches_all`, no tool otherwise.
-    fn compile(name: &str, patterns: &[String], empty_matches_all: bool) -> Result<Self, SpecError> {
+    fn compile(
+        name: &str,
+        patterns: &[String],
+        empty_matches_all: bool,
+    ) -> Result<Self, SpecError> {
         if patterns.is_empty() {
             return Ok(Self {
                 patterns: Vec::new(),
@@ -225,7 +229,11 @@ fn normalize_endpoint(name: &str, endpoint: &str) -> Result<String, SpecError> {
     if uri.path() != "/" && !uri.path().is_empty() {
         return Err(bad("must not have a path"));
     }
-    Ok(format!("{}://{}", uri.scheme_str().unwrap_or("http"), authority))
+    Ok(format!(
+        "{}://{}",
+        uri.scheme_str().unwrap_or("http"),
+        authority
+    ))
 }
 
 #[cfg(test)]
@@ -246,7 +254,14 @@ mod tests {
         let g = Guard::from_spec(&spec("a", "127.0.0.1:9"), d).unwrap();
         assert_eq!(g.endpoint, "http://127.0.0.1:9");
         assert!(Guard::from_spec(&spec("a", "http://[::1]:9"), d).is_ok());
-        for bad in ["", "127.0.0.1", "ftp://x:1", "http://:1", "not a uri:1", "http://h:1/path"] {
+        for bad in [
+            "",
+            "127.0.0.1",
+            "ftp://x:1",
+            "http://:1",
+            "not a uri:1",
+            "http://h:1/path",
+        ] {
             let err = Guard::from_spec(&spec("a", bad), d).unwrap_err();
             assert!(matches!(err, SpecError::BadEndpoint { .. }), "{bad}: {err}");
         }
@@ -263,9 +278,15 @@ mod tests {
         assert!(some.tools.matches("sql.query"));
         assert!(some.tools.matches("shell"));
         assert!(!some.tools.matches("shell.exec"));
-        assert!(!some.grant_tools.matches("sql.query"), "validate guards have no grant");
+        assert!(
+            !some.grant_tools.matches("sql.query"),
+            "validate guards have no grant"
+        );
         s.tools = vec!["[".into()];
-        assert!(matches!(Guard::from_spec(&s, d), Err(SpecError::BadPattern { .. })));
+        assert!(matches!(
+            Guard::from_spec(&s, d),
+            Err(SpecError::BadPattern { .. })
+        ));
     }
 
     #[test]
@@ -274,7 +295,10 @@ mod tests {
         s.failure_policy = 7;
         assert!(matches!(
             Guard::from_spec(&s, Duration::from_secs(1)),
-            Err(SpecError::UnknownEnum { field: "failure_policy", .. })
+            Err(SpecError::UnknownEnum {
+                field: "failure_policy",
+                ..
+            })
         ));
     }
 }

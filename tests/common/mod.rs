@@ -1,0 +1,389 @@
+//! Shared test harness: a real mesh and real guards on 127.0.0.1:0.
+#![allow(dead_code)]
+
+use guardmesh_client::proto::guard_service_server::{GuardService, GuardServiceServer};
+use guardmesh_client::proto::{GuardBatch, JudgeRequest, JudgeResponse, Verdict};
+use guardmesh_client::{Coordinator, Guard, Registrar, Registration};
+use guardmesh_server::{MemoryRegistry, Mesh, MeshConfig};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+use tokio::net::TcpListener;
+use tokio::sync::oneshot;
+use tokio::task::JoinHandle;
+use tokio_stream::wrappers::TcpListenerStream;
+use tonic::Status;
+
+/// A mesh served on loopback.
+pub struct TestMesh {
+    pub url: String,
+    pub mesh: Arc<Mesh>,
+    stop: Option<oneshot::Sender<()>>,
+    task: JoinHandle<()>,
+}
+
+impl TestMesh {
+    pub async fn start() -> Self {
+        Self::with_config(fast_config()).await
+    }
+
+    pub async fn with_config(config: MeshConfig) -> Self {
+        let registry = Arc::new(MemoryRegistry::new(config.default_guard_timeout));
+        let mesh = Mesh::new(config, registry);
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let url = format!("http://{}", listener.local_addr().unwrap());
+        let (stop, stopped) = oneshot::channel::<()>();
+        let task = tokio::spawn({
+            let mesh = mesh.clone();
+            async move {
+                guardmesh_server::server::run(listener, mesh, async {
+                    let _ = stopped.await;
+                })
+                .await
+                .unwrap();
+            }
+        });
+        Self {
+            url,
+            mesh,
+            stop: Some(stop),
+            task,
+        }
+    }
+
+    pub async fn coordinator(&self) -> Coordinator {
+        Coordinator::connect(self.url.clone()).await.unwrap()
+    }
+
+    pub async fn registrar(&self) -> Registrar {
+        Registrar::connect(self.url.clone()).await.unwrap()
+    }
+
+    pub async fn register(&self, spec: Registration) {
+        self.registrar().await.register(spec).await.unwrap();
+    }
+
+    /// Signals shutdown and waits for the server to finish draining.
+    pub async fn shutdown(mut self) {
+        if let Some(stop) = self.stop.take() {
+            let _ = stop.send(());
+        }
+        let _ = (&mut self.task).await;
+    }
+}
+
+impl Drop for TestMesh {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+/// Short backoffs so that reconnect tests stay quick.
+pub fn fast_config() -> MeshConfig {
+    let mut config = MeshConfig::default();
+    config.link.backoff_initial = Duration::from_millis(20);
+    config.link.backoff_max = Duration::from_millis(200);
+    config.link.connect_timeout = Duration::from_millis(500);
+    config
+}
+
+/// What a scripted guard does with a batch.
+#[derive(Clone, Default)]
+pub struct Script {
+    pub delay: Duration,
+    pub verdicts: Vec<Verdict>,
+    pub error: Option<Status>,
+}
+
+type Behaviour = dyn Fn(&GuardBatch) -> Script + Send + Sync;
+
+/// A guard served by the Rust SDK whose answers a test scripts, and which
+/// records what it received and what was cancelled.
+pub struct ScriptGuard {
+    behaviour: Box<Behaviour>,
+    pub received: Mutex<Vec<GuardBatch>>,
+    pub cancelled: AtomicUsize,
+    pub answered: AtomicUsize,
+}
+
+impl ScriptGuard {
+    pub fn batches(&self) -> Vec<GuardBatch> {
+        self.received.lock().unwrap().clone()
+    }
+
+    pub fn requests(&self) -> usize {
+        self.received.lock().unwrap().len()
+    }
+
+    pub fn cancelled(&self) -> usize {
+        self.cancelled.load(Ordering::SeqCst)
+    }
+}
+
+struct CountOnDrop<'a> {
+    counter: &'a AtomicUsize,
+    armed: bool,
+}
+
+impl Drop for CountOnDrop<'_> {
+    fn drop(&mut self) {
+        if self.armed {
+            self.counter.fetch_add(1, Ordering::SeqCst);
+        }
+    }
+}
+
+impl Guard for ScriptGuard {
+    async fn judge(&self, batch: &GuardBatch) -> Result<Vec<Verdict>, Status> {
+        self.received.lock().unwrap().push(batch.clone());
+        let script = (self.behaviour)(batch);
+        // Counts the batch as cancelled if the mesh aborts this future.
+        let mut on_cancel = CountOnDrop {
+            counter: &self.cancelled,
+            armed: true,
+        };
+        if !script.delay.is_zero() {
+            tokio::time::sleep(script.delay).await;
+        }
+        on_cancel.armed = false;
+        self.answered.fetch_add(1, Ordering::SeqCst);
+        match script.error {
+            Some(status) => Err(status),
+            None => Ok(script.verdicts),
+        }
+    }
+}
+
+/// A running guard process-in-a-task.
+pub struct TestGuard {
+    pub url: String,
+    pub guard: Arc<ScriptGuard>,
+    stop: Option<oneshot::Sender<()>>,
+    task: JoinHandle<()>,
+}
+
+impl TestGuard {
+    pub async fn stop(mut self) {
+        if let Some(stop) = self.stop.take() {
+            let _ = stop.send(());
+        }
+        self.task.abort();
+        let _ = (&mut self.task).await;
+    }
+}
+
+impl Drop for TestGuard {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+/// Serves a scripted guard on a fresh loopback port.
+pub async fn script_guard(
+    behaviour: impl Fn(&GuardBatch) -> Script + Send + Sync + 'static,
+) -> TestGuard {
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    serve_script_guard(listener, behaviour).await
+}
+
+pub async fn serve_script_guard(
+    listener: TcpListener,
+    behaviour: impl Fn(&GuardBatch) -> Script + Send + Sync + 'static,
+) -> TestGuard {
+    let url = format!("http://{}", listener.local_addr().unwrap());
+    let guard = Arc::new(ScriptGuard {
+        behaviour: Box::new(behaviour),
+        received: Mutex::default(),
+        cancelled: AtomicUsize::new(0),
+        answered: AtomicUsize::new(0),
+    });
+    let (stop, stopped) = oneshot::channel::<()>();
+    let task = tokio::spawn({
+        let guard = guard.clone();
+        async move {
+            let _ = guardmesh_client::guard::serve_arc(guard, listener, async {
+                let _ = stopped.await;
+            })
+            .await;
+        }
+    });
+    TestGuard {
+        url,
+        guard,
+        stop: Some(stop),
+        task,
+    }
+}
+
+/// A guard that proceeds on everything.
+pub async fn proceed_guard() -> TestGuard {
+    script_guard(|_| Script::default()).await
+}
+
+/// A guard that applies `f` to each call: `Some(verdict)` or proceed.
+pub async fn call_guard(
+    delay: Duration,
+    f: impl Fn(&guardmesh_client::proto::ToolCall) -> Option<Verdict> + Send + Sync + 'static,
+) -> TestGuard {
+    script_guard(move |batch| Script {
+        delay,
+        verdicts: batch.calls.iter().filter_map(&f).collect(),
+        error: None,
+    })
+    .await
+}
+
+/// How a raw (non-SDK) guard misbehaves on its Judge stream.
+#[derive(Clone, Copy, Debug)]
+pub enum Misbehaviour {
+    /// Ends the stream with OK without answering anything.
+    CloseOk,
+    /// Ends the stream with an INTERNAL error.
+    CloseError,
+    /// Answers with partial verdicts for the first call of each batch
+    /// (partial = true), then ends the stream.
+    PartialThenClose,
+    /// Never answers, keeps the stream open.
+    Silent,
+}
+
+pub struct RawGuard {
+    mode: Misbehaviour,
+    pub streams: Arc<AtomicUsize>,
+}
+
+#[tonic::async_trait]
+impl GuardService for RawGuard {
+    type JudgeStream = tokio_stream::wrappers::ReceiverStream<Result<JudgeResponse, Status>>;
+
+    async fn judge(
+        &self,
+        request: tonic::Request<tonic::Streaming<JudgeRequest>>,
+    ) -> Result<tonic::Response<Self::JudgeStream>, Status> {
+        self.streams.fetch_add(1, Ordering::SeqCst);
+        let mut inbound = request.into_inner();
+        let (tx, rx) = tokio::sync::mpsc::channel(16);
+        let mode = self.mode;
+        tokio::spawn(async move {
+            let Ok(Some(first)) = inbound.message().await else {
+                return;
+            };
+            match mode {
+                Misbehaviour::CloseOk => {}
+                Misbehaviour::CloseError => {
+                    let _ = tx.send(Err(Status::internal("guard exploded"))).await;
+                }
+                Misbehaviour::PartialThenClose => {
+                    if let Some(guardmesh_client::proto::judge_request::Kind::Batch(batch)) =
+                        first.kind
+                    {
+                        let verdicts = batch
+                            .calls
+                            .first()
+                            .map(|c| guardmesh_client::verdict::steer(&c.call_id, "partial skip"))
+                            .into_iter()
+                            .collect();
+                        let _ = tx
+                            .send(Ok(JudgeResponse {
+                                request_id: batch.request_id,
+                                verdicts,
+                                partial: true,
+                                error: String::new(),
+                            }))
+                            .await;
+                        tokio::time::sleep(Duration::from_millis(50)).await;
+                    }
+                }
+                Misbehaviour::Silent => while let Ok(Some(_)) = inbound.message().await {},
+            }
+        });
+        Ok(tonic::Response::new(
+            tokio_stream::wrappers::ReceiverStream::new(rx),
+        ))
+    }
+}
+
+/// Serves a misbehaving raw guard.
+pub async fn raw_guard(mode: Misbehaviour) -> (String, Arc<AtomicUsize>, JoinHandle<()>) {
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}", listener.local_addr().unwrap());
+    let streams = Arc::new(AtomicUsize::new(0));
+    let service = RawGuard {
+        mode,
+        streams: streams.clone(),
+    };
+    let task = tokio::spawn(async move {
+        let _ = tonic::transport::Server::builder()
+            .add_service(GuardServiceServer::new(service))
+            .serve_with_incoming(TcpListenerStream::new(listener))
+            .await;
+    });
+    (url, streams, task)
+}
+
+/// A loopback URL where nothing listens.
+pub async fn closed_port() -> String {
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}", listener.local_addr().unwrap());
+    drop(listener);
+    url
+}
+
+/// `{"sql": ...}` arguments.
+pub fn sql(text: &str) -> String {
+    serde_json::json!({ "sql": text }).to_string()
+}
+
+/// A guard running as a real separate process: `guardmesh example-guard`.
+pub struct GuardProcess {
+    pub url: String,
+    pub port: u16,
+    child: std::process::Child,
+}
+
+impl GuardProcess {
+    /// Starts `guardmesh example-guard KIND ARGS...` on `port` (0 = any)
+    /// and waits for its `LISTENING <port>` line.
+    pub fn start(kind: &str, port: u16, args: &[&str]) -> Self {
+        use std::io::BufRead;
+        let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_guardmesh"))
+            .args([
+                "example-guard",
+                kind,
+                "--listen",
+                &format!("127.0.0.1:{port}"),
+            ])
+            .args(args)
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::inherit())
+            .spawn()
+            .expect("start guard process");
+        let stdout = child.stdout.take().expect("stdout");
+        let mut line = String::new();
+        std::io::BufReader::new(stdout)
+            .read_line(&mut line)
+            .expect("read LISTENING line");
+        let port: u16 = line
+            .trim()
+            .strip_prefix("LISTENING ")
+            .and_then(|p| p.parse().ok())
+            .unwrap_or_else(|| panic!("unexpected first line {line:?}"));
+        Self {
+            url: format!("http://127.0.0.1:{port}"),
+            port,
+            child,
+        }
+    }
+
+    /// Kills the process (SIGKILL) and reaps it.
+    pub fn kill(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+impl Drop for GuardProcess {
+    fn drop(&mut self) {
+        self.kill();
+    }
+}
