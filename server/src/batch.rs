@@ -297,6 +297,15 @@ impl Mesh {
             tracing::info!(batch_id = %request.batch_id, reason = refusal.reason, "batch refused: {}", refusal.status.message());
             return Err(BatchError::Refused(refusal));
         }
+        if let Err(error) = self.registry().check() {
+            self.metrics.refused("registry_unavailable");
+            self.metrics.batch("refused", 0.0);
+            tracing::warn!(batch_id = %request.batch_id, %error, "batch refused: registry unavailable");
+            return Err(BatchError::Refused(validate::Refusal {
+                reason: "registry_unavailable",
+                status: Status::unavailable(error.to_string()),
+            }));
+        }
         let chain = self.chain();
         // R1: zero calls contact no guard.
         if request.calls.is_empty() {

@@ -52,6 +52,13 @@ pub trait Registry: Send + Sync + 'static {
     fn register(&self, spec: GuardSpec) -> BoxFuture<'_, Result<Registered, RegistryError>>;
     /// Removes a guard by name.
     fn deregister(&self, name: String) -> BoxFuture<'_, Result<Deregistered, RegistryError>>;
+    /// Whether the chain may be used to judge a batch right now. A shared
+    /// store that has been unreachable for longer than its staleness window
+    /// answers `Err(Unavailable)`, and the batch is refused with UNAVAILABLE
+    /// rather than judged with a chain the mesh can no longer trust.
+    fn check(&self) -> Result<(), RegistryError> {
+        Ok(())
+    }
 }
 
 /// One registration and its registration order.
