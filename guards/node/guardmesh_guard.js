@@ -42,11 +42,11 @@
  *  - registers the guard with the mesh (`GuardRegistry.Register`);
  *  - stops gracefully on SIGTERM and SIGINT.
  *
- * A judge that throws (or rejects) ends the whole stream with INTERNAL: the
- * mesh then applies the guard's failure policy (SPEC.md R13) to every request
- * still open on it, at once, instead of waiting for its timeout. A judge that
- * computes synchronously blocks the event loop while it runs; make slow work
- * asynchronous.
+ * A judge that throws (or rejects) fails that request only: the kit answers
+ * it with `JudgeResponse.error` set to the error's message, the mesh applies
+ * the guard's failure policy to its calls (SPEC.md R13), and the stream and
+ * the other requests on it go on. A judge that computes synchronously blocks
+ * the event loop while it runs; make slow work asynchronous.
  *
  * The wire types are loaded at run time from the repository's
  * `proto/guardmesh/v1/guardmesh.proto` (or from `$GUARDMESH_PROTO_ROOT`).
@@ -330,7 +330,10 @@ async function judgeTraced(judgeFn, batch) {
  */
 function installFileTracing(file, serviceName = 'guardmesh-guard') {
   if (!otel) throw new Error('--otlp-file needs @opentelemetry/api');
-  const hrNanos = () => (BigInt(Date.now()) * 1000000n).toString();
+  const { performance } = require('node:perf_hooks');
+  // Epoch nanoseconds as decimal text (as OTLP/JSON writes uint64s).
+  const hrNanos = () => (BigInt(Math.round(performance.timeOrigin * 1000))
+    * 1000n + BigInt(Math.round(performance.now() * 1e6))).toString();
 
   class FileSpan {
     constructor(name, options, parentSpanContext) {
@@ -441,11 +444,15 @@ function judgeStream(call, judgeFn, guardName, streams, draining) {
     streams.delete(stream);
   };
 
-  const fail = (details) => {
-    if (ended) return;
-    finish();
-    // On a server stream, an 'error' event becomes the call's status.
-    call.emit('error', { code: grpc.status.INTERNAL, details });
+  /** Sends the one answer of a request, unless it was cancelled meanwhile. */
+  const answer = (batch, response) => {
+    if (pending.get(batch.requestId) !== batch) {
+      log.debug(`request ${batch.requestId} was cancelled; its answer is dropped`);
+      return;
+    }
+    pending.delete(batch.requestId);
+    if (!ended) call.write({ request_id: batch.requestId, partial: false, ...response });
+    stream.maybeEnd();
   };
 
   const start = (request) => {
@@ -456,20 +463,12 @@ function judgeStream(call, judgeFn, guardName, streams, draining) {
     }
     pending.set(batch.requestId, batch);
     judgeTraced(judgeFn, batch).then(
-      (verdicts) => {
-        if (pending.get(batch.requestId) !== batch) {
-          log.debug(`request ${batch.requestId} was cancelled; its answer is dropped`);
-          return;
-        }
-        pending.delete(batch.requestId);
-        if (!ended) call.write({ request_id: batch.requestId, verdicts, partial: false });
-        stream.maybeEnd();
-      },
+      (verdicts) => answer(batch, { verdicts }),
       (err) => {
         log.error(`judge failed on batch ${JSON.stringify(batch.batchId)} (request ${batch.requestId}):`, err);
-        if (pending.get(batch.requestId) === batch) {
-          fail(`guard failed on batch ${JSON.stringify(batch.batchId)}: ${err && err.message}`);
-        }
+        // Fails this request alone (R13); the stream stays up.
+        const message = err instanceof Error ? `${err.name}: ${err.message}` : String(err);
+        answer(batch, { verdicts: [], error: message });
       },
     );
   };
@@ -531,9 +530,13 @@ class Health {
     for (const call of this.watchers.get(service) || []) call.write({ status });
   }
 
-  /** Reports NOT_SERVING for every service, for a graceful stop. */
+  /** Reports NOT_SERVING for every service and ends the watches, for a graceful stop. */
   shutdown() {
     for (const service of this.statuses.keys()) this.set(service, 'NOT_SERVING');
+    for (const calls of this.watchers.values()) {
+      for (const call of calls) call.end();
+    }
+    this.watchers.clear();
   }
 
   handlers() {
@@ -547,7 +550,7 @@ class Health {
         const { service } = call.request;
         if (!this.watchers.has(service)) this.watchers.set(service, new Set());
         this.watchers.get(service).add(call);
-        call.on('cancelled', () => this.watchers.get(service).delete(call));
+        call.on('cancelled', () => this.watchers.get(service)?.delete(call));
         call.write({ status: this.statuses.get(service) ?? 'SERVICE_UNKNOWN' });
       },
     };
@@ -570,7 +573,10 @@ async function serve(judgeFn, { port = 0, host = '127.0.0.1', name = '' } = {}) 
   const draining = { value: false };
   const health = new Health();
   grpcServer.addService(pb.GuardService.service, {
-    Judge: (call) => judgeStream(call, judgeFn, name, streams, draining),
+    Judge: (call) => {
+      if (draining.value) call.emit('error', { code: grpc.status.UNAVAILABLE, details: 'the guard is stopping' });
+      else judgeStream(call, judgeFn, name, streams, draining);
+    },
   });
   grpcServer.addService(healthService, health.handlers());
   const address = host.includes(':') ? `[${host}]:${port}` : `${host}:${port}`;
@@ -752,9 +758,20 @@ function parseFlags(argv = process.argv.slice(2), { options = {}, defaults = {},
     if (all[flag]) all[flag] = { ...all[flag], default: value };
   }
   const help = () => `${usage ? `${usage}\n\n` : ''}${KIT_HELP}`;
+  // util.parseArgs reads "--priority -3" as a missing value: join such pairs.
+  const args = [];
+  for (let i = 0; i < argv.length; i += 1) {
+    const option = all[argv[i].startsWith('--') ? argv[i].slice(2) : ''];
+    if (option && option.type === 'string' && /^-\d/.test(argv[i + 1] || '')) {
+      args.push(`${argv[i]}=${argv[i + 1]}`);
+      i += 1;
+    } else {
+      args.push(argv[i]);
+    }
+  }
   let values;
   try {
-    ({ values } = parseArgs({ args: argv, options: all, strict: true, allowPositionals: false }));
+    ({ values } = parseArgs({ args, options: all, strict: true, allowPositionals: false }));
     if (values.help) {
       process.stdout.write(`${help()}\n`);
       process.exit(0);

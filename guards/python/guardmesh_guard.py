@@ -42,9 +42,10 @@ What the kit does for the author:
 * registers the guard with the mesh (``GuardRegistry.Register``);
 * stops gracefully on SIGTERM and SIGINT.
 
-A judge that raises ends the whole stream with ``INTERNAL``: the mesh then
-applies the guard's failure policy (SPEC.md R13) to every request still open
-on it, at once, instead of waiting for its timeout.
+A judge that raises fails that request only: the kit answers it with
+``JudgeResponse.error`` set to the exception, the mesh applies the guard's
+failure policy to its calls (SPEC.md R13), and the stream and the other
+requests on it go on.
 
 The wire stubs are generated from ``proto/`` by ``scripts/setup-polyglot``
 into ``build/python-gen``; the kit finds them there (or on ``sys.path``, or in
@@ -324,12 +325,6 @@ _WAKE = object()  # something changed: re-check whether the stream is done
 _CLOSED = object()  # the RPC terminated (cancelled by the peer or the server)
 
 
-@dataclasses.dataclass
-class _Failure:
-    request_id: int
-    message: str
-
-
 class _Stream:
     """One open Judge stream: its outstanding requests and its outbox.
 
@@ -340,9 +335,8 @@ class _Stream:
     answered exactly once and a cancelled one never.
     """
 
-    def __init__(self, servicer: "_GuardServicer", context: grpc.ServicerContext):
+    def __init__(self, servicer: "_GuardServicer"):
         self.servicer = servicer
-        self.context = context
         self.outbox: "queue.SimpleQueue[Any]" = queue.SimpleQueue()
         self.lock = threading.Lock()
         self.pending: dict[int, Batch] = {}
@@ -401,16 +395,13 @@ class _Stream:
         if batch.cancelled:
             return
         try:
-            verdicts = self.servicer.judge(batch)
+            response = pb.JudgeResponse(request_id=batch.request_id,
+                                        verdicts=self.servicer.judge(batch))
         except Exception as err:
             log.exception("judge failed on batch %r (request %d)", batch.batch_id, batch.request_id)
-            failure = _Failure(batch.request_id,
-                               f"guard failed on batch {batch.batch_id!r}: {err!r}")
-            with self.lock:
-                if batch.request_id in self.pending:
-                    self.outbox.put(failure)
-            return
-        response = pb.JudgeResponse(request_id=batch.request_id, verdicts=verdicts)
+            # Fails this request alone (R13); the stream stays up.
+            response = pb.JudgeResponse(request_id=batch.request_id,
+                                        error=f"{type(err).__name__}: {err}")
         with self.lock:
             if batch.request_id in self.pending:
                 self.outbox.put(response)
@@ -426,9 +417,6 @@ class _Stream:
             if item is _CLOSED:
                 self._cancel_all()
                 return
-            if isinstance(item, _Failure):
-                self._cancel_all()
-                self.context.abort(grpc.StatusCode.INTERNAL, item.message)
             if isinstance(item, pb.JudgeResponse):
                 with self.lock:
                     live = self.pending.pop(item.request_id, None) is not None
@@ -462,15 +450,17 @@ class _GuardServicer(pb_grpc.GuardServiceServicer):
             max_workers=workers, thread_name_prefix="guard-judge")
         self.draining = threading.Event()
         self.streams: set[_Stream] = set()
-        self.streams_lock = threading.Lock()
+        self.streams_changed = threading.Condition()
 
     def Judge(self, request_iterator, context):
+        if self.draining.is_set():
+            context.abort(grpc.StatusCode.UNAVAILABLE, "the guard is stopping")
         # The sync server would otherwise hold the headers back until the first
         # answer; send them now, so a peer waiting for them is not stalled.
         context.send_initial_metadata(())
-        stream = _Stream(self, context)
+        stream = _Stream(self)
         context.add_callback(stream.close)
-        with self.streams_lock:
+        with self.streams_changed:
             self.streams.add(stream)
         reader = threading.Thread(target=stream.read, args=(request_iterator,),
                                   name="guard-judge-reader", daemon=True)
@@ -478,16 +468,22 @@ class _GuardServicer(pb_grpc.GuardServiceServicer):
         try:
             yield from stream.responses()
         finally:
-            with self.streams_lock:
+            with self.streams_changed:
                 self.streams.discard(stream)
+                self.streams_changed.notify_all()
 
     def drain(self) -> None:
         """Ends each stream (with OK) once it has no outstanding request."""
         self.draining.set()
-        with self.streams_lock:
+        with self.streams_changed:
             streams = list(self.streams)
         for stream in streams:
             stream.wake()
+
+    def wait_drained(self, timeout: Optional[float]) -> bool:
+        """Waits until no Judge stream is open; False on timeout."""
+        with self.streams_changed:
+            return self.streams_changed.wait_for(lambda: not self.streams, timeout)
 
     def judge(self, batch: Batch) -> list:
         """Runs the judge function on a batch, in a span when tracing."""
@@ -535,20 +531,23 @@ class GuardServer:
         self._health = health_servicer
 
     def stop(self, grace: Optional[float] = 5.0) -> threading.Event:
-        """Stops gracefully: reports NOT_SERVING, refuses new streams, lets
-        each open stream finish its outstanding requests (ending it with OK),
-        and cancels what is still open after ``grace`` seconds. Returns an
-        event set once stopped."""
+        """Stops gracefully: reports NOT_SERVING, refuses new RPCs, lets each
+        open Judge stream finish its outstanding requests (ending it with OK),
+        then cancels what is left (health watches, say), at the latest after
+        ``grace`` seconds. Returns an event set once stopped."""
         self._health.enter_graceful_shutdown()
         self._servicer.drain()
-        stopped = self.grpc_server.stop(grace)
-        executor = self._servicer.executor
+        self.grpc_server.stop(grace)  # refuses new RPCs from now on
+        servicer = self._servicer
+        stopped = threading.Event()
 
-        def shutdown_executor() -> None:
-            stopped.wait()
-            executor.shutdown(wait=False, cancel_futures=True)
+        def finish() -> None:
+            servicer.wait_drained(grace)
+            self.grpc_server.stop(None).wait()
+            servicer.executor.shutdown(wait=False, cancel_futures=True)
+            stopped.set()
 
-        threading.Thread(target=shutdown_executor, daemon=True).start()
+        threading.Thread(target=finish, name="guard-stop", daemon=True).start()
         return stopped
 
     def wait_for_termination(self, timeout: Optional[float] = None) -> bool:
@@ -569,8 +568,10 @@ def serve(
 
     ``port=0`` picks a free port. ``name`` is used when a batch does not say
     which guard it is for (logs and spans). ``workers`` bounds the batches
-    judged at once across all streams; ``max_streams`` the Judge streams (and
-    other RPCs) served at once. Also serves ``grpc.health.v1.Health``, with
+    judged at once across all streams. Each open Judge stream holds one of
+    the server's ``max_streams + 4`` RPC threads for its lifetime (the 4 are
+    room for health checks); RPCs beyond that are refused with
+    RESOURCE_EXHAUSTED rather than queued. Also serves ``grpc.health.v1.Health``, with
     the overall and the GuardService status SERVING, and, when
     ``grpcio-reflection`` is installed and ``reflection`` is true, server
     reflection.
@@ -579,7 +580,7 @@ def serve(
     server = grpc.server(
         concurrent.futures.ThreadPoolExecutor(max_workers=max_streams + 4,
                                               thread_name_prefix="guard-rpc"),
-        maximum_concurrent_rpcs=max_streams,
+        maximum_concurrent_rpcs=max_streams + 4,
     )
     pb_grpc.add_GuardServiceServicer_to_server(servicer, server)
     health_servicer = health.HealthServicer()
@@ -701,7 +702,9 @@ def install_file_tracing(path: str, service_name: str = "guardmesh-guard"):
     to ``path`` as one JSON line::
 
         {"name": ..., "trace_id": "<32 hex>", "span_id": "<16 hex>",
-         "parent_span_id": "<16 hex>" | null, "attributes": {...}, ...}
+         "parent_span_id": "<16 hex>" | null, "attributes": {...},
+         "kind": "SERVER", "service": ..., "status": "UNSET" | "OK" | "ERROR",
+         "start_time_unix_nano": "<decimal>", "end_time_unix_nano": "<decimal>"}
 
     For tests that check trace ids without an OTLP receiver. Needs
     ``opentelemetry-sdk``. Returns the provider.
@@ -730,8 +733,8 @@ def install_file_tracing(path: str, service_name: str = "guardmesh-guard"):
                     "parent_span_id": format(parent.span_id, "016x") if parent else None,
                     "kind": span.kind.name,
                     "service": span.resource.attributes.get("service.name"),
-                    "start_time_unix_nano": span.start_time,
-                    "end_time_unix_nano": span.end_time,
+                    "start_time_unix_nano": str(span.start_time),
+                    "end_time_unix_nano": str(span.end_time),
                     "status": span.status.status_code.name,
                     "attributes": {k: list(v) if isinstance(v, tuple) else v
                                    for k, v in (span.attributes or {}).items()},
