@@ -42,6 +42,8 @@ pub struct Batch {
     pub calls: Vec<ToolCall>,
     /// Deadline for the batch; `None` uses the mesh's default.
     pub timeout: Option<Duration>,
+    /// W3C `traceparent` to send; `None` sends the current span's (R22).
+    pub traceparent: Option<String>,
 }
 
 impl Batch {
@@ -80,6 +82,12 @@ impl Batch {
         self
     }
 
+    /// Sends this W3C `traceparent` instead of the current span's.
+    pub fn traceparent(mut self, traceparent: impl Into<String>) -> Self {
+        self.traceparent = Some(traceparent.into());
+        self
+    }
+
     /// Sets the batch's deadline.
     pub fn timeout(mut self, timeout: Duration) -> Self {
         self.timeout = Some(timeout);
@@ -87,7 +95,14 @@ impl Batch {
     }
 
     fn into_request(self, batch_id: String, session_id: &str) -> EvaluateRequest {
+        // R22: the batch joins the trace of the caller's current span.
+        let traceparent = self
+            .traceparent
+            .or_else(crate::trace::current_traceparent)
+            .unwrap_or_default();
         EvaluateRequest {
+            traceparent,
+            tracestate: String::new(),
             batch_id,
             context: Some(BatchContext {
                 session_id: session_id.to_owned(),

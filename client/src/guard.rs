@@ -109,7 +109,17 @@ impl<G: Guard> GuardService for GuardServer<G> {
                             guard = %batch.guard,
                             batch_id = %batch.batch_id,
                             calls = batch.calls.len(),
+                            otel.kind = "server",
                         );
+                        #[cfg(feature = "otel")]
+                        {
+                            // R22: the guard's span joins the batch's trace.
+                            use tracing_opentelemetry::OpenTelemetrySpanExt;
+                            let _ = span.set_parent(crate::trace::parent_context(
+                                &batch.traceparent,
+                                &batch.tracestate,
+                            ));
+                        }
                         let task = tokio::spawn(tracing::Instrument::instrument(
                             async move {
                                 let answer = match guard.judge(&batch).await {

@@ -12,6 +12,9 @@
 //!   the constructors for steer, cancel and rewrite verdicts, and
 //!   [`registry`] registers a guard with a mesh.
 //!
+//! [`trace`] carries W3C trace context (R22) from the coordinator's span
+//! into the mesh and from each batch into the guard's span.
+//!
 //! The wire types are re-exported as [`proto`]. This crate does not depend on
 //! the mesh server.
 
@@ -19,6 +22,7 @@ pub mod coordinator;
 pub mod error;
 pub mod guard;
 pub mod registry;
+pub mod trace;
 pub mod verdict;
 
 pub use coordinator::{Batch, CallOutcome, Coordinator, Decision, Outcome, Session};

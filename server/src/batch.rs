@@ -19,13 +19,33 @@ use tokio::sync::mpsc;
 use tokio::time::Instant;
 use tonic::Status;
 
-/// W3C trace context handed on to guards (R22).
+/// The coordinator's W3C trace context for a batch (R22).
 #[derive(Debug, Clone, Default)]
 pub struct TraceContext {
+    /// The parent of the batch's span.
+    pub parent: opentelemetry::Context,
     pub traceparent: String,
     pub tracestate: String,
-    /// 32 hex digits, or empty when tracing is off.
+    /// 32 hex digits, or empty when there is no trace.
     pub trace_id: String,
+    /// `EvaluateBatch` for unary calls; `Evaluate` otherwise.
+    pub unary: bool,
+}
+
+impl TraceContext {
+    /// Reads a `traceparent`/`tracestate` pair; empty when invalid.
+    pub fn from_w3c(traceparent: &str, tracestate: &str) -> Self {
+        match guardmesh_client::trace::parse_traceparent(traceparent) {
+            Some((trace_id, _, _)) => Self {
+                parent: guardmesh_client::trace::parent_context(traceparent, tracestate),
+                traceparent: traceparent.trim().to_owned(),
+                tracestate: tracestate.to_owned(),
+                trace_id: trace_id.to_ascii_lowercase(),
+                unary: false,
+            },
+            None => Self::default(),
+        }
+    }
 }
 
 /// Why a batch got no decision.
@@ -221,6 +241,8 @@ struct GuardRun {
     failure: Option<GuardFailure>,
     superseded: bool,
     answered: Vec<bool>,
+    /// The guard's client span, while the guard is consulted.
+    span: Option<tracing::Span>,
 }
 
 impl GuardRun {
@@ -237,6 +259,7 @@ impl GuardRun {
             failure: None,
             superseded: false,
             answered: vec![false; calls],
+            span: None,
         }
     }
 
@@ -256,39 +279,79 @@ impl GuardRun {
     }
 }
 
-fn guard_batch(
-    request: &EvaluateRequest,
-    context: &Option<BatchContext>,
-    guard: &Guard,
-    calls: &[Call],
-    sent: &[bool],
-    budget: Duration,
-    trace: &TraceContext,
-) -> GuardBatch {
-    GuardBatch {
-        request_id: 0,
-        batch_id: request.batch_id.clone(),
-        guard: guard.name.clone(),
-        context: context.clone(),
-        calls: calls
-            .iter()
-            .zip(sent)
-            .filter(|(_, sent)| **sent)
-            .map(|(call, _)| call.current.clone())
-            .collect(),
-        deadline_ms: u32::try_from(budget.as_millis()).unwrap_or(u32::MAX),
-        traceparent: trace.traceparent.clone(),
-        tracestate: trace.tracestate.clone(),
-    }
-}
-
 impl Mesh {
     /// Judges one batch. `deadline` is the batch's deadline (R14).
     pub async fn evaluate(
         &self,
         request: EvaluateRequest,
         deadline: Instant,
+        mut trace: TraceContext,
+    ) -> Result<BatchDecision, BatchError> {
+        let context = request.context.as_ref();
+        let span = tracing::info_span!(
+            "guardmesh.batch",
+            otel.name = if trace.unary {
+                "guardmesh.v1.PreToolService/EvaluateBatch"
+            } else {
+                "guardmesh.v1.PreToolService/Evaluate"
+            },
+            otel.kind = "server",
+            otel.status_code = tracing::field::Empty,
+            rpc.system = "grpc",
+            rpc.service = "guardmesh.v1.PreToolService",
+            rpc.method = if trace.unary { "EvaluateBatch" } else { "Evaluate" },
+            guardmesh.batch_id = %request.batch_id,
+            guardmesh.session_id = context.map_or("", |c| c.session_id.as_str()),
+            guardmesh.turn_index = context.map_or(0, |c| c.turn_index),
+            guardmesh.batch.calls = request.calls.len(),
+            guardmesh.chain.revision = tracing::field::Empty,
+            guardmesh.calls.proceed = tracing::field::Empty,
+            guardmesh.calls.steer = tracing::field::Empty,
+            guardmesh.calls.cancel = tracing::field::Empty,
+            error = tracing::field::Empty,
+        );
+        {
+            use tracing_opentelemetry::OpenTelemetrySpanExt;
+            let _ = span.set_parent(trace.parent.clone());
+        }
+        if let Some(own) = guardmesh_client::trace::span_traceparent(&span)
+            && let Some((trace_id, _, _)) = guardmesh_client::trace::parse_traceparent(&own)
+        {
+            trace.trace_id = trace_id.to_owned();
+        }
+        let result = tracing::Instrument::instrument(
+            self.evaluate_in(request, deadline, trace, span.clone()),
+            span.clone(),
+        )
+        .await;
+        match &result {
+            Ok(decision) => {
+                span.record("guardmesh.chain.revision", decision.chain_revision);
+                let count = |a: Action| {
+                    decision
+                        .decisions
+                        .iter()
+                        .filter(|d| d.action == a as i32)
+                        .count()
+                };
+                span.record("guardmesh.calls.proceed", count(Action::Proceed));
+                span.record("guardmesh.calls.steer", count(Action::Steer));
+                span.record("guardmesh.calls.cancel", count(Action::Cancel));
+            }
+            Err(error) => {
+                span.record("otel.status_code", "ERROR");
+                span.record("error", error.status().message());
+            }
+        }
+        result
+    }
+
+    async fn evaluate_in(
+        &self,
+        request: EvaluateRequest,
+        deadline: Instant,
         trace: TraceContext,
+        span: tracing::Span,
     ) -> Result<BatchDecision, BatchError> {
         let started = Instant::now();
         if let Err(refusal) = validate::check(&request, &self.config.limits) {
@@ -328,7 +391,7 @@ impl Mesh {
                 trace_id: trace.trace_id,
             });
         }
-        let mut judging = Judging::new(self, &chain, request, deadline, trace);
+        let mut judging = Judging::new(self, &chain, request, deadline, trace, span);
         let result = judging.run().await;
         let outcome = if result.is_ok() { "decided" } else { "aborted" };
         self.metrics.batch(outcome, started.elapsed().as_secs_f64());
@@ -348,6 +411,7 @@ struct Judging<'a> {
     runs: Vec<GuardRun>,
     deadline: Instant,
     trace: TraceContext,
+    span: tracing::Span,
 }
 
 impl<'a> Judging<'a> {
@@ -357,6 +421,7 @@ impl<'a> Judging<'a> {
         mut request: EvaluateRequest,
         deadline: Instant,
         trace: TraceContext,
+        span: tracing::Span,
     ) -> Self {
         let calls: Vec<Call> = std::mem::take(&mut request.calls)
             .into_iter()
@@ -384,6 +449,7 @@ impl<'a> Judging<'a> {
             runs: (0..chain.guards.len()).map(|_| GuardRun::new(n)).collect(),
             deadline,
             trace,
+            span,
         }
     }
 
@@ -427,18 +493,48 @@ impl<'a> Judging<'a> {
         let budget = self.budget(guard, now);
         let run = &mut self.runs[g];
         run.started = Some(now);
+        let span = tracing::info_span!(
+            parent: &self.span,
+            "guardmesh.guard",
+            otel.name = "guardmesh.v1.GuardService/Judge",
+            otel.kind = "client",
+            otel.status_code = tracing::field::Empty,
+            rpc.system = "grpc",
+            rpc.service = "guardmesh.v1.GuardService",
+            rpc.method = "Judge",
+            server.address = %guard.endpoint,
+            guardmesh.guard = %guard.name,
+            guardmesh.guard.role = if guard.role == GuardRole::Mutate { "mutate" } else { "validate" },
+            guardmesh.guard.dry_run = !guard.enforced(),
+            guardmesh.status = tracing::field::Empty,
+            guardmesh.calls.sent = run.sent.iter().filter(|s| **s).count(),
+            guardmesh.calls.skipped = tracing::field::Empty,
+            guardmesh.calls.rewritten = tracing::field::Empty,
+            error = tracing::field::Empty,
+        );
+        // R22: the guard's span is parented on this guard's client span.
+        let traceparent = guardmesh_client::trace::span_traceparent(&span)
+            .unwrap_or_else(|| self.trace.traceparent.clone());
+        run.span = Some(span);
         if budget.is_zero() {
             return Err(GuardFailure::TimedOut(Duration::ZERO));
         }
-        let batch = guard_batch(
-            &self.request,
-            &self.context,
-            guard,
-            &self.calls,
-            &run.sent,
-            budget,
-            &self.trace,
-        );
+        let batch = GuardBatch {
+            request_id: 0,
+            batch_id: self.request.batch_id.clone(),
+            guard: guard.name.clone(),
+            context: self.context.clone(),
+            calls: self
+                .calls
+                .iter()
+                .zip(&run.sent)
+                .filter(|(_, sent)| **sent)
+                .map(|(call, _)| call.current.clone())
+                .collect(),
+            deadline_ms: u32::try_from(budget.as_millis()).unwrap_or(u32::MAX),
+            traceparent,
+            tracestate: self.trace.tracestate.clone(),
+        };
         run.request_id = Some(link.send(batch, tag, events)?);
         Ok(now + budget)
     }
@@ -856,6 +952,17 @@ impl<'a> Judging<'a> {
                     status_label(reported),
                     latency.map(|l| l.as_secs_f64()),
                 );
+                if let Some(span) = &run.span {
+                    span.record("guardmesh.status", status_label(reported));
+                    span.record("guardmesh.calls.skipped", run.skipped.len());
+                    span.record("guardmesh.calls.rewritten", run.rewritten.len());
+                    if !error.is_empty() {
+                        span.record("error", error.as_str());
+                    }
+                    if run.failure.is_some() {
+                        span.record("otel.status_code", "ERROR");
+                    }
+                }
                 GuardTrace {
                     guard: guard.name.clone(),
                     role: guard.role as i32,

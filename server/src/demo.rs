@@ -145,7 +145,14 @@ pub async fn run() -> Result<(), Error> {
     ];
     for (i, (story, batch)) in rounds.into_iter().enumerate() {
         println!("── Round {i}: {story}");
-        let decision = session.evaluate(batch).await?;
+        // The agent's span for this round, as a framework would propagate it
+        // (R22); with OTEL_EXPORTER_OTLP_ENDPOINT set, the mesh's spans join it.
+        let traceparent = format!(
+            "00-{:032x}-{:016x}-01",
+            rand::random::<u128>() | 1,
+            rand::random::<u64>() | 1
+        );
+        let decision = session.evaluate(batch.traceparent(traceparent)).await?;
         print!("{}", render(&decision));
         println!();
     }

@@ -27,38 +27,22 @@ pub fn trace_context(metadata: &MetadataMap) -> TraceContext {
             .get(key)
             .and_then(|v| v.to_str().ok())
             .unwrap_or_default()
-            .to_owned()
     };
-    let traceparent = get("traceparent");
-    let trace_id = parse_traceparent(&traceparent)
-        .map(str::to_owned)
-        .unwrap_or_default();
-    TraceContext {
-        traceparent: if trace_id.is_empty() {
-            String::new()
-        } else {
-            traceparent
-        },
-        tracestate: get("tracestate"),
-        trace_id,
-    }
+    TraceContext::from_w3c(get("traceparent"), get("tracestate"))
 }
 
-/// The trace id of a valid `traceparent` (`00-<32 hex>-<16 hex>-<2 hex>`).
-pub fn parse_traceparent(value: &str) -> Option<&str> {
-    let mut parts = value.split('-');
-    let version = parts.next()?;
-    let trace_id = parts.next()?;
-    let span_id = parts.next()?;
-    let flags = parts.next()?;
-    let hex = |s: &str, n: usize| s.len() == n && s.bytes().all(|b| b.is_ascii_hexdigit());
-    (hex(version, 2)
-        && version != "ff"
-        && hex(trace_id, 32)
-        && trace_id.bytes().any(|b| b != b'0')
-        && hex(span_id, 16)
-        && hex(flags, 2))
-    .then_some(trace_id)
+/// The batch's own trace context when it carries one, else the stream's.
+fn batch_trace(batch: &EvaluateRequest, stream: &TraceContext) -> TraceContext {
+    if batch.traceparent.is_empty() {
+        stream.clone()
+    } else {
+        let own = TraceContext::from_w3c(&batch.traceparent, &batch.tracestate);
+        if own.trace_id.is_empty() {
+            stream.clone()
+        } else {
+            own
+        }
+    }
 }
 
 /// Parses a `grpc-timeout` header (`<digits><H|M|S|m|u|n>`).
@@ -152,9 +136,11 @@ impl PreToolService for PreTool {
         &self,
         request: Request<EvaluateRequest>,
     ) -> Result<Response<BatchDecision>, Status> {
-        let trace = trace_context(request.metadata());
+        let stream_trace = trace_context(request.metadata());
         let transport = grpc_timeout(request.metadata());
         let batch = request.into_inner();
+        let mut trace = batch_trace(&batch, &stream_trace);
+        trace.unary = true;
         let deadline = self.deadline(batch.timeout_ms, transport);
         match self.mesh.evaluate(batch, deadline, trace).await {
             Ok(decision) => Ok(Response::new(decision)),
@@ -190,7 +176,7 @@ impl PreTool {
         }
         let mesh = self.mesh.clone();
         let deadline = self.deadline(batch.timeout_ms, None);
-        let trace = trace.clone();
+        let trace = batch_trace(&batch, trace);
         let in_flight = in_flight.clone();
         tasks.spawn(async move {
             let result = mesh.evaluate(batch, deadline, trace).await;
@@ -302,24 +288,6 @@ impl GuardRegistry for Registrar {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn r22_traceparent_parsing() {
-        let ok = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01";
-        assert_eq!(
-            parse_traceparent(ok),
-            Some("4bf92f3577b34da6a3ce929d0e0e4736")
-        );
-        for bad in [
-            "",
-            "00-00000000000000000000000000000000-00f067aa0ba902b7-01",
-            "ff-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01",
-            "00-4bf92f3577b34da6a3ce929d0e0e473-00f067aa0ba902b7-01",
-            "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7",
-        ] {
-            assert_eq!(parse_traceparent(bad), None, "{bad}");
-        }
-    }
 
     #[test]
     fn r14_grpc_timeout_header() {
