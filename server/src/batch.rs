@@ -391,6 +391,19 @@ impl Mesh {
                 trace_id: trace.trace_id,
             });
         }
+        // Load shedding: refuse at once rather than queue without bound.
+        let Ok(_permit) = self.inflight.clone().try_acquire_owned() else {
+            self.metrics.refused("overloaded");
+            self.metrics.batch("refused", 0.0);
+            let limit = self.config.limits.max_inflight_batches;
+            tracing::warn!(batch_id = %request.batch_id, limit, "batch refused: mesh overloaded");
+            return Err(BatchError::Refused(validate::Refusal {
+                reason: "overloaded",
+                status: Status::resource_exhausted(format!(
+                    "mesh overloaded: {limit} batches already in flight; retry with backoff"
+                )),
+            }));
+        };
         let mut judging = Judging::new(self, &chain, request, deadline, trace, span);
         let result = judging.run().await;
         let outcome = if result.is_ok() { "decided" } else { "aborted" };
@@ -581,6 +594,9 @@ impl<'a> Judging<'a> {
         {
             self.chain.guards[g].link.cancel(id);
         }
+        if answer.is_ok() {
+            self.chain.guards[g].link.record(Ok(()));
+        }
         let guard = self.chain.guards[g].guard.clone();
         let checked = answer.and_then(|verdicts| {
             let run = &mut self.runs[g];
@@ -625,7 +641,7 @@ impl<'a> Judging<'a> {
     /// for validate guards.
     fn guard_failed(&mut self, g: usize, failure: GuardFailure) -> Result<(), BatchError> {
         let guard = self.chain.guards[g].guard.clone();
-        self.log_failure(&guard, &failure);
+        self.guard_failure(g, &failure);
         let run = &mut self.runs[g];
         run.failure = Some(failure.clone());
         if !guard.enforced() {
@@ -655,7 +671,11 @@ impl<'a> Judging<'a> {
         }
     }
 
-    fn log_failure(&self, guard: &Guard, failure: &GuardFailure) {
+    /// Logs a failure of guard `g` and feeds its circuit breaker. A failure
+    /// is never silent (R13): it is logged here, traced, and counted.
+    fn guard_failure(&self, g: usize, failure: &GuardFailure) {
+        let ChainGuard { guard, link } = &self.chain.guards[g];
+        link.record(Err(failure));
         tracing::warn!(
             guard = %guard.name,
             batch_id = %self.request.batch_id,
@@ -701,7 +721,7 @@ impl<'a> Judging<'a> {
                 Ok(at) => deadlines[k] = Some(at),
                 Err(failure) => {
                     self.runs[g].finished = Some(now);
-                    self.log_failure(&self.chain.guards[g].guard.clone(), &failure);
+                    self.guard_failure(g, &failure);
                     self.runs[g].failure = Some(failure);
                     fold.fail(k);
                 }
@@ -724,7 +744,7 @@ impl<'a> Judging<'a> {
                     let g = order[k];
                     deadlines[k] = None;
                     self.runs[g].finished = Some(Instant::now());
-                    self.log_failure(&self.chain.guards[g].guard.clone(), &failure);
+                    self.guard_failure(g, &failure);
                     self.runs[g].failure = Some(failure);
                     fold.fail(k);
                 }
@@ -742,7 +762,7 @@ impl<'a> Judging<'a> {
                             let waited = at - self.runs[g].started.unwrap_or(at);
                             let failure = GuardFailure::TimedOut(waited);
                             self.runs[g].finished = Some(now);
-                            self.log_failure(&self.chain.guards[g].guard.clone(), &failure);
+                            self.guard_failure(g, &failure);
                             self.runs[g].failure = Some(failure);
                             fold.fail(k);
                         }
@@ -818,7 +838,7 @@ impl<'a> Judging<'a> {
                 self.chain.guards[g].link.cancel(id);
             }
             let failure = GuardFailure::Refused(response.error);
-            self.log_failure(&guard, &failure);
+            self.guard_failure(g, &failure);
             self.runs[g].failure = Some(failure);
             fold.fail(k);
             return;
@@ -846,6 +866,7 @@ impl<'a> Judging<'a> {
                     deadlines[k] = None;
                     run.finished = Some(Instant::now());
                     fold.complete(k);
+                    self.chain.guards[g].link.record(Ok(()));
                 }
             }
             Err(reason) => {
@@ -857,7 +878,7 @@ impl<'a> Judging<'a> {
                     self.chain.guards[g].link.cancel(id);
                 }
                 let failure = GuardFailure::RejectedRewrite(reason);
-                self.log_failure(&guard, &failure);
+                self.guard_failure(g, &failure);
                 self.runs[g].failure = Some(failure);
                 fold.fail(k);
             }

@@ -38,6 +38,23 @@ pub enum GuardFailure {
     TimedOut(Duration),
     #[error("rewrite rejected: {0}")]
     RejectedRewrite(String),
+    #[error(
+        "circuit open after {failures} consecutive failures (last: {last}); next probe in {retry_in:?}"
+    )]
+    CircuitOpen {
+        failures: u32,
+        last: Arc<str>,
+        retry_in: Duration,
+    },
+}
+
+impl GuardFailure {
+    /// Whether this failure says something about the guard's availability
+    /// (and so counts towards opening its circuit). A rejected rewrite is a
+    /// policy bug, not an outage; an open circuit is not a new failure.
+    pub fn counts_for_circuit(&self) -> bool {
+        !matches!(self, Self::RejectedRewrite(_) | Self::CircuitOpen { .. })
+    }
 }
 
 impl GuardFailure {
@@ -68,6 +85,11 @@ pub struct LinkConfig {
     pub max_decoding_message_size: usize,
     /// Largest request sent to a guard.
     pub max_encoding_message_size: usize,
+    /// Consecutive failures that open a guard's circuit; 0 disables it.
+    pub circuit_failures: u32,
+    /// How long an open circuit fails requests at once before it lets one
+    /// probe request through (half-open).
+    pub circuit_open_for: Duration,
 }
 
 impl Default for LinkConfig {
@@ -78,6 +100,8 @@ impl Default for LinkConfig {
             backoff_max: Duration::from_secs(2),
             max_decoding_message_size: 4 * 1024 * 1024,
             max_encoding_message_size: 16 * 1024 * 1024,
+            circuit_failures: 5,
+            circuit_open_for: Duration::from_secs(5),
         }
     }
 }
@@ -97,10 +121,27 @@ enum Conn {
 struct State {
     conn: Conn,
     waiting: HashMap<u64, Waiter>,
+    circuit: Circuit,
+}
+
+/// A circuit breaker: after `circuit_failures` consecutive failures the
+/// guard's failure policy applies at once, without waiting for timeouts,
+/// until a probe request succeeds. An open circuit is a failure like any
+/// other (R13): under `fail_closed` it blocks, it never bypasses.
+#[derive(Debug, Default)]
+struct Circuit {
+    failures: u32,
+    last: Option<Arc<str>>,
+    /// Set while open: when the next probe may go.
+    open_until: Option<tokio::time::Instant>,
+    /// Set while a half-open probe is out: when it was sent.
+    probe_since: Option<tokio::time::Instant>,
 }
 
 struct Shared {
     name: String,
+    circuit_failures: u32,
+    circuit_open_for: Duration,
     metrics: Arc<crate::metrics::Metrics>,
     endpoint: String,
     state: Mutex<State>,
@@ -165,11 +206,14 @@ impl GuardLink {
         let (tx, rx) = mpsc::unbounded_channel();
         let shared = Arc::new(Shared {
             name: name.to_owned(),
+            circuit_failures: config.circuit_failures,
+            circuit_open_for: config.circuit_open_for,
             metrics,
             endpoint: endpoint.to_owned(),
             state: Mutex::new(State {
                 conn: Conn::Open(tx),
                 waiting: HashMap::new(),
+                circuit: Circuit::default(),
             }),
             next_id: AtomicU64::new(1),
         });
@@ -194,6 +238,7 @@ impl GuardLink {
         let id = self.shared.next_id.fetch_add(1, Ordering::Relaxed);
         batch.request_id = id;
         let mut state = self.shared.lock();
+        self.admit(&mut state)?;
         let tx = match &state.conn {
             Conn::Open(tx) => tx.clone(),
             Conn::Down(error) => return Err(GuardFailure::Unreachable(error.clone())),
@@ -212,6 +257,66 @@ impl GuardLink {
             },
         );
         Ok(id)
+    }
+
+    /// Lets a request through the circuit breaker, or refuses it at once.
+    fn admit(&self, state: &mut State) -> Result<(), GuardFailure> {
+        let circuit = &mut state.circuit;
+        let Some(until) = circuit.open_until else {
+            return Ok(());
+        };
+        let now = tokio::time::Instant::now();
+        let probe_stale = circuit
+            .probe_since
+            .is_none_or(|since| now.duration_since(since) >= self.shared.circuit_open_for);
+        if now >= until && probe_stale {
+            // Half-open: this request is the probe.
+            circuit.probe_since = Some(now);
+            return Ok(());
+        }
+        Err(GuardFailure::CircuitOpen {
+            failures: circuit.failures,
+            last: circuit.last.clone().unwrap_or_else(|| "unknown".into()),
+            retry_in: until.saturating_duration_since(now),
+        })
+    }
+
+    /// Records how a request to this guard ended, for its circuit breaker.
+    pub fn record(&self, outcome: Result<(), &GuardFailure>) {
+        let threshold = self.shared.circuit_failures;
+        if threshold == 0 {
+            return;
+        }
+        let mut state = self.shared.lock();
+        let circuit = &mut state.circuit;
+        match outcome {
+            Ok(()) => {
+                if circuit.open_until.is_some() {
+                    tracing::info!(guard = %self.shared.name, "circuit closed: probe succeeded");
+                }
+                *circuit = Circuit::default();
+            }
+            Err(failure) if failure.counts_for_circuit() => {
+                circuit.failures = circuit.failures.saturating_add(1);
+                circuit.last = Some(failure.to_string().into());
+                let probing = circuit.probe_since.take().is_some();
+                if circuit.failures >= threshold || probing {
+                    let until = tokio::time::Instant::now() + self.shared.circuit_open_for;
+                    if circuit.open_until.is_none() || probing {
+                        tracing::warn!(
+                            guard = %self.shared.name,
+                            failures = circuit.failures,
+                            error = %failure,
+                            "circuit open: the guard's failure policy applies at once for {:?}",
+                            self.shared.circuit_open_for
+                        );
+                        self.shared.metrics.circuit_opened(&self.shared.name);
+                    }
+                    circuit.open_until = Some(until);
+                }
+            }
+            Err(_) => {}
+        }
     }
 
     /// Withdraws a request: its answer no longer matters (R5, or a timeout).

@@ -63,6 +63,8 @@ pub struct Mesh {
     registry: Arc<dyn Registry>,
     chain: ArcSwap<Chain>,
     rebuild: Mutex<()>,
+    /// One permit per batch being judged (load shedding).
+    pub(crate) inflight: Arc<tokio::sync::Semaphore>,
 }
 
 impl std::fmt::Debug for Mesh {
@@ -76,7 +78,7 @@ impl std::fmt::Debug for Mesh {
 impl Mesh {
     pub fn new(config: MeshConfig, registry: Arc<dyn Registry>) -> Arc<Self> {
         Arc::new(Self {
-            config,
+            config: config.clone(),
             metrics: Arc::new(Metrics::new()),
             registry,
             chain: ArcSwap::from_pointee(Chain {
@@ -85,6 +87,9 @@ impl Mesh {
                 spec: Arc::new(ChainSpec::default()),
             }),
             rebuild: Mutex::new(()),
+            inflight: Arc::new(tokio::sync::Semaphore::new(
+                config.limits.max_inflight_batches.max(1),
+            )),
         })
     }
 

@@ -49,6 +49,7 @@ pub struct Metrics {
     guard_outcomes: Family<GuardStatusLabel, Counter>,
     bypassed: Family<GuardLabel, Counter>,
     spurious: Family<GuardLabel, Counter>,
+    circuit_opened: Family<GuardLabel, Counter>,
     refused: Family<ReasonLabel, Counter>,
     guard_latency: Family<GuardLabel, Histogram, fn() -> Histogram>,
     batch_latency: Histogram,
@@ -100,6 +101,12 @@ impl Metrics {
             "Answers from guards for requests no batch waits for (late, cancelled, unknown)",
             spurious.clone(),
         );
+        let circuit_opened = Family::<GuardLabel, Counter>::default();
+        registry.register(
+            "guard_circuit_opened",
+            "Times a guard's circuit breaker opened, by guard",
+            circuit_opened.clone(),
+        );
         let refused = Family::<ReasonLabel, Counter>::default();
         registry.register(
             "batches_refused",
@@ -134,6 +141,7 @@ impl Metrics {
             guard_outcomes,
             bypassed,
             spurious,
+            circuit_opened,
             refused,
             guard_latency,
             batch_latency,
@@ -182,6 +190,14 @@ impl Metrics {
 
     pub fn spurious_answer(&self, guard: &str) {
         self.spurious
+            .get_or_create(&GuardLabel {
+                guard: guard.to_owned(),
+            })
+            .inc();
+    }
+
+    pub fn circuit_opened(&self, guard: &str) {
+        self.circuit_opened
             .get_or_create(&GuardLabel {
                 guard: guard.to_owned(),
             })

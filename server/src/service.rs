@@ -164,6 +164,21 @@ impl PreTool {
             .unwrap_or_else(PoisonError::into_inner)
             .insert(batch_id.clone());
         let tx = tx.clone();
+        let limit = self.mesh.config.limits.max_batches_per_stream;
+        if !duplicate && tasks.len() >= limit {
+            in_flight
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner)
+                .remove(&batch_id);
+            self.mesh.metrics.refused("stream_overloaded");
+            tasks.spawn(async move {
+                let error = Status::resource_exhausted(format!(
+                    "{limit} batches already in flight on this stream; wait for answers"
+                ));
+                let _ = tx.send(Ok(error_response(batch_id, &error))).await;
+            });
+            return;
+        }
         if duplicate {
             self.mesh.metrics.refused("duplicate_batch_id");
             tasks.spawn(async move {

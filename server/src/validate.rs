@@ -18,6 +18,12 @@ pub struct Limits {
     pub max_batch_bytes: usize,
     /// Largest `arguments` text of one call.
     pub max_argument_bytes: usize,
+    /// Batches judged at once by the whole mesh; beyond it a batch is
+    /// refused at once with RESOURCE_EXHAUSTED instead of queueing without
+    /// bound (load shedding). Zero-call batches need no slot (R1).
+    pub max_inflight_batches: usize,
+    /// Batches in flight on one coordinator stream.
+    pub max_batches_per_stream: usize,
 }
 
 impl Default for Limits {
@@ -26,6 +32,8 @@ impl Default for Limits {
             max_calls_per_batch: 256,
             max_batch_bytes: 4 * 1024 * 1024,
             max_argument_bytes: 1024 * 1024,
+            max_inflight_batches: 4096,
+            max_batches_per_stream: 256,
         }
     }
 }
