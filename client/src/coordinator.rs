@@ -256,6 +256,7 @@ impl Decision {
 #[derive(Debug, Clone)]
 pub struct Coordinator {
     client: PreToolServiceClient<Channel>,
+    token: Option<tonic::metadata::AsciiMetadataValue>,
 }
 
 impl Coordinator {
@@ -268,12 +269,24 @@ impl Coordinator {
         Ok(Self::from_channel(channel))
     }
 
-    /// Uses an existing channel (for TLS or custom settings).
+    /// Connects with TLS, mTLS and/or a bearer token.
+    pub async fn connect_with(
+        endpoint: impl Into<String>,
+        connection: &crate::connect::Connection,
+    ) -> Result<Self, ClientError> {
+        let channel = connection.channel(endpoint).await?;
+        let mut this = Self::from_channel(channel);
+        this.token = connection.authorization()?;
+        Ok(this)
+    }
+
+    /// Uses an existing channel (for custom settings).
     pub fn from_channel(channel: Channel) -> Self {
         Self {
             client: PreToolServiceClient::new(channel)
                 .max_decoding_message_size(64 << 20)
                 .max_encoding_message_size(64 << 20),
+            token: None,
         }
     }
 
@@ -293,6 +306,7 @@ impl Coordinator {
         let (tx, rx) = mpsc::channel(64);
         let mut request = tonic::Request::new(ReceiverStream::new(rx));
         *request.metadata_mut() = metadata;
+        crate::connect::authorize(&mut request, &self.token);
         let mut client = self.client.clone();
         let mut answers = client.evaluate(request).await?.into_inner();
         let waiting: Waiting = Arc::default();
@@ -354,6 +368,7 @@ impl Coordinator {
         if let Some(timeout) = timeout {
             request.set_timeout(timeout);
         }
+        crate::connect::authorize(&mut request, &self.token);
         let decision = client.evaluate_batch(request).await?.into_inner();
         Decision::from_wire(batch_id, decision)
     }

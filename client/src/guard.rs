@@ -200,6 +200,26 @@ pub async fn serve_arc<G: Guard>(
     listener: TcpListener,
     shutdown: impl Future<Output = ()> + Send,
 ) -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
+    serve_with(guard, listener, None, shutdown).await
+}
+
+/// TLS for a guard's server (feature `tls`).
+#[derive(Debug, Clone)]
+pub struct ServerTls {
+    /// The guard's certificate chain and key, PEM.
+    pub cert_pem: String,
+    pub key_pem: String,
+    /// With it, the mesh must present a client certificate from this CA.
+    pub client_ca_pem: Option<String>,
+}
+
+/// [`serve_arc`] with optional TLS (`https://` registrations).
+pub async fn serve_with<G: Guard>(
+    guard: Arc<G>,
+    listener: TcpListener,
+    tls: Option<ServerTls>,
+    shutdown: impl Future<Output = ()> + Send,
+) -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
     let (health, health_service) = tonic_health::server::health_reporter();
     health
         .set_serving::<GuardServiceServer<GuardServer<G>>>()
@@ -208,8 +228,26 @@ pub async fn serve_arc<G: Guard>(
         .register_encoded_file_descriptor_set(guardmesh_proto::FILE_DESCRIPTOR_SET)
         .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
         .build_v1()?;
-    tonic::transport::Server::builder()
-        .tcp_nodelay(true)
+    #[allow(unused_mut)]
+    let mut builder = tonic::transport::Server::builder().tcp_nodelay(true);
+    if let Some(tls) = tls {
+        #[cfg(feature = "tls")]
+        {
+            use tonic::transport::{Certificate, Identity, ServerTlsConfig};
+            let mut config =
+                ServerTlsConfig::new().identity(Identity::from_pem(tls.cert_pem, tls.key_pem));
+            if let Some(ca) = tls.client_ca_pem {
+                config = config.client_ca_root(Certificate::from_pem(ca));
+            }
+            builder = builder.tls_config(config)?;
+        }
+        #[cfg(not(feature = "tls"))]
+        {
+            let _ = tls;
+            return Err("TLS requested but the SDK was built without the `tls` feature".into());
+        }
+    }
+    builder
         .add_service(health_service)
         .add_service(reflection)
         .add_service(GuardServiceServer::new(GuardServer::from_arc(guard)))

@@ -18,6 +18,7 @@
 //! The wire types are re-exported as [`proto`]. This crate does not depend on
 //! the mesh server.
 
+pub mod connect;
 pub mod coordinator;
 pub mod error;
 pub mod guard;
@@ -25,6 +26,7 @@ pub mod registry;
 pub mod trace;
 pub mod verdict;
 
+pub use connect::{Connection, Tls};
 pub use coordinator::{Batch, CallOutcome, Coordinator, Decision, Outcome, Session};
 pub use error::ClientError;
 pub use guard::{Guard, serve};

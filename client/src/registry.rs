@@ -88,6 +88,13 @@ impl Registration {
         self
     }
 
+    /// For `https://` endpoints: the identity the guard must present (a DNS
+    /// name or a `spiffe://` ID).
+    pub fn server_identity(mut self, identity: impl Into<String>) -> Self {
+        self.0.server_identity = identity.into();
+        self
+    }
+
     /// Consulted and traced, never applied (R18).
     pub fn dry_run(mut self) -> Self {
         self.0.mode = GuardMode::DryRun as i32;
@@ -110,6 +117,7 @@ impl From<Registration> for GuardSpec {
 #[derive(Debug, Clone)]
 pub struct Registrar {
     client: GuardRegistryClient<Channel>,
+    token: Option<tonic::metadata::AsciiMetadataValue>,
 }
 
 impl Registrar {
@@ -121,10 +129,28 @@ impl Registrar {
         Ok(Self::from_channel(channel))
     }
 
+    /// Connects with TLS, mTLS and/or a bearer token.
+    pub async fn connect_with(
+        endpoint: impl Into<String>,
+        connection: &crate::connect::Connection,
+    ) -> Result<Self, ClientError> {
+        let channel = connection.channel(endpoint).await?;
+        let mut this = Self::from_channel(channel);
+        this.token = connection.authorization()?;
+        Ok(this)
+    }
+
     pub fn from_channel(channel: Channel) -> Self {
         Self {
             client: GuardRegistryClient::new(channel),
+            token: None,
         }
+    }
+
+    fn request<T>(&self, message: T) -> tonic::Request<T> {
+        let mut request = tonic::Request::new(message);
+        crate::connect::authorize(&mut request, &self.token);
+        request
     }
 
     /// Registers (or updates in place) a guard.
@@ -135,7 +161,12 @@ impl Registrar {
         let request = RegisterRequest {
             guard: Some(spec.into()),
         };
-        Ok(self.client.clone().register(request).await?.into_inner())
+        Ok(self
+            .client
+            .clone()
+            .register(self.request(request))
+            .await?
+            .into_inner())
     }
 
     /// Removes a guard; returns whether one was removed.
@@ -152,6 +183,11 @@ impl Registrar {
 
     /// The chain in order.
     pub async fn list(&self) -> Result<ListResponse, ClientError> {
-        Ok(self.client.clone().list(ListRequest {}).await?.into_inner())
+        Ok(self
+            .client
+            .clone()
+            .list(self.request(ListRequest {}))
+            .await?
+            .into_inner())
     }
 }

@@ -16,18 +16,29 @@
 //! * [`link`]: one long-lived `Judge` stream per guard, with reconnects.
 //! * [`mesh`]: the mesh's settings, its registry and chain snapshots (R17).
 //! * [`registry`]: where registrations live, behind a small trait.
+//! * [`etcd`]: the registry shared by several replicas, kept in etcd.
 //! * [`spec`]: a registration checked and compiled.
 //! * [`validate`]: refusing bad batches before any guard sees them (R20).
+//! * [`tls`], [`auth`]: TLS/mTLS on the listener, identities and roles;
+//!   [`dial`]: the endpoint policy and TLS towards guards; [`certs`]: a
+//!   local CA for development.
 //! * [`config`]: the TOML config file.
 //! * [`metrics`]: counters and histograms in the Prometheus text format;
 //!   [`metrics_http`] serves them.
 //! * [`telemetry`]: logs (and traces).
 //! * [`examples`]: example guards written with the Rust SDK.
 //! * [`demo`]: the self-contained demo behind `guardmesh demo`.
+//! * [`bench`]: `guardmesh bench`, the mesh against direct guard calls on
+//!   loopback (latency, throughput, CPU, memory).
 
+pub mod auth;
 pub mod batch;
+pub mod bench;
+pub mod certs;
 pub mod config;
 pub mod demo;
+pub mod dial;
+pub mod etcd;
 pub mod examples;
 pub mod fold;
 pub mod link;
@@ -39,6 +50,7 @@ pub mod server;
 pub mod service;
 pub mod spec;
 pub mod telemetry;
+pub mod tls;
 pub mod validate;
 
 pub use batch::TraceContext;

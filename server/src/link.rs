@@ -173,6 +173,7 @@ impl Shared {
 pub struct GuardLink {
     shared: Arc<Shared>,
     task: tokio::task::AbortHandle,
+    pin: Option<String>,
 }
 
 impl std::fmt::Debug for GuardLink {
@@ -201,8 +202,10 @@ impl GuardLink {
         name: &str,
         endpoint: &str,
         config: LinkConfig,
+        connector: crate::dial::GuardConnector,
         metrics: Arc<crate::metrics::Metrics>,
     ) -> Self {
+        let pin = connector.pin.clone();
         let (tx, rx) = mpsc::unbounded_channel();
         let shared = Arc::new(Shared {
             name: name.to_owned(),
@@ -217,8 +220,13 @@ impl GuardLink {
             }),
             next_id: AtomicU64::new(1),
         });
-        let task = tokio::spawn(run(shared.clone(), config, rx)).abort_handle();
-        Self { shared, task }
+        let task = tokio::spawn(run(shared.clone(), config, connector, rx)).abort_handle();
+        Self { shared, task, pin }
+    }
+
+    /// The identity this link requires of the guard, if pinned.
+    pub fn pin(&self) -> Option<&str> {
+        self.pin.as_deref()
     }
 
     /// The endpoint this link dials.
@@ -337,6 +345,7 @@ impl GuardLink {
 async fn run(
     shared: Arc<Shared>,
     config: LinkConfig,
+    connector: crate::dial::GuardConnector,
     first_rx: mpsc::UnboundedReceiver<JudgeRequest>,
 ) {
     let mut rx = Some(first_rx);
@@ -350,7 +359,7 @@ async fn run(
                 rx
             }
         };
-        let answered = serve_stream(&shared, &config, requests).await;
+        let answered = serve_stream(&shared, &config, &connector, requests).await;
         if answered {
             backoff = config.backoff_initial;
         }
@@ -367,14 +376,20 @@ async fn run(
 async fn serve_stream(
     shared: &Shared,
     config: &LinkConfig,
+    connector: &crate::dial::GuardConnector,
     requests: mpsc::UnboundedReceiver<JudgeRequest>,
 ) -> bool {
-    let channel = match tonic::transport::Endpoint::from_shared(shared.endpoint.clone()) {
+    // The connector resolves, applies the endpoint policy, connects and
+    // speaks TLS for https:// guards (see dial.rs).
+    let dial = match shared.endpoint.strip_prefix("https://") {
+        Some(rest) => format!("http://{rest}"),
+        None => shared.endpoint.clone(),
+    };
+    let channel = match tonic::transport::Endpoint::from_shared(dial) {
         Ok(endpoint) => {
             endpoint
                 .connect_timeout(config.connect_timeout)
-                .tcp_nodelay(true)
-                .connect()
+                .connect_with_connector(connector.clone())
                 .await
         }
         Err(error) => {

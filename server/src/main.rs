@@ -5,7 +5,8 @@ use guardmesh_client::proto::{
     FailurePolicy, GuardMode, GuardRole, GuardSpec, RewriteGrant, ToolCall,
 };
 use guardmesh_client::{Batch, Coordinator, Registrar};
-use guardmesh_server::config::Config;
+use guardmesh_server::config::{Config, RegistryKind};
+use guardmesh_server::etcd::{EtcdConfig, EtcdRegistry};
 use guardmesh_server::examples::{Example, Kind};
 use guardmesh_server::telemetry::{self, LogFormat};
 use guardmesh_server::{MemoryRegistry, Mesh, Registry};
@@ -60,6 +61,14 @@ enum Command {
     /// Starts a mesh and example guards on loopback and drives a coordinator
     /// through a few rounds, printing decisions and traces.
     Demo,
+    /// Creates a local CA and certificates (mesh, coordinator, registrar,
+    /// admin, guard) with SPIFFE-style identities, for development and the
+    /// demo. Not for production.
+    Certs {
+        /// Folder to write into.
+        #[arg(default_value = "certs")]
+        dir: PathBuf,
+    },
     /// Serves one of the example guards (prints `LISTENING <port>`).
     ExampleGuard {
         #[arg(value_enum)]
@@ -70,6 +79,12 @@ enum Command {
         #[arg(long, default_value_t = 0)]
         delay_ms: u64,
     },
+    /// Benchmarks the mesh against calling guards directly, all on loopback
+    /// (see README, Performance). `--quick` is a smoke run.
+    Bench(guardmesh_server::bench::BenchArgs),
+    /// Serves the benchmark's guards and baselines (started by `bench`).
+    #[command(hide = true)]
+    BenchGuards(guardmesh_server::bench::GuardsArgs),
 }
 
 #[derive(Subcommand)]
@@ -101,6 +116,10 @@ enum GuardsAction {
         /// For mutate guards: may rename tools.
         #[arg(long)]
         may_rename: bool,
+        /// For https endpoints: the identity the guard must present (DNS
+        /// name or spiffe:// ID).
+        #[arg(long)]
+        server_identity: Option<String>,
     },
     /// Removes a guard.
     Deregister { name: String },
@@ -123,6 +142,12 @@ type Error = Box<dyn std::error::Error + Send + Sync>;
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
+    // The benchmark picks its own runtime flavours.
+    let cli = match cli.command {
+        Command::Bench(args) => return guardmesh_server::bench::main(args),
+        Command::BenchGuards(args) => return guardmesh_server::bench::serve_guards(args),
+        command => Cli { command, ..cli },
+    };
     let runtime = match tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()
@@ -146,36 +171,54 @@ fn main() -> ExitCode {
 }
 
 async fn run(cli: Cli) -> Result<ExitCode, Error> {
-    match cli.command {
-        Command::Serve { config, listen } => {
-            telemetry::init(cli.log_format, "info");
-            serve(config, listen).await?;
-        }
-        Command::Guards { mesh, action } => {
-            telemetry::init(cli.log_format, "warn");
-            guards(&mesh, action).await?;
-        }
-        Command::Evaluate { mesh, file } => {
-            telemetry::init(cli.log_format, "warn");
-            evaluate(&mesh, &file).await?;
-        }
-        Command::Demo => {
-            telemetry::init(cli.log_format, "error");
-            guardmesh_server::demo::run().await?;
-        }
+    let default_filter = match cli.command {
+        Command::Serve { .. } => "info",
+        Command::Demo => "error",
+        _ => "warn",
+    };
+    let telemetry = telemetry::init(cli.log_format, default_filter)?;
+    let result = match cli.command {
+        Command::Serve { config, listen } => serve(config, listen).await,
+        Command::Guards { mesh, action } => guards(&mesh, action).await,
+        Command::Evaluate { mesh, file } => evaluate(&mesh, &file).await,
+        Command::Demo => guardmesh_server::demo::run().await,
+        Command::Certs { dir } => certs(&dir),
         Command::ExampleGuard {
             kind,
             listen,
             delay_ms,
-        } => {
-            telemetry::init(cli.log_format, "warn");
-            let listener = tokio::net::TcpListener::bind(listen).await?;
-            println!("LISTENING {}", listener.local_addr()?.port());
-            let guard = Example::delayed(kind, Duration::from_millis(delay_ms));
-            guardmesh_client::serve(guard, listener, shutdown_signal()).await?;
+        } => example_guard(kind, listen, delay_ms).await,
+        Command::Bench(_) | Command::BenchGuards(_) => {
+            Err("the benchmark is started before the runtime".into())
         }
+    };
+    // Flush spans on the way out, also after an error.
+    telemetry.shutdown().await;
+    result.map(|()| ExitCode::SUCCESS)
+}
+
+async fn example_guard(
+    kind: Kind,
+    listen: std::net::SocketAddr,
+    delay_ms: u64,
+) -> Result<(), Error> {
+    let listener = tokio::net::TcpListener::bind(listen).await?;
+    println!("LISTENING {}", listener.local_addr()?.port());
+    let guard = Example::delayed(kind, Duration::from_millis(delay_ms));
+    guardmesh_client::serve(guard, listener, shutdown_signal()).await
+}
+
+fn certs(dir: &std::path::Path) -> Result<(), Error> {
+    let files = guardmesh_server::certs::generate(dir)?;
+    println!("wrote {} files to {}:", files.len(), dir.display());
+    for file in files {
+        println!("  {}", file.display());
     }
-    Ok(ExitCode::SUCCESS)
+    println!(
+        "identities: spiffe://{}/{{mesh,coordinator,registrar,admin,guard}}",
+        guardmesh_server::certs::TRUST_DOMAIN
+    );
+    Ok(())
 }
 
 /// Completes on SIGINT or SIGTERM.
@@ -207,15 +250,24 @@ async fn serve(config: Option<PathBuf>, listen: Option<std::net::SocketAddr>) ->
         Some(path) => Config::load(&path)?,
         None => Config::default(),
     };
-    let mesh_config = config.mesh_config();
-    let registry = Arc::new(MemoryRegistry::new(mesh_config.default_guard_timeout));
-    for guard in &config.guards {
-        registry
-            .register(guard.to_spec())
-            .await
-            .map_err(|e| format!("config guard {:?}: {e}", guard.name))?;
+    for warning in config.insecure_settings() {
+        tracing::warn!("insecure setting: {warning}");
     }
+    let mesh_config = config.build()?;
+    let registry = build_registry(&config, mesh_config.default_guard_timeout).await?;
     let mesh = Mesh::new(mesh_config, registry);
+    // SIGHUP reloads the server certificate at once (it is also reloaded
+    // when its files change).
+    #[cfg(unix)]
+    if let Some(tls) = mesh.config.security.server_tls.clone()
+        && let Ok(mut hup) = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::hangup())
+    {
+        tokio::spawn(async move {
+            while hup.recv().await.is_some() {
+                tls.cert.reload();
+            }
+        });
+    }
     let addr = listen.unwrap_or(config.listen);
     let listener = tokio::net::TcpListener::bind(addr)
         .await
@@ -227,6 +279,38 @@ async fn serve(config: Option<PathBuf>, listen: Option<std::net::SocketAddr>) ->
     guardmesh_server::server::run(listener, mesh, shutdown_signal()).await?;
     tracing::info!("guardmesh stopped");
     Ok(())
+}
+
+/// The registry `[registry]` asks for, with the file's `[[guard]]` entries
+/// registered in file order (R16). With etcd they are only created where
+/// absent: the shared chain, not one replica's file, is the source of truth.
+async fn build_registry(
+    config: &Config,
+    default_timeout: Duration,
+) -> Result<Arc<dyn Registry>, Error> {
+    match config.registry.kind {
+        RegistryKind::Memory => {
+            let registry = Arc::new(MemoryRegistry::new(default_timeout));
+            for guard in &config.guards {
+                registry
+                    .register(guard.to_spec())
+                    .await
+                    .map_err(|e| format!("config guard {:?}: {e}", guard.name))?;
+            }
+            Ok(registry)
+        }
+        RegistryKind::Etcd => {
+            let etcd = EtcdConfig::from_config(&config.registry)?;
+            let registry = Arc::new(EtcdRegistry::connect(etcd, default_timeout).await?);
+            for guard in &config.guards {
+                registry
+                    .register_if_absent(guard.to_spec())
+                    .await
+                    .map_err(|e| format!("config guard {:?}: {e}", guard.name))?;
+            }
+            Ok(registry)
+        }
+    }
 }
 
 async fn guards(mesh: &str, action: GuardsAction) -> Result<(), Error> {
@@ -281,6 +365,7 @@ async fn guards(mesh: &str, action: GuardsAction) -> Result<(), Error> {
             dry_run,
             grant_tools,
             may_rename,
+            server_identity,
         } => {
             let role = match role {
                 RoleArg::Validate => GuardRole::Validate,
@@ -307,6 +392,7 @@ async fn guards(mesh: &str, action: GuardsAction) -> Result<(), Error> {
                     tools: grant_tools,
                     may_rename,
                 }),
+                server_identity: server_identity.unwrap_or_default(),
             };
             let out = registrar.register(spec).await?;
             println!(

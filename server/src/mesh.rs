@@ -6,10 +6,13 @@
 //! every guard whose endpoint did not change, so a re-registration neither
 //! drops the guard's stream nor moves it in the chain.
 
+use crate::auth::AuthPolicy;
+use crate::dial::{EndpointPolicy, GuardConnector, GuardTls};
 use crate::link::{GuardLink, LinkConfig};
 use crate::metrics::Metrics;
 use crate::registry::{ChainSpec, Registry};
 use crate::spec::Guard;
+use crate::tls::ServerTls;
 use crate::validate::Limits;
 use arc_swap::ArcSwap;
 use std::collections::HashMap;
@@ -27,6 +30,23 @@ pub struct MeshConfig {
     pub max_batch_timeout: Duration,
     pub limits: Limits,
     pub link: LinkConfig,
+    pub security: Security,
+}
+
+/// Who may talk to the mesh, and whom the mesh may talk to.
+#[derive(Debug, Clone, Default)]
+pub struct Security {
+    /// TLS on the mesh's listener (coordinators and registrars); with a
+    /// client CA, client certificates are required.
+    pub server_tls: Option<ServerTls>,
+    /// Authentication and roles; `None` lets every caller do everything.
+    pub auth: Option<Arc<AuthPolicy>>,
+    /// TLS to `https://` guards.
+    pub guard_tls: Option<Arc<GuardTls>>,
+    /// Which guard endpoints may be registered and dialed.
+    pub endpoint_policy: Arc<EndpointPolicy>,
+    /// Concurrent HTTP/2 streams per client connection.
+    pub max_concurrent_streams: u32,
 }
 
 impl Default for MeshConfig {
@@ -37,6 +57,10 @@ impl Default for MeshConfig {
             max_batch_timeout: Duration::from_secs(30),
             limits: Limits::default(),
             link: LinkConfig::default(),
+            security: Security {
+                max_concurrent_streams: 1024,
+                ..Security::default()
+            },
         }
     }
 }
@@ -93,6 +117,16 @@ impl Mesh {
         })
     }
 
+    fn connector(&self, guard: &Guard) -> GuardConnector {
+        GuardConnector {
+            policy: self.config.security.endpoint_policy.clone(),
+            tls: self.config.security.guard_tls.clone(),
+            pin: guard.server_identity.clone(),
+            https: guard.endpoint.starts_with("https://"),
+            connect_timeout: self.config.link.connect_timeout,
+        }
+    }
+
     pub fn registry(&self) -> &dyn Registry {
         self.registry.as_ref()
     }
@@ -121,11 +155,17 @@ impl Mesh {
             .iter()
             .map(|guard| {
                 let link = match links.remove(guard.name.as_str()) {
-                    Some(link) if link.endpoint() == guard.endpoint => link.clone(),
+                    Some(link)
+                        if link.endpoint() == guard.endpoint
+                            && link.pin() == guard.server_identity.as_deref() =>
+                    {
+                        link.clone()
+                    }
                     _ => Arc::new(GuardLink::spawn(
                         &guard.name,
                         &guard.endpoint,
                         self.config.link.clone(),
+                        self.connector(guard),
                         self.metrics.clone(),
                     )),
                 };

@@ -32,6 +32,11 @@ struct GuardLabel {
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct CodeLabel {
+    code: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct ReasonLabel {
     reason: &'static str,
 }
@@ -50,6 +55,7 @@ pub struct Metrics {
     bypassed: Family<GuardLabel, Counter>,
     spurious: Family<GuardLabel, Counter>,
     circuit_opened: Family<GuardLabel, Counter>,
+    auth_refused: Family<CodeLabel, Counter>,
     refused: Family<ReasonLabel, Counter>,
     guard_latency: Family<GuardLabel, Histogram, fn() -> Histogram>,
     batch_latency: Histogram,
@@ -107,6 +113,12 @@ impl Metrics {
             "Times a guard's circuit breaker opened, by guard",
             circuit_opened.clone(),
         );
+        let auth_refused = Family::<CodeLabel, Counter>::default();
+        registry.register(
+            "auth_refused",
+            "Requests refused by authentication (unauthenticated) or authorization (permission_denied)",
+            auth_refused.clone(),
+        );
         let refused = Family::<ReasonLabel, Counter>::default();
         registry.register(
             "batches_refused",
@@ -142,6 +154,7 @@ impl Metrics {
             bypassed,
             spurious,
             circuit_opened,
+            auth_refused,
             refused,
             guard_latency,
             batch_latency,
@@ -202,6 +215,15 @@ impl Metrics {
                 guard: guard.to_owned(),
             })
             .inc();
+    }
+
+    pub fn auth_refused(&self, code: tonic::Code) {
+        let code = match code {
+            tonic::Code::Unauthenticated => "unauthenticated".to_owned(),
+            tonic::Code::PermissionDenied => "permission_denied".to_owned(),
+            other => format!("{other:?}").to_ascii_lowercase(),
+        };
+        self.auth_refused.get_or_create(&CodeLabel { code }).inc();
     }
 
     pub fn chain_size(&self, guards: usize) {

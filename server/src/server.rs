@@ -1,6 +1,7 @@
 //! The mesh's gRPC server: `PreToolService`, `GuardRegistry`, health and
 //! reflection, composed in one place.
 
+use crate::auth::AuthLayer;
 use crate::mesh::Mesh;
 use crate::service::{PreTool, Registrar};
 use guardmesh_proto::v1::guard_registry_server::GuardRegistryServer;
@@ -9,7 +10,6 @@ use std::future::Future;
 use std::sync::Arc;
 use tokio::net::TcpListener;
 use tokio::sync::watch;
-use tokio_stream::wrappers::TcpListenerStream;
 
 /// Errors that stop the server.
 #[derive(Debug, thiserror::Error)]
@@ -59,13 +59,28 @@ pub async fn run(
             .await;
         let _ = drain_tx.send(true);
     };
-    tonic::transport::Server::builder()
-        .tcp_nodelay(true)
+    let security = &mesh.config.security;
+    let cert_watch = security
+        .server_tls
+        .as_ref()
+        .map(|tls| tls.cert.watch(std::time::Duration::from_secs(1)));
+    let incoming = crate::tls::incoming(
+        listener,
+        security.server_tls.clone(),
+        std::time::Duration::from_secs(10),
+    );
+    let result = tonic::transport::Server::builder()
+        .max_concurrent_streams(security.max_concurrent_streams)
+        .layer(AuthLayer::new(security.auth.clone(), mesh.metrics.clone()))
         .add_service(health_service)
         .add_service(reflection)
         .add_service(pre_tool)
         .add_service(registrar)
-        .serve_with_incoming_shutdown(TcpListenerStream::new(listener), signal)
-        .await?;
+        .serve_with_incoming_shutdown(incoming, signal)
+        .await;
+    if let Some(watch) = cert_watch {
+        watch.abort();
+    }
+    result?;
     Ok(())
 }

@@ -1,6 +1,7 @@
 //! The gRPC services of the mesh: `PreToolService` for coordinators and
 //! `GuardRegistry` for registrars.
 
+use crate::auth::{Caller, Role};
 use crate::batch::{BatchError, TraceContext};
 use crate::mesh::Mesh;
 use crate::registry::RegistryError;
@@ -231,11 +232,37 @@ fn error_response(batch_id: String, status: &Status) -> EvaluateResponse {
 #[derive(Debug, Clone)]
 pub struct Registrar {
     mesh: Arc<Mesh>,
+    /// Guards registered through this mesh, by the identity that did it
+    /// (for per-identity registration limits).
+    owned: Arc<Mutex<std::collections::HashMap<String, HashSet<String>>>>,
 }
 
 impl Registrar {
     pub fn new(mesh: Arc<Mesh>) -> Self {
-        Self { mesh }
+        Self {
+            mesh,
+            owned: Arc::default(),
+        }
+    }
+
+    /// Checks what an authenticated caller may do with guard `name`; open
+    /// when authentication is off.
+    fn authorize<T>(&self, request: &Request<T>, name: &str) -> Result<Option<Caller>, Status> {
+        let Some(caller) = request.extensions().get::<Caller>().cloned() else {
+            return Ok(None);
+        };
+        if !caller.may_manage(name) {
+            self.mesh
+                .metrics
+                .auth_refused(tonic::Code::PermissionDenied);
+            tracing::warn!(identity = %caller.id, guard = %name, "registration refused: name outside the caller's prefixes");
+            return Err(Status::permission_denied(format!(
+                "{} may only manage guards named {}",
+                caller.id,
+                caller.name_prefixes.join(" or ")
+            )));
+        }
+        Ok(Some(caller))
     }
 }
 
@@ -252,16 +279,56 @@ impl GuardRegistry for Registrar {
         &self,
         request: Request<RegisterRequest>,
     ) -> Result<Response<RegisterResponse>, Status> {
-        let Some(spec) = request.into_inner().guard else {
+        let Some(spec) = request.get_ref().guard.clone() else {
             return Err(Status::invalid_argument("RegisterRequest.guard is missing"));
         };
         let name = spec.name.clone();
+        let caller = self.authorize(&request, &name)?;
+        // The endpoint policy: no registration may point the mesh at a
+        // metadata service or outside the allow-list (checked again after
+        // DNS resolution when dialing).
+        let checked = crate::spec::Guard::from_spec(&spec, self.mesh.config.default_guard_timeout)
+            .map_err(|e| Status::invalid_argument(e.to_string()))?;
+        if let Err(why) = self
+            .mesh
+            .config
+            .security
+            .endpoint_policy
+            .check_host(&checked.host())
+        {
+            tracing::warn!(guard = %name, endpoint = %checked.endpoint, "registration refused: {why}");
+            return Err(Status::permission_denied(format!(
+                "guard {name:?}: endpoint {} refused by the endpoint policy: {why}",
+                checked.endpoint
+            )));
+        }
+        if let Some(caller) = &caller
+            && !caller.roles.contains(&Role::Admin)
+        {
+            let owned = self.owned.lock().unwrap_or_else(PoisonError::into_inner);
+            let count = owned.get(&caller.id).map_or(0, |s| s.len());
+            let already = owned.get(&caller.id).is_some_and(|s| s.contains(&name));
+            if !already && count >= caller.max_registrations {
+                return Err(Status::resource_exhausted(format!(
+                    "{} already registered {count} guards, its limit",
+                    caller.id
+                )));
+            }
+        }
         let out = self
             .mesh
             .registry()
             .register(spec)
             .await
             .map_err(registry_status)?;
+        if let Some(caller) = &caller {
+            self.owned
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner)
+                .entry(caller.id.clone())
+                .or_default()
+                .insert(name.clone());
+        }
         // Start dialing the guard now rather than on its first batch.
         let _ = self.mesh.chain();
         tracing::info!(guard = %name, revision = out.revision, position = out.position, created = out.created, "guard registered");
@@ -276,7 +343,8 @@ impl GuardRegistry for Registrar {
         &self,
         request: Request<DeregisterRequest>,
     ) -> Result<Response<DeregisterResponse>, Status> {
-        let name = request.into_inner().name;
+        let name = request.get_ref().name.clone();
+        self.authorize(&request, &name)?;
         let out = self
             .mesh
             .registry()
@@ -284,6 +352,14 @@ impl GuardRegistry for Registrar {
             .await
             .map_err(registry_status)?;
         let _ = self.mesh.chain();
+        for names in self
+            .owned
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .values_mut()
+        {
+            names.remove(&name);
+        }
         tracing::info!(guard = %name, revision = out.revision, removed = out.removed, "guard deregistered");
         Ok(Response::new(DeregisterResponse {
             revision: out.revision,

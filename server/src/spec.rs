@@ -109,6 +109,8 @@ pub struct Guard {
     /// What a mutate guard may rewrite; always empty for validate guards.
     pub grant_tools: ToolSet,
     pub may_rename: bool,
+    /// The identity an `https://` guard must present, if pinned.
+    pub server_identity: Option<String>,
 }
 
 impl Guard {
@@ -166,6 +168,7 @@ impl Guard {
             mode,
             grant_tools,
             may_rename: grant.may_rename,
+            server_identity: Some(spec.server_identity.trim().to_owned()).filter(|s| !s.is_empty()),
         })
     }
 
@@ -184,7 +187,17 @@ impl Guard {
                 tools: self.grant_tools.patterns().to_vec(),
                 may_rename: self.may_rename,
             }),
+            server_identity: self.server_identity.clone().unwrap_or_default(),
         }
+    }
+
+    /// The endpoint's host (for the endpoint policy).
+    pub fn host(&self) -> String {
+        self.endpoint
+            .parse::<tonic::transport::Uri>()
+            .ok()
+            .and_then(|u| u.host().map(str::to_owned))
+            .unwrap_or_default()
     }
 
     /// Whether the guard's verdicts are applied (not a dry run, R18).

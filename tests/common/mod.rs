@@ -387,3 +387,314 @@ impl Drop for GuardProcess {
         self.kill();
     }
 }
+
+// ---------------------------------------------------------------------------
+// Fault-injection helpers (issue 6): a raw guard whose every message is
+// scripted, including answers for requests that do not exist and answers
+// after a cancel, and an SDK guard that holds batches until released.
+// ---------------------------------------------------------------------------
+
+/// One message a [`RawScriptGuard`] sends for a batch: `response` exactly as
+/// given (its `request_id` included, so a test can answer requests that do
+/// not exist), `after` the previous message of the same batch was sent.
+#[derive(Clone, Debug)]
+pub struct RawSend {
+    pub after: Duration,
+    pub response: JudgeResponse,
+}
+
+impl RawSend {
+    pub fn now(response: JudgeResponse) -> Self {
+        Self {
+            after: Duration::ZERO,
+            response,
+        }
+    }
+
+    pub fn after(after: Duration, response: JudgeResponse) -> Self {
+        Self { after, response }
+    }
+}
+
+/// A final answer to `batch` with `verdicts`.
+pub fn final_answer(batch: &GuardBatch, verdicts: Vec<Verdict>) -> JudgeResponse {
+    JudgeResponse {
+        request_id: batch.request_id,
+        verdicts,
+        partial: false,
+        error: String::new(),
+    }
+}
+
+type RawBehaviour = dyn Fn(&GuardBatch) -> Vec<RawSend> + Send + Sync;
+
+/// A guard on the raw `GuardService` whose messages a test scripts per batch.
+/// Unlike the SDK it ignores cancels (it records them) and keeps sending what
+/// the script says: late answers, answers for unknown request ids, verdicts
+/// with unknown enum values.
+pub struct RawScriptGuard {
+    behaviour: Arc<RawBehaviour>,
+    pub received: Arc<Mutex<Vec<GuardBatch>>>,
+    pub cancels: Arc<Mutex<Vec<u64>>>,
+    /// Messages actually written to the stream.
+    pub sent: Arc<AtomicUsize>,
+    pub streams: Arc<AtomicUsize>,
+}
+
+impl RawScriptGuard {
+    pub fn batches(&self) -> Vec<GuardBatch> {
+        self.received.lock().unwrap().clone()
+    }
+
+    pub fn cancels(&self) -> Vec<u64> {
+        self.cancels.lock().unwrap().clone()
+    }
+
+    pub fn sent(&self) -> usize {
+        self.sent.load(Ordering::SeqCst)
+    }
+}
+
+#[derive(Clone)]
+struct RawScriptService(Arc<RawScriptGuard>);
+
+#[tonic::async_trait]
+impl GuardService for RawScriptService {
+    type JudgeStream = tokio_stream::wrappers::ReceiverStream<Result<JudgeResponse, Status>>;
+
+    async fn judge(
+        &self,
+        request: tonic::Request<tonic::Streaming<JudgeRequest>>,
+    ) -> Result<tonic::Response<Self::JudgeStream>, Status> {
+        use guardmesh_client::proto::judge_request::Kind;
+        let guard = self.0.clone();
+        guard.streams.fetch_add(1, Ordering::SeqCst);
+        let mut inbound = request.into_inner();
+        let (tx, rx) = tokio::sync::mpsc::channel(256);
+        tokio::spawn(async move {
+            while let Ok(Some(message)) = inbound.message().await {
+                match message.kind {
+                    Some(Kind::Batch(batch)) => {
+                        guard.received.lock().unwrap().push(batch.clone());
+                        let sends = (guard.behaviour)(&batch);
+                        let tx = tx.clone();
+                        let sent = guard.sent.clone();
+                        tokio::spawn(async move {
+                            for send in sends {
+                                if !send.after.is_zero() {
+                                    tokio::time::sleep(send.after).await;
+                                }
+                                if tx.send(Ok(send.response)).await.is_err() {
+                                    return;
+                                }
+                                sent.fetch_add(1, Ordering::SeqCst);
+                            }
+                        });
+                    }
+                    Some(Kind::Cancel(cancel)) => {
+                        guard.cancels.lock().unwrap().push(cancel.request_id);
+                    }
+                    None => {}
+                }
+            }
+        });
+        Ok(tonic::Response::new(
+            tokio_stream::wrappers::ReceiverStream::new(rx),
+        ))
+    }
+}
+
+/// A running [`RawScriptGuard`].
+pub struct RawScriptHandle {
+    pub url: String,
+    pub guard: Arc<RawScriptGuard>,
+    task: JoinHandle<()>,
+}
+
+impl Drop for RawScriptHandle {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+/// Serves a raw scripted guard on a fresh loopback port.
+pub async fn raw_script_guard(
+    behaviour: impl Fn(&GuardBatch) -> Vec<RawSend> + Send + Sync + 'static,
+) -> RawScriptHandle {
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}", listener.local_addr().unwrap());
+    let guard = Arc::new(RawScriptGuard {
+        behaviour: Arc::new(behaviour),
+        received: Arc::default(),
+        cancels: Arc::default(),
+        sent: Arc::default(),
+        streams: Arc::default(),
+    });
+    let service = RawScriptService(guard.clone());
+    let task = tokio::spawn(async move {
+        let _ = tonic::transport::Server::builder()
+            .add_service(GuardServiceServer::new(service))
+            .serve_with_incoming(TcpListenerStream::new(listener))
+            .await;
+    });
+    RawScriptHandle { url, guard, task }
+}
+
+/// An SDK guard that holds every batch until [`HeldGuard::release`], then
+/// proceeds on it. Records each batch it receives.
+pub struct HeldGuard {
+    release: tokio::sync::watch::Sender<bool>,
+    pub received: Mutex<Vec<GuardBatch>>,
+    pub answered: AtomicUsize,
+}
+
+impl HeldGuard {
+    pub fn release(&self) {
+        self.release.send_replace(true);
+    }
+
+    pub fn requests(&self) -> usize {
+        self.received.lock().unwrap().len()
+    }
+}
+
+impl Guard for HeldGuard {
+    async fn judge(&self, batch: &GuardBatch) -> Result<Vec<Verdict>, Status> {
+        self.received.lock().unwrap().push(batch.clone());
+        let mut released = self.release.subscribe();
+        let _ = released.wait_for(|r| *r).await;
+        self.answered.fetch_add(1, Ordering::SeqCst);
+        Ok(Vec::new())
+    }
+}
+
+/// A running [`HeldGuard`].
+pub struct HeldHandle {
+    pub url: String,
+    pub guard: Arc<HeldGuard>,
+    task: JoinHandle<()>,
+}
+
+impl Drop for HeldHandle {
+    fn drop(&mut self) {
+        self.guard.release();
+        self.task.abort();
+    }
+}
+
+/// Serves a [`HeldGuard`] on a fresh loopback port.
+pub async fn held_guard() -> HeldHandle {
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}", listener.local_addr().unwrap());
+    let guard = Arc::new(HeldGuard {
+        release: tokio::sync::watch::channel(false).0,
+        received: Mutex::default(),
+        answered: AtomicUsize::new(0),
+    });
+    let task = tokio::spawn({
+        let guard = guard.clone();
+        async move {
+            let _ =
+                guardmesh_client::guard::serve_arc(guard, listener, std::future::pending()).await;
+        }
+    });
+    HeldHandle { url, guard, task }
+}
+
+/// The value of a counter in the mesh's Prometheus text, for the sample
+/// whose name and labels start with `sample` (e.g.
+/// `guardmesh_guard_spurious_answers_total{guard="g"}`); 0 when absent.
+pub fn metric(mesh: &TestMesh, sample: &str) -> f64 {
+    mesh.mesh
+        .metrics
+        .encode()
+        .lines()
+        .filter(|line| !line.starts_with('#'))
+        .filter_map(|line| {
+            let (name, value) = line.rsplit_once(' ')?;
+            (name == sample)
+                .then(|| value.parse::<f64>().ok())
+                .flatten()
+        })
+        .sum()
+}
+
+/// Polls `check` every 20 ms, at most `tries` times.
+pub async fn eventually_within(tries: usize, mut check: impl FnMut() -> bool) -> bool {
+    for _ in 0..tries {
+        if check() {
+            return true;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    check()
+}
+
+/// A free loopback port (bound and released; for processes that need a
+/// port number before they start).
+pub fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+impl TestMesh {
+    /// A mesh served on loopback with the given registry: several meshes
+    /// given registries on one shared store act as replicas of one chain.
+    pub async fn with_registry(
+        config: MeshConfig,
+        registry: Arc<dyn guardmesh_server::Registry>,
+    ) -> Self {
+        let mesh = Mesh::new(config, registry);
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let url = format!("http://{}", listener.local_addr().unwrap());
+        let (stop, stopped) = oneshot::channel::<()>();
+        let task = tokio::spawn({
+            let mesh = mesh.clone();
+            async move {
+                guardmesh_server::server::run(listener, mesh, async {
+                    let _ = stopped.await;
+                })
+                .await
+                .unwrap();
+            }
+        });
+        Self {
+            url,
+            mesh,
+            stop: Some(stop),
+            task,
+        }
+    }
+}
+
+/// A scripted guard's state without a server (to serve it yourself).
+pub fn script_guard_state(
+    behaviour: impl Fn(&GuardBatch) -> Script + Send + Sync + 'static,
+) -> ScriptGuard {
+    ScriptGuard {
+        behaviour: Box::new(behaviour),
+        received: Mutex::default(),
+        cancelled: AtomicUsize::new(0),
+        answered: AtomicUsize::new(0),
+    }
+}
+
+impl TestMesh {
+    /// Registers through `url` with the given credentials.
+    pub async fn register_over(
+        &self,
+        url: &str,
+        connection: &guardmesh_client::Connection,
+        spec: Registration,
+    ) {
+        Registrar::connect_with(url.to_owned(), connection)
+            .await
+            .unwrap()
+            .register(spec)
+            .await
+            .unwrap();
+    }
+}

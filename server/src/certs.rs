@@ -1,0 +1,154 @@
+//! A local certificate authority for development and tests
+//! (`guardmesh certs DIR`).
+//!
+//! Creates a CA and certificates whose identities are SPIFFE-style URI SANs,
+//! so that a mesh with mTLS on every link can be tried without any other
+//! tooling. Not for production: use your organisation's CA there.
+
+use rcgen::{
+    BasicConstraints, CertificateParams, CertifiedIssuer, DnType, ExtendedKeyUsagePurpose, IsCa,
+    KeyPair, KeyUsagePurpose, SanType,
+};
+use std::net::IpAddr;
+use std::path::{Path, PathBuf};
+
+/// Why certificates could not be made.
+#[derive(Debug, thiserror::Error)]
+pub enum CertsError {
+    #[error("certificate generation: {0}")]
+    Rcgen(#[from] rcgen::Error),
+    #[error("cannot write {path}: {source}")]
+    Write {
+        path: String,
+        #[source]
+        source: std::io::Error,
+    },
+}
+
+/// A certificate authority that can issue certificates.
+pub struct Authority {
+    issuer: CertifiedIssuer<'static, KeyPair>,
+}
+
+/// What to put in an issued certificate.
+#[derive(Debug, Clone, Default)]
+pub struct Subject {
+    pub common_name: String,
+    pub dns: Vec<String>,
+    pub ips: Vec<IpAddr>,
+    /// URI SANs (identities such as `spiffe://guardmesh.local/coordinator`).
+    pub uris: Vec<String>,
+    /// Issue a certificate that expired in the past (tests).
+    pub expired: bool,
+}
+
+/// An issued certificate and its key, PEM encoded.
+#[derive(Debug, Clone)]
+pub struct Issued {
+    pub cert_pem: String,
+    pub key_pem: String,
+}
+
+impl Authority {
+    /// A new self-signed CA.
+    pub fn new(name: &str) -> Result<Self, CertsError> {
+        let mut params = CertificateParams::new(Vec::<String>::new())?;
+        params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+        params.distinguished_name.push(DnType::CommonName, name);
+        params.key_usages = vec![KeyUsagePurpose::KeyCertSign, KeyUsagePurpose::CrlSign];
+        let issuer = CertifiedIssuer::self_signed(params, KeyPair::generate()?)?;
+        Ok(Self { issuer })
+    }
+
+    /// The CA certificate, PEM encoded.
+    pub fn cert_pem(&self) -> String {
+        self.issuer.pem()
+    }
+
+    /// Issues a certificate usable for both TLS server and client auth.
+    pub fn issue(&self, subject: &Subject) -> Result<Issued, CertsError> {
+        let mut params = CertificateParams::new(subject.dns.clone())?;
+        params
+            .distinguished_name
+            .push(DnType::CommonName, subject.common_name.as_str());
+        for ip in &subject.ips {
+            params.subject_alt_names.push(SanType::IpAddress(*ip));
+        }
+        for uri in &subject.uris {
+            params
+                .subject_alt_names
+                .push(SanType::URI(uri.as_str().try_into()?));
+        }
+        params.extended_key_usages = vec![
+            ExtendedKeyUsagePurpose::ServerAuth,
+            ExtendedKeyUsagePurpose::ClientAuth,
+        ];
+        params.key_usages = vec![KeyUsagePurpose::DigitalSignature];
+        if subject.expired {
+            params.not_before = rcgen::date_time_ymd(2020, 1, 1);
+            params.not_after = rcgen::date_time_ymd(2021, 1, 1);
+        }
+        let key = KeyPair::generate()?;
+        let cert = params.signed_by(&key, &self.issuer)?;
+        Ok(Issued {
+            cert_pem: cert.pem(),
+            key_pem: key.serialize_pem(),
+        })
+    }
+}
+
+fn write(path: &Path, text: &str) -> Result<(), CertsError> {
+    std::fs::write(path, text).map_err(|source| CertsError::Write {
+        path: path.display().to_string(),
+        source,
+    })
+}
+
+impl Issued {
+    /// Writes `NAME.pem` and `NAME-key.pem` into `dir`.
+    pub fn write(&self, dir: &Path, name: &str) -> Result<(PathBuf, PathBuf), CertsError> {
+        let cert = dir.join(format!("{name}.pem"));
+        let key = dir.join(format!("{name}-key.pem"));
+        write(&cert, &self.cert_pem)?;
+        write(&key, &self.key_pem)?;
+        Ok((cert, key))
+    }
+}
+
+/// The SPIFFE trust domain of the generated identities.
+pub const TRUST_DOMAIN: &str = "guardmesh.local";
+
+/// Creates `ca.pem` and certificates for the mesh, a coordinator, a
+/// registrar, an admin and a guard in `dir`. Returns the files written.
+pub fn generate(dir: &Path) -> Result<Vec<PathBuf>, CertsError> {
+    std::fs::create_dir_all(dir).map_err(|source| CertsError::Write {
+        path: dir.display().to_string(),
+        source,
+    })?;
+    let ca = Authority::new("guardmesh local CA")?;
+    let ca_file = dir.join("ca.pem");
+    write(&ca_file, &ca.cert_pem())?;
+    let mut files = vec![ca_file];
+    let loopback = |name: &str, id: &str| Subject {
+        common_name: name.to_owned(),
+        dns: vec!["localhost".into()],
+        ips: vec![
+            IpAddr::from([127, 0, 0, 1]),
+            IpAddr::from([0u16, 0, 0, 0, 0, 0, 0, 1]),
+        ],
+        uris: vec![format!("spiffe://{TRUST_DOMAIN}/{id}")],
+        expired: false,
+    };
+    for (name, id) in [
+        ("mesh", "mesh"),
+        ("coordinator", "coordinator"),
+        ("registrar", "registrar"),
+        ("admin", "admin"),
+        ("guard", "guard"),
+    ] {
+        let (cert, key) = ca.issue(&loopback(name, id))?.write(dir, name)?;
+        files.push(cert);
+        files.push(key);
+    }
+    Ok(files)
+}

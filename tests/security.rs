@@ -1,0 +1,602 @@
+//! Let no one in (issue 7): mTLS and tokens on the mesh's listener, roles,
+//! pinned guard identities, the endpoint policy, and certificate rotation.
+//! Certificates are generated here, with the same code as `guardmesh certs`.
+
+mod common;
+
+use common::*;
+use guardmesh_client::proto::{FailurePolicy, TraceStatus};
+use guardmesh_client::{Batch, ClientError, Connection, Coordinator, Registrar, Registration, Tls};
+use guardmesh_server::auth::{AuthPolicy, Caller, Principal, Role};
+use guardmesh_server::certs::{Authority, Issued, Subject};
+use guardmesh_server::tls::ServerTls;
+use std::net::IpAddr;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+struct Pki {
+    dir: PathBuf,
+    ca: Authority,
+}
+
+impl Drop for Pki {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+fn subject(id: &str) -> Subject {
+    Subject {
+        common_name: id.to_owned(),
+        dns: vec!["localhost".into()],
+        ips: vec![IpAddr::from([127, 0, 0, 1])],
+        uris: vec![format!("spiffe://guardmesh.local/{id}")],
+        expired: false,
+    }
+}
+
+impl Pki {
+    fn new() -> Self {
+        let dir = std::env::temp_dir().join(format!("guardmesh-pki-{}", rand::random::<u64>()));
+        std::fs::create_dir_all(&dir).unwrap();
+        Self {
+            dir,
+            ca: Authority::new("test CA").unwrap(),
+        }
+    }
+
+    fn issue(&self, subject: &Subject) -> Issued {
+        self.ca.issue(subject).unwrap()
+    }
+
+    fn write(&self, name: &str, issued: &Issued) -> (PathBuf, PathBuf) {
+        issued.write(&self.dir, name).unwrap()
+    }
+
+    fn ca_file(&self) -> PathBuf {
+        let path = self.dir.join("ca.pem");
+        std::fs::write(&path, self.ca.cert_pem()).unwrap();
+        path
+    }
+
+    fn tls(&self, identity: Option<&Issued>) -> Connection {
+        Connection {
+            tls: Some(Tls {
+                ca_pem: self.ca.cert_pem(),
+                identity: identity.map(|i| (i.cert_pem.clone(), i.key_pem.clone())),
+                domain: None,
+            }),
+            token: None,
+        }
+    }
+}
+
+fn principal(id: &str, roles: &[Role], prefixes: &[&str], token: Option<&str>) -> Principal {
+    Principal {
+        id: id.to_owned(),
+        token: token.map(str::to_owned),
+        caller: Caller {
+            id: id.to_owned(),
+            roles: roles.iter().copied().collect(),
+            name_prefixes: prefixes.iter().map(|p| (*p).to_owned()).collect(),
+            max_registrations: 2,
+        },
+    }
+}
+
+fn policy() -> AuthPolicy {
+    AuthPolicy {
+        principals: vec![
+            principal(
+                "spiffe://guardmesh.local/coordinator",
+                &[Role::Evaluate],
+                &[],
+                None,
+            ),
+            principal(
+                "spiffe://guardmesh.local/registrar",
+                &[Role::Register],
+                &["team-"],
+                None,
+            ),
+            principal("spiffe://guardmesh.local/admin", &[Role::Admin], &[], None),
+            principal("ci", &[Role::Register], &[], Some("ci-token")),
+        ],
+        plaintext_tokens_on_loopback: false,
+    }
+}
+
+/// A mesh with mTLS required and the policy above.
+async fn secure_mesh(pki: &Pki) -> (TestMesh, String) {
+    let (cert, key) = pki.write("mesh", &pki.issue(&subject("mesh")));
+    let mut config = fast_config();
+    config.security.server_tls = Some(ServerTls::new(&cert, &key, Some(&pki.ca_file())).unwrap());
+    config.security.auth = Some(Arc::new(policy()));
+    config.security.guard_tls = Some(Arc::new(
+        guardmesh_server::dial::GuardTls::new(&pki.ca_file(), Some(&cert), Some(&key)).unwrap(),
+    ));
+    let mesh = TestMesh::with_config(config).await;
+    let url = mesh.url.replace("http://127.0.0.1", "https://localhost");
+    (mesh, url)
+}
+
+async fn chain_revision(pki: &Pki, url: &str) -> (u64, usize) {
+    let admin = pki.issue(&subject("admin"));
+    let registrar = Registrar::connect_with(url.to_owned(), &pki.tls(Some(&admin)))
+        .await
+        .unwrap();
+    let list = registrar.list().await.unwrap();
+    (list.revision, list.guards.len())
+}
+
+fn code(result: Result<impl std::fmt::Debug, ClientError>) -> (tonic::Code, String) {
+    match result {
+        Err(ClientError::Status(status)) => (status.code(), status.message().to_owned()),
+        other => panic!("expected a gRPC status, got {other:?}"),
+    }
+}
+
+#[tokio::test]
+async fn mtls_bad_or_missing_credentials_are_refused_and_change_nothing() {
+    let pki = Pki::new();
+    let (mesh, url) = secure_mesh(&pki).await;
+    let guard = proceed_guard().await;
+    let admin = Registrar::connect_with(url.clone(), &pki.tls(Some(&pki.issue(&subject("admin")))))
+        .await
+        .unwrap();
+    admin
+        .register(Registration::validate("g", &guard.url))
+        .await
+        .unwrap();
+    let before = chain_revision(&pki, &url).await;
+
+    let other_ca = Authority::new("another CA")
+        .unwrap()
+        .issue(&subject("coordinator"))
+        .unwrap();
+    let two_uris = pki.issue(&Subject {
+        uris: vec![
+            "spiffe://guardmesh.local/coordinator".into(),
+            "spiffe://guardmesh.local/admin".into(),
+        ],
+        ..subject("coordinator")
+    });
+    let expired = pki.issue(&Subject {
+        expired: true,
+        ..subject("coordinator")
+    });
+    let cases: Vec<(&str, Connection, &str)> = vec![
+        ("no client certificate", pki.tls(None), "no credentials"),
+        (
+            "a certificate from another CA",
+            pki.tls(Some(&other_ca)),
+            "rejected",
+        ),
+        ("two URI SANs", pki.tls(Some(&two_uris)), "exactly one"),
+        (
+            "an expired certificate",
+            pki.tls(Some(&expired)),
+            "rejected",
+        ),
+    ];
+    for (what, connection, needle) in cases {
+        let coordinator = Coordinator::connect_with(url.clone(), &connection)
+            .await
+            .unwrap();
+        let result = coordinator
+            .evaluate_once("s", Batch::new(0).call("c", "t", "{}"))
+            .await;
+        let (code, message) = code(result);
+        assert_eq!(code, tonic::Code::Unauthenticated, "{what}: {message}");
+        assert!(message.contains(needle), "{what}: {message}");
+        let registrar = Registrar::connect_with(url.clone(), &connection)
+            .await
+            .unwrap();
+        let (code, _) = code_of(
+            registrar
+                .register(Registration::validate("evil", "127.0.0.1:1"))
+                .await,
+        );
+        assert_eq!(code, tonic::Code::Unauthenticated, "{what}");
+    }
+    // Valid mTLS, wrong role: a coordinator may not register, a registrar
+    // may not evaluate or list.
+    let coordinator_cert = pki.issue(&subject("coordinator"));
+    let as_coordinator = Registrar::connect_with(url.clone(), &pki.tls(Some(&coordinator_cert)))
+        .await
+        .unwrap();
+    let (c, message) = code_of(
+        as_coordinator
+            .register(Registration::validate("evil", "127.0.0.1:1"))
+            .await,
+    );
+    assert_eq!(c, tonic::Code::PermissionDenied, "{message}");
+    let registrar_cert = pki.issue(&subject("registrar"));
+    let as_registrar = Coordinator::connect_with(url.clone(), &pki.tls(Some(&registrar_cert)))
+        .await
+        .unwrap();
+    let (c, _) = code(
+        as_registrar
+            .evaluate_once("s", Batch::new(0).call("c", "t", "{}"))
+            .await,
+    );
+    assert_eq!(c, tonic::Code::PermissionDenied);
+    let (c, _) = code_of(
+        Registrar::connect_with(url.clone(), &pki.tls(Some(&registrar_cert)))
+            .await
+            .unwrap()
+            .list()
+            .await,
+    );
+    assert_eq!(c, tonic::Code::PermissionDenied, "List needs admin");
+
+    assert_eq!(
+        chain_revision(&pki, &url).await,
+        before,
+        "the chain is unchanged"
+    );
+    assert_eq!(guard.guard.requests(), 0, "no guard contacted");
+    let metrics = mesh.mesh.metrics.encode();
+    assert!(
+        metrics.contains(r#"guardmesh_auth_refused_total{code="unauthenticated"} 8"#),
+        "{metrics}"
+    );
+    assert!(
+        metrics.contains(r#"guardmesh_auth_refused_total{code="permission_denied"} 3"#),
+        "{metrics}"
+    );
+
+    // And the right coordinator is served.
+    let coordinator = Coordinator::connect_with(url.clone(), &pki.tls(Some(&coordinator_cert)))
+        .await
+        .unwrap();
+    let d = coordinator
+        .session("s")
+        .await
+        .unwrap()
+        .evaluate(Batch::new(0).call("c", "t", "{}"))
+        .await
+        .unwrap();
+    assert!(d.calls[0].proceeds());
+    assert_eq!(guard.guard.requests(), 1);
+}
+
+fn code_of<T: std::fmt::Debug>(result: Result<T, ClientError>) -> (tonic::Code, String) {
+    code(result)
+}
+
+#[tokio::test]
+async fn role_register_is_limited_to_name_prefixes_and_a_quota() {
+    let pki = Pki::new();
+    let (_mesh, url) = secure_mesh(&pki).await;
+    let registrar = Registrar::connect_with(
+        url.clone(),
+        &pki.tls(Some(&pki.issue(&subject("registrar")))),
+    )
+    .await
+    .unwrap();
+    registrar
+        .register(Registration::validate("team-a", "127.0.0.1:1"))
+        .await
+        .unwrap();
+    let (c, message) = code_of(
+        registrar
+            .register(Registration::validate("prod-guard", "127.0.0.1:1"))
+            .await,
+    );
+    assert_eq!(c, tonic::Code::PermissionDenied, "{message}");
+    assert!(message.contains("team-"), "{message}");
+    registrar
+        .register(Registration::validate("team-b", "127.0.0.1:1"))
+        .await
+        .unwrap();
+    // Updating an owned guard is fine; a third one is over the quota of 2.
+    registrar
+        .register(Registration::validate("team-a", "127.0.0.1:2"))
+        .await
+        .unwrap();
+    let (c, _) = code_of(
+        registrar
+            .register(Registration::validate("team-c", "127.0.0.1:1"))
+            .await,
+    );
+    assert_eq!(c, tonic::Code::ResourceExhausted);
+    assert!(registrar.deregister("team-b").await.unwrap());
+    registrar
+        .register(Registration::validate("team-c", "127.0.0.1:1"))
+        .await
+        .unwrap();
+    assert_eq!(chain_revision(&pki, &url).await.1, 2);
+}
+
+#[tokio::test]
+async fn role_bearer_token_over_plaintext_is_refused() {
+    let mut config = fast_config();
+    config.security.auth = Some(Arc::new(policy()));
+    let mesh = TestMesh::with_config(config).await;
+    let connection = Connection {
+        tls: None,
+        token: Some("ci-token".into()),
+    };
+    let registrar = Registrar::connect_with(mesh.url.clone(), &connection)
+        .await
+        .unwrap();
+    let (c, message) = code_of(
+        registrar
+            .register(Registration::validate("x", "127.0.0.1:1"))
+            .await,
+    );
+    assert_eq!(c, tonic::Code::Unauthenticated);
+    assert!(message.contains("only accepted over TLS"), "{message}");
+    assert_eq!(mesh.mesh.registry().chain().guards.len(), 0);
+}
+
+#[tokio::test]
+async fn role_bearer_token_over_tls_is_accepted() {
+    let pki = Pki::new();
+    let (mesh, url) = secure_mesh(&pki).await;
+    let mut connection = pki.tls(None);
+    connection.token = Some("ci-token".into());
+    let registrar = Registrar::connect_with(url, &connection).await.unwrap();
+    registrar
+        .register(Registration::validate("from-ci", "127.0.0.1:1"))
+        .await
+        .unwrap();
+    assert_eq!(mesh.mesh.registry().chain().guards.len(), 1);
+    connection.token = Some("wrong".into());
+    let (c, _) = code_of(
+        Registrar::connect_with(
+            mesh.url.replace("http://127.0.0.1", "https://localhost"),
+            &connection,
+        )
+        .await
+        .unwrap()
+        .register(Registration::validate("x", "127.0.0.1:1"))
+        .await,
+    );
+    assert_eq!(c, tonic::Code::Unauthenticated);
+}
+
+async fn tls_guard(pki: &Pki, id: &str) -> (String, Arc<ScriptGuard>) {
+    let issued = pki.issue(&subject(id));
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!(
+        "https://localhost:{}",
+        listener.local_addr().unwrap().port()
+    );
+    let guard = Arc::new(script_guard_state(|batch| Script {
+        verdicts: batch
+            .calls
+            .iter()
+            .map(|c| guardmesh_client::verdict::steer(&c.call_id, "checked over TLS"))
+            .collect(),
+        ..Default::default()
+    }));
+    tokio::spawn(guardmesh_client::guard::serve_with(
+        guard.clone(),
+        listener,
+        Some(guardmesh_client::guard::ServerTls {
+            cert_pem: issued.cert_pem,
+            key_pem: issued.key_pem,
+            client_ca_pem: Some(pki.ca.cert_pem()),
+        }),
+        std::future::pending(),
+    ));
+    (url, guard)
+}
+
+#[tokio::test]
+async fn impostor_guard_with_the_wrong_identity_is_not_called() {
+    let pki = Pki::new();
+    let (_mesh, url) = secure_mesh(&pki).await;
+    let admin = Registrar::connect_with(url.clone(), &pki.tls(Some(&pki.issue(&subject("admin")))))
+        .await
+        .unwrap();
+    let (real_url, real) = tls_guard(&pki, "guard/policy").await;
+    let (impostor_url, impostor) = tls_guard(&pki, "guard/impostor").await;
+    admin
+        .register(
+            Registration::validate("policy", &real_url)
+                .server_identity("spiffe://guardmesh.local/guard/policy"),
+        )
+        .await
+        .unwrap();
+    admin
+        .register(
+            Registration::validate("pinned", &impostor_url)
+                .server_identity("spiffe://guardmesh.local/guard/policy")
+                .failure_policy(FailurePolicy::FailClosed),
+        )
+        .await
+        .unwrap();
+    let coordinator =
+        Coordinator::connect_with(url, &pki.tls(Some(&pki.issue(&subject("coordinator")))))
+            .await
+            .unwrap();
+    let session = coordinator.session("s").await.unwrap();
+    let d = session
+        .evaluate(Batch::new(0).call("c", "t", "{}"))
+        .await
+        .unwrap();
+    // The real guard was reached over mutual TLS and judged.
+    assert_eq!(
+        d.calls[0].decided_by.as_deref(),
+        Some("policy"),
+        "{:?}",
+        d.trace
+    );
+    assert_eq!(real.requests(), 1, "{:?}", d.trace);
+    let entry = d.trace.iter().find(|t| t.guard == "pinned").unwrap();
+    assert!(
+        [TraceStatus::Superseded as i32, TraceStatus::Failed as i32].contains(&entry.status),
+        "the impostor never proceeds: {entry:?}"
+    );
+    // Alone in the chain, the impostor's registration fails closed.
+    let d = {
+        let admin = admin.clone();
+        admin.deregister("policy").await.unwrap();
+        session
+            .evaluate(Batch::new(1).call("c", "t", "{}"))
+            .await
+            .unwrap()
+    };
+    let entry = d.trace.iter().find(|t| t.guard == "pinned").unwrap();
+    assert_eq!(entry.status, TraceStatus::Failed as i32);
+    assert!(
+        entry
+            .error
+            .contains("expected spiffe://guardmesh.local/guard/policy"),
+        "{}",
+        entry.error
+    );
+    assert!(
+        d.calls[0].failure && !d.calls[0].proceeds(),
+        "fail_closed: blocked"
+    );
+    assert_eq!(impostor.requests(), 0, "the impostor never saw a batch");
+}
+
+#[tokio::test]
+async fn ssrf_registration_to_metadata_or_outside_the_allow_list_is_refused() {
+    let mut config = fast_config();
+    config.security.endpoint_policy = Arc::new(
+        guardmesh_server::dial::EndpointPolicy::new(
+            &["127.0.0.0/8".into(), "localhost".into()],
+            true,
+        )
+        .unwrap(),
+    );
+    let mesh = TestMesh::with_config(config).await;
+    let registrar = mesh.registrar().await;
+    for endpoint in [
+        "http://169.254.169.254:80",
+        "http://metadata.google.internal:80",
+        "http://10.0.0.8:50051",
+        "http://guards.example.com:50051",
+    ] {
+        let (c, message) = code_of(
+            registrar
+                .register(Registration::validate("x", endpoint))
+                .await,
+        );
+        assert_eq!(c, tonic::Code::PermissionDenied, "{endpoint}: {message}");
+        assert!(message.contains("endpoint policy"), "{message}");
+    }
+    assert_eq!(registrar.list().await.unwrap().guards.len(), 0);
+    let guard = proceed_guard().await;
+    registrar
+        .register(Registration::validate("ok", &guard.url))
+        .await
+        .unwrap();
+    let named = guard.url.replace("127.0.0.1", "localhost");
+    registrar
+        .register(Registration::validate("by-name", &named))
+        .await
+        .unwrap();
+    let d = mesh
+        .coordinator()
+        .await
+        .session("s")
+        .await
+        .unwrap()
+        .evaluate(Batch::new(0).call("c", "t", "{}"))
+        .await
+        .unwrap();
+    assert!(d.calls[0].proceeds() && d.calls[0].bypassed.is_empty());
+    assert_eq!(
+        guard.guard.requests(),
+        2,
+        "both registrations dialed the guard"
+    );
+}
+
+async fn presented_cert(port: u16, ca_pem: &str) -> Vec<u8> {
+    use rustls::pki_types::pem::PemObject;
+    let mut roots = rustls::RootCertStore::empty();
+    for cert in rustls::pki_types::CertificateDer::pem_slice_iter(ca_pem.as_bytes()) {
+        roots.add(cert.unwrap()).unwrap();
+    }
+    let config = rustls::ClientConfig::builder_with_provider(guardmesh_server::tls::provider())
+        .with_safe_default_protocol_versions()
+        .unwrap()
+        .with_root_certificates(roots)
+        .with_no_client_auth();
+    let tcp = tokio::net::TcpStream::connect(("127.0.0.1", port))
+        .await
+        .unwrap();
+    let tls = tokio_rustls::TlsConnector::from(Arc::new(config))
+        .connect("localhost".try_into().unwrap(), tcp)
+        .await
+        .unwrap();
+    tls.get_ref().1.peer_certificates().unwrap()[0].to_vec()
+}
+
+fn der_of(issued: &Issued) -> Vec<u8> {
+    use rustls::pki_types::pem::PemObject;
+    rustls::pki_types::CertificateDer::from_pem_slice(issued.cert_pem.as_bytes())
+        .unwrap()
+        .to_vec()
+}
+
+#[tokio::test]
+async fn rotation_replaces_the_server_certificate_without_dropping_streams() {
+    let pki = Pki::new();
+    let first = pki.issue(&subject("mesh"));
+    let (cert, key) = pki.write("mesh", &first);
+    let tls = ServerTls::new(&cert, &key, None).unwrap();
+    let mut config = fast_config();
+    config.security.server_tls = Some(tls.clone());
+    let mesh = TestMesh::with_config(config).await;
+    let port: u16 = mesh.url.rsplit(':').next().unwrap().parse().unwrap();
+    let url = format!("https://localhost:{port}");
+    let guard = proceed_guard().await;
+    mesh.register_over(
+        &url,
+        &pki.tls(None),
+        Registration::validate("g", &guard.url),
+    )
+    .await;
+    let coordinator = Coordinator::connect_with(url.clone(), &pki.tls(None))
+        .await
+        .unwrap();
+    let session = coordinator.session("s").await.unwrap();
+    assert!(
+        session
+            .evaluate(Batch::new(0).call("c", "t", "{}"))
+            .await
+            .unwrap()
+            .calls[0]
+            .proceeds()
+    );
+    assert_eq!(
+        presented_cert(port, &pki.ca.cert_pem()).await,
+        der_of(&first)
+    );
+
+    // Rotate: new files in place, then the reload (the watcher does this on
+    // its own within a second; calling it makes the test deterministic).
+    let second = pki.issue(&subject("mesh"));
+    pki.write("mesh", &second);
+    tls.cert.reload();
+    assert_eq!(
+        presented_cert(port, &pki.ca.cert_pem()).await,
+        der_of(&second),
+        "new connections get the new certificate"
+    );
+    for turn in 1..4 {
+        let d = session
+            .evaluate(Batch::new(turn).call("c", "t", "{}"))
+            .await
+            .unwrap();
+        assert!(d.calls[0].proceeds(), "the open stream keeps working");
+    }
+    // A broken rotation (key of another pair) keeps the good certificate.
+    std::fs::write(&key, pki.issue(&subject("other")).key_pem).unwrap();
+    assert!(!tls.cert.reload());
+    assert_eq!(
+        presented_cert(port, &pki.ca.cert_pem()).await,
+        der_of(&second)
+    );
+    let _ = Duration::ZERO;
+}
