@@ -146,9 +146,16 @@ struct Shared {
     endpoint: String,
     state: Mutex<State>,
     next_id: AtomicU64,
+    /// Whether the current outage was already logged.
+    outage: std::sync::atomic::AtomicBool,
 }
 
 impl Shared {
+    /// Marks an outage; true when it is a new one (to be logged).
+    fn outage_started(&self) -> bool {
+        !self.outage.swap(true, Ordering::Relaxed)
+    }
+
     fn lock(&self) -> std::sync::MutexGuard<'_, State> {
         self.state.lock().unwrap_or_else(PoisonError::into_inner)
     }
@@ -219,6 +226,7 @@ impl GuardLink {
                 circuit: Circuit::default(),
             }),
             next_id: AtomicU64::new(1),
+            outage: std::sync::atomic::AtomicBool::new(false),
         });
         let task = tokio::spawn(run(shared.clone(), config, connector, rx)).abort_handle();
         Self { shared, task, pin }
@@ -405,7 +413,12 @@ async fn serve_stream(
         Ok(channel) => channel,
         Err(error) => {
             let reason: Arc<str> = format!("{}: {}", shared.endpoint, error_chain(&error)).into();
-            tracing::warn!(guard = %shared.name, error = %reason, "guard unreachable");
+            // Warn once per outage; the retries that follow log at debug.
+            if shared.outage_started() {
+                tracing::warn!(guard = %shared.name, error = %reason, "guard unreachable; retrying with backoff");
+            } else {
+                tracing::debug!(guard = %shared.name, error = %reason, "guard still unreachable");
+            }
             shared.fail_all(
                 GuardFailure::Unreachable(reason.clone()),
                 Conn::Down(reason),
@@ -426,6 +439,7 @@ async fn serve_stream(
         }
     };
     tracing::debug!(guard = %shared.name, endpoint = %shared.endpoint, "guard stream open");
+    shared.outage.store(false, Ordering::Relaxed);
     let mut answered = false;
     let (failure, reason): (GuardFailure, Arc<str>) = loop {
         match answers.message().await {
