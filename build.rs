@@ -1,4 +1,5 @@
-//! Generates the wire types and gRPC stubs from `proto/guardmesh/v1`.
+//! Generates the wire types and gRPC stubs from `proto/guardmesh/v1`, and
+//! the benchmark's baseline services from `proto/guardmesh/bench/v1`.
 //!
 //! protoc comes from the `protoc-bin-vendored` build dependency unless the
 //! `PROTOC` environment variable points at another one, so a fresh machine
@@ -19,5 +20,18 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     tonic_prost_build::configure()
         .file_descriptor_set_path(out_dir.join("guardmesh_descriptor.bin"))
         .compile_protos(&[proto], &["proto"])?;
+    // The benchmark's baselines (`guardmesh bench`) are compiled apart, into
+    // their own folder and outside the descriptor set above, so that the
+    // reflection of meshes and SDK guards never advertises services they do
+    // not serve. Their references to guardmesh.v1 use the types above.
+    let bench = "proto/guardmesh/bench/v1/bench.proto";
+    println!("cargo:rerun-if-changed={bench}");
+    let bench_out = out_dir.join("bench");
+    std::fs::create_dir_all(&bench_out)?;
+    tonic_prost_build::configure()
+        .out_dir(&bench_out)
+        .extern_path(".guardmesh.v1", "crate::v1")
+        .bytes(".guardmesh.bench.v1.EchoMessage.payload")
+        .compile_protos(&[bench], &["proto"])?;
     Ok(())
 }

@@ -10,6 +10,16 @@ pub mod v1 {
     tonic::include_proto!("guardmesh.v1");
 }
 
+/// `guardmesh.bench.v1`: the unary baselines (`DirectGuard`, `Echo`) that
+/// `guardmesh bench` measures the mesh against. Not part of the contract, and
+/// not in [`FILE_DESCRIPTOR_SET`].
+pub mod bench {
+    pub mod v1 {
+        #![allow(clippy::all, missing_docs)]
+        include!(concat!(env!("OUT_DIR"), "/bench/guardmesh.bench.v1.rs"));
+    }
+}
+
 /// The encoded `FileDescriptorSet` of the guardmesh protos, for gRPC server
 /// reflection.
 pub const FILE_DESCRIPTOR_SET: &[u8] = tonic::include_file_descriptor_set!("guardmesh_descriptor");

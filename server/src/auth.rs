@@ -114,7 +114,8 @@ impl AuthPolicy {
                 "the authorization header must be `Bearer <token>`",
             ));
         };
-        if !tls && !(loopback && self.plaintext_tokens_on_loopback) {
+        let plaintext_allowed = loopback && self.plaintext_tokens_on_loopback;
+        if !(tls || plaintext_allowed) {
             return Err(Status::unauthenticated(
                 "bearer tokens are only accepted over TLS",
             ));

@@ -27,6 +27,8 @@
 //!   [`metrics_http`] serves them.
 //! * [`telemetry`]: logs (and traces).
 //! * [`examples`]: example guards written with the Rust SDK.
+//! * [`conformance`]: `guardmesh conformance`, which checks a running guard
+//!   of any language against the `Judge` protocol.
 //! * [`demo`]: the self-contained demo behind `guardmesh demo`.
 //! * [`bench`]: `guardmesh bench`, the mesh against direct guard calls on
 //!   loopback (latency, throughput, CPU, memory).
@@ -36,6 +38,7 @@ pub mod batch;
 pub mod bench;
 pub mod certs;
 pub mod config;
+pub mod conformance;
 pub mod demo;
 pub mod dial;
 pub mod etcd;

@@ -79,6 +79,9 @@ enum Command {
         #[arg(long, default_value_t = 0)]
         delay_ms: u64,
     },
+    /// Checks a running guard, of any language, against the Judge protocol
+    /// (one PASS/FAIL line per check; exits non-zero on any failure).
+    Conformance(guardmesh_server::conformance::ConformanceArgs),
     /// Benchmarks the mesh against calling guards directly, all on loopback
     /// (see README, Performance). `--quick` is a smoke run.
     Bench(guardmesh_server::bench::BenchArgs),
@@ -188,6 +191,7 @@ async fn run(cli: Cli) -> Result<ExitCode, Error> {
             listen,
             delay_ms,
         } => example_guard(kind, listen, delay_ms).await,
+        Command::Conformance(args) => guardmesh_server::conformance::main(args).await,
         Command::Bench(_) | Command::BenchGuards(_) => {
             Err("the benchmark is started before the runtime".into())
         }

@@ -1,0 +1,1056 @@
+//! Several mesh replicas on one chain, kept in a real etcd (R15, R16, R17).
+//!
+//! Each test starts its own `etcd` process on free loopback ports in a
+//! temporary data directory and kills it when the test ends. The binary comes
+//! from Debian's `etcd-server` (3.4): `scripts/setup-etcd` installs it.
+//!
+//! Tests assert order and outcomes, never timings; every wait is a poll with
+//! a deadline. `replica_registration_reaches_the_other_replica_promptly`
+//! prints how long a registration takes to reach the other replica.
+
+mod common;
+
+use common::*;
+use guardmesh_client::proto::{FailurePolicy, TraceStatus};
+use guardmesh_client::verdict::steer;
+use guardmesh_client::{Batch, ClientError, Decision, Outcome, Registration};
+use guardmesh_server::Registry;
+use guardmesh_server::etcd::{AfterWindow, EtcdConfig, EtcdRegistry, GuardHeartbeat, Liveness};
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+use tokio::net::{TcpListener, TcpStream};
+use tokio::task::JoinHandle;
+
+// ---------------------------------------------------------------------------
+// A real etcd server
+// ---------------------------------------------------------------------------
+
+/// An `etcd` process on loopback, with its data directory. Stopping it keeps
+/// the data (a restart finds the same chain); dropping it kills the process
+/// and removes the directory.
+struct Etcd {
+    bin: PathBuf,
+    dir: PathBuf,
+    client_port: u16,
+    peer_port: u16,
+    child: Option<Child>,
+}
+
+fn etcd_binary() -> PathBuf {
+    let on_path = std::env::var_os("PATH")
+        .map(|path| std::env::split_paths(&path).collect::<Vec<_>>())
+        .unwrap_or_default()
+        .into_iter()
+        .map(|dir| dir.join("etcd"))
+        .find(|candidate| candidate.is_file());
+    on_path
+        .or_else(|| Some(PathBuf::from("/usr/bin/etcd")).filter(|p| p.is_file()))
+        .unwrap_or_else(|| {
+            panic!(
+                "the etcd binary is not installed: run scripts/setup-etcd \
+                 (apt-get install -y etcd-server) and run the tests again"
+            )
+        })
+}
+
+fn loopback_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+impl Etcd {
+    async fn start() -> Self {
+        static SEQ: AtomicUsize = AtomicUsize::new(0);
+        let dir = std::env::temp_dir().join(format!(
+            "guardmesh-etcd-{}-{}",
+            std::process::id(),
+            SEQ.fetch_add(1, Ordering::SeqCst)
+        ));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        let mut etcd = Self {
+            bin: etcd_binary(),
+            dir,
+            client_port: loopback_port(),
+            peer_port: loopback_port(),
+            child: None,
+        };
+        etcd.spawn().await;
+        etcd
+    }
+
+    fn url(&self) -> String {
+        format!("http://127.0.0.1:{}", self.client_port)
+    }
+
+    fn addr(&self) -> std::net::SocketAddr {
+        std::net::SocketAddr::from(([127, 0, 0, 1], self.client_port))
+    }
+
+    /// Starts the process (again) on the same ports and data, and waits
+    /// until it answers.
+    async fn spawn(&mut self) {
+        assert!(self.child.is_none(), "etcd is already running");
+        let log = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(self.dir.join("etcd.log"))
+            .unwrap();
+        let peer = format!("http://127.0.0.1:{}", self.peer_port);
+        let child = Command::new(&self.bin)
+            .arg("--name=test")
+            .arg(format!("--data-dir={}", self.dir.join("data").display()))
+            .arg(format!("--listen-client-urls={}", self.url()))
+            .arg(format!("--advertise-client-urls={}", self.url()))
+            .arg(format!("--listen-peer-urls={peer}"))
+            .arg(format!("--initial-advertise-peer-urls={peer}"))
+            .arg(format!("--initial-cluster=test={peer}"))
+            .stdin(Stdio::null())
+            .stdout(Stdio::from(log.try_clone().unwrap()))
+            .stderr(Stdio::from(log))
+            .spawn()
+            .unwrap_or_else(|e| panic!("cannot start {}: {e}", self.bin.display()));
+        self.child = Some(child);
+        let deadline = Instant::now() + Duration::from_secs(30);
+        loop {
+            if let Ok(Ok(mut client)) = tokio::time::timeout(
+                Duration::from_secs(2),
+                etcd_client::Client::connect([self.url()], None),
+            )
+            .await
+                && let Ok(Ok(_)) =
+                    tokio::time::timeout(Duration::from_secs(2), client.status()).await
+            {
+                return;
+            }
+            if let Some(Ok(Some(status))) = self.child.as_mut().map(|c| c.try_wait()) {
+                panic!(
+                    "etcd exited with {status}; its log: {}",
+                    std::fs::read_to_string(self.dir.join("etcd.log")).unwrap_or_default()
+                );
+            }
+            assert!(Instant::now() < deadline, "etcd did not answer within 30 s");
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+
+    /// Kills the process (like a crash); the data stays.
+    fn stop(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+
+    async fn client(&self) -> etcd_client::Client {
+        etcd_client::Client::connect([self.url()], None)
+            .await
+            .unwrap()
+    }
+}
+
+impl Drop for Etcd {
+    fn drop(&mut self) {
+        self.stop();
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+// ---------------------------------------------------------------------------
+// Mesh replicas
+// ---------------------------------------------------------------------------
+
+/// Short probes and leases so that outages are noticed quickly; a long
+/// staleness window unless a test is about it.
+fn settings(endpoint: String, prefix: &str) -> EtcdConfig {
+    EtcdConfig {
+        endpoints: vec![endpoint],
+        prefix: prefix.to_owned(),
+        dial_timeout: Duration::from_secs(10),
+        request_timeout: Duration::from_millis(700),
+        heartbeat_interval: Duration::from_millis(200),
+        lease_ttl: Duration::from_secs(2),
+        staleness_window: Duration::from_secs(60),
+        after_window: AfterWindow::Refuse,
+        ..EtcdConfig::default()
+    }
+}
+
+/// A mesh replica in-process: a real gRPC server whose registry is on etcd.
+struct Replica {
+    mesh: TestMesh,
+    registry: Arc<EtcdRegistry>,
+}
+
+impl Replica {
+    async fn start(config: EtcdConfig) -> Self {
+        let mut mesh_config = fast_config();
+        mesh_config.default_guard_timeout = Duration::from_secs(2);
+        let registry = Arc::new(
+            EtcdRegistry::connect(config, mesh_config.default_guard_timeout)
+                .await
+                .unwrap(),
+        );
+        let mesh = TestMesh::with_registry(mesh_config, registry.clone()).await;
+        Self { mesh, registry }
+    }
+
+    fn names(&self) -> Vec<String> {
+        self.registry
+            .chain()
+            .guards
+            .iter()
+            .map(|g| g.name.clone())
+            .collect()
+    }
+
+    fn revision(&self) -> u64 {
+        self.registry.chain().revision
+    }
+
+    async fn evaluate(&self, batch: Batch) -> Result<Decision, ClientError> {
+        self.mesh
+            .coordinator()
+            .await
+            .evaluate_once("s", batch)
+            .await
+    }
+
+    async fn sees(&self, revision: u64) {
+        assert!(
+            self.registry
+                .wait_for(revision, Duration::from_secs(15))
+                .await,
+            "replica did not reach revision {revision} (it has {:?})",
+            self.registry.status()
+        );
+    }
+
+    async fn stop(self) {
+        self.mesh.shutdown().await;
+    }
+}
+
+fn trace_names(decision: &Decision) -> Vec<String> {
+    decision.trace.iter().map(|t| t.guard.clone()).collect()
+}
+
+fn trace_status(decision: &Decision, guard: &str) -> TraceStatus {
+    let entry = decision
+        .trace
+        .iter()
+        .find(|t| t.guard == guard)
+        .unwrap_or_else(|| panic!("no trace entry for {guard}: {:?}", decision.trace));
+    TraceStatus::try_from(entry.status).unwrap()
+}
+
+/// A guard that steers every call to `tool`.
+async fn veto(tool: &'static str) -> TestGuard {
+    call_guard(Duration::ZERO, move |c| {
+        (c.tool == tool).then(|| steer(&c.call_id, format!("no {tool}")))
+    })
+    .await
+}
+
+/// Polls `check` every 50 ms until it holds or `within` passes.
+async fn poll_until<F, Fut>(within: Duration, what: &str, mut check: F)
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = bool>,
+{
+    let deadline = Instant::now() + within;
+    loop {
+        if check().await {
+            return;
+        }
+        assert!(Instant::now() < deadline, "timed out waiting until {what}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+fn two_calls() -> Batch {
+    Batch::new(0).call("c1", "rm", "{}").call("c2", "ls", "{}")
+}
+
+// ---------------------------------------------------------------------------
+// Tests
+// ---------------------------------------------------------------------------
+
+/// Register through A, judge through B with the same chain and revision;
+/// re-register and deregister through B, seen by A (R16, R17).
+#[tokio::test]
+async fn replica_registration_through_one_replica_is_judged_by_the_other() {
+    let etcd = Etcd::start().await;
+    let config = settings(etcd.url(), "/t/two");
+    let a = Replica::start(config.clone()).await;
+    let b = Replica::start(config).await;
+    let rm = veto("rm").await;
+    let ls = veto("ls").await;
+
+    let out = a
+        .mesh
+        .registrar()
+        .await
+        .register(Registration::validate("veto", &rm.url))
+        .await
+        .unwrap();
+    assert!(out.created);
+    assert_eq!(out.position, 0);
+    b.sees(out.revision).await;
+
+    let on_b = b.evaluate(two_calls()).await.unwrap();
+    assert_eq!(on_b.chain_revision, out.revision, "R17: etcd's revision");
+    assert_eq!(
+        on_b.calls[0].outcome,
+        Outcome::Steer {
+            content: "no rm".into()
+        }
+    );
+    assert_eq!(on_b.calls[0].decided_by.as_deref(), Some("veto"));
+    assert!(on_b.calls[1].proceeds());
+    let on_a = a.evaluate(two_calls()).await.unwrap();
+    assert_eq!(on_a.chain_revision, on_b.chain_revision);
+    assert_eq!(trace_names(&on_a), trace_names(&on_b));
+    assert_eq!(on_a.calls, on_b.calls);
+
+    // Through B: a second guard, then re-register the first (to the `ls`
+    // guard, fail_open): it is updated in place and keeps its position.
+    let registrar_b = b.mesh.registrar().await;
+    let audit = proceed_guard().await;
+    let second = registrar_b
+        .register(Registration::validate("audit", &audit.url))
+        .await
+        .unwrap();
+    assert!(second.created);
+    assert_eq!(second.position, 1);
+    let again = registrar_b
+        .register(Registration::validate("veto", &ls.url).failure_policy(FailurePolicy::FailOpen))
+        .await
+        .unwrap();
+    assert!(!again.created, "R16: an existing name is updated");
+    assert_eq!(again.position, 0, "R16: and keeps its position");
+    a.sees(again.revision).await;
+    let list_a = a.mesh.registrar().await.list().await.unwrap();
+    let list_b = registrar_b.list().await.unwrap();
+    assert_eq!(list_a, list_b, "both replicas list one chain");
+    assert_eq!(list_a.revision, again.revision);
+    let names: Vec<_> = list_a.guards.iter().map(|g| g.name.as_str()).collect();
+    assert_eq!(names, ["veto", "audit"]);
+    assert_eq!(list_a.guards[0].endpoint, ls.url);
+    assert_eq!(
+        list_a.guards[0].failure_policy,
+        FailurePolicy::FailOpen as i32
+    );
+    let on_a = a.evaluate(two_calls()).await.unwrap();
+    assert_eq!(on_a.chain_revision, again.revision);
+    assert!(on_a.calls[0].proceeds(), "the updated guard judges");
+    assert_eq!(
+        on_a.calls[1].outcome,
+        Outcome::Steer {
+            content: "no ls".into()
+        }
+    );
+    assert_eq!(trace_names(&on_a), ["veto", "audit"]);
+
+    // Deregister through B, seen by A.
+    assert!(registrar_b.deregister("veto").await.unwrap());
+    let gone = registrar_b.list().await.unwrap();
+    a.sees(gone.revision).await;
+    assert_eq!(a.names(), ["audit"]);
+    assert_eq!(a.revision(), gone.revision);
+    assert!(
+        gone.revision > again.revision,
+        "a deregistration moves the revision"
+    );
+    let on_a = a.evaluate(two_calls()).await.unwrap();
+    assert!(on_a.calls.iter().all(|c| c.proceeds()));
+    assert_eq!(on_a.chain_revision, gone.revision);
+    assert!(!registrar_b.deregister("veto").await.unwrap());
+
+    a.stop().await;
+    b.stop().await;
+}
+
+/// The figure for the README: how long a registration through A takes to
+/// show in B's chain. Printed, not asserted.
+#[tokio::test]
+async fn replica_registration_reaches_the_other_replica_promptly() {
+    let etcd = Etcd::start().await;
+    let config = settings(etcd.url(), "/t/latency");
+    let a = Replica::start(config.clone()).await;
+    let b = Replica::start(config).await;
+    let guard = proceed_guard().await;
+    let registrar = a.mesh.registrar().await;
+    // Warm the channels.
+    registrar
+        .register(Registration::validate("warm", &guard.url))
+        .await
+        .unwrap();
+
+    let mut on_b = Vec::new();
+    let mut rpc = Vec::new();
+    for i in 0..25 {
+        let name = format!("g{i}");
+        let mut applied = b.registry.applied_revisions();
+        let registry = b.registry.clone();
+        let started = Instant::now();
+        let seen = {
+            let name = name.clone();
+            async move {
+                loop {
+                    if registry.chain().guards.iter().any(|g| g.name == name) {
+                        return started.elapsed();
+                    }
+                    applied.changed().await.unwrap();
+                }
+            }
+        };
+        let register = async {
+            let out = registrar
+                .register(Registration::validate(name.clone(), &guard.url))
+                .await
+                .unwrap();
+            (started.elapsed(), out)
+        };
+        let (seen, (took, out)) = tokio::time::timeout(Duration::from_secs(15), async {
+            tokio::join!(seen, register)
+        })
+        .await
+        .expect("registration reached B");
+        assert!(out.created);
+        on_b.push(seen);
+        rpc.push(took);
+    }
+    on_b.sort();
+    rpc.sort();
+    let at = |v: &[Duration], q: f64| v[((v.len() - 1) as f64 * q).round() as usize];
+    eprintln!(
+        "registration through replica A visible in replica B's chain, from the start of A's \
+         Register call (n = {}): p50 {:?}, p90 {:?}, max {:?}; A's Register call itself: p50 {:?}, max {:?}",
+        on_b.len(),
+        at(&on_b, 0.5),
+        at(&on_b, 0.9),
+        on_b[on_b.len() - 1],
+        at(&rpc, 0.5),
+        rpc[rpc.len() - 1],
+    );
+    assert_eq!(a.names(), b.names());
+    a.stop().await;
+    b.stop().await;
+}
+
+/// Registrations racing through both replicas produce one order, the same
+/// on both: priority, then etcd's create revision (R16).
+#[tokio::test]
+async fn replica_concurrent_registrations_agree_on_one_order() {
+    let etcd = Etcd::start().await;
+    let config = settings(etcd.url(), "/t/race");
+    let a = Replica::start(config.clone()).await;
+    let b = Replica::start(config).await;
+    let guard = proceed_guard().await;
+    let registrars = [
+        ("a", a.mesh.registrar().await),
+        ("b", b.mesh.registrar().await),
+    ];
+    let mut racing = Vec::new();
+    for i in 0..8 {
+        for (replica, registrar) in &registrars {
+            let name = format!("{replica}{i}");
+            let priority = (i % 3) - 1;
+            let registration = Registration::validate(name.clone(), &guard.url).priority(priority);
+            racing.push(async move {
+                let out = registrar.register(registration).await.unwrap();
+                (name, priority, out)
+            });
+        }
+    }
+    let results = futures::future::join_all(racing).await;
+    let last = results
+        .iter()
+        .map(|(_, _, out)| out.revision)
+        .max()
+        .unwrap();
+    a.sees(last).await;
+    b.sees(last).await;
+
+    assert_eq!(a.names(), b.names(), "one order on both replicas");
+    assert_eq!(a.revision(), b.revision());
+    assert_eq!(a.revision(), last);
+    // A created key's revision is its create revision: the expected order.
+    let mut expected = results.clone();
+    expected.sort_by_key(|(_, priority, out)| (*priority, out.revision));
+    let expected: Vec<String> = expected.into_iter().map(|(name, _, _)| name).collect();
+    assert_eq!(a.names(), expected);
+    let batch = || Batch::new(0).call("c1", "t", "{}");
+    let on_a = a.evaluate(batch()).await.unwrap();
+    let on_b = b.evaluate(batch()).await.unwrap();
+    assert_eq!(trace_names(&on_a), expected);
+    assert_eq!(trace_names(&on_b), expected);
+    assert_eq!(on_a.chain_revision, on_b.chain_revision);
+    a.stop().await;
+    b.stop().await;
+}
+
+/// A guard whose heartbeat lease lapses stays in the chain and fails per its
+/// policy (R15, R13); when it is back and heartbeats again it judges again.
+/// The guards are real processes, killed like a crash.
+#[tokio::test]
+async fn lease_expired_guard_stays_in_chain_and_fails_per_its_policy() {
+    let etcd = Etcd::start().await;
+    let config = settings(etcd.url(), "/t/lease");
+    let a = Replica::start(config.clone()).await;
+    let b = Replica::start(config.clone()).await;
+    // relaxed (fail_open) steers calls marked "veto"; strict (fail_closed)
+    // cancels denied tools such as fs.delete.
+    let mut relaxed = GuardProcess::start("veto-marker", 0, &[]);
+    let mut strict = GuardProcess::start("deny-list", 0, &[]);
+    let registrar = a.mesh.registrar().await;
+    registrar
+        .register(
+            Registration::validate("relaxed", &relaxed.url)
+                .priority(-1)
+                .failure_policy(FailurePolicy::FailOpen),
+        )
+        .await
+        .unwrap();
+    let out = registrar
+        .register(
+            Registration::validate("strict", &strict.url)
+                .tools(["fs.*"])
+                .failure_policy(FailurePolicy::FailClosed),
+        )
+        .await
+        .unwrap();
+    b.sees(out.revision).await;
+    let beats = [
+        GuardHeartbeat::start(&config, "relaxed").await.unwrap(),
+        GuardHeartbeat::start(&config, "strict").await.unwrap(),
+    ];
+    let all = |r: &Replica, want: Liveness| {
+        let status = r.registry.status();
+        status.liveness.len() == 2 && status.liveness.iter().all(|(_, l)| *l == want)
+    };
+    poll_until(
+        Duration::from_secs(15),
+        "both guards read alive",
+        || async { all(&a, Liveness::Alive) && all(&b, Liveness::Alive) },
+    )
+    .await;
+    let batch = || {
+        Batch::new(0)
+            .call("c1", "fs.delete", r#"{"path":"/etc"}"#)
+            .call("c2", "ls", r#"{"note":"veto"}"#)
+    };
+    let judged_by_both = |d: &Decision| {
+        matches!(d.calls[0].outcome, Outcome::Cancel { .. })
+            && !d.calls[0].failure
+            && d.calls[0].decided_by.as_deref() == Some("strict")
+            && matches!(d.calls[1].outcome, Outcome::Steer { .. })
+            && d.calls[1].decided_by.as_deref() == Some("relaxed")
+    };
+    let judged = b.evaluate(batch()).await.unwrap();
+    assert!(judged_by_both(&judged), "{judged:?}");
+    let revision = judged.chain_revision;
+
+    // Both guards crash: the processes die and nobody renews the leases.
+    let (relaxed_port, strict_port) = (relaxed.port, strict.port);
+    relaxed.kill();
+    strict.kill();
+    drop(beats);
+    poll_until(Duration::from_secs(20), "the leases lapse", || async {
+        all(&a, Liveness::Expired) && all(&b, Liveness::Expired)
+    })
+    .await;
+    for replica in [&a, &b] {
+        assert_eq!(
+            replica.names(),
+            ["relaxed", "strict"],
+            "R15: still in the chain"
+        );
+        assert_eq!(
+            replica.revision(),
+            revision,
+            "liveness is not a chain change"
+        );
+        let d = replica.evaluate(batch()).await.unwrap();
+        assert_eq!(d.chain_revision, revision);
+        // strict is fail_closed: its calls are cancelled, as a failure.
+        assert!(
+            matches!(d.calls[0].outcome, Outcome::Cancel { .. }),
+            "{:?}",
+            d.calls[0]
+        );
+        assert!(d.calls[0].failure);
+        assert_eq!(d.calls[0].decided_by.as_deref(), Some("strict"));
+        // relaxed is fail_open: bypassed, and the marked call proceeds.
+        assert!(d.calls[1].proceeds(), "{:?}", d.calls[1]);
+        assert_eq!(d.calls[1].bypassed, ["relaxed"]);
+        assert_eq!(trace_status(&d, "strict"), TraceStatus::Failed);
+        assert_eq!(trace_status(&d, "relaxed"), TraceStatus::Failed);
+    }
+
+    // Back on the same ports, heartbeating again: judged again.
+    let _relaxed = GuardProcess::start("veto-marker", relaxed_port, &[]);
+    let _strict = GuardProcess::start("deny-list", strict_port, &[]);
+    let _beats = [
+        GuardHeartbeat::start(&config, "relaxed").await.unwrap(),
+        GuardHeartbeat::start(&config, "strict").await.unwrap(),
+    ];
+    poll_until(
+        Duration::from_secs(15),
+        "both guards read alive again",
+        || async { all(&a, Liveness::Alive) && all(&b, Liveness::Alive) },
+    )
+    .await;
+    for replica in [&a, &b] {
+        poll_until(
+            Duration::from_secs(30),
+            "the guards judge again",
+            || async { matches!(replica.evaluate(batch()).await, Ok(d) if judged_by_both(&d)) },
+        )
+        .await;
+        assert_eq!(replica.revision(), revision);
+    }
+    a.stop().await;
+    b.stop().await;
+}
+
+/// etcd stops: replicas keep judging with their last chain within the
+/// staleness window, then refuse with UNAVAILABLE (or, under `serve_stale`,
+/// keep judging); etcd restarts: they recover without a restart of their own.
+#[tokio::test]
+async fn etcd_outage_judges_within_window_then_refuses_then_recovers() {
+    let mut etcd = Etcd::start().await;
+    let window = Duration::from_secs(5);
+    let config = EtcdConfig {
+        staleness_window: window,
+        ..settings(etcd.url(), "/t/outage")
+    };
+    let a = Replica::start(config.clone()).await;
+    let b = Replica::start(config.clone()).await;
+    let c = Replica::start(EtcdConfig {
+        after_window: AfterWindow::ServeStale,
+        ..config
+    })
+    .await;
+    let rm = veto("rm").await;
+    let out = a
+        .mesh
+        .registrar()
+        .await
+        .register(Registration::validate("veto", &rm.url))
+        .await
+        .unwrap();
+    for r in [&a, &b, &c] {
+        r.sees(out.revision).await;
+        assert!(r.registry.status().connected);
+    }
+    let steered = |d: &Decision| {
+        d.calls[0].outcome
+            == Outcome::Steer {
+                content: "no rm".into(),
+            }
+            && d.chain_revision == out.revision
+    };
+
+    etcd.stop();
+    poll_until(Duration::from_secs(15), "the replicas notice", || async {
+        [&a, &b, &c].iter().all(|r| !r.registry.status().connected)
+    })
+    .await;
+    // Within the window: judged with the last chain. (Asserted only for a
+    // batch that provably ran within the window, so a slow machine cannot
+    // make this flaky.)
+    for r in [&a, &b, &c] {
+        let result = r.evaluate(two_calls()).await;
+        let status = r.registry.status();
+        let stale_for = status.stale_for.expect("stale while etcd is down");
+        if stale_for <= window {
+            let d = result.unwrap();
+            assert!(steered(&d), "{d:?}");
+            assert!(status.serving);
+        }
+        assert!(status.last_error.is_some());
+    }
+    // Writes need etcd: refused, not lost silently.
+    let err = b
+        .mesh
+        .registrar()
+        .await
+        .register(Registration::validate("late", &rm.url))
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), Some(tonic::Code::Unavailable), "{err}");
+
+    // After the window: A and B refuse; C (serve_stale) keeps judging.
+    for r in [&a, &b] {
+        poll_until(
+            window + Duration::from_secs(20),
+            "batches are refused",
+            || async {
+                matches!(
+                    r.evaluate(two_calls()).await,
+                    Err(e) if e.code() == Some(tonic::Code::Unavailable)
+                )
+            },
+        )
+        .await;
+        assert!(!r.registry.status().serving);
+    }
+    let err = a.evaluate(two_calls()).await.unwrap_err();
+    assert!(err.to_string().contains("staleness window"), "{err}");
+    let status = c.registry.status();
+    assert!(status.stale_for.unwrap() > window && status.serving);
+    let d = c.evaluate(two_calls()).await.unwrap();
+    assert!(steered(&d), "serve_stale keeps judging: {d:?}");
+
+    // etcd is back (same data): every replica recovers on its own.
+    etcd.spawn().await;
+    for r in [&a, &b, &c] {
+        poll_until(
+            Duration::from_secs(30),
+            "the replica judges again",
+            || async { matches!(r.evaluate(two_calls()).await, Ok(d) if steered(&d)) },
+        )
+        .await;
+        let status = r.registry.status();
+        assert!(status.connected && status.serving && status.stale_for.is_none());
+        assert_eq!(r.revision(), out.revision);
+    }
+    // ...and follows the chain again.
+    let audit = proceed_guard().await;
+    let added = b
+        .mesh
+        .registrar()
+        .await
+        .register(Registration::validate("audit", &audit.url))
+        .await
+        .unwrap();
+    for r in [&a, &b, &c] {
+        r.sees(added.revision).await;
+        assert_eq!(r.names(), ["veto", "audit"]);
+    }
+    a.stop().await;
+    b.stop().await;
+    c.stop().await;
+}
+
+/// A replica that restarts lists the whole chain back from etcd: order,
+/// settings and revision.
+#[tokio::test]
+async fn replica_restart_recovers_the_full_chain() {
+    let etcd = Etcd::start().await;
+    let config = settings(etcd.url(), "/t/restart");
+    let a = Replica::start(config.clone()).await;
+    let b = Replica::start(config.clone()).await;
+    let rm = veto("rm").await;
+    let other = proceed_guard().await;
+    let registrar = a.mesh.registrar().await;
+    for registration in [
+        Registration::validate("second", &other.url),
+        Registration::validate("first", &rm.url).priority(-5),
+        Registration::validate("third", &other.url).tools(["ls", "sql.*"]),
+        Registration::validate("gone", &other.url),
+        // Updated in place: keeps its place between first and third.
+        Registration::validate("second", &other.url)
+            .failure_policy(FailurePolicy::Abort)
+            .timeout(Duration::from_millis(300)),
+    ] {
+        registrar.register(registration).await.unwrap();
+    }
+    assert!(registrar.deregister("gone").await.unwrap());
+    let before = registrar.list().await.unwrap();
+    let names: Vec<_> = before.guards.iter().map(|g| g.name.as_str()).collect();
+    assert_eq!(names, ["first", "second", "third"]);
+    a.stop().await;
+    drop(registrar);
+
+    let again = Replica::start(config).await;
+    let listed = again.mesh.registrar().await.list().await.unwrap();
+    assert_eq!(listed, before, "the full chain and its revision");
+    assert_eq!(
+        b.mesh.registrar().await.list().await.unwrap(),
+        listed,
+        "as the replica that stayed up has it"
+    );
+    let d = again.evaluate(two_calls()).await.unwrap();
+    assert_eq!(d.chain_revision, before.revision);
+    assert_eq!(trace_names(&d), ["first", "second", "third"]);
+    assert_eq!(d.calls[0].decided_by.as_deref(), Some("first"));
+    again.stop().await;
+    b.stop().await;
+}
+
+/// A TCP proxy between one replica and etcd that a test can cut, to
+/// partition that replica alone while the other keeps writing.
+struct Proxy {
+    url: String,
+    open: Arc<AtomicBool>,
+    connections: Arc<Mutex<Vec<JoinHandle<()>>>>,
+    task: JoinHandle<()>,
+}
+
+impl Proxy {
+    async fn start(target: std::net::SocketAddr) -> Self {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let url = format!("http://{}", listener.local_addr().unwrap());
+        let open = Arc::new(AtomicBool::new(true));
+        let connections: Arc<Mutex<Vec<JoinHandle<()>>>> = Arc::default();
+        let task = tokio::spawn({
+            let open = open.clone();
+            let connections = connections.clone();
+            async move {
+                while let Ok((mut inbound, _)) = listener.accept().await {
+                    if !open.load(Ordering::SeqCst) {
+                        continue;
+                    }
+                    connections.lock().unwrap().push(tokio::spawn(async move {
+                        if let Ok(mut outbound) = TcpStream::connect(target).await {
+                            let _ =
+                                tokio::io::copy_bidirectional(&mut inbound, &mut outbound).await;
+                        }
+                    }));
+                }
+            }
+        });
+        Self {
+            url,
+            open,
+            connections,
+            task,
+        }
+    }
+
+    fn cut(&self) {
+        self.open.store(false, Ordering::SeqCst);
+        for connection in self.connections.lock().unwrap().drain(..) {
+            connection.abort();
+        }
+    }
+
+    fn heal(&self) {
+        self.open.store(true, Ordering::SeqCst);
+    }
+}
+
+impl Drop for Proxy {
+    fn drop(&mut self) {
+        self.task.abort();
+        self.cut();
+    }
+}
+
+/// A replica cut off from etcd while the other one changes the chain and
+/// etcd compacts the history it missed: when it is reachable again its watch
+/// cannot resume, so it lists the keys again and serves the same chain.
+#[tokio::test]
+async fn etcd_partitioned_replica_relists_after_compaction() {
+    let etcd = Etcd::start().await;
+    let proxy = Proxy::start(etcd.addr()).await;
+    let a = Replica::start(settings(proxy.url.clone(), "/t/compact")).await;
+    let b = Replica::start(settings(etcd.url(), "/t/compact")).await;
+    let rm = veto("rm").await;
+    let other = proceed_guard().await;
+    let registrar_b = b.mesh.registrar().await;
+    let out = registrar_b
+        .register(Registration::validate("old", &other.url))
+        .await
+        .unwrap();
+    a.sees(out.revision).await;
+    assert_eq!(a.registry.status().relists, 0);
+
+    proxy.cut();
+    poll_until(
+        Duration::from_secs(15),
+        "A notices the partition",
+        || async { !a.registry.status().connected },
+    )
+    .await;
+    // Within its (long) window A keeps judging with the chain it had.
+    let d = a.evaluate(two_calls()).await.unwrap();
+    assert_eq!(trace_names(&d), ["old"]);
+
+    registrar_b
+        .register(Registration::validate("veto", &rm.url).priority(-1))
+        .await
+        .unwrap();
+    assert!(registrar_b.deregister("old").await.unwrap());
+    let after = registrar_b.list().await.unwrap();
+    let mut client = etcd.client().await;
+    let now = client
+        .get("x", None)
+        .await
+        .unwrap()
+        .header()
+        .unwrap()
+        .revision();
+    client
+        .compact(
+            now,
+            Some(etcd_client::CompactionOptions::new().with_physical()),
+        )
+        .await
+        .unwrap();
+    assert_eq!(a.names(), ["old"], "A cannot have seen the changes");
+
+    proxy.heal();
+    poll_until(Duration::from_secs(20), "A has B's chain", || async {
+        a.revision() == after.revision && a.names() == ["veto"]
+    })
+    .await;
+    let status = a.registry.status();
+    assert!(
+        status.relists >= 1,
+        "listed again after the compaction: {status:?}"
+    );
+    assert!(status.connected);
+    let d = a.evaluate(two_calls()).await.unwrap();
+    assert_eq!(d.chain_revision, after.revision);
+    assert_eq!(d.calls[0].decided_by.as_deref(), Some("veto"));
+    a.stop().await;
+    b.stop().await;
+}
+
+/// The config file's guards seed a shared chain only where absent: a
+/// replica restarting with an older file does not roll back a change.
+#[tokio::test]
+async fn etcd_config_guards_seed_only_missing_registrations() {
+    let etcd = Etcd::start().await;
+    let config = settings(etcd.url(), "/t/seed");
+    let a = Replica::start(config.clone()).await;
+    let rm = veto("rm").await;
+    let seeded = a
+        .registry
+        .register_if_absent(Registration::validate("veto", &rm.url).build())
+        .await
+        .unwrap();
+    assert!(seeded.created);
+    let changed = a
+        .mesh
+        .registrar()
+        .await
+        .register(Registration::validate("veto", &rm.url).failure_policy(FailurePolicy::FailOpen))
+        .await
+        .unwrap();
+    let again = a
+        .registry
+        .register_if_absent(Registration::validate("veto", &rm.url).build())
+        .await
+        .unwrap();
+    assert!(!again.created);
+    assert_eq!(again.revision, changed.revision, "nothing written");
+    assert_eq!(
+        a.registry.chain().guards[0].failure_policy,
+        FailurePolicy::FailOpen
+    );
+    // An invalid registration is refused before anything is written.
+    let err = a
+        .mesh
+        .registrar()
+        .await
+        .register(Registration::validate("bad name!", &rm.url))
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), Some(tonic::Code::InvalidArgument), "{err}");
+    assert_eq!(a.revision(), changed.revision);
+    a.stop().await;
+}
+
+/// Credentials from the config: a replica authenticates as a user whose role
+/// only covers its prefix; a wrong password or another prefix is refused at
+/// start; after an etcd restart (which voids auth tokens) it recovers.
+#[tokio::test]
+async fn etcd_credentials_confine_a_replica_to_its_prefix() {
+    let mut etcd = Etcd::start().await;
+    let mut admin = etcd.client().await;
+    admin.user_add("root", "root-pw", None).await.unwrap();
+    admin.user_grant_role("root", "root").await.unwrap();
+    admin.role_add("mesh").await.unwrap();
+    admin
+        .role_grant_permission(
+            "mesh",
+            etcd_client::Permission::read_write("/t/auth/").with_prefix(),
+        )
+        .await
+        .unwrap();
+    admin.user_add("mesh", "mesh-pw", None).await.unwrap();
+    admin.user_grant_role("mesh", "mesh").await.unwrap();
+    admin.auth_enable().await.unwrap();
+
+    let with_user = |prefix: &str, password: &str| EtcdConfig {
+        username: Some("mesh".into()),
+        password: Some(password.into()),
+        dial_timeout: Duration::from_secs(3),
+        ..settings(etcd.url(), prefix)
+    };
+    let a = Replica::start(with_user("/t/auth", "mesh-pw")).await;
+    let b = Replica::start(with_user("/t/auth", "mesh-pw")).await;
+    let rm = veto("rm").await;
+    let out = a
+        .mesh
+        .registrar()
+        .await
+        .register(Registration::validate("veto", &rm.url))
+        .await
+        .unwrap();
+    b.sees(out.revision).await;
+    let d = b.evaluate(two_calls()).await.unwrap();
+    assert_eq!(d.calls[0].decided_by.as_deref(), Some("veto"));
+    let beat = GuardHeartbeat::start(&with_user("/t/auth", "mesh-pw"), "veto")
+        .await
+        .unwrap();
+    poll_until(
+        Duration::from_secs(15),
+        "the heartbeat reads alive",
+        || async { b.registry.status().liveness == [("veto".to_owned(), Liveness::Alive)] },
+    )
+    .await;
+
+    let wrong = EtcdRegistry::connect(with_user("/t/auth", "nope"), Duration::from_secs(1))
+        .await
+        .unwrap_err();
+    assert!(
+        wrong.to_string().contains("authentication failed"),
+        "{wrong}"
+    );
+    let elsewhere = EtcdRegistry::connect(with_user("/t/other", "mesh-pw"), Duration::from_secs(1))
+        .await
+        .unwrap_err();
+    assert!(
+        elsewhere.to_string().contains("permission denied"),
+        "{elsewhere}"
+    );
+
+    // An etcd restart voids the replicas' tokens; they authenticate again.
+    etcd.stop();
+    poll_until(Duration::from_secs(15), "the replicas notice", || async {
+        !a.registry.status().connected && !b.registry.status().connected
+    })
+    .await;
+    etcd.spawn().await;
+    let audit = proceed_guard().await;
+    let registrar_b = b.mesh.registrar().await;
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let added = loop {
+        match registrar_b
+            .register(Registration::validate("audit", &audit.url))
+            .await
+        {
+            Ok(added) => break added,
+            Err(e) => assert!(Instant::now() < deadline, "B cannot register again: {e}"),
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    a.sees(added.revision).await;
+    assert_eq!(a.names(), ["veto", "audit"]);
+    assert!(a.registry.status().connected);
+    drop(beat);
+    a.stop().await;
+    b.stop().await;
+}

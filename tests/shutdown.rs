@@ -1,0 +1,230 @@
+//! Graceful shutdown (issue 6, item 9), against the real `guardmesh serve`
+//! process: on SIGTERM or SIGINT the mesh stops accepting new connections,
+//! finishes the batches in flight with complete decisions, ends every
+//! coordinator stream cleanly, and exits with status 0.
+//!
+//! Every wait is bounded; the tests assert outcomes and their order, never
+//! how long something took.
+
+mod common;
+
+use common::*;
+use guardmesh_client::proto::TraceStatus;
+use guardmesh_client::{Batch, ClientError, Coordinator, Decision};
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::time::Duration;
+
+/// `guardmesh serve` as a child process; killed if a test fails midway.
+struct MeshProcess {
+    child: Child,
+    url: String,
+    dir: PathBuf,
+}
+
+impl MeshProcess {
+    /// Starts `guardmesh serve --listen 127.0.0.1:PORT --config FILE` with
+    /// `config` as the file, and waits (bounded) until it accepts.
+    async fn start(name: &str, config: &str) -> Self {
+        let dir =
+            std::env::temp_dir().join(format!("guardmesh-shutdown-{name}-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let file = dir.join("mesh.toml");
+        std::fs::write(&file, config).unwrap();
+        let log = std::fs::File::create(dir.join("mesh.log")).unwrap();
+        let port = free_port();
+        let child = Command::new(env!("CARGO_BIN_EXE_guardmesh"))
+            .args([
+                "serve",
+                "--listen",
+                &format!("127.0.0.1:{port}"),
+                "--config",
+            ])
+            .arg(&file)
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::from(log))
+            .spawn()
+            .expect("start guardmesh serve");
+        let mut mesh = Self {
+            child,
+            url: format!("http://127.0.0.1:{port}"),
+            dir,
+        };
+        for _ in 0..500 {
+            if Coordinator::connect(mesh.url.clone()).await.is_ok() {
+                return mesh;
+            }
+            if let Ok(Some(status)) = mesh.child.try_wait() {
+                panic!("guardmesh serve exited with {status}:\n{}", mesh.log());
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        panic!("guardmesh serve did not start:\n{}", mesh.log());
+    }
+
+    fn log(&self) -> String {
+        std::fs::read_to_string(self.dir.join("mesh.log")).unwrap_or_default()
+    }
+
+    fn signal(&self, signal: &str) {
+        let status = Command::new("kill")
+            .args([&format!("-{signal}"), &self.child.id().to_string()])
+            .status()
+            .expect("run kill");
+        assert!(status.success(), "kill -{signal}");
+    }
+
+    /// Waits (bounded) for the process to exit.
+    async fn exit_status(&mut self) -> std::process::ExitStatus {
+        for _ in 0..1000 {
+            if let Some(status) = self.child.try_wait().unwrap() {
+                return status;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        panic!("the mesh did not exit after draining:\n{}", self.log());
+    }
+}
+
+impl Drop for MeshProcess {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+fn status_of(decision: &Decision, guard: &str) -> TraceStatus {
+    let entry = decision
+        .trace
+        .iter()
+        .find(|t| t.guard == guard)
+        .unwrap_or_else(|| panic!("no trace entry for {guard}: {:?}", decision.trace));
+    TraceStatus::try_from(entry.status).unwrap()
+}
+
+/// A decision judged to the end by both guards: nothing failed, nothing cut
+/// short by the shutdown.
+fn assert_complete(d: &Decision, what: &str) {
+    assert_eq!(d.calls.len(), 1, "{what}");
+    assert!(d.calls[0].proceeds(), "{what}: {:?}", d.calls[0]);
+    assert!(
+        !d.calls[0].failure && d.calls[0].bypassed.is_empty(),
+        "{what}"
+    );
+    assert_eq!(status_of(d, "slow"), TraceStatus::Proceeded, "{what}");
+    assert_eq!(status_of(d, "probe"), TraceStatus::Proceeded, "{what}");
+}
+
+async fn drains_on(signal: &str) {
+    // The slow guard is a real process; the probe, in this test, tells when
+    // the batch is being judged (validate guards are asked together).
+    let slow = GuardProcess::start("allow", 0, &["--delay-ms", "2000"]);
+    let probe = proceed_guard().await;
+    let config = format!(
+        r#"
+default_batch_timeout_ms = 30000
+
+[[guard]]
+name = "slow"
+endpoint = "{}"
+timeout_ms = 20000
+failure_policy = "fail_closed"
+
+[[guard]]
+name = "probe"
+endpoint = "{}"
+timeout_ms = 20000
+failure_policy = "fail_closed"
+"#,
+        slow.url, probe.url
+    );
+    let mut mesh = MeshProcess::start(signal, &config).await;
+    let coordinator = Coordinator::connect(mesh.url.clone()).await.unwrap();
+    let session = coordinator.session("s").await.unwrap();
+
+    let in_flight = session.evaluate(
+        Batch::new(0)
+            .call("c1", "t", "{}")
+            .timeout(Duration::from_secs(30)),
+    );
+    tokio::pin!(in_flight);
+    let reached = tokio::select! {
+        biased;
+        d = &mut in_flight => panic!("answered before the slow guard could: {d:?}"),
+        reached = eventually_within(500, || probe.guard.requests() == 1) => reached,
+    };
+    assert!(reached, "the batch reached the guards");
+
+    mesh.signal(signal);
+
+    // Draining: new connections are refused while the batch is in flight.
+    let refused = tokio::select! {
+        biased;
+        d = &mut in_flight => panic!(
+            "the in-flight batch finished before the mesh stopped accepting: {d:?}"
+        ),
+        refused = async {
+            for _ in 0..500 {
+                if Coordinator::connect(mesh.url.clone()).await.is_err() {
+                    return true;
+                }
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+            false
+        } => refused,
+    };
+    assert!(refused, "the draining mesh refuses new connections");
+
+    // A batch sent on the old stream once draining began is either judged in
+    // full or left unanswered when the stream ends cleanly, never cut short.
+    let late = session.evaluate(
+        Batch::new(1)
+            .call("c1", "t", "{}")
+            .timeout(Duration::from_secs(30)),
+    );
+
+    // The in-flight batch gets its complete decision.
+    let d = in_flight
+        .await
+        .unwrap_or_else(|e| panic!("the in-flight batch: {e}\n{}", mesh.log()));
+    assert_complete(&d, "in-flight batch");
+    match late.await {
+        Ok(d) => assert_complete(&d, "batch sent while draining"),
+        Err(ClientError::SessionClosed(_)) => {}
+        Err(e) => panic!("a batch sent while draining: {e:?}\n{}", mesh.log()),
+    }
+
+    // The stream ended cleanly: the SDK reports a closed session, not a
+    // transport error.
+    let next = session
+        .evaluate(Batch::new(2).call("c2", "t", "{}"))
+        .await
+        .expect_err("the stream has ended");
+    assert!(
+        matches!(next, ClientError::SessionClosed(_)),
+        "a clean end of stream, not {next:?}"
+    );
+
+    let status = mesh.exit_status().await;
+    assert!(
+        status.success(),
+        "the mesh exits with status 0 after draining, got {status}:\n{}",
+        mesh.log()
+    );
+    assert!(
+        Coordinator::connect(mesh.url.clone()).await.is_err(),
+        "nothing listens after the exit"
+    );
+}
+
+#[tokio::test]
+async fn shutdown_on_sigterm_finishes_in_flight_batches_and_exits_cleanly() {
+    drains_on("TERM").await;
+}
+
+#[tokio::test]
+async fn shutdown_on_sigint_finishes_in_flight_batches_and_exits_cleanly() {
+    drains_on("INT").await;
+}
