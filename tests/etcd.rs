@@ -183,6 +183,26 @@ fn settings(endpoint: String, prefix: &str) -> EtcdConfig {
 }
 
 /// A mesh replica in-process: a real gRPC server whose registry is on etcd.
+const NOT_SERVING: i32 = 2;
+
+/// `grpc.health.v1` status of `PreToolService` on a mesh.
+async fn pre_tool_health(url: &str) -> i32 {
+    use tonic_health::pb::HealthCheckRequest;
+    use tonic_health::pb::health_client::HealthClient;
+    let channel = tonic::transport::Endpoint::from_shared(url.to_owned())
+        .unwrap()
+        .connect()
+        .await
+        .unwrap();
+    HealthClient::new(channel)
+        .check(HealthCheckRequest {
+            service: "guardmesh.v1.PreToolService".into(),
+        })
+        .await
+        .map(|r| r.into_inner().status)
+        .unwrap_or(-1)
+}
+
 struct Replica {
     mesh: TestMesh,
     registry: Arc<EtcdRegistry>,
@@ -702,6 +722,19 @@ async fn etcd_outage_judges_within_window_then_refuses_then_recovers() {
         )
         .await;
         assert!(!r.registry.status().serving);
+        // Reported in health (so load balancers move away) and metrics.
+        poll_until(
+            Duration::from_secs(10),
+            "health says NOT_SERVING",
+            || async { pre_tool_health(&r.mesh.url).await == NOT_SERVING },
+        )
+        .await;
+        let metrics = r.mesh.mesh.metrics.encode();
+        assert!(metrics.contains("guardmesh_registry_usable 0"), "{metrics}");
+        assert!(
+            !metrics.contains("guardmesh_registry_stale_seconds 0.0\n"),
+            "{metrics}"
+        );
     }
     let err = a.evaluate(two_calls()).await.unwrap_err();
     assert!(err.to_string().contains("staleness window"), "{err}");

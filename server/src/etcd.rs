@@ -683,6 +683,10 @@ impl Registry for EtcdRegistry {
         Box::pin(self.shared.deregister(name))
     }
 
+    fn staleness(&self) -> Option<Duration> {
+        self.status().stale_for
+    }
+
     fn check(&self) -> Result<(), RegistryError> {
         let (connected, since) = {
             let health = self.shared.health();

@@ -60,6 +60,8 @@ pub struct Metrics {
     guard_latency: Family<GuardLabel, Histogram, fn() -> Histogram>,
     batch_latency: Histogram,
     chain_guards: Gauge,
+    registry_stale: Gauge<f64, std::sync::atomic::AtomicU64>,
+    registry_usable: Gauge,
 }
 
 impl std::fmt::Debug for Metrics {
@@ -146,6 +148,19 @@ impl Metrics {
             "Guards in the current chain",
             chain_guards.clone(),
         );
+        let registry_stale = Gauge::<f64, std::sync::atomic::AtomicU64>::default();
+        registry.register(
+            "registry_stale_seconds",
+            "How long the chain has gone unconfirmed by its shared store (0 when current)",
+            registry_stale.clone(),
+        );
+        let registry_usable = Gauge::default();
+        registry_usable.set(1);
+        registry.register(
+            "registry_usable",
+            "1 while batches may be judged with the registry's chain, 0 after the staleness window",
+            registry_usable.clone(),
+        );
         Self {
             registry,
             batches,
@@ -159,6 +174,8 @@ impl Metrics {
             guard_latency,
             batch_latency,
             chain_guards,
+            registry_stale,
+            registry_usable,
         }
     }
 
@@ -224,6 +241,12 @@ impl Metrics {
             other => format!("{other:?}").to_ascii_lowercase(),
         };
         self.auth_refused.get_or_create(&CodeLabel { code }).inc();
+    }
+
+    pub fn registry_state(&self, stale: Option<std::time::Duration>, usable: bool) {
+        self.registry_stale
+            .set(stale.map_or(0.0, |d| d.as_secs_f64()));
+        self.registry_usable.set(i64::from(usable));
     }
 
     pub fn chain_size(&self, guards: usize) {

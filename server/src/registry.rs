@@ -59,6 +59,11 @@ pub trait Registry: Send + Sync + 'static {
     fn check(&self) -> Result<(), RegistryError> {
         Ok(())
     }
+    /// How long the chain has gone unconfirmed by its store (a shared store
+    /// that is unreachable); `None` when it is current.
+    fn staleness(&self) -> Option<std::time::Duration> {
+        None
+    }
 }
 
 /// One registration and its registration order.

@@ -37,6 +37,33 @@ pub async fn run(
         .register_encoded_file_descriptor_set(guardmesh_proto::FILE_DESCRIPTOR_SET)
         .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
         .build_v1()?;
+    // The registry's state in health and metrics: a replica whose shared
+    // store has been gone past its staleness window reports NOT_SERVING, so
+    // load balancers steer coordinators to replicas that can judge.
+    let registry_watch = tokio::spawn({
+        let mesh = mesh.clone();
+        let health = health.clone();
+        async move {
+            let mut serving = true;
+            let mut tick = tokio::time::interval(std::time::Duration::from_secs(1));
+            loop {
+                tick.tick().await;
+                let usable = mesh.registry().check().is_ok();
+                mesh.metrics
+                    .registry_state(mesh.registry().staleness(), usable);
+                if usable != serving {
+                    serving = usable;
+                    if usable {
+                        health.set_serving::<PreToolServiceServer<PreTool>>().await;
+                    } else {
+                        health
+                            .set_not_serving::<PreToolServiceServer<PreTool>>()
+                            .await;
+                    }
+                }
+            }
+        }
+    });
     let (drain_tx, drain_rx) = watch::channel(false);
     // The transport limit is well above the per-batch limit, which is
     // checked per message so that an oversized batch is refused alone and
@@ -81,6 +108,7 @@ pub async fn run(
     if let Some(watch) = cert_watch {
         watch.abort();
     }
+    registry_watch.abort();
     result?;
     Ok(())
 }
