@@ -562,60 +562,59 @@ impl<'a> Judging<'a> {
         self.runs[g].sent = sent;
         let (events_tx, mut events) = mpsc::unbounded_channel();
         let now = Instant::now();
-        let answer = match self.send(g, 0, &events_tx, now) {
-            Err(failure) => Err(failure),
-            Ok(guard_deadline) => {
-                let mut verdicts = Vec::new();
-                loop {
-                    tokio::select! {
-                        event = events.recv() => match event {
-                            Some(LinkEvent::Answer { response, .. }) if !response.error.is_empty() => {
-                                break Err(GuardFailure::Refused(response.error));
-                            }
-                            Some(LinkEvent::Answer { response, .. }) => {
-                                verdicts.extend(response.verdicts);
-                                if !response.partial {
-                                    break Ok(verdicts);
-                                }
-                            }
-                            Some(LinkEvent::Failed { failure, .. }) => break Err(failure),
-                            None => break Err(GuardFailure::StreamClosed),
-                        },
-                        () = tokio::time::sleep_until(guard_deadline) => {
-                            break Err(GuardFailure::TimedOut(guard_deadline - now));
+        // Verdicts arrive in one final answer or in partial ones; a guard
+        // that fails after partial answers keeps the skips it sent.
+        let mut verdicts = Vec::new();
+        let failure = match self.send(g, 0, &events_tx, now) {
+            Err(failure) => Some(failure),
+            Ok(guard_deadline) => loop {
+                tokio::select! {
+                    event = events.recv() => match event {
+                        Some(LinkEvent::Answer { response, .. }) if !response.error.is_empty() => {
+                            break Some(GuardFailure::Refused(response.error));
                         }
+                        Some(LinkEvent::Answer { response, .. }) => {
+                            verdicts.extend(response.verdicts);
+                            if !response.partial {
+                                break None;
+                            }
+                        }
+                        Some(LinkEvent::Failed { failure, .. }) => break Some(failure),
+                        None => break Some(GuardFailure::StreamClosed),
+                    },
+                    () = tokio::time::sleep_until(guard_deadline) => {
+                        break Some(GuardFailure::TimedOut(guard_deadline - now));
                     }
                 }
-            }
+            },
         };
         self.runs[g].finished = Some(Instant::now());
-        if answer.is_err()
-            && let Some(id) = self.runs[g].request_id
-        {
-            self.chain.guards[g].link.cancel(id);
-        }
-        if answer.is_ok() {
-            self.chain.guards[g].link.record(Ok(()));
+        match &failure {
+            Some(_) => {
+                if let Some(id) = self.runs[g].request_id {
+                    self.chain.guards[g].link.cancel(id);
+                }
+            }
+            None => self.chain.guards[g].link.record(Ok(())),
         }
         let guard = self.chain.guards[g].guard.clone();
-        let checked = answer.and_then(|verdicts| {
-            let run = &mut self.runs[g];
-            check_verdicts(
-                &guard,
-                &self.calls,
-                &self.index_of,
-                &run.sent,
-                &mut run.answered,
-                verdicts,
-            )
-            .map_err(GuardFailure::RejectedRewrite)
-        });
-        match checked {
-            Ok(checked) => {
+        let run = &mut self.runs[g];
+        let checked = check_verdicts(
+            &guard,
+            &self.calls,
+            &self.index_of,
+            &run.sent,
+            &mut run.answered,
+            verdicts,
+        );
+        match (checked, failure) {
+            (Ok(checked), failure) => {
                 let run = &mut self.runs[g];
                 run.malformed = checked.malformed;
                 run.skipped = checked.skips.iter().map(|(i, _)| *i).collect();
-                run.rewritten = checked.rewrites.iter().map(|(i, _)| *i).collect();
+                if failure.is_none() {
+                    run.rewritten = checked.rewrites.iter().map(|(i, _)| *i).collect();
+                }
                 if guard.enforced() {
                     for (i, skip) in checked.skips {
                         self.calls[i].fixed = Some(Fixed {
@@ -625,14 +624,22 @@ impl<'a> Judging<'a> {
                             failure: false,
                         });
                     }
-                    for (i, call) in checked.rewrites {
-                        self.calls[i].current = call;
-                        self.calls[i].rewritten_by.push(guard.name.clone());
+                    // The rewrites of a guard that failed before its final
+                    // answer are not applied: a rewrite stands only as part
+                    // of a whole, final answer.
+                    if failure.is_none() {
+                        for (i, call) in checked.rewrites {
+                            self.calls[i].current = call;
+                            self.calls[i].rewritten_by.push(guard.name.clone());
+                        }
                     }
                 }
-                Ok(())
+                match failure {
+                    None => Ok(()),
+                    Some(failure) => self.guard_failed(g, failure),
+                }
             }
-            Err(failure) => self.guard_failed(g, failure),
+            (Err(reason), _) => self.guard_failed(g, GuardFailure::RejectedRewrite(reason)),
         }
     }
 

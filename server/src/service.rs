@@ -78,6 +78,10 @@ impl PreTool {
 
     fn deadline(&self, timeout_ms: u32, transport: Option<Duration>) -> Instant {
         let config = &self.mesh.config;
+        // A transport deadline is the client's: answer a little before it,
+        // so that a guard timing out still yields a decision the client can
+        // read rather than its own DEADLINE_EXCEEDED.
+        let transport = transport.map(|t| t.saturating_sub((t / 20).max(Duration::from_millis(5))));
         let asked = match (timeout_ms, transport) {
             (0, None) => config.default_batch_timeout,
             (0, Some(t)) => t,
@@ -104,6 +108,7 @@ impl PreToolService for PreTool {
             let in_flight: Arc<Mutex<HashSet<String>>> = Arc::default();
             let mut tasks = JoinSet::new();
             let mut draining = this.draining.clone();
+            let mut stream_error = None;
             loop {
                 tokio::select! {
                     message = inbound.message() => match message {
@@ -112,7 +117,11 @@ impl PreToolService for PreTool {
                         }
                         Ok(None) => break,
                         Err(status) => {
+                            // The stream cannot be read further (e.g. a
+                            // message above the transport limit). Answer what
+                            // is in flight, then tell the coordinator why.
                             tracing::info!(%status, "coordinator stream ended with an error");
+                            stream_error = Some(transport_status(status));
                             break;
                         }
                     },
@@ -129,6 +138,9 @@ impl PreToolService for PreTool {
                 }
             }
             while tasks.join_next().await.is_some() {}
+            if let Some(status) = stream_error {
+                let _ = tx.send(Err(status)).await;
+            }
         });
         Ok(Response::new(ReceiverStream::new(rx)))
     }
@@ -209,6 +221,20 @@ impl PreTool {
             };
             let _ = tx.send(Ok(response)).await;
         });
+    }
+}
+
+/// The status to end a stream with after a read error. The transport
+/// reports an over-limit message as OUT_OF_RANGE; to the coordinator it is
+/// RESOURCE_EXHAUSTED like every other size limit (R20).
+fn transport_status(status: Status) -> Status {
+    if status.code() == tonic::Code::OutOfRange {
+        Status::resource_exhausted(format!(
+            "a message on this stream exceeds the mesh's transport limit and cannot be read: {}",
+            status.message()
+        ))
+    } else {
+        status
     }
 }
 
