@@ -69,6 +69,8 @@ pub enum ConfigError {
         #[source]
         source: std::io::Error,
     },
+    #[error("config file {path}: {reason}")]
+    Invalid { path: String, reason: String },
     #[error("config file {path} is invalid: {source}")]
     Parse {
         path: String,
@@ -446,6 +448,47 @@ impl Config {
         })
     }
 
+    /// Refuses settings that cannot work (they would fail every guard or
+    /// refuse every batch), naming the key.
+    pub fn check(&self) -> Result<(), String> {
+        let positive = [
+            ("default_guard_timeout_ms", self.default_guard_timeout_ms),
+            ("default_batch_timeout_ms", self.default_batch_timeout_ms),
+            ("max_batch_timeout_ms", self.max_batch_timeout_ms),
+            (
+                "limits.max_calls_per_batch",
+                self.limits.max_calls_per_batch as u64,
+            ),
+            ("limits.max_batch_bytes", self.limits.max_batch_bytes as u64),
+            (
+                "limits.max_argument_bytes",
+                self.limits.max_argument_bytes as u64,
+            ),
+            (
+                "limits.max_inflight_batches",
+                self.limits.max_inflight_batches as u64,
+            ),
+            (
+                "limits.max_batches_per_stream",
+                self.limits.max_batches_per_stream as u64,
+            ),
+            (
+                "guard_links.connect_timeout_ms",
+                self.guard_links.connect_timeout_ms,
+            ),
+            (
+                "guard_links.max_answer_bytes",
+                self.guard_links.max_answer_bytes as u64,
+            ),
+        ];
+        for (key, value) in positive {
+            if value == 0 {
+                return Err(format!("{key} must be greater than 0"));
+            }
+        }
+        Ok(())
+    }
+
     /// Reads and parses a config file.
     pub fn load(path: &Path) -> Result<Self, ConfigError> {
         let shown = path.display().to_string();
@@ -453,7 +496,12 @@ impl Config {
             path: shown.clone(),
             source,
         })?;
-        Self::parse(&text, &shown)
+        let config = Self::parse(&text, &shown)?;
+        config.check().map_err(|reason| ConfigError::Invalid {
+            path: shown,
+            reason,
+        })?;
+        Ok(config)
     }
 
     /// The mesh settings this config describes.
@@ -649,6 +697,20 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(err.contains("zookeeper"), "{err}");
+    }
+
+    #[test]
+    fn config_refuses_settings_that_cannot_work() {
+        let config = Config::parse("default_guard_timeout_ms = 0", "t").unwrap();
+        assert!(
+            config
+                .check()
+                .unwrap_err()
+                .contains("default_guard_timeout_ms")
+        );
+        let config = Config::parse("[guard_links]\nmax_answer_bytes = 0", "t").unwrap();
+        assert!(config.check().unwrap_err().contains("max_answer_bytes"));
+        assert!(Config::default().check().is_ok());
     }
 
     #[test]

@@ -395,8 +395,13 @@ async fn serve_stream(
     };
     let channel = match tonic::transport::Endpoint::from_shared(dial) {
         Ok(endpoint) => {
+            // HTTP/2 keepalive finds half-dead connections (a guard host that
+            // vanished without a FIN) instead of waiting for timeouts.
             endpoint
                 .connect_timeout(config.connect_timeout)
+                .http2_keep_alive_interval(Duration::from_secs(10))
+                .keep_alive_timeout(Duration::from_secs(5))
+                .keep_alive_while_idle(true)
                 .connect_with_connector(connector.clone())
                 .await
         }
