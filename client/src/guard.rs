@@ -28,7 +28,7 @@ use std::future::Future;
 use std::sync::{Arc, Mutex, PoisonError};
 use tokio::net::TcpListener;
 use tokio::sync::mpsc;
-use tokio_stream::wrappers::{ReceiverStream, TcpListenerStream};
+use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Request, Response, Status, Streaming};
 
 /// A guard. Implement [`Guard::check`] to judge call by call, or
@@ -104,7 +104,7 @@ impl<G: Guard> GuardService for GuardServer<G> {
                         let guard = guard.clone();
                         let tx = tx.clone();
                         let done = running.clone();
-                        let span = tracing::info_span!(
+                        let span = tracing::debug_span!(
                             "guard.judge",
                             guard = %batch.guard,
                             batch_id = %batch.batch_id,
@@ -251,7 +251,12 @@ pub async fn serve_with<G: Guard>(
         .add_service(health_service)
         .add_service(reflection)
         .add_service(GuardServiceServer::new(GuardServer::from_arc(guard)))
-        .serve_with_incoming_shutdown(TcpListenerStream::new(listener), shutdown)
+        // `Server::tcp_nodelay` does not apply to an incoming stream: set it
+        // here, or Nagle's algorithm stalls answers by the delayed-ACK time.
+        .serve_with_incoming_shutdown(
+            tonic::transport::server::TcpIncoming::from(listener).with_nodelay(Some(true)),
+            shutdown,
+        )
         .await?;
     Ok(())
 }

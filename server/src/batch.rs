@@ -288,7 +288,7 @@ impl Mesh {
         mut trace: TraceContext,
     ) -> Result<BatchDecision, BatchError> {
         let context = request.context.as_ref();
-        let span = tracing::info_span!(
+        let span = tracing::debug_span!(
             "guardmesh.batch",
             otel.name = if trace.unary {
                 "guardmesh.v1.PreToolService/EvaluateBatch"
@@ -506,7 +506,7 @@ impl<'a> Judging<'a> {
         let budget = self.budget(guard, now);
         let run = &mut self.runs[g];
         run.started = Some(now);
-        let span = tracing::info_span!(
+        let span = tracing::debug_span!(
             parent: &self.span,
             "guardmesh.guard",
             otel.name = "guardmesh.v1.GuardService/Judge",

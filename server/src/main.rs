@@ -25,6 +25,17 @@ struct Cli {
     /// Log format on stderr.
     #[arg(long, global = true, value_enum, default_value_t = LogFormat::Human)]
     log_format: LogFormat,
+    /// Runtime threads. 1 (the default) runs everything on one thread, which
+    /// measured best on small machines: the mesh waits on the network, and
+    /// cross-thread wakeups cost more than they gain (see README,
+    /// Performance). 0: one worker per core.
+    #[arg(
+        long,
+        global = true,
+        env = "GUARDMESH_WORKER_THREADS",
+        default_value_t = 1
+    )]
+    worker_threads: usize,
     #[command(subcommand)]
     command: Command,
 }
@@ -151,10 +162,16 @@ fn main() -> ExitCode {
         Command::BenchGuards(args) => return guardmesh_server::bench::serve_guards(args),
         command => Cli { command, ..cli },
     };
-    let runtime = match tokio::runtime::Builder::new_multi_thread()
-        .enable_all()
-        .build()
-    {
+    let mut builder = match cli.worker_threads {
+        1 => tokio::runtime::Builder::new_current_thread(),
+        0 => tokio::runtime::Builder::new_multi_thread(),
+        n => {
+            let mut builder = tokio::runtime::Builder::new_multi_thread();
+            builder.worker_threads(n);
+            builder
+        }
+    };
+    let runtime = match builder.enable_all().build() {
         Ok(runtime) => runtime,
         Err(error) => {
             eprintln!("error: cannot start the runtime: {error}");

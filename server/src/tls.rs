@@ -406,6 +406,26 @@ impl AsyncWrite for MeshStream {
         }
     }
 
+    fn poll_write_vectored(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        bufs: &[std::io::IoSlice<'_>],
+    ) -> Poll<std::io::Result<usize>> {
+        match &mut self.get_mut().inner {
+            Inner::Plain(s) => Pin::new(s).poll_write_vectored(cx, bufs),
+            Inner::Tls(s) => Pin::new(s.as_mut()).poll_write_vectored(cx, bufs),
+        }
+    }
+
+    /// h2 writes a frame's header and body with one call when the stream
+    /// says it can (half the syscalls per message).
+    fn is_write_vectored(&self) -> bool {
+        match &self.inner {
+            Inner::Plain(s) => s.is_write_vectored(),
+            Inner::Tls(s) => s.is_write_vectored(),
+        }
+    }
+
     fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
         match &mut self.get_mut().inner {
             Inner::Plain(s) => Pin::new(s).poll_flush(cx),
