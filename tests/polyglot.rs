@@ -570,3 +570,49 @@ async fn python_guard_span_has_the_batch_trace_id() {
         "{span}"
     );
 }
+
+/// The README's minimal Python and Node guards, run as written
+/// (`guards/*/examples/no_delete.*`), registering themselves with the mesh
+/// (a multi-thread runtime: the test blocks on their LISTENING line, which
+/// comes only once the in-process mesh has answered the registration).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn readme_minimal_python_and_node_guards_work_as_documented() {
+    let mesh = TestMesh::start().await;
+    let addr = mesh.url.trim_start_matches("http://").to_owned();
+    let _py = KitGuard::python(
+        "no_delete.py",
+        &["--mesh", &addr, "--role", "mutate", "--grant-tools", "*"],
+    );
+    let _js = KitGuard::node("no_delete.js", &["--mesh", &addr]);
+    let chain = mesh.registrar().await.list().await.unwrap();
+    let names: Vec<_> = chain.guards.iter().map(|g| g.name.as_str()).collect();
+    assert_eq!(names, ["no-delete", "no-delete-js"]);
+    let session = mesh.coordinator().await.session("s").await.unwrap();
+    let d = session
+        .evaluate(
+            Batch::new(0)
+                .call("c1", "fs.delete", r#"{"path":"/tmp/x"}"#)
+                .call("c2", "login", r#"{"user":"ada","password":"hunter2"}"#)
+                .call("c3", "fs.read", r#"{"path":"/tmp/x"}"#),
+        )
+        .await
+        .unwrap();
+    assert_eq!(
+        d.calls[0].outcome,
+        Outcome::Cancel {
+            content: "Deleting files is not allowed.".into()
+        }
+    );
+    assert_eq!(d.calls[0].decided_by.as_deref(), Some("no-delete"));
+    assert!(d.calls[1].proceeds());
+    let args: serde_json::Value = serde_json::from_str(&d.calls[1].final_call.arguments).unwrap();
+    assert_eq!(args["password"], "***");
+    assert_eq!(d.calls[1].rewritten_by, ["no-delete"]);
+    assert!(d.calls[2].proceeds());
+    let node = d.trace.iter().find(|t| t.guard == "no-delete-js").unwrap();
+    assert_eq!(
+        node.sent_call_ids,
+        ["c2", "c3"],
+        "the mutate guard's skip is final (R12)"
+    );
+}
