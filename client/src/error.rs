@@ -7,7 +7,7 @@ pub enum ClientError {
     #[error("cannot connect to the mesh: {0}")]
     Connect(#[from] tonic::transport::Error),
     /// The mesh refused the batch or the call (R20), or aborted it (R13).
-    #[error("mesh answered {}: {}", .0.code(), .0.message())]
+    #[error("mesh answered {:?}: {}", .0.code(), .0.message())]
     Status(#[from] tonic::Status),
     /// The session's stream ended before the batch was answered.
     #[error("the session stream ended before batch {0:?} was answered")]

@@ -28,20 +28,107 @@ async fn start_guard(kind: Kind, delay: Duration) -> Result<String, Error> {
     Ok(url)
 }
 
-/// Runs the demo, printing to stdout.
-pub async fn run() -> Result<(), Error> {
-    let config = MeshConfig::default();
+/// Certificates for the demo's mTLS mode, made in a temporary folder.
+struct DemoPki {
+    dir: std::path::PathBuf,
+    ca_pem: String,
+    coordinator: crate::certs::Issued,
+    admin: crate::certs::Issued,
+}
+
+impl Drop for DemoPki {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+fn demo_pki() -> Result<(DemoPki, crate::tls::ServerTls), Error> {
+    use crate::certs::{Authority, Subject, TRUST_DOMAIN};
+    let dir = std::env::temp_dir().join(format!("guardmesh-demo-{}", rand::random::<u64>()));
+    std::fs::create_dir_all(&dir)?;
+    let ca = Authority::new("guardmesh demo CA")?;
+    let subject = |id: &str| Subject {
+        common_name: id.to_owned(),
+        dns: vec!["localhost".into()],
+        ips: vec![std::net::IpAddr::from([127, 0, 0, 1])],
+        uris: vec![format!("spiffe://{TRUST_DOMAIN}/{id}")],
+        expired: false,
+    };
+    let (cert, key) = ca.issue(&subject("mesh"))?.write(&dir, "mesh")?;
+    let ca_file = dir.join("ca.pem");
+    std::fs::write(&ca_file, ca.cert_pem())?;
+    let tls = crate::tls::ServerTls::new(&cert, &key, Some(&ca_file))?;
+    let pki = DemoPki {
+        ca_pem: ca.cert_pem(),
+        coordinator: ca.issue(&subject("coordinator"))?,
+        admin: ca.issue(&subject("admin"))?,
+        dir,
+    };
+    Ok((pki, tls))
+}
+
+fn demo_policy() -> crate::auth::AuthPolicy {
+    use crate::auth::{AuthPolicy, Caller, Principal, Role};
+    let principal = |id: &str, role: Role| {
+        let id = format!("spiffe://{}/{id}", crate::certs::TRUST_DOMAIN);
+        Principal {
+            id: id.clone(),
+            token: None,
+            caller: Caller {
+                id,
+                roles: [role].into(),
+                name_prefixes: Vec::new(),
+                max_registrations: 64,
+            },
+        }
+    };
+    AuthPolicy {
+        principals: vec![
+            principal("coordinator", Role::Evaluate),
+            principal("admin", Role::Admin),
+        ],
+        plaintext_tokens_on_loopback: false,
+    }
+}
+
+/// Runs the demo, printing to stdout. With `mtls`, the mesh requires client
+/// certificates from a CA made for the run and checks roles.
+pub async fn run(mtls: bool) -> Result<(), Error> {
+    let mut config = MeshConfig::default();
+    let pki = if mtls {
+        let (pki, tls) = demo_pki()?;
+        config.security.server_tls = Some(tls);
+        config.security.auth = Some(Arc::new(demo_policy()));
+        Some(pki)
+    } else {
+        None
+    };
+    let connection = |identity: Option<&crate::certs::Issued>| guardmesh_client::Connection {
+        tls: pki.as_ref().map(|p| guardmesh_client::Tls {
+            ca_pem: p.ca_pem.clone(),
+            identity: identity.map(|i| (i.cert_pem.clone(), i.key_pem.clone())),
+            domain: None,
+        }),
+        token: None,
+    };
     let registry = Arc::new(MemoryRegistry::new(config.default_guard_timeout));
     let mesh = Mesh::new(config, registry);
     let listener = TcpListener::bind("127.0.0.1:0").await?;
-    let mesh_url = format!("http://{}", listener.local_addr()?);
+    let mesh_url = match &pki {
+        Some(_) => format!("https://localhost:{}", listener.local_addr()?.port()),
+        None => format!("http://{}", listener.local_addr()?),
+    };
     tokio::spawn(crate::server::run(
         listener,
         mesh.clone(),
         std::future::pending(),
     ));
 
-    let registrar = Registrar::connect(mesh_url.clone()).await?;
+    let registrar = Registrar::connect_with(
+        mesh_url.clone(),
+        &connection(pki.as_ref().map(|p| &p.admin)),
+    )
+    .await?;
     let down = {
         let l = TcpListener::bind("127.0.0.1:0").await?;
         format!("http://{}", l.local_addr()?)
@@ -89,6 +176,19 @@ pub async fn run() -> Result<(), Error> {
     drop(down);
 
     println!("guardmesh demo: mesh on {mesh_url}\n");
+    if pki.is_some() {
+        println!("mTLS on: the registrar is spiffe://guardmesh.local/admin, the coordinator");
+        println!(
+            "spiffe://guardmesh.local/coordinator (certificates from a CA made for this run)."
+        );
+        let anonymous = Coordinator::connect_with(mesh_url.clone(), &connection(None)).await?;
+        let refused = anonymous
+            .evaluate_once("intruder", Batch::new(0).call("x", "fs.read", "{}"))
+            .await;
+        if let Err(error) = refused {
+            println!("A client without a certificate is refused: {error}\n");
+        }
+    }
     println!("The chain (guardmesh guards list):");
     for (i, g) in registrar.list().await?.guards.iter().enumerate() {
         let role = if g.role == GuardRole::Mutate as i32 {
@@ -111,7 +211,9 @@ pub async fn run() -> Result<(), Error> {
     }
     println!();
 
-    let coordinator = Coordinator::connect(mesh_url).await?;
+    let coordinator =
+        Coordinator::connect_with(mesh_url, &connection(pki.as_ref().map(|p| &p.coordinator)))
+            .await?;
     let session = coordinator.session("demo-session").await?;
     let rounds = [
         (

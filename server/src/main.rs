@@ -71,7 +71,12 @@ enum Command {
     },
     /// Starts a mesh and example guards on loopback and drives a coordinator
     /// through a few rounds, printing decisions and traces.
-    Demo,
+    Demo {
+        /// Run with mTLS and roles on the coordinator and registrar links
+        /// (certificates from a CA made for the run).
+        #[arg(long)]
+        mtls: bool,
+    },
     /// Creates a local CA and certificates (mesh, coordinator, registrar,
     /// admin, guard) with SPIFFE-style identities, for development and the
     /// demo. Not for production.
@@ -193,7 +198,7 @@ fn main() -> ExitCode {
 async fn run(cli: Cli) -> Result<ExitCode, Error> {
     let default_filter = match cli.command {
         Command::Serve { .. } => "info",
-        Command::Demo => "error",
+        Command::Demo { .. } => "error",
         _ => "warn",
     };
     let telemetry = telemetry::init(cli.log_format, default_filter)?;
@@ -201,7 +206,7 @@ async fn run(cli: Cli) -> Result<ExitCode, Error> {
         Command::Serve { config, listen } => serve(config, listen).await,
         Command::Guards { mesh, action } => guards(&mesh, action).await,
         Command::Evaluate { mesh, file } => evaluate(&mesh, &file).await,
-        Command::Demo => guardmesh_server::demo::run().await,
+        Command::Demo { mtls } => guardmesh_server::demo::run(mtls).await,
         Command::Certs { dir } => certs(&dir),
         Command::ExampleGuard {
             kind,
