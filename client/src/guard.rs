@@ -15,7 +15,7 @@
 //!     }
 //! }
 //!
-//! # async fn run() -> Result<(), Box<dyn std::error::Error>> {
+//! # async fn run() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
 //! let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
 //! serve(NoDeleteWithoutWhere, listener, std::future::pending()).await?;
 //! # Ok(()) }
