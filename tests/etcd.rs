@@ -261,15 +261,6 @@ fn trace_names(decision: &Decision) -> Vec<String> {
     decision.trace.iter().map(|t| t.guard.clone()).collect()
 }
 
-fn trace_status(decision: &Decision, guard: &str) -> TraceStatus {
-    let entry = decision
-        .trace
-        .iter()
-        .find(|t| t.guard == guard)
-        .unwrap_or_else(|| panic!("no trace entry for {guard}: {:?}", decision.trace));
-    TraceStatus::try_from(entry.status).unwrap()
-}
-
 /// A guard that steers every call to `tool`.
 async fn veto(tool: &'static str) -> TestGuard {
     call_guard(Duration::ZERO, move |c| {
@@ -611,8 +602,8 @@ async fn lease_expired_guard_stays_in_chain_and_fails_per_its_policy() {
         // relaxed is fail_open: bypassed, and the marked call proceeds.
         assert!(d.calls[1].proceeds(), "{:?}", d.calls[1]);
         assert_eq!(d.calls[1].bypassed, ["relaxed"]);
-        assert_eq!(trace_status(&d, "strict"), TraceStatus::Failed);
-        assert_eq!(trace_status(&d, "relaxed"), TraceStatus::Failed);
+        assert_eq!(status_of(&d, "strict"), TraceStatus::Failed);
+        assert_eq!(status_of(&d, "relaxed"), TraceStatus::Failed);
     }
 
     // Back on the same ports, heartbeating again: judged again.

@@ -23,15 +23,6 @@ use std::time::Duration;
 // Helpers
 // ---------------------------------------------------------------------------
 
-fn status_of(decision: &Decision, guard: &str) -> TraceStatus {
-    let entry = decision
-        .trace
-        .iter()
-        .find(|t| t.guard == guard)
-        .unwrap_or_else(|| panic!("no trace entry for {guard}: {:?}", decision.trace));
-    TraceStatus::try_from(entry.status).unwrap()
-}
-
 fn trace_error(decision: &Decision, guard: &str) -> String {
     decision
         .trace

@@ -20,15 +20,6 @@ use std::time::Duration;
 /// may be busy, and nothing here tests timeouts.
 const GUARD_TIMEOUT_MS: &str = "5000";
 
-fn status_of(decision: &Decision, guard: &str) -> TraceStatus {
-    let entry = decision
-        .trace
-        .iter()
-        .find(|t| t.guard == guard)
-        .unwrap_or_else(|| panic!("no trace entry for {guard}: {:?}", decision.trace));
-    TraceStatus::try_from(entry.status).unwrap()
-}
-
 fn latency_of(decision: &Decision, guard: &str) -> Duration {
     let entry = decision.trace.iter().find(|t| t.guard == guard).unwrap();
     Duration::from_micros(entry.latency_us)

@@ -7,17 +7,8 @@ mod common;
 use common::*;
 use guardmesh_client::proto::{EvaluateRequest, FailurePolicy, ToolCall, TraceStatus};
 use guardmesh_client::verdict::{cancel, proceed, steer};
-use guardmesh_client::{Batch, ClientError, Decision, Outcome, Registration};
+use guardmesh_client::{Batch, ClientError, Outcome, Registration};
 use std::time::Duration;
-
-fn status_of(decision: &Decision, guard: &str) -> TraceStatus {
-    let entry = decision
-        .trace
-        .iter()
-        .find(|t| t.guard == guard)
-        .unwrap_or_else(|| panic!("no trace entry for {guard}: {:?}", decision.trace));
-    TraceStatus::try_from(entry.status).unwrap()
-}
 
 fn content(outcome: &Outcome) -> &str {
     match outcome {

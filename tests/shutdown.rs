@@ -95,15 +95,6 @@ impl Drop for MeshProcess {
     }
 }
 
-fn status_of(decision: &Decision, guard: &str) -> TraceStatus {
-    let entry = decision
-        .trace
-        .iter()
-        .find(|t| t.guard == guard)
-        .unwrap_or_else(|| panic!("no trace entry for {guard}: {:?}", decision.trace));
-    TraceStatus::try_from(entry.status).unwrap()
-}
-
 /// A decision judged to the end by both guards: nothing failed, nothing cut
 /// short by the shutdown.
 fn assert_complete(d: &Decision, what: &str) {

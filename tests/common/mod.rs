@@ -846,3 +846,16 @@ pub fn run_conformance(addr: &str, args: &[&str]) -> (std::process::ExitStatus, 
         String::from_utf8_lossy(&output.stdout).into_owned(),
     )
 }
+
+/// The R21 status of `guard` in a decision's trace.
+pub fn status_of(
+    decision: &guardmesh_client::Decision,
+    guard: &str,
+) -> guardmesh_client::proto::TraceStatus {
+    let entry = decision
+        .trace
+        .iter()
+        .find(|t| t.guard == guard)
+        .unwrap_or_else(|| panic!("no trace entry for {guard}: {:?}", decision.trace));
+    guardmesh_client::proto::TraceStatus::try_from(entry.status).unwrap()
+}
