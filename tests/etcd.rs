@@ -743,8 +743,17 @@ async fn etcd_outage_judges_within_window_then_refuses_then_recovers() {
             || async { matches!(r.evaluate(two_calls()).await, Ok(d) if steered(&d)) },
         )
         .await;
-        let status = r.registry.status();
-        assert!(status.connected && status.serving && status.stale_for.is_none());
+        // Judging again can precede the status catching up (the watch
+        // reconnects first); wait for it, bounded.
+        poll_until(
+            Duration::from_secs(30),
+            "the status is fresh again",
+            || async {
+                let status = r.registry.status();
+                status.connected && status.serving && status.stale_for.is_none()
+            },
+        )
+        .await;
         assert_eq!(r.revision(), out.revision);
     }
     // ...and follows the chain again.
