@@ -10,7 +10,6 @@ use guardmesh_client::{Batch, ClientError, Connection, Coordinator, Registrar, R
 use guardmesh_server::auth::{AuthPolicy, Caller, Principal, Role};
 use guardmesh_server::certs::{Authority, Issued, Subject};
 use guardmesh_server::tls::ServerTls;
-use std::net::IpAddr;
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
@@ -23,16 +22,6 @@ struct Pki {
 impl Drop for Pki {
     fn drop(&mut self) {
         let _ = std::fs::remove_dir_all(&self.dir);
-    }
-}
-
-fn subject(id: &str) -> Subject {
-    Subject {
-        common_name: id.to_owned(),
-        dns: vec!["localhost".into()],
-        ips: vec![IpAddr::from([127, 0, 0, 1])],
-        uris: vec![format!("spiffe://guardmesh.local/{id}")],
-        expired: false,
     }
 }
 
@@ -109,7 +98,7 @@ fn policy() -> AuthPolicy {
 
 /// A mesh with mTLS required and the policy above.
 async fn secure_mesh(pki: &Pki) -> (TestMesh, String) {
-    let (cert, key) = pki.write("mesh", &pki.issue(&subject("mesh")));
+    let (cert, key) = pki.write("mesh", &pki.issue(&Subject::loopback("mesh")));
     let mut config = fast_config();
     config.security.server_tls = Some(ServerTls::new(&cert, &key, Some(&pki.ca_file())).unwrap());
     config.security.auth = Some(Arc::new(policy()));
@@ -122,7 +111,7 @@ async fn secure_mesh(pki: &Pki) -> (TestMesh, String) {
 }
 
 async fn chain_revision(pki: &Pki, url: &str) -> (u64, usize) {
-    let admin = pki.issue(&subject("admin"));
+    let admin = pki.issue(&Subject::loopback("admin"));
     let registrar = Registrar::connect_with(url.to_owned(), &pki.tls(Some(&admin)))
         .await
         .unwrap();
@@ -142,9 +131,12 @@ async fn mtls_bad_or_missing_credentials_are_refused_and_change_nothing() {
     let pki = Pki::new();
     let (mesh, url) = secure_mesh(&pki).await;
     let guard = proceed_guard().await;
-    let admin = Registrar::connect_with(url.clone(), &pki.tls(Some(&pki.issue(&subject("admin")))))
-        .await
-        .unwrap();
+    let admin = Registrar::connect_with(
+        url.clone(),
+        &pki.tls(Some(&pki.issue(&Subject::loopback("admin")))),
+    )
+    .await
+    .unwrap();
     admin
         .register(Registration::validate("g", &guard.url))
         .await
@@ -153,18 +145,18 @@ async fn mtls_bad_or_missing_credentials_are_refused_and_change_nothing() {
 
     let other_ca = Authority::new("another CA")
         .unwrap()
-        .issue(&subject("coordinator"))
+        .issue(&Subject::loopback("coordinator"))
         .unwrap();
     let two_uris = pki.issue(&Subject {
         uris: vec![
             "spiffe://guardmesh.local/coordinator".into(),
             "spiffe://guardmesh.local/admin".into(),
         ],
-        ..subject("coordinator")
+        ..Subject::loopback("coordinator")
     });
     let expired = pki.issue(&Subject {
         expired: true,
-        ..subject("coordinator")
+        ..Subject::loopback("coordinator")
     });
     let cases: Vec<(&str, Connection, &str)> = vec![
         ("no client certificate", pki.tls(None), "no credentials"),
@@ -202,7 +194,7 @@ async fn mtls_bad_or_missing_credentials_are_refused_and_change_nothing() {
     }
     // Valid mTLS, wrong role: a coordinator may not register, a registrar
     // may not evaluate or list.
-    let coordinator_cert = pki.issue(&subject("coordinator"));
+    let coordinator_cert = pki.issue(&Subject::loopback("coordinator"));
     let as_coordinator = Registrar::connect_with(url.clone(), &pki.tls(Some(&coordinator_cert)))
         .await
         .unwrap();
@@ -212,7 +204,7 @@ async fn mtls_bad_or_missing_credentials_are_refused_and_change_nothing() {
             .await,
     );
     assert_eq!(c, tonic::Code::PermissionDenied, "{message}");
-    let registrar_cert = pki.issue(&subject("registrar"));
+    let registrar_cert = pki.issue(&Subject::loopback("registrar"));
     let as_registrar = Coordinator::connect_with(url.clone(), &pki.tls(Some(&registrar_cert)))
         .await
         .unwrap();
@@ -272,7 +264,7 @@ async fn role_register_is_limited_to_name_prefixes_and_a_quota() {
     let (_mesh, url) = secure_mesh(&pki).await;
     let registrar = Registrar::connect_with(
         url.clone(),
-        &pki.tls(Some(&pki.issue(&subject("registrar")))),
+        &pki.tls(Some(&pki.issue(&Subject::loopback("registrar")))),
     )
     .await
     .unwrap();
@@ -359,7 +351,7 @@ async fn role_bearer_token_over_tls_is_accepted() {
 }
 
 async fn tls_guard(pki: &Pki, id: &str) -> (String, Arc<ScriptGuard>) {
-    let issued = pki.issue(&subject(id));
+    let issued = pki.issue(&Subject::loopback(id));
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let url = format!(
         "https://localhost:{}",
@@ -390,9 +382,12 @@ async fn tls_guard(pki: &Pki, id: &str) -> (String, Arc<ScriptGuard>) {
 async fn impostor_guard_with_the_wrong_identity_is_not_called() {
     let pki = Pki::new();
     let (_mesh, url) = secure_mesh(&pki).await;
-    let admin = Registrar::connect_with(url.clone(), &pki.tls(Some(&pki.issue(&subject("admin")))))
-        .await
-        .unwrap();
+    let admin = Registrar::connect_with(
+        url.clone(),
+        &pki.tls(Some(&pki.issue(&Subject::loopback("admin")))),
+    )
+    .await
+    .unwrap();
     let (real_url, real) = tls_guard(&pki, "guard/policy").await;
     let (impostor_url, impostor) = tls_guard(&pki, "guard/impostor").await;
     admin
@@ -410,10 +405,12 @@ async fn impostor_guard_with_the_wrong_identity_is_not_called() {
         )
         .await
         .unwrap();
-    let coordinator =
-        Coordinator::connect_with(url, &pki.tls(Some(&pki.issue(&subject("coordinator")))))
-            .await
-            .unwrap();
+    let coordinator = Coordinator::connect_with(
+        url,
+        &pki.tls(Some(&pki.issue(&Subject::loopback("coordinator")))),
+    )
+    .await
+    .unwrap();
     let session = coordinator.session("s").await.unwrap();
     let d = session
         .evaluate(Batch::new(0).call("c", "t", "{}"))
@@ -542,7 +539,7 @@ fn der_of(issued: &Issued) -> Vec<u8> {
 #[tokio::test]
 async fn rotation_replaces_the_server_certificate_without_dropping_streams() {
     let pki = Pki::new();
-    let first = pki.issue(&subject("mesh"));
+    let first = pki.issue(&Subject::loopback("mesh"));
     let (cert, key) = pki.write("mesh", &first);
     let tls = ServerTls::new(&cert, &key, None).unwrap();
     let mut config = fast_config();
@@ -576,7 +573,7 @@ async fn rotation_replaces_the_server_certificate_without_dropping_streams() {
 
     // Rotate: new files in place, then the reload (the watcher does this on
     // its own within a second; calling it makes the test deterministic).
-    let second = pki.issue(&subject("mesh"));
+    let second = pki.issue(&Subject::loopback("mesh"));
     pki.write("mesh", &second);
     tls.cert.reload();
     assert_eq!(
@@ -592,7 +589,7 @@ async fn rotation_replaces_the_server_certificate_without_dropping_streams() {
         assert!(d.calls[0].proceeds(), "the open stream keeps working");
     }
     // A broken rotation (key of another pair) keeps the good certificate.
-    std::fs::write(&key, pki.issue(&subject("other")).key_pem).unwrap();
+    std::fs::write(&key, pki.issue(&Subject::loopback("other")).key_pem).unwrap();
     assert!(!tls.cert.reload());
     assert_eq!(
         presented_cert(port, &pki.ca.cert_pem()).await,

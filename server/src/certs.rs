@@ -42,6 +42,23 @@ pub struct Subject {
     pub expired: bool,
 }
 
+impl Subject {
+    /// A certificate for a party on this machine: `localhost`, 127.0.0.1 and
+    /// ::1, with the identity `spiffe://guardmesh.local/ID`.
+    pub fn loopback(id: &str) -> Self {
+        Self {
+            common_name: id.to_owned(),
+            dns: vec!["localhost".into()],
+            ips: vec![
+                IpAddr::from([127, 0, 0, 1]),
+                IpAddr::from([0u16, 0, 0, 0, 0, 0, 0, 1]),
+            ],
+            uris: vec![format!("spiffe://{TRUST_DOMAIN}/{id}")],
+            expired: false,
+        }
+    }
+}
+
 /// An issued certificate and its key, PEM encoded.
 #[derive(Debug, Clone)]
 pub struct Issued {
@@ -129,24 +146,8 @@ pub fn generate(dir: &Path) -> Result<Vec<PathBuf>, CertsError> {
     let ca_file = dir.join("ca.pem");
     write(&ca_file, &ca.cert_pem())?;
     let mut files = vec![ca_file];
-    let loopback = |name: &str, id: &str| Subject {
-        common_name: name.to_owned(),
-        dns: vec!["localhost".into()],
-        ips: vec![
-            IpAddr::from([127, 0, 0, 1]),
-            IpAddr::from([0u16, 0, 0, 0, 0, 0, 0, 1]),
-        ],
-        uris: vec![format!("spiffe://{TRUST_DOMAIN}/{id}")],
-        expired: false,
-    };
-    for (name, id) in [
-        ("mesh", "mesh"),
-        ("coordinator", "coordinator"),
-        ("registrar", "registrar"),
-        ("admin", "admin"),
-        ("guard", "guard"),
-    ] {
-        let (cert, key) = ca.issue(&loopback(name, id))?.write(dir, name)?;
+    for name in ["mesh", "coordinator", "registrar", "admin", "guard"] {
+        let (cert, key) = ca.issue(&Subject::loopback(name))?.write(dir, name)?;
         files.push(cert);
         files.push(key);
     }

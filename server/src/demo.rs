@@ -43,25 +43,18 @@ impl Drop for DemoPki {
 }
 
 fn demo_pki() -> Result<(DemoPki, crate::tls::ServerTls), Error> {
-    use crate::certs::{Authority, Subject, TRUST_DOMAIN};
+    use crate::certs::{Authority, Subject};
     let dir = std::env::temp_dir().join(format!("guardmesh-demo-{}", rand::random::<u64>()));
     std::fs::create_dir_all(&dir)?;
     let ca = Authority::new("guardmesh demo CA")?;
-    let subject = |id: &str| Subject {
-        common_name: id.to_owned(),
-        dns: vec!["localhost".into()],
-        ips: vec![std::net::IpAddr::from([127, 0, 0, 1])],
-        uris: vec![format!("spiffe://{TRUST_DOMAIN}/{id}")],
-        expired: false,
-    };
-    let (cert, key) = ca.issue(&subject("mesh"))?.write(&dir, "mesh")?;
+    let (cert, key) = ca.issue(&Subject::loopback("mesh"))?.write(&dir, "mesh")?;
     let ca_file = dir.join("ca.pem");
     std::fs::write(&ca_file, ca.cert_pem())?;
     let tls = crate::tls::ServerTls::new(&cert, &key, Some(&ca_file))?;
     let pki = DemoPki {
         ca_pem: ca.cert_pem(),
-        coordinator: ca.issue(&subject("coordinator"))?,
-        admin: ca.issue(&subject("admin"))?,
+        coordinator: ca.issue(&Subject::loopback("coordinator"))?,
+        admin: ca.issue(&Subject::loopback("admin"))?,
         dir,
     };
     Ok((pki, tls))

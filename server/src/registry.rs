@@ -78,18 +78,18 @@ struct State {
     next_seq: u64,
     revision: u64,
     entries: Vec<Entry>,
-    chain: Arc<ChainSpec>,
 }
 
 impl State {
-    fn rebuild(&mut self) {
+    /// Orders the chain after a change and returns its new snapshot.
+    fn rebuild(&mut self) -> ChainSpec {
         self.revision += 1;
         self.entries
             .sort_by_key(|entry| (entry.guard.priority, entry.seq));
-        self.chain = Arc::new(ChainSpec {
+        ChainSpec {
             revision: self.revision,
             guards: self.entries.iter().map(|e| e.guard.clone()).collect(),
-        });
+        }
     }
 }
 
@@ -98,7 +98,10 @@ impl State {
 #[derive(Debug)]
 pub struct MemoryRegistry {
     default_timeout: Duration,
+    /// Writers serialize on this lock.
     state: Mutex<State>,
+    /// What every batch reads, without taking the lock.
+    chain: arc_swap::ArcSwap<ChainSpec>,
 }
 
 impl MemoryRegistry {
@@ -106,6 +109,7 @@ impl MemoryRegistry {
         Self {
             default_timeout,
             state: Mutex::new(State::default()),
+            chain: arc_swap::ArcSwap::from_pointee(ChainSpec::default()),
         }
     }
 
@@ -125,7 +129,7 @@ impl MemoryRegistry {
                 true
             }
         };
-        state.rebuild();
+        self.chain.store(Arc::new(state.rebuild()));
         let position = state
             .entries
             .iter()
@@ -141,11 +145,7 @@ impl MemoryRegistry {
 
 impl Registry for MemoryRegistry {
     fn chain(&self) -> Arc<ChainSpec> {
-        self.state
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .chain
-            .clone()
+        self.chain.load_full()
     }
 
     fn register(&self, spec: GuardSpec) -> BoxFuture<'_, Result<Registered, RegistryError>> {
@@ -159,7 +159,7 @@ impl Registry for MemoryRegistry {
             state.entries.retain(|e| e.guard.name != name);
             let removed = state.entries.len() != before;
             if removed {
-                state.rebuild();
+                self.chain.store(Arc::new(state.rebuild()));
             }
             Ok(Deregistered {
                 revision: state.revision,

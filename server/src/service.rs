@@ -2,7 +2,7 @@
 //! `GuardRegistry` for registrars.
 
 use crate::auth::{Caller, Role};
-use crate::batch::{BatchError, TraceContext};
+use crate::batch::TraceContext;
 use crate::mesh::Mesh;
 use crate::registry::RegistryError;
 use guardmesh_proto::v1::guard_registry_server::GuardRegistry;
@@ -217,7 +217,7 @@ impl PreTool {
                     batch_id,
                     result: Some(evaluate_response::Result::Decision(decision)),
                 },
-                Err(error) => error_response(batch_id, &error_status(&error)),
+                Err(error) => error_response(batch_id, &error.status()),
             };
             let _ = tx.send(Ok(response)).await;
         });
@@ -236,10 +236,6 @@ fn transport_status(status: Status) -> Status {
     } else {
         status
     }
-}
-
-fn error_status(error: &BatchError) -> Status {
-    error.status()
 }
 
 fn error_response(batch_id: String, status: &Status) -> EvaluateResponse {

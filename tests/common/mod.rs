@@ -363,11 +363,7 @@ impl GuardProcess {
         std::io::BufReader::new(stdout)
             .read_line(&mut line)
             .expect("read LISTENING line");
-        let port: u16 = line
-            .trim()
-            .strip_prefix("LISTENING ")
-            .and_then(|p| p.parse().ok())
-            .unwrap_or_else(|| panic!("unexpected first line {line:?}"));
+        let port = listening_port(&line, kind);
         Self {
             url: format!("http://127.0.0.1:{port}"),
             port,
@@ -806,11 +802,7 @@ impl KitGuard {
                 panic!("{script} {args:?} printed no LISTENING line ({other:?}); exit: {status:?}")
             }
         };
-        let port: u16 = line
-            .trim()
-            .strip_prefix("LISTENING ")
-            .and_then(|p| p.parse().ok())
-            .unwrap_or_else(|| panic!("{script}: unexpected first line {line:?}"));
+        let port = listening_port(&line, script);
         Self {
             url: format!("http://127.0.0.1:{port}"),
             addr: format!("127.0.0.1:{port}"),
@@ -858,4 +850,13 @@ pub fn status_of(
         .find(|t| t.guard == guard)
         .unwrap_or_else(|| panic!("no trace entry for {guard}: {:?}", decision.trace));
     guardmesh_client::proto::TraceStatus::try_from(entry.status).unwrap()
+}
+
+/// The port of a guard process's `LISTENING <port>` line, the first line
+/// every example guard (Rust, Python, Node) prints once it serves.
+pub fn listening_port(line: &str, what: &str) -> u16 {
+    line.trim()
+        .strip_prefix("LISTENING ")
+        .and_then(|p| p.parse().ok())
+        .unwrap_or_else(|| panic!("{what}: unexpected first line {line:?}"))
 }
