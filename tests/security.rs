@@ -93,15 +93,21 @@ fn policy() -> AuthPolicy {
             principal("ci", &[Role::Register], &[], Some("ci-token")),
         ],
         plaintext_tokens_on_loopback: false,
+        tokens_without_client_cert: false,
     }
 }
 
 /// A mesh with mTLS required and the policy above.
 async fn secure_mesh(pki: &Pki) -> (TestMesh, String) {
+    secure_mesh_with(pki, policy()).await
+}
+
+/// A mesh with mTLS required and `policy`.
+async fn secure_mesh_with(pki: &Pki, policy: AuthPolicy) -> (TestMesh, String) {
     let (cert, key) = pki.write("mesh", &pki.issue(&Subject::loopback("mesh")));
     let mut config = fast_config();
     config.security.server_tls = Some(ServerTls::new(&cert, &key, Some(&pki.ca_file())).unwrap());
-    config.security.auth = Some(Arc::new(policy()));
+    config.security.auth = Some(Arc::new(policy));
     config.security.guard_tls = Some(Arc::new(
         guardmesh_server::dial::GuardTls::new(&pki.ca_file(), Some(&cert), Some(&key)).unwrap(),
     ));
@@ -327,9 +333,31 @@ async fn role_bearer_token_over_plaintext_is_refused() {
 #[tokio::test]
 async fn role_bearer_token_over_tls_is_accepted() {
     let pki = Pki::new();
-    let (mesh, url) = secure_mesh(&pki).await;
     let mut connection = pki.tls(None);
     connection.token = Some("ci-token".into());
+    // R24: on a listener with a client CA, a token does not replace the
+    // certificate unless the policy says so.
+    {
+        let (mesh, url) = secure_mesh(&pki).await;
+        let (c, message) = code_of(
+            Registrar::connect_with(url, &connection)
+                .await
+                .unwrap()
+                .register(Registration::validate("from-ci", "127.0.0.1:1"))
+                .await,
+        );
+        assert_eq!(c, tonic::Code::Unauthenticated, "{message}");
+        assert!(message.contains("no client certificate"), "{message}");
+        assert_eq!(mesh.mesh.registry().chain().guards.len(), 0);
+    }
+    let (mesh, url) = secure_mesh_with(
+        &pki,
+        AuthPolicy {
+            tokens_without_client_cert: true,
+            ..policy()
+        },
+    )
+    .await;
     let registrar = Registrar::connect_with(url, &connection).await.unwrap();
     registrar
         .register(Registration::validate("from-ci", "127.0.0.1:1"))
@@ -596,4 +624,154 @@ async fn rotation_replaces_the_server_certificate_without_dropping_streams() {
         der_of(&second)
     );
     let _ = Duration::ZERO;
+}
+
+/// A mesh with mTLS (a client CA) and no `[auth]`.
+async fn mtls_mesh_without_roles(pki: &Pki) -> (TestMesh, String) {
+    let (cert, key) = pki.write("mesh", &pki.issue(&Subject::loopback("mesh")));
+    let mut config = fast_config();
+    config.security.server_tls = Some(ServerTls::new(&cert, &key, Some(&pki.ca_file())).unwrap());
+    let mesh = TestMesh::with_config(config).await;
+    let url = mesh.url.replace("http://127.0.0.1", "https://localhost");
+    (mesh, url)
+}
+
+/// R24: with a client CA and no `[auth]`, a client without a valid
+/// certificate from that CA is refused with UNAUTHENTICATED before any RPC:
+/// Register, Deregister, List and Evaluate (stream and unary). A valid
+/// certificate (with or without a URI SAN) is served.
+#[tokio::test]
+async fn r24_client_ca_without_auth_refuses_clients_without_a_valid_certificate() {
+    let pki = Pki::new();
+    let (mesh, url) = mtls_mesh_without_roles(&pki).await;
+    let guard = proceed_guard().await;
+    // A valid client registers the guard first.
+    let valid = pki.issue(&Subject::loopback("coordinator"));
+    Registrar::connect_with(url.clone(), &pki.tls(Some(&valid)))
+        .await
+        .unwrap()
+        .register(Registration::validate("g", &guard.url))
+        .await
+        .unwrap();
+    let other_ca = Authority::new("another CA")
+        .unwrap()
+        .issue(&Subject::loopback("coordinator"))
+        .unwrap();
+    let expired = pki.issue(&Subject {
+        expired: true,
+        ..Subject::loopback("coordinator")
+    });
+    let cases: Vec<(&str, Connection, &str)> = vec![
+        (
+            "no client certificate",
+            pki.tls(None),
+            "no client certificate",
+        ),
+        (
+            "a certificate from another CA",
+            pki.tls(Some(&other_ca)),
+            "rejected",
+        ),
+        (
+            "an expired certificate",
+            pki.tls(Some(&expired)),
+            "rejected",
+        ),
+    ];
+    for (what, connection, needle) in cases {
+        let check = |call: &str, result: (tonic::Code, String)| {
+            assert_eq!(
+                result.0,
+                tonic::Code::Unauthenticated,
+                "{what}, {call}: {}",
+                result.1
+            );
+            assert!(result.1.contains(needle), "{what}, {call}: {}", result.1);
+        };
+        let registrar = Registrar::connect_with(url.clone(), &connection)
+            .await
+            .unwrap();
+        check(
+            "Register",
+            code_of(
+                registrar
+                    .register(Registration::validate("evil", "127.0.0.1:1"))
+                    .await,
+            ),
+        );
+        check("Deregister", code_of(registrar.deregister("g").await));
+        check("List", code_of(registrar.list().await));
+        let coordinator = Coordinator::connect_with(url.clone(), &connection)
+            .await
+            .unwrap();
+        check(
+            "Evaluate (unary)",
+            code(
+                coordinator
+                    .evaluate_once("s", Batch::new(0).call("c", "t", "{}"))
+                    .await,
+            ),
+        );
+        let stream = match coordinator.session("s").await {
+            Err(error) => Err(error),
+            Ok(session) => session.evaluate(Batch::new(0).call("c", "t", "{}")).await,
+        };
+        check("Evaluate (stream)", code(stream));
+    }
+    assert_eq!(guard.guard.requests(), 0, "no guard contacted");
+    assert_eq!(
+        mesh.mesh.registry().chain().guards.len(),
+        1,
+        "the chain is unchanged"
+    );
+    let metrics = mesh.mesh.metrics.encode();
+    assert!(
+        metrics.contains(r#"guardmesh_auth_refused_total{code="unauthenticated"} 15"#),
+        "{metrics}"
+    );
+
+    // A valid certificate is served, also one without a URI SAN (there are
+    // no roles to look identities up in).
+    let no_uri = pki.issue(&Subject {
+        uris: vec![],
+        ..Subject::loopback("coordinator")
+    });
+    for (what, issued) in [("valid", &valid), ("valid, no URI SAN", &no_uri)] {
+        let coordinator = Coordinator::connect_with(url.clone(), &pki.tls(Some(issued)))
+            .await
+            .unwrap();
+        let d = coordinator
+            .session("s")
+            .await
+            .unwrap()
+            .evaluate(Batch::new(0).call("c", "t", "{}"))
+            .await
+            .unwrap();
+        assert!(d.calls[0].proceeds(), "{what}");
+        let d = coordinator
+            .evaluate_once("s", Batch::new(0).call("c", "t", "{}"))
+            .await
+            .unwrap();
+        assert!(d.calls[0].proceeds(), "{what}");
+        let list = Registrar::connect_with(url.clone(), &pki.tls(Some(issued)))
+            .await
+            .unwrap()
+            .list()
+            .await
+            .unwrap();
+        assert_eq!(list.guards.len(), 1, "{what}");
+    }
+    assert_eq!(guard.guard.requests(), 4);
+    // Health stays open, so probes without a certificate work.
+    let channel = pki.tls(None).channel(url.clone()).await.unwrap();
+    let health = tonic_health::pb::health_client::HealthClient::new(channel)
+        .check(tonic_health::pb::HealthCheckRequest {
+            service: String::new(),
+        })
+        .await
+        .unwrap();
+    assert_eq!(
+        health.into_inner().status,
+        tonic_health::pb::health_check_response::ServingStatus::Serving as i32
+    );
 }

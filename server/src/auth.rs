@@ -12,10 +12,17 @@
 //!
 //! Missing or bad credentials get UNAUTHENTICATED; valid credentials without
 //! the role get PERMISSION_DENIED. Both are logged with the identity and
-//! counted. Health and reflection stay open, so probes and tooling work.
+//! counted. Health stays open, so probes work; reflection is open to every
+//! caller the listener admits.
+//!
+//! A listener with a client CA admits no one without a valid certificate
+//! from it, whether or not there are roles (R24): every request but health
+//! checks is refused with UNAUTHENTICATED naming the reason (none presented,
+//! another CA, expired, ...). Only `tokens_without_client_cert` lets a
+//! caller with no certificate authenticate with a bearer token instead.
 
 use crate::metrics::Metrics;
-use crate::tls::PeerInfo;
+use crate::tls::{ClientCert, PeerInfo};
 use std::collections::HashSet;
 use std::sync::Arc;
 use std::task::{Context, Poll};
@@ -73,6 +80,10 @@ pub struct AuthPolicy {
     /// Accept bearer tokens over plaintext on a loopback listener (local
     /// development only).
     pub plaintext_tokens_on_loopback: bool,
+    /// On a listener with a client CA, let a caller that presents no
+    /// certificate authenticate with a bearer token alone. Off by default:
+    /// with a client CA, every connection needs a certificate (R24).
+    pub tokens_without_client_cert: bool,
 }
 
 /// Compares secrets in time independent of where they differ.
@@ -164,17 +175,44 @@ pub fn required_role(path: &str) -> Option<Role> {
     }
 }
 
-/// The tower layer that enforces an [`AuthPolicy`]. Without a policy every
-/// request passes (and the server warned at start).
+/// The message of a refusal for a missing client certificate (R24).
+pub const NO_CLIENT_CERT: &str = "no credentials: no client certificate was presented, and this \
+     listener requires one signed by its client CA";
+
+/// Whether `path` is open to every client, with or without credentials:
+/// health checks, so that load balancers and probes work.
+pub fn open_to_all(path: &str) -> bool {
+    path.starts_with("/grpc.health.v1.Health/")
+}
+
+/// The tower layer that enforces a listener's client CA (R24) and an
+/// [`AuthPolicy`].
+///
+/// With a client CA every request but health checks needs a certificate
+/// from that CA, valid at the handshake, whether or not there is a policy.
+/// Without a policy, such a certificate (or, without a client CA, nothing)
+/// lets the caller do everything (and the server warned at start).
 #[derive(Debug, Clone)]
 pub struct AuthLayer {
     policy: Option<Arc<AuthPolicy>>,
     metrics: Arc<Metrics>,
+    require_client_cert: bool,
 }
 
 impl AuthLayer {
     pub fn new(policy: Option<Arc<AuthPolicy>>, metrics: Arc<Metrics>) -> Self {
-        Self { policy, metrics }
+        Self {
+            policy,
+            metrics,
+            require_client_cert: false,
+        }
+    }
+
+    /// Refuses every request but health checks from connections without a
+    /// valid client certificate (the listener has a client CA).
+    pub fn require_client_cert(mut self, required: bool) -> Self {
+        self.require_client_cert = required;
+        self
     }
 }
 
@@ -186,6 +224,7 @@ impl<S> tower::Layer<S> for AuthLayer {
             inner,
             policy: self.policy.clone(),
             metrics: self.metrics.clone(),
+            require_client_cert: self.require_client_cert,
         }
     }
 }
@@ -195,6 +234,71 @@ pub struct AuthService<S> {
     inner: S,
     policy: Option<Arc<AuthPolicy>>,
     metrics: Arc<Metrics>,
+    require_client_cert: bool,
+}
+
+/// Why a request is refused, and who asked (`-` when unknown).
+type Refusal = (Status, String);
+
+/// Decides a request: `Ok(Some(caller))` to hand to the services,
+/// `Ok(None)` to let it through without a caller, or a refusal.
+fn decide(
+    policy: Option<&AuthPolicy>,
+    require_client_cert: bool,
+    path: &str,
+    peer: Option<&PeerInfo>,
+    authorization: Option<&str>,
+) -> Result<Option<Caller>, Refusal> {
+    if open_to_all(path) {
+        return Ok(None);
+    }
+    let unknown = || "-".to_owned();
+    // R24: configured security is enforced security. A listener with a
+    // client CA serves no one without a valid certificate from it, roles or
+    // not; only a policy that explicitly allows token callers without a
+    // certificate lets a request with a token go on to the token check.
+    let mut token_instead_of_cert = false;
+    if require_client_cert {
+        match peer.map(|p| &p.client_cert) {
+            Some(ClientCert::Verified) => {}
+            Some(ClientCert::Rejected(why)) => {
+                return Err((Status::unauthenticated(why.clone()), unknown()));
+            }
+            Some(ClientCert::Missing)
+                if authorization.is_some()
+                    && policy.is_some_and(|p| p.tokens_without_client_cert) =>
+            {
+                token_instead_of_cert = true;
+            }
+            // Missing, or a connection that was never asked (which a
+            // listener with a client CA does not make): refused.
+            _ => return Err((Status::unauthenticated(NO_CLIENT_CERT), unknown())),
+        }
+    }
+    let Some(policy) = policy else {
+        return Ok(None);
+    };
+    let role = required_role(path);
+    if role.is_none() && !token_instead_of_cert {
+        return Ok(None);
+    }
+    let caller = policy
+        .authenticate(peer, authorization)
+        .map_err(|status| (status, unknown()))?;
+    let Some(role) = role else {
+        return Ok(None);
+    };
+    // Name prefixes of `register` are checked by the registry service,
+    // which sees the guard's name.
+    if caller.has(role) {
+        Ok(Some(caller))
+    } else {
+        let message = format!(
+            "{} may not call {path}: it needs the {role:?} role",
+            caller.id
+        );
+        Err((Status::permission_denied(message), caller.id))
+    }
 }
 
 impl<S, B> tower::Service<http::Request<B>> for AuthService<S>
@@ -214,42 +318,30 @@ where
     }
 
     fn call(&mut self, mut request: http::Request<B>) -> Self::Future {
-        let Some(policy) = &self.policy else {
+        if self.policy.is_none() && !self.require_client_cert {
             return futures::future::Either::Left(self.inner.call(request));
-        };
+        }
         let path = request.uri().path().to_owned();
-        let Some(role) = required_role(&path) else {
-            return futures::future::Either::Left(self.inner.call(request));
-        };
         let peer = request.extensions().get::<PeerInfo>().cloned();
         let authorization = request
             .headers()
             .get("authorization")
             .and_then(|v| v.to_str().ok());
-        let refusal = match policy.authenticate(peer.as_ref(), authorization) {
-            Err(status) => Some((status, "-".to_owned())),
+        let decision = decide(
+            self.policy.as_deref(),
+            self.require_client_cert,
+            &path,
+            peer.as_ref(),
+            authorization,
+        );
+        match decision {
             Ok(caller) => {
-                let allowed = match role {
-                    // Name prefixes are checked by the registry service,
-                    // which sees the guard's name.
-                    Role::Register => caller.has(Role::Register),
-                    role => caller.has(role),
-                };
-                if allowed {
+                if let Some(caller) = caller {
                     request.extensions_mut().insert(caller);
-                    None
-                } else {
-                    let message = format!(
-                        "{} may not call {path}: it needs the {role:?} role",
-                        caller.id
-                    );
-                    Some((Status::permission_denied(message), caller.id))
                 }
+                futures::future::Either::Left(self.inner.call(request))
             }
-        };
-        match refusal {
-            None => futures::future::Either::Left(self.inner.call(request)),
-            Some((status, identity)) => {
+            Err((status, identity)) => {
                 let remote = peer
                     .and_then(|p| p.remote)
                     .map(|r| r.to_string())
@@ -298,6 +390,7 @@ mod tests {
                 },
             ],
             plaintext_tokens_on_loopback: false,
+            tokens_without_client_cert: false,
         }
     }
 
@@ -306,6 +399,7 @@ mod tests {
             remote: Some("127.0.0.1:1".parse().unwrap()),
             tls,
             identity,
+            client_cert: ClientCert::NotAsked,
         }
     }
 
@@ -358,5 +452,86 @@ mod tests {
             .authenticate(Some(&peer(true, Ok(Some("spiffe://t/other".into())))), None)
             .unwrap();
         assert!(unknown.roles.is_empty(), "authenticated, granted nothing");
+    }
+
+    fn cert_peer(client_cert: ClientCert, identity: Option<&str>) -> PeerInfo {
+        PeerInfo {
+            client_cert,
+            ..peer(true, Ok(identity.map(str::to_owned)))
+        }
+    }
+
+    #[test]
+    fn r24_a_client_ca_is_enforced_with_or_without_roles() {
+        let list = "/guardmesh.v1.GuardRegistry/List";
+        let evaluate = "/guardmesh.v1.PreToolService/Evaluate";
+        let health = "/grpc.health.v1.Health/Check";
+        let reflection = "/grpc.reflection.v1.ServerReflection/ServerReflectionInfo";
+        let missing = cert_peer(ClientCert::Missing, None);
+        let rejected = cert_peer(
+            ClientCert::Rejected("client certificate rejected: expired".into()),
+            None,
+        );
+        let verified = cert_peer(ClientCert::Verified, Some("spiffe://t/coord"));
+        // No policy: the certificate alone decides.
+        for path in [list, evaluate, reflection] {
+            let (status, _) = decide(None, true, path, Some(&missing), None).unwrap_err();
+            assert_eq!(status.code(), tonic::Code::Unauthenticated);
+            assert!(
+                status.message().contains("no client certificate"),
+                "{}",
+                status.message()
+            );
+            let (status, _) = decide(None, true, path, Some(&rejected), None).unwrap_err();
+            assert!(status.message().contains("expired"));
+            assert!(decide(None, true, path, Some(&verified), None).is_ok());
+            // No peer information at all: refused, never waved through.
+            assert!(decide(None, true, path, None, None).is_err());
+        }
+        assert!(decide(None, true, health, Some(&missing), None).is_ok());
+        assert!(decide(None, false, list, Some(&missing), None).is_ok());
+        // With a policy, a token does not replace the certificate...
+        let mut p = policy();
+        let (status, _) =
+            decide(Some(&p), true, list, Some(&missing), Some("Bearer s3cret")).unwrap_err();
+        assert!(status.message().contains("no client certificate"));
+        let (status, _) = decide(
+            Some(&p),
+            true,
+            reflection,
+            Some(&missing),
+            Some("Bearer s3cret"),
+        )
+        .unwrap_err();
+        assert_eq!(status.code(), tonic::Code::Unauthenticated);
+        // ...unless the policy says so; then the token is checked, also
+        // for reflection, and a rejected certificate is still refused.
+        p.tokens_without_client_cert = true;
+        let caller = decide(
+            Some(&p),
+            true,
+            "/guardmesh.v1.GuardRegistry/Register",
+            Some(&missing),
+            Some("Bearer s3cret"),
+        )
+        .unwrap()
+        .unwrap();
+        assert_eq!(caller.id, "ci");
+        assert!(
+            decide(
+                Some(&p),
+                true,
+                reflection,
+                Some(&missing),
+                Some("Bearer nope")
+            )
+            .is_err()
+        );
+        assert!(decide(Some(&p), true, list, Some(&missing), None).is_err());
+        assert!(decide(Some(&p), true, list, Some(&rejected), Some("Bearer s3cret")).is_err());
+        let coord = decide(Some(&p), true, evaluate, Some(&verified), None)
+            .unwrap()
+            .unwrap();
+        assert_eq!(coord.id, "spiffe://t/coord");
     }
 }

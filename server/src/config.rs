@@ -272,6 +272,11 @@ pub struct AuthConfig {
     /// For local development only.
     #[serde(default)]
     pub plaintext_tokens_on_loopback: bool,
+    /// With `[tls] client_ca_file`: let a caller without a certificate
+    /// authenticate with a bearer token alone (default false: with a client
+    /// CA every connection needs a certificate, R24).
+    #[serde(default)]
+    pub tokens_without_client_cert: bool,
     #[serde(default, rename = "principal")]
     pub principals: Vec<PrincipalConfig>,
 }
@@ -590,6 +595,7 @@ impl Config {
             security.auth = Some(std::sync::Arc::new(crate::auth::AuthPolicy {
                 principals,
                 plaintext_tokens_on_loopback: auth.plaintext_tokens_on_loopback,
+                tokens_without_client_cert: auth.tokens_without_client_cert,
             }));
         }
         Ok(config)
@@ -607,9 +613,25 @@ impl Config {
         {
             out.push("[tls] has no client_ca_file: client certificates are not required".into());
         }
+        let client_ca = self
+            .tls
+            .as_ref()
+            .is_some_and(|t| t.client_ca_file.is_some());
         match &self.auth {
+            // R24: the client CA is enforced without roles too.
+            None if client_ca => out.push(
+                "no [auth]: any client with a valid certificate from client_ca_file may evaluate, \
+                 list, register and deregister guards (no roles; clients without one are refused, \
+                 health checks stay open)"
+                    .into(),
+            ),
             None => out.push(
                 "no [auth]: any caller may evaluate, register and deregister guards".into(),
+            ),
+            Some(auth) if client_ca && auth.tokens_without_client_cert => out.push(
+                "[auth] tokens_without_client_cert: callers without a client certificate are \
+                 admitted with a bearer token alone"
+                    .into(),
             ),
             Some(auth) if auth.plaintext_tokens_on_loopback => out.push(
                 "[auth] plaintext_tokens_on_loopback: bearer tokens accepted without TLS on loopback".into(),

@@ -81,6 +81,7 @@ fn demo_policy() -> crate::auth::AuthPolicy {
             principal("admin", Role::Admin),
         ],
         plaintext_tokens_on_loopback: false,
+        tokens_without_client_cert: false,
     }
 }
 

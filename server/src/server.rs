@@ -98,7 +98,14 @@ pub async fn run(
     );
     let result = tonic::transport::Server::builder()
         .max_concurrent_streams(security.max_concurrent_streams)
-        .layer(AuthLayer::new(security.auth.clone(), mesh.metrics.clone()))
+        .layer(
+            AuthLayer::new(security.auth.clone(), mesh.metrics.clone()).require_client_cert(
+                security
+                    .server_tls
+                    .as_ref()
+                    .is_some_and(|tls| tls.require_client_cert),
+            ),
+        )
         .add_service(health_service)
         .add_service(reflection)
         .add_service(pre_tool)

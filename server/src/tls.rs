@@ -268,6 +268,24 @@ pub struct PeerInfo {
     /// The client certificate's identity: `Ok(None)` when none was offered,
     /// `Err(why)` when one was offered and is not acceptable.
     pub identity: Result<Option<String>, String>,
+    /// The verdict on the client certificate's chain (R24), apart from the
+    /// identity it carries: a certificate from the client CA without a URI
+    /// SAN is `Verified` here and refused only where roles need identities.
+    pub client_cert: ClientCert,
+}
+
+/// What the listener made of a client certificate (R24).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ClientCert {
+    /// The listener has no client CA (or is plaintext): none was asked for.
+    NotAsked,
+    /// The listener has a client CA and the client offered no certificate.
+    Missing,
+    /// A certificate was offered that does not chain to the client CA, or
+    /// is not valid now; the reason.
+    Rejected(String),
+    /// A certificate from the client CA, valid at the handshake.
+    Verified,
 }
 
 /// The mesh's TLS listener settings.
@@ -318,13 +336,14 @@ impl ServerTls {
         let remote = tcp.peer_addr().ok();
         let acceptor = tokio_rustls::TlsAcceptor::from(self.config.clone());
         let tls = acceptor.accept(tcp).await?;
-        let identity = self.identify(&tls);
+        let (client_cert, identity) = self.identify(&tls);
         Ok(MeshStream {
             inner: Inner::Tls(Box::new(tls)),
             info: PeerInfo {
                 remote,
                 tls: true,
                 identity,
+                client_cert,
             },
         })
     }
@@ -332,20 +351,23 @@ impl ServerTls {
     fn identify(
         &self,
         tls: &tokio_rustls::server::TlsStream<TcpStream>,
-    ) -> Result<Option<String>, String> {
+    ) -> (ClientCert, Result<Option<String>, String>) {
         let Some(verifier) = &self.client_verifier else {
-            return Ok(None);
+            return (ClientCert::NotAsked, Ok(None));
         };
-        let Some(chain) = tls.get_ref().1.peer_certificates() else {
-            return Ok(None);
+        let Some((end_entity, intermediates)) = tls
+            .get_ref()
+            .1
+            .peer_certificates()
+            .and_then(|chain| chain.split_first())
+        else {
+            return (ClientCert::Missing, Ok(None));
         };
-        let Some((end_entity, intermediates)) = chain.split_first() else {
-            return Ok(None);
-        };
-        verifier
-            .verify_client_cert(end_entity, intermediates, UnixTime::now())
-            .map_err(|e| format!("client certificate rejected: {e}"))?;
-        uri_identity(end_entity).map(Some)
+        if let Err(e) = verifier.verify_client_cert(end_entity, intermediates, UnixTime::now()) {
+            let why = format!("client certificate rejected: {e}");
+            return (ClientCert::Rejected(why.clone()), Err(why));
+        }
+        (ClientCert::Verified, uri_identity(end_entity).map(Some))
     }
 }
 
@@ -367,6 +389,7 @@ impl MeshStream {
                 remote: tcp.peer_addr().ok(),
                 tls: false,
                 identity: Ok(None),
+                client_cert: ClientCert::NotAsked,
             },
             inner: Inner::Plain(tcp),
         }
