@@ -205,3 +205,51 @@ async fn reflection_lists_the_guardmesh_services() {
         }
     }
 }
+
+/// The standard Python `grpcio-reflection` client (and older grpcurl) speak
+/// reflection `v1alpha`: the mesh answers it as well as `v1`, listing its
+/// services and serving their descriptors.
+#[tokio::test]
+async fn reflection_v1alpha_lists_and_describes_the_guardmesh_services() {
+    use tonic_reflection::pb::v1alpha::ServerReflectionRequest;
+    use tonic_reflection::pb::v1alpha::server_reflection_client::ServerReflectionClient;
+    use tonic_reflection::pb::v1alpha::server_reflection_request::MessageRequest;
+    use tonic_reflection::pb::v1alpha::server_reflection_response::MessageResponse;
+    let mesh = TestMesh::start().await;
+    let channel = tonic::transport::Endpoint::from_shared(mesh.url.clone())
+        .unwrap()
+        .connect()
+        .await
+        .unwrap();
+    let mut client = ServerReflectionClient::new(channel);
+    let requests = [
+        MessageRequest::ListServices(String::new()),
+        MessageRequest::FileContainingSymbol("guardmesh.v1.PreToolService".into()),
+    ]
+    .map(|message| ServerReflectionRequest {
+        host: String::new(),
+        message_request: Some(message),
+    });
+    let mut answers = client
+        .server_reflection_info(tokio_stream::iter(requests))
+        .await
+        .expect("reflection v1alpha is served")
+        .into_inner();
+    let answer = answers.message().await.unwrap().unwrap();
+    let Some(MessageResponse::ListServicesResponse(list)) = answer.message_response else {
+        panic!("unexpected reflection answer: {answer:?}")
+    };
+    let names: Vec<_> = list.service.iter().map(|s| s.name.as_str()).collect();
+    for service in [
+        "guardmesh.v1.PreToolService",
+        "guardmesh.v1.GuardRegistry",
+        "grpc.health.v1.Health",
+    ] {
+        assert!(names.contains(&service), "{service} in {names:?}");
+    }
+    let answer = answers.message().await.unwrap().unwrap();
+    let Some(MessageResponse::FileDescriptorResponse(files)) = answer.message_response else {
+        panic!("unexpected reflection answer: {answer:?}")
+    };
+    assert!(!files.file_descriptor_proto.is_empty());
+}

@@ -33,10 +33,15 @@ pub async fn run(
     let (health, health_service) = tonic_health::server::health_reporter();
     health.set_serving::<PreToolServiceServer<PreTool>>().await;
     health.set_serving::<GuardRegistryServer<Registrar>>().await;
-    let reflection = tonic_reflection::server::Builder::configure()
-        .register_encoded_file_descriptor_set(guardmesh_proto::FILE_DESCRIPTOR_SET)
-        .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
-        .build_v1()?;
+    // Reflection v1, and v1alpha for the clients that still speak only it
+    // (Python's grpcio-reflection, older grpcurl).
+    let reflection_builder = || {
+        tonic_reflection::server::Builder::configure()
+            .register_encoded_file_descriptor_set(guardmesh_proto::FILE_DESCRIPTOR_SET)
+            .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
+    };
+    let reflection = reflection_builder().build_v1()?;
+    let reflection_v1alpha = reflection_builder().build_v1alpha()?;
     // The registry's state in health and metrics: a replica whose shared
     // store has been gone past its staleness window reports NOT_SERVING, so
     // load balancers steer coordinators to replicas that can judge.
@@ -108,6 +113,7 @@ pub async fn run(
         )
         .add_service(health_service)
         .add_service(reflection)
+        .add_service(reflection_v1alpha)
         .add_service(pre_tool)
         .add_service(registrar)
         .serve_with_incoming_shutdown(incoming, signal)
