@@ -103,6 +103,8 @@ pub struct Config {
     #[serde(rename = "guard")]
     pub guards: Vec<GuardConfig>,
     pub registry: RegistryConfig,
+    /// `[server]`: the listener against silent and dead clients (R25).
+    pub server: ServerConfig,
 }
 
 impl Default for Config {
@@ -122,6 +124,49 @@ impl Default for Config {
             endpoint_policy: EndpointPolicyConfig::default(),
             guards: Vec::new(),
             registry: RegistryConfig::default(),
+            server: ServerConfig::default(),
+        }
+    }
+}
+
+/// `[server]`: how the gRPC listener treats connections that say nothing
+/// (R25).
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct ServerConfig {
+    /// Time a new connection has to finish its TLS handshake and send the
+    /// HTTP/2 preface and first SETTINGS frame before it is closed.
+    pub handshake_timeout_ms: u64,
+    /// HTTP/2 PING interval on connections the mesh hears nothing from; 0:
+    /// no pings.
+    pub keepalive_interval_ms: u64,
+    /// How long a PING may go unanswered before the connection is closed.
+    pub keepalive_timeout_ms: u64,
+    /// Most client connections open at once; past it new ones are closed
+    /// at once. 0: the open-file limit less a reserve (1/8, at least 64).
+    pub max_connections: usize,
+}
+
+impl Default for ServerConfig {
+    fn default() -> Self {
+        let l = crate::tls::ListenerLimits::default();
+        Self {
+            handshake_timeout_ms: millis(l.handshake_timeout),
+            keepalive_interval_ms: l.keepalive_interval.map_or(0, millis),
+            keepalive_timeout_ms: millis(l.keepalive_timeout),
+            max_connections: l.max_connections,
+        }
+    }
+}
+
+impl ServerConfig {
+    pub fn listener_limits(&self) -> crate::tls::ListenerLimits {
+        crate::tls::ListenerLimits {
+            handshake_timeout: Duration::from_millis(self.handshake_timeout_ms),
+            keepalive_interval: (self.keepalive_interval_ms > 0)
+                .then(|| Duration::from_millis(self.keepalive_interval_ms)),
+            keepalive_timeout: Duration::from_millis(self.keepalive_timeout_ms),
+            max_connections: self.max_connections,
         }
     }
 }
@@ -485,6 +530,14 @@ impl Config {
                 "guard_links.max_answer_bytes",
                 self.guard_links.max_answer_bytes as u64,
             ),
+            (
+                "server.handshake_timeout_ms",
+                self.server.handshake_timeout_ms,
+            ),
+            (
+                "server.keepalive_timeout_ms",
+                self.server.keepalive_timeout_ms,
+            ),
         ];
         for (key, value) in positive {
             if value == 0 {
@@ -540,6 +593,7 @@ impl Config {
     pub fn build(&self) -> Result<MeshConfig, SecurityError> {
         let mut config = self.mesh_config();
         let security = &mut config.security;
+        security.listener = self.server.listener_limits();
         if let Some(tls) = &self.tls {
             security.server_tls = Some(crate::tls::ServerTls::new(
                 &tls.cert_file,

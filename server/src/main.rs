@@ -279,6 +279,11 @@ async fn serve(config: Option<PathBuf>, listen: Option<std::net::SocketAddr>) ->
     for warning in config.insecure_settings() {
         tracing::warn!("insecure setting: {warning}");
     }
+    // The soft open-file limit up to the hard one; the connection cap is
+    // derived from it unless [server] max_connections is set (R25).
+    if let Some(limit) = guardmesh_server::tls::raise_open_file_limit() {
+        tracing::info!(open_files = limit, "open-file limit");
+    }
     let mesh_config = config.build()?;
     let registry = build_registry(&config, mesh_config.default_guard_timeout).await?;
     let mesh = Mesh::new(mesh_config, registry);

@@ -47,6 +47,8 @@ pub struct Security {
     pub endpoint_policy: Arc<EndpointPolicy>,
     /// Concurrent HTTP/2 streams per client connection.
     pub max_concurrent_streams: u32,
+    /// Handshake deadline, keepalive and connection cap of the listener (R25).
+    pub listener: crate::tls::ListenerLimits,
 }
 
 impl Default for MeshConfig {

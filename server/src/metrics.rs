@@ -56,6 +56,8 @@ pub struct Metrics {
     spurious: Family<GuardLabel, Counter>,
     circuit_opened: Family<GuardLabel, Counter>,
     auth_refused: Family<CodeLabel, Counter>,
+    connections_refused: Family<ReasonLabel, Counter>,
+    connections_open: Gauge,
     refused: Family<ReasonLabel, Counter>,
     guard_latency: Family<GuardLabel, Histogram, fn() -> Histogram>,
     batch_latency: Histogram,
@@ -121,6 +123,19 @@ impl Metrics {
             "Requests refused by authentication (unauthenticated) or authorization (permission_denied)",
             auth_refused.clone(),
         );
+        let connections_refused = Family::<ReasonLabel, Counter>::default();
+        registry.register(
+            "connections_refused",
+            "Client connections closed before carrying a request, by reason (over_limit, \
+             handshake_timeout, handshake_failed, bad_preface, closed)",
+            connections_refused.clone(),
+        );
+        let connections_open = Gauge::default();
+        registry.register(
+            "connections_open",
+            "Client connections open on the gRPC listener, handshaking or serving",
+            connections_open.clone(),
+        );
         let refused = Family::<ReasonLabel, Counter>::default();
         registry.register(
             "batches_refused",
@@ -170,6 +185,8 @@ impl Metrics {
             spurious,
             circuit_opened,
             auth_refused,
+            connections_refused,
+            connections_open,
             refused,
             guard_latency,
             batch_latency,
@@ -241,6 +258,22 @@ impl Metrics {
             other => format!("{other:?}").to_ascii_lowercase(),
         };
         self.auth_refused.get_or_create(&CodeLabel { code }).inc();
+    }
+
+    /// A client connection closed before it carried a request (R25).
+    pub fn connection_refused(&self, reason: &'static str) {
+        self.connections_refused
+            .get_or_create(&ReasonLabel { reason })
+            .inc();
+    }
+
+    /// A client connection opened (`true`) or closed (`false`).
+    pub fn connection_open(&self, open: bool) {
+        if open {
+            self.connections_open.inc();
+        } else {
+            self.connections_open.dec();
+        }
     }
 
     pub fn registry_state(&self, stale: Option<std::time::Duration>, usable: bool) {

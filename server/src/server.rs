@@ -96,13 +96,25 @@ pub async fn run(
         .server_tls
         .as_ref()
         .map(|tls| tls.cert.watch(std::time::Duration::from_secs(1)));
+    // Silent and dead clients (R25): a connection must send the HTTP/2
+    // preface within the handshake timeout, idle ones are pinged, and the
+    // number open is capped.
+    let limits = &security.listener;
+    tracing::info!(
+        handshake_timeout_ms = limits.handshake_timeout.as_millis() as u64,
+        max_connections = limits.connection_cap().unwrap_or(0),
+        "client connections: handshake deadline and cap (0: none)"
+    );
     let incoming = crate::tls::incoming(
         listener,
         security.server_tls.clone(),
-        std::time::Duration::from_secs(10),
+        limits,
+        mesh.metrics.clone(),
     );
     let result = tonic::transport::Server::builder()
         .max_concurrent_streams(security.max_concurrent_streams)
+        .http2_keepalive_interval(limits.keepalive_interval)
+        .http2_keepalive_timeout(Some(limits.keepalive_timeout))
         .layer(
             AuthLayer::new(security.auth.clone(), mesh.metrics.clone()).require_client_cert(
                 security

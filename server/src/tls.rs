@@ -1,5 +1,6 @@
-//! TLS on the mesh's listener: certificates from files, reloaded on change
-//! without a restart, and client certificates checked after the handshake.
+//! The mesh's listener: TLS with certificates from files, reloaded on change
+//! without a restart, client certificates checked after the handshake, and
+//! connections that must prove themselves HTTP/2 within a deadline (R25).
 //!
 //! Why check client certificates *after* the handshake? A handshake failure
 //! reaches the client as an opaque transport error. Accepting the handshake
@@ -8,6 +9,7 @@
 //! missing, foreign, expired or ambiguous certificate with UNAUTHENTICATED
 //! and a message that says which, before any request is served.
 
+use crate::metrics::Metrics;
 use rustls::pki_types::pem::PemObject;
 use rustls::pki_types::{CertificateDer, PrivateKeyDer, UnixTime};
 use rustls::server::danger::{ClientCertVerified, ClientCertVerifier};
@@ -345,6 +347,9 @@ impl ServerTls {
                 identity,
                 client_cert,
             },
+            replay: Vec::new(),
+            replayed: 0,
+            _slot: None,
         })
     }
 
@@ -380,6 +385,13 @@ enum Inner {
 pub struct MeshStream {
     inner: Inner,
     info: PeerInfo,
+    /// Bytes read ahead (the HTTP/2 preface and first SETTINGS frame), given
+    /// to the server before anything else is read.
+    replay: Vec<u8>,
+    replayed: usize,
+    /// This connection's place under the connection cap, and in the open
+    /// connections gauge; freed when the connection closes.
+    _slot: Option<Slot>,
 }
 
 impl MeshStream {
@@ -392,7 +404,119 @@ impl MeshStream {
                 client_cert: ClientCert::NotAsked,
             },
             inner: Inner::Plain(tcp),
+            replay: Vec::new(),
+            replayed: 0,
+            _slot: None,
         }
+    }
+
+    /// Reads the HTTP/2 client preface and the client's first frame, which
+    /// must be SETTINGS (RFC 9113, 3.4), and keeps them for the server to
+    /// read. A connection that sends anything else is not HTTP/2.
+    async fn read_preface(&mut self) -> Result<(), Refused> {
+        use tokio::io::AsyncReadExt;
+        let head = H2_PREFACE.len() + FRAME_HEADER;
+        let mut buf = vec![0u8; head];
+        // Read as it comes, so that anything that is not the preface (an
+        // HTTP/1 request, a TLS hello on a plaintext port) is refused at
+        // once instead of after the timeout.
+        let mut filled = 0;
+        while filled < head {
+            let n = self.read(&mut buf[filled..]).await.map_err(Refused::io)?;
+            if n == 0 {
+                return Err(Refused::Closed);
+            }
+            filled += n;
+            let seen = filled.min(H2_PREFACE.len());
+            if buf[..seen] != H2_PREFACE[..seen] {
+                return Err(Refused::BadPreface("not an HTTP/2 client preface"));
+            }
+        }
+        let frame = &buf[H2_PREFACE.len()..];
+        let length =
+            usize::from(frame[0]) << 16 | usize::from(frame[1]) << 8 | usize::from(frame[2]);
+        let (kind, flags) = (frame[3], frame[4]);
+        let stream = u32::from_be_bytes([frame[5], frame[6], frame[7], frame[8]]) & 0x7fff_ffff;
+        if kind != FRAME_SETTINGS || flags & FLAG_ACK != 0 || stream != 0 {
+            return Err(Refused::BadPreface("the first frame is not SETTINGS"));
+        }
+        if length % 6 != 0 || length > MAX_FIRST_FRAME {
+            return Err(Refused::BadPreface("malformed first SETTINGS frame"));
+        }
+        buf.resize(head + length, 0);
+        self.read_exact(&mut buf[head..])
+            .await
+            .map_err(Refused::io)?;
+        self.replay = buf;
+        self.replayed = 0;
+        Ok(())
+    }
+}
+
+/// The HTTP/2 client connection preface.
+const H2_PREFACE: &[u8; 24] = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n";
+const FRAME_HEADER: usize = 9;
+const FRAME_SETTINGS: u8 = 0x4;
+const FLAG_ACK: u8 = 0x1;
+/// The largest first frame: the default SETTINGS_MAX_FRAME_SIZE, which binds
+/// a client until it has the server's settings.
+const MAX_FIRST_FRAME: usize = 16_384;
+
+/// Why a connection was closed before it carried a request; the reason is
+/// the label of `guardmesh_connections_refused_total`.
+#[derive(Debug, thiserror::Error)]
+enum Refused {
+    #[error("the TLS handshake and HTTP/2 preface took longer than the handshake timeout")]
+    Timeout,
+    #[error("TLS handshake failed: {0}")]
+    Handshake(std::io::Error),
+    #[error("{0}")]
+    BadPreface(&'static str),
+    #[error("closed before sending the HTTP/2 preface")]
+    Closed,
+    #[error("read failed: {0}")]
+    Read(std::io::Error),
+}
+
+impl Refused {
+    fn io(error: std::io::Error) -> Self {
+        if error.kind() == std::io::ErrorKind::UnexpectedEof {
+            Self::Closed
+        } else {
+            Self::Read(error)
+        }
+    }
+
+    fn reason(&self) -> &'static str {
+        match self {
+            Self::Timeout => "handshake_timeout",
+            Self::Handshake(_) => "handshake_failed",
+            Self::BadPreface(_) => "bad_preface",
+            Self::Closed | Self::Read(_) => "closed",
+        }
+    }
+}
+
+/// A connection's place under the connection cap and in the open
+/// connections gauge.
+struct Slot {
+    _permit: Option<tokio::sync::OwnedSemaphorePermit>,
+    metrics: Arc<Metrics>,
+}
+
+impl Slot {
+    fn new(permit: Option<tokio::sync::OwnedSemaphorePermit>, metrics: Arc<Metrics>) -> Self {
+        metrics.connection_open(true);
+        Self {
+            _permit: permit,
+            metrics,
+        }
+    }
+}
+
+impl Drop for Slot {
+    fn drop(&mut self) {
+        self.metrics.connection_open(false);
     }
 }
 
@@ -410,7 +534,19 @@ impl AsyncRead for MeshStream {
         cx: &mut Context<'_>,
         buf: &mut ReadBuf<'_>,
     ) -> Poll<std::io::Result<()>> {
-        match &mut self.get_mut().inner {
+        let this = self.get_mut();
+        if this.replayed < this.replay.len() {
+            let rest = &this.replay[this.replayed..];
+            let n = rest.len().min(buf.remaining());
+            buf.put_slice(&rest[..n]);
+            this.replayed += n;
+            if this.replayed == this.replay.len() {
+                this.replay = Vec::new();
+                this.replayed = 0;
+            }
+            return Poll::Ready(Ok(()));
+        }
+        match &mut this.inner {
             Inner::Plain(s) => Pin::new(s).poll_read(cx, buf),
             Inner::Tls(s) => Pin::new(s.as_mut()).poll_read(cx, buf),
         }
@@ -464,54 +600,236 @@ impl AsyncWrite for MeshStream {
     }
 }
 
-/// Accepts connections on `listener`, with TLS when `tls` is set. A failed
-/// handshake drops that connection only; the listener goes on. Handshakes
-/// run concurrently, each bounded by `handshake_timeout`, so a slow client
-/// cannot hold up others.
+/// How the mesh's listener treats connections before and between requests
+/// (R25): what a client that connects and says nothing can hold.
+#[derive(Debug, Clone)]
+pub struct ListenerLimits {
+    /// Time a new connection has to complete its TLS handshake (if any) and
+    /// send the HTTP/2 client preface and first SETTINGS frame; a connection
+    /// that has not is closed.
+    pub handshake_timeout: Duration,
+    /// Interval of the HTTP/2 PINGs the mesh sends on connections it has
+    /// heard nothing from; `None`: no pings.
+    pub keepalive_interval: Option<Duration>,
+    /// How long a PING may go unanswered before the connection is closed.
+    pub keepalive_timeout: Duration,
+    /// Most client connections open at once, handshaking or serving; past
+    /// it a new connection is closed at once and counted. 0: automatic
+    /// ([`automatic_connection_cap`]).
+    pub max_connections: usize,
+}
+
+impl Default for ListenerLimits {
+    fn default() -> Self {
+        Self {
+            handshake_timeout: Duration::from_secs(10),
+            keepalive_interval: Some(Duration::from_secs(60)),
+            keepalive_timeout: Duration::from_secs(20),
+            max_connections: 0,
+        }
+    }
+}
+
+impl ListenerLimits {
+    /// The connection cap in force: `max_connections`, or the automatic one.
+    pub fn connection_cap(&self) -> Option<usize> {
+        match self.max_connections {
+            0 => automatic_connection_cap(),
+            n => Some(n),
+        }
+    }
+}
+
+/// The process's open-file limit (soft), if it has one.
+pub fn open_file_limit() -> Option<u64> {
+    #[cfg(unix)]
+    {
+        let mut limit = libc::rlimit {
+            rlim_cur: 0,
+            rlim_max: 0,
+        };
+        // SAFETY: getrlimit only writes the struct it is given.
+        if unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut limit) } != 0
+            || limit.rlim_cur == libc::RLIM_INFINITY
+        {
+            return None;
+        }
+        Some(limit.rlim_cur)
+    }
+    #[cfg(not(unix))]
+    {
+        None
+    }
+}
+
+/// Raises the soft open-file limit to the hard one (as servers commonly do
+/// at start); returns the limit in force.
+pub fn raise_open_file_limit() -> Option<u64> {
+    #[cfg(unix)]
+    {
+        let mut limit = libc::rlimit {
+            rlim_cur: 0,
+            rlim_max: 0,
+        };
+        // SAFETY: getrlimit and setrlimit only read and write the struct.
+        unsafe {
+            if libc::getrlimit(libc::RLIMIT_NOFILE, &mut limit) == 0
+                && limit.rlim_cur < limit.rlim_max
+            {
+                limit.rlim_cur = limit.rlim_max;
+                let _ = libc::setrlimit(libc::RLIMIT_NOFILE, &limit);
+            }
+        }
+    }
+    open_file_limit()
+}
+
+/// The connection cap when none is configured: the open-file limit less a
+/// reserve (an eighth of it, at least 64) for guard links, the registry,
+/// the metrics endpoint and the log, so that silent clients can never
+/// leave the mesh without descriptors to reach its guards. `None` when the
+/// process has no open-file limit.
+pub fn automatic_connection_cap() -> Option<usize> {
+    let limit = usize::try_from(open_file_limit()?).ok()?;
+    let reserve = (limit / 8).max(64);
+    Some(limit.saturating_sub(reserve).max(16))
+}
+
+/// Pauses between failed accepts. A failure such as "too many open files"
+/// leaves the connection queued, so an immediate retry fails again at once:
+/// without a pause the accept loop spins. The pause doubles up to a cap and
+/// resets on success; failures are logged at most every few seconds.
+#[derive(Debug)]
+pub struct AcceptBackoff {
+    listener: &'static str,
+    next: Duration,
+    failures: u64,
+    logged: Option<std::time::Instant>,
+}
+
+impl AcceptBackoff {
+    const FIRST: Duration = Duration::from_millis(5);
+    const MAX: Duration = Duration::from_millis(250);
+    const LOG_EVERY: Duration = Duration::from_secs(5);
+
+    pub fn new(listener: &'static str) -> Self {
+        Self {
+            listener,
+            next: Self::FIRST,
+            failures: 0,
+            logged: None,
+        }
+    }
+
+    pub fn succeeded(&mut self) {
+        self.next = Self::FIRST;
+    }
+
+    /// Logs (throttled) and sleeps before the next accept.
+    pub async fn failed(&mut self, error: &std::io::Error) {
+        self.failures += 1;
+        if self.logged.is_none_or(|at| at.elapsed() >= Self::LOG_EVERY) {
+            tracing::warn!(
+                listener = self.listener,
+                %error,
+                failures = self.failures,
+                "accept failed; backing off"
+            );
+            self.logged = Some(std::time::Instant::now());
+            self.failures = 0;
+        }
+        tokio::time::sleep(self.next).await;
+        self.next = (self.next * 2).min(Self::MAX);
+    }
+}
+
+/// Accepts connections on `listener`, with TLS when `tls` is set, and hands
+/// on only those that complete their handshake and send the HTTP/2 preface
+/// and first SETTINGS frame within `limits.handshake_timeout` (R25); the
+/// others are closed and counted. Handshakes run concurrently, so a slow
+/// client cannot hold up others. Past the connection cap a new connection is
+/// closed at once; failed accepts back off.
 pub fn incoming(
     listener: TcpListener,
     tls: Option<ServerTls>,
-    handshake_timeout: Duration,
+    limits: &ListenerLimits,
+    metrics: Arc<Metrics>,
 ) -> tokio_stream::wrappers::ReceiverStream<std::io::Result<MeshStream>> {
     let (tx, rx) = tokio::sync::mpsc::channel(64);
+    let handshake_timeout = limits.handshake_timeout;
+    let cap = limits.connection_cap();
+    let slots = cap.map(|n| Arc::new(tokio::sync::Semaphore::new(n.max(1))));
     tokio::spawn(async move {
+        let mut backoff = AcceptBackoff::new("grpc");
+        let mut over_limit: u64 = 0;
+        let mut over_limit_logged: Option<std::time::Instant> = None;
         loop {
             let (tcp, remote) = tokio::select! {
                 accepted = listener.accept() => match accepted {
-                    Ok(pair) => pair,
+                    Ok(pair) => {
+                        backoff.succeeded();
+                        pair
+                    }
                     Err(error) => {
-                        tracing::warn!(%error, "accept failed");
-                        tokio::time::sleep(Duration::from_millis(50)).await;
+                        backoff.failed(&error).await;
                         continue;
                     }
                 },
                 () = tx.closed() => return,
             };
+            let permit = match &slots {
+                None => None,
+                Some(slots) => match slots.clone().try_acquire_owned() {
+                    Ok(permit) => Some(permit),
+                    Err(_) => {
+                        // Closed at once: the cap keeps descriptors for the
+                        // connections already open and for the guard links.
+                        drop(tcp);
+                        metrics.connection_refused("over_limit");
+                        over_limit += 1;
+                        if over_limit_logged.is_none_or(|at| at.elapsed() >= Duration::from_secs(5))
+                        {
+                            tracing::warn!(
+                                max_connections = cap.unwrap_or_default(),
+                                refused = over_limit,
+                                "connection limit reached; new connections are closed"
+                            );
+                            over_limit_logged = Some(std::time::Instant::now());
+                            over_limit = 0;
+                        }
+                        continue;
+                    }
+                },
+            };
+            let slot = Slot::new(permit, metrics.clone());
             let _ = tcp.set_nodelay(true);
-            match &tls {
-                None => {
-                    if tx.send(Ok(MeshStream::plain(tcp))).await.is_err() {
-                        return;
+            let tls = tls.clone();
+            let tx = tx.clone();
+            let metrics = metrics.clone();
+            tokio::spawn(async move {
+                let ready = async {
+                    let mut stream = match &tls {
+                        None => MeshStream::plain(tcp),
+                        Some(tls) => tls.accept(tcp).await.map_err(Refused::Handshake)?,
+                    };
+                    stream.read_preface().await?;
+                    Ok::<_, Refused>(stream)
+                };
+                let ready = match tokio::time::timeout(handshake_timeout, ready).await {
+                    Ok(ready) => ready,
+                    Err(_) => Err(Refused::Timeout),
+                };
+                match ready {
+                    Ok(mut stream) => {
+                        stream._slot = Some(slot);
+                        let _ = tx.send(Ok(stream)).await;
+                    }
+                    Err(refused) => {
+                        metrics.connection_refused(refused.reason());
+                        tracing::debug!(%remote, reason = refused.reason(), "connection closed: {refused}");
                     }
                 }
-                Some(tls) => {
-                    let tls = tls.clone();
-                    let tx = tx.clone();
-                    tokio::spawn(async move {
-                        match tokio::time::timeout(handshake_timeout, tls.accept(tcp)).await {
-                            Ok(Ok(stream)) => {
-                                let _ = tx.send(Ok(stream)).await;
-                            }
-                            Ok(Err(error)) => {
-                                tracing::info!(%remote, %error, "TLS handshake failed");
-                            }
-                            Err(_) => {
-                                tracing::info!(%remote, "TLS handshake timed out");
-                            }
-                        }
-                    });
-                }
-            }
+            });
         }
     });
     tokio_stream::wrappers::ReceiverStream::new(rx)
