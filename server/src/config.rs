@@ -790,6 +790,33 @@ mod tests {
     }
 
     #[test]
+    fn r25_server_section_reads_and_refuses_zero_timeouts() {
+        let config = Config::parse(
+            "[server]\nhandshake_timeout_ms = 1500\nkeepalive_interval_ms = 0\nmax_connections = 100\n",
+            "t",
+        )
+        .unwrap();
+        let limits = config.server.listener_limits();
+        assert_eq!(limits.handshake_timeout, Duration::from_millis(1500));
+        assert_eq!(limits.keepalive_interval, None);
+        assert_eq!(limits.connection_cap(), Some(100));
+        let defaults = Config::default().server.listener_limits();
+        assert_eq!(defaults.handshake_timeout, Duration::from_secs(10));
+        assert_eq!(defaults.keepalive_interval, Some(Duration::from_secs(60)));
+        let config = Config::parse("[server]\nhandshake_timeout_ms = 0", "t").unwrap();
+        assert!(
+            config
+                .check()
+                .unwrap_err()
+                .contains("server.handshake_timeout_ms")
+        );
+        let err = Config::parse("[server]\nhandshake_timeout = 1", "cfg.toml")
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("handshake_timeout"), "{err}");
+    }
+
+    #[test]
     fn config_errors_name_the_problem() {
         let err = Config::parse(
             "[[guard]]\nname = \"x\"\nendpoint = \"h:1\"\nfailure_policy = \"maybe\"\n",
