@@ -57,7 +57,7 @@ use crate::spec::Guard;
 use arc_swap::ArcSwap;
 use etcd_client::{
     Client, Compare, CompareOp, ConnectOptions, Event, GetOptions, KeyValue, LeaseKeepAliveStream,
-    LeaseKeeper, PutOptions, Txn, TxnOp, WatchOptions, WatchStream,
+    LeaseKeeper, PutOptions, Txn, TxnOp, TxnOpResponse, WatchOptions, WatchStream,
 };
 use futures::future::BoxFuture;
 use guardmesh_proto::v1::GuardSpec;
@@ -254,6 +254,7 @@ impl EtcdConfig {
             guards: format!("{prefix}/guards/"),
             alive: format!("{prefix}/alive/"),
             revision: format!("{prefix}/revision"),
+            removed: format!("{prefix}/removed/"),
         }
     }
 }
@@ -274,6 +275,8 @@ struct Keys {
     guards: String,
     alive: String,
     revision: String,
+    /// Tombstones of guards removed with `Deregister`.
+    removed: String,
 }
 
 impl Keys {
@@ -283,6 +286,10 @@ impl Keys {
 
     fn alive(&self, name: &str) -> String {
         format!("{}{name}", self.alive)
+    }
+
+    fn removed(&self, name: &str) -> String {
+        format!("{}{name}", self.removed)
     }
 }
 
@@ -319,7 +326,8 @@ pub struct RegistryStatus {
     /// Why etcd was last unreachable.
     pub last_error: Option<String>,
     /// How many times the replica listed the keys again because its watch
-    /// could not resume (compacted history, a new cluster).
+    /// could not resume (compacted history, a new cluster) or fell behind
+    /// the chain the quorum confirmed.
     pub relists: u64,
     /// The chain's guards, in order, with their liveness.
     pub liveness: Vec<(String, Liveness)>,
@@ -344,6 +352,9 @@ struct View {
     /// Revision of the last chain change (R17).
     chain_revision: i64,
     guards: HashMap<String, Entry>,
+    /// Every key under `<prefix>/guards/` (valid or not), by name, with its
+    /// mod revision: what the freshness probe compares with the quorum's.
+    guard_keys: BTreeMap<String, i64>,
     invalid: BTreeMap<String, String>,
     alive: HashSet<String>,
     heartbeated: HashSet<String>,
@@ -353,7 +364,8 @@ struct View {
 #[derive(Debug)]
 struct Health {
     connected: bool,
-    /// When etcd last confirmed the chain (a watch message or a listing).
+    /// When etcd's quorum last confirmed the chain: the time a linearizable
+    /// read was sent whose answer matched the chain (or a listing).
     last_contact: Instant,
     last_error: Option<String>,
     relists: u64,
@@ -438,6 +450,59 @@ async fn timed<T>(
     }
 }
 
+/// Runs an idempotent etcd request until it succeeds, fails for a reason a
+/// retry only repeats, or `timeout` passes.
+///
+/// The client balances requests over every configured endpoint and keeps
+/// sending some of them to a member that is down (connection refused) or cut
+/// off from the quorum ("no leader"): trying again goes to another member.
+/// With several endpoints no single attempt may take the whole deadline, so
+/// that a member that does not answer at all leaves time for another one.
+///
+/// Only requests whose effect is the same when applied twice go through
+/// here: reads, and the registry's transactions (a put of the same value, a
+/// delete of what exists, guarded by comparisons). An attempt that timed
+/// out may still have been applied; the transactions' answers account for
+/// that where it matters (see `Shared::deregister`).
+async fn retried<T, F, Fut>(
+    timeout: Duration,
+    members: usize,
+    what: &str,
+    mut request: F,
+) -> Result<T, String>
+where
+    F: FnMut() -> Fut,
+    Fut: Future<Output = Result<T, etcd_client::Error>>,
+{
+    let started = Instant::now();
+    let mut pause = Duration::from_millis(10);
+    let mut attempts = 0u32;
+    loop {
+        attempts += 1;
+        let left = timeout.saturating_sub(started.elapsed());
+        let budget = if members > 1 {
+            (left / 2).max(timeout / 4).min(left)
+        } else {
+            left
+        };
+        let error = match tokio::time::timeout(budget, request()).await {
+            Ok(Ok(value)) => return Ok(value),
+            Ok(Err(error)) if !transient(&error) => return Err(format!("{what}: {error}")),
+            Ok(Err(error)) => error.to_string(),
+            Err(_) => format!("no answer within {budget:?}"),
+        };
+        let left = timeout.saturating_sub(started.elapsed());
+        if left <= pause {
+            return Err(format!(
+                "{what}: {error} ({attempts} attempt(s) within {timeout:?})"
+            ));
+        }
+        tracing::debug!(what, %error, attempts, "etcd: request failed; retrying");
+        tokio::time::sleep(pause).await;
+        pause = (pause * 2).min(Duration::from_millis(100));
+    }
+}
+
 fn to_u64(revision: i64) -> u64 {
     u64::try_from(revision).unwrap_or(0)
 }
@@ -451,7 +516,11 @@ async fn connect_client(config: &EtcdConfig) -> Result<Client, ConnectError> {
         .with_keep_alive(config.heartbeat_interval, config.request_timeout)
         // etcd's simple tokens do not survive an etcd restart; without this
         // a replica would stay unauthenticated after etcd comes back.
-        .with_auto_token_refresh(true);
+        .with_auto_token_refresh(true)
+        // A member cut off from the quorum refuses at once ("no leader")
+        // instead of answering from its old state, and cancels watches once
+        // it has lost its leader: requests go to a member that can answer.
+        .with_require_leader(true);
     if let (Some(user), Some(password)) = (&config.username, &config.password) {
         options = options.with_user(user.clone(), password.clone());
     }
@@ -588,7 +657,12 @@ impl EtcdRegistry {
             guards = chain.guards.len(),
             "etcd registry: chain loaded"
         );
-        let task = tokio::spawn(shared.clone().follow(revision));
+        let task = tokio::spawn({
+            let shared = shared.clone();
+            async move {
+                tokio::join!(shared.clone().follow(revision), shared.confirm());
+            }
+        });
         Ok(Self { shared, task })
     }
 
@@ -599,7 +673,7 @@ impl EtcdRegistry {
         let (connected, since, last_error, relists) = {
             let health = self.shared.health();
             (
-                health.connected,
+                self.shared.confirmed(&health),
                 health.last_contact.elapsed(),
                 health.last_error.clone(),
                 health.relists,
@@ -690,14 +764,17 @@ impl Registry for EtcdRegistry {
     fn check(&self) -> Result<(), RegistryError> {
         let (connected, since) = {
             let health = self.shared.health();
-            (health.connected, health.last_contact.elapsed())
+            (
+                self.shared.confirmed(&health),
+                health.last_contact.elapsed(),
+            )
         };
         let window = self.shared.config.staleness_window;
         match freshness(connected, since, window, self.shared.config.after_window) {
             Freshness::Fresh | Freshness::Stale | Freshness::ServeStale => Ok(()),
             Freshness::Refuse => Err(RegistryError::Unavailable(format!(
-                "etcd has been unreachable for {}ms, longer than the staleness window ({}ms): \
-                 not judging with chain revision {} that may be outdated",
+                "the chain has not been confirmed with etcd's quorum for {}ms, longer than the \
+                 staleness window ({}ms): not judging with chain revision {} that may be outdated",
                 since.as_millis(),
                 window.as_millis(),
                 self.shared.chain.load().revision
@@ -728,8 +805,17 @@ impl Shared {
         self.view.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
-    /// Records that etcd answered: the chain is confirmed as of now.
-    fn contact(&self) {
+    /// Whether the chain counts as confirmed: the last probe succeeded, and
+    /// recently enough (a probe that stopped running confirms nothing).
+    fn confirmed(&self, health: &Health) -> bool {
+        health.connected
+            && health.last_contact.elapsed()
+                <= self.config.heartbeat_interval + self.config.request_timeout * 2
+    }
+
+    /// Records that etcd's quorum confirmed the chain as of `at` (when the
+    /// confirming read was sent).
+    fn contact(&self, at: Instant) {
         let mut health = self.health();
         if !health.connected {
             let outage = health.last_contact.elapsed();
@@ -743,7 +829,7 @@ impl Shared {
                 );
             }
         }
-        health.last_contact = Instant::now();
+        health.last_contact = health.last_contact.max(at);
     }
 
     /// Records that etcd could not be reached, and logs the staleness once
@@ -787,14 +873,18 @@ impl Shared {
     /// Lists every key under the prefix and replaces the view with it.
     /// Returns the listing's revision.
     async fn list(&self, timeout: Duration) -> Result<i64, String> {
-        let mut kv = self.client.kv_client();
-        let response = timed(
+        let sent = Instant::now();
+        // Linearizable (etcd's default): a member cut off from the quorum
+        // cannot answer it with its old state.
+        let response = retried(
             timeout,
+            self.config.endpoints.len(),
             "listing the registry",
-            kv.get(
-                self.keys.root.clone(),
-                Some(GetOptions::new().with_prefix()),
-            ),
+            || {
+                let mut kv = self.client.kv_client();
+                let root = self.keys.root.clone();
+                async move { kv.get(root, Some(GetOptions::new().with_prefix())).await }
+            },
         )
         .await?;
         let revision = response.header().map_or(0, |h| h.revision());
@@ -823,7 +913,7 @@ impl Shared {
                 Some(changed)
             }
         };
-        self.contact();
+        self.contact(sent);
         if changed.is_some() {
             self.applied.send_replace(to_u64(revision));
         }
@@ -840,6 +930,7 @@ impl Shared {
             view.chain_revision = view.chain_revision.max(kv.mod_revision());
         } else if let Some(name) = key.strip_prefix(self.keys.guards.as_str()) {
             view.chain_revision = view.chain_revision.max(kv.mod_revision());
+            view.guard_keys.insert(name.to_owned(), kv.mod_revision());
             if let Some(entry) = previous
                 .and_then(|p| p.get(name))
                 .filter(|e| e.mod_revision == kv.mod_revision())
@@ -880,6 +971,7 @@ impl Shared {
         };
         if let Some(name) = key.strip_prefix(self.keys.guards.as_str()) {
             view.chain_revision = view.chain_revision.max(kv.mod_revision());
+            view.guard_keys.remove(name);
             view.guards.remove(name);
             view.invalid.remove(key);
         } else if let Some(name) = key.strip_prefix(self.keys.alive.as_str())
@@ -990,6 +1082,21 @@ impl Shared {
         let mut backoff = initial_backoff;
         let mut cluster_id = 0u64;
         let mut relist = false;
+        let mut failing = false;
+        // Whether the chain is current is `confirm`'s to say (it lists
+        // when the watch falls behind the quorum); here a broken watch is
+        // logged, once per outage, and reopened.
+        let broken = |failing: &mut bool, cause: &str| {
+            if *failing {
+                tracing::debug!(cause, "etcd registry: the watch is still down");
+            } else {
+                *failing = true;
+                tracing::warn!(
+                    cause,
+                    "etcd registry: the watch stopped; reopening it (the freshness probe picks up changes meanwhile)"
+                );
+            }
+        };
         loop {
             if relist {
                 match self.list(self.config.request_timeout).await {
@@ -999,7 +1106,7 @@ impl Shared {
                         relist = false;
                     }
                     Err(cause) => {
-                        self.lost(&cause);
+                        broken(&mut failing, &cause);
                         tokio::time::sleep(backoff).await;
                         backoff = (backoff * 2).min(max_backoff);
                         continue;
@@ -1009,6 +1116,10 @@ impl Shared {
             let stopped = match self.open_watch(revision + 1).await {
                 Ok(stream) => {
                     backoff = initial_backoff;
+                    if failing {
+                        failing = false;
+                        tracing::info!("etcd registry: the watch is open again");
+                    }
                     self.watch(stream, revision, &mut cluster_id).await
                 }
                 Err(cause) => Stopped::Lost(cause),
@@ -1016,7 +1127,7 @@ impl Shared {
             revision = self.view().revision;
             match stopped {
                 Stopped::Lost(cause) => {
-                    self.lost(&cause);
+                    broken(&mut failing, &cause);
                     tokio::time::sleep(backoff).await;
                     backoff = (backoff * 2).min(max_backoff);
                 }
@@ -1025,7 +1136,7 @@ impl Shared {
                     relist = true;
                 }
                 Stopped::Unauthenticated(cause) => {
-                    self.lost(&cause);
+                    broken(&mut failing, &cause);
                     if let Err(error) = timed(
                         self.config.request_timeout,
                         "authenticating",
@@ -1042,6 +1153,85 @@ impl Shared {
         }
     }
 
+    /// Confirms the chain with etcd's quorum every heartbeat, for as long as
+    /// the registry lives: this, not the watch, is what keeps the chain
+    /// fresh (R17). A member cut off from the quorum still answers the watch
+    /// and its progress requests from its old state; it cannot answer a
+    /// linearizable read.
+    async fn confirm(self: Arc<Self>) {
+        let mut tick = tokio::time::interval(self.config.heartbeat_interval);
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            tick.tick().await;
+            let sent = Instant::now();
+            match self.probe().await {
+                Ok(()) => self.contact(sent),
+                Err(cause) => self.lost(&cause),
+            }
+        }
+    }
+
+    /// One freshness probe: a linearizable read of the registration keys
+    /// (names and revisions only). The chain is confirmed when the view has
+    /// applied at least the read's revision, or holds the same keys at the
+    /// same revisions; otherwise the watch is behind the quorum and the
+    /// chain is listed again.
+    async fn probe(&self) -> Result<(), String> {
+        let response = retried(
+            self.config.request_timeout,
+            self.config.endpoints.len(),
+            "confirming the chain with etcd's quorum",
+            || {
+                let mut kv = self.client.kv_client();
+                let guards = self.keys.guards.clone();
+                async move {
+                    kv.get(
+                        guards,
+                        Some(GetOptions::new().with_prefix().with_keys_only()),
+                    )
+                    .await
+                }
+            },
+        )
+        .await?;
+        let revision = response.header().map_or(0, |h| h.revision());
+        let current = || {
+            let view = self.view();
+            view.revision >= revision || {
+                let quorum = response.kvs().iter().filter_map(|kv| {
+                    let key = std::str::from_utf8(kv.key()).ok()?;
+                    Some((
+                        key.strip_prefix(self.keys.guards.as_str())?,
+                        kv.mod_revision(),
+                    ))
+                });
+                quorum.eq(view.guard_keys.iter().map(|(k, v)| (k.as_str(), *v)))
+            }
+        };
+        // Right after a change the watch may be a moment behind the read:
+        // give it the request timeout to catch up before listing.
+        let mut applied = self.applied.subscribe();
+        let caught_up = tokio::time::timeout(self.config.request_timeout, async {
+            while !current() {
+                if applied.changed().await.is_err() {
+                    return false;
+                }
+            }
+            true
+        })
+        .await;
+        if matches!(caught_up, Ok(true)) {
+            return Ok(());
+        }
+        tracing::info!(
+            revision,
+            "etcd registry: the watch is behind the quorum's chain; listing it"
+        );
+        self.list(self.config.request_timeout).await?;
+        self.health().relists += 1;
+        Ok(())
+    }
+
     async fn open_watch(&self, start: i64) -> Result<WatchStream, String> {
         let mut client = self.client.watch_client();
         timed(
@@ -1056,9 +1246,9 @@ impl Shared {
     }
 
     /// Applies the watch's events until it breaks. Asks the watch for a
-    /// progress report every heartbeat: an answer confirms the chain is
-    /// current; silence for longer than the request timeout means etcd is
-    /// gone even when no connection error says so (a partition).
+    /// progress report every heartbeat: silence for longer than the request
+    /// timeout means the watch is gone even when no connection error says so.
+    /// (An answer does not confirm the chain: see [`Shared::confirm`].)
     async fn watch(&self, mut stream: WatchStream, from: i64, cluster_id: &mut u64) -> Stopped {
         let mut probe = tokio::time::interval(self.config.heartbeat_interval);
         probe.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
@@ -1109,8 +1299,10 @@ impl Shared {
                             *cluster_id = header_cluster;
                         }
                     }
+                    // Not a confirmation of the chain: a member cut off
+                    // from the quorum still answers progress requests.
+                    // `confirm` does that with a linearizable read.
                     self.apply_events(response.events());
-                    self.contact();
                 }
                 _ = probe.tick() => {
                     if last_heard.elapsed() > self.config.heartbeat_interval + self.config.request_timeout {
@@ -1160,6 +1352,7 @@ impl Shared {
             ..spec
         };
         let key = self.keys.guard(&name);
+        let tombstone = self.keys.removed(&name);
         let write = || {
             vec![
                 TxnOp::put(key.clone(), stored.encode_to_vec(), None),
@@ -1168,19 +1361,50 @@ impl Shared {
         };
         let absent = Compare::version(key.clone(), CompareOp::Equal, 0);
         let txn = if only_if_absent {
-            Txn::new().when([absent]).and_then(write())
+            // Seeding from a config file: never over a registration, and
+            // never over a deliberate removal (R17), which leaves a tombstone.
+            let never_removed = Compare::version(tombstone.clone(), CompareOp::Equal, 0);
+            Txn::new()
+                .when([absent, never_removed])
+                .and_then(write())
+                .or_else([TxnOp::get(tombstone.clone(), None)])
         } else {
             // Creating and updating are the same put; the comparison only
             // tells which one happened. An update keeps the key's
-            // create_revision, hence its position (R16).
-            Txn::new().when([absent]).and_then(write()).or_else(write())
+            // create_revision, hence its position (R16). An explicit
+            // registration clears a tombstone: the name may be seeded again
+            // once it is deregistered again.
+            let mut ops = write();
+            ops.push(TxnOp::delete(tombstone.clone(), None));
+            Txn::new().when([absent]).and_then(ops.clone()).or_else(ops)
         };
-        let mut kv = self.client.kv_client();
-        let response = timed(self.config.request_timeout, "registering", kv.txn(txn))
-            .await
-            .map_err(RegistryError::Unavailable)?;
+        // Retried: the same put again leaves the same state. (If an attempt
+        // that timed out was applied, the next one reports an update.)
+        let response = retried(
+            self.config.request_timeout,
+            self.config.endpoints.len(),
+            "registering",
+            || {
+                let mut kv = self.client.kv_client();
+                let txn = txn.clone();
+                async move { kv.txn(txn).await }
+            },
+        )
+        .await
+        .map_err(RegistryError::Unavailable)?;
         let created = response.succeeded();
         let revision = if only_if_absent && !created {
+            let removed_at = response.op_responses().into_iter().find_map(|op| match op {
+                TxnOpResponse::Get(get) => get.kvs().first().map(KeyValue::mod_revision),
+                _ => None,
+            });
+            if let Some(removed_at) = removed_at {
+                tracing::info!(
+                    guard = %name,
+                    removed_at,
+                    "etcd registry: this guard was deregistered; its config file entry is not applied (register it through GuardRegistry to bring it back)"
+                );
+            }
             // Nothing written: answer with what is served.
             i64::try_from(self.chain.load().revision).unwrap_or(i64::MAX)
         } else {
@@ -1201,25 +1425,58 @@ impl Shared {
         })
     }
 
+    /// Removes a registration and leaves a tombstone `<prefix>/removed/<name>`,
+    /// so that no replica's config file brings the guard back (R17). The
+    /// tombstone holds a value unique to this call: when a retried attempt
+    /// finds the guard gone, the tombstone tells whether an earlier attempt
+    /// of this same call removed it (an attempt can time out and still be
+    /// applied).
     async fn deregister(&self, name: String) -> Result<Deregistered, RegistryError> {
-        let key = self.keys.guard(name.trim());
+        let name = name.trim();
+        let key = self.keys.guard(name);
+        let tombstone = self.keys.removed(name);
+        let mark = format!("{:016x}", rand::random::<u64>());
         let txn = Txn::new()
             .when([Compare::version(key.clone(), CompareOp::Greater, 0)])
             .and_then([
                 TxnOp::delete(key, None),
-                TxnOp::put(self.keys.revision.clone(), name.trim(), None),
-            ]);
-        let mut kv = self.client.kv_client();
-        let response = timed(self.config.request_timeout, "deregistering", kv.txn(txn))
-            .await
-            .map_err(RegistryError::Unavailable)?;
-        if !response.succeeded() {
-            return Ok(Deregistered {
-                revision: self.chain.load().revision,
-                removed: false,
+                TxnOp::put(self.keys.revision.clone(), name, None),
+                TxnOp::put(tombstone.clone(), mark.clone(), None),
+            ])
+            .or_else([TxnOp::get(tombstone, None)]);
+        let response = retried(
+            self.config.request_timeout,
+            self.config.endpoints.len(),
+            "deregistering",
+            || {
+                let mut kv = self.client.kv_client();
+                let txn = txn.clone();
+                async move { kv.txn(txn).await }
+            },
+        )
+        .await
+        .map_err(RegistryError::Unavailable)?;
+        let revision = if response.succeeded() {
+            response.header().map_or(0, |h| h.revision())
+        } else {
+            let ours = response.op_responses().into_iter().find_map(|op| match op {
+                TxnOpResponse::Get(get) => get
+                    .kvs()
+                    .first()
+                    .filter(|kv| kv.value() == mark.as_bytes())
+                    .map(KeyValue::mod_revision),
+                _ => None,
             });
-        }
-        let revision = response.header().map_or(0, |h| h.revision());
+            match ours {
+                Some(revision) => revision,
+                None => {
+                    return Ok(Deregistered {
+                        revision: self.chain.load().revision,
+                        removed: false,
+                    });
+                }
+            }
+        };
         self.settle(revision).await;
         Ok(Deregistered {
             revision: to_u64(revision),
