@@ -1410,6 +1410,12 @@ async fn r17_a_replica_cut_off_from_the_quorum_refuses_after_the_window() {
         ..cluster_settings(cluster.urls()[..2].to_vec(), prefix)
     })
     .await;
+    // C knows every member, the cut-off one included.
+    let c = Replica::start(EtcdConfig {
+        staleness_window: window,
+        ..cluster_settings(cluster.urls(), prefix)
+    })
+    .await;
     let rm = veto("rm").await;
     let ls = veto("ls").await;
     let registrar_b = b.mesh.registrar().await;
@@ -1472,9 +1478,14 @@ async fn r17_a_replica_cut_off_from_the_quorum_refuses_after_the_window() {
             && !metrics.contains("guardmesh_registry_stale_seconds 0.0\n")
     })
     .await;
-    // The majority kept serving all along.
+    // The majority kept serving all along, and so did C, past the window,
+    // with the majority's chain.
     let d = b.evaluate(two_calls()).await.unwrap();
     assert_eq!(trace_names(&d), ["veto", "no-ls"]);
+    c.sees(added.revision).await;
+    let d = c.evaluate(two_calls()).await.unwrap();
+    assert_eq!(trace_names(&d), ["veto", "no-ls"]);
+    assert!(c.registry.status().serving, "{:?}", c.registry.status());
 
     cluster.partition.heal();
     poll_until(
@@ -1502,6 +1513,7 @@ async fn r17_a_replica_cut_off_from_the_quorum_refuses_after_the_window() {
     .await;
     a.stop().await;
     b.stop().await;
+    c.stop().await;
 }
 
 /// One member of three is killed (the quorum stays): a replica configured

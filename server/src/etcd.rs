@@ -12,6 +12,7 @@
 //! | `<prefix>/guards/<name>` | the `GuardSpec`, protobuf-encoded (the wire message of `guardmesh.v1`) | none |
 //! | `<prefix>/revision` | name of the guard changed last | none |
 //! | `<prefix>/alive/<name>` | unused (empty) | the guard's heartbeat lease |
+//! | `<prefix>/removed/<name>` | tombstone of a deregistered guard (a mark unique to the call) | none |
 //!
 //! * **Policy is durable** (R15): a registration is a plain key that only
 //!   deregistration removes. A crashed guard's registration never expires; the
@@ -36,6 +37,14 @@
 //!   the marker, so a replica that lists afterwards may report an older
 //!   revision than one that saw the delete on its watch.)
 //!
+//! * **A removal is remembered** (R17): `Deregister` deletes the
+//!   registration and puts a tombstone in the same transaction. Seeding from
+//!   a config file's `[[guard]]` entries creates a guard only where there is
+//!   neither a registration nor a tombstone, so a replica starting with an
+//!   older file never brings a deregistered guard back. An explicit
+//!   `Register` clears the tombstone. (A raw `etcdctl del` of a registration
+//!   leaves none.)
+//!
 //! Protobuf rather than JSON for the stored spec: it is the contract the
 //! guards already speak, it decodes with the same code as the wire, and new
 //! fields of `GuardSpec` stay readable by older replicas during a rolling
@@ -44,13 +53,24 @@
 //!
 //! # Staleness
 //!
-//! A replica that loses etcd keeps judging with its last chain for the
-//! configured staleness window, and says so in its logs and in
-//! [`EtcdRegistry::status`]. After the window, [`Registry::check`] answers per
-//! the configured [`AfterWindow`] policy: by default it refuses batches with
-//! UNAVAILABLE rather than judge with a chain it can no longer trust. When
-//! etcd is back the replica resumes its watch (or lists again, if the history
-//! it missed was compacted) without a restart.
+//! Every heartbeat interval a replica confirms its chain with etcd's quorum:
+//! a linearizable read of the registration keys (names and revisions only)
+//! must match what the replica holds, or the replica lists the chain again.
+//! A watch message is not a confirmation: a member cut off from the quorum
+//! still answers watches and progress requests from its old state. Every
+//! request also requires a leader, so such a member refuses at once ("no
+//! leader") and cancels its watches, and requests go to another member.
+//! Idempotent requests (reads, the registry's transactions) are retried on
+//! another member within the request timeout.
+//!
+//! A replica that cannot confirm its chain keeps judging with it for the
+//! configured staleness window, counted from the last confirmation, and says
+//! so in its logs and in [`EtcdRegistry::status`]. After the window,
+//! [`Registry::check`] answers per the configured [`AfterWindow`] policy: by
+//! default it refuses batches with UNAVAILABLE rather than judge with a chain
+//! it can no longer trust. When the quorum answers again the replica resumes
+//! its watch (or lists again, if the history it missed was compacted)
+//! without a restart.
 
 use crate::registry::{ChainSpec, Deregistered, Registered, Registry, RegistryError};
 use crate::spec::Guard;
@@ -111,9 +131,11 @@ pub struct EtcdConfig {
     pub tls: Option<TlsFiles>,
     /// How long start-up may take to reach etcd before the replica gives up.
     pub dial_timeout: Duration,
-    /// Deadline of every etcd request, and of the watch's answer to a probe.
+    /// Deadline of every etcd request (retries on another member included),
+    /// and of the watch's answer to a progress request.
     pub request_timeout: Duration,
-    /// How often the replica probes its watch; how often a
+    /// How often the replica confirms its chain with etcd's quorum (and
+    /// asks its watch for progress); how often a
     /// [`GuardHeartbeat`] renews its lease.
     pub heartbeat_interval: Duration,
     /// Time to live of a guard's heartbeat lease (etcd rounds it to whole
@@ -310,7 +332,8 @@ pub enum Liveness {
 /// What a replica knows about its registry, for health, metrics and logs.
 #[derive(Debug, Clone)]
 pub struct RegistryStatus {
-    /// Whether the replica's watch on etcd is up.
+    /// Whether etcd's quorum confirmed the chain at the last probe (a
+    /// linearizable read, every heartbeat interval).
     pub connected: bool,
     /// Revision of the chain being served (R17).
     pub revision: u64,
@@ -736,9 +759,11 @@ impl EtcdRegistry {
     }
 
     /// Registers `spec` unless a guard of that name is already registered,
-    /// which is left as stored. For the config file's `[[guard]]` entries:
-    /// with several replicas sharing one chain, a replica restarting with an
-    /// older file must not roll back a change made through `GuardRegistry`.
+    /// which is left as stored, or was deregistered (its tombstone is
+    /// there). For the config file's `[[guard]]` entries: with several
+    /// replicas sharing one chain, a replica restarting with an older file
+    /// must not roll back a change made through `GuardRegistry`, a removal
+    /// included (R17). `created` is false when nothing was written.
     pub async fn register_if_absent(&self, spec: GuardSpec) -> Result<Registered, RegistryError> {
         self.shared.register(spec, true).await
     }
@@ -825,7 +850,7 @@ impl Shared {
                 tracing::info!(
                     outage_ms = u64::try_from(outage.as_millis()).unwrap_or(u64::MAX),
                     revision = self.chain.load().revision,
-                    "etcd registry: etcd reachable again"
+                    "etcd registry: the chain is confirmed with etcd's quorum again"
                 );
             }
         }
@@ -844,7 +869,7 @@ impl Shared {
                 cause,
                 revision,
                 window_ms = u64::try_from(window.as_millis()).unwrap_or(u64::MAX),
-                "etcd registry: etcd unreachable; judging with the last chain until the staleness window passes"
+                "etcd registry: cannot confirm the chain with etcd's quorum; judging with the last chain until the staleness window passes"
             );
         } else {
             tracing::debug!(cause, "etcd registry: etcd still unreachable");
@@ -858,7 +883,7 @@ impl Shared {
                     cause,
                     revision,
                     stale_ms = u64::try_from(since.as_millis()).unwrap_or(u64::MAX),
-                    "etcd registry: staleness window passed; refusing batches with UNAVAILABLE until etcd is back"
+                    "etcd registry: staleness window passed; refusing batches with UNAVAILABLE until the quorum confirms the chain"
                 ),
                 AfterWindow::ServeStale => tracing::error!(
                     cause,
