@@ -803,6 +803,18 @@ async fn replica_restart_recovers_the_full_chain() {
     assert_eq!(names, ["first", "second", "third"]);
     a.stop().await;
     drop(registrar);
+    // More keys under the prefix than one page of a listing holds, sorted
+    // before the registrations: the listing reads on to the end.
+    let mut client = etcd.client().await;
+    for batch in 0..5 {
+        let puts: Vec<_> = (0..128)
+            .map(|i| etcd_client::TxnOp::put(format!("/t/restart/a/{batch}-{i}"), "x", None))
+            .collect();
+        client
+            .txn(etcd_client::Txn::new().and_then(puts))
+            .await
+            .unwrap();
+    }
 
     let again = Replica::start(config).await;
     let listed = again.mesh.registrar().await.list().await.unwrap();
@@ -1082,7 +1094,13 @@ async fn etcd_credentials_confine_a_replica_to_its_prefix() {
     };
     a.sees(added.revision).await;
     assert_eq!(a.names(), ["veto", "audit"]);
-    assert!(a.registry.status().connected);
+    // The watch can deliver before the next probe confirms the chain.
+    poll_until(
+        Duration::from_secs(10),
+        "A confirms its chain again",
+        || async { a.registry.status().connected },
+    )
+    .await;
     drop(beat);
     a.stop().await;
     b.stop().await;

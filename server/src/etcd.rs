@@ -437,6 +437,8 @@ struct Shared {
     /// so that a writer waiting for its revision then reads its own write.
     applied: watch::Sender<u64>,
     health: Mutex<Health>,
+    /// Whether a new auth token is being fetched.
+    reauthenticating: Arc<std::sync::atomic::AtomicBool>,
 }
 
 /// The etcd registry of one mesh replica. Dropping it stops its watch.
@@ -487,10 +489,15 @@ async fn timed<T>(
 /// delete of what exists, guarded by comparisons). An attempt that timed
 /// out may still have been applied; the transactions' answers account for
 /// that where it matters (see `Shared::deregister`).
+///
+/// A refused auth token (etcd forgets its simple tokens when it restarts)
+/// calls `reauthenticate`, which gets a new one in the background, and is
+/// retried too.
 async fn retried<T, F, Fut>(
     timeout: Duration,
     members: usize,
     what: &str,
+    reauthenticate: &(dyn Fn() + Sync),
     mut request: F,
 ) -> Result<T, String>
 where
@@ -510,6 +517,12 @@ where
         };
         let error = match tokio::time::timeout(budget, request()).await {
             Ok(Ok(value)) => return Ok(value),
+            Ok(Err(etcd_client::Error::GRpcStatus(status)))
+                if status.code() == tonic::Code::Unauthenticated =>
+            {
+                reauthenticate();
+                status.to_string()
+            }
             Ok(Err(error)) if !transient(&error) => return Err(format!("{what}: {error}")),
             Ok(Err(error)) => error.to_string(),
             Err(_) => format!("no answer within {budget:?}"),
@@ -526,12 +539,35 @@ where
     }
 }
 
+/// The first key after every key that starts with `prefix` (etcd's range
+/// end for a prefix).
+fn prefix_end(prefix: &[u8]) -> Vec<u8> {
+    let mut end = prefix.to_vec();
+    while let Some(last) = end.pop() {
+        if last < 0xff {
+            end.push(last + 1);
+            return end;
+        }
+    }
+    // Every byte 0xff: to the end of the keyspace.
+    vec![0]
+}
+
 fn to_u64(revision: i64) -> u64 {
     u64::try_from(revision).unwrap_or(0)
 }
 
 /// Connects a client with the configured credentials and TLS.
-async fn connect_client(config: &EtcdConfig) -> Result<Client, ConnectError> {
+///
+/// `refresh_in_calls`: whether a request refused for a stale auth token
+/// authenticates again itself, inside the request (and its deadline). The
+/// registry does that in the background instead (see `Shared::reauthenticate`):
+/// a slow authentication cut short by every request's deadline would
+/// otherwise never complete.
+async fn connect_client(
+    config: &EtcdConfig,
+    refresh_in_calls: bool,
+) -> Result<Client, ConnectError> {
     config.validate()?;
     let mut options = ConnectOptions::new()
         .with_connect_timeout(config.request_timeout.min(config.dial_timeout))
@@ -539,7 +575,7 @@ async fn connect_client(config: &EtcdConfig) -> Result<Client, ConnectError> {
         .with_keep_alive(config.heartbeat_interval, config.request_timeout)
         // etcd's simple tokens do not survive an etcd restart; without this
         // a replica would stay unauthenticated after etcd comes back.
-        .with_auto_token_refresh(true)
+        .with_auto_token_refresh(refresh_in_calls)
         // A member cut off from the quorum refuses at once ("no leader")
         // instead of answering from its old state, and cancels watches once
         // it has lost its leader: requests go to a member that can answer.
@@ -647,7 +683,7 @@ impl EtcdRegistry {
         config: EtcdConfig,
         default_timeout: Duration,
     ) -> Result<Self, ConnectError> {
-        let client = connect_client(&config).await?;
+        let client = connect_client(&config, false).await?;
         let keys = config.keys();
         let (applied, _) = watch::channel(0);
         let shared = Arc::new(Shared {
@@ -664,6 +700,7 @@ impl EtcdRegistry {
                 relists: 0,
                 window_logged: false,
             }),
+            reauthenticating: Arc::default(),
             config,
         });
         let revision = shared
@@ -830,6 +867,38 @@ impl Shared {
         self.view.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
+    /// Gets a new auth token in the background, one attempt at a time, when
+    /// etcd refused the current one. Not cut short by a request's deadline:
+    /// etcd checks the password with bcrypt, which can take longer than a
+    /// request timeout on a loaded machine.
+    fn reauthenticate(&self) {
+        if self.config.username.is_none()
+            || self
+                .reauthenticating
+                .swap(true, std::sync::atomic::Ordering::SeqCst)
+        {
+            return;
+        }
+        let client = self.client.clone();
+        let flag = self.reauthenticating.clone();
+        let within = self
+            .config
+            .dial_timeout
+            .max(self.config.request_timeout * 5);
+        tokio::spawn(async move {
+            match tokio::time::timeout(within, client.refresh_token()).await {
+                Ok(Ok(())) => tracing::info!("etcd registry: authenticated again"),
+                Ok(Err(error)) => {
+                    tracing::warn!(%error, "etcd registry: cannot authenticate again; retrying")
+                }
+                Err(_) => tracing::warn!(
+                    "etcd registry: no answer to authentication within {within:?}; retrying"
+                ),
+            }
+            flag.store(false, std::sync::atomic::Ordering::SeqCst);
+        });
+    }
+
     /// Whether the chain counts as confirmed: the last probe succeeded, and
     /// recently enough (a probe that stopped running confirms nothing).
     fn confirmed(&self, health: &Health) -> bool {
@@ -899,20 +968,7 @@ impl Shared {
     /// Returns the listing's revision.
     async fn list(&self, timeout: Duration) -> Result<i64, String> {
         let sent = Instant::now();
-        // Linearizable (etcd's default): a member cut off from the quorum
-        // cannot answer it with its old state.
-        let response = retried(
-            timeout,
-            self.config.endpoints.len(),
-            "listing the registry",
-            || {
-                let mut kv = self.client.kv_client();
-                let root = self.keys.root.clone();
-                async move { kv.get(root, Some(GetOptions::new().with_prefix())).await }
-            },
-        )
-        .await?;
-        let revision = response.header().map_or(0, |h| h.revision());
+        let (revision, kvs) = self.read_all(timeout).await?;
         let changed = {
             let mut view = self.view();
             if revision <= view.revision {
@@ -924,7 +980,7 @@ impl Shared {
                     heartbeated: view.heartbeated.clone(),
                     ..View::default()
                 };
-                for kv in response.kvs() {
+                for kv in &kvs {
                     self.apply_put(&mut next, kv, Some(&view.guards));
                 }
                 for name in view.alive.difference(&next.alive) {
@@ -943,6 +999,53 @@ impl Shared {
             self.applied.send_replace(to_u64(revision));
         }
         Ok(revision)
+    }
+
+    /// Reads every key under the prefix, in pages (etcd limits the size of
+    /// one answer, 4 MiB by default), all at the revision of the first page.
+    /// The first page is a linearizable read (etcd's default): a member cut
+    /// off from the quorum cannot answer it with its old state.
+    async fn read_all(&self, timeout: Duration) -> Result<(i64, Vec<KeyValue>), String> {
+        const PAGE: i64 = 512;
+        let started = Instant::now();
+        let end = prefix_end(self.keys.root.as_bytes());
+        let mut from = self.keys.root.clone().into_bytes();
+        let mut revision = 0;
+        let mut kvs = Vec::new();
+        loop {
+            let mut response = retried(
+                timeout.saturating_sub(started.elapsed()),
+                self.config.endpoints.len(),
+                "listing the registry",
+                &|| self.reauthenticate(),
+                || {
+                    let mut kv = self.client.kv_client();
+                    let mut options = GetOptions::new().with_range(end.clone()).with_limit(PAGE);
+                    if revision > 0 {
+                        options = options.with_revision(revision);
+                    }
+                    let from = from.clone();
+                    async move { kv.get(from, Some(options)).await }
+                },
+            )
+            .await?;
+            if revision == 0 {
+                revision = response.header().map_or(0, |h| h.revision());
+            }
+            let more = response.more();
+            let page = response.take_kvs();
+            match page.last() {
+                Some(last) if more => {
+                    from = last.key().to_vec();
+                    from.push(0);
+                }
+                _ => {
+                    kvs.extend(page);
+                    return Ok((revision, kvs));
+                }
+            }
+            kvs.extend(page);
+        }
     }
 
     /// Applies a put of `kv` to `view`. `previous` lets a listing reuse the
@@ -1162,15 +1265,7 @@ impl Shared {
                 }
                 Stopped::Unauthenticated(cause) => {
                     broken(&mut failing, &cause);
-                    if let Err(error) = timed(
-                        self.config.request_timeout,
-                        "authenticating",
-                        self.client.refresh_token(),
-                    )
-                    .await
-                    {
-                        tracing::warn!(%error, "etcd registry: cannot authenticate again; retrying");
-                    }
+                    self.reauthenticate();
                     tokio::time::sleep(backoff).await;
                     backoff = (backoff * 2).min(max_backoff);
                 }
@@ -1206,6 +1301,7 @@ impl Shared {
             self.config.request_timeout,
             self.config.endpoints.len(),
             "confirming the chain with etcd's quorum",
+            &|| self.reauthenticate(),
             || {
                 let mut kv = self.client.kv_client();
                 let guards = self.keys.guards.clone();
@@ -1409,6 +1505,7 @@ impl Shared {
             self.config.request_timeout,
             self.config.endpoints.len(),
             "registering",
+            &|| self.reauthenticate(),
             || {
                 let mut kv = self.client.kv_client();
                 let txn = txn.clone();
@@ -1473,6 +1570,7 @@ impl Shared {
             self.config.request_timeout,
             self.config.endpoints.len(),
             "deregistering",
+            &|| self.reauthenticate(),
             || {
                 let mut kv = self.client.kv_client();
                 let txn = txn.clone();
@@ -1551,7 +1649,7 @@ impl GuardHeartbeat {
     /// Puts the liveness key of guard `name` on a new lease (the guard is
     /// alive when this returns) and renews it every heartbeat interval.
     pub async fn start(config: &EtcdConfig, name: &str) -> Result<Self, ConnectError> {
-        let client = connect_client(config).await?;
+        let client = connect_client(config, true).await?;
         let key = config.keys().alive(name.trim());
         let ttl = i64::try_from(config.lease_ttl.as_secs().max(1)).unwrap_or(i64::MAX);
         // Renew well within the TTL, whatever the configured interval.
@@ -1726,6 +1824,66 @@ mod tests {
             freshness(false, Duration::from_secs(11), w, stale),
             Freshness::ServeStale
         );
+    }
+
+    #[test]
+    fn prefix_ends() {
+        assert_eq!(prefix_end(b"/guardmesh/"), b"/guardmesh0");
+        assert_eq!(prefix_end(b"a\xff"), b"b");
+        assert_eq!(prefix_end(b"\xff"), b"\0");
+    }
+
+    #[tokio::test]
+    async fn retried_until_it_answers_within_the_deadline() {
+        let unavailable =
+            || etcd_client::Error::GRpcStatus(tonic::Status::unavailable("no leader"));
+        let mut calls = 0;
+        let answer = retried(Duration::from_secs(5), 3, "reading", &|| {}, || {
+            calls += 1;
+            let fail = calls < 4;
+            async move { if fail { Err(unavailable()) } else { Ok(calls) } }
+        })
+        .await;
+        assert_eq!(answer, Ok(4));
+
+        // What a retry only repeats fails at once.
+        let mut calls = 0;
+        let answer: Result<(), String> =
+            retried(Duration::from_secs(5), 3, "reading", &|| {}, || {
+                calls += 1;
+                async {
+                    Err(etcd_client::Error::GRpcStatus(
+                        tonic::Status::permission_denied("no"),
+                    ))
+                }
+            })
+            .await;
+        assert_eq!(calls, 1);
+        assert!(answer.unwrap_err().contains("permission"));
+
+        // A member that never answers does not take the whole deadline, and
+        // the deadline holds.
+        let started = Instant::now();
+        let mut calls = 0;
+        let answer = retried(Duration::from_millis(400), 3, "reading", &|| {}, || {
+            calls += 1;
+            let hang = calls == 1;
+            async move {
+                if hang {
+                    std::future::pending::<()>().await;
+                }
+                Ok::<_, etcd_client::Error>(calls)
+            }
+        })
+        .await;
+        assert_eq!(answer, Ok(2));
+        let answer: Result<(), String> =
+            retried(Duration::from_millis(300), 3, "reading", &|| {}, || async {
+                Err(unavailable())
+            })
+            .await;
+        assert!(answer.unwrap_err().contains("no leader"));
+        assert!(started.elapsed() < Duration::from_secs(2));
     }
 
     #[test]
