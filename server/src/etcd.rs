@@ -904,7 +904,7 @@ impl Shared {
     fn confirmed(&self, health: &Health) -> bool {
         health.connected
             && health.last_contact.elapsed()
-                <= self.config.heartbeat_interval + self.config.request_timeout * 2
+                <= self.config.heartbeat_interval + self.config.request_timeout * 4
     }
 
     /// Records that etcd's quorum confirmed the chain as of `at` (when the
@@ -1521,7 +1521,7 @@ impl Shared {
                 _ => None,
             });
             if let Some(removed_at) = removed_at {
-                tracing::info!(
+                tracing::warn!(
                     guard = %name,
                     removed_at,
                     "etcd registry: this guard was deregistered; its config file entry is not applied (register it through GuardRegistry to bring it back)"
