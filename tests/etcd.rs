@@ -803,6 +803,18 @@ async fn replica_restart_recovers_the_full_chain() {
     assert_eq!(names, ["first", "second", "third"]);
     a.stop().await;
     drop(registrar);
+    // More keys under the prefix than one page of a listing holds, sorted
+    // before the registrations: the listing reads on to the end.
+    let mut client = etcd.client().await;
+    for batch in 0..5 {
+        let puts: Vec<_> = (0..128)
+            .map(|i| etcd_client::TxnOp::put(format!("/t/restart/a/{batch}-{i}"), "x", None))
+            .collect();
+        client
+            .txn(etcd_client::Txn::new().and_then(puts))
+            .await
+            .unwrap();
+    }
 
     let again = Replica::start(config).await;
     let listed = again.mesh.registrar().await.list().await.unwrap();
@@ -1082,8 +1094,556 @@ async fn etcd_credentials_confine_a_replica_to_its_prefix() {
     };
     a.sees(added.revision).await;
     assert_eq!(a.names(), ["veto", "audit"]);
-    assert!(a.registry.status().connected);
+    // The watch can deliver before the next probe confirms the chain.
+    poll_until(
+        Duration::from_secs(10),
+        "A confirms its chain again",
+        || async { a.registry.status().connected },
+    )
+    .await;
     drop(beat);
     a.stop().await;
     b.stop().await;
+}
+
+// ---------------------------------------------------------------------------
+// A real 3-member etcd cluster, and a partition a test can make
+// ---------------------------------------------------------------------------
+
+/// Which members are cut off from the others. Every member's peer traffic
+/// goes through a proxy that reads the sender from the first request on each
+/// connection (etcd's peer requests carry `X-Server-From: <member id>`), so
+/// one member can be isolated on loopback while the other two keep a quorum,
+/// without any root network tricks.
+#[derive(Default)]
+struct Partition {
+    /// Member id (hex, as etcd writes it) to member name.
+    names: Mutex<std::collections::HashMap<String, String>>,
+    /// Names of the members on the cut-off side.
+    isolated: Mutex<std::collections::HashSet<String>>,
+    connections: Mutex<Vec<PeerConnection>>,
+}
+
+/// An open peer connection through a proxy.
+struct PeerConnection {
+    /// The sender's member id, when its first request named it.
+    from: Option<String>,
+    /// The receiving member's name.
+    to: String,
+    copier: JoinHandle<()>,
+}
+
+impl Partition {
+    /// Whether the partition separates the member with id `from` from the
+    /// member named `to`.
+    fn blocked(&self, from: Option<&str>, to: &str) -> bool {
+        let from = from.and_then(|id| self.names.lock().unwrap().get(id).cloned());
+        let isolated = self.isolated.lock().unwrap();
+        match from {
+            Some(from) => isolated.contains(&from) != isolated.contains(to),
+            // Requests without a sender (version checks, probes) reach a
+            // member only from its own side.
+            None => isolated.contains(to),
+        }
+    }
+
+    /// Cuts `name` off from every other member, including connections that
+    /// are already open.
+    fn isolate(&self, name: &str) {
+        self.isolated.lock().unwrap().insert(name.to_owned());
+        let mut connections = self.connections.lock().unwrap();
+        connections.retain(|c| {
+            let cut = self.blocked(c.from.as_deref(), &c.to);
+            if cut {
+                c.copier.abort();
+            }
+            !cut && !c.copier.is_finished()
+        });
+    }
+
+    fn heal(&self) {
+        self.isolated.lock().unwrap().clear();
+    }
+}
+
+/// The value of an HTTP/1 header in a request head.
+fn header_value(head: &[u8], name: &str) -> Option<String> {
+    let text = String::from_utf8_lossy(head);
+    text.split("\r\n").find_map(|line| {
+        let (key, value) = line.split_once(':')?;
+        key.trim()
+            .eq_ignore_ascii_case(name)
+            .then(|| value.trim().to_owned())
+    })
+}
+
+/// Forwards peer connections for member `to` from `listener` to `target`,
+/// unless the partition separates the sender from `to`.
+async fn peer_proxy(
+    listener: TcpListener,
+    target: std::net::SocketAddr,
+    to: String,
+    partition: Arc<Partition>,
+) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    while let Ok((mut inbound, _)) = listener.accept().await {
+        let partition = partition.clone();
+        let to = to.clone();
+        tokio::spawn(async move {
+            let mut head = Vec::new();
+            let mut buf = [0u8; 4096];
+            while !head.windows(4).any(|w| w == b"\r\n\r\n") && head.len() < 64 * 1024 {
+                match tokio::time::timeout(Duration::from_secs(10), inbound.read(&mut buf)).await {
+                    Ok(Ok(n)) if n > 0 => head.extend_from_slice(&buf[..n]),
+                    _ => return,
+                }
+            }
+            let from = header_value(&head, "X-Server-From");
+            let mut connections = partition.connections.lock().unwrap();
+            if partition.blocked(from.as_deref(), &to) {
+                return;
+            }
+            let copier = tokio::spawn(async move {
+                if let Ok(mut outbound) = TcpStream::connect(target).await
+                    && outbound.write_all(&head).await.is_ok()
+                {
+                    let _ = tokio::io::copy_bidirectional(&mut inbound, &mut outbound).await;
+                }
+            });
+            connections.push(PeerConnection { from, to, copier });
+        });
+    }
+}
+
+/// One member of a [`Cluster`].
+struct Member {
+    name: String,
+    dir: PathBuf,
+    client_port: u16,
+    child: Option<Child>,
+}
+
+impl Member {
+    fn url(&self) -> String {
+        format!("http://127.0.0.1:{}", self.client_port)
+    }
+
+    /// Kills the process at once (SIGKILL), like a crash.
+    fn kill(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+}
+
+/// Three etcd members on loopback, each with its own client URL and data
+/// directory, their peer traffic through a [`Partition`]. Dropping it kills
+/// the members and removes their directories.
+struct Cluster {
+    members: Vec<Member>,
+    partition: Arc<Partition>,
+    proxies: Vec<JoinHandle<()>>,
+}
+
+impl Cluster {
+    async fn start() -> Self {
+        static SEQ: AtomicUsize = AtomicUsize::new(0);
+        let token = format!(
+            "guardmesh-test-{}-{}",
+            std::process::id(),
+            SEQ.fetch_add(1, Ordering::SeqCst)
+        );
+        let partition = Arc::new(Partition::default());
+        let bin = etcd_binary();
+        let mut proxies = Vec::new();
+        let mut peers = Vec::new();
+        for i in 0..3 {
+            let name = format!("m{i}");
+            let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+            let advertised = format!("http://{}", listener.local_addr().unwrap());
+            let listen_port = loopback_port();
+            proxies.push(tokio::spawn(peer_proxy(
+                listener,
+                std::net::SocketAddr::from(([127, 0, 0, 1], listen_port)),
+                name.clone(),
+                partition.clone(),
+            )));
+            peers.push((name, advertised, listen_port));
+        }
+        let initial = peers
+            .iter()
+            .map(|(name, url, _)| format!("{name}={url}"))
+            .collect::<Vec<_>>()
+            .join(",");
+        let mut members = Vec::new();
+        for (name, advertised, listen_port) in &peers {
+            let dir = std::env::temp_dir().join(format!("{token}-{name}"));
+            let _ = std::fs::remove_dir_all(&dir);
+            std::fs::create_dir_all(&dir).unwrap();
+            let client_port = loopback_port();
+            let client = format!("http://127.0.0.1:{client_port}");
+            let log = std::fs::File::create(dir.join("etcd.log")).unwrap();
+            let child = Command::new(&bin)
+                .arg(format!("--name={name}"))
+                .arg(format!("--data-dir={}", dir.join("data").display()))
+                .arg(format!("--listen-client-urls={client}"))
+                .arg(format!("--advertise-client-urls={client}"))
+                .arg(format!("--listen-peer-urls=http://127.0.0.1:{listen_port}"))
+                .arg(format!("--initial-advertise-peer-urls={advertised}"))
+                .arg(format!("--initial-cluster={initial}"))
+                .arg("--initial-cluster-state=new")
+                .arg(format!("--initial-cluster-token={token}"))
+                .stdin(Stdio::null())
+                .stdout(Stdio::from(log.try_clone().unwrap()))
+                .stderr(Stdio::from(log))
+                .spawn()
+                .unwrap_or_else(|e| panic!("cannot start {}: {e}", bin.display()));
+            members.push(Member {
+                name: name.clone(),
+                dir,
+                client_port,
+                child: Some(child),
+            });
+        }
+        let cluster = Self {
+            members,
+            partition,
+            proxies,
+        };
+        // Every member answers a linearizable read: the cluster has a leader
+        // and a quorum.
+        for member in &cluster.members {
+            let deadline = Instant::now() + Duration::from_secs(30);
+            loop {
+                if let Ok(Ok(mut client)) = tokio::time::timeout(
+                    Duration::from_secs(2),
+                    etcd_client::Client::connect([member.url()], None),
+                )
+                .await
+                    && let Ok(Ok(_)) =
+                        tokio::time::timeout(Duration::from_secs(2), client.get("ready", None))
+                            .await
+                {
+                    break;
+                }
+                assert!(
+                    Instant::now() < deadline,
+                    "etcd member {} did not answer within 30 s; its log: {}",
+                    member.name,
+                    std::fs::read_to_string(member.dir.join("etcd.log")).unwrap_or_default()
+                );
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+        }
+        let mut client = etcd_client::Client::connect([cluster.members[0].url()], None)
+            .await
+            .unwrap();
+        let list = client.member_list().await.unwrap();
+        let mut names = cluster.partition.names.lock().unwrap();
+        for member in list.members() {
+            names.insert(format!("{:x}", member.id()), member.name().to_owned());
+        }
+        assert_eq!(names.len(), 3, "{names:?}");
+        drop(names);
+        cluster
+    }
+
+    fn urls(&self) -> Vec<String> {
+        self.members.iter().map(Member::url).collect()
+    }
+
+    /// Index of a member that is not the leader.
+    async fn follower(&self) -> usize {
+        for (i, member) in self.members.iter().enumerate() {
+            let mut client = etcd_client::Client::connect([member.url()], None)
+                .await
+                .unwrap();
+            let status = client.status().await.unwrap();
+            let own = status.header().map(|h| h.member_id()).unwrap_or_default();
+            if status.leader() != own {
+                return i;
+            }
+        }
+        panic!("every member says it leads");
+    }
+}
+
+impl Drop for Cluster {
+    fn drop(&mut self) {
+        for proxy in &self.proxies {
+            proxy.abort();
+        }
+        for connection in self.partition.connections.lock().unwrap().drain(..) {
+            connection.copier.abort();
+        }
+        for member in &mut self.members {
+            member.kill();
+            let _ = std::fs::remove_dir_all(&member.dir);
+        }
+    }
+}
+
+/// The registry settings of a replica that talks to `endpoints` only.
+fn cluster_settings(endpoints: Vec<String>, prefix: &str) -> EtcdConfig {
+    EtcdConfig {
+        endpoints,
+        ..settings(String::new(), prefix)
+    }
+}
+
+/// Registers through `registrar`, retrying while the cluster elects a leader.
+async fn register_eventually(
+    registrar: &guardmesh_client::Registrar,
+    registration: impl Fn() -> Registration,
+) -> guardmesh_client::proto::RegisterResponse {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        match registrar.register(registration()).await {
+            Ok(out) => return out,
+            Err(e) => assert!(Instant::now() < deadline, "cannot register: {e}"),
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+/// A replica whose only etcd member is cut off from the other two: the
+/// member still answers serializable reads, watches and progress requests,
+/// but it cannot confirm the chain with the quorum, which meanwhile adds a
+/// guard. The replica judges with its last chain only for the staleness
+/// window, then refuses with UNAVAILABLE and says NOT_SERVING; when the
+/// partition heals it serves again with the majority's chain (R17).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn r17_a_replica_cut_off_from_the_quorum_refuses_after_the_window() {
+    let cluster = Cluster::start().await;
+    let window = Duration::from_secs(3);
+    let prefix = "/t/partition";
+    let a = Replica::start(EtcdConfig {
+        staleness_window: window,
+        ..cluster_settings(vec![cluster.members[2].url()], prefix)
+    })
+    .await;
+    let b = Replica::start(EtcdConfig {
+        request_timeout: Duration::from_secs(2),
+        ..cluster_settings(cluster.urls()[..2].to_vec(), prefix)
+    })
+    .await;
+    // C knows every member, the cut-off one included.
+    let c = Replica::start(EtcdConfig {
+        staleness_window: window,
+        ..cluster_settings(cluster.urls(), prefix)
+    })
+    .await;
+    let rm = veto("rm").await;
+    let ls = veto("ls").await;
+    let registrar_b = b.mesh.registrar().await;
+    let out = registrar_b
+        .register(Registration::validate("veto", &rm.url))
+        .await
+        .unwrap();
+    a.sees(out.revision).await;
+    let d = a.evaluate(two_calls()).await.unwrap();
+    assert_eq!(trace_names(&d), ["veto"]);
+    assert_eq!(d.calls[1].outcome, Outcome::Proceed, "ls goes through");
+
+    let cut = Instant::now();
+    cluster.partition.isolate("m2");
+    // The majority adds a guard that stops what A lets through.
+    let added =
+        register_eventually(&registrar_b, || Registration::validate("no-ls", &ls.url)).await;
+    // A may judge with its old chain for the window, then refuses.
+    let mut judged_for = Duration::ZERO;
+    let deadline = Instant::now() + window + Duration::from_secs(15);
+    loop {
+        match a.evaluate(two_calls()).await {
+            Err(e) if e.code() == Some(tonic::Code::Unavailable) => break,
+            Err(e) => panic!("unexpected error: {e}"),
+            Ok(d) => {
+                judged_for = cut.elapsed();
+                assert!(d.chain_revision <= added.revision, "{d:?}");
+            }
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the cut-off replica still judges {:?} after the cut (window {window:?}): {:?}",
+            cut.elapsed(),
+            a.registry.status()
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let refused_after = cut.elapsed();
+    eprintln!(
+        "cut-off replica: last judged {judged_for:?} after the cut, refusing {refused_after:?} after it \
+         (staleness window {window:?})"
+    );
+    assert!(
+        judged_for <= window + Duration::from_secs(5),
+        "judged for {judged_for:?}"
+    );
+    let err = a.evaluate(two_calls()).await.unwrap_err();
+    assert!(err.to_string().contains("staleness window"), "{err}");
+    let status = a.registry.status();
+    assert!(!status.serving && !status.connected, "{status:?}");
+    poll_until(
+        Duration::from_secs(10),
+        "health says NOT_SERVING",
+        || async { pre_tool_health(&a.mesh.url).await == NOT_SERVING },
+    )
+    .await;
+    poll_until(Duration::from_secs(10), "metrics say unusable", || async {
+        let metrics = a.mesh.mesh.metrics.encode();
+        metrics.contains("guardmesh_registry_usable 0")
+            && !metrics.contains("guardmesh_registry_stale_seconds 0.0\n")
+    })
+    .await;
+    // The majority kept serving all along, and so did C, past the window,
+    // with the majority's chain.
+    let d = b.evaluate(two_calls()).await.unwrap();
+    assert_eq!(trace_names(&d), ["veto", "no-ls"]);
+    c.sees(added.revision).await;
+    let d = c.evaluate(two_calls()).await.unwrap();
+    assert_eq!(trace_names(&d), ["veto", "no-ls"]);
+    assert!(c.registry.status().serving, "{:?}", c.registry.status());
+
+    cluster.partition.heal();
+    poll_until(
+        Duration::from_secs(30),
+        "A judges again, with the majority's chain",
+        || async {
+            matches!(a.evaluate(two_calls()).await,
+                Ok(d) if d.chain_revision >= added.revision
+                    && trace_names(&d) == ["veto", "no-ls"]
+                    && d.calls[1].outcome != Outcome::Proceed)
+        },
+    )
+    .await;
+    poll_until(Duration::from_secs(10), "health says SERVING", || async {
+        pre_tool_health(&a.mesh.url).await == 1
+    })
+    .await;
+    poll_until(Duration::from_secs(10), "metrics say usable", || async {
+        a.mesh
+            .mesh
+            .metrics
+            .encode()
+            .contains("guardmesh_registry_usable 1")
+    })
+    .await;
+    a.stop().await;
+    b.stop().await;
+    c.stop().await;
+}
+
+/// One member of three is killed (the quorum stays): a replica configured
+/// with all three endpoints keeps registering and deregistering, every call
+/// succeeding, by retrying on another member (R16, R17).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn r17_registrations_succeed_while_one_member_is_down() {
+    let mut cluster = Cluster::start().await;
+    let a = Replica::start(EtcdConfig {
+        request_timeout: Duration::from_secs(2),
+        ..cluster_settings(cluster.urls(), "/t/member-down")
+    })
+    .await;
+    let rm = veto("rm").await;
+    let registrar = a.mesh.registrar().await;
+    registrar
+        .register(Registration::validate("veto", &rm.url))
+        .await
+        .unwrap();
+    let down = cluster.follower().await;
+    cluster.members[down].kill();
+    let mut failures = Vec::new();
+    for i in 0..30 {
+        let name = format!("g{i}");
+        if let Err(e) = registrar
+            .register(Registration::validate(name.as_str(), &rm.url))
+            .await
+        {
+            failures.push(format!("register {name}: {e}"));
+        }
+        match registrar.deregister(&name).await {
+            Ok(true) => {}
+            Ok(false) => failures.push(format!("deregister {name}: not found")),
+            Err(e) => failures.push(format!("deregister {name}: {e}")),
+        }
+    }
+    assert!(
+        failures.is_empty(),
+        "{} of 60 calls failed with member {} down: {failures:#?}",
+        failures.len(),
+        cluster.members[down].name
+    );
+    assert_eq!(a.names(), ["veto"]);
+    let d = a.evaluate(two_calls()).await.unwrap();
+    assert_eq!(d.calls[0].decided_by.as_deref(), Some("veto"));
+    assert!(a.registry.status().connected);
+    a.stop().await;
+}
+
+/// A guard deregistered through the API stays gone when a replica starts
+/// with an older config file that still lists it; registering it through
+/// the API brings it back (R17).
+#[tokio::test]
+async fn r17_a_deregistered_guard_is_not_brought_back_by_an_old_config() {
+    let etcd = Etcd::start().await;
+    let config = settings(etcd.url(), "/t/tombstone");
+    let a = Replica::start(config.clone()).await;
+    let rm = veto("rm").await;
+    let file_entry = || Registration::validate("veto", &rm.url).build();
+    assert!(
+        a.registry
+            .register_if_absent(file_entry())
+            .await
+            .unwrap()
+            .created
+    );
+    assert_eq!(a.names(), ["veto"]);
+    let registrar = a.mesh.registrar().await;
+    assert!(registrar.deregister("veto").await.unwrap());
+    assert!(a.names().is_empty());
+
+    // A replica restarting with the old file: the entry is not applied.
+    let b = Replica::start(config.clone()).await;
+    let seeded = b.registry.register_if_absent(file_entry()).await.unwrap();
+    assert!(!seeded.created, "{seeded:?}");
+    assert!(b.names().is_empty());
+    assert!(a.names().is_empty());
+    let d = b.evaluate(two_calls()).await.unwrap();
+    assert_eq!(d.calls[0].outcome, Outcome::Proceed);
+
+    // An explicit registration brings it back, and the file's entry
+    // still does not override it.
+    let again = registrar
+        .register(Registration::validate("veto", &rm.url).failure_policy(FailurePolicy::FailOpen))
+        .await
+        .unwrap();
+    assert!(again.created);
+    b.sees(again.revision).await;
+    assert_eq!(b.names(), ["veto"]);
+    assert!(
+        !b.registry
+            .register_if_absent(file_entry())
+            .await
+            .unwrap()
+            .created
+    );
+    assert_eq!(
+        b.registry.chain().guards[0].failure_policy,
+        FailurePolicy::FailOpen
+    );
+    // Deregistered again: gone again for the file.
+    assert!(registrar.deregister("veto").await.unwrap());
+    let c = Replica::start(config).await;
+    assert!(
+        !c.registry
+            .register_if_absent(file_entry())
+            .await
+            .unwrap()
+            .created
+    );
+    assert!(c.names().is_empty());
+    a.stop().await;
+    b.stop().await;
+    c.stop().await;
 }

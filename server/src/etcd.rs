@@ -12,6 +12,7 @@
 //! | `<prefix>/guards/<name>` | the `GuardSpec`, protobuf-encoded (the wire message of `guardmesh.v1`) | none |
 //! | `<prefix>/revision` | name of the guard changed last | none |
 //! | `<prefix>/alive/<name>` | unused (empty) | the guard's heartbeat lease |
+//! | `<prefix>/removed/<name>` | tombstone of a deregistered guard (a mark unique to the call) | none |
 //!
 //! * **Policy is durable** (R15): a registration is a plain key that only
 //!   deregistration removes. A crashed guard's registration never expires; the
@@ -36,6 +37,14 @@
 //!   the marker, so a replica that lists afterwards may report an older
 //!   revision than one that saw the delete on its watch.)
 //!
+//! * **A removal is remembered** (R17): `Deregister` deletes the
+//!   registration and puts a tombstone in the same transaction. Seeding from
+//!   a config file's `[[guard]]` entries creates a guard only where there is
+//!   neither a registration nor a tombstone, so a replica starting with an
+//!   older file never brings a deregistered guard back. An explicit
+//!   `Register` clears the tombstone. (A raw `etcdctl del` of a registration
+//!   leaves none.)
+//!
 //! Protobuf rather than JSON for the stored spec: it is the contract the
 //! guards already speak, it decodes with the same code as the wire, and new
 //! fields of `GuardSpec` stay readable by older replicas during a rolling
@@ -44,20 +53,31 @@
 //!
 //! # Staleness
 //!
-//! A replica that loses etcd keeps judging with its last chain for the
-//! configured staleness window, and says so in its logs and in
-//! [`EtcdRegistry::status`]. After the window, [`Registry::check`] answers per
-//! the configured [`AfterWindow`] policy: by default it refuses batches with
-//! UNAVAILABLE rather than judge with a chain it can no longer trust. When
-//! etcd is back the replica resumes its watch (or lists again, if the history
-//! it missed was compacted) without a restart.
+//! Every heartbeat interval a replica confirms its chain with etcd's quorum:
+//! a linearizable read of the registration keys (names and revisions only)
+//! must match what the replica holds, or the replica lists the chain again.
+//! A watch message is not a confirmation: a member cut off from the quorum
+//! still answers watches and progress requests from its old state. Every
+//! request also requires a leader, so such a member refuses at once ("no
+//! leader") and cancels its watches, and requests go to another member.
+//! Idempotent requests (reads, the registry's transactions) are retried on
+//! another member within the request timeout.
+//!
+//! A replica that cannot confirm its chain keeps judging with it for the
+//! configured staleness window, counted from the last confirmation, and says
+//! so in its logs and in [`EtcdRegistry::status`]. After the window,
+//! [`Registry::check`] answers per the configured [`AfterWindow`] policy: by
+//! default it refuses batches with UNAVAILABLE rather than judge with a chain
+//! it can no longer trust. When the quorum answers again the replica resumes
+//! its watch (or lists again, if the history it missed was compacted)
+//! without a restart.
 
 use crate::registry::{ChainSpec, Deregistered, Registered, Registry, RegistryError};
 use crate::spec::Guard;
 use arc_swap::ArcSwap;
 use etcd_client::{
     Client, Compare, CompareOp, ConnectOptions, Event, GetOptions, KeyValue, LeaseKeepAliveStream,
-    LeaseKeeper, PutOptions, Txn, TxnOp, WatchOptions, WatchStream,
+    LeaseKeeper, PutOptions, Txn, TxnOp, TxnOpResponse, WatchOptions, WatchStream,
 };
 use futures::future::BoxFuture;
 use guardmesh_proto::v1::GuardSpec;
@@ -111,9 +131,11 @@ pub struct EtcdConfig {
     pub tls: Option<TlsFiles>,
     /// How long start-up may take to reach etcd before the replica gives up.
     pub dial_timeout: Duration,
-    /// Deadline of every etcd request, and of the watch's answer to a probe.
+    /// Deadline of every etcd request (retries on another member included),
+    /// and of the watch's answer to a progress request.
     pub request_timeout: Duration,
-    /// How often the replica probes its watch; how often a
+    /// How often the replica confirms its chain with etcd's quorum (and
+    /// asks its watch for progress); how often a
     /// [`GuardHeartbeat`] renews its lease.
     pub heartbeat_interval: Duration,
     /// Time to live of a guard's heartbeat lease (etcd rounds it to whole
@@ -254,6 +276,7 @@ impl EtcdConfig {
             guards: format!("{prefix}/guards/"),
             alive: format!("{prefix}/alive/"),
             revision: format!("{prefix}/revision"),
+            removed: format!("{prefix}/removed/"),
         }
     }
 }
@@ -274,6 +297,8 @@ struct Keys {
     guards: String,
     alive: String,
     revision: String,
+    /// Tombstones of guards removed with `Deregister`.
+    removed: String,
 }
 
 impl Keys {
@@ -283,6 +308,10 @@ impl Keys {
 
     fn alive(&self, name: &str) -> String {
         format!("{}{name}", self.alive)
+    }
+
+    fn removed(&self, name: &str) -> String {
+        format!("{}{name}", self.removed)
     }
 }
 
@@ -303,7 +332,8 @@ pub enum Liveness {
 /// What a replica knows about its registry, for health, metrics and logs.
 #[derive(Debug, Clone)]
 pub struct RegistryStatus {
-    /// Whether the replica's watch on etcd is up.
+    /// Whether etcd's quorum confirmed the chain at the last probe (a
+    /// linearizable read, every heartbeat interval).
     pub connected: bool,
     /// Revision of the chain being served (R17).
     pub revision: u64,
@@ -319,7 +349,8 @@ pub struct RegistryStatus {
     /// Why etcd was last unreachable.
     pub last_error: Option<String>,
     /// How many times the replica listed the keys again because its watch
-    /// could not resume (compacted history, a new cluster).
+    /// could not resume (compacted history, a new cluster) or fell behind
+    /// the chain the quorum confirmed.
     pub relists: u64,
     /// The chain's guards, in order, with their liveness.
     pub liveness: Vec<(String, Liveness)>,
@@ -344,6 +375,9 @@ struct View {
     /// Revision of the last chain change (R17).
     chain_revision: i64,
     guards: HashMap<String, Entry>,
+    /// Every key under `<prefix>/guards/` (valid or not), by name, with its
+    /// mod revision: what the freshness probe compares with the quorum's.
+    guard_keys: BTreeMap<String, i64>,
     invalid: BTreeMap<String, String>,
     alive: HashSet<String>,
     heartbeated: HashSet<String>,
@@ -353,7 +387,8 @@ struct View {
 #[derive(Debug)]
 struct Health {
     connected: bool,
-    /// When etcd last confirmed the chain (a watch message or a listing).
+    /// When etcd's quorum last confirmed the chain: the time a linearizable
+    /// read was sent whose answer matched the chain (or a listing).
     last_contact: Instant,
     last_error: Option<String>,
     relists: u64,
@@ -402,6 +437,8 @@ struct Shared {
     /// so that a writer waiting for its revision then reads its own write.
     applied: watch::Sender<u64>,
     health: Mutex<Health>,
+    /// Whether a new auth token is being fetched.
+    reauthenticating: Arc<std::sync::atomic::AtomicBool>,
 }
 
 /// The etcd registry of one mesh replica. Dropping it stops its watch.
@@ -438,12 +475,99 @@ async fn timed<T>(
     }
 }
 
+/// Runs an idempotent etcd request until it succeeds, fails for a reason a
+/// retry only repeats, or `timeout` passes.
+///
+/// The client balances requests over every configured endpoint and keeps
+/// sending some of them to a member that is down (connection refused) or cut
+/// off from the quorum ("no leader"): trying again goes to another member.
+/// With several endpoints no single attempt may take the whole deadline, so
+/// that a member that does not answer at all leaves time for another one.
+///
+/// Only requests whose effect is the same when applied twice go through
+/// here: reads, and the registry's transactions (a put of the same value, a
+/// delete of what exists, guarded by comparisons). An attempt that timed
+/// out may still have been applied; the transactions' answers account for
+/// that where it matters (see `Shared::deregister`).
+///
+/// A refused auth token (etcd forgets its simple tokens when it restarts)
+/// calls `reauthenticate`, which gets a new one in the background, and is
+/// retried too.
+async fn retried<T, F, Fut>(
+    timeout: Duration,
+    members: usize,
+    what: &str,
+    reauthenticate: &(dyn Fn() + Sync),
+    mut request: F,
+) -> Result<T, String>
+where
+    F: FnMut() -> Fut,
+    Fut: Future<Output = Result<T, etcd_client::Error>>,
+{
+    let started = Instant::now();
+    let mut pause = Duration::from_millis(10);
+    let mut attempts = 0u32;
+    loop {
+        attempts += 1;
+        let left = timeout.saturating_sub(started.elapsed());
+        let budget = if members > 1 {
+            (left / 2).max(timeout / 4).min(left)
+        } else {
+            left
+        };
+        let error = match tokio::time::timeout(budget, request()).await {
+            Ok(Ok(value)) => return Ok(value),
+            Ok(Err(etcd_client::Error::GRpcStatus(status)))
+                if status.code() == tonic::Code::Unauthenticated =>
+            {
+                reauthenticate();
+                status.to_string()
+            }
+            Ok(Err(error)) if !transient(&error) => return Err(format!("{what}: {error}")),
+            Ok(Err(error)) => error.to_string(),
+            Err(_) => format!("no answer within {budget:?}"),
+        };
+        let left = timeout.saturating_sub(started.elapsed());
+        if left <= pause {
+            return Err(format!(
+                "{what}: {error} ({attempts} attempt(s) within {timeout:?})"
+            ));
+        }
+        tracing::debug!(what, %error, attempts, "etcd: request failed; retrying");
+        tokio::time::sleep(pause).await;
+        pause = (pause * 2).min(Duration::from_millis(100));
+    }
+}
+
+/// The first key after every key that starts with `prefix` (etcd's range
+/// end for a prefix).
+fn prefix_end(prefix: &[u8]) -> Vec<u8> {
+    let mut end = prefix.to_vec();
+    while let Some(last) = end.pop() {
+        if last < 0xff {
+            end.push(last + 1);
+            return end;
+        }
+    }
+    // Every byte 0xff: to the end of the keyspace.
+    vec![0]
+}
+
 fn to_u64(revision: i64) -> u64 {
     u64::try_from(revision).unwrap_or(0)
 }
 
 /// Connects a client with the configured credentials and TLS.
-async fn connect_client(config: &EtcdConfig) -> Result<Client, ConnectError> {
+///
+/// `refresh_in_calls`: whether a request refused for a stale auth token
+/// authenticates again itself, inside the request (and its deadline). The
+/// registry does that in the background instead (see `Shared::reauthenticate`):
+/// a slow authentication cut short by every request's deadline would
+/// otherwise never complete.
+async fn connect_client(
+    config: &EtcdConfig,
+    refresh_in_calls: bool,
+) -> Result<Client, ConnectError> {
     config.validate()?;
     let mut options = ConnectOptions::new()
         .with_connect_timeout(config.request_timeout.min(config.dial_timeout))
@@ -451,7 +575,11 @@ async fn connect_client(config: &EtcdConfig) -> Result<Client, ConnectError> {
         .with_keep_alive(config.heartbeat_interval, config.request_timeout)
         // etcd's simple tokens do not survive an etcd restart; without this
         // a replica would stay unauthenticated after etcd comes back.
-        .with_auto_token_refresh(true);
+        .with_auto_token_refresh(refresh_in_calls)
+        // A member cut off from the quorum refuses at once ("no leader")
+        // instead of answering from its old state, and cancels watches once
+        // it has lost its leader: requests go to a member that can answer.
+        .with_require_leader(true);
     if let (Some(user), Some(password)) = (&config.username, &config.password) {
         options = options.with_user(user.clone(), password.clone());
     }
@@ -555,7 +683,7 @@ impl EtcdRegistry {
         config: EtcdConfig,
         default_timeout: Duration,
     ) -> Result<Self, ConnectError> {
-        let client = connect_client(&config).await?;
+        let client = connect_client(&config, false).await?;
         let keys = config.keys();
         let (applied, _) = watch::channel(0);
         let shared = Arc::new(Shared {
@@ -572,6 +700,7 @@ impl EtcdRegistry {
                 relists: 0,
                 window_logged: false,
             }),
+            reauthenticating: Arc::default(),
             config,
         });
         let revision = shared
@@ -588,7 +717,12 @@ impl EtcdRegistry {
             guards = chain.guards.len(),
             "etcd registry: chain loaded"
         );
-        let task = tokio::spawn(shared.clone().follow(revision));
+        let task = tokio::spawn({
+            let shared = shared.clone();
+            async move {
+                tokio::join!(shared.clone().follow(revision), shared.confirm());
+            }
+        });
         Ok(Self { shared, task })
     }
 
@@ -599,7 +733,7 @@ impl EtcdRegistry {
         let (connected, since, last_error, relists) = {
             let health = self.shared.health();
             (
-                health.connected,
+                self.shared.confirmed(&health),
                 health.last_contact.elapsed(),
                 health.last_error.clone(),
                 health.relists,
@@ -662,9 +796,11 @@ impl EtcdRegistry {
     }
 
     /// Registers `spec` unless a guard of that name is already registered,
-    /// which is left as stored. For the config file's `[[guard]]` entries:
-    /// with several replicas sharing one chain, a replica restarting with an
-    /// older file must not roll back a change made through `GuardRegistry`.
+    /// which is left as stored, or was deregistered (its tombstone is
+    /// there). For the config file's `[[guard]]` entries: with several
+    /// replicas sharing one chain, a replica restarting with an older file
+    /// must not roll back a change made through `GuardRegistry`, a removal
+    /// included (R17). `created` is false when nothing was written.
     pub async fn register_if_absent(&self, spec: GuardSpec) -> Result<Registered, RegistryError> {
         self.shared.register(spec, true).await
     }
@@ -690,14 +826,17 @@ impl Registry for EtcdRegistry {
     fn check(&self) -> Result<(), RegistryError> {
         let (connected, since) = {
             let health = self.shared.health();
-            (health.connected, health.last_contact.elapsed())
+            (
+                self.shared.confirmed(&health),
+                health.last_contact.elapsed(),
+            )
         };
         let window = self.shared.config.staleness_window;
         match freshness(connected, since, window, self.shared.config.after_window) {
             Freshness::Fresh | Freshness::Stale | Freshness::ServeStale => Ok(()),
             Freshness::Refuse => Err(RegistryError::Unavailable(format!(
-                "etcd has been unreachable for {}ms, longer than the staleness window ({}ms): \
-                 not judging with chain revision {} that may be outdated",
+                "the chain has not been confirmed with etcd's quorum for {}ms, longer than the \
+                 staleness window ({}ms): not judging with chain revision {} that may be outdated",
                 since.as_millis(),
                 window.as_millis(),
                 self.shared.chain.load().revision
@@ -728,8 +867,49 @@ impl Shared {
         self.view.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
-    /// Records that etcd answered: the chain is confirmed as of now.
-    fn contact(&self) {
+    /// Gets a new auth token in the background, one attempt at a time, when
+    /// etcd refused the current one. Not cut short by a request's deadline:
+    /// etcd checks the password with bcrypt, which can take longer than a
+    /// request timeout on a loaded machine.
+    fn reauthenticate(&self) {
+        if self.config.username.is_none()
+            || self
+                .reauthenticating
+                .swap(true, std::sync::atomic::Ordering::SeqCst)
+        {
+            return;
+        }
+        let client = self.client.clone();
+        let flag = self.reauthenticating.clone();
+        let within = self
+            .config
+            .dial_timeout
+            .max(self.config.request_timeout * 5);
+        tokio::spawn(async move {
+            match tokio::time::timeout(within, client.refresh_token()).await {
+                Ok(Ok(())) => tracing::info!("etcd registry: authenticated again"),
+                Ok(Err(error)) => {
+                    tracing::warn!(%error, "etcd registry: cannot authenticate again; retrying")
+                }
+                Err(_) => tracing::warn!(
+                    "etcd registry: no answer to authentication within {within:?}; retrying"
+                ),
+            }
+            flag.store(false, std::sync::atomic::Ordering::SeqCst);
+        });
+    }
+
+    /// Whether the chain counts as confirmed: the last probe succeeded, and
+    /// recently enough (a probe that stopped running confirms nothing).
+    fn confirmed(&self, health: &Health) -> bool {
+        health.connected
+            && health.last_contact.elapsed()
+                <= self.config.heartbeat_interval + self.config.request_timeout * 4
+    }
+
+    /// Records that etcd's quorum confirmed the chain as of `at` (when the
+    /// confirming read was sent).
+    fn contact(&self, at: Instant) {
         let mut health = self.health();
         if !health.connected {
             let outage = health.last_contact.elapsed();
@@ -739,11 +919,11 @@ impl Shared {
                 tracing::info!(
                     outage_ms = u64::try_from(outage.as_millis()).unwrap_or(u64::MAX),
                     revision = self.chain.load().revision,
-                    "etcd registry: etcd reachable again"
+                    "etcd registry: the chain is confirmed with etcd's quorum again"
                 );
             }
         }
-        health.last_contact = Instant::now();
+        health.last_contact = health.last_contact.max(at);
     }
 
     /// Records that etcd could not be reached, and logs the staleness once
@@ -758,7 +938,7 @@ impl Shared {
                 cause,
                 revision,
                 window_ms = u64::try_from(window.as_millis()).unwrap_or(u64::MAX),
-                "etcd registry: etcd unreachable; judging with the last chain until the staleness window passes"
+                "etcd registry: cannot confirm the chain with etcd's quorum; judging with the last chain until the staleness window passes"
             );
         } else {
             tracing::debug!(cause, "etcd registry: etcd still unreachable");
@@ -772,7 +952,7 @@ impl Shared {
                     cause,
                     revision,
                     stale_ms = u64::try_from(since.as_millis()).unwrap_or(u64::MAX),
-                    "etcd registry: staleness window passed; refusing batches with UNAVAILABLE until etcd is back"
+                    "etcd registry: staleness window passed; refusing batches with UNAVAILABLE until the quorum confirms the chain"
                 ),
                 AfterWindow::ServeStale => tracing::error!(
                     cause,
@@ -787,17 +967,8 @@ impl Shared {
     /// Lists every key under the prefix and replaces the view with it.
     /// Returns the listing's revision.
     async fn list(&self, timeout: Duration) -> Result<i64, String> {
-        let mut kv = self.client.kv_client();
-        let response = timed(
-            timeout,
-            "listing the registry",
-            kv.get(
-                self.keys.root.clone(),
-                Some(GetOptions::new().with_prefix()),
-            ),
-        )
-        .await?;
-        let revision = response.header().map_or(0, |h| h.revision());
+        let sent = Instant::now();
+        let (revision, kvs) = self.read_all(timeout).await?;
         let changed = {
             let mut view = self.view();
             if revision <= view.revision {
@@ -809,7 +980,7 @@ impl Shared {
                     heartbeated: view.heartbeated.clone(),
                     ..View::default()
                 };
-                for kv in response.kvs() {
+                for kv in &kvs {
                     self.apply_put(&mut next, kv, Some(&view.guards));
                 }
                 for name in view.alive.difference(&next.alive) {
@@ -823,11 +994,58 @@ impl Shared {
                 Some(changed)
             }
         };
-        self.contact();
+        self.contact(sent);
         if changed.is_some() {
             self.applied.send_replace(to_u64(revision));
         }
         Ok(revision)
+    }
+
+    /// Reads every key under the prefix, in pages (etcd limits the size of
+    /// one answer, 4 MiB by default), all at the revision of the first page.
+    /// The first page is a linearizable read (etcd's default): a member cut
+    /// off from the quorum cannot answer it with its old state.
+    async fn read_all(&self, timeout: Duration) -> Result<(i64, Vec<KeyValue>), String> {
+        const PAGE: i64 = 512;
+        let started = Instant::now();
+        let end = prefix_end(self.keys.root.as_bytes());
+        let mut from = self.keys.root.clone().into_bytes();
+        let mut revision = 0;
+        let mut kvs = Vec::new();
+        loop {
+            let mut response = retried(
+                timeout.saturating_sub(started.elapsed()),
+                self.config.endpoints.len(),
+                "listing the registry",
+                &|| self.reauthenticate(),
+                || {
+                    let mut kv = self.client.kv_client();
+                    let mut options = GetOptions::new().with_range(end.clone()).with_limit(PAGE);
+                    if revision > 0 {
+                        options = options.with_revision(revision);
+                    }
+                    let from = from.clone();
+                    async move { kv.get(from, Some(options)).await }
+                },
+            )
+            .await?;
+            if revision == 0 {
+                revision = response.header().map_or(0, |h| h.revision());
+            }
+            let more = response.more();
+            let page = response.take_kvs();
+            match page.last() {
+                Some(last) if more => {
+                    from = last.key().to_vec();
+                    from.push(0);
+                }
+                _ => {
+                    kvs.extend(page);
+                    return Ok((revision, kvs));
+                }
+            }
+            kvs.extend(page);
+        }
     }
 
     /// Applies a put of `kv` to `view`. `previous` lets a listing reuse the
@@ -840,6 +1058,7 @@ impl Shared {
             view.chain_revision = view.chain_revision.max(kv.mod_revision());
         } else if let Some(name) = key.strip_prefix(self.keys.guards.as_str()) {
             view.chain_revision = view.chain_revision.max(kv.mod_revision());
+            view.guard_keys.insert(name.to_owned(), kv.mod_revision());
             if let Some(entry) = previous
                 .and_then(|p| p.get(name))
                 .filter(|e| e.mod_revision == kv.mod_revision())
@@ -880,6 +1099,7 @@ impl Shared {
         };
         if let Some(name) = key.strip_prefix(self.keys.guards.as_str()) {
             view.chain_revision = view.chain_revision.max(kv.mod_revision());
+            view.guard_keys.remove(name);
             view.guards.remove(name);
             view.invalid.remove(key);
         } else if let Some(name) = key.strip_prefix(self.keys.alive.as_str())
@@ -990,6 +1210,21 @@ impl Shared {
         let mut backoff = initial_backoff;
         let mut cluster_id = 0u64;
         let mut relist = false;
+        let mut failing = false;
+        // Whether the chain is current is `confirm`'s to say (it lists
+        // when the watch falls behind the quorum); here a broken watch is
+        // logged, once per outage, and reopened.
+        let broken = |failing: &mut bool, cause: &str| {
+            if *failing {
+                tracing::debug!(cause, "etcd registry: the watch is still down");
+            } else {
+                *failing = true;
+                tracing::warn!(
+                    cause,
+                    "etcd registry: the watch stopped; reopening it (the freshness probe picks up changes meanwhile)"
+                );
+            }
+        };
         loop {
             if relist {
                 match self.list(self.config.request_timeout).await {
@@ -999,7 +1234,7 @@ impl Shared {
                         relist = false;
                     }
                     Err(cause) => {
-                        self.lost(&cause);
+                        broken(&mut failing, &cause);
                         tokio::time::sleep(backoff).await;
                         backoff = (backoff * 2).min(max_backoff);
                         continue;
@@ -1009,6 +1244,10 @@ impl Shared {
             let stopped = match self.open_watch(revision + 1).await {
                 Ok(stream) => {
                     backoff = initial_backoff;
+                    if failing {
+                        failing = false;
+                        tracing::info!("etcd registry: the watch is open again");
+                    }
                     self.watch(stream, revision, &mut cluster_id).await
                 }
                 Err(cause) => Stopped::Lost(cause),
@@ -1016,7 +1255,7 @@ impl Shared {
             revision = self.view().revision;
             match stopped {
                 Stopped::Lost(cause) => {
-                    self.lost(&cause);
+                    broken(&mut failing, &cause);
                     tokio::time::sleep(backoff).await;
                     backoff = (backoff * 2).min(max_backoff);
                 }
@@ -1025,21 +1264,93 @@ impl Shared {
                     relist = true;
                 }
                 Stopped::Unauthenticated(cause) => {
-                    self.lost(&cause);
-                    if let Err(error) = timed(
-                        self.config.request_timeout,
-                        "authenticating",
-                        self.client.refresh_token(),
-                    )
-                    .await
-                    {
-                        tracing::warn!(%error, "etcd registry: cannot authenticate again; retrying");
-                    }
+                    broken(&mut failing, &cause);
+                    self.reauthenticate();
                     tokio::time::sleep(backoff).await;
                     backoff = (backoff * 2).min(max_backoff);
                 }
             }
         }
+    }
+
+    /// Confirms the chain with etcd's quorum every heartbeat, for as long as
+    /// the registry lives: this, not the watch, is what keeps the chain
+    /// fresh (R17). A member cut off from the quorum still answers the watch
+    /// and its progress requests from its old state; it cannot answer a
+    /// linearizable read.
+    async fn confirm(self: Arc<Self>) {
+        let mut tick = tokio::time::interval(self.config.heartbeat_interval);
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            tick.tick().await;
+            let sent = Instant::now();
+            match self.probe().await {
+                Ok(()) => self.contact(sent),
+                Err(cause) => self.lost(&cause),
+            }
+        }
+    }
+
+    /// One freshness probe: a linearizable read of the registration keys
+    /// (names and revisions only). The chain is confirmed when the view has
+    /// applied at least the read's revision, or holds the same keys at the
+    /// same revisions; otherwise the watch is behind the quorum and the
+    /// chain is listed again.
+    async fn probe(&self) -> Result<(), String> {
+        let response = retried(
+            self.config.request_timeout,
+            self.config.endpoints.len(),
+            "confirming the chain with etcd's quorum",
+            &|| self.reauthenticate(),
+            || {
+                let mut kv = self.client.kv_client();
+                let guards = self.keys.guards.clone();
+                async move {
+                    kv.get(
+                        guards,
+                        Some(GetOptions::new().with_prefix().with_keys_only()),
+                    )
+                    .await
+                }
+            },
+        )
+        .await?;
+        let revision = response.header().map_or(0, |h| h.revision());
+        let current = || {
+            let view = self.view();
+            view.revision >= revision || {
+                let quorum = response.kvs().iter().filter_map(|kv| {
+                    let key = std::str::from_utf8(kv.key()).ok()?;
+                    Some((
+                        key.strip_prefix(self.keys.guards.as_str())?,
+                        kv.mod_revision(),
+                    ))
+                });
+                quorum.eq(view.guard_keys.iter().map(|(k, v)| (k.as_str(), *v)))
+            }
+        };
+        // Right after a change the watch may be a moment behind the read:
+        // give it the request timeout to catch up before listing.
+        let mut applied = self.applied.subscribe();
+        let caught_up = tokio::time::timeout(self.config.request_timeout, async {
+            while !current() {
+                if applied.changed().await.is_err() {
+                    return false;
+                }
+            }
+            true
+        })
+        .await;
+        if matches!(caught_up, Ok(true)) {
+            return Ok(());
+        }
+        tracing::info!(
+            revision,
+            "etcd registry: the watch is behind the quorum's chain; listing it"
+        );
+        self.list(self.config.request_timeout).await?;
+        self.health().relists += 1;
+        Ok(())
     }
 
     async fn open_watch(&self, start: i64) -> Result<WatchStream, String> {
@@ -1056,9 +1367,9 @@ impl Shared {
     }
 
     /// Applies the watch's events until it breaks. Asks the watch for a
-    /// progress report every heartbeat: an answer confirms the chain is
-    /// current; silence for longer than the request timeout means etcd is
-    /// gone even when no connection error says so (a partition).
+    /// progress report every heartbeat: silence for longer than the request
+    /// timeout means the watch is gone even when no connection error says so.
+    /// (An answer does not confirm the chain: see [`Shared::confirm`].)
     async fn watch(&self, mut stream: WatchStream, from: i64, cluster_id: &mut u64) -> Stopped {
         let mut probe = tokio::time::interval(self.config.heartbeat_interval);
         probe.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
@@ -1109,8 +1420,10 @@ impl Shared {
                             *cluster_id = header_cluster;
                         }
                     }
+                    // Not a confirmation of the chain: a member cut off
+                    // from the quorum still answers progress requests.
+                    // `confirm` does that with a linearizable read.
                     self.apply_events(response.events());
-                    self.contact();
                 }
                 _ = probe.tick() => {
                     if last_heard.elapsed() > self.config.heartbeat_interval + self.config.request_timeout {
@@ -1160,6 +1473,7 @@ impl Shared {
             ..spec
         };
         let key = self.keys.guard(&name);
+        let tombstone = self.keys.removed(&name);
         let write = || {
             vec![
                 TxnOp::put(key.clone(), stored.encode_to_vec(), None),
@@ -1168,19 +1482,51 @@ impl Shared {
         };
         let absent = Compare::version(key.clone(), CompareOp::Equal, 0);
         let txn = if only_if_absent {
-            Txn::new().when([absent]).and_then(write())
+            // Seeding from a config file: never over a registration, and
+            // never over a deliberate removal (R17), which leaves a tombstone.
+            let never_removed = Compare::version(tombstone.clone(), CompareOp::Equal, 0);
+            Txn::new()
+                .when([absent, never_removed])
+                .and_then(write())
+                .or_else([TxnOp::get(tombstone.clone(), None)])
         } else {
             // Creating and updating are the same put; the comparison only
             // tells which one happened. An update keeps the key's
-            // create_revision, hence its position (R16).
-            Txn::new().when([absent]).and_then(write()).or_else(write())
+            // create_revision, hence its position (R16). An explicit
+            // registration clears a tombstone: the name may be seeded again
+            // once it is deregistered again.
+            let mut ops = write();
+            ops.push(TxnOp::delete(tombstone.clone(), None));
+            Txn::new().when([absent]).and_then(ops.clone()).or_else(ops)
         };
-        let mut kv = self.client.kv_client();
-        let response = timed(self.config.request_timeout, "registering", kv.txn(txn))
-            .await
-            .map_err(RegistryError::Unavailable)?;
+        // Retried: the same put again leaves the same state. (If an attempt
+        // that timed out was applied, the next one reports an update.)
+        let response = retried(
+            self.config.request_timeout,
+            self.config.endpoints.len(),
+            "registering",
+            &|| self.reauthenticate(),
+            || {
+                let mut kv = self.client.kv_client();
+                let txn = txn.clone();
+                async move { kv.txn(txn).await }
+            },
+        )
+        .await
+        .map_err(RegistryError::Unavailable)?;
         let created = response.succeeded();
         let revision = if only_if_absent && !created {
+            let removed_at = response.op_responses().into_iter().find_map(|op| match op {
+                TxnOpResponse::Get(get) => get.kvs().first().map(KeyValue::mod_revision),
+                _ => None,
+            });
+            if let Some(removed_at) = removed_at {
+                tracing::warn!(
+                    guard = %name,
+                    removed_at,
+                    "etcd registry: this guard was deregistered; its config file entry is not applied (register it through GuardRegistry to bring it back)"
+                );
+            }
             // Nothing written: answer with what is served.
             i64::try_from(self.chain.load().revision).unwrap_or(i64::MAX)
         } else {
@@ -1201,25 +1547,59 @@ impl Shared {
         })
     }
 
+    /// Removes a registration and leaves a tombstone `<prefix>/removed/<name>`,
+    /// so that no replica's config file brings the guard back (R17). The
+    /// tombstone holds a value unique to this call: when a retried attempt
+    /// finds the guard gone, the tombstone tells whether an earlier attempt
+    /// of this same call removed it (an attempt can time out and still be
+    /// applied).
     async fn deregister(&self, name: String) -> Result<Deregistered, RegistryError> {
-        let key = self.keys.guard(name.trim());
+        let name = name.trim();
+        let key = self.keys.guard(name);
+        let tombstone = self.keys.removed(name);
+        let mark = format!("{:016x}", rand::random::<u64>());
         let txn = Txn::new()
             .when([Compare::version(key.clone(), CompareOp::Greater, 0)])
             .and_then([
                 TxnOp::delete(key, None),
-                TxnOp::put(self.keys.revision.clone(), name.trim(), None),
-            ]);
-        let mut kv = self.client.kv_client();
-        let response = timed(self.config.request_timeout, "deregistering", kv.txn(txn))
-            .await
-            .map_err(RegistryError::Unavailable)?;
-        if !response.succeeded() {
-            return Ok(Deregistered {
-                revision: self.chain.load().revision,
-                removed: false,
+                TxnOp::put(self.keys.revision.clone(), name, None),
+                TxnOp::put(tombstone.clone(), mark.clone(), None),
+            ])
+            .or_else([TxnOp::get(tombstone, None)]);
+        let response = retried(
+            self.config.request_timeout,
+            self.config.endpoints.len(),
+            "deregistering",
+            &|| self.reauthenticate(),
+            || {
+                let mut kv = self.client.kv_client();
+                let txn = txn.clone();
+                async move { kv.txn(txn).await }
+            },
+        )
+        .await
+        .map_err(RegistryError::Unavailable)?;
+        let revision = if response.succeeded() {
+            response.header().map_or(0, |h| h.revision())
+        } else {
+            let ours = response.op_responses().into_iter().find_map(|op| match op {
+                TxnOpResponse::Get(get) => get
+                    .kvs()
+                    .first()
+                    .filter(|kv| kv.value() == mark.as_bytes())
+                    .map(KeyValue::mod_revision),
+                _ => None,
             });
-        }
-        let revision = response.header().map_or(0, |h| h.revision());
+            match ours {
+                Some(revision) => revision,
+                None => {
+                    return Ok(Deregistered {
+                        revision: self.chain.load().revision,
+                        removed: false,
+                    });
+                }
+            }
+        };
         self.settle(revision).await;
         Ok(Deregistered {
             revision: to_u64(revision),
@@ -1269,7 +1649,7 @@ impl GuardHeartbeat {
     /// Puts the liveness key of guard `name` on a new lease (the guard is
     /// alive when this returns) and renews it every heartbeat interval.
     pub async fn start(config: &EtcdConfig, name: &str) -> Result<Self, ConnectError> {
-        let client = connect_client(config).await?;
+        let client = connect_client(config, true).await?;
         let key = config.keys().alive(name.trim());
         let ttl = i64::try_from(config.lease_ttl.as_secs().max(1)).unwrap_or(i64::MAX);
         // Renew well within the TTL, whatever the configured interval.
@@ -1444,6 +1824,66 @@ mod tests {
             freshness(false, Duration::from_secs(11), w, stale),
             Freshness::ServeStale
         );
+    }
+
+    #[test]
+    fn prefix_ends() {
+        assert_eq!(prefix_end(b"/guardmesh/"), b"/guardmesh0");
+        assert_eq!(prefix_end(b"a\xff"), b"b");
+        assert_eq!(prefix_end(b"\xff"), b"\0");
+    }
+
+    #[tokio::test]
+    async fn retried_until_it_answers_within_the_deadline() {
+        let unavailable =
+            || etcd_client::Error::GRpcStatus(tonic::Status::unavailable("no leader"));
+        let mut calls = 0;
+        let answer = retried(Duration::from_secs(5), 3, "reading", &|| {}, || {
+            calls += 1;
+            let fail = calls < 4;
+            async move { if fail { Err(unavailable()) } else { Ok(calls) } }
+        })
+        .await;
+        assert_eq!(answer, Ok(4));
+
+        // What a retry only repeats fails at once.
+        let mut calls = 0;
+        let answer: Result<(), String> =
+            retried(Duration::from_secs(5), 3, "reading", &|| {}, || {
+                calls += 1;
+                async {
+                    Err(etcd_client::Error::GRpcStatus(
+                        tonic::Status::permission_denied("no"),
+                    ))
+                }
+            })
+            .await;
+        assert_eq!(calls, 1);
+        assert!(answer.unwrap_err().contains("permission"));
+
+        // A member that never answers does not take the whole deadline, and
+        // the deadline holds.
+        let started = Instant::now();
+        let mut calls = 0;
+        let answer = retried(Duration::from_millis(400), 3, "reading", &|| {}, || {
+            calls += 1;
+            let hang = calls == 1;
+            async move {
+                if hang {
+                    std::future::pending::<()>().await;
+                }
+                Ok::<_, etcd_client::Error>(calls)
+            }
+        })
+        .await;
+        assert_eq!(answer, Ok(2));
+        let answer: Result<(), String> =
+            retried(Duration::from_millis(300), 3, "reading", &|| {}, || async {
+                Err(unavailable())
+            })
+            .await;
+        assert!(answer.unwrap_err().contains("no leader"));
+        assert!(started.elapsed() < Duration::from_secs(2));
     }
 
     #[test]
