@@ -198,3 +198,171 @@ async fn r24_sdk_sends_its_token_on_every_call() {
         assert_eq!(code, tonic::Code::Unauthenticated, "{message}");
     }
 }
+
+/// Starts `guardmesh serve --config CONFIG` on a free port; returns it
+/// with the port.
+fn serve_config(config: &std::path::Path) -> (Serve, u16) {
+    let port = free_port();
+    let serve = Serve(
+        Command::new(env!("CARGO_BIN_EXE_guardmesh"))
+            .args(["serve", "--listen", &format!("127.0.0.1:{port}")])
+            .arg("--config")
+            .arg(config)
+            .stderr(std::process::Stdio::null())
+            .spawn()
+            .expect("start serve"),
+    );
+    (serve, port)
+}
+
+fn stderr(output: &Output) -> String {
+    String::from_utf8_lossy(&output.stderr).into_owned()
+}
+
+/// Runs `guardmesh guards ARGS` (retrying while the mesh starts) until it
+/// succeeds; panics after ten seconds.
+fn guards_when_up(args: &[&str]) -> Output {
+    let mut last = None;
+    for _ in 0..200 {
+        let out = guardmesh(args);
+        if out.status.success() {
+            return out;
+        }
+        last = Some(out);
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    panic!("the mesh did not answer {args:?}: {last:?}")
+}
+
+/// R24: `guardmesh guards` and `guardmesh evaluate` send the certificate and
+/// token they are given on every call, and without them are refused with a
+/// message that says what is missing.
+#[test]
+fn r24_cli_reaches_a_secured_mesh_with_certificates_or_tokens() {
+    let pki = TestPki::new();
+    let guard = GuardProcess::start("deny-list", 0, &[]);
+    let ca = pki.ca_file();
+    let ca = ca.to_str().unwrap();
+    let (mesh_cert, mesh_key) = pki.issue_files("mesh");
+    let (admin_cert, admin_key) = pki.issue_files("admin");
+    let token_file = pki.file("ops.token", "ops-token\n");
+    let batch = pki.file(
+        "batch.json",
+        r#"{"calls": [{"call_id": "c1", "tool": "fs.delete", "arguments": {}}]}"#,
+    );
+
+    // One mesh requiring mTLS, one taking tokens over TLS.
+    let mtls = pki.file(
+        "mtls.toml",
+        &format!(
+            "[tls]\ncert_file = {:?}\nkey_file = {:?}\nclient_ca_file = {ca:?}\n\
+             [[auth.principal]]\nid = \"spiffe://guardmesh.local/admin\"\nroles = [\"admin\"]\n",
+            mesh_cert.to_str().unwrap(),
+            mesh_key.to_str().unwrap(),
+        ),
+    );
+    let tokens = pki.file(
+        "tokens.toml",
+        &format!(
+            "[tls]\ncert_file = {:?}\nkey_file = {:?}\n\
+             [[auth.principal]]\nid = \"ops\"\nroles = [\"admin\"]\ntoken_file = {:?}\n",
+            mesh_cert.to_str().unwrap(),
+            mesh_key.to_str().unwrap(),
+            token_file.to_str().unwrap(),
+        ),
+    );
+    let cert_args = [
+        "--cert-file",
+        admin_cert.to_str().unwrap(),
+        "--key-file",
+        admin_key.to_str().unwrap(),
+    ];
+    let token_args = ["--token-file", token_file.to_str().unwrap()];
+
+    for (what, config, credentials) in [
+        ("mTLS", &mtls, &cert_args[..]),
+        ("token", &tokens, &token_args[..]),
+    ] {
+        let (_serve, port) = serve_config(config);
+        let mesh = format!("https://localhost:{port}");
+        let base = ["--mesh", mesh.as_str(), "--ca-file", ca];
+        let with = |tail: &[&str]| -> Vec<String> {
+            base.iter()
+                .chain(credentials)
+                .chain(tail)
+                .map(|s| (*s).to_owned())
+                .collect()
+        };
+        let run = |args: Vec<String>| {
+            let args: Vec<&str> = args.iter().map(String::as_str).collect();
+            guardmesh(&args)
+        };
+        let mut list = vec!["guards".to_owned()];
+        list.extend(with(&["list"]));
+        let args: Vec<&str> = list.iter().map(String::as_str).collect();
+        assert!(stdout(&guards_when_up(&args)).contains("chain revision 0"));
+
+        let mut register = vec!["guards".to_owned()];
+        register.extend(with(&["register", "--name", "deny", "--endpoint", &guard.url]));
+        let out = run(register.clone());
+        assert!(out.status.success(), "{what}: {out:?}");
+        assert!(stdout(&out).contains("registered at position 0"), "{what}");
+        let out = run(list.clone());
+        assert!(stdout(&out).contains("deny"), "{what}: {out:?}");
+
+        let mut evaluate = vec!["evaluate".to_owned()];
+        evaluate.extend(with(&[batch.to_str().unwrap()]));
+        let out = run(evaluate);
+        assert!(out.status.success(), "{what}: {out:?}");
+        assert!(stdout(&out).contains("CANCEL"), "{what}: {out:?}");
+
+        // Without credentials: refused, saying why, and nothing changes.
+        let bare = |tail: &[&str]| -> Vec<String> {
+            base.iter().chain(tail).map(|s| (*s).to_owned()).collect()
+        };
+        for args in [
+            [vec!["guards".to_owned()], bare(&["list"])].concat(),
+            [
+                vec!["guards".to_owned()],
+                bare(&["register", "--name", "evil", "--endpoint", "127.0.0.1:1"]),
+            ]
+            .concat(),
+            [vec!["guards".to_owned()], bare(&["deregister", "deny"])].concat(),
+            [vec!["evaluate".to_owned()], bare(&[batch.to_str().unwrap()])].concat(),
+        ] {
+            let out = Command::new(env!("CARGO_BIN_EXE_guardmesh"))
+                .args(&args)
+                .env_remove("GUARDMESH_TOKEN")
+                .output()
+                .unwrap();
+            let message = stderr(&out);
+            assert!(!out.status.success(), "{what} {args:?}: {out:?}");
+            assert!(
+                message.contains("Unauthenticated") || message.contains("CertificateRequired"),
+                "{what} {args:?}: {message}"
+            );
+        }
+        // The token may come from the environment; a wrong one is refused.
+        if what == "token" {
+            let args = [vec!["guards".to_owned()], bare(&["list"])].concat();
+            for (token, works) in [("ops-token", true), ("wrong", false)] {
+                let out = Command::new(env!("CARGO_BIN_EXE_guardmesh"))
+                    .args(&args)
+                    .env("GUARDMESH_TOKEN", token)
+                    .output()
+                    .unwrap();
+                assert_eq!(out.status.success(), works, "{token}: {out:?}");
+                if !works {
+                    assert!(stderr(&out).contains("Unauthenticated"), "{out:?}");
+                }
+            }
+        }
+
+        let mut deregister = vec!["guards".to_owned()];
+        deregister.extend(with(&["deregister", "deny"]));
+        let out = run(deregister);
+        assert!(stdout(&out).contains("deregistered deny"), "{what}: {out:?}");
+        let out = run(list.clone());
+        assert!(!stdout(&out).contains("deny"), "{what}: {out:?}");
+    }
+}
