@@ -366,3 +366,35 @@ fn r24_cli_reaches_a_secured_mesh_with_certificates_or_tokens() {
         assert!(!stdout(&out).contains("deny"), "{what}: {out:?}");
     }
 }
+
+/// R16: endpoints whose host resolvers read differently (numeric forms other
+/// than the dotted quad, a trailing dot, an IPv6 zone id) are refused at
+/// registration with INVALID_ARGUMENT naming the endpoint and the reason,
+/// not only when the mesh dials them.
+#[tokio::test]
+async fn r16_registration_refuses_ambiguous_endpoint_forms() {
+    use guardmesh_client::Registration;
+    let mesh = TestMesh::start().await;
+    let registrar = mesh.registrar().await;
+    for (endpoint, needle) in [
+        ("http://2130706433:50051", "dotted-quad"),
+        ("http://0x7f.0.0.1:50051", "dotted-quad"),
+        ("http://0177.0.0.1:50051", "dotted-quad"),
+        ("http://localhost.:50051", "trailing dot"),
+        ("http://169.254.169.254.:80", "trailing dot"),
+        ("http://[fe80::1%25eth0]:50051", "zone id"),
+    ] {
+        let (code, message) = code_of(
+            registrar
+                .register(Registration::validate("odd", endpoint))
+                .await,
+        );
+        assert_eq!(code, tonic::Code::InvalidArgument, "{endpoint}: {message}");
+        assert!(
+            message.contains(endpoint) && message.contains(needle),
+            "{endpoint}: {message}"
+        );
+    }
+    assert_eq!(mesh.mesh.registry().chain().guards.len(), 0);
+    assert_eq!(registrar.list().await.unwrap().revision, 0);
+}

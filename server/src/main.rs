@@ -394,6 +394,9 @@ async fn serve(config: Option<PathBuf>, listen: Option<std::net::SocketAddr>) ->
     for warning in config.insecure_settings() {
         tracing::warn!("insecure setting: {warning}");
     }
+    for warning in config.guard_warnings() {
+        tracing::warn!("{warning}");
+    }
     let mesh_config = config.build()?;
     let registry = build_registry(&config, mesh_config.default_guard_timeout).await?;
     let mesh = Mesh::new(mesh_config, registry);
@@ -535,6 +538,13 @@ async fn guards(mesh: &MeshArgs, action: GuardsAction) -> Result<(), Error> {
                 }),
                 server_identity: server_identity.unwrap_or_default(),
             };
+            if role == GuardRole::Mutate && spec.grant.as_ref().is_none_or(|g| g.tools.is_empty()) {
+                eprintln!(
+                    "warning: guard {:?} is a mutate guard with an empty grant: every rewrite \
+                     it sends is rejected (R11); pass --grant-tools",
+                    spec.name
+                );
+            }
             let out = registrar.register(spec).await.map_err(explain)?;
             println!(
                 "{} at position {} (chain revision {})",
