@@ -136,6 +136,7 @@ async fn r24_sdk_sends_its_token_on_every_call() {
             ("ops", "ops-token", &["admin"]),
             ("agent", "agent-token", &["evaluate"]),
         ],
+        "",
     )
     .await;
     let guard = proceed_guard().await;
@@ -167,7 +168,10 @@ async fn r24_sdk_sends_its_token_on_every_call() {
     assert!(streamed.calls[0].proceeds());
 
     assert!(
-        registrar.deregister("g").await.expect("deregister with a token"),
+        registrar
+            .deregister("g")
+            .await
+            .expect("deregister with a token"),
         "the guard was removed"
     );
     assert_eq!(mesh.mesh.registry().chain().guards.len(), 0);
@@ -303,7 +307,13 @@ fn r24_cli_reaches_a_secured_mesh_with_certificates_or_tokens() {
         assert!(stdout(&guards_when_up(&args)).contains("chain revision 0"));
 
         let mut register = vec!["guards".to_owned()];
-        register.extend(with(&["register", "--name", "deny", "--endpoint", &guard.url]));
+        register.extend(with(&[
+            "register",
+            "--name",
+            "deny",
+            "--endpoint",
+            &guard.url,
+        ]));
         let out = run(register.clone());
         assert!(out.status.success(), "{what}: {out:?}");
         assert!(stdout(&out).contains("registered at position 0"), "{what}");
@@ -328,7 +338,11 @@ fn r24_cli_reaches_a_secured_mesh_with_certificates_or_tokens() {
             ]
             .concat(),
             [vec!["guards".to_owned()], bare(&["deregister", "deny"])].concat(),
-            [vec!["evaluate".to_owned()], bare(&[batch.to_str().unwrap()])].concat(),
+            [
+                vec!["evaluate".to_owned()],
+                bare(&[batch.to_str().unwrap()]),
+            ]
+            .concat(),
         ] {
             let out = Command::new(env!("CARGO_BIN_EXE_guardmesh"))
                 .args(&args)
@@ -361,7 +375,10 @@ fn r24_cli_reaches_a_secured_mesh_with_certificates_or_tokens() {
         let mut deregister = vec!["guards".to_owned()];
         deregister.extend(with(&["deregister", "deny"]));
         let out = run(deregister);
-        assert!(stdout(&out).contains("deregistered deny"), "{what}: {out:?}");
+        assert!(
+            stdout(&out).contains("deregistered deny"),
+            "{what}: {out:?}"
+        );
         let out = run(list.clone());
         assert!(!stdout(&out).contains("deny"), "{what}: {out:?}");
     }

@@ -103,7 +103,10 @@ impl Credentials {
 }
 
 impl tonic::service::Interceptor for Credentials {
-    fn call(&mut self, mut request: tonic::Request<()>) -> Result<tonic::Request<()>, tonic::Status> {
+    fn call(
+        &mut self,
+        mut request: tonic::Request<()>,
+    ) -> Result<tonic::Request<()>, tonic::Status> {
         if let Some(token) = &self.token {
             request
                 .metadata_mut()

@@ -160,12 +160,7 @@ impl Registrar {
         let request = RegisterRequest {
             guard: Some(spec.into()),
         };
-        Ok(self
-            .client
-            .clone()
-            .register(request)
-            .await?
-            .into_inner())
+        Ok(self.client.clone().register(request).await?.into_inner())
     }
 
     /// Removes a guard; returns whether one was removed.
@@ -182,11 +177,6 @@ impl Registrar {
 
     /// The chain in order.
     pub async fn list(&self) -> Result<ListResponse, ClientError> {
-        Ok(self
-            .client
-            .clone()
-            .list(ListRequest {})
-            .await?
-            .into_inner())
+        Ok(self.client.clone().list(ListRequest {}).await?.into_inner())
     }
 }

@@ -662,10 +662,10 @@ impl Config {
         for (i, g) in self.guards.iter().enumerate() {
             let guard = crate::spec::Guard::from_spec(&g.to_spec(), config.default_guard_timeout)
                 .map_err(|source| SecurityError::Guard {
-                    index: i + 1,
-                    name: g.name.clone(),
-                    source,
-                })?;
+                index: i + 1,
+                name: g.name.clone(),
+                source,
+            })?;
             security
                 .endpoint_policy
                 .check_host(&guard.host())
@@ -844,9 +844,8 @@ mod tests {
 
     #[test]
     fn r16_config_guard_endpoints_are_checked_against_the_policy_at_load() {
-        let guard = |endpoint: &str| {
-            format!("[[guard]]\nname = \"g\"\nendpoint = \"{endpoint}\"\n")
-        };
+        let guard =
+            |endpoint: &str| format!("[[guard]]\nname = \"g\"\nendpoint = \"{endpoint}\"\n");
         let err = Config::parse(&guard("http://169.254.169.254:80"), "t")
             .unwrap()
             .build()
@@ -860,7 +859,11 @@ mod tests {
             "[endpoint_policy]\nallow = [\"10.0.0.0/8\"]\n{}",
             guard("127.0.0.1:1")
         );
-        let err = Config::parse(&text, "t").unwrap().build().unwrap_err().to_string();
+        let err = Config::parse(&text, "t")
+            .unwrap()
+            .build()
+            .unwrap_err()
+            .to_string();
         assert!(err.contains("allow-list"), "{err}");
         let err = Config::parse(&guard("http://0x7f.0.0.1:1"), "t")
             .unwrap()

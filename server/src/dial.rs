@@ -412,7 +412,9 @@ impl GuardConnector {
             .host()
             .ok_or_else(|| io_error(format!("{uri} has no host")))?;
         if let Some(why) = ambiguous_host(written) {
-            return Err(io_error(format!("endpoint policy refuses {written}: {why}")));
+            return Err(io_error(format!(
+                "endpoint policy refuses {written}: {why}"
+            )));
         }
         let host = written
             .trim_start_matches('[')

@@ -127,12 +127,7 @@ struct MeshArgs {
     tls_domain: Option<String>,
     /// Bearer token. Prefer `--token-file` or the environment variable:
     /// a command line is visible to every user of the machine.
-    #[arg(
-        long,
-        global = true,
-        env = "GUARDMESH_TOKEN",
-        hide_env_values = true
-    )]
+    #[arg(long, global = true, env = "GUARDMESH_TOKEN", hide_env_values = true)]
     token: Option<String>,
     /// A file holding the bearer token (its first line); wins over
     /// `--token` and `GUARDMESH_TOKEN`.
@@ -171,9 +166,8 @@ impl MeshArgs {
             })
         };
         let https = self.mesh.trim_start().starts_with("https://");
-        let tls_flags = self.ca_file.is_some()
-            || self.cert_file.is_some()
-            || self.tls_domain.is_some();
+        let tls_flags =
+            self.ca_file.is_some() || self.cert_file.is_some() || self.tls_domain.is_some();
         let tls = match &self.ca_file {
             Some(ca) if https => Some(guardmesh_client::Tls {
                 ca_pem: read("CA file", ca)?,
@@ -554,11 +548,7 @@ async fn guards(mesh: &MeshArgs, action: GuardsAction) -> Result<(), Error> {
             );
         }
         GuardsAction::Deregister { name } => {
-            if registrar
-                .deregister(name.clone())
-                .await
-                .map_err(explain)?
-            {
+            if registrar.deregister(name.clone()).await.map_err(explain)? {
                 println!("deregistered {name}");
             } else {
                 println!("no guard named {name}");

@@ -367,7 +367,9 @@ mod tests {
             assert!(Guard::from_spec(&spec("a", ok), d).is_ok(), "{ok}");
         }
         let long = format!("http://{}.example:1", "a".repeat(600));
-        let err = Guard::from_spec(&spec("a", &long), d).unwrap_err().to_string();
+        let err = Guard::from_spec(&spec("a", &long), d)
+            .unwrap_err()
+            .to_string();
         assert!(err.len() < 400, "the message is bounded: {err}");
     }
 

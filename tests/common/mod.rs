@@ -940,12 +940,16 @@ impl TestPki {
 impl TestMesh {
     /// A mesh on TLS (no client certificates) whose `[auth]` knows only
     /// token principals `(id, token, roles)`, built from a config file's
-    /// sections as `serve` builds them; returns it with its
-    /// `https://localhost:PORT` URL.
-    pub async fn with_tokens(pki: &TestPki, principals: &[(&str, &str, &[&str])]) -> (Self, String) {
+    /// sections as `serve` builds them (`extra`: more sections, such as
+    /// `[guard_tls]`); returns it with its `https://localhost:PORT` URL.
+    pub async fn with_tokens(
+        pki: &TestPki,
+        principals: &[(&str, &str, &[&str])],
+        extra: &str,
+    ) -> (Self, String) {
         let (cert, key) = pki.issue_files("mesh");
         let mut text = format!(
-            "[tls]\ncert_file = {:?}\nkey_file = {:?}\n",
+            "[tls]\ncert_file = {:?}\nkey_file = {:?}\n{extra}\n",
             cert.display().to_string(),
             key.display().to_string()
         );
