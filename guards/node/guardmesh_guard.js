@@ -39,7 +39,10 @@
  *    an `@opentelemetry/api` span `guard.judge` whose parent is the batch's
  *    `traceparent` (recorded only when a tracer provider is registered; no
  *    SDK needed);
- *  - registers the guard with the mesh (`GuardRegistry.Register`);
+ *  - skips (steer) every call whose arguments it cannot read as an I-JSON
+ *    object, without showing it to the judge: unreadable is never "proceed";
+ *  - registers the guard with the mesh (`GuardRegistry.Register`), sending the
+ *    TLS settings, client certificate and token it is given on every call;
  *  - stops gracefully on SIGTERM and SIGINT.
  *
  * A judge that throws (or rejects) fails that request only: the kit answers

@@ -39,7 +39,10 @@ What the kit does for the author:
 * joins the coordinator's trace (SPEC.md R22): when ``opentelemetry`` is
   installed and a TracerProvider is configured, each batch is judged inside a
   span ``guard.judge`` whose parent is the batch's ``traceparent``;
-* registers the guard with the mesh (``GuardRegistry.Register``);
+* skips (steer) every call whose arguments it cannot read as an I-JSON
+  object, without showing it to the judge: unreadable is never "proceed";
+* registers the guard with the mesh (``GuardRegistry.Register``), sending the
+  TLS settings, client certificate and token it is given on every call;
 * stops gracefully on SIGTERM and SIGINT.
 
 A judge that raises fails that request only: the kit answers it with

@@ -353,7 +353,7 @@ pub enum SecurityError {
         index: usize,
         name: String,
         #[source]
-        source: crate::spec::SpecError,
+        source: Box<crate::spec::SpecError>,
     },
     #[error(
         "[[guard]] entry {index} ({name:?}): endpoint {endpoint} is refused by the endpoint policy: {why}"
@@ -664,7 +664,7 @@ impl Config {
                 .map_err(|source| SecurityError::Guard {
                 index: i + 1,
                 name: g.name.clone(),
-                source,
+                source: Box::new(source),
             })?;
             security
                 .endpoint_policy
