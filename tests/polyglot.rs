@@ -635,20 +635,27 @@ async fn kit_guard_that_fails(
 }
 
 /// R24: both kits register with a mesh that requires a token over TLS,
-/// sending the CA, and the token from a file; the Node guard also serves
-/// TLS itself and registers `https://`. Without the token, registration
+/// sending the CA, and the token from a file. Both also serve TLS
+/// themselves and register `https://` (the Python guard requires the mesh's
+/// client certificate), and judge over it. Without the token, registration
 /// fails with UNAUTHENTICATED and the guard exits 1.
 #[tokio::test]
 async fn r24_kits_register_with_a_token_over_tls() {
     let pki = TestPki::new();
     let ca = pki.ca_file();
+    let (link_cert, link_key) = pki.issue_files("mesh-link");
     let (mesh, url) = TestMesh::with_tokens(
         &pki,
         &[
             ("guards", "guard-token", &["register"]),
             ("agent", "agent-token", &["evaluate"]),
         ],
-        &format!("[guard_tls]\nca_file = {:?}\n", ca.to_str().unwrap()),
+        &format!(
+            "[guard_tls]\nca_file = {:?}\ncert_file = {:?}\nkey_file = {:?}\n",
+            ca.to_str().unwrap(),
+            link_cert.to_str().unwrap(),
+            link_key.to_str().unwrap()
+        ),
     )
     .await;
     let token = pki.file("guard.token", "guard-token\n");
@@ -669,8 +676,21 @@ async fn r24_kits_register_with_a_token_over_tls() {
             .map(|s| (*s).to_owned())
             .collect()
     };
-    let args = with_token("py-no-delete");
-    let _python = python_guard(
+    // The Python guard serves mTLS (the mesh must present a certificate
+    // from the CA), the Node guard TLS.
+    let mut args = with_token("py-no-delete");
+    args.extend(
+        [
+            "--tls-cert-file",
+            guard_cert.to_str().unwrap(),
+            "--tls-key-file",
+            guard_key.to_str().unwrap(),
+            "--tls-client-ca-file",
+            ca,
+        ]
+        .map(str::to_owned),
+    );
+    let py = python_guard(
         "no_delete.py",
         &args.iter().map(String::as_str).collect::<Vec<_>>(),
     )
@@ -701,7 +721,7 @@ async fn r24_kits_register_with_a_token_over_tls() {
         [
             (
                 "py-no-delete".to_owned(),
-                format!("http://127.0.0.1:{}", _python.port)
+                format!("https://127.0.0.1:{}", py.port)
             ),
             (
                 "js-no-delete".to_owned(),
@@ -727,6 +747,18 @@ async fn r24_kits_register_with_a_token_over_tls() {
     assert!(!d.calls[0].proceeds(), "{d:?}");
     assert_eq!(status_of(&d, "py-no-delete"), TraceStatus::Skipped, "{d:?}");
     assert_ne!(status_of(&d, "js-no-delete"), TraceStatus::Failed, "{d:?}");
+    let d = coordinator
+        .evaluate_once("s", Batch::new(1).call("c1", "fs.read", r#"{"path":"/x"}"#))
+        .await
+        .unwrap();
+    assert!(d.calls[0].proceeds(), "{d:?}");
+    for guard in ["py-no-delete", "js-no-delete"] {
+        assert_eq!(
+            status_of(&d, guard),
+            TraceStatus::Proceeded,
+            "{guard}: {d:?}"
+        );
+    }
 
     // Without the token: refused, and the guard exits 1 saying why.
     for (program, script) in [
