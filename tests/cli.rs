@@ -352,7 +352,8 @@ fn r24_cli_reaches_a_secured_mesh_with_certificates_or_tokens() {
             let message = stderr(&out);
             assert!(!out.status.success(), "{what} {args:?}: {out:?}");
             assert!(
-                message.contains("Unauthenticated") || message.contains("CertificateRequired"),
+                message.contains("Unauthenticated")
+                    || message.contains("pass --cert-file and --key-file"),
                 "{what} {args:?}: {message}"
             );
         }
@@ -414,4 +415,50 @@ async fn r16_registration_refuses_ambiguous_endpoint_forms() {
     }
     assert_eq!(mesh.mesh.registry().chain().guards.len(), 0);
     assert_eq!(registrar.list().await.unwrap().revision, 0);
+}
+
+/// R24: a server that refuses the TLS handshake for want of a client
+/// certificate (as a mesh with a client CA may, before any RPC) is reported
+/// with what to pass, not as a bare transport error.
+#[tokio::test]
+async fn r24_cli_says_what_to_pass_when_a_client_certificate_is_required() {
+    let pki = TestPki::new();
+    let (cert, key) = pki.issue_files("server");
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let port = listener.local_addr().unwrap().port();
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let server = tokio::spawn(guardmesh_client::guard::serve_with(
+        std::sync::Arc::new(script_guard_state(|_| Script::default())),
+        listener,
+        Some(guardmesh_client::guard::ServerTls {
+            cert_pem: std::fs::read_to_string(&cert).unwrap(),
+            key_pem: std::fs::read_to_string(&key).unwrap(),
+            client_ca_pem: Some(pki.ca.cert_pem()),
+        }),
+        async {
+            let _ = stopped.await;
+        },
+    ));
+    let ca = pki.ca_file();
+    let mesh = format!("https://localhost:{port}");
+    let out = tokio::task::spawn_blocking(move || {
+        guardmesh(&[
+            "guards",
+            "--mesh",
+            &mesh,
+            "--ca-file",
+            ca.to_str().unwrap(),
+            "list",
+        ])
+    })
+    .await
+    .unwrap();
+    let message = stderr(&out);
+    assert!(!out.status.success(), "{out:?}");
+    assert!(
+        message.contains("pass --cert-file and --key-file"),
+        "{message}"
+    );
+    let _ = stop.send(());
+    let _ = server.await;
 }

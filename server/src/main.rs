@@ -215,6 +215,31 @@ fn explain(error: guardmesh_client::ClientError) -> Error {
     }
 }
 
+impl MeshArgs {
+    /// [`explain`], plus a hint when the connection failed under TLS
+    /// without a client certificate: a mesh that requires one refuses the
+    /// handshake before any RPC (R24), which reaches the client as a
+    /// transport error rather than `UNAUTHENTICATED`.
+    fn explain(&self) -> impl Fn(guardmesh_client::ClientError) -> Error + '_ {
+        move |error| {
+            let transport = matches!(error, guardmesh_client::ClientError::Connect(_))
+                || matches!(
+                    error.code(),
+                    Some(tonic::Code::Unavailable | tonic::Code::Unknown)
+                );
+            if transport && self.ca_file.is_some() && self.cert_file.is_none() {
+                let chain = guardmesh_server::link::error_chain(&error);
+                return format!(
+                    "{chain} (if this mesh requires client certificates, pass \
+                     --cert-file and --key-file)"
+                )
+                .into();
+            }
+            explain(error)
+        }
+    }
+}
+
 #[derive(Subcommand)]
 enum GuardsAction {
     /// Prints the chain in order.
@@ -452,10 +477,12 @@ async fn build_registry(
 }
 
 async fn guards(mesh: &MeshArgs, action: GuardsAction) -> Result<(), Error> {
-    let registrar = Registrar::connect_with(mesh.mesh.clone(), &mesh.connection()?).await?;
+    let registrar = Registrar::connect_with(mesh.mesh.clone(), &mesh.connection()?)
+        .await
+        .map_err(mesh.explain())?;
     match action {
         GuardsAction::List => {
-            let list = registrar.list().await.map_err(explain)?;
+            let list = registrar.list().await.map_err(mesh.explain())?;
             println!("chain revision {}", list.revision);
             println!(
                 "{:<4} {:<20} {:<9} {:<8} {:<12} {:>8}  {:<24} endpoint",
@@ -539,7 +566,7 @@ async fn guards(mesh: &MeshArgs, action: GuardsAction) -> Result<(), Error> {
                     spec.name
                 );
             }
-            let out = registrar.register(spec).await.map_err(explain)?;
+            let out = registrar.register(spec).await.map_err(mesh.explain())?;
             println!(
                 "{} at position {} (chain revision {})",
                 if out.created { "registered" } else { "updated" },
@@ -548,7 +575,11 @@ async fn guards(mesh: &MeshArgs, action: GuardsAction) -> Result<(), Error> {
             );
         }
         GuardsAction::Deregister { name } => {
-            if registrar.deregister(name.clone()).await.map_err(explain)? {
+            if registrar
+                .deregister(name.clone())
+                .await
+                .map_err(mesh.explain())?
+            {
                 println!("deregistered {name}");
             } else {
                 println!("no guard named {name}");
@@ -601,7 +632,9 @@ async fn evaluate(mesh: &MeshArgs, file: &std::path::Path) -> Result<(), Error> 
             },
         })
         .collect();
-    let coordinator = Coordinator::connect_with(mesh.mesh.clone(), &mesh.connection()?).await?;
+    let coordinator = Coordinator::connect_with(mesh.mesh.clone(), &mesh.connection()?)
+        .await
+        .map_err(mesh.explain())?;
     let session = if input.session_id.is_empty() {
         "cli"
     } else {
@@ -610,7 +643,7 @@ async fn evaluate(mesh: &MeshArgs, file: &std::path::Path) -> Result<(), Error> 
     let decision = coordinator
         .evaluate_once(session, batch)
         .await
-        .map_err(explain)?;
+        .map_err(mesh.explain())?;
     print!("{}", guardmesh_server::demo::render(&decision));
     Ok(())
 }
