@@ -111,3 +111,354 @@ fn cli_serve_register_evaluate_deregister() {
     assert!(!list.contains("deny"), "{list}");
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+fn code_of<T: std::fmt::Debug>(
+    result: Result<T, guardmesh_client::ClientError>,
+) -> (tonic::Code, String) {
+    match result {
+        Err(guardmesh_client::ClientError::Status(status)) => {
+            (status.code(), status.message().to_owned())
+        }
+        other => panic!("expected a gRPC status, got {other:?}"),
+    }
+}
+
+/// R24: the SDK sends the token it was given on every call it makes:
+/// register, list, deregister, a session stream and a unary evaluate,
+/// against a mesh over TLS whose principals are known by token only.
+#[tokio::test]
+async fn r24_sdk_sends_its_token_on_every_call() {
+    use guardmesh_client::{Batch, Coordinator, Registrar, Registration};
+    let pki = TestPki::new();
+    let (mesh, url) = TestMesh::with_tokens(
+        &pki,
+        &[
+            ("ops", "ops-token", &["admin"]),
+            ("agent", "agent-token", &["evaluate"]),
+        ],
+        "",
+    )
+    .await;
+    let guard = proceed_guard().await;
+    let ops = pki.connection(None, Some("ops-token"));
+    let registrar = Registrar::connect_with(url.clone(), &ops).await.unwrap();
+    registrar
+        .register(Registration::validate("g", &guard.url))
+        .await
+        .expect("register with a token");
+    let list = registrar.list().await.expect("list with a token");
+    assert_eq!(list.guards.len(), 1);
+
+    let agent = pki.connection(None, Some("agent-token"));
+    let coordinator = Coordinator::connect_with(url.clone(), &agent)
+        .await
+        .unwrap();
+    let unary = coordinator
+        .evaluate_once("s", Batch::new(0).call("c", "t", "{}"))
+        .await
+        .expect("unary evaluate with a token");
+    assert!(unary.calls[0].proceeds());
+    let streamed = coordinator
+        .session("s")
+        .await
+        .expect("session with a token")
+        .evaluate(Batch::new(1).call("c", "t", "{}"))
+        .await
+        .expect("streamed evaluate with a token");
+    assert!(streamed.calls[0].proceeds());
+
+    assert!(
+        registrar
+            .deregister("g")
+            .await
+            .expect("deregister with a token"),
+        "the guard was removed"
+    );
+    assert_eq!(mesh.mesh.registry().chain().guards.len(), 0);
+
+    // Without the token, each of them is refused.
+    let anonymous = pki.connection(None, None);
+    let registrar = Registrar::connect_with(url.clone(), &anonymous)
+        .await
+        .unwrap();
+    let coordinator = Coordinator::connect_with(url.clone(), &anonymous)
+        .await
+        .unwrap();
+    let refused = [
+        code_of(
+            registrar
+                .register(Registration::validate("g", &guard.url))
+                .await,
+        ),
+        code_of(registrar.list().await),
+        code_of(registrar.deregister("g").await),
+        code_of(
+            coordinator
+                .evaluate_once("s", Batch::new(0).call("c", "t", "{}"))
+                .await,
+        ),
+    ];
+    for (code, message) in refused {
+        assert_eq!(code, tonic::Code::Unauthenticated, "{message}");
+    }
+}
+
+/// Starts `guardmesh serve --config CONFIG` on a free port; returns it
+/// with the port.
+fn serve_config(config: &std::path::Path) -> (Serve, u16) {
+    let port = free_port();
+    let serve = Serve(
+        Command::new(env!("CARGO_BIN_EXE_guardmesh"))
+            .args(["serve", "--listen", &format!("127.0.0.1:{port}")])
+            .arg("--config")
+            .arg(config)
+            .stderr(std::process::Stdio::null())
+            .spawn()
+            .expect("start serve"),
+    );
+    (serve, port)
+}
+
+fn stderr(output: &Output) -> String {
+    String::from_utf8_lossy(&output.stderr).into_owned()
+}
+
+/// Runs `guardmesh guards ARGS` (retrying while the mesh starts) until it
+/// succeeds; panics after ten seconds.
+fn guards_when_up(args: &[&str]) -> Output {
+    let mut last = None;
+    for _ in 0..200 {
+        let out = guardmesh(args);
+        if out.status.success() {
+            return out;
+        }
+        last = Some(out);
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    panic!("the mesh did not answer {args:?}: {last:?}")
+}
+
+/// R24: `guardmesh guards` and `guardmesh evaluate` send the certificate and
+/// token they are given on every call, and without them are refused with a
+/// message that says what is missing.
+#[test]
+fn r24_cli_reaches_a_secured_mesh_with_certificates_or_tokens() {
+    let pki = TestPki::new();
+    let guard = GuardProcess::start("deny-list", 0, &[]);
+    let ca = pki.ca_file();
+    let ca = ca.to_str().unwrap();
+    let (mesh_cert, mesh_key) = pki.issue_files("mesh");
+    let (admin_cert, admin_key) = pki.issue_files("admin");
+    let token_file = pki.file("ops.token", "ops-token\n");
+    let batch = pki.file(
+        "batch.json",
+        r#"{"calls": [{"call_id": "c1", "tool": "fs.delete", "arguments": {}}]}"#,
+    );
+
+    // One mesh requiring mTLS, one taking tokens over TLS.
+    let mtls = pki.file(
+        "mtls.toml",
+        &format!(
+            "[tls]\ncert_file = {:?}\nkey_file = {:?}\nclient_ca_file = {ca:?}\n\
+             [[auth.principal]]\nid = \"spiffe://guardmesh.local/admin\"\nroles = [\"admin\"]\n",
+            mesh_cert.to_str().unwrap(),
+            mesh_key.to_str().unwrap(),
+        ),
+    );
+    let tokens = pki.file(
+        "tokens.toml",
+        &format!(
+            "[tls]\ncert_file = {:?}\nkey_file = {:?}\n\
+             [[auth.principal]]\nid = \"ops\"\nroles = [\"admin\"]\ntoken_file = {:?}\n",
+            mesh_cert.to_str().unwrap(),
+            mesh_key.to_str().unwrap(),
+            token_file.to_str().unwrap(),
+        ),
+    );
+    let cert_args = [
+        "--cert-file",
+        admin_cert.to_str().unwrap(),
+        "--key-file",
+        admin_key.to_str().unwrap(),
+    ];
+    let token_args = ["--token-file", token_file.to_str().unwrap()];
+
+    for (what, config, credentials) in [
+        ("mTLS", &mtls, &cert_args[..]),
+        ("token", &tokens, &token_args[..]),
+    ] {
+        let (_serve, port) = serve_config(config);
+        let mesh = format!("https://localhost:{port}");
+        let base = ["--mesh", mesh.as_str(), "--ca-file", ca];
+        let with = |tail: &[&str]| -> Vec<String> {
+            base.iter()
+                .chain(credentials)
+                .chain(tail)
+                .map(|s| (*s).to_owned())
+                .collect()
+        };
+        let run = |args: Vec<String>| {
+            let args: Vec<&str> = args.iter().map(String::as_str).collect();
+            guardmesh(&args)
+        };
+        let mut list = vec!["guards".to_owned()];
+        list.extend(with(&["list"]));
+        let args: Vec<&str> = list.iter().map(String::as_str).collect();
+        assert!(stdout(&guards_when_up(&args)).contains("chain revision 0"));
+
+        let mut register = vec!["guards".to_owned()];
+        register.extend(with(&[
+            "register",
+            "--name",
+            "deny",
+            "--endpoint",
+            &guard.url,
+        ]));
+        let out = run(register.clone());
+        assert!(out.status.success(), "{what}: {out:?}");
+        assert!(stdout(&out).contains("registered at position 0"), "{what}");
+        let out = run(list.clone());
+        assert!(stdout(&out).contains("deny"), "{what}: {out:?}");
+
+        let mut evaluate = vec!["evaluate".to_owned()];
+        evaluate.extend(with(&[batch.to_str().unwrap()]));
+        let out = run(evaluate);
+        assert!(out.status.success(), "{what}: {out:?}");
+        assert!(stdout(&out).contains("CANCEL"), "{what}: {out:?}");
+
+        // Without credentials: refused, saying why, and nothing changes.
+        let bare = |tail: &[&str]| -> Vec<String> {
+            base.iter().chain(tail).map(|s| (*s).to_owned()).collect()
+        };
+        for args in [
+            [vec!["guards".to_owned()], bare(&["list"])].concat(),
+            [
+                vec!["guards".to_owned()],
+                bare(&["register", "--name", "evil", "--endpoint", "127.0.0.1:1"]),
+            ]
+            .concat(),
+            [vec!["guards".to_owned()], bare(&["deregister", "deny"])].concat(),
+            [
+                vec!["evaluate".to_owned()],
+                bare(&[batch.to_str().unwrap()]),
+            ]
+            .concat(),
+        ] {
+            let out = Command::new(env!("CARGO_BIN_EXE_guardmesh"))
+                .args(&args)
+                .env_remove("GUARDMESH_TOKEN")
+                .output()
+                .unwrap();
+            let message = stderr(&out);
+            assert!(!out.status.success(), "{what} {args:?}: {out:?}");
+            assert!(
+                message.contains("Unauthenticated")
+                    || message.contains("pass --cert-file and --key-file"),
+                "{what} {args:?}: {message}"
+            );
+        }
+        // The token may come from the environment; a wrong one is refused.
+        if what == "token" {
+            let args = [vec!["guards".to_owned()], bare(&["list"])].concat();
+            for (token, works) in [("ops-token", true), ("wrong", false)] {
+                let out = Command::new(env!("CARGO_BIN_EXE_guardmesh"))
+                    .args(&args)
+                    .env("GUARDMESH_TOKEN", token)
+                    .output()
+                    .unwrap();
+                assert_eq!(out.status.success(), works, "{token}: {out:?}");
+                if !works {
+                    assert!(stderr(&out).contains("Unauthenticated"), "{out:?}");
+                }
+            }
+        }
+
+        let mut deregister = vec!["guards".to_owned()];
+        deregister.extend(with(&["deregister", "deny"]));
+        let out = run(deregister);
+        assert!(
+            stdout(&out).contains("deregistered deny"),
+            "{what}: {out:?}"
+        );
+        let out = run(list.clone());
+        assert!(!stdout(&out).contains("deny"), "{what}: {out:?}");
+    }
+}
+
+/// R16: endpoints whose host resolvers read differently (numeric forms other
+/// than the dotted quad, a trailing dot, an IPv6 zone id) are refused at
+/// registration with INVALID_ARGUMENT naming the endpoint and the reason,
+/// not only when the mesh dials them.
+#[tokio::test]
+async fn r16_registration_refuses_ambiguous_endpoint_forms() {
+    use guardmesh_client::Registration;
+    let mesh = TestMesh::start().await;
+    let registrar = mesh.registrar().await;
+    for (endpoint, needle) in [
+        ("http://2130706433:50051", "dotted-quad"),
+        ("http://0x7f.0.0.1:50051", "dotted-quad"),
+        ("http://0177.0.0.1:50051", "dotted-quad"),
+        ("http://localhost.:50051", "trailing dot"),
+        ("http://169.254.169.254.:80", "trailing dot"),
+        ("http://[fe80::1%25eth0]:50051", "zone id"),
+    ] {
+        let (code, message) = code_of(
+            registrar
+                .register(Registration::validate("odd", endpoint))
+                .await,
+        );
+        assert_eq!(code, tonic::Code::InvalidArgument, "{endpoint}: {message}");
+        assert!(
+            message.contains(endpoint) && message.contains(needle),
+            "{endpoint}: {message}"
+        );
+    }
+    assert_eq!(mesh.mesh.registry().chain().guards.len(), 0);
+    assert_eq!(registrar.list().await.unwrap().revision, 0);
+}
+
+/// R24: a server that refuses the TLS handshake for want of a client
+/// certificate (as a mesh with a client CA may, before any RPC) is reported
+/// with what to pass, not as a bare transport error.
+#[tokio::test]
+async fn r24_cli_says_what_to_pass_when_a_client_certificate_is_required() {
+    let pki = TestPki::new();
+    let (cert, key) = pki.issue_files("server");
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let port = listener.local_addr().unwrap().port();
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let server = tokio::spawn(guardmesh_client::guard::serve_with(
+        std::sync::Arc::new(script_guard_state(|_| Script::default())),
+        listener,
+        Some(guardmesh_client::guard::ServerTls {
+            cert_pem: std::fs::read_to_string(&cert).unwrap(),
+            key_pem: std::fs::read_to_string(&key).unwrap(),
+            client_ca_pem: Some(pki.ca.cert_pem()),
+        }),
+        async {
+            let _ = stopped.await;
+        },
+    ));
+    let ca = pki.ca_file();
+    let mesh = format!("https://localhost:{port}");
+    let out = tokio::task::spawn_blocking(move || {
+        guardmesh(&[
+            "guards",
+            "--mesh",
+            &mesh,
+            "--ca-file",
+            ca.to_str().unwrap(),
+            "list",
+        ])
+    })
+    .await
+    .unwrap();
+    let message = stderr(&out);
+    assert!(!out.status.success(), "{out:?}");
+    assert!(
+        message.contains("pass --cert-file and --key-file"),
+        "{message}"
+    );
+    let _ = stop.send(());
+    let _ = server.await;
+}

@@ -607,3 +607,243 @@ async fn readme_minimal_python_and_node_guards_work_as_documented() {
         "the mutate guard's skip is final (R12)"
     );
 }
+
+/// Runs a kit guard that is expected to fail to register: returns its exit
+/// status and stderr (bounded: registration waits at most 10 s).
+async fn kit_guard_that_fails(
+    program: std::path::PathBuf,
+    script: String,
+    args: Vec<String>,
+) -> (std::process::ExitStatus, String) {
+    tokio::task::spawn_blocking(move || {
+        let out = std::process::Command::new(program)
+            .arg(script)
+            .args(["--port", "0"])
+            .args(&args)
+            .current_dir(repo_root())
+            .env_remove("GUARDMESH_TOKEN")
+            .stdin(std::process::Stdio::null())
+            .output()
+            .expect("run the kit guard");
+        (
+            out.status,
+            String::from_utf8_lossy(&out.stderr).into_owned(),
+        )
+    })
+    .await
+    .unwrap()
+}
+
+/// R24: both kits register with a mesh that requires a token over TLS,
+/// sending the CA, and the token from a file. Both also serve TLS
+/// themselves and register `https://` (the Python guard requires the mesh's
+/// client certificate), and judge over it. Without the token, registration
+/// fails with UNAUTHENTICATED and the guard exits 1.
+#[tokio::test]
+async fn r24_kits_register_with_a_token_over_tls() {
+    let pki = TestPki::new();
+    let ca = pki.ca_file();
+    let (link_cert, link_key) = pki.issue_files("mesh-link");
+    let (mesh, url) = TestMesh::with_tokens(
+        &pki,
+        &[
+            ("guards", "guard-token", &["register"]),
+            ("agent", "agent-token", &["evaluate"]),
+        ],
+        &format!(
+            "[guard_tls]\nca_file = {:?}\ncert_file = {:?}\nkey_file = {:?}\n",
+            ca.to_str().unwrap(),
+            link_cert.to_str().unwrap(),
+            link_key.to_str().unwrap()
+        ),
+    )
+    .await;
+    let token = pki.file("guard.token", "guard-token\n");
+    let (guard_cert, guard_key) = pki.issue_files("guard");
+    let (ca, token) = (ca.to_str().unwrap(), token.to_str().unwrap());
+    let base = [
+        "--mesh",
+        url.as_str(),
+        "--mesh-ca-file",
+        ca,
+        "--timeout-ms",
+        GUARD_TIMEOUT_MS,
+    ];
+
+    let with_token = |name: &str| -> Vec<String> {
+        base.iter()
+            .chain(&["--name", name, "--mesh-token-file", token])
+            .map(|s| (*s).to_owned())
+            .collect()
+    };
+    // The Python guard serves mTLS (the mesh must present a certificate
+    // from the CA), the Node guard TLS.
+    let mut args = with_token("py-no-delete");
+    args.extend(
+        [
+            "--tls-cert-file",
+            guard_cert.to_str().unwrap(),
+            "--tls-key-file",
+            guard_key.to_str().unwrap(),
+            "--tls-client-ca-file",
+            ca,
+        ]
+        .map(str::to_owned),
+    );
+    let py = python_guard(
+        "no_delete.py",
+        &args.iter().map(String::as_str).collect::<Vec<_>>(),
+    )
+    .await;
+    let mut args = with_token("js-no-delete");
+    args.extend(
+        [
+            "--tls-cert-file",
+            guard_cert.to_str().unwrap(),
+            "--tls-key-file",
+            guard_key.to_str().unwrap(),
+        ]
+        .map(str::to_owned),
+    );
+    let js = node_guard(
+        "no_delete.js",
+        &args.iter().map(String::as_str).collect::<Vec<_>>(),
+    )
+    .await;
+    let chain = mesh.mesh.registry().chain();
+    let endpoints: Vec<(String, String)> = chain
+        .guards
+        .iter()
+        .map(|g| (g.name.clone(), g.endpoint.clone()))
+        .collect();
+    assert_eq!(
+        endpoints,
+        [
+            (
+                "py-no-delete".to_owned(),
+                format!("https://127.0.0.1:{}", py.port)
+            ),
+            (
+                "js-no-delete".to_owned(),
+                format!("https://127.0.0.1:{}", js.port)
+            ),
+        ]
+    );
+
+    // Both judge: the Node guard over TLS.
+    let coordinator = guardmesh_client::Coordinator::connect_with(
+        url.clone(),
+        &pki.connection(None, Some("agent-token")),
+    )
+    .await
+    .unwrap();
+    let d = coordinator
+        .evaluate_once(
+            "s",
+            Batch::new(0).call("c1", "fs.delete", r#"{"path":"/x"}"#),
+        )
+        .await
+        .unwrap();
+    assert!(!d.calls[0].proceeds(), "{d:?}");
+    assert_eq!(status_of(&d, "py-no-delete"), TraceStatus::Skipped, "{d:?}");
+    assert_ne!(status_of(&d, "js-no-delete"), TraceStatus::Failed, "{d:?}");
+    let d = coordinator
+        .evaluate_once("s", Batch::new(1).call("c1", "fs.read", r#"{"path":"/x"}"#))
+        .await
+        .unwrap();
+    assert!(d.calls[0].proceeds(), "{d:?}");
+    for guard in ["py-no-delete", "js-no-delete"] {
+        assert_eq!(
+            status_of(&d, guard),
+            TraceStatus::Proceeded,
+            "{guard}: {d:?}"
+        );
+    }
+
+    // Without the token: refused, and the guard exits 1 saying why.
+    for (program, script) in [
+        (python(), "guards/python/examples/no_delete.py"),
+        (node(), "guards/node/examples/no_delete.js"),
+    ] {
+        let args: Vec<String> = base
+            .iter()
+            .chain(&["--name", "no-token"])
+            .map(|s| (*s).to_owned())
+            .collect();
+        let (status, stderr) = kit_guard_that_fails(
+            program,
+            repo_root().join(script).display().to_string(),
+            args,
+        )
+        .await;
+        assert_eq!(status.code(), Some(1), "{script}: {stderr}");
+        assert!(stderr.contains("UNAUTHENTICATED"), "{script}: {stderr}");
+    }
+    assert_eq!(mesh.mesh.registry().chain().guards.len(), 2);
+}
+
+/// R20: a kit that cannot read a call's arguments as an I-JSON object
+/// (duplicate member names, a number no double holds, not JSON) skips that
+/// call, never lets it proceed; the others are judged as usual. Sent
+/// straight to each kit's Judge stream, as a mesh without the gate would.
+#[tokio::test]
+async fn r20_kits_skip_calls_whose_arguments_they_cannot_read() {
+    use guardmesh_client::proto::guard_service_client::GuardServiceClient;
+    use guardmesh_client::proto::{GuardBatch, JudgeRequest, ToolCall, judge_request, verdict};
+    let py = python_guard("no_delete.py", &[]).await;
+    let js = node_guard("no_delete.js", &[]).await;
+    for url in [&py.url, &js.url] {
+        let mut client = GuardServiceClient::connect(url.clone()).await.unwrap();
+        let call = |id: &str, args: &str| ToolCall {
+            call_id: id.into(),
+            tool: "fs.read".into(),
+            arguments: args.into(),
+        };
+        let batch = GuardBatch {
+            request_id: 1,
+            batch_id: "b".into(),
+            calls: vec![
+                call("dup", r#"{"path":"/tmp/x","path":"/etc/shadow"}"#),
+                call("big", r#"{"n":1e400}"#),
+                call("bad", "{not json"),
+                call("ok", r#"{"path":"/tmp/x"}"#),
+            ],
+            ..Default::default()
+        };
+        // Queued before the call is awaited (a grpcio server sends no
+        // headers before its first answer).
+        let (tx, rx) = tokio::sync::mpsc::channel(1);
+        tx.send(JudgeRequest {
+            kind: Some(judge_request::Kind::Batch(batch)),
+        })
+        .await
+        .unwrap();
+        let mut answers = client
+            .judge(tokio_stream::wrappers::ReceiverStream::new(rx))
+            .await
+            .unwrap()
+            .into_inner();
+        let answer = tokio::time::timeout(Duration::from_secs(30), answers.message())
+            .await
+            .expect("an answer")
+            .unwrap()
+            .expect("an answer");
+        drop(tx);
+        assert_eq!(answer.error, "", "{url}");
+        let mut skipped: Vec<&str> = answer
+            .verdicts
+            .iter()
+            .filter(|v| matches!(v.outcome, Some(verdict::Outcome::Skip(_))))
+            .map(|v| v.call_id.as_str())
+            .collect();
+        skipped.sort_unstable();
+        assert_eq!(skipped, ["bad", "big", "dup"], "{url}: {answer:?}");
+        assert!(
+            answer
+                .verdicts
+                .iter()
+                .all(|v| v.call_id != "ok" || v.outcome.is_none()),
+            "{url}: {answer:?}"
+        );
+    }
+}

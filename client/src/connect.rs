@@ -61,19 +61,60 @@ impl Connection {
         self.token
             .as_ref()
             .map(|t| {
-                format!("Bearer {t}")
+                let mut value = format!("Bearer {}", t.trim())
                     .parse::<AsciiMetadataValue>()
-                    .map_err(|_| ClientError::Protocol("the token is not valid header text".into()))
+                    .map_err(|_| {
+                        ClientError::Protocol("the token is not valid header text".into())
+                    })?;
+                // Kept out of debug output and of HPACK's dynamic table.
+                value.set_sensitive(true);
+                Ok(value)
             })
             .transpose()
     }
 }
 
-/// Adds the `authorization` header to a request.
-pub(crate) fn authorize<T>(request: &mut tonic::Request<T>, token: &Option<AsciiMetadataValue>) {
-    if let Some(token) = token {
-        request
-            .metadata_mut()
-            .insert("authorization", token.clone());
+/// The credentials a client sends with every request it makes (R24): the
+/// bearer token, if one is set. Installed as the interceptor of every SDK
+/// client, so no call path (unary, streaming, one added later) can leave it
+/// out. The certificate, if any, is part of the channel itself.
+#[derive(Debug, Clone, Default)]
+pub struct Credentials {
+    token: Option<AsciiMetadataValue>,
+}
+
+impl Credentials {
+    /// No credentials beyond the channel's.
+    pub fn none() -> Self {
+        Self::default()
+    }
+
+    /// The credentials of `connection`.
+    pub fn of(connection: &Connection) -> Result<Self, ClientError> {
+        Ok(Self {
+            token: connection.authorization()?,
+        })
+    }
+
+    /// Whether a token is sent.
+    pub fn has_token(&self) -> bool {
+        self.token.is_some()
     }
 }
+
+impl tonic::service::Interceptor for Credentials {
+    fn call(
+        &mut self,
+        mut request: tonic::Request<()>,
+    ) -> Result<tonic::Request<()>, tonic::Status> {
+        if let Some(token) = &self.token {
+            request
+                .metadata_mut()
+                .insert("authorization", token.clone());
+        }
+        Ok(request)
+    }
+}
+
+/// A channel whose every request carries [`Credentials`].
+pub type Authorized = tonic::service::interceptor::InterceptedService<Channel, Credentials>;

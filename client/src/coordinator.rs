@@ -19,6 +19,7 @@
 //! # Ok(()) }
 //! ```
 
+use crate::connect::{Authorized, Credentials};
 use crate::error::ClientError;
 use crate::proto::pre_tool_service_client::PreToolServiceClient;
 use crate::proto::{
@@ -252,11 +253,11 @@ impl Decision {
     }
 }
 
-/// A connection to a mesh's `PreToolService`.
+/// A connection to a mesh's `PreToolService`. The credentials it was
+/// connected with go on every call, unary and streaming (R24).
 #[derive(Debug, Clone)]
 pub struct Coordinator {
-    client: PreToolServiceClient<Channel>,
-    token: Option<tonic::metadata::AsciiMetadataValue>,
+    client: PreToolServiceClient<Authorized>,
 }
 
 impl Coordinator {
@@ -274,19 +275,22 @@ impl Coordinator {
         endpoint: impl Into<String>,
         connection: &crate::connect::Connection,
     ) -> Result<Self, ClientError> {
+        let credentials = Credentials::of(connection)?;
         let channel = connection.channel(endpoint).await?;
-        let mut this = Self::from_channel(channel);
-        this.token = connection.authorization()?;
-        Ok(this)
+        Ok(Self::from_channel_with(channel, credentials))
     }
 
-    /// Uses an existing channel (for custom settings).
+    /// Uses an existing channel (for custom settings), without a token.
     pub fn from_channel(channel: Channel) -> Self {
+        Self::from_channel_with(channel, Credentials::none())
+    }
+
+    /// Uses an existing channel; `credentials` go on every call.
+    pub fn from_channel_with(channel: Channel, credentials: Credentials) -> Self {
         Self {
-            client: PreToolServiceClient::new(channel)
+            client: PreToolServiceClient::with_interceptor(channel, credentials)
                 .max_decoding_message_size(64 << 20)
                 .max_encoding_message_size(64 << 20),
-            token: None,
         }
     }
 
@@ -306,7 +310,6 @@ impl Coordinator {
         let (tx, rx) = mpsc::channel(64);
         let mut request = tonic::Request::new(ReceiverStream::new(rx));
         *request.metadata_mut() = metadata;
-        crate::connect::authorize(&mut request, &self.token);
         let mut client = self.client.clone();
         let mut answers = client.evaluate(request).await?.into_inner();
         let waiting: Waiting = Arc::default();
@@ -368,7 +371,6 @@ impl Coordinator {
         if let Some(timeout) = timeout {
             request.set_timeout(timeout);
         }
-        crate::connect::authorize(&mut request, &self.token);
         let decision = client.evaluate_batch(request).await?.into_inner();
         Decision::from_wire(batch_id, decision)
     }

@@ -26,7 +26,7 @@ pub mod registry;
 pub mod trace;
 pub mod verdict;
 
-pub use connect::{Connection, Tls};
+pub use connect::{Connection, Credentials, Tls};
 pub use coordinator::{Batch, CallOutcome, Coordinator, Decision, Outcome, Session};
 pub use error::ClientError;
 pub use guard::{Guard, serve};

@@ -1,5 +1,6 @@
 //! Registering guards with a mesh.
 
+use crate::connect::{Authorized, Credentials};
 use crate::error::ClientError;
 use crate::proto::guard_registry_client::GuardRegistryClient;
 use crate::proto::{
@@ -113,11 +114,11 @@ impl From<Registration> for GuardSpec {
     }
 }
 
-/// A client of a mesh's `GuardRegistry`.
+/// A client of a mesh's `GuardRegistry`. The credentials it was connected
+/// with go on every call (R24).
 #[derive(Debug, Clone)]
 pub struct Registrar {
-    client: GuardRegistryClient<Channel>,
-    token: Option<tonic::metadata::AsciiMetadataValue>,
+    client: GuardRegistryClient<Authorized>,
 }
 
 impl Registrar {
@@ -134,23 +135,21 @@ impl Registrar {
         endpoint: impl Into<String>,
         connection: &crate::connect::Connection,
     ) -> Result<Self, ClientError> {
+        let credentials = Credentials::of(connection)?;
         let channel = connection.channel(endpoint).await?;
-        let mut this = Self::from_channel(channel);
-        this.token = connection.authorization()?;
-        Ok(this)
+        Ok(Self::from_channel_with(channel, credentials))
     }
 
+    /// Uses an existing channel, without a token.
     pub fn from_channel(channel: Channel) -> Self {
-        Self {
-            client: GuardRegistryClient::new(channel),
-            token: None,
-        }
+        Self::from_channel_with(channel, Credentials::none())
     }
 
-    fn request<T>(&self, message: T) -> tonic::Request<T> {
-        let mut request = tonic::Request::new(message);
-        crate::connect::authorize(&mut request, &self.token);
-        request
+    /// Uses an existing channel; `credentials` go on every call.
+    pub fn from_channel_with(channel: Channel, credentials: Credentials) -> Self {
+        Self {
+            client: GuardRegistryClient::with_interceptor(channel, credentials),
+        }
     }
 
     /// Registers (or updates in place) a guard.
@@ -161,12 +160,7 @@ impl Registrar {
         let request = RegisterRequest {
             guard: Some(spec.into()),
         };
-        Ok(self
-            .client
-            .clone()
-            .register(self.request(request))
-            .await?
-            .into_inner())
+        Ok(self.client.clone().register(request).await?.into_inner())
     }
 
     /// Removes a guard; returns whether one was removed.
@@ -183,11 +177,6 @@ impl Registrar {
 
     /// The chain in order.
     pub async fn list(&self) -> Result<ListResponse, ClientError> {
-        Ok(self
-            .client
-            .clone()
-            .list(self.request(ListRequest {}))
-            .await?
-            .into_inner())
+        Ok(self.client.clone().list(ListRequest {}).await?.into_inner())
     }
 }

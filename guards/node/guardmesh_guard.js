@@ -39,7 +39,10 @@
  *    an `@opentelemetry/api` span `guard.judge` whose parent is the batch's
  *    `traceparent` (recorded only when a tracer provider is registered; no
  *    SDK needed);
- *  - registers the guard with the mesh (`GuardRegistry.Register`);
+ *  - skips (steer) every call whose arguments it cannot read as an I-JSON
+ *    object, without showing it to the judge: unreadable is never "proceed";
+ *  - registers the guard with the mesh (`GuardRegistry.Register`), sending the
+ *    TLS settings, client certificate and token it is given on every call;
  *  - stops gracefully on SIGTERM and SIGINT.
  *
  * A judge that throws (or rejects) fails that request only: the kit answers
@@ -116,19 +119,109 @@ class Call {
     /** @type {string} */ this.tool = call.tool;
     /** The arguments as sent: a JSON object, as text ('' means {}). */
     this.arguments = call.arguments;
-    /** The arguments parsed ({} when empty or not a JSON object). */
-    this.args = parseObject(call.arguments);
+    /** The arguments parsed; null when they cannot be read (see `error`). */
+    this.args = null;
+    /**
+     * Why the arguments cannot be read as an I-JSON object, if they cannot
+     * (null otherwise). Such a call is never shown to the judge: the kit
+     * skips it.
+     */
+    this.error = null;
+    try {
+      this.args = parseArguments(call.arguments);
+    } catch (err) {
+      if (!(err instanceof ArgumentsError)) throw err;
+      this.error = err.message;
+    }
   }
 }
 
-function parseObject(text) {
-  if (!text || !text.trim()) return {};
-  try {
-    const value = JSON.parse(text);
-    return value !== null && typeof value === 'object' && !Array.isArray(value) ? value : {};
-  } catch {
-    return {};
+/** Arguments that are not an I-JSON object (RFC 7493): parsers would read them differently. */
+class ArgumentsError extends Error {
+  constructor(message) {
+    super(message);
+    this.name = 'ArgumentsError';
   }
+}
+
+/**
+ * The first member name that occurs twice in one object of `text` (valid
+ * JSON), or null. JSON.parse keeps the last silently; other parsers keep the
+ * first or refuse, so what a guard judged would not be what runs.
+ */
+function duplicateMember(text) {
+  const stack = [];
+  for (let i = 0; i < text.length; i += 1) {
+    const ch = text[i];
+    if (ch === '"') {
+      let j = i + 1;
+      while (text[j] !== '"') j += text[j] === '\\' ? 2 : 1;
+      const top = stack[stack.length - 1];
+      if (top && top.keys && top.expectKey) {
+        const key = JSON.parse(text.slice(i, j + 1));
+        if (top.keys.has(key)) return key;
+        top.keys.add(key);
+        top.expectKey = false;
+      }
+      i = j;
+    } else if (ch === '{') {
+      stack.push({ keys: new Set(), expectKey: true });
+    } else if (ch === '[') {
+      stack.push({ keys: null });
+    } else if (ch === '}' || ch === ']') {
+      stack.pop();
+    } else if (ch === ',') {
+      const top = stack[stack.length - 1];
+      if (top && top.keys) top.expectKey = true;
+    }
+  }
+  return null;
+}
+
+/** Throws on a number a double cannot hold or a string with a lone surrogate. */
+function checkValues(value) {
+  const stack = [value];
+  while (stack.length) {
+    const item = stack.pop();
+    if (typeof item === 'number') {
+      if (!Number.isFinite(item)) throw new ArgumentsError('a number does not fit a double');
+    } else if (typeof item === 'string') {
+      if (!item.isWellFormed()) throw new ArgumentsError('a string holds a lone surrogate (\\ud800...)');
+    } else if (Array.isArray(item)) {
+      for (const member of item) stack.push(member);
+    } else if (item !== null && typeof item === 'object') {
+      for (const [key, member] of Object.entries(item)) {
+        if (!key.isWellFormed()) throw new ArgumentsError('a member name holds a lone surrogate');
+        stack.push(member);
+      }
+    }
+  }
+}
+
+/**
+ * Parses a call's arguments: a JSON object, as text ('' is {}). Strict, as
+ * the mesh's gate is (SPEC.md R20): throws ArgumentsError for anything that
+ * is not an I-JSON object (invalid JSON, not an object, duplicate member
+ * names, numbers a double cannot hold, lone surrogates, nesting too deep).
+ */
+function parseArguments(text) {
+  if (!text || !text.trim()) return {};
+  let value;
+  try {
+    value = JSON.parse(text);
+  } catch (err) {
+    if (err instanceof RangeError) throw new ArgumentsError('nested too deep');
+    throw new ArgumentsError(`not JSON: ${String(err.message).slice(0, 120)}`);
+  }
+  if (value === null || typeof value !== 'object' || Array.isArray(value)) {
+    throw new ArgumentsError(`a JSON ${Array.isArray(value) ? 'array' : typeof value}, not an object`);
+  }
+  const duplicate = duplicateMember(text);
+  if (duplicate !== null) {
+    throw new ArgumentsError(`duplicate member name ${JSON.stringify(duplicate.slice(0, 64))}`);
+  }
+  checkValues(value);
+  return value;
 }
 
 /**
@@ -144,7 +237,14 @@ class Batch {
     this.guard = request.guard || guardName;
     /** The turn's context: {session_id, turn_index, model_text, metadata}. */
     this.context = request.context || { session_id: '', turn_index: 0, model_text: '', metadata: {} };
-    this.calls = (request.calls || []).map((c) => new Call(c));
+    const calls = (request.calls || []).map((c) => new Call(c));
+    /** The calls to judge: those whose arguments the kit could read. */
+    this.calls = calls.filter((c) => c.error === null);
+    /**
+     * Calls whose arguments are not an I-JSON object; the kit skips them
+     * (steer), never lets them proceed, and the judge does not see them.
+     */
+    this.unreadable = calls.filter((c) => c.error !== null);
     this.deadlineMs = request.deadline_ms;
     this.traceparent = request.traceparent;
     this.tracestate = request.tracestate;
@@ -210,8 +310,10 @@ function rewrite(callId, args = null, tool = null) {
   const change = {};
   if (args !== null && args !== undefined) {
     if (typeof args === 'string') {
-      if (args.trim() && !isObjectText(args)) {
-        throw new TypeError(`rewrite of call ${JSON.stringify(callId)}: arguments must be a JSON object`);
+      try {
+        parseArguments(args);
+      } catch (err) {
+        throw new TypeError(`rewrite of call ${JSON.stringify(callId)}: arguments must be a JSON object: ${err.message}`);
       }
       change.arguments = args;
     } else if (typeof args === 'object' && !Array.isArray(args)) {
@@ -225,15 +327,6 @@ function rewrite(callId, args = null, tool = null) {
     change.tool = tool;
   }
   return { call_id: callId, rewrite: change };
-}
-
-function isObjectText(text) {
-  try {
-    const value = JSON.parse(text);
-    return value !== null && typeof value === 'object' && !Array.isArray(value);
-  } catch {
-    return false;
-  }
 }
 
 /** An explicit "run it": the same as sending no verdict for the call. */
@@ -462,8 +555,17 @@ function judgeStream(call, judgeFn, guardName, streams, draining) {
       return;
     }
     pending.set(batch.requestId, batch);
-    judgeTraced(judgeFn, batch).then(
-      (verdicts) => answer(batch, { verdicts }),
+    // Arguments the kit cannot read are a reason to skip, never to proceed.
+    const skipped = batch.unreadable.map((c) => {
+      log.warn(`batch ${JSON.stringify(batch.batchId)}: skipping call ${JSON.stringify(c.callId)}, `
+        + `its arguments cannot be read: ${c.error}`);
+      return steer(c.callId, `The arguments of call ${JSON.stringify(c.callId)} cannot be read as a `
+        + `JSON object (${c.error}); guard ${JSON.stringify(batch.guard)} did not judge them. `
+        + 'Send them as a plain JSON object.');
+    });
+    const judged = batch.calls.length ? judgeTraced(judgeFn, batch) : Promise.resolve([]);
+    judged.then(
+      (verdicts) => answer(batch, { verdicts: [...skipped, ...verdicts] }),
       (err) => {
         log.error(`judge failed on batch ${JSON.stringify(batch.batchId)} (request ${batch.requestId}):`, err);
         // Fails this request alone (R13); the stream stays up.
@@ -561,13 +663,54 @@ class Health {
 // Serving and registering
 // ---------------------------------------------------------------------------
 
+/** Throws when `options` has a key outside `known` (a typo would otherwise be ignored). */
+function refuseUnknown(what, options, known) {
+  if (options === null || typeof options !== 'object') {
+    throw new TypeError(`${what}: options must be an object`);
+  }
+  const unknown = Object.keys(options).filter((key) => !known.includes(key));
+  if (unknown.length) {
+    throw new TypeError(`${what}: unknown option${unknown.length > 1 ? 's' : ''} `
+      + `${unknown.map((k) => JSON.stringify(k)).join(', ')} (known: ${known.join(', ')})`);
+  }
+}
+
+function readFile(file, what) {
+  try {
+    return fs.readFileSync(file);
+  } catch (err) {
+    throw new Error(`cannot read the ${what} ${file}: ${err.code || err.message}`);
+  }
+}
+
+const SERVE_OPTIONS = ['port', 'host', 'name', 'tls'];
+const SERVER_TLS_OPTIONS = ['certFile', 'keyFile', 'clientCaFile'];
+
+/** Server credentials: insecure, or TLS ({certFile, keyFile, clientCaFile}). */
+function serverCredentials(tls) {
+  if (!tls) return grpc.ServerCredentials.createInsecure();
+  refuseUnknown('serve tls', tls, SERVER_TLS_OPTIONS);
+  if (!tls.certFile || !tls.keyFile) throw new TypeError('serve tls: certFile and keyFile are required');
+  const ca = tls.clientCaFile ? readFile(tls.clientCaFile, 'client CA file') : null;
+  return grpc.ServerCredentials.createSsl(
+    ca,
+    [{ cert_chain: readFile(tls.certFile, 'certificate file'), private_key: readFile(tls.keyFile, 'key file') }],
+    ca !== null,
+  );
+}
+
 /**
  * Starts serving `judgeFn` as a GuardService, with grpc.health.v1 (overall and
- * GuardService SERVING). Resolves to {server, port}; `server.stop(graceMs)`
+ * GuardService SERVING). Options: `port` (0 picks one), `host`, `name`, and
+ * `tls` ({certFile, keyFile, clientCaFile}: serve TLS, mTLS with a client CA).
+ * Unknown options are refused. Resolves to {server, port}; `server.stop(graceMs)`
  * stops gracefully (NOT_SERVING, each stream ends once its outstanding
  * requests are answered, the rest is cancelled after `graceMs`).
  */
-async function serve(judgeFn, { port = 0, host = '127.0.0.1', name = '' } = {}) {
+async function serve(judgeFn, options = {}) {
+  refuseUnknown('serve', options, SERVE_OPTIONS);
+  const { port = 0, host = '127.0.0.1', name = '', tls = null } = options;
+  const credentials = serverCredentials(tls);
   const grpcServer = new grpc.Server();
   const streams = new Set();
   const draining = { value: false };
@@ -581,7 +724,7 @@ async function serve(judgeFn, { port = 0, host = '127.0.0.1', name = '' } = {}) 
   grpcServer.addService(healthService, health.handlers());
   const address = host.includes(':') ? `[${host}]:${port}` : `${host}:${port}`;
   const bound = await new Promise((resolve, reject) => {
-    grpcServer.bindAsync(address, grpc.ServerCredentials.createInsecure(),
+    grpcServer.bindAsync(address, credentials,
       (err, p) => (err ? reject(err) : resolve(p)));
   });
   health.set('', 'SERVING');
@@ -632,35 +775,95 @@ function channelTarget(address) {
   return address.replace(/^(https?|grpc):\/\//, '').replace(/\/+$/, '');
 }
 
-function registryClient(meshAddr) {
-  return new pb.GuardRegistry(channelTarget(meshAddr), grpc.credentials.createInsecure());
+/** Options that say how to reach the mesh (R24: every call carries them). */
+const CREDENTIAL_OPTIONS = ['caFile', 'certFile', 'keyFile', 'token', 'tokenFile', 'tlsDomain'];
+
+/**
+ * How the kit reaches the mesh's GuardRegistry: `caFile` (TLS: the CA of the
+ * mesh's certificate), `certFile`/`keyFile` (this guard's client certificate,
+ * for mTLS), `token` or `tokenFile` (a bearer token; default: the
+ * GUARDMESH_TOKEN variable), `tlsDomain` (the name to verify the mesh's
+ * certificate against). Returns {channel credentials, metadata, options}.
+ */
+function meshCredentials(meshAddr, {
+  caFile = null, certFile = null, keyFile = null, token = null, tokenFile = null, tlsDomain = null,
+} = {}) {
+  if (!certFile !== !keyFile) throw new TypeError('a client certificate needs both certFile and keyFile');
+  if (certFile && !caFile) throw new TypeError('a client certificate needs TLS: set caFile too');
+  if (/^https:\/\//.test(meshAddr) && !caFile) {
+    throw new TypeError(`${meshAddr} is https://: set caFile to the CA of the mesh's certificate`);
+  }
+  let bearer = token;
+  if (tokenFile) {
+    bearer = String(readFile(tokenFile, 'token file')).split(/\r?\n/)[0].trim();
+    if (!bearer) throw new TypeError(`the token file ${tokenFile} is empty`);
+  } else if (bearer === null && (process.env.GUARDMESH_TOKEN || '').trim()) {
+    bearer = process.env.GUARDMESH_TOKEN.trim();
+  }
+  if (bearer !== null && (typeof bearer !== 'string' || !bearer.trim() || /[\r\n]/.test(bearer.trim()))) {
+    throw new TypeError('the token must be one non-empty line');
+  }
+  const metadata = new grpc.Metadata();
+  if (bearer !== null) metadata.set('authorization', `Bearer ${bearer.trim()}`);
+  const channel = caFile
+    ? grpc.credentials.createSsl(
+      readFile(caFile, 'CA file'),
+      keyFile ? readFile(keyFile, 'key file') : null,
+      certFile ? readFile(certFile, 'certificate file') : null,
+    )
+    : grpc.credentials.createInsecure();
+  const options = tlsDomain ? { 'grpc.ssl_target_name_override': tlsDomain } : {};
+  return { channel, metadata, options };
 }
 
-function unary(client, method, request, timeoutMs) {
+function registryClient(meshAddr, credentials) {
+  return new pb.GuardRegistry(channelTarget(meshAddr), credentials.channel, credentials.options);
+}
+
+function unary(client, method, request, timeoutMs, metadata) {
   const deadline = Date.now() + timeoutMs;
   return new Promise((resolve, reject) => {
     client.waitForReady(deadline, (readyErr) => {
       if (readyErr) { reject(readyErr); return; }
-      client[method](request, { deadline }, (err, response) => (err ? reject(err) : resolve(response)));
+      client[method](request, metadata.clone(), { deadline },
+        (err, response) => (err ? reject(err) : resolve(response)));
     });
   });
 }
 
+const REGISTER_OPTIONS = [
+  'host', 'endpoint', 'role', 'tools', 'failurePolicy', 'timeoutMs', 'priority', 'mode',
+  'grantTools', 'mayRename', 'waitMs', 'https', ...CREDENTIAL_OPTIONS,
+];
+
+/** Picks the credential options out of `options`. */
+function credentialOptions(options) {
+  return Object.fromEntries(Object.entries(options).filter(([k]) => CREDENTIAL_OPTIONS.includes(k)));
+}
+
 /**
  * Registers (or updates) this guard with the mesh at `meshAddr`. The endpoint
- * is `endpoint` or `http://HOST:PORT` (127.0.0.1 for a wildcard host). Enum
- * options take short names ('mutate', 'fail_open', 'dry_run'); list options an
- * array or comma-separated text. Waits up to `timeoutMs` for the mesh.
- * Resolves to the RegisterResponse.
+ * is `endpoint` or `http://HOST:PORT` (`https://` with `https: true`;
+ * 127.0.0.1 for a wildcard host). Enum options take short names ('mutate',
+ * 'fail_open', 'dry_run'); list options an array or comma-separated text.
+ * Waits up to `waitMs` for the mesh. The credential options (`caFile`,
+ * `certFile`, `keyFile`, `token`, `tokenFile`, `tlsDomain`: see
+ * meshCredentials) go on the call. Unknown options are refused. Resolves to
+ * the RegisterResponse.
  */
-async function register(meshAddr, name, port, {
-  host = '127.0.0.1', endpoint = null, role = 'validate', tools = [], failurePolicy = 'fail_closed',
-  timeoutMs = 0, priority = 0, mode = 'enforce', grantTools = [], mayRename = false,
-  waitMs = 10000,
-} = {}) {
+async function register(meshAddr, name, port, options = {}) {
+  refuseUnknown('register', options, REGISTER_OPTIONS);
+  const {
+    host = '127.0.0.1', role = 'validate', tools = [], failurePolicy = 'fail_closed',
+    timeoutMs = 0, priority = 0, mode = 'enforce', grantTools = [], mayRename = false,
+    waitMs = 10000, https = false,
+  } = options;
+  let { endpoint = null } = options;
+  const credentials = meshCredentials(meshAddr, credentialOptions(options));
   if (!endpoint) {
     const reach = ['', '0.0.0.0', '::', '[::]'].includes(host) ? '127.0.0.1' : host;
-    endpoint = reach.includes(':') ? `http://[${reach}]:${port}` : `http://${reach}:${port}`;
+    const scheme = https ? 'https' : 'http';
+    endpoint = reach.includes(':') ? `${scheme}://[${reach}]:${port}` : `${scheme}://${reach}:${port}`;
   }
   const guard = {
     name,
@@ -673,9 +876,9 @@ async function register(meshAddr, name, port, {
     mode: enumName('mode', mode),
     grant: { tools: list(grantTools), may_rename: mayRename },
   };
-  const client = registryClient(meshAddr);
+  const client = registryClient(meshAddr, credentials);
   try {
-    const response = await unary(client, 'Register', { guard }, waitMs);
+    const response = await unary(client, 'Register', { guard }, waitMs, credentials.metadata);
     log.info(`registered guard ${JSON.stringify(name)} (${endpoint}) with ${meshAddr}: `
       + `revision ${response.revision}, position ${response.position}, `
       + `${response.created ? 'created' : 'updated'}`);
@@ -685,11 +888,19 @@ async function register(meshAddr, name, port, {
   }
 }
 
-/** Removes the guard `name` from the mesh's chain; resolves true if it was there. */
-async function deregister(meshAddr, name, waitMs = 5000) {
-  const client = registryClient(meshAddr);
+/**
+ * Removes the guard `name` from the mesh's chain; resolves true if it was
+ * there. `options`: `waitMs` (default 5000; a number is read as it) and the
+ * credential options of register.
+ */
+async function deregister(meshAddr, name, options = {}) {
+  const opts = typeof options === 'number' ? { waitMs: options } : options;
+  refuseUnknown('deregister', opts, ['waitMs', ...CREDENTIAL_OPTIONS]);
+  const { waitMs = 5000 } = opts;
+  const credentials = meshCredentials(meshAddr, credentialOptions(opts));
+  const client = registryClient(meshAddr, credentials);
   try {
-    const response = await unary(client, 'Deregister', { name }, waitMs);
+    const response = await unary(client, 'Deregister', { name }, waitMs, credentials.metadata);
     log.info(`deregistered guard ${JSON.stringify(name)} from ${meshAddr} (removed: ${response.removed})`);
     return response.removed;
   } finally {
@@ -716,6 +927,14 @@ const KIT_OPTIONS = {
   'grant-tools': { type: 'string', default: '' },
   'may-rename': { type: 'boolean', default: false },
   endpoint: { type: 'string' },
+  'mesh-ca-file': { type: 'string' },
+  'mesh-cert-file': { type: 'string' },
+  'mesh-key-file': { type: 'string' },
+  'mesh-token-file': { type: 'string' },
+  'mesh-tls-domain': { type: 'string' },
+  'tls-cert-file': { type: 'string' },
+  'tls-key-file': { type: 'string' },
+  'tls-client-ca-file': { type: 'string' },
   'deregister-on-exit': { type: 'boolean', default: false },
   'otlp-file': { type: 'string' },
   'log-level': { type: 'string', default: 'info' },
@@ -736,6 +955,15 @@ const KIT_HELP = `guard kit flags:
   --grant-tools LIST      mutate guards: comma-separated tools it may rewrite
   --may-rename            mutate guards: may change a call's tool name
   --endpoint URL          endpoint to register (default http://HOST:PORT)
+  --mesh-ca-file PATH     TLS to the mesh: PEM of the CA that signed its certificate
+  --mesh-cert-file PATH   this guard's PEM client certificate, for a mesh requiring mTLS
+  --mesh-key-file PATH    the key of --mesh-cert-file
+  --mesh-token-file PATH  file holding the bearer token sent to the mesh
+                          (default: the GUARDMESH_TOKEN variable, if set)
+  --mesh-tls-domain NAME  name to verify the mesh's certificate against
+  --tls-cert-file PATH    serve TLS with this PEM certificate (registers https://)
+  --tls-key-file PATH     the key of --tls-cert-file
+  --tls-client-ca-file P  require the mesh to present a certificate from this CA
   --deregister-on-exit    deregister on SIGTERM/SIGINT (default: stay, R15)
   --otlp-file PATH        append each finished span to PATH as a JSON line
   --log-level LEVEL       stderr log level: debug, info (default), warn, error`;
@@ -797,9 +1025,26 @@ async function run(judgeFn, flags) {
   log.name = flags.name;
   log.level = LEVELS[flags['log-level']];
   if (flags['otlp-file']) installFileTracing(flags['otlp-file'], flags.name);
+  const credentials = {
+    caFile: flags['mesh-ca-file'] ?? null,
+    certFile: flags['mesh-cert-file'] ?? null,
+    keyFile: flags['mesh-key-file'] ?? null,
+    tokenFile: flags['mesh-token-file'] ?? null,
+    tlsDomain: flags['mesh-tls-domain'] ?? null,
+  };
+  let tls = null;
+  if (flags['tls-cert-file'] || flags['tls-key-file'] || flags['tls-client-ca-file']) {
+    tls = {
+      certFile: flags['tls-cert-file'],
+      keyFile: flags['tls-key-file'],
+      clientCaFile: flags['tls-client-ca-file'] ?? null,
+    };
+  }
   let server;
   try {
-    ({ server } = await serve(judgeFn, { port: flags.port, host: flags.host, name: flags.name }));
+    ({ server } = await serve(judgeFn, {
+      port: flags.port, host: flags.host, name: flags.name, tls,
+    }));
     if (flags.mesh) {
       await register(flags.mesh, flags.name, server.port, {
         host: flags.host,
@@ -812,6 +1057,8 @@ async function run(judgeFn, flags) {
         mode: flags['dry-run'] ? 'dry_run' : 'enforce',
         grantTools: flags['grant-tools'],
         mayRename: flags['may-rename'],
+        https: tls !== null,
+        ...credentials,
       });
     }
   } catch (err) {
@@ -827,7 +1074,7 @@ async function run(judgeFn, flags) {
     stopping = true;
     log.info('stopping');
     if (flags.mesh && flags['deregister-on-exit']) {
-      await deregister(flags.mesh, flags.name).catch((err) => log.warn('could not deregister:', err));
+      await deregister(flags.mesh, flags.name, credentials).catch((err) => log.warn('could not deregister:', err));
     }
     await server.stop(5000);
     log.info('stopped');
@@ -846,6 +1093,7 @@ function main(judgeFn, { argv, options, defaults, usage } = {}) {
 }
 
 module.exports = {
+  ArgumentsError,
   Batch,
   Call,
   cancel,
@@ -853,6 +1101,7 @@ module.exports = {
   installFileTracing,
   log,
   main,
+  parseArguments,
   parseFlags,
   pb,
   proceed,

@@ -39,7 +39,10 @@ What the kit does for the author:
 * joins the coordinator's trace (SPEC.md R22): when ``opentelemetry`` is
   installed and a TracerProvider is configured, each batch is judged inside a
   span ``guard.judge`` whose parent is the batch's ``traceparent``;
-* registers the guard with the mesh (``GuardRegistry.Register``);
+* skips (steer) every call whose arguments it cannot read as an I-JSON
+  object, without showing it to the judge: unreadable is never "proceed";
+* registers the guard with the mesh (``GuardRegistry.Register``), sending the
+  TLS settings, client certificate and token it is given on every call;
 * stops gracefully on SIGTERM and SIGINT.
 
 A judge that raises fails that request only: the kit answers it with
@@ -59,6 +62,7 @@ import concurrent.futures
 import dataclasses
 import json
 import logging
+import math
 import os
 import queue
 import signal
@@ -72,15 +76,19 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 __all__ = [
+    "ArgumentsError",
     "Batch",
     "Call",
     "GuardServer",
     "JudgeFn",
+    "MeshCredentials",
+    "ServerTls",
     "argument_parser",
     "cancel",
     "deregister",
     "install_file_tracing",
     "main",
+    "parse_arguments",
     "pb",
     "proceed",
     "register",
@@ -137,6 +145,85 @@ GUARD_SERVICE = pb.DESCRIPTOR.services_by_name["GuardService"].full_name
 # ---------------------------------------------------------------------------
 
 
+class ArgumentsError(ValueError):
+    """Arguments that are not an I-JSON object (RFC 7493), which parsers
+    would read differently: what the guard judged would not be what runs."""
+
+
+def _unique_members(pairs: list) -> dict:
+    obj = {}
+    for key, value in pairs:
+        if key in obj:
+            raise ArgumentsError(f"duplicate member name {key[:64]!r}")
+        obj[key] = value
+    return obj
+
+
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if math.isinf(value):
+        raise ArgumentsError(f"number {text[:32]}... does not fit a double")
+    return value
+
+
+def _double_int(text: str) -> int:
+    if math.isinf(float(text)):
+        raise ArgumentsError(f"number {text[:32]}... does not fit a double")
+    return int(text)
+
+
+def _no_constant(name: str):
+    raise ArgumentsError(f"{name} is not JSON")
+
+
+def _check_strings(value: Any) -> None:
+    """Raises on a string (or member name) with a lone surrogate."""
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, str):
+            strings = [item]
+        elif isinstance(item, dict):
+            strings = list(item.keys())
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            strings = []
+            stack.extend(item)
+        else:
+            continue
+        for text in strings:
+            try:
+                text.encode("utf-8")
+            except UnicodeEncodeError:
+                raise ArgumentsError("a string holds a lone surrogate (\\ud800...)") from None
+
+
+def parse_arguments(text: str) -> dict:
+    """Parses a call's arguments: a JSON object, as text ("" is ``{}``).
+
+    Strict, as the mesh's gate is (SPEC.md R20): raises :class:`ArgumentsError`
+    for anything that is not an I-JSON object (invalid JSON, not an object,
+    duplicate member names, numbers a double cannot hold, NaN/Infinity, lone
+    surrogates, nesting too deep to parse), which parsers read differently.
+    """
+    if not text.strip():
+        return {}
+    try:
+        value = json.loads(text, object_pairs_hook=_unique_members,
+                           parse_float=_finite_float, parse_int=_double_int,
+                           parse_constant=_no_constant)
+    except ArgumentsError:
+        raise
+    except RecursionError:
+        raise ArgumentsError("nested too deep") from None
+    except ValueError as err:  # json.JSONDecodeError, int digit limits
+        raise ArgumentsError(f"not JSON: {str(err)[:120]}") from None
+    if not isinstance(value, dict):
+        raise ArgumentsError(f"a JSON {type(value).__name__}, not an object")
+    _check_strings(value)
+    return value
+
+
 @dataclasses.dataclass(frozen=True)
 class Call:
     """One tool call of a batch, as the mesh sent it."""
@@ -145,18 +232,18 @@ class Call:
     tool: str
     #: The arguments as sent: a JSON object, as text ("" means ``{}``).
     arguments: str
-    #: The arguments parsed (``{}`` when empty or not a JSON object).
-    args: dict
+    #: The arguments parsed; ``None`` when they cannot be read (see ``error``).
+    args: Optional[dict]
+    #: Why the arguments cannot be read as an I-JSON object, if they cannot.
+    #: Such a call is never shown to the judge: the kit skips it.
+    error: Optional[str] = None
 
     @classmethod
     def from_proto(cls, call: "pb.ToolCall") -> "Call":
         try:
-            args = json.loads(call.arguments) if call.arguments.strip() else {}
-        except ValueError:
-            args = {}
-        if not isinstance(args, dict):
-            args = {}
-        return cls(call.call_id, call.tool, call.arguments, args)
+            return cls(call.call_id, call.tool, call.arguments, parse_arguments(call.arguments))
+        except ArgumentsError as err:
+            return cls(call.call_id, call.tool, call.arguments, None, str(err))
 
 
 class Batch:
@@ -173,7 +260,12 @@ class Batch:
         #: The name the guard is registered under (the kit's name if unset).
         self.guard: str = request.guard or guard_name
         self.context: pb.BatchContext = request.context
-        self.calls: list[Call] = [Call.from_proto(c) for c in request.calls]
+        calls = [Call.from_proto(c) for c in request.calls]
+        #: The calls to judge: those whose arguments the kit could read.
+        self.calls: list[Call] = [c for c in calls if c.error is None]
+        #: Calls whose arguments are not an I-JSON object; the kit skips them
+        #: (steer), never lets them proceed, and the judge does not see them.
+        self.unreadable: list[Call] = [c for c in calls if c.error is not None]
         self.deadline_ms: int = request.deadline_ms
         self.traceparent: str = request.traceparent
         self.tracestate: str = request.tracestate
@@ -267,9 +359,12 @@ def rewrite(
     change = pb.Rewrite()
     if arguments is not None:
         if isinstance(arguments, str):
-            parsed = json.loads(arguments) if arguments.strip() else {}
-            if not isinstance(parsed, dict):
-                raise ValueError(f"rewrite of call {call_id!r}: arguments must be a JSON object")
+            try:
+                parse_arguments(arguments)
+            except ArgumentsError as err:
+                raise ValueError(
+                    f"rewrite of call {call_id!r}: arguments must be a JSON object: {err}"
+                ) from None
             change.arguments = arguments
         else:
             change.arguments = json.dumps(dict(arguments), ensure_ascii=False)
@@ -486,7 +581,22 @@ class _GuardServicer(pb_grpc.GuardServiceServicer):
             return self.streams_changed.wait_for(lambda: not self.streams, timeout)
 
     def judge(self, batch: Batch) -> list:
-        """Runs the judge function on a batch, in a span when tracing."""
+        """Skips the calls whose arguments cannot be read, and runs the judge
+        function on the others (in a span when tracing)."""
+        skipped = [
+            steer(c.call_id, f"The arguments of call {c.call_id!r} cannot be read as a JSON "
+                             f"object ({c.error}); guard {batch.guard!r} did not judge them. "
+                             "Send them as a plain JSON object.")
+            for c in batch.unreadable
+        ]
+        for c in batch.unreadable:
+            log.warning("batch %r: skipping call %r, its arguments cannot be read: %s",
+                        batch.batch_id, c.call_id, c.error)
+        if not batch.calls:
+            return skipped
+        return skipped + self._judge_calls(batch)
+
+    def _judge_calls(self, batch: Batch) -> list:
         if _otel_trace is None:
             return _conforming(batch, self.judge_fn(batch))
         carrier = {}
@@ -517,6 +627,97 @@ class _GuardServicer(pb_grpc.GuardServiceServicer):
 # ---------------------------------------------------------------------------
 # Serving and registering
 # ---------------------------------------------------------------------------
+
+
+def _read(path: str, what: str) -> bytes:
+    try:
+        with open(path, "rb") as file:
+            return file.read()
+    except OSError as err:
+        raise ValueError(f"cannot read the {what} {path}: {err.strerror}") from None
+
+
+@dataclasses.dataclass(frozen=True)
+class ServerTls:
+    """TLS for the guard's own listener (its endpoint is then ``https://``)."""
+
+    #: The guard's PEM certificate chain and key.
+    cert_file: str
+    key_file: str
+    #: With it, the mesh must present a client certificate from this CA.
+    client_ca_file: Optional[str] = None
+
+    def credentials(self) -> grpc.ServerCredentials:
+        ca = _read(self.client_ca_file, "client CA file") if self.client_ca_file else None
+        return grpc.ssl_server_credentials(
+            [(_read(self.key_file, "key file"), _read(self.cert_file, "certificate file"))],
+            root_certificates=ca, require_client_auth=ca is not None)
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshCredentials:
+    """How the kit reaches the mesh's ``GuardRegistry``: TLS (the CA of the
+    mesh's certificate, and this guard's client certificate for mTLS) and a
+    bearer token. Every call the kit makes to the mesh carries them (R24).
+    """
+
+    #: PEM of the CA that signed the mesh's certificate; set it for TLS.
+    ca_file: Optional[str] = None
+    #: This guard's PEM client certificate and key, for a mesh requiring mTLS.
+    cert_file: Optional[str] = None
+    key_file: Optional[str] = None
+    #: Bearer token (prefer ``token_file`` or ``GUARDMESH_TOKEN``: see
+    #: :meth:`from_args`).
+    token: Optional[str] = dataclasses.field(default=None, repr=False)
+    #: The name to verify the mesh's certificate against, when it differs
+    #: from the address's host.
+    tls_domain: Optional[str] = None
+
+    def __post_init__(self):
+        if (self.cert_file is None) != (self.key_file is None):
+            raise ValueError("a client certificate needs both cert_file and key_file")
+        if self.cert_file and not self.ca_file:
+            raise ValueError("a client certificate needs TLS: set ca_file too")
+        if self.token is not None and (not self.token.strip() or "\n" in self.token.strip()):
+            raise ValueError("the token must be one non-empty line")
+
+    @property
+    def tls(self) -> bool:
+        return self.ca_file is not None
+
+    def channel(self, mesh_addr: str) -> grpc.Channel:
+        target = _channel_target(mesh_addr)
+        if mesh_addr.startswith("https://") and not self.tls:
+            raise ValueError(f"{mesh_addr} is https://: set the mesh's CA file")
+        if not self.tls:
+            return grpc.insecure_channel(target)
+        credentials = grpc.ssl_channel_credentials(
+            root_certificates=_read(self.ca_file, "CA file"),
+            private_key=_read(self.key_file, "key file") if self.key_file else None,
+            certificate_chain=_read(self.cert_file, "certificate file") if self.cert_file else None)
+        options = [("grpc.ssl_target_name_override", self.tls_domain)] if self.tls_domain else []
+        return grpc.secure_channel(target, credentials, options=options)
+
+    def metadata(self) -> tuple:
+        """The metadata of every call: the token, if any."""
+        if self.token is None:
+            return ()
+        return (("authorization", f"Bearer {self.token.strip()}"),)
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> "MeshCredentials":
+        """From the kit's ``--mesh-*`` flags; the token from
+        ``--mesh-token-file`` or else the ``GUARDMESH_TOKEN`` variable."""
+        token = None
+        if args.mesh_token_file:
+            lines = _read(args.mesh_token_file, "token file").decode().splitlines()
+            token = lines[0].strip() if lines else ""
+            if not token:
+                raise ValueError(f"the token file {args.mesh_token_file} is empty")
+        elif os.environ.get("GUARDMESH_TOKEN", "").strip():
+            token = os.environ["GUARDMESH_TOKEN"].strip()
+        return cls(ca_file=args.mesh_ca_file, cert_file=args.mesh_cert_file,
+                   key_file=args.mesh_key_file, token=token, tls_domain=args.mesh_tls_domain)
 
 
 class GuardServer:
@@ -563,6 +764,7 @@ def serve(
     workers: int = 32,
     max_streams: int = 16,
     reflection: bool = True,
+    tls: Optional[ServerTls] = None,
 ) -> tuple[GuardServer, int]:
     """Starts serving ``judge_fn`` as a GuardService; returns (server, port).
 
@@ -574,7 +776,7 @@ def serve(
     RESOURCE_EXHAUSTED rather than queued. Also serves ``grpc.health.v1.Health``, with
     the overall and the GuardService status SERVING, and, when
     ``grpcio-reflection`` is installed and ``reflection`` is true, server
-    reflection.
+    reflection. With ``tls`` it serves TLS (mTLS with a client CA).
     """
     servicer = _GuardServicer(judge_fn, name, workers)
     server = grpc.server(
@@ -595,7 +797,10 @@ def serve(
             service_names.append(grpc_reflection.SERVICE_NAME)
             grpc_reflection.enable_server_reflection(service_names, server)
     address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-    bound = server.add_insecure_port(address)
+    if tls is None:
+        bound = server.add_insecure_port(address)
+    else:
+        bound = server.add_secure_port(address, tls.credentials())
     if not bound:
         raise RuntimeError(f"could not bind {address}")
     server.start()
@@ -650,6 +855,8 @@ def register(
     grant_tools: Union[str, Sequence[str], None] = None,
     may_rename: bool = False,
     timeout: float = 10.0,
+    credentials: Optional[MeshCredentials] = None,
+    https: bool = False,
 ) -> "pb.RegisterResponse":
     """Registers (or updates) this guard with the mesh at ``mesh_addr``.
 
@@ -658,10 +865,15 @@ def register(
     (``"mutate"``, ``"fail_open"``, ``"dry_run"``); list arguments take a
     sequence or comma-separated text. Waits up to ``timeout`` seconds for the
     mesh to be reachable; raises ``grpc.RpcError`` if registration fails.
+    ``credentials`` (TLS, client certificate, token) go on the call; with
+    ``https`` the default endpoint is ``https://`` (a guard serving TLS).
     """
+    credentials = credentials or MeshCredentials()
     if endpoint is None:
         reach = "127.0.0.1" if host in ("", "0.0.0.0", "::", "[::]") else host
-        endpoint = f"http://[{reach}]:{port}" if ":" in reach else f"http://{reach}:{port}"
+        scheme = "https" if https else "http"
+        endpoint = (f"{scheme}://[{reach}]:{port}" if ":" in reach
+                    else f"{scheme}://{reach}:{port}")
     spec = pb.GuardSpec(
         name=name,
         endpoint=endpoint,
@@ -673,21 +885,24 @@ def register(
         mode=_enum(pb.GuardMode, "GUARD_MODE_", mode),
         grant=pb.RewriteGrant(tools=_list(grant_tools), may_rename=may_rename),
     )
-    with grpc.insecure_channel(_channel_target(mesh_addr)) as channel:
+    with credentials.channel(mesh_addr) as channel:
         stub = pb_grpc.GuardRegistryStub(channel)
-        response = stub.Register(pb.RegisterRequest(guard=spec),
-                                 timeout=timeout, wait_for_ready=True)
+        response = stub.Register(pb.RegisterRequest(guard=spec), timeout=timeout,
+                                 wait_for_ready=True, metadata=credentials.metadata())
     log.info("registered guard %r (%s) with %s: revision %d, position %d, %s",
              name, endpoint, mesh_addr, response.revision, response.position,
              "created" if response.created else "updated")
     return response
 
 
-def deregister(mesh_addr: str, name: str, timeout: float = 5.0) -> bool:
+def deregister(mesh_addr: str, name: str, timeout: float = 5.0, *,
+               credentials: Optional[MeshCredentials] = None) -> bool:
     """Removes the guard ``name`` from the mesh's chain; True if it was there."""
-    with grpc.insecure_channel(_channel_target(mesh_addr)) as channel:
+    credentials = credentials or MeshCredentials()
+    with credentials.channel(mesh_addr) as channel:
         stub = pb_grpc.GuardRegistryStub(channel)
-        response = stub.Deregister(pb.DeregisterRequest(name=name), timeout=timeout)
+        response = stub.Deregister(pb.DeregisterRequest(name=name), timeout=timeout,
+                                   metadata=credentials.metadata())
     log.info("deregistered guard %r from %s (removed: %s)", name, mesh_addr, response.removed)
     return response.removed
 
@@ -785,6 +1000,21 @@ def argument_parser(description: Optional[str] = None, *, name: str = "guard",
                      help="mutate guards: may change a call's tool name")
     kit.add_argument("--endpoint",
                      help="endpoint to register (default http://HOST:PORT)")
+    kit.add_argument("--mesh-ca-file", metavar="PATH",
+                     help="TLS to the mesh: PEM of the CA that signed its certificate")
+    kit.add_argument("--mesh-cert-file", metavar="PATH",
+                     help="this guard's PEM client certificate, for a mesh requiring mTLS")
+    kit.add_argument("--mesh-key-file", metavar="PATH", help="the key of --mesh-cert-file")
+    kit.add_argument("--mesh-token-file", metavar="PATH",
+                     help="file holding the bearer token sent to the mesh "
+                          "(default: the GUARDMESH_TOKEN variable, if set)")
+    kit.add_argument("--mesh-tls-domain", metavar="NAME",
+                     help="name to verify the mesh's certificate against")
+    kit.add_argument("--tls-cert-file", metavar="PATH",
+                     help="serve TLS with this PEM certificate (registers https://)")
+    kit.add_argument("--tls-key-file", metavar="PATH", help="the key of --tls-cert-file")
+    kit.add_argument("--tls-client-ca-file", metavar="PATH",
+                     help="require the mesh to present a certificate from this CA (mTLS)")
     kit.add_argument("--deregister-on-exit", action="store_true",
                      help="deregister from the mesh on SIGTERM/SIGINT (default: stay, R15)")
     kit.add_argument("--otlp-file", metavar="PATH",
@@ -812,16 +1042,32 @@ def run(judge_fn: JudgeFn, args: argparse.Namespace) -> int:
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda *_: stop.set())
 
-    server, port = serve(judge_fn, args.port, args.host, name=args.name, workers=args.workers)
+    try:
+        credentials = MeshCredentials.from_args(args)
+        tls = None
+        if args.tls_cert_file or args.tls_key_file:
+            if not (args.tls_cert_file and args.tls_key_file):
+                raise ValueError("--tls-cert-file and --tls-key-file go together")
+            tls = ServerTls(args.tls_cert_file, args.tls_key_file, args.tls_client_ca_file)
+        elif args.tls_client_ca_file:
+            raise ValueError("--tls-client-ca-file needs --tls-cert-file and --tls-key-file")
+    except ValueError as err:
+        log.error("%s", err)
+        return 2
+    server, port = serve(judge_fn, args.port, args.host, name=args.name, workers=args.workers,
+                         tls=tls)
     if args.mesh:
         try:
             register(args.mesh, args.name, port, host=args.host, endpoint=args.endpoint,
                      role=args.role, tools=args.tools, failure_policy=args.failure_policy,
                      timeout_ms=args.timeout_ms, priority=args.priority,
                      mode="dry_run" if args.dry_run else "enforce",
-                     grant_tools=args.grant_tools, may_rename=args.may_rename)
-        except grpc.RpcError as err:
-            log.error("could not register with the mesh at %s: %s", args.mesh, err)
+                     grant_tools=args.grant_tools, may_rename=args.may_rename,
+                     credentials=credentials, https=tls is not None)
+        except (grpc.RpcError, ValueError) as err:
+            detail = err.details() if isinstance(err, grpc.RpcError) else str(err)
+            code = err.code().name if isinstance(err, grpc.RpcError) else "INVALID"
+            log.error("could not register with the mesh at %s: %s: %s", args.mesh, code, detail)
             server.stop(0).wait()
             return 1
     print(f"LISTENING {port}", flush=True)
@@ -831,8 +1077,8 @@ def run(judge_fn: JudgeFn, args: argparse.Namespace) -> int:
     log.info("stopping")
     if args.mesh and args.deregister_on_exit:
         try:
-            deregister(args.mesh, args.name)
-        except grpc.RpcError as err:
+            deregister(args.mesh, args.name, credentials=credentials)
+        except (grpc.RpcError, ValueError) as err:
             log.warning("could not deregister: %s", err)
     server.stop(grace=5.0).wait()
     if provider is not None:

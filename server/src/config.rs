@@ -398,6 +398,22 @@ pub enum SecurityError {
     },
     #[error("[auth] principal {0:?}: its token file is empty")]
     EmptyToken(String),
+    #[error("[[guard]] entry {index} ({name:?}): {source}")]
+    Guard {
+        index: usize,
+        name: String,
+        #[source]
+        source: Box<crate::spec::SpecError>,
+    },
+    #[error(
+        "[[guard]] entry {index} ({name:?}): endpoint {endpoint} is refused by the endpoint policy: {why}"
+    )]
+    GuardEndpoint {
+        index: usize,
+        name: String,
+        endpoint: String,
+        why: String,
+    },
 }
 
 /// `[[guard]]`: one registration (R16).
@@ -489,13 +505,90 @@ impl GuardConfig {
     }
 }
 
+/// The line of each `[[guard]]` entry's `name`, in file order (empty when
+/// the text does not parse this way).
+fn guard_name_lines(text: &str) -> Vec<usize> {
+    #[derive(Deserialize)]
+    struct Names {
+        #[serde(default, rename = "guard")]
+        guards: Vec<Name>,
+    }
+    #[derive(Deserialize)]
+    struct Name {
+        name: toml::Spanned<String>,
+    }
+    toml::from_str::<Names>(text).map_or_else(
+        |_| Vec::new(),
+        |names| {
+            names
+                .guards
+                .iter()
+                .map(|g| text[..g.name.span().start].matches('\n').count() + 1)
+                .collect()
+        },
+    )
+}
+
 impl Config {
     /// Parses a config from TOML text; `origin` names it in errors.
     pub fn parse(text: &str, origin: &str) -> Result<Self, ConfigError> {
-        toml::from_str(text).map_err(|source| ConfigError::Parse {
+        let config: Self = toml::from_str(text).map_err(|source| ConfigError::Parse {
             path: origin.to_owned(),
             source,
-        })
+        })?;
+        if let Some((first, second)) = config.duplicate_guard() {
+            let lines = guard_name_lines(text);
+            let at = |i: usize| {
+                lines
+                    .get(i)
+                    .map_or_else(String::new, |line| format!(" at line {line}"))
+            };
+            return Err(ConfigError::Invalid {
+                path: origin.to_owned(),
+                reason: format!(
+                    "[[guard]] entries {} (name{}) and {} (name{}) are both named {:?}: \
+                     guard names are unique (R16); remove or rename one",
+                    first + 1,
+                    at(first),
+                    second + 1,
+                    at(second),
+                    config.guards[second].name.trim()
+                ),
+            });
+        }
+        Ok(config)
+    }
+
+    /// The first two `[[guard]]` entries (0-based) that share a name, as
+    /// registration compares names (trimmed).
+    pub fn duplicate_guard(&self) -> Option<(usize, usize)> {
+        let mut seen = std::collections::HashMap::new();
+        for (i, guard) in self.guards.iter().enumerate() {
+            if let Some(first) = seen.insert(guard.name.trim(), i) {
+                return Some((first, i));
+            }
+        }
+        None
+    }
+
+    /// What is accepted but probably not meant, in the `[[guard]]` entries;
+    /// printed as warnings at start.
+    pub fn guard_warnings(&self) -> Vec<String> {
+        let default = Duration::from_millis(self.default_guard_timeout_ms);
+        self.guards
+            .iter()
+            .enumerate()
+            .filter_map(|(i, g)| {
+                let guard = crate::spec::Guard::from_spec(&g.to_spec(), default).ok()?;
+                Some(
+                    guard
+                        .warnings()
+                        .into_iter()
+                        .map(move |w| format!("[[guard]] entry {}: {w}", i + 1)),
+                )
+            })
+            .flatten()
+            .collect()
     }
 
     /// Refuses settings that cannot work (they would fail every guard or
@@ -543,6 +636,14 @@ impl Config {
             if value == 0 {
                 return Err(format!("{key} must be greater than 0"));
             }
+        }
+        if let Some((first, second)) = self.duplicate_guard() {
+            return Err(format!(
+                "[[guard]] entries {} and {} are both named {:?}: guard names are unique (R16)",
+                first + 1,
+                second + 1,
+                self.guards[second].name.trim()
+            ));
         }
         Ok(())
     }
@@ -615,6 +716,25 @@ impl Config {
             )
             .map_err(SecurityError::Policy)?,
         );
+        // Guards of the file pass the checks a `Register` call passes: a
+        // valid registration, and an endpoint the policy allows.
+        for (i, g) in self.guards.iter().enumerate() {
+            let guard = crate::spec::Guard::from_spec(&g.to_spec(), config.default_guard_timeout)
+                .map_err(|source| SecurityError::Guard {
+                index: i + 1,
+                name: g.name.clone(),
+                source: Box::new(source),
+            })?;
+            security
+                .endpoint_policy
+                .check_host(&guard.host())
+                .map_err(|why| SecurityError::GuardEndpoint {
+                    index: i + 1,
+                    name: guard.name.clone(),
+                    endpoint: guard.endpoint.clone(),
+                    why,
+                })?;
+        }
         if let Some(auth) = &self.auth {
             let mut principals = Vec::new();
             for p in &auth.principals {
@@ -742,6 +862,96 @@ mod tests {
         assert_eq!(
             config.guards[0].to_spec().failure_policy,
             FailurePolicy::Abort as i32
+        );
+    }
+
+    #[test]
+    fn r16_config_refuses_two_guards_of_one_name_naming_both() {
+        let text = "listen = \"127.0.0.1:0\"\n\
+            [[guard]]\nname = \"a\"\nendpoint = \"127.0.0.1:1\"\n\
+            [[guard]]\nname = \"b\"\nendpoint = \"127.0.0.1:2\"\n\
+            [[guard]]\nendpoint = \"127.0.0.1:3\"\nname = \" a\"\n";
+        let err = Config::parse(text, "cfg.toml").unwrap_err().to_string();
+        assert!(
+            err.contains("cfg.toml")
+                && err.contains("entries 1 (name at line 3) and 3 (name at line 10)")
+                && err.contains("\"a\""),
+            "{err}"
+        );
+        // Built another way, the check still refuses it (without lines).
+        let mut config = Config::parse(&text.replace("\" a\"", "\"c\""), "t").unwrap();
+        config.guards[2].name = "a".into();
+        assert!(config.check().unwrap_err().contains("entries 1 and 3"));
+    }
+
+    #[test]
+    fn r11_config_warns_about_a_mutate_guard_with_an_empty_grant() {
+        let config = Config::parse(
+            r#"
+            [[guard]]
+            name = "no-grant"
+            endpoint = "127.0.0.1:1"
+            role = "mutate"
+            [[guard]]
+            name = "empty-grant"
+            endpoint = "127.0.0.1:2"
+            role = "mutate"
+            grant = { tools = [], may_rename = true }
+            [[guard]]
+            name = "granted"
+            endpoint = "127.0.0.1:3"
+            role = "mutate"
+            grant = { tools = ["sql.*"] }
+            [[guard]]
+            name = "validate"
+            endpoint = "127.0.0.1:4"
+            "#,
+            "t",
+        )
+        .unwrap();
+        let warnings = config.guard_warnings();
+        assert_eq!(warnings.len(), 2, "{warnings:?}");
+        assert!(
+            warnings[0].contains("entry 1") && warnings[0].contains("no-grant"),
+            "{warnings:?}"
+        );
+        assert!(warnings[1].contains("empty-grant") && warnings[1].contains("empty grant"));
+    }
+
+    #[test]
+    fn r16_config_guard_endpoints_are_checked_against_the_policy_at_load() {
+        let guard =
+            |endpoint: &str| format!("[[guard]]\nname = \"g\"\nendpoint = \"{endpoint}\"\n");
+        let err = Config::parse(&guard("http://169.254.169.254:80"), "t")
+            .unwrap()
+            .build()
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("entry 1") && err.contains("169.254.169.254") && err.contains("policy"),
+            "{err}"
+        );
+        let text = format!(
+            "[endpoint_policy]\nallow = [\"10.0.0.0/8\"]\n{}",
+            guard("127.0.0.1:1")
+        );
+        let err = Config::parse(&text, "t")
+            .unwrap()
+            .build()
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("allow-list"), "{err}");
+        let err = Config::parse(&guard("http://0x7f.0.0.1:1"), "t")
+            .unwrap()
+            .build()
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("dotted-quad"), "{err}");
+        assert!(
+            Config::parse(&guard("127.0.0.1:1"), "t")
+                .unwrap()
+                .build()
+                .is_ok()
         );
     }
 

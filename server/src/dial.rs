@@ -36,6 +36,60 @@ const METADATA_HOSTS: &[&str] = &[
     "instance-data.ec2.internal",
 ];
 
+/// Why `host` (as written in an endpoint URL, IPv6 in brackets) is not an
+/// unambiguous host, or `None` when it is one. Resolvers and URL parsers
+/// disagree on these forms (`getaddrinfo` reads `0177.0.0.1`, `0x7f.1` and
+/// `2130706433` as 127.0.0.1; a trailing dot makes `localhost.` and
+/// `metadata.google.internal.` different strings for the same name; a zone
+/// id picks an interface), so the host the endpoint policy checks would not
+/// be the host the mesh dials. They are refused at registration and at dial.
+pub fn ambiguous_host(host: &str) -> Option<&'static str> {
+    if let Some(inner) = host.strip_prefix('[') {
+        let Some(inner) = inner.strip_suffix(']') else {
+            return Some("an IPv6 address must be in brackets");
+        };
+        if inner.contains('%') {
+            return Some("an IPv6 zone id (`%...`) is not allowed");
+        }
+        if inner.parse::<std::net::Ipv6Addr>().is_err() {
+            return Some("not an IPv6 address");
+        }
+        return None;
+    }
+    if host.is_empty() {
+        return Some("the host is empty");
+    }
+    if host.ends_with('.') {
+        return Some("a host with a trailing dot is not allowed: write it without the dot");
+    }
+    if !host
+        .bytes()
+        .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_' | b'.'))
+    {
+        return Some("a host name may only have letters, digits, '-', '_' and '.'");
+    }
+    if host.split('.').any(str::is_empty) {
+        return Some("a host name must not have an empty label");
+    }
+    // As URL parsers do (WHATWG "ends in a number"): a host whose last label
+    // is a number is an IPv4 address, and only the plain dotted quad (four
+    // decimal parts, no leading zeros) reads the same everywhere.
+    let last = host.rsplit('.').next().unwrap_or_default();
+    let hex = last
+        .strip_prefix("0x")
+        .or_else(|| last.strip_prefix("0X"))
+        .is_some_and(|digits| digits.bytes().all(|b| b.is_ascii_hexdigit()));
+    if (hex || last.bytes().all(|b| b.is_ascii_digit()))
+        && host.parse::<std::net::Ipv4Addr>().is_err()
+    {
+        return Some(
+            "a numeric host must be a dotted-quad IPv4 address (decimal, hex, octal and \
+             short forms are read differently by different resolvers)",
+        );
+    }
+    None
+}
+
 /// Which guard endpoints the mesh may dial.
 #[derive(Debug, Clone)]
 pub struct EndpointPolicy {
@@ -354,9 +408,15 @@ pub struct GuardConnector {
 
 impl GuardConnector {
     async fn connect(self, uri: Uri) -> std::io::Result<hyper_util::rt::TokioIo<GuardIo>> {
-        let host = uri
+        let written = uri
             .host()
-            .ok_or_else(|| io_error(format!("{uri} has no host")))?
+            .ok_or_else(|| io_error(format!("{uri} has no host")))?;
+        if let Some(why) = ambiguous_host(written) {
+            return Err(io_error(format!(
+                "endpoint policy refuses {written}: {why}"
+            )));
+        }
+        let host = written
             .trim_start_matches('[')
             .trim_end_matches(']')
             .to_owned();
@@ -446,6 +506,28 @@ mod tests {
         }
         for ok in ["127.0.0.1", "10.1.2.3", "guards.internal", "[::1]"] {
             assert!(p.check_host(ok).is_ok(), "{ok}");
+        }
+    }
+
+    #[test]
+    fn r16_ambiguous_hosts() {
+        for bad in [
+            "2130706433",
+            "0x7f.0.0.1",
+            "0177.0.0.1",
+            "127.1",
+            "localhost.",
+            "169.254.169.254.",
+            "[fe80::1%25eth0]",
+            "[fe80::1",
+            "a..b",
+            "loc%61lhost",
+            "",
+        ] {
+            assert!(ambiguous_host(bad).is_some(), "{bad}");
+        }
+        for ok in ["127.0.0.1", "localhost", "guards.svc", "[::1]", "a-b_c.d9"] {
+            assert_eq!(ambiguous_host(ok), None, "{ok}");
         }
     }
 

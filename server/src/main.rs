@@ -53,9 +53,8 @@ enum Command {
     },
     /// Lists, registers or deregisters guards of a running mesh.
     Guards {
-        /// The mesh's address.
-        #[arg(long, default_value = "http://127.0.0.1:50051", global = true)]
-        mesh: String,
+        #[command(flatten)]
+        mesh: MeshArgs,
         #[command(subcommand)]
         action: GuardsAction,
     },
@@ -65,8 +64,8 @@ enum Command {
     /// "metadata": {...}, "calls": [{"call_id": "c1", "tool": "t",
     /// "arguments": {...}}]}
     Evaluate {
-        #[arg(long, default_value = "http://127.0.0.1:50051")]
-        mesh: String,
+        #[command(flatten)]
+        mesh: MeshArgs,
         file: PathBuf,
     },
     /// Starts a mesh and example guards on loopback and drives a coordinator
@@ -104,6 +103,141 @@ enum Command {
     /// Serves the benchmark's guards and baselines (started by `bench`).
     #[command(hide = true)]
     BenchGuards(guardmesh_server::bench::GuardsArgs),
+}
+
+/// How the command-line tools reach a mesh: its address and the
+/// credentials sent on every call (R24).
+#[derive(clap::Args)]
+struct MeshArgs {
+    /// The mesh's address (`https://` for a mesh with TLS).
+    #[arg(long, default_value = "http://127.0.0.1:50051", global = true)]
+    mesh: String,
+    /// PEM of the CA that signed the mesh's certificate (TLS).
+    #[arg(long, global = true)]
+    ca_file: Option<PathBuf>,
+    /// This client's PEM certificate, for a mesh that requires mTLS.
+    #[arg(long, global = true, requires = "key_file")]
+    cert_file: Option<PathBuf>,
+    /// The key of `--cert-file`, PEM.
+    #[arg(long, global = true, requires = "cert_file")]
+    key_file: Option<PathBuf>,
+    /// The name to verify the mesh's certificate against, when it differs
+    /// from the address's host.
+    #[arg(long, global = true)]
+    tls_domain: Option<String>,
+    /// Bearer token. Prefer `--token-file` or the environment variable:
+    /// a command line is visible to every user of the machine.
+    #[arg(long, global = true, env = "GUARDMESH_TOKEN", hide_env_values = true)]
+    token: Option<String>,
+    /// A file holding the bearer token (its first line); wins over
+    /// `--token` and `GUARDMESH_TOKEN`.
+    #[arg(long, global = true)]
+    token_file: Option<PathBuf>,
+}
+
+/// Why the command-line tools could not build their connection to a mesh.
+#[derive(Debug, thiserror::Error)]
+enum MeshArgsError {
+    #[error("cannot read {what} {path}: {source}")]
+    Read {
+        what: &'static str,
+        path: String,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("the token file {0} is empty")]
+    EmptyToken(String),
+    #[error(
+        "--mesh {0} is https://: pass --ca-file with the CA that signed the mesh's certificate"
+    )]
+    NoCa(String),
+    #[error("TLS settings given but --mesh {0} is not https://")]
+    NotHttps(String),
+}
+
+impl MeshArgs {
+    /// The SDK connection these flags describe.
+    fn connection(&self) -> Result<guardmesh_client::Connection, MeshArgsError> {
+        let read = |what: &'static str, path: &std::path::Path| {
+            std::fs::read_to_string(path).map_err(|source| MeshArgsError::Read {
+                what,
+                path: path.display().to_string(),
+                source,
+            })
+        };
+        let https = self.mesh.trim_start().starts_with("https://");
+        let tls_flags =
+            self.ca_file.is_some() || self.cert_file.is_some() || self.tls_domain.is_some();
+        let tls = match &self.ca_file {
+            Some(ca) if https => Some(guardmesh_client::Tls {
+                ca_pem: read("CA file", ca)?,
+                identity: match (&self.cert_file, &self.key_file) {
+                    (Some(cert), Some(key)) => {
+                        Some((read("certificate", cert)?, read("key", key)?))
+                    }
+                    _ => None,
+                },
+                domain: self.tls_domain.clone(),
+            }),
+            _ if https => return Err(MeshArgsError::NoCa(self.mesh.clone())),
+            _ if tls_flags => return Err(MeshArgsError::NotHttps(self.mesh.clone())),
+            _ => None,
+        };
+        let token = match (&self.token_file, &self.token) {
+            (None, Some(token)) => Some(token.trim().to_owned()),
+            (Some(path), _) => {
+                let text = read("token file", path)?;
+                let token = text.lines().next().unwrap_or_default().trim().to_owned();
+                if token.is_empty() {
+                    return Err(MeshArgsError::EmptyToken(path.display().to_string()));
+                }
+                Some(token)
+            }
+            (None, None) => None,
+        }
+        .filter(|t| !t.is_empty());
+        Ok(guardmesh_client::Connection { tls, token })
+    }
+}
+
+/// Adds what to do about a refusal for want of credentials.
+fn explain(error: guardmesh_client::ClientError) -> Error {
+    match error.code() {
+        Some(tonic::Code::Unauthenticated) => format!(
+            "{error} (this mesh wants credentials: --cert-file/--key-file for mTLS, or a \
+             token with --token-file or GUARDMESH_TOKEN, over https:// with --ca-file)"
+        )
+        .into(),
+        Some(tonic::Code::PermissionDenied) => {
+            format!("{error} (the credentials given lack the role this needs)").into()
+        }
+        _ => error.into(),
+    }
+}
+
+impl MeshArgs {
+    /// [`explain`], plus a hint when the connection failed under TLS
+    /// without a client certificate: a mesh that requires one refuses the
+    /// handshake before any RPC (R24), which reaches the client as a
+    /// transport error rather than `UNAUTHENTICATED`.
+    fn explain(&self) -> impl Fn(guardmesh_client::ClientError) -> Error + '_ {
+        move |error| {
+            let transport = matches!(error, guardmesh_client::ClientError::Connect(_))
+                || matches!(
+                    error.code(),
+                    Some(tonic::Code::Unavailable | tonic::Code::Unknown)
+                );
+            if transport && self.ca_file.is_some() && self.cert_file.is_none() {
+                let chain = guardmesh_server::link::error_chain(&error);
+                return format!(
+                    "{chain} (if this mesh requires client certificates, pass \
+                     --cert-file and --key-file)"
+                )
+                .into();
+            }
+            explain(error)
+        }
+    }
 }
 
 #[derive(Subcommand)]
@@ -279,6 +413,9 @@ async fn serve(config: Option<PathBuf>, listen: Option<std::net::SocketAddr>) ->
     for warning in config.insecure_settings() {
         tracing::warn!("insecure setting: {warning}");
     }
+    for warning in config.guard_warnings() {
+        tracing::warn!("{warning}");
+    }
     // The soft open-file limit up to the hard one; the connection cap is
     // derived from it unless [server] max_connections is set (R25).
     if let Some(limit) = guardmesh_server::tls::raise_open_file_limit() {
@@ -344,11 +481,13 @@ async fn build_registry(
     }
 }
 
-async fn guards(mesh: &str, action: GuardsAction) -> Result<(), Error> {
-    let registrar = Registrar::connect(mesh.to_owned()).await?;
+async fn guards(mesh: &MeshArgs, action: GuardsAction) -> Result<(), Error> {
+    let registrar = Registrar::connect_with(mesh.mesh.clone(), &mesh.connection()?)
+        .await
+        .map_err(mesh.explain())?;
     match action {
         GuardsAction::List => {
-            let list = registrar.list().await?;
+            let list = registrar.list().await.map_err(mesh.explain())?;
             println!("chain revision {}", list.revision);
             println!(
                 "{:<4} {:<20} {:<9} {:<8} {:<12} {:>8}  {:<24} endpoint",
@@ -425,7 +564,14 @@ async fn guards(mesh: &str, action: GuardsAction) -> Result<(), Error> {
                 }),
                 server_identity: server_identity.unwrap_or_default(),
             };
-            let out = registrar.register(spec).await?;
+            if role == GuardRole::Mutate && spec.grant.as_ref().is_none_or(|g| g.tools.is_empty()) {
+                eprintln!(
+                    "warning: guard {:?} is a mutate guard with an empty grant: every rewrite \
+                     it sends is rejected (R11); pass --grant-tools",
+                    spec.name
+                );
+            }
+            let out = registrar.register(spec).await.map_err(mesh.explain())?;
             println!(
                 "{} at position {} (chain revision {})",
                 if out.created { "registered" } else { "updated" },
@@ -434,7 +580,11 @@ async fn guards(mesh: &str, action: GuardsAction) -> Result<(), Error> {
             );
         }
         GuardsAction::Deregister { name } => {
-            if registrar.deregister(name.clone()).await? {
+            if registrar
+                .deregister(name.clone())
+                .await
+                .map_err(mesh.explain())?
+            {
                 println!("deregistered {name}");
             } else {
                 println!("no guard named {name}");
@@ -467,7 +617,7 @@ struct CallFile {
     arguments: serde_json::Value,
 }
 
-async fn evaluate(mesh: &str, file: &std::path::Path) -> Result<(), Error> {
+async fn evaluate(mesh: &MeshArgs, file: &std::path::Path) -> Result<(), Error> {
     let text = std::fs::read_to_string(file)
         .map_err(|e| format!("cannot read {}: {e}", file.display()))?;
     let input: BatchFile = serde_json::from_str(&text)
@@ -487,13 +637,18 @@ async fn evaluate(mesh: &str, file: &std::path::Path) -> Result<(), Error> {
             },
         })
         .collect();
-    let coordinator = Coordinator::connect(mesh.to_owned()).await?;
+    let coordinator = Coordinator::connect_with(mesh.mesh.clone(), &mesh.connection()?)
+        .await
+        .map_err(mesh.explain())?;
     let session = if input.session_id.is_empty() {
         "cli"
     } else {
         &input.session_id
     };
-    let decision = coordinator.evaluate_once(session, batch).await?;
+    let decision = coordinator
+        .evaluate_once(session, batch)
+        .await
+        .map_err(mesh.explain())?;
     print!("{}", guardmesh_server::demo::render(&decision));
     Ok(())
 }

@@ -126,7 +126,7 @@ impl Guard {
                 .chars()
                 .all(|c| c.is_ascii_alphanumeric() || matches!(c, '.' | '_' | '-' | '/'))
         {
-            return Err(SpecError::BadName(spec.name.clone()));
+            return Err(SpecError::BadName(shown(&spec.name)));
         }
         let name = name.to_owned();
         let endpoint = normalize_endpoint(&name, &spec.endpoint)?;
@@ -200,9 +200,36 @@ impl Guard {
             .unwrap_or_default()
     }
 
+    /// What this registration allows but was probably not meant: a mutate
+    /// guard whose grant names no tool (every rewrite it sends is rejected,
+    /// R11). Logged at start for config guards and at registration.
+    pub fn warnings(&self) -> Vec<String> {
+        let mut out = Vec::new();
+        if self.role == GuardRole::Mutate && self.grant_tools.patterns().is_empty() {
+            out.push(format!(
+                "guard {:?} is a mutate guard with an empty grant: every rewrite it sends \
+                 is rejected (R11) and its failure policy applies; grant it tools, or \
+                 register it as a validate guard",
+                self.name
+            ));
+        }
+        out
+    }
+
     /// Whether the guard's verdicts are applied (not a dry run, R18).
     pub fn enforced(&self) -> bool {
         self.mode == GuardMode::Enforce
+    }
+}
+
+/// Longest endpoint accepted.
+const MAX_ENDPOINT_LEN: usize = 512;
+
+/// `text` for an error message: at most 128 characters.
+fn shown(text: &str) -> String {
+    match text.char_indices().nth(128) {
+        Some((end, _)) => format!("{}...", &text[..end]),
+        None => text.to_owned(),
     }
 }
 
@@ -211,12 +238,23 @@ impl Guard {
 fn normalize_endpoint(name: &str, endpoint: &str) -> Result<String, SpecError> {
     let bad = |reason: &str| SpecError::BadEndpoint {
         name: name.to_owned(),
-        endpoint: endpoint.to_owned(),
+        endpoint: shown(endpoint),
         reason: reason.to_owned(),
     };
     let trimmed = endpoint.trim();
     if trimmed.is_empty() {
         return Err(bad("empty"));
+    }
+    if trimmed.len() > MAX_ENDPOINT_LEN {
+        return Err(bad("longer than 512 bytes"));
+    }
+    // A zone id (`[fe80::1%25eth0]`) is refused by name, before the URI
+    // parser gives a vaguer reason.
+    if let Some(zone) = trimmed.find('%')
+        && trimmed[..zone].contains('[')
+        && !trimmed[..zone].contains(']')
+    {
+        return Err(bad("an IPv6 zone id (`%...`) is not allowed"));
     }
     let full = if trimmed.contains("://") {
         trimmed.to_owned()
@@ -238,6 +276,12 @@ fn normalize_endpoint(name: &str, endpoint: &str) -> Result<String, SpecError> {
     }
     if authority.port_u16().is_none() {
         return Err(bad("no port"));
+    }
+    if let Some(why) = crate::dial::ambiguous_host(authority.host()) {
+        return Err(bad(why));
+    }
+    if authority.as_str().contains('@') {
+        return Err(bad("must not have user information"));
     }
     if uri.path() != "/" && !uri.path().is_empty() {
         return Err(bad("must not have a path"));
@@ -278,6 +322,55 @@ mod tests {
             let err = Guard::from_spec(&spec("a", bad), d).unwrap_err();
             assert!(matches!(err, SpecError::BadEndpoint { .. }), "{bad}: {err}");
         }
+    }
+
+    #[test]
+    fn r16_ambiguous_endpoint_hosts_are_refused_at_registration() {
+        let d = Duration::from_secs(1);
+        for (endpoint, needle) in [
+            ("http://2130706433:50051", "dotted-quad"),
+            ("http://0x7f.0.0.1:50051", "dotted-quad"),
+            ("http://0177.0.0.1:50051", "dotted-quad"),
+            ("http://127.1:50051", "dotted-quad"),
+            ("http://0xA9FEA9FE:80", "dotted-quad"),
+            ("http://127.0.0.01:50051", "dotted-quad"),
+            ("http://localhost.:50051", "trailing dot"),
+            ("http://169.254.169.254.:80", "trailing dot"),
+            ("http://metadata.google.internal.:80", "trailing dot"),
+            ("http://[fe80::1%25eth0]:50051", "zone id"),
+            ("http://[fe80::1%eth0]:50051", "zone id"),
+            ("http://a..b:1", "empty label"),
+            ("http://user@127.0.0.1:1", "user information"),
+        ] {
+            match Guard::from_spec(&spec("a", endpoint), d) {
+                Err(SpecError::BadEndpoint {
+                    endpoint: shown_endpoint,
+                    reason,
+                    ..
+                }) => {
+                    assert_eq!(shown_endpoint, endpoint);
+                    assert!(reason.contains(needle), "{endpoint}: {reason}");
+                }
+                other => panic!("{endpoint}: {other:?}"),
+            }
+        }
+        for ok in [
+            "http://127.0.0.1:1",
+            "http://10.0.0.7:1",
+            "http://guard-1.svc.cluster.local:1",
+            "https://localhost:443",
+            "http://[::1]:1",
+            "http://[::ffff:127.0.0.1]:1",
+            "http://3com.example:1",
+            "http://a.0x7g:1",
+        ] {
+            assert!(Guard::from_spec(&spec("a", ok), d).is_ok(), "{ok}");
+        }
+        let long = format!("http://{}.example:1", "a".repeat(600));
+        let err = Guard::from_spec(&spec("a", &long), d)
+            .unwrap_err()
+            .to_string();
+        assert!(err.len() < 400, "the message is bounded: {err}");
     }
 
     #[test]

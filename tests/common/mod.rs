@@ -860,3 +860,114 @@ pub fn listening_port(line: &str, what: &str) -> u16 {
         .and_then(|p| p.parse().ok())
         .unwrap_or_else(|| panic!("{what}: unexpected first line {line:?}"))
 }
+
+// ---------------------------------------------------------------------------
+// Secured meshes: certificates on disk and token principals (R24).
+// ---------------------------------------------------------------------------
+
+/// A CA and loopback certificates written to a temporary folder (removed on
+/// drop), for meshes with TLS, mTLS or tokens, in process or as `serve`.
+pub struct TestPki {
+    pub dir: std::path::PathBuf,
+    pub ca: guardmesh_server::certs::Authority,
+}
+
+impl Drop for TestPki {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+impl TestPki {
+    pub fn new() -> Self {
+        let dir = std::env::temp_dir().join(format!("guardmesh-testpki-{}", rand::random::<u64>()));
+        std::fs::create_dir_all(&dir).unwrap();
+        Self {
+            dir,
+            ca: guardmesh_server::certs::Authority::new("test CA").unwrap(),
+        }
+    }
+
+    /// `ca.pem`.
+    pub fn ca_file(&self) -> std::path::PathBuf {
+        let path = self.dir.join("ca.pem");
+        std::fs::write(&path, self.ca.cert_pem()).unwrap();
+        path
+    }
+
+    /// A loopback certificate (localhost, 127.0.0.1, ::1) with the identity
+    /// `spiffe://guardmesh.local/ID`, written as `ID.pem` and `ID-key.pem`.
+    pub fn issue_files(&self, id: &str) -> (std::path::PathBuf, std::path::PathBuf) {
+        self.ca
+            .issue(&guardmesh_server::certs::Subject::loopback(id))
+            .unwrap()
+            .write(&self.dir, id)
+            .unwrap()
+    }
+
+    /// A file holding `text` (a token file, a config file...).
+    pub fn file(&self, name: &str, text: &str) -> std::path::PathBuf {
+        let path = self.dir.join(name);
+        std::fs::write(&path, text).unwrap();
+        path
+    }
+
+    /// SDK connection settings: TLS trusting this CA, with the certificate of
+    /// `identity` (issued now) and `token` when given.
+    pub fn connection(
+        &self,
+        identity: Option<&str>,
+        token: Option<&str>,
+    ) -> guardmesh_client::Connection {
+        let identity = identity.map(|id| {
+            let issued = self
+                .ca
+                .issue(&guardmesh_server::certs::Subject::loopback(id))
+                .unwrap();
+            (issued.cert_pem, issued.key_pem)
+        });
+        guardmesh_client::Connection {
+            tls: Some(guardmesh_client::Tls {
+                ca_pem: self.ca.cert_pem(),
+                identity,
+                domain: None,
+            }),
+            token: token.map(str::to_owned),
+        }
+    }
+}
+
+impl TestMesh {
+    /// A mesh on TLS (no client certificates) whose `[auth]` knows only
+    /// token principals `(id, token, roles)`, built from a config file's
+    /// sections as `serve` builds them (`extra`: more sections, such as
+    /// `[guard_tls]`); returns it with its `https://localhost:PORT` URL.
+    pub async fn with_tokens(
+        pki: &TestPki,
+        principals: &[(&str, &str, &[&str])],
+        extra: &str,
+    ) -> (Self, String) {
+        let (cert, key) = pki.issue_files("mesh");
+        let mut text = format!(
+            "[tls]\ncert_file = {:?}\nkey_file = {:?}\n{extra}\n",
+            cert.display().to_string(),
+            key.display().to_string()
+        );
+        for (id, token, roles) in principals {
+            let token_file = pki.file(&format!("{id}.token"), &format!("{token}\n"));
+            text.push_str(&format!(
+                "[[auth.principal]]\nid = {id:?}\nroles = {roles:?}\ntoken_file = {:?}\n",
+                token_file.display().to_string()
+            ));
+        }
+        let built = guardmesh_server::config::Config::parse(&text, "test")
+            .unwrap()
+            .build()
+            .unwrap();
+        let mut config = fast_config();
+        config.security = built.security;
+        let mesh = Self::with_config(config).await;
+        let url = mesh.url.replace("http://127.0.0.1", "https://localhost");
+        (mesh, url)
+    }
+}

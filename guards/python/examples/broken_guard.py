@@ -154,8 +154,9 @@ def main() -> None:
                         role=args.role, tools=args.tools, failure_policy=args.failure_policy,
                         timeout_ms=args.timeout_ms, priority=args.priority,
                         mode="dry_run" if args.dry_run else "enforce",
-                        grant_tools=args.grant_tools, may_rename=args.may_rename)
-        except grpc.RpcError as err:
+                        grant_tools=args.grant_tools, may_rename=args.may_rename,
+                        credentials=gg.MeshCredentials.from_args(args))
+        except (grpc.RpcError, ValueError) as err:
             log.error("could not register with the mesh at %s: %s", args.mesh, err)
             sys.exit(1)
     print(f"LISTENING {port}", flush=True)
