@@ -1622,3 +1622,51 @@ async fn r13_abort_guard_failure_is_counted_in_guard_outcomes() {
         2.0
     );
 }
+
+#[tokio::test]
+async fn r23_unknown_rewrite_field_fails_a_mutate_guard_and_nothing_is_rewritten() {
+    let mesh = TestMesh::start().await;
+    let guard = raw_bytes_guard(|batch| {
+        let verdicts: Vec<Vec<u8>> = batch
+            .calls
+            .iter()
+            .map(|c| {
+                // A rewrite of the arguments plus a field 3 a newer protocol
+                // might add (say, "also drop these keys").
+                let mut rewrite = Vec::new();
+                pb::bytes_field(&mut rewrite, 2, br#"{"path":"/tmp/safe"}"#);
+                pb::bytes_field(&mut rewrite, 3, b"drop: secrets");
+                let mut outcome = Vec::new();
+                pb::bytes_field(&mut outcome, 3, &rewrite);
+                pb::verdict(&c.call_id, &outcome)
+            })
+            .collect();
+        vec![pb::judge_response(batch.request_id, &verdicts, &[])]
+    })
+    .await;
+    let later = proceed_guard().await;
+    mesh.register(
+        Registration::mutate("m", &guard.url, ["fs.*"])
+            .tools(["fs.*"])
+            .failure_policy(FailurePolicy::FailClosed)
+            .timeout(Duration::from_secs(5)),
+    )
+    .await;
+    mesh.register(Registration::validate("v", &later.url)).await;
+    let session = mesh.coordinator().await.session("s").await.unwrap();
+    let d = session
+        .evaluate(
+            Batch::new(0)
+                .call("c1", "fs.write", r#"{"path":"/etc/passwd"}"#)
+                .call("c2", "net.get", "{}"),
+        )
+        .await
+        .unwrap();
+    assert_failure_cancel(&d.calls[0], "m", "unknown rewrite field");
+    assert!(d.calls[0].rewritten_by.is_empty(), "{:?}", d.calls[0]);
+    assert_eq!(d.calls[0].final_call.arguments, r#"{"path":"/etc/passwd"}"#);
+    assert!(d.calls[1].proceeds());
+    assert_eq!(status_of(&d, "m"), TraceStatus::Failed);
+    let error = trace_error(&d, "m");
+    assert!(error.contains("Rewrite field 3"), "{error}");
+}
