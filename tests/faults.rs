@@ -1477,8 +1477,8 @@ async fn r25_guard_that_never_reads_its_stream_holds_bounded_memory_and_fails_pe
                 let d = session
                     .evaluate(
                         Batch::new(rounds)
-                            .call("del", "sql", &sql("DELETE FROM t"))
-                            .call("sel", "sql", &sql("SELECT 1"))
+                            .call("del", "sql", sql("DELETE FROM t"))
+                            .call("sel", "sql", sql("SELECT 1"))
                             .timeout(Duration::from_secs(10)),
                     )
                     .await
