@@ -12,6 +12,13 @@
 //! batch applies the guard's failure policy (R13). The first request on a new
 //! stream is queued *before* the mesh waits for response headers, because some
 //! gRPC stacks (Python's sync server) send none until their first answer.
+//!
+//! What a link holds and sends is bounded and polite: the requests queued for
+//! a guard that does not read them are bounded in bytes (R25); answers are
+//! read with [`wire::JudgeCodec`], so a verdict with a field this mesh does
+//! not know fails the guard instead of reading as proceed (R23); and the link
+//! pings no more often than default gRPC servers allow, leaving dead-peer
+//! detection to the kernel's TCP keepalive (R26).
 
 use guardmesh_proto::v1::{CancelBatch, GuardBatch, JudgeRequest, JudgeResponse, judge_request};
 use prost::Message;
@@ -62,7 +69,8 @@ pub enum GuardFailure {
 impl GuardFailure {
     /// Whether this failure says something about the guard's availability
     /// (and so counts towards opening its circuit). A rejected rewrite is a
-    /// policy bug, not an outage; an open circuit is not a new failure.
+    /// policy bug, not an outage, and so is a verdict the mesh cannot read
+    /// (a protocol mismatch); an open circuit is not a new failure.
     pub fn counts_for_circuit(&self) -> bool {
         !matches!(
             self,
@@ -174,8 +182,9 @@ impl Queue {
         (Self { tx, bytes }, stream)
     }
 
-    /// Queues `request` unless the queue holds `limit` bytes or more with
-    /// it; returns the bytes already queued when refused.
+    /// Queues `request` unless the queue would then hold more than `limit`
+    /// bytes (an empty queue takes any request); when refused, says how many
+    /// bytes are queued.
     fn push(&self, request: JudgeRequest, limit: usize) -> Result<(), QueueError> {
         let len = request.encoded_len();
         let queued = self.bytes.load(Ordering::Relaxed);
