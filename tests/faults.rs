@@ -1336,19 +1336,19 @@ fn newer_verdicts(call_id: &str, variant: &str) -> (Vec<u8>, bool) {
         // Field 4 of the `outcome` oneof: a message, as a new outcome would be.
         "new outcome message" => {
             let mut defer = Vec::new();
-            pb::bytes_field(&mut defer, 1, b"ask the user first");
-            pb::bytes_field(&mut outcome, 4, &defer);
+            raw_pb::bytes_field(&mut defer, 1, b"ask the user first");
+            raw_pb::bytes_field(&mut outcome, 4, &defer);
         }
         // Field 4 as a bare varint (a new enum-valued outcome).
-        "new outcome varint" => pb::varint_field(&mut outcome, 4, 1),
+        "new outcome varint" => raw_pb::varint_field(&mut outcome, 4, 1),
         // The same, in a partial answer: the request fails at once.
         "new outcome in a partial answer" => {
-            pb::bytes_field(&mut outcome, 4, b"");
+            raw_pb::bytes_field(&mut outcome, 4, b"");
             partial = true;
         }
         other => panic!("unknown variant {other}"),
     }
-    (pb::verdict(call_id, &outcome), partial)
+    (raw_pb::verdict(call_id, &outcome), partial)
 }
 
 #[tokio::test]
@@ -1372,9 +1372,9 @@ async fn r23_unknown_verdict_outcome_fails_the_guard_per_its_policy() {
                 .collect();
             let mut extra = Vec::new();
             if partial {
-                pb::varint_field(&mut extra, 3, 1);
+                raw_pb::varint_field(&mut extra, 3, 1);
             }
-            vec![pb::judge_response(batch.request_id, &verdicts, &extra)]
+            vec![raw_pb::judge_response(batch.request_id, &verdicts, &extra)]
         })
         .await;
         register_each_policy(&mesh, &guard.url, Duration::from_secs(5)).await;
@@ -1397,16 +1397,16 @@ async fn r23_unknown_fields_outside_a_verdict_are_ignored() {
             .map(|c| {
                 // A skip carrying a field of its own: the skip stands.
                 let mut inside = Vec::new();
-                pb::bytes_field(&mut inside, 9, b"policy-17");
-                pb::verdict(&c.call_id, &pb::skip_outcome("no deletes", &inside))
+                raw_pb::bytes_field(&mut inside, 9, b"policy-17");
+                raw_pb::verdict(&c.call_id, &raw_pb::skip_outcome("no deletes", &inside))
             })
             .collect();
         // New top-level fields of JudgeResponse, before and after.
         let mut extra = Vec::new();
-        pb::bytes_field(&mut extra, 5, b"guard-version 2");
-        pb::varint_field(&mut extra, 6, 42);
-        pb::bytes_field(&mut extra, 1000, &[1, 2, 3]);
-        vec![pb::judge_response(batch.request_id, &verdicts, &extra)]
+        raw_pb::bytes_field(&mut extra, 5, b"guard-version 2");
+        raw_pb::varint_field(&mut extra, 6, 42);
+        raw_pb::bytes_field(&mut extra, 1000, &[1, 2, 3]);
+        vec![raw_pb::judge_response(batch.request_id, &verdicts, &extra)]
     })
     .await;
     mesh.register(
@@ -1509,7 +1509,7 @@ async fn r25_guard_that_never_reads_its_stream_holds_bounded_memory_and_fails_pe
         .await
         .unwrap();
     assert_failure_cancel(&d.calls[0], "stuck", "first batch");
-    let before = rss_bytes();
+    let before = self_vmrss_bytes();
 
     use futures::StreamExt;
     let not_reading = std::sync::atomic::AtomicUsize::new(0);
@@ -1540,7 +1540,7 @@ async fn r25_guard_that_never_reads_its_stream_holds_bounded_memory_and_fails_pe
             }
         })
         .await;
-    let after = rss_bytes();
+    let after = self_vmrss_bytes();
     stop.store(true, Ordering::SeqCst);
     let canary_rounds = canary.await.expect("the canary's decisions were correct");
 
@@ -1634,14 +1634,14 @@ async fn r23_unknown_rewrite_field_fails_a_mutate_guard_and_nothing_is_rewritten
                 // A rewrite of the arguments plus a field 3 a newer protocol
                 // might add (say, "also drop these keys").
                 let mut rewrite = Vec::new();
-                pb::bytes_field(&mut rewrite, 2, br#"{"path":"/tmp/safe"}"#);
-                pb::bytes_field(&mut rewrite, 3, b"drop: secrets");
+                raw_pb::bytes_field(&mut rewrite, 2, br#"{"path":"/tmp/safe"}"#);
+                raw_pb::bytes_field(&mut rewrite, 3, b"drop: secrets");
                 let mut outcome = Vec::new();
-                pb::bytes_field(&mut outcome, 3, &rewrite);
-                pb::verdict(&c.call_id, &outcome)
+                raw_pb::bytes_field(&mut outcome, 3, &rewrite);
+                raw_pb::verdict(&c.call_id, &outcome)
             })
             .collect();
-        vec![pb::judge_response(batch.request_id, &verdicts, &[])]
+        vec![raw_pb::judge_response(batch.request_id, &verdicts, &[])]
     })
     .await;
     let later = proceed_guard().await;

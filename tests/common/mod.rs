@@ -1067,7 +1067,7 @@ pub async fn never_reading_guard() -> RawBytesHandle {
 }
 
 /// Protobuf encoding helpers for hand-made answers.
-pub mod pb {
+pub mod raw_pb {
     use prost::encoding::{WireType, encode_key, encode_varint};
 
     /// Appends field `number` as a length-delimited value.
@@ -1119,7 +1119,7 @@ pub mod pb {
 
 /// The mesh process's resident set size (`VmRSS`), in bytes. The mesh runs
 /// in the test process.
-pub fn rss_bytes() -> u64 {
+pub fn self_vmrss_bytes() -> u64 {
     std::fs::read_to_string("/proc/self/status")
         .ok()
         .and_then(|status| {
