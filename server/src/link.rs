@@ -1106,6 +1106,19 @@ pub mod wire {
             assert!(JudgeResponse::decode(&bytes[..]).is_ok());
         }
 
+        proptest::proptest! {
+            /// The scan never panics, and never refuses what prost reads.
+            #[test]
+            fn r23_scan_accepts_whatever_prost_decodes(
+                bytes in proptest::collection::vec(proptest::prelude::any::<u8>(), 0..96)
+            ) {
+                let scanned = unknown_verdict_field(&bytes);
+                if JudgeResponse::decode(&bytes[..]).is_ok() {
+                    proptest::prop_assert!(scanned.is_ok(), "{:?}", scanned);
+                }
+            }
+        }
+
         #[test]
         fn r23_truncated_answers_are_malformed() {
             let mut v = Vec::new();
