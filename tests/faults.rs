@@ -1322,3 +1322,351 @@ async fn restart_guard_process_killed_with_a_batch_in_flight_fails_that_batch_pe
         "the broken stream fails the batch at once, not at its deadline"
     );
 }
+
+// ---------------------------------------------------------------------------
+// 7. R23: a verdict the mesh cannot read is not a proceed
+// ---------------------------------------------------------------------------
+
+/// How a newer guard might answer a call: hand-encoded `Verdict`s with a
+/// field this mesh does not know.
+fn newer_verdicts(call_id: &str, variant: &str) -> (Vec<u8>, bool) {
+    let mut outcome = Vec::new();
+    let mut partial = false;
+    match variant {
+        // Field 4 of the `outcome` oneof: a message, as a new outcome would be.
+        "new outcome message" => {
+            let mut defer = Vec::new();
+            raw_pb::bytes_field(&mut defer, 1, b"ask the user first");
+            raw_pb::bytes_field(&mut outcome, 4, &defer);
+        }
+        // Field 4 as a bare varint (a new enum-valued outcome).
+        "new outcome varint" => raw_pb::varint_field(&mut outcome, 4, 1),
+        // The same, in a partial answer: the request fails at once.
+        "new outcome in a partial answer" => {
+            raw_pb::bytes_field(&mut outcome, 4, b"");
+            partial = true;
+        }
+        other => panic!("unknown variant {other}"),
+    }
+    (raw_pb::verdict(call_id, &outcome), partial)
+}
+
+#[tokio::test]
+async fn r23_unknown_verdict_outcome_fails_the_guard_per_its_policy() {
+    for variant in [
+        "new outcome message",
+        "new outcome varint",
+        "new outcome in a partial answer",
+    ] {
+        let mesh = TestMesh::start().await;
+        let guard = raw_bytes_guard(move |batch| {
+            let mut partial = false;
+            let verdicts: Vec<Vec<u8>> = batch
+                .calls
+                .iter()
+                .map(|c| {
+                    let (verdict, p) = newer_verdicts(&c.call_id, variant);
+                    partial |= p;
+                    verdict
+                })
+                .collect();
+            let mut extra = Vec::new();
+            if partial {
+                raw_pb::varint_field(&mut extra, 3, 1);
+            }
+            vec![raw_pb::judge_response(batch.request_id, &verdicts, &extra)]
+        })
+        .await;
+        register_each_policy(&mesh, &guard.url, Duration::from_secs(5)).await;
+        let session = mesh.coordinator().await.session("s").await.unwrap();
+        assert_each_policy_fails(&session, variant, 2, &[TraceStatus::Failed], "field 4").await;
+        // The guard failed on its answers, not on its streams: one per
+        // registered name, never reopened.
+        assert_eq!(guard.streams.load(Ordering::SeqCst), 3, "{variant}");
+    }
+}
+
+#[tokio::test]
+async fn r23_unknown_fields_outside_a_verdict_are_ignored() {
+    let mesh = TestMesh::start().await;
+    let guard = raw_bytes_guard(|batch| {
+        let verdicts: Vec<Vec<u8>> = batch
+            .calls
+            .iter()
+            .filter(|c| c.tool == "fs.delete")
+            .map(|c| {
+                // A skip carrying a field of its own: the skip stands.
+                let mut inside = Vec::new();
+                raw_pb::bytes_field(&mut inside, 9, b"policy-17");
+                raw_pb::verdict(&c.call_id, &raw_pb::skip_outcome("no deletes", &inside))
+            })
+            .collect();
+        // New top-level fields of JudgeResponse, before and after.
+        let mut extra = Vec::new();
+        raw_pb::bytes_field(&mut extra, 5, b"guard-version 2");
+        raw_pb::varint_field(&mut extra, 6, 42);
+        raw_pb::bytes_field(&mut extra, 1000, &[1, 2, 3]);
+        vec![raw_pb::judge_response(batch.request_id, &verdicts, &extra)]
+    })
+    .await;
+    mesh.register(
+        Registration::validate("g", &guard.url)
+            .failure_policy(FailurePolicy::FailOpen)
+            .timeout(Duration::from_secs(5)),
+    )
+    .await;
+    let session = mesh.coordinator().await.session("s").await.unwrap();
+    let d = session
+        .evaluate(
+            Batch::new(0)
+                .call("c1", "fs.delete", "{}")
+                .call("c2", "fs.read", "{}"),
+        )
+        .await
+        .unwrap();
+    assert_skip(
+        &d.calls[0],
+        "g",
+        &steer_outcome("no deletes"),
+        "unknown fields outside",
+    );
+    assert!(d.calls[0].bypassed.is_empty(), "{:?}", d.calls[0]);
+    assert!(d.calls[1].proceeds() && d.calls[1].bypassed.is_empty());
+    assert_eq!(status_of(&d, "g"), TraceStatus::Skipped);
+    assert_eq!(trace_error(&d, "g"), "");
+}
+
+// ---------------------------------------------------------------------------
+// 8. R25: a guard that never reads its stream holds bounded memory
+// ---------------------------------------------------------------------------
+
+#[tokio::test]
+async fn r25_guard_that_never_reads_its_stream_holds_bounded_memory_and_fails_per_policy() {
+    const BATCHES: usize = 3000;
+    const IN_FLIGHT: usize = 64;
+    let mut config = fast_config();
+    config.link.circuit_failures = 0;
+    let bound = config.link.max_queued_bytes;
+    let mesh = TestMesh::with_config(config).await;
+    let stuck = never_reading_guard().await;
+    mesh.register(
+        Registration::validate("stuck", &stuck.url)
+            .tools(["upload"])
+            .failure_policy(FailurePolicy::FailClosed)
+            .timeout(Duration::from_millis(200)),
+    )
+    .await;
+    let canary_guard = call_guard(Duration::ZERO, |c| {
+        c.arguments
+            .contains("DELETE")
+            .then(|| steer(&c.call_id, "no deletes"))
+    })
+    .await;
+    mesh.register(Registration::validate("canary", &canary_guard.url).tools(["sql"]))
+        .await;
+
+    // The canary: another coordinator, judged by another guard, meanwhile.
+    let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let canary = tokio::spawn({
+        let coordinator = mesh.coordinator().await;
+        let stop = stop.clone();
+        async move {
+            let session = coordinator.session("canary").await.unwrap();
+            let mut rounds = 0u32;
+            while !stop.load(Ordering::SeqCst) {
+                let d = session
+                    .evaluate(
+                        Batch::new(rounds)
+                            .call("del", "sql", sql("DELETE FROM t"))
+                            .call("sel", "sql", sql("SELECT 1"))
+                            .timeout(Duration::from_secs(10)),
+                    )
+                    .await
+                    .unwrap_or_else(|e| panic!("canary round {rounds}: {e}"));
+                assert_skip(
+                    &d.calls[0],
+                    "canary",
+                    &steer_outcome("no deletes"),
+                    "canary",
+                );
+                assert!(
+                    d.calls[1].proceeds(),
+                    "canary round {rounds}: {:?}",
+                    d.calls[1]
+                );
+                rounds += 1;
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+            rounds
+        }
+    });
+
+    let payload = serde_json::json!({ "blob": "x".repeat(64 * 1024) }).to_string();
+    let session = mesh.coordinator().await.session("s").await.unwrap();
+    // Opens the link before measuring.
+    let d = session
+        .evaluate(Batch::new(0).call("u", "upload", &payload))
+        .await
+        .unwrap();
+    assert_failure_cancel(&d.calls[0], "stuck", "first batch");
+    let before = self_vmrss_bytes();
+
+    use futures::StreamExt;
+    let not_reading = std::sync::atomic::AtomicUsize::new(0);
+    futures::stream::iter(0..BATCHES)
+        .for_each_concurrent(IN_FLIGHT, |i| {
+            let session = &session;
+            let payload = &payload;
+            let not_reading = &not_reading;
+            async move {
+                let what = format!("batch {i}");
+                let d = session
+                    .evaluate(
+                        Batch::new(1)
+                            .call("u", "upload", payload)
+                            .timeout(Duration::from_secs(10)),
+                    )
+                    .await
+                    .unwrap_or_else(|e| panic!("{what}: every batch is answered: {e}"));
+                assert_failure_cancel(&d.calls[0], "stuck", &what);
+                let status = status_of(&d, "stuck");
+                assert!(
+                    matches!(status, TraceStatus::Failed | TraceStatus::TimedOut),
+                    "{what}: {status:?}"
+                );
+                if trace_error(&d, "stuck").contains("not reading") {
+                    not_reading.fetch_add(1, Ordering::SeqCst);
+                }
+            }
+        })
+        .await;
+    let after = self_vmrss_bytes();
+    stop.store(true, Ordering::SeqCst);
+    let canary_rounds = canary.await.expect("the canary's decisions were correct");
+
+    let grew = after.saturating_sub(before);
+    eprintln!(
+        "r25 never-reading guard: {BATCHES} x 64 KiB batches, RSS {} -> {} MiB (+{} MiB), \
+         queue bound {} MiB, {} failed as not reading, canary rounds {canary_rounds}",
+        before >> 20,
+        after >> 20,
+        grew >> 20,
+        bound >> 20,
+        not_reading.load(Ordering::SeqCst)
+    );
+    assert!(
+        grew < 64 << 20,
+        "the mesh grew by {} MiB for a guard that never reads",
+        grew >> 20
+    );
+    // Once the queue is full, batches fail at once with the reason.
+    assert!(
+        not_reading.load(Ordering::SeqCst) > BATCHES / 2,
+        "{} of {BATCHES} failed as not reading",
+        not_reading.load(Ordering::SeqCst)
+    );
+    assert!(canary_rounds > 0, "the canary was judged meanwhile");
+    assert_eq!(stuck.streams.load(Ordering::SeqCst), 1);
+}
+
+// ---------------------------------------------------------------------------
+// 9. R13: an abort is counted like any other failure
+// ---------------------------------------------------------------------------
+
+#[tokio::test]
+async fn r13_abort_guard_failure_is_counted_in_guard_outcomes() {
+    let mesh = TestMesh::start().await;
+    let down = closed_port().await;
+    let fine = proceed_guard().await;
+    mesh.register(
+        Registration::mutate("mab", &down, ["m.*"])
+            .tools(["m.*"])
+            .failure_policy(FailurePolicy::Abort),
+    )
+    .await;
+    mesh.register(Registration::validate("fine", &fine.url))
+        .await;
+    mesh.register(
+        Registration::validate("ab", &down)
+            .tools(["c.*"])
+            .failure_policy(FailurePolicy::Abort),
+    )
+    .await;
+    let session = mesh.coordinator().await.session("s").await.unwrap();
+    for (tool, guard) in [("c.x", "ab"), ("m.x", "mab")] {
+        let err = session
+            .evaluate(Batch::new(0).call("c1", tool, "{}"))
+            .await
+            .expect_err("abort");
+        assert!(err.to_string().contains(&format!("{guard:?}")), "{err}");
+        let failed = metric(
+            &mesh,
+            &format!("guardmesh_guard_outcomes_total{{guard=\"{guard}\",status=\"failed\"}}"),
+        );
+        assert_eq!(failed, 1.0, "{guard}: {}", mesh.mesh.metrics.encode());
+    }
+    // The validate guard consulted alongside `ab` is counted too; nothing
+    // is counted for guards never reached after `mab` aborted.
+    let fine_total: f64 = ["proceeded", "superseded"]
+        .iter()
+        .map(|s| {
+            metric(
+                &mesh,
+                &format!("guardmesh_guard_outcomes_total{{guard=\"fine\",status=\"{s}\"}}"),
+            )
+        })
+        .sum();
+    assert_eq!(fine_total, 1.0, "{}", mesh.mesh.metrics.encode());
+    assert_eq!(
+        metric(&mesh, "guardmesh_batches_total{outcome=\"aborted\"}"),
+        2.0
+    );
+}
+
+#[tokio::test]
+async fn r23_unknown_rewrite_field_fails_a_mutate_guard_and_nothing_is_rewritten() {
+    let mesh = TestMesh::start().await;
+    let guard = raw_bytes_guard(|batch| {
+        let verdicts: Vec<Vec<u8>> = batch
+            .calls
+            .iter()
+            .map(|c| {
+                // A rewrite of the arguments plus a field 3 a newer protocol
+                // might add (say, "also drop these keys").
+                let mut rewrite = Vec::new();
+                raw_pb::bytes_field(&mut rewrite, 2, br#"{"path":"/tmp/safe"}"#);
+                raw_pb::bytes_field(&mut rewrite, 3, b"drop: secrets");
+                let mut outcome = Vec::new();
+                raw_pb::bytes_field(&mut outcome, 3, &rewrite);
+                raw_pb::verdict(&c.call_id, &outcome)
+            })
+            .collect();
+        vec![raw_pb::judge_response(batch.request_id, &verdicts, &[])]
+    })
+    .await;
+    let later = proceed_guard().await;
+    mesh.register(
+        Registration::mutate("m", &guard.url, ["fs.*"])
+            .tools(["fs.*"])
+            .failure_policy(FailurePolicy::FailClosed)
+            .timeout(Duration::from_secs(5)),
+    )
+    .await;
+    mesh.register(Registration::validate("v", &later.url)).await;
+    let session = mesh.coordinator().await.session("s").await.unwrap();
+    let d = session
+        .evaluate(
+            Batch::new(0)
+                .call("c1", "fs.write", r#"{"path":"/etc/passwd"}"#)
+                .call("c2", "net.get", "{}"),
+        )
+        .await
+        .unwrap();
+    assert_failure_cancel(&d.calls[0], "m", "unknown rewrite field");
+    assert!(d.calls[0].rewritten_by.is_empty(), "{:?}", d.calls[0]);
+    assert_eq!(d.calls[0].final_call.arguments, r#"{"path":"/etc/passwd"}"#);
+    assert!(d.calls[1].proceeds());
+    assert_eq!(status_of(&d, "m"), TraceStatus::Failed);
+    let error = trace_error(&d, "m");
+    assert!(error.contains("Rewrite field 3"), "{error}");
+}

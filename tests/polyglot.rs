@@ -847,3 +847,76 @@ async fn r20_kits_skip_calls_whose_arguments_they_cannot_read() {
         );
     }
 }
+
+/// R26: a Python guard on a default grpcio server (which allows a client one
+/// keepalive ping per 5 minutes without data, then GOAWAY "too_many_pings")
+/// keeps its link through a long idle spell, and judges the next batch.
+#[tokio::test]
+async fn r26_idle_python_guard_keeps_its_link_under_grpcio_default_ping_policy() {
+    /// Longer than five pings at the old 10 s interval (the link used to be
+    /// dropped after about 40-50 s).
+    const IDLE: Duration = Duration::from_secs(60);
+    let mesh = TestMesh::start().await;
+    let keepalive = mesh.mesh.config.link.keepalive_interval;
+    assert!(
+        keepalive.is_zero() || keepalive >= Duration::from_secs(300),
+        "the mesh's default keepalive ({keepalive:?}) is what grpcio accepts"
+    );
+    let _guard = python_guard(
+        "no_delete.py",
+        &[
+            "--mesh",
+            &mesh.url,
+            "--name",
+            "py-idle",
+            "--timeout-ms",
+            GUARD_TIMEOUT_MS,
+        ],
+    )
+    .await;
+    let opened = || {
+        metric(
+            &mesh,
+            "guardmesh_guard_streams_opened_total{guard=\"py-idle\"}",
+        )
+    };
+    let session = mesh.coordinator().await.session("s").await.unwrap();
+    let judge = |turn: u32| {
+        session.evaluate(
+            Batch::new(turn)
+                .call("del", "fs.delete", r#"{"path":"/srv/data"}"#)
+                .call("read", "fs.read", r#"{"path":"/srv/README.md"}"#)
+                .timeout(Duration::from_secs(15)),
+        )
+    };
+    let assert_judged = |d: &Decision, what: &str| {
+        let del = d.call("del").unwrap();
+        assert_eq!(
+            del.outcome,
+            Outcome::Cancel {
+                content: "Deleting files is not allowed.".into()
+            },
+            "{what}: {del:?}"
+        );
+        assert!(!del.failure, "{what}: judged, not failed: {del:?}");
+        assert_eq!(del.decided_by.as_deref(), Some("py-idle"), "{what}");
+        assert!(d.call("read").unwrap().proceeds(), "{what}");
+        assert_eq!(status_of(d, "py-idle"), TraceStatus::Skipped, "{what}");
+    };
+    let d = judge(0).await.unwrap();
+    assert_judged(&d, "before the idle spell");
+    assert_eq!(opened(), 1.0, "one Judge stream so far");
+    let started = std::time::Instant::now();
+    while started.elapsed() < IDLE {
+        tokio::time::sleep(Duration::from_secs(1)).await;
+        assert_eq!(
+            opened(),
+            1.0,
+            "the link was dropped and reopened after {:?} idle",
+            started.elapsed()
+        );
+    }
+    let d = judge(1).await.unwrap();
+    assert_judged(&d, "after the idle spell");
+    assert_eq!(opened(), 1.0, "the link was never reopened");
+}

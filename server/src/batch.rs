@@ -467,14 +467,43 @@ impl<'a> Judging<'a> {
     }
 
     async fn run(&mut self) -> Result<BatchDecision, BatchError> {
+        match self.consult().await {
+            Ok(()) => Ok(self.decide()),
+            Err(error) => {
+                self.count_aborted();
+                Err(error)
+            }
+        }
+    }
+
+    async fn consult(&mut self) -> Result<(), BatchError> {
         // R10: mutate guards first, one after another, in chain order.
         for g in 0..self.chain.guards.len() {
             if self.chain.guards[g].guard.role == GuardRole::Mutate {
                 self.mutate(g).await?;
             }
         }
-        self.validate().await?;
-        Ok(self.decide())
+        self.validate().await
+    }
+
+    /// R13: a failure is counted even when it aborts the batch. Every guard
+    /// that was sent calls gets its outcome counted, as [`Self::decide`]
+    /// does for a decided batch; the guards never reached are not counted.
+    fn count_aborted(&self) {
+        for (ChainGuard { guard, .. }, run) in self.chain.guards.iter().zip(&self.runs) {
+            if !run.sent_any {
+                continue;
+            }
+            let latency = match (run.started, run.finished) {
+                (Some(s), Some(f)) => Some((f - s).as_secs_f64()),
+                _ => None,
+            };
+            self.mesh.metrics.guard_outcome(
+                &guard.name,
+                status_label(reported_status(guard, run)),
+                latency,
+            );
+        }
     }
 
     /// Which calls guard `g` is sent: those it applies to and that are not
@@ -960,11 +989,7 @@ impl<'a> Judging<'a> {
                         "malformed verdicts dropped: {error}"
                     );
                 }
-                let reported = if guard.enforced() || status == TraceStatus::NotApplicable {
-                    status
-                } else {
-                    TraceStatus::DryRun
-                };
+                let reported = reported_status(guard, run);
                 if !guard.enforced() && status != TraceStatus::NotApplicable {
                     tracing::info!(
                         guard = %guard.name,
@@ -1023,6 +1048,17 @@ impl<'a> Judging<'a> {
             chain_revision: self.chain.revision,
             trace_id: std::mem::take(&mut self.trace.trace_id),
         }
+    }
+}
+
+/// The status a guard's trace entry shows: a dry-run guard's is `dry_run`
+/// unless it was sent nothing (R18).
+fn reported_status(guard: &Guard, run: &GuardRun) -> TraceStatus {
+    let status = run.status();
+    if guard.enforced() || status == TraceStatus::NotApplicable {
+        status
+    } else {
+        TraceStatus::DryRun
     }
 }
 

@@ -20,6 +20,10 @@
 //! max_answer_bytes = 4194304
 //! circuit_failures = 5
 //! circuit_open_ms = 5000
+//! keepalive_interval_ms = 300000
+//! keepalive_timeout_ms = 20000
+//! dead_peer_timeout_ms = 30000
+//! max_queued_bytes = 16777216
 //!
 //! [[guard]]
 //! name = "sql-where"
@@ -212,6 +216,20 @@ pub struct LinksConfig {
     pub circuit_failures: u32,
     /// How long an open circuit fails at once before one probe goes through.
     pub circuit_open_ms: u64,
+    /// HTTP/2 PING after this long without a frame from the guard (0: off).
+    /// Below 300000 (what default grpcio servers accept, R26) only with
+    /// `keepalive_force`.
+    pub keepalive_interval_ms: u64,
+    pub keepalive_timeout_ms: u64,
+    /// Accept a `keepalive_interval_ms` below 300000 (guards whose servers
+    /// are configured to allow it).
+    pub keepalive_force: bool,
+    /// TCP keepalive and TCP_USER_TIMEOUT: a vanished guard host is noticed
+    /// within about this long (0: off).
+    pub dead_peer_timeout_ms: u64,
+    /// Bytes of requests queued for a guard that is not reading them; past
+    /// it, batches fail at that guard per its policy (R25).
+    pub max_queued_bytes: usize,
 }
 
 impl Default for LinksConfig {
@@ -224,7 +242,46 @@ impl Default for LinksConfig {
             max_answer_bytes: l.max_decoding_message_size,
             circuit_failures: l.circuit_failures,
             circuit_open_ms: millis(l.circuit_open_for),
+            keepalive_interval_ms: millis(l.keepalive_interval),
+            keepalive_timeout_ms: millis(l.keepalive_timeout),
+            keepalive_force: false,
+            dead_peer_timeout_ms: millis(l.dead_peer_timeout),
+            max_queued_bytes: l.max_queued_bytes,
         }
+    }
+}
+
+impl LinksConfig {
+    /// Refuses link settings that default guard servers would punish (R26)
+    /// or that cannot work.
+    fn check(&self) -> Result<(), String> {
+        let floor = millis(crate::link::MIN_PEER_PING_INTERVAL);
+        if self.keepalive_interval_ms != 0
+            && self.keepalive_interval_ms < floor
+            && !self.keepalive_force
+        {
+            return Err(format!(
+                "guard_links.keepalive_interval_ms = {} is below {floor}: default gRPC servers \
+                 (grpcio) answer pings more frequent than every 5 minutes with GOAWAY \
+                 \"too_many_pings\" and drop the guard's link; raise it, set it to 0 (off), or set \
+                 guard_links.keepalive_force = true if every guard's server allows it",
+                self.keepalive_interval_ms
+            ));
+        }
+        if self.keepalive_interval_ms != 0 && self.keepalive_timeout_ms == 0 {
+            return Err("guard_links.keepalive_timeout_ms must be greater than 0".into());
+        }
+        if self.dead_peer_timeout_ms != 0 && self.dead_peer_timeout_ms < 2000 {
+            return Err(format!(
+                "guard_links.dead_peer_timeout_ms = {} is below 2000 (TCP keepalive counts in \
+                 seconds); use 0 to turn it off",
+                self.dead_peer_timeout_ms
+            ));
+        }
+        if self.max_queued_bytes == 0 {
+            return Err("guard_links.max_queued_bytes must be greater than 0".into());
+        }
+        Ok(())
     }
 }
 
@@ -645,7 +702,7 @@ impl Config {
                 self.guards[second].name.trim()
             ));
         }
-        Ok(())
+        self.guard_links.check()
     }
 
     /// Reads and parses a config file.
@@ -683,6 +740,10 @@ impl Config {
                 max_decoding_message_size: self.guard_links.max_answer_bytes,
                 circuit_failures: self.guard_links.circuit_failures,
                 circuit_open_for: Duration::from_millis(self.guard_links.circuit_open_ms),
+                keepalive_interval: Duration::from_millis(self.guard_links.keepalive_interval_ms),
+                keepalive_timeout: Duration::from_millis(self.guard_links.keepalive_timeout_ms),
+                dead_peer_timeout: Duration::from_millis(self.guard_links.dead_peer_timeout_ms),
+                max_queued_bytes: self.guard_links.max_queued_bytes,
                 ..LinkConfig::default()
             },
             security: MeshConfig::default().security,
@@ -1024,6 +1085,42 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(err.contains("handshake_timeout"), "{err}");
+    }
+
+    #[test]
+    fn r26_keepalive_below_what_default_guard_servers_accept_is_refused_unless_forced() {
+        let defaults = Config::default();
+        assert_eq!(defaults.guard_links.keepalive_interval_ms, 300_000);
+        let link = defaults.mesh_config().link;
+        assert_eq!(link.keepalive_interval, crate::link::MIN_PEER_PING_INTERVAL);
+        let config = Config::parse("[guard_links]\nkeepalive_interval_ms = 10000", "t").unwrap();
+        let err = config.check().unwrap_err();
+        assert!(
+            err.contains("keepalive_interval_ms") && err.contains("too_many_pings"),
+            "{err}"
+        );
+        let config = Config::parse(
+            "[guard_links]\nkeepalive_interval_ms = 10000\nkeepalive_force = true",
+            "t",
+        )
+        .unwrap();
+        assert!(config.check().is_ok());
+        assert_eq!(
+            config.mesh_config().link.keepalive_interval,
+            Duration::from_secs(10)
+        );
+        let config = Config::parse("[guard_links]\nkeepalive_interval_ms = 0", "t").unwrap();
+        assert!(config.check().is_ok(), "0 turns pings off");
+        let config = Config::parse("[guard_links]\ndead_peer_timeout_ms = 500", "t").unwrap();
+        assert!(config.check().unwrap_err().contains("dead_peer_timeout_ms"));
+    }
+
+    #[test]
+    fn r25_guard_queue_bound_is_read_and_must_be_positive() {
+        let config = Config::parse("[guard_links]\nmax_queued_bytes = 1048576", "t").unwrap();
+        assert_eq!(config.mesh_config().link.max_queued_bytes, 1 << 20);
+        let config = Config::parse("[guard_links]\nmax_queued_bytes = 0", "t").unwrap();
+        assert!(config.check().unwrap_err().contains("max_queued_bytes"));
     }
 
     #[test]

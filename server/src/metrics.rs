@@ -55,6 +55,7 @@ pub struct Metrics {
     bypassed: Family<GuardLabel, Counter>,
     spurious: Family<GuardLabel, Counter>,
     circuit_opened: Family<GuardLabel, Counter>,
+    streams_opened: Family<GuardLabel, Counter>,
     auth_refused: Family<CodeLabel, Counter>,
     connections_refused: Family<ReasonLabel, Counter>,
     connections_open: Gauge,
@@ -116,6 +117,12 @@ impl Metrics {
             "guard_circuit_opened",
             "Times a guard's circuit breaker opened, by guard",
             circuit_opened.clone(),
+        );
+        let streams_opened = Family::<GuardLabel, Counter>::default();
+        registry.register(
+            "guard_streams_opened",
+            "Judge streams the mesh opened to each guard (the first, and one per reconnect)",
+            streams_opened.clone(),
         );
         let auth_refused = Family::<CodeLabel, Counter>::default();
         registry.register(
@@ -184,6 +191,7 @@ impl Metrics {
             bypassed,
             spurious,
             circuit_opened,
+            streams_opened,
             auth_refused,
             connections_refused,
             connections_open,
@@ -245,6 +253,14 @@ impl Metrics {
 
     pub fn circuit_opened(&self, guard: &str) {
         self.circuit_opened
+            .get_or_create(&GuardLabel {
+                guard: guard.to_owned(),
+            })
+            .inc();
+    }
+
+    pub fn guard_stream_opened(&self, guard: &str) {
+        self.streams_opened
             .get_or_create(&GuardLabel {
                 guard: guard.to_owned(),
             })

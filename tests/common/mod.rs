@@ -971,3 +971,274 @@ impl TestMesh {
         (mesh, url)
     }
 }
+
+// ---------------------------------------------------------------------------
+// Raw-bytes guards (R23, R25): a `GuardService` whose answers are bytes a test
+// writes by hand (fields a newer protocol might send), and one that accepts
+// its Judge stream and never reads it.
+// ---------------------------------------------------------------------------
+
+/// What a [`raw_bytes_guard`] answers a batch with: each entry is the
+/// protobuf encoding of one `JudgeResponse`, sent as it is.
+type BytesBehaviour = dyn Fn(&GuardBatch) -> Vec<Vec<u8>> + Send + Sync;
+
+/// The codec of the raw-bytes guard: requests decoded by prost, answers
+/// written as the test gave them.
+#[derive(Clone, Copy, Default)]
+struct RawBytesCodec;
+
+impl tonic::codec::Codec for RawBytesCodec {
+    type Encode = Vec<u8>;
+    type Decode = JudgeRequest;
+    type Encoder = RawBytesCodec;
+    type Decoder = RawBytesCodec;
+
+    fn encoder(&mut self) -> Self::Encoder {
+        *self
+    }
+
+    fn decoder(&mut self) -> Self::Decoder {
+        *self
+    }
+}
+
+impl tonic::codec::Encoder for RawBytesCodec {
+    type Item = Vec<u8>;
+    type Error = Status;
+
+    fn encode(
+        &mut self,
+        item: Vec<u8>,
+        dst: &mut tonic::codec::EncodeBuf<'_>,
+    ) -> Result<(), Status> {
+        use prost::bytes::BufMut;
+        dst.put_slice(&item);
+        Ok(())
+    }
+}
+
+impl tonic::codec::Decoder for RawBytesCodec {
+    type Item = JudgeRequest;
+    type Error = Status;
+
+    fn decode(
+        &mut self,
+        src: &mut tonic::codec::DecodeBuf<'_>,
+    ) -> Result<Option<JudgeRequest>, Status> {
+        use prost::Message;
+        JudgeRequest::decode(src)
+            .map(Some)
+            .map_err(|e| Status::internal(e.to_string()))
+    }
+}
+
+/// The `Judge` method of the raw-bytes guard.
+struct RawBytesJudge {
+    behaviour: Arc<BytesBehaviour>,
+    streams: Arc<AtomicUsize>,
+    /// Never read the stream: hold it open until the connection ends.
+    never_read: bool,
+}
+
+type BoxStream<T> = std::pin::Pin<Box<dyn tokio_stream::Stream<Item = T> + Send>>;
+
+impl tonic::server::StreamingService<JudgeRequest> for RawBytesJudge {
+    type Response = Vec<u8>;
+    type ResponseStream = BoxStream<Result<Vec<u8>, Status>>;
+    type Future = std::pin::Pin<
+        Box<
+            dyn std::future::Future<Output = Result<tonic::Response<Self::ResponseStream>, Status>>
+                + Send,
+        >,
+    >;
+
+    fn call(&mut self, request: tonic::Request<tonic::Streaming<JudgeRequest>>) -> Self::Future {
+        use guardmesh_client::proto::judge_request::Kind;
+        self.streams.fetch_add(1, Ordering::SeqCst);
+        let behaviour = self.behaviour.clone();
+        let never_read = self.never_read;
+        Box::pin(async move {
+            let mut inbound = request.into_inner();
+            let (tx, rx) = tokio::sync::mpsc::channel::<Result<Vec<u8>, Status>>(256);
+            tokio::spawn(async move {
+                if never_read {
+                    // Keep the stream (and so its flow-control window) open
+                    // without ever polling it, until the mesh goes away.
+                    tx.closed().await;
+                    drop(inbound);
+                    return;
+                }
+                while let Ok(Some(message)) = inbound.message().await {
+                    if let Some(Kind::Batch(batch)) = message.kind {
+                        for answer in behaviour(&batch) {
+                            if tx.send(Ok(answer)).await.is_err() {
+                                return;
+                            }
+                        }
+                    }
+                }
+            });
+            let stream: Self::ResponseStream =
+                Box::pin(tokio_stream::wrappers::ReceiverStream::new(rx));
+            Ok(tonic::Response::new(stream))
+        })
+    }
+}
+
+/// A hand-written `GuardService` server around [`RawBytesJudge`].
+#[derive(Clone)]
+struct RawBytesServer {
+    behaviour: Arc<BytesBehaviour>,
+    streams: Arc<AtomicUsize>,
+    never_read: bool,
+}
+
+impl tonic::server::NamedService for RawBytesServer {
+    const NAME: &'static str = "guardmesh.v1.GuardService";
+}
+
+impl tower::Service<http::Request<tonic::body::Body>> for RawBytesServer {
+    type Response = http::Response<tonic::body::Body>;
+    type Error = std::convert::Infallible;
+    type Future = std::pin::Pin<
+        Box<dyn std::future::Future<Output = Result<Self::Response, Self::Error>> + Send>,
+    >;
+
+    fn poll_ready(
+        &mut self,
+        _cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Result<(), Self::Error>> {
+        std::task::Poll::Ready(Ok(()))
+    }
+
+    fn call(&mut self, request: http::Request<tonic::body::Body>) -> Self::Future {
+        let judge = RawBytesJudge {
+            behaviour: self.behaviour.clone(),
+            streams: self.streams.clone(),
+            never_read: self.never_read,
+        };
+        Box::pin(async move {
+            if request.uri().path() != "/guardmesh.v1.GuardService/Judge" {
+                return Ok(Status::unimplemented("only Judge").into_http());
+            }
+            let mut grpc = tonic::server::Grpc::new(RawBytesCodec);
+            Ok(grpc.streaming(judge, request).await)
+        })
+    }
+}
+
+/// A running raw-bytes guard.
+pub struct RawBytesHandle {
+    pub url: String,
+    /// Judge streams opened to it.
+    pub streams: Arc<AtomicUsize>,
+    task: JoinHandle<()>,
+}
+
+impl Drop for RawBytesHandle {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+async fn serve_raw_bytes(server: RawBytesServer) -> RawBytesHandle {
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}", listener.local_addr().unwrap());
+    let streams = server.streams.clone();
+    let task = tokio::spawn(async move {
+        let _ = tonic::transport::Server::builder()
+            .add_service(server)
+            .serve_with_incoming(TcpListenerStream::new(listener))
+            .await;
+    });
+    RawBytesHandle { url, streams, task }
+}
+
+/// Serves a guard that answers each batch with the hand-encoded
+/// `JudgeResponse`s `behaviour` returns, byte for byte.
+pub async fn raw_bytes_guard(
+    behaviour: impl Fn(&GuardBatch) -> Vec<Vec<u8>> + Send + Sync + 'static,
+) -> RawBytesHandle {
+    serve_raw_bytes(RawBytesServer {
+        behaviour: Arc::new(behaviour),
+        streams: Arc::default(),
+        never_read: false,
+    })
+    .await
+}
+
+/// Serves a guard that accepts its Judge stream and never reads from it.
+pub async fn never_reading_guard() -> RawBytesHandle {
+    serve_raw_bytes(RawBytesServer {
+        behaviour: Arc::new(|_| Vec::new()),
+        streams: Arc::default(),
+        never_read: true,
+    })
+    .await
+}
+
+/// Protobuf encoding helpers for hand-made answers.
+pub mod raw_pb {
+    use prost::encoding::{WireType, encode_key, encode_varint};
+
+    /// Appends field `number` as a length-delimited value.
+    pub fn bytes_field(out: &mut Vec<u8>, number: u32, payload: &[u8]) {
+        encode_key(number, WireType::LengthDelimited, out);
+        encode_varint(payload.len() as u64, out);
+        out.extend_from_slice(payload);
+    }
+
+    /// Appends field `number` as a varint.
+    pub fn varint_field(out: &mut Vec<u8>, number: u32, value: u64) {
+        encode_key(number, WireType::Varint, out);
+        encode_varint(value, out);
+    }
+
+    /// A `JudgeResponse` (final) for `request_id` whose `verdicts` are the
+    /// given encoded `Verdict`s, followed by `extra` bytes of top-level
+    /// fields.
+    pub fn judge_response(request_id: u64, verdicts: &[Vec<u8>], extra: &[u8]) -> Vec<u8> {
+        let mut out = Vec::new();
+        varint_field(&mut out, 1, request_id);
+        for verdict in verdicts {
+            bytes_field(&mut out, 2, verdict);
+        }
+        out.extend_from_slice(extra);
+        out
+    }
+
+    /// A `Verdict` with `call_id` and then `extra` bytes (its outcome,
+    /// known or not).
+    pub fn verdict(call_id: &str, extra: &[u8]) -> Vec<u8> {
+        let mut out = Vec::new();
+        bytes_field(&mut out, 1, call_id.as_bytes());
+        out.extend_from_slice(extra);
+        out
+    }
+
+    /// A `Skip` outcome (field 2 of `Verdict`) with `content`, kind steer,
+    /// followed by `extra` bytes inside the skip.
+    pub fn skip_outcome(content: &str, extra: &[u8]) -> Vec<u8> {
+        let mut skip = Vec::new();
+        bytes_field(&mut skip, 1, content.as_bytes());
+        skip.extend_from_slice(extra);
+        let mut out = Vec::new();
+        bytes_field(&mut out, 2, &skip);
+        out
+    }
+}
+
+/// The mesh process's resident set size (`VmRSS`), in bytes. The mesh runs
+/// in the test process.
+pub fn self_vmrss_bytes() -> u64 {
+    std::fs::read_to_string("/proc/self/status")
+        .ok()
+        .and_then(|status| {
+            status
+                .lines()
+                .find(|l| l.starts_with("VmRSS:"))
+                .and_then(|l| l.split_whitespace().nth(1))
+                .and_then(|kb| kb.parse::<u64>().ok())
+        })
+        .map_or(0, |kb| kb * 1024)
+}
