@@ -1647,3 +1647,55 @@ async fn r17_a_deregistered_guard_is_not_brought_back_by_an_old_config() {
     b.stop().await;
     c.stop().await;
 }
+
+/// A stored registration this replica cannot read (written by a newer
+/// version, or by hand) is a guard it cannot apply: the replica refuses
+/// batches with UNAVAILABLE naming the key, and serves again once the key
+/// is deregistered. Leaving the guard out of the chain would let the calls
+/// it would have judged through unjudged (R13, R15, R17).
+#[tokio::test]
+async fn r17_an_unreadable_stored_registration_refuses_batches_until_removed() {
+    let etcd = Etcd::start().await;
+    let a = Replica::start(settings(etcd.url(), "/t/unreadable")).await;
+    let rm = veto("rm").await;
+    let registered = a
+        .mesh
+        .registrar()
+        .await
+        .register(Registration::validate("veto", &rm.url))
+        .await
+        .unwrap();
+    a.sees(registered.revision).await;
+    let decision = a.evaluate(two_calls()).await.unwrap();
+    assert!(!decision.calls[0].proceeds() && decision.calls[1].proceeds());
+
+    // A value that is not a GuardSpec, under the guards prefix.
+    let mut client = etcd.client().await;
+    let put = client
+        .put("/t/unreadable/guards/newer", vec![0xff, 0xff, 0xff], None)
+        .await
+        .unwrap();
+    a.sees(u64::try_from(put.header().unwrap().revision()).unwrap())
+        .await;
+    let err = a.evaluate(two_calls()).await.unwrap_err();
+    assert_eq!(err.code(), Some(tonic::Code::Unavailable), "{err}");
+    assert!(
+        err.to_string().contains("/t/unreadable/guards/newer"),
+        "{err}"
+    );
+    assert_eq!(a.registry.status().invalid.len(), 1);
+
+    // Deregistering it (the operator's fix) lets the replica judge again.
+    let removed = a.mesh.registrar().await.deregister("newer").await.unwrap();
+    assert!(removed);
+    poll_until(
+        Duration::from_secs(15),
+        "the unreadable key is gone",
+        || async { a.registry.status().invalid.is_empty() },
+    )
+    .await;
+    let decision = a.evaluate(two_calls()).await.unwrap();
+    assert!(!decision.calls[0].proceeds() && decision.calls[1].proceeds());
+    assert!(a.registry.status().invalid.is_empty());
+    a.stop().await;
+}

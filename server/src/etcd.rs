@@ -355,7 +355,8 @@ pub struct RegistryStatus {
     /// The chain's guards, in order, with their liveness.
     pub liveness: Vec<(String, Liveness)>,
     /// Keys under `<prefix>/guards/` that do not decode to a valid
-    /// registration, with why; they are not in the chain.
+    /// registration, with why. While there is one the replica refuses
+    /// batches (`check`), rather than judge without that guard.
     pub invalid: Vec<(String, String)>,
 }
 
@@ -432,6 +433,11 @@ struct Shared {
     keys: Keys,
     client: Client,
     chain: ArcSwap<ChainSpec>,
+    /// The first stored registration that cannot be read (key, why), if
+    /// any. While one exists the replica refuses batches: a guard this mesh
+    /// cannot read is a guard it cannot apply, and leaving it out of the
+    /// chain would let its calls through unjudged.
+    unreadable: arc_swap::ArcSwapOption<(String, String)>,
     view: Mutex<View>,
     /// The revision the view reflects, published after the chain is swapped,
     /// so that a writer waiting for its revision then reads its own write.
@@ -691,6 +697,7 @@ impl EtcdRegistry {
             keys,
             client,
             chain: ArcSwap::from_pointee(ChainSpec::default()),
+            unreadable: arc_swap::ArcSwapOption::empty(),
             view: Mutex::new(View::default()),
             applied,
             health: Mutex::new(Health {
@@ -824,6 +831,13 @@ impl Registry for EtcdRegistry {
     }
 
     fn check(&self) -> Result<(), RegistryError> {
+        if let Some(unreadable) = self.shared.unreadable.load().as_deref() {
+            let (key, why) = unreadable;
+            return Err(RegistryError::Unavailable(format!(
+                "stored registration {key} cannot be read ({why}); not judging without it: \
+                 register the guard again or deregister it"
+            )));
+        }
         let (connected, since) = {
             let health = self.shared.health();
             (
@@ -1068,7 +1082,7 @@ impl Shared {
             }
             match self.decode(name, kv.value()) {
                 Ok(guard) => {
-                    view.invalid.remove(name);
+                    view.invalid.remove(key);
                     view.guards.insert(
                         name.to_owned(),
                         Entry {
@@ -1079,7 +1093,7 @@ impl Shared {
                     );
                 }
                 Err(reason) => {
-                    tracing::error!(key, %reason, "etcd registry: registration cannot be read; it is not in the chain");
+                    tracing::error!(key, %reason, "etcd registry: registration cannot be read; batches are refused until it is fixed or deregistered");
                     view.guards.remove(name);
                     view.invalid.insert(key.to_owned(), reason);
                 }
@@ -1150,6 +1164,12 @@ impl Shared {
             revision: to_u64(view.chain_revision),
             guards: entries.into_iter().map(|e| e.guard.clone()).collect(),
         }));
+        self.unreadable.store(
+            view.invalid
+                .iter()
+                .next()
+                .map(|(key, why)| Arc::new((key.clone(), why.clone()))),
+        );
     }
 
     /// Applies one watch response's events.
