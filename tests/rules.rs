@@ -805,3 +805,87 @@ async fn r21_one_trace_entry_per_guard_with_its_status() {
     assert_eq!(d.calls[0].decided_by.as_deref(), Some("skips"));
     assert_eq!(d.calls[0].bypassed, ["failed"]);
 }
+
+/// R20: arguments that mainstream parsers read differently (or refuse) are
+/// refused at the gate, so a guard never judges one call while the tool
+/// runs another. Each is sent on the wire on one stream, which keeps
+/// serving.
+#[tokio::test]
+async fn r20_arguments_must_be_i_json_or_the_batch_is_refused() {
+    let mesh = TestMesh::start().await;
+    let guard = proceed_guard().await;
+    mesh.register(Registration::validate("g", &guard.url)).await;
+    let session = mesh.coordinator().await.session("s").await.unwrap();
+    let nested = format!(r#"{{"a":{}1{}}}"#, "[".repeat(129), "]".repeat(129));
+    let digits = format!(r#"{{"n":1{}}}"#, "0".repeat(400));
+    let long_id = "L".repeat(5000);
+    let cases: Vec<(&str, String, &str)> = vec![
+        (
+            "c1",
+            r#"{"n":1e400}"#.into(),
+            "number out of range of a double at $.n",
+        ),
+        (
+            "c2",
+            r#"{"s":"\ud800"}"#.into(),
+            r"lone surrogate \ud800 at $.s",
+        ),
+        ("c3", nested, "nesting deeper than 64 at $"),
+        ("c4", digits, "number longer than 100 characters at $.n"),
+        (
+            "c5",
+            r#"{"sql":"SELECT 1","sql":"DELETE FROM t"}"#.into(),
+            r#"duplicate member name "sql" at $"#,
+        ),
+        (
+            &long_id,
+            r#"{"sql":"SELECT 1","\u0073ql":"DELETE FROM t"}"#.into(),
+            r#"duplicate member name "sql" at $"#,
+        ),
+    ];
+    for (i, (id, arguments, reason)) in cases.iter().enumerate() {
+        let err = session
+            .evaluate_raw(EvaluateRequest {
+                batch_id: format!("bad-{i}"),
+                calls: vec![call("fine", "sql", "{}"), call(id, "sql", arguments)],
+                ..Default::default()
+            })
+            .await
+            .expect_err("refused");
+        let ClientError::Status(status) = &err else {
+            panic!("case {i}: {err}")
+        };
+        assert_eq!(
+            status.code(),
+            tonic::Code::InvalidArgument,
+            "case {i}: {status:?}"
+        );
+        let message = status.message();
+        assert!(message.contains(reason), "case {i}: {message}");
+        // The call is named by position and id; a long id is cut short.
+        let shown = &id[..id.len().min(20)];
+        assert!(
+            message.contains(&format!("call #1 (\"{shown}")),
+            "case {i}: {message}"
+        );
+        assert!(message.len() < 300, "case {i}: {} bytes", message.len());
+    }
+    assert_eq!(
+        guard.guard.requests(),
+        0,
+        "no guard contacted for a refused batch"
+    );
+    assert_eq!(
+        metric(
+            &mesh,
+            r#"guardmesh_batches_refused_total{reason="arguments_not_i_json"}"#
+        ),
+        6.0
+    );
+    let d = session
+        .evaluate(Batch::new(0).call("ok", "sql", r#"{"sql":"SELECT 1","n":1e300}"#))
+        .await
+        .unwrap();
+    assert!(d.calls[0].proceeds(), "the stream still serves");
+    assert_eq!(guard.guard.requests(), 1);
+}
