@@ -295,6 +295,33 @@ mod tests {
     }
 
     #[test]
+    fn r20_string_scan_finds_what_it_must_at_every_offset() {
+        // The scanner skips plain ASCII eight bytes at a time: put each
+        // kind of byte that matters at every offset around a word.
+        for before in 0..24 {
+            for after in [0, 1, 7, 8, 9] {
+                let a = "a".repeat(before);
+                let z = "z".repeat(after);
+                let text = |middle: &str| format!("{{\"k\":\"{a}{middle}{z}\"}}");
+                assert_eq!(problem(&text(""), 64), "ok");
+                assert_eq!(problem(&text("\\\"é\\u00e9"), 64), "ok");
+                assert_eq!(problem(&text("€😀"), 64), "ok");
+                assert!(problem(&text("\u{1}"), 64).starts_with("not valid JSON"));
+                assert!(problem(&text("\u{1f}"), 64).starts_with("not valid JSON"));
+                assert_eq!(
+                    problem(&text("\u{fffe}"), 64),
+                    "noncharacter U+FFFE in a string at $.k"
+                );
+                assert_eq!(
+                    problem(&text("\\udfff"), 64),
+                    r"lone surrogate \udfff at $.k"
+                );
+                assert!(problem(&text("\"x"), 64).starts_with("not valid JSON"));
+            }
+        }
+    }
+
+    #[test]
     fn r20_many_members_are_checked_in_n_log_n() {
         // 100,000 distinct names, then one repeated at the end.
         let mut text = String::from("{");

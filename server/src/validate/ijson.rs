@@ -87,6 +87,10 @@ enum Segment {
     Index(usize),
 }
 
+/// Objects with at most this many members are checked for duplicate names
+/// pair by pair; larger ones are sorted.
+const SMALL_OBJECT: usize = 12;
+
 /// Longest member name shown in a message, in characters.
 const SHOWN_NAME_CHARS: usize = 40;
 /// Most path segments shown in a message (the innermost are kept).
@@ -259,9 +263,11 @@ impl<'a> Scanner<'a> {
     }
 
     fn skip_ws(&mut self) {
-        while let Some(b' ' | b'\t' | b'\n' | b'\r') = self.bytes.get(self.pos) {
-            self.pos += 1;
-        }
+        let rest = &self.bytes[self.pos..];
+        self.pos += rest
+            .iter()
+            .position(|b| !matches!(b, b' ' | b'\t' | b'\n' | b'\r'))
+            .unwrap_or(rest.len());
     }
 
     fn peek(&self) -> Option<u8> {
@@ -338,17 +344,16 @@ impl<'a> Scanner<'a> {
             }
         }
         let names = &mut self.names[start..];
-        let duplicate = match names.len() {
-            0 | 1 => None,
-            2 => (names[0] == names[1]).then_some(0),
-            _ => {
-                names.sort_unstable();
-                names.windows(2).position(|w| w[0] == w[1])
-            }
+        let duplicate = if names.len() <= SMALL_OBJECT {
+            // Few members: compare each pair, in order.
+            (1..names.len()).find_map(|j| names[..j].iter().find(|n| **n == names[j]))
+        } else {
+            names.sort_unstable();
+            names.windows(2).find(|w| w[0] == w[1]).map(|w| &w[0])
         };
-        if let Some(i) = duplicate {
+        if let Some(name) = duplicate {
             return Err(JsonError::new(Problem::DuplicateName(
-                names[i].clone().into_owned(),
+                name.clone().into_owned(),
             )));
         }
         self.names.truncate(start);
@@ -428,9 +433,11 @@ impl<'a> Scanner<'a> {
     }
 
     fn digits(&mut self) {
-        while let Some(b'0'..=b'9') = self.peek() {
-            self.pos += 1;
-        }
+        let rest = &self.bytes[self.pos..];
+        self.pos += rest
+            .iter()
+            .position(|b| !b.is_ascii_digit())
+            .unwrap_or(rest.len());
     }
 
     fn hex4(&mut self) -> Result<u16, JsonError> {
@@ -454,12 +461,18 @@ impl<'a> Scanner<'a> {
         let mut decoded: Option<String> = None;
         let mut run = start; // start of the raw text not yet copied
         loop {
-            while self
-                .bytes
-                .get(self.pos)
-                .is_some_and(|&b| !STRING_STOP[b as usize])
-            {
-                self.pos += 1;
+            self.skip_plain_ascii();
+            // The word that stopped the fast scan, byte by byte.
+            let rest = &self.bytes[self.pos..];
+            let window = &rest[..rest.len().min(8)];
+            match window.iter().position(|&b| STRING_STOP[b as usize]) {
+                Some(at) => self.pos += at,
+                None => {
+                    self.pos += window.len();
+                    if !window.is_empty() {
+                        continue; // back to the word-at-a-time scan
+                    }
+                }
             }
             let Some(b) = self.peek() else {
                 return Err(self.syntax("'\"'"));
@@ -520,6 +533,33 @@ impl<'a> Scanner<'a> {
                     self.pos += ch.len_utf8();
                 }
             }
+        }
+    }
+
+    /// Skips, eight bytes at a time, string content that is plain ASCII: no
+    /// quote, backslash, control character or non-ASCII byte.
+    fn skip_plain_ascii(&mut self) {
+        const ONES: u64 = u64::from_le_bytes([0x01; 8]);
+        const HIGH: u64 = u64::from_le_bytes([0x80; 8]);
+        const QUOTES: u64 = u64::from_le_bytes([b'"'; 8]);
+        const BACKSLASHES: u64 = u64::from_le_bytes([b'\\'; 8]);
+        const SPACES: u64 = u64::from_le_bytes([0x20; 8]);
+        let has_zero_byte = |v: u64| v.wrapping_sub(ONES) & !v & HIGH;
+        for chunk in self.bytes[self.pos..].chunks_exact(8) {
+            let Ok(word) = <[u8; 8]>::try_from(chunk) else {
+                break;
+            };
+            let w = u64::from_le_bytes(word);
+            // Bytes below 0x20 (w - 0x20 borrows), non-ASCII bytes (high
+            // bit), quotes and backslashes.
+            let special = (w.wrapping_sub(SPACES) & !w & HIGH)
+                | (w & HIGH)
+                | has_zero_byte(w ^ QUOTES)
+                | has_zero_byte(w ^ BACKSLASHES);
+            if special != 0 {
+                break;
+            }
+            self.pos += 8;
         }
     }
 
