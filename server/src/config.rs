@@ -740,4 +740,24 @@ mod tests {
             .to_string();
         assert!(err.contains("lissen"), "{err}");
     }
+
+    #[test]
+    fn r20_config_max_json_depth_is_checked_and_applied() {
+        assert_eq!(Config::default().mesh_config().limits.max_json_depth, 64);
+        for (depth, ok) in [(0, false), (1, true), (127, true), (128, false)] {
+            let text = format!("[limits]\nmax_json_depth = {depth}");
+            let config = Config::parse(&text, "t").unwrap();
+            match config.check() {
+                Ok(()) => {
+                    assert!(ok, "{depth} accepted");
+                    assert_eq!(config.mesh_config().limits.max_json_depth, depth);
+                }
+                Err(error) => {
+                    assert!(!ok, "{depth}: {error}");
+                    assert!(error.contains("limits.max_json_depth"), "{error}");
+                    assert!(error.contains("127"), "{error}");
+                }
+            }
+        }
+    }
 }
