@@ -523,9 +523,10 @@ impl<'a> Scanner<'a> {
                 _ => {
                     // A lead byte of a code point at U+F000 or above: the
                     // text is valid UTF-8, so decode that one character.
-                    let ch = self.text[self.pos..]
-                        .chars()
-                        .next()
+                    let ch = self
+                        .text
+                        .get(self.pos..)
+                        .and_then(|rest| rest.chars().next())
                         .ok_or_else(|| self.syntax("'\"'"))?;
                     if is_noncharacter(u32::from(ch)) {
                         return Err(JsonError::new(Problem::Noncharacter(u32::from(ch))));
