@@ -16,7 +16,7 @@
 //!
 //! Logged values often come from the network (batch and call ids, tool
 //! names, error messages that quote them). The human format writes every
-//! field value and the message through [`escape_controls`], so a value with
+//! field value and the message through [`EscapeControls`], so a value with
 //! a newline cannot forge a log line and ANSI escapes never reach a
 //! terminal raw; the JSON format escapes them as JSON strings.
 
@@ -132,13 +132,6 @@ impl<W: fmt::Write + ?Sized> fmt::Write for EscapeControls<'_, W> {
         }
         self.0.write_str(&s[start..])
     }
-}
-
-/// `value` formatted with `{:?}` and its control characters escaped.
-pub fn escape_controls(value: &dyn fmt::Debug) -> String {
-    let mut out = String::new();
-    let _ = write!(EscapeControls(&mut out), "{value:?}");
-    out
 }
 
 /// The human format's field formatter: `message key=value ...` like
