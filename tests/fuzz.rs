@@ -120,17 +120,140 @@ fn expected_refusal(request: &EvaluateRequest, limits: &Limits) -> Option<tonic:
         if call.arguments.len() > limits.max_argument_bytes {
             return Some(ResourceExhausted);
         }
-        // JSON's grammar, not serde_json::Value's number range: `1e400` is
-        // valid JSON.
-        let text = call.arguments.trim();
-        let object = text.is_empty()
-            || (text.starts_with('{')
-                && serde_json::from_str::<serde::de::IgnoredAny>(text).is_ok());
+        // I-JSON (RFC 7493), by an independent reader: serde_json's own
+        // grammar, escapes and number range, plus what it lets through.
+        let object = i_json_reference(&call.arguments, limits.max_json_depth);
         if !object {
             return Some(InvalidArgument);
         }
     }
     None
+}
+
+/// Reference for R20's I-JSON rule: an object read by serde_json (which
+/// refuses bad grammar, lone surrogates and numbers out of a double's range)
+/// through a visitor that also refuses duplicate member names (compared
+/// decoded), noncharacters and nesting deeper than `max_depth`. The empty
+/// text, or only JSON whitespace, is `{}`. It does not look at a number's
+/// length: compare only on texts without a long run of number characters
+/// (see `long_number`).
+fn i_json_reference(text: &str, max_depth: usize) -> bool {
+    if text.trim_matches([' ', '\t', '\n', '\r']).is_empty() {
+        return true;
+    }
+    let mut reader = serde_json::Deserializer::from_str(text);
+    let top = Reference {
+        depth: 0,
+        max_depth,
+    };
+    matches!(
+        serde::de::DeserializeSeed::deserialize(top, &mut reader),
+        Ok(Shape::Object)
+    ) && reader.end().is_ok()
+}
+
+/// Whether `text` has a run of number characters longer than the mesh takes
+/// (an over-approximation: such runs may be inside strings, so callers only
+/// compare on texts without one).
+fn long_number(text: &str) -> bool {
+    let mut run = 0;
+    for b in text.bytes() {
+        run = if b.is_ascii_digit() || b"+-.eE".contains(&b) {
+            run + 1
+        } else {
+            0
+        };
+        if run > guardmesh_server::validate::ijson::MAX_NUMBER_CHARS {
+            return true;
+        }
+    }
+    false
+}
+
+#[derive(Debug, PartialEq)]
+enum Shape {
+    Object,
+    Other,
+}
+
+#[derive(Clone, Copy)]
+struct Reference {
+    depth: usize,
+    max_depth: usize,
+}
+
+fn noncharacter(text: &str) -> bool {
+    text.chars()
+        .map(u32::from)
+        .any(|c| (0xFDD0..=0xFDEF).contains(&c) || c & 0xFFFE == 0xFFFE)
+}
+
+impl<'de> serde::de::DeserializeSeed<'de> for Reference {
+    type Value = Shape;
+    fn deserialize<D: serde::Deserializer<'de>>(self, d: D) -> Result<Shape, D::Error> {
+        d.deserialize_any(self)
+    }
+}
+
+impl<'de> serde::de::Visitor<'de> for Reference {
+    type Value = Shape;
+    fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+        f.write_str("I-JSON")
+    }
+    fn visit_bool<E>(self, _: bool) -> Result<Shape, E> {
+        Ok(Shape::Other)
+    }
+    fn visit_i64<E>(self, _: i64) -> Result<Shape, E> {
+        Ok(Shape::Other)
+    }
+    fn visit_u64<E>(self, _: u64) -> Result<Shape, E> {
+        Ok(Shape::Other)
+    }
+    fn visit_f64<E: serde::de::Error>(self, v: f64) -> Result<Shape, E> {
+        if v.is_finite() {
+            Ok(Shape::Other)
+        } else {
+            Err(E::custom("not finite"))
+        }
+    }
+    fn visit_str<E: serde::de::Error>(self, v: &str) -> Result<Shape, E> {
+        if noncharacter(v) {
+            Err(E::custom("noncharacter"))
+        } else {
+            Ok(Shape::Other)
+        }
+    }
+    fn visit_unit<E>(self) -> Result<Shape, E> {
+        Ok(Shape::Other)
+    }
+    fn visit_seq<A: serde::de::SeqAccess<'de>>(self, mut seq: A) -> Result<Shape, A::Error> {
+        let inner = self.nested::<A::Error>()?;
+        while seq.next_element_seed(inner)?.is_some() {}
+        Ok(Shape::Other)
+    }
+    fn visit_map<A: serde::de::MapAccess<'de>>(self, mut map: A) -> Result<Shape, A::Error> {
+        let inner = self.nested::<A::Error>()?;
+        let mut names = HashSet::new();
+        while let Some(name) = map.next_key::<String>()? {
+            if noncharacter(&name) || !names.insert(name) {
+                return Err(serde::de::Error::custom("duplicate or noncharacter name"));
+            }
+            map.next_value_seed(inner)?;
+        }
+        Ok(Shape::Object)
+    }
+}
+
+impl Reference {
+    fn nested<E: serde::de::Error>(self) -> Result<Self, E> {
+        if self.depth + 1 > self.max_depth {
+            return Err(E::custom("too deep"));
+        }
+        Ok(Self {
+            depth: self.depth + 1,
+            max_depth: self.max_depth,
+        })
+    }
 }
 
 /// `validate::check` never panics and agrees with the reference.
@@ -175,6 +298,11 @@ fn tool_call() -> impl Strategy<Value = ToolCall> {
             Just("{".to_owned()),
             Just(" {\"k\": \"v\"} ".to_owned()),
             Just("null".to_owned()),
+            Just(r#"{"a":1,"a":2}"#.to_owned()),
+            Just(r#"{"a":1,"\u0061":2}"#.to_owned()),
+            Just(r#"{"n":1e400}"#.to_owned()),
+            Just(r#"{"s":"\ud800"}"#.to_owned()),
+            Just(r#"{"s":"\ud83d\ude00"}"#.to_owned()),
             "\\PC{0,64}",
         ],
     )
@@ -346,6 +474,140 @@ proptest! {
     #[test]
     fn fuzz_registration_checks_never_panic(spec in guard_spec()) {
         check_registration(&spec);
+    }
+}
+
+// ---------------------------------------------------------------------------
+// R20: I-JSON arguments
+// ---------------------------------------------------------------------------
+
+fn json_value() -> impl Strategy<Value = serde_json::Value> {
+    use serde_json::Value;
+    let leaf = prop_oneof![
+        Just(Value::Null),
+        any::<bool>().prop_map(Value::Bool),
+        any::<i64>().prop_map(Value::from),
+        any::<u64>().prop_map(Value::from),
+        // Non-finite floats become null.
+        any::<f64>().prop_map(Value::from),
+        "\\PC{0,12}".prop_map(Value::String),
+    ];
+    leaf.prop_recursive(6, 64, 8, |inner| {
+        prop_oneof![
+            prop::collection::vec(inner.clone(), 0..8).prop_map(Value::Array),
+            prop::collection::btree_map("\\PC{0,8}", inner, 0..8)
+                .prop_map(|m| Value::Object(m.into_iter().collect())),
+        ]
+    })
+}
+
+fn json_object() -> impl Strategy<Value = serde_json::Value> {
+    prop::collection::btree_map("\\PC{0,8}", json_value(), 0..8)
+        .prop_map(|m| serde_json::Value::Object(m.into_iter().collect()))
+}
+
+/// `text` with every non-ASCII character written as `\uXXXX` escapes (in
+/// JSON text written by serde_json they occur only inside strings).
+fn escape_non_ascii(text: &str) -> String {
+    let mut out = String::with_capacity(text.len());
+    for ch in text.chars() {
+        if ch.is_ascii() {
+            out.push(ch);
+        } else {
+            let mut units = [0u16; 2];
+            for unit in ch.encode_utf16(&mut units) {
+                out.push_str(&format!("\\u{unit:04x}"));
+            }
+        }
+    }
+    out
+}
+
+/// Fragments that matter to an I-JSON reader, spliced into valid texts.
+const FRAGMENTS: &[&str] = &[
+    "\"",
+    "\\",
+    "\\u",
+    "\\ud800",
+    "\\udc00",
+    "\\uffff",
+    "\\u0061",
+    "1e400",
+    "-1e308",
+    "0e999999",
+    "[",
+    "]",
+    "{",
+    "}",
+    ",",
+    ":",
+    ",\"a\":1",
+    "\"a\":",
+    " ",
+    "\u{feff}",
+    "\u{ffff}",
+    "\u{fdd0}",
+    "\u{1fffe}",
+    "\t",
+    "\u{1}",
+    "null",
+    "tru",
+    "1.",
+    ".5",
+    "-0",
+];
+
+proptest! {
+    #![proptest_config(cases(512))]
+
+    #[test]
+    fn fuzz_r20_every_serde_json_object_is_i_json(
+        value in json_object(),
+        pretty in any::<bool>(),
+        ascii in any::<bool>(),
+    ) {
+        let mut text = if pretty {
+            serde_json::to_string_pretty(&value).unwrap()
+        } else {
+            serde_json::to_string(&value).unwrap()
+        };
+        if ascii {
+            text = escape_non_ascii(&text);
+        }
+        let got = guardmesh_server::validate::ijson::check(&text, 64);
+        prop_assert!(got.is_ok(), "{:?}: {:?}", text, got);
+        prop_assert!(i_json_reference(&text, 64));
+    }
+
+    #[test]
+    fn fuzz_r20_i_json_check_on_damaged_json_agrees_with_the_reference(
+        value in json_object(),
+        ascii in any::<bool>(),
+        edits in prop::collection::vec((any::<usize>(), any::<u8>(), any::<u8>()), 0..4),
+        splices in prop::collection::vec((any::<usize>(), 0..FRAGMENTS.len()), 0..4),
+        depth in 1usize..8,
+    ) {
+        let mut text = serde_json::to_string(&value).unwrap();
+        if ascii {
+            text = escape_non_ascii(&text);
+        }
+        for (at, fragment) in splices {
+            let mut at = at % (text.len() + 1);
+            while !text.is_char_boundary(at) {
+                at -= 1;
+            }
+            text.insert_str(at, FRAGMENTS[fragment]);
+        }
+        let bytes = mutated(text.into_bytes(), edits);
+        let text = String::from_utf8_lossy(&bytes);
+        // Never panics, whatever the text and the limit.
+        let got = guardmesh_server::validate::ijson::check(&text, depth);
+        if let Err(error) = &got {
+            prop_assert!(!error.to_string().is_empty());
+        }
+        if !long_number(&text) {
+            prop_assert_eq!(got.is_ok(), i_json_reference(&text, depth), "{:?}: {:?}", text, got);
+        }
     }
 }
 

@@ -805,3 +805,171 @@ async fn r21_one_trace_entry_per_guard_with_its_status() {
     assert_eq!(d.calls[0].decided_by.as_deref(), Some("skips"));
     assert_eq!(d.calls[0].bypassed, ["failed"]);
 }
+
+/// R20: arguments that mainstream parsers read differently (or refuse) are
+/// refused at the gate, so a guard never judges one call while the tool
+/// runs another. Each is sent on the wire on one stream, which keeps
+/// serving.
+#[tokio::test]
+async fn r20_arguments_must_be_i_json_or_the_batch_is_refused() {
+    let mesh = TestMesh::start().await;
+    let guard = proceed_guard().await;
+    mesh.register(Registration::validate("g", &guard.url)).await;
+    let session = mesh.coordinator().await.session("s").await.unwrap();
+    let nested = format!(r#"{{"a":{}1{}}}"#, "[".repeat(129), "]".repeat(129));
+    let digits = format!(r#"{{"n":1{}}}"#, "0".repeat(400));
+    let long_id = "L".repeat(5000);
+    let cases: Vec<(&str, String, &str)> = vec![
+        (
+            "c1",
+            r#"{"n":1e400}"#.into(),
+            "number out of range of a double at $.n",
+        ),
+        (
+            "c2",
+            r#"{"s":"\ud800"}"#.into(),
+            r"lone surrogate \ud800 at $.s",
+        ),
+        ("c3", nested, "nesting deeper than 64 at $"),
+        ("c4", digits, "number longer than 100 characters at $.n"),
+        (
+            "c5",
+            r#"{"sql":"SELECT 1","sql":"DELETE FROM t"}"#.into(),
+            r#"duplicate member name "sql" at $"#,
+        ),
+        (
+            &long_id,
+            r#"{"sql":"SELECT 1","\u0073ql":"DELETE FROM t"}"#.into(),
+            r#"duplicate member name "sql" at $"#,
+        ),
+    ];
+    for (i, (id, arguments, reason)) in cases.iter().enumerate() {
+        let err = session
+            .evaluate_raw(EvaluateRequest {
+                batch_id: format!("bad-{i}"),
+                calls: vec![call("fine", "sql", "{}"), call(id, "sql", arguments)],
+                ..Default::default()
+            })
+            .await
+            .expect_err("refused");
+        let ClientError::Status(status) = &err else {
+            panic!("case {i}: {err}")
+        };
+        assert_eq!(
+            status.code(),
+            tonic::Code::InvalidArgument,
+            "case {i}: {status:?}"
+        );
+        let message = status.message();
+        assert!(message.contains(reason), "case {i}: {message}");
+        // The call is named by position and id; a long id is cut short.
+        let shown = &id[..id.len().min(20)];
+        assert!(
+            message.contains(&format!("call #1 (\"{shown}")),
+            "case {i}: {message}"
+        );
+        assert!(message.len() < 300, "case {i}: {} bytes", message.len());
+    }
+    assert_eq!(
+        guard.guard.requests(),
+        0,
+        "no guard contacted for a refused batch"
+    );
+    assert_eq!(
+        metric(
+            &mesh,
+            r#"guardmesh_batches_refused_total{reason="arguments_not_i_json"}"#
+        ),
+        6.0
+    );
+    let d = session
+        .evaluate(Batch::new(0).call("ok", "sql", r#"{"sql":"SELECT 1","n":1e300}"#))
+        .await
+        .unwrap();
+    assert!(d.calls[0].proceeds(), "the stream still serves");
+    assert_eq!(guard.guard.requests(), 1);
+}
+
+/// Log injection: ids and arguments come from the network. A batch id with
+/// a newline and ANSI escapes, refused and logged by the real `guardmesh
+/// serve` in the human format, stays on its own log line, escaped.
+#[tokio::test]
+async fn r25_network_values_cannot_forge_log_lines() {
+    use guardmesh_client::Coordinator;
+    use std::process::{Command, Stdio};
+
+    let dir = std::env::temp_dir().join(format!("guardmesh-log-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let log_path = dir.join("mesh.log");
+    let port = free_port();
+    let url = format!("http://127.0.0.1:{port}");
+    let mut child = Command::new(env!("CARGO_BIN_EXE_guardmesh"))
+        .args(["serve", "--listen", &format!("127.0.0.1:{port}")])
+        .env("RUST_LOG", "info")
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::from(std::fs::File::create(&log_path).unwrap()))
+        .spawn()
+        .expect("start guardmesh serve");
+    struct Kill(std::process::Child);
+    impl Drop for Kill {
+        fn drop(&mut self) {
+            let _ = self.0.kill();
+            let _ = self.0.wait();
+        }
+    }
+    let mut coordinator = None;
+    for _ in 0..500 {
+        if let Ok(c) = Coordinator::connect(url.clone()).await {
+            coordinator = Some(c);
+            break;
+        }
+        if let Ok(Some(status)) = child.try_wait() {
+            panic!("guardmesh serve exited with {status}");
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let child = Kill(child);
+    let session = coordinator
+        .expect("the mesh came up")
+        .session("s")
+        .await
+        .unwrap();
+    let forged = "2026-12-01T00:00:00.000000Z ERROR guardmesh_server: FORGED";
+    let batch_id = format!("b\n{forged} \x1b[31mred\x1b[0m\r");
+    let refused = session
+        .evaluate_raw(EvaluateRequest {
+            batch_id: batch_id.clone(),
+            calls: vec![call("", "t", "{}")],
+            ..Default::default()
+        })
+        .await;
+    assert!(refused.is_err(), "a batch with an empty call_id is refused");
+    // The stream still serves, and the log has the refusal by then.
+    let d = session
+        .evaluate(Batch::new(1).call("ok", "t", "{}"))
+        .await
+        .unwrap();
+    assert!(d.calls[0].proceeds());
+    let mut log = String::new();
+    for _ in 0..250 {
+        log = std::fs::read_to_string(&log_path).unwrap_or_default();
+        if log.contains("FORGED") {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    drop(child);
+    let _ = std::fs::remove_dir_all(&dir);
+    assert!(log.contains("FORGED"), "the refusal was logged:\n{log}");
+    assert!(
+        !log.contains(['\x1b', '\r']),
+        "raw escapes in the log:\n{log:?}"
+    );
+    for line in log.lines() {
+        assert!(
+            !line.starts_with(forged) && !line.trim_start().starts_with("2026-12-01T00:00:00"),
+            "a forged log line:\n{log}"
+        );
+    }
+}

@@ -12,6 +12,7 @@
 //! max_argument_bytes = 1048576
 //! max_inflight_batches = 4096
 //! max_batches_per_stream = 256
+//! max_json_depth = 64
 //!
 //! [guard_links]
 //! connect_timeout_ms = 2000
@@ -188,6 +189,8 @@ pub struct LimitsConfig {
     pub max_argument_bytes: usize,
     pub max_inflight_batches: usize,
     pub max_batches_per_stream: usize,
+    /// Deepest nesting in one call's arguments, 1..=127.
+    pub max_json_depth: usize,
 }
 
 impl Default for LimitsConfig {
@@ -199,6 +202,7 @@ impl Default for LimitsConfig {
             max_argument_bytes: l.max_argument_bytes,
             max_inflight_batches: l.max_inflight_batches,
             max_batches_per_stream: l.max_batches_per_stream,
+            max_json_depth: l.max_json_depth,
         }
     }
 }
@@ -702,6 +706,14 @@ impl Config {
                 self.guards[second].name.trim()
             ));
         }
+        let depth = self.limits.max_json_depth;
+        let most = crate::validate::ijson::MAX_DEPTH_LIMIT;
+        if depth == 0 || depth > most {
+            return Err(format!(
+                "limits.max_json_depth must be between 1 and {most} (the deepest nesting \
+                 serde_json-based guards parse); it is {depth}"
+            ));
+        }
         self.guard_links.check()
     }
 
@@ -732,6 +744,7 @@ impl Config {
                 max_argument_bytes: self.limits.max_argument_bytes,
                 max_inflight_batches: self.limits.max_inflight_batches.max(1),
                 max_batches_per_stream: self.limits.max_batches_per_stream.max(1),
+                max_json_depth: self.limits.max_json_depth,
             },
             link: LinkConfig {
                 connect_timeout: Duration::from_millis(self.guard_links.connect_timeout_ms),
@@ -1136,5 +1149,25 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(err.contains("lissen"), "{err}");
+    }
+
+    #[test]
+    fn r20_config_max_json_depth_is_checked_and_applied() {
+        assert_eq!(Config::default().mesh_config().limits.max_json_depth, 64);
+        for (depth, ok) in [(0, false), (1, true), (127, true), (128, false)] {
+            let text = format!("[limits]\nmax_json_depth = {depth}");
+            let config = Config::parse(&text, "t").unwrap();
+            match config.check() {
+                Ok(()) => {
+                    assert!(ok, "{depth} accepted");
+                    assert_eq!(config.mesh_config().limits.max_json_depth, depth);
+                }
+                Err(error) => {
+                    assert!(!ok, "{depth}: {error}");
+                    assert!(error.contains("limits.max_json_depth"), "{error}");
+                    assert!(error.contains("127"), "{error}");
+                }
+            }
+        }
     }
 }

@@ -5,7 +5,7 @@
 use guardmesh_client::Guard;
 use guardmesh_client::proto::{GuardBatch, ToolCall, Verdict};
 use guardmesh_client::verdict::{cancel, rewrite_arguments, steer};
-use serde_json::Value;
+use serde_json::{Map, Value};
 use std::time::Duration;
 use tonic::Status;
 
@@ -16,7 +16,8 @@ pub enum Kind {
     SqlWhere,
     /// Cancels calls to denied tools (`fs.delete`, `payments.transfer`, ...).
     DenyList,
-    /// Cancels `shell.*` calls that mention `rm -rf` or `sudo`.
+    /// Cancels `shell.*` calls with `rm -rf` or `sudo` in a string of their
+    /// arguments (read as JSON, so escapes hide nothing).
     ShellPolicy,
     /// Mutate: redacts secret-looking argument values (keys like
     /// `password`, `api_key`, `token`).
@@ -25,7 +26,8 @@ pub enum Kind {
     SqlLimit,
     /// Proceeds on everything (use with `--delay-ms` as a slow guard).
     Allow,
-    /// Steers every call whose arguments contain the marker `"veto"`.
+    /// Steers every call with the marker `veto` in a string of its
+    /// arguments (a key or a value).
     VetoMarker,
 }
 
@@ -62,17 +64,23 @@ impl Example {
                 )
             }),
             Kind::ShellPolicy => {
-                let risky = call.tool.starts_with("shell")
-                    && (call.arguments.contains("rm -rf") || call.arguments.contains("sudo"));
+                if !call.tool.starts_with("shell") {
+                    return None;
+                }
+                let Some(args) = arguments(call) else {
+                    return Some(unreadable(call));
+                };
+                let risky = any_string(&args, &|s| s.contains("rm -rf") || s.contains("sudo"));
                 risky.then(|| cancel(&call.call_id, "Destructive shell commands are not allowed."))
             }
             Kind::RedactSecrets => redact_secrets(call),
             Kind::SqlLimit => sql_limit(call),
             Kind::Allow => None,
-            Kind::VetoMarker => call
-                .arguments
-                .contains("veto")
-                .then(|| steer(&call.call_id, "vetoed by marker")),
+            Kind::VetoMarker => match arguments(call) {
+                None => Some(unreadable(call)),
+                Some(args) => any_string(&args, &|s| s.contains("veto"))
+                    .then(|| steer(&call.call_id, "vetoed by marker")),
+            },
         }
     }
 }
@@ -86,15 +94,56 @@ impl Guard for Example {
     }
 }
 
-fn sql_text(call: &ToolCall) -> Option<String> {
-    match serde_json::from_str::<Value>(&call.arguments).ok()? {
-        Value::Object(map) => map.get("sql")?.as_str().map(str::to_owned),
+/// A call's arguments as a JSON object (`""` is `{}`), or `None` when this
+/// guard cannot read them. A guard that cannot read a call cannot judge it,
+/// so it skips it ([`unreadable`]): letting it through would let a call the
+/// guard never saw run.
+fn arguments(call: &ToolCall) -> Option<Map<String, Value>> {
+    if call.arguments.trim().is_empty() {
+        return Some(Map::new());
+    }
+    match serde_json::from_str::<Value>(&call.arguments) {
+        Ok(Value::Object(map)) => Some(map),
         _ => None,
     }
 }
 
+/// The skip for a call whose arguments this guard cannot read.
+fn unreadable(call: &ToolCall) -> Verdict {
+    steer(
+        &call.call_id,
+        "The arguments of this call could not be read as a JSON object, so it was not \
+         judged and not run. Send them as one plain JSON object and retry.",
+    )
+}
+
+/// Whether some string in `map` (a key or a value, at any depth) passes
+/// `test`.
+fn any_string(map: &Map<String, Value>, test: &dyn Fn(&str) -> bool) -> bool {
+    fn value(v: &Value, test: &dyn Fn(&str) -> bool) -> bool {
+        match v {
+            Value::String(s) => test(s),
+            Value::Array(items) => items.iter().any(|item| value(item, test)),
+            Value::Object(map) => any_string(map, test),
+            _ => false,
+        }
+    }
+    map.iter().any(|(k, v)| test(k) || value(v, test))
+}
+
 fn sql_where(call: &ToolCall) -> Option<Verdict> {
-    let sql = sql_text(call)?.to_ascii_uppercase();
+    let Some(args) = arguments(call) else {
+        return Some(unreadable(call));
+    };
+    let sql = match args.get("sql")? {
+        Value::String(sql) => sql.to_ascii_uppercase(),
+        _ => {
+            return Some(steer(
+                &call.call_id,
+                "The sql argument must be a string; the call was not run.",
+            ));
+        }
+    };
     let writes = sql.trim_start().starts_with("DELETE") || sql.trim_start().starts_with("UPDATE");
     (writes && !sql.contains(" WHERE ")).then(|| {
         steer(
@@ -105,8 +154,8 @@ fn sql_where(call: &ToolCall) -> Option<Verdict> {
 }
 
 fn sql_limit(call: &ToolCall) -> Option<Verdict> {
-    let Ok(Value::Object(mut args)) = serde_json::from_str::<Value>(&call.arguments) else {
-        return None;
+    let Some(mut args) = arguments(call) else {
+        return Some(unreadable(call));
     };
     let sql = args
         .get("sql")?
@@ -163,7 +212,10 @@ fn redact(value: &mut Value) -> bool {
 }
 
 fn redact_secrets(call: &ToolCall) -> Option<Verdict> {
-    let mut args: Value = serde_json::from_str(&call.arguments).ok()?;
+    let Some(args) = arguments(call) else {
+        return Some(unreadable(call));
+    };
+    let mut args = Value::Object(args);
     redact(&mut args).then(|| rewrite_arguments(&call.call_id, &args))
 }
 
@@ -208,5 +260,71 @@ mod tests {
         let v = rewritten(sql_limit(&call("sql", r#"{"sql":"SELECT * FROM t;"}"#))).unwrap();
         assert_eq!(v["sql"], "SELECT * FROM t LIMIT 100");
         assert!(sql_limit(&call("sql", r#"{"sql":"SELECT 1 LIMIT 5"}"#)).is_none());
+    }
+
+    fn is_steer(v: Option<Verdict>) -> bool {
+        matches!(
+            v.and_then(|v| v.outcome),
+            Some(Outcome::Skip(skip)) if skip.kind == guardmesh_client::proto::SkipKind::Steer as i32
+        )
+    }
+
+    #[test]
+    fn r20_examples_skip_calls_whose_arguments_they_cannot_read() {
+        // What serde_json refuses (the mesh refuses these too, but a guard
+        // must not count on it): never a proceed.
+        let deep = format!(r#"{{"sql":{}"x"{}}}"#, "[".repeat(200), "]".repeat(200));
+        let unreadable = [
+            r#"{"sql":"DELETE FROM t","n":1e400}"#,
+            r#"{"sql":"DELETE FROM t","s":"\ud800"}"#,
+            "[1]",
+            "{",
+            deep.as_str(),
+        ];
+        let readers = [
+            (Kind::SqlWhere, "sql"),
+            (Kind::SqlLimit, "sql"),
+            (Kind::RedactSecrets, "http.post"),
+            (Kind::ShellPolicy, "shell.exec"),
+            (Kind::VetoMarker, "t"),
+        ];
+        for (kind, tool) in readers {
+            for args in unreadable {
+                let v = Example::new(kind).verdict(&call(tool, args));
+                assert!(is_steer(v), "{kind:?} on {args}");
+            }
+            // The empty text is `{}`, readable: nothing to object to.
+            assert!(
+                Example::new(kind).verdict(&call(tool, "")).is_none(),
+                "{kind:?}"
+            );
+        }
+        // Guards that never read arguments are unaffected.
+        assert!(Example::new(Kind::Allow).verdict(&call("t", "{")).is_none());
+        assert!(
+            Example::new(Kind::ShellPolicy)
+                .verdict(&call("ls", "{"))
+                .is_none()
+        );
+    }
+
+    #[test]
+    fn r20_examples_judge_what_the_tool_reads_not_the_raw_text() {
+        // Escapes hide nothing from a guard that reads the JSON.
+        let v = Example::new(Kind::ShellPolicy)
+            .verdict(&call("shell.exec", r#"{"cmd":"rm -r\u0066 /"}"#));
+        assert!(matches!(v.and_then(|v| v.outcome), Some(Outcome::Skip(_))));
+        let v = Example::new(Kind::VetoMarker).verdict(&call("t", r#"{"note":"ve\u0074o"}"#));
+        assert!(is_steer(v));
+        assert!(
+            Example::new(Kind::ShellPolicy)
+                .verdict(&call("shell.exec", r#"{"cmd":"ls -l"}"#))
+                .is_none()
+        );
+        // A non-string sql cannot be judged: steered, not proceeded.
+        assert!(is_steer(sql_where(&call(
+            "sql",
+            r#"{"sql":["DELETE FROM t"]}"#
+        ))));
     }
 }

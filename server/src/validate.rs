@@ -8,6 +8,8 @@ use prost::Message;
 use std::collections::HashSet;
 use tonic::Status;
 
+pub mod ijson;
+
 /// Size limits on what coordinators send.
 #[derive(Debug, Clone, Copy)]
 pub struct Limits {
@@ -24,6 +26,10 @@ pub struct Limits {
     pub max_inflight_batches: usize,
     /// Batches in flight on one coordinator stream.
     pub max_batches_per_stream: usize,
+    /// Deepest nesting of arrays and objects in one call's arguments (the
+    /// top-level object counts as one), at most
+    /// [`ijson::MAX_DEPTH_LIMIT`].
+    pub max_json_depth: usize,
 }
 
 impl Default for Limits {
@@ -34,6 +40,7 @@ impl Default for Limits {
             max_argument_bytes: 1024 * 1024,
             max_inflight_batches: 4096,
             max_batches_per_stream: 256,
+            max_json_depth: 64,
         }
     }
 }
@@ -59,14 +66,14 @@ fn exhausted(reason: &'static str, message: String) -> Refusal {
     }
 }
 
-/// Whether `text` is a JSON object. An empty string counts as `{}`.
+/// Whether `text` is an I-JSON object (see [`ijson`]) within the default
+/// depth limit. An empty string counts as `{}`.
 pub fn is_json_object(text: &str) -> bool {
-    let trimmed = text.trim_start();
-    if trimmed.is_empty() {
-        return true;
-    }
-    trimmed.starts_with('{') && serde_json::from_str::<serde::de::IgnoredAny>(trimmed).is_ok()
+    ijson::check(text, Limits::default().max_json_depth).is_ok()
 }
+
+/// Longest call id shown in a refusal, in characters.
+const SHOWN_ID_CHARS: usize = 64;
 
 /// Checks `request` against R20 and `limits`.
 pub fn check(request: &EvaluateRequest, limits: &Limits) -> Result<(), Refusal> {
@@ -122,10 +129,13 @@ pub fn check(request: &EvaluateRequest, limits: &Limits) -> Result<(), Refusal> 
                 ),
             ));
         }
-        if !is_json_object(&call.arguments) {
+        if let Err(error) = ijson::check(&call.arguments, limits.max_json_depth) {
             return Err(invalid(
-                "arguments_not_object",
-                format!("call {:?}: arguments are not a JSON object", call.call_id),
+                error.reason(),
+                format!(
+                    "call #{index} ({:?}): arguments are not an I-JSON object: {error}",
+                    ijson::clip(&call.call_id, SHOWN_ID_CHARS)
+                ),
             ));
         }
     }
@@ -139,9 +149,234 @@ mod tests {
     #[test]
     fn r20_json_object_check() {
         assert!(is_json_object(""));
+        assert!(is_json_object(" \t\r\n"));
         assert!(is_json_object(" {\"a\": [1, {\"b\": null}]} "));
-        for bad in ["[]", "1", "\"s\"", "{", "{\"a\":1} x", "null", "{\"a\":}"] {
-            assert!(!is_json_object(bad), "{bad}");
+        for bad in [
+            "[]",
+            "1",
+            "\"s\"",
+            "{",
+            "{\"a\":1} x",
+            "null",
+            "{\"a\":}",
+            "\u{feff}{}",
+            "\u{2028}{}",
+            "{\"a\":1,}",
+            "{\"a\":[1,]}",
+            "{\"a\":NaN}",
+            "{\"a\":01}",
+            "{\"a\":1.}",
+            "{\"a\":.5}",
+            "{\"a\":+1}",
+            "{\"a\":tru}",
+            "{\"a\":\"\t\"}",
+            "{\"a\":\"\\x\"}",
+            "{\"a\":\"\\u12\"}",
+            "{'a':1}",
+            "{a:1}",
+            "{\"a\":1}/**/",
+        ] {
+            assert!(!is_json_object(bad), "{bad:?}");
         }
+    }
+
+    fn problem(text: &str, depth: usize) -> String {
+        match ijson::check(text, depth) {
+            Ok(()) => String::from("ok"),
+            Err(e) => e.to_string(),
+        }
+    }
+
+    #[test]
+    fn r20_i_json_accepts_what_every_parser_reads_alike() {
+        let ok = [
+            r#"{"a":"\ud83d\ude00","b":"😀","c":"\u00e9\n\"\\\/","d":-0.5e-3}"#,
+            r#"{"n":1.7976931348623157e308,"m":-1.7976931348623157e308,"z":1e-400}"#,
+            r#"{"big":18446744073709551616,"exact":9007199254740993}"#,
+            r#"{"a":{"a":{"a":1}},"b":[{"a":1},{"a":2}],"A":1,"a ":2}"#,
+            r#"{"\u0061b":1,"ac":2}"#,
+            "{\"k\":\"\u{fffd}\u{ffef}\u{f000}\u{10fffd}\"}",
+        ];
+        for text in ok {
+            assert_eq!(problem(text, 64), "ok", "{text}");
+            let value: serde_json::Value = serde_json::from_str(text).unwrap();
+            assert!(value.is_object());
+        }
+        let deep = |n: usize| format!("{{\"a\":{}{}}}", "[".repeat(n - 1), "]".repeat(n - 1));
+        assert_eq!(problem(&deep(64), 64), "ok");
+        assert_eq!(problem(&deep(127), 127), "ok");
+        assert!(serde_json::from_str::<serde_json::Value>(&deep(127)).is_ok());
+        let number = format!("{{\"n\":{}}}", "9".repeat(ijson::MAX_NUMBER_CHARS));
+        assert_eq!(problem(&number, 64), "ok");
+    }
+
+    #[test]
+    fn r20_i_json_refusals_name_the_reason_and_place() {
+        let deep = |n: usize| format!("{{\"a\":{}{}}}", "[".repeat(n - 1), "]".repeat(n - 1));
+        let long = |digits: usize| format!("{{\"n\":1{}}}", "0".repeat(digits - 1));
+        let cases = [
+            (
+                r#"{"sql":"SELECT 1","sql":"DELETE FROM t"}"#.to_owned(),
+                r#"duplicate member name "sql" at $"#,
+            ),
+            (
+                r#"{"q":{"b":1,"a":2,"\u0062":3}}"#.to_owned(),
+                r#"duplicate member name "b" at $.q"#,
+            ),
+            (
+                r#"{"x":[0,{"z":1,"y":2,"x":3,"w":4,"y":5}]}"#.to_owned(),
+                r#"duplicate member name "y" at $.x[1]"#,
+            ),
+            (
+                r#"{"n":1e400}"#.to_owned(),
+                "number out of range of a double at $.n",
+            ),
+            (
+                r#"{"n":-1E+309}"#.to_owned(),
+                "number out of range of a double at $.n",
+            ),
+            (long(401), "number longer than 100 characters at $.n"),
+            (
+                r#"{"s":"\ud800"}"#.to_owned(),
+                r"lone surrogate \ud800 at $.s",
+            ),
+            (
+                r#"{"s":"\ud800\u0041"}"#.to_owned(),
+                r"lone surrogate \ud800 at $.s",
+            ),
+            (
+                r#"{"s":["\udc00x"]}"#.to_owned(),
+                r"lone surrogate \udc00 at $.s[0]",
+            ),
+            (r#"{"\ud800":1}"#.to_owned(), r"lone surrogate \ud800 at $"),
+            (
+                r#"{"s":"\uffff"}"#.to_owned(),
+                "noncharacter U+FFFF in a string at $.s",
+            ),
+            (
+                "{\"s\":\"\u{fdd0}\"}".to_owned(),
+                "noncharacter U+FDD0 in a string at $.s",
+            ),
+            (
+                r#"{"s":"\udbff\udfff"}"#.to_owned(),
+                "noncharacter U+10FFFF in a string at $.s",
+            ),
+            (
+                "{\"s\":\"\u{1fffe}\"}".to_owned(),
+                "noncharacter U+1FFFE in a string at $.s",
+            ),
+            (
+                deep(65),
+                "nesting deeper than 64 at $...[0][0][0][0][0][0][0][0]",
+            ),
+            (
+                deep(129),
+                "nesting deeper than 64 at $...[0][0][0][0][0][0][0][0]",
+            ),
+            ("[1]".to_owned(), "not a JSON object"),
+            (
+                r#"{"a" 1}"#.to_owned(),
+                "not valid JSON at byte 5: expected ':'",
+            ),
+        ];
+        for (text, want) in cases {
+            assert_eq!(problem(&text, 64), want, "{text}");
+        }
+        assert_eq!(problem(&deep(3), 2), "nesting deeper than 2 at $.a[0]");
+        // A name is shown clipped, and odd names are quoted.
+        let name = "k".repeat(500);
+        let text = format!(r#"{{"{name}":1,"{name}":2}}"#);
+        let got = problem(&text, 64);
+        assert!(got.len() < 100, "{got}");
+        assert_eq!(
+            problem(r#"{"a b":{"n":1e999}}"#, 64),
+            r#"number out of range of a double at $["a b"].n"#
+        );
+    }
+
+    #[test]
+    fn r20_string_scan_finds_what_it_must_at_every_offset() {
+        // The scanner skips plain ASCII eight bytes at a time: put each
+        // kind of byte that matters at every offset around a word.
+        for before in 0..24 {
+            for after in [0, 1, 7, 8, 9] {
+                let a = "a".repeat(before);
+                let z = "z".repeat(after);
+                let text = |middle: &str| format!("{{\"k\":\"{a}{middle}{z}\"}}");
+                assert_eq!(problem(&text(""), 64), "ok");
+                assert_eq!(problem(&text("\\\"é\\u00e9"), 64), "ok");
+                assert_eq!(problem(&text("€😀"), 64), "ok");
+                assert!(problem(&text("\u{1}"), 64).starts_with("not valid JSON"));
+                assert!(problem(&text("\u{1f}"), 64).starts_with("not valid JSON"));
+                assert_eq!(
+                    problem(&text("\u{fffe}"), 64),
+                    "noncharacter U+FFFE in a string at $.k"
+                );
+                assert_eq!(
+                    problem(&text("\\udfff"), 64),
+                    r"lone surrogate \udfff at $.k"
+                );
+                assert!(problem(&text("\"x"), 64).starts_with("not valid JSON"));
+            }
+        }
+    }
+
+    #[test]
+    fn r20_many_members_are_checked_in_n_log_n() {
+        // 100,000 distinct names, then one repeated at the end.
+        let mut text = String::from("{");
+        for i in 0..100_000 {
+            text.push_str(&format!("\"k{i}\":{i},"));
+        }
+        text.push_str("\"k5\":0}");
+        let started = std::time::Instant::now();
+        assert_eq!(problem(&text, 64), r#"duplicate member name "k5" at $"#);
+        assert_eq!(problem(&text.replace("\"k5\":0}", "\"end\":0}"), 64), "ok");
+        // Generous: a quadratic check would take minutes.
+        assert!(started.elapsed() < std::time::Duration::from_secs(10));
+    }
+
+    #[test]
+    fn r20_check_refuses_non_i_json_naming_the_call() {
+        use guardmesh_proto::v1::ToolCall;
+        let call = |id: &str, args: &str| ToolCall {
+            call_id: id.into(),
+            tool: "sql".into(),
+            arguments: args.into(),
+        };
+        let request = EvaluateRequest {
+            batch_id: "b".into(),
+            calls: vec![
+                call("ok", "{}"),
+                call(
+                    &"x".repeat(1000),
+                    r#"{"sql":"SELECT 1","sql":"DELETE FROM t"}"#,
+                ),
+            ],
+            ..Default::default()
+        };
+        let refusal = check(&request, &Limits::default()).unwrap_err();
+        assert_eq!(refusal.status.code(), tonic::Code::InvalidArgument);
+        assert_eq!(refusal.reason, "arguments_not_i_json");
+        let message = refusal.status.message();
+        assert!(message.starts_with("call #1 (\"xxxx"), "{message}");
+        assert!(
+            message.ends_with(r#"duplicate member name "sql" at $"#),
+            "{message}"
+        );
+        assert!(message.len() < 200, "{message}");
+        let limits = Limits {
+            max_json_depth: 1,
+            ..Limits::default()
+        };
+        let request = EvaluateRequest {
+            calls: vec![call("c", r#"{"a":{}}"#)],
+            ..Default::default()
+        };
+        let message = check(&request, &limits).unwrap_err().status;
+        assert!(
+            message.message().ends_with("nesting deeper than 1 at $.a"),
+            "{message:?}"
+        );
     }
 }

@@ -4,7 +4,9 @@ Every string value of a call's JSON arguments, at any depth (keys are left
 alone), has its e-mail addresses and its card-number-like digit runs (13 to 19
 digits, optionally grouped by single spaces or dashes) replaced with
 ``[REDACTED]``. A call is rewritten only when something changed; others get no
-verdict and proceed as they are.
+verdict and proceed as they are. A call whose arguments cannot be read as a
+JSON object is steered: what the redactor cannot read it cannot clean, so it
+never lets it through.
 
 A mutate guard's rewrites apply only within its grant (SPEC.md R11), so this
 one registers with role ``mutate`` and grant ``*`` by default
@@ -22,6 +24,7 @@ runs that pass the Luhn check, as real card numbers do).
 
 from __future__ import annotations
 
+import json
 import re
 import sys
 from pathlib import Path
@@ -29,6 +32,23 @@ from typing import Any, Callable
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the kit
 import guardmesh_guard as gg  # noqa: E402
+
+UNREADABLE = ("The arguments of this call could not be read as a JSON object, so it was "
+              "not judged and not run. Send them as one plain JSON object and retry.")
+
+
+def read_args(call: gg.Call) -> dict | None:
+    """The call's arguments as a dict ("" is ``{}``), or None when they cannot
+    be read as a JSON object. A guard that cannot read a call cannot judge it:
+    it skips it (steer) rather than let it through unjudged."""
+    if not call.arguments.strip():
+        return {}
+    try:
+        value = json.loads(call.arguments)
+    except (ValueError, RecursionError):
+        return None
+    return value if isinstance(value, dict) else None
+
 
 REDACTED = "[REDACTED]"
 EMAIL = re.compile(r"[A-Za-z0-9._%+-]+@[A-Za-z0-9-]+(?:\.[A-Za-z0-9-]+)*\.[A-Za-z]{2,}")
@@ -74,8 +94,12 @@ def make_judge(luhn: bool, delay_ms: int):
         if delay_ms and not batch.sleep(delay_ms / 1000.0):
             return
         for call in batch.calls:
-            redacted = redact(call.args, redact_text)
-            if redacted != call.args:
+            args = read_args(call)
+            if args is None:
+                yield gg.steer(call.call_id, UNREADABLE)
+                continue
+            redacted = redact(args, redact_text)
+            if redacted != args:
                 yield gg.rewrite(call.call_id, arguments=redacted)
 
     return judge
