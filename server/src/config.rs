@@ -12,6 +12,11 @@
 //! max_argument_bytes = 1048576
 //! max_inflight_batches = 4096
 //! max_batches_per_stream = 256
+//! max_id_bytes = 256
+//! max_metadata_entries = 1024
+//! max_inflight_bytes = 268435456
+//! max_stream_bytes = 16777216
+//! max_coordinator_streams = 4096
 //!
 //! [guard_links]
 //! connect_timeout_ms = 2000
@@ -139,6 +144,11 @@ pub struct LimitsConfig {
     pub max_argument_bytes: usize,
     pub max_inflight_batches: usize,
     pub max_batches_per_stream: usize,
+    pub max_id_bytes: usize,
+    pub max_metadata_entries: usize,
+    pub max_inflight_bytes: usize,
+    pub max_stream_bytes: usize,
+    pub max_coordinator_streams: usize,
 }
 
 impl Default for LimitsConfig {
@@ -150,6 +160,11 @@ impl Default for LimitsConfig {
             max_argument_bytes: l.max_argument_bytes,
             max_inflight_batches: l.max_inflight_batches,
             max_batches_per_stream: l.max_batches_per_stream,
+            max_id_bytes: l.max_id_bytes,
+            max_metadata_entries: l.max_metadata_entries,
+            max_inflight_bytes: l.max_inflight_bytes,
+            max_stream_bytes: l.max_stream_bytes,
+            max_coordinator_streams: l.max_coordinator_streams,
         }
     }
 }
@@ -472,6 +487,23 @@ impl Config {
                 "limits.max_batches_per_stream",
                 self.limits.max_batches_per_stream as u64,
             ),
+            ("limits.max_id_bytes", self.limits.max_id_bytes as u64),
+            (
+                "limits.max_metadata_entries",
+                self.limits.max_metadata_entries as u64,
+            ),
+            (
+                "limits.max_inflight_bytes",
+                self.limits.max_inflight_bytes as u64,
+            ),
+            (
+                "limits.max_stream_bytes",
+                self.limits.max_stream_bytes as u64,
+            ),
+            (
+                "limits.max_coordinator_streams",
+                self.limits.max_coordinator_streams as u64,
+            ),
             (
                 "guard_links.connect_timeout_ms",
                 self.guard_links.connect_timeout_ms,
@@ -516,6 +548,11 @@ impl Config {
                 max_argument_bytes: self.limits.max_argument_bytes,
                 max_inflight_batches: self.limits.max_inflight_batches.max(1),
                 max_batches_per_stream: self.limits.max_batches_per_stream.max(1),
+                max_id_bytes: self.limits.max_id_bytes,
+                max_metadata_entries: self.limits.max_metadata_entries,
+                max_inflight_bytes: self.limits.max_inflight_bytes,
+                max_stream_bytes: self.limits.max_stream_bytes,
+                max_coordinator_streams: self.limits.max_coordinator_streams,
             },
             link: LinkConfig {
                 connect_timeout: Duration::from_millis(self.guard_links.connect_timeout_ms),
