@@ -72,13 +72,9 @@ impl Inbound {
         };
         let id = String::from_utf8_lossy(scan.batch_id);
         let shown = validate::shown_id(&id, limits.max_id_bytes);
-        if let Err(refusal) = validate::check_counts(
-            &id,
-            bytes.len(),
-            scan.calls,
-            scan.metadata_entries,
-            limits,
-        ) {
+        if let Err(refusal) =
+            validate::check_counts(&id, bytes.len(), scan.calls, scan.metadata_entries, limits)
+        {
             return Self::Refused(Refused {
                 batch_id: shown,
                 refusal,

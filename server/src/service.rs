@@ -3,18 +3,18 @@
 
 use crate::auth::{Caller, Role};
 use crate::batch::TraceContext;
+use crate::inbound::{Inbound, InboundCodec};
 use crate::mesh::Mesh;
 use crate::registry::RegistryError;
+use crate::validate::{Refusal, shown_id};
+use futures::{Stream, StreamExt};
 use guardmesh_proto::v1::guard_registry_server::GuardRegistry;
 use guardmesh_proto::v1::pre_tool_service_server::PreToolService;
 use guardmesh_proto::v1::{
     BatchDecision, DeregisterRequest, DeregisterResponse, EvaluateRequest, EvaluateResponse,
     ListRequest, ListResponse, RegisterRequest, RegisterResponse, evaluate_response,
 };
-use crate::inbound::{Inbound, InboundCodec};
-use crate::validate::{Refusal, shown_id};
 use prost::Message;
-use futures::{Stream, StreamExt};
 use std::collections::HashSet;
 use std::future::Future;
 use std::pin::Pin;
@@ -299,7 +299,8 @@ struct StreamLoop {
     judged: Arc<AtomicUsize>,
 }
 
-/// What the stream loop does next.
+/// What the stream loop does next. Short-lived, on the stack: not boxed.
+#[allow(clippy::large_enum_variant)]
 enum Step {
     Read(Option<Result<Inbound, Status>>, OwnedPermit<Answer>),
     Again,
@@ -319,7 +320,10 @@ impl StreamLoop {
                 // R25: every batch read has been answered; stop reading.
                 break;
             }
-            match self.next(&mut inbound, &mut draining, &mut is_draining).await {
+            match self
+                .next(&mut inbound, &mut draining, &mut is_draining)
+                .await
+            {
                 Step::Gone => {
                     // The coordinator went away: nobody reads the answers.
                     self.tasks.abort_all();
@@ -595,7 +599,9 @@ impl tonic::server::StreamingService<Inbound> for EvaluateMethod {
         let tool = self.0.clone();
         Box::pin(async move {
             let trace = trace_context(request.metadata());
-            Ok(Response::new(tool.open_stream(trace, request.into_inner())?))
+            Ok(Response::new(
+                tool.open_stream(trace, request.into_inner())?,
+            ))
         })
     }
 }
@@ -648,7 +654,10 @@ where
             Box::pin(async move { Ok(grpc.client_streaming(method, request).await) })
         } else {
             Box::pin(async move {
-                Ok(Status::unimplemented("no such method of guardmesh.v1.PreToolService").into_http())
+                Ok(
+                    Status::unimplemented("no such method of guardmesh.v1.PreToolService")
+                        .into_http(),
+                )
             })
         }
     }
