@@ -398,10 +398,20 @@ impl StreamLoop {
     where
         S: Stream<Item = Result<Inbound, Status>> + Unpin,
     {
+        let watch_draining = !*is_draining;
+        let drain = async {
+            let _ = draining.wait_for(|d| *d).await;
+            tracing::debug!("draining: batches read from now on are answered UNAVAILABLE");
+        };
+        tokio::pin!(drain);
         if !self.budget.has_room() {
             return tokio::select! {
                 biased;
                 () = self.tx.closed() => Step::Gone,
+                () = &mut drain, if watch_draining => {
+                    *is_draining = true;
+                    Step::Again
+                }
                 () = self.budget.released.notified() => Step::Again,
                 Some(_) = self.tasks.join_next(), if !self.tasks.is_empty() => Step::Again,
             };
@@ -409,6 +419,10 @@ impl StreamLoop {
         let slot = tokio::select! {
             biased;
             () = self.tx.closed() => return Step::Gone,
+            () = &mut drain, if watch_draining => {
+                *is_draining = true;
+                return Step::Again;
+            }
             slot = self.tx.clone().reserve_owned() => match slot {
                 Ok(slot) => slot,
                 Err(_) => return Step::Gone,
@@ -418,8 +432,7 @@ impl StreamLoop {
         tokio::select! {
             biased;
             () = self.tx.closed() => Step::Gone,
-            _ = draining.wait_for(|d| *d), if !*is_draining => {
-                tracing::debug!("draining: batches read from now on are answered UNAVAILABLE");
+            () = &mut drain, if watch_draining => {
                 *is_draining = true;
                 Step::Again
             }
