@@ -168,8 +168,9 @@ failure_policy = "fail_closed"
     };
     assert!(refused, "the draining mesh refuses new connections");
 
-    // A batch sent on the old stream once draining began is either judged in
-    // full or left unanswered when the stream ends cleanly, never cut short.
+    // A batch sent on the old stream once draining began is answered: with
+    // UNAVAILABLE when the mesh read it while draining (R25), never cut
+    // short; or it is left unread when the stream ends cleanly.
     let late = session.evaluate(
         Batch::new(1)
             .call("c1", "t", "{}")
@@ -184,6 +185,7 @@ failure_policy = "fail_closed"
     match late.await {
         Ok(d) => assert_complete(&d, "batch sent while draining"),
         Err(ClientError::SessionClosed(_)) => {}
+        Err(ClientError::Status(status)) if status.code() == tonic::Code::Unavailable => {}
         Err(e) => panic!("a batch sent while draining: {e:?}\n{}", mesh.log()),
     }
 
@@ -218,4 +220,77 @@ async fn shutdown_on_sigterm_finishes_in_flight_batches_and_exits_cleanly() {
 #[tokio::test]
 async fn shutdown_on_sigint_finishes_in_flight_batches_and_exits_cleanly() {
     drains_on("INT").await;
+}
+
+#[tokio::test]
+async fn r25_a_draining_stream_answers_every_batch_it_read() {
+    let held = held_guard().await;
+    let config = format!(
+        r#"
+default_batch_timeout_ms = 30000
+
+[[guard]]
+name = "held"
+endpoint = "{}"
+timeout_ms = 20000
+"#,
+        held.url
+    );
+    let mut mesh = MeshProcess::start("r25-drain", &config).await;
+    let coordinator = Coordinator::connect(mesh.url.clone()).await.unwrap();
+    let session = coordinator.session("s").await.unwrap();
+    let in_flight = session.evaluate(Batch::new(0).call("c1", "t", "{}"));
+    tokio::pin!(in_flight);
+    let reached = tokio::select! {
+        biased;
+        d = &mut in_flight => panic!("answered while held: {d:?}"),
+        reached = eventually_within(500, || held.guard.requests() == 1) => reached,
+    };
+    assert!(reached, "the batch reached the guard");
+    mesh.signal("TERM");
+    let refused = tokio::select! {
+        biased;
+        d = &mut in_flight => panic!("answered while held: {d:?}"),
+        refused = async {
+            for _ in 0..500 {
+                if Coordinator::connect(mesh.url.clone()).await.is_err() {
+                    return true;
+                }
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+            false
+        } => refused,
+    };
+    assert!(refused, "the draining mesh refuses new connections");
+    // Batches sent on the open stream while it drains: each is read and
+    // answered, with an error, while the held batch is still in flight.
+    let late = tokio::select! {
+        biased;
+        d = &mut in_flight => panic!("answered while held: {d:?}"),
+        late = futures::future::join_all(
+            (1..=3).map(|turn| session.evaluate(Batch::new(turn).call("c1", "t", "{}"))),
+        ) => late,
+    };
+    for answer in late {
+        match answer {
+            Err(ClientError::Status(status)) => {
+                assert_eq!(status.code(), tonic::Code::Unavailable, "{status:?}");
+                assert!(status.message().contains("shutting down"), "{status:?}");
+            }
+            other => panic!("a batch read while draining is answered UNAVAILABLE: {other:?}"),
+        }
+    }
+    assert_eq!(held.guard.requests(), 1, "no late batch reached the guard");
+    held.guard.release();
+    let d = in_flight
+        .await
+        .unwrap_or_else(|e| panic!("the in-flight batch: {e}\n{}", mesh.log()));
+    assert!(d.calls[0].proceeds());
+    let next = session
+        .evaluate(Batch::new(9).call("c", "t", "{}"))
+        .await
+        .expect_err("the stream has ended");
+    assert!(matches!(next, ClientError::SessionClosed(_)), "{next:?}");
+    let status = mesh.exit_status().await;
+    assert!(status.success(), "exit status {status}:\n{}", mesh.log());
 }

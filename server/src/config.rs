@@ -13,6 +13,11 @@
 //! max_inflight_batches = 4096
 //! max_batches_per_stream = 256
 //! max_json_depth = 64
+//! max_id_bytes = 256
+//! max_metadata_entries = 1024
+//! max_inflight_bytes = 268435456
+//! max_stream_bytes = 16777216
+//! max_coordinator_streams = 4096
 //!
 //! [guard_links]
 //! connect_timeout_ms = 2000
@@ -191,6 +196,11 @@ pub struct LimitsConfig {
     pub max_batches_per_stream: usize,
     /// Deepest nesting in one call's arguments, 1..=127.
     pub max_json_depth: usize,
+    pub max_id_bytes: usize,
+    pub max_metadata_entries: usize,
+    pub max_inflight_bytes: usize,
+    pub max_stream_bytes: usize,
+    pub max_coordinator_streams: usize,
 }
 
 impl Default for LimitsConfig {
@@ -203,6 +213,11 @@ impl Default for LimitsConfig {
             max_inflight_batches: l.max_inflight_batches,
             max_batches_per_stream: l.max_batches_per_stream,
             max_json_depth: l.max_json_depth,
+            max_id_bytes: l.max_id_bytes,
+            max_metadata_entries: l.max_metadata_entries,
+            max_inflight_bytes: l.max_inflight_bytes,
+            max_stream_bytes: l.max_stream_bytes,
+            max_coordinator_streams: l.max_coordinator_streams,
         }
     }
 }
@@ -676,6 +691,23 @@ impl Config {
                 "limits.max_batches_per_stream",
                 self.limits.max_batches_per_stream as u64,
             ),
+            ("limits.max_id_bytes", self.limits.max_id_bytes as u64),
+            (
+                "limits.max_metadata_entries",
+                self.limits.max_metadata_entries as u64,
+            ),
+            (
+                "limits.max_inflight_bytes",
+                self.limits.max_inflight_bytes as u64,
+            ),
+            (
+                "limits.max_stream_bytes",
+                self.limits.max_stream_bytes as u64,
+            ),
+            (
+                "limits.max_coordinator_streams",
+                self.limits.max_coordinator_streams as u64,
+            ),
             (
                 "guard_links.connect_timeout_ms",
                 self.guard_links.connect_timeout_ms,
@@ -745,6 +777,11 @@ impl Config {
                 max_inflight_batches: self.limits.max_inflight_batches.max(1),
                 max_batches_per_stream: self.limits.max_batches_per_stream.max(1),
                 max_json_depth: self.limits.max_json_depth,
+                max_id_bytes: self.limits.max_id_bytes,
+                max_metadata_entries: self.limits.max_metadata_entries,
+                max_inflight_bytes: self.limits.max_inflight_bytes,
+                max_stream_bytes: self.limits.max_stream_bytes,
+                max_coordinator_streams: self.limits.max_coordinator_streams,
             },
             link: LinkConfig {
                 connect_timeout: Duration::from_millis(self.guard_links.connect_timeout_ms),

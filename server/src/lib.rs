@@ -18,7 +18,8 @@
 //! * [`registry`]: where registrations live, behind a small trait.
 //! * [`etcd`]: the registry shared by several replicas, kept in etcd.
 //! * [`spec`]: a registration checked and compiled.
-//! * [`validate`]: refusing bad batches before any guard sees them (R20).
+//! * [`validate`]: refusing bad batches before any guard sees them (R20);
+//!   [`inbound`]: checking sizes and counts before a batch is decoded.
 //! * [`tls`], [`auth`]: TLS/mTLS on the listener, identities and roles;
 //!   [`dial`]: the endpoint policy and TLS towards guards; [`certs`]: a
 //!   local CA for development.
@@ -44,6 +45,7 @@ pub mod dial;
 pub mod etcd;
 pub mod examples;
 pub mod fold;
+pub mod inbound;
 pub mod link;
 pub mod mesh;
 pub mod metrics;

@@ -91,6 +91,9 @@ pub struct Mesh {
     rebuild: Mutex<()>,
     /// One permit per batch being judged (load shedding).
     pub(crate) inflight: Arc<tokio::sync::Semaphore>,
+    /// `limits.max_inflight_bytes` in KiB: each batch being judged holds
+    /// its weight (load shedding by bytes, R25).
+    pub(crate) inflight_bytes: Arc<tokio::sync::Semaphore>,
 }
 
 impl std::fmt::Debug for Mesh {
@@ -115,6 +118,10 @@ impl Mesh {
             rebuild: Mutex::new(()),
             inflight: Arc::new(tokio::sync::Semaphore::new(
                 config.limits.max_inflight_batches.max(1),
+            )),
+            inflight_bytes: Arc::new(tokio::sync::Semaphore::new(
+                (config.limits.max_inflight_bytes / 1024)
+                    .clamp(1, tokio::sync::Semaphore::MAX_PERMITS),
             )),
         })
     }

@@ -3,13 +3,17 @@
 
 use crate::auth::AuthLayer;
 use crate::mesh::Mesh;
-use crate::service::{PreTool, Registrar};
+use crate::service::{PreTool, PreToolServer, Registrar};
 use guardmesh_proto::v1::guard_registry_server::GuardRegistryServer;
 use guardmesh_proto::v1::pre_tool_service_server::PreToolServiceServer;
 use std::future::Future;
 use std::sync::Arc;
 use tokio::net::TcpListener;
 use tokio::sync::watch;
+
+/// How far above `limits.max_batch_bytes` a coordinator's message may be
+/// and still be read (and refused in-band when over the batch limit).
+pub const TRANSPORT_SLACK: usize = 64 * 1024;
 
 /// Errors that stop the server.
 #[derive(Debug, thiserror::Error)]
@@ -70,18 +74,19 @@ pub async fn run(
         }
     });
     let (drain_tx, drain_rx) = watch::channel(false);
-    // The transport limit is well above the per-batch limit, which is
-    // checked per message so that an oversized batch is refused alone and
-    // its stream stays open (R20).
-    let transport_limit = mesh
-        .config
-        .limits
-        .max_batch_bytes
-        .saturating_mul(4)
-        .max(16 << 20);
-    let pre_tool = PreToolServiceServer::new(PreTool::new(mesh.clone(), drain_rx))
-        .max_decoding_message_size(transport_limit)
-        .max_encoding_message_size(transport_limit);
+    // The transport limit is a little above the per-batch limit: a batch
+    // up to it is read, its size and counts checked before it is decoded,
+    // and an oversized one refused alone while its stream stays open (R20);
+    // only a message above it ends its stream. Answers (a decision holds
+    // each call twice, plus the calls to execute) may be larger.
+    let limits = &mesh.config.limits;
+    let transport_limit = limits.max_batch_bytes.saturating_add(TRANSPORT_SLACK);
+    let answer_limit = limits.max_batch_bytes.saturating_mul(4).max(16 << 20);
+    let pre_tool = PreToolServer::new(
+        PreTool::new(mesh.clone(), drain_rx),
+        transport_limit,
+        answer_limit,
+    );
     let registrar = GuardRegistryServer::new(Registrar::new(mesh.clone()));
     let signal = async move {
         shutdown.await;

@@ -3,21 +3,29 @@
 
 use crate::auth::{Caller, Role};
 use crate::batch::TraceContext;
+use crate::inbound::{Inbound, InboundCodec};
 use crate::mesh::Mesh;
 use crate::registry::RegistryError;
+use crate::validate::{Refusal, shown_id};
+use futures::{Stream, StreamExt};
 use guardmesh_proto::v1::guard_registry_server::GuardRegistry;
 use guardmesh_proto::v1::pre_tool_service_server::PreToolService;
 use guardmesh_proto::v1::{
     BatchDecision, DeregisterRequest, DeregisterResponse, EvaluateRequest, EvaluateResponse,
     ListRequest, ListResponse, RegisterRequest, RegisterResponse, evaluate_response,
 };
+use prost::Message;
 use std::collections::HashSet;
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
+use std::task::{Context, Poll};
 use std::time::Duration;
-use tokio::sync::{mpsc, watch};
+use tokio::sync::mpsc::OwnedPermit;
+use tokio::sync::{Notify, OwnedSemaphorePermit, Semaphore, mpsc, watch};
 use tokio::task::JoinSet;
 use tokio::time::Instant;
-use tokio_stream::wrappers::ReceiverStream;
 use tonic::metadata::MetadataMap;
 use tonic::{Request, Response, Status, Streaming};
 
@@ -67,13 +75,26 @@ pub fn grpc_timeout(metadata: &MetadataMap) -> Option<Duration> {
 pub struct PreTool {
     mesh: Arc<Mesh>,
     draining: watch::Receiver<bool>,
+    /// One permit per open coordinator stream (`limits.max_coordinator_streams`).
+    streams: Arc<Semaphore>,
 }
 
 impl PreTool {
     /// `draining` turns true when the server shuts down: open streams stop
-    /// taking batches, finish the ones in flight, and end cleanly.
+    /// judging new batches (each one read is answered UNAVAILABLE), finish
+    /// the ones in flight, and end cleanly (R25).
     pub fn new(mesh: Arc<Mesh>, draining: watch::Receiver<bool>) -> Self {
-        Self { mesh, draining }
+        let streams = Arc::new(Semaphore::new(
+            mesh.config
+                .limits
+                .max_coordinator_streams
+                .clamp(1, Semaphore::MAX_PERMITS),
+        ));
+        Self {
+            mesh,
+            draining,
+            streams,
+        }
     }
 
     fn deadline(&self, timeout_ms: u32, transport: Option<Duration>) -> Instant {
@@ -90,124 +111,412 @@ impl PreTool {
         };
         Instant::now() + asked.min(config.max_batch_timeout)
     }
-}
 
-#[tonic::async_trait]
-impl PreToolService for PreTool {
-    type EvaluateStream = ReceiverStream<Result<EvaluateResponse, Status>>;
-
-    async fn evaluate(
-        &self,
-        request: Request<Streaming<EvaluateRequest>>,
-    ) -> Result<Response<Self::EvaluateStream>, Status> {
-        let trace = trace_context(request.metadata());
-        let mut inbound = request.into_inner();
-        let (tx, rx) = mpsc::channel(64);
-        let this = self.clone();
-        tokio::spawn(async move {
-            let in_flight: Arc<Mutex<HashSet<String>>> = Arc::default();
-            let mut tasks = JoinSet::new();
-            let mut draining = this.draining.clone();
-            let mut stream_error = None;
-            loop {
-                tokio::select! {
-                    message = inbound.message() => match message {
-                        Ok(Some(batch)) => {
-                            this.spawn_batch(&mut tasks, batch, &trace, &tx, &in_flight);
-                        }
-                        Ok(None) => break,
-                        Err(status) => {
-                            // The stream cannot be read further (e.g. a
-                            // message above the transport limit). Answer what
-                            // is in flight, then tell the coordinator why.
-                            tracing::info!(%status, "coordinator stream ended with an error");
-                            stream_error = Some(transport_status(status));
-                            break;
-                        }
-                    },
-                    Some(_) = tasks.join_next(), if !tasks.is_empty() => {}
-                    () = tx.closed() => {
-                        // The coordinator went away: nobody reads the answers.
-                        tasks.abort_all();
-                        return;
-                    }
-                    _ = draining.wait_for(|draining| *draining) => {
-                        tracing::debug!("draining: no new batches on this stream");
-                        break;
-                    }
-                }
-            }
-            while tasks.join_next().await.is_some() {}
-            if let Some(status) = stream_error {
-                let _ = tx.send(Err(status)).await;
-            }
-        });
-        Ok(Response::new(ReceiverStream::new(rx)))
+    /// Counts and logs a batch refused before it was judged.
+    fn refused(&self, batch_id: &str, refusal: &Refusal) {
+        self.mesh.metrics.refused(refusal.reason);
+        self.mesh.metrics.batch("refused", 0.0);
+        tracing::info!(
+            batch_id = %batch_id,
+            reason = refusal.reason,
+            "batch refused: {}",
+            refusal.status.message()
+        );
     }
 
-    async fn evaluate_batch(
+    /// Takes the in-flight bytes a batch of `size` encoded bytes weighs
+    /// (R25), or sheds it. Zero-call batches need none (R1).
+    fn inflight_bytes(
         &self,
-        request: Request<EvaluateRequest>,
-    ) -> Result<Response<BatchDecision>, Status> {
-        let stream_trace = trace_context(request.metadata());
-        let transport = grpc_timeout(request.metadata());
-        let batch = request.into_inner();
+        batch_id: &str,
+        calls: usize,
+        size: usize,
+    ) -> Result<Option<OwnedSemaphorePermit>, Refusal> {
+        if calls == 0 {
+            return Ok(None);
+        }
+        let limit = self.mesh.config.limits.max_inflight_bytes;
+        // A batch heavier than the whole budget is still admitted alone.
+        let total = (limit / 1024).clamp(1, Semaphore::MAX_PERMITS);
+        let kib = size
+            .saturating_mul(crate::validate::INFLIGHT_COPIES)
+            .div_ceil(1024)
+            .clamp(1, total.min(u32::MAX as usize));
+        let kib = u32::try_from(kib).unwrap_or(u32::MAX);
+        match self.mesh.inflight_bytes.clone().try_acquire_many_owned(kib) {
+            Ok(permit) => Ok(Some(permit)),
+            Err(_) => {
+                let refusal = Refusal {
+                    reason: "overloaded_bytes",
+                    status: Status::resource_exhausted(format!(
+                        "mesh overloaded: {limit} bytes of batches already in flight (limits.max_inflight_bytes); retry with backoff"
+                    )),
+                };
+                self.refused(batch_id, &refusal);
+                Err(refusal)
+            }
+        }
+    }
+
+    /// Opens a coordinator stream reading `inbound` (R19, R25).
+    pub fn open_stream<S>(&self, trace: TraceContext, inbound: S) -> Result<AnswerStream, Status>
+    where
+        S: Stream<Item = Result<Inbound, Status>> + Send + Unpin + 'static,
+    {
+        let Ok(permit) = self.streams.clone().try_acquire_owned() else {
+            self.mesh.metrics.refused("too_many_streams");
+            let limit = self.mesh.config.limits.max_coordinator_streams;
+            tracing::warn!(limit, "coordinator stream refused: too many streams open");
+            return Err(Status::resource_exhausted(format!(
+                "{limit} coordinator streams are already open on this mesh (limits.max_coordinator_streams); retry with backoff"
+            )));
+        };
+        let limits = &self.mesh.config.limits;
+        // Every batch read reserves the slot of its answer, so that a
+        // finished batch never waits to be answered; refusals need a few.
+        let (tx, rx) = mpsc::channel(limits.max_batches_per_stream.saturating_add(16));
+        let budget = Arc::new(StreamBudget {
+            held: AtomicUsize::new(0),
+            limit: limits.max_stream_bytes,
+            released: Notify::new(),
+        });
+        let stream = StreamLoop {
+            tool: self.clone(),
+            trace,
+            tx,
+            budget: budget.clone(),
+            tasks: JoinSet::new(),
+            in_flight: Arc::default(),
+            judged: Arc::new(AtomicUsize::new(0)),
+        };
+        tokio::spawn(stream.run(inbound, permit));
+        Ok(AnswerStream { rx, budget })
+    }
+
+    /// Judges one batch of a unary call.
+    async fn unary(
+        &self,
+        metadata: &MetadataMap,
+        inbound: Inbound,
+    ) -> Result<BatchDecision, Status> {
+        let (batch, size) = match inbound {
+            Inbound::Batch { request, size } => (request, size),
+            Inbound::Refused(refused) => {
+                self.refused(&refused.batch_id, &refused.refusal);
+                return Err(refused.refusal.status);
+            }
+        };
+        let stream_trace = trace_context(metadata);
+        let transport = grpc_timeout(metadata);
+        let shown = shown_id(&batch.batch_id, self.mesh.config.limits.max_id_bytes);
+        let _bytes = self
+            .inflight_bytes(&shown, batch.calls.len(), size)
+            .map_err(|r| r.status)?;
         let mut trace = batch_trace(&batch, &stream_trace);
         trace.unary = true;
         let deadline = self.deadline(batch.timeout_ms, transport);
-        match self.mesh.evaluate(batch, deadline, trace).await {
-            Ok(decision) => Ok(Response::new(decision)),
-            Err(error) => Err(error.status()),
+        self.mesh
+            .evaluate(batch, deadline, trace)
+            .await
+            .map_err(|error| error.status())
+    }
+}
+
+/// What one coordinator stream holds, in bytes: its batches being judged
+/// and its answers not yet taken by the transport (`limits.max_stream_bytes`).
+#[derive(Debug)]
+struct StreamBudget {
+    held: AtomicUsize,
+    limit: usize,
+    /// Signalled when answers are taken.
+    released: Notify,
+}
+
+impl StreamBudget {
+    fn has_room(&self) -> bool {
+        self.held.load(Ordering::Acquire) < self.limit
+    }
+
+    fn add(&self, bytes: usize) {
+        self.held.fetch_add(bytes, Ordering::AcqRel);
+    }
+
+    fn release(&self, bytes: usize) {
+        self.held.fetch_sub(bytes, Ordering::AcqRel);
+        self.released.notify_one();
+    }
+}
+
+/// An answer queued on a stream, with the bytes it holds.
+#[derive(Debug)]
+struct Answer {
+    response: Result<EvaluateResponse, Status>,
+    bytes: usize,
+}
+
+impl Answer {
+    fn new(response: EvaluateResponse) -> Self {
+        Self {
+            bytes: response.encoded_len(),
+            response: Ok(response),
         }
     }
 }
 
-impl PreTool {
-    fn spawn_batch(
-        &self,
-        tasks: &mut JoinSet<()>,
-        batch: EvaluateRequest,
-        trace: &TraceContext,
-        tx: &mpsc::Sender<Result<EvaluateResponse, Status>>,
-        in_flight: &Arc<Mutex<HashSet<String>>>,
-    ) {
+/// The answers of a coordinator stream, as the transport takes them; each
+/// one taken frees its bytes of the stream's budget.
+#[derive(Debug)]
+pub struct AnswerStream {
+    rx: mpsc::Receiver<Answer>,
+    budget: Arc<StreamBudget>,
+}
+
+impl Stream for AnswerStream {
+    type Item = Result<EvaluateResponse, Status>;
+
+    fn poll_next(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Self::Item>> {
+        match self.rx.poll_recv(cx) {
+            Poll::Ready(Some(answer)) => {
+                self.budget.release(answer.bytes);
+                Poll::Ready(Some(answer.response))
+            }
+            Poll::Ready(None) => Poll::Ready(None),
+            Poll::Pending => Poll::Pending,
+        }
+    }
+}
+
+/// The reading side of one coordinator stream.
+struct StreamLoop {
+    tool: PreTool,
+    trace: TraceContext,
+    tx: mpsc::Sender<Answer>,
+    budget: Arc<StreamBudget>,
+    tasks: JoinSet<()>,
+    /// Batch ids in flight on this stream (R19: unique).
+    in_flight: Arc<Mutex<HashSet<String>>>,
+    /// Batches with calls being judged (`limits.max_batches_per_stream`).
+    judged: Arc<AtomicUsize>,
+}
+
+/// What the stream loop does next. Short-lived, on the stack: not boxed.
+#[allow(clippy::large_enum_variant)]
+enum Step {
+    Read(Option<Result<Inbound, Status>>, OwnedPermit<Answer>),
+    Again,
+    Gone,
+}
+
+impl StreamLoop {
+    async fn run<S>(mut self, mut inbound: S, _stream: OwnedSemaphorePermit)
+    where
+        S: Stream<Item = Result<Inbound, Status>> + Send + Unpin + 'static,
+    {
+        let mut draining = self.tool.draining.clone();
+        let mut is_draining = *draining.borrow();
+        let mut stream_error = None;
+        loop {
+            if is_draining && self.tasks.is_empty() {
+                // R25: every batch read has been answered; stop reading.
+                break;
+            }
+            match self
+                .next(&mut inbound, &mut draining, &mut is_draining)
+                .await
+            {
+                Step::Gone => {
+                    // The coordinator went away: nobody reads the answers.
+                    self.tasks.abort_all();
+                    return;
+                }
+                Step::Again => {}
+                Step::Read(None, _) => break,
+                Step::Read(Some(Err(status)), _) => {
+                    // The stream cannot be read further (e.g. a message
+                    // above the transport limit). Answer what is in flight,
+                    // then tell the coordinator why.
+                    tracing::info!(%status, "coordinator stream ended with an error");
+                    stream_error = Some(transport_status(status));
+                    break;
+                }
+                Step::Read(Some(Ok(Inbound::Refused(refused))), slot) => {
+                    self.tool.refused(&refused.batch_id, &refused.refusal);
+                    self.answer(
+                        slot,
+                        error_response(refused.batch_id, &refused.refusal.status),
+                    );
+                }
+                Step::Read(Some(Ok(Inbound::Batch { request, size })), slot) => {
+                    if is_draining {
+                        let id = shown_id(&request.batch_id, self.limits().max_id_bytes);
+                        let refusal = Refusal {
+                            reason: "shutting_down",
+                            status: Status::unavailable(
+                                "the mesh is shutting down; send this batch to another replica",
+                            ),
+                        };
+                        self.tool.refused(&id, &refusal);
+                        self.answer(slot, error_response(id, &refusal.status));
+                    } else {
+                        self.admit(request, size, slot);
+                    }
+                }
+            }
+        }
+        let tx = self.tx.clone();
+        let finish = async {
+            while self.tasks.join_next().await.is_some() {}
+            if let Some(status) = stream_error {
+                let _ = tx
+                    .send(Answer {
+                        response: Err(status),
+                        bytes: 0,
+                    })
+                    .await;
+            }
+        };
+        tokio::select! {
+            () = finish => {}
+            () = tx.closed() => {}
+        }
+    }
+
+    fn limits(&self) -> &crate::validate::Limits {
+        &self.tool.mesh.config.limits
+    }
+
+    /// Waits until the stream may read (room in its budget and a slot for
+    /// the answer), then reads one message. Not reading a stream whose
+    /// answers are not taken is what bounds it (R25): HTTP/2 flow control
+    /// then stops the coordinator.
+    async fn next<S>(
+        &mut self,
+        inbound: &mut S,
+        draining: &mut watch::Receiver<bool>,
+        is_draining: &mut bool,
+    ) -> Step
+    where
+        S: Stream<Item = Result<Inbound, Status>> + Unpin,
+    {
+        let watch_draining = !*is_draining;
+        let drain = async {
+            let _ = draining.wait_for(|d| *d).await;
+            tracing::debug!("draining: batches read from now on are answered UNAVAILABLE");
+        };
+        tokio::pin!(drain);
+        if !self.budget.has_room() {
+            return tokio::select! {
+                biased;
+                () = self.tx.closed() => Step::Gone,
+                () = &mut drain, if watch_draining => {
+                    *is_draining = true;
+                    Step::Again
+                }
+                () = self.budget.released.notified() => Step::Again,
+                Some(_) = self.tasks.join_next(), if !self.tasks.is_empty() => Step::Again,
+            };
+        }
+        let slot = tokio::select! {
+            biased;
+            () = self.tx.closed() => return Step::Gone,
+            () = &mut drain, if watch_draining => {
+                *is_draining = true;
+                return Step::Again;
+            }
+            slot = self.tx.clone().reserve_owned() => match slot {
+                Ok(slot) => slot,
+                Err(_) => return Step::Gone,
+            },
+            Some(_) = self.tasks.join_next(), if !self.tasks.is_empty() => return Step::Again,
+        };
+        tokio::select! {
+            biased;
+            () = self.tx.closed() => Step::Gone,
+            () = &mut drain, if watch_draining => {
+                *is_draining = true;
+                Step::Again
+            }
+            Some(_) = self.tasks.join_next(), if !self.tasks.is_empty() => Step::Again,
+            message = inbound.next() => Step::Read(message, slot),
+        }
+    }
+
+    /// Queues an answer in its reserved slot.
+    fn answer(&self, slot: OwnedPermit<Answer>, response: EvaluateResponse) {
+        let answer = Answer::new(response);
+        self.budget.add(answer.bytes);
+        slot.send(answer);
+    }
+
+    /// Judges a batch read from the stream, or refuses it.
+    fn admit(&mut self, batch: EvaluateRequest, size: usize, slot: OwnedPermit<Answer>) {
+        let limits = *self.limits();
         let batch_id = batch.batch_id.clone();
-        let duplicate = !in_flight
+        let shown = shown_id(&batch_id, limits.max_id_bytes);
+        let duplicate = !self
+            .in_flight
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
             .insert(batch_id.clone());
-        let tx = tx.clone();
-        let limit = self.mesh.config.limits.max_batches_per_stream;
-        if !duplicate && tasks.len() >= limit {
-            in_flight
-                .lock()
-                .unwrap_or_else(PoisonError::into_inner)
-                .remove(&batch_id);
-            self.mesh.metrics.refused("stream_overloaded");
-            tasks.spawn(async move {
-                let error = Status::resource_exhausted(format!(
-                    "{limit} batches already in flight on this stream; wait for answers"
-                ));
-                let _ = tx.send(Ok(error_response(batch_id, &error))).await;
-            });
-            return;
+        let refusal = if duplicate {
+            Some(Refusal {
+                reason: "duplicate_batch_id",
+                status: Status::invalid_argument(format!(
+                    "batch_id {shown:?} is already in flight on this stream"
+                )),
+            })
+        } else if !batch.calls.is_empty()
+            && self.judged.load(Ordering::Acquire) >= limits.max_batches_per_stream
+        {
+            // R1: a zero-call batch needs no slot and is answered at once.
+            Some(Refusal {
+                reason: "stream_overloaded",
+                status: Status::resource_exhausted(format!(
+                    "{} batches already in flight on this stream (limits.max_batches_per_stream); wait for answers",
+                    limits.max_batches_per_stream
+                )),
+            })
+        } else {
+            None
+        };
+        let bytes = match refusal {
+            Some(refusal) => Err(refusal),
+            None => self.tool.inflight_bytes(&shown, batch.calls.len(), size),
+        };
+        let bytes = match bytes {
+            Ok(bytes) => bytes,
+            Err(refusal) => {
+                if !duplicate {
+                    self.in_flight
+                        .lock()
+                        .unwrap_or_else(PoisonError::into_inner)
+                        .remove(&batch_id);
+                }
+                if refusal.reason != "overloaded_bytes" {
+                    self.tool.refused(&shown, &refusal);
+                }
+                self.answer(slot, error_response(shown, &refusal.status));
+                return;
+            }
+        };
+        let counted = !batch.calls.is_empty();
+        if counted {
+            self.judged.fetch_add(1, Ordering::AcqRel);
         }
-        if duplicate {
-            self.mesh.metrics.refused("duplicate_batch_id");
-            tasks.spawn(async move {
-                let error = Status::invalid_argument(format!(
-                    "batch_id {batch_id:?} is already in flight on this stream"
-                ));
-                let _ = tx.send(Ok(error_response(batch_id, &error))).await;
-            });
-            return;
-        }
-        let mesh = self.mesh.clone();
-        let deadline = self.deadline(batch.timeout_ms, None);
-        let trace = batch_trace(&batch, trace);
-        let in_flight = in_flight.clone();
-        tasks.spawn(async move {
+        // The batch holds its bytes of the stream's budget while judged.
+        self.budget.add(size);
+        let mesh = self.tool.mesh.clone();
+        let deadline = self.tool.deadline(batch.timeout_ms, None);
+        let trace = batch_trace(&batch, &self.trace);
+        let in_flight = self.in_flight.clone();
+        let judged = self.judged.clone();
+        let budget = self.budget.clone();
+        self.tasks.spawn(async move {
             let result = mesh.evaluate(batch, deadline, trace).await;
+            drop(bytes);
+            if counted {
+                judged.fetch_sub(1, Ordering::AcqRel);
+            }
             in_flight
                 .lock()
                 .unwrap_or_else(PoisonError::into_inner)
@@ -219,8 +528,151 @@ impl PreTool {
                 },
                 Err(error) => error_response(batch_id, &error.status()),
             };
-            let _ = tx.send(Ok(response)).await;
+            let answer = Answer::new(response);
+            budget.add(answer.bytes);
+            budget.release(size);
+            slot.send(answer);
         });
+    }
+}
+
+#[tonic::async_trait]
+impl PreToolService for PreTool {
+    type EvaluateStream = AnswerStream;
+
+    /// With the stock codec (a server built from the generated
+    /// `PreToolServiceServer`): the same limits, checked after decoding.
+    /// The mesh's own server uses [`PreToolServer`], which checks them
+    /// before.
+    async fn evaluate(
+        &self,
+        request: Request<Streaming<EvaluateRequest>>,
+    ) -> Result<Response<Self::EvaluateStream>, Status> {
+        let trace = trace_context(request.metadata());
+        let limits = self.mesh.config.limits;
+        let inbound = request
+            .into_inner()
+            .map(move |message| message.map(|m| Inbound::from_request(m, &limits)));
+        Ok(Response::new(self.open_stream(trace, inbound)?))
+    }
+
+    async fn evaluate_batch(
+        &self,
+        request: Request<EvaluateRequest>,
+    ) -> Result<Response<BatchDecision>, Status> {
+        let (metadata, _, batch) = request.into_parts();
+        let inbound = Inbound::from_request(batch, &self.mesh.config.limits);
+        Ok(Response::new(self.unary(&metadata, inbound).await?))
+    }
+}
+
+/// `PreToolService` served with [`InboundCodec`]: every batch's size and
+/// counts are checked before it is decoded (R20), and a message above the
+/// transport limit is refused with RESOURCE_EXHAUSTED.
+#[derive(Debug, Clone)]
+pub struct PreToolServer {
+    tool: PreTool,
+    /// Largest message read (a little above `limits.max_batch_bytes`).
+    max_decoding: usize,
+    /// Largest answer sent.
+    max_encoding: usize,
+}
+
+impl PreToolServer {
+    pub fn new(tool: PreTool, max_decoding: usize, max_encoding: usize) -> Self {
+        Self {
+            tool,
+            max_decoding,
+            max_encoding,
+        }
+    }
+
+    fn grpc<E: prost::Message + Send + 'static>(&self) -> tonic::server::Grpc<InboundCodec<E>> {
+        tonic::server::Grpc::new(InboundCodec::new(self.tool.mesh.config.limits))
+            .max_decoding_message_size(self.max_decoding)
+            .max_encoding_message_size(self.max_encoding)
+    }
+}
+
+impl tonic::server::NamedService for PreToolServer {
+    const NAME: &'static str = guardmesh_proto::v1::pre_tool_service_server::SERVICE_NAME;
+}
+
+type BoxFuture<T> = Pin<Box<dyn Future<Output = T> + Send + 'static>>;
+
+/// `Evaluate` with [`InboundCodec`].
+struct EvaluateMethod(PreTool);
+
+impl tonic::server::StreamingService<Inbound> for EvaluateMethod {
+    type Response = EvaluateResponse;
+    type ResponseStream = AnswerStream;
+    type Future = BoxFuture<Result<Response<AnswerStream>, Status>>;
+
+    fn call(&mut self, request: Request<Streaming<Inbound>>) -> Self::Future {
+        let tool = self.0.clone();
+        Box::pin(async move {
+            let trace = trace_context(request.metadata());
+            Ok(Response::new(
+                tool.open_stream(trace, request.into_inner())?,
+            ))
+        })
+    }
+}
+
+/// `EvaluateBatch` with [`InboundCodec`], read as a client stream of one
+/// message so that a message over the transport limit is answered
+/// RESOURCE_EXHAUSTED like every other size limit (R20).
+struct EvaluateBatchMethod(PreTool);
+
+impl tonic::server::ClientStreamingService<Inbound> for EvaluateBatchMethod {
+    type Response = BatchDecision;
+    type Future = BoxFuture<Result<Response<BatchDecision>, Status>>;
+
+    fn call(&mut self, request: Request<Streaming<Inbound>>) -> Self::Future {
+        let tool = self.0.clone();
+        Box::pin(async move {
+            let (metadata, _, mut inbound) = request.into_parts();
+            let message = inbound
+                .message()
+                .await
+                .map_err(transport_status)?
+                .ok_or_else(|| Status::invalid_argument("EvaluateBatch sent no request message"))?;
+            Ok(Response::new(tool.unary(&metadata, message).await?))
+        })
+    }
+}
+
+impl<B> tower::Service<http::Request<B>> for PreToolServer
+where
+    B: tonic::codegen::Body + Send + 'static,
+    B::Error: Into<tonic::codegen::StdError> + Send + 'static,
+{
+    type Response = http::Response<tonic::body::Body>;
+    type Error = std::convert::Infallible;
+    type Future = BoxFuture<Result<Self::Response, Self::Error>>;
+
+    fn poll_ready(&mut self, _cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
+        Poll::Ready(Ok(()))
+    }
+
+    fn call(&mut self, request: http::Request<B>) -> Self::Future {
+        let path = request.uri().path();
+        if path == "/guardmesh.v1.PreToolService/Evaluate" {
+            let mut grpc = self.grpc::<EvaluateResponse>();
+            let method = EvaluateMethod(self.tool.clone());
+            Box::pin(async move { Ok(grpc.streaming(method, request).await) })
+        } else if path == "/guardmesh.v1.PreToolService/EvaluateBatch" {
+            let mut grpc = self.grpc::<BatchDecision>();
+            let method = EvaluateBatchMethod(self.tool.clone());
+            Box::pin(async move { Ok(grpc.client_streaming(method, request).await) })
+        } else {
+            Box::pin(async move {
+                Ok(
+                    Status::unimplemented("no such method of guardmesh.v1.PreToolService")
+                        .into_http(),
+                )
+            })
+        }
     }
 }
 
@@ -311,6 +763,9 @@ impl GuardRegistry for Registrar {
         // DNS resolution when dialing).
         let checked = crate::spec::Guard::from_spec(&spec, self.mesh.config.default_guard_timeout)
             .map_err(|e| Status::invalid_argument(e.to_string()))?;
+        for warning in checked.warnings() {
+            tracing::warn!(guard = %name, "{warning}");
+        }
         if let Err(why) = self
             .mesh
             .config
