@@ -818,7 +818,8 @@ async fn r20_arguments_must_be_i_json_or_the_batch_is_refused() {
     let session = mesh.coordinator().await.session("s").await.unwrap();
     let nested = format!(r#"{{"a":{}1{}}}"#, "[".repeat(129), "]".repeat(129));
     let digits = format!(r#"{{"n":1{}}}"#, "0".repeat(400));
-    let long_id = "L".repeat(5000);
+    // Within max_id_bytes (256), longer than what a message shows (64).
+    let long_id = "L".repeat(200);
     let cases: Vec<(&str, String, &str)> = vec![
         (
             "c1",

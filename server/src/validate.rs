@@ -471,8 +471,9 @@ mod tests {
             batch_id: "b".into(),
             calls: vec![
                 call("ok", "{}"),
+                // Within max_id_bytes (256), longer than what a message shows.
                 call(
-                    &"x".repeat(1000),
+                    &"x".repeat(200),
                     r#"{"sql":"SELECT 1","sql":"DELETE FROM t"}"#,
                 ),
             ],
