@@ -19,10 +19,18 @@
 //! not know fails the guard instead of reading as proceed (R23); and the link
 //! pings no more often than default gRPC servers allow, leaving dead-peer
 //! detection to the kernel's TCP keepalive (R26).
+//!
+//! Two small state machines live in modules of their own, each with its unit
+//! tests: `backoff` (the reconnect pauses) and `breaker` (the circuit breaker
+//! on consecutive failures, which takes the time as an argument).
 
+mod backoff;
+mod breaker;
+
+use backoff::ExpBackoff;
+use breaker::ConsecutiveFailures;
 use guardmesh_proto::v1::{CancelBatch, GuardBatch, JudgeRequest, JudgeResponse, judge_request};
 use prost::Message;
-use rand::Rng;
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
@@ -214,27 +222,17 @@ enum Conn {
 struct State {
     conn: Conn,
     waiting: HashMap<u64, Waiter>,
-    circuit: Circuit,
-}
-
-/// A circuit breaker: after `circuit_failures` consecutive failures the
-/// guard's failure policy applies at once, without waiting for timeouts,
-/// until a probe request succeeds. An open circuit is a failure like any
-/// other (R13): under `fail_closed` it blocks, it never bypasses.
-#[derive(Debug, Default)]
-struct Circuit {
-    failures: u32,
-    last: Option<Arc<str>>,
-    /// Set while open: when the next probe may go.
-    open_until: Option<tokio::time::Instant>,
-    /// Set while a half-open probe is out: when it was sent.
-    probe_since: Option<tokio::time::Instant>,
+    /// The guard's circuit breaker: after `circuit_failures` consecutive
+    /// failures the guard's failure policy applies at once, without waiting
+    /// for timeouts, until a probe request succeeds. An open circuit is a
+    /// failure like any other (R13): under `fail_closed` it blocks, it never
+    /// bypasses.
+    circuit: ConsecutiveFailures,
 }
 
 struct Shared {
     name: String,
     max_queued_bytes: usize,
-    circuit_failures: u32,
     circuit_open_for: Duration,
     metrics: Arc<crate::metrics::Metrics>,
     endpoint: String,
@@ -334,14 +332,13 @@ impl GuardLink {
         let shared = Arc::new(Shared {
             name: name.to_owned(),
             max_queued_bytes: config.max_queued_bytes,
-            circuit_failures: config.circuit_failures,
             circuit_open_for: config.circuit_open_for,
             metrics,
             endpoint: endpoint.to_owned(),
             state: Mutex::new(State {
                 conn: Conn::Open(queue),
                 waiting: HashMap::new(),
-                circuit: Circuit::default(),
+                circuit: ConsecutiveFailures::new(config.circuit_failures, config.circuit_open_for),
             }),
             next_id: AtomicU64::new(1),
             outage: std::sync::atomic::AtomicBool::new(false),
@@ -373,7 +370,14 @@ impl GuardLink {
         let id = self.shared.next_id.fetch_add(1, Ordering::Relaxed);
         batch.request_id = id;
         let mut state = self.shared.lock();
-        self.admit(&mut state)?;
+        state
+            .circuit
+            .admit(tokio::time::Instant::now())
+            .map_err(|refused| GuardFailure::CircuitOpen {
+                failures: refused.failures,
+                last: refused.last,
+                retry_in: refused.retry_in,
+            })?;
         let queue = match &state.conn {
             Conn::Open(queue) => queue,
             Conn::Down(error) => return Err(GuardFailure::Unreachable(error.clone())),
@@ -403,63 +407,33 @@ impl GuardLink {
         Ok(id)
     }
 
-    /// Lets a request through the circuit breaker, or refuses it at once.
-    fn admit(&self, state: &mut State) -> Result<(), GuardFailure> {
-        let circuit = &mut state.circuit;
-        let Some(until) = circuit.open_until else {
-            return Ok(());
-        };
-        let now = tokio::time::Instant::now();
-        let probe_stale = circuit
-            .probe_since
-            .is_none_or(|since| now.duration_since(since) >= self.shared.circuit_open_for);
-        if now >= until && probe_stale {
-            // Half-open: this request is the probe.
-            circuit.probe_since = Some(now);
-            return Ok(());
-        }
-        Err(GuardFailure::CircuitOpen {
-            failures: circuit.failures,
-            last: circuit.last.clone().unwrap_or_else(|| "unknown".into()),
-            retry_in: until.saturating_duration_since(now),
-        })
-    }
-
     /// Records how a request to this guard ended, for its circuit breaker.
     pub fn record(&self, outcome: Result<(), &GuardFailure>) {
-        let threshold = self.shared.circuit_failures;
-        if threshold == 0 {
-            return;
-        }
-        let mut state = self.shared.lock();
-        let circuit = &mut state.circuit;
-        match outcome {
-            Ok(()) => {
-                if circuit.open_until.is_some() {
-                    tracing::info!(guard = %self.shared.name, "circuit closed: probe succeeded");
-                }
-                *circuit = Circuit::default();
+        let transition = {
+            let mut state = self.shared.lock();
+            record_outcome(&mut state.circuit, tokio::time::Instant::now(), outcome)
+        };
+        match (transition, outcome) {
+            (Some(breaker::Transition::Closed), _) => {
+                tracing::info!(guard = %self.shared.name, "circuit closed: probe succeeded");
             }
-            Err(failure) if failure.counts_for_circuit() => {
-                circuit.failures = circuit.failures.saturating_add(1);
-                circuit.last = Some(failure.to_string().into());
-                let probing = circuit.probe_since.take().is_some();
-                if circuit.failures >= threshold || probing {
-                    let until = tokio::time::Instant::now() + self.shared.circuit_open_for;
-                    if circuit.open_until.is_none() || probing {
-                        tracing::warn!(
-                            guard = %self.shared.name,
-                            failures = circuit.failures,
-                            error = %failure,
-                            "circuit open: the guard's failure policy applies at once for {:?}",
-                            self.shared.circuit_open_for
-                        );
-                        self.shared.metrics.circuit_opened(&self.shared.name);
-                    }
-                    circuit.open_until = Some(until);
-                }
+            (
+                Some(
+                    breaker::Transition::Opened { failures }
+                    | breaker::Transition::Reopened { failures },
+                ),
+                Err(failure),
+            ) => {
+                tracing::warn!(
+                    guard = %self.shared.name,
+                    failures,
+                    error = %failure,
+                    "circuit open: the guard's failure policy applies at once for {:?}",
+                    self.shared.circuit_open_for
+                );
+                self.shared.metrics.circuit_opened(&self.shared.name);
             }
-            Err(_) => {}
+            _ => {}
         }
     }
 
@@ -470,6 +444,21 @@ impl GuardLink {
         if state.waiting.remove(&request_id).is_some() {
             self.shared.send_cancel(&state, request_id);
         }
+    }
+}
+
+/// Feeds how a request ended at `now` to a guard's circuit breaker. Only
+/// failures that say something about the guard's availability count
+/// ([`GuardFailure::counts_for_circuit`]); the others leave it as it is.
+fn record_outcome(
+    circuit: &mut ConsecutiveFailures,
+    now: tokio::time::Instant,
+    outcome: Result<(), &GuardFailure>,
+) -> Option<breaker::Transition> {
+    match outcome {
+        Ok(()) => circuit.record_success(),
+        Err(failure) if failure.counts_for_circuit() => circuit.record_failure(now, failure),
+        Err(_) => None,
     }
 }
 
@@ -484,7 +473,11 @@ async fn run(
     first: Requests,
 ) {
     let mut first = Some(first);
-    let mut backoff = config.backoff_initial;
+    let mut backoff = ExpBackoff::new(
+        config.backoff_initial,
+        config.backoff_max,
+        ExpBackoff::LINK_JITTER,
+    );
     let connector = DeadPeerConnector {
         inner: connector,
         timeout: config.dead_peer_timeout,
@@ -500,13 +493,11 @@ async fn run(
         };
         let answered = serve_stream(&shared, &config, &connector, requests).await;
         if answered {
-            backoff = config.backoff_initial;
+            backoff.reset();
         }
-        // Full jitter over the current step keeps a fleet of meshes from
+        // Jitter over the current step keeps a fleet of meshes from
         // reconnecting to a restarted guard in lockstep.
-        let pause = backoff.mul_f64(rand::rng().random_range(0.5..=1.0));
-        tokio::time::sleep(pause).await;
-        backoff = (backoff * 2).min(config.backoff_max);
+        tokio::time::sleep(backoff.next()).await;
     }
 }
 
@@ -721,6 +712,99 @@ fn detect_dead_peer(tcp: &tokio::net::TcpStream, timeout: Duration) -> std::io::
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Failures that say something about a guard's availability.
+    fn counting() -> Vec<GuardFailure> {
+        vec![
+            GuardFailure::Unreachable("connection refused".into()),
+            GuardFailure::Status {
+                code: tonic::Code::Unavailable,
+                message: "down".into(),
+            },
+            GuardFailure::Refused("busy".into()),
+            GuardFailure::StreamClosed,
+            GuardFailure::TimedOut(Duration::from_secs(1)),
+            GuardFailure::NotReading {
+                queued: 2,
+                limit: 1,
+            },
+        ]
+    }
+
+    /// Failures that do not: a policy bug, a protocol mismatch, an open
+    /// circuit.
+    fn not_counting() -> Vec<GuardFailure> {
+        vec![
+            GuardFailure::RejectedRewrite("bad arguments".into()),
+            GuardFailure::CircuitOpen {
+                failures: 3,
+                last: "down".into(),
+                retry_in: Duration::from_secs(1),
+            },
+            GuardFailure::UnknownVerdictField(wire::UnknownField {
+                message: "Verdict",
+                number: 4,
+            }),
+        ]
+    }
+
+    #[test]
+    fn circuit_counts_availability_failures_only() {
+        let open_for = Duration::from_millis(300);
+        let t0 = tokio::time::Instant::now();
+        for failure in counting() {
+            assert!(failure.counts_for_circuit(), "{failure}");
+            let mut circuit = ConsecutiveFailures::new(2, open_for);
+            assert_eq!(record_outcome(&mut circuit, t0, Err(&failure)), None);
+            assert_eq!(
+                record_outcome(&mut circuit, t0, Err(&failure)),
+                Some(breaker::Transition::Opened { failures: 2 }),
+                "{failure}"
+            );
+            let refused = circuit.admit(t0).unwrap_err();
+            assert_eq!(*refused.last, failure.to_string());
+        }
+        for failure in not_counting() {
+            assert!(!failure.counts_for_circuit(), "{failure}");
+            let mut circuit = ConsecutiveFailures::new(2, open_for);
+            for _ in 0..10 {
+                assert_eq!(record_outcome(&mut circuit, t0, Err(&failure)), None);
+            }
+            assert_eq!(
+                circuit.admit(t0),
+                Ok(breaker::Admitted::Closed),
+                "{failure}"
+            );
+        }
+    }
+
+    #[test]
+    fn circuit_failures_that_do_not_count_leave_an_open_circuit_and_its_probe_alone() {
+        let open_for = Duration::from_millis(300);
+        let t0 = tokio::time::Instant::now();
+        let down = GuardFailure::StreamClosed;
+        for failure in not_counting() {
+            let mut circuit = ConsecutiveFailures::new(1, open_for);
+            record_outcome(&mut circuit, t0, Err(&down));
+            // Open: an uncounted failure neither extends it nor renames it.
+            let t1 = t0 + open_for / 2;
+            assert_eq!(record_outcome(&mut circuit, t1, Err(&failure)), None);
+            let refused = circuit.admit(t1).unwrap_err();
+            assert_eq!(refused.failures, 1, "{failure}");
+            assert_eq!(*refused.last, down.to_string());
+            assert_eq!(refused.retry_in, open_for / 2);
+            // Half-open: the probe stays out; the circuit neither closes
+            // nor re-opens.
+            let t2 = t0 + open_for;
+            assert_eq!(circuit.admit(t2), Ok(breaker::Admitted::Probe));
+            assert_eq!(record_outcome(&mut circuit, t2, Err(&failure)), None);
+            assert_eq!(circuit.admit(t2).unwrap_err().retry_in, Duration::ZERO);
+            assert_eq!(
+                record_outcome(&mut circuit, t2, Ok(())),
+                Some(breaker::Transition::Closed)
+            );
+        }
+    }
 
     #[tokio::test]
     async fn r26_guard_sockets_get_tcp_keepalive_and_a_user_timeout() {
