@@ -26,6 +26,7 @@ use crate::tls::{ClientCert, PeerInfo};
 use std::collections::HashSet;
 use std::sync::Arc;
 use std::task::{Context, Poll};
+use std::time::SystemTime;
 use tonic::Status;
 
 /// A role a principal may hold.
@@ -179,6 +180,11 @@ pub fn required_role(path: &str) -> Option<Role> {
 pub const NO_CLIENT_CERT: &str = "no credentials: no client certificate was presented, and this \
      listener requires one signed by its client CA";
 
+/// The refusal of a call on a connection whose client certificate has
+/// expired since the handshake.
+pub const CERT_EXPIRED: &str = "client certificate rejected: it expired after this connection \
+     was opened; reconnect with a valid certificate";
+
 /// Whether `path` is open to every client, with or without credentials:
 /// health checks, so that load balancers and probes work.
 pub fn open_to_all(path: &str) -> bool {
@@ -260,7 +266,13 @@ fn decide(
     let mut token_instead_of_cert = false;
     if require_client_cert {
         match peer.map(|p| &p.client_cert) {
-            Some(ClientCert::Verified) => {}
+            Some(ClientCert::Verified) => {
+                if let Some(not_after) = peer.and_then(|p| p.cert_not_after)
+                    && SystemTime::now() > not_after
+                {
+                    return Err((Status::unauthenticated(CERT_EXPIRED), unknown()));
+                }
+            }
             Some(ClientCert::Rejected(why)) => {
                 return Err((Status::unauthenticated(why.clone()), unknown()));
             }
@@ -400,6 +412,7 @@ mod tests {
             tls,
             identity,
             client_cert: ClientCert::NotAsked,
+            cert_not_after: None,
         }
     }
 
@@ -533,5 +546,35 @@ mod tests {
             .unwrap()
             .unwrap();
         assert_eq!(coord.id, "spiffe://t/coord");
+    }
+
+    /// R24: a certificate valid at the handshake but expired since is
+    /// refused on the next call of that connection, with or without roles.
+    #[test]
+    fn r24_a_certificate_that_expires_on_an_open_connection_is_refused_from_then_on() {
+        let list = "/guardmesh.v1.GuardRegistry/List";
+        let now = SystemTime::now();
+        let later = PeerInfo {
+            cert_not_after: Some(now + std::time::Duration::from_secs(3600)),
+            ..cert_peer(ClientCert::Verified, None)
+        };
+        let expired = PeerInfo {
+            cert_not_after: Some(now - std::time::Duration::from_secs(1)),
+            ..cert_peer(ClientCert::Verified, Some("spiffe://t/coord"))
+        };
+        assert!(decide(None, true, list, Some(&later), None).is_ok());
+        let (status, _) = decide(None, true, list, Some(&expired), None).unwrap_err();
+        assert_eq!(status.code(), tonic::Code::Unauthenticated);
+        assert_eq!(status.message(), CERT_EXPIRED);
+        let p = policy();
+        let (status, _) = decide(
+            Some(&p),
+            true,
+            "/guardmesh.v1.PreToolService/Evaluate",
+            Some(&expired),
+            None,
+        )
+        .unwrap_err();
+        assert_eq!(status.message(), CERT_EXPIRED);
     }
 }

@@ -94,6 +94,14 @@ pub fn load_roots(path: &Path) -> Result<RootCertStore, TlsError> {
     Ok(roots)
 }
 
+/// The end of a certificate's validity period.
+pub fn not_after(cert: &CertificateDer<'_>) -> Option<SystemTime> {
+    let (_, parsed) = x509_parser::parse_x509_certificate(cert.as_ref()).ok()?;
+    let seconds = parsed.validity().not_after.timestamp();
+    let seconds = u64::try_from(seconds).ok()?;
+    SystemTime::UNIX_EPOCH.checked_add(Duration::from_secs(seconds))
+}
+
 /// The single URI SAN of a certificate (its SPIFFE-style identity).
 pub fn uri_identity(cert: &CertificateDer<'_>) -> Result<String, String> {
     use x509_parser::extensions::GeneralName;
@@ -274,6 +282,10 @@ pub struct PeerInfo {
     /// identity it carries: a certificate from the client CA without a URI
     /// SAN is `Verified` here and refused only where roles need identities.
     pub client_cert: ClientCert,
+    /// When a verified client certificate stops being valid. Checked on
+    /// every call, so a connection kept open past its certificate's expiry
+    /// is refused from then on (R24), not only at the handshake.
+    pub cert_not_after: Option<SystemTime>,
 }
 
 /// What the listener made of a client certificate (R24).
@@ -339,6 +351,15 @@ impl ServerTls {
         let acceptor = tokio_rustls::TlsAcceptor::from(self.config.clone());
         let tls = acceptor.accept(tcp).await?;
         let (client_cert, identity) = self.identify(&tls);
+        let cert_not_after = match client_cert {
+            ClientCert::Verified => tls
+                .get_ref()
+                .1
+                .peer_certificates()
+                .and_then(|chain| chain.first())
+                .and_then(not_after),
+            _ => None,
+        };
         Ok(MeshStream {
             inner: Inner::Tls(Box::new(tls)),
             info: PeerInfo {
@@ -346,6 +367,7 @@ impl ServerTls {
                 tls: true,
                 identity,
                 client_cert,
+                cert_not_after,
             },
             replay: Vec::new(),
             replayed: 0,
@@ -402,6 +424,7 @@ impl MeshStream {
                 tls: false,
                 identity: Ok(None),
                 client_cert: ClientCert::NotAsked,
+                cert_not_after: None,
             },
             inner: Inner::Plain(tcp),
             replay: Vec::new(),
@@ -833,4 +856,31 @@ pub fn incoming(
         }
     });
     tokio_stream::wrappers::ReceiverStream::new(rx)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::certs::{Authority, Subject};
+
+    /// The end of validity that every call is checked against (R24).
+    #[test]
+    fn r24_not_after_reads_the_certificate_validity() {
+        let ca = Authority::new("test CA").unwrap();
+        let expired = ca
+            .issue(&Subject {
+                expired: true,
+                ..Subject::loopback("old")
+            })
+            .unwrap();
+        let der = CertificateDer::from_pem_slice(expired.cert_pem.as_bytes()).unwrap();
+        // The test authority's expired certificates end on 2021-01-01.
+        assert_eq!(
+            not_after(&der),
+            Some(SystemTime::UNIX_EPOCH + Duration::from_secs(1_609_459_200))
+        );
+        let current = ca.issue(&Subject::loopback("new")).unwrap();
+        let der = CertificateDer::from_pem_slice(current.cert_pem.as_bytes()).unwrap();
+        assert!(not_after(&der).is_some_and(|t| t > SystemTime::now()));
+    }
 }
