@@ -2,6 +2,8 @@
 //! guards concurrently through the [`Fold`] (R3, R4, R5), then one decision
 //! per call (R2) and one trace entry per guard (R21).
 
+pub mod verdicts;
+
 use crate::fold::{Fold, FoldGuard, Resolution};
 use crate::link::{GuardFailure, LinkEvent};
 use crate::mesh::{Chain, ChainGuard, Mesh};
@@ -9,8 +11,7 @@ use crate::spec::Guard;
 use crate::validate;
 use guardmesh_proto::v1::{
     Action, BatchContext, BatchDecision, CallDecision, EvaluateRequest, FailurePolicy, GuardBatch,
-    GuardRole, GuardTrace, JudgeResponse, Skip, SkipKind, ToolCall, TraceStatus, Verdict,
-    verdict::Outcome,
+    GuardRole, GuardTrace, JudgeResponse, SkipKind, ToolCall, TraceStatus,
 };
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -18,6 +19,7 @@ use std::time::Duration;
 use tokio::sync::mpsc;
 use tokio::time::Instant;
 use tonic::Status;
+use verdicts::{Malformed, check_verdicts};
 
 /// The coordinator's W3C trace context for a batch (R22).
 #[derive(Debug, Clone, Default)]
@@ -100,134 +102,6 @@ fn unavailable(guard: &Guard) -> Fixed {
     }
 }
 
-/// A guard's verdicts after the checks of R8 and R11.
-#[derive(Default)]
-struct Checked {
-    /// (call index, skip); blank skips already dropped.
-    skips: Vec<(usize, Skip)>,
-    /// (call index, the call as rewritten).
-    rewrites: Vec<(usize, ToolCall)>,
-    /// Call indices answered with a plain proceed.
-    proceeds: Vec<usize>,
-    /// Why verdicts were dropped (R8).
-    malformed: Vec<String>,
-}
-
-/// Checks `verdicts` from `guard`, which was sent the calls at `sent`.
-/// `answered` tracks calls already answered by this guard (R8: a second
-/// verdict is ignored). A rewrite outside the grant rejects the whole
-/// answer (R11): the error names why.
-fn check_verdicts(
-    guard: &Guard,
-    calls: &[Call],
-    index_of: &HashMap<String, usize>,
-    sent: &[bool],
-    answered: &mut [bool],
-    verdicts: Vec<Verdict>,
-) -> Result<Checked, String> {
-    let mut checked = Checked::default();
-    for verdict in verdicts {
-        let index = index_of
-            .get(verdict.call_id.as_str())
-            .copied()
-            .filter(|&i| sent[i]);
-        match (verdict.outcome, index) {
-            (Some(Outcome::Rewrite(_)), None) => {
-                return Err(format!(
-                    "rewrite for call id {:?}, which was not sent to this guard",
-                    verdict.call_id
-                ));
-            }
-            (_, None) => checked.malformed.push(format!(
-                "verdict for call id {:?}, which was not sent to this guard",
-                verdict.call_id
-            )),
-            (outcome, Some(i)) if answered[i] => {
-                let _ = outcome;
-                checked.malformed.push(format!(
-                    "second verdict for call {:?} ignored",
-                    verdict.call_id
-                ));
-            }
-            (None, Some(i)) => {
-                answered[i] = true;
-                checked.proceeds.push(i);
-            }
-            (Some(Outcome::Skip(skip)), Some(i)) => {
-                answered[i] = true;
-                if skip.content.trim().is_empty() {
-                    checked.malformed.push(format!(
-                        "skip for call {:?} has blank content; counted as proceed",
-                        verdict.call_id
-                    ));
-                    checked.proceeds.push(i);
-                } else if SkipKind::try_from(skip.kind).is_err() {
-                    // An unknown kind from a newer guard: the skip stands, as
-                    // the safer reading, and is steered (R7's default).
-                    checked.skips.push((
-                        i,
-                        Skip {
-                            content: skip.content,
-                            kind: SkipKind::Steer as i32,
-                        },
-                    ));
-                } else {
-                    checked.skips.push((i, skip));
-                }
-            }
-            (Some(Outcome::Rewrite(rewrite)), Some(i)) => {
-                answered[i] = true;
-                let call = &calls[i].current;
-                if guard.role != GuardRole::Mutate {
-                    return Err(format!(
-                        "validate guard sent a rewrite for call {:?}; only mutate guards may rewrite",
-                        call.call_id
-                    ));
-                }
-                if !guard.grant_tools.matches(&call.tool) {
-                    return Err(format!(
-                        "rewrite of call {:?}: the grant does not cover tool {:?}",
-                        call.call_id, call.tool
-                    ));
-                }
-                let mut next = call.clone();
-                if let Some(tool) = rewrite.tool
-                    && tool != call.tool
-                {
-                    if !guard.may_rename {
-                        return Err(format!(
-                            "rewrite of call {:?} renames tool {:?} to {tool:?} without the rename grant",
-                            call.call_id, call.tool
-                        ));
-                    }
-                    if tool.trim().is_empty() || !guard.grant_tools.matches(&tool) {
-                        return Err(format!(
-                            "rewrite of call {:?} renames tool {:?} to {tool:?}, outside the grant",
-                            call.call_id, call.tool
-                        ));
-                    }
-                    next.tool = tool;
-                }
-                if let Some(arguments) = rewrite.arguments {
-                    if !validate::is_json_object(&arguments) || arguments.trim().is_empty() {
-                        return Err(format!(
-                            "rewrite of call {:?}: arguments are not a JSON object",
-                            call.call_id
-                        ));
-                    }
-                    next.arguments = arguments;
-                }
-                if next == *call {
-                    checked.proceeds.push(i);
-                } else {
-                    checked.rewrites.push((i, next));
-                }
-            }
-        }
-    }
-    Ok(checked)
-}
-
 /// What happened at one guard, collected into its trace entry.
 struct GuardRun {
     sent: Vec<bool>,
@@ -237,7 +111,7 @@ struct GuardRun {
     finished: Option<Instant>,
     skipped: Vec<usize>,
     rewritten: Vec<usize>,
-    malformed: Vec<String>,
+    malformed: Vec<Malformed>,
     failure: Option<GuardFailure>,
     superseded: bool,
     answered: Vec<bool>,
@@ -630,7 +504,7 @@ impl<'a> Judging<'a> {
         let run = &mut self.runs[g];
         let checked = check_verdicts(
             &guard,
-            &self.calls,
+            |i| &self.calls[i].current,
             &self.index_of,
             &run.sent,
             &mut run.answered,
@@ -668,7 +542,9 @@ impl<'a> Judging<'a> {
                     Some(failure) => self.guard_failed(g, failure),
                 }
             }
-            (Err(reason), _) => self.guard_failed(g, GuardFailure::RejectedRewrite(reason)),
+            (Err(reason), _) => {
+                self.guard_failed(g, GuardFailure::RejectedRewrite(reason.to_string()))
+            }
         }
     }
 
@@ -883,7 +759,7 @@ impl<'a> Judging<'a> {
         let run = &mut self.runs[g];
         match check_verdicts(
             &guard,
-            &self.calls,
+            |i| &self.calls[i].current,
             &self.index_of,
             &run.sent,
             &mut run.answered,
@@ -913,7 +789,7 @@ impl<'a> Judging<'a> {
                 if !final_answer && let Some(id) = run.request_id {
                     self.chain.guards[g].link.cancel(id);
                 }
-                let failure = GuardFailure::RejectedRewrite(reason);
+                let failure = GuardFailure::RejectedRewrite(reason.to_string());
                 self.guard_failure(g, &failure);
                 self.runs[g].failure = Some(failure);
                 fold.fail(k);
@@ -981,7 +857,12 @@ impl<'a> Judging<'a> {
                     None => String::new(),
                 };
                 if run.failure.is_none() && !run.malformed.is_empty() {
-                    error = run.malformed.join("; ");
+                    error = run
+                        .malformed
+                        .iter()
+                        .map(ToString::to_string)
+                        .collect::<Vec<_>>()
+                        .join("; ");
                     tracing::warn!(
                         guard = %guard.name,
                         batch_id = %self.request.batch_id,
