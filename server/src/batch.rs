@@ -4,14 +4,14 @@
 
 pub mod verdicts;
 
-use crate::fold::{Fold, FoldGuard, Resolution};
+use crate::fold::{Decided, Fold, FoldGuard};
 use crate::link::{GuardFailure, LinkEvent};
 use crate::mesh::{Chain, ChainGuard, Mesh};
 use crate::spec::Guard;
 use crate::validate;
 use guardmesh_proto::v1::{
-    Action, BatchContext, BatchDecision, CallDecision, EvaluateRequest, FailurePolicy, GuardBatch,
-    GuardRole, GuardTrace, JudgeResponse, SkipKind, ToolCall, TraceStatus,
+    Action, BatchContext, BatchDecision, CallDecision, EvaluateRequest, GuardBatch, GuardRole,
+    GuardTrace, JudgeResponse, SkipKind, ToolCall, TraceStatus,
 };
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -134,6 +134,14 @@ impl GuardRun {
             superseded: false,
             answered: vec![false; calls],
             span: None,
+        }
+    }
+
+    /// From sending to the answer or the failure, when both happened.
+    fn latency(&self) -> Option<Duration> {
+        match (self.started, self.finished) {
+            (Some(s), Some(f)) => Some(f - s),
+            _ => None,
         }
     }
 
@@ -340,11 +348,17 @@ impl<'a> Judging<'a> {
         }
     }
 
+    /// Consults the guards, decides, then records what happened: deciding
+    /// and recording are apart, and every batch is recorded once.
     async fn run(&mut self) -> Result<BatchDecision, BatchError> {
         match self.consult().await {
-            Ok(()) => Ok(self.decide()),
+            Ok(()) => {
+                let decision = self.decide();
+                self.record(Some(&decision));
+                Ok(decision)
+            }
             Err(error) => {
-                self.count_aborted();
+                self.record(None);
                 Err(error)
             }
         }
@@ -358,26 +372,6 @@ impl<'a> Judging<'a> {
             }
         }
         self.validate().await
-    }
-
-    /// R13: a failure is counted even when it aborts the batch. Every guard
-    /// that was sent calls gets its outcome counted, as [`Self::decide`]
-    /// does for a decided batch; the guards never reached are not counted.
-    fn count_aborted(&self) {
-        for (ChainGuard { guard, .. }, run) in self.chain.guards.iter().zip(&self.runs) {
-            if !run.sent_any {
-                continue;
-            }
-            let latency = match (run.started, run.finished) {
-                (Some(s), Some(f)) => Some((f - s).as_secs_f64()),
-                _ => None,
-            };
-            self.mesh.metrics.guard_outcome(
-                &guard.name,
-                status_label(reported_status(guard, run)),
-                latency,
-            );
-        }
     }
 
     /// Which calls guard `g` is sent: those it applies to and that are not
@@ -455,7 +449,23 @@ impl<'a> Judging<'a> {
         Ok(now + budget)
     }
 
+    /// A fold over the guards `order` (chain indices, in chain order), each
+    /// over the calls it was sent. A mutate guard gets a fold of its own.
+    fn fold_of(&self, order: &[usize]) -> Fold {
+        let guards = order
+            .iter()
+            .map(|&g| FoldGuard {
+                enforced: self.chain.guards[g].guard.enforced(),
+                policy: self.chain.guards[g].guard.failure_policy,
+            })
+            .collect();
+        let runs = &self.runs;
+        Fold::new(guards, self.calls.len(), |k, c| runs[order[k]].sent[c])
+    }
+
     /// Consults mutate guard `g` and applies what it says (R10, R11, R12).
+    /// Its verdicts and its failure go through a one-guard [`Fold`], so the
+    /// failure policy (R13) is applied exactly as for validate guards.
     async fn mutate(&mut self, g: usize) -> Result<(), BatchError> {
         let sent = self.select(g);
         if !sent.contains(&true) {
@@ -463,6 +473,7 @@ impl<'a> Judging<'a> {
         }
         self.runs[g].sent_any = true;
         self.runs[g].sent = sent;
+        let mut fold = self.fold_of(&[g]);
         let (events_tx, mut events) = mpsc::unbounded_channel();
         let now = Instant::now();
         // Verdicts arrive in one final answer or in partial ones; a guard
@@ -492,111 +503,115 @@ impl<'a> Judging<'a> {
             },
         };
         self.runs[g].finished = Some(Instant::now());
-        match &failure {
-            Some(_) => {
-                if let Some(id) = self.runs[g].request_id {
-                    self.chain.guards[g].link.cancel(id);
-                }
-            }
-            None => self.chain.guards[g].link.record(Ok(())),
+        // A guard that answered in full is healthy, even when its answer is
+        // then rejected (R11): that is a policy bug, not an outage.
+        let answered = failure.is_none();
+        if answered {
+            self.chain.guards[g].link.record(Ok(()));
         }
-        let guard = self.chain.guards[g].guard.clone();
+        let chain = self.chain;
+        let guard = &chain.guards[g].guard;
         let run = &mut self.runs[g];
         let checked = check_verdicts(
-            &guard,
+            guard,
             |i| &self.calls[i].current,
             &self.index_of,
             &run.sent,
             &mut run.answered,
             verdicts,
         );
-        match (checked, failure) {
-            (Ok(checked), failure) => {
-                let run = &mut self.runs[g];
+        let failure = match checked {
+            Ok(checked) => {
                 run.malformed = checked.malformed;
                 run.skipped = checked.skips.iter().map(|(i, _)| *i).collect();
-                if failure.is_none() {
-                    run.rewritten = checked.rewrites.iter().map(|(i, _)| *i).collect();
+                for (i, skip) in checked.skips {
+                    fold.answer(0, i, Some(skip));
                 }
-                if guard.enforced() {
-                    for (i, skip) in checked.skips {
-                        self.calls[i].fixed = Some(Fixed {
-                            content: skip.content,
-                            kind: SkipKind::try_from(skip.kind).unwrap_or(SkipKind::Steer),
-                            by: guard.name.clone(),
-                            failure: false,
-                        });
-                    }
-                    // The rewrites of a guard that failed before its final
-                    // answer are not applied: a rewrite stands only as part
-                    // of a whole, final answer.
-                    if failure.is_none() {
+                // The rewrites of a guard that failed before its final
+                // answer are not applied: a rewrite stands only as part of
+                // a whole, final answer. A dry-run guard's never do (R18).
+                if answered {
+                    run.rewritten = checked.rewrites.iter().map(|(i, _)| *i).collect();
+                    if guard.enforced() {
                         for (i, call) in checked.rewrites {
                             self.calls[i].current = call;
                             self.calls[i].rewritten_by.push(guard.name.clone());
                         }
                     }
                 }
-                match failure {
-                    None => Ok(()),
-                    Some(failure) => self.guard_failed(g, failure),
-                }
+                failure
             }
-            (Err(reason), _) => {
-                self.guard_failed(g, GuardFailure::RejectedRewrite(reason.to_string()))
-            }
+            Err(rejection) => Some(GuardFailure::RejectedRewrite(rejection.to_string())),
+        };
+        match failure {
+            None => fold.complete(0),
+            Some(failure) => self.guard_failed(g, failure, !answered, &mut fold, 0),
         }
+        self.apply(&[g], &mut fold)
     }
 
-    /// Applies guard `g`'s failure policy to the calls it was sent that are
-    /// not fixed yet (R13). Used for mutate guards; the fold does the same
-    /// for validate guards.
-    fn guard_failed(&mut self, g: usize, failure: GuardFailure) -> Result<(), BatchError> {
-        let guard = self.chain.guards[g].guard.clone();
-        self.guard_failure(g, &failure);
+    /// Writes what a fold over the guards `order` decided into the calls:
+    /// skips (R3), and what the failure policy (R13) made of failures:
+    /// cancels, bypass records, or the batch's abort. `order[k]` is the
+    /// chain index of the fold's guard `k`.
+    fn apply(&mut self, order: &[usize], fold: &mut Fold) -> Result<(), BatchError> {
+        let outcomes = match fold.outcomes() {
+            Ok(outcomes) => outcomes,
+            Err(k) => {
+                let g = order[k];
+                return Err(BatchError::Aborted {
+                    guard: self.chain.guards[g].guard.name.clone(),
+                    failure: self.runs[g]
+                        .failure
+                        .clone()
+                        .unwrap_or(GuardFailure::StreamClosed),
+                });
+            }
+        };
+        let chain = self.chain;
+        let guard = |k: usize| &chain.guards[order[k]].guard;
+        for (call, outcome) in self.calls.iter_mut().zip(outcomes) {
+            if call.fixed.is_some() {
+                continue;
+            }
+            for k in outcome.bypassed {
+                call.bypassed.push(guard(k).name.clone());
+            }
+            call.fixed = outcome.decided.map(|decided| match decided {
+                Decided::Skip { guard: k, skip } => Fixed {
+                    content: skip.content,
+                    kind: SkipKind::try_from(skip.kind).unwrap_or(SkipKind::Steer),
+                    by: guard(k).name.clone(),
+                    failure: false,
+                },
+                Decided::Unavailable { guard: k } => unavailable(guard(k)),
+            });
+        }
+        Ok(())
+    }
+
+    /// Guard `g`, the fold's guard `k`, failed: the one sequence for every
+    /// failure (R13). Its request is cancelled when it may still be out
+    /// (`cancel`), its circuit breaker hears of it, the failure is kept for
+    /// the trace and [`Self::record`], and the fold applies the guard's
+    /// failure policy to the calls it has not answered.
+    fn guard_failed(
+        &mut self,
+        g: usize,
+        failure: GuardFailure,
+        cancel: bool,
+        fold: &mut Fold,
+        k: usize,
+    ) {
+        let link = &self.chain.guards[g].link;
         let run = &mut self.runs[g];
-        run.failure = Some(failure.clone());
-        if !guard.enforced() {
-            return Ok(());
+        run.finished.get_or_insert_with(Instant::now);
+        if cancel && let Some(id) = run.request_id {
+            link.cancel(id);
         }
-        match guard.failure_policy {
-            FailurePolicy::Abort => Err(BatchError::Aborted {
-                guard: guard.name.clone(),
-                failure,
-            }),
-            FailurePolicy::FailClosed => {
-                for (i, call) in self.calls.iter_mut().enumerate() {
-                    if run.sent[i] && call.fixed.is_none() {
-                        call.fixed = Some(unavailable(&guard));
-                    }
-                }
-                Ok(())
-            }
-            FailurePolicy::FailOpen => {
-                for (i, call) in self.calls.iter_mut().enumerate() {
-                    if run.sent[i] && call.fixed.is_none() {
-                        call.bypassed.push(guard.name.clone());
-                    }
-                }
-                Ok(())
-            }
-        }
-    }
-
-    /// Logs a failure of guard `g` and feeds its circuit breaker. A failure
-    /// is never silent (R13): it is logged here, traced, and counted.
-    fn guard_failure(&self, g: usize, failure: &GuardFailure) {
-        let ChainGuard { guard, link } = &self.chain.guards[g];
-        link.record(Err(failure));
-        tracing::warn!(
-            guard = %guard.name,
-            batch_id = %self.request.batch_id,
-            trace_id = %self.trace.trace_id,
-            policy = ?guard.failure_policy,
-            dry_run = !guard.enforced(),
-            error = %failure,
-            "guard failed"
-        );
+        link.record(Err(&failure));
+        run.failure = Some(failure);
+        fold.fail(k);
     }
 
     /// Consults the validate guards concurrently and folds their verdicts
@@ -613,15 +628,7 @@ impl<'a> Judging<'a> {
             self.runs[g].sent_any = sent.contains(&true);
             self.runs[g].sent = sent;
         }
-        let fold_guards = order
-            .iter()
-            .map(|&g| FoldGuard {
-                enforced: self.chain.guards[g].guard.enforced(),
-                policy: self.chain.guards[g].guard.failure_policy,
-            })
-            .collect();
-        let runs = &self.runs;
-        let mut fold = Fold::new(fold_guards, self.calls.len(), |k, c| runs[order[k]].sent[c]);
+        let mut fold = self.fold_of(&order);
         let (events_tx, mut events) = mpsc::unbounded_channel();
         let mut deadlines: Vec<Option<Instant>> = vec![None; order.len()];
         let now = Instant::now();
@@ -631,12 +638,7 @@ impl<'a> Judging<'a> {
             }
             match self.send(g, k, &events_tx, now) {
                 Ok(at) => deadlines[k] = Some(at),
-                Err(failure) => {
-                    self.runs[g].finished = Some(now);
-                    self.guard_failure(g, &failure);
-                    self.runs[g].failure = Some(failure);
-                    fold.fail(k);
-                }
+                Err(failure) => self.guard_failed(g, failure, false, &mut fold, k),
             }
         }
         while !fold.done() {
@@ -653,12 +655,8 @@ impl<'a> Judging<'a> {
                     self.on_answer(&order, k, response, &mut fold, &mut deadlines);
                 }
                 Some(LinkEvent::Failed { tag: k, failure }) => {
-                    let g = order[k];
                     deadlines[k] = None;
-                    self.runs[g].finished = Some(Instant::now());
-                    self.guard_failure(g, &failure);
-                    self.runs[g].failure = Some(failure);
-                    fold.fail(k);
+                    self.guard_failed(order[k], failure, false, &mut fold, k);
                 }
                 None => {
                     let now = Instant::now();
@@ -668,15 +666,9 @@ impl<'a> Judging<'a> {
                         {
                             let g = order[k];
                             deadlines[k] = None;
-                            if let Some(id) = self.runs[g].request_id {
-                                self.chain.guards[g].link.cancel(id);
-                            }
                             let waited = at - self.runs[g].started.unwrap_or(at);
                             let failure = GuardFailure::TimedOut(waited);
-                            self.runs[g].finished = Some(now);
-                            self.guard_failure(g, &failure);
-                            self.runs[g].failure = Some(failure);
-                            fold.fail(k);
+                            self.guard_failed(g, failure, true, &mut fold, k);
                         }
                     }
                 }
@@ -691,43 +683,7 @@ impl<'a> Judging<'a> {
                 self.runs[g].superseded = true;
             }
         }
-        if let Some(k) = fold.aborted_by() {
-            let g = order[k];
-            return Err(BatchError::Aborted {
-                guard: self.chain.guards[g].guard.name.clone(),
-                failure: self.runs[g]
-                    .failure
-                    .clone()
-                    .unwrap_or(GuardFailure::StreamClosed),
-            });
-        }
-        for c in 0..self.calls.len() {
-            if self.calls[c].fixed.is_some() {
-                continue;
-            }
-            for k in fold.bypassed(c).collect::<Vec<_>>() {
-                let name = self.chain.guards[order[k]].guard.name.clone();
-                self.calls[c].bypassed.push(name);
-            }
-            match fold.resolution(c) {
-                Resolution::Proceed | Resolution::Open | Resolution::Abort(_) => {}
-                Resolution::Skip(k) => {
-                    let guard = &self.chain.guards[order[k]].guard;
-                    let skip = fold.take_skip(k, c).unwrap_or_default();
-                    self.calls[c].fixed = Some(Fixed {
-                        content: skip.content,
-                        kind: SkipKind::try_from(skip.kind).unwrap_or(SkipKind::Steer),
-                        by: guard.name.clone(),
-                        failure: false,
-                    });
-                }
-                Resolution::FailClosed(k) => {
-                    let guard = self.chain.guards[order[k]].guard.clone();
-                    self.calls[c].fixed = Some(unavailable(&guard));
-                }
-            }
-        }
-        Ok(())
+        self.apply(&order, &mut fold)
     }
 
     fn on_answer(
@@ -739,26 +695,18 @@ impl<'a> Judging<'a> {
         deadlines: &mut [Option<Instant>],
     ) {
         let g = order[k];
-        let guard = self.chain.guards[g].guard.clone();
+        let chain = self.chain;
+        let guard = &chain.guards[g].guard;
         if !response.error.is_empty() {
             deadlines[k] = None;
-            let run = &mut self.runs[g];
-            run.finished = Some(Instant::now());
-            if response.partial
-                && let Some(id) = run.request_id
-            {
-                self.chain.guards[g].link.cancel(id);
-            }
             let failure = GuardFailure::Refused(response.error);
-            self.guard_failure(g, &failure);
-            self.runs[g].failure = Some(failure);
-            fold.fail(k);
+            self.guard_failed(g, failure, response.partial, fold, k);
             return;
         }
         let final_answer = !response.partial;
         let run = &mut self.runs[g];
         match check_verdicts(
-            &guard,
+            guard,
             |i| &self.calls[i].current,
             &self.index_of,
             &run.sent,
@@ -785,21 +733,14 @@ impl<'a> Judging<'a> {
                 // R11: a validate guard may not rewrite; the whole answer is
                 // rejected and the guard fails per its policy.
                 deadlines[k] = None;
-                run.finished = Some(Instant::now());
-                if !final_answer && let Some(id) = run.request_id {
-                    self.chain.guards[g].link.cancel(id);
-                }
                 let failure = GuardFailure::RejectedRewrite(reason.to_string());
-                self.guard_failure(g, &failure);
-                self.runs[g].failure = Some(failure);
-                fold.fail(k);
+                self.guard_failed(g, failure, !final_answer, fold, k);
             }
         }
     }
 
     /// One decision per call (R2) and one trace entry per guard (R21).
     fn decide(&mut self) -> BatchDecision {
-        let metrics = &self.mesh.metrics;
         let mut decisions = Vec::with_capacity(self.calls.len());
         let mut execute = Vec::new();
         for call in std::mem::take(&mut self.calls) {
@@ -814,23 +755,13 @@ impl<'a> Judging<'a> {
                 rewritten_by: call.rewritten_by,
                 bypassed: call.bypassed,
             };
-            for name in &decision.bypassed {
-                metrics.bypassed(name);
-            }
             match call.fixed {
-                None => {
-                    metrics.call("proceed");
-                    execute.push(call.current.clone());
-                }
+                None => execute.push(call.current.clone()),
                 Some(fixed) => {
                     decision.action = match fixed.kind {
                         SkipKind::Steer => Action::Steer,
                         SkipKind::Cancel => Action::Cancel,
                     } as i32;
-                    metrics.call(match fixed.kind {
-                        SkipKind::Steer => "steer",
-                        SkipKind::Cancel => "cancel",
-                    });
                     decision.content = fixed.content;
                     decision.decided_by = fixed.by;
                     decision.failure = fixed.failure;
@@ -845,90 +776,146 @@ impl<'a> Judging<'a> {
             .guards
             .iter()
             .zip(&self.runs)
-            .map(|(ChainGuard { guard, .. }, run)| {
-                let status = run.status();
-                let pick = |indices: &[usize]| indices.iter().map(|&i| ids[i].to_owned()).collect();
-                let latency = match (run.started, run.finished) {
-                    (Some(s), Some(f)) => Some(f - s),
-                    _ => None,
-                };
-                let mut error = match &run.failure {
-                    Some(failure) => failure.to_string(),
-                    None => String::new(),
-                };
-                if run.failure.is_none() && !run.malformed.is_empty() {
-                    error = run
-                        .malformed
-                        .iter()
-                        .map(ToString::to_string)
-                        .collect::<Vec<_>>()
-                        .join("; ");
-                    tracing::warn!(
-                        guard = %guard.name,
-                        batch_id = %self.request.batch_id,
-                        trace_id = %self.trace.trace_id,
-                        "malformed verdicts dropped: {error}"
-                    );
-                }
-                let reported = reported_status(guard, run);
-                if !guard.enforced() && status != TraceStatus::NotApplicable {
-                    tracing::info!(
-                        guard = %guard.name,
-                        batch_id = %self.request.batch_id,
-                        would = status.as_str_name(),
-                        would_skip = ?run.skipped.iter().map(|&i| ids[i]).collect::<Vec<_>>(),
-                        would_rewrite = ?run.rewritten.iter().map(|&i| ids[i]).collect::<Vec<_>>(),
-                        "dry-run guard"
-                    );
-                }
-                metrics.guard_outcome(
-                    &guard.name,
-                    status_label(reported),
-                    latency.map(|l| l.as_secs_f64()),
-                );
-                if let Some(span) = &run.span {
-                    span.record("guardmesh.status", status_label(reported));
-                    span.record("guardmesh.calls.skipped", run.skipped.len());
-                    span.record("guardmesh.calls.rewritten", run.rewritten.len());
-                    if !error.is_empty() {
-                        span.record("error", error.as_str());
-                    }
-                    if run.failure.is_some() {
-                        span.record("otel.status_code", "ERROR");
-                    }
-                }
-                GuardTrace {
-                    guard: guard.name.clone(),
-                    role: guard.role as i32,
-                    status: reported as i32,
-                    latency_us: latency
-                        .map_or(0, |l| u64::try_from(l.as_micros()).unwrap_or(u64::MAX)),
-                    sent_call_ids: pick(
-                        &run.sent
-                            .iter()
-                            .enumerate()
-                            .filter(|(_, s)| **s)
-                            .map(|(i, _)| i)
-                            .collect::<Vec<_>>(),
-                    ),
-                    skipped_call_ids: pick(&run.skipped),
-                    rewritten_call_ids: pick(&run.rewritten),
-                    error,
-                    dry_run_status: if reported == TraceStatus::DryRun {
-                        status as i32
-                    } else {
-                        TraceStatus::Unspecified as i32
-                    },
-                }
-            })
+            .map(|(ChainGuard { guard, .. }, run)| trace_entry(guard, run, &ids))
             .collect();
         BatchDecision {
             decisions,
             execute,
             trace,
             chain_revision: self.chain.revision,
-            trace_id: std::mem::take(&mut self.trace.trace_id),
+            trace_id: self.trace.trace_id.clone(),
         }
+    }
+
+    /// Records what happened, once the batch is decided (`Some`) or aborted
+    /// (`None`): the calls' outcomes, and per guard its failure (never
+    /// silent, R13), its dropped verdicts (R8), what a dry-run guard would
+    /// have done (R18), its outcome and latency, and its span's fields. Of
+    /// an aborted batch, the guards never reached are not counted.
+    fn record(&self, decision: Option<&BatchDecision>) {
+        let metrics = &self.mesh.metrics;
+        let ids: Vec<&str> = match decision {
+            Some(decision) => {
+                for d in &decision.decisions {
+                    for name in &d.bypassed {
+                        metrics.bypassed(name);
+                    }
+                    metrics.call(match Action::try_from(d.action) {
+                        Ok(Action::Steer) => "steer",
+                        Ok(Action::Cancel) => "cancel",
+                        _ => "proceed",
+                    });
+                }
+                decision
+                    .decisions
+                    .iter()
+                    .map(|d| d.call_id.as_str())
+                    .collect()
+            }
+            None => self
+                .calls
+                .iter()
+                .map(|c| c.original.call_id.as_str())
+                .collect(),
+        };
+        for (ChainGuard { guard, .. }, run) in self.chain.guards.iter().zip(&self.runs) {
+            if decision.is_none() && !run.sent_any {
+                continue;
+            }
+            let status = run.status();
+            let reported = reported_status(guard, run);
+            let error = error_text(run);
+            if let Some(failure) = &run.failure {
+                tracing::warn!(
+                    guard = %guard.name,
+                    batch_id = %self.request.batch_id,
+                    trace_id = %self.trace.trace_id,
+                    policy = ?guard.failure_policy,
+                    dry_run = !guard.enforced(),
+                    error = %failure,
+                    "guard failed"
+                );
+            } else if !run.malformed.is_empty() {
+                tracing::warn!(
+                    guard = %guard.name,
+                    batch_id = %self.request.batch_id,
+                    trace_id = %self.trace.trace_id,
+                    "malformed verdicts dropped: {error}"
+                );
+            }
+            if !guard.enforced() && status != TraceStatus::NotApplicable {
+                tracing::info!(
+                    guard = %guard.name,
+                    batch_id = %self.request.batch_id,
+                    would = status.as_str_name(),
+                    would_skip = ?run.skipped.iter().map(|&i| ids[i]).collect::<Vec<_>>(),
+                    would_rewrite = ?run.rewritten.iter().map(|&i| ids[i]).collect::<Vec<_>>(),
+                    "dry-run guard"
+                );
+            }
+            metrics.guard_outcome(
+                &guard.name,
+                status_label(reported),
+                run.latency().map(|l| l.as_secs_f64()),
+            );
+            if let Some(span) = &run.span {
+                span.record("guardmesh.status", status_label(reported));
+                span.record("guardmesh.calls.skipped", run.skipped.len());
+                span.record("guardmesh.calls.rewritten", run.rewritten.len());
+                if !error.is_empty() {
+                    span.record("error", error.as_str());
+                }
+                if run.failure.is_some() {
+                    span.record("otel.status_code", "ERROR");
+                }
+            }
+        }
+    }
+}
+
+/// Guard `run`'s trace entry (R21); `ids` are the batch's call ids.
+fn trace_entry(guard: &Guard, run: &GuardRun, ids: &[&str]) -> GuardTrace {
+    let status = run.status();
+    let reported = reported_status(guard, run);
+    let pick =
+        |indices: &mut dyn Iterator<Item = usize>| indices.map(|i| ids[i].to_owned()).collect();
+    GuardTrace {
+        guard: guard.name.clone(),
+        role: guard.role as i32,
+        status: reported as i32,
+        latency_us: run
+            .latency()
+            .map_or(0, |l| u64::try_from(l.as_micros()).unwrap_or(u64::MAX)),
+        sent_call_ids: pick(
+            &mut run
+                .sent
+                .iter()
+                .enumerate()
+                .filter(|(_, s)| **s)
+                .map(|(i, _)| i),
+        ),
+        skipped_call_ids: pick(&mut run.skipped.iter().copied()),
+        rewritten_call_ids: pick(&mut run.rewritten.iter().copied()),
+        error: error_text(run),
+        dry_run_status: if reported == TraceStatus::DryRun {
+            status as i32
+        } else {
+            TraceStatus::Unspecified as i32
+        },
+    }
+}
+
+/// The error a guard's trace entry and span show: its failure, else why
+/// verdicts were dropped (R8), else nothing.
+fn error_text(run: &GuardRun) -> String {
+    match &run.failure {
+        Some(failure) => failure.to_string(),
+        None => run
+            .malformed
+            .iter()
+            .map(ToString::to_string)
+            .collect::<Vec<_>>()
+            .join("; "),
     }
 }
 
