@@ -51,11 +51,13 @@ impl TraceContext {
 }
 
 /// Why a batch got no decision.
-#[derive(Debug)]
+#[derive(Debug, thiserror::Error)]
 pub enum BatchError {
     /// Refused before any guard was contacted (R20).
+    #[error("batch refused: {}", .0.status.message())]
     Refused(validate::Refusal),
     /// A guard with failure policy `abort` failed (R13).
+    #[error("batch aborted: guard {guard:?} failed ({failure}) and its failure policy is abort")]
     Aborted {
         guard: String,
         failure: GuardFailure,
@@ -63,12 +65,11 @@ pub enum BatchError {
 }
 
 impl BatchError {
+    /// The gRPC status the coordinator gets.
     pub fn status(&self) -> Status {
         match self {
             Self::Refused(refusal) => refusal.status.clone(),
-            Self::Aborted { guard, failure } => Status::unavailable(format!(
-                "batch aborted: guard {guard:?} failed ({failure}) and its failure policy is abort"
-            )),
+            Self::Aborted { .. } => Status::unavailable(self.to_string()),
         }
     }
 }
@@ -973,4 +974,104 @@ fn _assert_send(mesh: Arc<Mesh>) {
             )
             .await;
     });
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use guardmesh_proto::v1::{GuardMode, GuardSpec};
+    use verdicts::{Malformed, Rejection};
+
+    fn guard(mode: GuardMode) -> Guard {
+        let spec = GuardSpec {
+            name: "g".into(),
+            endpoint: "127.0.0.1:9".into(),
+            mode: mode as i32,
+            ..Default::default()
+        };
+        Guard::from_spec(&spec, Duration::from_secs(1)).unwrap()
+    }
+
+    /// A run of a guard that was sent the first of two calls.
+    fn run() -> GuardRun {
+        let mut run = GuardRun::new(2);
+        run.sent = vec![true, false];
+        run.sent_any = true;
+        let now = Instant::now();
+        run.started = Some(now);
+        run.finished = Some(now + Duration::from_micros(250));
+        run
+    }
+
+    #[test]
+    fn r13_abort_status_names_the_guard_and_the_cause() {
+        let status = BatchError::Aborted {
+            guard: "pii".into(),
+            failure: GuardFailure::StreamClosed,
+        }
+        .status();
+        assert_eq!(status.code(), tonic::Code::Unavailable);
+        for needle in ["\"pii\"", "closed its stream", "abort"] {
+            assert!(status.message().contains(needle), "{}", status.message());
+        }
+    }
+
+    #[test]
+    fn r13_fail_closed_content_names_the_guard() {
+        let fixed = unavailable(&guard(GuardMode::Enforce));
+        assert!(fixed.content.contains("guard g is unavailable"));
+        assert_eq!(fixed.kind, SkipKind::Cancel);
+        assert!(fixed.failure);
+    }
+
+    #[test]
+    fn r11_trace_entry_names_the_rejection() {
+        let mut run = run();
+        let rejection = Rejection::ArgumentsNotObject {
+            call_id: "a".into(),
+        };
+        run.failure = Some(GuardFailure::RejectedRewrite(rejection.to_string()));
+        let entry = trace_entry(&guard(GuardMode::Enforce), &run, &["a", "b"]);
+        assert_eq!(entry.status, TraceStatus::RejectedRewrite as i32);
+        assert!(entry.error.contains("not a JSON object"), "{}", entry.error);
+        assert_eq!(entry.sent_call_ids, vec!["a".to_owned()]);
+        assert_eq!(entry.latency_us, 250);
+    }
+
+    #[test]
+    fn r8_trace_entry_lists_dropped_verdicts() {
+        let mut run = run();
+        run.malformed = vec![
+            Malformed::BlankSkip {
+                call_id: "a".into(),
+            },
+            Malformed::UnknownCall {
+                call_id: "zz".into(),
+            },
+        ];
+        let entry = trace_entry(&guard(GuardMode::Enforce), &run, &["a", "b"]);
+        assert_eq!(entry.status, TraceStatus::Malformed as i32);
+        assert_eq!(
+            entry.error,
+            format!("{}; {}", run.malformed[0], run.malformed[1]),
+            "every dropped verdict is named, in order"
+        );
+        assert!(entry.error.contains("blank content"));
+        assert!(entry.error.contains("\"zz\""));
+    }
+
+    #[test]
+    fn r18_dry_run_trace_says_what_it_would_have_done() {
+        let mut run = run();
+        run.skipped = vec![0];
+        let entry = trace_entry(&guard(GuardMode::DryRun), &run, &["a", "b"]);
+        assert_eq!(entry.status, TraceStatus::DryRun as i32);
+        assert_eq!(entry.dry_run_status, TraceStatus::Skipped as i32);
+        assert_eq!(entry.skipped_call_ids, vec!["a".to_owned()]);
+        let mut idle = GuardRun::new(2);
+        idle.sent_any = false;
+        let entry = trace_entry(&guard(GuardMode::DryRun), &idle, &["a", "b"]);
+        assert_eq!(entry.status, TraceStatus::NotApplicable as i32);
+        assert_eq!(entry.dry_run_status, TraceStatus::Unspecified as i32);
+    }
 }

@@ -220,7 +220,6 @@ mod tests {
                 call_id: format!("c{i}"),
                 tool: (*tool).to_owned(),
                 arguments: "{}".into(),
-                ..Default::default()
             })
             .collect()
     }
