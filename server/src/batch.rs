@@ -1,6 +1,16 @@
 //! Judging one batch: mutate guards one after another (R10), then validate
 //! guards concurrently through the [`Fold`] (R3, R4, R5), then one decision
 //! per call (R2) and one trace entry per guard (R21).
+//!
+//! * [`verdicts`]: a guard's verdicts checked before they count (R8, R11),
+//!   with typed reasons for what is dropped or rejected.
+//! * Failures take one path (R13): `guard_failed` is the one sequence for
+//!   every failure, [`FoldGuard::on_failure`] the one reading of the policy,
+//!   and `apply` the one place a fold's outcome reaches the calls. Each
+//!   mutate guard is judged through a one-guard fold, the validate guards
+//!   through one fold together.
+//! * Deciding and recording are apart: `decide` builds the decision, and
+//!   `record` writes the logs, metrics and span fields of what happened.
 
 pub mod verdicts;
 
