@@ -1,16 +1,27 @@
 //! Judging one batch: mutate guards one after another (R10), then validate
 //! guards concurrently through the [`Fold`] (R3, R4, R5), then one decision
 //! per call (R2) and one trace entry per guard (R21).
+//!
+//! * [`verdicts`]: a guard's verdicts checked before they count (R8, R11),
+//!   with typed reasons for what is dropped or rejected.
+//! * Failures take one path (R13): `guard_failed` is the one sequence for
+//!   every failure, [`FoldGuard::on_failure`] the one reading of the policy,
+//!   and `apply` the one place a fold's outcome reaches the calls. Each
+//!   mutate guard is judged through a one-guard fold, the validate guards
+//!   through one fold together.
+//! * Deciding and recording are apart: `decide` builds the decision, and
+//!   `record` writes the logs, metrics and span fields of what happened.
 
-use crate::fold::{Fold, FoldGuard, Resolution};
+pub mod verdicts;
+
+use crate::fold::{Decided, Fold, FoldGuard};
 use crate::link::{GuardFailure, LinkEvent};
 use crate::mesh::{Chain, ChainGuard, Mesh};
 use crate::spec::Guard;
 use crate::validate;
 use guardmesh_proto::v1::{
-    Action, BatchContext, BatchDecision, CallDecision, EvaluateRequest, FailurePolicy, GuardBatch,
-    GuardRole, GuardTrace, JudgeResponse, Skip, SkipKind, ToolCall, TraceStatus, Verdict,
-    verdict::Outcome,
+    Action, BatchContext, BatchDecision, CallDecision, EvaluateRequest, GuardBatch, GuardRole,
+    GuardTrace, JudgeResponse, SkipKind, ToolCall, TraceStatus,
 };
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -18,6 +29,7 @@ use std::time::Duration;
 use tokio::sync::mpsc;
 use tokio::time::Instant;
 use tonic::Status;
+use verdicts::{Malformed, check_verdicts};
 
 /// The coordinator's W3C trace context for a batch (R22).
 #[derive(Debug, Clone, Default)]
@@ -49,11 +61,13 @@ impl TraceContext {
 }
 
 /// Why a batch got no decision.
-#[derive(Debug)]
+#[derive(Debug, thiserror::Error)]
 pub enum BatchError {
     /// Refused before any guard was contacted (R20).
+    #[error("batch refused: {}", .0.status.message())]
     Refused(validate::Refusal),
     /// A guard with failure policy `abort` failed (R13).
+    #[error("batch aborted: guard {guard:?} failed ({failure}) and its failure policy is abort")]
     Aborted {
         guard: String,
         failure: GuardFailure,
@@ -61,12 +75,11 @@ pub enum BatchError {
 }
 
 impl BatchError {
+    /// The gRPC status the coordinator gets.
     pub fn status(&self) -> Status {
         match self {
             Self::Refused(refusal) => refusal.status.clone(),
-            Self::Aborted { guard, failure } => Status::unavailable(format!(
-                "batch aborted: guard {guard:?} failed ({failure}) and its failure policy is abort"
-            )),
+            Self::Aborted { .. } => Status::unavailable(self.to_string()),
         }
     }
 }
@@ -100,134 +113,6 @@ fn unavailable(guard: &Guard) -> Fixed {
     }
 }
 
-/// A guard's verdicts after the checks of R8 and R11.
-#[derive(Default)]
-struct Checked {
-    /// (call index, skip); blank skips already dropped.
-    skips: Vec<(usize, Skip)>,
-    /// (call index, the call as rewritten).
-    rewrites: Vec<(usize, ToolCall)>,
-    /// Call indices answered with a plain proceed.
-    proceeds: Vec<usize>,
-    /// Why verdicts were dropped (R8).
-    malformed: Vec<String>,
-}
-
-/// Checks `verdicts` from `guard`, which was sent the calls at `sent`.
-/// `answered` tracks calls already answered by this guard (R8: a second
-/// verdict is ignored). A rewrite outside the grant rejects the whole
-/// answer (R11): the error names why.
-fn check_verdicts(
-    guard: &Guard,
-    calls: &[Call],
-    index_of: &HashMap<String, usize>,
-    sent: &[bool],
-    answered: &mut [bool],
-    verdicts: Vec<Verdict>,
-) -> Result<Checked, String> {
-    let mut checked = Checked::default();
-    for verdict in verdicts {
-        let index = index_of
-            .get(verdict.call_id.as_str())
-            .copied()
-            .filter(|&i| sent[i]);
-        match (verdict.outcome, index) {
-            (Some(Outcome::Rewrite(_)), None) => {
-                return Err(format!(
-                    "rewrite for call id {:?}, which was not sent to this guard",
-                    verdict.call_id
-                ));
-            }
-            (_, None) => checked.malformed.push(format!(
-                "verdict for call id {:?}, which was not sent to this guard",
-                verdict.call_id
-            )),
-            (outcome, Some(i)) if answered[i] => {
-                let _ = outcome;
-                checked.malformed.push(format!(
-                    "second verdict for call {:?} ignored",
-                    verdict.call_id
-                ));
-            }
-            (None, Some(i)) => {
-                answered[i] = true;
-                checked.proceeds.push(i);
-            }
-            (Some(Outcome::Skip(skip)), Some(i)) => {
-                answered[i] = true;
-                if skip.content.trim().is_empty() {
-                    checked.malformed.push(format!(
-                        "skip for call {:?} has blank content; counted as proceed",
-                        verdict.call_id
-                    ));
-                    checked.proceeds.push(i);
-                } else if SkipKind::try_from(skip.kind).is_err() {
-                    // An unknown kind from a newer guard: the skip stands, as
-                    // the safer reading, and is steered (R7's default).
-                    checked.skips.push((
-                        i,
-                        Skip {
-                            content: skip.content,
-                            kind: SkipKind::Steer as i32,
-                        },
-                    ));
-                } else {
-                    checked.skips.push((i, skip));
-                }
-            }
-            (Some(Outcome::Rewrite(rewrite)), Some(i)) => {
-                answered[i] = true;
-                let call = &calls[i].current;
-                if guard.role != GuardRole::Mutate {
-                    return Err(format!(
-                        "validate guard sent a rewrite for call {:?}; only mutate guards may rewrite",
-                        call.call_id
-                    ));
-                }
-                if !guard.grant_tools.matches(&call.tool) {
-                    return Err(format!(
-                        "rewrite of call {:?}: the grant does not cover tool {:?}",
-                        call.call_id, call.tool
-                    ));
-                }
-                let mut next = call.clone();
-                if let Some(tool) = rewrite.tool
-                    && tool != call.tool
-                {
-                    if !guard.may_rename {
-                        return Err(format!(
-                            "rewrite of call {:?} renames tool {:?} to {tool:?} without the rename grant",
-                            call.call_id, call.tool
-                        ));
-                    }
-                    if tool.trim().is_empty() || !guard.grant_tools.matches(&tool) {
-                        return Err(format!(
-                            "rewrite of call {:?} renames tool {:?} to {tool:?}, outside the grant",
-                            call.call_id, call.tool
-                        ));
-                    }
-                    next.tool = tool;
-                }
-                if let Some(arguments) = rewrite.arguments {
-                    if !validate::is_json_object(&arguments) || arguments.trim().is_empty() {
-                        return Err(format!(
-                            "rewrite of call {:?}: arguments are not a JSON object",
-                            call.call_id
-                        ));
-                    }
-                    next.arguments = arguments;
-                }
-                if next == *call {
-                    checked.proceeds.push(i);
-                } else {
-                    checked.rewrites.push((i, next));
-                }
-            }
-        }
-    }
-    Ok(checked)
-}
-
 /// What happened at one guard, collected into its trace entry.
 struct GuardRun {
     sent: Vec<bool>,
@@ -237,7 +122,7 @@ struct GuardRun {
     finished: Option<Instant>,
     skipped: Vec<usize>,
     rewritten: Vec<usize>,
-    malformed: Vec<String>,
+    malformed: Vec<Malformed>,
     failure: Option<GuardFailure>,
     superseded: bool,
     answered: Vec<bool>,
@@ -260,6 +145,14 @@ impl GuardRun {
             superseded: false,
             answered: vec![false; calls],
             span: None,
+        }
+    }
+
+    /// From sending to the answer or the failure, when both happened.
+    fn latency(&self) -> Option<Duration> {
+        match (self.started, self.finished) {
+            (Some(s), Some(f)) => Some(f - s),
+            _ => None,
         }
     }
 
@@ -466,11 +359,17 @@ impl<'a> Judging<'a> {
         }
     }
 
+    /// Consults the guards, decides, then records what happened: deciding
+    /// and recording are apart, and every batch is recorded once.
     async fn run(&mut self) -> Result<BatchDecision, BatchError> {
         match self.consult().await {
-            Ok(()) => Ok(self.decide()),
+            Ok(()) => {
+                let decision = self.decide();
+                self.record(Some(&decision));
+                Ok(decision)
+            }
             Err(error) => {
-                self.count_aborted();
+                self.record(None);
                 Err(error)
             }
         }
@@ -484,26 +383,6 @@ impl<'a> Judging<'a> {
             }
         }
         self.validate().await
-    }
-
-    /// R13: a failure is counted even when it aborts the batch. Every guard
-    /// that was sent calls gets its outcome counted, as [`Self::decide`]
-    /// does for a decided batch; the guards never reached are not counted.
-    fn count_aborted(&self) {
-        for (ChainGuard { guard, .. }, run) in self.chain.guards.iter().zip(&self.runs) {
-            if !run.sent_any {
-                continue;
-            }
-            let latency = match (run.started, run.finished) {
-                (Some(s), Some(f)) => Some((f - s).as_secs_f64()),
-                _ => None,
-            };
-            self.mesh.metrics.guard_outcome(
-                &guard.name,
-                status_label(reported_status(guard, run)),
-                latency,
-            );
-        }
     }
 
     /// Which calls guard `g` is sent: those it applies to and that are not
@@ -581,7 +460,23 @@ impl<'a> Judging<'a> {
         Ok(now + budget)
     }
 
+    /// A fold over the guards `order` (chain indices, in chain order), each
+    /// over the calls it was sent. A mutate guard gets a fold of its own.
+    fn fold_of(&self, order: &[usize]) -> Fold {
+        let guards = order
+            .iter()
+            .map(|&g| FoldGuard {
+                enforced: self.chain.guards[g].guard.enforced(),
+                policy: self.chain.guards[g].guard.failure_policy,
+            })
+            .collect();
+        let runs = &self.runs;
+        Fold::new(guards, self.calls.len(), |k, c| runs[order[k]].sent[c])
+    }
+
     /// Consults mutate guard `g` and applies what it says (R10, R11, R12).
+    /// Its verdicts and its failure go through a one-guard [`Fold`], so the
+    /// failure policy (R13) is applied exactly as for validate guards.
     async fn mutate(&mut self, g: usize) -> Result<(), BatchError> {
         let sent = self.select(g);
         if !sent.contains(&true) {
@@ -589,6 +484,7 @@ impl<'a> Judging<'a> {
         }
         self.runs[g].sent_any = true;
         self.runs[g].sent = sent;
+        let mut fold = self.fold_of(&[g]);
         let (events_tx, mut events) = mpsc::unbounded_channel();
         let now = Instant::now();
         // Verdicts arrive in one final answer or in partial ones; a guard
@@ -618,109 +514,115 @@ impl<'a> Judging<'a> {
             },
         };
         self.runs[g].finished = Some(Instant::now());
-        match &failure {
-            Some(_) => {
-                if let Some(id) = self.runs[g].request_id {
-                    self.chain.guards[g].link.cancel(id);
-                }
-            }
-            None => self.chain.guards[g].link.record(Ok(())),
+        // A guard that answered in full is healthy, even when its answer is
+        // then rejected (R11): that is a policy bug, not an outage.
+        let answered = failure.is_none();
+        if answered {
+            self.chain.guards[g].link.record(Ok(()));
         }
-        let guard = self.chain.guards[g].guard.clone();
+        let chain = self.chain;
+        let guard = &chain.guards[g].guard;
         let run = &mut self.runs[g];
         let checked = check_verdicts(
-            &guard,
-            &self.calls,
+            guard,
+            |i| &self.calls[i].current,
             &self.index_of,
             &run.sent,
             &mut run.answered,
             verdicts,
         );
-        match (checked, failure) {
-            (Ok(checked), failure) => {
-                let run = &mut self.runs[g];
+        let failure = match checked {
+            Ok(checked) => {
                 run.malformed = checked.malformed;
                 run.skipped = checked.skips.iter().map(|(i, _)| *i).collect();
-                if failure.is_none() {
-                    run.rewritten = checked.rewrites.iter().map(|(i, _)| *i).collect();
+                for (i, skip) in checked.skips {
+                    fold.answer(0, i, Some(skip));
                 }
-                if guard.enforced() {
-                    for (i, skip) in checked.skips {
-                        self.calls[i].fixed = Some(Fixed {
-                            content: skip.content,
-                            kind: SkipKind::try_from(skip.kind).unwrap_or(SkipKind::Steer),
-                            by: guard.name.clone(),
-                            failure: false,
-                        });
-                    }
-                    // The rewrites of a guard that failed before its final
-                    // answer are not applied: a rewrite stands only as part
-                    // of a whole, final answer.
-                    if failure.is_none() {
+                // The rewrites of a guard that failed before its final
+                // answer are not applied: a rewrite stands only as part of
+                // a whole, final answer. A dry-run guard's never do (R18).
+                if answered {
+                    run.rewritten = checked.rewrites.iter().map(|(i, _)| *i).collect();
+                    if guard.enforced() {
                         for (i, call) in checked.rewrites {
                             self.calls[i].current = call;
                             self.calls[i].rewritten_by.push(guard.name.clone());
                         }
                     }
                 }
-                match failure {
-                    None => Ok(()),
-                    Some(failure) => self.guard_failed(g, failure),
-                }
+                failure
             }
-            (Err(reason), _) => self.guard_failed(g, GuardFailure::RejectedRewrite(reason)),
+            Err(rejection) => Some(GuardFailure::RejectedRewrite(rejection.to_string())),
+        };
+        match failure {
+            None => fold.complete(0),
+            Some(failure) => self.guard_failed(g, failure, !answered, &mut fold, 0),
         }
+        self.apply(&[g], &mut fold)
     }
 
-    /// Applies guard `g`'s failure policy to the calls it was sent that are
-    /// not fixed yet (R13). Used for mutate guards; the fold does the same
-    /// for validate guards.
-    fn guard_failed(&mut self, g: usize, failure: GuardFailure) -> Result<(), BatchError> {
-        let guard = self.chain.guards[g].guard.clone();
-        self.guard_failure(g, &failure);
+    /// Writes what a fold over the guards `order` decided into the calls:
+    /// skips (R3), and what the failure policy (R13) made of failures:
+    /// cancels, bypass records, or the batch's abort. `order[k]` is the
+    /// chain index of the fold's guard `k`.
+    fn apply(&mut self, order: &[usize], fold: &mut Fold) -> Result<(), BatchError> {
+        let outcomes = match fold.outcomes() {
+            Ok(outcomes) => outcomes,
+            Err(k) => {
+                let g = order[k];
+                return Err(BatchError::Aborted {
+                    guard: self.chain.guards[g].guard.name.clone(),
+                    failure: self.runs[g]
+                        .failure
+                        .clone()
+                        .unwrap_or(GuardFailure::StreamClosed),
+                });
+            }
+        };
+        let chain = self.chain;
+        let guard = |k: usize| &chain.guards[order[k]].guard;
+        for (call, outcome) in self.calls.iter_mut().zip(outcomes) {
+            if call.fixed.is_some() {
+                continue;
+            }
+            for k in outcome.bypassed {
+                call.bypassed.push(guard(k).name.clone());
+            }
+            call.fixed = outcome.decided.map(|decided| match decided {
+                Decided::Skip { guard: k, skip } => Fixed {
+                    content: skip.content,
+                    kind: SkipKind::try_from(skip.kind).unwrap_or(SkipKind::Steer),
+                    by: guard(k).name.clone(),
+                    failure: false,
+                },
+                Decided::Unavailable { guard: k } => unavailable(guard(k)),
+            });
+        }
+        Ok(())
+    }
+
+    /// Guard `g`, the fold's guard `k`, failed: the one sequence for every
+    /// failure (R13). Its request is cancelled when it may still be out
+    /// (`cancel`), its circuit breaker hears of it, the failure is kept for
+    /// the trace and [`Self::record`], and the fold applies the guard's
+    /// failure policy to the calls it has not answered.
+    fn guard_failed(
+        &mut self,
+        g: usize,
+        failure: GuardFailure,
+        cancel: bool,
+        fold: &mut Fold,
+        k: usize,
+    ) {
+        let link = &self.chain.guards[g].link;
         let run = &mut self.runs[g];
-        run.failure = Some(failure.clone());
-        if !guard.enforced() {
-            return Ok(());
+        run.finished.get_or_insert_with(Instant::now);
+        if cancel && let Some(id) = run.request_id {
+            link.cancel(id);
         }
-        match guard.failure_policy {
-            FailurePolicy::Abort => Err(BatchError::Aborted {
-                guard: guard.name.clone(),
-                failure,
-            }),
-            FailurePolicy::FailClosed => {
-                for (i, call) in self.calls.iter_mut().enumerate() {
-                    if run.sent[i] && call.fixed.is_none() {
-                        call.fixed = Some(unavailable(&guard));
-                    }
-                }
-                Ok(())
-            }
-            FailurePolicy::FailOpen => {
-                for (i, call) in self.calls.iter_mut().enumerate() {
-                    if run.sent[i] && call.fixed.is_none() {
-                        call.bypassed.push(guard.name.clone());
-                    }
-                }
-                Ok(())
-            }
-        }
-    }
-
-    /// Logs a failure of guard `g` and feeds its circuit breaker. A failure
-    /// is never silent (R13): it is logged here, traced, and counted.
-    fn guard_failure(&self, g: usize, failure: &GuardFailure) {
-        let ChainGuard { guard, link } = &self.chain.guards[g];
-        link.record(Err(failure));
-        tracing::warn!(
-            guard = %guard.name,
-            batch_id = %self.request.batch_id,
-            trace_id = %self.trace.trace_id,
-            policy = ?guard.failure_policy,
-            dry_run = !guard.enforced(),
-            error = %failure,
-            "guard failed"
-        );
+        link.record(Err(&failure));
+        run.failure = Some(failure);
+        fold.fail(k);
     }
 
     /// Consults the validate guards concurrently and folds their verdicts
@@ -737,15 +639,7 @@ impl<'a> Judging<'a> {
             self.runs[g].sent_any = sent.contains(&true);
             self.runs[g].sent = sent;
         }
-        let fold_guards = order
-            .iter()
-            .map(|&g| FoldGuard {
-                enforced: self.chain.guards[g].guard.enforced(),
-                policy: self.chain.guards[g].guard.failure_policy,
-            })
-            .collect();
-        let runs = &self.runs;
-        let mut fold = Fold::new(fold_guards, self.calls.len(), |k, c| runs[order[k]].sent[c]);
+        let mut fold = self.fold_of(&order);
         let (events_tx, mut events) = mpsc::unbounded_channel();
         let mut deadlines: Vec<Option<Instant>> = vec![None; order.len()];
         let now = Instant::now();
@@ -755,12 +649,7 @@ impl<'a> Judging<'a> {
             }
             match self.send(g, k, &events_tx, now) {
                 Ok(at) => deadlines[k] = Some(at),
-                Err(failure) => {
-                    self.runs[g].finished = Some(now);
-                    self.guard_failure(g, &failure);
-                    self.runs[g].failure = Some(failure);
-                    fold.fail(k);
-                }
+                Err(failure) => self.guard_failed(g, failure, false, &mut fold, k),
             }
         }
         while !fold.done() {
@@ -777,12 +666,8 @@ impl<'a> Judging<'a> {
                     self.on_answer(&order, k, response, &mut fold, &mut deadlines);
                 }
                 Some(LinkEvent::Failed { tag: k, failure }) => {
-                    let g = order[k];
                     deadlines[k] = None;
-                    self.runs[g].finished = Some(Instant::now());
-                    self.guard_failure(g, &failure);
-                    self.runs[g].failure = Some(failure);
-                    fold.fail(k);
+                    self.guard_failed(order[k], failure, false, &mut fold, k);
                 }
                 None => {
                     let now = Instant::now();
@@ -792,15 +677,9 @@ impl<'a> Judging<'a> {
                         {
                             let g = order[k];
                             deadlines[k] = None;
-                            if let Some(id) = self.runs[g].request_id {
-                                self.chain.guards[g].link.cancel(id);
-                            }
                             let waited = at - self.runs[g].started.unwrap_or(at);
                             let failure = GuardFailure::TimedOut(waited);
-                            self.runs[g].finished = Some(now);
-                            self.guard_failure(g, &failure);
-                            self.runs[g].failure = Some(failure);
-                            fold.fail(k);
+                            self.guard_failed(g, failure, true, &mut fold, k);
                         }
                     }
                 }
@@ -815,43 +694,7 @@ impl<'a> Judging<'a> {
                 self.runs[g].superseded = true;
             }
         }
-        if let Some(k) = fold.aborted_by() {
-            let g = order[k];
-            return Err(BatchError::Aborted {
-                guard: self.chain.guards[g].guard.name.clone(),
-                failure: self.runs[g]
-                    .failure
-                    .clone()
-                    .unwrap_or(GuardFailure::StreamClosed),
-            });
-        }
-        for c in 0..self.calls.len() {
-            if self.calls[c].fixed.is_some() {
-                continue;
-            }
-            for k in fold.bypassed(c).collect::<Vec<_>>() {
-                let name = self.chain.guards[order[k]].guard.name.clone();
-                self.calls[c].bypassed.push(name);
-            }
-            match fold.resolution(c) {
-                Resolution::Proceed | Resolution::Open | Resolution::Abort(_) => {}
-                Resolution::Skip(k) => {
-                    let guard = &self.chain.guards[order[k]].guard;
-                    let skip = fold.take_skip(k, c).unwrap_or_default();
-                    self.calls[c].fixed = Some(Fixed {
-                        content: skip.content,
-                        kind: SkipKind::try_from(skip.kind).unwrap_or(SkipKind::Steer),
-                        by: guard.name.clone(),
-                        failure: false,
-                    });
-                }
-                Resolution::FailClosed(k) => {
-                    let guard = self.chain.guards[order[k]].guard.clone();
-                    self.calls[c].fixed = Some(unavailable(&guard));
-                }
-            }
-        }
-        Ok(())
+        self.apply(&order, &mut fold)
     }
 
     fn on_answer(
@@ -863,27 +706,19 @@ impl<'a> Judging<'a> {
         deadlines: &mut [Option<Instant>],
     ) {
         let g = order[k];
-        let guard = self.chain.guards[g].guard.clone();
+        let chain = self.chain;
+        let guard = &chain.guards[g].guard;
         if !response.error.is_empty() {
             deadlines[k] = None;
-            let run = &mut self.runs[g];
-            run.finished = Some(Instant::now());
-            if response.partial
-                && let Some(id) = run.request_id
-            {
-                self.chain.guards[g].link.cancel(id);
-            }
             let failure = GuardFailure::Refused(response.error);
-            self.guard_failure(g, &failure);
-            self.runs[g].failure = Some(failure);
-            fold.fail(k);
+            self.guard_failed(g, failure, response.partial, fold, k);
             return;
         }
         let final_answer = !response.partial;
         let run = &mut self.runs[g];
         match check_verdicts(
-            &guard,
-            &self.calls,
+            guard,
+            |i| &self.calls[i].current,
             &self.index_of,
             &run.sent,
             &mut run.answered,
@@ -909,21 +744,14 @@ impl<'a> Judging<'a> {
                 // R11: a validate guard may not rewrite; the whole answer is
                 // rejected and the guard fails per its policy.
                 deadlines[k] = None;
-                run.finished = Some(Instant::now());
-                if !final_answer && let Some(id) = run.request_id {
-                    self.chain.guards[g].link.cancel(id);
-                }
-                let failure = GuardFailure::RejectedRewrite(reason);
-                self.guard_failure(g, &failure);
-                self.runs[g].failure = Some(failure);
-                fold.fail(k);
+                let failure = GuardFailure::RejectedRewrite(reason.to_string());
+                self.guard_failed(g, failure, !final_answer, fold, k);
             }
         }
     }
 
     /// One decision per call (R2) and one trace entry per guard (R21).
     fn decide(&mut self) -> BatchDecision {
-        let metrics = &self.mesh.metrics;
         let mut decisions = Vec::with_capacity(self.calls.len());
         let mut execute = Vec::new();
         for call in std::mem::take(&mut self.calls) {
@@ -938,23 +766,13 @@ impl<'a> Judging<'a> {
                 rewritten_by: call.rewritten_by,
                 bypassed: call.bypassed,
             };
-            for name in &decision.bypassed {
-                metrics.bypassed(name);
-            }
             match call.fixed {
-                None => {
-                    metrics.call("proceed");
-                    execute.push(call.current.clone());
-                }
+                None => execute.push(call.current.clone()),
                 Some(fixed) => {
                     decision.action = match fixed.kind {
                         SkipKind::Steer => Action::Steer,
                         SkipKind::Cancel => Action::Cancel,
                     } as i32;
-                    metrics.call(match fixed.kind {
-                        SkipKind::Steer => "steer",
-                        SkipKind::Cancel => "cancel",
-                    });
                     decision.content = fixed.content;
                     decision.decided_by = fixed.by;
                     decision.failure = fixed.failure;
@@ -969,85 +787,146 @@ impl<'a> Judging<'a> {
             .guards
             .iter()
             .zip(&self.runs)
-            .map(|(ChainGuard { guard, .. }, run)| {
-                let status = run.status();
-                let pick = |indices: &[usize]| indices.iter().map(|&i| ids[i].to_owned()).collect();
-                let latency = match (run.started, run.finished) {
-                    (Some(s), Some(f)) => Some(f - s),
-                    _ => None,
-                };
-                let mut error = match &run.failure {
-                    Some(failure) => failure.to_string(),
-                    None => String::new(),
-                };
-                if run.failure.is_none() && !run.malformed.is_empty() {
-                    error = run.malformed.join("; ");
-                    tracing::warn!(
-                        guard = %guard.name,
-                        batch_id = %self.request.batch_id,
-                        trace_id = %self.trace.trace_id,
-                        "malformed verdicts dropped: {error}"
-                    );
-                }
-                let reported = reported_status(guard, run);
-                if !guard.enforced() && status != TraceStatus::NotApplicable {
-                    tracing::info!(
-                        guard = %guard.name,
-                        batch_id = %self.request.batch_id,
-                        would = status.as_str_name(),
-                        would_skip = ?run.skipped.iter().map(|&i| ids[i]).collect::<Vec<_>>(),
-                        would_rewrite = ?run.rewritten.iter().map(|&i| ids[i]).collect::<Vec<_>>(),
-                        "dry-run guard"
-                    );
-                }
-                metrics.guard_outcome(
-                    &guard.name,
-                    status_label(reported),
-                    latency.map(|l| l.as_secs_f64()),
-                );
-                if let Some(span) = &run.span {
-                    span.record("guardmesh.status", status_label(reported));
-                    span.record("guardmesh.calls.skipped", run.skipped.len());
-                    span.record("guardmesh.calls.rewritten", run.rewritten.len());
-                    if !error.is_empty() {
-                        span.record("error", error.as_str());
-                    }
-                    if run.failure.is_some() {
-                        span.record("otel.status_code", "ERROR");
-                    }
-                }
-                GuardTrace {
-                    guard: guard.name.clone(),
-                    role: guard.role as i32,
-                    status: reported as i32,
-                    latency_us: latency
-                        .map_or(0, |l| u64::try_from(l.as_micros()).unwrap_or(u64::MAX)),
-                    sent_call_ids: pick(
-                        &run.sent
-                            .iter()
-                            .enumerate()
-                            .filter(|(_, s)| **s)
-                            .map(|(i, _)| i)
-                            .collect::<Vec<_>>(),
-                    ),
-                    skipped_call_ids: pick(&run.skipped),
-                    rewritten_call_ids: pick(&run.rewritten),
-                    error,
-                    dry_run_status: if reported == TraceStatus::DryRun {
-                        status as i32
-                    } else {
-                        TraceStatus::Unspecified as i32
-                    },
-                }
-            })
+            .map(|(ChainGuard { guard, .. }, run)| trace_entry(guard, run, &ids))
             .collect();
         BatchDecision {
             decisions,
             execute,
             trace,
             chain_revision: self.chain.revision,
-            trace_id: std::mem::take(&mut self.trace.trace_id),
+            trace_id: self.trace.trace_id.clone(),
         }
+    }
+
+    /// Records what happened, once the batch is decided (`Some`) or aborted
+    /// (`None`): the calls' outcomes, and per guard its failure (never
+    /// silent, R13), its dropped verdicts (R8), what a dry-run guard would
+    /// have done (R18), its outcome and latency, and its span's fields. Of
+    /// an aborted batch, the guards never reached are not counted.
+    fn record(&self, decision: Option<&BatchDecision>) {
+        let metrics = &self.mesh.metrics;
+        let ids: Vec<&str> = match decision {
+            Some(decision) => {
+                for d in &decision.decisions {
+                    for name in &d.bypassed {
+                        metrics.bypassed(name);
+                    }
+                    metrics.call(match Action::try_from(d.action) {
+                        Ok(Action::Steer) => "steer",
+                        Ok(Action::Cancel) => "cancel",
+                        _ => "proceed",
+                    });
+                }
+                decision
+                    .decisions
+                    .iter()
+                    .map(|d| d.call_id.as_str())
+                    .collect()
+            }
+            None => self
+                .calls
+                .iter()
+                .map(|c| c.original.call_id.as_str())
+                .collect(),
+        };
+        for (ChainGuard { guard, .. }, run) in self.chain.guards.iter().zip(&self.runs) {
+            if decision.is_none() && !run.sent_any {
+                continue;
+            }
+            let status = run.status();
+            let reported = reported_status(guard, run);
+            let error = error_text(run);
+            if let Some(failure) = &run.failure {
+                tracing::warn!(
+                    guard = %guard.name,
+                    batch_id = %self.request.batch_id,
+                    trace_id = %self.trace.trace_id,
+                    policy = ?guard.failure_policy,
+                    dry_run = !guard.enforced(),
+                    error = %failure,
+                    "guard failed"
+                );
+            } else if !run.malformed.is_empty() {
+                tracing::warn!(
+                    guard = %guard.name,
+                    batch_id = %self.request.batch_id,
+                    trace_id = %self.trace.trace_id,
+                    "malformed verdicts dropped: {error}"
+                );
+            }
+            if !guard.enforced() && status != TraceStatus::NotApplicable {
+                tracing::info!(
+                    guard = %guard.name,
+                    batch_id = %self.request.batch_id,
+                    would = status.as_str_name(),
+                    would_skip = ?run.skipped.iter().map(|&i| ids[i]).collect::<Vec<_>>(),
+                    would_rewrite = ?run.rewritten.iter().map(|&i| ids[i]).collect::<Vec<_>>(),
+                    "dry-run guard"
+                );
+            }
+            metrics.guard_outcome(
+                &guard.name,
+                status_label(reported),
+                run.latency().map(|l| l.as_secs_f64()),
+            );
+            if let Some(span) = &run.span {
+                span.record("guardmesh.status", status_label(reported));
+                span.record("guardmesh.calls.skipped", run.skipped.len());
+                span.record("guardmesh.calls.rewritten", run.rewritten.len());
+                if !error.is_empty() {
+                    span.record("error", error.as_str());
+                }
+                if run.failure.is_some() {
+                    span.record("otel.status_code", "ERROR");
+                }
+            }
+        }
+    }
+}
+
+/// Guard `run`'s trace entry (R21); `ids` are the batch's call ids.
+fn trace_entry(guard: &Guard, run: &GuardRun, ids: &[&str]) -> GuardTrace {
+    let status = run.status();
+    let reported = reported_status(guard, run);
+    let pick =
+        |indices: &mut dyn Iterator<Item = usize>| indices.map(|i| ids[i].to_owned()).collect();
+    GuardTrace {
+        guard: guard.name.clone(),
+        role: guard.role as i32,
+        status: reported as i32,
+        latency_us: run
+            .latency()
+            .map_or(0, |l| u64::try_from(l.as_micros()).unwrap_or(u64::MAX)),
+        sent_call_ids: pick(
+            &mut run
+                .sent
+                .iter()
+                .enumerate()
+                .filter(|(_, s)| **s)
+                .map(|(i, _)| i),
+        ),
+        skipped_call_ids: pick(&mut run.skipped.iter().copied()),
+        rewritten_call_ids: pick(&mut run.rewritten.iter().copied()),
+        error: error_text(run),
+        dry_run_status: if reported == TraceStatus::DryRun {
+            status as i32
+        } else {
+            TraceStatus::Unspecified as i32
+        },
+    }
+}
+
+/// The error a guard's trace entry and span show: its failure, else why
+/// verdicts were dropped (R8), else nothing.
+fn error_text(run: &GuardRun) -> String {
+    match &run.failure {
+        Some(failure) => failure.to_string(),
+        None => run
+            .malformed
+            .iter()
+            .map(ToString::to_string)
+            .collect::<Vec<_>>()
+            .join("; "),
     }
 }
 
@@ -1105,4 +984,104 @@ fn _assert_send(mesh: Arc<Mesh>) {
             )
             .await;
     });
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use guardmesh_proto::v1::{GuardMode, GuardSpec};
+    use verdicts::{Malformed, Rejection};
+
+    fn guard(mode: GuardMode) -> Guard {
+        let spec = GuardSpec {
+            name: "g".into(),
+            endpoint: "127.0.0.1:9".into(),
+            mode: mode as i32,
+            ..Default::default()
+        };
+        Guard::from_spec(&spec, Duration::from_secs(1)).unwrap()
+    }
+
+    /// A run of a guard that was sent the first of two calls.
+    fn run() -> GuardRun {
+        let mut run = GuardRun::new(2);
+        run.sent = vec![true, false];
+        run.sent_any = true;
+        let now = Instant::now();
+        run.started = Some(now);
+        run.finished = Some(now + Duration::from_micros(250));
+        run
+    }
+
+    #[test]
+    fn r13_abort_status_names_the_guard_and_the_cause() {
+        let status = BatchError::Aborted {
+            guard: "pii".into(),
+            failure: GuardFailure::StreamClosed,
+        }
+        .status();
+        assert_eq!(status.code(), tonic::Code::Unavailable);
+        for needle in ["\"pii\"", "closed its stream", "abort"] {
+            assert!(status.message().contains(needle), "{}", status.message());
+        }
+    }
+
+    #[test]
+    fn r13_fail_closed_content_names_the_guard() {
+        let fixed = unavailable(&guard(GuardMode::Enforce));
+        assert!(fixed.content.contains("guard g is unavailable"));
+        assert_eq!(fixed.kind, SkipKind::Cancel);
+        assert!(fixed.failure);
+    }
+
+    #[test]
+    fn r11_trace_entry_names_the_rejection() {
+        let mut run = run();
+        let rejection = Rejection::ArgumentsNotObject {
+            call_id: "a".into(),
+        };
+        run.failure = Some(GuardFailure::RejectedRewrite(rejection.to_string()));
+        let entry = trace_entry(&guard(GuardMode::Enforce), &run, &["a", "b"]);
+        assert_eq!(entry.status, TraceStatus::RejectedRewrite as i32);
+        assert!(entry.error.contains("not a JSON object"), "{}", entry.error);
+        assert_eq!(entry.sent_call_ids, vec!["a".to_owned()]);
+        assert_eq!(entry.latency_us, 250);
+    }
+
+    #[test]
+    fn r8_trace_entry_lists_dropped_verdicts() {
+        let mut run = run();
+        run.malformed = vec![
+            Malformed::BlankSkip {
+                call_id: "a".into(),
+            },
+            Malformed::UnknownCall {
+                call_id: "zz".into(),
+            },
+        ];
+        let entry = trace_entry(&guard(GuardMode::Enforce), &run, &["a", "b"]);
+        assert_eq!(entry.status, TraceStatus::Malformed as i32);
+        assert_eq!(
+            entry.error,
+            format!("{}; {}", run.malformed[0], run.malformed[1]),
+            "every dropped verdict is named, in order"
+        );
+        assert!(entry.error.contains("blank content"));
+        assert!(entry.error.contains("\"zz\""));
+    }
+
+    #[test]
+    fn r18_dry_run_trace_says_what_it_would_have_done() {
+        let mut run = run();
+        run.skipped = vec![0];
+        let entry = trace_entry(&guard(GuardMode::DryRun), &run, &["a", "b"]);
+        assert_eq!(entry.status, TraceStatus::DryRun as i32);
+        assert_eq!(entry.dry_run_status, TraceStatus::Skipped as i32);
+        assert_eq!(entry.skipped_call_ids, vec!["a".to_owned()]);
+        let mut idle = GuardRun::new(2);
+        idle.sent_any = false;
+        let entry = trace_entry(&guard(GuardMode::DryRun), &idle, &["a", "b"]);
+        assert_eq!(entry.status, TraceStatus::NotApplicable as i32);
+        assert_eq!(entry.dry_run_status, TraceStatus::Unspecified as i32);
+    }
 }

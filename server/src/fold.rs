@@ -38,6 +38,38 @@ pub struct FoldGuard {
     pub policy: FailurePolicy,
 }
 
+/// What a guard's failure does to a call it applies to that is not fixed
+/// yet (R13).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum OnFailure {
+    /// A dry-run guard (R18): the failure is traced and counted, and
+    /// decides nothing.
+    Ignore,
+    /// `fail_open`: the guard counts as deferring (proceed), and the
+    /// decision records that it was bypassed.
+    Bypass,
+    /// `fail_closed`: the call is skipped as cancel, marked as a failure.
+    Cancel,
+    /// `abort`: the whole batch fails.
+    Abort,
+}
+
+impl FoldGuard {
+    /// The failure policy (R13), in the one place it is read: the fold's
+    /// scan and its bypass records both ask here, for validate guards and
+    /// (through a one-guard fold each) mutate guards alike.
+    pub fn on_failure(self) -> OnFailure {
+        if !self.enforced {
+            return OnFailure::Ignore;
+        }
+        match self.policy {
+            FailurePolicy::FailClosed => OnFailure::Cancel,
+            FailurePolicy::FailOpen => OnFailure::Bypass,
+            FailurePolicy::Abort => OnFailure::Abort,
+        }
+    }
+}
+
 /// The state of one call.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Resolution {
@@ -51,6 +83,25 @@ pub enum Resolution {
     FailClosed(usize),
     /// The guard at this index failed first, under `abort`: the batch fails.
     Abort(usize),
+}
+
+/// What fixed a call.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Decided {
+    /// The guard at this index skipped it first.
+    Skip { guard: usize, skip: Skip },
+    /// The guard at this index failed first under `fail_closed` (R13): the
+    /// call is cancelled because that guard is unavailable.
+    Unavailable { guard: usize },
+}
+
+/// What the fold decided for one call.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Outcome {
+    /// The `fail_open` guards passed over before the decision (R13).
+    pub bypassed: Vec<usize>,
+    /// What fixed the call; `None` when it proceeds.
+    pub decided: Option<Decided>,
 }
 
 /// The grid of (guard, call) cells and each call's resolution.
@@ -159,11 +210,10 @@ impl Fold {
                 Cell::Pending => return Resolution::Open,
                 Cell::Skip(_) if guard.enforced => return Resolution::Skip(g),
                 Cell::Skip(_) => {}
-                Cell::Failed if !guard.enforced => {}
-                Cell::Failed => match guard.policy {
-                    FailurePolicy::FailClosed => return Resolution::FailClosed(g),
-                    FailurePolicy::Abort => return Resolution::Abort(g),
-                    FailurePolicy::FailOpen => {}
+                Cell::Failed => match guard.on_failure() {
+                    OnFailure::Cancel => return Resolution::FailClosed(g),
+                    OnFailure::Abort => return Resolution::Abort(g),
+                    OnFailure::Bypass | OnFailure::Ignore => {}
                 },
             }
         }
@@ -193,11 +243,33 @@ impl Fold {
             Resolution::Proceed | Resolution::Open => self.guards.len(),
         };
         (0..until).filter(move |&g| {
-            let guard = self.guards[g];
-            guard.enforced
-                && guard.policy == FailurePolicy::FailOpen
-                && *self.cell(g, c) == Cell::Failed
+            self.guards[g].on_failure() == OnFailure::Bypass && *self.cell(g, c) == Cell::Failed
         })
+    }
+
+    /// What was decided for each call, once the fold is [`done`](Self::done):
+    /// `Err(g)` when guard `g`'s `abort` failure fails the batch (R13),
+    /// else one [`Outcome`] per call, in call order. The skips are moved out.
+    pub fn outcomes(&mut self) -> Result<Vec<Outcome>, usize> {
+        if let Some(g) = self.abort {
+            return Err(g);
+        }
+        Ok((0..self.calls)
+            .map(|c| {
+                let bypassed = self.bypassed(c).collect();
+                let decided = match self.resolutions[c] {
+                    // Open only before the fold is done; Abort is handled
+                    // above.
+                    Resolution::Proceed | Resolution::Open | Resolution::Abort(_) => None,
+                    Resolution::Skip(g) => Some(Decided::Skip {
+                        guard: g,
+                        skip: self.take_skip(g, c).unwrap_or_default(),
+                    }),
+                    Resolution::FailClosed(g) => Some(Decided::Unavailable { guard: g }),
+                };
+                Outcome { bypassed, decided }
+            })
+            .collect())
     }
 
     /// Takes the skip guard `g` sent for call `c`, if it sent one.
@@ -294,6 +366,123 @@ mod tests {
             Resolution::Proceed,
             "a failing dry-run guard aborts nothing"
         );
+    }
+
+    #[test]
+    fn r13_failure_policy_under_each_policy() {
+        let cases = [
+            (true, FailurePolicy::FailClosed, OnFailure::Cancel),
+            (true, FailurePolicy::FailOpen, OnFailure::Bypass),
+            (true, FailurePolicy::Abort, OnFailure::Abort),
+            (false, FailurePolicy::FailClosed, OnFailure::Ignore),
+            (false, FailurePolicy::FailOpen, OnFailure::Ignore),
+            (false, FailurePolicy::Abort, OnFailure::Ignore),
+        ];
+        for (enforced, policy, want) in cases {
+            let guard = FoldGuard { enforced, policy };
+            assert_eq!(guard.on_failure(), want, "{guard:?}");
+        }
+    }
+
+    /// A guard that skipped call 0, answered nothing for call 1 and was not
+    /// sent call 2, then failed: what its policy makes of the batch.
+    fn one_guard_fails(guard: FoldGuard) -> Result<Vec<Outcome>, usize> {
+        let mut f = Fold::new(vec![guard], 3, |_, c| c < 2);
+        f.answer(0, 0, skip("no"));
+        f.fail(0);
+        assert!(f.done());
+        f.outcomes()
+    }
+
+    #[test]
+    fn r13_fail_closed_cancels_the_unanswered_calls_only() {
+        let outcomes = one_guard_fails(enforce(FailurePolicy::FailClosed)).unwrap();
+        assert_eq!(
+            outcomes,
+            vec![
+                Outcome {
+                    bypassed: vec![],
+                    decided: Some(Decided::Skip {
+                        guard: 0,
+                        skip: skip("no").unwrap()
+                    }),
+                },
+                Outcome {
+                    bypassed: vec![],
+                    decided: Some(Decided::Unavailable { guard: 0 }),
+                },
+                Outcome {
+                    bypassed: vec![],
+                    decided: None,
+                },
+            ]
+        );
+    }
+
+    #[test]
+    fn r13_fail_open_bypasses_the_unanswered_calls_only() {
+        let outcomes = one_guard_fails(enforce(FailurePolicy::FailOpen)).unwrap();
+        assert!(matches!(
+            outcomes[0].decided,
+            Some(Decided::Skip { guard: 0, .. })
+        ));
+        assert!(outcomes[0].bypassed.is_empty(), "its skip stands");
+        assert_eq!(
+            outcomes[1],
+            Outcome {
+                bypassed: vec![0],
+                decided: None,
+            }
+        );
+        assert!(outcomes[2].bypassed.is_empty(), "not sent: not bypassed");
+    }
+
+    #[test]
+    fn r13_abort_fails_the_batch() {
+        assert_eq!(one_guard_fails(enforce(FailurePolicy::Abort)), Err(0));
+    }
+
+    #[test]
+    fn r18_failing_dry_run_guard_decides_nothing() {
+        for policy in [
+            FailurePolicy::FailClosed,
+            FailurePolicy::FailOpen,
+            FailurePolicy::Abort,
+        ] {
+            let outcomes = one_guard_fails(FoldGuard {
+                enforced: false,
+                policy,
+            })
+            .unwrap();
+            let none = Outcome {
+                bypassed: vec![],
+                decided: None,
+            };
+            assert_eq!(outcomes, vec![none; 3], "{policy:?}");
+        }
+    }
+
+    #[test]
+    fn r13_bypass_is_recorded_only_before_the_deciding_guard() {
+        let guards = vec![
+            enforce(FailurePolicy::FailOpen),
+            enforce(FailurePolicy::FailClosed),
+            enforce(FailurePolicy::FailOpen),
+        ];
+        let mut f = Fold::new(guards, 2, |_, _| true);
+        f.fail(0);
+        f.answer(1, 0, skip("no"));
+        f.answer(1, 1, None);
+        f.complete(1);
+        f.fail(2);
+        let outcomes = f.outcomes().unwrap();
+        assert_eq!(outcomes[0].bypassed, vec![0]);
+        assert!(matches!(
+            outcomes[0].decided,
+            Some(Decided::Skip { guard: 1, .. })
+        ));
+        assert_eq!(outcomes[1].bypassed, vec![0, 2]);
+        assert_eq!(outcomes[1].decided, None);
     }
 
     fn guards_dry_fail() -> Vec<FoldGuard> {
