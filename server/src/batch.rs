@@ -614,7 +614,18 @@ impl<'a> Judging<'a> {
         fold: &mut Fold,
         k: usize,
     ) {
-        let link = &self.chain.guards[g].link;
+        let ChainGuard { guard, link } = &self.chain.guards[g];
+        // Logged when it happens (R13: never silent), even if the batch is
+        // then dropped because its coordinator went away.
+        tracing::warn!(
+            guard = %guard.name,
+            batch_id = %self.request.batch_id,
+            trace_id = %self.trace.trace_id,
+            policy = ?guard.failure_policy,
+            dry_run = !guard.enforced(),
+            error = %failure,
+            "guard failed"
+        );
         let run = &mut self.runs[g];
         run.finished.get_or_insert_with(Instant::now);
         if cancel && let Some(id) = run.request_id {
@@ -836,17 +847,7 @@ impl<'a> Judging<'a> {
             let status = run.status();
             let reported = reported_status(guard, run);
             let error = error_text(run);
-            if let Some(failure) = &run.failure {
-                tracing::warn!(
-                    guard = %guard.name,
-                    batch_id = %self.request.batch_id,
-                    trace_id = %self.trace.trace_id,
-                    policy = ?guard.failure_policy,
-                    dry_run = !guard.enforced(),
-                    error = %failure,
-                    "guard failed"
-                );
-            } else if !run.malformed.is_empty() {
+            if run.failure.is_none() && !run.malformed.is_empty() {
                 tracing::warn!(
                     guard = %guard.name,
                     batch_id = %self.request.batch_id,
