@@ -17,6 +17,10 @@ fn guard_entry(d: &guardmesh_client::Decision, name: &str) -> guardmesh_client::
     d.trace.iter().find(|t| t.guard == name).unwrap().clone()
 }
 
+/// Tests that measure this process's memory, or make it hold large
+/// batches, run one at a time: otherwise one would count the other's bytes.
+static HEAVY: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+
 #[tokio::test]
 async fn circuit_opens_after_repeated_failures_and_fail_closed_still_blocks() {
     let mut config = fast_config();
@@ -195,6 +199,7 @@ fn rss_kib() -> u64 {
 
 #[tokio::test]
 async fn overload_flood_keeps_memory_bounded() {
+    let _heavy = HEAVY.lock().await;
     let mut config = fast_config();
     config.limits.max_inflight_batches = 8;
     config.limits.max_batches_per_stream = 16;
@@ -361,6 +366,7 @@ fn zero_call(id: String, model_text: &str) -> Bytes {
 
 #[tokio::test]
 async fn r25_a_coordinator_that_does_not_read_its_answers_is_stopped_not_buffered() {
+    let _heavy = HEAVY.lock().await;
     let probe = proceed_guard().await;
     let mesh = MeshProcess::start("unread", &guard_config("canary", &probe.url, "\"small\"")).await;
     let (before, _) = mesh.memory_mib();
@@ -436,10 +442,17 @@ fn big_batch(id: &str) -> Bytes {
 
 #[tokio::test]
 async fn r25_batches_in_flight_are_bounded_in_bytes() {
+    let _heavy = HEAVY.lock().await;
     let held = held_guard().await;
     let probe = proceed_guard().await;
     let config = format!(
-        "max_batch_timeout_ms = 60000\n{}{}",
+        // Batches are held until the guard is released, however long sending
+        // 400 MB takes on a loaded machine: no deadline frees their bytes.
+        // Streams and the guard's queue may each hold more than their share,
+        // so that the mesh-wide byte bound is the one that acts.
+        "max_batch_timeout_ms = 60000\ndefault_batch_timeout_ms = 60000\n\
+         [limits]\nmax_stream_bytes = 134217728\n\
+         [guard_links]\nmax_queued_bytes = 1073741824\n{}{}",
         guard_config("held", &held.url, "\"big\""),
         guard_config("canary", &probe.url, "\"small\"")
     );
@@ -523,6 +536,7 @@ async fn r25_batches_in_flight_are_bounded_in_bytes() {
 
 #[tokio::test]
 async fn r20_sizes_and_counts_are_checked_before_the_batch_is_decoded() {
+    let _heavy = HEAVY.lock().await;
     let probe = proceed_guard().await;
     let mesh = MeshProcess::start("decode", &guard_config("canary", &probe.url, "\"small\"")).await;
     let (before, _) = mesh.memory_mib();
