@@ -158,6 +158,10 @@ async fn assert_each_policy_fails(
 // 1. Guard unreachable
 // ---------------------------------------------------------------------------
 
+/// Tests that measure this process's memory, or make it hold large
+/// messages, run one at a time: otherwise one would count the other's bytes.
+static HEAVY: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+
 #[tokio::test]
 async fn unreachable_guard_closed_port_blocks_under_fail_closed_and_is_bypassed_under_fail_open() {
     let mesh = TestMesh::start().await;
@@ -967,6 +971,7 @@ async fn spurious_unknown_enum_values_in_a_registration_are_refused() {
 
 #[tokio::test]
 async fn oversized_coordinator_batch_is_refused_alone_and_the_stream_goes_on() {
+    let _heavy = HEAVY.lock().await;
     let mut config = fast_config();
     config.limits.max_batch_bytes = 64 * 1024;
     config.limits.max_calls_per_batch = 8;
@@ -1029,6 +1034,7 @@ async fn oversized_coordinator_batch_is_refused_alone_and_the_stream_goes_on() {
 #[tokio::test]
 async fn oversized_coordinator_message_over_the_transport_limit_is_reported_as_resource_exhausted()
 {
+    let _heavy = HEAVY.lock().await;
     let mut config = fast_config();
     config.limits.max_batch_bytes = 64 * 1024;
     let mesh = TestMesh::with_config(config).await;
@@ -1062,6 +1068,7 @@ async fn oversized_coordinator_message_over_the_transport_limit_is_reported_as_r
 
 #[tokio::test]
 async fn oversized_guard_answer_fails_that_guard_per_policy_then_it_reconnects() {
+    let _heavy = HEAVY.lock().await;
     let mut config = restart_config();
     config.link.max_decoding_message_size = 64 * 1024;
     let mesh = TestMesh::with_config(config).await;
@@ -1442,6 +1449,7 @@ async fn r23_unknown_fields_outside_a_verdict_are_ignored() {
 
 #[tokio::test]
 async fn r25_guard_that_never_reads_its_stream_holds_bounded_memory_and_fails_per_policy() {
+    let _heavy = HEAVY.lock().await;
     const BATCHES: usize = 3000;
     const IN_FLIGHT: usize = 64;
     let mut config = fast_config();
