@@ -12,6 +12,10 @@ use guardmesh_server::telemetry::{self, LogFormat};
 use guardmesh_server::{MemoryRegistry, Mesh, Registry};
 use std::path::PathBuf;
 use std::process::ExitCode;
+
+/// See server/Cargo.toml: measured against glibc malloc in `guardmesh bench`.
+#[global_allocator]
+static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
 use std::sync::Arc;
 use std::time::Duration;
 
