@@ -12,7 +12,20 @@ struct NoDeleteWithoutWhere;
 
 impl Guard for NoDeleteWithoutWhere {
     fn check(&self, call: &ToolCall, _batch: &GuardBatch) -> Option<Verdict> {
-        let sql = call.arguments.to_ascii_uppercase();
+        // Judge what the tool will read (the decoded `sql` string, so that
+        // `DEL\u0045TE` is a DELETE too), and never let through what this
+        // guard cannot read. Empty arguments mean `{}`.
+        let text = match call.arguments.trim() {
+            "" => "{}",
+            text => text,
+        };
+        let Ok(args) = serde_json::from_str::<serde_json::Value>(text) else {
+            return Some(steer(&call.call_id, "arguments are not valid JSON"));
+        };
+        let sql = args["sql"]
+            .as_str()
+            .unwrap_or_default()
+            .to_ascii_uppercase();
         (sql.contains("DELETE") && !sql.contains("WHERE")).then(|| {
             steer(
                 &call.call_id,
