@@ -1311,6 +1311,28 @@ impl Shared {
         }
     }
 
+    /// Runs a write transaction, retried on another member within the
+    /// request timeout (the transactions of this registry are idempotent).
+    async fn transaction(
+        &self,
+        what: &str,
+        txn: Txn,
+    ) -> Result<etcd_client::TxnResponse, RegistryError> {
+        retried(
+            self.config.request_timeout,
+            self.config.endpoints.len(),
+            what,
+            &|| self.reauthenticate(),
+            || {
+                let mut kv = self.client.kv_client();
+                let txn = txn.clone();
+                async move { kv.txn(txn).await }
+            },
+        )
+        .await
+        .map_err(RegistryError::Unavailable)
+    }
+
     /// One freshness probe: a linearizable read of the registration keys
     /// (names and revisions only). The chain is confirmed when the view has
     /// applied at least the read's revision, or holds the same keys at the
@@ -1521,19 +1543,7 @@ impl Shared {
         };
         // Retried: the same put again leaves the same state. (If an attempt
         // that timed out was applied, the next one reports an update.)
-        let response = retried(
-            self.config.request_timeout,
-            self.config.endpoints.len(),
-            "registering",
-            &|| self.reauthenticate(),
-            || {
-                let mut kv = self.client.kv_client();
-                let txn = txn.clone();
-                async move { kv.txn(txn).await }
-            },
-        )
-        .await
-        .map_err(RegistryError::Unavailable)?;
+        let response = self.transaction("registering", txn).await?;
         let created = response.succeeded();
         let revision = if only_if_absent && !created {
             let removed_at = response.op_responses().into_iter().find_map(|op| match op {
@@ -1586,19 +1596,7 @@ impl Shared {
                 TxnOp::put(tombstone.clone(), mark.clone(), None),
             ])
             .or_else([TxnOp::get(tombstone, None)]);
-        let response = retried(
-            self.config.request_timeout,
-            self.config.endpoints.len(),
-            "deregistering",
-            &|| self.reauthenticate(),
-            || {
-                let mut kv = self.client.kv_client();
-                let txn = txn.clone();
-                async move { kv.txn(txn).await }
-            },
-        )
-        .await
-        .map_err(RegistryError::Unavailable)?;
+        let response = self.transaction("deregistering", txn).await?;
         let revision = if response.succeeded() {
             response.header().map_or(0, |h| h.revision())
         } else {
