@@ -258,75 +258,6 @@ async fn overload_flood_keeps_memory_bounded() {
 use guardmesh_client::proto::{BatchContext, evaluate_response};
 use prost::bytes::Bytes;
 
-/// `guardmesh serve` as a child process.
-struct MeshProcess {
-    child: std::process::Child,
-    url: String,
-    dir: std::path::PathBuf,
-}
-
-impl MeshProcess {
-    async fn start(name: &str, config: &str) -> Self {
-        let dir =
-            std::env::temp_dir().join(format!("guardmesh-overload-{name}-{}", std::process::id()));
-        std::fs::create_dir_all(&dir).unwrap();
-        let file = dir.join("mesh.toml");
-        std::fs::write(&file, config).unwrap();
-        let log = std::fs::File::create(dir.join("mesh.log")).unwrap();
-        let port = free_port();
-        let child = std::process::Command::new(env!("CARGO_BIN_EXE_guardmesh"))
-            .args([
-                "serve",
-                "--listen",
-                &format!("127.0.0.1:{port}"),
-                "--config",
-            ])
-            .arg(&file)
-            .env("RUST_LOG", "warn")
-            .stdin(std::process::Stdio::null())
-            .stdout(std::process::Stdio::null())
-            .stderr(std::process::Stdio::from(log))
-            .spawn()
-            .expect("start guardmesh serve");
-        let mut mesh = Self {
-            child,
-            url: format!("http://127.0.0.1:{port}"),
-            dir,
-        };
-        for _ in 0..500 {
-            if guardmesh_client::Coordinator::connect(mesh.url.clone())
-                .await
-                .is_ok()
-            {
-                return mesh;
-            }
-            if let Ok(Some(status)) = mesh.child.try_wait() {
-                panic!("guardmesh serve exited with {status}:\n{}", mesh.log());
-            }
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
-        panic!("guardmesh serve did not start:\n{}", mesh.log());
-    }
-
-    fn log(&self) -> String {
-        std::fs::read_to_string(self.dir.join("mesh.log")).unwrap_or_default()
-    }
-
-    /// (RSS, peak RSS) in MiB.
-    fn memory_mib(&self) -> (u64, u64) {
-        let (rss, peak) = rss_and_peak_kib(&self.child.id().to_string());
-        (rss / 1024, peak / 1024)
-    }
-}
-
-impl Drop for MeshProcess {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-        let _ = std::fs::remove_dir_all(&self.dir);
-    }
-}
-
 fn guard_config(name: &str, url: &str, tools: &str) -> String {
     format!(
         "\n[[guard]]\nname = \"{name}\"\nendpoint = \"{url}\"\ntools = [{tools}]\ntimeout_ms = 20000\n"
@@ -368,7 +299,12 @@ fn zero_call(id: String, model_text: &str) -> Bytes {
 async fn r25_a_coordinator_that_does_not_read_its_answers_is_stopped_not_buffered() {
     let _heavy = HEAVY.lock().await;
     let probe = proceed_guard().await;
-    let mesh = MeshProcess::start("unread", &guard_config("canary", &probe.url, "\"small\"")).await;
+    let mesh = MeshProcess::start(
+        "unread",
+        &guard_config("canary", &probe.url, "\"small\""),
+        Some("warn"),
+    )
+    .await;
     let (before, _) = mesh.memory_mib();
     // 30,000 zero-call batches of 4 KiB each (120 MB), on a stream whose
     // answers (7 MB) are never read.
@@ -456,7 +392,7 @@ async fn r25_batches_in_flight_are_bounded_in_bytes() {
         guard_config("held", &held.url, "\"big\""),
         guard_config("canary", &probe.url, "\"small\"")
     );
-    let mesh = MeshProcess::start("inflight", &config).await;
+    let mesh = MeshProcess::start("inflight", &config, Some("warn")).await;
     let (before, _) = mesh.memory_mib();
     // 100 batches of 4 MB, 10 streams of 10, held by the guard.
     let batch = big_batch("template");
@@ -538,7 +474,12 @@ async fn r25_batches_in_flight_are_bounded_in_bytes() {
 async fn r20_sizes_and_counts_are_checked_before_the_batch_is_decoded() {
     let _heavy = HEAVY.lock().await;
     let probe = proceed_guard().await;
-    let mesh = MeshProcess::start("decode", &guard_config("canary", &probe.url, "\"small\"")).await;
+    let mesh = MeshProcess::start(
+        "decode",
+        &guard_config("canary", &probe.url, "\"small\""),
+        Some("warn"),
+    )
+    .await;
     let (before, _) = mesh.memory_mib();
     // Just under max_batch_bytes of empty calls (`1a 00` repeated): two
     // million calls if decoded.

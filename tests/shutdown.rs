@@ -11,89 +11,7 @@ mod common;
 use common::*;
 use guardmesh_client::proto::TraceStatus;
 use guardmesh_client::{Batch, ClientError, Coordinator, Decision};
-use std::path::PathBuf;
-use std::process::{Child, Command, Stdio};
 use std::time::Duration;
-
-/// `guardmesh serve` as a child process; killed if a test fails midway.
-struct MeshProcess {
-    child: Child,
-    url: String,
-    dir: PathBuf,
-}
-
-impl MeshProcess {
-    /// Starts `guardmesh serve --listen 127.0.0.1:PORT --config FILE` with
-    /// `config` as the file, and waits (bounded) until it accepts.
-    async fn start(name: &str, config: &str) -> Self {
-        let dir =
-            std::env::temp_dir().join(format!("guardmesh-shutdown-{name}-{}", std::process::id()));
-        std::fs::create_dir_all(&dir).unwrap();
-        let file = dir.join("mesh.toml");
-        std::fs::write(&file, config).unwrap();
-        let log = std::fs::File::create(dir.join("mesh.log")).unwrap();
-        let port = free_port();
-        let child = Command::new(env!("CARGO_BIN_EXE_guardmesh"))
-            .args([
-                "serve",
-                "--listen",
-                &format!("127.0.0.1:{port}"),
-                "--config",
-            ])
-            .arg(&file)
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(Stdio::from(log))
-            .spawn()
-            .expect("start guardmesh serve");
-        let mut mesh = Self {
-            child,
-            url: format!("http://127.0.0.1:{port}"),
-            dir,
-        };
-        for _ in 0..500 {
-            if Coordinator::connect(mesh.url.clone()).await.is_ok() {
-                return mesh;
-            }
-            if let Ok(Some(status)) = mesh.child.try_wait() {
-                panic!("guardmesh serve exited with {status}:\n{}", mesh.log());
-            }
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
-        panic!("guardmesh serve did not start:\n{}", mesh.log());
-    }
-
-    fn log(&self) -> String {
-        std::fs::read_to_string(self.dir.join("mesh.log")).unwrap_or_default()
-    }
-
-    fn signal(&self, signal: &str) {
-        let status = Command::new("kill")
-            .args([&format!("-{signal}"), &self.child.id().to_string()])
-            .status()
-            .expect("run kill");
-        assert!(status.success(), "kill -{signal}");
-    }
-
-    /// Waits (bounded) for the process to exit.
-    async fn exit_status(&mut self) -> std::process::ExitStatus {
-        for _ in 0..1000 {
-            if let Some(status) = self.child.try_wait().unwrap() {
-                return status;
-            }
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
-        panic!("the mesh did not exit after draining:\n{}", self.log());
-    }
-}
-
-impl Drop for MeshProcess {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-        let _ = std::fs::remove_dir_all(&self.dir);
-    }
-}
 
 /// A decision judged to the end by both guards: nothing failed, nothing cut
 /// short by the shutdown.
@@ -131,7 +49,7 @@ failure_policy = "fail_closed"
 "#,
         slow.url, probe.url
     );
-    let mut mesh = MeshProcess::start(signal, &config).await;
+    let mut mesh = MeshProcess::start(signal, &config, None).await;
     let coordinator = Coordinator::connect(mesh.url.clone()).await.unwrap();
     let session = coordinator.session("s").await.unwrap();
 
@@ -236,7 +154,7 @@ timeout_ms = 20000
 "#,
         held.url
     );
-    let mut mesh = MeshProcess::start("r25-drain", &config).await;
+    let mut mesh = MeshProcess::start("r25-drain", &config, None).await;
     let coordinator = Coordinator::connect(mesh.url.clone()).await.unwrap();
     let session = coordinator.session("s").await.unwrap();
     let in_flight = session.evaluate(Batch::new(0).call("c1", "t", "{}"));

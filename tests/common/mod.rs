@@ -1372,3 +1372,103 @@ pub fn rss_and_peak_kib(pid: &str) -> (u64, u64) {
     };
     (field("VmRSS:"), field("VmHWM:"))
 }
+
+// ---------------------------------------------------------------------------
+// `guardmesh serve` as a separate process (shutdown signals, memory of the
+// mesh process alone).
+// ---------------------------------------------------------------------------
+
+/// `guardmesh serve` as a child process; killed if a test fails midway.
+pub struct MeshProcess {
+    pub child: std::process::Child,
+    pub url: String,
+    dir: std::path::PathBuf,
+}
+
+impl MeshProcess {
+    /// Starts `guardmesh serve --listen 127.0.0.1:PORT --config FILE` with
+    /// `config` as the file, and waits (bounded) until it accepts. With
+    /// `log_level`, the process logs at that level (`RUST_LOG`).
+    pub async fn start(name: &str, config: &str, log_level: Option<&str>) -> Self {
+        let dir =
+            std::env::temp_dir().join(format!("guardmesh-serve-{name}-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let file = dir.join("mesh.toml");
+        std::fs::write(&file, config).unwrap();
+        let log = std::fs::File::create(dir.join("mesh.log")).unwrap();
+        let port = free_port();
+        let mut command = std::process::Command::new(env!("CARGO_BIN_EXE_guardmesh"));
+        command
+            .args([
+                "serve",
+                "--listen",
+                &format!("127.0.0.1:{port}"),
+                "--config",
+            ])
+            .arg(&file)
+            .stdin(std::process::Stdio::null())
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::from(log));
+        if let Some(level) = log_level {
+            command.env("RUST_LOG", level);
+        }
+        let child = command.spawn().expect("start guardmesh serve");
+        let mut mesh = Self {
+            child,
+            url: format!("http://127.0.0.1:{port}"),
+            dir,
+        };
+        for _ in 0..500 {
+            if guardmesh_client::Coordinator::connect(mesh.url.clone())
+                .await
+                .is_ok()
+            {
+                return mesh;
+            }
+            if let Ok(Some(status)) = mesh.child.try_wait() {
+                panic!("guardmesh serve exited with {status}:\n{}", mesh.log());
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        panic!("guardmesh serve did not start:\n{}", mesh.log());
+    }
+
+    /// What the process wrote to stderr so far.
+    pub fn log(&self) -> String {
+        std::fs::read_to_string(self.dir.join("mesh.log")).unwrap_or_default()
+    }
+
+    /// (RSS, peak RSS) of the process in MiB.
+    pub fn memory_mib(&self) -> (u64, u64) {
+        let (rss, peak) = rss_and_peak_kib(&self.child.id().to_string());
+        (rss / 1024, peak / 1024)
+    }
+
+    /// Sends the process a signal (`TERM`, `INT`, ...).
+    pub fn signal(&self, signal: &str) {
+        let status = std::process::Command::new("kill")
+            .args([&format!("-{signal}"), &self.child.id().to_string()])
+            .status()
+            .expect("run kill");
+        assert!(status.success(), "kill -{signal}");
+    }
+
+    /// Waits (bounded) for the process to exit.
+    pub async fn exit_status(&mut self) -> std::process::ExitStatus {
+        for _ in 0..1000 {
+            if let Some(status) = self.child.try_wait().unwrap() {
+                return status;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        panic!("the mesh did not exit after draining:\n{}", self.log());
+    }
+}
+
+impl Drop for MeshProcess {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
