@@ -229,7 +229,9 @@ impl MeshArgs {
             let transport = matches!(error, guardmesh_client::ClientError::Connect(_))
                 || matches!(
                     error.code(),
-                    Some(tonic::Code::Unavailable | tonic::Code::Unknown)
+                    // A closed handshake reaches the client as any of these,
+                    // depending on when the connection is cut.
+                    Some(tonic::Code::Unavailable | tonic::Code::Unknown | tonic::Code::Cancelled)
                 );
             if transport && self.ca_file.is_some() && self.cert_file.is_none() {
                 let chain = guardmesh_server::link::error_chain(&error);
