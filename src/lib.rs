@@ -10,6 +10,9 @@ pub mod v1 {
     tonic::include_proto!("guardmesh.v1");
 }
 
+mod names;
+pub use names::UnknownName;
+
 /// `guardmesh.bench.v1`: the unary baselines (`DirectGuard`, `Echo`) that
 /// `guardmesh bench` measures the mesh against. Not part of the contract, and
 /// not in [`FILE_DESCRIPTOR_SET`].

@@ -1,9 +1,7 @@
 //! The `guardmesh` command line end to end: `serve`, `guards register /
 //! list / deregister` and `evaluate FILE`, each a real process.
 
-mod common;
-
-use common::*;
+use crate::harness::*;
 use std::process::{Command, Output};
 use std::time::Duration;
 

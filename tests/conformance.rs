@@ -4,9 +4,7 @@
 //! check each breach breaks. The Python and Node guards need
 //! `scripts/setup-polyglot`.
 
-mod common;
-
-use common::*;
+use crate::harness::*;
 
 /// Every check the kit runs, in its output order.
 const CHECKS: [&str; 10] = [

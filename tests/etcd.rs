@@ -8,14 +8,14 @@
 //! a deadline. `replica_registration_reaches_the_other_replica_promptly`
 //! prints how long a registration takes to reach the other replica.
 
-mod common;
-
-use common::*;
+use crate::harness::*;
 use guardmesh_client::proto::{FailurePolicy, TraceStatus};
 use guardmesh_client::verdict::steer;
 use guardmesh_client::{Batch, ClientError, Decision, Outcome, Registration};
 use guardmesh_server::Registry;
-use guardmesh_server::etcd::{AfterWindow, EtcdConfig, EtcdRegistry, GuardHeartbeat, Liveness};
+use guardmesh_server::registry::etcd::{
+    AfterWindow, EtcdConfig, EtcdRegistry, GuardHeartbeat, Liveness,
+};
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};

@@ -6,9 +6,7 @@
 //! tests assert outcomes and their order, never how long something took.
 //! (Circuit breaking and overload have their own tests.)
 
-mod common;
-
-use common::*;
+use crate::harness::*;
 use guardmesh_client::proto::{
     EvaluateRequest, FailurePolicy, GuardBatch, JudgeResponse, Skip, ToolCall, TraceStatus,
     Verdict, verdict,
@@ -157,10 +155,6 @@ async fn assert_each_policy_fails(
 // ---------------------------------------------------------------------------
 // 1. Guard unreachable
 // ---------------------------------------------------------------------------
-
-/// Tests that measure this process's memory, or make it hold large
-/// messages, run one at a time: otherwise one would count the other's bytes.
-static HEAVY: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
 
 #[tokio::test]
 async fn unreachable_guard_closed_port_blocks_under_fail_closed_and_is_bypassed_under_fail_open() {
@@ -1447,8 +1441,19 @@ async fn r23_unknown_fields_outside_a_verdict_are_ignored() {
 // 8. R25: a guard that never reads its stream holds bounded memory
 // ---------------------------------------------------------------------------
 
+/// Measures (or sets) what the whole process owns: runs alone in a child
+/// process of the test binary (see `harness::isolated`).
+#[test]
+fn r25_guard_that_never_reads_its_stream_holds_bounded_memory_and_fails_per_policy() {
+    isolated(
+        "faults::r25_guard_that_never_reads_its_stream_holds_bounded_memory_and_fails_per_policy_in_own_process",
+    );
+}
+
 #[tokio::test]
-async fn r25_guard_that_never_reads_its_stream_holds_bounded_memory_and_fails_per_policy() {
+#[ignore = "runs in its own process through r25_guard_that_never_reads_its_stream_holds_bounded_memory_and_fails_per_policy"]
+async fn r25_guard_that_never_reads_its_stream_holds_bounded_memory_and_fails_per_policy_in_own_process()
+ {
     let _heavy = HEAVY.lock().await;
     const BATCHES: usize = 3000;
     const IN_FLIGHT: usize = 64;

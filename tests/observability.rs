@@ -1,8 +1,6 @@
 //! Metrics, health and reflection: what operators' tools see.
 
-mod common;
-
-use common::*;
+use crate::harness::*;
 use guardmesh_client::proto::FailurePolicy;
 use guardmesh_client::verdict::{cancel, steer};
 use guardmesh_client::{Batch, Registration};
@@ -72,7 +70,7 @@ async fn metrics_count_exactly_what_happened() {
         .await
         .unwrap_err();
 
-    let addr = guardmesh_server::metrics_http::spawn(
+    let addr = guardmesh_server::observe::metrics_http::spawn(
         "127.0.0.1:0".parse().unwrap(),
         mesh.mesh.metrics.clone(),
     )

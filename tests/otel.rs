@@ -3,9 +3,7 @@
 //!
 //! This file holds a single test: it installs the process-wide subscriber.
 
-mod common;
-
-use common::*;
+use crate::harness::*;
 use guardmesh_client::Batch;
 use guardmesh_client::Registration;
 use guardmesh_client::verdict::steer;
@@ -60,8 +58,16 @@ fn attr(span: &Span, key: &str) -> Option<String> {
     })
 }
 
+/// Measures (or sets) what the whole process owns: runs alone in a child
+/// process of the test binary (see `harness::isolated`).
+#[test]
+fn r22_otlp_export_joins_coordinator_mesh_and_guard_in_one_trace() {
+    isolated("otel::r22_otlp_export_joins_coordinator_mesh_and_guard_in_one_trace_in_own_process");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn r22_otlp_export_joins_coordinator_mesh_and_guard_in_one_trace() {
+#[ignore = "runs in its own process through r22_otlp_export_joins_coordinator_mesh_and_guard_in_one_trace"]
+async fn r22_otlp_export_joins_coordinator_mesh_and_guard_in_one_trace_in_own_process() {
     let collector = Collector::default();
     let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
     let endpoint = format!("http://{}", listener.local_addr().unwrap());
@@ -76,15 +82,17 @@ async fn r22_otlp_export_joins_coordinator_mesh_and_guard_in_one_trace() {
         }
     });
     // The standard variables configure the real exporter.
-    // SAFETY: this test binary runs this one test; nothing else reads the
-    // environment concurrently at this point.
+    // SAFETY: this test runs alone in its own process (see the wrapper
+    // above); nothing else reads the environment concurrently here.
     unsafe {
         std::env::set_var("OTEL_EXPORTER_OTLP_ENDPOINT", &endpoint);
         std::env::set_var("OTEL_SERVICE_NAME", "guardmesh-under-test");
     }
-    let telemetry =
-        guardmesh_server::telemetry::init(guardmesh_server::telemetry::LogFormat::Human, "warn")
-            .unwrap();
+    let telemetry = guardmesh_server::observe::telemetry::init(
+        guardmesh_server::observe::telemetry::LogFormat::Human,
+        "warn",
+    )
+    .unwrap();
     assert!(telemetry.exporting());
 
     let mesh = TestMesh::start().await;

@@ -2,9 +2,7 @@
 //! guard's policy applies at once once its circuit opens, and excess load
 //! is refused quickly instead of queueing without bound.
 
-mod common;
-
-use common::*;
+use crate::harness::*;
 use futures::StreamExt;
 use guardmesh_client::proto::{EvaluateRequest, FailurePolicy, ToolCall, TraceStatus};
 use guardmesh_client::{Batch, ClientError, Outcome, Registration};
@@ -16,10 +14,6 @@ use std::time::Duration;
 fn guard_entry(d: &guardmesh_client::Decision, name: &str) -> guardmesh_client::proto::GuardTrace {
     d.trace.iter().find(|t| t.guard == name).unwrap().clone()
 }
-
-/// Tests that measure this process's memory, or make it hold large
-/// batches, run one at a time: otherwise one would count the other's bytes.
-static HEAVY: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
 
 #[tokio::test]
 async fn circuit_opens_after_repeated_failures_and_fail_closed_still_blocks() {
@@ -197,8 +191,16 @@ fn rss_kib() -> u64 {
         .unwrap_or(0)
 }
 
+/// Measures (or sets) what the whole process owns: runs alone in a child
+/// process of the test binary (see `harness::isolated`).
+#[test]
+fn overload_flood_keeps_memory_bounded() {
+    isolated("overload::overload_flood_keeps_memory_bounded_in_own_process");
+}
+
 #[tokio::test]
-async fn overload_flood_keeps_memory_bounded() {
+#[ignore = "runs in its own process through overload_flood_keeps_memory_bounded"]
+async fn overload_flood_keeps_memory_bounded_in_own_process() {
     let _heavy = HEAVY.lock().await;
     let mut config = fast_config();
     config.limits.max_inflight_batches = 8;

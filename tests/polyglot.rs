@@ -9,9 +9,7 @@
 //! Needs `scripts/setup-polyglot` (build/venv and guards/node/node_modules);
 //! `scripts/test` runs it before `cargo test`.
 
-mod common;
-
-use common::*;
+use crate::harness::*;
 use guardmesh_client::proto::TraceStatus;
 use guardmesh_client::{Batch, Decision, Outcome, Registration};
 use std::time::Duration;

@@ -1,9 +1,7 @@
 //! Rewrites by mutate guards: order, grants, the original beside the final
 //! call, and dry runs (SPEC R10, R11, R12, R18).
 
-mod common;
-
-use common::*;
+use crate::harness::*;
 use guardmesh_client::proto::{FailurePolicy, ToolCall, TraceStatus, Verdict};
 use guardmesh_client::verdict::{cancel, rename, rewrite_arguments, steer};
 use guardmesh_client::{Batch, ClientError, Decision, Outcome, Registration};

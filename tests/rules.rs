@@ -2,9 +2,7 @@
 //! real mesh and real guards on loopback. Each test is named after the rule
 //! it holds.
 
-mod common;
-
-use common::*;
+use crate::harness::*;
 use guardmesh_client::proto::{EvaluateRequest, FailurePolicy, ToolCall, TraceStatus};
 use guardmesh_client::verdict::{cancel, proceed, steer};
 use guardmesh_client::{Batch, ClientError, Outcome, Registration};

@@ -2,14 +2,12 @@
 //! pinned guard identities, the endpoint policy, and certificate rotation.
 //! Certificates are generated here, with the same code as `guardmesh certs`.
 
-mod common;
-
-use common::*;
+use crate::harness::*;
+use guardmesh_cli::certs::{Authority, Issued, Subject};
 use guardmesh_client::proto::{FailurePolicy, TraceStatus};
 use guardmesh_client::{Batch, ClientError, Connection, Coordinator, Registrar, Registration, Tls};
-use guardmesh_server::auth::{AuthPolicy, Caller, Principal, Role};
-use guardmesh_server::certs::{Authority, Issued, Subject};
-use guardmesh_server::tls::ServerTls;
+use guardmesh_server::security::auth::{AuthPolicy, Caller, Principal, Role};
+use guardmesh_server::security::tls::ServerTls;
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
@@ -109,7 +107,8 @@ async fn secure_mesh_with(pki: &Pki, policy: AuthPolicy) -> (TestMesh, String) {
     config.security.server_tls = Some(ServerTls::new(&cert, &key, Some(&pki.ca_file())).unwrap());
     config.security.auth = Some(Arc::new(policy));
     config.security.guard_tls = Some(Arc::new(
-        guardmesh_server::dial::GuardTls::new(&pki.ca_file(), Some(&cert), Some(&key)).unwrap(),
+        guardmesh_server::link::dial::GuardTls::new(&pki.ca_file(), Some(&cert), Some(&key))
+            .unwrap(),
     ));
     let mesh = TestMesh::with_config(config).await;
     let url = mesh.url.replace("http://127.0.0.1", "https://localhost");
@@ -486,7 +485,7 @@ async fn impostor_guard_with_the_wrong_identity_is_not_called() {
 async fn ssrf_registration_to_metadata_or_outside_the_allow_list_is_refused() {
     let mut config = fast_config();
     config.security.endpoint_policy = Arc::new(
-        guardmesh_server::dial::EndpointPolicy::new(
+        guardmesh_server::link::dial::EndpointPolicy::new(
             &["127.0.0.0/8".into(), "localhost".into()],
             true,
         )
@@ -542,11 +541,12 @@ async fn presented_cert(port: u16, ca_pem: &str) -> Vec<u8> {
     for cert in rustls::pki_types::CertificateDer::pem_slice_iter(ca_pem.as_bytes()) {
         roots.add(cert.unwrap()).unwrap();
     }
-    let config = rustls::ClientConfig::builder_with_provider(guardmesh_server::tls::provider())
-        .with_safe_default_protocol_versions()
-        .unwrap()
-        .with_root_certificates(roots)
-        .with_no_client_auth();
+    let config =
+        rustls::ClientConfig::builder_with_provider(guardmesh_server::security::tls::provider())
+            .with_safe_default_protocol_versions()
+            .unwrap()
+            .with_root_certificates(roots)
+            .with_no_client_auth();
     let tcp = tokio::net::TcpStream::connect(("127.0.0.1", port))
         .await
         .unwrap();
@@ -1091,15 +1091,18 @@ async fn r25_handshake_then_silent_connections_are_closed() {
 
     // TLS handshake with a valid certificate, then silence.
     let (client_cert, client_key) = pki.write("client", &valid);
-    let tls_config = rustls::ClientConfig::builder_with_provider(guardmesh_server::tls::provider())
-        .with_safe_default_protocol_versions()
-        .unwrap()
-        .with_root_certificates(guardmesh_server::tls::load_roots(&pki.ca_file()).unwrap())
-        .with_client_auth_cert(
-            guardmesh_server::tls::load_certs(&client_cert).unwrap(),
-            guardmesh_server::tls::load_key(&client_key).unwrap(),
-        )
-        .unwrap();
+    let tls_config =
+        rustls::ClientConfig::builder_with_provider(guardmesh_server::security::tls::provider())
+            .with_safe_default_protocol_versions()
+            .unwrap()
+            .with_root_certificates(
+                guardmesh_server::security::tls::load_roots(&pki.ca_file()).unwrap(),
+            )
+            .with_client_auth_cert(
+                guardmesh_server::security::tls::load_certs(&client_cert).unwrap(),
+                guardmesh_server::security::tls::load_key(&client_key).unwrap(),
+            )
+            .unwrap();
     let connector = tokio_rustls::TlsConnector::from(Arc::new(tls_config));
     let mut silent_tls = Vec::new();
     for _ in 0..5 {

@@ -6,9 +6,7 @@
 //! Every wait is bounded; the tests assert outcomes and their order, never
 //! how long something took.
 
-mod common;
-
-use common::*;
+use crate::harness::*;
 use guardmesh_client::proto::TraceStatus;
 use guardmesh_client::{Batch, ClientError, Coordinator, Decision};
 use std::time::Duration;

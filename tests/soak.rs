@@ -6,7 +6,7 @@
 //! The run lasts 10 s by default (CI). For a longer run:
 //!
 //! ```text
-//! GUARDMESH_SOAK_SECS=600 cargo test -p guardmesh-server --release --test soak -- --nocapture
+//! GUARDMESH_SOAK_SECS=600 cargo test -p guardmesh-cli --release --test integration soak:: -- --nocapture
 //! ```
 //!
 //! The chain, in the order the mesh consults it:
@@ -27,9 +27,7 @@
 //! decision is checked against those logs and the guards' policies, and the
 //! figures are printed (run with `--nocapture` to see them).
 
-mod common;
-
-use common::*;
+use crate::harness::*;
 use guardmesh_client::proto::pre_tool_service_client::PreToolServiceClient;
 use guardmesh_client::proto::{
     Action, BatchContext, BatchDecision, CallDecision, EvaluateRequest, EvaluateResponse,

@@ -43,7 +43,7 @@
 //!
 //! `[registry]` chooses where the chain lives: `kind = "memory"` (the
 //! default: in this process, nothing to install) or `kind = "etcd"`, shared by
-//! every replica with the same `prefix` (see [`crate::etcd`]):
+//! every replica with the same `prefix` (see [`crate::registry::etcd`]):
 //!
 //! ```toml
 //! [registry]
@@ -60,9 +60,9 @@
 //! name is registered yet, so a replica restarting with an older file does
 //! not roll back a change made through `GuardRegistry`.
 
-use crate::auth::Role;
 use crate::link::LinkConfig;
 use crate::mesh::MeshConfig;
+use crate::security::auth::Role;
 use crate::validate::Limits;
 use guardmesh_proto::v1::{FailurePolicy, GuardMode, GuardRole, GuardSpec, RewriteGrant};
 use serde::Deserialize;
@@ -159,7 +159,7 @@ pub struct ServerConfig {
 
 impl Default for ServerConfig {
     fn default() -> Self {
-        let l = crate::tls::ListenerLimits::default();
+        let l = crate::security::tls::ListenerLimits::default();
         Self {
             handshake_timeout_ms: millis(l.handshake_timeout),
             keepalive_interval_ms: l.keepalive_interval.map_or(0, millis),
@@ -170,8 +170,8 @@ impl Default for ServerConfig {
 }
 
 impl ServerConfig {
-    pub fn listener_limits(&self) -> crate::tls::ListenerLimits {
-        crate::tls::ListenerLimits {
+    pub fn listener_limits(&self) -> crate::security::tls::ListenerLimits {
+        crate::security::tls::ListenerLimits {
             handshake_timeout: Duration::from_millis(self.handshake_timeout_ms),
             keepalive_interval: (self.keepalive_interval_ms > 0)
                 .then(|| Duration::from_millis(self.keepalive_interval_ms)),
@@ -337,7 +337,7 @@ pub struct RegistryConfig {
     /// How long a replica that lost etcd keeps judging with its last chain.
     pub staleness_window_ms: u64,
     /// After that: `refuse` (UNAVAILABLE, the default) or `serve_stale`.
-    pub after_window: crate::etcd::AfterWindow,
+    pub after_window: crate::registry::etcd::AfterWindow,
 }
 
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize)]
@@ -352,7 +352,7 @@ pub enum RegistryKind {
 
 impl Default for RegistryConfig {
     fn default() -> Self {
-        let e = crate::etcd::EtcdConfig::default();
+        let e = crate::registry::etcd::EtcdConfig::default();
         Self {
             kind: RegistryKind::Memory,
             endpoints: e.endpoints,
@@ -462,7 +462,7 @@ impl Default for EndpointPolicyConfig {
 #[derive(Debug, thiserror::Error)]
 pub enum SecurityError {
     #[error(transparent)]
-    Tls(#[from] crate::tls::TlsError),
+    Tls(#[from] crate::security::tls::TlsError),
     #[error("[endpoint_policy]: {0}")]
     Policy(String),
     #[error("[auth] principal {id:?}: cannot read token file {path}: {source}")]
@@ -479,7 +479,7 @@ pub enum SecurityError {
         index: usize,
         name: String,
         #[source]
-        source: Box<crate::spec::SpecError>,
+        source: Box<crate::registry::spec::SpecError>,
     },
     #[error(
         "[[guard]] entry {index} ({name:?}): endpoint {endpoint} is refused by the endpoint policy: {why}"
@@ -498,18 +498,18 @@ pub enum SecurityError {
 pub struct GuardConfig {
     pub name: String,
     pub endpoint: String,
-    #[serde(default)]
-    pub role: RoleConfig,
+    #[serde(default, deserialize_with = "by_name")]
+    pub role: GuardRole,
     #[serde(default)]
     pub tools: Vec<String>,
     #[serde(default)]
     pub timeout_ms: u32,
-    #[serde(default)]
-    pub failure_policy: PolicyConfig,
+    #[serde(default, deserialize_with = "by_name")]
+    pub failure_policy: FailurePolicy,
     #[serde(default)]
     pub priority: i32,
-    #[serde(default)]
-    pub mode: ModeConfig,
+    #[serde(default, deserialize_with = "by_name")]
+    pub mode: GuardMode,
     #[serde(default)]
     pub grant: Option<GrantConfig>,
     /// For `https://` endpoints: the identity the guard must present.
@@ -517,29 +517,15 @@ pub struct GuardConfig {
     pub server_identity: Option<String>,
 }
 
-#[derive(Debug, Clone, Copy, Default, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum RoleConfig {
-    #[default]
-    Validate,
-    Mutate,
-}
-
-#[derive(Debug, Clone, Copy, Default, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum PolicyConfig {
-    #[default]
-    FailClosed,
-    FailOpen,
-    Abort,
-}
-
-#[derive(Debug, Clone, Copy, Default, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum ModeConfig {
-    #[default]
-    Enforce,
-    DryRun,
+/// Reads an enum of the contract by its one spelling (`fail_closed`,
+/// `dry_run`, ...), see `guardmesh_proto`'s names.
+fn by_name<'de, D, T>(deserializer: D) -> Result<T, D::Error>
+where
+    D: serde::Deserializer<'de>,
+    T: std::str::FromStr<Err = guardmesh_proto::UnknownName>,
+{
+    let text = String::deserialize(deserializer)?;
+    text.parse().map_err(serde::de::Error::custom)
 }
 
 #[derive(Debug, Clone, Default, Deserialize)]
@@ -556,22 +542,12 @@ impl GuardConfig {
         GuardSpec {
             name: self.name.clone(),
             endpoint: self.endpoint.clone(),
-            role: match self.role {
-                RoleConfig::Validate => GuardRole::Validate,
-                RoleConfig::Mutate => GuardRole::Mutate,
-            } as i32,
+            role: self.role as i32,
             tools: self.tools.clone(),
             timeout_ms: self.timeout_ms,
-            failure_policy: match self.failure_policy {
-                PolicyConfig::FailClosed => FailurePolicy::FailClosed,
-                PolicyConfig::FailOpen => FailurePolicy::FailOpen,
-                PolicyConfig::Abort => FailurePolicy::Abort,
-            } as i32,
+            failure_policy: self.failure_policy as i32,
             priority: self.priority,
-            mode: match self.mode {
-                ModeConfig::Enforce => GuardMode::Enforce,
-                ModeConfig::DryRun => GuardMode::DryRun,
-            } as i32,
+            mode: self.mode as i32,
             grant: self.grant.as_ref().map(|g| RewriteGrant {
                 tools: g.tools.clone(),
                 may_rename: g.may_rename,
@@ -655,7 +631,7 @@ impl Config {
             .iter()
             .enumerate()
             .filter_map(|(i, g)| {
-                let guard = crate::spec::Guard::from_spec(&g.to_spec(), default).ok()?;
+                let guard = crate::registry::spec::Guard::from_spec(&g.to_spec(), default).ok()?;
                 Some(
                     guard
                         .warnings()
@@ -807,21 +783,21 @@ impl Config {
         let security = &mut config.security;
         security.listener = self.server.listener_limits();
         if let Some(tls) = &self.tls {
-            security.server_tls = Some(crate::tls::ServerTls::new(
+            security.server_tls = Some(crate::security::tls::ServerTls::new(
                 &tls.cert_file,
                 &tls.key_file,
                 tls.client_ca_file.as_deref(),
             )?);
         }
         if let Some(guard_tls) = &self.guard_tls {
-            security.guard_tls = Some(std::sync::Arc::new(crate::dial::GuardTls::new(
+            security.guard_tls = Some(std::sync::Arc::new(crate::link::dial::GuardTls::new(
                 &guard_tls.ca_file,
                 guard_tls.cert_file.as_deref(),
                 guard_tls.key_file.as_deref(),
             )?));
         }
         security.endpoint_policy = std::sync::Arc::new(
-            crate::dial::EndpointPolicy::new(
+            crate::link::dial::EndpointPolicy::new(
                 &self.endpoint_policy.allow,
                 self.endpoint_policy.deny_link_local,
             )
@@ -830,12 +806,13 @@ impl Config {
         // Guards of the file pass the checks a `Register` call passes: a
         // valid registration, and an endpoint the policy allows.
         for (i, g) in self.guards.iter().enumerate() {
-            let guard = crate::spec::Guard::from_spec(&g.to_spec(), config.default_guard_timeout)
-                .map_err(|source| SecurityError::Guard {
-                index: i + 1,
-                name: g.name.clone(),
-                source: Box::new(source),
-            })?;
+            let guard =
+                crate::registry::spec::Guard::from_spec(&g.to_spec(), config.default_guard_timeout)
+                    .map_err(|source| SecurityError::Guard {
+                        index: i + 1,
+                        name: g.name.clone(),
+                        source: Box::new(source),
+                    })?;
             security
                 .endpoint_policy
                 .check_host(&guard.host())
@@ -866,10 +843,10 @@ impl Config {
                         Some(token)
                     }
                 };
-                principals.push(crate::auth::Principal {
+                principals.push(crate::security::auth::Principal {
                     id: p.id.clone(),
                     token,
-                    caller: crate::auth::Caller {
+                    caller: crate::security::auth::Caller {
                         id: p.id.clone(),
                         roles: p.roles.iter().copied().collect(),
                         name_prefixes: p.name_prefixes.clone(),
@@ -877,7 +854,7 @@ impl Config {
                     },
                 });
             }
-            security.auth = Some(std::sync::Arc::new(crate::auth::AuthPolicy {
+            security.auth = Some(std::sync::Arc::new(crate::security::auth::AuthPolicy {
                 principals,
                 plaintext_tokens_on_loopback: auth.plaintext_tokens_on_loopback,
                 tokens_without_client_cert: auth.tokens_without_client_cert,
@@ -1085,10 +1062,13 @@ mod tests {
         )
         .unwrap();
         assert_eq!(config.registry.kind, RegistryKind::Etcd);
-        let etcd = crate::etcd::EtcdConfig::from_config(&config.registry).unwrap();
+        let etcd = crate::registry::etcd::EtcdConfig::from_config(&config.registry).unwrap();
         assert_eq!(etcd.prefix, "/guardmesh/prod");
         assert_eq!(etcd.staleness_window, Duration::from_secs(5));
-        assert_eq!(etcd.after_window, crate::etcd::AfterWindow::ServeStale);
+        assert_eq!(
+            etcd.after_window,
+            crate::registry::etcd::AfterWindow::ServeStale
+        );
         assert_eq!(etcd.password.as_deref(), Some("secret"));
         let err = Config::parse("[registry]\nkind = \"zookeeper\"\n", "cfg.toml")
             .unwrap_err()

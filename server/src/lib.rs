@@ -4,60 +4,49 @@
 //! `PreToolService`; the mesh fans it out to the registered *guards* and folds
 //! their verdicts into one decision per call, under the rules of SPEC.md.
 //!
-//! The modules, from the wire inwards:
+//! This crate is the mesh and nothing else; the `guardmesh` command, the demo,
+//! the benchmark and the conformance kit live in the `cli/` crate. The
+//! modules, from the wire inwards:
 //!
 //! * [`server`]: `run(listener, mesh, shutdown)`, the gRPC server with health
-//!   and reflection, and the layers around the services.
-//! * [`service`]: `PreToolService` (coordinators) and `GuardRegistry`.
-//! * [`batch`]: judging one batch: mutate guards in order, validate guards
-//!   concurrently, decisions and traces.
-//! * [`fold`]: the pure fold that makes concurrent verdicts equal sequential
-//!   ones (R3, R4, R5).
-//! * [`link`]: one long-lived `Judge` stream per guard, with reconnects.
+//!   and reflection; `server/service.rs` holds `PreToolService` (coordinators)
+//!   and `GuardRegistry` (registrars), `server/inbound.rs` checks a batch's
+//!   sizes and counts on its wire form before it is decoded (R20, R25).
+//! * `validate`: refusing bad batches before any guard sees them (R20), with
+//!   the one-pass I-JSON check of arguments in `validate/ijson.rs`.
+//! * `judge`: judging one batch: mutate guards in order, validate guards
+//!   concurrently, decisions and traces. `judge/fold.rs` is the pure fold that
+//!   makes concurrent verdicts equal sequential ones (R3, R4, R5);
+//!   `judge/verdicts.rs` the pure checks on one guard's verdicts (R8, R11).
+//! * `link`: one long-lived `Judge` stream per guard, with reconnects
+//!   (`link/backoff.rs`) and a circuit breaker (`link/breaker.rs`), both small
+//!   pure state machines; [`link::dial`]: which endpoints may be dialed and
+//!   the TLS towards guards.
 //! * [`mesh`]: the mesh's settings, its registry and chain snapshots (R17).
-//! * [`registry`]: where registrations live, behind a small trait.
-//! * [`etcd`]: the registry shared by several replicas, kept in etcd.
-//! * [`spec`]: a registration checked and compiled.
-//! * [`validate`]: refusing bad batches before any guard sees them (R20);
-//!   [`inbound`]: checking sizes and counts before a batch is decoded.
-//! * [`tls`], [`auth`]: TLS/mTLS on the listener, identities and roles;
-//!   [`dial`]: the endpoint policy and TLS towards guards; [`certs`]: a
-//!   local CA for development.
+//! * [`registry`]: where registrations live, behind the [`Registry`] trait:
+//!   in memory, or shared by replicas in [`registry::etcd`]; a registration
+//!   is checked and compiled in `registry/spec.rs`.
+//! * [`security`]: TLS/mTLS on the listener ([`security::tls`]), identities
+//!   and roles ([`security::auth`]).
+//! * [`observe`]: counters and histograms (`observe/metrics.rs`), the
+//!   Prometheus endpoint ([`observe::metrics_http`]), logs and traces
+//!   ([`observe::telemetry`]).
 //! * [`config`]: the TOML config file.
-//! * [`metrics`]: counters and histograms in the Prometheus text format;
-//!   [`metrics_http`] serves them.
-//! * [`telemetry`]: logs (and traces).
-//! * [`examples`]: example guards written with the Rust SDK.
-//! * [`conformance`]: `guardmesh conformance`, which checks a running guard
-//!   of any language against the `Judge` protocol.
-//! * [`demo`]: the self-contained demo behind `guardmesh demo`.
-//! * [`bench`]: `guardmesh bench`, the mesh against direct guard calls on
-//!   loopback (latency, throughput, CPU, memory).
 
-pub mod auth;
-pub mod batch;
-pub mod bench;
-pub mod certs;
 pub mod config;
-pub mod conformance;
-pub mod demo;
-pub mod dial;
-pub mod etcd;
-pub mod examples;
-pub mod fold;
-pub mod inbound;
+mod judge;
 pub mod link;
 pub mod mesh;
-pub mod metrics;
-pub mod metrics_http;
+pub mod observe;
 pub mod registry;
+pub mod security;
 pub mod server;
-pub mod service;
-pub mod spec;
-pub mod telemetry;
-pub mod tls;
-pub mod validate;
+mod validate;
 
-pub use batch::TraceContext;
+#[cfg(test)]
+mod properties;
+
+pub use judge::TraceContext;
+pub use link::error_chain;
 pub use mesh::{Mesh, MeshConfig};
 pub use registry::{MemoryRegistry, Registry};

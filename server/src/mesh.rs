@@ -6,13 +6,13 @@
 //! every guard whose endpoint did not change, so a re-registration neither
 //! drops the guard's stream nor moves it in the chain.
 
-use crate::auth::AuthPolicy;
-use crate::dial::{EndpointPolicy, GuardConnector, GuardTls};
+use crate::link::dial::{EndpointPolicy, GuardConnector, GuardTls};
 use crate::link::{GuardLink, LinkConfig};
-use crate::metrics::Metrics;
+use crate::observe::metrics::Metrics;
+use crate::registry::spec::Guard;
 use crate::registry::{ChainSpec, Registry};
-use crate::spec::Guard;
-use crate::tls::ServerTls;
+use crate::security::auth::AuthPolicy;
+use crate::security::tls::ServerTls;
 use crate::validate::Limits;
 use arc_swap::ArcSwap;
 use std::collections::HashMap;
@@ -48,7 +48,7 @@ pub struct Security {
     /// Concurrent HTTP/2 streams per client connection.
     pub max_concurrent_streams: u32,
     /// Handshake deadline, keepalive and connection cap of the listener (R25).
-    pub listener: crate::tls::ListenerLimits,
+    pub listener: crate::security::tls::ListenerLimits,
 }
 
 impl Default for MeshConfig {

@@ -1,0 +1,624 @@
+//! The `guardmesh` command line: parsing, the runtime, and the commands that
+//! talk to a mesh (`serve`, `guards`, `evaluate`, `certs`, `example-guard`).
+
+use crate::examples::{Example, Kind};
+use clap::{Parser, Subcommand};
+use guardmesh_client::proto::{
+    FailurePolicy, GuardMode, GuardRole, GuardSpec, RewriteGrant, ToolCall,
+};
+use guardmesh_client::{Batch, Coordinator, Registrar};
+use guardmesh_server::config::{Config, RegistryKind};
+use guardmesh_server::observe::telemetry::{self, LogFormat};
+use guardmesh_server::registry::etcd::{EtcdConfig, EtcdRegistry};
+use guardmesh_server::{MemoryRegistry, Mesh, Registry};
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+#[derive(Parser)]
+#[command(
+    name = "guardmesh",
+    version,
+    about = "A gRPC guard mesh for AI agent tool calls"
+)]
+struct Cli {
+    /// Log format on stderr: human or json.
+    #[arg(long, global = true, default_value_t = LogFormat::Human)]
+    log_format: LogFormat,
+    /// Runtime threads. 1 (the default) runs everything on one thread, which
+    /// measured best on small machines: the mesh waits on the network, and
+    /// cross-thread wakeups cost more than they gain (see README,
+    /// Performance). 0: one worker per core.
+    #[arg(
+        long,
+        global = true,
+        env = "GUARDMESH_WORKER_THREADS",
+        default_value_t = 1
+    )]
+    worker_threads: usize,
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Runs the mesh.
+    Serve {
+        /// TOML config file (see README). Without one, defaults apply.
+        #[arg(long)]
+        config: Option<PathBuf>,
+        /// Overrides the config's listen address (default 127.0.0.1:50051).
+        #[arg(long)]
+        listen: Option<std::net::SocketAddr>,
+    },
+    /// Lists, registers or deregisters guards of a running mesh.
+    Guards {
+        #[command(flatten)]
+        mesh: MeshArgs,
+        #[command(subcommand)]
+        action: GuardsAction,
+    },
+    /// Evaluates one batch from a JSON file and prints the decision.
+    ///
+    /// The file: {"session_id": "s", "turn_index": 0, "model_text": "...",
+    /// "metadata": {...}, "calls": [{"call_id": "c1", "tool": "t",
+    /// "arguments": {...}}]}
+    Evaluate {
+        #[command(flatten)]
+        mesh: MeshArgs,
+        file: PathBuf,
+    },
+    /// Starts a mesh and example guards on loopback and drives a coordinator
+    /// through a few rounds, printing decisions and traces.
+    Demo {
+        /// Run with mTLS and roles on the coordinator and registrar links
+        /// (certificates from a CA made for the run).
+        #[arg(long)]
+        mtls: bool,
+    },
+    /// Creates a local CA and certificates (mesh, coordinator, registrar,
+    /// admin, guard) with SPIFFE-style identities, for development and the
+    /// demo. Not for production.
+    Certs {
+        /// Folder to write into.
+        #[arg(default_value = "certs")]
+        dir: PathBuf,
+    },
+    /// Serves one of the example guards (prints `LISTENING <port>`).
+    ExampleGuard {
+        #[arg(value_enum)]
+        kind: Kind,
+        #[arg(long, default_value = "127.0.0.1:0")]
+        listen: std::net::SocketAddr,
+        /// Artificial latency per batch.
+        #[arg(long, default_value_t = 0)]
+        delay_ms: u64,
+    },
+    /// Checks a running guard, of any language, against the Judge protocol
+    /// (one PASS/FAIL line per check; exits non-zero on any failure).
+    Conformance(crate::conformance::ConformanceArgs),
+    /// Benchmarks the mesh against calling guards directly, all on loopback
+    /// (see README, Performance). `--quick` is a smoke run.
+    Bench(crate::bench::BenchArgs),
+    /// Serves the benchmark's guards and baselines (started by `bench`).
+    #[command(hide = true)]
+    BenchGuards(crate::bench::GuardsArgs),
+}
+
+/// How the command-line tools reach a mesh: its address and the
+/// credentials sent on every call (R24).
+#[derive(clap::Args)]
+struct MeshArgs {
+    /// The mesh's address (`https://` for a mesh with TLS).
+    #[arg(long, default_value = "http://127.0.0.1:50051", global = true)]
+    mesh: String,
+    /// PEM of the CA that signed the mesh's certificate (TLS).
+    #[arg(long, global = true)]
+    ca_file: Option<PathBuf>,
+    /// This client's PEM certificate, for a mesh that requires mTLS.
+    #[arg(long, global = true, requires = "key_file")]
+    cert_file: Option<PathBuf>,
+    /// The key of `--cert-file`, PEM.
+    #[arg(long, global = true, requires = "cert_file")]
+    key_file: Option<PathBuf>,
+    /// The name to verify the mesh's certificate against, when it differs
+    /// from the address's host.
+    #[arg(long, global = true)]
+    tls_domain: Option<String>,
+    /// Bearer token. Prefer `--token-file` or the environment variable:
+    /// a command line is visible to every user of the machine.
+    #[arg(long, global = true, env = "GUARDMESH_TOKEN", hide_env_values = true)]
+    token: Option<String>,
+    /// A file holding the bearer token (its first line); wins over
+    /// `--token` and `GUARDMESH_TOKEN`.
+    #[arg(long, global = true)]
+    token_file: Option<PathBuf>,
+}
+
+/// Why the command-line tools could not build their connection to a mesh.
+#[derive(Debug, thiserror::Error)]
+enum MeshArgsError {
+    #[error("cannot read {what} {path}: {source}")]
+    Read {
+        what: &'static str,
+        path: String,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("the token file {0} is empty")]
+    EmptyToken(String),
+    #[error(
+        "--mesh {0} is https://: pass --ca-file with the CA that signed the mesh's certificate"
+    )]
+    NoCa(String),
+    #[error("TLS settings given but --mesh {0} is not https://")]
+    NotHttps(String),
+}
+
+impl MeshArgs {
+    /// The SDK connection these flags describe.
+    fn connection(&self) -> Result<guardmesh_client::Connection, MeshArgsError> {
+        let read = |what: &'static str, path: &std::path::Path| {
+            std::fs::read_to_string(path).map_err(|source| MeshArgsError::Read {
+                what,
+                path: path.display().to_string(),
+                source,
+            })
+        };
+        let https = self.mesh.trim_start().starts_with("https://");
+        let tls_flags =
+            self.ca_file.is_some() || self.cert_file.is_some() || self.tls_domain.is_some();
+        let tls = match &self.ca_file {
+            Some(ca) if https => Some(guardmesh_client::Tls {
+                ca_pem: read("CA file", ca)?,
+                identity: match (&self.cert_file, &self.key_file) {
+                    (Some(cert), Some(key)) => {
+                        Some((read("certificate", cert)?, read("key", key)?))
+                    }
+                    _ => None,
+                },
+                domain: self.tls_domain.clone(),
+            }),
+            _ if https => return Err(MeshArgsError::NoCa(self.mesh.clone())),
+            _ if tls_flags => return Err(MeshArgsError::NotHttps(self.mesh.clone())),
+            _ => None,
+        };
+        let token = match (&self.token_file, &self.token) {
+            (None, Some(token)) => Some(token.trim().to_owned()),
+            (Some(path), _) => {
+                let text = read("token file", path)?;
+                let token = text.lines().next().unwrap_or_default().trim().to_owned();
+                if token.is_empty() {
+                    return Err(MeshArgsError::EmptyToken(path.display().to_string()));
+                }
+                Some(token)
+            }
+            (None, None) => None,
+        }
+        .filter(|t| !t.is_empty());
+        Ok(guardmesh_client::Connection { tls, token })
+    }
+}
+
+/// Adds what to do about a refusal for want of credentials.
+fn explain(error: guardmesh_client::ClientError) -> Error {
+    match error.code() {
+        Some(tonic::Code::Unauthenticated) => format!(
+            "{error} (this mesh wants credentials: --cert-file/--key-file for mTLS, or a \
+             token with --token-file or GUARDMESH_TOKEN, over https:// with --ca-file)"
+        )
+        .into(),
+        Some(tonic::Code::PermissionDenied) => {
+            format!("{error} (the credentials given lack the role this needs)").into()
+        }
+        _ => error.into(),
+    }
+}
+
+impl MeshArgs {
+    /// [`explain`], plus a hint when the connection failed under TLS
+    /// without a client certificate: a mesh that requires one refuses the
+    /// handshake before any RPC (R24), which reaches the client as a
+    /// transport error rather than `UNAUTHENTICATED`.
+    fn explain(&self) -> impl Fn(guardmesh_client::ClientError) -> Error + '_ {
+        move |error| {
+            let transport = matches!(error, guardmesh_client::ClientError::Connect(_))
+                || matches!(
+                    error.code(),
+                    // A closed handshake reaches the client as any of these,
+                    // depending on when the connection is cut.
+                    Some(tonic::Code::Unavailable | tonic::Code::Unknown | tonic::Code::Cancelled)
+                );
+            if transport && self.ca_file.is_some() && self.cert_file.is_none() {
+                let chain = guardmesh_server::error_chain(&error);
+                return format!(
+                    "{chain} (if this mesh requires client certificates, pass \
+                     --cert-file and --key-file)"
+                )
+                .into();
+            }
+            explain(error)
+        }
+    }
+}
+
+#[derive(Subcommand)]
+enum GuardsAction {
+    /// Prints the chain in order.
+    List,
+    /// Registers a guard, or updates it in place.
+    Register {
+        #[arg(long)]
+        name: String,
+        #[arg(long)]
+        endpoint: String,
+        /// validate or mutate.
+        #[arg(long, default_value_t = GuardRole::Validate)]
+        role: GuardRole,
+        /// Tools judged (names or globs, comma separated); default all.
+        #[arg(long, value_delimiter = ',')]
+        tools: Vec<String>,
+        #[arg(long, default_value_t = 0)]
+        timeout_ms: u32,
+        /// fail_closed, fail_open or abort (R13).
+        #[arg(long, default_value_t = FailurePolicy::FailClosed)]
+        failure_policy: FailurePolicy,
+        #[arg(long, default_value_t = 0, allow_hyphen_values = true)]
+        priority: i32,
+        #[arg(long)]
+        dry_run: bool,
+        /// For mutate guards: tools it may rewrite.
+        #[arg(long, value_delimiter = ',')]
+        grant_tools: Vec<String>,
+        /// For mutate guards: may rename tools.
+        #[arg(long)]
+        may_rename: bool,
+        /// For https endpoints: the identity the guard must present (DNS
+        /// name or spiffe:// ID).
+        #[arg(long)]
+        server_identity: Option<String>,
+    },
+    /// Removes a guard.
+    Deregister { name: String },
+}
+
+type Error = Box<dyn std::error::Error + Send + Sync>;
+
+/// Parses the command line, runs the command, and says how it went.
+pub fn main() -> ExitCode {
+    let cli = Cli::parse();
+    // The benchmark picks its own runtime flavours.
+    let cli = match cli.command {
+        Command::Bench(args) => return crate::bench::main(args),
+        Command::BenchGuards(args) => return crate::bench::serve_guards(args),
+        command => Cli { command, ..cli },
+    };
+    let mut builder = match cli.worker_threads {
+        1 => tokio::runtime::Builder::new_current_thread(),
+        0 => tokio::runtime::Builder::new_multi_thread(),
+        n => {
+            let mut builder = tokio::runtime::Builder::new_multi_thread();
+            builder.worker_threads(n);
+            builder
+        }
+    };
+    let runtime = match builder.enable_all().build() {
+        Ok(runtime) => runtime,
+        Err(error) => {
+            eprintln!("error: cannot start the runtime: {error}");
+            return ExitCode::FAILURE;
+        }
+    };
+    match runtime.block_on(run(cli)) {
+        Ok(code) => code,
+        Err(error) => {
+            eprintln!("error: {}", guardmesh_server::error_chain(error.as_ref()));
+            ExitCode::FAILURE
+        }
+    }
+}
+
+async fn run(cli: Cli) -> Result<ExitCode, Error> {
+    let default_filter = match cli.command {
+        Command::Serve { .. } => "info",
+        Command::Demo { .. } => "error",
+        _ => "warn",
+    };
+    let telemetry = telemetry::init(cli.log_format, default_filter)?;
+    let result = match cli.command {
+        Command::Serve { config, listen } => serve(config, listen).await,
+        Command::Guards { mesh, action } => guards(&mesh, action).await,
+        Command::Evaluate { mesh, file } => evaluate(&mesh, &file).await,
+        Command::Demo { mtls } => crate::demo::run(mtls).await,
+        Command::Certs { dir } => certs(&dir),
+        Command::ExampleGuard {
+            kind,
+            listen,
+            delay_ms,
+        } => example_guard(kind, listen, delay_ms).await,
+        Command::Conformance(args) => crate::conformance::main(args).await,
+        Command::Bench(_) | Command::BenchGuards(_) => {
+            Err("the benchmark is started before the runtime".into())
+        }
+    };
+    // Flush spans on the way out, also after an error.
+    telemetry.shutdown().await;
+    result.map(|()| ExitCode::SUCCESS)
+}
+
+async fn example_guard(
+    kind: Kind,
+    listen: std::net::SocketAddr,
+    delay_ms: u64,
+) -> Result<(), Error> {
+    let listener = tokio::net::TcpListener::bind(listen).await?;
+    println!("LISTENING {}", listener.local_addr()?.port());
+    let guard = Example::delayed(kind, Duration::from_millis(delay_ms));
+    guardmesh_client::serve(guard, listener, shutdown_signal()).await
+}
+
+fn certs(dir: &std::path::Path) -> Result<(), Error> {
+    let files = crate::certs::generate(dir)?;
+    println!("wrote {} files to {}:", files.len(), dir.display());
+    for file in files {
+        println!("  {}", file.display());
+    }
+    println!(
+        "identities: spiffe://{}/{{mesh,coordinator,registrar,admin,guard}}",
+        crate::certs::TRUST_DOMAIN
+    );
+    Ok(())
+}
+
+/// Completes on SIGINT or SIGTERM.
+async fn shutdown_signal() {
+    let interrupt = tokio::signal::ctrl_c();
+    #[cfg(unix)]
+    {
+        let mut term =
+            match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+                Ok(term) => term,
+                Err(_) => {
+                    let _ = interrupt.await;
+                    return;
+                }
+            };
+        tokio::select! {
+            _ = interrupt => {}
+            _ = term.recv() => {}
+        }
+    }
+    #[cfg(not(unix))]
+    {
+        let _ = interrupt.await;
+    }
+}
+
+async fn serve(config: Option<PathBuf>, listen: Option<std::net::SocketAddr>) -> Result<(), Error> {
+    let config = match config {
+        Some(path) => Config::load(&path)?,
+        None => Config::default(),
+    };
+    for warning in config.insecure_settings() {
+        tracing::warn!("insecure setting: {warning}");
+    }
+    for warning in config.guard_warnings() {
+        tracing::warn!("{warning}");
+    }
+    // The soft open-file limit up to the hard one; the connection cap is
+    // derived from it unless [server] max_connections is set (R25).
+    if let Some(limit) = guardmesh_server::security::tls::raise_open_file_limit() {
+        tracing::info!(open_files = limit, "open-file limit");
+    }
+    let mesh_config = config.build()?;
+    let registry = build_registry(&config, mesh_config.default_guard_timeout).await?;
+    let mesh = Mesh::new(mesh_config, registry);
+    // SIGHUP reloads the server certificate at once (it is also reloaded
+    // when its files change).
+    #[cfg(unix)]
+    if let Some(tls) = mesh.config.security.server_tls.clone()
+        && let Ok(mut hup) = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::hangup())
+    {
+        tokio::spawn(async move {
+            while hup.recv().await.is_some() {
+                tls.cert.reload();
+            }
+        });
+    }
+    let addr = listen.unwrap_or(config.listen);
+    let listener = tokio::net::TcpListener::bind(addr)
+        .await
+        .map_err(|e| format!("cannot listen on {addr}: {e}"))?;
+    tracing::info!(addr = %listener.local_addr()?, guards = config.guards.len(), "guardmesh serving");
+    if let Some(metrics_addr) = config.metrics_listen {
+        guardmesh_server::observe::metrics_http::spawn(metrics_addr, mesh.metrics.clone()).await?;
+    }
+    guardmesh_server::server::run(listener, mesh, shutdown_signal()).await?;
+    tracing::info!("guardmesh stopped");
+    Ok(())
+}
+
+/// The registry `[registry]` asks for, with the file's `[[guard]]` entries
+/// registered in file order (R16). With etcd they are only created where
+/// absent: the shared chain, not one replica's file, is the source of truth.
+async fn build_registry(
+    config: &Config,
+    default_timeout: Duration,
+) -> Result<Arc<dyn Registry>, Error> {
+    match config.registry.kind {
+        RegistryKind::Memory => {
+            let registry = Arc::new(MemoryRegistry::new(default_timeout));
+            for guard in &config.guards {
+                registry
+                    .register(guard.to_spec())
+                    .await
+                    .map_err(|e| format!("config guard {:?}: {e}", guard.name))?;
+            }
+            Ok(registry)
+        }
+        RegistryKind::Etcd => {
+            let etcd = EtcdConfig::from_config(&config.registry)?;
+            let registry = Arc::new(EtcdRegistry::connect(etcd, default_timeout).await?);
+            for guard in &config.guards {
+                registry
+                    .register_if_absent(guard.to_spec())
+                    .await
+                    .map_err(|e| format!("config guard {:?}: {e}", guard.name))?;
+            }
+            Ok(registry)
+        }
+    }
+}
+
+async fn guards(mesh: &MeshArgs, action: GuardsAction) -> Result<(), Error> {
+    let registrar = Registrar::connect_with(mesh.mesh.clone(), &mesh.connection()?)
+        .await
+        .map_err(mesh.explain())?;
+    match action {
+        GuardsAction::List => {
+            let list = registrar.list().await.map_err(mesh.explain())?;
+            println!("chain revision {}", list.revision);
+            println!(
+                "{:<4} {:<20} {:<9} {:<8} {:<12} {:>8}  {:<24} endpoint",
+                "#", "name", "role", "mode", "on failure", "timeout", "tools"
+            );
+            for (i, g) in list.guards.iter().enumerate() {
+                println!(
+                    "{:<4} {:<20} {:<9} {:<8} {:<12} {:>6}ms  {:<24} {}",
+                    i,
+                    g.name,
+                    g.role().name(),
+                    g.mode().name(),
+                    g.failure_policy().name(),
+                    g.timeout_ms,
+                    if g.tools.is_empty() {
+                        "*".to_owned()
+                    } else {
+                        g.tools.join(",")
+                    },
+                    g.endpoint
+                );
+            }
+        }
+        GuardsAction::Register {
+            name,
+            endpoint,
+            role,
+            tools,
+            timeout_ms,
+            failure_policy,
+            priority,
+            dry_run,
+            grant_tools,
+            may_rename,
+            server_identity,
+        } => {
+            let spec = GuardSpec {
+                name,
+                endpoint,
+                role: role as i32,
+                tools,
+                timeout_ms,
+                failure_policy: failure_policy as i32,
+                priority,
+                mode: if dry_run {
+                    GuardMode::DryRun
+                } else {
+                    GuardMode::Enforce
+                } as i32,
+                grant: (role == GuardRole::Mutate).then_some(RewriteGrant {
+                    tools: grant_tools,
+                    may_rename,
+                }),
+                server_identity: server_identity.unwrap_or_default(),
+            };
+            if role == GuardRole::Mutate && spec.grant.as_ref().is_none_or(|g| g.tools.is_empty()) {
+                eprintln!(
+                    "warning: guard {:?} is a mutate guard with an empty grant: every rewrite \
+                     it sends is rejected (R11); pass --grant-tools",
+                    spec.name
+                );
+            }
+            let out = registrar.register(spec).await.map_err(mesh.explain())?;
+            println!(
+                "{} at position {} (chain revision {})",
+                if out.created { "registered" } else { "updated" },
+                out.position,
+                out.revision
+            );
+        }
+        GuardsAction::Deregister { name } => {
+            if registrar
+                .deregister(name.clone())
+                .await
+                .map_err(mesh.explain())?
+            {
+                println!("deregistered {name}");
+            } else {
+                println!("no guard named {name}");
+            }
+        }
+    }
+    Ok(())
+}
+
+#[derive(serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+struct BatchFile {
+    #[serde(default)]
+    session_id: String,
+    #[serde(default)]
+    turn_index: u32,
+    #[serde(default)]
+    model_text: String,
+    #[serde(default)]
+    metadata: std::collections::HashMap<String, String>,
+    calls: Vec<CallFile>,
+}
+
+#[derive(serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+struct CallFile {
+    call_id: String,
+    tool: String,
+    #[serde(default)]
+    arguments: serde_json::Value,
+}
+
+async fn evaluate(mesh: &MeshArgs, file: &std::path::Path) -> Result<(), Error> {
+    let text = std::fs::read_to_string(file)
+        .map_err(|e| format!("cannot read {}: {e}", file.display()))?;
+    let input: BatchFile = serde_json::from_str(&text)
+        .map_err(|e| format!("{} is not a batch: {e}", file.display()))?;
+    let mut batch = Batch::new(input.turn_index).model_text(input.model_text);
+    batch.metadata = input.metadata;
+    batch.calls = input
+        .calls
+        .into_iter()
+        .map(|c| ToolCall {
+            call_id: c.call_id,
+            tool: c.tool,
+            arguments: if c.arguments.is_null() {
+                String::new()
+            } else {
+                c.arguments.to_string()
+            },
+        })
+        .collect();
+    let coordinator = Coordinator::connect_with(mesh.mesh.clone(), &mesh.connection()?)
+        .await
+        .map_err(mesh.explain())?;
+    let session = if input.session_id.is_empty() {
+        "cli"
+    } else {
+        &input.session_id
+    };
+    let decision = coordinator
+        .evaluate_once(session, batch)
+        .await
+        .map_err(mesh.explain())?;
+    print!("{}", crate::demo::render(&decision));
+    Ok(())
+}

@@ -1,0 +1,294 @@
+//! The benchmark's guard process (`guardmesh bench-guards`, hidden): the
+//! guards, served by the Rust SDK, each on its own port, and the unary
+//! baselines of `guardmesh.bench.v1`.
+//!
+//! For each guard it serves:
+//!
+//! * its `GuardService` port, with `guardmesh_client::guard::serve_arc`
+//!   exactly as a guard author serves a guard (health and reflection
+//!   included): the mesh's `Judge` stream lands here;
+//! * its `DirectGuard` port: the same guard object behind a unary call, what
+//!   a coordinator without a mesh calls.
+//!
+//! It also serves one raw unary `Echo` port. It prints `GUARD <name>
+//! <stream port> <direct port>` per guard, `ECHO <port>`, then `READY`, and
+//! exits when its stdin closes (the benchmark holds the other end), on
+//! SIGINT or SIGTERM.
+
+use super::{Error, Flavor};
+use guardmesh_client::Guard;
+use guardmesh_client::guard::GuardServer;
+use guardmesh_client::proto::guard_service_server::GuardServiceServer;
+use guardmesh_client::proto::{GuardBatch, JudgeResponse, Verdict};
+use guardmesh_client::verdict::steer;
+use guardmesh_proto::bench::v1::EchoMessage;
+use guardmesh_proto::bench::v1::direct_guard_server::{DirectGuard, DirectGuardServer};
+use guardmesh_proto::bench::v1::echo_server::{Echo, EchoServer};
+use std::io::{Read, Write};
+use std::process::ExitCode;
+use std::sync::Arc;
+use std::time::Duration;
+use tokio::net::TcpListener;
+use tonic::transport::server::TcpIncoming;
+use tonic::{Request, Response, Status};
+
+/// Arguments of `guardmesh bench-guards`.
+#[derive(Debug, Clone, clap::Args)]
+pub struct GuardsArgs {
+    /// A guard to serve: `NAME:DELAY_MS`, or `NAME:DELAY_MS:veto` for one
+    /// that steers every call it is sent. Repeatable.
+    #[arg(long = "guard", required = true)]
+    pub guards: Vec<String>,
+    /// Also serves the raw unary echo.
+    #[arg(long)]
+    pub echo: bool,
+    /// Runtime flavour of this process.
+    #[arg(long, value_enum, default_value_t = Flavor::Current)]
+    pub runtime: Flavor,
+    /// Serves the guards' `Judge` streams with the SDK's `GuardServer` on
+    /// sockets with `TCP_NODELAY`, instead of through the SDK's `serve`
+    /// (which leaves Nagle's algorithm on), to measure what that costs.
+    #[arg(long)]
+    pub stream_nodelay: bool,
+}
+
+/// One guard of the benchmark: answers after `delay`, proceeding on every
+/// call, or skipping (steer) every call when `veto`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct GuardDef {
+    pub name: String,
+    pub delay: Duration,
+    pub veto: bool,
+}
+
+impl GuardDef {
+    pub fn new(name: &str, delay_ms: u64, veto: bool) -> Self {
+        Self {
+            name: name.to_owned(),
+            delay: Duration::from_millis(delay_ms),
+            veto,
+        }
+    }
+
+    /// The `--guard` argument that describes it.
+    pub fn to_arg(&self) -> String {
+        let veto = if self.veto { ":veto" } else { "" };
+        format!("{}:{}{veto}", self.name, self.delay.as_millis())
+    }
+
+    /// Parses a `--guard` argument.
+    pub fn parse(text: &str) -> Result<Self, Error> {
+        let mut parts = text.split(':');
+        let bad = || format!("bad --guard {text:?}: expected NAME:DELAY_MS[:veto]");
+        let name = parts.next().filter(|n| !n.is_empty()).ok_or_else(bad)?;
+        let delay_ms: u64 = parts.next().and_then(|d| d.parse().ok()).ok_or_else(bad)?;
+        let veto = match parts.next() {
+            None => false,
+            Some("veto") => true,
+            Some(_) => return Err(bad().into()),
+        };
+        if parts.next().is_some() {
+            return Err(bad().into());
+        }
+        Ok(Self::new(name, delay_ms, veto))
+    }
+}
+
+/// The guard behind both ports.
+#[derive(Debug)]
+pub struct BenchGuard {
+    delay: Duration,
+    veto: bool,
+}
+
+impl Guard for BenchGuard {
+    async fn judge(&self, batch: &GuardBatch) -> Result<Vec<Verdict>, Status> {
+        if !self.delay.is_zero() {
+            tokio::time::sleep(self.delay).await;
+        }
+        Ok(if self.veto {
+            batch
+                .calls
+                .iter()
+                .map(|call| steer(&call.call_id, "Vetoed by the benchmark's guard."))
+                .collect()
+        } else {
+            Vec::new()
+        })
+    }
+}
+
+/// `DirectGuard`: one unary call per batch, answered by the same guard.
+struct Direct(Arc<BenchGuard>);
+
+#[tonic::async_trait]
+impl DirectGuard for Direct {
+    async fn judge(&self, request: Request<GuardBatch>) -> Result<Response<JudgeResponse>, Status> {
+        let batch = request.into_inner();
+        let answer = match self.0.judge(&batch).await {
+            Ok(verdicts) => JudgeResponse {
+                request_id: batch.request_id,
+                verdicts,
+                ..JudgeResponse::default()
+            },
+            Err(status) => JudgeResponse {
+                request_id: batch.request_id,
+                error: format!("{}: {}", status.code(), status.message()),
+                ..JudgeResponse::default()
+            },
+        };
+        Ok(Response::new(answer))
+    }
+}
+
+/// `Echo`: the request back, unchanged.
+struct Echoer;
+
+#[tonic::async_trait]
+impl Echo for Echoer {
+    async fn echo(&self, request: Request<EchoMessage>) -> Result<Response<EchoMessage>, Status> {
+        Ok(Response::new(request.into_inner()))
+    }
+}
+
+/// Entry point of `guardmesh bench-guards`.
+pub fn main(args: GuardsArgs) -> ExitCode {
+    super::init_logs("warn");
+    let runtime = match args.runtime.build() {
+        Ok(runtime) => runtime,
+        Err(error) => {
+            eprintln!("error: cannot start the runtime: {error}");
+            return ExitCode::FAILURE;
+        }
+    };
+    match runtime.block_on(serve(args)) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(error) => {
+            eprintln!("error: {}", guardmesh_server::error_chain(error.as_ref()));
+            ExitCode::FAILURE
+        }
+    }
+}
+
+/// Accepted connections with `TCP_NODELAY` set. Tonic applies its own
+/// `tcp_nodelay(true)` only to listeners it binds itself (`serve`), never to
+/// an incoming stream handed to `serve_with_incoming`; without it, Nagle's
+/// algorithm holds back small writes until the peer's delayed ACK (~40 ms).
+fn nodelay(listener: TcpListener) -> TcpIncoming {
+    TcpIncoming::from(listener).with_nodelay(Some(true))
+}
+
+async fn bind() -> Result<(TcpListener, u16), Error> {
+    let listener = TcpListener::bind("127.0.0.1:0").await?;
+    let port = listener.local_addr()?.port();
+    Ok((listener, port))
+}
+
+async fn serve(args: GuardsArgs) -> Result<(), Error> {
+    let defs = args
+        .guards
+        .iter()
+        .map(|g| GuardDef::parse(g))
+        .collect::<Result<Vec<_>, _>>()?;
+    let mut out = String::new();
+    for def in defs {
+        let guard = Arc::new(BenchGuard {
+            delay: def.delay,
+            veto: def.veto,
+        });
+        let (stream_listener, stream_port) = bind().await?;
+        let (direct_listener, direct_port) = bind().await?;
+        let name = def.name.clone();
+        let stream_nodelay = args.stream_nodelay;
+        tokio::spawn({
+            let guard = guard.clone();
+            async move {
+                let served = if stream_nodelay {
+                    tonic::transport::Server::builder()
+                        .add_service(GuardServiceServer::new(GuardServer::from_arc(guard)))
+                        .serve_with_incoming(nodelay(stream_listener))
+                        .await
+                        .map_err(Error::from)
+                } else {
+                    guardmesh_client::guard::serve_arc(
+                        guard,
+                        stream_listener,
+                        std::future::pending(),
+                    )
+                    .await
+                };
+                if let Err(error) = served {
+                    tracing::error!(guard = %name, %error, "guard server stopped");
+                }
+            }
+        });
+        let name = def.name.clone();
+        tokio::spawn(async move {
+            let served = tonic::transport::Server::builder()
+                .add_service(DirectGuardServer::new(Direct(guard)))
+                .serve_with_incoming(nodelay(direct_listener))
+                .await;
+            if let Err(error) = served {
+                tracing::error!(guard = %name, %error, "direct server stopped");
+            }
+        });
+        out.push_str(&format!("GUARD {} {stream_port} {direct_port}\n", def.name));
+    }
+    if args.echo {
+        let (listener, port) = bind().await?;
+        tokio::spawn(async move {
+            let served = tonic::transport::Server::builder()
+                .add_service(EchoServer::new(Echoer))
+                .serve_with_incoming(nodelay(listener))
+                .await;
+            if let Err(error) = served {
+                tracing::error!(%error, "echo server stopped");
+            }
+        });
+        out.push_str(&format!("ECHO {port}\n"));
+    }
+    out.push_str("READY\n");
+    {
+        let mut stdout = std::io::stdout().lock();
+        stdout.write_all(out.as_bytes())?;
+        stdout.flush()?;
+    }
+    // Stops when the benchmark closes our stdin (it holds the other end, so
+    // this also happens when it dies), or on a signal.
+    let (closed_tx, closed_rx) = tokio::sync::oneshot::channel::<()>();
+    std::thread::Builder::new()
+        .name("bench-stdin".into())
+        .spawn(move || {
+            let mut stdin = std::io::stdin().lock();
+            let mut buf = [0u8; 256];
+            while let Ok(n) = stdin.read(&mut buf) {
+                if n == 0 {
+                    break;
+                }
+            }
+            let _ = closed_tx.send(());
+        })?;
+    tokio::select! {
+        _ = closed_rx => {}
+        () = super::interrupted() => {}
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn guard_args_round_trip() {
+        for def in [
+            GuardDef::new("zero-1", 0, false),
+            GuardDef::new("veto-1ms", 1, true),
+        ] {
+            assert_eq!(GuardDef::parse(&def.to_arg()).ok(), Some(def));
+        }
+        for bad in ["", "x", "x:", "x:y", "x:1:maybe", "x:1:veto:1", ":1"] {
+            assert!(GuardDef::parse(bad).is_err(), "{bad}");
+        }
+    }
+}

@@ -1,0 +1,1225 @@
+//! `guardmesh bench`: the mesh against calling guards directly, on loopback,
+//! in one run.
+//!
+//! What runs where:
+//!
+//! * **one guard process** (`guardmesh bench-guards`, this executable): every
+//!   guard of every scenario, served by the Rust SDK, each on its own port,
+//!   each with its own simulated latency; next to each, the same guard
+//!   behind a unary `DirectGuard` port; and one raw unary `Echo` port
+//!   (`proto/guardmesh/bench/v1/bench.proto`);
+//! * **a fresh mesh process per scenario** (`guardmesh serve --config
+//!   <tmp.toml>`, the guards of the scenario declared in the file), so that
+//!   the chain differs per scenario without registry traffic in between,
+//!   nothing carries over from one scenario to the next, and the mesh's CPU
+//!   time (`/proc/<pid>/stat`) and memory (`/proc/<pid>/status`) are its own;
+//! * **this process**: the coordinator load generator, using the SDK
+//!   (`Session::evaluate` on an `Evaluate` stream; the generated unary
+//!   clients for the baselines).
+//!
+//! Every batch has 4 calls with 500 bytes of JSON arguments each. Latency
+//! scenarios keep one batch in flight and are run in groups whose scenarios
+//! alternate round by round after their warm-up, so that a change of the
+//! machine's state (on these VMs latency is bimodal with vCPU placement)
+//! hits both sides of a ratio alike:
+//!
+//! | group | scenarios |
+//! |---|---|
+//! | zero-latency guards | `direct_unary`, `mesh_1`, `mesh_4` |
+//! | 5 ms guards | `direct_unary_5ms`, `mesh_4_5ms`, `sequential_4_5ms` |
+//! | veto | `veto_1ms`, `early_veto` |
+//!
+//! Then throughput (closed loop, 64 batches in flight on 64 sessions, against
+//! the echo with 64 calls in flight; windows alternate), the CPU per batch of
+//! the mesh and per call of the echo server in those windows, and the mesh's
+//! RSS with 1,000 idle coordinator streams.
+//!
+//! Every child process is killed when the benchmark ends, fails, panics or is
+//! interrupted ([`child::Child`] kills on drop; children also get a
+//! parent-death signal). No timing is asserted anywhere: a run fails only if
+//! something does not work.
+
+mod child;
+mod guards;
+mod report;
+
+pub use guards::GuardsArgs;
+
+use child::{Child, TempDir};
+use futures::{StreamExt, TryStreamExt};
+use guardmesh_client::proto::{BatchContext, EvaluateRequest, GuardBatch, ToolCall};
+use guardmesh_client::{Batch, Coordinator, Outcome, Registrar, Session};
+use guardmesh_proto::bench::v1::EchoMessage;
+use guardmesh_proto::bench::v1::direct_guard_client::DirectGuardClient;
+use guardmesh_proto::bench::v1::echo_client::EchoClient;
+use guards::GuardDef;
+use hdrhistogram::Histogram;
+use prost::Message;
+use report::{Cpu, Latency, Memory, Results, Throughput};
+use serde_json::{Map, Value, json};
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::process::{Command, ExitCode};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Duration;
+use tokio::sync::mpsc;
+use tokio::task::JoinSet;
+use tokio::time::Instant;
+use tonic::transport::Channel;
+
+pub type Error = Box<dyn std::error::Error + Send + Sync>;
+
+/// How long a child process may take to get ready.
+const START_TIMEOUT: Duration = Duration::from_secs(15);
+/// How long one operation may take before the run fails.
+const OP_TIMEOUT: Duration = Duration::from_secs(10);
+/// Calls per batch, and the size of each call's JSON arguments.
+const CALLS: usize = 4;
+const ARGUMENT_BYTES: usize = 500;
+/// Idle coordinator streams for the memory figure.
+const IDLE_STREAMS: usize = 1000;
+
+/// A tokio runtime flavour.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum Flavor {
+    /// One thread (`new_current_thread`).
+    Current,
+    /// One worker per core (`new_multi_thread`).
+    Multi,
+}
+
+impl Flavor {
+    fn build(self) -> std::io::Result<tokio::runtime::Runtime> {
+        match self {
+            Self::Current => tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build(),
+            Self::Multi => tokio::runtime::Builder::new_multi_thread()
+                .enable_all()
+                .build(),
+        }
+    }
+
+    fn label(self) -> &'static str {
+        match self {
+            Self::Current => "current",
+            Self::Multi => "multi",
+        }
+    }
+}
+
+/// Arguments of `guardmesh bench`.
+#[derive(Debug, Clone, clap::Args)]
+pub struct BenchArgs {
+    /// Smoke run: small samples, done within a minute. Its figures are noisy.
+    #[arg(long)]
+    pub quick: bool,
+    /// Writes every figure and ratio to this JSON file.
+    #[arg(long, value_name = "FILE")]
+    pub json: Option<PathBuf>,
+    /// Interleaved rounds per latency group (default 10; 3 with --quick).
+    #[arg(long)]
+    pub rounds: Option<u32>,
+    /// Batches (and echo calls) in flight in the throughput runs.
+    #[arg(long, default_value_t = 64)]
+    pub in_flight: usize,
+    /// Coordinator connections the 1,000 idle streams are spread over.
+    #[arg(long, default_value_t = 10)]
+    pub idle_connections: usize,
+    /// Runtime flavour of the load generator (this process).
+    #[arg(long, value_enum, default_value_t = Flavor::Current)]
+    pub client_runtime: Flavor,
+    /// Runtime flavour of the guard process. The mesh runs as `guardmesh
+    /// serve` does.
+    #[arg(long, value_enum, default_value_t = Flavor::Current)]
+    pub guard_runtime: Flavor,
+    /// Diagnostic: serves the guards' `Judge` streams with `TCP_NODELAY` on
+    /// the accepted sockets, rather than through the SDK's `serve`.
+    #[arg(long)]
+    pub guard_nodelay: bool,
+}
+
+/// Logs to stderr, `RUST_LOG` or `default_filter`.
+fn init_logs(default_filter: &str) {
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(default_filter));
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .try_init();
+}
+
+/// Completes on SIGINT or SIGTERM.
+async fn interrupted() {
+    #[cfg(unix)]
+    {
+        use tokio::signal::unix::{SignalKind, signal};
+        match (
+            signal(SignalKind::interrupt()),
+            signal(SignalKind::terminate()),
+        ) {
+            (Ok(mut int), Ok(mut term)) => {
+                tokio::select! {
+                    _ = int.recv() => {}
+                    _ = term.recv() => {}
+                }
+            }
+            _ => {
+                let _ = tokio::signal::ctrl_c().await;
+            }
+        }
+    }
+    #[cfg(not(unix))]
+    {
+        let _ = tokio::signal::ctrl_c().await;
+    }
+}
+
+/// Entry point of `guardmesh bench`.
+pub fn main(args: BenchArgs) -> ExitCode {
+    init_logs("warn");
+    let runtime = match args.client_runtime.build() {
+        Ok(runtime) => runtime,
+        Err(error) => {
+            eprintln!("error: cannot start the runtime: {error}");
+            return ExitCode::FAILURE;
+        }
+    };
+    let outcome = runtime.block_on(async {
+        tokio::select! {
+            result = run(&args) => result,
+            () = interrupted() => Err("interrupted".into()),
+        }
+    });
+    // Stops whatever the run left (its tasks hold nothing but sockets).
+    runtime.shutdown_timeout(Duration::from_secs(1));
+    match outcome {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(error) => {
+            eprintln!("error: {}", guardmesh_server::error_chain(error.as_ref()));
+            ExitCode::FAILURE
+        }
+    }
+}
+
+/// Entry point of the hidden `guardmesh bench-guards`.
+pub fn serve_guards(args: GuardsArgs) -> ExitCode {
+    guards::main(args)
+}
+
+/// Sample sizes of a run.
+#[derive(Debug, Clone, Copy)]
+struct Plan {
+    rounds: u32,
+    /// (warm-up, per round) for scenarios with zero-latency guards.
+    fast: (u64, u64),
+    /// (warm-up, per round) for the 5 ms scenarios with one call per batch
+    /// and guard.
+    slow: (u64, u64),
+    /// (warm-up, per round) for `sequential_4_5ms`.
+    sequential: (u64, u64),
+    /// (warm-up, per round) for the veto scenarios.
+    veto: (u64, u64),
+    throughput_windows: u32,
+    throughput_warmup: Duration,
+    throughput_window: Duration,
+    /// Pause before reading the RSS, for the streams to settle.
+    settle: Duration,
+}
+
+impl Plan {
+    fn new(args: &BenchArgs) -> Self {
+        let plan = if args.quick {
+            Self {
+                rounds: 3,
+                fast: (500, 700),
+                slow: (20, 40),
+                sequential: (5, 12),
+                veto: (50, 80),
+                throughput_windows: 1,
+                throughput_warmup: Duration::from_millis(300),
+                throughput_window: Duration::from_secs(1),
+                settle: Duration::from_millis(300),
+            }
+        } else {
+            Self {
+                rounds: 10,
+                fast: (2000, 3000),
+                slow: (50, 150),
+                sequential: (20, 40),
+                veto: (200, 300),
+                throughput_windows: 3,
+                throughput_warmup: Duration::from_millis(500),
+                throughput_window: Duration::from_secs(3),
+                settle: Duration::from_secs(1),
+            }
+        };
+        Self {
+            rounds: args.rounds.unwrap_or(plan.rounds).max(1),
+            ..plan
+        }
+    }
+}
+
+/// What every operation sends: one batch of [`CALLS`] calls.
+struct Work {
+    /// For the mesh (`Session::evaluate`).
+    batch: Batch,
+    /// For a direct call: what the mesh would send a guard.
+    guard_batch: GuardBatch,
+    /// For the echo: the encoded `EvaluateRequest` of the batch.
+    echo: prost::bytes::Bytes,
+    request_bytes: usize,
+}
+
+/// JSON arguments of exactly [`ARGUMENT_BYTES`] bytes.
+fn arguments(i: usize, tool: &str) -> String {
+    let base = json!({
+        "request": i,
+        "tool": tool,
+        "query": "SELECT id, name, email, created_at FROM customers WHERE region = 'emea' ORDER BY created_at DESC",
+        "options": { "timeout_s": 30, "retries": 2, "dry_run": false },
+        "note": "",
+    })
+    .to_string();
+    let filler = "The agent asked for this call while working through the user's request; ";
+    let pad = ARGUMENT_BYTES.saturating_sub(base.len());
+    let note: String = filler.chars().cycle().take(pad).collect();
+    base.replace("\"note\":\"\"", &format!("\"note\":\"{note}\""))
+}
+
+impl Work {
+    fn new() -> Self {
+        let tools = ["sql.query", "http.get", "fs.read", "shell.exec"];
+        let mut batch = Batch::new(7)
+            .model_text("Looking up the customer records and the related files before answering.")
+            .meta("tenant", "acme")
+            .meta("user", "u-1042")
+            .meta("agent", "support-bot");
+        for i in 0..CALLS {
+            let tool = tools[i % tools.len()];
+            batch = batch.call(format!("call-{i}"), tool, arguments(i, tool));
+        }
+        let context = BatchContext {
+            session_id: "bench".into(),
+            turn_index: batch.turn_index,
+            model_text: batch.model_text.clone(),
+            metadata: batch.metadata.clone(),
+        };
+        let request = EvaluateRequest {
+            batch_id: "bench/7/1".into(),
+            context: Some(context.clone()),
+            calls: batch.calls.clone(),
+            ..EvaluateRequest::default()
+        };
+        let guard_batch = GuardBatch {
+            request_id: 0,
+            batch_id: request.batch_id.clone(),
+            guard: String::new(),
+            context: Some(context),
+            calls: batch.calls.clone(),
+            deadline_ms: 1000,
+            ..GuardBatch::default()
+        };
+        let encoded = request.encode_to_vec();
+        Self {
+            batch,
+            guard_batch,
+            request_bytes: encoded.len(),
+            echo: encoded.into(),
+        }
+    }
+
+    fn calls(&self) -> &[ToolCall] {
+        &self.batch.calls
+    }
+}
+
+/// The guard process and where its guards listen.
+struct GuardProcess {
+    child: Child,
+    /// Name to (stream port, direct port).
+    ports: HashMap<String, (u16, u16)>,
+    echo_port: u16,
+}
+
+impl GuardProcess {
+    async fn start(
+        exe: &Path,
+        dir: &Path,
+        defs: &[GuardDef],
+        args: &BenchArgs,
+    ) -> Result<Self, Error> {
+        let mut command = Command::new(exe);
+        command
+            .arg("bench-guards")
+            .arg("--echo")
+            .arg("--runtime")
+            .arg(args.guard_runtime.label());
+        if args.guard_nodelay {
+            command.arg("--stream-nodelay");
+        }
+        for def in defs {
+            command.arg("--guard").arg(def.to_arg());
+        }
+        let (tx, mut rx) = mpsc::unbounded_channel();
+        let mut child = Child::spawn(
+            "the guard process",
+            command,
+            Some(dir.join("guards.log")),
+            Some(tx),
+        )?;
+        let mut ports = HashMap::new();
+        let mut echo_port = None;
+        let deadline = Instant::now() + START_TIMEOUT;
+        loop {
+            let line = match tokio::time::timeout_at(deadline, rx.recv()).await {
+                Ok(Some(line)) => line,
+                Ok(None) => {
+                    child.check_alive()?;
+                    return Err("the guard process closed its output before READY".into());
+                }
+                Err(_) => {
+                    return Err(format!(
+                        "the guard process was not ready within {START_TIMEOUT:?}{}",
+                        child.log_tail()
+                    )
+                    .into());
+                }
+            };
+            let words: Vec<&str> = line.split_whitespace().collect();
+            match words.as_slice() {
+                ["GUARD", name, stream, direct] => {
+                    ports.insert((*name).to_owned(), (stream.parse()?, direct.parse()?));
+                }
+                ["ECHO", port] => echo_port = Some(port.parse()?),
+                ["READY"] => break,
+                _ => return Err(format!("unexpected line from the guard process: {line:?}").into()),
+            }
+        }
+        let echo_port = echo_port.ok_or("the guard process serves no echo")?;
+        Ok(Self {
+            child,
+            ports,
+            echo_port,
+        })
+    }
+
+    fn ports(&self, name: &str) -> Result<(u16, u16), Error> {
+        self.ports
+            .get(name)
+            .copied()
+            .ok_or_else(|| format!("the guard process serves no guard {name:?}").into())
+    }
+
+    fn stream_url(&self, name: &str) -> Result<String, Error> {
+        Ok(format!("http://127.0.0.1:{}", self.ports(name)?.0))
+    }
+
+    async fn direct(&self, name: &str) -> Result<(String, DirectGuardClient<Channel>), Error> {
+        let url = format!("http://127.0.0.1:{}", self.ports(name)?.1);
+        Ok((name.to_owned(), DirectGuardClient::new(connect(url).await?)))
+    }
+
+    async fn echo(&self) -> Result<EchoClient<Channel>, Error> {
+        let url = format!("http://127.0.0.1:{}", self.echo_port);
+        Ok(EchoClient::new(connect(url).await?))
+    }
+}
+
+/// A channel set up as the SDK's coordinator sets up its own.
+async fn connect(url: String) -> Result<Channel, Error> {
+    Ok(tonic::transport::Endpoint::from_shared(url)?
+        .tcp_nodelay(true)
+        .connect_timeout(START_TIMEOUT)
+        .connect()
+        .await?)
+}
+
+/// A free loopback port (free when asked; the mesh binds it right after).
+fn free_port() -> Result<u16, Error> {
+    let listener = std::net::TcpListener::bind("127.0.0.1:0")?;
+    Ok(listener.local_addr()?.port())
+}
+
+/// One mesh, `guardmesh serve --config <tmp.toml>`, with its guards declared
+/// in the file.
+struct MeshProcess {
+    label: &'static str,
+    child: Child,
+    url: String,
+}
+
+impl MeshProcess {
+    async fn start(
+        exe: &Path,
+        dir: &Path,
+        label: &'static str,
+        guards: &GuardProcess,
+        names: &[&str],
+    ) -> Result<Self, Error> {
+        let mut last_error: Option<Error> = None;
+        // A port found free may be taken before the mesh binds it: retry.
+        for attempt in 0..3 {
+            let port = free_port()?;
+            let mut config =
+                format!("# guardmesh bench, scenario {label}\nlisten = \"127.0.0.1:{port}\"\n");
+            for name in names {
+                config.push_str(&format!(
+                    "\n[[guard]]\nname = \"{name}\"\nendpoint = \"{}\"\n",
+                    guards.stream_url(name)?
+                ));
+            }
+            let config_path = dir.join(format!("{label}.toml"));
+            std::fs::write(&config_path, config)
+                .map_err(|e| format!("cannot write {}: {e}", config_path.display()))?;
+            let mut command = Command::new(exe);
+            command.arg("serve").arg("--config").arg(&config_path);
+            let log = dir.join(format!("{label}-{attempt}.log"));
+            let child = Child::spawn(format!("the mesh of {label}"), command, Some(log), None)?;
+            let mut mesh = Self {
+                label,
+                child,
+                url: format!("http://127.0.0.1:{port}"),
+            };
+            match mesh.wait_ready(names.len()).await {
+                Ok(()) => return Ok(mesh),
+                Err(error) => last_error = Some(error),
+            }
+        }
+        Err(last_error.unwrap_or_else(|| format!("the mesh of {label} did not start").into()))
+    }
+
+    /// Waits until the mesh answers `GuardRegistry.List` with its guards.
+    async fn wait_ready(&mut self, guards: usize) -> Result<(), Error> {
+        let deadline = Instant::now() + START_TIMEOUT;
+        loop {
+            self.child.check_alive()?;
+            let url = self.url.clone();
+            let listed = tokio::time::timeout(Duration::from_secs(1), async move {
+                Registrar::connect(url).await?.list().await
+            })
+            .await;
+            match listed {
+                Ok(Ok(list)) if list.guards.len() == guards => {
+                    self.child.check_alive()?;
+                    return Ok(());
+                }
+                Ok(Ok(list)) => {
+                    return Err(format!(
+                        "the mesh of {} on {} lists {} guards, not {guards}",
+                        self.label,
+                        self.url,
+                        list.guards.len()
+                    )
+                    .into());
+                }
+                _ if Instant::now() < deadline => {
+                    tokio::time::sleep(Duration::from_millis(20)).await;
+                }
+                Ok(Err(error)) => {
+                    return Err(
+                        format!("the mesh of {} on {}: {error}", self.label, self.url).into(),
+                    );
+                }
+                Err(_) => {
+                    return Err(format!(
+                        "the mesh of {} on {} was not ready within {START_TIMEOUT:?}",
+                        self.label, self.url
+                    )
+                    .into());
+                }
+            }
+        }
+    }
+
+    fn pid(&self) -> u32 {
+        self.child.pid()
+    }
+
+    async fn coordinator(&self) -> Result<Coordinator, Error> {
+        Ok(Coordinator::from_channel(connect(self.url.clone()).await?))
+    }
+
+    async fn session(&self, name: &str) -> Result<Session, Error> {
+        Ok(self.coordinator().await?.session(name).await?)
+    }
+}
+
+/// CPU time of the mesh (if any), the guard process and this process.
+fn cpu_now(mesh: Option<u32>, guards: u32) -> Result<Cpu, Error> {
+    Ok(Cpu {
+        mesh: mesh.map(child::cpu_time).transpose()?.unwrap_or_default(),
+        guards: child::cpu_time(guards)?,
+        client: child::cpu_time(std::process::id())?,
+    })
+}
+
+/// Checks a mesh decision: every call proceeds, or every call was steered
+/// (by the vetoing guard).
+fn check_decision(
+    decision: &guardmesh_client::Decision,
+    work: &Work,
+    veto: bool,
+) -> Result<(), Error> {
+    if decision.calls.len() != work.calls().len() {
+        return Err(format!(
+            "the mesh decided {} calls of {}",
+            decision.calls.len(),
+            work.calls().len()
+        )
+        .into());
+    }
+    for call in &decision.calls {
+        let ok = match &call.outcome {
+            Outcome::Proceed => !veto,
+            Outcome::Steer { .. } => veto,
+            Outcome::Cancel { .. } => false,
+        };
+        if !ok {
+            return Err(format!(
+                "unexpected decision for {}: {:?} by {:?}",
+                call.call_id, call.outcome, call.decided_by
+            )
+            .into());
+        }
+    }
+    Ok(())
+}
+
+/// How a latency scenario judges a batch.
+enum Op {
+    /// Unary `DirectGuard.Judge` calls, one guard after another.
+    Direct(Vec<(String, DirectGuardClient<Channel>)>),
+    /// One `Session::evaluate` on the mesh.
+    Mesh(Session),
+}
+
+/// A latency scenario.
+struct Scenario {
+    name: &'static str,
+    what: &'static str,
+    op: Op,
+    /// Every call is expected to be vetoed.
+    veto: bool,
+    mesh_pid: Option<u32>,
+    /// (warm-up, per round).
+    counts: (u64, u64),
+    histogram: Histogram<u64>,
+    cpu: Cpu,
+    next_request: u64,
+}
+
+impl Scenario {
+    fn new(
+        name: &'static str,
+        what: &'static str,
+        op: Op,
+        veto: bool,
+        mesh: Option<&MeshProcess>,
+        counts: (u64, u64),
+    ) -> Result<Self, Error> {
+        Ok(Self {
+            name,
+            what,
+            op,
+            veto,
+            mesh_pid: mesh.map(MeshProcess::pid),
+            counts,
+            histogram: report::histogram()?,
+            cpu: Cpu::default(),
+            next_request: 0,
+        })
+    }
+
+    async fn once(&mut self, work: &Work) -> Result<(), Error> {
+        match &mut self.op {
+            Op::Direct(clients) => {
+                for (name, client) in clients.iter_mut() {
+                    self.next_request += 1;
+                    let mut batch = work.guard_batch.clone();
+                    batch.guard.clone_from(name);
+                    batch.request_id = self.next_request;
+                    let answer = client.judge(batch).await?.into_inner();
+                    let expected = if self.veto { work.calls().len() } else { 0 };
+                    if !answer.error.is_empty()
+                        || answer.request_id != self.next_request
+                        || answer.verdicts.len() != expected
+                    {
+                        return Err(
+                            format!("unexpected answer from guard {name}: {answer:?}").into()
+                        );
+                    }
+                }
+                Ok(())
+            }
+            Op::Mesh(session) => {
+                let decision = session.evaluate(work.batch.clone()).await?;
+                check_decision(&decision, work, self.veto)
+            }
+        }
+    }
+
+    async fn timed(&mut self, work: &Work) -> Result<Duration, Error> {
+        let started = Instant::now();
+        match tokio::time::timeout(OP_TIMEOUT, self.once(work)).await {
+            Ok(Ok(())) => Ok(started.elapsed()),
+            Ok(Err(error)) => Err(format!("{}: {error}", self.name).into()),
+            Err(_) => Err(format!("{}: no answer within {OP_TIMEOUT:?}", self.name).into()),
+        }
+    }
+
+    async fn warm_up(&mut self, work: &Work) -> Result<(), Error> {
+        for _ in 0..self.counts.0 {
+            self.timed(work).await?;
+        }
+        Ok(())
+    }
+
+    async fn measure_round(&mut self, work: &Work, guards_pid: u32) -> Result<(), Error> {
+        let before = cpu_now(self.mesh_pid, guards_pid)?;
+        for _ in 0..self.counts.1 {
+            let elapsed = self.timed(work).await?;
+            report::record(&mut self.histogram, elapsed);
+        }
+        self.cpu
+            .add(cpu_now(self.mesh_pid, guards_pid)?.since(before));
+        Ok(())
+    }
+
+    fn figures(&self) -> Latency {
+        Latency::new(
+            self.name,
+            self.what,
+            &self.histogram,
+            self.cpu,
+            self.mesh_pid.is_some(),
+        )
+    }
+}
+
+/// Runs a group: each scenario's warm-up, then `rounds` rounds in which the
+/// scenarios take turns.
+async fn run_group(
+    title: &str,
+    scenarios: &mut [Scenario],
+    rounds: u32,
+    work: &Work,
+    guards: &mut GuardProcess,
+    meshes: &mut [&mut MeshProcess],
+) -> Result<Vec<Latency>, Error> {
+    let names: Vec<&str> = scenarios.iter().map(|s| s.name).collect();
+    eprintln!("[bench] {title}: {}", names.join(", "));
+    let result = async {
+        for scenario in scenarios.iter_mut() {
+            scenario.warm_up(work).await?;
+        }
+        for _ in 0..rounds {
+            for scenario in scenarios.iter_mut() {
+                scenario.measure_round(work, guards.child.pid()).await?;
+            }
+        }
+        Ok::<(), Error>(())
+    }
+    .await;
+    if let Err(error) = result {
+        // Name a dead process rather than its symptom.
+        guards.child.check_alive()?;
+        for mesh in meshes.iter_mut() {
+            mesh.child.check_alive()?;
+        }
+        return Err(error);
+    }
+    Ok(scenarios.iter().map(Scenario::figures).collect())
+}
+
+/// What a throughput worker calls.
+#[derive(Clone)]
+enum Load {
+    Mesh(Arc<Session>),
+    Echo(EchoClient<Channel>),
+}
+
+impl Load {
+    async fn once(&mut self, work: &Work) -> Result<(), Error> {
+        match self {
+            Self::Mesh(session) => {
+                let decision = session.evaluate(work.batch.clone()).await?;
+                check_decision(&decision, work, false)
+            }
+            Self::Echo(client) => {
+                let answer = client
+                    .echo(EchoMessage {
+                        payload: work.echo.clone(),
+                    })
+                    .await?
+                    .into_inner();
+                if answer.payload.len() == work.echo.len() {
+                    Ok(())
+                } else {
+                    Err("the echo changed the payload".into())
+                }
+            }
+        }
+    }
+}
+
+/// Sums of a throughput run's windows.
+struct LoadTotals {
+    histogram: Histogram<u64>,
+    elapsed: Duration,
+    cpu: Cpu,
+}
+
+impl LoadTotals {
+    fn new() -> Result<Self, Error> {
+        Ok(Self {
+            histogram: report::histogram()?,
+            elapsed: Duration::ZERO,
+            cpu: Cpu::default(),
+        })
+    }
+}
+
+/// One closed-loop window: `loads.len()` workers, each with one operation
+/// in flight; after `warmup`, the operations that complete within `window`
+/// are counted (and their latency recorded) along with the CPU used.
+async fn closed_loop(
+    loads: &[Load],
+    work: &Arc<Work>,
+    warmup: Duration,
+    window: Duration,
+    mesh_pid: Option<u32>,
+    guards_pid: u32,
+    totals: &mut LoadTotals,
+) -> Result<(), Error> {
+    let stop = Arc::new(AtomicBool::new(false));
+    let recording = Arc::new(AtomicBool::new(false));
+    let mut workers = JoinSet::new();
+    for load in loads {
+        let mut load = load.clone();
+        let work = work.clone();
+        let stop = stop.clone();
+        let recording = recording.clone();
+        workers.spawn(async move {
+            let mut histogram = report::histogram()?;
+            while !stop.load(Ordering::Relaxed) {
+                let started = Instant::now();
+                match tokio::time::timeout(OP_TIMEOUT, load.once(&work)).await {
+                    Ok(Ok(())) => {}
+                    Ok(Err(error)) => return Err(error),
+                    Err(_) => return Err(format!("no answer within {OP_TIMEOUT:?}").into()),
+                }
+                if recording.load(Ordering::Relaxed) {
+                    report::record(&mut histogram, started.elapsed());
+                }
+            }
+            Ok::<_, Error>(histogram)
+        });
+    }
+    let measured = async {
+        tokio::time::sleep(warmup).await;
+        let before = cpu_now(mesh_pid, guards_pid)?;
+        let started = Instant::now();
+        recording.store(true, Ordering::Relaxed);
+        tokio::time::sleep(window).await;
+        recording.store(false, Ordering::Relaxed);
+        let elapsed = started.elapsed();
+        let cpu = cpu_now(mesh_pid, guards_pid)?.since(before);
+        Ok::<_, Error>((elapsed, cpu))
+    };
+    // A worker that fails ends the window early.
+    let (elapsed, cpu) = tokio::select! {
+        measured = measured => measured?,
+        Some(joined) = workers.join_next() => {
+            stop.store(true, Ordering::Relaxed);
+            return Err(match joined {
+                Ok(Err(error)) => error,
+                Ok(Ok(_)) => "a worker stopped early".into(),
+                Err(error) => error.into(),
+            });
+        }
+    };
+    stop.store(true, Ordering::Relaxed);
+    while let Some(joined) = workers.join_next().await {
+        let histogram = joined??;
+        totals
+            .histogram
+            .add(&histogram)
+            .map_err(|e| format!("histogram: {e}"))?;
+    }
+    totals.elapsed += elapsed;
+    totals.cpu.add(cpu);
+    Ok(())
+}
+
+/// Throughput of `mesh_4` against the raw echo, windows alternating.
+async fn throughput(
+    exe: &Path,
+    dir: &Path,
+    guards: &mut GuardProcess,
+    work: &Arc<Work>,
+    plan: &Plan,
+    in_flight: usize,
+) -> Result<Vec<Throughput>, Error> {
+    eprintln!("[bench] throughput: mesh_4 and echo, {in_flight} in flight");
+    let mut mesh = MeshProcess::start(exe, dir, "throughput_mesh_4", guards, &ZERO).await?;
+    let coordinator = mesh.coordinator().await?;
+    let mut sessions = Vec::with_capacity(in_flight);
+    for i in 0..in_flight {
+        sessions.push(Load::Mesh(Arc::new(
+            coordinator.session(format!("load-{i}")).await?,
+        )));
+    }
+    let echo = guards.echo().await?;
+    let echoes: Vec<Load> = (0..in_flight).map(|_| Load::Echo(echo.clone())).collect();
+    let mut mesh_totals = LoadTotals::new()?;
+    let mut echo_totals = LoadTotals::new()?;
+    let result = async {
+        for _ in 0..plan.throughput_windows {
+            closed_loop(
+                &sessions,
+                work,
+                plan.throughput_warmup,
+                plan.throughput_window,
+                Some(mesh.pid()),
+                guards.child.pid(),
+                &mut mesh_totals,
+            )
+            .await
+            .map_err(|e| format!("throughput mesh_4: {e}"))?;
+            closed_loop(
+                &echoes,
+                work,
+                plan.throughput_warmup,
+                plan.throughput_window,
+                None,
+                guards.child.pid(),
+                &mut echo_totals,
+            )
+            .await
+            .map_err(|e| format!("throughput echo: {e}"))?;
+        }
+        Ok::<(), Error>(())
+    }
+    .await;
+    if let Err(error) = result {
+        guards.child.check_alive()?;
+        mesh.child.check_alive()?;
+        return Err(error);
+    }
+    Ok(vec![
+        Throughput::new(
+            "mesh_4",
+            "batches through the mesh, 4 zero-latency guards",
+            &mesh_totals.histogram,
+            mesh_totals.elapsed,
+            mesh_totals.cpu,
+            true,
+        ),
+        Throughput::new(
+            "echo",
+            "raw unary echo of the batch's bytes",
+            &echo_totals.histogram,
+            echo_totals.elapsed,
+            echo_totals.cpu,
+            false,
+        ),
+    ])
+}
+
+/// The RSS of a fresh `mesh_4` mesh, then with [`IDLE_STREAMS`] idle
+/// coordinator streams open (each has judged one batch).
+async fn memory(
+    exe: &Path,
+    dir: &Path,
+    guards: &GuardProcess,
+    work: &Work,
+    plan: &Plan,
+    connections: usize,
+) -> Result<Memory, Error> {
+    eprintln!(
+        "[bench] memory: {IDLE_STREAMS} idle coordinator streams on {connections} connections"
+    );
+    let mut mesh = MeshProcess::start(exe, dir, "memory_mesh_4", guards, &ZERO).await?;
+    {
+        let session = mesh.session("warm-up").await?;
+        for _ in 0..100 {
+            let decision = session.evaluate(work.batch.clone()).await?;
+            check_decision(&decision, work, false)?;
+        }
+    }
+    tokio::time::sleep(plan.settle).await;
+    let idle_bytes = mesh.child.rss()?;
+    let connections = connections.max(1);
+    let mut coordinators = Vec::with_capacity(connections);
+    for _ in 0..connections {
+        coordinators.push(mesh.coordinator().await?);
+    }
+    let coordinators = &coordinators;
+    let opened = tokio::time::timeout(Duration::from_secs(60), async {
+        let sessions: Vec<Session> = futures::stream::iter(0..IDLE_STREAMS)
+            .map(|i| async move {
+                coordinators[i % coordinators.len()]
+                    .session(format!("idle-{i}"))
+                    .await
+            })
+            .buffer_unordered(64)
+            .try_collect()
+            .await?;
+        futures::stream::iter(&sessions)
+            .map(|session| async move {
+                let decision = session.evaluate(work.batch.clone()).await?;
+                check_decision(&decision, work, false)
+            })
+            .buffer_unordered(64)
+            .try_collect::<Vec<()>>()
+            .await?;
+        Ok::<_, Error>(sessions)
+    })
+    .await
+    .map_err(|_| "opening the idle streams took over 60 s")??;
+    tokio::time::sleep(plan.settle).await;
+    mesh.child.check_alive()?;
+    let with_streams_bytes = mesh.child.rss()?;
+    drop(opened);
+    Ok(Memory {
+        idle_bytes,
+        streams: IDLE_STREAMS,
+        connections,
+        with_streams_bytes,
+    })
+}
+
+const ZERO: [&str; 4] = ["zero-1", "zero-2", "zero-3", "zero-4"];
+const FIVE: [&str; 4] = ["ms5-1", "ms5-2", "ms5-3", "ms5-4"];
+const EARLY_VETO: [&str; 4] = ["veto-1ms", "ms200-2", "ms200-3", "ms200-4"];
+
+/// Every guard the scenarios use.
+fn catalog() -> Vec<GuardDef> {
+    let mut defs = Vec::new();
+    for name in ZERO {
+        defs.push(GuardDef::new(name, 0, false));
+    }
+    for name in FIVE {
+        defs.push(GuardDef::new(name, 5, false));
+    }
+    defs.push(GuardDef::new("veto-1ms", 1, true));
+    for name in &EARLY_VETO[1..] {
+        defs.push(GuardDef::new(name, 200, false));
+    }
+    defs
+}
+
+async fn run(args: &BenchArgs) -> Result<(), Error> {
+    let started = Instant::now();
+    let plan = Plan::new(args);
+    let exe = std::env::current_exe().map_err(|e| format!("cannot find this executable: {e}"))?;
+    let temp = TempDir::new("guardmesh-bench")?;
+    let dir = temp.path();
+    let work = Arc::new(Work::new());
+    let mode = if args.quick { "quick" } else { "full" };
+    eprintln!(
+        "[bench] {mode} run: batches of {CALLS} calls with {ARGUMENT_BYTES} B of JSON arguments ({} B per EvaluateRequest); logs in {}",
+        work.request_bytes,
+        dir.display()
+    );
+    let mut guards = GuardProcess::start(&exe, dir, &catalog(), args).await?;
+    let mut latency = Vec::new();
+
+    // Zero-latency guards: direct_unary, mesh_1, mesh_4.
+    {
+        let mut mesh1 = MeshProcess::start(&exe, dir, "mesh_1", &guards, &ZERO[..1]).await?;
+        let mut mesh4 = MeshProcess::start(&exe, dir, "mesh_4", &guards, &ZERO).await?;
+        let mut scenarios = vec![
+            Scenario::new(
+                "direct_unary",
+                "one unary call to one zero-latency guard",
+                Op::Direct(vec![guards.direct(ZERO[0]).await?]),
+                false,
+                None,
+                plan.fast,
+            )?,
+            Scenario::new(
+                "mesh_1",
+                "the mesh, 1 zero-latency guard",
+                Op::Mesh(mesh1.session("mesh_1").await?),
+                false,
+                Some(&mesh1),
+                plan.fast,
+            )?,
+            Scenario::new(
+                "mesh_4",
+                "the mesh, 4 zero-latency guards",
+                Op::Mesh(mesh4.session("mesh_4").await?),
+                false,
+                Some(&mesh4),
+                plan.fast,
+            )?,
+        ];
+        latency.extend(
+            run_group(
+                "zero-latency guards",
+                &mut scenarios,
+                plan.rounds,
+                &work,
+                &mut guards,
+                &mut [&mut mesh1, &mut mesh4],
+            )
+            .await?,
+        );
+    }
+
+    // Guards that take 5 ms: direct_unary_5ms, mesh_4_5ms, sequential_4_5ms.
+    {
+        let mut mesh = MeshProcess::start(&exe, dir, "mesh_4_5ms", &guards, &FIVE).await?;
+        let mut sequential = Vec::new();
+        for name in FIVE {
+            sequential.push(guards.direct(name).await?);
+        }
+        let mut scenarios = vec![
+            Scenario::new(
+                "direct_unary_5ms",
+                "one unary call to one 5 ms guard",
+                Op::Direct(vec![guards.direct(FIVE[0]).await?]),
+                false,
+                None,
+                plan.slow,
+            )?,
+            Scenario::new(
+                "mesh_4_5ms",
+                "the mesh, 4 guards of 5 ms",
+                Op::Mesh(mesh.session("mesh_4_5ms").await?),
+                false,
+                Some(&mesh),
+                plan.slow,
+            )?,
+            Scenario::new(
+                "sequential_4_5ms",
+                "unary calls to 4 guards of 5 ms, one after another",
+                Op::Direct(sequential),
+                false,
+                None,
+                plan.sequential,
+            )?,
+        ];
+        latency.extend(
+            run_group(
+                "5 ms guards",
+                &mut scenarios,
+                plan.rounds,
+                &work,
+                &mut guards,
+                &mut [&mut mesh],
+            )
+            .await?,
+        );
+    }
+
+    // Veto: veto_1ms against early_veto.
+    {
+        let mut alone =
+            MeshProcess::start(&exe, dir, "veto_1ms", &guards, &EARLY_VETO[..1]).await?;
+        let mut early = MeshProcess::start(&exe, dir, "early_veto", &guards, &EARLY_VETO).await?;
+        let mut scenarios = vec![
+            Scenario::new(
+                "veto_1ms",
+                "the mesh, 1 guard that vetoes every call after 1 ms",
+                Op::Mesh(alone.session("veto_1ms").await?),
+                true,
+                Some(&alone),
+                plan.veto,
+            )?,
+            Scenario::new(
+                "early_veto",
+                "the mesh, the same guard first, then 3 guards of 200 ms",
+                Op::Mesh(early.session("early_veto").await?),
+                true,
+                Some(&early),
+                plan.veto,
+            )?,
+        ];
+        latency.extend(
+            run_group(
+                "veto",
+                &mut scenarios,
+                plan.rounds,
+                &work,
+                &mut guards,
+                &mut [&mut alone, &mut early],
+            )
+            .await?,
+        );
+    }
+
+    let in_flight = args.in_flight.max(1);
+    let throughput = throughput(&exe, dir, &mut guards, &work, &plan, in_flight).await?;
+    let memory = memory(&exe, dir, &guards, &work, &plan, args.idle_connections).await?;
+
+    let mut setup = Map::new();
+    let mut put = |key: &str, value: Value| {
+        setup.insert(key.into(), value);
+    };
+    put("calls_per_batch", json!(CALLS));
+    put("argument_bytes", json!(ARGUMENT_BYTES));
+    put("evaluate_request_bytes", json!(work.request_bytes));
+    put("rounds", json!(plan.rounds));
+    put("counts_fast", json!([plan.fast.0, plan.fast.1]));
+    put("counts_5ms", json!([plan.slow.0, plan.slow.1]));
+    put(
+        "counts_sequential",
+        json!([plan.sequential.0, plan.sequential.1]),
+    );
+    put("counts_veto", json!([plan.veto.0, plan.veto.1]));
+    put("in_flight", json!(in_flight));
+    put("throughput_windows", json!(plan.throughput_windows));
+    put(
+        "throughput_window_s",
+        json!(plan.throughput_window.as_secs_f64()),
+    );
+    put("idle_streams", json!(IDLE_STREAMS));
+    put("client_runtime", json!(args.client_runtime.label()));
+    put("guard_runtime", json!(args.guard_runtime.label()));
+    put(
+        "guard_streams",
+        json!(if args.guard_nodelay {
+            "GuardServer on TCP_NODELAY sockets (--guard-nodelay)"
+        } else {
+            "guardmesh_client::guard::serve_arc"
+        }),
+    );
+    put(
+        "mesh",
+        json!("guardmesh serve --config <tmp.toml>, a fresh process per scenario"),
+    );
+    put(
+        "cpus",
+        json!(std::thread::available_parallelism().map_or(0, |n| n.get())),
+    );
+    put("elapsed_s", json!(started.elapsed().as_secs_f64()));
+    let results = Results {
+        quick: args.quick,
+        setup,
+        latency,
+        throughput,
+        memory,
+    };
+    println!(
+        "guardmesh bench ({mode} run, {:.0} s): batches of {CALLS} calls, {ARGUMENT_BYTES} B of JSON arguments each",
+        started.elapsed().as_secs_f64()
+    );
+    print!("{}", results.table()?);
+    if let Some(path) = &args.json {
+        if let Some(parent) = path.parent().filter(|p| !p.as_os_str().is_empty()) {
+            std::fs::create_dir_all(parent)
+                .map_err(|e| format!("cannot create {}: {e}", parent.display()))?;
+        }
+        let text = serde_json::to_string_pretty(&results.json()?)?;
+        std::fs::write(path, text + "\n")
+            .map_err(|e| format!("cannot write {}: {e}", path.display()))?;
+        println!("\nwrote {}", path.display());
+    }
+    drop(guards);
+    Ok(())
+}

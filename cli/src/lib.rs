@@ -1,0 +1,23 @@
+//! The `guardmesh` command and the tools around the mesh. The mesh itself is
+//! the `guardmesh-server` library; nothing here is on a batch's path.
+//!
+//! * `app`: the command line (clap), the runtime, and the commands that run
+//!   or talk to a mesh: `serve`, `guards`, `evaluate`, `certs`,
+//!   `example-guard`.
+//! * [`demo`]: `guardmesh demo`, a mesh, example guards and a coordinator in
+//!   one process, printing decisions and traces.
+//! * [`examples`]: the example guards, written with the Rust SDK.
+//! * [`conformance`]: `guardmesh conformance`, which checks a running guard of
+//!   any language against the `Judge` protocol.
+//! * [`bench`]: `guardmesh bench`, the mesh against what users would run
+//!   instead, on loopback (latency, throughput, CPU, memory).
+//! * [`certs`]: a local CA and certificates for development and tests.
+
+mod app;
+pub mod bench;
+pub mod certs;
+pub mod conformance;
+pub mod demo;
+pub mod examples;
+
+pub use app::main;

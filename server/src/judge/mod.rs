@@ -1,0 +1,1058 @@
+//! Judging one batch: mutate guards one after another (R10), then validate
+//! guards concurrently through the [`Fold`] (R3, R4, R5), then one decision
+//! per call (R2) and one trace entry per guard (R21).
+//!
+//! * [`verdicts`]: a guard's verdicts checked before they count (R8, R11),
+//!   with typed reasons for what is dropped or rejected.
+//! * Failures take one path (R13): `guard_failed` is the one sequence for
+//!   every failure, [`FoldGuard::on_failure`] the one reading of the policy,
+//!   and `apply` the one place a fold's outcome reaches the calls. Each
+//!   mutate guard is judged through a one-guard fold, the validate guards
+//!   through one fold together.
+//! * Deciding and recording are apart: `decide` builds the decision, and
+//!   `record` writes the logs, metrics and span fields of what happened.
+
+pub(crate) mod fold;
+pub mod verdicts;
+
+use crate::judge::fold::{Decided, Fold, FoldGuard};
+use crate::link::{GuardFailure, LinkEvent};
+use crate::mesh::{Chain, ChainGuard, Mesh};
+use crate::registry::spec::Guard;
+use crate::validate;
+use guardmesh_proto::v1::{
+    Action, BatchContext, BatchDecision, CallDecision, EvaluateRequest, GuardBatch, GuardRole,
+    GuardTrace, JudgeResponse, SkipKind, ToolCall, TraceStatus,
+};
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::Duration;
+use tokio::sync::mpsc;
+use tokio::time::Instant;
+use tonic::Status;
+use verdicts::{Malformed, check_verdicts};
+
+/// The coordinator's W3C trace context for a batch (R22).
+#[derive(Debug, Clone, Default)]
+pub struct TraceContext {
+    /// The parent of the batch's span.
+    pub parent: opentelemetry::Context,
+    pub traceparent: String,
+    pub tracestate: String,
+    /// 32 hex digits, or empty when there is no trace.
+    pub trace_id: String,
+    /// `EvaluateBatch` for unary calls; `Evaluate` otherwise.
+    pub unary: bool,
+}
+
+impl TraceContext {
+    /// Reads a `traceparent`/`tracestate` pair; empty when invalid.
+    pub fn from_w3c(traceparent: &str, tracestate: &str) -> Self {
+        match guardmesh_client::trace::parse_traceparent(traceparent) {
+            Some((trace_id, _, _)) => Self {
+                parent: guardmesh_client::trace::parent_context(traceparent, tracestate),
+                traceparent: traceparent.trim().to_owned(),
+                tracestate: tracestate.to_owned(),
+                trace_id: trace_id.to_ascii_lowercase(),
+                unary: false,
+            },
+            None => Self::default(),
+        }
+    }
+}
+
+/// Why a batch got no decision.
+#[derive(Debug, thiserror::Error)]
+pub enum BatchError {
+    /// Refused before any guard was contacted (R20).
+    #[error("batch refused: {}", .0.status.message())]
+    Refused(validate::Refusal),
+    /// A guard with failure policy `abort` failed (R13).
+    #[error("batch aborted: guard {guard:?} failed ({failure}) and its failure policy is abort")]
+    Aborted {
+        guard: String,
+        failure: GuardFailure,
+    },
+}
+
+impl BatchError {
+    /// The gRPC status the coordinator gets.
+    pub fn status(&self) -> Status {
+        match self {
+            Self::Refused(refusal) => refusal.status.clone(),
+            Self::Aborted { .. } => Status::unavailable(self.to_string()),
+        }
+    }
+}
+
+/// A call being judged.
+struct Call {
+    original: ToolCall,
+    current: ToolCall,
+    fixed: Option<Fixed>,
+    rewritten_by: Vec<String>,
+    bypassed: Vec<String>,
+}
+
+/// A skip that fixed a call.
+struct Fixed {
+    content: String,
+    kind: SkipKind,
+    by: String,
+    failure: bool,
+}
+
+fn unavailable(guard: &Guard) -> Fixed {
+    Fixed {
+        content: format!(
+            "Tool call blocked: guard {} is unavailable, so this call cannot be checked. Do not retry it now.",
+            guard.name
+        ),
+        kind: SkipKind::Cancel,
+        by: guard.name.clone(),
+        failure: true,
+    }
+}
+
+/// What happened at one guard, collected into its trace entry.
+struct GuardRun {
+    sent: Vec<bool>,
+    sent_any: bool,
+    request_id: Option<u64>,
+    started: Option<Instant>,
+    finished: Option<Instant>,
+    skipped: Vec<usize>,
+    rewritten: Vec<usize>,
+    malformed: Vec<Malformed>,
+    failure: Option<GuardFailure>,
+    superseded: bool,
+    answered: Vec<bool>,
+    /// The guard's client span, while the guard is consulted.
+    span: Option<tracing::Span>,
+}
+
+impl GuardRun {
+    fn new(calls: usize) -> Self {
+        Self {
+            sent: vec![false; calls],
+            sent_any: false,
+            request_id: None,
+            started: None,
+            finished: None,
+            skipped: Vec::new(),
+            rewritten: Vec::new(),
+            malformed: Vec::new(),
+            failure: None,
+            superseded: false,
+            answered: vec![false; calls],
+            span: None,
+        }
+    }
+
+    /// From sending to the answer or the failure, when both happened.
+    fn latency(&self) -> Option<Duration> {
+        match (self.started, self.finished) {
+            (Some(s), Some(f)) => Some(f - s),
+            _ => None,
+        }
+    }
+
+    /// The status this run would have if the guard enforced.
+    fn status(&self) -> TraceStatus {
+        match &self.failure {
+            _ if !self.sent_any => TraceStatus::NotApplicable,
+            Some(GuardFailure::TimedOut(_)) => TraceStatus::TimedOut,
+            Some(GuardFailure::RejectedRewrite(_)) => TraceStatus::RejectedRewrite,
+            Some(_) => TraceStatus::Failed,
+            None if self.superseded => TraceStatus::Superseded,
+            None if !self.malformed.is_empty() => TraceStatus::Malformed,
+            None if !self.skipped.is_empty() => TraceStatus::Skipped,
+            None if !self.rewritten.is_empty() => TraceStatus::Rewrote,
+            None => TraceStatus::Proceeded,
+        }
+    }
+}
+
+impl Mesh {
+    /// Judges one batch. `deadline` is the batch's deadline (R14).
+    pub async fn evaluate(
+        &self,
+        request: EvaluateRequest,
+        deadline: Instant,
+        mut trace: TraceContext,
+    ) -> Result<BatchDecision, BatchError> {
+        let context = request.context.as_ref();
+        let span = tracing::debug_span!(
+            "guardmesh.batch",
+            otel.name = if trace.unary {
+                "guardmesh.v1.PreToolService/EvaluateBatch"
+            } else {
+                "guardmesh.v1.PreToolService/Evaluate"
+            },
+            otel.kind = "server",
+            otel.status_code = tracing::field::Empty,
+            rpc.system = "grpc",
+            rpc.service = "guardmesh.v1.PreToolService",
+            rpc.method = if trace.unary { "EvaluateBatch" } else { "Evaluate" },
+            guardmesh.batch_id = %request.batch_id,
+            guardmesh.session_id = context.map_or("", |c| c.session_id.as_str()),
+            guardmesh.turn_index = context.map_or(0, |c| c.turn_index),
+            guardmesh.batch.calls = request.calls.len(),
+            guardmesh.chain.revision = tracing::field::Empty,
+            guardmesh.calls.proceed = tracing::field::Empty,
+            guardmesh.calls.steer = tracing::field::Empty,
+            guardmesh.calls.cancel = tracing::field::Empty,
+            error = tracing::field::Empty,
+        );
+        {
+            use tracing_opentelemetry::OpenTelemetrySpanExt;
+            let _ = span.set_parent(trace.parent.clone());
+        }
+        if let Some(own) = guardmesh_client::trace::span_traceparent(&span)
+            && let Some((trace_id, _, _)) = guardmesh_client::trace::parse_traceparent(&own)
+        {
+            trace.trace_id = trace_id.to_owned();
+        }
+        let result = tracing::Instrument::instrument(
+            self.evaluate_in(request, deadline, trace, span.clone()),
+            span.clone(),
+        )
+        .await;
+        match &result {
+            Ok(decision) => {
+                span.record("guardmesh.chain.revision", decision.chain_revision);
+                let count = |a: Action| {
+                    decision
+                        .decisions
+                        .iter()
+                        .filter(|d| d.action == a as i32)
+                        .count()
+                };
+                span.record("guardmesh.calls.proceed", count(Action::Proceed));
+                span.record("guardmesh.calls.steer", count(Action::Steer));
+                span.record("guardmesh.calls.cancel", count(Action::Cancel));
+            }
+            Err(error) => {
+                span.record("otel.status_code", "ERROR");
+                span.record("error", error.status().message());
+            }
+        }
+        result
+    }
+
+    async fn evaluate_in(
+        &self,
+        request: EvaluateRequest,
+        deadline: Instant,
+        trace: TraceContext,
+        span: tracing::Span,
+    ) -> Result<BatchDecision, BatchError> {
+        let started = Instant::now();
+        if let Err(refusal) = validate::check(&request, &self.config.limits) {
+            self.metrics.refused(refusal.reason);
+            self.metrics.batch("refused", 0.0);
+            tracing::info!(batch_id = %request.batch_id, reason = refusal.reason, "batch refused: {}", refusal.status.message());
+            return Err(BatchError::Refused(refusal));
+        }
+        if let Err(error) = self.registry().check() {
+            self.metrics.refused("registry_unavailable");
+            self.metrics.batch("refused", 0.0);
+            tracing::warn!(batch_id = %request.batch_id, %error, "batch refused: registry unavailable");
+            return Err(BatchError::Refused(validate::Refusal {
+                reason: "registry_unavailable",
+                status: Status::unavailable(error.to_string()),
+            }));
+        }
+        let chain = self.chain();
+        // R1: zero calls contact no guard.
+        if request.calls.is_empty() {
+            self.metrics
+                .batch("decided", started.elapsed().as_secs_f64());
+            return Ok(BatchDecision {
+                decisions: Vec::new(),
+                execute: Vec::new(),
+                trace: chain
+                    .guards
+                    .iter()
+                    .map(|g| GuardTrace {
+                        guard: g.guard.name.clone(),
+                        role: g.guard.role as i32,
+                        status: TraceStatus::NotApplicable as i32,
+                        ..Default::default()
+                    })
+                    .collect(),
+                chain_revision: chain.revision,
+                trace_id: trace.trace_id,
+            });
+        }
+        // Load shedding: refuse at once rather than queue without bound.
+        let Ok(_permit) = self.inflight.clone().try_acquire_owned() else {
+            self.metrics.refused("overloaded");
+            self.metrics.batch("refused", 0.0);
+            let limit = self.config.limits.max_inflight_batches;
+            tracing::warn!(batch_id = %request.batch_id, limit, "batch refused: mesh overloaded");
+            return Err(BatchError::Refused(validate::Refusal {
+                reason: "overloaded",
+                status: Status::resource_exhausted(format!(
+                    "mesh overloaded: {limit} batches already in flight; retry with backoff"
+                )),
+            }));
+        };
+        let mut judging = Judging::new(self, &chain, request, deadline, trace, span);
+        let result = judging.run().await;
+        let outcome = if result.is_ok() { "decided" } else { "aborted" };
+        self.metrics.batch(outcome, started.elapsed().as_secs_f64());
+        result
+    }
+}
+
+/// The state of one batch being judged.
+struct Judging<'a> {
+    mesh: &'a Mesh,
+    chain: &'a Chain,
+    request: EvaluateRequest,
+    context: Option<BatchContext>,
+    calls: Vec<Call>,
+    /// Call id to index; ids never change, not even by rewrites.
+    index_of: HashMap<String, usize>,
+    runs: Vec<GuardRun>,
+    deadline: Instant,
+    trace: TraceContext,
+    span: tracing::Span,
+}
+
+impl<'a> Judging<'a> {
+    fn new(
+        mesh: &'a Mesh,
+        chain: &'a Chain,
+        mut request: EvaluateRequest,
+        deadline: Instant,
+        trace: TraceContext,
+        span: tracing::Span,
+    ) -> Self {
+        let calls: Vec<Call> = std::mem::take(&mut request.calls)
+            .into_iter()
+            .map(|call| Call {
+                current: call.clone(),
+                original: call,
+                fixed: None,
+                rewritten_by: Vec::new(),
+                bypassed: Vec::new(),
+            })
+            .collect();
+        let n = calls.len();
+        let index_of = calls
+            .iter()
+            .enumerate()
+            .map(|(i, c)| (c.original.call_id.clone(), i))
+            .collect();
+        Self {
+            index_of,
+            mesh,
+            chain,
+            context: request.context.take(),
+            request,
+            calls,
+            runs: (0..chain.guards.len()).map(|_| GuardRun::new(n)).collect(),
+            deadline,
+            trace,
+            span,
+        }
+    }
+
+    /// Consults the guards, decides, then records what happened: deciding
+    /// and recording are apart, and every batch is recorded once.
+    async fn run(&mut self) -> Result<BatchDecision, BatchError> {
+        match self.consult().await {
+            Ok(()) => {
+                let decision = self.decide();
+                self.record(Some(&decision));
+                Ok(decision)
+            }
+            Err(error) => {
+                self.record(None);
+                Err(error)
+            }
+        }
+    }
+
+    async fn consult(&mut self) -> Result<(), BatchError> {
+        // R10: mutate guards first, one after another, in chain order.
+        for g in 0..self.chain.guards.len() {
+            if self.chain.guards[g].guard.role == GuardRole::Mutate {
+                self.mutate(g).await?;
+            }
+        }
+        self.validate().await
+    }
+
+    /// Which calls guard `g` is sent: those it applies to and that are not
+    /// already fixed (R9).
+    fn select(&self, g: usize) -> Vec<bool> {
+        let guard = &self.chain.guards[g].guard;
+        self.calls
+            .iter()
+            .map(|call| call.fixed.is_none() && guard.tools.matches(&call.current.tool))
+            .collect()
+    }
+
+    /// The time guard `g` gets: its timeout within what is left of the
+    /// batch's deadline (R14).
+    fn budget(&self, guard: &Guard, now: Instant) -> Duration {
+        guard
+            .timeout
+            .min(self.deadline.saturating_duration_since(now))
+    }
+
+    fn send(
+        &mut self,
+        g: usize,
+        tag: usize,
+        events: &mpsc::UnboundedSender<LinkEvent>,
+        now: Instant,
+    ) -> Result<Instant, GuardFailure> {
+        let ChainGuard { guard, link } = &self.chain.guards[g];
+        let budget = self.budget(guard, now);
+        let run = &mut self.runs[g];
+        run.started = Some(now);
+        let span = tracing::debug_span!(
+            parent: &self.span,
+            "guardmesh.guard",
+            otel.name = "guardmesh.v1.GuardService/Judge",
+            otel.kind = "client",
+            otel.status_code = tracing::field::Empty,
+            rpc.system = "grpc",
+            rpc.service = "guardmesh.v1.GuardService",
+            rpc.method = "Judge",
+            server.address = %guard.endpoint,
+            guardmesh.guard = %guard.name,
+            guardmesh.guard.role = guard.role.name(),
+            guardmesh.guard.dry_run = !guard.enforced(),
+            guardmesh.status = tracing::field::Empty,
+            guardmesh.calls.sent = run.sent.iter().filter(|s| **s).count(),
+            guardmesh.calls.skipped = tracing::field::Empty,
+            guardmesh.calls.rewritten = tracing::field::Empty,
+            error = tracing::field::Empty,
+        );
+        // R22: the guard's span is parented on this guard's client span.
+        let traceparent = guardmesh_client::trace::span_traceparent(&span)
+            .unwrap_or_else(|| self.trace.traceparent.clone());
+        run.span = Some(span);
+        if budget.is_zero() {
+            return Err(GuardFailure::TimedOut(Duration::ZERO));
+        }
+        let batch = GuardBatch {
+            request_id: 0,
+            batch_id: self.request.batch_id.clone(),
+            guard: guard.name.clone(),
+            context: self.context.clone(),
+            calls: self
+                .calls
+                .iter()
+                .zip(&run.sent)
+                .filter(|(_, sent)| **sent)
+                .map(|(call, _)| call.current.clone())
+                .collect(),
+            deadline_ms: u32::try_from(budget.as_millis()).unwrap_or(u32::MAX),
+            traceparent,
+            tracestate: self.trace.tracestate.clone(),
+        };
+        run.request_id = Some(link.send(batch, tag, events)?);
+        Ok(now + budget)
+    }
+
+    /// A fold over the guards `order` (chain indices, in chain order), each
+    /// over the calls it was sent. A mutate guard gets a fold of its own.
+    fn fold_of(&self, order: &[usize]) -> Fold {
+        let guards = order
+            .iter()
+            .map(|&g| FoldGuard {
+                enforced: self.chain.guards[g].guard.enforced(),
+                policy: self.chain.guards[g].guard.failure_policy,
+            })
+            .collect();
+        let runs = &self.runs;
+        Fold::new(guards, self.calls.len(), |k, c| runs[order[k]].sent[c])
+    }
+
+    /// Consults mutate guard `g` and applies what it says (R10, R11, R12).
+    /// Its verdicts and its failure go through a one-guard [`Fold`], so the
+    /// failure policy (R13) is applied exactly as for validate guards.
+    async fn mutate(&mut self, g: usize) -> Result<(), BatchError> {
+        let sent = self.select(g);
+        if !sent.contains(&true) {
+            return Ok(());
+        }
+        self.runs[g].sent_any = true;
+        self.runs[g].sent = sent;
+        let mut fold = self.fold_of(&[g]);
+        let (events_tx, mut events) = mpsc::unbounded_channel();
+        let now = Instant::now();
+        // Verdicts arrive in one final answer or in partial ones; a guard
+        // that fails after partial answers keeps the skips it sent.
+        let mut verdicts = Vec::new();
+        let failure = match self.send(g, 0, &events_tx, now) {
+            Err(failure) => Some(failure),
+            Ok(guard_deadline) => loop {
+                tokio::select! {
+                    event = events.recv() => match event {
+                        Some(LinkEvent::Answer { response, .. }) if !response.error.is_empty() => {
+                            break Some(GuardFailure::Refused(response.error));
+                        }
+                        Some(LinkEvent::Answer { response, .. }) => {
+                            verdicts.extend(response.verdicts);
+                            if !response.partial {
+                                break None;
+                            }
+                        }
+                        Some(LinkEvent::Failed { failure, .. }) => break Some(failure),
+                        None => break Some(GuardFailure::StreamClosed),
+                    },
+                    () = tokio::time::sleep_until(guard_deadline) => {
+                        break Some(GuardFailure::TimedOut(guard_deadline - now));
+                    }
+                }
+            },
+        };
+        self.runs[g].finished = Some(Instant::now());
+        // A guard that answered in full is healthy, even when its answer is
+        // then rejected (R11): that is a policy bug, not an outage.
+        let answered = failure.is_none();
+        if answered {
+            self.chain.guards[g].link.record(Ok(()));
+        }
+        let chain = self.chain;
+        let guard = &chain.guards[g].guard;
+        let run = &mut self.runs[g];
+        let checked = check_verdicts(
+            guard,
+            |i| &self.calls[i].current,
+            &self.index_of,
+            &run.sent,
+            &mut run.answered,
+            verdicts,
+        );
+        let failure = match checked {
+            Ok(checked) => {
+                run.malformed = checked.malformed;
+                run.skipped = checked.skips.iter().map(|(i, _)| *i).collect();
+                for (i, skip) in checked.skips {
+                    fold.answer(0, i, Some(skip));
+                }
+                // The rewrites of a guard that failed before its final
+                // answer are not applied: a rewrite stands only as part of
+                // a whole, final answer. A dry-run guard's never do (R18).
+                if answered {
+                    run.rewritten = checked.rewrites.iter().map(|(i, _)| *i).collect();
+                    if guard.enforced() {
+                        for (i, call) in checked.rewrites {
+                            self.calls[i].current = call;
+                            self.calls[i].rewritten_by.push(guard.name.clone());
+                        }
+                    }
+                }
+                failure
+            }
+            Err(rejection) => Some(GuardFailure::RejectedRewrite(rejection.to_string())),
+        };
+        match failure {
+            None => fold.complete(0),
+            Some(failure) => self.guard_failed(g, failure, !answered, &mut fold, 0),
+        }
+        self.apply(&[g], &mut fold)
+    }
+
+    /// Writes what a fold over the guards `order` decided into the calls:
+    /// skips (R3), and what the failure policy (R13) made of failures:
+    /// cancels, bypass records, or the batch's abort. `order[k]` is the
+    /// chain index of the fold's guard `k`.
+    fn apply(&mut self, order: &[usize], fold: &mut Fold) -> Result<(), BatchError> {
+        let outcomes = match fold.outcomes() {
+            Ok(outcomes) => outcomes,
+            Err(k) => {
+                let g = order[k];
+                return Err(BatchError::Aborted {
+                    guard: self.chain.guards[g].guard.name.clone(),
+                    failure: self.runs[g]
+                        .failure
+                        .clone()
+                        .unwrap_or(GuardFailure::StreamClosed),
+                });
+            }
+        };
+        let chain = self.chain;
+        let guard = |k: usize| &chain.guards[order[k]].guard;
+        for (call, outcome) in self.calls.iter_mut().zip(outcomes) {
+            if call.fixed.is_some() {
+                continue;
+            }
+            for k in outcome.bypassed {
+                call.bypassed.push(guard(k).name.clone());
+            }
+            call.fixed = outcome.decided.map(|decided| match decided {
+                Decided::Skip { guard: k, skip } => Fixed {
+                    content: skip.content,
+                    kind: SkipKind::try_from(skip.kind).unwrap_or(SkipKind::Steer),
+                    by: guard(k).name.clone(),
+                    failure: false,
+                },
+                Decided::Unavailable { guard: k } => unavailable(guard(k)),
+            });
+        }
+        Ok(())
+    }
+
+    /// Guard `g`, the fold's guard `k`, failed: the one sequence for every
+    /// failure (R13). Its request is cancelled when it may still be out
+    /// (`cancel`), its circuit breaker hears of it, the failure is kept for
+    /// the trace and [`Self::record`], and the fold applies the guard's
+    /// failure policy to the calls it has not answered.
+    fn guard_failed(
+        &mut self,
+        g: usize,
+        failure: GuardFailure,
+        cancel: bool,
+        fold: &mut Fold,
+        k: usize,
+    ) {
+        let ChainGuard { guard, link } = &self.chain.guards[g];
+        // Logged when it happens (R13: never silent), even if the batch is
+        // then dropped because its coordinator went away.
+        tracing::warn!(
+            guard = %guard.name,
+            batch_id = %self.request.batch_id,
+            trace_id = %self.trace.trace_id,
+            policy = ?guard.failure_policy,
+            dry_run = !guard.enforced(),
+            error = %failure,
+            "guard failed"
+        );
+        let run = &mut self.runs[g];
+        run.finished.get_or_insert_with(Instant::now);
+        if cancel && let Some(id) = run.request_id {
+            link.cancel(id);
+        }
+        link.record(Err(&failure));
+        run.failure = Some(failure);
+        fold.fail(k);
+    }
+
+    /// Consults the validate guards concurrently and folds their verdicts
+    /// as if in chain order (R3, R4, R5).
+    async fn validate(&mut self) -> Result<(), BatchError> {
+        let order: Vec<usize> = (0..self.chain.guards.len())
+            .filter(|&g| self.chain.guards[g].guard.role == GuardRole::Validate)
+            .collect();
+        if order.is_empty() {
+            return Ok(());
+        }
+        for &g in &order {
+            let sent = self.select(g);
+            self.runs[g].sent_any = sent.contains(&true);
+            self.runs[g].sent = sent;
+        }
+        let mut fold = self.fold_of(&order);
+        let (events_tx, mut events) = mpsc::unbounded_channel();
+        let mut deadlines: Vec<Option<Instant>> = vec![None; order.len()];
+        let now = Instant::now();
+        for (k, &g) in order.iter().enumerate() {
+            if !self.runs[g].sent_any {
+                continue;
+            }
+            match self.send(g, k, &events_tx, now) {
+                Ok(at) => deadlines[k] = Some(at),
+                Err(failure) => self.guard_failed(g, failure, false, &mut fold, k),
+            }
+        }
+        while !fold.done() {
+            let next_deadline = deadlines.iter().flatten().min().copied();
+            let event = match next_deadline {
+                Some(at) => tokio::select! {
+                    event = events.recv() => event,
+                    () = tokio::time::sleep_until(at) => None,
+                },
+                None => events.recv().await,
+            };
+            match event {
+                Some(LinkEvent::Answer { tag: k, response }) => {
+                    self.on_answer(&order, k, response, &mut fold, &mut deadlines);
+                }
+                Some(LinkEvent::Failed { tag: k, failure }) => {
+                    deadlines[k] = None;
+                    self.guard_failed(order[k], failure, false, &mut fold, k);
+                }
+                None => {
+                    let now = Instant::now();
+                    for k in 0..order.len() {
+                        if let Some(at) = deadlines[k]
+                            && at <= now
+                        {
+                            let g = order[k];
+                            deadlines[k] = None;
+                            let waited = at - self.runs[g].started.unwrap_or(at);
+                            let failure = GuardFailure::TimedOut(waited);
+                            self.guard_failed(g, failure, true, &mut fold, k);
+                        }
+                    }
+                }
+            }
+        }
+        // R5: what is still out can no longer change a decision.
+        for (k, &g) in order.iter().enumerate() {
+            if deadlines[k].is_some() && fold.pending(k) {
+                if let Some(id) = self.runs[g].request_id {
+                    self.chain.guards[g].link.cancel(id);
+                }
+                self.runs[g].superseded = true;
+            }
+        }
+        self.apply(&order, &mut fold)
+    }
+
+    fn on_answer(
+        &mut self,
+        order: &[usize],
+        k: usize,
+        response: JudgeResponse,
+        fold: &mut Fold,
+        deadlines: &mut [Option<Instant>],
+    ) {
+        let g = order[k];
+        let chain = self.chain;
+        let guard = &chain.guards[g].guard;
+        if !response.error.is_empty() {
+            deadlines[k] = None;
+            let failure = GuardFailure::Refused(response.error);
+            self.guard_failed(g, failure, response.partial, fold, k);
+            return;
+        }
+        let final_answer = !response.partial;
+        let run = &mut self.runs[g];
+        match check_verdicts(
+            guard,
+            |i| &self.calls[i].current,
+            &self.index_of,
+            &run.sent,
+            &mut run.answered,
+            response.verdicts,
+        ) {
+            Ok(checked) => {
+                for i in checked.proceeds {
+                    fold.answer(k, i, None);
+                }
+                for (i, skip) in checked.skips {
+                    run.skipped.push(i);
+                    fold.answer(k, i, Some(skip));
+                }
+                run.malformed.extend(checked.malformed);
+                if final_answer {
+                    deadlines[k] = None;
+                    run.finished = Some(Instant::now());
+                    fold.complete(k);
+                    self.chain.guards[g].link.record(Ok(()));
+                }
+            }
+            Err(reason) => {
+                // R11: a validate guard may not rewrite; the whole answer is
+                // rejected and the guard fails per its policy.
+                deadlines[k] = None;
+                let failure = GuardFailure::RejectedRewrite(reason.to_string());
+                self.guard_failed(g, failure, !final_answer, fold, k);
+            }
+        }
+    }
+
+    /// One decision per call (R2) and one trace entry per guard (R21).
+    fn decide(&mut self) -> BatchDecision {
+        let mut decisions = Vec::with_capacity(self.calls.len());
+        let mut execute = Vec::new();
+        for call in std::mem::take(&mut self.calls) {
+            let mut decision = CallDecision {
+                call_id: call.original.call_id.clone(),
+                action: Action::Proceed as i32,
+                call: None,
+                original: Some(call.original),
+                content: String::new(),
+                decided_by: String::new(),
+                failure: false,
+                rewritten_by: call.rewritten_by,
+                bypassed: call.bypassed,
+            };
+            match call.fixed {
+                None => execute.push(call.current.clone()),
+                Some(fixed) => {
+                    decision.action = match fixed.kind {
+                        SkipKind::Steer => Action::Steer,
+                        SkipKind::Cancel => Action::Cancel,
+                    } as i32;
+                    decision.content = fixed.content;
+                    decision.decided_by = fixed.by;
+                    decision.failure = fixed.failure;
+                }
+            }
+            decision.call = Some(call.current);
+            decisions.push(decision);
+        }
+        let ids: Vec<&str> = decisions.iter().map(|d| d.call_id.as_str()).collect();
+        let trace = self
+            .chain
+            .guards
+            .iter()
+            .zip(&self.runs)
+            .map(|(ChainGuard { guard, .. }, run)| trace_entry(guard, run, &ids))
+            .collect();
+        BatchDecision {
+            decisions,
+            execute,
+            trace,
+            chain_revision: self.chain.revision,
+            trace_id: self.trace.trace_id.clone(),
+        }
+    }
+
+    /// Records what happened, once the batch is decided (`Some`) or aborted
+    /// (`None`): the calls' outcomes, and per guard its failure (never
+    /// silent, R13), its dropped verdicts (R8), what a dry-run guard would
+    /// have done (R18), its outcome and latency, and its span's fields. Of
+    /// an aborted batch, the guards never reached are not counted.
+    fn record(&self, decision: Option<&BatchDecision>) {
+        let metrics = &self.mesh.metrics;
+        let ids: Vec<&str> = match decision {
+            Some(decision) => {
+                for d in &decision.decisions {
+                    for name in &d.bypassed {
+                        metrics.bypassed(name);
+                    }
+                    metrics.call(match Action::try_from(d.action) {
+                        Ok(Action::Steer) => "steer",
+                        Ok(Action::Cancel) => "cancel",
+                        _ => "proceed",
+                    });
+                }
+                decision
+                    .decisions
+                    .iter()
+                    .map(|d| d.call_id.as_str())
+                    .collect()
+            }
+            None => self
+                .calls
+                .iter()
+                .map(|c| c.original.call_id.as_str())
+                .collect(),
+        };
+        for (ChainGuard { guard, .. }, run) in self.chain.guards.iter().zip(&self.runs) {
+            if decision.is_none() && !run.sent_any {
+                continue;
+            }
+            let status = run.status();
+            let reported = reported_status(guard, run);
+            let error = error_text(run);
+            if run.failure.is_none() && !run.malformed.is_empty() {
+                tracing::warn!(
+                    guard = %guard.name,
+                    batch_id = %self.request.batch_id,
+                    trace_id = %self.trace.trace_id,
+                    "malformed verdicts dropped: {error}"
+                );
+            }
+            if !guard.enforced() && status != TraceStatus::NotApplicable {
+                tracing::info!(
+                    guard = %guard.name,
+                    batch_id = %self.request.batch_id,
+                    would = status.name(),
+                    would_skip = ?run.skipped.iter().map(|&i| ids[i]).collect::<Vec<_>>(),
+                    would_rewrite = ?run.rewritten.iter().map(|&i| ids[i]).collect::<Vec<_>>(),
+                    "dry-run guard"
+                );
+            }
+            metrics.guard_outcome(
+                &guard.name,
+                reported.name(),
+                run.latency().map(|l| l.as_secs_f64()),
+            );
+            if let Some(span) = &run.span {
+                span.record("guardmesh.status", reported.name());
+                span.record("guardmesh.calls.skipped", run.skipped.len());
+                span.record("guardmesh.calls.rewritten", run.rewritten.len());
+                if !error.is_empty() {
+                    span.record("error", error.as_str());
+                }
+                if run.failure.is_some() {
+                    span.record("otel.status_code", "ERROR");
+                }
+            }
+        }
+    }
+}
+
+/// Guard `run`'s trace entry (R21); `ids` are the batch's call ids.
+fn trace_entry(guard: &Guard, run: &GuardRun, ids: &[&str]) -> GuardTrace {
+    let status = run.status();
+    let reported = reported_status(guard, run);
+    let pick =
+        |indices: &mut dyn Iterator<Item = usize>| indices.map(|i| ids[i].to_owned()).collect();
+    GuardTrace {
+        guard: guard.name.clone(),
+        role: guard.role as i32,
+        status: reported as i32,
+        latency_us: run
+            .latency()
+            .map_or(0, |l| u64::try_from(l.as_micros()).unwrap_or(u64::MAX)),
+        sent_call_ids: pick(
+            &mut run
+                .sent
+                .iter()
+                .enumerate()
+                .filter(|(_, s)| **s)
+                .map(|(i, _)| i),
+        ),
+        skipped_call_ids: pick(&mut run.skipped.iter().copied()),
+        rewritten_call_ids: pick(&mut run.rewritten.iter().copied()),
+        error: error_text(run),
+        dry_run_status: if reported == TraceStatus::DryRun {
+            status as i32
+        } else {
+            TraceStatus::Unspecified as i32
+        },
+    }
+}
+
+/// The error a guard's trace entry and span show: its failure, else why
+/// verdicts were dropped (R8), else nothing.
+fn error_text(run: &GuardRun) -> String {
+    match &run.failure {
+        Some(failure) => failure.to_string(),
+        None => run
+            .malformed
+            .iter()
+            .map(ToString::to_string)
+            .collect::<Vec<_>>()
+            .join("; "),
+    }
+}
+
+/// The status a guard's trace entry shows: a dry-run guard's is `dry_run`
+/// unless it was sent nothing (R18).
+fn reported_status(guard: &Guard, run: &GuardRun) -> TraceStatus {
+    let status = run.status();
+    if guard.enforced() || status == TraceStatus::NotApplicable {
+        status
+    } else {
+        TraceStatus::DryRun
+    }
+}
+
+#[allow(dead_code)]
+fn _assert_send(mesh: Arc<Mesh>) {
+    fn is_send<T: Send>(_: T) {}
+    is_send(async move {
+        let _ = mesh
+            .evaluate(
+                EvaluateRequest::default(),
+                Instant::now(),
+                TraceContext::default(),
+            )
+            .await;
+    });
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use guardmesh_proto::v1::{GuardMode, GuardSpec};
+    use verdicts::{Malformed, Rejection};
+
+    fn guard(mode: GuardMode) -> Guard {
+        let spec = GuardSpec {
+            name: "g".into(),
+            endpoint: "127.0.0.1:9".into(),
+            mode: mode as i32,
+            ..Default::default()
+        };
+        Guard::from_spec(&spec, Duration::from_secs(1)).unwrap()
+    }
+
+    /// A run of a guard that was sent the first of two calls.
+    fn run() -> GuardRun {
+        let mut run = GuardRun::new(2);
+        run.sent = vec![true, false];
+        run.sent_any = true;
+        let now = Instant::now();
+        run.started = Some(now);
+        run.finished = Some(now + Duration::from_micros(250));
+        run
+    }
+
+    #[test]
+    fn r13_abort_status_names_the_guard_and_the_cause() {
+        let status = BatchError::Aborted {
+            guard: "pii".into(),
+            failure: GuardFailure::StreamClosed,
+        }
+        .status();
+        assert_eq!(status.code(), tonic::Code::Unavailable);
+        for needle in ["\"pii\"", "closed its stream", "abort"] {
+            assert!(status.message().contains(needle), "{}", status.message());
+        }
+    }
+
+    #[test]
+    fn r13_fail_closed_content_names_the_guard() {
+        let fixed = unavailable(&guard(GuardMode::Enforce));
+        assert!(fixed.content.contains("guard g is unavailable"));
+        assert_eq!(fixed.kind, SkipKind::Cancel);
+        assert!(fixed.failure);
+    }
+
+    #[test]
+    fn r11_trace_entry_names_the_rejection() {
+        let mut run = run();
+        let rejection = Rejection::ArgumentsNotObject {
+            call_id: "a".into(),
+        };
+        run.failure = Some(GuardFailure::RejectedRewrite(rejection.to_string()));
+        let entry = trace_entry(&guard(GuardMode::Enforce), &run, &["a", "b"]);
+        assert_eq!(entry.status, TraceStatus::RejectedRewrite as i32);
+        assert!(entry.error.contains("not a JSON object"), "{}", entry.error);
+        assert_eq!(entry.sent_call_ids, vec!["a".to_owned()]);
+        assert_eq!(entry.latency_us, 250);
+    }
+
+    #[test]
+    fn r8_trace_entry_lists_dropped_verdicts() {
+        let mut run = run();
+        run.malformed = vec![
+            Malformed::BlankSkip {
+                call_id: "a".into(),
+            },
+            Malformed::UnknownCall {
+                call_id: "zz".into(),
+            },
+        ];
+        let entry = trace_entry(&guard(GuardMode::Enforce), &run, &["a", "b"]);
+        assert_eq!(entry.status, TraceStatus::Malformed as i32);
+        assert_eq!(
+            entry.error,
+            format!("{}; {}", run.malformed[0], run.malformed[1]),
+            "every dropped verdict is named, in order"
+        );
+        assert!(entry.error.contains("blank content"));
+        assert!(entry.error.contains("\"zz\""));
+    }
+
+    #[test]
+    fn r18_dry_run_trace_says_what_it_would_have_done() {
+        let mut run = run();
+        run.skipped = vec![0];
+        let entry = trace_entry(&guard(GuardMode::DryRun), &run, &["a", "b"]);
+        assert_eq!(entry.status, TraceStatus::DryRun as i32);
+        assert_eq!(entry.dry_run_status, TraceStatus::Skipped as i32);
+        assert_eq!(entry.skipped_call_ids, vec!["a".to_owned()]);
+        let mut idle = GuardRun::new(2);
+        idle.sent_any = false;
+        let entry = trace_entry(&guard(GuardMode::DryRun), &idle, &["a", "b"]);
+        assert_eq!(entry.status, TraceStatus::NotApplicable as i32);
+        assert_eq!(entry.dry_run_status, TraceStatus::Unspecified as i32);
+    }
+}

@@ -1,0 +1,479 @@
+//! The checks on one guard's verdicts before they count: malformed verdicts
+//! are dropped (R8), rewrites are held to the guard's grant (R11). Pure: no
+//! I/O, no clock, no telemetry.
+
+use crate::registry::spec::Guard;
+use crate::validate;
+use crate::validate::ijson::clip;
+use guardmesh_proto::v1::{GuardRole, Skip, SkipKind, ToolCall, Verdict, verdict::Outcome};
+use std::collections::HashMap;
+
+/// Longest guard-supplied text (an unknown call id, a new tool name) shown
+/// in a message, in characters.
+const SHOWN_CHARS: usize = 64;
+
+/// Why a guard's whole answer is rejected (R11). The guard then fails per
+/// its failure policy (R13), traced `rejected_rewrite` with this reason.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum Rejection {
+    /// A rewrite for a call the guard was not sent.
+    #[error("rewrite for call id {call_id:?}, which was not sent to this guard")]
+    UnknownCall { call_id: String },
+    /// A validate guard sent a rewrite.
+    #[error("validate guard sent a rewrite for call {call_id:?}; only mutate guards may rewrite")]
+    NotMutate { call_id: String },
+    /// The grant does not cover the call's tool.
+    #[error("rewrite of call {call_id:?}: the grant does not cover tool {tool:?}")]
+    ToolNotGranted { call_id: String, tool: String },
+    /// The rewrite renames the tool, and the grant does not allow renames.
+    #[error("rewrite of call {call_id:?} renames tool {from:?} to {to:?} without the rename grant")]
+    RenameNotGranted {
+        call_id: String,
+        from: String,
+        to: String,
+    },
+    /// The rewrite renames the tool to one outside the grant (or blank).
+    #[error("rewrite of call {call_id:?} renames tool {from:?} to {to:?}, outside the grant")]
+    RenameOutsideGrant {
+        call_id: String,
+        from: String,
+        to: String,
+    },
+    /// The rewritten arguments are not a JSON object.
+    #[error("rewrite of call {call_id:?}: arguments are not a JSON object")]
+    ArgumentsNotObject { call_id: String },
+}
+
+/// Why a verdict was dropped and counted as proceed from that guard (R8).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum Malformed {
+    /// A verdict for a call the guard was not sent.
+    #[error("verdict for call id {call_id:?}, which was not sent to this guard")]
+    UnknownCall { call_id: String },
+    /// A second verdict for the same call.
+    #[error("second verdict for call {call_id:?} ignored")]
+    Second { call_id: String },
+    /// A skip with missing or blank content.
+    #[error("skip for call {call_id:?} has blank content; counted as proceed")]
+    BlankSkip { call_id: String },
+}
+
+/// A guard's verdicts after the checks of R8 and R11.
+#[derive(Debug, Default, PartialEq)]
+pub struct Checked {
+    /// (call index, skip); blank skips already dropped, unknown kinds steered.
+    pub skips: Vec<(usize, Skip)>,
+    /// (call index, the call as rewritten).
+    pub rewrites: Vec<(usize, ToolCall)>,
+    /// Call indices answered with a plain proceed (or a rewrite that changes
+    /// nothing).
+    pub proceeds: Vec<usize>,
+    /// Verdicts dropped (R8).
+    pub malformed: Vec<Malformed>,
+}
+
+/// Checks `verdicts` from `guard`, which was sent the calls at `sent`;
+/// `current(i)` is call `i` as the guard saw it. `answered` tracks calls
+/// already answered by this guard (R8: a second verdict is ignored). A
+/// rewrite outside the grant rejects the whole answer (R11).
+pub fn check_verdicts<'c>(
+    guard: &Guard,
+    current: impl Fn(usize) -> &'c ToolCall,
+    index_of: &HashMap<String, usize>,
+    sent: &[bool],
+    answered: &mut [bool],
+    verdicts: Vec<Verdict>,
+) -> Result<Checked, Rejection> {
+    let mut checked = Checked::default();
+    for verdict in verdicts {
+        let index = index_of
+            .get(verdict.call_id.as_str())
+            .copied()
+            .filter(|&i| sent[i]);
+        match (verdict.outcome, index) {
+            (Some(Outcome::Rewrite(_)), None) => {
+                return Err(Rejection::UnknownCall {
+                    call_id: clip(&verdict.call_id, SHOWN_CHARS),
+                });
+            }
+            (_, None) => checked.malformed.push(Malformed::UnknownCall {
+                call_id: clip(&verdict.call_id, SHOWN_CHARS),
+            }),
+            (_, Some(i)) if answered[i] => {
+                checked.malformed.push(Malformed::Second {
+                    call_id: verdict.call_id,
+                });
+            }
+            (None, Some(i)) => {
+                answered[i] = true;
+                checked.proceeds.push(i);
+            }
+            (Some(Outcome::Skip(skip)), Some(i)) => {
+                answered[i] = true;
+                if skip.content.trim().is_empty() {
+                    checked.malformed.push(Malformed::BlankSkip {
+                        call_id: verdict.call_id,
+                    });
+                    checked.proceeds.push(i);
+                } else if SkipKind::try_from(skip.kind).is_err() {
+                    // An unknown kind from a newer guard: the skip stands, as
+                    // the safer reading, and is steered (R7's default).
+                    checked.skips.push((
+                        i,
+                        Skip {
+                            content: skip.content,
+                            kind: SkipKind::Steer as i32,
+                        },
+                    ));
+                } else {
+                    checked.skips.push((i, skip));
+                }
+            }
+            (Some(Outcome::Rewrite(rewrite)), Some(i)) => {
+                answered[i] = true;
+                let call = current(i);
+                let next = check_rewrite(guard, call, rewrite)?;
+                if next == *call {
+                    checked.proceeds.push(i);
+                } else {
+                    checked.rewrites.push((i, next));
+                }
+            }
+        }
+    }
+    Ok(checked)
+}
+
+/// `call` as `guard`'s rewrite leaves it, if the grant allows it (R11).
+fn check_rewrite(
+    guard: &Guard,
+    call: &ToolCall,
+    rewrite: guardmesh_proto::v1::Rewrite,
+) -> Result<ToolCall, Rejection> {
+    if guard.role != GuardRole::Mutate {
+        return Err(Rejection::NotMutate {
+            call_id: call.call_id.clone(),
+        });
+    }
+    if !guard.grant_tools.matches(&call.tool) {
+        return Err(Rejection::ToolNotGranted {
+            call_id: call.call_id.clone(),
+            tool: call.tool.clone(),
+        });
+    }
+    let mut next = call.clone();
+    if let Some(tool) = rewrite.tool
+        && tool != call.tool
+    {
+        if !guard.may_rename {
+            return Err(Rejection::RenameNotGranted {
+                call_id: call.call_id.clone(),
+                from: call.tool.clone(),
+                to: clip(&tool, SHOWN_CHARS),
+            });
+        }
+        if tool.trim().is_empty() || !guard.grant_tools.matches(&tool) {
+            return Err(Rejection::RenameOutsideGrant {
+                call_id: call.call_id.clone(),
+                from: call.tool.clone(),
+                to: clip(&tool, SHOWN_CHARS),
+            });
+        }
+        next.tool = tool;
+    }
+    if let Some(arguments) = rewrite.arguments {
+        if !validate::is_json_object(&arguments) || arguments.trim().is_empty() {
+            return Err(Rejection::ArgumentsNotObject {
+                call_id: call.call_id.clone(),
+            });
+        }
+        next.arguments = arguments;
+    }
+    Ok(next)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use guardmesh_proto::v1::{GuardSpec, Rewrite, RewriteGrant};
+    use std::time::Duration;
+
+    fn guard(role: GuardRole, grant: &[&str], may_rename: bool) -> Guard {
+        let spec = GuardSpec {
+            name: "g".into(),
+            endpoint: "127.0.0.1:9".into(),
+            role: role as i32,
+            grant: Some(RewriteGrant {
+                tools: grant.iter().map(|t| (*t).to_owned()).collect(),
+                may_rename,
+            }),
+            ..Default::default()
+        };
+        Guard::from_spec(&spec, Duration::from_secs(1)).unwrap()
+    }
+
+    fn calls() -> Vec<ToolCall> {
+        ["fs.write", "fs.read", "shell.run"]
+            .iter()
+            .enumerate()
+            .map(|(i, tool)| ToolCall {
+                call_id: format!("c{i}"),
+                tool: (*tool).to_owned(),
+                arguments: "{}".into(),
+            })
+            .collect()
+    }
+
+    fn verdict(call_id: &str, outcome: Option<Outcome>) -> Verdict {
+        Verdict {
+            call_id: call_id.into(),
+            outcome,
+        }
+    }
+
+    fn skip(content: &str, kind: i32) -> Option<Outcome> {
+        Some(Outcome::Skip(Skip {
+            content: content.into(),
+            kind,
+        }))
+    }
+
+    fn rewrite(tool: Option<&str>, arguments: Option<&str>) -> Option<Outcome> {
+        Some(Outcome::Rewrite(Rewrite {
+            tool: tool.map(str::to_owned),
+            arguments: arguments.map(str::to_owned),
+        }))
+    }
+
+    /// Checks `verdicts` from `guard`, which was sent calls c0 and c1 (not c2).
+    fn check(guard: &Guard, verdicts: Vec<Verdict>) -> (Result<Checked, Rejection>, Vec<bool>) {
+        let calls = calls();
+        let index_of = calls
+            .iter()
+            .enumerate()
+            .map(|(i, c)| (c.call_id.clone(), i))
+            .collect();
+        let mut answered = vec![false; 3];
+        let result = check_verdicts(
+            guard,
+            |i| &calls[i],
+            &index_of,
+            &[true, true, false],
+            &mut answered,
+            verdicts,
+        );
+        (result, answered)
+    }
+
+    #[test]
+    fn r8_unknown_second_and_blank_verdicts_are_dropped() {
+        let g = guard(GuardRole::Validate, &[], false);
+        let (checked, answered) = check(
+            &g,
+            vec![
+                verdict("c0", skip("  ", SkipKind::Cancel as i32)),
+                verdict("c0", skip("again", SkipKind::Cancel as i32)),
+                verdict("c2", skip("not sent", 0)),
+                verdict("nope", None),
+                verdict("c1", None),
+            ],
+        );
+        let checked = checked.unwrap();
+        assert_eq!(
+            checked.malformed,
+            vec![
+                Malformed::BlankSkip {
+                    call_id: "c0".into()
+                },
+                Malformed::Second {
+                    call_id: "c0".into()
+                },
+                Malformed::UnknownCall {
+                    call_id: "c2".into()
+                },
+                Malformed::UnknownCall {
+                    call_id: "nope".into()
+                },
+            ]
+        );
+        assert_eq!(
+            checked.proceeds,
+            vec![0, 1],
+            "a blank skip counts as proceed"
+        );
+        assert!(checked.skips.is_empty());
+        assert_eq!(answered, vec![true, true, false]);
+        assert!(
+            Malformed::BlankSkip {
+                call_id: "c0".into()
+            }
+            .to_string()
+            .contains("blank content")
+        );
+    }
+
+    #[test]
+    fn r7_unknown_skip_kind_stands_as_steer() {
+        let g = guard(GuardRole::Validate, &[], false);
+        let (checked, _) = check(
+            &g,
+            vec![
+                verdict("c0", skip("no", 99)),
+                verdict("c1", skip("stop", SkipKind::Cancel as i32)),
+            ],
+        );
+        let skips = checked.unwrap().skips;
+        assert_eq!(skips[0].1.kind, SkipKind::Steer as i32);
+        assert_eq!(skips[1].1.kind, SkipKind::Cancel as i32);
+    }
+
+    #[test]
+    fn r11_rewrite_within_grant_is_checked_whole() {
+        let g = guard(GuardRole::Mutate, &["fs.*"], true);
+        let (checked, _) = check(
+            &g,
+            vec![
+                verdict("c0", rewrite(Some("fs.append"), Some(r#"{"a":1}"#))),
+                // A rewrite that changes nothing is a proceed.
+                verdict("c1", rewrite(Some("fs.read"), None)),
+            ],
+        );
+        let checked = checked.unwrap();
+        assert_eq!(checked.rewrites.len(), 1);
+        let (i, call) = &checked.rewrites[0];
+        assert_eq!(*i, 0);
+        assert_eq!(call.tool, "fs.append");
+        assert_eq!(call.arguments, r#"{"a":1}"#);
+        assert_eq!(call.call_id, "c0", "a rewrite never changes the call id");
+        assert_eq!(checked.proceeds, vec![1]);
+    }
+
+    #[test]
+    fn r11_each_rejection_has_its_kind() {
+        let mutate = guard(GuardRole::Mutate, &["fs.*"], true);
+        let no_rename = guard(GuardRole::Mutate, &["fs.*"], false);
+        let validate = guard(GuardRole::Validate, &[], false);
+        let narrow = guard(GuardRole::Mutate, &["fs.write"], true);
+        let cases: Vec<(&Guard, Verdict, Rejection)> = vec![
+            (
+                &mutate,
+                verdict("c2", rewrite(None, Some("{}"))),
+                Rejection::UnknownCall {
+                    call_id: "c2".into(),
+                },
+            ),
+            (
+                &validate,
+                verdict("c0", rewrite(None, Some("{}"))),
+                Rejection::NotMutate {
+                    call_id: "c0".into(),
+                },
+            ),
+            (
+                &narrow,
+                verdict("c1", rewrite(None, Some("{}"))),
+                Rejection::ToolNotGranted {
+                    call_id: "c1".into(),
+                    tool: "fs.read".into(),
+                },
+            ),
+            (
+                &no_rename,
+                verdict("c0", rewrite(Some("fs.append"), None)),
+                Rejection::RenameNotGranted {
+                    call_id: "c0".into(),
+                    from: "fs.write".into(),
+                    to: "fs.append".into(),
+                },
+            ),
+            (
+                &mutate,
+                verdict("c0", rewrite(Some("shell.run"), None)),
+                Rejection::RenameOutsideGrant {
+                    call_id: "c0".into(),
+                    from: "fs.write".into(),
+                    to: "shell.run".into(),
+                },
+            ),
+            (
+                &mutate,
+                verdict("c0", rewrite(Some(" "), None)),
+                Rejection::RenameOutsideGrant {
+                    call_id: "c0".into(),
+                    from: "fs.write".into(),
+                    to: " ".into(),
+                },
+            ),
+            (
+                &mutate,
+                verdict("c0", rewrite(None, Some("[1, 2]"))),
+                Rejection::ArgumentsNotObject {
+                    call_id: "c0".into(),
+                },
+            ),
+            (
+                &mutate,
+                verdict("c0", rewrite(None, Some(""))),
+                Rejection::ArgumentsNotObject {
+                    call_id: "c0".into(),
+                },
+            ),
+        ];
+        for (g, v, want) in cases {
+            // A rejection rejects the whole answer, whatever came before it.
+            let other = if v.call_id == "c1" { "c0" } else { "c1" };
+            let (got, _) = check(g, vec![verdict(other, skip("no", 0)), v]);
+            assert_eq!(got.unwrap_err(), want);
+        }
+    }
+
+    #[test]
+    fn r11_rejection_messages_name_the_reason() {
+        let messages = [
+            (
+                Rejection::ToolNotGranted {
+                    call_id: "c".into(),
+                    tool: "fs.read".into(),
+                }
+                .to_string(),
+                "grant does not cover tool \"fs.read\"",
+            ),
+            (
+                Rejection::RenameNotGranted {
+                    call_id: "c".into(),
+                    from: "a".into(),
+                    to: "b".into(),
+                }
+                .to_string(),
+                "without the rename grant",
+            ),
+            (
+                Rejection::ArgumentsNotObject {
+                    call_id: "c".into(),
+                }
+                .to_string(),
+                "not a JSON object",
+            ),
+            (
+                Rejection::NotMutate {
+                    call_id: "c".into(),
+                }
+                .to_string(),
+                "only mutate guards may rewrite",
+            ),
+        ];
+        for (message, needle) in messages {
+            assert!(message.contains(needle), "{message}");
+        }
+    }
+
+    #[test]
+    fn guard_supplied_text_is_clipped_in_messages() {
+        let g = guard(GuardRole::Mutate, &["fs.*"], false);
+        let long = "x".repeat(10_000);
+        let (got, _) = check(&g, vec![verdict(&long, rewrite(None, Some("{}")))]);
+        assert!(got.unwrap_err().to_string().len() < 200);
+        let (got, _) = check(&g, vec![verdict("c0", rewrite(Some(&long), None))]);
+        assert!(got.unwrap_err().to_string().len() < 300);
+    }
+}

@@ -1,0 +1,554 @@
+//! How the mesh reaches guards: which endpoints it may dial at all, and the
+//! TLS it speaks to them.
+//!
+//! A registration can point the mesh at any address, so it is checked twice:
+//! at registration (the host as written) and when dialing, after DNS
+//! resolution (so a name that resolves to a cloud metadata address is
+//! refused too). By default link-local and metadata addresses are refused;
+//! an allow-list narrows the rest.
+//!
+//! With `https://` endpoints the mesh verifies the guard's certificate
+//! against the configured CA and, when the registration pins one, against
+//! the expected identity (a DNS name, or a SPIFFE ID in a URI SAN), so a
+//! registration cannot point the mesh at an impostor.
+
+use crate::security::tls::{TlsError, load_certs, load_key, load_roots, provider, uri_identity};
+use ipnet::IpNet;
+use rustls::client::danger::{HandshakeSignatureValid, ServerCertVerified, ServerCertVerifier};
+use rustls::pki_types::{CertificateDer, ServerName, UnixTime};
+use rustls::{DigitallySignedStruct, RootCertStore, SignatureScheme};
+use std::net::{IpAddr, SocketAddr};
+use std::path::Path;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::{Context, Poll};
+use std::time::Duration;
+use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
+use tokio::net::TcpStream;
+use tonic::transport::Uri;
+
+/// Host names of cloud metadata services.
+const METADATA_HOSTS: &[&str] = &[
+    "metadata",
+    "metadata.google.internal",
+    "metadata.goog",
+    "instance-data",
+    "instance-data.ec2.internal",
+];
+
+/// Why `host` (as written in an endpoint URL, IPv6 in brackets) is not an
+/// unambiguous host, or `None` when it is one. Resolvers and URL parsers
+/// disagree on these forms (`getaddrinfo` reads `0177.0.0.1`, `0x7f.1` and
+/// `2130706433` as 127.0.0.1; a trailing dot makes `localhost.` and
+/// `metadata.google.internal.` different strings for the same name; a zone
+/// id picks an interface), so the host the endpoint policy checks would not
+/// be the host the mesh dials. They are refused at registration and at dial.
+pub fn ambiguous_host(host: &str) -> Option<&'static str> {
+    if let Some(inner) = host.strip_prefix('[') {
+        let Some(inner) = inner.strip_suffix(']') else {
+            return Some("an IPv6 address must be in brackets");
+        };
+        if inner.contains('%') {
+            return Some("an IPv6 zone id (`%...`) is not allowed");
+        }
+        if inner.parse::<std::net::Ipv6Addr>().is_err() {
+            return Some("not an IPv6 address");
+        }
+        return None;
+    }
+    if host.is_empty() {
+        return Some("the host is empty");
+    }
+    if host.ends_with('.') {
+        return Some("a host with a trailing dot is not allowed: write it without the dot");
+    }
+    if !host
+        .bytes()
+        .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_' | b'.'))
+    {
+        return Some("a host name may only have letters, digits, '-', '_' and '.'");
+    }
+    if host.split('.').any(str::is_empty) {
+        return Some("a host name must not have an empty label");
+    }
+    // As URL parsers do (WHATWG "ends in a number"): a host whose last label
+    // is a number is an IPv4 address, and only the plain dotted quad (four
+    // decimal parts, no leading zeros) reads the same everywhere.
+    let last = host.rsplit('.').next().unwrap_or_default();
+    let hex = last
+        .strip_prefix("0x")
+        .or_else(|| last.strip_prefix("0X"))
+        .is_some_and(|digits| digits.bytes().all(|b| b.is_ascii_hexdigit()));
+    if (hex || last.bytes().all(|b| b.is_ascii_digit()))
+        && host.parse::<std::net::Ipv4Addr>().is_err()
+    {
+        return Some(
+            "a numeric host must be a dotted-quad IPv4 address (decimal, hex, octal and \
+             short forms are read differently by different resolvers)",
+        );
+    }
+    None
+}
+
+/// Which guard endpoints the mesh may dial.
+#[derive(Debug, Clone)]
+pub struct EndpointPolicy {
+    nets: Vec<IpNet>,
+    hosts: Vec<String>,
+    /// Refuse link-local and metadata addresses (default true).
+    pub deny_link_local: bool,
+}
+
+impl Default for EndpointPolicy {
+    fn default() -> Self {
+        Self {
+            nets: Vec::new(),
+            hosts: Vec::new(),
+            deny_link_local: true,
+        }
+    }
+}
+
+impl EndpointPolicy {
+    /// An allow-list of CIDRs/addresses and host names (`*.suffix` globs).
+    /// Empty allows every host not denied.
+    pub fn new(allow: &[String], deny_link_local: bool) -> Result<Self, String> {
+        let mut policy = Self {
+            deny_link_local,
+            ..Self::default()
+        };
+        for entry in allow {
+            let entry = entry.trim();
+            if let Ok(net) = entry.parse::<IpNet>() {
+                policy.nets.push(net);
+            } else if let Ok(ip) = entry.parse::<IpAddr>() {
+                policy.nets.push(IpNet::from(ip));
+            } else if !entry.is_empty() && !entry.contains('/') {
+                policy.hosts.push(entry.to_ascii_lowercase());
+            } else {
+                return Err(format!(
+                    "allow-list entry {entry:?} is neither a CIDR nor a host"
+                ));
+            }
+        }
+        Ok(policy)
+    }
+
+    fn restricted(&self) -> bool {
+        !self.nets.is_empty() || !self.hosts.is_empty()
+    }
+
+    fn denied_ip(&self, ip: IpAddr) -> Option<&'static str> {
+        if ip.is_unspecified() || ip.is_multicast() {
+            return Some("an unspecified or multicast address");
+        }
+        if !self.deny_link_local {
+            return None;
+        }
+        let link_local = match ip {
+            IpAddr::V4(v4) => v4.is_link_local() || v4.octets() == [100, 100, 100, 200],
+            IpAddr::V6(v6) => {
+                (v6.segments()[0] & 0xffc0) == 0xfe80
+                    || v6 == std::net::Ipv6Addr::new(0xfd00, 0xec2, 0, 0, 0, 0, 0, 0x254)
+                    || v6.to_ipv4_mapped().is_some_and(|v4| v4.is_link_local())
+            }
+        };
+        link_local.then_some("a link-local or cloud metadata address")
+    }
+
+    fn host_allowed(&self, host: &str) -> bool {
+        let host = host.to_ascii_lowercase();
+        self.hosts
+            .iter()
+            .any(|pattern| match pattern.strip_prefix("*.") {
+                Some(suffix) => host.ends_with(&format!(".{suffix}")),
+                None => *pattern == host,
+            })
+    }
+
+    /// Checks an endpoint's host as registered.
+    pub fn check_host(&self, host: &str) -> Result<(), String> {
+        let bare = host.trim_start_matches('[').trim_end_matches(']');
+        if let Ok(ip) = bare.parse::<IpAddr>() {
+            return self.check_ip(ip, None);
+        }
+        if self.deny_link_local && METADATA_HOSTS.contains(&bare.to_ascii_lowercase().as_str()) {
+            return Err(format!("{host} is a cloud metadata host"));
+        }
+        if self.restricted() && !self.host_allowed(bare) {
+            return Err(format!("{host} is not in the endpoint allow-list"));
+        }
+        Ok(())
+    }
+
+    /// Checks an address the mesh is about to dial. `host` is the name it
+    /// was resolved from, if any: a name on the allow-list may resolve to
+    /// any address that is not denied.
+    pub fn check_ip(&self, ip: IpAddr, host: Option<&str>) -> Result<(), String> {
+        if let Some(why) = self.denied_ip(ip) {
+            return Err(format!("{ip} is {why}"));
+        }
+        let by_name = host.is_some_and(|h| self.host_allowed(h));
+        if self.restricted() && !by_name && !self.nets.iter().any(|n| n.contains(&ip)) {
+            return Err(format!("{ip} is not in the endpoint allow-list"));
+        }
+        Ok(())
+    }
+}
+
+/// TLS settings of the mesh's links to guards.
+#[derive(Debug, Clone)]
+pub struct GuardTls {
+    roots: Arc<RootCertStore>,
+    /// The mesh's client certificate and key, for guards that require mTLS.
+    identity: Option<(
+        Vec<CertificateDer<'static>>,
+        Arc<rustls::pki_types::PrivateKeyDer<'static>>,
+    )>,
+}
+
+impl GuardTls {
+    pub fn new(
+        ca_file: &Path,
+        cert_file: Option<&Path>,
+        key_file: Option<&Path>,
+    ) -> Result<Self, TlsError> {
+        let identity = match (cert_file, key_file) {
+            (Some(cert), Some(key)) => Some((load_certs(cert)?, Arc::new(load_key(key)?))),
+            _ => None,
+        };
+        Ok(Self {
+            roots: Arc::new(load_roots(ca_file)?),
+            identity,
+        })
+    }
+
+    fn client_config(&self, pin: Option<&str>) -> Result<rustls::ClientConfig, rustls::Error> {
+        let verifier = Arc::new(PinnedVerifier {
+            roots: self.roots.clone(),
+            pin: pin.map(str::to_owned),
+            provider: provider(),
+        });
+        let builder = rustls::ClientConfig::builder_with_provider(provider())
+            .with_safe_default_protocol_versions()?
+            .dangerous()
+            .with_custom_certificate_verifier(verifier);
+        let mut config = match &self.identity {
+            Some((certs, key)) => builder.with_client_auth_cert(certs.clone(), key.clone_key())?,
+            None => builder.with_no_client_auth(),
+        };
+        config.alpn_protocols = vec![b"h2".to_vec()];
+        Ok(config)
+    }
+}
+
+/// Verifies a guard's certificate chain against the CA, then its identity:
+/// the pinned one when set (a SPIFFE ID or a name), else the dialed host.
+#[derive(Debug)]
+struct PinnedVerifier {
+    roots: Arc<RootCertStore>,
+    pin: Option<String>,
+    provider: Arc<rustls::crypto::CryptoProvider>,
+}
+
+impl ServerCertVerifier for PinnedVerifier {
+    fn verify_server_cert(
+        &self,
+        end_entity: &CertificateDer<'_>,
+        intermediates: &[CertificateDer<'_>],
+        server_name: &ServerName<'_>,
+        _ocsp: &[u8],
+        now: UnixTime,
+    ) -> Result<ServerCertVerified, rustls::Error> {
+        let parsed = rustls::server::ParsedCertificate::try_from(end_entity)?;
+        rustls::client::verify_server_cert_signed_by_trust_anchor(
+            &parsed,
+            &self.roots,
+            intermediates,
+            now,
+            self.provider.signature_verification_algorithms.all,
+        )?;
+        match self.pin.as_deref() {
+            Some(pin) if pin.contains("://") => {
+                let found = uri_identity(end_entity).map_err(rustls::Error::General)?;
+                if found != pin {
+                    return Err(rustls::Error::General(format!(
+                        "guard presented identity {found}, expected {pin}"
+                    )));
+                }
+            }
+            Some(pin) => {
+                let name = ServerName::try_from(pin.to_owned())
+                    .map_err(|e| rustls::Error::General(format!("pinned name {pin:?}: {e}")))?;
+                rustls::client::verify_server_name(&parsed, &name)?;
+            }
+            None => rustls::client::verify_server_name(&parsed, server_name)?,
+        }
+        Ok(ServerCertVerified::assertion())
+    }
+
+    fn verify_tls12_signature(
+        &self,
+        message: &[u8],
+        cert: &CertificateDer<'_>,
+        dss: &DigitallySignedStruct,
+    ) -> Result<HandshakeSignatureValid, rustls::Error> {
+        rustls::crypto::verify_tls12_signature(
+            message,
+            cert,
+            dss,
+            &self.provider.signature_verification_algorithms,
+        )
+    }
+
+    fn verify_tls13_signature(
+        &self,
+        message: &[u8],
+        cert: &CertificateDer<'_>,
+        dss: &DigitallySignedStruct,
+    ) -> Result<HandshakeSignatureValid, rustls::Error> {
+        rustls::crypto::verify_tls13_signature(
+            message,
+            cert,
+            dss,
+            &self.provider.signature_verification_algorithms,
+        )
+    }
+
+    fn supported_verify_schemes(&self) -> Vec<SignatureScheme> {
+        self.provider
+            .signature_verification_algorithms
+            .supported_schemes()
+    }
+}
+
+/// A connection to a guard.
+pub enum GuardIo {
+    Plain(TcpStream),
+    Tls(Box<tokio_rustls::client::TlsStream<TcpStream>>),
+}
+
+impl AsyncRead for GuardIo {
+    fn poll_read(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<std::io::Result<()>> {
+        match self.get_mut() {
+            Self::Plain(s) => Pin::new(s).poll_read(cx, buf),
+            Self::Tls(s) => Pin::new(s.as_mut()).poll_read(cx, buf),
+        }
+    }
+}
+
+impl AsyncWrite for GuardIo {
+    fn poll_write(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<std::io::Result<usize>> {
+        match self.get_mut() {
+            Self::Plain(s) => Pin::new(s).poll_write(cx, buf),
+            Self::Tls(s) => Pin::new(s.as_mut()).poll_write(cx, buf),
+        }
+    }
+
+    fn poll_write_vectored(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        bufs: &[std::io::IoSlice<'_>],
+    ) -> Poll<std::io::Result<usize>> {
+        match self.get_mut() {
+            Self::Plain(s) => Pin::new(s).poll_write_vectored(cx, bufs),
+            Self::Tls(s) => Pin::new(s.as_mut()).poll_write_vectored(cx, bufs),
+        }
+    }
+
+    /// h2 writes a frame's header and body with one call when the stream
+    /// says it can (half the syscalls per message).
+    fn is_write_vectored(&self) -> bool {
+        match self {
+            Self::Plain(s) => s.is_write_vectored(),
+            Self::Tls(s) => s.is_write_vectored(),
+        }
+    }
+
+    fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        match self.get_mut() {
+            Self::Plain(s) => Pin::new(s).poll_flush(cx),
+            Self::Tls(s) => Pin::new(s.as_mut()).poll_flush(cx),
+        }
+    }
+
+    fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        match self.get_mut() {
+            Self::Plain(s) => Pin::new(s).poll_shutdown(cx),
+            Self::Tls(s) => Pin::new(s.as_mut()).poll_shutdown(cx),
+        }
+    }
+}
+
+fn io_error(message: String) -> std::io::Error {
+    std::io::Error::new(std::io::ErrorKind::PermissionDenied, message)
+}
+
+/// Dials one guard: resolves, applies the endpoint policy to every address,
+/// connects, and speaks TLS for `https://` endpoints.
+#[derive(Clone)]
+pub struct GuardConnector {
+    pub policy: Arc<EndpointPolicy>,
+    pub tls: Option<Arc<GuardTls>>,
+    /// The identity the guard must present (no impostors).
+    pub pin: Option<String>,
+    /// Speak TLS (the registered endpoint is `https://`). The channel itself
+    /// is opened on an `http://` URI so that TLS happens here, once.
+    pub https: bool,
+    pub connect_timeout: Duration,
+}
+
+impl GuardConnector {
+    async fn connect(self, uri: Uri) -> std::io::Result<hyper_util::rt::TokioIo<GuardIo>> {
+        let written = uri
+            .host()
+            .ok_or_else(|| io_error(format!("{uri} has no host")))?;
+        if let Some(why) = ambiguous_host(written) {
+            return Err(io_error(format!(
+                "endpoint policy refuses {written}: {why}"
+            )));
+        }
+        let host = written
+            .trim_start_matches('[')
+            .trim_end_matches(']')
+            .to_owned();
+        let https = self.https || uri.scheme_str() == Some("https");
+        let port = uri.port_u16().unwrap_or(if https { 443 } else { 80 });
+        let literal = host.parse::<IpAddr>().ok();
+        let addrs: Vec<SocketAddr> = match literal {
+            Some(ip) => vec![SocketAddr::new(ip, port)],
+            None => tokio::net::lookup_host((host.as_str(), port))
+                .await?
+                .collect(),
+        };
+        let name = literal.is_none().then_some(host.as_str());
+        let mut last = io_error(format!("{host} resolved to no address"));
+        let mut tcp = None;
+        for addr in addrs {
+            if let Err(why) = self.policy.check_ip(addr.ip(), name) {
+                last = io_error(format!("endpoint policy refuses {host}: {why}"));
+                continue;
+            }
+            match tokio::time::timeout(self.connect_timeout, TcpStream::connect(addr)).await {
+                Ok(Ok(stream)) => {
+                    tcp = Some(stream);
+                    break;
+                }
+                Ok(Err(error)) => last = error,
+                Err(_) => {
+                    last = std::io::Error::new(
+                        std::io::ErrorKind::TimedOut,
+                        format!("connect to {addr} timed out"),
+                    )
+                }
+            }
+        }
+        let tcp = tcp.ok_or(last)?;
+        let _ = tcp.set_nodelay(true);
+        if !https {
+            return Ok(hyper_util::rt::TokioIo::new(GuardIo::Plain(tcp)));
+        }
+        let Some(tls) = &self.tls else {
+            return Err(io_error(
+                "https endpoint but no [guard_tls] CA is configured".into(),
+            ));
+        };
+        let config = tls
+            .client_config(self.pin.as_deref())
+            .map_err(|e| io_error(format!("TLS configuration: {e}")))?;
+        let server_name = ServerName::try_from(host.clone())
+            .map_err(|e| io_error(format!("server name {host:?}: {e}")))?;
+        let stream = tokio_rustls::TlsConnector::from(Arc::new(config))
+            .connect(server_name, tcp)
+            .await?;
+        Ok(hyper_util::rt::TokioIo::new(GuardIo::Tls(Box::new(stream))))
+    }
+}
+
+impl tower::Service<Uri> for GuardConnector {
+    type Response = hyper_util::rt::TokioIo<GuardIo>;
+    type Error = std::io::Error;
+    type Future =
+        Pin<Box<dyn std::future::Future<Output = Result<Self::Response, Self::Error>> + Send>>;
+
+    fn poll_ready(&mut self, _cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
+        Poll::Ready(Ok(()))
+    }
+
+    fn call(&mut self, uri: Uri) -> Self::Future {
+        Box::pin(self.clone().connect(uri))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn ssrf_default_policy_refuses_metadata_and_link_local() {
+        let p = EndpointPolicy::default();
+        for bad in [
+            "169.254.169.254",
+            "169.254.1.1",
+            "[fe80::1]",
+            "metadata.google.internal",
+            "0.0.0.0",
+        ] {
+            assert!(p.check_host(bad).is_err(), "{bad}");
+        }
+        for ok in ["127.0.0.1", "10.1.2.3", "guards.internal", "[::1]"] {
+            assert!(p.check_host(ok).is_ok(), "{ok}");
+        }
+    }
+
+    #[test]
+    fn r16_ambiguous_hosts() {
+        for bad in [
+            "2130706433",
+            "0x7f.0.0.1",
+            "0177.0.0.1",
+            "127.1",
+            "localhost.",
+            "169.254.169.254.",
+            "[fe80::1%25eth0]",
+            "[fe80::1",
+            "a..b",
+            "loc%61lhost",
+            "",
+        ] {
+            assert!(ambiguous_host(bad).is_some(), "{bad}");
+        }
+        for ok in ["127.0.0.1", "localhost", "guards.svc", "[::1]", "a-b_c.d9"] {
+            assert_eq!(ambiguous_host(ok), None, "{ok}");
+        }
+    }
+
+    #[test]
+    fn ssrf_allow_list_by_cidr_and_name() {
+        let p = EndpointPolicy::new(&["127.0.0.0/8".into(), "*.guards.svc".into()], true).unwrap();
+        assert!(p.check_host("127.0.0.1").is_ok());
+        assert!(p.check_host("10.0.0.1").is_err());
+        assert!(
+            p.check_ip("10.0.0.7".parse().unwrap(), Some("a.guards.svc"))
+                .is_ok()
+        );
+        assert!(
+            p.check_ip("10.0.0.7".parse().unwrap(), Some("evil.example"))
+                .is_err()
+        );
+        assert!(
+            p.check_ip("169.254.169.254".parse().unwrap(), Some("a.guards.svc"))
+                .is_err(),
+            "a name on the list that resolves to metadata is still refused"
+        );
+        assert!(EndpointPolicy::new(&["10.0.0.0/33".into()], true).is_err());
+    }
+}

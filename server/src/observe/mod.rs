@@ -1,0 +1,7 @@
+//! What the mesh tells operators: counters and histograms (`metrics`), the
+//! Prometheus scrape endpoint ([`metrics_http`]), logs and traces
+//! ([`telemetry`]).
+
+pub(crate) mod metrics;
+pub mod metrics_http;
+pub mod telemetry;

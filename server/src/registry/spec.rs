@@ -1,0 +1,410 @@
+//! A guard's registration, checked and compiled for the hot path.
+//!
+//! `GuardSpec` on the wire is plain data; [`Guard`] is the same registration
+//! after validation, with its tool patterns compiled once so that matching a
+//! call against a guard costs no allocation per batch.
+
+use globset::{Glob, GlobSet, GlobSetBuilder};
+use guardmesh_proto::v1::{FailurePolicy, GuardMode, GuardRole, GuardSpec, RewriteGrant};
+use std::time::Duration;
+
+/// Why a registration was refused. Every variant names the offending field.
+#[derive(Debug, thiserror::Error)]
+pub enum SpecError {
+    #[error("guard name must not be empty")]
+    EmptyName,
+    #[error("guard name {0:?} is invalid: use letters, digits, '.', '_', '-' or '/' (at most 128)")]
+    BadName(String),
+    #[error("guard {name:?}: endpoint {endpoint:?} is invalid: {reason}")]
+    BadEndpoint {
+        name: String,
+        endpoint: String,
+        reason: String,
+    },
+    #[error("guard {name:?}: tool pattern {pattern:?} is invalid: {source}")]
+    BadPattern {
+        name: String,
+        pattern: String,
+        #[source]
+        source: globset::Error,
+    },
+    #[error("guard {name:?}: unknown {field} value {value}")]
+    UnknownEnum {
+        name: String,
+        field: &'static str,
+        value: i32,
+    },
+}
+
+/// Tool-name patterns: exact names and globs. Empty matches every tool.
+#[derive(Debug, Clone)]
+pub struct ToolSet {
+    patterns: Vec<String>,
+    set: Option<GlobSet>,
+}
+
+impl ToolSet {
+    /// Compiles `patterns`; an empty list matches all tools when
+    /// `empty_matches_all`, no tool otherwise.
+    fn compile(
+        name: &str,
+        patterns: &[String],
+        empty_matches_all: bool,
+    ) -> Result<Self, SpecError> {
+        if patterns.is_empty() {
+            return Ok(Self {
+                patterns: Vec::new(),
+                set: if empty_matches_all {
+                    None
+                } else {
+                    Some(GlobSet::empty())
+                },
+            });
+        }
+        let mut builder = GlobSetBuilder::new();
+        for pattern in patterns {
+            let glob = Glob::new(pattern).map_err(|source| SpecError::BadPattern {
+                name: name.to_owned(),
+                pattern: pattern.clone(),
+                source,
+            })?;
+            builder.add(glob);
+        }
+        let set = builder.build().map_err(|source| SpecError::BadPattern {
+            name: name.to_owned(),
+            pattern: patterns.join(","),
+            source,
+        })?;
+        Ok(Self {
+            patterns: patterns.to_vec(),
+            set: Some(set),
+        })
+    }
+
+    /// Whether `tool` is in the set.
+    pub fn matches(&self, tool: &str) -> bool {
+        match &self.set {
+            None => true,
+            Some(set) => set.is_match(tool),
+        }
+    }
+
+    /// The patterns as registered.
+    pub fn patterns(&self) -> &[String] {
+        &self.patterns
+    }
+}
+
+/// A validated registration.
+#[derive(Debug, Clone)]
+pub struct Guard {
+    pub name: String,
+    pub endpoint: String,
+    pub role: GuardRole,
+    pub tools: ToolSet,
+    pub timeout: Duration,
+    pub failure_policy: FailurePolicy,
+    pub priority: i32,
+    pub mode: GuardMode,
+    /// What a mutate guard may rewrite; always empty for validate guards.
+    pub grant_tools: ToolSet,
+    pub may_rename: bool,
+    /// The identity an `https://` guard must present, if pinned.
+    pub server_identity: Option<String>,
+}
+
+impl Guard {
+    /// Checks and compiles a wire registration. `default_timeout` replaces a
+    /// zero `timeout_ms`.
+    pub fn from_spec(spec: &GuardSpec, default_timeout: Duration) -> Result<Self, SpecError> {
+        let name = spec.name.trim();
+        if name.is_empty() {
+            return Err(SpecError::EmptyName);
+        }
+        if name.len() > 128
+            || !name
+                .chars()
+                .all(|c| c.is_ascii_alphanumeric() || matches!(c, '.' | '_' | '-' | '/'))
+        {
+            return Err(SpecError::BadName(shown(&spec.name)));
+        }
+        let name = name.to_owned();
+        let endpoint = normalize_endpoint(&name, &spec.endpoint)?;
+        let role = GuardRole::try_from(spec.role).map_err(|_| SpecError::UnknownEnum {
+            name: name.clone(),
+            field: "role",
+            value: spec.role,
+        })?;
+        let failure_policy =
+            FailurePolicy::try_from(spec.failure_policy).map_err(|_| SpecError::UnknownEnum {
+                name: name.clone(),
+                field: "failure_policy",
+                value: spec.failure_policy,
+            })?;
+        let mode = GuardMode::try_from(spec.mode).map_err(|_| SpecError::UnknownEnum {
+            name: name.clone(),
+            field: "mode",
+            value: spec.mode,
+        })?;
+        let tools = ToolSet::compile(&name, &spec.tools, true)?;
+        let grant = match role {
+            GuardRole::Mutate => spec.grant.clone().unwrap_or_default(),
+            GuardRole::Validate => RewriteGrant::default(),
+        };
+        let grant_tools = ToolSet::compile(&name, &grant.tools, false)?;
+        let timeout = if spec.timeout_ms == 0 {
+            default_timeout
+        } else {
+            Duration::from_millis(u64::from(spec.timeout_ms))
+        };
+        Ok(Self {
+            name,
+            endpoint,
+            role,
+            tools,
+            timeout,
+            failure_policy,
+            priority: spec.priority,
+            mode,
+            grant_tools,
+            may_rename: grant.may_rename,
+            server_identity: Some(spec.server_identity.trim().to_owned()).filter(|s| !s.is_empty()),
+        })
+    }
+
+    /// The registration as it goes back on the wire (`List`).
+    pub fn to_spec(&self) -> GuardSpec {
+        GuardSpec {
+            name: self.name.clone(),
+            endpoint: self.endpoint.clone(),
+            role: self.role as i32,
+            tools: self.tools.patterns().to_vec(),
+            timeout_ms: u32::try_from(self.timeout.as_millis()).unwrap_or(u32::MAX),
+            failure_policy: self.failure_policy as i32,
+            priority: self.priority,
+            mode: self.mode as i32,
+            grant: (self.role == GuardRole::Mutate).then(|| RewriteGrant {
+                tools: self.grant_tools.patterns().to_vec(),
+                may_rename: self.may_rename,
+            }),
+            server_identity: self.server_identity.clone().unwrap_or_default(),
+        }
+    }
+
+    /// The endpoint's host (for the endpoint policy).
+    pub fn host(&self) -> String {
+        self.endpoint
+            .parse::<tonic::transport::Uri>()
+            .ok()
+            .and_then(|u| u.host().map(str::to_owned))
+            .unwrap_or_default()
+    }
+
+    /// What this registration allows but was probably not meant: a mutate
+    /// guard whose grant names no tool (every rewrite it sends is rejected,
+    /// R11). Logged at start for config guards and at registration.
+    pub fn warnings(&self) -> Vec<String> {
+        let mut out = Vec::new();
+        if self.role == GuardRole::Mutate && self.grant_tools.patterns().is_empty() {
+            out.push(format!(
+                "guard {:?} is a mutate guard with an empty grant: every rewrite it sends \
+                 is rejected (R11) and its failure policy applies; grant it tools, or \
+                 register it as a validate guard",
+                self.name
+            ));
+        }
+        out
+    }
+
+    /// Whether the guard's verdicts are applied (not a dry run, R18).
+    pub fn enforced(&self) -> bool {
+        self.mode == GuardMode::Enforce
+    }
+}
+
+/// Longest endpoint accepted.
+const MAX_ENDPOINT_LEN: usize = 512;
+
+/// `text` for an error message: at most 128 characters.
+fn shown(text: &str) -> String {
+    match text.char_indices().nth(128) {
+        Some((end, _)) => format!("{}...", &text[..end]),
+        None => text.to_owned(),
+    }
+}
+
+/// Accepts `http://host:port`, `https://host:port` or a bare `host:port`
+/// (read as `http://`), and refuses anything a channel could not dial.
+fn normalize_endpoint(name: &str, endpoint: &str) -> Result<String, SpecError> {
+    let bad = |reason: &str| SpecError::BadEndpoint {
+        name: name.to_owned(),
+        endpoint: shown(endpoint),
+        reason: reason.to_owned(),
+    };
+    let trimmed = endpoint.trim();
+    if trimmed.is_empty() {
+        return Err(bad("empty"));
+    }
+    if trimmed.len() > MAX_ENDPOINT_LEN {
+        return Err(bad("longer than 512 bytes"));
+    }
+    // A zone id (`[fe80::1%25eth0]`) is refused by name, before the URI
+    // parser gives a vaguer reason.
+    if let Some(zone) = trimmed.find('%')
+        && trimmed[..zone].contains('[')
+        && !trimmed[..zone].contains(']')
+    {
+        return Err(bad("an IPv6 zone id (`%...`) is not allowed"));
+    }
+    let full = if trimmed.contains("://") {
+        trimmed.to_owned()
+    } else {
+        format!("http://{trimmed}")
+    };
+    let uri = full
+        .parse::<tonic::transport::Uri>()
+        .map_err(|e| bad(&e.to_string()))?;
+    match uri.scheme_str() {
+        Some("http") | Some("https") => {}
+        _ => return Err(bad("scheme must be http or https")),
+    }
+    let Some(authority) = uri.authority() else {
+        return Err(bad("no host"));
+    };
+    if authority.host().is_empty() {
+        return Err(bad("no host"));
+    }
+    if authority.port_u16().is_none() {
+        return Err(bad("no port"));
+    }
+    if let Some(why) = crate::link::dial::ambiguous_host(authority.host()) {
+        return Err(bad(why));
+    }
+    if authority.as_str().contains('@') {
+        return Err(bad("must not have user information"));
+    }
+    if uri.path() != "/" && !uri.path().is_empty() {
+        return Err(bad("must not have a path"));
+    }
+    Ok(format!(
+        "{}://{}",
+        uri.scheme_str().unwrap_or("http"),
+        authority
+    ))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn spec(name: &str, endpoint: &str) -> GuardSpec {
+        GuardSpec {
+            name: name.into(),
+            endpoint: endpoint.into(),
+            ..Default::default()
+        }
+    }
+
+    #[test]
+    fn r16_endpoint_forms() {
+        let d = Duration::from_secs(1);
+        let g = Guard::from_spec(&spec("a", "127.0.0.1:9"), d).unwrap();
+        assert_eq!(g.endpoint, "http://127.0.0.1:9");
+        assert!(Guard::from_spec(&spec("a", "http://[::1]:9"), d).is_ok());
+        for bad in [
+            "",
+            "127.0.0.1",
+            "ftp://x:1",
+            "http://:1",
+            "not a uri:1",
+            "http://h:1/path",
+        ] {
+            let err = Guard::from_spec(&spec("a", bad), d).unwrap_err();
+            assert!(matches!(err, SpecError::BadEndpoint { .. }), "{bad}: {err}");
+        }
+    }
+
+    #[test]
+    fn r16_ambiguous_endpoint_hosts_are_refused_at_registration() {
+        let d = Duration::from_secs(1);
+        for (endpoint, needle) in [
+            ("http://2130706433:50051", "dotted-quad"),
+            ("http://0x7f.0.0.1:50051", "dotted-quad"),
+            ("http://0177.0.0.1:50051", "dotted-quad"),
+            ("http://127.1:50051", "dotted-quad"),
+            ("http://0xA9FEA9FE:80", "dotted-quad"),
+            ("http://127.0.0.01:50051", "dotted-quad"),
+            ("http://localhost.:50051", "trailing dot"),
+            ("http://169.254.169.254.:80", "trailing dot"),
+            ("http://metadata.google.internal.:80", "trailing dot"),
+            ("http://[fe80::1%25eth0]:50051", "zone id"),
+            ("http://[fe80::1%eth0]:50051", "zone id"),
+            ("http://a..b:1", "empty label"),
+            ("http://user@127.0.0.1:1", "user information"),
+        ] {
+            match Guard::from_spec(&spec("a", endpoint), d) {
+                Err(SpecError::BadEndpoint {
+                    endpoint: shown_endpoint,
+                    reason,
+                    ..
+                }) => {
+                    assert_eq!(shown_endpoint, endpoint);
+                    assert!(reason.contains(needle), "{endpoint}: {reason}");
+                }
+                other => panic!("{endpoint}: {other:?}"),
+            }
+        }
+        for ok in [
+            "http://127.0.0.1:1",
+            "http://10.0.0.7:1",
+            "http://guard-1.svc.cluster.local:1",
+            "https://localhost:443",
+            "http://[::1]:1",
+            "http://[::ffff:127.0.0.1]:1",
+            "http://3com.example:1",
+            "http://a.0x7g:1",
+        ] {
+            assert!(Guard::from_spec(&spec("a", ok), d).is_ok(), "{ok}");
+        }
+        let long = format!("http://{}.example:1", "a".repeat(600));
+        let err = Guard::from_spec(&spec("a", &long), d)
+            .unwrap_err()
+            .to_string();
+        assert!(err.len() < 400, "the message is bounded: {err}");
+    }
+
+    #[test]
+    fn r9_tools_globs_and_default_all() {
+        let d = Duration::from_secs(1);
+        let mut s = spec("a", "h:1");
+        let all = Guard::from_spec(&s, d).unwrap();
+        assert!(all.tools.matches("anything"));
+        s.tools = vec!["sql.*".into(), "shell".into()];
+        let some = Guard::from_spec(&s, d).unwrap();
+        assert!(some.tools.matches("sql.query"));
+        assert!(some.tools.matches("shell"));
+        assert!(!some.tools.matches("shell.exec"));
+        assert!(
+            !some.grant_tools.matches("sql.query"),
+            "validate guards have no grant"
+        );
+        s.tools = vec!["[".into()];
+        assert!(matches!(
+            Guard::from_spec(&s, d),
+            Err(SpecError::BadPattern { .. })
+        ));
+    }
+
+    #[test]
+    fn r16_unknown_enum_refused() {
+        let mut s = spec("a", "h:1");
+        s.failure_policy = 7;
+        assert!(matches!(
+            Guard::from_spec(&s, Duration::from_secs(1)),
+            Err(SpecError::UnknownEnum {
+                field: "failure_policy",
+                ..
+            })
+        ));
+    }
+}

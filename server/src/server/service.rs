@@ -1,0 +1,871 @@
+//! The gRPC services of the mesh: `PreToolService` for coordinators and
+//! `GuardRegistry` for registrars.
+
+use crate::judge::TraceContext;
+use crate::mesh::Mesh;
+use crate::registry::RegistryError;
+use crate::security::auth::{Caller, Role};
+use crate::server::inbound::{Inbound, InboundCodec};
+use crate::validate::{Refusal, shown_id};
+use futures::{Stream, StreamExt};
+use guardmesh_proto::v1::guard_registry_server::GuardRegistry;
+use guardmesh_proto::v1::pre_tool_service_server::PreToolService;
+use guardmesh_proto::v1::{
+    BatchDecision, DeregisterRequest, DeregisterResponse, EvaluateRequest, EvaluateResponse,
+    ListRequest, ListResponse, RegisterRequest, RegisterResponse, evaluate_response,
+};
+use prost::Message;
+use std::collections::HashSet;
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, PoisonError};
+use std::task::{Context, Poll};
+use std::time::Duration;
+use tokio::sync::mpsc::OwnedPermit;
+use tokio::sync::{Notify, OwnedSemaphorePermit, Semaphore, mpsc, watch};
+use tokio::task::JoinSet;
+use tokio::time::Instant;
+use tonic::metadata::MetadataMap;
+use tonic::{Request, Response, Status, Streaming};
+
+/// Reads W3C trace context from request metadata (R22).
+pub fn trace_context(metadata: &MetadataMap) -> TraceContext {
+    let get = |key: &str| {
+        metadata
+            .get(key)
+            .and_then(|v| v.to_str().ok())
+            .unwrap_or_default()
+    };
+    TraceContext::from_w3c(get("traceparent"), get("tracestate"))
+}
+
+/// The batch's own trace context when it carries one, else the stream's.
+fn batch_trace(batch: &EvaluateRequest, stream: &TraceContext) -> TraceContext {
+    if batch.traceparent.is_empty() {
+        stream.clone()
+    } else {
+        let own = TraceContext::from_w3c(&batch.traceparent, &batch.tracestate);
+        if own.trace_id.is_empty() {
+            stream.clone()
+        } else {
+            own
+        }
+    }
+}
+
+/// Parses a `grpc-timeout` header (`<digits><H|M|S|m|u|n>`).
+pub fn grpc_timeout(metadata: &MetadataMap) -> Option<Duration> {
+    let value = metadata.get("grpc-timeout")?.to_str().ok()?;
+    let (digits, unit) = value.split_at(value.len().checked_sub(1)?);
+    let amount: u64 = digits.parse().ok()?;
+    Some(match unit {
+        "H" => Duration::from_secs(amount.saturating_mul(3600)),
+        "M" => Duration::from_secs(amount.saturating_mul(60)),
+        "S" => Duration::from_secs(amount),
+        "m" => Duration::from_millis(amount),
+        "u" => Duration::from_micros(amount),
+        "n" => Duration::from_nanos(amount),
+        _ => return None,
+    })
+}
+
+/// `PreToolService`.
+#[derive(Debug, Clone)]
+pub struct PreTool {
+    mesh: Arc<Mesh>,
+    draining: watch::Receiver<bool>,
+    /// One permit per open coordinator stream (`limits.max_coordinator_streams`).
+    streams: Arc<Semaphore>,
+}
+
+impl PreTool {
+    /// `draining` turns true when the server shuts down: open streams stop
+    /// judging new batches (each one read is answered UNAVAILABLE), finish
+    /// the ones in flight, and end cleanly (R25).
+    pub fn new(mesh: Arc<Mesh>, draining: watch::Receiver<bool>) -> Self {
+        let streams = Arc::new(Semaphore::new(
+            mesh.config
+                .limits
+                .max_coordinator_streams
+                .clamp(1, Semaphore::MAX_PERMITS),
+        ));
+        Self {
+            mesh,
+            draining,
+            streams,
+        }
+    }
+
+    fn deadline(&self, timeout_ms: u32, transport: Option<Duration>) -> Instant {
+        let config = &self.mesh.config;
+        // A transport deadline is the client's: answer a little before it,
+        // so that a guard timing out still yields a decision the client can
+        // read rather than its own DEADLINE_EXCEEDED.
+        let transport = transport.map(|t| t.saturating_sub((t / 20).max(Duration::from_millis(5))));
+        let asked = match (timeout_ms, transport) {
+            (0, None) => config.default_batch_timeout,
+            (0, Some(t)) => t,
+            (ms, None) => Duration::from_millis(u64::from(ms)),
+            (ms, Some(t)) => Duration::from_millis(u64::from(ms)).min(t),
+        };
+        Instant::now() + asked.min(config.max_batch_timeout)
+    }
+
+    /// Counts and logs a batch refused before it was judged.
+    fn refused(&self, batch_id: &str, refusal: &Refusal) {
+        self.mesh.metrics.refused(refusal.reason);
+        self.mesh.metrics.batch("refused", 0.0);
+        tracing::info!(
+            batch_id = %batch_id,
+            reason = refusal.reason,
+            "batch refused: {}",
+            refusal.status.message()
+        );
+    }
+
+    /// Takes the in-flight bytes a batch of `size` encoded bytes weighs
+    /// (R25), or sheds it. Zero-call batches need none (R1).
+    fn inflight_bytes(
+        &self,
+        batch_id: &str,
+        calls: usize,
+        size: usize,
+    ) -> Result<Option<OwnedSemaphorePermit>, Refusal> {
+        if calls == 0 {
+            return Ok(None);
+        }
+        let limit = self.mesh.config.limits.max_inflight_bytes;
+        // A batch heavier than the whole budget is still admitted alone.
+        let total = (limit / 1024).clamp(1, Semaphore::MAX_PERMITS);
+        let kib = size
+            .saturating_mul(crate::validate::INFLIGHT_COPIES)
+            .div_ceil(1024)
+            .clamp(1, total.min(u32::MAX as usize));
+        let kib = u32::try_from(kib).unwrap_or(u32::MAX);
+        match self.mesh.inflight_bytes.clone().try_acquire_many_owned(kib) {
+            Ok(permit) => Ok(Some(permit)),
+            Err(_) => {
+                let refusal = Refusal {
+                    reason: "overloaded_bytes",
+                    status: Status::resource_exhausted(format!(
+                        "mesh overloaded: {limit} bytes of batches already in flight (limits.max_inflight_bytes); retry with backoff"
+                    )),
+                };
+                self.refused(batch_id, &refusal);
+                Err(refusal)
+            }
+        }
+    }
+
+    /// Opens a coordinator stream reading `inbound` (R19, R25).
+    pub fn open_stream<S>(&self, trace: TraceContext, inbound: S) -> Result<AnswerStream, Status>
+    where
+        S: Stream<Item = Result<Inbound, Status>> + Send + Unpin + 'static,
+    {
+        let Ok(permit) = self.streams.clone().try_acquire_owned() else {
+            self.mesh.metrics.refused("too_many_streams");
+            let limit = self.mesh.config.limits.max_coordinator_streams;
+            tracing::warn!(limit, "coordinator stream refused: too many streams open");
+            return Err(Status::resource_exhausted(format!(
+                "{limit} coordinator streams are already open on this mesh (limits.max_coordinator_streams); retry with backoff"
+            )));
+        };
+        let limits = &self.mesh.config.limits;
+        // Every batch read reserves the slot of its answer, so that a
+        // finished batch never waits to be answered; refusals need a few.
+        let (tx, rx) = mpsc::channel(limits.max_batches_per_stream.saturating_add(16));
+        let budget = Arc::new(StreamBudget {
+            held: AtomicUsize::new(0),
+            limit: limits.max_stream_bytes,
+            released: Notify::new(),
+        });
+        let stream = StreamLoop {
+            tool: self.clone(),
+            trace,
+            tx,
+            budget: budget.clone(),
+            tasks: JoinSet::new(),
+            in_flight: Arc::default(),
+            judged: Arc::new(AtomicUsize::new(0)),
+        };
+        tokio::spawn(stream.run(inbound, permit));
+        Ok(AnswerStream { rx, budget })
+    }
+
+    /// Judges one batch of a unary call.
+    async fn unary(
+        &self,
+        metadata: &MetadataMap,
+        inbound: Inbound,
+    ) -> Result<BatchDecision, Status> {
+        let (batch, size) = match inbound {
+            Inbound::Batch { request, size } => (request, size),
+            Inbound::Refused(refused) => {
+                self.refused(&refused.batch_id, &refused.refusal);
+                return Err(refused.refusal.status);
+            }
+        };
+        let stream_trace = trace_context(metadata);
+        let transport = grpc_timeout(metadata);
+        let shown = shown_id(&batch.batch_id, self.mesh.config.limits.max_id_bytes);
+        let _bytes = self
+            .inflight_bytes(&shown, batch.calls.len(), size)
+            .map_err(|r| r.status)?;
+        let mut trace = batch_trace(&batch, &stream_trace);
+        trace.unary = true;
+        let deadline = self.deadline(batch.timeout_ms, transport);
+        self.mesh
+            .evaluate(batch, deadline, trace)
+            .await
+            .map_err(|error| error.status())
+    }
+}
+
+/// What one coordinator stream holds, in bytes: its batches being judged
+/// and its answers not yet taken by the transport (`limits.max_stream_bytes`).
+#[derive(Debug)]
+struct StreamBudget {
+    held: AtomicUsize,
+    limit: usize,
+    /// Signalled when answers are taken.
+    released: Notify,
+}
+
+impl StreamBudget {
+    fn has_room(&self) -> bool {
+        self.held.load(Ordering::Acquire) < self.limit
+    }
+
+    fn add(&self, bytes: usize) {
+        self.held.fetch_add(bytes, Ordering::AcqRel);
+    }
+
+    fn release(&self, bytes: usize) {
+        self.held.fetch_sub(bytes, Ordering::AcqRel);
+        self.released.notify_one();
+    }
+}
+
+/// An answer queued on a stream, with the bytes it holds.
+#[derive(Debug)]
+struct Answer {
+    response: Result<EvaluateResponse, Status>,
+    bytes: usize,
+}
+
+impl Answer {
+    fn new(response: EvaluateResponse) -> Self {
+        Self {
+            bytes: response.encoded_len(),
+            response: Ok(response),
+        }
+    }
+}
+
+/// The answers of a coordinator stream, as the transport takes them; each
+/// one taken frees its bytes of the stream's budget.
+#[derive(Debug)]
+pub struct AnswerStream {
+    rx: mpsc::Receiver<Answer>,
+    budget: Arc<StreamBudget>,
+}
+
+impl Stream for AnswerStream {
+    type Item = Result<EvaluateResponse, Status>;
+
+    fn poll_next(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Self::Item>> {
+        match self.rx.poll_recv(cx) {
+            Poll::Ready(Some(answer)) => {
+                self.budget.release(answer.bytes);
+                Poll::Ready(Some(answer.response))
+            }
+            Poll::Ready(None) => Poll::Ready(None),
+            Poll::Pending => Poll::Pending,
+        }
+    }
+}
+
+/// The reading side of one coordinator stream.
+struct StreamLoop {
+    tool: PreTool,
+    trace: TraceContext,
+    tx: mpsc::Sender<Answer>,
+    budget: Arc<StreamBudget>,
+    tasks: JoinSet<()>,
+    /// Batch ids in flight on this stream (R19: unique).
+    in_flight: Arc<Mutex<HashSet<String>>>,
+    /// Batches with calls being judged (`limits.max_batches_per_stream`).
+    judged: Arc<AtomicUsize>,
+}
+
+/// What the stream loop does next. Short-lived, on the stack: not boxed.
+#[allow(clippy::large_enum_variant)]
+enum Step {
+    Read(Option<Result<Inbound, Status>>, OwnedPermit<Answer>),
+    Again,
+    Gone,
+}
+
+impl StreamLoop {
+    async fn run<S>(mut self, mut inbound: S, _stream: OwnedSemaphorePermit)
+    where
+        S: Stream<Item = Result<Inbound, Status>> + Send + Unpin + 'static,
+    {
+        let mut draining = self.tool.draining.clone();
+        let mut is_draining = *draining.borrow();
+        let mut stream_error = None;
+        loop {
+            if is_draining && self.tasks.is_empty() {
+                // R25: every batch read has been answered; stop reading.
+                break;
+            }
+            match self
+                .next(&mut inbound, &mut draining, &mut is_draining)
+                .await
+            {
+                Step::Gone => {
+                    // The coordinator went away: nobody reads the answers.
+                    self.tasks.abort_all();
+                    return;
+                }
+                Step::Again => {}
+                Step::Read(None, _) => break,
+                Step::Read(Some(Err(status)), _) => {
+                    // The stream cannot be read further (e.g. a message
+                    // above the transport limit). Answer what is in flight,
+                    // then tell the coordinator why.
+                    tracing::info!(%status, "coordinator stream ended with an error");
+                    stream_error = Some(transport_status(status));
+                    break;
+                }
+                Step::Read(Some(Ok(Inbound::Refused(refused))), slot) => {
+                    self.tool.refused(&refused.batch_id, &refused.refusal);
+                    self.answer(
+                        slot,
+                        error_response(refused.batch_id, &refused.refusal.status),
+                    );
+                }
+                Step::Read(Some(Ok(Inbound::Batch { request, size })), slot) => {
+                    if is_draining {
+                        let id = shown_id(&request.batch_id, self.limits().max_id_bytes);
+                        let refusal = Refusal {
+                            reason: "shutting_down",
+                            status: Status::unavailable(
+                                "the mesh is shutting down; send this batch to another replica",
+                            ),
+                        };
+                        self.tool.refused(&id, &refusal);
+                        self.answer(slot, error_response(id, &refusal.status));
+                    } else {
+                        self.admit(request, size, slot);
+                    }
+                }
+            }
+        }
+        let tx = self.tx.clone();
+        let finish = async {
+            while self.tasks.join_next().await.is_some() {}
+            if let Some(status) = stream_error {
+                let _ = tx
+                    .send(Answer {
+                        response: Err(status),
+                        bytes: 0,
+                    })
+                    .await;
+            }
+        };
+        tokio::select! {
+            () = finish => {}
+            () = tx.closed() => {}
+        }
+    }
+
+    fn limits(&self) -> &crate::validate::Limits {
+        &self.tool.mesh.config.limits
+    }
+
+    /// Waits until the stream may read (room in its budget and a slot for
+    /// the answer), then reads one message. Not reading a stream whose
+    /// answers are not taken is what bounds it (R25): HTTP/2 flow control
+    /// then stops the coordinator.
+    async fn next<S>(
+        &mut self,
+        inbound: &mut S,
+        draining: &mut watch::Receiver<bool>,
+        is_draining: &mut bool,
+    ) -> Step
+    where
+        S: Stream<Item = Result<Inbound, Status>> + Unpin,
+    {
+        let watch_draining = !*is_draining;
+        let drain = async {
+            let _ = draining.wait_for(|d| *d).await;
+            tracing::debug!("draining: batches read from now on are answered UNAVAILABLE");
+        };
+        tokio::pin!(drain);
+        if !self.budget.has_room() {
+            return tokio::select! {
+                biased;
+                () = self.tx.closed() => Step::Gone,
+                () = &mut drain, if watch_draining => {
+                    *is_draining = true;
+                    Step::Again
+                }
+                () = self.budget.released.notified() => Step::Again,
+                Some(_) = self.tasks.join_next(), if !self.tasks.is_empty() => Step::Again,
+            };
+        }
+        let slot = tokio::select! {
+            biased;
+            () = self.tx.closed() => return Step::Gone,
+            () = &mut drain, if watch_draining => {
+                *is_draining = true;
+                return Step::Again;
+            }
+            slot = self.tx.clone().reserve_owned() => match slot {
+                Ok(slot) => slot,
+                Err(_) => return Step::Gone,
+            },
+            Some(_) = self.tasks.join_next(), if !self.tasks.is_empty() => return Step::Again,
+        };
+        tokio::select! {
+            biased;
+            () = self.tx.closed() => Step::Gone,
+            () = &mut drain, if watch_draining => {
+                *is_draining = true;
+                Step::Again
+            }
+            Some(_) = self.tasks.join_next(), if !self.tasks.is_empty() => Step::Again,
+            message = inbound.next() => Step::Read(message, slot),
+        }
+    }
+
+    /// Queues an answer in its reserved slot.
+    fn answer(&self, slot: OwnedPermit<Answer>, response: EvaluateResponse) {
+        let answer = Answer::new(response);
+        self.budget.add(answer.bytes);
+        slot.send(answer);
+    }
+
+    /// Judges a batch read from the stream, or refuses it.
+    fn admit(&mut self, batch: EvaluateRequest, size: usize, slot: OwnedPermit<Answer>) {
+        let limits = *self.limits();
+        let batch_id = batch.batch_id.clone();
+        let shown = shown_id(&batch_id, limits.max_id_bytes);
+        let duplicate = !self
+            .in_flight
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .insert(batch_id.clone());
+        let refusal = if duplicate {
+            Some(Refusal {
+                reason: "duplicate_batch_id",
+                status: Status::invalid_argument(format!(
+                    "batch_id {shown:?} is already in flight on this stream"
+                )),
+            })
+        } else if !batch.calls.is_empty()
+            && self.judged.load(Ordering::Acquire) >= limits.max_batches_per_stream
+        {
+            // R1: a zero-call batch needs no slot and is answered at once.
+            Some(Refusal {
+                reason: "stream_overloaded",
+                status: Status::resource_exhausted(format!(
+                    "{} batches already in flight on this stream (limits.max_batches_per_stream); wait for answers",
+                    limits.max_batches_per_stream
+                )),
+            })
+        } else {
+            None
+        };
+        let bytes = match refusal {
+            Some(refusal) => Err(refusal),
+            None => self.tool.inflight_bytes(&shown, batch.calls.len(), size),
+        };
+        let bytes = match bytes {
+            Ok(bytes) => bytes,
+            Err(refusal) => {
+                if !duplicate {
+                    self.in_flight
+                        .lock()
+                        .unwrap_or_else(PoisonError::into_inner)
+                        .remove(&batch_id);
+                }
+                if refusal.reason != "overloaded_bytes" {
+                    self.tool.refused(&shown, &refusal);
+                }
+                self.answer(slot, error_response(shown, &refusal.status));
+                return;
+            }
+        };
+        let counted = !batch.calls.is_empty();
+        if counted {
+            self.judged.fetch_add(1, Ordering::AcqRel);
+        }
+        // The batch holds its bytes of the stream's budget while judged.
+        self.budget.add(size);
+        let mesh = self.tool.mesh.clone();
+        let deadline = self.tool.deadline(batch.timeout_ms, None);
+        let trace = batch_trace(&batch, &self.trace);
+        let in_flight = self.in_flight.clone();
+        let judged = self.judged.clone();
+        let budget = self.budget.clone();
+        self.tasks.spawn(async move {
+            let result = mesh.evaluate(batch, deadline, trace).await;
+            drop(bytes);
+            if counted {
+                judged.fetch_sub(1, Ordering::AcqRel);
+            }
+            in_flight
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner)
+                .remove(&batch_id);
+            let response = match result {
+                Ok(decision) => EvaluateResponse {
+                    batch_id,
+                    result: Some(evaluate_response::Result::Decision(decision)),
+                },
+                Err(error) => error_response(batch_id, &error.status()),
+            };
+            let answer = Answer::new(response);
+            budget.add(answer.bytes);
+            budget.release(size);
+            slot.send(answer);
+        });
+    }
+}
+
+#[tonic::async_trait]
+impl PreToolService for PreTool {
+    type EvaluateStream = AnswerStream;
+
+    /// With the stock codec (a server built from the generated
+    /// `PreToolServiceServer`): the same limits, checked after decoding.
+    /// The mesh's own server uses [`PreToolServer`], which checks them
+    /// before.
+    async fn evaluate(
+        &self,
+        request: Request<Streaming<EvaluateRequest>>,
+    ) -> Result<Response<Self::EvaluateStream>, Status> {
+        let trace = trace_context(request.metadata());
+        let limits = self.mesh.config.limits;
+        let inbound = request
+            .into_inner()
+            .map(move |message| message.map(|m| Inbound::from_request(m, &limits)));
+        Ok(Response::new(self.open_stream(trace, inbound)?))
+    }
+
+    async fn evaluate_batch(
+        &self,
+        request: Request<EvaluateRequest>,
+    ) -> Result<Response<BatchDecision>, Status> {
+        let (metadata, _, batch) = request.into_parts();
+        let inbound = Inbound::from_request(batch, &self.mesh.config.limits);
+        Ok(Response::new(self.unary(&metadata, inbound).await?))
+    }
+}
+
+/// `PreToolService` served with [`InboundCodec`]: every batch's size and
+/// counts are checked before it is decoded (R20), and a message above the
+/// transport limit is refused with RESOURCE_EXHAUSTED.
+#[derive(Debug, Clone)]
+pub struct PreToolServer {
+    tool: PreTool,
+    /// Largest message read (a little above `limits.max_batch_bytes`).
+    max_decoding: usize,
+    /// Largest answer sent.
+    max_encoding: usize,
+}
+
+impl PreToolServer {
+    pub fn new(tool: PreTool, max_decoding: usize, max_encoding: usize) -> Self {
+        Self {
+            tool,
+            max_decoding,
+            max_encoding,
+        }
+    }
+
+    fn grpc<E: prost::Message + Send + 'static>(&self) -> tonic::server::Grpc<InboundCodec<E>> {
+        tonic::server::Grpc::new(InboundCodec::new(self.tool.mesh.config.limits))
+            .max_decoding_message_size(self.max_decoding)
+            .max_encoding_message_size(self.max_encoding)
+    }
+}
+
+impl tonic::server::NamedService for PreToolServer {
+    const NAME: &'static str = guardmesh_proto::v1::pre_tool_service_server::SERVICE_NAME;
+}
+
+type BoxFuture<T> = Pin<Box<dyn Future<Output = T> + Send + 'static>>;
+
+/// `Evaluate` with [`InboundCodec`].
+struct EvaluateMethod(PreTool);
+
+impl tonic::server::StreamingService<Inbound> for EvaluateMethod {
+    type Response = EvaluateResponse;
+    type ResponseStream = AnswerStream;
+    type Future = BoxFuture<Result<Response<AnswerStream>, Status>>;
+
+    fn call(&mut self, request: Request<Streaming<Inbound>>) -> Self::Future {
+        let tool = self.0.clone();
+        Box::pin(async move {
+            let trace = trace_context(request.metadata());
+            Ok(Response::new(
+                tool.open_stream(trace, request.into_inner())?,
+            ))
+        })
+    }
+}
+
+/// `EvaluateBatch` with [`InboundCodec`], read as a client stream of one
+/// message so that a message over the transport limit is answered
+/// RESOURCE_EXHAUSTED like every other size limit (R20).
+struct EvaluateBatchMethod(PreTool);
+
+impl tonic::server::ClientStreamingService<Inbound> for EvaluateBatchMethod {
+    type Response = BatchDecision;
+    type Future = BoxFuture<Result<Response<BatchDecision>, Status>>;
+
+    fn call(&mut self, request: Request<Streaming<Inbound>>) -> Self::Future {
+        let tool = self.0.clone();
+        Box::pin(async move {
+            let (metadata, _, mut inbound) = request.into_parts();
+            let message = inbound
+                .message()
+                .await
+                .map_err(transport_status)?
+                .ok_or_else(|| Status::invalid_argument("EvaluateBatch sent no request message"))?;
+            Ok(Response::new(tool.unary(&metadata, message).await?))
+        })
+    }
+}
+
+impl<B> tower::Service<http::Request<B>> for PreToolServer
+where
+    B: tonic::codegen::Body + Send + 'static,
+    B::Error: Into<tonic::codegen::StdError> + Send + 'static,
+{
+    type Response = http::Response<tonic::body::Body>;
+    type Error = std::convert::Infallible;
+    type Future = BoxFuture<Result<Self::Response, Self::Error>>;
+
+    fn poll_ready(&mut self, _cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
+        Poll::Ready(Ok(()))
+    }
+
+    fn call(&mut self, request: http::Request<B>) -> Self::Future {
+        let path = request.uri().path();
+        if path == "/guardmesh.v1.PreToolService/Evaluate" {
+            let mut grpc = self.grpc::<EvaluateResponse>();
+            let method = EvaluateMethod(self.tool.clone());
+            Box::pin(async move { Ok(grpc.streaming(method, request).await) })
+        } else if path == "/guardmesh.v1.PreToolService/EvaluateBatch" {
+            let mut grpc = self.grpc::<BatchDecision>();
+            let method = EvaluateBatchMethod(self.tool.clone());
+            Box::pin(async move { Ok(grpc.client_streaming(method, request).await) })
+        } else {
+            Box::pin(async move {
+                Ok(
+                    Status::unimplemented("no such method of guardmesh.v1.PreToolService")
+                        .into_http(),
+                )
+            })
+        }
+    }
+}
+
+/// The status to end a stream with after a read error. The transport
+/// reports an over-limit message as OUT_OF_RANGE; to the coordinator it is
+/// RESOURCE_EXHAUSTED like every other size limit (R20).
+fn transport_status(status: Status) -> Status {
+    if status.code() == tonic::Code::OutOfRange {
+        Status::resource_exhausted(format!(
+            "a message on this stream exceeds the mesh's transport limit and cannot be read: {}",
+            status.message()
+        ))
+    } else {
+        status
+    }
+}
+
+fn error_response(batch_id: String, status: &Status) -> EvaluateResponse {
+    EvaluateResponse {
+        batch_id,
+        result: Some(evaluate_response::Result::Error(
+            guardmesh_proto::v1::BatchError {
+                code: status.code() as i32,
+                message: status.message().to_owned(),
+            },
+        )),
+    }
+}
+
+/// `GuardRegistry`.
+#[derive(Debug, Clone)]
+pub struct Registrar {
+    mesh: Arc<Mesh>,
+    /// Guards registered through this mesh, by the identity that did it
+    /// (for per-identity registration limits).
+    owned: Arc<Mutex<std::collections::HashMap<String, HashSet<String>>>>,
+}
+
+impl Registrar {
+    pub fn new(mesh: Arc<Mesh>) -> Self {
+        Self {
+            mesh,
+            owned: Arc::default(),
+        }
+    }
+
+    /// Checks what an authenticated caller may do with guard `name`; open
+    /// when authentication is off.
+    fn authorize<T>(&self, request: &Request<T>, name: &str) -> Result<Option<Caller>, Status> {
+        let Some(caller) = request.extensions().get::<Caller>().cloned() else {
+            return Ok(None);
+        };
+        if !caller.may_manage(name) {
+            self.mesh
+                .metrics
+                .auth_refused(tonic::Code::PermissionDenied);
+            tracing::warn!(identity = %caller.id, guard = %name, "registration refused: name outside the caller's prefixes");
+            return Err(Status::permission_denied(format!(
+                "{} may only manage guards named {}",
+                caller.id,
+                caller.name_prefixes.join(" or ")
+            )));
+        }
+        Ok(Some(caller))
+    }
+}
+
+fn registry_status(error: RegistryError) -> Status {
+    match error {
+        RegistryError::Invalid(e) => Status::invalid_argument(e.to_string()),
+        RegistryError::Unavailable(e) => Status::unavailable(e),
+    }
+}
+
+#[tonic::async_trait]
+impl GuardRegistry for Registrar {
+    async fn register(
+        &self,
+        request: Request<RegisterRequest>,
+    ) -> Result<Response<RegisterResponse>, Status> {
+        let Some(spec) = request.get_ref().guard.clone() else {
+            return Err(Status::invalid_argument("RegisterRequest.guard is missing"));
+        };
+        let name = spec.name.clone();
+        let caller = self.authorize(&request, &name)?;
+        // The endpoint policy: no registration may point the mesh at a
+        // metadata service or outside the allow-list (checked again after
+        // DNS resolution when dialing).
+        let checked =
+            crate::registry::spec::Guard::from_spec(&spec, self.mesh.config.default_guard_timeout)
+                .map_err(|e| Status::invalid_argument(e.to_string()))?;
+        for warning in checked.warnings() {
+            tracing::warn!(guard = %name, "{warning}");
+        }
+        if let Err(why) = self
+            .mesh
+            .config
+            .security
+            .endpoint_policy
+            .check_host(&checked.host())
+        {
+            tracing::warn!(guard = %name, endpoint = %checked.endpoint, "registration refused: {why}");
+            return Err(Status::permission_denied(format!(
+                "guard {name:?}: endpoint {} refused by the endpoint policy: {why}",
+                checked.endpoint
+            )));
+        }
+        if let Some(caller) = &caller
+            && !caller.roles.contains(&Role::Admin)
+        {
+            let owned = self.owned.lock().unwrap_or_else(PoisonError::into_inner);
+            let count = owned.get(&caller.id).map_or(0, |s| s.len());
+            let already = owned.get(&caller.id).is_some_and(|s| s.contains(&name));
+            if !already && count >= caller.max_registrations {
+                return Err(Status::resource_exhausted(format!(
+                    "{} already registered {count} guards, its limit",
+                    caller.id
+                )));
+            }
+        }
+        let out = self
+            .mesh
+            .registry()
+            .register(spec)
+            .await
+            .map_err(registry_status)?;
+        if let Some(caller) = &caller {
+            self.owned
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner)
+                .entry(caller.id.clone())
+                .or_default()
+                .insert(name.clone());
+        }
+        // Start dialing the guard now rather than on its first batch.
+        let _ = self.mesh.chain();
+        tracing::info!(guard = %name, revision = out.revision, position = out.position, created = out.created, "guard registered");
+        Ok(Response::new(RegisterResponse {
+            revision: out.revision,
+            position: u32::try_from(out.position).unwrap_or(u32::MAX),
+            created: out.created,
+        }))
+    }
+
+    async fn deregister(
+        &self,
+        request: Request<DeregisterRequest>,
+    ) -> Result<Response<DeregisterResponse>, Status> {
+        let name = request.get_ref().name.clone();
+        self.authorize(&request, &name)?;
+        let out = self
+            .mesh
+            .registry()
+            .deregister(name.clone())
+            .await
+            .map_err(registry_status)?;
+        let _ = self.mesh.chain();
+        for names in self
+            .owned
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .values_mut()
+        {
+            names.remove(&name);
+        }
+        tracing::info!(guard = %name, revision = out.revision, removed = out.removed, "guard deregistered");
+        Ok(Response::new(DeregisterResponse {
+            revision: out.revision,
+            removed: out.removed,
+        }))
+    }
+
+    async fn list(&self, _request: Request<ListRequest>) -> Result<Response<ListResponse>, Status> {
+        let chain = self.mesh.registry().chain();
+        Ok(Response::new(ListResponse {
+            revision: chain.revision,
+            guards: chain.guards.iter().map(|g| g.to_spec()).collect(),
+        }))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn r14_grpc_timeout_header() {
+        let mut m = MetadataMap::new();
+        m.insert("grpc-timeout", "250m".parse().unwrap());
+        assert_eq!(grpc_timeout(&m), Some(Duration::from_millis(250)));
+        m.insert("grpc-timeout", "3S".parse().unwrap());
+        assert_eq!(grpc_timeout(&m), Some(Duration::from_secs(3)));
+        m.insert("grpc-timeout", "x".parse().unwrap());
+        assert_eq!(grpc_timeout(&m), None);
+    }
+}

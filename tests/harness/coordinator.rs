@@ -1,0 +1,120 @@
+//! A coordinator that speaks raw protobuf bytes to `PreToolService`, for the
+//! attack tests: messages sent exactly as given, answers read as bytes.
+
+use super::*;
+
+// ---------------------------------------------------------------------------
+// Raw protobuf bytes on `PreToolService` (attack tests): messages sent
+// exactly as given, answers read (or not) as bytes.
+// ---------------------------------------------------------------------------
+
+/// A codec that sends and receives messages as raw bytes.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct RawCodec;
+
+#[derive(Debug)]
+pub struct RawClientBytes;
+
+impl tonic::codec::Encoder for RawClientBytes {
+    type Item = prost::bytes::Bytes;
+    type Error = Status;
+    fn encode(
+        &mut self,
+        item: Self::Item,
+        dst: &mut tonic::codec::EncodeBuf<'_>,
+    ) -> Result<(), Status> {
+        use prost::bytes::BufMut;
+        dst.put_slice(&item);
+        Ok(())
+    }
+}
+
+impl tonic::codec::Decoder for RawClientBytes {
+    type Item = prost::bytes::Bytes;
+    type Error = Status;
+    fn decode(
+        &mut self,
+        src: &mut tonic::codec::DecodeBuf<'_>,
+    ) -> Result<Option<Self::Item>, Status> {
+        use prost::bytes::Buf;
+        Ok(Some(src.copy_to_bytes(src.remaining())))
+    }
+}
+
+impl tonic::codec::Codec for RawCodec {
+    type Encode = prost::bytes::Bytes;
+    type Decode = prost::bytes::Bytes;
+    type Encoder = RawClientBytes;
+    type Decoder = RawClientBytes;
+    fn encoder(&mut self) -> Self::Encoder {
+        RawClientBytes
+    }
+    fn decoder(&mut self) -> Self::Decoder {
+        RawClientBytes
+    }
+}
+
+/// A gRPC client on its own connection that speaks raw bytes.
+pub async fn raw_client(url: &str) -> tonic::client::Grpc<tonic::transport::Channel> {
+    let channel = tonic::transport::Endpoint::from_shared(url.to_owned())
+        .unwrap()
+        .connect()
+        .await
+        .unwrap();
+    tonic::client::Grpc::new(channel).max_decoding_message_size(64 << 20)
+}
+
+/// Opens `Evaluate` sending `requests` as raw messages; the answers are
+/// returned unread.
+pub async fn raw_evaluate(
+    client: &mut tonic::client::Grpc<tonic::transport::Channel>,
+    requests: impl futures::Stream<Item = prost::bytes::Bytes> + Send + 'static,
+) -> Result<tonic::Streaming<prost::bytes::Bytes>, Status> {
+    client
+        .ready()
+        .await
+        .map_err(|e| Status::unavailable(e.to_string()))?;
+    let path = http::uri::PathAndQuery::from_static("/guardmesh.v1.PreToolService/Evaluate");
+    client
+        .streaming(tonic::Request::new(requests), path, RawCodec)
+        .await
+        .map(|r| r.into_inner())
+}
+
+/// `EvaluateBatch` with a raw message.
+pub async fn raw_evaluate_batch(
+    client: &mut tonic::client::Grpc<tonic::transport::Channel>,
+    request: prost::bytes::Bytes,
+) -> Result<guardmesh_client::proto::BatchDecision, Status> {
+    use prost::Message;
+    client
+        .ready()
+        .await
+        .map_err(|e| Status::unavailable(e.to_string()))?;
+    let path = http::uri::PathAndQuery::from_static("/guardmesh.v1.PreToolService/EvaluateBatch");
+    let answer = client
+        .unary(tonic::Request::new(request), path, RawCodec)
+        .await?
+        .into_inner();
+    guardmesh_client::proto::BatchDecision::decode(answer)
+        .map_err(|e| Status::internal(e.to_string()))
+}
+
+/// Reads one raw answer of an `Evaluate` stream.
+pub async fn next_answer(
+    answers: &mut tonic::Streaming<prost::bytes::Bytes>,
+) -> Result<Option<guardmesh_client::proto::EvaluateResponse>, Status> {
+    use prost::Message;
+    match answers.message().await? {
+        Some(bytes) => guardmesh_client::proto::EvaluateResponse::decode(bytes)
+            .map(Some)
+            .map_err(|e| Status::internal(e.to_string())),
+        None => Ok(None),
+    }
+}
+
+/// A well-formed batch's bytes.
+pub fn batch_bytes(request: &guardmesh_client::proto::EvaluateRequest) -> prost::bytes::Bytes {
+    use prost::Message;
+    request.encode_to_vec().into()
+}

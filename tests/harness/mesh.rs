@@ -1,0 +1,277 @@
+//! The mesh under test: in process ([`TestMesh`]) or as a real `guardmesh
+//! serve` process ([`MeshProcess`]), plainly or secured.
+
+use super::*;
+
+/// A mesh served on loopback.
+pub struct TestMesh {
+    pub url: String,
+    pub mesh: Arc<Mesh>,
+    stop: Option<oneshot::Sender<()>>,
+    task: JoinHandle<()>,
+}
+
+impl TestMesh {
+    pub async fn start() -> Self {
+        Self::with_config(fast_config()).await
+    }
+
+    pub async fn with_config(config: MeshConfig) -> Self {
+        let registry = Arc::new(MemoryRegistry::new(config.default_guard_timeout));
+        let mesh = Mesh::new(config, registry);
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let url = format!("http://{}", listener.local_addr().unwrap());
+        let (stop, stopped) = oneshot::channel::<()>();
+        let task = tokio::spawn({
+            let mesh = mesh.clone();
+            async move {
+                guardmesh_server::server::run(listener, mesh, async {
+                    let _ = stopped.await;
+                })
+                .await
+                .unwrap();
+            }
+        });
+        Self {
+            url,
+            mesh,
+            stop: Some(stop),
+            task,
+        }
+    }
+
+    pub async fn coordinator(&self) -> Coordinator {
+        Coordinator::connect(self.url.clone()).await.unwrap()
+    }
+
+    pub async fn registrar(&self) -> Registrar {
+        Registrar::connect(self.url.clone()).await.unwrap()
+    }
+
+    pub async fn register(&self, spec: Registration) {
+        self.registrar().await.register(spec).await.unwrap();
+    }
+
+    /// Signals shutdown and waits for the server to finish draining.
+    pub async fn shutdown(mut self) {
+        if let Some(stop) = self.stop.take() {
+            let _ = stop.send(());
+        }
+        let _ = (&mut self.task).await;
+    }
+}
+
+impl Drop for TestMesh {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+/// Short backoffs so that reconnect tests stay quick.
+pub fn fast_config() -> MeshConfig {
+    let mut config = MeshConfig::default();
+    config.link.backoff_initial = Duration::from_millis(20);
+    config.link.backoff_max = Duration::from_millis(200);
+    config.link.connect_timeout = Duration::from_millis(500);
+    config
+}
+
+/// The value of a counter in the mesh's Prometheus text, for the sample
+/// whose name and labels start with `sample` (e.g.
+/// `guardmesh_guard_spurious_answers_total{guard="g"}`); 0 when absent.
+pub fn metric(mesh: &TestMesh, sample: &str) -> f64 {
+    mesh.mesh
+        .metrics
+        .encode()
+        .lines()
+        .filter(|line| !line.starts_with('#'))
+        .filter_map(|line| {
+            let (name, value) = line.rsplit_once(' ')?;
+            (name == sample)
+                .then(|| value.parse::<f64>().ok())
+                .flatten()
+        })
+        .sum()
+}
+
+impl TestMesh {
+    /// A mesh served on loopback with the given registry: several meshes
+    /// given registries on one shared store act as replicas of one chain.
+    pub async fn with_registry(
+        config: MeshConfig,
+        registry: Arc<dyn guardmesh_server::Registry>,
+    ) -> Self {
+        let mesh = Mesh::new(config, registry);
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let url = format!("http://{}", listener.local_addr().unwrap());
+        let (stop, stopped) = oneshot::channel::<()>();
+        let task = tokio::spawn({
+            let mesh = mesh.clone();
+            async move {
+                guardmesh_server::server::run(listener, mesh, async {
+                    let _ = stopped.await;
+                })
+                .await
+                .unwrap();
+            }
+        });
+        Self {
+            url,
+            mesh,
+            stop: Some(stop),
+            task,
+        }
+    }
+}
+
+impl TestMesh {
+    /// Registers through `url` with the given credentials.
+    pub async fn register_over(
+        &self,
+        url: &str,
+        connection: &guardmesh_client::Connection,
+        spec: Registration,
+    ) {
+        Registrar::connect_with(url.to_owned(), connection)
+            .await
+            .unwrap()
+            .register(spec)
+            .await
+            .unwrap();
+    }
+}
+
+impl TestMesh {
+    /// A mesh on TLS (no client certificates) whose `[auth]` knows only
+    /// token principals `(id, token, roles)`, built from a config file's
+    /// sections as `serve` builds them (`extra`: more sections, such as
+    /// `[guard_tls]`); returns it with its `https://localhost:PORT` URL.
+    pub async fn with_tokens(
+        pki: &TestPki,
+        principals: &[(&str, &str, &[&str])],
+        extra: &str,
+    ) -> (Self, String) {
+        let (cert, key) = pki.issue_files("mesh");
+        let mut text = format!(
+            "[tls]\ncert_file = {:?}\nkey_file = {:?}\n{extra}\n",
+            cert.display().to_string(),
+            key.display().to_string()
+        );
+        for (id, token, roles) in principals {
+            let token_file = pki.file(&format!("{id}.token"), &format!("{token}\n"));
+            text.push_str(&format!(
+                "[[auth.principal]]\nid = {id:?}\nroles = {roles:?}\ntoken_file = {:?}\n",
+                token_file.display().to_string()
+            ));
+        }
+        let built = guardmesh_server::config::Config::parse(&text, "test")
+            .unwrap()
+            .build()
+            .unwrap();
+        let mut config = fast_config();
+        config.security = built.security;
+        let mesh = Self::with_config(config).await;
+        let url = mesh.url.replace("http://127.0.0.1", "https://localhost");
+        (mesh, url)
+    }
+}
+
+// ---------------------------------------------------------------------------
+// `guardmesh serve` as a separate process (shutdown signals, memory of the
+// mesh process alone).
+// ---------------------------------------------------------------------------
+
+/// `guardmesh serve` as a child process; killed if a test fails midway.
+pub struct MeshProcess {
+    pub child: std::process::Child,
+    pub url: String,
+    dir: std::path::PathBuf,
+}
+
+impl MeshProcess {
+    /// Starts `guardmesh serve --listen 127.0.0.1:PORT --config FILE` with
+    /// `config` as the file, and waits (bounded) until it accepts. With
+    /// `log_level`, the process logs at that level (`RUST_LOG`).
+    pub async fn start(name: &str, config: &str, log_level: Option<&str>) -> Self {
+        let dir =
+            std::env::temp_dir().join(format!("guardmesh-serve-{name}-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let file = dir.join("mesh.toml");
+        std::fs::write(&file, config).unwrap();
+        let log = std::fs::File::create(dir.join("mesh.log")).unwrap();
+        let port = free_port();
+        let mut command = std::process::Command::new(env!("CARGO_BIN_EXE_guardmesh"));
+        command
+            .args([
+                "serve",
+                "--listen",
+                &format!("127.0.0.1:{port}"),
+                "--config",
+            ])
+            .arg(&file)
+            .stdin(std::process::Stdio::null())
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::from(log));
+        if let Some(level) = log_level {
+            command.env("RUST_LOG", level);
+        }
+        let child = command.spawn().expect("start guardmesh serve");
+        let mut mesh = Self {
+            child,
+            url: format!("http://127.0.0.1:{port}"),
+            dir,
+        };
+        for _ in 0..500 {
+            if guardmesh_client::Coordinator::connect(mesh.url.clone())
+                .await
+                .is_ok()
+            {
+                return mesh;
+            }
+            if let Ok(Some(status)) = mesh.child.try_wait() {
+                panic!("guardmesh serve exited with {status}:\n{}", mesh.log());
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        panic!("guardmesh serve did not start:\n{}", mesh.log());
+    }
+
+    /// What the process wrote to stderr so far.
+    pub fn log(&self) -> String {
+        std::fs::read_to_string(self.dir.join("mesh.log")).unwrap_or_default()
+    }
+
+    /// (RSS, peak RSS) of the process in MiB.
+    pub fn memory_mib(&self) -> (u64, u64) {
+        let (rss, peak) = rss_and_peak_kib(&self.child.id().to_string());
+        (rss / 1024, peak / 1024)
+    }
+
+    /// Sends the process a signal (`TERM`, `INT`, ...).
+    pub fn signal(&self, signal: &str) {
+        let status = std::process::Command::new("kill")
+            .args([&format!("-{signal}"), &self.child.id().to_string()])
+            .status()
+            .expect("run kill");
+        assert!(status.success(), "kill -{signal}");
+    }
+
+    /// Waits (bounded) for the process to exit.
+    pub async fn exit_status(&mut self) -> std::process::ExitStatus {
+        for _ in 0..1000 {
+            if let Some(status) = self.child.try_wait().unwrap() {
+                return status;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        panic!("the mesh did not exit after draining:\n{}", self.log());
+    }
+}
+
+impl Drop for MeshProcess {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}

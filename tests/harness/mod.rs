@@ -1,0 +1,88 @@
+//! The integration tests' harness, split by role. Everything here runs on
+//! 127.0.0.1 with port 0 and stops with its handle (`Drop`).
+//!
+//! * [`mesh`]: the mesh under test, in process or as a `guardmesh serve`
+//!   process.
+//! * [`guards`]: scripted and misbehaving guards served in process.
+//! * [`processes`]: guards as separate processes (Rust, Python, Node) and the
+//!   conformance kit.
+//! * [`coordinator`]: raw protobuf bytes towards `PreToolService`.
+//! * [`pki`]: certificates for secured meshes.
+//! * [`measure`]: memory measurements.
+
+use guardmesh_client::proto::guard_service_server::{GuardService, GuardServiceServer};
+use guardmesh_client::proto::{GuardBatch, JudgeRequest, JudgeResponse, Verdict};
+use guardmesh_client::{Coordinator, Guard, Registrar, Registration};
+use guardmesh_server::{MemoryRegistry, Mesh, MeshConfig};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+use tokio::net::TcpListener;
+use tokio::sync::oneshot;
+use tokio::task::JoinHandle;
+use tokio_stream::wrappers::TcpListenerStream;
+use tonic::Status;
+
+mod coordinator;
+mod guards;
+mod measure;
+mod mesh;
+mod pki;
+mod processes;
+
+pub use coordinator::*;
+pub use guards::*;
+pub use measure::*;
+pub use mesh::*;
+pub use pki::*;
+pub use processes::*;
+
+/// Polls `check` every 20 ms, at most `tries` times.
+pub async fn eventually_within(tries: usize, mut check: impl FnMut() -> bool) -> bool {
+    for _ in 0..tries {
+        if check() {
+            return true;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    check()
+}
+
+/// A free loopback port (bound and released; for processes that need a
+/// port number before they start).
+pub fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+/// Serializes the tests that measure memory or load the machine, so that
+/// their bounds are not disturbed by each other.
+pub static HEAVY: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+
+/// Runs the test `path` (e.g. `otel::exported_trace_in_own_process`, marked
+/// `#[ignore]` so that it does not also run in this process) alone in a
+/// child process of this test binary, and fails if it fails. For tests that
+/// own process-wide state: the global trace exporter and its environment, or
+/// the resident set they measure.
+pub fn isolated(path: &str) {
+    let exe = std::env::current_exe().expect("the test binary's path");
+    let output = std::process::Command::new(exe)
+        .args([path, "--exact", "--include-ignored", "--test-threads=1"])
+        .arg("--nocapture")
+        .output()
+        .expect("start the test binary");
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(
+        output.status.success(),
+        "{path} failed in its own process:\n{stdout}\n{stderr}"
+    );
+    assert!(
+        stdout.contains("1 passed"),
+        "{path} did not run in its own process (wrong name?):\n{stdout}"
+    );
+    eprint!("{stderr}");
+}

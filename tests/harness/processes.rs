@@ -1,0 +1,221 @@
+//! Guards as real separate processes: `guardmesh example-guard`, the Python
+//! and Node kits (installed by `scripts/setup-polyglot`), and the
+//! conformance kit run against them.
+
+use super::*;
+
+/// A guard running as a real separate process: `guardmesh example-guard`.
+pub struct GuardProcess {
+    pub url: String,
+    pub port: u16,
+    child: std::process::Child,
+}
+
+impl GuardProcess {
+    /// Starts `guardmesh example-guard KIND ARGS...` on `port` (0 = any)
+    /// and waits for its `LISTENING <port>` line.
+    pub fn start(kind: &str, port: u16, args: &[&str]) -> Self {
+        use std::io::BufRead;
+        let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_guardmesh"))
+            .args([
+                "example-guard",
+                kind,
+                "--listen",
+                &format!("127.0.0.1:{port}"),
+            ])
+            .args(args)
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::inherit())
+            .spawn()
+            .expect("start guard process");
+        let stdout = child.stdout.take().expect("stdout");
+        let mut line = String::new();
+        std::io::BufReader::new(stdout)
+            .read_line(&mut line)
+            .expect("read LISTENING line");
+        let port = listening_port(&line, kind);
+        Self {
+            url: format!("http://127.0.0.1:{port}"),
+            port,
+            child,
+        }
+    }
+
+    /// Kills the process (SIGKILL) and reaps it.
+    pub fn kill(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+impl Drop for GuardProcess {
+    fn drop(&mut self) {
+        self.kill();
+    }
+}
+
+// ---------------------------------------------------------------------------
+// Polyglot guards (issue 5): the Python and Node example guards of `guards/`
+// as real separate processes. They need `scripts/setup-polyglot` (which
+// `scripts/test` runs before `cargo test`).
+// ---------------------------------------------------------------------------
+
+/// The repository's root folder.
+pub fn repo_root() -> std::path::PathBuf {
+    std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .expect("server/ has a parent")
+        .to_path_buf()
+}
+
+/// `build/venv/bin/python`, with the generated stubs in place; panics with
+/// what to run when they are missing.
+pub fn python() -> std::path::PathBuf {
+    let root = repo_root();
+    let python = root.join("build/venv/bin/python");
+    assert!(
+        python.exists() && root.join("build/python-gen/guardmesh/v1").is_dir(),
+        "the Python guard kit is not set up ({} or build/python-gen missing): \
+         run scripts/setup-polyglot (scripts/test runs it before cargo test)",
+        python.display()
+    );
+    python
+}
+
+/// `node`, with the Node kit's packages installed under `guards/node`;
+/// panics with what to run when they are missing.
+pub fn node() -> std::path::PathBuf {
+    let modules = repo_root().join("guards/node/node_modules/@grpc/grpc-js");
+    assert!(
+        modules.is_dir(),
+        "the Node guard kit is not set up ({} missing): run scripts/setup-polyglot \
+         (scripts/test runs it before cargo test)",
+        modules.display()
+    );
+    let node = std::path::PathBuf::from(std::env::var_os("NODE").unwrap_or_else(|| "node".into()));
+    let works = std::process::Command::new(&node)
+        .arg("--version")
+        .stdout(std::process::Stdio::null())
+        .status()
+        .is_ok_and(|s| s.success());
+    assert!(
+        works,
+        "`{}` does not run: install Node.js 20 and run scripts/setup-polyglot",
+        node.display()
+    );
+    node
+}
+
+/// A guard of the Python or Node kit running as a separate process.
+pub struct KitGuard {
+    pub url: String,
+    /// `127.0.0.1:PORT`, for `guardmesh conformance --guard`.
+    pub addr: String,
+    pub port: u16,
+    child: std::process::Child,
+}
+
+impl KitGuard {
+    /// Starts `guards/python/examples/SCRIPT ARGS...` (with `--port 0`
+    /// unless ARGS has a `--port`) and waits for its `LISTENING` line.
+    pub fn python(script: &str, args: &[&str]) -> Self {
+        let mut command = std::process::Command::new(python());
+        command.arg(repo_root().join("guards/python/examples").join(script));
+        Self::spawn(command, script, args)
+    }
+
+    /// Starts `node guards/node/examples/SCRIPT ARGS...` likewise.
+    pub fn node(script: &str, args: &[&str]) -> Self {
+        let mut command = std::process::Command::new(node());
+        command.arg(repo_root().join("guards/node/examples").join(script));
+        Self::spawn(command, script, args)
+    }
+
+    fn spawn(mut command: std::process::Command, script: &str, args: &[&str]) -> Self {
+        use std::io::BufRead;
+        if !args.contains(&"--port") {
+            command.args(["--port", "0"]);
+        }
+        let mut child = command
+            .args(args)
+            .current_dir(repo_root())
+            .stdin(std::process::Stdio::null())
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::inherit())
+            .spawn()
+            .unwrap_or_else(|e| panic!("start {script}: {e}"));
+        let stdout = child.stdout.take().expect("stdout");
+        let (line_tx, line_rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            let mut lines = std::io::BufReader::new(stdout).lines();
+            let _ = line_tx.send(lines.next());
+            // Keep draining: the contract says nothing more comes, but a
+            // closed pipe must not kill the guard if something does.
+            for _ in lines {}
+        });
+        let line = match line_rx.recv_timeout(Duration::from_secs(30)) {
+            Ok(Some(Ok(line))) => line,
+            other => {
+                let _ = child.kill();
+                let status = child.wait();
+                panic!("{script} {args:?} printed no LISTENING line ({other:?}); exit: {status:?}")
+            }
+        };
+        let port = listening_port(&line, script);
+        Self {
+            url: format!("http://127.0.0.1:{port}"),
+            addr: format!("127.0.0.1:{port}"),
+            port,
+            child,
+        }
+    }
+
+    /// Kills the process (SIGKILL) and reaps it.
+    pub fn kill(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+impl Drop for KitGuard {
+    fn drop(&mut self) {
+        self.kill();
+    }
+}
+
+/// Runs `guardmesh conformance --guard ADDR ARGS...`; returns its exit
+/// status and stdout (its stderr is passed through).
+pub fn run_conformance(addr: &str, args: &[&str]) -> (std::process::ExitStatus, String) {
+    let output = std::process::Command::new(env!("CARGO_BIN_EXE_guardmesh"))
+        .args(["conformance", "--guard", addr])
+        .args(args)
+        .stderr(std::process::Stdio::inherit())
+        .output()
+        .expect("run guardmesh conformance");
+    (
+        output.status,
+        String::from_utf8_lossy(&output.stdout).into_owned(),
+    )
+}
+
+/// The R21 status of `guard` in a decision's trace.
+pub fn status_of(
+    decision: &guardmesh_client::Decision,
+    guard: &str,
+) -> guardmesh_client::proto::TraceStatus {
+    let entry = decision
+        .trace
+        .iter()
+        .find(|t| t.guard == guard)
+        .unwrap_or_else(|| panic!("no trace entry for {guard}: {:?}", decision.trace));
+    guardmesh_client::proto::TraceStatus::try_from(entry.status).unwrap()
+}
+
+/// The port of a guard process's `LISTENING <port>` line, the first line
+/// every example guard (Rust, Python, Node) prints once it serves.
+pub fn listening_port(line: &str, what: &str) -> u16 {
+    line.trim()
+        .strip_prefix("LISTENING ")
+        .and_then(|p| p.parse().ok())
+        .unwrap_or_else(|| panic!("{what}: unexpected first line {line:?}"))
+}

@@ -1,0 +1,34 @@
+//! guardmesh's integration tests: one binary, real processes and real
+//! sockets on 127.0.0.1 with port 0, every test named after the SPEC rule it
+//! holds. The harness is split by role in `harness/`; the tests by area:
+//!
+//! * `rules`, `rewrites`: the decision rules and checked rewrites (R1..R22).
+//! * `faults`: unreachable, closing, hanging, spurious, oversized and
+//!   restarted guards (R12..R16, R23, R26).
+//! * `overload`, `soak`: bounds under load, and a bounded soak under faults.
+//! * `security`: TLS, mTLS, tokens, roles and endpoint policy (R24, R25).
+//! * `etcd`: replicas sharing one chain on a real etcd (R17).
+//! * `observability`, `otel`: metrics, logs and exported traces (R21, R22).
+//! * `polyglot`, `conformance`: Python, Node and Rust guard processes in one
+//!   chain, and the conformance kit against each.
+//! * `cli`, `shutdown`: the `guardmesh` command as users run it.
+//!
+//! Tests that measure memory take [`harness::HEAVY`]; tests that must own the
+//! process (its global telemetry, its resident set) run in a child process of
+//! this binary through [`harness::isolated`].
+
+mod harness;
+
+mod cli;
+mod conformance;
+mod etcd;
+mod faults;
+mod observability;
+mod otel;
+mod overload;
+mod polyglot;
+mod rewrites;
+mod rules;
+mod security;
+mod shutdown;
+mod soak;
