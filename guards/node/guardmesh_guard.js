@@ -15,7 +15,7 @@
  *
  * A complete guard:
  *
- *     const gg = require('./guardmesh_guard');
+ *     const gg = require('guardmesh-guard');
  *     gg.main((batch) => batch.calls
  *       .filter((call) => call.tool === 'fs.delete')
  *       .map((call) => gg.cancel(call.callId, 'Deleting files is not allowed.')),
@@ -34,7 +34,7 @@
  *    `batch.signal` / `batch.cancelled` / `batch.sleep()` let a slow judge
  *    stop early;
  *  - sends the stream's response headers as soon as it opens;
- *  - serves `grpc.health.v1.Health`;
+ *  - serves `grpc.health.v1.Health` (through the `grpc-health-check` package);
  *  - joins the coordinator's trace (SPEC.md R22): each batch is judged inside
  *    an `@opentelemetry/api` span `guard.judge` whose parent is the batch's
  *    `traceparent` (recorded only when a tracer provider is registered; no
@@ -51,7 +51,7 @@
  * the other requests on it go on. A judge that computes synchronously blocks
  * the event loop while it runs; make slow work asynchronous.
  *
- * The wire types are loaded at run time from the repository's
+ * The wire types are loaded at run time from the package's own
  * `proto/guardmesh/v1/guardmesh.proto` (or from `$GUARDMESH_PROTO_ROOT`).
  */
 
@@ -62,6 +62,7 @@ const { parseArgs } = require('node:util');
 
 const grpc = require('@grpc/grpc-js');
 const protoLoader = require('@grpc/proto-loader');
+const { HealthImplementation } = require('grpc-health-check');
 
 /** `@opentelemetry/api`, or null when it is not installed. */
 const otel = (() => {
@@ -72,7 +73,9 @@ const otel = (() => {
   }
 })();
 
-const PROTO_ROOT = process.env.GUARDMESH_PROTO_ROOT || path.resolve(__dirname, '..', '..', 'proto');
+// The proto ships in the package (proto/guardmesh/v1/guardmesh.proto, a copy
+// of the repository's, kept equal by scripts/test-kits).
+const PROTO_ROOT = process.env.GUARDMESH_PROTO_ROOT || path.join(__dirname, 'proto');
 const LOADER_OPTIONS = {
   keepCase: true, // field names as in the .proto: call_id, request_id...
   longs: String, // uint64 request ids stay exact
@@ -598,64 +601,28 @@ function judgeStream(call, judgeFn, guardName, streams, draining) {
 }
 
 // ---------------------------------------------------------------------------
-// Health (grpc.health.v1), defined inline to need no extra package
+// Health (grpc.health.v1), from the grpc-health-check package
 // ---------------------------------------------------------------------------
 
-const HEALTH_JSON = {
-  nested: { grpc: { nested: { health: { nested: { v1: { nested: {
-    HealthCheckRequest: { fields: { service: { type: 'string', id: 1 } } },
-    HealthCheckResponse: {
-      fields: { status: { type: 'ServingStatus', id: 1 } },
-      nested: { ServingStatus: { values: { UNKNOWN: 0, SERVING: 1, NOT_SERVING: 2, SERVICE_UNKNOWN: 3 } } },
-    },
-    Health: {
-      methods: {
-        Check: { requestType: 'HealthCheckRequest', responseType: 'HealthCheckResponse' },
-        Watch: { requestType: 'HealthCheckRequest', responseType: 'HealthCheckResponse', responseStream: true },
-      },
-    },
-  } } } } } } },
-};
-const healthService = grpc.loadPackageDefinition(
-  protoLoader.fromJSON(HEALTH_JSON, LOADER_OPTIONS),
-).grpc.health.v1.Health.service;
-
-/** A grpc.health.v1.Health implementation with settable statuses. */
+/** grpc.health.v1.Health with settable statuses, and a graceful stop. */
 class Health {
   constructor() {
-    this.statuses = new Map();
-    this.watchers = new Map(); // service -> Set of calls
+    this.impl = new HealthImplementation({});
+    this.services = new Set();
   }
 
   set(service, status) {
-    this.statuses.set(service, status);
-    for (const call of this.watchers.get(service) || []) call.write({ status });
+    this.services.add(service);
+    this.impl.setStatus(service, status);
   }
 
-  /** Reports NOT_SERVING for every service and ends the watches, for a graceful stop. */
+  /** Reports NOT_SERVING for every service, for a graceful stop. */
   shutdown() {
-    for (const service of this.statuses.keys()) this.set(service, 'NOT_SERVING');
-    for (const calls of this.watchers.values()) {
-      for (const call of calls) call.end();
-    }
-    this.watchers.clear();
+    for (const service of this.services) this.impl.setStatus(service, 'NOT_SERVING');
   }
 
-  handlers() {
-    return {
-      Check: (call, callback) => {
-        const status = this.statuses.get(call.request.service);
-        if (status === undefined) callback({ code: grpc.status.NOT_FOUND, details: 'unknown service' });
-        else callback(null, { status });
-      },
-      Watch: (call) => {
-        const { service } = call.request;
-        if (!this.watchers.has(service)) this.watchers.set(service, new Set());
-        this.watchers.get(service).add(call);
-        call.on('cancelled', () => this.watchers.get(service)?.delete(call));
-        call.write({ status: this.statuses.get(service) ?? 'SERVICE_UNKNOWN' });
-      },
-    };
+  addToServer(server) {
+    this.impl.addToServer(server);
   }
 }
 
@@ -721,7 +688,7 @@ async function serve(judgeFn, options = {}) {
       else judgeStream(call, judgeFn, name, streams, draining);
     },
   });
-  grpcServer.addService(healthService, health.handlers());
+  health.addToServer(grpcServer);
   const address = host.includes(':') ? `[${host}]:${port}` : `${host}:${port}`;
   const bound = await new Promise((resolve, reject) => {
     grpcServer.bindAsync(address, credentials,
@@ -980,10 +947,13 @@ function integer(flag, text) {
  * usage and exits on --help or a bad flag. Returns the flags with numbers
  * parsed and kebab-case names as given.
  */
-function parseFlags(argv = process.argv.slice(2), { options = {}, defaults = {}, usage = '' } = {}) {
+function parseFlags(argv = process.argv.slice(2), settings = {}) {
+  refuseUnknown('parseFlags', settings, ['options', 'defaults', 'usage']);
+  const { options = {}, defaults = {}, usage = '' } = settings;
   const all = { ...KIT_OPTIONS, ...options };
+  refuseUnknown('parseFlags defaults', defaults, Object.keys(all));
   for (const [flag, value] of Object.entries(defaults)) {
-    if (all[flag]) all[flag] = { ...all[flag], default: value };
+    all[flag] = { ...all[flag], default: value };
   }
   const help = () => `${usage ? `${usage}\n\n` : ''}${KIT_HELP}`;
   // util.parseArgs reads "--priority -3" as a missing value: join such pairs.
@@ -1088,8 +1058,10 @@ async function run(judgeFn, flags) {
  * Parses the kit's flags (plus `options`, with `defaults`: see parseFlags),
  * then serves `judgeFn`: see run.
  */
-function main(judgeFn, { argv, options, defaults, usage } = {}) {
-  return run(judgeFn, parseFlags(argv, { options, defaults, usage }));
+function main(judgeFn, settings = {}) {
+  refuseUnknown('main', settings, ['argv', 'options', 'defaults', 'usage']);
+  const { argv, ...rest } = settings;
+  return run(judgeFn, parseFlags(argv, rest));
 }
 
 module.exports = {

@@ -23,7 +23,7 @@ safety nets, and breaks the protocol the way ``--mode`` says:
 
 Run::
 
-    build/venv/bin/python guards/python/examples/broken_guard.py \\
+    python guards/python/examples/broken_guard.py \\
         --mode answer-twice --port 0 [--mesh 127.0.0.1:50051] [--delay-ms N]
 
 Flags: the kit's (``--help``; ``--workers`` and ``--otlp-file`` are ignored)
@@ -40,14 +40,11 @@ import signal
 import sys
 import threading
 import time
-from pathlib import Path
 
 import grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the kit
-import guardmesh_guard as gg  # noqa: E402
-from guardmesh_guard import pb, pb_grpc  # noqa: E402
+from guardmesh import guard as gg
+from guardmesh.guard import pb, pb_grpc
 
 MODES = ["answer-twice", "unknown-call-id", "blank-skip", "never-answer",
          "close-stream", "grpc-error", "bad-rewrite"]
@@ -138,12 +135,12 @@ def main() -> None:
 
     server = grpc.server(concurrent.futures.ThreadPoolExecutor(max_workers=20))
     pb_grpc.add_GuardServiceServicer_to_server(BrokenGuard(args.mode, args.delay_ms), server)
-    health_servicer = health.HealthServicer()
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    health_servicer = gg.Health()
+    server.add_generic_rpc_handlers((health_servicer.handler(),))
     port = server.add_insecure_port(f"{args.host}:{args.port}")
     server.start()
-    health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
-    health_servicer.set(gg.GUARD_SERVICE, health_pb2.HealthCheckResponse.SERVING)
+    health_servicer.set("", gg.SERVING)
+    health_servicer.set(gg.GUARD_SERVICE, gg.SERVING)
 
     stop = threading.Event()
     for signum in (signal.SIGTERM, signal.SIGINT):
@@ -155,7 +152,7 @@ def main() -> None:
                         timeout_ms=args.timeout_ms, priority=args.priority,
                         mode="dry_run" if args.dry_run else "enforce",
                         grant_tools=args.grant_tools, may_rename=args.may_rename,
-                        credentials=gg.MeshCredentials.from_args(args))
+                        credentials=gg.credentials_from_args(args))
         except (grpc.RpcError, ValueError) as err:
             log.error("could not register with the mesh at %s: %s", args.mesh, err)
             sys.exit(1)

@@ -12,7 +12,7 @@
 
 Run::
 
-    build/venv/bin/python guards/python/examples/injection_guard.py \\
+    python guards/python/examples/injection_guard.py \\
         --port 0 [--mesh 127.0.0.1:50051] [--delay-ms 200] [--phrase "..."]
 
 Flags: the kit's (``--help``) plus ``--delay-ms N`` (wait N ms before
@@ -25,11 +25,9 @@ from __future__ import annotations
 import json
 import re
 import sys
-from pathlib import Path
 from typing import Any, Iterator
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the kit
-import guardmesh_guard as gg  # noqa: E402
+from guardmesh import guard as gg
 
 INJECTION_PHRASES = [
     "ignore previous instructions",

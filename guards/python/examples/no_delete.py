@@ -1,14 +1,11 @@
 # The minimal Python guard of the README: cancels file deletions and masks
 # passwords (as a mutate guard); a call whose arguments it cannot read is
 # steered, never let through unjudged. Run:
-#   build/venv/bin/python guards/python/examples/no_delete.py --port 0 \
+#   python guards/python/examples/no_delete.py --port 0 \
 #       --mesh 127.0.0.1:50051 --role mutate --grant-tools '*'
 import json
-import pathlib
-import sys
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # guards/python
-import guardmesh_guard as gg  # noqa: E402
+from guardmesh import guard as gg
 
 
 def judge(batch):

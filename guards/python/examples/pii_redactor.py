@@ -14,7 +14,7 @@ one registers with role ``mutate`` and grant ``*`` by default
 
 Run::
 
-    build/venv/bin/python guards/python/examples/pii_redactor.py \\
+    python guards/python/examples/pii_redactor.py \\
         --port 0 [--mesh 127.0.0.1:50051] [--delay-ms 200] [--luhn]
 
 Flags: the kit's (``--help``) plus ``--delay-ms N`` (wait N ms before
@@ -27,11 +27,9 @@ from __future__ import annotations
 import json
 import re
 import sys
-from pathlib import Path
 from typing import Any, Callable
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the kit
-import guardmesh_guard as gg  # noqa: E402
+from guardmesh import guard as gg
 
 UNREADABLE = ("The arguments of this call could not be read as a JSON object, so it was "
               "not judged and not run. Send them as one plain JSON object and retry.")

@@ -13,7 +13,7 @@ helpers :func:`steer`, :func:`cancel`, :func:`rewrite` and :func:`proceed`.
 
 A complete guard::
 
-    import guardmesh_guard as gg
+    from guardmesh import guard as gg
 
     def judge(batch):
         for call in batch.calls:
@@ -23,7 +23,7 @@ A complete guard::
     if __name__ == "__main__":
         gg.main(judge, name="no-delete")
 
-Run it with ``build/venv/bin/python my_guard.py --port 0 --mesh 127.0.0.1:50051``:
+Run it with ``python my_guard.py --port 0 --mesh 127.0.0.1:50051``:
 it serves, registers with the mesh, and prints ``LISTENING <port>``.
 
 What the kit does for the author:
@@ -35,7 +35,8 @@ What the kit does for the author:
 * honours ``CancelBatch``: a cancelled request is not answered, and
   :attr:`Batch.cancelled` / :meth:`Batch.sleep` let a slow judge stop early;
 * sends the stream's response headers as soon as it opens;
-* serves ``grpc.health.v1.Health`` (and server reflection);
+* serves ``grpc.health.v1.Health`` (and server reflection when
+  ``grpcio-reflection`` is installed);
 * joins the coordinator's trace (SPEC.md R22): when ``opentelemetry`` is
   installed and a TracerProvider is configured, each batch is judged inside a
   span ``guard.judge`` whose parent is the batch's ``traceparent``;
@@ -50,9 +51,9 @@ A judge that raises fails that request only: the kit answers it with
 failure policy to its calls (SPEC.md R13), and the stream and the other
 requests on it go on.
 
-The wire stubs are generated from ``proto/`` by ``scripts/setup-polyglot``
-into ``build/python-gen``; the kit finds them there (or on ``sys.path``, or in
-the directory named by ``GUARDMESH_PYTHON_GEN``).
+The wire types are ``guardmesh.v1.guardmesh_pb2`` (re-exported here as
+``pb``), generated from the ``guardmesh/v1/guardmesh.proto`` that ships in
+the package. For asyncio guards see :mod:`guardmesh.guard_aio`.
 """
 
 from __future__ import annotations
@@ -62,27 +63,42 @@ import concurrent.futures
 import dataclasses
 import json
 import logging
-import math
-import os
 import queue
 import signal
 import sys
 import threading
 import time
-from pathlib import Path
-from typing import Any, Callable, Iterable, Mapping, Optional, Sequence, Union
+from typing import Any, Callable, Iterable, Iterator, Mapping, Optional, Sequence, Union
 
 import grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from guardmesh import _health
+from guardmesh._common import (
+    ArgumentsError,
+    MeshCredentials,
+    as_list,
+    enum_value,
+    parse_arguments,
+    read_file,
+)
+from guardmesh._tracing import extract_context, install_file_tracing, tracer
+from guardmesh.v1 import guardmesh_pb2 as pb
+from guardmesh.v1 import guardmesh_pb2_grpc as pb_grpc
 
 __all__ = [
     "ArgumentsError",
     "Batch",
     "Call",
+    "GUARD_SERVICE",
     "GuardServer",
+    "Health",
+    "SERVING",
+    "credentials_from_args",
+    "pb_grpc",
     "JudgeFn",
     "MeshCredentials",
     "ServerTls",
+    "Verdicts",
     "argument_parser",
     "cancel",
     "deregister",
@@ -100,128 +116,12 @@ __all__ = [
 
 log = logging.getLogger("guardmesh.guard")
 
-
-def _load_stubs():
-    """Imports the generated ``guardmesh.v1`` stubs, adding their directory."""
-    try:
-        from guardmesh.v1 import guardmesh_pb2, guardmesh_pb2_grpc
-    except ImportError:
-        candidates = [
-            os.environ.get("GUARDMESH_PYTHON_GEN"),
-            str(Path(__file__).resolve().parents[2] / "build" / "python-gen"),
-        ]
-        for candidate in candidates:
-            if candidate and os.path.isdir(candidate) and candidate not in sys.path:
-                sys.path.insert(0, candidate)
-        try:
-            from guardmesh.v1 import guardmesh_pb2, guardmesh_pb2_grpc
-        except ImportError as err:
-            raise ImportError(
-                "guardmesh.v1 stubs not found: run scripts/setup-polyglot, "
-                "or point GUARDMESH_PYTHON_GEN at the generated stubs"
-            ) from err
-    return guardmesh_pb2, guardmesh_pb2_grpc
-
-
-#: The generated ``guardmesh.v1`` messages (``pb.Verdict``, ``pb.ToolCall``...).
-pb, pb_grpc = _load_stubs()
-
-try:  # OpenTelemetry is optional: without it the kit simply does not trace.
-    from opentelemetry import context as _otel_context
-    from opentelemetry import trace as _otel_trace
-    from opentelemetry.trace.propagation.tracecontext import (
-        TraceContextTextMapPropagator,
-    )
-
-    _PROPAGATOR = TraceContextTextMapPropagator()
-except ImportError:  # pragma: no cover - depends on the environment
-    _otel_trace = None
-
-GUARD_SERVICE = pb.DESCRIPTOR.services_by_name["GuardService"].full_name
-
-
-# ---------------------------------------------------------------------------
-# What a judge function sees
-# ---------------------------------------------------------------------------
-
-
-class ArgumentsError(ValueError):
-    """Arguments that are not an I-JSON object (RFC 7493), which parsers
-    would read differently: what the guard judged would not be what runs."""
-
-
-def _unique_members(pairs: list) -> dict:
-    obj = {}
-    for key, value in pairs:
-        if key in obj:
-            raise ArgumentsError(f"duplicate member name {key[:64]!r}")
-        obj[key] = value
-    return obj
-
-
-def _finite_float(text: str) -> float:
-    value = float(text)
-    if math.isinf(value):
-        raise ArgumentsError(f"number {text[:32]}... does not fit a double")
-    return value
-
-
-def _double_int(text: str) -> int:
-    if math.isinf(float(text)):
-        raise ArgumentsError(f"number {text[:32]}... does not fit a double")
-    return int(text)
-
-
-def _no_constant(name: str):
-    raise ArgumentsError(f"{name} is not JSON")
-
-
-def _check_strings(value: Any) -> None:
-    """Raises on a string (or member name) with a lone surrogate."""
-    stack = [value]
-    while stack:
-        item = stack.pop()
-        if isinstance(item, str):
-            strings = [item]
-        elif isinstance(item, dict):
-            strings = list(item.keys())
-            stack.extend(item.values())
-        elif isinstance(item, list):
-            strings = []
-            stack.extend(item)
-        else:
-            continue
-        for text in strings:
-            try:
-                text.encode("utf-8")
-            except UnicodeEncodeError:
-                raise ArgumentsError("a string holds a lone surrogate (\\ud800...)") from None
-
-
-def parse_arguments(text: str) -> dict:
-    """Parses a call's arguments: a JSON object, as text ("" is ``{}``).
-
-    Strict, as the mesh's gate is (SPEC.md R20): raises :class:`ArgumentsError`
-    for anything that is not an I-JSON object (invalid JSON, not an object,
-    duplicate member names, numbers a double cannot hold, NaN/Infinity, lone
-    surrogates, nesting too deep to parse), which parsers read differently.
-    """
-    if not text.strip():
-        return {}
-    try:
-        value = json.loads(text, object_pairs_hook=_unique_members,
-                           parse_float=_finite_float, parse_int=_double_int,
-                           parse_constant=_no_constant)
-    except ArgumentsError:
-        raise
-    except RecursionError:
-        raise ArgumentsError("nested too deep") from None
-    except ValueError as err:  # json.JSONDecodeError, int digit limits
-        raise ArgumentsError(f"not JSON: {str(err)[:120]}") from None
-    if not isinstance(value, dict):
-        raise ArgumentsError(f"a JSON {type(value).__name__}, not an object")
-    _check_strings(value)
-    return value
+GUARD_SERVICE: str = pb.DESCRIPTOR.services_by_name["GuardService"].full_name
+#: ``grpc.health.v1.Health`` as the kit serves it, for guards that build
+#: their own server: ``server.add_generic_rpc_handlers((Health().handler(),))``.
+Health = _health.Health
+SERVING = _health.SERVING
+NOT_SERVING = _health.NOT_SERVING
 
 
 @dataclasses.dataclass(frozen=True)
@@ -233,7 +133,7 @@ class Call:
     #: The arguments as sent: a JSON object, as text ("" means ``{}``).
     arguments: str
     #: The arguments parsed; ``None`` when they cannot be read (see ``error``).
-    args: Optional[dict]
+    args: Optional[dict[str, Any]]
     #: Why the arguments cannot be read as an I-JSON object, if they cannot.
     #: Such a call is never shown to the judge: the kit skips it.
     error: Optional[str] = None
@@ -329,7 +229,7 @@ JudgeFn = Callable[[Batch], Verdicts]
 # ---------------------------------------------------------------------------
 
 
-def _skip(call_id: str, content: str, kind: int) -> "pb.Verdict":
+def _skip(call_id: str, content: str, kind: "pb.SkipKind.ValueType") -> "pb.Verdict":
     if not content or not content.strip():
         raise ValueError(f"skip of call {call_id!r} needs non-blank content (R8)")
     return pb.Verdict(call_id=call_id, skip=pb.Skip(content=content, kind=kind))
@@ -380,7 +280,7 @@ def proceed(call_id: str) -> "pb.Verdict":
     return pb.Verdict(call_id=call_id)
 
 
-def _conforming(batch: Batch, result: Verdicts) -> list:
+def conforming(batch: Batch, result: Verdicts) -> list[pb.Verdict]:
     """The verdicts of a judge's result that the protocol allows (R8)."""
     if result is None:
         return []
@@ -547,7 +447,8 @@ class _GuardServicer(pb_grpc.GuardServiceServicer):
         self.streams: set[_Stream] = set()
         self.streams_changed = threading.Condition()
 
-    def Judge(self, request_iterator, context):
+    def Judge(self, request_iterator: Iterator[pb.JudgeRequest],
+              context: grpc.ServicerContext) -> Iterator[pb.JudgeResponse]:
         if self.draining.is_set():
             context.abort(grpc.StatusCode.UNAVAILABLE, "the guard is stopping")
         # The sync server would otherwise hold the headers back until the first
@@ -580,7 +481,7 @@ class _GuardServicer(pb_grpc.GuardServiceServicer):
         with self.streams_changed:
             return self.streams_changed.wait_for(lambda: not self.streams, timeout)
 
-    def judge(self, batch: Batch) -> list:
+    def judge(self, batch: Batch) -> list[pb.Verdict]:
         """Skips the calls whose arguments cannot be read, and runs the judge
         function on the others (in a span when tracing)."""
         skipped = [
@@ -596,45 +497,47 @@ class _GuardServicer(pb_grpc.GuardServiceServicer):
             return skipped
         return skipped + self._judge_calls(batch)
 
-    def _judge_calls(self, batch: Batch) -> list:
-        if _otel_trace is None:
-            return _conforming(batch, self.judge_fn(batch))
-        carrier = {}
-        if batch.traceparent:
-            carrier["traceparent"] = batch.traceparent
-            if batch.tracestate:
-                carrier["tracestate"] = batch.tracestate
-        parent = _PROPAGATOR.extract(carrier, context=_otel_context.Context())
-        tracer = _otel_trace.get_tracer("guardmesh.guard")
-        attributes = {
-            "guardmesh.guard": batch.guard,
-            "guardmesh.batch_id": batch.batch_id,
-            "guardmesh.request_id": batch.request_id,
-            "guardmesh.calls": len(batch.calls),
-            "guardmesh.call_ids": [c.call_id for c in batch.calls],
-        }
-        with tracer.start_as_current_span("guard.judge", context=parent,
-                                          kind=_otel_trace.SpanKind.SERVER,
-                                          attributes=attributes) as span:
-            verdicts = _conforming(batch, self.judge_fn(batch))
-            outcomes = [v.WhichOneof("outcome") for v in verdicts]
-            span.set_attribute("guardmesh.skipped", outcomes.count("skip"))
-            span.set_attribute("guardmesh.rewritten", outcomes.count("rewrite"))
-            span.set_attribute("guardmesh.cancelled", batch.cancelled)
-            return verdicts
+    def _judge_calls(self, batch: Batch) -> list[pb.Verdict]:
+        span_tracer = tracer("guardmesh.guard")
+        if span_tracer is None:
+            return conforming(batch, self.judge_fn(batch))
+        return judge_traced(batch, span_tracer, lambda: self.judge_fn(batch))
+
+
+def _span_attributes(batch: Batch) -> dict[str, Any]:
+    return {
+        "guardmesh.guard": batch.guard,
+        "guardmesh.batch_id": batch.batch_id,
+        "guardmesh.request_id": batch.request_id,
+        "guardmesh.calls": len(batch.calls),
+        "guardmesh.call_ids": [c.call_id for c in batch.calls],
+    }
+
+
+def _span_outcome(span: Any, batch: Batch, verdicts: list[pb.Verdict]) -> None:
+    outcomes = [v.WhichOneof("outcome") for v in verdicts]
+    span.set_attribute("guardmesh.skipped", outcomes.count("skip"))
+    span.set_attribute("guardmesh.rewritten", outcomes.count("rewrite"))
+    span.set_attribute("guardmesh.cancelled", batch.cancelled)
+
+
+def judge_traced(batch: Batch, span_tracer: Any,
+                 judge: Callable[[], Verdicts]) -> list[pb.Verdict]:
+    """The conforming verdicts of ``judge()``, inside a span ``guard.judge``
+    whose parent is the batch's traceparent (R22)."""
+    parent = extract_context(batch.traceparent, batch.tracestate)
+    from guardmesh._tracing import server_kind
+
+    with span_tracer.start_as_current_span("guard.judge", context=parent, kind=server_kind(),
+                                           attributes=_span_attributes(batch)) as span:
+        verdicts = conforming(batch, judge())
+        _span_outcome(span, batch, verdicts)
+        return verdicts
 
 
 # ---------------------------------------------------------------------------
 # Serving and registering
 # ---------------------------------------------------------------------------
-
-
-def _read(path: str, what: str) -> bytes:
-    try:
-        with open(path, "rb") as file:
-            return file.read()
-    except OSError as err:
-        raise ValueError(f"cannot read the {what} {path}: {err.strerror}") from None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -648,83 +551,17 @@ class ServerTls:
     client_ca_file: Optional[str] = None
 
     def credentials(self) -> grpc.ServerCredentials:
-        ca = _read(self.client_ca_file, "client CA file") if self.client_ca_file else None
+        ca = read_file(self.client_ca_file, "client CA file") if self.client_ca_file else None
         return grpc.ssl_server_credentials(
-            [(_read(self.key_file, "key file"), _read(self.cert_file, "certificate file"))],
+            [(read_file(self.key_file, "key file"), read_file(self.cert_file, "certificate file"))],
             root_certificates=ca, require_client_auth=ca is not None)
-
-
-@dataclasses.dataclass(frozen=True)
-class MeshCredentials:
-    """How the kit reaches the mesh's ``GuardRegistry``: TLS (the CA of the
-    mesh's certificate, and this guard's client certificate for mTLS) and a
-    bearer token. Every call the kit makes to the mesh carries them (R24).
-    """
-
-    #: PEM of the CA that signed the mesh's certificate; set it for TLS.
-    ca_file: Optional[str] = None
-    #: This guard's PEM client certificate and key, for a mesh requiring mTLS.
-    cert_file: Optional[str] = None
-    key_file: Optional[str] = None
-    #: Bearer token (prefer ``token_file`` or ``GUARDMESH_TOKEN``: see
-    #: :meth:`from_args`).
-    token: Optional[str] = dataclasses.field(default=None, repr=False)
-    #: The name to verify the mesh's certificate against, when it differs
-    #: from the address's host.
-    tls_domain: Optional[str] = None
-
-    def __post_init__(self):
-        if (self.cert_file is None) != (self.key_file is None):
-            raise ValueError("a client certificate needs both cert_file and key_file")
-        if self.cert_file and not self.ca_file:
-            raise ValueError("a client certificate needs TLS: set ca_file too")
-        if self.token is not None and (not self.token.strip() or "\n" in self.token.strip()):
-            raise ValueError("the token must be one non-empty line")
-
-    @property
-    def tls(self) -> bool:
-        return self.ca_file is not None
-
-    def channel(self, mesh_addr: str) -> grpc.Channel:
-        target = _channel_target(mesh_addr)
-        if mesh_addr.startswith("https://") and not self.tls:
-            raise ValueError(f"{mesh_addr} is https://: set the mesh's CA file")
-        if not self.tls:
-            return grpc.insecure_channel(target)
-        credentials = grpc.ssl_channel_credentials(
-            root_certificates=_read(self.ca_file, "CA file"),
-            private_key=_read(self.key_file, "key file") if self.key_file else None,
-            certificate_chain=_read(self.cert_file, "certificate file") if self.cert_file else None)
-        options = [("grpc.ssl_target_name_override", self.tls_domain)] if self.tls_domain else []
-        return grpc.secure_channel(target, credentials, options=options)
-
-    def metadata(self) -> tuple:
-        """The metadata of every call: the token, if any."""
-        if self.token is None:
-            return ()
-        return (("authorization", f"Bearer {self.token.strip()}"),)
-
-    @classmethod
-    def from_args(cls, args: argparse.Namespace) -> "MeshCredentials":
-        """From the kit's ``--mesh-*`` flags; the token from
-        ``--mesh-token-file`` or else the ``GUARDMESH_TOKEN`` variable."""
-        token = None
-        if args.mesh_token_file:
-            lines = _read(args.mesh_token_file, "token file").decode().splitlines()
-            token = lines[0].strip() if lines else ""
-            if not token:
-                raise ValueError(f"the token file {args.mesh_token_file} is empty")
-        elif os.environ.get("GUARDMESH_TOKEN", "").strip():
-            token = os.environ["GUARDMESH_TOKEN"].strip()
-        return cls(ca_file=args.mesh_ca_file, cert_file=args.mesh_cert_file,
-                   key_file=args.mesh_key_file, token=token, tls_domain=args.mesh_tls_domain)
 
 
 class GuardServer:
     """A running guard: the gRPC server plus the kit's worker pool."""
 
     def __init__(self, grpc_server: grpc.Server, servicer: _GuardServicer,
-                 health_servicer: health.HealthServicer, port: int):
+                 health_servicer: _health.Health, port: int):
         self.grpc_server = grpc_server
         self.port = port
         self.name = servicer.name
@@ -785,9 +622,9 @@ def serve(
         maximum_concurrent_rpcs=max_streams + 4,
     )
     pb_grpc.add_GuardServiceServicer_to_server(servicer, server)
-    health_servicer = health.HealthServicer()
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    service_names = [GUARD_SERVICE, health.SERVICE_NAME]
+    health_servicer = _health.Health()
+    server.add_generic_rpc_handlers((health_servicer.handler(),))
+    service_names = [GUARD_SERVICE, _health.SERVICE_NAME]
     if reflection:
         try:
             from grpc_reflection.v1alpha import reflection as grpc_reflection
@@ -805,42 +642,12 @@ def serve(
         raise RuntimeError(f"could not bind {address}")
     server.start()
     for service in ("", GUARD_SERVICE):
-        health_servicer.set(service, health_pb2.HealthCheckResponse.SERVING)
+        health_servicer.set(service, _health.SERVING)
     log.info("guard %r serving on %s:%d", name, host, bound)
     return GuardServer(server, servicer, health_servicer, bound), bound
 
 
-def _enum(enum_type, prefix: str, value) -> int:
-    """An enum value from an int, a short name ("fail_open") or a full name."""
-    if isinstance(value, int):
-        return value
-    key = str(value).strip().upper().replace("-", "_")
-    if not key.startswith(prefix):
-        key = prefix + key
-    try:
-        return enum_type.Value(key)
-    except ValueError:
-        names = ", ".join(n[len(prefix):].lower() for n in enum_type.keys())
-        raise ValueError(f"unknown value {value!r}: expected one of {names}") from None
-
-
-def _channel_target(address: str) -> str:
-    for scheme in ("http://", "https://", "grpc://"):
-        if address.startswith(scheme):
-            return address[len(scheme):].rstrip("/")
-    return address
-
-
-def _list(value: Union[str, Sequence[str], None]) -> list[str]:
-    if value is None:
-        return []
-    if isinstance(value, str):
-        return [item.strip() for item in value.split(",") if item.strip()]
-    return list(value)
-
-
-def register(
-    mesh_addr: str,
+def registration(
     name: str,
     port: int,
     *,
@@ -854,37 +661,54 @@ def register(
     mode: Union[str, int] = "enforce",
     grant_tools: Union[str, Sequence[str], None] = None,
     may_rename: bool = False,
-    timeout: float = 10.0,
-    credentials: Optional[MeshCredentials] = None,
     https: bool = False,
-) -> "pb.RegisterResponse":
-    """Registers (or updates) this guard with the mesh at ``mesh_addr``.
-
-    The endpoint registered is ``endpoint`` or ``http://HOST:PORT`` (with
-    127.0.0.1 for a wildcard host). Enum arguments take short names
-    (``"mutate"``, ``"fail_open"``, ``"dry_run"``); list arguments take a
-    sequence or comma-separated text. Waits up to ``timeout`` seconds for the
-    mesh to be reachable; raises ``grpc.RpcError`` if registration fails.
-    ``credentials`` (TLS, client certificate, token) go on the call; with
-    ``https`` the default endpoint is ``https://`` (a guard serving TLS).
-    """
-    credentials = credentials or MeshCredentials()
+    server_identity: str = "",
+) -> pb.GuardSpec:
+    """The ``GuardSpec`` :func:`register` sends (options as there)."""
     if endpoint is None:
         reach = "127.0.0.1" if host in ("", "0.0.0.0", "::", "[::]") else host
         scheme = "https" if https else "http"
         endpoint = (f"{scheme}://[{reach}]:{port}" if ":" in reach
                     else f"{scheme}://{reach}:{port}")
-    spec = pb.GuardSpec(
+    return pb.GuardSpec(
         name=name,
         endpoint=endpoint,
-        role=_enum(pb.GuardRole, "GUARD_ROLE_", role),
-        tools=_list(tools),
+        role=pb.GuardRole.ValueType(enum_value(dict(pb.GuardRole.items()), "GUARD_ROLE_", role)),
+        tools=as_list(tools),
         timeout_ms=timeout_ms,
-        failure_policy=_enum(pb.FailurePolicy, "FAILURE_POLICY_", failure_policy),
+        failure_policy=pb.FailurePolicy.ValueType(
+            enum_value(dict(pb.FailurePolicy.items()), "FAILURE_POLICY_", failure_policy)),
         priority=priority,
-        mode=_enum(pb.GuardMode, "GUARD_MODE_", mode),
-        grant=pb.RewriteGrant(tools=_list(grant_tools), may_rename=may_rename),
+        mode=pb.GuardMode.ValueType(enum_value(dict(pb.GuardMode.items()), "GUARD_MODE_", mode)),
+        grant=pb.RewriteGrant(tools=as_list(grant_tools), may_rename=may_rename),
+        server_identity=server_identity,
     )
+
+
+def register(
+    mesh_addr: str,
+    name: str,
+    port: int,
+    *,
+    timeout: float = 10.0,
+    credentials: Optional[MeshCredentials] = None,
+    **options: Any,
+) -> "pb.RegisterResponse":
+    """Registers (or updates) this guard with the mesh at ``mesh_addr``.
+
+    Options (keyword-only; an unknown one is a TypeError): ``host``,
+    ``endpoint`` (default ``http://HOST:PORT``, with 127.0.0.1 for a
+    wildcard host, ``https://`` with ``https=True``), ``role``, ``tools``,
+    ``failure_policy``, ``timeout_ms``, ``priority``, ``mode``,
+    ``grant_tools``, ``may_rename``, ``server_identity``. Enum options take
+    short names (``"mutate"``, ``"fail_open"``, ``"dry_run"``); list options
+    a sequence or comma-separated text. Waits up to ``timeout`` seconds for
+    the mesh to be reachable; raises ``grpc.RpcError`` if registration
+    fails. ``credentials`` (TLS, client certificate, token) go on the call.
+    """
+    credentials = credentials or MeshCredentials()
+    spec = registration(name, port, **options)
+    endpoint = spec.endpoint
     with credentials.channel(mesh_addr) as channel:
         stub = pb_grpc.GuardRegistryStub(channel)
         response = stub.Register(pb.RegisterRequest(guard=spec), timeout=timeout,
@@ -905,63 +729,6 @@ def deregister(mesh_addr: str, name: str, timeout: float = 5.0, *,
                                    metadata=credentials.metadata())
     log.info("deregistered guard %r from %s (removed: %s)", name, mesh_addr, response.removed)
     return response.removed
-
-
-# ---------------------------------------------------------------------------
-# Tracing to a file
-# ---------------------------------------------------------------------------
-
-
-def install_file_tracing(path: str, service_name: str = "guardmesh-guard"):
-    """Installs a global SDK TracerProvider that appends each finished span
-    to ``path`` as one JSON line::
-
-        {"name": ..., "trace_id": "<32 hex>", "span_id": "<16 hex>",
-         "parent_span_id": "<16 hex>" | null, "attributes": {...},
-         "kind": "SERVER", "service": ..., "status": "UNSET" | "OK" | "ERROR",
-         "start_time_unix_nano": "<decimal>", "end_time_unix_nano": "<decimal>"}
-
-    For tests that check trace ids without an OTLP receiver. Needs
-    ``opentelemetry-sdk``. Returns the provider.
-    """
-    from opentelemetry.sdk.resources import Resource
-    from opentelemetry.sdk.trace import TracerProvider
-    from opentelemetry.sdk.trace.export import (
-        SimpleSpanProcessor,
-        SpanExporter,
-        SpanExportResult,
-    )
-
-    class JsonLinesSpanExporter(SpanExporter):
-        def __init__(self, file_path: str):
-            self._path = file_path
-            self._lock = threading.Lock()
-
-        def export(self, spans) -> SpanExportResult:
-            lines = []
-            for span in spans:
-                parent = span.parent
-                lines.append(json.dumps({
-                    "name": span.name,
-                    "trace_id": format(span.context.trace_id, "032x"),
-                    "span_id": format(span.context.span_id, "016x"),
-                    "parent_span_id": format(parent.span_id, "016x") if parent else None,
-                    "kind": span.kind.name,
-                    "service": span.resource.attributes.get("service.name"),
-                    "start_time_unix_nano": str(span.start_time),
-                    "end_time_unix_nano": str(span.end_time),
-                    "status": span.status.status_code.name,
-                    "attributes": {k: list(v) if isinstance(v, tuple) else v
-                                   for k, v in (span.attributes or {}).items()},
-                }, default=str))
-            with self._lock, open(self._path, "a", encoding="utf-8") as out:
-                out.write("".join(line + "\n" for line in lines))
-            return SpanExportResult.SUCCESS
-
-    provider = TracerProvider(resource=Resource.create({"service.name": service_name}))
-    provider.add_span_processor(SimpleSpanProcessor(JsonLinesSpanExporter(path)))
-    _otel_trace.set_tracer_provider(provider)
-    return provider
 
 
 # ---------------------------------------------------------------------------
@@ -1021,8 +788,22 @@ def argument_parser(description: Optional[str] = None, *, name: str = "guard",
                      help="append each finished span to PATH as a JSON line")
     kit.add_argument("--workers", type=int, default=32, help="batches judged at once")
     kit.add_argument("--log-level", default="info", help="stderr log level (default info)")
+    known = {action.dest for action in parser._actions}
+    unknown = sorted(set(defaults) - known)
+    if unknown:
+        raise TypeError(f"argument_parser: unknown default(s) {', '.join(unknown)}; "
+                        f"known: {', '.join(sorted(known - {'help'}))}")
     parser.set_defaults(**defaults)
     return parser
+
+
+def credentials_from_args(args: argparse.Namespace) -> MeshCredentials:
+    """The credentials the kit's ``--mesh-*`` flags give (the token from
+    ``--mesh-token-file``, else the ``GUARDMESH_TOKEN`` variable)."""
+    return MeshCredentials.create(
+        ca_file=args.mesh_ca_file, cert_file=args.mesh_cert_file,
+        key_file=args.mesh_key_file, token_file=args.mesh_token_file,
+        tls_domain=args.mesh_tls_domain)
 
 
 def run(judge_fn: JudgeFn, args: argparse.Namespace) -> int:
@@ -1043,7 +824,7 @@ def run(judge_fn: JudgeFn, args: argparse.Namespace) -> int:
         signal.signal(signum, lambda *_: stop.set())
 
     try:
-        credentials = MeshCredentials.from_args(args)
+        credentials = credentials_from_args(args)
         tls = None
         if args.tls_cert_file or args.tls_key_file:
             if not (args.tls_cert_file and args.tls_key_file):
