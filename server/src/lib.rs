@@ -50,6 +50,7 @@ pub mod link;
 pub mod mesh;
 pub mod metrics;
 pub mod metrics_http;
+pub mod policy;
 pub mod registry;
 pub mod server;
 pub mod service;
