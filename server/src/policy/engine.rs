@@ -113,7 +113,8 @@ impl Policy {
                 },
             });
         }
-        let env = Env::stdlib();
+        let mut env = Env::stdlib();
+        super::patterns::declare(&mut env);
         let mut lines: HashMap<String, usize> = HashMap::new();
         let mut rules = Vec::with_capacity(parsed.rule.len());
         for entry in parsed.rule {

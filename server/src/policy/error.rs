@@ -53,6 +53,13 @@ pub enum CompileErrorKind {
         "`{field}` uses the unknown variable {name:?} (known: call, calls, context, and the variables of its macros)"
     )]
     UnknownVariable { field: Field, name: String },
+    /// A `matches` pattern that is not a valid regex.
+    #[error("`{field}`: the pattern {pattern:?} is not a valid regex: {reason}")]
+    BadRegex {
+        field: Field,
+        pattern: String,
+        reason: String,
+    },
     /// An expression longer than the limit.
     #[error("`{field}` has {bytes} bytes, more than the limit of {limit}")]
     TooLong {

@@ -1,7 +1,7 @@
 //! One CEL expression of a rule, compiled and checked: its size, how deeply
 //! its macros nest, the variables it uses, and its estimated [`Cost`].
 
-use cel::common::ast::{EntryExpr, Expr, IdedExpr};
+use cel::common::ast::{EntryExpr, Expr, IdedExpr, LiteralValue};
 use cel::{Env, Program};
 
 use super::cost::{Cost, Limits};
@@ -73,6 +73,7 @@ pub(crate) fn compile(
         }
     })?;
     let mut walk = Walk {
+        field,
         limits,
         scope: Vec::new(),
         nodes: 0,
@@ -80,6 +81,7 @@ pub(crate) fn compile(
         cost: Cost::default(),
         uses: [false; 3],
         unknown: None,
+        bad_regex: None,
     };
     walk.expr(program.expression(), 0);
     let line_of = |id: u64| {
@@ -115,6 +117,12 @@ pub(crate) fn compile(
             },
         });
     }
+    if let Some((id, kind)) = walk.bad_regex {
+        return Err(Refused {
+            line: line_of(id),
+            kind,
+        });
+    }
     if let Some((id, name)) = walk.unknown {
         return Err(Refused {
             line: line_of(id),
@@ -130,6 +138,7 @@ pub(crate) fn compile(
 
 /// A walk over an expression's syntax tree, macros expanded.
 struct Walk<'a> {
+    field: Field,
     limits: &'a Limits,
     /// The variables macros bind around the node being walked.
     scope: Vec<String>,
@@ -140,6 +149,8 @@ struct Walk<'a> {
     uses: [bool; 3],
     /// The first unknown identifier, and its node.
     unknown: Option<(u64, String)>,
+    /// The first `matches` pattern that does not compile, and its node.
+    bad_regex: Option<(u64, CompileErrorKind)>,
 }
 
 impl Walk<'_> {
@@ -155,6 +166,9 @@ impl Walk<'_> {
             Expr::Call(call) => {
                 if LINEAR_OPERATORS.contains(&call.func_name.as_str()) {
                     self.cost.add(depth + 1, 1);
+                }
+                if call.func_name == "matches" {
+                    self.pattern(node.id, call.args.last());
                 }
                 if let Some(target) = &call.target {
                     self.expr(target, depth);
@@ -201,6 +215,27 @@ impl Walk<'_> {
                 self.scope.truncate(bound);
             }
             Expr::Literal(_) | Expr::Unspecified => {}
+        }
+    }
+
+    /// Compiles a `matches` pattern written as a string literal.
+    fn pattern(&mut self, id: u64, pattern: Option<&IdedExpr>) {
+        let Some(IdedExpr {
+            expr: Expr::Literal(LiteralValue::String(pattern)),
+            ..
+        }) = pattern
+        else {
+            return;
+        };
+        if let Err(reason) = super::patterns::precompile(pattern.inner()) {
+            self.bad_regex.get_or_insert((
+                id,
+                CompileErrorKind::BadRegex {
+                    field: self.field,
+                    pattern: pattern.inner().to_owned(),
+                    reason,
+                },
+            ));
         }
     }
 

@@ -5,6 +5,7 @@
 //! * [`input`]: what a rule sees ([`BatchInput`], [`CallInput`]) and the CEL
 //!   variables `call`, `calls` and `context`;
 //! * [`expr`]: one CEL expression compiled and checked;
+//! * [`patterns`]: `matches`, with the patterns compiled once;
 //! * [`cost`]: the bounds on size and work ([`Limits`], [`Cost`]);
 //! * [`engine`]: a compiled [`Policy`], first match in file order;
 //! * [`verdict`]: what judging a call gives ([`Outcome`]);
@@ -21,6 +22,7 @@ mod error;
 mod expr;
 mod file;
 mod input;
+mod patterns;
 mod verdict;
 
 #[cfg(test)]

@@ -190,6 +190,34 @@ message = "'x' + call.args.missing"
     ));
 }
 
+/// `matches`, in both forms, with written and computed patterns.
+#[test]
+fn matches_uses_precompiled_and_computed_patterns() {
+    let policy = Policy::compile(
+        r#"
+[[rule]]
+name = "m"
+when = "call.args.q.matches(r'^\\d+$') && matches(call.args.q, call.args.p)"
+action = "cancel"
+message = "'m'"
+"#,
+    )
+    .unwrap();
+    assert!(matches!(
+        one(&policy, "t", json!({"q": "123", "p": "2"})),
+        Outcome::Matched(_)
+    ));
+    assert_eq!(
+        one(&policy, "t", json!({"q": "12a", "p": "2"})),
+        Outcome::Proceed
+    );
+    let bad = one(&policy, "t", json!({"q": "123", "p": "("}));
+    assert!(
+        error(&bad).to_string().contains("not a valid regex"),
+        "{bad:?}"
+    );
+}
+
 /// R27: `calls` holds every call of the batch, so a rule can count them.
 #[test]
 fn r27_rules_see_the_whole_batch() {
@@ -279,6 +307,16 @@ fn r27_a_broken_file_is_refused_with_its_line() {
     assert_eq!(error.line, 3, "{error}");
     assert!(matches!(error.kind, CompileErrorKind::BadGlob { .. }));
     assert_eq!(refused("# nothing\n").kind, CompileErrorKind::NoRules);
+
+    // A `matches` pattern that is not a regex, on its line.
+    let error = refused(
+        "[[rule]]\nname = \"re\"\nwhen = '''\ntrue &&\n call.tool.matches('a(')'''\naction = \"cancel\"\nmessage = \"'m'\"\n",
+    );
+    assert_eq!(error.line, 5, "{error}");
+    assert!(
+        matches!(&error.kind, CompileErrorKind::BadRegex { pattern, .. } if pattern == "a("),
+        "{error}"
+    );
 }
 
 fn rule_with_when(when: &str) -> String {
