@@ -1,16 +1,16 @@
 //! Policy guards (R27): a file of CEL rules that judges tool calls inside
 //! the mesh, with no guard process and no network hop.
 //!
-//! * [`file`]: the TOML format of a policy file;
-//! * [`input`]: what a rule sees ([`BatchInput`], [`CallInput`]) and the CEL
+//! * `file`: the TOML format of a policy file;
+//! * `input`: what a rule sees ([`BatchInput`], [`CallInput`]) and the CEL
 //!   variables `call`, `calls` and `context`;
-//! * [`expr`]: one CEL expression compiled and checked;
-//! * [`patterns`]: `matches`, with the patterns compiled once;
-//! * [`cost`]: the bounds on size and work ([`Limits`], [`Cost`]);
-//! * [`engine`]: a compiled [`Policy`], first match in file order;
-//! * [`verdict`]: what judging a call gives ([`Outcome`]);
-//! * [`cases`]: [`check`] a file, and [`test`] it against a cases file;
-//! * [`error`]: the errors, typed.
+//! * `expr`: one CEL expression compiled and checked;
+//! * `patterns`: `matches`, with the patterns compiled once;
+//! * `cost`: the bounds on size and work ([`Limits`], [`Cost`]);
+//! * `engine`: a compiled [`Policy`], first match in file order;
+//! * `verdict`: what judging a call gives ([`Outcome`]);
+//! * `cases`: [`check`] a file, and [`test`] it against a cases file;
+//! * `error`: the errors, typed.
 //!
 //! The mesh does not depend on this module yet: it is the engine that a
 //! policy guard will run.
