@@ -31,6 +31,7 @@
 //! * [`observe`]: counters and histograms (`observe/metrics.rs`), the
 //!   Prometheus endpoint ([`observe::metrics_http`]), logs and traces
 //!   ([`observe::telemetry`]).
+//! * [`policy`]: policy guards, CEL rules evaluated inside the mesh (R27).
 //! * [`config`]: the TOML config file.
 
 pub mod config;
@@ -38,6 +39,7 @@ mod judge;
 pub mod link;
 pub mod mesh;
 pub mod observe;
+pub mod policy;
 pub mod registry;
 pub mod security;
 pub mod server;

@@ -1,0 +1,146 @@
+//! Cost bounds: what keeps a policy from stalling the mesh.
+//!
+//! CEL has no loops or recursion, but its macros (`all`, `exists`,
+//! `exists_one`, `filter`, `map`) iterate lists and maps, and they nest: over
+//! a large enough input, `calls.all(a, calls.all(b, ...))` is slow. The CEL
+//! library itself has no budget it can enforce while running, so the bounds
+//! are checked before anything runs:
+//!
+//! * when a policy is compiled, each expression is bounded in source size
+//!   ([`Limits::max_expression_bytes`]), in syntax-tree nodes after macro
+//!   expansion ([`Limits::max_expression_nodes`]) and in how deeply its
+//!   macros nest ([`Limits::max_nesting`]); the file in rules
+//!   ([`Limits::max_rules`]);
+//! * each expression then gets a [`Cost`]: a polynomial in `n`, the number
+//!   of items of the largest list or map in the input (the calls, the
+//!   metadata, any array or object in any call's arguments). A node costs 1
+//!   per evaluation; a node inside `k` nested macros is evaluated up to `n^k`
+//!   times; the operators that may walk a whole list or map (`==`, `!=`,
+//!   `in`, `+`) cost `n` per evaluation;
+//! * before a call is judged, the cost of every rule that applies to its
+//!   tool (`when` and `message`), at the batch's `n`, must stay within
+//!   [`Limits::max_cost_per_call`], and the sum over the batch's calls
+//!   within [`Limits::max_cost_per_batch`]. Otherwise the evaluation is an
+//!   error (a guard failure), and nothing is evaluated.
+//!
+//! The estimate is an upper bound for what it counts, but it counts the
+//! items of collections, not the bytes of strings: string operations are
+//! linear in their strings, which the mesh already bounds by its batch size
+//! limits. A macro over a list the expression built larger than any input
+//! (`calls + calls`) is under-estimated by that factor.
+
+use std::fmt;
+
+/// The bounds of a policy; [`Limits::default`] is what the mesh uses.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Limits {
+    /// Rules in one file.
+    pub max_rules: usize,
+    /// Bytes of one `when` or `message` expression.
+    pub max_expression_bytes: usize,
+    /// Nodes of one expression's syntax tree, macros expanded.
+    pub max_expression_nodes: usize,
+    /// How deeply macros (`all`, `exists`, `map`, ...) may nest.
+    pub max_nesting: usize,
+    /// Estimated cost units to judge one call (see the module's text).
+    pub max_cost_per_call: u64,
+    /// Estimated cost units to judge a whole batch.
+    pub max_cost_per_batch: u64,
+}
+
+impl Default for Limits {
+    fn default() -> Self {
+        Self {
+            max_rules: 256,
+            max_expression_bytes: 4096,
+            max_expression_nodes: 512,
+            max_nesting: 2,
+            max_cost_per_call: 1_000_000,
+            max_cost_per_batch: 10_000_000,
+        }
+    }
+}
+
+/// An expression's estimated cost: `terms[k]` units times `n^k`.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Cost {
+    terms: Vec<u64>,
+}
+
+impl Cost {
+    /// Adds `units` times `n^power`.
+    pub(crate) fn add(&mut self, power: usize, units: u64) {
+        if self.terms.len() <= power {
+            self.terms.resize(power + 1, 0);
+        }
+        self.terms[power] = self.terms[power].saturating_add(units);
+    }
+
+    /// Adds another cost to this one.
+    pub(crate) fn add_cost(&mut self, other: &Cost) {
+        for (power, units) in other.terms.iter().enumerate() {
+            self.add(power, *units);
+        }
+    }
+
+    /// The estimate for an input whose largest collection has `n` items
+    /// (saturating).
+    pub fn at(&self, n: usize) -> u64 {
+        let n = n as u64;
+        let mut total: u64 = 0;
+        let mut scale: u64 = 1;
+        for units in &self.terms {
+            total = total.saturating_add(units.saturating_mul(scale));
+            scale = scale.saturating_mul(n);
+        }
+        total
+    }
+
+    /// The highest power of `n` with a non-zero term.
+    pub fn degree(&self) -> usize {
+        self.terms.iter().rposition(|u| *u != 0).unwrap_or(0)
+    }
+}
+
+impl fmt::Display for Cost {
+    /// `12 + 5n + 3n^2`.
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let mut first = true;
+        for (power, units) in self.terms.iter().enumerate() {
+            if *units == 0 {
+                continue;
+            }
+            if !first {
+                f.write_str(" + ")?;
+            }
+            first = false;
+            match power {
+                0 => write!(f, "{units}")?,
+                1 => write!(f, "{units}n")?,
+                _ => write!(f, "{units}n^{power}")?,
+            }
+        }
+        if first {
+            f.write_str("0")?;
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_polynomial_in_the_largest_collection() {
+        let mut cost = Cost::default();
+        cost.add(0, 12);
+        cost.add(1, 5);
+        cost.add(2, 3);
+        assert_eq!(cost.at(10), 12 + 50 + 300);
+        assert_eq!(cost.degree(), 2);
+        assert_eq!(cost.to_string(), "12 + 5n + 3n^2");
+        cost.add(3, u64::MAX);
+        assert_eq!(cost.at(2), u64::MAX, "saturates, never wraps");
+    }
+}

@@ -1,0 +1,252 @@
+//! One CEL expression of a rule, compiled and checked: its size, how deeply
+//! its macros nest, the variables it uses, and its estimated [`Cost`].
+
+use cel::common::ast::{EntryExpr, Expr, IdedExpr, LiteralValue};
+use cel::{Env, Program};
+
+use super::cost::{Cost, Limits};
+use super::error::{CompileErrorKind, Field};
+
+/// The variables every expression may use (see `input`).
+pub(crate) const VARIABLES: [&str; 3] = ["call", "calls", "context"];
+
+/// Identifiers that name CEL types or namespaces, not variables.
+const TYPE_NAMES: [&str; 12] = [
+    "bool",
+    "bytes",
+    "double",
+    "dyn",
+    "int",
+    "list",
+    "map",
+    "null_type",
+    "optional",
+    "string",
+    "type",
+    "uint",
+];
+
+/// Operators that may walk a whole list or map each time they run.
+const LINEAR_OPERATORS: [&str; 4] = ["_==_", "_!=_", "@in", "_+_"];
+
+/// A compiled expression.
+#[derive(Debug)]
+pub(crate) struct Compiled {
+    pub(crate) program: Program,
+    pub(crate) cost: Cost,
+    /// Which of [`VARIABLES`] it reads.
+    pub(crate) uses: [bool; 3],
+}
+
+/// A refused expression: why, and on which line of the expression (from 1).
+#[derive(Debug)]
+pub(crate) struct Refused {
+    pub(crate) line: usize,
+    pub(crate) kind: CompileErrorKind,
+}
+
+/// Compiles `source`, the `field` of a rule, within `limits`.
+pub(crate) fn compile(
+    env: &Env,
+    field: Field,
+    source: &str,
+    limits: &Limits,
+) -> Result<Compiled, Refused> {
+    if source.len() > limits.max_expression_bytes {
+        return Err(Refused {
+            line: 1,
+            kind: CompileErrorKind::TooLong {
+                field,
+                bytes: source.len(),
+                limit: limits.max_expression_bytes,
+            },
+        });
+    }
+    let program = env.compile(source).map_err(|errors| {
+        let first = errors.errors.first();
+        Refused {
+            line: first.map_or(1, |e| usize::try_from(e.pos.0).unwrap_or(1).max(1)),
+            kind: CompileErrorKind::Syntax {
+                field,
+                reason: first.map_or_else(|| errors.to_string(), |e| e.msg.clone()),
+            },
+        }
+    })?;
+    let mut walk = Walk {
+        field,
+        limits,
+        scope: Vec::new(),
+        nodes: 0,
+        deepest: 0,
+        cost: Cost::default(),
+        uses: [false; 3],
+        unknown: None,
+        bad_regex: None,
+    };
+    walk.expr(program.expression(), 0);
+    let line_of = |id: u64| {
+        program
+            .source_info()
+            .offset_for(id)
+            .map_or(1, |(start, _)| {
+                source
+                    .chars()
+                    .take(start as usize)
+                    .filter(|c| *c == '\n')
+                    .count()
+                    + 1
+            })
+    };
+    if walk.nodes > limits.max_expression_nodes {
+        return Err(Refused {
+            line: 1,
+            kind: CompileErrorKind::TooBig {
+                field,
+                nodes: walk.nodes,
+                limit: limits.max_expression_nodes,
+            },
+        });
+    }
+    if walk.deepest > limits.max_nesting {
+        return Err(Refused {
+            line: 1,
+            kind: CompileErrorKind::TooDeep {
+                field,
+                depth: walk.deepest,
+                limit: limits.max_nesting,
+            },
+        });
+    }
+    if let Some((id, kind)) = walk.bad_regex {
+        return Err(Refused {
+            line: line_of(id),
+            kind,
+        });
+    }
+    if let Some((id, name)) = walk.unknown {
+        return Err(Refused {
+            line: line_of(id),
+            kind: CompileErrorKind::UnknownVariable { field, name },
+        });
+    }
+    Ok(Compiled {
+        cost: walk.cost,
+        uses: walk.uses,
+        program,
+    })
+}
+
+/// A walk over an expression's syntax tree, macros expanded.
+struct Walk<'a> {
+    field: Field,
+    limits: &'a Limits,
+    /// The variables macros bind around the node being walked.
+    scope: Vec<String>,
+    nodes: usize,
+    /// The deepest macro nesting seen.
+    deepest: usize,
+    cost: Cost,
+    uses: [bool; 3],
+    /// The first unknown identifier, and its node.
+    unknown: Option<(u64, String)>,
+    /// The first `matches` pattern that does not compile, and its node.
+    bad_regex: Option<(u64, CompileErrorKind)>,
+}
+
+impl Walk<'_> {
+    /// Walks `node`, nested in `depth` macros.
+    fn expr(&mut self, node: &IdedExpr, depth: usize) {
+        self.nodes += 1;
+        if self.nodes > self.limits.max_expression_nodes {
+            return;
+        }
+        self.cost.add(depth, 1);
+        match &node.expr {
+            Expr::Ident(name) => self.ident(node.id, name),
+            Expr::Call(call) => {
+                if LINEAR_OPERATORS.contains(&call.func_name.as_str()) {
+                    self.cost.add(depth + 1, 1);
+                }
+                if call.func_name == "matches" {
+                    self.pattern(node.id, call.args.last());
+                }
+                if let Some(target) = &call.target {
+                    self.expr(target, depth);
+                }
+                for arg in &call.args {
+                    self.expr(arg, depth);
+                }
+            }
+            Expr::Select(select) => self.expr(&select.operand, depth),
+            Expr::List(list) => {
+                for element in &list.elements {
+                    self.expr(element, depth);
+                }
+            }
+            Expr::Map(map) => {
+                for entry in &map.entries {
+                    if let EntryExpr::MapEntry(entry) = &entry.expr {
+                        self.expr(&entry.key, depth);
+                        self.expr(&entry.value, depth);
+                    }
+                }
+            }
+            Expr::Struct(strct) => {
+                for entry in &strct.entries {
+                    if let EntryExpr::StructField(field) = &entry.expr {
+                        self.expr(&field.value, depth);
+                    }
+                }
+            }
+            Expr::Comprehension(c) => {
+                self.expr(&c.iter_range, depth);
+                self.expr(&c.accu_init, depth);
+                let bound = self.scope.len();
+                self.scope.push(c.accu_var.clone());
+                self.scope.push(c.iter_var.clone());
+                if let Some(var) = &c.iter_var2 {
+                    self.scope.push(var.clone());
+                }
+                self.deepest = self.deepest.max(depth + 1);
+                self.expr(&c.loop_cond, depth + 1);
+                self.expr(&c.loop_step, depth + 1);
+                self.scope.truncate(bound + 1);
+                self.expr(&c.result, depth);
+                self.scope.truncate(bound);
+            }
+            Expr::Literal(_) | Expr::Unspecified => {}
+        }
+    }
+
+    /// Compiles a `matches` pattern written as a string literal.
+    fn pattern(&mut self, id: u64, pattern: Option<&IdedExpr>) {
+        let Some(IdedExpr {
+            expr: Expr::Literal(LiteralValue::String(pattern)),
+            ..
+        }) = pattern
+        else {
+            return;
+        };
+        if let Err(reason) = super::patterns::precompile(pattern.inner()) {
+            self.bad_regex.get_or_insert((
+                id,
+                CompileErrorKind::BadRegex {
+                    field: self.field,
+                    pattern: pattern.inner().to_owned(),
+                    reason,
+                },
+            ));
+        }
+    }
+
+    fn ident(&mut self, id: u64, name: &str) {
+        if self.scope.iter().any(|bound| bound == name) {
+            return;
+        }
+        if let Some(i) = VARIABLES.iter().position(|v| *v == name) {
+            self.uses[i] = true;
+        } else if !TYPE_NAMES.contains(&name) && self.unknown.is_none() {
+            self.unknown = Some((id, name.to_owned()));
+        }
+    }
+}

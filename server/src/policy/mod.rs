@@ -1,0 +1,36 @@
+//! Policy guards (R27): a file of CEL rules that judges tool calls inside
+//! the mesh, with no guard process and no network hop.
+//!
+//! * `file`: the TOML format of a policy file;
+//! * `input`: what a rule sees ([`BatchInput`], [`CallInput`]) and the CEL
+//!   variables `call`, `calls` and `context`;
+//! * `expr`: one CEL expression compiled and checked;
+//! * `patterns`: `matches`, with the patterns compiled once;
+//! * `cost`: the bounds on size and work ([`Limits`], [`Cost`]);
+//! * `engine`: a compiled [`Policy`], first match in file order;
+//! * `verdict`: what judging a call gives ([`Outcome`]);
+//! * `cases`: [`check`] a file, and [`test`] it against a cases file;
+//! * `error`: the errors, typed.
+//!
+//! The mesh does not depend on this module yet: it is the engine that a
+//! policy guard will run.
+
+mod cases;
+mod cost;
+mod engine;
+mod error;
+mod expr;
+mod file;
+mod input;
+mod patterns;
+mod verdict;
+
+#[cfg(test)]
+mod tests;
+
+pub use cases::{CheckReport, Failure, RuleSummary, TestReport, check, test};
+pub use cost::{Cost, Limits};
+pub use engine::{Policy, Rule};
+pub use error::{CasesError, CompileError, CompileErrorKind, EvalError, Field, Scope};
+pub use input::{BatchInput, CallInput};
+pub use verdict::{Action, Outcome, Verdict};

@@ -1,0 +1,686 @@
+//! The policy engine against R27: first match wins, tool globs, messages
+//! that quote the call, errors that are never a proceed, files refused whole
+//! with their line, cost bounds, and the example policy with its cases.
+
+use serde_json::json;
+
+use super::*;
+
+fn call(id: &str, tool: &str, args: serde_json::Value) -> CallInput {
+    CallInput {
+        call_id: id.to_owned(),
+        tool: tool.to_owned(),
+        args,
+    }
+}
+
+fn batch(calls: Vec<CallInput>) -> BatchInput {
+    BatchInput {
+        calls,
+        ..BatchInput::default()
+    }
+}
+
+fn one(policy: &Policy, tool: &str, args: serde_json::Value) -> Outcome {
+    policy
+        .evaluate(&batch(vec![call("c1", tool, args)]))
+        .remove(0)
+}
+
+fn matched(outcome: &Outcome) -> &Verdict {
+    match outcome {
+        Outcome::Matched(verdict) => verdict,
+        other => panic!("expected a match, got {other:?}"),
+    }
+}
+
+fn error(outcome: &Outcome) -> &EvalError {
+    match outcome {
+        Outcome::Error(error) => error,
+        other => panic!("expected an error, got {other:?}"),
+    }
+}
+
+fn refused(source: &str) -> CompileError {
+    Policy::compile(source).expect_err("the policy should be refused")
+}
+
+const TWO_RULES: &str = r#"
+[[rule]]
+name = "first"
+when = "call.args.n > 1"
+action = "steer"
+message = "'first'"
+
+[[rule]]
+name = "second"
+when = "call.args.n > 0"
+action = "cancel"
+message = "'second'"
+"#;
+
+/// R27: rules are checked in file order and the first that matches decides.
+#[test]
+fn r27_the_first_matching_rule_decides() {
+    let policy = Policy::compile(TWO_RULES).unwrap();
+    let both = matched(&one(&policy, "t", json!({"n": 2}))).clone();
+    assert_eq!((both.rule.as_str(), both.action), ("first", Action::Steer));
+    let second = matched(&one(&policy, "t", json!({"n": 1}))).clone();
+    assert_eq!(
+        (second.rule.as_str(), second.action),
+        ("second", Action::Cancel)
+    );
+    assert_eq!(one(&policy, "t", json!({"n": 0})), Outcome::Proceed);
+}
+
+/// R27: a rule applies to the tools its globs match; without globs, to all.
+#[test]
+fn r27_tool_globs_select_the_rules() {
+    let policy = Policy::compile(
+        r#"
+[[rule]]
+name = "sql-only"
+tools = ["sql.*", "db_exec"]
+when = "true"
+action = "cancel"
+message = "'sql'"
+
+[[rule]]
+name = "everything"
+when = "call.tool != 'free'"
+action = "steer"
+message = "'all'"
+"#,
+    )
+    .unwrap();
+    assert_eq!(
+        matched(&one(&policy, "sql.query", json!({}))).rule,
+        "sql-only"
+    );
+    assert_eq!(
+        matched(&one(&policy, "db_exec", json!({}))).rule,
+        "sql-only"
+    );
+    assert_eq!(matched(&one(&policy, "sqlx", json!({}))).rule, "everything");
+    assert_eq!(one(&policy, "free", json!({})), Outcome::Proceed);
+    assert_eq!(policy.rules()[0].tools(), ["sql.*", "db_exec"]);
+}
+
+/// R27: the message is a CEL string expression, so it can quote the call.
+#[test]
+fn r27_the_message_quotes_the_call() {
+    let policy = Policy::compile(
+        r#"
+[[rule]]
+name = "quote"
+when = "true"
+action = "cancel"
+message = '"refused " + call.tool + " (" + call.call_id + "): " + call.args.q + " in " + context.session_id'
+"#,
+    )
+    .unwrap();
+    let mut input = batch(vec![call("id-9", "web.get", json!({"q": "x'y\"z"}))]);
+    input.session_id = "s1".into();
+    let outcome = policy.evaluate(&input).remove(0);
+    assert_eq!(
+        matched(&outcome).message,
+        "refused web.get (id-9): x'y\"z in s1"
+    );
+}
+
+/// R27: an evaluation error is a failure (R13), never a proceed: a missing
+/// field, a wrong type, a `when` that is not a bool, a message that is not a
+/// string. The error names the rule.
+#[test]
+fn r27_an_evaluation_error_is_an_error_not_a_proceed() {
+    let policy = Policy::compile(TWO_RULES).unwrap();
+
+    let missing = one(&policy, "t", json!({}));
+    let error = error(&missing);
+    assert_eq!(error.rule(), "first");
+    assert!(
+        matches!(error, EvalError::Failed { field: Field::When, reason, .. } if reason.contains("n")),
+        "{error}"
+    );
+
+    let wrong_type = one(&policy, "t", json!({"n": "2"}));
+    let error = super::tests::error(&wrong_type);
+    assert_eq!(error.rule(), "first");
+    assert!(
+        error.to_string().contains("no matching overload"),
+        "{error}"
+    );
+
+    let policy = Policy::compile(
+        r#"
+[[rule]]
+name = "not-bool"
+tools = ["a"]
+when = "call.args"
+action = "cancel"
+message = "'x'"
+
+[[rule]]
+name = "not-string"
+tools = ["b"]
+when = "true"
+action = "cancel"
+message = "42"
+
+[[rule]]
+name = "message-fails"
+tools = ["c"]
+when = "true"
+action = "cancel"
+message = "'x' + call.args.missing"
+"#,
+    )
+    .unwrap();
+    assert!(matches!(
+        one(&policy, "a", json!({})),
+        Outcome::Error(EvalError::NotBool { got, .. }) if got == "map"
+    ));
+    assert!(matches!(
+        one(&policy, "b", json!({})),
+        Outcome::Error(EvalError::NotString { got, .. }) if got == "int"
+    ));
+    assert!(matches!(
+        one(&policy, "c", json!({})),
+        Outcome::Error(EvalError::Failed { field: Field::Message, rule, .. }) if rule == "message-fails"
+    ));
+}
+
+/// `matches`, in both forms, with written and computed patterns.
+#[test]
+fn matches_uses_precompiled_and_computed_patterns() {
+    let policy = Policy::compile(
+        r#"
+[[rule]]
+name = "m"
+when = "call.args.q.matches(r'^\\d+$') && matches(call.args.q, call.args.p)"
+action = "cancel"
+message = "'m'"
+"#,
+    )
+    .unwrap();
+    assert!(matches!(
+        one(&policy, "t", json!({"q": "123", "p": "2"})),
+        Outcome::Matched(_)
+    ));
+    assert_eq!(
+        one(&policy, "t", json!({"q": "12a", "p": "2"})),
+        Outcome::Proceed
+    );
+    let bad = one(&policy, "t", json!({"q": "123", "p": "("}));
+    assert!(
+        error(&bad).to_string().contains("not a valid regex"),
+        "{bad:?}"
+    );
+}
+
+/// R27: `calls` holds every call of the batch, so a rule can count them.
+#[test]
+fn r27_rules_see_the_whole_batch() {
+    let policy = Policy::compile(
+        r#"
+[[rule]]
+name = "at-most-2"
+tools = ["email.send"]
+when = "calls.filter(c, c.tool == 'email.send').size() > 2"
+action = "steer"
+message = "'too many emails'"
+"#,
+    )
+    .unwrap();
+    let two = batch(vec![
+        call("1", "email.send", json!({})),
+        call("2", "email.send", json!({})),
+        call("3", "web", json!({})),
+    ]);
+    assert!(policy.evaluate(&two).iter().all(|o| *o == Outcome::Proceed));
+    let mut three = two.clone();
+    three.calls.push(call("4", "email.send", json!({})));
+    let outcomes = policy.evaluate(&three);
+    assert_eq!(matched(&outcomes[0]).rule, "at-most-2");
+    assert_eq!(outcomes[2], Outcome::Proceed, "web is not an email");
+    assert_eq!(matched(&outcomes[3]).rule, "at-most-2");
+}
+
+/// R27: a file that does not compile is refused whole, with the line of the
+/// file and the reason.
+#[test]
+fn r27_a_broken_file_is_refused_with_its_line() {
+    // A CEL syntax error on the second line of a multi-line `when`.
+    let error = refused(
+        "[[rule]]\nname = \"ok\"\nwhen = \"true\"\naction = \"cancel\"\nmessage = \"'m'\"\n\n\
+         [[rule]]\nname = \"broken\"\nwhen = '''\n  call.tool == 'a' &&\n  call.args.(\n'''\naction = \"cancel\"\nmessage = \"'m'\"\n",
+    );
+    assert_eq!(error.line, 11, "{error}");
+    assert_eq!(error.rule.as_deref(), Some("broken"));
+    assert!(matches!(
+        error.kind,
+        CompileErrorKind::Syntax {
+            field: Field::When,
+            ..
+        }
+    ));
+    assert!(
+        error
+            .to_string()
+            .starts_with("line 11: rule \"broken\": `when` does not compile"),
+        "{error}"
+    );
+
+    // An unknown variable, on the line it is used.
+    let error = refused(
+        "[[rule]]\nname = \"typo\"\nwhen = \"true\"\naction = \"cancel\"\nmessage = '''\n'x' +\n cal.tool'''\n",
+    );
+    assert_eq!(error.line, 7, "{error}");
+    assert!(
+        matches!(&error.kind, CompileErrorKind::UnknownVariable { name, field: Field::Message } if name == "cal")
+    );
+
+    // Not the format: an unknown action, an unknown key, a missing `when`.
+    let error =
+        refused("[[rule]]\nname = \"a\"\nwhen = \"true\"\naction = \"allow\"\nmessage = \"'m'\"\n");
+    assert_eq!(error.line, 4, "{error}");
+    assert!(matches!(error.kind, CompileErrorKind::Format(_)));
+    let error = refused(
+        "[[rule]]\nname = \"a\"\nwhen = \"true\"\naction = \"cancel\"\nmessage = \"'m'\"\nwhem = 1\n",
+    );
+    assert_eq!(error.line, 6, "{error}");
+    let error = refused("\n[[rule]]\nname = \"a\"\naction = \"cancel\"\nmessage = \"'m'\"\n");
+    assert!(error.to_string().contains("when"), "{error}");
+
+    // Two rules with one name; a bad glob; no rules at all.
+    let error = refused(&format!(
+        "{TWO_RULES}\n[[rule]]\nname = \"first\"\nwhen = \"true\"\naction = \"cancel\"\nmessage = \"'m'\"\n"
+    ));
+    assert_eq!(error.line, 15, "{error}");
+    assert_eq!(
+        error.kind,
+        CompileErrorKind::DuplicateName { first_line: 3 }
+    );
+    let error = refused(
+        "[[rule]]\nname = \"g\"\ntools = [\"a[\"]\nwhen = \"true\"\naction = \"cancel\"\nmessage = \"'m'\"\n",
+    );
+    assert_eq!(error.line, 3, "{error}");
+    assert!(matches!(error.kind, CompileErrorKind::BadGlob { .. }));
+    assert_eq!(refused("# nothing\n").kind, CompileErrorKind::NoRules);
+
+    // A `matches` pattern that is not a regex, on its line.
+    let error = refused(
+        "[[rule]]\nname = \"re\"\nwhen = '''\ntrue &&\n call.tool.matches('a(')'''\naction = \"cancel\"\nmessage = \"'m'\"\n",
+    );
+    assert_eq!(error.line, 5, "{error}");
+    assert!(
+        matches!(&error.kind, CompileErrorKind::BadRegex { pattern, .. } if pattern == "a("),
+        "{error}"
+    );
+}
+
+fn rule_with_when(when: &str) -> String {
+    format!("[[rule]]\nname = \"r\"\nwhen = '''{when}'''\naction = \"cancel\"\nmessage = \"'m'\"\n")
+}
+
+/// The cost bounds at compile time: source size, syntax nodes, nesting.
+#[test]
+fn cost_bounds_refuse_oversized_expressions() {
+    let limits = Limits::default();
+    let long = format!("'{}' == 'a'", "a".repeat(limits.max_expression_bytes));
+    let error = refused(&rule_with_when(&long));
+    assert!(
+        matches!(error.kind, CompileErrorKind::TooLong { .. }),
+        "{error}"
+    );
+
+    let big = vec!["call.args.x == 1"; 200].join(" || ");
+    let error = refused(&rule_with_when(&big));
+    assert!(
+        matches!(error.kind, CompileErrorKind::TooBig { .. }),
+        "{error}"
+    );
+    assert!(
+        error.to_string().contains("more than the limit of 512"),
+        "{error}"
+    );
+
+    let deep = "calls.all(a, calls.all(b, calls.all(c, a == b && b == c)))";
+    let error = refused(&rule_with_when(deep));
+    assert!(
+        matches!(
+            error.kind,
+            CompileErrorKind::TooDeep {
+                depth: 3,
+                limit: 2,
+                ..
+            }
+        ),
+        "{error}"
+    );
+    // Two levels are fine.
+    Policy::compile(&rule_with_when("calls.all(a, calls.all(b, a == b))")).unwrap();
+
+    let limits = Limits {
+        max_rules: 1,
+        ..Limits::default()
+    };
+    let error = Policy::compile_with(TWO_RULES, limits).unwrap_err();
+    assert_eq!(error.line, 9, "{error}");
+    assert!(matches!(
+        error.kind,
+        CompileErrorKind::TooManyRules { count: 2, limit: 1 }
+    ));
+}
+
+/// The cost bounds at evaluation: a quadratic rule over a huge batch is an
+/// error before anything runs, not a stalled mesh.
+#[test]
+fn cost_bounds_refuse_costly_evaluations() {
+    let policy = Policy::compile(&rule_with_when(
+        "calls.exists(a, calls.exists(b, a.args == b.args && a.call_id != b.call_id))",
+    ))
+    .unwrap();
+    let cost = policy.rules()[0].cost().clone();
+    assert_eq!(cost.degree(), 3, "{cost}");
+
+    let small: Vec<_> = (0..10)
+        .map(|i| call(&i.to_string(), "t", json!({"i": i})))
+        .collect();
+    assert!(
+        policy
+            .evaluate(&batch(small))
+            .iter()
+            .all(|o| *o == Outcome::Proceed)
+    );
+
+    let huge: Vec<_> = (0..200)
+        .map(|i| call(&i.to_string(), "t", json!({"i": i})))
+        .collect();
+    let outcomes = policy.evaluate(&batch(huge));
+    assert_eq!(outcomes.len(), 200);
+    let error = error(&outcomes[0]);
+    assert!(
+        matches!(error, EvalError::TooCostly { n: 200, .. }),
+        "{error}"
+    );
+    assert_eq!(error.rule(), "r");
+
+    // A linear rule over one call with a huge argument list: over the bound
+    // per call, the other call of the batch is not judged by it.
+    let policy = Policy::compile(
+        "[[rule]]\nname = \"in-list\"\ntools = [\"mail\"]\nwhen = \"call.args.to.exists(t, t in call.args.blocked)\"\naction = \"cancel\"\nmessage = \"'m'\"\n",
+    )
+    .unwrap();
+    let to: Vec<_> = (0..2000).map(|i| format!("u{i}@x")).collect();
+    let outcomes = policy.evaluate(&batch(vec![
+        call("1", "mail", json!({"to": to, "blocked": to})),
+        call("2", "web", json!({})),
+    ]));
+    assert!(
+        matches!(
+            &outcomes[0],
+            Outcome::Error(EvalError::TooCostly {
+                scope: Scope::Call,
+                ..
+            })
+        ),
+        "{outcomes:?}"
+    );
+    assert_eq!(outcomes[1], Outcome::Proceed);
+
+    let tight = Limits {
+        max_cost_per_batch: 10,
+        ..Limits::default()
+    };
+    let policy = Policy::compile_with(TWO_RULES, tight).unwrap();
+    let outcomes = policy.evaluate(&batch(vec![call("1", "t", json!({"n": 0})); 3]));
+    assert!(
+        outcomes.iter().all(|o| matches!(
+            o,
+            Outcome::Error(EvalError::TooCostly {
+                scope: Scope::Batch,
+                ..
+            })
+        )),
+        "{outcomes:?}"
+    );
+}
+
+/// A policy is shared by the mesh's tasks.
+#[test]
+fn a_policy_is_send_and_sync() {
+    fn shared<T: Send + Sync>() {}
+    shared::<Policy>();
+}
+
+const EXAMPLE_POLICY: &str = include_str!("../../../examples/policy/policy.toml");
+const EXAMPLE_CASES: &str = include_str!("../../../examples/policy/cases.toml");
+
+/// R27: a policy is tested before it is applied; the example's cases pass.
+#[test]
+fn r27_the_example_policy_passes_its_cases() {
+    let report = check(EXAMPLE_POLICY).unwrap();
+    assert_eq!(report.rules.len(), 4, "{report}");
+    let text = report.to_string();
+    assert!(text.starts_with("ok: 4 rules\n"), "{text}");
+    assert!(text.contains("at-most-3-emails-per-round"), "{text}");
+    let policy = Policy::compile(EXAMPLE_POLICY).unwrap();
+    let report = test(&policy, EXAMPLE_CASES).unwrap();
+    assert!(report.passed(), "{report}");
+    assert_eq!(report.cases, 10, "{report}");
+}
+
+/// `test` lists every expectation that does not hold, like `opa test`.
+#[test]
+fn a_failing_case_is_reported() {
+    let policy = Policy::compile(TWO_RULES).unwrap();
+    let cases = r#"
+[[case]]
+name = "wrong"
+[[case.calls]]
+tool = "t"
+args = { n = 2 }
+expect = "cancel"
+expect_rule = "second"
+
+[[case]]
+name = "right"
+[[case.calls]]
+tool = "t"
+args_json = '{"n": null}'
+expect = "error"
+expect_rule = "first"
+"#;
+    let report = test(&policy, cases).unwrap();
+    assert_eq!((report.cases, report.checks), (2, 2));
+    assert_eq!(report.failures.len(), 1, "{report}");
+    let failure = &report.failures[0];
+    assert_eq!((failure.case.as_str(), failure.line), ("wrong", 5));
+    assert_eq!(failure.expected, "cancel by \"second\"");
+    assert!(
+        failure.got.starts_with("steer by \"first\""),
+        "{}",
+        failure.got
+    );
+    let text = report.to_string();
+    assert!(
+        text.contains("FAIL line 5: case \"wrong\", call c1"),
+        "{text}"
+    );
+    assert!(
+        text.ends_with("FAIL: 1/2 cases passed (2 checks, 1 failed)\n"),
+        "{text}"
+    );
+
+    let error = test(&policy, "[[case]]\nname = \"x\"\n[[case.calls]]\ntool = \"t\"\nexpect = \"cancel\"\nexpect_rule = \"nope\"\n").unwrap_err();
+    assert_eq!(error.line, 4, "{error}");
+    assert!(error.reason.contains("names no rule"), "{error}");
+}
+
+/// Time per call for the example policy (printed, not asserted):
+/// `cargo test -p guardmesh-server --release --lib policy::tests::measure -- --ignored --nocapture`.
+#[test]
+#[ignore]
+fn measure_the_example_policy() {
+    print!("{}", check(EXAMPLE_POLICY).unwrap());
+    let policy = Policy::compile(EXAMPLE_POLICY).unwrap();
+    let mut calls: Vec<CallInput> = Vec::new();
+    for i in 0..2 {
+        calls.push(call(
+            &format!("s{i}"),
+            "sql.query",
+            json!({"query": "SELECT * FROM t WHERE id = 1"}),
+        ));
+        calls.push(call(
+            &format!("p{i}"),
+            "payments.send",
+            json!({"amount": 120 + i, "to": "ACME"}),
+        ));
+        calls.push(call(
+            &format!("e{i}"),
+            "email.send",
+            json!({"to": "a@b", "body": "hello"}),
+        ));
+        calls.push(call(
+            &format!("w{i}"),
+            "web.search",
+            json!({"q": "weather"}),
+        ));
+    }
+    calls.push(call("x", "shell.exec", json!({"cmd": "ls"})));
+    let mut input = batch(calls);
+    input.metadata.insert("tenant".into(), "acme".into());
+    input.metadata.insert("env".into(), "staging".into());
+    let rounds = 2000;
+    let start = std::time::Instant::now();
+    for _ in 0..rounds {
+        let outcomes = policy.evaluate(&input);
+        assert!(outcomes.iter().all(|o| *o == Outcome::Proceed));
+    }
+    let elapsed = start.elapsed();
+    let calls = (rounds * input.calls.len()) as f64;
+    println!(
+        "example policy: {} calls per batch, {:.2} us per call, {:.1} us per batch",
+        input.calls.len(),
+        elapsed.as_secs_f64() * 1e6 / calls,
+        elapsed.as_secs_f64() * 1e6 / rounds as f64
+    );
+}
+
+/// What the per-call bound means in time (printed, not asserted): a
+/// quadratic rule over a batch sized to come close to the bound.
+#[test]
+#[ignore]
+fn measure_a_call_near_the_cost_bound() {
+    let policy = Policy::compile(&rule_with_when(
+        "calls.exists(a, calls.exists(b, a.call_id == b.call_id && a.tool == 'never'))",
+    ))
+    .unwrap();
+    let limit = policy.limits().max_cost_per_call;
+    let cost = policy.rules()[0].cost().clone();
+    let n = (1..10_000)
+        .take_while(|n| cost.at(*n) <= limit)
+        .last()
+        .unwrap();
+    let calls: Vec<_> = (0..n)
+        .map(|i| call(&i.to_string(), if i == 0 { "t" } else { "u" }, json!({})))
+        .collect();
+    let input = batch(calls);
+    // Only the first call's tool is judged by the rule: time that call.
+    let judged = Policy::compile(&format!(
+        "[[rule]]\nname = \"r\"\ntools = [\"t\"]\nwhen = '''{}'''\naction = \"cancel\"\nmessage = \"'m'\"\n",
+        "calls.exists(a, calls.exists(b, a.call_id == b.call_id && a.tool == 'never'))"
+    ))
+    .unwrap();
+    let start = std::time::Instant::now();
+    let outcomes = judged.evaluate(&input);
+    let elapsed = start.elapsed();
+    assert_eq!(outcomes[0], Outcome::Proceed);
+    println!(
+        "cost {cost} at n = {n}: {} units (limit {limit}), {:.1} ms, {:.1} ns per unit",
+        cost.at(n),
+        elapsed.as_secs_f64() * 1e3,
+        elapsed.as_secs_f64() * 1e9 / cost.at(n) as f64
+    );
+}
+
+/// Where the time of the example goes (printed, not asserted): each rule
+/// alone, and trivial rules, on the example's batch.
+#[test]
+#[ignore]
+fn measure_each_rule() {
+    let example = Policy::compile(EXAMPLE_POLICY).unwrap();
+    let mut sources: Vec<(String, String)> = vec![
+        ("false".into(), rule_with_when("false")),
+        (
+            "call.tool == 'x'".into(),
+            rule_with_when("call.tool == 'x'"),
+        ),
+        (
+            "context.metadata.env == 'x'".into(),
+            rule_with_when("context.metadata.env == 'x'"),
+        ),
+        (
+            "size(calls) > 100".into(),
+            rule_with_when("size(calls) > 100"),
+        ),
+    ];
+    for rule in example.rules() {
+        let start = EXAMPLE_POLICY
+            .find(&format!("name = \"{}\"", rule.name()))
+            .unwrap();
+        let end = EXAMPLE_POLICY[start..]
+            .find("[[rule]]")
+            .map_or(EXAMPLE_POLICY.len(), |e| start + e);
+        sources.push((
+            rule.name().to_owned(),
+            format!("[[rule]]\n{}", &EXAMPLE_POLICY[start..end]),
+        ));
+    }
+    let input = example_batch();
+    for (name, source) in sources {
+        let policy = Policy::compile(&source).unwrap();
+        let rounds = 2000;
+        let start = std::time::Instant::now();
+        for _ in 0..rounds {
+            std::hint::black_box(policy.evaluate(&input));
+        }
+        let per_batch = start.elapsed().as_secs_f64() * 1e6 / rounds as f64;
+        println!(
+            "{name:<40} {per_batch:8.1} us per batch of {}",
+            input.calls.len()
+        );
+    }
+}
+
+fn example_batch() -> BatchInput {
+    let mut calls: Vec<CallInput> = Vec::new();
+    for i in 0..2 {
+        calls.push(call(
+            &format!("s{i}"),
+            "sql.query",
+            json!({"query": "SELECT * FROM t WHERE id = 1"}),
+        ));
+        calls.push(call(
+            &format!("p{i}"),
+            "payments.send",
+            json!({"amount": 120 + i, "to": "ACME"}),
+        ));
+        calls.push(call(
+            &format!("e{i}"),
+            "email.send",
+            json!({"to": "a@b", "body": "hello"}),
+        ));
+        calls.push(call(
+            &format!("w{i}"),
+            "web.search",
+            json!({"q": "weather"}),
+        ));
+    }
+    calls.push(call("x", "shell.exec", json!({"cmd": "ls"})));
+    let mut input = batch(calls);
+    input.metadata.insert("tenant".into(), "acme".into());
+    input.metadata.insert("env".into(), "staging".into());
+    input
+}

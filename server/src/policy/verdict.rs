@@ -1,0 +1,47 @@
+//! What judging one call with a policy gives.
+
+use serde::{Deserialize, Serialize};
+
+use super::error::EvalError;
+
+/// What a matching rule does to the call.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Action {
+    /// Skip the call with an error result: the model should fix it (R7).
+    Steer,
+    /// Skip the call with a result that is not an error: do not retry (R7).
+    Cancel,
+}
+
+impl std::fmt::Display for Action {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Action::Steer => "steer",
+            Action::Cancel => "cancel",
+        })
+    }
+}
+
+/// The rule that decided a call.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Verdict {
+    /// The rule's name.
+    pub rule: String,
+    /// Its action.
+    pub action: Action,
+    /// Its message, evaluated for this call: the skipped call's content.
+    pub message: String,
+}
+
+/// The policy's judgement of one call.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Outcome {
+    /// No rule matched: the policy defers (proceed).
+    Proceed,
+    /// The first rule that matched, in file order.
+    Matched(Verdict),
+    /// The call could not be judged: a failure of the guard (R13), never a
+    /// proceed (R27).
+    Error(EvalError),
+}
