@@ -10,10 +10,10 @@ use super::*;
 
 /// A codec that sends and receives messages as raw bytes.
 #[derive(Debug, Clone, Copy, Default)]
-pub struct RawCodec;
+pub(crate) struct RawCodec;
 
 #[derive(Debug)]
-pub struct RawClientBytes;
+pub(crate) struct RawClientBytes;
 
 impl tonic::codec::Encoder for RawClientBytes {
     type Item = prost::bytes::Bytes;
@@ -55,7 +55,7 @@ impl tonic::codec::Codec for RawCodec {
 }
 
 /// A gRPC client on its own connection that speaks raw bytes.
-pub async fn raw_client(url: &str) -> tonic::client::Grpc<tonic::transport::Channel> {
+pub(crate) async fn raw_client(url: &str) -> tonic::client::Grpc<tonic::transport::Channel> {
     let channel = tonic::transport::Endpoint::from_shared(url.to_owned())
         .unwrap()
         .connect()
@@ -66,7 +66,7 @@ pub async fn raw_client(url: &str) -> tonic::client::Grpc<tonic::transport::Chan
 
 /// Opens `Evaluate` sending `requests` as raw messages; the answers are
 /// returned unread.
-pub async fn raw_evaluate(
+pub(crate) async fn raw_evaluate(
     client: &mut tonic::client::Grpc<tonic::transport::Channel>,
     requests: impl futures::Stream<Item = prost::bytes::Bytes> + Send + 'static,
 ) -> Result<tonic::Streaming<prost::bytes::Bytes>, Status> {
@@ -82,7 +82,7 @@ pub async fn raw_evaluate(
 }
 
 /// `EvaluateBatch` with a raw message.
-pub async fn raw_evaluate_batch(
+pub(crate) async fn raw_evaluate_batch(
     client: &mut tonic::client::Grpc<tonic::transport::Channel>,
     request: prost::bytes::Bytes,
 ) -> Result<guardmesh_client::proto::BatchDecision, Status> {
@@ -101,7 +101,7 @@ pub async fn raw_evaluate_batch(
 }
 
 /// Reads one raw answer of an `Evaluate` stream.
-pub async fn next_answer(
+pub(crate) async fn next_answer(
     answers: &mut tonic::Streaming<prost::bytes::Bytes>,
 ) -> Result<Option<guardmesh_client::proto::EvaluateResponse>, Status> {
     use prost::Message;
@@ -114,7 +114,9 @@ pub async fn next_answer(
 }
 
 /// A well-formed batch's bytes.
-pub fn batch_bytes(request: &guardmesh_client::proto::EvaluateRequest) -> prost::bytes::Bytes {
+pub(crate) fn batch_bytes(
+    request: &guardmesh_client::proto::EvaluateRequest,
+) -> prost::bytes::Bytes {
     use prost::Message;
     request.encode_to_vec().into()
 }

@@ -6,7 +6,7 @@ use super::*;
 
 /// What a scripted guard does with a batch.
 #[derive(Clone, Default)]
-pub struct Script {
+pub(crate) struct Script {
     pub delay: Duration,
     pub verdicts: Vec<Verdict>,
     pub error: Option<Status>,
@@ -16,7 +16,7 @@ type Behaviour = dyn Fn(&GuardBatch) -> Script + Send + Sync;
 
 /// A guard served by the Rust SDK whose answers a test scripts, and which
 /// records what it received and what was cancelled.
-pub struct ScriptGuard {
+pub(crate) struct ScriptGuard {
     behaviour: Box<Behaviour>,
     pub received: Mutex<Vec<GuardBatch>>,
     pub cancelled: AtomicUsize,
@@ -24,15 +24,15 @@ pub struct ScriptGuard {
 }
 
 impl ScriptGuard {
-    pub fn batches(&self) -> Vec<GuardBatch> {
+    pub(crate) fn batches(&self) -> Vec<GuardBatch> {
         self.received.lock().unwrap().clone()
     }
 
-    pub fn requests(&self) -> usize {
+    pub(crate) fn requests(&self) -> usize {
         self.received.lock().unwrap().len()
     }
 
-    pub fn cancelled(&self) -> usize {
+    pub(crate) fn cancelled(&self) -> usize {
         self.cancelled.load(Ordering::SeqCst)
     }
 }
@@ -72,7 +72,7 @@ impl Guard for ScriptGuard {
 }
 
 /// A running guard process-in-a-task.
-pub struct TestGuard {
+pub(crate) struct TestGuard {
     pub url: String,
     pub guard: Arc<ScriptGuard>,
     stop: Option<oneshot::Sender<()>>,
@@ -89,14 +89,14 @@ impl Drop for TestGuard {
 }
 
 /// Serves a scripted guard on a fresh loopback port.
-pub async fn script_guard(
+pub(crate) async fn script_guard(
     behaviour: impl Fn(&GuardBatch) -> Script + Send + Sync + 'static,
 ) -> TestGuard {
     let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
     serve_script_guard(listener, behaviour).await
 }
 
-pub async fn serve_script_guard(
+pub(crate) async fn serve_script_guard(
     listener: TcpListener,
     behaviour: impl Fn(&GuardBatch) -> Script + Send + Sync + 'static,
 ) -> TestGuard {
@@ -126,12 +126,12 @@ pub async fn serve_script_guard(
 }
 
 /// A guard that proceeds on everything.
-pub async fn proceed_guard() -> TestGuard {
+pub(crate) async fn proceed_guard() -> TestGuard {
     script_guard(|_| Script::default()).await
 }
 
 /// A guard that applies `f` to each call: `Some(verdict)` or proceed.
-pub async fn call_guard(
+pub(crate) async fn call_guard(
     delay: Duration,
     f: impl Fn(&guardmesh_client::proto::ToolCall) -> Option<Verdict> + Send + Sync + 'static,
 ) -> TestGuard {
@@ -145,7 +145,7 @@ pub async fn call_guard(
 
 /// How a raw (non-SDK) guard misbehaves on its Judge stream.
 #[derive(Clone, Copy, Debug)]
-pub enum Misbehaviour {
+pub(crate) enum Misbehaviour {
     /// Ends the stream with OK without answering anything.
     CloseOk,
     /// Ends the stream with an INTERNAL error.
@@ -155,7 +155,7 @@ pub enum Misbehaviour {
     PartialThenClose,
 }
 
-pub struct RawGuard {
+pub(crate) struct RawGuard {
     mode: Misbehaviour,
     pub streams: Arc<AtomicUsize>,
 }
@@ -211,7 +211,7 @@ impl GuardService for RawGuard {
 }
 
 /// Serves a misbehaving raw guard.
-pub async fn raw_guard(mode: Misbehaviour) -> (String, Arc<AtomicUsize>, JoinHandle<()>) {
+pub(crate) async fn raw_guard(mode: Misbehaviour) -> (String, Arc<AtomicUsize>, JoinHandle<()>) {
     let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
     let url = format!("http://{}", listener.local_addr().unwrap());
     let streams = Arc::new(AtomicUsize::new(0));
@@ -229,7 +229,7 @@ pub async fn raw_guard(mode: Misbehaviour) -> (String, Arc<AtomicUsize>, JoinHan
 }
 
 /// A loopback URL where nothing listens.
-pub async fn closed_port() -> String {
+pub(crate) async fn closed_port() -> String {
     let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
     let url = format!("http://{}", listener.local_addr().unwrap());
     drop(listener);
@@ -237,7 +237,7 @@ pub async fn closed_port() -> String {
 }
 
 /// `{"sql": ...}` arguments.
-pub fn sql(text: &str) -> String {
+pub(crate) fn sql(text: &str) -> String {
     serde_json::json!({ "sql": text }).to_string()
 }
 
@@ -251,13 +251,13 @@ pub fn sql(text: &str) -> String {
 /// given (its `request_id` included, so a test can answer requests that do
 /// not exist), `after` the previous message of the same batch was sent.
 #[derive(Clone, Debug)]
-pub struct RawSend {
+pub(crate) struct RawSend {
     pub after: Duration,
     pub response: JudgeResponse,
 }
 
 impl RawSend {
-    pub fn now(response: JudgeResponse) -> Self {
+    pub(crate) fn now(response: JudgeResponse) -> Self {
         Self {
             after: Duration::ZERO,
             response,
@@ -266,7 +266,7 @@ impl RawSend {
 }
 
 /// A final answer to `batch` with `verdicts`.
-pub fn final_answer(batch: &GuardBatch, verdicts: Vec<Verdict>) -> JudgeResponse {
+pub(crate) fn final_answer(batch: &GuardBatch, verdicts: Vec<Verdict>) -> JudgeResponse {
     JudgeResponse {
         request_id: batch.request_id,
         verdicts,
@@ -281,7 +281,7 @@ type RawBehaviour = dyn Fn(&GuardBatch) -> Vec<RawSend> + Send + Sync;
 /// Unlike the SDK it ignores cancels (it records them) and keeps sending what
 /// the script says: late answers, answers for unknown request ids, verdicts
 /// with unknown enum values.
-pub struct RawScriptGuard {
+pub(crate) struct RawScriptGuard {
     behaviour: Arc<RawBehaviour>,
     pub received: Arc<Mutex<Vec<GuardBatch>>>,
     pub cancels: Arc<Mutex<Vec<u64>>>,
@@ -291,7 +291,7 @@ pub struct RawScriptGuard {
 }
 
 impl RawScriptGuard {
-    pub fn cancels(&self) -> Vec<u64> {
+    pub(crate) fn cancels(&self) -> Vec<u64> {
         self.cancels.lock().unwrap().clone()
     }
 }
@@ -346,7 +346,7 @@ impl GuardService for RawScriptService {
 }
 
 /// A running [`RawScriptGuard`].
-pub struct RawScriptHandle {
+pub(crate) struct RawScriptHandle {
     pub url: String,
     pub guard: Arc<RawScriptGuard>,
     task: JoinHandle<()>,
@@ -359,7 +359,7 @@ impl Drop for RawScriptHandle {
 }
 
 /// Serves a raw scripted guard on a fresh loopback port.
-pub async fn raw_script_guard(
+pub(crate) async fn raw_script_guard(
     behaviour: impl Fn(&GuardBatch) -> Vec<RawSend> + Send + Sync + 'static,
 ) -> RawScriptHandle {
     let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
@@ -383,18 +383,18 @@ pub async fn raw_script_guard(
 
 /// An SDK guard that holds every batch until [`HeldGuard::release`], then
 /// proceeds on it. Records each batch it receives.
-pub struct HeldGuard {
+pub(crate) struct HeldGuard {
     release: tokio::sync::watch::Sender<bool>,
     pub received: Mutex<Vec<GuardBatch>>,
     pub answered: AtomicUsize,
 }
 
 impl HeldGuard {
-    pub fn release(&self) {
+    pub(crate) fn release(&self) {
         self.release.send_replace(true);
     }
 
-    pub fn requests(&self) -> usize {
+    pub(crate) fn requests(&self) -> usize {
         self.received.lock().unwrap().len()
     }
 }
@@ -410,7 +410,7 @@ impl Guard for HeldGuard {
 }
 
 /// A running [`HeldGuard`].
-pub struct HeldHandle {
+pub(crate) struct HeldHandle {
     pub url: String,
     pub guard: Arc<HeldGuard>,
     task: JoinHandle<()>,
@@ -424,7 +424,7 @@ impl Drop for HeldHandle {
 }
 
 /// Serves a [`HeldGuard`] on a fresh loopback port.
-pub async fn held_guard() -> HeldHandle {
+pub(crate) async fn held_guard() -> HeldHandle {
     let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
     let url = format!("http://{}", listener.local_addr().unwrap());
     let guard = Arc::new(HeldGuard {
@@ -443,7 +443,7 @@ pub async fn held_guard() -> HeldHandle {
 }
 
 /// A scripted guard's state without a server (to serve it yourself).
-pub fn script_guard_state(
+pub(crate) fn script_guard_state(
     behaviour: impl Fn(&GuardBatch) -> Script + Send + Sync + 'static,
 ) -> ScriptGuard {
     ScriptGuard {
@@ -610,7 +610,7 @@ impl tower::Service<http::Request<tonic::body::Body>> for RawBytesServer {
 }
 
 /// A running raw-bytes guard.
-pub struct RawBytesHandle {
+pub(crate) struct RawBytesHandle {
     pub url: String,
     /// Judge streams opened to it.
     pub streams: Arc<AtomicUsize>,
@@ -638,7 +638,7 @@ async fn serve_raw_bytes(server: RawBytesServer) -> RawBytesHandle {
 
 /// Serves a guard that answers each batch with the hand-encoded
 /// `JudgeResponse`s `behaviour` returns, byte for byte.
-pub async fn raw_bytes_guard(
+pub(crate) async fn raw_bytes_guard(
     behaviour: impl Fn(&GuardBatch) -> Vec<Vec<u8>> + Send + Sync + 'static,
 ) -> RawBytesHandle {
     serve_raw_bytes(RawBytesServer {
@@ -650,7 +650,7 @@ pub async fn raw_bytes_guard(
 }
 
 /// Serves a guard that accepts its Judge stream and never reads from it.
-pub async fn never_reading_guard() -> RawBytesHandle {
+pub(crate) async fn never_reading_guard() -> RawBytesHandle {
     serve_raw_bytes(RawBytesServer {
         behaviour: Arc::new(|_| Vec::new()),
         streams: Arc::default(),
@@ -660,18 +660,18 @@ pub async fn never_reading_guard() -> RawBytesHandle {
 }
 
 /// Protobuf encoding helpers for hand-made answers.
-pub mod raw_pb {
+pub(crate) mod raw_pb {
     use prost::encoding::{WireType, encode_key, encode_varint};
 
     /// Appends field `number` as a length-delimited value.
-    pub fn bytes_field(out: &mut Vec<u8>, number: u32, payload: &[u8]) {
+    pub(crate) fn bytes_field(out: &mut Vec<u8>, number: u32, payload: &[u8]) {
         encode_key(number, WireType::LengthDelimited, out);
         encode_varint(payload.len() as u64, out);
         out.extend_from_slice(payload);
     }
 
     /// Appends field `number` as a varint.
-    pub fn varint_field(out: &mut Vec<u8>, number: u32, value: u64) {
+    pub(crate) fn varint_field(out: &mut Vec<u8>, number: u32, value: u64) {
         encode_key(number, WireType::Varint, out);
         encode_varint(value, out);
     }
@@ -679,7 +679,7 @@ pub mod raw_pb {
     /// A `JudgeResponse` (final) for `request_id` whose `verdicts` are the
     /// given encoded `Verdict`s, followed by `extra` bytes of top-level
     /// fields.
-    pub fn judge_response(request_id: u64, verdicts: &[Vec<u8>], extra: &[u8]) -> Vec<u8> {
+    pub(crate) fn judge_response(request_id: u64, verdicts: &[Vec<u8>], extra: &[u8]) -> Vec<u8> {
         let mut out = Vec::new();
         varint_field(&mut out, 1, request_id);
         for verdict in verdicts {
@@ -691,7 +691,7 @@ pub mod raw_pb {
 
     /// A `Verdict` with `call_id` and then `extra` bytes (its outcome,
     /// known or not).
-    pub fn verdict(call_id: &str, extra: &[u8]) -> Vec<u8> {
+    pub(crate) fn verdict(call_id: &str, extra: &[u8]) -> Vec<u8> {
         let mut out = Vec::new();
         bytes_field(&mut out, 1, call_id.as_bytes());
         out.extend_from_slice(extra);
@@ -700,7 +700,7 @@ pub mod raw_pb {
 
     /// A `Skip` outcome (field 2 of `Verdict`) with `content`, kind steer,
     /// followed by `extra` bytes inside the skip.
-    pub fn skip_outcome(content: &str, extra: &[u8]) -> Vec<u8> {
+    pub(crate) fn skip_outcome(content: &str, extra: &[u8]) -> Vec<u8> {
         let mut skip = Vec::new();
         bytes_field(&mut skip, 1, content.as_bytes());
         skip.extend_from_slice(extra);

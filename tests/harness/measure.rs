@@ -2,7 +2,7 @@
 
 /// The mesh process's resident set size (`VmRSS`), in bytes. The mesh runs
 /// in the test process.
-pub fn self_vmrss_bytes() -> u64 {
+pub(crate) fn self_vmrss_bytes() -> u64 {
     std::fs::read_to_string("/proc/self/status")
         .ok()
         .and_then(|status| {
@@ -16,7 +16,7 @@ pub fn self_vmrss_bytes() -> u64 {
 }
 
 /// `VmRSS` and `VmHWM` (peak) of process `pid` ("self" for this one), KiB.
-pub fn rss_and_peak_kib(pid: &str) -> (u64, u64) {
+pub(crate) fn rss_and_peak_kib(pid: &str) -> (u64, u64) {
     let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();
     let field = |name: &str| {
         status

@@ -4,7 +4,7 @@
 use super::*;
 
 /// A mesh served on loopback.
-pub struct TestMesh {
+pub(crate) struct TestMesh {
     pub url: String,
     pub mesh: Arc<Mesh>,
     stop: Option<oneshot::Sender<()>>,
@@ -12,11 +12,11 @@ pub struct TestMesh {
 }
 
 impl TestMesh {
-    pub async fn start() -> Self {
+    pub(crate) async fn start() -> Self {
         Self::with_config(fast_config()).await
     }
 
-    pub async fn with_config(config: MeshConfig) -> Self {
+    pub(crate) async fn with_config(config: MeshConfig) -> Self {
         let registry = Arc::new(MemoryRegistry::new(config.default_guard_timeout));
         let mesh = Mesh::new(config, registry);
         let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
@@ -40,20 +40,20 @@ impl TestMesh {
         }
     }
 
-    pub async fn coordinator(&self) -> Coordinator {
+    pub(crate) async fn coordinator(&self) -> Coordinator {
         Coordinator::connect(self.url.clone()).await.unwrap()
     }
 
-    pub async fn registrar(&self) -> Registrar {
+    pub(crate) async fn registrar(&self) -> Registrar {
         Registrar::connect(self.url.clone()).await.unwrap()
     }
 
-    pub async fn register(&self, spec: Registration) {
+    pub(crate) async fn register(&self, spec: Registration) {
         self.registrar().await.register(spec).await.unwrap();
     }
 
     /// Signals shutdown and waits for the server to finish draining.
-    pub async fn shutdown(mut self) {
+    pub(crate) async fn shutdown(mut self) {
         if let Some(stop) = self.stop.take() {
             let _ = stop.send(());
         }
@@ -68,7 +68,7 @@ impl Drop for TestMesh {
 }
 
 /// Short backoffs so that reconnect tests stay quick.
-pub fn fast_config() -> MeshConfig {
+pub(crate) fn fast_config() -> MeshConfig {
     let mut config = MeshConfig::default();
     config.link.backoff_initial = Duration::from_millis(20);
     config.link.backoff_max = Duration::from_millis(200);
@@ -79,7 +79,7 @@ pub fn fast_config() -> MeshConfig {
 /// The value of a counter in the mesh's Prometheus text, for the sample
 /// whose name and labels start with `sample` (e.g.
 /// `guardmesh_guard_spurious_answers_total{guard="g"}`); 0 when absent.
-pub fn metric(mesh: &TestMesh, sample: &str) -> f64 {
+pub(crate) fn metric(mesh: &TestMesh, sample: &str) -> f64 {
     mesh.mesh
         .metrics
         .encode()
@@ -97,7 +97,7 @@ pub fn metric(mesh: &TestMesh, sample: &str) -> f64 {
 impl TestMesh {
     /// A mesh served on loopback with the given registry: several meshes
     /// given registries on one shared store act as replicas of one chain.
-    pub async fn with_registry(
+    pub(crate) async fn with_registry(
         config: MeshConfig,
         registry: Arc<dyn guardmesh_server::Registry>,
     ) -> Self {
@@ -126,7 +126,7 @@ impl TestMesh {
 
 impl TestMesh {
     /// Registers through `url` with the given credentials.
-    pub async fn register_over(
+    pub(crate) async fn register_over(
         &self,
         url: &str,
         connection: &guardmesh_client::Connection,
@@ -146,7 +146,7 @@ impl TestMesh {
     /// token principals `(id, token, roles)`, built from a config file's
     /// sections as `serve` builds them (`extra`: more sections, such as
     /// `[guard_tls]`); returns it with its `https://localhost:PORT` URL.
-    pub async fn with_tokens(
+    pub(crate) async fn with_tokens(
         pki: &TestPki,
         principals: &[(&str, &str, &[&str])],
         extra: &str,
@@ -182,7 +182,7 @@ impl TestMesh {
 // ---------------------------------------------------------------------------
 
 /// `guardmesh serve` as a child process; killed if a test fails midway.
-pub struct MeshProcess {
+pub(crate) struct MeshProcess {
     pub child: std::process::Child,
     pub url: String,
     dir: std::path::PathBuf,
@@ -192,7 +192,7 @@ impl MeshProcess {
     /// Starts `guardmesh serve --listen 127.0.0.1:PORT --config FILE` with
     /// `config` as the file, and waits (bounded) until it accepts. With
     /// `log_level`, the process logs at that level (`RUST_LOG`).
-    pub async fn start(name: &str, config: &str, log_level: Option<&str>) -> Self {
+    pub(crate) async fn start(name: &str, config: &str, log_level: Option<&str>) -> Self {
         let dir =
             std::env::temp_dir().join(format!("guardmesh-serve-{name}-{}", std::process::id()));
         std::fs::create_dir_all(&dir).unwrap();
@@ -237,18 +237,18 @@ impl MeshProcess {
     }
 
     /// What the process wrote to stderr so far.
-    pub fn log(&self) -> String {
+    pub(crate) fn log(&self) -> String {
         std::fs::read_to_string(self.dir.join("mesh.log")).unwrap_or_default()
     }
 
     /// (RSS, peak RSS) of the process in MiB.
-    pub fn memory_mib(&self) -> (u64, u64) {
+    pub(crate) fn memory_mib(&self) -> (u64, u64) {
         let (rss, peak) = rss_and_peak_kib(&self.child.id().to_string());
         (rss / 1024, peak / 1024)
     }
 
     /// Sends the process a signal (`TERM`, `INT`, ...).
-    pub fn signal(&self, signal: &str) {
+    pub(crate) fn signal(&self, signal: &str) {
         let status = std::process::Command::new("kill")
             .args([&format!("-{signal}"), &self.child.id().to_string()])
             .status()
@@ -257,7 +257,7 @@ impl MeshProcess {
     }
 
     /// Waits (bounded) for the process to exit.
-    pub async fn exit_status(&mut self) -> std::process::ExitStatus {
+    pub(crate) async fn exit_status(&mut self) -> std::process::ExitStatus {
         for _ in 0..1000 {
             if let Some(status) = self.child.try_wait().unwrap() {
                 return status;

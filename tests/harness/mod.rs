@@ -30,15 +30,15 @@ mod mesh;
 mod pki;
 mod processes;
 
-pub use coordinator::*;
-pub use guards::*;
-pub use measure::*;
-pub use mesh::*;
-pub use pki::*;
-pub use processes::*;
+pub(crate) use coordinator::*;
+pub(crate) use guards::*;
+pub(crate) use measure::*;
+pub(crate) use mesh::*;
+pub(crate) use pki::*;
+pub(crate) use processes::*;
 
 /// Polls `check` every 20 ms, at most `tries` times.
-pub async fn eventually_within(tries: usize, mut check: impl FnMut() -> bool) -> bool {
+pub(crate) async fn eventually_within(tries: usize, mut check: impl FnMut() -> bool) -> bool {
     for _ in 0..tries {
         if check() {
             return true;
@@ -50,7 +50,7 @@ pub async fn eventually_within(tries: usize, mut check: impl FnMut() -> bool) ->
 
 /// A free loopback port (bound and released; for processes that need a
 /// port number before they start).
-pub fn free_port() -> u16 {
+pub(crate) fn free_port() -> u16 {
     std::net::TcpListener::bind("127.0.0.1:0")
         .unwrap()
         .local_addr()
@@ -60,14 +60,14 @@ pub fn free_port() -> u16 {
 
 /// Serializes the tests that measure memory or load the machine, so that
 /// their bounds are not disturbed by each other.
-pub static HEAVY: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+pub(crate) static HEAVY: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
 
 /// Runs the test `path` (e.g. `otel::exported_trace_in_own_process`, marked
 /// `#[ignore]` so that it does not also run in this process) alone in a
 /// child process of this test binary, and fails if it fails. For tests that
 /// own process-wide state: the global trace exporter and its environment, or
 /// the resident set they measure.
-pub fn isolated(path: &str) {
+pub(crate) fn isolated(path: &str) {
     let exe = std::env::current_exe().expect("the test binary's path");
     let output = std::process::Command::new(exe)
         .args([path, "--exact", "--include-ignored", "--test-threads=1"])

@@ -6,7 +6,7 @@
 
 /// A CA and loopback certificates written to a temporary folder (removed on
 /// drop), for meshes with TLS, mTLS or tokens, in process or as `serve`.
-pub struct TestPki {
+pub(crate) struct TestPki {
     pub dir: std::path::PathBuf,
     pub ca: guardmesh_cli::certs::Authority,
 }
@@ -18,7 +18,7 @@ impl Drop for TestPki {
 }
 
 impl TestPki {
-    pub fn new() -> Self {
+    pub(crate) fn new() -> Self {
         let dir = std::env::temp_dir().join(format!("guardmesh-testpki-{}", rand::random::<u64>()));
         std::fs::create_dir_all(&dir).unwrap();
         Self {
@@ -28,7 +28,7 @@ impl TestPki {
     }
 
     /// `ca.pem`.
-    pub fn ca_file(&self) -> std::path::PathBuf {
+    pub(crate) fn ca_file(&self) -> std::path::PathBuf {
         let path = self.dir.join("ca.pem");
         std::fs::write(&path, self.ca.cert_pem()).unwrap();
         path
@@ -36,7 +36,7 @@ impl TestPki {
 
     /// A loopback certificate (localhost, 127.0.0.1, ::1) with the identity
     /// `spiffe://guardmesh.local/ID`, written as `ID.pem` and `ID-key.pem`.
-    pub fn issue_files(&self, id: &str) -> (std::path::PathBuf, std::path::PathBuf) {
+    pub(crate) fn issue_files(&self, id: &str) -> (std::path::PathBuf, std::path::PathBuf) {
         self.ca
             .issue(&guardmesh_cli::certs::Subject::loopback(id))
             .unwrap()
@@ -45,7 +45,7 @@ impl TestPki {
     }
 
     /// A file holding `text` (a token file, a config file...).
-    pub fn file(&self, name: &str, text: &str) -> std::path::PathBuf {
+    pub(crate) fn file(&self, name: &str, text: &str) -> std::path::PathBuf {
         let path = self.dir.join(name);
         std::fs::write(&path, text).unwrap();
         path
@@ -53,7 +53,7 @@ impl TestPki {
 
     /// SDK connection settings: TLS trusting this CA, with the certificate of
     /// `identity` (issued now) and `token` when given.
-    pub fn connection(
+    pub(crate) fn connection(
         &self,
         identity: Option<&str>,
         token: Option<&str>,

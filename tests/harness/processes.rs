@@ -5,7 +5,7 @@
 use super::*;
 
 /// A guard running as a real separate process: `guardmesh example-guard`.
-pub struct GuardProcess {
+pub(crate) struct GuardProcess {
     pub url: String,
     pub port: u16,
     child: std::process::Child,
@@ -14,7 +14,7 @@ pub struct GuardProcess {
 impl GuardProcess {
     /// Starts `guardmesh example-guard KIND ARGS...` on `port` (0 = any)
     /// and waits for its `LISTENING <port>` line.
-    pub fn start(kind: &str, port: u16, args: &[&str]) -> Self {
+    pub(crate) fn start(kind: &str, port: u16, args: &[&str]) -> Self {
         use std::io::BufRead;
         let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_guardmesh"))
             .args([
@@ -42,7 +42,7 @@ impl GuardProcess {
     }
 
     /// Kills the process (SIGKILL) and reaps it.
-    pub fn kill(&mut self) {
+    pub(crate) fn kill(&mut self) {
         let _ = self.child.kill();
         let _ = self.child.wait();
     }
@@ -61,7 +61,7 @@ impl Drop for GuardProcess {
 // ---------------------------------------------------------------------------
 
 /// The repository's root folder.
-pub fn repo_root() -> std::path::PathBuf {
+pub(crate) fn repo_root() -> std::path::PathBuf {
     std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
         .parent()
         .expect("server/ has a parent")
@@ -70,7 +70,7 @@ pub fn repo_root() -> std::path::PathBuf {
 
 /// `build/venv/bin/python`, with the `guardmesh` package installed; panics
 /// with what to run when it is missing.
-pub fn python() -> std::path::PathBuf {
+pub(crate) fn python() -> std::path::PathBuf {
     let root = repo_root();
     let python = root.join("build/venv/bin/python");
     assert!(
@@ -84,7 +84,7 @@ pub fn python() -> std::path::PathBuf {
 
 /// `node`, with the Node kit's packages installed under `guards/node`;
 /// panics with what to run when they are missing.
-pub fn node() -> std::path::PathBuf {
+pub(crate) fn node() -> std::path::PathBuf {
     let modules = repo_root().join("guards/node/node_modules/@grpc/grpc-js");
     assert!(
         modules.is_dir(),
@@ -107,7 +107,7 @@ pub fn node() -> std::path::PathBuf {
 }
 
 /// A guard of the Python or Node kit running as a separate process.
-pub struct KitGuard {
+pub(crate) struct KitGuard {
     pub url: String,
     /// `127.0.0.1:PORT`, for `guardmesh conformance --guard`.
     pub addr: String,
@@ -118,14 +118,14 @@ pub struct KitGuard {
 impl KitGuard {
     /// Starts `guards/python/examples/SCRIPT ARGS...` (with `--port 0`
     /// unless ARGS has a `--port`) and waits for its `LISTENING` line.
-    pub fn python(script: &str, args: &[&str]) -> Self {
+    pub(crate) fn python(script: &str, args: &[&str]) -> Self {
         let mut command = std::process::Command::new(python());
         command.arg(repo_root().join("guards/python/examples").join(script));
         Self::spawn(command, script, args)
     }
 
     /// Starts `node guards/node/examples/SCRIPT ARGS...` likewise.
-    pub fn node(script: &str, args: &[&str]) -> Self {
+    pub(crate) fn node(script: &str, args: &[&str]) -> Self {
         let mut command = std::process::Command::new(node());
         command.arg(repo_root().join("guards/node/examples").join(script));
         Self::spawn(command, script, args)
@@ -171,7 +171,7 @@ impl KitGuard {
     }
 
     /// Kills the process (SIGKILL) and reaps it.
-    pub fn kill(&mut self) {
+    pub(crate) fn kill(&mut self) {
         let _ = self.child.kill();
         let _ = self.child.wait();
     }
@@ -185,7 +185,7 @@ impl Drop for KitGuard {
 
 /// Runs `guardmesh conformance --guard ADDR ARGS...`; returns its exit
 /// status and stdout (its stderr is passed through).
-pub fn run_conformance(addr: &str, args: &[&str]) -> (std::process::ExitStatus, String) {
+pub(crate) fn run_conformance(addr: &str, args: &[&str]) -> (std::process::ExitStatus, String) {
     let output = std::process::Command::new(env!("CARGO_BIN_EXE_guardmesh"))
         .args(["conformance", "--guard", addr])
         .args(args)
@@ -199,7 +199,7 @@ pub fn run_conformance(addr: &str, args: &[&str]) -> (std::process::ExitStatus, 
 }
 
 /// The R21 status of `guard` in a decision's trace.
-pub fn status_of(
+pub(crate) fn status_of(
     decision: &guardmesh_client::Decision,
     guard: &str,
 ) -> guardmesh_client::proto::TraceStatus {
@@ -213,7 +213,7 @@ pub fn status_of(
 
 /// The port of a guard process's `LISTENING <port>` line, the first line
 /// every example guard (Rust, Python, Node) prints once it serves.
-pub fn listening_port(line: &str, what: &str) -> u16 {
+pub(crate) fn listening_port(line: &str, what: &str) -> u16 {
     line.trim()
         .strip_prefix("LISTENING ")
         .and_then(|p| p.parse().ok())

@@ -13,7 +13,7 @@ use std::time::Duration;
 use tokio::sync::mpsc;
 
 /// A child process, killed and reaped on drop.
-pub struct Child {
+pub(super) struct Child {
     what: String,
     child: std::process::Child,
     log: Option<PathBuf>,
@@ -24,7 +24,7 @@ pub struct Child {
 impl Child {
     /// Starts `command`. Its stderr goes to `log` when given (and is shown
     /// in errors), its stdout is returned line by line when `lines` is set.
-    pub fn spawn(
+    pub(super) fn spawn(
         what: impl Into<String>,
         mut command: Command,
         log: Option<PathBuf>,
@@ -77,13 +77,13 @@ impl Child {
         })
     }
 
-    pub fn pid(&self) -> u32 {
+    pub(super) fn pid(&self) -> u32 {
         self.child.id()
     }
 
     /// An error if the process has exited, naming how and showing the end
     /// of its log.
-    pub fn check_alive(&mut self) -> Result<(), Error> {
+    pub(super) fn check_alive(&mut self) -> Result<(), Error> {
         match self.child.try_wait() {
             Ok(None) => Ok(()),
             Ok(Some(status)) => {
@@ -94,7 +94,7 @@ impl Child {
     }
 
     /// The last lines of the child's log, prefixed for an error message.
-    pub fn log_tail(&self) -> String {
+    pub(super) fn log_tail(&self) -> String {
         let Some(path) = &self.log else {
             return String::new();
         };
@@ -115,7 +115,7 @@ impl Child {
     }
 
     /// Resident set size, in bytes.
-    pub fn rss(&self) -> Result<u64, Error> {
+    pub(super) fn rss(&self) -> Result<u64, Error> {
         rss_bytes(self.pid())
     }
 }
@@ -167,7 +167,7 @@ fn clock_ticks() -> u64 {
 
 /// User + system CPU time of process `pid`, all its threads, from
 /// `/proc/<pid>/stat` (the kernel's own accounting, in clock ticks).
-pub fn cpu_time(pid: u32) -> Result<Duration, Error> {
+pub(super) fn cpu_time(pid: u32) -> Result<Duration, Error> {
     let path = format!("/proc/{pid}/stat");
     let stat = std::fs::read_to_string(&path).map_err(|e| format!("cannot read {path}: {e}"))?;
     // The command name (field 2) may hold spaces and parentheses: the fields
@@ -192,7 +192,7 @@ pub fn cpu_time(pid: u32) -> Result<Duration, Error> {
 
 /// Resident set size of process `pid` in bytes (`VmRSS` of
 /// `/proc/<pid>/status`).
-pub fn rss_bytes(pid: u32) -> Result<u64, Error> {
+pub(super) fn rss_bytes(pid: u32) -> Result<u64, Error> {
     let path = format!("/proc/{pid}/status");
     let status = std::fs::read_to_string(&path).map_err(|e| format!("cannot read {path}: {e}"))?;
     status
@@ -205,12 +205,12 @@ pub fn rss_bytes(pid: u32) -> Result<u64, Error> {
 }
 
 /// A temporary folder, removed with its contents on drop.
-pub struct TempDir {
+pub(super) struct TempDir {
     path: PathBuf,
 }
 
 impl TempDir {
-    pub fn new(prefix: &str) -> Result<Self, Error> {
+    pub(super) fn new(prefix: &str) -> Result<Self, Error> {
         let nanos = std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
             .map(|d| d.subsec_nanos())
@@ -221,7 +221,7 @@ impl TempDir {
         Ok(Self { path })
     }
 
-    pub fn path(&self) -> &Path {
+    pub(super) fn path(&self) -> &Path {
         &self.path
     }
 }

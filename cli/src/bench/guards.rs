@@ -55,14 +55,14 @@ pub struct GuardsArgs {
 /// One guard of the benchmark: answers after `delay`, proceeding on every
 /// call, or skipping (steer) every call when `veto`.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct GuardDef {
+pub(super) struct GuardDef {
     pub name: String,
     pub delay: Duration,
     pub veto: bool,
 }
 
 impl GuardDef {
-    pub fn new(name: &str, delay_ms: u64, veto: bool) -> Self {
+    pub(super) fn new(name: &str, delay_ms: u64, veto: bool) -> Self {
         Self {
             name: name.to_owned(),
             delay: Duration::from_millis(delay_ms),
@@ -71,13 +71,13 @@ impl GuardDef {
     }
 
     /// The `--guard` argument that describes it.
-    pub fn to_arg(&self) -> String {
+    pub(super) fn to_arg(&self) -> String {
         let veto = if self.veto { ":veto" } else { "" };
         format!("{}:{}{veto}", self.name, self.delay.as_millis())
     }
 
     /// Parses a `--guard` argument.
-    pub fn parse(text: &str) -> Result<Self, Error> {
+    pub(super) fn parse(text: &str) -> Result<Self, Error> {
         let mut parts = text.split(':');
         let bad = || format!("bad --guard {text:?}: expected NAME:DELAY_MS[:veto]");
         let name = parts.next().filter(|n| !n.is_empty()).ok_or_else(bad)?;
@@ -96,7 +96,7 @@ impl GuardDef {
 
 /// The guard behind both ports.
 #[derive(Debug)]
-pub struct BenchGuard {
+pub(super) struct BenchGuard {
     delay: Duration,
     veto: bool,
 }
@@ -152,7 +152,7 @@ impl Echo for Echoer {
 }
 
 /// Entry point of `guardmesh bench-guards`.
-pub fn main(args: GuardsArgs) -> ExitCode {
+pub(super) fn main(args: GuardsArgs) -> ExitCode {
     super::init_logs("warn");
     let runtime = match args.runtime.build() {
         Ok(runtime) => runtime,

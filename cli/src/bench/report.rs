@@ -8,13 +8,13 @@ use std::fmt::Write as _;
 use std::time::Duration;
 
 /// A latency histogram in nanoseconds, 3 significant figures, up to an hour.
-pub fn histogram() -> Result<Histogram<u64>, Error> {
+pub(super) fn histogram() -> Result<Histogram<u64>, Error> {
     Histogram::new_with_bounds(1, 3_600_000_000_000, 3)
         .map_err(|e| format!("histogram: {e}").into())
 }
 
 /// Records one latency.
-pub fn record(histogram: &mut Histogram<u64>, elapsed: Duration) {
+pub(super) fn record(histogram: &mut Histogram<u64>, elapsed: Duration) {
     histogram.saturating_record(u64::try_from(elapsed.as_nanos()).unwrap_or(u64::MAX));
 }
 
@@ -24,7 +24,7 @@ fn us(nanos: u64) -> f64 {
 
 /// CPU time of the three parties, summed over the measured operations.
 #[derive(Debug, Clone, Copy, Default)]
-pub struct Cpu {
+pub(super) struct Cpu {
     /// The mesh process (zero for direct scenarios).
     pub mesh: Duration,
     /// The guard process (guards, direct baselines and echo).
@@ -34,7 +34,7 @@ pub struct Cpu {
 }
 
 impl Cpu {
-    pub fn since(self, before: Cpu) -> Cpu {
+    pub(super) fn since(self, before: Cpu) -> Cpu {
         Cpu {
             mesh: self.mesh.saturating_sub(before.mesh),
             guards: self.guards.saturating_sub(before.guards),
@@ -42,7 +42,7 @@ impl Cpu {
         }
     }
 
-    pub fn add(&mut self, other: Cpu) {
+    pub(super) fn add(&mut self, other: Cpu) {
         self.mesh += other.mesh;
         self.guards += other.guards;
         self.client += other.client;
@@ -51,7 +51,7 @@ impl Cpu {
 
 /// CPU microseconds per operation.
 #[derive(Debug, Clone, Copy)]
-pub struct CpuPerOp {
+pub(super) struct CpuPerOp {
     pub mesh: Option<f64>,
     pub guards: f64,
     pub client: f64,
@@ -74,7 +74,7 @@ impl CpuPerOp {
 
 /// One latency scenario, summarised.
 #[derive(Debug, Clone)]
-pub struct Latency {
+pub(super) struct Latency {
     pub name: &'static str,
     pub what: &'static str,
     pub n: u64,
@@ -88,7 +88,7 @@ pub struct Latency {
 }
 
 impl Latency {
-    pub fn new(
+    pub(super) fn new(
         name: &'static str,
         what: &'static str,
         histogram: &Histogram<u64>,
@@ -127,7 +127,7 @@ impl Latency {
 
 /// One closed-loop throughput run (all its windows summed).
 #[derive(Debug, Clone)]
-pub struct Throughput {
+pub(super) struct Throughput {
     pub name: &'static str,
     pub what: &'static str,
     pub ops: u64,
@@ -141,7 +141,7 @@ pub struct Throughput {
 }
 
 impl Throughput {
-    pub fn new(
+    pub(super) fn new(
         name: &'static str,
         what: &'static str,
         histogram: &Histogram<u64>,
@@ -169,7 +169,7 @@ impl Throughput {
 
     /// CPU of the serving process per operation: the mesh for a mesh run,
     /// the echo server otherwise.
-    pub fn server_cpu(&self) -> f64 {
+    pub(super) fn server_cpu(&self) -> f64 {
         self.cpu.mesh.unwrap_or(self.cpu.guards)
     }
 
@@ -189,7 +189,7 @@ impl Throughput {
 
 /// The mesh's memory with idle coordinator streams.
 #[derive(Debug, Clone)]
-pub struct Memory {
+pub(super) struct Memory {
     pub idle_bytes: u64,
     pub streams: usize,
     pub connections: usize,
@@ -210,7 +210,7 @@ impl Memory {
 
 /// How a figure is held to its target.
 #[derive(Debug, Clone, Copy)]
-pub enum Bound {
+pub(super) enum Bound {
     AtMost(f64),
     AtLeast(f64),
 }
@@ -232,7 +232,7 @@ impl Bound {
 }
 
 /// The targets of the benchmark's issue, by JSON key.
-pub const TARGETS: &[(&str, Bound)] = &[
+pub(super) const TARGETS: &[(&str, Bound)] = &[
     ("mesh4_vs_direct_p50", Bound::AtMost(1.0)),
     ("mesh4_5ms_vs_direct_5ms_p50", Bound::AtMost(1.03)),
     ("parallel_vs_sequential_5ms_p50", Bound::AtMost(0.27)),
@@ -244,7 +244,7 @@ pub const TARGETS: &[(&str, Bound)] = &[
 
 /// Everything one run measured.
 #[derive(Debug, Clone)]
-pub struct Results {
+pub(super) struct Results {
     pub quick: bool,
     /// How the run was set up (sizes, counts, runtimes), for the JSON.
     pub setup: Map<String, Value>,
@@ -270,7 +270,7 @@ impl Results {
 
     /// The ratios (and the memory figure) the targets are stated in, plus a
     /// few that help read them.
-    pub fn ratios(&self) -> Result<Vec<(&'static str, f64)>, Error> {
+    pub(super) fn ratios(&self) -> Result<Vec<(&'static str, f64)>, Error> {
         let direct = self.latency("direct_unary")?;
         let mesh1 = self.latency("mesh_1")?;
         let mesh4 = self.latency("mesh_4")?;
@@ -311,7 +311,7 @@ impl Results {
     }
 
     /// The printed report.
-    pub fn table(&self) -> Result<String, Error> {
+    pub(super) fn table(&self) -> Result<String, Error> {
         let mut out = String::new();
         let rounds = self
             .setup
@@ -418,7 +418,7 @@ impl Results {
 
     /// Every figure and ratio. The ratios the issue names are also
     /// top-level keys.
-    pub fn json(&self) -> Result<Value, Error> {
+    pub(super) fn json(&self) -> Result<Value, Error> {
         let ratios = self.ratios()?;
         let mut root = Map::new();
         root.insert("benchmark".into(), json!("guardmesh bench"));

@@ -13,7 +13,7 @@
 //!   `record` writes the logs, metrics and span fields of what happened.
 
 pub(crate) mod fold;
-pub mod verdicts;
+pub(crate) mod verdicts;
 
 use crate::judge::fold::{Decided, Fold, FoldGuard};
 use crate::link::{GuardFailure, LinkEvent};

@@ -15,7 +15,7 @@ const SHOWN_CHARS: usize = 64;
 /// Why a guard's whole answer is rejected (R11). The guard then fails per
 /// its failure policy (R13), traced `rejected_rewrite` with this reason.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-pub enum Rejection {
+pub(crate) enum Rejection {
     /// A rewrite for a call the guard was not sent.
     #[error("rewrite for call id {call_id:?}, which was not sent to this guard")]
     UnknownCall { call_id: String },
@@ -46,7 +46,7 @@ pub enum Rejection {
 
 /// Why a verdict was dropped and counted as proceed from that guard (R8).
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-pub enum Malformed {
+pub(crate) enum Malformed {
     /// A verdict for a call the guard was not sent.
     #[error("verdict for call id {call_id:?}, which was not sent to this guard")]
     UnknownCall { call_id: String },
@@ -60,7 +60,7 @@ pub enum Malformed {
 
 /// A guard's verdicts after the checks of R8 and R11.
 #[derive(Debug, Default, PartialEq)]
-pub struct Checked {
+pub(crate) struct Checked {
     /// (call index, skip); blank skips already dropped, unknown kinds steered.
     pub skips: Vec<(usize, Skip)>,
     /// (call index, the call as rewritten).
@@ -76,7 +76,7 @@ pub struct Checked {
 /// `current(i)` is call `i` as the guard saw it. `answered` tracks calls
 /// already answered by this guard (R8: a second verdict is ignored). A
 /// rewrite outside the grant rejects the whole answer (R11).
-pub fn check_verdicts<'c>(
+pub(crate) fn check_verdicts<'c>(
     guard: &Guard,
     current: impl Fn(usize) -> &'c ToolCall,
     index_of: &HashMap<String, usize>,

@@ -18,7 +18,7 @@ use tonic::codec::{Codec, DecodeBuf, Decoder, EncodeBuf, Encoder};
 
 /// One message read from a coordinator.
 #[derive(Debug)]
-pub enum Inbound {
+pub(crate) enum Inbound {
     /// A batch within the size and count limits; `size` is its encoded size.
     Batch {
         request: EvaluateRequest,
@@ -30,7 +30,7 @@ pub enum Inbound {
 
 /// A batch refused as read: the id to answer with, and why.
 #[derive(Debug)]
-pub struct Refused {
+pub(crate) struct Refused {
     /// The batch's id as shown by [`validate::shown_id`]: as sent when it is
     /// within `limits.max_id_bytes`, otherwise cut and marked.
     pub batch_id: String,
@@ -40,7 +40,7 @@ pub struct Refused {
 impl Inbound {
     /// Checks a message already decoded (for servers built with the stock
     /// codec) against the same limits.
-    pub fn from_request(request: EvaluateRequest, limits: &Limits) -> Self {
+    pub(crate) fn from_request(request: EvaluateRequest, limits: &Limits) -> Self {
         let size = request.encoded_len();
         let metadata = request.context.as_ref().map_or(0, |c| c.metadata.len());
         match validate::check_counts(
@@ -60,7 +60,7 @@ impl Inbound {
 
     /// Reads one encoded `EvaluateRequest`: scans it, then decodes it if it
     /// is within the limits.
-    pub fn decode(bytes: &[u8], limits: &Limits) -> Self {
+    pub(crate) fn decode(bytes: &[u8], limits: &Limits) -> Self {
         let scan = match scan(bytes) {
             Ok(scan) => scan,
             Err(why) => {
@@ -213,13 +213,13 @@ impl<'a> Fields<'a> {
 /// The codec of `PreToolService`: encodes answers of type `E` with prost,
 /// reads requests as [`Inbound`].
 #[derive(Debug, Clone)]
-pub struct InboundCodec<E> {
+pub(super) struct InboundCodec<E> {
     limits: Limits,
     answer: PhantomData<fn() -> E>,
 }
 
 impl<E> InboundCodec<E> {
-    pub fn new(limits: Limits) -> Self {
+    pub(super) fn new(limits: Limits) -> Self {
         Self {
             limits,
             answer: PhantomData,
@@ -246,7 +246,7 @@ impl<E: Message + Send + 'static> Codec for InboundCodec<E> {
 
 /// Encodes one answer.
 #[derive(Debug)]
-pub struct AnswerEncoder<E>(PhantomData<fn() -> E>);
+pub(super) struct AnswerEncoder<E>(PhantomData<fn() -> E>);
 
 impl<E: Message> Encoder for AnswerEncoder<E> {
     type Item = E;
@@ -260,7 +260,7 @@ impl<E: Message> Encoder for AnswerEncoder<E> {
 
 /// Reads one message as [`Inbound`].
 #[derive(Debug)]
-pub struct InboundDecoder {
+pub(super) struct InboundDecoder {
     limits: Limits,
 }
 

@@ -30,7 +30,7 @@ use tonic::metadata::MetadataMap;
 use tonic::{Request, Response, Status, Streaming};
 
 /// Reads W3C trace context from request metadata (R22).
-pub fn trace_context(metadata: &MetadataMap) -> TraceContext {
+pub(crate) fn trace_context(metadata: &MetadataMap) -> TraceContext {
     let get = |key: &str| {
         metadata
             .get(key)
@@ -55,7 +55,7 @@ fn batch_trace(batch: &EvaluateRequest, stream: &TraceContext) -> TraceContext {
 }
 
 /// Parses a `grpc-timeout` header (`<digits><H|M|S|m|u|n>`).
-pub fn grpc_timeout(metadata: &MetadataMap) -> Option<Duration> {
+pub(crate) fn grpc_timeout(metadata: &MetadataMap) -> Option<Duration> {
     let value = metadata.get("grpc-timeout")?.to_str().ok()?;
     let (digits, unit) = value.split_at(value.len().checked_sub(1)?);
     let amount: u64 = digits.parse().ok()?;
@@ -72,7 +72,7 @@ pub fn grpc_timeout(metadata: &MetadataMap) -> Option<Duration> {
 
 /// `PreToolService`.
 #[derive(Debug, Clone)]
-pub struct PreTool {
+pub(crate) struct PreTool {
     mesh: Arc<Mesh>,
     draining: watch::Receiver<bool>,
     /// One permit per open coordinator stream (`limits.max_coordinator_streams`).
@@ -83,7 +83,7 @@ impl PreTool {
     /// `draining` turns true when the server shuts down: open streams stop
     /// judging new batches (each one read is answered UNAVAILABLE), finish
     /// the ones in flight, and end cleanly (R25).
-    pub fn new(mesh: Arc<Mesh>, draining: watch::Receiver<bool>) -> Self {
+    pub(crate) fn new(mesh: Arc<Mesh>, draining: watch::Receiver<bool>) -> Self {
         let streams = Arc::new(Semaphore::new(
             mesh.config
                 .limits
@@ -159,7 +159,11 @@ impl PreTool {
     }
 
     /// Opens a coordinator stream reading `inbound` (R19, R25).
-    pub fn open_stream<S>(&self, trace: TraceContext, inbound: S) -> Result<AnswerStream, Status>
+    pub(crate) fn open_stream<S>(
+        &self,
+        trace: TraceContext,
+        inbound: S,
+    ) -> Result<AnswerStream, Status>
     where
         S: Stream<Item = Result<Inbound, Status>> + Send + Unpin + 'static,
     {
@@ -266,7 +270,7 @@ impl Answer {
 /// The answers of a coordinator stream, as the transport takes them; each
 /// one taken frees its bytes of the stream's budget.
 #[derive(Debug)]
-pub struct AnswerStream {
+pub(crate) struct AnswerStream {
     rx: mpsc::Receiver<Answer>,
     budget: Arc<StreamBudget>,
 }
@@ -570,7 +574,7 @@ impl PreToolService for PreTool {
 /// counts are checked before it is decoded (R20), and a message above the
 /// transport limit is refused with RESOURCE_EXHAUSTED.
 #[derive(Debug, Clone)]
-pub struct PreToolServer {
+pub(crate) struct PreToolServer {
     tool: PreTool,
     /// Largest message read (a little above `limits.max_batch_bytes`).
     max_decoding: usize,
@@ -579,7 +583,7 @@ pub struct PreToolServer {
 }
 
 impl PreToolServer {
-    pub fn new(tool: PreTool, max_decoding: usize, max_encoding: usize) -> Self {
+    pub(crate) fn new(tool: PreTool, max_decoding: usize, max_encoding: usize) -> Self {
         Self {
             tool,
             max_decoding,
@@ -704,7 +708,7 @@ fn error_response(batch_id: String, status: &Status) -> EvaluateResponse {
 
 /// `GuardRegistry`.
 #[derive(Debug, Clone)]
-pub struct Registrar {
+pub(crate) struct Registrar {
     mesh: Arc<Mesh>,
     /// Guards registered through this mesh, by the identity that did it
     /// (for per-identity registration limits).
@@ -712,7 +716,7 @@ pub struct Registrar {
 }
 
 impl Registrar {
-    pub fn new(mesh: Arc<Mesh>) -> Self {
+    pub(crate) fn new(mesh: Arc<Mesh>) -> Self {
         Self {
             mesh,
             owned: Arc::default(),

@@ -41,16 +41,16 @@ use std::fmt;
 /// (a 128-bit integer has 39 digits) and refuses absurd digit strings,
 /// which some parsers refuse (Python's integer conversion above 4,300
 /// digits, Jackson above 1,000 characters) and others read differently.
-pub const MAX_NUMBER_CHARS: usize = 100;
+pub(crate) const MAX_NUMBER_CHARS: usize = 100;
 
 /// The deepest nesting the mesh can be configured to accept: serde_json's
 /// default recursion limit reads at most 127 nested arrays and objects, and
 /// the Rust guards of this project parse with serde_json.
-pub const MAX_DEPTH_LIMIT: usize = 127;
+pub(crate) const MAX_DEPTH_LIMIT: usize = 127;
 
 /// What makes a text not an I-JSON object.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub enum Problem {
+pub(crate) enum Problem {
     /// Not JSON at all: `expected` says what the grammar wanted.
     Syntax {
         offset: usize,
@@ -75,7 +75,7 @@ pub enum Problem {
 /// Why a text is not an I-JSON object, and where: a JSONPath-like location
 /// (`$`, `$.a[3]`, `$["odd key"]`) of the value at fault.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct JsonError {
+pub(crate) struct JsonError {
     pub problem: Problem,
     /// Path segments, innermost first (filled in while unwinding).
     path: Vec<Segment>,
@@ -97,7 +97,7 @@ const SHOWN_NAME_CHARS: usize = 40;
 const SHOWN_SEGMENTS: usize = 8;
 
 /// `text` cut to `max` characters, with `...` when cut.
-pub fn clip(text: &str, max: usize) -> String {
+pub(crate) fn clip(text: &str, max: usize) -> String {
     match text.char_indices().nth(max) {
         Some((end, _)) => format!("{}...", &text[..end]),
         None => text.to_owned(),
@@ -113,7 +113,7 @@ impl JsonError {
     }
 
     /// The location of the fault, as `$.a[3]`, shortened when deep or long.
-    pub fn path(&self) -> String {
+    pub(crate) fn path(&self) -> String {
         let mut out = String::from("$");
         let shown = self.path.len().min(SHOWN_SEGMENTS);
         if shown < self.path.len() {
@@ -137,7 +137,7 @@ impl JsonError {
     }
 
     /// Metrics label for the refusal.
-    pub fn reason(&self) -> &'static str {
+    pub(crate) fn reason(&self) -> &'static str {
         match self.problem {
             Problem::Syntax { .. } | Problem::NotObject => "arguments_not_object",
             _ => "arguments_not_i_json",
@@ -173,7 +173,7 @@ impl std::error::Error for JsonError {}
 
 /// Whether `text` is an I-JSON object nested at most `max_depth` deep; the
 /// empty text (or only whitespace) counts as `{}`.
-pub fn check(text: &str, max_depth: usize) -> Result<(), JsonError> {
+pub(crate) fn check(text: &str, max_depth: usize) -> Result<(), JsonError> {
     let mut scanner = Scanner {
         text,
         bytes: text.as_bytes(),

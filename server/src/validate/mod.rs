@@ -8,7 +8,7 @@ use prost::Message;
 use std::collections::HashSet;
 use tonic::Status;
 
-pub mod ijson;
+pub(crate) mod ijson;
 
 /// Size limits on what coordinators send.
 #[derive(Debug, Clone, Copy)]
@@ -52,12 +52,12 @@ pub struct Limits {
 /// How many times its encoded size a batch in flight counts against
 /// `max_inflight_bytes`: the batch as received, its calls as judged, and a
 /// copy on its way to a guard.
-pub const INFLIGHT_COPIES: usize = 3;
+pub(crate) const INFLIGHT_COPIES: usize = 3;
 
 /// How an id is shown in answers and logs: as sent when it is within the
 /// limit, otherwise its first bytes and a marker with its length, so that
 /// no unbounded input is ever echoed (R20).
-pub fn shown_id(id: &str, max: usize) -> String {
+pub(crate) fn shown_id(id: &str, max: usize) -> String {
     if id.len() <= max {
         return id.to_owned();
     }
@@ -65,10 +65,10 @@ pub fn shown_id(id: &str, max: usize) -> String {
 }
 
 /// Bytes of an over-long id kept by [`shown_id`].
-pub const SHOWN_PREFIX: usize = 64;
+pub(crate) const SHOWN_PREFIX: usize = 64;
 
 /// `text` cut to at most `max` bytes, at a character boundary.
-pub fn truncate(text: &str, max: usize) -> &str {
+pub(crate) fn truncate(text: &str, max: usize) -> &str {
     if text.len() <= max {
         return text;
     }
@@ -126,7 +126,7 @@ fn exhausted(reason: &'static str, message: String) -> Refusal {
 
 /// Whether `text` is an I-JSON object (see [`ijson`]) within the default
 /// depth limit. An empty string counts as `{}`.
-pub fn is_json_object(text: &str) -> bool {
+pub(crate) fn is_json_object(text: &str) -> bool {
     ijson::check(text, Limits::default().max_json_depth).is_ok()
 }
 
@@ -134,7 +134,7 @@ pub fn is_json_object(text: &str) -> bool {
 const SHOWN_ID_CHARS: usize = 64;
 
 /// Checks `request` against R20 and `limits`.
-pub fn check(request: &EvaluateRequest, limits: &Limits) -> Result<(), Refusal> {
+pub(crate) fn check(request: &EvaluateRequest, limits: &Limits) -> Result<(), Refusal> {
     check_counts(
         &request.batch_id,
         request.encoded_len(),
@@ -202,7 +202,7 @@ pub fn check(request: &EvaluateRequest, limits: &Limits) -> Result<(), Refusal> 
 
 /// The checks that need only a batch's id, size and counts, so that they
 /// can run before the batch is decoded (R20: before the costly work).
-pub fn check_counts(
+pub(crate) fn check_counts(
     batch_id: &str,
     size: usize,
     calls: usize,
