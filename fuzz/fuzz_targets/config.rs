@@ -4,7 +4,7 @@
 #![no_main]
 
 use guardmesh_server::config::Config;
-use guardmesh_server::spec::Guard;
+use guardmesh_server::fuzzing::Guard;
 use libfuzzer_sys::fuzz_target;
 
 fuzz_target!(|data: &[u8]| {

@@ -8,8 +8,8 @@
 use guardmesh_proto::v1::{
     DeregisterRequest, EvaluateRequest, JudgeResponse, ListRequest, RegisterRequest,
 };
-use guardmesh_server::spec::Guard;
-use guardmesh_server::validate::{Limits, check};
+use guardmesh_server::fuzzing::Guard;
+use guardmesh_server::fuzzing::{Limits, check};
 use libfuzzer_sys::fuzz_target;
 use prost::Message;
 use std::time::Duration;

@@ -6,7 +6,7 @@
 #![no_main]
 
 use guardmesh_proto::v1::{FailurePolicy, Skip};
-use guardmesh_server::fold::{Fold, FoldGuard, Resolution};
+use guardmesh_server::fuzzing::{Fold, FoldGuard, Resolution};
 use libfuzzer_sys::fuzz_target;
 
 #[derive(Clone, PartialEq)]

@@ -52,3 +52,13 @@ pub use judge::TraceContext;
 pub use link::error_chain;
 pub use mesh::{Mesh, MeshConfig};
 pub use registry::{MemoryRegistry, Registry};
+
+/// Internals for the `cargo fuzz` targets in `fuzz/` (feature `fuzzing`);
+/// not an API.
+#[cfg(feature = "fuzzing")]
+#[doc(hidden)]
+pub mod fuzzing {
+    pub use crate::judge::fold::{Fold, FoldGuard, Resolution};
+    pub use crate::registry::spec::Guard;
+    pub use crate::validate::{Limits, check};
+}

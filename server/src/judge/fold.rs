@@ -13,11 +13,16 @@
 //! guards (R18) never decide, but a call waits for them as it would if they
 //! enforced, so that a rollout measures the latency it will really cost.
 
+// Its items are `pub` for the `cargo fuzz` targets, which reach them through
+// the crate's `fuzzing` module (feature `fuzzing`); the crate itself keeps them
+// private by not exporting this module.
+#![allow(unreachable_pub)]
+
 use guardmesh_proto::v1::{FailurePolicy, Skip};
 
 /// What one guard said (or failed to say) about one call.
 #[derive(Debug, Clone, PartialEq)]
-pub(crate) enum Cell {
+pub enum Cell {
     /// The call was not sent to this guard (R9).
     NotSent,
     /// Sent; no answer yet.
@@ -32,7 +37,7 @@ pub(crate) enum Cell {
 
 /// How a guard's cells count.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) struct FoldGuard {
+pub struct FoldGuard {
     /// False for dry-run guards: consulted, never decisive (R18).
     pub enforced: bool,
     pub policy: FailurePolicy,
@@ -41,7 +46,7 @@ pub(crate) struct FoldGuard {
 /// What a guard's failure does to a call it applies to that is not fixed
 /// yet (R13).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum OnFailure {
+pub enum OnFailure {
     /// A dry-run guard (R18): the failure is traced and counted, and
     /// decides nothing.
     Ignore,
@@ -58,7 +63,7 @@ impl FoldGuard {
     /// The failure policy (R13), in the one place it is read: the fold's
     /// scan and its bypass records both ask here, for validate guards and
     /// (through a one-guard fold each) mutate guards alike.
-    pub(crate) fn on_failure(self) -> OnFailure {
+    pub fn on_failure(self) -> OnFailure {
         if !self.enforced {
             return OnFailure::Ignore;
         }
@@ -72,7 +77,7 @@ impl FoldGuard {
 
 /// The state of one call.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum Resolution {
+pub enum Resolution {
     /// Some guard that could still decide has not answered.
     Open,
     /// Every applicable guard proceeded (or was bypassed under `fail_open`).
@@ -87,7 +92,7 @@ pub(crate) enum Resolution {
 
 /// What fixed a call.
 #[derive(Debug, Clone, PartialEq)]
-pub(crate) enum Decided {
+pub enum Decided {
     /// The guard at this index skipped it first.
     Skip { guard: usize, skip: Skip },
     /// The guard at this index failed first under `fail_closed` (R13): the
@@ -97,7 +102,7 @@ pub(crate) enum Decided {
 
 /// What the fold decided for one call.
 #[derive(Debug, Clone, PartialEq)]
-pub(crate) struct Outcome {
+pub struct Outcome {
     /// The `fail_open` guards passed over before the decision (R13).
     pub bypassed: Vec<usize>,
     /// What fixed the call; `None` when it proceeds.
@@ -106,7 +111,7 @@ pub(crate) struct Outcome {
 
 /// The grid of (guard, call) cells and each call's resolution.
 #[derive(Debug, Clone)]
-pub(crate) struct Fold {
+pub struct Fold {
     guards: Vec<FoldGuard>,
     calls: usize,
     cells: Vec<Cell>,
@@ -118,11 +123,7 @@ pub(crate) struct Fold {
 impl Fold {
     /// A fold for `calls` calls over `guards` in chain order. `sent(g, c)`
     /// tells whether call `c` is sent to guard `g`.
-    pub(crate) fn new(
-        guards: Vec<FoldGuard>,
-        calls: usize,
-        sent: impl Fn(usize, usize) -> bool,
-    ) -> Self {
+    pub fn new(guards: Vec<FoldGuard>, calls: usize, sent: impl Fn(usize, usize) -> bool) -> Self {
         let mut cells = Vec::with_capacity(guards.len() * calls);
         for g in 0..guards.len() {
             for c in 0..calls {
@@ -148,19 +149,19 @@ impl Fold {
     }
 
     /// The cell of guard `g` for call `c`.
-    pub(crate) fn cell(&self, g: usize, c: usize) -> &Cell {
+    pub fn cell(&self, g: usize, c: usize) -> &Cell {
         &self.cells[g * self.calls + c]
     }
 
     /// Whether guard `g` still has an unanswered call.
-    pub(crate) fn pending(&self, g: usize) -> bool {
+    pub fn pending(&self, g: usize) -> bool {
         self.cells[g * self.calls..(g + 1) * self.calls].contains(&Cell::Pending)
     }
 
     /// Records guard `g`'s verdict for call `c`. A verdict for a call that is
     /// not pending at that guard (never sent, already answered) is refused
     /// and returns false: the caller traces it as malformed (R8).
-    pub(crate) fn answer(&mut self, g: usize, c: usize, verdict: Option<Skip>) -> bool {
+    pub fn answer(&mut self, g: usize, c: usize, verdict: Option<Skip>) -> bool {
         let idx = g * self.calls + c;
         if self.cells[idx] != Cell::Pending {
             return false;
@@ -174,12 +175,12 @@ impl Fold {
     }
 
     /// Guard `g` answered finally: its unanswered calls defer (proceed).
-    pub(crate) fn complete(&mut self, g: usize) {
+    pub fn complete(&mut self, g: usize) {
         self.settle(g, Cell::Proceed);
     }
 
     /// Guard `g` failed: its unanswered calls fail per its policy (R13).
-    pub(crate) fn fail(&mut self, g: usize) {
+    pub fn fail(&mut self, g: usize) {
         self.settle(g, Cell::Failed);
     }
 
@@ -225,25 +226,25 @@ impl Fold {
     }
 
     /// True once every call is fixed, or the batch must abort.
-    pub(crate) fn done(&self) -> bool {
+    pub fn done(&self) -> bool {
         self.open == 0 || self.abort.is_some()
     }
 
     /// The first guard whose `abort` failure was reached, if any.
-    #[cfg(test)]
-    pub(crate) fn aborted_by(&self) -> Option<usize> {
+    #[cfg(any(test, feature = "fuzzing"))]
+    pub fn aborted_by(&self) -> Option<usize> {
         self.abort
     }
 
     /// Call `c`'s resolution.
-    #[cfg(test)]
-    pub(crate) fn resolution(&self, c: usize) -> Resolution {
+    #[cfg(any(test, feature = "fuzzing"))]
+    pub fn resolution(&self, c: usize) -> Resolution {
         self.resolutions[c]
     }
 
     /// The `fail_open` guards that failed for call `c` and were passed over
     /// before its decision.
-    pub(crate) fn bypassed(&self, c: usize) -> impl Iterator<Item = usize> + '_ {
+    pub fn bypassed(&self, c: usize) -> impl Iterator<Item = usize> + '_ {
         let until = match self.resolutions[c] {
             Resolution::Skip(g) | Resolution::FailClosed(g) | Resolution::Abort(g) => g,
             Resolution::Proceed | Resolution::Open => self.guards.len(),
@@ -256,7 +257,7 @@ impl Fold {
     /// What was decided for each call, once the fold is [`done`](Self::done):
     /// `Err(g)` when guard `g`'s `abort` failure fails the batch (R13),
     /// else one [`Outcome`] per call, in call order. The skips are moved out.
-    pub(crate) fn outcomes(&mut self) -> Result<Vec<Outcome>, usize> {
+    pub fn outcomes(&mut self) -> Result<Vec<Outcome>, usize> {
         if let Some(g) = self.abort {
             return Err(g);
         }
@@ -279,7 +280,7 @@ impl Fold {
     }
 
     /// Takes the skip guard `g` sent for call `c`, if it sent one.
-    pub(crate) fn take_skip(&mut self, g: usize, c: usize) -> Option<Skip> {
+    pub fn take_skip(&mut self, g: usize, c: usize) -> Option<Skip> {
         match &mut self.cells[g * self.calls + c] {
             Cell::Skip(skip) => Some(std::mem::take(skip)),
             _ => None,

@@ -4,6 +4,11 @@
 //! after validation, with its tool patterns compiled once so that matching a
 //! call against a guard costs no allocation per batch.
 
+// Its items are `pub` for the `cargo fuzz` targets, which reach them through
+// the crate's `fuzzing` module (feature `fuzzing`); the crate itself keeps them
+// private by not exporting this module.
+#![allow(unreachable_pub)]
+
 use globset::{Glob, GlobSet, GlobSetBuilder};
 use guardmesh_proto::v1::{FailurePolicy, GuardMode, GuardRole, GuardSpec, RewriteGrant};
 use std::time::Duration;

@@ -3,12 +3,17 @@
 //! A refused batch contacts no guard. Shape errors are INVALID_ARGUMENT and
 //! name the offending call; size limits are RESOURCE_EXHAUSTED.
 
+// Its items are `pub` for the `cargo fuzz` targets, which reach them through
+// the crate's `fuzzing` module (feature `fuzzing`); the crate itself keeps them
+// private by not exporting this module.
+#![allow(unreachable_pub)]
+
 use guardmesh_proto::v1::EvaluateRequest;
 use prost::Message;
 use std::collections::HashSet;
 use tonic::Status;
 
-pub(crate) mod ijson;
+pub mod ijson;
 
 /// Size limits on what coordinators send.
 #[derive(Debug, Clone, Copy)]
@@ -52,12 +57,12 @@ pub struct Limits {
 /// How many times its encoded size a batch in flight counts against
 /// `max_inflight_bytes`: the batch as received, its calls as judged, and a
 /// copy on its way to a guard.
-pub(crate) const INFLIGHT_COPIES: usize = 3;
+pub const INFLIGHT_COPIES: usize = 3;
 
 /// How an id is shown in answers and logs: as sent when it is within the
 /// limit, otherwise its first bytes and a marker with its length, so that
 /// no unbounded input is ever echoed (R20).
-pub(crate) fn shown_id(id: &str, max: usize) -> String {
+pub fn shown_id(id: &str, max: usize) -> String {
     if id.len() <= max {
         return id.to_owned();
     }
@@ -65,10 +70,10 @@ pub(crate) fn shown_id(id: &str, max: usize) -> String {
 }
 
 /// Bytes of an over-long id kept by [`shown_id`].
-pub(crate) const SHOWN_PREFIX: usize = 64;
+pub const SHOWN_PREFIX: usize = 64;
 
 /// `text` cut to at most `max` bytes, at a character boundary.
-pub(crate) fn truncate(text: &str, max: usize) -> &str {
+pub fn truncate(text: &str, max: usize) -> &str {
     if text.len() <= max {
         return text;
     }
@@ -126,7 +131,7 @@ fn exhausted(reason: &'static str, message: String) -> Refusal {
 
 /// Whether `text` is an I-JSON object (see [`ijson`]) within the default
 /// depth limit. An empty string counts as `{}`.
-pub(crate) fn is_json_object(text: &str) -> bool {
+pub fn is_json_object(text: &str) -> bool {
     ijson::check(text, Limits::default().max_json_depth).is_ok()
 }
 
@@ -134,7 +139,7 @@ pub(crate) fn is_json_object(text: &str) -> bool {
 const SHOWN_ID_CHARS: usize = 64;
 
 /// Checks `request` against R20 and `limits`.
-pub(crate) fn check(request: &EvaluateRequest, limits: &Limits) -> Result<(), Refusal> {
+pub fn check(request: &EvaluateRequest, limits: &Limits) -> Result<(), Refusal> {
     check_counts(
         &request.batch_id,
         request.encoded_len(),
@@ -202,7 +207,7 @@ pub(crate) fn check(request: &EvaluateRequest, limits: &Limits) -> Result<(), Re
 
 /// The checks that need only a batch's id, size and counts, so that they
 /// can run before the batch is decoded (R20: before the costly work).
-pub(crate) fn check_counts(
+pub fn check_counts(
     batch_id: &str,
     size: usize,
     calls: usize,
