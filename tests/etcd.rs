@@ -1706,3 +1706,94 @@ async fn r17_an_unreadable_stored_registration_refuses_batches_until_removed() {
     assert!(a.registry.status().invalid.is_empty());
     a.stop().await;
 }
+
+/// `guardmesh heartbeat` (the liveness sidecar for guards of any language)
+/// holds the guard's lease while the guard's health says SERVING, revokes it
+/// when the guard dies, takes it again when the guard is back, and revokes it
+/// on SIGTERM. Liveness never changes the chain (R15).
+#[tokio::test]
+async fn r15_heartbeat_sidecar_follows_the_guard_and_revokes_on_exit() {
+    let etcd = Etcd::start().await;
+    let config = settings(etcd.url(), "/t/sidecar");
+    let a = Replica::start(config.clone()).await;
+    let mut guard = GuardProcess::start("deny-list", 0, &[]);
+    let out = a
+        .mesh
+        .registrar()
+        .await
+        .register(Registration::validate("deny", &guard.url))
+        .await
+        .unwrap();
+    let dir = tempdir("sidecar");
+    let file = dir.join("mesh.toml");
+    std::fs::write(
+        &file,
+        format!(
+            "[registry]\nkind = \"etcd\"\nendpoints = [\"{}\"]\nprefix = \"/t/sidecar\"\n\
+             heartbeat_interval_ms = 200\nlease_ttl_s = 2\n",
+            etcd.url()
+        ),
+    )
+    .unwrap();
+    let mut sidecar = std::process::Command::new(env!("CARGO_BIN_EXE_guardmesh"))
+        .args(["heartbeat", "--name", "deny", "--config"])
+        .arg(&file)
+        .args(["--guard", &format!("127.0.0.1:{}", guard.port)])
+        .stdout(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    let liveness = |want: Liveness| a.registry.status().liveness == [("deny".to_owned(), want)];
+    poll_until(
+        Duration::from_secs(15),
+        "the sidecar's lease reads alive",
+        || async { liveness(Liveness::Alive) },
+    )
+    .await;
+
+    // The guard dies: the sidecar revokes at its next health check, well
+    // before the 2 s TTL would lapse on its own.
+    let port = guard.port;
+    guard.kill();
+    poll_until(Duration::from_secs(10), "the lease is revoked", || async {
+        liveness(Liveness::Expired)
+    })
+    .await;
+    assert_eq!(a.revision(), out.revision, "liveness is not a chain change");
+
+    // Back on the same port: alive again, without restarting the sidecar.
+    let _guard = GuardProcess::start("deny-list", port, &[]);
+    poll_until(Duration::from_secs(15), "alive again", || async {
+        liveness(Liveness::Alive)
+    })
+    .await;
+
+    // SIGTERM: the sidecar revokes the lease and exits cleanly.
+    let pid = sidecar.id().to_string();
+    let status = std::process::Command::new("kill")
+        .args(["-TERM", &pid])
+        .status()
+        .unwrap();
+    assert!(status.success());
+    let exit = tokio::task::spawn_blocking(move || sidecar.wait())
+        .await
+        .unwrap()
+        .unwrap();
+    assert!(exit.success(), "{exit:?}");
+    poll_until(Duration::from_secs(5), "revoked on exit", || async {
+        liveness(Liveness::Expired)
+    })
+    .await;
+    a.stop().await;
+    let _ = std::fs::remove_dir_all(dir);
+}
+
+/// A fresh temporary folder for one test.
+fn tempdir(name: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!(
+        "guardmesh-{name}-{}-{}",
+        std::process::id(),
+        rand::random::<u32>()
+    ));
+    std::fs::create_dir_all(&dir).unwrap();
+    dir
+}

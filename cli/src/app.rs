@@ -53,6 +53,9 @@ enum Command {
         #[arg(long)]
         listen: Option<std::net::SocketAddr>,
     },
+    /// Keeps a guard's liveness lease in the etcd registry (a sidecar for
+    /// guards in any language), following the guard's health with --guard.
+    Heartbeat(crate::heartbeat::HeartbeatArgs),
     /// Lists, registers or deregisters guards of a running mesh.
     Guards {
         #[command(flatten)]
@@ -322,7 +325,7 @@ pub fn main() -> ExitCode {
 
 async fn run(cli: Cli) -> Result<ExitCode, Error> {
     let default_filter = match cli.command {
-        Command::Serve { .. } => "info",
+        Command::Serve { .. } | Command::Heartbeat(_) => "info",
         Command::Demo { .. } => "error",
         _ => "warn",
     };
@@ -330,6 +333,7 @@ async fn run(cli: Cli) -> Result<ExitCode, Error> {
     let result = match cli.command {
         Command::Serve { config, listen } => serve(config, listen).await,
         Command::Guards { mesh, action } => guards(&mesh, action).await,
+        Command::Heartbeat(args) => crate::heartbeat::run(args, shutdown_signal()).await,
         Command::Evaluate { mesh, file } => evaluate(&mesh, &file).await,
         Command::Demo { mtls } => crate::demo::run(mtls).await,
         Command::Certs { dir } => certs(&dir),

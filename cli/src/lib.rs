@@ -4,6 +4,8 @@
 //! * `app`: the command line (clap), the runtime, and the commands that run
 //!   or talk to a mesh: `serve`, `guards`, `evaluate`, `certs`,
 //!   `example-guard`.
+//! * `heartbeat`: `guardmesh heartbeat`, a liveness sidecar for guards of any
+//!   language on the etcd registry.
 //! * [`demo`]: `guardmesh demo`, a mesh, example guards and a coordinator in
 //!   one process, printing decisions and traces.
 //! * [`examples`]: the example guards, written with the Rust SDK.
@@ -19,5 +21,6 @@ pub mod certs;
 pub mod conformance;
 pub mod demo;
 pub mod examples;
+mod heartbeat;
 
 pub use app::main;
