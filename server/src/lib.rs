@@ -34,6 +34,7 @@
 //! * [`config`]: the TOML config file.
 
 pub mod config;
+pub mod decision_log;
 mod judge;
 pub mod link;
 pub mod mesh;
