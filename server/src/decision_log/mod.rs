@@ -23,6 +23,9 @@ pub mod segment;
 pub mod verify;
 pub mod writer;
 
+#[cfg(test)]
+mod tests;
+
 pub use chain::GENESIS;
 pub use error::LogError;
 pub use mask::{MASKED, MaskError, MaskRules, OMITTED};
