@@ -12,8 +12,9 @@
 //!   of the document only.
 //!
 //! A segment is a member name or an array index, and may be a glob (`*`
-//! for any one member or element, `*token*`, `api_?ey`); `items[*]` and
-//! `items[0]` are the same as `items.*` and `items.0`. Names are compared
+//! for any one member or element, `*token*`, `api_?ey`, `{pass,pwd}`);
+//! `items[*]` and `items[0]` are the same as `items.*` and `items.0`, so
+//! `[...]` is an index, not a glob character class. Names are compared
 //! without regard to ASCII case, so that `Authorization` and
 //! `authorization` are both masked: masking too much is the safe side.
 //! Member names that contain `.`, `[` or `]` cannot be addressed by a path
@@ -59,7 +60,26 @@ pub struct MaskRules {
 #[derive(Debug, Clone)]
 struct Rule {
     anchored: bool,
-    segments: Vec<GlobMatcher>,
+    segments: Vec<Segment>,
+}
+
+/// One segment of a rule. Plain names and `*` are compared directly; the
+/// glob matcher is only for segments with other glob characters.
+#[derive(Debug, Clone)]
+enum Segment {
+    Any,
+    Name(String),
+    Glob(GlobMatcher),
+}
+
+impl Segment {
+    fn matches(&self, name: &str) -> bool {
+        match self {
+            Segment::Any => true,
+            Segment::Name(literal) => literal.eq_ignore_ascii_case(name),
+            Segment::Glob(glob) => glob.is_match(name),
+        }
+    }
 }
 
 impl MaskRules {
@@ -167,8 +187,7 @@ impl MaskRules {
     }
 
     fn visit(&self, value: &mut Value, path: &mut Vec<String>) -> u32 {
-        let names: Vec<&str> = path.iter().map(String::as_str).collect();
-        if self.matches(&names) {
+        if self.matches(path) {
             *value = Value::String(MASKED.to_owned());
             1
         } else {
@@ -177,7 +196,7 @@ impl MaskRules {
     }
 
     /// Whether the member at `path` (from the document's root) is masked.
-    fn matches(&self, path: &[&str]) -> bool {
+    fn matches<S: AsRef<str>>(&self, path: &[S]) -> bool {
         self.rules.iter().any(|rule| rule.matches(path))
     }
 }
@@ -231,19 +250,25 @@ impl Rule {
         let segments = segments
             .into_iter()
             .map(|segment| {
+                if segment == "*" {
+                    return Ok(Segment::Any);
+                }
+                if !segment.contains(['*', '?', '[', ']', '{', '}', '\\']) {
+                    return Ok(Segment::Name(segment.to_owned()));
+                }
                 GlobBuilder::new(segment)
                     .case_insensitive(true)
                     .literal_separator(false)
                     .backslash_escape(true)
                     .build()
-                    .map(|glob| glob.compile_matcher())
+                    .map(|glob| Segment::Glob(glob.compile_matcher()))
                     .map_err(|err| error(&err.to_string()))
             })
             .collect::<Result<Vec<_>, _>>()?;
         Ok(Rule { anchored, segments })
     }
 
-    fn matches(&self, path: &[&str]) -> bool {
+    fn matches<S: AsRef<str>>(&self, path: &[S]) -> bool {
         let n = self.segments.len();
         if path.len() < n || (self.anchored && path.len() != n) {
             return false;
@@ -252,7 +277,7 @@ impl Rule {
         self.segments
             .iter()
             .zip(tail)
-            .all(|(glob, name)| glob.is_match(name))
+            .all(|(segment, name)| segment.matches(name.as_ref()))
     }
 }
 
