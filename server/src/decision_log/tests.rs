@@ -514,13 +514,34 @@ async fn r29_a_restarted_log_continues_the_chain() {
             assert_eq!(appended.seq, ids.len() as u64);
             ids.push(appended.id);
         }
-        // Dropped without close: the writer syncs on its own.
-        drop(log);
-        tokio::time::sleep(Duration::from_millis(50)).await;
+        log.close().await.unwrap();
     }
     let report = verify(dir.path()).unwrap();
     assert_eq!(report.records, 12);
     assert_eq!(report.last.unwrap().id, ids[11]);
+}
+
+#[tokio::test]
+async fn r29_one_writer_per_directory() {
+    let dir = tempfile::tempdir().unwrap();
+    let log = DecisionLog::open(config(dir.path())).await.unwrap();
+    let err = DecisionLog::open(config(dir.path())).await.unwrap_err();
+    assert!(err.to_string().contains("already written"), "{err}");
+    log.append(zero_calls("b")).await.unwrap();
+    // Dropping the last handle syncs, stops the writer and frees the
+    // directory.
+    drop(log);
+    let deadline = Instant::now() + Duration::from_secs(5);
+    let log = loop {
+        match DecisionLog::open(config(dir.path())).await {
+            Ok(log) => break log,
+            Err(_) if Instant::now() < deadline => {
+                tokio::time::sleep(Duration::from_millis(10)).await
+            }
+            Err(err) => panic!("{err}"),
+        }
+    };
+    assert_eq!(log.append(zero_calls("b")).await.unwrap().seq, 1);
 }
 
 #[tokio::test]

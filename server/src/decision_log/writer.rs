@@ -32,6 +32,10 @@
 //! A rotated file is always synced, whatever the durability, and the
 //! directory is synced after a file is created in it.
 //!
+//! One writer per directory: the writer holds an advisory lock on the
+//! directory's `.lock` file, and a second writer (another mesh process,
+//! or the same log opened twice) is refused at open.
+//!
 //! On open, an existing log is resumed: the writer reads the last record of
 //! the last file and continues its chain there, in the same file. If that
 //! record is incomplete (a line without its newline, left by a crash in
@@ -285,6 +289,9 @@ async fn run(writer: Writer, durability: Durability, mut rx: mpsc::Receiver<Requ
                     let _ = reply.send(result);
                 }
                 Request::Close(reply) => {
+                    // Release the directory before answering, so that the
+                    // log can be opened again as soon as `close` returns.
+                    writer = None;
                     let _ = reply.send(result);
                     closing = true;
                 }
@@ -395,6 +402,8 @@ struct Unsealed<'a> {
 
 /// The files and the chain; used from the blocking pool only.
 struct Writer {
+    /// Held while the writer lives: one writer per log directory.
+    _lock: File,
     dir: PathBuf,
     mesh: String,
     max_file_bytes: u64,
@@ -426,6 +435,7 @@ impl Writer {
             )));
         }
         fs::create_dir_all(&dir).map_err(|err| LogError::io("create", &dir, &err))?;
+        let lock = lock_dir(&dir)?;
         let files = segment::list(&dir).map_err(|err| LogError::io("list", &dir, &err))?;
 
         // The last record of the log, and where the writer continues.
@@ -471,6 +481,7 @@ impl Writer {
             sync_dir(&dir)?;
         }
         Ok(Writer {
+            _lock: lock,
             dir,
             mesh,
             max_file_bytes,
@@ -673,6 +684,37 @@ impl Writer {
         tracing::error!(%reason, "decision log stopped");
         self.poisoned.get_or_insert(reason);
     }
+}
+
+/// Takes the log directory's lock file, `.lock`, so that a second writer
+/// (another mesh process, or a second log in this one) is refused instead
+/// of interleaving records and breaking the chain. An advisory `flock`:
+/// released by the kernel when the writer ends, even by a crash.
+fn lock_dir(dir: &Path) -> Result<File, LogError> {
+    let path = dir.join(".lock");
+    let file = OpenOptions::new()
+        .create(true)
+        .truncate(false)
+        .write(true)
+        .open(&path)
+        .map_err(|err| LogError::io("open", &path, &err))?;
+    #[cfg(unix)]
+    {
+        use std::os::fd::AsRawFd;
+        // SAFETY: flock on a descriptor this function owns.
+        if unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } != 0 {
+            let err = io::Error::last_os_error();
+            if err.kind() == io::ErrorKind::WouldBlock {
+                return Err(LogError::Config(format!(
+                    "{} is already written by another decision log (another mesh, or this one opened twice); \
+                     give each mesh instance its own directory",
+                    dir.display()
+                )));
+            }
+            return Err(LogError::io("lock", &path, &err));
+        }
+    }
+    Ok(file)
 }
 
 fn sync_dir(dir: &Path) -> Result<(), LogError> {
