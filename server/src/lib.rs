@@ -32,9 +32,12 @@
 //!   Prometheus endpoint ([`observe::metrics_http`]), logs and traces
 //!   ([`observe::telemetry`]).
 //! * [`policy`]: policy guards, CEL rules evaluated inside the mesh (R27).
+//! * [`decision_log`]: the tamper-evident decision log (R29): records,
+//!   masking, the hash chain across rotated files, the writer, `verify`.
 //! * [`config`]: the TOML config file.
 
 pub mod config;
+pub mod decision_log;
 mod judge;
 pub mod link;
 pub mod mesh;

@@ -1,0 +1,38 @@
+//! The decision log (R29): one record per batch answered and per chain
+//! change, masked, hash-chained, appended before the answer leaves.
+//!
+//! * [`record`]: the record types, the format of one line;
+//! * [`mask`]: masking sensitive values by key name and path;
+//! * [`chain`]: how a line is sealed with its own hash and linked to the
+//!   one before;
+//! * [`segment`]: the log's files and their names;
+//! * [`writer`]: [`DecisionLog`], the append-only writer (group commit,
+//!   rotation by size, fsync per record or per interval, resuming);
+//! * [`verify`](mod@verify): [`verify()`](verify::verify), which names the first
+//!   record that breaks the chain;
+//! * [`error`]: what opening and appending can fail with, [`LogError`].
+//!
+//! The format is described for readers by the JSON Schema
+//! `docs/decision-log.schema.json`.
+
+pub mod chain;
+pub mod error;
+pub mod mask;
+pub mod record;
+pub mod segment;
+pub mod verify;
+pub mod writer;
+
+#[cfg(test)]
+mod tests;
+
+pub use chain::GENESIS;
+pub use error::LogError;
+pub use mask::{MASKED, MaskError, MaskRules, OMITTED};
+pub use record::{
+    Action, BatchRecord, CallDecisionRecord, CallRecord, Caller, ChainChangeRecord, ChangeKind,
+    ChangeOutcome, ChangeStatus, DecisionRecord, Entry, FORMAT_VERSION, GuardRole,
+    GuardTraceRecord, LogRecord, Outcome, OutcomeStatus, TraceStatus,
+};
+pub use verify::{BadRecord, RecordRef, VerifyError, VerifyReport, verify};
+pub use writer::{Appended, DecisionLog, Durability, LogConfig};

@@ -1,0 +1,795 @@
+//! The writer (R29): records appended to JSON Lines files, hash-chained,
+//! rotated by size, made durable per record or per interval, each append
+//! answered only once its record is written.
+//!
+//! [`DecisionLog::append`] masks the entry on the caller's task, then hands
+//! it to one writer task and waits for its answer. The writer task takes
+//! every request waiting at that moment as one group (group commit): it
+//! numbers and chains the group's records, writes them with one `write`
+//! per file, and, with [`Durability::EveryRecord`], makes them durable with
+//! one `fdatasync` for the whole group before answering. Batches that
+//! arrive while an fsync is under way form the next group, so concurrent
+//! batches share fsyncs instead of queueing one fsync each. With
+//! [`Durability::Interval`] a record is answered once written to the file
+//! (it survives a crash of the mesh, not of the machine), and the file is
+//! synced at most `interval` after its first unsynced write. The file I/O
+//! and the serialization run on tokio's blocking pool, never on the
+//! caller's runtime threads.
+//!
+//! Failures:
+//!
+//! * a write that fails (disk full, I/O error) fails every record of the
+//!   group from the first one not written; the file is cut back to the end
+//!   of the last record written and the chain continues from it, so a later
+//!   append may succeed. If it cannot be cut back, the log is *poisoned*;
+//! * a failed fsync poisons the log (after a failed fsync the kernel may
+//!   have dropped the unwritten pages, and a second fsync would not say
+//!   so): every later append fails with [`LogError::Poisoned`] until the
+//!   mesh restarts;
+//! * a rotation that cannot create the next file fails the records that
+//!   needed it; the next append tries again.
+//!
+//! A rotated file is always synced, whatever the durability, and the
+//! directory is synced after a file is created in it.
+//!
+//! One writer per directory: the writer holds an advisory lock on the
+//! directory's `.lock` file, and a second writer (another mesh process,
+//! or the same log opened twice) is refused at open.
+//!
+//! On open, an existing log is resumed: the writer reads the last record of
+//! the last file and continues its chain there, in the same file. If that
+//! record is incomplete (a line without its newline, left by a crash in
+//! the middle of a write) or does not match its hash, the log is not
+//! resumed: [`LogError::CorruptTail`] says where the last intact record
+//! ends. Repairing is left to the operator on purpose, so that no record
+//! is ever discarded without someone looking at it. The rest of the log is
+//! not read on open; verification is `verify`'s job.
+
+use std::fs::{self, File, OpenOptions};
+use std::io::{self, Read, Seek, SeekFrom, Write};
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+
+use serde::Serialize;
+use time::format_description::well_known::Rfc3339;
+use tokio::sync::{mpsc, oneshot};
+use tokio::time::Instant;
+use uuid::Uuid;
+
+use super::chain::{self, GENESIS, Header};
+use super::error::LogError;
+use super::mask::MaskRules;
+use super::record::{Entry, FORMAT_VERSION};
+use super::segment;
+
+/// When records are made durable.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Durability {
+    /// Each append is answered once its record is on disk (`fdatasync`);
+    /// concurrent appends share one fsync.
+    EveryRecord,
+    /// Each append is answered once its record is written to the file; the
+    /// file is synced at most this long after its first unsynced write.
+    Interval(Duration),
+}
+
+/// The settings of a decision log.
+#[derive(Debug, Clone)]
+pub struct LogConfig {
+    /// The directory of the log's files; created if missing.
+    pub dir: PathBuf,
+    /// The mesh instance, written in every record.
+    pub mesh: String,
+    /// A file is rotated before a record would take it past this size (a
+    /// record larger than this still goes whole into a file of its own).
+    pub max_file_bytes: u64,
+    pub durability: Durability,
+    pub mask: MaskRules,
+    /// Appends waiting for the writer before `append` waits to enqueue.
+    pub queue: usize,
+}
+
+impl LogConfig {
+    /// Defaults: 64 MiB files, fsync per record, no masking.
+    pub fn new(dir: impl Into<PathBuf>, mesh: impl Into<String>) -> Self {
+        LogConfig {
+            dir: dir.into(),
+            mesh: mesh.into(),
+            max_file_bytes: 64 * 1024 * 1024,
+            durability: Durability::EveryRecord,
+            mask: MaskRules::none(),
+            queue: 1024,
+        }
+    }
+}
+
+/// A record written.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Appended {
+    pub seq: u64,
+    pub id: String,
+    /// How many values were masked in it.
+    pub masked: u32,
+}
+
+/// An open decision log. Cheap to clone; the writer stops when the last
+/// clone is dropped (after syncing) or on [`DecisionLog::close`].
+#[derive(Debug, Clone)]
+pub struct DecisionLog {
+    inner: Arc<Inner>,
+}
+
+#[derive(Debug)]
+struct Inner {
+    tx: mpsc::Sender<Request>,
+    mask: MaskRules,
+    dir: PathBuf,
+}
+
+enum Request {
+    Append {
+        entry: Box<Entry>,
+        masked: u32,
+        reply: oneshot::Sender<Result<Appended, LogError>>,
+    },
+    Sync(oneshot::Sender<Result<(), LogError>>),
+    Close(oneshot::Sender<Result<(), LogError>>),
+}
+
+/// The most appends committed as one group.
+const MAX_GROUP: usize = 512;
+
+impl DecisionLog {
+    /// Opens (or creates) the log in `config.dir` and starts its writer on
+    /// the current tokio runtime. Fails if the directory cannot be created
+    /// or written, or if the tail of an existing log is damaged.
+    pub async fn open(config: LogConfig) -> Result<DecisionLog, LogError> {
+        if config.max_file_bytes == 0 {
+            return Err(LogError::Config(
+                "max_file_bytes must be above 0".to_owned(),
+            ));
+        }
+        if config.dir.as_os_str().is_empty() {
+            return Err(LogError::Config("no directory given".to_owned()));
+        }
+        if let Durability::Interval(interval) = config.durability
+            && interval.is_zero()
+        {
+            return Err(LogError::Config(
+                "a sync interval of 0: use fsync per record instead".to_owned(),
+            ));
+        }
+        let (dir, mesh, max) = (
+            config.dir.clone(),
+            config.mesh.clone(),
+            config.max_file_bytes,
+        );
+        let writer = tokio::task::spawn_blocking(move || Writer::open(dir, mesh, max))
+            .await
+            .map_err(|err| LogError::Config(format!("opening the log panicked: {err}")))??;
+        let (tx, rx) = mpsc::channel(config.queue.max(1));
+        tokio::spawn(run(writer, config.durability, rx));
+        Ok(DecisionLog {
+            inner: Arc::new(Inner {
+                tx,
+                mask: config.mask,
+                dir: config.dir,
+            }),
+        })
+    }
+
+    /// The log's directory.
+    pub fn dir(&self) -> &Path {
+        &self.inner.dir
+    }
+
+    /// Masks `entry`, appends it, and returns once it is written (and, with
+    /// [`Durability::EveryRecord`], on disk). An error means the record is
+    /// not in the log.
+    pub async fn append(&self, mut entry: Entry) -> Result<Appended, LogError> {
+        let masked = self.inner.mask.mask_entry(&mut entry);
+        let (reply, answer) = oneshot::channel();
+        self.inner
+            .tx
+            .send(Request::Append {
+                entry: Box::new(entry),
+                masked,
+                reply,
+            })
+            .await
+            .map_err(|_| LogError::Closed)?;
+        answer.await.map_err(|_| LogError::Closed)?
+    }
+
+    /// Makes everything appended so far durable.
+    pub async fn sync(&self) -> Result<(), LogError> {
+        self.control(Request::Sync).await
+    }
+
+    /// Syncs and stops the writer; later appends fail with
+    /// [`LogError::Closed`].
+    pub async fn close(&self) -> Result<(), LogError> {
+        self.control(Request::Close).await
+    }
+
+    async fn control(
+        &self,
+        request: fn(oneshot::Sender<Result<(), LogError>>) -> Request,
+    ) -> Result<(), LogError> {
+        let (reply, answer) = oneshot::channel();
+        self.inner
+            .tx
+            .send(request(reply))
+            .await
+            .map_err(|_| LogError::Closed)?;
+        answer.await.map_err(|_| LogError::Closed)?
+    }
+}
+
+/// The writer task: groups requests, runs the file work on the blocking
+/// pool, answers.
+async fn run(writer: Writer, durability: Durability, mut rx: mpsc::Receiver<Request>) {
+    let mut writer = Some(writer);
+    // With `Interval`: when the unsynced writes must be synced.
+    let mut sync_at: Option<Instant> = None;
+    loop {
+        let first = tokio::select! {
+            request = rx.recv() => request,
+            () = sleep_until(sync_at), if sync_at.is_some() => {
+                sync_at = None;
+                let Some(result) = blocking(&mut writer, Writer::sync).await else { return };
+                // A failure poisons the writer; the next append reports it.
+                let _ = result;
+                continue;
+            }
+        };
+        let Some(first) = first else {
+            // Every handle is gone: sync what is written and stop.
+            let _ = blocking(&mut writer, Writer::sync).await;
+            return;
+        };
+        let mut group = vec![first];
+        while group.len() < MAX_GROUP {
+            match rx.try_recv() {
+                Ok(request) => group.push(request),
+                Err(_) => break,
+            }
+        }
+
+        let mut pending = Pending::default();
+        let mut closing = false;
+        for request in group {
+            if closing {
+                answer_closed(request);
+                continue;
+            }
+            let control = match request {
+                Request::Append {
+                    entry,
+                    masked,
+                    reply,
+                } => {
+                    pending.entries.push((*entry, masked));
+                    pending.replies.push(reply);
+                    continue;
+                }
+                control => control,
+            };
+            // Appends before a sync or close are written first.
+            if !pending.flush(&mut writer, durability, &mut sync_at).await {
+                return;
+            }
+            let Some(result) = blocking(&mut writer, Writer::sync).await else {
+                return;
+            };
+            sync_at = None;
+            match control {
+                Request::Sync(reply) => {
+                    let _ = reply.send(result);
+                }
+                Request::Close(reply) => {
+                    // Release the directory before answering, so that the
+                    // log can be opened again as soon as `close` returns.
+                    writer = None;
+                    let _ = reply.send(result);
+                    closing = true;
+                }
+                Request::Append { .. } => unreachable!("appends are pending"),
+            }
+        }
+        if !pending.flush(&mut writer, durability, &mut sync_at).await {
+            return;
+        }
+        if closing {
+            rx.close();
+            while let Some(request) = rx.recv().await {
+                answer_closed(request);
+            }
+            return;
+        }
+    }
+}
+
+/// Appends taken from the queue and not yet written.
+#[derive(Default)]
+struct Pending {
+    entries: Vec<(Entry, u32)>,
+    replies: Vec<oneshot::Sender<Result<Appended, LogError>>>,
+}
+
+impl Pending {
+    /// Writes the pending appends as one group and answers them; `false`
+    /// if the writer is gone.
+    async fn flush(
+        &mut self,
+        writer: &mut Option<Writer>,
+        durability: Durability,
+        sync_at: &mut Option<Instant>,
+    ) -> bool {
+        if self.entries.is_empty() {
+            return true;
+        }
+        let entries = std::mem::take(&mut self.entries);
+        let sync = durability == Durability::EveryRecord;
+        let Some(results) = blocking(writer, move |w| w.append(entries, sync)).await else {
+            return false;
+        };
+        let wrote = results.iter().any(Result::is_ok);
+        for (reply, result) in self.replies.drain(..).zip(results) {
+            let _ = reply.send(result);
+        }
+        if let Durability::Interval(interval) = durability
+            && wrote
+            && sync_at.is_none()
+        {
+            *sync_at = Some(Instant::now() + interval);
+        }
+        true
+    }
+}
+
+fn answer_closed(request: Request) {
+    match request {
+        Request::Append { reply, .. } => {
+            let _ = reply.send(Err(LogError::Closed));
+        }
+        Request::Sync(reply) | Request::Close(reply) => {
+            let _ = reply.send(Err(LogError::Closed));
+        }
+    }
+}
+
+async fn sleep_until(at: Option<Instant>) {
+    match at {
+        Some(at) => tokio::time::sleep_until(at).await,
+        None => std::future::pending().await,
+    }
+}
+
+/// Runs `work` on the blocking pool with the writer moved there and back.
+/// `None` if the work panicked: the writer is gone and the task stops (its
+/// handles then see [`LogError::Closed`]).
+async fn blocking<T: Send + 'static>(
+    slot: &mut Option<Writer>,
+    work: impl FnOnce(&mut Writer) -> T + Send + 'static,
+) -> Option<T> {
+    let mut writer = slot.take()?;
+    let (writer, result) = tokio::task::spawn_blocking(move || {
+        let result = work(&mut writer);
+        (writer, result)
+    })
+    .await
+    .ok()?;
+    *slot = Some(writer);
+    Some(result)
+}
+
+/// The envelope as written, without `hash` (the seal adds it). The member
+/// order is [`super::record::LogRecord`]'s.
+#[derive(Serialize)]
+struct Unsealed<'a> {
+    v: u32,
+    seq: u64,
+    id: &'a str,
+    time: &'a str,
+    mesh: &'a str,
+    prev: &'a str,
+    masked: u32,
+    #[serde(flatten)]
+    entry: &'a Entry,
+}
+
+/// The files and the chain; used from the blocking pool only.
+struct Writer {
+    /// Held while the writer lives: one writer per log directory.
+    _lock: File,
+    dir: PathBuf,
+    mesh: String,
+    max_file_bytes: u64,
+    file: File,
+    path: PathBuf,
+    /// Bytes in `file`.
+    size: u64,
+    /// Written to `file` since its last sync.
+    dirty: bool,
+    next_seq: u64,
+    prev: String,
+    poisoned: Option<String>,
+}
+
+/// A record serialized and sealed, not yet written.
+struct Line {
+    bytes: Vec<u8>,
+    seq: u64,
+    id: String,
+    masked: u32,
+}
+
+impl Writer {
+    fn open(dir: PathBuf, mesh: String, max_file_bytes: u64) -> Result<Writer, LogError> {
+        if dir.exists() && !dir.is_dir() {
+            return Err(LogError::Config(format!(
+                "{} is not a directory",
+                dir.display()
+            )));
+        }
+        fs::create_dir_all(&dir).map_err(|err| LogError::io("create", &dir, &err))?;
+        let lock = lock_dir(&dir)?;
+        let files = segment::list(&dir).map_err(|err| LogError::io("list", &dir, &err))?;
+
+        // The last record of the log, and where the writer continues.
+        let (path, next_seq, prev) = match files.last() {
+            None => (dir.join(segment::file_name(0)), 0, GENESIS.to_owned()),
+            Some((named, last)) => {
+                let mut found = None;
+                for (_, file) in files.iter().rev() {
+                    if let Some(tail) = last_record(file)? {
+                        found = Some(tail);
+                        break;
+                    }
+                }
+                let (next_seq, prev) = match found {
+                    Some((header, hash)) => (header.seq + 1, hash),
+                    None => (0, GENESIS.to_owned()),
+                };
+                // An empty last file (a crash right after a rotation) must
+                // be named for the record that comes next.
+                if fs::metadata(last).map(|m| m.len()).unwrap_or(0) == 0 && *named != next_seq {
+                    return Err(LogError::CorruptTail {
+                        path: last.clone(),
+                        line: 0,
+                        offset: 0,
+                        reason: format!(
+                            "is empty and named for seq {named}, but the record that comes next is seq {next_seq}"
+                        ),
+                    });
+                }
+                (last.clone(), next_seq, prev)
+            }
+        };
+        let file = OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&path)
+            .map_err(|err| LogError::io("open", &path, &err))?;
+        let size = file
+            .metadata()
+            .map_err(|err| LogError::io("stat", &path, &err))?
+            .len();
+        if size == 0 {
+            sync_dir(&dir)?;
+        }
+        Ok(Writer {
+            _lock: lock,
+            dir,
+            mesh,
+            max_file_bytes,
+            file,
+            path,
+            size,
+            dirty: false,
+            next_seq,
+            prev,
+            poisoned: None,
+        })
+    }
+
+    /// Appends `entries` (already masked) in order; syncs them when `sync`.
+    /// One result per entry.
+    fn append(
+        &mut self,
+        entries: Vec<(Entry, u32)>,
+        sync: bool,
+    ) -> Vec<Result<Appended, LogError>> {
+        let count = entries.len();
+        if let Some(reason) = &self.poisoned {
+            let error = LogError::Poisoned {
+                reason: reason.clone(),
+            };
+            return vec![Err(error); count];
+        }
+        // Number, chain and seal the records.
+        let mut lines = Vec::with_capacity(count);
+        let mut results: Vec<Option<Result<Appended, LogError>>> = Vec::with_capacity(count);
+        let (mut seq, mut prev) = (self.next_seq, self.prev.clone());
+        for (entry, masked) in &entries {
+            let id = Uuid::now_v7().to_string();
+            let time = time::OffsetDateTime::now_utc()
+                .format(&Rfc3339)
+                .unwrap_or_default();
+            let unsealed = Unsealed {
+                v: FORMAT_VERSION,
+                seq,
+                id: &id,
+                time: &time,
+                mesh: &self.mesh,
+                prev: &prev,
+                masked: *masked,
+                entry,
+            };
+            match serde_json::to_vec(&unsealed) {
+                Ok(object) => {
+                    let bytes = chain::seal(object);
+                    prev = chain::sha256_hex(&bytes);
+                    lines.push((
+                        results.len(),
+                        Line {
+                            bytes,
+                            seq,
+                            id,
+                            masked: *masked,
+                        },
+                        prev.clone(),
+                    ));
+                    results.push(None);
+                    seq += 1;
+                }
+                Err(err) => results.push(Some(Err(LogError::Serialize(err.to_string())))),
+            }
+        }
+
+        // Write them, rotating where a file would grow past its size.
+        let (written, write_failure) = self.write_lines(lines.iter().map(|(_, line, _)| line));
+        let mut sync_failure = None;
+        if written > 0 {
+            let (_, line, hash) = &lines[written - 1];
+            self.next_seq = line.seq + 1;
+            self.prev = hash.clone();
+            if sync {
+                sync_failure = self.sync().err();
+            }
+        }
+        for (index, (slot, line, _)) in lines.into_iter().enumerate() {
+            results[slot] = Some(match (&sync_failure, &write_failure) {
+                // Nothing of this group is known to be on disk.
+                (Some(error), _) => Err(error.clone()),
+                (None, Some(error)) if index >= written => Err(error.clone()),
+                _ => Ok(Appended {
+                    seq: line.seq,
+                    id: line.id,
+                    masked: line.masked,
+                }),
+            });
+        }
+        results
+            .into_iter()
+            .map(|result| result.unwrap_or(Err(LogError::Closed)))
+            .collect()
+    }
+
+    /// Writes `lines` in order; returns how many were written, and the
+    /// failure that stopped the rest.
+    fn write_lines<'a>(
+        &mut self,
+        lines: impl Iterator<Item = &'a Line>,
+    ) -> (usize, Option<LogError>) {
+        let mut written = 0;
+        let mut buf: Vec<u8> = Vec::new();
+        let mut in_buf = 0;
+        for line in lines {
+            let len = line.bytes.len() as u64 + 1;
+            let pending = self.size + buf.len() as u64;
+            if pending > 0 && pending + len > self.max_file_bytes {
+                if let Err(err) = self.write_buf(&buf) {
+                    return (written, Some(err));
+                }
+                written += in_buf;
+                buf.clear();
+                in_buf = 0;
+                if let Err(err) = self.rotate(line.seq) {
+                    return (written, Some(err));
+                }
+            }
+            buf.extend_from_slice(&line.bytes);
+            buf.push(b'\n');
+            in_buf += 1;
+        }
+        if let Err(err) = self.write_buf(&buf) {
+            return (written, Some(err));
+        }
+        (written + in_buf, None)
+    }
+
+    /// Writes whole lines to the current file, or nothing of them.
+    fn write_buf(&mut self, buf: &[u8]) -> Result<(), LogError> {
+        if buf.is_empty() {
+            return Ok(());
+        }
+        match self.file.write_all(buf) {
+            Ok(()) => {
+                self.size += buf.len() as u64;
+                self.dirty = true;
+                Ok(())
+            }
+            Err(err) => {
+                let error = LogError::io("write", &self.path, &err);
+                // Cut back what part of the lines made it, so the file ends
+                // with a whole record and the chain can go on.
+                if let Err(cut) = self.file.set_len(self.size) {
+                    self.poison(format!(
+                        "a failed write ({err}) could not be cut back ({cut}) in {}",
+                        self.path.display()
+                    ));
+                }
+                Err(error)
+            }
+        }
+    }
+
+    /// Closes the current file (synced) and starts the file of `seq`.
+    fn rotate(&mut self, seq: u64) -> Result<(), LogError> {
+        self.sync()?;
+        let path = self.dir.join(segment::file_name(seq));
+        let file = OpenOptions::new()
+            .create_new(true)
+            .append(true)
+            .open(&path)
+            .map_err(|err| LogError::io("create", &path, &err))?;
+        self.file = file;
+        self.path = path;
+        self.size = 0;
+        self.dirty = false;
+        if let Err(err) = sync_dir(&self.dir) {
+            self.poison(err.to_string());
+            return Err(err);
+        }
+        Ok(())
+    }
+
+    /// Syncs the current file if anything was written since the last sync.
+    fn sync(&mut self) -> Result<(), LogError> {
+        if let Some(reason) = &self.poisoned {
+            return Err(LogError::Poisoned {
+                reason: reason.clone(),
+            });
+        }
+        if !self.dirty {
+            return Ok(());
+        }
+        match self.file.sync_data() {
+            Ok(()) => {
+                self.dirty = false;
+                Ok(())
+            }
+            Err(err) => {
+                let error = LogError::io("fsync", &self.path, &err);
+                self.poison(error.to_string());
+                Err(error)
+            }
+        }
+    }
+
+    fn poison(&mut self, reason: String) {
+        tracing::error!(%reason, "decision log stopped");
+        self.poisoned.get_or_insert(reason);
+    }
+}
+
+/// Takes the log directory's lock file, `.lock`, so that a second writer
+/// (another mesh process, or a second log in this one) is refused instead
+/// of interleaving records and breaking the chain. An advisory `flock`:
+/// released by the kernel when the writer ends, even by a crash.
+fn lock_dir(dir: &Path) -> Result<File, LogError> {
+    let path = dir.join(".lock");
+    let file = OpenOptions::new()
+        .create(true)
+        .truncate(false)
+        .write(true)
+        .open(&path)
+        .map_err(|err| LogError::io("open", &path, &err))?;
+    #[cfg(unix)]
+    {
+        use std::os::fd::AsRawFd;
+        // SAFETY: flock on a descriptor this function owns.
+        if unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } != 0 {
+            let err = io::Error::last_os_error();
+            if err.kind() == io::ErrorKind::WouldBlock {
+                return Err(LogError::Config(format!(
+                    "{} is already written by another decision log (another mesh, or this one opened twice); \
+                     give each mesh instance its own directory",
+                    dir.display()
+                )));
+            }
+            return Err(LogError::io("lock", &path, &err));
+        }
+    }
+    Ok(file)
+}
+
+fn sync_dir(dir: &Path) -> Result<(), LogError> {
+    File::open(dir)
+        .and_then(|d| d.sync_all())
+        .map_err(|err| LogError::io("fsync", dir, &err))
+}
+
+/// The last record of `path` and the hash of its line; `None` for an empty
+/// file. A damaged tail is [`LogError::CorruptTail`].
+fn last_record(path: &Path) -> Result<Option<(Header, String)>, LogError> {
+    let io = |err: io::Error| LogError::io("read", path, &err);
+    let mut file = File::open(path).map_err(io)?;
+    let len = file.metadata().map_err(io)?.len();
+    if len == 0 {
+        return Ok(None);
+    }
+    let corrupt = |offset: u64, reason: &str| -> LogError {
+        LogError::CorruptTail {
+            path: path.to_path_buf(),
+            line: lines_before(path, offset).unwrap_or(0) + 1,
+            offset,
+            reason: reason.to_owned(),
+        }
+    };
+    // Find the newline before the last line, reading backwards.
+    const CHUNK: u64 = 64 * 1024;
+    let mut end = len;
+    let mut tail: Vec<u8> = Vec::new();
+    let start = loop {
+        let from = end.saturating_sub(CHUNK);
+        let mut chunk = vec![0; (end - from) as usize];
+        file.seek(SeekFrom::Start(from)).map_err(io)?;
+        file.read_exact(&mut chunk).map_err(io)?;
+        chunk.extend_from_slice(&tail);
+        tail = chunk;
+        // The last byte of the file is the last line's newline, if whole.
+        let search = if from + tail.len() as u64 == len {
+            &tail[..tail.len() - 1]
+        } else {
+            &tail[..]
+        };
+        if let Some(at) = search.iter().rposition(|&b| b == b'\n') {
+            break from + at as u64 + 1;
+        }
+        if from == 0 {
+            break 0;
+        }
+        end = from;
+    };
+    let line_start = (start - (len - tail.len() as u64)) as usize;
+    let line = &tail[line_start..];
+    if line.last() != Some(&b'\n') {
+        return Err(corrupt(
+            start,
+            "is incomplete (no newline): a write was cut short",
+        ));
+    }
+    let line = &line[..line.len() - 1];
+    if chain::check_seal(line).is_err() {
+        return Err(corrupt(start, "does not match its hash"));
+    }
+    let header = Header::parse(line).map_err(|reason| corrupt(start, &reason))?;
+    if header.v != FORMAT_VERSION {
+        return Err(corrupt(
+            start,
+            &format!("has an unknown format version {}", header.v),
+        ));
+    }
+    Ok(Some((header, chain::sha256_hex(line))))
+}
+
+/// Newlines in the first `offset` bytes of `path` (for error messages).
+fn lines_before(path: &Path, offset: u64) -> io::Result<u64> {
+    let mut bytes = Vec::new();
+    File::open(path)?.take(offset).read_to_end(&mut bytes)?;
+    Ok(bytes.iter().filter(|&&b| b == b'\n').count() as u64)
+}
