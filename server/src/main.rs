@@ -107,6 +107,10 @@ enum Command {
     /// Serves the benchmark's guards and baselines (started by `bench`).
     #[command(hide = true)]
     BenchGuards(guardmesh_server::bench::GuardsArgs),
+    /// MCP gateway: judges every tools/call through the mesh (R31).
+    Mcp(guardmesh_gateway::McpArgs),
+    /// Agent-host hooks (PreToolUse).
+    Hook(guardmesh_gateway::HookArgs),
 }
 
 /// How the command-line tools reach a mesh: its address and the
@@ -305,6 +309,8 @@ fn main() -> ExitCode {
     let cli = match cli.command {
         Command::Bench(args) => return guardmesh_server::bench::main(args),
         Command::BenchGuards(args) => return guardmesh_server::bench::serve_guards(args),
+        Command::Mcp(args) => return guardmesh_gateway::main_mcp(args),
+        Command::Hook(args) => return guardmesh_gateway::main_hook(args),
         command => Cli { command, ..cli },
     };
     let mut builder = match cli.worker_threads {
@@ -354,7 +360,7 @@ async fn run(cli: Cli) -> Result<ExitCode, Error> {
             delay_ms,
         } => example_guard(kind, listen, delay_ms).await,
         Command::Conformance(args) => guardmesh_server::conformance::main(args).await,
-        Command::Bench(_) | Command::BenchGuards(_) => {
+        Command::Bench(_) | Command::BenchGuards(_) | Command::Mcp(_) | Command::Hook(_) => {
             Err("the benchmark is started before the runtime".into())
         }
     };
