@@ -646,3 +646,214 @@ async fn r31_hook_deny_allow_updated_input_and_exit_codes() {
     );
     assert_eq!(batches[0].calls[0].call_id, "toolu_01ABC");
 }
+
+// ---------------------------------------------------------------------------
+// guardmesh mcp http
+// ---------------------------------------------------------------------------
+
+/// Waits (bounded) until something accepts on `port`.
+async fn wait_for_port(port: u16, what: &str) {
+    for _ in 0..300 {
+        if tokio::net::TcpStream::connect(("127.0.0.1", port))
+            .await
+            .is_ok()
+        {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    panic!("{what} did not start listening on {port}");
+}
+
+/// A child process killed when dropped.
+struct Child(std::process::Child);
+
+impl Drop for Child {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+/// The Python SDK upstream on Streamable HTTP and `guardmesh mcp http` in
+/// front of it; returns the gateway's endpoint URL.
+async fn http_gateway(mesh: &str, scratch: &Scratch) -> (String, Child, Child) {
+    let upstream_port = free_port();
+    let mut command = scratch.upstream(&["http", &upstream_port.to_string()]);
+    let upstream = Child(
+        Command::new(command.remove(0))
+            .args(command)
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap(),
+    );
+    wait_for_port(upstream_port, "the upstream MCP server").await;
+    let port = free_port();
+    let gateway = Child(
+        Command::new(env!("CARGO_BIN_EXE_guardmesh"))
+            .args(["mcp", "http", "--mesh", mesh, "--listen"])
+            .arg(format!("127.0.0.1:{port}"))
+            .arg("--upstream")
+            .arg(format!("http://127.0.0.1:{upstream_port}/mcp"))
+            .stdout(Stdio::null())
+            .spawn()
+            .unwrap(),
+    );
+    wait_for_port(port, "guardmesh mcp http").await;
+    (format!("http://127.0.0.1:{port}/mcp"), upstream, gateway)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn r31_http_decisions_and_session_through_the_official_sdk() {
+    let (mesh, guard) = mesh_with_policy("mcp-http").await;
+    let scratch = Scratch::new("http");
+    let (url, _upstream, _gateway) = http_gateway(&mesh.url, &scratch).await;
+    let scenario = json!({"mode": "legacy", "steps": [
+        {"op": "list_tools"},
+        {"op": "call", "name": "read_file", "arguments": {"path": "/etc/shadow"}},
+        {"op": "call", "name": "delete_file", "arguments": {"path": "/home/a"}},
+        {"op": "call", "name": "pay", "arguments": {"amount": 500, "to": "mallory"}},
+        {"op": "call", "name": "pay", "arguments": {"amount": 5, "to": "bob"}},
+    ]});
+    let target = vec!["http".to_owned(), url.clone()];
+    let lines = tokio::task::spawn_blocking(move || run_client(scenario, &target))
+        .await
+        .unwrap();
+    let results = calls(&lines);
+    assert_eq!(results[0]["text"][0], "contents of /redacted", "{lines:?}");
+    assert_eq!(results[1]["isError"], true);
+    assert_eq!(results[1]["text"][0], "deleting is not allowed; use trash");
+    assert_eq!(results[2]["isError"], false);
+    assert_eq!(results[2]["text"][0], "payments over 100 need approval");
+    assert_eq!(results[3]["text"][0], "paid 5.0 to bob");
+    assert_eq!(
+        scratch.executed(),
+        vec![
+            json!({"tool": "read_file", "arguments": {"path": "/redacted"}}),
+            json!({"tool": "pay", "arguments": {"amount": 5.0, "to": "bob"}}),
+        ]
+    );
+    // The Mcp-Session-Id the upstream gave the client is every batch's
+    // session (R31), not one the gateway made up.
+    let sessions: Vec<String> = guard
+        .guard
+        .batches()
+        .iter()
+        .map(|b| b.context.as_ref().unwrap().session_id.clone())
+        .collect();
+    assert_eq!(sessions.len(), 4);
+    assert!(sessions.iter().all(|s| *s == sessions[0]), "{sessions:?}");
+    assert!(
+        !sessions[0].is_empty() && !sessions[0].starts_with("mcp-http-"),
+        "{sessions:?}"
+    );
+
+    // The client's default mode (the stateless revision first) works too.
+    let scenario = json!({"mode": "auto", "steps": [
+        {"op": "call", "name": "delete_file", "arguments": {"path": "/b"}},
+    ]});
+    let target = vec!["http".to_owned(), url];
+    let lines = tokio::task::spawn_blocking(move || run_client(scenario, &target))
+        .await
+        .unwrap();
+    assert_eq!(calls(&lines)[0]["isError"], true, "{lines:?}");
+    assert_eq!(scratch.executed().len(), 2, "the steered call did not run");
+}
+
+/// One HTTP/1.1 exchange on a fresh connection: (status, headers, body).
+async fn post(url: &str, session: Option<&str>, body: &str) -> (u16, String, String) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let authority = url.trim_start_matches("http://").split('/').next().unwrap();
+    let mut stream = tokio::net::TcpStream::connect(authority).await.unwrap();
+    let session = session.map_or(String::new(), |s| format!("Mcp-Session-Id: {s}\r\n"));
+    let request = format!(
+        "POST /mcp HTTP/1.1\r\nHost: {authority}\r\nContent-Type: application/json\r\n\
+         Accept: application/json, text/event-stream\r\nMCP-Protocol-Version: 2025-11-25\r\n\
+         {session}Content-Length: {}\r\nConnection: close\r\n\r\n{body}",
+        body.len()
+    );
+    stream.write_all(request.as_bytes()).await.unwrap();
+    let mut answer = Vec::new();
+    stream.read_to_end(&mut answer).await.unwrap();
+    let answer = String::from_utf8_lossy(&answer).into_owned();
+    let (head, body) = answer.split_once("\r\n\r\n").unwrap();
+    let status = head.split(' ').nth(1).unwrap().parse().unwrap();
+    (status, head.to_owned(), body.to_owned())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn r31_http_json_rpc_batch_is_one_guard_batch() {
+    let (mesh, guard) = mesh_with_policy("mcp-http-batch").await;
+    let scratch = Scratch::new("http-batch");
+    let (url, _upstream, _gateway) = http_gateway(&mesh.url, &scratch).await;
+    let init = json!({"jsonrpc": "2.0", "id": 0, "method": "initialize", "params": {
+        "protocolVersion": "2025-11-25", "capabilities": {},
+        "clientInfo": {"name": "raw", "version": "0"}}});
+    let (status, head, _) = post(&url, None, &init.to_string()).await;
+    assert_eq!(status, 200, "{head}");
+    let session = head
+        .lines()
+        .find_map(|l| {
+            let (name, value) = l.split_once(':')?;
+            name.eq_ignore_ascii_case("mcp-session-id")
+                .then(|| value.trim().to_owned())
+        })
+        .expect("Mcp-Session-Id");
+    let (status, _, _) = post(
+        &url,
+        Some(&session),
+        r#"{"jsonrpc":"2.0","method":"notifications/initialized"}"#,
+    )
+    .await;
+    assert_eq!(status, 202);
+    let batch = json!([
+        RawGateway::call(json!(1), "delete_file", json!({"path": "/x"})),
+        RawGateway::call(json!(2), "read_file", json!({"path": "/etc/passwd"})),
+        RawGateway::call(json!(3), "pay", json!({"amount": 1000, "to": "m"})),
+    ]);
+    let (status, head, body) = post(&url, Some(&session), &batch.to_string()).await;
+    assert_eq!(status, 200, "{head}\n{body}");
+    let answers = by_id(&serde_json::from_str(&body).unwrap());
+    assert_eq!(answers.len(), 3, "{answers:?}");
+    assert_eq!(answers["1"]["result"]["isError"], true);
+    assert_eq!(
+        answers["2"]["result"]["content"][0]["text"],
+        "contents of /redacted"
+    );
+    assert_eq!(answers["3"]["result"]["isError"], false);
+    let batches = guard.guard.batches();
+    assert_eq!(batches.len(), 1, "one guard batch for the JSON-RPC batch");
+    assert_eq!(batches[0].calls.len(), 3);
+    assert_eq!(batches[0].context.as_ref().unwrap().session_id, session);
+    assert_eq!(
+        scratch.executed(),
+        vec![json!({"tool": "read_file", "arguments": {"path": "/redacted"}})]
+    );
+    // Malformed JSON: a JSON-RPC parse error, nothing forwarded.
+    let (status, _, body) = post(&url, Some(&session), r#"{"jsonrpc":"2.0","id":9,"#).await;
+    assert_eq!(status, 400);
+    assert_eq!(
+        serde_json::from_str::<Value>(&body).unwrap()["error"]["code"],
+        -32700
+    );
+    assert_eq!(scratch.executed().len(), 1);
+}
+
+#[test]
+fn r31_http_refuses_a_non_loopback_listen_address() {
+    let output = Command::new(env!("CARGO_BIN_EXE_guardmesh"))
+        .args([
+            "mcp",
+            "http",
+            "--listen",
+            "0.0.0.0:0",
+            "--upstream",
+            "http://127.0.0.1:1/mcp",
+        ])
+        .output()
+        .unwrap();
+    assert!(!output.status.success());
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(stderr.contains("not a loopback address"), "{stderr}");
+}

@@ -45,6 +45,8 @@ pub mod codes {
     pub const MESH_UNREACHABLE: ErrorCode = ErrorCode(-32071);
     /// The message is larger than `--max-message-bytes`; it was discarded.
     pub const TOO_LARGE: ErrorCode = ErrorCode(-32072);
+    /// `mcp http`: the upstream MCP server could not be reached (HTTP 502).
+    pub const INTERNAL_ERROR_UPSTREAM: ErrorCode = ErrorCode(-32073);
 }
 
 /// The members of a JSON object in order, read without losing a byte of
@@ -370,14 +372,14 @@ struct ErrorMessage<'a> {
 /// `isError: false`, both holding the guard's content as text (R31).
 pub fn tool_result(id: &RawValue, content: &str, is_error: bool) -> String {
     let blocks = vec![ContentBlock::text(content)];
-    let mut result = if is_error {
+    let result = if is_error {
         CallToolResult::error(blocks)
     } else {
         CallToolResult::success(blocks)
     };
-    // Absent means "complete" in every revision; older clients do not know
-    // the field.
-    result.result_type = None;
+    // `resultType: "complete"` (rmcp's default) is required by the
+    // 2026-07-28 revision and ignored by clients of earlier ones (both are
+    // tested with the official Python SDK).
     serde_json::to_string(&ResultMessage {
         jsonrpc: "2.0",
         id,
