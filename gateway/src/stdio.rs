@@ -61,6 +61,9 @@ pub enum StdioError {
     Io(#[from] std::io::Error),
 }
 
+/// Messages (or batches) with tool calls judged at once, per session.
+const MAX_IN_FLIGHT: usize = 64;
+
 /// A session id made for one run.
 pub fn fresh_session_id(prefix: &str) -> String {
     let nanos = std::time::SystemTime::now()
@@ -243,6 +246,9 @@ where
         JsonRpcMessageCodec::<Box<RawValue>>::new_with_max_length(args.max_message_bytes);
     let mut eof = false;
     let mut tasks = tokio::task::JoinSet::new();
+    // Bounds the messages being judged at once: past it, the gateway stops
+    // reading the client until one is answered.
+    let in_flight = Arc::new(tokio::sync::Semaphore::new(MAX_IN_FLIGHT));
     let mut upstream_done = false;
     loop {
         let frame = tokio::select! {
@@ -291,9 +297,13 @@ where
             }
             Incoming::Single(Item::Drop(why)) => tracing::warn!("{why}"),
             Incoming::Single(Item::ToolCall(call)) => {
+                let Ok(permit) = in_flight.clone().acquire_owned().await else {
+                    break;
+                };
                 let (judge, session) = (judge.clone(), session.clone());
                 let (to_client, to_upstream) = (to_client.clone(), to_upstream.clone());
                 tasks.spawn(async move {
+                    let _permit = permit;
                     for disposition in judge.judge(&session, std::slice::from_ref(&call)).await {
                         match disposition {
                             Disposition::Forward(text) => {
@@ -307,10 +317,14 @@ where
                 });
             }
             Incoming::Batch(items) => {
+                let Ok(permit) = in_flight.clone().acquire_owned().await else {
+                    break;
+                };
                 let (judge, session) = (judge.clone(), session.clone());
                 let (to_client, to_upstream) = (to_client.clone(), to_upstream.clone());
                 let collector = collector.clone();
                 tasks.spawn(async move {
+                    let _permit = permit;
                     relay_batch(
                         items,
                         &judge,
@@ -393,7 +407,11 @@ async fn relay_batch(
             Disposition::Answer(text) => answers.push(text),
         }
     }
-    let expected: Vec<String> = forwards.iter().filter_map(|(_, k)| k.clone()).collect();
+    // Each id once: a client that repeats an id in a batch gets the first
+    // response in the array and the next one on its own line.
+    let mut expected: Vec<String> = forwards.iter().filter_map(|(_, k)| k.clone()).collect();
+    expected.sort();
+    expected.dedup();
     if expected.is_empty() {
         if !answers.is_empty() {
             let _ = to_client.send(array(&answers)).await;
