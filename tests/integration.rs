@@ -11,6 +11,8 @@
 //! * `observability`, `otel`: metrics, logs and exported traces (R21, R22).
 //! * `polyglot`, `conformance`: Python, Node and Rust guard processes in one
 //!   chain, and the conformance kit against each.
+//! * `mcp`: the MCP gateway and the pre-tool hook through the official MCP
+//!   SDK (R31).
 //! * `cli`, `shutdown`: the `guardmesh` command as users run it.
 //!
 //! Tests that measure memory take [`harness::HEAVY`]; tests that must own the
@@ -22,6 +24,7 @@ mod harness;
 mod cli;
 mod conformance;
 mod etcd;
+mod mcp;
 mod faults;
 mod observability;
 mod otel;

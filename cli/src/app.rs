@@ -108,6 +108,10 @@ enum Command {
     /// Serves the benchmark's guards and baselines (started by `bench`).
     #[command(hide = true)]
     BenchGuards(crate::bench::GuardsArgs),
+    /// MCP gateway: judges every tools/call through the mesh (R31).
+    Mcp(guardmesh_gateway::McpArgs),
+    /// Agent-host hooks (PreToolUse).
+    Hook(guardmesh_gateway::HookArgs),
 }
 
 /// How the command-line tools reach a mesh: its address and the
@@ -296,6 +300,8 @@ pub fn main() -> ExitCode {
     let cli = match cli.command {
         Command::Bench(args) => return crate::bench::main(args),
         Command::BenchGuards(args) => return crate::bench::serve_guards(args),
+        Command::Mcp(args) => return guardmesh_gateway::main_mcp(args),
+        Command::Hook(args) => return guardmesh_gateway::main_hook(args),
         command => Cli { command, ..cli },
     };
     let mut builder = match cli.worker_threads {
@@ -343,7 +349,7 @@ async fn run(cli: Cli) -> Result<ExitCode, Error> {
             delay_ms,
         } => example_guard(kind, listen, delay_ms).await,
         Command::Conformance(args) => crate::conformance::main(args).await,
-        Command::Bench(_) | Command::BenchGuards(_) => {
+        Command::Bench(_) | Command::BenchGuards(_) | Command::Mcp(_) | Command::Hook(_) => {
             Err("the benchmark is started before the runtime".into())
         }
     };

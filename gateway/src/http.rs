@@ -1,0 +1,356 @@
+//! `guardmesh mcp http`: the gateway in front of a Streamable HTTP MCP
+//! server (POST and GET on one endpoint, `Mcp-Session-Id`, JSON or SSE
+//! responses).
+//!
+//! * A POST whose body holds no `tools/call` is forwarded as received, and
+//!   the upstream's answer (JSON or an SSE stream) streams back unchanged.
+//!   GET (the server's SSE stream), DELETE (session end) and any other
+//!   method are forwarded the same way.
+//! * A POST with one `tools/call`: judged (R31) with the request's
+//!   `Mcp-Session-Id` as the batch's session (one made per request when the
+//!   client has none, as in the stateless revision). Proceed forwards the
+//!   final call and streams the upstream's answer back; steer, cancel and
+//!   errors are answered by the gateway as `application/json`.
+//! * A JSON-RPC batch with `tools/call`s: one guard batch. Forwarded elements
+//!   are posted one by one; the answer is one JSON array of the gateway's
+//!   answers and the upstream's responses (read from JSON or SSE bodies).
+//! * Only loopback listen addresses are served: a non-loopback address is
+//!   refused, since the gateway does not terminate TLS (put it behind a TLS
+//!   proxy on the same host).
+
+use crate::jsonrpc::{self, Incoming, Item, ToolCallRequest, codes};
+use crate::judge::{Disposition, Judge, MeshArgs};
+use crate::stdio::fresh_session_id;
+use bytes::Bytes;
+use http::{HeaderMap, HeaderValue, Method, Request, Response, StatusCode, Uri, header};
+use http_body_util::combinators::BoxBody;
+use http_body_util::{BodyExt, Full, Limited};
+use hyper::body::Incoming as Body;
+use hyper_util::client::legacy::Client;
+use hyper_util::client::legacy::connect::HttpConnector;
+use hyper_util::rt::{TokioExecutor, TokioIo};
+use rmcp::model::ErrorData;
+use std::sync::Arc;
+
+/// `guardmesh mcp http`.
+#[derive(clap::Args, Debug, Clone)]
+pub struct HttpArgs {
+    #[command(flatten)]
+    pub mesh: MeshArgs,
+    /// Address to serve on. Loopback only: the gateway does not terminate
+    /// TLS, so a non-loopback address is refused.
+    #[arg(long, default_value = "127.0.0.1:8808")]
+    pub listen: std::net::SocketAddr,
+    /// The upstream MCP server's Streamable HTTP endpoint (`http://`).
+    #[arg(long)]
+    pub upstream: String,
+    /// Largest request body accepted from a client, in bytes.
+    #[arg(long, default_value_t = 4 << 20)]
+    pub max_message_bytes: usize,
+}
+
+type Out = BoxBody<Bytes, hyper::Error>;
+
+struct Proxy {
+    upstream: Uri,
+    client: Client<HttpConnector, Out>,
+    judge: Judge,
+    max: usize,
+}
+
+fn full(bytes: impl Into<Bytes>) -> Out {
+    Full::new(bytes.into())
+        .map_err(|never| match never {})
+        .boxed()
+}
+
+fn json_response(status: StatusCode, body: String) -> Response<Out> {
+    let mut response = Response::new(full(body));
+    *response.status_mut() = status;
+    response.headers_mut().insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static("application/json"),
+    );
+    response
+}
+
+fn error_response(
+    status: StatusCode,
+    id: Option<&serde_json::value::RawValue>,
+    e: &ErrorData,
+) -> Response<Out> {
+    json_response(status, jsonrpc::error(id, e))
+}
+
+/// Headers that belong to one connection, not to the message.
+fn hop_by_hop(name: &header::HeaderName) -> bool {
+    matches!(
+        name.as_str(),
+        "connection"
+            | "keep-alive"
+            | "transfer-encoding"
+            | "te"
+            | "upgrade"
+            | "host"
+            | "content-length"
+            | "proxy-connection"
+    )
+}
+
+fn copy_headers(from: &HeaderMap, to: &mut HeaderMap) {
+    for (name, value) in from {
+        if !hop_by_hop(name) {
+            to.append(name.clone(), value.clone());
+        }
+    }
+}
+
+impl Proxy {
+    /// Sends a request to the upstream with the client's headers.
+    async fn send(
+        &self,
+        method: Method,
+        headers: &HeaderMap,
+        body: Out,
+    ) -> Result<Response<Body>, String> {
+        let mut request = Request::new(body);
+        *request.method_mut() = method;
+        *request.uri_mut() = self.upstream.clone();
+        copy_headers(headers, request.headers_mut());
+        self.client
+            .request(request)
+            .await
+            .map_err(|e| crate::judge::error_chain(&e))
+    }
+
+    /// Relays the upstream's answer as it streams.
+    fn relay(response: Response<Body>) -> Response<Out> {
+        let (parts, body) = response.into_parts();
+        let mut out = Response::new(body.boxed());
+        *out.status_mut() = parts.status;
+        copy_headers(&parts.headers, out.headers_mut());
+        if let Some(length) = parts.headers.get(header::CONTENT_LENGTH) {
+            out.headers_mut()
+                .insert(header::CONTENT_LENGTH, length.clone());
+        }
+        out
+    }
+
+    fn bad_gateway(why: String) -> Response<Out> {
+        let data = ErrorData::new(
+            codes::INTERNAL_ERROR_UPSTREAM,
+            format!("guardmesh: the upstream MCP server cannot be reached: {why}"),
+            None,
+        );
+        error_response(StatusCode::BAD_GATEWAY, None, &data)
+    }
+
+    async fn forward(&self, method: Method, headers: &HeaderMap, body: Out) -> Response<Out> {
+        match self.send(method, headers, body).await {
+            Ok(response) => Self::relay(response),
+            Err(why) => Self::bad_gateway(why),
+        }
+    }
+
+    async fn handle(&self, request: Request<Body>) -> Response<Out> {
+        let (parts, body) = request.into_parts();
+        if parts.method != Method::POST {
+            return self
+                .forward(parts.method, &parts.headers, body.boxed())
+                .await;
+        }
+        let bytes = match Limited::new(body, self.max).collect().await {
+            Ok(collected) => collected.to_bytes(),
+            Err(_) => {
+                let data = ErrorData::new(
+                    codes::TOO_LARGE,
+                    format!("guardmesh: request body longer than {} bytes", self.max),
+                    None,
+                );
+                return error_response(StatusCode::PAYLOAD_TOO_LARGE, None, &data);
+            }
+        };
+        let session = parts
+            .headers
+            .get("mcp-session-id")
+            .and_then(|v| v.to_str().ok())
+            .map(str::to_owned)
+            .unwrap_or_else(|| fresh_session_id("mcp-http"));
+        let incoming = match jsonrpc::classify(&bytes) {
+            Ok(incoming) => incoming,
+            Err(error) => return error_response(StatusCode::BAD_REQUEST, None, &error),
+        };
+        match incoming {
+            Incoming::Single(Item::Forward(_)) => {
+                self.forward(parts.method, &parts.headers, full(bytes))
+                    .await
+            }
+            Incoming::Single(Item::Reject { id, error }) => {
+                error_response(StatusCode::OK, id.as_deref(), &error)
+            }
+            Incoming::Single(Item::Drop(why)) => {
+                tracing::warn!("{why}");
+                let mut response = Response::new(full(Bytes::new()));
+                *response.status_mut() = StatusCode::ACCEPTED;
+                response
+            }
+            Incoming::Single(Item::ToolCall(call)) => {
+                let call = *call;
+                let disposition = self
+                    .judge
+                    .judge(&session, std::slice::from_ref(&call))
+                    .await
+                    .pop();
+                match disposition {
+                    Some(Disposition::Forward(text)) => {
+                        self.forward(parts.method, &parts.headers, full(text)).await
+                    }
+                    Some(Disposition::Answer(text)) => json_response(StatusCode::OK, text),
+                    None => json_response(StatusCode::OK, String::new()),
+                }
+            }
+            Incoming::Batch(items) => {
+                if !items.iter().any(|i| matches!(i, Item::ToolCall(_))) {
+                    return self
+                        .forward(parts.method, &parts.headers, full(bytes))
+                        .await;
+                }
+                self.batch(items, &session, &parts.headers).await
+            }
+        }
+    }
+
+    /// A JSON-RPC batch holding tool calls: one guard batch, one array.
+    async fn batch(&self, items: Vec<Item>, session: &str, headers: &HeaderMap) -> Response<Out> {
+        let mut calls: Vec<ToolCallRequest> = Vec::new();
+        let mut answers = Vec::new();
+        let mut forwards = Vec::new();
+        for item in items {
+            match item {
+                Item::ToolCall(call) => calls.push(*call),
+                Item::Forward(raw) => forwards.push(raw.get().to_owned()),
+                Item::Reject { id, error } => answers.push(jsonrpc::error(id.as_deref(), &error)),
+                Item::Drop(why) => tracing::warn!("{why}"),
+            }
+        }
+        for disposition in self.judge.judge(session, &calls).await {
+            match disposition {
+                Disposition::Forward(text) => forwards.push(text),
+                Disposition::Answer(text) => answers.push(text),
+            }
+        }
+        for message in forwards {
+            match self.send(Method::POST, headers, full(message)).await {
+                Ok(response) => answers.extend(responses_of(response).await),
+                Err(why) => return Self::bad_gateway(why),
+            }
+        }
+        if answers.is_empty() {
+            let mut response = Response::new(full(Bytes::new()));
+            *response.status_mut() = StatusCode::ACCEPTED;
+            return response;
+        }
+        json_response(StatusCode::OK, format!("[{}]", answers.join(",")))
+    }
+}
+
+/// The JSON-RPC responses in an upstream answer: a JSON body (one message
+/// or an array) or an SSE stream's `data:` events.
+async fn responses_of(response: Response<Body>) -> Vec<String> {
+    let sse = response
+        .headers()
+        .get(header::CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+        .is_some_and(|v| v.starts_with("text/event-stream"));
+    let Ok(body) = response.into_body().collect().await else {
+        return Vec::new();
+    };
+    let body = body.to_bytes();
+    let texts: Vec<String> = if sse {
+        String::from_utf8_lossy(&body)
+            .split("\n\n")
+            .filter_map(|event| {
+                let data: Vec<&str> = event
+                    .lines()
+                    .filter_map(|l| l.strip_prefix("data:"))
+                    .map(str::trim_start)
+                    .collect();
+                (!data.is_empty()).then(|| data.join("\n"))
+            })
+            .collect()
+    } else {
+        vec![String::from_utf8_lossy(&body).into_owned()]
+    };
+    let mut out = Vec::new();
+    for text in texts {
+        match serde_json::from_str::<Vec<Box<serde_json::value::RawValue>>>(&text) {
+            Ok(many) => out.extend(many.into_iter().map(|m| m.get().to_owned())),
+            Err(_) => {
+                if jsonrpc::response_key(text.as_bytes()).is_some() {
+                    out.push(text);
+                }
+            }
+        }
+    }
+    out
+}
+
+/// Why the proxy could not start.
+#[derive(Debug, thiserror::Error)]
+pub enum HttpError {
+    #[error(
+        "refusing to listen on {0}: not a loopback address, and the gateway does not terminate TLS \
+         (listen on 127.0.0.1 behind a TLS proxy)"
+    )]
+    NotLoopback(std::net::SocketAddr),
+    #[error("--upstream {0:?} is not an http:// URL")]
+    Upstream(String),
+    #[error("cannot listen on {0}: {1}")]
+    Listen(std::net::SocketAddr, std::io::Error),
+}
+
+/// Serves the proxy until the process is stopped.
+pub async fn run(args: HttpArgs) -> Result<(), HttpError> {
+    if !args.listen.ip().is_loopback() {
+        return Err(HttpError::NotLoopback(args.listen));
+    }
+    let upstream: Uri = args
+        .upstream
+        .parse()
+        .ok()
+        .filter(|u: &Uri| u.scheme_str() == Some("http") && u.authority().is_some())
+        .ok_or_else(|| HttpError::Upstream(args.upstream.clone()))?;
+    let listener = tokio::net::TcpListener::bind(args.listen)
+        .await
+        .map_err(|e| HttpError::Listen(args.listen, e))?;
+    let addr = listener
+        .local_addr()
+        .map_err(|e| HttpError::Listen(args.listen, e))?;
+    eprintln!("guardmesh mcp http: listening on http://{addr}");
+    serve(listener, args, upstream).await;
+    Ok(())
+}
+
+async fn serve(listener: tokio::net::TcpListener, args: HttpArgs, upstream: Uri) {
+    let proxy = Arc::new(Proxy {
+        upstream,
+        client: Client::builder(TokioExecutor::new()).build_http(),
+        judge: Judge::new(args.mesh.clone(), "mcp-http"),
+        max: args.max_message_bytes,
+    });
+    loop {
+        let Ok((stream, _)) = listener.accept().await else {
+            continue;
+        };
+        let proxy = proxy.clone();
+        tokio::spawn(async move {
+            let service = hyper::service::service_fn(move |request| {
+                let proxy = proxy.clone();
+                async move { Ok::<_, std::convert::Infallible>(proxy.handle(request).await) }
+            });
+            let _ = hyper::server::conn::http1::Builder::new()
+                .serve_connection(TokioIo::new(stream), service)
+                .await;
+        });
+    }
+}

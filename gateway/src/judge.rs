@@ -1,0 +1,263 @@
+//! Judging: a set of `tools/call` requests becomes one mesh batch, and each
+//! call's decision becomes what the gateway does with it (R31):
+//!
+//! | mesh answer | gateway |
+//! |---|---|
+//! | proceed | forward, with the final tool name and arguments (rewrites applied, R10-R12) |
+//! | steer | answer `CallToolResult { isError: true }` with the content |
+//! | cancel | answer `CallToolResult { isError: false }` with the content |
+//! | batch refused (R20) or aborted (R13, R17) | JSON-RPC error [`codes::MESH_REFUSED`] |
+//! | mesh unreachable | JSON-RPC error [`codes::MESH_UNREACHABLE`] |
+//!
+//! A call the mesh returned no decision for is never forwarded.
+
+use crate::jsonrpc::{self, ToolCallRequest, codes};
+use guardmesh_client::{Batch, ClientError, Coordinator, Decision, Outcome};
+use rmcp::model::ErrorData;
+use std::collections::HashMap;
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::time::Duration;
+use tokio::sync::Mutex;
+
+/// How the gateway reaches the mesh.
+#[derive(clap::Args, Debug, Clone)]
+pub struct MeshArgs {
+    /// The mesh's address (`https://` for a mesh with TLS).
+    #[arg(long, env = "GUARDMESH_MESH", default_value = "http://127.0.0.1:50051")]
+    pub mesh: String,
+    /// PEM of the CA that signed the mesh's certificate (TLS).
+    #[arg(long)]
+    pub ca_file: Option<PathBuf>,
+    /// This client's PEM certificate, for a mesh that requires mTLS.
+    #[arg(long, requires = "key_file")]
+    pub cert_file: Option<PathBuf>,
+    /// The key of `--cert-file`, PEM.
+    #[arg(long, requires = "cert_file")]
+    pub key_file: Option<PathBuf>,
+    /// The name to verify the mesh's certificate against.
+    #[arg(long)]
+    pub tls_domain: Option<String>,
+    /// A file holding the bearer token (its first line); else
+    /// `GUARDMESH_TOKEN`.
+    #[arg(long)]
+    pub token_file: Option<PathBuf>,
+    /// Deadline of each batch at the mesh, in milliseconds (0: the mesh's
+    /// default, R14).
+    #[arg(long, default_value_t = 0)]
+    pub timeout_ms: u64,
+}
+
+impl MeshArgs {
+    /// The SDK connection these flags describe.
+    pub fn connection(&self) -> Result<guardmesh_client::Connection, String> {
+        let read = |path: &std::path::Path| {
+            std::fs::read_to_string(path)
+                .map_err(|e| format!("cannot read {}: {e}", path.display()))
+        };
+        let tls = match &self.ca_file {
+            Some(ca) => Some(guardmesh_client::Tls {
+                ca_pem: read(ca)?,
+                identity: match (&self.cert_file, &self.key_file) {
+                    (Some(cert), Some(key)) => Some((read(cert)?, read(key)?)),
+                    _ => None,
+                },
+                domain: self.tls_domain.clone(),
+            }),
+            None => None,
+        };
+        let token = match &self.token_file {
+            Some(path) => Some(
+                read(path)?
+                    .lines()
+                    .next()
+                    .unwrap_or_default()
+                    .trim()
+                    .to_owned(),
+            ),
+            None => std::env::var("GUARDMESH_TOKEN").ok(),
+        }
+        .filter(|t| !t.trim().is_empty());
+        Ok(guardmesh_client::Connection { tls, token })
+    }
+}
+
+/// What to do with one judged call.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Disposition {
+    /// Forward this message to the upstream server.
+    Forward(String),
+    /// Answer the client with this message; forward nothing.
+    Answer(String),
+}
+
+/// Why a batch got no decisions.
+#[derive(Debug, thiserror::Error)]
+pub enum JudgeError {
+    /// The mesh answered with an error instead of decisions.
+    #[error("the mesh refused the batch ({code:?}): {message}")]
+    Refused { code: tonic::Code, message: String },
+    /// The mesh could not be reached.
+    #[error("the mesh at {mesh} cannot be reached: {message}")]
+    Unreachable { mesh: String, message: String },
+}
+
+impl JudgeError {
+    /// The JSON-RPC error the client gets for each call of the batch.
+    pub fn error_data(&self) -> ErrorData {
+        match self {
+            Self::Refused { code, message } => ErrorData::new(
+                codes::MESH_REFUSED,
+                format!("guardmesh: the mesh refused the call: {message}"),
+                Some(serde_json::json!({ "grpcCode": format!("{code:?}"), "message": message })),
+            ),
+            Self::Unreachable { mesh, message } => ErrorData::new(
+                codes::MESH_UNREACHABLE,
+                format!("guardmesh: the mesh cannot be reached, the call was not run: {message}"),
+                Some(serde_json::json!({ "mesh": mesh })),
+            ),
+        }
+    }
+}
+
+/// A lazily connected link to the mesh for one gateway session. Nothing is
+/// connected until the first call is judged, so a session without calls
+/// never contacts the mesh (R1).
+pub struct Judge {
+    args: MeshArgs,
+    coordinator: Mutex<Option<Coordinator>>,
+    turn: AtomicU32,
+    metadata: HashMap<String, String>,
+}
+
+impl Judge {
+    /// A judge for `args`; `source` goes into each batch's metadata
+    /// (`gateway`).
+    pub fn new(args: MeshArgs, source: &str) -> Self {
+        Self {
+            args,
+            coordinator: Mutex::new(None),
+            turn: AtomicU32::new(0),
+            metadata: HashMap::from([("gateway".to_owned(), source.to_owned())]),
+        }
+    }
+
+    async fn coordinator(&self) -> Result<Coordinator, JudgeError> {
+        let mut slot = self.coordinator.lock().await;
+        if let Some(c) = slot.as_ref() {
+            return Ok(c.clone());
+        }
+        let unreachable = |message: String| JudgeError::Unreachable {
+            mesh: self.args.mesh.clone(),
+            message,
+        };
+        let connection = self.args.connection().map_err(unreachable)?;
+        let connect = Coordinator::connect_with(self.args.mesh.clone(), &connection);
+        let coordinator = tokio::time::timeout(Duration::from_secs(10), connect)
+            .await
+            .map_err(|_| unreachable("connect timed out".into()))?
+            .map_err(|e| unreachable(error_chain(&e)))?;
+        *slot = Some(coordinator.clone());
+        Ok(coordinator)
+    }
+
+    /// Evaluates one batch of calls (R31: a JSON-RPC batch is one batch).
+    pub async fn evaluate(
+        &self,
+        session: &str,
+        calls: Vec<(String, String, String)>,
+        traceparent: Option<&str>,
+    ) -> Result<Decision, JudgeError> {
+        let coordinator = self.coordinator().await?;
+        let mut batch = Batch::new(self.turn.fetch_add(1, Ordering::Relaxed));
+        batch.metadata = self.metadata.clone();
+        for (call_id, tool, arguments) in calls {
+            batch = batch.call(call_id, tool, arguments);
+        }
+        if let Some(tp) = traceparent {
+            batch = batch.traceparent(tp);
+        }
+        if self.args.timeout_ms > 0 {
+            batch = batch.timeout(Duration::from_millis(self.args.timeout_ms));
+        }
+        coordinator
+            .evaluate_once(session, batch)
+            .await
+            .map_err(|e| match e {
+                ClientError::Status(status)
+                    if std::error::Error::source(&status).is_none()
+                        || status.code() != tonic::Code::Unavailable =>
+                {
+                    JudgeError::Refused {
+                        code: status.code(),
+                        message: status.message().to_owned(),
+                    }
+                }
+                other => JudgeError::Unreachable {
+                    mesh: self.args.mesh.clone(),
+                    message: error_chain(&other),
+                },
+            })
+    }
+
+    /// Judges `calls` as one batch and says what to do with each, in order.
+    pub async fn judge(&self, session: &str, calls: &[ToolCallRequest]) -> Vec<Disposition> {
+        if calls.is_empty() {
+            return Vec::new();
+        }
+        let traceparent = calls.iter().find_map(|c| c.traceparent.as_deref());
+        let wire = calls
+            .iter()
+            .map(|c| (c.call_id().to_owned(), c.name.clone(), c.arguments.clone()))
+            .collect();
+        match self.evaluate(session, wire, traceparent).await {
+            Ok(decision) => calls.iter().map(|c| dispose(c, &decision)).collect(),
+            Err(error) => {
+                tracing::warn!(%error, calls = calls.len(), "tools/call not forwarded");
+                let data = error.error_data();
+                calls
+                    .iter()
+                    .map(|c| Disposition::Answer(jsonrpc::error(Some(&c.id), &data)))
+                    .collect()
+            }
+        }
+    }
+}
+
+/// What the decision says to do with `call`.
+fn dispose(call: &ToolCallRequest, decision: &Decision) -> Disposition {
+    let Some(outcome) = decision.call(call.call_id()) else {
+        let data = ErrorData::new(
+            codes::MESH_REFUSED,
+            "guardmesh: the mesh returned no decision for this call",
+            None,
+        );
+        return Disposition::Answer(jsonrpc::error(Some(&call.id), &data));
+    };
+    match &outcome.outcome {
+        Outcome::Proceed => Disposition::Forward(
+            call.forward(&outcome.final_call.tool, &outcome.final_call.arguments),
+        ),
+        Outcome::Steer { content } => {
+            Disposition::Answer(jsonrpc::tool_result(&call.id, content, true))
+        }
+        Outcome::Cancel { content } => {
+            Disposition::Answer(jsonrpc::tool_result(&call.id, content, false))
+        }
+    }
+}
+
+/// An error with its sources, `: `-separated.
+pub fn error_chain(error: &dyn std::error::Error) -> String {
+    let mut text = error.to_string();
+    let mut source = error.source();
+    while let Some(s) = source {
+        let s_text = s.to_string();
+        if !text.contains(&s_text) {
+            text.push_str(": ");
+            text.push_str(&s_text);
+        }
+        source = s.source();
+    }
+    text
+}

@@ -1,0 +1,131 @@
+//! The guardmesh MCP gateway and agent-host hooks: tool calls from agents
+//! that speak MCP, or that run pre-tool hooks, judged by the mesh before they
+//! run (SPEC R31).
+//!
+//! * [`stdio`]: `guardmesh mcp stdio -- COMMAND...`, a relay in front of an
+//!   MCP server started over stdio.
+//! * [`http`]: `guardmesh mcp http --upstream URL`, the same in front of a
+//!   Streamable HTTP MCP server; the `Mcp-Session-Id` is the batch's session.
+//! * [`judge`]: a set of `tools/call` requests as one mesh batch, and each
+//!   decision as forward / tool result / JSON-RPC error.
+//! * [`jsonrpc`]: strict reading of client messages, and the answers the
+//!   gateway writes itself.
+//! * [`hook`]: `guardmesh hook pre-tool-use`, an agent host's
+//!   `PreToolUse` hook.
+//!
+//! # Why not rmcp's service layer
+//!
+//! The official Rust SDK, `rmcp`, is used for what fits a relay: its protocol
+//! types ([`rmcp::model::CallToolResult`], [`rmcp::model::ErrorData`],
+//! [`rmcp::model::NumberOrString`]) for every answer the gateway writes
+//! itself, and its JSON-RPC line codec
+//! ([`rmcp::transport::async_rw::JsonRpcMessageCodec`], bounded) for stdio
+//! framing. Its client and server *services* are not used: they deserialize
+//! every message into the typed enums of the MCP revisions rmcp knows, so a
+//! method or field it does not know would be refused or dropped, and
+//! re-serializing would change the bytes the upstream receives. A relay must
+//! pass unknown methods, unknown fields, and numbers of any size through
+//! unchanged (R31), so messages other than `tools/call` are forwarded as the
+//! exact bytes received (`serde_json::value::RawValue`), and a `tools/call`
+//! that proceeds unchanged is forwarded as received too.
+
+pub mod hook;
+pub mod http;
+pub mod jsonrpc;
+pub mod judge;
+pub mod stdio;
+
+pub use hook::PreToolUseArgs;
+pub use http::HttpArgs;
+pub use judge::MeshArgs;
+pub use stdio::StdioArgs;
+
+use std::process::ExitCode;
+
+/// `guardmesh mcp ...`.
+#[derive(clap::Args, Debug, Clone)]
+pub struct McpArgs {
+    #[command(subcommand)]
+    pub command: McpCommand,
+}
+
+/// The MCP gateway's transports.
+#[derive(clap::Subcommand, Debug, Clone)]
+pub enum McpCommand {
+    /// Starts COMMAND as the upstream MCP server over stdio and relays
+    /// every message, judging each tools/call through the mesh first.
+    Stdio(StdioArgs),
+    /// Serves Streamable HTTP in front of an upstream MCP server's URL,
+    /// judging each tools/call through the mesh first.
+    Http(HttpArgs),
+}
+
+/// `guardmesh hook ...`.
+#[derive(clap::Args, Debug, Clone)]
+pub struct HookArgs {
+    #[command(subcommand)]
+    pub command: HookCommand,
+}
+
+/// Agent-host hooks.
+#[derive(clap::Subcommand, Debug, Clone)]
+pub enum HookCommand {
+    /// A PreToolUse hook for agent hosts: the call on stdin, the
+    /// decision as hook JSON on stdout (see README for the exit codes).
+    PreToolUse(PreToolUseArgs),
+}
+
+/// Runs `guardmesh mcp ...`; returns the process's exit code.
+pub async fn mcp(args: McpArgs) -> i32 {
+    let result = match args.command {
+        McpCommand::Stdio(args) => stdio::run(args).await.map_err(|e| e.to_string()),
+        McpCommand::Http(args) => http::run(args).await.map(|()| 0).map_err(|e| e.to_string()),
+    };
+    result.unwrap_or_else(|error| {
+        eprintln!("error: {error}");
+        1
+    })
+}
+
+/// Runs `guardmesh hook ...`; returns the process's exit code.
+pub async fn hook(args: HookArgs) -> i32 {
+    match args.command {
+        HookCommand::PreToolUse(args) => hook::pre_tool_use(args).await,
+    }
+}
+
+/// [`mcp`] on its own runtime, logging to stderr only (stdout is the
+/// protocol's).
+pub fn main_mcp(args: McpArgs) -> ExitCode {
+    block_on(mcp(args))
+}
+
+/// [`hook`] on its own runtime, logging to stderr only.
+pub fn main_hook(args: HookArgs) -> ExitCode {
+    block_on(hook(args))
+}
+
+fn block_on(future: impl std::future::Future<Output = i32>) -> ExitCode {
+    let _ = tracing_subscriber::fmt()
+        .with_writer(std::io::stderr)
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn")),
+        )
+        .try_init();
+    let runtime = match tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(runtime) => runtime,
+        Err(error) => {
+            eprintln!("error: cannot start the runtime: {error}");
+            return ExitCode::FAILURE;
+        }
+    };
+    let code = runtime.block_on(future);
+    // A read of stdin may still be blocked on its thread (the session ended
+    // from the upstream's side): do not wait for it.
+    runtime.shutdown_background();
+    ExitCode::from(u8::try_from(code).unwrap_or(1))
+}

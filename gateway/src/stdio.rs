@@ -1,0 +1,438 @@
+//! `guardmesh mcp stdio`: the MCP client starts the gateway as its server
+//! over stdio; the gateway starts the upstream MCP server and relays every
+//! message both ways, judging each `tools/call` through the mesh first (R31).
+//!
+//! * Client to upstream: each line is read with `rmcp`'s JSON-RPC line codec
+//!   (bounded by `--max-message-bytes`) and classified
+//!   ([`crate::jsonrpc::classify`]). Tool calls are judged concurrently, each
+//!   message (or JSON-RPC batch) in its own task, so a slow guard does not
+//!   hold up `tools/list` or pings. Everything else is forwarded as received.
+//! * A JSON-RPC batch: its `tools/call`s are one guard batch. Its elements are
+//!   forwarded one by one (servers of the current MCP revision do not accept
+//!   batches), and the answer to the client is one array: the gateway's own
+//!   answers followed by the upstream's responses to the forwarded requests.
+//! * Upstream to client: each line is passed on unchanged; the upstream's
+//!   stderr is the gateway's stderr.
+//! * The upstream exiting ends the session: the gateway exits with the
+//!   upstream's status. The client closing stdin closes the upstream's stdin
+//!   and waits (bounded) for it to exit.
+
+use crate::jsonrpc::{self, Incoming, Item, codes};
+use crate::judge::{Disposition, Judge, MeshArgs};
+use bytes::BytesMut;
+use rmcp::model::ErrorData;
+use rmcp::transport::async_rw::{JsonRpcMessageCodec, JsonRpcMessageCodecError};
+use serde_json::value::RawValue;
+use std::collections::HashMap;
+use std::process::Stdio;
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::Duration;
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
+use tokio::sync::mpsc;
+use tokio_util::codec::Decoder;
+
+/// `guardmesh mcp stdio`.
+#[derive(clap::Args, Debug, Clone)]
+pub struct StdioArgs {
+    #[command(flatten)]
+    pub mesh: MeshArgs,
+    /// The session id of every batch (R31); default: one made for this run.
+    #[arg(long)]
+    pub session: Option<String>,
+    /// Largest message accepted from the client, in bytes; a longer one is
+    /// discarded and answered with an error.
+    #[arg(long, default_value_t = 4 << 20)]
+    pub max_message_bytes: usize,
+    /// The upstream MCP server: a command and its arguments, after `--`.
+    #[arg(required = true, last = true, num_args = 1..)]
+    pub command: Vec<String>,
+}
+
+/// Why the relay could not run.
+#[derive(Debug, thiserror::Error)]
+pub enum StdioError {
+    #[error("cannot start the upstream MCP server {command:?}: {source}")]
+    Spawn {
+        command: String,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("stdio: {0}")]
+    Io(#[from] std::io::Error),
+}
+
+/// Messages (or batches) with tool calls judged at once, per session.
+const MAX_IN_FLIGHT: usize = 64;
+
+/// A session id made for one run.
+pub fn fresh_session_id(prefix: &str) -> String {
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_nanos());
+    format!("{prefix}-{}-{nanos:x}", std::process::id())
+}
+
+/// Runs the relay on the process's stdin and stdout; returns the exit code.
+pub async fn run(args: StdioArgs) -> Result<i32, StdioError> {
+    run_with(args, tokio::io::stdin(), tokio::io::stdout()).await
+}
+
+type Frame = Result<Box<RawValue>, JsonRpcMessageCodecError>;
+
+/// Reads the next line-delimited JSON message; `None` at end of input.
+async fn next_frame<R: AsyncRead + Unpin>(
+    reader: &mut R,
+    buf: &mut BytesMut,
+    codec: &mut JsonRpcMessageCodec<Box<RawValue>>,
+    eof: &mut bool,
+) -> Option<Frame> {
+    loop {
+        if *eof {
+            return codec.decode_eof(buf).transpose();
+        }
+        match codec.decode(buf) {
+            Ok(Some(frame)) => return Some(Ok(frame)),
+            Err(e) => return Some(Err(e)),
+            Ok(None) => {}
+        }
+        match reader.read_buf(buf).await {
+            Ok(0) => *eof = true,
+            Ok(_) => {}
+            Err(e) => return Some(Err(e.into())),
+        }
+    }
+}
+
+/// Responses to forwarded requests of JSON-RPC batches, collected until each
+/// batch's array is complete.
+#[derive(Default)]
+struct Collector {
+    next: usize,
+    waiting: HashMap<String, usize>,
+    slots: HashMap<usize, (usize, Vec<String>)>,
+}
+
+type Shared = Arc<Mutex<Collector>>;
+
+fn lock(shared: &Shared) -> std::sync::MutexGuard<'_, Collector> {
+    shared.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+fn array(items: &[String]) -> String {
+    format!("[{}]", items.join(","))
+}
+
+/// Runs the relay on the given client streams.
+pub async fn run_with<R, W>(args: StdioArgs, input: R, output: W) -> Result<i32, StdioError>
+where
+    R: AsyncRead + Unpin + Send + 'static,
+    W: AsyncWrite + Unpin + Send + 'static,
+{
+    let (program, rest) = match args.command.split_first() {
+        Some(split) => split,
+        None => {
+            return Err(StdioError::Spawn {
+                command: String::new(),
+                source: std::io::Error::other("no command given"),
+            });
+        }
+    };
+    let mut child = tokio::process::Command::new(program)
+        .args(rest)
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit())
+        .kill_on_drop(true)
+        .spawn()
+        .map_err(|source| StdioError::Spawn {
+            command: args.command.join(" "),
+            source,
+        })?;
+    let (Some(mut upstream_in), Some(mut upstream_out)) = (child.stdin.take(), child.stdout.take())
+    else {
+        return Err(StdioError::Io(std::io::Error::other(
+            "the upstream's stdio is not piped",
+        )));
+    };
+    let session = args
+        .session
+        .clone()
+        .unwrap_or_else(|| fresh_session_id("mcp-stdio"));
+    let judge = Arc::new(Judge::new(args.mesh.clone(), "mcp-stdio"));
+    let collector: Shared = Arc::default();
+
+    // One writer per direction, so that messages are never interleaved.
+    let (to_client, mut client_rx) = mpsc::channel::<String>(256);
+    let client_writer = tokio::spawn(async move {
+        let mut output = output;
+        while let Some(message) = client_rx.recv().await {
+            let mut line = message.into_bytes();
+            line.push(b'\n');
+            if output.write_all(&line).await.is_err() || output.flush().await.is_err() {
+                break;
+            }
+        }
+    });
+    let (to_upstream, mut upstream_rx) = mpsc::channel::<String>(256);
+    let upstream_writer = tokio::spawn(async move {
+        while let Some(message) = upstream_rx.recv().await {
+            let mut line = message.into_bytes();
+            line.push(b'\n');
+            if upstream_in.write_all(&line).await.is_err() || upstream_in.flush().await.is_err() {
+                break;
+            }
+        }
+        // Dropping stdin tells the upstream the session is over.
+    });
+
+    // Upstream to client: unchanged, except responses a batch waits for.
+    let mut upstream_reader = tokio::spawn({
+        let to_client = to_client.clone();
+        let collector = collector.clone();
+        async move {
+            let mut buf = BytesMut::new();
+            let mut codec = JsonRpcMessageCodec::<Box<RawValue>>::new();
+            let mut eof = false;
+            while let Some(frame) =
+                next_frame(&mut upstream_out, &mut buf, &mut codec, &mut eof).await
+            {
+                let message = match frame {
+                    Ok(message) => message,
+                    Err(JsonRpcMessageCodecError::Io(_)) => break,
+                    Err(error) => {
+                        tracing::warn!(%error, "dropped a line from the upstream that is not JSON");
+                        continue;
+                    }
+                };
+                let text = message.get();
+                let complete = {
+                    let mut c = lock(&collector);
+                    match (!c.waiting.is_empty())
+                        .then(|| jsonrpc::response_key(text.as_bytes()))
+                        .flatten()
+                        .and_then(|key| c.waiting.remove(&key))
+                    {
+                        Some(slot) => {
+                            let done = c.slots.get_mut(&slot).is_some_and(|(left, answers)| {
+                                answers.push(text.to_owned());
+                                *left -= 1;
+                                *left == 0
+                            });
+                            if done {
+                                c.slots.remove(&slot).map(|(_, answers)| array(&answers))
+                            } else {
+                                Some(String::new())
+                            }
+                        }
+                        None => None,
+                    }
+                };
+                let out = match complete {
+                    Some(batch) if batch.is_empty() => continue,
+                    Some(batch) => batch,
+                    None => text.to_owned(),
+                };
+                if to_client.send(out).await.is_err() {
+                    break;
+                }
+            }
+        }
+    });
+
+    // Client to upstream.
+    let mut input = input;
+    let mut buf = BytesMut::new();
+    let mut codec =
+        JsonRpcMessageCodec::<Box<RawValue>>::new_with_max_length(args.max_message_bytes);
+    let mut eof = false;
+    let mut tasks = tokio::task::JoinSet::new();
+    // Bounds the messages being judged at once: past it, the gateway stops
+    // reading the client until one is answered.
+    let in_flight = Arc::new(tokio::sync::Semaphore::new(MAX_IN_FLIGHT));
+    let mut upstream_done = false;
+    loop {
+        let frame = tokio::select! {
+            biased;
+            _ = &mut upstream_reader, if !upstream_done => {
+                upstream_done = true;
+                break;
+            }
+            frame = next_frame(&mut input, &mut buf, &mut codec, &mut eof) => frame,
+        };
+        let Some(frame) = frame else { break };
+        let message = match frame {
+            Ok(message) => message,
+            Err(JsonRpcMessageCodecError::MaxLineLengthExceeded) => {
+                let data = ErrorData::new(
+                    codes::TOO_LARGE,
+                    format!(
+                        "guardmesh: message longer than {} bytes, discarded",
+                        args.max_message_bytes
+                    ),
+                    None,
+                );
+                let _ = to_client.send(jsonrpc::error(None, &data)).await;
+                continue;
+            }
+            Err(JsonRpcMessageCodecError::Serde(e)) => {
+                let data = ErrorData::new(codes::PARSE_ERROR, format!("parse error: {e}"), None);
+                let _ = to_client.send(jsonrpc::error(None, &data)).await;
+                continue;
+            }
+            Err(_) => break,
+        };
+        let incoming = match jsonrpc::classify(message.get().as_bytes()) {
+            Ok(incoming) => incoming,
+            Err(error) => {
+                let _ = to_client.send(jsonrpc::error(None, &error)).await;
+                continue;
+            }
+        };
+        match incoming {
+            Incoming::Single(Item::Forward(raw)) => {
+                let _ = to_upstream.send(raw.get().to_owned()).await;
+            }
+            Incoming::Single(Item::Reject { id, error }) => {
+                let _ = to_client.send(jsonrpc::error(id.as_deref(), &error)).await;
+            }
+            Incoming::Single(Item::Drop(why)) => tracing::warn!("{why}"),
+            Incoming::Single(Item::ToolCall(call)) => {
+                let Ok(permit) = in_flight.clone().acquire_owned().await else {
+                    break;
+                };
+                let (judge, session) = (judge.clone(), session.clone());
+                let (to_client, to_upstream) = (to_client.clone(), to_upstream.clone());
+                tasks.spawn(async move {
+                    let _permit = permit;
+                    for disposition in judge.judge(&session, std::slice::from_ref(&call)).await {
+                        match disposition {
+                            Disposition::Forward(text) => {
+                                let _ = to_upstream.send(text).await;
+                            }
+                            Disposition::Answer(text) => {
+                                let _ = to_client.send(text).await;
+                            }
+                        }
+                    }
+                });
+            }
+            Incoming::Batch(items) => {
+                let Ok(permit) = in_flight.clone().acquire_owned().await else {
+                    break;
+                };
+                let (judge, session) = (judge.clone(), session.clone());
+                let (to_client, to_upstream) = (to_client.clone(), to_upstream.clone());
+                let collector = collector.clone();
+                tasks.spawn(async move {
+                    let _permit = permit;
+                    relay_batch(
+                        items,
+                        &judge,
+                        &session,
+                        &collector,
+                        &to_client,
+                        &to_upstream,
+                    )
+                    .await;
+                });
+            }
+        }
+        // Reap finished tasks as we go.
+        while tasks.try_join_next().is_some() {}
+    }
+
+    if !upstream_done {
+        // The client is done: let the calls in flight finish, then close the
+        // upstream's stdin and give it a moment to exit.
+        while tasks.join_next().await.is_some() {}
+        drop(to_upstream);
+        let _ = upstream_writer.await;
+        if tokio::time::timeout(Duration::from_secs(5), &mut upstream_reader)
+            .await
+            .is_err()
+        {
+            upstream_reader.abort();
+        }
+    } else {
+        tasks.abort_all();
+        drop(to_upstream);
+        upstream_writer.abort();
+    }
+    drop(to_client);
+    let _ = client_writer.await;
+    let status = match tokio::time::timeout(Duration::from_secs(5), child.wait()).await {
+        Ok(Ok(status)) => status.code().unwrap_or(1),
+        _ => {
+            let _ = child.kill().await;
+            1
+        }
+    };
+    Ok(status)
+}
+
+/// Relays one JSON-RPC batch: its tool calls judged as one guard batch.
+async fn relay_batch(
+    items: Vec<Item>,
+    judge: &Judge,
+    session: &str,
+    collector: &Shared,
+    to_client: &mpsc::Sender<String>,
+    to_upstream: &mpsc::Sender<String>,
+) {
+    let mut calls = Vec::new();
+    let mut rest = Vec::new();
+    for item in items {
+        match item {
+            Item::ToolCall(call) => calls.push(*call),
+            other => rest.push(other),
+        }
+    }
+    let mut answers = Vec::new();
+    // (message, its id's key when it is a request that expects a response)
+    let mut forwards: Vec<(String, Option<String>)> = Vec::new();
+    for item in rest {
+        match item {
+            Item::Forward(raw) => {
+                let key = request_key(&raw);
+                forwards.push((raw.get().to_owned(), key));
+            }
+            Item::Reject { id, error } => answers.push(jsonrpc::error(id.as_deref(), &error)),
+            Item::Drop(why) => tracing::warn!("{why}"),
+            Item::ToolCall(_) => {}
+        }
+    }
+    for (call, disposition) in calls.iter().zip(judge.judge(session, &calls).await) {
+        match disposition {
+            Disposition::Forward(text) => forwards.push((text, Some(jsonrpc::id_key(&call.id)))),
+            Disposition::Answer(text) => answers.push(text),
+        }
+    }
+    // Each id once: a client that repeats an id in a batch gets the first
+    // response in the array and the next one on its own line.
+    let mut expected: Vec<String> = forwards.iter().filter_map(|(_, k)| k.clone()).collect();
+    expected.sort();
+    expected.dedup();
+    if expected.is_empty() {
+        if !answers.is_empty() {
+            let _ = to_client.send(array(&answers)).await;
+        }
+    } else {
+        let mut c = lock(collector);
+        let slot = c.next;
+        c.next += 1;
+        for key in &expected {
+            c.waiting.insert(key.clone(), slot);
+        }
+        c.slots.insert(slot, (expected.len(), answers));
+    }
+    for (text, _) in forwards {
+        let _ = to_upstream.send(text).await;
+    }
+}
+
+/// The id key of a request (a message with a method and an id).
+fn request_key(raw: &RawValue) -> Option<String> {
+    let members: jsonrpc::Members = serde_json::from_str(raw.get()).ok()?;
+    members.get("method")?;
+    members.get("id").map(jsonrpc::id_key)
+}

@@ -1,0 +1,61 @@
+"""An upstream MCP server for the gateway tests (tests/mcp.rs), built with the
+official Python SDK: three tools (one deletes, one pays, one reads). Every
+call it actually executes is appended to LOG as one JSON line, so a test can
+assert what ran and with which arguments.
+
+Usage: upstream.py LOG stdio
+       upstream.py LOG http PORT      (Streamable HTTP on 127.0.0.1:PORT/mcp)
+       upstream.py LOG exit-after N   (stdio; exits after N tool calls)
+"""
+
+import json
+import os
+import sys
+
+from mcp.server.mcpserver import MCPServer
+
+LOG = sys.argv[1]
+MODE = sys.argv[2]
+EXIT_AFTER = int(sys.argv[3]) if MODE == "exit-after" else None
+calls = 0
+
+server = MCPServer("guardmesh-test-upstream")
+
+
+def record(tool, arguments):
+    global calls
+    with open(LOG, "a", encoding="utf-8") as log:
+        log.write(json.dumps({"tool": tool, "arguments": arguments}) + "\n")
+    calls += 1
+    if EXIT_AFTER is not None and calls >= EXIT_AFTER:
+        # Ends the process once the answer is out.
+        import threading
+
+        threading.Timer(0.2, lambda: os._exit(0)).start()
+
+
+@server.tool(structured_output=False)
+def delete_file(path: str) -> str:
+    """Deletes a file."""
+    record("delete_file", {"path": path})
+    return f"deleted {path}"
+
+
+@server.tool(structured_output=False)
+def pay(amount: float, to: str) -> str:
+    """Pays someone."""
+    record("pay", {"amount": amount, "to": to})
+    return f"paid {amount} to {to}"
+
+
+@server.tool(structured_output=False)
+def read_file(path: str) -> str:
+    """Reads a file."""
+    record("read_file", {"path": path})
+    return f"contents of {path}"
+
+
+if MODE == "http":
+    server.run("streamable-http", host="127.0.0.1", port=int(sys.argv[3]))
+else:
+    server.run("stdio")

@@ -1,0 +1,858 @@
+//! The MCP gateway and the PreToolUse hook (R31), end to end: a real
+//! `guardmesh serve` process, a scripted guard, the `guardmesh mcp` /
+//! `guardmesh hook` process, and the official Python MCP SDK (`mcp` on PyPI)
+//! as the MCP client and as the upstream MCP server, whose log says what it
+//! actually executed.
+//!
+//! Needs `scripts/setup-polyglot` (the SDK in build/venv).
+
+
+use crate::harness::*;
+use guardmesh_client::proto::FailurePolicy;
+use guardmesh_client::proto::GuardBatch;
+use guardmesh_client::verdict::{cancel, rewrite_arguments, steer};
+use guardmesh_client::{Registrar, Registration};
+use serde_json::{Value, json};
+use std::io::{BufRead, Write};
+use std::path::PathBuf;
+use std::process::{Command, Stdio};
+use std::time::Duration;
+
+const TRACEPARENT: &str = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01";
+
+fn sdk_dir() -> PathBuf {
+    repo_root().join("tests/mcp-sdk")
+}
+
+/// The venv's python, with the MCP SDK installed.
+fn mcp_python() -> PathBuf {
+    let python = python();
+    let ok = Command::new(&python)
+        .args(["-c", "import mcp.server.mcpserver"])
+        .status()
+        .is_ok_and(|s| s.success());
+    assert!(
+        ok,
+        "the MCP SDK is not installed: run scripts/setup-polyglot"
+    );
+    python
+}
+
+/// A temporary folder with the upstream's log.
+struct Scratch {
+    dir: PathBuf,
+}
+
+impl Scratch {
+    fn new(name: &str) -> Self {
+        let dir = std::env::temp_dir().join(format!("guardmesh-mcp-{name}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        Self { dir }
+    }
+
+    fn log(&self) -> PathBuf {
+        self.dir.join("upstream.log")
+    }
+
+    /// What the upstream executed, in order.
+    fn executed(&self) -> Vec<Value> {
+        std::fs::read_to_string(self.log())
+            .unwrap_or_default()
+            .lines()
+            .map(|l| serde_json::from_str(l).unwrap())
+            .collect()
+    }
+
+    /// The upstream server's command line (stdio).
+    fn upstream(&self, mode: &[&str]) -> Vec<String> {
+        let mut command = vec![
+            mcp_python().display().to_string(),
+            sdk_dir().join("upstream.py").display().to_string(),
+            self.log().display().to_string(),
+        ];
+        command.extend(mode.iter().map(|s| s.to_string()));
+        command
+    }
+}
+
+impl Drop for Scratch {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+/// The judging the tests use: delete_file steered, pay over 100 cancelled,
+/// read_file of /etc/* rewritten to /redacted, everything else proceeds.
+fn policy(call: &guardmesh_client::proto::ToolCall) -> Option<guardmesh_client::proto::Verdict> {
+    let args: Value = serde_json::from_str(&call.arguments).unwrap_or(json!({}));
+    match call.tool.as_str() {
+        "delete_file" => Some(steer(&call.call_id, "deleting is not allowed; use trash")),
+        "pay" if args["amount"].as_f64().unwrap_or(0.0) > 100.0 => {
+            Some(cancel(&call.call_id, "payments over 100 need approval"))
+        }
+        "read_file" if args["path"].as_str().unwrap_or("").starts_with("/etc/") => Some(
+            rewrite_arguments(&call.call_id, &json!({ "path": "/redacted" })),
+        ),
+        _ => None,
+    }
+}
+
+/// A mesh process with the policy guard registered (mutate, grant
+/// read_file, so it may also skip: R12).
+async fn mesh_with_policy(name: &str) -> (MeshProcess, TestGuard) {
+    let mesh = MeshProcess::start(name, "", None).await;
+    let guard = call_guard(Duration::ZERO, policy).await;
+    Registrar::connect(mesh.url.clone())
+        .await
+        .unwrap()
+        .register(Registration::mutate("policy", &guard.url, ["read_file"]))
+        .await
+        .unwrap();
+    (mesh, guard)
+}
+
+/// Runs the Python SDK client with `scenario` against `target` (the
+/// `stdio COMMAND...` or `http URL` arguments); returns its output lines.
+fn run_client(scenario: Value, target: &[String]) -> Vec<Value> {
+    let output = Command::new(mcp_python())
+        .arg(sdk_dir().join("client.py"))
+        .arg(scenario.to_string())
+        .args(target)
+        .stdin(Stdio::null())
+        .output()
+        .expect("run the MCP client");
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    assert!(
+        output.status.success(),
+        "client failed: {}\nstdout: {stdout}\nstderr: {}",
+        output.status,
+        String::from_utf8_lossy(&output.stderr)
+    );
+    stdout
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect()
+}
+
+/// `stdio guardmesh mcp stdio --mesh URL [extra] -- UPSTREAM...`
+fn via_gateway(mesh: &str, extra: &[&str], upstream: Vec<String>) -> Vec<String> {
+    let mut target = vec![
+        "stdio".to_owned(),
+        env!("CARGO_BIN_EXE_guardmesh").to_owned(),
+        "mcp".into(),
+        "stdio".into(),
+        "--mesh".into(),
+        mesh.to_owned(),
+    ];
+    target.extend(extra.iter().map(|s| s.to_string()));
+    target.push("--".into());
+    target.extend(upstream);
+    target
+}
+
+fn calls(lines: &[Value]) -> Vec<&Value> {
+    lines.iter().filter(|l| l["op"] == "call").collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn r31_stdio_decisions_through_the_official_sdk() {
+    let (mesh, guard) = mesh_with_policy("mcp-stdio").await;
+    let scratch = Scratch::new("stdio");
+    let scenario = json!({"mode": "legacy", "steps": [
+        {"op": "list_tools"},
+        {"op": "call", "name": "read_file", "arguments": {"path": "/etc/shadow"}},
+        {"op": "call", "name": "delete_file", "arguments": {"path": "/home/a"}},
+        {"op": "call", "name": "pay", "arguments": {"amount": 500, "to": "mallory"}},
+        {"op": "call", "name": "pay", "arguments": {"amount": 5, "to": "bob"}},
+    ]});
+    let target = via_gateway(
+        &mesh.url,
+        &["--session", "s-42"],
+        scratch.upstream(&["stdio"]),
+    );
+    let lines = tokio::task::spawn_blocking(move || run_client(scenario, &target))
+        .await
+        .unwrap();
+    let results = calls(&lines);
+    assert_eq!(results.len(), 4, "{lines:?}");
+    // Proceed with the rewrite applied (R10, R31).
+    assert_eq!(results[0]["isError"], false);
+    assert_eq!(results[0]["text"][0], "contents of /redacted");
+    // Steer: a tool result with isError true holding the content (R31).
+    assert_eq!(results[1]["isError"], true, "{:?}", results[1]);
+    assert_eq!(results[1]["text"][0], "deleting is not allowed; use trash");
+    // Cancel: isError false holding the content (R31).
+    assert_eq!(results[2]["isError"], false);
+    assert_eq!(results[2]["text"][0], "payments over 100 need approval");
+    assert_eq!(results[3]["text"][0], "paid 5.0 to bob");
+    // The upstream never saw a skipped call and saw the rewritten arguments.
+    assert_eq!(
+        scratch.executed(),
+        vec![
+            json!({"tool": "read_file", "arguments": {"path": "/redacted"}}),
+            json!({"tool": "pay", "arguments": {"amount": 5.0, "to": "bob"}}),
+        ]
+    );
+    // Each tools/call was one batch, in the MCP session (R31).
+    let batches = guard.guard.batches();
+    assert_eq!(batches.len(), 4);
+    assert!(
+        batches
+            .iter()
+            .all(|b| b.context.as_ref().unwrap().session_id == "s-42")
+    );
+
+    // tools/list is identical with and without the gateway (R31).
+    let direct = {
+        let mut target = vec!["stdio".to_owned()];
+        target.extend(scratch.upstream(&["stdio"]));
+        let scenario = json!({"mode": "legacy", "steps": [{"op": "list_tools"}]});
+        tokio::task::spawn_blocking(move || run_client(scenario, &target))
+            .await
+            .unwrap()
+    };
+    let listed = |lines: &[Value]| {
+        lines
+            .iter()
+            .find(|l| l["op"] == "list_tools")
+            .cloned()
+            .unwrap()
+    };
+    assert_eq!(listed(&lines), listed(&direct));
+    assert_eq!(listed(&lines)["tools"].as_array().unwrap().len(), 3);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn r1_r31_a_session_without_calls_contacts_no_guard() {
+    let (mesh, guard) = mesh_with_policy("mcp-zero").await;
+    let scratch = Scratch::new("zero");
+    // The default client mode too (it tries the stateless revision first).
+    for mode in ["legacy", "auto"] {
+        let scenario = json!({"mode": mode, "steps": [{"op": "list_tools"}, {"op": "list_tools"}]});
+        let target = via_gateway(&mesh.url, &[], scratch.upstream(&["stdio"]));
+        let lines = tokio::task::spawn_blocking(move || run_client(scenario, &target))
+            .await
+            .unwrap();
+        assert_eq!(lines.iter().filter(|l| l["op"] == "list_tools").count(), 2);
+    }
+    assert_eq!(guard.guard.requests(), 0, "no guard contacted (R1, R31)");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn r31_r13_aborted_and_unreachable_answer_json_rpc_errors_and_forward_nothing() {
+    let mesh = MeshProcess::start("mcp-abort", "", None).await;
+    let broken = script_guard(|_| Script {
+        error: Some(tonic::Status::internal("guard down")),
+        ..Script::default()
+    })
+    .await;
+    Registrar::connect(mesh.url.clone())
+        .await
+        .unwrap()
+        .register(
+            Registration::validate("strict", &broken.url).failure_policy(FailurePolicy::Abort),
+        )
+        .await
+        .unwrap();
+    let scratch = Scratch::new("abort");
+    let scenario = json!({"mode": "legacy", "steps": [
+        {"op": "call", "name": "pay", "arguments": {"amount": 1, "to": "bob"}},
+    ]});
+    let target = via_gateway(&mesh.url, &[], scratch.upstream(&["stdio"]));
+    let lines = tokio::task::spawn_blocking(move || run_client(scenario, &target))
+        .await
+        .unwrap();
+    let result = calls(&lines)[0];
+    assert_eq!(result["error"]["code"], -32070, "{result:?}");
+    assert!(
+        result["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("strict"),
+        "{result:?}"
+    );
+
+    // A mesh that cannot be reached: fail closed.
+    let closed = closed_port().await;
+    let scenario = json!({"mode": "legacy", "steps": [
+        {"op": "call", "name": "pay", "arguments": {"amount": 1, "to": "bob"}},
+    ]});
+    let target = via_gateway(&closed, &[], scratch.upstream(&["stdio"]));
+    let lines = tokio::task::spawn_blocking(move || run_client(scenario, &target))
+        .await
+        .unwrap();
+    assert_eq!(calls(&lines)[0]["error"]["code"], -32071, "{lines:?}");
+    assert_eq!(scratch.executed(), Vec::<Value>::new(), "nothing forwarded");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn r22_r31_meta_traceparent_joins_the_trace() {
+    let (mesh, guard) = mesh_with_policy("mcp-trace").await;
+    let scratch = Scratch::new("trace");
+    let scenario = json!({"mode": "legacy", "steps": [
+        {"op": "call", "name": "read_file", "arguments": {"path": "/a"},
+         "meta": {"traceparent": TRACEPARENT}},
+    ]});
+    let target = via_gateway(&mesh.url, &[], scratch.upstream(&["stdio"]));
+    let lines = tokio::task::spawn_blocking(move || run_client(scenario, &target))
+        .await
+        .unwrap();
+    assert_eq!(calls(&lines)[0]["isError"], false, "{lines:?}");
+    let batches = guard.guard.batches();
+    assert_eq!(batches.len(), 1);
+    let (trace_id, _, _) =
+        guardmesh_client::trace::parse_traceparent(&batches[0].traceparent).expect("traceparent");
+    assert_eq!(trace_id, "4bf92f3577b34da6a3ce929d0e0e4736");
+}
+
+// ---------------------------------------------------------------------------
+// Raw JSON-RPC on the gateway's stdio: batches and hostile input.
+// ---------------------------------------------------------------------------
+
+/// `guardmesh mcp stdio` driven line by line.
+struct RawGateway {
+    child: std::process::Child,
+    stdin: Option<std::process::ChildStdin>,
+    stdout: std::io::BufReader<std::process::ChildStdout>,
+}
+
+impl RawGateway {
+    fn start(mesh: &str, extra: &[&str], upstream: Vec<String>) -> Self {
+        let mut child = Command::new(env!("CARGO_BIN_EXE_guardmesh"))
+            .args(["mcp", "stdio", "--mesh", mesh])
+            .args(extra)
+            .arg("--")
+            .args(upstream)
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .unwrap();
+        let stdin = child.stdin.take();
+        let stdout = std::io::BufReader::new(child.stdout.take().unwrap());
+        let mut gateway = Self {
+            child,
+            stdin,
+            stdout,
+        };
+        gateway.send(
+            &json!({"jsonrpc": "2.0", "id": "init", "method": "initialize", "params": {
+            "protocolVersion": "2025-11-25", "capabilities": {},
+            "clientInfo": {"name": "raw", "version": "0"}}})
+            .to_string(),
+        );
+        let init = gateway.recv();
+        assert_eq!(init["id"], "init", "{init}");
+        gateway.send(r#"{"jsonrpc":"2.0","method":"notifications/initialized"}"#);
+        gateway
+    }
+
+    fn send(&mut self, line: &str) {
+        let stdin = self.stdin.as_mut().unwrap();
+        stdin.write_all(line.as_bytes()).unwrap();
+        stdin.write_all(b"\n").unwrap();
+        stdin.flush().unwrap();
+    }
+
+    fn recv(&mut self) -> Value {
+        let mut line = String::new();
+        let n = self.stdout.read_line(&mut line).unwrap();
+        assert!(n > 0, "the gateway closed its stdout");
+        serde_json::from_str(&line).unwrap()
+    }
+
+    fn call(id: Value, tool: &str, arguments: Value) -> Value {
+        json!({"jsonrpc": "2.0", "id": id, "method": "tools/call",
+               "params": {"name": tool, "arguments": arguments}})
+    }
+}
+
+impl Drop for RawGateway {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn by_id(answers: &Value) -> std::collections::HashMap<String, Value> {
+    answers
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|a| (a["id"].to_string(), a.clone()))
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn r31_a_json_rpc_batch_of_tool_calls_is_one_guard_batch() {
+    let (mesh, guard) = mesh_with_policy("mcp-batch").await;
+    let scratch = Scratch::new("batch");
+    let upstream = scratch.upstream(&["stdio"]);
+    let url = mesh.url.clone();
+    let answers = tokio::task::spawn_blocking(move || {
+        let mut gateway = RawGateway::start(&url, &[], upstream);
+        let batch = json!([
+            RawGateway::call(json!(1), "delete_file", json!({"path": "/x"})),
+            RawGateway::call(json!(2), "read_file", json!({"path": "/etc/passwd"})),
+            RawGateway::call(json!("3"), "pay", json!({"amount": 1000, "to": "m"})),
+            {"jsonrpc": "2.0", "id": 4, "method": "tools/list"},
+            {"jsonrpc": "2.0", "method": "notifications/progress",
+             "params": {"progressToken": 1, "progress": 1}},
+        ]);
+        gateway.send(&batch.to_string());
+        gateway.recv()
+    })
+    .await
+    .unwrap();
+    // One array answering every request of the batch.
+    let answers = by_id(&answers);
+    assert_eq!(answers.len(), 4, "{answers:?}");
+    assert_eq!(answers["1"]["result"]["isError"], true);
+    assert_eq!(
+        answers["2"]["result"]["content"][0]["text"],
+        "contents of /redacted"
+    );
+    assert_eq!(answers["\"3\""]["result"]["isError"], false);
+    assert_eq!(answers["4"]["result"]["tools"].as_array().unwrap().len(), 3);
+    // The three tools/call were one guard batch (R31).
+    let batches: Vec<GuardBatch> = guard.guard.batches();
+    assert_eq!(batches.len(), 1, "{batches:?}");
+    assert_eq!(batches[0].calls.len(), 3);
+    assert_eq!(
+        scratch.executed(),
+        vec![json!({"tool": "read_file", "arguments": {"path": "/redacted"}})]
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn r31_r20_hostile_input_is_never_forwarded_unjudged() {
+    let (mesh, guard) = mesh_with_policy("mcp-hostile").await;
+    let scratch = Scratch::new("hostile");
+    let upstream = scratch.upstream(&["stdio"]);
+    let url = mesh.url.clone();
+    tokio::task::spawn_blocking(move || {
+        let mut gateway = RawGateway::start(&url, &["--max-message-bytes", "4096"], upstream);
+        // Oversized: discarded, answered with -32072, id null.
+        let big = RawGateway::call(json!(10), "pay", json!({"to": "x".repeat(8000), "amount": 1}));
+        gateway.send(&big.to_string());
+        let answer = gateway.recv();
+        assert_eq!(answer["error"]["code"], -32072, "{answer}");
+        assert_eq!(answer["id"], Value::Null);
+        // Malformed JSON: parse error.
+        gateway.send(r#"{"jsonrpc":"2.0","id":11,"method":"tools/call","params":{"name":"pay",}"#);
+        assert_eq!(gateway.recv()["error"]["code"], -32700);
+        // Arguments that are not an object: invalid params, with the id.
+        for (id, arguments) in [(12, json!([1, 2])), (13, json!("amount=1")), (14, Value::Null)] {
+            gateway.send(&RawGateway::call(json!(id), "pay", arguments).to_string());
+            let answer = gateway.recv();
+            assert_eq!(answer["error"]["code"], -32602, "{answer}");
+            assert_eq!(answer["id"], id);
+        }
+        // Duplicate member names: which "method" or "name" counts differs
+        // between parsers, so the message is refused.
+        gateway.send(r#"{"jsonrpc":"2.0","id":15,"method":"tools/list","method":"tools/call","params":{"name":"pay","arguments":{"amount":1,"to":"a"}}}"#);
+        assert_eq!(gateway.recv()["error"]["code"], -32600);
+        gateway.send(r#"{"jsonrpc":"2.0","id":16,"method":"tools/call","params":{"name":"read_file","name":"delete_file","arguments":{"path":"/"}}}"#);
+        assert_eq!(gateway.recv()["error"]["code"], -32602);
+        // Duplicate members inside the arguments: refused by the mesh (R20).
+        gateway.send(r#"{"jsonrpc":"2.0","id":17,"method":"tools/call","params":{"name":"pay","arguments":{"amount":1,"amount":1000,"to":"a"}}}"#);
+        assert_eq!(gateway.recv()["error"]["code"], -32070);
+        // A tools/call as a notification (no id) is dropped, not forwarded.
+        gateway.send(r#"{"jsonrpc":"2.0","method":"tools/call","params":{"name":"delete_file","arguments":{"path":"/n"}}}"#);
+        // Colliding ids in one batch: the mesh refuses the batch (R20), every
+        // call gets an error, none runs.
+        let batch = json!([
+            RawGateway::call(json!(20), "pay", json!({"amount": 1, "to": "a"})),
+            RawGateway::call(json!(20), "delete_file", json!({"path": "/y"})),
+        ]);
+        gateway.send(&batch.to_string());
+        let answers = gateway.recv();
+        let answers = answers.as_array().unwrap();
+        assert_eq!(answers.len(), 2);
+        assert!(answers.iter().all(|a| a["error"]["code"] == -32070), "{answers:?}");
+        // The session still works, and the first call to run is this one.
+        gateway.send(&RawGateway::call(json!(30), "read_file", json!({"path": "/ok"})).to_string());
+        let answer = gateway.recv();
+        assert_eq!(answer["id"], 30);
+        assert_eq!(answer["result"]["content"][0]["text"], "contents of /ok");
+    })
+    .await
+    .unwrap();
+    assert_eq!(
+        scratch.executed(),
+        vec![json!({"tool": "read_file", "arguments": {"path": "/ok"}})]
+    );
+    // Only the duplicate-arguments call, the colliding batch and the last
+    // call reached the mesh, and only the last reached the guard.
+    assert_eq!(guard.guard.requests(), 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn r31_upstream_exit_ends_the_session_cleanly() {
+    let (mesh, _guard) = mesh_with_policy("mcp-exit").await;
+    let scratch = Scratch::new("exit");
+    let upstream = scratch.upstream(&["exit-after", "1"]);
+    let url = mesh.url.clone();
+    let status = tokio::task::spawn_blocking(move || {
+        let mut gateway = RawGateway::start(&url, &[], upstream);
+        gateway.send(&RawGateway::call(json!(1), "read_file", json!({"path": "/a"})).to_string());
+        assert_eq!(gateway.recv()["id"], 1);
+        // The upstream exits after its first call: the gateway's stdout ends
+        // and the process exits with the upstream's status.
+        let mut rest = String::new();
+        std::io::Read::read_to_string(&mut gateway.stdout, &mut rest).unwrap();
+        assert_eq!(rest, "");
+        gateway.child.wait().unwrap()
+    })
+    .await
+    .unwrap();
+    assert!(status.success(), "{status}");
+}
+
+// ---------------------------------------------------------------------------
+// guardmesh hook pre-tool-use
+// ---------------------------------------------------------------------------
+
+/// Runs the hook with `input` on stdin: (exit code, stdout, stderr).
+fn hook(mesh: &str, extra: &[&str], input: &str) -> (i32, String, String) {
+    let mut child = Command::new(env!("CARGO_BIN_EXE_guardmesh"))
+        .args(["hook", "pre-tool-use", "--mesh", mesh])
+        .args(extra)
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    child
+        .stdin
+        .take()
+        .unwrap()
+        .write_all(input.as_bytes())
+        .unwrap();
+    let output = child.wait_with_output().unwrap();
+    (
+        output.status.code().unwrap_or(-1),
+        String::from_utf8_lossy(&output.stdout).into_owned(),
+        String::from_utf8_lossy(&output.stderr).into_owned(),
+    )
+}
+
+/// A recorded-style PreToolUse payload, with fields the hook does not know.
+fn payload(tool: &str, input: Value) -> String {
+    json!({
+        "session_id": "agent-session-1",
+        "transcript_path": "/home/u/.agent/transcripts/t.jsonl",
+        "cwd": "/home/u/p",
+        "permission_mode": "default",
+        "hook_event_name": "PreToolUse",
+        "tool_name": tool,
+        "tool_input": input,
+        "tool_use_id": "toolu_01ABC",
+        "some_future_field": {"nested": [1, 2]},
+    })
+    .to_string()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn r31_hook_deny_allow_updated_input_and_exit_codes() {
+    let (mesh, guard) = mesh_with_policy("mcp-hook").await;
+    let url = mesh.url.clone();
+    let closed = closed_port().await;
+    tokio::task::spawn_blocking(move || {
+        // Steer: deny with the content as the reason.
+        let (code, out, _) = hook(&url, &[], &payload("delete_file", json!({"path": "/x"})));
+        assert_eq!(code, 0);
+        let out: Value = serde_json::from_str(&out).unwrap();
+        let specific = &out["hookSpecificOutput"];
+        assert_eq!(specific["hookEventName"], "PreToolUse");
+        assert_eq!(specific["permissionDecision"], "deny");
+        assert_eq!(
+            specific["permissionDecisionReason"],
+            "deleting is not allowed; use trash"
+        );
+        // Cancel: deny too.
+        let (code, out, _) = hook(
+            &url,
+            &[],
+            &payload("pay", json!({"amount": 500, "to": "m"})),
+        );
+        assert_eq!(code, 0);
+        let out: Value = serde_json::from_str(&out).unwrap();
+        assert_eq!(out["hookSpecificOutput"]["permissionDecision"], "deny");
+        assert_eq!(
+            out["hookSpecificOutput"]["permissionDecisionReason"],
+            "payments over 100 need approval"
+        );
+        // Rewrite: allow with updatedInput.
+        let (code, out, _) = hook(
+            &url,
+            &[],
+            &payload("read_file", json!({"path": "/etc/shadow"})),
+        );
+        assert_eq!(code, 0);
+        let out: Value = serde_json::from_str(&out).unwrap();
+        assert_eq!(out["hookSpecificOutput"]["permissionDecision"], "allow");
+        assert_eq!(
+            out["hookSpecificOutput"]["updatedInput"],
+            json!({"path": "/redacted"})
+        );
+        // Proceed unchanged: no output, the host's own flow applies.
+        let (code, out, _) = hook(&url, &[], &payload("pay", json!({"amount": 5, "to": "b"})));
+        assert_eq!((code, out.as_str()), (0, ""));
+        // Mesh unreachable: fail closed (a deny saying so)...
+        let (code, out, _) = hook(
+            &closed,
+            &[],
+            &payload("pay", json!({"amount": 5, "to": "b"})),
+        );
+        assert_eq!(code, 0);
+        let out: Value = serde_json::from_str(&out).unwrap();
+        assert_eq!(out["hookSpecificOutput"]["permissionDecision"], "deny");
+        assert!(
+            out["hookSpecificOutput"]["permissionDecisionReason"]
+                .as_str()
+                .unwrap()
+                .contains("cannot be reached")
+        );
+        // ... or, with --fail-open, let it through with a warning.
+        let (code, out, err) = hook(
+            &closed,
+            &["--fail-open"],
+            &payload("pay", json!({"amount": 5, "to": "b"})),
+        );
+        assert_eq!((code, out.as_str()), (0, ""));
+        assert!(err.contains("--fail-open"), "{err}");
+        // Unreadable input: exit 2 (the host blocks the call), reason on stderr.
+        for bad in [
+            "not json",
+            r#"{"tool_name":"pay"}"#,
+            r#"{"tool_name":"pay","tool_input":[1]}"#,
+        ] {
+            let (code, out, err) = hook(&url, &[], bad);
+            assert_eq!((code, out.as_str()), (2, ""), "{bad}");
+            assert!(err.contains("cannot read"), "{err}");
+        }
+    })
+    .await
+    .unwrap();
+    // The session and call ids of the payload are the batch's (R31).
+    let batches = guard.guard.batches();
+    assert_eq!(batches.len(), 4);
+    assert_eq!(
+        batches[0].context.as_ref().unwrap().session_id,
+        "agent-session-1"
+    );
+    assert_eq!(batches[0].calls[0].call_id, "toolu_01ABC");
+}
+
+// ---------------------------------------------------------------------------
+// guardmesh mcp http
+// ---------------------------------------------------------------------------
+
+/// Waits (bounded) until something accepts on `port`.
+async fn wait_for_port(port: u16, what: &str) {
+    for _ in 0..300 {
+        if tokio::net::TcpStream::connect(("127.0.0.1", port))
+            .await
+            .is_ok()
+        {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    panic!("{what} did not start listening on {port}");
+}
+
+/// A child process killed when dropped.
+struct Child(std::process::Child);
+
+impl Drop for Child {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+/// The Python SDK upstream on Streamable HTTP and `guardmesh mcp http` in
+/// front of it; returns the gateway's endpoint URL.
+async fn http_gateway(mesh: &str, scratch: &Scratch) -> (String, Child, Child) {
+    let upstream_port = free_port();
+    let mut command = scratch.upstream(&["http", &upstream_port.to_string()]);
+    let upstream = Child(
+        Command::new(command.remove(0))
+            .args(command)
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap(),
+    );
+    wait_for_port(upstream_port, "the upstream MCP server").await;
+    let port = free_port();
+    let gateway = Child(
+        Command::new(env!("CARGO_BIN_EXE_guardmesh"))
+            .args(["mcp", "http", "--mesh", mesh, "--listen"])
+            .arg(format!("127.0.0.1:{port}"))
+            .arg("--upstream")
+            .arg(format!("http://127.0.0.1:{upstream_port}/mcp"))
+            .stdout(Stdio::null())
+            .spawn()
+            .unwrap(),
+    );
+    wait_for_port(port, "guardmesh mcp http").await;
+    (format!("http://127.0.0.1:{port}/mcp"), upstream, gateway)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn r31_http_decisions_and_session_through_the_official_sdk() {
+    let (mesh, guard) = mesh_with_policy("mcp-http").await;
+    let scratch = Scratch::new("http");
+    let (url, _upstream, _gateway) = http_gateway(&mesh.url, &scratch).await;
+    let scenario = json!({"mode": "legacy", "steps": [
+        {"op": "list_tools"},
+        {"op": "call", "name": "read_file", "arguments": {"path": "/etc/shadow"}},
+        {"op": "call", "name": "delete_file", "arguments": {"path": "/home/a"}},
+        {"op": "call", "name": "pay", "arguments": {"amount": 500, "to": "mallory"}},
+        {"op": "call", "name": "pay", "arguments": {"amount": 5, "to": "bob"}},
+    ]});
+    let target = vec!["http".to_owned(), url.clone()];
+    let lines = tokio::task::spawn_blocking(move || run_client(scenario, &target))
+        .await
+        .unwrap();
+    let results = calls(&lines);
+    assert_eq!(results[0]["text"][0], "contents of /redacted", "{lines:?}");
+    assert_eq!(results[1]["isError"], true);
+    assert_eq!(results[1]["text"][0], "deleting is not allowed; use trash");
+    assert_eq!(results[2]["isError"], false);
+    assert_eq!(results[2]["text"][0], "payments over 100 need approval");
+    assert_eq!(results[3]["text"][0], "paid 5.0 to bob");
+    assert_eq!(
+        scratch.executed(),
+        vec![
+            json!({"tool": "read_file", "arguments": {"path": "/redacted"}}),
+            json!({"tool": "pay", "arguments": {"amount": 5.0, "to": "bob"}}),
+        ]
+    );
+    // The Mcp-Session-Id the upstream gave the client is every batch's
+    // session (R31), not one the gateway made up.
+    let sessions: Vec<String> = guard
+        .guard
+        .batches()
+        .iter()
+        .map(|b| b.context.as_ref().unwrap().session_id.clone())
+        .collect();
+    assert_eq!(sessions.len(), 4);
+    assert!(sessions.iter().all(|s| *s == sessions[0]), "{sessions:?}");
+    assert!(
+        !sessions[0].is_empty() && !sessions[0].starts_with("mcp-http-"),
+        "{sessions:?}"
+    );
+
+    // The client's default mode (the stateless revision first) works too.
+    let scenario = json!({"mode": "auto", "steps": [
+        {"op": "call", "name": "delete_file", "arguments": {"path": "/b"}},
+    ]});
+    let target = vec!["http".to_owned(), url];
+    let lines = tokio::task::spawn_blocking(move || run_client(scenario, &target))
+        .await
+        .unwrap();
+    assert_eq!(calls(&lines)[0]["isError"], true, "{lines:?}");
+    assert_eq!(scratch.executed().len(), 2, "the steered call did not run");
+}
+
+/// One HTTP/1.1 exchange on a fresh connection: (status, headers, body).
+async fn post(url: &str, session: Option<&str>, body: &str) -> (u16, String, String) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let authority = url.trim_start_matches("http://").split('/').next().unwrap();
+    let mut stream = tokio::net::TcpStream::connect(authority).await.unwrap();
+    let session = session.map_or(String::new(), |s| format!("Mcp-Session-Id: {s}\r\n"));
+    let request = format!(
+        "POST /mcp HTTP/1.1\r\nHost: {authority}\r\nContent-Type: application/json\r\n\
+         Accept: application/json, text/event-stream\r\nMCP-Protocol-Version: 2025-11-25\r\n\
+         {session}Content-Length: {}\r\nConnection: close\r\n\r\n{body}",
+        body.len()
+    );
+    stream.write_all(request.as_bytes()).await.unwrap();
+    let mut answer = Vec::new();
+    stream.read_to_end(&mut answer).await.unwrap();
+    let answer = String::from_utf8_lossy(&answer).into_owned();
+    let (head, body) = answer.split_once("\r\n\r\n").unwrap();
+    let status = head.split(' ').nth(1).unwrap().parse().unwrap();
+    (status, head.to_owned(), body.to_owned())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn r31_http_json_rpc_batch_is_one_guard_batch() {
+    let (mesh, guard) = mesh_with_policy("mcp-http-batch").await;
+    let scratch = Scratch::new("http-batch");
+    let (url, _upstream, _gateway) = http_gateway(&mesh.url, &scratch).await;
+    let init = json!({"jsonrpc": "2.0", "id": 0, "method": "initialize", "params": {
+        "protocolVersion": "2025-11-25", "capabilities": {},
+        "clientInfo": {"name": "raw", "version": "0"}}});
+    let (status, head, _) = post(&url, None, &init.to_string()).await;
+    assert_eq!(status, 200, "{head}");
+    let session = head
+        .lines()
+        .find_map(|l| {
+            let (name, value) = l.split_once(':')?;
+            name.eq_ignore_ascii_case("mcp-session-id")
+                .then(|| value.trim().to_owned())
+        })
+        .expect("Mcp-Session-Id");
+    let (status, _, _) = post(
+        &url,
+        Some(&session),
+        r#"{"jsonrpc":"2.0","method":"notifications/initialized"}"#,
+    )
+    .await;
+    assert_eq!(status, 202);
+    let batch = json!([
+        RawGateway::call(json!(1), "delete_file", json!({"path": "/x"})),
+        RawGateway::call(json!(2), "read_file", json!({"path": "/etc/passwd"})),
+        RawGateway::call(json!(3), "pay", json!({"amount": 1000, "to": "m"})),
+    ]);
+    let (status, head, body) = post(&url, Some(&session), &batch.to_string()).await;
+    assert_eq!(status, 200, "{head}\n{body}");
+    let answers = by_id(&serde_json::from_str(&body).unwrap());
+    assert_eq!(answers.len(), 3, "{answers:?}");
+    assert_eq!(answers["1"]["result"]["isError"], true);
+    assert_eq!(
+        answers["2"]["result"]["content"][0]["text"],
+        "contents of /redacted"
+    );
+    assert_eq!(answers["3"]["result"]["isError"], false);
+    let batches = guard.guard.batches();
+    assert_eq!(batches.len(), 1, "one guard batch for the JSON-RPC batch");
+    assert_eq!(batches[0].calls.len(), 3);
+    assert_eq!(batches[0].context.as_ref().unwrap().session_id, session);
+    assert_eq!(
+        scratch.executed(),
+        vec![json!({"tool": "read_file", "arguments": {"path": "/redacted"}})]
+    );
+    // Malformed JSON: a JSON-RPC parse error, nothing forwarded.
+    let (status, _, body) = post(&url, Some(&session), r#"{"jsonrpc":"2.0","id":9,"#).await;
+    assert_eq!(status, 400);
+    assert_eq!(
+        serde_json::from_str::<Value>(&body).unwrap()["error"]["code"],
+        -32700
+    );
+    assert_eq!(scratch.executed().len(), 1);
+}
+
+#[test]
+fn r31_http_refuses_a_non_loopback_listen_address() {
+    let output = Command::new(env!("CARGO_BIN_EXE_guardmesh"))
+        .args([
+            "mcp",
+            "http",
+            "--listen",
+            "0.0.0.0:0",
+            "--upstream",
+            "http://127.0.0.1:1/mcp",
+        ])
+        .output()
+        .unwrap();
+    assert!(!output.status.success());
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(stderr.contains("not a loopback address"), "{stderr}");
+}
