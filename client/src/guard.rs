@@ -44,7 +44,7 @@
 //! # Ok(()) }
 //! ```
 
-use crate::connect::MAX_MESSAGE_BYTES;
+use crate::MAX_MESSAGE_BYTES;
 use crate::proto::guard_service_server::{GuardService, GuardServiceServer};
 use crate::proto::{GuardBatch, JudgeRequest, JudgeResponse, ToolCall, Verdict, judge_request};
 use std::collections::HashMap;

@@ -21,21 +21,36 @@
 //! The wire types are re-exported as [`proto`], and tonic's [`Status`] and
 //! [`Code`], so that guards and coordinators need no direct tonic
 //! dependency. This crate does not depend on the mesh server.
+//!
+//! Features (all on by default): `coordinator` (tonic's client transport
+//! only: no hyper server, axum, health or reflection), `guard` (the guard
+//! server), `otel` (trace context from and into OpenTelemetry spans), `tls`
+//! (rustls with ring, on either side).
 
+#[cfg(feature = "coordinator")]
 pub mod connect;
+#[cfg(feature = "coordinator")]
 pub mod coordinator;
+#[cfg(feature = "coordinator")]
 pub mod error;
+#[cfg(feature = "guard")]
 pub mod guard;
+#[cfg(feature = "coordinator")]
 pub mod registry;
 pub mod trace;
 pub mod verdict;
 
+#[cfg(feature = "coordinator")]
 pub use connect::{Connection, Credentials, Tls};
+#[cfg(feature = "coordinator")]
 pub use coordinator::{Batch, BatchDecision, CallDecision, Coordinator, Outcome, Session};
+#[cfg(feature = "coordinator")]
 pub use error::ClientError;
+#[cfg(feature = "guard")]
 pub use guard::{Guard, GuardServer, ServeError, ServerTls, serve};
 pub use guardmesh_proto::v1 as proto;
 pub use proto::TraceStatus;
+#[cfg(feature = "coordinator")]
 pub use registry::{Registrar, Registration};
 pub use tonic::{Code, Status};
 
