@@ -17,7 +17,11 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let out_dir = PathBuf::from(std::env::var("OUT_DIR")?);
     let proto = "proto/guardmesh/v1/guardmesh.proto";
     println!("cargo:rerun-if-changed={proto}");
+    // No `connect` constructors on the clients: they need tonic's transport,
+    // which this crate leaves to its users (the SDK's `coordinator` feature,
+    // the mesh). Build a client from a channel with `new`.
     tonic_prost_build::configure()
+        .build_transport(false)
         .file_descriptor_set_path(out_dir.join("guardmesh_descriptor.bin"))
         .compile_protos(&[proto], &["proto"])?;
     // The benchmark's baselines (`guardmesh bench`) are compiled apart, into
@@ -29,6 +33,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let bench_out = out_dir.join("bench");
     std::fs::create_dir_all(&bench_out)?;
     tonic_prost_build::configure()
+        .build_transport(false)
         .out_dir(&bench_out)
         .extern_path(".guardmesh.v1", "crate::v1")
         .bytes(".guardmesh.bench.v1.EchoMessage.payload")

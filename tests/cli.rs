@@ -425,10 +425,10 @@ async fn r24_cli_says_what_to_pass_when_a_client_certificate_is_required() {
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let port = listener.local_addr().unwrap().port();
     let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-    let server = tokio::spawn(guardmesh_client::guard::serve_with(
-        std::sync::Arc::new(script_guard_state(|_| Script::default())),
+    let guard = guardmesh_client::GuardServer::new(script_guard_state(|_| Script::default()));
+    let server = tokio::spawn(guard.serve_with(
         listener,
-        Some(guardmesh_client::guard::ServerTls {
+        Some(guardmesh_client::ServerTls {
             cert_pem: std::fs::read_to_string(&cert).unwrap(),
             key_pem: std::fs::read_to_string(&key).unwrap(),
             client_ca_pem: Some(pki.ca.cert_pem()),

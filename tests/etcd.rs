@@ -11,7 +11,7 @@
 use crate::harness::*;
 use guardmesh_client::proto::{FailurePolicy, TraceStatus};
 use guardmesh_client::verdict::steer;
-use guardmesh_client::{Batch, ClientError, Decision, Outcome, Registration};
+use guardmesh_client::{Batch, BatchDecision, ClientError, Outcome, Registration};
 use guardmesh_server::Registry;
 use guardmesh_server::registry::etcd::{
     AfterWindow, EtcdConfig, EtcdRegistry, GuardHeartbeat, Liveness,
@@ -234,7 +234,7 @@ impl Replica {
         self.registry.chain().revision
     }
 
-    async fn evaluate(&self, batch: Batch) -> Result<Decision, ClientError> {
+    async fn evaluate(&self, batch: Batch) -> Result<BatchDecision, ClientError> {
         self.mesh
             .coordinator()
             .await
@@ -257,7 +257,7 @@ impl Replica {
     }
 }
 
-fn trace_names(decision: &Decision) -> Vec<String> {
+fn trace_names(decision: &BatchDecision) -> Vec<String> {
     decision.trace.iter().map(|t| t.guard.clone()).collect()
 }
 
@@ -558,7 +558,7 @@ async fn lease_expired_guard_stays_in_chain_and_fails_per_its_policy() {
             .call("c1", "fs.delete", r#"{"path":"/etc"}"#)
             .call("c2", "ls", r#"{"note":"veto"}"#)
     };
-    let judged_by_both = |d: &Decision| {
+    let judged_by_both = |d: &BatchDecision| {
         matches!(d.calls[0].outcome, Outcome::Cancel { .. })
             && !d.calls[0].failure
             && d.calls[0].decided_by.as_deref() == Some("strict")
@@ -662,7 +662,7 @@ async fn etcd_outage_judges_within_window_then_refuses_then_recovers() {
         r.sees(out.revision).await;
         assert!(r.registry.status().connected);
     }
-    let steered = |d: &Decision| {
+    let steered = |d: &BatchDecision| {
         d.calls[0].outcome
             == Outcome::Steer {
                 content: "no rm".into(),

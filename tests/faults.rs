@@ -12,7 +12,9 @@ use guardmesh_client::proto::{
     Verdict, verdict,
 };
 use guardmesh_client::verdict::{proceed, steer};
-use guardmesh_client::{Batch, CallOutcome, ClientError, Decision, Outcome, Registration, Session};
+use guardmesh_client::{
+    Batch, BatchDecision, CallDecision, ClientError, Outcome, Registration, Session,
+};
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -21,7 +23,7 @@ use std::time::Duration;
 // Helpers
 // ---------------------------------------------------------------------------
 
-fn trace_error(decision: &Decision, guard: &str) -> String {
+fn trace_error(decision: &BatchDecision, guard: &str) -> String {
     decision
         .trace
         .iter()
@@ -39,7 +41,7 @@ fn content(outcome: &Outcome) -> &str {
 
 /// R13 `fail_closed`: cancelled, marked as a failure, decided by `guard`,
 /// and the content names the guard.
-fn assert_failure_cancel(call: &CallOutcome, guard: &str, what: &str) {
+fn assert_failure_cancel(call: &CallDecision, guard: &str, what: &str) {
     assert!(
         matches!(call.outcome, Outcome::Cancel { .. }),
         "{what}: {} must be cancelled by the failed fail_closed guard {guard}, got {call:?}",
@@ -54,13 +56,13 @@ fn assert_failure_cancel(call: &CallOutcome, guard: &str, what: &str) {
 }
 
 /// R13 `fail_open`: proceeds, and the bypass is recorded.
-fn assert_bypassed(call: &CallOutcome, guard: &str, what: &str) {
+fn assert_bypassed(call: &CallDecision, guard: &str, what: &str) {
     assert!(call.proceeds(), "{what}: {call:?}");
     assert_eq!(call.bypassed, [guard], "{what}: the bypass is recorded");
     assert!(!call.failure, "{what}: {call:?}");
 }
 
-fn assert_skip(call: &CallOutcome, guard: &str, want: &Outcome, what: &str) {
+fn assert_skip(call: &CallDecision, guard: &str, want: &Outcome, what: &str) {
     assert_eq!(&call.outcome, want, "{what}: {call:?}");
     assert_eq!(call.decided_by.as_deref(), Some(guard), "{what}: {call:?}");
     assert!(
@@ -362,7 +364,7 @@ async fn guard_closes_stream_with_an_error_fails_per_policy() {
 async fn partial_then_close(
     role_mutate: bool,
     policy: FailurePolicy,
-) -> Result<Decision, ClientError> {
+) -> Result<BatchDecision, ClientError> {
     let mesh = TestMesh::start().await;
     let (url, _streams, _task) = raw_guard(Misbehaviour::PartialThenClose).await;
     let registration = if role_mutate {
@@ -388,7 +390,7 @@ async fn partial_then_close(
         .await
 }
 
-fn assert_partial_then_close(d: &Decision, policy: FailurePolicy, what: &str) {
+fn assert_partial_then_close(d: &BatchDecision, policy: FailurePolicy, what: &str) {
     let ids: Vec<_> = d.calls.iter().map(|c| c.call_id.as_str()).collect();
     assert_eq!(ids, ["c1", "c2", "c3"], "{what}: R2");
     // The answered call keeps the verdict the guard sent...
@@ -1089,7 +1091,7 @@ async fn oversized_guard_answer_fails_that_guard_per_policy_then_it_reconnects()
     )
     .await;
     let session = mesh.coordinator().await.session("s").await.unwrap();
-    let judged = |d: &Decision| {
+    let judged = |d: &BatchDecision| {
         d.calls
             .iter()
             .all(|c| c.outcome == steer_outcome("small") && !c.failure)
@@ -1154,7 +1156,7 @@ async fn oversized_guard_answer_fails_that_guard_per_policy_then_it_reconnects()
 /// One round against the `veto-marker` process registered as `closed`
 /// (fail_closed, `a.*`) and `open` (fail_open, `b.*`). Every round gets a
 /// decision within its deadline (never DEADLINE_EXCEEDED or another error).
-async fn restart_round(session: &Session, turn: u32) -> Decision {
+async fn restart_round(session: &Session, turn: u32) -> BatchDecision {
     session
         .evaluate(
             Batch::new(turn)
@@ -1169,7 +1171,7 @@ async fn restart_round(session: &Session, turn: u32) -> Decision {
 }
 
 /// Whether the round was judged by the live process.
-fn judged_by_process(d: &Decision) -> bool {
+fn judged_by_process(d: &BatchDecision) -> bool {
     let vetoed = steer_outcome("vetoed by marker");
     d.calls[0].outcome == vetoed
         && d.calls[1].proceeds()
@@ -1179,7 +1181,7 @@ fn judged_by_process(d: &Decision) -> bool {
 }
 
 /// Whether every call failed per policy (the process is down).
-fn assert_down_round(d: &Decision, what: &str) {
+fn assert_down_round(d: &BatchDecision, what: &str) {
     assert_failure_cancel(&d.calls[0], "closed", what);
     assert_failure_cancel(&d.calls[1], "closed", what);
     assert_bypassed(&d.calls[2], "open", what);
@@ -1188,7 +1190,7 @@ fn assert_down_round(d: &Decision, what: &str) {
 
 /// Each call either judged by the process or failed per policy; never a
 /// proceed for a call the process would veto unless bypassed (fail_open).
-fn assert_judged_or_failed(d: &Decision, what: &str) {
+fn assert_judged_or_failed(d: &BatchDecision, what: &str) {
     let vetoed = steer_outcome("vetoed by marker");
     for (call, guard) in d.calls.iter().zip(["closed", "closed", "open", "open"]) {
         let judged = if call.call_id.ends_with('1') {

@@ -6,7 +6,6 @@
 //!
 //! Needs `scripts/setup-polyglot` (the SDK in build/venv).
 
-
 use crate::harness::*;
 use guardmesh_client::proto::FailurePolicy;
 use guardmesh_client::proto::GuardBatch;

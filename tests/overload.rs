@@ -11,7 +11,10 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
-fn guard_entry(d: &guardmesh_client::Decision, name: &str) -> guardmesh_client::proto::GuardTrace {
+fn guard_entry(
+    d: &guardmesh_client::BatchDecision,
+    name: &str,
+) -> guardmesh_client::proto::GuardTrace {
     d.trace.iter().find(|t| t.guard == name).unwrap().clone()
 }
 

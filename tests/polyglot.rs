@@ -11,14 +11,14 @@
 
 use crate::harness::*;
 use guardmesh_client::proto::TraceStatus;
-use guardmesh_client::{Batch, Decision, Outcome, Registration};
+use guardmesh_client::{Batch, BatchDecision, Outcome, Registration};
 use std::time::Duration;
 
 /// Time every guard of these tests has to answer: generous, the machine
 /// may be busy, and nothing here tests timeouts.
 const GUARD_TIMEOUT_MS: &str = "5000";
 
-fn latency_of(decision: &Decision, guard: &str) -> Duration {
+fn latency_of(decision: &BatchDecision, guard: &str) -> Duration {
     let entry = decision.trace.iter().find(|t| t.guard == guard).unwrap();
     Duration::from_micros(entry.latency_us)
 }
@@ -791,7 +791,11 @@ async fn r20_kits_skip_calls_whose_arguments_they_cannot_read() {
     let py = python_guard("no_delete.py", &[]).await;
     let js = node_guard("no_delete.js", &[]).await;
     for url in [&py.url, &js.url] {
-        let mut client = GuardServiceClient::connect(url.clone()).await.unwrap();
+        let channel = guardmesh_client::Connection::default()
+            .channel(url)
+            .await
+            .unwrap();
+        let mut client = GuardServiceClient::new(channel);
         let call = |id: &str, args: &str| ToolCall {
             call_id: id.into(),
             tool: "fs.read".into(),
@@ -887,7 +891,7 @@ async fn r26_idle_python_guard_keeps_its_link_under_grpcio_default_ping_policy()
                 .timeout(Duration::from_secs(15)),
         )
     };
-    let assert_judged = |d: &Decision, what: &str| {
+    let assert_judged = |d: &BatchDecision, what: &str| {
         let del = d.call("del").unwrap();
         assert_eq!(
             del.outcome,

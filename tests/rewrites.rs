@@ -4,7 +4,7 @@
 use crate::harness::*;
 use guardmesh_client::proto::{FailurePolicy, ToolCall, TraceStatus, Verdict};
 use guardmesh_client::verdict::{cancel, rename, rewrite_arguments, steer};
-use guardmesh_client::{Batch, ClientError, Decision, Outcome, Registration};
+use guardmesh_client::{Batch, BatchDecision, ClientError, Outcome, Registration};
 use serde_json::{Value, json};
 use std::time::Duration;
 
@@ -22,11 +22,11 @@ async fn add_key(key: &'static str, delay: Duration) -> TestGuard {
     .await
 }
 
-fn entry<'a>(d: &'a Decision, guard: &str) -> &'a guardmesh_client::proto::GuardTrace {
+fn entry<'a>(d: &'a BatchDecision, guard: &str) -> &'a guardmesh_client::proto::GuardTrace {
     d.trace.iter().find(|t| t.guard == guard).unwrap()
 }
 
-fn status(d: &Decision, guard: &str) -> TraceStatus {
+fn status(d: &BatchDecision, guard: &str) -> TraceStatus {
     TraceStatus::try_from(entry(d, guard).status).unwrap()
 }
 
@@ -77,7 +77,7 @@ async fn rejected_case(
     verdicts: impl Fn(&ToolCall) -> Option<Verdict> + Send + Sync + 'static,
     grant: Registration,
 ) -> (
-    Result<Decision, ClientError>,
+    Result<BatchDecision, ClientError>,
     TestGuard,
     TestMesh,
     TestGuard,
@@ -103,7 +103,7 @@ async fn rejected_case(
     (result, judge, mesh, guard)
 }
 
-fn assert_rejected(d: &Decision, reason: &str) {
+fn assert_rejected(d: &BatchDecision, reason: &str) {
     assert_eq!(status(d, "rw"), TraceStatus::RejectedRewrite);
     let error = &entry(d, "rw").error;
     assert!(

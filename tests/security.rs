@@ -392,16 +392,17 @@ async fn tls_guard(pki: &Pki, id: &str) -> (String, Arc<ScriptGuard>) {
             .collect(),
         ..Default::default()
     }));
-    tokio::spawn(guardmesh_client::guard::serve_with(
-        guard.clone(),
-        listener,
-        Some(guardmesh_client::guard::ServerTls {
-            cert_pem: issued.cert_pem,
-            key_pem: issued.key_pem,
-            client_ca_pem: Some(pki.ca.cert_pem()),
-        }),
-        std::future::pending(),
-    ));
+    tokio::spawn(
+        guardmesh_client::GuardServer::from_arc(guard.clone()).serve_with(
+            listener,
+            Some(guardmesh_client::ServerTls {
+                cert_pem: issued.cert_pem,
+                key_pem: issued.key_pem,
+                client_ca_pem: Some(pki.ca.cert_pem()),
+            }),
+            std::future::pending(),
+        ),
+    );
     (url, guard)
 }
 
@@ -763,7 +764,7 @@ async fn r24_client_ca_without_auth_refuses_clients_without_a_valid_certificate(
     }
     assert_eq!(guard.guard.requests(), 4);
     // Health stays open, so probes without a certificate work.
-    let channel = pki.tls(None).channel(url.clone()).await.unwrap();
+    let channel = pki.tls(None).channel(&url).await.unwrap();
     let health = tonic_health::pb::health_client::HealthClient::new(channel)
         .check(tonic_health::pb::HealthCheckRequest {
             service: String::new(),

@@ -8,12 +8,12 @@
 
 use crate::harness::*;
 use guardmesh_client::proto::TraceStatus;
-use guardmesh_client::{Batch, ClientError, Coordinator, Decision};
+use guardmesh_client::{Batch, BatchDecision, ClientError, Coordinator};
 use std::time::Duration;
 
 /// A decision judged to the end by both guards: nothing failed, nothing cut
 /// short by the shutdown.
-fn assert_complete(d: &Decision, what: &str) {
+fn assert_complete(d: &BatchDecision, what: &str) {
     assert_eq!(d.calls.len(), 1, "{what}");
     assert!(d.calls[0].proceeds(), "{what}: {:?}", d.calls[0]);
     assert!(

@@ -293,7 +293,11 @@ fn random_batch(session: usize, n: usize, rng: &mut impl Rng) -> Sent {
 /// then closes its side and reads every answer until the mesh ends the
 /// stream.
 async fn run_session(url: String, session: usize, until: tokio::time::Instant) -> SessionRun {
-    let mut client = PreToolServiceClient::connect(url).await.unwrap();
+    let channel = guardmesh_client::Connection::default()
+        .channel(&url)
+        .await
+        .unwrap();
+    let mut client = PreToolServiceClient::new(channel);
     let (tx, rx) = mpsc::channel::<EvaluateRequest>(64);
     let mut responses = client
         .evaluate(ReceiverStream::new(rx))

@@ -118,7 +118,8 @@ enum Command {
 /// credentials sent on every call (R24).
 #[derive(clap::Args)]
 struct MeshArgs {
-    /// The mesh's address (`https://` for a mesh with TLS).
+    /// The mesh's address: a URL (`https://` for a mesh with TLS), or
+    /// `host:port` (https:// when --ca-file is given).
     #[arg(long, default_value = "http://127.0.0.1:50051", global = true)]
     mesh: String,
     /// PEM of the CA that signed the mesh's certificate (TLS).
@@ -174,7 +175,11 @@ impl MeshArgs {
                 source,
             })
         };
-        let https = self.mesh.trim_start().starts_with("https://");
+        // A bare `host:port` is https:// when a CA is given (the SDK
+        // completes it the same way), http:// otherwise.
+        let mesh = self.mesh.trim_start();
+        let https =
+            mesh.starts_with("https://") || (!mesh.contains("://") && self.ca_file.is_some());
         let tls_flags =
             self.ca_file.is_some() || self.cert_file.is_some() || self.tls_domain.is_some();
         let tls = match &self.ca_file {
@@ -231,7 +236,7 @@ impl MeshArgs {
     /// transport error rather than `UNAUTHENTICATED`.
     fn explain(&self) -> impl Fn(guardmesh_client::ClientError) -> Error + '_ {
         move |error| {
-            let transport = matches!(error, guardmesh_client::ClientError::Connect(_))
+            let transport = error.is_connect()
                 || matches!(
                     error.code(),
                     // A closed handshake reaches the client as any of these,
@@ -366,7 +371,8 @@ async fn example_guard(
     let listener = tokio::net::TcpListener::bind(listen).await?;
     println!("LISTENING {}", listener.local_addr()?.port());
     let guard = Example::delayed(kind, Duration::from_millis(delay_ms));
-    guardmesh_client::serve(guard, listener, shutdown_signal()).await
+    guardmesh_client::serve(guard, listener, shutdown_signal()).await?;
+    Ok(())
 }
 
 fn certs(dir: &std::path::Path) -> Result<(), Error> {

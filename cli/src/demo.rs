@@ -7,7 +7,7 @@
 
 use crate::examples::{Example, Kind};
 use guardmesh_client::proto::{FailurePolicy, TraceStatus};
-use guardmesh_client::{Batch, Coordinator, Decision, Outcome, Registrar, Registration};
+use guardmesh_client::{Batch, BatchDecision, Coordinator, Outcome, Registrar, Registration};
 use guardmesh_server::MemoryRegistry;
 use guardmesh_server::{Mesh, MeshConfig};
 use std::fmt::Write;
@@ -277,7 +277,7 @@ fn clip(text: &str, n: usize) -> String {
 
 /// Renders a decision as readable tables: one row per call, then one row per
 /// guard of the chain.
-pub fn render(decision: &Decision) -> String {
+pub fn render(decision: &BatchDecision) -> String {
     let mut out = String::new();
     let trace_id = if decision.trace_id.is_empty() {
         "-"

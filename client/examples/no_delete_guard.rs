@@ -38,5 +38,6 @@ impl Guard for NoDeleteWithoutWhere {
 #[tokio::main]
 async fn main() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
     let listener = tokio::net::TcpListener::bind("127.0.0.1:7001").await?;
-    serve(NoDeleteWithoutWhere, listener, std::future::pending()).await
+    serve(NoDeleteWithoutWhere, listener, std::future::pending()).await?;
+    Ok(())
 }

@@ -1,9 +1,37 @@
 //! How the SDK reaches a mesh: plaintext, TLS, or mTLS, with an optional
-//! bearer token.
+//! bearer token. [`Coordinator`](crate::Coordinator) and
+//! [`Registrar`](crate::Registrar) both connect through [`Connection`], so
+//! they dial the same way (`TCP_NODELAY`, message limits, TLS) and send the
+//! same [`Credentials`] on every call.
+//!
+//! An address is a URL (`http://host:port`, `https://host:port`) or just
+//! `host:port`, which [`url`] completes with `https://` when TLS is
+//! configured and `http://` otherwise.
 
+pub use crate::MAX_MESSAGE_BYTES;
 use crate::error::ClientError;
 use tonic::metadata::AsciiMetadataValue;
 use tonic::transport::{Channel, Endpoint};
+
+/// The URL for `address`: a URL as given, or `host:port` completed with
+/// `https://` when `tls` is set and `http://` otherwise.
+///
+/// ```
+/// use guardmesh_client::connect::url;
+/// assert_eq!(url("127.0.0.1:50051", false), "http://127.0.0.1:50051");
+/// assert_eq!(url("mesh.internal:443", true), "https://mesh.internal:443");
+/// assert_eq!(url("http://127.0.0.1:50051", true), "http://127.0.0.1:50051");
+/// ```
+pub fn url(address: &str, tls: bool) -> String {
+    let address = address.trim();
+    if address.contains("://") {
+        address.to_owned()
+    } else if tls {
+        format!("https://{address}")
+    } else {
+        format!("http://{address}")
+    }
+}
 
 /// TLS settings for connecting to a mesh (feature `tls`).
 #[derive(Debug, Clone, Default)]
@@ -17,9 +45,11 @@ pub struct Tls {
     pub domain: Option<String>,
 }
 
-/// How to connect: TLS and credentials.
+/// How to connect: TLS and credentials. The default is plaintext without a
+/// token.
 #[derive(Debug, Clone, Default)]
 pub struct Connection {
+    /// TLS to the mesh; `None` for plaintext.
     pub tls: Option<Tls>,
     /// Bearer token sent with every request (the mesh accepts tokens only
     /// over TLS unless configured otherwise).
@@ -27,37 +57,71 @@ pub struct Connection {
 }
 
 impl Connection {
-    /// Opens a channel to `endpoint` with these settings.
-    pub async fn channel(&self, endpoint: impl Into<String>) -> Result<Channel, ClientError> {
-        #[allow(unused_mut)]
-        let mut endpoint = Endpoint::from_shared(endpoint.into())?.tcp_nodelay(true);
-        if let Some(tls) = &self.tls {
-            #[cfg(feature = "tls")]
-            {
-                use tonic::transport::{Certificate, ClientTlsConfig, Identity};
-                let mut config =
-                    ClientTlsConfig::new().ca_certificate(Certificate::from_pem(&tls.ca_pem));
-                if let Some((cert, key)) = &tls.identity {
-                    config = config.identity(Identity::from_pem(cert, key));
-                }
-                if let Some(domain) = &tls.domain {
-                    config = config.domain_name(domain.clone());
-                }
-                endpoint = endpoint.tls_config(config)?;
-            }
-            #[cfg(not(feature = "tls"))]
-            {
-                let _ = tls;
-                return Err(ClientError::Protocol(
-                    "TLS requested but the SDK was built without the `tls` feature".into(),
-                ));
-            }
+    /// The URL this connection dials for `address` (see [`url`]).
+    pub fn url(&self, address: &str) -> String {
+        url(address, self.tls.is_some())
+    }
+
+    /// Opens a channel to `address` with these settings: `TCP_NODELAY`, and
+    /// TLS when configured. The token is not part of the channel: it goes on
+    /// each call, through [`Credentials`].
+    pub async fn channel(&self, address: &str) -> Result<Channel, ClientError> {
+        let address = self.url(address);
+        let endpoint = Endpoint::from_shared(address.clone())
+            .map_err(|error| ClientError::Address {
+                address: address.clone(),
+                reason: crate::error::cause(&error),
+            })?
+            .tcp_nodelay(true);
+        let endpoint = self.with_tls(endpoint, &address)?;
+        endpoint
+            .connect()
+            .await
+            .map_err(|source| ClientError::Connect { address, source })
+    }
+
+    /// A channel to `address` whose every call carries this connection's
+    /// [`Credentials`].
+    pub(crate) async fn authorized(&self, address: &str) -> Result<Authorized, ClientError> {
+        let credentials = Credentials::of(self)?;
+        let channel = self.channel(address).await?;
+        Ok(authorize(channel, credentials))
+    }
+
+    #[cfg(feature = "tls")]
+    fn with_tls(&self, endpoint: Endpoint, address: &str) -> Result<Endpoint, ClientError> {
+        use tonic::transport::{Certificate, ClientTlsConfig, Identity};
+        let Some(tls) = &self.tls else {
+            return Ok(endpoint);
+        };
+        let mut config = ClientTlsConfig::new().ca_certificate(Certificate::from_pem(&tls.ca_pem));
+        if let Some((cert, key)) = &tls.identity {
+            config = config.identity(Identity::from_pem(cert, key));
         }
-        Ok(endpoint.connect().await?)
+        if let Some(domain) = &tls.domain {
+            config = config.domain_name(domain.clone());
+        }
+        endpoint
+            .tls_config(config)
+            .map_err(|source| ClientError::Connect {
+                address: address.to_owned(),
+                source,
+            })
+    }
+
+    #[cfg(not(feature = "tls"))]
+    fn with_tls(&self, endpoint: Endpoint, address: &str) -> Result<Endpoint, ClientError> {
+        match &self.tls {
+            None => Ok(endpoint),
+            Some(_) => Err(ClientError::Address {
+                address: address.to_owned(),
+                reason: "TLS requested but the SDK was built without the `tls` feature".into(),
+            }),
+        }
     }
 
     /// The `authorization` header value, if a token is set.
-    pub(crate) fn authorization(&self) -> Result<Option<AsciiMetadataValue>, ClientError> {
+    fn authorization(&self) -> Result<Option<AsciiMetadataValue>, ClientError> {
         self.token
             .as_ref()
             .map(|t| {
@@ -118,3 +182,60 @@ impl tonic::service::Interceptor for Credentials {
 
 /// A channel whose every request carries [`Credentials`].
 pub type Authorized = tonic::service::interceptor::InterceptedService<Channel, Credentials>;
+
+/// `channel` with `credentials` on every request.
+pub(crate) fn authorize(channel: Channel, credentials: Credentials) -> Authorized {
+    tonic::service::interceptor::InterceptedService::new(channel, credentials)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn host_port_is_a_url() {
+        let plain = Connection::default();
+        let tls = Connection {
+            tls: Some(Tls::default()),
+            token: None,
+        };
+        assert_eq!(plain.url("127.0.0.1:50051"), "http://127.0.0.1:50051");
+        assert_eq!(plain.url(" localhost:1 "), "http://localhost:1");
+        assert_eq!(tls.url("mesh:443"), "https://mesh:443");
+        assert_eq!(tls.url("[::1]:50051"), "https://[::1]:50051");
+        for given in ["http://127.0.0.1:50051", "https://mesh:443"] {
+            assert_eq!(plain.url(given), given);
+            assert_eq!(tls.url(given), given);
+        }
+    }
+
+    #[tokio::test]
+    async fn connect_error_names_the_address_and_the_cause() {
+        // Port 1 on loopback: nothing listens there, the kernel refuses.
+        let error = Connection::default()
+            .channel("127.0.0.1:1")
+            .await
+            .unwrap_err();
+        assert!(error.is_connect(), "{error:?}");
+        assert_eq!(
+            error.to_string(),
+            "cannot connect to http://127.0.0.1:1: connection refused"
+        );
+        assert_eq!(error.code(), None);
+    }
+
+    #[test]
+    fn a_bad_address_is_named() {
+        let error =
+            futures::executor::block_on(Connection::default().channel("not a url")).unwrap_err();
+        assert!(
+            matches!(&error, ClientError::Address { address, .. } if address == "http://not a url"),
+            "{error:?}"
+        );
+        assert!(
+            error
+                .to_string()
+                .starts_with("invalid mesh address \"http://not a url\"")
+        );
+    }
+}

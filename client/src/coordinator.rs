@@ -3,7 +3,7 @@
 //! ```no_run
 //! # async fn demo() -> Result<(), guardmesh_client::ClientError> {
 //! use guardmesh_client::{Batch, Coordinator, Outcome};
-//! let mesh = Coordinator::connect("http://127.0.0.1:50051").await?;
+//! let mesh = Coordinator::connect("127.0.0.1:50051").await?;
 //! let session = mesh.session("session-1").await?;
 //! let decision = session
 //!     .evaluate(Batch::new(0).call("c1", "sql.query", r#"{"sql":"DELETE FROM t"}"#))
@@ -19,12 +19,12 @@
 //! # Ok(()) }
 //! ```
 
-use crate::connect::{Authorized, Credentials};
+use crate::connect::{Authorized, Connection, Credentials, MAX_MESSAGE_BYTES};
 use crate::error::ClientError;
 use crate::proto::pre_tool_service_client::PreToolServiceClient;
 use crate::proto::{
-    Action, BatchContext, BatchDecision, EvaluateRequest, EvaluateResponse, GuardTrace, ToolCall,
-    evaluate_response,
+    self, Action, BatchContext, EvaluateRequest, EvaluateResponse, GuardTrace, ToolCall,
+    TraceStatus, evaluate_response,
 };
 use std::collections::{BTreeSet, HashMap};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -37,9 +37,13 @@ use tonic::transport::Channel;
 /// One round of tool calls to evaluate.
 #[derive(Debug, Clone, Default)]
 pub struct Batch {
+    /// The turn of the session this round belongs to.
     pub turn_index: u32,
+    /// The model's text for the round.
     pub model_text: String,
+    /// Free metadata: tenant, user, agent, ...
     pub metadata: HashMap<String, String>,
+    /// The calls, in the model's order.
     pub calls: Vec<ToolCall>,
     /// Deadline for the batch; `None` uses the mesh's default.
     pub timeout: Option<Duration>,
@@ -122,20 +126,28 @@ impl Batch {
 /// What to do with one call.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Outcome {
-    /// Run `CallOutcome::final_call`.
+    /// Run [`CallDecision::final_call`].
     Proceed,
     /// Do not run it; give the model `content` as an error result (it should
     /// fix the call and retry).
-    Steer { content: String },
+    Steer {
+        /// What the model reads instead of the tool's result.
+        content: String,
+    },
     /// Do not run it; give the model `content` as a benign result (it should
     /// move on).
-    Cancel { content: String },
+    Cancel {
+        /// What the model reads instead of the tool's result.
+        content: String,
+    },
 }
 
-/// The mesh's decision for one call.
+/// The mesh's decision for one call (R2, R12).
 #[derive(Debug, Clone, PartialEq)]
-pub struct CallOutcome {
+pub struct CallDecision {
+    /// The call's id, as the coordinator sent it.
     pub call_id: String,
+    /// Run it, or what the model reads instead.
     pub outcome: Outcome,
     /// The call as the coordinator sent it (R12).
     pub original: ToolCall,
@@ -151,7 +163,7 @@ pub struct CallOutcome {
     pub bypassed: Vec<String>,
 }
 
-impl CallOutcome {
+impl CallDecision {
     /// Whether the call may run.
     pub fn proceeds(&self) -> bool {
         self.outcome == Outcome::Proceed
@@ -182,20 +194,23 @@ impl CallOutcome {
 
 /// The mesh's answer for one batch.
 #[derive(Debug, Clone, PartialEq)]
-pub struct Decision {
+pub struct BatchDecision {
+    /// The batch's id.
     pub batch_id: String,
     /// One per call, in batch order (R2).
-    pub calls: Vec<CallOutcome>,
+    pub calls: Vec<CallDecision>,
     /// The calls to run, final form, in batch order.
     pub execute: Vec<ToolCall>,
     /// One entry per guard of the chain (R21).
+    /// See [`BatchDecision::guard`] and [`BatchDecision::status`].
     pub trace: Vec<GuardTrace>,
+    /// The revision of the chain that judged the batch (R17).
     pub chain_revision: u64,
     /// OpenTelemetry trace id, when tracing is on.
     pub trace_id: String,
 }
 
-impl Decision {
+impl BatchDecision {
     fn empty(batch_id: String) -> Self {
         Self {
             batch_id,
@@ -208,7 +223,7 @@ impl Decision {
     }
 
     /// Reads a wire decision.
-    pub fn from_wire(batch_id: String, wire: BatchDecision) -> Result<Self, ClientError> {
+    pub fn from_wire(batch_id: String, wire: proto::BatchDecision) -> Result<Self, ClientError> {
         let calls = wire
             .decisions
             .into_iter()
@@ -225,7 +240,7 @@ impl Decision {
                     }
                 };
                 let original = d.original.unwrap_or_default();
-                Ok(CallOutcome {
+                Ok(CallDecision {
                     call_id: d.call_id,
                     outcome,
                     final_call: d.call.unwrap_or_else(|| original.clone()),
@@ -248,8 +263,21 @@ impl Decision {
     }
 
     /// The decision for `call_id`.
-    pub fn call(&self, call_id: &str) -> Option<&CallOutcome> {
+    pub fn call(&self, call_id: &str) -> Option<&CallDecision> {
         self.calls.iter().find(|c| c.call_id == call_id)
+    }
+
+    /// The trace entry of the guard named `guard` (R21).
+    pub fn guard(&self, guard: &str) -> Option<&GuardTrace> {
+        self.trace.iter().find(|t| t.guard == guard)
+    }
+
+    /// What the guard named `guard` did with the batch (R21): `proceeded`,
+    /// `skipped`, `timed_out`, ... ([`TraceStatus`] displays as these names).
+    /// A status this SDK does not know reads as
+    /// [`TraceStatus::Unspecified`].
+    pub fn status(&self, guard: &str) -> Option<TraceStatus> {
+        self.guard(guard).map(GuardTrace::status)
     }
 }
 
@@ -261,23 +289,20 @@ pub struct Coordinator {
 }
 
 impl Coordinator {
-    /// Connects to `endpoint` (`http://host:port`).
-    pub async fn connect(endpoint: impl Into<String>) -> Result<Self, ClientError> {
-        let channel = tonic::transport::Endpoint::from_shared(endpoint.into())?
-            .tcp_nodelay(true)
-            .connect()
-            .await?;
-        Ok(Self::from_channel(channel))
+    /// Connects to the mesh at `address` (`host:port` or
+    /// `http://host:port`), in plaintext.
+    pub async fn connect(address: impl AsRef<str>) -> Result<Self, ClientError> {
+        Self::connect_with(address, &Connection::default()).await
     }
 
     /// Connects with TLS, mTLS and/or a bearer token.
     pub async fn connect_with(
-        endpoint: impl Into<String>,
-        connection: &crate::connect::Connection,
+        address: impl AsRef<str>,
+        connection: &Connection,
     ) -> Result<Self, ClientError> {
-        let credentials = Credentials::of(connection)?;
-        let channel = connection.channel(endpoint).await?;
-        Ok(Self::from_channel_with(channel, credentials))
+        Ok(Self::from_authorized(
+            connection.authorized(address.as_ref()).await?,
+        ))
     }
 
     /// Uses an existing channel (for custom settings), without a token.
@@ -287,10 +312,14 @@ impl Coordinator {
 
     /// Uses an existing channel; `credentials` go on every call.
     pub fn from_channel_with(channel: Channel, credentials: Credentials) -> Self {
+        Self::from_authorized(crate::connect::authorize(channel, credentials))
+    }
+
+    fn from_authorized(channel: Authorized) -> Self {
         Self {
-            client: PreToolServiceClient::with_interceptor(channel, credentials)
-                .max_decoding_message_size(64 << 20)
-                .max_encoding_message_size(64 << 20),
+            client: PreToolServiceClient::new(channel)
+                .max_decoding_message_size(MAX_MESSAGE_BYTES)
+                .max_encoding_message_size(MAX_MESSAGE_BYTES),
         }
     }
 
@@ -360,10 +389,10 @@ impl Coordinator {
         &self,
         session_id: &str,
         batch: Batch,
-    ) -> Result<Decision, ClientError> {
+    ) -> Result<BatchDecision, ClientError> {
         let batch_id = format!("{session_id}/{}", batch.turn_index);
         if batch.calls.is_empty() {
-            return Ok(Decision::empty(batch_id));
+            return Ok(BatchDecision::empty(batch_id));
         }
         let mut client = self.client.clone();
         let timeout = batch.timeout;
@@ -372,7 +401,7 @@ impl Coordinator {
             request.set_timeout(timeout);
         }
         let decision = client.evaluate_batch(request).await?.into_inner();
-        Decision::from_wire(batch_id, decision)
+        BatchDecision::from_wire(batch_id, decision)
     }
 }
 
@@ -406,11 +435,11 @@ impl Session {
 
     /// Evaluates one round of calls. A batch with no calls is answered here,
     /// without contacting the mesh (R1).
-    pub async fn evaluate(&self, batch: Batch) -> Result<Decision, ClientError> {
+    pub async fn evaluate(&self, batch: Batch) -> Result<BatchDecision, ClientError> {
         let n = self.next.fetch_add(1, Ordering::Relaxed);
         let batch_id = format!("{}/{}/{n}", self.session_id, batch.turn_index);
         if batch.calls.is_empty() {
-            return Ok(Decision::empty(batch_id));
+            return Ok(BatchDecision::empty(batch_id));
         }
         self.evaluate_raw(batch.into_request(batch_id, &self.session_id))
             .await
@@ -418,7 +447,10 @@ impl Session {
 
     /// Sends a batch exactly as given (its `batch_id` included) and waits
     /// for its answer. Unlike [`Session::evaluate`], an empty batch is sent.
-    pub async fn evaluate_raw(&self, request: EvaluateRequest) -> Result<Decision, ClientError> {
+    pub async fn evaluate_raw(
+        &self,
+        request: EvaluateRequest,
+    ) -> Result<BatchDecision, ClientError> {
         let answer = self
             .send_raw(request)
             .await?
@@ -427,7 +459,7 @@ impl Session {
         let batch_id = answer.batch_id;
         match answer.result {
             Some(evaluate_response::Result::Decision(decision)) => {
-                Decision::from_wire(batch_id, decision)
+                BatchDecision::from_wire(batch_id, decision)
             }
             Some(evaluate_response::Result::Error(error)) => Err(ClientError::Status(
                 tonic::Status::new(tonic::Code::from(error.code), error.message),

@@ -1,11 +1,29 @@
 //! Errors of the SDK.
 
-/// What went wrong talking to a mesh.
+use std::error::Error as StdError;
+
+/// What went wrong talking to a mesh. Its `Display` names the address and
+/// the cause, e.g. `cannot connect to http://127.0.0.1:1: connection
+/// refused`.
 #[derive(Debug, thiserror::Error)]
 pub enum ClientError {
-    /// The mesh could not be reached.
-    #[error("cannot connect to the mesh: {0}")]
-    Connect(#[from] tonic::transport::Error),
+    /// The address is not a usable `host:port` or URL.
+    #[error("invalid mesh address {address:?}: {reason}")]
+    Address {
+        /// The address as given.
+        address: String,
+        /// What is wrong with it.
+        reason: String,
+    },
+    /// The mesh could not be reached at `address`.
+    #[error("cannot connect to {address}: {}", cause(source))]
+    Connect {
+        /// The URL dialed (after [`crate::connect::url`]).
+        address: String,
+        /// The transport's error.
+        #[source]
+        source: tonic::transport::Error,
+    },
     /// The mesh refused the batch or the call (R20), or aborted it (R13).
     #[error("mesh answered {:?}: {}", .0.code(), .0.message())]
     Status(#[from] tonic::Status),
@@ -27,5 +45,32 @@ impl ClientError {
             Self::Status(status) => Some(status.code()),
             _ => None,
         }
+    }
+
+    /// Whether the mesh could not be reached at all (as opposed to answering
+    /// with an error).
+    pub fn is_connect(&self) -> bool {
+        matches!(self, Self::Connect { .. })
+    }
+}
+
+/// The root cause of a transport error, in words: the innermost I/O error's
+/// kind (`connection refused`, `timed out`, ...) when there is one, else the
+/// innermost error's message. tonic's own message ("transport error") says
+/// nothing about why.
+pub(crate) fn cause(error: &tonic::transport::Error) -> String {
+    let mut innermost: &(dyn StdError + 'static) = error;
+    let mut io_kind = None;
+    let mut next = Some(innermost);
+    while let Some(current) = next {
+        innermost = current;
+        if let Some(io) = current.downcast_ref::<std::io::Error>() {
+            io_kind = Some(io.kind());
+        }
+        next = current.source();
+    }
+    match io_kind {
+        Some(kind) if kind != std::io::ErrorKind::Other => kind.to_string(),
+        _ => innermost.to_string(),
     }
 }

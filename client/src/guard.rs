@@ -1,4 +1,10 @@
-//! The guard side: write a guard as a trait impl and serve it.
+//! The guard side: write a guard as a trait impl and serve it (feature
+//! `guard`).
+//!
+//! A [`Guard`] only says what it objects to. [`GuardServer`] turns it into
+//! the `GuardService` the mesh streams batches to. Serve it alone, with gRPC
+//! health and reflection, through [`serve`] (or [`GuardServer::serve_with`]
+//! for TLS):
 //!
 //! ```no_run
 //! use guardmesh_client::guard::{Guard, serve};
@@ -20,7 +26,25 @@
 //! serve(NoDeleteWithoutWhere, listener, std::future::pending()).await?;
 //! # Ok(()) }
 //! ```
+//!
+//! Or add it to a tonic server of your own, next to your other services, as
+//! with `tonic-health`'s `HealthServer`:
+//!
+//! ```no_run
+//! # use guardmesh_client::guard::Guard;
+//! # struct NoDeleteWithoutWhere;
+//! # impl Guard for NoDeleteWithoutWhere {}
+//! use guardmesh_client::guard::GuardServer;
+//!
+//! # async fn run() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
+//! tonic::transport::Server::builder()
+//!     .add_service(GuardServer::new(NoDeleteWithoutWhere).into_service())
+//!     .serve("127.0.0.1:7001".parse()?)
+//!     .await?;
+//! # Ok(()) }
+//! ```
 
+use crate::MAX_MESSAGE_BYTES;
 use crate::proto::guard_service_server::{GuardService, GuardServiceServer};
 use crate::proto::{GuardBatch, JudgeRequest, JudgeResponse, ToolCall, Verdict, judge_request};
 use std::collections::HashMap;
@@ -60,22 +84,114 @@ pub trait Guard: Send + Sync + 'static {
 /// `GuardService` for any [`Guard`]: judges the batches of a stream
 /// concurrently, answers each exactly once, and stops work on a batch the
 /// mesh cancels.
+///
+/// Add [`GuardServer::into_service`] to your own tonic server, or run it
+/// alone with [`GuardServer::serve`].
 #[derive(Debug)]
 pub struct GuardServer<G> {
     guard: Arc<G>,
 }
 
+impl<G> Clone for GuardServer<G> {
+    fn clone(&self) -> Self {
+        Self {
+            guard: self.guard.clone(),
+        }
+    }
+}
+
 impl<G: Guard> GuardServer<G> {
+    /// Serves `guard`.
     pub fn new(guard: G) -> Self {
         Self {
             guard: Arc::new(guard),
         }
     }
 
-    /// Shares an already shared guard.
+    /// Serves a guard the caller keeps a handle to (to inspect its state).
     pub fn from_arc(guard: Arc<G>) -> Self {
         Self { guard }
     }
+
+    /// The tonic service, with the SDK's message limits
+    /// ([`MAX_MESSAGE_BYTES`] both ways), for `Server::add_service`.
+    pub fn into_service(self) -> GuardServiceServer<Self> {
+        GuardServiceServer::new(self)
+            .max_decoding_message_size(MAX_MESSAGE_BYTES)
+            .max_encoding_message_size(MAX_MESSAGE_BYTES)
+    }
+
+    /// Serves the guard alone on `listener` until `shutdown` completes, with
+    /// gRPC health (`grpc.health.v1`) and server reflection.
+    pub async fn serve(
+        self,
+        listener: TcpListener,
+        shutdown: impl Future<Output = ()> + Send,
+    ) -> Result<(), ServeError> {
+        self.serve_with(listener, None, shutdown).await
+    }
+
+    /// [`GuardServer::serve`] with optional TLS (for `https://`
+    /// registrations).
+    pub async fn serve_with(
+        self,
+        listener: TcpListener,
+        tls: Option<ServerTls>,
+        shutdown: impl Future<Output = ()> + Send,
+    ) -> Result<(), ServeError> {
+        let (health, health_service) = tonic_health::server::health_reporter();
+        health.set_serving::<GuardServiceServer<Self>>().await;
+        let reflection = tonic_reflection::server::Builder::configure()
+            .register_encoded_file_descriptor_set(guardmesh_proto::FILE_DESCRIPTOR_SET)
+            .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
+            .build_v1()?;
+        #[allow(unused_mut)]
+        let mut builder = tonic::transport::Server::builder().tcp_nodelay(true);
+        if let Some(tls) = tls {
+            #[cfg(feature = "tls")]
+            {
+                use tonic::transport::{Certificate, Identity, ServerTlsConfig};
+                let mut config =
+                    ServerTlsConfig::new().identity(Identity::from_pem(tls.cert_pem, tls.key_pem));
+                if let Some(ca) = tls.client_ca_pem {
+                    config = config.client_ca_root(Certificate::from_pem(ca));
+                }
+                builder = builder.tls_config(config)?;
+            }
+            #[cfg(not(feature = "tls"))]
+            {
+                let _ = tls;
+                return Err(ServeError::NoTls);
+            }
+        }
+        builder
+            .add_service(health_service)
+            .add_service(reflection)
+            .add_service(self.into_service())
+            // `Server::tcp_nodelay` does not apply to an incoming stream: set
+            // it here, or Nagle's algorithm stalls answers by the delayed-ACK
+            // time.
+            .serve_with_incoming_shutdown(
+                tonic::transport::server::TcpIncoming::from(listener).with_nodelay(Some(true)),
+                shutdown,
+            )
+            .await?;
+        Ok(())
+    }
+}
+
+/// Why a guard could not be served.
+#[derive(Debug, thiserror::Error)]
+pub enum ServeError {
+    /// The transport failed: bad TLS settings, or the listener failed.
+    #[error("cannot serve the guard: {0}")]
+    Transport(#[from] tonic::transport::Error),
+    /// The reflection service could not be built.
+    #[error("cannot build gRPC reflection: {0}")]
+    Reflection(#[from] tonic_reflection::server::Error),
+    /// TLS was asked for, but the SDK was built without the `tls` feature.
+    #[error("TLS requested but the SDK was built without the `tls` feature")]
+    NoTls,
 }
 
 #[tonic::async_trait]
@@ -184,79 +300,24 @@ impl<G: Guard> GuardService for GuardServer<G> {
     }
 }
 
-/// Serves `guard` on `listener` until `shutdown` completes, with gRPC health
-/// (`grpc.health.v1`) and server reflection.
+/// Serves `guard` alone on `listener` until `shutdown` completes, with gRPC
+/// health (`grpc.health.v1`) and server reflection: shorthand for
+/// `GuardServer::new(guard).serve(listener, shutdown)`.
 pub async fn serve<G: Guard>(
     guard: G,
     listener: TcpListener,
     shutdown: impl Future<Output = ()> + Send,
-) -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
-    serve_arc(Arc::new(guard), listener, shutdown).await
-}
-
-/// [`serve`] for a guard the caller keeps a handle to (to inspect state).
-pub async fn serve_arc<G: Guard>(
-    guard: Arc<G>,
-    listener: TcpListener,
-    shutdown: impl Future<Output = ()> + Send,
-) -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
-    serve_with(guard, listener, None, shutdown).await
+) -> Result<(), ServeError> {
+    GuardServer::new(guard).serve(listener, shutdown).await
 }
 
 /// TLS for a guard's server (feature `tls`).
 #[derive(Debug, Clone)]
 pub struct ServerTls {
-    /// The guard's certificate chain and key, PEM.
+    /// The guard's certificate chain, PEM.
     pub cert_pem: String,
+    /// The key of that certificate, PEM.
     pub key_pem: String,
     /// With it, the mesh must present a client certificate from this CA.
     pub client_ca_pem: Option<String>,
-}
-
-/// [`serve_arc`] with optional TLS (`https://` registrations).
-pub async fn serve_with<G: Guard>(
-    guard: Arc<G>,
-    listener: TcpListener,
-    tls: Option<ServerTls>,
-    shutdown: impl Future<Output = ()> + Send,
-) -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
-    let (health, health_service) = tonic_health::server::health_reporter();
-    health
-        .set_serving::<GuardServiceServer<GuardServer<G>>>()
-        .await;
-    let reflection = tonic_reflection::server::Builder::configure()
-        .register_encoded_file_descriptor_set(guardmesh_proto::FILE_DESCRIPTOR_SET)
-        .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
-        .build_v1()?;
-    #[allow(unused_mut)]
-    let mut builder = tonic::transport::Server::builder().tcp_nodelay(true);
-    if let Some(tls) = tls {
-        #[cfg(feature = "tls")]
-        {
-            use tonic::transport::{Certificate, Identity, ServerTlsConfig};
-            let mut config =
-                ServerTlsConfig::new().identity(Identity::from_pem(tls.cert_pem, tls.key_pem));
-            if let Some(ca) = tls.client_ca_pem {
-                config = config.client_ca_root(Certificate::from_pem(ca));
-            }
-            builder = builder.tls_config(config)?;
-        }
-        #[cfg(not(feature = "tls"))]
-        {
-            let _ = tls;
-            return Err("TLS requested but the SDK was built without the `tls` feature".into());
-        }
-    }
-    builder
-        .add_service(health_service)
-        .add_service(reflection)
-        .add_service(GuardServiceServer::new(GuardServer::from_arc(guard)))
-        // `Server::tcp_nodelay` does not apply to an incoming stream: set it
-        // here, or Nagle's algorithm stalls answers by the delayed-ACK time.
-        .serve_with_incoming_shutdown(
-            tonic::transport::server::TcpIncoming::from(listener).with_nodelay(Some(true)),
-            shutdown,
-        )
-        .await?;
-    Ok(())
 }

@@ -2,33 +2,58 @@
 //!
 //! Two audiences, one crate:
 //!
-//! * **Coordinators** (agent loops): [`coordinator`] connects to a mesh,
-//!   opens one stream per agent session and evaluates each round of tool
-//!   calls into typed [`coordinator::Decision`]s. A round with no calls is
-//!   answered locally, without any RPC (R1).
-//! * **Guard authors**: implement [`guard::Guard`] (a guard only says what it
-//!   objects to: proceeding is the default) and serve it with
-//!   [`guard::serve`], which adds gRPC health and reflection. [`verdict`] has
-//!   the constructors for steer, cancel and rewrite verdicts, and
-//!   [`registry`] registers a guard with a mesh.
+//! * **Coordinators** (agent loops, feature `coordinator`): a [`Coordinator`]
+//!   connects to a mesh, opens one [`Session`] stream per agent session and
+//!   evaluates each round of tool calls (a [`Batch`]) into a typed
+//!   [`BatchDecision`], one [`CallDecision`] per call. A round with no calls
+//!   is answered locally, without any RPC (R1). A [`Registrar`] registers
+//!   guards with a mesh. Both connect through one [`Connection`] (TLS, mTLS,
+//!   token), to an address given as `host:port` or as a URL.
+//! * **Guard authors** (feature `guard`): implement [`Guard`] (a guard only
+//!   says what it objects to: proceeding is the default), then either add
+//!   [`GuardServer::into_service`] to your own tonic server or run it alone
+//!   with [`serve`], which adds gRPC health and reflection. [`verdict`] has
+//!   the constructors for steer, cancel and rewrite verdicts.
 //!
 //! [`trace`] carries W3C trace context (R22) from the coordinator's span
 //! into the mesh and from each batch into the guard's span.
 //!
-//! The wire types are re-exported as [`proto`]. This crate does not depend on
-//! the mesh server.
+//! The wire types are re-exported as [`proto`], and tonic's [`Status`] and
+//! [`Code`], so that guards and coordinators need no direct tonic
+//! dependency. This crate does not depend on the mesh server.
+//!
+//! Features (all on by default): `coordinator` (tonic's client transport
+//! only: no hyper server, axum, health or reflection), `guard` (the guard
+//! server), `otel` (trace context from and into OpenTelemetry spans), `tls`
+//! (rustls with ring, on either side).
 
+#[cfg(feature = "coordinator")]
 pub mod connect;
+#[cfg(feature = "coordinator")]
 pub mod coordinator;
+#[cfg(feature = "coordinator")]
 pub mod error;
+#[cfg(feature = "guard")]
 pub mod guard;
+#[cfg(feature = "coordinator")]
 pub mod registry;
 pub mod trace;
 pub mod verdict;
 
+#[cfg(feature = "coordinator")]
 pub use connect::{Connection, Credentials, Tls};
-pub use coordinator::{Batch, CallOutcome, Coordinator, Decision, Outcome, Session};
+#[cfg(feature = "coordinator")]
+pub use coordinator::{Batch, BatchDecision, CallDecision, Coordinator, Outcome, Session};
+#[cfg(feature = "coordinator")]
 pub use error::ClientError;
-pub use guard::{Guard, serve};
+#[cfg(feature = "guard")]
+pub use guard::{Guard, GuardServer, ServeError, ServerTls, serve};
 pub use guardmesh_proto::v1 as proto;
+pub use proto::TraceStatus;
+#[cfg(feature = "coordinator")]
 pub use registry::{Registrar, Registration};
+pub use tonic::{Code, Status};
+
+/// The largest message the SDK's clients and guard server send or accept,
+/// either way: 64 MiB.
+pub const MAX_MESSAGE_BYTES: usize = 64 << 20;

@@ -1,6 +1,6 @@
 //! Registering guards with a mesh.
 
-use crate::connect::{Authorized, Credentials};
+use crate::connect::{Authorized, Connection, Credentials, MAX_MESSAGE_BYTES};
 use crate::error::ClientError;
 use crate::proto::guard_registry_client::GuardRegistryClient;
 use crate::proto::{
@@ -114,30 +114,29 @@ impl From<Registration> for GuardSpec {
     }
 }
 
-/// A client of a mesh's `GuardRegistry`. The credentials it was connected
-/// with go on every call (R24).
+/// A client of a mesh's `GuardRegistry`. It connects through the same
+/// [`Connection`] as [`crate::Coordinator`], and the credentials it was
+/// connected with go on every call: register, deregister and list (R24).
 #[derive(Debug, Clone)]
 pub struct Registrar {
     client: GuardRegistryClient<Authorized>,
 }
 
 impl Registrar {
-    /// Connects to the mesh at `endpoint` (`http://host:port`).
-    pub async fn connect(endpoint: impl Into<String>) -> Result<Self, ClientError> {
-        let channel = tonic::transport::Endpoint::from_shared(endpoint.into())?
-            .connect()
-            .await?;
-        Ok(Self::from_channel(channel))
+    /// Connects to the mesh at `address` (`host:port` or
+    /// `http://host:port`), in plaintext.
+    pub async fn connect(address: impl AsRef<str>) -> Result<Self, ClientError> {
+        Self::connect_with(address, &Connection::default()).await
     }
 
     /// Connects with TLS, mTLS and/or a bearer token.
     pub async fn connect_with(
-        endpoint: impl Into<String>,
-        connection: &crate::connect::Connection,
+        address: impl AsRef<str>,
+        connection: &Connection,
     ) -> Result<Self, ClientError> {
-        let credentials = Credentials::of(connection)?;
-        let channel = connection.channel(endpoint).await?;
-        Ok(Self::from_channel_with(channel, credentials))
+        Ok(Self::from_authorized(
+            connection.authorized(address.as_ref()).await?,
+        ))
     }
 
     /// Uses an existing channel, without a token.
@@ -147,8 +146,14 @@ impl Registrar {
 
     /// Uses an existing channel; `credentials` go on every call.
     pub fn from_channel_with(channel: Channel, credentials: Credentials) -> Self {
+        Self::from_authorized(crate::connect::authorize(channel, credentials))
+    }
+
+    fn from_authorized(channel: Authorized) -> Self {
         Self {
-            client: GuardRegistryClient::with_interceptor(channel, credentials),
+            client: GuardRegistryClient::new(channel)
+                .max_decoding_message_size(MAX_MESSAGE_BYTES)
+                .max_encoding_message_size(MAX_MESSAGE_BYTES),
         }
     }
 

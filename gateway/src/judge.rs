@@ -12,7 +12,7 @@
 //! A call the mesh returned no decision for is never forwarded.
 
 use crate::jsonrpc::{self, ToolCallRequest, codes};
-use guardmesh_client::{Batch, ClientError, Coordinator, Decision, Outcome};
+use guardmesh_client::{Batch, BatchDecision, ClientError, Coordinator, Outcome};
 use rmcp::model::ErrorData;
 use std::collections::HashMap;
 use std::path::PathBuf;
@@ -167,7 +167,7 @@ impl Judge {
         session: &str,
         calls: Vec<(String, String, String)>,
         traceparent: Option<&str>,
-    ) -> Result<Decision, JudgeError> {
+    ) -> Result<BatchDecision, JudgeError> {
         let coordinator = self.coordinator().await?;
         let mut batch = Batch::new(self.turn.fetch_add(1, Ordering::Relaxed));
         batch.metadata = self.metadata.clone();
@@ -225,7 +225,7 @@ impl Judge {
 }
 
 /// What the decision says to do with `call`.
-fn dispose(call: &ToolCallRequest, decision: &Decision) -> Disposition {
+fn dispose(call: &ToolCallRequest, decision: &BatchDecision) -> Disposition {
     let Some(outcome) = decision.call(call.call_id()) else {
         let data = ErrorData::new(
             codes::MESH_REFUSED,

@@ -111,10 +111,11 @@ pub(crate) async fn serve_script_guard(
     let task = tokio::spawn({
         let guard = guard.clone();
         async move {
-            let _ = guardmesh_client::guard::serve_arc(guard, listener, async {
-                let _ = stopped.await;
-            })
-            .await;
+            let _ = guardmesh_client::GuardServer::from_arc(guard)
+                .serve(listener, async {
+                    let _ = stopped.await;
+                })
+                .await;
         }
     });
     TestGuard {
@@ -435,8 +436,9 @@ pub(crate) async fn held_guard() -> HeldHandle {
     let task = tokio::spawn({
         let guard = guard.clone();
         async move {
-            let _ =
-                guardmesh_client::guard::serve_arc(guard, listener, std::future::pending()).await;
+            let _ = guardmesh_client::GuardServer::from_arc(guard)
+                .serve(listener, std::future::pending())
+                .await;
         }
     });
     HeldHandle { url, guard, task }

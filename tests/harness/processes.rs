@@ -200,7 +200,7 @@ pub(crate) fn run_conformance(addr: &str, args: &[&str]) -> (std::process::ExitS
 
 /// The R21 status of `guard` in a decision's trace.
 pub(crate) fn status_of(
-    decision: &guardmesh_client::Decision,
+    decision: &guardmesh_client::BatchDecision,
     guard: &str,
 ) -> guardmesh_client::proto::TraceStatus {
     let entry = decision

@@ -4,7 +4,7 @@
 //!
 //! For each guard it serves:
 //!
-//! * its `GuardService` port, with `guardmesh_client::guard::serve_arc`
+//! * its `GuardService` port, with `GuardServer::serve`
 //!   exactly as a guard author serves a guard (health and reflection
 //!   included): the mesh's `Judge` stream lands here;
 //! * its `DirectGuard` port: the same guard object behind a unary call, what
@@ -18,7 +18,6 @@
 use super::{Error, Flavor};
 use guardmesh_client::Guard;
 use guardmesh_client::guard::GuardServer;
-use guardmesh_client::proto::guard_service_server::GuardServiceServer;
 use guardmesh_client::proto::{GuardBatch, JudgeResponse, Verdict};
 use guardmesh_client::verdict::steer;
 use guardmesh_proto::bench::v1::EchoMessage;
@@ -205,17 +204,15 @@ async fn serve(args: GuardsArgs) -> Result<(), Error> {
             async move {
                 let served = if stream_nodelay {
                     tonic::transport::Server::builder()
-                        .add_service(GuardServiceServer::new(GuardServer::from_arc(guard)))
+                        .add_service(GuardServer::from_arc(guard).into_service())
                         .serve_with_incoming(nodelay(stream_listener))
                         .await
                         .map_err(Error::from)
                 } else {
-                    guardmesh_client::guard::serve_arc(
-                        guard,
-                        stream_listener,
-                        std::future::pending(),
-                    )
-                    .await
+                    GuardServer::from_arc(guard)
+                        .serve(stream_listener, std::future::pending())
+                        .await
+                        .map_err(Error::from)
                 };
                 if let Err(error) = served {
                     tracing::error!(guard = %name, %error, "guard server stopped");

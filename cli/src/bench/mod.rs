@@ -559,7 +559,7 @@ fn cpu_now(mesh: Option<u32>, guards: u32) -> Result<Cpu, Error> {
 /// Checks a mesh decision: every call proceeds, or every call was steered
 /// (by the vetoing guard).
 fn check_decision(
-    decision: &guardmesh_client::Decision,
+    decision: &guardmesh_client::BatchDecision,
     work: &Work,
     veto: bool,
 ) -> Result<(), Error> {
@@ -1186,7 +1186,7 @@ async fn run(args: &BenchArgs) -> Result<(), Error> {
         json!(if args.guard_nodelay {
             "GuardServer on TCP_NODELAY sockets (--guard-nodelay)"
         } else {
-            "guardmesh_client::guard::serve_arc"
+            "guardmesh_client::GuardServer::serve"
         }),
     );
     put(
