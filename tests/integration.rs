@@ -12,6 +12,8 @@
 //! * `polyglot`, `conformance`: Python, Node and Rust guard processes in one
 //!   chain, and the conformance kit against each.
 //! * `cli`, `shutdown`: the `guardmesh` command as users run it.
+//! * `policy`: policy guards and unguarded calls (R27, R28), and
+//!   `guardmesh policy check|test`.
 //!
 //! Tests that measure memory take [`harness::HEAVY`]; tests that must own the
 //! process (its global telemetry, its resident set) run in a child process of
@@ -26,6 +28,7 @@ mod faults;
 mod observability;
 mod otel;
 mod overload;
+mod policy;
 mod polyglot;
 mod rewrites;
 mod rules;

@@ -105,6 +105,21 @@ enum Command {
     /// Serves the benchmark's guards and baselines (started by `bench`).
     #[command(hide = true)]
     BenchGuards(crate::bench::GuardsArgs),
+    /// Checks a policy file (CEL rules, R27), or tests it against cases.
+    Policy {
+        #[command(subcommand)]
+        action: PolicyAction,
+    },
+}
+
+#[derive(Subcommand)]
+enum PolicyAction {
+    /// Compiles a policy file and lists its rules with their cost; exits
+    /// non-zero, naming the line and the reason, if it does not compile.
+    Check { file: PathBuf },
+    /// Runs a cases file against a policy file; exits non-zero on any case
+    /// whose expectation does not hold.
+    Test { file: PathBuf, cases: PathBuf },
 }
 
 /// How the command-line tools reach a mesh: its address and the
@@ -291,6 +306,7 @@ pub fn main() -> ExitCode {
     let cli = Cli::parse();
     // The benchmark picks its own runtime flavours.
     let cli = match cli.command {
+        Command::Policy { action } => return policy(action),
         Command::Bench(args) => return crate::bench::main(args),
         Command::BenchGuards(args) => return crate::bench::serve_guards(args),
         command => Cli { command, ..cli },
@@ -339,13 +355,50 @@ async fn run(cli: Cli) -> Result<ExitCode, Error> {
             delay_ms,
         } => example_guard(kind, listen, delay_ms).await,
         Command::Conformance(args) => crate::conformance::main(args).await,
-        Command::Bench(_) | Command::BenchGuards(_) => {
-            Err("the benchmark is started before the runtime".into())
+        Command::Bench(_) | Command::BenchGuards(_) | Command::Policy { .. } => {
+            Err("this command runs without the runtime".into())
         }
     };
     // Flush spans on the way out, also after an error.
     telemetry.shutdown().await;
     result.map(|()| ExitCode::SUCCESS)
+}
+
+/// `guardmesh policy check|test`: no runtime, no mesh. Exit 0 when the
+/// file compiles (and every case holds), 1 otherwise, with the line and the
+/// reason on stderr.
+fn policy(action: PolicyAction) -> ExitCode {
+    use guardmesh_server::policy;
+    let read = |path: &std::path::Path| {
+        std::fs::read_to_string(path).map_err(|e| format!("cannot read {}: {e}", path.display()))
+    };
+    let result = match action {
+        PolicyAction::Check { file } => read(&file).and_then(|source| {
+            policy::check(&source)
+                .map(|report| print!("{report}"))
+                .map_err(|e| format!("{}: {e}", file.display()))
+        }),
+        PolicyAction::Test { file, cases } => read(&file).and_then(|source| {
+            let compiled =
+                policy::Policy::compile(&source).map_err(|e| format!("{}: {e}", file.display()))?;
+            let cases_text = read(&cases)?;
+            let report = policy::test(&compiled, &cases_text)
+                .map_err(|e| format!("{}: {e}", cases.display()))?;
+            if report.passed() {
+                print!("{report}");
+                Ok(())
+            } else {
+                Err(report.to_string().trim_end().to_owned())
+            }
+        }),
+    };
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(message) => {
+            eprintln!("error: {message}");
+            ExitCode::FAILURE
+        }
+    }
 }
 
 async fn example_guard(
