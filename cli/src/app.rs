@@ -267,8 +267,13 @@ enum GuardsAction {
     Register {
         #[arg(long)]
         name: String,
-        #[arg(long)]
-        endpoint: String,
+        /// A remote guard's address; or `--policy-file`.
+        #[arg(long, required_unless_present = "policy_file")]
+        endpoint: Option<String>,
+        /// A policy guard (R27): a file of CEL rules, sent whole with the
+        /// registration and judged inside the mesh.
+        #[arg(long, conflicts_with = "endpoint")]
+        policy_file: Option<PathBuf>,
         /// validate or mutate.
         #[arg(long, default_value_t = GuardRole::Validate)]
         role: GuardRole,
@@ -450,6 +455,10 @@ async fn shutdown_signal() {
 }
 
 async fn serve(config: Option<PathBuf>, listen: Option<std::net::SocketAddr>) -> Result<(), Error> {
+    let config_folder = config
+        .as_deref()
+        .and_then(std::path::Path::parent)
+        .map_or_else(|| PathBuf::from("."), std::path::Path::to_path_buf);
     let config = match config {
         Some(path) => Config::load(&path)?,
         None => Config::default(),
@@ -469,14 +478,30 @@ async fn serve(config: Option<PathBuf>, listen: Option<std::net::SocketAddr>) ->
     let registry = build_registry(&config, mesh_config.default_guard_timeout).await?;
     let mesh = Mesh::new(mesh_config, registry);
     // SIGHUP reloads the server certificate at once (it is also reloaded
-    // when its files change).
+    // when its files change), and the policy files of the config's policy
+    // guards (R27).
     #[cfg(unix)]
-    if let Some(tls) = mesh.config.security.server_tls.clone()
+    let guards: Vec<_> = config
+        .guards
+        .iter()
+        .filter(|g| g.policy.is_some())
+        .cloned()
+        .collect();
+    #[cfg(unix)]
+    if (mesh.config.security.server_tls.is_some() || !guards.is_empty())
         && let Ok(mut hup) = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::hangup())
     {
+        let tls = mesh.config.security.server_tls.clone();
+        let mesh = mesh.clone();
+        let folder = config_folder;
         tokio::spawn(async move {
             while hup.recv().await.is_some() {
-                tls.cert.reload();
+                if let Some(tls) = &tls {
+                    tls.cert.reload();
+                }
+                for guard in &guards {
+                    reload_policy(&mesh, &folder, guard.clone()).await;
+                }
             }
         });
     }
@@ -491,6 +516,58 @@ async fn serve(config: Option<PathBuf>, listen: Option<std::net::SocketAddr>) ->
     guardmesh_server::server::run(listener, mesh, shutdown_signal()).await?;
     tracing::info!("guardmesh stopped");
     Ok(())
+}
+
+/// Re-reads a config policy guard's file and registers it again in place
+/// (R16: same position); a file that cannot be read or does not compile is
+/// refused whole and the running policy is kept (R27), logged and counted.
+/// A guard deregistered since the start is not brought back.
+#[cfg(unix)]
+async fn reload_policy(
+    mesh: &Mesh,
+    folder: &std::path::Path,
+    mut guard: guardmesh_server::config::GuardConfig,
+) {
+    let name = guard.name.trim().to_owned();
+    let present = mesh
+        .registry()
+        .chain()
+        .guards
+        .iter()
+        .any(|g| g.name == name);
+    if !present {
+        return;
+    }
+    let Some(file) = guard.policy.as_ref().map(|f| folder.join(f)) else {
+        return;
+    };
+    let loaded = std::fs::read_to_string(&file)
+        .map_err(|e| format!("cannot read {}: {e}", file.display()))
+        .and_then(|source| {
+            guardmesh_server::policy::Policy::compile(&source)
+                .map(|_| source)
+                .map_err(|e| format!("{}: {e}", file.display()))
+        });
+    let result = match loaded {
+        Ok(source) => {
+            guard.policy_source = Some(source);
+            mesh.registry()
+                .register(guard.to_spec())
+                .await
+                .map_err(|e| e.to_string())
+        }
+        Err(error) => Err(error),
+    };
+    match result {
+        Ok(registered) => {
+            mesh.metrics.policy_reload("applied");
+            tracing::info!(guard = %name, revision = registered.revision, "policy reloaded");
+        }
+        Err(error) => {
+            mesh.metrics.policy_reload("refused");
+            tracing::warn!(guard = %name, %error, "policy reload refused; the running policy is kept");
+        }
+    }
 }
 
 /// The registry `[registry]` asks for, with the file's `[[guard]]` entries
@@ -551,13 +628,18 @@ async fn guards(mesh: &MeshArgs, action: GuardsAction) -> Result<(), Error> {
                     } else {
                         g.tools.join(",")
                     },
-                    g.endpoint
+                    if g.policy.is_empty() {
+                        g.endpoint.clone()
+                    } else {
+                        format!("(policy, {} bytes)", g.policy.len())
+                    }
                 );
             }
         }
         GuardsAction::Register {
             name,
             endpoint,
+            policy_file,
             role,
             tools,
             timeout_ms,
@@ -568,9 +650,14 @@ async fn guards(mesh: &MeshArgs, action: GuardsAction) -> Result<(), Error> {
             may_rename,
             server_identity,
         } => {
+            let policy = match &policy_file {
+                Some(path) => std::fs::read_to_string(path)
+                    .map_err(|e| format!("cannot read {}: {e}", path.display()))?,
+                None => String::new(),
+            };
             let spec = GuardSpec {
                 name,
-                endpoint,
+                endpoint: endpoint.unwrap_or_default(),
                 role: role as i32,
                 tools,
                 timeout_ms,
@@ -586,6 +673,7 @@ async fn guards(mesh: &MeshArgs, action: GuardsAction) -> Result<(), Error> {
                     may_rename,
                 }),
                 server_identity: server_identity.unwrap_or_default(),
+                policy,
             };
             if role == GuardRole::Mutate && spec.grant.as_ref().is_none_or(|g| g.tools.is_empty()) {
                 eprintln!(
