@@ -14,6 +14,8 @@
 //! * `mcp`: the MCP gateway and the pre-tool hook through the official MCP
 //!   SDK (R31).
 //! * `cli`, `shutdown`: the `guardmesh` command as users run it.
+//! * `policy`: policy guards and unguarded calls (R27, R28), and
+//!   `guardmesh policy check|test`.
 //!
 //! Tests that measure memory take [`harness::HEAVY`]; tests that must own the
 //! process (its global telemetry, its resident set) run in a child process of
@@ -29,6 +31,7 @@ mod mcp;
 mod observability;
 mod otel;
 mod overload;
+mod policy;
 mod polyglot;
 mod rewrites;
 mod rules;

@@ -112,6 +112,21 @@ enum Command {
     Mcp(guardmesh_gateway::McpArgs),
     /// Agent-host hooks (PreToolUse).
     Hook(guardmesh_gateway::HookArgs),
+    /// Checks a policy file (CEL rules, R27), or tests it against cases.
+    Policy {
+        #[command(subcommand)]
+        action: PolicyAction,
+    },
+}
+
+#[derive(Subcommand)]
+enum PolicyAction {
+    /// Compiles a policy file and lists its rules with their cost; exits
+    /// non-zero, naming the line and the reason, if it does not compile.
+    Check { file: PathBuf },
+    /// Runs a cases file against a policy file; exits non-zero on any case
+    /// whose expectation does not hold.
+    Test { file: PathBuf, cases: PathBuf },
 }
 
 /// How the command-line tools reach a mesh: its address and the
@@ -264,8 +279,13 @@ enum GuardsAction {
     Register {
         #[arg(long)]
         name: String,
-        #[arg(long)]
-        endpoint: String,
+        /// A remote guard's address; or `--policy-file`.
+        #[arg(long, required_unless_present = "policy_file")]
+        endpoint: Option<String>,
+        /// A policy guard (R27): a file of CEL rules, sent whole with the
+        /// registration and judged inside the mesh.
+        #[arg(long, conflicts_with = "endpoint")]
+        policy_file: Option<PathBuf>,
         /// validate or mutate.
         #[arg(long, default_value_t = GuardRole::Validate)]
         role: GuardRole,
@@ -303,6 +323,7 @@ pub fn main() -> ExitCode {
     let cli = Cli::parse();
     // The benchmark picks its own runtime flavours.
     let cli = match cli.command {
+        Command::Policy { action } => return policy(action),
         Command::Bench(args) => return crate::bench::main(args),
         Command::BenchGuards(args) => return crate::bench::serve_guards(args),
         Command::Mcp(args) => return guardmesh_gateway::main_mcp(args),
@@ -354,13 +375,52 @@ async fn run(cli: Cli) -> Result<ExitCode, Error> {
             delay_ms,
         } => example_guard(kind, listen, delay_ms).await,
         Command::Conformance(args) => crate::conformance::main(args).await,
-        Command::Bench(_) | Command::BenchGuards(_) | Command::Mcp(_) | Command::Hook(_) => {
-            Err("the benchmark is started before the runtime".into())
-        }
+        Command::Bench(_)
+        | Command::BenchGuards(_)
+        | Command::Mcp(_)
+        | Command::Hook(_)
+        | Command::Policy { .. } => Err("this command runs without the runtime".into()),
     };
     // Flush spans on the way out, also after an error.
     telemetry.shutdown().await;
     result.map(|()| ExitCode::SUCCESS)
+}
+
+/// `guardmesh policy check|test`: no runtime, no mesh. Exit 0 when the
+/// file compiles (and every case holds), 1 otherwise, with the line and the
+/// reason on stderr.
+fn policy(action: PolicyAction) -> ExitCode {
+    use guardmesh_server::policy;
+    let read = |path: &std::path::Path| {
+        std::fs::read_to_string(path).map_err(|e| format!("cannot read {}: {e}", path.display()))
+    };
+    let result = match action {
+        PolicyAction::Check { file } => read(&file).and_then(|source| {
+            policy::check(&source)
+                .map(|report| print!("{report}"))
+                .map_err(|e| format!("{}: {e}", file.display()))
+        }),
+        PolicyAction::Test { file, cases } => read(&file).and_then(|source| {
+            let compiled =
+                policy::Policy::compile(&source).map_err(|e| format!("{}: {e}", file.display()))?;
+            let cases_text = read(&cases)?;
+            let report = policy::test(&compiled, &cases_text)
+                .map_err(|e| format!("{}: {e}", cases.display()))?;
+            if report.passed() {
+                print!("{report}");
+                Ok(())
+            } else {
+                Err(report.to_string().trim_end().to_owned())
+            }
+        }),
+    };
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(message) => {
+            eprintln!("error: {message}");
+            ExitCode::FAILURE
+        }
+    }
 }
 
 async fn example_guard(
@@ -413,6 +473,10 @@ async fn shutdown_signal() {
 }
 
 async fn serve(config: Option<PathBuf>, listen: Option<std::net::SocketAddr>) -> Result<(), Error> {
+    let config_folder = config
+        .as_deref()
+        .and_then(std::path::Path::parent)
+        .map_or_else(|| PathBuf::from("."), std::path::Path::to_path_buf);
     let config = match config {
         Some(path) => Config::load(&path)?,
         None => Config::default(),
@@ -432,14 +496,30 @@ async fn serve(config: Option<PathBuf>, listen: Option<std::net::SocketAddr>) ->
     let registry = build_registry(&config, mesh_config.default_guard_timeout).await?;
     let mesh = Mesh::new(mesh_config, registry);
     // SIGHUP reloads the server certificate at once (it is also reloaded
-    // when its files change).
+    // when its files change), and the policy files of the config's policy
+    // guards (R27).
     #[cfg(unix)]
-    if let Some(tls) = mesh.config.security.server_tls.clone()
+    let guards: Vec<_> = config
+        .guards
+        .iter()
+        .filter(|g| g.policy.is_some())
+        .cloned()
+        .collect();
+    #[cfg(unix)]
+    if (mesh.config.security.server_tls.is_some() || !guards.is_empty())
         && let Ok(mut hup) = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::hangup())
     {
+        let tls = mesh.config.security.server_tls.clone();
+        let mesh = mesh.clone();
+        let folder = config_folder;
         tokio::spawn(async move {
             while hup.recv().await.is_some() {
-                tls.cert.reload();
+                if let Some(tls) = &tls {
+                    tls.cert.reload();
+                }
+                for guard in &guards {
+                    reload_policy(&mesh, &folder, guard.clone()).await;
+                }
             }
         });
     }
@@ -454,6 +534,58 @@ async fn serve(config: Option<PathBuf>, listen: Option<std::net::SocketAddr>) ->
     guardmesh_server::server::run(listener, mesh, shutdown_signal()).await?;
     tracing::info!("guardmesh stopped");
     Ok(())
+}
+
+/// Re-reads a config policy guard's file and registers it again in place
+/// (R16: same position); a file that cannot be read or does not compile is
+/// refused whole and the running policy is kept (R27), logged and counted.
+/// A guard deregistered since the start is not brought back.
+#[cfg(unix)]
+async fn reload_policy(
+    mesh: &Mesh,
+    folder: &std::path::Path,
+    mut guard: guardmesh_server::config::GuardConfig,
+) {
+    let name = guard.name.trim().to_owned();
+    let present = mesh
+        .registry()
+        .chain()
+        .guards
+        .iter()
+        .any(|g| g.name == name);
+    if !present {
+        return;
+    }
+    let Some(file) = guard.policy.as_ref().map(|f| folder.join(f)) else {
+        return;
+    };
+    let loaded = std::fs::read_to_string(&file)
+        .map_err(|e| format!("cannot read {}: {e}", file.display()))
+        .and_then(|source| {
+            guardmesh_server::policy::Policy::compile(&source)
+                .map(|_| source)
+                .map_err(|e| format!("{}: {e}", file.display()))
+        });
+    let result = match loaded {
+        Ok(source) => {
+            guard.policy_source = Some(source);
+            mesh.registry()
+                .register(guard.to_spec())
+                .await
+                .map_err(|e| e.to_string())
+        }
+        Err(error) => Err(error),
+    };
+    match result {
+        Ok(registered) => {
+            mesh.metrics.policy_reload("applied");
+            tracing::info!(guard = %name, revision = registered.revision, "policy reloaded");
+        }
+        Err(error) => {
+            mesh.metrics.policy_reload("refused");
+            tracing::warn!(guard = %name, %error, "policy reload refused; the running policy is kept");
+        }
+    }
 }
 
 /// The registry `[registry]` asks for, with the file's `[[guard]]` entries
@@ -514,13 +646,18 @@ async fn guards(mesh: &MeshArgs, action: GuardsAction) -> Result<(), Error> {
                     } else {
                         g.tools.join(",")
                     },
-                    g.endpoint
+                    if g.policy.is_empty() {
+                        g.endpoint.clone()
+                    } else {
+                        format!("(policy, {} bytes)", g.policy.len())
+                    }
                 );
             }
         }
         GuardsAction::Register {
             name,
             endpoint,
+            policy_file,
             role,
             tools,
             timeout_ms,
@@ -531,9 +668,14 @@ async fn guards(mesh: &MeshArgs, action: GuardsAction) -> Result<(), Error> {
             may_rename,
             server_identity,
         } => {
+            let policy = match &policy_file {
+                Some(path) => std::fs::read_to_string(path)
+                    .map_err(|e| format!("cannot read {}: {e}", path.display()))?,
+                None => String::new(),
+            };
             let spec = GuardSpec {
                 name,
-                endpoint,
+                endpoint: endpoint.unwrap_or_default(),
                 role: role as i32,
                 tools,
                 timeout_ms,
@@ -549,6 +691,7 @@ async fn guards(mesh: &MeshArgs, action: GuardsAction) -> Result<(), Error> {
                     may_rename,
                 }),
                 server_identity: server_identity.unwrap_or_default(),
+                policy,
             };
             if role == GuardRole::Mutate && spec.grant.as_ref().is_none_or(|g| g.tools.is_empty()) {
                 eprintln!(

@@ -36,6 +36,16 @@ impl Registration {
         })
     }
 
+    /// A policy guard (R27): judged inside the mesh by the CEL rules of
+    /// `source` (a policy file's text), with no endpoint. A validate guard.
+    pub fn policy(name: impl Into<String>, source: impl Into<String>) -> Self {
+        Self(GuardSpec {
+            name: name.into(),
+            policy: source.into(),
+            ..GuardSpec::default()
+        })
+    }
+
     /// A mutate guard: may rewrite the tools of `grant` (R10, R11).
     pub fn mutate<I, S>(name: impl Into<String>, endpoint: impl Into<String>, grant: I) -> Self
     where

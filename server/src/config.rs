@@ -115,6 +115,9 @@ pub struct Config {
     pub registry: RegistryConfig,
     /// `[server]`: the listener against silent and dead clients (R25).
     pub server: ServerConfig,
+    /// What happens to a call no enforced guard applies to (R28):
+    /// `proceed` (the default) or `cancel` (default deny).
+    pub unguarded: crate::mesh::Unguarded,
 }
 
 impl Default for Config {
@@ -135,6 +138,7 @@ impl Default for Config {
             guards: Vec::new(),
             registry: RegistryConfig::default(),
             server: ServerConfig::default(),
+            unguarded: crate::mesh::Unguarded::Proceed,
         }
     }
 }
@@ -497,7 +501,16 @@ pub enum SecurityError {
 #[serde(deny_unknown_fields)]
 pub struct GuardConfig {
     pub name: String,
+    /// A remote guard's address; exactly one of `endpoint` and `policy`.
+    #[serde(default)]
     pub endpoint: String,
+    /// A policy guard's file of CEL rules (R27), relative to the config
+    /// file's folder; exactly one of `endpoint` and `policy`.
+    #[serde(default)]
+    pub policy: Option<std::path::PathBuf>,
+    /// The policy file's text, read by [`Config::load`].
+    #[serde(skip)]
+    pub policy_source: Option<String>,
     #[serde(default, deserialize_with = "by_name")]
     pub role: GuardRole,
     #[serde(default)]
@@ -553,6 +566,7 @@ impl GuardConfig {
                 may_rename: g.may_rename,
             }),
             server_identity: self.server_identity.clone().unwrap_or_default(),
+            policy: self.policy_source.clone().unwrap_or_default(),
         }
     }
 }
@@ -588,6 +602,20 @@ impl Config {
             path: origin.to_owned(),
             source,
         })?;
+        for (i, guard) in config.guards.iter().enumerate() {
+            let endpoint = !guard.endpoint.trim().is_empty();
+            let reason = match (endpoint, guard.policy.is_some()) {
+                (true, true) => "has both `endpoint` and `policy`: a guard is remote or a policy",
+                (false, false) => {
+                    "needs `endpoint` (a remote guard) or `policy` (a policy file, R27)"
+                }
+                _ => continue,
+            };
+            return Err(ConfigError::Invalid {
+                path: origin.to_owned(),
+                reason: format!("[[guard]] entry {} ({:?}) {reason}", i + 1, guard.name),
+            });
+        }
         if let Some((first, second)) = config.duplicate_guard() {
             let lines = guard_name_lines(text);
             let at = |i: usize| {
@@ -725,6 +753,33 @@ impl Config {
         self.guard_links.check()
     }
 
+    /// Reads the policy file of every policy guard (R27), relative to
+    /// `folder`, and refuses one that does not compile, naming its line.
+    pub fn read_policies(&mut self, folder: &Path) -> Result<(), String> {
+        for (i, guard) in self.guards.iter_mut().enumerate() {
+            let Some(file) = &guard.policy else { continue };
+            let file = folder.join(file);
+            let source = std::fs::read_to_string(&file).map_err(|e| {
+                format!(
+                    "[[guard]] entry {} ({:?}): cannot read policy file {}: {e}",
+                    i + 1,
+                    guard.name,
+                    file.display()
+                )
+            })?;
+            crate::policy::Policy::compile(&source).map_err(|e| {
+                format!(
+                    "[[guard]] entry {} ({:?}): policy file {}: {e}",
+                    i + 1,
+                    guard.name,
+                    file.display()
+                )
+            })?;
+            guard.policy_source = Some(source);
+        }
+        Ok(())
+    }
+
     /// Reads and parses a config file.
     pub fn load(path: &Path) -> Result<Self, ConfigError> {
         let shown = path.display().to_string();
@@ -732,7 +787,14 @@ impl Config {
             path: shown.clone(),
             source,
         })?;
-        let config = Self::parse(&text, &shown)?;
+        let mut config = Self::parse(&text, &shown)?;
+        let folder = path.parent().unwrap_or_else(|| Path::new("."));
+        config
+            .read_policies(folder)
+            .map_err(|reason| ConfigError::Invalid {
+                path: shown.clone(),
+                reason,
+            })?;
         config.check().map_err(|reason| ConfigError::Invalid {
             path: shown,
             reason,
@@ -773,6 +835,7 @@ impl Config {
                 ..LinkConfig::default()
             },
             security: MeshConfig::default().security,
+            unguarded: self.unguarded,
         }
     }
 
@@ -813,6 +876,9 @@ impl Config {
                         name: g.name.clone(),
                         source: Box::new(source),
                     })?;
+            if guard.is_policy() {
+                continue;
+            }
             security
                 .endpoint_policy
                 .check_host(&guard.host())

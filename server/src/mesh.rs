@@ -31,6 +31,19 @@ pub struct MeshConfig {
     pub limits: Limits,
     pub link: LinkConfig,
     pub security: Security,
+    /// What happens to a call no enforced guard applies to (R28).
+    pub unguarded: Unguarded,
+}
+
+/// What the mesh does with a call that no enforced guard applies to (R28).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Unguarded {
+    /// It proceeds, as a sequential chain would (the default).
+    #[default]
+    Proceed,
+    /// It is cancelled with content naming its tool (default deny).
+    Cancel,
 }
 
 /// Who may talk to the mesh, and whom the mesh may talk to.
@@ -63,15 +76,17 @@ impl Default for MeshConfig {
                 max_concurrent_streams: 1024,
                 ..Security::default()
             },
+            unguarded: Unguarded::Proceed,
         }
     }
 }
 
-/// A guard of a chain snapshot and its link.
+/// A guard of a chain snapshot and its link; a policy guard (R27) has no
+/// link: it is judged inside the mesh.
 #[derive(Debug)]
 pub struct ChainGuard {
     pub guard: Arc<Guard>,
-    pub link: Arc<GuardLink>,
+    pub link: Option<Arc<GuardLink>>,
 }
 
 /// One consistent view of the chain (R17).
@@ -157,12 +172,18 @@ impl Mesh {
         let mut links: HashMap<&str, &Arc<GuardLink>> = current
             .guards
             .iter()
-            .map(|g| (g.guard.name.as_str(), &g.link))
+            .filter_map(|g| Some((g.guard.name.as_str(), g.link.as_ref()?)))
             .collect();
         let guards = spec
             .guards
             .iter()
             .map(|guard| {
+                if guard.is_policy() {
+                    return ChainGuard {
+                        guard: guard.clone(),
+                        link: None,
+                    };
+                }
                 let link = match links.remove(guard.name.as_str()) {
                     Some(link)
                         if link.endpoint() == guard.endpoint
@@ -180,7 +201,7 @@ impl Mesh {
                 };
                 ChainGuard {
                     guard: guard.clone(),
-                    link,
+                    link: Some(link),
                 }
             })
             .collect();

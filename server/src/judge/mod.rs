@@ -17,12 +17,13 @@ pub(crate) mod verdicts;
 
 use crate::judge::fold::{Decided, Fold, FoldGuard};
 use crate::link::{GuardFailure, LinkEvent};
-use crate::mesh::{Chain, ChainGuard, Mesh};
+use crate::mesh::{Chain, ChainGuard, Mesh, Unguarded};
+use crate::policy::{BatchInput, CallInput, Outcome as PolicyOutcome};
 use crate::registry::spec::Guard;
 use crate::validate;
 use guardmesh_proto::v1::{
     Action, BatchContext, BatchDecision, CallDecision, EvaluateRequest, GuardBatch, GuardRole,
-    GuardTrace, JudgeResponse, SkipKind, ToolCall, TraceStatus,
+    GuardTrace, JudgeResponse, Skip, SkipKind, ToolCall, TraceStatus, Verdict, verdict,
 };
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -129,6 +130,9 @@ struct GuardRun {
     answered: Vec<bool>,
     /// The guard's client span, while the guard is consulted.
     span: Option<tracing::Span>,
+    /// For a policy guard (R27): the rule that decided (or failed on) each
+    /// call, by call index.
+    rules: Vec<(usize, String)>,
 }
 
 impl GuardRun {
@@ -146,6 +150,7 @@ impl GuardRun {
             superseded: false,
             answered: vec![false; calls],
             span: None,
+            rules: Vec::new(),
         }
     }
 
@@ -365,6 +370,7 @@ impl<'a> Judging<'a> {
     async fn run(&mut self) -> Result<BatchDecision, BatchError> {
         match self.consult().await {
             Ok(()) => {
+                self.unguarded();
                 let decision = self.decide();
                 self.record(Some(&decision));
                 Ok(decision)
@@ -412,6 +418,9 @@ impl<'a> Judging<'a> {
         now: Instant,
     ) -> Result<Instant, GuardFailure> {
         let ChainGuard { guard, link } = &self.chain.guards[g];
+        let Some(link) = link else {
+            return Err(GuardFailure::StreamClosed);
+        };
         let budget = self.budget(guard, now);
         let run = &mut self.runs[g];
         run.started = Some(now);
@@ -518,8 +527,8 @@ impl<'a> Judging<'a> {
         // A guard that answered in full is healthy, even when its answer is
         // then rejected (R11): that is a policy bug, not an outage.
         let answered = failure.is_none();
-        if answered {
-            self.chain.guards[g].link.record(Ok(()));
+        if answered && let Some(link) = &self.chain.guards[g].link {
+            link.record(Ok(()));
         }
         let chain = self.chain;
         let guard = &chain.guards[g].guard;
@@ -629,10 +638,12 @@ impl<'a> Judging<'a> {
         );
         let run = &mut self.runs[g];
         run.finished.get_or_insert_with(Instant::now);
-        if cancel && let Some(id) = run.request_id {
-            link.cancel(id);
+        if let Some(link) = link {
+            if cancel && let Some(id) = run.request_id {
+                link.cancel(id);
+            }
+            link.record(Err(&failure));
         }
-        link.record(Err(&failure));
         run.failure = Some(failure);
         fold.fail(k);
     }
@@ -656,12 +667,19 @@ impl<'a> Judging<'a> {
         let mut deadlines: Vec<Option<Instant>> = vec![None; order.len()];
         let now = Instant::now();
         for (k, &g) in order.iter().enumerate() {
-            if !self.runs[g].sent_any {
+            if !self.runs[g].sent_any || self.chain.guards[g].guard.is_policy() {
                 continue;
             }
             match self.send(g, k, &events_tx, now) {
                 Ok(at) => deadlines[k] = Some(at),
                 Err(failure) => self.guard_failed(g, failure, false, &mut fold, k),
+            }
+        }
+        // Policy guards (R27) answer at once, in the mesh, through the same
+        // fold as remote guards, once the remote ones are on their way.
+        for (k, &g) in order.iter().enumerate() {
+            if self.runs[g].sent_any && self.chain.guards[g].guard.is_policy() {
+                self.judge_policy(order.as_slice(), k, &mut fold, &mut deadlines);
             }
         }
         while !fold.done() {
@@ -700,8 +718,10 @@ impl<'a> Judging<'a> {
         // R5: what is still out can no longer change a decision.
         for (k, &g) in order.iter().enumerate() {
             if deadlines[k].is_some() && fold.pending(k) {
-                if let Some(id) = self.runs[g].request_id {
-                    self.chain.guards[g].link.cancel(id);
+                if let Some(id) = self.runs[g].request_id
+                    && let Some(link) = &self.chain.guards[g].link
+                {
+                    link.cancel(id);
                 }
                 self.runs[g].superseded = true;
             }
@@ -749,7 +769,9 @@ impl<'a> Judging<'a> {
                     deadlines[k] = None;
                     run.finished = Some(Instant::now());
                     fold.complete(k);
-                    self.chain.guards[g].link.record(Ok(()));
+                    if let Some(link) = &self.chain.guards[g].link {
+                        link.record(Ok(()));
+                    }
                 }
             }
             Err(reason) => {
@@ -758,6 +780,138 @@ impl<'a> Judging<'a> {
                 deadlines[k] = None;
                 let failure = GuardFailure::RejectedRewrite(reason.to_string());
                 self.guard_failed(g, failure, !final_answer, fold, k);
+            }
+        }
+    }
+
+    /// Judges the calls policy guard `order[k]` was sent with its rules
+    /// (R27). Its answer goes through [`Self::on_answer`] as a remote
+    /// guard's would; a call whose evaluation failed is left unanswered and
+    /// the guard fails through [`Self::guard_failed`], so its failure policy
+    /// (R13) applies to exactly those calls: never a proceed.
+    fn judge_policy(
+        &mut self,
+        order: &[usize],
+        k: usize,
+        fold: &mut Fold,
+        deadlines: &mut [Option<Instant>],
+    ) {
+        let g = order[k];
+        let chain = self.chain;
+        let Some(rules) = &chain.guards[g].guard.policy else {
+            return;
+        };
+        let started = Instant::now();
+        self.runs[g].started = Some(started);
+        let outcomes = rules.compiled.evaluate(&self.policy_input());
+        let mut verdicts = Vec::new();
+        let mut error = None;
+        for (i, outcome) in outcomes.into_iter().enumerate() {
+            if !self.runs[g].sent.get(i).copied().unwrap_or(false) {
+                continue;
+            }
+            let call_id = self.calls[i].current.call_id.clone();
+            match outcome {
+                PolicyOutcome::Proceed => verdicts.push(Verdict {
+                    call_id,
+                    outcome: None,
+                }),
+                PolicyOutcome::Matched(matched) => {
+                    // A blank message would read as a malformed skip (R8),
+                    // that is a proceed: the rule's name stands in for it.
+                    let content = if matched.message.trim().is_empty() {
+                        format!("Tool call blocked by policy rule {:?}.", matched.rule)
+                    } else {
+                        matched.message
+                    };
+                    let kind = match matched.action {
+                        crate::policy::Action::Steer => SkipKind::Steer,
+                        crate::policy::Action::Cancel => SkipKind::Cancel,
+                    };
+                    self.runs[g].rules.push((i, matched.rule));
+                    verdicts.push(Verdict {
+                        call_id,
+                        outcome: Some(verdict::Outcome::Skip(Skip {
+                            content,
+                            kind: kind as i32,
+                        })),
+                    });
+                }
+                PolicyOutcome::Error(failed) => {
+                    self.runs[g].rules.push((i, failed.rule().to_owned()));
+                    error.get_or_insert(failed);
+                }
+            }
+        }
+        let response = JudgeResponse {
+            request_id: 0,
+            verdicts,
+            partial: error.is_some(),
+            error: String::new(),
+        };
+        self.on_answer(order, k, response, fold, deadlines);
+        if let Some(failed) = error {
+            self.guard_failed(g, GuardFailure::Policy(failed.to_string()), false, fold, k);
+        }
+    }
+
+    /// The batch as a policy sees it: its context and every call as it
+    /// stands after the mutate guards.
+    fn policy_input(&self) -> BatchInput {
+        let context = self.context.clone().unwrap_or_default();
+        BatchInput {
+            session_id: context.session_id,
+            turn_index: context.turn_index,
+            model_text: context.model_text,
+            metadata: context.metadata.into_iter().collect(),
+            calls: self
+                .calls
+                .iter()
+                .map(|call| CallInput {
+                    call_id: call.current.call_id.clone(),
+                    tool: call.current.tool.clone(),
+                    // Arguments were checked as an I-JSON object (R20);
+                    // absent arguments are `{}`.
+                    args: serde_json::from_str(&call.current.arguments)
+                        .unwrap_or_else(|_| serde_json::Value::Object(serde_json::Map::new())),
+                })
+                .collect(),
+        }
+    }
+
+    /// R28: a call that no enforced guard applies to, and that nothing
+    /// skipped, proceeds or, with `unguarded = "cancel"`, is cancelled with
+    /// content naming its tool; counted either way.
+    fn unguarded(&mut self) {
+        let chain = self.chain;
+        let metrics = &self.mesh.metrics;
+        for call in &mut self.calls {
+            if call.fixed.is_some() {
+                continue;
+            }
+            let guarded = chain.guards.iter().any(|cg| {
+                cg.guard.enforced()
+                    && (cg.guard.tools.matches(&call.current.tool)
+                        || cg.guard.tools.matches(&call.original.tool))
+            });
+            if guarded {
+                continue;
+            }
+            match self.mesh.config.unguarded {
+                Unguarded::Proceed => metrics.unguarded("proceed"),
+                Unguarded::Cancel => {
+                    metrics.unguarded("cancel");
+                    call.fixed = Some(Fixed {
+                        content: format!(
+                            "Tool call blocked: no guard checks the tool {:?}, and this mesh \
+                             cancels unguarded calls. Do not retry it.",
+                            call.current.tool
+                        ),
+                        kind: SkipKind::Cancel,
+                        by: String::new(),
+                        failure: false,
+                    });
+                }
             }
         }
     }
@@ -915,6 +1069,11 @@ fn trace_entry(guard: &Guard, run: &GuardRun, ids: &[&str]) -> GuardTrace {
         } else {
             TraceStatus::Unspecified as i32
         },
+        rules: run
+            .rules
+            .iter()
+            .map(|(i, rule)| (ids[*i].to_owned(), rule.clone()))
+            .collect(),
     }
 }
 

@@ -73,6 +73,11 @@ pub enum GuardFailure {
         "is not reading its stream: {queued} bytes of earlier requests are still queued for it (bound {limit} bytes)"
     )]
     NotReading { queued: usize, limit: usize },
+    /// R27: a policy guard's rule could not be evaluated for a call (a
+    /// missing field, a wrong type, a cost bound): a failure, never a
+    /// proceed. The text names the rule and the error.
+    #[error("policy evaluation failed: {0}")]
+    Policy(String),
 }
 
 impl GuardFailure {
@@ -83,7 +88,10 @@ impl GuardFailure {
     pub fn counts_for_circuit(&self) -> bool {
         !matches!(
             self,
-            Self::RejectedRewrite(_) | Self::CircuitOpen { .. } | Self::UnknownVerdictField(_)
+            Self::RejectedRewrite(_)
+                | Self::CircuitOpen { .. }
+                | Self::UnknownVerdictField(_)
+                | Self::Policy(_)
         )
     }
 }

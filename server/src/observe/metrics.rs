@@ -53,6 +53,8 @@ pub struct Metrics {
     calls: Family<DecisionLabel, Counter>,
     guard_outcomes: Family<GuardStatusLabel, Counter>,
     bypassed: Family<GuardLabel, Counter>,
+    unguarded: Family<DecisionLabel, Counter>,
+    policy_reloads: Family<OutcomeLabel, Counter>,
     spurious: Family<GuardLabel, Counter>,
     circuit_opened: Family<GuardLabel, Counter>,
     streams_opened: Family<GuardLabel, Counter>,
@@ -105,6 +107,18 @@ impl Metrics {
             "guard_bypassed_calls",
             "Calls that proceeded past a failed fail_open guard, by guard",
             bypassed.clone(),
+        );
+        let unguarded = Family::<DecisionLabel, Counter>::default();
+        registry.register(
+            "unguarded_calls",
+            "Calls no enforced guard applied to (R28), by what the mesh did (proceed, cancel)",
+            unguarded.clone(),
+        );
+        let policy_reloads = Family::<OutcomeLabel, Counter>::default();
+        registry.register(
+            "policy_reloads",
+            "Policy files reloaded on SIGHUP (R27), by outcome (applied, refused: the running policy is kept)",
+            policy_reloads.clone(),
         );
         let spurious = Family::<GuardLabel, Counter>::default();
         registry.register(
@@ -189,6 +203,8 @@ impl Metrics {
             calls,
             guard_outcomes,
             bypassed,
+            unguarded,
+            policy_reloads,
             spurious,
             circuit_opened,
             streams_opened,
@@ -240,6 +256,21 @@ impl Metrics {
             .get_or_create(&GuardLabel {
                 guard: guard.to_owned(),
             })
+            .inc();
+    }
+
+    /// A call no enforced guard applied to (R28): `proceed` or `cancel`.
+    pub fn unguarded(&self, decision: &'static str) {
+        self.unguarded
+            .get_or_create(&DecisionLabel { decision })
+            .inc();
+    }
+
+    /// A policy file reloaded (`applied`) or refused, the running policy
+    /// kept (`refused`).
+    pub fn policy_reload(&self, outcome: &'static str) {
+        self.policy_reloads
+            .get_or_create(&OutcomeLabel { outcome })
             .inc();
     }
 

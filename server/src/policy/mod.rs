@@ -12,8 +12,9 @@
 //! * `cases`: [`check`] a file, and [`test`] it against a cases file;
 //! * `error`: the errors, typed.
 //!
-//! The mesh does not depend on this module yet: it is the engine that a
-//! policy guard will run.
+//! The mesh runs it for policy guards: a registration with a `policy`
+//! compiles it (`registry/spec.rs`), and `judge` evaluates it for the calls
+//! the guard is sent, through the same fold as remote guards.
 
 mod cases;
 mod cost;

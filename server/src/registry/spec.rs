@@ -39,6 +39,17 @@ pub enum SpecError {
         field: &'static str,
         value: i32,
     },
+    /// R27: a policy guard's rules do not compile; the whole registration
+    /// is refused.
+    #[error("guard {name:?}: its policy does not compile: {source}")]
+    BadPolicy {
+        name: String,
+        #[source]
+        source: crate::policy::CompileError,
+    },
+    /// R27: a guard is either remote (`endpoint`) or a policy (`policy`).
+    #[error("guard {name:?}: {reason}")]
+    PolicyGuard { name: String, reason: &'static str },
 }
 
 /// Tool-name patterns: exact names and globs. Empty matches every tool.
@@ -116,6 +127,16 @@ pub struct Guard {
     pub may_rename: bool,
     /// The identity an `https://` guard must present, if pinned.
     pub server_identity: Option<String>,
+    /// For a policy guard (R27): its rules, judged inside the mesh; its
+    /// `endpoint` is then empty.
+    pub policy: Option<PolicyRules>,
+}
+
+/// A policy guard's rules: the source as registered, compiled once.
+#[derive(Debug, Clone)]
+pub struct PolicyRules {
+    pub source: std::sync::Arc<str>,
+    pub compiled: std::sync::Arc<crate::policy::Policy>,
 }
 
 impl Guard {
@@ -134,7 +155,40 @@ impl Guard {
             return Err(SpecError::BadName(shown(&spec.name)));
         }
         let name = name.to_owned();
-        let endpoint = normalize_endpoint(&name, &spec.endpoint)?;
+        let policy_guard = |reason: &'static str| SpecError::PolicyGuard {
+            name: name.clone(),
+            reason,
+        };
+        let (endpoint, policy) = if spec.policy.trim().is_empty() {
+            (normalize_endpoint(&name, &spec.endpoint)?, None)
+        } else {
+            if !spec.endpoint.trim().is_empty() {
+                return Err(policy_guard(
+                    "has both an endpoint and a policy: a guard is one or the other",
+                ));
+            }
+            if spec.role != GuardRole::Validate as i32 {
+                return Err(policy_guard(
+                    "a policy guard is a validate guard: it may not be a mutate guard",
+                ));
+            }
+            if !spec.server_identity.trim().is_empty() {
+                return Err(policy_guard(
+                    "a policy guard has no endpoint, so no server_identity",
+                ));
+            }
+            let compiled = crate::policy::Policy::compile(&spec.policy).map_err(|source| {
+                SpecError::BadPolicy {
+                    name: name.clone(),
+                    source,
+                }
+            })?;
+            let rules = PolicyRules {
+                source: std::sync::Arc::from(spec.policy.as_str()),
+                compiled: std::sync::Arc::new(compiled),
+            };
+            (String::new(), Some(rules))
+        };
         let role = GuardRole::try_from(spec.role).map_err(|_| SpecError::UnknownEnum {
             name: name.clone(),
             field: "role",
@@ -174,6 +228,7 @@ impl Guard {
             grant_tools,
             may_rename: grant.may_rename,
             server_identity: Some(spec.server_identity.trim().to_owned()).filter(|s| !s.is_empty()),
+            policy,
         })
     }
 
@@ -193,6 +248,10 @@ impl Guard {
                 may_rename: self.may_rename,
             }),
             server_identity: self.server_identity.clone().unwrap_or_default(),
+            policy: self
+                .policy
+                .as_ref()
+                .map_or_else(String::new, |p| p.source.to_string()),
         }
     }
 
@@ -219,6 +278,12 @@ impl Guard {
             ));
         }
         out
+    }
+
+    /// Whether the guard is judged inside the mesh from its rules (R27),
+    /// with no link.
+    pub fn is_policy(&self) -> bool {
+        self.policy.is_some()
     }
 
     /// Whether the guard's verdicts are applied (not a dry run, R18).
@@ -398,6 +463,50 @@ mod tests {
             Guard::from_spec(&s, d),
             Err(SpecError::BadPattern { .. })
         ));
+    }
+
+    const RULE: &str =
+        "[[rule]]\nname = \"r\"\nwhen = \"true\"\naction = \"cancel\"\nmessage = '\"no\"'\n";
+
+    #[test]
+    fn r27_policy_guard_registration() {
+        let d = Duration::from_secs(1);
+        let policy = GuardSpec {
+            name: "p".into(),
+            policy: RULE.into(),
+            ..Default::default()
+        };
+        let guard = Guard::from_spec(&policy, d).unwrap();
+        assert!(guard.is_policy());
+        assert!(guard.endpoint.is_empty());
+        let again = Guard::from_spec(&guard.to_spec(), d).unwrap();
+        assert_eq!(again.to_spec(), guard.to_spec(), "the source round-trips");
+        for (spec, needle) in [
+            (
+                GuardSpec {
+                    endpoint: "127.0.0.1:9".into(),
+                    ..policy.clone()
+                },
+                "both an endpoint and a policy",
+            ),
+            (
+                GuardSpec {
+                    role: GuardRole::Mutate as i32,
+                    ..policy.clone()
+                },
+                "validate guard",
+            ),
+            (
+                GuardSpec {
+                    policy: "[[rule]]\nname = \"r\"\nwhen = \"(\"\naction = \"cancel\"\nmessage = '\"no\"'\n".into(),
+                    ..policy.clone()
+                },
+                "line 3",
+            ),
+        ] {
+            let error = Guard::from_spec(&spec, d).unwrap_err().to_string();
+            assert!(error.contains(needle), "{error}");
+        }
     }
 
     #[test]

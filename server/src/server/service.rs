@@ -771,12 +771,13 @@ impl GuardRegistry for Registrar {
         for warning in checked.warnings() {
             tracing::warn!(guard = %name, "{warning}");
         }
-        if let Err(why) = self
-            .mesh
-            .config
-            .security
-            .endpoint_policy
-            .check_host(&checked.host())
+        if !checked.is_policy()
+            && let Err(why) = self
+                .mesh
+                .config
+                .security
+                .endpoint_policy
+                .check_host(&checked.host())
         {
             tracing::warn!(guard = %name, endpoint = %checked.endpoint, "registration refused: {why}");
             return Err(Status::permission_denied(format!(

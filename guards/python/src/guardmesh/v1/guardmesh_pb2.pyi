@@ -646,6 +646,26 @@ class GuardTrace(_message.Message):
 
     DESCRIPTOR: _descriptor.Descriptor
 
+    @_typing.final
+    class RulesEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.str
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.str = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
     GUARD_FIELD_NUMBER: _builtins.int
     ROLE_FIELD_NUMBER: _builtins.int
     STATUS_FIELD_NUMBER: _builtins.int
@@ -655,6 +675,7 @@ class GuardTrace(_message.Message):
     REWRITTEN_CALL_IDS_FIELD_NUMBER: _builtins.int
     ERROR_FIELD_NUMBER: _builtins.int
     DRY_RUN_STATUS_FIELD_NUMBER: _builtins.int
+    RULES_FIELD_NUMBER: _builtins.int
     guard: _builtins.str
     """The guard's registered name."""
     role: Global___GuardRole.ValueType
@@ -681,6 +702,14 @@ class GuardTrace(_message.Message):
     def rewritten_call_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
         """Ids of the calls it rewrote (for DRY_RUN: would have rewritten)."""
 
+    @_builtins.property
+    def rules(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]:
+        """For policy guards (R27): the rule that decided each call it skipped (for
+        DRY_RUN: would have skipped), by call id; and for FAILED, the rule that
+        failed to evaluate, under the ids of the calls it failed on (the error
+        is in `error`). Empty for other guards.
+        """
+
     def __init__(
         self,
         *,
@@ -693,10 +722,11 @@ class GuardTrace(_message.Message):
         rewritten_call_ids: _abc.Iterable[_builtins.str] | None = ...,
         error: _builtins.str = ...,
         dry_run_status: Global___TraceStatus.ValueType = ...,
+        rules: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["dry_run_status", b"dry_run_status", "error", b"error", "guard", b"guard", "latency_us", b"latency_us", "rewritten_call_ids", b"rewritten_call_ids", "role", b"role", "sent_call_ids", b"sent_call_ids", "skipped_call_ids", b"skipped_call_ids", "status", b"status"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["dry_run_status", b"dry_run_status", "error", b"error", "guard", b"guard", "latency_us", b"latency_us", "rewritten_call_ids", b"rewritten_call_ids", "role", b"role", "rules", b"rules", "sent_call_ids", b"sent_call_ids", "skipped_call_ids", b"skipped_call_ids", "status", b"status"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -947,6 +977,7 @@ class GuardSpec(_message.Message):
     MODE_FIELD_NUMBER: _builtins.int
     GRANT_FIELD_NUMBER: _builtins.int
     SERVER_IDENTITY_FIELD_NUMBER: _builtins.int
+    POLICY_FIELD_NUMBER: _builtins.int
     name: _builtins.str
     """Unique name of the guard in the chain."""
     endpoint: _builtins.str
@@ -969,6 +1000,16 @@ class GuardSpec(_message.Message):
     URI SAN). The mesh refuses to talk to a guard presenting another one, so
     a registration cannot point it at an impostor. Empty: the endpoint's
     host name is verified, as usual for TLS.
+    """
+    policy: _builtins.str
+    """A policy guard (R27): the source of a policy file (TOML, CEL rules; see
+    the README, "Policy guards (CEL)"), judged inside the mesh with no
+    network hop. Exactly one of `endpoint` and `policy` is set; a policy
+    guard is a validate guard (`role` validate, no grant) and
+    `server_identity` does not apply. A source that does not compile is
+    refused whole, naming the line and the reason. The source is part of
+    the registration, so every replica runs the same rules and the chain
+    revision covers them (R17).
     """
     @_builtins.property
     def tools(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
@@ -993,10 +1034,11 @@ class GuardSpec(_message.Message):
         mode: Global___GuardMode.ValueType = ...,
         grant: Global___RewriteGrant | None = ...,
         server_identity: _builtins.str = ...,
+        policy: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["grant", b"grant"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["endpoint", b"endpoint", "failure_policy", b"failure_policy", "grant", b"grant", "mode", b"mode", "name", b"name", "priority", b"priority", "role", b"role", "server_identity", b"server_identity", "timeout_ms", b"timeout_ms", "tools", b"tools"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["endpoint", b"endpoint", "failure_policy", b"failure_policy", "grant", b"grant", "mode", b"mode", "name", b"name", "policy", b"policy", "priority", b"priority", "role", b"role", "server_identity", b"server_identity", "timeout_ms", b"timeout_ms", "tools", b"tools"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

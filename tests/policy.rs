@@ -1,0 +1,670 @@
+//! Policy guards (R27) and unguarded calls (R28): `guardmesh policy check`
+//! and `guardmesh policy test` as users run them, on the example policy of
+//! `examples/policy/` and on broken ones.
+
+use crate::harness::*;
+use std::path::PathBuf;
+use std::process::{Command, Output};
+use std::time::Duration;
+
+fn guardmesh(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_guardmesh"))
+        .args(args)
+        .output()
+        .expect("run guardmesh")
+}
+
+fn example(name: &str) -> String {
+    repo_root()
+        .join("examples/policy")
+        .join(name)
+        .display()
+        .to_string()
+}
+
+/// A file of `text` in a folder of this test process.
+fn file(name: &str, text: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("guardmesh-policy-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("temp dir");
+    let path = dir.join(name);
+    std::fs::write(&path, text).expect("write file");
+    path
+}
+
+fn text(bytes: &[u8]) -> String {
+    String::from_utf8_lossy(bytes).into_owned()
+}
+
+#[test]
+fn r27_policy_check_accepts_the_example_and_lists_its_rules() {
+    let out = guardmesh(&["policy", "check", &example("policy.toml")]);
+    assert!(out.status.success(), "{out:?}");
+    let stdout = text(&out.stdout);
+    assert!(stdout.starts_with("ok: 4 rules"), "{stdout}");
+    for rule in [
+        "sql-delete-needs-where",
+        "payment-over-10000-needs-a-human",
+        "no-shell-in-production",
+        "at-most-3-emails-per-round",
+    ] {
+        assert!(stdout.contains(rule), "{rule} listed: {stdout}");
+    }
+}
+
+#[test]
+fn r27_policy_test_passes_the_example_cases() {
+    let out = guardmesh(&[
+        "policy",
+        "test",
+        &example("policy.toml"),
+        &example("cases.toml"),
+    ]);
+    assert!(out.status.success(), "{out:?}");
+    assert!(text(&out.stdout).contains("PASS"), "{out:?}");
+}
+
+#[test]
+fn r27_policy_check_refuses_a_broken_file_naming_the_line() {
+    let broken = file(
+        "broken.toml",
+        "[[rule]]\nname = \"ok\"\nwhen = \"true\"\naction = \"cancel\"\nmessage = '\"no\"'\n\n\
+         [[rule]]\nname = \"bad\"\nwhen = \"call.args.x >\"\naction = \"cancel\"\nmessage = '\"no\"'\n",
+    );
+    let out = guardmesh(&["policy", "check", &broken.display().to_string()]);
+    assert_eq!(out.status.code(), Some(1), "{out:?}");
+    let stderr = text(&out.stderr);
+    assert!(stderr.contains("line 9"), "names the line: {stderr}");
+    assert!(stderr.contains("\"bad\""), "names the rule: {stderr}");
+    assert!(stderr.contains("does not compile"), "says why: {stderr}");
+    // `test` refuses the same file before any case runs.
+    let out = guardmesh(&[
+        "policy",
+        "test",
+        &broken.display().to_string(),
+        &example("cases.toml"),
+    ]);
+    assert_eq!(out.status.code(), Some(1), "{out:?}");
+    assert!(text(&out.stderr).contains("line 9"), "{out:?}");
+}
+
+#[test]
+fn r27_policy_test_fails_on_a_wrong_case_naming_it() {
+    let cases = file(
+        "wrong-cases.toml",
+        "[[case]]\nname = \"a SELECT proceeds\"\n[[case.calls]]\ntool = \"sql.query\"\n\
+         args = { query = \"SELECT 1\" }\nexpect = \"proceed\"\n\n\
+         [[case]]\nname = \"a DELETE proceeds (wrong)\"\n[[case.calls]]\ntool = \"sql.query\"\n\
+         args = { query = \"DELETE FROM users\" }\nexpect = \"proceed\"\n",
+    );
+    let out = guardmesh(&[
+        "policy",
+        "test",
+        &example("policy.toml"),
+        &cases.display().to_string(),
+    ]);
+    assert_eq!(out.status.code(), Some(1), "{out:?}");
+    let stderr = text(&out.stderr);
+    assert!(
+        stderr.contains("a DELETE proceeds (wrong)"),
+        "names the case: {stderr}"
+    );
+    assert!(
+        stderr.contains("sql-delete-needs-where"),
+        "names what the policy gave: {stderr}"
+    );
+    assert!(
+        !stderr.contains("a SELECT proceeds\""),
+        "only failing cases: {stderr}"
+    );
+}
+
+// ---------------------------------------------------------------------------
+// Policy guards in a real mesh (R27) and unguarded calls (R28).
+// ---------------------------------------------------------------------------
+
+use guardmesh_client::proto::{FailurePolicy, TraceStatus};
+use guardmesh_client::verdict::cancel;
+use guardmesh_client::{Batch, BatchDecision, Outcome, Registration};
+
+/// The policy the mesh tests register: SQL, payments (an error when the
+/// amount is missing), a batch-wide rule, and a rule shadowed by the first.
+const POLICY: &str = r#"
+[[rule]]
+name = "sql-delete-needs-where"
+tools = ["sql.*"]
+when = '''
+  has(call.args.query) &&
+  call.args.query.matches(r'(?i)^\s*delete\s') &&
+  !call.args.query.matches(r'(?i)\swhere\s')
+'''
+action = "cancel"
+message = '"DELETE without WHERE refused: " + call.args.query'
+
+[[rule]]
+name = "sql-no-drop"
+tools = ["sql.*"]
+when = "call.args.query.contains('DROP')"
+action = "steer"
+message = '"no DROP: " + call.args.query'
+
+[[rule]]
+name = "payment-over-10000"
+tools = ["payments.send"]
+when = "call.args.amount > 10000"
+action = "steer"
+message = '"payment of " + string(call.args.amount) + " needs a human"'
+
+[[rule]]
+name = "at-most-3-emails-per-round"
+tools = ["email.send"]
+when = "calls.filter(c, c.tool == 'email.send').size() > 3"
+action = "steer"
+message = '"send at most 3 emails per round"'
+"#;
+
+fn skip_content(outcome: &Outcome) -> &str {
+    match outcome {
+        Outcome::Steer { content } | Outcome::Cancel { content } => content,
+        Outcome::Proceed => "",
+    }
+}
+
+fn trace_of<'a>(d: &'a BatchDecision, guard: &str) -> &'a guardmesh_client::proto::GuardTrace {
+    d.trace
+        .iter()
+        .find(|t| t.guard == guard)
+        .unwrap_or_else(|| panic!("no trace entry for {guard}: {:?}", d.trace))
+}
+
+async fn policy_mesh(registration: Registration) -> TestMesh {
+    let mesh = TestMesh::start().await;
+    mesh.register(registration).await;
+    mesh
+}
+
+#[tokio::test]
+async fn r27_policy_guard_steers_and_cancels_with_the_rules_message_and_trace_names_the_rule() {
+    let mesh = policy_mesh(Registration::policy("policy", POLICY)).await;
+    let coordinator = mesh.coordinator().await;
+    let d = coordinator
+        .evaluate_once(
+            "s",
+            Batch::new(0)
+                .call("del", "sql.query", r#"{"query": "DELETE FROM users"}"#)
+                .call("sel", "sql.query", r#"{"query": "SELECT 1"}"#)
+                .call("pay", "payments.send", r#"{"amount": 12500}"#),
+        )
+        .await
+        .unwrap();
+    let del = d.call("del").unwrap();
+    assert!(matches!(del.outcome, Outcome::Cancel { .. }), "{del:?}");
+    assert_eq!(
+        skip_content(&del.outcome),
+        "DELETE without WHERE refused: DELETE FROM users"
+    );
+    assert_eq!(del.decided_by.as_deref(), Some("policy"));
+    assert!(!del.failure);
+    assert!(d.call("sel").unwrap().proceeds());
+    let pay = d.call("pay").unwrap();
+    assert!(matches!(pay.outcome, Outcome::Steer { .. }), "{pay:?}");
+    assert_eq!(skip_content(&pay.outcome), "payment of 12500 needs a human");
+    let entry = trace_of(&d, "policy");
+    assert_eq!(entry.status, TraceStatus::Skipped as i32);
+    assert_eq!(
+        entry.rules.get("del").map(String::as_str),
+        Some("sql-delete-needs-where")
+    );
+    assert_eq!(
+        entry.rules.get("pay").map(String::as_str),
+        Some("payment-over-10000")
+    );
+    assert!(!entry.rules.contains_key("sel"), "{:?}", entry.rules);
+    assert_eq!(entry.skipped_call_ids, vec!["del", "pay"]);
+    // Metrics like any guard's.
+    assert!(
+        metric(
+            &mesh,
+            "guardmesh_guard_outcomes_total{guard=\"policy\",status=\"skipped\"}"
+        ) >= 1.0
+    );
+}
+
+#[tokio::test]
+async fn r27_first_matching_rule_wins_in_file_order() {
+    let mesh = policy_mesh(Registration::policy("policy", POLICY)).await;
+    let d = mesh
+        .coordinator()
+        .await
+        .evaluate_once(
+            "s",
+            // Both sql rules match; the first in the file decides.
+            Batch::new(0).call("q", "sql.query", r#"{"query": "DELETE FROM t; DROP x"}"#),
+        )
+        .await
+        .unwrap();
+    let q = d.call("q").unwrap();
+    assert!(matches!(q.outcome, Outcome::Cancel { .. }), "{q:?}");
+    assert_eq!(
+        trace_of(&d, "policy").rules.get("q").map(String::as_str),
+        Some("sql-delete-needs-where")
+    );
+}
+
+#[tokio::test]
+async fn r27_policy_guard_tools_globs_limit_what_it_is_sent() {
+    let mesh = policy_mesh(Registration::policy("policy", POLICY).tools(["payments.*"])).await;
+    let d = mesh
+        .coordinator()
+        .await
+        .evaluate_once(
+            "s",
+            Batch::new(0)
+                .call("del", "sql.query", r#"{"query": "DELETE FROM users"}"#)
+                .call("pay", "payments.send", r#"{"amount": 20000}"#),
+        )
+        .await
+        .unwrap();
+    assert!(
+        d.call("del").unwrap().proceeds(),
+        "sql is outside the guard's tools"
+    );
+    assert!(matches!(
+        d.call("pay").unwrap().outcome,
+        Outcome::Steer { .. }
+    ));
+    assert_eq!(trace_of(&d, "policy").sent_call_ids, vec!["pay"]);
+}
+
+#[tokio::test]
+async fn r27_calls_rule_at_most_3_emails_per_round() {
+    let mesh = policy_mesh(Registration::policy("policy", POLICY)).await;
+    let coordinator = mesh.coordinator().await;
+    let emails = |n: usize| {
+        (0..n).fold(Batch::new(0), |b, i| {
+            b.call(format!("e{i}"), "email.send", r#"{"to": "a@b.c"}"#)
+        })
+    };
+    let d = coordinator.evaluate_once("s", emails(3)).await.unwrap();
+    assert!(d.calls.iter().all(|c| c.proceeds()), "3 emails pass: {d:?}");
+    let d = coordinator
+        .evaluate_once(
+            "s",
+            emails(4).call("other", "sql.query", r#"{"query": "SELECT 1"}"#),
+        )
+        .await
+        .unwrap();
+    for i in 0..4 {
+        let c = d.call(&format!("e{i}")).unwrap();
+        assert_eq!(
+            c.outcome,
+            Outcome::Steer {
+                content: "send at most 3 emails per round".into()
+            }
+        );
+    }
+    assert!(d.call("other").unwrap().proceeds());
+}
+
+#[tokio::test]
+async fn r27_evaluation_error_fails_the_guard_per_its_policy_never_a_proceed() {
+    // `payment-over-10000` reads `call.args.amount`: absent, it errors.
+    let bad = r#"{"to": "x"}"#;
+    // fail_closed (the default): cancelled as a failure; the trace names
+    // the rule and the error.
+    let mesh = policy_mesh(Registration::policy("policy", POLICY)).await;
+    let d = mesh
+        .coordinator()
+        .await
+        .evaluate_once(
+            "s",
+            Batch::new(0).call("bad", "payments.send", bad).call(
+                "ok",
+                "sql.query",
+                r#"{"query": "SELECT 1"}"#,
+            ),
+        )
+        .await
+        .unwrap();
+    let call = d.call("bad").unwrap();
+    assert!(matches!(call.outcome, Outcome::Cancel { .. }), "{call:?}");
+    assert!(call.failure);
+    assert!(
+        d.call("ok").unwrap().proceeds(),
+        "the calls the policy judged keep their verdicts"
+    );
+    let entry = trace_of(&d, "policy");
+    assert_eq!(entry.status, TraceStatus::Failed as i32);
+    assert!(
+        entry.error.contains("payment-over-10000"),
+        "{}",
+        entry.error
+    );
+    assert!(
+        entry.error.contains("policy evaluation failed"),
+        "{}",
+        entry.error
+    );
+    assert_eq!(
+        entry.rules.get("bad").map(String::as_str),
+        Some("payment-over-10000")
+    );
+    assert!(
+        metric(
+            &mesh,
+            "guardmesh_guard_outcomes_total{guard=\"policy\",status=\"failed\"}"
+        ) >= 1.0
+    );
+
+    // fail_open: bypassed, and recorded as such.
+    let mesh =
+        policy_mesh(Registration::policy("policy", POLICY).failure_policy(FailurePolicy::FailOpen))
+            .await;
+    let d = mesh
+        .coordinator()
+        .await
+        .evaluate_once("s", Batch::new(0).call("bad", "payments.send", bad))
+        .await
+        .unwrap();
+    let call = d.call("bad").unwrap();
+    assert!(call.proceeds());
+    assert_eq!(call.bypassed, vec!["policy"]);
+    assert_eq!(trace_of(&d, "policy").status, TraceStatus::Failed as i32);
+
+    // abort: the batch fails, naming the guard.
+    let mesh =
+        policy_mesh(Registration::policy("policy", POLICY).failure_policy(FailurePolicy::Abort))
+            .await;
+    let error = mesh
+        .coordinator()
+        .await
+        .evaluate_once("s", Batch::new(0).call("bad", "payments.send", bad))
+        .await
+        .unwrap_err();
+    assert!(error.to_string().contains("\"policy\""), "{error}");
+}
+
+#[tokio::test]
+async fn r27_r18_dry_run_policy_guard_decides_nothing() {
+    let mesh = policy_mesh(Registration::policy("policy", POLICY).dry_run()).await;
+    let d = mesh
+        .coordinator()
+        .await
+        .evaluate_once(
+            "s",
+            Batch::new(0)
+                .call("del", "sql.query", r#"{"query": "DELETE FROM users"}"#)
+                .call("bad", "payments.send", "{}"),
+        )
+        .await
+        .unwrap();
+    assert!(d.calls.iter().all(|c| c.proceeds()), "{d:?}");
+    assert!(d.calls.iter().all(|c| c.bypassed.is_empty()));
+    let entry = trace_of(&d, "policy");
+    assert_eq!(entry.status, TraceStatus::DryRun as i32);
+    assert_eq!(entry.dry_run_status, TraceStatus::Failed as i32);
+    assert_eq!(
+        entry.rules.get("del").map(String::as_str),
+        Some("sql-delete-needs-where"),
+        "what it would have done"
+    );
+}
+
+#[tokio::test]
+async fn r27_r3_policy_and_remote_guards_keep_registration_order_vetoes() {
+    // A remote guard that cancels every call, before or after the policy.
+    for remote_first in [true, false] {
+        let mesh = TestMesh::start().await;
+        let remote = call_guard(Duration::from_millis(50), |c| {
+            Some(cancel(&c.call_id, "remote says no"))
+        })
+        .await;
+        let policy = Registration::policy("policy", POLICY);
+        let remote_reg = Registration::validate("remote", &remote.url);
+        if remote_first {
+            mesh.register(remote_reg).await;
+            mesh.register(policy).await;
+        } else {
+            mesh.register(policy).await;
+            mesh.register(remote_reg).await;
+        }
+        let d = mesh
+            .coordinator()
+            .await
+            .evaluate_once(
+                "s",
+                Batch::new(0)
+                    .call("del", "sql.query", r#"{"query": "DELETE FROM users"}"#)
+                    .call("sel", "sql.query", r#"{"query": "SELECT 1"}"#),
+            )
+            .await
+            .unwrap();
+        let del = d.call("del").unwrap();
+        let sel = d.call("sel").unwrap();
+        // `sel` only the remote guard skips.
+        assert_eq!(sel.decided_by.as_deref(), Some("remote"));
+        if remote_first {
+            // The earlier guard's skip wins, although the policy answered
+            // first (R3, R4).
+            assert_eq!(del.decided_by.as_deref(), Some("remote"), "{del:?}");
+            assert_eq!(skip_content(&del.outcome), "remote says no");
+        } else {
+            assert_eq!(del.decided_by.as_deref(), Some("policy"), "{del:?}");
+            assert!(skip_content(&del.outcome).starts_with("DELETE without WHERE"));
+        }
+    }
+}
+
+#[tokio::test]
+async fn r27_policy_that_does_not_compile_is_refused_at_registration() {
+    let mesh = TestMesh::start().await;
+    let error = mesh
+        .registrar()
+        .await
+        .register(Registration::policy(
+            "policy",
+            "[[rule]]\nname = \"x\"\nwhen = \"call.args.(\"\naction = \"cancel\"\nmessage = '\"m\"'\n",
+        ))
+        .await
+        .unwrap_err();
+    let text = error.to_string();
+    assert!(text.contains("line 3"), "{text}");
+    assert!(text.contains("does not compile"), "{text}");
+    assert!(
+        mesh.registrar()
+            .await
+            .list()
+            .await
+            .unwrap()
+            .guards
+            .is_empty()
+    );
+}
+
+#[tokio::test]
+async fn r28_unguarded_cancel_cancels_an_unguarded_tool_and_not_a_guarded_one() {
+    let mut config = fast_config();
+    config.unguarded = guardmesh_server::mesh::Unguarded::Cancel;
+    let mesh = TestMesh::with_config(config).await;
+    mesh.register(Registration::policy("policy", POLICY).tools(["sql.*"]))
+        .await;
+    let d = mesh
+        .coordinator()
+        .await
+        .evaluate_once(
+            "s",
+            Batch::new(0)
+                .call("sel", "sql.query", r#"{"query": "SELECT 1"}"#)
+                .call("sh", "shell.exec", r#"{"cmd": "ls"}"#),
+        )
+        .await
+        .unwrap();
+    assert!(d.call("sel").unwrap().proceeds(), "a guarded tool proceeds");
+    let sh = d.call("sh").unwrap();
+    assert!(matches!(sh.outcome, Outcome::Cancel { .. }), "{sh:?}");
+    assert!(
+        skip_content(&sh.outcome).contains("\"shell.exec\""),
+        "{sh:?}"
+    );
+    assert_eq!(
+        metric(
+            &mesh,
+            "guardmesh_unguarded_calls_total{decision=\"cancel\"}"
+        ),
+        1.0
+    );
+    // A dry-run guard does not guard (R18): the call is still unguarded.
+    mesh.register(Registration::policy("watch", POLICY).dry_run())
+        .await;
+    let d = mesh
+        .coordinator()
+        .await
+        .evaluate_once("s", Batch::new(0).call("sh", "shell.exec", "{}"))
+        .await
+        .unwrap();
+    assert!(matches!(
+        d.call("sh").unwrap().outcome,
+        Outcome::Cancel { .. }
+    ));
+}
+
+#[tokio::test]
+async fn r28_unguarded_calls_proceed_by_default_and_are_counted() {
+    let mesh = TestMesh::start().await;
+    let d = mesh
+        .coordinator()
+        .await
+        .evaluate_once("s", Batch::new(0).call("sh", "shell.exec", "{}"))
+        .await
+        .unwrap();
+    assert!(d.call("sh").unwrap().proceeds());
+    assert_eq!(
+        metric(
+            &mesh,
+            "guardmesh_unguarded_calls_total{decision=\"proceed\"}"
+        ),
+        1.0
+    );
+}
+
+#[tokio::test]
+async fn r27_r28_policy_guard_and_unguarded_from_the_config_file() {
+    let dir = std::env::temp_dir().join(format!("guardmesh-policy-cfg-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let policy = dir.join("rules.toml");
+    std::fs::write(&policy, POLICY).unwrap();
+    let config = format!(
+        "unguarded = \"cancel\"\n\n[[guard]]\nname = \"policy\"\npolicy = {:?}\ntools = [\"sql.*\"]\n",
+        policy.display().to_string()
+    );
+    let mesh = MeshProcess::start("policy-config", &config, None).await;
+    let d = guardmesh_client::Coordinator::connect(mesh.url.clone())
+        .await
+        .unwrap()
+        .evaluate_once(
+            "s",
+            Batch::new(0)
+                .call("del", "sql.query", r#"{"query": "DELETE FROM users"}"#)
+                .call("sh", "shell.exec", "{}"),
+        )
+        .await
+        .unwrap();
+    assert!(matches!(
+        d.call("del").unwrap().outcome,
+        Outcome::Cancel { .. }
+    ));
+    assert_eq!(
+        trace_of(&d, "policy").rules.get("del").map(String::as_str),
+        Some("sql-delete-needs-where")
+    );
+    assert!(skip_content(&d.call("sh").unwrap().outcome).contains("shell.exec"));
+}
+
+#[test]
+fn r27_config_guard_needs_exactly_one_of_endpoint_and_policy() {
+    for (entry, needle) in [
+        ("name = \"g\"\n", "needs `endpoint`"),
+        (
+            "name = \"g\"\nendpoint = \"127.0.0.1:9\"\npolicy = \"p.toml\"\n",
+            "both `endpoint` and `policy`",
+        ),
+    ] {
+        let error = guardmesh_server::config::Config::parse(&format!("[[guard]]\n{entry}"), "t")
+            .unwrap_err()
+            .to_string();
+        assert!(error.contains(needle), "{error}");
+    }
+    // A policy file that does not compile is refused at start, with its line.
+    let broken = file(
+        "broken-config-policy.toml",
+        "[[rule]]\nname = \"x\"\nwhen = \"(\"\naction = \"cancel\"\nmessage = '\"m\"'\n",
+    );
+    let config = file(
+        "config-with-broken-policy.toml",
+        &format!(
+            "[[guard]]\nname = \"p\"\npolicy = {:?}\n",
+            broken.display().to_string()
+        ),
+    );
+    let error = guardmesh_server::config::Config::load(&config)
+        .unwrap_err()
+        .to_string();
+    assert!(error.contains("line 3"), "{error}");
+}
+
+#[tokio::test]
+async fn r27_sighup_reloads_the_policy_and_keeps_the_running_one_when_broken() {
+    let dir = std::env::temp_dir().join(format!("guardmesh-policy-hup-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let policy = dir.join("rules.toml");
+    let rule = |message: &str| {
+        format!(
+            "[[rule]]\nname = \"no-shell\"\ntools = [\"shell.*\"]\nwhen = \"true\"\n\
+             action = \"cancel\"\nmessage = '\"{message}\"'\n"
+        )
+    };
+    std::fs::write(&policy, rule("first")).unwrap();
+    let config = format!(
+        "[[guard]]\nname = \"policy\"\npolicy = {:?}\n",
+        policy.display().to_string()
+    );
+    let mesh = MeshProcess::start("policy-hup", &config, Some("info")).await;
+    let coordinator = guardmesh_client::Coordinator::connect(mesh.url.clone())
+        .await
+        .unwrap();
+    let content = |d: BatchDecision| skip_content(&d.calls[0].outcome).to_owned();
+    let shell = || Batch::new(0).call("sh", "shell.exec", "{}");
+    let d = coordinator.evaluate_once("s", shell()).await.unwrap();
+    let first_revision = d.chain_revision;
+    assert_eq!(content(d), "first");
+
+    std::fs::write(&policy, rule("second")).unwrap();
+    mesh.signal("HUP");
+    let mut reloaded = None;
+    for _ in 0..200 {
+        let d = coordinator.evaluate_once("s", shell()).await.unwrap();
+        if content(d.clone()) == "second" {
+            reloaded = Some(d);
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(25)).await;
+    }
+    let reloaded = reloaded.expect("the new policy is applied after SIGHUP");
+    assert!(
+        reloaded.chain_revision > first_revision,
+        "the revision covers the rules"
+    );
+
+    std::fs::write(&policy, "[[rule]]\nname = \"x\"\nwhen = \"(\"\n").unwrap();
+    mesh.signal("HUP");
+    let mut logged = false;
+    for _ in 0..200 {
+        if mesh.log().contains("policy reload refused") {
+            logged = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(25)).await;
+    }
+    assert!(logged, "a broken file is logged:\n{}", mesh.log());
+    let d = coordinator.evaluate_once("s", shell()).await.unwrap();
+    assert_eq!(content(d), "second", "the running policy is kept");
+}
