@@ -2,8 +2,9 @@
 //! the `guardmesh-server` library; nothing here is on a batch's path.
 //!
 //! * `app`: the command line (clap), the runtime, and the commands that run
-//!   or talk to a mesh: `serve`, `guards`, `evaluate`, `certs`,
-//!   `example-guard`.
+//!   or talk to a mesh: `serve`, `guards`, `evaluate`, `policy`, `certs`,
+//!   `example-guard`; `mcp` and `hook` delegate to the `guardmesh-gateway`
+//!   crate.
 //! * `heartbeat`: `guardmesh heartbeat`, a liveness sidecar for guards of any
 //!   language on the etcd registry.
 //! * [`demo`]: `guardmesh demo`, a mesh, example guards and a coordinator in
