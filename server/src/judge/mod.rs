@@ -677,9 +677,17 @@ impl<'a> Judging<'a> {
         }
         // Policy guards (R27) answer at once, in the mesh, through the same
         // fold as remote guards, once the remote ones are on their way.
-        for (k, &g) in order.iter().enumerate() {
-            if self.runs[g].sent_any && self.chain.guards[g].guard.is_policy() {
-                self.judge_policy(order.as_slice(), k, &mut fold, &mut deadlines);
+        let policies: Vec<usize> = (0..order.len())
+            .filter(|&k| {
+                let g = order[k];
+                self.runs[g].sent_any && self.chain.guards[g].guard.is_policy()
+            })
+            .collect();
+        if !policies.is_empty() {
+            // Built once per batch, whatever the number of policy guards.
+            let input = self.policy_input();
+            for k in policies {
+                self.judge_policy(&input, order.as_slice(), k, &mut fold, &mut deadlines);
             }
         }
         while !fold.done() {
@@ -791,6 +799,7 @@ impl<'a> Judging<'a> {
     /// (R13) applies to exactly those calls: never a proceed.
     fn judge_policy(
         &mut self,
+        input: &BatchInput,
         order: &[usize],
         k: usize,
         fold: &mut Fold,
@@ -803,7 +812,7 @@ impl<'a> Judging<'a> {
         };
         let started = Instant::now();
         self.runs[g].started = Some(started);
-        let outcomes = rules.compiled.evaluate(&self.policy_input());
+        let outcomes = rules.compiled.evaluate(input);
         let mut verdicts = Vec::new();
         let mut error = None;
         for (i, outcome) in outcomes.into_iter().enumerate() {
@@ -885,15 +894,19 @@ impl<'a> Judging<'a> {
     fn unguarded(&mut self) {
         let chain = self.chain;
         let metrics = &self.mesh.metrics;
-        for call in &mut self.calls {
+        let runs = &self.runs;
+        for (i, call) in self.calls.iter_mut().enumerate() {
             if call.fixed.is_some() {
                 continue;
             }
-            let guarded = chain.guards.iter().any(|cg| {
-                cg.guard.enforced()
-                    && (cg.guard.tools.matches(&call.current.tool)
-                        || cg.guard.tools.matches(&call.original.tool))
-            });
+            // A guard applies to a call when the call was sent to it (R9),
+            // at its step: a mutate guard before any rename, a validate
+            // guard after.
+            let guarded = chain
+                .guards
+                .iter()
+                .zip(runs)
+                .any(|(cg, run)| cg.guard.enforced() && run.sent.get(i) == Some(&true));
             if guarded {
                 continue;
             }
