@@ -880,9 +880,16 @@ impl<'a> Judging<'a> {
                     call_id: call.current.call_id.clone(),
                     tool: call.current.tool.clone(),
                     // Arguments were checked as an I-JSON object (R20);
-                    // absent arguments are `{}`.
-                    args: serde_json::from_str(&call.current.arguments)
-                        .unwrap_or_else(|_| serde_json::Value::Object(serde_json::Map::new())),
+                    // absent arguments are `{}`. Should text ever fail to
+                    // parse here, a rule reading it sees `null` and errors
+                    // (a guard failure, R13), never an empty object that
+                    // would let it proceed.
+                    args: if call.current.arguments.trim().is_empty() {
+                        serde_json::Value::Object(serde_json::Map::new())
+                    } else {
+                        serde_json::from_str(&call.current.arguments)
+                            .unwrap_or(serde_json::Value::Null)
+                    },
                 })
                 .collect(),
         }
