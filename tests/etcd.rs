@@ -1797,3 +1797,59 @@ fn tempdir(name: &str) -> PathBuf {
     std::fs::create_dir_all(&dir).unwrap();
     dir
 }
+
+/// A policy guard registered through one replica is judged by the other with
+/// the same rules (R27: the rules travel in the registration); a new version
+/// of the rules is a chain change both replicas see (R17).
+#[tokio::test]
+async fn r27_r17_replicas_judge_with_the_same_policy_rules() {
+    let etcd = Etcd::start().await;
+    let config = settings(etcd.url(), "/t/policy");
+    let a = Replica::start(config.clone()).await;
+    let b = Replica::start(config).await;
+    let rules = |tool: &str| {
+        format!(
+            "[[rule]]\nname = \"no-{tool}\"\nwhen = 'call.tool == \"{tool}\"'\n\
+             action = \"steer\"\nmessage = '\"no \" + call.tool'\n"
+        )
+    };
+    let registrar = a.mesh.registrar().await;
+    let first = registrar
+        .register(Registration::policy("rules", rules("rm")))
+        .await
+        .unwrap();
+    b.sees(first.revision).await;
+    for replica in [&a, &b] {
+        let d = replica.evaluate(two_calls()).await.unwrap();
+        assert_eq!(d.chain_revision, first.revision);
+        assert_eq!(
+            d.calls[0].outcome,
+            Outcome::Steer {
+                content: "no rm".into()
+            }
+        );
+        assert_eq!(d.calls[0].decided_by.as_deref(), Some("rules"));
+        assert!(d.calls[1].proceeds());
+    }
+
+    // New rules in place: both replicas judge with them, at a new revision.
+    let second = registrar
+        .register(Registration::policy("rules", rules("ls")))
+        .await
+        .unwrap();
+    assert!(second.revision > first.revision);
+    b.sees(second.revision).await;
+    for replica in [&a, &b] {
+        let d = replica.evaluate(two_calls()).await.unwrap();
+        assert_eq!(d.chain_revision, second.revision);
+        assert!(d.calls[0].proceeds(), "{:?}", d.calls[0]);
+        assert_eq!(
+            d.calls[1].outcome,
+            Outcome::Steer {
+                content: "no ls".into()
+            }
+        );
+    }
+    a.stop().await;
+    b.stop().await;
+}
