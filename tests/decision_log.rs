@@ -478,3 +478,78 @@ async fn measure_log_cost_per_batch() {
         let _ = std::fs::remove_dir_all(&dir);
     }
 }
+
+/// R29 with R24: records name the authenticated caller (its principal id
+/// and roles) of batches, streamed and unary, and of chain changes, also a
+/// change refused for want of the role.
+#[tokio::test]
+async fn r29_records_name_the_authenticated_caller() {
+    use guardmesh_client::{Coordinator, Registrar};
+    let dir = folder("caller");
+    let pki = TestPki::new();
+    let (mesh, url) = TestMesh::with_tokens(
+        &pki,
+        &[
+            ("ops", "ops-token", &["admin"]),
+            ("agent", "agent-token", &["evaluate"]),
+        ],
+        "",
+    )
+    .await;
+    let log = DecisionLog::open(LogConfig::new(dir.join("log"), "test"))
+        .await
+        .unwrap();
+    mesh.mesh
+        .attach_decision_log(MeshLog::new(
+            log,
+            OnLogFailure::Refuse,
+            mesh.mesh.metrics.clone(),
+        ))
+        .unwrap();
+    let guard = proceed_guard().await;
+    let ops = Registrar::connect_with(url.clone(), &pki.connection(None, Some("ops-token")))
+        .await
+        .unwrap();
+    ops.register(Registration::validate("g", &guard.url))
+        .await
+        .unwrap();
+    let agent = pki.connection(None, Some("agent-token"));
+    let coordinator = Coordinator::connect_with(url.clone(), &agent)
+        .await
+        .unwrap();
+    coordinator
+        .evaluate_once("s", Batch::new(0).call("c", "t", "{}"))
+        .await
+        .unwrap();
+    coordinator
+        .session("s")
+        .await
+        .unwrap()
+        .evaluate_raw(request("streamed", vec![call("c", "t", "{}")]))
+        .await
+        .unwrap();
+    // A registration the registry refuses is recorded as refused.
+    let refused = ops
+        .register(Registration::validate("bad", "not a url"))
+        .await
+        .unwrap_err();
+    assert_eq!(refused.code(), Some(tonic::Code::InvalidArgument));
+
+    let all = records(&dir.join("log"));
+    assert_eq!(all.len(), 4, "{all:?}");
+    let ids: Vec<_> = all.iter().map(|r| r["caller"]["id"].clone()).collect();
+    assert_eq!(ids, ["ops", "agent", "agent", "ops"], "{all:?}");
+    assert_eq!(all[0]["caller"]["roles"][0], "admin");
+    assert!(
+        all[1]["caller"]["peer"]
+            .as_str()
+            .unwrap()
+            .starts_with("127.0.0.1:")
+    );
+    assert_eq!(all[3]["change"], "register");
+    assert_eq!(all[3]["guard"], "bad");
+    assert_eq!(all[3]["outcome"]["status"], "refused");
+    assert_eq!(all[3]["outcome"]["code"], 3);
+    assert!(all[3]["new_revision"].is_null());
+    let _ = std::fs::remove_dir_all(&dir);
+}

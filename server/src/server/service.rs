@@ -63,9 +63,14 @@ type LogCaller = Arc<crate::decision_log::Caller>;
 /// read) when no log is attached.
 fn log_caller<T>(mesh: &Mesh, request: &Request<T>) -> Option<LogCaller> {
     mesh.decision_log()?;
+    let peer = request
+        .extensions()
+        .get::<crate::security::tls::PeerInfo>()
+        .and_then(|p| p.remote)
+        .or_else(|| request.remote_addr());
     Some(Arc::new(from_mesh::caller(
         request.extensions().get::<Caller>(),
-        request.remote_addr(),
+        peer,
     )))
 }
 
