@@ -461,10 +461,10 @@ async fn measure_log_cost_per_batch() {
         let session = mesh.coordinator().await.session("m").await.unwrap();
         let batch = || {
             Batch::new(0)
-                .call("c1", "read", r#"{"path": "/tmp/x", "password": "p"}"#)
+                .call("c1", "read", r#"{"path": "/data/x", "password": "p"}"#)
                 .call("c2", "danger", "{}")
                 .call("c3", "read", r#"{"path": "/etc/hosts"}"#)
-                .call("c4", "write", r#"{"path": "/tmp/y", "body": "some text"}"#)
+                .call("c4", "write", r#"{"path": "/data/y", "body": "some text"}"#)
         };
         for _ in 0..20 {
             session.evaluate(batch()).await.unwrap();
