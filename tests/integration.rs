@@ -14,6 +14,8 @@
 //! * `mcp`: the MCP gateway and the pre-tool hook through the official MCP
 //!   SDK (R31).
 //! * `cli`, `shutdown`: the `guardmesh` command as users run it.
+//! * `decision_log`: the decision log in the mesh, `guardmesh log verify`
+//!   and `guardmesh replay` (R29, R30).
 //! * `policy`: policy guards and unguarded calls (R27, R28), and
 //!   `guardmesh policy check|test`.
 //!
@@ -25,6 +27,7 @@ mod harness;
 
 mod cli;
 mod conformance;
+mod decision_log;
 mod etcd;
 mod faults;
 mod mcp;

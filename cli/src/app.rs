@@ -117,6 +117,22 @@ enum Command {
         #[command(subcommand)]
         action: PolicyAction,
     },
+    /// Reads the decision log (R29).
+    Log {
+        #[command(subcommand)]
+        action: LogAction,
+    },
+    /// Judges recorded batches again against the chain of a config file
+    /// and reports every call whose decision differs from the recorded one
+    /// (R30). Exits 0 when none differs, 1 when one does.
+    Replay(crate::replay::ReplayArgs),
+}
+
+#[derive(Subcommand)]
+enum LogAction {
+    /// Checks the hash chain of a decision log (its directory, or one of
+    /// its files); exits non-zero naming the first record that breaks it.
+    Verify { path: PathBuf },
 }
 
 #[derive(Subcommand)]
@@ -324,6 +340,8 @@ pub fn main() -> ExitCode {
     // The benchmark picks its own runtime flavours.
     let cli = match cli.command {
         Command::Policy { action } => return policy(action),
+        Command::Log { action } => return log(action),
+        Command::Replay(args) => return crate::replay::main(args),
         Command::Bench(args) => return crate::bench::main(args),
         Command::BenchGuards(args) => return crate::bench::serve_guards(args),
         Command::Mcp(args) => return guardmesh_gateway::main_mcp(args),
@@ -379,7 +397,9 @@ async fn run(cli: Cli) -> Result<ExitCode, Error> {
         | Command::BenchGuards(_)
         | Command::Mcp(_)
         | Command::Hook(_)
-        | Command::Policy { .. } => Err("this command runs without the runtime".into()),
+        | Command::Policy { .. }
+        | Command::Log { .. }
+        | Command::Replay(_) => Err("this command runs without the runtime".into()),
     };
     // Flush spans on the way out, also after an error.
     telemetry.shutdown().await;
@@ -418,6 +438,38 @@ fn policy(action: PolicyAction) -> ExitCode {
         Ok(()) => ExitCode::SUCCESS,
         Err(message) => {
             eprintln!("error: {message}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+/// `guardmesh log verify PATH`: exit 0 when the chain holds, 1 naming the
+/// first bad record on stderr.
+fn log(action: LogAction) -> ExitCode {
+    use guardmesh_server::decision_log;
+    let LogAction::Verify { path } = action;
+    match decision_log::verify(&path) {
+        Ok(report) => {
+            println!(
+                "ok: {} records in {} files, {} with masked values",
+                report.records,
+                report.files.len(),
+                report.masked_records
+            );
+            if let Some(last) = &report.last {
+                println!(
+                    "head: seq {} id {} hash {} ({}:{})",
+                    last.seq,
+                    last.id,
+                    last.hash,
+                    last.file.display(),
+                    last.line
+                );
+            }
+            ExitCode::SUCCESS
+        }
+        Err(error) => {
+            eprintln!("error: decision log does not verify: {error}");
             ExitCode::FAILURE
         }
     }
@@ -495,6 +547,22 @@ async fn serve(config: Option<PathBuf>, listen: Option<std::net::SocketAddr>) ->
     let mesh_config = config.build()?;
     let registry = build_registry(&config, mesh_config.default_guard_timeout).await?;
     let mesh = Mesh::new(mesh_config, registry);
+    let addr = listen.unwrap_or(config.listen);
+    // R29: the decision log is open before the first batch, or the mesh
+    // does not start.
+    if let Some(section) = &config.decision_log {
+        use guardmesh_server::decision_log::{DecisionLog, MeshLog};
+        let settings = section.log_config(&addr.to_string())?;
+        let log = DecisionLog::open(settings)
+            .await
+            .map_err(|e| format!("[decision_log] cannot open the log: {e}"))?;
+        let log = MeshLog::new(log, section.on_log_failure, mesh.metrics.clone());
+        let specs: Vec<_> = config.guards.iter().map(|g| g.to_spec()).collect();
+        log.config_guards(&specs, mesh.registry().chain().revision)
+            .await;
+        let _ = mesh.attach_decision_log(log);
+        tracing::info!(dir = %section.dir.display(), "decision log open");
+    }
     // SIGHUP reloads the server certificate at once (it is also reloaded
     // when its files change), and the policy files of the config's policy
     // guards (R27).
@@ -523,7 +591,6 @@ async fn serve(config: Option<PathBuf>, listen: Option<std::net::SocketAddr>) ->
             }
         });
     }
-    let addr = listen.unwrap_or(config.listen);
     let listener = tokio::net::TcpListener::bind(addr)
         .await
         .map_err(|e| format!("cannot listen on {addr}: {e}"))?;
@@ -531,7 +598,12 @@ async fn serve(config: Option<PathBuf>, listen: Option<std::net::SocketAddr>) ->
     if let Some(metrics_addr) = config.metrics_listen {
         guardmesh_server::observe::metrics_http::spawn(metrics_addr, mesh.metrics.clone()).await?;
     }
-    guardmesh_server::server::run(listener, mesh, shutdown_signal()).await?;
+    guardmesh_server::server::run(listener, mesh.clone(), shutdown_signal()).await?;
+    if let Some(log) = mesh.decision_log()
+        && let Err(error) = log.log().close().await
+    {
+        tracing::error!(%error, "decision log not closed cleanly");
+    }
     tracing::info!("guardmesh stopped");
     Ok(())
 }
@@ -578,6 +650,10 @@ async fn reload_policy(
     };
     match result {
         Ok(registered) => {
+            if let Some(log) = mesh.decision_log() {
+                log.config_guards(&[guard.to_spec()], registered.revision)
+                    .await;
+            }
             mesh.metrics.policy_reload("applied");
             tracing::info!(guard = %name, revision = registered.revision, "policy reloaded");
         }

@@ -23,5 +23,6 @@ pub mod conformance;
 pub mod demo;
 pub mod examples;
 mod heartbeat;
+mod replay;
 
 pub use app::main;

@@ -118,6 +118,91 @@ pub struct Config {
     /// What happens to a call no enforced guard applies to (R28):
     /// `proceed` (the default) or `cancel` (default deny).
     pub unguarded: crate::mesh::Unguarded,
+    /// `[decision_log]`: one record per batch answered and per chain
+    /// change (R29). Absent: no log, at no cost.
+    pub decision_log: Option<DecisionLogConfig>,
+}
+
+/// `[decision_log]` (R29).
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct DecisionLogConfig {
+    /// The log's directory (created if missing; one mesh per directory).
+    pub dir: PathBuf,
+    /// A file is rotated before it would grow past this size.
+    #[serde(default = "default_max_file_bytes")]
+    pub max_file_bytes: u64,
+    /// `every_record` (the default): a batch is answered once its record is
+    /// on disk (fdatasync, shared by concurrent batches); `interval`: once
+    /// written to the file, synced every `sync_interval_ms`.
+    #[serde(default)]
+    pub durability: DurabilityConfig,
+    /// With `durability = "interval"`: at most this long between a write
+    /// and its fsync.
+    #[serde(default = "default_sync_interval_ms")]
+    pub sync_interval_ms: u64,
+    /// Masking rules: key names (`password`), globs (`*.api_key`) and
+    /// paths (`$.headers.authorization`), applied before anything is
+    /// written.
+    #[serde(default)]
+    pub mask: Vec<String>,
+    /// `refuse` (the default): a batch whose record cannot be written is
+    /// refused UNAVAILABLE; `answer`: answered, and the loss counted.
+    #[serde(default)]
+    pub on_log_failure: crate::decision_log::OnLogFailure,
+    /// The mesh instance written in every record; default: the listen
+    /// address.
+    #[serde(default)]
+    pub instance: Option<String>,
+}
+
+/// `[decision_log] durability`.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum DurabilityConfig {
+    #[default]
+    EveryRecord,
+    Interval,
+}
+
+fn default_max_file_bytes() -> u64 {
+    64 * 1024 * 1024
+}
+
+fn default_sync_interval_ms() -> u64 {
+    100
+}
+
+impl DecisionLogConfig {
+    /// The writer's settings; `instance`: the default mesh instance name.
+    pub fn log_config(&self, instance: &str) -> Result<crate::decision_log::LogConfig, String> {
+        let mask = crate::decision_log::MaskRules::new(&self.mask)
+            .map_err(|e| format!("[decision_log] mask: {e}"))?;
+        if self.max_file_bytes == 0 {
+            return Err("[decision_log] max_file_bytes must be greater than 0".to_owned());
+        }
+        let durability = match self.durability {
+            DurabilityConfig::EveryRecord => crate::decision_log::Durability::EveryRecord,
+            DurabilityConfig::Interval if self.sync_interval_ms == 0 => {
+                return Err(
+                    "[decision_log] sync_interval_ms must be greater than 0 (or durability = \"every_record\")"
+                        .to_owned(),
+                );
+            }
+            DurabilityConfig::Interval => crate::decision_log::Durability::Interval(
+                Duration::from_millis(self.sync_interval_ms),
+            ),
+        };
+        Ok(crate::decision_log::LogConfig {
+            max_file_bytes: self.max_file_bytes,
+            durability,
+            mask,
+            ..crate::decision_log::LogConfig::new(
+                &self.dir,
+                self.instance.as_deref().unwrap_or(instance),
+            )
+        })
+    }
 }
 
 impl Default for Config {
@@ -139,6 +224,7 @@ impl Default for Config {
             registry: RegistryConfig::default(),
             server: ServerConfig::default(),
             unguarded: crate::mesh::Unguarded::Proceed,
+            decision_log: None,
         }
     }
 }
@@ -749,6 +835,9 @@ impl Config {
                 "limits.max_json_depth must be between 1 and {most} (the deepest nesting \
                  serde_json-based guards parse); it is {depth}"
             ));
+        }
+        if let Some(log) = &self.decision_log {
+            log.log_config("")?;
         }
         self.guard_links.check()
     }

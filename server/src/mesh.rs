@@ -6,6 +6,7 @@
 //! every guard whose endpoint did not change, so a re-registration neither
 //! drops the guard's stream nor moves it in the chain.
 
+use crate::decision_log::MeshLog;
 use crate::link::dial::{EndpointPolicy, GuardConnector, GuardTls};
 use crate::link::{GuardLink, LinkConfig};
 use crate::observe::metrics::Metrics;
@@ -109,6 +110,8 @@ pub struct Mesh {
     /// `limits.max_inflight_bytes` in KiB: each batch being judged holds
     /// its weight (load shedding by bytes, R25).
     pub(crate) inflight_bytes: Arc<tokio::sync::Semaphore>,
+    /// The decision log (R29), when one is configured; set once at start.
+    decision_log: std::sync::OnceLock<MeshLog>,
 }
 
 impl std::fmt::Debug for Mesh {
@@ -138,7 +141,20 @@ impl Mesh {
                 (config.limits.max_inflight_bytes / 1024)
                     .clamp(1, tokio::sync::Semaphore::MAX_PERMITS),
             )),
+            decision_log: std::sync::OnceLock::new(),
         })
+    }
+
+    /// Attaches the decision log (R29): from now on every batch answered
+    /// and every chain change is recorded. Once per mesh; a second log is
+    /// refused (returned).
+    pub fn attach_decision_log(&self, log: MeshLog) -> Result<(), MeshLog> {
+        self.decision_log.set(log)
+    }
+
+    /// The decision log, if one is attached.
+    pub fn decision_log(&self) -> Option<&MeshLog> {
+        self.decision_log.get()
     }
 
     fn connector(&self, guard: &Guard) -> GuardConnector {

@@ -10,6 +10,9 @@
 //!   rotation by size, fsync per record or per interval, resuming);
 //! * [`verify`](mod@verify): [`verify()`](verify::verify), which names the first
 //!   record that breaks the chain;
+//! * [`from_mesh`]: the mesh's batches, answers and registrations as
+//!   records, and [`MeshLog`], the log with its failure policy
+//!   (`on_log_failure`);
 //! * [`error`]: what opening and appending can fail with, [`LogError`].
 //!
 //! The format is described for readers by the JSON Schema
@@ -17,6 +20,7 @@
 
 pub mod chain;
 pub mod error;
+pub mod from_mesh;
 pub mod mask;
 pub mod record;
 pub mod segment;
@@ -28,6 +32,7 @@ mod tests;
 
 pub use chain::GENESIS;
 pub use error::LogError;
+pub use from_mesh::{MeshLog, OnLogFailure};
 pub use mask::{MASKED, MaskError, MaskRules, OMITTED};
 pub use record::{
     Action, BatchRecord, CallDecisionRecord, CallRecord, Caller, ChainChangeRecord, ChangeKind,

@@ -67,6 +67,13 @@ pub struct Metrics {
     chain_guards: Gauge,
     registry_stale: Gauge<f64, std::sync::atomic::AtomicU64>,
     registry_usable: Gauge,
+    log_records: Family<KindLabel, Counter>,
+    log_failures: Family<KindLabel, Counter>,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct KindLabel {
+    kind: &'static str,
 }
 
 impl std::fmt::Debug for Metrics {
@@ -197,8 +204,22 @@ impl Metrics {
             "1 while batches may be judged with the registry's chain, 0 after the staleness window",
             registry_usable.clone(),
         );
+        let log_records = Family::<KindLabel, Counter>::default();
+        registry.register(
+            "decision_log_records",
+            "Decision log records written (R29), by kind (decision, chain_change)",
+            log_records.clone(),
+        );
+        let log_failures = Family::<KindLabel, Counter>::default();
+        registry.register(
+            "decision_log_failures",
+            "Decision log records that could not be written, by kind (decision, chain_change)",
+            log_failures.clone(),
+        );
         Self {
             registry,
+            log_records,
+            log_failures,
             batches,
             calls,
             guard_outcomes,
@@ -264,6 +285,16 @@ impl Metrics {
         self.unguarded
             .get_or_create(&DecisionLabel { decision })
             .inc();
+    }
+
+    /// A decision log record written (`decision`, `chain_change`).
+    pub fn decision_log_record(&self, kind: &'static str) {
+        self.log_records.get_or_create(&KindLabel { kind }).inc();
+    }
+
+    /// A decision log record that could not be written.
+    pub fn decision_log_failure(&self, kind: &'static str) {
+        self.log_failures.get_or_create(&KindLabel { kind }).inc();
     }
 
     /// A policy file reloaded (`applied`) or refused, the running policy

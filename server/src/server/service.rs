@@ -1,7 +1,9 @@
 //! The gRPC services of the mesh: `PreToolService` for coordinators and
 //! `GuardRegistry` for registrars.
 
-use crate::judge::TraceContext;
+use crate::decision_log::from_mesh;
+use crate::decision_log::{BatchRecord, MeshLog};
+use crate::judge::{BatchError, TraceContext};
 use crate::mesh::Mesh;
 use crate::registry::RegistryError;
 use crate::security::auth::{Caller, Role};
@@ -50,6 +52,86 @@ fn batch_trace(batch: &EvaluateRequest, stream: &TraceContext) -> TraceContext {
             stream.clone()
         } else {
             own
+        }
+    }
+}
+
+/// Who sent a batch or made a change, as the decision log names it.
+type LogCaller = Arc<crate::decision_log::Caller>;
+
+/// The caller of a request for the decision log; `None` (and nothing
+/// read) when no log is attached.
+fn log_caller<T>(mesh: &Mesh, request: &Request<T>) -> Option<LogCaller> {
+    mesh.decision_log()?;
+    let peer = request
+        .extensions()
+        .get::<crate::security::tls::PeerInfo>()
+        .and_then(|p| p.remote)
+        .or_else(|| request.remote_addr());
+    Some(Arc::new(from_mesh::caller(
+        request.extensions().get::<Caller>(),
+        peer,
+    )))
+}
+
+/// The decision record of one batch being answered (R29), taken before the
+/// batch is judged; only made when a log is attached.
+struct Record {
+    log: MeshLog,
+    caller: LogCaller,
+    batch: BatchRecord,
+}
+
+impl Record {
+    /// `batch`: the batch as read; `None` for one refused before it could
+    /// be read, known by its id alone.
+    fn new(
+        mesh: &Mesh,
+        caller: Option<&LogCaller>,
+        batch: Option<&EvaluateRequest>,
+        batch_id: &str,
+    ) -> Option<Record> {
+        let log = mesh.decision_log()?.clone();
+        let caller = caller?.clone();
+        let batch = match batch {
+            Some(batch) => from_mesh::batch(batch),
+            None => from_mesh::batch_id_only(batch_id),
+        };
+        Some(Record { log, caller, batch })
+    }
+
+    /// Appends the record of `answer`; the answer to send instead when it
+    /// cannot be written and the log's policy is `refuse`.
+    async fn answer(
+        self,
+        answer: Result<BatchDecision, BatchError>,
+    ) -> Result<BatchDecision, Status> {
+        let caller = Arc::unwrap_or_clone(self.caller);
+        let (record, answer) = match answer {
+            Ok(decision) => (
+                from_mesh::decided(caller, self.batch, &decision),
+                Ok(decision),
+            ),
+            Err(error) => {
+                let status = error.status();
+                let aborted = matches!(error, BatchError::Aborted { .. });
+                (
+                    from_mesh::not_decided(caller, self.batch, &status, aborted),
+                    Err(status),
+                )
+            }
+        };
+        self.log.batch(record).await?;
+        answer
+    }
+
+    /// Appends the record of a batch refused with `status`.
+    async fn refused(self, status: Status) -> Status {
+        let caller = Arc::unwrap_or_clone(self.caller);
+        let record = from_mesh::not_decided(caller, self.batch, &status, false);
+        match self.log.batch(record).await {
+            Ok(()) => status,
+            Err(unavailable) => unavailable,
         }
     }
 }
@@ -162,6 +244,7 @@ impl PreTool {
     pub(crate) fn open_stream<S>(
         &self,
         trace: TraceContext,
+        caller: Option<LogCaller>,
         inbound: S,
     ) -> Result<AnswerStream, Status>
     where
@@ -187,6 +270,7 @@ impl PreTool {
         let stream = StreamLoop {
             tool: self.clone(),
             trace,
+            caller,
             tx,
             budget: budget.clone(),
             tasks: JoinSet::new(),
@@ -201,28 +285,44 @@ impl PreTool {
     async fn unary(
         &self,
         metadata: &MetadataMap,
+        caller: Option<LogCaller>,
         inbound: Inbound,
     ) -> Result<BatchDecision, Status> {
         let (batch, size) = match inbound {
             Inbound::Batch { request, size } => (request, size),
             Inbound::Refused(refused) => {
                 self.refused(&refused.batch_id, &refused.refusal);
-                return Err(refused.refusal.status);
+                let status = refused.refusal.status;
+                return Err(
+                    match Record::new(&self.mesh, caller.as_ref(), None, &refused.batch_id) {
+                        Some(record) => record.refused(status).await,
+                        None => status,
+                    },
+                );
             }
         };
+        let record = Record::new(&self.mesh, caller.as_ref(), Some(&batch), "");
         let stream_trace = trace_context(metadata);
         let transport = grpc_timeout(metadata);
         let shown = shown_id(&batch.batch_id, self.mesh.config.limits.max_id_bytes);
-        let _bytes = self
-            .inflight_bytes(&shown, batch.calls.len(), size)
-            .map_err(|r| r.status)?;
+        let _bytes = match self.inflight_bytes(&shown, batch.calls.len(), size) {
+            Ok(bytes) => bytes,
+            Err(refusal) => {
+                return Err(match record {
+                    Some(record) => record.refused(refusal.status).await,
+                    None => refusal.status,
+                });
+            }
+        };
         let mut trace = batch_trace(&batch, &stream_trace);
         trace.unary = true;
         let deadline = self.deadline(batch.timeout_ms, transport);
-        self.mesh
-            .evaluate(batch, deadline, trace)
-            .await
-            .map_err(|error| error.status())
+        let result = self.mesh.evaluate(batch, deadline, trace).await;
+        match record {
+            // R29: recorded before the answer leaves.
+            Some(record) => record.answer(result).await,
+            None => result.map_err(|error| error.status()),
+        }
     }
 }
 
@@ -294,6 +394,8 @@ impl Stream for AnswerStream {
 struct StreamLoop {
     tool: PreTool,
     trace: TraceContext,
+    /// The stream's caller for the decision log; `None` without a log.
+    caller: Option<LogCaller>,
     tx: mpsc::Sender<Answer>,
     budget: Arc<StreamBudget>,
     tasks: JoinSet<()>,
@@ -345,10 +447,7 @@ impl StreamLoop {
                 }
                 Step::Read(Some(Ok(Inbound::Refused(refused))), slot) => {
                     self.tool.refused(&refused.batch_id, &refused.refusal);
-                    self.answer(
-                        slot,
-                        error_response(refused.batch_id, &refused.refusal.status),
-                    );
+                    self.refuse(slot, None, refused.batch_id, refused.refusal.status);
                 }
                 Step::Read(Some(Ok(Inbound::Batch { request, size })), slot) => {
                     if is_draining {
@@ -360,7 +459,7 @@ impl StreamLoop {
                             ),
                         };
                         self.tool.refused(&id, &refusal);
-                        self.answer(slot, error_response(id, &refusal.status));
+                        self.refuse(slot, Some(&request), id, refusal.status);
                     } else {
                         self.admit(request, size, slot);
                     }
@@ -452,6 +551,29 @@ impl StreamLoop {
         slot.send(answer);
     }
 
+    /// Answers a refused batch (`batch`: as read, if it could be), recorded
+    /// first when a decision log is attached (R29).
+    fn refuse(
+        &mut self,
+        slot: OwnedPermit<Answer>,
+        batch: Option<&EvaluateRequest>,
+        batch_id: String,
+        status: Status,
+    ) {
+        let Some(record) = Record::new(&self.tool.mesh, self.caller.as_ref(), batch, &batch_id)
+        else {
+            self.answer(slot, error_response(batch_id, &status));
+            return;
+        };
+        let budget = self.budget.clone();
+        self.tasks.spawn(async move {
+            let status = record.refused(status).await;
+            let answer = Answer::new(error_response(batch_id, &status));
+            budget.add(answer.bytes);
+            slot.send(answer);
+        });
+    }
+
     /// Judges a batch read from the stream, or refuses it.
     fn admit(&mut self, batch: EvaluateRequest, size: usize, slot: OwnedPermit<Answer>) {
         let limits = *self.limits();
@@ -499,7 +621,7 @@ impl StreamLoop {
                 if refusal.reason != "overloaded_bytes" {
                     self.tool.refused(&shown, &refusal);
                 }
-                self.answer(slot, error_response(shown, &refusal.status));
+                self.refuse(slot, Some(&batch), shown, refusal.status);
                 return;
             }
         };
@@ -515,6 +637,7 @@ impl StreamLoop {
         let in_flight = self.in_flight.clone();
         let judged = self.judged.clone();
         let budget = self.budget.clone();
+        let record = Record::new(&mesh, self.caller.as_ref(), Some(&batch), "");
         self.tasks.spawn(async move {
             let result = mesh.evaluate(batch, deadline, trace).await;
             drop(bytes);
@@ -525,12 +648,17 @@ impl StreamLoop {
                 .lock()
                 .unwrap_or_else(PoisonError::into_inner)
                 .remove(&batch_id);
+            // R29: recorded before the answer leaves.
+            let result = match record {
+                Some(record) => record.answer(result).await,
+                None => result.map_err(|error| error.status()),
+            };
             let response = match result {
                 Ok(decision) => EvaluateResponse {
                     batch_id,
                     result: Some(evaluate_response::Result::Decision(decision)),
                 },
-                Err(error) => error_response(batch_id, &error.status()),
+                Err(status) => error_response(batch_id, &status),
             };
             let answer = Answer::new(response);
             budget.add(answer.bytes);
@@ -553,20 +681,22 @@ impl PreToolService for PreTool {
         request: Request<Streaming<EvaluateRequest>>,
     ) -> Result<Response<Self::EvaluateStream>, Status> {
         let trace = trace_context(request.metadata());
+        let caller = log_caller(&self.mesh, &request);
         let limits = self.mesh.config.limits;
         let inbound = request
             .into_inner()
             .map(move |message| message.map(|m| Inbound::from_request(m, &limits)));
-        Ok(Response::new(self.open_stream(trace, inbound)?))
+        Ok(Response::new(self.open_stream(trace, caller, inbound)?))
     }
 
     async fn evaluate_batch(
         &self,
         request: Request<EvaluateRequest>,
     ) -> Result<Response<BatchDecision>, Status> {
+        let caller = log_caller(&self.mesh, &request);
         let (metadata, _, batch) = request.into_parts();
         let inbound = Inbound::from_request(batch, &self.mesh.config.limits);
-        Ok(Response::new(self.unary(&metadata, inbound).await?))
+        Ok(Response::new(self.unary(&metadata, caller, inbound).await?))
     }
 }
 
@@ -616,9 +746,12 @@ impl tonic::server::StreamingService<Inbound> for EvaluateMethod {
         let tool = self.0.clone();
         Box::pin(async move {
             let trace = trace_context(request.metadata());
-            Ok(Response::new(
-                tool.open_stream(trace, request.into_inner())?,
-            ))
+            let caller = log_caller(&tool.mesh, &request);
+            Ok(Response::new(tool.open_stream(
+                trace,
+                caller,
+                request.into_inner(),
+            )?))
         })
     }
 }
@@ -635,13 +768,14 @@ impl tonic::server::ClientStreamingService<Inbound> for EvaluateBatchMethod {
     fn call(&mut self, request: Request<Streaming<Inbound>>) -> Self::Future {
         let tool = self.0.clone();
         Box::pin(async move {
+            let caller = log_caller(&tool.mesh, &request);
             let (metadata, _, mut inbound) = request.into_parts();
             let message = inbound
                 .message()
                 .await
                 .map_err(transport_status)?
                 .ok_or_else(|| Status::invalid_argument("EvaluateBatch sent no request message"))?;
-            Ok(Response::new(tool.unary(&metadata, message).await?))
+            Ok(Response::new(tool.unary(&metadata, caller, message).await?))
         })
     }
 }
@@ -753,10 +887,72 @@ fn registry_status(error: RegistryError) -> Status {
 
 #[tonic::async_trait]
 impl GuardRegistry for Registrar {
+    /// R29: every registration and deregistration, applied or refused, is
+    /// recorded with its caller.
     async fn register(
         &self,
         request: Request<RegisterRequest>,
     ) -> Result<Response<RegisterResponse>, Status> {
+        let Some(caller) = log_caller(&self.mesh, &request) else {
+            return self.register_in(request).await.map(Response::new);
+        };
+        let old = self.mesh.registry().chain().revision;
+        let spec = request.get_ref().guard.as_ref();
+        let name = spec.map(|g| g.name.clone()).unwrap_or_default();
+        let shown = spec.map(from_mesh::spec);
+        let result = self.register_in(request).await;
+        if let Some(log) = self.mesh.decision_log() {
+            let record = from_mesh::change(
+                Arc::unwrap_or_clone(caller),
+                crate::decision_log::ChangeKind::Register,
+                &name,
+                shown,
+                old,
+                result.as_ref().map(|r| r.revision),
+            );
+            log.change(record).await;
+        }
+        result.map(Response::new)
+    }
+
+    async fn deregister(
+        &self,
+        request: Request<DeregisterRequest>,
+    ) -> Result<Response<DeregisterResponse>, Status> {
+        let Some(caller) = log_caller(&self.mesh, &request) else {
+            return self.deregister_in(request).await.map(Response::new);
+        };
+        let old = self.mesh.registry().chain().revision;
+        let name = request.get_ref().name.clone();
+        let result = self.deregister_in(request).await;
+        if let Some(log) = self.mesh.decision_log() {
+            let record = from_mesh::change(
+                Arc::unwrap_or_clone(caller),
+                crate::decision_log::ChangeKind::Deregister,
+                &name,
+                None,
+                old,
+                result.as_ref().map(|r| r.revision),
+            );
+            log.change(record).await;
+        }
+        result.map(Response::new)
+    }
+
+    async fn list(&self, _request: Request<ListRequest>) -> Result<Response<ListResponse>, Status> {
+        let chain = self.mesh.registry().chain();
+        Ok(Response::new(ListResponse {
+            revision: chain.revision,
+            guards: chain.guards.iter().map(|g| g.to_spec()).collect(),
+        }))
+    }
+}
+
+impl Registrar {
+    async fn register_in(
+        &self,
+        request: Request<RegisterRequest>,
+    ) -> Result<RegisterResponse, Status> {
         let Some(spec) = request.get_ref().guard.clone() else {
             return Err(Status::invalid_argument("RegisterRequest.guard is missing"));
         };
@@ -815,17 +1011,17 @@ impl GuardRegistry for Registrar {
         // Start dialing the guard now rather than on its first batch.
         let _ = self.mesh.chain();
         tracing::info!(guard = %name, revision = out.revision, position = out.position, created = out.created, "guard registered");
-        Ok(Response::new(RegisterResponse {
+        Ok(RegisterResponse {
             revision: out.revision,
             position: u32::try_from(out.position).unwrap_or(u32::MAX),
             created: out.created,
-        }))
+        })
     }
 
-    async fn deregister(
+    async fn deregister_in(
         &self,
         request: Request<DeregisterRequest>,
-    ) -> Result<Response<DeregisterResponse>, Status> {
+    ) -> Result<DeregisterResponse, Status> {
         let name = request.get_ref().name.clone();
         self.authorize(&request, &name)?;
         let out = self
@@ -844,18 +1040,10 @@ impl GuardRegistry for Registrar {
             names.remove(&name);
         }
         tracing::info!(guard = %name, revision = out.revision, removed = out.removed, "guard deregistered");
-        Ok(Response::new(DeregisterResponse {
+        Ok(DeregisterResponse {
             revision: out.revision,
             removed: out.removed,
-        }))
-    }
-
-    async fn list(&self, _request: Request<ListRequest>) -> Result<Response<ListResponse>, Status> {
-        let chain = self.mesh.registry().chain();
-        Ok(Response::new(ListResponse {
-            revision: chain.revision,
-            guards: chain.guards.iter().map(|g| g.to_spec()).collect(),
-        }))
+        })
     }
 }
 
