@@ -20,6 +20,7 @@ pub mod bench;
 pub mod certs;
 pub mod conformance;
 pub mod demo;
+mod evaluate;
 pub mod examples;
 mod heartbeat;
 
