@@ -676,6 +676,17 @@ impl Drop for Child {
 /// The Python SDK upstream on Streamable HTTP and `guardmesh mcp http` in
 /// front of it; returns the gateway's endpoint URL.
 async fn http_gateway(mesh: &str, scratch: &Scratch) -> (String, Child, Child) {
+    http_gateway_with(mesh, scratch, "127.0.0.1", &[]).await
+}
+
+/// [`http_gateway`] listening on `host` with `extra` arguments (`--tls-cert
+/// ...`: the URL is then https://127.0.0.1).
+async fn http_gateway_with(
+    mesh: &str,
+    scratch: &Scratch,
+    host: &str,
+    extra: &[&std::ffi::OsStr],
+) -> (String, Child, Child) {
     let upstream_port = free_port();
     let mut command = scratch.upstream(&["http", &upstream_port.to_string()]);
     let upstream = Child(
@@ -691,15 +702,21 @@ async fn http_gateway(mesh: &str, scratch: &Scratch) -> (String, Child, Child) {
     let gateway = Child(
         Command::new(env!("CARGO_BIN_EXE_guardmesh"))
             .args(["mcp", "http", "--mesh", mesh, "--listen"])
-            .arg(format!("127.0.0.1:{port}"))
+            .arg(format!("{host}:{port}"))
             .arg("--upstream")
             .arg(format!("http://127.0.0.1:{upstream_port}/mcp"))
+            .args(extra)
             .stdout(Stdio::null())
             .spawn()
             .unwrap(),
     );
     wait_for_port(port, "guardmesh mcp http").await;
-    (format!("http://127.0.0.1:{port}/mcp"), upstream, gateway)
+    let scheme = if extra.is_empty() { "http" } else { "https" };
+    (
+        format!("{scheme}://127.0.0.1:{port}/mcp"),
+        upstream,
+        gateway,
+    )
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -854,4 +871,92 @@ fn r31_http_refuses_a_non_loopback_listen_address() {
     assert!(!output.status.success());
     let stderr = String::from_utf8_lossy(&output.stderr);
     assert!(stderr.contains("not a loopback address"), "{stderr}");
+}
+
+/// `mcp http --tls-cert --tls-key`: HTTPS, and then a non-loopback listen
+/// address is accepted. The official SDK's client (httpx, trusting only the
+/// test CA) runs a session through it with the same decisions as over
+/// plain HTTP (R31); a client speaking plain HTTP to the port gets nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn r31_http_serves_tls_and_then_any_listen_address() {
+    let (mesh, guard) = mesh_with_policy("mcp-https").await;
+    let scratch = Scratch::new("https");
+    let pki = TestPki::new();
+    let ca = pki.ca_file();
+    let (cert, key) = pki.issue_files("gateway");
+    let (url, _upstream, _gateway) = http_gateway_with(
+        &mesh.url,
+        &scratch,
+        "0.0.0.0",
+        &[
+            "--tls-cert".as_ref(),
+            cert.as_os_str(),
+            "--tls-key".as_ref(),
+            key.as_os_str(),
+        ],
+    )
+    .await;
+    assert!(url.starts_with("https://"), "{url}");
+    let scenario = json!({"mode": "legacy", "ca": ca, "steps": [
+        {"op": "list_tools"},
+        {"op": "call", "name": "read_file", "arguments": {"path": "/etc/shadow"}},
+        {"op": "call", "name": "delete_file", "arguments": {"path": "/home/a"}},
+    ]});
+    let target = vec!["http".to_owned(), url.clone()];
+    let lines = tokio::task::spawn_blocking(move || run_client(scenario, &target))
+        .await
+        .unwrap();
+    let results = calls(&lines);
+    assert_eq!(results.len(), 2, "{lines:?}");
+    assert_eq!(results[0]["text"][0], "contents of /redacted");
+    assert_eq!(results[1]["isError"], true);
+    assert_eq!(results[1]["text"][0], "deleting is not allowed; use trash");
+    assert_eq!(
+        scratch.executed(),
+        vec![json!({"tool": "read_file", "arguments": {"path": "/redacted"}})]
+    );
+    assert_eq!(guard.guard.batches().len(), 2);
+
+    // Plain HTTP on the TLS port: no HTTP answer, nothing judged.
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let authority = url
+        .trim_start_matches("https://")
+        .split('/')
+        .next()
+        .unwrap();
+    let mut stream = tokio::net::TcpStream::connect(authority).await.unwrap();
+    let body = RawGateway::call(json!(1), "pay", json!({"amount": 1, "to": "b"})).to_string();
+    let request = format!(
+        "POST /mcp HTTP/1.1\r\nHost: {authority}\r\nContent-Type: application/json\r\n\
+         Content-Length: {}\r\nConnection: close\r\n\r\n{body}",
+        body.len()
+    );
+    stream.write_all(request.as_bytes()).await.unwrap();
+    let mut answer = Vec::new();
+    let _ = tokio::time::timeout(Duration::from_secs(5), stream.read_to_end(&mut answer)).await;
+    assert!(
+        !String::from_utf8_lossy(&answer).contains("HTTP/1.1"),
+        "{answer:?}"
+    );
+    assert_eq!(guard.guard.batches().len(), 2);
+    assert_eq!(scratch.executed().len(), 1);
+}
+
+#[test]
+fn r31_http_tls_needs_readable_pem_files() {
+    let pki = TestPki::new();
+    let (cert, _) = pki.issue_files("gateway");
+    let not_a_key = pki.file("empty.pem", "");
+    let output = Command::new(env!("CARGO_BIN_EXE_guardmesh"))
+        .args(["mcp", "http", "--listen", "0.0.0.0:0", "--upstream"])
+        .arg("http://127.0.0.1:1/mcp")
+        .arg("--tls-cert")
+        .arg(&cert)
+        .arg("--tls-key")
+        .arg(&not_a_key)
+        .output()
+        .unwrap();
+    assert!(!output.status.success());
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(stderr.contains("--tls-key"), "{stderr}");
 }
