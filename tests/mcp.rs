@@ -318,6 +318,11 @@ struct RawGateway {
 
 impl RawGateway {
     fn start(mesh: &str, extra: &[&str], upstream: Vec<String>) -> Self {
+        Self::start_with_stderr(mesh, extra, upstream, Stdio::inherit())
+    }
+
+    /// [`RawGateway::start`] with the gateway's stderr going to `stderr`.
+    fn start_with_stderr(mesh: &str, extra: &[&str], upstream: Vec<String>, stderr: Stdio) -> Self {
         let mut child = Command::new(env!("CARGO_BIN_EXE_guardmesh"))
             .args(["mcp", "stdio", "--mesh", mesh])
             .args(extra)
@@ -325,7 +330,7 @@ impl RawGateway {
             .args(upstream)
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
-            .stderr(Stdio::inherit())
+            .stderr(stderr)
             .spawn()
             .unwrap();
         let stdin = child.stdin.take();
@@ -507,6 +512,65 @@ async fn r31_upstream_exit_ends_the_session_cleanly() {
     .await
     .unwrap();
     assert!(status.success(), "{status}");
+}
+
+/// The upstream's stderr goes to the gateway's stderr line by line, never
+/// onto stdout: an upstream that writes much to stderr (more than a pipe
+/// holds, with lines that look like JSON-RPC responses) leaves the client's
+/// MCP stream valid, every line on stdout a JSON-RPC message for the client
+/// (R31).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn r31_upstream_stderr_is_relayed_to_stderr_not_the_mcp_stream() {
+    let (mesh, _guard) = mesh_with_policy("mcp-stderr").await;
+    let scratch = Scratch::new("stderr");
+    let upstream = scratch.upstream(&["noisy"]);
+    let stderr_path = scratch.dir.join("gateway.stderr");
+    let stderr = std::fs::File::create(&stderr_path).unwrap();
+    let url = mesh.url.clone();
+    let status = tokio::task::spawn_blocking(move || {
+        let mut gateway = RawGateway::start_with_stderr(&url, &[], upstream, stderr.into());
+        gateway.send(&json!({"jsonrpc": "2.0", "id": "l", "method": "tools/list"}).to_string());
+        let listed = gateway.recv();
+        assert_eq!(listed["id"], "l", "{listed}");
+        assert_eq!(listed["result"]["tools"].as_array().unwrap().len(), 3);
+        gateway
+            .send(&RawGateway::call(json!(1), "read_file", json!({"path": "/etc/x"})).to_string());
+        let answer = gateway.recv();
+        assert_eq!(answer["id"], 1, "{answer}");
+        assert_eq!(
+            answer["result"]["content"][0]["text"],
+            "contents of /redacted"
+        );
+        gateway.send(&RawGateway::call(json!(2), "delete_file", json!({"path": "/"})).to_string());
+        let answer = gateway.recv();
+        assert_eq!(answer["id"], 2, "{answer}");
+        assert_eq!(answer["result"]["isError"], true);
+        gateway
+            .send(&RawGateway::call(json!(3), "pay", json!({"amount": 2, "to": "b"})).to_string());
+        let answer = gateway.recv();
+        assert_eq!(answer["id"], 3, "{answer}");
+        assert_eq!(answer["result"]["content"][0]["text"], "paid 2.0 to b");
+        // The client ends the session: nothing else was ever on stdout.
+        drop(gateway.stdin.take());
+        let mut rest = String::new();
+        std::io::Read::read_to_string(&mut gateway.stdout, &mut rest).unwrap();
+        assert_eq!(rest, "", "only answers to the client's requests on stdout");
+        gateway.child.wait().unwrap()
+    })
+    .await
+    .unwrap();
+    assert!(status.success(), "{status}");
+    let stderr = std::fs::read_to_string(&stderr_path).unwrap();
+    assert!(stderr.contains("upstream: starting, line 399 "), "{stderr}");
+    for text in ["started", "ran read_file", "ran pay"] {
+        assert!(
+            stderr.contains(&format!("upstream: {text}\n")),
+            "{text}: {stderr}"
+        );
+        let noise = format!(r#"{{"jsonrpc": "2.0", "id": 999, "result": {{"noise": "{text}"}}}}"#);
+        assert!(stderr.lines().any(|l| l == noise), "{noise}: {stderr}");
+    }
+    assert_eq!(scratch.executed().len(), 2);
 }
 
 // ---------------------------------------------------------------------------

@@ -11,8 +11,11 @@
 //!   forwarded one by one (servers of the current MCP revision do not accept
 //!   batches), and the answer to the client is one array: the gateway's own
 //!   answers followed by the upstream's responses to the forwarded requests.
-//! * Upstream to client: each line is passed on unchanged; the upstream's
-//!   stderr is the gateway's stderr.
+//! * Upstream to client: each line is passed on unchanged.
+//! * The upstream's stderr is read by the gateway and written to the
+//!   gateway's stderr line by line ([`relay_stderr`]), never to stdout
+//!   (the MCP stream), and drained continuously, so a chatty upstream never
+//!   blocks on a full pipe.
 //! * The upstream exiting ends the session: the gateway exits with the
 //!   upstream's status. The client closing stdin closes the upstream's stdin
 //!   and waits (bounded) for it to exit.
@@ -141,19 +144,21 @@ where
         .args(rest)
         .stdin(Stdio::piped())
         .stdout(Stdio::piped())
-        .stderr(Stdio::inherit())
+        .stderr(Stdio::piped())
         .kill_on_drop(true)
         .spawn()
         .map_err(|source| StdioError::Spawn {
             command: args.command.join(" "),
             source,
         })?;
-    let (Some(mut upstream_in), Some(mut upstream_out)) = (child.stdin.take(), child.stdout.take())
+    let (Some(mut upstream_in), Some(mut upstream_out), Some(upstream_err)) =
+        (child.stdin.take(), child.stdout.take(), child.stderr.take())
     else {
         return Err(StdioError::Io(std::io::Error::other(
             "the upstream's stdio is not piped",
         )));
     };
+    let stderr_relay = tokio::spawn(relay_stderr(upstream_err, tokio::io::stderr()));
     let session = args
         .session
         .clone()
@@ -367,7 +372,48 @@ where
             1
         }
     };
+    // The upstream's last stderr lines (bounded: a process it left behind
+    // may hold the pipe open).
+    if tokio::time::timeout(Duration::from_secs(1), stderr_relay)
+        .await
+        .is_err()
+    {
+        tracing::debug!("the upstream's stderr is still open; not waiting for it");
+    }
     Ok(status)
+}
+
+/// Longest piece of an upstream stderr line written at once; a longer line
+/// is passed on in pieces of this size.
+const STDERR_LINE_BYTES: u64 = 64 << 10;
+
+/// Copies the upstream's stderr to `out` line by line, as bytes (not
+/// necessarily UTF-8), until it closes. Each line is written whole, so it is
+/// never interleaved with the gateway's own log lines. Stops writing (but
+/// keeps draining, so the upstream never blocks) if `out` fails.
+pub async fn relay_stderr<R, W>(from: R, mut out: W)
+where
+    R: AsyncRead + Unpin,
+    W: AsyncWrite + Unpin,
+{
+    use tokio::io::AsyncBufReadExt;
+    let mut reader = tokio::io::BufReader::new(from);
+    let mut line = Vec::new();
+    let mut writable = true;
+    loop {
+        line.clear();
+        match (&mut reader)
+            .take(STDERR_LINE_BYTES)
+            .read_until(b'\n', &mut line)
+            .await
+        {
+            Ok(0) | Err(_) => break,
+            Ok(_) => {}
+        }
+        if writable {
+            writable = out.write_all(&line).await.is_ok() && out.flush().await.is_ok();
+        }
+    }
 }
 
 /// Relays one JSON-RPC batch: its tool calls judged as one guard batch.
@@ -435,4 +481,58 @@ fn request_key(raw: &RawValue) -> Option<String> {
     let members: jsonrpc::Members = serde_json::from_str(raw.get()).ok()?;
     members.get("method")?;
     members.get("id").map(jsonrpc::id_key)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn stderr_is_relayed_line_by_line_and_bytes_unchanged() {
+        let long = vec![b'x'; (STDERR_LINE_BYTES as usize) + 10];
+        let mut input = b"first line\n\xff not utf-8\n".to_vec();
+        input.extend_from_slice(&long);
+        input.extend_from_slice(b"\nno newline at the end");
+        let mut out = Vec::new();
+        relay_stderr(&input[..], &mut out).await;
+        assert_eq!(out, input);
+    }
+
+    #[tokio::test]
+    async fn stderr_keeps_draining_after_its_output_fails() {
+        struct Broken;
+        impl AsyncWrite for Broken {
+            fn poll_write(
+                self: std::pin::Pin<&mut Self>,
+                _: &mut std::task::Context<'_>,
+                _: &[u8],
+            ) -> std::task::Poll<std::io::Result<usize>> {
+                std::task::Poll::Ready(Err(std::io::Error::other("closed")))
+            }
+            fn poll_flush(
+                self: std::pin::Pin<&mut Self>,
+                _: &mut std::task::Context<'_>,
+            ) -> std::task::Poll<std::io::Result<()>> {
+                std::task::Poll::Ready(Ok(()))
+            }
+            fn poll_shutdown(
+                self: std::pin::Pin<&mut Self>,
+                _: &mut std::task::Context<'_>,
+            ) -> std::task::Poll<std::io::Result<()>> {
+                std::task::Poll::Ready(Ok(()))
+            }
+        }
+        let (mut writer, reader) = tokio::io::duplex(64);
+        let relay = tokio::spawn(relay_stderr(reader, Broken));
+        // Far more than the pipe holds: the writer finishes only if the
+        // relay keeps reading.
+        for _ in 0..1000 {
+            writer
+                .write_all(b"a line of upstream logging\n")
+                .await
+                .unwrap();
+        }
+        drop(writer);
+        relay.await.unwrap();
+    }
 }
