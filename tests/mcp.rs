@@ -514,6 +514,93 @@ async fn r31_upstream_exit_ends_the_session_cleanly() {
     assert!(status.success(), "{status}");
 }
 
+/// Single `tools/call` requests sent together (a client running a round's
+/// calls as concurrent requests) are one guard batch, and each is answered
+/// under its own id with its own decision (R2, R31); with a zero window each
+/// is its own batch. A call that makes the group invalid (R20) is judged
+/// again alone, so it does not fail the call it arrived with.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn r31_concurrent_single_calls_are_one_guard_batch() {
+    let (mesh, guard) = mesh_with_policy("mcp-group").await;
+    let scratch = Scratch::new("group");
+    let url = mesh.url.clone();
+    let upstream = scratch.upstream(&["stdio"]);
+    let answers = tokio::task::spawn_blocking(move || {
+        let mut gateway = RawGateway::start(&url, &["--batch-window-ms", "300"], upstream);
+        // Two requests in one write: both arrive within the window.
+        let two = format!(
+            "{}\n{}",
+            RawGateway::call(json!(1), "delete_file", json!({"path": "/x"})),
+            RawGateway::call(json!(2), "read_file", json!({"path": "/etc/passwd"})),
+        );
+        gateway.send(&two);
+        let mut answers = std::collections::HashMap::new();
+        for _ in 0..2 {
+            let answer = gateway.recv();
+            answers.insert(answer["id"].to_string(), answer);
+        }
+        // A call with duplicate argument members (refused, R20) with a good
+        // one: the good one still runs.
+        let bad_and_good = format!(
+            "{}\n{}",
+            r#"{"jsonrpc":"2.0","id":3,"method":"tools/call","params":{"name":"pay","arguments":{"amount":1,"amount":1000,"to":"a"}}}"#,
+            RawGateway::call(json!(4), "pay", json!({"amount": 3, "to": "c"})),
+        );
+        gateway.send(&bad_and_good);
+        for _ in 0..2 {
+            let answer = gateway.recv();
+            answers.insert(answer["id"].to_string(), answer);
+        }
+        answers
+    })
+    .await
+    .unwrap();
+    // Each answer under its own id, with its own decision.
+    assert_eq!(answers["1"]["result"]["isError"], true, "{answers:?}");
+    assert_eq!(
+        answers["1"]["result"]["content"][0]["text"],
+        "deleting is not allowed; use trash"
+    );
+    assert_eq!(
+        answers["2"]["result"]["content"][0]["text"],
+        "contents of /redacted"
+    );
+    assert_eq!(answers["3"]["error"]["code"], -32070, "{answers:?}");
+    assert_eq!(
+        answers["4"]["result"]["content"][0]["text"],
+        "paid 3.0 to c"
+    );
+    let batches = guard.guard.batches();
+    assert_eq!(batches.len(), 2, "{batches:?}");
+    assert_eq!(batches[0].calls.len(), 2, "one guard batch for both calls");
+    assert_eq!(batches[1].calls.len(), 1, "the good call, judged alone");
+    assert_eq!(
+        scratch.executed(),
+        vec![
+            json!({"tool": "read_file", "arguments": {"path": "/redacted"}}),
+            json!({"tool": "pay", "arguments": {"amount": 3.0, "to": "c"}}),
+        ]
+    );
+
+    // A zero window: one batch per call.
+    let url = mesh.url.clone();
+    let upstream = scratch.upstream(&["stdio"]);
+    tokio::task::spawn_blocking(move || {
+        let mut gateway = RawGateway::start(&url, &["--batch-window-ms", "0"], upstream);
+        let two = format!(
+            "{}\n{}",
+            RawGateway::call(json!(5), "read_file", json!({"path": "/a"})),
+            RawGateway::call(json!(6), "read_file", json!({"path": "/b"})),
+        );
+        gateway.send(&two);
+        gateway.recv();
+        gateway.recv();
+    })
+    .await
+    .unwrap();
+    assert_eq!(guard.guard.batches().len(), 4);
+}
+
 /// The upstream's stderr goes to the gateway's stderr line by line, never
 /// onto stdout: an upstream that writes much to stderr (more than a pipe
 /// holds, with lines that look like JSON-RPC responses) leaves the client's

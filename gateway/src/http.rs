@@ -8,7 +8,9 @@
 //!   method are forwarded the same way.
 //! * A POST with one `tools/call`: judged (R31) with the request's
 //!   `Mcp-Session-Id` as the batch's session (one made per request when the
-//!   client has none, as in the stateless revision). Proceed forwards the
+//!   client has none, as in the stateless revision); concurrent ones of one
+//!   session within `--batch-window-ms` are one guard batch
+//!   ([`crate::group`]). Proceed forwards the
 //!   final call and streams the upstream's answer back; steer, cancel and
 //!   errors are answered by the gateway as `application/json`.
 //! * A JSON-RPC batch with `tools/call`s: one guard batch. Forwarded elements
@@ -54,6 +56,11 @@ pub struct HttpArgs {
     /// Largest request body accepted from a client, in bytes.
     #[arg(long, default_value_t = 4 << 20)]
     pub max_message_bytes: usize,
+    /// Single tools/call requests of one MCP session arriving within this
+    /// many milliseconds of each other are judged as one guard batch (each
+    /// still answered on its own request); 0 judges each on its own.
+    #[arg(long, default_value_t = 2)]
+    pub batch_window_ms: u64,
 }
 
 type Out = BoxBody<Bytes, hyper::Error>;
@@ -61,7 +68,8 @@ type Out = BoxBody<Bytes, hyper::Error>;
 struct Proxy {
     upstream: Uri,
     client: Client<HttpConnector, Out>,
-    judge: Judge,
+    judge: Arc<Judge>,
+    grouper: crate::group::Grouper,
     max: usize,
 }
 
@@ -203,17 +211,11 @@ impl Proxy {
             }
             Incoming::Single(Item::ToolCall(call)) => {
                 let call = *call;
-                let disposition = self
-                    .judge
-                    .judge(&session, std::slice::from_ref(&call))
-                    .await
-                    .pop();
-                match disposition {
-                    Some(Disposition::Forward(text)) => {
+                match self.grouper.judge_one(&session, call).await {
+                    Disposition::Forward(text) => {
                         self.forward(parts.method, &parts.headers, full(text)).await
                     }
-                    Some(Disposition::Answer(text)) => json_response(StatusCode::OK, text),
-                    None => json_response(StatusCode::OK, String::new()),
+                    Disposition::Answer(text) => json_response(StatusCode::OK, text),
                 }
             }
             Incoming::Batch(items) => {
@@ -397,10 +399,15 @@ async fn serve(
     upstream: Uri,
     tls: Option<tokio_rustls::TlsAcceptor>,
 ) {
+    let judge = Arc::new(Judge::new(args.mesh.clone(), "mcp-http"));
     let proxy = Arc::new(Proxy {
         upstream,
         client: Client::builder(TokioExecutor::new()).build_http(),
-        judge: Judge::new(args.mesh.clone(), "mcp-http"),
+        grouper: crate::group::Grouper::new(
+            judge.clone(),
+            std::time::Duration::from_millis(args.batch_window_ms),
+        ),
+        judge,
         max: args.max_message_bytes,
     });
     loop {

@@ -6,7 +6,9 @@
 //!   (bounded by `--max-message-bytes`) and classified
 //!   ([`crate::jsonrpc::classify`]). Tool calls are judged concurrently, each
 //!   message (or JSON-RPC batch) in its own task, so a slow guard does not
-//!   hold up `tools/list` or pings. Everything else is forwarded as received.
+//!   hold up `tools/list` or pings. Single calls arriving within
+//!   `--batch-window-ms` are judged as one guard batch ([`crate::group`]).
+//!   Everything else is forwarded as received.
 //! * A JSON-RPC batch: its `tools/call`s are one guard batch. Its elements are
 //!   forwarded one by one (servers of the current MCP revision do not accept
 //!   batches), and the answer to the client is one array: the gateway's own
@@ -20,6 +22,7 @@
 //!   upstream's status. The client closing stdin closes the upstream's stdin
 //!   and waits (bounded) for it to exit.
 
+use crate::group::Grouper;
 use crate::jsonrpc::{self, Incoming, Item, codes};
 use crate::judge::{Disposition, Judge, MeshArgs};
 use bytes::BytesMut;
@@ -46,6 +49,11 @@ pub struct StdioArgs {
     /// discarded and answered with an error.
     #[arg(long, default_value_t = 4 << 20)]
     pub max_message_bytes: usize,
+    /// Single tools/call requests arriving within this many milliseconds of
+    /// each other are judged as one guard batch (each still answered under
+    /// its own id); 0 judges each on its own.
+    #[arg(long, default_value_t = 2)]
+    pub batch_window_ms: u64,
     /// The upstream MCP server: a command and its arguments, after `--`.
     #[arg(required = true, last = true, num_args = 1..)]
     pub command: Vec<String>,
@@ -164,6 +172,7 @@ where
         .clone()
         .unwrap_or_else(|| fresh_session_id("mcp-stdio"));
     let judge = Arc::new(Judge::new(args.mesh.clone(), "mcp-stdio"));
+    let grouper = Grouper::new(judge.clone(), Duration::from_millis(args.batch_window_ms));
     let collector: Shared = Arc::default();
 
     // One writer per direction, so that messages are never interleaved.
@@ -305,18 +314,16 @@ where
                 let Ok(permit) = in_flight.clone().acquire_owned().await else {
                     break;
                 };
-                let (judge, session) = (judge.clone(), session.clone());
+                let (grouper, session) = (grouper.clone(), session.clone());
                 let (to_client, to_upstream) = (to_client.clone(), to_upstream.clone());
                 tasks.spawn(async move {
                     let _permit = permit;
-                    for disposition in judge.judge(&session, std::slice::from_ref(&call)).await {
-                        match disposition {
-                            Disposition::Forward(text) => {
-                                let _ = to_upstream.send(text).await;
-                            }
-                            Disposition::Answer(text) => {
-                                let _ = to_client.send(text).await;
-                            }
+                    match grouper.judge_one(&session, *call).await {
+                        Disposition::Forward(text) => {
+                            let _ = to_upstream.send(text).await;
+                        }
+                        Disposition::Answer(text) => {
+                            let _ = to_client.send(text).await;
                         }
                     }
                 });
