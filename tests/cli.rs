@@ -84,7 +84,8 @@ fn cli_serve_register_evaluate_deregister() {
     )
     .unwrap();
     let out = guardmesh(&["evaluate", "--mesh", &mesh, file.to_str().unwrap()]);
-    assert!(out.status.success(), "{out:?}");
+    // A call was cancelled: exit 3.
+    assert_eq!(out.status.code(), Some(3), "{out:?}");
     let text = stdout(&out);
     let c1 = text
         .lines()
@@ -100,7 +101,7 @@ fn cli_serve_register_evaluate_deregister() {
     // A file that is not a batch is refused with a message naming it.
     std::fs::write(&file, r#"{"calls": "nope"}"#).unwrap();
     let out = guardmesh(&["evaluate", "--mesh", &mesh, file.to_str().unwrap()]);
-    assert!(!out.status.success());
+    assert_eq!(out.status.code(), Some(1), "{out:?}");
     assert!(String::from_utf8_lossy(&out.stderr).contains("is not a batch"));
 
     let out = guardmesh(&["guards", "--mesh", &mesh, "deregister", "deny"]);
@@ -108,6 +109,169 @@ fn cli_serve_register_evaluate_deregister() {
     let list = stdout(&guardmesh(&["guards", "--mesh", &mesh, "list"]));
     assert!(!list.contains("deny"), "{list}");
     let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// Runs `guardmesh evaluate --mesh MESH EXTRA... -` with `input` on stdin:
+/// (exit code, stdout, stderr).
+fn evaluate_stdin(mesh: &str, extra: &[&str], input: &str) -> (Option<i32>, String, String) {
+    use std::io::Write;
+    let mut child = Command::new(env!("CARGO_BIN_EXE_guardmesh"))
+        .args(["evaluate", "--mesh", mesh])
+        .args(extra)
+        .arg("-")
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("run guardmesh evaluate");
+    let mut stdin = child.stdin.take().unwrap();
+    stdin.write_all(input.as_bytes()).unwrap();
+    drop(stdin);
+    let out = child.wait_with_output().unwrap();
+    (out.status.code(), stdout(&out), stderr(&out))
+}
+
+/// `guardmesh evaluate` for scripts, against a real mesh process: `-` reads
+/// stdin, `--json` prints one JSON object per batch (JSON Lines in, JSON
+/// Lines out), and the exit code says how the batches went: 0 every call
+/// proceeds (R1: a zero-call batch too), 3 a call was steered or cancelled,
+/// 4 the mesh refused (R20) or aborted (R13) a batch, 1 the mesh cannot be
+/// reached or the input is not a batch, 2 a usage error.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn r2_r13_r20_evaluate_for_scripts_json_and_exit_codes() {
+    let guard = GuardProcess::start("deny-list", 0, &[]);
+    let port = free_port();
+    let mesh = format!("http://127.0.0.1:{port}");
+    let _serve = Serve(
+        Command::new(env!("CARGO_BIN_EXE_guardmesh"))
+            .args(["serve", "--listen", &format!("127.0.0.1:{port}")])
+            .stderr(std::process::Stdio::null())
+            .spawn()
+            .expect("start serve"),
+    );
+    let closed = closed_port().await;
+    let m = mesh.clone();
+    tokio::task::spawn_blocking(move || {
+        let mesh = m;
+        guards_when_up(&[
+            "guards", "--mesh", &mesh, "register", "--name", "deny", "--endpoint", &guard.url,
+            "--timeout-ms", "2000",
+        ]);
+        // A guard that cannot be reached, with the abort policy, for `x.*`.
+        guards_when_up(&[
+            "guards", "--mesh", &mesh, "register", "--name", "strict", "--endpoint", &closed,
+            "--tools", "x.*", "--failure-policy", "abort", "--timeout-ms", "2000",
+        ]);
+
+        // Every call proceeds: exit 0, the decision as JSON.
+        let (code, out, err) = evaluate_stdin(
+            &mesh,
+            &["--json"],
+            r#"{"session_id": "s1", "calls": [{"call_id": "c1", "tool": "fs.read", "arguments": {"path": "/a"}}]}"#,
+        );
+        assert_eq!(code, Some(0), "{out}{err}");
+        assert_eq!(out.lines().count(), 1, "{out}");
+        let d: serde_json::Value = serde_json::from_str(&out).unwrap();
+        assert_eq!(d["session_id"], "s1");
+        assert_eq!(d["chain_revision"], 2, "{d}");
+        assert!(d["trace_id"].is_string());
+        let call = &d["decisions"][0];
+        assert_eq!(call["call_id"], "c1");
+        assert_eq!(call["action"], "proceed");
+        assert_eq!(call["content"], serde_json::Value::Null);
+        assert_eq!(call["failure"], false);
+        assert_eq!(call["bypassed"], serde_json::json!([]));
+        assert_eq!(call["call"]["tool"], "fs.read");
+        assert_eq!(call["call"]["arguments"], serde_json::json!({"path": "/a"}));
+        let trace = d["trace"].as_array().unwrap();
+        assert_eq!(trace.len(), 2, "one entry per guard (R21): {d}");
+        assert_eq!(trace[0]["guard"], "deny");
+        assert_eq!(trace[0]["status"], "proceeded");
+        assert_eq!(trace[1]["status"], "not_applicable");
+
+        // A zero-call batch: exit 0, no decision (R1).
+        let (code, out, _) = evaluate_stdin(&mesh, &["--json"], r#"{"calls": []}"#);
+        assert_eq!(code, Some(0));
+        let d: serde_json::Value = serde_json::from_str(&out).unwrap();
+        assert_eq!(d["decisions"], serde_json::json!([]));
+
+        // JSON Lines: one batch per line, one line out per batch; a cancelled
+        // call makes the run exit 3.
+        let input = concat!(
+            r#"{"calls": [{"call_id": "a", "tool": "fs.read", "arguments": {}}]}"#,
+            "\n",
+            r#"{"calls": [{"call_id": "b", "tool": "fs.delete", "arguments": {"path": "/"}},"#,
+            r#" {"call_id": "c", "tool": "fs.read"}]}"#,
+            "\n"
+        );
+        let (code, out, err) = evaluate_stdin(&mesh, &["--json"], input);
+        assert_eq!(code, Some(3), "{out}{err}");
+        let lines: Vec<serde_json::Value> =
+            out.lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+        assert_eq!(lines.len(), 2, "{out}");
+        assert_eq!(lines[0]["decisions"][0]["action"], "proceed");
+        let b = &lines[1]["decisions"][0];
+        assert_eq!(b["action"], "cancel");
+        assert_eq!(b["decided_by"], "deny");
+        assert_eq!(b["content"], "The tool fs.delete is not allowed for this agent.");
+        assert!(b.get("call").is_none(), "no call to run for a skip: {b}");
+        assert_eq!(lines[1]["decisions"][1]["action"], "proceed", "R6");
+        // The same without --json: tables, same exit code.
+        let (code, out, _) = evaluate_stdin(&mesh, &[], input);
+        assert_eq!(code, Some(3));
+        assert!(out.contains("CANCEL") && out.contains("PROCEED"), "{out}");
+
+        // Refused (R20, duplicate call ids): exit 4, the error as JSON.
+        let (code, out, err) = evaluate_stdin(
+            &mesh,
+            &["--json"],
+            r#"{"calls": [{"call_id": "d", "tool": "fs.read"}, {"call_id": "d", "tool": "fs.read"}]}"#,
+        );
+        assert_eq!(code, Some(4), "{out}{err}");
+        let d: serde_json::Value = serde_json::from_str(&out).unwrap();
+        assert_eq!(d["error"]["code"], "InvalidArgument", "{d}");
+        assert!(err.contains("refused"), "{err}");
+        // Arguments go to the mesh as written: duplicate members refused (R20).
+        let (code, _, err) = evaluate_stdin(
+            &mesh,
+            &[],
+            r#"{"calls": [{"call_id": "e", "tool": "fs.read", "arguments": {"p": 1, "p": 2}}]}"#,
+        );
+        assert_eq!(code, Some(4), "{err}");
+        // Aborted (R13: the abort guard cannot be reached): exit 4, and 4
+        // wins over 3 when batches of one run differ.
+        let input = concat!(
+            r#"{"calls": [{"call_id": "f", "tool": "fs.delete"}]}"#,
+            "\n",
+            r#"{"calls": [{"call_id": "g", "tool": "x.run"}]}"#,
+        );
+        let (code, out, err) = evaluate_stdin(&mesh, &["--json"], input);
+        assert_eq!(code, Some(4), "{out}{err}");
+        let lines: Vec<serde_json::Value> =
+            out.lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+        assert_eq!(lines[0]["decisions"][0]["action"], "cancel");
+        assert!(
+            lines[1]["error"]["message"].as_str().unwrap().contains("strict"),
+            "{out}"
+        );
+
+        // Not a batch: exit 1, naming stdin and the line; nothing judged.
+        let (code, out, err) = evaluate_stdin(&mesh, &["--json"], "{\"calls\": []}\n{\"calls\": 1}\n");
+        assert_eq!((code, out.as_str()), (Some(1), ""), "{err}");
+        assert!(err.contains("stdin is not a batch (batch 2, line 2)"), "{err}");
+        // The mesh cannot be reached: exit 1.
+        let (code, out, err) = evaluate_stdin(&closed, &["--json"], r#"{"calls": [{"call_id": "h", "tool": "fs.read"}]}"#);
+        assert_eq!((code, out.as_str()), (Some(1), ""), "{err}");
+        assert!(err.contains("error:"), "{err}");
+        // Usage error: exit 2 (clap's); the help lists the exit codes.
+        let out = guardmesh(&["evaluate", "--no-such-flag", "-"]);
+        assert_eq!(out.status.code(), Some(2));
+        let help = stdout(&guardmesh(&["evaluate", "--help"]));
+        assert!(help.contains("Exit codes: 0 every call proceeds"), "{help}");
+        assert!(help.contains("--json"), "{help}");
+    })
+    .await
+    .unwrap();
 }
 
 fn code_of<T: std::fmt::Debug>(
@@ -321,7 +485,8 @@ fn r24_cli_reaches_a_secured_mesh_with_certificates_or_tokens() {
         let mut evaluate = vec!["evaluate".to_owned()];
         evaluate.extend(with(&[batch.to_str().unwrap()]));
         let out = run(evaluate);
-        assert!(out.status.success(), "{what}: {out:?}");
+        // Judged, with a call cancelled: exit 3.
+        assert_eq!(out.status.code(), Some(3), "{what}: {out:?}");
         assert!(stdout(&out).contains("CANCEL"), "{what}: {out:?}");
 
         // Without credentials: refused, saying why, and nothing changes.

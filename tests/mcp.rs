@@ -318,6 +318,11 @@ struct RawGateway {
 
 impl RawGateway {
     fn start(mesh: &str, extra: &[&str], upstream: Vec<String>) -> Self {
+        Self::start_with_stderr(mesh, extra, upstream, Stdio::inherit())
+    }
+
+    /// [`RawGateway::start`] with the gateway's stderr going to `stderr`.
+    fn start_with_stderr(mesh: &str, extra: &[&str], upstream: Vec<String>, stderr: Stdio) -> Self {
         let mut child = Command::new(env!("CARGO_BIN_EXE_guardmesh"))
             .args(["mcp", "stdio", "--mesh", mesh])
             .args(extra)
@@ -325,7 +330,7 @@ impl RawGateway {
             .args(upstream)
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
-            .stderr(Stdio::inherit())
+            .stderr(stderr)
             .spawn()
             .unwrap();
         let stdin = child.stdin.take();
@@ -509,6 +514,152 @@ async fn r31_upstream_exit_ends_the_session_cleanly() {
     assert!(status.success(), "{status}");
 }
 
+/// Single `tools/call` requests sent together (a client running a round's
+/// calls as concurrent requests) are one guard batch, and each is answered
+/// under its own id with its own decision (R2, R31); with a zero window each
+/// is its own batch. A call that makes the group invalid (R20) is judged
+/// again alone, so it does not fail the call it arrived with.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn r31_concurrent_single_calls_are_one_guard_batch() {
+    let (mesh, guard) = mesh_with_policy("mcp-group").await;
+    let scratch = Scratch::new("group");
+    let url = mesh.url.clone();
+    let upstream = scratch.upstream(&["stdio"]);
+    let answers = tokio::task::spawn_blocking(move || {
+        let mut gateway = RawGateway::start(&url, &["--batch-window-ms", "300"], upstream);
+        // Two requests in one write: both arrive within the window.
+        let two = format!(
+            "{}\n{}",
+            RawGateway::call(json!(1), "delete_file", json!({"path": "/x"})),
+            RawGateway::call(json!(2), "read_file", json!({"path": "/etc/passwd"})),
+        );
+        gateway.send(&two);
+        let mut answers = std::collections::HashMap::new();
+        for _ in 0..2 {
+            let answer = gateway.recv();
+            answers.insert(answer["id"].to_string(), answer);
+        }
+        // A call with duplicate argument members (refused, R20) with a good
+        // one: the good one still runs.
+        let bad_and_good = format!(
+            "{}\n{}",
+            r#"{"jsonrpc":"2.0","id":3,"method":"tools/call","params":{"name":"pay","arguments":{"amount":1,"amount":1000,"to":"a"}}}"#,
+            RawGateway::call(json!(4), "pay", json!({"amount": 3, "to": "c"})),
+        );
+        gateway.send(&bad_and_good);
+        for _ in 0..2 {
+            let answer = gateway.recv();
+            answers.insert(answer["id"].to_string(), answer);
+        }
+        answers
+    })
+    .await
+    .unwrap();
+    // Each answer under its own id, with its own decision.
+    assert_eq!(answers["1"]["result"]["isError"], true, "{answers:?}");
+    assert_eq!(
+        answers["1"]["result"]["content"][0]["text"],
+        "deleting is not allowed; use trash"
+    );
+    assert_eq!(
+        answers["2"]["result"]["content"][0]["text"],
+        "contents of /redacted"
+    );
+    assert_eq!(answers["3"]["error"]["code"], -32070, "{answers:?}");
+    assert_eq!(
+        answers["4"]["result"]["content"][0]["text"],
+        "paid 3.0 to c"
+    );
+    let batches = guard.guard.batches();
+    assert_eq!(batches.len(), 2, "{batches:?}");
+    assert_eq!(batches[0].calls.len(), 2, "one guard batch for both calls");
+    assert_eq!(batches[1].calls.len(), 1, "the good call, judged alone");
+    assert_eq!(
+        scratch.executed(),
+        vec![
+            json!({"tool": "read_file", "arguments": {"path": "/redacted"}}),
+            json!({"tool": "pay", "arguments": {"amount": 3.0, "to": "c"}}),
+        ]
+    );
+
+    // A zero window: one batch per call.
+    let url = mesh.url.clone();
+    let upstream = scratch.upstream(&["stdio"]);
+    tokio::task::spawn_blocking(move || {
+        let mut gateway = RawGateway::start(&url, &["--batch-window-ms", "0"], upstream);
+        let two = format!(
+            "{}\n{}",
+            RawGateway::call(json!(5), "read_file", json!({"path": "/a"})),
+            RawGateway::call(json!(6), "read_file", json!({"path": "/b"})),
+        );
+        gateway.send(&two);
+        gateway.recv();
+        gateway.recv();
+    })
+    .await
+    .unwrap();
+    assert_eq!(guard.guard.batches().len(), 4);
+}
+
+/// The upstream's stderr goes to the gateway's stderr line by line, never
+/// onto stdout: an upstream that writes much to stderr (more than a pipe
+/// holds, with lines that look like JSON-RPC responses) leaves the client's
+/// MCP stream valid, every line on stdout a JSON-RPC message for the client
+/// (R31).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn r31_upstream_stderr_is_relayed_to_stderr_not_the_mcp_stream() {
+    let (mesh, _guard) = mesh_with_policy("mcp-stderr").await;
+    let scratch = Scratch::new("stderr");
+    let upstream = scratch.upstream(&["noisy"]);
+    let stderr_path = scratch.dir.join("gateway.stderr");
+    let stderr = std::fs::File::create(&stderr_path).unwrap();
+    let url = mesh.url.clone();
+    let status = tokio::task::spawn_blocking(move || {
+        let mut gateway = RawGateway::start_with_stderr(&url, &[], upstream, stderr.into());
+        gateway.send(&json!({"jsonrpc": "2.0", "id": "l", "method": "tools/list"}).to_string());
+        let listed = gateway.recv();
+        assert_eq!(listed["id"], "l", "{listed}");
+        assert_eq!(listed["result"]["tools"].as_array().unwrap().len(), 3);
+        gateway
+            .send(&RawGateway::call(json!(1), "read_file", json!({"path": "/etc/x"})).to_string());
+        let answer = gateway.recv();
+        assert_eq!(answer["id"], 1, "{answer}");
+        assert_eq!(
+            answer["result"]["content"][0]["text"],
+            "contents of /redacted"
+        );
+        gateway.send(&RawGateway::call(json!(2), "delete_file", json!({"path": "/"})).to_string());
+        let answer = gateway.recv();
+        assert_eq!(answer["id"], 2, "{answer}");
+        assert_eq!(answer["result"]["isError"], true);
+        gateway
+            .send(&RawGateway::call(json!(3), "pay", json!({"amount": 2, "to": "b"})).to_string());
+        let answer = gateway.recv();
+        assert_eq!(answer["id"], 3, "{answer}");
+        assert_eq!(answer["result"]["content"][0]["text"], "paid 2.0 to b");
+        // The client ends the session: nothing else was ever on stdout.
+        drop(gateway.stdin.take());
+        let mut rest = String::new();
+        std::io::Read::read_to_string(&mut gateway.stdout, &mut rest).unwrap();
+        assert_eq!(rest, "", "only answers to the client's requests on stdout");
+        gateway.child.wait().unwrap()
+    })
+    .await
+    .unwrap();
+    assert!(status.success(), "{status}");
+    let stderr = std::fs::read_to_string(&stderr_path).unwrap();
+    assert!(stderr.contains("upstream: starting, line 399 "), "{stderr}");
+    for text in ["started", "ran read_file", "ran pay"] {
+        assert!(
+            stderr.contains(&format!("upstream: {text}\n")),
+            "{text}: {stderr}"
+        );
+        let noise = format!(r#"{{"jsonrpc": "2.0", "id": 999, "result": {{"noise": "{text}"}}}}"#);
+        assert!(stderr.lines().any(|l| l == noise), "{noise}: {stderr}");
+    }
+    assert_eq!(scratch.executed().len(), 2);
+}
+
 // ---------------------------------------------------------------------------
 // guardmesh hook pre-tool-use
 // ---------------------------------------------------------------------------
@@ -676,6 +827,17 @@ impl Drop for Child {
 /// The Python SDK upstream on Streamable HTTP and `guardmesh mcp http` in
 /// front of it; returns the gateway's endpoint URL.
 async fn http_gateway(mesh: &str, scratch: &Scratch) -> (String, Child, Child) {
+    http_gateway_with(mesh, scratch, "127.0.0.1", &[]).await
+}
+
+/// [`http_gateway`] listening on `host` with `extra` arguments (`--tls-cert
+/// ...`: the URL is then https://127.0.0.1).
+async fn http_gateway_with(
+    mesh: &str,
+    scratch: &Scratch,
+    host: &str,
+    extra: &[&std::ffi::OsStr],
+) -> (String, Child, Child) {
     let upstream_port = free_port();
     let mut command = scratch.upstream(&["http", &upstream_port.to_string()]);
     let upstream = Child(
@@ -691,15 +853,21 @@ async fn http_gateway(mesh: &str, scratch: &Scratch) -> (String, Child, Child) {
     let gateway = Child(
         Command::new(env!("CARGO_BIN_EXE_guardmesh"))
             .args(["mcp", "http", "--mesh", mesh, "--listen"])
-            .arg(format!("127.0.0.1:{port}"))
+            .arg(format!("{host}:{port}"))
             .arg("--upstream")
             .arg(format!("http://127.0.0.1:{upstream_port}/mcp"))
+            .args(extra)
             .stdout(Stdio::null())
             .spawn()
             .unwrap(),
     );
     wait_for_port(port, "guardmesh mcp http").await;
-    (format!("http://127.0.0.1:{port}/mcp"), upstream, gateway)
+    let scheme = if extra.is_empty() { "http" } else { "https" };
+    (
+        format!("{scheme}://127.0.0.1:{port}/mcp"),
+        upstream,
+        gateway,
+    )
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -854,4 +1022,92 @@ fn r31_http_refuses_a_non_loopback_listen_address() {
     assert!(!output.status.success());
     let stderr = String::from_utf8_lossy(&output.stderr);
     assert!(stderr.contains("not a loopback address"), "{stderr}");
+}
+
+/// `mcp http --tls-cert --tls-key`: HTTPS, and then a non-loopback listen
+/// address is accepted. The official SDK's client (httpx, trusting only the
+/// test CA) runs a session through it with the same decisions as over
+/// plain HTTP (R31); a client speaking plain HTTP to the port gets nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn r31_http_serves_tls_and_then_any_listen_address() {
+    let (mesh, guard) = mesh_with_policy("mcp-https").await;
+    let scratch = Scratch::new("https");
+    let pki = TestPki::new();
+    let ca = pki.ca_file();
+    let (cert, key) = pki.issue_files("gateway");
+    let (url, _upstream, _gateway) = http_gateway_with(
+        &mesh.url,
+        &scratch,
+        "0.0.0.0",
+        &[
+            "--tls-cert".as_ref(),
+            cert.as_os_str(),
+            "--tls-key".as_ref(),
+            key.as_os_str(),
+        ],
+    )
+    .await;
+    assert!(url.starts_with("https://"), "{url}");
+    let scenario = json!({"mode": "legacy", "ca": ca, "steps": [
+        {"op": "list_tools"},
+        {"op": "call", "name": "read_file", "arguments": {"path": "/etc/shadow"}},
+        {"op": "call", "name": "delete_file", "arguments": {"path": "/home/a"}},
+    ]});
+    let target = vec!["http".to_owned(), url.clone()];
+    let lines = tokio::task::spawn_blocking(move || run_client(scenario, &target))
+        .await
+        .unwrap();
+    let results = calls(&lines);
+    assert_eq!(results.len(), 2, "{lines:?}");
+    assert_eq!(results[0]["text"][0], "contents of /redacted");
+    assert_eq!(results[1]["isError"], true);
+    assert_eq!(results[1]["text"][0], "deleting is not allowed; use trash");
+    assert_eq!(
+        scratch.executed(),
+        vec![json!({"tool": "read_file", "arguments": {"path": "/redacted"}})]
+    );
+    assert_eq!(guard.guard.batches().len(), 2);
+
+    // Plain HTTP on the TLS port: no HTTP answer, nothing judged.
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let authority = url
+        .trim_start_matches("https://")
+        .split('/')
+        .next()
+        .unwrap();
+    let mut stream = tokio::net::TcpStream::connect(authority).await.unwrap();
+    let body = RawGateway::call(json!(1), "pay", json!({"amount": 1, "to": "b"})).to_string();
+    let request = format!(
+        "POST /mcp HTTP/1.1\r\nHost: {authority}\r\nContent-Type: application/json\r\n\
+         Content-Length: {}\r\nConnection: close\r\n\r\n{body}",
+        body.len()
+    );
+    stream.write_all(request.as_bytes()).await.unwrap();
+    let mut answer = Vec::new();
+    let _ = tokio::time::timeout(Duration::from_secs(5), stream.read_to_end(&mut answer)).await;
+    assert!(
+        !String::from_utf8_lossy(&answer).contains("HTTP/1.1"),
+        "{answer:?}"
+    );
+    assert_eq!(guard.guard.batches().len(), 2);
+    assert_eq!(scratch.executed().len(), 1);
+}
+
+#[test]
+fn r31_http_tls_needs_readable_pem_files() {
+    let pki = TestPki::new();
+    let (cert, _) = pki.issue_files("gateway");
+    let not_a_key = pki.file("empty.pem", "");
+    let output = Command::new(env!("CARGO_BIN_EXE_guardmesh"))
+        .args(["mcp", "http", "--listen", "0.0.0.0:0", "--upstream"])
+        .arg("http://127.0.0.1:1/mcp")
+        .arg("--tls-cert")
+        .arg(&cert)
+        .arg("--tls-key")
+        .arg(&not_a_key)
+        .output()
+        .unwrap();
+    assert!(!output.status.success());
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(stderr.contains("--tls-key"), "{stderr}");
 }

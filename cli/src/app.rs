@@ -63,14 +63,23 @@ enum Command {
         #[command(subcommand)]
         action: GuardsAction,
     },
-    /// Evaluates one batch from a JSON file and prints the decision.
+    /// Evaluates batches from a JSON file (or stdin) and prints the
+    /// decisions; the exit code says whether every call may proceed.
     ///
-    /// The file: {"session_id": "s", "turn_index": 0, "model_text": "...",
+    /// A batch: {"session_id": "s", "turn_index": 0, "model_text": "...",
     /// "metadata": {...}, "calls": [{"call_id": "c1", "tool": "t",
-    /// "arguments": {...}}]}
+    /// "arguments": {...}}]}. The input is one batch, or one batch per line
+    /// (JSON Lines), each judged in turn.
+    #[command(after_help = crate::evaluate::EXIT_CODES_HELP)]
     Evaluate {
         #[command(flatten)]
         mesh: MeshArgs,
+        /// Prints each batch's decision as one line of JSON (the proto's
+        /// BatchDecision, enums by name, arguments as objects) instead of
+        /// tables.
+        #[arg(long)]
+        json: bool,
+        /// The batch file; `-` reads stdin.
         file: PathBuf,
     },
     /// Starts a mesh and example guards on loopback and drives a coordinator
@@ -380,11 +389,17 @@ async fn run(cli: Cli) -> Result<ExitCode, Error> {
         _ => "warn",
     };
     let telemetry = telemetry::init(cli.log_format, default_filter)?;
+    // `evaluate` says how the batches went in its exit code.
+    if let Command::Evaluate { mesh, json, file } = cli.command {
+        let code = evaluate(&mesh, &file, json).await;
+        telemetry.shutdown().await;
+        return Ok(code);
+    }
     let result = match cli.command {
         Command::Serve { config, listen } => serve(config, listen).await,
         Command::Guards { mesh, action } => guards(&mesh, action).await,
         Command::Heartbeat(args) => crate::heartbeat::run(args, shutdown_signal()).await,
-        Command::Evaluate { mesh, file } => evaluate(&mesh, &file).await,
+        Command::Evaluate { .. } => Err("evaluate is handled above".into()),
         Command::Demo { mtls } => crate::demo::run(mtls).await,
         Command::Certs { dir } => certs(&dir),
         Command::ExampleGuard {
@@ -799,61 +814,78 @@ async fn guards(mesh: &MeshArgs, action: GuardsAction) -> Result<(), Error> {
     Ok(())
 }
 
-#[derive(serde::Deserialize)]
-#[serde(deny_unknown_fields)]
-struct BatchFile {
-    #[serde(default)]
-    session_id: String,
-    #[serde(default)]
-    turn_index: u32,
-    #[serde(default)]
-    model_text: String,
-    #[serde(default)]
-    metadata: std::collections::HashMap<String, String>,
-    calls: Vec<CallFile>,
-}
-
-#[derive(serde::Deserialize)]
-#[serde(deny_unknown_fields)]
-struct CallFile {
-    call_id: String,
-    tool: String,
-    #[serde(default)]
-    arguments: serde_json::Value,
-}
-
-async fn evaluate(mesh: &MeshArgs, file: &std::path::Path) -> Result<(), Error> {
-    let text = std::fs::read_to_string(file)
-        .map_err(|e| format!("cannot read {}: {e}", file.display()))?;
-    let input: BatchFile = serde_json::from_str(&text)
-        .map_err(|e| format!("{} is not a batch: {e}", file.display()))?;
-    let mut batch = Batch::new(input.turn_index).model_text(input.model_text);
-    batch.metadata = input.metadata;
-    batch.calls = input
-        .calls
-        .into_iter()
-        .map(|c| ToolCall {
-            call_id: c.call_id,
-            tool: c.tool,
-            arguments: if c.arguments.is_null() {
-                String::new()
-            } else {
-                c.arguments.to_string()
-            },
-        })
-        .collect();
-    let coordinator = Coordinator::connect_with(mesh.mesh.clone(), &mesh.connection()?)
-        .await
-        .map_err(mesh.explain())?;
-    let session = if input.session_id.is_empty() {
-        "cli"
-    } else {
-        &input.session_id
+/// `guardmesh evaluate`: judges each batch of the input in turn, prints
+/// the decisions (tables, or JSON Lines with `--json`), and returns the exit
+/// code of [`crate::evaluate`]. A mesh that cannot be reached stops the run.
+async fn evaluate(mesh: &MeshArgs, file: &std::path::Path, json: bool) -> ExitCode {
+    use crate::evaluate::{self as eval, Judged};
+    let fail = |message: String| {
+        eprintln!("error: {message}");
+        ExitCode::from(eval::EXIT_ERROR)
     };
-    let decision = coordinator
-        .evaluate_once(session, batch)
-        .await
-        .map_err(mesh.explain())?;
-    print!("{}", crate::demo::render(&decision));
-    Ok(())
+    let (text, source) = if file.as_os_str() == "-" {
+        let mut text = String::new();
+        match std::io::Read::read_to_string(&mut std::io::stdin(), &mut text) {
+            Ok(_) => (text, "stdin".to_owned()),
+            Err(e) => return fail(format!("cannot read stdin: {e}")),
+        }
+    } else {
+        match std::fs::read_to_string(file) {
+            Ok(text) => (text, file.display().to_string()),
+            Err(e) => return fail(format!("cannot read {}: {e}", file.display())),
+        }
+    };
+    let batches = match eval::parse_batches(&text, &source) {
+        Ok(batches) => batches,
+        Err(message) => return fail(message),
+    };
+    let connection = match mesh.connection() {
+        Ok(connection) => connection,
+        Err(e) => return fail(e.to_string()),
+    };
+    let coordinator = match Coordinator::connect_with(mesh.mesh.clone(), &connection).await {
+        Ok(coordinator) => coordinator,
+        Err(e) => return fail(guardmesh_server::error_chain(mesh.explain()(e).as_ref())),
+    };
+    let mut judged = Vec::with_capacity(batches.len());
+    for (n, input) in batches.into_iter().enumerate() {
+        let mut batch = Batch::new(input.turn_index).model_text(input.model_text);
+        batch.metadata = input.metadata;
+        batch.calls = input
+            .calls
+            .into_iter()
+            .map(|c| c.into_call())
+            .collect::<Vec<ToolCall>>();
+        let session = if input.session_id.is_empty() {
+            "cli".to_owned()
+        } else {
+            input.session_id
+        };
+        let result = match coordinator.evaluate_once(&session, batch).await {
+            Ok(decision) => Judged::Decided(Box::new(decision)),
+            Err(error) => match eval::refusal(error) {
+                Ok(status) => Judged::Refused(status),
+                Err(error) => {
+                    return fail(guardmesh_server::error_chain(
+                        mesh.explain()(error).as_ref(),
+                    ));
+                }
+            },
+        };
+        match (&result, json) {
+            (Judged::Decided(decision), true) => {
+                println!("{}", eval::decision_json(&session, decision));
+            }
+            (Judged::Decided(decision), false) => print!("{}", crate::demo::render(decision)),
+            (Judged::Refused(status), _) => {
+                if json {
+                    println!("{}", eval::refusal_json(&session, status));
+                }
+                let error = mesh.explain()(guardmesh_client::ClientError::Status(status.clone()));
+                eprintln!("error: batch {} refused: {error}", n + 1);
+            }
+        }
+        judged.push(result);
+    }
+    ExitCode::from(eval::exit_code(&judged))
 }

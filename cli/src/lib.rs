@@ -21,6 +21,7 @@ pub mod bench;
 pub mod certs;
 pub mod conformance;
 pub mod demo;
+mod evaluate;
 pub mod examples;
 mod heartbeat;
 mod replay;

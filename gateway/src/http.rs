@@ -8,15 +8,18 @@
 //!   method are forwarded the same way.
 //! * A POST with one `tools/call`: judged (R31) with the request's
 //!   `Mcp-Session-Id` as the batch's session (one made per request when the
-//!   client has none, as in the stateless revision). Proceed forwards the
+//!   client has none, as in the stateless revision); concurrent ones of one
+//!   session within `--batch-window-ms` are one guard batch
+//!   ([`crate::group`]). Proceed forwards the
 //!   final call and streams the upstream's answer back; steer, cancel and
 //!   errors are answered by the gateway as `application/json`.
 //! * A JSON-RPC batch with `tools/call`s: one guard batch. Forwarded elements
 //!   are posted one by one; the answer is one JSON array of the gateway's
 //!   answers and the upstream's responses (read from JSON or SSE bodies).
-//! * Only loopback listen addresses are served: a non-loopback address is
-//!   refused, since the gateway does not terminate TLS (put it behind a TLS
-//!   proxy on the same host).
+//! * With `--tls-cert` and `--tls-key` (PEM) the gateway serves HTTPS
+//!   (rustls, HTTP/1.1). Without them only loopback listen addresses are
+//!   served: a non-loopback address is refused, so that tool calls and
+//!   their session ids never cross a network in clear text.
 
 use crate::jsonrpc::{self, Incoming, Item, ToolCallRequest, codes};
 use crate::judge::{Disposition, Judge, MeshArgs};
@@ -37,16 +40,27 @@ use std::sync::Arc;
 pub struct HttpArgs {
     #[command(flatten)]
     pub mesh: MeshArgs,
-    /// Address to serve on. Loopback only: the gateway does not terminate
-    /// TLS, so a non-loopback address is refused.
+    /// Address to serve on. A non-loopback address needs `--tls-cert` and
+    /// `--tls-key`.
     #[arg(long, default_value = "127.0.0.1:8808")]
     pub listen: std::net::SocketAddr,
+    /// Serve HTTPS with this certificate chain (PEM, leaf first).
+    #[arg(long, requires = "tls_key")]
+    pub tls_cert: Option<std::path::PathBuf>,
+    /// The private key of `--tls-cert` (PEM: PKCS#8, PKCS#1 or SEC1).
+    #[arg(long, requires = "tls_cert")]
+    pub tls_key: Option<std::path::PathBuf>,
     /// The upstream MCP server's Streamable HTTP endpoint (`http://`).
     #[arg(long)]
     pub upstream: String,
     /// Largest request body accepted from a client, in bytes.
     #[arg(long, default_value_t = 4 << 20)]
     pub max_message_bytes: usize,
+    /// Single tools/call requests of one MCP session arriving within this
+    /// many milliseconds of each other are judged as one guard batch (each
+    /// still answered on its own request); 0 judges each on its own.
+    #[arg(long, default_value_t = 2)]
+    pub batch_window_ms: u64,
 }
 
 type Out = BoxBody<Bytes, hyper::Error>;
@@ -54,7 +68,8 @@ type Out = BoxBody<Bytes, hyper::Error>;
 struct Proxy {
     upstream: Uri,
     client: Client<HttpConnector, Out>,
-    judge: Judge,
+    judge: Arc<Judge>,
+    grouper: crate::group::Grouper,
     max: usize,
 }
 
@@ -196,17 +211,11 @@ impl Proxy {
             }
             Incoming::Single(Item::ToolCall(call)) => {
                 let call = *call;
-                let disposition = self
-                    .judge
-                    .judge(&session, std::slice::from_ref(&call))
-                    .await
-                    .pop();
-                match disposition {
-                    Some(Disposition::Forward(text)) => {
+                match self.grouper.judge_one(&session, call).await {
+                    Disposition::Forward(text) => {
                         self.forward(parts.method, &parts.headers, full(text)).await
                     }
-                    Some(Disposition::Answer(text)) => json_response(StatusCode::OK, text),
-                    None => json_response(StatusCode::OK, String::new()),
+                    Disposition::Answer(text) => json_response(StatusCode::OK, text),
                 }
             }
             Incoming::Batch(items) => {
@@ -299,10 +308,12 @@ async fn responses_of(response: Response<Body>) -> Vec<String> {
 #[derive(Debug, thiserror::Error)]
 pub enum HttpError {
     #[error(
-        "refusing to listen on {0}: not a loopback address, and the gateway does not terminate TLS \
-         (listen on 127.0.0.1 behind a TLS proxy)"
+        "refusing to listen on {0}: not a loopback address, and no TLS is configured \
+         (pass --tls-cert and --tls-key, or listen on 127.0.0.1)"
     )]
     NotLoopback(std::net::SocketAddr),
+    #[error("TLS: {0}")]
+    Tls(String),
     #[error("--upstream {0:?} is not an http:// URL")]
     Upstream(String),
     #[error("cannot listen on {0}: {1}")]
@@ -311,7 +322,11 @@ pub enum HttpError {
 
 /// Serves the proxy until the process is stopped.
 pub async fn run(args: HttpArgs) -> Result<(), HttpError> {
-    if !args.listen.ip().is_loopback() {
+    let tls = match (&args.tls_cert, &args.tls_key) {
+        (Some(cert), Some(key)) => Some(tls_acceptor(cert, key)?),
+        _ => None,
+    };
+    if tls.is_none() && !args.listen.ip().is_loopback() {
         return Err(HttpError::NotLoopback(args.listen));
     }
     let upstream: Uri = args
@@ -326,16 +341,73 @@ pub async fn run(args: HttpArgs) -> Result<(), HttpError> {
     let addr = listener
         .local_addr()
         .map_err(|e| HttpError::Listen(args.listen, e))?;
-    eprintln!("guardmesh mcp http: listening on http://{addr}");
-    serve(listener, args, upstream).await;
+    let scheme = if tls.is_some() { "https" } else { "http" };
+    eprintln!("guardmesh mcp http: listening on {scheme}://{addr}");
+    serve(listener, args, upstream, tls).await;
     Ok(())
 }
 
-async fn serve(listener: tokio::net::TcpListener, args: HttpArgs, upstream: Uri) {
+/// A TLS acceptor for the certificate chain and key in these PEM files.
+fn tls_acceptor(
+    cert: &std::path::Path,
+    key: &std::path::Path,
+) -> Result<tokio_rustls::TlsAcceptor, HttpError> {
+    use rustls::pki_types::pem::PemObject;
+    use rustls::pki_types::{CertificateDer, PrivateKeyDer};
+    let certs = CertificateDer::pem_file_iter(cert)
+        .and_then(|certs| certs.collect::<Result<Vec<_>, _>>())
+        .map_err(|e| HttpError::Tls(format!("cannot read --tls-cert {}: {e}", cert.display())))?;
+    if certs.is_empty() {
+        return Err(HttpError::Tls(format!(
+            "--tls-cert {} holds no certificate",
+            cert.display()
+        )));
+    }
+    let key = PrivateKeyDer::from_pem_file(key)
+        .map_err(|e| HttpError::Tls(format!("cannot read --tls-key {}: {e}", key.display())))?;
+    let provider = Arc::new(rustls::crypto::ring::default_provider());
+    let mut config = rustls::ServerConfig::builder_with_provider(provider)
+        .with_safe_default_protocol_versions()
+        .map_err(|e| HttpError::Tls(e.to_string()))?
+        .with_no_client_auth()
+        .with_single_cert(certs, key)
+        .map_err(|e| HttpError::Tls(format!("--tls-cert and --tls-key: {e}")))?;
+    config.alpn_protocols = vec![b"http/1.1".to_vec()];
+    Ok(tokio_rustls::TlsAcceptor::from(Arc::new(config)))
+}
+
+/// How long a client may take to complete its TLS handshake.
+const HANDSHAKE_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(10);
+
+/// Serves HTTP/1.1 on one client connection.
+async fn serve_connection<IO>(io: IO, proxy: Arc<Proxy>)
+where
+    IO: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
+{
+    let service = hyper::service::service_fn(move |request| {
+        let proxy = proxy.clone();
+        async move { Ok::<_, std::convert::Infallible>(proxy.handle(request).await) }
+    });
+    let _ = hyper::server::conn::http1::Builder::new()
+        .serve_connection(TokioIo::new(io), service)
+        .await;
+}
+
+async fn serve(
+    listener: tokio::net::TcpListener,
+    args: HttpArgs,
+    upstream: Uri,
+    tls: Option<tokio_rustls::TlsAcceptor>,
+) {
+    let judge = Arc::new(Judge::new(args.mesh.clone(), "mcp-http"));
     let proxy = Arc::new(Proxy {
         upstream,
         client: Client::builder(TokioExecutor::new()).build_http(),
-        judge: Judge::new(args.mesh.clone(), "mcp-http"),
+        grouper: crate::group::Grouper::new(
+            judge.clone(),
+            std::time::Duration::from_millis(args.batch_window_ms),
+        ),
+        judge,
         max: args.max_message_bytes,
     });
     loop {
@@ -343,14 +415,18 @@ async fn serve(listener: tokio::net::TcpListener, args: HttpArgs, upstream: Uri)
             continue;
         };
         let proxy = proxy.clone();
+        let tls = tls.clone();
         tokio::spawn(async move {
-            let service = hyper::service::service_fn(move |request| {
-                let proxy = proxy.clone();
-                async move { Ok::<_, std::convert::Infallible>(proxy.handle(request).await) }
-            });
-            let _ = hyper::server::conn::http1::Builder::new()
-                .serve_connection(TokioIo::new(stream), service)
-                .await;
+            match tls {
+                None => serve_connection(stream, proxy).await,
+                Some(acceptor) => {
+                    match tokio::time::timeout(HANDSHAKE_TIMEOUT, acceptor.accept(stream)).await {
+                        Ok(Ok(stream)) => serve_connection(stream, proxy).await,
+                        Ok(Err(error)) => tracing::debug!(%error, "TLS handshake failed"),
+                        Err(_) => tracing::debug!("TLS handshake timed out"),
+                    }
+                }
+            }
         });
     }
 }

@@ -202,25 +202,39 @@ impl Judge {
 
     /// Judges `calls` as one batch and says what to do with each, in order.
     pub async fn judge(&self, session: &str, calls: &[ToolCallRequest]) -> Vec<Disposition> {
+        match self.try_judge(session, calls).await {
+            Ok(dispositions) => dispositions,
+            Err(error) => self.answer_errors(calls, &error),
+        }
+    }
+
+    /// [`Judge::judge`], with a batch the mesh did not decide as the error.
+    pub async fn try_judge(
+        &self,
+        session: &str,
+        calls: &[ToolCallRequest],
+    ) -> Result<Vec<Disposition>, JudgeError> {
         if calls.is_empty() {
-            return Vec::new();
+            return Ok(Vec::new());
         }
         let traceparent = calls.iter().find_map(|c| c.traceparent.as_deref());
         let wire = calls
             .iter()
             .map(|c| (c.call_id().to_owned(), c.name.clone(), c.arguments.clone()))
             .collect();
-        match self.evaluate(session, wire, traceparent).await {
-            Ok(decision) => calls.iter().map(|c| dispose(c, &decision)).collect(),
-            Err(error) => {
-                tracing::warn!(%error, calls = calls.len(), "tools/call not forwarded");
-                let data = error.error_data();
-                calls
-                    .iter()
-                    .map(|c| Disposition::Answer(jsonrpc::error(Some(&c.id), &data)))
-                    .collect()
-            }
-        }
+        let decision = self.evaluate(session, wire, traceparent).await?;
+        Ok(calls.iter().map(|c| dispose(c, &decision)).collect())
+    }
+
+    /// The JSON-RPC error each of `calls` is answered with when their batch
+    /// got no decisions; nothing is forwarded.
+    pub fn answer_errors(&self, calls: &[ToolCallRequest], error: &JudgeError) -> Vec<Disposition> {
+        tracing::warn!(%error, calls = calls.len(), "tools/call not forwarded");
+        let data = error.error_data();
+        calls
+            .iter()
+            .map(|c| Disposition::Answer(jsonrpc::error(Some(&c.id), &data)))
+            .collect()
     }
 }
 

@@ -8,6 +8,8 @@
 //!   Streamable HTTP MCP server; the `Mcp-Session-Id` is the batch's session.
 //! * [`judge`]: a set of `tools/call` requests as one mesh batch, and each
 //!   decision as forward / tool result / JSON-RPC error.
+//! * [`group`]: single `tools/call` requests arriving together judged as
+//!   one batch.
 //! * [`jsonrpc`]: strict reading of client messages, and the answers the
 //!   gateway writes itself.
 //! * [`hook`]: `guardmesh hook pre-tool-use`, an agent host's
@@ -29,6 +31,7 @@
 //! exact bytes received (`serde_json::value::RawValue`), and a `tools/call`
 //! that proceeds unchanged is forwarded as received too.
 
+pub mod group;
 pub mod hook;
 pub mod http;
 pub mod jsonrpc;

@@ -6,17 +6,23 @@
 //!   (bounded by `--max-message-bytes`) and classified
 //!   ([`crate::jsonrpc::classify`]). Tool calls are judged concurrently, each
 //!   message (or JSON-RPC batch) in its own task, so a slow guard does not
-//!   hold up `tools/list` or pings. Everything else is forwarded as received.
+//!   hold up `tools/list` or pings. Single calls arriving within
+//!   `--batch-window-ms` are judged as one guard batch ([`crate::group`]).
+//!   Everything else is forwarded as received.
 //! * A JSON-RPC batch: its `tools/call`s are one guard batch. Its elements are
 //!   forwarded one by one (servers of the current MCP revision do not accept
 //!   batches), and the answer to the client is one array: the gateway's own
 //!   answers followed by the upstream's responses to the forwarded requests.
-//! * Upstream to client: each line is passed on unchanged; the upstream's
-//!   stderr is the gateway's stderr.
+//! * Upstream to client: each line is passed on unchanged.
+//! * The upstream's stderr is read by the gateway and written to the
+//!   gateway's stderr line by line ([`relay_stderr`]), never to stdout
+//!   (the MCP stream), and drained continuously, so a chatty upstream never
+//!   blocks on a full pipe.
 //! * The upstream exiting ends the session: the gateway exits with the
 //!   upstream's status. The client closing stdin closes the upstream's stdin
 //!   and waits (bounded) for it to exit.
 
+use crate::group::Grouper;
 use crate::jsonrpc::{self, Incoming, Item, codes};
 use crate::judge::{Disposition, Judge, MeshArgs};
 use bytes::BytesMut;
@@ -43,6 +49,11 @@ pub struct StdioArgs {
     /// discarded and answered with an error.
     #[arg(long, default_value_t = 4 << 20)]
     pub max_message_bytes: usize,
+    /// Single tools/call requests arriving within this many milliseconds of
+    /// each other are judged as one guard batch (each still answered under
+    /// its own id); 0 judges each on its own.
+    #[arg(long, default_value_t = 2)]
+    pub batch_window_ms: u64,
     /// The upstream MCP server: a command and its arguments, after `--`.
     #[arg(required = true, last = true, num_args = 1..)]
     pub command: Vec<String>,
@@ -141,24 +152,27 @@ where
         .args(rest)
         .stdin(Stdio::piped())
         .stdout(Stdio::piped())
-        .stderr(Stdio::inherit())
+        .stderr(Stdio::piped())
         .kill_on_drop(true)
         .spawn()
         .map_err(|source| StdioError::Spawn {
             command: args.command.join(" "),
             source,
         })?;
-    let (Some(mut upstream_in), Some(mut upstream_out)) = (child.stdin.take(), child.stdout.take())
+    let (Some(mut upstream_in), Some(mut upstream_out), Some(upstream_err)) =
+        (child.stdin.take(), child.stdout.take(), child.stderr.take())
     else {
         return Err(StdioError::Io(std::io::Error::other(
             "the upstream's stdio is not piped",
         )));
     };
+    let stderr_relay = tokio::spawn(relay_stderr(upstream_err, tokio::io::stderr()));
     let session = args
         .session
         .clone()
         .unwrap_or_else(|| fresh_session_id("mcp-stdio"));
     let judge = Arc::new(Judge::new(args.mesh.clone(), "mcp-stdio"));
+    let grouper = Grouper::new(judge.clone(), Duration::from_millis(args.batch_window_ms));
     let collector: Shared = Arc::default();
 
     // One writer per direction, so that messages are never interleaved.
@@ -300,18 +314,16 @@ where
                 let Ok(permit) = in_flight.clone().acquire_owned().await else {
                     break;
                 };
-                let (judge, session) = (judge.clone(), session.clone());
+                let (grouper, session) = (grouper.clone(), session.clone());
                 let (to_client, to_upstream) = (to_client.clone(), to_upstream.clone());
                 tasks.spawn(async move {
                     let _permit = permit;
-                    for disposition in judge.judge(&session, std::slice::from_ref(&call)).await {
-                        match disposition {
-                            Disposition::Forward(text) => {
-                                let _ = to_upstream.send(text).await;
-                            }
-                            Disposition::Answer(text) => {
-                                let _ = to_client.send(text).await;
-                            }
+                    match grouper.judge_one(&session, *call).await {
+                        Disposition::Forward(text) => {
+                            let _ = to_upstream.send(text).await;
+                        }
+                        Disposition::Answer(text) => {
+                            let _ = to_client.send(text).await;
                         }
                     }
                 });
@@ -367,7 +379,48 @@ where
             1
         }
     };
+    // The upstream's last stderr lines (bounded: a process it left behind
+    // may hold the pipe open).
+    if tokio::time::timeout(Duration::from_secs(1), stderr_relay)
+        .await
+        .is_err()
+    {
+        tracing::debug!("the upstream's stderr is still open; not waiting for it");
+    }
     Ok(status)
+}
+
+/// Longest piece of an upstream stderr line written at once; a longer line
+/// is passed on in pieces of this size.
+const STDERR_LINE_BYTES: u64 = 64 << 10;
+
+/// Copies the upstream's stderr to `out` line by line, as bytes (not
+/// necessarily UTF-8), until it closes. Each line is written whole, so it is
+/// never interleaved with the gateway's own log lines. Stops writing (but
+/// keeps draining, so the upstream never blocks) if `out` fails.
+pub async fn relay_stderr<R, W>(from: R, mut out: W)
+where
+    R: AsyncRead + Unpin,
+    W: AsyncWrite + Unpin,
+{
+    use tokio::io::AsyncBufReadExt;
+    let mut reader = tokio::io::BufReader::new(from);
+    let mut line = Vec::new();
+    let mut writable = true;
+    loop {
+        line.clear();
+        match (&mut reader)
+            .take(STDERR_LINE_BYTES)
+            .read_until(b'\n', &mut line)
+            .await
+        {
+            Ok(0) | Err(_) => break,
+            Ok(_) => {}
+        }
+        if writable {
+            writable = out.write_all(&line).await.is_ok() && out.flush().await.is_ok();
+        }
+    }
 }
 
 /// Relays one JSON-RPC batch: its tool calls judged as one guard batch.
@@ -435,4 +488,58 @@ fn request_key(raw: &RawValue) -> Option<String> {
     let members: jsonrpc::Members = serde_json::from_str(raw.get()).ok()?;
     members.get("method")?;
     members.get("id").map(jsonrpc::id_key)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn stderr_is_relayed_line_by_line_and_bytes_unchanged() {
+        let long = vec![b'x'; (STDERR_LINE_BYTES as usize) + 10];
+        let mut input = b"first line\n\xff not utf-8\n".to_vec();
+        input.extend_from_slice(&long);
+        input.extend_from_slice(b"\nno newline at the end");
+        let mut out = Vec::new();
+        relay_stderr(&input[..], &mut out).await;
+        assert_eq!(out, input);
+    }
+
+    #[tokio::test]
+    async fn stderr_keeps_draining_after_its_output_fails() {
+        struct Broken;
+        impl AsyncWrite for Broken {
+            fn poll_write(
+                self: std::pin::Pin<&mut Self>,
+                _: &mut std::task::Context<'_>,
+                _: &[u8],
+            ) -> std::task::Poll<std::io::Result<usize>> {
+                std::task::Poll::Ready(Err(std::io::Error::other("closed")))
+            }
+            fn poll_flush(
+                self: std::pin::Pin<&mut Self>,
+                _: &mut std::task::Context<'_>,
+            ) -> std::task::Poll<std::io::Result<()>> {
+                std::task::Poll::Ready(Ok(()))
+            }
+            fn poll_shutdown(
+                self: std::pin::Pin<&mut Self>,
+                _: &mut std::task::Context<'_>,
+            ) -> std::task::Poll<std::io::Result<()>> {
+                std::task::Poll::Ready(Ok(()))
+            }
+        }
+        let (mut writer, reader) = tokio::io::duplex(64);
+        let relay = tokio::spawn(relay_stderr(reader, Broken));
+        // Far more than the pipe holds: the writer finishes only if the
+        // relay keeps reading.
+        for _ in 0..1000 {
+            writer
+                .write_all(b"a line of upstream logging\n")
+                .await
+                .unwrap();
+        }
+        drop(writer);
+        relay.await.unwrap();
+    }
 }

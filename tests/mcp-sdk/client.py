@@ -4,16 +4,20 @@ Python SDK. Runs a scenario and prints one JSON line per step on stdout.
 Usage: client.py SCENARIO_JSON stdio COMMAND [ARGS...]
        client.py SCENARIO_JSON http URL
 
-SCENARIO_JSON: {"mode": "legacy" | "auto", "steps": [
+SCENARIO_JSON: {"mode": "legacy" | "auto", "ca": CA_PEM_FILE (https only), "steps": [
   {"op": "list_tools"},
   {"op": "call", "name": "pay", "arguments": {...}, "meta": {...}}]}
 """
 
 import asyncio
+import contextlib
 import json
+import ssl
 import sys
 
+import httpx2
 from mcp import Client
+from mcp.client.streamable_http import streamable_http_client
 from mcp.client.stdio import StdioServerParameters
 from mcp.shared.exceptions import MCPError
 
@@ -24,10 +28,23 @@ def out(obj):
 
 async def main():
     scenario = json.loads(sys.argv[1])
-    if sys.argv[2] == "stdio":
-        server = StdioServerParameters(command=sys.argv[3], args=sys.argv[4:])
-    else:
-        server = sys.argv[3]
+    async with contextlib.AsyncExitStack() as stack:
+        if sys.argv[2] == "stdio":
+            server = StdioServerParameters(command=sys.argv[3], args=sys.argv[4:])
+        elif "ca" in scenario:
+            # HTTPS trusting only the given CA.
+            http = await stack.enter_async_context(httpx2.AsyncClient(
+                verify=ssl.create_default_context(cafile=scenario["ca"]),
+                follow_redirects=True,
+                timeout=httpx2.Timeout(30, read=300),
+            ))
+            server = streamable_http_client(sys.argv[3], http_client=http)
+        else:
+            server = sys.argv[3]
+        await run(scenario, server)
+
+
+async def run(scenario, server):
     async with Client(server, mode=scenario.get("mode", "legacy")) as client:
         out({"op": "connected", "protocol": client.protocol_version})
         for step in scenario["steps"]:

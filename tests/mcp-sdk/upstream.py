@@ -6,6 +6,8 @@ assert what ran and with which arguments.
 Usage: upstream.py LOG stdio
        upstream.py LOG http PORT      (Streamable HTTP on 127.0.0.1:PORT/mcp)
        upstream.py LOG exit-after N   (stdio; exits after N tool calls)
+       upstream.py LOG noisy          (stdio; writes much to stderr, with
+                                       lines that look like JSON-RPC)
 """
 
 import json
@@ -17,7 +19,15 @@ from mcp.server.mcpserver import MCPServer
 LOG = sys.argv[1]
 MODE = sys.argv[2]
 EXIT_AFTER = int(sys.argv[3]) if MODE == "exit-after" else None
+NOISY = MODE == "noisy"
 calls = 0
+
+
+def noise(text):
+    """A stderr line, and one that would corrupt the MCP stream on stdout."""
+    if NOISY:
+        print(f"upstream: {text}", file=sys.stderr, flush=True)
+        print(json.dumps({"jsonrpc": "2.0", "id": 999, "result": {"noise": text}}), file=sys.stderr, flush=True)
 
 server = MCPServer("guardmesh-test-upstream")
 
@@ -26,6 +36,7 @@ def record(tool, arguments):
     global calls
     with open(LOG, "a", encoding="utf-8") as log:
         log.write(json.dumps({"tool": tool, "arguments": arguments}) + "\n")
+    noise(f"ran {tool}")
     calls += 1
     if EXIT_AFTER is not None and calls >= EXIT_AFTER:
         # Ends the process once the answer is out.
@@ -54,6 +65,12 @@ def read_file(path: str) -> str:
     record("read_file", {"path": path})
     return f"contents of {path}"
 
+
+if NOISY:
+    # More than a pipe holds: the upstream blocks unless its stderr is read.
+    for i in range(400):
+        print(f"upstream: starting, line {i} " + "." * 500, file=sys.stderr, flush=True)
+    noise("started")
 
 if MODE == "http":
     server.run("streamable-http", host="127.0.0.1", port=int(sys.argv[3]))
