@@ -25,7 +25,7 @@ use serde_json::value::RawValue;
 use std::fmt;
 
 /// JSON-RPC error codes the gateway answers with (documented in the README,
-/// "MCP gateway and hooks").
+/// "Agents and MCP").
 pub mod codes {
     use rmcp::model::ErrorCode;
     /// The message is not valid JSON (JSON-RPC parse error).
