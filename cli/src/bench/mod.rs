@@ -25,7 +25,7 @@
 //!
 //! | group | scenarios |
 //! |---|---|
-//! | zero-latency guards | `direct_unary`, `mesh_1`, `mesh_4` |
+//! | zero-latency guards | `direct_unary`, `direct_parallel_4`, `stream_floor`, `mesh_1`, `mesh_4` |
 //! | 5 ms guards | `direct_unary_5ms`, `mesh_4_5ms`, `sequential_4_5ms` |
 //! | veto | `veto_1ms`, `early_veto` |
 //!
@@ -588,10 +588,74 @@ fn check_decision(
     Ok(())
 }
 
+/// One unary `DirectGuard.Judge` call, its answer checked.
+async fn direct_judge(
+    work: &Work,
+    name: &str,
+    client: &mut DirectGuardClient<Channel>,
+    request_id: u64,
+    expected_verdicts: usize,
+) -> Result<(), Error> {
+    let mut batch = work.guard_batch.clone();
+    name.clone_into(&mut batch.guard);
+    batch.request_id = request_id;
+    let answer = client.judge(batch).await?.into_inner();
+    if !answer.error.is_empty()
+        || answer.request_id != request_id
+        || answer.verdicts.len() != expected_verdicts
+    {
+        return Err(format!("unexpected answer from guard {name}: {answer:?}").into());
+    }
+    Ok(())
+}
+
+/// An open bidi `EchoStream`.
+struct EchoStream {
+    requests: mpsc::Sender<EchoMessage>,
+    answers: tonic::Streaming<EchoMessage>,
+}
+
+impl EchoStream {
+    async fn open(client: &mut EchoClient<Channel>) -> Result<Self, Error> {
+        let (requests, rx) = mpsc::channel(1);
+        let answers = client
+            .echo_stream(tokio_stream::wrappers::ReceiverStream::new(rx))
+            .await?
+            .into_inner();
+        Ok(Self { requests, answers })
+    }
+
+    /// Sends `payload` and waits for it to come back.
+    async fn round_trip(&mut self, payload: &prost::bytes::Bytes) -> Result<(), Error> {
+        self.requests
+            .send(EchoMessage {
+                payload: payload.clone(),
+            })
+            .await
+            .map_err(|_| "the echo stream is closed")?;
+        let answer = self
+            .answers
+            .message()
+            .await?
+            .ok_or("the echo stream ended")?;
+        if answer.payload.len() == payload.len() {
+            Ok(())
+        } else {
+            Err("the echo stream changed the payload".into())
+        }
+    }
+}
+
 /// How a latency scenario judges a batch.
 enum Op {
     /// Unary `DirectGuard.Judge` calls, one guard after another.
     Direct(Vec<(String, DirectGuardClient<Channel>)>),
+    /// Unary `DirectGuard.Judge` calls to every guard at once: what a
+    /// coordinator without a mesh does with several guards.
+    DirectParallel(Vec<(String, DirectGuardClient<Channel>)>),
+    /// One message round trip on an open bidi `EchoStream` (the batch's
+    /// bytes): the floor of one hop on a stream.
+    StreamEcho(EchoStream),
     /// One `Session::evaluate` on the mesh.
     Mesh(Session),
 }
@@ -634,26 +698,28 @@ impl Scenario {
     }
 
     async fn once(&mut self, work: &Work) -> Result<(), Error> {
+        let expected = if self.veto { work.calls().len() } else { 0 };
         match &mut self.op {
             Op::Direct(clients) => {
                 for (name, client) in clients.iter_mut() {
                     self.next_request += 1;
-                    let mut batch = work.guard_batch.clone();
-                    batch.guard.clone_from(name);
-                    batch.request_id = self.next_request;
-                    let answer = client.judge(batch).await?.into_inner();
-                    let expected = if self.veto { work.calls().len() } else { 0 };
-                    if !answer.error.is_empty()
-                        || answer.request_id != self.next_request
-                        || answer.verdicts.len() != expected
-                    {
-                        return Err(
-                            format!("unexpected answer from guard {name}: {answer:?}").into()
-                        );
-                    }
+                    let request_id = self.next_request;
+                    direct_judge(work, name, client, request_id, expected).await?;
                 }
                 Ok(())
             }
+            Op::DirectParallel(clients) => {
+                let first = self.next_request + 1;
+                self.next_request += clients.len() as u64;
+                futures::future::try_join_all(clients.iter_mut().zip(first..).map(
+                    |((name, client), request_id)| {
+                        direct_judge(work, name, client, request_id, expected)
+                    },
+                ))
+                .await?;
+                Ok(())
+            }
+            Op::StreamEcho(stream) => stream.round_trip(&work.echo).await,
             Op::Mesh(session) => {
                 let decision = session.evaluate(work.batch.clone()).await?;
                 check_decision(&decision, work, self.veto)
@@ -1028,8 +1094,13 @@ async fn run(args: &BenchArgs) -> Result<(), Error> {
     let mut guards = GuardProcess::start(&exe, dir, &catalog(), args).await?;
     let mut latency = Vec::new();
 
-    // Zero-latency guards: direct_unary, mesh_1, mesh_4.
+    // Zero-latency guards: direct_unary, direct_parallel_4, stream_floor,
+    // mesh_1, mesh_4.
     {
+        let mut parallel = Vec::new();
+        for name in ZERO {
+            parallel.push(guards.direct(name).await?);
+        }
         let mut mesh1 = MeshProcess::start(&exe, dir, "mesh_1", &guards, &ZERO[..1]).await?;
         let mut mesh4 = MeshProcess::start(&exe, dir, "mesh_4", &guards, &ZERO).await?;
         let mut scenarios = vec![
@@ -1037,6 +1108,22 @@ async fn run(args: &BenchArgs) -> Result<(), Error> {
                 "direct_unary",
                 "one unary call to one zero-latency guard",
                 Op::Direct(vec![guards.direct(ZERO[0]).await?]),
+                false,
+                None,
+                plan.fast,
+            )?,
+            Scenario::new(
+                "direct_parallel_4",
+                "unary calls to 4 zero-latency guards at once",
+                Op::DirectParallel(parallel),
+                false,
+                None,
+                plan.fast,
+            )?,
+            Scenario::new(
+                "stream_floor",
+                "one message round trip on an open bidi echo stream",
+                Op::StreamEcho(EchoStream::open(&mut guards.echo().await?).await?),
                 false,
                 None,
                 plan.fast,

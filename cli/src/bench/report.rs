@@ -234,6 +234,7 @@ impl Bound {
 /// The targets of the benchmark's issue, by JSON key.
 pub(super) const TARGETS: &[(&str, Bound)] = &[
     ("mesh4_vs_direct_p50", Bound::AtMost(1.0)),
+    ("mesh4_vs_direct_parallel4_p50", Bound::AtMost(1.0)),
     ("mesh4_5ms_vs_direct_5ms_p50", Bound::AtMost(1.03)),
     ("parallel_vs_sequential_5ms_p50", Bound::AtMost(0.27)),
     ("early_veto_vs_1ms_p50", Bound::AtMost(1.2)),
@@ -272,6 +273,8 @@ impl Results {
     /// few that help read them.
     pub(super) fn ratios(&self) -> Result<Vec<(&'static str, f64)>, Error> {
         let direct = self.latency("direct_unary")?;
+        let parallel = self.latency("direct_parallel_4")?;
+        let floor = self.latency("stream_floor")?;
         let mesh1 = self.latency("mesh_1")?;
         let mesh4 = self.latency("mesh_4")?;
         let direct5 = self.latency("direct_unary_5ms")?;
@@ -285,7 +288,31 @@ impl Results {
         Ok(vec![
             ("mesh4_vs_direct_p50", ratio(mesh4.p50, direct.p50)),
             ("mesh4_vs_direct_p99", ratio(mesh4.p99, direct.p99)),
+            (
+                "mesh4_vs_direct_parallel4_p50",
+                ratio(mesh4.p50, parallel.p50),
+            ),
+            (
+                "mesh4_vs_direct_parallel4_p99",
+                ratio(mesh4.p99, parallel.p99),
+            ),
+            (
+                "direct_parallel4_vs_direct_p50",
+                ratio(parallel.p50, direct.p50),
+            ),
             ("mesh1_vs_direct_p50", ratio(mesh1.p50, direct.p50)),
+            // The mesh has two hops (coordinator to mesh, mesh to guard),
+            // each at least one message round trip on an open stream.
+            ("stream_floor_p50_us", floor.p50),
+            (
+                "mesh1_vs_two_stream_hops_p50",
+                ratio(mesh1.p50, 2.0 * floor.p50),
+            ),
+            (
+                "mesh1_overhead_us_over_two_stream_hops",
+                mesh1.p50 - 2.0 * floor.p50,
+            ),
+            ("direct_vs_stream_floor_p50", ratio(direct.p50, floor.p50)),
             ("mesh4_vs_mesh1_p50", ratio(mesh4.p50, mesh1.p50)),
             ("mesh4_5ms_vs_direct_5ms_p50", ratio(mesh5.p50, direct5.p50)),
             ("mesh4_5ms_vs_direct_5ms_p99", ratio(mesh5.p99, direct5.p99)),
