@@ -22,5 +22,6 @@ pub mod conformance;
 pub mod demo;
 pub mod examples;
 mod heartbeat;
+mod runtime;
 
 pub use app::main;
