@@ -480,12 +480,7 @@ impl Results {
         }
         root.insert(
             "ratios".into(),
-            Value::Object(
-                ratios
-                    .iter()
-                    .map(|(k, v)| (k.clone(), json!(v)))
-                    .collect(),
-            ),
+            Value::Object(ratios.iter().map(|(k, v)| (k.clone(), json!(v))).collect()),
         );
         root.insert(
             "targets".into(),
