@@ -27,15 +27,16 @@ struct Cli {
     /// Log format on stderr: human or json.
     #[arg(long, global = true, default_value_t = LogFormat::Human)]
     log_format: LogFormat,
-    /// Runtime threads. 1 (the default) runs everything on one thread, which
-    /// measured best on small machines: the mesh waits on the network, and
-    /// cross-thread wakeups cost more than they gain (see README,
-    /// Performance). 0: one worker per core.
+    /// Runtime threads. 1 runs everything on one thread; 0: one worker per
+    /// core. The default depends on the machine: 1 on up to 2 cores, where
+    /// it measured best (the mesh waits on the network, and cross-thread
+    /// wakeups cost more than a second worker gains), one per core above
+    /// (see README, Performance).
     #[arg(
         long,
         global = true,
         env = "GUARDMESH_WORKER_THREADS",
-        default_value_t = 1
+        default_value_t = crate::runtime::default_worker_threads()
     )]
     worker_threads: usize,
     #[command(subcommand)]

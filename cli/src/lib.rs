@@ -25,5 +25,6 @@ mod evaluate;
 pub mod examples;
 mod heartbeat;
 mod replay;
+mod runtime;
 
 pub use app::main;

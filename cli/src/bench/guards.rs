@@ -10,7 +10,7 @@
 //! * its `DirectGuard` port: the same guard object behind a unary call, what
 //!   a coordinator without a mesh calls.
 //!
-//! It also serves one raw unary `Echo` port. It prints `GUARD <name>
+//! It also serves one raw `Echo` port (a unary echo and a bidi echo stream). It prints `GUARD <name>
 //! <stream port> <direct port>` per guard, `ECHO <port>`, then `READY`, and
 //! exits when its stdin closes (the benchmark holds the other end), on
 //! SIGINT or SIGTERM.
@@ -140,13 +140,26 @@ impl DirectGuard for Direct {
     }
 }
 
-/// `Echo`: the request back, unchanged.
+/// `Echo`: the request back, unchanged; on the stream, each message back.
 struct Echoer;
+
+/// The answers of one `EchoStream`.
+type EchoStream =
+    std::pin::Pin<Box<dyn futures::Stream<Item = Result<EchoMessage, Status>> + Send + 'static>>;
 
 #[tonic::async_trait]
 impl Echo for Echoer {
     async fn echo(&self, request: Request<EchoMessage>) -> Result<Response<EchoMessage>, Status> {
         Ok(Response::new(request.into_inner()))
+    }
+
+    type EchoStreamStream = EchoStream;
+
+    async fn echo_stream(
+        &self,
+        request: Request<tonic::Streaming<EchoMessage>>,
+    ) -> Result<Response<EchoStream>, Status> {
+        Ok(Response::new(Box::pin(request.into_inner())))
     }
 }
 

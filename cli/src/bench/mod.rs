@@ -25,12 +25,13 @@
 //!
 //! | group | scenarios |
 //! |---|---|
-//! | zero-latency guards | `direct_unary`, `mesh_1`, `mesh_4` |
+//! | zero-latency guards | `direct_unary`, `direct_parallel_4`, `stream_floor`, `mesh_1`, `mesh_4` |
 //! | 5 ms guards | `direct_unary_5ms`, `mesh_4_5ms`, `sequential_4_5ms` |
 //! | veto | `veto_1ms`, `early_veto` |
 //!
 //! Then throughput (closed loop, 64 batches in flight on 64 sessions, against
-//! the echo with 64 calls in flight; windows alternate), the CPU per batch of
+//! the echo with 64 calls in flight; windows alternate; `mesh_4` as `serve`
+//! runs by default, then with `--worker-threads 1` and `2`), the CPU per batch of
 //! the mesh and per call of the echo server in those windows, and the mesh's
 //! RSS with 1,000 idle coordinator streams.
 //!
@@ -127,6 +128,11 @@ pub struct BenchArgs {
     /// Coordinator connections the 1,000 idle streams are spread over.
     #[arg(long, default_value_t = 10)]
     pub idle_connections: usize,
+    /// Worker threads of the extra throughput runs of `mesh_4` (`guardmesh
+    /// serve --worker-threads N`), next to the one with the default;
+    /// comma-separated, empty for none.
+    #[arg(long, value_delimiter = ',', default_values_t = [1, 2])]
+    pub mesh_threads: Vec<usize>,
     /// Runtime flavour of the load generator (this process).
     #[arg(long, value_enum, default_value_t = Flavor::Current)]
     pub client_runtime: Flavor,
@@ -446,7 +452,7 @@ fn free_port() -> Result<u16, Error> {
 /// One mesh, `guardmesh serve --config <tmp.toml>`, with its guards declared
 /// in the file.
 struct MeshProcess {
-    label: &'static str,
+    label: String,
     child: Child,
     url: String,
 }
@@ -455,9 +461,22 @@ impl MeshProcess {
     async fn start(
         exe: &Path,
         dir: &Path,
-        label: &'static str,
+        label: &str,
         guards: &GuardProcess,
         names: &[&str],
+    ) -> Result<Self, Error> {
+        Self::start_with(exe, dir, label, guards, names, None).await
+    }
+
+    /// As [`MeshProcess::start`], with `--worker-threads` when given (the
+    /// default of `guardmesh serve` otherwise).
+    async fn start_with(
+        exe: &Path,
+        dir: &Path,
+        label: &str,
+        guards: &GuardProcess,
+        names: &[&str],
+        threads: Option<usize>,
     ) -> Result<Self, Error> {
         let mut last_error: Option<Error> = None;
         // A port found free may be taken before the mesh binds it: retry.
@@ -476,10 +495,13 @@ impl MeshProcess {
                 .map_err(|e| format!("cannot write {}: {e}", config_path.display()))?;
             let mut command = Command::new(exe);
             command.arg("serve").arg("--config").arg(&config_path);
+            if let Some(threads) = threads {
+                command.arg("--worker-threads").arg(threads.to_string());
+            }
             let log = dir.join(format!("{label}-{attempt}.log"));
             let child = Child::spawn(format!("the mesh of {label}"), command, Some(log), None)?;
             let mut mesh = Self {
-                label,
+                label: label.to_owned(),
                 child,
                 url: format!("http://127.0.0.1:{port}"),
             };
@@ -588,10 +610,74 @@ fn check_decision(
     Ok(())
 }
 
+/// One unary `DirectGuard.Judge` call, its answer checked.
+async fn direct_judge(
+    work: &Work,
+    name: &str,
+    client: &mut DirectGuardClient<Channel>,
+    request_id: u64,
+    expected_verdicts: usize,
+) -> Result<(), Error> {
+    let mut batch = work.guard_batch.clone();
+    name.clone_into(&mut batch.guard);
+    batch.request_id = request_id;
+    let answer = client.judge(batch).await?.into_inner();
+    if !answer.error.is_empty()
+        || answer.request_id != request_id
+        || answer.verdicts.len() != expected_verdicts
+    {
+        return Err(format!("unexpected answer from guard {name}: {answer:?}").into());
+    }
+    Ok(())
+}
+
+/// An open bidi `EchoStream`.
+struct EchoStream {
+    requests: mpsc::Sender<EchoMessage>,
+    answers: tonic::Streaming<EchoMessage>,
+}
+
+impl EchoStream {
+    async fn open(client: &mut EchoClient<Channel>) -> Result<Self, Error> {
+        let (requests, rx) = mpsc::channel(1);
+        let answers = client
+            .echo_stream(tokio_stream::wrappers::ReceiverStream::new(rx))
+            .await?
+            .into_inner();
+        Ok(Self { requests, answers })
+    }
+
+    /// Sends `payload` and waits for it to come back.
+    async fn round_trip(&mut self, payload: &prost::bytes::Bytes) -> Result<(), Error> {
+        self.requests
+            .send(EchoMessage {
+                payload: payload.clone(),
+            })
+            .await
+            .map_err(|_| "the echo stream is closed")?;
+        let answer = self
+            .answers
+            .message()
+            .await?
+            .ok_or("the echo stream ended")?;
+        if answer.payload.len() == payload.len() {
+            Ok(())
+        } else {
+            Err("the echo stream changed the payload".into())
+        }
+    }
+}
+
 /// How a latency scenario judges a batch.
 enum Op {
     /// Unary `DirectGuard.Judge` calls, one guard after another.
     Direct(Vec<(String, DirectGuardClient<Channel>)>),
+    /// Unary `DirectGuard.Judge` calls to every guard at once: what a
+    /// coordinator without a mesh does with several guards.
+    DirectParallel(Vec<(String, DirectGuardClient<Channel>)>),
+    /// One message round trip on an open bidi `EchoStream` (the batch's
+    /// bytes): the floor of one hop on a stream.
+    StreamEcho(EchoStream),
     /// One `Session::evaluate` on the mesh.
     Mesh(Session),
 }
@@ -634,26 +720,28 @@ impl Scenario {
     }
 
     async fn once(&mut self, work: &Work) -> Result<(), Error> {
+        let expected = if self.veto { work.calls().len() } else { 0 };
         match &mut self.op {
             Op::Direct(clients) => {
                 for (name, client) in clients.iter_mut() {
                     self.next_request += 1;
-                    let mut batch = work.guard_batch.clone();
-                    batch.guard.clone_from(name);
-                    batch.request_id = self.next_request;
-                    let answer = client.judge(batch).await?.into_inner();
-                    let expected = if self.veto { work.calls().len() } else { 0 };
-                    if !answer.error.is_empty()
-                        || answer.request_id != self.next_request
-                        || answer.verdicts.len() != expected
-                    {
-                        return Err(
-                            format!("unexpected answer from guard {name}: {answer:?}").into()
-                        );
-                    }
+                    let request_id = self.next_request;
+                    direct_judge(work, name, client, request_id, expected).await?;
                 }
                 Ok(())
             }
+            Op::DirectParallel(clients) => {
+                let first = self.next_request + 1;
+                self.next_request += clients.len() as u64;
+                futures::future::try_join_all(clients.iter_mut().zip(first..).map(
+                    |((name, client), request_id)| {
+                        direct_judge(work, name, client, request_id, expected)
+                    },
+                ))
+                .await?;
+                Ok(())
+            }
+            Op::StreamEcho(stream) => stream.round_trip(&work.echo).await,
             Op::Mesh(session) => {
                 let decision = session.evaluate(work.batch.clone()).await?;
                 check_decision(&decision, work, self.veto)
@@ -854,7 +942,18 @@ async fn closed_loop(
     Ok(())
 }
 
-/// Throughput of `mesh_4` against the raw echo, windows alternating.
+/// One closed-loop load of the throughput runs, and its sums.
+struct LoadRun {
+    name: String,
+    what: String,
+    mesh: Option<MeshProcess>,
+    loads: Vec<Load>,
+    totals: LoadTotals,
+}
+
+/// Throughput of `mesh_4` (the mesh as `guardmesh serve` runs by default,
+/// then with each of `threads` worker threads) against the raw echo,
+/// windows alternating.
 async fn throughput(
     exe: &Path,
     dir: &Path,
@@ -862,71 +961,93 @@ async fn throughput(
     work: &Arc<Work>,
     plan: &Plan,
     in_flight: usize,
+    threads: &[usize],
 ) -> Result<Vec<Throughput>, Error> {
-    eprintln!("[bench] throughput: mesh_4 and echo, {in_flight} in flight");
-    let mut mesh = MeshProcess::start(exe, dir, "throughput_mesh_4", guards, &ZERO).await?;
-    let coordinator = mesh.coordinator().await?;
-    let mut sessions = Vec::with_capacity(in_flight);
-    for i in 0..in_flight {
-        sessions.push(Load::Mesh(Arc::new(
-            coordinator.session(format!("load-{i}")).await?,
-        )));
+    eprintln!(
+        "[bench] throughput: mesh_4 (default: {} worker thread(s) here), mesh_4 with --worker-threads {threads:?}, echo; {in_flight} in flight",
+        crate::runtime::default_worker_threads()
+    );
+    let mut variants = vec![(
+        "mesh_4".to_owned(),
+        "batches through the mesh, 4 zero-latency guards (default runtime)".to_owned(),
+        None,
+    )];
+    for &t in threads {
+        variants.push((
+            format!("mesh_4_threads_{t}"),
+            format!("the same, the mesh run with --worker-threads {t}"),
+            Some(t),
+        ));
+    }
+    let mut runs = Vec::new();
+    for (name, what, t) in variants {
+        let label = format!("throughput_{name}");
+        let mesh = MeshProcess::start_with(exe, dir, &label, guards, &ZERO, t).await?;
+        let coordinator = mesh.coordinator().await?;
+        let mut loads = Vec::with_capacity(in_flight);
+        for i in 0..in_flight {
+            loads.push(Load::Mesh(Arc::new(
+                coordinator.session(format!("load-{i}")).await?,
+            )));
+        }
+        runs.push(LoadRun {
+            name,
+            what,
+            mesh: Some(mesh),
+            loads,
+            totals: LoadTotals::new()?,
+        });
     }
     let echo = guards.echo().await?;
-    let echoes: Vec<Load> = (0..in_flight).map(|_| Load::Echo(echo.clone())).collect();
-    let mut mesh_totals = LoadTotals::new()?;
-    let mut echo_totals = LoadTotals::new()?;
+    runs.push(LoadRun {
+        name: "echo".into(),
+        what: "raw unary echo of the batch's bytes".into(),
+        mesh: None,
+        loads: (0..in_flight).map(|_| Load::Echo(echo.clone())).collect(),
+        totals: LoadTotals::new()?,
+    });
+    let guards_pid = guards.child.pid();
     let result = async {
         for _ in 0..plan.throughput_windows {
-            closed_loop(
-                &sessions,
-                work,
-                plan.throughput_warmup,
-                plan.throughput_window,
-                Some(mesh.pid()),
-                guards.child.pid(),
-                &mut mesh_totals,
-            )
-            .await
-            .map_err(|e| format!("throughput mesh_4: {e}"))?;
-            closed_loop(
-                &echoes,
-                work,
-                plan.throughput_warmup,
-                plan.throughput_window,
-                None,
-                guards.child.pid(),
-                &mut echo_totals,
-            )
-            .await
-            .map_err(|e| format!("throughput echo: {e}"))?;
+            for run in runs.iter_mut() {
+                closed_loop(
+                    &run.loads,
+                    work,
+                    plan.throughput_warmup,
+                    plan.throughput_window,
+                    run.mesh.as_ref().map(MeshProcess::pid),
+                    guards_pid,
+                    &mut run.totals,
+                )
+                .await
+                .map_err(|e| format!("throughput {}: {e}", run.name))?;
+            }
         }
         Ok::<(), Error>(())
     }
     .await;
     if let Err(error) = result {
         guards.child.check_alive()?;
-        mesh.child.check_alive()?;
+        for run in &mut runs {
+            if let Some(mesh) = &mut run.mesh {
+                mesh.child.check_alive()?;
+            }
+        }
         return Err(error);
     }
-    Ok(vec![
-        Throughput::new(
-            "mesh_4",
-            "batches through the mesh, 4 zero-latency guards",
-            &mesh_totals.histogram,
-            mesh_totals.elapsed,
-            mesh_totals.cpu,
-            true,
-        ),
-        Throughput::new(
-            "echo",
-            "raw unary echo of the batch's bytes",
-            &echo_totals.histogram,
-            echo_totals.elapsed,
-            echo_totals.cpu,
-            false,
-        ),
-    ])
+    Ok(runs
+        .into_iter()
+        .map(|run| {
+            Throughput::new(
+                run.name,
+                run.what,
+                &run.totals.histogram,
+                run.totals.elapsed,
+                run.totals.cpu,
+                run.mesh.is_some(),
+            )
+        })
+        .collect())
 }
 
 /// The RSS of a fresh `mesh_4` mesh, then with [`IDLE_STREAMS`] idle
@@ -1028,8 +1149,13 @@ async fn run(args: &BenchArgs) -> Result<(), Error> {
     let mut guards = GuardProcess::start(&exe, dir, &catalog(), args).await?;
     let mut latency = Vec::new();
 
-    // Zero-latency guards: direct_unary, mesh_1, mesh_4.
+    // Zero-latency guards: direct_unary, direct_parallel_4, stream_floor,
+    // mesh_1, mesh_4.
     {
+        let mut parallel = Vec::new();
+        for name in ZERO {
+            parallel.push(guards.direct(name).await?);
+        }
         let mut mesh1 = MeshProcess::start(&exe, dir, "mesh_1", &guards, &ZERO[..1]).await?;
         let mut mesh4 = MeshProcess::start(&exe, dir, "mesh_4", &guards, &ZERO).await?;
         let mut scenarios = vec![
@@ -1037,6 +1163,22 @@ async fn run(args: &BenchArgs) -> Result<(), Error> {
                 "direct_unary",
                 "one unary call to one zero-latency guard",
                 Op::Direct(vec![guards.direct(ZERO[0]).await?]),
+                false,
+                None,
+                plan.fast,
+            )?,
+            Scenario::new(
+                "direct_parallel_4",
+                "unary calls to 4 zero-latency guards at once",
+                Op::DirectParallel(parallel),
+                false,
+                None,
+                plan.fast,
+            )?,
+            Scenario::new(
+                "stream_floor",
+                "one message round trip on an open bidi echo stream",
+                Op::StreamEcho(EchoStream::open(&mut guards.echo().await?).await?),
                 false,
                 None,
                 plan.fast,
@@ -1154,7 +1296,16 @@ async fn run(args: &BenchArgs) -> Result<(), Error> {
     }
 
     let in_flight = args.in_flight.max(1);
-    let throughput = throughput(&exe, dir, &mut guards, &work, &plan, in_flight).await?;
+    let throughput = throughput(
+        &exe,
+        dir,
+        &mut guards,
+        &work,
+        &plan,
+        in_flight,
+        &args.mesh_threads,
+    )
+    .await?;
     let memory = memory(&exe, dir, &guards, &work, &plan, args.idle_connections).await?;
 
     let mut setup = Map::new();
@@ -1179,6 +1330,11 @@ async fn run(args: &BenchArgs) -> Result<(), Error> {
         json!(plan.throughput_window.as_secs_f64()),
     );
     put("idle_streams", json!(IDLE_STREAMS));
+    put(
+        "mesh_default_worker_threads",
+        json!(crate::runtime::default_worker_threads()),
+    );
+    put("mesh_threads", json!(args.mesh_threads));
     put("client_runtime", json!(args.client_runtime.label()));
     put("guard_runtime", json!(args.guard_runtime.label()));
     put(

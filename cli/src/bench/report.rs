@@ -128,8 +128,8 @@ impl Latency {
 /// One closed-loop throughput run (all its windows summed).
 #[derive(Debug, Clone)]
 pub(super) struct Throughput {
-    pub name: &'static str,
-    pub what: &'static str,
+    pub name: String,
+    pub what: String,
     pub ops: u64,
     pub seconds: f64,
     pub per_second: f64,
@@ -142,8 +142,8 @@ pub(super) struct Throughput {
 
 impl Throughput {
     pub(super) fn new(
-        name: &'static str,
-        what: &'static str,
+        name: String,
+        what: String,
         histogram: &Histogram<u64>,
         elapsed: Duration,
         cpu: Cpu,
@@ -234,6 +234,7 @@ impl Bound {
 /// The targets of the benchmark's issue, by JSON key.
 pub(super) const TARGETS: &[(&str, Bound)] = &[
     ("mesh4_vs_direct_p50", Bound::AtMost(1.0)),
+    ("mesh4_vs_direct_parallel4_p50", Bound::AtMost(1.0)),
     ("mesh4_5ms_vs_direct_5ms_p50", Bound::AtMost(1.03)),
     ("parallel_vs_sequential_5ms_p50", Bound::AtMost(0.27)),
     ("early_veto_vs_1ms_p50", Bound::AtMost(1.2)),
@@ -270,8 +271,10 @@ impl Results {
 
     /// The ratios (and the memory figure) the targets are stated in, plus a
     /// few that help read them.
-    pub(super) fn ratios(&self) -> Result<Vec<(&'static str, f64)>, Error> {
+    pub(super) fn ratios(&self) -> Result<Vec<(String, f64)>, Error> {
         let direct = self.latency("direct_unary")?;
+        let parallel = self.latency("direct_parallel_4")?;
+        let floor = self.latency("stream_floor")?;
         let mesh1 = self.latency("mesh_1")?;
         let mesh4 = self.latency("mesh_4")?;
         let direct5 = self.latency("direct_unary_5ms")?;
@@ -282,10 +285,34 @@ impl Results {
         let mesh_load = self.throughput("mesh_4")?;
         let echo_load = self.throughput("echo")?;
         let ratio = |a: f64, b: f64| if b > 0.0 { a / b } else { f64::NAN };
-        Ok(vec![
+        let fixed = vec![
             ("mesh4_vs_direct_p50", ratio(mesh4.p50, direct.p50)),
             ("mesh4_vs_direct_p99", ratio(mesh4.p99, direct.p99)),
+            (
+                "mesh4_vs_direct_parallel4_p50",
+                ratio(mesh4.p50, parallel.p50),
+            ),
+            (
+                "mesh4_vs_direct_parallel4_p99",
+                ratio(mesh4.p99, parallel.p99),
+            ),
+            (
+                "direct_parallel4_vs_direct_p50",
+                ratio(parallel.p50, direct.p50),
+            ),
             ("mesh1_vs_direct_p50", ratio(mesh1.p50, direct.p50)),
+            // The mesh has two hops (coordinator to mesh, mesh to guard),
+            // each at least one message round trip on an open stream.
+            ("stream_floor_p50_us", floor.p50),
+            (
+                "mesh1_vs_two_stream_hops_p50",
+                ratio(mesh1.p50, 2.0 * floor.p50),
+            ),
+            (
+                "mesh1_overhead_us_over_two_stream_hops",
+                mesh1.p50 - 2.0 * floor.p50,
+            ),
+            ("direct_vs_stream_floor_p50", ratio(direct.p50, floor.p50)),
             ("mesh4_vs_mesh1_p50", ratio(mesh4.p50, mesh1.p50)),
             ("mesh4_5ms_vs_direct_5ms_p50", ratio(mesh5.p50, direct5.p50)),
             ("mesh4_5ms_vs_direct_5ms_p99", ratio(mesh5.p99, direct5.p99)),
@@ -307,7 +334,23 @@ impl Results {
                 "rss_mib_1000_streams",
                 Memory::mib(self.memory.with_streams_bytes),
             ),
-        ])
+        ];
+        let mut ratios: Vec<(String, f64)> =
+            fixed.into_iter().map(|(k, v)| (k.to_owned(), v)).collect();
+        // The mesh with a given number of worker threads (`mesh_4_threads_N`).
+        for load in &self.throughput {
+            if let Some(threads) = load.name.strip_prefix("mesh_4_threads_") {
+                ratios.push((
+                    format!("throughput_mesh4_threads_{threads}_vs_echo"),
+                    ratio(load.per_second, echo_load.per_second),
+                ));
+                ratios.push((
+                    format!("cpu_per_batch_mesh4_threads_{threads}_vs_echo_call"),
+                    ratio(load.server_cpu(), echo_load.server_cpu()),
+                ));
+            }
+        }
+        Ok(ratios)
     }
 
     /// The printed report.
@@ -433,16 +476,11 @@ impl Results {
             ),
         );
         for (key, value) in &ratios {
-            root.insert((*key).into(), json!(value));
+            root.insert(key.clone(), json!(value));
         }
         root.insert(
             "ratios".into(),
-            Value::Object(
-                ratios
-                    .iter()
-                    .map(|(k, v)| ((*k).into(), json!(v)))
-                    .collect(),
-            ),
+            Value::Object(ratios.iter().map(|(k, v)| (k.clone(), json!(v))).collect()),
         );
         root.insert(
             "targets".into(),
@@ -477,7 +515,7 @@ impl Results {
             Value::Object(
                 self.throughput
                     .iter()
-                    .map(|t| (t.name.into(), t.json()))
+                    .map(|t| (t.name.clone(), t.json()))
                     .collect(),
             ),
         );
