@@ -126,7 +126,7 @@ impl Mesh {
     pub fn new(config: MeshConfig, registry: Arc<dyn Registry>) -> Arc<Self> {
         Arc::new(Self {
             config: config.clone(),
-            metrics: Arc::new(Metrics::new()),
+            metrics: Arc::new(Metrics::with_max_latency(config.max_batch_timeout)),
             registry,
             chain: ArcSwap::from_pointee(Chain {
                 revision: 0,
@@ -227,6 +227,12 @@ impl Mesh {
             spec,
         });
         self.metrics.chain_size(chain.guards.len());
+        self.metrics.guards_registered(
+            chain
+                .guards
+                .iter()
+                .map(|g| (g.guard.name.as_str(), g.guard.enforced())),
+        );
         self.chain.store(chain.clone());
         chain
     }

@@ -128,6 +128,8 @@ struct GuardRun {
     failure: Option<GuardFailure>,
     superseded: bool,
     answered: Vec<bool>,
+    /// The kinds (`SkipKind`) of `skipped`, in the same order.
+    skip_kinds: Vec<i32>,
     /// The guard's client span, while the guard is consulted.
     span: Option<tracing::Span>,
     /// For a policy guard (R27): the rule that decided (or failed on) each
@@ -149,6 +151,7 @@ impl GuardRun {
             failure: None,
             superseded: false,
             answered: vec![false; calls],
+            skip_kinds: Vec::new(),
             span: None,
             rules: Vec::new(),
         }
@@ -159,6 +162,32 @@ impl GuardRun {
         match (self.started, self.finished) {
             (Some(s), Some(f)) => Some(f - s),
             _ => None,
+        }
+    }
+
+    /// What the guard said of call `i`, if it was sent it: `proceed`,
+    /// `steer`, `cancel` or `rewrite`, `failed` when it failed before
+    /// answering it; `None` when its answer was no longer needed (R5).
+    fn call_action(&self, i: usize) -> Option<&'static str> {
+        if self.sent.get(i) != Some(&true) {
+            return None;
+        }
+        if let Some(k) = self.skipped.iter().position(|&s| s == i) {
+            return Some(
+                match self.skip_kinds.get(k).map(|&k| SkipKind::try_from(k)) {
+                    Some(Ok(SkipKind::Cancel)) => "cancel",
+                    _ => "steer",
+                },
+            );
+        }
+        if self.rewritten.contains(&i) {
+            return Some("rewrite");
+        }
+        let answered = self.answered.get(i) == Some(&true);
+        match &self.failure {
+            Some(_) if !answered => Some("failed"),
+            None if !answered && self.superseded => None,
+            _ => Some("proceed"),
         }
     }
 
@@ -545,6 +574,7 @@ impl<'a> Judging<'a> {
             Ok(checked) => {
                 run.malformed = checked.malformed;
                 run.skipped = checked.skips.iter().map(|(i, _)| *i).collect();
+                run.skip_kinds = checked.skips.iter().map(|(_, s)| s.kind).collect();
                 for (i, skip) in checked.skips {
                     fold.answer(0, i, Some(skip));
                 }
@@ -770,6 +800,7 @@ impl<'a> Judging<'a> {
                 }
                 for (i, skip) in checked.skips {
                     run.skipped.push(i);
+                    run.skip_kinds.push(skip.kind);
                     fold.answer(k, i, Some(skip));
                 }
                 run.malformed.extend(checked.malformed);
@@ -1045,6 +1076,13 @@ impl<'a> Judging<'a> {
                 reported.name(),
                 run.latency().map(|l| l.as_secs_f64()),
             );
+            if !guard.enforced() {
+                for i in 0..ids.len() {
+                    if let Some(would) = run.call_action(i) {
+                        metrics.dry_run_call(&guard.name, would);
+                    }
+                }
+            }
             if let Some(span) = &run.span {
                 span.record("guardmesh.status", reported.name());
                 span.record("guardmesh.calls.skipped", run.skipped.len());

@@ -4,4 +4,5 @@
 
 pub(crate) mod metrics;
 pub mod metrics_http;
+pub(crate) mod process;
 pub mod telemetry;
