@@ -112,6 +112,8 @@ pub struct Mesh {
     pub(crate) inflight_bytes: Arc<tokio::sync::Semaphore>,
     /// The decision log (R29), when one is configured; set once at start.
     decision_log: std::sync::OnceLock<MeshLog>,
+    /// Where the gRPC server listens, once it serves (span attributes).
+    pub(crate) served_at: std::sync::OnceLock<std::net::SocketAddr>,
 }
 
 impl std::fmt::Debug for Mesh {
@@ -142,6 +144,7 @@ impl Mesh {
                     .clamp(1, tokio::sync::Semaphore::MAX_PERMITS),
             )),
             decision_log: std::sync::OnceLock::new(),
+            served_at: std::sync::OnceLock::new(),
         })
     }
 
@@ -155,6 +158,11 @@ impl Mesh {
     /// The decision log, if one is attached.
     pub fn decision_log(&self) -> Option<&MeshLog> {
         self.decision_log.get()
+    }
+
+    /// Where the gRPC server listens, once it serves.
+    pub fn served_at(&self) -> Option<std::net::SocketAddr> {
+        self.served_at.get().copied()
     }
 
     fn connector(&self, guard: &Guard) -> GuardConnector {

@@ -5,4 +5,5 @@
 pub(crate) mod metrics;
 pub mod metrics_http;
 pub(crate) mod process;
+pub mod spans;
 pub mod telemetry;

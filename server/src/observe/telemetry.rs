@@ -10,6 +10,9 @@
 //!   `OTEL_TRACES_SAMPLER`/`_ARG`). Otherwise no exporter runs. Only the
 //!   mesh's and the SDK's own spans are exported: HTTP/2 and transport
 //!   library spans are filtered out, and health checks create no spans.
+//!   Spans carry only their own attributes and events: none of the
+//!   subscriber's bookkeeping (`busy_ns`, `idle_ns`, `code.*`, `thread.*`,
+//!   `target`, `level`), and log events stay in the logs.
 //!
 //! The W3C trace context propagator is installed globally, so coordinators
 //! and guards in any language join the same trace (R22).
@@ -25,7 +28,7 @@ use opentelemetry_sdk::trace::SdkTracerProvider;
 use std::fmt::{self, Write as _};
 use tracing::Level;
 use tracing_subscriber::field::MakeExt;
-use tracing_subscriber::filter::Targets;
+use tracing_subscriber::filter::{FilterExt, Targets};
 use tracing_subscriber::fmt::FormatFields;
 use tracing_subscriber::fmt::MakeWriter;
 use tracing_subscriber::layer::SubscriberExt;
@@ -214,11 +217,19 @@ pub fn init(format: LogFormat, default_filter: &str) -> Result<Telemetry, Teleme
         // The batch and guard spans are at DEBUG so that, without export,
         // they are never created (the log layer filters at INFO): span
         // bookkeeping was a third of the mesh's CPU per batch.
+        // Spans only: log events stay in the logs rather than riding on
+        // spans as events with the subscriber's `level` and `target`.
         let ours = Targets::new()
             .with_target("guardmesh_server", Level::DEBUG)
-            .with_target("guardmesh_client", Level::DEBUG);
+            .with_target("guardmesh_client", Level::DEBUG)
+            .and(tracing_subscriber::filter::filter_fn(|meta| meta.is_span()));
         tracing_opentelemetry::layer()
             .with_tracer(provider.tracer("guardmesh"))
+            .with_tracked_inactivity(false)
+            .with_location(false)
+            .with_threads(false)
+            .with_target(false)
+            .with_level(false)
             .with_filter(ours)
     });
     let filter =
