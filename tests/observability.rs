@@ -436,6 +436,7 @@ async fn metrics_parse_as_prometheus_text_and_openmetrics() {
             ("guardmesh_calls", "counter"),
             ("guardmesh_guard_outcomes", "counter"),
             ("guardmesh_dry_run_calls", "counter"),
+            ("guardmesh_otlp_export_failures", "counter"),
             ("guardmesh_batch_latency_seconds", "histogram"),
             ("guardmesh_guard_latency_seconds", "histogram"),
             ("guardmesh_build_info", "gauge"),

@@ -3,7 +3,8 @@
 //!
 //! Each mesh owns its [`Metrics`] (no process globals), so several meshes in
 //! one process (tests, the demo) keep separate, exact counts. The process's
-//! own figures (`process_*`) are read from `/proc` at each scrape.
+//! own figures (`process_*`) are read from `/proc` at each scrape, and the
+//! OTLP export failures are the process's (one exporter serves it).
 
 use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
@@ -287,6 +288,11 @@ impl Metrics {
             "build_info",
             "The mesh's version, as a label; the value is 1",
             build_info,
+        );
+        registry.register(
+            "otlp_export_failures",
+            "OTLP exports that failed, by signal (traces), for the whole process",
+            super::otlp::EXPORT_FAILURES.clone(),
         );
         Self {
             registry: root,
