@@ -372,6 +372,9 @@ async fn r22_otlp_export_joins_coordinator_mesh_and_guard_in_one_trace_in_own_pr
     assert!(!judged.is_empty(), "the SDK guard exported its span");
     assert!(judged.iter().all(|s| hex(&s.trace_id) == coordinator_trace));
     assert!(judged.iter().any(|s| s.parent_span_id == vetoer.span_id));
+    for span in &judged {
+        assert_eq!(int(span, "calls"), 2, "the SDK's count is an int");
+    }
     // No transport-internal spans leave the process.
     assert!(
         spans.iter().all(|s| s.name.starts_with("guardmesh.")
