@@ -8,7 +8,9 @@
 //! * `overload`, `soak`: bounds under load, and a bounded soak under faults.
 //! * `security`: TLS, mTLS, tokens, roles and endpoint policy (R24, R25).
 //! * `etcd`: replicas sharing one chain on a real etcd (R17).
-//! * `observability`, `otel`: metrics, logs and exported traces (R21, R22).
+//! * `observability`, `otel`, `otel_http`: metrics (parsed as Prometheus text
+//!   and OpenMetrics), logs, and traces exported over OTLP/gRPC and
+//!   OTLP/HTTP (R21, R22).
 //! * `polyglot`, `conformance`: Python, Node and Rust guard processes in one
 //!   chain, and the conformance kit against each.
 //! * `mcp`: the MCP gateway and the pre-tool hook through the official MCP
@@ -33,6 +35,7 @@ mod faults;
 mod mcp;
 mod observability;
 mod otel;
+mod otel_http;
 mod overload;
 mod policy;
 mod polyglot;

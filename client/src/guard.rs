@@ -224,7 +224,8 @@ impl<G: Guard> GuardService for GuardServer<G> {
                             "guard.judge",
                             guard = %batch.guard,
                             batch_id = %batch.batch_id,
-                            calls = batch.calls.len(),
+                            // An int attribute, not a string.
+                            calls = i64::try_from(batch.calls.len()).unwrap_or(i64::MAX),
                             otel.kind = "server",
                         );
                         #[cfg(feature = "otel")]

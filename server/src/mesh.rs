@@ -112,6 +112,8 @@ pub struct Mesh {
     pub(crate) inflight_bytes: Arc<tokio::sync::Semaphore>,
     /// The decision log (R29), when one is configured; set once at start.
     decision_log: std::sync::OnceLock<MeshLog>,
+    /// Where the gRPC server listens, once it serves (span attributes).
+    pub(crate) served_at: std::sync::OnceLock<std::net::SocketAddr>,
 }
 
 impl std::fmt::Debug for Mesh {
@@ -126,7 +128,7 @@ impl Mesh {
     pub fn new(config: MeshConfig, registry: Arc<dyn Registry>) -> Arc<Self> {
         Arc::new(Self {
             config: config.clone(),
-            metrics: Arc::new(Metrics::new()),
+            metrics: Arc::new(Metrics::with_max_latency(config.max_batch_timeout)),
             registry,
             chain: ArcSwap::from_pointee(Chain {
                 revision: 0,
@@ -142,6 +144,7 @@ impl Mesh {
                     .clamp(1, tokio::sync::Semaphore::MAX_PERMITS),
             )),
             decision_log: std::sync::OnceLock::new(),
+            served_at: std::sync::OnceLock::new(),
         })
     }
 
@@ -155,6 +158,11 @@ impl Mesh {
     /// The decision log, if one is attached.
     pub fn decision_log(&self) -> Option<&MeshLog> {
         self.decision_log.get()
+    }
+
+    /// Where the gRPC server listens, once it serves.
+    pub fn served_at(&self) -> Option<std::net::SocketAddr> {
+        self.served_at.get().copied()
     }
 
     fn connector(&self, guard: &Guard) -> GuardConnector {
@@ -227,6 +235,12 @@ impl Mesh {
             spec,
         });
         self.metrics.chain_size(chain.guards.len());
+        self.metrics.guards_registered(
+            chain
+                .guards
+                .iter()
+                .map(|g| (g.guard.name.as_str(), g.guard.enforced())),
+        );
         self.chain.store(chain.clone());
         chain
     }

@@ -128,7 +128,11 @@ struct GuardRun {
     failure: Option<GuardFailure>,
     superseded: bool,
     answered: Vec<bool>,
-    /// The guard's client span, while the guard is consulted.
+    /// The kinds (`SkipKind`) of `skipped`, in the same order.
+    skip_kinds: Vec<i32>,
+    /// The guard's `apply_guardrail` span, and a remote guard's client span
+    /// under it, while the guard is consulted.
+    guardrail: Option<tracing::Span>,
     span: Option<tracing::Span>,
     /// For a policy guard (R27): the rule that decided (or failed on) each
     /// call, by call index.
@@ -149,6 +153,8 @@ impl GuardRun {
             failure: None,
             superseded: false,
             answered: vec![false; calls],
+            skip_kinds: Vec::new(),
+            guardrail: None,
             span: None,
             rules: Vec::new(),
         }
@@ -159,6 +165,32 @@ impl GuardRun {
         match (self.started, self.finished) {
             (Some(s), Some(f)) => Some(f - s),
             _ => None,
+        }
+    }
+
+    /// What the guard said of call `i`, if it was sent it: `proceed`,
+    /// `steer`, `cancel` or `rewrite`, `failed` when it failed before
+    /// answering it; `None` when its answer was no longer needed (R5).
+    fn call_action(&self, i: usize) -> Option<&'static str> {
+        if self.sent.get(i) != Some(&true) {
+            return None;
+        }
+        if let Some(k) = self.skipped.iter().position(|&s| s == i) {
+            return Some(
+                match self.skip_kinds.get(k).map(|&k| SkipKind::try_from(k)) {
+                    Some(Ok(SkipKind::Cancel)) => "cancel",
+                    _ => "steer",
+                },
+            );
+        }
+        if self.rewritten.contains(&i) {
+            return Some("rewrite");
+        }
+        let answered = self.answered.get(i) == Some(&true);
+        match &self.failure {
+            Some(_) if !answered => Some("failed"),
+            None if !answered && self.superseded => None,
+            _ => Some("proceed"),
         }
     }
 
@@ -186,28 +218,12 @@ impl Mesh {
         deadline: Instant,
         mut trace: TraceContext,
     ) -> Result<BatchDecision, BatchError> {
-        let context = request.context.as_ref();
-        let span = tracing::debug_span!(
-            "guardmesh.batch",
-            otel.name = if trace.unary {
-                "guardmesh.v1.PreToolService/EvaluateBatch"
-            } else {
-                "guardmesh.v1.PreToolService/Evaluate"
-            },
-            otel.kind = "server",
-            otel.status_code = tracing::field::Empty,
-            rpc.system = "grpc",
-            rpc.service = "guardmesh.v1.PreToolService",
-            rpc.method = if trace.unary { "EvaluateBatch" } else { "Evaluate" },
-            guardmesh.batch_id = %request.batch_id,
-            guardmesh.session_id = context.map_or("", |c| c.session_id.as_str()),
-            guardmesh.turn_index = context.map_or(0, |c| c.turn_index),
-            guardmesh.batch.calls = request.calls.len(),
-            guardmesh.chain.revision = tracing::field::Empty,
-            guardmesh.calls.proceed = tracing::field::Empty,
-            guardmesh.calls.steer = tracing::field::Empty,
-            guardmesh.calls.cancel = tracing::field::Empty,
-            error = tracing::field::Empty,
+        let span = crate::observe::spans::batch_span(
+            trace.unary,
+            &request.batch_id,
+            request.context.as_ref(),
+            request.calls.len(),
+            self.served_at(),
         );
         {
             use tracing_opentelemetry::OpenTelemetrySpanExt;
@@ -223,25 +239,7 @@ impl Mesh {
             span.clone(),
         )
         .await;
-        match &result {
-            Ok(decision) => {
-                span.record("guardmesh.chain.revision", decision.chain_revision);
-                let count = |a: Action| {
-                    decision
-                        .decisions
-                        .iter()
-                        .filter(|d| d.action == a as i32)
-                        .count()
-                };
-                span.record("guardmesh.calls.proceed", count(Action::Proceed));
-                span.record("guardmesh.calls.steer", count(Action::Steer));
-                span.record("guardmesh.calls.cancel", count(Action::Cancel));
-            }
-            Err(error) => {
-                span.record("otel.status_code", "ERROR");
-                span.record("error", error.status().message());
-            }
-        }
+        crate::observe::spans::batch_done(&span, &result);
         result
     }
 
@@ -424,25 +422,14 @@ impl<'a> Judging<'a> {
         let budget = self.budget(guard, now);
         let run = &mut self.runs[g];
         run.started = Some(now);
-        let span = tracing::debug_span!(
-            parent: &self.span,
-            "guardmesh.guard",
-            otel.name = "guardmesh.v1.GuardService/Judge",
-            otel.kind = "client",
-            otel.status_code = tracing::field::Empty,
-            rpc.system = "grpc",
-            rpc.service = "guardmesh.v1.GuardService",
-            rpc.method = "Judge",
-            server.address = %guard.endpoint,
-            guardmesh.guard = %guard.name,
-            guardmesh.guard.role = guard.role.name(),
-            guardmesh.guard.dry_run = !guard.enforced(),
-            guardmesh.status = tracing::field::Empty,
-            guardmesh.calls.sent = run.sent.iter().filter(|s| **s).count(),
-            guardmesh.calls.skipped = tracing::field::Empty,
-            guardmesh.calls.rewritten = tracing::field::Empty,
-            error = tracing::field::Empty,
+        let guardrail = crate::observe::spans::guardrail_span(
+            &self.span,
+            guard,
+            self.context.as_ref().map_or("", |c| c.session_id.as_str()),
+            run.sent.iter().filter(|s| **s).count(),
         );
+        let span = crate::observe::spans::judge_span(&guardrail, guard);
+        run.guardrail = Some(guardrail);
         // R22: the guard's span is parented on this guard's client span.
         let traceparent = guardmesh_client::trace::span_traceparent(&span)
             .unwrap_or_else(|| self.trace.traceparent.clone());
@@ -545,6 +532,7 @@ impl<'a> Judging<'a> {
             Ok(checked) => {
                 run.malformed = checked.malformed;
                 run.skipped = checked.skips.iter().map(|(i, _)| *i).collect();
+                run.skip_kinds = checked.skips.iter().map(|(_, s)| s.kind).collect();
                 for (i, skip) in checked.skips {
                     fold.answer(0, i, Some(skip));
                 }
@@ -770,6 +758,7 @@ impl<'a> Judging<'a> {
                 }
                 for (i, skip) in checked.skips {
                     run.skipped.push(i);
+                    run.skip_kinds.push(skip.kind);
                     fold.answer(k, i, Some(skip));
                 }
                 run.malformed.extend(checked.malformed);
@@ -812,6 +801,12 @@ impl<'a> Judging<'a> {
         };
         let started = Instant::now();
         self.runs[g].started = Some(started);
+        self.runs[g].guardrail = Some(crate::observe::spans::guardrail_span(
+            &self.span,
+            &chain.guards[g].guard,
+            self.context.as_ref().map_or("", |c| c.session_id.as_str()),
+            self.runs[g].sent.iter().filter(|s| **s).count(),
+        ));
         let outcomes = rules.compiled.evaluate(input);
         let mut verdicts = Vec::new();
         let mut error = None;
@@ -1015,6 +1010,17 @@ impl<'a> Judging<'a> {
                 .map(|c| c.original.call_id.as_str())
                 .collect(),
         };
+        // The tool of call `i`, as the agent named it.
+        let tools = |i: usize| -> &str {
+            match decision {
+                Some(decision) => decision
+                    .decisions
+                    .get(i)
+                    .and_then(|d| d.original.as_ref())
+                    .map_or("", |c| c.tool.as_str()),
+                None => self.calls.get(i).map_or("", |c| c.original.tool.as_str()),
+            }
+        };
         for (ChainGuard { guard, .. }, run) in self.chain.guards.iter().zip(&self.runs) {
             if decision.is_none() && !run.sent_any {
                 continue;
@@ -1045,15 +1051,32 @@ impl<'a> Judging<'a> {
                 reported.name(),
                 run.latency().map(|l| l.as_secs_f64()),
             );
-            if let Some(span) = &run.span {
-                span.record("guardmesh.status", reported.name());
-                span.record("guardmesh.calls.skipped", run.skipped.len());
-                span.record("guardmesh.calls.rewritten", run.rewritten.len());
-                if !error.is_empty() {
-                    span.record("error", error.as_str());
+            if !guard.enforced() {
+                for i in 0..ids.len() {
+                    if let Some(would) = run.call_action(i) {
+                        metrics.dry_run_call(&guard.name, would);
+                    }
                 }
-                if run.failure.is_some() {
-                    span.record("otel.status_code", "ERROR");
+            }
+            if let Some(guardrail) = &run.guardrail {
+                crate::observe::spans::guard_done(
+                    guardrail,
+                    run.span.as_ref(),
+                    &crate::observe::spans::GuardOutcome {
+                        guard,
+                        status: reported.name(),
+                        failure: run.failure.as_ref(),
+                        error: &error,
+                        skipped: run.skipped.len(),
+                        rewritten: run.rewritten.len(),
+                    },
+                );
+                if !guardrail.is_disabled() {
+                    for (i, id) in ids.iter().enumerate() {
+                        if let Some(action) = run.call_action(i) {
+                            crate::observe::spans::call_event(guardrail, tools(i), id, action);
+                        }
+                    }
                 }
             }
         }

@@ -1,14 +1,20 @@
-//! Counters and histograms of the mesh, in the Prometheus text format.
+//! Counters and histograms of the mesh, in the OpenMetrics text format or
+//! the Prometheus text format (0.0.4).
 //!
 //! Each mesh owns its [`Metrics`] (no process globals), so several meshes in
-//! one process (tests, the demo) keep separate, exact counts.
+//! one process (tests, the demo) keep separate, exact counts. The process's
+//! own figures (`process_*`) are read from `/proc` at each scrape, and the
+//! OTLP export failures are the process's (one exporter serves it).
 
 use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::family::MetricConstructor;
 use prometheus_client::metrics::gauge::Gauge;
-use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
+use prometheus_client::metrics::histogram::Histogram;
 use prometheus_client::registry::Registry;
+use std::sync::Arc;
+use std::time::Duration;
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct OutcomeLabel {
@@ -41,10 +47,50 @@ struct ReasonLabel {
     reason: &'static str,
 }
 
-fn latency_histogram() -> Histogram {
-    // 50 µs .. ~1.6 s
-    Histogram::new(exponential_buckets(0.000_05, 2.0, 16))
+/// Latency buckets: from 50 µs, doubling, up to the first bound at or past
+/// `max` (the longest a batch may take), so that no latency the mesh
+/// allows falls only in `+Inf`.
+pub(crate) fn latency_buckets(max: Duration) -> Vec<f64> {
+    let max = max.as_secs_f64();
+    let mut buckets = vec![0.000_05];
+    while let Some(&last) = buckets.last()
+        && last < max
+        && buckets.len() < 64
+    {
+        buckets.push(last * 2.0);
+    }
+    buckets
 }
+
+/// Makes latency histograms with the mesh's buckets.
+#[derive(Clone, Debug)]
+struct Buckets(Arc<[f64]>);
+
+impl Buckets {
+    fn histogram(&self) -> Histogram {
+        Histogram::new(self.0.iter().copied())
+    }
+}
+
+impl MetricConstructor<Histogram> for Buckets {
+    fn new_metric(&self) -> Histogram {
+        self.histogram()
+    }
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct GuardWouldLabel {
+    guard: String,
+    would: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct VersionLabel {
+    version: &'static str,
+}
+
+/// What a dry-run guard would have done with a call (the `would` label).
+pub(crate) const WOULD: [&str; 5] = ["proceed", "steer", "cancel", "rewrite", "failed"];
 
 /// The mesh's metrics.
 pub struct Metrics {
@@ -62,7 +108,8 @@ pub struct Metrics {
     connections_refused: Family<ReasonLabel, Counter>,
     connections_open: Gauge,
     refused: Family<ReasonLabel, Counter>,
-    guard_latency: Family<GuardLabel, Histogram, fn() -> Histogram>,
+    guard_latency: Family<GuardLabel, Histogram, Buckets>,
+    dry_run_calls: Family<GuardWouldLabel, Counter>,
     batch_latency: Histogram,
     chain_guards: Gauge,
     registry_stale: Gauge<f64, std::sync::atomic::AtomicU64>,
@@ -89,8 +136,18 @@ impl Default for Metrics {
 }
 
 impl Metrics {
+    /// With latency buckets up to 30 s, the default longest batch.
     pub fn new() -> Self {
-        let mut registry = Registry::with_prefix("guardmesh");
+        Self::with_max_latency(Duration::from_secs(30))
+    }
+
+    /// With latency buckets reaching `max_latency` (the mesh's
+    /// `max_batch_timeout`).
+    pub fn with_max_latency(max_latency: Duration) -> Self {
+        let buckets = Buckets(latency_buckets(max_latency).into());
+        let mut root = Registry::default();
+        root.register_collector(Box::new(super::process::ProcessCollector));
+        let registry = root.sub_registry_with_prefix("guardmesh");
         let batches = Family::<OutcomeLabel, Counter>::default();
         registry.register(
             "batches",
@@ -171,15 +228,13 @@ impl Metrics {
             refused.clone(),
         );
         let guard_latency =
-            Family::<GuardLabel, Histogram, fn() -> Histogram>::new_with_constructor(
-                latency_histogram,
-            );
+            Family::<GuardLabel, Histogram, Buckets>::new_with_constructor(buckets.clone());
         registry.register(
             "guard_latency_seconds",
             "Time from sending a batch to a guard to its answer or failure",
             guard_latency.clone(),
         );
-        let batch_latency = latency_histogram();
+        let batch_latency = buckets.histogram();
         registry.register(
             "batch_latency_seconds",
             "Time to decide a batch",
@@ -216,8 +271,32 @@ impl Metrics {
             "Decision log records that could not be written, by kind (decision, chain_change)",
             log_failures.clone(),
         );
+        let dry_run_calls = Family::<GuardWouldLabel, Counter>::default();
+        registry.register(
+            "dry_run_calls",
+            "Calls sent to dry-run guards, by guard and what it would have done \
+             (proceed, steer, cancel, rewrite, failed)",
+            dry_run_calls.clone(),
+        );
+        let build_info = Family::<VersionLabel, Gauge>::default();
+        build_info
+            .get_or_create(&VersionLabel {
+                version: env!("CARGO_PKG_VERSION"),
+            })
+            .set(1);
+        registry.register(
+            "build_info",
+            "The mesh's version, as a label; the value is 1",
+            build_info,
+        );
+        registry.register(
+            "otlp_export_failures",
+            "OTLP exports that failed, by signal (traces), for the whole process",
+            super::otlp::EXPORT_FAILURES.clone(),
+        );
         Self {
-            registry,
+            registry: root,
+            dry_run_calls,
             log_records,
             log_failures,
             batches,
@@ -269,6 +348,48 @@ impl Metrics {
                     guard: guard.to_owned(),
                 })
                 .observe(seconds);
+        }
+    }
+
+    /// A call sent to dry-run guard `guard`, and what it would have done.
+    pub fn dry_run_call(&self, guard: &str, would: &'static str) {
+        self.dry_run_calls
+            .get_or_create(&GuardWouldLabel {
+                guard: guard.to_owned(),
+                would,
+            })
+            .inc();
+    }
+
+    /// The guards of a new chain (name, and whether it enforces): their
+    /// series exist from registration on, at 0, not only after first use.
+    pub fn guards_registered<'a>(&self, guards: impl IntoIterator<Item = (&'a str, bool)>) {
+        use guardmesh_proto::v1::TraceStatus;
+        for (name, enforced) in guards {
+            for &status in TraceStatus::NAMES {
+                if status != TraceStatus::Unspecified.name() {
+                    let _ = self.guard_outcomes.get_or_create(&GuardStatusLabel {
+                        guard: name.to_owned(),
+                        status,
+                    });
+                }
+            }
+            let guard = GuardLabel {
+                guard: name.to_owned(),
+            };
+            let _ = self.guard_latency.get_or_create(&guard);
+            let _ = self.bypassed.get_or_create(&guard);
+            let _ = self.spurious.get_or_create(&guard);
+            let _ = self.circuit_opened.get_or_create(&guard);
+            let _ = self.streams_opened.get_or_create(&guard);
+            if !enforced {
+                for would in WOULD {
+                    let _ = self.dry_run_calls.get_or_create(&GuardWouldLabel {
+                        guard: name.to_owned(),
+                        would,
+                    });
+                }
+            }
         }
     }
 
@@ -365,11 +486,119 @@ impl Metrics {
             .set(i64::try_from(guards).unwrap_or(i64::MAX));
     }
 
-    /// The metrics in the Prometheus text exposition format.
+    /// The metrics in the OpenMetrics text format (1.0.0).
     pub fn encode(&self) -> String {
         let mut out = String::new();
         // Writing into a String cannot fail.
         let _ = prometheus_client::encoding::text::encode(&mut out, &self.registry);
         out
+    }
+
+    /// The metrics in the Prometheus text exposition format (0.0.4).
+    pub fn encode_prometheus(&self) -> String {
+        openmetrics_to_prometheus(&self.encode())
+    }
+}
+
+/// Rewrites OpenMetrics text as the Prometheus text format: a counter
+/// family is named by its `_total` series, an info family is a gauge named
+/// `_info`, `unknown` is `untyped`, and there are no `_created` series,
+/// `# UNIT` lines nor `# EOF`.
+pub(crate) fn openmetrics_to_prometheus(text: &str) -> String {
+    use std::collections::HashMap;
+    use std::fmt::Write as _;
+    let mut types: HashMap<&str, &str> = HashMap::new();
+    for line in text.lines() {
+        if let Some(rest) = line.strip_prefix("# TYPE ")
+            && let Some((name, kind)) = rest.split_once(' ')
+        {
+            types.insert(name, kind);
+        }
+    }
+    let renamed = |name: &str| -> String {
+        match types.get(name) {
+            Some(&"counter") => format!("{name}_total"),
+            Some(&"info") => format!("{name}_info"),
+            _ => name.to_owned(),
+        }
+    };
+    let mut out = String::with_capacity(text.len());
+    for line in text.lines() {
+        if line == "# EOF" || line.starts_with("# UNIT ") {
+            continue;
+        }
+        if let Some(rest) = line.strip_prefix("# TYPE ") {
+            let (name, kind) = rest.split_once(' ').unwrap_or((rest, "untyped"));
+            let kind = match kind {
+                "counter" | "gauge" | "histogram" | "summary" => kind,
+                "info" | "stateset" => "gauge",
+                _ => "untyped",
+            };
+            let _ = writeln!(out, "# TYPE {} {kind}", renamed(name));
+            continue;
+        }
+        if let Some(rest) = line.strip_prefix("# HELP ") {
+            let (name, help) = rest.split_once(' ').unwrap_or((rest, ""));
+            let _ = writeln!(out, "# HELP {} {help}", renamed(name));
+            continue;
+        }
+        let name_end = line.find(['{', ' ']).unwrap_or(line.len());
+        let name = &line[..name_end];
+        if let Some(family) = name.strip_suffix("_created")
+            && types.get(family) == Some(&"counter")
+        {
+            continue;
+        }
+        out.push_str(line);
+        out.push('\n');
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn latency_buckets_reach_the_longest_batch() {
+        for max in [
+            Duration::from_millis(1),
+            Duration::from_secs(5),
+            Duration::from_secs(30),
+            Duration::from_secs(300),
+        ] {
+            let buckets = latency_buckets(max);
+            assert_eq!(buckets[0], 0.000_05);
+            let last = *buckets.last().unwrap();
+            assert!(last >= max.as_secs_f64(), "{max:?}: {buckets:?}");
+            assert!(buckets.len() < 2 || buckets[buckets.len() - 2] < max.as_secs_f64());
+        }
+    }
+
+    #[test]
+    fn the_prometheus_text_names_counters_by_their_total_and_has_no_eof() {
+        let metrics = Metrics::new();
+        metrics.batch("decided", 0.001);
+        metrics.guards_registered([("g", false)]);
+        let open = metrics.encode();
+        assert!(open.contains("# TYPE guardmesh_batches counter"), "{open}");
+        assert!(open.ends_with("# EOF\n"), "{open}");
+        let text = metrics.encode_prometheus();
+        assert!(
+            text.contains("# TYPE guardmesh_batches_total counter"),
+            "{text}"
+        );
+        assert!(text.contains("# HELP guardmesh_batches_total "), "{text}");
+        assert!(
+            text.contains("guardmesh_batches_total{outcome=\"decided\"} 1"),
+            "{text}"
+        );
+        assert!(text.contains("# TYPE guardmesh_build_info gauge"), "{text}");
+        assert!(
+            text.contains("guardmesh_dry_run_calls_total{guard=\"g\",would=\"steer\"} 0"),
+            "{text}"
+        );
+        assert!(!text.contains("# EOF"), "{text}");
+        assert!(!text.contains("_created"), "{text}");
     }
 }

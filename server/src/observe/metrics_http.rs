@@ -1,4 +1,6 @@
-//! The Prometheus scrape endpoint: `GET /metrics` over plain HTTP/1.1.
+//! The Prometheus scrape endpoint: `GET /metrics` over plain HTTP/1.1, in
+//! the OpenMetrics text format when the `Accept` header prefers it (as
+//! Prometheus' own scrapes do), else the Prometheus text format 0.0.4.
 
 use crate::observe::metrics::Metrics;
 use http_body_util::Full;
@@ -68,13 +70,45 @@ pub async fn spawn(addr: SocketAddr, metrics: Arc<Metrics>) -> std::io::Result<S
     Ok(bound)
 }
 
+/// The OpenMetrics content type.
+pub const OPENMETRICS: &str = "application/openmetrics-text; version=1.0.0; charset=utf-8";
+/// The Prometheus text format's content type.
+pub const PROMETHEUS_TEXT: &str = "text/plain; version=0.0.4; charset=utf-8";
+
+/// Whether an `Accept` header prefers OpenMetrics to plain text: it names
+/// `application/openmetrics-text` with a quality above 0 and at least that
+/// of any text type it names.
+pub fn prefers_openmetrics(accept: &str) -> bool {
+    let mut openmetrics: f32 = 0.0;
+    let mut text: f32 = 0.0;
+    for item in accept.split(',') {
+        let mut parts = item.split(';').map(str::trim);
+        let media = parts.next().unwrap_or_default().to_ascii_lowercase();
+        let quality = parts
+            .find_map(|p| p.strip_prefix("q="))
+            .and_then(|q| q.parse::<f32>().ok())
+            .unwrap_or(1.0);
+        match media.as_str() {
+            "application/openmetrics-text" => openmetrics = openmetrics.max(quality),
+            "text/plain" | "text/*" | "*/*" => text = text.max(quality),
+            _ => {}
+        }
+    }
+    openmetrics > 0.0 && openmetrics >= text
+}
+
 fn respond(request: &Request<hyper::body::Incoming>, metrics: &Metrics) -> Response<Full<Bytes>> {
     let (status, content_type, body) = if request.uri().path() == "/metrics" {
-        (
-            StatusCode::OK,
-            "application/openmetrics-text; version=1.0.0; charset=utf-8",
-            metrics.encode(),
-        )
+        let accept = request
+            .headers()
+            .get(hyper::header::ACCEPT)
+            .and_then(|v| v.to_str().ok())
+            .unwrap_or_default();
+        if prefers_openmetrics(accept) {
+            (StatusCode::OK, OPENMETRICS, metrics.encode())
+        } else {
+            (StatusCode::OK, PROMETHEUS_TEXT, metrics.encode_prometheus())
+        }
     } else {
         (
             StatusCode::NOT_FOUND,
@@ -90,4 +124,26 @@ fn respond(request: &Request<hyper::body::Incoming>, metrics: &Metrics) -> Respo
             .insert(hyper::header::CONTENT_TYPE, value);
     }
     response
+}
+
+#[cfg(test)]
+mod tests {
+    use super::prefers_openmetrics;
+
+    #[test]
+    fn the_accept_header_chooses_the_format() {
+        // What Prometheus sends.
+        assert!(prefers_openmetrics(
+            "application/openmetrics-text;version=1.0.0;escaping=allow-utf-8;q=0.5,\
+             application/openmetrics-text;version=0.0.1;q=0.4,text/plain;version=0.0.4;q=0.3,*/*;q=0.2"
+        ));
+        assert!(prefers_openmetrics("application/openmetrics-text"));
+        assert!(!prefers_openmetrics(""));
+        assert!(!prefers_openmetrics("*/*"));
+        assert!(!prefers_openmetrics("text/plain;version=0.0.4"));
+        assert!(!prefers_openmetrics(
+            "application/openmetrics-text;q=0.2, text/plain;q=0.9"
+        ));
+        assert!(!prefers_openmetrics("application/openmetrics-text;q=0"));
+    }
 }

@@ -4,4 +4,7 @@
 
 pub(crate) mod metrics;
 pub mod metrics_http;
+pub mod otlp;
+pub(crate) mod process;
+pub mod spans;
 pub mod telemetry;

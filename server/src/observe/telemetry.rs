@@ -4,12 +4,16 @@
 //!   by default, JSON on request, to stderr.
 //! * Traces: when `OTEL_EXPORTER_OTLP_ENDPOINT` (or
 //!   `OTEL_EXPORTER_OTLP_TRACES_ENDPOINT`) is set, or `OTEL_TRACES_EXPORTER`
-//!   is `otlp`, spans are exported over OTLP/gRPC by `opentelemetry-otlp`,
-//!   configured by the standard `OTEL_*` variables (endpoint, headers,
-//!   timeout, `OTEL_SERVICE_NAME`, `OTEL_RESOURCE_ATTRIBUTES`,
-//!   `OTEL_TRACES_SAMPLER`/`_ARG`). Otherwise no exporter runs. Only the
-//!   mesh's and the SDK's own spans are exported: HTTP/2 and transport
+//!   is `otlp`, spans are exported over OTLP by `opentelemetry-otlp`,
+//!   configured by the standard `OTEL_*` variables (endpoint, protocol,
+//!   headers, timeout, `OTEL_SERVICE_NAME`, `OTEL_RESOURCE_ATTRIBUTES`,
+//!   `OTEL_TRACES_SAMPLER`/`_ARG`); see [`super::otlp`] for the protocols
+//!   and the counting of failed exports. Otherwise no exporter runs. Only
+//!   the mesh's and the SDK's own spans are exported: HTTP/2 and transport
 //!   library spans are filtered out, and health checks create no spans.
+//!   Spans carry only their own attributes and events: none of the
+//!   subscriber's bookkeeping (`busy_ns`, `idle_ns`, `code.*`, `thread.*`,
+//!   `target`, `level`), and log events stay in the logs.
 //!
 //! The W3C trace context propagator is installed globally, so coordinators
 //! and guards in any language join the same trace (R22).
@@ -25,7 +29,7 @@ use opentelemetry_sdk::trace::SdkTracerProvider;
 use std::fmt::{self, Write as _};
 use tracing::Level;
 use tracing_subscriber::field::MakeExt;
-use tracing_subscriber::filter::Targets;
+use tracing_subscriber::filter::{FilterExt, Targets};
 use tracing_subscriber::fmt::FormatFields;
 use tracing_subscriber::fmt::MakeWriter;
 use tracing_subscriber::layer::SubscriberExt;
@@ -75,6 +79,15 @@ impl std::str::FromStr for LogFormat {
 pub enum TelemetryError {
     #[error("OTLP exporter: {0}")]
     Exporter(#[from] opentelemetry_otlp::ExporterBuildError),
+    #[error("OTLP exporter: {0}")]
+    Protocol(#[from] super::otlp::UnsupportedProtocol),
+    #[error(
+        "OTLP exporter: {var}={endpoint:?}: http/protobuf exports to http:// endpoints only \
+         (use a local collector, or OTEL_EXPORTER_OTLP_PROTOCOL=grpc)"
+    )]
+    HttpsEndpoint { var: &'static str, endpoint: String },
+    #[error("OTLP exporter: http/protobuf needs a tokio runtime: {0}")]
+    Runtime(#[from] tokio::runtime::TryCurrentError),
 }
 
 /// Keeps the trace exporter alive; [`Telemetry::shutdown`] flushes it.
@@ -87,6 +100,18 @@ impl Telemetry {
     /// Whether spans are exported.
     pub fn exporting(&self) -> bool {
         self.provider.is_some()
+    }
+
+    /// Exports the spans ended so far; whether that went through. The SDK's
+    /// flush blocks, so it runs on the blocking pool.
+    pub async fn flush(&self) -> bool {
+        let Some(provider) = self.provider.clone() else {
+            return true;
+        };
+        matches!(
+            tokio::task::spawn_blocking(move || provider.force_flush()).await,
+            Ok(Ok(()))
+        )
     }
 
     /// Flushes and stops the exporter. The SDK's shutdown blocks, so it runs
@@ -116,11 +141,52 @@ pub fn otlp_configured() -> bool {
     }
 }
 
+/// The OTLP exporter's per-export timeout: the standard variables, else
+/// the specification's 10 s.
+fn export_timeout() -> std::time::Duration {
+    [
+        "OTEL_EXPORTER_OTLP_TRACES_TIMEOUT",
+        "OTEL_EXPORTER_OTLP_TIMEOUT",
+    ]
+    .iter()
+    .find_map(|var| std::env::var(var).ok()?.trim().parse::<u64>().ok())
+    .map_or(
+        std::time::Duration::from_secs(10),
+        std::time::Duration::from_millis,
+    )
+}
+
 fn provider() -> Result<SdkTracerProvider, TelemetryError> {
+    use super::otlp::{Counted, Protocol, RuntimeHttpClient};
+    use opentelemetry_otlp::{WithExportConfig, WithHttpConfig};
     // No `.with_endpoint()`: the OTEL_EXPORTER_OTLP_* variables decide.
-    let exporter = opentelemetry_otlp::SpanExporter::builder()
-        .with_tonic()
-        .build()?;
+    let exporter = match super::otlp::protocol()? {
+        Protocol::Grpc => opentelemetry_otlp::SpanExporter::builder()
+            .with_tonic()
+            .with_protocol(opentelemetry_otlp::Protocol::Grpc)
+            .build()?,
+        Protocol::HttpProtobuf => {
+            for var in [
+                "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT",
+                "OTEL_EXPORTER_OTLP_ENDPOINT",
+            ] {
+                if let Ok(endpoint) = std::env::var(var)
+                    && endpoint.trim().starts_with("https://")
+                {
+                    return Err(TelemetryError::HttpsEndpoint { var, endpoint });
+                }
+            }
+            opentelemetry_otlp::SpanExporter::builder()
+                .with_http()
+                .with_protocol(opentelemetry_otlp::Protocol::HttpBinary)
+                .with_http_client(RuntimeHttpClient {
+                    runtime: tokio::runtime::Handle::try_current()?,
+                    timeout: export_timeout(),
+                })
+                .build()?
+        }
+    };
+    let exporter = Counted(exporter);
     let mut resource = opentelemetry_sdk::Resource::builder();
     if !env_set("OTEL_SERVICE_NAME") {
         resource = resource.with_service_name("guardmesh");
@@ -214,11 +280,19 @@ pub fn init(format: LogFormat, default_filter: &str) -> Result<Telemetry, Teleme
         // The batch and guard spans are at DEBUG so that, without export,
         // they are never created (the log layer filters at INFO): span
         // bookkeeping was a third of the mesh's CPU per batch.
+        // Spans only: log events stay in the logs rather than riding on
+        // spans as events with the subscriber's `level` and `target`.
         let ours = Targets::new()
             .with_target("guardmesh_server", Level::DEBUG)
-            .with_target("guardmesh_client", Level::DEBUG);
+            .with_target("guardmesh_client", Level::DEBUG)
+            .and(tracing_subscriber::filter::filter_fn(|meta| meta.is_span()));
         tracing_opentelemetry::layer()
             .with_tracer(provider.tracer("guardmesh"))
+            .with_tracked_inactivity(false)
+            .with_location(false)
+            .with_threads(false)
+            .with_target(false)
+            .with_level(false)
             .with_filter(ours)
     });
     let filter =

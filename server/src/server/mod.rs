@@ -37,6 +37,9 @@ pub async fn run(
 ) -> Result<(), ServeError> {
     // Dial the guards of the config file before the first batch needs them.
     let _ = mesh.chain();
+    if let Ok(addr) = listener.local_addr() {
+        let _ = mesh.served_at.set(addr);
+    }
     let (health, health_service) = tonic_health::server::health_reporter();
     health.set_serving::<PreToolServiceServer<PreTool>>().await;
     health.set_serving::<GuardRegistryServer<Registrar>>().await;
