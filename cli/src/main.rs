@@ -4,7 +4,8 @@ use std::process::ExitCode;
 
 /// The allocator measured best for the batch path in `guardmesh bench`
 /// (small buffers per guard and per call; glibc malloc took ~30% of the
-/// mesh's CPU).
+/// mesh's CPU). Build with `--features system-allocator` to compare.
+#[cfg(not(feature = "system-allocator"))]
 #[global_allocator]
 static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
 

@@ -25,6 +25,7 @@ use guardmesh_proto::v1::{
     Action, BatchContext, BatchDecision, CallDecision, EvaluateRequest, GuardBatch, GuardRole,
     GuardTrace, JudgeResponse, Skip, SkipKind, ToolCall, TraceStatus, Verdict, verdict,
 };
+use prost::bytes::Bytes;
 use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Duration;
@@ -89,10 +90,18 @@ impl BatchError {
 /// A call being judged.
 struct Call {
     original: ToolCall,
-    current: ToolCall,
+    /// The call as the mutate guards rewrote it, if one did.
+    rewritten: Option<ToolCall>,
     fixed: Option<Fixed>,
     rewritten_by: Vec<String>,
     bypassed: Vec<String>,
+}
+
+impl Call {
+    /// The call as it stands: rewritten, or as the coordinator sent it.
+    fn current(&self) -> &ToolCall {
+        self.rewritten.as_ref().unwrap_or(&self.original)
+    }
 }
 
 /// A skip that fixed a call.
@@ -319,6 +328,9 @@ struct Judging<'a> {
     /// Call id to index; ids never change, not even by rewrites.
     index_of: HashMap<String, usize>,
     runs: Vec<GuardRun>,
+    /// The batch's context and calls as guards are sent them, encoded once
+    /// per set of calls sent (by which calls), while no call changes.
+    encoded: Vec<(Vec<bool>, Bytes)>,
     deadline: Instant,
     trace: TraceContext,
     span: tracing::Span,
@@ -336,8 +348,8 @@ impl<'a> Judging<'a> {
         let calls: Vec<Call> = std::mem::take(&mut request.calls)
             .into_iter()
             .map(|call| Call {
-                current: call.clone(),
                 original: call,
+                rewritten: None,
                 fixed: None,
                 rewritten_by: Vec::new(),
                 bypassed: Vec::new(),
@@ -357,6 +369,7 @@ impl<'a> Judging<'a> {
             request,
             calls,
             runs: (0..chain.guards.len()).map(|_| GuardRun::new(n)).collect(),
+            encoded: Vec::new(),
             deadline,
             trace,
             span,
@@ -396,8 +409,27 @@ impl<'a> Judging<'a> {
         let guard = &self.chain.guards[g].guard;
         self.calls
             .iter()
-            .map(|call| call.fixed.is_none() && guard.tools.matches(&call.current.tool))
+            .map(|call| call.fixed.is_none() && guard.tools.matches(&call.current().tool))
             .collect()
+    }
+
+    /// The context and the calls guard `g` is sent, encoded: once for every
+    /// guard sent the same calls, until a rewrite changes a call.
+    fn shared_part(&mut self, g: usize) -> Bytes {
+        let sent = &self.runs[g].sent;
+        if let Some((_, bytes)) = self.encoded.iter().find(|(set, _)| set == sent) {
+            return bytes.clone();
+        }
+        let bytes = crate::link::wire::shared_part(
+            self.context.as_ref(),
+            self.calls
+                .iter()
+                .zip(sent)
+                .filter(|(_, sent)| **sent)
+                .map(|(call, _)| call.current()),
+        );
+        self.encoded.push((sent.clone(), bytes.clone()));
+        bytes
     }
 
     /// The time guard `g` gets: its timeout within what is left of the
@@ -415,7 +447,8 @@ impl<'a> Judging<'a> {
         events: &mpsc::UnboundedSender<LinkEvent>,
         now: Instant,
     ) -> Result<Instant, GuardFailure> {
-        let ChainGuard { guard, link } = &self.chain.guards[g];
+        let chain = self.chain;
+        let ChainGuard { guard, link } = &chain.guards[g];
         let Some(link) = link else {
             return Err(GuardFailure::StreamClosed);
         };
@@ -441,19 +474,14 @@ impl<'a> Judging<'a> {
             request_id: 0,
             batch_id: self.request.batch_id.clone(),
             guard: guard.name.clone(),
-            context: self.context.clone(),
-            calls: self
-                .calls
-                .iter()
-                .zip(&run.sent)
-                .filter(|(_, sent)| **sent)
-                .map(|(call, _)| call.current.clone())
-                .collect(),
+            context: None,
+            calls: Vec::new(),
             deadline_ms: u32::try_from(budget.as_millis()).unwrap_or(u32::MAX),
             traceparent,
             tracestate: self.trace.tracestate.clone(),
         };
-        run.request_id = Some(link.send(batch, tag, events)?);
+        let shared = self.shared_part(g);
+        self.runs[g].request_id = Some(link.send(batch, shared, tag, events)?);
         Ok(now + budget)
     }
 
@@ -522,7 +550,7 @@ impl<'a> Judging<'a> {
         let run = &mut self.runs[g];
         let checked = check_verdicts(
             guard,
-            |i| &self.calls[i].current,
+            |i| self.calls[i].current(),
             &self.index_of,
             &run.sent,
             &mut run.answered,
@@ -542,8 +570,11 @@ impl<'a> Judging<'a> {
                 if answered {
                     run.rewritten = checked.rewrites.iter().map(|(i, _)| *i).collect();
                     if guard.enforced() {
+                        if !checked.rewrites.is_empty() {
+                            self.encoded.clear();
+                        }
                         for (i, call) in checked.rewrites {
-                            self.calls[i].current = call;
+                            self.calls[i].rewritten = Some(call);
                             self.calls[i].rewritten_by.push(guard.name.clone());
                         }
                     }
@@ -746,7 +777,7 @@ impl<'a> Judging<'a> {
         let run = &mut self.runs[g];
         match check_verdicts(
             guard,
-            |i| &self.calls[i].current,
+            |i| self.calls[i].current(),
             &self.index_of,
             &run.sent,
             &mut run.answered,
@@ -814,7 +845,7 @@ impl<'a> Judging<'a> {
             if !self.runs[g].sent.get(i).copied().unwrap_or(false) {
                 continue;
             }
-            let call_id = self.calls[i].current.call_id.clone();
+            let call_id = self.calls[i].current().call_id.clone();
             match outcome {
                 PolicyOutcome::Proceed => verdicts.push(Verdict {
                     call_id,
@@ -871,19 +902,19 @@ impl<'a> Judging<'a> {
             calls: self
                 .calls
                 .iter()
+                .map(Call::current)
                 .map(|call| CallInput {
-                    call_id: call.current.call_id.clone(),
-                    tool: call.current.tool.clone(),
+                    call_id: call.call_id.clone(),
+                    tool: call.tool.clone(),
                     // Arguments were checked as an I-JSON object (R20);
                     // absent arguments are `{}`. Should text ever fail to
                     // parse here, a rule reading it sees `null` and errors
                     // (a guard failure, R13), never an empty object that
                     // would let it proceed.
-                    args: if call.current.arguments.trim().is_empty() {
+                    args: if call.arguments.trim().is_empty() {
                         serde_json::Value::Object(serde_json::Map::new())
                     } else {
-                        serde_json::from_str(&call.current.arguments)
-                            .unwrap_or(serde_json::Value::Null)
+                        serde_json::from_str(&call.arguments).unwrap_or(serde_json::Value::Null)
                     },
                 })
                 .collect(),
@@ -920,7 +951,7 @@ impl<'a> Judging<'a> {
                         content: format!(
                             "Tool call blocked: no guard checks the tool {:?}, and this mesh \
                              cancels unguarded calls. Do not retry it.",
-                            call.current.tool
+                            call.current().tool
                         ),
                         kind: SkipKind::Cancel,
                         by: String::new(),
@@ -936,6 +967,7 @@ impl<'a> Judging<'a> {
         let mut decisions = Vec::with_capacity(self.calls.len());
         let mut execute = Vec::new();
         for call in std::mem::take(&mut self.calls) {
+            let current = call.rewritten.unwrap_or_else(|| call.original.clone());
             let mut decision = CallDecision {
                 call_id: call.original.call_id.clone(),
                 action: Action::Proceed as i32,
@@ -948,7 +980,7 @@ impl<'a> Judging<'a> {
                 bypassed: call.bypassed,
             };
             match call.fixed {
-                None => execute.push(call.current.clone()),
+                None => execute.push(current.clone()),
                 Some(fixed) => {
                     decision.action = match fixed.kind {
                         SkipKind::Steer => Action::Steer,
@@ -959,7 +991,7 @@ impl<'a> Judging<'a> {
                     decision.failure = fixed.failure;
                 }
             }
-            decision.call = Some(call.current);
+            decision.call = Some(current);
             decisions.push(decision);
         }
         let ids: Vec<&str> = decisions.iter().map(|d| d.call_id.as_str()).collect();

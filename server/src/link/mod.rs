@@ -31,7 +31,7 @@ pub mod dial;
 use backoff::ExpBackoff;
 use breaker::ConsecutiveFailures;
 use guardmesh_proto::v1::{CancelBatch, GuardBatch, JudgeRequest, JudgeResponse, judge_request};
-use prost::Message;
+use prost::bytes::Bytes;
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
@@ -39,6 +39,7 @@ use std::time::Duration;
 use tokio::sync::mpsc;
 use tokio_stream::StreamExt;
 use tokio_stream::wrappers::UnboundedReceiverStream;
+use wire::Encoded;
 
 /// Why a guard could not answer a request.
 #[derive(Debug, Clone, thiserror::Error)]
@@ -177,9 +178,10 @@ struct Waiter {
     events: mpsc::UnboundedSender<LinkEvent>,
 }
 
-/// The requests waiting to be written to one stream, and their encoded size.
+/// The requests waiting to be written to one stream, encoded, and their
+/// size.
 struct Queue {
-    tx: mpsc::UnboundedSender<(JudgeRequest, usize)>,
+    tx: mpsc::UnboundedSender<Encoded>,
     /// Encoded bytes of the requests in `tx` not yet taken by the stream.
     bytes: Arc<AtomicUsize>,
 }
@@ -187,13 +189,13 @@ struct Queue {
 impl Queue {
     fn new() -> (
         Self,
-        impl tokio_stream::Stream<Item = JudgeRequest> + Send + 'static,
+        impl tokio_stream::Stream<Item = Encoded> + Send + 'static,
     ) {
-        let (tx, rx) = mpsc::unbounded_channel::<(JudgeRequest, usize)>();
+        let (tx, rx) = mpsc::unbounded_channel::<Encoded>();
         let bytes = Arc::new(AtomicUsize::new(0));
         let taken = bytes.clone();
-        let stream = UnboundedReceiverStream::new(rx).map(move |(request, len)| {
-            taken.fetch_sub(len, Ordering::Relaxed);
+        let stream = UnboundedReceiverStream::new(rx).map(move |request| {
+            taken.fetch_sub(request.len(), Ordering::Relaxed);
             request
         });
         (Self { tx, bytes }, stream)
@@ -202,14 +204,14 @@ impl Queue {
     /// Queues `request` unless the queue would then hold more than `limit`
     /// bytes (an empty queue takes any request); when refused, says how many
     /// bytes are queued.
-    fn push(&self, request: JudgeRequest, limit: usize) -> Result<(), QueueError> {
-        let len = request.encoded_len();
+    fn push(&self, request: Encoded, limit: usize) -> Result<(), QueueError> {
+        let len = request.len();
         let queued = self.bytes.load(Ordering::Relaxed);
         if queued > 0 && queued.saturating_add(len) > limit {
             return Err(QueueError::Full(queued));
         }
         self.bytes.fetch_add(len, Ordering::Relaxed);
-        self.tx.send((request, len)).map_err(|_| {
+        self.tx.send(request).map_err(|_| {
             self.bytes.fetch_sub(len, Ordering::Relaxed);
             QueueError::Closed
         })
@@ -266,9 +268,9 @@ impl Shared {
     fn send_cancel(&self, state: &State, request_id: u64) {
         if let Conn::Open(queue) = &state.conn {
             let _ = queue.push(
-                JudgeRequest {
+                Encoded::request(&JudgeRequest {
                     kind: Some(judge_request::Kind::Cancel(CancelBatch { request_id })),
-                },
+                }),
                 self.max_queued_bytes,
             );
         }
@@ -367,17 +369,23 @@ impl GuardLink {
         &self.shared.endpoint
     }
 
-    /// Sends `batch` (its `request_id` is assigned here). The answer or the
-    /// failure arrives on `events`, tagged with `tag`. Fails at once when the
-    /// guard is known to be down.
+    /// Sends `batch` (its `request_id` is assigned here) with `shared`, its
+    /// context and calls as [`wire::shared_part`] encoded them: `batch`'s
+    /// own `context` and `calls` are left empty. The answer or the failure
+    /// arrives on `events`, tagged with `tag`. Fails at once when the guard
+    /// is known to be down.
     pub fn send(
         &self,
         mut batch: GuardBatch,
+        shared: Bytes,
         tag: usize,
         events: &mpsc::UnboundedSender<LinkEvent>,
     ) -> Result<u64, GuardFailure> {
         let id = self.shared.next_id.fetch_add(1, Ordering::Relaxed);
         batch.request_id = id;
+        // Encoded once, outside the lock; the calls' bytes are shared with
+        // the other guards sent the same calls.
+        let request = Encoded::batch(&batch, shared);
         let mut state = self.shared.lock();
         state
             .circuit
@@ -390,9 +398,6 @@ impl GuardLink {
         let queue = match &state.conn {
             Conn::Open(queue) => queue,
             Conn::Down(error) => return Err(GuardFailure::Unreachable(error.clone())),
-        };
-        let request = JudgeRequest {
-            kind: Some(judge_request::Kind::Batch(batch)),
         };
         match queue.push(request, self.shared.max_queued_bytes) {
             Ok(()) => {}
@@ -472,7 +477,7 @@ fn record_outcome(
 }
 
 /// The requests of one stream, as the stream takes them.
-type Requests = std::pin::Pin<Box<dyn tokio_stream::Stream<Item = JudgeRequest> + Send>>;
+type Requests = std::pin::Pin<Box<dyn tokio_stream::Stream<Item = Encoded> + Send>>;
 
 /// The link's life: connect, serve one stream, back off, repeat.
 async fn run(
@@ -855,13 +860,108 @@ mod tests {
     }
 }
 
-/// Reading guards' answers off the wire (R23).
+/// Writing requests to guards, encoded once, and reading guards' answers off
+/// the wire (R23).
 pub mod wire {
-    use guardmesh_proto::v1::{JudgeRequest, JudgeResponse};
+    use guardmesh_proto::v1::{BatchContext, GuardBatch, JudgeRequest, JudgeResponse, ToolCall};
     use prost::Message;
-    use prost::bytes::Buf;
+    use prost::bytes::{Buf, BufMut, Bytes};
     use tonic::Status;
-    use tonic::codec::{Codec, DecodeBuf, Decoder, EncodeBuf, Encoder};
+    use tonic::codec::{BufferSettings, Codec, DecodeBuf, Decoder, EncodeBuf, Encoder};
+
+    /// An encoded `JudgeRequest`: `head`, then `shared`. A batch's `shared`
+    /// part is its context and calls (`GuardBatch` fields 4 and 5), encoded
+    /// once and shared, by reference count, by every guard of the batch that
+    /// is sent the same calls; `head` is the rest (the request's key and
+    /// length, the request id, the guard's name, deadline and trace
+    /// context). Protobuf readers accept fields in any order.
+    #[derive(Debug, Clone)]
+    pub struct Encoded {
+        head: Bytes,
+        shared: Bytes,
+    }
+
+    /// `JudgeRequest.batch`.
+    const BATCH_FIELD: u32 = 1;
+    /// `GuardBatch.context` and `GuardBatch.calls`.
+    const CONTEXT_FIELD: u32 = 4;
+    const CALLS_FIELD: u32 = 5;
+
+    /// The bytes of fields 4 and 5 of a `GuardBatch` (its context and
+    /// calls), to be encoded once per batch and set of calls and shared by
+    /// every guard sent that set (see [`Encoded::batch`]).
+    pub fn shared_part<'a>(
+        context: Option<&BatchContext>,
+        calls: impl Iterator<Item = &'a ToolCall> + Clone,
+    ) -> Bytes {
+        let len = context.map_or(0, |c| {
+            prost::encoding::message::encoded_len(CONTEXT_FIELD, c)
+        }) + calls
+            .clone()
+            .map(|call| prost::encoding::message::encoded_len(CALLS_FIELD, call))
+            .sum::<usize>();
+        let mut buf = Vec::with_capacity(len);
+        if let Some(context) = context {
+            prost::encoding::message::encode(CONTEXT_FIELD, context, &mut buf);
+        }
+        for call in calls {
+            prost::encoding::message::encode(CALLS_FIELD, call, &mut buf);
+        }
+        Bytes::from(buf)
+    }
+
+    impl Encoded {
+        /// Any request, encoded whole.
+        pub fn request(request: &JudgeRequest) -> Self {
+            Self {
+                head: request.encode_to_vec().into(),
+                shared: Bytes::new(),
+            }
+        }
+
+        /// A batch: `head` is the batch without context and calls (those
+        /// are ignored), `shared` its context and calls as
+        /// [`shared_part`] encodes them.
+        pub fn batch(head: &GuardBatch, shared: Bytes) -> Self {
+            debug_assert!(head.context.is_none() && head.calls.is_empty());
+            let own = head.encoded_len();
+            let inner = own + shared.len();
+            let mut bytes = Vec::with_capacity(
+                prost::encoding::key_len(BATCH_FIELD)
+                    + prost::encoding::encoded_len_varint(inner as u64)
+                    + own,
+            );
+            prost::encoding::encode_key(
+                BATCH_FIELD,
+                prost::encoding::WireType::LengthDelimited,
+                &mut bytes,
+            );
+            prost::encoding::encode_varint(inner as u64, &mut bytes);
+            head.encode_raw(&mut bytes);
+            Self {
+                head: bytes.into(),
+                shared,
+            }
+        }
+
+        /// Encoded bytes.
+        pub fn len(&self) -> usize {
+            self.head.len() + self.shared.len()
+        }
+
+        /// Whether there are none (never, for a request).
+        pub fn is_empty(&self) -> bool {
+            self.len() == 0
+        }
+
+        /// The bytes, in one buffer.
+        pub fn to_vec(&self) -> Vec<u8> {
+            let mut out = Vec::with_capacity(self.len());
+            out.extend_from_slice(&self.head);
+            out.extend_from_slice(&self.shared);
+            out
+        }
+    }
 
     /// A field of a guard's verdict that this mesh does not know.
     #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -1040,7 +1140,7 @@ pub mod wire {
     pub struct JudgeCodec;
 
     impl Codec for JudgeCodec {
-        type Encode = JudgeRequest;
+        type Encode = Encoded;
         type Decode = Answer;
         type Encoder = JudgeCodec;
         type Decoder = JudgeCodec;
@@ -1055,12 +1155,21 @@ pub mod wire {
     }
 
     impl Encoder for JudgeCodec {
-        type Item = JudgeRequest;
+        type Item = Encoded;
         type Error = Status;
 
-        fn encode(&mut self, item: JudgeRequest, dst: &mut EncodeBuf<'_>) -> Result<(), Status> {
-            item.encode(dst)
-                .map_err(|e| Status::internal(format!("cannot encode a guard request: {e}")))
+        fn encode(&mut self, item: Encoded, dst: &mut EncodeBuf<'_>) -> Result<(), Status> {
+            dst.put_slice(&item.head);
+            dst.put_slice(&item.shared);
+            Ok(())
+        }
+
+        /// A guard link is one stream that carries every batch sent to its
+        /// guard: a write buffer with room for many requests, so that the
+        /// buffer rarely grows (and copies what it holds) while requests
+        /// queue up under load.
+        fn buffer_settings(&self) -> BufferSettings {
+            BufferSettings::new(64 * 1024, 32 * 1024)
         }
     }
 
@@ -1210,6 +1319,92 @@ pub mod wire {
                     proptest::prop_assert!(scanned.is_ok(), "{:?}", scanned);
                 }
             }
+        }
+
+        fn batch(guard: &str, request_id: u64, arguments: &str) -> GuardBatch {
+            GuardBatch {
+                request_id,
+                batch_id: "b/1".into(),
+                guard: guard.into(),
+                context: Some(BatchContext {
+                    session_id: "s".into(),
+                    turn_index: 3,
+                    model_text: "text".into(),
+                    metadata: [("tenant".to_owned(), "acme".to_owned())].into(),
+                }),
+                calls: vec![
+                    ToolCall {
+                        call_id: "c1".into(),
+                        tool: "sql.query".into(),
+                        arguments: arguments.into(),
+                    },
+                    ToolCall {
+                        call_id: "c2".into(),
+                        tool: "fs.read".into(),
+                        arguments: "{}".into(),
+                    },
+                ],
+                deadline_ms: 250,
+                traceparent: "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01".into(),
+                tracestate: String::new(),
+            }
+        }
+
+        fn decoded(encoded: &Encoded) -> JudgeRequest {
+            JudgeRequest::decode(&encoded.to_vec()[..]).unwrap()
+        }
+
+        fn as_request(batch: GuardBatch) -> JudgeRequest {
+            JudgeRequest {
+                kind: Some(guardmesh_proto::v1::judge_request::Kind::Batch(batch)),
+            }
+        }
+
+        /// Encodes `batch` as the mesh does: its context and calls apart.
+        fn encoded(batch: &GuardBatch) -> Encoded {
+            let shared = shared_part(batch.context.as_ref(), batch.calls.iter());
+            let head = GuardBatch {
+                context: None,
+                calls: Vec::new(),
+                ..batch.clone()
+            };
+            Encoded::batch(&head, shared)
+        }
+
+        #[test]
+        fn batches_encoded_in_two_parts_read_as_prost_encodes_them() {
+            for batch in [
+                batch("g1", 1, "{\"q\":1}"),
+                batch("g3", u64::MAX, &"x".repeat(300)),
+                GuardBatch {
+                    request_id: 9,
+                    ..GuardBatch::default()
+                },
+            ] {
+                let encoded = encoded(&batch);
+                let whole = as_request(batch);
+                assert_eq!(decoded(&encoded), whole);
+                assert_eq!(encoded.len(), whole.encoded_len());
+            }
+            // Guards sent the same calls share one buffer.
+            let b = batch("g1", 1, "{}");
+            let shared = shared_part(b.context.as_ref(), b.calls.iter());
+            let head = GuardBatch {
+                context: None,
+                calls: Vec::new(),
+                ..b.clone()
+            };
+            let (x, y) = (
+                Encoded::batch(&head, shared.clone()),
+                Encoded::batch(&head, shared),
+            );
+            assert_eq!(x.shared.as_ptr(), y.shared.as_ptr());
+            let cancel = JudgeRequest {
+                kind: Some(guardmesh_proto::v1::judge_request::Kind::Cancel(
+                    guardmesh_proto::v1::CancelBatch { request_id: 4 },
+                )),
+            };
+            assert_eq!(decoded(&Encoded::request(&cancel)), cancel);
         }
 
         #[test]

@@ -14,7 +14,19 @@ use guardmesh_proto::v1::EvaluateRequest;
 use prost::Message;
 use std::marker::PhantomData;
 use tonic::Status;
-use tonic::codec::{Codec, DecodeBuf, Decoder, EncodeBuf, Encoder};
+use tonic::codec::{BufferSettings, Codec, DecodeBuf, Decoder, EncodeBuf, Encoder};
+
+/// The initial size of a stream's read and write buffers. tonic's default
+/// (8 KiB each) is allocated when a stream opens, so 1,000 idle coordinator
+/// streams held 16 MiB they never used; buffers grow as messages need, and
+/// keep what they grew to.
+const STREAM_BUFFER_BYTES: usize = 1024;
+
+/// Buffer settings of the mesh's streams (see [`STREAM_BUFFER_BYTES`]);
+/// yielding to the transport after 32 KiB, tonic's default.
+pub(crate) fn buffer_settings() -> BufferSettings {
+    BufferSettings::new(STREAM_BUFFER_BYTES, 32 * 1024)
+}
 
 /// One message read from a coordinator.
 #[derive(Debug)]
@@ -256,6 +268,10 @@ impl<E: Message> Encoder for AnswerEncoder<E> {
         item.encode(dst)
             .map_err(|e| Status::internal(format!("encoding an answer: {e}")))
     }
+
+    fn buffer_settings(&self) -> BufferSettings {
+        buffer_settings()
+    }
 }
 
 /// Reads one message as [`Inbound`].
@@ -272,6 +288,10 @@ impl Decoder for InboundDecoder {
         use prost::bytes::Buf;
         let bytes = src.copy_to_bytes(src.remaining());
         Ok(Some(Inbound::decode(&bytes, &self.limits)))
+    }
+
+    fn buffer_settings(&self) -> BufferSettings {
+        buffer_settings()
     }
 }
 

@@ -354,7 +354,10 @@ impl StreamBudget {
 /// An answer queued on a stream, with the bytes it holds.
 #[derive(Debug)]
 struct Answer {
-    response: Result<EvaluateResponse, Status>,
+    /// Boxed: the stream's channel allocates 32 slots when the stream
+    /// opens, and an unboxed answer (with room for a `Status`) made each
+    /// idle stream hold about 7 KiB of them.
+    response: Box<Result<EvaluateResponse, Status>>,
     bytes: usize,
 }
 
@@ -362,7 +365,7 @@ impl Answer {
     fn new(response: EvaluateResponse) -> Self {
         Self {
             bytes: response.encoded_len(),
-            response: Ok(response),
+            response: Box::new(Ok(response)),
         }
     }
 }
@@ -382,7 +385,7 @@ impl Stream for AnswerStream {
         match self.rx.poll_recv(cx) {
             Poll::Ready(Some(answer)) => {
                 self.budget.release(answer.bytes);
-                Poll::Ready(Some(answer.response))
+                Poll::Ready(Some(*answer.response))
             }
             Poll::Ready(None) => Poll::Ready(None),
             Poll::Pending => Poll::Pending,
@@ -472,7 +475,7 @@ impl StreamLoop {
             if let Some(status) = stream_error {
                 let _ = tx
                     .send(Answer {
-                        response: Err(status),
+                        response: Box::new(Err(status)),
                         bytes: 0,
                     })
                     .await;
