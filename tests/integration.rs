@@ -15,7 +15,8 @@
 //!   SDK (R31).
 //! * `cli`, `shutdown`: the `guardmesh` command as users run it.
 //! * `decision_log`: the decision log in the mesh, `guardmesh log verify`
-//!   and `guardmesh replay` (R29, R30).
+//!   and `guardmesh replay` (R29, R30); `decision_log_replay`: replay
+//!   against a running mesh with a dry-run candidate.
 //! * `policy`: policy guards and unguarded calls (R27, R28), and
 //!   `guardmesh policy check|test`.
 //!
@@ -28,6 +29,7 @@ mod harness;
 mod cli;
 mod conformance;
 mod decision_log;
+mod decision_log_replay;
 mod etcd;
 mod faults;
 mod mcp;
