@@ -16,7 +16,9 @@
 //! * `cli`, `shutdown`: the `guardmesh` command as users run it.
 //! * `decision_log`: the decision log in the mesh, `guardmesh log verify`
 //!   and `guardmesh replay` (R29, R30); `decision_log_replay`: replay
-//!   against a running mesh with a dry-run candidate.
+//!   against a running mesh with a dry-run candidate;
+//!   `decision_log_refusals`: refusals by the auth layer and chain changes
+//!   that cannot be recorded.
 //! * `policy`: policy guards and unguarded calls (R27, R28), and
 //!   `guardmesh policy check|test`.
 //!
@@ -29,6 +31,7 @@ mod harness;
 mod cli;
 mod conformance;
 mod decision_log;
+mod decision_log_refusals;
 mod decision_log_replay;
 mod etcd;
 mod faults;
