@@ -200,5 +200,15 @@ async fn r29_records_are_exported_over_otlp_as_log_records_masked_and_linked_to_
         "linked to the batch's trace"
     );
     assert_eq!(received.event_name, "guardmesh.decision_log.record");
+    // Its time is the record's (RFC 3339 in the line, nanoseconds here).
+    let time = time::OffsetDateTime::parse(
+        written["time"].as_str().unwrap(),
+        &time::format_description::well_known::Rfc3339,
+    )
+    .unwrap();
+    assert_eq!(
+        i128::from(received.time_unix_nano),
+        time.unix_timestamp_nanos()
+    );
     let _ = std::fs::remove_dir_all(&dir);
 }

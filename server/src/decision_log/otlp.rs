@@ -45,6 +45,8 @@ struct Fields {
     #[serde(default)]
     hash: String,
     #[serde(default)]
+    time: String,
+    #[serde(default)]
     trace_id: Option<String>,
     #[serde(default)]
     batch: Option<BatchFields>,
@@ -101,7 +103,16 @@ impl Export {
         record.set_event_name("guardmesh.decision_log.record");
         record.set_severity_number(Severity::Info);
         record.set_severity_text("INFO");
-        record.set_timestamp(std::time::SystemTime::now());
+        // The record's own time; when it was exported is the observed time.
+        let now = std::time::SystemTime::now();
+        record.set_observed_timestamp(now);
+        record.set_timestamp(
+            time::OffsetDateTime::parse(
+                &fields.time,
+                &time::format_description::well_known::Rfc3339,
+            )
+            .map_or(now, std::time::SystemTime::from),
+        );
         record.set_body(AnyValue::String(text.to_owned().into()));
         record.add_attribute("guardmesh.record.id", fields.id);
         record.add_attribute(
