@@ -212,16 +212,24 @@ async fn r29_r30_every_answer_and_chain_change_is_recorded_masked_verified_and_r
         .unwrap();
     assert_eq!(decisions_of(&log, "u/0").len(), 1);
 
+    // Under on_log_failure = "refuse" (the default) each change is
+    // recorded as requested before it is applied, then with its result.
     let all = records(&log);
     let changes: Vec<_> = all.iter().filter(|r| r["kind"] == "chain_change").collect();
-    assert_eq!(changes.len(), 3, "{changes:?}");
+    assert_eq!(changes.len(), 5, "{changes:?}");
     assert_eq!(changes[1]["change"], "register");
     assert_eq!(changes[1]["guard"], "down");
-    assert_eq!(changes[1]["outcome"]["status"], "applied");
-    assert_eq!(changes[2]["change"], "deregister");
+    assert_eq!(changes[1]["outcome"]["status"], "requested");
+    assert!(changes[1]["new_revision"].is_null());
+    assert_eq!(changes[2]["change"], "register");
+    assert_eq!(changes[2]["guard"], "down");
+    assert_eq!(changes[2]["outcome"]["status"], "applied");
+    assert_eq!(changes[3]["change"], "deregister");
+    assert_eq!(changes[3]["outcome"]["status"], "requested");
+    assert_eq!(changes[4]["change"], "deregister");
     assert_eq!(
-        changes[2]["old_revision"].as_u64().unwrap() + 1,
-        changes[2]["new_revision"].as_u64().unwrap()
+        changes[4]["old_revision"].as_u64().unwrap() + 1,
+        changes[4]["new_revision"].as_u64().unwrap()
     );
     let batches: Vec<_> = all.iter().filter(|r| r["kind"] == "decision").collect();
     assert_eq!(
@@ -290,7 +298,7 @@ async fn r29_r30_every_answer_and_chain_change_is_recorded_masked_verified_and_r
     let out = guardmesh(&["log", "verify", &log.display().to_string()]);
     assert!(out.status.success(), "{}", text(&out.stderr));
     assert!(
-        text(&out.stdout).contains("ok: 8 records"),
+        text(&out.stdout).contains("ok: 10 records"),
         "{}",
         text(&out.stdout)
     );
@@ -366,8 +374,15 @@ async fn r29_a_decision_that_cannot_be_recorded_is_refused_unavailable() {
     let Some((mesh, _dir)) = failing_mesh(OnLogFailure::Refuse).await else {
         return;
     };
+    // R29: a registration that cannot be recorded is not applied either.
     let guard = proceed_guard().await;
-    mesh.register(Registration::validate("g", &guard.url)).await;
+    let err = mesh
+        .registrar()
+        .await
+        .register(Registration::validate("g", &guard.url))
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), Some(tonic::Code::Unavailable), "{err}");
     let coordinator = mesh.coordinator().await;
     let session = coordinator.session("s").await.unwrap();
     for batch in [
@@ -535,21 +550,25 @@ async fn r29_records_name_the_authenticated_caller() {
         .unwrap_err();
     assert_eq!(refused.code(), Some(tonic::Code::InvalidArgument));
 
+    // The registration is recorded as requested, then applied; the refused
+    // one, refused by its checks, only as refused.
     let all = records(&dir.join("log"));
-    assert_eq!(all.len(), 4, "{all:?}");
+    assert_eq!(all.len(), 5, "{all:?}");
     let ids: Vec<_> = all.iter().map(|r| r["caller"]["id"].clone()).collect();
-    assert_eq!(ids, ["ops", "agent", "agent", "ops"], "{all:?}");
+    assert_eq!(ids, ["ops", "ops", "agent", "agent", "ops"], "{all:?}");
     assert_eq!(all[0]["caller"]["roles"][0], "admin");
+    assert_eq!(all[0]["outcome"]["status"], "requested");
+    assert_eq!(all[1]["outcome"]["status"], "applied");
     assert!(
-        all[1]["caller"]["peer"]
+        all[2]["caller"]["peer"]
             .as_str()
             .unwrap()
             .starts_with("127.0.0.1:")
     );
-    assert_eq!(all[3]["change"], "register");
-    assert_eq!(all[3]["guard"], "bad");
-    assert_eq!(all[3]["outcome"]["status"], "refused");
-    assert_eq!(all[3]["outcome"]["code"], 3);
-    assert!(all[3]["new_revision"].is_null());
+    assert_eq!(all[4]["change"], "register");
+    assert_eq!(all[4]["guard"], "bad");
+    assert_eq!(all[4]["outcome"]["status"], "refused");
+    assert_eq!(all[4]["outcome"]["code"], 3);
+    assert!(all[4]["new_revision"].is_null());
     let _ = std::fs::remove_dir_all(&dir);
 }

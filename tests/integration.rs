@@ -17,7 +17,11 @@
 //!   SDK (R31).
 //! * `cli`, `shutdown`: the `guardmesh` command as users run it.
 //! * `decision_log`: the decision log in the mesh, `guardmesh log verify`
-//!   and `guardmesh replay` (R29, R30).
+//!   and `guardmesh replay` (R29, R30); `decision_log_replay`: replay
+//!   against a running mesh with a dry-run candidate;
+//!   `decision_log_refusals`: refusals by the auth layer and chain changes
+//!   that cannot be recorded; `decision_log_otlp`: the records exported as
+//!   OpenTelemetry log records.
 //! * `policy`: policy guards and unguarded calls (R27, R28), and
 //!   `guardmesh policy check|test`.
 //!
@@ -30,6 +34,9 @@ mod harness;
 mod cli;
 mod conformance;
 mod decision_log;
+mod decision_log_otlp;
+mod decision_log_refusals;
+mod decision_log_replay;
 mod etcd;
 mod faults;
 mod mcp;

@@ -133,8 +133,9 @@ enum Command {
         action: LogAction,
     },
     /// Judges recorded batches again against the chain of a config file
-    /// and reports every call whose decision differs from the recorded one
-    /// (R30). Exits 0 when none differs, 1 when one does.
+    /// (--config) or of a running mesh (--mesh), and reports every call
+    /// whose decision differs from the recorded one (R30). Exits 0 when
+    /// none differs, 1 when one does, 2 when the replay cannot run.
     Replay(crate::replay::ReplayArgs),
 }
 
@@ -158,11 +159,11 @@ enum PolicyAction {
 /// How the command-line tools reach a mesh: its address and the
 /// credentials sent on every call (R24).
 #[derive(clap::Args)]
-struct MeshArgs {
+pub(crate) struct MeshArgs {
     /// The mesh's address: a URL (`https://` for a mesh with TLS), or
     /// `host:port` (https:// when --ca-file is given).
     #[arg(long, default_value = "http://127.0.0.1:50051", global = true)]
-    mesh: String,
+    pub(crate) mesh: String,
     /// PEM of the CA that signed the mesh's certificate (TLS).
     #[arg(long, global = true)]
     ca_file: Option<PathBuf>,
@@ -188,7 +189,7 @@ struct MeshArgs {
 
 /// Why the command-line tools could not build their connection to a mesh.
 #[derive(Debug, thiserror::Error)]
-enum MeshArgsError {
+pub(crate) enum MeshArgsError {
     #[error("cannot read {what} {path}: {source}")]
     Read {
         what: &'static str,
@@ -208,7 +209,7 @@ enum MeshArgsError {
 
 impl MeshArgs {
     /// The SDK connection these flags describe.
-    fn connection(&self) -> Result<guardmesh_client::Connection, MeshArgsError> {
+    pub(crate) fn connection(&self) -> Result<guardmesh_client::Connection, MeshArgsError> {
         let read = |what: &'static str, path: &std::path::Path| {
             std::fs::read_to_string(path).map_err(|source| MeshArgsError::Read {
                 what,
@@ -275,7 +276,7 @@ impl MeshArgs {
     /// without a client certificate: a mesh that requires one refuses the
     /// handshake before any RPC (R24), which reaches the client as a
     /// transport error rather than `UNAUTHENTICATED`.
-    fn explain(&self) -> impl Fn(guardmesh_client::ClientError) -> Error + '_ {
+    pub(crate) fn explain(&self) -> impl Fn(guardmesh_client::ClientError) -> Error + '_ {
         move |error| {
             let transport = error.is_connect()
                 || matches!(

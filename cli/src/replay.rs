@@ -1,13 +1,27 @@
-//! `guardmesh replay LOG... --config FILE` (R30): every batch the decision
-//! log recorded as decided is judged again by an in-process mesh built from
-//! the config file, and every call whose action or deciding guard differs
-//! from the record is reported.
+//! `guardmesh replay LOG... --config FILE | --mesh URL` (R30): every batch
+//! the decision log recorded as decided is judged again, by an in-process
+//! mesh built from a config file or by a running mesh over gRPC, and every
+//! call whose action or deciding guard differs from the record is reported.
 //!
-//! Deterministic for the same records and chain: batches are replayed one
-//! at a time, in log order, and only actions and deciding guards are
-//! compared (never latencies). Masked arguments are replayed as masked
-//! (the log holds nothing else), and the report says how many records had
-//! masked values.
+//! Deterministic for the same records and chain: the records are read
+//! whole first, batches are replayed one at a time, in log order, and only
+//! actions and deciding guards are compared (never latencies). Masked
+//! arguments are replayed as masked (the log holds nothing else), and the
+//! report says how many records had masked values.
+//!
+//! Dry run (R18): a guard in mode `dry_run` never changes the enforced
+//! decision, so a candidate is previewed by what it *would* have done. A
+//! call that the chain lets proceed but that a dry-run guard would have
+//! skipped counts as newly blocked: its new decision is action `skip`
+//! (the trace says that the guard would have skipped, not whether as steer
+//! or cancel) by that guard, with `dry_run: true`. Enforced decisions
+//! always have `dry_run: false`.
+//!
+//! Against a running mesh, the replayed batches are batches like any other:
+//! the mesh answers and records them (R29), under the replay's credentials
+//! and batch ids `replay:<record id>`. Records with such batch ids are
+//! not replayed again (so replaying the log a mesh is writing gives the
+//! same report twice), and the report counts them.
 
 use guardmesh_proto::v1::{self as pb, BatchContext, EvaluateRequest, ToolCall};
 use guardmesh_server::config::Config;
@@ -20,25 +34,35 @@ use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 use std::sync::Arc;
 
+/// The batch id prefix of replayed batches.
+const REPLAY_PREFIX: &str = "replay:";
+
 #[derive(clap::Args)]
 pub(crate) struct ReplayArgs {
     /// Decision log directories or files, replayed in the order given.
     #[arg(required = true)]
     logs: Vec<PathBuf>,
-    /// The mesh config whose chain judges the batches again (its
-    /// `[[guard]]` entries; its `[decision_log]` is not opened).
-    #[arg(long)]
-    config: PathBuf,
+    /// The mesh config whose chain judges the batches again, in process
+    /// (its `[[guard]]` entries; its `[decision_log]` is not opened).
+    /// Without it, the running mesh at --mesh judges them.
+    #[arg(long, conflicts_with = "mesh")]
+    config: Option<PathBuf>,
+    /// The running mesh and the credentials to reach it (--mesh,
+    /// --ca-file, --cert-file/--key-file, --token-file, as `evaluate`).
+    #[command(flatten)]
+    mesh: crate::app::MeshArgs,
     /// Print the report as JSON.
     #[arg(long)]
     json: bool,
 }
 
-/// One call's decision: its action and the guard that decided it.
+/// One call's decision: its action and the guard that decided it; with
+/// `dry_run`, what a dry-run guard would have decided (R18).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 struct Decided {
     action: String,
     guard: Option<String>,
+    dry_run: bool,
 }
 
 /// A call whose decision differs.
@@ -62,6 +86,13 @@ struct Report {
     calls: u64,
     /// Replayed records that had masked or omitted values.
     masked_records: u64,
+    /// Records of earlier replays (batch id `replay:...`), not replayed and
+    /// not counted in `records`; said on stderr, so that the report of a
+    /// log that earlier replays wrote to stays the same.
+    #[serde(skip)]
+    replay_records: u64,
+    /// What judged: `config FILE` or `mesh URL`.
+    judged_by: String,
     differences: Vec<Difference>,
 }
 
@@ -82,6 +113,12 @@ pub(crate) fn main(args: ReplayArgs) -> ExitCode {
     };
     match runtime.block_on(replay(&args)) {
         Ok(report) => {
+            if report.replay_records > 0 {
+                eprintln!(
+                    "note: {} records of earlier replays (batch ids {REPLAY_PREFIX}...) were not replayed",
+                    report.replay_records
+                );
+            }
             if args.json {
                 match serde_json::to_string_pretty(&report) {
                     Ok(text) => println!("{text}"),
@@ -108,8 +145,8 @@ pub(crate) fn main(args: ReplayArgs) -> ExitCode {
 
 fn print_table(report: &Report) {
     println!(
-        "replayed {} batches ({} calls) of {} decision records; {} records had masked values (replayed masked)",
-        report.batches, report.calls, report.records, report.masked_records
+        "replayed {} batches ({} calls) of {} decision records against {}; {} records had masked values (replayed masked)",
+        report.batches, report.calls, report.records, report.judged_by, report.masked_records
     );
     if report.differences.is_empty() {
         println!("no call's decision differs");
@@ -120,9 +157,15 @@ fn print_table(report: &Report) {
         "{:<6} {:<16} {:<12} {:<20} {:<28} new",
         "seq", "batch", "call", "tool", "recorded"
     );
-    let shown = |d: &Decided| match &d.guard {
-        Some(guard) => format!("{} by {guard}", d.action),
-        None => d.action.clone(),
+    let shown = |d: &Decided| {
+        let mut text = match &d.guard {
+            Some(guard) => format!("{} by {guard}", d.action),
+            None => d.action.clone(),
+        };
+        if d.dry_run {
+            text.push_str(" (dry run: would have)");
+        }
+        text
     };
     for d in &report.differences {
         println!(
@@ -166,9 +209,141 @@ async fn mesh(config: &Path) -> Result<Arc<Mesh>, Error> {
     Ok(Mesh::new(mesh_config, registry))
 }
 
+/// What judges the batches again.
+enum Judge {
+    /// An in-process mesh built from a config file.
+    Local(Arc<Mesh>),
+    /// A running mesh, over one session stream.
+    Remote(guardmesh_client::Session),
+}
+
+/// One call's new decision, by call id; `Err`: the batch was refused or
+/// aborted, with the status message.
+type NewDecisions = Result<Vec<(String, Decided)>, String>;
+
+impl Judge {
+    async fn connect(args: &ReplayArgs) -> Result<(Judge, String), Error> {
+        if let Some(config) = &args.config {
+            return Ok((
+                Judge::Local(mesh(config).await?),
+                format!("config {}", config.display()),
+            ));
+        }
+        let mesh = &args.mesh;
+        let connection = mesh.connection()?;
+        let coordinator =
+            guardmesh_client::Coordinator::connect_with(mesh.mesh.clone(), &connection)
+                .await
+                .map_err(mesh.explain())?;
+        let session = coordinator
+            .session("replay")
+            .await
+            .map_err(mesh.explain())?;
+        let url = mesh.mesh.clone();
+        Ok((Judge::Remote(session), format!("mesh {url}")))
+    }
+
+    /// Judges `request`. `Err` only when the replay cannot go on (the mesh
+    /// cannot be reached); a refusal is a new decision.
+    async fn judge(
+        &self,
+        request: EvaluateRequest,
+        args: &crate::app::MeshArgs,
+    ) -> Result<NewDecisions, Error> {
+        match self {
+            Judge::Local(mesh) => {
+                let timeout = match request.timeout_ms {
+                    0 => mesh.config.default_batch_timeout,
+                    ms => std::time::Duration::from_millis(u64::from(ms)),
+                }
+                .min(mesh.config.max_batch_timeout);
+                let deadline = tokio::time::Instant::now() + timeout;
+                Ok(
+                    match mesh
+                        .evaluate(request, deadline, TraceContext::default())
+                        .await
+                    {
+                        Ok(answer) => Ok(answer
+                            .decisions
+                            .iter()
+                            .map(|d| {
+                                let action = pb::Action::try_from(d.action)
+                                    .unwrap_or(pb::Action::Unspecified);
+                                (
+                                    d.call_id.clone(),
+                                    decided(&d.call_id, action, &d.decided_by, &answer.trace),
+                                )
+                            })
+                            .collect()),
+                        Err(error) => Err(error.status().message().to_owned()),
+                    },
+                )
+            }
+            Judge::Remote(session) => match session.evaluate_raw(request).await {
+                Ok(answer) => Ok(Ok(answer
+                    .calls
+                    .iter()
+                    .map(|d| {
+                        let action = match d.outcome {
+                            guardmesh_client::Outcome::Proceed => pb::Action::Proceed,
+                            guardmesh_client::Outcome::Steer { .. } => pb::Action::Steer,
+                            guardmesh_client::Outcome::Cancel { .. } => pb::Action::Cancel,
+                        };
+                        let by = d.decided_by.clone().unwrap_or_default();
+                        (
+                            d.call_id.clone(),
+                            decided(&d.call_id, action, &by, &answer.trace),
+                        )
+                    })
+                    .collect())),
+                Err(error) => match crate::evaluate::refusal(error) {
+                    Ok(status) => Ok(Err(status.message().to_owned())),
+                    Err(error) => Err(args.explain()(error)),
+                },
+            },
+        }
+    }
+}
+
+/// A call's new decision from the answer: the enforced one, or, for a call
+/// that proceeds, the first dry-run guard in chain order that would have
+/// skipped it.
+fn decided(
+    call_id: &str,
+    action: pb::Action,
+    decided_by: &str,
+    trace: &[pb::GuardTrace],
+) -> Decided {
+    let action = match action {
+        pb::Action::Steer => "steer",
+        pb::Action::Cancel => "cancel",
+        pb::Action::Proceed => {
+            let would = trace.iter().find(|t| {
+                t.status == pb::TraceStatus::DryRun as i32
+                    && t.skipped_call_ids.iter().any(|id| id == call_id)
+            });
+            if let Some(guard) = would {
+                return Decided {
+                    action: "skip".to_owned(),
+                    guard: Some(guard.guard.clone()),
+                    dry_run: true,
+                };
+            }
+            "proceed"
+        }
+        pb::Action::Unspecified => "unspecified",
+    };
+    Decided {
+        action: action.to_owned(),
+        guard: (!decided_by.is_empty()).then(|| decided_by.to_owned()),
+        dry_run: false,
+    }
+}
+
 async fn replay(args: &ReplayArgs) -> Result<Report, Error> {
-    let mesh = mesh(&args.config).await?;
-    let mut report = Report::default();
+    // Read every record first: a mesh that writes to the same log while it
+    // judges the replayed batches does not make the replay longer.
+    let mut records = Vec::new();
     for log in &args.logs {
         for file in files(log)? {
             let text = std::fs::read_to_string(&file)
@@ -181,23 +356,41 @@ async fn replay(args: &ReplayArgs) -> Result<Report, Error> {
                         index + 1
                     )
                 })?;
-                let Entry::Decision(decision) = record.entry else {
-                    continue;
-                };
-                report.records += 1;
-                if decision.outcome.status != OutcomeStatus::Decided
-                    || decision.decisions.is_empty()
-                {
-                    continue;
-                }
-                report.batches += 1;
-                report.calls += decision.decisions.len() as u64;
-                if record.masked > 0 {
-                    report.masked_records += 1;
-                }
-                judge_again(&mesh, record.seq, &record.id, decision, &mut report).await;
+                records.push(record);
             }
         }
+    }
+    let (judge, judged_by) = Judge::connect(args).await?;
+    let mut report = Report {
+        judged_by,
+        ..Report::default()
+    };
+    for record in records {
+        let Entry::Decision(decision) = record.entry else {
+            continue;
+        };
+        if decision.batch.batch_id.starts_with(REPLAY_PREFIX) {
+            report.replay_records += 1;
+            continue;
+        }
+        report.records += 1;
+        if decision.outcome.status != OutcomeStatus::Decided || decision.decisions.is_empty() {
+            continue;
+        }
+        report.batches += 1;
+        report.calls += decision.decisions.len() as u64;
+        if record.masked > 0 {
+            report.masked_records += 1;
+        }
+        judge_again(
+            &judge,
+            &args.mesh,
+            record.seq,
+            &record.id,
+            decision,
+            &mut report,
+        )
+        .await?;
     }
     Ok(report)
 }
@@ -214,19 +407,24 @@ fn recorded(decision: &CallDecisionRecord) -> Decided {
     Decided {
         action: action_name(decision.action).to_owned(),
         guard: decision.decided_by.clone(),
+        dry_run: false,
     }
 }
 
 async fn judge_again(
-    mesh: &Mesh,
+    judge: &Judge,
+    mesh_args: &crate::app::MeshArgs,
     seq: u64,
     id: &str,
     decision: DecisionRecord,
     report: &mut Report,
-) {
+) -> Result<(), Error> {
     let batch = decision.batch;
     let request = EvaluateRequest {
-        batch_id: batch.batch_id.clone(),
+        batch_id: match judge {
+            Judge::Local(_) => batch.batch_id.clone(),
+            Judge::Remote(_) => format!("{REPLAY_PREFIX}{id}"),
+        },
         context: Some(BatchContext {
             session_id: batch.session_id,
             turn_index: batch.turn_index,
@@ -245,16 +443,7 @@ async fn judge_again(
         timeout_ms: batch.timeout_ms.unwrap_or(0),
         ..Default::default()
     };
-    let timeout = batch
-        .timeout_ms
-        .map_or(mesh.config.default_batch_timeout, |ms| {
-            std::time::Duration::from_millis(u64::from(ms))
-        })
-        .min(mesh.config.max_batch_timeout);
-    let deadline = tokio::time::Instant::now() + timeout;
-    let answer = mesh
-        .evaluate(request, deadline, TraceContext::default())
-        .await;
+    let answer = judge.judge(request, mesh_args).await?;
     let tool_of = |call_id: &str| {
         batch
             .calls
@@ -265,24 +454,21 @@ async fn judge_again(
     };
     for old in &decision.decisions {
         let new = match &answer {
-            Ok(answer) => match answer.decisions.iter().find(|d| d.call_id == old.call_id) {
-                Some(d) => Decided {
-                    action: match pb::Action::try_from(d.action) {
-                        Ok(pb::Action::Steer) => "steer",
-                        Ok(pb::Action::Cancel) => "cancel",
-                        _ => "proceed",
-                    }
-                    .to_owned(),
-                    guard: (!d.decided_by.is_empty()).then(|| d.decided_by.clone()),
-                },
+            Ok(decisions) => match decisions
+                .iter()
+                .find(|(call_id, _)| *call_id == old.call_id)
+            {
+                Some((_, d)) => d.clone(),
                 None => Decided {
                     action: "missing".to_owned(),
                     guard: None,
+                    dry_run: false,
                 },
             },
-            Err(error) => Decided {
-                action: format!("error: {}", error.status().message()),
+            Err(message) => Decided {
+                action: format!("error: {message}"),
                 guard: None,
+                dry_run: false,
             },
         };
         let old_decided = recorded(old);
@@ -298,4 +484,5 @@ async fn judge_again(
             });
         }
     }
+    Ok(())
 }

@@ -154,6 +154,11 @@ pub struct DecisionLogConfig {
     /// address.
     #[serde(default)]
     pub instance: Option<String>,
+    /// Also export every record written as an OpenTelemetry log record
+    /// over OTLP/gRPC, to where the standard `OTEL_EXPORTER_OTLP_*`
+    /// variables say. The file stays the source of truth.
+    #[serde(default)]
+    pub otlp: bool,
 }
 
 /// `[decision_log] durability`.
@@ -197,6 +202,7 @@ impl DecisionLogConfig {
             max_file_bytes: self.max_file_bytes,
             durability,
             mask,
+            otlp: self.otlp,
             ..crate::decision_log::LogConfig::new(
                 &self.dir,
                 self.instance.as_deref().unwrap_or(instance),

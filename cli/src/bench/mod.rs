@@ -28,6 +28,7 @@
 //! | zero-latency guards | `direct_unary`, `direct_parallel_4`, `stream_floor`, `mesh_1`, `mesh_4` |
 //! | 5 ms guards | `direct_unary_5ms`, `mesh_4_5ms`, `sequential_4_5ms` |
 //! | veto | `veto_1ms`, `early_veto` |
+//! | decision log | `log_off`, `log_fsync_record`, `log_fsync_interval` (after the throughput runs, with their own; see [`decision_log`]) |
 //!
 //! Then throughput (closed loop, 64 batches in flight on 64 sessions, against
 //! the echo with 64 calls in flight; windows alternate; `mesh_4` as `serve`
@@ -41,6 +42,7 @@
 //! something does not work.
 
 mod child;
+mod decision_log;
 mod guards;
 mod report;
 
@@ -478,6 +480,20 @@ impl MeshProcess {
         names: &[&str],
         threads: Option<usize>,
     ) -> Result<Self, Error> {
+        Self::start_config(exe, dir, label, guards, names, threads, "").await
+    }
+
+    /// As [`MeshProcess::start_with`], with `extra` appended to the config
+    /// file (more sections, such as `[decision_log]`).
+    async fn start_config(
+        exe: &Path,
+        dir: &Path,
+        label: &str,
+        guards: &GuardProcess,
+        names: &[&str],
+        threads: Option<usize>,
+        extra: &str,
+    ) -> Result<Self, Error> {
         let mut last_error: Option<Error> = None;
         // A port found free may be taken before the mesh binds it: retry.
         for attempt in 0..3 {
@@ -490,6 +506,7 @@ impl MeshProcess {
                     guards.stream_url(name)?
                 ));
             }
+            config.push_str(extra);
             let config_path = dir.join(format!("{label}.toml"));
             std::fs::write(&config_path, config)
                 .map_err(|e| format!("cannot write {}: {e}", config_path.display()))?;
@@ -1296,7 +1313,7 @@ async fn run(args: &BenchArgs) -> Result<(), Error> {
     }
 
     let in_flight = args.in_flight.max(1);
-    let throughput = throughput(
+    let mut throughput = throughput(
         &exe,
         dir,
         &mut guards,
@@ -1306,6 +1323,12 @@ async fn run(args: &BenchArgs) -> Result<(), Error> {
         &args.mesh_threads,
     )
     .await?;
+    // The decision log's cost: mesh_4 with the log off, fsync per record,
+    // fsync per interval.
+    let (log_latency, log_throughput) =
+        decision_log::run(&exe, dir, &mut guards, &work, &plan, in_flight).await?;
+    latency.extend(log_latency);
+    throughput.extend(log_throughput);
     let memory = memory(&exe, dir, &guards, &work, &plan, args.idle_connections).await?;
 
     let mut setup = Map::new();

@@ -350,6 +350,7 @@ impl Results {
                 ));
             }
         }
+        ratios.extend(super::decision_log::ratios(&self.latency, &self.throughput));
         Ok(ratios)
     }
 

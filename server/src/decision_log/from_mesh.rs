@@ -86,8 +86,42 @@ impl MeshLog {
         }
     }
 
-    /// Appends the record of one chain change. A change is already applied
-    /// (or refused) when it is recorded: a failure is logged and counted.
+    /// Whether a record that cannot be written refuses what it records
+    /// (`on_log_failure = "refuse"`).
+    pub fn refuses(&self) -> bool {
+        self.on_failure == OnLogFailure::Refuse
+    }
+
+    /// Appends the record of a chain change before it is applied (or
+    /// refused): `Err` is the status to answer instead, UNAVAILABLE naming
+    /// the log, when it cannot be written and the policy is `refuse`; the
+    /// change must then not be applied.
+    pub async fn change_before(&self, record: ChainChangeRecord) -> Result<(), Status> {
+        match self.log.append(Entry::ChainChange(record)).await {
+            Ok(_) => {
+                self.metrics.decision_log_record("chain_change");
+                Ok(())
+            }
+            Err(error) => {
+                self.metrics.decision_log_failure("chain_change");
+                match self.on_failure {
+                    OnLogFailure::Refuse => {
+                        tracing::error!(%error, "chain change refused: its record cannot be written");
+                        Err(Status::unavailable(format!(
+                            "the chain change could not be recorded in the decision log, so it is not applied (on_log_failure = \"refuse\"): {error}"
+                        )))
+                    }
+                    OnLogFailure::Answer => {
+                        tracing::error!(%error, "chain change record lost (on_log_failure = \"answer\")");
+                        Ok(())
+                    }
+                }
+            }
+        }
+    }
+
+    /// Appends the record of one chain change already applied (or
+    /// refused): a failure is logged and counted.
     pub async fn change(&self, record: ChainChangeRecord) {
         match self.log.append(Entry::ChainChange(record)).await {
             Ok(_) => self.metrics.decision_log_record("chain_change"),
@@ -315,6 +349,26 @@ pub fn spec(spec: &GuardSpec) -> Value {
         "mode": pb::GuardMode::try_from(spec.mode).map_or("unknown", |m| m.as_str_name()),
         "policy": !spec.policy.is_empty(),
     })
+}
+
+/// The record of a chain change about to be applied (`on_log_failure =
+/// "refuse"`): written first, so that no change is applied unrecorded.
+pub fn requested(
+    caller: Caller,
+    kind: ChangeKind,
+    guard: &str,
+    spec: Option<Value>,
+    old_revision: u64,
+) -> ChainChangeRecord {
+    ChainChangeRecord {
+        caller,
+        change: kind,
+        guard: some(guard),
+        spec,
+        old_revision: Some(old_revision),
+        new_revision: None,
+        outcome: ChangeOutcome::requested(),
+    }
 }
 
 /// The record of a chain change.

@@ -13,7 +13,9 @@
 //! * [`from_mesh`]: the mesh's batches, answers and registrations as
 //!   records, and [`MeshLog`], the log with its failure policy
 //!   (`on_log_failure`);
-//! * [`error`]: what opening and appending can fail with, [`LogError`].
+//! * [`error`]: what opening and appending can fail with, [`LogError`];
+//! * [`otlp`]: the optional export of the records as OpenTelemetry log
+//!   records.
 //!
 //! The format is described for readers by the JSON Schema
 //! `docs/decision-log.schema.json`.
@@ -22,6 +24,7 @@ pub mod chain;
 pub mod error;
 pub mod from_mesh;
 pub mod mask;
+pub mod otlp;
 pub mod record;
 pub mod segment;
 pub mod verify;

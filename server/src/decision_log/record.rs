@@ -315,6 +315,15 @@ impl ChangeOutcome {
         }
     }
 
+    /// A change about to be applied (see [`ChangeStatus::Requested`]).
+    pub fn requested() -> Self {
+        ChangeOutcome {
+            status: ChangeStatus::Requested,
+            code: 0,
+            message: None,
+        }
+    }
+
     pub fn refused(code: i32, message: impl Into<String>) -> Self {
         ChangeOutcome {
             status: ChangeStatus::Refused,
@@ -324,10 +333,14 @@ impl ChangeOutcome {
     }
 }
 
-/// `applied` or `refused`.
+/// `requested`, `applied` or `refused`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum ChangeStatus {
+    /// Written before the change is applied, under `on_log_failure =
+    /// "refuse"`: the change is applied only once this record is written,
+    /// and the record of its result (`applied` or `refused`) follows.
+    Requested,
     Applied,
     Refused,
 }

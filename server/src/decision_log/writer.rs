@@ -88,6 +88,9 @@ pub struct LogConfig {
     pub mask: MaskRules,
     /// Appends waiting for the writer before `append` waits to enqueue.
     pub queue: usize,
+    /// Also export every record written as an OpenTelemetry log record
+    /// over OTLP (see [`super::otlp`]).
+    pub otlp: bool,
 }
 
 impl LogConfig {
@@ -100,6 +103,7 @@ impl LogConfig {
             durability: Durability::EveryRecord,
             mask: MaskRules::none(),
             queue: 1024,
+            otlp: false,
         }
     }
 }
@@ -165,7 +169,12 @@ impl DecisionLog {
             config.mesh.clone(),
             config.max_file_bytes,
         );
-        let writer = tokio::task::spawn_blocking(move || Writer::open(dir, mesh, max))
+        let export = if config.otlp {
+            Some(super::otlp::Export::from_env().map_err(LogError::Config)?)
+        } else {
+            None
+        };
+        let writer = tokio::task::spawn_blocking(move || Writer::open(dir, mesh, max, export))
             .await
             .map_err(|err| LogError::Config(format!("opening the log panicked: {err}")))??;
         let (tx, rx) = mpsc::channel(config.queue.max(1));
@@ -247,6 +256,7 @@ async fn run(writer: Writer, durability: Durability, mut rx: mpsc::Receiver<Requ
         let Some(first) = first else {
             // Every handle is gone: sync what is written and stop.
             let _ = blocking(&mut writer, Writer::sync).await;
+            stop_export(&mut writer).await;
             return;
         };
         let mut group = vec![first];
@@ -291,6 +301,7 @@ async fn run(writer: Writer, durability: Durability, mut rx: mpsc::Receiver<Requ
                 Request::Close(reply) => {
                     // Release the directory before answering, so that the
                     // log can be opened again as soon as `close` returns.
+                    stop_export(&mut writer).await;
                     writer = None;
                     let _ = reply.send(result);
                     closing = true;
@@ -360,6 +371,13 @@ fn answer_closed(request: Request) {
     }
 }
 
+/// Flushes and stops the OTLP export, if any, off the runtime's threads.
+async fn stop_export(writer: &mut Option<Writer>) {
+    if let Some(export) = writer.as_mut().and_then(|w| w.export.take()) {
+        let _ = tokio::task::spawn_blocking(move || export.shutdown()).await;
+    }
+}
+
 async fn sleep_until(at: Option<Instant>) {
     match at {
         Some(at) => tokio::time::sleep_until(at).await,
@@ -416,6 +434,8 @@ struct Writer {
     next_seq: u64,
     prev: String,
     poisoned: Option<String>,
+    /// Records written are also exported here (`otlp`).
+    export: Option<super::otlp::Export>,
 }
 
 /// A record serialized and sealed, not yet written.
@@ -427,7 +447,12 @@ struct Line {
 }
 
 impl Writer {
-    fn open(dir: PathBuf, mesh: String, max_file_bytes: u64) -> Result<Writer, LogError> {
+    fn open(
+        dir: PathBuf,
+        mesh: String,
+        max_file_bytes: u64,
+        export: Option<super::otlp::Export>,
+    ) -> Result<Writer, LogError> {
         if dir.exists() && !dir.is_dir() {
             return Err(LogError::Config(format!(
                 "{} is not a directory",
@@ -492,6 +517,7 @@ impl Writer {
             next_seq,
             prev,
             poisoned: None,
+            export,
         })
     }
 
@@ -565,11 +591,16 @@ impl Writer {
                 // Nothing of this group is known to be on disk.
                 (Some(error), _) => Err(error.clone()),
                 (None, Some(error)) if index >= written => Err(error.clone()),
-                _ => Ok(Appended {
-                    seq: line.seq,
-                    id: line.id,
-                    masked: line.masked,
-                }),
+                _ => {
+                    if let Some(export) = &self.export {
+                        export.emit(&line.bytes);
+                    }
+                    Ok(Appended {
+                        seq: line.seq,
+                        id: line.id,
+                        masked: line.masked,
+                    })
+                }
             });
         }
         results

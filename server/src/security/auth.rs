@@ -13,7 +13,11 @@
 //! Missing or bad credentials get UNAUTHENTICATED; valid credentials without
 //! the role get PERMISSION_DENIED. Both are logged with the identity and
 //! counted. Health stays open, so probes work; reflection is open to every
-//! caller the listener admits.
+//! caller the listener admits. With a decision log (R29), a refused batch
+//! (`PreToolService`) or chain change (`Register`, `Deregister`) is also
+//! recorded before the refusal is answered: the caller as far as known
+//! (identity, roles, peer address), the status, and no batch (none was
+//! read).
 //!
 //! A listener with a client CA admits no one without a valid certificate
 //! from it, whether or not there are roles (R24): every request but health
@@ -21,6 +25,7 @@
 //! another CA, expired, ...). Only `tokens_without_client_cert` lets a
 //! caller with no certificate authenticate with a bearer token instead.
 
+use crate::decision_log::MeshLog;
 use crate::observe::metrics::Metrics;
 use crate::security::tls::{ClientCert, PeerInfo};
 use std::collections::HashSet;
@@ -198,11 +203,26 @@ pub fn open_to_all(path: &str) -> bool {
 /// from that CA, valid at the handshake, whether or not there is a policy.
 /// Without a policy, such a certificate (or, without a client CA, nothing)
 /// lets the caller do everything (and the server warned at start).
-#[derive(Debug, Clone)]
+#[derive(Clone)]
 pub struct AuthLayer {
     policy: Option<Arc<AuthPolicy>>,
     metrics: Arc<Metrics>,
     require_client_cert: bool,
+    log: Option<LogSource>,
+}
+
+/// Where the layer finds the decision log when it refuses a request: the
+/// mesh's, which may be attached after the listener starts.
+pub type LogSource = Arc<dyn Fn() -> Option<MeshLog> + Send + Sync>;
+
+impl std::fmt::Debug for AuthLayer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("AuthLayer")
+            .field("policy", &self.policy)
+            .field("require_client_cert", &self.require_client_cert)
+            .field("log", &self.log.is_some())
+            .finish()
+    }
 }
 
 impl AuthLayer {
@@ -211,7 +231,15 @@ impl AuthLayer {
             policy,
             metrics,
             require_client_cert: false,
+            log: None,
         }
+    }
+
+    /// Records refused batches and chain changes in the decision log that
+    /// `log` returns, when it returns one (R29).
+    pub fn decision_log(mut self, log: LogSource) -> Self {
+        self.log = Some(log);
+        self
     }
 
     /// Refuses every request but health checks from connections without a
@@ -231,20 +259,78 @@ impl<S> tower::Layer<S> for AuthLayer {
             policy: self.policy.clone(),
             metrics: self.metrics.clone(),
             require_client_cert: self.require_client_cert,
+            log: self.log.clone(),
         }
     }
 }
 
-#[derive(Debug, Clone)]
+#[derive(Clone)]
 pub struct AuthService<S> {
     inner: S,
     policy: Option<Arc<AuthPolicy>>,
     metrics: Arc<Metrics>,
     require_client_cert: bool,
+    log: Option<LogSource>,
 }
 
-/// Why a request is refused, and who asked (`-` when unknown).
-type Refusal = (Status, String);
+/// Why a request is refused, and who asked (`None` when unknown).
+type Refusal = (Status, Option<Caller>);
+
+/// What a refused request would have been, for the decision log.
+enum Refused {
+    Batch,
+    Change(crate::decision_log::ChangeKind),
+}
+
+fn refused_kind(path: &str) -> Option<Refused> {
+    use crate::decision_log::ChangeKind;
+    match path {
+        p if p.starts_with("/guardmesh.v1.PreToolService/") => Some(Refused::Batch),
+        "/guardmesh.v1.GuardRegistry/Register" => Some(Refused::Change(ChangeKind::Register)),
+        "/guardmesh.v1.GuardRegistry/Deregister" => Some(Refused::Change(ChangeKind::Deregister)),
+        _ => None,
+    }
+}
+
+/// Records a refusal (R29); the status to answer: the refusal, or
+/// UNAVAILABLE when its record cannot be written and the log's policy is
+/// `refuse`.
+async fn record_refusal(
+    log: MeshLog,
+    kind: Refused,
+    caller: crate::decision_log::Caller,
+    status: Status,
+) -> Status {
+    use crate::decision_log::from_mesh;
+    match kind {
+        Refused::Batch => {
+            let record =
+                from_mesh::not_decided(caller, from_mesh::batch_id_only(""), &status, false);
+            match log.batch(record).await {
+                Ok(()) => status,
+                Err(unavailable) => unavailable,
+            }
+        }
+        Refused::Change(change) => {
+            let record = crate::decision_log::ChainChangeRecord {
+                caller,
+                change,
+                guard: None,
+                spec: None,
+                old_revision: None,
+                new_revision: None,
+                outcome: crate::decision_log::ChangeOutcome::refused(
+                    status.code() as i32,
+                    status.message(),
+                ),
+            };
+            match log.change_before(record).await {
+                Ok(()) => status,
+                Err(unavailable) => unavailable,
+            }
+        }
+    }
+}
 
 /// Decides a request: `Ok(Some(caller))` to hand to the services,
 /// `Ok(None)` to let it through without a caller, or a refusal.
@@ -258,7 +344,7 @@ fn decide(
     if open_to_all(path) {
         return Ok(None);
     }
-    let unknown = || "-".to_owned();
+    let unknown = || None;
     // R24: configured security is enforced security. A listener with a
     // client CA serves no one without a valid certificate from it, roles or
     // not; only a policy that explicitly allows token callers without a
@@ -309,7 +395,7 @@ fn decide(
             "{} may not call {path}: it needs the {role:?} role",
             caller.id
         );
-        Err((Status::permission_denied(message), caller.id))
+        Err((Status::permission_denied(message), Some(caller)))
     }
 }
 
@@ -317,12 +403,13 @@ impl<S, B> tower::Service<http::Request<B>> for AuthService<S>
 where
     S: tower::Service<http::Request<B>, Response = http::Response<tonic::body::Body>>,
     S::Future: Send + 'static,
+    S::Error: Send + 'static,
 {
     type Response = S::Response;
     type Error = S::Error;
     type Future = futures::future::Either<
         S::Future,
-        futures::future::Ready<Result<Self::Response, Self::Error>>,
+        futures::future::BoxFuture<'static, Result<Self::Response, Self::Error>>,
     >;
 
     fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
@@ -353,11 +440,10 @@ where
                 }
                 futures::future::Either::Left(self.inner.call(request))
             }
-            Err((status, identity)) => {
-                let remote = peer
-                    .and_then(|p| p.remote)
-                    .map(|r| r.to_string())
-                    .unwrap_or_default();
+            Err((status, caller)) => {
+                let identity = caller.as_ref().map_or("-", |c| c.id.as_str()).to_owned();
+                let remote_addr = peer.as_ref().and_then(|p| p.remote);
+                let remote = remote_addr.map(|r| r.to_string()).unwrap_or_default();
                 tracing::warn!(
                     %identity,
                     %remote,
@@ -367,7 +453,19 @@ where
                     status.message()
                 );
                 self.metrics.auth_refused(status.code());
-                futures::future::Either::Right(futures::future::ready(Ok(status.into_http())))
+                let log = self.log.as_ref().and_then(|source| source());
+                match (log, refused_kind(&path)) {
+                    (Some(log), Some(kind)) => {
+                        let caller =
+                            crate::decision_log::from_mesh::caller(caller.as_ref(), remote_addr);
+                        futures::future::Either::Right(Box::pin(async move {
+                            Ok(record_refusal(log, kind, caller, status).await.into_http())
+                        }))
+                    }
+                    _ => futures::future::Either::Right(Box::pin(futures::future::ready(Ok(
+                        status.into_http(),
+                    )))),
+                }
             }
         }
     }

@@ -127,12 +127,17 @@ pub async fn run(
         .http2_keepalive_interval(limits.keepalive_interval)
         .http2_keepalive_timeout(Some(limits.keepalive_timeout))
         .layer(
-            AuthLayer::new(security.auth.clone(), mesh.metrics.clone()).require_client_cert(
-                security
-                    .server_tls
-                    .as_ref()
-                    .is_some_and(|tls| tls.require_client_cert),
-            ),
+            AuthLayer::new(security.auth.clone(), mesh.metrics.clone())
+                .require_client_cert(
+                    security
+                        .server_tls
+                        .as_ref()
+                        .is_some_and(|tls| tls.require_client_cert),
+                )
+                .decision_log({
+                    let mesh = mesh.clone();
+                    Arc::new(move || mesh.decision_log().cloned())
+                }),
         )
         .add_service(health_service)
         .add_service(reflection)

@@ -897,13 +897,22 @@ impl GuardRegistry for Registrar {
         request: Request<RegisterRequest>,
     ) -> Result<Response<RegisterResponse>, Status> {
         let Some(caller) = log_caller(&self.mesh, &request) else {
-            return self.register_in(request).await.map(Response::new);
+            return self.register_in(request, None).await.map(Response::new);
         };
         let old = self.mesh.registry().chain().revision;
         let spec = request.get_ref().guard.as_ref();
         let name = spec.map(|g| g.name.clone()).unwrap_or_default();
         let shown = spec.map(from_mesh::spec);
-        let result = self.register_in(request).await;
+        let ahead = self.ahead(&caller, |caller| {
+            from_mesh::requested(
+                caller,
+                crate::decision_log::ChangeKind::Register,
+                &name,
+                shown.clone(),
+                old,
+            )
+        });
+        let result = self.register_in(request, ahead).await;
         if let Some(log) = self.mesh.decision_log() {
             let record = from_mesh::change(
                 Arc::unwrap_or_clone(caller),
@@ -923,11 +932,20 @@ impl GuardRegistry for Registrar {
         request: Request<DeregisterRequest>,
     ) -> Result<Response<DeregisterResponse>, Status> {
         let Some(caller) = log_caller(&self.mesh, &request) else {
-            return self.deregister_in(request).await.map(Response::new);
+            return self.deregister_in(request, None).await.map(Response::new);
         };
         let old = self.mesh.registry().chain().revision;
         let name = request.get_ref().name.clone();
-        let result = self.deregister_in(request).await;
+        let ahead = self.ahead(&caller, |caller| {
+            from_mesh::requested(
+                caller,
+                crate::decision_log::ChangeKind::Deregister,
+                &name,
+                None,
+                old,
+            )
+        });
+        let result = self.deregister_in(request, ahead).await;
         if let Some(log) = self.mesh.decision_log() {
             let record = from_mesh::change(
                 Arc::unwrap_or_clone(caller),
@@ -951,10 +969,41 @@ impl GuardRegistry for Registrar {
     }
 }
 
+/// The record written before a chain change is applied (R29, under
+/// `on_log_failure = "refuse"`), and the log it goes to.
+struct Ahead {
+    log: MeshLog,
+    record: crate::decision_log::ChainChangeRecord,
+}
+
+impl Ahead {
+    /// Writes the record; `Err`: the change must not be applied.
+    async fn write(self) -> Result<(), Status> {
+        self.log.change_before(self.record).await
+    }
+}
+
 impl Registrar {
+    /// The record to write before applying a change, when the log refuses
+    /// what it cannot record.
+    fn ahead(
+        &self,
+        caller: &LogCaller,
+        record: impl FnOnce(crate::decision_log::Caller) -> crate::decision_log::ChainChangeRecord,
+    ) -> Option<Ahead> {
+        let log = self.mesh.decision_log()?;
+        log.refuses().then(|| Ahead {
+            log: log.clone(),
+            record: record(caller.as_ref().clone()),
+        })
+    }
+
+    /// Registers the guard once the checks pass and `ahead`, if any, is
+    /// written.
     async fn register_in(
         &self,
         request: Request<RegisterRequest>,
+        ahead: Option<Ahead>,
     ) -> Result<RegisterResponse, Status> {
         let Some(spec) = request.get_ref().guard.clone() else {
             return Err(Status::invalid_argument("RegisterRequest.guard is missing"));
@@ -997,6 +1046,9 @@ impl Registrar {
                 )));
             }
         }
+        if let Some(ahead) = ahead {
+            ahead.write().await?;
+        }
         let out = self
             .mesh
             .registry()
@@ -1024,9 +1076,13 @@ impl Registrar {
     async fn deregister_in(
         &self,
         request: Request<DeregisterRequest>,
+        ahead: Option<Ahead>,
     ) -> Result<DeregisterResponse, Status> {
         let name = request.get_ref().name.clone();
         self.authorize(&request, &name)?;
+        if let Some(ahead) = ahead {
+            ahead.write().await?;
+        }
         let out = self
             .mesh
             .registry()

@@ -1,0 +1,210 @@
+//! The decision log's cost (R29): the standard scenario (`mesh_4`, four
+//! zero-latency guards, batches of 4 calls) on three meshes that differ
+//! only in their `[decision_log]`:
+//!
+//! | scenario | `[decision_log]` |
+//! |---|---|
+//! | `log_off` | none |
+//! | `log_fsync_record` | `durability = "every_record"`: a batch is answered once its record is on disk (`fdatasync`, shared by concurrent batches) |
+//! | `log_fsync_interval` | `durability = "interval"`, `sync_interval_ms = 100`: answered once written to the file |
+//!
+//! Latency (one batch in flight) in one group whose scenarios alternate
+//! round by round, then throughput (closed loop) with windows alternating,
+//! so the ratios `log_fsync_record_vs_off_p50` and
+//! `log_fsync_interval_vs_off_p50` compare figures measured side by side.
+//! The logs are written under the run's temporary folder, on the disk of
+//! the system's temporary directory: the fsync cost is that disk's.
+
+use super::report::{Latency, Throughput};
+use super::{
+    Error, GuardProcess, Load, LoadRun, LoadTotals, MeshProcess, Op, Plan, Scenario, Work, ZERO,
+    closed_loop, run_group,
+};
+use std::path::Path;
+use std::sync::Arc;
+
+/// The scenarios: name, description, `[decision_log] durability`.
+const VARIANTS: [(&str, &str, Option<&str>); 3] = [
+    ("log_off", "mesh_4, no decision log", None),
+    (
+        "log_fsync_record",
+        "mesh_4, decision log with fsync per record (group commit)",
+        Some("every_record"),
+    ),
+    (
+        "log_fsync_interval",
+        "mesh_4, decision log with fsync every 100 ms",
+        Some("interval"),
+    ),
+];
+
+/// The `[decision_log]` section of a scenario's config.
+fn section(dir: &Path, label: &str, durability: Option<&str>) -> String {
+    match durability {
+        None => String::new(),
+        Some(durability) => format!(
+            "\n[decision_log]\ndir = {:?}\ndurability = \"{durability}\"\nsync_interval_ms = 100\nmask = [\"password\", \"*.api_key\"]\n",
+            dir.join(format!("{label}-log")).display().to_string()
+        ),
+    }
+}
+
+/// Runs the three scenarios: their latency figures, then their
+/// throughput figures.
+pub(super) async fn run(
+    exe: &Path,
+    dir: &Path,
+    guards: &mut GuardProcess,
+    work: &Arc<Work>,
+    plan: &Plan,
+    in_flight: usize,
+) -> Result<(Vec<Latency>, Vec<Throughput>), Error> {
+    let mut meshes = Vec::new();
+    for (label, _, durability) in VARIANTS {
+        let extra = section(dir, label, durability);
+        meshes.push(MeshProcess::start_config(exe, dir, label, guards, &ZERO, None, &extra).await?);
+    }
+    let mut scenarios = Vec::new();
+    for (&(label, what, _), mesh) in VARIANTS.iter().zip(&meshes) {
+        scenarios.push(Scenario::new(
+            label,
+            what,
+            Op::Mesh(mesh.session(label).await?),
+            false,
+            Some(mesh),
+            plan.fast,
+        )?);
+    }
+    let latency = {
+        let mut refs: Vec<&mut MeshProcess> = meshes.iter_mut().collect();
+        run_group(
+            "decision log",
+            &mut scenarios,
+            plan.rounds,
+            work,
+            guards,
+            &mut refs,
+        )
+        .await?
+    };
+    drop(scenarios);
+
+    eprintln!(
+        "[bench] throughput: {} with {in_flight} in flight",
+        VARIANTS.map(|v| v.0).join(", ")
+    );
+    let mut runs = Vec::new();
+    for ((label, what, _), mesh) in VARIANTS.into_iter().zip(meshes) {
+        let coordinator = mesh.coordinator().await?;
+        let mut loads = Vec::with_capacity(in_flight);
+        for i in 0..in_flight {
+            loads.push(Load::Mesh(Arc::new(
+                coordinator.session(format!("load-{i}")).await?,
+            )));
+        }
+        runs.push(LoadRun {
+            name: label.to_owned(),
+            what: what.to_owned(),
+            mesh: Some(mesh),
+            loads,
+            totals: LoadTotals::new()?,
+        });
+    }
+    let guards_pid = guards.child.pid();
+    let result = async {
+        for _ in 0..plan.throughput_windows {
+            for run in runs.iter_mut() {
+                closed_loop(
+                    &run.loads,
+                    work,
+                    plan.throughput_warmup,
+                    plan.throughput_window,
+                    run.mesh.as_ref().map(MeshProcess::pid),
+                    guards_pid,
+                    &mut run.totals,
+                )
+                .await
+                .map_err(|e| format!("throughput {}: {e}", run.name))?;
+            }
+        }
+        Ok::<(), Error>(())
+    }
+    .await;
+    if let Err(error) = result {
+        guards.child.check_alive()?;
+        for run in &mut runs {
+            if let Some(mesh) = &mut run.mesh {
+                mesh.child.check_alive()?;
+            }
+        }
+        return Err(error);
+    }
+    let throughput = runs
+        .into_iter()
+        .map(|run| {
+            Throughput::new(
+                run.name,
+                run.what,
+                &run.totals.histogram,
+                run.totals.elapsed,
+                run.totals.cpu,
+                true,
+            )
+        })
+        .collect();
+    Ok((latency, throughput))
+}
+
+/// The log's cost as ratios against `log_off`, measured in the same run;
+/// none when the run has no such figures.
+pub(super) fn ratios(latency: &[Latency], throughput: &[Throughput]) -> Vec<(String, f64)> {
+    let ratio = |a: f64, b: f64| if b > 0.0 { a / b } else { f64::NAN };
+    let mut out = Vec::new();
+    let find = |name: &str| latency.iter().find(|l| l.name == name);
+    if let (Some(off), Some(record), Some(interval)) = (
+        find("log_off"),
+        find("log_fsync_record"),
+        find("log_fsync_interval"),
+    ) {
+        out.push((
+            "log_fsync_record_vs_off_p50".to_owned(),
+            ratio(record.p50, off.p50),
+        ));
+        out.push((
+            "log_fsync_record_vs_off_p99".to_owned(),
+            ratio(record.p99, off.p99),
+        ));
+        out.push((
+            "log_fsync_interval_vs_off_p50".to_owned(),
+            ratio(interval.p50, off.p50),
+        ));
+        out.push((
+            "log_fsync_interval_vs_off_p99".to_owned(),
+            ratio(interval.p99, off.p99),
+        ));
+    }
+    let find = |name: &str| throughput.iter().find(|t| t.name == name);
+    if let (Some(off), Some(record), Some(interval)) = (
+        find("log_off"),
+        find("log_fsync_record"),
+        find("log_fsync_interval"),
+    ) {
+        out.push((
+            "throughput_log_fsync_record_vs_off".to_owned(),
+            ratio(record.per_second, off.per_second),
+        ));
+        out.push((
+            "throughput_log_fsync_interval_vs_off".to_owned(),
+            ratio(interval.per_second, off.per_second),
+        ));
+        out.push((
+            "cpu_per_batch_log_fsync_record_vs_off".to_owned(),
+            ratio(record.server_cpu(), off.server_cpu()),
+        ));
+        out.push((
+            "cpu_per_batch_log_fsync_interval_vs_off".to_owned(),
+            ratio(interval.server_cpu(), off.server_cpu()),
+        ));
+    }
+    out
+}

@@ -1,0 +1,147 @@
+//! Optional export of the records as OpenTelemetry log records over
+//! OTLP/gRPC (`[decision_log] otlp = true`), so that they reach any backend
+//! a collector feeds. The file stays the source of truth: a record is
+//! exported only once it is written there, and an export that fails loses
+//! nothing from the file.
+//!
+//! Where to: the standard variables (`OTEL_EXPORTER_OTLP_ENDPOINT`,
+//! `OTEL_EXPORTER_OTLP_LOGS_ENDPOINT`, `OTEL_EXPORTER_OTLP_HEADERS`,
+//! `OTEL_EXPORTER_OTLP_TIMEOUT`, ...); nothing here overrides them.
+//!
+//! One log record per line of the file: its body is the line itself (the
+//! record's JSON exactly as written, so already masked, with its hashes);
+//! its attributes name the record (`guardmesh.record.id`, `.seq`, `.kind`,
+//! `.hash`) and, for a decision, the batch and its outcome
+//! (`guardmesh.batch.id`, `guardmesh.outcome.status`); a decision's trace
+//! id is the log record's trace context, so a backend links it to the
+//! batch's trace. Event name `guardmesh.decision_log.record`.
+
+use opentelemetry::logs::{AnyValue, LogRecord as _, Logger as _, LoggerProvider as _, Severity};
+use opentelemetry::trace::{SpanId, TraceId};
+use opentelemetry_sdk::logs::{SdkLogger, SdkLoggerProvider};
+use serde::Deserialize;
+
+/// The exporter of one decision log.
+pub struct Export {
+    provider: SdkLoggerProvider,
+    logger: SdkLogger,
+}
+
+impl std::fmt::Debug for Export {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Export")
+    }
+}
+
+/// The fields of a line the export reads (the rest is in the body).
+#[derive(Deserialize)]
+struct Fields {
+    #[serde(default)]
+    id: String,
+    #[serde(default)]
+    seq: u64,
+    #[serde(default)]
+    kind: String,
+    #[serde(default)]
+    hash: String,
+    #[serde(default)]
+    time: String,
+    #[serde(default)]
+    trace_id: Option<String>,
+    #[serde(default)]
+    batch: Option<BatchFields>,
+    #[serde(default)]
+    outcome: Option<OutcomeFields>,
+}
+
+#[derive(Deserialize)]
+struct BatchFields {
+    #[serde(default)]
+    batch_id: String,
+}
+
+#[derive(Deserialize)]
+struct OutcomeFields {
+    #[serde(default)]
+    status: String,
+}
+
+fn env_set(name: &str) -> bool {
+    std::env::var(name).is_ok_and(|v| !v.trim().is_empty())
+}
+
+impl Export {
+    /// The exporter the `OTEL_EXPORTER_OTLP_*` variables describe. Must be
+    /// called on a tokio runtime.
+    pub fn from_env() -> Result<Export, String> {
+        // No `.with_endpoint()`: the OTEL_EXPORTER_OTLP_* variables decide.
+        let exporter = opentelemetry_otlp::LogExporter::builder()
+            .with_tonic()
+            .build()
+            .map_err(|e| format!("the OTLP log exporter: {e}"))?;
+        let mut resource = opentelemetry_sdk::Resource::builder();
+        if !env_set("OTEL_SERVICE_NAME") {
+            resource = resource.with_service_name("guardmesh");
+        }
+        let provider = SdkLoggerProvider::builder()
+            .with_batch_exporter(exporter)
+            .with_resource(resource.build())
+            .build();
+        let logger = provider.logger("guardmesh.decision_log");
+        Ok(Export { provider, logger })
+    }
+
+    /// Exports one line written to the file (without its newline).
+    pub fn emit(&self, line: &[u8]) {
+        let Ok(text) = std::str::from_utf8(line) else {
+            return;
+        };
+        let Ok(fields) = serde_json::from_str::<Fields>(text) else {
+            return;
+        };
+        let mut record = self.logger.create_log_record();
+        record.set_event_name("guardmesh.decision_log.record");
+        record.set_severity_number(Severity::Info);
+        record.set_severity_text("INFO");
+        // The record's own time; when it was exported is the observed time.
+        let now = std::time::SystemTime::now();
+        record.set_observed_timestamp(now);
+        record.set_timestamp(
+            time::OffsetDateTime::parse(
+                &fields.time,
+                &time::format_description::well_known::Rfc3339,
+            )
+            .map_or(now, std::time::SystemTime::from),
+        );
+        record.set_body(AnyValue::String(text.to_owned().into()));
+        record.add_attribute("guardmesh.record.id", fields.id);
+        record.add_attribute(
+            "guardmesh.record.seq",
+            i64::try_from(fields.seq).unwrap_or(i64::MAX),
+        );
+        record.add_attribute("guardmesh.record.kind", fields.kind);
+        record.add_attribute("guardmesh.record.hash", fields.hash);
+        if let Some(batch) = fields.batch {
+            record.add_attribute("guardmesh.batch.id", batch.batch_id);
+        }
+        if let Some(outcome) = fields.outcome {
+            record.add_attribute("guardmesh.outcome.status", outcome.status);
+        }
+        if let Some(trace_id) = fields
+            .trace_id
+            .and_then(|hex| TraceId::from_hex(&hex).ok())
+            .filter(|id| *id != TraceId::INVALID)
+        {
+            record.set_trace_context(trace_id, SpanId::INVALID, None);
+        }
+        self.logger.emit(record);
+    }
+
+    /// Flushes what is queued and stops. Blocks: call it off the runtime's
+    /// threads.
+    pub fn shutdown(self) {
+        if let Err(error) = self.provider.shutdown() {
+            tracing::warn!(%error, "decision log OTLP export: shutdown");
+        }
+    }
+}

@@ -1,0 +1,214 @@
+//! The decision log exported as OpenTelemetry log records (R29,
+//! `[decision_log] otlp = true`): `guardmesh serve` sends every record it
+//! writes over OTLP/gRPC to a logs collector this test serves on loopback,
+//! configured by the standard `OTEL_EXPORTER_OTLP_*` variables; the record
+//! received is the line in the file, masked, linked to the batch's trace.
+
+use crate::harness::*;
+use guardmesh_client::Batch;
+use guardmesh_server::decision_log::segment;
+use opentelemetry_proto::tonic::collector::logs::v1::logs_service_server::{
+    LogsService, LogsServiceServer,
+};
+use opentelemetry_proto::tonic::collector::logs::v1::{
+    ExportLogsServiceRequest, ExportLogsServiceResponse,
+};
+use opentelemetry_proto::tonic::common::v1::any_value::Value as Any;
+use opentelemetry_proto::tonic::logs::v1::LogRecord;
+use serde_json::Value;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+use tokio::net::TcpListener;
+use tokio_stream::wrappers::TcpListenerStream;
+
+const SECRET: &str = "hunter2-otlp-secret";
+
+#[derive(Default, Clone)]
+struct Collector {
+    records: Arc<Mutex<Vec<LogRecord>>>,
+}
+
+#[tonic::async_trait]
+impl LogsService for Collector {
+    async fn export(
+        &self,
+        request: tonic::Request<ExportLogsServiceRequest>,
+    ) -> Result<tonic::Response<ExportLogsServiceResponse>, tonic::Status> {
+        let mut records = self.records.lock().unwrap();
+        for resource in request.into_inner().resource_logs {
+            for scope in resource.scope_logs {
+                records.extend(scope.log_records);
+            }
+        }
+        Ok(tonic::Response::new(ExportLogsServiceResponse {
+            partial_success: None,
+        }))
+    }
+}
+
+/// `guardmesh serve`, killed when dropped.
+struct Serve(std::process::Child);
+
+impl Drop for Serve {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+fn attribute(record: &LogRecord, key: &str) -> Option<Any> {
+    record
+        .attributes
+        .iter()
+        .find(|a| a.key == key)
+        .and_then(|a| a.value.clone()?.value)
+}
+
+fn hex(bytes: &[u8]) -> String {
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+#[tokio::test]
+async fn r29_records_are_exported_over_otlp_as_log_records_masked_and_linked_to_the_trace() {
+    let collector = Collector::default();
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let endpoint = format!("http://{}", listener.local_addr().unwrap());
+    tokio::spawn({
+        let collector = collector.clone();
+        async move {
+            tonic::transport::Server::builder()
+                .add_service(LogsServiceServer::new(collector))
+                .serve_with_incoming(TcpListenerStream::new(listener))
+                .await
+                .unwrap();
+        }
+    });
+
+    let dir = std::env::temp_dir().join(format!("guardmesh-declog-otlp-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    let log = dir.join("log");
+    let config = dir.join("mesh.toml");
+    std::fs::write(
+        &config,
+        format!(
+            "[decision_log]\ndir = {:?}\nmask = [\"password\"]\notlp = true\n",
+            log.display().to_string()
+        ),
+    )
+    .unwrap();
+    let port = free_port();
+    let url = format!("http://127.0.0.1:{port}");
+    let _serve = Serve(
+        std::process::Command::new(env!("CARGO_BIN_EXE_guardmesh"))
+            .args([
+                "serve",
+                "--listen",
+                &format!("127.0.0.1:{port}"),
+                "--config",
+            ])
+            .arg(&config)
+            .env("OTEL_EXPORTER_OTLP_ENDPOINT", &endpoint)
+            // The batch processor exports every 100 ms instead of 1 s.
+            .env("OTEL_BLRP_SCHEDULE_DELAY", "100")
+            .env_remove("OTEL_TRACES_EXPORTER")
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .spawn()
+            .unwrap(),
+    );
+    let coordinator = tokio::time::timeout(Duration::from_secs(20), async {
+        loop {
+            if let Ok(c) = guardmesh_client::Coordinator::connect(url.clone()).await {
+                break c;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    })
+    .await
+    .expect("the mesh starts");
+
+    let trace = "4bf92f3577b34da6a3ce929d0e0e4736";
+    let decision = coordinator
+        .evaluate_once(
+            "s",
+            Batch::new(0)
+                .call(
+                    "c1",
+                    "login",
+                    format!(r#"{{"user": "ann", "password": "{SECRET}"}}"#),
+                )
+                .traceparent(format!("00-{trace}-00f067aa0ba902b7-01")),
+        )
+        .await
+        .unwrap();
+    assert_eq!(decision.trace_id, trace);
+
+    // The line in the file.
+    let lines: Vec<String> = segment::list(&log)
+        .unwrap()
+        .into_iter()
+        .flat_map(|(_, f)| {
+            std::fs::read_to_string(f)
+                .unwrap()
+                .lines()
+                .map(str::to_owned)
+                .collect::<Vec<_>>()
+        })
+        .collect();
+    assert_eq!(lines.len(), 1, "{lines:?}");
+    let line = &lines[0];
+    let written: Value = serde_json::from_str(line).unwrap();
+
+    // The log record received: bounded wait for the batch processor.
+    let received = tokio::time::timeout(Duration::from_secs(15), async {
+        loop {
+            if let Some(record) = collector.records.lock().unwrap().first().cloned() {
+                break record;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    })
+    .await
+    .expect("a log record reaches the collector");
+    let body = match received.body.clone().and_then(|b| b.value) {
+        Some(Any::StringValue(body)) => body,
+        other => panic!("body is not a string: {other:?}"),
+    };
+    assert_eq!(&body, line, "the body is the record as written");
+    assert!(!body.contains(SECRET), "masked in the export too");
+    assert!(body.contains(r#""password":"[masked]""#), "{body}");
+    assert_eq!(
+        attribute(&received, "guardmesh.record.id"),
+        Some(Any::StringValue(written["id"].as_str().unwrap().to_owned()))
+    );
+    assert_eq!(
+        attribute(&received, "guardmesh.record.kind"),
+        Some(Any::StringValue("decision".into()))
+    );
+    assert_eq!(
+        attribute(&received, "guardmesh.batch.id"),
+        Some(Any::StringValue("s/0".into()))
+    );
+    assert_eq!(
+        attribute(&received, "guardmesh.record.seq"),
+        Some(Any::IntValue(0))
+    );
+    assert_eq!(
+        hex(&received.trace_id),
+        trace,
+        "linked to the batch's trace"
+    );
+    assert_eq!(received.event_name, "guardmesh.decision_log.record");
+    // Its time is the record's (RFC 3339 in the line, nanoseconds here).
+    let time = time::OffsetDateTime::parse(
+        written["time"].as_str().unwrap(),
+        &time::format_description::well_known::Rfc3339,
+    )
+    .unwrap();
+    assert_eq!(
+        i128::from(received.time_unix_nano),
+        time.unix_timestamp_nanos()
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}

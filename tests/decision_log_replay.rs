@@ -1,0 +1,235 @@
+//! Replay against a running mesh (R30 with R18 and R24): `guardmesh replay
+//! LOG --mesh URL` judges recorded batches with the mesh's current chain,
+//! where a candidate guard registered in `dry_run` previews what it would
+//! have blocked; the replay sends the credentials the mesh asks for.
+
+use crate::harness::*;
+use guardmesh_client::proto::{EvaluateRequest, ToolCall};
+use guardmesh_client::{Coordinator, Registrar, Registration};
+use guardmesh_server::decision_log::{DecisionLog, LogConfig, MeshLog, OnLogFailure, segment};
+use serde_json::Value;
+use std::path::{Path, PathBuf};
+use std::process::Output;
+
+/// Cancels every call of tool `danger`.
+const POLICY: &str = r#"
+[[rule]]
+name = "no-danger"
+tools = ["danger"]
+when = "true"
+action = "cancel"
+message = '"no danger"'
+"#;
+
+/// The stricter candidate: also cancels `read` calls of paths under /etc.
+const VETO: &str = r#"
+[[rule]]
+name = "no-etc"
+tools = ["read"]
+when = "has(call.args.path) && call.args.path.startsWith('/etc')"
+action = "cancel"
+message = '"not /etc"'
+"#;
+
+/// Runs `guardmesh` off the runtime: the mesh it talks to is served by
+/// this test's runtime.
+async fn guardmesh(args: Vec<String>) -> Output {
+    tokio::task::spawn_blocking(move || {
+        std::process::Command::new(env!("CARGO_BIN_EXE_guardmesh"))
+            .args(&args)
+            .output()
+            .expect("run guardmesh")
+    })
+    .await
+    .unwrap()
+}
+
+fn text(bytes: &[u8]) -> String {
+    String::from_utf8_lossy(bytes).into_owned()
+}
+
+fn folder(name: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("guardmesh-declog-{name}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    dir
+}
+
+fn records(dir: &Path) -> Vec<Value> {
+    segment::list(dir)
+        .unwrap()
+        .into_iter()
+        .flat_map(|(_, file)| {
+            std::fs::read_to_string(file)
+                .unwrap()
+                .lines()
+                .map(|line| serde_json::from_str::<Value>(line).unwrap())
+                .collect::<Vec<_>>()
+        })
+        .collect()
+}
+
+fn request(batch_id: &str, calls: &[(&str, &str, &str)]) -> EvaluateRequest {
+    EvaluateRequest {
+        batch_id: batch_id.into(),
+        calls: calls
+            .iter()
+            .map(|(call_id, tool, arguments)| ToolCall {
+                call_id: (*call_id).into(),
+                tool: (*tool).into(),
+                arguments: (*arguments).into(),
+            })
+            .collect(),
+        ..Default::default()
+    }
+}
+
+#[tokio::test]
+async fn r30_replay_against_a_running_mesh_lists_what_a_dry_run_candidate_would_block() {
+    let dir = folder("replay-mesh");
+    let log = dir.join("log");
+    let pki = TestPki::new();
+    let (mesh, url) = TestMesh::with_tokens(
+        &pki,
+        &[
+            ("ops", "ops-token", &["admin"]),
+            ("agent", "agent-token", &["evaluate"]),
+        ],
+        "",
+    )
+    .await;
+    let decision_log = DecisionLog::open(LogConfig {
+        mask: guardmesh_server::decision_log::MaskRules::new(["password"]).unwrap(),
+        ..LogConfig::new(&log, "test")
+    })
+    .await
+    .unwrap();
+    mesh.mesh
+        .attach_decision_log(MeshLog::new(
+            decision_log,
+            OnLogFailure::Refuse,
+            mesh.mesh.metrics.clone(),
+        ))
+        .unwrap();
+    let ops = Registrar::connect_with(url.clone(), &pki.connection(None, Some("ops-token")))
+        .await
+        .unwrap();
+    ops.register(Registration::policy("policy", POLICY))
+        .await
+        .unwrap();
+
+    // The recorded run: two /etc reads proceed, a danger call is cancelled.
+    let agent = Coordinator::connect_with(url.clone(), &pki.connection(None, Some("agent-token")))
+        .await
+        .unwrap();
+    let session = agent.session("s").await.unwrap();
+    let first = session
+        .evaluate_raw(request(
+            "b1",
+            &[
+                ("c1", "read", r#"{"path": "/etc/passwd", "password": "p"}"#),
+                ("c2", "danger", "{}"),
+                ("c3", "read", r#"{"path": "/data/x"}"#),
+            ],
+        ))
+        .await
+        .unwrap();
+    assert!(first.call("c1").unwrap().proceeds());
+    assert!(!first.call("c2").unwrap().proceeds());
+    session
+        .evaluate_raw(request(
+            "b2",
+            &[
+                ("c4", "read", r#"{"path": "/etc/hosts"}"#),
+                ("c5", "write", r#"{"path": "/etc/x"}"#),
+            ],
+        ))
+        .await
+        .unwrap();
+
+    // The candidate, in dry run: it changes no decision of the mesh.
+    ops.register(Registration::policy("veto", VETO).dry_run())
+        .await
+        .unwrap();
+
+    let token = pki.file("agent-cli.token", "agent-token\n");
+    let args = |with_token: bool| {
+        let mut args = vec![
+            "replay".to_owned(),
+            log.display().to_string(),
+            "--mesh".to_owned(),
+            url.clone(),
+            "--ca-file".to_owned(),
+            pki.ca_file().display().to_string(),
+            "--json".to_owned(),
+        ];
+        if with_token {
+            args.extend(["--token-file".to_owned(), token.display().to_string()]);
+        }
+        args
+    };
+
+    // R24: without credentials the mesh refuses the replay, and it says so.
+    let out = guardmesh(args(false)).await;
+    assert_eq!(out.status.code(), Some(2), "{}", text(&out.stdout));
+    let stderr = text(&out.stderr);
+    assert!(stderr.contains("token"), "{stderr}");
+
+    let out = guardmesh(args(true)).await;
+    assert_eq!(
+        out.status.code(),
+        Some(1),
+        "{}{}",
+        text(&out.stdout),
+        text(&out.stderr)
+    );
+    let report: Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(report["batches"], 2, "{report}");
+    assert_eq!(report["calls"], 5, "{report}");
+    assert_eq!(report["masked_records"], 1, "{report}");
+    let differences = report["differences"].as_array().unwrap();
+    let blocked: Vec<_> = differences
+        .iter()
+        .map(|d| d["call_id"].as_str().unwrap())
+        .collect();
+    assert_eq!(blocked, ["c1", "c4"], "exactly the /etc reads: {report}");
+    for d in differences {
+        assert_eq!(d["tool"], "read");
+        assert_eq!(d["recorded"]["action"], "proceed");
+        assert_eq!(d["recorded"]["dry_run"], false);
+        assert_eq!(d["new"]["action"], "skip", "{d}");
+        assert_eq!(d["new"]["guard"], "veto");
+        assert_eq!(d["new"]["dry_run"], true);
+    }
+
+    // The replayed batches were answered and recorded by the mesh (R29),
+    // under the replay's identity; a second replay of the same (grown) log
+    // skips them and gives the same report.
+    let replayed: Vec<_> = records(&log)
+        .into_iter()
+        .filter(|r| {
+            r["kind"] == "decision"
+                && r["batch"]["batch_id"]
+                    .as_str()
+                    .is_some_and(|id| id.starts_with("replay:"))
+        })
+        .collect();
+    assert_eq!(replayed.len(), 2, "{replayed:?}");
+    assert!(replayed.iter().all(|r| r["caller"]["id"] == "agent"));
+    let again = guardmesh(args(true)).await;
+    assert_eq!(again.status.code(), Some(1));
+    assert_eq!(text(&again.stdout), text(&out.stdout), "same report twice");
+    assert!(text(&again.stderr).contains("2 records of earlier replays"));
+
+    // The table names the would-have decision as a dry run.
+    let mut table_args = args(true);
+    table_args.retain(|a| a != "--json");
+    let out = guardmesh(table_args).await;
+    assert_eq!(out.status.code(), Some(1));
+    let table = text(&out.stdout);
+    assert!(
+        table.contains("skip by veto (dry run: would have)"),
+        "{table}"
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}
