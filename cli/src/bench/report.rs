@@ -252,6 +252,8 @@ pub(super) struct Results {
     pub latency: Vec<Latency>,
     pub throughput: Vec<Throughput>,
     pub memory: Memory,
+    /// Figures of scenario groups computed where they run (the MCP gateway).
+    pub extra_ratios: Vec<(String, f64)>,
 }
 
 impl Results {
@@ -350,6 +352,7 @@ impl Results {
                 ));
             }
         }
+        ratios.extend(self.extra_ratios.iter().cloned());
         Ok(ratios)
     }
 
