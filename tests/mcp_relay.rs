@@ -205,6 +205,8 @@ async fn r31_upstream_stderr_lines_are_never_cut_by_the_gateway_log() {
         .find(|l| l.contains("not JSON"))
         .unwrap_or_else(|| panic!("the gateway logged no warning: {stderr}"));
     assert!(!warning.contains("upstream:"), "{stderr}");
+    // A log file, not a terminal: no colour escapes in the gateway's lines.
+    assert!(!warning.contains('\u{1b}'), "{warning:?}");
     assert!(
         stderr
             .lines()
