@@ -232,12 +232,12 @@ fn with_mesh_env(env: &Value, mesh: &str) -> Value {
     )
 }
 
-/// A `PreToolUse` payload as an agent host sends it: Claude Code's fields,
+/// A `PreToolUse` payload as an agent host sends it: the host's fields,
 /// its tool names, and fields the hook does not read.
 fn recorded_payload(tool: &str, input: Value) -> String {
     json!({
         "session_id": "9a1f6c2e-5b1d-4c55-9d0e-2f3a8b7c6d10",
-        "transcript_path": "/home/dev/.claude/projects/-home-dev-shop/9a1f6c2e-5b1d-4c55-9d0e-2f3a8b7c6d10.jsonl",
+        "transcript_path": "/home/dev/.agent/projects/-home-dev-shop/9a1f6c2e-5b1d-4c55-9d0e-2f3a8b7c6d10.jsonl",
         "cwd": "/home/dev/shop",
         "permission_mode": "default",
         "hook_event_name": "PreToolUse",
