@@ -14,7 +14,8 @@
 //! * `polyglot`, `conformance`: Python, Node and Rust guard processes in one
 //!   chain, and the conformance kit against each.
 //! * `mcp`: the MCP gateway and the pre-tool hook through the official MCP
-//!   SDK (R31).
+//!   SDK (R31); `mcp_readme`: the README's client and hook snippets as
+//!   written; `mcp_relay`: grouping over HTTP and the stderr relay.
 //! * `cli`, `shutdown`: the `guardmesh` command as users run it.
 //! * `decision_log`: the decision log in the mesh, `guardmesh log verify`
 //!   and `guardmesh replay` (R29, R30); `decision_log_replay`: replay
@@ -40,6 +41,8 @@ mod decision_log_replay;
 mod etcd;
 mod faults;
 mod mcp;
+mod mcp_readme;
+mod mcp_relay;
 mod observability;
 mod otel;
 mod otel_http;

@@ -19,12 +19,12 @@ use std::time::Duration;
 
 const TRACEPARENT: &str = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01";
 
-fn sdk_dir() -> PathBuf {
+pub(crate) fn sdk_dir() -> PathBuf {
     repo_root().join("tests/mcp-sdk")
 }
 
 /// The venv's python, with the MCP SDK installed.
-fn mcp_python() -> PathBuf {
+pub(crate) fn mcp_python() -> PathBuf {
     let python = python();
     let ok = Command::new(&python)
         .args(["-c", "import mcp.server.mcpserver"])
@@ -38,24 +38,24 @@ fn mcp_python() -> PathBuf {
 }
 
 /// A temporary folder with the upstream's log.
-struct Scratch {
-    dir: PathBuf,
+pub(crate) struct Scratch {
+    pub(crate) dir: PathBuf,
 }
 
 impl Scratch {
-    fn new(name: &str) -> Self {
+    pub(crate) fn new(name: &str) -> Self {
         let dir = std::env::temp_dir().join(format!("guardmesh-mcp-{name}-{}", std::process::id()));
         let _ = std::fs::remove_dir_all(&dir);
         std::fs::create_dir_all(&dir).unwrap();
         Self { dir }
     }
 
-    fn log(&self) -> PathBuf {
+    pub(crate) fn log(&self) -> PathBuf {
         self.dir.join("upstream.log")
     }
 
     /// What the upstream executed, in order.
-    fn executed(&self) -> Vec<Value> {
+    pub(crate) fn executed(&self) -> Vec<Value> {
         std::fs::read_to_string(self.log())
             .unwrap_or_default()
             .lines()
@@ -64,7 +64,7 @@ impl Scratch {
     }
 
     /// The upstream server's command line (stdio).
-    fn upstream(&self, mode: &[&str]) -> Vec<String> {
+    pub(crate) fn upstream(&self, mode: &[&str]) -> Vec<String> {
         let mut command = vec![
             mcp_python().display().to_string(),
             sdk_dir().join("upstream.py").display().to_string(),
@@ -83,7 +83,9 @@ impl Drop for Scratch {
 
 /// The judging the tests use: delete_file steered, pay over 100 cancelled,
 /// read_file of /etc/* rewritten to /redacted, everything else proceeds.
-fn policy(call: &guardmesh_client::proto::ToolCall) -> Option<guardmesh_client::proto::Verdict> {
+pub(crate) fn policy(
+    call: &guardmesh_client::proto::ToolCall,
+) -> Option<guardmesh_client::proto::Verdict> {
     let args: Value = serde_json::from_str(&call.arguments).unwrap_or(json!({}));
     match call.tool.as_str() {
         "delete_file" => Some(steer(&call.call_id, "deleting is not allowed; use trash")),
@@ -99,7 +101,7 @@ fn policy(call: &guardmesh_client::proto::ToolCall) -> Option<guardmesh_client::
 
 /// A mesh process with the policy guard registered (mutate, grant
 /// read_file, so it may also skip: R12).
-async fn mesh_with_policy(name: &str) -> (MeshProcess, TestGuard) {
+pub(crate) async fn mesh_with_policy(name: &str) -> (MeshProcess, TestGuard) {
     let mesh = MeshProcess::start(name, "", None).await;
     let guard = call_guard(Duration::ZERO, policy).await;
     Registrar::connect(mesh.url.clone())
@@ -113,7 +115,7 @@ async fn mesh_with_policy(name: &str) -> (MeshProcess, TestGuard) {
 
 /// Runs the Python SDK client with `scenario` against `target` (the
 /// `stdio COMMAND...` or `http URL` arguments); returns its output lines.
-fn run_client(scenario: Value, target: &[String]) -> Vec<Value> {
+pub(crate) fn run_client(scenario: Value, target: &[String]) -> Vec<Value> {
     let output = Command::new(mcp_python())
         .arg(sdk_dir().join("client.py"))
         .arg(scenario.to_string())
@@ -150,7 +152,7 @@ fn via_gateway(mesh: &str, extra: &[&str], upstream: Vec<String>) -> Vec<String>
     target
 }
 
-fn calls(lines: &[Value]) -> Vec<&Value> {
+pub(crate) fn calls(lines: &[Value]) -> Vec<&Value> {
     lines.iter().filter(|l| l["op"] == "call").collect()
 }
 
@@ -310,10 +312,10 @@ async fn r22_r31_meta_traceparent_joins_the_trace() {
 // ---------------------------------------------------------------------------
 
 /// `guardmesh mcp stdio` driven line by line.
-struct RawGateway {
-    child: std::process::Child,
-    stdin: Option<std::process::ChildStdin>,
-    stdout: std::io::BufReader<std::process::ChildStdout>,
+pub(crate) struct RawGateway {
+    pub(crate) child: std::process::Child,
+    pub(crate) stdin: Option<std::process::ChildStdin>,
+    pub(crate) stdout: std::io::BufReader<std::process::ChildStdout>,
 }
 
 impl RawGateway {
@@ -322,15 +324,28 @@ impl RawGateway {
     }
 
     /// [`RawGateway::start`] with the gateway's stderr going to `stderr`.
-    fn start_with_stderr(mesh: &str, extra: &[&str], upstream: Vec<String>, stderr: Stdio) -> Self {
-        let mut child = Command::new(env!("CARGO_BIN_EXE_guardmesh"))
+    pub(crate) fn start_with_stderr(
+        mesh: &str,
+        extra: &[&str],
+        upstream: Vec<String>,
+        stderr: Stdio,
+    ) -> Self {
+        let mut command = Command::new(env!("CARGO_BIN_EXE_guardmesh"));
+        command
             .args(["mcp", "stdio", "--mesh", mesh])
             .args(extra)
             .arg("--")
             .args(upstream)
+            .stderr(stderr);
+        Self::spawn(command)
+    }
+
+    /// Starts `command` (a `guardmesh mcp stdio ...` line, its stderr set)
+    /// and initializes the session.
+    pub(crate) fn spawn(mut command: Command) -> Self {
+        let mut child = command
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
-            .stderr(stderr)
             .spawn()
             .unwrap();
         let stdin = child.stdin.take();
@@ -352,21 +367,21 @@ impl RawGateway {
         gateway
     }
 
-    fn send(&mut self, line: &str) {
+    pub(crate) fn send(&mut self, line: &str) {
         let stdin = self.stdin.as_mut().unwrap();
         stdin.write_all(line.as_bytes()).unwrap();
         stdin.write_all(b"\n").unwrap();
         stdin.flush().unwrap();
     }
 
-    fn recv(&mut self) -> Value {
+    pub(crate) fn recv(&mut self) -> Value {
         let mut line = String::new();
         let n = self.stdout.read_line(&mut line).unwrap();
         assert!(n > 0, "the gateway closed its stdout");
         serde_json::from_str(&line).unwrap()
     }
 
-    fn call(id: Value, tool: &str, arguments: Value) -> Value {
+    pub(crate) fn call(id: Value, tool: &str, arguments: Value) -> Value {
         json!({"jsonrpc": "2.0", "id": id, "method": "tools/call",
                "params": {"name": tool, "arguments": arguments}})
     }
@@ -815,7 +830,7 @@ async fn wait_for_port(port: u16, what: &str) {
 }
 
 /// A child process killed when dropped.
-struct Child(std::process::Child);
+pub(crate) struct Child(std::process::Child);
 
 impl Drop for Child {
     fn drop(&mut self) {
@@ -832,7 +847,7 @@ async fn http_gateway(mesh: &str, scratch: &Scratch) -> (String, Child, Child) {
 
 /// [`http_gateway`] listening on `host` with `extra` arguments (`--tls-cert
 /// ...`: the URL is then https://127.0.0.1).
-async fn http_gateway_with(
+pub(crate) async fn http_gateway_with(
     mesh: &str,
     scratch: &Scratch,
     host: &str,
@@ -862,7 +877,11 @@ async fn http_gateway_with(
             .unwrap(),
     );
     wait_for_port(port, "guardmesh mcp http").await;
-    let scheme = if extra.is_empty() { "http" } else { "https" };
+    let scheme = if extra.iter().any(|a| *a == "--tls-cert") {
+        "https"
+    } else {
+        "http"
+    };
     (
         format!("{scheme}://127.0.0.1:{port}/mcp"),
         upstream,
@@ -928,7 +947,7 @@ async fn r31_http_decisions_and_session_through_the_official_sdk() {
 }
 
 /// One HTTP/1.1 exchange on a fresh connection: (status, headers, body).
-async fn post(url: &str, session: Option<&str>, body: &str) -> (u16, String, String) {
+pub(crate) async fn post(url: &str, session: Option<&str>, body: &str) -> (u16, String, String) {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
     let authority = url.trim_start_matches("http://").split('/').next().unwrap();
     let mut stream = tokio::net::TcpStream::connect(authority).await.unwrap();

@@ -111,6 +111,9 @@ pub fn main_hook(args: HookArgs) -> ExitCode {
 fn block_on(future: impl std::future::Future<Output = i32>) -> ExitCode {
     let _ = tracing_subscriber::fmt()
         .with_writer(std::io::stderr)
+        // Colours only on a terminal: hosts keep an MCP server's stderr in
+        // log files.
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_default_env()
                 .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn")),

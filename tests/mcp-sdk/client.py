@@ -4,7 +4,8 @@ Python SDK. Runs a scenario and prints one JSON line per step on stdout.
 Usage: client.py SCENARIO_JSON stdio COMMAND [ARGS...]
        client.py SCENARIO_JSON http URL
 
-SCENARIO_JSON: {"mode": "legacy" | "auto", "ca": CA_PEM_FILE (https only), "steps": [
+SCENARIO_JSON: {"mode": "legacy" | "auto", "ca": CA_PEM_FILE (https only),
+                "env": {...} (stdio only: the server's extra environment), "steps": [
   {"op": "list_tools"},
   {"op": "call", "name": "pay", "arguments": {...}, "meta": {...}}]}
 """
@@ -30,7 +31,7 @@ async def main():
     scenario = json.loads(sys.argv[1])
     async with contextlib.AsyncExitStack() as stack:
         if sys.argv[2] == "stdio":
-            server = StdioServerParameters(command=sys.argv[3], args=sys.argv[4:])
+            server = StdioServerParameters(command=sys.argv[3], args=sys.argv[4:], env=scenario.get("env"))
         elif "ca" in scenario:
             # HTTPS trusting only the given CA.
             http = await stack.enter_async_context(httpx2.AsyncClient(

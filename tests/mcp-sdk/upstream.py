@@ -8,11 +8,15 @@ Usage: upstream.py LOG stdio
        upstream.py LOG exit-after N   (stdio; exits after N tool calls)
        upstream.py LOG noisy          (stdio; writes much to stderr, with
                                        lines that look like JSON-RPC)
+       upstream.py LOG split-stderr   (stdio; read_file writes half a stderr
+                                       line, a line that is not JSON on
+                                       stdout, waits, then the other half)
 """
 
 import json
 import os
 import sys
+import time
 
 from mcp.server.mcpserver import MCPServer
 
@@ -20,6 +24,9 @@ LOG = sys.argv[1]
 MODE = sys.argv[2]
 EXIT_AFTER = int(sys.argv[3]) if MODE == "exit-after" else None
 NOISY = MODE == "noisy"
+# The MCP wire, before the SDK diverts fd 1 to stderr while serving: lets
+# split-stderr write a line that is not JSON where the client would read it.
+WIRE = os.dup(1)
 calls = 0
 
 
@@ -62,6 +69,13 @@ def pay(amount: float, to: str) -> str:
 @server.tool(structured_output=False)
 def read_file(path: str) -> str:
     """Reads a file."""
+    if MODE == "split-stderr":
+        sys.stderr.write("upstream: first half, ")
+        sys.stderr.flush()
+        os.write(WIRE, b"this line is not JSON\n")
+        time.sleep(0.5)
+        sys.stderr.write("second half\n")
+        sys.stderr.flush()
     record("read_file", {"path": path})
     return f"contents of {path}"
 

@@ -29,6 +29,7 @@
 //! | 5 ms guards | `direct_unary_5ms`, `mesh_4_5ms`, `sequential_4_5ms` |
 //! | veto | `veto_1ms`, `early_veto` |
 //! | decision log | `log_off`, `log_fsync_record`, `log_fsync_interval` (after the throughput runs, with their own; see [`decision_log`]) |
+//! | MCP gateway ([`mcp`]) | `mcp_direct`, `mcp_stdio`, `mcp_stdio_w0`, `mcp_relay_w0` |
 //!
 //! Then throughput (closed loop, 64 batches in flight on 64 sessions, against
 //! the echo with 64 calls in flight; windows alternate; `mesh_4` as `serve`
@@ -44,6 +45,7 @@
 mod child;
 mod decision_log;
 mod guards;
+mod mcp;
 mod report;
 
 pub use guards::GuardsArgs;
@@ -209,6 +211,12 @@ pub fn main(args: BenchArgs) -> ExitCode {
             ExitCode::FAILURE
         }
     }
+}
+
+/// Entry point of the hidden `guardmesh bench-mcp-upstream`: the MCP server
+/// the gateway scenarios call.
+pub fn serve_mcp_upstream() -> ExitCode {
+    mcp::serve_upstream()
 }
 
 /// Entry point of the hidden `guardmesh bench-guards`.
@@ -1312,6 +1320,11 @@ async fn run(args: &BenchArgs) -> Result<(), Error> {
         );
     }
 
+    // The MCP gateway against calling the MCP server directly (R31).
+    let mcp_counts = if args.quick { (100, 200) } else { (300, 1000) };
+    let mcp = mcp::run(&exe, dir, &mut guards, plan.rounds, mcp_counts).await?;
+    latency.extend(mcp.latency);
+
     let in_flight = args.in_flight.max(1);
     let mut throughput = throughput(
         &exe,
@@ -1346,6 +1359,7 @@ async fn run(args: &BenchArgs) -> Result<(), Error> {
         json!([plan.sequential.0, plan.sequential.1]),
     );
     put("counts_veto", json!([plan.veto.0, plan.veto.1]));
+    put("counts_mcp", json!([mcp_counts.0, mcp_counts.1]));
     put("in_flight", json!(in_flight));
     put("throughput_windows", json!(plan.throughput_windows));
     put(
@@ -1383,6 +1397,7 @@ async fn run(args: &BenchArgs) -> Result<(), Error> {
         latency,
         throughput,
         memory,
+        extra_ratios: mcp.ratios,
     };
     println!(
         "guardmesh bench ({mode} run, {:.0} s): batches of {CALLS} calls, {ARGUMENT_BYTES} B of JSON arguments each",

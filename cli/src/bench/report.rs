@@ -252,6 +252,8 @@ pub(super) struct Results {
     pub latency: Vec<Latency>,
     pub throughput: Vec<Throughput>,
     pub memory: Memory,
+    /// Figures of scenario groups computed where they run (the MCP gateway).
+    pub extra_ratios: Vec<(String, f64)>,
 }
 
 impl Results {
@@ -351,6 +353,7 @@ impl Results {
             }
         }
         ratios.extend(super::decision_log::ratios(&self.latency, &self.throughput));
+        ratios.extend(self.extra_ratios.iter().cloned());
         Ok(ratios)
     }
 
