@@ -15,6 +15,7 @@ use opentelemetry_proto::tonic::collector::logs::v1::{
 };
 use opentelemetry_proto::tonic::common::v1::any_value::Value as Any;
 use opentelemetry_proto::tonic::logs::v1::LogRecord;
+use prost::Message;
 use serde_json::Value;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -69,22 +70,84 @@ fn hex(bytes: &[u8]) -> String {
 }
 
 #[tokio::test]
-async fn r29_records_are_exported_over_otlp_as_log_records_masked_and_linked_to_the_trace() {
-    let collector = Collector::default();
-    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let endpoint = format!("http://{}", listener.local_addr().unwrap());
-    tokio::spawn({
-        let collector = collector.clone();
-        async move {
-            tonic::transport::Server::builder()
-                .add_service(LogsServiceServer::new(collector))
-                .serve_with_incoming(TcpListenerStream::new(listener))
-                .await
-                .unwrap();
-        }
-    });
+async fn r29_records_are_exported_over_otlp_grpc_as_log_records_masked_and_linked_to_the_trace() {
+    exported(Via::Grpc).await;
+}
 
-    let dir = std::env::temp_dir().join(format!("guardmesh-declog-otlp-{}", std::process::id()));
+/// The same over OTLP/HTTP with protobuf bodies
+/// (`OTEL_EXPORTER_OTLP_LOGS_PROTOCOL=http/protobuf`), to `/v1/logs`.
+#[tokio::test]
+async fn r29_records_are_exported_over_otlp_http_protobuf_as_log_records_masked_and_linked_to_the_trace()
+ {
+    exported(Via::HttpProtobuf).await;
+}
+
+#[derive(Debug, Clone, Copy)]
+enum Via {
+    Grpc,
+    HttpProtobuf,
+}
+
+/// The first log record the collector received, if any.
+type FirstRecord = Box<dyn Fn() -> Option<LogRecord> + Send>;
+
+/// A logs collector on loopback for `via`: the environment that points the
+/// mesh at it, and its first record.
+async fn collector(via: Via) -> (Vec<(&'static str, String)>, FirstRecord) {
+    match via {
+        Via::Grpc => {
+            let collector = Collector::default();
+            let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+            let endpoint = format!("http://{}", listener.local_addr().unwrap());
+            tokio::spawn({
+                let collector = collector.clone();
+                async move {
+                    tonic::transport::Server::builder()
+                        .add_service(LogsServiceServer::new(collector))
+                        .serve_with_incoming(TcpListenerStream::new(listener))
+                        .await
+                        .unwrap();
+                }
+            });
+            let first: FirstRecord =
+                Box::new(move || collector.records.lock().unwrap().first().cloned());
+            (vec![("OTEL_EXPORTER_OTLP_ENDPOINT", endpoint)], first)
+        }
+        Via::HttpProtobuf => {
+            let (endpoint, received) = crate::otel_http::receiver(false).await;
+            let first: FirstRecord = Box::new(move || {
+                let received = received.lock().unwrap();
+                received
+                    .bodies
+                    .iter()
+                    .filter(|(path, _)| path == "/v1/logs")
+                    .filter_map(|(_, body)| ExportLogsServiceRequest::decode(&body[..]).ok())
+                    .flat_map(|request| request.resource_logs)
+                    .flat_map(|resource| resource.scope_logs)
+                    .flat_map(|scope| scope.log_records)
+                    .next()
+            });
+            (
+                vec![
+                    (
+                        "OTEL_EXPORTER_OTLP_LOGS_ENDPOINT",
+                        format!("{endpoint}/v1/logs"),
+                    ),
+                    ("OTEL_EXPORTER_OTLP_LOGS_PROTOCOL", "http/protobuf".into()),
+                ],
+                first,
+            )
+        }
+    }
+}
+
+async fn exported(via: Via) {
+    let (environment, first_record) = collector(via).await;
+
+    let dir = std::env::temp_dir().join(format!(
+        "guardmesh-declog-otlp-{via:?}-{}",
+        std::process::id()
+    ));
     let _ = std::fs::remove_dir_all(&dir);
     std::fs::create_dir_all(&dir).unwrap();
     let log = dir.join("log");
@@ -108,7 +171,7 @@ async fn r29_records_are_exported_over_otlp_as_log_records_masked_and_linked_to_
                 "--config",
             ])
             .arg(&config)
-            .env("OTEL_EXPORTER_OTLP_ENDPOINT", &endpoint)
+            .envs(environment)
             // The batch processor exports every 100 ms instead of 1 s.
             .env("OTEL_BLRP_SCHEDULE_DELAY", "100")
             .env_remove("OTEL_TRACES_EXPORTER")
@@ -163,7 +226,7 @@ async fn r29_records_are_exported_over_otlp_as_log_records_masked_and_linked_to_
     // The log record received: bounded wait for the batch processor.
     let received = tokio::time::timeout(Duration::from_secs(15), async {
         loop {
-            if let Some(record) = collector.records.lock().unwrap().first().cloned() {
+            if let Some(record) = first_record() {
                 break record;
             }
             tokio::time::sleep(Duration::from_millis(50)).await;
@@ -209,6 +272,48 @@ async fn r29_records_are_exported_over_otlp_as_log_records_masked_and_linked_to_
     assert_eq!(
         i128::from(received.time_unix_nano),
         time.unix_timestamp_nanos()
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// A log protocol the mesh cannot export with stops `serve` at start, naming
+/// the variable: the records are never sent over another protocol than the
+/// one asked for.
+#[test]
+fn r29_an_unsupported_logs_protocol_refuses_to_start_naming_the_variable() {
+    let dir = std::env::temp_dir().join(format!(
+        "guardmesh-declog-otlp-protocol-{}",
+        std::process::id()
+    ));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    let config = dir.join("mesh.toml");
+    std::fs::write(
+        &config,
+        format!(
+            "[decision_log]\ndir = {:?}\notlp = true\n",
+            dir.join("log").display().to_string()
+        ),
+    )
+    .unwrap();
+    let output = std::process::Command::new(env!("CARGO_BIN_EXE_guardmesh"))
+        .args(["serve", "--listen", "127.0.0.1:0", "--config"])
+        .arg(&config)
+        .env(
+            "OTEL_EXPORTER_OTLP_LOGS_ENDPOINT",
+            "http://127.0.0.1:9/v1/logs",
+        )
+        .env("OTEL_EXPORTER_OTLP_LOGS_PROTOCOL", "http/json")
+        .env_remove("OTEL_EXPORTER_OTLP_ENDPOINT")
+        .env_remove("OTEL_EXPORTER_OTLP_PROTOCOL")
+        .stdin(std::process::Stdio::null())
+        .output()
+        .expect("run guardmesh serve");
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(!output.status.success(), "{stderr}");
+    assert!(
+        stderr.contains("OTEL_EXPORTER_OTLP_LOGS_PROTOCOL=\"http/json\" is not supported"),
+        "{stderr}"
     );
     let _ = std::fs::remove_dir_all(&dir);
 }

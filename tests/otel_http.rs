@@ -17,17 +17,19 @@ use std::time::Duration;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpListener;
 
-/// What the receiver saw: the spans it accepted, and each request's path
-/// and content type.
+/// What the receiver saw: the spans it accepted, each request's path and
+/// content type, and the bodies it accepted by path.
 #[derive(Default)]
-struct Received {
+pub(crate) struct Received {
     spans: Vec<Span>,
-    requests: Vec<(String, String)>,
+    pub(crate) requests: Vec<(String, String)>,
+    pub(crate) bodies: Vec<(String, Vec<u8>)>,
 }
 
-/// An OTLP/HTTP receiver that answers `400 Bad Request` to its first
-/// export (a failure the exporter does not retry) and accepts the rest.
-async fn receiver() -> (String, Arc<Mutex<Received>>) {
+/// An OTLP/HTTP receiver on loopback. With `fail_first` it answers
+/// `400 Bad Request` to its first export (a failure the exporter does not
+/// retry); it accepts the rest.
+pub(crate) async fn receiver(fail_first: bool) -> (String, Arc<Mutex<Received>>) {
     let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
     let url = format!("http://{}", listener.local_addr().unwrap());
     let received = Arc::new(Mutex::new(Received::default()));
@@ -75,9 +77,18 @@ async fn receiver() -> (String, Arc<Mutex<Received>>) {
                     let body = &buf[head_end..head_end + length];
                     let first = {
                         let mut received = received.lock().unwrap();
-                        received.requests.push((path, header("content-type")));
-                        let first = received.requests.len() == 1;
-                        if !first && let Ok(request) = ExportTraceServiceRequest::decode(body) {
+                        received
+                            .requests
+                            .push((path.clone(), header("content-type")));
+                        let first = fail_first && received.requests.len() == 1;
+                        let traces = path == "/v1/traces";
+                        if !first {
+                            received.bodies.push((path, body.to_vec()));
+                        }
+                        if !first
+                            && traces
+                            && let Ok(request) = ExportTraceServiceRequest::decode(body)
+                        {
                             for rs in request.resource_spans {
                                 for ss in rs.scope_spans {
                                     received.spans.extend(ss.spans);
@@ -118,7 +129,7 @@ fn otlp_http_protobuf_exports_current_rpc_names_and_counts_failures() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore = "runs in its own process through otlp_http_protobuf_exports_current_rpc_names_and_counts_failures"]
 async fn otlp_http_protobuf_exports_current_rpc_names_and_counts_failures_in_own_process() {
-    let (endpoint, received) = receiver().await;
+    let (endpoint, received) = receiver(true).await;
     // SAFETY: this test runs alone in its own process (see the wrapper
     // above); nothing else reads the environment concurrently here.
     unsafe {

@@ -231,16 +231,17 @@ impl Bound {
     }
 }
 
-/// The targets of the benchmark's issue, by JSON key.
+/// The targets of the performance issues, by JSON key (the latest issue's
+/// "target this issue" where it restates a key).
 pub(super) const TARGETS: &[(&str, Bound)] = &[
-    ("mesh4_vs_direct_p50", Bound::AtMost(1.0)),
+    ("mesh4_vs_direct_p50", Bound::AtMost(1.5)),
     ("mesh4_vs_direct_parallel4_p50", Bound::AtMost(1.0)),
     ("mesh4_5ms_vs_direct_5ms_p50", Bound::AtMost(1.03)),
     ("parallel_vs_sequential_5ms_p50", Bound::AtMost(0.27)),
     ("early_veto_vs_1ms_p50", Bound::AtMost(1.2)),
-    ("throughput_mesh4_vs_echo", Bound::AtLeast(0.7)),
-    ("cpu_per_batch_mesh4_vs_echo_call", Bound::AtMost(2.0)),
-    ("rss_mib_1000_streams", Bound::AtMost(64.0)),
+    ("throughput_mesh4_vs_echo", Bound::AtLeast(0.6)),
+    ("cpu_per_batch_mesh4_vs_echo_call", Bound::AtMost(1.6)),
+    ("rss_mib_1000_streams", Bound::AtMost(40.0)),
 ];
 
 /// Everything one run measured.

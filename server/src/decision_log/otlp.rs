@@ -1,12 +1,18 @@
-//! Optional export of the records as OpenTelemetry log records over
-//! OTLP/gRPC (`[decision_log] otlp = true`), so that they reach any backend
-//! a collector feeds. The file stays the source of truth: a record is
+//! Optional export of the records as OpenTelemetry log records over OTLP
+//! (`[decision_log] otlp = true`), so that they reach any backend a
+//! collector feeds. The file stays the source of truth: a record is
 //! exported only once it is written there, and an export that fails loses
 //! nothing from the file.
 //!
 //! Where to: the standard variables (`OTEL_EXPORTER_OTLP_ENDPOINT`,
 //! `OTEL_EXPORTER_OTLP_LOGS_ENDPOINT`, `OTEL_EXPORTER_OTLP_HEADERS`,
-//! `OTEL_EXPORTER_OTLP_TIMEOUT`, ...); nothing here overrides them.
+//! `OTEL_EXPORTER_OTLP_TIMEOUT`, ...); nothing here overrides them. The
+//! protocol is `OTEL_EXPORTER_OTLP_LOGS_PROTOCOL`, else
+//! `OTEL_EXPORTER_OTLP_PROTOCOL`: `grpc` (the default) or `http/protobuf`
+//! (plain `http://` endpoints, on the mesh's runtime); any other value
+//! refuses to start, naming the variable. Failed exports are counted in
+//! `guardmesh_otlp_export_failures_total{signal="logs"}` and logged, at
+//! most once a minute.
 //!
 //! One log record per line of the file: its body is the line itself (the
 //! record's JSON exactly as written, so already masked, with its hashes);
@@ -74,11 +80,48 @@ impl Export {
     /// The exporter the `OTEL_EXPORTER_OTLP_*` variables describe. Must be
     /// called on a tokio runtime.
     pub fn from_env() -> Result<Export, String> {
+        use crate::observe::otlp::{self, CountedLogs, Protocol, RuntimeHttpClient};
+        use opentelemetry_otlp::{WithExportConfig, WithHttpConfig};
+        let protocol =
+            otlp::signal_protocol_from(otlp::LOGS_PROTOCOL_VARS, |var| std::env::var(var).ok())
+                .map_err(|e| format!("the OTLP log exporter: {e}"))?;
+        let built =
+            |e: opentelemetry_otlp::ExporterBuildError| format!("the OTLP log exporter: {e}");
         // No `.with_endpoint()`: the OTEL_EXPORTER_OTLP_* variables decide.
-        let exporter = opentelemetry_otlp::LogExporter::builder()
-            .with_tonic()
-            .build()
-            .map_err(|e| format!("the OTLP log exporter: {e}"))?;
+        let exporter = match protocol {
+            Protocol::Grpc => opentelemetry_otlp::LogExporter::builder()
+                .with_tonic()
+                .with_protocol(opentelemetry_otlp::Protocol::Grpc)
+                .build()
+                .map_err(built)?,
+            Protocol::HttpProtobuf => {
+                for var in [
+                    "OTEL_EXPORTER_OTLP_LOGS_ENDPOINT",
+                    "OTEL_EXPORTER_OTLP_ENDPOINT",
+                ] {
+                    if let Ok(endpoint) = std::env::var(var)
+                        && endpoint.trim().starts_with("https://")
+                    {
+                        return Err(format!(
+                            "the OTLP log exporter: {var}={endpoint:?}: only http:// endpoints \
+                             are supported with http/protobuf"
+                        ));
+                    }
+                }
+                let runtime = tokio::runtime::Handle::try_current()
+                    .map_err(|e| format!("the OTLP log exporter: {e}"))?;
+                opentelemetry_otlp::LogExporter::builder()
+                    .with_http()
+                    .with_protocol(opentelemetry_otlp::Protocol::HttpBinary)
+                    .with_http_client(RuntimeHttpClient {
+                        runtime,
+                        timeout: otlp::export_timeout("OTEL_EXPORTER_OTLP_LOGS_TIMEOUT"),
+                    })
+                    .build()
+                    .map_err(built)?
+            }
+        };
+        let exporter = CountedLogs(exporter);
         let mut resource = opentelemetry_sdk::Resource::builder();
         if !env_set("OTEL_SERVICE_NAME") {
             resource = resource.with_service_name("guardmesh");

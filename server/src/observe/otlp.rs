@@ -46,12 +46,27 @@ pub struct UnsupportedProtocol {
     pub value: String,
 }
 
+/// The log protocol variables (the decision log's export), most specific
+/// first.
+pub const LOGS_PROTOCOL_VARS: [&str; 2] = [
+    "OTEL_EXPORTER_OTLP_LOGS_PROTOCOL",
+    "OTEL_EXPORTER_OTLP_PROTOCOL",
+];
+
 /// The protocol `lookup` (an environment) asks for: the signal's variable
 /// first, then the general one; `grpc` when neither is set.
 pub fn protocol_from(
     lookup: impl Fn(&str) -> Option<String>,
 ) -> Result<Protocol, UnsupportedProtocol> {
-    for var in PROTOCOL_VARS {
+    signal_protocol_from(PROTOCOL_VARS, lookup)
+}
+
+/// [`protocol_from`] for the signal whose variables are `vars`.
+pub fn signal_protocol_from(
+    vars: [&'static str; 2],
+    lookup: impl Fn(&str) -> Option<String>,
+) -> Result<Protocol, UnsupportedProtocol> {
+    for var in vars {
         let Some(value) = lookup(var) else { continue };
         return match value.trim() {
             "" => continue,
@@ -78,6 +93,7 @@ pub(crate) struct SignalLabel {
 pub(crate) static EXPORT_FAILURES: LazyLock<Family<SignalLabel, Counter>> = LazyLock::new(|| {
     let family = Family::<SignalLabel, Counter>::default();
     let _ = family.get_or_create(&SignalLabel { signal: "traces" });
+    let _ = family.get_or_create(&SignalLabel { signal: "logs" });
     family
 });
 
@@ -137,6 +153,39 @@ impl<E: SpanExporter> SpanExporter for Counted<E> {
     fn set_resource(&mut self, resource: &opentelemetry_sdk::Resource) {
         self.0.set_resource(resource);
     }
+}
+
+/// A log exporter whose failures are counted and logged (signal `logs`).
+#[derive(Debug)]
+pub(crate) struct CountedLogs<E>(pub(crate) E);
+
+impl<E: opentelemetry_sdk::logs::LogExporter> opentelemetry_sdk::logs::LogExporter
+    for CountedLogs<E>
+{
+    async fn export(&self, batch: opentelemetry_sdk::logs::LogBatch<'_>) -> OTelSdkResult {
+        let result = self.0.export(batch).await;
+        if let Err(error) = &result {
+            export_failed("logs", error);
+        }
+        result
+    }
+
+    fn shutdown_with_timeout(&self, timeout: Duration) -> OTelSdkResult {
+        self.0.shutdown_with_timeout(timeout)
+    }
+
+    fn set_resource(&mut self, resource: &opentelemetry_sdk::Resource) {
+        self.0.set_resource(resource);
+    }
+}
+
+/// The per-export timeout the standard variables set for the signal whose
+/// timeout variable is `signal_var`, else the specification's 10 s.
+pub(crate) fn export_timeout(signal_var: &str) -> Duration {
+    [signal_var, "OTEL_EXPORTER_OTLP_TIMEOUT"]
+        .iter()
+        .find_map(|var| std::env::var(var).ok()?.trim().parse::<u64>().ok())
+        .map_or(Duration::from_secs(10), Duration::from_millis)
 }
 
 /// Largest collector answer read.
@@ -223,6 +272,26 @@ mod tests {
             .map(|(k, v)| ((*k).to_owned(), (*v).to_owned()))
             .collect();
         move |var| pairs.iter().find(|(k, _)| k == var).map(|(_, v)| v.clone())
+    }
+
+    #[test]
+    fn the_log_export_reads_its_own_protocol_variable_first() {
+        let logs = |pairs: &[(&str, &str)]| signal_protocol_from(LOGS_PROTOCOL_VARS, env(pairs));
+        assert_eq!(logs(&[]), Ok(Protocol::Grpc));
+        assert_eq!(
+            logs(&[("OTEL_EXPORTER_OTLP_PROTOCOL", "http/protobuf")]),
+            Ok(Protocol::HttpProtobuf)
+        );
+        assert_eq!(
+            logs(&[
+                ("OTEL_EXPORTER_OTLP_PROTOCOL", "http/protobuf"),
+                ("OTEL_EXPORTER_OTLP_LOGS_PROTOCOL", "grpc"),
+                ("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "thrift"),
+            ]),
+            Ok(Protocol::Grpc)
+        );
+        let error = logs(&[("OTEL_EXPORTER_OTLP_LOGS_PROTOCOL", "http/json")]).unwrap_err();
+        assert_eq!(error.var, "OTEL_EXPORTER_OTLP_LOGS_PROTOCOL");
     }
 
     #[test]

@@ -144,16 +144,7 @@ pub fn otlp_configured() -> bool {
 /// The OTLP exporter's per-export timeout: the standard variables, else
 /// the specification's 10 s.
 fn export_timeout() -> std::time::Duration {
-    [
-        "OTEL_EXPORTER_OTLP_TRACES_TIMEOUT",
-        "OTEL_EXPORTER_OTLP_TIMEOUT",
-    ]
-    .iter()
-    .find_map(|var| std::env::var(var).ok()?.trim().parse::<u64>().ok())
-    .map_or(
-        std::time::Duration::from_secs(10),
-        std::time::Duration::from_millis,
-    )
+    super::otlp::export_timeout("OTEL_EXPORTER_OTLP_TRACES_TIMEOUT")
 }
 
 fn provider() -> Result<SdkTracerProvider, TelemetryError> {
