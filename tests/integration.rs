@@ -17,8 +17,9 @@
 //! * `decision_log`: the decision log in the mesh, `guardmesh log verify`
 //!   and `guardmesh replay` (R29, R30).
 //! * `policy`: policy guards and unguarded calls (R27, R28), and
-//!   `guardmesh policy check|test`; `policy_watch`: policy files reloaded
-//!   when they change on disk.
+//!   `guardmesh policy check|test`; `policy_order`: R3/R4 across policy,
+//!   Rust and Python guards with random verdicts; `policy_watch`: policy
+//!   files reloaded when they change on disk.
 //!
 //! Tests that measure memory take [`harness::HEAVY`]; tests that must own the
 //! process (its global telemetry, its resident set) run in a child process of
@@ -36,6 +37,7 @@ mod observability;
 mod otel;
 mod overload;
 mod policy;
+mod policy_order;
 mod policy_watch;
 mod polyglot;
 mod rewrites;
