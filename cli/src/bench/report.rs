@@ -241,6 +241,7 @@ pub(super) const TARGETS: &[(&str, Bound)] = &[
     ("throughput_mesh4_vs_echo", Bound::AtLeast(0.7)),
     ("cpu_per_batch_mesh4_vs_echo_call", Bound::AtMost(2.0)),
     ("rss_mib_1000_streams", Bound::AtMost(64.0)),
+    ("policy20_vs_no_guard_p50", Bound::AtMost(1.10)),
 ];
 
 /// Everything one run measured.
@@ -252,6 +253,8 @@ pub(super) struct Results {
     pub latency: Vec<Latency>,
     pub throughput: Vec<Throughput>,
     pub memory: Memory,
+    /// Figures computed by a scenario group itself (the policy guards').
+    pub extra: Vec<(String, f64)>,
 }
 
 impl Results {
@@ -350,6 +353,7 @@ impl Results {
                 ));
             }
         }
+        ratios.extend(self.extra.iter().cloned());
         Ok(ratios)
     }
 
