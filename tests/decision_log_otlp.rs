@@ -296,7 +296,7 @@ fn r29_an_unsupported_logs_protocol_refuses_to_start_naming_the_variable() {
         ),
     )
     .unwrap();
-    let output = std::process::Command::new(env!("CARGO_BIN_EXE_guardmesh"))
+    let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_guardmesh"))
         .args(["serve", "--listen", "127.0.0.1:0", "--config"])
         .arg(&config)
         .env(
@@ -307,10 +307,28 @@ fn r29_an_unsupported_logs_protocol_refuses_to_start_naming_the_variable() {
         .env_remove("OTEL_EXPORTER_OTLP_ENDPOINT")
         .env_remove("OTEL_EXPORTER_OTLP_PROTOCOL")
         .stdin(std::process::Stdio::null())
-        .output()
-        .expect("run guardmesh serve");
-    let stderr = String::from_utf8_lossy(&output.stderr);
-    assert!(!output.status.success(), "{stderr}");
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("start guardmesh serve");
+    // Bounded: a mesh that starts anyway is killed and the test fails.
+    let mut exited = None;
+    for _ in 0..400 {
+        if let Some(status) = child.try_wait().unwrap() {
+            exited = Some(status);
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    if exited.is_none() {
+        let _ = child.kill();
+        let _ = child.wait();
+    }
+    let mut stderr = String::new();
+    std::io::Read::read_to_string(&mut child.stderr.take().unwrap(), &mut stderr).unwrap();
+    let status =
+        exited.unwrap_or_else(|| panic!("serve started with an unsupported protocol\n{stderr}"));
+    assert!(!status.success(), "{stderr}");
     assert!(
         stderr.contains("OTEL_EXPORTER_OTLP_LOGS_PROTOCOL=\"http/json\" is not supported"),
         "{stderr}"

@@ -24,7 +24,9 @@
 //!   that cannot be recorded; `decision_log_otlp`: the records exported as
 //!   OpenTelemetry log records.
 //! * `policy`: policy guards and unguarded calls (R27, R28), and
-//!   `guardmesh policy check|test`.
+//!   `guardmesh policy check|test`; `policy_order`: R3/R4 across policy,
+//!   Rust and Python guards with random verdicts; `policy_watch`: policy
+//!   files reloaded when they change on disk.
 //!
 //! Tests that measure memory take [`harness::HEAVY`]; tests that must own the
 //! process (its global telemetry, its resident set) run in a child process of
@@ -48,6 +50,8 @@ mod otel;
 mod otel_http;
 mod overload;
 mod policy;
+mod policy_order;
+mod policy_watch;
 mod polyglot;
 mod rewrites;
 mod rules;

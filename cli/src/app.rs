@@ -588,14 +588,21 @@ async fn serve(config: Option<PathBuf>, listen: Option<std::net::SocketAddr>) ->
     }
     // SIGHUP reloads the server certificate at once (it is also reloaded
     // when its files change), and the policy files of the config's policy
-    // guards (R27).
-    #[cfg(unix)]
+    // guards (R27), which are also reloaded when they change on disk.
     let guards: Vec<_> = config
         .guards
         .iter()
         .filter(|g| g.policy.is_some())
         .cloned()
         .collect();
+    let _policy_watch = if guards.is_empty() {
+        None
+    } else {
+        let watched =
+            crate::policy_reload::watch(mesh.clone(), config_folder.clone(), guards.clone())
+                .map_err(|e| format!("cannot watch the policy files: {e}"))?;
+        Some(watched)
+    };
     #[cfg(unix)]
     if (mesh.config.security.server_tls.is_some() || !guards.is_empty())
         && let Ok(mut hup) = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::hangup())
@@ -609,7 +616,13 @@ async fn serve(config: Option<PathBuf>, listen: Option<std::net::SocketAddr>) ->
                     tls.cert.reload();
                 }
                 for guard in &guards {
-                    reload_policy(&mesh, &folder, guard.clone()).await;
+                    crate::policy_reload::reload_policy(
+                        &mesh,
+                        &folder,
+                        guard.clone(),
+                        crate::policy_reload::Trigger::Signal,
+                    )
+                    .await;
                 }
             }
         });
@@ -629,62 +642,6 @@ async fn serve(config: Option<PathBuf>, listen: Option<std::net::SocketAddr>) ->
     }
     tracing::info!("guardmesh stopped");
     Ok(())
-}
-
-/// Re-reads a config policy guard's file and registers it again in place
-/// (R16: same position); a file that cannot be read or does not compile is
-/// refused whole and the running policy is kept (R27), logged and counted.
-/// A guard deregistered since the start is not brought back.
-#[cfg(unix)]
-async fn reload_policy(
-    mesh: &Mesh,
-    folder: &std::path::Path,
-    mut guard: guardmesh_server::config::GuardConfig,
-) {
-    let name = guard.name.trim().to_owned();
-    let present = mesh
-        .registry()
-        .chain()
-        .guards
-        .iter()
-        .any(|g| g.name == name);
-    if !present {
-        return;
-    }
-    let Some(file) = guard.policy.as_ref().map(|f| folder.join(f)) else {
-        return;
-    };
-    let loaded = std::fs::read_to_string(&file)
-        .map_err(|e| format!("cannot read {}: {e}", file.display()))
-        .and_then(|source| {
-            guardmesh_server::policy::Policy::compile(&source)
-                .map(|_| source)
-                .map_err(|e| format!("{}: {e}", file.display()))
-        });
-    let result = match loaded {
-        Ok(source) => {
-            guard.policy_source = Some(source);
-            mesh.registry()
-                .register(guard.to_spec())
-                .await
-                .map_err(|e| e.to_string())
-        }
-        Err(error) => Err(error),
-    };
-    match result {
-        Ok(registered) => {
-            if let Some(log) = mesh.decision_log() {
-                log.config_guards(&[guard.to_spec()], registered.revision)
-                    .await;
-            }
-            mesh.metrics.policy_reload("applied");
-            tracing::info!(guard = %name, revision = registered.revision, "policy reloaded");
-        }
-        Err(error) => {
-            mesh.metrics.policy_reload("refused");
-            tracing::warn!(guard = %name, %error, "policy reload refused; the running policy is kept");
-        }
-    }
 }
 
 /// The registry `[registry]` asks for, with the file's `[[guard]]` entries

@@ -7,6 +7,8 @@
 //!   crate.
 //! * `heartbeat`: `guardmesh heartbeat`, a liveness sidecar for guards of any
 //!   language on the etcd registry.
+//! * `policy_reload`: the config's policy files reloaded on SIGHUP and when
+//!   they change on disk (R27).
 //! * [`demo`]: `guardmesh demo`, a mesh, example guards and a coordinator in
 //!   one process, printing decisions and traces.
 //! * [`examples`]: the example guards, written with the Rust SDK.
@@ -24,6 +26,7 @@ pub mod demo;
 mod evaluate;
 pub mod examples;
 mod heartbeat;
+mod policy_reload;
 mod replay;
 mod runtime;
 

@@ -62,7 +62,8 @@ pub(super) async fn run(
     let mut meshes = Vec::new();
     for (label, _, durability) in VARIANTS {
         let extra = section(dir, label, durability);
-        meshes.push(MeshProcess::start_config(exe, dir, label, guards, &ZERO, None, &extra).await?);
+        let sections = MeshProcess::guard_sections(guards, &ZERO)? + &extra;
+        meshes.push(MeshProcess::start_config(exe, dir, label, &sections, ZERO.len(), None).await?);
     }
     let mut scenarios = Vec::new();
     for (&(label, what, _), mesh) in VARIANTS.iter().zip(&meshes) {

@@ -46,6 +46,7 @@ mod child;
 mod decision_log;
 mod guards;
 mod mcp;
+mod policy;
 mod report;
 
 pub use guards::GuardsArgs;
@@ -242,6 +243,8 @@ struct Plan {
     throughput_window: Duration,
     /// Pause before reading the RSS, for the streams to settle.
     settle: Duration,
+    /// Batches judged in process to time the policy's evaluation.
+    policy_iterations: u32,
 }
 
 impl Plan {
@@ -257,6 +260,7 @@ impl Plan {
                 throughput_warmup: Duration::from_millis(300),
                 throughput_window: Duration::from_secs(1),
                 settle: Duration::from_millis(300),
+                policy_iterations: 2_000,
             }
         } else {
             Self {
@@ -269,6 +273,7 @@ impl Plan {
                 throughput_warmup: Duration::from_millis(500),
                 throughput_window: Duration::from_secs(3),
                 settle: Duration::from_secs(1),
+                policy_iterations: 20_000,
             }
         };
         Self {
@@ -488,19 +493,31 @@ impl MeshProcess {
         names: &[&str],
         threads: Option<usize>,
     ) -> Result<Self, Error> {
-        Self::start_config(exe, dir, label, guards, names, threads, "").await
+        let sections = Self::guard_sections(guards, names)?;
+        Self::start_config(exe, dir, label, &sections, names.len(), threads).await
     }
 
-    /// As [`MeshProcess::start_with`], with `extra` appended to the config
-    /// file (more sections, such as `[decision_log]`).
+    /// The `[[guard]]` sections of the guards `names` of `guards`.
+    fn guard_sections(guards: &GuardProcess, names: &[&str]) -> Result<String, Error> {
+        let mut sections = String::new();
+        for name in names {
+            sections.push_str(&format!(
+                "\n[[guard]]\nname = \"{name}\"\nendpoint = \"{}\"\n",
+                guards.stream_url(name)?
+            ));
+        }
+        Ok(sections)
+    }
+
+    /// A mesh whose config has the sections `sections` (`count` guards,
+    /// and any other section, such as `[decision_log]`).
     async fn start_config(
         exe: &Path,
         dir: &Path,
         label: &str,
-        guards: &GuardProcess,
-        names: &[&str],
+        sections: &str,
+        count: usize,
         threads: Option<usize>,
-        extra: &str,
     ) -> Result<Self, Error> {
         let mut last_error: Option<Error> = None;
         // A port found free may be taken before the mesh binds it: retry.
@@ -508,13 +525,7 @@ impl MeshProcess {
             let port = free_port()?;
             let mut config =
                 format!("# guardmesh bench, scenario {label}\nlisten = \"127.0.0.1:{port}\"\n");
-            for name in names {
-                config.push_str(&format!(
-                    "\n[[guard]]\nname = \"{name}\"\nendpoint = \"{}\"\n",
-                    guards.stream_url(name)?
-                ));
-            }
-            config.push_str(extra);
+            config.push_str(sections);
             let config_path = dir.join(format!("{label}.toml"));
             std::fs::write(&config_path, config)
                 .map_err(|e| format!("cannot write {}: {e}", config_path.display()))?;
@@ -530,7 +541,7 @@ impl MeshProcess {
                 child,
                 url: format!("http://127.0.0.1:{port}"),
             };
-            match mesh.wait_ready(names.len()).await {
+            match mesh.wait_ready(count).await {
                 Ok(()) => return Ok(mesh),
                 Err(error) => last_error = Some(error),
             }
@@ -1138,6 +1149,19 @@ async fn memory(
     })
 }
 
+/// The in-process policy figures' setup, for the JSON.
+fn put_policy_setup(setup: &mut Map<String, Value>, evaluation: &policy::Evaluation) {
+    setup.insert("policy_rules".into(), json!(evaluation.rules));
+    setup.insert(
+        "policy_rule_evaluations_per_batch".into(),
+        json!(evaluation.evaluations),
+    );
+    setup.insert(
+        "policy_eval_iterations".into(),
+        json!(evaluation.iterations),
+    );
+}
+
 const ZERO: [&str; 4] = ["zero-1", "zero-2", "zero-3", "zero-4"];
 const FIVE: [&str; 4] = ["ms5-1", "ms5-2", "ms5-3", "ms5-4"];
 const EARLY_VETO: [&str; 4] = ["veto-1ms", "ms200-2", "ms200-3", "ms200-4"];
@@ -1173,6 +1197,7 @@ async fn run(args: &BenchArgs) -> Result<(), Error> {
     );
     let mut guards = GuardProcess::start(&exe, dir, &catalog(), args).await?;
     let mut latency = Vec::new();
+    let mut extra_setup = Map::new();
 
     // Zero-latency guards: direct_unary, direct_parallel_4, stream_floor,
     // mesh_1, mesh_4.
@@ -1324,6 +1349,69 @@ async fn run(args: &BenchArgs) -> Result<(), Error> {
     let mcp_counts = if args.quick { (100, 200) } else { (300, 1000) };
     let mcp = mcp::run(&exe, dir, &mut guards, plan.rounds, mcp_counts).await?;
     latency.extend(mcp.latency);
+    // Policy guards (R27): no_guard, policy20, policy20_match.
+    let policy_figures = {
+        let (rules, matching) = policy::write(dir)?;
+        let mut none = MeshProcess::start_config(&exe, dir, policy::NO_GUARD, "", 0, None).await?;
+        let mut with_rules = MeshProcess::start_config(
+            &exe,
+            dir,
+            policy::POLICY20,
+            &policy::guard_section("policy20", &rules),
+            1,
+            None,
+        )
+        .await?;
+        let mut with_match = MeshProcess::start_config(
+            &exe,
+            dir,
+            policy::POLICY20_MATCH,
+            &policy::guard_section("policy20", &matching),
+            1,
+            None,
+        )
+        .await?;
+        let mut scenarios = vec![
+            Scenario::new(
+                policy::NO_GUARD,
+                "the mesh, no guard",
+                Op::Mesh(none.session(policy::NO_GUARD).await?),
+                false,
+                Some(&none),
+                plan.fast,
+            )?,
+            Scenario::new(
+                policy::POLICY20,
+                "the mesh, one policy guard of 20 rules, none matching",
+                Op::Mesh(with_rules.session(policy::POLICY20).await?),
+                false,
+                Some(&with_rules),
+                plan.fast,
+            )?,
+            Scenario::new(
+                policy::POLICY20_MATCH,
+                "the same, its 20th rule steering every call",
+                Op::Mesh(with_match.session(policy::POLICY20_MATCH).await?),
+                true,
+                Some(&with_match),
+                plan.fast,
+            )?,
+        ];
+        let group = run_group(
+            "policy guards",
+            &mut scenarios,
+            plan.rounds,
+            &work,
+            &mut guards,
+            &mut [&mut none, &mut with_rules, &mut with_match],
+        )
+        .await?;
+        let evaluation = policy::evaluate(&work, plan.policy_iterations)?;
+        let figures = policy::figures(&group, &evaluation)?;
+        latency.extend(group);
+        put_policy_setup(&mut extra_setup, &evaluation);
+        figures
+    };
 
     let in_flight = args.in_flight.max(1);
     let mut throughput = throughput(
@@ -1391,13 +1479,14 @@ async fn run(args: &BenchArgs) -> Result<(), Error> {
         json!(std::thread::available_parallelism().map_or(0, |n| n.get())),
     );
     put("elapsed_s", json!(started.elapsed().as_secs_f64()));
+    setup.extend(extra_setup);
     let results = Results {
         quick: args.quick,
         setup,
         latency,
         throughput,
         memory,
-        extra_ratios: mcp.ratios,
+        extra_ratios: mcp.ratios.into_iter().chain(policy_figures).collect(),
     };
     println!(
         "guardmesh bench ({mode} run, {:.0} s): batches of {CALLS} calls, {ARGUMENT_BYTES} B of JSON arguments each",

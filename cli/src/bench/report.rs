@@ -242,6 +242,7 @@ pub(super) const TARGETS: &[(&str, Bound)] = &[
     ("throughput_mesh4_vs_echo", Bound::AtLeast(0.6)),
     ("cpu_per_batch_mesh4_vs_echo_call", Bound::AtMost(1.6)),
     ("rss_mib_1000_streams", Bound::AtMost(40.0)),
+    ("policy20_vs_no_guard_p50", Bound::AtMost(1.10)),
 ];
 
 /// Everything one run measured.
@@ -253,7 +254,8 @@ pub(super) struct Results {
     pub latency: Vec<Latency>,
     pub throughput: Vec<Throughput>,
     pub memory: Memory,
-    /// Figures of scenario groups computed where they run (the MCP gateway).
+    /// Figures computed by a scenario group itself (the MCP gateway's, the
+    /// policy guards').
     pub extra_ratios: Vec<(String, f64)>,
 }
 

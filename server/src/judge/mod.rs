@@ -18,7 +18,7 @@ pub(crate) mod verdicts;
 use crate::judge::fold::{Decided, Fold, FoldGuard};
 use crate::link::{GuardFailure, LinkEvent};
 use crate::mesh::{Chain, ChainGuard, Mesh, Unguarded};
-use crate::policy::{BatchInput, CallInput, Outcome as PolicyOutcome};
+use crate::policy::{Args, BatchValues, CallRef, ContextRef, Outcome as PolicyOutcome};
 use crate::registry::spec::Guard;
 use crate::validate;
 use guardmesh_proto::v1::{
@@ -703,10 +703,9 @@ impl<'a> Judging<'a> {
             })
             .collect();
         if !policies.is_empty() {
-            // Built once per batch, whatever the number of policy guards.
-            let input = self.policy_input();
-            for k in policies {
-                self.judge_policy(&input, order.as_slice(), k, &mut fold, &mut deadlines);
+            for (k, started, outcomes) in self.evaluate_policies(&order, &policies) {
+                let order = order.as_slice();
+                self.judge_policy(outcomes, started, order, k, &mut fold, &mut deadlines);
             }
         }
         while !fold.done() {
@@ -819,26 +818,21 @@ impl<'a> Judging<'a> {
     /// (R13) applies to exactly those calls: never a proceed.
     fn judge_policy(
         &mut self,
-        input: &BatchInput,
+        outcomes: Vec<PolicyOutcome>,
+        started: Instant,
         order: &[usize],
         k: usize,
         fold: &mut Fold,
         deadlines: &mut [Option<Instant>],
     ) {
         let g = order[k];
-        let chain = self.chain;
-        let Some(rules) = &chain.guards[g].guard.policy else {
-            return;
-        };
-        let started = Instant::now();
         self.runs[g].started = Some(started);
         self.runs[g].guardrail = Some(crate::observe::spans::guardrail_span(
             &self.span,
-            &chain.guards[g].guard,
+            &self.chain.guards[g].guard,
             self.context.as_ref().map_or("", |c| c.session_id.as_str()),
             self.runs[g].sent.iter().filter(|s| **s).count(),
         ));
-        let outcomes = rules.compiled.evaluate(input);
         let mut verdicts = Vec::new();
         let mut error = None;
         for (i, outcome) in outcomes.into_iter().enumerate() {
@@ -890,35 +884,48 @@ impl<'a> Judging<'a> {
         }
     }
 
-    /// The batch as a policy sees it: its context and every call as it
-    /// stands after the mutate guards.
-    fn policy_input(&self) -> BatchInput {
-        let context = self.context.clone().unwrap_or_default();
-        BatchInput {
-            session_id: context.session_id,
-            turn_index: context.turn_index,
-            model_text: context.model_text,
-            metadata: context.metadata.into_iter().collect(),
-            calls: self
-                .calls
-                .iter()
-                .map(Call::current)
-                .map(|call| CallInput {
-                    call_id: call.call_id.clone(),
-                    tool: call.tool.clone(),
-                    // Arguments were checked as an I-JSON object (R20);
-                    // absent arguments are `{}`. Should text ever fail to
-                    // parse here, a rule reading it sees `null` and errors
-                    // (a guard failure, R13), never an empty object that
-                    // would let it proceed.
-                    args: if call.arguments.trim().is_empty() {
-                        serde_json::Value::Object(serde_json::Map::new())
-                    } else {
-                        serde_json::from_str(&call.arguments).unwrap_or(serde_json::Value::Null)
-                    },
-                })
-                .collect(),
-        }
+    /// Evaluates the policy guards at `policies` (positions in `order`)
+    /// for the calls each was sent, on the batch as it stands after the
+    /// mutate guards. The batch's CEL values are built once, straight from
+    /// the calls' JSON text, and shared by all of them.
+    fn evaluate_policies(
+        &self,
+        order: &[usize],
+        policies: &[usize],
+    ) -> Vec<(usize, Instant, Vec<PolicyOutcome>)> {
+        let context = self.context.as_ref();
+        let values = BatchValues::new(
+            ContextRef {
+                session_id: context.map_or("", |c| c.session_id.as_str()),
+                turn_index: context.map_or(0, |c| c.turn_index),
+                model_text: context.map_or("", |c| c.model_text.as_str()),
+            },
+            context
+                .into_iter()
+                .flat_map(|c| c.metadata.iter())
+                .map(|(k, v)| (k.as_str(), v.as_str())),
+            // Arguments were checked as an I-JSON object (R20); absent
+            // arguments are `{}`. Should text ever fail to parse here, a
+            // rule reading it sees `null` and errors (a guard failure, R13),
+            // never an empty object that would let it proceed.
+            self.calls.iter().map(|call| CallRef {
+                call_id: &call.current().call_id,
+                tool: &call.current().tool,
+                args: Args::Text(&call.current().arguments),
+            }),
+        );
+        policies
+            .iter()
+            .filter_map(|&k| {
+                let g = order[k];
+                let rules = self.chain.guards[g].guard.policy.as_ref()?;
+                let started = Instant::now();
+                let outcomes = rules
+                    .compiled
+                    .evaluate_values(&values, Some(&self.runs[g].sent));
+                Some((k, started, outcomes))
+            })
+            .collect()
     }
 
     /// R28: a call that no enforced guard applies to, and that nothing

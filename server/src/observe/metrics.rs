@@ -181,7 +181,7 @@ impl Metrics {
         let policy_reloads = Family::<OutcomeLabel, Counter>::default();
         registry.register(
             "policy_reloads",
-            "Policy files reloaded on SIGHUP (R27), by outcome (applied, refused: the running policy is kept)",
+            "Policy files reloaded on SIGHUP or a change on disk (R27), by outcome (applied, refused: the running policy is kept)",
             policy_reloads.clone(),
         );
         let spurious = Family::<GuardLabel, Counter>::default();

@@ -5,6 +5,7 @@
 use std::collections::HashMap;
 use std::sync::Arc;
 
+use cel::common::types::{CelBool, CelString};
 use cel::{Context, Env, Value};
 use globset::{Glob, GlobSet, GlobSetBuilder};
 
@@ -20,9 +21,8 @@ pub struct Policy {
     rules: Vec<Rule>,
     limits: Limits,
     env: Arc<Env>,
-    /// Whether any rule reads `calls` / `context`.
-    uses_calls: bool,
-    uses_context: bool,
+    /// Which rules apply to which tools.
+    tools: ToolIndex,
 }
 
 /// One compiled rule.
@@ -128,10 +128,16 @@ impl Policy {
             }
             rules.push(rule);
         }
-        let uses = |i: usize| rules.iter().any(|r| r.when.uses[i] || r.message.uses[i]);
+        let tools = ToolIndex::new(&rules).map_err(|error| CompileError {
+            line: 1,
+            rule: None,
+            kind: CompileErrorKind::BadGlob {
+                pattern: String::new(),
+                reason: error.to_string(),
+            },
+        })?;
         Ok(Policy {
-            uses_calls: uses(1),
-            uses_context: uses(2),
+            tools,
             rules,
             limits,
             env: Arc::new(env),
@@ -150,15 +156,39 @@ impl Policy {
 
     /// Judges every call of `batch`: one outcome per call, in batch order.
     pub fn evaluate(&self, batch: &BatchInput) -> Vec<Outcome> {
-        let n = batch.largest_collection();
-        let costs: Vec<(u64, Option<&Rule>)> = batch
-            .calls
-            .iter()
-            .map(|call| self.cost_for(&call.tool, n))
-            .collect();
-        let total = costs
-            .iter()
-            .fold(0u64, |sum, (c, _)| sum.saturating_add(*c));
+        self.evaluate_values(&BatchValues::from_input(batch), None)
+    }
+
+    /// Judges the calls of a batch already converted to CEL values (once
+    /// per batch, whatever the number of policies): one outcome per call, in
+    /// batch order. With `judged`, only the calls it marks are judged (and
+    /// counted in the cost bounds); the others are given [`Outcome::Proceed`].
+    pub fn evaluate_values(
+        &self,
+        values: &BatchValues<'_>,
+        judged: Option<&[bool]>,
+    ) -> Vec<Outcome> {
+        let calls = values.len();
+        let is_judged = |i: usize| judged.is_none_or(|j| j.get(i).copied().unwrap_or(false));
+        let n = values.largest_collection();
+        // The rules that apply to each call, by its tool: one bit set of
+        // `words` words per call, in one buffer.
+        let words = self.rules.len().div_ceil(64);
+        let mut applies = vec![0u64; words * calls];
+        let mut matched = Vec::new();
+        let mut costs: Vec<(u64, Option<usize>)> = Vec::with_capacity(calls);
+        let mut total = 0u64;
+        for i in 0..calls {
+            if !is_judged(i) {
+                costs.push((0, None));
+                continue;
+            }
+            let bits = &mut applies[i * words..(i + 1) * words];
+            self.tools.applicable(values.tool(i), bits, &mut matched);
+            let cost = self.cost_for(bits, n);
+            total = total.saturating_add(cost.0);
+            costs.push(cost);
+        }
         if total > self.limits.max_cost_per_batch {
             let costliest = self
                 .rules
@@ -172,26 +202,20 @@ impl Policy {
                 n,
                 rule: costliest,
             };
-            return vec![Outcome::Error(error); batch.calls.len()];
+            return (0..calls)
+                .map(|i| {
+                    if is_judged(i) {
+                        Outcome::Error(error.clone())
+                    } else {
+                        Outcome::Proceed
+                    }
+                })
+                .collect();
         }
-        if costs.iter().all(|(_, costliest)| costliest.is_none()) {
-            // No rule applies to any call: nothing to convert.
-            return vec![Outcome::Proceed; batch.calls.len()];
-        }
-        let values = BatchValues::new(batch);
-        let mut root = Context::with_env(Arc::clone(&self.env));
-        if self.uses_calls {
-            root.add_variable_from_value("calls", values.all_calls.clone());
-        }
-        if self.uses_context {
-            root.add_variable_from_value("context", values.context.clone());
-        }
-        batch
-            .calls
-            .iter()
-            .zip(costs)
+        costs
+            .into_iter()
             .enumerate()
-            .map(|(i, (call, (cost, costliest)))| {
+            .map(|(i, (cost, costliest))| {
                 let Some(costliest) = costliest else {
                     return Outcome::Proceed;
                 };
@@ -201,43 +225,47 @@ impl Policy {
                         estimate: cost,
                         limit: self.limits.max_cost_per_call,
                         n,
-                        rule: costliest.name.clone(),
+                        rule: self.rules[costliest].name.clone(),
                     });
                 }
-                let mut scope = root.new_inner_scope();
-                scope.add_variable_from_value("call", values.calls[i].clone());
-                self.judge(&scope, &call.tool)
+                let variables = values.scope(i);
+                let mut activation = Context::with_env(Arc::clone(&self.env));
+                activation.set_variable_resolver(&variables);
+                self.judge(&activation, &applies[i * words..(i + 1) * words])
             })
             .collect()
     }
 
-    /// The estimated cost of judging a call of `tool` at `n`, and the
-    /// costliest rule that applies to it (none when no rule does).
-    fn cost_for(&self, tool: &str, n: usize) -> (u64, Option<&Rule>) {
+    /// The estimated cost of judging a call at `n` with the rules of
+    /// `bits`, and the costliest of them (none when no rule applies).
+    fn cost_for(&self, bits: &[u64], n: usize) -> (u64, Option<usize>) {
         let mut total = 0u64;
-        let mut costliest: Option<(&Rule, u64)> = None;
-        for rule in self.rules.iter().filter(|r| r.applies_to(tool)) {
-            let cost = rule.cost.at(n);
+        let mut costliest: Option<(usize, u64)> = None;
+        for r in set_bits(bits) {
+            let cost = self.rules[r].cost.at(n);
             total = total.saturating_add(cost);
             if costliest.is_none_or(|(_, c)| cost > c) {
-                costliest = Some((rule, cost));
+                costliest = Some((r, cost));
             }
         }
         (total, costliest.map(|(r, _)| r))
     }
 
-    /// The rules in order, on one call's scope.
-    fn judge(&self, scope: &Context, tool: &str) -> Outcome {
-        for rule in self.rules.iter().filter(|r| r.applies_to(tool)) {
-            match rule.when.program.execute(scope) {
-                Ok(Value::Bool(false)) => continue,
-                Ok(Value::Bool(true)) => {}
-                Ok(other) => {
-                    return Outcome::Error(EvalError::NotBool {
-                        rule: rule.name.clone(),
-                        got: other.type_of().to_string(),
-                    });
-                }
+    /// The rules of `bits` in file order, on one call's activation.
+    fn judge(&self, activation: &Context<'_, '_>, bits: &[u64]) -> Outcome {
+        for r in set_bits(bits) {
+            let rule = &self.rules[r];
+            match Value::resolve_val(rule.when.program.expression(), activation) {
+                Ok(value) => match value.downcast_ref::<CelBool>() {
+                    Some(b) if !*b.inner() => continue,
+                    Some(_) => {}
+                    None => {
+                        return Outcome::Error(EvalError::NotBool {
+                            rule: rule.name.clone(),
+                            got: value.get_type().name().to_owned(),
+                        });
+                    }
+                },
                 Err(error) => {
                     return Outcome::Error(EvalError::Failed {
                         rule: rule.name.clone(),
@@ -246,16 +274,18 @@ impl Policy {
                     });
                 }
             }
-            return match rule.message.program.execute(scope) {
-                Ok(Value::String(message)) => Outcome::Matched(Verdict {
-                    rule: rule.name.clone(),
-                    action: rule.action,
-                    message: message.to_string(),
-                }),
-                Ok(other) => Outcome::Error(EvalError::NotString {
-                    rule: rule.name.clone(),
-                    got: other.type_of().to_string(),
-                }),
+            return match Value::resolve_val(rule.message.program.expression(), activation) {
+                Ok(value) => match value.downcast_ref::<CelString>() {
+                    Some(message) => Outcome::Matched(Verdict {
+                        rule: rule.name.clone(),
+                        action: rule.action,
+                        message: message.inner().to_owned(),
+                    }),
+                    None => Outcome::Error(EvalError::NotString {
+                        rule: rule.name.clone(),
+                        got: value.get_type().name().to_owned(),
+                    }),
+                },
                 Err(error) => Outcome::Error(EvalError::Failed {
                     rule: rule.name.clone(),
                     field: Field::Message,
@@ -264,6 +294,68 @@ impl Policy {
             };
         }
         Outcome::Proceed
+    }
+}
+
+/// The indices of the bits set in `bits`, lowest first.
+fn set_bits(bits: &[u64]) -> impl Iterator<Item = usize> + '_ {
+    bits.iter().enumerate().flat_map(|(w, &word)| {
+        let mut word = word;
+        std::iter::from_fn(move || {
+            if word == 0 {
+                return None;
+            }
+            let bit = word.trailing_zeros() as usize;
+            word &= word - 1;
+            Some(w * 64 + bit)
+        })
+    })
+}
+
+/// Which rules apply to a tool, by all the rules' globs in one set: one
+/// match per call rather than one per rule.
+struct ToolIndex {
+    /// Every rule's globs.
+    set: GlobSet,
+    /// The rule of each glob of `set`.
+    owner: Vec<usize>,
+    /// The rules without globs (they apply to every tool), as bits.
+    every_tool: Vec<u64>,
+}
+
+impl ToolIndex {
+    fn new(rules: &[Rule]) -> Result<Self, globset::Error> {
+        let mut builder = GlobSetBuilder::new();
+        let mut owner = Vec::new();
+        let mut every_tool = vec![0u64; rules.len().div_ceil(64)];
+        for (r, rule) in rules.iter().enumerate() {
+            if rule.tools.is_none() {
+                every_tool[r / 64] |= 1 << (r % 64);
+                continue;
+            }
+            for pattern in &rule.patterns {
+                builder.add(Glob::new(pattern)?);
+                owner.push(r);
+            }
+        }
+        Ok(Self {
+            set: builder.build()?,
+            owner,
+            every_tool,
+        })
+    }
+
+    /// Sets in `bits` the rules that apply to `tool`; `matched` is scratch.
+    fn applicable(&self, tool: &str, bits: &mut [u64], matched: &mut Vec<usize>) {
+        bits.copy_from_slice(&self.every_tool);
+        if self.owner.is_empty() {
+            return;
+        }
+        self.set.matches_into(tool, matched);
+        for &glob in matched.iter() {
+            let r = self.owner[glob];
+            bits[r / 64] |= 1 << (r % 64);
+        }
     }
 }
 

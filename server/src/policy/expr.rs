@@ -34,8 +34,6 @@ const LINEAR_OPERATORS: [&str; 4] = ["_==_", "_!=_", "@in", "_+_"];
 pub(crate) struct Compiled {
     pub(crate) program: Program,
     pub(crate) cost: Cost,
-    /// Which of [`VARIABLES`] it reads.
-    pub(crate) uses: [bool; 3],
 }
 
 /// A refused expression: why, and on which line of the expression (from 1).
@@ -79,7 +77,6 @@ pub(crate) fn compile(
         nodes: 0,
         deepest: 0,
         cost: Cost::default(),
-        uses: [false; 3],
         unknown: None,
         bad_regex: None,
     };
@@ -131,7 +128,6 @@ pub(crate) fn compile(
     }
     Ok(Compiled {
         cost: walk.cost,
-        uses: walk.uses,
         program,
     })
 }
@@ -146,7 +142,6 @@ struct Walk<'a> {
     /// The deepest macro nesting seen.
     deepest: usize,
     cost: Cost,
-    uses: [bool; 3],
     /// The first unknown identifier, and its node.
     unknown: Option<(u64, String)>,
     /// The first `matches` pattern that does not compile, and its node.
@@ -243,9 +238,7 @@ impl Walk<'_> {
         if self.scope.iter().any(|bound| bound == name) {
             return;
         }
-        if let Some(i) = VARIABLES.iter().position(|v| *v == name) {
-            self.uses[i] = true;
-        } else if !TYPE_NAMES.contains(&name) && self.unknown.is_none() {
+        if !VARIABLES.contains(&name) && !TYPE_NAMES.contains(&name) && self.unknown.is_none() {
             self.unknown = Some((id, name.to_owned()));
         }
     }

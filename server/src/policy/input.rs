@@ -16,12 +16,21 @@
 //! `int` (a `uint` above `int`'s range), any other number a `double`. CEL
 //! compares `int`, `uint` and `double` with each other, so `args.amount >
 //! 10000` holds for 10000.5 as for 10001.
+//!
+//! The values of a batch ([`BatchValues`]) are built once, straight from the
+//! arguments' JSON text (or from parsed JSON), borrowing every string that
+//! needs no unescaping, and shared by every rule, every call and every policy
+//! guard that judges the batch: `call` is an element of `calls`, not a copy.
 
 use std::collections::{BTreeMap, HashMap};
-use std::sync::Arc;
+use std::fmt;
 
-use cel::Value;
-use cel::objects::{Key, Map};
+use cel::common::types::{
+    CelBool, CelDouble, CelInt, CelList, CelMap, CelMapKey, CelNull, CelString, CelUInt,
+};
+use cel::common::value::{CowVal, Val};
+use cel::context::VariableResolver;
+use serde::de::{DeserializeSeed, Deserializer, MapAccess, SeqAccess, Visitor};
 use serde::{Deserialize, Serialize};
 
 /// One tool call, as a rule sees it.
@@ -64,108 +73,353 @@ pub struct BatchInput {
     pub calls: Vec<CallInput>,
 }
 
-impl BatchInput {
-    /// The number of items of the largest list or map in the input: the
+/// A call's arguments, as given to [`BatchValues::new`].
+#[derive(Debug, Clone, Copy)]
+pub enum Args<'a> {
+    /// JSON text as sent (the mesh checked it as an I-JSON object, R20).
+    /// Blank text is `{}`; text that does not parse is `null`, so that a
+    /// rule reading it errors (a guard failure, R13) rather than proceeds.
+    Text(&'a str),
+    /// Parsed JSON.
+    Json(&'a serde_json::Value),
+}
+
+/// One call, as given to [`BatchValues::new`].
+#[derive(Debug, Clone, Copy)]
+pub struct CallRef<'a> {
+    /// The call's id.
+    pub call_id: &'a str,
+    /// The tool's name.
+    pub tool: &'a str,
+    /// Its arguments.
+    pub args: Args<'a>,
+}
+
+/// A batch's context, as given to [`BatchValues::new`].
+#[derive(Debug, Clone, Copy, Default)]
+pub struct ContextRef<'a> {
+    /// The agent session.
+    pub session_id: &'a str,
+    /// The model turn.
+    pub turn_index: u32,
+    /// The model's text.
+    pub model_text: &'a str,
+}
+
+/// The CEL values of one batch, built once and shared by every rule, call
+/// and policy that judges it. They borrow from the batch they were built
+/// from.
+pub struct BatchValues<'a> {
+    /// `calls`: one map `{call_id, tool, args}` per call, in batch order.
+    calls: CelList<'a>,
+    /// The tool of each call, for the rules' tool globs.
+    tools: Vec<&'a str>,
+    /// `context`.
+    context: CelMap<'a>,
+    /// The number of items of the largest list or map of the input: the
     /// calls, the metadata, and every array and object inside any call's
     /// arguments. The `n` of the cost bounds (see `cost`).
-    pub(crate) fn largest_collection(&self) -> usize {
-        let mut largest = self.calls.len().max(self.metadata.len());
-        for call in &self.calls {
-            largest = largest.max(largest_in(&call.args));
-        }
-        largest
+    largest: usize,
+}
+
+impl fmt::Debug for BatchValues<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("BatchValues")
+            .field("tools", &self.tools)
+            .field("largest", &self.largest)
+            .finish_non_exhaustive()
     }
 }
 
-fn largest_in(value: &serde_json::Value) -> usize {
-    match value {
-        serde_json::Value::Array(items) => {
-            items.iter().map(largest_in).fold(items.len(), usize::max)
-        }
-        serde_json::Value::Object(fields) => fields
-            .values()
-            .map(largest_in)
-            .fold(fields.len(), usize::max),
-        _ => 0,
-    }
-}
-
-/// The CEL values of one batch, built once and shared by every call's
-/// evaluation.
-pub(crate) struct BatchValues {
-    /// `call` for each call, in batch order.
-    pub(crate) calls: Vec<Value>,
-    /// `calls`.
-    pub(crate) all_calls: Value,
-    /// `context`.
-    pub(crate) context: Value,
-}
-
-impl BatchValues {
-    pub(crate) fn new(batch: &BatchInput) -> Self {
-        let calls: Vec<Value> = batch.calls.iter().map(call_value).collect();
-        let metadata: HashMap<Key, Value> = batch
-            .metadata
-            .iter()
-            .map(|(k, v)| (Key::from(k.as_str()), Value::from(v.as_str())))
+impl<'a> BatchValues<'a> {
+    /// Builds the values of a batch: its context, its metadata and its
+    /// calls.
+    pub fn new(
+        context: ContextRef<'a>,
+        metadata: impl IntoIterator<Item = (&'a str, &'a str)>,
+        calls: impl IntoIterator<Item = CallRef<'a>>,
+    ) -> Self {
+        let metadata: HashMap<CelMapKey<'a>, Box<dyn Val + 'a>> = metadata
+            .into_iter()
+            .map(|(k, v)| (CelMapKey::from(k), string(v)))
             .collect();
-        let context = map([
-            ("session_id", Value::from(batch.session_id.as_str())),
-            ("turn_index", Value::Int(i64::from(batch.turn_index))),
-            ("model_text", Value::from(batch.model_text.as_str())),
+        let mut largest = metadata.len();
+        let context = CelMap::from(HashMap::from([
+            (CelMapKey::from("session_id"), string(context.session_id)),
             (
-                "metadata",
-                Value::Map(Map {
-                    map: Arc::new(metadata),
-                }),
+                CelMapKey::from("turn_index"),
+                Box::new(CelInt::from(i64::from(context.turn_index))) as Box<dyn Val + 'a>,
             ),
-        ]);
+            (CelMapKey::from("model_text"), string(context.model_text)),
+            (
+                CelMapKey::from("metadata"),
+                Box::new(CelMap::from(metadata)) as Box<dyn Val + 'a>,
+            ),
+        ]));
+        let calls = calls.into_iter();
+        let mut tools = Vec::with_capacity(calls.size_hint().0);
+        let mut values: Vec<Box<dyn Val + 'a>> = Vec::with_capacity(calls.size_hint().0);
+        for call in calls {
+            let args = match call.args {
+                Args::Text(text) => from_text(text, &mut largest),
+                Args::Json(json) => from_json(json, &mut largest),
+            };
+            tools.push(call.tool);
+            values.push(Box::new(CelMap::from(HashMap::from([
+                (CelMapKey::from("call_id"), string(call.call_id)),
+                (CelMapKey::from("tool"), string(call.tool)),
+                (CelMapKey::from("args"), args),
+            ]))));
+        }
+        largest = largest.max(values.len());
         Self {
-            all_calls: Value::List(Arc::new(calls.clone())),
-            calls,
+            calls: CelList::from(values),
+            tools,
             context,
+            largest,
+        }
+    }
+
+    /// The values of a [`BatchInput`].
+    pub fn from_input(batch: &'a BatchInput) -> Self {
+        Self::new(
+            ContextRef {
+                session_id: &batch.session_id,
+                turn_index: batch.turn_index,
+                model_text: &batch.model_text,
+            },
+            batch.metadata.iter().map(|(k, v)| (k.as_str(), v.as_str())),
+            batch.calls.iter().map(|call| CallRef {
+                call_id: &call.call_id,
+                tool: &call.tool,
+                args: Args::Json(&call.args),
+            }),
+        )
+    }
+
+    /// The number of calls.
+    pub fn len(&self) -> usize {
+        self.tools.len()
+    }
+
+    /// Whether the batch has no call.
+    pub fn is_empty(&self) -> bool {
+        self.tools.is_empty()
+    }
+
+    /// The tool of call `i`.
+    pub(crate) fn tool(&self, i: usize) -> &'a str {
+        self.tools[i]
+    }
+
+    /// The `n` of the cost bounds: the items of the largest list or map.
+    pub(crate) fn largest_collection(&self) -> usize {
+        self.largest
+    }
+
+    /// The variables of call `i`'s evaluation: `call`, `calls`, `context`,
+    /// all borrowed from these values.
+    pub(crate) fn scope(&self, i: usize) -> Scope<'_, 'a> {
+        Scope {
+            call: self.calls.inner()[i].as_ref(),
+            calls: &self.calls,
+            context: &self.context,
         }
     }
 }
 
-fn call_value(call: &CallInput) -> Value {
-    map([
-        ("call_id", Value::from(call.call_id.as_str())),
-        ("tool", Value::from(call.tool.as_str())),
-        ("args", json_value(&call.args)),
-    ])
+/// The variables of one call's evaluation, resolved by name without
+/// copying anything.
+pub(crate) struct Scope<'s, 'a> {
+    call: &'s (dyn Val + 'a),
+    calls: &'s CelList<'a>,
+    context: &'s CelMap<'a>,
 }
 
-fn map<const N: usize>(fields: [(&str, Value); N]) -> Value {
-    let map: HashMap<Key, Value> = fields.into_iter().map(|(k, v)| (Key::from(k), v)).collect();
-    Value::Map(Map { map: Arc::new(map) })
+impl VariableResolver for Scope<'_, '_> {
+    fn resolve<'b>(&'b self, variable: &str) -> Option<CowVal<'b, 'b>> {
+        match variable {
+            "call" => Some(CowVal::Borrowed(self.call)),
+            "calls" => Some(CowVal::Borrowed(self.calls)),
+            "context" => Some(CowVal::Borrowed(self.context)),
+            _ => None,
+        }
+    }
 }
 
-/// JSON to CEL (see the module's documentation).
-pub(crate) fn json_value(value: &serde_json::Value) -> Value {
+fn string(text: &str) -> Box<dyn Val + '_> {
+    Box::new(CelString::from(text))
+}
+
+fn int(i: i64) -> Box<dyn Val + 'static> {
+    Box::new(CelInt::from(i))
+}
+
+fn uint_or_int(u: u64) -> Box<dyn Val + 'static> {
+    match i64::try_from(u) {
+        Ok(i) => int(i),
+        Err(_) => Box::new(CelUInt::from(u)),
+    }
+}
+
+/// Parsed JSON to CEL (see the module's documentation).
+fn from_json<'a>(value: &'a serde_json::Value, largest: &mut usize) -> Box<dyn Val + 'a> {
     match value {
-        serde_json::Value::Null => Value::Null,
-        serde_json::Value::Bool(b) => Value::Bool(*b),
+        serde_json::Value::Null => Box::new(CelNull),
+        serde_json::Value::Bool(b) => Box::new(CelBool::from(*b)),
         serde_json::Value::Number(n) => {
             if let Some(i) = n.as_i64() {
-                Value::Int(i)
+                int(i)
             } else if let Some(u) = n.as_u64() {
-                Value::UInt(u)
+                uint_or_int(u)
             } else {
-                Value::Float(n.as_f64().unwrap_or(f64::NAN))
+                Box::new(CelDouble::from(n.as_f64().unwrap_or(f64::NAN)))
             }
         }
-        serde_json::Value::String(s) => Value::from(s.as_str()),
+        serde_json::Value::String(s) => string(s),
         serde_json::Value::Array(items) => {
-            Value::List(Arc::new(items.iter().map(json_value).collect()))
+            *largest = (*largest).max(items.len());
+            let items: Vec<Box<dyn Val + 'a>> =
+                items.iter().map(|item| from_json(item, largest)).collect();
+            Box::new(CelList::from(items))
         }
         serde_json::Value::Object(fields) => {
-            let map: HashMap<Key, Value> = fields
+            *largest = (*largest).max(fields.len());
+            let map: HashMap<CelMapKey<'a>, Box<dyn Val + 'a>> = fields
                 .iter()
-                .map(|(k, v)| (Key::from(k.as_str()), json_value(v)))
+                .map(|(k, v)| (CelMapKey::from(k.as_str()), from_json(v, largest)))
                 .collect();
-            Value::Map(Map { map: Arc::new(map) })
+            Box::new(CelMap::from(map))
         }
+    }
+}
+
+/// JSON text to CEL in one pass, with no parsed JSON in between (see
+/// [`Args::Text`]).
+fn from_text<'a>(text: &'a str, largest: &mut usize) -> Box<dyn Val + 'a> {
+    if text.trim().is_empty() {
+        return Box::new(CelMap::from(HashMap::new()));
+    }
+    let mut deserializer = serde_json::Deserializer::from_str(text);
+    let mut seen = 0;
+    let value = JsonSeed { largest: &mut seen }
+        .deserialize(&mut deserializer)
+        .and_then(|value| deserializer.end().map(|()| value));
+    match value {
+        Ok(value) => {
+            *largest = (*largest).max(seen);
+            value
+        }
+        Err(_) => Box::new(CelNull),
+    }
+}
+
+/// Deserializes one JSON value into a CEL value, borrowing strings without
+/// escapes from the text, and records the largest list or map seen.
+struct JsonSeed<'s> {
+    largest: &'s mut usize,
+}
+
+impl<'de> DeserializeSeed<'de> for JsonSeed<'_> {
+    type Value = Box<dyn Val + 'de>;
+
+    fn deserialize<D: Deserializer<'de>>(self, deserializer: D) -> Result<Self::Value, D::Error> {
+        deserializer.deserialize_any(self)
+    }
+}
+
+impl<'de> Visitor<'de> for JsonSeed<'_> {
+    type Value = Box<dyn Val + 'de>;
+
+    fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("a JSON value")
+    }
+
+    fn visit_unit<E>(self) -> Result<Self::Value, E> {
+        Ok(Box::new(CelNull))
+    }
+
+    fn visit_bool<E>(self, v: bool) -> Result<Self::Value, E> {
+        Ok(Box::new(CelBool::from(v)))
+    }
+
+    fn visit_i64<E>(self, v: i64) -> Result<Self::Value, E> {
+        Ok(int(v))
+    }
+
+    fn visit_u64<E>(self, v: u64) -> Result<Self::Value, E> {
+        Ok(uint_or_int(v))
+    }
+
+    fn visit_f64<E>(self, v: f64) -> Result<Self::Value, E> {
+        Ok(Box::new(CelDouble::from(v)))
+    }
+
+    fn visit_borrowed_str<E>(self, v: &'de str) -> Result<Self::Value, E> {
+        Ok(Box::new(CelString::from(v)))
+    }
+
+    fn visit_str<E>(self, v: &str) -> Result<Self::Value, E> {
+        Ok(Box::new(CelString::from(v.to_owned())))
+    }
+
+    fn visit_string<E>(self, v: String) -> Result<Self::Value, E> {
+        Ok(Box::new(CelString::from(v)))
+    }
+
+    fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Self::Value, A::Error> {
+        let mut items: Vec<Box<dyn Val + 'de>> = Vec::new();
+        while let Some(item) = seq.next_element_seed(JsonSeed {
+            largest: &mut *self.largest,
+        })? {
+            items.push(item);
+        }
+        *self.largest = (*self.largest).max(items.len());
+        Ok(Box::new(CelList::from(items)))
+    }
+
+    fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Self::Value, A::Error> {
+        let mut fields: HashMap<CelMapKey<'de>, Box<dyn Val + 'de>> =
+            HashMap::with_capacity(map.size_hint().unwrap_or(0));
+        while let Some(key) = map.next_key_seed(KeySeed)? {
+            let value = map.next_value_seed(JsonSeed {
+                largest: &mut *self.largest,
+            })?;
+            fields.insert(key, value);
+        }
+        *self.largest = (*self.largest).max(fields.len());
+        Ok(Box::new(CelMap::from(fields)))
+    }
+}
+
+/// An object's key, borrowed from the text when it has no escapes.
+struct KeySeed;
+
+impl<'de> DeserializeSeed<'de> for KeySeed {
+    type Value = CelMapKey<'de>;
+
+    fn deserialize<D: Deserializer<'de>>(self, deserializer: D) -> Result<Self::Value, D::Error> {
+        deserializer.deserialize_str(self)
+    }
+}
+
+impl<'de> Visitor<'de> for KeySeed {
+    type Value = CelMapKey<'de>;
+
+    fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("a string key")
+    }
+
+    fn visit_borrowed_str<E>(self, v: &'de str) -> Result<Self::Value, E> {
+        Ok(CelMapKey::from(v))
+    }
+
+    fn visit_str<E>(self, v: &str) -> Result<Self::Value, E> {
+        Ok(CelMapKey::from(v.to_owned()))
+    }
+
+    fn visit_string<E>(self, v: String) -> Result<Self::Value, E> {
+        Ok(CelMapKey::from(v))
     }
 }
 
@@ -174,23 +428,85 @@ mod tests {
     use super::*;
     use serde_json::json;
 
+    /// `call.args` of the only call of a batch whose arguments are `args`.
+    fn type_of_arg(args: Args<'_>, field: &str) -> String {
+        let values = BatchValues::new(
+            ContextRef::default(),
+            [],
+            [CallRef {
+                call_id: "c",
+                tool: "t",
+                args,
+            }],
+        );
+        let env = std::sync::Arc::new(cel::Env::stdlib());
+        let program = env
+            .compile(&format!("type(call.args.{field})"))
+            .expect("compiles");
+        let scope = values.scope(0);
+        let mut context = cel::Context::with_env(env);
+        context.set_variable_resolver(&scope);
+        format!("{:?}", program.execute(&context).expect("evaluates"))
+    }
+
     #[test]
-    fn numbers_keep_their_kind() {
-        assert_eq!(json_value(&json!(3)), Value::Int(3));
-        assert_eq!(json_value(&json!(u64::MAX)), Value::UInt(u64::MAX));
-        assert_eq!(json_value(&json!(2.5)), Value::Float(2.5));
+    fn numbers_keep_their_kind_from_text_and_from_parsed_json() {
+        let text = format!(r#"{{"i": 3, "u": {}, "d": 2.5, "n": -1}}"#, u64::MAX);
+        let parsed: serde_json::Value = serde_json::from_str(&text).unwrap();
+        for args in [Args::Text(&text), Args::Json(&parsed)] {
+            assert!(type_of_arg(args, "i").contains("int"), "{args:?}");
+            assert!(type_of_arg(args, "n").contains("int"), "{args:?}");
+            assert!(type_of_arg(args, "u").contains("uint"), "{args:?}");
+            assert!(type_of_arg(args, "d").contains("double"), "{args:?}");
+        }
     }
 
     #[test]
     fn largest_collection_looks_inside_arguments() {
-        let batch = BatchInput {
-            calls: vec![CallInput {
-                call_id: "c1".into(),
-                tool: "t".into(),
-                args: json!({"to": {"list": [1, 2, 3, 4, 5]}}),
-            }],
-            ..BatchInput::default()
-        };
-        assert_eq!(batch.largest_collection(), 5);
+        let args = json!({"to": {"list": [1, 2, 3, 4, 5]}});
+        let text = args.to_string();
+        for args in [Args::Json(&args), Args::Text(&text)] {
+            let values = BatchValues::new(
+                ContextRef::default(),
+                [("a", "b")],
+                [CallRef {
+                    call_id: "c1",
+                    tool: "t",
+                    args,
+                }],
+            );
+            assert_eq!(values.largest_collection(), 5);
+        }
+    }
+
+    #[test]
+    fn text_that_does_not_parse_is_null_and_blank_text_is_an_empty_object() {
+        let values = BatchValues::new(
+            ContextRef::default(),
+            [],
+            [
+                CallRef {
+                    call_id: "bad",
+                    tool: "t",
+                    args: Args::Text("{\"a\": 1"),
+                },
+                CallRef {
+                    call_id: "blank",
+                    tool: "t",
+                    args: Args::Text("  "),
+                },
+            ],
+        );
+        let env = std::sync::Arc::new(cel::Env::stdlib());
+        let program = env.compile("type(call.args)").unwrap();
+        let mut got = Vec::new();
+        for i in 0..values.len() {
+            let scope = values.scope(i);
+            let mut context = cel::Context::with_env(env.clone());
+            context.set_variable_resolver(&scope);
+            got.push(format!("{:?}", program.execute(&context).unwrap()));
+        }
+        assert!(got[0].contains("null"), "{got:?}");
+        assert!(got[1].contains("map"), "{got:?}");
     }
 }

@@ -3,7 +3,8 @@
 //!
 //! * `file`: the TOML format of a policy file;
 //! * `input`: what a rule sees ([`BatchInput`], [`CallInput`]) and the CEL
-//!   variables `call`, `calls` and `context`;
+//!   variables `call`, `calls` and `context`, converted once per batch
+//!   ([`BatchValues`]);
 //! * `expr`: one CEL expression compiled and checked;
 //! * `patterns`: `matches`, with the patterns compiled once;
 //! * `cost`: the bounds on size and work ([`Limits`], [`Cost`]);
@@ -33,5 +34,5 @@ pub use cases::{CheckReport, Failure, RuleSummary, TestReport, check, test};
 pub use cost::{Cost, Limits};
 pub use engine::{Policy, Rule};
 pub use error::{CasesError, CompileError, CompileErrorKind, EvalError, Field, Scope};
-pub use input::{BatchInput, CallInput};
+pub use input::{Args, BatchInput, BatchValues, CallInput, CallRef, ContextRef};
 pub use verdict::{Action, Outcome, Verdict};

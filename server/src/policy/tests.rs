@@ -684,3 +684,53 @@ fn example_batch() -> BatchInput {
     input.metadata.insert("env".into(), "staging".into());
     input
 }
+
+/// Time per batch of any policy on any batch, as the mesh judged it before
+/// the values were built from the JSON text (the arguments parsed, then
+/// evaluated), printed, not asserted:
+/// `GUARDMESH_POLICY_FILE=P GUARDMESH_BATCH_FILE=B cargo test -p
+/// guardmesh-server --release --lib policy::tests::measure_a_policy_file --
+/// --ignored --nocapture`, where B is a JSON batch whose calls' `args` are
+/// strings of JSON text.
+#[test]
+#[ignore]
+fn measure_a_policy_file() {
+    let (Ok(policy), Ok(batch)) = (
+        std::env::var("GUARDMESH_POLICY_FILE"),
+        std::env::var("GUARDMESH_BATCH_FILE"),
+    ) else {
+        println!("set GUARDMESH_POLICY_FILE and GUARDMESH_BATCH_FILE");
+        return;
+    };
+    let policy = Policy::compile(&std::fs::read_to_string(policy).unwrap()).unwrap();
+    let template: BatchInput =
+        serde_json::from_str(&std::fs::read_to_string(batch).unwrap()).unwrap();
+    let texts: Vec<String> = template
+        .calls
+        .iter()
+        .map(|c| c.args.as_str().unwrap().to_owned())
+        .collect();
+    let rounds = 20_000;
+    let start = std::time::Instant::now();
+    for _ in 0..rounds {
+        let mut input = BatchInput {
+            calls: Vec::with_capacity(texts.len()),
+            ..template.clone()
+        };
+        for (call, text) in template.calls.iter().zip(&texts) {
+            input.calls.push(CallInput {
+                call_id: call.call_id.clone(),
+                tool: call.tool.clone(),
+                args: serde_json::from_str(text).unwrap(),
+            });
+        }
+        std::hint::black_box(policy.evaluate(&input));
+    }
+    let per_batch = start.elapsed().as_secs_f64() * 1e6 / f64::from(rounds);
+    println!(
+        "{} rules, {} calls: {per_batch:.2} us per batch, {:.3} us per rule per call",
+        policy.rules().len(),
+        texts.len(),
+        per_batch / (policy.rules().len() * texts.len()) as f64
+    );
+}
