@@ -41,33 +41,6 @@ fn guardmesh(args: &[&str]) -> Output {
         .expect("run guardmesh")
 }
 
-fn text(bytes: &[u8]) -> String {
-    String::from_utf8_lossy(bytes).into_owned()
-}
-
-/// A fresh folder for one test.
-fn folder(name: &str) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("guardmesh-declog-{name}-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).unwrap();
-    dir
-}
-
-/// Every record of the log in `dir`, in order.
-fn records(dir: &Path) -> Vec<Value> {
-    segment::list(dir)
-        .unwrap()
-        .into_iter()
-        .flat_map(|(_, file)| {
-            std::fs::read_to_string(file)
-                .unwrap()
-                .lines()
-                .map(|line| serde_json::from_str::<Value>(line).unwrap())
-                .collect::<Vec<_>>()
-        })
-        .collect()
-}
-
 fn log_bytes(dir: &Path) -> Vec<u8> {
     segment::list(dir)
         .unwrap()

@@ -5,29 +5,7 @@
 use crate::harness::*;
 use guardmesh_client::{Batch, Coordinator, Registrar, Registration};
 use guardmesh_server::decision_log::{DecisionLog, LogConfig, MeshLog, OnLogFailure, segment};
-use serde_json::Value;
-use std::path::{Path, PathBuf};
-
-fn folder(name: &str) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("guardmesh-declog-{name}-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).unwrap();
-    dir
-}
-
-fn records(dir: &Path) -> Vec<Value> {
-    segment::list(dir)
-        .unwrap()
-        .into_iter()
-        .flat_map(|(_, file)| {
-            std::fs::read_to_string(file)
-                .unwrap()
-                .lines()
-                .map(|line| serde_json::from_str::<Value>(line).unwrap())
-                .collect::<Vec<_>>()
-        })
-        .collect()
-}
+use std::path::Path;
 
 async fn attach(mesh: &TestMesh, dir: &Path, on_failure: OnLogFailure) {
     let log = DecisionLog::open(LogConfig::new(dir, "test"))

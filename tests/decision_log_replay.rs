@@ -6,9 +6,8 @@
 use crate::harness::*;
 use guardmesh_client::proto::{EvaluateRequest, ToolCall};
 use guardmesh_client::{Coordinator, Registrar, Registration};
-use guardmesh_server::decision_log::{DecisionLog, LogConfig, MeshLog, OnLogFailure, segment};
+use guardmesh_server::decision_log::{DecisionLog, LogConfig, MeshLog, OnLogFailure};
 use serde_json::Value;
-use std::path::{Path, PathBuf};
 use std::process::Output;
 
 /// Cancels every call of tool `danger`.
@@ -42,31 +41,6 @@ async fn guardmesh(args: Vec<String>) -> Output {
     })
     .await
     .unwrap()
-}
-
-fn text(bytes: &[u8]) -> String {
-    String::from_utf8_lossy(bytes).into_owned()
-}
-
-fn folder(name: &str) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("guardmesh-declog-{name}-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).unwrap();
-    dir
-}
-
-fn records(dir: &Path) -> Vec<Value> {
-    segment::list(dir)
-        .unwrap()
-        .into_iter()
-        .flat_map(|(_, file)| {
-            std::fs::read_to_string(file)
-                .unwrap()
-                .lines()
-                .map(|line| serde_json::from_str::<Value>(line).unwrap())
-                .collect::<Vec<_>>()
-        })
-        .collect()
 }
 
 fn request(batch_id: &str, calls: &[(&str, &str, &str)]) -> EvaluateRequest {

@@ -31,10 +31,6 @@ fn file(name: &str, text: &str) -> PathBuf {
     path
 }
 
-fn text(bytes: &[u8]) -> String {
-    String::from_utf8_lossy(bytes).into_owned()
-}
-
 #[test]
 fn r27_policy_check_accepts_the_example_and_lists_its_rules() {
     let out = guardmesh(&["policy", "check", &example("policy.toml")]);

@@ -29,6 +29,7 @@ mod measure;
 mod mesh;
 mod pki;
 mod processes;
+mod records;
 
 pub(crate) use coordinator::*;
 pub(crate) use guards::*;
@@ -36,6 +37,7 @@ pub(crate) use measure::*;
 pub(crate) use mesh::*;
 pub(crate) use pki::*;
 pub(crate) use processes::*;
+pub(crate) use records::*;
 
 /// Polls `check` every 20 ms, at most `tries` times.
 pub(crate) async fn eventually_within(tries: usize, mut check: impl FnMut() -> bool) -> bool {

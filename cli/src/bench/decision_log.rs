@@ -18,7 +18,7 @@
 use super::report::{Latency, Throughput};
 use super::{
     Error, GuardProcess, Load, LoadRun, LoadTotals, MeshProcess, Op, Plan, Scenario, Work, ZERO,
-    closed_loop, run_group,
+    run_group,
 };
 use std::path::Path;
 use std::sync::Arc;
@@ -111,35 +111,7 @@ pub(super) async fn run(
             totals: LoadTotals::new()?,
         });
     }
-    let guards_pid = guards.child.pid();
-    let result = async {
-        for _ in 0..plan.throughput_windows {
-            for run in runs.iter_mut() {
-                closed_loop(
-                    &run.loads,
-                    work,
-                    plan.throughput_warmup,
-                    plan.throughput_window,
-                    run.mesh.as_ref().map(MeshProcess::pid),
-                    guards_pid,
-                    &mut run.totals,
-                )
-                .await
-                .map_err(|e| format!("throughput {}: {e}", run.name))?;
-            }
-        }
-        Ok::<(), Error>(())
-    }
-    .await;
-    if let Err(error) = result {
-        guards.child.check_alive()?;
-        for run in &mut runs {
-            if let Some(mesh) = &mut run.mesh {
-                mesh.child.check_alive()?;
-            }
-        }
-        return Err(error);
-    }
+    super::run_windows(&mut runs, guards, work, plan).await?;
     let throughput = runs
         .into_iter()
         .map(|run| {

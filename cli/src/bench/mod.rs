@@ -906,6 +906,46 @@ impl LoadTotals {
     }
 }
 
+/// Runs the closed-loop windows of `runs`, interleaved window by window;
+/// when one fails, says which process died if one did.
+async fn run_windows(
+    runs: &mut [LoadRun],
+    guards: &mut GuardProcess,
+    work: &Arc<Work>,
+    plan: &Plan,
+) -> Result<(), Error> {
+    let guards_pid = guards.child.pid();
+    let result = async {
+        for _ in 0..plan.throughput_windows {
+            for run in runs.iter_mut() {
+                closed_loop(
+                    &run.loads,
+                    work,
+                    plan.throughput_warmup,
+                    plan.throughput_window,
+                    run.mesh.as_ref().map(MeshProcess::pid),
+                    guards_pid,
+                    &mut run.totals,
+                )
+                .await
+                .map_err(|e| format!("throughput {}: {e}", run.name))?;
+            }
+        }
+        Ok::<(), Error>(())
+    }
+    .await;
+    if let Err(error) = result {
+        guards.child.check_alive()?;
+        for run in runs.iter_mut() {
+            if let Some(mesh) = &mut run.mesh {
+                mesh.child.check_alive()?;
+            }
+        }
+        return Err(error);
+    }
+    Ok(())
+}
+
 /// One closed-loop window: `loads.len()` workers, each with one operation
 /// in flight; after `warmup`, the operations that complete within `window`
 /// are counted (and their latency recorded) along with the CPU used.
@@ -1042,35 +1082,7 @@ async fn throughput(
         loads: (0..in_flight).map(|_| Load::Echo(echo.clone())).collect(),
         totals: LoadTotals::new()?,
     });
-    let guards_pid = guards.child.pid();
-    let result = async {
-        for _ in 0..plan.throughput_windows {
-            for run in runs.iter_mut() {
-                closed_loop(
-                    &run.loads,
-                    work,
-                    plan.throughput_warmup,
-                    plan.throughput_window,
-                    run.mesh.as_ref().map(MeshProcess::pid),
-                    guards_pid,
-                    &mut run.totals,
-                )
-                .await
-                .map_err(|e| format!("throughput {}: {e}", run.name))?;
-            }
-        }
-        Ok::<(), Error>(())
-    }
-    .await;
-    if let Err(error) = result {
-        guards.child.check_alive()?;
-        for run in &mut runs {
-            if let Some(mesh) = &mut run.mesh {
-                mesh.child.check_alive()?;
-            }
-        }
-        return Err(error);
-    }
+    run_windows(&mut runs, guards, work, plan).await?;
     Ok(runs
         .into_iter()
         .map(|run| {
