@@ -11,26 +11,6 @@ use serde_json::Value;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
-/// Cancels every call of tool `danger`.
-const POLICY: &str = r#"
-[[rule]]
-name = "no-danger"
-tools = ["danger"]
-when = "true"
-action = "cancel"
-message = '"no danger"'
-"#;
-
-/// A stricter candidate: also cancels `read` calls of paths under /etc.
-const VETO: &str = r#"
-[[rule]]
-name = "no-etc"
-tools = ["read"]
-when = "has(call.args.path) && call.args.path.startsWith('/etc')"
-action = "cancel"
-message = '"not /etc"'
-"#;
-
 const SECRET: &str = "hunter2-very-secret";
 const TOKEN: &str = "Bearer tok-very-secret";
 
@@ -61,9 +41,9 @@ fn decisions_of(dir: &Path, batch_id: &str) -> Vec<Value> {
 /// masking `password` and the `authorization` header, and `extra` guards.
 fn config(dir: &Path, extra: &str) -> String {
     let policy = dir.join("policy.toml");
-    std::fs::write(&policy, POLICY).unwrap();
+    std::fs::write(&policy, LOG_POLICY).unwrap();
     let veto = dir.join("veto.toml");
-    std::fs::write(&veto, VETO).unwrap();
+    std::fs::write(&veto, LOG_VETO).unwrap();
     format!(
         "[decision_log]\ndir = {:?}\nmask = [\"password\", \"$.headers.authorization\"]\n\n\
          [[guard]]\nname = \"policy\"\npolicy = {:?}\n{extra}",
@@ -430,7 +410,8 @@ async fn measure_log_cost_per_batch() {
     for mode in modes {
         let dir = folder(&format!("measure-{mode:?}"));
         let mesh = TestMesh::start().await;
-        mesh.register(Registration::policy("policy", POLICY)).await;
+        mesh.register(Registration::policy("policy", LOG_POLICY))
+            .await;
         if let Some(durability) = mode {
             let log = DecisionLog::open(LogConfig {
                 durability,

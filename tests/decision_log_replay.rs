@@ -10,26 +10,6 @@ use guardmesh_server::decision_log::{DecisionLog, LogConfig, MeshLog, OnLogFailu
 use serde_json::Value;
 use std::process::Output;
 
-/// Cancels every call of tool `danger`.
-const POLICY: &str = r#"
-[[rule]]
-name = "no-danger"
-tools = ["danger"]
-when = "true"
-action = "cancel"
-message = '"no danger"'
-"#;
-
-/// The stricter candidate: also cancels `read` calls of paths under /etc.
-const VETO: &str = r#"
-[[rule]]
-name = "no-etc"
-tools = ["read"]
-when = "has(call.args.path) && call.args.path.startsWith('/etc')"
-action = "cancel"
-message = '"not /etc"'
-"#;
-
 /// Runs `guardmesh` off the runtime: the mesh it talks to is served by
 /// this test's runtime.
 async fn guardmesh(args: Vec<String>) -> Output {
@@ -88,7 +68,7 @@ async fn r30_replay_against_a_running_mesh_lists_what_a_dry_run_candidate_would_
     let ops = Registrar::connect_with(url.clone(), &pki.connection(None, Some("ops-token")))
         .await
         .unwrap();
-    ops.register(Registration::policy("policy", POLICY))
+    ops.register(Registration::policy("policy", LOG_POLICY))
         .await
         .unwrap();
 
@@ -122,7 +102,7 @@ async fn r30_replay_against_a_running_mesh_lists_what_a_dry_run_candidate_would_
         .unwrap();
 
     // The candidate, in dry run: it changes no decision of the mesh.
-    ops.register(Registration::policy("veto", VETO).dry_run())
+    ops.register(Registration::policy("veto", LOG_VETO).dry_run())
         .await
         .unwrap();
 

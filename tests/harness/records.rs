@@ -1,5 +1,5 @@
-//! Decision logs on disk (R29): a fresh folder per test and the records a
-//! log holds, read back as JSON.
+//! Decision logs on disk (R29): a fresh folder per test, the records a
+//! log holds read back as JSON, and the policies the log tests judge with.
 
 use guardmesh_server::decision_log::segment;
 use serde_json::Value;
@@ -32,3 +32,23 @@ pub(crate) fn records(dir: &Path) -> Vec<Value> {
 pub(crate) fn text(bytes: &[u8]) -> String {
     String::from_utf8_lossy(bytes).into_owned()
 }
+
+/// The decision-log tests' policy: cancels every call of tool `danger`.
+pub(crate) const LOG_POLICY: &str = r#"
+[[rule]]
+name = "no-danger"
+tools = ["danger"]
+when = "true"
+action = "cancel"
+message = '"no danger"'
+"#;
+
+/// A stricter candidate: also cancels `read` calls of paths under /etc.
+pub(crate) const LOG_VETO: &str = r#"
+[[rule]]
+name = "no-etc"
+tools = ["read"]
+when = "has(call.args.path) && call.args.path.startsWith('/etc')"
+action = "cancel"
+message = '"not /etc"'
+"#;
