@@ -2,8 +2,10 @@
 //! whose tools and `when` match decides, none matching is a proceed, and an
 //! expression that fails is an error, never a proceed (R27).
 
+use std::cell::OnceCell;
 use std::collections::HashMap;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 
 use cel::common::types::{CelBool, CelString};
 use cel::{Context, Env, Value};
@@ -14,6 +16,7 @@ use super::error::{CompileError, CompileErrorKind, EvalError, Field, Scope};
 use super::expr::{self, Compiled};
 use super::file::{self, RuleEntry};
 use super::input::{BatchInput, BatchValues};
+use super::plan::{Plan, Unsure};
 use super::verdict::{Action, Outcome, Verdict};
 
 /// A policy file, compiled whole.
@@ -23,6 +26,9 @@ pub struct Policy {
     env: Arc<Env>,
     /// Which rules apply to which tools.
     tools: ToolIndex,
+    /// Evaluations of `when` the interpreter did (the fast path did not
+    /// cover the rule, or gave up on the call).
+    interpreted: AtomicU64,
 }
 
 /// One compiled rule.
@@ -37,6 +43,9 @@ pub struct Rule {
     action: Action,
     message: Compiled,
     cost: Cost,
+    /// `when` and `message` on the fast path, when it covers them.
+    when_plan: Option<Plan>,
+    message_plan: Option<Plan>,
 }
 
 impl Rule {
@@ -68,6 +77,12 @@ impl Rule {
     /// The estimated cost of its `when` and `message` (see `cost`).
     pub fn cost(&self) -> &Cost {
         &self.cost
+    }
+
+    /// Whether the fast path covers its `when` (see `plan`); when it does
+    /// not, or gives up on a call, the CEL interpreter evaluates it.
+    pub fn planned(&self) -> bool {
+        self.when_plan.is_some()
     }
 
     /// Whether the rule applies to `tool`.
@@ -137,6 +152,7 @@ impl Policy {
             },
         })?;
         Ok(Policy {
+            interpreted: AtomicU64::new(0),
             tools,
             rules,
             limits,
@@ -147,6 +163,12 @@ impl Policy {
     /// The rules, in file order.
     pub fn rules(&self) -> &[Rule] {
         &self.rules
+    }
+
+    /// How many evaluations of a rule's `when` the CEL interpreter did
+    /// rather than the fast path, since the policy was compiled.
+    pub fn interpreted_evaluations(&self) -> u64 {
+        self.interpreted.load(Ordering::Relaxed)
     }
 
     /// The bounds it was compiled with, and is evaluated with.
@@ -228,10 +250,7 @@ impl Policy {
                         rule: self.rules[costliest].name.clone(),
                     });
                 }
-                let variables = values.scope(i);
-                let mut activation = Context::with_env(Arc::clone(&self.env));
-                activation.set_variable_resolver(&variables);
-                self.judge(&activation, &applies[i * words..(i + 1) * words])
+                self.judge(values, i, &applies[i * words..(i + 1) * words])
             })
             .collect()
     }
@@ -251,30 +270,57 @@ impl Policy {
         (total, costliest.map(|(r, _)| r))
     }
 
-    /// The rules of `bits` in file order, on one call's activation.
-    fn judge(&self, activation: &Context<'_, '_>, bits: &[u64]) -> Outcome {
+    /// The rules of `bits` in file order, on call `i`: each on the fast path
+    /// where it answers, else by the interpreter, whose values and
+    /// activation are built on first need.
+    fn judge(&self, values: &BatchValues<'_>, i: usize, bits: &[u64]) -> Outcome {
+        let fast = values.fast(i);
+        let variables = OnceCell::new();
+        let activation = OnceCell::new();
+        let interpreter = || {
+            activation.get_or_init(|| {
+                let mut activation = Context::with_env(Arc::clone(&self.env));
+                activation.set_variable_resolver(variables.get_or_init(|| values.scope(i)));
+                activation
+            })
+        };
         for r in set_bits(bits) {
             let rule = &self.rules[r];
-            match Value::resolve_val(rule.when.program.expression(), activation) {
-                Ok(value) => match value.downcast_ref::<CelBool>() {
-                    Some(b) if !*b.inner() => continue,
-                    Some(_) => {}
-                    None => {
-                        return Outcome::Error(EvalError::NotBool {
-                            rule: rule.name.clone(),
-                            got: value.get_type().name().to_owned(),
-                        });
+            let planned = rule.when_plan.as_ref().map(|plan| plan.bool(&fast));
+            match planned {
+                Some(Ok(false)) => continue,
+                Some(Ok(true)) => {}
+                Some(Err(Unsure)) | None => {
+                    self.interpreted.fetch_add(1, Ordering::Relaxed);
+                    match Value::resolve_val(rule.when.program.expression(), interpreter()) {
+                        Ok(value) => match value.downcast_ref::<CelBool>() {
+                            Some(b) if !*b.inner() => continue,
+                            Some(_) => {}
+                            None => {
+                                return Outcome::Error(EvalError::NotBool {
+                                    rule: rule.name.clone(),
+                                    got: value.get_type().name().to_owned(),
+                                });
+                            }
+                        },
+                        Err(error) => {
+                            return Outcome::Error(EvalError::Failed {
+                                rule: rule.name.clone(),
+                                field: Field::When,
+                                reason: error.to_string(),
+                            });
+                        }
                     }
-                },
-                Err(error) => {
-                    return Outcome::Error(EvalError::Failed {
-                        rule: rule.name.clone(),
-                        field: Field::When,
-                        reason: error.to_string(),
-                    });
                 }
             }
-            return match Value::resolve_val(rule.message.program.expression(), activation) {
+            if let Some(Ok(message)) = rule.message_plan.as_ref().map(|plan| plan.string(&fast)) {
+                return Outcome::Matched(Verdict {
+                    rule: rule.name.clone(),
+                    action: rule.action,
+                    message,
+                });
+            }
+            return match Value::resolve_val(rule.message.program.expression(), interpreter()) {
                 Ok(value) => match value.downcast_ref::<CelString>() {
                     Some(message) => Outcome::Matched(Verdict {
                         rule: rule.name.clone(),
@@ -414,7 +460,11 @@ fn compile_rule(
     let message = compile(Field::Message, entry.message)?;
     let mut cost = when.cost.clone();
     cost.add_cost(&message.cost);
+    let when_plan = Plan::new(when.program.expression());
+    let message_plan = Plan::new(message.program.expression());
     Ok(Rule {
+        when_plan,
+        message_plan,
         name,
         description: entry.description,
         line,

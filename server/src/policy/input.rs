@@ -22,6 +22,7 @@
 //! needs no unescaping, and shared by every rule, every call and every policy
 //! guard that judges the batch: `call` is an element of `calls`, not a copy.
 
+use std::cell::OnceCell;
 use std::collections::{BTreeMap, HashMap};
 use std::fmt;
 
@@ -32,6 +33,9 @@ use cel::common::value::{CowVal, Val};
 use cel::context::VariableResolver;
 use serde::de::{DeserializeSeed, Deserializer, MapAccess, SeqAccess, Visitor};
 use serde::{Deserialize, Serialize};
+
+use super::json::Json;
+use super::plan::{FastCall, FastContext, Input};
 
 /// One tool call, as a rule sees it.
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
@@ -106,20 +110,34 @@ pub struct ContextRef<'a> {
     pub model_text: &'a str,
 }
 
-/// The CEL values of one batch, built once and shared by every rule, call
-/// and policy that judges it. They borrow from the batch they were built
-/// from.
+/// The values of one batch, built once and shared by every rule, call and
+/// policy that judges it. They borrow from the batch they were built from.
+///
+/// The fast path's values (`plan`) are built at once: the calls' arguments
+/// parsed into borrowed JSON. The CEL interpreter's values are built only
+/// when a rule needs the interpreter.
 pub struct BatchValues<'a> {
-    /// `calls`: one map `{call_id, tool, args}` per call, in batch order.
-    calls: CelList<'a>,
+    context: ContextRef<'a>,
+    /// The calls as given, to build the interpreter's values from.
+    sources: Vec<CallRef<'a>>,
     /// The tool of each call, for the rules' tool globs.
     tools: Vec<&'a str>,
-    /// `context`.
-    context: CelMap<'a>,
+    fast_calls: Vec<FastCall<'a>>,
+    fast_context: FastContext<'a>,
+    /// The interpreter's values, built on first use.
+    cel: OnceCell<CelValues<'a>>,
     /// The number of items of the largest list or map of the input: the
     /// calls, the metadata, and every array and object inside any call's
     /// arguments. The `n` of the cost bounds (see `cost`).
     largest: usize,
+}
+
+/// The CEL interpreter's values of a batch.
+struct CelValues<'a> {
+    /// `calls`: one map `{call_id, tool, args}` per call, in batch order.
+    calls: CelList<'a>,
+    /// `context`.
+    context: CelMap<'a>,
 }
 
 impl fmt::Debug for BatchValues<'_> {
@@ -139,45 +157,86 @@ impl<'a> BatchValues<'a> {
         metadata: impl IntoIterator<Item = (&'a str, &'a str)>,
         calls: impl IntoIterator<Item = CallRef<'a>>,
     ) -> Self {
-        let metadata: HashMap<CelMapKey<'a>, Box<dyn Val + 'a>> = metadata
-            .into_iter()
-            .map(|(k, v)| (CelMapKey::from(k), string(v)))
-            .collect();
+        let metadata: Vec<(&'a str, &'a str)> = metadata.into_iter().collect();
         let mut largest = metadata.len();
-        let context = CelMap::from(HashMap::from([
-            (CelMapKey::from("session_id"), string(context.session_id)),
-            (
-                CelMapKey::from("turn_index"),
-                Box::new(CelInt::from(i64::from(context.turn_index))) as Box<dyn Val + 'a>,
-            ),
-            (CelMapKey::from("model_text"), string(context.model_text)),
-            (
-                CelMapKey::from("metadata"),
-                Box::new(CelMap::from(metadata)) as Box<dyn Val + 'a>,
-            ),
-        ]));
-        let calls = calls.into_iter();
-        let mut tools = Vec::with_capacity(calls.size_hint().0);
-        let mut values: Vec<Box<dyn Val + 'a>> = Vec::with_capacity(calls.size_hint().0);
-        for call in calls {
-            let args = match call.args {
-                Args::Text(text) => from_text(text, &mut largest),
-                Args::Json(json) => from_json(json, &mut largest),
-            };
-            tools.push(call.tool);
-            values.push(Box::new(CelMap::from(HashMap::from([
-                (CelMapKey::from("call_id"), string(call.call_id)),
-                (CelMapKey::from("tool"), string(call.tool)),
-                (CelMapKey::from("args"), args),
-            ]))));
-        }
-        largest = largest.max(values.len());
+        let sources: Vec<CallRef<'a>> = calls.into_iter().collect();
+        let tools = sources.iter().map(|call| call.tool).collect();
+        let fast_calls = sources
+            .iter()
+            .map(|call| FastCall {
+                call_id: call.call_id,
+                tool: call.tool,
+                args: match call.args {
+                    Args::Text(text) => Json::from_text(text, &mut largest),
+                    Args::Json(json) => Some(Json::from_value(json, &mut largest)),
+                },
+            })
+            .collect();
+        largest = largest.max(sources.len());
         Self {
-            calls: CelList::from(values),
-            tools,
             context,
+            sources,
+            tools,
+            fast_calls,
+            fast_context: FastContext {
+                session_id: context.session_id,
+                turn_index: context.turn_index,
+                model_text: context.model_text,
+                metadata,
+            },
+            cel: OnceCell::new(),
             largest,
         }
+    }
+
+    /// The interpreter's values, built on first use.
+    fn cel(&self) -> &CelValues<'a> {
+        self.cel.get_or_init(|| {
+            let metadata: HashMap<CelMapKey<'a>, Box<dyn Val + 'a>> = self
+                .fast_context
+                .metadata
+                .iter()
+                .map(|(k, v)| (CelMapKey::from(*k), string(v)))
+                .collect();
+            let context = CelMap::from(HashMap::from([
+                (
+                    CelMapKey::from("session_id"),
+                    string(self.context.session_id),
+                ),
+                (
+                    CelMapKey::from("turn_index"),
+                    Box::new(CelInt::from(i64::from(self.context.turn_index))) as Box<dyn Val + 'a>,
+                ),
+                (
+                    CelMapKey::from("model_text"),
+                    string(self.context.model_text),
+                ),
+                (
+                    CelMapKey::from("metadata"),
+                    Box::new(CelMap::from(metadata)) as Box<dyn Val + 'a>,
+                ),
+            ]));
+            let mut ignored = 0;
+            let calls: Vec<Box<dyn Val + 'a>> = self
+                .sources
+                .iter()
+                .map(|call| {
+                    let args = match call.args {
+                        Args::Text(text) => from_text(text, &mut ignored),
+                        Args::Json(json) => from_json(json, &mut ignored),
+                    };
+                    Box::new(CelMap::from(HashMap::from([
+                        (CelMapKey::from("call_id"), string(call.call_id)),
+                        (CelMapKey::from("tool"), string(call.tool)),
+                        (CelMapKey::from("args"), args),
+                    ]))) as Box<dyn Val + 'a>
+                })
+                .collect();
+            CelValues {
+                calls: CelList::from(calls),
+                context,
+            }
+        })
     }
 
     /// The values of a [`BatchInput`].
@@ -217,13 +276,23 @@ impl<'a> BatchValues<'a> {
         self.largest
     }
 
-    /// The variables of call `i`'s evaluation: `call`, `calls`, `context`,
-    /// all borrowed from these values.
+    /// What the fast path reads for call `i`.
+    pub(crate) fn fast(&self, i: usize) -> Input<'_, 'a> {
+        Input {
+            calls: &self.fast_calls,
+            call: i,
+            context: &self.fast_context,
+        }
+    }
+
+    /// The variables of call `i`'s evaluation by the interpreter: `call`,
+    /// `calls`, `context`, all borrowed from these values.
     pub(crate) fn scope(&self, i: usize) -> Scope<'_, 'a> {
+        let cel = self.cel();
         Scope {
-            call: self.calls.inner()[i].as_ref(),
-            calls: &self.calls,
-            context: &self.context,
+            call: cel.calls.inner()[i].as_ref(),
+            calls: &cel.calls,
+            context: &cel.context,
         }
     }
 }

@@ -5,7 +5,10 @@
 //! * `input`: what a rule sees ([`BatchInput`], [`CallInput`]) and the CEL
 //!   variables `call`, `calls` and `context`, converted once per batch
 //!   ([`BatchValues`]);
+//! * `json`: a call's arguments parsed once into borrowed JSON;
 //! * `expr`: one CEL expression compiled and checked;
+//! * `plan`: the fast path for the expressions policies are made of, the
+//!   interpreter deciding wherever it is unsure;
 //! * `patterns`: `matches`, with the patterns compiled once;
 //! * `cost`: the bounds on size and work ([`Limits`], [`Cost`]);
 //! * `engine`: a compiled [`Policy`], first match in file order;
@@ -24,9 +27,13 @@ mod error;
 mod expr;
 mod file;
 mod input;
+mod json;
 mod patterns;
+mod plan;
 mod verdict;
 
+#[cfg(test)]
+mod plan_tests;
 #[cfg(test)]
 mod tests;
 

@@ -48,7 +48,16 @@ pub(crate) fn precompile(pattern: &str) -> Result<(), String> {
     Ok(())
 }
 
-fn lookup(pattern: &str) -> Result<Arc<Regex>, ExecutionError> {
+/// A pattern compiled with its policy (see [`precompile`]).
+pub(crate) fn cached(pattern: &str) -> Option<Arc<Regex>> {
+    cache()
+        .read()
+        .unwrap_or_else(|p| p.into_inner())
+        .get(pattern)
+        .cloned()
+}
+
+pub(crate) fn lookup(pattern: &str) -> Result<Arc<Regex>, ExecutionError> {
     if let Some(regex) = cache()
         .read()
         .unwrap_or_else(|p| p.into_inner())

@@ -1,0 +1,967 @@
+//! A fast path for the expressions policies are made of, beside the CEL
+//! interpreter.
+//!
+//! The interpreter resolves every name, function and operator by string at
+//! each evaluation and builds a value per step; on a typical rule that is
+//! most of the time a policy guard costs. Here an expression's syntax tree is
+//! compiled once into a [`Plan`]: variables are slots, functions and
+//! operators are resolved, `matches` patterns are compiled regexes, and the
+//! call's arguments are read from borrowed JSON (`json`) without building
+//! CEL values.
+//!
+//! The fast path answers only what it is sure of. It covers literals, the
+//! variables, field selection and `has`, the logical, comparison,
+//! arithmetic and membership operators, `size`, `matches`, `startsWith`,
+//! `endsWith`, `contains`, `string` of strings and integers, list literals,
+//! and the macros (`exists`, `all`, `exists_one`, `filter`, `map`). Anything
+//! else is not planned, and any step that would be an error or that it does
+//! not handle (a missing field, a type it does not compare, an overflow)
+//! gives up ([`Unsure`]) and the interpreter evaluates the expression from
+//! the start: errors, their messages and every case outside the fast path are
+//! the interpreter's. The property test in `tests` checks that wherever the
+//! fast path answers, the interpreter answers the same.
+
+use std::borrow::Cow;
+use std::cmp::Ordering;
+use std::sync::Arc;
+
+use cel::common::ast::{Expr, IdedExpr, LiteralValue, operators};
+use regex::Regex;
+
+use super::json::Json;
+
+/// The fast path gave up: the interpreter decides.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Unsure;
+
+type Run<T> = Result<T, Unsure>;
+
+/// A compiled expression.
+#[derive(Debug)]
+pub(crate) struct Plan {
+    root: Node,
+    /// Slots for the variables macros bind.
+    slots: usize,
+}
+
+#[derive(Debug)]
+enum Node {
+    Null,
+    Bool(bool),
+    Int(i64),
+    Uint(u64),
+    Double(f64),
+    Str(String),
+    Call,
+    Calls,
+    Context,
+    Slot(usize),
+    Select {
+        operand: Box<Node>,
+        field: String,
+        test: bool,
+    },
+    Not(Box<Node>),
+    Negate(Box<Node>),
+    And(Box<Node>, Box<Node>),
+    Or(Box<Node>, Box<Node>),
+    Cond(Box<[Node; 3]>),
+    NotStrictlyFalse(Box<Node>),
+    Eq(Box<Node>, Box<Node>),
+    Ne(Box<Node>, Box<Node>),
+    Compare(Compare, Box<Node>, Box<Node>),
+    Arith(Arith, Box<Node>, Box<Node>),
+    In(Box<Node>, Box<Node>),
+    Index(Box<Node>, Box<Node>),
+    Size(Box<Node>),
+    Matches(Box<Node>, Pattern),
+    Text(TextTest, Box<Node>, Box<Node>),
+    ToString(Box<Node>),
+    List(Vec<Node>),
+    Fold(Box<Fold>),
+    /// `accu + [element]` in a macro's step: appends in place.
+    Append {
+        accu: usize,
+        element: Box<Node>,
+    },
+    /// The accumulator itself as a macro's step value: moved, not copied.
+    Take(usize),
+}
+
+#[derive(Debug, Clone, Copy)]
+enum Compare {
+    Less,
+    LessEquals,
+    Greater,
+    GreaterEquals,
+}
+
+#[derive(Debug, Clone, Copy)]
+enum Arith {
+    Add,
+    Sub,
+    Mul,
+}
+
+#[derive(Debug, Clone, Copy)]
+enum TextTest {
+    StartsWith,
+    EndsWith,
+    Contains,
+}
+
+#[derive(Debug)]
+enum Pattern {
+    Fixed(Arc<Regex>),
+    Computed(Box<Node>),
+}
+
+#[derive(Debug)]
+struct Fold {
+    range: Node,
+    iter: usize,
+    accu: usize,
+    init: Node,
+    cond: Node,
+    step: Node,
+    result: Node,
+}
+
+/// What an expression reads: the batch and the call being judged.
+pub(crate) struct Input<'r, 'a> {
+    pub(crate) calls: &'r [FastCall<'a>],
+    pub(crate) call: usize,
+    pub(crate) context: &'r FastContext<'a>,
+}
+
+/// One call, for the fast path.
+#[derive(Debug)]
+pub(crate) struct FastCall<'a> {
+    pub(crate) call_id: &'a str,
+    pub(crate) tool: &'a str,
+    /// `None` when the arguments are only for the interpreter (see
+    /// `Json::from_text`).
+    pub(crate) args: Option<Json<'a>>,
+}
+
+/// The batch's context, for the fast path.
+#[derive(Debug)]
+pub(crate) struct FastContext<'a> {
+    pub(crate) session_id: &'a str,
+    pub(crate) turn_index: u32,
+    pub(crate) model_text: &'a str,
+    pub(crate) metadata: Vec<(&'a str, &'a str)>,
+}
+
+/// A value during evaluation.
+#[derive(Debug, Clone)]
+enum V<'r> {
+    Null,
+    Bool(bool),
+    Int(i64),
+    Uint(u64),
+    Double(f64),
+    Str(Cow<'r, str>),
+    /// A list or an object of some call's arguments.
+    Json(&'r Json<'r>),
+    /// `calls[i]`, a map `{call_id, tool, args}`.
+    CallMap(usize),
+    Calls,
+    Context,
+    Metadata,
+    List(Vec<V<'r>>),
+}
+
+impl Plan {
+    /// Plans `expr`, or `None` when it uses something the fast path does
+    /// not cover (the interpreter alone evaluates it then).
+    pub(crate) fn new(expr: &IdedExpr) -> Option<Plan> {
+        let mut planner = Planner {
+            scope: Vec::new(),
+            slots: 0,
+        };
+        let root = planner.node(expr)?;
+        Some(Plan {
+            root,
+            slots: planner.slots,
+        })
+    }
+
+    /// Evaluates to a bool; `Unsure` for anything else.
+    pub(crate) fn bool(&self, input: &Input<'_, '_>) -> Run<bool> {
+        match self.run(input)? {
+            V::Bool(b) => Ok(b),
+            _ => Err(Unsure),
+        }
+    }
+
+    /// Evaluates to a string; `Unsure` for anything else.
+    pub(crate) fn string(&self, input: &Input<'_, '_>) -> Run<String> {
+        match self.run(input)? {
+            V::Str(s) => Ok(s.into_owned()),
+            _ => Err(Unsure),
+        }
+    }
+
+    fn run<'r>(&'r self, input: &Input<'r, '_>) -> Run<V<'r>> {
+        // Variance: the input's JSON outlives this evaluation.
+        let input: &Input<'r, 'r> = input;
+        let mut slots = vec![V::Null; self.slots];
+        eval(&self.root, input, &mut slots)
+    }
+}
+
+/// Why [`Plan::plain`] has no value.
+#[cfg(test)]
+#[derive(Debug)]
+pub(crate) enum Seen {
+    Unsure,
+    /// A value with no plain form (a bug of the fast path).
+    Unplain,
+}
+
+#[cfg(test)]
+impl Plan {
+    /// Evaluates to a value comparable with the interpreter's.
+    pub(crate) fn plain(&self, input: &Input<'_, '_>) -> Result<super::plan_tests::Plain, Seen> {
+        let value = self.run(input).map_err(|Unsure| Seen::Unsure)?;
+        plain(&value, input).ok_or(Seen::Unplain)
+    }
+}
+
+#[cfg(test)]
+fn plain(value: &V<'_>, input: &Input<'_, '_>) -> Option<super::plan_tests::Plain> {
+    use super::plan_tests::Plain;
+    use std::collections::BTreeMap;
+    fn json(value: &Json<'_>) -> Plain {
+        match value {
+            Json::Null => Plain::Null,
+            Json::Bool(b) => Plain::Bool(*b),
+            Json::Int(i) => Plain::Int(*i),
+            Json::Uint(u) => Plain::Uint(*u),
+            Json::Double(d) => Plain::Double(d.to_bits()),
+            Json::Str(s) => Plain::Str(s.to_string()),
+            Json::List(items) => Plain::List(items.iter().map(json).collect()),
+            Json::Map(fields) => Plain::Map(
+                fields
+                    .iter()
+                    .map(|(k, v)| (k.to_string(), json(v)))
+                    .collect(),
+            ),
+        }
+    }
+    let input: &Input<'_, '_> = input;
+    Some(match value {
+        V::Null => Plain::Null,
+        V::Bool(b) => Plain::Bool(*b),
+        V::Int(i) => Plain::Int(*i),
+        V::Uint(u) => Plain::Uint(*u),
+        V::Double(d) => Plain::Double(d.to_bits()),
+        V::Str(s) => Plain::Str(s.to_string()),
+        V::Json(j) => json(j),
+        V::List(items) => Plain::List(
+            items
+                .iter()
+                .map(|v| plain(v, input))
+                .collect::<Option<_>>()?,
+        ),
+        V::CallMap(i) => {
+            let call = input.calls.get(*i)?;
+            Plain::Map(BTreeMap::from([
+                ("call_id".to_owned(), Plain::Str(call.call_id.to_owned())),
+                ("tool".to_owned(), Plain::Str(call.tool.to_owned())),
+                ("args".to_owned(), json(call.args.as_ref()?)),
+            ]))
+        }
+        V::Calls => Plain::List(
+            (0..input.calls.len())
+                .map(|i| plain(&V::CallMap(i), input))
+                .collect::<Option<_>>()?,
+        ),
+        V::Metadata => Plain::Map(
+            input
+                .context
+                .metadata
+                .iter()
+                .map(|(k, v)| ((*k).to_owned(), Plain::Str((*v).to_owned())))
+                .collect(),
+        ),
+        V::Context => Plain::Map(BTreeMap::from([
+            (
+                "session_id".to_owned(),
+                Plain::Str(input.context.session_id.to_owned()),
+            ),
+            (
+                "turn_index".to_owned(),
+                Plain::Int(i64::from(input.context.turn_index)),
+            ),
+            (
+                "model_text".to_owned(),
+                Plain::Str(input.context.model_text.to_owned()),
+            ),
+            ("metadata".to_owned(), plain(&V::Metadata, input)?),
+        ])),
+    })
+}
+
+/// Compiles syntax trees into nodes.
+struct Planner {
+    /// The names macros bind around the node being planned, and their slots.
+    scope: Vec<(String, usize)>,
+    slots: usize,
+}
+
+impl Planner {
+    fn nodes<const N: usize>(&mut self, args: &[IdedExpr]) -> Option<[Box<Node>; N]> {
+        if args.len() != N {
+            return None;
+        }
+        let mut out = Vec::with_capacity(N);
+        for arg in args {
+            out.push(Box::new(self.node(arg)?));
+        }
+        out.try_into().ok()
+    }
+
+    fn node(&mut self, expr: &IdedExpr) -> Option<Node> {
+        Some(match &expr.expr {
+            Expr::Literal(literal) => match literal {
+                LiteralValue::Null => Node::Null,
+                LiteralValue::Boolean(b) => Node::Bool(*b.inner()),
+                LiteralValue::Int(i) => Node::Int(*i.inner()),
+                LiteralValue::UInt(u) => Node::Uint(*u.inner()),
+                LiteralValue::Double(d) => Node::Double(*d.inner()),
+                LiteralValue::String(s) => Node::Str(s.inner().to_owned()),
+                LiteralValue::Bytes(_) => return None,
+            },
+            Expr::Ident(name) => self.ident(name)?,
+            Expr::Select(select) => Node::Select {
+                operand: Box::new(self.node(&select.operand)?),
+                field: select.field.clone(),
+                test: select.test,
+            },
+            Expr::List(list) => {
+                if !list.optional_indices.is_empty() {
+                    return None;
+                }
+                Node::List(
+                    list.elements
+                        .iter()
+                        .map(|e| self.node(e))
+                        .collect::<Option<_>>()?,
+                )
+            }
+            Expr::Call(call) => self.call(&call.func_name, call.target.as_deref(), &call.args)?,
+            Expr::Comprehension(c) => {
+                if c.iter_var2.is_some() {
+                    return None;
+                }
+                let range = self.node(&c.iter_range)?;
+                let init = self.node(&c.accu_init)?;
+                let mark = self.scope.len();
+                let accu = self.bind(&c.accu_var);
+                let iter = self.bind(&c.iter_var);
+                let cond = self.node(&c.loop_cond)?;
+                let step = self.step(&c.loop_step, accu)?;
+                self.scope.truncate(mark + 1);
+                let result = self.node(&c.result)?;
+                self.scope.truncate(mark);
+                Node::Fold(Box::new(Fold {
+                    range,
+                    iter,
+                    accu,
+                    init,
+                    cond,
+                    step,
+                    result,
+                }))
+            }
+            Expr::Map(_) | Expr::Struct(_) | Expr::Unspecified => return None,
+        })
+    }
+
+    fn bind(&mut self, name: &str) -> usize {
+        let slot = self.slots;
+        self.slots += 1;
+        self.scope.push((name.to_owned(), slot));
+        slot
+    }
+
+    fn ident(&self, name: &str) -> Option<Node> {
+        if let Some((_, slot)) = self.scope.iter().rev().find(|(n, _)| n == name) {
+            return Some(Node::Slot(*slot));
+        }
+        match name {
+            "call" => Some(Node::Call),
+            "calls" => Some(Node::Calls),
+            "context" => Some(Node::Context),
+            _ => None,
+        }
+    }
+
+    /// A macro's step: `accu + [e]` (possibly under a condition) appends in
+    /// place when `e` does not read the accumulator.
+    fn step(&mut self, expr: &IdedExpr, accu: usize) -> Option<Node> {
+        let is_accu = |planner: &Self, name: &str| matches!(planner.ident(name), Some(Node::Slot(slot)) if slot == accu);
+        match &expr.expr {
+            Expr::Ident(name) if is_accu(self, name) => Some(Node::Take(accu)),
+            Expr::Call(call) if call.target.is_none() => {
+                match (call.func_name.as_str(), &call.args[..]) {
+                    (operators::ADD, [left, right]) => {
+                        if let (Expr::Ident(name), Expr::List(list)) = (&left.expr, &right.expr)
+                            && is_accu(self, name)
+                            && list.elements.len() == 1
+                            && list.optional_indices.is_empty()
+                        {
+                            let element = self.node(&list.elements[0])?;
+                            if !reads(&element, accu) {
+                                return Some(Node::Append {
+                                    accu,
+                                    element: Box::new(element),
+                                });
+                            }
+                        }
+                        self.node(expr)
+                    }
+                    (operators::CONDITIONAL, [cond, then, otherwise]) => {
+                        let cond = self.node(cond)?;
+                        let then = self.step(then, accu)?;
+                        let otherwise = self.step(otherwise, accu)?;
+                        Some(Node::Cond(Box::new([cond, then, otherwise])))
+                    }
+                    _ => self.node(expr),
+                }
+            }
+            _ => self.node(expr),
+        }
+    }
+
+    fn call(&mut self, name: &str, target: Option<&IdedExpr>, args: &[IdedExpr]) -> Option<Node> {
+        use operators as op;
+        if let Some(target) = target {
+            let target = Box::new(self.node(target)?);
+            return match (name, args) {
+                ("size", []) => Some(Node::Size(target)),
+                ("matches", [pattern]) => Some(Node::Matches(target, self.pattern(pattern)?)),
+                ("startsWith", [arg]) => Some(Node::Text(
+                    TextTest::StartsWith,
+                    target,
+                    Box::new(self.node(arg)?),
+                )),
+                ("endsWith", [arg]) => Some(Node::Text(
+                    TextTest::EndsWith,
+                    target,
+                    Box::new(self.node(arg)?),
+                )),
+                ("contains", [arg]) => Some(Node::Text(
+                    TextTest::Contains,
+                    target,
+                    Box::new(self.node(arg)?),
+                )),
+                _ => None,
+            };
+        }
+        Some(match name {
+            op::LOGICAL_AND => {
+                let [a, b] = self.nodes(args)?;
+                Node::And(a, b)
+            }
+            op::LOGICAL_OR => {
+                let [a, b] = self.nodes(args)?;
+                Node::Or(a, b)
+            }
+            op::LOGICAL_NOT => {
+                let [a] = self.nodes(args)?;
+                Node::Not(a)
+            }
+            op::NEGATE => {
+                let [a] = self.nodes(args)?;
+                Node::Negate(a)
+            }
+            op::NOT_STRICTLY_FALSE => {
+                let [a] = self.nodes(args)?;
+                Node::NotStrictlyFalse(a)
+            }
+            op::CONDITIONAL => {
+                let [c, a, b] = self.nodes(args)?;
+                Node::Cond(Box::new([*c, *a, *b]))
+            }
+            op::EQUALS => {
+                let [a, b] = self.nodes(args)?;
+                Node::Eq(a, b)
+            }
+            op::NOT_EQUALS => {
+                let [a, b] = self.nodes(args)?;
+                Node::Ne(a, b)
+            }
+            op::LESS | op::LESS_EQUALS | op::GREATER | op::GREATER_EQUALS => {
+                let [a, b] = self.nodes(args)?;
+                let compare = match name {
+                    op::LESS => Compare::Less,
+                    op::LESS_EQUALS => Compare::LessEquals,
+                    op::GREATER => Compare::Greater,
+                    _ => Compare::GreaterEquals,
+                };
+                Node::Compare(compare, a, b)
+            }
+            op::ADD | op::SUBSTRACT | op::MULTIPLY => {
+                let [a, b] = self.nodes(args)?;
+                let arith = match name {
+                    op::ADD => Arith::Add,
+                    op::SUBSTRACT => Arith::Sub,
+                    _ => Arith::Mul,
+                };
+                Node::Arith(arith, a, b)
+            }
+            op::IN => {
+                let [a, b] = self.nodes(args)?;
+                Node::In(a, b)
+            }
+            op::INDEX => {
+                let [a, b] = self.nodes(args)?;
+                Node::Index(a, b)
+            }
+            "size" => {
+                let [a] = self.nodes(args)?;
+                Node::Size(a)
+            }
+            "string" => {
+                let [a] = self.nodes(args)?;
+                Node::ToString(a)
+            }
+            "matches" => {
+                let [text, pattern] = args else {
+                    return None;
+                };
+                Node::Matches(Box::new(self.node(text)?), self.pattern(pattern)?)
+            }
+            _ => return None,
+        })
+    }
+
+    fn pattern(&mut self, pattern: &IdedExpr) -> Option<Pattern> {
+        if let Expr::Literal(LiteralValue::String(text)) = &pattern.expr {
+            // Written patterns were compiled with the policy (`expr`); the
+            // cache may be full, or the expression compiled elsewhere.
+            let text = text.inner();
+            return match super::patterns::cached(text) {
+                Some(regex) => Some(Pattern::Fixed(regex)),
+                None => super::patterns::lookup(text).ok().map(Pattern::Fixed),
+            };
+        }
+        Some(Pattern::Computed(Box::new(self.node(pattern)?)))
+    }
+}
+
+/// Whether `node` reads slot `slot`.
+fn reads(node: &Node, slot: usize) -> bool {
+    let any = |nodes: &[&Node]| nodes.iter().any(|n| reads(n, slot));
+    match node {
+        Node::Slot(s) => *s == slot,
+        Node::Null
+        | Node::Bool(_)
+        | Node::Int(_)
+        | Node::Uint(_)
+        | Node::Double(_)
+        | Node::Str(_)
+        | Node::Call
+        | Node::Calls
+        | Node::Context => false,
+        Node::Select { operand, .. } => reads(operand, slot),
+        Node::Not(a)
+        | Node::Negate(a)
+        | Node::NotStrictlyFalse(a)
+        | Node::Size(a)
+        | Node::ToString(a) => reads(a, slot),
+        Node::And(a, b)
+        | Node::Or(a, b)
+        | Node::Eq(a, b)
+        | Node::Ne(a, b)
+        | Node::Compare(_, a, b)
+        | Node::Arith(_, a, b)
+        | Node::In(a, b)
+        | Node::Index(a, b)
+        | Node::Text(_, a, b) => any(&[a, b]),
+        Node::Cond(abc) => any(&[&abc[0], &abc[1], &abc[2]]),
+        Node::Matches(a, pattern) => {
+            reads(a, slot) || matches!(pattern, Pattern::Computed(p) if reads(p, slot))
+        }
+        Node::List(items) => items.iter().any(|n| reads(n, slot)),
+        Node::Fold(f) => any(&[&f.range, &f.init, &f.cond, &f.step, &f.result]),
+        Node::Append { accu, element } => *accu == slot || reads(element, slot),
+        Node::Take(accu) => *accu == slot,
+    }
+}
+
+fn eval<'r>(node: &'r Node, input: &Input<'r, 'r>, slots: &mut Vec<V<'r>>) -> Run<V<'r>> {
+    Ok(match node {
+        Node::Null => V::Null,
+        Node::Bool(b) => V::Bool(*b),
+        Node::Int(i) => V::Int(*i),
+        Node::Uint(u) => V::Uint(*u),
+        Node::Double(d) => V::Double(*d),
+        Node::Str(s) => V::Str(Cow::Borrowed(s)),
+        Node::Call => V::CallMap(input.call),
+        Node::Calls => V::Calls,
+        Node::Context => V::Context,
+        Node::Slot(s) => slots.get(*s).cloned().ok_or(Unsure)?,
+        Node::Select {
+            operand,
+            field,
+            test,
+        } => {
+            let operand = eval(operand, input, slots)?;
+            let found = field_of(&operand, field, input)?;
+            match (test, found) {
+                (true, found) => V::Bool(found.is_some()),
+                (false, Some(value)) => value,
+                (false, None) => return Err(Unsure),
+            }
+        }
+        Node::Not(a) => V::Bool(!as_bool(eval(a, input, slots)?)?),
+        Node::Negate(a) => match eval(a, input, slots)? {
+            V::Int(i) => V::Int(i.checked_neg().ok_or(Unsure)?),
+            V::Double(d) => V::Double(-d),
+            _ => return Err(Unsure),
+        },
+        Node::And(a, b) => {
+            if !as_bool(eval(a, input, slots)?)? {
+                V::Bool(false)
+            } else {
+                V::Bool(as_bool(eval(b, input, slots)?)?)
+            }
+        }
+        Node::Or(a, b) => {
+            if as_bool(eval(a, input, slots)?)? {
+                V::Bool(true)
+            } else {
+                V::Bool(as_bool(eval(b, input, slots)?)?)
+            }
+        }
+        Node::Cond(abc) => {
+            let [c, a, b] = &**abc;
+            if as_bool(eval(c, input, slots)?)? {
+                eval(a, input, slots)?
+            } else {
+                eval(b, input, slots)?
+            }
+        }
+        Node::NotStrictlyFalse(a) => V::Bool(as_bool(eval(a, input, slots)?)?),
+        Node::Eq(a, b) => V::Bool(equals(&eval(a, input, slots)?, &eval(b, input, slots)?)?),
+        Node::Ne(a, b) => V::Bool(!equals(&eval(a, input, slots)?, &eval(b, input, slots)?)?),
+        Node::Compare(op, a, b) => {
+            let ordering = compare(&eval(a, input, slots)?, &eval(b, input, slots)?)?;
+            V::Bool(match op {
+                Compare::Less => ordering == Ordering::Less,
+                Compare::LessEquals => ordering != Ordering::Greater,
+                Compare::Greater => ordering == Ordering::Greater,
+                Compare::GreaterEquals => ordering != Ordering::Less,
+            })
+        }
+        Node::Arith(op, a, b) => arith(*op, eval(a, input, slots)?, eval(b, input, slots)?)?,
+        Node::In(a, b) => {
+            let needle = eval(a, input, slots)?;
+            let haystack = eval(b, input, slots)?;
+            V::Bool(contains(&haystack, &needle, input)?)
+        }
+        Node::Index(a, b) => {
+            let container = eval(a, input, slots)?;
+            let index = eval(b, input, slots)?;
+            index_of(&container, &index, input)?
+        }
+        Node::Size(a) => {
+            let value = eval(a, input, slots)?;
+            V::Int(i64::try_from(size(&value, input)?).map_err(|_| Unsure)?)
+        }
+        Node::Matches(text, pattern) => {
+            let text = eval(text, input, slots)?;
+            let V::Str(text) = text else {
+                return Err(Unsure);
+            };
+            match pattern {
+                Pattern::Fixed(regex) => V::Bool(regex.is_match(&text)),
+                Pattern::Computed(p) => {
+                    let V::Str(p) = eval(p, input, slots)? else {
+                        return Err(Unsure);
+                    };
+                    let regex = super::patterns::lookup(&p).map_err(|_| Unsure)?;
+                    V::Bool(regex.is_match(&text))
+                }
+            }
+        }
+        Node::Text(test, a, b) => {
+            let (V::Str(a), V::Str(b)) = (eval(a, input, slots)?, eval(b, input, slots)?) else {
+                return Err(Unsure);
+            };
+            V::Bool(match test {
+                TextTest::StartsWith => a.starts_with(&*b),
+                TextTest::EndsWith => a.ends_with(&*b),
+                TextTest::Contains => a.contains(&*b),
+            })
+        }
+        Node::ToString(a) => match eval(a, input, slots)? {
+            s @ V::Str(_) => s,
+            V::Int(i) => V::Str(Cow::Owned(i.to_string())),
+            V::Uint(u) => V::Str(Cow::Owned(u.to_string())),
+            _ => return Err(Unsure),
+        },
+        Node::List(items) => V::List(
+            items
+                .iter()
+                .map(|item| eval(item, input, slots))
+                .collect::<Run<_>>()?,
+        ),
+        Node::Fold(fold) => {
+            let init = eval(&fold.init, input, slots)?;
+            let range = eval(&fold.range, input, slots)?;
+            let is_map = match range {
+                V::Json(Json::Map(_)) | V::CallMap(_) | V::Context | V::Metadata => true,
+                V::Json(Json::List(_)) | V::List(_) | V::Calls => false,
+                _ => return Err(Unsure),
+            };
+            // A map's keys come in no defined order: a list built from
+            // them (`map`, `filter`) is left to the interpreter.
+            if is_map && matches!(init, V::List(_)) {
+                return Err(Unsure);
+            }
+            set(slots, fold.accu, init)?;
+            let count = size(&range, input)?;
+            for i in 0..count {
+                if !as_bool(eval(&fold.cond, input, slots)?)? {
+                    break;
+                }
+                let item = item_of(&range, i, input)?;
+                set(slots, fold.iter, item)?;
+                let accu = eval(&fold.step, input, slots)?;
+                set(slots, fold.accu, accu)?;
+            }
+            eval(&fold.result, input, slots)?
+        }
+        Node::Append { accu, element } => {
+            let element = eval(element, input, slots)?;
+            let slot = slots.get_mut(*accu).ok_or(Unsure)?;
+            let V::List(mut list) = std::mem::replace(slot, V::Null) else {
+                return Err(Unsure);
+            };
+            list.push(element);
+            V::List(list)
+        }
+        Node::Take(accu) => std::mem::replace(slots.get_mut(*accu).ok_or(Unsure)?, V::Null),
+    })
+}
+
+fn set<'r>(slots: &mut [V<'r>], slot: usize, value: V<'r>) -> Run<()> {
+    *slots.get_mut(slot).ok_or(Unsure)? = value;
+    Ok(())
+}
+
+fn as_bool(value: V<'_>) -> Run<bool> {
+    match value {
+        V::Bool(b) => Ok(b),
+        _ => Err(Unsure),
+    }
+}
+
+/// A scalar from JSON, or the JSON list or object itself.
+fn from_json<'r>(json: &'r Json<'r>) -> V<'r> {
+    match json {
+        Json::Null => V::Null,
+        Json::Bool(b) => V::Bool(*b),
+        Json::Int(i) => V::Int(*i),
+        Json::Uint(u) => V::Uint(*u),
+        Json::Double(d) => V::Double(*d),
+        Json::Str(s) => V::Str(Cow::Borrowed(s)),
+        Json::List(_) | Json::Map(_) => V::Json(json),
+    }
+}
+
+const CALL_FIELDS: [&str; 3] = ["call_id", "tool", "args"];
+const CONTEXT_FIELDS: [&str; 4] = ["session_id", "turn_index", "model_text", "metadata"];
+
+/// `value.field`: `Some` if the map has it, `None` if it does not,
+/// `Unsure` when `value` is not a map.
+fn field_of<'r>(value: &V<'r>, field: &str, input: &Input<'r, 'r>) -> Run<Option<V<'r>>> {
+    Ok(match value {
+        V::Json(Json::Map(fields)) => Json::field(fields, field).map(from_json),
+        V::CallMap(i) => {
+            let call = input.calls.get(*i).ok_or(Unsure)?;
+            match field {
+                "call_id" => Some(V::Str(Cow::Borrowed(call.call_id))),
+                "tool" => Some(V::Str(Cow::Borrowed(call.tool))),
+                "args" => Some(from_json(call.args.as_ref().ok_or(Unsure)?)),
+                _ => None,
+            }
+        }
+        V::Context => {
+            let context = input.context;
+            match field {
+                "session_id" => Some(V::Str(Cow::Borrowed(context.session_id))),
+                "turn_index" => Some(V::Int(i64::from(context.turn_index))),
+                "model_text" => Some(V::Str(Cow::Borrowed(context.model_text))),
+                "metadata" => Some(V::Metadata),
+                _ => None,
+            }
+        }
+        V::Metadata => input
+            .context
+            .metadata
+            .iter()
+            .find(|(k, _)| *k == field)
+            .map(|(_, v)| V::Str(Cow::Borrowed(*v))),
+        _ => return Err(Unsure),
+    })
+}
+
+/// The items of a list, or the keys of a map.
+fn size(value: &V<'_>, input: &Input<'_, '_>) -> Run<usize> {
+    Ok(match value {
+        V::Str(s) => s.chars().count(),
+        V::Json(Json::List(items)) => items.len(),
+        V::Json(Json::Map(fields)) => fields.len(),
+        V::List(items) => items.len(),
+        V::Calls => input.calls.len(),
+        V::CallMap(_) => CALL_FIELDS.len(),
+        V::Context => CONTEXT_FIELDS.len(),
+        V::Metadata => input.context.metadata.len(),
+        _ => return Err(Unsure),
+    })
+}
+
+/// Item `i` of a list, or key `i` of a map, as a macro iterates them.
+fn item_of<'r>(value: &V<'r>, i: usize, input: &Input<'r, 'r>) -> Run<V<'r>> {
+    let key = |k: &'r str| V::Str(Cow::Borrowed(k));
+    Ok(match value {
+        V::Json(Json::List(items)) => from_json(items.get(i).ok_or(Unsure)?),
+        V::Json(Json::Map(fields)) => V::Str(Cow::Borrowed(&fields.get(i).ok_or(Unsure)?.0)),
+        V::List(items) => items.get(i).cloned().ok_or(Unsure)?,
+        V::Calls if i < input.calls.len() => V::CallMap(i),
+        V::CallMap(_) => key(CALL_FIELDS.get(i).ok_or(Unsure)?),
+        V::Context => key(CONTEXT_FIELDS.get(i).ok_or(Unsure)?),
+        V::Metadata => key(input.context.metadata.get(i).ok_or(Unsure)?.0),
+        _ => return Err(Unsure),
+    })
+}
+
+fn index_of<'r>(container: &V<'r>, index: &V<'r>, input: &Input<'r, 'r>) -> Run<V<'r>> {
+    match (container, index) {
+        (V::Json(Json::List(_)) | V::List(_) | V::Calls, V::Int(i)) => {
+            let i = usize::try_from(*i).map_err(|_| Unsure)?;
+            if i >= size(container, input)? {
+                return Err(Unsure);
+            }
+            item_of(container, i, input)
+        }
+        (V::Json(Json::Map(_)) | V::CallMap(_) | V::Context | V::Metadata, V::Str(key)) => {
+            field_of(container, key, input)?.ok_or(Unsure)
+        }
+        _ => Err(Unsure),
+    }
+}
+
+/// `needle in haystack`: a list holding an equal scalar, or a map with
+/// that string key.
+fn contains(haystack: &V<'_>, needle: &V<'_>, input: &Input<'_, '_>) -> Run<bool> {
+    match haystack {
+        V::Json(Json::List(items)) => {
+            for item in items {
+                if equals(&from_json(item), needle)? {
+                    return Ok(true);
+                }
+            }
+            Ok(false)
+        }
+        V::List(items) => {
+            for item in items {
+                if equals(item, needle)? {
+                    return Ok(true);
+                }
+            }
+            Ok(false)
+        }
+        V::Json(Json::Map(_)) | V::CallMap(_) | V::Context | V::Metadata => {
+            let V::Str(key) = needle else {
+                return Err(Unsure);
+            };
+            // The borrow checker wants the input's own lifetime here.
+            Ok(match haystack {
+                V::Json(Json::Map(fields)) => Json::field(fields, key).is_some(),
+                V::CallMap(_) => CALL_FIELDS.contains(&&**key),
+                V::Context => CONTEXT_FIELDS.contains(&&**key),
+                _ => input.context.metadata.iter().any(|(k, _)| *k == &**key),
+            })
+        }
+        _ => Err(Unsure),
+    }
+}
+
+/// CEL's `==` between scalars (the interpreter's: numbers compare across
+/// `int`, `uint` and `double`; other kinds differ from each other).
+/// `Unsure` for lists and maps, and NaN.
+fn equals(a: &V<'_>, b: &V<'_>) -> Run<bool> {
+    if !is_scalar(a) || !is_scalar(b) {
+        return Err(Unsure);
+    }
+    Ok(match (a, b) {
+        (V::Null, V::Null) => true,
+        (V::Bool(x), V::Bool(y)) => x == y,
+        (V::Str(x), V::Str(y)) => x == y,
+        (V::Int(_) | V::Uint(_) | V::Double(_), V::Int(_) | V::Uint(_) | V::Double(_)) => {
+            match compare(a, b) {
+                Ok(ordering) => ordering == Ordering::Equal,
+                Err(Unsure) => return Err(Unsure),
+            }
+        }
+        _ => false,
+    })
+}
+
+fn is_scalar(v: &V<'_>) -> bool {
+    matches!(
+        v,
+        V::Null | V::Bool(_) | V::Int(_) | V::Uint(_) | V::Double(_) | V::Str(_)
+    )
+}
+
+/// CEL's ordering of numbers and of strings; `Unsure` otherwise (and for
+/// NaN).
+fn compare(a: &V<'_>, b: &V<'_>) -> Run<Ordering> {
+    let float = |x: f64, y: f64| x.partial_cmp(&y).ok_or(Unsure);
+    #[allow(clippy::cast_precision_loss)]
+    match (a, b) {
+        (V::Int(x), V::Int(y)) => Ok(x.cmp(y)),
+        (V::Uint(x), V::Uint(y)) => Ok(x.cmp(y)),
+        (V::Str(x), V::Str(y)) => Ok(x.cmp(y)),
+        (V::Double(x), V::Double(y)) => float(*x, *y),
+        (V::Int(x), V::Double(y)) => float(*x as f64, *y),
+        (V::Double(x), V::Int(y)) => float(*x, *y as f64),
+        (V::Uint(x), V::Double(y)) => float(*x as f64, *y),
+        (V::Double(x), V::Uint(y)) => float(*x, *y as f64),
+        (V::Int(x), V::Uint(y)) => Ok(u64::try_from(*x).map_or(Ordering::Less, |x| x.cmp(y))),
+        (V::Uint(x), V::Int(y)) => Ok(u64::try_from(*y).map_or(Ordering::Greater, |y| x.cmp(&y))),
+        _ => Err(Unsure),
+    }
+}
+
+fn arith<'r>(op: Arith, a: V<'r>, b: V<'r>) -> Run<V<'r>> {
+    Ok(match (op, a, b) {
+        (Arith::Add, V::Int(x), V::Int(y)) => V::Int(x.checked_add(y).ok_or(Unsure)?),
+        (Arith::Sub, V::Int(x), V::Int(y)) => V::Int(x.checked_sub(y).ok_or(Unsure)?),
+        (Arith::Mul, V::Int(x), V::Int(y)) => V::Int(x.checked_mul(y).ok_or(Unsure)?),
+        (Arith::Add, V::Uint(x), V::Uint(y)) => V::Uint(x.checked_add(y).ok_or(Unsure)?),
+        (Arith::Sub, V::Uint(x), V::Uint(y)) => V::Uint(x.checked_sub(y).ok_or(Unsure)?),
+        (Arith::Mul, V::Uint(x), V::Uint(y)) => V::Uint(x.checked_mul(y).ok_or(Unsure)?),
+        (Arith::Add, V::Double(x), V::Double(y)) => V::Double(x + y),
+        (Arith::Sub, V::Double(x), V::Double(y)) => V::Double(x - y),
+        (Arith::Mul, V::Double(x), V::Double(y)) => V::Double(x * y),
+        (Arith::Add, V::Str(x), V::Str(y)) => {
+            let mut s = x.into_owned();
+            s.push_str(&y);
+            V::Str(Cow::Owned(s))
+        }
+        (Arith::Add, V::List(mut x), V::List(y)) => {
+            x.extend(y);
+            V::List(x)
+        }
+        _ => return Err(Unsure),
+    })
+}

@@ -1,0 +1,544 @@
+//! The fast path against the CEL interpreter (R27: a rule's verdict must not
+//! depend on which of them evaluated it). Random expressions over random
+//! calls: wherever the fast path answers, the interpreter must give the same
+//! value, never an error. And the fast path must answer often enough for
+//! this to test something.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+
+use cel::common::types::{
+    CelBool, CelDouble, CelInt, CelList, CelMap, CelNull, CelString, CelUInt,
+};
+use cel::common::value::Val;
+use cel::{Context, Env, Value};
+use proptest::prelude::*;
+use proptest::test_runner::{Config, TestRunner};
+use serde_json::json;
+
+use super::input::{BatchInput, BatchValues, CallInput};
+use super::plan::{Plan, Seen};
+
+/// A value, comparable across both evaluators.
+#[derive(Debug, Clone, PartialEq)]
+pub(crate) enum Plain {
+    Null,
+    Bool(bool),
+    Int(i64),
+    Uint(u64),
+    /// Bits, so that NaN equals NaN and 0.0 differs from -0.0.
+    Double(u64),
+    Str(String),
+    List(Vec<Plain>),
+    Map(BTreeMap<String, Plain>),
+}
+
+fn from_cel(value: &dyn Val) -> Option<Plain> {
+    Some(if value.downcast_ref::<CelNull>().is_some() {
+        Plain::Null
+    } else if let Some(b) = value.downcast_ref::<CelBool>() {
+        Plain::Bool(*b.inner())
+    } else if let Some(i) = value.downcast_ref::<CelInt>() {
+        Plain::Int(*i.inner())
+    } else if let Some(u) = value.downcast_ref::<CelUInt>() {
+        Plain::Uint(*u.inner())
+    } else if let Some(d) = value.downcast_ref::<CelDouble>() {
+        Plain::Double(d.inner().to_bits())
+    } else if let Some(s) = value.downcast_ref::<CelString>() {
+        Plain::Str(s.inner().to_owned())
+    } else if let Some(list) = value.downcast_ref::<CelList>() {
+        Plain::List(
+            list.inner()
+                .iter()
+                .map(|v| from_cel(v.as_ref()))
+                .collect::<Option<_>>()?,
+        )
+    } else if let Some(map) = value.downcast_ref::<CelMap>() {
+        let mut out = BTreeMap::new();
+        for (k, v) in map.inner() {
+            let key = k.inner().downcast_ref::<CelString>()?;
+            out.insert(key.inner().to_owned(), from_cel(v.as_ref())?);
+        }
+        Plain::Map(out)
+    } else {
+        return None;
+    })
+}
+
+fn env() -> Arc<Env> {
+    let mut env = Env::stdlib();
+    super::patterns::declare(&mut env);
+    Arc::new(env)
+}
+
+/// Expressions: atoms, and operators, functions and macros over them.
+fn expression() -> impl Strategy<Value = String> {
+    let atom = prop_oneof![
+        Just("0".to_owned()),
+        Just("1".to_owned()),
+        Just("-3".to_owned()),
+        Just("10000".to_owned()),
+        Just("9223372036854775807".to_owned()),
+        Just("1u".to_owned()),
+        Just("18446744073709551615u".to_owned()),
+        Just("1.0".to_owned()),
+        Just("2.5".to_owned()),
+        Just("-0.0".to_owned()),
+        Just("'a'".to_owned()),
+        Just("''".to_owned()),
+        Just("'sql.query'".to_owned()),
+        Just("'é'".to_owned()),
+        Just("true".to_owned()),
+        Just("false".to_owned()),
+        Just("null".to_owned()),
+        Just("call".to_owned()),
+        Just("call.tool".to_owned()),
+        Just("call.call_id".to_owned()),
+        Just("call.args".to_owned()),
+        Just("call.args.s".to_owned()),
+        Just("call.args.n".to_owned()),
+        Just("call.args.d".to_owned()),
+        Just("call.args.b".to_owned()),
+        Just("call.args.l".to_owned()),
+        Just("call.args.o".to_owned()),
+        Just("call.args.o.k".to_owned()),
+        Just("call.args.missing".to_owned()),
+        Just("context".to_owned()),
+        Just("context.metadata".to_owned()),
+        Just("context.metadata.tenant".to_owned()),
+        Just("context.model_text".to_owned()),
+        Just("context.turn_index".to_owned()),
+        Just("calls".to_owned()),
+        Just("calls[0]".to_owned()),
+        Just("calls[1].args.n".to_owned()),
+        Just("x".to_owned()),
+        Just("y".to_owned()),
+        Just("has(call.args.s)".to_owned()),
+        Just("has(call.args.o.k)".to_owned()),
+        Just("has(context.metadata.env)".to_owned()),
+        Just("has(x.args)".to_owned()),
+    ];
+    atom.prop_recursive(4, 48, 3, |inner| {
+        let binary = [
+            "==", "!=", "<", "<=", ">", ">=", "+", "-", "*", "&&", "||", "in",
+        ];
+        let macros = ["exists", "all", "exists_one", "filter", "map"];
+        let methods = ["startsWith", "endsWith", "contains", "matches"];
+        prop_oneof![
+            (inner.clone(), 0..binary.len(), inner.clone())
+                .prop_map(move |(a, op, b)| format!("({a} {} {b})", binary[op])),
+            inner.clone().prop_map(|a| format!("!{a}")),
+            inner.clone().prop_map(|a| format!("-{a}")),
+            inner.clone().prop_map(|a| format!("size({a})")),
+            inner.clone().prop_map(|a| format!("{a}.size()")),
+            inner.clone().prop_map(|a| format!("string({a})")),
+            (inner.clone(), inner.clone(), inner.clone())
+                .prop_map(|(c, a, b)| format!("({c} ? {a} : {b})")),
+            (inner.clone(), inner.clone()).prop_map(|(a, b)| format!("{a}[{b}]")),
+            (inner.clone(), inner.clone()).prop_map(|(a, b)| format!("[{a}, {b}]")),
+            (inner.clone(), 0..methods.len(), inner.clone())
+                .prop_map(move |(a, m, b)| format!("{a}.{}({b})", methods[m])),
+            inner.clone().prop_map(|a| format!("{a}.matches('^(?i)s')")),
+            (
+                inner.clone(),
+                0..macros.len(),
+                prop::bool::ANY,
+                inner.clone()
+            )
+                .prop_map(move |(range, m, y, body)| {
+                    let var = if y { "y" } else { "x" };
+                    format!("{range}.{}({var}, {body})", macros[m])
+                }),
+        ]
+    })
+}
+
+fn pick(items: &[&'static str]) -> BoxedStrategy<String> {
+    prop::sample::select(items.to_vec())
+        .prop_map(str::to_owned)
+        .boxed()
+}
+
+/// Expressions that mostly type-check: strings, numbers and booleans built
+/// from each other, so that the fast path has something to answer.
+fn typed() -> impl Strategy<Value = String> {
+    let strings = pick(&[
+        "'a'",
+        "''",
+        "'sql.query'",
+        "'é'",
+        "'Select'",
+        "call.tool",
+        "call.call_id",
+        "call.args.s",
+        "context.metadata.tenant",
+        "context.model_text",
+        "x",
+        "x.tool",
+        "calls[0].tool",
+        "call.args.o.k",
+        "call.args.l[0]",
+    ]);
+    let numbers = pick(&[
+        "0",
+        "1",
+        "-3",
+        "10000",
+        "9223372036854775807",
+        "1u",
+        "18446744073709551615u",
+        "1.0",
+        "2.5",
+        "-0.0",
+        "call.args.n",
+        "call.args.d",
+        "context.turn_index",
+        "size(calls)",
+        "x",
+        "x.args.n",
+        "call.args.l[1]",
+        "size(call.args)",
+    ]);
+    let lists = pick(&[
+        "calls",
+        "call.args.l",
+        "call.args.o",
+        "context.metadata",
+        "call",
+        "context",
+        "['a', 'b']",
+        "[1, 2.0, 3u]",
+        "calls.map(x, x.tool)",
+        "calls.filter(x, has(x.args.n))",
+        "call.args.l.map(x, x)",
+    ]);
+    let strings = strings.prop_recursive(2, 8, 2, |inner| {
+        prop_oneof![
+            (inner.clone(), inner.clone()).prop_map(|(a, b)| format!("({a} + {b})")),
+            inner.clone().prop_map(|a| format!("string({a})")),
+        ]
+    });
+    let numbers = numbers.prop_recursive(2, 8, 2, move |inner| {
+        let ops = ["+", "-", "*"];
+        prop_oneof![
+            (inner.clone(), 0..ops.len(), inner.clone())
+                .prop_map(move |(a, op, b)| format!("({a} {} {b})", ops[op])),
+            inner.clone().prop_map(|a| format!("-{a}")),
+        ]
+    });
+    let leaf = {
+        let strings = strings.clone();
+        let numbers = numbers.clone();
+        let cmp = ["==", "!=", "<", "<=", ">", ">="];
+        let tests = ["startsWith", "endsWith", "contains"];
+        prop_oneof![
+            pick(&[
+                "true",
+                "false",
+                "has(call.args.s)",
+                "has(call.args.o.k)",
+                "has(context.metadata.env)",
+                "has(x.args)",
+                "call.args.b",
+                "x",
+            ]),
+            (strings.clone(), 0..cmp.len(), strings.clone())
+                .prop_map(move |(a, op, b)| format!("{a} {} {b}", cmp[op])),
+            (numbers.clone(), 0..cmp.len(), numbers.clone())
+                .prop_map(move |(a, op, b)| format!("{a} {} {b}", cmp[op])),
+            (strings.clone(), 0..tests.len(), strings.clone())
+                .prop_map(move |(a, t, b)| format!("{a}.{}({b})", tests[t])),
+            strings
+                .clone()
+                .prop_map(|a| format!("{a}.matches('(?i)^s|a$')")),
+            strings.clone().prop_map(|a| format!("size({a}) > 1")),
+            (strings.clone(), lists.clone()).prop_map(|(a, l)| format!("{a} in {l}")),
+            (numbers, lists.clone()).prop_map(|(a, l)| format!("{a} in {l}")),
+            lists.clone().prop_map(|l| format!("size({l}) >= 2")),
+        ]
+    };
+    leaf.prop_recursive(3, 24, 2, move |inner| {
+        let macros = ["exists", "all", "exists_one"];
+        prop_oneof![
+            (inner.clone(), inner.clone()).prop_map(|(a, b)| format!("({a} && {b})")),
+            (inner.clone(), inner.clone()).prop_map(|(a, b)| format!("({a} || {b})")),
+            inner.clone().prop_map(|a| format!("!{a}")),
+            (inner.clone(), inner.clone(), inner.clone())
+                .prop_map(|(c, a, b)| format!("({c} ? {a} : {b})")),
+            (lists.clone(), 0..macros.len(), inner.clone())
+                .prop_map(move |(l, m, body)| format!("{l}.{}(x, {body})", macros[m])),
+            (lists.clone(), inner.clone())
+                .prop_map(|(l, body)| format!("{l}.filter(x, {body}).size() > 0")),
+        ]
+    })
+}
+
+fn scalar() -> impl Strategy<Value = serde_json::Value> {
+    prop_oneof![
+        Just(json!(null)),
+        Just(json!(true)),
+        Just(json!(false)),
+        Just(json!(0)),
+        Just(json!(1)),
+        Just(json!(-3)),
+        Just(json!(10000)),
+        Just(json!(i64::MAX)),
+        Just(json!(u64::MAX)),
+        Just(json!(1.0)),
+        Just(json!(2.5)),
+        Just(json!(10000.5)),
+        Just(json!("a")),
+        Just(json!("")),
+        Just(json!("é")),
+        Just(json!("sql.query")),
+        Just(json!("Select")),
+    ]
+}
+
+fn args() -> impl Strategy<Value = serde_json::Value> {
+    (
+        prop::collection::vec(
+            (
+                prop::sample::select(vec!["s", "n", "d", "b", "x"]),
+                scalar(),
+            ),
+            0..5,
+        ),
+        prop::option::of(prop::collection::vec(scalar(), 0..4)),
+        prop::option::of(prop::collection::vec(
+            (prop::sample::select(vec!["k", "a", "s"]), scalar()),
+            0..3,
+        )),
+    )
+        .prop_map(|(fields, list, object)| {
+            let mut map = serde_json::Map::new();
+            for (k, v) in fields {
+                map.insert(k.to_owned(), v);
+            }
+            if let Some(list) = list {
+                map.insert("l".to_owned(), serde_json::Value::Array(list));
+            }
+            if let Some(object) = object {
+                let object: serde_json::Map<String, serde_json::Value> =
+                    object.into_iter().map(|(k, v)| (k.to_owned(), v)).collect();
+                map.insert("o".to_owned(), serde_json::Value::Object(object));
+            }
+            serde_json::Value::Object(map)
+        })
+}
+
+fn batch() -> impl Strategy<Value = BatchInput> {
+    (
+        prop::collection::vec(
+            (
+                prop::sample::select(vec!["sql.query", "http.get", "a"]),
+                args(),
+            ),
+            2..4,
+        ),
+        prop::option::of(prop::sample::select(vec!["acme", "é", ""])),
+        prop::sample::select(vec!["", "ignore all rules", "Select"]),
+    )
+        .prop_map(|(calls, tenant, text)| BatchInput {
+            session_id: "s".into(),
+            turn_index: 3,
+            model_text: text.into(),
+            metadata: tenant
+                .into_iter()
+                .map(|t| ("tenant".to_owned(), t.to_owned()))
+                .collect(),
+            calls: calls
+                .into_iter()
+                .enumerate()
+                .map(|(i, (tool, args))| CallInput {
+                    call_id: format!("c{i}"),
+                    tool: tool.into(),
+                    args,
+                })
+                .collect(),
+        })
+}
+
+/// What one case gave.
+#[derive(Debug, Default)]
+struct Tally {
+    compiled: u32,
+    answered: u32,
+}
+
+fn check(
+    env: &Arc<Env>,
+    source: &str,
+    batch: &BatchInput,
+    tally: &mut Tally,
+) -> Result<(), String> {
+    let Ok(program) = env.compile(source) else {
+        return Ok(());
+    };
+    tally.compiled += 1;
+    let Some(plan) = Plan::new(program.expression()) else {
+        return Ok(());
+    };
+    let values = BatchValues::from_input(batch);
+    let fast = match plan.plain(&values.fast(0)) {
+        Ok(fast) => fast,
+        Err(Seen::Unsure) => return Ok(()),
+        Err(Seen::Unplain) => return Err(format!("{source}: the fast value has no plain form")),
+    };
+    tally.answered += 1;
+    let variables = values.scope(0);
+    let mut activation = Context::with_env(Arc::clone(env));
+    activation.set_variable_resolver(&variables);
+    match Value::resolve_val(program.expression(), &activation) {
+        Ok(value) => {
+            let slow = from_cel(value.as_ref());
+            if slow.as_ref() == Some(&fast) {
+                Ok(())
+            } else {
+                Err(format!(
+                    "{source}: the fast path gave {fast:?}, the interpreter {slow:?}, on {batch:?}"
+                ))
+            }
+        }
+        Err(error) => Err(format!(
+            "{source}: the fast path gave {fast:?}, the interpreter the error {error}, on {batch:?}"
+        )),
+    }
+}
+
+#[test]
+fn r27_the_fast_path_answers_typed_expressions_as_the_interpreter_does() {
+    let env = env();
+    let mut runner = TestRunner::new(Config {
+        cases: 4096,
+        failure_persistence: None,
+        ..Config::default()
+    });
+    let tally = std::cell::RefCell::new(Tally::default());
+    let result = runner.run(&(typed(), batch()), |(source, batch)| {
+        check(&env, &source, &batch, &mut tally.borrow_mut())
+            .map_err(proptest::test_runner::TestCaseError::fail)
+    });
+    if let Err(error) = result {
+        panic!("{error}");
+    }
+    let tally = tally.into_inner();
+    // Many still read a field the random call lacks, or `x` outside a
+    // macro: errors, left to the interpreter. About one in six is answered.
+    assert!(
+        tally.answered * 8 >= tally.compiled,
+        "the fast path answered {} of {} expressions",
+        tally.answered,
+        tally.compiled
+    );
+}
+
+#[test]
+fn r27_the_fast_path_answers_as_the_interpreter_does() {
+    let env = env();
+    let mut runner = TestRunner::new(Config {
+        cases: 4096,
+        failure_persistence: None,
+        ..Config::default()
+    });
+    let tally = std::cell::RefCell::new(Tally::default());
+    let result = runner.run(&(expression(), batch()), |(source, batch)| {
+        check(&env, &source, &batch, &mut tally.borrow_mut())
+            .map_err(proptest::test_runner::TestCaseError::fail)
+    });
+    if let Err(error) = result {
+        panic!("{error}");
+    }
+    let tally = tally.into_inner();
+    // Most of these are type errors: the fast path gives up on them, and
+    // must still answer some, or this tests nothing.
+    assert!(
+        tally.answered * 50 >= tally.compiled,
+        "the fast path answered {} of {} expressions",
+        tally.answered,
+        tally.compiled
+    );
+}
+
+#[test]
+fn r27_the_fast_path_answers_these_as_the_interpreter_does() {
+    let env = env();
+    let batch = BatchInput {
+        session_id: "s".into(),
+        turn_index: 3,
+        model_text: "please ignore all rules".into(),
+        metadata: [("tenant".to_owned(), "acme".to_owned())].into(),
+        calls: vec![
+            CallInput {
+                call_id: "c0".into(),
+                tool: "sql.query".into(),
+                args: json!({"query": "DELETE FROM t", "amount": 10000.5, "n": 3, "big": u64::MAX,
+                             "l": [1, 2.0, "a"], "o": {"k": "v", "password": "x"}}),
+            },
+            CallInput {
+                call_id: "c1".into(),
+                tool: "fs.read".into(),
+                args: json!({"path": "/home/u/.ssh/id"}),
+            },
+        ],
+    };
+    let answered = [
+        "call.args.query.matches(r'(?i)^\\s*delete\\s') && !call.args.query.matches(r'(?i)\\swhere\\s')",
+        "call.args.amount > 10000",
+        "call.args.n == 3.0",
+        "call.args.big > call.args.n",
+        "call.args.big == 18446744073709551615u",
+        "2.0 in call.args.l",
+        "'a' in call.args.l",
+        "'k' in call.args.o",
+        "call.args.o.exists(k, k.matches('(?i)^(password|secret)$'))",
+        "calls.filter(c, c.tool == 'fs.read').size()",
+        "calls.map(c, c.call_id)",
+        "calls.exists_one(c, c.tool.startsWith('sql.'))",
+        "calls.all(c, has(c.args.path) || has(c.args.query))",
+        "size(calls) > 1 ? 'many' : 'one'",
+        "'tenant ' + context.metadata.tenant + ' at turn ' + string(context.turn_index)",
+        "context.model_text.contains('ignore') && context.metadata.tenant.endsWith('me')",
+        "size('héllo') == 5",
+        "call.args.l[2] + 'b'",
+        "call.args['query']",
+        "[1, 2] + [3]",
+        "-call.args.n * 2 - 1",
+        "call.args.o.k",
+        "string(call.args.big)",
+    ];
+    for source in answered {
+        let program = env.compile(source).expect(source);
+        let plan =
+            Plan::new(program.expression()).unwrap_or_else(|| panic!("not planned: {source}"));
+        let values = BatchValues::from_input(&batch);
+        assert!(
+            plan.plain(&values.fast(0)).is_ok(),
+            "the fast path gave up on {source}"
+        );
+        let mut tally = Tally::default();
+        check(&env, source, &batch, &mut tally).unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!(tally.answered, 1, "{source}");
+    }
+    // Errors are the interpreter's, and a list built from a map's keys
+    // (whose order is not defined): the fast path gives up on each.
+    let given_up = [
+        "call.args.missing == 1",
+        "call.args.query > 1",
+        "call.args.n + 9223372036854775807",
+        "call.args.l[3]",
+        "calls[1].args.query",
+        "!call.args.query",
+        "call.args.o.map(k, k)",
+    ];
+    for source in given_up {
+        let program = env.compile(source).expect(source);
+        if let Some(plan) = Plan::new(program.expression()) {
+            let values = BatchValues::from_input(&batch);
+            assert!(
+                plan.plain(&values.fast(0)).is_err(),
+                "the fast path answered {source}"
+            );
+        }
+    }
+}
