@@ -234,6 +234,10 @@ impl Policy {
                 })
                 .collect();
         }
+        // The `when` of a rule that does not read `call` is the same for
+        // every call of the batch: evaluated once (0 not yet, 1 false, 2
+        // true).
+        let mut batch_wide = vec![0u8; self.rules.len()];
         costs
             .into_iter()
             .enumerate()
@@ -250,7 +254,12 @@ impl Policy {
                         rule: self.rules[costliest].name.clone(),
                     });
                 }
-                self.judge(values, i, &applies[i * words..(i + 1) * words])
+                self.judge(
+                    values,
+                    i,
+                    &applies[i * words..(i + 1) * words],
+                    &mut batch_wide,
+                )
             })
             .collect()
     }
@@ -273,7 +282,13 @@ impl Policy {
     /// The rules of `bits` in file order, on call `i`: each on the fast path
     /// where it answers, else by the interpreter, whose values and
     /// activation are built on first need.
-    fn judge(&self, values: &BatchValues<'_>, i: usize, bits: &[u64]) -> Outcome {
+    fn judge(
+        &self,
+        values: &BatchValues<'_>,
+        i: usize,
+        bits: &[u64],
+        batch_wide: &mut [u8],
+    ) -> Outcome {
         let fast = values.fast(i);
         let variables = OnceCell::new();
         let activation = OnceCell::new();
@@ -286,7 +301,18 @@ impl Policy {
         };
         for r in set_bits(bits) {
             let rule = &self.rules[r];
-            let planned = rule.when_plan.as_ref().map(|plan| plan.bool(&fast));
+            let planned = match (batch_wide[r], &rule.when_plan) {
+                (1, _) => Some(Ok(false)),
+                (2, _) => Some(Ok(true)),
+                (_, Some(plan)) => {
+                    let value = plan.bool(&fast);
+                    if let (false, Ok(b)) = (plan.reads_call(), value) {
+                        batch_wide[r] = 1 + u8::from(b);
+                    }
+                    Some(value)
+                }
+                (_, None) => None,
+            };
             match planned {
                 Some(Ok(false)) => continue,
                 Some(Ok(true)) => {}

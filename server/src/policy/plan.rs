@@ -42,6 +42,9 @@ pub(crate) struct Plan {
     root: Node,
     /// Slots for the variables macros bind.
     slots: usize,
+    /// Whether it reads `call`: if not, its value is the same for every
+    /// call of a batch.
+    reads_call: bool,
 }
 
 #[derive(Debug)]
@@ -179,12 +182,19 @@ impl Plan {
         let mut planner = Planner {
             scope: Vec::new(),
             slots: 0,
+            reads_call: false,
         };
         let root = planner.node(expr)?;
         Some(Plan {
             root,
             slots: planner.slots,
+            reads_call: planner.reads_call,
         })
+    }
+
+    /// Whether its value may differ from one call of a batch to another.
+    pub(crate) fn reads_call(&self) -> bool {
+        self.reads_call
     }
 
     /// Evaluates to a bool; `Unsure` for anything else.
@@ -309,6 +319,7 @@ struct Planner {
     /// The names macros bind around the node being planned, and their slots.
     scope: Vec<(String, usize)>,
     slots: usize,
+    reads_call: bool,
 }
 
 impl Planner {
@@ -334,7 +345,11 @@ impl Planner {
                 LiteralValue::String(s) => Node::Str(s.inner().to_owned()),
                 LiteralValue::Bytes(_) => return None,
             },
-            Expr::Ident(name) => self.ident(name)?,
+            Expr::Ident(name) => {
+                let node = self.ident(name)?;
+                self.reads_call |= matches!(node, Node::Call);
+                node
+            }
             Expr::Select(select) => Node::Select {
                 operand: Box::new(self.node(&select.operand)?),
                 field: select.field.clone(),
