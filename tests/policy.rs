@@ -47,6 +47,24 @@ fn r27_policy_check_accepts_the_example_and_lists_its_rules() {
     }
 }
 
+/// `guardmesh policy check FILE | head -1`: a reader that stops early is
+/// not an error (it was a panic on the broken pipe).
+#[test]
+fn r27_policy_check_into_a_closed_pipe_exits_quietly() {
+    let mut child = Command::new(env!("CARGO_BIN_EXE_guardmesh"))
+        .args(["policy", "check", &example("policy.toml")])
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("run guardmesh");
+    // Closed before the report is written: the write fails with EPIPE.
+    drop(child.stdout.take());
+    let out = child.wait_with_output().expect("wait for guardmesh");
+    let stderr = text(&out.stderr);
+    assert!(!stderr.contains("panicked"), "{stderr}");
+    assert!(out.status.success(), "{out:?}");
+}
+
 #[test]
 fn r27_policy_test_passes_the_example_cases() {
     let out = guardmesh(&[

@@ -440,8 +440,8 @@ fn policy(action: PolicyAction) -> ExitCode {
     let result = match action {
         PolicyAction::Check { file } => read(&file).and_then(|source| {
             policy::check(&source)
-                .map(|report| print!("{report}"))
                 .map_err(|e| format!("{}: {e}", file.display()))
+                .and_then(|report| print_report(&report.to_string()))
         }),
         PolicyAction::Test { file, cases } => read(&file).and_then(|source| {
             let compiled =
@@ -450,8 +450,7 @@ fn policy(action: PolicyAction) -> ExitCode {
             let report = policy::test(&compiled, &cases_text)
                 .map_err(|e| format!("{}: {e}", cases.display()))?;
             if report.passed() {
-                print!("{report}");
-                Ok(())
+                print_report(&report.to_string())
             } else {
                 Err(report.to_string().trim_end().to_owned())
             }
@@ -463,6 +462,19 @@ fn policy(action: PolicyAction) -> ExitCode {
             eprintln!("error: {message}");
             ExitCode::FAILURE
         }
+    }
+}
+
+/// Writes a report on stdout. A reader that stopped early (`| head`) is not
+/// an error: the rest of the report has nowhere to go.
+fn print_report(text: &str) -> Result<(), String> {
+    use std::io::Write;
+    let mut out = std::io::stdout().lock();
+    match out.write_all(text.as_bytes()).and_then(|()| out.flush()) {
+        Err(error) if error.kind() != std::io::ErrorKind::BrokenPipe => {
+            Err(format!("cannot write the report: {error}"))
+        }
+        _ => Ok(()),
     }
 }
 

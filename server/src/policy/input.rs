@@ -21,6 +21,8 @@
 //! arguments' JSON text (or from parsed JSON), borrowing every string that
 //! needs no unescaping, and shared by every rule, every call and every policy
 //! guard that judges the batch: `call` is an element of `calls`, not a copy.
+//! The fast path's (`plan`) are built at once; the interpreter's CEL values
+//! only when a rule needs the interpreter.
 
 use std::cell::OnceCell;
 use std::collections::{BTreeMap, HashMap};
