@@ -59,9 +59,11 @@ enum Node {
     Calls,
     Context,
     Slot(usize),
+    /// `operand.f1.f2...`: selections in a row, one node; with `test`, the
+    /// last is `has()`'s.
     Select {
         operand: Box<Node>,
-        field: String,
+        fields: Box<[String]>,
         test: bool,
     },
     Not(Box<Node>),
@@ -350,10 +352,25 @@ impl Planner {
                 self.reads_call |= matches!(node, Node::Call);
                 node
             }
-            Expr::Select(select) => Node::Select {
-                operand: Box::new(self.node(&select.operand)?),
-                field: select.field.clone(),
-                test: select.test,
+            Expr::Select(select) => match self.node(&select.operand)? {
+                Node::Select {
+                    operand,
+                    fields,
+                    test: false,
+                } => {
+                    let mut fields = fields.into_vec();
+                    fields.push(select.field.clone());
+                    Node::Select {
+                        operand,
+                        fields: fields.into_boxed_slice(),
+                        test: select.test,
+                    }
+                }
+                operand => Node::Select {
+                    operand: Box::new(operand),
+                    fields: Box::new([select.field.clone()]),
+                    test: select.test,
+                },
             },
             Expr::List(list) => {
                 if !list.optional_indices.is_empty() {
@@ -622,11 +639,19 @@ fn eval<'r>(node: &'r Node, input: &Input<'r, 'r>, slots: &mut Vec<V<'r>>) -> Ru
         Node::Slot(s) => slots.get(*s).cloned().ok_or(Unsure)?,
         Node::Select {
             operand,
-            field,
+            fields,
             test,
         } => {
-            let operand = eval(operand, input, slots)?;
-            let found = field_of(&operand, field, input)?;
+            let mut value = match &**operand {
+                Node::Call => V::CallMap(input.call),
+                Node::Context => V::Context,
+                operand => eval(operand, input, slots)?,
+            };
+            let (last, path) = fields.split_last().ok_or(Unsure)?;
+            for field in path {
+                value = field_of(&value, field, input)?.ok_or(Unsure)?;
+            }
+            let found = field_of(&value, last, input)?;
             match (test, found) {
                 (true, found) => V::Bool(found.is_some()),
                 (false, Some(value)) => value,
