@@ -84,6 +84,14 @@ enum Node {
     ToString(Box<Node>),
     List(Vec<Node>),
     Fold(Box<Fold>),
+    /// `range.exists(iter, pred)` (`any: true`) or `range.all(iter, pred)`:
+    /// the fold those macros expand to, without the accumulator.
+    Quantifier {
+        any: bool,
+        range: Box<Node>,
+        iter: usize,
+        pred: Box<Node>,
+    },
     /// `accu + [element]` in a macro's step: appends in place.
     Append {
         accu: usize,
@@ -130,6 +138,42 @@ struct Fold {
     cond: Node,
     step: Node,
     result: Node,
+}
+
+impl Fold {
+    /// The fold of `exists` or `all` as a [`Node::Quantifier`]; any other
+    /// as it is.
+    fn shortcut(self) -> Node {
+        let accu = self.accu;
+        let is_accu = |node: &Node| matches!(node, Node::Slot(s) if *s == accu);
+        let any = match (&self.init, &self.cond, &self.step) {
+            (Node::Bool(false), Node::NotStrictlyFalse(c), Node::Or(a, pred))
+                if matches!(&**c, Node::Not(n) if is_accu(n))
+                    && is_accu(a)
+                    && !reads(pred, accu) =>
+            {
+                true
+            }
+            (Node::Bool(true), Node::NotStrictlyFalse(c), Node::And(a, pred))
+                if is_accu(c) && is_accu(a) && !reads(pred, accu) =>
+            {
+                false
+            }
+            _ => return Node::Fold(Box::new(self)),
+        };
+        if !is_accu(&self.result) {
+            return Node::Fold(Box::new(self));
+        }
+        let (Node::Or(_, pred) | Node::And(_, pred)) = self.step else {
+            return Node::Fold(Box::new(self));
+        };
+        Node::Quantifier {
+            any,
+            range: Box::new(self.range),
+            iter: self.iter,
+            pred,
+        }
+    }
 }
 
 /// What an expression reads: the batch and the call being judged.
@@ -398,7 +442,7 @@ impl Planner {
                 self.scope.truncate(mark + 1);
                 let result = self.node(&c.result)?;
                 self.scope.truncate(mark);
-                Node::Fold(Box::new(Fold {
+                Fold {
                     range,
                     iter,
                     accu,
@@ -406,7 +450,8 @@ impl Planner {
                     cond,
                     step,
                     result,
-                }))
+                }
+                .shortcut()
             }
             Expr::Map(_) | Expr::Struct(_) | Expr::Unspecified => return None,
         })
@@ -620,6 +665,7 @@ fn reads(node: &Node, slot: usize) -> bool {
         }
         Node::List(items) => items.iter().any(|n| reads(n, slot)),
         Node::Fold(f) => any(&[&f.range, &f.init, &f.cond, &f.step, &f.result]),
+        Node::Quantifier { range, pred, .. } => any(&[range, pred]),
         Node::Append { accu, element } => *accu == slot || reads(element, slot),
         Node::Take(accu) => *accu == slot,
     }
@@ -776,6 +822,32 @@ fn eval<'r>(node: &'r Node, input: &Input<'r, 'r>, slots: &mut Vec<V<'r>>) -> Ru
                 set(slots, fold.accu, accu)?;
             }
             eval(&fold.result, input, slots)?
+        }
+        Node::Quantifier {
+            any,
+            range,
+            iter,
+            pred,
+        } => {
+            let range = eval(range, input, slots)?;
+            if !matches!(
+                range,
+                V::Json(Json::Map(_) | Json::List(_))
+                    | V::CallMap(_)
+                    | V::Context
+                    | V::Metadata
+                    | V::List(_)
+                    | V::Calls
+            ) {
+                return Err(Unsure);
+            }
+            for i in 0..size(&range, input)? {
+                set(slots, *iter, item_of(&range, i, input)?)?;
+                if as_bool(eval(pred, input, slots)?)? == *any {
+                    return Ok(V::Bool(*any));
+                }
+            }
+            V::Bool(!*any)
         }
         Node::Append { accu, element } => {
             let element = eval(element, input, slots)?;
