@@ -616,6 +616,73 @@ async fn r31_concurrent_single_calls_are_one_guard_batch() {
     assert_eq!(guard.guard.batches().len(), 4);
 }
 
+/// With no `--batch-window-ms`, `guardmesh mcp stdio` makes the single
+/// calls it read together (sent in one write) one guard batch, and judges a
+/// call sent alone with nothing after it: no call waits for calls that were
+/// not sent (R31). More calls in one write than the gateway judges at once
+/// are all answered, in batches of at most 64.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn r31_stdio_groups_the_calls_read_together_and_waits_for_none() {
+    let (mesh, guard) = mesh_with_policy("mcp-read-group").await;
+    let scratch = Scratch::new("read-group");
+    let url = mesh.url.clone();
+    let upstream = scratch.upstream(&["stdio"]);
+    let read = |i: u32| RawGateway::call(json!(i), "read_file", json!({"path": format!("/f{i}")}));
+    let answered = tokio::time::timeout(
+        Duration::from_secs(120),
+        tokio::task::spawn_blocking(move || {
+            let mut gateway = RawGateway::start(&url, &[], upstream);
+            // One write each, so that the gateway reads each group whole.
+            let mut write = |lines: Vec<Value>| {
+                let text: String = lines.iter().map(|l| format!("{l}\n")).collect();
+                let stdin = gateway.stdin.as_mut().expect("stdin");
+                stdin.write_all(text.as_bytes()).expect("write");
+                stdin.flush().expect("flush");
+            };
+            write(vec![read(1), read(2)]);
+            let mut ids = vec![gateway.recv()["id"].clone(), gateway.recv()["id"].clone()];
+            // Alone, with nothing sent after it.
+            let stdin = gateway.stdin.as_mut().expect("stdin");
+            stdin
+                .write_all(format!("{}\n", read(3)).as_bytes())
+                .expect("write");
+            ids.push(gateway.recv()["id"].clone());
+            let many: String = (100..200).map(|i| format!("{}\n", read(i))).collect();
+            let stdin = gateway.stdin.as_mut().expect("stdin");
+            stdin.write_all(many.as_bytes()).expect("write");
+            for _ in 0..100 {
+                ids.push(gateway.recv()["id"].clone());
+            }
+            ids
+        }),
+    )
+    .await
+    .expect("every call answered within 120 s")
+    .expect("the client");
+    let mut ids: Vec<u64> = answered
+        .iter()
+        .map(|id| id.as_u64().expect("a number id"))
+        .collect();
+    ids.sort_unstable();
+    let expected: Vec<u64> = [1, 2, 3].into_iter().chain(100..200).collect();
+    assert_eq!(ids, expected, "each call answered once");
+    let batches = guard.guard.batches();
+    assert_eq!(
+        batches[0].calls.len(),
+        2,
+        "the two calls sent together: {batches:?}"
+    );
+    assert_eq!(batches[1].calls.len(), 1, "the call sent alone");
+    assert_eq!(
+        batches[2..].iter().map(|b| b.calls.len()).sum::<usize>(),
+        100
+    );
+    assert!(
+        batches[2..].iter().all(|b| b.calls.len() <= 64),
+        "{batches:?}"
+    );
+}
+
 /// The upstream's stderr goes to the gateway's stderr line by line, never
 /// onto stdout: an upstream that writes much to stderr (more than a pipe
 /// holds, with lines that look like JSON-RPC responses) leaves the client's

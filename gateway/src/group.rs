@@ -3,6 +3,12 @@
 //! client as concurrent requests rather than a JSON-RPC batch), and each
 //! request still gets its own answer under its own id.
 //!
+//! Over stdio the gateway can also group without waiting
+//! ([`Grouper::until_idle`]): the calls read together (in the bytes one
+//! read of the client's stream returned) are one batch, judged as soon as
+//! the gateway has read everything the client has sent so far
+//! ([`Grouper::flush`]). A lone call then waits for nothing.
+//!
 //! A group is only formed from calls that can share a batch: the same
 //! session, the same W3C trace context (R22), and distinct call ids (R20
 //! refuses a batch that repeats one; a call whose id is already pending
@@ -30,9 +36,20 @@ struct Pending {
     waiters: Vec<oneshot::Sender<Disposition>>,
 }
 
+/// When a group closes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Close {
+    /// Each call is judged on its own.
+    Alone,
+    /// This long after its first call.
+    After(Duration),
+    /// When [`Grouper::flush`] is called.
+    OnFlush,
+}
+
 struct Inner {
     judge: Arc<Judge>,
-    window: Duration,
+    close: Close,
     state: Mutex<(u64, HashMap<Key, Pending>)>,
 }
 
@@ -46,12 +63,43 @@ impl Grouper {
     /// Groups calls arriving within `window`; a zero window judges each call
     /// on its own.
     pub fn new(judge: Arc<Judge>, window: Duration) -> Self {
+        let close = if window.is_zero() {
+            Close::Alone
+        } else {
+            Close::After(window)
+        };
+        Self::with(judge, close)
+    }
+
+    /// Groups calls until [`Grouper::flush`]: the reader of the client's
+    /// stream flushes when it has read everything sent so far.
+    pub fn until_idle(judge: Arc<Judge>) -> Self {
+        Self::with(judge, Close::OnFlush)
+    }
+
+    fn with(judge: Arc<Judge>, close: Close) -> Self {
         Self {
             inner: Arc::new(Inner {
                 judge,
-                window,
+                close,
                 state: Mutex::new((0, HashMap::new())),
             }),
+        }
+    }
+
+    /// Judges every pending group now (for [`Grouper::until_idle`]).
+    pub fn flush(&self) {
+        let groups = {
+            let mut state = self
+                .inner
+                .state
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner);
+            std::mem::take(&mut state.1)
+        };
+        for ((session, _), group) in groups {
+            let judge = self.inner.judge.clone();
+            tokio::spawn(async move { settle(&judge, &session, group).await });
         }
     }
 
@@ -63,12 +111,31 @@ impl Grouper {
     /// Judges one call, in a group with the calls of `session` that arrive
     /// within the window; returns what to do with this call.
     pub async fn judge_one(&self, session: &str, call: ToolCallRequest) -> Disposition {
-        if self.inner.window.is_zero() {
-            return judge_alone(&self.inner.judge, session, call).await;
-        }
+        self.enqueue(session, call).await
+    }
+
+    /// Adds one call to its group now, and returns its disposition to come:
+    /// a reader that enqueues the calls it has read and then flushes knows
+    /// they are all in the group.
+    pub fn enqueue(
+        &self,
+        session: &str,
+        call: ToolCallRequest,
+    ) -> impl std::future::Future<Output = Disposition> + Send + 'static {
+        let this = self.clone();
+        let session = session.to_owned();
+        let window = match self.inner.close {
+            Close::Alone => {
+                return futures::future::Either::Left(async move {
+                    judge_alone(&this.inner.judge, &session, call).await
+                });
+            }
+            Close::After(window) => Some(window),
+            Close::OnFlush => None,
+        };
         let id = call.id.clone();
         let (tx, rx) = oneshot::channel();
-        let key: Key = (session.to_owned(), call.traceparent.clone());
+        let key: Key = (session.clone(), call.traceparent.clone());
         let mut flush_now = None;
         let mut start_timer = None;
         {
@@ -112,10 +179,10 @@ impl Grouper {
             let session = key.0.clone();
             tokio::spawn(async move { settle(&judge, &session, closed).await });
         }
-        if let Some(generation) = start_timer {
+        if let (Some(generation), Some(window)) = (start_timer, window) {
             let inner = self.inner.clone();
             tokio::spawn(async move {
-                tokio::time::sleep(inner.window).await;
+                tokio::time::sleep(window).await;
                 let due = {
                     let mut state = inner.state.lock().unwrap_or_else(PoisonError::into_inner);
                     match state.1.get(&key) {
@@ -128,10 +195,12 @@ impl Grouper {
                 }
             });
         }
-        rx.await.unwrap_or_else(|_| {
-            // The group's task ended without an answer (the runtime is
-            // stopping): never forward.
-            not_judged(&id)
+        futures::future::Either::Right(async move {
+            rx.await.unwrap_or_else(|_| {
+                // The group's task ended without an answer (the runtime is
+                // stopping): never forward.
+                not_judged(&id)
+            })
         })
     }
 }

@@ -6,8 +6,10 @@
 //!   (bounded by `--max-message-bytes`) and classified
 //!   ([`crate::jsonrpc::classify`]). Tool calls are judged concurrently, each
 //!   message (or JSON-RPC batch) in its own task, so a slow guard does not
-//!   hold up `tools/list` or pings. Single calls arriving within
-//!   `--batch-window-ms` are judged as one guard batch ([`crate::group`]).
+//!   hold up `tools/list` or pings. Single calls read together (sent
+//!   together by the client) are judged as one guard batch as soon as all
+//!   that was sent is read, or, with `--batch-window-ms`, those arriving
+//!   within that window ([`crate::group`]).
 //!   Everything else is forwarded as received.
 //! * A JSON-RPC batch: its `tools/call`s are one guard batch. Its elements are
 //!   forwarded one by one (servers of the current MCP revision do not accept
@@ -51,9 +53,11 @@ pub struct StdioArgs {
     pub max_message_bytes: usize,
     /// Single tools/call requests arriving within this many milliseconds of
     /// each other are judged as one guard batch (each still answered under
-    /// its own id); 0 judges each on its own.
-    #[arg(long, default_value_t = 2)]
-    pub batch_window_ms: u64,
+    /// its own id); 0 judges each on its own. Default: the requests read
+    /// together (sent together by the client) are one batch, judged as soon
+    /// as the gateway has read all the client sent, with no waiting.
+    #[arg(long)]
+    pub batch_window_ms: Option<u64>,
     /// The upstream MCP server: a command and its arguments, after `--`.
     #[arg(required = true, last = true, num_args = 1..)]
     pub command: Vec<String>,
@@ -97,8 +101,21 @@ async fn next_frame<R: AsyncRead + Unpin>(
     codec: &mut JsonRpcMessageCodec<Box<RawValue>>,
     eof: &mut bool,
 ) -> Option<Frame> {
+    next_frame_or_idle(reader, buf, codec, eof, || {}).await
+}
+
+/// [`next_frame`], calling `idle` each time everything read so far has been
+/// decoded, before waiting for more.
+async fn next_frame_or_idle<R: AsyncRead + Unpin>(
+    reader: &mut R,
+    buf: &mut BytesMut,
+    codec: &mut JsonRpcMessageCodec<Box<RawValue>>,
+    eof: &mut bool,
+    mut idle: impl FnMut(),
+) -> Option<Frame> {
     loop {
         if *eof {
+            idle();
             return codec.decode_eof(buf).transpose();
         }
         match codec.decode(buf) {
@@ -106,6 +123,7 @@ async fn next_frame<R: AsyncRead + Unpin>(
             Err(e) => return Some(Err(e)),
             Ok(None) => {}
         }
+        idle();
         match reader.read_buf(buf).await {
             Ok(0) => *eof = true,
             Ok(_) => {}
@@ -172,7 +190,10 @@ where
         .clone()
         .unwrap_or_else(|| fresh_session_id("mcp-stdio"));
     let judge = Arc::new(Judge::new(args.mesh.clone(), "mcp-stdio"));
-    let grouper = Grouper::new(judge.clone(), Duration::from_millis(args.batch_window_ms));
+    let grouper = match args.batch_window_ms {
+        Some(ms) => Grouper::new(judge.clone(), Duration::from_millis(ms)),
+        None => Grouper::until_idle(judge.clone()),
+    };
     let collector: Shared = Arc::default();
 
     // One writer per direction, so that messages are never interleaved.
@@ -271,7 +292,7 @@ where
                 upstream_done = true;
                 break;
             }
-            frame = next_frame(&mut input, &mut buf, &mut codec, &mut eof) => frame,
+            frame = next_frame_or_idle(&mut input, &mut buf, &mut codec, &mut eof, || grouper.flush()) => frame,
         };
         let Some(frame) = frame else { break };
         let message = match frame {
@@ -311,14 +332,20 @@ where
             }
             Incoming::Single(Item::Drop(why)) => tracing::warn!("{why}"),
             Incoming::Single(Item::ToolCall(call)) => {
+                // Calls waiting in a group hold permits: judge them before
+                // waiting for one.
+                if in_flight.available_permits() == 0 {
+                    grouper.flush();
+                }
                 let Ok(permit) = in_flight.clone().acquire_owned().await else {
                     break;
                 };
-                let (grouper, session) = (grouper.clone(), session.clone());
+                // In its group now, before the reader flushes the groups.
+                let disposition = grouper.enqueue(&session, *call);
                 let (to_client, to_upstream) = (to_client.clone(), to_upstream.clone());
                 tasks.spawn(async move {
                     let _permit = permit;
-                    match grouper.judge_one(&session, *call).await {
+                    match disposition.await {
                         Disposition::Forward(text) => {
                             let _ = to_upstream.send(text).await;
                         }
@@ -329,6 +356,9 @@ where
                 });
             }
             Incoming::Batch(items) => {
+                if in_flight.available_permits() == 0 {
+                    grouper.flush();
+                }
                 let Ok(permit) = in_flight.clone().acquire_owned().await else {
                     break;
                 };

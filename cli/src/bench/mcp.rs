@@ -12,7 +12,7 @@
 //!   real server the same added time is a smaller share of each call.
 //! * **The gateway** judges each call through a fresh mesh with one
 //!   zero-latency guard of the guard process (`mcp_stdio`, with the
-//!   gateway's default `--batch-window-ms` and with 0), or with no guard
+//!   gateway's default grouping and with `--batch-window-ms 0`), or with no guard
 //!   at all (`mcp_relay_w0`: the relay and one mesh round trip).
 //!
 //! Each call carries [`ARGUMENT_BYTES`](super::ARGUMENT_BYTES) of JSON
@@ -277,7 +277,7 @@ pub(super) async fn run(
         )?,
         Scenario::new(
             "mcp_stdio",
-            "tools/call through guardmesh mcp stdio, 1 zero-latency guard, default batch window",
+            "tools/call through guardmesh mcp stdio, 1 zero-latency guard, default grouping (calls read together)",
             through,
             Some(&mesh1),
         )?,
