@@ -637,8 +637,9 @@ async fn r27_sighup_reloads_the_policy_and_keeps_the_running_one_when_broken() {
         )
     };
     std::fs::write(&policy, rule("first")).unwrap();
+    // No file watch: what reloads here is the signal alone.
     let config = format!(
-        "[[guard]]\nname = \"policy\"\npolicy = {:?}\n",
+        "watch_policies = false\n\n[[guard]]\nname = \"policy\"\npolicy = {:?}\n",
         policy.display().to_string()
     );
     let mesh = MeshProcess::start("policy-hup", &config, Some("info")).await;
@@ -652,6 +653,11 @@ async fn r27_sighup_reloads_the_policy_and_keeps_the_running_one_when_broken() {
     assert_eq!(content(d), "first");
 
     std::fs::write(&policy, rule("second")).unwrap();
+    // Without the signal the change is not applied (a watch would have
+    // reloaded within its 200 ms debounce).
+    tokio::time::sleep(Duration::from_millis(1000)).await;
+    let d = coordinator.evaluate_once("s", shell()).await.unwrap();
+    assert_eq!(content(d), "first", "no reload before SIGHUP");
     mesh.signal("HUP");
     let mut reloaded = None;
     for _ in 0..200 {

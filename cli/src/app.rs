@@ -607,7 +607,7 @@ async fn serve(config: Option<PathBuf>, listen: Option<std::net::SocketAddr>) ->
         .filter(|g| g.policy.is_some())
         .cloned()
         .collect();
-    let _policy_watch = if guards.is_empty() {
+    let _policy_watch = if guards.is_empty() || !config.watch_policies {
         None
     } else {
         let watched =

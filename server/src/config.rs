@@ -118,6 +118,10 @@ pub struct Config {
     /// What happens to a call no enforced guard applies to (R28):
     /// `proceed` (the default) or `cancel` (default deny).
     pub unguarded: crate::mesh::Unguarded,
+    /// Whether `guardmesh serve` reloads the config's policy files when they
+    /// change on disk (default); `false`: only on SIGHUP, for teams that roll
+    /// policies out by signal.
+    pub watch_policies: bool,
     /// `[decision_log]`: one record per batch answered and per chain
     /// change (R29). Absent: no log, at no cost.
     pub decision_log: Option<DecisionLogConfig>,
@@ -230,6 +234,7 @@ impl Default for Config {
             registry: RegistryConfig::default(),
             server: ServerConfig::default(),
             unguarded: crate::mesh::Unguarded::Proceed,
+            watch_policies: true,
             decision_log: None,
         }
     }
@@ -1347,5 +1352,51 @@ mod tests {
                 }
             }
         }
+    }
+}
+
+/// The README's sample configs are configs: every key in them is one this
+/// file reads (a misspelt or stale key would be refused at start).
+#[cfg(test)]
+mod readme {
+    use super::*;
+
+    /// The ```toml blocks of the README that are mesh configs.
+    fn samples() -> Vec<String> {
+        let readme = include_str!("../../README.md");
+        let mut blocks = Vec::new();
+        let mut current: Option<String> = None;
+        for line in readme.lines() {
+            match (&mut current, line.trim_end()) {
+                (None, "```toml") => current = Some(String::new()),
+                (Some(block), "```") => {
+                    if block.starts_with("listen = ") {
+                        blocks.push(std::mem::take(block));
+                    }
+                    current = None;
+                }
+                (Some(block), _) => {
+                    block.push_str(line);
+                    block.push('\n');
+                }
+                (None, _) => {}
+            }
+        }
+        blocks
+    }
+
+    #[test]
+    fn the_readme_sample_configs_parse() {
+        let samples = samples();
+        assert!(samples.len() >= 2, "{} sample configs found", samples.len());
+        for (i, text) in samples.iter().enumerate() {
+            let config = Config::parse(text, "README")
+                .unwrap_or_else(|e| panic!("README sample config {}: {e}", i + 1));
+            assert_eq!(config.listen.port(), 50051);
+        }
+        let full = Config::parse(&samples[0], "README").expect("the full sample");
+        assert!(full.watch_policies);
+        assert_eq!(full.guards.len(), 4);
+        assert!(full.decision_log.is_some());
     }
 }
