@@ -16,7 +16,7 @@ use proptest::prelude::*;
 use proptest::test_runner::{Config, TestRunner};
 use serde_json::json;
 
-use super::input::{BatchInput, BatchValues, CallInput};
+use super::input::{Args, BatchInput, BatchValues, CallInput, CallRef, ContextRef};
 use super::plan::{Plan, Seen};
 
 /// A value, comparable across both evaluators.
@@ -292,6 +292,9 @@ fn scalar() -> impl Strategy<Value = serde_json::Value> {
         Just(json!("é")),
         Just(json!("sql.query")),
         Just(json!("Select")),
+        // Escaped in the text: parsed into owned strings.
+        Just(json!("a\"b\\c\td")),
+        Just(json!("\u{1}x")),
     ]
 }
 
@@ -379,13 +382,49 @@ fn check(
     let Some(plan) = Plan::new(program.expression()) else {
         return Ok(());
     };
-    let values = BatchValues::from_input(batch);
+    // The mesh's way (the arguments as JSON text, parsed here) and the
+    // `policy test` way (parsed JSON): both must agree with the interpreter.
+    let texts: Vec<String> = batch.calls.iter().map(|c| c.args.to_string()).collect();
+    let from_text = BatchValues::new(
+        ContextRef {
+            session_id: &batch.session_id,
+            turn_index: batch.turn_index,
+            model_text: &batch.model_text,
+        },
+        batch.metadata.iter().map(|(k, v)| (k.as_str(), v.as_str())),
+        batch.calls.iter().zip(&texts).map(|(c, text)| CallRef {
+            call_id: &c.call_id,
+            tool: &c.tool,
+            args: Args::Text(text),
+        }),
+    );
+    let from_json = BatchValues::from_input(batch);
+    let text = agree(env, source, &program, &plan, &from_text, batch)?;
+    let json = agree(env, source, &program, &plan, &from_json, batch)?;
+    if text != json {
+        return Err(format!(
+            "{source}: the fast path answered from text {text}, from parsed JSON {json}, on {batch:?}"
+        ));
+    }
+    tally.answered += u32::from(text);
+    Ok(())
+}
+
+/// Whether the fast path answered on `values`; an error if the interpreter
+/// does not give the same.
+fn agree(
+    env: &Arc<Env>,
+    source: &str,
+    program: &cel::Program,
+    plan: &Plan,
+    values: &BatchValues<'_>,
+    batch: &BatchInput,
+) -> Result<bool, String> {
     let fast = match plan.plain(&values.fast(0)) {
         Ok(fast) => fast,
-        Err(Seen::Unsure) => return Ok(()),
+        Err(Seen::Unsure) => return Ok(false),
         Err(Seen::Unplain) => return Err(format!("{source}: the fast value has no plain form")),
     };
-    tally.answered += 1;
     let variables = values.scope(0);
     let mut activation = Context::with_env(Arc::clone(env));
     activation.set_variable_resolver(&variables);
@@ -393,7 +432,7 @@ fn check(
         Ok(value) => {
             let slow = from_cel(value.as_ref());
             if slow.as_ref() == Some(&fast) {
-                Ok(())
+                Ok(true)
             } else {
                 Err(format!(
                     "{source}: the fast path gave {fast:?}, the interpreter {slow:?}, on {batch:?}"
