@@ -50,6 +50,9 @@ pub struct RuleSummary {
     pub action: Action,
     /// The estimated cost (see `cost`), e.g. `14 + 2n`.
     pub cost: String,
+    /// Whether its `when` runs on the fast path (`plan`); `false`: the CEL
+    /// interpreter evaluates it every time, several times slower.
+    pub planned: bool,
 }
 
 impl fmt::Display for CheckReport {
@@ -63,8 +66,20 @@ impl fmt::Display for CheckReport {
             };
             writeln!(
                 f,
-                "  line {:<4} {:<32} {:<6} tools {:<20} cost {}",
-                rule.line, rule.name, rule.action, tools, rule.cost
+                "  line {:<4} {:<32} {:<6} tools {:<20} cost {}{}",
+                rule.line,
+                rule.name,
+                rule.action,
+                tools,
+                rule.cost,
+                if rule.planned { "" } else { " (interpreted)" }
+            )?;
+        }
+        if self.rules.iter().any(|r| !r.planned) {
+            writeln!(
+                f,
+                "(interpreted: the rule uses something the fast path does not cover, \
+                 so the CEL interpreter evaluates it, several times slower)"
             )?;
         }
         Ok(())
@@ -86,6 +101,7 @@ pub fn check(source: &str) -> Result<CheckReport, CompileError> {
                 tools: rule.tools().to_vec(),
                 action: rule.action(),
                 cost: rule.cost().to_string(),
+                planned: rule.planned(),
             })
             .collect(),
     })

@@ -784,3 +784,36 @@ message = "'refused ' + call.tool + ' in an injected round'"
         "the fast path covers it"
     );
 }
+
+/// `policy check` says which rules the interpreter evaluates every time.
+#[test]
+fn r27_policy_check_names_the_rules_off_the_fast_path() {
+    let report = check(
+        r#"
+[[rule]]
+name = "fast"
+when = "call.tool.startsWith('sql.')"
+action = "steer"
+message = "'x'"
+
+[[rule]]
+name = "slow"
+when = "call.args.size() > 0 && 'a'.lowerAscii() == 'a' || int(call.args.n) > 1"
+action = "cancel"
+message = "'y'"
+"#,
+    )
+    .expect("compiles");
+    assert!(report.rules[0].planned);
+    assert!(!report.rules[1].planned);
+    let text = report.to_string();
+    let slow = text.lines().find(|l| l.contains(" slow ")).expect("listed");
+    assert!(slow.ends_with("(interpreted)"), "{text}");
+    assert!(
+        !text
+            .lines()
+            .find(|l| l.contains(" fast "))
+            .expect("listed")
+            .contains("interpreted")
+    );
+}
