@@ -13,7 +13,8 @@ use prometheus_client::metrics::family::MetricConstructor;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::Histogram;
 use prometheus_client::registry::Registry;
-use std::sync::Arc;
+use std::collections::HashMap;
+use std::sync::{Arc, PoisonError, RwLock};
 use std::time::Duration;
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -116,6 +117,16 @@ pub struct Metrics {
     registry_usable: Gauge,
     log_records: Family<KindLabel, Counter>,
     log_failures: Family<KindLabel, Counter>,
+    /// Each guard's outcome counters and latency histogram, looked up by
+    /// name once rather than built from labels for every batch (they share
+    /// their counts with the families above).
+    guard_series: RwLock<HashMap<String, GuardSeries>>,
+}
+
+/// The series a batch updates for one guard.
+struct GuardSeries {
+    latency: Histogram,
+    outcomes: Vec<(&'static str, Counter)>,
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -317,6 +328,7 @@ impl Metrics {
             chain_guards,
             registry_stale,
             registry_usable,
+            guard_series: RwLock::default(),
         }
     }
 
@@ -336,18 +348,52 @@ impl Metrics {
     }
 
     pub fn guard_outcome(&self, guard: &str, status: &'static str, seconds: Option<f64>) {
-        self.guard_outcomes
+        {
+            let series = self
+                .guard_series
+                .read()
+                .unwrap_or_else(PoisonError::into_inner);
+            if let Some(series) = series.get(guard)
+                && let Some((_, counter)) = series.outcomes.iter().find(|(s, _)| *s == status)
+            {
+                counter.inc();
+                if let Some(seconds) = seconds {
+                    series.latency.observe(seconds);
+                }
+                return;
+            }
+        }
+        // First time for this guard and status: the series from the
+        // families, kept for the next batches.
+        let counter = self
+            .guard_outcomes
             .get_or_create(&GuardStatusLabel {
                 guard: guard.to_owned(),
                 status,
             })
-            .inc();
+            .clone();
+        let latency = self
+            .guard_latency
+            .get_or_create(&GuardLabel {
+                guard: guard.to_owned(),
+            })
+            .clone();
+        counter.inc();
         if let Some(seconds) = seconds {
-            self.guard_latency
-                .get_or_create(&GuardLabel {
-                    guard: guard.to_owned(),
-                })
-                .observe(seconds);
+            latency.observe(seconds);
+        }
+        let mut series = self
+            .guard_series
+            .write()
+            .unwrap_or_else(PoisonError::into_inner);
+        let entry = series
+            .entry(guard.to_owned())
+            .or_insert_with(|| GuardSeries {
+                latency,
+                outcomes: Vec::new(),
+            });
+        if !entry.outcomes.iter().any(|(s, _)| *s == status) {
+            entry.outcomes.push((status, counter));
         }
     }
 
@@ -573,6 +619,44 @@ mod tests {
             assert!(last >= max.as_secs_f64(), "{max:?}: {buckets:?}");
             assert!(buckets.len() < 2 || buckets[buckets.len() - 2] < max.as_secs_f64());
         }
+    }
+
+    /// The per-guard series kept between batches count into the exported
+    /// families, status by status and guard by guard.
+    #[test]
+    fn guard_outcomes_count_per_guard_and_status_batch_after_batch() {
+        let metrics = Metrics::new();
+        for _ in 0..3 {
+            metrics.guard_outcome("a", "proceeded", Some(0.001));
+        }
+        metrics.guard_outcome("a", "failed", None);
+        metrics.guard_outcome("b", "proceeded", Some(0.002));
+        let text = metrics.encode_prometheus();
+        let line = |prefix: &str| {
+            text.lines()
+                .find(|l| l.starts_with(prefix))
+                .unwrap_or_else(|| panic!("no {prefix} in\n{text}"))
+                .rsplit(' ')
+                .next()
+                .unwrap_or_default()
+                .to_owned()
+        };
+        let outcome = |guard: &str, status: &str| {
+            line(&format!(
+                "guardmesh_guard_outcomes_total{{guard=\"{guard}\",status=\"{status}\"}}"
+            ))
+        };
+        assert_eq!(outcome("a", "proceeded"), "3");
+        assert_eq!(outcome("a", "failed"), "1");
+        assert_eq!(outcome("b", "proceeded"), "1");
+        assert_eq!(
+            line("guardmesh_guard_latency_seconds_count{guard=\"a\"}"),
+            "3"
+        );
+        assert_eq!(
+            line("guardmesh_guard_latency_seconds_count{guard=\"b\"}"),
+            "1"
+        );
     }
 
     #[test]
