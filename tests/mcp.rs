@@ -681,6 +681,28 @@ async fn r31_stdio_groups_the_calls_read_together_and_waits_for_none() {
         batches[2..].iter().all(|b| b.calls.len() <= 64),
         "{batches:?}"
     );
+    // Read in large chunks, so most of the 100 share batches (reading 64
+    // bytes at a time made them 51 batches).
+    assert!(batches.len() - 2 <= 20, "{} batches", batches.len() - 2);
+
+    // With a window, calls written apart within it still share a batch:
+    // reading all that was sent does not close the group.
+    let before = guard.guard.batches().len();
+    let url = mesh.url.clone();
+    let upstream = scratch.upstream(&["stdio"]);
+    tokio::task::spawn_blocking(move || {
+        let mut gateway = RawGateway::start(&url, &["--batch-window-ms", "400"], upstream);
+        gateway.send(&read(4).to_string());
+        std::thread::sleep(Duration::from_millis(50));
+        gateway.send(&read(5).to_string());
+        gateway.recv();
+        gateway.recv();
+    })
+    .await
+    .unwrap();
+    let batches = guard.guard.batches();
+    assert_eq!(batches.len(), before + 1, "{batches:?}");
+    assert_eq!(batches[before].calls.len(), 2);
 }
 
 /// The upstream's stderr goes to the gateway's stderr line by line, never

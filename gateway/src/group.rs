@@ -87,8 +87,12 @@ impl Grouper {
         }
     }
 
-    /// Judges every pending group now (for [`Grouper::until_idle`]).
+    /// Judges every pending group now, for a [`Grouper::until_idle`]; a
+    /// grouper with a window keeps waiting for it.
     pub fn flush(&self) {
+        if self.inner.close != Close::OnFlush {
+            return;
+        }
         let groups = {
             let mut state = self
                 .inner

@@ -79,6 +79,9 @@ pub enum StdioError {
 /// Messages (or batches) with tool calls judged at once, per session.
 const MAX_IN_FLIGHT: usize = 64;
 
+/// Bytes read from a stdio peer at once, at most.
+const READ_CHUNK: usize = 16 * 1024;
+
 /// A session id made for one run.
 pub fn fresh_session_id(prefix: &str) -> String {
     let nanos = std::time::SystemTime::now()
@@ -124,6 +127,11 @@ async fn next_frame_or_idle<R: AsyncRead + Unpin>(
             Ok(None) => {}
         }
         idle();
+        // Room for what the peer sent at once (`read_buf` alone would read
+        // 64 bytes at a time into an empty buffer).
+        if buf.capacity() - buf.len() < READ_CHUNK / 2 {
+            buf.reserve(READ_CHUNK);
+        }
         match reader.read_buf(buf).await {
             Ok(0) => *eof = true,
             Ok(_) => {}
