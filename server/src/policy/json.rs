@@ -22,7 +22,76 @@ pub(crate) enum Json<'a> {
     List(Vec<Json<'a>>),
     /// An object: keys are unique (R20's I-JSON check refuses duplicates;
     /// parsed JSON cannot hold them).
-    Map(Vec<(Cow<'a, str>, Json<'a>)>),
+    Map(Object<'a>),
+}
+
+/// Objects with more members than this are looked up through their keys
+/// sorted (a binary search); smaller ones by a scan.
+const SCANNED: usize = 16;
+
+/// An object's members in the order written, and for a large object their
+/// positions sorted by key, so that no lookup is a scan of thousands of
+/// members (a rule looking up every member of a huge object would be
+/// quadratic).
+#[derive(Debug, Clone, PartialEq)]
+pub(crate) struct Object<'a> {
+    fields: Vec<(Cow<'a, str>, Json<'a>)>,
+    /// Positions in `fields`, sorted by key; empty for small objects.
+    by_key: Vec<u32>,
+}
+
+impl<'a> Object<'a> {
+    /// The object of `fields`, and whether two of them have the same key.
+    fn new(fields: Vec<(Cow<'a, str>, Json<'a>)>) -> (Self, bool) {
+        if fields.len() <= SCANNED {
+            let repeated = fields
+                .iter()
+                .enumerate()
+                .any(|(i, (key, _))| fields[..i].iter().any(|(k, _)| k == key));
+            return (
+                Object {
+                    fields,
+                    by_key: Vec::new(),
+                },
+                repeated,
+            );
+        }
+        let mut by_key: Vec<u32> = (0..fields.len())
+            .map(|i| u32::try_from(i).unwrap_or(u32::MAX))
+            .collect();
+        by_key.sort_unstable_by(|&a, &b| fields[a as usize].0.cmp(&fields[b as usize].0));
+        let repeated = by_key
+            .windows(2)
+            .any(|w| fields[w[0] as usize].0 == fields[w[1] as usize].0);
+        (Object { fields, by_key }, repeated)
+    }
+
+    /// The number of members.
+    pub(crate) fn len(&self) -> usize {
+        self.fields.len()
+    }
+
+    /// Member `i`, in the order written.
+    pub(crate) fn entry(&self, i: usize) -> Option<&(Cow<'a, str>, Json<'a>)> {
+        self.fields.get(i)
+    }
+
+    /// The members in the order written.
+    #[cfg(test)]
+    pub(crate) fn iter(&self) -> impl Iterator<Item = &(Cow<'a, str>, Json<'a>)> {
+        self.fields.iter()
+    }
+
+    /// The value of member `key`.
+    pub(crate) fn get(&self, key: &str) -> Option<&Json<'a>> {
+        if self.by_key.is_empty() {
+            return self.fields.iter().find(|(k, _)| k == key).map(|(_, v)| v);
+        }
+        self.by_key
+            .binary_search_by(|&i| self.fields[i as usize].0.as_ref().cmp(key))
+            .ok()
+            .map(|at| &self.fields[self.by_key[at] as usize].1)
+    }
 }
 
 impl<'a> Json<'a> {
@@ -34,7 +103,7 @@ impl<'a> Json<'a> {
     /// last value.
     pub(crate) fn from_text(text: &'a str, largest: &mut usize) -> Option<Self> {
         if text.trim().is_empty() {
-            return Some(Json::Map(Vec::new()));
+            return Some(Json::Map(Object::new(Vec::new()).0));
         }
         let mut deserializer = serde_json::Deserializer::from_str(text);
         let mut stats = Stats::default();
@@ -77,21 +146,16 @@ impl<'a> Json<'a> {
             serde_json::Value::Object(fields) => {
                 *largest = (*largest).max(fields.len());
                 Json::Map(
-                    fields
-                        .iter()
-                        .map(|(k, v)| (Cow::Borrowed(k.as_str()), Json::from_value(v, largest)))
-                        .collect(),
+                    Object::new(
+                        fields
+                            .iter()
+                            .map(|(k, v)| (Cow::Borrowed(k.as_str()), Json::from_value(v, largest)))
+                            .collect(),
+                    )
+                    .0,
                 )
             }
         }
-    }
-
-    /// The value of `key`, for an object.
-    pub(crate) fn field<'f>(
-        fields: &'f [(Cow<'a, str>, Json<'a>)],
-        key: &str,
-    ) -> Option<&'f Json<'a>> {
-        fields.iter().find(|(k, _)| k == key).map(|(_, v)| v)
     }
 }
 
@@ -179,25 +243,11 @@ impl<'de> Visitor<'de> for Seed<'_> {
             })?;
             fields.push((key, value));
         }
-        if repeats_a_key(&fields) {
-            self.stats.repeated_key = true;
-        }
         self.stats.largest = self.stats.largest.max(fields.len());
-        Ok(Json::Map(fields))
+        let (object, repeated) = Object::new(fields);
+        self.stats.repeated_key |= repeated;
+        Ok(Json::Map(object))
     }
-}
-
-/// Whether two fields have the same key: pairwise for small objects, with a
-/// set for large ones (no quadratic work on hostile input).
-fn repeats_a_key(fields: &[(Cow<'_, str>, Json<'_>)]) -> bool {
-    if fields.len() <= 16 {
-        return fields
-            .iter()
-            .enumerate()
-            .any(|(i, (key, _))| fields[..i].iter().any(|(k, _)| k == key));
-    }
-    let mut seen = std::collections::HashSet::with_capacity(fields.len());
-    !fields.iter().all(|(key, _)| seen.insert(key.as_ref()))
 }
 
 struct KeySeed;

@@ -298,8 +298,8 @@ fn plain(value: &V<'_>, input: &Input<'_, '_>) -> Option<super::plan_tests::Plai
             Json::Double(d) => Plain::Double(d.to_bits()),
             Json::Str(s) => Plain::Str(s.to_string()),
             Json::List(items) => Plain::List(items.iter().map(json).collect()),
-            Json::Map(fields) => Plain::Map(
-                fields
+            Json::Map(object) => Plain::Map(
+                object
                     .iter()
                     .map(|(k, v)| (k.to_string(), json(v)))
                     .collect(),
@@ -894,7 +894,7 @@ const CONTEXT_FIELDS: [&str; 4] = ["session_id", "turn_index", "model_text", "me
 /// `Unsure` when `value` is not a map.
 fn field_of<'r>(value: &V<'r>, field: &str, input: &Input<'r, 'r>) -> Run<Option<V<'r>>> {
     Ok(match value {
-        V::Json(Json::Map(fields)) => Json::field(fields, field).map(from_json),
+        V::Json(Json::Map(object)) => object.get(field).map(from_json),
         V::CallMap(i) => {
             let call = input.calls.get(*i).ok_or(Unsure)?;
             match field {
@@ -929,7 +929,7 @@ fn size(value: &V<'_>, input: &Input<'_, '_>) -> Run<usize> {
     Ok(match value {
         V::Str(s) => s.chars().count(),
         V::Json(Json::List(items)) => items.len(),
-        V::Json(Json::Map(fields)) => fields.len(),
+        V::Json(Json::Map(object)) => object.len(),
         V::List(items) => items.len(),
         V::Calls => input.calls.len(),
         V::CallMap(_) => CALL_FIELDS.len(),
@@ -944,7 +944,7 @@ fn item_of<'r>(value: &V<'r>, i: usize, input: &Input<'r, 'r>) -> Run<V<'r>> {
     let key = |k: &'r str| V::Str(Cow::Borrowed(k));
     Ok(match value {
         V::Json(Json::List(items)) => from_json(items.get(i).ok_or(Unsure)?),
-        V::Json(Json::Map(fields)) => V::Str(Cow::Borrowed(&fields.get(i).ok_or(Unsure)?.0)),
+        V::Json(Json::Map(object)) => V::Str(Cow::Borrowed(&object.entry(i).ok_or(Unsure)?.0)),
         V::List(items) => items.get(i).cloned().ok_or(Unsure)?,
         V::Calls if i < input.calls.len() => V::CallMap(i),
         V::CallMap(_) => key(CALL_FIELDS.get(i).ok_or(Unsure)?),
@@ -996,7 +996,7 @@ fn contains(haystack: &V<'_>, needle: &V<'_>, input: &Input<'_, '_>) -> Run<bool
             };
             // The borrow checker wants the input's own lifetime here.
             Ok(match haystack {
-                V::Json(Json::Map(fields)) => Json::field(fields, key).is_some(),
+                V::Json(Json::Map(object)) => object.get(key).is_some(),
                 V::CallMap(_) => CALL_FIELDS.contains(&&**key),
                 V::Context => CONTEXT_FIELDS.contains(&&**key),
                 _ => input.context.metadata.iter().any(|(k, _)| *k == &**key),
