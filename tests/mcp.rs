@@ -374,6 +374,15 @@ impl RawGateway {
         stdin.flush().unwrap();
     }
 
+    /// The client ends the session: stdin closed, the rest of stdout read,
+    /// the gateway's exit awaited.
+    pub(crate) fn end(&mut self) -> (String, std::process::ExitStatus) {
+        drop(self.stdin.take());
+        let mut rest = String::new();
+        std::io::Read::read_to_string(&mut self.stdout, &mut rest).unwrap();
+        (rest, self.child.wait().unwrap())
+    }
+
     pub(crate) fn recv(&mut self) -> Value {
         let mut line = String::new();
         let n = self.stdout.read_line(&mut line).unwrap();
@@ -742,11 +751,9 @@ async fn r31_upstream_stderr_is_relayed_to_stderr_not_the_mcp_stream() {
         assert_eq!(answer["id"], 3, "{answer}");
         assert_eq!(answer["result"]["content"][0]["text"], "paid 2.0 to b");
         // The client ends the session: nothing else was ever on stdout.
-        drop(gateway.stdin.take());
-        let mut rest = String::new();
-        std::io::Read::read_to_string(&mut gateway.stdout, &mut rest).unwrap();
+        let (rest, status) = gateway.end();
         assert_eq!(rest, "", "only answers to the client's requests on stdout");
-        gateway.child.wait().unwrap()
+        status
     })
     .await
     .unwrap();

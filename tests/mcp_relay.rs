@@ -190,11 +190,9 @@ async fn r31_upstream_stderr_lines_are_never_cut_by_the_gateway_log() {
         let answer = gateway.recv();
         assert_eq!(answer["id"], 1, "{answer}");
         assert_eq!(answer["result"]["content"][0]["text"], "contents of /a");
-        drop(gateway.stdin.take());
-        let mut rest = String::new();
-        std::io::Read::read_to_string(&mut gateway.stdout, &mut rest).unwrap();
+        let (rest, status) = gateway.end();
         assert_eq!(rest, "", "nothing but answers on stdout");
-        gateway.child.wait().unwrap()
+        status
     })
     .await
     .unwrap();
