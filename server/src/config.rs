@@ -1386,7 +1386,7 @@ mod readme {
     }
 
     #[test]
-    fn the_readme_sample_configs_parse() {
+    fn r16_the_readme_sample_configs_parse() {
         let samples = samples();
         assert!(samples.len() >= 2, "{} sample configs found", samples.len());
         for (i, text) in samples.iter().enumerate() {
