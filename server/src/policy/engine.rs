@@ -4,8 +4,8 @@
 
 use std::cell::OnceCell;
 use std::collections::HashMap;
-use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, PoisonError, RwLock};
 
 use cel::common::types::{CelBool, CelString};
 use cel::{Context, Env, Value};
@@ -169,6 +169,12 @@ impl Policy {
     /// rather than the fast path, since the policy was compiled.
     pub fn interpreted_evaluations(&self) -> u64 {
         self.interpreted.load(Ordering::Relaxed)
+    }
+
+    /// How many tools' applicable rules it remembers.
+    #[cfg(test)]
+    pub(super) fn tools_remembered(&self) -> usize {
+        self.tools.len()
     }
 
     /// The bounds it was compiled with, and is evaluated with.
@@ -393,7 +399,18 @@ struct ToolIndex {
     owner: Vec<usize>,
     /// The rules without globs (they apply to every tool), as bits.
     every_tool: Vec<u64>,
+    /// The bits of the tools seen lately: a glob set match costs about a
+    /// microsecond, a lookup here a tenth of that. At most [`TOOLS_KEPT`]
+    /// tools; emptied when full, so a peer sending endless new tool names
+    /// costs itself misses and nobody memory.
+    seen: RwLock<HashMap<Box<str>, Box<[u64]>>>,
 }
+
+/// Most tools whose applicable rules a policy remembers.
+pub(super) const TOOLS_KEPT: usize = 1024;
+
+/// Longest tool name remembered (longer ones are matched every time).
+pub(super) const TOOL_NAME_KEPT: usize = 256;
 
 impl ToolIndex {
     fn new(rules: &[Rule]) -> Result<Self, globset::Error> {
@@ -414,15 +431,44 @@ impl ToolIndex {
             set: builder.build()?,
             owner,
             every_tool,
+            seen: RwLock::new(HashMap::new()),
         })
+    }
+
+    /// How many tools' rules are remembered.
+    #[cfg(test)]
+    fn len(&self) -> usize {
+        self.seen
+            .read()
+            .unwrap_or_else(PoisonError::into_inner)
+            .len()
     }
 
     /// Sets in `bits` the rules that apply to `tool`; `matched` is scratch.
     fn applicable(&self, tool: &str, bits: &mut [u64], matched: &mut Vec<usize>) {
-        bits.copy_from_slice(&self.every_tool);
         if self.owner.is_empty() {
+            bits.copy_from_slice(&self.every_tool);
             return;
         }
+        let seen = self.seen.read().unwrap_or_else(PoisonError::into_inner);
+        if let Some(known) = seen.get(tool) {
+            bits.copy_from_slice(known);
+            return;
+        }
+        drop(seen);
+        self.matched(tool, bits, matched);
+        if tool.len() <= TOOL_NAME_KEPT {
+            let mut seen = self.seen.write().unwrap_or_else(PoisonError::into_inner);
+            if seen.len() >= TOOLS_KEPT {
+                seen.clear();
+            }
+            seen.insert(tool.into(), bits.into());
+        }
+    }
+
+    /// [`Self::applicable`] by the glob set.
+    fn matched(&self, tool: &str, bits: &mut [u64], matched: &mut Vec<usize>) {
+        bits.copy_from_slice(&self.every_tool);
         self.set.matches_into(tool, matched);
         for &glob in matched.iter() {
             let r = self.owner[glob];

@@ -4,6 +4,7 @@
 
 use serde_json::json;
 
+use super::engine;
 use super::*;
 
 fn call(id: &str, tool: &str, args: serde_json::Value) -> CallInput {
@@ -104,6 +105,51 @@ message = "'all'"
     assert_eq!(matched(&one(&policy, "sqlx", json!({}))).rule, "everything");
     assert_eq!(one(&policy, "free", json!({})), Outcome::Proceed);
     assert_eq!(policy.rules()[0].tools(), ["sql.*", "db_exec"]);
+}
+
+/// R27: the rules that apply to a tool are remembered per tool name; the
+/// memory gives the globs' answer every time, also after a flood of new tool
+/// names has filled it, and stays bounded.
+#[test]
+fn r27_remembered_tools_get_the_globs_answer() {
+    let policy = Policy::compile(
+        r#"
+[[rule]]
+name = "sql-only"
+tools = ["sql.*"]
+when = "true"
+action = "cancel"
+message = "'sql'"
+
+[[rule]]
+name = "everything"
+when = "true"
+action = "steer"
+message = "'all'"
+"#,
+    )
+    .unwrap();
+    let rule = |tool: &str| matched(&one(&policy, tool, json!({}))).rule.clone();
+    for round in 0..2 {
+        assert_eq!(rule("sql.query"), "sql-only", "round {round}");
+        assert_eq!(rule("http.get"), "everything", "round {round}");
+    }
+    for i in 0..(engine::TOOLS_KEPT + 10) {
+        let tool = if i % 2 == 0 {
+            format!("sql.q{i}")
+        } else {
+            format!("x{i}")
+        };
+        let want = if i % 2 == 0 { "sql-only" } else { "everything" };
+        assert_eq!(rule(&tool), want, "{tool}");
+        assert!(policy.tools_remembered() <= engine::TOOLS_KEPT);
+    }
+    assert_eq!(rule("sql.query"), "sql-only");
+    assert_eq!(rule("http.get"), "everything");
+    let long = format!("sql.{}", "x".repeat(engine::TOOL_NAME_KEPT));
+    let before = policy.tools_remembered();
+    assert_eq!(rule(&long), "sql-only");
+    assert_eq!(policy.tools_remembered(), before, "a long name is not kept");
 }
 
 /// R27: the message is a CEL string expression, so it can quote the call.
