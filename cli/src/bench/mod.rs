@@ -26,7 +26,7 @@
 //! | group | scenarios |
 //! |---|---|
 //! | zero-latency guards | `direct_unary`, `direct_parallel_4`, `stream_floor`, `mesh_1`, `mesh_4` |
-//! | 5 ms guards | `direct_unary_5ms`, `mesh_4_5ms`, `sequential_4_5ms` |
+//! | 5 ms guards | `direct_unary_5ms`, `direct_parallel_4_5ms`, `mesh_4_5ms`, `sequential_4_5ms` |
 //! | veto | `veto_1ms`, `early_veto` |
 //! | decision log | `log_off`, `log_fsync_record`, `log_fsync_interval` (after the throughput runs, with their own; see [`decision_log`]) |
 //! | MCP gateway ([`mcp`]) | `mcp_direct`, `mcp_stdio`, `mcp_stdio_w0`, `mcp_relay_w0` |
@@ -1275,18 +1275,29 @@ async fn run(args: &BenchArgs) -> Result<(), Error> {
         );
     }
 
-    // Guards that take 5 ms: direct_unary_5ms, mesh_4_5ms, sequential_4_5ms.
+    // Guards that take 5 ms: direct_unary_5ms, direct_parallel_4_5ms,
+    // mesh_4_5ms, sequential_4_5ms.
     {
         let mut mesh = MeshProcess::start(&exe, dir, "mesh_4_5ms", &guards, &FIVE).await?;
         let mut sequential = Vec::new();
+        let mut parallel = Vec::new();
         for name in FIVE {
             sequential.push(guards.direct(name).await?);
+            parallel.push(guards.direct(name).await?);
         }
         let mut scenarios = vec![
             Scenario::new(
                 "direct_unary_5ms",
                 "one unary call to one 5 ms guard",
                 Op::Direct(vec![guards.direct(FIVE[0]).await?]),
+                false,
+                None,
+                plan.slow,
+            )?,
+            Scenario::new(
+                "direct_parallel_4_5ms",
+                "unary calls to 4 guards of 5 ms at once",
+                Op::DirectParallel(parallel),
                 false,
                 None,
                 plan.slow,
