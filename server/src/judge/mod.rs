@@ -708,13 +708,25 @@ impl<'a> Judging<'a> {
                 self.judge_policy(outcomes, started, order, k, &mut fold, &mut deadlines);
             }
         }
+        // One timer for the batch, moved only when the earliest deadline
+        // changes (a guard that answered no longer has one): not a timer
+        // registered and dropped per answer.
+        let mut armed = deadlines.iter().flatten().min().copied();
+        let timer = tokio::time::sleep_until(armed.unwrap_or(now));
+        tokio::pin!(timer);
         while !fold.done() {
             let next_deadline = deadlines.iter().flatten().min().copied();
             let event = match next_deadline {
-                Some(at) => tokio::select! {
-                    event = events.recv() => event,
-                    () = tokio::time::sleep_until(at) => None,
-                },
+                Some(at) => {
+                    if armed != Some(at) {
+                        timer.as_mut().reset(at);
+                        armed = Some(at);
+                    }
+                    tokio::select! {
+                        event = events.recv() => event,
+                        () = &mut timer => None,
+                    }
+                }
                 None => events.recv().await,
             };
             match event {
