@@ -12,9 +12,11 @@
 //! * Deciding and recording are apart: `decide` builds the decision, and
 //!   `record` writes the logs, metrics and span fields of what happened.
 
+mod call_index;
 pub(crate) mod fold;
 pub(crate) mod verdicts;
 
+use crate::judge::call_index::CallIndex;
 use crate::judge::fold::{Decided, Fold, FoldGuard};
 use crate::link::{GuardFailure, LinkEvent};
 use crate::mesh::{Chain, ChainGuard, Mesh, Unguarded};
@@ -26,7 +28,6 @@ use guardmesh_proto::v1::{
     GuardTrace, JudgeResponse, Skip, SkipKind, ToolCall, TraceStatus, Verdict, verdict,
 };
 use prost::bytes::Bytes;
-use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Duration;
 use tokio::sync::mpsc;
@@ -326,7 +327,7 @@ struct Judging<'a> {
     context: Option<BatchContext>,
     calls: Vec<Call>,
     /// Call id to index; ids never change, not even by rewrites.
-    index_of: HashMap<String, usize>,
+    index_of: CallIndex,
     runs: Vec<GuardRun>,
     /// The batch's context and calls as guards are sent them, encoded once
     /// per set of calls sent (by which calls), while no call changes.
@@ -356,11 +357,7 @@ impl<'a> Judging<'a> {
             })
             .collect();
         let n = calls.len();
-        let index_of = calls
-            .iter()
-            .enumerate()
-            .map(|(i, c)| (c.original.call_id.clone(), i))
-            .collect();
+        let index_of = CallIndex::new(n, |i| calls[i].original.call_id.as_str());
         Self {
             index_of,
             mesh,

@@ -2,11 +2,11 @@
 //! are dropped (R8), rewrites are held to the guard's grant (R11). Pure: no
 //! I/O, no clock, no telemetry.
 
+use super::call_index::CallIndex;
 use crate::registry::spec::Guard;
 use crate::validate;
 use crate::validate::ijson::clip;
 use guardmesh_proto::v1::{GuardRole, Skip, SkipKind, ToolCall, Verdict, verdict::Outcome};
-use std::collections::HashMap;
 
 /// Longest guard-supplied text (an unknown call id, a new tool name) shown
 /// in a message, in characters.
@@ -79,7 +79,7 @@ pub(crate) struct Checked {
 pub(crate) fn check_verdicts<'c>(
     guard: &Guard,
     current: impl Fn(usize) -> &'c ToolCall,
-    index_of: &HashMap<String, usize>,
+    index_of: &CallIndex,
     sent: &[bool],
     answered: &mut [bool],
     verdicts: Vec<Verdict>,
@@ -87,8 +87,7 @@ pub(crate) fn check_verdicts<'c>(
     let mut checked = Checked::default();
     for verdict in verdicts {
         let index = index_of
-            .get(verdict.call_id.as_str())
-            .copied()
+            .get(&verdict.call_id, |i| current(i).call_id.as_str())
             .filter(|&i| sent[i]);
         match (verdict.outcome, index) {
             (Some(Outcome::Rewrite(_)), None) => {
@@ -248,11 +247,7 @@ mod tests {
     /// Checks `verdicts` from `guard`, which was sent calls c0 and c1 (not c2).
     fn check(guard: &Guard, verdicts: Vec<Verdict>) -> (Result<Checked, Rejection>, Vec<bool>) {
         let calls = calls();
-        let index_of = calls
-            .iter()
-            .enumerate()
-            .map(|(i, c)| (c.call_id.clone(), i))
-            .collect();
+        let index_of = CallIndex::new(calls.len(), |i| calls[i].call_id.as_str());
         let mut answered = vec![false; 3];
         let result = check_verdicts(
             guard,
