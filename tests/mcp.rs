@@ -538,6 +538,47 @@ async fn r31_upstream_exit_ends_the_session_cleanly() {
     assert!(status.success(), "{status}");
 }
 
+/// R31: stdin and stdout that are files, not the pipes an MCP client gives
+/// (the gateway reads pipes on its own reactor and anything else through
+/// tokio's blocking-thread stdio): a line that is not JSON is still answered
+/// with a parse error, written in full before the gateway exits at the end
+/// of its input.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn r31_stdio_reads_and_writes_files_as_well_as_pipes() {
+    let (mesh, _guard) = mesh_with_policy("mcp-files").await;
+    let scratch = Scratch::new("files");
+    let input = scratch.dir.join("in.jsonl");
+    let output = scratch.dir.join("out.jsonl");
+    std::fs::write(&input, "this is not json\n").unwrap();
+    let mut command = Command::new(env!("CARGO_BIN_EXE_guardmesh"));
+    command
+        .args(["mcp", "stdio", "--mesh", &mesh.url, "--"])
+        .args(scratch.upstream(&["stdio"]))
+        .stdin(std::fs::File::open(&input).unwrap())
+        .stdout(std::fs::File::create(&output).unwrap());
+    let status = tokio::task::spawn_blocking(move || {
+        let mut child = command.spawn().unwrap();
+        for _ in 0..600 {
+            if let Some(status) = child.try_wait().unwrap() {
+                return status;
+            }
+            std::thread::sleep(Duration::from_millis(100));
+        }
+        let _ = child.kill();
+        panic!("the gateway did not exit within 60 s at the end of its input");
+    })
+    .await
+    .unwrap();
+    assert!(status.success(), "{status}");
+    let written = std::fs::read_to_string(&output).unwrap();
+    let lines: Vec<Value> = written
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert_eq!(lines.len(), 1, "{written}");
+    assert_eq!(lines[0]["error"]["code"], -32700, "{written}");
+}
+
 /// Single `tools/call` requests sent together (a client running a round's
 /// calls as concurrent requests) are one guard batch, and each is answered
 /// under its own id with its own decision (R2, R31); with a zero window each

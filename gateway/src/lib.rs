@@ -36,6 +36,7 @@ pub mod hook;
 pub mod http;
 pub mod jsonrpc;
 pub mod judge;
+mod pipes;
 pub mod stdio;
 
 pub use hook::PreToolUseArgs;

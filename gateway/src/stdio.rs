@@ -92,7 +92,7 @@ pub fn fresh_session_id(prefix: &str) -> String {
 
 /// Runs the relay on the process's stdin and stdout; returns the exit code.
 pub async fn run(args: StdioArgs) -> Result<i32, StdioError> {
-    run_with(args, tokio::io::stdin(), tokio::io::stdout()).await
+    run_with(args, crate::pipes::stdin(), crate::pipes::stdout()).await
 }
 
 type Frame = Result<Box<RawValue>, JsonRpcMessageCodecError>;
