@@ -14,6 +14,8 @@
 //!   gateway writes itself.
 //! * [`hook`]: `guardmesh hook pre-tool-use`, an agent host's
 //!   `PreToolUse` hook.
+//! * `pipes`: the process's stdin and stdout as pipes on the runtime's
+//!   reactor, when they are pipes.
 //!
 //! # Why not rmcp's service layer
 //!
