@@ -579,6 +579,50 @@ async fn r31_stdio_reads_and_writes_files_as_well_as_pipes() {
     assert_eq!(lines[0]["error"]["code"], -32700, "{written}");
 }
 
+/// R31: messages larger than a pipe holds (64 KiB on Linux), both ways,
+/// through the gateway's non-blocking pipe stdio: a 300 KB call is read in
+/// pieces, judged, forwarded whole, and the upstream's 300 KB answer is
+/// written out in pieces, intact, followed by the next answer.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn r31_stdio_relays_messages_larger_than_a_pipe_both_ways() {
+    let (mesh, _guard) = mesh_with_policy("mcp-large").await;
+    let scratch = Scratch::new("large");
+    let upstream = scratch.upstream(&["stdio"]);
+    let url = mesh.url.clone();
+    let path = format!("/big/{}", "x".repeat(300_000));
+    let sent = path.clone();
+    let (big, small, status) = tokio::task::spawn_blocking(move || {
+        let mut gateway = RawGateway::start(&url, &[], upstream);
+        gateway.send(&RawGateway::call(json!(1), "read_file", json!({"path": sent})).to_string());
+        gateway.send(&RawGateway::call(json!(2), "read_file", json!({"path": "/a"})).to_string());
+        let mut answers = vec![gateway.recv(), gateway.recv()];
+        answers.sort_by_key(|a| a["id"].as_i64());
+        let small = answers.pop().unwrap();
+        let big = answers.pop().unwrap();
+        let (rest, status) = gateway.end();
+        assert_eq!(rest, "");
+        (big, small, status)
+    })
+    .await
+    .unwrap();
+    assert!(status.success(), "{status}");
+    assert_eq!(big["id"], 1);
+    assert_eq!(
+        big["result"]["content"][0]["text"],
+        format!("contents of {path}"),
+        "the large answer arrives whole"
+    );
+    assert_eq!(small["result"]["content"][0]["text"], "contents of /a");
+    let executed = scratch.executed();
+    assert_eq!(executed.len(), 2, "both calls ran");
+    assert!(
+        executed
+            .iter()
+            .any(|e| e["arguments"]["path"].as_str() == Some(path.as_str())),
+        "the large call was forwarded whole"
+    );
+}
+
 /// Single `tools/call` requests sent together (a client running a round's
 /// calls as concurrent requests) are one guard batch, and each is answered
 /// under its own id with its own decision (R2, R31); with a zero window each
