@@ -3,7 +3,7 @@
 valgrind's callgrind: a figure that does not move with the machine's load,
 so two builds can be compared on a busy machine.
 
-    build/venv/bin/python scripts/instructions-per-batch.py MESH [GUARDS] [N] [IN_FLIGHT]
+    build/venv/bin/python scripts/instructions-per-batch.py [--policy FILE | --no-guard] MESH [GUARDS] [N] [IN_FLIGHT]
 
 MESH is the `guardmesh` binary measured; GUARDS the one serving the four
 `allow` example guards (default: MESH). The mesh judges a warm-up of 300
@@ -11,6 +11,13 @@ batches uninstrumented, then N (default 2000) four-call batches of ~500
 bytes of JSON arguments each, IN_FLIGHT (default 16) at a time on one
 stream, with instrumentation on. Prints the instructions per batch.
 Needs valgrind and the Python kit (scripts/setup-polyglot).
+
+With `--policy FILE` the mesh has one policy guard of FILE and nothing
+else; with `--no-guard`, no guard at all. Both send `guardmesh bench`'s
+standard batch (four calls to sql.query, http.get, fs.read and shell.exec,
+500 bytes of arguments each, a context with model text and metadata), so
+`--policy cli/src/bench/policy20.toml` against `--no-guard` (both with
+IN_FLIGHT 1) counts what the bench's 20-rule policy guard adds per batch.
 """
 import json
 import os
@@ -34,18 +41,44 @@ def free_port():
         return s.getsockname()[1]
 
 
+# `guardmesh bench`'s standard batch (cli/src/bench/mod.rs, `Work::new`).
+BENCH_TOOLS = ["sql.query", "http.get", "fs.read", "shell.exec"]
+BENCH_FILLER = "The agent asked for this call while working through the user's request; "
+
+
+def bench_arguments(i, tool):
+    """JSON arguments of exactly 500 bytes, as the bench writes them."""
+    base = json.dumps({
+        "request": i,
+        "tool": tool,
+        "query": "SELECT id, name, email, created_at FROM customers WHERE region = 'emea' ORDER BY created_at DESC",
+        "options": {"timeout_s": 30, "retries": 2, "dry_run": False},
+        "note": "",
+    }, separators=(",", ":"), sort_keys=True)
+    pad = max(0, 500 - len(base))
+    note = (BENCH_FILLER * (pad // len(BENCH_FILLER) + 1))[:pad]
+    return base.replace('"note":""', f'"note":"{note}"')
+
+
 def main():
-    if len(sys.argv) < 2:
+    args = sys.argv[1:]
+    mode = "guards"
+    policy = None
+    if args[:1] == ["--policy"] and len(args) > 1:
+        mode, policy, args = "policy", os.path.abspath(args[1]), args[2:]
+    elif args[:1] == ["--no-guard"]:
+        mode, args = "none", args[1:]
+    if not args:
         sys.exit(__doc__)
-    mesh_bin = os.path.abspath(sys.argv[1])
-    guard_bin = os.path.abspath(sys.argv[2]) if len(sys.argv) > 2 else mesh_bin
-    n = int(sys.argv[3]) if len(sys.argv) > 3 else 2000
-    inflight = int(sys.argv[4]) if len(sys.argv) > 4 else 16
+    mesh_bin = os.path.abspath(args[0])
+    guard_bin = os.path.abspath(args[1]) if len(args) > 1 else mesh_bin
+    n = int(args[2]) if len(args) > 2 else 2000
+    inflight = int(args[3]) if len(args) > 3 else 16
     work = tempfile.mkdtemp(prefix="guardmesh-instructions-")
     procs = []
     try:
         ports = []
-        for _ in range(4):
+        for _ in range(4 if mode == "guards" else 0):
             p = subprocess.Popen([guard_bin, "example-guard", "allow"], stdout=subprocess.PIPE,
                                  stderr=subprocess.DEVNULL, text=True)
             procs.append(p)
@@ -55,6 +88,8 @@ def main():
             for i, port in enumerate(ports):
                 f.write(f'[[guard]]\nname = "g{i}"\nendpoint = "http://127.0.0.1:{port}"\n'
                         'timeout_ms = 60000\n\n')
+            if policy:
+                f.write(f'[[guard]]\nname = "policy20"\npolicy = {json.dumps(policy)}\n')
         port = free_port()
         out = os.path.join(work, "callgrind.out")
         mesh = subprocess.Popen(
@@ -68,6 +103,17 @@ def main():
         arguments = json.dumps({"query": "x" * 470, "n": 1})
 
         def batch(i):
+            if mode != "guards":
+                return pb.EvaluateRequest(
+                    batch_id=f"b{i}",
+                    context=pb.BatchContext(
+                        session_id="bench", turn_index=7,
+                        model_text="Looking up the customer records and the related files before answering.",
+                        metadata={"tenant": "acme", "user": "u-1042", "agent": "support-bot"}),
+                    calls=[pb.ToolCall(call_id=f"call-{j}", tool=BENCH_TOOLS[j],
+                                       arguments=bench_arguments(j, BENCH_TOOLS[j]))
+                           for j in range(4)],
+                    timeout_ms=60000)
             return pb.EvaluateRequest(
                 batch_id=f"b{i}",
                 context=pb.BatchContext(session_id="s", turn_index=1, model_text="t"),

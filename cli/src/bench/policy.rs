@@ -25,148 +25,10 @@ pub(super) const NO_GUARD: &str = "no_guard";
 pub(super) const POLICY20: &str = "policy20";
 pub(super) const POLICY20_MATCH: &str = "policy20_match";
 
-/// The first 19 rules of the benchmark's policy.
-const RULES_19: &str = r#"# guardmesh bench: a policy guard of 20 rules (R27).
-
-[[rule]]
-name = "sql-delete-needs-where"
-tools = ["sql.*"]
-when = '''
-  has(call.args.query) &&
-  call.args.query.matches(r'(?i)^\s*delete\s') &&
-  !call.args.query.matches(r'(?i)\swhere\s')
-'''
-action = "cancel"
-message = '"DELETE without WHERE refused: " + call.args.query'
-
-[[rule]]
-name = "sql-no-drop-or-truncate"
-tools = ["sql.*"]
-when = '''has(call.args.query) && call.args.query.matches(r'(?i)\b(drop|truncate)\s+(table|database|schema)\b')'''
-action = "cancel"
-message = '"schema changes are not for agents: " + call.args.query'
-
-[[rule]]
-name = "sql-no-permission-changes"
-tools = ["sql.*"]
-when = '''has(call.args.query) && call.args.query.matches(r'(?i)^\s*(grant|revoke|alter\s+user)\b')'''
-action = "cancel"
-message = '"permission changes are refused"'
-
-[[rule]]
-name = "sql-big-tables-need-a-limit"
-tools = ["sql.*"]
-when = '''
-  has(call.args.query) &&
-  call.args.query.matches(r'(?i)\bfrom\s+(events|audit_log)\b') &&
-  !call.args.query.matches(r'(?i)\slimit\s+\d+')
-'''
-action = "steer"
-message = '"add a LIMIT to queries on events and audit_log"'
-
-[[rule]]
-name = "payment-over-10000-needs-a-human"
-tools = ["payments.send", "payments.transfer"]
-when = "call.args.amount > 10000"
-action = "steer"
-message = '"a payment of " + string(call.args.amount) + " is over 10,000: ask the user to approve it"'
-
-[[rule]]
-name = "at-most-3-emails-per-round"
-tools = ["email.send"]
-when = "calls.filter(c, c.tool == 'email.send').size() > 3"
-action = "steer"
-message = '"send at most 3 emails per round"'
-
-[[rule]]
-name = "no-shell-in-production"
-tools = ["shell.*", "bash"]
-when = "has(context.metadata.env) && context.metadata.env == 'production'"
-action = "cancel"
-message = '"no shell in production tenant " + context.metadata.tenant'
-
-[[rule]]
-name = "shell-no-recursive-delete-of-root"
-tools = ["shell.*", "bash"]
-when = '''has(call.args.cmd) && call.args.cmd.matches(r'\brm\s+-[a-zA-Z]*r[a-zA-Z]*\s+/(\s|$)')'''
-action = "cancel"
-message = '"refused: " + call.args.cmd'
-
-[[rule]]
-name = "shell-no-download-piped-to-a-shell"
-tools = ["shell.*", "bash"]
-when = '''has(call.args.cmd) && call.args.cmd.matches(r'(curl|wget)[^|]*\|\s*(ba|z)?sh')'''
-action = "cancel"
-message = '"refused: downloads piped to a shell"'
-
-[[rule]]
-name = "http-only-https"
-tools = ["http.*"]
-when = "has(call.args.url) && !call.args.url.startsWith('https://')"
-action = "steer"
-message = '"use https: " + call.args.url'
-
-[[rule]]
-name = "http-no-cloud-metadata"
-tools = ["http.*"]
-when = '''has(call.args.url) && call.args.url.matches(r'169\.254\.169\.254|metadata\.google\.internal')'''
-action = "cancel"
-message = '"the cloud metadata endpoint is off limits"'
-
-[[rule]]
-name = "fs-no-credentials"
-tools = ["fs.*"]
-when = '''has(call.args.path) && call.args.path.matches(r'(^|/)(\.ssh|\.aws|\.gnupg)(/|$)|^/etc/shadow$')'''
-action = "cancel"
-message = '"credentials are off limits: " + call.args.path'
-
-[[rule]]
-name = "fs-writes-only-in-the-workspace"
-tools = ["fs.*"]
-when = "call.tool != 'fs.read' && has(call.args.path) && !call.args.path.startsWith('/workspace/')"
-action = "steer"
-message = '"write under /workspace/ only"'
-
-[[rule]]
-name = "fs-no-deletes-in-production"
-tools = ["fs.*"]
-when = "call.tool == 'fs.delete' && has(context.metadata.env) && context.metadata.env == 'production'"
-action = "cancel"
-message = '"no deletes in production"'
-
-[[rule]]
-name = "no-secrets-in-arguments"
-when = "call.args.exists(k, k.matches(r'(?i)^(password|secret|api_key|token)$'))"
-action = "steer"
-message = '"pass a secret reference, not the secret"'
-
-[[rule]]
-name = "at-most-8-calls-per-round"
-when = "size(calls) > 8"
-action = "steer"
-message = '"a round has " + string(size(calls)) + " calls; send at most 8"'
-
-[[rule]]
-name = "no-fetch-after-reading-home"
-when = '''
-  call.tool.startsWith('http.') &&
-  calls.exists(c, c.tool == 'fs.read' && has(c.args.path) && c.args.path.startsWith('/home/'))
-'''
-action = "cancel"
-message = '"no network call in a round that reads home folders"'
-
-[[rule]]
-name = "model-text-injection"
-when = "context.model_text.matches(r'(?i)ignore (all|any|previous) (instructions|rules)')"
-action = "cancel"
-message = '"the round looks prompt-injected"'
-
-[[rule]]
-name = "notes-too-long"
-when = "has(call.args.note) && size(call.args.note) > 4096"
-action = "steer"
-message = '"keep notes under 4 KiB"'
-"#;
+/// The benchmark's policy of 20 rules (`policy20`): its 20th rule,
+/// [`LAST_NO_MATCH`], matches no call of the batch. The same file is what
+/// `scripts/instructions-per-batch.py --policy` counts instructions with.
+const RULES: &str = include_str!("policy20.toml");
 
 /// The 20th rule of `policy20`: matches no call of the batch.
 const LAST_NO_MATCH: &str = r#"
@@ -188,12 +50,12 @@ message = '"tenant " + context.metadata.tenant + " is in review: ask an operator
 
 /// The policy of `policy20`.
 pub(super) fn rules() -> String {
-    format!("{RULES_19}{LAST_NO_MATCH}")
+    RULES.to_owned()
 }
 
-/// The policy of `policy20_match`.
+/// The policy of `policy20_match`: the same, its 20th rule replaced.
 pub(super) fn rules_matching_last() -> String {
-    format!("{RULES_19}{LAST_MATCH}")
+    RULES.replace(LAST_NO_MATCH, LAST_MATCH)
 }
 
 /// Writes both policies into `dir`: (`policy20`, `policy20_match`).
