@@ -579,6 +579,71 @@ async fn r31_stdio_reads_and_writes_files_as_well_as_pipes() {
     assert_eq!(lines[0]["error"]["code"], -32700, "{written}");
 }
 
+/// R31: stdin and stdout as socket pairs, which is what Node's
+/// `child_process` (libuv) gives a child, so what most MCP clients give the
+/// gateway: calls are judged and answered, a steered call is answered by
+/// the gateway and not run, and the session ends when the client shuts its
+/// side down.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn r31_stdio_over_socket_pairs_as_node_clients_give() {
+    let (mesh, _guard) = mesh_with_policy("mcp-sockets").await;
+    let scratch = Scratch::new("sockets");
+    let upstream = scratch.upstream(&["stdio"]);
+    let url = mesh.url.clone();
+    let (answers, rest, status) = tokio::task::spawn_blocking(move || {
+        use std::os::fd::OwnedFd;
+        use std::os::unix::net::UnixStream;
+        let (mut to_gateway, gateway_in) = UnixStream::pair().unwrap();
+        let (from_gateway, gateway_out) = UnixStream::pair().unwrap();
+        let mut child = Command::new(env!("CARGO_BIN_EXE_guardmesh"))
+            .args(["mcp", "stdio", "--mesh", &url, "--"])
+            .args(upstream)
+            .stdin(Stdio::from(OwnedFd::from(gateway_in)))
+            .stdout(Stdio::from(OwnedFd::from(gateway_out)))
+            .spawn()
+            .unwrap();
+        let mut lines = std::io::BufReader::new(from_gateway);
+        let mut recv = || {
+            let mut line = String::new();
+            assert!(lines.read_line(&mut line).unwrap() > 0, "stdout ended");
+            serde_json::from_str::<Value>(&line).unwrap()
+        };
+        let mut answers = Vec::new();
+        for message in [
+            json!({"jsonrpc": "2.0", "id": "init", "method": "initialize", "params": {
+                "protocolVersion": "2025-11-25", "capabilities": {},
+                "clientInfo": {"name": "node-like", "version": "0"}}}),
+            json!({"jsonrpc": "2.0", "method": "notifications/initialized"}),
+            RawGateway::call(json!(1), "read_file", json!({"path": "/a"})),
+            RawGateway::call(json!(2), "delete_file", json!({"path": "/b"})),
+        ] {
+            writeln!(to_gateway, "{message}").unwrap();
+            if message.get("id").is_some() {
+                answers.push(recv());
+            }
+        }
+        to_gateway.shutdown(std::net::Shutdown::Write).unwrap();
+        let mut rest = String::new();
+        std::io::Read::read_to_string(&mut lines, &mut rest).unwrap();
+        (answers, rest, child.wait().unwrap())
+    })
+    .await
+    .unwrap();
+    assert!(status.success(), "{status}");
+    assert_eq!(rest, "");
+    assert_eq!(answers[0]["id"], "init", "{answers:?}");
+    assert_eq!(answers[1]["id"], 1);
+    assert_eq!(answers[1]["result"]["content"][0]["text"], "contents of /a");
+    assert_eq!(answers[2]["id"], 2);
+    assert_eq!(
+        answers[2]["result"]["isError"], true,
+        "steered: {answers:?}"
+    );
+    let executed = scratch.executed();
+    assert_eq!(executed.len(), 1, "only the read ran: {executed:?}");
+    assert_eq!(executed[0]["tool"], "read_file");
+}
+
 /// R31: messages larger than a pipe holds (64 KiB on Linux), both ways,
 /// through the gateway's non-blocking pipe stdio: a 300 KB call is read in
 /// pieces, judged, forwarded whole, and the upstream's 300 KB answer is

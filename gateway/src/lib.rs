@@ -14,8 +14,8 @@
 //!   gateway writes itself.
 //! * [`hook`]: `guardmesh hook pre-tool-use`, an agent host's
 //!   `PreToolUse` hook.
-//! * `pipes`: the process's stdin and stdout as pipes on the runtime's
-//!   reactor, when they are pipes.
+//! * `pipes`: the process's stdin and stdout on the runtime's reactor, when
+//!   they are pipes or sockets.
 //!
 //! # Why not rmcp's service layer
 //!

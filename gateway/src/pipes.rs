@@ -1,50 +1,77 @@
 //! The process's stdin and stdout for `guardmesh mcp stdio`.
 //!
-//! An MCP client starts the gateway with pipes for its stdin and stdout.
-//! tokio's `stdin()` and `stdout()` do every read and write on a blocking
-//! thread, so each message in and each answer out would be handed to another
-//! thread and back. When stdin and stdout are pipes, they are read and
-//! written here as non-blocking pipes on the runtime's own reactor instead;
-//! anything else (a terminal, a file) keeps tokio's blocking-thread versions.
+//! An MCP client starts the gateway with pipes for its stdin and stdout
+//! (Python's and Rust's clients with `pipe(2)`, Node's with a socket pair,
+//! as libuv makes them). tokio's `stdin()` and `stdout()` do every read and
+//! write on a blocking thread, so each message in and each answer out would
+//! be handed to another thread and back. When stdin and stdout are pipes or
+//! sockets, they are read and written here without blocking, on the
+//! runtime's own reactor instead; anything else (a terminal, a file) keeps
+//! tokio's blocking-thread versions.
 
 use tokio::io::{AsyncRead, AsyncWrite};
-use tokio_util::either::Either;
 
-/// Stdin, as a pipe on the reactor when it is one.
-pub(crate) fn stdin() -> impl AsyncRead + Unpin + Send + 'static {
+/// Stdin, on the reactor when it is a pipe or a socket.
+pub(crate) fn stdin() -> Box<dyn AsyncRead + Unpin + Send> {
     #[cfg(unix)]
-    if let Some(pipe) = unix::reader() {
-        return Either::Left(pipe);
+    if let Some(reader) = unix::reader() {
+        return reader;
     }
-    Either::Right(tokio::io::stdin())
+    Box::new(tokio::io::stdin())
 }
 
-/// Stdout, as a pipe on the reactor when it is one.
-pub(crate) fn stdout() -> impl AsyncWrite + Unpin + Send + 'static {
+/// Stdout, on the reactor when it is a pipe or a socket.
+pub(crate) fn stdout() -> Box<dyn AsyncWrite + Unpin + Send> {
     #[cfg(unix)]
-    if let Some(pipe) = unix::writer() {
-        return Either::Left(pipe);
+    if let Some(writer) = unix::writer() {
+        return writer;
     }
-    Either::Right(tokio::io::stdout())
+    Box::new(tokio::io::stdout())
 }
 
 #[cfg(unix)]
 mod unix {
-    use std::os::fd::AsFd;
+    use std::fs::File;
+    use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
+    use std::os::unix::fs::FileTypeExt;
+    use tokio::io::{AsyncRead, AsyncWrite};
     use tokio::net::unix::pipe;
 
-    /// A copy of stdin's descriptor as a non-blocking pipe reader; `None`
-    /// when stdin is not a pipe (the flag is set on the pipe, which the
-    /// gateway alone reads).
-    pub(super) fn reader() -> Option<pipe::Receiver> {
-        let fd = std::io::stdin().as_fd().try_clone_to_owned().ok()?;
-        pipe::Receiver::from_file(std::fs::File::from(fd)).ok()
+    /// What a standard descriptor is, through a copy of it: the copy as a
+    /// pipe end or a socket set non-blocking (the flag is set on the pipe
+    /// or socket, which the gateway alone uses: its logs go to stderr).
+    enum Kind {
+        Pipe(File),
+        Socket(tokio::net::UnixStream),
     }
 
-    /// The same for stdout, written by the gateway alone (its logs go to
-    /// stderr).
-    pub(super) fn writer() -> Option<pipe::Sender> {
-        let fd = std::io::stdout().as_fd().try_clone_to_owned().ok()?;
-        pipe::Sender::from_file(std::fs::File::from(fd)).ok()
+    fn kind(fd: BorrowedFd<'_>) -> Option<Kind> {
+        let file = File::from(fd.try_clone_to_owned().ok()?);
+        let file_type = file.metadata().ok()?.file_type();
+        if file_type.is_fifo() {
+            return Some(Kind::Pipe(file));
+        }
+        if file_type.is_socket() {
+            let socket = std::os::unix::net::UnixStream::from(OwnedFd::from(file));
+            socket.set_nonblocking(true).ok()?;
+            return tokio::net::UnixStream::from_std(socket)
+                .ok()
+                .map(Kind::Socket);
+        }
+        None
+    }
+
+    pub(super) fn reader() -> Option<Box<dyn AsyncRead + Unpin + Send>> {
+        match kind(std::io::stdin().as_fd())? {
+            Kind::Pipe(file) => Some(Box::new(pipe::Receiver::from_file(file).ok()?)),
+            Kind::Socket(socket) => Some(Box::new(socket)),
+        }
+    }
+
+    pub(super) fn writer() -> Option<Box<dyn AsyncWrite + Unpin + Send>> {
+        match kind(std::io::stdout().as_fd())? {
+            Kind::Pipe(file) => Some(Box::new(pipe::Sender::from_file(file).ok()?)),
+            Kind::Socket(socket) => Some(Box::new(socket)),
+        }
     }
 }
