@@ -3,7 +3,7 @@
 valgrind's callgrind: a figure that does not move with the machine's load,
 so two builds can be compared on a busy machine.
 
-    build/venv/bin/python scripts/instructions-per-batch.py [--policy FILE | --no-guard] MESH [GUARDS] [N] [IN_FLIGHT]
+    build/venv/bin/python scripts/instructions-per-batch.py [--keep DIR] [--policy FILE | --no-guard] MESH [GUARDS] [N] [IN_FLIGHT]
 
 MESH is the `guardmesh` binary measured; GUARDS the one serving the four
 `allow` example guards (default: MESH). The mesh judges a warm-up of 300
@@ -18,6 +18,8 @@ standard batch (four calls to sql.query, http.get, fs.read and shell.exec,
 500 bytes of arguments each, a context with model text and metadata), so
 `--policy cli/src/bench/policy20.toml` against `--no-guard` (both with
 IN_FLIGHT 1) counts what the bench's 20-rule policy guard adds per batch.
+With `--keep DIR` the callgrind output is copied to DIR (for
+`callgrind_annotate --inclusive=yes`).
 """
 import json
 import os
@@ -62,6 +64,9 @@ def bench_arguments(i, tool):
 
 def main():
     args = sys.argv[1:]
+    keep = None
+    if args[:1] == ["--keep"] and len(args) > 1:
+        keep, args = os.path.abspath(args[1]), args[2:]
     mode = "guards"
     policy = None
     if args[:1] == ["--policy"] and len(args) > 1:
@@ -162,6 +167,11 @@ def main():
             sys.exit("callgrind recorded nothing")
         print(f"{os.path.basename(mesh_bin)}: {total / n:,.0f} instructions per batch "
               f"({total:,} for {n} batches, {inflight} in flight)")
+        if keep:
+            os.makedirs(keep, exist_ok=True)
+            for name in os.listdir(work):
+                if name.startswith("callgrind.out"):
+                    shutil.copy(os.path.join(work, name), keep)
     finally:
         for p in procs:
             p.kill()
