@@ -118,6 +118,10 @@ enum Command {
     /// Serves the benchmark's guards and baselines (started by `bench`).
     #[command(hide = true)]
     BenchGuards(crate::bench::GuardsArgs),
+    /// Serves the benchmark's relay floor: the mesh's hops without its work
+    /// (started by `bench`).
+    #[command(hide = true)]
+    BenchRelay(crate::bench::RelayArgs),
     /// Serves the benchmark's upstream MCP server on stdio (started by
     /// `bench`).
     #[command(hide = true)]
@@ -359,6 +363,7 @@ pub fn main() -> ExitCode {
         Command::Replay(args) => return crate::replay::main(args),
         Command::Bench(args) => return crate::bench::main(args),
         Command::BenchGuards(args) => return crate::bench::serve_guards(args),
+        Command::BenchRelay(args) => return crate::bench::serve_relay(args),
         Command::BenchMcpUpstream => return crate::bench::serve_mcp_upstream(),
         Command::Mcp(args) => return guardmesh_gateway::main_mcp(args),
         Command::Hook(args) => return guardmesh_gateway::main_hook(args),
@@ -417,6 +422,7 @@ async fn run(cli: Cli) -> Result<ExitCode, Error> {
         Command::Conformance(args) => crate::conformance::main(args).await,
         Command::Bench(_)
         | Command::BenchGuards(_)
+        | Command::BenchRelay(_)
         | Command::BenchMcpUpstream
         | Command::Mcp(_)
         | Command::Hook(_)

@@ -25,15 +25,20 @@
 //!
 //! | group | scenarios |
 //! |---|---|
-//! | zero-latency guards | `direct_unary`, `direct_parallel_4`, `stream_floor`, `mesh_1`, `mesh_4` |
-//! | 5 ms guards | `direct_unary_5ms`, `direct_parallel_4_5ms`, `mesh_4_5ms`, `sequential_4_5ms` |
+//! | zero-latency guards | `direct_unary`, `direct_parallel_4`, `stream_floor`, `mesh_1`, `mesh_4`, `relay_floor_4` |
+//! | 5 ms guards | `direct_unary_5ms`, `direct_parallel_4_5ms`, `mesh_4_5ms`, `relay_floor_4_5ms`, `sequential_4_5ms` |
 //! | veto | `veto_1ms`, `early_veto` |
 //! | decision log | `log_off`, `log_fsync_record`, `log_fsync_interval` (after the throughput runs, with their own; see [`decision_log`]) |
 //! | MCP gateway ([`mcp`]) | `mcp_direct`, `mcp_stdio`, `mcp_stdio_w0`, `mcp_relay_w0` |
 //!
+//! `relay_floor_*` is the relay floor ([`relay`]): the mesh's hops on the
+//! same protocols and crates with none of the mesh's work, the floor every
+//! mesh-vs-baseline ratio has to clear on the machine that runs the bench.
+//!
 //! Then throughput (closed loop, 64 batches in flight on 64 sessions, against
 //! the echo with 64 calls in flight; windows alternate; `mesh_4` as `serve`
-//! runs by default, then with `--worker-threads 1` and `2`), the CPU per batch of
+//! runs by default, then with `--worker-threads 1` and `2`, and the relay
+//! floor), the CPU per batch of
 //! the mesh and per call of the echo server in those windows, and the mesh's
 //! RSS with 1,000 idle coordinator streams.
 //!
@@ -47,9 +52,11 @@ mod decision_log;
 mod guards;
 mod mcp;
 mod policy;
+mod relay;
 mod report;
 
 pub use guards::GuardsArgs;
+pub use relay::RelayArgs;
 
 use child::{Child, TempDir};
 use futures::{StreamExt, TryStreamExt};
@@ -218,6 +225,11 @@ pub fn main(args: BenchArgs) -> ExitCode {
 /// the gateway scenarios call.
 pub fn serve_mcp_upstream() -> ExitCode {
     mcp::serve_upstream()
+}
+
+/// Entry point of the hidden `guardmesh bench-relay`.
+pub fn serve_relay(args: RelayArgs) -> ExitCode {
+    relay::main(args)
 }
 
 /// Entry point of the hidden `guardmesh bench-guards`.
@@ -547,6 +559,67 @@ impl MeshProcess {
             }
         }
         Err(last_error.unwrap_or_else(|| format!("the mesh of {label} did not start").into()))
+    }
+
+    /// The relay floor ([`relay`]) in front of the guards `names` of
+    /// `guards`, in a process of its own with the runtime `guardmesh serve`
+    /// would use (or `threads`), driven and measured like a mesh.
+    async fn start_relay(
+        exe: &Path,
+        dir: &Path,
+        label: &str,
+        guards: &GuardProcess,
+        names: &[&str],
+        threads: Option<usize>,
+    ) -> Result<Self, Error> {
+        let mut command = Command::new(exe);
+        command.arg("bench-relay");
+        for name in names {
+            command
+                .arg("--guard")
+                .arg(format!("{name}={}", guards.stream_url(name)?));
+        }
+        if let Some(threads) = threads {
+            command.arg("--worker-threads").arg(threads.to_string());
+        }
+        let (tx, mut rx) = mpsc::unbounded_channel();
+        let mut child = Child::spawn(
+            format!("the relay of {label}"),
+            command,
+            Some(dir.join(format!("{label}.log"))),
+            Some(tx),
+        )?;
+        let deadline = Instant::now() + START_TIMEOUT;
+        let mut port: Option<u16> = None;
+        loop {
+            let line = match tokio::time::timeout_at(deadline, rx.recv()).await {
+                Ok(Some(line)) => line,
+                Ok(None) => {
+                    child.check_alive()?;
+                    return Err(
+                        format!("the relay of {label} closed its output before READY").into(),
+                    );
+                }
+                Err(_) => {
+                    return Err(format!(
+                        "the relay of {label} was not ready within {START_TIMEOUT:?}{}",
+                        child.log_tail()
+                    )
+                    .into());
+                }
+            };
+            match line.split_whitespace().collect::<Vec<_>>().as_slice() {
+                ["RELAY", p] => port = Some(p.parse()?),
+                ["READY"] => break,
+                _ => return Err(format!("unexpected line from the relay: {line:?}").into()),
+            }
+        }
+        let port = port.ok_or("the relay printed no port")?;
+        Ok(Self {
+            label: label.to_owned(),
+            child,
+            url: format!("http://127.0.0.1:{port}"),
+        })
     }
 
     /// Waits until the mesh answers `GuardRegistry.List` with its guards.
@@ -1047,18 +1120,30 @@ async fn throughput(
         "mesh_4".to_owned(),
         "batches through the mesh, 4 zero-latency guards (default runtime)".to_owned(),
         None,
+        false,
     )];
     for &t in threads {
         variants.push((
             format!("mesh_4_threads_{t}"),
             format!("the same, the mesh run with --worker-threads {t}"),
             Some(t),
+            false,
         ));
     }
+    variants.push((
+        "relay_floor_4".to_owned(),
+        "batches through the relay floor: the mesh's hops, none of its work".to_owned(),
+        None,
+        true,
+    ));
     let mut runs = Vec::new();
-    for (name, what, t) in variants {
+    for (name, what, t, relay) in variants {
         let label = format!("throughput_{name}");
-        let mesh = MeshProcess::start_with(exe, dir, &label, guards, &ZERO, t).await?;
+        let mesh = if relay {
+            MeshProcess::start_relay(exe, dir, &label, guards, &ZERO, t).await?
+        } else {
+            MeshProcess::start_with(exe, dir, &label, guards, &ZERO, t).await?
+        };
         let coordinator = mesh.coordinator().await?;
         let mut loads = Vec::with_capacity(in_flight);
         for i in 0..in_flight {
@@ -1220,6 +1305,8 @@ async fn run(args: &BenchArgs) -> Result<(), Error> {
         }
         let mut mesh1 = MeshProcess::start(&exe, dir, "mesh_1", &guards, &ZERO[..1]).await?;
         let mut mesh4 = MeshProcess::start(&exe, dir, "mesh_4", &guards, &ZERO).await?;
+        let mut relay4 =
+            MeshProcess::start_relay(&exe, dir, "relay_floor_4", &guards, &ZERO, None).await?;
         let mut scenarios = vec![
             Scenario::new(
                 "direct_unary",
@@ -1261,6 +1348,14 @@ async fn run(args: &BenchArgs) -> Result<(), Error> {
                 Some(&mesh4),
                 plan.fast,
             )?,
+            Scenario::new(
+                "relay_floor_4",
+                "the relay floor: the mesh's hops to 4 zero-latency guards, none of its work",
+                Op::Mesh(relay4.session("relay_floor_4").await?),
+                false,
+                Some(&relay4),
+                plan.fast,
+            )?,
         ];
         latency.extend(
             run_group(
@@ -1269,7 +1364,7 @@ async fn run(args: &BenchArgs) -> Result<(), Error> {
                 plan.rounds,
                 &work,
                 &mut guards,
-                &mut [&mut mesh1, &mut mesh4],
+                &mut [&mut mesh1, &mut mesh4, &mut relay4],
             )
             .await?,
         );
@@ -1279,6 +1374,8 @@ async fn run(args: &BenchArgs) -> Result<(), Error> {
     // mesh_4_5ms, sequential_4_5ms.
     {
         let mut mesh = MeshProcess::start(&exe, dir, "mesh_4_5ms", &guards, &FIVE).await?;
+        let mut relay =
+            MeshProcess::start_relay(&exe, dir, "relay_floor_4_5ms", &guards, &FIVE, None).await?;
         let mut sequential = Vec::new();
         let mut parallel = Vec::new();
         for name in FIVE {
@@ -1311,6 +1408,14 @@ async fn run(args: &BenchArgs) -> Result<(), Error> {
                 plan.slow,
             )?,
             Scenario::new(
+                "relay_floor_4_5ms",
+                "the relay floor in front of 4 guards of 5 ms",
+                Op::Mesh(relay.session("relay_floor_4_5ms").await?),
+                false,
+                Some(&relay),
+                plan.slow,
+            )?,
+            Scenario::new(
                 "sequential_4_5ms",
                 "unary calls to 4 guards of 5 ms, one after another",
                 Op::Direct(sequential),
@@ -1326,7 +1431,7 @@ async fn run(args: &BenchArgs) -> Result<(), Error> {
                 plan.rounds,
                 &work,
                 &mut guards,
-                &mut [&mut mesh],
+                &mut [&mut mesh, &mut relay],
             )
             .await?,
         );

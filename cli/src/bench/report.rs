@@ -288,7 +288,10 @@ impl Results {
         let sequential = self.latency("sequential_4_5ms")?;
         let veto = self.latency("veto_1ms")?;
         let early = self.latency("early_veto")?;
+        let relay4 = self.latency("relay_floor_4")?;
+        let relay5 = self.latency("relay_floor_4_5ms")?;
         let mesh_load = self.throughput("mesh_4")?;
+        let relay_load = self.throughput("relay_floor_4")?;
         let echo_load = self.throughput("echo")?;
         let ratio = |a: f64, b: f64| if b > 0.0 { a / b } else { f64::NAN };
         let fixed = vec![
@@ -353,6 +356,40 @@ impl Results {
             (
                 "rss_mib_1000_streams",
                 Memory::mib(self.memory.with_streams_bytes),
+            ),
+            // The relay floor: the mesh's hops with none of its work. The
+            // floor's own ratios are what no mesh on these hops can beat on
+            // this machine; `mesh4_vs_relay_floor4_*` is what the mesh's work
+            // adds to them.
+            ("mesh4_vs_relay_floor4_p50", ratio(mesh4.p50, relay4.p50)),
+            ("relay_floor4_vs_direct_p50", ratio(relay4.p50, direct.p50)),
+            (
+                "relay_floor4_vs_direct_parallel4_p50",
+                ratio(relay4.p50, parallel.p50),
+            ),
+            (
+                "mesh4_5ms_vs_relay_floor4_5ms_p50",
+                ratio(mesh5.p50, relay5.p50),
+            ),
+            (
+                "relay_floor4_5ms_vs_direct_5ms_p50",
+                ratio(relay5.p50, direct5.p50),
+            ),
+            (
+                "throughput_relay_floor4_vs_echo",
+                ratio(relay_load.per_second, echo_load.per_second),
+            ),
+            (
+                "throughput_mesh4_vs_relay_floor4",
+                ratio(mesh_load.per_second, relay_load.per_second),
+            ),
+            (
+                "cpu_per_batch_relay_floor4_vs_echo_call",
+                ratio(relay_load.server_cpu(), echo_load.server_cpu()),
+            ),
+            (
+                "cpu_per_batch_mesh4_vs_relay_floor4",
+                ratio(mesh_load.server_cpu(), relay_load.server_cpu()),
             ),
         ];
         let mut ratios: Vec<(String, f64)> =

@@ -1,0 +1,341 @@
+//! The benchmark's relay floor (`guardmesh bench-relay`, hidden): the mesh's
+//! hops with none of the mesh's work, to measure what the hops themselves
+//! cost on this machine.
+//!
+//! It speaks the mesh's protocols on both sides, with the same crates and
+//! runtime as `guardmesh serve`: coordinators open `PreToolService.Evaluate`
+//! streams to it, and it keeps one long-lived `GuardService.Judge` stream per
+//! guard, multiplexed by request id, as the mesh does. For each batch it
+//! sends every guard a `GuardBatch` with all the calls, waits for every
+//! answer, and answers with the decision the mesh gives when every guard
+//! proceeds: a `CallDecision` per call (the call and the original), the calls
+//! to execute, and a trace entry per guard. It validates nothing, judges
+//! nothing (it does not read the verdicts), keeps no metrics, traces nothing
+//! and applies no deadline: no mesh can be cheaper on the same hops, so
+//! `mesh_4` against `relay_floor_4` is what the mesh's own work costs, and
+//! `relay_floor_4` against the direct baselines is the floor any target on
+//! those ratios has to clear. It is a measuring instrument only: never a
+//! guard mesh.
+//!
+//! It prints `RELAY <port>` and `READY` once its guard streams are open, and
+//! exits when its stdin closes (the benchmark holds the other end), on
+//! SIGINT or SIGTERM.
+
+use super::Error;
+use futures::StreamExt;
+use futures::stream::FuturesUnordered;
+use guardmesh_proto::v1::guard_service_client::GuardServiceClient;
+use guardmesh_proto::v1::pre_tool_service_server::{PreToolService, PreToolServiceServer};
+use guardmesh_proto::v1::{
+    Action, BatchDecision, CallDecision, EvaluateRequest, EvaluateResponse, GuardBatch, GuardRole,
+    GuardTrace, JudgeRequest, JudgeResponse, TraceStatus, evaluate_response, judge_request,
+};
+use std::collections::HashMap;
+use std::io::{Read, Write};
+use std::process::ExitCode;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::Instant;
+use tokio::net::TcpListener;
+use tokio::sync::{mpsc, oneshot};
+use tokio_stream::wrappers::{ReceiverStream, UnboundedReceiverStream};
+use tonic::transport::Endpoint;
+use tonic::transport::server::TcpIncoming;
+use tonic::{Request, Response, Status, Streaming};
+
+/// Arguments of `guardmesh bench-relay`.
+#[derive(Debug, Clone, clap::Args)]
+pub struct RelayArgs {
+    /// A guard to relay to: `NAME=URL` of its `GuardService`. Repeatable.
+    #[arg(long = "guard", required = true)]
+    pub guards: Vec<String>,
+    /// Runtime threads: 1 (a current-thread runtime) or more workers, as
+    /// `guardmesh serve --worker-threads`.
+    #[arg(long, default_value_t = crate::runtime::default_worker_threads())]
+    pub worker_threads: usize,
+}
+
+/// Answers waiting for their batch, by request id.
+type Waiting = Arc<Mutex<HashMap<u64, oneshot::Sender<JudgeResponse>>>>;
+
+/// One guard's `Judge` stream.
+struct Link {
+    name: String,
+    requests: mpsc::UnboundedSender<JudgeRequest>,
+    waiting: Waiting,
+}
+
+impl Link {
+    async fn open(name: String, url: String) -> Result<Self, Error> {
+        let channel = Endpoint::from_shared(url.clone())?
+            .tcp_nodelay(true)
+            .connect()
+            .await
+            .map_err(|e| format!("cannot connect to guard {name} at {url}: {e}"))?;
+        let (requests, rx) = mpsc::unbounded_channel();
+        let mut answers = GuardServiceClient::new(channel)
+            .judge(UnboundedReceiverStream::new(rx))
+            .await?
+            .into_inner();
+        let waiting: Waiting = Arc::default();
+        tokio::spawn({
+            let waiting = waiting.clone();
+            let name = name.clone();
+            async move {
+                loop {
+                    match answers.message().await {
+                        Ok(Some(answer)) => {
+                            let sender = waiting
+                                .lock()
+                                .unwrap_or_else(PoisonError::into_inner)
+                                .remove(&answer.request_id);
+                            if let Some(sender) = sender {
+                                let _ = sender.send(answer);
+                            }
+                        }
+                        Ok(None) => break,
+                        Err(status) => {
+                            tracing::error!(guard = %name, %status, "guard stream failed");
+                            break;
+                        }
+                    }
+                }
+                // Every batch still waiting fails (its sender is dropped).
+                waiting
+                    .lock()
+                    .unwrap_or_else(PoisonError::into_inner)
+                    .clear();
+            }
+        });
+        Ok(Self {
+            name,
+            requests,
+            waiting,
+        })
+    }
+
+    /// Sends `batch` and returns where its answer will arrive.
+    fn send(&self, batch: GuardBatch) -> Result<oneshot::Receiver<JudgeResponse>, Status> {
+        let (tx, rx) = oneshot::channel();
+        self.waiting
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .insert(batch.request_id, tx);
+        self.requests
+            .send(JudgeRequest {
+                kind: Some(judge_request::Kind::Batch(batch)),
+            })
+            .map_err(|_| Status::unavailable(format!("guard {} is gone", self.name)))?;
+        Ok(rx)
+    }
+}
+
+/// The relay: its guards' streams.
+struct Relay {
+    links: Vec<Link>,
+    next_request: AtomicU64,
+}
+
+impl Relay {
+    /// Relays one batch to every guard and answers as the mesh does when
+    /// every guard proceeds.
+    async fn relay(self: Arc<Self>, request: EvaluateRequest) -> EvaluateResponse {
+        let batch_id = request.batch_id.clone();
+        match self.judge(request).await {
+            Ok(decision) => EvaluateResponse {
+                batch_id,
+                result: Some(evaluate_response::Result::Decision(decision)),
+            },
+            Err(status) => EvaluateResponse {
+                batch_id,
+                result: Some(evaluate_response::Result::Error(
+                    guardmesh_proto::v1::BatchError {
+                        code: status.code() as i32,
+                        message: status.message().to_owned(),
+                    },
+                )),
+            },
+        }
+    }
+
+    async fn judge(&self, request: EvaluateRequest) -> Result<BatchDecision, Status> {
+        let started = Instant::now();
+        let mut answers = Vec::with_capacity(self.links.len());
+        for link in &self.links {
+            let request_id = self.next_request.fetch_add(1, Ordering::Relaxed);
+            answers.push(link.send(GuardBatch {
+                request_id,
+                batch_id: request.batch_id.clone(),
+                guard: link.name.clone(),
+                context: request.context.clone(),
+                calls: request.calls.clone(),
+                deadline_ms: request.timeout_ms,
+                traceparent: request.traceparent.clone(),
+                tracestate: request.tracestate.clone(),
+            })?);
+        }
+        let mut latencies = Vec::with_capacity(answers.len());
+        for (link, answer) in self.links.iter().zip(answers) {
+            answer
+                .await
+                .map_err(|_| Status::unavailable(format!("guard {} did not answer", link.name)))?;
+            latencies.push(u64::try_from(started.elapsed().as_micros()).unwrap_or(u64::MAX));
+        }
+        let ids: Vec<String> = request.calls.iter().map(|c| c.call_id.clone()).collect();
+        Ok(BatchDecision {
+            decisions: request
+                .calls
+                .iter()
+                .map(|call| CallDecision {
+                    call_id: call.call_id.clone(),
+                    action: Action::Proceed as i32,
+                    call: Some(call.clone()),
+                    original: Some(call.clone()),
+                    ..CallDecision::default()
+                })
+                .collect(),
+            trace: self
+                .links
+                .iter()
+                .zip(latencies)
+                .map(|(link, latency_us)| GuardTrace {
+                    guard: link.name.clone(),
+                    role: GuardRole::Validate as i32,
+                    status: TraceStatus::Proceeded as i32,
+                    latency_us,
+                    sent_call_ids: ids.clone(),
+                    ..GuardTrace::default()
+                })
+                .collect(),
+            execute: request.calls,
+            chain_revision: 1,
+            trace_id: String::new(),
+        })
+    }
+}
+
+/// The relay behind `PreToolService`.
+struct RelayService(Arc<Relay>);
+
+#[tonic::async_trait]
+impl PreToolService for RelayService {
+    type EvaluateStream = ReceiverStream<Result<EvaluateResponse, Status>>;
+
+    async fn evaluate(
+        &self,
+        request: Request<Streaming<EvaluateRequest>>,
+    ) -> Result<Response<Self::EvaluateStream>, Status> {
+        let mut requests = request.into_inner();
+        let (tx, rx) = mpsc::channel(64);
+        let relay = self.0.clone();
+        // One task per stream; its batches are judged concurrently in it.
+        tokio::spawn(async move {
+            let mut judging = FuturesUnordered::new();
+            loop {
+                tokio::select! {
+                    next = requests.message() => match next {
+                        Ok(Some(batch)) => judging.push(relay.clone().relay(batch)),
+                        Ok(None) | Err(_) => break,
+                    },
+                    Some(answer) = judging.next(), if !judging.is_empty() => {
+                        if tx.send(Ok(answer)).await.is_err() {
+                            return;
+                        }
+                    }
+                }
+            }
+            while let Some(answer) = judging.next().await {
+                if tx.send(Ok(answer)).await.is_err() {
+                    return;
+                }
+            }
+        });
+        Ok(Response::new(ReceiverStream::new(rx)))
+    }
+
+    async fn evaluate_batch(
+        &self,
+        _request: Request<EvaluateRequest>,
+    ) -> Result<Response<BatchDecision>, Status> {
+        Err(Status::unimplemented(
+            "the relay floor answers only on Evaluate streams",
+        ))
+    }
+}
+
+/// Entry point of `guardmesh bench-relay`.
+pub(super) fn main(args: RelayArgs) -> ExitCode {
+    super::init_logs("warn");
+    let built = match args.worker_threads {
+        0 | 1 => tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build(),
+        n => tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(n)
+            .enable_all()
+            .build(),
+    };
+    let runtime = match built {
+        Ok(runtime) => runtime,
+        Err(error) => {
+            eprintln!("error: cannot start the runtime: {error}");
+            return ExitCode::FAILURE;
+        }
+    };
+    match runtime.block_on(serve(args)) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(error) => {
+            eprintln!("error: {}", guardmesh_server::error_chain(error.as_ref()));
+            ExitCode::FAILURE
+        }
+    }
+}
+
+async fn serve(args: RelayArgs) -> Result<(), Error> {
+    let mut links = Vec::with_capacity(args.guards.len());
+    for guard in &args.guards {
+        let (name, url) = guard
+            .split_once('=')
+            .filter(|(name, url)| !name.is_empty() && !url.is_empty())
+            .ok_or_else(|| format!("bad --guard {guard:?}: expected NAME=URL"))?;
+        links.push(Link::open(name.to_owned(), url.to_owned()).await?);
+    }
+    let relay = Arc::new(Relay {
+        links,
+        next_request: AtomicU64::new(1),
+    });
+    let listener = TcpListener::bind("127.0.0.1:0").await?;
+    let port = listener.local_addr()?.port();
+    tokio::spawn(async move {
+        let served = tonic::transport::Server::builder()
+            .add_service(PreToolServiceServer::new(RelayService(relay)))
+            .serve_with_incoming(TcpIncoming::from(listener).with_nodelay(Some(true)))
+            .await;
+        if let Err(error) = served {
+            tracing::error!(%error, "relay server stopped");
+        }
+    });
+    {
+        let mut stdout = std::io::stdout().lock();
+        stdout.write_all(format!("RELAY {port}\nREADY\n").as_bytes())?;
+        stdout.flush()?;
+    }
+    let (closed_tx, closed_rx) = oneshot::channel::<()>();
+    std::thread::Builder::new()
+        .name("bench-stdin".into())
+        .spawn(move || {
+            let mut stdin = std::io::stdin().lock();
+            let mut buf = [0u8; 256];
+            while let Ok(n) = stdin.read(&mut buf) {
+                if n == 0 {
+                    break;
+                }
+            }
+            let _ = closed_tx.send(());
+        })?;
+    tokio::select! {
+        _ = closed_rx => {}
+        () = super::interrupted() => {}
+    }
+    Ok(())
+}
