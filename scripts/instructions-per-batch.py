@@ -3,7 +3,7 @@
 valgrind's callgrind: a figure that does not move with the machine's load,
 so two builds can be compared on a busy machine.
 
-    build/venv/bin/python scripts/instructions-per-batch.py [--keep DIR] [--policy FILE | --no-guard] MESH [GUARDS] [N] [IN_FLIGHT]
+    build/venv/bin/python scripts/instructions-per-batch.py [--keep DIR] [--policy FILE | --no-guard | --relay] MESH [GUARDS] [N] [IN_FLIGHT]
 
 MESH is the `guardmesh` binary measured; GUARDS the one serving the four
 `allow` example guards (default: MESH). The mesh judges a warm-up of 300
@@ -18,6 +18,9 @@ standard batch (four calls to sql.query, http.get, fs.read and shell.exec,
 500 bytes of arguments each, a context with model text and metadata), so
 `--policy cli/src/bench/policy20.toml` against `--no-guard` (both with
 IN_FLIGHT 1) counts what the bench's 20-rule policy guard adds per batch.
+With `--relay` the four guards are behind `guardmesh bench-relay` instead
+of a mesh: the relay floor of `guardmesh bench` (the mesh's hops, none of
+its work), so the two counts side by side are what the mesh's work costs.
 With `--keep DIR` the callgrind output is copied to DIR (for
 `callgrind_annotate --inclusive=yes`).
 """
@@ -73,6 +76,8 @@ def main():
         mode, policy, args = "policy", os.path.abspath(args[1]), args[2:]
     elif args[:1] == ["--no-guard"]:
         mode, args = "none", args[1:]
+    elif args[:1] == ["--relay"]:
+        mode, args = "relay", args[1:]
     if not args:
         sys.exit(__doc__)
     mesh_bin = os.path.abspath(args[0])
@@ -83,7 +88,7 @@ def main():
     procs = []
     try:
         ports = []
-        for _ in range(4 if mode == "guards" else 0):
+        for _ in range(4 if mode in ("guards", "relay") else 0):
             p = subprocess.Popen([guard_bin, "example-guard", "allow"], stdout=subprocess.PIPE,
                                  stderr=subprocess.DEVNULL, text=True)
             procs.append(p)
@@ -95,20 +100,30 @@ def main():
                         'timeout_ms = 60000\n\n')
             if policy:
                 f.write(f'[[guard]]\nname = "policy20"\npolicy = {json.dumps(policy)}\n')
-        port = free_port()
         out = os.path.join(work, "callgrind.out")
-        mesh = subprocess.Popen(
-            ["valgrind", "--tool=callgrind", "--instr-atstart=no", f"--callgrind-out-file={out}",
-             mesh_bin, "serve", "--config", config, "--listen", f"127.0.0.1:{port}"],
-            stdout=subprocess.DEVNULL, stderr=open(os.path.join(work, "mesh.log"), "w"))
-        procs.append(mesh)
+        valgrind = ["valgrind", "--tool=callgrind", "--instr-atstart=no",
+                    f"--callgrind-out-file={out}"]
+        if mode == "relay":
+            guards = [a for i, p in enumerate(ports)
+                      for a in ("--guard", f"g{i}=http://127.0.0.1:{p}")]
+            mesh = subprocess.Popen(valgrind + [mesh_bin, "bench-relay"] + guards,
+                                    stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                                    stderr=open(os.path.join(work, "mesh.log"), "w"))
+            procs.append(mesh)
+            port = int(mesh.stdout.readline().split()[1])
+        else:
+            port = free_port()
+            mesh = subprocess.Popen(
+                valgrind + [mesh_bin, "serve", "--config", config, "--listen", f"127.0.0.1:{port}"],
+                stdout=subprocess.DEVNULL, stderr=open(os.path.join(work, "mesh.log"), "w"))
+            procs.append(mesh)
         channel = grpc.insecure_channel(f"127.0.0.1:{port}")
         grpc.channel_ready_future(channel).result(timeout=120)
         stub = pb_grpc.PreToolServiceStub(channel)
         arguments = json.dumps({"query": "x" * 470, "n": 1})
 
         def batch(i):
-            if mode != "guards":
+            if mode in ("policy", "none"):
                 return pb.EvaluateRequest(
                     batch_id=f"b{i}",
                     context=pb.BatchContext(
@@ -143,8 +158,9 @@ def main():
             if answered != count:
                 sys.exit(f"{answered} answers for {count} batches")
 
-        # Until every guard's link is up.
-        for attempt in range(200):
+        # Until every guard's link is up (the relay opens them before it
+        # prints its port, and answers only on streams).
+        for attempt in range(0 if mode == "relay" else 200):
             trace = stub.EvaluateBatch(batch(10**9 + attempt), timeout=60).trace
             if all(t.status == pb.TRACE_STATUS_PROCEEDED for t in trace):
                 break
