@@ -6,7 +6,8 @@
 //! runtime as `guardmesh serve`: coordinators open `PreToolService.Evaluate`
 //! streams to it, and it keeps one long-lived `GuardService.Judge` stream per
 //! guard, multiplexed by request id, as the mesh does. For each batch it
-//! sends every guard a `GuardBatch` with all the calls, waits for every
+//! sends every guard a `GuardBatch` with all the calls (their bytes encoded
+//! once and shared, as the mesh writes them), waits for every
 //! answer, and answers with the decision the mesh gives when every guard
 //! proceeds: a `CallDecision` per call (the call and the original), the calls
 //! to execute, and a trace entry per guard. It validates nothing, judges
@@ -24,12 +25,13 @@
 use super::Error;
 use futures::StreamExt;
 use futures::stream::FuturesUnordered;
-use guardmesh_proto::v1::guard_service_client::GuardServiceClient;
 use guardmesh_proto::v1::pre_tool_service_server::{PreToolService, PreToolServiceServer};
 use guardmesh_proto::v1::{
     Action, BatchDecision, CallDecision, EvaluateRequest, EvaluateResponse, GuardBatch, GuardRole,
-    GuardTrace, JudgeRequest, JudgeResponse, TraceStatus, evaluate_response, judge_request,
+    GuardTrace, JudgeResponse, TraceStatus, evaluate_response,
 };
+use guardmesh_server::link::wire::{Encoded, JudgeCodec, shared_part};
+use prost::Message;
 use std::collections::HashMap;
 use std::io::{Read, Write};
 use std::process::ExitCode;
@@ -39,6 +41,7 @@ use std::time::Instant;
 use tokio::net::TcpListener;
 use tokio::sync::{mpsc, oneshot};
 use tokio_stream::wrappers::{ReceiverStream, UnboundedReceiverStream};
+use tonic::codec::{Codec, DecodeBuf, Decoder};
 use tonic::transport::Endpoint;
 use tonic::transport::server::TcpIncoming;
 use tonic::{Request, Response, Status, Streaming};
@@ -58,10 +61,42 @@ pub struct RelayArgs {
 /// Answers waiting for their batch, by request id.
 type Waiting = Arc<Mutex<HashMap<u64, oneshot::Sender<JudgeResponse>>>>;
 
+/// The `Judge` stream's codec: requests written as the mesh writes them
+/// (each batch's context and calls encoded once and shared by every guard),
+/// answers read with plain prost (none of the mesh's checks).
+#[derive(Debug, Clone, Copy, Default)]
+struct RelayCodec;
+
+impl Codec for RelayCodec {
+    type Encode = Encoded;
+    type Decode = JudgeResponse;
+    type Encoder = JudgeCodec;
+    type Decoder = RelayCodec;
+
+    fn encoder(&mut self) -> JudgeCodec {
+        JudgeCodec
+    }
+
+    fn decoder(&mut self) -> RelayCodec {
+        *self
+    }
+}
+
+impl Decoder for RelayCodec {
+    type Item = JudgeResponse;
+    type Error = Status;
+
+    fn decode(&mut self, src: &mut DecodeBuf<'_>) -> Result<Option<JudgeResponse>, Status> {
+        JudgeResponse::decode(src)
+            .map(Some)
+            .map_err(|e| Status::internal(format!("unreadable answer: {e}")))
+    }
+}
+
 /// One guard's `Judge` stream.
 struct Link {
     name: String,
-    requests: mpsc::UnboundedSender<JudgeRequest>,
+    requests: mpsc::UnboundedSender<Encoded>,
     waiting: Waiting,
 }
 
@@ -73,8 +108,16 @@ impl Link {
             .await
             .map_err(|e| format!("cannot connect to guard {name} at {url}: {e}"))?;
         let (requests, rx) = mpsc::unbounded_channel();
-        let mut answers = GuardServiceClient::new(channel)
-            .judge(UnboundedReceiverStream::new(rx))
+        let mut grpc = tonic::client::Grpc::new(channel);
+        grpc.ready().await?;
+        let mut answers = grpc
+            .streaming(
+                Request::new(UnboundedReceiverStream::new(rx)),
+                tonic::codegen::http::uri::PathAndQuery::from_static(
+                    "/guardmesh.v1.GuardService/Judge",
+                ),
+                RelayCodec,
+            )
             .await?
             .into_inner();
         let waiting: Waiting = Arc::default();
@@ -114,17 +157,19 @@ impl Link {
         })
     }
 
-    /// Sends `batch` and returns where its answer will arrive.
-    fn send(&self, batch: GuardBatch) -> Result<oneshot::Receiver<JudgeResponse>, Status> {
+    /// Sends request `request_id` and returns where its answer will arrive.
+    fn send(
+        &self,
+        request_id: u64,
+        batch: Encoded,
+    ) -> Result<oneshot::Receiver<JudgeResponse>, Status> {
         let (tx, rx) = oneshot::channel();
         self.waiting
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
-            .insert(batch.request_id, tx);
+            .insert(request_id, tx);
         self.requests
-            .send(JudgeRequest {
-                kind: Some(judge_request::Kind::Batch(batch)),
-            })
+            .send(batch)
             .map_err(|_| Status::unavailable(format!("guard {} is gone", self.name)))?;
         Ok(rx)
     }
@@ -160,19 +205,20 @@ impl Relay {
 
     async fn judge(&self, request: EvaluateRequest) -> Result<BatchDecision, Status> {
         let started = Instant::now();
+        let shared = shared_part(request.context.as_ref(), request.calls.iter());
         let mut answers = Vec::with_capacity(self.links.len());
         for link in &self.links {
             let request_id = self.next_request.fetch_add(1, Ordering::Relaxed);
-            answers.push(link.send(GuardBatch {
+            let head = GuardBatch {
                 request_id,
                 batch_id: request.batch_id.clone(),
                 guard: link.name.clone(),
-                context: request.context.clone(),
-                calls: request.calls.clone(),
                 deadline_ms: request.timeout_ms,
                 traceparent: request.traceparent.clone(),
                 tracestate: request.tracestate.clone(),
-            })?);
+                ..GuardBatch::default()
+            };
+            answers.push(link.send(request_id, Encoded::batch(&head, shared.clone()))?);
         }
         let mut latencies = Vec::with_capacity(answers.len());
         for (link, answer) in self.links.iter().zip(answers) {
