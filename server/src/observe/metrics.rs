@@ -14,7 +14,7 @@ use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::Histogram;
 use prometheus_client::registry::Registry;
 use std::collections::HashMap;
-use std::sync::{Arc, PoisonError, RwLock};
+use std::sync::{Arc, OnceLock, PoisonError, RwLock};
 use std::time::Duration;
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -96,11 +96,11 @@ pub(crate) const WOULD: [&str; 5] = ["proceed", "steer", "cancel", "rewrite", "f
 /// The mesh's metrics.
 pub struct Metrics {
     registry: Registry,
-    batches: Family<OutcomeLabel, Counter>,
-    calls: Family<DecisionLabel, Counter>,
+    batches: FixedCounters<OutcomeLabel>,
+    calls: FixedCounters<DecisionLabel>,
     guard_outcomes: Family<GuardStatusLabel, Counter>,
     bypassed: Family<GuardLabel, Counter>,
-    unguarded: Family<DecisionLabel, Counter>,
+    unguarded: FixedCounters<DecisionLabel>,
     policy_reloads: Family<OutcomeLabel, Counter>,
     spurious: Family<GuardLabel, Counter>,
     circuit_opened: Family<GuardLabel, Counter>,
@@ -121,6 +121,43 @@ pub struct Metrics {
     /// name once rather than built from labels for every batch (they share
     /// their counts with the families above).
     guard_series: RwLock<HashMap<String, GuardSeries>>,
+}
+
+/// A counter family whose one label takes a few values known in advance:
+/// the series of each is looked up in the family once, on first use (so
+/// that `/metrics` shows only series that counted, as with the family
+/// alone), then counted without hashing a label set per batch. Other values
+/// go through the family.
+struct FixedCounters<L> {
+    family: Family<L, Counter>,
+    label: fn(&'static str) -> L,
+    series: Box<[(&'static str, OnceLock<Counter>)]>,
+}
+
+impl<L> FixedCounters<L>
+where
+    L: Clone + std::hash::Hash + Eq,
+{
+    fn new(
+        family: Family<L, Counter>,
+        label: fn(&'static str) -> L,
+        values: &[&'static str],
+    ) -> Self {
+        Self {
+            family,
+            label,
+            series: values.iter().map(|&v| (v, OnceLock::new())).collect(),
+        }
+    }
+
+    fn inc(&self, value: &'static str) {
+        match self.series.iter().find(|(v, _)| *v == value) {
+            Some((_, series)) => series
+                .get_or_init(|| self.family.get_or_create(&(self.label)(value)).clone())
+                .inc(),
+            None => self.family.get_or_create(&(self.label)(value)).inc(),
+        };
+    }
 }
 
 /// The series a batch updates for one guard.
@@ -310,11 +347,23 @@ impl Metrics {
             dry_run_calls,
             log_records,
             log_failures,
-            batches,
-            calls,
+            batches: FixedCounters::new(
+                batches,
+                |outcome| OutcomeLabel { outcome },
+                &["decided", "refused", "aborted"],
+            ),
+            calls: FixedCounters::new(
+                calls,
+                |decision| DecisionLabel { decision },
+                &["proceed", "steer", "cancel"],
+            ),
             guard_outcomes,
             bypassed,
-            unguarded,
+            unguarded: FixedCounters::new(
+                unguarded,
+                |decision| DecisionLabel { decision },
+                &["proceed", "cancel"],
+            ),
             policy_reloads,
             spurious,
             circuit_opened,
@@ -333,7 +382,7 @@ impl Metrics {
     }
 
     pub fn batch(&self, outcome: &'static str, seconds: f64) {
-        self.batches.get_or_create(&OutcomeLabel { outcome }).inc();
+        self.batches.inc(outcome);
         if outcome == "decided" {
             self.batch_latency.observe(seconds);
         }
@@ -344,7 +393,7 @@ impl Metrics {
     }
 
     pub fn call(&self, decision: &'static str) {
-        self.calls.get_or_create(&DecisionLabel { decision }).inc();
+        self.calls.inc(decision);
     }
 
     pub fn guard_outcome(&self, guard: &str, status: &'static str, seconds: Option<f64>) {
@@ -449,9 +498,7 @@ impl Metrics {
 
     /// A call no enforced guard applied to (R28): `proceed` or `cancel`.
     pub fn unguarded(&self, decision: &'static str) {
-        self.unguarded
-            .get_or_create(&DecisionLabel { decision })
-            .inc();
+        self.unguarded.inc(decision);
     }
 
     /// A decision log record written (`decision`, `chain_change`).
@@ -656,6 +703,45 @@ mod tests {
         assert_eq!(
             line("guardmesh_guard_latency_seconds_count{guard=\"b\"}"),
             "1"
+        );
+    }
+
+    /// Batch, call and unguarded counters kept between batches count into
+    /// the exported families; a series shows once it has counted, and a
+    /// value not known in advance still counts.
+    #[test]
+    fn fixed_label_counters_count_into_their_families() {
+        let metrics = Metrics::new();
+        let text = metrics.encode_prometheus();
+        assert!(!text.contains("guardmesh_calls_total{"), "{text}");
+        for _ in 0..3 {
+            metrics.call("proceed");
+        }
+        metrics.call("cancel");
+        metrics.unguarded("cancel");
+        metrics.batch("decided", 0.001);
+        metrics.batch("aborted", 0.001);
+        metrics.batch("decided", 0.001);
+        metrics.batch("another", 0.0);
+        let text = metrics.encode_prometheus();
+        for (series, want) in [
+            (r#"guardmesh_calls_total{decision="proceed"}"#, "3"),
+            (r#"guardmesh_calls_total{decision="cancel"}"#, "1"),
+            (r#"guardmesh_unguarded_calls_total{decision="cancel"}"#, "1"),
+            (r#"guardmesh_batches_total{outcome="decided"}"#, "2"),
+            (r#"guardmesh_batches_total{outcome="aborted"}"#, "1"),
+            (r#"guardmesh_batches_total{outcome="another"}"#, "1"),
+        ] {
+            let line = text
+                .lines()
+                .find(|l| l.starts_with(series))
+                .unwrap_or_else(|| panic!("no {series} in\n{text}"));
+            assert_eq!(line.rsplit(' ').next(), Some(want), "{line}");
+        }
+        assert!(!text.contains(r#"decision="steer""#), "{text}");
+        assert!(
+            !text.contains(r#"guardmesh_unguarded_calls_total{decision="proceed"}"#),
+            "{text}"
         );
     }
 

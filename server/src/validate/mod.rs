@@ -15,6 +15,10 @@ use tonic::Status;
 
 pub mod ijson;
 
+/// Batches of up to this many calls are checked for repeated call ids by
+/// comparing each id with the ones before it; larger ones through a set.
+const SCANNED_IDS: usize = 16;
+
 /// Size limits on what coordinators send.
 #[derive(Debug, Clone, Copy)]
 pub struct Limits {
@@ -147,7 +151,10 @@ pub fn check(request: &EvaluateRequest, limits: &Limits) -> Result<(), Refusal> 
         request.context.as_ref().map_or(0, |c| c.metadata.len()),
         limits,
     )?;
-    let mut seen = HashSet::with_capacity(request.calls.len());
+    // A small batch's repeated id is found by comparing with the calls
+    // before it (no hashing); a large one's with a set.
+    let mut seen =
+        (request.calls.len() > SCANNED_IDS).then(|| HashSet::with_capacity(request.calls.len()));
     for (index, call) in request.calls.iter().enumerate() {
         if call.call_id.is_empty() {
             return Err(invalid(
@@ -169,7 +176,13 @@ pub fn check(request: &EvaluateRequest, limits: &Limits) -> Result<(), Refusal> 
                 ),
             ));
         }
-        if !seen.insert(call.call_id.as_str()) {
+        let repeated = match &mut seen {
+            Some(seen) => !seen.insert(call.call_id.as_str()),
+            None => request.calls[..index]
+                .iter()
+                .any(|earlier| earlier.call_id == call.call_id),
+        };
+        if repeated {
             return Err(invalid(
                 "duplicate_call_id",
                 format!("call #{index} repeats call_id {:?}", call.call_id),
@@ -272,6 +285,46 @@ mod tests {
         let refusal = check(&request, &Limits::default()).unwrap_err();
         assert_eq!(refusal.status.code(), tonic::Code::InvalidArgument);
         assert!(refusal.status.message().len() < 100);
+    }
+
+    /// R20: a repeated call id is refused and named, found by the scan of
+    /// small batches and by the set of large ones alike.
+    #[test]
+    fn r20_repeated_call_ids_are_refused_in_small_and_large_batches() {
+        use guardmesh_proto::v1::ToolCall;
+        for n in [2, SCANNED_IDS, SCANNED_IDS + 1, 200] {
+            for repeat_of in [0, (n - 1) / 2, n - 2] {
+                let mut calls: Vec<ToolCall> = (0..n)
+                    .map(|i| ToolCall {
+                        call_id: format!("c{i}"),
+                        tool: "t".into(),
+                        arguments: String::new(),
+                    })
+                    .collect();
+                let request = EvaluateRequest {
+                    batch_id: "b".into(),
+                    calls: calls.clone(),
+                    ..Default::default()
+                };
+                assert!(check(&request, &Limits::default()).is_ok(), "{n}");
+                calls[n - 1].call_id = format!("c{repeat_of}");
+                let request = EvaluateRequest {
+                    batch_id: "b".into(),
+                    calls,
+                    ..Default::default()
+                };
+                let refusal = check(&request, &Limits::default()).unwrap_err();
+                assert_eq!(refusal.status.code(), tonic::Code::InvalidArgument);
+                assert!(
+                    refusal
+                        .status
+                        .message()
+                        .contains(&format!("call #{} repeats call_id \"c{repeat_of}\"", n - 1)),
+                    "{n}: {}",
+                    refusal.status.message()
+                );
+            }
+        }
     }
 
     #[test]
