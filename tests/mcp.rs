@@ -644,6 +644,103 @@ async fn r31_stdio_over_socket_pairs_as_node_clients_give() {
     assert_eq!(executed[0]["tool"], "read_file");
 }
 
+/// Whether the open file description behind `fd` is non-blocking.
+fn nonblocking(fd: &impl std::os::fd::AsRawFd) -> bool {
+    // SAFETY: F_GETFL on a descriptor the caller holds open.
+    let flags = unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_GETFL) };
+    assert!(flags >= 0, "fcntl: {}", std::io::Error::last_os_error());
+    flags & libc::O_NONBLOCK != 0
+}
+
+/// R31: the gateway reads and writes pipe and socket stdio without blocking
+/// (the flag belongs to the open file description, shared with anyone
+/// holding the same descriptor, such as a script that goes on writing to
+/// the same stdout after the gateway), and puts the flags back as it found
+/// them when it exits.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn r31_stdio_leaves_pipes_and_sockets_blocking_as_it_found_them() {
+    use std::os::fd::OwnedFd;
+    let (mesh, _guard) = mesh_with_policy("mcp-flags").await;
+    let scratch = Scratch::new("flags");
+    for sockets in [false, true] {
+        let upstream = scratch.upstream(&["stdio"]);
+        let url = mesh.url.clone();
+        let (during, after, status) = tokio::task::spawn_blocking(move || {
+            // (our end to write, the gateway's stdin, a copy of it) and
+            // (our end to read, the gateway's stdout, a copy of it).
+            let (to_gateway, stdin, from_gateway, stdout): (OwnedFd, OwnedFd, OwnedFd, OwnedFd) =
+                if sockets {
+                    let (a, b) = std::os::unix::net::UnixStream::pair().unwrap();
+                    let (c, d) = std::os::unix::net::UnixStream::pair().unwrap();
+                    (a.into(), b.into(), c.into(), d.into())
+                } else {
+                    let (stdin_read, stdin_write) = std::io::pipe().unwrap();
+                    let (stdout_read, stdout_write) = std::io::pipe().unwrap();
+                    (
+                        stdin_write.into(),
+                        stdin_read.into(),
+                        stdout_read.into(),
+                        stdout_write.into(),
+                    )
+                };
+            let (stdin_copy, stdout_copy) =
+                (stdin.try_clone().unwrap(), stdout.try_clone().unwrap());
+            assert!(!nonblocking(&stdin_copy) && !nonblocking(&stdout_copy));
+            let mut child = Command::new(env!("CARGO_BIN_EXE_guardmesh"))
+                .args(["mcp", "stdio", "--mesh", &url, "--"])
+                .args(upstream)
+                .stdin(Stdio::from(stdin))
+                .stdout(Stdio::from(stdout))
+                .spawn()
+                .unwrap();
+            let mut to_gateway = std::fs::File::from(to_gateway);
+            let mut lines = std::io::BufReader::new(std::fs::File::from(from_gateway));
+            let init = json!({"jsonrpc": "2.0", "id": "init", "method": "initialize", "params": {
+                "protocolVersion": "2025-11-25", "capabilities": {},
+                "clientInfo": {"name": "flags", "version": "0"}}});
+            writeln!(to_gateway, "{init}").unwrap();
+            let mut line = String::new();
+            assert!(lines.read_line(&mut line).unwrap() > 0, "stdout ended");
+            let answer: Value = serde_json::from_str(&line).unwrap();
+            assert_eq!(answer["id"], "init", "{answer}");
+            // Answered: both are read and written on the reactor by now.
+            let during = (nonblocking(&stdin_copy), nonblocking(&stdout_copy));
+            // The end of its input ends the gateway. (Its stdout is not read
+            // to its end: the copy kept here holds it open.)
+            drop(to_gateway);
+            let status = (0..600)
+                .find_map(|_| {
+                    let status = child.try_wait().unwrap();
+                    if status.is_none() {
+                        std::thread::sleep(Duration::from_millis(100));
+                    }
+                    status
+                })
+                .unwrap_or_else(|| {
+                    let _ = child.kill();
+                    panic!(
+                        "sockets {sockets}: the gateway did not exit within 60 s of its input's end"
+                    )
+                });
+            let after = (nonblocking(&stdin_copy), nonblocking(&stdout_copy));
+            (during, after, status)
+        })
+        .await
+        .unwrap();
+        assert!(status.success(), "sockets {sockets}: {status}");
+        assert_eq!(
+            during,
+            (true, true),
+            "sockets {sockets}: on the reactor while it runs"
+        );
+        assert_eq!(
+            after,
+            (false, false),
+            "sockets {sockets}: flags put back at exit"
+        );
+    }
+}
+
 /// R31: messages larger than a pipe holds (64 KiB on Linux), both ways,
 /// through the gateway's non-blocking pipe stdio: a 300 KB call is read in
 /// pieces, judged, forwarded whole, and the upstream's 300 KB answer is
