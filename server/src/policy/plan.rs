@@ -151,6 +151,9 @@ struct Words {
     /// `(?i)`: case-insensitive.
     fold: bool,
     words: Box<[Box<str>]>,
+    /// Bit `n` for each word of `n` < 64 bytes: other lengths of ASCII
+    /// text below 64 match no word.
+    lengths: u64,
 }
 
 impl Words {
@@ -175,7 +178,15 @@ impl Words {
         if (words.len() > 1 && !grouped) || !words.iter().all(|w| word(w)) {
             return None;
         }
-        Some(Words { fold, words })
+        let lengths = words
+            .iter()
+            .filter(|w| w.len() < 64)
+            .fold(0, |bits, w| bits | (1 << w.len()));
+        Some(Words {
+            fold,
+            words,
+            lengths,
+        })
     }
 
     /// Whether `text` is one of the words; `None` when only the regex
@@ -186,7 +197,12 @@ impl Words {
         if !self.fold {
             Some(self.words.iter().any(|w| **w == *text))
         } else if text.is_ascii() {
-            Some(self.words.iter().any(|w| w.eq_ignore_ascii_case(text)))
+            // ASCII text of a length no word has matches none.
+            let n = text.len();
+            Some(
+                (n >= 64 || self.lengths & (1 << n) != 0)
+                    && self.words.iter().any(|w| w.eq_ignore_ascii_case(text)),
+            )
         } else {
             None
         }
@@ -970,6 +986,20 @@ fn test<'r>(node: &'r Node, input: &Input<'r, 'r>, slots: &mut [V<'r>]) -> Run<b
             pred,
         } => {
             let range = eval(range, input, slots)?;
+            if let (V::Json(Json::Map(object)), Node::Matches(text, Pattern::Fixed(matcher))) =
+                (&range, &**pred)
+                && matches!(**text, Node::Slot(s) if s == *iter)
+            {
+                // `object.exists(k, k.matches(r'...'))`: the keys as they
+                // are, no slot set.
+                for i in 0..object.len() {
+                    let (key, _) = object.entry(i).ok_or(Unsure)?;
+                    if matcher.is_match(key) == *any {
+                        return Ok(*any);
+                    }
+                }
+                return Ok(!*any);
+            }
             if !matches!(
                 range,
                 V::Json(Json::Map(_) | Json::List(_))

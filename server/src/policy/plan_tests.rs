@@ -628,6 +628,7 @@ fn r27_patterns_of_words_match_as_the_regex_does() {
     // Patterns checked without the regex engine where they can be, and
     // patterns that only look like them (an alternation outside a group is
     // anchored on one side only).
+    let long = format!("(?i)^(x|{})$", "a".repeat(64));
     let patterns = [
         "(?i)^(password|secret|api_key|token)$",
         "^(password|secret)$",
@@ -642,6 +643,7 @@ fn r27_patterns_of_words_match_as_the_regex_does() {
         "^(secret|token)",
         "(?i)^(sec.et)$",
         "(?i)^(s\\w+)$",
+        long.as_str(),
     ];
     let regexes: Vec<regex::Regex> = patterns
         .iter()
@@ -674,8 +676,11 @@ fn r27_patterns_of_words_match_as_the_regex_does() {
         "",
         "secret\n",
     ]);
+    // Words of 64 bytes or more are compared whatever their length.
+    let long_texts = prop::sample::select(vec!["A".repeat(64), "a".repeat(63)]);
     let texts = prop_oneof![
         words.prop_map(str::to_owned),
+        long_texts,
         prop::collection::vec(prop::sample::select(alphabet), 0..9)
             .prop_map(|chars| chars.into_iter().collect::<String>()),
     ];
