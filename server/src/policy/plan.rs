@@ -919,6 +919,27 @@ fn eval<'r>(node: &'r Node, input: &Input<'r, 'r>, slots: &mut [V<'r>]) -> Run<V
     })
 }
 
+/// [`eval`], with the common leaves (literal strings and ints, resolved
+/// fields, field paths, slots) answered here rather than through every
+/// case of `eval`.
+#[inline]
+fn fetch<'r>(node: &'r Node, input: &Input<'r, 'r>, slots: &mut [V<'r>]) -> Run<V<'r>> {
+    match node {
+        Node::Str(s) => Ok(V::Str(s)),
+        Node::Int(i) => Ok(V::Int(*i)),
+        Node::Args => Ok(from_json(this_call(input)?.args.as_ref().ok_or(Unsure)?)),
+        Node::Tool => Ok(V::Str(this_call(input)?.tool)),
+        Node::Metadata => Ok(V::Metadata),
+        Node::Slot(s) => slots.get(*s).cloned().ok_or(Unsure),
+        Node::Select {
+            operand,
+            fields,
+            test: false,
+        } => select(operand, fields, input, slots)?.ok_or(Unsure),
+        _ => eval(node, input, slots),
+    }
+}
+
 /// [`eval`] of a node that must be a bool, without building values where
 /// it can: the logical operators, tests and comparisons answer here.
 fn test<'r>(node: &'r Node, input: &Input<'r, 'r>, slots: &mut [V<'r>]) -> Run<bool> {
@@ -941,27 +962,27 @@ fn test<'r>(node: &'r Node, input: &Input<'r, 'r>, slots: &mut [V<'r>]) -> Run<b
             }
         }
         Node::NotStrictlyFalse(a) => test(a, input, slots),
-        Node::Eq(a, b) => equals(&eval(a, input, slots)?, &eval(b, input, slots)?),
-        Node::Ne(a, b) => Ok(!equals(&eval(a, input, slots)?, &eval(b, input, slots)?)?),
+        Node::Eq(a, b) => equals(&fetch(a, input, slots)?, &fetch(b, input, slots)?),
+        Node::Ne(a, b) => Ok(!equals(&fetch(a, input, slots)?, &fetch(b, input, slots)?)?),
         Node::Compare(op, a, b) => {
             if let (Node::Size(a), Node::Int(k)) = (&**a, &**b) {
-                return size_compare(*op, eval(a, input, slots)?, *k, input);
+                return size_compare(*op, fetch(a, input, slots)?, *k, input);
             }
-            let ordering = compare(&eval(a, input, slots)?, &eval(b, input, slots)?)?;
+            let ordering = compare(&fetch(a, input, slots)?, &fetch(b, input, slots)?)?;
             Ok(op.holds(ordering))
         }
         Node::In(a, b) => {
-            let needle = eval(a, input, slots)?;
-            let haystack = eval(b, input, slots)?;
+            let needle = fetch(a, input, slots)?;
+            let haystack = fetch(b, input, slots)?;
             contains(&haystack, &needle, input)
         }
         Node::Matches(text, pattern) => {
-            let text = eval(text, input, slots)?;
+            let text = fetch(text, input, slots)?;
             let text = text.as_str().ok_or(Unsure)?;
             match pattern {
                 Pattern::Fixed(matcher) => Ok(matcher.is_match(text)),
                 Pattern::Computed(p) => {
-                    let p = eval(p, input, slots)?;
+                    let p = fetch(p, input, slots)?;
                     let regex =
                         super::patterns::lookup(p.as_str().ok_or(Unsure)?).map_err(|_| Unsure)?;
                     Ok(regex.is_match(text))
@@ -969,7 +990,7 @@ fn test<'r>(node: &'r Node, input: &Input<'r, 'r>, slots: &mut [V<'r>]) -> Run<b
             }
         }
         Node::Text(how, a, b) => {
-            let (a, b) = (eval(a, input, slots)?, eval(b, input, slots)?);
+            let (a, b) = (fetch(a, input, slots)?, fetch(b, input, slots)?);
             let (Some(a), Some(b)) = (a.as_str(), b.as_str()) else {
                 return Err(Unsure);
             };
@@ -985,7 +1006,7 @@ fn test<'r>(node: &'r Node, input: &Input<'r, 'r>, slots: &mut [V<'r>]) -> Run<b
             iter,
             pred,
         } => {
-            let range = eval(range, input, slots)?;
+            let range = fetch(range, input, slots)?;
             if let (V::Json(Json::Map(object)), Node::Matches(text, Pattern::Fixed(matcher))) =
                 (&range, &**pred)
                 && matches!(**text, Node::Slot(s) if s == *iter)
@@ -1068,7 +1089,7 @@ fn select<'r>(
     slots: &mut [V<'r>],
 ) -> Run<Option<V<'r>>> {
     let (last, path) = fields.split_last().ok_or(Unsure)?;
-    let mut value = eval(operand, input, slots)?;
+    let mut value = fetch(operand, input, slots)?;
     if let V::Json(json) = value {
         return Ok(member(json, path, last)?.map(from_json));
     }
@@ -1086,7 +1107,7 @@ fn has<'r>(
     slots: &mut [V<'r>],
 ) -> Run<bool> {
     let (last, path) = fields.split_last().ok_or(Unsure)?;
-    let mut value = eval(operand, input, slots)?;
+    let mut value = fetch(operand, input, slots)?;
     if let V::Json(json) = value {
         return Ok(member(json, path, last)?.is_some());
     }
