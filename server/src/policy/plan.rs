@@ -21,7 +21,6 @@
 //! the interpreter's. The property test in `tests` checks that wherever the
 //! fast path answers, the interpreter answers the same.
 
-use std::borrow::Cow;
 use std::cmp::Ordering;
 use std::sync::Arc;
 
@@ -58,6 +57,13 @@ enum Node {
     Call,
     Calls,
     Context,
+    /// `call.args`, `call.tool`, `call.call_id`, `context.metadata`,
+    /// `context.model_text`: resolved when planned, not by name.
+    Args,
+    Tool,
+    CallId,
+    Metadata,
+    ModelText,
     Slot(usize),
     /// `operand.f1.f2...`: selections in a row, one node; with `test`, the
     /// last is `has()`'s.
@@ -125,8 +131,102 @@ enum TextTest {
 
 #[derive(Debug)]
 enum Pattern {
-    Fixed(Arc<Regex>),
+    Fixed(Matcher),
     Computed(Box<Node>),
+}
+
+/// A pattern written in the policy. One that accepts only a few words
+/// (`^(word|word)$`, optionally `(?i)`) is checked without the regex engine
+/// wherever that gives the regex's answer.
+#[derive(Debug)]
+struct Matcher {
+    regex: Arc<Regex>,
+    words: Option<Words>,
+}
+
+/// The words of a pattern `^(w1|w2|...)$` or `^w$`, optionally preceded by
+/// `(?i)`, each word of ASCII letters, digits and `_`.
+#[derive(Debug, PartialEq)]
+struct Words {
+    /// `(?i)`: case-insensitive.
+    fold: bool,
+    words: Box<[Box<str>]>,
+    /// Bit `n` for each word of `n` < 64 bytes: other lengths of ASCII
+    /// text below 64 match no word.
+    lengths: u64,
+}
+
+impl Words {
+    fn parse(pattern: &str) -> Option<Words> {
+        let (fold, rest) = match pattern.strip_prefix("(?i)") {
+            Some(rest) => (true, rest),
+            None => (false, pattern),
+        };
+        let body = rest.strip_prefix('^')?.strip_suffix('$')?;
+        // An alternation must be a group: `^a|b$` is `(^a)|(b$)`.
+        let (body, grouped) = match body
+            .strip_prefix("(?:")
+            .or_else(|| body.strip_prefix('('))
+            .and_then(|b| b.strip_suffix(')'))
+        {
+            Some(inner) => (inner, true),
+            None => (body, false),
+        };
+        let words: Box<[Box<str>]> = body.split('|').map(Box::from).collect();
+        let word =
+            |w: &str| !w.is_empty() && w.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'_');
+        if (words.len() > 1 && !grouped) || !words.iter().all(|w| word(w)) {
+            return None;
+        }
+        let lengths = words
+            .iter()
+            .filter(|w| w.len() < 64)
+            .fold(0, |bits, w| bits | (1 << w.len()));
+        Some(Words {
+            fold,
+            words,
+            lengths,
+        })
+    }
+
+    /// Whether `text` is one of the words; `None` when only the regex
+    /// knows. Case-insensitively, an ASCII letter of the pattern matches
+    /// its two ASCII cases and non-ASCII characters too (`ſ` is an `s`
+    /// for the regex): text that is not ASCII is left to the regex.
+    fn is_match(&self, text: &str) -> Option<bool> {
+        if !self.fold {
+            Some(self.words.iter().any(|w| **w == *text))
+        } else if text.is_ascii() {
+            // ASCII text of a length no word has matches none.
+            let n = text.len();
+            Some(
+                (n >= 64 || self.lengths & (1 << n) != 0)
+                    && self.words.iter().any(|w| w.eq_ignore_ascii_case(text)),
+            )
+        } else {
+            None
+        }
+    }
+}
+
+impl Matcher {
+    fn new(regex: Arc<Regex>) -> Matcher {
+        let words = Words::parse(regex.as_str());
+        Matcher { regex, words }
+    }
+
+    fn is_match(&self, text: &str) -> bool {
+        match self.words.as_ref().and_then(|w| w.is_match(text)) {
+            Some(found) => found,
+            None => self.regex.is_match(text),
+        }
+    }
+}
+
+/// Whether `pattern`'s word check answers `text`, and its answer.
+#[cfg(test)]
+pub(crate) fn word_match(pattern: &str, text: &str) -> Option<bool> {
+    Words::parse(pattern)?.is_match(text)
 }
 
 #[derive(Debug)]
@@ -203,6 +303,8 @@ pub(crate) struct FastContext<'a> {
 }
 
 /// A value during evaluation.
+// Strings and lists are boxed on purpose (see `Owned`).
+#[allow(clippy::box_collection)]
 #[derive(Debug, Clone)]
 enum V<'r> {
     Null,
@@ -210,7 +312,11 @@ enum V<'r> {
     Int(i64),
     Uint(u64),
     Double(f64),
-    Str(Cow<'r, str>),
+    /// A string of the plan or of the input.
+    Str(&'r str),
+    /// A string built during evaluation. Boxed, as lists are: dropping a
+    /// value of another kind is then a test, not a call.
+    Owned(Box<String>),
     /// A list or an object of some call's arguments.
     Json(&'r Json<'r>),
     /// `calls[i]`, a map `{call_id, tool, args}`.
@@ -218,7 +324,7 @@ enum V<'r> {
     Calls,
     Context,
     Metadata,
-    List(Vec<V<'r>>),
+    List(Box<Vec<V<'r>>>),
 }
 
 impl Plan {
@@ -245,25 +351,35 @@ impl Plan {
 
     /// Evaluates to a bool; `Unsure` for anything else.
     pub(crate) fn bool(&self, input: &Input<'_, '_>) -> Run<bool> {
-        match self.run(input)? {
-            V::Bool(b) => Ok(b),
-            _ => Err(Unsure),
-        }
+        self.run(input, test)
     }
 
     /// Evaluates to a string; `Unsure` for anything else.
     pub(crate) fn string(&self, input: &Input<'_, '_>) -> Run<String> {
-        match self.run(input)? {
-            V::Str(s) => Ok(s.into_owned()),
+        match self.run(input, eval)? {
+            V::Str(s) => Ok(s.to_owned()),
+            V::Owned(s) => Ok(*s),
             _ => Err(Unsure),
         }
     }
 
-    fn run<'r>(&'r self, input: &Input<'r, '_>) -> Run<V<'r>> {
+    /// `how` on the root, with the slots macros need (on the stack when
+    /// few).
+    fn run<'r, T>(
+        &'r self,
+        input: &Input<'r, '_>,
+        how: fn(&'r Node, &Input<'r, 'r>, &mut [V<'r>]) -> Run<T>,
+    ) -> Run<T> {
         // Variance: the input's JSON outlives this evaluation.
         let input: &Input<'r, 'r> = input;
-        let mut slots = vec![V::Null; self.slots];
-        eval(&self.root, input, &mut slots)
+        match self.slots {
+            0 => how(&self.root, input, &mut []),
+            n @ 1..=4 => {
+                let mut slots = [V::Null, V::Null, V::Null, V::Null];
+                how(&self.root, input, &mut slots[..n])
+            }
+            n => how(&self.root, input, &mut vec![V::Null; n]),
+        }
     }
 }
 
@@ -280,7 +396,7 @@ pub(crate) enum Seen {
 impl Plan {
     /// Evaluates to a value comparable with the interpreter's.
     pub(crate) fn plain(&self, input: &Input<'_, '_>) -> Result<super::plan_tests::Plain, Seen> {
-        let value = self.run(input).map_err(|Unsure| Seen::Unsure)?;
+        let value = self.run(input, eval).map_err(|Unsure| Seen::Unsure)?;
         plain(&value, input).ok_or(Seen::Unplain)
     }
 }
@@ -313,7 +429,8 @@ fn plain(value: &V<'_>, input: &Input<'_, '_>) -> Option<super::plan_tests::Plai
         V::Int(i) => Plain::Int(*i),
         V::Uint(u) => Plain::Uint(*u),
         V::Double(d) => Plain::Double(d.to_bits()),
-        V::Str(s) => Plain::Str(s.to_string()),
+        V::Str(s) => Plain::Str((*s).to_owned()),
+        V::Owned(s) => Plain::Str(s.to_string()),
         V::Json(j) => json(j),
         V::List(items) => Plain::List(
             items
@@ -396,26 +513,10 @@ impl Planner {
                 self.reads_call |= matches!(node, Node::Call);
                 node
             }
-            Expr::Select(select) => match self.node(&select.operand)? {
-                Node::Select {
-                    operand,
-                    fields,
-                    test: false,
-                } => {
-                    let mut fields = fields.into_vec();
-                    fields.push(select.field.clone());
-                    Node::Select {
-                        operand,
-                        fields: fields.into_boxed_slice(),
-                        test: select.test,
-                    }
-                }
-                operand => Node::Select {
-                    operand: Box::new(operand),
-                    fields: Box::new([select.field.clone()]),
-                    test: select.test,
-                },
-            },
+            Expr::Select(select) => {
+                let operand = self.node(&select.operand)?;
+                Self::select(operand, &select.field, select.test)
+            }
             Expr::List(list) => {
                 if !list.optional_indices.is_empty() {
                     return None;
@@ -455,6 +556,39 @@ impl Planner {
             }
             Expr::Map(_) | Expr::Struct(_) | Expr::Unspecified => return None,
         })
+    }
+
+    /// `operand.field`, or `has(operand.field)` with `test`.
+    fn select(operand: Node, field: &str, test: bool) -> Node {
+        match (operand, field, test) {
+            (Node::Call, "args", false) => Node::Args,
+            (Node::Call, "tool", false) => Node::Tool,
+            (Node::Call, "call_id", false) => Node::CallId,
+            (Node::Context, "metadata", false) => Node::Metadata,
+            (Node::Context, "model_text", false) => Node::ModelText,
+            (
+                Node::Select {
+                    operand,
+                    fields,
+                    test: false,
+                },
+                field,
+                test,
+            ) => {
+                let mut fields = fields.into_vec();
+                fields.push(field.to_owned());
+                Node::Select {
+                    operand,
+                    fields: fields.into_boxed_slice(),
+                    test,
+                }
+            }
+            (operand, field, test) => Node::Select {
+                operand: Box::new(operand),
+                fields: Box::new([field.to_owned()]),
+                test,
+            },
+        }
     }
 
     fn bind(&mut self, name: &str) -> usize {
@@ -621,10 +755,11 @@ impl Planner {
             // Written patterns were compiled with the policy (`expr`); the
             // cache may be full, or the expression compiled elsewhere.
             let text = text.inner();
-            return match super::patterns::cached(text) {
-                Some(regex) => Some(Pattern::Fixed(regex)),
-                None => super::patterns::lookup(text).ok().map(Pattern::Fixed),
+            let regex = match super::patterns::cached(text) {
+                Some(regex) => regex,
+                None => super::patterns::lookup(text).ok()?,
             };
+            return Some(Pattern::Fixed(Matcher::new(regex)));
         }
         Some(Pattern::Computed(Box::new(self.node(pattern)?)))
     }
@@ -643,7 +778,12 @@ fn reads(node: &Node, slot: usize) -> bool {
         | Node::Str(_)
         | Node::Call
         | Node::Calls
-        | Node::Context => false,
+        | Node::Context
+        | Node::Args
+        | Node::Tool
+        | Node::CallId
+        | Node::Metadata
+        | Node::ModelText => false,
         Node::Select { operand, .. } => reads(operand, slot),
         Node::Not(a)
         | Node::Negate(a)
@@ -671,85 +811,54 @@ fn reads(node: &Node, slot: usize) -> bool {
     }
 }
 
-fn eval<'r>(node: &'r Node, input: &Input<'r, 'r>, slots: &mut Vec<V<'r>>) -> Run<V<'r>> {
+fn eval<'r>(node: &'r Node, input: &Input<'r, 'r>, slots: &mut [V<'r>]) -> Run<V<'r>> {
     Ok(match node {
         Node::Null => V::Null,
         Node::Bool(b) => V::Bool(*b),
         Node::Int(i) => V::Int(*i),
         Node::Uint(u) => V::Uint(*u),
         Node::Double(d) => V::Double(*d),
-        Node::Str(s) => V::Str(Cow::Borrowed(s)),
+        Node::Str(s) => V::Str(s),
         Node::Call => V::CallMap(input.call),
         Node::Calls => V::Calls,
         Node::Context => V::Context,
+        Node::Args => from_json(this_call(input)?.args.as_ref().ok_or(Unsure)?),
+        Node::Tool => V::Str(this_call(input)?.tool),
+        Node::CallId => V::Str(this_call(input)?.call_id),
+        Node::Metadata => V::Metadata,
+        Node::ModelText => V::Str(input.context.model_text),
         Node::Slot(s) => slots.get(*s).cloned().ok_or(Unsure)?,
         Node::Select {
             operand,
             fields,
-            test,
-        } => {
-            let mut value = match &**operand {
-                Node::Call => V::CallMap(input.call),
-                Node::Context => V::Context,
-                operand => eval(operand, input, slots)?,
-            };
-            let (last, path) = fields.split_last().ok_or(Unsure)?;
-            for field in path {
-                value = field_of(&value, field, input)?.ok_or(Unsure)?;
-            }
-            let found = field_of(&value, last, input)?;
-            match (test, found) {
-                (true, found) => V::Bool(found.is_some()),
-                (false, Some(value)) => value,
-                (false, None) => return Err(Unsure),
-            }
-        }
-        Node::Not(a) => V::Bool(!as_bool(eval(a, input, slots)?)?),
+            test: false,
+        } => select(operand, fields, input, slots)?.ok_or(Unsure)?,
+        Node::Select { test: true, .. }
+        | Node::Not(_)
+        | Node::And(..)
+        | Node::Or(..)
+        | Node::NotStrictlyFalse(_)
+        | Node::Eq(..)
+        | Node::Ne(..)
+        | Node::Compare(..)
+        | Node::In(..)
+        | Node::Matches(..)
+        | Node::Text(..)
+        | Node::Quantifier { .. } => V::Bool(test(node, input, slots)?),
         Node::Negate(a) => match eval(a, input, slots)? {
             V::Int(i) => V::Int(i.checked_neg().ok_or(Unsure)?),
             V::Double(d) => V::Double(-d),
             _ => return Err(Unsure),
         },
-        Node::And(a, b) => {
-            if !as_bool(eval(a, input, slots)?)? {
-                V::Bool(false)
-            } else {
-                V::Bool(as_bool(eval(b, input, slots)?)?)
-            }
-        }
-        Node::Or(a, b) => {
-            if as_bool(eval(a, input, slots)?)? {
-                V::Bool(true)
-            } else {
-                V::Bool(as_bool(eval(b, input, slots)?)?)
-            }
-        }
         Node::Cond(abc) => {
             let [c, a, b] = &**abc;
-            if as_bool(eval(c, input, slots)?)? {
+            if test(c, input, slots)? {
                 eval(a, input, slots)?
             } else {
                 eval(b, input, slots)?
             }
         }
-        Node::NotStrictlyFalse(a) => V::Bool(as_bool(eval(a, input, slots)?)?),
-        Node::Eq(a, b) => V::Bool(equals(&eval(a, input, slots)?, &eval(b, input, slots)?)?),
-        Node::Ne(a, b) => V::Bool(!equals(&eval(a, input, slots)?, &eval(b, input, slots)?)?),
-        Node::Compare(op, a, b) => {
-            let ordering = compare(&eval(a, input, slots)?, &eval(b, input, slots)?)?;
-            V::Bool(match op {
-                Compare::Less => ordering == Ordering::Less,
-                Compare::LessEquals => ordering != Ordering::Greater,
-                Compare::Greater => ordering == Ordering::Greater,
-                Compare::GreaterEquals => ordering != Ordering::Less,
-            })
-        }
         Node::Arith(op, a, b) => arith(*op, eval(a, input, slots)?, eval(b, input, slots)?)?,
-        Node::In(a, b) => {
-            let needle = eval(a, input, slots)?;
-            let haystack = eval(b, input, slots)?;
-            V::Bool(contains(&haystack, &needle, input)?)
-        }
         Node::Index(a, b) => {
             let container = eval(a, input, slots)?;
             let index = eval(b, input, slots)?;
@@ -759,44 +868,18 @@ fn eval<'r>(node: &'r Node, input: &Input<'r, 'r>, slots: &mut Vec<V<'r>>) -> Ru
             let value = eval(a, input, slots)?;
             V::Int(i64::try_from(size(&value, input)?).map_err(|_| Unsure)?)
         }
-        Node::Matches(text, pattern) => {
-            let text = eval(text, input, slots)?;
-            let V::Str(text) = text else {
-                return Err(Unsure);
-            };
-            match pattern {
-                Pattern::Fixed(regex) => V::Bool(regex.is_match(&text)),
-                Pattern::Computed(p) => {
-                    let V::Str(p) = eval(p, input, slots)? else {
-                        return Err(Unsure);
-                    };
-                    let regex = super::patterns::lookup(&p).map_err(|_| Unsure)?;
-                    V::Bool(regex.is_match(&text))
-                }
-            }
-        }
-        Node::Text(test, a, b) => {
-            let (V::Str(a), V::Str(b)) = (eval(a, input, slots)?, eval(b, input, slots)?) else {
-                return Err(Unsure);
-            };
-            V::Bool(match test {
-                TextTest::StartsWith => a.starts_with(&*b),
-                TextTest::EndsWith => a.ends_with(&*b),
-                TextTest::Contains => a.contains(&*b),
-            })
-        }
         Node::ToString(a) => match eval(a, input, slots)? {
-            s @ V::Str(_) => s,
-            V::Int(i) => V::Str(Cow::Owned(i.to_string())),
-            V::Uint(u) => V::Str(Cow::Owned(u.to_string())),
+            s @ (V::Str(_) | V::Owned(_)) => s,
+            V::Int(i) => V::Owned(Box::new(i.to_string())),
+            V::Uint(u) => V::Owned(Box::new(u.to_string())),
             _ => return Err(Unsure),
         },
-        Node::List(items) => V::List(
+        Node::List(items) => V::List(Box::new(
             items
                 .iter()
                 .map(|item| eval(item, input, slots))
                 .collect::<Run<_>>()?,
-        ),
+        )),
         Node::Fold(fold) => {
             let init = eval(&fold.init, input, slots)?;
             let range = eval(&fold.range, input, slots)?;
@@ -813,7 +896,7 @@ fn eval<'r>(node: &'r Node, input: &Input<'r, 'r>, slots: &mut Vec<V<'r>>) -> Ru
             set(slots, fold.accu, init)?;
             let count = size(&range, input)?;
             for i in 0..count {
-                if !as_bool(eval(&fold.cond, input, slots)?)? {
+                if !test(&fold.cond, input, slots)? {
                     break;
                 }
                 let item = item_of(&range, i, input)?;
@@ -822,32 +905,6 @@ fn eval<'r>(node: &'r Node, input: &Input<'r, 'r>, slots: &mut Vec<V<'r>>) -> Ru
                 set(slots, fold.accu, accu)?;
             }
             eval(&fold.result, input, slots)?
-        }
-        Node::Quantifier {
-            any,
-            range,
-            iter,
-            pred,
-        } => {
-            let range = eval(range, input, slots)?;
-            if !matches!(
-                range,
-                V::Json(Json::Map(_) | Json::List(_))
-                    | V::CallMap(_)
-                    | V::Context
-                    | V::Metadata
-                    | V::List(_)
-                    | V::Calls
-            ) {
-                return Err(Unsure);
-            }
-            for i in 0..size(&range, input)? {
-                set(slots, *iter, item_of(&range, i, input)?)?;
-                if as_bool(eval(pred, input, slots)?)? == *any {
-                    return Ok(V::Bool(*any));
-                }
-            }
-            V::Bool(!*any)
         }
         Node::Append { accu, element } => {
             let element = eval(element, input, slots)?;
@@ -862,15 +919,233 @@ fn eval<'r>(node: &'r Node, input: &Input<'r, 'r>, slots: &mut Vec<V<'r>>) -> Ru
     })
 }
 
+/// [`eval`], with the common leaves (literal strings and ints, resolved
+/// fields, field paths, slots) answered here rather than through every
+/// case of `eval`.
+#[inline]
+fn fetch<'r>(node: &'r Node, input: &Input<'r, 'r>, slots: &mut [V<'r>]) -> Run<V<'r>> {
+    match node {
+        Node::Str(s) => Ok(V::Str(s)),
+        Node::Int(i) => Ok(V::Int(*i)),
+        Node::Args => Ok(from_json(this_call(input)?.args.as_ref().ok_or(Unsure)?)),
+        Node::Tool => Ok(V::Str(this_call(input)?.tool)),
+        Node::Metadata => Ok(V::Metadata),
+        Node::Slot(s) => slots.get(*s).cloned().ok_or(Unsure),
+        Node::Select {
+            operand,
+            fields,
+            test: false,
+        } => select(operand, fields, input, slots)?.ok_or(Unsure),
+        _ => eval(node, input, slots),
+    }
+}
+
+/// [`eval`] of a node that must be a bool, without building values where
+/// it can: the logical operators, tests and comparisons answer here.
+fn test<'r>(node: &'r Node, input: &Input<'r, 'r>, slots: &mut [V<'r>]) -> Run<bool> {
+    match node {
+        Node::Bool(b) => Ok(*b),
+        Node::Select {
+            operand,
+            fields,
+            test: true,
+        } => has(operand, fields, input, slots),
+        Node::Not(a) => Ok(!test(a, input, slots)?),
+        Node::And(a, b) => Ok(test(a, input, slots)? && test(b, input, slots)?),
+        Node::Or(a, b) => Ok(test(a, input, slots)? || test(b, input, slots)?),
+        Node::Cond(abc) => {
+            let [c, a, b] = &**abc;
+            if test(c, input, slots)? {
+                test(a, input, slots)
+            } else {
+                test(b, input, slots)
+            }
+        }
+        Node::NotStrictlyFalse(a) => test(a, input, slots),
+        Node::Eq(a, b) => equals(&fetch(a, input, slots)?, &fetch(b, input, slots)?),
+        Node::Ne(a, b) => Ok(!equals(&fetch(a, input, slots)?, &fetch(b, input, slots)?)?),
+        Node::Compare(op, a, b) => {
+            if let (Node::Size(a), Node::Int(k)) = (&**a, &**b) {
+                return size_compare(*op, fetch(a, input, slots)?, *k, input);
+            }
+            let ordering = compare(&fetch(a, input, slots)?, &fetch(b, input, slots)?)?;
+            Ok(op.holds(ordering))
+        }
+        Node::In(a, b) => {
+            let needle = fetch(a, input, slots)?;
+            let haystack = fetch(b, input, slots)?;
+            contains(&haystack, &needle, input)
+        }
+        Node::Matches(text, pattern) => {
+            let text = fetch(text, input, slots)?;
+            let text = text.as_str().ok_or(Unsure)?;
+            match pattern {
+                Pattern::Fixed(matcher) => Ok(matcher.is_match(text)),
+                Pattern::Computed(p) => {
+                    let p = fetch(p, input, slots)?;
+                    let regex =
+                        super::patterns::lookup(p.as_str().ok_or(Unsure)?).map_err(|_| Unsure)?;
+                    Ok(regex.is_match(text))
+                }
+            }
+        }
+        Node::Text(how, a, b) => {
+            let (a, b) = (fetch(a, input, slots)?, fetch(b, input, slots)?);
+            let (Some(a), Some(b)) = (a.as_str(), b.as_str()) else {
+                return Err(Unsure);
+            };
+            Ok(match how {
+                TextTest::StartsWith => a.starts_with(b),
+                TextTest::EndsWith => a.ends_with(b),
+                TextTest::Contains => a.contains(b),
+            })
+        }
+        Node::Quantifier {
+            any,
+            range,
+            iter,
+            pred,
+        } => {
+            let range = fetch(range, input, slots)?;
+            if let (V::Json(Json::Map(object)), Node::Matches(text, Pattern::Fixed(matcher))) =
+                (&range, &**pred)
+                && matches!(**text, Node::Slot(s) if s == *iter)
+            {
+                // `object.exists(k, k.matches(r'...'))`: the keys as they
+                // are, no slot set.
+                for i in 0..object.len() {
+                    let (key, _) = object.entry(i).ok_or(Unsure)?;
+                    if matcher.is_match(key) == *any {
+                        return Ok(*any);
+                    }
+                }
+                return Ok(!*any);
+            }
+            if !matches!(
+                range,
+                V::Json(Json::Map(_) | Json::List(_))
+                    | V::CallMap(_)
+                    | V::Context
+                    | V::Metadata
+                    | V::List(_)
+                    | V::Calls
+            ) {
+                return Err(Unsure);
+            }
+            for i in 0..size(&range, input)? {
+                set(slots, *iter, item_of(&range, i, input)?)?;
+                if test(pred, input, slots)? == *any {
+                    return Ok(*any);
+                }
+            }
+            Ok(!*any)
+        }
+        _ => match eval(node, input, slots)? {
+            V::Bool(b) => Ok(b),
+            _ => Err(Unsure),
+        },
+    }
+}
+
+impl Compare {
+    fn holds(self, ordering: Ordering) -> bool {
+        match self {
+            Compare::Less => ordering == Ordering::Less,
+            Compare::LessEquals => ordering != Ordering::Greater,
+            Compare::Greater => ordering == Ordering::Greater,
+            Compare::GreaterEquals => ordering != Ordering::Less,
+        }
+    }
+}
+
+/// `size(value) op k`. A string's size, its characters, is between a
+/// quarter of its bytes and its bytes: when those bounds decide, the
+/// characters are not counted.
+fn size_compare(op: Compare, value: V<'_>, k: i64, input: &Input<'_, '_>) -> Run<bool> {
+    let count = |n: usize| i64::try_from(n).map_err(|_| Unsure);
+    if let Some(s) = value.as_str() {
+        let (low, high) = (count(s.len().div_ceil(4))?, count(s.len())?);
+        let (low, high) = (op.holds(low.cmp(&k)), op.holds(high.cmp(&k)));
+        if low == high {
+            // Every comparison holds on an interval of sizes: at both
+            // ends, in between.
+            return Ok(low);
+        }
+        return Ok(op.holds(count(s.chars().count())?.cmp(&k)));
+    }
+    Ok(op.holds(count(size(&value, input)?)?.cmp(&k)))
+}
+
+fn this_call<'r>(input: &Input<'r, 'r>) -> Run<&'r FastCall<'r>> {
+    input.calls.get(input.call).ok_or(Unsure)
+}
+
+/// `operand.f1.f2...`: `None` when the last field is missing; `Unsure`
+/// when another is, or a value is not a map.
+fn select<'r>(
+    operand: &'r Node,
+    fields: &'r [String],
+    input: &Input<'r, 'r>,
+    slots: &mut [V<'r>],
+) -> Run<Option<V<'r>>> {
+    let (last, path) = fields.split_last().ok_or(Unsure)?;
+    let mut value = fetch(operand, input, slots)?;
+    if let V::Json(json) = value {
+        return Ok(member(json, path, last)?.map(from_json));
+    }
+    for field in path {
+        value = field_of(&value, field, input)?.ok_or(Unsure)?;
+    }
+    field_of(&value, last, input)
+}
+
+/// `has(operand.f1.f2...)`: [`select`] without the value.
+fn has<'r>(
+    operand: &'r Node,
+    fields: &'r [String],
+    input: &Input<'r, 'r>,
+    slots: &mut [V<'r>],
+) -> Run<bool> {
+    let (last, path) = fields.split_last().ok_or(Unsure)?;
+    let mut value = fetch(operand, input, slots)?;
+    if let V::Json(json) = value {
+        return Ok(member(json, path, last)?.is_some());
+    }
+    for field in path {
+        value = field_of(&value, field, input)?.ok_or(Unsure)?;
+    }
+    Ok(field_of(&value, last, input)?.is_some())
+}
+
+/// Member `path...last` of arguments, from JSON to JSON with no value in
+/// between: `None` when the last is missing, `Unsure` when another is or a
+/// value is not an object.
+fn member<'r>(json: &'r Json<'r>, path: &[String], last: &str) -> Run<Option<&'r Json<'r>>> {
+    let mut json = json;
+    for field in path {
+        let Json::Map(object) = json else {
+            return Err(Unsure);
+        };
+        json = object.get(field).ok_or(Unsure)?;
+    }
+    let Json::Map(object) = json else {
+        return Err(Unsure);
+    };
+    Ok(object.get(last))
+}
+
 fn set<'r>(slots: &mut [V<'r>], slot: usize, value: V<'r>) -> Run<()> {
     *slots.get_mut(slot).ok_or(Unsure)? = value;
     Ok(())
 }
 
-fn as_bool(value: V<'_>) -> Run<bool> {
-    match value {
-        V::Bool(b) => Ok(b),
-        _ => Err(Unsure),
+impl V<'_> {
+    fn as_str(&self) -> Option<&str> {
+        match self {
+            V::Str(s) => Some(s),
+            V::Owned(s) => Some(s.as_str()),
+            _ => None,
+        }
     }
 }
 
@@ -882,7 +1157,7 @@ fn from_json<'r>(json: &'r Json<'r>) -> V<'r> {
         Json::Int(i) => V::Int(*i),
         Json::Uint(u) => V::Uint(*u),
         Json::Double(d) => V::Double(*d),
-        Json::Str(s) => V::Str(Cow::Borrowed(s)),
+        Json::Str(s) => V::Str(s),
         Json::List(_) | Json::Map(_) => V::Json(json),
     }
 }
@@ -898,8 +1173,8 @@ fn field_of<'r>(value: &V<'r>, field: &str, input: &Input<'r, 'r>) -> Run<Option
         V::CallMap(i) => {
             let call = input.calls.get(*i).ok_or(Unsure)?;
             match field {
-                "call_id" => Some(V::Str(Cow::Borrowed(call.call_id))),
-                "tool" => Some(V::Str(Cow::Borrowed(call.tool))),
+                "call_id" => Some(V::Str(call.call_id)),
+                "tool" => Some(V::Str(call.tool)),
                 "args" => Some(from_json(call.args.as_ref().ok_or(Unsure)?)),
                 _ => None,
             }
@@ -907,9 +1182,9 @@ fn field_of<'r>(value: &V<'r>, field: &str, input: &Input<'r, 'r>) -> Run<Option
         V::Context => {
             let context = input.context;
             match field {
-                "session_id" => Some(V::Str(Cow::Borrowed(context.session_id))),
+                "session_id" => Some(V::Str(context.session_id)),
                 "turn_index" => Some(V::Int(i64::from(context.turn_index))),
-                "model_text" => Some(V::Str(Cow::Borrowed(context.model_text))),
+                "model_text" => Some(V::Str(context.model_text)),
                 "metadata" => Some(V::Metadata),
                 _ => None,
             }
@@ -919,7 +1194,7 @@ fn field_of<'r>(value: &V<'r>, field: &str, input: &Input<'r, 'r>) -> Run<Option
             .metadata
             .iter()
             .find(|(k, _)| *k == field)
-            .map(|(_, v)| V::Str(Cow::Borrowed(*v))),
+            .map(|(_, v)| V::Str(v)),
         _ => return Err(Unsure),
     })
 }
@@ -928,6 +1203,7 @@ fn field_of<'r>(value: &V<'r>, field: &str, input: &Input<'r, 'r>) -> Run<Option
 fn size(value: &V<'_>, input: &Input<'_, '_>) -> Run<usize> {
     Ok(match value {
         V::Str(s) => s.chars().count(),
+        V::Owned(s) => s.chars().count(),
         V::Json(Json::List(items)) => items.len(),
         V::Json(Json::Map(object)) => object.len(),
         V::List(items) => items.len(),
@@ -941,10 +1217,10 @@ fn size(value: &V<'_>, input: &Input<'_, '_>) -> Run<usize> {
 
 /// Item `i` of a list, or key `i` of a map, as a macro iterates them.
 fn item_of<'r>(value: &V<'r>, i: usize, input: &Input<'r, 'r>) -> Run<V<'r>> {
-    let key = |k: &'r str| V::Str(Cow::Borrowed(k));
+    let key = |k: &'r str| V::Str(k);
     Ok(match value {
         V::Json(Json::List(items)) => from_json(items.get(i).ok_or(Unsure)?),
-        V::Json(Json::Map(object)) => V::Str(Cow::Borrowed(&object.entry(i).ok_or(Unsure)?.0)),
+        V::Json(Json::Map(object)) => V::Str(&object.entry(i).ok_or(Unsure)?.0),
         V::List(items) => items.get(i).cloned().ok_or(Unsure)?,
         V::Calls if i < input.calls.len() => V::CallMap(i),
         V::CallMap(_) => key(CALL_FIELDS.get(i).ok_or(Unsure)?),
@@ -963,8 +1239,8 @@ fn index_of<'r>(container: &V<'r>, index: &V<'r>, input: &Input<'r, 'r>) -> Run<
             }
             item_of(container, i, input)
         }
-        (V::Json(Json::Map(_)) | V::CallMap(_) | V::Context | V::Metadata, V::Str(key)) => {
-            field_of(container, key, input)?.ok_or(Unsure)
+        (V::Json(Json::Map(_)) | V::CallMap(_) | V::Context | V::Metadata, key) => {
+            field_of(container, key.as_str().ok_or(Unsure)?, input)?.ok_or(Unsure)
         }
         _ => Err(Unsure),
     }
@@ -983,7 +1259,7 @@ fn contains(haystack: &V<'_>, needle: &V<'_>, input: &Input<'_, '_>) -> Run<bool
             Ok(false)
         }
         V::List(items) => {
-            for item in items {
+            for item in items.iter() {
                 if equals(item, needle)? {
                     return Ok(true);
                 }
@@ -991,15 +1267,12 @@ fn contains(haystack: &V<'_>, needle: &V<'_>, input: &Input<'_, '_>) -> Run<bool
             Ok(false)
         }
         V::Json(Json::Map(_)) | V::CallMap(_) | V::Context | V::Metadata => {
-            let V::Str(key) = needle else {
-                return Err(Unsure);
-            };
-            // The borrow checker wants the input's own lifetime here.
+            let key = needle.as_str().ok_or(Unsure)?;
             Ok(match haystack {
                 V::Json(Json::Map(object)) => object.get(key).is_some(),
-                V::CallMap(_) => CALL_FIELDS.contains(&&**key),
-                V::Context => CONTEXT_FIELDS.contains(&&**key),
-                _ => input.context.metadata.iter().any(|(k, _)| *k == &**key),
+                V::CallMap(_) => CALL_FIELDS.contains(&key),
+                V::Context => CONTEXT_FIELDS.contains(&key),
+                _ => input.context.metadata.iter().any(|(k, _)| *k == key),
             })
         }
         _ => Err(Unsure),
@@ -1010,13 +1283,15 @@ fn contains(haystack: &V<'_>, needle: &V<'_>, input: &Input<'_, '_>) -> Run<bool
 /// `int`, `uint` and `double`; other kinds differ from each other).
 /// `Unsure` for lists and maps, and NaN.
 fn equals(a: &V<'_>, b: &V<'_>) -> Run<bool> {
+    if let (Some(x), Some(y)) = (a.as_str(), b.as_str()) {
+        return Ok(x == y);
+    }
     if !is_scalar(a) || !is_scalar(b) {
         return Err(Unsure);
     }
     Ok(match (a, b) {
         (V::Null, V::Null) => true,
         (V::Bool(x), V::Bool(y)) => x == y,
-        (V::Str(x), V::Str(y)) => x == y,
         (V::Int(_) | V::Uint(_) | V::Double(_), V::Int(_) | V::Uint(_) | V::Double(_)) => {
             match compare(a, b) {
                 Ok(ordering) => ordering == Ordering::Equal,
@@ -1030,19 +1305,21 @@ fn equals(a: &V<'_>, b: &V<'_>) -> Run<bool> {
 fn is_scalar(v: &V<'_>) -> bool {
     matches!(
         v,
-        V::Null | V::Bool(_) | V::Int(_) | V::Uint(_) | V::Double(_) | V::Str(_)
+        V::Null | V::Bool(_) | V::Int(_) | V::Uint(_) | V::Double(_) | V::Str(_) | V::Owned(_)
     )
 }
 
 /// CEL's ordering of numbers and of strings; `Unsure` otherwise (and for
 /// NaN).
 fn compare(a: &V<'_>, b: &V<'_>) -> Run<Ordering> {
+    if let (Some(x), Some(y)) = (a.as_str(), b.as_str()) {
+        return Ok(x.cmp(y));
+    }
     let float = |x: f64, y: f64| x.partial_cmp(&y).ok_or(Unsure);
     #[allow(clippy::cast_precision_loss)]
     match (a, b) {
         (V::Int(x), V::Int(y)) => Ok(x.cmp(y)),
         (V::Uint(x), V::Uint(y)) => Ok(x.cmp(y)),
-        (V::Str(x), V::Str(y)) => Ok(x.cmp(y)),
         (V::Double(x), V::Double(y)) => float(*x, *y),
         (V::Int(x), V::Double(y)) => float(*x as f64, *y),
         (V::Double(x), V::Int(y)) => float(*x, *y as f64),
@@ -1065,14 +1342,20 @@ fn arith<'r>(op: Arith, a: V<'r>, b: V<'r>) -> Run<V<'r>> {
         (Arith::Add, V::Double(x), V::Double(y)) => V::Double(x + y),
         (Arith::Sub, V::Double(x), V::Double(y)) => V::Double(x - y),
         (Arith::Mul, V::Double(x), V::Double(y)) => V::Double(x * y),
-        (Arith::Add, V::Str(x), V::Str(y)) => {
-            let mut s = x.into_owned();
-            s.push_str(&y);
-            V::Str(Cow::Owned(s))
-        }
         (Arith::Add, V::List(mut x), V::List(y)) => {
-            x.extend(y);
+            x.extend(*y);
             V::List(x)
+        }
+        (Arith::Add, x, y) => {
+            let (Some(_), Some(tail)) = (x.as_str(), y.as_str()) else {
+                return Err(Unsure);
+            };
+            let mut s = match x {
+                V::Owned(s) => *s,
+                x => x.as_str().ok_or(Unsure)?.to_owned(),
+            };
+            s.push_str(tail);
+            V::Owned(Box::new(s))
         }
         _ => return Err(Unsure),
     })

@@ -573,3 +573,169 @@ fn r27_the_fast_path_answers_these_as_the_interpreter_does() {
         }
     }
 }
+
+/// The batch of one call whose arguments are `args`.
+fn one_call(args: serde_json::Value) -> BatchInput {
+    BatchInput {
+        session_id: "s".into(),
+        turn_index: 3,
+        model_text: "m".into(),
+        metadata: [("tenant".to_owned(), "acme".to_owned())].into(),
+        calls: vec![CallInput {
+            call_id: "c0".into(),
+            tool: "sql.query".into(),
+            args,
+        }],
+    }
+}
+
+/// [`check`] of `source` on `batch`, which the fast path must answer.
+fn answered(env: &Arc<Env>, source: &str, batch: &BatchInput) {
+    let mut tally = Tally::default();
+    check(env, source, batch, &mut tally).unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(
+        tally.answered, 1,
+        "the fast path gave up on {source} on {batch:?}"
+    );
+}
+
+#[test]
+fn r27_size_comparisons_answer_as_the_interpreter_does_for_every_length() {
+    // A string's size is bounded by its bytes before its characters are
+    // counted: strings of 1 to 4 bytes a character, around each bound.
+    let env = env();
+    let pieces = ["a", "é", "€", "𝄞"];
+    let ops = ["<", "<=", ">", ">=", "==", "!="];
+    for n in 0..7 {
+        for mix in 0..pieces.len() + 1 {
+            // One kind of character, or all kinds in turn.
+            let s: String = (0..n)
+                .map(|i| pieces.get(mix).copied().unwrap_or(pieces[i % pieces.len()]))
+                .collect();
+            let batch = one_call(json!({ "s": s }));
+            for k in -1..=25 {
+                for op in ops {
+                    answered(&env, &format!("size(call.args.s) {op} {k}"), &batch);
+                    answered(&env, &format!("call.args.s.size() {op} {k}"), &batch);
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn r27_patterns_of_words_match_as_the_regex_does() {
+    // Patterns checked without the regex engine where they can be, and
+    // patterns that only look like them (an alternation outside a group is
+    // anchored on one side only).
+    let long = format!("(?i)^(x|{})$", "a".repeat(64));
+    let patterns = [
+        "(?i)^(password|secret|api_key|token)$",
+        "^(password|secret)$",
+        "(?i)^(?:sk|Key_2)$",
+        "(?i)^token$",
+        "^token$",
+        "(?i)^a|b$",
+        "^a|b$",
+        "(?i)^(a)|(b)$",
+        "(?i)^(a|)$",
+        "(?i)(secret|token)$",
+        "^(secret|token)",
+        "(?i)^(sec.et)$",
+        "(?i)^(s\\w+)$",
+        long.as_str(),
+    ];
+    let regexes: Vec<regex::Regex> = patterns
+        .iter()
+        .map(|p| regex::Regex::new(p).expect(p))
+        .collect();
+    // Characters a case-insensitive regex takes for ASCII letters (`ſ` is
+    // an `s`, the Kelvin sign a `k`), and others.
+    let alphabet = vec![
+        'a', 'A', 'b', 'B', 's', 'S', 'k', 'K', 'e', 'E', 'y', 'Y', 't', 'T', 'o', 'n', 'c', 'r',
+        'p', 'w', 'd', '_', '2', ' ', '\n', 'ſ', '\u{212A}', 'é', 'ı', 'İ',
+    ];
+    let words = prop::sample::select(vec![
+        "password",
+        "PassWord",
+        "secret",
+        "SECRET",
+        "ſecret",
+        "api_key",
+        "API_KEY",
+        "token",
+        "tokens",
+        "sk",
+        "SK",
+        "\u{212A}ey_2",
+        "key_2",
+        "a",
+        "b",
+        "xb",
+        "ax",
+        "",
+        "secret\n",
+    ]);
+    // Words of 64 bytes or more are compared whatever their length.
+    let long_texts = prop::sample::select(vec!["A".repeat(64), "a".repeat(63)]);
+    let texts = prop_oneof![
+        words.prop_map(str::to_owned),
+        long_texts,
+        prop::collection::vec(prop::sample::select(alphabet), 0..9)
+            .prop_map(|chars| chars.into_iter().collect::<String>()),
+    ];
+    let mut runner = TestRunner::new(Config {
+        cases: 4096,
+        failure_persistence: None,
+        ..Config::default()
+    });
+    let result = runner.run(&texts, |text| {
+        for (pattern, regex) in patterns.iter().zip(&regexes) {
+            if let Some(found) = super::plan::word_match(pattern, &text) {
+                prop_assert_eq!(found, regex.is_match(&text), "{} on {:?}", pattern, text);
+            }
+        }
+        Ok(())
+    });
+    if let Err(error) = result {
+        panic!("{error}");
+    }
+    // The first five are checked without the regex engine (on ASCII text).
+    for pattern in &patterns[..5] {
+        assert!(
+            super::plan::word_match(pattern, "token").is_some(),
+            "{pattern} is left to the regex"
+        );
+    }
+}
+
+#[test]
+fn r27_the_fast_path_reads_arguments_and_keys_as_the_interpreter_does() {
+    let env = env();
+    let batches = [
+        one_call(json!({"query": "DELETE FROM t", "o": {"k": "v", "API_KEY": 1}})),
+        one_call(json!({"ſecret": 1, "o": {"k": 2}})),
+        one_call(json!({"Token": "x", "query": "select 1", "o": []})),
+        one_call(json!({})),
+    ];
+    let sources = [
+        "call.args.exists(k, k.matches(r'(?i)^(password|secret|api_key|token)$'))",
+        "call.args.exists(k, k.matches(r'^(password|secret|api_key|token)$'))",
+        "call.args.all(k, !k.matches(r'(?i)^(o|query)$'))",
+        "has(call.args.query) && call.args.query.matches(r'(?i)^\\s*delete\\s')",
+        "has(call.args.o.k) || call.tool == 'sql.query'",
+        "call.call_id + ' ' + call.tool + ' ' + context.model_text",
+        "context.metadata.tenant == 'acme' && has(context.metadata.tenant)",
+        "size(call.args) >= 0 && size(call.args.query) > 3",
+    ];
+    let mut answers = 0;
+    for batch in &batches {
+        for source in sources {
+            let mut tally = Tally::default();
+            check(&env, source, batch, &mut tally).unwrap_or_else(|e| panic!("{e}"));
+            answers += tally.answered;
+        }
+    }
+    // Each source on some batch at least.
+    assert!(answers >= 20, "the fast path answered {answers} times");
+}
