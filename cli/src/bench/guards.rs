@@ -23,7 +23,7 @@ use guardmesh_client::verdict::steer;
 use guardmesh_proto::bench::v1::EchoMessage;
 use guardmesh_proto::bench::v1::direct_guard_server::{DirectGuard, DirectGuardServer};
 use guardmesh_proto::bench::v1::echo_server::{Echo, EchoServer};
-use std::io::{Read, Write};
+use std::io::Write;
 use std::process::ExitCode;
 use std::sync::Arc;
 use std::time::Duration;
@@ -263,26 +263,7 @@ async fn serve(args: GuardsArgs) -> Result<(), Error> {
         stdout.write_all(out.as_bytes())?;
         stdout.flush()?;
     }
-    // Stops when the benchmark closes our stdin (it holds the other end, so
-    // this also happens when it dies), or on a signal.
-    let (closed_tx, closed_rx) = tokio::sync::oneshot::channel::<()>();
-    std::thread::Builder::new()
-        .name("bench-stdin".into())
-        .spawn(move || {
-            let mut stdin = std::io::stdin().lock();
-            let mut buf = [0u8; 256];
-            while let Ok(n) = stdin.read(&mut buf) {
-                if n == 0 {
-                    break;
-                }
-            }
-            let _ = closed_tx.send(());
-        })?;
-    tokio::select! {
-        _ = closed_rx => {}
-        () = super::interrupted() => {}
-    }
-    Ok(())
+    super::until_released().await
 }
 
 #[cfg(test)]

@@ -227,6 +227,57 @@ pub fn serve_mcp_upstream() -> ExitCode {
     mcp::serve_upstream()
 }
 
+/// The lines a child of the benchmark prints before `READY`, within
+/// [`START_TIMEOUT`].
+async fn ready_lines(
+    rx: &mut mpsc::UnboundedReceiver<String>,
+    child: &mut Child,
+    what: &str,
+) -> Result<Vec<String>, Error> {
+    let deadline = Instant::now() + START_TIMEOUT;
+    let mut lines = Vec::new();
+    loop {
+        match tokio::time::timeout_at(deadline, rx.recv()).await {
+            Ok(Some(line)) if line.trim() == "READY" => return Ok(lines),
+            Ok(Some(line)) => lines.push(line),
+            Ok(None) => {
+                child.check_alive()?;
+                return Err(format!("{what} closed its output before READY").into());
+            }
+            Err(_) => {
+                return Err(format!(
+                    "{what} was not ready within {START_TIMEOUT:?}{}",
+                    child.log_tail()
+                )
+                .into());
+            }
+        }
+    }
+}
+
+/// Runs until the benchmark closes this child's stdin (it holds the other
+/// end, so this also happens when it dies), or until SIGINT or SIGTERM.
+async fn until_released() -> Result<(), Error> {
+    let (closed_tx, closed_rx) = tokio::sync::oneshot::channel::<()>();
+    std::thread::Builder::new()
+        .name("bench-stdin".into())
+        .spawn(move || {
+            let mut stdin = std::io::stdin().lock();
+            let mut buf = [0u8; 256];
+            while let Ok(n) = std::io::Read::read(&mut stdin, &mut buf) {
+                if n == 0 {
+                    break;
+                }
+            }
+            let _ = closed_tx.send(());
+        })?;
+    tokio::select! {
+        _ = closed_rx => {}
+        () = interrupted() => {}
+    }
+    Ok(())
+}
+
 /// Entry point of the hidden `guardmesh bench-relay`.
 pub fn serve_relay(args: RelayArgs) -> ExitCode {
     relay::main(args)
@@ -405,29 +456,12 @@ impl GuardProcess {
         )?;
         let mut ports = HashMap::new();
         let mut echo_port = None;
-        let deadline = Instant::now() + START_TIMEOUT;
-        loop {
-            let line = match tokio::time::timeout_at(deadline, rx.recv()).await {
-                Ok(Some(line)) => line,
-                Ok(None) => {
-                    child.check_alive()?;
-                    return Err("the guard process closed its output before READY".into());
-                }
-                Err(_) => {
-                    return Err(format!(
-                        "the guard process was not ready within {START_TIMEOUT:?}{}",
-                        child.log_tail()
-                    )
-                    .into());
-                }
-            };
-            let words: Vec<&str> = line.split_whitespace().collect();
-            match words.as_slice() {
+        for line in ready_lines(&mut rx, &mut child, "the guard process").await? {
+            match line.split_whitespace().collect::<Vec<_>>().as_slice() {
                 ["GUARD", name, stream, direct] => {
                     ports.insert((*name).to_owned(), (stream.parse()?, direct.parse()?));
                 }
                 ["ECHO", port] => echo_port = Some(port.parse()?),
-                ["READY"] => break,
                 _ => return Err(format!("unexpected line from the guard process: {line:?}").into()),
             }
         }
@@ -589,29 +623,12 @@ impl MeshProcess {
             Some(dir.join(format!("{label}.log"))),
             Some(tx),
         )?;
-        let deadline = Instant::now() + START_TIMEOUT;
         let mut port: Option<u16> = None;
-        loop {
-            let line = match tokio::time::timeout_at(deadline, rx.recv()).await {
-                Ok(Some(line)) => line,
-                Ok(None) => {
-                    child.check_alive()?;
-                    return Err(
-                        format!("the relay of {label} closed its output before READY").into(),
-                    );
-                }
-                Err(_) => {
-                    return Err(format!(
-                        "the relay of {label} was not ready within {START_TIMEOUT:?}{}",
-                        child.log_tail()
-                    )
-                    .into());
-                }
-            };
+        let what = format!("the relay of {label}");
+        for line in ready_lines(&mut rx, &mut child, &what).await? {
             match line.split_whitespace().collect::<Vec<_>>().as_slice() {
                 ["RELAY", p] => port = Some(p.parse()?),
-                ["READY"] => break,
-                _ => return Err(format!("unexpected line from the relay: {line:?}").into()),
+                _ => return Err(format!("unexpected line from {what}: {line:?}").into()),
             }
         }
         let port = port.ok_or("the relay printed no port")?;

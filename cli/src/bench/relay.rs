@@ -33,7 +33,7 @@ use guardmesh_proto::v1::{
 use guardmesh_server::link::wire::{Encoded, JudgeCodec, shared_part};
 use prost::Message;
 use std::collections::HashMap;
-use std::io::{Read, Write};
+use std::io::Write;
 use std::process::ExitCode;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
@@ -366,22 +366,5 @@ async fn serve(args: RelayArgs) -> Result<(), Error> {
         stdout.write_all(format!("RELAY {port}\nREADY\n").as_bytes())?;
         stdout.flush()?;
     }
-    let (closed_tx, closed_rx) = oneshot::channel::<()>();
-    std::thread::Builder::new()
-        .name("bench-stdin".into())
-        .spawn(move || {
-            let mut stdin = std::io::stdin().lock();
-            let mut buf = [0u8; 256];
-            while let Ok(n) = stdin.read(&mut buf) {
-                if n == 0 {
-                    break;
-                }
-            }
-            let _ = closed_tx.send(());
-        })?;
-    tokio::select! {
-        _ = closed_rx => {}
-        () = super::interrupted() => {}
-    }
-    Ok(())
+    super::until_released().await
 }
