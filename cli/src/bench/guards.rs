@@ -165,21 +165,7 @@ impl Echo for Echoer {
 
 /// Entry point of `guardmesh bench-guards`.
 pub(super) fn main(args: GuardsArgs) -> ExitCode {
-    super::init_logs("warn");
-    let runtime = match args.runtime.build() {
-        Ok(runtime) => runtime,
-        Err(error) => {
-            eprintln!("error: cannot start the runtime: {error}");
-            return ExitCode::FAILURE;
-        }
-    };
-    match runtime.block_on(serve(args)) {
-        Ok(()) => ExitCode::SUCCESS,
-        Err(error) => {
-            eprintln!("error: {}", guardmesh_server::error_chain(error.as_ref()));
-            ExitCode::FAILURE
-        }
-    }
+    super::run_child(args.runtime.build(), serve(args))
 }
 
 /// Accepted connections with `TCP_NODELAY` set. Tonic applies its own

@@ -278,6 +278,29 @@ async fn until_released() -> Result<(), Error> {
     Ok(())
 }
 
+/// Runs a benchmark child's `serve` on `runtime` and turns the outcome
+/// into its exit code, printing why it failed.
+fn run_child(
+    runtime: std::io::Result<tokio::runtime::Runtime>,
+    serve: impl std::future::Future<Output = Result<(), Error>>,
+) -> ExitCode {
+    init_logs("warn");
+    let runtime = match runtime {
+        Ok(runtime) => runtime,
+        Err(error) => {
+            eprintln!("error: cannot start the runtime: {error}");
+            return ExitCode::FAILURE;
+        }
+    };
+    match runtime.block_on(serve) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(error) => {
+            eprintln!("error: {}", guardmesh_server::error_chain(error.as_ref()));
+            ExitCode::FAILURE
+        }
+    }
+}
+
 /// Entry point of the hidden `guardmesh bench-relay`.
 pub fn serve_relay(args: RelayArgs) -> ExitCode {
     relay::main(args)

@@ -311,8 +311,7 @@ impl PreToolService for RelayService {
 
 /// Entry point of `guardmesh bench-relay`.
 pub(super) fn main(args: RelayArgs) -> ExitCode {
-    super::init_logs("warn");
-    let built = match args.worker_threads {
+    let runtime = match args.worker_threads {
         0 | 1 => tokio::runtime::Builder::new_current_thread()
             .enable_all()
             .build(),
@@ -321,20 +320,7 @@ pub(super) fn main(args: RelayArgs) -> ExitCode {
             .enable_all()
             .build(),
     };
-    let runtime = match built {
-        Ok(runtime) => runtime,
-        Err(error) => {
-            eprintln!("error: cannot start the runtime: {error}");
-            return ExitCode::FAILURE;
-        }
-    };
-    match runtime.block_on(serve(args)) {
-        Ok(()) => ExitCode::SUCCESS,
-        Err(error) => {
-            eprintln!("error: {}", guardmesh_server::error_chain(error.as_ref()));
-            ExitCode::FAILURE
-        }
-    }
+    super::run_child(runtime, serve(args))
 }
 
 async fn serve(args: RelayArgs) -> Result<(), Error> {
