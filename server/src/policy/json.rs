@@ -25,8 +25,11 @@ pub(crate) enum Json<'a> {
     Map(Object<'a>),
 }
 
-/// The members an object being parsed has room for before it grows (the
-/// parser does not know their number beforehand).
+/// The members the arguments' top-level object has room for before it grows
+/// (the parser does not know their number beforehand). Only the top level:
+/// there is one per call, while nested objects are as many as the text
+/// makes them, and room given to each of a million `{}` would be memory a
+/// peer could make the mesh hold for nothing.
 const MEMBERS: usize = 8;
 
 /// Objects with more members than this are looked up through their keys
@@ -111,9 +114,12 @@ impl<'a> Json<'a> {
         }
         let mut deserializer = serde_json::Deserializer::from_str(text);
         let mut stats = Stats::default();
-        let value = Seed { stats: &mut stats }
-            .deserialize(&mut deserializer)
-            .and_then(|value| deserializer.end().map(|()| value));
+        let value = Seed {
+            stats: &mut stats,
+            top: true,
+        }
+        .deserialize(&mut deserializer)
+        .and_then(|value| deserializer.end().map(|()| value));
         match value {
             Ok(value) => {
                 *largest = (*largest).max(stats.largest);
@@ -178,6 +184,8 @@ struct Stats {
 
 struct Seed<'s> {
     stats: &'s mut Stats,
+    /// The arguments' top-level value, not a nested one.
+    top: bool,
 }
 
 impl<'de> DeserializeSeed<'de> for Seed<'_> {
@@ -231,6 +239,7 @@ impl<'de> Visitor<'de> for Seed<'_> {
         let mut items = Vec::with_capacity(seq.size_hint().unwrap_or(0));
         while let Some(item) = seq.next_element_seed(Seed {
             stats: &mut *self.stats,
+            top: false,
         })? {
             items.push(item);
         }
@@ -239,11 +248,14 @@ impl<'de> Visitor<'de> for Seed<'_> {
     }
 
     fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Self::Value, A::Error> {
-        let mut fields: Vec<(Cow<'de, str>, Json<'de>)> =
-            Vec::with_capacity(map.size_hint().unwrap_or(MEMBERS));
+        let room = map
+            .size_hint()
+            .unwrap_or(if self.top { MEMBERS } else { 0 });
+        let mut fields: Vec<(Cow<'de, str>, Json<'de>)> = Vec::with_capacity(room);
         while let Some(key) = map.next_key_seed(KeySeed)? {
             let value = map.next_value_seed(Seed {
                 stats: &mut *self.stats,
+                top: false,
             })?;
             fields.push((key, value));
         }
@@ -295,6 +307,37 @@ mod tests {
     use super::*;
     use proptest::prelude::*;
     use proptest::test_runner::{Config, TestRunner};
+
+    /// R20/R27: only the top-level object of a call's arguments is given room
+    /// in advance; nested objects, as many as a peer's text makes, hold
+    /// only what they need (a million `{}` allocate nothing).
+    #[test]
+    fn r27_nested_objects_get_no_room_in_advance() {
+        let text = format!("{{\"a\":[{}{{\"b\":1}}]}}", "{},".repeat(1000));
+        let mut largest = 0;
+        let Some(Json::Map(top)) = Json::from_text(&text, &mut largest) else {
+            panic!("not an object");
+        };
+        assert!(top.fields.capacity() >= MEMBERS);
+        let Json::List(items) = &top.fields[0].1 else {
+            panic!("not a list");
+        };
+        assert_eq!(items.len(), 1001);
+        for item in &items[..1000] {
+            let Json::Map(empty) = item else {
+                panic!("not an object")
+            };
+            assert_eq!(empty.fields.capacity(), 0);
+        }
+        let Json::Map(last) = &items[1000] else {
+            panic!("not an object")
+        };
+        assert!(
+            last.fields.capacity() < MEMBERS,
+            "{}",
+            last.fields.capacity()
+        );
+    }
 
     /// The serde_json parser this module used before, kept as the oracle.
     mod before {
