@@ -215,3 +215,72 @@ async fn r3_r4_r27_policy_rust_and_python_guards_keep_chain_order() {
         check_chain(&mut rng, seed, 2, policy_at, Some((&python, python_at)), 5).await;
     }
 }
+
+/// R10/R27: a policy guard judges the calls as the mutate guards left
+/// them, not as the coordinator sent them: a rewrite that makes a payment
+/// large is steered by the policy, one that makes it small proceeds, and
+/// calls not rewritten are judged on their own arguments (the mesh reads
+/// those from what its check recorded, the rewritten ones afresh).
+#[tokio::test]
+async fn r10_r27_policy_judges_the_arguments_as_rewritten() {
+    use guardmesh_client::verdict::rewrite_arguments;
+    const RULES: &str = r#"
+[[rule]]
+name = "big-payment"
+when = "call.args.amount > 10000"
+action = "steer"
+message = '"a payment of " + string(call.args.amount) + " needs a human"'
+"#;
+    // Rewrites each call's amount to what its `to` member says.
+    let mutate = script_guard(|batch| Script {
+        delay: Duration::ZERO,
+        verdicts: batch
+            .calls
+            .iter()
+            .filter_map(|call| {
+                let args: serde_json::Value = serde_json::from_str(&call.arguments).ok()?;
+                let to = args.get("to")?.as_i64()?;
+                Some(rewrite_arguments(&call.call_id, &json!({ "amount": to })))
+            })
+            .collect(),
+        error: None,
+    })
+    .await;
+    let mesh = TestMesh::start().await;
+    mesh.register(Registration::mutate("m", &mutate.url, ["pay"]))
+        .await;
+    mesh.register(Registration::policy("policy", RULES)).await;
+    let coordinator = mesh.coordinator().await;
+    let session = coordinator.session("rewrites").await.unwrap();
+    let batch = Batch::new(0)
+        .call("up", "pay", json!({ "amount": 5, "to": 50000 }).to_string())
+        .call(
+            "down",
+            "pay",
+            json!({ "amount": 50000, "to": 5 }).to_string(),
+        )
+        .call("big", "pay", json!({ "amount": 20000 }).to_string())
+        .call(
+            "small",
+            "pay",
+            json!({ "note": "x", "amount": 20 }).to_string(),
+        );
+    let decision = session.evaluate(batch).await.unwrap();
+    let outcome = |id: &str| decision.call(id).map(|c| c.outcome.clone());
+    assert_eq!(
+        outcome("up"),
+        Some(Outcome::Steer {
+            content: "a payment of 50000 needs a human".into()
+        }),
+        "{decision:?}"
+    );
+    assert_eq!(outcome("down"), Some(Outcome::Proceed), "{decision:?}");
+    assert_eq!(
+        outcome("big"),
+        Some(Outcome::Steer {
+            content: "a payment of 20000 needs a human".into()
+        }),
+        "{decision:?}"
+    );
+    assert_eq!(outcome("small"), Some(Outcome::Proceed), "{decision:?}");
+}

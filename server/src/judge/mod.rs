@@ -20,12 +20,12 @@ use crate::judge::call_index::CallIndex;
 use crate::judge::fold::{Decided, Fold, FoldGuard};
 use crate::link::{GuardFailure, LinkEvent};
 use crate::mesh::{Chain, ChainGuard, Mesh, Unguarded};
-use crate::policy::{Args, BatchValues, CallRef, ContextRef, Outcome as PolicyOutcome};
+use crate::policy::{Args, BatchValues, CallRef, ContextRef, Members, Outcome as PolicyOutcome};
 use crate::registry::spec::Guard;
 use crate::validate;
 use guardmesh_proto::v1::{
     Action, BatchContext, BatchDecision, CallDecision, EvaluateRequest, GuardBatch, GuardRole,
-    GuardTrace, JudgeResponse, Skip, SkipKind, ToolCall, TraceStatus, Verdict, verdict,
+    GuardTrace, JudgeResponse, Skip, SkipKind, ToolCall, TraceStatus,
 };
 use prost::bytes::Bytes;
 use std::sync::Arc;
@@ -261,7 +261,17 @@ impl Mesh {
         span: tracing::Span,
     ) -> Result<BatchDecision, BatchError> {
         let started = Instant::now();
-        if let Err(refusal) = validate::check(&request, &self.config.limits) {
+        let chain = self.chain();
+        // With a policy guard in the chain, the check records where each
+        // call's argument members are, so that the rules read them without
+        // scanning the text again (R27).
+        let mut members = Vec::new();
+        let checked = if chain.guards.iter().any(|g| g.guard.is_policy()) {
+            validate::check_recording(&request, &self.config.limits, &mut members)
+        } else {
+            validate::check(&request, &self.config.limits)
+        };
+        if let Err(refusal) = checked {
             self.metrics.refused(refusal.reason);
             self.metrics.batch("refused", 0.0);
             tracing::info!(batch_id = %request.batch_id, reason = refusal.reason, "batch refused: {}", refusal.status.message());
@@ -276,7 +286,6 @@ impl Mesh {
                 status: Status::unavailable(error.to_string()),
             }));
         }
-        let chain = self.chain();
         // R1: zero calls contact no guard.
         if request.calls.is_empty() {
             self.metrics
@@ -311,7 +320,7 @@ impl Mesh {
                 )),
             }));
         };
-        let mut judging = Judging::new(self, &chain, request, deadline, trace, span);
+        let mut judging = Judging::new(self, &chain, request, members, deadline, trace, span);
         let result = judging.run().await;
         let outcome = if result.is_ok() { "decided" } else { "aborted" };
         self.metrics.batch(outcome, started.elapsed().as_secs_f64());
@@ -328,6 +337,9 @@ struct Judging<'a> {
     calls: Vec<Call>,
     /// Call id to index; ids never change, not even by rewrites.
     index_of: CallIndex,
+    /// The top-level members of each call's arguments as sent, recorded by
+    /// the check when a policy guard will read them (else empty).
+    members: Vec<Members>,
     runs: Vec<GuardRun>,
     /// The batch's context and calls as guards are sent them, encoded once
     /// per set of calls sent (by which calls), while no call changes.
@@ -342,6 +354,7 @@ impl<'a> Judging<'a> {
         mesh: &'a Mesh,
         chain: &'a Chain,
         mut request: EvaluateRequest,
+        members: Vec<Members>,
         deadline: Instant,
         trace: TraceContext,
         span: tracing::Span,
@@ -360,6 +373,7 @@ impl<'a> Judging<'a> {
         let index_of = CallIndex::new(n, |i| calls[i].original.call_id.as_str());
         Self {
             index_of,
+            members,
             mesh,
             chain,
             context: request.context.take(),
@@ -821,10 +835,12 @@ impl<'a> Judging<'a> {
     }
 
     /// Judges the calls policy guard `order[k]` was sent with its rules
-    /// (R27). Its answer goes through [`Self::on_answer`] as a remote
-    /// guard's would; a call whose evaluation failed is left unanswered and
-    /// the guard fails through [`Self::guard_failed`], so its failure policy
-    /// (R13) applies to exactly those calls: never a proceed.
+    /// (R27), folding its verdicts as a remote guard's answer is folded
+    /// (R3, R4) but without the round trip through verdict messages: the
+    /// outcomes are per call index, so no call id is looked up. A call whose
+    /// evaluation failed is left unanswered and the guard fails through
+    /// [`Self::guard_failed`], so its failure policy (R13) applies to
+    /// exactly those calls: never a proceed.
     fn judge_policy(
         &mut self,
         outcomes: Vec<PolicyOutcome>,
@@ -835,25 +851,24 @@ impl<'a> Judging<'a> {
         deadlines: &mut [Option<Instant>],
     ) {
         let g = order[k];
-        self.runs[g].started = Some(started);
-        self.runs[g].guardrail = Some(crate::observe::spans::guardrail_span(
+        let run = &mut self.runs[g];
+        run.started = Some(started);
+        run.guardrail = Some(crate::observe::spans::guardrail_span(
             &self.span,
             &self.chain.guards[g].guard,
             self.context.as_ref().map_or("", |c| c.session_id.as_str()),
-            self.runs[g].sent.iter().filter(|s| **s).count(),
+            run.sent.iter().filter(|s| **s).count(),
         ));
-        let mut verdicts = Vec::new();
         let mut error = None;
         for (i, outcome) in outcomes.into_iter().enumerate() {
-            if !self.runs[g].sent.get(i).copied().unwrap_or(false) {
+            if !run.sent.get(i).copied().unwrap_or(false) {
                 continue;
             }
-            let call_id = self.calls[i].current().call_id.clone();
             match outcome {
-                PolicyOutcome::Proceed => verdicts.push(Verdict {
-                    call_id,
-                    outcome: None,
-                }),
+                PolicyOutcome::Proceed => {
+                    run.answered[i] = true;
+                    fold.answer(k, i, None);
+                }
                 PolicyOutcome::Matched(matched) => {
                     // A blank message would read as a malformed skip (R8),
                     // that is a proceed: the rule's name stands in for it.
@@ -865,31 +880,28 @@ impl<'a> Judging<'a> {
                     let kind = match matched.action {
                         crate::policy::Action::Steer => SkipKind::Steer,
                         crate::policy::Action::Cancel => SkipKind::Cancel,
-                    };
-                    self.runs[g].rules.push((i, matched.rule));
-                    verdicts.push(Verdict {
-                        call_id,
-                        outcome: Some(verdict::Outcome::Skip(Skip {
-                            content,
-                            kind: kind as i32,
-                        })),
-                    });
+                    } as i32;
+                    run.answered[i] = true;
+                    run.rules.push((i, matched.rule));
+                    run.skipped.push(i);
+                    run.skip_kinds.push(kind);
+                    fold.answer(k, i, Some(Skip { content, kind }));
                 }
                 PolicyOutcome::Error(failed) => {
-                    self.runs[g].rules.push((i, failed.rule().to_owned()));
+                    run.rules.push((i, failed.rule().to_owned()));
                     error.get_or_insert(failed);
                 }
             }
         }
-        let response = JudgeResponse {
-            request_id: 0,
-            verdicts,
-            partial: error.is_some(),
-            error: String::new(),
-        };
-        self.on_answer(order, k, response, fold, deadlines);
-        if let Some(failed) = error {
-            self.guard_failed(g, GuardFailure::Policy(failed.to_string()), false, fold, k);
+        deadlines[k] = None;
+        match error {
+            None => {
+                run.finished = Some(Instant::now());
+                fold.complete(k);
+            }
+            Some(failed) => {
+                self.guard_failed(g, GuardFailure::Policy(failed.to_string()), false, fold, k);
+            }
         }
     }
 
@@ -913,14 +925,22 @@ impl<'a> Judging<'a> {
                 .into_iter()
                 .flat_map(|c| c.metadata.iter())
                 .map(|(k, v)| (k.as_str(), v.as_str())),
-            // Arguments were checked as an I-JSON object (R20); absent
-            // arguments are `{}`. Should text ever fail to parse here, a
-            // rule reading it sees `null` and errors (a guard failure, R13),
-            // never an empty object that would let it proceed.
-            self.calls.iter().map(|call| CallRef {
+            // Arguments were checked as an I-JSON object (R20), rewrites
+            // too; absent arguments are `{}`. Should text ever fail to parse
+            // here, a rule reading it sees `null` and errors (a guard
+            // failure, R13), never an empty object that would let it proceed.
+            // A rewritten call's arguments are scanned; the others were
+            // recorded by the check.
+            self.calls.iter().enumerate().map(|(i, call)| CallRef {
                 call_id: &call.current().call_id,
                 tool: &call.current().tool,
-                args: Args::Text(&call.current().arguments),
+                args: match (&call.rewritten, self.members.get(i)) {
+                    (None, Some(members)) => Args::Recorded {
+                        text: &call.original.arguments,
+                        members,
+                    },
+                    _ => Args::Checked(&call.current().arguments),
+                },
             }),
         );
         policies

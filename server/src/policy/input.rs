@@ -38,6 +38,7 @@ use serde::{Deserialize, Serialize};
 
 use super::json::Json;
 use super::plan::{FastCall, FastContext, Input};
+pub use crate::validate::ijson::Members;
 
 /// One tool call, as a rule sees it.
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
@@ -86,6 +87,18 @@ pub enum Args<'a> {
     /// Blank text is `{}`; text that does not parse is `null`, so that a
     /// rule reading it errors (a guard failure, R13) rather than proceeds.
     Text(&'a str),
+    /// JSON text the caller checked as an I-JSON object (the mesh, R20):
+    /// read as [`Args::Text`] is, faster; text that was not checked may be
+    /// read differently (a raw control character in a string, say).
+    Checked(&'a str),
+    /// [`Args::Checked`] with the top-level members the check recorded
+    /// (`members` must be this text's): the text is not scanned again.
+    Recorded {
+        /// The arguments' text.
+        text: &'a str,
+        /// Its members, as the mesh's check found them.
+        members: &'a Members,
+    },
     /// Parsed JSON.
     Json(&'a serde_json::Value),
 }
@@ -170,6 +183,10 @@ impl<'a> BatchValues<'a> {
                 tool: call.tool,
                 args: match call.args {
                     Args::Text(text) => Json::from_text(text, &mut largest),
+                    Args::Checked(text) => Json::from_checked(text, &mut largest),
+                    Args::Recorded { text, members } => {
+                        Json::from_members(text, members, &mut largest)
+                    }
                     Args::Json(json) => Some(Json::from_value(json, &mut largest)),
                 },
             })
@@ -224,7 +241,9 @@ impl<'a> BatchValues<'a> {
                 .iter()
                 .map(|call| {
                     let args = match call.args {
-                        Args::Text(text) => from_text(text, &mut ignored),
+                        Args::Text(text) | Args::Checked(text) | Args::Recorded { text, .. } => {
+                            from_text(text, &mut ignored)
+                        }
                         Args::Json(json) => from_json(json, &mut ignored),
                     };
                     Box::new(CelMap::from(HashMap::from([

@@ -2,13 +2,23 @@
 //! once per batch into a small borrowed tree, strings without escapes
 //! borrowed from the text, objects as key/value lists in the order written.
 //!
+//! Arguments the mesh has checked as an I-JSON object (R20) are read by a
+//! scan of their top-level members ([`Json::from_checked`]): strings, most
+//! of the bytes, are found a word at a time and borrowed, plain integers
+//! read at once, and a nested array or object is only counted (the cost
+//! bounds need its items), then parsed when a rule first reads it. Rules
+//! that never look into `call.args.options` do not pay for it.
+//!
 //! Numbers become what they become in CEL (see `input`): an integer is an
 //! `int` (a `uint` above `int`'s range), any other number a `double`.
 
 use std::borrow::Cow;
+use std::cell::OnceCell;
 use std::fmt;
 
 use serde::de::{DeserializeSeed, Deserializer, MapAccess, SeqAccess, Visitor};
+
+use crate::validate::ijson::Members;
 
 /// One JSON value.
 #[derive(Debug, Clone, PartialEq)]
@@ -42,14 +52,65 @@ const SCANNED: usize = 16;
 /// quadratic).
 #[derive(Debug, Clone, PartialEq)]
 pub(crate) struct Object<'a> {
-    fields: Vec<(Cow<'a, str>, Json<'a>)>,
+    fields: Vec<(Cow<'a, str>, Slot<'a>)>,
     /// Positions in `fields`, sorted by key; empty for small objects.
     by_key: Vec<u32>,
+}
+
+/// A member's value: parsed, or (a nested array or object of checked
+/// arguments, see [`Json::from_checked`]) its text, parsed when first read.
+#[derive(Debug, Clone, PartialEq)]
+enum Slot<'a> {
+    Ready(Json<'a>),
+    Later {
+        /// The value's JSON text, from its first byte to its last.
+        text: &'a str,
+        /// The value once read, owning its strings (a value borrowing from
+        /// `text` here would make every `Json` invariant in its lifetime);
+        /// `None` if the text did not parse, or an object in it repeats a
+        /// key (neither happens to checked arguments).
+        value: OnceCell<Option<Json<'static>>>,
+    },
+}
+
+/// A member whose text did not parse when read (see [`Slot`]): the fast
+/// path is then unsure, and the interpreter judges.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Unparsed;
+
+impl<'a> Slot<'a> {
+    fn value(&self) -> Result<&Json<'a>, Unparsed> {
+        match self {
+            Slot::Ready(json) => Ok(json),
+            Slot::Later { text, value } => value
+                .get_or_init(|| {
+                    let mut stats = Stats::default();
+                    let json = parse_value(text, &mut stats)?;
+                    if stats.repeated_key {
+                        return None;
+                    }
+                    json.into_owned()
+                })
+                .as_ref()
+                .ok_or(Unparsed),
+        }
+    }
 }
 
 impl<'a> Object<'a> {
     /// The object of `fields`, and whether two of them have the same key.
     fn new(fields: Vec<(Cow<'a, str>, Json<'a>)>) -> (Self, bool) {
+        Self::of_slots(
+            fields
+                .into_iter()
+                .map(|(key, value)| (key, Slot::Ready(value)))
+                .collect(),
+        )
+    }
+
+    /// The object of `fields`, and whether two of them have the same key.
+    /// (The vector is kept as it is: the top level's room stays.)
+    fn of_slots(fields: Vec<(Cow<'a, str>, Slot<'a>)>) -> (Self, bool) {
         if fields.len() <= SCANNED {
             let repeated = fields
                 .iter()
@@ -78,19 +139,20 @@ impl<'a> Object<'a> {
         self.fields.len()
     }
 
-    /// Member `i`, in the order written.
-    pub(crate) fn entry(&self, i: usize) -> Option<&(Cow<'a, str>, Json<'a>)> {
-        self.fields.get(i)
+    /// The name of member `i`, in the order written.
+    pub(crate) fn key(&self, i: usize) -> Option<&Cow<'a, str>> {
+        self.fields.get(i).map(|(key, _)| key)
     }
 
-    /// The members in the order written.
+    /// The members in the order written, their values read.
     #[cfg(test)]
-    pub(crate) fn iter(&self) -> impl Iterator<Item = &(Cow<'a, str>, Json<'a>)> {
-        self.fields.iter()
+    pub(crate) fn iter(
+        &self,
+    ) -> impl Iterator<Item = (&Cow<'a, str>, Result<&Json<'a>, Unparsed>)> {
+        self.fields.iter().map(|(key, slot)| (key, slot.value()))
     }
 
-    /// The value of member `key`.
-    pub(crate) fn get(&self, key: &str) -> Option<&Json<'a>> {
+    fn slot(&self, key: &str) -> Option<&Slot<'a>> {
         if self.by_key.is_empty() {
             return self.fields.iter().find(|(k, _)| k == key).map(|(_, v)| v);
         }
@@ -98,6 +160,16 @@ impl<'a> Object<'a> {
             .binary_search_by(|&i| self.fields[i as usize].0.as_ref().cmp(key))
             .ok()
             .map(|at| &self.fields[self.by_key[at] as usize].1)
+    }
+
+    /// Whether the object has member `key` (its value is not read).
+    pub(crate) fn has(&self, key: &str) -> bool {
+        self.slot(key).is_some()
+    }
+
+    /// The value of member `key`, read if not yet.
+    pub(crate) fn get(&self, key: &str) -> Result<Option<&Json<'a>>, Unparsed> {
+        self.slot(key).map(Slot::value).transpose()
     }
 }
 
@@ -127,6 +199,59 @@ impl<'a> Json<'a> {
             }
             Err(_) => Some(Json::Null),
         }
+    }
+
+    /// Reads arguments the mesh checked as an I-JSON object (R20), to the
+    /// same values as [`Json::from_text`] (the same `largest` too): one scan
+    /// finds the top-level members; a string without escapes is borrowed
+    /// as found (its end found a word at a time), a plain integer read at
+    /// once, a nested array or object counted and left to be parsed when a
+    /// rule reads it, and the rest given to serde_json, each value on its
+    /// own text. Text that is not one object after all, or that the scan
+    /// does not follow, is read by [`Json::from_text`].
+    pub(crate) fn from_checked(text: &'a str, largest: &mut usize) -> Option<Self> {
+        let mut scan = Scan::new(text);
+        let mut nested = 0;
+        match scan.object(&mut nested) {
+            Some(fields) => {
+                *largest = (*largest).max(nested).max(fields.len());
+                let (object, repeated) = Object::of_slots(fields);
+                (!repeated).then_some(Json::Map(object))
+            }
+            None => Json::from_text(text, largest),
+        }
+    }
+
+    /// Reads checked arguments whose top-level members the check recorded
+    /// (R20): as [`Json::from_checked`], without scanning the text again.
+    /// Members that do not fit the text (never, for the check's own) send it
+    /// to [`Json::from_checked`].
+    pub(crate) fn from_members(
+        text: &'a str,
+        members: &Members,
+        largest: &mut usize,
+    ) -> Option<Self> {
+        let fields: Option<Vec<(Cow<'a, str>, Slot<'a>)>> = members
+            .list
+            .iter()
+            .map(|member| {
+                let (start, end) = member.name;
+                let name = if member.name_escaped {
+                    let quoted = text.get(start.checked_sub(1)?..end.checked_add(1)?)?;
+                    Cow::Owned(serde_json::from_str::<String>(quoted).ok()?)
+                } else {
+                    Cow::Borrowed(text.get(start..end)?)
+                };
+                let value = text.get(member.value.0..member.value.1)?;
+                Some((name, slot_of(value)?))
+            })
+            .collect();
+        let Some(fields) = fields else {
+            return Json::from_checked(text, largest);
+        };
+        *largest = (*largest).max(members.largest);
+        let (object, repeated) = Object::of_slots(fields);
+        (!repeated).then_some(Json::Map(object))
     }
 
     /// Borrows parsed JSON.
@@ -167,6 +292,279 @@ impl<'a> Json<'a> {
             }
         }
     }
+}
+
+/// The scan of [`Json::from_checked`]: the top-level members of an object.
+/// It follows JSON's structure only as far as it needs to (checked text is
+/// JSON, R20), never panics on any text, and gives up (`None`) on what it
+/// does not follow.
+struct Scan<'a> {
+    text: &'a str,
+    bytes: &'a [u8],
+    pos: usize,
+}
+
+impl<'a> Scan<'a> {
+    fn new(text: &'a str) -> Self {
+        Self {
+            text,
+            bytes: text.as_bytes(),
+            pos: 0,
+        }
+    }
+
+    fn ws(&mut self) {
+        while let Some(b' ' | b'\t' | b'\n' | b'\r') = self.bytes.get(self.pos) {
+            self.pos += 1;
+        }
+    }
+
+    fn eat(&mut self, byte: u8) -> Option<()> {
+        (self.bytes.get(self.pos) == Some(&byte)).then(|| self.pos += 1)
+    }
+
+    /// The members of the text's object (blank text is `{}`); `largest`
+    /// grows to the items of the largest array or object in their values.
+    fn object(&mut self, largest: &mut usize) -> Option<Vec<(Cow<'a, str>, Slot<'a>)>> {
+        self.ws();
+        if self.pos == self.bytes.len() {
+            return Some(Vec::new());
+        }
+        self.eat(b'{')?;
+        let mut fields = Vec::with_capacity(MEMBERS);
+        self.ws();
+        if self.eat(b'}').is_none() {
+            loop {
+                let key = self.key()?;
+                self.ws();
+                self.eat(b':')?;
+                self.ws();
+                let value = self.value(largest)?;
+                fields.push((key, value));
+                self.ws();
+                if self.eat(b',').is_some() {
+                    self.ws();
+                    continue;
+                }
+                self.eat(b'}')?;
+                break;
+            }
+        }
+        self.ws();
+        (self.pos == self.bytes.len()).then_some(fields)
+    }
+
+    /// A member name: borrowed, or decoded when it has escapes.
+    fn key(&mut self) -> Option<Cow<'a, str>> {
+        let start = self.pos;
+        let escaped = self.string()?;
+        let quoted = self.text.get(start..self.pos)?;
+        if !escaped {
+            return quoted.get(1..quoted.len() - 1).map(Cow::Borrowed);
+        }
+        serde_json::from_str::<String>(quoted).ok().map(Cow::Owned)
+    }
+
+    /// A member's value: a string without escapes borrowed, a plain
+    /// integer or a literal read here, an array or object counted and left
+    /// for later, anything else parsed by serde_json on its own text.
+    fn value(&mut self, largest: &mut usize) -> Option<Slot<'a>> {
+        let start = self.pos;
+        match *self.bytes.get(self.pos)? {
+            b'"' => {
+                if !self.string()? {
+                    // Checked text has no raw control character in a string.
+                    let inner = self.text.get(start + 1..self.pos - 1)?;
+                    return Some(Slot::Ready(Json::Str(Cow::Borrowed(inner))));
+                }
+            }
+            b'{' | b'[' => {
+                self.container(largest)?;
+                return Some(Slot::Later {
+                    text: self.text.get(start..self.pos)?,
+                    value: OnceCell::new(),
+                });
+            }
+            _ => {
+                self.scalar()?;
+                return scalar_slot(self.text.get(start..self.pos)?);
+            }
+        }
+        let mut stats = Stats::default();
+        parse_value(self.text.get(start..self.pos)?, &mut stats).map(Slot::Ready)
+    }
+
+    /// Skips a string; whether it has escapes.
+    fn string(&mut self) -> Option<bool> {
+        self.eat(b'"')?;
+        let mut escaped = false;
+        loop {
+            let at = memchr::memchr2(b'"', b'\\', self.bytes.get(self.pos..)?)?;
+            self.pos += at + 1;
+            if self.bytes.get(self.pos - 1) == Some(&b'"') {
+                return Some(escaped);
+            }
+            // A backslash: the next byte is escaped (`\u` is followed by
+            // four hex digits, none a quote or backslash).
+            escaped = true;
+            self.pos += 1;
+        }
+    }
+
+    /// Skips a number, `true`, `false` or `null`: to the next `,`, `}`,
+    /// `]` or space.
+    fn scalar(&mut self) -> Option<()> {
+        let start = self.pos;
+        while let Some(b) = self.bytes.get(self.pos) {
+            if matches!(b, b',' | b'}' | b']' | b' ' | b'\t' | b'\n' | b'\r') {
+                break;
+            }
+            self.pos += 1;
+        }
+        (self.pos > start).then_some(())
+    }
+
+    /// Skips an array or object, counting the items of every array and
+    /// object in it as serde_json's parse counts them.
+    fn container(&mut self, largest: &mut usize) -> Option<()> {
+        // The closing byte and the items so far of each array or object
+        // open around the scan.
+        let mut open: Vec<(u8, usize)> = Vec::new();
+        loop {
+            // At a value.
+            match *self.bytes.get(self.pos)? {
+                b'"' => {
+                    self.string()?;
+                }
+                opening @ (b'{' | b'[') => {
+                    let close = if opening == b'{' { b'}' } else { b']' };
+                    self.pos += 1;
+                    self.ws();
+                    if self.eat(close).is_none() {
+                        open.push((close, 1));
+                        self.item(close)?;
+                        continue;
+                    }
+                }
+                _ => self.scalar()?,
+            }
+            // After a value: the next item, or the ends of containers.
+            loop {
+                let Some((close, count)) = open.last_mut() else {
+                    return Some(());
+                };
+                let close = *close;
+                self.ws();
+                if self.eat(b',').is_some() {
+                    *count += 1;
+                    self.ws();
+                    self.item(close)?;
+                    break;
+                }
+                self.eat(close)?;
+                *largest = (*largest).max(*count);
+                open.pop();
+                if open.is_empty() {
+                    return Some(());
+                }
+            }
+        }
+    }
+
+    /// Before an item of an array or object closed by `close`: an object's
+    /// member name and colon.
+    fn item(&mut self, close: u8) -> Option<()> {
+        if close == b'}' {
+            self.string()?;
+            self.ws();
+            self.eat(b':')?;
+            self.ws();
+        }
+        Some(())
+    }
+}
+
+/// A member's value from its text (found by the check): a string without
+/// escapes borrowed, an array or object left for later, a scalar read.
+fn slot_of(text: &str) -> Option<Slot<'_>> {
+    match *text.as_bytes().first()? {
+        b'"' => {
+            let inner = text.get(1..text.len().checked_sub(1)?)?;
+            if memchr::memchr(b'\\', inner.as_bytes()).is_none() {
+                return Some(Slot::Ready(Json::Str(Cow::Borrowed(inner))));
+            }
+            let mut stats = Stats::default();
+            parse_value(text, &mut stats).map(Slot::Ready)
+        }
+        b'{' | b'[' => Some(Slot::Later {
+            text,
+            value: OnceCell::new(),
+        }),
+        _ => scalar_slot(text),
+    }
+}
+
+/// A number, `true`, `false` or `null` from its text: plain integers and
+/// the literals read here, other numbers by serde_json.
+fn scalar_slot(token: &str) -> Option<Slot<'_>> {
+    let bytes = token.as_bytes();
+    Some(Slot::Ready(match bytes {
+        b"true" => Json::Bool(true),
+        b"false" => Json::Bool(false),
+        b"null" => Json::Null,
+        b"0" => Json::Int(0),
+        // Up to 18 digits always fit an `int`; serde_json reads them as
+        // this does (a leading zero is refused there, and here).
+        [b'1'..=b'9', rest @ ..] if rest.len() < 18 && rest.iter().all(u8::is_ascii_digit) => {
+            Json::Int(bytes.iter().fold(0i64, |n, d| n * 10 + i64::from(d - b'0')))
+        }
+        _ => return parse_value(token, &mut Stats::default()).map(Slot::Ready),
+    }))
+}
+
+impl Json<'_> {
+    /// The same value, owning its strings; `None` if it holds a value not
+    /// yet parsed (parsed values never do).
+    fn into_owned(self) -> Option<Json<'static>> {
+        Some(match self {
+            Json::Null => Json::Null,
+            Json::Bool(b) => Json::Bool(b),
+            Json::Int(i) => Json::Int(i),
+            Json::Uint(u) => Json::Uint(u),
+            Json::Double(d) => Json::Double(d),
+            Json::Str(s) => Json::Str(Cow::Owned(s.into_owned())),
+            Json::List(items) => Json::List(
+                items
+                    .into_iter()
+                    .map(Json::into_owned)
+                    .collect::<Option<_>>()?,
+            ),
+            Json::Map(object) => Json::Map(Object {
+                fields: object
+                    .fields
+                    .into_iter()
+                    .map(|(key, slot)| match slot {
+                        Slot::Ready(json) => Some((
+                            Cow::Owned(key.into_owned()),
+                            Slot::Ready(json.into_owned()?),
+                        )),
+                        Slot::Later { .. } => None,
+                    })
+                    .collect::<Option<_>>()?,
+                by_key: object.by_key,
+            }),
+        })
+    }
+}
+
+/// One JSON value's text parsed (serde_json); `stats` counts its largest
+/// collection and whether an object in it repeats a key.
+fn parse_value<'a>(text: &'a str, stats: &mut Stats) -> Option<Json<'a>> {
+    let mut deserializer = serde_json::Deserializer::from_str(text);
+    Seed { stats, top: false }
+        .deserialize(&mut deserializer)
+        .and_then(|value| deserializer.end().map(|()| value))
+        .ok()
 }
 
 fn uint_or_int(u: u64) -> Json<'static> {
@@ -251,16 +649,16 @@ impl<'de> Visitor<'de> for Seed<'_> {
         let room = map
             .size_hint()
             .unwrap_or(if self.top { MEMBERS } else { 0 });
-        let mut fields: Vec<(Cow<'de, str>, Json<'de>)> = Vec::with_capacity(room);
+        let mut fields: Vec<(Cow<'de, str>, Slot<'de>)> = Vec::with_capacity(room);
         while let Some(key) = map.next_key_seed(KeySeed)? {
             let value = map.next_value_seed(Seed {
                 stats: &mut *self.stats,
                 top: false,
             })?;
-            fields.push((key, value));
+            fields.push((key, Slot::Ready(value)));
         }
         self.stats.largest = self.stats.largest.max(fields.len());
-        let (object, repeated) = Object::new(fields);
+        let (object, repeated) = Object::of_slots(fields);
         self.stats.repeated_key |= repeated;
         Ok(Json::Map(object))
     }
@@ -319,7 +717,7 @@ mod tests {
             panic!("not an object");
         };
         assert!(top.fields.capacity() >= MEMBERS);
-        let Json::List(items) = &top.fields[0].1 else {
+        let Slot::Ready(Json::List(items)) = &top.fields[0].1 else {
             panic!("not a list");
         };
         assert_eq!(items.len(), 1001);
@@ -709,6 +1107,170 @@ mod tests {
                 assert_eq!(before, now, "depth {depth} {open}");
             }
         }
+    }
+
+    /// Top-level objects of [`text`]'s values (keys repeat now and then).
+    fn object() -> impl Strategy<Value = String> {
+        (
+            prop::collection::vec((key(), text()), 0..8),
+            any::<u64>(),
+            "[ \t\r\n]{0,2}",
+        )
+            .prop_map(|(fields, mut seed, pad)| {
+                let mut out = format!("{pad}{{{}", ws(&mut seed));
+                for (i, (k, v)) in fields.iter().enumerate() {
+                    if i > 0 {
+                        out.push(',');
+                        out.push_str(ws(&mut seed));
+                    }
+                    out.push_str(&format!(
+                        "{k}{}:{}{v}{}",
+                        ws(&mut seed),
+                        ws(&mut seed),
+                        ws(&mut seed)
+                    ));
+                }
+                out.push('}');
+                out.push_str(&pad);
+                out
+            })
+    }
+
+    /// A value with every member read, comparable bit for bit (`{:?}` of
+    /// scalars tells -0.0 from 0.0 and prints every double exactly); a
+    /// member that does not parse shows as `UNPARSED`.
+    fn read(json: &Json<'_>) -> String {
+        match json {
+            Json::List(items) => {
+                let items: Vec<String> = items.iter().map(read).collect();
+                format!("[{}]", items.join(","))
+            }
+            Json::Map(object) => {
+                let members: Vec<String> = object
+                    .iter()
+                    .map(|(k, v)| format!("{k:?}:{}", v.map_or("UNPARSED".to_owned(), read)))
+                    .collect();
+                format!("{{{}}}", members.join(","))
+            }
+            scalar => format!("{scalar:?}"),
+        }
+    }
+
+    /// `from_checked` on `text`: the same value and largest collection as
+    /// `from_text` whenever the mesh would have let the text through (R20),
+    /// and found by the scan itself, not by falling back to serde_json.
+    /// Any other text: no panic. Returns whether the text was checked.
+    fn same_when_checked(text: &str) -> Result<bool, TestCaseError> {
+        let mut largest_text = 0;
+        let parsed = Json::from_text(text, &mut largest_text).map(|json| read(&json));
+        let mut largest_checked = 0;
+        let scanned = Json::from_checked(text, &mut largest_checked).map(|json| read(&json));
+        let mut nested = 0;
+        let followed = Scan::new(text).object(&mut nested).is_some();
+        let depth = crate::validate::ijson::MAX_DEPTH_LIMIT;
+        let Ok(members) = crate::validate::ijson::check_recording(text, depth) else {
+            return Ok(false);
+        };
+        prop_assert!(followed, "the scan gave up on a checked text: {:?}", text);
+        prop_assert_eq!(
+            format!("{parsed:?} {largest_text}"),
+            format!("{scanned:?} {largest_checked}"),
+            "text {:?}",
+            text
+        );
+        // From the members the check recorded: the same, and from them
+        // (not by scanning again).
+        let mut largest_recorded = 0;
+        let recorded =
+            Json::from_members(text, &members, &mut largest_recorded).map(|json| read(&json));
+        prop_assert_eq!(
+            format!("{parsed:?} {largest_text}"),
+            format!("{recorded:?} {largest_recorded}"),
+            "text {:?} members {:?}",
+            text,
+            members
+        );
+        let fits = members.list.iter().all(|m| {
+            text.get(m.name.0..m.name.1).is_some() && slot_of(&text[m.value.0..m.value.1]).is_some()
+        });
+        prop_assert!(
+            fits,
+            "the recorded members do not fit {:?}: {:?}",
+            text,
+            members
+        );
+        Ok(true)
+    }
+
+    /// R20/R27: arguments the mesh checked read the same by the scan, and
+    /// from the members the check recorded, as by serde_json (values, kinds
+    /// of numbers, escapes, largest collection); damaged texts never make
+    /// the scan panic.
+    #[test]
+    fn r27_checked_arguments_scan_to_the_same_values() {
+        let checked = std::cell::Cell::new(0u32);
+        runner(6000)
+            .run(&object(), |text| {
+                checked.set(checked.get() + u32::from(same_when_checked(&text)?));
+                Ok(())
+            })
+            .unwrap();
+        // About a fifth pass the check (the strings and keys are made to
+        // fail it now and then): the comparison is not vacuous.
+        assert!(checked.get() > 600, "{} of 6000 checked", checked.get());
+        runner(3000)
+            .run(&damaged(), |text| same_when_checked(&text).map(|_| ()))
+            .unwrap();
+        for text in [
+            "",
+            " \n",
+            "{}",
+            "{\"a\":\"\\\\\"}",
+            "{\"a\\u0062\":[{\"c\":\"\\\"]\"}],\"d\":-0}",
+            "{\"a\":1,\"a\":2}",
+            "{\"a\":{\"b\":1,\"b\":2}}",
+            "{\"a\":\"x\"",
+            "{\"a\":\"\\",
+            "{\"a\":[}",
+            "{\"a\" 1}",
+            "[1,2]",
+            "{\"é\":\"ü\\u00fc\"}",
+        ] {
+            same_when_checked(text).unwrap();
+        }
+    }
+
+    /// R27: a nested array or object of checked arguments is counted by
+    /// the scan and parsed only when read; strings and numbers are there at
+    /// once; a nested value that turns out not to parse is `Unparsed`.
+    #[test]
+    fn r27_nested_values_of_checked_arguments_are_parsed_when_read() {
+        let text = r#"{"query":"SELECT 1","n":42,"options":{"a":[1,2,3,4,5],"b":{}},"bad":[01]}"#;
+        let mut largest = 0;
+        let Some(Json::Map(top)) = Json::from_checked(text, &mut largest) else {
+            panic!("not an object");
+        };
+        assert_eq!(largest, 5, "the nested array's items are counted");
+        let later = |key: &str| match top.slot(key) {
+            Some(Slot::Later { value, .. }) => Some(value.get().is_some()),
+            _ => None,
+        };
+        assert_eq!(
+            later("options"),
+            Some(false),
+            "not parsed before it is read"
+        );
+        assert!(matches!(
+            top.slot("query"),
+            Some(Slot::Ready(Json::Str(Cow::Borrowed("SELECT 1"))))
+        ));
+        assert!(matches!(top.slot("n"), Some(Slot::Ready(Json::Int(42)))));
+        let Ok(Some(Json::Map(options))) = top.get("options") else {
+            panic!("options is an object");
+        };
+        assert!(matches!(options.get("a"), Ok(Some(Json::List(items))) if items.len() == 5));
+        assert_eq!(later("options"), Some(true), "parsed once read");
+        assert_eq!(top.get("bad"), Err(Unparsed));
     }
 
     /// The checks above can fail: a value that differs is seen.

@@ -27,7 +27,7 @@ use std::sync::Arc;
 use cel::common::ast::{Expr, IdedExpr, LiteralValue, operators};
 use regex::Regex;
 
-use super::json::Json;
+use super::json::{Json, Object, Unparsed};
 
 /// The fast path gave up: the interpreter decides.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -417,7 +417,7 @@ fn plain(value: &V<'_>, input: &Input<'_, '_>) -> Option<super::plan_tests::Plai
             Json::Map(object) => Plain::Map(
                 object
                     .iter()
-                    .map(|(k, v)| (k.to_string(), json(v)))
+                    .map(|(k, v)| (k.to_string(), json(v.expect("a member that parses"))))
                     .collect(),
             ),
         }
@@ -1014,7 +1014,7 @@ fn test<'r>(node: &'r Node, input: &Input<'r, 'r>, slots: &mut [V<'r>]) -> Run<b
                 // `object.exists(k, k.matches(r'...'))`: the keys as they
                 // are, no slot set.
                 for i in 0..object.len() {
-                    let (key, _) = object.entry(i).ok_or(Unsure)?;
+                    let key = object.key(i).ok_or(Unsure)?;
                     if matcher.is_match(key) == *any {
                         return Ok(*any);
                     }
@@ -1109,7 +1109,7 @@ fn has<'r>(
     let (last, path) = fields.split_last().ok_or(Unsure)?;
     let mut value = fetch(operand, input, slots)?;
     if let V::Json(json) = value {
-        return Ok(member(json, path, last)?.is_some());
+        return Ok(parent(json, path)?.has(last));
     }
     for field in path {
         value = field_of(&value, field, input)?.ok_or(Unsure)?;
@@ -1121,17 +1121,30 @@ fn has<'r>(
 /// between: `None` when the last is missing, `Unsure` when another is or a
 /// value is not an object.
 fn member<'r>(json: &'r Json<'r>, path: &[String], last: &str) -> Run<Option<&'r Json<'r>>> {
+    Ok(parent(json, path)?.get(last)?)
+}
+
+/// The object at `path` of arguments: `Unsure` when a member on the way is
+/// missing or a value is not an object.
+fn parent<'r>(json: &'r Json<'r>, path: &[String]) -> Run<&'r Object<'r>> {
     let mut json = json;
     for field in path {
         let Json::Map(object) = json else {
             return Err(Unsure);
         };
-        json = object.get(field).ok_or(Unsure)?;
+        json = object.get(field)?.ok_or(Unsure)?;
     }
     let Json::Map(object) = json else {
         return Err(Unsure);
     };
-    Ok(object.get(last))
+    Ok(object)
+}
+
+/// A member of the arguments that did not parse: the interpreter judges.
+impl From<Unparsed> for Unsure {
+    fn from(Unparsed: Unparsed) -> Self {
+        Unsure
+    }
 }
 
 fn set<'r>(slots: &mut [V<'r>], slot: usize, value: V<'r>) -> Run<()> {
@@ -1169,7 +1182,7 @@ const CONTEXT_FIELDS: [&str; 4] = ["session_id", "turn_index", "model_text", "me
 /// `Unsure` when `value` is not a map.
 fn field_of<'r>(value: &V<'r>, field: &str, input: &Input<'r, 'r>) -> Run<Option<V<'r>>> {
     Ok(match value {
-        V::Json(Json::Map(object)) => object.get(field).map(from_json),
+        V::Json(Json::Map(object)) => object.get(field)?.map(from_json),
         V::CallMap(i) => {
             let call = input.calls.get(*i).ok_or(Unsure)?;
             match field {
@@ -1220,7 +1233,7 @@ fn item_of<'r>(value: &V<'r>, i: usize, input: &Input<'r, 'r>) -> Run<V<'r>> {
     let key = |k: &'r str| V::Str(k);
     Ok(match value {
         V::Json(Json::List(items)) => from_json(items.get(i).ok_or(Unsure)?),
-        V::Json(Json::Map(object)) => V::Str(&object.entry(i).ok_or(Unsure)?.0),
+        V::Json(Json::Map(object)) => V::Str(object.key(i).ok_or(Unsure)?),
         V::List(items) => items.get(i).cloned().ok_or(Unsure)?,
         V::Calls if i < input.calls.len() => V::CallMap(i),
         V::CallMap(_) => key(CALL_FIELDS.get(i).ok_or(Unsure)?),
@@ -1269,7 +1282,7 @@ fn contains(haystack: &V<'_>, needle: &V<'_>, input: &Input<'_, '_>) -> Run<bool
         V::Json(Json::Map(_)) | V::CallMap(_) | V::Context | V::Metadata => {
             let key = needle.as_str().ok_or(Unsure)?;
             Ok(match haystack {
-                V::Json(Json::Map(object)) => object.get(key).is_some(),
+                V::Json(Json::Map(object)) => object.has(key),
                 V::CallMap(_) => CALL_FIELDS.contains(&key),
                 V::Context => CONTEXT_FIELDS.contains(&key),
                 _ => input.context.metadata.iter().any(|(k, _)| *k == key),

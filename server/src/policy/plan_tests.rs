@@ -398,12 +398,28 @@ fn check(
             args: Args::Text(text),
         }),
     );
+    // The mesh's own way: text it checked (R20), scanned lazily.
+    let from_checked = BatchValues::new(
+        ContextRef {
+            session_id: &batch.session_id,
+            turn_index: batch.turn_index,
+            model_text: &batch.model_text,
+        },
+        batch.metadata.iter().map(|(k, v)| (k.as_str(), v.as_str())),
+        batch.calls.iter().zip(&texts).map(|(c, text)| CallRef {
+            call_id: &c.call_id,
+            tool: &c.tool,
+            args: Args::Checked(text),
+        }),
+    );
     let from_json = BatchValues::from_input(batch);
     let text = agree(env, source, &program, &plan, &from_text, batch)?;
+    let checked = agree(env, source, &program, &plan, &from_checked, batch)?;
     let json = agree(env, source, &program, &plan, &from_json, batch)?;
-    if text != json {
+    if text != json || checked != json {
         return Err(format!(
-            "{source}: the fast path answered from text {text}, from parsed JSON {json}, on {batch:?}"
+            "{source}: the fast path answered from text {text}, from checked text {checked}, \
+             from parsed JSON {json}, on {batch:?}"
         ));
     }
     tally.answered += u32::from(text);

@@ -914,26 +914,101 @@ message = "'big'"
     for members in [2, 40] {
         let filler: String = (0..members).map(|i| format!("\"m{i}\":{i},")).collect();
         let text = format!("{{{filler}\"amount\":1,\"amount\":500}}");
+        for args in [Args::Text(&text), Args::Checked(&text)] {
+            let values = BatchValues::new(
+                ContextRef::default(),
+                [],
+                [CallRef {
+                    call_id: "c1",
+                    tool: "pay",
+                    args,
+                }],
+            );
+            let before = policy.interpreted_evaluations();
+            let outcomes = policy.evaluate_values(&values, None);
+            assert_eq!(
+                matched(&outcomes[0]).rule,
+                "big-amount",
+                "{members} members, {args:?}"
+            );
+            assert_eq!(
+                policy.interpreted_evaluations(),
+                before + 1,
+                "{members} members, {args:?}"
+            );
+        }
+    }
+}
+
+/// R20/R27: a nested object of checked arguments is parsed only when a rule
+/// reads it; one that repeats a key (callers other than the mesh may not
+/// check) or does not parse is then left to the interpreter (last value
+/// wins; text that does not parse is `null`, an error), as unchecked text
+/// is: never a proceed the interpreter would not give.
+#[test]
+fn r27_nested_arguments_read_late_are_judged_as_read_early() {
+    let policy = Policy::compile(
+        r#"
+[[rule]]
+name = "big-amount"
+when = "call.args.payment.amount > 100"
+action = "steer"
+message = "'big'"
+"#,
+    )
+    .expect("compiles");
+    let cases = [
+        (
+            r#"{"note":"x","payment":{"amount":500}}"#,
+            Some("big-amount"),
+        ),
+        (r#"{"note":"x","payment":{"amount":5}}"#, None),
+        (
+            r#"{"payment":{"amount":1,"amount":500}}"#,
+            Some("big-amount"),
+        ),
+        (r#"{"payment":{"amount":500,"amount":1}}"#, None),
+    ];
+    for (text, rule) in cases {
+        for args in [Args::Text(text), Args::Checked(text)] {
+            let values = BatchValues::new(
+                ContextRef::default(),
+                [],
+                [CallRef {
+                    call_id: "c1",
+                    tool: "pay",
+                    args,
+                }],
+            );
+            let outcomes = policy.evaluate_values(&values, None);
+            match rule {
+                Some(rule) => assert_eq!(matched(&outcomes[0]).rule, rule, "{args:?}"),
+                None => assert!(
+                    matches!(outcomes[0], Outcome::Proceed),
+                    "{args:?}: {:?}",
+                    outcomes[0]
+                ),
+            }
+        }
+    }
+    // A nested value that does not parse (leading zero): an error of the
+    // rule either way, never a proceed.
+    let text = r#"{"payment":{"amount":0500}}"#;
+    for args in [Args::Text(text), Args::Checked(text)] {
         let values = BatchValues::new(
             ContextRef::default(),
             [],
             [CallRef {
                 call_id: "c1",
                 tool: "pay",
-                args: Args::Text(&text),
+                args,
             }],
         );
-        let before = policy.interpreted_evaluations();
         let outcomes = policy.evaluate_values(&values, None);
-        assert_eq!(
-            matched(&outcomes[0]).rule,
-            "big-amount",
-            "{members} members"
-        );
-        assert_eq!(
-            policy.interpreted_evaluations(),
-            before + 1,
-            "{members} members"
+        assert!(
+            matches!(outcomes[0], Outcome::Error(_)),
+            "{args:?}: {:?}",
+            outcomes[0]
         );
     }
 }

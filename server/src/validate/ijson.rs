@@ -171,9 +171,42 @@ impl fmt::Display for JsonError {
 
 impl std::error::Error for JsonError {}
 
+/// The top-level members of an I-JSON object, as [`check_recording`] found
+/// them: where each name and value are in the text, and the items of the
+/// largest array or object in it, so that a policy guard (R27) reads the
+/// checked text without scanning it again.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Members {
+    pub(crate) list: Vec<Member>,
+    /// The items of the largest array or object, the top level included.
+    pub(crate) largest: usize,
+}
+
+/// One top-level member (see [`Members`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Member {
+    /// The name's text between its quotes, as byte offsets.
+    pub(crate) name: (usize, usize),
+    /// Whether the name has escapes (its text is not the name itself).
+    pub(crate) name_escaped: bool,
+    /// The value's text, from its first byte to its last.
+    pub(crate) value: (usize, usize),
+}
+
 /// Whether `text` is an I-JSON object nested at most `max_depth` deep; the
 /// empty text (or only whitespace) counts as `{}`.
 pub(crate) fn check(text: &str, max_depth: usize) -> Result<(), JsonError> {
+    scan(text, max_depth, None)
+}
+
+/// [`check`], recording the object's top-level members on the way.
+pub(crate) fn check_recording(text: &str, max_depth: usize) -> Result<Members, JsonError> {
+    let mut members = Members::default();
+    scan(text, max_depth, Some(&mut members))?;
+    Ok(members)
+}
+
+fn scan(text: &str, max_depth: usize, members: Option<&mut Members>) -> Result<(), JsonError> {
     let mut scanner = Scanner {
         text,
         bytes: text.as_bytes(),
@@ -181,6 +214,8 @@ pub(crate) fn check(text: &str, max_depth: usize) -> Result<(), JsonError> {
         // The scanner recurses once per level: never deeper than this.
         max_depth: max_depth.min(MAX_DEPTH_LIMIT),
         names: Vec::new(),
+        members,
+        largest: 0,
     };
     scanner.skip_ws();
     if scanner.pos == scanner.bytes.len() {
@@ -206,10 +241,13 @@ pub(crate) fn check(text: &str, max_depth: usize) -> Result<(), JsonError> {
     if scanner.pos != scanner.bytes.len() {
         return Err(scanner.syntax("end of text"));
     }
+    if let Some(members) = scanner.members {
+        members.largest = scanner.largest;
+    }
     Ok(())
 }
 
-struct Scanner<'a> {
+struct Scanner<'a, 'm> {
     text: &'a str,
     bytes: &'a [u8],
     pos: usize,
@@ -217,6 +255,10 @@ struct Scanner<'a> {
     /// Member names of the objects open on the current path, outermost
     /// first; each object knows where its own start.
     names: Vec<Cow<'a, str>>,
+    /// Where the top-level members are recorded, if asked.
+    members: Option<&'m mut Members>,
+    /// The items of the largest array or object so far.
+    largest: usize,
 }
 
 /// Bytes that end the fast run inside a string: the quote, the backslash,
@@ -254,7 +296,7 @@ fn hex(b: u8) -> Option<u16> {
     }
 }
 
-impl<'a> Scanner<'a> {
+impl<'a> Scanner<'a, '_> {
     fn syntax(&self, expected: &'static str) -> JsonError {
         JsonError::new(Problem::Syntax {
             offset: self.pos,
@@ -318,16 +360,28 @@ impl<'a> Scanner<'a> {
             if self.peek() != Some(b'"') {
                 return Err(self.syntax("a member name"));
             }
+            let name_start = self.pos + 1;
             let name = self.string(true)?;
+            let name_end = self.pos - 1;
             self.skip_ws();
             if self.peek() != Some(b':') {
                 return Err(self.syntax("':'"));
             }
             self.pos += 1;
             self.skip_ws();
+            let value_start = self.pos;
             if let Err(mut error) = self.value(depth + 1) {
                 error.path.push(Segment::Key(name.into_owned()));
                 return Err(error);
+            }
+            if depth == 1
+                && let Some(members) = self.members.as_deref_mut()
+            {
+                members.list.push(Member {
+                    name: (name_start, name_end),
+                    name_escaped: matches!(name, Cow::Owned(_)),
+                    value: (value_start, self.pos),
+                });
             }
             self.names.push(name);
             self.skip_ws();
@@ -344,6 +398,7 @@ impl<'a> Scanner<'a> {
             }
         }
         let names = &mut self.names[start..];
+        self.largest = self.largest.max(names.len());
         let duplicate = if names.len() <= SMALL_OBJECT {
             // Few members: compare each pair, in order.
             (1..names.len()).find_map(|j| names[..j].iter().find(|n| **n == names[j]))
@@ -383,6 +438,7 @@ impl<'a> Scanner<'a> {
                 }
                 Some(b']') => {
                     self.pos += 1;
+                    self.largest = self.largest.max(index);
                     return Ok(());
                 }
                 _ => return Err(self.syntax("',' or ']'")),

@@ -144,6 +144,25 @@ const SHOWN_ID_CHARS: usize = 64;
 
 /// Checks `request` against R20 and `limits`.
 pub fn check(request: &EvaluateRequest, limits: &Limits) -> Result<(), Refusal> {
+    check_calls(request, limits, None)
+}
+
+/// [`check`], recording each call's top-level argument members in
+/// `members` (one entry per call, in batch order) for the policy guards
+/// (R27).
+pub fn check_recording(
+    request: &EvaluateRequest,
+    limits: &Limits,
+    members: &mut Vec<ijson::Members>,
+) -> Result<(), Refusal> {
+    check_calls(request, limits, Some(members))
+}
+
+fn check_calls(
+    request: &EvaluateRequest,
+    limits: &Limits,
+    mut members: Option<&mut Vec<ijson::Members>>,
+) -> Result<(), Refusal> {
     check_counts(
         &request.batch_id,
         request.encoded_len(),
@@ -205,7 +224,12 @@ pub fn check(request: &EvaluateRequest, limits: &Limits) -> Result<(), Refusal> 
                 ),
             ));
         }
-        if let Err(error) = ijson::check(&call.arguments, limits.max_json_depth) {
+        let checked = match members.as_deref_mut() {
+            Some(members) => ijson::check_recording(&call.arguments, limits.max_json_depth)
+                .map(|found| members.push(found)),
+            None => ijson::check(&call.arguments, limits.max_json_depth),
+        };
+        if let Err(error) = checked {
             return Err(invalid(
                 error.reason(),
                 format!(
