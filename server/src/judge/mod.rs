@@ -20,7 +20,7 @@ use crate::judge::call_index::CallIndex;
 use crate::judge::fold::{Decided, Fold, FoldGuard};
 use crate::link::{GuardFailure, LinkEvent};
 use crate::mesh::{Chain, ChainGuard, Mesh, Unguarded};
-use crate::policy::{Args, BatchValues, CallRef, ContextRef, Members, Outcome as PolicyOutcome};
+use crate::policy::{Args, BatchValues, CallRef, ContextRef, Outcome as PolicyOutcome, Recorded};
 use crate::registry::spec::Guard;
 use crate::validate;
 use guardmesh_proto::v1::{
@@ -265,8 +265,10 @@ impl Mesh {
         // With a policy guard in the chain, the check records where each
         // call's argument members are, so that the rules read them without
         // scanning the text again (R27).
-        let mut members = Vec::new();
+        let mut members = Recorded::default();
         let checked = if chain.guards.iter().any(|g| g.guard.is_policy()) {
+            let limits = &self.config.limits;
+            members = Recorded::with_calls(request.calls.len().min(limits.max_calls_per_batch));
             validate::check_recording(&request, &self.config.limits, &mut members)
         } else {
             validate::check(&request, &self.config.limits)
@@ -339,7 +341,7 @@ struct Judging<'a> {
     index_of: CallIndex,
     /// The top-level members of each call's arguments as sent, recorded by
     /// the check when a policy guard will read them (else empty).
-    members: Vec<Members>,
+    members: Recorded,
     runs: Vec<GuardRun>,
     /// The batch's context and calls as guards are sent them, encoded once
     /// per set of calls sent (by which calls), while no call changes.
@@ -354,7 +356,7 @@ impl<'a> Judging<'a> {
         mesh: &'a Mesh,
         chain: &'a Chain,
         mut request: EvaluateRequest,
-        members: Vec<Members>,
+        members: Recorded,
         deadline: Instant,
         trace: TraceContext,
         span: tracing::Span,
@@ -934,7 +936,7 @@ impl<'a> Judging<'a> {
             self.calls.iter().enumerate().map(|(i, call)| CallRef {
                 call_id: &call.current().call_id,
                 tool: &call.current().tool,
-                args: match (&call.rewritten, self.members.get(i)) {
+                args: match (&call.rewritten, self.members.call(i)) {
                     (None, Some(members)) => Args::Recorded {
                         text: &call.original.arguments,
                         members,

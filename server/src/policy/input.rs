@@ -38,7 +38,7 @@ use serde::{Deserialize, Serialize};
 
 use super::json::Json;
 use super::plan::{FastCall, FastContext, Input};
-pub use crate::validate::ijson::Members;
+pub use crate::validate::ijson::{Members, Recorded};
 
 /// One tool call, as a rule sees it.
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
@@ -97,7 +97,7 @@ pub enum Args<'a> {
         /// The arguments' text.
         text: &'a str,
         /// Its members, as the mesh's check found them.
-        members: &'a Members,
+        members: Members<'a>,
     },
     /// Parsed JSON.
     Json(&'a serde_json::Value),

@@ -18,7 +18,7 @@ use std::fmt;
 
 use serde::de::{DeserializeSeed, Deserializer, MapAccess, SeqAccess, Visitor};
 
-use crate::validate::ijson::Members;
+use crate::validate::ijson::{Member, Members};
 
 /// One JSON value.
 #[derive(Debug, Clone, PartialEq)]
@@ -228,27 +228,27 @@ impl<'a> Json<'a> {
     /// to [`Json::from_checked`].
     pub(crate) fn from_members(
         text: &'a str,
-        members: &Members,
+        members: Members<'_>,
         largest: &mut usize,
     ) -> Option<Self> {
-        let fields: Option<Vec<(Cow<'a, str>, Slot<'a>)>> = members
-            .list
-            .iter()
-            .map(|member| {
-                let (start, end) = member.name;
-                let name = if member.name_escaped {
-                    let quoted = text.get(start.checked_sub(1)?..end.checked_add(1)?)?;
-                    Cow::Owned(serde_json::from_str::<String>(quoted).ok()?)
-                } else {
-                    Cow::Borrowed(text.get(start..end)?)
-                };
-                let value = text.get(member.value.0..member.value.1)?;
-                Some((name, slot_of(value)?))
-            })
-            .collect();
-        let Some(fields) = fields else {
-            return Json::from_checked(text, largest);
+        let member = |member: &Member| {
+            let (start, end) = member.name;
+            let name = if member.name_escaped {
+                let quoted = text.get(start.checked_sub(1)?..end.checked_add(1)?)?;
+                Cow::Owned(serde_json::from_str::<String>(quoted).ok()?)
+            } else {
+                Cow::Borrowed(text.get(start..end)?)
+            };
+            let value = text.get(member.value.0..member.value.1)?;
+            Some((name, slot_of(value)?))
         };
+        let mut fields = Vec::with_capacity(members.list.len());
+        for m in members.list {
+            let Some(field) = member(m) else {
+                return Json::from_checked(text, largest);
+            };
+            fields.push(field);
+        }
         *largest = (*largest).max(members.largest);
         let (object, repeated) = Object::of_slots(fields);
         (!repeated).then_some(Json::Map(object))
@@ -1168,7 +1168,12 @@ mod tests {
         let mut nested = 0;
         let followed = Scan::new(text).object(&mut nested).is_some();
         let depth = crate::validate::ijson::MAX_DEPTH_LIMIT;
-        let Ok(members) = crate::validate::ijson::check_recording(text, depth) else {
+        let mut recorded = crate::validate::ijson::Recorded::default();
+        if crate::validate::ijson::check_recording(text, depth, &mut recorded).is_err() {
+            return Ok(false);
+        }
+        let Some(members) = recorded.call(0) else {
+            prop_assert!(false, "nothing recorded for {:?}", text);
             return Ok(false);
         };
         prop_assert!(followed, "the scan gave up on a checked text: {:?}", text);
@@ -1182,7 +1187,7 @@ mod tests {
         // (not by scanning again).
         let mut largest_recorded = 0;
         let recorded =
-            Json::from_members(text, &members, &mut largest_recorded).map(|json| read(&json));
+            Json::from_members(text, members, &mut largest_recorded).map(|json| read(&json));
         prop_assert_eq!(
             format!("{parsed:?} {largest_text}"),
             format!("{recorded:?} {largest_recorded}"),

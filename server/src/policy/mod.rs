@@ -41,5 +41,5 @@ pub use cases::{CheckReport, Failure, RuleSummary, TestReport, check, test};
 pub use cost::{Cost, Limits};
 pub use engine::{Policy, Rule};
 pub use error::{CasesError, CompileError, CompileErrorKind, EvalError, Field, Scope};
-pub use input::{Args, BatchInput, BatchValues, CallInput, CallRef, ContextRef, Members};
+pub use input::{Args, BatchInput, BatchValues, CallInput, CallRef, ContextRef, Members, Recorded};
 pub use verdict::{Action, Outcome, Verdict};

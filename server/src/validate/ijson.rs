@@ -171,18 +171,47 @@ impl fmt::Display for JsonError {
 
 impl std::error::Error for JsonError {}
 
-/// The top-level members of an I-JSON object, as [`check_recording`] found
-/// them: where each name and value are in the text, and the items of the
-/// largest array or object in it, so that a policy guard (R27) reads the
-/// checked text without scanning it again.
+/// The top-level members of the arguments of a batch's calls, as
+/// [`check_recording`] found them: where each name and value are in the
+/// text, and the items of the largest array or object, so that a policy
+/// guard (R27) reads the checked text without scanning it again. One vector
+/// for the whole batch.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
-pub struct Members {
-    pub(crate) list: Vec<Member>,
+pub struct Recorded {
+    list: Vec<Member>,
+    /// Per call, in the order recorded: its members in `list`, and its
+    /// largest collection.
+    calls: Vec<(usize, usize, usize)>,
+}
+
+impl Recorded {
+    /// Room for `calls` calls of a few members each.
+    pub(crate) fn with_calls(calls: usize) -> Self {
+        Self {
+            list: Vec::with_capacity(calls.saturating_mul(8)),
+            calls: Vec::with_capacity(calls),
+        }
+    }
+
+    /// The members of the `i`th call recorded.
+    pub fn call(&self, i: usize) -> Option<Members<'_>> {
+        let &(start, end, largest) = self.calls.get(i)?;
+        Some(Members {
+            list: self.list.get(start..end)?,
+            largest,
+        })
+    }
+}
+
+/// One call's top-level argument members (see [`Recorded`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Members<'a> {
+    pub(crate) list: &'a [Member],
     /// The items of the largest array or object, the top level included.
     pub(crate) largest: usize,
 }
 
-/// One top-level member (see [`Members`]).
+/// One top-level member (see [`Recorded`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) struct Member {
     /// The name's text between its quotes, as byte offsets.
@@ -196,17 +225,35 @@ pub(crate) struct Member {
 /// Whether `text` is an I-JSON object nested at most `max_depth` deep; the
 /// empty text (or only whitespace) counts as `{}`.
 pub(crate) fn check(text: &str, max_depth: usize) -> Result<(), JsonError> {
-    scan(text, max_depth, None)
+    scan(text, max_depth, None).map(|_| ())
 }
 
-/// [`check`], recording the object's top-level members on the way.
-pub(crate) fn check_recording(text: &str, max_depth: usize) -> Result<Members, JsonError> {
-    let mut members = Members::default();
-    scan(text, max_depth, Some(&mut members))?;
-    Ok(members)
+/// [`check`], recording the object's top-level members in `recorded` on
+/// the way (nothing, if the text is refused).
+pub(crate) fn check_recording(
+    text: &str,
+    max_depth: usize,
+    recorded: &mut Recorded,
+) -> Result<(), JsonError> {
+    let start = recorded.list.len();
+    match scan(text, max_depth, Some(&mut recorded.list)) {
+        Ok(largest) => {
+            recorded.calls.push((start, recorded.list.len(), largest));
+            Ok(())
+        }
+        Err(error) => {
+            recorded.list.truncate(start);
+            Err(error)
+        }
+    }
 }
 
-fn scan(text: &str, max_depth: usize, members: Option<&mut Members>) -> Result<(), JsonError> {
+/// The check; the items of the largest array or object.
+fn scan(
+    text: &str,
+    max_depth: usize,
+    members: Option<&mut Vec<Member>>,
+) -> Result<usize, JsonError> {
     let mut scanner = Scanner {
         text,
         bytes: text.as_bytes(),
@@ -219,7 +266,7 @@ fn scan(text: &str, max_depth: usize, members: Option<&mut Members>) -> Result<(
     };
     scanner.skip_ws();
     if scanner.pos == scanner.bytes.len() {
-        return Ok(());
+        return Ok(0);
     }
     if scanner.bytes[scanner.pos] != b'{' {
         // Tell "valid JSON, but not an object" from "not JSON" when cheap.
@@ -241,10 +288,7 @@ fn scan(text: &str, max_depth: usize, members: Option<&mut Members>) -> Result<(
     if scanner.pos != scanner.bytes.len() {
         return Err(scanner.syntax("end of text"));
     }
-    if let Some(members) = scanner.members {
-        members.largest = scanner.largest;
-    }
-    Ok(())
+    Ok(scanner.largest)
 }
 
 struct Scanner<'a, 'm> {
@@ -256,7 +300,7 @@ struct Scanner<'a, 'm> {
     /// first; each object knows where its own start.
     names: Vec<Cow<'a, str>>,
     /// Where the top-level members are recorded, if asked.
-    members: Option<&'m mut Members>,
+    members: Option<&'m mut Vec<Member>>,
     /// The items of the largest array or object so far.
     largest: usize,
 }
@@ -377,7 +421,7 @@ impl<'a> Scanner<'a, '_> {
             if depth == 1
                 && let Some(members) = self.members.as_deref_mut()
             {
-                members.list.push(Member {
+                members.push(Member {
                     name: (name_start, name_end),
                     name_escaped: matches!(name, Cow::Owned(_)),
                     value: (value_start, self.pos),

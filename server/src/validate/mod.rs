@@ -147,21 +147,20 @@ pub fn check(request: &EvaluateRequest, limits: &Limits) -> Result<(), Refusal> 
     check_calls(request, limits, None)
 }
 
-/// [`check`], recording each call's top-level argument members in
-/// `members` (one entry per call, in batch order) for the policy guards
-/// (R27).
+/// [`check`], recording each call's top-level argument members (call `i`'s
+/// are `recorded.call(i)`) for the policy guards (R27).
 pub fn check_recording(
     request: &EvaluateRequest,
     limits: &Limits,
-    members: &mut Vec<ijson::Members>,
+    recorded: &mut ijson::Recorded,
 ) -> Result<(), Refusal> {
-    check_calls(request, limits, Some(members))
+    check_calls(request, limits, Some(recorded))
 }
 
 fn check_calls(
     request: &EvaluateRequest,
     limits: &Limits,
-    mut members: Option<&mut Vec<ijson::Members>>,
+    mut recorded: Option<&mut ijson::Recorded>,
 ) -> Result<(), Refusal> {
     check_counts(
         &request.batch_id,
@@ -224,9 +223,10 @@ fn check_calls(
                 ),
             ));
         }
-        let checked = match members.as_deref_mut() {
-            Some(members) => ijson::check_recording(&call.arguments, limits.max_json_depth)
-                .map(|found| members.push(found)),
+        let checked = match recorded.as_deref_mut() {
+            Some(recorded) => {
+                ijson::check_recording(&call.arguments, limits.max_json_depth, recorded)
+            }
             None => ijson::check(&call.arguments, limits.max_json_depth),
         };
         if let Err(error) = checked {
