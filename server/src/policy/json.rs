@@ -2,12 +2,12 @@
 //! once per batch into a small borrowed tree, strings without escapes
 //! borrowed from the text, objects as key/value lists in the order written.
 //!
-//! Arguments the mesh has checked as an I-JSON object (R20) are read by a
-//! scan of their top-level members ([`Json::from_checked`]): strings, most
-//! of the bytes, are found a word at a time and borrowed, plain integers
-//! read at once, and a nested array or object is only counted (the cost
-//! bounds need its items), then parsed when a rule first reads it. Rules
-//! that never look into `call.args.options` do not pay for it.
+//! Arguments the mesh has checked as an I-JSON object (R20) are read from
+//! what the check recorded of their top-level members
+//! ([`Json::from_members`]): strings without escapes borrowed as they are,
+//! plain integers read at once, and a nested array or object (whose items
+//! the check counted for the cost bounds) parsed when a rule first reads
+//! it. Rules that never look into `call.args.options` do not pay for it.
 //!
 //! Numbers become what they become in CEL (see `input`): an integer is an
 //! `int` (a `uint` above `int`'s range), any other number a `double`.
@@ -18,7 +18,7 @@ use std::fmt;
 
 use serde::de::{DeserializeSeed, Deserializer, MapAccess, SeqAccess, Visitor};
 
-use crate::validate::ijson::{Member, Members};
+use crate::validate::ijson::{self, Member, Members, Recorded};
 
 /// One JSON value.
 #[derive(Debug, Clone, PartialEq)]
@@ -201,31 +201,23 @@ impl<'a> Json<'a> {
         }
     }
 
-    /// Reads arguments the mesh checked as an I-JSON object (R20), to the
-    /// same values as [`Json::from_text`] (the same `largest` too): one scan
-    /// finds the top-level members; a string without escapes is borrowed
-    /// as found (its end found a word at a time), a plain integer read at
-    /// once, a nested array or object counted and left to be parsed when a
-    /// rule reads it, and the rest given to serde_json, each value on its
-    /// own text. Text that is not one object after all, or that the scan
-    /// does not follow, is read by [`Json::from_text`].
+    /// Reads arguments as [`Json::from_text`] does, to the same values (the
+    /// same `largest` too), through [`Json::from_members`] when the text
+    /// passes the mesh's I-JSON check (R20), as a rewrite the mesh checked
+    /// does; other text through [`Json::from_text`].
     pub(crate) fn from_checked(text: &'a str, largest: &mut usize) -> Option<Self> {
-        let mut scan = Scan::new(text);
-        let mut nested = 0;
-        match scan.object(&mut nested) {
-            Some(fields) => {
-                *largest = (*largest).max(nested).max(fields.len());
-                let (object, repeated) = Object::of_slots(fields);
-                (!repeated).then_some(Json::Map(object))
-            }
+        let mut recorded = Recorded::default();
+        let checked = ijson::check_recording(text, ijson::MAX_DEPTH_LIMIT, &mut recorded);
+        match checked.ok().and_then(|()| recorded.call(0)) {
+            Some(members) => Json::from_members(text, members, largest),
             None => Json::from_text(text, largest),
         }
     }
 
-    /// Reads checked arguments whose top-level members the check recorded
-    /// (R20): as [`Json::from_checked`], without scanning the text again.
-    /// Members that do not fit the text (never, for the check's own) send it
-    /// to [`Json::from_checked`].
+    /// Reads checked arguments from the top-level members the I-JSON check
+    /// recorded (R20), without scanning the text again: to the values
+    /// [`Json::from_text`] gives. Members that do not fit the text (never,
+    /// for the check's own) send it to [`Json::from_text`].
     pub(crate) fn from_members(
         text: &'a str,
         members: Members<'_>,
@@ -245,7 +237,7 @@ impl<'a> Json<'a> {
         let mut fields = Vec::with_capacity(members.list.len());
         for m in members.list {
             let Some(field) = member(m) else {
-                return Json::from_checked(text, largest);
+                return Json::from_text(text, largest);
             };
             fields.push(field);
         }
@@ -294,203 +286,13 @@ impl<'a> Json<'a> {
     }
 }
 
-/// The scan of [`Json::from_checked`]: the top-level members of an object.
-/// It follows JSON's structure only as far as it needs to (checked text is
-/// JSON, R20), never panics on any text, and gives up (`None`) on what it
-/// does not follow.
-struct Scan<'a> {
-    text: &'a str,
-    bytes: &'a [u8],
-    pos: usize,
-}
-
-impl<'a> Scan<'a> {
-    fn new(text: &'a str) -> Self {
-        Self {
-            text,
-            bytes: text.as_bytes(),
-            pos: 0,
-        }
-    }
-
-    fn ws(&mut self) {
-        while let Some(b' ' | b'\t' | b'\n' | b'\r') = self.bytes.get(self.pos) {
-            self.pos += 1;
-        }
-    }
-
-    fn eat(&mut self, byte: u8) -> Option<()> {
-        (self.bytes.get(self.pos) == Some(&byte)).then(|| self.pos += 1)
-    }
-
-    /// The members of the text's object (blank text is `{}`); `largest`
-    /// grows to the items of the largest array or object in their values.
-    fn object(&mut self, largest: &mut usize) -> Option<Vec<(Cow<'a, str>, Slot<'a>)>> {
-        self.ws();
-        if self.pos == self.bytes.len() {
-            return Some(Vec::new());
-        }
-        self.eat(b'{')?;
-        let mut fields = Vec::with_capacity(MEMBERS);
-        self.ws();
-        if self.eat(b'}').is_none() {
-            loop {
-                let key = self.key()?;
-                self.ws();
-                self.eat(b':')?;
-                self.ws();
-                let value = self.value(largest)?;
-                fields.push((key, value));
-                self.ws();
-                if self.eat(b',').is_some() {
-                    self.ws();
-                    continue;
-                }
-                self.eat(b'}')?;
-                break;
-            }
-        }
-        self.ws();
-        (self.pos == self.bytes.len()).then_some(fields)
-    }
-
-    /// A member name: borrowed, or decoded when it has escapes.
-    fn key(&mut self) -> Option<Cow<'a, str>> {
-        let start = self.pos;
-        let escaped = self.string()?;
-        let quoted = self.text.get(start..self.pos)?;
-        if !escaped {
-            return quoted.get(1..quoted.len() - 1).map(Cow::Borrowed);
-        }
-        serde_json::from_str::<String>(quoted).ok().map(Cow::Owned)
-    }
-
-    /// A member's value: a string without escapes borrowed, a plain
-    /// integer or a literal read here, an array or object counted and left
-    /// for later, anything else parsed by serde_json on its own text.
-    fn value(&mut self, largest: &mut usize) -> Option<Slot<'a>> {
-        let start = self.pos;
-        match *self.bytes.get(self.pos)? {
-            b'"' => {
-                if !self.string()? {
-                    // Checked text has no raw control character in a string.
-                    let inner = self.text.get(start + 1..self.pos - 1)?;
-                    return Some(Slot::Ready(Json::Str(Cow::Borrowed(inner))));
-                }
-            }
-            b'{' | b'[' => {
-                self.container(largest)?;
-                return Some(Slot::Later {
-                    text: self.text.get(start..self.pos)?,
-                    value: OnceCell::new(),
-                });
-            }
-            _ => {
-                self.scalar()?;
-                return scalar_slot(self.text.get(start..self.pos)?);
-            }
-        }
-        let mut stats = Stats::default();
-        parse_value(self.text.get(start..self.pos)?, &mut stats).map(Slot::Ready)
-    }
-
-    /// Skips a string; whether it has escapes.
-    fn string(&mut self) -> Option<bool> {
-        self.eat(b'"')?;
-        let mut escaped = false;
-        loop {
-            let at = memchr::memchr2(b'"', b'\\', self.bytes.get(self.pos..)?)?;
-            self.pos += at + 1;
-            if self.bytes.get(self.pos - 1) == Some(&b'"') {
-                return Some(escaped);
-            }
-            // A backslash: the next byte is escaped (`\u` is followed by
-            // four hex digits, none a quote or backslash).
-            escaped = true;
-            self.pos += 1;
-        }
-    }
-
-    /// Skips a number, `true`, `false` or `null`: to the next `,`, `}`,
-    /// `]` or space.
-    fn scalar(&mut self) -> Option<()> {
-        let start = self.pos;
-        while let Some(b) = self.bytes.get(self.pos) {
-            if matches!(b, b',' | b'}' | b']' | b' ' | b'\t' | b'\n' | b'\r') {
-                break;
-            }
-            self.pos += 1;
-        }
-        (self.pos > start).then_some(())
-    }
-
-    /// Skips an array or object, counting the items of every array and
-    /// object in it as serde_json's parse counts them.
-    fn container(&mut self, largest: &mut usize) -> Option<()> {
-        // The closing byte and the items so far of each array or object
-        // open around the scan.
-        let mut open: Vec<(u8, usize)> = Vec::new();
-        loop {
-            // At a value.
-            match *self.bytes.get(self.pos)? {
-                b'"' => {
-                    self.string()?;
-                }
-                opening @ (b'{' | b'[') => {
-                    let close = if opening == b'{' { b'}' } else { b']' };
-                    self.pos += 1;
-                    self.ws();
-                    if self.eat(close).is_none() {
-                        open.push((close, 1));
-                        self.item(close)?;
-                        continue;
-                    }
-                }
-                _ => self.scalar()?,
-            }
-            // After a value: the next item, or the ends of containers.
-            loop {
-                let Some((close, count)) = open.last_mut() else {
-                    return Some(());
-                };
-                let close = *close;
-                self.ws();
-                if self.eat(b',').is_some() {
-                    *count += 1;
-                    self.ws();
-                    self.item(close)?;
-                    break;
-                }
-                self.eat(close)?;
-                *largest = (*largest).max(*count);
-                open.pop();
-                if open.is_empty() {
-                    return Some(());
-                }
-            }
-        }
-    }
-
-    /// Before an item of an array or object closed by `close`: an object's
-    /// member name and colon.
-    fn item(&mut self, close: u8) -> Option<()> {
-        if close == b'}' {
-            self.string()?;
-            self.ws();
-            self.eat(b':')?;
-            self.ws();
-        }
-        Some(())
-    }
-}
-
 /// A member's value from its text (found by the check): a string without
 /// escapes borrowed, an array or object left for later, a scalar read.
 fn slot_of(text: &str) -> Option<Slot<'_>> {
     match *text.as_bytes().first()? {
         b'"' => {
             let inner = text.get(1..text.len().checked_sub(1)?)?;
-            if memchr::memchr(b'\\', inner.as_bytes()).is_none() {
+            if !inner.as_bytes().contains(&b'\\') {
                 return Some(Slot::Ready(Json::Str(Cow::Borrowed(inner))));
             }
             let mut stats = Stats::default();
@@ -1157,16 +959,21 @@ mod tests {
     }
 
     /// `from_checked` on `text`: the same value and largest collection as
-    /// `from_text` whenever the mesh would have let the text through (R20),
-    /// and found by the scan itself, not by falling back to serde_json.
-    /// Any other text: no panic. Returns whether the text was checked.
+    /// `from_text`, and, whenever the mesh would have let the text through
+    /// (R20), read from the members the check recorded (which fit the
+    /// text), not by falling back to serde_json. Returns whether the text
+    /// was checked.
     fn same_when_checked(text: &str) -> Result<bool, TestCaseError> {
         let mut largest_text = 0;
         let parsed = Json::from_text(text, &mut largest_text).map(|json| read(&json));
         let mut largest_checked = 0;
-        let scanned = Json::from_checked(text, &mut largest_checked).map(|json| read(&json));
-        let mut nested = 0;
-        let followed = Scan::new(text).object(&mut nested).is_some();
+        let checked = Json::from_checked(text, &mut largest_checked).map(|json| read(&json));
+        prop_assert_eq!(
+            format!("{parsed:?} {largest_text}"),
+            format!("{checked:?} {largest_checked}"),
+            "text {:?}",
+            text
+        );
         let depth = crate::validate::ijson::MAX_DEPTH_LIMIT;
         let mut recorded = crate::validate::ijson::Recorded::default();
         if crate::validate::ijson::check_recording(text, depth, &mut recorded).is_err() {
@@ -1176,13 +983,6 @@ mod tests {
             prop_assert!(false, "nothing recorded for {:?}", text);
             return Ok(false);
         };
-        prop_assert!(followed, "the scan gave up on a checked text: {:?}", text);
-        prop_assert_eq!(
-            format!("{parsed:?} {largest_text}"),
-            format!("{scanned:?} {largest_checked}"),
-            "text {:?}",
-            text
-        );
         // From the members the check recorded: the same, and from them
         // (not by scanning again).
         let mut largest_recorded = 0;
@@ -1207,12 +1007,12 @@ mod tests {
         Ok(true)
     }
 
-    /// R20/R27: arguments the mesh checked read the same by the scan, and
-    /// from the members the check recorded, as by serde_json (values, kinds
-    /// of numbers, escapes, largest collection); damaged texts never make
-    /// the scan panic.
+    /// R20/R27: arguments the mesh checked read from the members its check
+    /// recorded to the same values as by serde_json (values, kinds of
+    /// numbers, escapes, largest collection); any other text (damaged ones
+    /// too) reads as serde_json reads it.
     #[test]
-    fn r27_checked_arguments_scan_to_the_same_values() {
+    fn r27_checked_arguments_read_to_the_same_values() {
         let checked = std::cell::Cell::new(0u32);
         runner(6000)
             .run(&object(), |text| {
@@ -1246,11 +1046,11 @@ mod tests {
     }
 
     /// R27: a nested array or object of checked arguments is counted by
-    /// the scan and parsed only when read; strings and numbers are there at
+    /// the check and parsed only when read; strings and numbers are there at
     /// once; a nested value that turns out not to parse is `Unparsed`.
     #[test]
     fn r27_nested_values_of_checked_arguments_are_parsed_when_read() {
-        let text = r#"{"query":"SELECT 1","n":42,"options":{"a":[1,2,3,4,5],"b":{}},"bad":[01]}"#;
+        let text = r#"{"query":"SELECT 1","n":42,"options":{"a":[1,2,3,4,5],"b":{}}}"#;
         let mut largest = 0;
         let Some(Json::Map(top)) = Json::from_checked(text, &mut largest) else {
             panic!("not an object");
@@ -1275,7 +1075,11 @@ mod tests {
         };
         assert!(matches!(options.get("a"), Ok(Some(Json::List(items))) if items.len() == 5));
         assert_eq!(later("options"), Some(true), "parsed once read");
-        assert_eq!(top.get("bad"), Err(Unparsed));
+        let bad = Slot::Later {
+            text: "[01]",
+            value: OnceCell::new(),
+        };
+        assert_eq!(bad.value(), Err(Unparsed));
     }
 
     /// The checks above can fail: a value that differs is seen.

@@ -385,33 +385,29 @@ fn check(
     // The mesh's way (the arguments as JSON text, parsed here) and the
     // `policy test` way (parsed JSON): both must agree with the interpreter.
     let texts: Vec<String> = batch.calls.iter().map(|c| c.args.to_string()).collect();
-    let from_text = BatchValues::new(
-        ContextRef {
-            session_id: &batch.session_id,
-            turn_index: batch.turn_index,
-            model_text: &batch.model_text,
-        },
-        batch.metadata.iter().map(|(k, v)| (k.as_str(), v.as_str())),
-        batch.calls.iter().zip(&texts).map(|(c, text)| CallRef {
-            call_id: &c.call_id,
-            tool: &c.tool,
-            args: Args::Text(text),
-        }),
-    );
-    // The mesh's own way: text it checked (R20), scanned lazily.
-    let from_checked = BatchValues::new(
-        ContextRef {
-            session_id: &batch.session_id,
-            turn_index: batch.turn_index,
-            model_text: &batch.model_text,
-        },
-        batch.metadata.iter().map(|(k, v)| (k.as_str(), v.as_str())),
-        batch.calls.iter().zip(&texts).map(|(c, text)| CallRef {
-            call_id: &c.call_id,
-            tool: &c.tool,
-            args: Args::Checked(text),
-        }),
-    );
+    fn from<'a>(
+        batch: &'a BatchInput,
+        texts: &'a [String],
+        args: fn(&'a str) -> Args<'a>,
+    ) -> BatchValues<'a> {
+        BatchValues::new(
+            ContextRef {
+                session_id: &batch.session_id,
+                turn_index: batch.turn_index,
+                model_text: &batch.model_text,
+            },
+            batch.metadata.iter().map(|(k, v)| (k.as_str(), v.as_str())),
+            batch.calls.iter().zip(texts).map(move |(c, text)| CallRef {
+                call_id: &c.call_id,
+                tool: &c.tool,
+                args: args(text),
+            }),
+        )
+    }
+    let from_text = from(batch, &texts, Args::Text);
+    // The mesh's own way: text it checked (R20), read from the members the
+    // check recorded.
+    let from_checked = from(batch, &texts, Args::Checked);
     let from_json = BatchValues::from_input(batch);
     let text = agree(env, source, &program, &plan, &from_text, batch)?;
     let checked = agree(env, source, &program, &plan, &from_checked, batch)?;

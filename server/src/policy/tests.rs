@@ -915,15 +915,7 @@ message = "'big'"
         let filler: String = (0..members).map(|i| format!("\"m{i}\":{i},")).collect();
         let text = format!("{{{filler}\"amount\":1,\"amount\":500}}");
         for args in [Args::Text(&text), Args::Checked(&text)] {
-            let values = BatchValues::new(
-                ContextRef::default(),
-                [],
-                [CallRef {
-                    call_id: "c1",
-                    tool: "pay",
-                    args,
-                }],
-            );
+            let values = one_pay_call(args);
             let before = policy.interpreted_evaluations();
             let outcomes = policy.evaluate_values(&values, None);
             assert_eq!(
@@ -938,6 +930,19 @@ message = "'big'"
             );
         }
     }
+}
+
+/// The values of a batch of one call to `pay` with `args`.
+fn one_pay_call(args: Args<'_>) -> BatchValues<'_> {
+    BatchValues::new(
+        ContextRef::default(),
+        [],
+        [CallRef {
+            call_id: "c1",
+            tool: "pay",
+            args,
+        }],
+    )
 }
 
 /// R20/R27: a nested object of checked arguments is parsed only when a rule
@@ -971,15 +976,7 @@ message = "'big'"
     ];
     for (text, rule) in cases {
         for args in [Args::Text(text), Args::Checked(text)] {
-            let values = BatchValues::new(
-                ContextRef::default(),
-                [],
-                [CallRef {
-                    call_id: "c1",
-                    tool: "pay",
-                    args,
-                }],
-            );
+            let values = one_pay_call(args);
             let outcomes = policy.evaluate_values(&values, None);
             match rule {
                 Some(rule) => assert_eq!(matched(&outcomes[0]).rule, rule, "{args:?}"),
@@ -995,15 +992,7 @@ message = "'big'"
     // rule either way, never a proceed.
     let text = r#"{"payment":{"amount":0500}}"#;
     for args in [Args::Text(text), Args::Checked(text)] {
-        let values = BatchValues::new(
-            ContextRef::default(),
-            [],
-            [CallRef {
-                call_id: "c1",
-                tool: "pay",
-                args,
-            }],
-        );
+        let values = one_pay_call(args);
         let outcomes = policy.evaluate_values(&values, None);
         assert!(
             matches!(outcomes[0], Outcome::Error(_)),

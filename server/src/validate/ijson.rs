@@ -193,6 +193,17 @@ impl Recorded {
         }
     }
 
+    /// Checks each of `texts` as the mesh checks call arguments (R20, at
+    /// the deepest nesting it can be configured to accept) and records
+    /// their members, in order; `None` if one is not an I-JSON object.
+    pub fn of_arguments<'t>(texts: impl IntoIterator<Item = &'t str>) -> Option<Self> {
+        let mut recorded = Self::default();
+        for text in texts {
+            check_recording(text, MAX_DEPTH_LIMIT, &mut recorded).ok()?;
+        }
+        Some(recorded)
+    }
+
     /// The members of the `i`th call recorded.
     pub fn call(&self, i: usize) -> Option<Members<'_>> {
         let &(start, end, largest) = self.calls.get(i)?;
