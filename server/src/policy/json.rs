@@ -232,7 +232,7 @@ impl<'a> Json<'a> {
                 Cow::Borrowed(text.get(start..end)?)
             };
             let value = text.get(member.value.0..member.value.1)?;
-            Some((name, slot_of(value)?))
+            Some((name, slot_of(value, member.value_escaped)?))
         };
         let mut fields = Vec::with_capacity(members.list.len());
         for m in members.list {
@@ -286,13 +286,14 @@ impl<'a> Json<'a> {
     }
 }
 
-/// A member's value from its text (found by the check): a string without
-/// escapes borrowed, an array or object left for later, a scalar read.
-fn slot_of(text: &str) -> Option<Slot<'_>> {
+/// A member's value from its text (found by the check, which also saw
+/// whether it has `escaped` strings): a string without escapes borrowed, an
+/// array or object left for later, a scalar read.
+fn slot_of(text: &str, escaped: bool) -> Option<Slot<'_>> {
     match *text.as_bytes().first()? {
         b'"' => {
-            let inner = text.get(1..text.len().checked_sub(1)?)?;
-            if !inner.as_bytes().contains(&b'\\') {
+            if !escaped {
+                let inner = text.get(1..text.len().checked_sub(1)?)?;
                 return Some(Slot::Ready(Json::Str(Cow::Borrowed(inner))));
             }
             let mut stats = Stats::default();
@@ -996,7 +997,8 @@ mod tests {
             members
         );
         let fits = members.list.iter().all(|m| {
-            text.get(m.name.0..m.name.1).is_some() && slot_of(&text[m.value.0..m.value.1]).is_some()
+            text.get(m.name.0..m.name.1).is_some()
+                && slot_of(&text[m.value.0..m.value.1], m.value_escaped).is_some()
         });
         prop_assert!(
             fits,

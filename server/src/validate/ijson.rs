@@ -231,6 +231,9 @@ pub(crate) struct Member {
     pub(crate) name_escaped: bool,
     /// The value's text, from its first byte to its last.
     pub(crate) value: (usize, usize),
+    /// Whether a string in the value has escapes (a string value without
+    /// them is its text between the quotes).
+    pub(crate) value_escaped: bool,
 }
 
 /// Whether `text` is an I-JSON object nested at most `max_depth` deep; the
@@ -274,6 +277,7 @@ fn scan(
         names: Vec::new(),
         members,
         largest: 0,
+        escapes: 0,
     };
     scanner.skip_ws();
     if scanner.pos == scanner.bytes.len() {
@@ -314,6 +318,8 @@ struct Scanner<'a, 'm> {
     members: Option<&'m mut Vec<Member>>,
     /// The items of the largest array or object so far.
     largest: usize,
+    /// Escapes seen in strings so far.
+    escapes: usize,
 }
 
 /// Bytes that end the fast run inside a string: the quote, the backslash,
@@ -425,6 +431,7 @@ impl<'a> Scanner<'a, '_> {
             self.pos += 1;
             self.skip_ws();
             let value_start = self.pos;
+            let escapes_before = self.escapes;
             if let Err(mut error) = self.value(depth + 1) {
                 error.path.push(Segment::Key(name.into_owned()));
                 return Err(error);
@@ -436,6 +443,7 @@ impl<'a> Scanner<'a, '_> {
                     name: (name_start, name_end),
                     name_escaped: matches!(name, Cow::Owned(_)),
                     value: (value_start, self.pos),
+                    value_escaped: self.escapes != escapes_before,
                 });
             }
             self.names.push(name);
@@ -604,6 +612,7 @@ impl<'a> Scanner<'a, '_> {
                     });
                 }
                 b'\\' => {
+                    self.escapes += 1;
                     let raw_end = self.pos;
                     self.pos += 1;
                     let simple = match self.peek() {
