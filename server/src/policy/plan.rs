@@ -64,6 +64,10 @@ enum Node {
     CallId,
     Metadata,
     ModelText,
+    /// `call.args.f` and `has(call.args.f)`: a member of this call's
+    /// arguments, looked up without a value for the arguments in between.
+    Arg(Box<str>),
+    ArgHas(Box<str>),
     Slot(usize),
     /// `operand.f1.f2...`: selections in a row, one node; with `test`, the
     /// last is `has()`'s.
@@ -566,6 +570,8 @@ impl Planner {
             (Node::Call, "call_id", false) => Node::CallId,
             (Node::Context, "metadata", false) => Node::Metadata,
             (Node::Context, "model_text", false) => Node::ModelText,
+            (Node::Args, field, false) => Node::Arg(field.into()),
+            (Node::Args, field, true) => Node::ArgHas(field.into()),
             (
                 Node::Select {
                     operand,
@@ -783,7 +789,9 @@ fn reads(node: &Node, slot: usize) -> bool {
         | Node::Tool
         | Node::CallId
         | Node::Metadata
-        | Node::ModelText => false,
+        | Node::ModelText
+        | Node::Arg(_)
+        | Node::ArgHas(_) => false,
         Node::Select { operand, .. } => reads(operand, slot),
         Node::Not(a)
         | Node::Negate(a)
@@ -823,6 +831,7 @@ fn eval<'r>(node: &'r Node, input: &Input<'r, 'r>, slots: &mut [V<'r>]) -> Run<V
         Node::Calls => V::Calls,
         Node::Context => V::Context,
         Node::Args => from_json(this_call(input)?.args.as_ref().ok_or(Unsure)?),
+        Node::Arg(field) => from_json(args(input)?.get(field)?.ok_or(Unsure)?),
         Node::Tool => V::Str(this_call(input)?.tool),
         Node::CallId => V::Str(this_call(input)?.call_id),
         Node::Metadata => V::Metadata,
@@ -834,6 +843,7 @@ fn eval<'r>(node: &'r Node, input: &Input<'r, 'r>, slots: &mut [V<'r>]) -> Run<V
             test: false,
         } => select(operand, fields, input, slots)?.ok_or(Unsure)?,
         Node::Select { test: true, .. }
+        | Node::ArgHas(_)
         | Node::Not(_)
         | Node::And(..)
         | Node::Or(..)
@@ -927,6 +937,7 @@ fn fetch<'r>(node: &'r Node, input: &Input<'r, 'r>, slots: &mut [V<'r>]) -> Run<
     match node {
         Node::Str(s) => Ok(V::Str(s)),
         Node::Int(i) => Ok(V::Int(*i)),
+        Node::Arg(field) => Ok(from_json(args(input)?.get(field)?.ok_or(Unsure)?)),
         Node::Args => Ok(from_json(this_call(input)?.args.as_ref().ok_or(Unsure)?)),
         Node::Tool => Ok(V::Str(this_call(input)?.tool)),
         Node::Metadata => Ok(V::Metadata),
@@ -950,6 +961,7 @@ fn test<'r>(node: &'r Node, input: &Input<'r, 'r>, slots: &mut [V<'r>]) -> Run<b
             fields,
             test: true,
         } => has(operand, fields, input, slots),
+        Node::ArgHas(field) => Ok(args(input)?.has(field)),
         Node::Not(a) => Ok(!test(a, input, slots)?),
         Node::And(a, b) => Ok(test(a, input, slots)? && test(b, input, slots)?),
         Node::Or(a, b) => Ok(test(a, input, slots)? || test(b, input, slots)?),
@@ -1078,6 +1090,15 @@ fn size_compare(op: Compare, value: V<'_>, k: i64, input: &Input<'_, '_>) -> Run
 
 fn this_call<'r>(input: &Input<'r, 'r>) -> Run<&'r FastCall<'r>> {
     input.calls.get(input.call).ok_or(Unsure)
+}
+
+/// This call's arguments as an object: `Unsure` when they are only for the
+/// interpreter, or not an object (a member of them is then an error).
+fn args<'r>(input: &Input<'r, 'r>) -> Run<&'r Object<'r>> {
+    match this_call(input)?.args.as_ref() {
+        Some(Json::Map(object)) => Ok(object),
+        _ => Err(Unsure),
+    }
 }
 
 /// `operand.f1.f2...`: `None` when the last field is missing; `Unsure`
