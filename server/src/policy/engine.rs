@@ -200,22 +200,24 @@ impl Policy {
         let is_judged = |i: usize| judged.is_none_or(|j| j.get(i).copied().unwrap_or(false));
         let n = values.largest_collection();
         // The rules that apply to each call, by its tool: one bit set of
-        // `words` words per call, in one buffer.
+        // `words` words per call, in one buffer; and their cost at `n`
+        // (`None`: not judged here, or no rule applies).
         let words = self.rules.len().div_ceil(64);
         let mut applies = vec![0u64; words * calls];
         let mut matched = Vec::new();
-        let mut costs: Vec<(u64, Option<usize>)> = Vec::with_capacity(calls);
+        let mut costs: Vec<Option<u64>> = Vec::with_capacity(calls);
         let mut total = 0u64;
         for i in 0..calls {
             if !is_judged(i) {
-                costs.push((0, None));
+                costs.push(None);
                 continue;
             }
             let bits = &mut applies[i * words..(i + 1) * words];
-            self.tools.applicable(values.tool(i), bits, &mut matched);
-            let cost = self.cost_for(bits, n);
-            total = total.saturating_add(cost.0);
-            costs.push(cost);
+            let cost = self
+                .tools
+                .applicable(values.tool(i), bits, &mut matched, &self.rules, n);
+            total = total.saturating_add(cost);
+            costs.push(bits.iter().any(|w| *w != 0).then_some(cost));
         }
         if total > self.limits.max_cost_per_batch {
             let costliest = self
@@ -247,42 +249,30 @@ impl Policy {
         costs
             .into_iter()
             .enumerate()
-            .map(|(i, (cost, costliest))| {
-                let Some(costliest) = costliest else {
+            .map(|(i, cost)| {
+                let Some(cost) = cost else {
                     return Outcome::Proceed;
                 };
+                let bits = &applies[i * words..(i + 1) * words];
                 if cost > self.limits.max_cost_per_call {
                     return Outcome::Error(EvalError::TooCostly {
                         scope: Scope::Call,
                         estimate: cost,
                         limit: self.limits.max_cost_per_call,
                         n,
-                        rule: self.rules[costliest].name.clone(),
+                        rule: self.costliest(bits, n),
                     });
                 }
-                self.judge(
-                    values,
-                    i,
-                    &applies[i * words..(i + 1) * words],
-                    &mut batch_wide,
-                )
+                self.judge(values, i, bits, &mut batch_wide)
             })
             .collect()
     }
 
-    /// The estimated cost of judging a call at `n` with the rules of
-    /// `bits`, and the costliest of them (none when no rule applies).
-    fn cost_for(&self, bits: &[u64], n: usize) -> (u64, Option<usize>) {
-        let mut total = 0u64;
-        let mut costliest: Option<(usize, u64)> = None;
-        for r in set_bits(bits) {
-            let cost = self.rules[r].cost.at(n);
-            total = total.saturating_add(cost);
-            if costliest.is_none_or(|(_, c)| cost > c) {
-                costliest = Some((r, cost));
-            }
-        }
-        (total, costliest.map(|(r, _)| r))
+    /// The name of the costliest rule of `bits` at `n`.
+    fn costliest(&self, bits: &[u64], n: usize) -> String {
+        set_bits(bits)
+            .max_by_key(|&r| self.rules[r].cost.at(n))
+            .map_or_else(String::new, |r| self.rules[r].name.clone())
     }
 
     /// The rules of `bits` in file order, on call `i`: each on the fast path
@@ -403,8 +393,27 @@ struct ToolIndex {
     /// rule's globs took about 1,100 instructions per call, a lookup here a
     /// small part of that. At most [`TOOLS_KEPT`] tools; emptied when full,
     /// so a peer sending endless new tool names costs itself misses and
-    /// nobody memory.
-    seen: RwLock<HashMap<Box<str>, Box<[u64]>>>,
+    /// nobody memory. Hashed by foldhash, seeded per process (the names
+    /// come from peers): about a third of SipHash's instructions.
+    seen: RwLock<HashMap<Box<str>, Applicable, foldhash::fast::RandomState>>,
+    /// The cost of the rules without globs together.
+    every_tool_cost: Cost,
+}
+
+/// The rules that apply to a tool, and the sum of their costs (one
+/// polynomial: evaluated once per call, not once per rule).
+struct Applicable {
+    bits: Box<[u64]>,
+    cost: Cost,
+}
+
+/// The sum of the costs of the rules of `bits`.
+fn cost_of(rules: &[Rule], bits: &[u64]) -> Cost {
+    let mut cost = Cost::default();
+    for r in set_bits(bits) {
+        cost.add_cost(&rules[r].cost);
+    }
+    cost
 }
 
 /// Most tools whose applicable rules a policy remembers.
@@ -431,8 +440,9 @@ impl ToolIndex {
         Ok(Self {
             set: builder.build()?,
             owner,
+            every_tool_cost: cost_of(rules, &every_tool),
             every_tool,
-            seen: RwLock::new(HashMap::new()),
+            seen: RwLock::new(HashMap::default()),
         })
     }
 
@@ -445,27 +455,42 @@ impl ToolIndex {
             .len()
     }
 
-    /// Sets in `bits` the rules that apply to `tool`; `matched` is scratch.
-    fn applicable(&self, tool: &str, bits: &mut [u64], matched: &mut Vec<usize>) {
+    /// Sets in `bits` the rules (of `rules`) that apply to `tool`, and
+    /// returns their cost at `n`; `matched` is scratch.
+    fn applicable(
+        &self,
+        tool: &str,
+        bits: &mut [u64],
+        matched: &mut Vec<usize>,
+        rules: &[Rule],
+        n: usize,
+    ) -> u64 {
         if self.owner.is_empty() {
             bits.copy_from_slice(&self.every_tool);
-            return;
+            return self.every_tool_cost.at(n);
         }
         let seen = self.seen.read().unwrap_or_else(PoisonError::into_inner);
         if let Some(known) = seen.get(tool) {
-            bits.copy_from_slice(known);
-            return;
+            bits.copy_from_slice(&known.bits);
+            return known.cost.at(n);
         }
         drop(seen);
         self.matched(tool, bits, matched);
+        let cost = cost_of(rules, bits);
+        let at = cost.at(n);
         if tool.len() <= TOOL_NAME_KEPT {
+            let known = Applicable {
+                bits: bits.into(),
+                cost,
+            };
             let mut seen = self.seen.write().unwrap_or_else(PoisonError::into_inner);
             // Freed after the lock is let go, not while others wait.
             let forgotten = (seen.len() >= TOOLS_KEPT).then(|| std::mem::take(&mut *seen));
-            seen.insert(tool.into(), bits.into());
+            seen.insert(tool.into(), known);
             drop(seen);
             drop(forgotten);
         }
+        at
     }
 
     /// [`Self::applicable`] by the glob set.

@@ -474,6 +474,10 @@ fn cost_bounds_refuse_costly_evaluations() {
         "{outcomes:?}"
     );
     assert_eq!(outcomes[1], Outcome::Proceed);
+    let Outcome::Error(failed) = &outcomes[0] else {
+        panic!("{outcomes:?}");
+    };
+    assert_eq!(failed.rule(), "in-list");
 
     let tight = Limits {
         max_cost_per_batch: 10,
@@ -491,6 +495,71 @@ fn cost_bounds_refuse_costly_evaluations() {
         )),
         "{outcomes:?}"
     );
+}
+
+/// The estimate for a call is the sum of the costs of the rules that apply
+/// to its tool, whether the tool's rules were remembered or not (a name too
+/// long to remember), and the error names the costliest of them.
+#[test]
+fn cost_bounds_sum_the_rules_of_the_tool() {
+    let source = r#"
+[[rule]]
+name = "linear"
+tools = ["mail*"]
+when = "call.args.to.exists(t, t == 'x')"
+action = "cancel"
+message = "'m'"
+
+[[rule]]
+name = "quadratic"
+tools = ["mail*"]
+when = "call.args.to.exists(a, call.args.to.exists(b, a == b + 'x'))"
+action = "cancel"
+message = "'m'"
+
+[[rule]]
+name = "elsewhere"
+tools = ["web"]
+when = "calls.exists(a, calls.exists(b, a.args == b.args))"
+action = "cancel"
+message = "'m'"
+
+[[rule]]
+name = "everywhere"
+when = "call.args.to.exists(t, t == 'y')"
+action = "cancel"
+message = "'m'"
+"#;
+    let tight = Limits {
+        max_cost_per_call: 1_000,
+        ..Limits::default()
+    };
+    let policy = Policy::compile_with(source, tight).unwrap();
+    let to: Vec<_> = (0..50).map(|i| format!("u{i}")).collect();
+    let n = 50;
+    let expected: u64 = ["linear", "quadratic", "everywhere"]
+        .iter()
+        .map(|name| {
+            let rule = policy.rules().iter().find(|r| r.name() == *name).unwrap();
+            rule.cost().at(n)
+        })
+        .sum();
+    let long = format!("mail.{}", "x".repeat(super::engine::TOOL_NAME_KEPT));
+    for tool in ["mail.send", "mail.send", long.as_str(), long.as_str()] {
+        let outcomes = policy.evaluate(&batch(vec![call("1", tool, json!({ "to": to }))]));
+        match error(&outcomes[0]) {
+            EvalError::TooCostly {
+                scope: Scope::Call,
+                estimate,
+                rule,
+                ..
+            } => {
+                assert_eq!(*estimate, expected, "{tool}");
+                assert_eq!(rule, "quadratic", "{tool}");
+            }
+            other => panic!("{tool}: {other}"),
+        }
+    }
 }
 
 /// A policy is shared by the mesh's tasks.
