@@ -695,14 +695,16 @@ impl<'a> Judging<'a> {
             self.runs[g].sent = sent;
         }
         let mut fold = self.fold_of(&order);
-        let (events_tx, mut events) = mpsc::unbounded_channel();
+        // The remote guards' answers, on a channel made when one is sent to.
+        let mut channel = None;
         let mut deadlines: Vec<Option<Instant>> = vec![None; order.len()];
         let now = Instant::now();
         for (k, &g) in order.iter().enumerate() {
             if !self.runs[g].sent_any || self.chain.guards[g].guard.is_policy() {
                 continue;
             }
-            match self.send(g, k, &events_tx, now) {
+            let (events_tx, _) = channel.get_or_insert_with(mpsc::unbounded_channel);
+            match self.send(g, k, events_tx, now) {
                 Ok(at) => deadlines[k] = Some(at),
                 Err(failure) => self.guard_failed(g, failure, false, &mut fold, k),
             }
@@ -721,6 +723,36 @@ impl<'a> Judging<'a> {
                 self.judge_policy(outcomes, started, order, k, &mut fold, &mut deadlines);
             }
         }
+        if !fold.done() {
+            let events = &mut channel.get_or_insert_with(mpsc::unbounded_channel).1;
+            self.collect(&order, events, &mut fold, &mut deadlines, now)
+                .await;
+        }
+        // R5: what is still out can no longer change a decision.
+        for (k, &g) in order.iter().enumerate() {
+            if deadlines[k].is_some() && fold.pending(k) {
+                if let Some(id) = self.runs[g].request_id
+                    && let Some(link) = &self.chain.guards[g].link
+                {
+                    link.cancel(id);
+                }
+                self.runs[g].superseded = true;
+            }
+        }
+        self.apply(&order, &mut fold)
+    }
+
+    /// Waits for the remote guards' answers (and their deadlines) until
+    /// the fold is done: only when something is still out after the policy
+    /// guards answered.
+    async fn collect(
+        &mut self,
+        order: &[usize],
+        events: &mut mpsc::UnboundedReceiver<LinkEvent>,
+        fold: &mut Fold,
+        deadlines: &mut [Option<Instant>],
+        now: Instant,
+    ) {
         // One timer for the batch, moved only when the earliest deadline
         // changes (a guard that answered no longer has one): not a timer
         // registered and dropped per answer.
@@ -744,11 +776,11 @@ impl<'a> Judging<'a> {
             };
             match event {
                 Some(LinkEvent::Answer { tag: k, response }) => {
-                    self.on_answer(&order, k, response, &mut fold, &mut deadlines);
+                    self.on_answer(order, k, response, fold, deadlines);
                 }
                 Some(LinkEvent::Failed { tag: k, failure }) => {
                     deadlines[k] = None;
-                    self.guard_failed(order[k], failure, false, &mut fold, k);
+                    self.guard_failed(order[k], failure, false, fold, k);
                 }
                 None => {
                     let now = Instant::now();
@@ -760,24 +792,12 @@ impl<'a> Judging<'a> {
                             deadlines[k] = None;
                             let waited = at - self.runs[g].started.unwrap_or(at);
                             let failure = GuardFailure::TimedOut(waited);
-                            self.guard_failed(g, failure, true, &mut fold, k);
+                            self.guard_failed(g, failure, true, fold, k);
                         }
                     }
                 }
             }
         }
-        // R5: what is still out can no longer change a decision.
-        for (k, &g) in order.iter().enumerate() {
-            if deadlines[k].is_some() && fold.pending(k) {
-                if let Some(id) = self.runs[g].request_id
-                    && let Some(link) = &self.chain.guards[g].link
-                {
-                    link.cancel(id);
-                }
-                self.runs[g].superseded = true;
-            }
-        }
-        self.apply(&order, &mut fold)
     }
 
     fn on_answer(

@@ -135,8 +135,6 @@ pub struct BatchValues<'a> {
     context: ContextRef<'a>,
     /// The calls as given, to build the interpreter's values from.
     sources: Vec<CallRef<'a>>,
-    /// The tool of each call, for the rules' tool globs.
-    tools: Vec<&'a str>,
     fast_calls: Vec<FastCall<'a>>,
     fast_context: FastContext<'a>,
     /// The interpreter's values, built on first use.
@@ -158,7 +156,7 @@ struct CelValues<'a> {
 impl fmt::Debug for BatchValues<'_> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("BatchValues")
-            .field("tools", &self.tools)
+            .field("calls", &self.sources.len())
             .field("largest", &self.largest)
             .finish_non_exhaustive()
     }
@@ -175,7 +173,6 @@ impl<'a> BatchValues<'a> {
         let metadata: Vec<(&'a str, &'a str)> = metadata.into_iter().collect();
         let mut largest = metadata.len();
         let sources: Vec<CallRef<'a>> = calls.into_iter().collect();
-        let tools = sources.iter().map(|call| call.tool).collect();
         let fast_calls = sources
             .iter()
             .map(|call| FastCall {
@@ -195,7 +192,6 @@ impl<'a> BatchValues<'a> {
         Self {
             context,
             sources,
-            tools,
             fast_calls,
             fast_context: FastContext {
                 session_id: context.session_id,
@@ -279,17 +275,17 @@ impl<'a> BatchValues<'a> {
 
     /// The number of calls.
     pub fn len(&self) -> usize {
-        self.tools.len()
+        self.sources.len()
     }
 
     /// Whether the batch has no call.
     pub fn is_empty(&self) -> bool {
-        self.tools.is_empty()
+        self.sources.is_empty()
     }
 
     /// The tool of call `i`.
     pub(crate) fn tool(&self, i: usize) -> &'a str {
-        self.tools[i]
+        self.sources[i].tool
     }
 
     /// The `n` of the cost bounds: the items of the largest list or map.

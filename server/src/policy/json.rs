@@ -108,6 +108,18 @@ impl<'a> Object<'a> {
         )
     }
 
+    /// The object of `fields` whose keys are known to differ.
+    fn unique(fields: Vec<(Cow<'a, str>, Slot<'a>)>) -> Self {
+        if fields.len() <= SCANNED {
+            debug_assert!(!Self::of_slots(fields.clone()).1, "repeated keys");
+            return Object {
+                fields,
+                by_key: Vec::new(),
+            };
+        }
+        Self::of_slots(fields).0
+    }
+
     /// The object of `fields`, and whether two of them have the same key.
     /// (The vector is kept as it is: the top level's room stays.)
     fn of_slots(fields: Vec<(Cow<'a, str>, Slot<'a>)>) -> (Self, bool) {
@@ -242,8 +254,9 @@ impl<'a> Json<'a> {
             fields.push(field);
         }
         *largest = (*largest).max(members.largest);
-        let (object, repeated) = Object::of_slots(fields);
-        (!repeated).then_some(Json::Map(object))
+        // R20's check refused names repeated (compared decoded): members it
+        // recorded are unique, and are not compared again here.
+        Some(Json::Map(Object::unique(fields)))
     }
 
     /// Borrows parsed JSON.
