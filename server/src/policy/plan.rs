@@ -68,6 +68,8 @@ enum Node {
     /// arguments, looked up without a value for the arguments in between.
     Arg(Box<str>),
     ArgHas(Box<str>),
+    /// `call.args.f.matches(r'...')` with the pattern written in the policy.
+    ArgMatches(Box<str>, Matcher),
     Slot(usize),
     /// `operand.f1.f2...`: selections in a row, one node; with `test`, the
     /// last is `has()`'s.
@@ -659,7 +661,7 @@ impl Planner {
             let target = Box::new(self.node(target)?);
             return match (name, args) {
                 ("size", []) => Some(Node::Size(target)),
-                ("matches", [pattern]) => Some(Node::Matches(target, self.pattern(pattern)?)),
+                ("matches", [pattern]) => Some(text_matches(*target, self.pattern(pattern)?)),
                 ("startsWith", [arg]) => Some(Node::Text(
                     TextTest::StartsWith,
                     target,
@@ -750,7 +752,7 @@ impl Planner {
                 let [text, pattern] = args else {
                     return None;
                 };
-                Node::Matches(Box::new(self.node(text)?), self.pattern(pattern)?)
+                text_matches(self.node(text)?, self.pattern(pattern)?)
             }
             _ => return None,
         })
@@ -768,6 +770,14 @@ impl Planner {
             return Some(Pattern::Fixed(Matcher::new(regex)));
         }
         Some(Pattern::Computed(Box::new(self.node(pattern)?)))
+    }
+}
+
+/// `text.matches(pattern)`.
+fn text_matches(text: Node, pattern: Pattern) -> Node {
+    match (text, pattern) {
+        (Node::Arg(field), Pattern::Fixed(matcher)) => Node::ArgMatches(field, matcher),
+        (text, pattern) => Node::Matches(Box::new(text), pattern),
     }
 }
 
@@ -791,7 +801,8 @@ fn reads(node: &Node, slot: usize) -> bool {
         | Node::Metadata
         | Node::ModelText
         | Node::Arg(_)
-        | Node::ArgHas(_) => false,
+        | Node::ArgHas(_)
+        | Node::ArgMatches(..) => false,
         Node::Select { operand, .. } => reads(operand, slot),
         Node::Not(a)
         | Node::Negate(a)
@@ -844,6 +855,7 @@ fn eval<'r>(node: &'r Node, input: &Input<'r, 'r>, slots: &mut [V<'r>]) -> Run<V
         } => select(operand, fields, input, slots)?.ok_or(Unsure)?,
         Node::Select { test: true, .. }
         | Node::ArgHas(_)
+        | Node::ArgMatches(..)
         | Node::Not(_)
         | Node::And(..)
         | Node::Or(..)
@@ -962,6 +974,10 @@ fn test<'r>(node: &'r Node, input: &Input<'r, 'r>, slots: &mut [V<'r>]) -> Run<b
             test: true,
         } => has(operand, fields, input, slots),
         Node::ArgHas(field) => Ok(args(input)?.has(field)),
+        Node::ArgMatches(field, matcher) => match args(input)?.get(field)? {
+            Some(Json::Str(text)) => Ok(matcher.is_match(text)),
+            _ => Err(Unsure),
+        },
         Node::Not(a) => Ok(!test(a, input, slots)?),
         Node::And(a, b) => Ok(test(a, input, slots)? && test(b, input, slots)?),
         Node::Or(a, b) => Ok(test(a, input, slots)? || test(b, input, slots)?),
