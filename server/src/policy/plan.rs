@@ -160,6 +160,10 @@ struct Words {
     /// Bit `n` for each word of `n` < 64 bytes: other lengths of ASCII
     /// text below 64 match no word.
     lengths: u64,
+    /// Bit `b` for each ASCII byte `b` a word starts with (both cases under
+    /// `(?i)`): text starting with another ASCII byte matches no word,
+    /// whatever follows.
+    firsts: u128,
 }
 
 impl Words {
@@ -188,10 +192,19 @@ impl Words {
             .iter()
             .filter(|w| w.len() < 64)
             .fold(0, |bits, w| bits | (1 << w.len()));
+        let mut firsts = 0u128;
+        for w in &words {
+            let b = w.as_bytes()[0];
+            firsts |= 1 << b;
+            if fold {
+                firsts |= (1 << b.to_ascii_lowercase()) | (1 << b.to_ascii_uppercase());
+            }
+        }
         Some(Words {
             fold,
             words,
             lengths,
+            firsts,
         })
     }
 
@@ -200,6 +213,14 @@ impl Words {
     /// its two ASCII cases and non-ASCII characters too (`ſ` is an `s`
     /// for the regex): text that is not ASCII is left to the regex.
     fn is_match(&self, text: &str) -> Option<bool> {
+        // An ASCII character matches only its ASCII cases, so text whose
+        // first byte is ASCII and starts no word is none of them.
+        if let Some(&b) = text.as_bytes().first()
+            && b < 128
+            && self.firsts & (1 << b) == 0
+        {
+            return Some(false);
+        }
         if !self.fold {
             Some(self.words.iter().any(|w| **w == *text))
         } else if text.is_ascii() {
