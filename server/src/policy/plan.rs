@@ -71,6 +71,11 @@ enum Node {
     /// `call.args.f.matches(r'...')` with the pattern written in the policy.
     ArgMatches(Box<str>, Matcher),
     Slot(usize),
+    /// `c.tool`, `c.call_id`, `c.args` of a macro variable `c` ranging over
+    /// `calls`: resolved when planned, not by name.
+    ToolOf(usize),
+    CallIdOf(usize),
+    ArgsOf(usize),
     /// `operand.f1.f2...`: selections in a row, one node; with `test`, the
     /// last is `has()`'s.
     Select {
@@ -362,6 +367,7 @@ impl Plan {
             scope: Vec::new(),
             slots: 0,
             reads_call: false,
+            call_slots: Vec::new(),
         };
         let root = planner.node(expr)?;
         Some(Plan {
@@ -508,6 +514,8 @@ fn plain(value: &V<'_>, input: &Input<'_, '_>) -> Option<super::plan_tests::Plai
 struct Planner {
     /// The names macros bind around the node being planned, and their slots.
     scope: Vec<(String, usize)>,
+    /// The slots of macro variables that range over `calls`.
+    call_slots: Vec<usize>,
     slots: usize,
     reads_call: bool,
 }
@@ -542,7 +550,7 @@ impl Planner {
             }
             Expr::Select(select) => {
                 let operand = self.node(&select.operand)?;
-                Self::select(operand, &select.field, select.test)
+                self.select(operand, &select.field, select.test)
             }
             Expr::List(list) => {
                 if !list.optional_indices.is_empty() {
@@ -565,6 +573,9 @@ impl Planner {
                 let mark = self.scope.len();
                 let accu = self.bind(&c.accu_var);
                 let iter = self.bind(&c.iter_var);
+                if matches!(range, Node::Calls) {
+                    self.call_slots.push(iter);
+                }
                 let cond = self.node(&c.loop_cond)?;
                 let step = self.step(&c.loop_step, accu)?;
                 self.scope.truncate(mark + 1);
@@ -586,7 +597,17 @@ impl Planner {
     }
 
     /// `operand.field`, or `has(operand.field)` with `test`.
-    fn select(operand: Node, field: &str, test: bool) -> Node {
+    fn select(&self, operand: Node, field: &str, test: bool) -> Node {
+        if let (Node::Slot(slot), false) = (&operand, test)
+            && self.call_slots.contains(slot)
+        {
+            match field {
+                "tool" => return Node::ToolOf(*slot),
+                "call_id" => return Node::CallIdOf(*slot),
+                "args" => return Node::ArgsOf(*slot),
+                _ => {}
+            }
+        }
         match (operand, field, test) {
             (Node::Call, "args", false) => Node::Args,
             (Node::Call, "tool", false) => Node::Tool,
@@ -806,7 +827,7 @@ fn text_matches(text: Node, pattern: Pattern) -> Node {
 fn reads(node: &Node, slot: usize) -> bool {
     let any = |nodes: &[&Node]| nodes.iter().any(|n| reads(n, slot));
     match node {
-        Node::Slot(s) => *s == slot,
+        Node::Slot(s) | Node::ToolOf(s) | Node::CallIdOf(s) | Node::ArgsOf(s) => *s == slot,
         Node::Null
         | Node::Bool(_)
         | Node::Int(_)
@@ -869,6 +890,9 @@ fn eval<'r>(node: &'r Node, input: &Input<'r, 'r>, slots: &mut [V<'r>]) -> Run<V
         Node::Metadata => V::Metadata,
         Node::ModelText => V::Str(input.context.model_text),
         Node::Slot(s) => slots.get(*s).cloned().ok_or(Unsure)?,
+        Node::ToolOf(s) => V::Str(call_in(slots, *s, input)?.tool),
+        Node::CallIdOf(s) => V::Str(call_in(slots, *s, input)?.call_id),
+        Node::ArgsOf(s) => from_json(call_in(slots, *s, input)?.args.as_ref().ok_or(Unsure)?),
         Node::Select {
             operand,
             fields,
@@ -975,6 +999,10 @@ fn fetch<'r>(node: &'r Node, input: &Input<'r, 'r>, slots: &mut [V<'r>]) -> Run<
         Node::Tool => Ok(V::Str(this_call(input)?.tool)),
         Node::Metadata => Ok(V::Metadata),
         Node::Slot(s) => slots.get(*s).cloned().ok_or(Unsure),
+        Node::ToolOf(s) => Ok(V::Str(call_in(slots, *s, input)?.tool)),
+        Node::ArgsOf(s) => Ok(from_json(
+            call_in(slots, *s, input)?.args.as_ref().ok_or(Unsure)?,
+        )),
         Node::Select {
             operand,
             fields,
@@ -1127,6 +1155,14 @@ fn size_compare(op: Compare, value: V<'_>, k: i64, input: &Input<'_, '_>) -> Run
 
 fn this_call<'r>(input: &Input<'r, 'r>) -> Run<&'r FastCall<'r>> {
     input.calls.get(input.call).ok_or(Unsure)
+}
+
+/// The call macro variable `slot` holds (it ranges over `calls`).
+fn call_in<'r>(slots: &[V<'r>], slot: usize, input: &Input<'r, 'r>) -> Run<&'r FastCall<'r>> {
+    match slots.get(slot) {
+        Some(V::CallMap(i)) => input.calls.get(*i).ok_or(Unsure),
+        _ => Err(Unsure),
+    }
 }
 
 /// This call's arguments as an object: `Unsure` when they are only for the

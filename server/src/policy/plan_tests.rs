@@ -117,6 +117,11 @@ fn expression() -> impl Strategy<Value = String> {
         Just("has(call.args.o.k)".to_owned()),
         Just("has(context.metadata.env)".to_owned()),
         Just("has(x.args)".to_owned()),
+        Just("x.tool".to_owned()),
+        Just("x.args".to_owned()),
+        Just("x.args.n".to_owned()),
+        Just("y.call_id".to_owned()),
+        Just("has(y.args.s)".to_owned()),
     ];
     atom.prop_recursive(4, 48, 3, |inner| {
         let binary = [
