@@ -87,6 +87,9 @@ enum Segment {
     Index(usize),
 }
 
+/// The member names a scan has room for before its list grows.
+const NAMES_ROOM: usize = 8;
+
 /// Objects with at most this many members are checked for duplicate names
 /// pair by pair; larger ones are sorted.
 const SMALL_OBJECT: usize = 12;
@@ -274,7 +277,9 @@ fn scan(
         pos: 0,
         // The scanner recurses once per level: never deeper than this.
         max_depth: max_depth.min(MAX_DEPTH_LIMIT),
-        names: Vec::new(),
+        // Room for the names of a typical call's arguments: one allocation
+        // per call rather than a first one and its regrowth.
+        names: Vec::with_capacity(NAMES_ROOM),
         members,
         largest: 0,
         escapes: 0,
