@@ -10,6 +10,8 @@
 //! * `plan`: the fast path for the expressions policies are made of, the
 //!   interpreter deciding wherever it is unsure;
 //! * `patterns`: `matches`, with the patterns compiled once;
+//! * `required`: the literals a written pattern's matches contain, checked
+//!   before the regex engine;
 //! * `cost`: the bounds on size and work ([`Limits`], [`Cost`]);
 //! * `engine`: a compiled [`Policy`], first match in file order;
 //! * `verdict`: what judging a call gives ([`Outcome`]);
@@ -30,6 +32,7 @@ mod input;
 mod json;
 mod patterns;
 mod plan;
+mod required;
 mod verdict;
 
 #[cfg(test)]

@@ -153,6 +153,9 @@ enum Pattern {
 struct Matcher {
     regex: Arc<Regex>,
     words: Option<Words>,
+    /// Literals every match contains: ASCII text without them is not
+    /// searched.
+    required: Option<super::required::Required>,
 }
 
 /// The words of a pattern `^(w1|w2|...)$` or `^w$`, optionally preceded by
@@ -244,14 +247,27 @@ impl Words {
 impl Matcher {
     fn new(regex: Arc<Regex>) -> Matcher {
         let words = Words::parse(regex.as_str());
-        Matcher { regex, words }
+        let required = match words {
+            Some(_) => None,
+            None => super::required::Required::of(regex.as_str()),
+        };
+        Matcher {
+            regex,
+            words,
+            required,
+        }
     }
 
     fn is_match(&self, text: &str) -> bool {
-        match self.words.as_ref().and_then(|w| w.is_match(text)) {
-            Some(found) => found,
-            None => self.regex.is_match(text),
+        if let Some(found) = self.words.as_ref().and_then(|w| w.is_match(text)) {
+            return found;
         }
+        if let Some(required) = &self.required
+            && required.excludes(text)
+        {
+            return false;
+        }
+        self.regex.is_match(text)
     }
 }
 
