@@ -10,8 +10,6 @@
 //! * `plan`: the fast path for the expressions policies are made of, the
 //!   interpreter deciding wherever it is unsure;
 //! * `patterns`: `matches`, with the patterns compiled once;
-//! * `required`: the literals a written pattern's matches contain, checked
-//!   before the regex engine;
 //! * `cost`: the bounds on size and work ([`Limits`], [`Cost`]);
 //! * `engine`: a compiled [`Policy`], first match in file order;
 //! * `verdict`: what judging a call gives ([`Outcome`]);
@@ -32,7 +30,6 @@ mod input;
 mod json;
 mod patterns;
 mod plan;
-mod required;
 mod verdict;
 
 #[cfg(test)]

@@ -153,9 +153,6 @@ enum Pattern {
 struct Matcher {
     regex: Arc<Regex>,
     words: Option<Words>,
-    /// Literals every match contains: ASCII text without them is not
-    /// searched.
-    required: Option<super::required::Required>,
 }
 
 /// The words of a pattern `^(w1|w2|...)$` or `^w$`, optionally preceded by
@@ -247,27 +244,14 @@ impl Words {
 impl Matcher {
     fn new(regex: Arc<Regex>) -> Matcher {
         let words = Words::parse(regex.as_str());
-        let required = match words {
-            Some(_) => None,
-            None => super::required::Required::of(regex.as_str()),
-        };
-        Matcher {
-            regex,
-            words,
-            required,
-        }
+        Matcher { regex, words }
     }
 
     fn is_match(&self, text: &str) -> bool {
-        if let Some(found) = self.words.as_ref().and_then(|w| w.is_match(text)) {
-            return found;
+        match self.words.as_ref().and_then(|w| w.is_match(text)) {
+            Some(found) => found,
+            None => self.regex.is_match(text),
         }
-        if let Some(required) = &self.required
-            && required.excludes(text)
-        {
-            return false;
-        }
-        self.regex.is_match(text)
     }
 }
 
