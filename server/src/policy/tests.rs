@@ -501,7 +501,7 @@ fn cost_bounds_refuse_costly_evaluations() {
 /// to its tool, whether the tool's rules were remembered or not (a name too
 /// long to remember), and the error names the costliest of them.
 #[test]
-fn cost_bounds_sum_the_rules_of_the_tool() {
+fn r27_cost_bounds_sum_the_rules_of_the_tool() {
     let source = r#"
 [[rule]]
 name = "linear"
