@@ -1517,9 +1517,9 @@ async fn run(args: &BenchArgs) -> Result<(), Error> {
     let mcp_counts = if args.quick { (100, 200) } else { (300, 1000) };
     let mcp = mcp::run(&exe, dir, &mut guards, plan.rounds, mcp_counts).await?;
     latency.extend(mcp.latency);
-    // Policy guards (R27): no_guard, policy20, policy20_match.
+    // Policy guards (R27): no_guard, policy20, policy20_match, policy1.
     let policy_figures = {
-        let (rules, matching) = policy::write(dir)?;
+        let (rules, matching, one) = policy::write(dir)?;
         let mut none = MeshProcess::start_config(&exe, dir, policy::NO_GUARD, "", 0, None).await?;
         let mut with_rules = MeshProcess::start_config(
             &exe,
@@ -1535,6 +1535,15 @@ async fn run(args: &BenchArgs) -> Result<(), Error> {
             dir,
             policy::POLICY20_MATCH,
             &policy::guard_section("policy20", &matching),
+            1,
+            None,
+        )
+        .await?;
+        let mut with_one = MeshProcess::start_config(
+            &exe,
+            dir,
+            policy::POLICY1,
+            &policy::guard_section("policy1", &one),
             1,
             None,
         )
@@ -1564,6 +1573,14 @@ async fn run(args: &BenchArgs) -> Result<(), Error> {
                 Some(&with_match),
                 plan.fast,
             )?,
+            Scenario::new(
+                policy::POLICY1,
+                "the mesh, one policy guard of one rule (the 20th), not matching",
+                Op::Mesh(with_one.session(policy::POLICY1).await?),
+                false,
+                Some(&with_one),
+                plan.fast,
+            )?,
         ];
         let group = run_group(
             "policy guards",
@@ -1571,7 +1588,7 @@ async fn run(args: &BenchArgs) -> Result<(), Error> {
             plan.rounds,
             &work,
             &mut guards,
-            &mut [&mut none, &mut with_rules, &mut with_match],
+            &mut [&mut none, &mut with_rules, &mut with_match, &mut with_one],
         )
         .await?;
         let evaluation = policy::evaluate(&work, plan.policy_iterations)?;

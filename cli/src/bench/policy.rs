@@ -7,6 +7,7 @@
 //! | `no_guard` | no guard at all (every call proceeds, R28's default) |
 //! | `policy20` | one policy guard of [`RULES`]: no rule matches the batch, so every rule that applies to a call's tool is evaluated |
 //! | `policy20_match` | the same rules, the last one replaced by one that steers every call: every call is steered after the 19 others were evaluated |
+//! | `policy1` | one policy guard of one rule, `policy20`'s 20th (read from the context, once per batch): what a policy guard costs beyond its rules |
 //!
 //! The rules are a policy team's (SQL, payments with a threshold, shell by
 //! tenant, HTTP and file hosts, a batch-wide count, the model's text); 13 of
@@ -24,6 +25,7 @@ use std::path::{Path, PathBuf};
 pub(super) const NO_GUARD: &str = "no_guard";
 pub(super) const POLICY20: &str = "policy20";
 pub(super) const POLICY20_MATCH: &str = "policy20_match";
+pub(super) const POLICY1: &str = "policy1";
 
 /// The benchmark's policy of 20 rules (`policy20`): its 20th rule,
 /// [`LAST_NO_MATCH`], matches no call of the batch. The same file is what
@@ -58,8 +60,14 @@ pub(super) fn rules_matching_last() -> String {
     RULES.replace(LAST_NO_MATCH, LAST_MATCH)
 }
 
-/// Writes both policies into `dir`: (`policy20`, `policy20_match`).
-pub(super) fn write(dir: &Path) -> Result<(PathBuf, PathBuf), Error> {
+/// The policy of `policy1`: `policy20`'s 20th rule alone.
+pub(super) fn one_rule() -> String {
+    format!("# guardmesh bench: a policy guard of one rule (R27).\n{LAST_NO_MATCH}")
+}
+
+/// Writes the policies into `dir`: (`policy20`, `policy20_match`,
+/// `policy1`).
+pub(super) fn write(dir: &Path) -> Result<(PathBuf, PathBuf, PathBuf), Error> {
     let write = |name: &str, text: String| -> Result<PathBuf, Error> {
         let path = dir.join(name);
         std::fs::write(&path, text).map_err(|e| format!("cannot write {}: {e}", path.display()))?;
@@ -68,6 +76,7 @@ pub(super) fn write(dir: &Path) -> Result<(PathBuf, PathBuf), Error> {
     Ok((
         write("rules_policy20.toml", rules())?,
         write("rules_policy20_match.toml", rules_matching_last())?,
+        write("rules_policy1.toml", one_rule())?,
     ))
 }
 
@@ -132,6 +141,7 @@ pub(super) fn evaluate(work: &Work, iterations: u32) -> Result<Evaluation, Error
     let policy = Policy::compile(&rules()).map_err(|e| format!("policy20: {e}"))?;
     let matching =
         Policy::compile(&rules_matching_last()).map_err(|e| format!("policy20_match: {e}"))?;
+    let one = Policy::compile(&one_rule()).map_err(|e| format!("policy1: {e}"))?;
     // The check is the mesh's for every batch (R20), guard or none: done
     // once here, outside the timing.
     let recorded = Recorded::of_arguments(work.batch.calls.iter().map(|c| c.arguments.as_str()))
@@ -146,6 +156,12 @@ pub(super) fn evaluate(work: &Work, iterations: u32) -> Result<Evaluation, Error
         .all(|o| matches!(o, Outcome::Matched(v) if v.rule == "tenant-in-review"))
     {
         return Err(format!("policy20_match does not steer every call: {outcomes:?}").into());
+    }
+    let outcomes = one.evaluate_values(&values(work, &recorded), None);
+    if one.rules().len() != 1 || outcomes.iter().any(|o| *o != Outcome::Proceed) {
+        return Err(
+            format!("policy1 is not one rule letting the batch through: {outcomes:?}").into(),
+        );
     }
     let calls = work.calls();
     let evaluations = calls
@@ -185,6 +201,7 @@ pub(super) fn figures(latency: &[Latency], eval: &Evaluation) -> Result<Vec<(Str
     let none = find(NO_GUARD)?;
     let policy = find(POLICY20)?;
     let matching = find(POLICY20_MATCH)?;
+    let one = find(POLICY1)?;
     let ratio = |a: f64, b: f64| if b > 0.0 { a / b } else { f64::NAN };
     Ok(vec![
         (
@@ -200,6 +217,11 @@ pub(super) fn figures(latency: &[Latency], eval: &Evaluation) -> Result<Vec<(Str
             ratio(matching.p50, none.p50),
         ),
         ("policy20_overhead_us_p50".into(), policy.p50 - none.p50),
+        ("policy1_vs_no_guard_p50".into(), ratio(one.p50, none.p50)),
+        // What a policy guard costs beyond its rules, and what `policy20`'s
+        // 19 other rules add to it.
+        ("policy1_overhead_us_p50".into(), one.p50 - none.p50),
+        ("policy20_over_policy1_us_p50".into(), policy.p50 - one.p50),
         (
             "policy20_mesh_cpu_us_over_no_guard".into(),
             policy.cpu.mesh.unwrap_or(f64::NAN) - none.cpu.mesh.unwrap_or(f64::NAN),
