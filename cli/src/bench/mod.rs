@@ -1521,33 +1521,14 @@ async fn run(args: &BenchArgs) -> Result<(), Error> {
     let policy_figures = {
         let (rules, matching, one) = policy::write(dir)?;
         let mut none = MeshProcess::start_config(&exe, dir, policy::NO_GUARD, "", 0, None).await?;
-        let mut with_rules = MeshProcess::start_config(
-            &exe,
-            dir,
-            policy::POLICY20,
-            &policy::guard_section("policy20", &rules),
-            1,
-            None,
-        )
-        .await?;
-        let mut with_match = MeshProcess::start_config(
-            &exe,
-            dir,
-            policy::POLICY20_MATCH,
-            &policy::guard_section("policy20", &matching),
-            1,
-            None,
-        )
-        .await?;
-        let mut with_one = MeshProcess::start_config(
-            &exe,
-            dir,
-            policy::POLICY1,
-            &policy::guard_section("policy1", &one),
-            1,
-            None,
-        )
-        .await?;
+        // A mesh with one policy guard, `guard`, of the rules in `file`.
+        let with_policy = async |scenario: &str, guard: &str, file: &Path| {
+            let section = policy::guard_section(guard, file);
+            MeshProcess::start_config(&exe, dir, scenario, &section, 1, None).await
+        };
+        let mut with_rules = with_policy(policy::POLICY20, "policy20", &rules).await?;
+        let mut with_match = with_policy(policy::POLICY20_MATCH, "policy20", &matching).await?;
+        let mut with_one = with_policy(policy::POLICY1, "policy1", &one).await?;
         let mut scenarios = vec![
             Scenario::new(
                 policy::NO_GUARD,
