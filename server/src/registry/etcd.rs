@@ -642,10 +642,14 @@ async fn connect_client(
 fn transient(error: &etcd_client::Error) -> bool {
     use tonic::Code;
     match error {
-        etcd_client::Error::GRpcStatus(status) => matches!(
-            status.code(),
-            Code::Unavailable | Code::DeadlineExceeded | Code::Unknown | Code::Aborted
-        ),
+        etcd_client::Error::GRpcStatus(status) => match status.code() {
+            Code::Unavailable | Code::DeadlineExceeded | Code::Unknown | Code::Aborted => true,
+            // Cancelled by the transport (the member's connection closed
+            // mid-request, as when it is killed), not by etcd: another
+            // member may answer.
+            Code::Cancelled => std::error::Error::source(status).is_some(),
+            _ => false,
+        },
         etcd_client::Error::TransportError(_) | etcd_client::Error::IoError(_) => true,
         _ => false,
     }
@@ -1960,5 +1964,24 @@ mod tests {
             }
         );
         assert!(!shown.contains("hunter2"), "{shown}");
+    }
+}
+
+#[cfg(test)]
+mod transient_tests {
+    use super::transient;
+
+    /// R17: a request cut off by a member's connection closing is retried
+    /// on another member; one etcd itself refuses is not.
+    #[test]
+    fn r17_a_request_cancelled_by_a_closed_connection_is_retried() {
+        let closed = std::io::Error::new(std::io::ErrorKind::ConnectionReset, "connection closed");
+        let mut by_transport = tonic::Status::cancelled("operation was canceled");
+        by_transport.set_source(std::sync::Arc::new(closed));
+        assert!(transient(&etcd_client::Error::GRpcStatus(by_transport)));
+        let by_etcd = tonic::Status::cancelled("canceled by the server");
+        assert!(!transient(&etcd_client::Error::GRpcStatus(by_etcd)));
+        let refused = tonic::Status::invalid_argument("bad key");
+        assert!(!transient(&etcd_client::Error::GRpcStatus(refused)));
     }
 }
