@@ -937,7 +937,17 @@ impl<'a> Judging<'a> {
         policies: &[usize],
     ) -> Vec<(usize, Instant, Vec<PolicyOutcome>)> {
         let context = self.context.as_ref();
-        let values = BatchValues::new(
+        // The calls' arguments are read for the fast path only if one of
+        // these policies may read them.
+        let args = policies.iter().any(|&k| {
+            self.chain.guards[order[k]]
+                .guard
+                .policy
+                .as_ref()
+                .is_some_and(|rules| rules.compiled.reads_args())
+        });
+        let values = BatchValues::reading_args(
+            args,
             ContextRef {
                 session_id: context.map_or("", |c| c.session_id.as_str()),
                 turn_index: context.map_or(0, |c| c.turn_index),

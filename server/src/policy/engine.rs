@@ -29,6 +29,8 @@ pub struct Policy {
     /// Evaluations of `when` the interpreter did (the fast path did not
     /// cover the rule, or gave up on the call).
     interpreted: AtomicU64,
+    /// Whether a rule's fast path may read a call's arguments.
+    reads_args: bool,
 }
 
 /// One compiled rule.
@@ -151,8 +153,15 @@ impl Policy {
                 reason: error.to_string(),
             },
         })?;
+        let reads_args = rules.iter().any(|rule| {
+            [&rule.when_plan, &rule.message_plan]
+                .into_iter()
+                .flatten()
+                .any(Plan::reads_args)
+        });
         Ok(Policy {
             interpreted: AtomicU64::new(0),
+            reads_args,
             tools,
             rules,
             limits,
@@ -175,6 +184,14 @@ impl Policy {
     #[cfg(test)]
     pub(super) fn tools_remembered(&self) -> usize {
         self.tools.len()
+    }
+
+    /// Whether its rules' fast path may read a call's arguments: when not,
+    /// a batch's values need not hold them (see
+    /// [`BatchValues::reading_args`]). A policy of rules on the context
+    /// alone (`context.metadata.user in [...]`) does not.
+    pub fn reads_args(&self) -> bool {
+        self.reads_args
     }
 
     /// The bounds it was compiled with, and is evaluated with.

@@ -170,6 +170,21 @@ impl<'a> BatchValues<'a> {
         metadata: impl IntoIterator<Item = (&'a str, &'a str)>,
         calls: impl IntoIterator<Item = CallRef<'a>>,
     ) -> Self {
+        Self::reading_args(true, context, metadata, calls)
+    }
+
+    /// [`Self::new`] for policies that read no call's arguments (none does
+    /// when [`Policy::reads_args`](super::Policy::reads_args) is false for
+    /// each) when `args` is false: arguments the mesh's check recorded
+    /// ([`Args::Recorded`]) are then not read for the fast path at all (the
+    /// check's count of their largest collection still goes into the cost
+    /// bounds). The interpreter still reads them should a rule need it.
+    pub fn reading_args(
+        args: bool,
+        context: ContextRef<'a>,
+        metadata: impl IntoIterator<Item = (&'a str, &'a str)>,
+        calls: impl IntoIterator<Item = CallRef<'a>>,
+    ) -> Self {
         let metadata: Vec<(&'a str, &'a str)> = metadata.into_iter().collect();
         let mut largest = metadata.len();
         let sources: Vec<CallRef<'a>> = calls.into_iter().collect();
@@ -181,6 +196,10 @@ impl<'a> BatchValues<'a> {
                 args: match call.args {
                     Args::Text(text) => Json::from_text(text, &mut largest),
                     Args::Checked(text) => Json::from_checked(text, &mut largest),
+                    Args::Recorded { members, .. } if !args => {
+                        largest = largest.max(members.largest);
+                        None
+                    }
                     Args::Recorded { text, members } => {
                         Json::from_members(text, members, &mut largest)
                     }

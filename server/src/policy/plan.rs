@@ -44,6 +44,8 @@ pub(crate) struct Plan {
     /// Whether it reads `call`: if not, its value is the same for every
     /// call of a batch.
     reads_call: bool,
+    /// Whether it may read a call's arguments (see [`Plan::reads_args`]).
+    reads_args: bool,
 }
 
 #[derive(Debug)]
@@ -371,10 +373,31 @@ impl Plan {
         };
         let root = planner.node(expr)?;
         Some(Plan {
+            reads_args: any_node(&root, &|node| {
+                matches!(
+                    node,
+                    Node::Args
+                        | Node::Arg(_)
+                        | Node::ArgHas(_)
+                        | Node::ArgMatches(..)
+                        | Node::ArgsOf(_)
+                        | Node::Call
+                        | Node::Calls
+                )
+            }),
             root,
             slots: planner.slots,
             reads_call: planner.reads_call,
         })
+    }
+
+    /// Whether it may read a call's arguments: it names them, or `call` or
+    /// `calls` whole (a map whose `args` it could select). When no plan of
+    /// a batch's policies does, the arguments are not read for the fast
+    /// path at all ([`super::BatchValues::new`]); a plan that read them
+    /// anyway would find them absent and leave the call to the interpreter.
+    pub(crate) fn reads_args(&self) -> bool {
+        self.reads_args
     }
 
     /// Whether its value may differ from one call of a batch to another.
@@ -820,6 +843,62 @@ fn text_matches(text: Node, pattern: Pattern) -> Node {
     match (text, pattern) {
         (Node::Arg(field), Pattern::Fixed(matcher)) => Node::ArgMatches(field, matcher),
         (text, pattern) => Node::Matches(Box::new(text), pattern),
+    }
+}
+
+/// Whether `test` holds for `node` or any node under it.
+fn any_node(node: &Node, test: &dyn Fn(&Node) -> bool) -> bool {
+    if test(node) {
+        return true;
+    }
+    let any = |nodes: &[&Node]| nodes.iter().any(|n| any_node(n, test));
+    match node {
+        Node::Null
+        | Node::Bool(_)
+        | Node::Int(_)
+        | Node::Uint(_)
+        | Node::Double(_)
+        | Node::Str(_)
+        | Node::Call
+        | Node::Calls
+        | Node::Context
+        | Node::Args
+        | Node::Tool
+        | Node::CallId
+        | Node::Metadata
+        | Node::ModelText
+        | Node::Arg(_)
+        | Node::ArgHas(_)
+        | Node::ArgMatches(..)
+        | Node::Slot(_)
+        | Node::ToolOf(_)
+        | Node::CallIdOf(_)
+        | Node::ArgsOf(_)
+        | Node::Take(_) => false,
+        Node::Select { operand, .. } => any(&[operand]),
+        Node::Not(a)
+        | Node::Negate(a)
+        | Node::NotStrictlyFalse(a)
+        | Node::Size(a)
+        | Node::ToString(a)
+        | Node::Append { element: a, .. } => any(&[a]),
+        Node::And(a, b)
+        | Node::Or(a, b)
+        | Node::Eq(a, b)
+        | Node::Ne(a, b)
+        | Node::Compare(_, a, b)
+        | Node::Arith(_, a, b)
+        | Node::In(a, b)
+        | Node::Index(a, b)
+        | Node::Text(_, a, b) => any(&[a, b]),
+        Node::Cond(abc) => any(&[&abc[0], &abc[1], &abc[2]]),
+        Node::Matches(a, pattern) => match pattern {
+            Pattern::Computed(p) => any(&[a, p]),
+            Pattern::Fixed(_) => any(&[a]),
+        },
+        Node::List(items) => items.iter().any(|n| any_node(n, test)),
+        Node::Fold(f) => any(&[&f.range, &f.init, &f.cond, &f.step, &f.result]),
+        Node::Quantifier { range, pred, .. } => any(&[range, pred]),
     }
 }
 

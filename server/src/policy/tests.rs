@@ -1070,3 +1070,104 @@ message = "'big'"
         );
     }
 }
+
+/// A policy of one rule, `when`, whose message is `message`.
+fn one_rule(when: &str, message: &str) -> Policy {
+    Policy::compile(&format!(
+        "[[rule]]\nname = \"r\"\nwhen = {when:?}\naction = \"cancel\"\nmessage = {message:?}\n"
+    ))
+    .unwrap_or_else(|error| panic!("{when}: {error}"))
+}
+
+/// R27: a policy knows whether its fast path may read a call's arguments;
+/// anything that names them, or `call` or `calls` whole, counts.
+#[test]
+fn r27_a_policy_knows_whether_it_reads_arguments() {
+    let cases = [
+        ("context.metadata.user == 'u'", "'m'", false),
+        ("context.model_text.contains('x')", "'m'", false),
+        ("call.tool == 'x' && call.call_id != ''", "'m'", false),
+        (
+            "has(context.metadata.env)",
+            "'in ' + context.metadata.env",
+            false,
+        ),
+        ("call.args.amount > 1", "'m'", true),
+        ("has(call.args.amount)", "'m'", true),
+        ("call.args.cmd.matches('rm')", "'m'", true),
+        ("call.args.exists(k, k == 'token')", "'m'", true),
+        ("context.metadata.user == 'u'", "'m ' + call.args.cmd", true),
+        ("calls.exists(c, c.tool == 'x')", "'m'", true),
+        ("size(calls) > 8", "'m'", true),
+        ("call.tool == 'x' && size(call) > 0", "'m'", true),
+    ];
+    for (when, message, reads) in cases {
+        assert_eq!(
+            one_rule(when, message).reads_args(),
+            reads,
+            "when {when}, message {message}"
+        );
+    }
+}
+
+/// R20/R27: the values of a batch built without the arguments (for
+/// policies that do not read them) judge as those built with them; and
+/// should a rule read arguments that were not built, the interpreter reads
+/// them from the text: the same verdict, never a proceed.
+#[test]
+fn r27_values_without_arguments_judge_as_values_with_them() {
+    let texts = [
+        r#"{"cmd":"rm -rf /","amount":50000,"note":"x"}"#,
+        r#"{"cmd":"ls","amount":5}"#,
+    ];
+    let mut recorded = crate::validate::ijson::Recorded::default();
+    for text in texts {
+        crate::validate::ijson::check_recording(
+            text,
+            crate::validate::ijson::MAX_DEPTH_LIMIT,
+            &mut recorded,
+        )
+        .expect("checked");
+    }
+    let values = |args: bool| {
+        BatchValues::reading_args(
+            args,
+            ContextRef::default(),
+            [("user", "u-1"), ("env", "production")],
+            texts.iter().enumerate().map(|(i, text)| CallRef {
+                call_id: ["c1", "c2"][i],
+                tool: "shell.exec",
+                args: Args::Recorded {
+                    text,
+                    members: recorded.call(i).expect("recorded"),
+                },
+            }),
+        )
+    };
+    let (with, without) = (values(true), values(false));
+    let context_only = one_rule("context.metadata.env == 'production'", "'no'");
+    let reading = one_rule("call.args.amount > 10000", "'big: ' + call.args.cmd");
+    assert!(!context_only.reads_args() && reading.reads_args());
+    for policy in [&context_only, &reading] {
+        let before = policy.interpreted_evaluations();
+        let (a, b) = (
+            policy.evaluate_values(&with, None),
+            policy.evaluate_values(&without, None),
+        );
+        assert_eq!(a, b, "{policy:?}");
+        assert!(a.iter().any(|o| matches!(o, Outcome::Matched(_))), "{a:?}");
+        // The policy that needs no arguments is judged on the fast path
+        // from values without them; the other one, given values without
+        // them, by the interpreter.
+        let interpreted = policy.interpreted_evaluations() - before;
+        if policy.reads_args() {
+            assert_eq!(interpreted, 2, "one per call, for the values without");
+        } else {
+            assert_eq!(interpreted, 0);
+        }
+    }
+    assert_eq!(
+        matched(&reading.evaluate_values(&without, None)[0]).message,
+        "big: rm -rf /"
+    );
+}
