@@ -265,10 +265,21 @@ impl Mesh {
         // With a policy guard in the chain, the check records where each
         // call's argument members are, so that the rules read them without
         // scanning the text again (R27).
+        // Policies that read no arguments need only each call's largest
+        // collection (the cost bounds' `n`).
         let mut members = Recorded::default();
-        let checked = if chain.guards.iter().any(|g| g.guard.is_policy()) {
+        let policies = chain.guards.iter().filter_map(|g| g.guard.policy.as_ref());
+        let checked = if let Some(args) = policies
+            .map(|p| p.compiled.reads_args())
+            .reduce(|a, b| a || b)
+        {
             let limits = &self.config.limits;
-            members = Recorded::with_calls(request.calls.len().min(limits.max_calls_per_batch));
+            let calls = request.calls.len().min(limits.max_calls_per_batch);
+            members = if args {
+                Recorded::with_calls(calls)
+            } else {
+                Recorded::largest_only(calls)
+            };
             validate::check_recording(&request, &self.config.limits, &mut members)
         } else {
             validate::check(&request, &self.config.limits)
@@ -966,10 +977,18 @@ impl<'a> Judging<'a> {
             self.calls.iter().enumerate().map(|(i, call)| CallRef {
                 call_id: &call.current().call_id,
                 tool: &call.current().tool,
-                args: match (&call.rewritten, self.members.call(i)) {
-                    (None, Some(members)) => Args::Recorded {
+                args: match (
+                    &call.rewritten,
+                    self.members.call(i),
+                    self.members.largest(i),
+                ) {
+                    (None, Some(members), _) => Args::Recorded {
                         text: &call.original.arguments,
                         members,
+                    },
+                    (None, None, Some(largest)) => Args::Counted {
+                        text: &call.original.arguments,
+                        largest,
                     },
                     _ => Args::Checked(&call.current().arguments),
                 },

@@ -101,6 +101,16 @@ pub enum Args<'a> {
     },
     /// Parsed JSON.
     Json(&'a serde_json::Value),
+    /// Checked text ([`Args::Checked`]) of which the check counted only the
+    /// largest collection (the cost bounds' `n`), for policies that read no
+    /// arguments: not read for the fast path (a rule reading them anyway is
+    /// left to the interpreter, which reads the text).
+    Counted {
+        /// The arguments' text.
+        text: &'a str,
+        /// The items of its largest array or object, its top level included.
+        largest: usize,
+    },
 }
 
 /// One call, as given to [`BatchValues::new`].
@@ -200,6 +210,10 @@ impl<'a> BatchValues<'a> {
                         largest = largest.max(members.largest);
                         None
                     }
+                    Args::Counted { largest: n, .. } => {
+                        largest = largest.max(n);
+                        None
+                    }
                     Args::Recorded { text, members } => {
                         Json::from_members(text, members, &mut largest)
                     }
@@ -256,9 +270,10 @@ impl<'a> BatchValues<'a> {
                 .iter()
                 .map(|call| {
                     let args = match call.args {
-                        Args::Text(text) | Args::Checked(text) | Args::Recorded { text, .. } => {
-                            from_text(text, &mut ignored)
-                        }
+                        Args::Text(text)
+                        | Args::Checked(text)
+                        | Args::Recorded { text, .. }
+                        | Args::Counted { text, .. } => from_text(text, &mut ignored),
                         Args::Json(json) => from_json(json, &mut ignored),
                     };
                     Box::new(CelMap::from(HashMap::from([

@@ -997,6 +997,13 @@ mod tests {
             prop_assert!(false, "nothing recorded for {:?}", text);
             return Ok(false);
         };
+        // Counting only the largest collection (for policies that read no
+        // arguments): the same count, no members.
+        let mut counted = crate::validate::ijson::Recorded::largest_only(1);
+        crate::validate::ijson::check_recording(text, depth, &mut counted)
+            .map_err(|e| TestCaseError::fail(format!("{text:?} refused when counting: {e}")))?;
+        prop_assert_eq!(counted.largest(0), Some(members.largest), "text {:?}", text);
+        prop_assert_eq!(counted.call(0), None);
         // From the members the check recorded: the same, and from them
         // (not by scanning again).
         let mut largest_recorded = 0;

@@ -1129,45 +1129,72 @@ fn r27_values_without_arguments_judge_as_values_with_them() {
         )
         .expect("checked");
     }
-    let values = |args: bool| {
+    // The check's count of each call's largest collection alone, as the
+    // mesh records it when no policy reads arguments.
+    let mut counted = crate::validate::ijson::Recorded::largest_only(texts.len());
+    for text in texts {
+        crate::validate::ijson::check_recording(
+            text,
+            crate::validate::ijson::MAX_DEPTH_LIMIT,
+            &mut counted,
+        )
+        .expect("checked");
+    }
+    assert_eq!(counted.call(0), None, "no members recorded");
+    let (recorded, counted) = (&recorded, &counted);
+    let values = |args: bool, count_only: bool| {
         BatchValues::reading_args(
             args,
             ContextRef::default(),
             [("user", "u-1"), ("env", "production")],
-            texts.iter().enumerate().map(|(i, text)| CallRef {
+            texts.iter().enumerate().map(move |(i, text)| CallRef {
                 call_id: ["c1", "c2"][i],
                 tool: "shell.exec",
-                args: Args::Recorded {
-                    text,
-                    members: recorded.call(i).expect("recorded"),
+                args: if count_only {
+                    Args::Counted {
+                        text,
+                        largest: counted.largest(i).expect("counted"),
+                    }
+                } else {
+                    Args::Recorded {
+                        text,
+                        members: recorded.call(i).expect("recorded"),
+                    }
                 },
             }),
         )
     };
-    let (with, without) = (values(true), values(false));
+    let with = values(true, false);
     let context_only = one_rule("context.metadata.env == 'production'", "'no'");
     let reading = one_rule("call.args.amount > 10000", "'big: ' + call.args.cmd");
     assert!(!context_only.reads_args() && reading.reads_args());
-    for policy in [&context_only, &reading] {
-        let before = policy.interpreted_evaluations();
-        let (a, b) = (
-            policy.evaluate_values(&with, None),
-            policy.evaluate_values(&without, None),
+    for without in [values(false, false), values(true, true)] {
+        assert_eq!(
+            without.largest_collection(),
+            with.largest_collection(),
+            "the cost bounds' n"
         );
-        assert_eq!(a, b, "{policy:?}");
-        assert!(a.iter().any(|o| matches!(o, Outcome::Matched(_))), "{a:?}");
-        // The policy that needs no arguments is judged on the fast path
-        // from values without them; the other one, given values without
-        // them, by the interpreter.
-        let interpreted = policy.interpreted_evaluations() - before;
-        if policy.reads_args() {
-            assert_eq!(interpreted, 2, "one per call, for the values without");
-        } else {
-            assert_eq!(interpreted, 0);
+        for policy in [&context_only, &reading] {
+            let before = policy.interpreted_evaluations();
+            let (a, b) = (
+                policy.evaluate_values(&with, None),
+                policy.evaluate_values(&without, None),
+            );
+            assert_eq!(a, b, "{policy:?}");
+            assert!(a.iter().any(|o| matches!(o, Outcome::Matched(_))), "{a:?}");
+            // The policy that needs no arguments is judged on the fast path
+            // from values without them; the other one, given values without
+            // them, by the interpreter.
+            let interpreted = policy.interpreted_evaluations() - before;
+            if policy.reads_args() {
+                assert_eq!(interpreted, 2, "one per call, for the values without");
+            } else {
+                assert_eq!(interpreted, 0);
+            }
         }
+        assert_eq!(
+            matched(&reading.evaluate_values(&without, None)[0]).message,
+            "big: rm -rf /"
+        );
     }
-    assert_eq!(
-        matched(&reading.evaluate_values(&without, None)[0]).message,
-        "big: rm -rf /"
-    );
 }

@@ -185,6 +185,9 @@ pub struct Recorded {
     /// Per call, in the order recorded: its members in `list`, and its
     /// largest collection.
     calls: Vec<(usize, usize, usize)>,
+    /// Only the largest collections are recorded, not the members (see
+    /// [`Recorded::largest_only`]).
+    largest_only: bool,
 }
 
 impl Recorded {
@@ -193,7 +196,24 @@ impl Recorded {
         Self {
             list: Vec::with_capacity(calls.saturating_mul(8)),
             calls: Vec::with_capacity(calls),
+            largest_only: false,
         }
+    }
+
+    /// Records of `calls` calls their largest collection only (for policies
+    /// that read no arguments, R27): [`Recorded::call`] is then `None`.
+    pub(crate) fn largest_only(calls: usize) -> Self {
+        Self {
+            list: Vec::new(),
+            calls: Vec::with_capacity(calls),
+            largest_only: true,
+        }
+    }
+
+    /// The items of the largest array or object of the `i`th call recorded,
+    /// its top level included.
+    pub fn largest(&self, i: usize) -> Option<usize> {
+        self.calls.get(i).map(|&(_, _, largest)| largest)
     }
 
     /// Checks each of `texts` as the mesh checks call arguments (R20, at
@@ -207,8 +227,12 @@ impl Recorded {
         Some(recorded)
     }
 
-    /// The members of the `i`th call recorded.
+    /// The members of the `i`th call recorded; `None` when only the largest
+    /// collections were.
     pub fn call(&self, i: usize) -> Option<Members<'_>> {
+        if self.largest_only {
+            return None;
+        }
         let &(start, end, largest) = self.calls.get(i)?;
         Some(Members {
             list: self.list.get(start..end)?,
@@ -253,7 +277,8 @@ pub(crate) fn check_recording(
     recorded: &mut Recorded,
 ) -> Result<(), JsonError> {
     let start = recorded.list.len();
-    match scan(text, max_depth, Some(&mut recorded.list)) {
+    let members = (!recorded.largest_only).then_some(&mut recorded.list);
+    match scan(text, max_depth, members) {
         Ok(largest) => {
             recorded.calls.push((start, recorded.list.len(), largest));
             Ok(())
