@@ -216,25 +216,27 @@ impl Policy {
         let calls = values.len();
         let is_judged = |i: usize| judged.is_none_or(|j| j.get(i).copied().unwrap_or(false));
         let n = values.largest_collection();
-        // The rules that apply to each call, by its tool: one bit set of
-        // `words` words per call, in one buffer; and their cost at `n`
-        // (`None`: not judged here, or no rule applies).
+        // One buffer for the batch: per call, the cost at `n` of the rules
+        // that apply to it, then those rules as a bit set of `words` words
+        // (none set: not judged here, or no rule applies); after the calls,
+        // the `when` of rules that do not read `call` (the same for every
+        // call of the batch, evaluated once): a set of those evaluated, and
+        // a set of those true.
         let words = self.rules.len().div_ceil(64);
-        let mut applies = vec![0u64; words * calls];
+        let stride = words + 1;
+        let mut buffer = vec![0u64; stride * calls + 2 * words];
+        let (per_call, batch_wide) = buffer.split_at_mut(stride * calls);
         let mut matched = Vec::new();
-        let mut costs: Vec<Option<u64>> = Vec::with_capacity(calls);
         let mut total = 0u64;
-        for i in 0..calls {
+        for (i, entry) in per_call.chunks_exact_mut(stride).enumerate() {
             if !is_judged(i) {
-                costs.push(None);
                 continue;
             }
-            let bits = &mut applies[i * words..(i + 1) * words];
-            let cost = self
+            let (cost, bits) = entry.split_at_mut(1);
+            cost[0] = self
                 .tools
                 .applicable(values.tool(i), bits, &mut matched, &self.rules, n);
-            total = total.saturating_add(cost);
-            costs.push(bits.iter().any(|w| *w != 0).then_some(cost));
+            total = total.saturating_add(cost[0]);
         }
         if total > self.limits.max_cost_per_batch {
             let costliest = self
@@ -259,18 +261,16 @@ impl Policy {
                 })
                 .collect();
         }
-        // The `when` of a rule that does not read `call` is the same for
-        // every call of the batch: evaluated once (0 not yet, 1 false, 2
-        // true).
-        let mut batch_wide = vec![0u8; self.rules.len()];
-        costs
-            .into_iter()
+        let (evaluated, held) = batch_wide.split_at_mut(words);
+        let mut batch_wide = BatchWide { evaluated, held };
+        per_call
+            .chunks_exact(stride)
             .enumerate()
-            .map(|(i, cost)| {
-                let Some(cost) = cost else {
+            .map(|(i, entry)| {
+                let (cost, bits) = (entry[0], &entry[1..]);
+                if bits.iter().all(|w| *w == 0) {
                     return Outcome::Proceed;
-                };
-                let bits = &applies[i * words..(i + 1) * words];
+                }
                 if cost > self.limits.max_cost_per_call {
                     return Outcome::Error(EvalError::TooCostly {
                         scope: Scope::Call,
@@ -300,7 +300,7 @@ impl Policy {
         values: &BatchValues<'_>,
         i: usize,
         bits: &[u64],
-        batch_wide: &mut [u8],
+        batch_wide: &mut BatchWide<'_>,
     ) -> Outcome {
         let fast = values.fast(i);
         let variables = OnceCell::new();
@@ -314,17 +314,16 @@ impl Policy {
         };
         for r in set_bits(bits) {
             let rule = &self.rules[r];
-            let planned = match (batch_wide[r], &rule.when_plan) {
-                (1, _) => Some(Ok(false)),
-                (2, _) => Some(Ok(true)),
-                (_, Some(plan)) => {
+            let planned = match (batch_wide.get(r), &rule.when_plan) {
+                (Some(held), _) => Some(Ok(held)),
+                (None, Some(plan)) => {
                     let value = plan.bool(&fast);
-                    if let (false, Ok(b)) = (plan.reads_call(), value) {
-                        batch_wide[r] = 1 + u8::from(b);
+                    if let (false, Ok(held)) = (plan.reads_call(), value) {
+                        batch_wide.set(r, held);
                     }
                     Some(value)
                 }
-                (_, None) => None,
+                (None, None) => None,
             };
             match planned {
                 Some(Ok(false)) => continue,
@@ -379,6 +378,29 @@ impl Policy {
             };
         }
         Outcome::Proceed
+    }
+}
+
+/// The value of the `when` of each rule that does not read `call`, once
+/// evaluated for a batch: bit sets, one bit per rule.
+struct BatchWide<'b> {
+    evaluated: &'b mut [u64],
+    held: &'b mut [u64],
+}
+
+impl BatchWide<'_> {
+    /// Rule `r`'s `when`, if evaluated.
+    fn get(&self, r: usize) -> Option<bool> {
+        let bit = 1u64 << (r % 64);
+        (self.evaluated[r / 64] & bit != 0).then(|| self.held[r / 64] & bit != 0)
+    }
+
+    fn set(&mut self, r: usize, held: bool) {
+        let bit = 1u64 << (r % 64);
+        self.evaluated[r / 64] |= bit;
+        if held {
+            self.held[r / 64] |= bit;
+        }
     }
 }
 
