@@ -1517,10 +1517,13 @@ async fn run(args: &BenchArgs) -> Result<(), Error> {
     let mcp_counts = if args.quick { (100, 200) } else { (300, 1000) };
     let mcp = mcp::run(&exe, dir, &mut guards, plan.rounds, mcp_counts).await?;
     latency.extend(mcp.latency);
-    // Policy guards (R27): no_guard, policy20, policy20_match, policy1.
+    // Policy guards (R27): no_guard, policy20, policy20_match, policy1, and
+    // no_guard_again (the same as no_guard, for the ratios' noise floor).
     let policy_figures = {
         let (rules, matching, one) = policy::write(dir)?;
         let mut none = MeshProcess::start_config(&exe, dir, policy::NO_GUARD, "", 0, None).await?;
+        let mut again =
+            MeshProcess::start_config(&exe, dir, policy::NO_GUARD_AGAIN, "", 0, None).await?;
         // A mesh with one policy guard, `guard`, of the rules in `file`.
         let with_policy = async |scenario: &str, guard: &str, file: &Path| {
             let section = policy::guard_section(guard, file);
@@ -1562,6 +1565,14 @@ async fn run(args: &BenchArgs) -> Result<(), Error> {
                 Some(&with_one),
                 plan.fast,
             )?,
+            Scenario::new(
+                policy::NO_GUARD_AGAIN,
+                "another mesh process, no guard (the same config as no_guard)",
+                Op::Mesh(again.session(policy::NO_GUARD_AGAIN).await?),
+                false,
+                Some(&again),
+                plan.fast,
+            )?,
         ];
         let group = run_group(
             "policy guards",
@@ -1569,7 +1580,13 @@ async fn run(args: &BenchArgs) -> Result<(), Error> {
             plan.rounds,
             &work,
             &mut guards,
-            &mut [&mut none, &mut with_rules, &mut with_match, &mut with_one],
+            &mut [
+                &mut none,
+                &mut with_rules,
+                &mut with_match,
+                &mut with_one,
+                &mut again,
+            ],
         )
         .await?;
         let evaluation = policy::evaluate(&work, plan.policy_iterations)?;

@@ -23,6 +23,10 @@ use std::path::{Path, PathBuf};
 
 /// The scenarios' names.
 pub(super) const NO_GUARD: &str = "no_guard";
+/// A second mesh process with no guard, the same config: the ratio of the
+/// two is what a ratio of this group moves for nothing but being another
+/// process measured in other moments (an A/A comparison).
+pub(super) const NO_GUARD_AGAIN: &str = "no_guard_again";
 pub(super) const POLICY20: &str = "policy20";
 pub(super) const POLICY20_MATCH: &str = "policy20_match";
 pub(super) const POLICY1: &str = "policy1";
@@ -199,6 +203,7 @@ pub(super) fn figures(latency: &[Latency], eval: &Evaluation) -> Result<Vec<(Str
             .ok_or_else(|| format!("no figures for scenario {name}").into())
     };
     let none = find(NO_GUARD)?;
+    let again = find(NO_GUARD_AGAIN)?;
     let policy = find(POLICY20)?;
     let matching = find(POLICY20_MATCH)?;
     let one = find(POLICY1)?;
@@ -217,6 +222,11 @@ pub(super) fn figures(latency: &[Latency], eval: &Evaluation) -> Result<Vec<(Str
             ratio(matching.p50, none.p50),
         ),
         ("policy20_overhead_us_p50".into(), policy.p50 - none.p50),
+        // The noise floor of the ratios above: two identical meshes.
+        (
+            "no_guard_again_vs_no_guard_p50".into(),
+            ratio(again.p50, none.p50),
+        ),
         ("policy1_vs_no_guard_p50".into(), ratio(one.p50, none.p50)),
         // What a policy guard costs beyond its rules, and what `policy20`'s
         // 19 other rules add to it.

@@ -1244,6 +1244,7 @@ fn trace_entry(guard: &Guard, run: &GuardRun, ids: &[&str]) -> GuardTrace {
 fn error_text(run: &GuardRun) -> String {
     match &run.failure {
         Some(failure) => failure.to_string(),
+        None if run.malformed.is_empty() => String::new(),
         None => run
             .malformed
             .iter()

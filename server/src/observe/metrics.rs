@@ -119,8 +119,9 @@ pub struct Metrics {
     log_failures: Family<KindLabel, Counter>,
     /// Each guard's outcome counters and latency histogram, looked up by
     /// name once rather than built from labels for every batch (they share
-    /// their counts with the families above).
-    guard_series: RwLock<HashMap<String, GuardSeries>>,
+    /// their counts with the families above). Hashed by foldhash, seeded
+    /// per process: a lookup per guard per batch.
+    guard_series: RwLock<HashMap<String, GuardSeries, foldhash::fast::RandomState>>,
 }
 
 /// A counter family whose one label takes a few values known in advance:
