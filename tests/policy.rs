@@ -243,6 +243,73 @@ async fn r27_policy_guard_steers_and_cancels_with_the_rules_message_and_trace_na
     );
 }
 
+/// R27: a policy guard whose rules read only the batch's context (no call's
+/// arguments, so the mesh neither records nor reads them for it) judges as
+/// any other; once a guard that reads arguments joins the chain after it,
+/// both judge, in chain order (R3).
+#[tokio::test]
+async fn r27_policy_of_context_rules_judges_without_reading_arguments() {
+    const CONTEXT: &str = r#"
+[[rule]]
+name = "blocked-users"
+when = "has(context.metadata.user) && context.metadata.user in ['u-0666']"
+action = "cancel"
+message = '"user " + context.metadata.user + " is blocked"'
+
+[[rule]]
+name = "no-shell-in-production"
+tools = ["shell.*"]
+when = "context.metadata.env == 'production'"
+action = "cancel"
+message = '"no shell in " + context.metadata.env'
+"#;
+    let mesh = policy_mesh(Registration::policy("context", CONTEXT)).await;
+    let coordinator = mesh.coordinator().await;
+    let batch = |user: &str| {
+        Batch::new(0)
+            .meta("user", user)
+            .meta("env", "production")
+            .call("sh", "shell.exec", r#"{"cmd": "ls", "list": [1, 2, 3]}"#)
+            .call("del", "sql.query", r#"{"query": "DELETE FROM users"}"#)
+    };
+    let cancel = |content: &str| Outcome::Cancel {
+        content: content.into(),
+    };
+    let d = coordinator
+        .evaluate_once("s", batch("u-0666"))
+        .await
+        .unwrap();
+    for id in ["sh", "del"] {
+        assert_eq!(
+            d.call(id).unwrap().outcome,
+            cancel("user u-0666 is blocked"),
+            "{id}"
+        );
+    }
+    let d = coordinator.evaluate_once("s", batch("u-1")).await.unwrap();
+    assert_eq!(
+        d.call("sh").unwrap().outcome,
+        cancel("no shell in production")
+    );
+    assert!(d.call("del").unwrap().proceeds(), "no rule reads the query");
+    assert_eq!(
+        trace_of(&d, "context").rules.get("sh").map(String::as_str),
+        Some("no-shell-in-production")
+    );
+    // A guard whose rules read arguments, after it in the chain.
+    mesh.register(Registration::policy("policy", POLICY)).await;
+    let d = coordinator.evaluate_once("s", batch("u-1")).await.unwrap();
+    let sh = d.call("sh").unwrap();
+    assert_eq!(sh.outcome, cancel("no shell in production"));
+    assert_eq!(sh.decided_by.as_deref(), Some("context"));
+    let del = d.call("del").unwrap();
+    assert_eq!(
+        del.outcome,
+        cancel("DELETE without WHERE refused: DELETE FROM users")
+    );
+    assert_eq!(del.decided_by.as_deref(), Some("policy"));
+}
+
 #[tokio::test]
 async fn r27_first_matching_rule_wins_in_file_order() {
     let mesh = policy_mesh(Registration::policy("policy", POLICY)).await;
