@@ -264,9 +264,9 @@ impl Mesh {
         let chain = self.chain();
         // With a policy guard in the chain, the check records where each
         // call's argument members are, so that the rules read them without
-        // scanning the text again (R27).
-        // Policies that read no arguments need only each call's largest
-        // collection (the cost bounds' `n`).
+        // scanning the text again (R27); for policies that read no
+        // arguments, only each call's largest collection (the cost bounds'
+        // `n`).
         let mut members = Recorded::default();
         let policies = chain.guards.iter().filter_map(|g| g.guard.policy.as_ref());
         let checked = if let Some(args) = policies
