@@ -1129,6 +1129,19 @@ fn test<'r>(node: &'r Node, input: &Input<'r, 'r>, slots: &mut [V<'r>]) -> Run<b
         }
         Node::In(a, b) => {
             let needle = fetch(a, input, slots)?;
+            if let Node::List(items) = &**b
+                && items.iter().all(is_literal)
+            {
+                // A list of literals written in the rule (`x in ['a', 'b']`):
+                // compared item by item, not built as a list first (no item
+                // can fail, so stopping at the first equal one is safe).
+                for item in items {
+                    if equals(&fetch(item, input, slots)?, &needle)? {
+                        return Ok(true);
+                    }
+                }
+                return Ok(false);
+            }
             let haystack = fetch(b, input, slots)?;
             contains(&haystack, &needle, input)
         }
@@ -1434,6 +1447,14 @@ fn index_of<'r>(container: &V<'r>, index: &V<'r>, input: &Input<'r, 'r>) -> Run<
 
 /// `needle in haystack`: a list holding an equal scalar, or a map with
 /// that string key.
+/// Whether `node` is a literal (its value cannot fail).
+fn is_literal(node: &Node) -> bool {
+    matches!(
+        node,
+        Node::Null | Node::Bool(_) | Node::Int(_) | Node::Uint(_) | Node::Double(_) | Node::Str(_)
+    )
+}
+
 fn contains(haystack: &V<'_>, needle: &V<'_>, input: &Input<'_, '_>) -> Run<bool> {
     match haystack {
         V::Json(Json::List(items)) => {

@@ -213,6 +213,7 @@ fn typed() -> impl Strategy<Value = String> {
         "context",
         "['a', 'b']",
         "[1, 2.0, 3u]",
+        "['s', call.tool]",
         "calls.map(x, x.tool)",
         "calls.filter(x, has(x.args.n))",
         "call.args.l.map(x, x)",
