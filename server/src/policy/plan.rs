@@ -904,51 +904,15 @@ fn any_node(node: &Node, test: &dyn Fn(&Node) -> bool) -> bool {
 
 /// Whether `node` reads slot `slot`.
 fn reads(node: &Node, slot: usize) -> bool {
-    let any = |nodes: &[&Node]| nodes.iter().any(|n| reads(n, slot));
-    match node {
-        Node::Slot(s) | Node::ToolOf(s) | Node::CallIdOf(s) | Node::ArgsOf(s) => *s == slot,
-        Node::Null
-        | Node::Bool(_)
-        | Node::Int(_)
-        | Node::Uint(_)
-        | Node::Double(_)
-        | Node::Str(_)
-        | Node::Call
-        | Node::Calls
-        | Node::Context
-        | Node::Args
-        | Node::Tool
-        | Node::CallId
-        | Node::Metadata
-        | Node::ModelText
-        | Node::Arg(_)
-        | Node::ArgHas(_)
-        | Node::ArgMatches(..) => false,
-        Node::Select { operand, .. } => reads(operand, slot),
-        Node::Not(a)
-        | Node::Negate(a)
-        | Node::NotStrictlyFalse(a)
-        | Node::Size(a)
-        | Node::ToString(a) => reads(a, slot),
-        Node::And(a, b)
-        | Node::Or(a, b)
-        | Node::Eq(a, b)
-        | Node::Ne(a, b)
-        | Node::Compare(_, a, b)
-        | Node::Arith(_, a, b)
-        | Node::In(a, b)
-        | Node::Index(a, b)
-        | Node::Text(_, a, b) => any(&[a, b]),
-        Node::Cond(abc) => any(&[&abc[0], &abc[1], &abc[2]]),
-        Node::Matches(a, pattern) => {
-            reads(a, slot) || matches!(pattern, Pattern::Computed(p) if reads(p, slot))
-        }
-        Node::List(items) => items.iter().any(|n| reads(n, slot)),
-        Node::Fold(f) => any(&[&f.range, &f.init, &f.cond, &f.step, &f.result]),
-        Node::Quantifier { range, pred, .. } => any(&[range, pred]),
-        Node::Append { accu, element } => *accu == slot || reads(element, slot),
-        Node::Take(accu) => *accu == slot,
-    }
+    any_node(node, &|n| match n {
+        Node::Slot(s)
+        | Node::ToolOf(s)
+        | Node::CallIdOf(s)
+        | Node::ArgsOf(s)
+        | Node::Append { accu: s, .. }
+        | Node::Take(s) => *s == slot,
+        _ => false,
+    })
 }
 
 fn eval<'r>(node: &'r Node, input: &Input<'r, 'r>, slots: &mut [V<'r>]) -> Run<V<'r>> {

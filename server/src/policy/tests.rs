@@ -1120,26 +1120,17 @@ fn r27_values_without_arguments_judge_as_values_with_them() {
         r#"{"cmd":"rm -rf /","amount":50000,"note":"x"}"#,
         r#"{"cmd":"ls","amount":5}"#,
     ];
-    let mut recorded = crate::validate::ijson::Recorded::default();
-    for text in texts {
-        crate::validate::ijson::check_recording(
-            text,
-            crate::validate::ijson::MAX_DEPTH_LIMIT,
-            &mut recorded,
-        )
-        .expect("checked");
-    }
+    use crate::validate::ijson::{MAX_DEPTH_LIMIT, Recorded, check_recording};
+    let check = |mut recorded: Recorded| {
+        for text in texts {
+            check_recording(text, MAX_DEPTH_LIMIT, &mut recorded).expect("checked");
+        }
+        recorded
+    };
+    let recorded = check(Recorded::default());
     // The check's count of each call's largest collection alone, as the
     // mesh records it when no policy reads arguments.
-    let mut counted = crate::validate::ijson::Recorded::largest_only(texts.len());
-    for text in texts {
-        crate::validate::ijson::check_recording(
-            text,
-            crate::validate::ijson::MAX_DEPTH_LIMIT,
-            &mut counted,
-        )
-        .expect("checked");
-    }
+    let counted = check(Recorded::largest_only(texts.len()));
     assert_eq!(counted.call(0), None, "no members recorded");
     let (recorded, counted) = (&recorded, &counted);
     let values = |args: bool, count_only: bool| {
