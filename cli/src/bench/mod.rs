@@ -936,8 +936,17 @@ impl Scenario {
     }
 }
 
+/// The order in which `n` scenarios take turns in round `round`: each round
+/// starts one scenario later, so that over `n` rounds each scenario is
+/// measured once in each place of the round (whatever being first, or
+/// following a given scenario, does to a measurement is shared by all).
+fn round_order(round: u32, n: usize) -> impl Iterator<Item = usize> {
+    let start = usize::try_from(round).unwrap_or(0) % n.max(1);
+    (0..n).map(move |k| (start + k) % n)
+}
+
 /// Runs a group: each scenario's warm-up, then `rounds` rounds in which the
-/// scenarios take turns.
+/// scenarios take turns, each round starting one scenario later.
 async fn run_group(
     title: &str,
     scenarios: &mut [Scenario],
@@ -952,9 +961,9 @@ async fn run_group(
         for scenario in scenarios.iter_mut() {
             scenario.warm_up(work).await?;
         }
-        for _ in 0..rounds {
-            for scenario in scenarios.iter_mut() {
-                scenario.measure_round(work, guards.child.pid()).await?;
+        for round in 0..rounds {
+            for i in round_order(round, scenarios.len()) {
+                scenarios[i].measure_round(work, guards.child.pid()).await?;
             }
         }
         Ok::<(), Error>(())
@@ -1688,4 +1697,33 @@ async fn run(args: &BenchArgs) -> Result<(), Error> {
     }
     drop(guards);
     Ok(())
+}
+
+/// Not a timing: the order scenarios take turns in.
+#[cfg(test)]
+mod tests {
+    use super::round_order;
+
+    #[test]
+    fn over_n_rounds_each_scenario_is_measured_once_in_each_place() {
+        for n in 1..=6 {
+            let mut places = vec![vec![0u32; n]; n];
+            for round in 0..u32::try_from(n).unwrap() {
+                let order: Vec<usize> = round_order(round, n).collect();
+                let mut sorted = order.clone();
+                sorted.sort_unstable();
+                assert_eq!(sorted, (0..n).collect::<Vec<_>>(), "each once per round");
+                for (place, scenario) in order.into_iter().enumerate() {
+                    places[scenario][place] += 1;
+                }
+            }
+            assert!(
+                places.iter().flatten().all(|&c| c == 1),
+                "n {n}: {places:?}"
+            );
+        }
+        // Round 0 keeps the written order.
+        assert_eq!(round_order(0, 4).collect::<Vec<_>>(), vec![0, 1, 2, 3]);
+        assert_eq!(round_order(5, 4).collect::<Vec<_>>(), vec![1, 2, 3, 0]);
+    }
 }
