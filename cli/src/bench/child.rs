@@ -32,6 +32,7 @@ impl Child {
     ) -> Result<Self, Error> {
         let what = what.into();
         die_with_parent(&mut command);
+        super::placement::pin_child(&mut command);
         command.stdin(Stdio::piped());
         command.stdout(if lines.is_some() {
             Stdio::piped()

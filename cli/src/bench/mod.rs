@@ -42,6 +42,10 @@
 //! the mesh and per call of the echo server in those windows, and the mesh's
 //! RSS with 1,000 idle coordinator streams.
 //!
+//! Where the processes run is the scheduler's choice unless `--placement`
+//! pins them ([`placement`]): `split` puts this process on one CPU and its
+//! children on the others, `one` everything on one CPU.
+//!
 //! Every child process is killed when the benchmark ends, fails, panics or is
 //! interrupted ([`child::Child`] kills on drop; children also get a
 //! parent-death signal). No timing is asserted anywhere: a run fails only if
@@ -51,11 +55,13 @@ mod child;
 mod decision_log;
 mod guards;
 mod mcp;
+mod placement;
 mod policy;
 mod relay;
 mod report;
 
 pub use guards::GuardsArgs;
+pub use placement::Placement;
 pub use relay::RelayArgs;
 
 use child::{Child, TempDir};
@@ -156,6 +162,12 @@ pub struct BenchArgs {
     /// the accepted sockets, rather than through the SDK's `serve`.
     #[arg(long)]
     pub guard_nodelay: bool,
+    /// Where the processes run: `os` (unpinned), `split` (this load
+    /// generator on the first CPU, meshes, guards and gateways on the
+    /// others) or `one` (everything on the first CPU). Latency on small VMs
+    /// is bimodal with placement; `split` and `one` fix it for a whole run.
+    #[arg(long, value_enum, default_value_t = Placement::Os)]
+    pub placement: Placement,
 }
 
 /// Logs to stderr, `RUST_LOG` or `default_filter`.
@@ -197,6 +209,22 @@ async fn interrupted() {
 /// Entry point of `guardmesh bench`.
 pub fn main(args: BenchArgs) -> ExitCode {
     init_logs("warn");
+    // Before the runtime starts: its threads inherit this thread's CPUs.
+    let pinning = match placement::apply(args.placement) {
+        Ok(pinning) => pinning,
+        Err(error) => {
+            eprintln!("error: {error}");
+            return ExitCode::FAILURE;
+        }
+    };
+    if args.placement != Placement::Os {
+        eprintln!(
+            "[bench] placement {}: load generator on CPUs {:?}, children on CPUs {:?}",
+            args.placement.label(),
+            pinning.load.unwrap_or_default(),
+            pinning.children.unwrap_or_default()
+        );
+    }
     let runtime = match args.client_runtime.build() {
         Ok(runtime) => runtime,
         Err(error) => {
@@ -1654,6 +1682,7 @@ async fn run(args: &BenchArgs) -> Result<(), Error> {
     put("mesh_threads", json!(args.mesh_threads));
     put("client_runtime", json!(args.client_runtime.label()));
     put("guard_runtime", json!(args.guard_runtime.label()));
+    put("placement", json!(args.placement.label()));
     put(
         "guard_streams",
         json!(if args.guard_nodelay {
