@@ -151,8 +151,15 @@ fn set_affinity(_cpus: &[usize]) -> Result<(), Error> {
 
 /// Pins a child started by `command` to the children's CPUs, if set.
 pub(super) fn pin_child(command: &mut std::process::Command) {
-    #[cfg(target_os = "linux")]
     if let Some(cpus) = CHILDREN.get() {
+        pin_to(command, cpus);
+    }
+}
+
+/// Pins the process `command` starts to `cpus`, from its start.
+fn pin_to(command: &mut std::process::Command, cpus: &[usize]) {
+    #[cfg(target_os = "linux")]
+    {
         use std::os::unix::process::CommandExt;
         let set = cpu_set(cpus);
         // SAFETY: sched_setaffinity(2) is a plain system call and the
@@ -168,7 +175,7 @@ pub(super) fn pin_child(command: &mut std::process::Command) {
         }
     }
     #[cfg(not(target_os = "linux"))]
-    let _ = command;
+    let _ = (command, cpus);
 }
 
 /// [`pin_child`] for a Tokio command.
@@ -219,6 +226,27 @@ mod tests {
             Pinning::default()
         );
         assert!(Placement::One.pinning(&[]).is_err());
+    }
+
+    #[cfg(target_os = "linux")]
+    #[test]
+    fn a_pinned_child_may_run_only_on_its_cpus() {
+        let allowed = allowed_cpus().expect("sched_getaffinity");
+        let last = *allowed.last().expect("one CPU at least");
+        let mut command = std::process::Command::new("cat");
+        command.arg("/proc/self/status");
+        pin_to(&mut command, &[last]);
+        let output = command.output().expect("cat runs");
+        let status = String::from_utf8_lossy(&output.stdout);
+        let line = status
+            .lines()
+            .find(|l| l.starts_with("Cpus_allowed_list:"))
+            .expect("Linux shows the allowed CPUs");
+        assert_eq!(
+            line.split_whitespace().nth(1),
+            Some(last.to_string().as_str()),
+            "{line}"
+        );
     }
 
     #[cfg(target_os = "linux")]
