@@ -561,6 +561,44 @@ async fn r27_policy_that_does_not_compile_is_refused_at_registration() {
     );
 }
 
+/// R27, R13: a misspelt function would fail every call, and under
+/// `fail_open` let every call through unjudged: it is refused at
+/// registration, with the line and the name meant, and nothing is applied.
+#[tokio::test]
+async fn r27_a_misspelt_function_is_refused_at_registration_not_failed_open_at_run_time() {
+    let mesh = TestMesh::start().await;
+    let error = mesh
+        .registrar()
+        .await
+        .register(
+            Registration::policy(
+                "policy",
+                "[[rule]]\nname = \"no-shell\"\ntools = [\"shell.*\"]\n\
+                 when = \"call.args.cmd.startswith('rm ')\"\naction = \"cancel\"\nmessage = '\"m\"'\n",
+            )
+            .failure_policy(FailurePolicy::FailOpen),
+        )
+        .await
+        .unwrap_err();
+    let guardmesh_client::ClientError::Status(status) = error else {
+        panic!("a status, not {error}");
+    };
+    assert_eq!(status.code(), tonic::Code::InvalidArgument, "{status:?}");
+    let text = status.message();
+    assert!(text.contains("line 4"), "{text}");
+    assert!(text.contains("unknown function \"startswith\""), "{text}");
+    assert!(text.contains("did you mean \"startsWith\""), "{text}");
+    assert!(
+        mesh.registrar()
+            .await
+            .list()
+            .await
+            .unwrap()
+            .guards
+            .is_empty()
+    );
+}
+
 #[tokio::test]
 async fn r28_unguarded_cancel_cancels_an_unguarded_tool_and_not_a_guarded_one() {
     let mut config = fast_config();

@@ -15,6 +15,7 @@ use super::cost::{Cost, Limits};
 use super::error::{CompileError, CompileErrorKind, EvalError, Field, Scope};
 use super::expr::{self, Compiled};
 use super::file::{self, RuleEntry};
+use super::functions::Functions;
 use super::input::{BatchInput, BatchValues};
 use super::plan::{Plan, Unsure};
 use super::verdict::{Action, Outcome, Verdict};
@@ -132,10 +133,12 @@ impl Policy {
         }
         let mut env = Env::stdlib();
         super::patterns::declare(&mut env);
+        let env = Arc::new(env);
+        let mut functions = Functions::new(Arc::clone(&env));
         let mut lines: HashMap<String, usize> = HashMap::new();
         let mut rules = Vec::with_capacity(parsed.rule.len());
         for entry in parsed.rule {
-            let rule = compile_rule(&env, source, entry, &limits)?;
+            let rule = compile_rule(&env, &mut functions, source, entry, &limits)?;
             if let Some(first_line) = lines.insert(rule.name.clone(), rule.line) {
                 return Err(CompileError {
                     line: rule.line,
@@ -165,7 +168,7 @@ impl Policy {
             tools,
             rules,
             limits,
-            env: Arc::new(env),
+            env,
         })
     }
 
@@ -545,6 +548,7 @@ impl ToolIndex {
 
 fn compile_rule(
     env: &Env,
+    functions: &mut Functions,
     source: &str,
     entry: RuleEntry,
     limits: &Limits,
@@ -589,9 +593,9 @@ fn compile_rule(
             (patterns, Some(set))
         }
     };
-    let compile = |field: Field, text: toml::Spanned<String>| {
+    let mut compile = |field: Field, text: toml::Spanned<String>| {
         let first_line = file::content_line(source, text.span());
-        expr::compile(env, field, text.get_ref(), limits)
+        expr::compile(env, functions, field, text.get_ref(), limits)
             .map_err(|refused| fail(first_line + refused.line - 1, refused.kind))
     };
     let when = compile(Field::When, entry.when)?;

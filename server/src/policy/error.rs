@@ -16,6 +16,12 @@ pub struct CompileError {
     pub kind: CompileErrorKind,
 }
 
+fn did_you_mean(suggestion: &Option<String>) -> String {
+    suggestion
+        .as_ref()
+        .map_or_else(String::new, |s| format!("; did you mean {s:?}?"))
+}
+
 fn rule_prefix(rule: &Option<String>) -> String {
     match rule {
         Some(rule) => format!("rule {rule:?}: "),
@@ -53,6 +59,18 @@ pub enum CompileErrorKind {
         "`{field}` uses the unknown variable {name:?} (known: call, calls, context, and the variables of its macros)"
     )]
     UnknownVariable { field: Field, name: String },
+    /// An expression calling a function the environment does not declare
+    /// (a misspelt name, or one of the extensions left out): it would fail
+    /// on every call.
+    #[error(
+        "`{field}` calls the unknown function {name:?}{} (CEL names are case-sensitive; the functions rules may call are listed in the README, Policies)",
+        did_you_mean(.suggestion)
+    )]
+    UnknownFunction {
+        field: Field,
+        name: String,
+        suggestion: Option<String>,
+    },
     /// A `matches` pattern that is not a valid regex.
     #[error("`{field}`: the pattern {pattern:?} is not a valid regex: {reason}")]
     BadRegex {

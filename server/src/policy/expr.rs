@@ -6,6 +6,7 @@ use cel::{Env, Program};
 
 use super::cost::{Cost, Limits};
 use super::error::{CompileErrorKind, Field};
+use super::functions::{Form, Functions};
 
 /// The variables every expression may use (see `input`).
 pub(crate) const VARIABLES: [&str; 3] = ["call", "calls", "context"];
@@ -46,6 +47,7 @@ pub(crate) struct Refused {
 /// Compiles `source`, the `field` of a rule, within `limits`.
 pub(crate) fn compile(
     env: &Env,
+    functions: &mut Functions,
     field: Field,
     source: &str,
     limits: &Limits,
@@ -78,6 +80,8 @@ pub(crate) fn compile(
         deepest: 0,
         cost: Cost::default(),
         unknown: None,
+        functions,
+        unknown_function: None,
         bad_regex: None,
     };
     walk.expr(program.expression(), 0);
@@ -126,6 +130,16 @@ pub(crate) fn compile(
             kind: CompileErrorKind::UnknownVariable { field, name },
         });
     }
+    if let Some((id, name, suggestion)) = walk.unknown_function {
+        return Err(Refused {
+            line: line_of(id),
+            kind: CompileErrorKind::UnknownFunction {
+                field,
+                name,
+                suggestion: suggestion.map(str::to_owned),
+            },
+        });
+    }
     Ok(Compiled {
         cost: walk.cost,
         program,
@@ -133,7 +147,7 @@ pub(crate) fn compile(
 }
 
 /// A walk over an expression's syntax tree, macros expanded.
-struct Walk<'a> {
+struct Walk<'a, 'f> {
     field: Field,
     limits: &'a Limits,
     /// The variables macros bind around the node being walked.
@@ -144,11 +158,16 @@ struct Walk<'a> {
     cost: Cost,
     /// The first unknown identifier, and its node.
     unknown: Option<(u64, String)>,
+    /// The environment's functions, looked up as calls are met.
+    functions: &'f mut Functions,
+    /// The first call of an undeclared function, its node, and a standard
+    /// name it may have been meant as.
+    unknown_function: Option<(u64, String, Option<&'static str>)>,
     /// The first `matches` pattern that does not compile, and its node.
     bad_regex: Option<(u64, CompileErrorKind)>,
 }
 
-impl Walk<'_> {
+impl Walk<'_, '_> {
     /// Walks `node`, nested in `depth` macros.
     fn expr(&mut self, node: &IdedExpr, depth: usize) {
         self.nodes += 1;
@@ -165,6 +184,7 @@ impl Walk<'_> {
                 if call.func_name == "matches" {
                     self.pattern(node.id, call.args.last());
                 }
+                self.function(node.id, &call.func_name, call.target.as_deref());
                 if let Some(target) = &call.target {
                     self.expr(target, depth);
                 }
@@ -231,6 +251,29 @@ impl Walk<'_> {
                     reason,
                 },
             ));
+        }
+    }
+
+    /// Checks that a call of `name` on `target` (none: a global call)
+    /// names a declared function.
+    fn function(&mut self, id: u64, name: &str, target: Option<&IdedExpr>) {
+        if self.unknown_function.is_some() {
+            return;
+        }
+        let form = match target.map(|t| &t.expr) {
+            None => Form::Global,
+            // `optional.of(x)`: a namespace, not a value, unless a macro
+            // bound the name.
+            Some(Expr::Ident(ns))
+                if TYPE_NAMES.contains(&ns.as_str()) && !self.scope.iter().any(|b| b == ns) =>
+            {
+                Form::Namespaced(ns)
+            }
+            Some(_) => Form::Member,
+        };
+        if !self.functions.declares(name, form) {
+            let suggestion = self.functions.suggestion(name, form);
+            self.unknown_function = Some((id, name.to_owned(), suggestion));
         }
     }
 

@@ -7,6 +7,8 @@
 //!   ([`BatchValues`]);
 //! * `json`: a call's arguments parsed once into borrowed JSON;
 //! * `expr`: one CEL expression compiled and checked;
+//! * `functions`: which functions a rule may call (a misspelt one is
+//!   refused when the policy compiles);
 //! * `plan`: the fast path for the expressions policies are made of, the
 //!   interpreter deciding wherever it is unsure;
 //! * `patterns`: `matches`, with the patterns compiled once;
@@ -26,6 +28,7 @@ mod engine;
 mod error;
 mod expr;
 mod file;
+mod functions;
 mod input;
 mod json;
 mod patterns;

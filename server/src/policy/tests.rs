@@ -326,6 +326,45 @@ fn r27_a_broken_file_is_refused_with_its_line() {
         matches!(&error.kind, CompileErrorKind::UnknownVariable { name, field: Field::Message } if name == "cal")
     );
 
+    // A misspelt function, on the line it is called: refused, not left to
+    // fail every call at run time (R27, R13).
+    let error = refused(
+        "[[rule]]\nname = \"shell\"\nwhen = '''\ncall.tool == 'x' ||\n call.tool.startswith('shell')'''\naction = \"cancel\"\nmessage = \"'m'\"\n",
+    );
+    assert_eq!(error.line, 5, "{error}");
+    assert_eq!(error.rule.as_deref(), Some("shell"));
+    assert!(
+        matches!(&error.kind, CompileErrorKind::UnknownFunction { name, field: Field::When, suggestion } if name == "startswith" && suggestion.as_deref() == Some("startsWith")),
+        "{error:?}"
+    );
+    assert!(
+        error.to_string().contains("did you mean \"startsWith\""),
+        "{error}"
+    );
+    // In a message too; a string extension the mesh leaves out; a global
+    // function that does not exist; a macro with the wrong arguments.
+    for (when, message, name) in [
+        ("true", "call.tool.lowerAscii()", "lowerAscii"),
+        ("now() > 0", "'m'", "now"),
+        ("calls.exists(true)", "'m'", "exists"),
+    ] {
+        let error = refused(&format!(
+            "[[rule]]\nname = \"r\"\nwhen = \"{when}\"\naction = \"cancel\"\nmessage = \"{message}\"\n"
+        ));
+        assert!(
+            matches!(&error.kind, CompileErrorKind::UnknownFunction { name: n, .. } if n == name),
+            "{when} / {message}: {error:?}"
+        );
+    }
+    // Declared functions, members, namespaces and macros compile.
+    Policy::compile(
+        "[[rule]]\nname = \"ok\"\nwhen = '''size(call.tool) > 0 && call.tool.endsWith('x') && \
+         call.tool.matches('^a') && calls.all(c, c.tool.contains('.')) && \
+         optional.of(1).hasValue() && int('1') == 1 && has(call.args.x)'''\n\
+         action = \"cancel\"\nmessage = \"'m' + string(1)\"\n",
+    )
+    .expect("declared functions compile");
+
     // Not the format: an unknown action, an unknown key, a missing `when`.
     let error =
         refused("[[rule]]\nname = \"a\"\nwhen = \"true\"\naction = \"allow\"\nmessage = \"'m'\"\n");
@@ -913,7 +952,7 @@ message = "'x'"
 
 [[rule]]
 name = "slow"
-when = "call.args.size() > 0 && 'a'.lowerAscii() == 'a' || int(call.args.n) > 1"
+when = "call.args.size() > 0 && bytes(call.tool) == b'x' || int(call.args.n) > 1"
 action = "cancel"
 message = "'y'"
 "#,
