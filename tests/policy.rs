@@ -36,8 +36,9 @@ fn r27_policy_check_accepts_the_example_and_lists_its_rules() {
     let out = guardmesh(&["policy", "check", &example("policy.toml")]);
     assert!(out.status.success(), "{out:?}");
     let stdout = text(&out.stdout);
-    assert!(stdout.starts_with("ok: 4 rules"), "{stdout}");
+    assert!(stdout.starts_with("ok: 5 rules"), "{stdout}");
     for rule in [
+        "sql-one-statement-no-comments",
         "sql-delete-needs-where",
         "payment-over-10000-needs-a-human",
         "no-shell-in-production",
