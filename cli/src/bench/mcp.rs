@@ -114,7 +114,7 @@ impl McpClient {
             .stdout(Stdio::piped())
             .stderr(stderr)
             .kill_on_drop(true);
-        super::placement::pin_child_tokio(&mut command);
+        super::placement::pin_child(command.as_std_mut());
         let mut child = command
             .spawn()
             .map_err(|e| format!("cannot start {what}: {e}"))?;

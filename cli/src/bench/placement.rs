@@ -81,7 +81,7 @@ static CHILDREN: std::sync::OnceLock<Vec<usize>> = std::sync::OnceLock::new();
 
 /// Pins the calling thread (before the runtime starts, so every thread it
 /// starts inherits it) and records the children's CPUs for
-/// [`pin_child`] / [`pin_child_tokio`]. Returns the pinning applied.
+/// [`pin_child`]. Returns the pinning applied.
 pub(super) fn apply(placement: Placement) -> Result<Pinning, Error> {
     if placement == Placement::Os {
         return Ok(Pinning::default());
@@ -176,25 +176,6 @@ fn pin_to(command: &mut std::process::Command, cpus: &[usize]) {
     }
     #[cfg(not(target_os = "linux"))]
     let _ = (command, cpus);
-}
-
-/// [`pin_child`] for a Tokio command.
-pub(super) fn pin_child_tokio(command: &mut tokio::process::Command) {
-    #[cfg(target_os = "linux")]
-    if let Some(cpus) = CHILDREN.get() {
-        let set = cpu_set(cpus);
-        // SAFETY: as in `pin_child`.
-        unsafe {
-            command.pre_exec(move || {
-                if libc::sched_setaffinity(0, std::mem::size_of_val(&set), &set) != 0 {
-                    return Err(std::io::Error::last_os_error());
-                }
-                Ok(())
-            });
-        }
-    }
-    #[cfg(not(target_os = "linux"))]
-    let _ = command;
 }
 
 #[cfg(test)]
