@@ -536,30 +536,34 @@ async fn r27_r3_policy_and_remote_guards_keep_registration_order_vetoes() {
     }
 }
 
-#[tokio::test]
-async fn r27_policy_that_does_not_compile_is_refused_at_registration() {
+/// Registers `registration`, which must be refused `INVALID_ARGUMENT` with
+/// nothing registered; returns the refusal's message.
+async fn refused_at_registration(registration: Registration) -> String {
     let mesh = TestMesh::start().await;
     let error = mesh
         .registrar()
         .await
-        .register(Registration::policy(
-            "policy",
-            "[[rule]]\nname = \"x\"\nwhen = \"call.args.(\"\naction = \"cancel\"\nmessage = '\"m\"'\n",
-        ))
+        .register(registration)
         .await
         .unwrap_err();
-    let text = error.to_string();
+    let guardmesh_client::ClientError::Status(status) = error else {
+        panic!("a status, not {error}");
+    };
+    assert_eq!(status.code(), tonic::Code::InvalidArgument, "{status:?}");
+    let guards = mesh.registrar().await.list().await.unwrap().guards;
+    assert!(guards.is_empty(), "{guards:?}");
+    status.message().to_owned()
+}
+
+#[tokio::test]
+async fn r27_policy_that_does_not_compile_is_refused_at_registration() {
+    let text = refused_at_registration(Registration::policy(
+        "policy",
+        "[[rule]]\nname = \"x\"\nwhen = \"call.args.(\"\naction = \"cancel\"\nmessage = '\"m\"'\n",
+    ))
+    .await;
     assert!(text.contains("line 3"), "{text}");
     assert!(text.contains("does not compile"), "{text}");
-    assert!(
-        mesh.registrar()
-            .await
-            .list()
-            .await
-            .unwrap()
-            .guards
-            .is_empty()
-    );
 }
 
 /// R27, R13: a misspelt function would fail every call, and under
@@ -567,37 +571,18 @@ async fn r27_policy_that_does_not_compile_is_refused_at_registration() {
 /// registration, with the line and the name meant, and nothing is applied.
 #[tokio::test]
 async fn r27_a_misspelt_function_is_refused_at_registration_not_failed_open_at_run_time() {
-    let mesh = TestMesh::start().await;
-    let error = mesh
-        .registrar()
-        .await
-        .register(
-            Registration::policy(
-                "policy",
-                "[[rule]]\nname = \"no-shell\"\ntools = [\"shell.*\"]\n\
-                 when = \"call.args.cmd.startswith('rm ')\"\naction = \"cancel\"\nmessage = '\"m\"'\n",
-            )
-            .failure_policy(FailurePolicy::FailOpen),
+    let text = refused_at_registration(
+        Registration::policy(
+            "policy",
+            "[[rule]]\nname = \"no-shell\"\ntools = [\"shell.*\"]\n\
+             when = \"call.args.cmd.startswith('rm ')\"\naction = \"cancel\"\nmessage = '\"m\"'\n",
         )
-        .await
-        .unwrap_err();
-    let guardmesh_client::ClientError::Status(status) = error else {
-        panic!("a status, not {error}");
-    };
-    assert_eq!(status.code(), tonic::Code::InvalidArgument, "{status:?}");
-    let text = status.message();
+        .failure_policy(FailurePolicy::FailOpen),
+    )
+    .await;
     assert!(text.contains("line 4"), "{text}");
     assert!(text.contains("unknown function \"startswith\""), "{text}");
     assert!(text.contains("did you mean \"startsWith\""), "{text}");
-    assert!(
-        mesh.registrar()
-            .await
-            .list()
-            .await
-            .unwrap()
-            .guards
-            .is_empty()
-    );
 }
 
 #[tokio::test]
