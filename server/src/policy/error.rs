@@ -71,6 +71,13 @@ pub enum CompileErrorKind {
         name: String,
         suggestion: Option<String>,
     },
+    /// A macro called with arguments it does not take (`has(a, b)`,
+    /// `l.all(true)`): the parser leaves it a call to an undeclared
+    /// function, which would fail on every call.
+    #[error(
+        "`{field}` calls the macro {name:?} with arguments it does not take (has(a.b), l.all(x, p), l.exists(x, p), l.exists_one(x, p), l.map(x, e), l.map(x, p, e), l.filter(x, p))"
+    )]
+    MacroArguments { field: Field, name: String },
     /// A `matches` pattern that is not a valid regex.
     #[error("`{field}`: the pattern {pattern:?} is not a valid regex: {reason}")]
     BadRegex {

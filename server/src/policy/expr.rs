@@ -131,13 +131,18 @@ pub(crate) fn compile(
         });
     }
     if let Some((id, name, suggestion)) = walk.unknown_function {
-        return Err(Refused {
-            line: line_of(id),
-            kind: CompileErrorKind::UnknownFunction {
+        let kind = if super::functions::MACROS.contains(&name.as_str()) {
+            CompileErrorKind::MacroArguments { field, name }
+        } else {
+            CompileErrorKind::UnknownFunction {
                 field,
                 name,
                 suggestion: suggestion.map(str::to_owned),
-            },
+            }
+        };
+        return Err(Refused {
+            line: line_of(id),
+            kind,
         });
     }
     Ok(Compiled {

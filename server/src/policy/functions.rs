@@ -33,7 +33,7 @@ const STANDARD: [&str; 10] = [
     "string",
     "bytes",
 ];
-const MACROS: [&str; 6] = ["has", "all", "exists", "exists_one", "map", "filter"];
+pub(crate) const MACROS: [&str; 6] = ["has", "all", "exists", "exists_one", "map", "filter"];
 
 /// How a function is called.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -109,7 +109,7 @@ impl Functions {
                         .to_ascii_lowercase()
                         .starts_with(&name.to_ascii_lowercase()))
         };
-        if let Some(found) = MACROS.into_iter().find(|m| close(m)) {
+        if let Some(found) = MACROS.into_iter().find(|m| close(m) && *m != name) {
             return Some(found);
         }
         STANDARD
