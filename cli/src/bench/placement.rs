@@ -213,7 +213,13 @@ mod tests {
     #[test]
     fn a_pinned_child_may_run_only_on_its_cpus() {
         let allowed = allowed_cpus().expect("sched_getaffinity");
-        let last = *allowed.last().expect("one CPU at least");
+        if allowed.len() < 2 {
+            // One CPU: a child inherits it whether pinned or not, so this
+            // machine cannot tell (CI machines have two).
+            eprintln!("skipped: one CPU ({allowed:?})");
+            return;
+        }
+        let last = *allowed.last().expect("two CPUs");
         let mut command = std::process::Command::new("cat");
         command.arg("/proc/self/status");
         pin_to(&mut command, &[last]);

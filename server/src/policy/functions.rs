@@ -63,7 +63,9 @@ impl Functions {
     /// Whether a call of `name` in `form` names a declared function (or is
     /// an operator, which the parser names with symbols).
     pub(crate) fn declares(&mut self, name: &str, form: Form<'_>) -> bool {
-        if !is_identifier(name) {
+        // `.f(x)` names `f` from the root (the parser keeps the dot; the
+        // interpreter resolves it without): looked up as written.
+        if !is_identifier(name.strip_prefix('.').unwrap_or(name)) {
             return true;
         }
         let shape = match form {
@@ -85,10 +87,10 @@ impl Functions {
             Form::Member => format!("0.{name}()"),
             Form::Namespaced(ns) => format!("{ns}.{name}()"),
         };
-        // What does not parse alone (a reserved word) is left to the
-        // parser of the rule itself, which has already accepted it.
+        // A probe that does not parse (none is known to) does not vouch
+        // for the call: refused rather than left to fail at run time.
         let Ok(program) = self.env.compile(&source) else {
-            return true;
+            return false;
         };
         // The probe names nothing but the function (and its namespace):
         // whatever it finds undeclared, the rule's call would too.
@@ -102,6 +104,7 @@ impl Functions {
     /// A declared name `name` may have been meant as: a standard function
     /// or macro spelt with other case (`startswith`, `exist`...).
     pub(crate) fn suggestion(&mut self, name: &str, form: Form<'_>) -> Option<&'static str> {
+        let name = name.strip_prefix('.').unwrap_or(name);
         let close = |candidate: &str| {
             candidate.eq_ignore_ascii_case(name)
                 || (name.len() + 1 == candidate.len()
@@ -178,6 +181,18 @@ mod tests {
                 "{name} would be suggested but is not declared"
             );
         }
+    }
+
+    #[test]
+    fn r27_a_call_from_the_root_is_looked_up_as_written() {
+        let mut f = functions();
+        assert!(f.declares(".size", Form::Global));
+        assert!(!f.declares(".startswith", Form::Global));
+        assert!(!f.declares(".now", Form::Global));
+        assert_eq!(
+            f.suggestion(".startswith", Form::Member),
+            Some("startsWith")
+        );
     }
 
     #[test]

@@ -346,6 +346,7 @@ fn r27_a_broken_file_is_refused_with_its_line() {
     for (when, message, name) in [
         ("true", "call.tool.lowerAscii()", "lowerAscii"),
         ("now() > 0", "'m'", "now"),
+        (".startswith(call.tool, 'x')", "'m'", ".startswith"),
     ] {
         let error = refused(&format!(
             "[[rule]]\nname = \"r\"\nwhen = \"{when}\"\naction = \"cancel\"\nmessage = \"{message}\"\n"
@@ -634,7 +635,7 @@ fn r27_the_example_policy_passes_its_cases() {
     let policy = Policy::compile(EXAMPLE_POLICY).unwrap();
     let report = test(&policy, EXAMPLE_CASES).unwrap();
     assert!(report.passed(), "{report}");
-    assert_eq!(report.cases, 13, "{report}");
+    assert_eq!(report.cases, 15, "{report}");
     // Every rule of the example runs on the fast path (`plan`); the
     // interpreter evaluates only the two cases whose rule errors (a query
     // that is a number, a payment with no amount): errors are its own.
