@@ -157,6 +157,23 @@ export interface RegisterResponse {
 /** Registers (or updates) this guard with the mesh at `meshAddr`. */
 export function register(meshAddr: string, name: string, port: number, options?: RegisterOptions): Promise<RegisterResponse>;
 
+export interface PolicyOptions extends CredentialOptions {
+  /** Names or globs; an array or comma-separated text. Default: all tools. */
+  tools?: string[] | string;
+  failurePolicy?: FailurePolicy;
+  priority?: number;
+  mode?: Mode;
+  /** How long to wait for the mesh (default 10000). */
+  waitMs?: number;
+}
+
+/**
+ * Registers (or updates) a policy guard (R27): `source` is the text of a
+ * policy file (CEL rules), judged inside the mesh. A policy that does not
+ * compile is refused with INVALID_ARGUMENT naming the line.
+ */
+export function registerPolicy(meshAddr: string, name: string, source: string, options?: PolicyOptions): Promise<RegisterResponse>;
+
 export interface DeregisterOptions extends CredentialOptions {
   waitMs?: number;
 }

@@ -855,6 +855,48 @@ async function register(meshAddr, name, port, options = {}) {
   }
 }
 
+const POLICY_OPTIONS = ['tools', 'failurePolicy', 'priority', 'mode', 'waitMs', ...CREDENTIAL_OPTIONS];
+
+/**
+ * Registers (or updates) a policy guard (SPEC.md R27) with the mesh at
+ * `meshAddr`: `source` is the text of a policy file (CEL rules), sent whole
+ * and judged inside the mesh; there is no process to run. Options: `tools`,
+ * `failurePolicy`, `priority`, `mode`, `waitMs` and the credential options, as
+ * for register; unknown ones are refused. A policy that does not compile is
+ * refused with INVALID_ARGUMENT, the line and the reason in its details
+ * (check it first with `guardmesh policy check FILE`). Resolves to the
+ * RegisterResponse.
+ */
+async function registerPolicy(meshAddr, name, source, options = {}) {
+  refuseUnknown('registerPolicy', options, POLICY_OPTIONS);
+  if (typeof source !== 'string' || source.trim() === '') {
+    throw new TypeError('registerPolicy: source must be the text of a policy file');
+  }
+  const {
+    tools = [], failurePolicy = 'fail_closed', priority = 0, mode = 'enforce', waitMs = 10000,
+  } = options;
+  const credentials = meshCredentials(meshAddr, credentialOptions(options));
+  const guard = {
+    name,
+    policy: source,
+    role: enumName('role', 'validate'),
+    tools: list(tools),
+    failure_policy: enumName('failurePolicy', failurePolicy),
+    priority,
+    mode: enumName('mode', mode),
+  };
+  const client = registryClient(meshAddr, credentials);
+  try {
+    const response = await unary(client, 'Register', { guard }, waitMs, credentials.metadata);
+    log.info(`registered policy guard ${JSON.stringify(name)} with ${meshAddr}: `
+      + `revision ${response.revision}, position ${response.position}, `
+      + `${response.created ? 'created' : 'updated'}`);
+    return response;
+  } finally {
+    client.close();
+  }
+}
+
 /**
  * Removes the guard `name` from the mesh's chain; resolves true if it was
  * there. `options`: `waitMs` (default 5000; a number is read as it) and the
@@ -1078,6 +1120,7 @@ module.exports = {
   pb,
   proceed,
   register,
+  registerPolicy,
   rewrite,
   run,
   serve,

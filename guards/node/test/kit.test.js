@@ -82,6 +82,35 @@ test('a registered guard cancels one call and lets the other run (R2, R3, R6, R2
   assert.equal(await gg.deregister(addr, 'js-no-delete'), true);
 });
 
+const POLICY = `
+[[rule]]
+name = "no-deletes"
+tools = ["fs.*"]
+when = "call.tool == 'fs.delete'"
+action = "cancel"
+message = "'no deletes: ' + call.args.path"
+`;
+
+test('a policy guard registered from Node judges in the mesh; a broken one is refused (R27)', async () => {
+  const { addr } = await startMesh();
+  const registered = await gg.registerPolicy(addr, 'js-policy', POLICY, { tools: 'fs.*' });
+  assert.equal(registered.created, true);
+  const answer = await evaluate(addr, CALLS);
+  assert.deepEqual(answer.decisions.map((d) => [d.call_id, d.action]),
+    [['c1', 'ACTION_PROCEED'], ['c2', 'ACTION_CANCEL']]);
+  assert.equal(answer.decisions[1].content, 'no deletes: a');
+  assert.equal(answer.decisions[1].decided_by, 'js-policy');
+  assert.deepEqual(answer.trace.map((t) => [t.guard, t.status, t.rules]),
+    [['js-policy', 'TRACE_STATUS_SKIPPED', { c2: 'no-deletes' }]]);
+  await assert.rejects(
+    gg.registerPolicy(addr, 'js-broken', POLICY.replace("call.tool ==", "call.tool.startswith('fs') &&")),
+    (err) => err.code === grpc.status.INVALID_ARGUMENT && /line 5/.test(err.details)
+      && /did you mean "startsWith"/.test(err.details));
+  await assert.rejects(gg.registerPolicy(addr, 'g', POLICY, { endpoint: 'http://x' }), /unknown option "endpoint"/);
+  await assert.rejects(gg.registerPolicy(addr, 'g', ''), TypeError);
+  assert.equal(await gg.deregister(addr, 'js-policy'), true);
+});
+
 test('health is served through grpc-health-check', async () => {
   const { port } = await startGuard('js-health');
   const Client = grpc.makeGenericClientConstructor(health.service, 'Health');

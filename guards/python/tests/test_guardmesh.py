@@ -107,6 +107,49 @@ def test_async_coordinator_gets_typed_decisions_from_an_asyncio_guard(mesh: Mesh
     asyncio.run(scenario())
 
 
+POLICY = """
+[[rule]]
+name = "no-deletes"
+tools = ["fs.*"]
+when = "call.tool == 'fs.delete'"
+action = "cancel"
+message = "'no deletes: ' + call.args.path"
+"""
+
+
+def test_policy_guard_registered_from_python_judges_in_the_mesh(mesh: Mesh) -> None:
+    """R27: a policy team registers rules, not a service; the trace names
+    the rule. A policy that does not compile is refused, naming the line."""
+    response = gg.register_policy(mesh.addr, "py-policy", POLICY, tools="fs.*")
+    assert response.created
+    with Coordinator(mesh.addr) as coordinator:
+        result = coordinator.session().evaluate(CALLS[:2])
+    c1, c2 = result.decisions
+    assert isinstance(c1, Proceed)
+    assert isinstance(c2, Cancel) and c2.content == "no deletes: a.txt"
+    assert c2.decided_by == "py-policy"
+    assert [(t.guard, t.status, t.rules) for t in result.trace] == [
+        ("py-policy", "skipped", (("c2", "no-deletes"),))]
+
+    with pytest.raises(grpc.RpcError) as refused:
+        gg.register_policy(mesh.addr, "py-broken",
+                           POLICY.replace("call.tool ==", "call.tool.startswith('fs') &&"))
+    assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    details = refused.value.details() or ""
+    assert "line 5" in details, details
+    assert 'did you mean "startsWith"' in details, details
+    with pytest.raises(TypeError):
+        gg.register_policy(mesh.addr, "g", POLICY, endpoint="http://x")
+
+    async def asynchronously() -> None:
+        updated = await guard_aio.register_policy(mesh.addr, "py-policy", POLICY,
+                                                  mode="dry_run")
+        assert not updated.created
+        assert await guard_aio.deregister(mesh.addr, "py-policy")
+
+    asyncio.run(asynchronously())
+
+
 def test_zero_calls_are_answered_without_an_rpc() -> None:
     """R1: a round without calls contacts nothing: here nothing listens at
     the target, and the answer still comes, empty, at once."""

@@ -108,6 +108,7 @@ __all__ = [
     "pb",
     "proceed",
     "register",
+    "register_policy",
     "rewrite",
     "run",
     "serve",
@@ -715,6 +716,60 @@ def register(
                                  wait_for_ready=True, metadata=credentials.metadata())
     log.info("registered guard %r (%s) with %s: revision %d, position %d, %s",
              name, endpoint, mesh_addr, response.revision, response.position,
+             "created" if response.created else "updated")
+    return response
+
+
+def policy_registration(
+    name: str,
+    source: str,
+    *,
+    tools: Union[str, Sequence[str], None] = None,
+    failure_policy: Union[str, int] = "fail_closed",
+    priority: int = 0,
+    mode: Union[str, int] = "enforce",
+) -> pb.GuardSpec:
+    """The ``GuardSpec`` :func:`register_policy` sends (options as there)."""
+    return pb.GuardSpec(
+        name=name,
+        policy=source,
+        role=pb.GuardRole.ValueType(enum_value(dict(pb.GuardRole.items()), "GUARD_ROLE_",
+                                               "validate")),
+        tools=as_list(tools),
+        failure_policy=pb.FailurePolicy.ValueType(
+            enum_value(dict(pb.FailurePolicy.items()), "FAILURE_POLICY_", failure_policy)),
+        priority=priority,
+        mode=pb.GuardMode.ValueType(enum_value(dict(pb.GuardMode.items()), "GUARD_MODE_", mode)),
+    )
+
+
+def register_policy(
+    mesh_addr: str,
+    name: str,
+    source: str,
+    *,
+    timeout: float = 10.0,
+    credentials: Optional[MeshCredentials] = None,
+    **options: Any,
+) -> "pb.RegisterResponse":
+    """Registers (or updates) a policy guard (SPEC.md R27) with the mesh at
+    ``mesh_addr``: ``source`` is the text of a policy file (CEL rules), sent
+    whole and judged inside the mesh; there is no process to run.
+
+    Options (keyword-only; an unknown one is a TypeError): ``tools``,
+    ``failure_policy``, ``priority``, ``mode`` (as :func:`register`). A
+    policy that does not compile is refused: ``grpc.RpcError`` with
+    ``INVALID_ARGUMENT`` and the line and reason in its details (check it
+    first with ``guardmesh policy check FILE``).
+    """
+    credentials = credentials or MeshCredentials()
+    spec = policy_registration(name, source, **options)
+    with credentials.channel(mesh_addr) as channel:
+        stub = pb_grpc.GuardRegistryStub(channel)
+        response = stub.Register(pb.RegisterRequest(guard=spec), timeout=timeout,
+                                 wait_for_ready=True, metadata=credentials.metadata())
+    log.info("registered policy guard %r with %s: revision %d, position %d, %s",
+             name, mesh_addr, response.revision, response.position,
              "created" if response.created else "updated")
     return response
 

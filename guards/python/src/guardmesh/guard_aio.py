@@ -44,13 +44,15 @@ from guardmesh.guard import (
     _span_attributes,
     _span_outcome,
     conforming,
+    policy_registration,
     registration,
     steer,
 )
 from guardmesh.v1 import guardmesh_pb2 as pb
 from guardmesh.v1 import guardmesh_pb2_grpc as pb_grpc
 
-__all__ = ["AsyncGuardServer", "AsyncJudgeFn", "deregister", "register", "serve"]
+__all__ = ["AsyncGuardServer", "AsyncJudgeFn", "deregister", "register", "register_policy",
+           "serve"]
 
 log = logging.getLogger("guardmesh.guard")
 
@@ -180,6 +182,22 @@ async def register(mesh_addr: str, name: str, port: int, *, timeout: float = 10.
     one is a TypeError), on an asyncio channel."""
     credentials = credentials or MeshCredentials()
     spec = registration(name, port, **options)
+    async with credentials.aio_channel(mesh_addr) as channel:
+        stub = pb_grpc.GuardRegistryStub(channel)
+        response: pb.RegisterResponse = await stub.Register(
+            pb.RegisterRequest(guard=spec), timeout=timeout, wait_for_ready=True,
+            metadata=credentials.metadata())
+    return response
+
+
+async def register_policy(mesh_addr: str, name: str, source: str, *,
+                          timeout: float = 10.0,
+                          credentials: Optional[MeshCredentials] = None,
+                          **options: Any) -> pb.RegisterResponse:
+    """As :func:`guardmesh.guard.register_policy` (same keyword options; an
+    unknown one is a TypeError), on an asyncio channel."""
+    credentials = credentials or MeshCredentials()
+    spec = policy_registration(name, source, **options)
     async with credentials.aio_channel(mesh_addr) as channel:
         stub = pb_grpc.GuardRegistryStub(channel)
         response: pb.RegisterResponse = await stub.Register(
