@@ -78,6 +78,15 @@ pub enum CompileErrorKind {
         "`{field}` calls the macro {name:?} with arguments it does not take (has(a.b), l.all(x, p), l.exists(x, p), l.exists_one(x, p), l.map(x, e), l.map(x, p, e), l.filter(x, p))"
     )]
     MacroArguments { field: Field, name: String },
+    /// A standard function called with an argument count it does not take
+    /// (`x.startsWith()`): it would fail on every call.
+    #[error("`{field}` calls {name:?} with {got} argument(s); it takes {takes}")]
+    ArgumentCount {
+        field: Field,
+        name: String,
+        got: usize,
+        takes: String,
+    },
     /// A `matches` pattern that is not a valid regex.
     #[error("`{field}`: the pattern {pattern:?} is not a valid regex: {reason}")]
     BadRegex {

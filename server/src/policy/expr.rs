@@ -82,6 +82,7 @@ pub(crate) fn compile(
         unknown: None,
         functions,
         unknown_function: None,
+        wrong_count: None,
         bad_regex: None,
     };
     walk.expr(program.expression(), 0);
@@ -122,6 +123,21 @@ pub(crate) fn compile(
         return Err(Refused {
             line: line_of(id),
             kind,
+        });
+    }
+    if let Some((id, name, got, takes)) = walk.wrong_count {
+        return Err(Refused {
+            line: line_of(id),
+            kind: CompileErrorKind::ArgumentCount {
+                field,
+                name,
+                got,
+                takes: takes
+                    .iter()
+                    .map(ToString::to_string)
+                    .collect::<Vec<_>>()
+                    .join(" or "),
+            },
         });
     }
     if let Some((id, name)) = walk.unknown {
@@ -168,6 +184,9 @@ struct Walk<'a, 'f> {
     /// The first call of an undeclared function, its node, and a standard
     /// name it may have been meant as.
     unknown_function: Option<(u64, String, Option<&'static str>)>,
+    /// The first call of a standard function with an argument count it
+    /// does not take: its node, name, count, and the counts it takes.
+    wrong_count: Option<(u64, String, usize, &'static [usize])>,
     /// The first `matches` pattern that does not compile, and its node.
     bad_regex: Option<(u64, CompileErrorKind)>,
 }
@@ -189,7 +208,12 @@ impl Walk<'_, '_> {
                 if call.func_name == "matches" {
                     self.pattern(node.id, call.args.last());
                 }
-                self.function(node.id, &call.func_name, call.target.as_deref());
+                self.function(
+                    node.id,
+                    &call.func_name,
+                    call.target.as_deref(),
+                    call.args.len(),
+                );
                 if let Some(target) = &call.target {
                     self.expr(target, depth);
                 }
@@ -261,7 +285,7 @@ impl Walk<'_, '_> {
 
     /// Checks that a call of `name` on `target` (none: a global call)
     /// names a declared function.
-    fn function(&mut self, id: u64, name: &str, target: Option<&IdedExpr>) {
+    fn function(&mut self, id: u64, name: &str, target: Option<&IdedExpr>, args: usize) {
         if self.unknown_function.is_some() {
             return;
         }
@@ -279,6 +303,11 @@ impl Walk<'_, '_> {
         if !self.functions.declares(name, form) {
             let suggestion = self.functions.suggestion(name, form);
             self.unknown_function = Some((id, name.to_owned(), suggestion));
+        } else if let Some(counts) = super::functions::arity(name, form)
+            && !counts.contains(&args)
+        {
+            self.wrong_count
+                .get_or_insert((id, name.to_owned(), args, counts));
         }
     }
 

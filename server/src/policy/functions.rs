@@ -35,6 +35,46 @@ const STANDARD: [&str; 10] = [
 ];
 pub(crate) const MACROS: [&str; 6] = ["has", "all", "exists", "exists_one", "map", "filter"];
 
+/// How many arguments the standard functions take, by name and form (the
+/// receiver of a member call not counted). The interpreter fails a call
+/// with any other count on every evaluation, as it fails an undeclared one,
+/// so the count is checked when the policy compiles too. A test evaluates
+/// every entry with its count and with one more, against the environment.
+/// Names not listed are not counted.
+const ARITIES: [(&str, Form<'static>, &[usize]); 22] = [
+    ("size", Form::Global, &[1]),
+    ("int", Form::Global, &[1]),
+    ("uint", Form::Global, &[1]),
+    ("double", Form::Global, &[1]),
+    ("string", Form::Global, &[1]),
+    ("bytes", Form::Global, &[1]),
+    ("bool", Form::Global, &[1]),
+    ("type", Form::Global, &[1]),
+    ("dyn", Form::Global, &[1]),
+    ("matches", Form::Global, &[2]),
+    ("size", Form::Member, &[0]),
+    ("contains", Form::Member, &[1]),
+    ("startsWith", Form::Member, &[1]),
+    ("endsWith", Form::Member, &[1]),
+    ("matches", Form::Member, &[1]),
+    ("hasValue", Form::Member, &[0]),
+    ("value", Form::Member, &[0]),
+    ("orValue", Form::Member, &[1]),
+    ("or", Form::Member, &[1]),
+    ("of", Form::Namespaced("optional"), &[1]),
+    ("none", Form::Namespaced("optional"), &[0]),
+    ("ofNonZeroValue", Form::Namespaced("optional"), &[1]),
+];
+
+/// The argument counts a standard function takes in `form`, if listed.
+pub(crate) fn arity(name: &str, form: Form<'_>) -> Option<&'static [usize]> {
+    let name = name.strip_prefix('.').unwrap_or(name);
+    ARITIES
+        .iter()
+        .find(|(n, f, _)| *n == name && *f == form)
+        .map(|(_, _, counts)| *counts)
+}
+
 /// How a function is called.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Form<'a> {
@@ -200,6 +240,50 @@ mod tests {
         let mut f = functions();
         assert!(f.declares("of", Form::Namespaced("optional")));
         assert!(!f.declares("off", Form::Namespaced("optional")));
+    }
+
+    /// The table of argument counts is the environment's: each entry
+    /// evaluates with its count and fails with one more.
+    #[test]
+    fn r27_every_listed_argument_count_is_the_interpreters() {
+        let mut env = Env::stdlib();
+        super::super::patterns::declare(&mut env);
+        let env = Arc::new(env);
+        // A receiver and arguments of the types each function takes.
+        let sample = |name: &str, form: Form<'_>, count: usize| -> String {
+            let receiver = match name {
+                "hasValue" | "value" | "orValue" | "or" => "optional.of(1)",
+                _ => "'abc'",
+            };
+            let arg = match name {
+                "int" | "uint" | "double" | "string" | "type" | "dyn" | "of" => "1",
+                "ofNonZeroValue" | "orValue" => "2",
+                "bool" => "'true'",
+                "or" => "optional.of(2)",
+                _ => "'a'",
+            };
+            let args = vec![arg; count].join(", ");
+            match form {
+                Form::Global => format!("{name}({args})"),
+                Form::Member => format!("{receiver}.{name}({args})"),
+                Form::Namespaced(ns) => format!("{ns}.{name}({args})"),
+            }
+        };
+        for (name, form, counts) in ARITIES {
+            for &count in counts {
+                let right = sample(name, form, count);
+                let program = env.compile(&right).expect(&right);
+                let result = program.execute(&Context::with_env(Arc::clone(&env)));
+                assert!(result.is_ok(), "{right}: {result:?}");
+                let wrong = sample(name, form, count + 1);
+                let program = env.compile(&wrong).expect(&wrong);
+                let result = program.execute(&Context::with_env(Arc::clone(&env)));
+                assert!(result.is_err(), "{wrong} should fail: {result:?}");
+            }
+        }
+        assert_eq!(arity("startsWith", Form::Member), Some(&[1][..]));
+        assert_eq!(arity("startsWith", Form::Global), None);
+        assert_eq!(arity("lowerAscii", Form::Member), None);
     }
 
     #[test]

@@ -369,6 +369,21 @@ fn r27_a_broken_file_is_refused_with_its_line() {
         );
         assert!(text.contains("with arguments it does not take"), "{text}");
     }
+    // A standard function with an argument count it does not take.
+    for (when, name, got) in [
+        ("call.tool.startsWith()", "startsWith", 0),
+        ("size(call.tool, 1) > 0", "size", 2),
+        ("optional.of() == optional.none()", "of", 0),
+    ] {
+        let error = refused(&format!(
+            "[[rule]]\nname = \"r\"\nwhen = \"{when}\"\naction = \"cancel\"\nmessage = \"'m'\"\n"
+        ));
+        assert!(
+            matches!(&error.kind, CompileErrorKind::ArgumentCount { name: n, got: g, .. } if n == name && *g == got),
+            "{when}: {error:?}"
+        );
+        assert!(error.to_string().contains("it takes 1"), "{error}");
+    }
     // Declared functions, members, namespaces and macros compile.
     Policy::compile(
         "[[rule]]\nname = \"ok\"\nwhen = '''size(call.tool) > 0 && call.tool.endsWith('x') && \
