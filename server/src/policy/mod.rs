@@ -12,6 +12,8 @@
 //! * `plan`: the fast path for the expressions policies are made of, the
 //!   interpreter deciding wherever it is unsure;
 //! * `patterns`: `matches`, with the patterns compiled once;
+//! * `strings`: `lowerAscii`, `upperAscii`, `trim` (results no longer than
+//!   their input);
 //! * `cost`: the bounds on size and work ([`Limits`], [`Cost`]);
 //! * `engine`: a compiled [`Policy`], first match in file order;
 //! * `verdict`: what judging a call gives ([`Outcome`]);
@@ -33,6 +35,7 @@ mod input;
 mod json;
 mod patterns;
 mod plan;
+mod strings;
 mod verdict;
 
 #[cfg(test)]

@@ -264,6 +264,47 @@ message = "'m'"
     );
 }
 
+/// `lowerAscii`, `upperAscii` and `trim`: case and white space cannot
+/// slip a call past a rule that normalises them; their results are no
+/// longer than their receivers.
+#[test]
+fn r27_rules_normalise_case_and_white_space() {
+    let policy = Policy::compile(
+        r#"
+[[rule]]
+name = "no-http-delete"
+when = "has(call.args.method) && call.args.method.trim().lowerAscii() == 'delete'"
+action = "cancel"
+message = "'no ' + call.args.method.trim().upperAscii() + ' (' + call.args.method.lowerAscii() + ')'"
+"#,
+    )
+    .unwrap();
+    for method in ["DELETE", "Delete", " delete\n", "\u{2003}dElEtE"] {
+        let outcome = one(&policy, "http.request", json!({ "method": method }));
+        assert_eq!(matched(&outcome).rule, "no-http-delete", "{method:?}");
+    }
+    let outcome = one(&policy, "http.request", json!({ "method": "DELETE" }));
+    assert_eq!(matched(&outcome).message, "no DELETE (delete)");
+    // ASCII letters only: a capital I with a dot is not an I.
+    assert_eq!(
+        one(
+            &policy,
+            "http.request",
+            json!({ "method": "DELET\u{0130}" })
+        ),
+        Outcome::Proceed
+    );
+    assert_eq!(
+        one(&policy, "http.request", json!({ "method": "GET" })),
+        Outcome::Proceed
+    );
+    let bad = one(&policy, "http.request", json!({ "method": 7 }));
+    assert!(
+        error(&bad).to_string().contains("no-http-delete"),
+        "{bad:?}"
+    );
+}
+
 /// R27: `calls` holds every call of the batch, so a rule can count them.
 #[test]
 fn r27_rules_see_the_whole_batch() {
@@ -344,7 +385,7 @@ fn r27_a_broken_file_is_refused_with_its_line() {
     // In a message too; a string extension the mesh leaves out; a global
     // function that does not exist.
     for (when, message, name) in [
-        ("true", "call.tool.lowerAscii()", "lowerAscii"),
+        ("true", "call.tool.replace('a', 'b')", "replace"),
         ("now() > 0", "'m'", "now"),
         (".startswith(call.tool, 'x')", "'m'", ".startswith"),
     ] {
