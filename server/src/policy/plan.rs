@@ -101,6 +101,8 @@ enum Node {
     Matches(Box<Node>, Pattern),
     Text(TextTest, Box<Node>, Box<Node>),
     ToString(Box<Node>),
+    /// `x.lowerAscii()`, `x.upperAscii()`, `x.trim()`.
+    Transform(Transform, Box<Node>),
     List(Vec<Node>),
     Fold(Box<Fold>),
     /// `range.exists(iter, pred)` (`any: true`) or `range.all(iter, pred)`:
@@ -133,6 +135,26 @@ enum Arith {
     Add,
     Sub,
     Mul,
+}
+
+/// A string function whose result is no longer than its receiver.
+#[derive(Debug, Clone, Copy)]
+enum Transform {
+    Lower,
+    Upper,
+    Trim,
+}
+
+impl Transform {
+    /// As the interpreter's (`strings`): ASCII letters only for the case,
+    /// Unicode white space for `trim`.
+    fn apply(self, text: &str) -> String {
+        match self {
+            Transform::Lower => text.to_ascii_lowercase(),
+            Transform::Upper => text.to_ascii_uppercase(),
+            Transform::Trim => text.trim().to_owned(),
+        }
+    }
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -726,6 +748,9 @@ impl Planner {
             let target = Box::new(self.node(target)?);
             return match (name, args) {
                 ("size", []) => Some(Node::Size(target)),
+                ("lowerAscii", []) => Some(Node::Transform(Transform::Lower, target)),
+                ("upperAscii", []) => Some(Node::Transform(Transform::Upper, target)),
+                ("trim", []) => Some(Node::Transform(Transform::Trim, target)),
                 ("matches", [pattern]) => Some(text_matches(*target, self.pattern(pattern)?)),
                 ("startsWith", [arg]) => Some(Node::Text(
                     TextTest::StartsWith,
@@ -881,6 +906,7 @@ fn any_node(node: &Node, test: &dyn Fn(&Node) -> bool) -> bool {
         | Node::NotStrictlyFalse(a)
         | Node::Size(a)
         | Node::ToString(a)
+        | Node::Transform(_, a)
         | Node::Append { element: a, .. } => any(&[a]),
         Node::And(a, b)
         | Node::Or(a, b)
@@ -982,6 +1008,12 @@ fn eval<'r>(node: &'r Node, input: &Input<'r, 'r>, slots: &mut [V<'r>]) -> Run<V
             s @ (V::Str(_) | V::Owned(_)) => s,
             V::Int(i) => V::Owned(Box::new(i.to_string())),
             V::Uint(u) => V::Owned(Box::new(u.to_string())),
+            _ => return Err(Unsure),
+        },
+        Node::Transform(f, a) => match (f, eval(a, input, slots)?) {
+            (Transform::Trim, V::Str(s)) => V::Str(s.trim()),
+            (f, V::Str(s)) => V::Owned(Box::new(f.apply(s))),
+            (f, V::Owned(s)) => V::Owned(Box::new(f.apply(&s))),
             _ => return Err(Unsure),
         },
         Node::List(items) => V::List(Box::new(

@@ -68,6 +68,7 @@ fn from_cel(value: &dyn Val) -> Option<Plain> {
 fn env() -> Arc<Env> {
     let mut env = Env::stdlib();
     super::patterns::declare(&mut env);
+    super::strings::declare(&mut env);
     Arc::new(env)
 }
 
@@ -88,6 +89,7 @@ fn expression() -> impl Strategy<Value = String> {
         Just("''".to_owned()),
         Just("'sql.query'".to_owned()),
         Just("'é'".to_owned()),
+        Just("' Sql.QUERY\\t\u{2003}'".to_owned()),
         Just("true".to_owned()),
         Just("false".to_owned()),
         Just("null".to_owned()),
@@ -137,6 +139,8 @@ fn expression() -> impl Strategy<Value = String> {
             inner.clone().prop_map(|a| format!("size({a})")),
             inner.clone().prop_map(|a| format!("{a}.size()")),
             inner.clone().prop_map(|a| format!("string({a})")),
+            (inner.clone(), 0..3usize)
+                .prop_map(|(a, f)| format!("{a}.{}()", ["lowerAscii", "upperAscii", "trim"][f])),
             (inner.clone(), inner.clone(), inner.clone())
                 .prop_map(|(c, a, b)| format!("({c} ? {a} : {b})")),
             (inner.clone(), inner.clone()).prop_map(|(a, b)| format!("{a}[{b}]")),
@@ -222,6 +226,8 @@ fn typed() -> impl Strategy<Value = String> {
         prop_oneof![
             (inner.clone(), inner.clone()).prop_map(|(a, b)| format!("({a} + {b})")),
             inner.clone().prop_map(|a| format!("string({a})")),
+            (inner.clone(), 0..3usize)
+                .prop_map(|(a, f)| format!("{a}.{}()", ["lowerAscii", "upperAscii", "trim"][f])),
         ]
     });
     let numbers = numbers.prop_recursive(2, 8, 2, move |inner| {
@@ -555,6 +561,8 @@ fn r27_the_fast_path_answers_these_as_the_interpreter_does() {
         "-call.args.n * 2 - 1",
         "call.args.o.k",
         "string(call.args.big)",
+        "call.args.query.trim().lowerAscii().startsWith('delete ')",
+        "' Mixed Case '.upperAscii().trim()",
     ];
     for source in answered {
         let program = env.compile(source).expect(source);

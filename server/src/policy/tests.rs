@@ -303,6 +303,9 @@ message = "'no ' + call.args.method.trim().upperAscii() + ' (' + call.args.metho
         error(&bad).to_string().contains("no-http-delete"),
         "{bad:?}"
     );
+    // On the fast path; the interpreter saw only the call it failed on.
+    assert!(policy.rules().iter().all(Rule::planned));
+    assert_eq!(policy.interpreted_evaluations(), 1);
 }
 
 /// R27: `calls` holds every call of the batch, so a rule can count them.
