@@ -140,6 +140,8 @@ def test_policy_guard_registered_from_python_judges_in_the_mesh(mesh: Mesh) -> N
     assert 'did you mean "startsWith"' in details, details
     with pytest.raises(TypeError):
         gg.register_policy(mesh.addr, "g", POLICY, endpoint="http://x")
+    with pytest.raises(TypeError):
+        gg.register_policy(mesh.addr, "g", "  \n")
 
     async def asynchronously() -> None:
         updated = await guard_aio.register_policy(mesh.addr, "py-policy", POLICY,

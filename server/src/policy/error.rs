@@ -80,12 +80,14 @@ pub enum CompileErrorKind {
     MacroArguments { field: Field, name: String },
     /// A standard function called with an argument count it does not take
     /// (`x.startsWith()`): it would fail on every call.
-    #[error("`{field}` calls {name:?} with {got} argument(s); it takes {takes}")]
+    #[error("`{field}` calls {name:?} with {got} argument(s){}; it takes {takes}", if *.member { " besides its receiver" } else { "" })]
     ArgumentCount {
         field: Field,
         name: String,
         got: usize,
         takes: String,
+        /// Called on a receiver (`x.f()`), which is not counted.
+        member: bool,
     },
     /// A `matches` pattern that is not a valid regex.
     #[error("`{field}`: the pattern {pattern:?} is not a valid regex: {reason}")]

@@ -125,7 +125,7 @@ pub(crate) fn compile(
             kind,
         });
     }
-    if let Some((id, name, got, takes)) = walk.wrong_count {
+    if let Some((id, name, got, takes, member)) = walk.wrong_count {
         return Err(Refused {
             line: line_of(id),
             kind: CompileErrorKind::ArgumentCount {
@@ -137,6 +137,7 @@ pub(crate) fn compile(
                     .map(ToString::to_string)
                     .collect::<Vec<_>>()
                     .join(" or "),
+                member,
             },
         });
     }
@@ -186,7 +187,7 @@ struct Walk<'a, 'f> {
     unknown_function: Option<(u64, String, Option<&'static str>)>,
     /// The first call of a standard function with an argument count it
     /// does not take: its node, name, count, and the counts it takes.
-    wrong_count: Option<(u64, String, usize, &'static [usize])>,
+    wrong_count: Option<(u64, String, usize, &'static [usize], bool)>,
     /// The first `matches` pattern that does not compile, and its node.
     bad_regex: Option<(u64, CompileErrorKind)>,
 }
@@ -205,7 +206,11 @@ impl Walk<'_, '_> {
                 if LINEAR_OPERATORS.contains(&call.func_name.as_str()) {
                     self.cost.add(depth + 1, 1);
                 }
-                if call.func_name == "matches" {
+                // The pattern is `matches`' last argument in the forms that
+                // take one (a wrong count is reported as such, below).
+                if call.func_name == "matches"
+                    && call.args.len() == if call.target.is_some() { 1 } else { 2 }
+                {
                     self.pattern(node.id, call.args.last());
                 }
                 self.function(
@@ -306,8 +311,9 @@ impl Walk<'_, '_> {
         } else if let Some(counts) = super::functions::arity(name, form)
             && !counts.contains(&args)
         {
+            let member = !matches!(form, Form::Global);
             self.wrong_count
-                .get_or_insert((id, name.to_owned(), args, counts));
+                .get_or_insert((id, name.to_owned(), args, counts, member));
         }
     }
 

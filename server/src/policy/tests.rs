@@ -428,6 +428,13 @@ fn r27_a_broken_file_is_refused_with_its_line() {
         );
         assert!(error.to_string().contains("it takes 1"), "{error}");
     }
+    // `matches` with one argument in its global form: a count, not a regex.
+    let error = refused(&rule_with_when("matches('[')"));
+    assert!(
+        matches!(&error.kind, CompileErrorKind::ArgumentCount { name, got: 1, member: false, .. } if name == "matches"),
+        "{error:?}"
+    );
+    assert!(error.to_string().ends_with("it takes 2"), "{error}");
     // Declared functions, members, namespaces and macros compile.
     Policy::compile(
         "[[rule]]\nname = \"ok\"\nwhen = '''size(call.tool) > 0 && call.tool.endsWith('x') && \

@@ -157,7 +157,8 @@ class GuardTrace:
     rewritten_call_ids: tuple[str, ...]
     error: str
     #: For a policy guard (R27): (call id, rule) for each call a rule
-    #: skipped, or failed on, in call id order; empty for other guards.
+    #: skipped, or failed on, in the batch's call order; empty for other
+    #: guards.
     rules: tuple[tuple[str, str], ...] = ()
 
 
@@ -231,7 +232,8 @@ def _result(batch_id: str, calls: Sequence[Call], answer: pb.BatchDecision) -> B
         GuardTrace(t.guard, _enum_name(_ROLES, "GUARD_ROLE_", t.role),
                    _enum_name(_STATUSES, "TRACE_STATUS_", t.status), t.latency_us,
                    tuple(t.sent_call_ids), tuple(t.skipped_call_ids),
-                   tuple(t.rewritten_call_ids), t.error, tuple(sorted(t.rules.items())))
+                   tuple(t.rewritten_call_ids), t.error,
+                   tuple((c.call_id, t.rules[c.call_id]) for c in calls if c.call_id in t.rules))
         for t in answer.trace)
     return BatchResult(batch_id, decisions, trace, answer.chain_revision, answer.trace_id)
 

@@ -730,6 +730,8 @@ def policy_registration(
     mode: Union[str, int] = "enforce",
 ) -> pb.GuardSpec:
     """The ``GuardSpec`` :func:`register_policy` sends (options as there)."""
+    if not isinstance(source, str) or not source.strip():
+        raise TypeError("register_policy: source must be the text of a policy file")
     return pb.GuardSpec(
         name=name,
         policy=source,
