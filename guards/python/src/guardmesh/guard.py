@@ -707,15 +707,20 @@ def register(
     the mesh to be reachable; raises ``grpc.RpcError`` if registration
     fails. ``credentials`` (TLS, client certificate, token) go on the call.
     """
-    credentials = credentials or MeshCredentials()
     spec = registration(name, port, **options)
-    endpoint = spec.endpoint
+    return _register(mesh_addr, spec, f"guard {name!r} ({spec.endpoint})", timeout, credentials)
+
+
+def _register(mesh_addr: str, spec: pb.GuardSpec, what: str, timeout: float,
+              credentials: Optional[MeshCredentials]) -> "pb.RegisterResponse":
+    """Sends ``spec`` to the mesh's ``GuardRegistry.Register``; logs it as ``what``."""
+    credentials = credentials or MeshCredentials()
     with credentials.channel(mesh_addr) as channel:
         stub = pb_grpc.GuardRegistryStub(channel)
         response = stub.Register(pb.RegisterRequest(guard=spec), timeout=timeout,
                                  wait_for_ready=True, metadata=credentials.metadata())
-    log.info("registered guard %r (%s) with %s: revision %d, position %d, %s",
-             name, endpoint, mesh_addr, response.revision, response.position,
+    log.info("registered %s with %s: revision %d, position %d, %s",
+             what, mesh_addr, response.revision, response.position,
              "created" if response.created else "updated")
     return response
 
@@ -764,16 +769,8 @@ def register_policy(
     ``INVALID_ARGUMENT`` and the line and reason in its details (check it
     first with ``guardmesh policy check FILE``).
     """
-    credentials = credentials or MeshCredentials()
     spec = policy_registration(name, source, **options)
-    with credentials.channel(mesh_addr) as channel:
-        stub = pb_grpc.GuardRegistryStub(channel)
-        response = stub.Register(pb.RegisterRequest(guard=spec), timeout=timeout,
-                                 wait_for_ready=True, metadata=credentials.metadata())
-    log.info("registered policy guard %r with %s: revision %d, position %d, %s",
-             name, mesh_addr, response.revision, response.position,
-             "created" if response.created else "updated")
-    return response
+    return _register(mesh_addr, spec, f"policy guard {name!r}", timeout, credentials)
 
 
 def deregister(mesh_addr: str, name: str, timeout: float = 5.0, *,

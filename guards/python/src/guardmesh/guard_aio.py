@@ -180,8 +180,14 @@ async def register(mesh_addr: str, name: str, port: int, *, timeout: float = 10.
                    **options: Any) -> pb.RegisterResponse:
     """As :func:`guardmesh.guard.register` (same keyword options; an unknown
     one is a TypeError), on an asyncio channel."""
+    return await _register(mesh_addr, registration(name, port, **options), timeout,
+                           credentials)
+
+
+async def _register(mesh_addr: str, spec: pb.GuardSpec, timeout: float,
+                    credentials: Optional[MeshCredentials]) -> pb.RegisterResponse:
+    """Sends ``spec`` to the mesh's ``GuardRegistry.Register``."""
     credentials = credentials or MeshCredentials()
-    spec = registration(name, port, **options)
     async with credentials.aio_channel(mesh_addr) as channel:
         stub = pb_grpc.GuardRegistryStub(channel)
         response: pb.RegisterResponse = await stub.Register(
@@ -196,14 +202,8 @@ async def register_policy(mesh_addr: str, name: str, source: str, *,
                           **options: Any) -> pb.RegisterResponse:
     """As :func:`guardmesh.guard.register_policy` (same keyword options; an
     unknown one is a TypeError), on an asyncio channel."""
-    credentials = credentials or MeshCredentials()
-    spec = policy_registration(name, source, **options)
-    async with credentials.aio_channel(mesh_addr) as channel:
-        stub = pb_grpc.GuardRegistryStub(channel)
-        response: pb.RegisterResponse = await stub.Register(
-            pb.RegisterRequest(guard=spec), timeout=timeout, wait_for_ready=True,
-            metadata=credentials.metadata())
-    return response
+    return await _register(mesh_addr, policy_registration(name, source, **options), timeout,
+                           credentials)
 
 
 async def deregister(mesh_addr: str, name: str, *, timeout: float = 5.0,
