@@ -13,6 +13,8 @@
 //!   OTLP/HTTP (R21, R22).
 //! * `polyglot`, `conformance`: Python, Node and Rust guard processes in one
 //!   chain, and the conformance kit against each.
+//! * `hook`: the pre-tool hook against hung meshes, rewrites and each
+//!   host's format (R31b).
 //! * `mcp`: the MCP gateway and the pre-tool hook through the official MCP
 //!   SDK (R31); `mcp_readme`: the README's client and hook snippets as
 //!   written; `mcp_relay`: grouping over HTTP and the stderr relay.
@@ -42,6 +44,7 @@ mod decision_log_refusals;
 mod decision_log_replay;
 mod etcd;
 mod faults;
+mod hook;
 mod mcp;
 mod mcp_readme;
 mod mcp_relay;

@@ -1023,7 +1023,7 @@ async fn r31_upstream_stderr_is_relayed_to_stderr_not_the_mcp_stream() {
 // ---------------------------------------------------------------------------
 
 /// Runs the hook with `input` on stdin: (exit code, stdout, stderr).
-fn hook(mesh: &str, extra: &[&str], input: &str) -> (i32, String, String) {
+pub(crate) fn hook(mesh: &str, extra: &[&str], input: &str) -> (i32, String, String) {
     let mut child = Command::new(env!("CARGO_BIN_EXE_guardmesh"))
         .args(["hook", "pre-tool-use", "--mesh", mesh])
         .args(extra)
@@ -1047,7 +1047,7 @@ fn hook(mesh: &str, extra: &[&str], input: &str) -> (i32, String, String) {
 }
 
 /// A recorded-style PreToolUse payload, with fields the hook does not know.
-fn payload(tool: &str, input: Value) -> String {
+pub(crate) fn payload(tool: &str, input: Value) -> String {
     json!({
         "session_id": "agent-session-1",
         "transcript_path": "/home/u/.agent/transcripts/t.jsonl",
@@ -1092,7 +1092,7 @@ async fn r31_hook_deny_allow_updated_input_and_exit_codes() {
             out["hookSpecificOutput"]["permissionDecisionReason"],
             "payments over 100 need approval"
         );
-        // Rewrite: allow with updatedInput.
+        // Rewrite: ask with updatedInput (R31b: the host still asks).
         let (code, out, _) = hook(
             &url,
             &[],
@@ -1100,7 +1100,7 @@ async fn r31_hook_deny_allow_updated_input_and_exit_codes() {
         );
         assert_eq!(code, 0);
         let out: Value = serde_json::from_str(&out).unwrap();
-        assert_eq!(out["hookSpecificOutput"]["permissionDecision"], "allow");
+        assert_eq!(out["hookSpecificOutput"]["permissionDecision"], "ask");
         assert_eq!(
             out["hookSpecificOutput"]["updatedInput"],
             json!({"path": "/redacted"})

@@ -352,7 +352,7 @@ async fn r31_readme_pre_tool_use_hook_runs_as_written() {
         );
         assert_eq!(code, 0);
         let out: Value = serde_json::from_str(&out).unwrap();
-        assert_eq!(out["hookSpecificOutput"]["permissionDecision"], "allow");
+        assert_eq!(out["hookSpecificOutput"]["permissionDecision"], "ask");
         assert_eq!(
             out["hookSpecificOutput"]["updatedInput"],
             json!({"file_path": "/dev/null"})
