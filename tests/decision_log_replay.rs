@@ -106,7 +106,10 @@ async fn r30_replay_against_a_running_mesh_lists_what_a_dry_run_candidate_would_
         .await
         .unwrap();
 
-    let token = pki.file("agent-cli.token", "agent-token\n");
+    // Replaying against a running mesh is an operator's task: the batch
+    // ids it uses are reserved (R20) to callers with the admin role.
+    let token = pki.file("ops-cli.token", "ops-token\n");
+    let agent_token = pki.file("agent-cli.token", "agent-token\n");
     let args = |with_token: bool| {
         let mut args = vec![
             "replay".to_owned(),
@@ -169,7 +172,7 @@ async fn r30_replay_against_a_running_mesh_lists_what_a_dry_run_candidate_would_
         })
         .collect();
     assert_eq!(replayed.len(), 2, "{replayed:?}");
-    assert!(replayed.iter().all(|r| r["caller"]["id"] == "agent"));
+    assert!(replayed.iter().all(|r| r["caller"]["id"] == "ops"));
     let again = guardmesh(args(true)).await;
     assert_eq!(again.status.code(), Some(1));
     assert_eq!(text(&again.stdout), text(&out.stdout), "same report twice");
@@ -184,6 +187,21 @@ async fn r30_replay_against_a_running_mesh_lists_what_a_dry_run_candidate_would_
     assert!(
         table.contains("skip by veto (dry run: would have)"),
         "{table}"
+    );
+
+    // A coordinator without the admin role cannot pass its batches off as
+    // replays: each replayed batch is refused (R20).
+    let mut agent_args = args(false);
+    agent_args.extend(["--token-file".to_owned(), agent_token.display().to_string()]);
+    let out = guardmesh(agent_args).await;
+    let report: Value = serde_json::from_slice(&out.stdout).unwrap();
+    let differences = report["differences"].as_array().unwrap();
+    assert!(!differences.is_empty(), "{report}");
+    assert!(
+        differences.iter().all(|d| d["new"]["action"]
+            .as_str()
+            .is_some_and(|a| a.starts_with("error:") && a.contains("reserves"))),
+        "{report}"
     );
     let _ = std::fs::remove_dir_all(&dir);
 }

@@ -13,6 +13,9 @@
 //!   OTLP/HTTP (R21, R22).
 //! * `polyglot`, `conformance`: Python, Node and Rust guard processes in one
 //!   chain, and the conformance kit against each.
+//! * `gate`: what the mesh refuses before any guard sees it: names and
+//!   arguments that readers take differently (R20), and applicability in
+//!   any case (R9).
 //! * `hook`: the pre-tool hook against hung meshes, rewrites and each
 //!   host's format (R31b).
 //! * `mcp`: the MCP gateway and the pre-tool hook through the official MCP
@@ -44,6 +47,7 @@ mod decision_log_refusals;
 mod decision_log_replay;
 mod etcd;
 mod faults;
+mod gate;
 mod hook;
 mod mcp;
 mod mcp_readme;

@@ -34,8 +34,9 @@ use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 use std::sync::Arc;
 
-/// The batch id prefix of replayed batches.
-const REPLAY_PREFIX: &str = "replay:";
+/// The batch id prefix of replayed batches: the one the mesh reserves for
+/// them (R20), refused from callers without the admin role.
+const REPLAY_PREFIX: &str = guardmesh_server::RESERVED_BATCH_PREFIX;
 
 #[derive(clap::Args)]
 pub(crate) struct ReplayArgs {

@@ -18,6 +18,8 @@
 //! max_inflight_bytes = 268435456
 //! max_stream_bytes = 16777216
 //! max_coordinator_streams = 4096
+//! max_tool_name_chars = 128
+//! tool_name_extra_chars = ""
 //!
 //! [guard_links]
 //! connect_timeout_ms = 2000
@@ -302,6 +304,11 @@ pub struct LimitsConfig {
     pub max_inflight_bytes: usize,
     pub max_stream_bytes: usize,
     pub max_coordinator_streams: usize,
+    /// Longest tool name a batch may carry (R20), 1..=1024.
+    pub max_tool_name_chars: usize,
+    /// Printable ASCII characters tool names may hold besides letters,
+    /// digits, `_`, `-` and `.` (R20); nothing else can be allowed.
+    pub tool_name_extra_chars: String,
 }
 
 impl Default for LimitsConfig {
@@ -319,6 +326,8 @@ impl Default for LimitsConfig {
             max_inflight_bytes: l.max_inflight_bytes,
             max_stream_bytes: l.max_stream_bytes,
             max_coordinator_streams: l.max_coordinator_streams,
+            max_tool_name_chars: l.tool_names.max_chars,
+            tool_name_extra_chars: String::new(),
         }
     }
 }
@@ -847,6 +856,7 @@ impl Config {
                  serde_json-based guards parse); it is {depth}"
             ));
         }
+        self.tool_names().map_err(|e| e.to_string())?;
         if let Some(log) = &self.decision_log {
             log.log_config("")?;
         }
@@ -902,6 +912,16 @@ impl Config {
         Ok(config)
     }
 
+    /// The tool-name grammar of `[limits]` (R20).
+    fn tool_names(
+        &self,
+    ) -> Result<crate::validate::ToolNameGrammar, crate::validate::names::GrammarError> {
+        crate::validate::ToolNameGrammar::new(
+            self.limits.max_tool_name_chars,
+            &self.limits.tool_name_extra_chars,
+        )
+    }
+
     /// The mesh settings this config describes.
     pub fn mesh_config(&self) -> MeshConfig {
         MeshConfig {
@@ -920,6 +940,8 @@ impl Config {
                 max_inflight_bytes: self.limits.max_inflight_bytes,
                 max_stream_bytes: self.limits.max_stream_bytes,
                 max_coordinator_streams: self.limits.max_coordinator_streams,
+                // Checked by `check`; a config that skipped it gets the default.
+                tool_names: self.tool_names().unwrap_or_default(),
             },
             link: LinkConfig {
                 connect_timeout: Duration::from_millis(self.guard_links.connect_timeout_ms),
@@ -1117,6 +1139,37 @@ mod tests {
             config.guards[0].to_spec().failure_policy,
             FailurePolicy::Abort as i32
         );
+    }
+
+    /// R20: the tool-name grammar is configurable within printable ASCII.
+    #[test]
+    fn r20_config_tool_name_grammar() {
+        let config = Config::parse(
+            "[limits]\nmax_tool_name_chars = 16\ntool_name_extra_chars = \"/:\"\n",
+            "test",
+        )
+        .unwrap();
+        assert_eq!(config.check(), Ok(()));
+        let grammar = config.mesh_config().limits.tool_names;
+        assert!(grammar.check("fs/read:v2").is_ok());
+        assert!(grammar.check("fs/read:v2-and-more").is_err());
+        let default = Config::parse("", "test").unwrap().mesh_config().limits;
+        assert_eq!(
+            default.tool_names,
+            crate::validate::ToolNameGrammar::default()
+        );
+        for bad in [
+            "[limits]\ntool_name_extra_chars = \" \"\n",
+            "[limits]\ntool_name_extra_chars = \"\u{200b}\"\n",
+            "[limits]\nmax_tool_name_chars = 0\n",
+            "[limits]\nmax_tool_name_chars = 5000\n",
+        ] {
+            let error = Config::parse(bad, "test").unwrap().check().unwrap_err();
+            assert!(
+                error.contains("limits.") && error.contains("tool_name"),
+                "{error}"
+            );
+        }
     }
 
     #[test]

@@ -55,6 +55,7 @@ pub use judge::TraceContext;
 pub use link::error_chain;
 pub use mesh::{Mesh, MeshConfig};
 pub use registry::{MemoryRegistry, Registry};
+pub use validate::RESERVED_BATCH_PREFIX;
 
 /// Internals for the `cargo fuzz` targets in `fuzz/` (feature `fuzzing`);
 /// not an API.

@@ -114,7 +114,15 @@ fn expected_refusal(request: &EvaluateRequest, limits: &Limits) -> Option<tonic:
         if call.call_id.is_empty() || !seen.insert(call.call_id.as_str()) {
             return Some(InvalidArgument);
         }
-        if call.tool.trim().is_empty() {
+        // R20's tool-name grammar: 1 to 128 of ASCII letters, digits,
+        // '_', '-' and '.'.
+        if call.tool.is_empty()
+            || call.tool.len() > 128
+            || !call
+                .tool
+                .bytes()
+                .all(|b| b.is_ascii_alphanumeric() || b"_-.".contains(&b))
+        {
             return Some(InvalidArgument);
         }
         if call.arguments.len() > limits.max_argument_bytes {
@@ -234,9 +242,16 @@ impl<'de> serde::de::Visitor<'de> for Reference {
     fn visit_map<A: serde::de::MapAccess<'de>>(self, mut map: A) -> Result<Shape, A::Error> {
         let inner = self.nested::<A::Error>()?;
         let mut names = HashSet::new();
+        let mut folded = HashSet::new();
         while let Some(name) = map.next_key::<String>()? {
-            if noncharacter(&name) || !names.insert(name) {
-                return Err(serde::de::Error::custom("duplicate or noncharacter name"));
+            // R20: names one under Go's case folding are refused too.
+            if noncharacter(&name)
+                || !folded.insert(guardmesh_client::casefold::fold(&name))
+                || !names.insert(name)
+            {
+                return Err(serde::de::Error::custom(
+                    "duplicate, case-folded duplicate or noncharacter name",
+                ));
             }
             map.next_value_seed(inner)?;
         }
@@ -289,7 +304,14 @@ fn check_registration(spec: &GuardSpec) {
 fn tool_call() -> impl Strategy<Value = ToolCall> {
     (
         prop_oneof![Just(String::new()), "[a-c]{1,2}"],
-        prop_oneof![Just(String::new()), Just("  ".to_owned()), "[a-z.*]{1,8}"],
+        prop_oneof![
+            Just(String::new()),
+            Just("  ".to_owned()),
+            "[a-z.*]{1,8}",
+            "[A-Za-z0-9_.-]{1,8}",
+            Just("sh\u{200b}ell".to_owned()),
+            Just("\u{ff53}hell".to_owned()),
+        ],
         prop_oneof![
             Just(String::new()),
             Just("{}".to_owned()),
@@ -303,6 +325,8 @@ fn tool_call() -> impl Strategy<Value = ToolCall> {
             Just(r#"{"n":1e400}"#.to_owned()),
             Just(r#"{"s":"\ud800"}"#.to_owned()),
             Just(r#"{"s":"\ud83d\ude00"}"#.to_owned()),
+            Just(r#"{"path":1,"PATH":2}"#.to_owned()),
+            Just(r#"{"a":[{"s":1,"\u017f":2}]}"#.to_owned()),
             "\\PC{0,64}",
         ],
     )
@@ -574,6 +598,8 @@ proptest! {
         if ascii {
             text = escape_non_ascii(&text);
         }
+        // Names that Go's encoding/json reads as one are refused (R20).
+        prop_assume!(guardmesh_client::casefold::find_collision_deep(&value).is_none());
         let got = crate::validate::ijson::check(&text, 64);
         prop_assert!(got.is_ok(), "{:?}: {:?}", text, got);
         prop_assert!(i_json_reference(&text, 64));

@@ -9,7 +9,7 @@
 // private by not exporting this module.
 #![allow(unreachable_pub)]
 
-use globset::{Glob, GlobSet, GlobSetBuilder};
+use globset::{GlobBuilder, GlobSet, GlobSetBuilder};
 use guardmesh_proto::v1::{FailurePolicy, GuardMode, GuardRole, GuardSpec, RewriteGrant};
 use std::time::Duration;
 
@@ -53,6 +53,10 @@ pub enum SpecError {
 }
 
 /// Tool-name patterns: exact names and globs. Empty matches every tool.
+/// The tools a guard applies to are matched without regard to ASCII case
+/// (R9: `Shell.exec` reaches a guard on `shell.*`, so a guard is never
+/// skipped because of how a name is capitalised); a grant's tools exactly
+/// (R11: a grant never reaches a tool it does not name).
 #[derive(Debug, Clone)]
 pub struct ToolSet {
     patterns: Vec<String>,
@@ -61,11 +65,13 @@ pub struct ToolSet {
 
 impl ToolSet {
     /// Compiles `patterns`; an empty list matches all tools when
-    /// `empty_matches_all`, no tool otherwise.
+    /// `empty_matches_all`, no tool otherwise. With `any_case`, letters
+    /// match in either ASCII case.
     fn compile(
         name: &str,
         patterns: &[String],
         empty_matches_all: bool,
+        any_case: bool,
     ) -> Result<Self, SpecError> {
         if patterns.is_empty() {
             return Ok(Self {
@@ -79,11 +85,14 @@ impl ToolSet {
         }
         let mut builder = GlobSetBuilder::new();
         for pattern in patterns {
-            let glob = Glob::new(pattern).map_err(|source| SpecError::BadPattern {
-                name: name.to_owned(),
-                pattern: pattern.clone(),
-                source,
-            })?;
+            let glob = GlobBuilder::new(pattern)
+                .case_insensitive(any_case)
+                .build()
+                .map_err(|source| SpecError::BadPattern {
+                    name: name.to_owned(),
+                    pattern: pattern.clone(),
+                    source,
+                })?;
             builder.add(glob);
         }
         let set = builder.build().map_err(|source| SpecError::BadPattern {
@@ -205,12 +214,12 @@ impl Guard {
             field: "mode",
             value: spec.mode,
         })?;
-        let tools = ToolSet::compile(&name, &spec.tools, true)?;
+        let tools = ToolSet::compile(&name, &spec.tools, true, true)?;
         let grant = match role {
             GuardRole::Mutate => spec.grant.clone().unwrap_or_default(),
             GuardRole::Validate => RewriteGrant::default(),
         };
-        let grant_tools = ToolSet::compile(&name, &grant.tools, false)?;
+        let grant_tools = ToolSet::compile(&name, &grant.tools, false, false)?;
         let timeout = if spec.timeout_ms == 0 {
             default_timeout
         } else {
@@ -463,6 +472,41 @@ mod tests {
             Guard::from_spec(&s, d),
             Err(SpecError::BadPattern { .. })
         ));
+    }
+
+    /// R9: a guard's tools match without regard to ASCII case, exact names
+    /// and globs alike; a grant's tools match exactly (R11).
+    #[test]
+    fn r9_tools_match_in_any_ascii_case_and_grants_exactly() {
+        let d = Duration::from_secs(1);
+        let mut s = spec("a", "h:1");
+        s.role = GuardRole::Mutate as i32;
+        s.tools = vec!["shell.*".into(), "read_file".into(), "[ab]?".into()];
+        s.grant = Some(RewriteGrant {
+            tools: vec!["read_file".into()],
+            ..Default::default()
+        });
+        let g = Guard::from_spec(&s, d).unwrap();
+        for tool in [
+            "shell.exec",
+            "Shell.exec",
+            "SHELL.EXEC",
+            "sHeLl.x",
+            "read_file",
+            "READ_FILE",
+            "Read_File",
+            "aX",
+            "Bx",
+        ] {
+            assert!(g.tools.matches(tool), "{tool}");
+        }
+        for tool in ["shellexec", "read-file", "cx", "xshell.exec"] {
+            assert!(!g.tools.matches(tool), "{tool}");
+        }
+        assert!(g.grant_tools.matches("read_file"));
+        assert!(!g.grant_tools.matches("READ_FILE"));
+        // The patterns are listed as registered.
+        assert_eq!(g.tools.patterns()[0], "shell.*");
     }
 
     const RULE: &str =

@@ -7,7 +7,7 @@ use crate::judge::{BatchError, TraceContext};
 use crate::mesh::Mesh;
 use crate::registry::RegistryError;
 use crate::security::auth::{Caller, Role};
-use crate::server::inbound::{Inbound, InboundCodec};
+use crate::server::inbound::{Inbound, InboundCodec, Refused};
 use crate::validate::{Refusal, shown_id};
 use futures::{Stream, StreamExt};
 use guardmesh_proto::v1::guard_registry_server::GuardRegistry;
@@ -53,6 +53,37 @@ fn batch_trace(batch: &EvaluateRequest, stream: &TraceContext) -> TraceContext {
         } else {
             own
         }
+    }
+}
+
+/// R20: whether `request`'s caller may send batch ids in the prefix the
+/// mesh reserves for its replays: a caller with the admin role (an
+/// operator running `guardmesh replay --mesh`), or any caller of a mesh
+/// without principals, where every caller may do everything.
+fn may_replay<T>(request: &Request<T>) -> bool {
+    request
+        .extensions()
+        .get::<Caller>()
+        .is_none_or(|caller| caller.has(Role::Admin))
+}
+
+/// A batch in the reserved prefix from a caller that may not replay,
+/// refused (R20); any other message as it is.
+fn reserve(inbound: Inbound, may_replay: bool, max_id_bytes: usize) -> Inbound {
+    if may_replay {
+        return inbound;
+    }
+    match inbound {
+        Inbound::Batch { request, size } => {
+            match crate::validate::check_reserved(&request.batch_id) {
+                Ok(()) => Inbound::Batch { request, size },
+                Err(refusal) => Inbound::Refused(Refused {
+                    batch_id: shown_id(&request.batch_id, max_id_bytes),
+                    refusal,
+                }),
+            }
+        }
+        refused => refused,
     }
 }
 
@@ -686,9 +717,16 @@ impl PreToolService for PreTool {
         let trace = trace_context(request.metadata());
         let caller = log_caller(&self.mesh, &request);
         let limits = self.mesh.config.limits;
-        let inbound = request
-            .into_inner()
-            .map(move |message| message.map(|m| Inbound::from_request(m, &limits)));
+        let replay = may_replay(&request);
+        let inbound = request.into_inner().map(move |message| {
+            message.map(|m| {
+                reserve(
+                    Inbound::from_request(m, &limits),
+                    replay,
+                    limits.max_id_bytes,
+                )
+            })
+        });
         Ok(Response::new(self.open_stream(trace, caller, inbound)?))
     }
 
@@ -697,8 +735,14 @@ impl PreToolService for PreTool {
         request: Request<EvaluateRequest>,
     ) -> Result<Response<BatchDecision>, Status> {
         let caller = log_caller(&self.mesh, &request);
+        let replay = may_replay(&request);
         let (metadata, _, batch) = request.into_parts();
-        let inbound = Inbound::from_request(batch, &self.mesh.config.limits);
+        let limits = &self.mesh.config.limits;
+        let inbound = reserve(
+            Inbound::from_request(batch, limits),
+            replay,
+            limits.max_id_bytes,
+        );
         Ok(Response::new(self.unary(&metadata, caller, inbound).await?))
     }
 }
@@ -750,11 +794,12 @@ impl tonic::server::StreamingService<Inbound> for EvaluateMethod {
         Box::pin(async move {
             let trace = trace_context(request.metadata());
             let caller = log_caller(&tool.mesh, &request);
-            Ok(Response::new(tool.open_stream(
-                trace,
-                caller,
-                request.into_inner(),
-            )?))
+            let replay = may_replay(&request);
+            let max_id_bytes = tool.mesh.config.limits.max_id_bytes;
+            let inbound = request
+                .into_inner()
+                .map(move |message| message.map(|m| reserve(m, replay, max_id_bytes)));
+            Ok(Response::new(tool.open_stream(trace, caller, inbound)?))
         })
     }
 }
@@ -772,12 +817,14 @@ impl tonic::server::ClientStreamingService<Inbound> for EvaluateBatchMethod {
         let tool = self.0.clone();
         Box::pin(async move {
             let caller = log_caller(&tool.mesh, &request);
+            let replay = may_replay(&request);
             let (metadata, _, mut inbound) = request.into_parts();
             let message = inbound
                 .message()
                 .await
                 .map_err(transport_status)?
                 .ok_or_else(|| Status::invalid_argument("EvaluateBatch sent no request message"))?;
+            let message = reserve(message, replay, tool.mesh.config.limits.max_id_bytes);
             Ok(Response::new(tool.unary(&metadata, caller, message).await?))
         })
     }

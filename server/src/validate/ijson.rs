@@ -15,6 +15,11 @@
 //! * no object with two members of the same name, compared after
 //!   unescaping (`"a"` and `"\u0061"` are the same name): parsers disagree
 //!   on which one wins;
+//! * nor with two names equal under case folding as Go's `encoding/json`
+//!   matches them (`path` and `PATH`, `s` and `ſ`, `k` and the Kelvin
+//!   sign, see `guardmesh_client::casefold`): that reader takes them for
+//!   one member (R20). Not an I-JSON rule, but refused alike and with its
+//!   own metrics label;
 //! * numbers that an IEEE 754 double holds: a number whose magnitude
 //!   overflows a double (`1e400`, a 401-digit integer) is refused, as is a
 //!   number written with more than [`MAX_NUMBER_CHARS`] characters. Within
@@ -33,6 +38,7 @@
 //! escapes. Duplicate names are found per object by sorting its names when
 //! it closes, so an object with many members costs `n log n`, not `n²`.
 
+use guardmesh_client::casefold;
 use std::borrow::Cow;
 use std::fmt;
 
@@ -60,6 +66,9 @@ pub(crate) enum Problem {
     NotObject,
     /// Two members of one object have this name.
     DuplicateName(String),
+    /// Two member names of one object are one under case folding (the
+    /// earlier first).
+    CaseCollision(String, String),
     /// A number a double cannot hold.
     NumberOutOfRange,
     /// A number longer than [`MAX_NUMBER_CHARS`].
@@ -143,6 +152,7 @@ impl JsonError {
     pub(crate) fn reason(&self) -> &'static str {
         match self.problem {
             Problem::Syntax { .. } | Problem::NotObject => "arguments_not_object",
+            Problem::CaseCollision(..) => "arguments_case_collision",
             _ => "arguments_not_i_json",
         }
     }
@@ -159,6 +169,13 @@ impl fmt::Display for JsonError {
                 f,
                 "duplicate member name {:?}",
                 clip(name, SHOWN_NAME_CHARS)
+            )?,
+            Problem::CaseCollision(first, second) => write!(
+                f,
+                "member names {:?} and {:?} are one name under case folding \
+                 (Go's encoding/json reads them as one)",
+                clip(first, SHOWN_NAME_CHARS),
+                clip(second, SHOWN_NAME_CHARS)
             )?,
             Problem::NumberOutOfRange => write!(f, "number out of range of a double")?,
             Problem::NumberTooLong => {
@@ -374,6 +391,47 @@ static STRING_STOP: [bool; 256] = {
     table
 };
 
+/// Whether Go's `encoding/json` reads `a` and `b` as one member name.
+fn same_fold(a: &str, b: &str) -> bool {
+    if a.is_ascii() && b.is_ascii() {
+        a.eq_ignore_ascii_case(b)
+    } else {
+        casefold::equal_fold(a, b)
+    }
+}
+
+/// Two of one object's member names (all distinct) that are one under
+/// case folding; for a small object the earlier one first.
+fn case_collision(names: &[Cow<'_, str>]) -> Option<(String, String)> {
+    if names.len() <= SMALL_OBJECT {
+        return (1..names.len()).find_map(|j| {
+            names[..j]
+                .iter()
+                .find(|n| same_fold(n, &names[j]))
+                .map(|n| (n.to_string(), names[j].to_string()))
+        });
+    }
+    // Many members: sort their folds (a name that folds to itself is
+    // borrowed) and compare neighbours.
+    let mut folded: Vec<(Cow<'_, str>, usize)> = names
+        .iter()
+        .enumerate()
+        .map(|(i, name)| {
+            let fold = if name.chars().all(|c| casefold::fold_char(c) == c) {
+                Cow::Borrowed(name.as_ref())
+            } else {
+                Cow::Owned(casefold::fold(name))
+            };
+            (fold, i)
+        })
+        .collect();
+    folded.sort_unstable();
+    folded
+        .windows(2)
+        .find(|w| w[0].0 == w[1].0)
+        .map(|w| (names[w[0].1].to_string(), names[w[1].1].to_string()))
+}
+
 fn is_noncharacter(cp: u32) -> bool {
     (0xFDD0..=0xFDEF).contains(&cp) || (cp & 0xFFFE) == 0xFFFE
 }
@@ -503,6 +561,9 @@ impl<'a> Scanner<'a, '_> {
             return Err(JsonError::new(Problem::DuplicateName(
                 name.clone().into_owned(),
             )));
+        }
+        if let Some((first, second)) = case_collision(names) {
+            return Err(JsonError::new(Problem::CaseCollision(first, second)));
         }
         self.names.truncate(start);
         Ok(())

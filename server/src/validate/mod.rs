@@ -1,7 +1,14 @@
 //! Checks a coordinator's batch before any guard sees it (R20).
 //!
 //! A refused batch contacts no guard. Shape errors are INVALID_ARGUMENT and
-//! name the offending call; size limits are RESOURCE_EXHAUSTED.
+//! name the offending call; size limits are RESOURCE_EXHAUSTED. What is
+//! checked: ids (empty, over-long, repeated, or a batch id in the prefix
+//! the mesh reserves for its replays, [`check_reserved`]); tool names
+//! within the mesh's grammar ([`names`]); and arguments that are I-JSON
+//! objects ([`ijson`]) with no two member names of one object equal under
+//! case folding as Go's `encoding/json` reads them (`path` and `PATH`, `s`
+//! and `ſ`, `k` and the Kelvin sign): such a reader takes the two for one
+//! member, and which of them it keeps is not the one a guard checked.
 
 // Its items are `pub` for the `cargo fuzz` targets, which reach them through
 // the crate's `fuzzing` module (feature `fuzzing`); the crate itself keeps them
@@ -14,6 +21,9 @@ use std::collections::HashSet;
 use tonic::Status;
 
 pub mod ijson;
+pub mod names;
+
+pub use names::{RESERVED_BATCH_PREFIX, ToolNameGrammar};
 
 /// Batches of up to this many calls are checked for repeated call ids by
 /// comparing each id with the ones before it; larger ones through a set.
@@ -56,6 +66,8 @@ pub struct Limits {
     /// Coordinator streams open at once on the whole mesh; a new one past it
     /// is refused with RESOURCE_EXHAUSTED.
     pub max_coordinator_streams: usize,
+    /// The tool names a batch may carry (R20).
+    pub tool_names: ToolNameGrammar,
 }
 
 /// How many times its encoded size a batch in flight counts against
@@ -108,6 +120,7 @@ impl Default for Limits {
             max_inflight_bytes: 256 << 20,
             max_stream_bytes: 16 << 20,
             max_coordinator_streams: 4096,
+            tool_names: ToolNameGrammar::default(),
         }
     }
 }
@@ -212,6 +225,17 @@ fn check_calls(
                 format!("call {:?} has an empty tool name", call.call_id),
             ));
         }
+        if let Err(bad) = limits.tool_names.check(&call.tool) {
+            return Err(invalid(
+                "tool_name_outside_grammar",
+                format!(
+                    "call #{index} ({:?}) has tool name {:?} outside the mesh's tool-name grammar ({}): {bad}",
+                    ijson::clip(&call.call_id, SHOWN_ID_CHARS),
+                    shown(&call.tool),
+                    limits.tool_names.describe()
+                ),
+            ));
+        }
         if call.arguments.len() > limits.max_argument_bytes {
             return Err(exhausted(
                 "arguments_too_large",
@@ -230,14 +254,36 @@ fn check_calls(
             None => ijson::check(&call.arguments, limits.max_json_depth),
         };
         if let Err(error) = checked {
+            let what = match error.problem {
+                ijson::Problem::CaseCollision(..) => "arguments are refused",
+                _ => "arguments are not an I-JSON object",
+            };
             return Err(invalid(
                 error.reason(),
                 format!(
-                    "call #{index} ({:?}): arguments are not an I-JSON object: {error}",
+                    "call #{index} ({:?}): {what}: {error}",
                     ijson::clip(&call.call_id, SHOWN_ID_CHARS)
                 ),
             ));
         }
+    }
+    Ok(())
+}
+
+/// Refuses a batch id in the prefix the mesh reserves for the batches it
+/// replays (R20, R30), so that no client's batch is taken for a replay
+/// (and left out of the next one). The mesh's servers call it for callers
+/// that may not replay.
+pub fn check_reserved(batch_id: &str) -> Result<(), Refusal> {
+    if batch_id.starts_with(RESERVED_BATCH_PREFIX) {
+        return Err(invalid(
+            "reserved_batch_id",
+            format!(
+                "batch_id {:?} begins with {RESERVED_BATCH_PREFIX:?}, the prefix the mesh reserves for \
+                 the batches it replays; choose another batch_id",
+                shown(batch_id)
+            ),
+        ));
     }
     Ok(())
 }
@@ -351,6 +397,138 @@ mod tests {
         }
     }
 
+    fn one_call(batch_id: &str, tool: &str, args: &str) -> EvaluateRequest {
+        EvaluateRequest {
+            batch_id: batch_id.into(),
+            calls: vec![guardmesh_proto::v1::ToolCall {
+                call_id: "c1".into(),
+                tool: tool.into(),
+                arguments: args.into(),
+            }],
+            ..Default::default()
+        }
+    }
+
+    /// R20: member names equal under Go's case folding, in any object at
+    /// any depth, are refused naming the call and both names.
+    #[test]
+    fn r20_case_folded_member_names_are_refused_naming_call_and_names() {
+        let cases = [
+            (
+                r#"{"path":"/tmp/ok","PATH":"/etc/shadow"}"#,
+                "path",
+                "PATH",
+                "$",
+            ),
+            (r#"{"s":1,"ſ":2}"#, "s", "ſ", "$"),
+            (r#"{"k":1,"\u212a":2}"#, "k", "\u{212a}", "$"),
+            (r#"{"q":{"Key":1,"kEY":2}}"#, "Key", "kEY", "$.q"),
+            (r#"{"a":[{"b":{"Id":1,"ID":2}}]}"#, "Id", "ID", "$.a[0].b"),
+            (r#"{"µ":1,"μ":2}"#, "µ", "μ", "$"),
+        ];
+        for (args, first, second, at) in cases {
+            let refusal = check(&one_call("b", "t", args), &Limits::default()).unwrap_err();
+            assert_eq!(
+                refusal.status.code(),
+                tonic::Code::InvalidArgument,
+                "{args}"
+            );
+            assert_eq!(refusal.reason, "arguments_case_collision", "{args}");
+            let message = refusal.status.message();
+            assert!(message.starts_with("call #0 (\"c1\")"), "{message}");
+            assert!(
+                message.contains(&format!("member names {first:?} and {second:?}")),
+                "{message}"
+            );
+            assert!(message.ends_with(&format!(" at {at}")), "{message}");
+        }
+        // Many members: found by sorting the folds, the same way.
+        let mut many: Vec<String> = (0..100).map(|i| format!("\"k{i}\":{i}")).collect();
+        many.push("\"K5\":0".into());
+        let text = format!("{{{}}}", many.join(","));
+        let refusal = check(&one_call("b", "t", &text), &Limits::default()).unwrap_err();
+        let message = refusal.status.message();
+        assert!(
+            message.contains("\"k5\" and \"K5\"") || message.contains("\"K5\" and \"k5\""),
+            "{message}"
+        );
+        // Names a case-insensitive reader tells apart pass.
+        for ok in [
+            r#"{"path":1,"path2":2,"PATH_":3}"#,
+            r#"{"ı":1,"I":2,"j":[{"I":1}]}"#,
+            r#"{"a":{"x":1},"b":{"X":1}}"#,
+            r#"{"ss":1,"ß":2}"#,
+        ] {
+            assert!(
+                check(&one_call("b", "t", ok), &Limits::default()).is_ok(),
+                "{ok}"
+            );
+        }
+    }
+
+    /// R20: tool names outside the grammar are refused naming the call.
+    #[test]
+    fn r20_tool_names_outside_the_grammar_are_refused_naming_the_call() {
+        assert!(check(&one_call("b", "Shell.exec", "{}"), &Limits::default()).is_ok());
+        let long = "x".repeat(129);
+        for tool in [
+            " shell.exec",
+            "shell\u{200b}.exec",
+            "\u{ff53}\u{ff48}\u{ff45}\u{ff4c}\u{ff4c}",
+            "shell\u{0}exec",
+            "shell\nexec",
+            "shell\u{7f}",
+            long.as_str(),
+        ] {
+            let refusal = check(&one_call("b", tool, "{}"), &Limits::default()).unwrap_err();
+            assert_eq!(
+                refusal.status.code(),
+                tonic::Code::InvalidArgument,
+                "{tool:?}"
+            );
+            assert_eq!(refusal.reason, "tool_name_outside_grammar", "{tool:?}");
+            let message = refusal.status.message();
+            assert!(
+                message.starts_with("call #0 (\"c1\") has tool name"),
+                "{message}"
+            );
+            assert!(message.contains("grammar (1 to 128 of ASCII"), "{message}");
+            assert!(message.len() < 400, "{message}");
+        }
+        let limits = Limits {
+            tool_names: ToolNameGrammar::new(16, "/").unwrap(),
+            ..Limits::default()
+        };
+        assert!(check(&one_call("b", "fs/read", "{}"), &limits).is_ok());
+        assert!(check(&one_call("b", "fs/read", "{}"), &Limits::default()).is_err());
+    }
+
+    /// R20: a batch id in the reserved prefix is refused by
+    /// `check_reserved`, never by the checks every batch goes through (the
+    /// mesh's own replays are judged with them).
+    #[test]
+    fn r20_reserved_batch_prefix() {
+        for id in ["replay:1", "replay:", "replay:x/y"] {
+            let refusal = check_reserved(id).unwrap_err();
+            assert_eq!(refusal.status.code(), tonic::Code::InvalidArgument);
+            assert_eq!(refusal.reason, "reserved_batch_id");
+            assert!(refusal.status.message().contains(id), "{id}");
+            assert!(check(&one_call(id, "t", "{}"), &Limits::default()).is_ok());
+        }
+        for id in [
+            "",
+            "b1",
+            "Replay:1",
+            "replay",
+            "xreplay:1",
+            "session/replay:1",
+        ] {
+            assert!(check_reserved(id).is_ok(), "{id}");
+        }
+        let long = format!("replay:{}", "x".repeat(1000));
+        assert!(check_reserved(&long).unwrap_err().status.message().len() < 300);
+    }
+
     #[test]
     fn r20_json_object_check() {
         assert!(is_json_object(""));
@@ -398,7 +576,7 @@ mod tests {
             r#"{"a":"\ud83d\ude00","b":"😀","c":"\u00e9\n\"\\\/","d":-0.5e-3}"#,
             r#"{"n":1.7976931348623157e308,"m":-1.7976931348623157e308,"z":1e-400}"#,
             r#"{"big":18446744073709551616,"exact":9007199254740993}"#,
-            r#"{"a":{"a":{"a":1}},"b":[{"a":1},{"a":2}],"A":1,"a ":2}"#,
+            r#"{"a":{"a":{"a":1}},"b":[{"a":1},{"a":2}],"c":{"B":1},"a ":2}"#,
             r#"{"\u0061b":1,"ac":2}"#,
             "{\"k\":\"\u{fffd}\u{ffef}\u{f000}\u{10fffd}\"}",
         ];
