@@ -202,7 +202,7 @@ async fn r20_gate_tool_name_grammar_follows_the_config() {
 async fn r20_gate_refuses_the_replay_prefix_from_callers_that_may_not_replay() {
     let prefix = guardmesh_server::RESERVED_BATCH_PREFIX;
     let pki = TestPki::new();
-    let (mesh, url) = TestMesh::with_tokens(
+    let (_mesh, url) = TestMesh::with_tokens(
         &pki,
         &[
             ("ops", "ops-token", &["admin"]),
