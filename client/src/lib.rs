@@ -15,6 +15,9 @@
 //!   with [`serve`], which adds gRPC health and reflection. [`verdict`] has
 //!   the constructors for steer, cancel and rewrite verdicts.
 //!
+//! [`casefold`] tells which member names Go's `encoding/json` takes for
+//! one (`path` and `PATH`, `s` and `ſ`), for whoever must refuse them.
+//!
 //! [`trace`] carries W3C trace context (R22) from the coordinator's span
 //! into the mesh and from each batch into the guard's span.
 //!
@@ -27,6 +30,7 @@
 //! server), `otel` (trace context from and into OpenTelemetry spans), `tls`
 //! (rustls with ring, on either side).
 
+pub mod casefold;
 #[cfg(feature = "coordinator")]
 pub mod connect;
 #[cfg(feature = "coordinator")]
