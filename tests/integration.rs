@@ -20,7 +20,9 @@
 //!   host's format (R31b).
 //! * `mcp`: the MCP gateway and the pre-tool hook through the official MCP
 //!   SDK (R31); `mcp_readme`: the README's client and hook snippets as
-//!   written; `mcp_relay`: grouping over HTTP and the stderr relay.
+//!   written; `mcp_relay`: grouping over HTTP and the stderr relay;
+//!   `mcp_smuggling`: calls smuggled past the gateway to Python, Go and
+//!   TypeScript peers.
 //! * `cli`, `shutdown`: the `guardmesh` command as users run it.
 //! * `decision_log`: the decision log in the mesh, `guardmesh log verify`
 //!   and `guardmesh replay` (R29, R30); `decision_log_replay`: replay
@@ -52,6 +54,7 @@ mod hook;
 mod mcp;
 mod mcp_readme;
 mod mcp_relay;
+mod mcp_smuggling;
 mod observability;
 mod otel;
 mod otel_http;

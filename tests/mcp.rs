@@ -482,10 +482,11 @@ async fn r31_r20_hostile_input_is_never_forwarded_unjudged() {
         gateway.send(r#"{"jsonrpc":"2.0","id":15,"method":"tools/list","method":"tools/call","params":{"name":"pay","arguments":{"amount":1,"to":"a"}}}"#);
         assert_eq!(gateway.recv()["error"]["code"], -32600);
         gateway.send(r#"{"jsonrpc":"2.0","id":16,"method":"tools/call","params":{"name":"read_file","name":"delete_file","arguments":{"path":"/"}}}"#);
-        assert_eq!(gateway.recv()["error"]["code"], -32602);
-        // Duplicate members inside the arguments: refused by the mesh (R20).
+        assert_eq!(gateway.recv()["error"]["code"], -32600);
+        // Duplicate members inside the arguments: refused by the gateway
+        // itself, at any depth (R31).
         gateway.send(r#"{"jsonrpc":"2.0","id":17,"method":"tools/call","params":{"name":"pay","arguments":{"amount":1,"amount":1000,"to":"a"}}}"#);
-        assert_eq!(gateway.recv()["error"]["code"], -32070);
+        assert_eq!(gateway.recv()["error"]["code"], -32600);
         // A tools/call as a notification (no id) is dropped, not forwarded.
         gateway.send(r#"{"jsonrpc":"2.0","method":"tools/call","params":{"name":"delete_file","arguments":{"path":"/n"}}}"#);
         // Colliding ids in one batch: the mesh refuses the batch (R20), every
@@ -511,8 +512,8 @@ async fn r31_r20_hostile_input_is_never_forwarded_unjudged() {
         scratch.executed(),
         vec![json!({"tool": "read_file", "arguments": {"path": "/ok"}})]
     );
-    // Only the duplicate-arguments call, the colliding batch and the last
-    // call reached the mesh, and only the last reached the guard.
+    // Only the colliding batch and the last call reached the mesh, and only
+    // the last reached the guard.
     assert_eq!(guard.guard.requests(), 1);
 }
 
@@ -810,8 +811,9 @@ async fn r31_concurrent_single_calls_are_one_guard_batch() {
             let answer = gateway.recv();
             answers.insert(answer["id"].to_string(), answer);
         }
-        // A call with duplicate argument members (refused, R20) with a good
-        // one: the good one still runs.
+        // A call with duplicate argument members (refused by the gateway
+        // itself, R31: never judged nor forwarded) with a good one: the good
+        // one still runs.
         let bad_and_good = format!(
             "{}\n{}",
             r#"{"jsonrpc":"2.0","id":3,"method":"tools/call","params":{"name":"pay","arguments":{"amount":1,"amount":1000,"to":"a"}}}"#,
@@ -836,7 +838,7 @@ async fn r31_concurrent_single_calls_are_one_guard_batch() {
         answers["2"]["result"]["content"][0]["text"],
         "contents of /redacted"
     );
-    assert_eq!(answers["3"]["error"]["code"], -32070, "{answers:?}");
+    assert_eq!(answers["3"]["error"]["code"], -32600, "{answers:?}");
     assert_eq!(
         answers["4"]["result"]["content"][0]["text"],
         "paid 3.0 to c"

@@ -2,8 +2,10 @@
 //! server (POST and GET on one endpoint, `Mcp-Session-Id`, JSON or SSE
 //! responses).
 //!
-//! * A POST whose body holds no `tools/call` is forwarded as received, and
-//!   the upstream's answer (JSON or an SSE stream) streams back unchanged.
+//! * A POST whose body holds no `tools/call` is forwarded in the gateway's
+//!   serialization of what it read ([`crate::json`]; a body it cannot read
+//!   alike to every peer is refused, R31), and the upstream's answer (JSON
+//!   or an SSE stream) streams back unchanged.
 //!   GET (the server's SSE stream), DELETE (session end) and any other
 //!   method are forwarded the same way.
 //! * A POST with one `tools/call`: judged (R31) with the request's
@@ -13,7 +15,8 @@
 //!   ([`crate::group`]). Proceed forwards the
 //!   final call and streams the upstream's answer back; steer, cancel and
 //!   errors are answered by the gateway as `application/json`.
-//! * A JSON-RPC batch with `tools/call`s: one guard batch. Forwarded elements
+//! * A JSON-RPC batch with `tools/call`s: one guard batch. A batch with an
+//!   element the gateway cannot judge is refused whole. Forwarded elements
 //!   are posted one by one; the answer is one JSON array of the gateway's
 //!   answers and the upstream's responses (read from JSON or SSE bodies).
 //! * With `--tls-cert` and `--tls-key` (PEM) the gateway serves HTTPS
@@ -193,12 +196,16 @@ impl Proxy {
             .unwrap_or_else(|| fresh_session_id("mcp-http"));
         let incoming = match jsonrpc::classify(&bytes) {
             Ok(incoming) => incoming,
-            Err(error) => return error_response(StatusCode::BAD_REQUEST, None, &error),
+            // Not JSON (400), or a batch refused whole (200: a JSON-RPC
+            // error answer, as for a single message refused).
+            Err(error) if error.code == codes::PARSE_ERROR => {
+                return error_response(StatusCode::BAD_REQUEST, None, &error);
+            }
+            Err(error) => return error_response(StatusCode::OK, None, &error),
         };
         match incoming {
-            Incoming::Single(Item::Forward(_)) => {
-                self.forward(parts.method, &parts.headers, full(bytes))
-                    .await
+            Incoming::Single(Item::Forward { text, .. }) => {
+                self.forward(parts.method, &parts.headers, full(text)).await
             }
             Incoming::Single(Item::Reject { id, error }) => {
                 error_response(StatusCode::OK, id.as_deref(), &error)
@@ -220,9 +227,17 @@ impl Proxy {
             }
             Incoming::Batch(items) => {
                 if !items.iter().any(|i| matches!(i, Item::ToolCall(_))) {
-                    return self
-                        .forward(parts.method, &parts.headers, full(bytes))
-                        .await;
+                    // Every element read and forwardable: the gateway's
+                    // serialization of each, as one batch.
+                    let texts: Vec<String> = items
+                        .into_iter()
+                        .filter_map(|item| match item {
+                            Item::Forward { text, .. } => Some(text),
+                            _ => None,
+                        })
+                        .collect();
+                    let body = format!("[{}]", texts.join(","));
+                    return self.forward(parts.method, &parts.headers, full(body)).await;
                 }
                 self.batch(items, &session, &parts.headers).await
             }
@@ -237,7 +252,7 @@ impl Proxy {
         for item in items {
             match item {
                 Item::ToolCall(call) => calls.push(*call),
-                Item::Forward(raw) => forwards.push(raw.get().to_owned()),
+                Item::Forward { text, .. } => forwards.push(text),
                 Item::Reject { id, error } => answers.push(jsonrpc::error(id.as_deref(), &error)),
                 Item::Drop(why) => tracing::warn!("{why}"),
             }

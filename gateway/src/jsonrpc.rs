@@ -1,23 +1,32 @@
-//! Reading client messages the way the gateway must: strictly, and without
-//! changing what it passes on.
+//! Reading client messages the way the gateway must: strictly, once, and
+//! alike to every peer; and writing what it forwards itself.
 //!
-//! Every message from the MCP client is classified before anything is
-//! forwarded ([`classify`]):
+//! Every message from the MCP client is read once ([`crate::json`]) and
+//! classified before anything is forwarded ([`classify`]):
 //!
 //! * a `tools/call` request becomes a [`ToolCallRequest`], to be judged by the
-//!   mesh (R31);
-//! * any other valid JSON-RPC message is forwarded as the exact bytes received
-//!   (R31: other messages pass through unchanged);
-//! * anything the gateway cannot read with certainty (invalid JSON, duplicate
-//!   member names, a `tools/call` with unreadable params or an id that is not
-//!   a string or a number) is answered with a JSON-RPC error and never
-//!   forwarded: an upstream parser more lenient than this one could otherwise
-//!   run a call that no guard judged.
+//!   mesh (R31), and forwarded on proceed as the gateway writes it
+//!   ([`ToolCallRequest::forward`]);
+//! * any other valid JSON-RPC message is forwarded as the gateway writes it
+//!   (R31: it passes through, its members, unknown ones included, and its
+//!   numbers as read; only the bytes between them are the gateway's);
+//! * anything the gateway cannot read alike to every peer is answered with a
+//!   JSON-RPC error and nothing of it is forwarded: invalid JSON, two member
+//!   names of one object equal or equal under Go's case folding at any depth
+//!   (Python and JavaScript take the last of two equal names, Go's
+//!   `encoding/json` matches `METHOD` and `paramſ` as `method` and
+//!   `params`), a member the JSON-RPC envelope does not have, a bare CR on
+//!   stdio ([`classify_line`]: the Python SDK splits lines there), a
+//!   `tools/call` with unreadable params or an id that is not a string or a
+//!   number, and a JSON-RPC batch with any such element (refused whole).
+//!   An upstream parser that reads a message differently from the gateway
+//!   could otherwise run a call that no guard judged.
 //!
 //! The answers the gateway writes itself use the protocol types of `rmcp`
 //! ([`rmcp::model::CallToolResult`], [`rmcp::model::ErrorData`]); the id of
-//! a request is echoed as the exact JSON text the client sent.
+//! a request is echoed as the gateway read it.
 
+use crate::json::{self, Json};
 use rmcp::model::{CallToolResult, ContentBlock, ErrorCode, ErrorData};
 use serde::de::{Deserializer, MapAccess, Visitor};
 use serde::{Deserialize, Serialize};
@@ -30,8 +39,10 @@ pub mod codes {
     use rmcp::model::ErrorCode;
     /// The message is not valid JSON (JSON-RPC parse error).
     pub const PARSE_ERROR: ErrorCode = ErrorCode::PARSE_ERROR;
-    /// The message is JSON but not a request the gateway can read: duplicate
-    /// member names, an empty batch, an id that is neither string nor number.
+    /// The message is JSON but not one the gateway can read alike to every
+    /// peer: duplicate member names or names equal under case folding, an
+    /// unknown envelope member, a bare CR on stdio, an empty batch or one
+    /// with such an element, an id that is neither string nor number.
     pub const INVALID_REQUEST: ErrorCode = ErrorCode::INVALID_REQUEST;
     /// A `tools/call` whose params cannot be judged: not an object, no tool
     /// name, arguments that are not a JSON object.
@@ -115,31 +126,32 @@ impl<'de> Deserialize<'de> for Members {
     }
 }
 
-/// The first significant character of a raw JSON value.
-fn lead(raw: &RawValue) -> u8 {
-    raw.get()
-        .bytes()
-        .find(|b| !b.is_ascii_whitespace())
-        .unwrap_or(b' ')
-}
+/// The members a JSON-RPC 2.0 message may have. Any other member is
+/// refused: a peer that matches names case-insensitively would read
+/// `Method` or `PARAMS` as the real thing.
+const ENVELOPE: [&str; 6] = ["jsonrpc", "id", "method", "params", "result", "error"];
 
 /// A `tools/call` request, read for judging.
 #[derive(Debug)]
 pub struct ToolCallRequest {
-    /// The request id, exactly as sent (a string or a number).
+    /// The request id, as the gateway writes it (a string or a number).
     pub id: Box<RawValue>,
-    /// The message's members, to rebuild it with the final call.
-    pub members: Members,
-    /// The members of `params`.
-    pub params: Members,
+    /// The message as read, to write out with the final call.
+    pub message: Json,
     /// The tool's name.
     pub name: String,
-    /// The arguments' JSON text; empty when the call has none.
+    /// The arguments' JSON text as the gateway writes them; empty when the
+    /// call has none.
     pub arguments: String,
     /// `params._meta.traceparent`, W3C trace context to join (R22).
     pub traceparent: Option<String>,
-    /// The message exactly as received.
-    pub original: Box<RawValue>,
+}
+
+/// Why the final call of a decision cannot be written.
+#[derive(Debug, thiserror::Error)]
+pub enum ForwardError {
+    #[error("the final arguments are not a JSON object the gateway can read: {0}")]
+    Arguments(String),
 }
 
 impl ToolCallRequest {
@@ -150,40 +162,35 @@ impl ToolCallRequest {
     }
 
     /// The message to forward for the final call (R31: final tool name and
-    /// arguments). The original bytes when the mesh changed nothing.
-    pub fn forward(&self, tool: &str, arguments: &str) -> String {
+    /// arguments), in the gateway's serialization: the message as read
+    /// when the mesh changed nothing, else with `params.name` and
+    /// `params.arguments` replaced. Final arguments the gateway cannot read
+    /// as it reads a client's (an object, no names that collide) are an
+    /// error: nothing is forwarded.
+    pub fn forward(&self, tool: &str, arguments: &str) -> Result<String, ForwardError> {
         if tool == self.name && arguments == self.arguments {
-            return self.original.get().to_owned();
-        }
-        let mut params = Members(
-            self.params
-                .0
-                .iter()
-                .map(|(k, v)| (k.clone(), v.clone()))
-                .collect(),
-        );
-        if let Ok(name) = serde_json::value::to_raw_value(tool) {
-            params.set("name", name);
+            return Ok(self.message.to_text());
         }
         let arguments = if arguments.trim().is_empty() {
-            "{}"
+            Json::Object(Vec::new())
         } else {
-            arguments
+            let read = json::read(arguments).map_err(|e| ForwardError::Arguments(e.to_string()))?;
+            if let Some(ambiguity) = read.ambiguity {
+                return Err(ForwardError::Arguments(ambiguity.to_string()));
+            }
+            if !matches!(read.value, Json::Object(_)) {
+                return Err(ForwardError::Arguments("not an object".into()));
+            }
+            read.value
         };
-        if let Ok(arguments) = RawValue::from_string(arguments.to_owned()) {
+        let mut message = self.message.clone();
+        if let Json::Object(members) = &mut message
+            && let Some((_, params)) = members.iter_mut().find(|(k, _)| k == "params")
+        {
+            params.set("name", Json::String(tool.to_owned()));
             params.set("arguments", arguments);
         }
-        let mut message = Members(
-            self.members
-                .0
-                .iter()
-                .map(|(k, v)| (k.clone(), v.clone()))
-                .collect(),
-        );
-        if let Ok(params) = RawValue::from_string(params.to_json()) {
-            message.set("params", params);
-        }
-        message.to_json()
+        Ok(message.to_text())
     }
 }
 
@@ -192,8 +199,13 @@ impl ToolCallRequest {
 pub enum Item {
     /// A `tools/call` to judge.
     ToolCall(Box<ToolCallRequest>),
-    /// Forward verbatim.
-    Forward(Box<RawValue>),
+    /// Forward this text, the gateway's serialization of the message.
+    Forward {
+        text: String,
+        /// The id's key ([`id_key`]) when the message is a request, whose
+        /// response is to come.
+        request: Option<String>,
+    },
     /// Answer with this error; forward nothing.
     Reject {
         id: Option<Box<RawValue>>,
@@ -208,20 +220,48 @@ pub enum Item {
 #[derive(Debug)]
 pub enum Incoming {
     Single(Item),
-    /// A JSON-RPC batch (an array), element by element.
+    /// A JSON-RPC batch (an array) whose every element the gateway can
+    /// judge or forward: element by element. A batch with an element the
+    /// gateway cannot read is refused whole ([`classify`]).
     Batch(Vec<Item>),
 }
 
-/// Classifies one message from the client. `Err` holds the error to answer
-/// with (id null) when the message is not JSON at all.
+/// Classifies one line read from a stdio client: [`classify`], and a bare
+/// CR anywhere in it is refused (a line may end in CR LF). The Python SDK
+/// reads stdin with universal newlines, so a CR ends a line there: a message
+/// the gateway reads whole would be several to the server.
+pub fn classify_line(line: &[u8]) -> Result<Incoming, ErrorData> {
+    let line = line.strip_suffix(b"\r").unwrap_or(line);
+    let framing = line.contains(&b'\r').then(|| {
+        "a bare CR (carriage return) in the message: a peer reading lines with universal \
+         newlines (the Python SDK) splits the message there"
+            .to_owned()
+    });
+    classify_with(line, framing)
+}
+
+/// Classifies one message from the client (an HTTP body, or a line of
+/// stdio). `Err` holds the error to answer with (id null) when the message
+/// cannot be read at all, or is a batch refused whole.
 pub fn classify(bytes: &[u8]) -> Result<Incoming, ErrorData> {
-    let raw: Box<RawValue> = serde_json::from_slice(bytes)
-        .map_err(|e| ErrorData::new(codes::PARSE_ERROR, format!("parse error: {e}"), None))?;
-    match lead(&raw) {
-        b'[' => {
-            let elements: Vec<Box<RawValue>> = serde_json::from_str(raw.get()).map_err(|e| {
-                ErrorData::new(codes::PARSE_ERROR, format!("parse error: {e}"), None)
-            })?;
+    classify_with(bytes, None)
+}
+
+fn classify_with(bytes: &[u8], framing: Option<String>) -> Result<Incoming, ErrorData> {
+    let parse_error = |e: &dyn fmt::Display| {
+        ErrorData::new(codes::PARSE_ERROR, format!("parse error: {e}"), None)
+    };
+    let parse_error = |e: &dyn fmt::Display| match &framing {
+        // Say why the line may have been cut where it was.
+        Some(framing) => parse_error(&format!("{e}; {framing}")),
+        None => parse_error(e),
+    };
+    let text = std::str::from_utf8(bytes).map_err(|e| parse_error(&e))?;
+    let read = json::read(text).map_err(|e| parse_error(&e))?;
+    // What makes the whole message unreadable alike to every peer.
+    let problem = framing.or_else(|| read.ambiguity.as_ref().map(ToString::to_string));
+    match read.value {
+        Json::Array(elements) => {
             if elements.is_empty() {
                 return Err(ErrorData::new(
                     codes::INVALID_REQUEST,
@@ -229,9 +269,27 @@ pub fn classify(bytes: &[u8]) -> Result<Incoming, ErrorData> {
                     None,
                 ));
             }
-            Ok(Incoming::Batch(elements.into_iter().map(item).collect()))
+            let items: Vec<Item> = elements.into_iter().map(|e| item(e, None)).collect();
+            let refused = problem.or_else(|| {
+                items.iter().enumerate().find_map(|(i, item)| match item {
+                    Item::Reject { error, .. } => Some(format!("element {i}: {}", error.message)),
+                    Item::Drop(why) => Some(format!("element {i}: {why}")),
+                    _ => None,
+                })
+            });
+            match refused {
+                None => Ok(Incoming::Batch(items)),
+                Some(why) => Err(ErrorData::new(
+                    codes::INVALID_REQUEST,
+                    format!(
+                        "guardmesh: the JSON-RPC batch was refused whole, nothing of it was \
+                         forwarded: {why}"
+                    ),
+                    None,
+                )),
+            }
         }
-        _ => Ok(Incoming::Single(item(raw))),
+        value => Ok(Incoming::Single(item(value, problem))),
     }
 }
 
@@ -242,115 +300,122 @@ fn invalid(id: Option<Box<RawValue>>, code: ErrorCode, message: String) -> Item 
     }
 }
 
-/// Classifies one JSON value (a message or a batch element).
-fn item(raw: Box<RawValue>) -> Item {
-    if lead(&raw) != b'{' {
+/// A request id as the gateway writes it, if it is one JSON-RPC allows
+/// (a string or a number).
+fn id_of(value: &Json) -> Option<Box<RawValue>> {
+    match value {
+        Json::String(_) | Json::Number(_) => RawValue::from_string(value.to_text()).ok(),
+        _ => None,
+    }
+}
+
+/// Classifies one JSON value (a message or a batch element); `problem`
+/// refuses it whatever it is.
+fn item(value: Json, problem: Option<String>) -> Item {
+    let Json::Object(members) = &value else {
         return invalid(
             None,
             codes::INVALID_REQUEST,
             "a JSON-RPC message must be an object".into(),
         );
+    };
+    // The id to answer a refusal with: only one that no peer can read
+    // differently (one member of that name, under case folding too).
+    let id = {
+        let mut ids = members
+            .iter()
+            .filter(|(k, _)| guardmesh_client::casefold::equal_fold(k, "id"));
+        match (ids.next(), ids.next()) {
+            (Some((name, id)), None) if name == "id" => id_of(id),
+            _ => None,
+        }
+    };
+    let refuse = |message: String| invalid(id.clone(), codes::INVALID_REQUEST, message);
+    if let Some(problem) = problem {
+        return refuse(format!(
+            "guardmesh: the message was not forwarded: {problem}"
+        ));
     }
-    let members: Members = match serde_json::from_str(raw.get()) {
-        Ok(members) => members,
-        Err(e) => {
-            return invalid(
-                None,
-                codes::INVALID_REQUEST,
-                format!("invalid message: {e}"),
-            );
-        }
-    };
-    let id = members.get("id").map(ToOwned::to_owned);
-    let valid_id = id
-        .as_deref()
-        .map(|id| matches!(lead(id), b'"' | b'-' | b'0'..=b'9'));
-    let Some(method) = members.get("method") else {
-        // A response to a request of the server, or an error: forwarded.
-        return Item::Forward(raw);
-    };
-    let Ok(method) = serde_json::from_str::<String>(method.get()) else {
-        let id = id.filter(|_| valid_id == Some(true));
-        return invalid(
-            id,
-            codes::INVALID_REQUEST,
-            "`method` is not a string".into(),
-        );
-    };
-    if method != "tools/call" {
-        return Item::Forward(raw);
-    }
-    match valid_id {
-        None => {
-            return Item::Drop(
-                "a tools/call without an id (a notification) is not forwarded".into(),
-            );
-        }
-        Some(false) => {
-            return invalid(
-                None,
-                codes::INVALID_REQUEST,
-                "a tools/call id must be a string or a number".into(),
-            );
-        }
-        Some(true) => {}
-    }
-    let id = id.unwrap_or_else(|| raw.clone());
-    let params: Members = match members.get("params") {
-        Some(p) if lead(p) == b'{' => match serde_json::from_str(p.get()) {
-            Ok(params) => params,
-            Err(e) => {
-                return invalid(
-                    Some(id),
-                    codes::INVALID_PARAMS,
-                    format!("tools/call params: {e}"),
-                );
-            }
-        },
-        _ => {
-            return invalid(
-                Some(id),
-                codes::INVALID_PARAMS,
-                "tools/call params must be an object".into(),
-            );
-        }
-    };
-    let name = match params
-        .get("name")
-        .map(|n| serde_json::from_str::<String>(n.get()))
+    if let Some((name, _)) = members
+        .iter()
+        .find(|(k, _)| !ENVELOPE.contains(&k.as_str()))
     {
-        Some(Ok(name)) if !name.is_empty() => name,
-        _ => {
-            return invalid(
-                Some(id),
-                codes::INVALID_PARAMS,
-                "tools/call params.name must be a non-empty string".into(),
+        return refuse(format!(
+            "guardmesh: unknown member {name:?} in a JSON-RPC message (allowed: {})",
+            ENVELOPE.join(", ")
+        ));
+    }
+    if value.get("jsonrpc").and_then(Json::as_str) != Some("2.0") {
+        return refuse("`jsonrpc` must be \"2.0\"".into());
+    }
+    let has_id = value.get("id").is_some();
+    if has_id && id.is_none() && value.get("error").is_none() {
+        return refuse("`id` must be a string or a number".into());
+    }
+    let Some(method) = value.get("method") else {
+        // A response to a request of the server: an id, and a result or an
+        // error.
+        if value.get("params").is_some()
+            || !has_id
+            || value.get("result").is_some() == value.get("error").is_some()
+        {
+            return refuse(
+                "a JSON-RPC response has an id and exactly one of `result` and `error`".into(),
             );
         }
+        return Item::Forward {
+            text: value.to_text(),
+            request: None,
+        };
+    };
+    let Some(method) = method.as_str() else {
+        return refuse("`method` is not a string".into());
+    };
+    if value.get("result").is_some() || value.get("error").is_some() {
+        return refuse("a JSON-RPC request has no `result` or `error`".into());
+    }
+    let params = value.get("params");
+    if method != "tools/call" {
+        if !matches!(params, None | Some(Json::Object(_) | Json::Array(_))) {
+            return invalid(
+                id,
+                codes::INVALID_PARAMS,
+                "`params` must be an object or an array".into(),
+            );
+        }
+        return Item::Forward {
+            request: id.as_deref().map(id_key),
+            text: value.to_text(),
+        };
+    }
+    let Some(id) = id else {
+        return Item::Drop("a tools/call without an id (a notification) is not forwarded".into());
+    };
+    let bad_params =
+        |message: &str| invalid(Some(id.clone()), codes::INVALID_PARAMS, message.into());
+    let Some(params @ Json::Object(_)) = params else {
+        return bad_params("tools/call params must be an object");
+    };
+    let name = match params.get("name").and_then(Json::as_str) {
+        Some(name) if !name.is_empty() => name.to_owned(),
+        _ => return bad_params("tools/call params.name must be a non-empty string"),
     };
     let arguments = match params.get("arguments") {
         None => String::new(),
-        Some(a) if lead(a) == b'{' => a.get().to_owned(),
-        Some(_) => {
-            return invalid(
-                Some(id),
-                codes::INVALID_PARAMS,
-                "tools/call params.arguments must be a JSON object".into(),
-            );
-        }
+        Some(arguments @ Json::Object(_)) => arguments.to_text(),
+        Some(_) => return bad_params("tools/call params.arguments must be a JSON object"),
     };
     let traceparent = params
         .get("_meta")
-        .and_then(|m| serde_json::from_str::<serde_json::Value>(m.get()).ok())
-        .and_then(|m| m.get("traceparent")?.as_str().map(str::to_owned));
+        .and_then(|m| m.get("traceparent"))
+        .and_then(Json::as_str)
+        .map(str::to_owned);
     Item::ToolCall(Box::new(ToolCallRequest {
         id,
-        members,
-        params,
+        message: value,
         name,
         arguments,
         traceparent,
-        original: raw,
     }))
 }
 
@@ -435,13 +500,33 @@ mod tests {
         }
     }
 
-    #[test]
-    fn r31_other_messages_are_forwarded_verbatim() {
-        let text = r#"{"jsonrpc":"2.0", "id":1,"method":"tools/list","params":{"x":1.50}}"#;
-        match single(text) {
-            Item::Forward(raw) => assert_eq!(raw.get(), text),
+    fn refusal(item: Item) -> (Option<String>, String) {
+        match item {
+            Item::Reject { id, error } => {
+                (id.map(|i| i.get().to_owned()), error.message.into_owned())
+            }
             other => panic!("{other:?}"),
         }
+    }
+
+    #[test]
+    fn r31_other_messages_are_forwarded_as_the_gateway_writes_them() {
+        let text = "{\"jsonrpc\":\"2.0\", \"id\":1,\"method\":\"tools/list\",\"params\":{\"x\":1.50,\"_meta\":{\"u\":\"\u{2028}\"}}}";
+        match single(text) {
+            Item::Forward { text, request } => {
+                assert_eq!(
+                    text,
+                    r#"{"jsonrpc":"2.0","id":1,"method":"tools/list","params":{"x":1.50,"_meta":{"u":"\u2028"}}}"#
+                );
+                assert_eq!(request.as_deref(), Some("1"));
+            }
+            other => panic!("{other:?}"),
+        }
+        let response = r#"{"jsonrpc":"2.0","id":"s1","result":{"roots":[]}}"#;
+        assert!(matches!(
+            single(response),
+            Item::Forward { request: None, .. }
+        ));
     }
 
     #[test]
@@ -454,13 +539,17 @@ mod tests {
         assert_eq!(call.name, "t");
         assert_eq!(call.arguments, r#"{"x":1}"#);
         assert_eq!(call.traceparent.as_deref(), Some("00-x"));
-        assert_eq!(call.forward("t", r#"{"x":1}"#), text);
+        assert_eq!(call.forward("t", r#"{"x":1}"#).unwrap(), text);
         let rewritten: serde_json::Value =
-            serde_json::from_str(&call.forward("u", r#"{"x":2}"#)).unwrap();
+            serde_json::from_str(&call.forward("u", r#"{"x":2}"#).unwrap()).unwrap();
         assert_eq!(rewritten["params"]["name"], "u");
         assert_eq!(rewritten["params"]["arguments"]["x"], 2);
         assert_eq!(rewritten["params"]["_meta"]["traceparent"], "00-x");
         assert_eq!(rewritten["id"], "a");
+        // Final arguments the gateway could not read as a client's are
+        // never forwarded.
+        assert!(call.forward("t", r#"{"p":1,"P":2}"#).is_err());
+        assert!(call.forward("t", "[1]").is_err());
     }
 
     #[test]
@@ -484,6 +573,96 @@ mod tests {
         }
         assert!(classify(b"{\"jsonrpc\":").is_err());
         assert!(classify(b"[]").is_err());
+    }
+
+    #[test]
+    fn r31_r20_names_peers_read_differently_are_refused_with_the_id() {
+        for (text, named) in [
+            (
+                r#"{"jsonrpc":"2.0","id":1,"method":"ping","METHOD":"tools/call"}"#,
+                "METHOD",
+            ),
+            (
+                r#"{"jsonrpc":"2.0","id":1,"Method":"tools/call"}"#,
+                "Method",
+            ),
+            (
+                r#"{"jsonrpc":"2.0","id":1,"method":"ping","params":{},"paramſ":{}}"#,
+                "paramſ",
+            ),
+            (
+                r#"{"jsonrpc":"2.0","id":1,"method":"tools/call","params":{"name":"a","Name":"b"}}"#,
+                "Name",
+            ),
+            (
+                r#"{"jsonrpc":"2.0","id":1,"method":"tools/call","params":{"name":"a","arguments":{"path":"x","PATH":"y"}}}"#,
+                "PATH",
+            ),
+            (
+                r#"{"jsonrpc":"2.0","id":1,"method":"ping","params":{"_meta":{"a":[{"mask":1,"MASK":2}]}}}"#,
+                "/params/_meta/a/0",
+            ),
+            (
+                r#"{"jsonrpc":"2.0","id":1,"method":"notifications/x","extra":1}"#,
+                "extra",
+            ),
+            (
+                r#"{"jsonrpc":"2.0","id":1,"result":{},"error":{}}"#,
+                "exactly one",
+            ),
+            (r#"{"jsonrpc":"1.0","id":1,"method":"ping"}"#, "2.0"),
+        ] {
+            let (id, message) = refusal(single(text));
+            assert_eq!(id.as_deref(), Some("1"), "{text}");
+            assert!(message.contains(named), "{text}: {message}");
+        }
+        // An id that is itself ambiguous is not echoed.
+        let (id, _) = refusal(single(r#"{"jsonrpc":"2.0","id":1,"ID":2,"method":"ping"}"#));
+        assert_eq!(id, None);
+    }
+
+    #[test]
+    fn r31_a_bare_cr_on_stdio_is_refused_and_crlf_is_a_line_end() {
+        let carrier = "{\"jsonrpc\":\"2.0\",\"id\":\"x\",\"method\":\"ping\",\"params\":{\"_meta\":{\"x\":\r{\"a\":1}\r}}}";
+        let Ok(Incoming::Single(item)) = classify_line(carrier.as_bytes()) else {
+            panic!()
+        };
+        let (id, message) = refusal(item);
+        assert_eq!(id.as_deref(), Some(r#""x""#));
+        assert!(message.contains("CR"), "{message}");
+        let crlf = "{\"jsonrpc\":\"2.0\",\"id\":1,\"method\":\"ping\"}\r";
+        assert!(matches!(
+            classify_line(crlf.as_bytes()),
+            Ok(Incoming::Single(Item::Forward { .. }))
+        ));
+        // Over HTTP a CR is whitespace, and it is not forwarded anyway.
+        assert!(matches!(
+            classify(carrier.as_bytes()),
+            Ok(Incoming::Single(Item::Forward { .. }))
+        ));
+    }
+
+    #[test]
+    fn r31_a_batch_with_an_element_it_cannot_judge_is_refused_whole() {
+        let good = r#"{"jsonrpc":"2.0","id":1,"method":"ping"}"#;
+        for bad in [
+            r#"{"jsonrpc":"2.0","id":2,"method":"tools/call","params":{"name":"a","name":"b"}}"#,
+            r#"{"jsonrpc":"2.0","method":"tools/call","params":{"name":"a"}}"#,
+            r#"{"jsonrpc":"2.0","id":2,"Method":"tools/call"}"#,
+            "7",
+        ] {
+            let error = classify(format!("[{good},{bad}]").as_bytes()).unwrap_err();
+            assert_eq!(error.code, codes::INVALID_REQUEST);
+            assert!(
+                error.message.contains("element 1") || error.message.contains("\"/1/"),
+                "{}",
+                error.message
+            );
+        }
+        assert!(matches!(
+            classify(format!("[{good},{good}]").as_bytes()),
+            Ok(Incoming::Batch(items)) if items.len() == 2
+        ));
     }
 
     #[test]

@@ -3,7 +3,7 @@
 //!
 //! | mesh answer | gateway |
 //! |---|---|
-//! | proceed | forward, with the final tool name and arguments (rewrites applied, R10-R12) |
+//! | proceed | forward, with the final tool name and arguments (rewrites applied, R10-R12), in the gateway's serialization of the message it judged |
 //! | steer | answer `CallToolResult { isError: true }` with the content |
 //! | cancel | answer `CallToolResult { isError: false }` with the content |
 //! | batch refused (R20) or aborted (R13, R17) | JSON-RPC error [`codes::MESH_REFUSED`] |
@@ -249,9 +249,20 @@ fn dispose(call: &ToolCallRequest, decision: &BatchDecision) -> Disposition {
         return Disposition::Answer(jsonrpc::error(Some(&call.id), &data));
     };
     match &outcome.outcome {
-        Outcome::Proceed => Disposition::Forward(
-            call.forward(&outcome.final_call.tool, &outcome.final_call.arguments),
-        ),
+        Outcome::Proceed => {
+            match call.forward(&outcome.final_call.tool, &outcome.final_call.arguments) {
+                Ok(text) => Disposition::Forward(text),
+                Err(error) => {
+                    tracing::warn!(%error, "a proceed the gateway cannot write: not forwarded");
+                    let data = ErrorData::new(
+                        codes::MESH_REFUSED,
+                        format!("guardmesh: the call was not run: {error}"),
+                        None,
+                    );
+                    Disposition::Answer(jsonrpc::error(Some(&call.id), &data))
+                }
+            }
+        }
         Outcome::Steer { content } => {
             Disposition::Answer(jsonrpc::tool_result(&call.id, content, true))
         }

@@ -12,10 +12,29 @@
 //!   one batch.
 //! * [`jsonrpc`]: strict reading of client messages, and the answers the
 //!   gateway writes itself.
+//! * [`json`]: the JSON tree messages are read into once and written out
+//!   from.
 //! * [`hook`]: `guardmesh hook pre-tool-use`, an agent host's
 //!   `PreToolUse` hook.
 //! * `pipes`: the process's stdin and stdout on the runtime's reactor, when
 //!   they are pipes or sockets.
+//!
+//! # Forwarding what was judged, as the gateway writes it
+//!
+//! The gateway reads each client message once and forwards its own
+//! serialization of what it read, never the client's bytes (R31). Bytes
+//! relayed unchanged would be read again by the upstream's parser, which
+//! may not read them as the gateway did: the Python SDK splits stdin at a
+//! bare CR (universal newlines) where JSON sees whitespace; Python and
+//! JavaScript take the last of two equal member names; Go's
+//! `encoding/json` matches member names case-insensitively (`METHOD`,
+//! `paramſ`, `PATH`). A call hidden in such a message would run unjudged.
+//! So every message, `tools/call` or not, is parsed into the gateway's
+//! tree ([`json`]), refused with a JSON-RPC error when any peer could read
+//! it differently (names that collide under case folding at any depth,
+//! unknown or repeated envelope members, a bare CR on stdio, a batch with
+//! an element it cannot judge), and otherwise written out compactly from
+//! the tree, with line breaks outside ASCII escaped.
 //!
 //! # Why not rmcp's service layer
 //!
@@ -23,19 +42,20 @@
 //! types ([`rmcp::model::CallToolResult`], [`rmcp::model::ErrorData`],
 //! [`rmcp::model::NumberOrString`]) for every answer the gateway writes
 //! itself, and its JSON-RPC line codec
-//! ([`rmcp::transport::async_rw::JsonRpcMessageCodec`], bounded) for stdio
-//! framing. Its client and server *services* are not used: they deserialize
-//! every message into the typed enums of the MCP revisions rmcp knows, so a
-//! method or field it does not know would be refused or dropped, and
-//! re-serializing would change the bytes the upstream receives. A relay must
-//! pass unknown methods, unknown fields, and numbers of any size through
-//! unchanged (R31), so messages other than `tools/call` are forwarded as the
-//! exact bytes received (`serde_json::value::RawValue`), and a `tools/call`
-//! that proceeds unchanged is forwarded as received too.
+//! ([`rmcp::transport::async_rw::JsonRpcMessageCodec`], bounded) for the
+//! upstream's stdio. Its client and server *services* are not used: they
+//! deserialize every message into the typed enums of the MCP revisions rmcp
+//! knows, so a method or field it does not know would be refused or
+//! dropped. A relay must pass unknown methods, unknown fields, and numbers
+//! of any size through (R31), so the gateway's tree keeps every member and
+//! each number as its text (`serde_json::Value` would round numbers to
+//! `f64`, and its `arbitrary_precision` feature would change number
+//! handling for every crate of the build).
 
 pub mod group;
 pub mod hook;
 pub mod http;
+pub mod json;
 pub mod jsonrpc;
 pub mod judge;
 mod pipes;

@@ -2,16 +2,21 @@
 //! over stdio; the gateway starts the upstream MCP server and relays every
 //! message both ways, judging each `tools/call` through the mesh first (R31).
 //!
-//! * Client to upstream: each line is read with `rmcp`'s JSON-RPC line codec
-//!   (bounded by `--max-message-bytes`) and classified
-//!   ([`crate::jsonrpc::classify`]). Tool calls are judged concurrently, each
+//! * Client to upstream: each line (split at LF, bounded by
+//!   `--max-message-bytes`) is read once and classified
+//!   ([`crate::jsonrpc::classify_line`]): a line with a bare CR, member
+//!   names that collide under case folding, or unknown envelope members is
+//!   answered with a JSON-RPC error and nothing of it is forwarded. What is
+//!   forwarded is the gateway's own serialization of what it read
+//!   ([`crate::json`]), never the client's bytes. Tool calls are judged concurrently, each
 //!   message (or JSON-RPC batch) in its own task, so a slow guard does not
 //!   hold up `tools/list` or pings. Single calls read together (sent
 //!   together by the client) are judged as one guard batch as soon as all
 //!   that was sent is read, or, with `--batch-window-ms`, those arriving
 //!   within that window ([`crate::group`]).
-//!   Everything else is forwarded as received.
-//! * A JSON-RPC batch: its `tools/call`s are one guard batch. Its elements are
+//!   Everything else is forwarded as the gateway writes it.
+//! * A JSON-RPC batch: its `tools/call`s are one guard batch; a batch with an
+//!   element the gateway cannot judge is refused whole. Its elements are
 //!   forwarded one by one (servers of the current MCP revision do not accept
 //!   batches), and the answer to the client is one array: the gateway's own
 //!   answers followed by the upstream's responses to the forwarded requests.
@@ -37,7 +42,7 @@ use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tokio::sync::mpsc;
-use tokio_util::codec::Decoder;
+use tokio_util::codec::{AnyDelimiterCodec, AnyDelimiterCodecError, Decoder};
 
 /// `guardmesh mcp stdio`.
 #[derive(clap::Args, Debug, Clone)]
@@ -129,6 +134,43 @@ async fn next_frame_or_idle<R: AsyncRead + Unpin>(
         idle();
         // Room for what the peer sent at once (`read_buf` alone would read
         // 64 bytes at a time into an empty buffer).
+        if buf.capacity() - buf.len() < READ_CHUNK / 2 {
+            buf.reserve(READ_CHUNK);
+        }
+        match reader.read_buf(buf).await {
+            Ok(0) => *eof = true,
+            Ok(_) => {}
+            Err(e) => return Some(Err(e.into())),
+        }
+    }
+}
+
+/// A line from the client: its bytes without the LF; or a line longer than
+/// the limit, discarded.
+type ClientLine = Result<bytes::Bytes, AnyDelimiterCodecError>;
+
+/// Reads the client's next line (split at LF only, as the gateway's own
+/// framing; a CR in it is judged by [`jsonrpc::classify_line`]); `None` at
+/// end of input. Calls `idle` each time everything read so far has been
+/// decoded, before waiting for more.
+async fn next_client_line<R: AsyncRead + Unpin>(
+    reader: &mut R,
+    buf: &mut BytesMut,
+    codec: &mut AnyDelimiterCodec,
+    eof: &mut bool,
+    mut idle: impl FnMut(),
+) -> Option<ClientLine> {
+    loop {
+        if *eof {
+            idle();
+            return codec.decode_eof(buf).transpose();
+        }
+        match codec.decode(buf) {
+            Ok(Some(line)) => return Some(Ok(line)),
+            Err(e) => return Some(Err(e)),
+            Ok(None) => {}
+        }
+        idle();
         if buf.capacity() - buf.len() < READ_CHUNK / 2 {
             buf.reserve(READ_CHUNK);
         }
@@ -286,7 +328,7 @@ where
     let mut input = input;
     let mut buf = BytesMut::new();
     let mut codec =
-        JsonRpcMessageCodec::<Box<RawValue>>::new_with_max_length(args.max_message_bytes);
+        AnyDelimiterCodec::new_with_max_length(b"\n".to_vec(), Vec::new(), args.max_message_bytes);
     let mut eof = false;
     let mut tasks = tokio::task::JoinSet::new();
     // Bounds the messages being judged at once: past it, the gateway stops
@@ -300,12 +342,12 @@ where
                 upstream_done = true;
                 break;
             }
-            frame = next_frame_or_idle(&mut input, &mut buf, &mut codec, &mut eof, || grouper.flush()) => frame,
+            frame = next_client_line(&mut input, &mut buf, &mut codec, &mut eof, || grouper.flush()) => frame,
         };
         let Some(frame) = frame else { break };
-        let message = match frame {
-            Ok(message) => message,
-            Err(JsonRpcMessageCodecError::MaxLineLengthExceeded) => {
+        let line = match frame {
+            Ok(line) => line,
+            Err(AnyDelimiterCodecError::MaxChunkLengthExceeded) => {
                 let data = ErrorData::new(
                     codes::TOO_LARGE,
                     format!(
@@ -317,14 +359,14 @@ where
                 let _ = to_client.send(jsonrpc::error(None, &data)).await;
                 continue;
             }
-            Err(JsonRpcMessageCodecError::Serde(e)) => {
-                let data = ErrorData::new(codes::PARSE_ERROR, format!("parse error: {e}"), None);
-                let _ = to_client.send(jsonrpc::error(None, &data)).await;
-                continue;
-            }
             Err(_) => break,
         };
-        let incoming = match jsonrpc::classify(message.get().as_bytes()) {
+        // Blank lines (a client's keep-alive, a CR LF ending alone) carry
+        // nothing.
+        if line.iter().all(|b| matches!(b, b' ' | b'\t' | b'\r')) {
+            continue;
+        }
+        let incoming = match jsonrpc::classify_line(&line) {
             Ok(incoming) => incoming,
             Err(error) => {
                 let _ = to_client.send(jsonrpc::error(None, &error)).await;
@@ -332,8 +374,8 @@ where
             }
         };
         match incoming {
-            Incoming::Single(Item::Forward(raw)) => {
-                let _ = to_upstream.send(raw.get().to_owned()).await;
+            Incoming::Single(Item::Forward { text, .. }) => {
+                let _ = to_upstream.send(text).await;
             }
             Incoming::Single(Item::Reject { id, error }) => {
                 let _ = to_client.send(jsonrpc::error(id.as_deref(), &error)).await;
@@ -483,10 +525,7 @@ async fn relay_batch(
     let mut forwards: Vec<(String, Option<String>)> = Vec::new();
     for item in rest {
         match item {
-            Item::Forward(raw) => {
-                let key = request_key(&raw);
-                forwards.push((raw.get().to_owned(), key));
-            }
+            Item::Forward { text, request } => forwards.push((text, request)),
             Item::Reject { id, error } => answers.push(jsonrpc::error(id.as_deref(), &error)),
             Item::Drop(why) => tracing::warn!("{why}"),
             Item::ToolCall(_) => {}
@@ -519,13 +558,6 @@ async fn relay_batch(
     for (text, _) in forwards {
         let _ = to_upstream.send(text).await;
     }
-}
-
-/// The id key of a request (a message with a method and an id).
-fn request_key(raw: &RawValue) -> Option<String> {
-    let members: jsonrpc::Members = serde_json::from_str(raw.get()).ok()?;
-    members.get("method")?;
-    members.get("id").map(jsonrpc::id_key)
 }
 
 #[cfg(test)]

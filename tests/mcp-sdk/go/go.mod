@@ -1,0 +1,3 @@
+module guardmesh.test/mcp-upstream
+
+go 1.19
