@@ -15,7 +15,9 @@
 //!   chain, and the conformance kit against each.
 //! * `mcp`: the MCP gateway and the pre-tool hook through the official MCP
 //!   SDK (R31); `mcp_readme`: the README's client and hook snippets as
-//!   written; `mcp_relay`: grouping over HTTP and the stderr relay.
+//!   written; `mcp_relay`: grouping over HTTP and the stderr relay;
+//!   `mcp_bounds`: slow, idle and flooding clients, Origin and Host, and a
+//!   chatty upstream (R25 through the gateway).
 //! * `cli`, `shutdown`: the `guardmesh` command as users run it.
 //! * `decision_log`: the decision log in the mesh, `guardmesh log verify`
 //!   and `guardmesh replay` (R29, R30); `decision_log_replay`: replay
@@ -43,6 +45,7 @@ mod decision_log_replay;
 mod etcd;
 mod faults;
 mod mcp;
+mod mcp_bounds;
 mod mcp_readme;
 mod mcp_relay;
 mod observability;
