@@ -677,7 +677,7 @@ impl Access {
         };
         let text = String::from_utf8_lossy(origin.as_bytes()).into_owned();
         let lower = text.trim_end_matches('/').to_ascii_lowercase();
-        if self.origins.iter().any(|o| *o == lower) {
+        if self.origins.contains(&lower) {
             return Ok(());
         }
         // Same origin: the scheme the gateway serves, and a host that names
