@@ -302,7 +302,7 @@ async fn r31_r25_http_half_sent_requests_hold_no_descriptors_and_spin_nothing() 
     eprintln!("gateway peak RSS {peak} MiB");
 }
 
-/// Slow bodies: 150 connections each send 4 MiB less 64 bytes of a 4 MiB
+/// Slow bodies: 100 connections each send 4 MiB less 64 bytes of a 4 MiB
 /// body and then nothing. The bytes the gateway buffers are bounded (the
 /// global body budget), its peak RSS stays under 200 MiB, a canary is
 /// answered within a second, and the body timeout (default 10 s) ends what
@@ -327,7 +327,7 @@ async fn r31_r25_http_slow_bodies_are_bounded_in_bytes_and_time() {
             .unwrap();
         runtime.block_on(async move {
             let mut attack = tokio::task::JoinSet::new();
-            for _ in 0..150 {
+            for _ in 0..100 {
                 attack.spawn(async move {
                     let mut stream = TcpStream::connect(("127.0.0.1", port)).await.ok()?;
                     let head = format!(
