@@ -23,6 +23,8 @@
 //!   written; `mcp_relay`: grouping over HTTP and the stderr relay;
 //!   `mcp_smuggling`: calls smuggled past the gateway to Python, Go and
 //!   TypeScript peers.
+//!   `mcp_bounds`: slow, idle and flooding clients, Origin and Host, and a
+//!   chatty upstream (R25 through the gateway).
 //! * `cli`, `shutdown`: the `guardmesh` command as users run it.
 //! * `decision_log`: the decision log in the mesh, `guardmesh log verify`
 //!   and `guardmesh replay` (R29, R30); `decision_log_replay`: replay
@@ -52,6 +54,7 @@ mod faults;
 mod gate;
 mod hook;
 mod mcp;
+mod mcp_bounds;
 mod mcp_readme;
 mod mcp_relay;
 mod mcp_smuggling;

@@ -23,6 +23,38 @@
 //!   (rustls, HTTP/1.1). Without them only loopback listen addresses are
 //!   served: a non-loopback address is refused, so that tool calls and
 //!   their session ids never cross a network in clear text.
+//!
+//! # Checks and bounds (R31, R25)
+//!
+//! * `Host` must name the address the connection arrived on (or
+//!   `localhost` on a loopback address), or one given with
+//!   `--allowed-host`; otherwise 421. A browser `Origin` must be the same
+//!   origin or one given with `--allowed-origin`; otherwise 403. Requests
+//!   without `Origin` (non-browser clients) pass. This is the MCP
+//!   transport's defence against DNS rebinding.
+//! * The client's `Host` and `Origin` are forwarded as received (the
+//!   gateway does not put the upstream's own address in `Host`), so an
+//!   upstream that checks them itself keeps doing so: a name allowed at
+//!   the gateway must be allowed at such an upstream too.
+//! * Only POST may carry a message: any other method with a body (a
+//!   `Content-Length` above 0, or chunked) is refused with 405 and nothing
+//!   is forwarded.
+//! * Headers must arrive within `--header-timeout-ms` (also the limit on
+//!   an idle kept-alive connection), a POST body within `--body-timeout-ms`
+//!   (408). A body is at most `--max-message-bytes` (413); bodies being
+//!   read share `--max-buffered-bytes` beyond their first
+//!   [`BODY_ALLOWANCE`] bytes, and a body that finds the budget spent is
+//!   answered 503 at once.
+//! * At most `--max-connections` connections are open (default: from the
+//!   open-file limit). At the cap, a new connection takes the place of the
+//!   one that has waited longest without a request in progress (idle, or
+//!   still sending its headers); when every one has a request in progress
+//!   the new one is closed. A failed accept ("too many open files") frees
+//!   such a connection too, and backs off instead of spinning.
+//! * `tools/call` messages being judged: at most `--max-calls-per-session`
+//!   per MCP session and `--max-calls-in-flight` in all; past either, the
+//!   message is answered at once with HTTP 429 and the JSON-RPC error
+//!   [`BUSY`], so no session can fill the shared link to the mesh.
 
 use crate::jsonrpc::{self, Incoming, Item, ToolCallRequest, codes};
 use crate::judge::{Disposition, Judge, MeshArgs};
@@ -30,13 +62,31 @@ use crate::stdio::fresh_session_id;
 use bytes::Bytes;
 use http::{HeaderMap, HeaderValue, Method, Request, Response, StatusCode, Uri, header};
 use http_body_util::combinators::BoxBody;
-use http_body_util::{BodyExt, Full, Limited};
+use http_body_util::{BodyExt, Full};
 use hyper::body::Incoming as Body;
 use hyper_util::client::legacy::Client;
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::{TokioExecutor, TokioIo};
-use rmcp::model::ErrorData;
-use std::sync::Arc;
+use rmcp::model::{ErrorCode, ErrorData};
+use std::collections::{BTreeMap, HashMap};
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::Duration;
+
+/// `mcp http`: a `tools/call` message was not judged because its session
+/// (or the gateway) has as many being judged as it may (HTTP 429); the
+/// client may send it again later. Nothing was forwarded.
+pub const BUSY: ErrorCode = ErrorCode(-32074);
+
+/// The first bytes of each request body, which do not count against
+/// `--max-buffered-bytes` (so a small request is never refused for lack
+/// of budget); bounded by the connection cap.
+pub const BODY_ALLOWANCE: usize = 16 << 10;
+
+/// hyper's read buffer per connection, at most (a request's headers must
+/// fit in it).
+const READ_BUFFER_BYTES: usize = 64 << 10;
 
 /// `guardmesh mcp http`.
 #[derive(clap::Args, Debug, Clone)]
@@ -64,6 +114,41 @@ pub struct HttpArgs {
     /// still answered on its own request); 0 judges each on its own.
     #[arg(long, default_value_t = 2)]
     pub batch_window_ms: u64,
+    /// Time a client has to send a request's headers (and the longest a
+    /// kept-alive connection may sit idle), in milliseconds.
+    #[arg(long, default_value_t = 10_000, value_parser = clap::value_parser!(u64).range(1..))]
+    pub header_timeout_ms: u64,
+    /// Time a client has to send a POST body once its headers are read, in
+    /// milliseconds; past it the request is answered 408.
+    #[arg(long, default_value_t = 10_000, value_parser = clap::value_parser!(u64).range(1..))]
+    pub body_timeout_ms: u64,
+    /// Most client connections open at once; 0: automatic (half of the
+    /// open-file limit less a reserve, leaving descriptors for the
+    /// upstream and the mesh).
+    #[arg(long, default_value_t = 0)]
+    pub max_connections: usize,
+    /// Bytes of request bodies held at once, over all connections, beyond
+    /// the first 16 KiB of each; a body that finds them spent is answered
+    /// 503.
+    #[arg(long, default_value_t = 64 << 20)]
+    pub max_buffered_bytes: usize,
+    /// tools/call messages (a JSON-RPC batch counts once) of one MCP session
+    /// being judged at once; past it, HTTP 429 with JSON-RPC error -32074.
+    #[arg(long, default_value_t = 16, value_parser = clap::value_parser!(u64).range(1..))]
+    pub max_calls_per_session: u64,
+    /// tools/call messages being judged at once over all sessions; past it,
+    /// HTTP 429 with JSON-RPC error -32074.
+    #[arg(long, default_value_t = 256, value_parser = clap::value_parser!(u64).range(1..))]
+    pub max_calls_in_flight: u64,
+    /// A browser origin allowed besides the gateway's own (e.g.
+    /// `https://app.example`); repeatable. Requests without `Origin` are
+    /// always allowed.
+    #[arg(long = "allowed-origin", value_name = "ORIGIN")]
+    pub allowed_origins: Vec<String>,
+    /// A `Host` allowed besides the gateway's own address (`name` allows
+    /// any port, `name:port` that port); repeatable.
+    #[arg(long = "allowed-host", value_name = "HOST")]
+    pub allowed_hosts: Vec<String>,
 }
 
 type Out = BoxBody<Bytes, hyper::Error>;
@@ -74,6 +159,11 @@ struct Proxy {
     judge: Arc<Judge>,
     grouper: crate::group::Grouper,
     max: usize,
+    body_timeout: Duration,
+    /// Bytes of bodies beyond [`BODY_ALLOWANCE`], one permit a byte.
+    budget: Arc<tokio::sync::Semaphore>,
+    calls: CallLimits,
+    access: Access,
 }
 
 fn full(bytes: impl Into<Bytes>) -> Out {
@@ -100,7 +190,9 @@ fn error_response(
     json_response(status, jsonrpc::error(id, e))
 }
 
-/// Headers that belong to one connection, not to the message.
+/// Headers that belong to one connection, not to the message. `Host` is
+/// not one of them: it is forwarded as the client sent it (checked first,
+/// [`Access`]), so that an upstream's own check sees it.
 fn hop_by_hop(name: &header::HeaderName) -> bool {
     matches!(
         name.as_str(),
@@ -109,7 +201,6 @@ fn hop_by_hop(name: &header::HeaderName) -> bool {
             | "transfer-encoding"
             | "te"
             | "upgrade"
-            | "host"
             | "content-length"
             | "proxy-connection"
     )
@@ -170,6 +261,100 @@ impl Proxy {
         }
     }
 
+    /// A request as it arrives on a connection whose local address is
+    /// `local`: checked ([`Access`], methods with bodies), then handled.
+    async fn serve(&self, request: Request<Body>, local: SocketAddr) -> Response<Out> {
+        if let Err(refused) = self.access.check(request.headers(), local) {
+            return refused.response();
+        }
+        if request.method() != Method::POST && carries_body(&request) {
+            let data = ErrorData::new(
+                codes::INVALID_REQUEST,
+                format!(
+                    "guardmesh: a {} request may not carry a body; JSON-RPC messages are POSTed",
+                    request.method()
+                ),
+                None,
+            );
+            let mut response = error_response(StatusCode::METHOD_NOT_ALLOWED, None, &data);
+            response
+                .headers_mut()
+                .insert(header::ALLOW, HeaderValue::from_static("GET, POST, DELETE"));
+            return response;
+        }
+        self.handle(request).await
+    }
+
+    /// Reads a POST body within the size limit, the body deadline and the
+    /// shared byte budget; the permit holds the body's share of the budget
+    /// until the request is answered.
+    async fn read_body(
+        &self,
+        mut body: Body,
+    ) -> Result<(Bytes, Option<tokio::sync::OwnedSemaphorePermit>), Response<Out>> {
+        let deadline = tokio::time::Instant::now() + self.body_timeout;
+        let mut bytes = bytes::BytesMut::new();
+        let mut permit: Option<tokio::sync::OwnedSemaphorePermit> = None;
+        loop {
+            let frame = match tokio::time::timeout_at(deadline, body.frame()).await {
+                Err(_) => {
+                    let data = ErrorData::new(
+                        codes::INVALID_REQUEST,
+                        format!(
+                            "guardmesh: the request body did not arrive within {} ms",
+                            self.body_timeout.as_millis()
+                        ),
+                        None,
+                    );
+                    return Err(error_response(StatusCode::REQUEST_TIMEOUT, None, &data));
+                }
+                Ok(None) => break,
+                Ok(Some(Err(error))) => {
+                    let data = ErrorData::new(
+                        codes::INVALID_REQUEST,
+                        format!("guardmesh: reading the request body failed: {error}"),
+                        None,
+                    );
+                    return Err(error_response(StatusCode::BAD_REQUEST, None, &data));
+                }
+                Ok(Some(Ok(frame))) => frame,
+            };
+            let Ok(data) = frame.into_data() else {
+                continue;
+            };
+            let total = bytes.len() + data.len();
+            if total > self.max {
+                let data = ErrorData::new(
+                    codes::TOO_LARGE,
+                    format!("guardmesh: request body longer than {} bytes", self.max),
+                    None,
+                );
+                return Err(error_response(StatusCode::PAYLOAD_TOO_LARGE, None, &data));
+            }
+            let counted =
+                total.saturating_sub(BODY_ALLOWANCE) - bytes.len().saturating_sub(BODY_ALLOWANCE);
+            if counted > 0 {
+                let more = u32::try_from(counted)
+                    .ok()
+                    .and_then(|n| self.budget.clone().try_acquire_many_owned(n).ok());
+                let Some(more) = more else {
+                    let data = ErrorData::new(
+                        BUSY,
+                        "guardmesh: too many request bodies are being read at once; try again",
+                        None,
+                    );
+                    return Err(busy_response(StatusCode::SERVICE_UNAVAILABLE, &data));
+                };
+                match &mut permit {
+                    Some(held) => held.merge(more),
+                    None => permit = Some(more),
+                }
+            }
+            bytes.extend_from_slice(&data);
+        }
+        Ok((bytes.freeze(), permit))
+    }
+
     async fn handle(&self, request: Request<Body>) -> Response<Out> {
         let (parts, body) = request.into_parts();
         if parts.method != Method::POST {
@@ -177,16 +362,9 @@ impl Proxy {
                 .forward(parts.method, &parts.headers, body.boxed())
                 .await;
         }
-        let bytes = match Limited::new(body, self.max).collect().await {
-            Ok(collected) => collected.to_bytes(),
-            Err(_) => {
-                let data = ErrorData::new(
-                    codes::TOO_LARGE,
-                    format!("guardmesh: request body longer than {} bytes", self.max),
-                    None,
-                );
-                return error_response(StatusCode::PAYLOAD_TOO_LARGE, None, &data);
-            }
+        let (bytes, _budget) = match self.read_body(body).await {
+            Ok(read) => read,
+            Err(response) => return response,
         };
         let session = parts
             .headers
@@ -218,6 +396,10 @@ impl Proxy {
             }
             Incoming::Single(Item::ToolCall(call)) => {
                 let call = *call;
+                let _slot = match self.calls.enter(&session) {
+                    Ok(slot) => slot,
+                    Err(busy) => return busy.response(Some(&*call.id)),
+                };
                 match self.grouper.judge_one(&session, call).await {
                     Disposition::Forward(text) => {
                         self.forward(parts.method, &parts.headers, full(text)).await
@@ -239,6 +421,10 @@ impl Proxy {
                     let body = format!("[{}]", texts.join(","));
                     return self.forward(parts.method, &parts.headers, full(body)).await;
                 }
+                let _slot = match self.calls.enter(&session) {
+                    Ok(slot) => slot,
+                    Err(busy) => return busy.response(None),
+                };
                 self.batch(items, &session, &parts.headers).await
             }
         }
@@ -392,20 +578,546 @@ fn tls_acceptor(
 }
 
 /// How long a client may take to complete its TLS handshake.
-const HANDSHAKE_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(10);
+const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
 
-/// Serves HTTP/1.1 on one client connection.
-async fn serve_connection<IO>(io: IO, proxy: Arc<Proxy>)
-where
+/// Whether a request carries a body: a `Content-Length` above 0, or a
+/// chunked one (which may hold anything).
+fn carries_body(request: &Request<Body>) -> bool {
+    use hyper::body::Body as _;
+    !request.body().is_end_stream()
+}
+
+/// An answer the gateway makes when it is too busy: `status` with a JSON-RPC
+/// error, and `Retry-After`.
+fn busy_response(status: StatusCode, data: &ErrorData) -> Response<Out> {
+    let mut response = error_response(status, None, data);
+    response
+        .headers_mut()
+        .insert(header::RETRY_AFTER, HeaderValue::from_static("1"));
+    response
+}
+
+// ---------------------------------------------------------------------------
+// Origin and Host
+// ---------------------------------------------------------------------------
+
+/// The `Origin` and `Host` checks (DNS rebinding).
+struct Access {
+    /// Allowed origins besides the connection's own, lowercase, without a
+    /// trailing slash.
+    origins: Vec<String>,
+    /// Allowed hosts besides the connection's own: (name, port or any).
+    hosts: Vec<(String, Option<u16>)>,
+    tls: bool,
+}
+
+/// Why a request was refused by [`Access`].
+#[derive(Debug, thiserror::Error)]
+enum Refused {
+    #[error("guardmesh: Host {0:?} is not this gateway's address nor an --allowed-host")]
+    Host(String),
+    #[error("guardmesh: the request has no Host")]
+    NoHost,
+    #[error("guardmesh: Origin {0:?} is not allowed (see --allowed-origin)")]
+    Origin(String),
+}
+
+impl Refused {
+    fn response(&self) -> Response<Out> {
+        let status = match self {
+            Self::Host(_) => StatusCode::MISDIRECTED_REQUEST,
+            Self::NoHost => StatusCode::BAD_REQUEST,
+            Self::Origin(_) => StatusCode::FORBIDDEN,
+        };
+        let data = ErrorData::new(codes::INVALID_REQUEST, self.to_string(), None);
+        error_response(status, None, &data)
+    }
+}
+
+/// Splits `host[:port]` (IPv6 in brackets); the name lowercased.
+fn split_host(value: &str) -> Option<(String, Option<u16>)> {
+    let authority: http::uri::Authority = value.parse().ok()?;
+    if authority.as_str().contains('@') {
+        return None;
+    }
+    Some((authority.host().to_ascii_lowercase(), authority.port_u16()))
+}
+
+impl Access {
+    fn new(args: &HttpArgs, tls: bool) -> Self {
+        Self {
+            origins: args
+                .allowed_origins
+                .iter()
+                .map(|o| o.trim_end_matches('/').to_ascii_lowercase())
+                .collect(),
+            hosts: args
+                .allowed_hosts
+                .iter()
+                .filter_map(|h| split_host(h))
+                .collect(),
+            tls,
+        }
+    }
+
+    /// Whether `host[:port]` names this gateway as reached at `local`.
+    fn own_host(&self, name: &str, port: Option<u16>, local: SocketAddr) -> bool {
+        let default_port = if self.tls { 443 } else { 80 };
+        let port_ok = port.unwrap_or(default_port) == local.port();
+        let ip = local.ip();
+        let name_ok = match name
+            .trim_start_matches('[')
+            .trim_end_matches(']')
+            .parse::<std::net::IpAddr>()
+        {
+            Ok(named) => named == ip,
+            Err(_) => name == "localhost" && ip.is_loopback(),
+        };
+        (port_ok && name_ok)
+            || self
+                .hosts
+                .iter()
+                .any(|(allowed, p)| allowed == name && p.is_none_or(|p| Some(p) == port))
+    }
+
+    fn check(&self, headers: &HeaderMap, local: SocketAddr) -> Result<(), Refused> {
+        let host = headers.get(header::HOST).ok_or(Refused::NoHost)?;
+        let host_text = String::from_utf8_lossy(host.as_bytes()).into_owned();
+        match split_host(&host_text) {
+            Some((name, port)) if self.own_host(&name, port, local) => {}
+            _ => return Err(Refused::Host(host_text)),
+        }
+        let Some(origin) = headers.get(header::ORIGIN) else {
+            return Ok(());
+        };
+        let text = String::from_utf8_lossy(origin.as_bytes()).into_owned();
+        let lower = text.trim_end_matches('/').to_ascii_lowercase();
+        if self.origins.contains(&lower) {
+            return Ok(());
+        }
+        // Same origin: the scheme the gateway serves, and a host that names
+        // it.
+        let scheme = if self.tls { "https://" } else { "http://" };
+        let same = lower
+            .strip_prefix(scheme)
+            .and_then(split_host)
+            .is_some_and(|(name, port)| {
+                let port = port.or(Some(if self.tls { 443 } else { 80 }));
+                self.own_host(&name, port, local)
+            });
+        if same {
+            Ok(())
+        } else {
+            Err(Refused::Origin(text))
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------
+// tools/call messages being judged
+// ---------------------------------------------------------------------------
+
+/// Bounds on `tools/call` messages being judged: per session and in all.
+struct CallLimits {
+    per_session: usize,
+    total: usize,
+    state: Arc<Mutex<(usize, HashMap<String, usize>)>>,
+}
+
+/// A message's place under [`CallLimits`], given back on drop.
+struct CallSlot {
+    session: String,
+    state: Arc<Mutex<(usize, HashMap<String, usize>)>>,
+}
+
+/// Which bound a message found full.
+#[derive(Debug, thiserror::Error)]
+enum Busy {
+    #[error(
+        "guardmesh: this MCP session already has {0} tools/call messages being judged \
+         (--max-calls-per-session); try again when one is answered"
+    )]
+    Session(usize),
+    #[error(
+        "guardmesh: the gateway already has {0} tools/call messages being judged \
+         (--max-calls-in-flight); try again shortly"
+    )]
+    Total(usize),
+}
+
+impl Busy {
+    fn response(&self, id: Option<&serde_json::value::RawValue>) -> Response<Out> {
+        let data = ErrorData::new(BUSY, self.to_string(), None);
+        let mut response = error_response(StatusCode::TOO_MANY_REQUESTS, id, &data);
+        response
+            .headers_mut()
+            .insert(header::RETRY_AFTER, HeaderValue::from_static("1"));
+        response
+    }
+}
+
+impl CallLimits {
+    fn new(per_session: u64, total: u64) -> Self {
+        Self {
+            per_session: usize::try_from(per_session).unwrap_or(usize::MAX),
+            total: usize::try_from(total).unwrap_or(usize::MAX),
+            state: Arc::default(),
+        }
+    }
+
+    fn enter(&self, session: &str) -> Result<CallSlot, Busy> {
+        let mut state = self.state.lock().unwrap_or_else(PoisonError::into_inner);
+        if state.0 >= self.total {
+            return Err(Busy::Total(self.total));
+        }
+        let count = state.1.entry(session.to_owned()).or_insert(0);
+        if *count >= self.per_session {
+            return Err(Busy::Session(self.per_session));
+        }
+        *count += 1;
+        state.0 += 1;
+        Ok(CallSlot {
+            session: session.to_owned(),
+            state: self.state.clone(),
+        })
+    }
+}
+
+impl Drop for CallSlot {
+    fn drop(&mut self) {
+        let mut state = self.state.lock().unwrap_or_else(PoisonError::into_inner);
+        state.0 -= 1;
+        if let Some(count) = state.1.get_mut(&self.session) {
+            *count -= 1;
+            if *count == 0 {
+                state.1.remove(&self.session);
+            }
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------
+// Connections
+// ---------------------------------------------------------------------------
+
+/// The open connections, under the cap, and which of them may make room
+/// for a new one: those without a request in progress, oldest first.
+struct Registry {
+    cap: usize,
+    state: Mutex<Connections>,
+}
+
+#[derive(Default)]
+struct Connections {
+    open: usize,
+    tick: u64,
+    /// Connections without a request in progress, by when they became so.
+    idle: BTreeMap<u64, Arc<Conn>>,
+    evicted: u64,
+    refused: u64,
+    logged: Option<std::time::Instant>,
+}
+
+/// [`Conn::key`] of a connection with a request in progress.
+const BUSY_KEY: u64 = 0;
+/// [`Conn::key`] of a connection closed to make room.
+const EVICTED_KEY: u64 = u64::MAX;
+
+struct Conn {
+    /// Its key in [`Connections::idle`], or [`BUSY_KEY`] or
+    /// [`EVICTED_KEY`]; changed only under the registry's lock.
+    key: AtomicU64,
+    close: tokio::sync::Notify,
+}
+
+/// A connection's place under the cap; given back on drop.
+struct Slot {
+    registry: Arc<Registry>,
+    conn: Arc<Conn>,
+}
+
+/// A request in progress on a connection; the connection is idle again
+/// when it is dropped (with the response body, once it is sent).
+struct InProgress {
+    registry: Arc<Registry>,
+    conn: Arc<Conn>,
+}
+
+impl Registry {
+    fn lock(&self) -> std::sync::MutexGuard<'_, Connections> {
+        self.state.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Closes the connection idle the longest; whether there was one.
+    fn evict(state: &mut Connections) -> bool {
+        let Some((_, victim)) = state.idle.pop_first() else {
+            return false;
+        };
+        victim.key.store(EVICTED_KEY, Ordering::Relaxed);
+        victim.close.notify_one();
+        state.open -= 1;
+        state.evicted += 1;
+        true
+    }
+
+    /// A place for a new connection: free, or made by closing the one idle
+    /// the longest; `None` when every open connection has a request in
+    /// progress.
+    fn admit(self: &Arc<Self>) -> Option<Slot> {
+        let mut state = self.lock();
+        if state.open >= self.cap && !Self::evict(&mut state) {
+            state.refused += 1;
+            if state
+                .logged
+                .is_none_or(|at| at.elapsed() >= Duration::from_secs(5))
+            {
+                tracing::warn!(
+                    cap = self.cap,
+                    refused = state.refused,
+                    "mcp http: every connection has a request in progress; closing new ones"
+                );
+                state.logged = Some(std::time::Instant::now());
+            }
+            return None;
+        }
+        state.open += 1;
+        state.tick += 1;
+        let conn = Arc::new(Conn {
+            key: AtomicU64::new(state.tick),
+            close: tokio::sync::Notify::new(),
+        });
+        let tick = state.tick;
+        state.idle.insert(tick, conn.clone());
+        Some(Slot {
+            registry: self.clone(),
+            conn,
+        })
+    }
+
+    /// Frees a descriptor after a failed accept by closing the connection
+    /// idle the longest.
+    fn make_room(&self) -> bool {
+        Self::evict(&mut self.lock())
+    }
+
+    /// A request starts on `conn`; `None` if it was closed to make room.
+    fn start(self: &Arc<Self>, conn: &Arc<Conn>) -> Option<InProgress> {
+        let mut state = self.lock();
+        match conn.key.load(Ordering::Relaxed) {
+            EVICTED_KEY => return None,
+            BUSY_KEY => {}
+            key => {
+                state.idle.remove(&key);
+                conn.key.store(BUSY_KEY, Ordering::Relaxed);
+            }
+        }
+        Some(InProgress {
+            registry: self.clone(),
+            conn: conn.clone(),
+        })
+    }
+}
+
+impl Drop for InProgress {
+    fn drop(&mut self) {
+        let mut state = self.registry.lock();
+        if self.conn.key.load(Ordering::Relaxed) == BUSY_KEY {
+            state.tick += 1;
+            let tick = state.tick;
+            self.conn.key.store(tick, Ordering::Relaxed);
+            state.idle.insert(tick, self.conn.clone());
+        }
+    }
+}
+
+impl Drop for Slot {
+    fn drop(&mut self) {
+        let mut state = self.registry.lock();
+        match self.conn.key.load(Ordering::Relaxed) {
+            EVICTED_KEY => {}
+            key => {
+                if key != BUSY_KEY {
+                    state.idle.remove(&key);
+                }
+                state.open -= 1;
+            }
+        }
+        self.conn.key.store(EVICTED_KEY, Ordering::Relaxed);
+    }
+}
+
+/// A response body that keeps its connection marked busy until it is
+/// sent (or dropped).
+struct Tracked {
+    inner: Out,
+    _in_progress: InProgress,
+}
+
+impl hyper::body::Body for Tracked {
+    type Data = Bytes;
+    type Error = hyper::Error;
+
+    fn poll_frame(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Option<Result<hyper::body::Frame<Bytes>, hyper::Error>>> {
+        std::pin::Pin::new(&mut self.inner).poll_frame(cx)
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.inner.is_end_stream()
+    }
+
+    fn size_hint(&self) -> hyper::body::SizeHint {
+        self.inner.size_hint()
+    }
+}
+
+/// The connection cap when none is configured: half of the open-file limit
+/// less a reserve (an eighth of it, at least 64), since each client
+/// connection may need one to the upstream as well; 1024 when the process
+/// has no limit.
+fn automatic_connection_cap() -> usize {
+    let Some(limit) = raise_open_file_limit() else {
+        return 1024;
+    };
+    let limit = usize::try_from(limit).unwrap_or(usize::MAX);
+    let reserve = (limit / 8).max(64);
+    (limit.saturating_sub(reserve) / 2).max(16)
+}
+
+/// Raises the soft open-file limit to the hard one, as servers commonly do;
+/// returns the limit in force (`None`: unlimited or unknown).
+fn raise_open_file_limit() -> Option<u64> {
+    #[cfg(unix)]
+    {
+        let mut limit = libc::rlimit {
+            rlim_cur: 0,
+            rlim_max: 0,
+        };
+        // SAFETY: getrlimit and setrlimit only read and write the struct.
+        unsafe {
+            if libc::getrlimit(libc::RLIMIT_NOFILE, &mut limit) != 0 {
+                return None;
+            }
+            if limit.rlim_cur < limit.rlim_max {
+                let raised = libc::rlimit {
+                    rlim_cur: limit.rlim_max,
+                    rlim_max: limit.rlim_max,
+                };
+                if libc::setrlimit(libc::RLIMIT_NOFILE, &raised) == 0 {
+                    limit = raised;
+                }
+            }
+        }
+        (limit.rlim_cur != libc::RLIM_INFINITY).then_some(limit.rlim_cur)
+    }
+    #[cfg(not(unix))]
+    {
+        None
+    }
+}
+
+/// Whether an accept failed for want of file descriptors (EMFILE, ENFILE).
+fn out_of_descriptors(error: &std::io::Error) -> bool {
+    #[cfg(unix)]
+    {
+        matches!(error.raw_os_error(), Some(libc::EMFILE | libc::ENFILE))
+    }
+    #[cfg(not(unix))]
+    {
+        let _ = error;
+        false
+    }
+}
+
+/// Pauses between failed accepts: a failure such as "too many open files"
+/// leaves the connection queued, so an immediate retry fails again at once.
+/// The pause doubles from 5 ms to 250 ms and resets on success; failures
+/// are logged at most every 5 s.
+struct AcceptBackoff {
+    next: Duration,
+    failures: u64,
+    logged: Option<std::time::Instant>,
+}
+
+impl AcceptBackoff {
+    const FIRST: Duration = Duration::from_millis(5);
+    const MAX: Duration = Duration::from_millis(250);
+
+    fn new() -> Self {
+        Self {
+            next: Self::FIRST,
+            failures: 0,
+            logged: None,
+        }
+    }
+
+    fn succeeded(&mut self) {
+        self.next = Self::FIRST;
+    }
+
+    async fn failed(&mut self, error: &std::io::Error) {
+        self.failures += 1;
+        if self
+            .logged
+            .is_none_or(|at| at.elapsed() >= Duration::from_secs(5))
+        {
+            tracing::warn!(%error, failures = self.failures, "mcp http: accept failed; backing off");
+            self.logged = Some(std::time::Instant::now());
+            self.failures = 0;
+        }
+        tokio::time::sleep(self.next).await;
+        self.next = (self.next * 2).min(Self::MAX);
+    }
+}
+
+/// Serves HTTP/1.1 on one client connection until it ends or is closed to
+/// make room for another.
+async fn serve_connection<IO>(
+    io: IO,
+    proxy: Arc<Proxy>,
+    slot: &Slot,
+    local: SocketAddr,
+    header_timeout: Duration,
+) where
     IO: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
 {
+    let (registry, conn) = (slot.registry.clone(), slot.conn.clone());
     let service = hyper::service::service_fn(move |request| {
         let proxy = proxy.clone();
-        async move { Ok::<_, std::convert::Infallible>(proxy.handle(request).await) }
+        let in_progress = registry.start(&conn);
+        async move {
+            let Some(in_progress) = in_progress else {
+                let data = ErrorData::new(
+                    BUSY,
+                    "guardmesh: the connection was closed to make room for another",
+                    None,
+                );
+                return Ok::<_, std::convert::Infallible>(busy_response(
+                    StatusCode::SERVICE_UNAVAILABLE,
+                    &data,
+                ));
+            };
+            let response = proxy.serve(request, local).await;
+            Ok(response.map(|inner| {
+                Tracked {
+                    inner,
+                    _in_progress: in_progress,
+                }
+                .boxed()
+            }))
+        }
     });
-    let _ = hyper::server::conn::http1::Builder::new()
-        .serve_connection(TokioIo::new(io), service)
-        .await;
+    let connection = hyper::server::conn::http1::Builder::new()
+        .timer(hyper_util::rt::TokioTimer::new())
+        .header_read_timeout(header_timeout)
+        .max_buf_size(READ_BUFFER_BYTES)
+        .serve_connection(TokioIo::new(io), service);
+    tokio::select! {
+        _ = connection => {}
+        () = slot.conn.close.notified() => {}
+    }
 }
 
 async fn serve(
@@ -420,28 +1132,222 @@ async fn serve(
         client: Client::builder(TokioExecutor::new()).build_http(),
         grouper: crate::group::Grouper::new(
             judge.clone(),
-            std::time::Duration::from_millis(args.batch_window_ms),
+            Duration::from_millis(args.batch_window_ms),
         ),
         judge,
         max: args.max_message_bytes,
+        body_timeout: Duration::from_millis(args.body_timeout_ms),
+        budget: Arc::new(tokio::sync::Semaphore::new(
+            args.max_buffered_bytes
+                .min(tokio::sync::Semaphore::MAX_PERMITS),
+        )),
+        calls: CallLimits::new(args.max_calls_per_session, args.max_calls_in_flight),
+        access: Access::new(&args, tls.is_some()),
     });
+    let cap = match args.max_connections {
+        0 => automatic_connection_cap(),
+        n => n,
+    };
+    tracing::debug!(cap, "mcp http: connection cap");
+    let registry = Arc::new(Registry {
+        cap,
+        state: Mutex::default(),
+    });
+    let header_timeout = Duration::from_millis(args.header_timeout_ms);
+    let mut backoff = AcceptBackoff::new();
     loop {
-        let Ok((stream, _)) = listener.accept().await else {
+        let stream = match listener.accept().await {
+            Ok((stream, _)) => {
+                backoff.succeeded();
+                stream
+            }
+            Err(error) => {
+                // Out of descriptors: the connection idle the longest
+                // gives its own back.
+                if out_of_descriptors(&error) {
+                    registry.make_room();
+                }
+                backoff.failed(&error).await;
+                continue;
+            }
+        };
+        let Some(slot) = registry.admit() else {
+            drop(stream);
+            continue;
+        };
+        let Ok(local) = stream.local_addr() else {
             continue;
         };
         let proxy = proxy.clone();
         let tls = tls.clone();
         tokio::spawn(async move {
             match tls {
-                None => serve_connection(stream, proxy).await,
+                None => serve_connection(stream, proxy, &slot, local, header_timeout).await,
                 Some(acceptor) => {
-                    match tokio::time::timeout(HANDSHAKE_TIMEOUT, acceptor.accept(stream)).await {
-                        Ok(Ok(stream)) => serve_connection(stream, proxy).await,
-                        Ok(Err(error)) => tracing::debug!(%error, "TLS handshake failed"),
-                        Err(_) => tracing::debug!("TLS handshake timed out"),
+                    let handshake =
+                        tokio::time::timeout(HANDSHAKE_TIMEOUT, acceptor.accept(stream));
+                    tokio::select! {
+                        accepted = handshake => match accepted {
+                            Ok(Ok(stream)) => {
+                                serve_connection(stream, proxy, &slot, local, header_timeout).await;
+                            }
+                            Ok(Err(error)) => tracing::debug!(%error, "TLS handshake failed"),
+                            Err(_) => tracing::debug!("TLS handshake timed out"),
+                        },
+                        () = slot.conn.close.notified() => {}
                     }
                 }
             }
         });
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::Parser;
+
+    #[derive(Parser)]
+    struct Cli {
+        #[command(flatten)]
+        http: HttpArgs,
+    }
+
+    fn args(extra: &[&str]) -> HttpArgs {
+        let mut argv = vec!["x", "--upstream", "http://127.0.0.1:1/mcp"];
+        argv.extend(extra);
+        Cli::parse_from(argv).http
+    }
+
+    fn headers(host: Option<&str>, origin: Option<&str>) -> HeaderMap {
+        let mut headers = HeaderMap::new();
+        if let Some(host) = host {
+            headers.insert(header::HOST, HeaderValue::from_str(host).unwrap());
+        }
+        if let Some(origin) = origin {
+            headers.insert(header::ORIGIN, HeaderValue::from_str(origin).unwrap());
+        }
+        headers
+    }
+
+    #[test]
+    fn r31_host_and_origin_name_the_gateway_or_an_allowed_one() {
+        let access = Access::new(
+            &args(&[
+                "--allowed-host",
+                "mcp.internal",
+                "--allowed-host",
+                "Gw.Example:8443",
+                "--allowed-origin",
+                "https://App.example/",
+            ]),
+            false,
+        );
+        let local: SocketAddr = "127.0.0.1:8808".parse().unwrap();
+        let v6: SocketAddr = "[::1]:8808".parse().unwrap();
+        let ok = |host: &str, origin: Option<&str>, local| {
+            access.check(&headers(Some(host), origin), local).is_ok()
+        };
+        for host in [
+            "127.0.0.1:8808",
+            "localhost:8808",
+            "LOCALHOST:8808",
+            "mcp.internal",
+            "mcp.internal:1",
+            "gw.example:8443",
+        ] {
+            assert!(ok(host, None, local), "{host}");
+        }
+        assert!(ok("[::1]:8808", None, v6));
+        assert!(ok("localhost:8808", None, v6));
+        for host in [
+            "127.0.0.1:8809",
+            "127.0.0.1",
+            "localhost",
+            "evil.example:8808",
+            "127.0.0.2:8808",
+            "gw.example",
+            "gw.example:443",
+            "[::1]:8808",
+            "user@127.0.0.1:8808",
+            "",
+            "127.0.0.1:8808/x",
+        ] {
+            assert!(!ok(host, None, local), "{host}");
+        }
+        assert!(matches!(
+            access.check(&headers(None, None), local),
+            Err(Refused::NoHost)
+        ));
+        let host = "127.0.0.1:8808";
+        for origin in [
+            "http://127.0.0.1:8808",
+            "http://localhost:8808",
+            "https://app.example",
+            "HTTPS://APP.EXAMPLE/",
+        ] {
+            assert!(ok(host, Some(origin), local), "{origin}");
+        }
+        for origin in [
+            "null",
+            "http://evil.example",
+            "https://127.0.0.1:8808",
+            "http://127.0.0.1:8809",
+            "http://127.0.0.1",
+            "https://app.example:444",
+            "file://",
+            "",
+        ] {
+            assert!(!ok(host, Some(origin), local), "{origin}");
+        }
+        // Port 80 may be left out.
+        let local80: SocketAddr = "127.0.0.1:80".parse().unwrap();
+        assert!(ok("127.0.0.1", Some("http://localhost"), local80));
+    }
+
+    #[test]
+    fn r25_calls_are_bounded_per_session_and_in_all() {
+        let limits = CallLimits::new(2, 3);
+        let a1 = limits.enter("a").unwrap();
+        let _a2 = limits.enter("a").unwrap();
+        assert!(matches!(limits.enter("a"), Err(Busy::Session(2))));
+        let b1 = limits.enter("b").unwrap();
+        assert!(matches!(limits.enter("c"), Err(Busy::Total(3))));
+        drop(a1);
+        let _c1 = limits.enter("c").unwrap();
+        drop(b1);
+        let _a3 = limits.enter("a").unwrap();
+        assert!(matches!(limits.enter("a"), Err(Busy::Total(3))));
+        let state = limits.state.lock().unwrap();
+        assert_eq!(state.0, 3);
+        assert!(!state.1.contains_key("b"), "an empty session is forgotten");
+    }
+
+    #[test]
+    fn r25_a_new_connection_takes_the_place_of_the_longest_idle() {
+        let registry = Arc::new(Registry {
+            cap: 2,
+            state: Mutex::default(),
+        });
+        let first = registry.admit().unwrap();
+        let second = registry.admit().unwrap();
+        let busy = registry.start(&first.conn).unwrap();
+        // At the cap: the idle one (second) makes room, the busy one stays.
+        let third = registry.admit().unwrap();
+        assert_eq!(second.conn.key.load(Ordering::Relaxed), EVICTED_KEY);
+        assert!(registry.start(&second.conn).is_none());
+        assert_eq!(registry.lock().open, 2);
+        // Every open connection busy: a new one is refused.
+        let _busy3 = registry.start(&third.conn).unwrap();
+        assert!(registry.admit().is_none());
+        // The first becomes idle again: it is the next to make room.
+        drop(busy);
+        let _fourth = registry.admit().unwrap();
+        assert_eq!(first.conn.key.load(Ordering::Relaxed), EVICTED_KEY);
+        drop(second);
+        drop(first);
+        assert_eq!(registry.lock().open, 2);
+        drop(third);
+        assert_eq!(registry.lock().open, 1);
     }
 }

@@ -133,7 +133,9 @@ pub fn main_hook(args: HookArgs) -> ExitCode {
 
 fn block_on(future: impl std::future::Future<Output = i32>) -> ExitCode {
     let _ = tracing_subscriber::fmt()
-        .with_writer(std::io::stderr)
+        // Through a bounded queue: a log line never blocks the relay when
+        // nobody reads stderr (dropped and counted instead).
+        .with_writer(|| pipes::LogWriter)
         // Colours only on a terminal: hosts keep an MCP server's stderr in
         // log files.
         .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
@@ -156,5 +158,8 @@ fn block_on(future: impl std::future::Future<Output = i32>) -> ExitCode {
     // A read of stdin may still be blocked on its thread (the session ended
     // from the upstream's side): do not wait for it.
     runtime.shutdown_background();
+    // The last log lines, and the count of dropped ones (bounded: nobody
+    // may be reading).
+    pipes::stderr().flush(std::time::Duration::from_secs(1));
     ExitCode::from(u8::try_from(code).unwrap_or(1))
 }

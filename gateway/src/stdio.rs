@@ -20,11 +20,20 @@
 //!   forwarded one by one (servers of the current MCP revision do not accept
 //!   batches), and the answer to the client is one array: the gateway's own
 //!   answers followed by the upstream's responses to the forwarded requests.
-//! * Upstream to client: each line is passed on unchanged.
+//! * Upstream to client: each line is passed on unchanged. A line longer
+//!   than `--max-upstream-message-bytes` (default 32 MiB) ends the session:
+//!   the gateway holds no more than that of it, stops the upstream, and
+//!   exits with an error naming the limit (the client sees the server
+//!   close, as when it crashes; no request is left waiting for an answer
+//!   that will never come).
 //! * The upstream's stderr is read by the gateway and written to the
 //!   gateway's stderr line by line ([`relay_stderr`]), never to stdout
 //!   (the MCP stream), and drained continuously, so a chatty upstream never
-//!   blocks on a full pipe.
+//!   blocks on a full pipe. The lines go through a bounded queue with the
+//!   gateway's own log lines ([`crate::pipes::Stderr`]): when nobody reads
+//!   the gateway's stderr, lines are dropped and counted (the count is
+//!   written once stderr is read again, and at exit), and neither the relay
+//!   nor the upstream ever waits for it.
 //! * The upstream exiting ends the session: the gateway exits with the
 //!   upstream's status. The client closing stdin closes the upstream's stdin
 //!   and waits (bounded) for it to exit.
@@ -56,6 +65,10 @@ pub struct StdioArgs {
     /// discarded and answered with an error.
     #[arg(long, default_value_t = 4 << 20)]
     pub max_message_bytes: usize,
+    /// Largest message (line) accepted from the upstream, in bytes; a longer
+    /// one ends the session with an error.
+    #[arg(long, default_value_t = 32 << 20)]
+    pub max_upstream_message_bytes: usize,
     /// Single tools/call requests arriving within this many milliseconds of
     /// each other are judged as one guard batch (each still answered under
     /// its own id); 0 judges each on its own. Default: the requests read
@@ -79,6 +92,19 @@ pub enum StdioError {
     },
     #[error("stdio: {0}")]
     Io(#[from] std::io::Error),
+    #[error(
+        "the upstream MCP server sent a message longer than {0} bytes \
+         (--max-upstream-message-bytes); the session is ended"
+    )]
+    UpstreamTooLong(usize),
+}
+
+/// How the upstream's stdout ended.
+enum UpstreamEnd {
+    /// Closed (or failed to read): the upstream is done.
+    Closed,
+    /// A line longer than the limit.
+    TooLong,
 }
 
 /// Messages (or batches) with tool calls judged at once, per session.
@@ -234,7 +260,7 @@ where
             "the upstream's stdio is not piped",
         )));
     };
-    let stderr_relay = tokio::spawn(relay_stderr(upstream_err, tokio::io::stderr()));
+    let stderr_relay = tokio::spawn(relay_stderr(upstream_err, crate::pipes::stderr()));
     let session = args
         .session
         .clone()
@@ -274,9 +300,10 @@ where
     let mut upstream_reader = tokio::spawn({
         let to_client = to_client.clone();
         let collector = collector.clone();
+        let max = args.max_upstream_message_bytes;
         async move {
             let mut buf = BytesMut::new();
-            let mut codec = JsonRpcMessageCodec::<Box<RawValue>>::new();
+            let mut codec = JsonRpcMessageCodec::<Box<RawValue>>::new_with_max_length(max);
             let mut eof = false;
             while let Some(frame) =
                 next_frame(&mut upstream_out, &mut buf, &mut codec, &mut eof).await
@@ -284,6 +311,9 @@ where
                 let message = match frame {
                     Ok(message) => message,
                     Err(JsonRpcMessageCodecError::Io(_)) => break,
+                    Err(JsonRpcMessageCodecError::MaxLineLengthExceeded) => {
+                        return UpstreamEnd::TooLong;
+                    }
                     Err(error) => {
                         tracing::warn!(%error, "dropped a line from the upstream that is not JSON");
                         continue;
@@ -321,6 +351,7 @@ where
                     break;
                 }
             }
+            UpstreamEnd::Closed
         }
     });
 
@@ -335,11 +366,13 @@ where
     // reading the client until one is answered.
     let in_flight = Arc::new(tokio::sync::Semaphore::new(MAX_IN_FLIGHT));
     let mut upstream_done = false;
+    let mut too_long = false;
     loop {
         let frame = tokio::select! {
             biased;
-            _ = &mut upstream_reader, if !upstream_done => {
+            end = &mut upstream_reader, if !upstream_done => {
                 upstream_done = true;
+                too_long = matches!(end, Ok(UpstreamEnd::TooLong));
                 break;
             }
             frame = next_client_line(&mut input, &mut buf, &mut codec, &mut eof, || grouper.flush()) => frame,
@@ -452,6 +485,10 @@ where
     }
     drop(to_client);
     let _ = client_writer.await;
+    if too_long {
+        let _ = child.kill().await;
+        return Err(StdioError::UpstreamTooLong(args.max_upstream_message_bytes));
+    }
     let status = match tokio::time::timeout(Duration::from_secs(5), child.wait()).await {
         Ok(Ok(status)) => status.code().unwrap_or(1),
         _ => {
@@ -475,20 +512,18 @@ where
 const STDERR_LINE_BYTES: u64 = 64 << 10;
 
 /// Copies the upstream's stderr to `out` line by line, as bytes (not
-/// necessarily UTF-8), until it closes. Each line is written whole, so it is
-/// never interleaved with the gateway's own log lines. Stops writing (but
-/// keeps draining, so the upstream never blocks) if `out` fails.
-pub async fn relay_stderr<R, W>(from: R, mut out: W)
+/// necessarily UTF-8), until it closes. Each line is queued whole, so it is
+/// never interleaved with the gateway's own log lines; the queue never
+/// blocks (a line it has no room for is dropped and counted), so the
+/// upstream's stderr is drained however slowly the gateway's is read.
+pub(crate) async fn relay_stderr<R>(from: R, out: &crate::pipes::Stderr)
 where
     R: AsyncRead + Unpin,
-    W: AsyncWrite + Unpin,
 {
     use tokio::io::AsyncBufReadExt;
     let mut reader = tokio::io::BufReader::new(from);
-    let mut line = Vec::new();
-    let mut writable = true;
     loop {
-        line.clear();
+        let mut line = Vec::new();
         match (&mut reader)
             .take(STDERR_LINE_BYTES)
             .read_until(b'\n', &mut line)
@@ -497,9 +532,7 @@ where
             Ok(0) | Err(_) => break,
             Ok(_) => {}
         }
-        if writable {
-            writable = out.write_all(&line).await.is_ok() && out.flush().await.is_ok();
-        }
+        out.offer(line);
     }
 }
 
@@ -563,6 +596,25 @@ async fn relay_batch(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::pipes::Stderr;
+
+    /// A writer into a shared buffer.
+    #[derive(Clone, Default)]
+    struct Shared(Arc<Mutex<Vec<u8>>>);
+
+    impl std::io::Write for Shared {
+        fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+            lock_vec(&self.0).extend_from_slice(buf);
+            Ok(buf.len())
+        }
+        fn flush(&mut self) -> std::io::Result<()> {
+            Ok(())
+        }
+    }
+
+    fn lock_vec(v: &Mutex<Vec<u8>>) -> std::sync::MutexGuard<'_, Vec<u8>> {
+        v.lock().unwrap_or_else(PoisonError::into_inner)
+    }
 
     #[tokio::test]
     async fn stderr_is_relayed_line_by_line_and_bytes_unchanged() {
@@ -570,37 +622,28 @@ mod tests {
         let mut input = b"first line\n\xff not utf-8\n".to_vec();
         input.extend_from_slice(&long);
         input.extend_from_slice(b"\nno newline at the end");
-        let mut out = Vec::new();
-        relay_stderr(&input[..], &mut out).await;
-        assert_eq!(out, input);
+        let out = Shared::default();
+        let queue = Stderr::new(out.clone(), 1 << 20);
+        relay_stderr(&input[..], &queue).await;
+        assert!(queue.flush(Duration::from_secs(5)));
+        assert_eq!(*lock_vec(&out.0), input);
+        assert_eq!(queue.dropped(), 0);
     }
 
     #[tokio::test]
     async fn stderr_keeps_draining_after_its_output_fails() {
         struct Broken;
-        impl AsyncWrite for Broken {
-            fn poll_write(
-                self: std::pin::Pin<&mut Self>,
-                _: &mut std::task::Context<'_>,
-                _: &[u8],
-            ) -> std::task::Poll<std::io::Result<usize>> {
-                std::task::Poll::Ready(Err(std::io::Error::other("closed")))
+        impl std::io::Write for Broken {
+            fn write(&mut self, _: &[u8]) -> std::io::Result<usize> {
+                Err(std::io::Error::other("closed"))
             }
-            fn poll_flush(
-                self: std::pin::Pin<&mut Self>,
-                _: &mut std::task::Context<'_>,
-            ) -> std::task::Poll<std::io::Result<()>> {
-                std::task::Poll::Ready(Ok(()))
-            }
-            fn poll_shutdown(
-                self: std::pin::Pin<&mut Self>,
-                _: &mut std::task::Context<'_>,
-            ) -> std::task::Poll<std::io::Result<()>> {
-                std::task::Poll::Ready(Ok(()))
+            fn flush(&mut self) -> std::io::Result<()> {
+                Ok(())
             }
         }
+        let queue = Stderr::new(Broken, 1 << 10);
         let (mut writer, reader) = tokio::io::duplex(64);
-        let relay = tokio::spawn(relay_stderr(reader, Broken));
+        let relay = tokio::spawn(async move { relay_stderr(reader, &queue).await });
         // Far more than the pipe holds: the writer finishes only if the
         // relay keeps reading.
         for _ in 0..1000 {
@@ -611,5 +654,61 @@ mod tests {
         }
         drop(writer);
         relay.await.unwrap();
+    }
+
+    /// Nobody reads the output (the writer blocks for good): the relay
+    /// still drains the upstream, drops what does not fit and counts it;
+    /// when the output takes lines again, the count is written.
+    #[tokio::test]
+    async fn stderr_not_read_drops_and_counts_and_never_blocks() {
+        let gate = Arc::new((Mutex::new(false), std::sync::Condvar::new()));
+        struct Gated(Arc<(Mutex<bool>, std::sync::Condvar)>, Shared);
+        impl std::io::Write for Gated {
+            fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+                let (open, changed) = &*self.0;
+                let mut open = open.lock().unwrap_or_else(PoisonError::into_inner);
+                while !*open {
+                    open = changed.wait(open).unwrap_or_else(PoisonError::into_inner);
+                }
+                self.1.write(buf)
+            }
+            fn flush(&mut self) -> std::io::Result<()> {
+                Ok(())
+            }
+        }
+        let out = Shared::default();
+        let queue = Arc::new(Stderr::new(Gated(gate.clone(), out.clone()), 4 << 10));
+        let (mut writer, reader) = tokio::io::duplex(64);
+        let relay = tokio::spawn({
+            let queue = queue.clone();
+            async move { relay_stderr(reader, &queue).await }
+        });
+        for i in 0..1000 {
+            writer
+                .write_all(format!("line {i:04} of upstream logging\n").as_bytes())
+                .await
+                .unwrap();
+        }
+        drop(writer);
+        tokio::time::timeout(Duration::from_secs(5), relay)
+            .await
+            .expect("the relay never waits for the output")
+            .unwrap();
+        let dropped = queue.dropped();
+        assert!(dropped > 800, "{dropped}");
+        // The output is read again.
+        *gate.0.lock().unwrap() = true;
+        gate.1.notify_all();
+        assert!(queue.flush(Duration::from_secs(5)));
+        let text = String::from_utf8(lock_vec(&out.0).clone()).unwrap();
+        assert!(
+            text.starts_with("line 0000 of upstream logging\n"),
+            "{text}"
+        );
+        assert!(
+            text.contains(&format!("guardmesh: {dropped} stderr lines dropped")),
+            "{text}"
+        );
+        assert_eq!(text.lines().count() as u64, 1000 - dropped + 1, "{text}");
     }
 }
