@@ -34,6 +34,7 @@
 
 mod harness;
 
+mod busy;
 mod cli;
 mod conformance;
 mod decision_log;

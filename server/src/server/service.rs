@@ -47,13 +47,31 @@ fn batch_trace(batch: &EvaluateRequest, stream: &TraceContext) -> TraceContext {
     if batch.traceparent.is_empty() {
         stream.clone()
     } else {
-        let own = TraceContext::from_w3c(&batch.traceparent, &batch.tracestate);
+        let mut own = TraceContext::from_w3c(&batch.traceparent, &batch.tracestate);
         if own.trace_id.is_empty() {
             stream.clone()
         } else {
+            own.client = stream.client;
             own
         }
     }
+}
+
+/// The key of the connection `request` came on, by which guard links share
+/// their queues between clients (R25): its peer address (ip and port) when
+/// known, else 0.
+fn client_key<T>(request: &Request<T>) -> u64 {
+    use std::hash::{Hash, Hasher};
+    let peer = request
+        .extensions()
+        .get::<crate::security::tls::PeerInfo>()
+        .and_then(|p| p.remote)
+        .or_else(|| request.remote_addr());
+    peer.map_or(0, |peer| {
+        let mut hasher = std::collections::hash_map::DefaultHasher::new();
+        peer.hash(&mut hasher);
+        hasher.finish()
+    })
 }
 
 /// Who sent a batch or made a change, as the decision log names it.
@@ -285,6 +303,7 @@ impl PreTool {
     async fn unary(
         &self,
         metadata: &MetadataMap,
+        client: u64,
         caller: Option<LogCaller>,
         inbound: Inbound,
     ) -> Result<BatchDecision, Status> {
@@ -302,7 +321,8 @@ impl PreTool {
             }
         };
         let record = Record::new(&self.mesh, caller.as_ref(), Some(&batch), "");
-        let stream_trace = trace_context(metadata);
+        let mut stream_trace = trace_context(metadata);
+        stream_trace.client = client;
         let transport = grpc_timeout(metadata);
         let shown = shown_id(&batch.batch_id, self.mesh.config.limits.max_id_bytes);
         let _bytes = match self.inflight_bytes(&shown, batch.calls.len(), size) {
@@ -683,7 +703,8 @@ impl PreToolService for PreTool {
         &self,
         request: Request<Streaming<EvaluateRequest>>,
     ) -> Result<Response<Self::EvaluateStream>, Status> {
-        let trace = trace_context(request.metadata());
+        let mut trace = trace_context(request.metadata());
+        trace.client = client_key(&request);
         let caller = log_caller(&self.mesh, &request);
         let limits = self.mesh.config.limits;
         let inbound = request
@@ -697,9 +718,12 @@ impl PreToolService for PreTool {
         request: Request<EvaluateRequest>,
     ) -> Result<Response<BatchDecision>, Status> {
         let caller = log_caller(&self.mesh, &request);
+        let client = client_key(&request);
         let (metadata, _, batch) = request.into_parts();
         let inbound = Inbound::from_request(batch, &self.mesh.config.limits);
-        Ok(Response::new(self.unary(&metadata, caller, inbound).await?))
+        Ok(Response::new(
+            self.unary(&metadata, client, caller, inbound).await?,
+        ))
     }
 }
 
@@ -748,7 +772,8 @@ impl tonic::server::StreamingService<Inbound> for EvaluateMethod {
     fn call(&mut self, request: Request<Streaming<Inbound>>) -> Self::Future {
         let tool = self.0.clone();
         Box::pin(async move {
-            let trace = trace_context(request.metadata());
+            let mut trace = trace_context(request.metadata());
+            trace.client = client_key(&request);
             let caller = log_caller(&tool.mesh, &request);
             Ok(Response::new(tool.open_stream(
                 trace,
@@ -772,13 +797,16 @@ impl tonic::server::ClientStreamingService<Inbound> for EvaluateBatchMethod {
         let tool = self.0.clone();
         Box::pin(async move {
             let caller = log_caller(&tool.mesh, &request);
+            let client = client_key(&request);
             let (metadata, _, mut inbound) = request.into_parts();
             let message = inbound
                 .message()
                 .await
                 .map_err(transport_status)?
                 .ok_or_else(|| Status::invalid_argument("EvaluateBatch sent no request message"))?;
-            Ok(Response::new(tool.unary(&metadata, caller, message).await?))
+            Ok(Response::new(
+                tool.unary(&metadata, client, caller, message).await?,
+            ))
         })
     }
 }
