@@ -52,6 +52,7 @@ mod otel_http;
 mod overload;
 mod policy;
 mod policy_order;
+mod policy_reload_attacks;
 mod policy_watch;
 mod polyglot;
 mod rewrites;
