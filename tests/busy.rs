@@ -174,8 +174,10 @@ async fn r25_a_busy_guard_sheds_the_flooding_client_and_never_cancels_or_opens_i
                 for call in &d.calls {
                     assert!(
                         call.proceeds(),
-                        "flood batch {i}: load is never a cancel: {call:?} (trace {:?})",
-                        d.trace
+                        "flood batch {i}: load is never a cancel: {} got {:?} (trace {:?})",
+                        call.call_id,
+                        call.outcome,
+                        d.trace.iter().map(|t| &t.error).collect::<Vec<_>>()
                     );
                 }
                 assert_eq!(

@@ -239,6 +239,14 @@ pub(crate) async fn reload_policy(
             }
             mesh.metrics.policy_reload("applied");
             tracing::info!(guard = %name, revision = registered.revision, on = how, "policy reloaded");
+            // R27: a rule naming a tool the guard is never sent is reported.
+            if let Some(source) = &guard.policy_source {
+                for never in
+                    guardmesh_server::policy::never_sent(source, &guard.tools).unwrap_or_default()
+                {
+                    tracing::warn!(guard = %name, "{never}");
+                }
+            }
         }
         Err(error) => {
             mesh.metrics.policy_reload("refused");

@@ -87,6 +87,7 @@ impl Load {
     }
 
     /// Bytes queued in all.
+    #[cfg(test)]
     pub(crate) fn bytes(&self) -> usize {
         self.bytes
     }
