@@ -43,6 +43,7 @@
 
 mod harness;
 
+mod busy;
 mod cli;
 mod conformance;
 mod decision_log;
@@ -64,6 +65,7 @@ mod otel_http;
 mod overload;
 mod policy;
 mod policy_order;
+mod policy_reload_attacks;
 mod policy_watch;
 mod polyglot;
 mod rewrites;

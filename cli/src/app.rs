@@ -158,7 +158,14 @@ enum LogAction {
 enum PolicyAction {
     /// Compiles a policy file and lists its rules with their cost; exits
     /// non-zero, naming the line and the reason, if it does not compile.
-    Check { file: PathBuf },
+    /// With `--tools` (the guard's tool patterns, comma-separated), also
+    /// exits non-zero naming every rule that names a tool those patterns
+    /// never send the guard (R27).
+    Check {
+        file: PathBuf,
+        #[arg(long, value_delimiter = ',')]
+        tools: Vec<String>,
+    },
     /// Runs a cases file against a policy file; exits non-zero on any case
     /// whose expectation does not hold.
     Test { file: PathBuf, cases: PathBuf },
@@ -444,10 +451,23 @@ fn policy(action: PolicyAction) -> ExitCode {
         std::fs::read_to_string(path).map_err(|e| format!("cannot read {}: {e}", path.display()))
     };
     let result = match action {
-        PolicyAction::Check { file } => read(&file).and_then(|source| {
+        PolicyAction::Check { file, tools } => read(&file).and_then(|source| {
             policy::check(&source)
                 .map_err(|e| format!("{}: {e}", file.display()))
-                .and_then(|report| print_report(&report.to_string()))
+                .and_then(|report| print_report(&report.to_string()))?;
+            let never = policy::never_sent(&source, &tools)
+                .map_err(|e| format!("{}: {e}", file.display()))?;
+            if never.is_empty() {
+                return Ok(());
+            }
+            let lines: Vec<String> = never.iter().map(ToString::to_string).collect();
+            Err(format!(
+                "{}: {} rule(s) name a tool the guard's tools ({}) never send it:\n  {}",
+                file.display(),
+                never.len(),
+                tools.join(","),
+                lines.join("\n  ")
+            ))
         }),
         PolicyAction::Test { file, cases } => read(&file).and_then(|source| {
             let compiled =

@@ -7,15 +7,25 @@
 //! (`guardmesh_policy_reloads_total{outcome="refused"}`), like an applied
 //! reload (`outcome="applied"`).
 //!
+//! Only a regular file of at most [`MAX_POLICY_FILE_BYTES`] is read: a
+//! FIFO, a device (a link to `/dev/zero`), a folder or a larger (sparse)
+//! file is refused before a byte of it is read, and the file is opened
+//! non-blocking, so that a FIFO put in its place cannot hold the reload.
+//! Reading and compiling run on a blocking thread, never on the threads
+//! that judge batches.
+//!
 //! The watch is on the files' folders, not on the files, so that a file
 //! replaced by a rename (as editors and deployment tools write) is seen as
-//! well as one written in place. Changes are debounced: a reload happens
-//! once the folder has been quiet for [`QUIET`], so a file written in
-//! several steps is read once, when done. A change that leaves a file's
-//! text as the running policy's is not a reload.
+//! well as one written in place. Only a complete file is applied: a reload
+//! follows a file *closed after writing* (inotify `IN_CLOSE_WRITE`), a file
+//! *renamed into place*, or a new link or special file put in its place,
+//! never a write still under way. Changes are then debounced: a reload
+//! happens once the folder has been quiet for [`QUIET`]. A change that
+//! leaves a file's text as the running policy's is not a reload.
 
 use guardmesh_server::Mesh;
 use guardmesh_server::config::GuardConfig;
+use notify::event::{AccessKind, AccessMode, ModifyKind, RenameMode};
 use notify::{EventKind, RecursiveMode, Watcher};
 use std::collections::HashSet;
 use std::path::{Path, PathBuf};
@@ -25,6 +35,10 @@ use tokio::sync::mpsc;
 
 /// How long a watched folder must be quiet before changed files are read.
 pub(crate) const QUIET: Duration = Duration::from_millis(200);
+
+/// The largest policy file a reload reads. A policy's own bounds (256
+/// rules of at most 4 KiB per expression) stay well within it.
+pub(crate) const MAX_POLICY_FILE_BYTES: u64 = 4 << 20;
 
 /// The policy file of a config guard, relative to the config's folder.
 fn policy_file(folder: &Path, guard: &GuardConfig) -> Option<PathBuf> {
@@ -38,6 +52,138 @@ pub(crate) enum Trigger {
     Signal,
     /// The file changed on disk: reload unless its text is the running one.
     Change,
+}
+
+/// Why a policy file was not read.
+#[derive(Debug, thiserror::Error)]
+pub(crate) enum ReadError {
+    #[error("cannot open {path}: {source}")]
+    Open {
+        path: String,
+        source: std::io::Error,
+    },
+    #[error("{path} is {kind}, not a regular file: a policy is read only from a regular file")]
+    NotRegular { path: String, kind: &'static str },
+    #[error("{path} holds {size} bytes, more than a policy file may ({limit} bytes)")]
+    TooLarge { path: String, size: u64, limit: u64 },
+    #[error("cannot read {path}: {source}")]
+    Read {
+        path: String,
+        source: std::io::Error,
+    },
+    #[error("{path} is not UTF-8 text")]
+    NotText { path: String },
+}
+
+impl ReadError {
+    /// The reason label of the refusal's count and log.
+    pub(crate) fn reason(&self) -> &'static str {
+        match self {
+            Self::Open { .. } | Self::Read { .. } => "unreadable",
+            Self::NotRegular { .. } => "not_regular",
+            Self::TooLarge { .. } => "too_large",
+            Self::NotText { .. } => "not_text",
+        }
+    }
+}
+
+/// What kind of file `file_type` is, for a refusal.
+fn kind_of(file_type: std::fs::FileType) -> &'static str {
+    use std::os::unix::fs::FileTypeExt;
+    if file_type.is_dir() {
+        "a folder"
+    } else if file_type.is_fifo() {
+        "a FIFO"
+    } else if file_type.is_char_device() {
+        "a character device"
+    } else if file_type.is_block_device() {
+        "a block device"
+    } else if file_type.is_socket() {
+        "a socket"
+    } else {
+        "not a regular file"
+    }
+}
+
+/// Reads the policy file at `path` (following links): only a regular file
+/// of at most `limit` bytes. Opened non-blocking, so that a FIFO never
+/// waits for a writer; the type and size are those of the file opened, so
+/// that nothing swapped in between a check and the read is read; and no
+/// more than `limit` bytes are read, whatever the file grows to meanwhile.
+/// Blocking: call it off the runtime's threads.
+pub(crate) fn read_policy_file(path: &Path, limit: u64) -> Result<String, ReadError> {
+    use std::io::Read;
+    use std::os::unix::fs::OpenOptionsExt;
+    let shown = || path.display().to_string();
+    let file = std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_NONBLOCK)
+        .open(path)
+        .map_err(|source| ReadError::Open {
+            path: shown(),
+            source,
+        })?;
+    let meta = file.metadata().map_err(|source| ReadError::Read {
+        path: shown(),
+        source,
+    })?;
+    if !meta.file_type().is_file() {
+        return Err(ReadError::NotRegular {
+            path: shown(),
+            kind: kind_of(meta.file_type()),
+        });
+    }
+    if meta.len() > limit {
+        return Err(ReadError::TooLarge {
+            path: shown(),
+            size: meta.len(),
+            limit,
+        });
+    }
+    let mut bytes = Vec::with_capacity(usize::try_from(meta.len()).unwrap_or(0));
+    file.take(limit.saturating_add(1))
+        .read_to_end(&mut bytes)
+        .map_err(|source| ReadError::Read {
+            path: shown(),
+            source,
+        })?;
+    if bytes.len() as u64 > limit {
+        return Err(ReadError::TooLarge {
+            path: shown(),
+            size: bytes.len() as u64,
+            limit,
+        });
+    }
+    String::from_utf8(bytes).map_err(|_| ReadError::NotText { path: shown() })
+}
+
+/// Why a reload was refused.
+#[derive(Debug, thiserror::Error)]
+enum ReloadError {
+    #[error(transparent)]
+    Read(#[from] ReadError),
+    #[error("{path}: {error}")]
+    Compile { path: String, error: String },
+    #[error("{0}")]
+    Register(String),
+    #[error("the reload's worker stopped: {0}")]
+    Worker(String),
+}
+
+/// Reads and compiles `file` on a blocking thread (R27, R25: judging never
+/// waits on a reload's file or compiler).
+async fn load(file: PathBuf) -> Result<String, ReloadError> {
+    tokio::task::spawn_blocking(move || {
+        let source = read_policy_file(&file, MAX_POLICY_FILE_BYTES)?;
+        guardmesh_server::policy::Policy::compile(&source)
+            .map(|_| source)
+            .map_err(|e| ReloadError::Compile {
+                path: file.display().to_string(),
+                error: e.to_string(),
+            })
+    })
+    .await
+    .map_err(|e| ReloadError::Worker(e.to_string()))?
 }
 
 /// Re-reads a config policy guard's file and registers it again in place
@@ -64,13 +210,7 @@ pub(crate) async fn reload_policy(
     let Some(file) = policy_file(folder, &guard) else {
         return;
     };
-    let loaded = std::fs::read_to_string(&file)
-        .map_err(|e| format!("cannot read {}: {e}", file.display()))
-        .and_then(|source| {
-            guardmesh_server::policy::Policy::compile(&source)
-                .map(|_| source)
-                .map_err(|e| format!("{}: {e}", file.display()))
-        });
+    let loaded = load(file).await;
     if trigger == Trigger::Change
         && let Ok(source) = &loaded
         && running.as_deref() == Some(source.as_str())
@@ -83,7 +223,7 @@ pub(crate) async fn reload_policy(
             mesh.registry()
                 .register(guard.to_spec())
                 .await
-                .map_err(|e| e.to_string())
+                .map_err(|e| ReloadError::Register(e.to_string()))
         }
         Err(error) => Err(error),
     };
@@ -99,11 +239,48 @@ pub(crate) async fn reload_policy(
             }
             mesh.metrics.policy_reload("applied");
             tracing::info!(guard = %name, revision = registered.revision, on = how, "policy reloaded");
+            // R27: a rule naming a tool the guard is never sent is reported.
+            if let Some(source) = &guard.policy_source {
+                for never in
+                    guardmesh_server::policy::never_sent(source, &guard.tools).unwrap_or_default()
+                {
+                    tracing::warn!(guard = %name, "{never}");
+                }
+            }
         }
         Err(error) => {
             mesh.metrics.policy_reload("refused");
-            tracing::warn!(guard = %name, %error, on = how, "policy reload refused; the running policy is kept");
+            let reason = match &error {
+                ReloadError::Read(read) => read.reason(),
+                ReloadError::Compile { .. } => "does_not_compile",
+                ReloadError::Register(_) => "not_registered",
+                ReloadError::Worker(_) => "worker_failed",
+            };
+            tracing::warn!(guard = %name, %error, reason, on = how, "policy reload refused; the running policy is kept");
         }
+    }
+}
+
+/// The paths of `event` whose file may now be complete: closed after
+/// writing, renamed into place, or created as something other than a
+/// regular file (a link or a FIFO put in a policy file's place, which no
+/// close will follow). Writes still under way (`IN_MODIFY`, the creation
+/// of a regular file) are not.
+fn completed(event: notify::Event) -> Vec<PathBuf> {
+    match event.kind {
+        EventKind::Access(AccessKind::Close(AccessMode::Write)) => event.paths,
+        // A rename's destination is its last path.
+        EventKind::Modify(ModifyKind::Name(RenameMode::To | RenameMode::Both)) => {
+            event.paths.into_iter().last().into_iter().collect()
+        }
+        EventKind::Create(_) => event
+            .paths
+            .into_iter()
+            .filter(|path| {
+                std::fs::symlink_metadata(path).is_ok_and(|meta| !meta.file_type().is_file())
+            })
+            .collect(),
+        _ => Vec::new(),
     }
 }
 
@@ -119,13 +296,8 @@ pub(crate) fn watch(
     let mut watcher =
         notify::recommended_watcher(move |event: notify::Result<notify::Event>| match event {
             Ok(event) => {
-                if matches!(
-                    event.kind,
-                    EventKind::Create(_) | EventKind::Modify(_) | EventKind::Remove(_)
-                ) {
-                    for path in event.paths {
-                        let _ = tx.send(path);
-                    }
+                for path in completed(event) {
+                    let _ = tx.send(path);
                 }
             }
             Err(error) => tracing::warn!(%error, "watching the policy files"),
@@ -171,4 +343,67 @@ pub(crate) fn watch(
 /// resolving links: a linked file is reloaded when the link is replaced.
 fn absolute(path: &Path) -> PathBuf {
     std::path::absolute(path).unwrap_or_else(|_| path.to_path_buf())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn dir(name: &str) -> PathBuf {
+        let dir = std::env::temp_dir().join(format!(
+            "guardmesh-read-policy-{name}-{}",
+            std::process::id()
+        ));
+        std::fs::create_dir_all(&dir).unwrap();
+        dir
+    }
+
+    #[test]
+    fn r27_a_regular_file_within_the_bound_is_read() {
+        let path = dir("regular").join("p.toml");
+        std::fs::write(&path, "abc").unwrap();
+        assert_eq!(read_policy_file(&path, 3).unwrap(), "abc");
+        assert!(matches!(
+            read_policy_file(&path, 2),
+            Err(ReadError::TooLarge { size: 3, .. })
+        ));
+    }
+
+    #[test]
+    fn r27_a_fifo_is_refused_without_waiting_for_a_writer() {
+        let path = dir("fifo").join("p.toml");
+        let _ = std::fs::remove_file(&path);
+        let status = std::process::Command::new("mkfifo")
+            .arg(&path)
+            .status()
+            .unwrap();
+        assert!(status.success());
+        let error = read_policy_file(&path, MAX_POLICY_FILE_BYTES).unwrap_err();
+        assert!(
+            matches!(error, ReadError::NotRegular { kind: "a FIFO", .. }),
+            "{error}"
+        );
+    }
+
+    #[test]
+    fn r27_a_link_to_dev_zero_is_refused_before_a_byte_is_read() {
+        let path = dir("zero").join("p.toml");
+        let _ = std::fs::remove_file(&path);
+        std::os::unix::fs::symlink("/dev/zero", &path).unwrap();
+        let error = read_policy_file(&path, MAX_POLICY_FILE_BYTES).unwrap_err();
+        assert_eq!(error.reason(), "not_regular", "{error}");
+    }
+
+    #[test]
+    fn r27_a_sparse_file_over_the_bound_is_refused_by_its_size() {
+        let path = dir("sparse").join("p.toml");
+        let file = std::fs::File::create(&path).unwrap();
+        file.set_len(1 << 30).unwrap();
+        let error = read_policy_file(&path, MAX_POLICY_FILE_BYTES).unwrap_err();
+        assert!(
+            matches!(error, ReadError::TooLarge { size, .. } if size == 1 << 30),
+            "{error}"
+        );
+        let _ = std::fs::remove_file(&path);
+    }
 }

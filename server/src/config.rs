@@ -885,6 +885,10 @@ impl Config {
                     file.display()
                 )
             })?;
+            // R27: a rule naming a tool the guard is never sent is reported.
+            for never in crate::policy::never_sent(&source, &guard.tools).unwrap_or_default() {
+                tracing::warn!(guard = %guard.name, file = %file.display(), "{never}");
+            }
             guard.policy_source = Some(source);
         }
         Ok(())

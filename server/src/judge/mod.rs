@@ -18,7 +18,7 @@ pub(crate) mod verdicts;
 
 use crate::judge::call_index::CallIndex;
 use crate::judge::fold::{Decided, Fold, FoldGuard};
-use crate::link::{GuardFailure, LinkEvent};
+use crate::link::{GuardFailure, LinkBusy, LinkEvent, NotSent};
 use crate::mesh::{Chain, ChainGuard, Mesh, Unguarded};
 use crate::policy::{Args, BatchValues, CallRef, ContextRef, Outcome as PolicyOutcome, Recorded};
 use crate::registry::spec::Guard;
@@ -46,6 +46,10 @@ pub struct TraceContext {
     pub trace_id: String,
     /// `EvaluateBatch` for unary calls; `Evaluate` otherwise.
     pub unary: bool,
+    /// Which client sent the batch: a key per coordinator connection, by
+    /// which a guard link shares its queue between clients (R25); 0 when
+    /// unknown.
+    pub client: u64,
 }
 
 impl TraceContext {
@@ -58,6 +62,7 @@ impl TraceContext {
                 tracestate: tracestate.to_owned(),
                 trace_id: trace_id.to_ascii_lowercase(),
                 unary: false,
+                client: 0,
             },
             None => Self::default(),
         }
@@ -76,6 +81,11 @@ pub enum BatchError {
         guard: String,
         failure: GuardFailure,
     },
+    /// A guard's link had no room for the batch while the guard was making
+    /// progress (R25): the whole batch is shed, nothing was decided, and
+    /// the guard did not fail.
+    #[error("batch shed: guard {guard:?} {busy}")]
+    Shed { guard: String, busy: LinkBusy },
 }
 
 impl BatchError {
@@ -84,6 +94,7 @@ impl BatchError {
         match self {
             Self::Refused(refusal) => refusal.status.clone(),
             Self::Aborted { .. } => Status::unavailable(self.to_string()),
+            Self::Shed { .. } => Status::resource_exhausted(self.to_string()),
         }
     }
 }
@@ -335,7 +346,14 @@ impl Mesh {
         };
         let mut judging = Judging::new(self, &chain, request, members, deadline, trace, span);
         let result = judging.run().await;
-        let outcome = if result.is_ok() { "decided" } else { "aborted" };
+        let outcome = match &result {
+            Ok(_) => "decided",
+            Err(BatchError::Shed { .. }) => {
+                self.metrics.refused("guard_busy");
+                "refused"
+            }
+            Err(_) => "aborted",
+        };
         self.metrics.batch(outcome, started.elapsed().as_secs_f64());
         result
     }
@@ -470,11 +488,11 @@ impl<'a> Judging<'a> {
         tag: usize,
         events: &mpsc::UnboundedSender<LinkEvent>,
         now: Instant,
-    ) -> Result<Instant, GuardFailure> {
+    ) -> Result<Instant, NotSent> {
         let chain = self.chain;
         let ChainGuard { guard, link } = &chain.guards[g];
         let Some(link) = link else {
-            return Err(GuardFailure::StreamClosed);
+            return Err(GuardFailure::StreamClosed.into());
         };
         let budget = self.budget(guard, now);
         let run = &mut self.runs[g];
@@ -492,7 +510,7 @@ impl<'a> Judging<'a> {
             .unwrap_or_else(|| self.trace.traceparent.clone());
         run.span = Some(span);
         if budget.is_zero() {
-            return Err(GuardFailure::TimedOut(Duration::ZERO));
+            return Err(GuardFailure::TimedOut(Duration::ZERO).into());
         }
         let batch = GuardBatch {
             request_id: 0,
@@ -505,8 +523,44 @@ impl<'a> Judging<'a> {
             tracestate: self.trace.tracestate.clone(),
         };
         let shared = self.shared_part(g);
-        self.runs[g].request_id = Some(link.send(batch, shared, tag, events)?);
+        // A guard that takes nothing off its stream for its own timeout is
+        // not reading (a failure); one that is slow but takes requests is
+        // busy, and the batch is shed (R25).
+        let id = link.send(batch, shared, tag, events, self.trace.client, guard.timeout)?;
+        self.runs[g].request_id = Some(id);
         Ok(now + budget)
+    }
+
+    /// Guard `g`'s link had no room for this batch while the guard was
+    /// making progress (R25): the batch is shed whole with
+    /// `RESOURCE_EXHAUSTED` to its own client. No call is decided, so no
+    /// load turns into a cancel; the requests already out to other guards
+    /// are withdrawn, and no circuit hears of it.
+    fn shed(&mut self, g: usize, busy: LinkBusy) -> BatchError {
+        let guard = &self.chain.guards[g].guard;
+        tracing::warn!(
+            guard = %guard.name,
+            batch_id = %self.request.batch_id,
+            trace_id = %self.trace.trace_id,
+            error = %busy,
+            "batch shed: guard busy"
+        );
+        let error = BatchError::Shed {
+            guard: guard.name.clone(),
+            busy,
+        };
+        // Not sent: neither a failure nor an outcome of that guard.
+        self.runs[g].sent_any = false;
+        for (run, ChainGuard { link, .. }) in self.runs.iter_mut().zip(&self.chain.guards) {
+            if run.finished.is_some() {
+                continue;
+            }
+            if let (Some(id), Some(link)) = (run.request_id, link) {
+                link.cancel(id);
+                run.superseded = true;
+            }
+        }
+        error
     }
 
     /// A fold over the guards `order` (chain indices, in chain order), each
@@ -540,7 +594,8 @@ impl<'a> Judging<'a> {
         // that fails after partial answers keeps the skips it sent.
         let mut verdicts = Vec::new();
         let failure = match self.send(g, 0, &events_tx, now) {
-            Err(failure) => Some(failure),
+            Err(NotSent::Busy(busy)) => return Err(self.shed(g, busy)),
+            Err(NotSent::Failed(failure)) => Some(failure),
             Ok(guard_deadline) => loop {
                 tokio::select! {
                     event = events.recv() => match event {
@@ -717,7 +772,10 @@ impl<'a> Judging<'a> {
             let (events_tx, _) = channel.get_or_insert_with(mpsc::unbounded_channel);
             match self.send(g, k, events_tx, now) {
                 Ok(at) => deadlines[k] = Some(at),
-                Err(failure) => self.guard_failed(g, failure, false, &mut fold, k),
+                Err(NotSent::Busy(busy)) => return Err(self.shed(g, busy)),
+                Err(NotSent::Failed(failure)) => {
+                    self.guard_failed(g, failure, false, &mut fold, k);
+                }
             }
         }
         // Policy guards (R27) answer at once, in the mesh, through the same

@@ -27,13 +27,14 @@
 mod backoff;
 mod breaker;
 pub mod dial;
+mod queue;
 
 use backoff::ExpBackoff;
 use breaker::ConsecutiveFailures;
 use guardmesh_proto::v1::{CancelBatch, GuardBatch, JudgeRequest, JudgeResponse, judge_request};
 use prost::bytes::Bytes;
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 use tokio::sync::mpsc;
@@ -69,11 +70,17 @@ pub enum GuardFailure {
     #[error("{0}")]
     UnknownVerdictField(wire::UnknownField),
     /// R25: the requests already queued for the guard, which it has not read
-    /// off its stream, reach the link's byte bound.
+    /// off its stream, reach the link's byte bound, and it has taken none of
+    /// them for `stalled`, at least its timeout. (A guard that is slow but
+    /// takes requests is busy, not failed: see [`LinkBusy`].)
     #[error(
-        "is not reading its stream: {queued} bytes of earlier requests are still queued for it (bound {limit} bytes)"
+        "is not reading its stream: {queued} bytes of earlier requests are still queued for it (bound {limit} bytes) and it has taken none for {stalled:?}"
     )]
-    NotReading { queued: usize, limit: usize },
+    NotReading {
+        queued: usize,
+        limit: usize,
+        stalled: Duration,
+    },
     /// R27: a policy guard's rule could not be evaluated for a call (a
     /// missing field, a wrong type, a cost bound): a failure, never a
     /// proceed. The text names the rule and the error.
@@ -105,6 +112,51 @@ impl GuardFailure {
         }
     }
 }
+
+/// R25: a guard's queue has no room for a request while the guard is making
+/// progress: load, not a failure. The batch is shed with
+/// `RESOURCE_EXHAUSTED` to its own client; the guard's circuit hears
+/// nothing of it and no call is cancelled.
+#[derive(Debug, Clone, thiserror::Error)]
+#[error(
+    "is busy: {queued} bytes of requests are already queued for it (bound {limit} bytes; one client may hold {share} bytes, this one holds {held}); retry with backoff"
+)]
+pub struct LinkBusy {
+    /// Bytes queued for the guard in all.
+    pub queued: usize,
+    /// The link's bound (`guard_links.max_queued_bytes`).
+    pub limit: usize,
+    /// Bytes the sending client holds in the queue.
+    pub held: usize,
+    /// Bytes one client may hold ([`client_share`]).
+    pub share: usize,
+}
+
+/// Why a request was not sent to a guard.
+#[derive(Debug, Clone)]
+pub enum NotSent {
+    /// The guard failed (R13): its failure policy applies.
+    Failed(GuardFailure),
+    /// The guard is busy (R25): the batch is shed, nothing is decided.
+    Busy(LinkBusy),
+}
+
+impl From<GuardFailure> for NotSent {
+    fn from(failure: GuardFailure) -> Self {
+        Self::Failed(failure)
+    }
+}
+
+/// The bytes of a guard's queue one client (a coordinator connection) may
+/// hold once it holds any: a quarter of the queue's bound, so that one
+/// client cannot fill the queue that every client shares (R25). A client
+/// holding nothing always gets one request in, within the queue's bound.
+pub fn client_share(max_queued_bytes: usize) -> usize {
+    (max_queued_bytes / CLIENT_SHARES).max(1)
+}
+
+/// How many clients' shares a guard's queue holds ([`client_share`]).
+pub const CLIENT_SHARES: usize = 4;
 
 /// What a link reports to the batch that sent a request.
 #[derive(Debug)]
@@ -178,12 +230,11 @@ struct Waiter {
     events: mpsc::UnboundedSender<LinkEvent>,
 }
 
-/// The requests waiting to be written to one stream, encoded, and their
-/// size.
+/// The requests waiting to be written to one stream, encoded, with the
+/// client that queued each, and their bytes ([`queue::Load`]).
 struct Queue {
-    tx: mpsc::UnboundedSender<Encoded>,
-    /// Encoded bytes of the requests in `tx` not yet taken by the stream.
-    bytes: Arc<AtomicUsize>,
+    tx: mpsc::UnboundedSender<(Encoded, queue::Client)>,
+    load: Arc<Mutex<queue::Load>>,
 }
 
 impl Queue {
@@ -191,35 +242,60 @@ impl Queue {
         Self,
         impl tokio_stream::Stream<Item = Encoded> + Send + 'static,
     ) {
-        let (tx, rx) = mpsc::unbounded_channel::<Encoded>();
-        let bytes = Arc::new(AtomicUsize::new(0));
-        let taken = bytes.clone();
-        let stream = UnboundedReceiverStream::new(rx).map(move |request| {
-            taken.fetch_sub(request.len(), Ordering::Relaxed);
+        let (tx, rx) = mpsc::unbounded_channel::<(Encoded, queue::Client)>();
+        let load = Arc::new(Mutex::new(queue::Load::new(tokio::time::Instant::now())));
+        let taken = load.clone();
+        let stream = UnboundedReceiverStream::new(rx).map(move |(request, client)| {
+            taken.lock().unwrap_or_else(PoisonError::into_inner).remove(
+                request.len(),
+                client,
+                tokio::time::Instant::now(),
+                true,
+            );
             request
         });
-        (Self { tx, bytes }, stream)
+        (Self { tx, load }, stream)
     }
 
-    /// Queues `request` unless the queue would then hold more than `limit`
-    /// bytes (an empty queue takes any request); when refused, says how many
-    /// bytes are queued.
-    fn push(&self, request: Encoded, limit: usize) -> Result<(), QueueError> {
+    fn load(&self) -> std::sync::MutexGuard<'_, queue::Load> {
+        self.load.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Whether `len` bytes from `client` would be queued now.
+    fn check(
+        &self,
+        len: usize,
+        client: queue::Client,
+        bounds: queue::Bounds,
+    ) -> Result<(), queue::Refusal> {
+        self.load()
+            .check(len, client, bounds, tokio::time::Instant::now())
+    }
+
+    /// Queues `request` from `client` within `bounds` (see [`queue::Load`]).
+    fn push(
+        &self,
+        request: Encoded,
+        client: queue::Client,
+        bounds: queue::Bounds,
+    ) -> Result<(), QueueError> {
         let len = request.len();
-        let queued = self.bytes.load(Ordering::Relaxed);
-        if queued > 0 && queued.saturating_add(len) > limit {
-            return Err(QueueError::Full(queued));
+        let now = tokio::time::Instant::now();
+        {
+            let mut load = self.load();
+            load.check(len, client, bounds, now)
+                .map_err(QueueError::Refused)?;
+            load.add(len, client, now);
         }
-        self.bytes.fetch_add(len, Ordering::Relaxed);
-        self.tx.send(request).map_err(|_| {
-            self.bytes.fetch_sub(len, Ordering::Relaxed);
+        self.tx.send((request, client)).map_err(|_| {
+            self.load().remove(len, client, now, false);
             QueueError::Closed
         })
     }
 }
 
 enum QueueError {
-    Full(usize),
+    Refused(queue::Refusal),
     Closed,
 }
 
@@ -271,7 +347,8 @@ impl Shared {
                 Encoded::request(&JudgeRequest {
                     kind: Some(judge_request::Kind::Cancel(CancelBatch { request_id })),
                 }),
-                self.max_queued_bytes,
+                queue::CONTROL,
+                queue::Bounds::control(self.max_queued_bytes),
             );
         }
     }
@@ -374,19 +451,41 @@ impl GuardLink {
     /// own `context` and `calls` are left empty. The answer or the failure
     /// arrives on `events`, tagged with `tag`. Fails at once when the guard
     /// is known to be down.
+    ///
+    /// `client` is the sending coordinator connection's key: it holds at
+    /// most its [`client_share`] of the queue. When the queue has no room,
+    /// the guard is busy ([`NotSent::Busy`]) unless its stream has taken
+    /// nothing for `stall` (its timeout): then it is not reading, a failure.
     pub fn send(
         &self,
         mut batch: GuardBatch,
         shared: Bytes,
         tag: usize,
         events: &mpsc::UnboundedSender<LinkEvent>,
-    ) -> Result<u64, GuardFailure> {
+        client: u64,
+        stall: Duration,
+    ) -> Result<u64, NotSent> {
         let id = self.shared.next_id.fetch_add(1, Ordering::Relaxed);
         batch.request_id = id;
         // Encoded once, outside the lock; the calls' bytes are shared with
         // the other guards sent the same calls.
         let request = Encoded::batch(&batch, shared);
+        // A client's own key never collides with the mesh's.
+        let client = if client == queue::CONTROL { 0 } else { client };
+        let bounds = queue::Bounds {
+            limit: self.shared.max_queued_bytes,
+            share: client_share(self.shared.max_queued_bytes),
+            stall,
+        };
         let mut state = self.shared.lock();
+        // Room first: a batch shed for load neither takes the circuit's
+        // half-open probe nor tells the circuit anything. All pushes happen
+        // under the state's lock, so the room is still there below.
+        if let Conn::Open(queue) = &state.conn {
+            queue
+                .check(request.len(), client, bounds)
+                .map_err(|refusal| self.refused(refusal))?;
+        }
         state
             .circuit
             .admit(tokio::time::Instant::now())
@@ -397,19 +496,14 @@ impl GuardLink {
             })?;
         let queue = match &state.conn {
             Conn::Open(queue) => queue,
-            Conn::Down(error) => return Err(GuardFailure::Unreachable(error.clone())),
+            Conn::Down(error) => return Err(GuardFailure::Unreachable(error.clone()).into()),
         };
-        match queue.push(request, self.shared.max_queued_bytes) {
+        match queue.push(request, client, bounds) {
             Ok(()) => {}
             Err(QueueError::Closed) => {
-                return Err(GuardFailure::Unreachable("stream is closing".into()));
+                return Err(GuardFailure::Unreachable("stream is closing".into()).into());
             }
-            Err(QueueError::Full(queued)) => {
-                return Err(GuardFailure::NotReading {
-                    queued,
-                    limit: self.shared.max_queued_bytes,
-                });
-            }
+            Err(QueueError::Refused(refusal)) => return Err(self.refused(refusal)),
         }
         state.waiting.insert(
             id,
@@ -419,6 +513,26 @@ impl GuardLink {
             },
         );
         Ok(id)
+    }
+
+    /// What a queue's refusal means for the batch, counted.
+    fn refused(&self, refusal: queue::Refusal) -> NotSent {
+        let limit = self.shared.max_queued_bytes;
+        match refusal {
+            queue::Refusal::Busy { queued, held } => NotSent::Busy(LinkBusy {
+                queued,
+                limit,
+                held,
+                share: client_share(limit),
+            }),
+            queue::Refusal::Stalled { queued, stalled } => {
+                NotSent::Failed(GuardFailure::NotReading {
+                    queued,
+                    limit,
+                    stalled,
+                })
+            }
+        }
     }
 
     /// Records how a request to this guard ended, for its circuit breaker.
@@ -741,6 +855,7 @@ mod tests {
             GuardFailure::NotReading {
                 queued: 2,
                 limit: 1,
+                stalled: Duration::from_secs(1),
             },
         ]
     }

@@ -367,3 +367,66 @@ fn describe(outcome: &Outcome) -> String {
         Outcome::Error(error) => format!("error: {error}"),
     }
 }
+
+/// A rule that names a tool its guard is never sent (R27, R9): in its own
+/// `tools`, or in its `when` (`call.tool == 'bash'`). Such a rule never
+/// decides that tool: the calls it was written for proceed unjudged.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct NeverSent {
+    pub rule: String,
+    pub line: usize,
+    /// The pattern or name the rule names.
+    pub tool: String,
+    /// Whether it is named in `when` (else in `tools`).
+    pub in_when: bool,
+}
+
+impl fmt::Display for NeverSent {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "line {}: rule {:?} names tool {:?} in its {}, but the guard's tools never send it that tool: \
+             the rule never decides it (add it to the guard's tools, or remove it from the rule)",
+            self.line,
+            self.rule,
+            self.tool,
+            if self.in_when { "when" } else { "tools" }
+        )
+    }
+}
+
+/// The rules of the policy `source` that name a tool the guard's `tools`
+/// (its registered patterns; empty: every tool) never send it, in file
+/// order. A file that does not compile is an error, as in [`check`].
+pub fn never_sent(source: &str, tools: &[String]) -> Result<Vec<NeverSent>, CompileError> {
+    Policy::compile(source)?;
+    if tools.is_empty() {
+        return Ok(Vec::new());
+    }
+    let parsed = super::file::parse(source)?;
+    let sent = |name: &str| tools.iter().any(|t| super::reach::overlap(t, name));
+    let mut found = Vec::new();
+    for rule in &parsed.rule {
+        let line = line_at(source, rule.name.span().start);
+        let named = rule
+            .tools
+            .iter()
+            .flat_map(|t| t.get_ref().iter().map(|tool| (tool.clone(), false)))
+            .chain(
+                super::reach::compared_tools(rule.when.get_ref())
+                    .into_iter()
+                    .map(|tool| (tool, true)),
+            );
+        for (tool, in_when) in named {
+            if !sent(&tool) {
+                found.push(NeverSent {
+                    rule: rule.name.get_ref().clone(),
+                    line,
+                    tool,
+                    in_when,
+                });
+            }
+        }
+    }
+    Ok(found)
+}

@@ -35,6 +35,7 @@ mod input;
 mod json;
 mod patterns;
 mod plan;
+mod reach;
 mod strings;
 mod verdict;
 
@@ -44,6 +45,7 @@ mod plan_tests;
 mod tests;
 
 pub use cases::{CheckReport, Failure, RuleSummary, TestReport, check, test};
+pub use cases::{NeverSent, never_sent};
 pub use cost::{Cost, Limits};
 pub use engine::{Policy, Rule};
 pub use error::{CasesError, CompileError, CompileErrorKind, EvalError, Field, Scope};

@@ -47,10 +47,11 @@ fn batch_trace(batch: &EvaluateRequest, stream: &TraceContext) -> TraceContext {
     if batch.traceparent.is_empty() {
         stream.clone()
     } else {
-        let own = TraceContext::from_w3c(&batch.traceparent, &batch.tracestate);
+        let mut own = TraceContext::from_w3c(&batch.traceparent, &batch.tracestate);
         if own.trace_id.is_empty() {
             stream.clone()
         } else {
+            own.client = stream.client;
             own
         }
     }
@@ -85,6 +86,23 @@ fn reserve(inbound: Inbound, may_replay: bool, max_id_bytes: usize) -> Inbound {
         }
         refused => refused,
     }
+}
+
+/// The key of the connection `request` came on, by which guard links share
+/// their queues between clients (R25): its peer address (ip and port) when
+/// known, else 0.
+fn client_key<T>(request: &Request<T>) -> u64 {
+    use std::hash::{Hash, Hasher};
+    let peer = request
+        .extensions()
+        .get::<crate::security::tls::PeerInfo>()
+        .and_then(|p| p.remote)
+        .or_else(|| request.remote_addr());
+    peer.map_or(0, |peer| {
+        let mut hasher = std::collections::hash_map::DefaultHasher::new();
+        peer.hash(&mut hasher);
+        hasher.finish()
+    })
 }
 
 /// Who sent a batch or made a change, as the decision log names it.
@@ -316,6 +334,7 @@ impl PreTool {
     async fn unary(
         &self,
         metadata: &MetadataMap,
+        client: u64,
         caller: Option<LogCaller>,
         inbound: Inbound,
     ) -> Result<BatchDecision, Status> {
@@ -333,7 +352,8 @@ impl PreTool {
             }
         };
         let record = Record::new(&self.mesh, caller.as_ref(), Some(&batch), "");
-        let stream_trace = trace_context(metadata);
+        let mut stream_trace = trace_context(metadata);
+        stream_trace.client = client;
         let transport = grpc_timeout(metadata);
         let shown = shown_id(&batch.batch_id, self.mesh.config.limits.max_id_bytes);
         let _bytes = match self.inflight_bytes(&shown, batch.calls.len(), size) {
@@ -714,7 +734,8 @@ impl PreToolService for PreTool {
         &self,
         request: Request<Streaming<EvaluateRequest>>,
     ) -> Result<Response<Self::EvaluateStream>, Status> {
-        let trace = trace_context(request.metadata());
+        let mut trace = trace_context(request.metadata());
+        trace.client = client_key(&request);
         let caller = log_caller(&self.mesh, &request);
         let limits = self.mesh.config.limits;
         let replay = may_replay(&request);
@@ -736,6 +757,7 @@ impl PreToolService for PreTool {
     ) -> Result<Response<BatchDecision>, Status> {
         let caller = log_caller(&self.mesh, &request);
         let replay = may_replay(&request);
+        let client = client_key(&request);
         let (metadata, _, batch) = request.into_parts();
         let limits = &self.mesh.config.limits;
         let inbound = reserve(
@@ -743,7 +765,9 @@ impl PreToolService for PreTool {
             replay,
             limits.max_id_bytes,
         );
-        Ok(Response::new(self.unary(&metadata, caller, inbound).await?))
+        Ok(Response::new(
+            self.unary(&metadata, client, caller, inbound).await?,
+        ))
     }
 }
 
@@ -792,7 +816,8 @@ impl tonic::server::StreamingService<Inbound> for EvaluateMethod {
     fn call(&mut self, request: Request<Streaming<Inbound>>) -> Self::Future {
         let tool = self.0.clone();
         Box::pin(async move {
-            let trace = trace_context(request.metadata());
+            let mut trace = trace_context(request.metadata());
+            trace.client = client_key(&request);
             let caller = log_caller(&tool.mesh, &request);
             let replay = may_replay(&request);
             let max_id_bytes = tool.mesh.config.limits.max_id_bytes;
@@ -818,6 +843,7 @@ impl tonic::server::ClientStreamingService<Inbound> for EvaluateBatchMethod {
         Box::pin(async move {
             let caller = log_caller(&tool.mesh, &request);
             let replay = may_replay(&request);
+            let client = client_key(&request);
             let (metadata, _, mut inbound) = request.into_parts();
             let message = inbound
                 .message()
@@ -825,7 +851,9 @@ impl tonic::server::ClientStreamingService<Inbound> for EvaluateBatchMethod {
                 .map_err(transport_status)?
                 .ok_or_else(|| Status::invalid_argument("EvaluateBatch sent no request message"))?;
             let message = reserve(message, replay, tool.mesh.config.limits.max_id_bytes);
-            Ok(Response::new(tool.unary(&metadata, caller, message).await?))
+            Ok(Response::new(
+                tool.unary(&metadata, client, caller, message).await?,
+            ))
         })
     }
 }
