@@ -50,6 +50,7 @@ mod otel;
 mod otel_http;
 mod overload;
 mod policy;
+mod policy_isolation;
 mod policy_order;
 mod policy_watch;
 mod polyglot;
