@@ -61,6 +61,9 @@ pub struct Rule {
     message_plan: Option<Plan>,
     /// Whether `when` or `message` reads `calls` (the whole batch).
     reads_calls: bool,
+    /// The text of `when` and `message`: an error names a key only if the
+    /// rule writes it (never one that came from the input).
+    text: String,
 }
 
 impl Rule {
@@ -468,7 +471,9 @@ impl Policy {
                             failed.get_or_insert(EvalError::Failed {
                                 rule: rule.name.clone(),
                                 field: Field::When,
-                                reason: super::error::describe(&error),
+                                reason: super::error::describe(&error, |key| {
+                                    rule.text.contains(key)
+                                }),
                             });
                             continue;
                         }
@@ -497,7 +502,7 @@ impl Policy {
                         Err(error) => Err(EvalError::Failed {
                             rule: rule.name.clone(),
                             field: Field::Message,
-                            reason: super::error::describe(&error),
+                            reason: super::error::describe(&error, |key| rule.text.contains(key)),
                         }),
                     }
                 }
@@ -763,6 +768,7 @@ fn compile_rule(
         expr::compile(env, functions, field, text.get_ref(), limits)
             .map_err(|refused| fail(first_line + refused.line - 1, refused.kind))
     };
+    let text = format!("{}\n{}", entry.when.get_ref(), entry.message.get_ref());
     let when = compile(Field::When, entry.when)?;
     let message = compile(Field::Message, entry.message)?;
     let mut cost = when.cost.clone();
@@ -771,6 +777,7 @@ fn compile_rule(
     let message_plan = Plan::new(message.program.expression());
     Ok(Rule {
         reads_calls: when.reads_calls || message.reads_calls,
+        text,
         when_plan,
         message_plan,
         name,

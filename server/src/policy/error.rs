@@ -216,10 +216,10 @@ pub struct CasesError {
 
 /// What went wrong in a CEL evaluation, without the values involved: an
 /// error's text is traced, logged and recorded, and argument values may be
-/// masked fields (R29). Names written in the rule (functions, operators,
+/// masked fields (R29). Names written in the rule (functions, operators, keys,
 /// types) stay.
 #[allow(deprecated)]
-pub(crate) fn describe(error: &cel::ExecutionError) -> String {
+pub(crate) fn describe(error: &cel::ExecutionError, written: impl Fn(&str) -> bool) -> String {
     use cel::ExecutionError as E;
     match error {
         E::InvalidArgumentCount { expected, actual } => {
@@ -233,8 +233,9 @@ pub(crate) fn describe(error: &cel::ExecutionError) -> String {
         }
         E::UnsupportedKeyType(_) => "a map key of an unsupported type".into(),
         E::UnexpectedType { got, want } => format!("expected a {want}, got a {got}"),
+        E::NoSuchKey(key) if written(key) => format!("no such key: {key}"),
         E::NoSuchKey(_) => "no such key".into(),
-        E::NoSuchOverload(_) => "no function or operator takes arguments of these types".into(),
+        E::NoSuchOverload(_) => "no matching overload for the types of its arguments".into(),
         E::UndeclaredReference(name) => format!("undeclared reference to {name}"),
         E::MissingArgumentOrTarget => "a missing argument or target".into(),
         E::ValuesNotComparable(..) => "values that cannot be compared".into(),
