@@ -64,6 +64,7 @@ mod otel;
 mod otel_http;
 mod overload;
 mod policy;
+mod policy_isolation;
 mod policy_order;
 mod policy_reload_attacks;
 mod policy_watch;

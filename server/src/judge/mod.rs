@@ -787,7 +787,7 @@ impl<'a> Judging<'a> {
             })
             .collect();
         if !policies.is_empty() {
-            for (k, started, outcomes) in self.evaluate_policies(&order, &policies) {
+            for (k, started, outcomes) in self.evaluate_policies(&order, &policies).await? {
                 let order = order.as_slice();
                 self.judge_policy(outcomes, started, order, k, &mut fold, &mut deadlines);
             }
@@ -951,16 +951,40 @@ impl<'a> Judging<'a> {
             run.sent.iter().filter(|s| **s).count(),
         ));
         let mut error = None;
+        let mut timed_out = false;
         for (i, outcome) in outcomes.into_iter().enumerate() {
             if !run.sent.get(i).copied().unwrap_or(false) {
                 continue;
             }
-            match outcome {
+            let matched = match outcome {
                 PolicyOutcome::Proceed => {
                     run.answered[i] = true;
                     fold.answer(k, i, None);
+                    None
                 }
-                PolicyOutcome::Matched(matched) => {
+                // R13: over a bound because of its own content, the call is
+                // steered naming the bound, whatever the failure policy.
+                PolicyOutcome::Matched(matched) | PolicyOutcome::Bounded(matched) => Some(matched),
+                // A rule failed and a later one matched: the guard fails,
+                // and the later rule's verdict stands (R27).
+                PolicyOutcome::FailedThen(failed, matched) => {
+                    error.get_or_insert(failed);
+                    Some(matched)
+                }
+                PolicyOutcome::Error(failed) => {
+                    run.rules.push((i, failed.rule().to_owned()));
+                    error.get_or_insert(failed);
+                    None
+                }
+                // R14: left unanswered; the guard timed out.
+                PolicyOutcome::TimedOut => {
+                    timed_out = true;
+                    None
+                }
+            };
+            match matched {
+                None => {}
+                Some(matched) => {
                     // A blank message would read as a malformed skip (R8),
                     // that is a proceed: the rule's name stands in for it.
                     let content = if matched.message.trim().is_empty() {
@@ -978,13 +1002,14 @@ impl<'a> Judging<'a> {
                     run.skip_kinds.push(kind);
                     fold.answer(k, i, Some(Skip { content, kind }));
                 }
-                PolicyOutcome::Error(failed) => {
-                    run.rules.push((i, failed.rule().to_owned()));
-                    error.get_or_insert(failed);
-                }
             }
         }
         deadlines[k] = None;
+        if timed_out {
+            let waited = started.elapsed();
+            self.guard_failed(g, GuardFailure::TimedOut(waited), false, fold, k);
+            return;
+        }
         match error {
             None => {
                 run.finished = Some(Instant::now());
@@ -998,72 +1023,84 @@ impl<'a> Judging<'a> {
 
     /// Evaluates the policy guards at `policies` (positions in `order`)
     /// for the calls each was sent, on the batch as it stands after the
-    /// mutate guards. The batch's CEL values are built once, straight from
-    /// the calls' JSON text, and shared by all of them.
-    fn evaluate_policies(
-        &self,
+    /// mutate guards, in the policy lane (`policy::pool`): off the
+    /// runtime's threads, each guard within its timeout and the batch's
+    /// deadline (R14). The calls move to the evaluation thread and back
+    /// (no copy); a guard whose time is up before a thread is free has
+    /// every call timed out.
+    async fn evaluate_policies(
+        &mut self,
         order: &[usize],
         policies: &[usize],
-    ) -> Vec<(usize, Instant, Vec<PolicyOutcome>)> {
-        let context = self.context.as_ref();
-        // The calls' arguments are read for the fast path only if one of
-        // these policies may read them.
-        let args = policies.iter().any(|&k| {
-            self.chain.guards[order[k]]
-                .guard
-                .policy
-                .as_ref()
-                .is_some_and(|rules| rules.compiled.reads_args())
-        });
-        let values = BatchValues::reading_args(
-            args,
-            ContextRef {
-                session_id: context.map_or("", |c| c.session_id.as_str()),
-                turn_index: context.map_or(0, |c| c.turn_index),
-                model_text: context.map_or("", |c| c.model_text.as_str()),
-            },
-            context
-                .into_iter()
-                .flat_map(|c| c.metadata.iter())
-                .map(|(k, v)| (k.as_str(), v.as_str())),
-            // Arguments were checked as an I-JSON object (R20), rewrites
-            // too; absent arguments are `{}`. Should text ever fail to parse
-            // here, a rule reading it sees `null` and errors (a guard
-            // failure, R13), never an empty object that would let it proceed.
-            // A rewritten call's arguments are scanned; the others were
-            // recorded by the check.
-            self.calls.iter().enumerate().map(|(i, call)| CallRef {
-                call_id: &call.current().call_id,
-                tool: &call.current().tool,
-                args: match (
-                    &call.rewritten,
-                    self.members.call(i),
-                    self.members.largest(i),
-                ) {
-                    (None, Some(members), _) => Args::Recorded {
-                        text: &call.original.arguments,
-                        members,
-                    },
-                    (None, None, Some(largest)) => Args::Counted {
-                        text: &call.original.arguments,
-                        largest,
-                    },
-                    _ => Args::Checked(&call.current().arguments),
-                },
-            }),
-        );
-        policies
+    ) -> Result<Vec<(usize, Instant, Vec<PolicyOutcome>)>, BatchError> {
+        let now = Instant::now();
+        let jobs: Vec<PolicyJob> = policies
             .iter()
             .filter_map(|&k| {
                 let g = order[k];
-                let rules = self.chain.guards[g].guard.policy.as_ref()?;
-                let started = Instant::now();
-                let outcomes = rules
-                    .compiled
-                    .evaluate_values(&values, Some(&self.runs[g].sent));
-                Some((k, started, outcomes))
+                let guard = &self.chain.guards[g].guard;
+                let rules = guard.policy.as_ref()?;
+                Some(PolicyJob {
+                    k,
+                    policy: Arc::clone(&rules.compiled),
+                    sent: self.runs[g].sent.clone(),
+                    until: now + self.budget(guard, now),
+                })
             })
-            .collect()
+            .collect();
+        let latest = jobs.iter().map(|j| j.until).max().unwrap_or(now);
+        let Ok(lane) = crate::policy::pool::lane(latest).await else {
+            return Ok(jobs
+                .iter()
+                .map(|job| {
+                    let outcomes = job.sent.iter().map(|_| PolicyOutcome::TimedOut).collect();
+                    (job.k, now, outcomes)
+                })
+                .collect());
+        };
+        let work = PolicyWork {
+            calls: std::mem::take(&mut self.calls),
+            members: std::mem::take(&mut self.members),
+            context: self.context.take(),
+            jobs,
+        };
+        let first = work.jobs.first().map(|job| job.k);
+        match lane.run(move || work.evaluate()).await {
+            Ok((work, outcomes)) => {
+                self.calls = work.calls;
+                self.members = work.members;
+                self.context = work.context;
+                match outcomes {
+                    Some(outcomes) => Ok(outcomes),
+                    // A panic in evaluation: every policy guard fails (R13).
+                    None => Ok(work
+                        .jobs
+                        .iter()
+                        .map(|job| {
+                            let outcomes = job
+                                .sent
+                                .iter()
+                                .map(|_| {
+                                    PolicyOutcome::Error(crate::policy::EvalError::Failed {
+                                        rule: String::new(),
+                                        field: crate::policy::Field::When,
+                                        reason: "the evaluation panicked".into(),
+                                    })
+                                })
+                                .collect();
+                            (job.k, now, outcomes)
+                        })
+                        .collect()),
+                }
+            }
+            // The calls went with the work: the batch cannot be decided.
+            Err(interrupted) => Err(BatchError::Aborted {
+                guard: first
+                    .map(|k| self.chain.guards[order[k]].guard.name.clone())
+                    .unwrap_or_default(),
+                failure: GuardFailure::Policy(interrupted.to_string()),
+            }),
+        }
     }
 
     /// R28: a call that no enforced guard applies to, and that nothing
@@ -1261,6 +1298,96 @@ impl<'a> Judging<'a> {
 }
 
 /// Guard `run`'s trace entry (R21); `ids` are the batch's call ids.
+/// One policy guard's evaluation of a batch, in the policy lane.
+struct PolicyJob {
+    /// Its position in the validate fold.
+    k: usize,
+    policy: Arc<crate::policy::Policy>,
+    /// The calls it was sent.
+    sent: Vec<bool>,
+    /// Its timeout within the batch's deadline (R14).
+    until: Instant,
+}
+
+/// What a batch's policy guards read, moved to an evaluation thread and
+/// back.
+struct PolicyWork {
+    calls: Vec<Call>,
+    members: Recorded,
+    context: Option<BatchContext>,
+    jobs: Vec<PolicyJob>,
+}
+
+type PolicyOutcomes = Vec<(usize, Instant, Vec<PolicyOutcome>)>;
+
+impl PolicyWork {
+    /// Evaluates every job, and gives the work back; `None` for the
+    /// outcomes if evaluation panicked.
+    fn evaluate(self) -> (Self, Option<PolicyOutcomes>) {
+        let outcomes =
+            std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| self.evaluate_all())).ok();
+        (self, outcomes)
+    }
+
+    /// The batch's CEL values are built once, straight from the calls'
+    /// JSON text, and shared by all the policies.
+    fn evaluate_all(&self) -> PolicyOutcomes {
+        let context = self.context.as_ref();
+        // The calls' arguments are read for the fast path only if one of
+        // these policies may read them.
+        let args = self.jobs.iter().any(|job| job.policy.reads_args());
+        let values = BatchValues::reading_args(
+            args,
+            ContextRef {
+                session_id: context.map_or("", |c| c.session_id.as_str()),
+                turn_index: context.map_or(0, |c| c.turn_index),
+                model_text: context.map_or("", |c| c.model_text.as_str()),
+            },
+            context
+                .into_iter()
+                .flat_map(|c| c.metadata.iter())
+                .map(|(k, v)| (k.as_str(), v.as_str())),
+            // Arguments were checked as an I-JSON object (R20), rewrites
+            // too; absent arguments are `{}`. Should text ever fail to parse
+            // here, a rule reading it sees `null` and errors (a guard
+            // failure, R13), never an empty object that would let it proceed.
+            // A rewritten call's arguments are scanned; the others were
+            // recorded by the check.
+            self.calls.iter().enumerate().map(|(i, call)| CallRef {
+                call_id: &call.current().call_id,
+                tool: &call.current().tool,
+                args: match (
+                    &call.rewritten,
+                    self.members.call(i),
+                    self.members.largest(i),
+                ) {
+                    (None, Some(members), _) => Args::Recorded {
+                        text: &call.original.arguments,
+                        members,
+                    },
+                    (None, None, Some(largest)) => Args::Counted {
+                        text: &call.original.arguments,
+                        largest,
+                    },
+                    _ => Args::Checked(&call.current().arguments),
+                },
+            }),
+        );
+        self.jobs
+            .iter()
+            .map(|job| {
+                let started = Instant::now();
+                let outcomes = job.policy.evaluate_within(
+                    &values,
+                    Some(&job.sent),
+                    Some(job.until.into_std()),
+                );
+                (job.k, started, outcomes)
+            })
+            .collect()
+    }
+}
+
 fn trace_entry(guard: &Guard, run: &GuardRun, ids: &[&str]) -> GuardTrace {
     let status = run.status();
     let reported = reported_status(guard, run);

@@ -329,7 +329,10 @@ pub fn test(policy: &Policy, cases: &str) -> Result<TestReport, CasesError> {
 fn holds(outcome: &Outcome, expected: Expected, rule: Option<&str>, message: Option<&str>) -> bool {
     match (outcome, expected) {
         (Outcome::Proceed, Expected::Proceed) => true,
-        (Outcome::Matched(verdict), Expected::Steer | Expected::Cancel) => {
+        (
+            Outcome::Matched(verdict) | Outcome::Bounded(verdict),
+            Expected::Steer | Expected::Cancel,
+        ) => {
             let action = match verdict.action {
                 Action::Steer => Expected::Steer,
                 Action::Cancel => Expected::Cancel,
@@ -338,7 +341,7 @@ fn holds(outcome: &Outcome, expected: Expected, rule: Option<&str>, message: Opt
                 && rule.is_none_or(|rule| rule == verdict.rule)
                 && message.is_none_or(|part| verdict.message.contains(part))
         }
-        (Outcome::Error(error), Expected::Error) => {
+        (Outcome::Error(error) | Outcome::FailedThen(error, _), Expected::Error) => {
             rule.is_none_or(|rule| rule == error.rule())
                 && message.is_none_or(|part| error.to_string().contains(part))
         }
@@ -365,6 +368,12 @@ fn describe(outcome: &Outcome) -> String {
             verdict.action, verdict.rule, verdict.message
         ),
         Outcome::Error(error) => format!("error: {error}"),
+        Outcome::FailedThen(error, verdict) => format!(
+            "error: {error}; then {} by {:?} with message {:?}",
+            verdict.action, verdict.rule, verdict.message
+        ),
+        Outcome::Bounded(verdict) => format!("steer over a bound: {}", verdict.message),
+        Outcome::TimedOut => "timed out".to_owned(),
     }
 }
 

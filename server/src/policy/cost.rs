@@ -18,16 +18,19 @@
 //!   times; the operators that may walk a whole list or map (`==`, `!=`,
 //!   `in`, `+`) cost `n` per evaluation;
 //! * before a call is judged, the cost of every rule that applies to its
-//!   tool (`when` and `message`), at the batch's `n`, must stay within
-//!   [`Limits::max_cost_per_call`], and the sum over the batch's calls
-//!   within [`Limits::max_cost_per_batch`]. Otherwise the evaluation is an
-//!   error (a guard failure), and nothing is evaluated.
+//!   tool (`when` and `message`) must stay within
+//!   [`Limits::max_cost_per_call`]. The `n` is the call's own: the largest
+//!   collection of its arguments, or the metadata; only a rule that reads
+//!   `calls` (the whole batch) is costed at the batch's `n`. So a call that
+//!   a rule never judges cannot push another call's estimate over its
+//!   bound. A call over the bound is skipped as steer naming the bound
+//!   (R13: the input caused it, so no failure policy turns it into a
+//!   proceed), and nothing is evaluated for it.
 //!
-//! The estimate is an upper bound for what it counts, but it counts the
-//! items of collections, not the bytes of strings: string operations are
-//! linear in their strings, which the mesh already bounds by its batch size
-//! limits. A macro over a list the expression built larger than any input
-//! (`calls + calls`) is under-estimated by that factor.
+//! The estimate counts the items of collections, not the bytes of strings,
+//! and a macro over a list the expression built is under-estimated: what it
+//! cannot see, the [`Meter`](super::meter::Meter) counts while the call is
+//! judged ([`Limits::max_work_per_call`]).
 
 use std::fmt;
 
@@ -44,8 +47,20 @@ pub struct Limits {
     pub max_nesting: usize,
     /// Estimated cost units to judge one call (see the module's text).
     pub max_cost_per_call: u64,
-    /// Estimated cost units to judge a whole batch.
+    /// Kept for configurations that set it; no longer applied: a call's
+    /// bounds depend on that call alone (see the module's text).
     pub max_cost_per_batch: u64,
+    /// Units of work (steps and bytes, see `meter`) to judge one call.
+    pub max_work_per_call: u64,
+    /// Bytes of a policy file.
+    pub max_policy_bytes: usize,
+    /// Distinct `matches` patterns written in one policy.
+    pub max_patterns: usize,
+    /// Bytes of compiled regexes one policy may hold, caches included (see
+    /// `patterns`).
+    pub max_pattern_bytes: usize,
+    /// Milliseconds one policy may take to compile (checked between rules).
+    pub max_compile_millis: u64,
 }
 
 impl Default for Limits {
@@ -57,6 +72,11 @@ impl Default for Limits {
             max_nesting: 2,
             max_cost_per_call: 1_000_000,
             max_cost_per_batch: 10_000_000,
+            max_work_per_call: 64 << 20,
+            max_policy_bytes: 256 << 10,
+            max_patterns: 256,
+            max_pattern_bytes: 32 << 20,
+            max_compile_millis: 2_000,
         }
     }
 }

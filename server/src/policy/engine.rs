@@ -9,16 +9,24 @@ use std::sync::{Arc, PoisonError, RwLock};
 
 use cel::common::types::{CelBool, CelString};
 use cel::{Context, Env, Value};
-use globset::{Glob, GlobSet, GlobSetBuilder};
+use globset::{Glob, GlobBuilder, GlobSet, GlobSetBuilder};
 
 use super::cost::{Cost, Limits};
-use super::error::{CompileError, CompileErrorKind, EvalError, Field, Scope};
+use super::error::{CompileError, CompileErrorKind, EvalError, Field};
 use super::expr::{self, Compiled};
 use super::file::{self, RuleEntry};
 use super::functions::Functions;
 use super::input::{BatchInput, BatchValues};
+use super::meter::{Meter, Stop};
+use super::patterns::PatternSet;
 use super::plan::{Plan, Unsure};
 use super::verdict::{Action, Outcome, Verdict};
+
+/// A tool glob as rules match it: without regard to ASCII case (R9), as
+/// guards' own tool patterns are.
+fn glob(pattern: &str) -> Result<Glob, globset::Error> {
+    GlobBuilder::new(pattern).case_insensitive(true).build()
+}
 
 /// A policy file, compiled whole.
 pub struct Policy {
@@ -32,6 +40,8 @@ pub struct Policy {
     interpreted: AtomicU64,
     /// Whether a rule's fast path may read a call's arguments.
     reads_args: bool,
+    /// Its `matches` patterns, compiled; freed with the policy.
+    patterns: Arc<PatternSet>,
 }
 
 /// One compiled rule.
@@ -49,6 +59,11 @@ pub struct Rule {
     /// `when` and `message` on the fast path, when it covers them.
     when_plan: Option<Plan>,
     message_plan: Option<Plan>,
+    /// Whether `when` or `message` reads `calls` (the whole batch).
+    reads_calls: bool,
+    /// The text of `when` and `message`: an error names a key only if the
+    /// rule writes it (never one that came from the input).
+    text: String,
 }
 
 impl Rule {
@@ -88,9 +103,16 @@ impl Rule {
         self.when_plan.is_some()
     }
 
-    /// Whether the rule applies to `tool`.
+    /// Whether the rule applies to `tool` (its globs match without regard
+    /// to ASCII case, R9).
     pub fn applies_to(&self, tool: &str) -> bool {
         self.tools.as_ref().is_none_or(|set| set.is_match(tool))
+    }
+
+    /// Its estimated cost for a call whose own `n` is `n`, in a batch whose
+    /// `n` is `batch_n` (used only when it reads `calls`).
+    fn cost_at(&self, n: usize, batch_n: usize) -> u64 {
+        self.cost.at(if self.reads_calls { batch_n } else { n })
     }
 }
 
@@ -112,6 +134,36 @@ impl Policy {
     /// Compiles a policy file: all of it, or an error naming the first line
     /// that does not compile.
     pub fn compile_with(source: &str, limits: Limits) -> Result<Policy, CompileError> {
+        if source.len() > limits.max_policy_bytes {
+            return Err(CompileError {
+                line: 1,
+                rule: None,
+                kind: CompileErrorKind::TooLarge {
+                    bytes: source.len(),
+                    limit: limits.max_policy_bytes,
+                },
+            });
+        }
+        let patterns = Arc::new(PatternSet::new(
+            limits.max_pattern_bytes,
+            limits.max_patterns,
+        ));
+        let compiled = super::patterns::with(&patterns, || {
+            Self::compile_in(source, limits, Arc::clone(&patterns))
+        });
+        if compiled.is_err() {
+            // Released now, not when the error is dropped.
+            drop(patterns);
+        }
+        compiled
+    }
+
+    fn compile_in(
+        source: &str,
+        limits: Limits,
+        patterns: Arc<PatternSet>,
+    ) -> Result<Policy, CompileError> {
+        let started = std::time::Instant::now();
         let parsed = file::parse(source)?;
         if parsed.rule.is_empty() {
             return Err(CompileError {
@@ -139,6 +191,15 @@ impl Policy {
         let mut lines: HashMap<String, usize> = HashMap::new();
         let mut rules = Vec::with_capacity(parsed.rule.len());
         for entry in parsed.rule {
+            if started.elapsed().as_millis() > u128::from(limits.max_compile_millis) {
+                return Err(CompileError {
+                    line: file::line_at(source, entry.name.span().start),
+                    rule: None,
+                    kind: CompileErrorKind::TooSlow {
+                        limit_ms: limits.max_compile_millis,
+                    },
+                });
+            }
             let rule = compile_rule(&env, &mut functions, source, entry, &limits)?;
             if let Some(first_line) = lines.insert(rule.name.clone(), rule.line) {
                 return Err(CompileError {
@@ -164,6 +225,7 @@ impl Policy {
                 .any(Plan::reads_args)
         });
         Ok(Policy {
+            patterns,
             interpreted: AtomicU64::new(0),
             reads_args,
             tools,
@@ -198,6 +260,11 @@ impl Policy {
         self.reads_args
     }
 
+    /// Bytes its compiled `matches` patterns are charged (see `patterns`).
+    pub fn pattern_bytes(&self) -> usize {
+        self.patterns.charged()
+    }
+
     /// The bounds it was compiled with, and is evaluated with.
     pub fn limits(&self) -> &Limits {
         &self.limits
@@ -208,114 +275,161 @@ impl Policy {
         self.evaluate_values(&BatchValues::from_input(batch), None)
     }
 
-    /// Judges the calls of a batch already converted to CEL values (once
-    /// per batch, whatever the number of policies): one outcome per call, in
-    /// batch order. With `judged`, only the calls it marks are judged (and
-    /// counted in the cost bounds); the others are given [`Outcome::Proceed`].
+    /// [`Self::evaluate_within`] without a deadline.
     pub fn evaluate_values(
         &self,
         values: &BatchValues<'_>,
         judged: Option<&[bool]>,
     ) -> Vec<Outcome> {
+        self.evaluate_within(values, judged, None)
+    }
+
+    /// Judges the calls of a batch already converted to CEL values (once
+    /// per batch, whatever the number of policies): one outcome per call, in
+    /// batch order. With `judged`, only the calls it marks are judged; the
+    /// others are given [`Outcome::Proceed`]. Each call is judged within its
+    /// own bounds (its cost estimate, its work budget), which depend on that
+    /// call alone unless a rule reads `calls`; a call over one is
+    /// [`Outcome::Bounded`]. Calls not judged when `deadline` passes are
+    /// [`Outcome::TimedOut`].
+    pub fn evaluate_within(
+        &self,
+        values: &BatchValues<'_>,
+        judged: Option<&[bool]>,
+        deadline: Option<std::time::Instant>,
+    ) -> Vec<Outcome> {
+        super::patterns::with(&self.patterns, || {
+            self.evaluate_in(values, judged, deadline)
+        })
+    }
+
+    fn evaluate_in(
+        &self,
+        values: &BatchValues<'_>,
+        judged: Option<&[bool]>,
+        deadline: Option<std::time::Instant>,
+    ) -> Vec<Outcome> {
         let calls = values.len();
         let is_judged = |i: usize| judged.is_none_or(|j| j.get(i).copied().unwrap_or(false));
-        let n = values.largest_collection();
-        // One buffer for the batch: per call, the cost at `n` of the rules
-        // that apply to it, then those rules as a bit set of `words` words
-        // (none set: not judged here, or no rule applies); after the calls,
-        // the `when` of rules that do not read `call` (the same for every
+        let batch_n = values.largest_collection();
+        // The `when` of rules that do not read `call` (the same for every
         // call of the batch, evaluated once): a set of those evaluated, and
         // a set of those true.
         let words = self.rules.len().div_ceil(64);
-        let stride = words + 1;
-        let mut buffer = vec![0u64; stride * calls + 2 * words];
-        let (per_call, batch_wide) = buffer.split_at_mut(stride * calls);
-        let mut matched = Vec::new();
-        let mut total = 0u64;
-        for (i, entry) in per_call.chunks_exact_mut(stride).enumerate() {
-            if !is_judged(i) {
-                continue;
-            }
-            let (cost, bits) = entry.split_at_mut(1);
-            cost[0] = self
-                .tools
-                .applicable(values.tool(i), bits, &mut matched, &self.rules, n);
-            total = total.saturating_add(cost[0]);
-        }
-        if total > self.limits.max_cost_per_batch {
-            let costliest = self
-                .rules
-                .iter()
-                .max_by_key(|r| r.cost.at(n))
-                .map_or_else(String::new, |r| r.name.clone());
-            let error = EvalError::TooCostly {
-                scope: Scope::Batch,
-                estimate: total,
-                limit: self.limits.max_cost_per_batch,
-                n,
-                rule: costliest,
-            };
-            return (0..calls)
-                .map(|i| {
-                    if is_judged(i) {
-                        Outcome::Error(error.clone())
-                    } else {
-                        Outcome::Proceed
-                    }
-                })
-                .collect();
-        }
+        let mut bits = vec![0u64; words];
+        let mut batch_wide = vec![0u64; 2 * words];
         let (evaluated, held) = batch_wide.split_at_mut(words);
         let mut batch_wide = BatchWide { evaluated, held };
-        per_call
-            .chunks_exact(stride)
-            .enumerate()
-            .map(|(i, entry)| {
-                let (cost, bits) = (entry[0], &entry[1..]);
+        let mut matched = Vec::new();
+        let mut timed_out = false;
+        (0..calls)
+            .map(|i| {
+                if !is_judged(i) {
+                    return Outcome::Proceed;
+                }
+                if timed_out || deadline.is_some_and(|d| std::time::Instant::now() >= d) {
+                    timed_out = true;
+                    return Outcome::TimedOut;
+                }
+                let n = values.call_largest(i);
+                let cost = self.tools.applicable(
+                    values.tool(i),
+                    &mut bits,
+                    &mut matched,
+                    &self.rules,
+                    (n, batch_n),
+                );
                 if bits.iter().all(|w| *w == 0) {
                     return Outcome::Proceed;
                 }
                 if cost > self.limits.max_cost_per_call {
-                    return Outcome::Error(EvalError::TooCostly {
-                        scope: Scope::Call,
-                        estimate: cost,
-                        limit: self.limits.max_cost_per_call,
-                        n,
-                        rule: self.costliest(bits, n),
-                    });
+                    let rule = self.costliest(&bits, (n, batch_n));
+                    return Outcome::Bounded(self.bounded(
+                        rule,
+                        format!(
+                            "its estimated cost {cost} is over the limit of {} (max_cost_per_call; \
+                             largest list or map in its input: {n} items)",
+                            self.limits.max_cost_per_call
+                        ),
+                    ));
                 }
-                self.judge(values, i, bits, &mut batch_wide)
+                let meter = Meter::new(self.limits.max_work_per_call, deadline);
+                let outcome = self.judge(values, i, &bits, &mut batch_wide, &meter);
+                if matches!(outcome, Outcome::TimedOut) {
+                    timed_out = true;
+                }
+                outcome
             })
             .collect()
     }
 
+    /// The verdict for a call over a bound: a steer naming the rule and the
+    /// bound (R13).
+    fn bounded(&self, rule: String, why: String) -> Verdict {
+        Verdict {
+            message: format!(
+                "Tool call blocked: policy rule {rule:?} cannot judge this call within its \
+                 bounds: {why}. Send a smaller call."
+            ),
+            rule,
+            action: Action::Steer,
+        }
+    }
+
     /// The name of the costliest rule of `bits` at `n`.
-    fn costliest(&self, bits: &[u64], n: usize) -> String {
+    fn costliest(&self, bits: &[u64], (n, batch_n): (usize, usize)) -> String {
         set_bits(bits)
-            .max_by_key(|&r| self.rules[r].cost.at(n))
+            .max_by_key(|&r| self.rules[r].cost_at(n, batch_n))
             .map_or_else(String::new, |r| self.rules[r].name.clone())
+    }
+
+    /// What a stopped meter makes of rule `r` on a call: over the work
+    /// budget, a steer naming the bound; out of time, the guard timed out.
+    fn stopped(&self, stop: Stop, r: usize, error: Option<EvalError>) -> Outcome {
+        match stop {
+            Stop::Deadline => Outcome::TimedOut,
+            Stop::Work => {
+                let verdict = self.bounded(
+                    self.rules[r].name.clone(),
+                    format!(
+                        "it takes more than {} units of work (max_work_per_call)",
+                        self.limits.max_work_per_call
+                    ),
+                );
+                match error {
+                    Some(error) => Outcome::FailedThen(error, verdict),
+                    None => Outcome::Bounded(verdict),
+                }
+            }
+        }
     }
 
     /// The rules of `bits` in file order, on call `i`: each on the fast path
     /// where it answers, else by the interpreter, whose values and
-    /// activation are built on first need.
+    /// activation are built on first need. A rule that fails is remembered
+    /// and the later rules still judge the call (R27): the first that
+    /// matches decides with the failure beside it.
     fn judge(
         &self,
         values: &BatchValues<'_>,
         i: usize,
         bits: &[u64],
         batch_wide: &mut BatchWide<'_>,
+        meter: &Meter,
     ) -> Outcome {
-        let fast = values.fast(i);
+        let fast = values.fast_metered(i, meter);
         let variables = OnceCell::new();
         let activation = OnceCell::new();
         let interpreter = || {
             activation.get_or_init(|| {
                 let mut activation = Context::with_env(Arc::clone(&self.env));
-                activation.set_variable_resolver(variables.get_or_init(|| values.scope(i)));
+                activation.set_variable_resolver(
+                    variables.get_or_init(|| values.scope_metered(i, meter)),
+                );
                 activation
             })
         };
+        let mut failed: Option<EvalError> = None;
         for r in set_bits(bits) {
             let rule = &self.rules[r];
             let planned = match (batch_wide.get(r), &rule.when_plan) {
@@ -329,59 +443,94 @@ impl Policy {
                 }
                 (None, None) => None,
             };
+            if let Some(stop) = meter.stopped() {
+                return self.stopped(stop, r, failed);
+            }
             match planned {
                 Some(Ok(false)) => continue,
                 Some(Ok(true)) => {}
                 Some(Err(Unsure)) | None => {
                     self.interpreted.fetch_add(1, Ordering::Relaxed);
-                    match Value::resolve_val(rule.when.program.expression(), interpreter()) {
+                    let value = Value::resolve_val(rule.when.program.expression(), interpreter());
+                    if let Some(stop) = meter.stopped() {
+                        return self.stopped(stop, r, failed);
+                    }
+                    match value {
                         Ok(value) => match value.downcast_ref::<CelBool>() {
                             Some(b) if !*b.inner() => continue,
                             Some(_) => {}
                             None => {
-                                return Outcome::Error(EvalError::NotBool {
+                                failed.get_or_insert(EvalError::NotBool {
                                     rule: rule.name.clone(),
                                     got: value.get_type().name().to_owned(),
                                 });
+                                continue;
                             }
                         },
                         Err(error) => {
-                            return Outcome::Error(EvalError::Failed {
+                            failed.get_or_insert(EvalError::Failed {
                                 rule: rule.name.clone(),
                                 field: Field::When,
-                                reason: error.to_string(),
+                                reason: super::error::describe(&error, |key| {
+                                    rule.text.contains(key)
+                                }),
                             });
+                            continue;
                         }
                     }
                 }
             }
-            if let Some(Ok(message)) = rule.message_plan.as_ref().map(|plan| plan.string(&fast)) {
-                return Outcome::Matched(Verdict {
+            let message = match rule.message_plan.as_ref().map(|plan| plan.string(&fast)) {
+                Some(Ok(message)) => Ok(message),
+                _ => {
+                    if let Some(stop) = meter.stopped() {
+                        return self.stopped(stop, r, failed);
+                    }
+                    let value =
+                        Value::resolve_val(rule.message.program.expression(), interpreter());
+                    if let Some(stop) = meter.stopped() {
+                        return self.stopped(stop, r, failed);
+                    }
+                    match value {
+                        Ok(value) => match value.downcast_ref::<CelString>() {
+                            Some(message) => Ok(message.inner().to_owned()),
+                            None => Err(EvalError::NotString {
+                                rule: rule.name.clone(),
+                                got: value.get_type().name().to_owned(),
+                            }),
+                        },
+                        Err(error) => Err(EvalError::Failed {
+                            rule: rule.name.clone(),
+                            field: Field::Message,
+                            reason: super::error::describe(&error, |key| rule.text.contains(key)),
+                        }),
+                    }
+                }
+            };
+            return match (message, failed) {
+                (Ok(message), None) => Outcome::Matched(Verdict {
                     rule: rule.name.clone(),
                     action: rule.action,
                     message,
-                });
-            }
-            return match Value::resolve_val(rule.message.program.expression(), interpreter()) {
-                Ok(value) => match value.downcast_ref::<CelString>() {
-                    Some(message) => Outcome::Matched(Verdict {
+                }),
+                (Ok(message), Some(error)) => Outcome::FailedThen(
+                    error,
+                    Verdict {
                         rule: rule.name.clone(),
                         action: rule.action,
-                        message: message.inner().to_owned(),
-                    }),
-                    None => Outcome::Error(EvalError::NotString {
-                        rule: rule.name.clone(),
-                        got: value.get_type().name().to_owned(),
-                    }),
-                },
-                Err(error) => Outcome::Error(EvalError::Failed {
-                    rule: rule.name.clone(),
-                    field: Field::Message,
-                    reason: error.to_string(),
-                }),
+                        message,
+                    },
+                ),
+                // The rule matched but its message failed: an error of that
+                // rule, which decides (its `when` held).
+                (Err(error), None) => Outcome::Error(error),
+                (Err(_), Some(first)) => Outcome::Error(first),
             };
         }
-        Outcome::Proceed
+        match failed {
+            Some(error) => Outcome::Error(error),
+            None => Outcome::Proceed,
+        }
     }
 }
 
@@ -440,21 +589,40 @@ struct ToolIndex {
     /// come from peers): about a third of SipHash's instructions.
     seen: RwLock<HashMap<Box<str>, Applicable, foldhash::fast::RandomState>>,
     /// The cost of the rules without globs together.
-    every_tool_cost: Cost,
+    every_tool_cost: Costs,
 }
 
 /// The rules that apply to a tool, and the sum of their costs (one
 /// polynomial: evaluated once per call, not once per rule).
 struct Applicable {
     bits: Box<[u64]>,
-    cost: Cost,
+    cost: Costs,
+}
+
+/// The costs of a set of rules: of those reading the call alone (at the
+/// call's `n`) and of those reading `calls` (at the batch's).
+#[derive(Default)]
+struct Costs {
+    own: Cost,
+    batch: Cost,
+}
+
+impl Costs {
+    fn at(&self, (n, batch_n): (usize, usize)) -> u64 {
+        self.own.at(n).saturating_add(self.batch.at(batch_n))
+    }
 }
 
 /// The sum of the costs of the rules of `bits`.
-fn cost_of(rules: &[Rule], bits: &[u64]) -> Cost {
-    let mut cost = Cost::default();
+fn cost_of(rules: &[Rule], bits: &[u64]) -> Costs {
+    let mut cost = Costs::default();
     for r in set_bits(bits) {
-        cost.add_cost(&rules[r].cost);
+        let rule = &rules[r];
+        if rule.reads_calls {
+            cost.batch.add_cost(&rule.cost);
+        } else {
+            cost.own.add_cost(&rule.cost);
+        }
     }
     cost
 }
@@ -476,7 +644,7 @@ impl ToolIndex {
                 continue;
             }
             for pattern in &rule.patterns {
-                builder.add(Glob::new(pattern)?);
+                builder.add(glob(pattern)?);
                 owner.push(r);
             }
         }
@@ -499,14 +667,15 @@ impl ToolIndex {
     }
 
     /// Sets in `bits` the rules (of `rules`) that apply to `tool`, and
-    /// returns their cost at `n`; `matched` is scratch.
+    /// returns their cost at `n` (the call's and the batch's); `matched` is
+    /// scratch.
     fn applicable(
         &self,
         tool: &str,
         bits: &mut [u64],
         matched: &mut Vec<usize>,
         rules: &[Rule],
-        n: usize,
+        n: (usize, usize),
     ) -> u64 {
         if self.owner.is_empty() {
             bits.copy_from_slice(&self.every_tool);
@@ -571,7 +740,7 @@ fn compile_rule(
             let patterns = tools.into_inner();
             let mut builder = GlobSetBuilder::new();
             for pattern in &patterns {
-                let glob = Glob::new(pattern).map_err(|error| {
+                let glob = glob(pattern).map_err(|error| {
                     fail(
                         tools_line,
                         CompileErrorKind::BadGlob {
@@ -599,6 +768,7 @@ fn compile_rule(
         expr::compile(env, functions, field, text.get_ref(), limits)
             .map_err(|refused| fail(first_line + refused.line - 1, refused.kind))
     };
+    let text = format!("{}\n{}", entry.when.get_ref(), entry.message.get_ref());
     let when = compile(Field::When, entry.when)?;
     let message = compile(Field::Message, entry.message)?;
     let mut cost = when.cost.clone();
@@ -606,6 +776,8 @@ fn compile_rule(
     let when_plan = Plan::new(when.program.expression());
     let message_plan = Plan::new(message.program.expression());
     Ok(Rule {
+        reads_calls: when.reads_calls || message.reads_calls,
+        text,
         when_plan,
         message_plan,
         name,

@@ -110,6 +110,13 @@ pub enum CompileErrorKind {
         nodes: usize,
         limit: usize,
     },
+    /// A policy file larger than [`Limits::max_policy_bytes`](super::Limits).
+    #[error("the policy has {bytes} bytes, more than the limit of {limit}")]
+    TooLarge { bytes: usize, limit: usize },
+    /// A policy that took longer to compile than
+    /// [`Limits::max_compile_millis`](super::Limits).
+    #[error("the policy took more than {limit_ms} ms to compile")]
+    TooSlow { limit_ms: u64 },
     /// Macros nested too deeply.
     #[error(
         "`{field}` nests macros (all, exists, map, filter...) {depth} deep, more than the limit of {limit}"
@@ -205,4 +212,48 @@ pub struct CasesError {
     pub line: usize,
     /// What is wrong.
     pub reason: String,
+}
+
+/// What went wrong in a CEL evaluation, without the values involved: an
+/// error's text is traced, logged and recorded, and argument values may be
+/// masked fields (R29). Names written in the rule (functions, operators, keys,
+/// types) stay.
+#[allow(deprecated)]
+pub(crate) fn describe(error: &cel::ExecutionError, written: impl Fn(&str) -> bool) -> String {
+    use cel::ExecutionError as E;
+    match error {
+        E::InvalidArgumentCount { expected, actual } => {
+            format!("a function got {actual} arguments, not {expected}")
+        }
+        E::UnsupportedTargetType { .. } => {
+            "a function was called on a value of the wrong type".into()
+        }
+        E::NotSupportedAsMethod { method, .. } => {
+            format!("{method} is not a method of the value it was called on")
+        }
+        E::UnsupportedKeyType(_) => "a map key of an unsupported type".into(),
+        E::UnexpectedType { got, want } => format!("expected a {want}, got a {got}"),
+        E::NoSuchKey(key) if written(key) => format!("no such key: {key}"),
+        E::NoSuchKey(_) => "no such key".into(),
+        E::NoSuchOverload(_) => "no matching overload for the types of its arguments".into(),
+        E::UndeclaredReference(name) => format!("undeclared reference to {name}"),
+        E::MissingArgumentOrTarget => "a missing argument or target".into(),
+        E::ValuesNotComparable(..) => "values that cannot be compared".into(),
+        E::UnsupportedUnaryOperator(op, _) => format!("unsupported operand of {op}"),
+        E::UnsupportedBinaryOperator(op, ..) => format!("unsupported operands of {op}"),
+        E::UnsupportedMapIndex(_) | E::UnsupportedListIndex(_) | E::UnsupportedIndex(..) => {
+            "an unsupported index".into()
+        }
+        // `matches` is the mesh's own, and its messages quote no value.
+        E::FunctionError { function, message } if function == "matches" => {
+            format!("function {function} failed: {message}")
+        }
+        E::FunctionError { function, .. } => format!("function {function} failed"),
+        E::DivisionByZero(_) => "division by zero".into(),
+        E::RemainderByZero(_) => "remainder by zero".into(),
+        E::Overflow(op, ..) => format!("integer overflow in {op}"),
+        E::IndexOutOfBounds(_) => "index out of bounds".into(),
+        E::DuplicateKey(_) => "a map literal repeats a key".into(),
+        _ => "evaluation error".into(),
+    }
 }

@@ -35,6 +35,9 @@ const LINEAR_OPERATORS: [&str; 4] = ["_==_", "_!=_", "@in", "_+_"];
 pub(crate) struct Compiled {
     pub(crate) program: Program,
     pub(crate) cost: Cost,
+    /// Whether it reads `calls`, the whole batch: its cost is then
+    /// estimated at the batch's `n`, not the call's.
+    pub(crate) reads_calls: bool,
 }
 
 /// A refused expression: why, and on which line of the expression (from 1).
@@ -84,6 +87,7 @@ pub(crate) fn compile(
         unknown_function: None,
         wrong_count: None,
         bad_regex: None,
+        reads_calls: false,
     };
     walk.expr(program.expression(), 0);
     let line_of = |id: u64| {
@@ -164,6 +168,7 @@ pub(crate) fn compile(
     }
     Ok(Compiled {
         cost: walk.cost,
+        reads_calls: walk.reads_calls,
         program,
     })
 }
@@ -190,6 +195,8 @@ struct Walk<'a, 'f> {
     wrong_count: Option<(u64, String, usize, &'static [usize], bool)>,
     /// The first `matches` pattern that does not compile, and its node.
     bad_regex: Option<(u64, CompileErrorKind)>,
+    /// Whether it names `calls`.
+    reads_calls: bool,
 }
 
 impl Walk<'_, '_> {
@@ -282,7 +289,7 @@ impl Walk<'_, '_> {
                 CompileErrorKind::BadRegex {
                     field: self.field,
                     pattern: pattern.inner().to_owned(),
-                    reason,
+                    reason: reason.to_string(),
                 },
             ));
         }
@@ -320,6 +327,9 @@ impl Walk<'_, '_> {
     fn ident(&mut self, id: u64, name: &str) {
         if self.scope.iter().any(|bound| bound == name) {
             return;
+        }
+        if name == "calls" {
+            self.reads_calls = true;
         }
         if !VARIABLES.contains(&name) && !TYPE_NAMES.contains(&name) && self.unknown.is_none() {
             self.unknown = Some((id, name.to_owned()));

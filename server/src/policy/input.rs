@@ -37,6 +37,7 @@ use serde::de::{DeserializeSeed, Deserializer, MapAccess, SeqAccess, Visitor};
 use serde::{Deserialize, Serialize};
 
 use super::json::Json;
+use super::meter::Meter;
 use super::plan::{FastCall, FastContext, Input};
 pub use crate::validate::ijson::{Members, Recorded};
 
@@ -151,8 +152,17 @@ pub struct BatchValues<'a> {
     cel: OnceCell<CelValues<'a>>,
     /// The number of items of the largest list or map of the input: the
     /// calls, the metadata, and every array and object inside any call's
-    /// arguments. The `n` of the cost bounds (see `cost`).
+    /// arguments. The `n` of the cost bounds (see `cost`) of rules that
+    /// read `calls`.
     largest: usize,
+    /// Per call, the items of the largest array or object of its arguments.
+    call_largest: Vec<usize>,
+    /// Per call, the bytes of its arguments (what reading `call` may touch).
+    call_bytes: Vec<usize>,
+    /// The bytes of every call's arguments together.
+    batch_bytes: usize,
+    /// The bytes of the context's strings.
+    context_bytes: usize,
 }
 
 /// The CEL interpreter's values of a batch.
@@ -198,30 +208,55 @@ impl<'a> BatchValues<'a> {
         let metadata: Vec<(&'a str, &'a str)> = metadata.into_iter().collect();
         let mut largest = metadata.len();
         let sources: Vec<CallRef<'a>> = calls.into_iter().collect();
+        let mut call_largest = Vec::with_capacity(sources.len());
+        let mut call_bytes = Vec::with_capacity(sources.len());
         let fast_calls = sources
             .iter()
-            .map(|call| FastCall {
-                call_id: call.call_id,
-                tool: call.tool,
-                args: match call.args {
-                    Args::Text(text) => Json::from_text(text, &mut largest),
-                    Args::Checked(text) => Json::from_checked(text, &mut largest),
+            .map(|call| {
+                let mut mine = 0;
+                let args = match call.args {
+                    Args::Text(text) => Json::from_text(text, &mut mine),
+                    Args::Checked(text) => Json::from_checked(text, &mut mine),
                     Args::Recorded { members, .. } if !args => {
-                        largest = largest.max(members.largest);
+                        mine = members.largest;
                         None
                     }
                     Args::Counted { largest: n, .. } => {
-                        largest = largest.max(n);
+                        mine = n;
                         None
                     }
                     Args::Recorded { text, members } => {
-                        Json::from_members(text, members, &mut largest)
+                        Json::from_members(text, members, &mut mine)
                     }
-                    Args::Json(json) => Some(Json::from_value(json, &mut largest)),
-                },
+                    Args::Json(json) => Some(Json::from_value(json, &mut mine)),
+                };
+                largest = largest.max(mine);
+                call_largest.push(mine);
+                call_bytes.push(
+                    match call.args {
+                        Args::Text(text)
+                        | Args::Checked(text)
+                        | Args::Recorded { text, .. }
+                        | Args::Counted { text, .. } => text.len(),
+                        Args::Json(json) => json.to_string().len(),
+                    } + call.call_id.len()
+                        + call.tool.len(),
+                );
+                FastCall {
+                    call_id: call.call_id,
+                    tool: call.tool,
+                    args,
+                }
             })
             .collect();
         largest = largest.max(sources.len());
+        let batch_bytes = call_bytes.iter().sum();
+        let context_bytes = context.session_id.len()
+            + context.model_text.len()
+            + metadata
+                .iter()
+                .map(|(k, v)| k.len() + v.len())
+                .sum::<usize>();
         Self {
             context,
             sources,
@@ -234,6 +269,10 @@ impl<'a> BatchValues<'a> {
             },
             cel: OnceCell::new(),
             largest,
+            call_largest,
+            call_bytes,
+            batch_bytes,
+            context_bytes,
         }
     }
 
@@ -322,28 +361,72 @@ impl<'a> BatchValues<'a> {
         self.sources[i].tool
     }
 
-    /// The `n` of the cost bounds: the items of the largest list or map.
+    /// The `n` of the cost bounds of a rule reading `calls`: the items of
+    /// the largest list or map of the batch, or its number of calls.
     pub(crate) fn largest_collection(&self) -> usize {
         self.largest
     }
 
+    /// The `n` of the cost bounds of a rule reading call `i` alone: the
+    /// items of the largest list or map of its arguments, or the metadata.
+    pub(crate) fn call_largest(&self, i: usize) -> usize {
+        self.call_largest
+            .get(i)
+            .copied()
+            .unwrap_or(0)
+            .max(self.fast_context.metadata.len())
+    }
+
     /// What the fast path reads for call `i`.
+    #[cfg(test)]
     pub(crate) fn fast(&self, i: usize) -> Input<'_, 'a> {
         Input {
             calls: &self.fast_calls,
             call: i,
             context: &self.fast_context,
+            meter: None,
+        }
+    }
+
+    /// What the fast path reads for call `i`, charging `meter`.
+    pub(crate) fn fast_metered<'m>(&'m self, i: usize, meter: &'m Meter) -> Input<'m, 'a> {
+        Input {
+            calls: &self.fast_calls,
+            call: i,
+            context: &self.fast_context,
+            meter: Some(meter),
         }
     }
 
     /// The variables of call `i`'s evaluation by the interpreter: `call`,
     /// `calls`, `context`, all borrowed from these values.
+    #[cfg(test)]
     pub(crate) fn scope(&self, i: usize) -> Scope<'_, 'a> {
         let cel = self.cel();
         Scope {
             call: cel.calls.inner()[i].as_ref(),
             calls: &cel.calls,
             context: &cel.context,
+            meter: None,
+            bytes: [0; 3],
+        }
+    }
+
+    /// [`Self::scope`], each read of a variable charged to `meter`: one
+    /// unit and the bytes it holds (see `meter`).
+    pub(crate) fn scope_metered<'m>(&'m self, i: usize, meter: &'m Meter) -> Scope<'m, 'a> {
+        let cel = self.cel();
+        Scope {
+            call: cel.calls.inner()[i].as_ref(),
+            calls: &cel.calls,
+            context: &cel.context,
+            meter: Some(meter),
+            bytes: [
+                self.call_bytes.get(i).copied().unwrap_or(0),
+                self.batch_bytes,
+                self.context_bytes,
+            ]
+            .map(|b| u64::try_from(b).unwrap_or(u64::MAX)),
         }
     }
 }
@@ -354,16 +437,27 @@ pub(crate) struct Scope<'s, 'a> {
     call: &'s (dyn Val + 'a),
     calls: &'s CelList<'a>,
     context: &'s CelMap<'a>,
+    meter: Option<&'s Meter>,
+    /// The bytes of `call`, `calls` and `context`.
+    bytes: [u64; 3],
 }
 
 impl VariableResolver for Scope<'_, '_> {
     fn resolve<'b>(&'b self, variable: &str) -> Option<CowVal<'b, 'b>> {
-        match variable {
-            "call" => Some(CowVal::Borrowed(self.call)),
-            "calls" => Some(CowVal::Borrowed(self.calls)),
-            "context" => Some(CowVal::Borrowed(self.context)),
-            _ => None,
+        let (value, bytes): (&dyn Val, u64) = match variable {
+            "call" => (self.call, self.bytes[0]),
+            "calls" => (self.calls, self.bytes[1]),
+            "context" => (self.context, self.bytes[2]),
+            _ => return None,
+        };
+        // Spent or out of time: the variable is undefined, so the
+        // interpreter stops here (the engine reads the meter, not the error).
+        if let Some(meter) = self.meter
+            && !meter.charge(1 + bytes)
+        {
+            return None;
         }
+        Some(CowVal::Borrowed(value))
     }
 }
 

@@ -15,6 +15,9 @@
 //! * `strings`: `lowerAscii`, `upperAscii`, `trim` (results no longer than
 //!   their input);
 //! * `cost`: the bounds on size and work ([`Limits`], [`Cost`]);
+//! * `meter`: the work budget of one call's evaluation, counted as it runs;
+//! * `pool`: the bounded threads policies are judged on, off the runtime's
+//!   I/O threads;
 //! * `engine`: a compiled [`Policy`], first match in file order;
 //! * `verdict`: what judging a call gives ([`Outcome`]);
 //! * `cases`: [`check`] a file, and [`test`] it against a cases file;
@@ -33,12 +36,16 @@ mod file;
 mod functions;
 mod input;
 mod json;
+mod meter;
 mod patterns;
 mod plan;
+pub mod pool;
 mod reach;
 mod strings;
 mod verdict;
 
+#[cfg(test)]
+mod isolation_tests;
 #[cfg(test)]
 mod plan_tests;
 #[cfg(test)]
@@ -50,4 +57,5 @@ pub use cost::{Cost, Limits};
 pub use engine::{Policy, Rule};
 pub use error::{CasesError, CompileError, CompileErrorKind, EvalError, Field, Scope};
 pub use input::{Args, BatchInput, BatchValues, CallInput, CallRef, ContextRef, Members, Recorded};
+pub use patterns::{MESH_PATTERN_BYTES, charged_bytes as pattern_bytes};
 pub use verdict::{Action, Outcome, Verdict};

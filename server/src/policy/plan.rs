@@ -337,6 +337,21 @@ pub(crate) struct Input<'r, 'a> {
     pub(crate) calls: &'r [FastCall<'a>],
     pub(crate) call: usize,
     pub(crate) context: &'r FastContext<'a>,
+    /// The call's budget (see `meter`): a step per node, a unit per byte of
+    /// text read or built. Spent, the fast path gives up, and the engine
+    /// reads the meter rather than asking the interpreter.
+    pub(crate) meter: Option<&'r super::meter::Meter>,
+}
+
+impl Input<'_, '_> {
+    /// Charges `units` of work; `Unsure` once the budget is spent.
+    #[inline]
+    fn charge(&self, units: usize) -> Run<()> {
+        match self.meter {
+            Some(meter) if !meter.charge(units as u64) => Err(Unsure),
+            _ => Ok(()),
+        }
+    }
 }
 
 /// One call, for the fast path.
@@ -942,6 +957,7 @@ fn reads(node: &Node, slot: usize) -> bool {
 }
 
 fn eval<'r>(node: &'r Node, input: &Input<'r, 'r>, slots: &mut [V<'r>]) -> Run<V<'r>> {
+    input.charge(1)?;
     Ok(match node {
         Node::Null => V::Null,
         Node::Bool(b) => V::Bool(*b),
@@ -994,7 +1010,20 @@ fn eval<'r>(node: &'r Node, input: &Input<'r, 'r>, slots: &mut [V<'r>]) -> Run<V
                 eval(b, input, slots)?
             }
         }
-        Node::Arith(op, a, b) => arith(*op, eval(a, input, slots)?, eval(b, input, slots)?)?,
+        Node::Arith(op, a, b) => {
+            let (a, b) = (eval(a, input, slots)?, eval(b, input, slots)?);
+            // A string or list built by `+` is charged its size before it
+            // is built.
+            match (&a, &b) {
+                (V::List(x), V::List(y)) => input.charge(x.len() + y.len())?,
+                _ => {
+                    if let (Some(x), Some(y)) = (a.as_str(), b.as_str()) {
+                        input.charge(x.len() + y.len())?;
+                    }
+                }
+            }
+            arith(*op, a, b)?
+        }
         Node::Index(a, b) => {
             let container = eval(a, input, slots)?;
             let index = eval(b, input, slots)?;
@@ -1012,8 +1041,14 @@ fn eval<'r>(node: &'r Node, input: &Input<'r, 'r>, slots: &mut [V<'r>]) -> Run<V
         },
         Node::Transform(f, a) => match (f, eval(a, input, slots)?) {
             (Transform::Trim, V::Str(s)) => V::Str(s.trim()),
-            (f, V::Str(s)) => V::Owned(Box::new(f.apply(s))),
-            (f, V::Owned(s)) => V::Owned(Box::new(f.apply(&s))),
+            (f, V::Str(s)) => {
+                input.charge(s.len())?;
+                V::Owned(Box::new(f.apply(s)))
+            }
+            (f, V::Owned(s)) => {
+                input.charge(s.len())?;
+                V::Owned(Box::new(f.apply(&s)))
+            }
             _ => return Err(Unsure),
         },
         Node::List(items) => V::List(Box::new(
@@ -1090,6 +1125,7 @@ fn fetch<'r>(node: &'r Node, input: &Input<'r, 'r>, slots: &mut [V<'r>]) -> Run<
 /// [`eval`] of a node that must be a bool, without building values where
 /// it can: the logical operators, tests and comparisons answer here.
 fn test<'r>(node: &'r Node, input: &Input<'r, 'r>, slots: &mut [V<'r>]) -> Run<bool> {
+    input.charge(1)?;
     match node {
         Node::Bool(b) => Ok(*b),
         Node::Select {
@@ -1099,7 +1135,10 @@ fn test<'r>(node: &'r Node, input: &Input<'r, 'r>, slots: &mut [V<'r>]) -> Run<b
         } => has(operand, fields, input, slots),
         Node::ArgHas(field) => Ok(args(input)?.has(field)),
         Node::ArgMatches(field, matcher) => match args(input)?.get(field)? {
-            Some(Json::Str(text)) => Ok(matcher.is_match(text)),
+            Some(Json::Str(text)) => {
+                input.charge(text.len())?;
+                Ok(matcher.is_match(text))
+            }
             _ => Err(Unsure),
         },
         Node::Not(a) => Ok(!test(a, input, slots)?),
@@ -1144,6 +1183,7 @@ fn test<'r>(node: &'r Node, input: &Input<'r, 'r>, slots: &mut [V<'r>]) -> Run<b
         Node::Matches(text, pattern) => {
             let text = fetch(text, input, slots)?;
             let text = text.as_str().ok_or(Unsure)?;
+            input.charge(text.len())?;
             match pattern {
                 Pattern::Fixed(matcher) => Ok(matcher.is_match(text)),
                 Pattern::Computed(p) => {
@@ -1159,6 +1199,7 @@ fn test<'r>(node: &'r Node, input: &Input<'r, 'r>, slots: &mut [V<'r>]) -> Run<b
             let (Some(a), Some(b)) = (a.as_str(), b.as_str()) else {
                 return Err(Unsure);
             };
+            input.charge(a.len())?;
             Ok(match how {
                 TextTest::StartsWith => a.starts_with(b),
                 TextTest::EndsWith => a.ends_with(b),
@@ -1180,6 +1221,7 @@ fn test<'r>(node: &'r Node, input: &Input<'r, 'r>, slots: &mut [V<'r>]) -> Run<b
                 // are, no slot set.
                 for i in 0..object.len() {
                     let key = object.key(i).ok_or(Unsure)?;
+                    input.charge(1 + key.len())?;
                     if matcher.is_match(key) == *any {
                         return Ok(*any);
                     }
@@ -1454,6 +1496,7 @@ fn is_literal(node: &Node) -> bool {
 fn contains(haystack: &V<'_>, needle: &V<'_>, input: &Input<'_, '_>) -> Run<bool> {
     match haystack {
         V::Json(Json::List(items)) => {
+            input.charge(items.len())?;
             for item in items {
                 if equals(&from_json(item), needle)? {
                     return Ok(true);
@@ -1462,6 +1505,7 @@ fn contains(haystack: &V<'_>, needle: &V<'_>, input: &Input<'_, '_>) -> Run<bool
             Ok(false)
         }
         V::List(items) => {
+            input.charge(items.len())?;
             for item in items.iter() {
                 if equals(item, needle)? {
                     return Ok(true);

@@ -44,4 +44,15 @@ pub enum Outcome {
     /// The call could not be judged: a failure of the guard (R13), never a
     /// proceed (R27).
     Error(EvalError),
+    /// A rule failed on the call (a failure of the guard, R13), and a later
+    /// rule matched it: that rule's verdict stands whatever the failure
+    /// policy, so an error never lets a later rule be skipped.
+    FailedThen(EvalError, Verdict),
+    /// The call's own content put its evaluation over a bound (its cost
+    /// estimate or its work budget): skipped as steer naming the bound
+    /// (R13), whatever the failure policy.
+    Bounded(Verdict),
+    /// The guard's time was up before the call was judged (R14): a
+    /// failure of the guard (`timed_out`, R13).
+    TimedOut,
 }

@@ -141,6 +141,34 @@ pub struct Guard {
     pub policy: Option<PolicyRules>,
 }
 
+/// Compiles a policy, or shares the compiled policy of a live guard with
+/// the same source: a registration is checked and then applied, and the
+/// same policy registered under several names is held once. Entries go
+/// with the last guard holding them (R25: compiled policies are bounded by
+/// the guards registered, and freed with them).
+fn compile_shared(
+    source: &str,
+) -> Result<std::sync::Arc<crate::policy::Policy>, crate::policy::CompileError> {
+    use std::collections::HashMap;
+    use std::sync::{Arc, Mutex, OnceLock, PoisonError, Weak};
+    type Live = Mutex<HashMap<Arc<str>, Weak<crate::policy::Policy>>>;
+    static LIVE: OnceLock<Live> = OnceLock::new();
+    let live = LIVE.get_or_init(Live::default);
+    if let Some(policy) = live
+        .lock()
+        .unwrap_or_else(PoisonError::into_inner)
+        .get(source)
+        .and_then(Weak::upgrade)
+    {
+        return Ok(policy);
+    }
+    let policy = Arc::new(crate::policy::Policy::compile(source)?);
+    let mut live = live.lock().unwrap_or_else(PoisonError::into_inner);
+    live.retain(|_, policy| policy.strong_count() > 0);
+    live.insert(Arc::from(source), Arc::downgrade(&policy));
+    Ok(policy)
+}
+
 /// A policy guard's rules: the source as registered, compiled once.
 #[derive(Debug, Clone)]
 pub struct PolicyRules {
@@ -186,15 +214,13 @@ impl Guard {
                     "a policy guard has no endpoint, so no server_identity",
                 ));
             }
-            let compiled = crate::policy::Policy::compile(&spec.policy).map_err(|source| {
-                SpecError::BadPolicy {
-                    name: name.clone(),
-                    source,
-                }
+            let compiled = compile_shared(&spec.policy).map_err(|source| SpecError::BadPolicy {
+                name: name.clone(),
+                source,
             })?;
             let rules = PolicyRules {
                 source: std::sync::Arc::from(spec.policy.as_str()),
-                compiled: std::sync::Arc::new(compiled),
+                compiled,
             };
             (String::new(), Some(rules))
         };

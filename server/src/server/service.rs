@@ -1088,9 +1088,19 @@ impl Registrar {
         // The endpoint policy: no registration may point the mesh at a
         // metadata service or outside the allow-list (checked again after
         // DNS resolution when dialing).
-        let checked =
-            crate::registry::spec::Guard::from_spec(&spec, self.mesh.config.default_guard_timeout)
-                .map_err(|e| Status::invalid_argument(e.to_string()))?;
+        // R25: a policy compiles off the runtime's threads (bounded in
+        // size and time by the policy's limits); the registry then shares
+        // the compiled policy rather than compiling it again.
+        let timeout = self.mesh.config.default_guard_timeout;
+        let checked = {
+            let spec = spec.clone();
+            tokio::task::spawn_blocking(move || {
+                crate::registry::spec::Guard::from_spec(&spec, timeout)
+            })
+            .await
+            .map_err(|_| Status::unavailable("the registration was interrupted"))?
+            .map_err(|e| Status::invalid_argument(e.to_string()))?
+        };
         for warning in checked.warnings() {
             tracing::warn!(guard = %name, "{warning}");
         }

@@ -1,0 +1,260 @@
+//! Each call in its lane (R13, R14, R25, R27): a call's decision depends on
+//! that call alone, a rule error never skips the later rules, the work of
+//! one call is metered and bounded, and error texts quote no value.
+
+use proptest::prelude::*;
+use serde_json::json;
+
+use super::*;
+
+fn call(id: &str, tool: &str, args: serde_json::Value) -> CallInput {
+    CallInput {
+        call_id: id.into(),
+        tool: tool.into(),
+        args,
+    }
+}
+
+fn batch(calls: Vec<CallInput>) -> BatchInput {
+    BatchInput {
+        calls,
+        ..BatchInput::default()
+    }
+}
+
+fn rule(name: &str, tools: Option<&str>, when: &str, message: &str) -> String {
+    let tools = tools.map_or_else(String::new, |t| format!("tools = [{t:?}]\n"));
+    format!(
+        "[[rule]]\nname = {name:?}\n{tools}when = {when:?}\naction = \"cancel\"\nmessage = {message:?}\n\n"
+    )
+}
+
+/// Finding 1: a call no rule judges, carrying a huge array, pushed every
+/// rule's estimate over its bound. Now the estimate is the call's own.
+#[test]
+fn r13_an_unrelated_large_call_changes_no_other_calls_outcome() {
+    let policy = Policy::compile(&rule(
+        "no-rm",
+        Some("shell.*"),
+        r#"["rm", "dd"].exists(p, call.args.cmd.startsWith(p))"#,
+        "'no'",
+    ))
+    .unwrap();
+    let rm = call("rm", "shell.exec", json!({"cmd": "rm -rf /"}));
+    let alone = policy.evaluate(&batch(vec![rm.clone()]));
+    assert!(
+        matches!(&alone[0], Outcome::Matched(v) if v.rule == "no-rm"),
+        "{alone:?}"
+    );
+    let big = call("big", "blob.put", json!({ "data": vec![0; 500_000] }));
+    let with = policy.evaluate(&batch(vec![rm, big]));
+    assert_eq!(with[0], alone[0]);
+    assert_eq!(with[1], Outcome::Proceed);
+}
+
+/// Finding 1: an error in an earlier rule skipped every later rule.
+#[test]
+fn r27_a_rule_error_never_skips_the_later_rules_and_quotes_no_value() {
+    let source = rule(
+        "limit",
+        None,
+        "has(call.args.amount) && call.args.amount + 1 > 10000",
+        "'too much'",
+    ) + &rule(
+        "no-rm",
+        None,
+        "has(call.args.cmd) && call.args.cmd.startsWith('rm')",
+        "'no rm'",
+    );
+    let policy = Policy::compile(&source).unwrap();
+    let outcomes = policy.evaluate(&batch(vec![
+        call("a", "t", json!({"cmd": "rm -rf /", "amount": "lots"})),
+        call("b", "t", json!({"amount": i64::MAX})),
+    ]));
+    match &outcomes[0] {
+        Outcome::FailedThen(error, verdict) => {
+            assert_eq!(error.rule(), "limit");
+            assert_eq!(verdict.rule, "no-rm");
+        }
+        other => panic!("{other:?}"),
+    }
+    let Outcome::Error(error) = &outcomes[1] else {
+        panic!("{outcomes:?}");
+    };
+    let text = error.to_string();
+    assert!(
+        text.contains("limit") && text.contains("overflow"),
+        "{text}"
+    );
+    assert!(!text.contains("9223372036854775807"), "{text}");
+    let Outcome::FailedThen(error, _) = &outcomes[0] else {
+        unreachable!()
+    };
+    assert!(!error.to_string().contains("lots"), "{error}");
+}
+
+/// Finding 2: quadratic work on a megabyte string was within the item
+/// estimate; the meter counts the bytes and stops it.
+#[test]
+fn r25_the_work_of_one_call_is_metered_in_steps_and_bytes() {
+    let l: Vec<i32> = (0..60).collect();
+    let s = "A".repeat(900_000);
+    for when in [
+        "call.args.l.exists(a, call.args.l.exists(b, call.args.s.lowerAscii().size() < 0))",
+        "call.args.l.map(a, call.args.l.map(b, call.args.s.lowerAscii())).size() < 0",
+        "call.args.l.exists(a, call.args.l.exists(b, (call.args.s + call.args.s).size() < 0))",
+        "call.args.l.map(a, call.args.l.map(b, call.args.s + 'x')).size() < 0",
+    ] {
+        let policy = Policy::compile(&rule("heavy", None, when, "'m'")).unwrap();
+        let started = std::time::Instant::now();
+        let outcomes = policy.evaluate(&batch(vec![
+            call("1", "t", json!({"l": l, "s": s})),
+            call("2", "t", json!({"l": [1], "s": "x"})),
+        ]));
+        let verdict = match &outcomes[0] {
+            Outcome::Bounded(verdict) => verdict,
+            other => panic!("{when}: {other:?}"),
+        };
+        assert_eq!(verdict.action, Action::Steer);
+        assert!(verdict.message.contains("max_work_per_call"), "{verdict:?}");
+        assert_eq!(outcomes[1], Outcome::Proceed, "{when}");
+        assert!(
+            started.elapsed() < std::time::Duration::from_secs(20),
+            "{when}"
+        );
+    }
+}
+
+/// R14: calls not judged when the time is up are timed out.
+#[test]
+fn r14_a_call_not_judged_in_time_is_timed_out() {
+    let policy =
+        Policy::compile(&rule("r", None, "call.args.s.lowerAscii() == 'x'", "'m'")).unwrap();
+    let input = batch(vec![call("1", "t", json!({"s": "X"})); 3]);
+    let values = BatchValues::from_input(&input);
+    let past = std::time::Instant::now();
+    let outcomes = policy.evaluate_within(&values, None, Some(past));
+    assert!(
+        outcomes.iter().all(|o| *o == Outcome::TimedOut),
+        "{outcomes:?}"
+    );
+}
+
+/// R9: a rule's tool globs match without regard to ASCII case.
+#[test]
+fn r9_rule_tools_match_without_regard_to_ascii_case() {
+    let policy = Policy::compile(&rule("r", Some("Shell.*"), "true", "'m'")).unwrap();
+    for tool in ["shell.exec", "SHELL.EXEC", "Shell.Exec"] {
+        let outcomes = policy.evaluate(&batch(vec![call("1", tool, json!({}))]));
+        assert!(
+            matches!(outcomes[0], Outcome::Matched(_)),
+            "{tool}: {outcomes:?}"
+        );
+    }
+}
+
+/// Finding 3: the patterns of a policy are bounded and freed with it.
+#[test]
+fn r25_policy_size_and_patterns_are_bounded() {
+    let big = "#".repeat(Limits::default().max_policy_bytes + 1);
+    let error = Policy::compile(&big).unwrap_err();
+    assert!(
+        matches!(error.kind, CompileErrorKind::TooLarge { .. }),
+        "{error}"
+    );
+    let source: String = (0..5)
+        .map(|r| {
+            let when: Vec<String> = (0..60)
+                .map(|i| format!("call.args.s.matches('^x{r}y{i}$')"))
+                .collect();
+            rule(&format!("many{r}"), None, &when.join(" || "), "'m'")
+        })
+        .collect();
+    let error = Policy::compile(&source).unwrap_err();
+    let text = error.to_string();
+    assert!(
+        text.contains("distinct patterns") || text.contains("the policy's patterns would take"),
+        "{error}"
+    );
+    let before = pattern_bytes();
+    let policy = Policy::compile(&rule("one", None, "call.args.s.matches('^a+$')", "'m'")).unwrap();
+    assert!(policy.pattern_bytes() > 0);
+    assert!(pattern_bytes() >= before + policy.pattern_bytes());
+}
+
+/// One `when` of the property test, reading the call alone.
+fn whens() -> impl Strategy<Value = String> {
+    prop::sample::select(vec![
+        "call.args.s.startsWith('rm')",
+        "call.args.s.lowerAscii().contains('drop')",
+        "call.args.l.exists(x, x > 3)",
+        "call.args.l.exists(a, call.args.l.exists(b, a + b == 7))",
+        "call.args.l.map(a, call.args.s.upperAscii()).size() > 2",
+        "call.args.n + 1 > 10",
+        "call.args.s.matches('^[a-z]+$')",
+        "size(call.args.l) > 2 && call.args.s == 'x'",
+        "call.args.missing == 1",
+        "call.tool.endsWith('.b')",
+    ])
+    .prop_map(str::to_owned)
+}
+
+fn args() -> impl Strategy<Value = serde_json::Value> {
+    (
+        prop::collection::vec(0i64..10, 0..40),
+        "[a-zA-Z ]{0,12}",
+        prop::sample::select(vec![json!(1), json!(i64::MAX), json!("s"), json!(null)]),
+        0usize..3,
+    )
+        .prop_map(|(l, s, n, big)| {
+            // Sometimes a large string or list: the bounds must hold per call.
+            let s = if big == 2 { s.repeat(40_000) } else { s };
+            json!({"l": l, "s": s, "n": n})
+        })
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 48, ..ProptestConfig::default() })]
+
+    /// For random policies within the bounds and random batches, adding a
+    /// call never changes another call's outcome (so, per call, its
+    /// decision under fail_open and fail_closed); a call no rule applies to
+    /// (the only kind an `abort` guard could not fail on) is proceeded.
+    #[test]
+    fn r13_adding_a_call_never_changes_another_calls_outcome(
+        rules in prop::collection::vec(
+            (whens(), prop::sample::select(vec![None, Some("t.*"), Some("*.b")])),
+            1..5,
+        ),
+        calls in prop::collection::vec(
+            (prop::sample::select(vec!["t.a", "t.b", "u.b"]), args()),
+            1..5,
+        ),
+        extra in (prop::sample::select(vec!["t.a", "x.y"]), args()),
+        at in 0usize..6,
+        work in prop::sample::select(vec![64u64 << 20, 200_000]),
+    ) {
+        let source: String = rules
+            .iter()
+            .enumerate()
+            .map(|(i, (when, tools))| rule(&format!("r{i}"), *tools, when, "'m'"))
+            .collect();
+        let limits = Limits { max_work_per_call: work, max_cost_per_call: 20_000, ..Limits::default() };
+        let policy = Policy::compile_with(&source, limits).unwrap();
+        let calls: Vec<CallInput> = calls
+            .into_iter()
+            .enumerate()
+            .map(|(i, (tool, args))| call(&i.to_string(), tool, args))
+            .collect();
+        let before = policy.evaluate(&batch(calls.clone()));
+        let at = at.min(calls.len());
+        let mut more = calls.clone();
+        more.insert(at, call("extra", extra.0, extra.1));
+        let mut after = policy.evaluate(&batch(more));
+        let added = after.remove(at);
+        prop_assert_eq!(&before, &after);
+        if extra.0 == "x.y" && rules.iter().all(|(_, tools)| tools.is_some()) {
+            prop_assert_eq!(added, Outcome::Proceed);
+        }
+    }
+}
