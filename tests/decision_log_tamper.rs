@@ -556,3 +556,143 @@ async fn r29_a_mesh_restarted_on_a_cut_log_refuses_or_continues_after_a_signed_g
         text(&out.stdout)
     );
 }
+
+/// A logs collector for the OTLP anchor test: keeps every record's body.
+#[derive(Default, Clone)]
+struct Bodies {
+    received: std::sync::Arc<std::sync::Mutex<Vec<(String, String)>>>,
+}
+
+#[tonic::async_trait]
+impl opentelemetry_proto::tonic::collector::logs::v1::logs_service_server::LogsService for Bodies {
+    async fn export(
+        &self,
+        request: tonic::Request<
+            opentelemetry_proto::tonic::collector::logs::v1::ExportLogsServiceRequest,
+        >,
+    ) -> Result<
+        tonic::Response<opentelemetry_proto::tonic::collector::logs::v1::ExportLogsServiceResponse>,
+        tonic::Status,
+    > {
+        use opentelemetry_proto::tonic::common::v1::any_value::Value as Any;
+        let mut received = self.received.lock().unwrap();
+        for resource in request.into_inner().resource_logs {
+            for scope in resource.scope_logs {
+                for record in scope.log_records {
+                    if let Some(Any::StringValue(body)) = record.body.and_then(|b| b.value) {
+                        received.push((record.event_name, body));
+                    }
+                }
+            }
+        }
+        Ok(tonic::Response::new(Default::default()))
+    }
+}
+
+/// The checkpoints exported over OTLP are an outside anchor: the latest
+/// one received, saved to a file, makes `verify --checkpoint` detect a tail
+/// cut that the key alone does not.
+#[tokio::test]
+async fn r29_checkpoints_exported_over_otlp_anchor_the_tail() {
+    use opentelemetry_proto::tonic::collector::logs::v1::logs_service_server::LogsServiceServer;
+    let bodies = Bodies::default();
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let endpoint = format!("http://{}", listener.local_addr().unwrap());
+    tokio::spawn({
+        let bodies = bodies.clone();
+        async move {
+            tonic::transport::Server::builder()
+                .add_service(LogsServiceServer::new(bodies))
+                .serve_with_incoming(tokio_stream::wrappers::TcpListenerStream::new(listener))
+                .await
+                .unwrap();
+        }
+    });
+
+    let dir = keyed_folder("tamper-otlp");
+    let log = dir.join("log");
+    let config = dir.join("mesh.toml");
+    std::fs::write(&config, sealed_config(&dir, "otlp = true")).unwrap();
+    let port = free_port();
+    let url = format!("http://127.0.0.1:{port}");
+    let mut child = Command::new(env!("CARGO_BIN_EXE_guardmesh"))
+        .args([
+            "serve",
+            "--listen",
+            &format!("127.0.0.1:{port}"),
+            "--config",
+        ])
+        .arg(&config)
+        .env("OTEL_EXPORTER_OTLP_ENDPOINT", &endpoint)
+        .env("OTEL_BLRP_SCHEDULE_DELAY", "100")
+        .env_remove("OTEL_TRACES_EXPORTER")
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    let started = tokio::time::timeout(Duration::from_secs(20), async {
+        while guardmesh_client::Coordinator::connect(url.clone())
+            .await
+            .is_err()
+        {
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    })
+    .await;
+    if started.is_err() {
+        let _ = child.kill();
+        panic!("the mesh did not start");
+    }
+    batches(&url, "otlp", 6).await;
+    let _ = Command::new("kill")
+        .args(["-TERM", &child.id().to_string()])
+        .status();
+    let mut stopped = false;
+    for _ in 0..1000 {
+        if child.try_wait().unwrap().is_some() {
+            stopped = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    if !stopped {
+        let _ = child.kill();
+        panic!("the mesh did not stop");
+    }
+
+    let received = bodies.received.lock().unwrap().clone();
+    let checkpoints: Vec<&(String, String)> = received
+        .iter()
+        .filter(|(event, _)| event == "guardmesh.decision_log.checkpoint")
+        .collect();
+    assert!(checkpoints.len() >= 3, "{received:?}");
+    let (_, latest) = checkpoints.last().unwrap();
+    assert!(latest.contains("\"reason\":\"close\""), "{latest}");
+    let anchor = dir.join("latest-checkpoint.jsonl");
+    std::fs::write(&anchor, format!("{latest}\n")).unwrap();
+    let public = dir.join("log.key.pub");
+    let verify = || {
+        guardmesh(&[
+            "log",
+            "verify",
+            path(&log),
+            "--key",
+            path(&public),
+            "--checkpoint",
+            path(&anchor),
+        ])
+    };
+    let out = verify();
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    // Cut the closing checkpoint and the record before it.
+    cut_last_lines(&log, 2);
+    let keyed = guardmesh(&["log", "verify", path(&log), "--key", path(&public)]);
+    assert!(keyed.status.success(), "{}", text(&keyed.stderr));
+    let out = verify();
+    assert_eq!(out.status.code(), Some(1));
+    assert!(
+        text(&out.stderr).contains("records were cut"),
+        "{}",
+        text(&out.stderr)
+    );
+}
