@@ -939,4 +939,102 @@ mod writer_tests {
         assert!(log.append(forged).await.is_err());
         log.close().await.unwrap();
     }
+
+    /// CPU time of this process (user + system).
+    fn cpu() -> Duration {
+        // SAFETY: getrusage writes into the struct given.
+        let mut usage: libc::rusage = unsafe { std::mem::zeroed() };
+        unsafe { libc::getrusage(libc::RUSAGE_SELF, &mut usage) };
+        let tv = |t: libc::timeval| {
+            Duration::from_secs(t.tv_sec as u64) + Duration::from_micros(t.tv_usec as u64)
+        };
+        tv(usage.ru_utime) + tv(usage.ru_stime)
+    }
+
+    /// Not a check: what checkpoints cost. One checkpoint on its own (sign,
+    /// witness append and fsync, state file), and the writer's CPU per
+    /// record under 64 concurrent appends (group commit, `interval`
+    /// durability so that fsyncs of records do not dominate) without a
+    /// key, with the default `checkpoint_every` and with 100, in
+    /// alternating rounds. Run with `cargo test -p guardmesh-server --lib
+    /// decision_log::checkpoint::writer_tests::measure -- --ignored
+    /// --nocapture` (add `--release` for production figures).
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    #[ignore]
+    async fn measure_checkpoint_cost() {
+        let setup = setup();
+        let sealer = Sealer::open(&SealConfig {
+            witness: Some(setup.witness.clone()),
+            ..SealConfig::new(&setup.key)
+        })
+        .unwrap();
+        fs::create_dir_all(&setup.log).unwrap();
+        let prev = chain::sha256_hex(b"x");
+        let n = 200u32;
+        let (cpu0, wall0) = (cpu(), std::time::Instant::now());
+        for seq in 0..u64::from(n) {
+            let line = sealer
+                .line(seq, &prev, "m", "decisions-0.jsonl", SealKind::Checkpoint("count"))
+                .unwrap();
+            std::hint::black_box(&line);
+        }
+        let sign = (cpu() - cpu0) / n;
+        let sign_wall = wall0.elapsed() / n;
+        let line = sealer
+            .line(0, &prev, "m", "decisions-0.jsonl", SealKind::Checkpoint("count"))
+            .unwrap();
+        let (cpu0, wall0) = (cpu(), std::time::Instant::now());
+        for _ in 0..n {
+            sealer.publish(&setup.log, &line).unwrap();
+        }
+        let publish = (cpu() - cpu0) / n;
+        let publish_wall = wall0.elapsed() / n;
+        println!(
+            "one checkpoint: build+sign {sign:?} CPU ({sign_wall:?} wall); witness+state with 2 fsyncs {publish:?} CPU ({publish_wall:?} wall)"
+        );
+
+        let records = 4000usize;
+        let variants: [(&str, Option<u64>); 3] =
+            [("no key", None), ("every 1000", Some(1000)), ("every 100", Some(100))];
+        let mut best = [Duration::MAX; 3];
+        for _round in 0..3 {
+            for (index, (_, every)) in variants.iter().enumerate() {
+                let dir = tempfile::tempdir().unwrap();
+                let config = LogConfig {
+                    durability: crate::decision_log::Durability::Interval(Duration::from_millis(
+                        100,
+                    )),
+                    seal: every.map(|every| SealConfig {
+                        every,
+                        witness: Some(dir.path().join("witness.jsonl")),
+                        ..SealConfig::new(&setup.key)
+                    }),
+                    ..LogConfig::new(dir.path().join("log"), "m")
+                };
+                let log = DecisionLog::open(config).await.unwrap();
+                let start = cpu();
+                let mut tasks = Vec::new();
+                for t in 0..64 {
+                    let log = log.clone();
+                    tasks.push(tokio::spawn(async move {
+                        for i in 0..records / 64 {
+                            log.append(decision(&format!("b{t}-{i}"), Action::Cancel))
+                                .await
+                                .unwrap();
+                        }
+                    }));
+                }
+                for task in tasks {
+                    task.await.unwrap();
+                }
+                let per_record = (cpu() - start) / (records / 64 * 64) as u32;
+                log.close().await.unwrap();
+                best[index] = best[index].min(per_record);
+            }
+        }
+        for ((name, _), cost) in variants.iter().zip(best) {
+            let ratio = cost.as_secs_f64() / best[0].as_secs_f64();
+            println!("{name}: {cost:?} CPU per record ({ratio:.3} of no key)");
+        }
+    }
 }
