@@ -158,10 +158,9 @@ fn set_member(line: &str, member: &str, value: &str) -> String {
     let key = format!("\"{member}\":");
     let start = line.find(&key).unwrap() + key.len();
     let rest = &line[start..];
-    let end = if rest.starts_with('"') {
-        rest[1..].find('"').unwrap() + 2
-    } else {
-        rest.find([',', '}']).unwrap()
+    let end = match rest.strip_prefix('"') {
+        Some(string) => string.find('"').unwrap() + 2,
+        None => rest.find([',', '}']).unwrap(),
     };
     format!("{}{value}{}", &line[..start], &rest[end..])
 }

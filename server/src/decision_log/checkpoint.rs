@@ -974,14 +974,26 @@ mod writer_tests {
         let (cpu0, wall0) = (cpu(), std::time::Instant::now());
         for seq in 0..u64::from(n) {
             let line = sealer
-                .line(seq, &prev, "m", "decisions-0.jsonl", SealKind::Checkpoint("count"))
+                .line(
+                    seq,
+                    &prev,
+                    "m",
+                    "decisions-0.jsonl",
+                    SealKind::Checkpoint("count"),
+                )
                 .unwrap();
             std::hint::black_box(&line);
         }
         let sign = (cpu() - cpu0) / n;
         let sign_wall = wall0.elapsed() / n;
         let line = sealer
-            .line(0, &prev, "m", "decisions-0.jsonl", SealKind::Checkpoint("count"))
+            .line(
+                0,
+                &prev,
+                "m",
+                "decisions-0.jsonl",
+                SealKind::Checkpoint("count"),
+            )
             .unwrap();
         let (cpu0, wall0) = (cpu(), std::time::Instant::now());
         for _ in 0..n {
@@ -994,8 +1006,11 @@ mod writer_tests {
         );
 
         let records = 4000usize;
-        let variants: [(&str, Option<u64>); 3] =
-            [("no key", None), ("every 1000", Some(1000)), ("every 100", Some(100))];
+        let variants: [(&str, Option<u64>); 3] = [
+            ("no key", None),
+            ("every 1000", Some(1000)),
+            ("every 100", Some(100)),
+        ];
         let mut best = [Duration::MAX; 3];
         for _round in 0..3 {
             for (index, (_, every)) in variants.iter().enumerate() {
