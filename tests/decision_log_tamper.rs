@@ -218,6 +218,7 @@ enum Tamper {
     DeletedMiddleSegment,
     DeletedLastSegment,
     RewrittenChain,
+    RewrittenWithoutCheckpoints,
     ForgedAppend,
 }
 
@@ -284,6 +285,15 @@ fn tamper(dir: &Path, how: Tamper) {
         }
         Tamper::RewrittenChain => {
             for (_, lines) in files.iter_mut() {
+                for line in lines.iter_mut() {
+                    *line = to_proceed(line);
+                }
+            }
+            rechain(&mut files);
+        }
+        Tamper::RewrittenWithoutCheckpoints => {
+            for (_, lines) in files.iter_mut() {
+                lines.retain(|l| !l.contains("\"kind\":\"checkpoint\""));
                 for line in lines.iter_mut() {
                     *line = to_proceed(line);
                 }
@@ -459,6 +469,15 @@ fn r29_tamper_a_deleted_last_segment_is_detected_with_the_key() {
 #[test]
 fn r29_tamper_a_rewritten_chain_is_detected_with_the_key() {
     check("rewritten", Tamper::RewrittenChain, [true, false, false]);
+}
+
+#[test]
+fn r29_tamper_a_chain_rewritten_without_its_checkpoints_is_detected_with_the_key() {
+    check(
+        "rewritten-bare",
+        Tamper::RewrittenWithoutCheckpoints,
+        [true, false, false],
+    );
 }
 
 #[test]

@@ -398,6 +398,16 @@ impl Sealer {
         }
         let key =
             read_signing_key(&config.key_file).map_err(|err| LogError::Config(err.to_string()))?;
+        #[cfg(unix)]
+        if let Ok(metadata) = fs::metadata(&config.key_file) {
+            use std::os::unix::fs::PermissionsExt;
+            if metadata.permissions().mode() & 0o077 != 0 {
+                tracing::warn!(
+                    file = %config.key_file.display(),
+                    "the decision log's signing key is readable by others than its owner: whoever reads it can sign a rewritten log (chmod 600)"
+                );
+            }
+        }
         let verifying = key.verifying_key();
         let key_id = key_id(&verifying);
         let witness = config
