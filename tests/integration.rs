@@ -50,6 +50,7 @@ mod decision_log;
 mod decision_log_otlp;
 mod decision_log_refusals;
 mod decision_log_replay;
+mod decision_log_tamper;
 mod etcd;
 mod faults;
 mod gate;

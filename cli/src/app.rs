@@ -138,20 +138,13 @@ enum Command {
     /// Reads the decision log (R29).
     Log {
         #[command(subcommand)]
-        action: LogAction,
+        action: crate::log::LogAction,
     },
     /// Judges recorded batches again against the chain of a config file
     /// (--config) or of a running mesh (--mesh), and reports every call
     /// whose decision differs from the recorded one (R30). Exits 0 when
     /// none differs, 1 when one does, 2 when the replay cannot run.
     Replay(crate::replay::ReplayArgs),
-}
-
-#[derive(Subcommand)]
-enum LogAction {
-    /// Checks the hash chain of a decision log (its directory, or one of
-    /// its files); exits non-zero naming the first record that breaks it.
-    Verify { path: PathBuf },
 }
 
 #[derive(Subcommand)]
@@ -366,7 +359,7 @@ pub fn main() -> ExitCode {
     // The benchmark picks its own runtime flavours.
     let cli = match cli.command {
         Command::Policy { action } => return policy(action),
-        Command::Log { action } => return log(action),
+        Command::Log { action } => return crate::log::run(action),
         Command::Replay(args) => return crate::replay::main(args),
         Command::Bench(args) => return crate::bench::main(args),
         Command::BenchGuards(args) => return crate::bench::serve_guards(args),
@@ -501,38 +494,6 @@ fn print_report(text: &str) -> Result<(), String> {
             Err(format!("cannot write the report: {error}"))
         }
         _ => Ok(()),
-    }
-}
-
-/// `guardmesh log verify PATH`: exit 0 when the chain holds, 1 naming the
-/// first bad record on stderr.
-fn log(action: LogAction) -> ExitCode {
-    use guardmesh_server::decision_log;
-    let LogAction::Verify { path } = action;
-    match decision_log::verify(&path) {
-        Ok(report) => {
-            println!(
-                "ok: {} records in {} files, {} with masked values",
-                report.records,
-                report.files.len(),
-                report.masked_records
-            );
-            if let Some(last) = &report.last {
-                println!(
-                    "head: seq {} id {} hash {} ({}:{})",
-                    last.seq,
-                    last.id,
-                    last.hash,
-                    last.file.display(),
-                    last.line
-                );
-            }
-            ExitCode::SUCCESS
-        }
-        Err(error) => {
-            eprintln!("error: decision log does not verify: {error}");
-            ExitCode::FAILURE
-        }
     }
 }
 

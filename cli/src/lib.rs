@@ -5,6 +5,7 @@
 //!   or talk to a mesh: `serve`, `guards`, `evaluate`, `policy`, `certs`,
 //!   `example-guard`; `mcp` and `hook` delegate to the `guardmesh-gateway`
 //!   crate.
+//! * `log`: `guardmesh log verify` and `guardmesh log keygen` (R29).
 //! * `heartbeat`: `guardmesh heartbeat`, a liveness sidecar for guards of any
 //!   language on the etcd registry.
 //! * `policy_reload`: the config's policy files reloaded on SIGHUP and when
@@ -26,6 +27,7 @@ pub mod demo;
 mod evaluate;
 pub mod examples;
 mod heartbeat;
+mod log;
 mod policy_reload;
 mod replay;
 mod runtime;

@@ -165,6 +165,34 @@ pub struct DecisionLogConfig {
     /// variables say. The file stays the source of truth.
     #[serde(default)]
     pub otlp: bool,
+    /// The Ed25519 private key (PKCS#8 PEM, `guardmesh log keygen`) that
+    /// signs the log's checkpoints; absent: no checkpoints.
+    #[serde(default)]
+    pub signing_key: Option<PathBuf>,
+    /// With a key: a checkpoint at least every this many records.
+    #[serde(default = "default_checkpoint_every")]
+    pub checkpoint_every: u64,
+    /// With a key: a checkpoint at most this long after a record it does
+    /// not seal yet.
+    #[serde(default = "default_checkpoint_interval_ms")]
+    pub checkpoint_interval_ms: u64,
+    /// With a key: every checkpoint is also appended (fsynced) to this file,
+    /// or to `checkpoints-<key id>.jsonl` in this directory; put it on
+    /// another mount.
+    #[serde(default)]
+    pub witness: Option<PathBuf>,
+    /// With a key: start on a log that ends before its latest checkpoint
+    /// after a signed gap record, instead of refusing to start.
+    #[serde(default)]
+    pub allow_gap: bool,
+}
+
+fn default_checkpoint_every() -> u64 {
+    crate::decision_log::checkpoint::DEFAULT_EVERY
+}
+
+fn default_checkpoint_interval_ms() -> u64 {
+    crate::decision_log::checkpoint::DEFAULT_INTERVAL.as_millis() as u64
 }
 
 /// `[decision_log] durability`.
@@ -204,11 +232,37 @@ impl DecisionLogConfig {
                 Duration::from_millis(self.sync_interval_ms),
             ),
         };
+        let seal = match &self.signing_key {
+            None if self.witness.is_some() || self.allow_gap => {
+                return Err("[decision_log] witness and allow_gap need signing_key".to_owned());
+            }
+            None => None,
+            Some(_) if self.checkpoint_every == 0 => {
+                return Err("[decision_log] checkpoint_every must be greater than 0".to_owned());
+            }
+            Some(_)
+                if self.checkpoint_interval_ms
+                    < crate::decision_log::checkpoint::MIN_INTERVAL.as_millis() as u64 =>
+            {
+                return Err(format!(
+                    "[decision_log] checkpoint_interval_ms must be at least {}",
+                    crate::decision_log::checkpoint::MIN_INTERVAL.as_millis()
+                ));
+            }
+            Some(key) => Some(crate::decision_log::SealConfig {
+                key_file: key.clone(),
+                every: self.checkpoint_every,
+                interval: Duration::from_millis(self.checkpoint_interval_ms),
+                witness: self.witness.clone(),
+                allow_gap: self.allow_gap,
+            }),
+        };
         Ok(crate::decision_log::LogConfig {
             max_file_bytes: self.max_file_bytes,
             durability,
             mask,
             otlp: self.otlp,
+            seal,
             ..crate::decision_log::LogConfig::new(
                 &self.dir,
                 self.instance.as_deref().unwrap_or(instance),

@@ -17,8 +17,8 @@
 //! No canonical form is needed: verification hashes the bytes as they are
 //! in the file. What a hash chain cannot detect on its own is records cut
 //! off the end of the log at a line boundary, or a log rewritten whole with
-//! new hashes: anchoring the latest `hash` elsewhere (an exported copy of
-//! the records) closes that gap.
+//! new hashes: the signed checkpoints of [`super::checkpoint`] close the
+//! second, and a checkpoint kept outside the log (the witness) the first.
 
 use serde::Deserialize;
 use sha2::{Digest, Sha256};
@@ -89,6 +89,11 @@ pub(crate) struct Header {
     pub prev: String,
     #[serde(default)]
     pub masked: u32,
+    #[serde(default)]
+    pub kind: String,
+    /// A checkpoint's reason (`rotate`, `close`, ...).
+    #[serde(default)]
+    pub reason: Option<String>,
 }
 
 impl Header {

@@ -40,6 +40,25 @@ pub enum LogError {
     /// tail of the log.
     #[error("decision log stopped after an earlier failure ({reason}); restart the mesh to resume")]
     Poisoned { reason: String },
+    /// The log ends before the latest checkpoint known outside its files
+    /// (the directory's `checkpoint.state`, or the witness): records were
+    /// cut or files removed. The mesh does not continue such a chain
+    /// silently: restore the missing files, or set `allow_gap = true` to go
+    /// on after a signed `gap` record that names what is missing.
+    #[error(
+        "decision log: {dir} does not hold the latest checkpoint known from the {source_name} \
+         (seq {seq}, hash {hash}, written {time}); the log's next record would be seq {next_seq}: \
+         records were cut from its end or files removed. Restore them, or set \
+         [decision_log] allow_gap = true to continue after a signed gap record"
+    )]
+    Behind {
+        dir: PathBuf,
+        source_name: &'static str,
+        seq: u64,
+        hash: String,
+        time: String,
+        next_seq: u64,
+    },
     /// The log was closed, or its writer is gone.
     #[error("decision log is closed")]
     Closed,

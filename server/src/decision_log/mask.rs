@@ -146,6 +146,8 @@ impl MaskRules {
             Entry::ChainChange(change) => {
                 change.spec.as_mut().map_or(0, |spec| self.mask_value(spec))
             }
+            // The writer's own seals hold no caller data.
+            Entry::Checkpoint(_) | Entry::Gap(_) => 0,
         }
     }
 

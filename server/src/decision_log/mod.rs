@@ -5,6 +5,8 @@
 //! * [`mask`]: masking sensitive values by key name and path;
 //! * [`chain`]: how a line is sealed with its own hash and linked to the
 //!   one before;
+//! * [`checkpoint`]: checkpoints signed with the writer's Ed25519 key, the
+//!   witness, the restart check, and [`gap`](record::GapRecord) records;
 //! * [`segment`]: the log's files and their names;
 //! * [`writer`]: [`DecisionLog`], the append-only writer (group commit,
 //!   rotation by size, fsync per record or per interval, resuming);
@@ -21,6 +23,7 @@
 //! `docs/decision-log.schema.json`.
 
 pub mod chain;
+pub mod checkpoint;
 pub mod error;
 pub mod from_mesh;
 pub mod mask;
@@ -34,13 +37,16 @@ pub mod writer;
 mod tests;
 
 pub use chain::GENESIS;
+pub use checkpoint::{KeyError, SealConfig};
 pub use error::LogError;
 pub use from_mesh::{MeshLog, OnLogFailure};
 pub use mask::{MASKED, MaskError, MaskRules, OMITTED};
 pub use record::{
     Action, BatchRecord, CallDecisionRecord, CallRecord, Caller, ChainChangeRecord, ChangeKind,
-    ChangeOutcome, ChangeStatus, DecisionRecord, Entry, FORMAT_VERSION, GuardRole,
-    GuardTraceRecord, LogRecord, Outcome, OutcomeStatus, TraceStatus,
+    ChangeOutcome, ChangeStatus, CheckpointRecord, DecisionRecord, Entry, FORMAT_VERSION,
+    GapRecord, GuardRole, GuardTraceRecord, LogRecord, Outcome, OutcomeStatus, TraceStatus,
 };
-pub use verify::{BadRecord, RecordRef, VerifyError, VerifyReport, verify};
+pub use verify::{
+    BadRecord, RecordRef, VerifyError, VerifyOptions, VerifyReport, verify, verify_with,
+};
 pub use writer::{Appended, DecisionLog, Durability, LogConfig};

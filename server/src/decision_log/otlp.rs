@@ -20,7 +20,12 @@
 //! `.hash`) and, for a decision, the batch and its outcome
 //! (`guardmesh.batch.id`, `guardmesh.outcome.status`); a decision's trace
 //! id is the log record's trace context, so a backend links it to the
-//! batch's trace. Event name `guardmesh.decision_log.record`.
+//! batch's trace. Event name `guardmesh.decision_log.record`; for the
+//! writer's signed checkpoints and gap records (see [`super::checkpoint`])
+//! `guardmesh.decision_log.checkpoint`, with `guardmesh.checkpoint.reason`
+//! (`gap` for a gap): the body is the signed line, so a collector keeps an
+//! outside copy of the latest checkpoint, which `guardmesh log verify
+//! --key PUB --checkpoint FILE` checks the log against.
 
 use opentelemetry::logs::{AnyValue, LogRecord as _, Logger as _, LoggerProvider as _, Severity};
 use opentelemetry::trace::{SpanId, TraceId};
@@ -58,6 +63,8 @@ struct Fields {
     batch: Option<BatchFields>,
     #[serde(default)]
     outcome: Option<OutcomeFields>,
+    #[serde(default)]
+    reason: Option<String>,
 }
 
 #[derive(Deserialize)]
@@ -143,7 +150,16 @@ impl Export {
             return;
         };
         let mut record = self.logger.create_log_record();
-        record.set_event_name("guardmesh.decision_log.record");
+        let sealed = fields.kind == "checkpoint" || fields.kind == "gap";
+        record.set_event_name(if sealed {
+            "guardmesh.decision_log.checkpoint"
+        } else {
+            "guardmesh.decision_log.record"
+        });
+        if sealed {
+            let reason = fields.reason.clone().unwrap_or_else(|| fields.kind.clone());
+            record.add_attribute("guardmesh.checkpoint.reason", reason);
+        }
         record.set_severity_number(Severity::Info);
         record.set_severity_text("INFO");
         // The record's own time; when it was exported is the observed time.

@@ -54,12 +54,78 @@ pub struct LogRecord {
     pub hash: String,
 }
 
-/// What a record is about: `"kind": "decision"` or `"kind": "chain_change"`.
+/// The envelope as written, without `hash` (the seal adds it). The member
+/// order is [`LogRecord`]'s.
+#[derive(Serialize)]
+pub(crate) struct Unsealed<'a> {
+    pub v: u32,
+    pub seq: u64,
+    pub id: &'a str,
+    pub time: &'a str,
+    pub mesh: &'a str,
+    pub prev: &'a str,
+    pub masked: u32,
+    #[serde(flatten)]
+    pub entry: &'a Entry,
+}
+
+/// What a record is about: `"kind": "decision"`, `"chain_change"`, or one
+/// of the writer's own seals, `"checkpoint"` and `"gap"` (see
+/// [`super::checkpoint`]). Callers append decisions and chain changes; the
+/// writer refuses checkpoints and gaps from them.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(tag = "kind", rename_all = "snake_case")]
 pub enum Entry {
     Decision(DecisionRecord),
     ChainChange(ChainChangeRecord),
+    Checkpoint(CheckpointRecord),
+    Gap(GapRecord),
+}
+
+/// A signed checkpoint (R29): the writer vouches, with its Ed25519 key,
+/// for the chain up to the record before this one.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct CheckpointRecord {
+    /// Why it was written: `open`, `count`, `interval`, `rotate`, `close`.
+    pub reason: String,
+    /// Records before this one in the log (its own `seq`).
+    pub records: u64,
+    /// The hash of the line before it (its own `prev`): the head it seals.
+    pub head: String,
+    /// The name of the file it is written in.
+    pub segment: String,
+    /// The writer writes a checkpoint at least every this many records.
+    pub every: u64,
+    /// ... and within this many milliseconds of an unsealed record.
+    pub interval_ms: u64,
+    /// The first 16 hex digits of the SHA-256 of the raw public key.
+    pub key_id: String,
+    /// Ed25519 signature (128 hex digits) of the record's line with `sig`
+    /// empty and without `hash` (see [`super::checkpoint`]).
+    pub sig: String,
+}
+
+/// A signed gap (R29): the mesh was restarted on a log that ends before
+/// the latest checkpoint it knew of, and was told to go on (`allow_gap`).
+/// It names what is missing; it also seals the chain as a checkpoint does.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct GapRecord {
+    /// Records before this one in the log (its own `seq`).
+    pub records: u64,
+    /// The hash of the line before it (its own `prev`).
+    pub head: String,
+    pub segment: String,
+    pub every: u64,
+    pub interval_ms: u64,
+    /// The latest checkpoint known before the restart, which the log no
+    /// longer holds: its `seq` and line hash.
+    pub missing_seq: u64,
+    pub missing_hash: String,
+    /// Where it was known from: `state` (the log's `checkpoint.state`) or
+    /// `witness`.
+    pub source: String,
+    pub key_id: String,
+    pub sig: String,
 }
 
 /// Who sent the batch or made the change, as the mesh authenticated it.

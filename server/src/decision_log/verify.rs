@@ -14,6 +14,22 @@
 //!    first record of the log);
 //! 6. the first record of a file has the sequence number its name says.
 //!
+//! With the writer's public key ([`VerifyOptions::key`]), the checkpoints
+//! are checked too (see [`super::checkpoint`]):
+//!
+//! 7. every checkpoint and gap record is signed by the key, sits where it
+//!    says (`records`, `head`, `segment`), and the log holds at least one;
+//! 8. no more than `every` records follow a checkpoint before the next one;
+//! 9. a `rotate` checkpoint ends its file and the next file exists; every
+//!    file but the last ends with one;
+//! 10. after a `close` checkpoint comes an `open` checkpoint or a gap;
+//! 11. a gap record fails the verification unless gaps are accepted.
+//!
+//! With an outside checkpoint as well ([`VerifyOptions::anchor`]: the
+//! witness file, or a file holding one checkpoint line), its last line must
+//! be signed by the key and the log must hold that very record: a log cut
+//! before it, or rewritten after it, is refused.
+//!
 //! A directory is verified whole, from the genesis record. A single file is
 //! verified on its own: from the genesis record if it is the log's first
 //! file, otherwise from whatever its first record links to (which only the
@@ -24,7 +40,10 @@ use std::fs::File;
 use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
 
+use ed25519_dalek::VerifyingKey;
+
 use super::chain::{self, GENESIS, Header, SealError};
+use super::checkpoint::{self, Sealed};
 use super::record::FORMAT_VERSION;
 use super::segment;
 
@@ -39,6 +58,32 @@ pub struct VerifyReport {
     pub masked_records: u64,
     /// The last record: the head of the chain.
     pub last: Option<RecordRef>,
+    /// Whether checkpoint signatures were checked (a key was given).
+    pub signatures_checked: bool,
+    /// Checkpoints (and gaps) whose signature verified.
+    pub checkpoints: u64,
+    /// Records after the last checkpoint: not sealed yet (a running mesh,
+    /// or one that stopped without its `close` checkpoint).
+    pub unsealed: u64,
+    /// The log ends with a `close` checkpoint.
+    pub closed: bool,
+    /// Gap records: `(seq of the gap, seq of the checkpoint it says is
+    /// missing)`.
+    pub gaps: Vec<(u64, u64)>,
+    /// The outside checkpoint the log was checked against: its seq.
+    pub anchored_at: Option<u64>,
+}
+
+/// What [`verify_with`] checks beyond the hash chain.
+#[derive(Debug, Clone, Default)]
+pub struct VerifyOptions {
+    /// The writer's public key: checkpoints are checked.
+    pub key: Option<VerifyingKey>,
+    /// A witness file (or a directory holding the key's witness file), or
+    /// a file whose last line is a checkpoint; needs `key`.
+    pub anchor: Option<PathBuf>,
+    /// Gap records are reported, not refused.
+    pub allow_gap: bool,
 }
 
 /// Where a record is.
@@ -88,10 +133,82 @@ pub enum VerifyError {
     Empty(PathBuf),
     #[error("{0}")]
     Bad(BadRecord),
+    /// The outside checkpoint cannot be used.
+    #[error("{0}")]
+    Anchor(String),
+    /// The log as a whole is not what its checkpoints vouch for (cut short,
+    /// a file missing, no checkpoint at all, gaps).
+    #[error("{0}")]
+    Sealing(String),
 }
 
-/// Verifies the log at `path`: a log directory, or one of its files.
+/// Reads the last line of an anchor file and checks it against `key`.
+fn read_anchor(path: &Path, key: &VerifyingKey) -> Result<Sealed, VerifyError> {
+    let file = checkpoint::witness_file(path, &checkpoint::key_id(key));
+    let text = std::fs::read(&file).map_err(|err| VerifyError::Io {
+        path: file.clone(),
+        message: err.to_string(),
+    })?;
+    let mut last = None;
+    for (index, line) in text.split(|&b| b == b'\n').enumerate() {
+        if line.is_empty() {
+            continue;
+        }
+        match checkpoint::check_line(line, key) {
+            Ok(Some(sealed)) => last = Some(sealed),
+            Ok(None) => {
+                return Err(VerifyError::Anchor(format!(
+                    "{}:{}: not a checkpoint",
+                    file.display(),
+                    index + 1
+                )));
+            }
+            Err(reason) => {
+                return Err(VerifyError::Anchor(format!(
+                    "{}:{}: the checkpoint {reason}",
+                    file.display(),
+                    index + 1
+                )));
+            }
+        }
+    }
+    last.ok_or_else(|| VerifyError::Anchor(format!("{}: holds no checkpoint", file.display())))
+}
+
+/// The checkpoint rules' state along the log (with a key).
+#[derive(Default)]
+struct Seals {
+    /// The last checkpoint seen: its seq and `every`.
+    last: Option<(u64, u64)>,
+    /// Records since the last checkpoint (or since the start).
+    since: u64,
+    /// The last line of the current file so far is a `rotate` checkpoint.
+    rotated: bool,
+    /// The last record is a `close` checkpoint.
+    closed: bool,
+}
+
+/// Verifies the hash chain of the log at `path`: a log directory, or one
+/// of its files. Checks no signature: see [`verify_with`].
 pub fn verify(path: &Path) -> Result<VerifyReport, VerifyError> {
+    verify_with(path, &VerifyOptions::default())
+}
+
+/// Verifies the log at `path` with `options`: its hash chain, and with a
+/// key its checkpoints, and with an anchor that it holds the latest
+/// checkpoint kept outside it.
+pub fn verify_with(path: &Path, options: &VerifyOptions) -> Result<VerifyReport, VerifyError> {
+    let anchor = match (&options.anchor, &options.key) {
+        (Some(anchor), Some(key)) => Some(read_anchor(anchor, key)?),
+        (Some(_), None) => {
+            return Err(VerifyError::Anchor(
+                "an outside checkpoint is checked with the key: give --key".to_owned(),
+            ));
+        }
+        _ => None,
+    };
+    let mut anchor_found: Option<bool> = None;
+    let mut seals = Seals::default();
     let io_error = |path: &Path, err: std::io::Error| VerifyError::Io {
         path: path.to_path_buf(),
         message: err.to_string(),
@@ -122,8 +239,15 @@ pub fn verify(path: &Path) -> Result<VerifyReport, VerifyError> {
         records: 0,
         masked_records: 0,
         last: None,
+        signatures_checked: options.key.is_some(),
+        checkpoints: 0,
+        unsealed: 0,
+        closed: false,
+        gaps: Vec::new(),
+        anchored_at: None,
     };
-    for (named_seq, file) in &files {
+    for (file_index, (named_seq, file)) in files.iter().enumerate() {
+        seals.rotated = false;
         let reader = File::open(file).map_err(|err| io_error(file, err))?;
         let mut reader = BufReader::new(reader);
         let mut buf = Vec::new();
@@ -228,6 +352,19 @@ pub fn verify(path: &Path) -> Result<VerifyReport, VerifyError> {
                 ));
             }
             let hash = chain::sha256_hex(line);
+            if let Some(key) = &options.key {
+                let name = file
+                    .file_name()
+                    .map(|n| n.to_string_lossy().into_owned())
+                    .unwrap_or_default();
+                seal_rules(key, line, &header, &name, &mut seals, &mut report)
+                    .map_err(|reason| bad(Some(&header), reason))?;
+            }
+            if let Some(anchor) = &anchor
+                && anchor.seq == header.seq
+            {
+                anchor_found = Some(anchor.hash == hash);
+            }
             report.records += 1;
             if header.masked > 0 {
                 report.masked_records += 1;
@@ -246,9 +383,147 @@ pub fn verify(path: &Path) -> Result<VerifyReport, VerifyError> {
                     .to_owned(),
             });
         }
+        // Every file but the last ends with its `rotate` checkpoint, once
+        // the log is signed.
+        if options.key.is_some()
+            && metadata.is_dir()
+            && seals.last.is_some()
+            && file_index + 1 < files.len()
+            && !seals.rotated
+        {
+            return Err(VerifyError::Bad(BadRecord {
+                file: file.clone(),
+                line: line_no,
+                seq: None,
+                id: None,
+                reason: "the file does not end with its rotate checkpoint: records were cut from its end"
+                    .to_owned(),
+            }));
+        }
         report.files.push(file.clone());
     }
+    if options.key.is_some() {
+        let Some((last_seal, _)) = seals.last else {
+            return Err(VerifyError::Sealing(
+                "no signed checkpoint in the log: it was written without a key, or rewritten"
+                    .to_owned(),
+            ));
+        };
+        if seals.rotated && metadata.is_dir() {
+            return Err(VerifyError::Sealing(format!(
+                "the log ends with the rotate checkpoint at seq {last_seal}: the file after it (decisions-{:020}.jsonl) is missing",
+                last_seal + 1
+            )));
+        }
+        report.unsealed = seals.since;
+        report.closed = seals.closed;
+    }
+    if let Some(anchor) = &anchor {
+        let head = report.last.as_ref().map(|last| last.seq);
+        match anchor_found {
+            Some(true) => report.anchored_at = Some(anchor.seq),
+            Some(false) => {
+                return Err(VerifyError::Sealing(format!(
+                    "the record at seq {} is not the checkpoint kept outside the log (written {}): the log was rewritten",
+                    anchor.seq, anchor.time
+                )));
+            }
+            None => {
+                return Err(VerifyError::Sealing(format!(
+                    "the log ends at seq {} but the checkpoint kept outside it vouches for seq {} (written {}): \
+                     records were cut from its end or its last files removed",
+                    head.map_or_else(|| "-".to_owned(), |seq| seq.to_string()),
+                    anchor.seq,
+                    anchor.time
+                )));
+            }
+        }
+    }
+    if !report.gaps.is_empty() && !options.allow_gap {
+        let list: Vec<String> = report
+            .gaps
+            .iter()
+            .map(|(seq, missing)| format!("at seq {seq} (checkpoint seq {missing} missing)"))
+            .collect();
+        return Err(VerifyError::Sealing(format!(
+            "the log has gap records, where the mesh was restarted on a log missing records: {}; \
+             pass --allow-gap to accept them",
+            list.join(", ")
+        )));
+    }
     Ok(report)
+}
+
+/// The checkpoint rules for one line (with a key); the reason it breaks
+/// them.
+fn seal_rules(
+    key: &VerifyingKey,
+    line: &[u8],
+    header: &Header,
+    file_name: &str,
+    seals: &mut Seals,
+    report: &mut VerifyReport,
+) -> Result<(), String> {
+    let sealed = match header.kind.as_str() {
+        "checkpoint" | "gap" => match checkpoint::check_line(line, key)? {
+            Some(sealed) => sealed,
+            None => return Err("is not a checkpoint".to_owned()),
+        },
+        _ => {
+            if seals.closed {
+                return Err(
+                    "follows the mesh's closing checkpoint without an opening one: appended after the mesh stopped"
+                        .to_owned(),
+                );
+            }
+            if seals.rotated {
+                return Err(
+                    "follows the rotate checkpoint that closed its file: appended after it"
+                        .to_owned(),
+                );
+            }
+            seals.since += 1;
+            if let Some((at, every)) = seals.last
+                && seals.since > every
+            {
+                return Err(format!(
+                    "no checkpoint where one was due: {} records follow the checkpoint at seq {at} (one every {every} at most)",
+                    seals.since
+                ));
+            }
+            return Ok(());
+        }
+    };
+    if sealed.segment != file_name {
+        return Err(format!(
+            "the checkpoint says it is in {}: files renamed or records moved",
+            sealed.segment
+        ));
+    }
+    if seals.closed && sealed.reason != "open" && sealed.reason != "gap" {
+        return Err("follows the mesh's closing checkpoint without an opening one".to_owned());
+    }
+    // Before the first checkpoint: any number of records if it opens the
+    // log's signed part (a key added to an existing log), else `every`.
+    if seals.last.is_none()
+        && sealed.reason != "open"
+        && sealed.reason != "gap"
+        && seals.since > sealed.every
+    {
+        return Err(format!(
+            "no checkpoint where one was due: {} records before the first checkpoint (one every {} at most)",
+            seals.since, sealed.every
+        ));
+    }
+    if let Some(missing) = &sealed.missing {
+        report.gaps.push((sealed.seq, missing.0));
+    }
+    report.checkpoints += 1;
+    seals.last = Some((sealed.seq, sealed.every));
+    seals.since = 0;
+    seals.rotated = sealed.reason == "rotate";
+    seals.closed = sealed.reason == "close";
+    Ok(())
 }
 
 /// What the next record must carry; `None` where it cannot be known.

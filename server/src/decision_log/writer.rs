@@ -51,16 +51,16 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 
-use serde::Serialize;
 use time::format_description::well_known::Rfc3339;
 use tokio::sync::{mpsc, oneshot};
 use tokio::time::Instant;
 use uuid::Uuid;
 
 use super::chain::{self, GENESIS, Header};
+use super::checkpoint::{self, SealConfig, SealKind, Sealer};
 use super::error::LogError;
 use super::mask::MaskRules;
-use super::record::{Entry, FORMAT_VERSION};
+use super::record::{Entry, FORMAT_VERSION, Unsealed};
 use super::segment;
 
 /// When records are made durable.
@@ -91,6 +91,9 @@ pub struct LogConfig {
     /// Also export every record written as an OpenTelemetry log record
     /// over OTLP (see [`super::otlp`]).
     pub otlp: bool,
+    /// Signed checkpoints, their witness, and the restart check (see
+    /// [`super::checkpoint`]); `None`: no checkpoints.
+    pub seal: Option<SealConfig>,
 }
 
 impl LogConfig {
@@ -104,6 +107,7 @@ impl LogConfig {
             mask: MaskRules::none(),
             queue: 1024,
             otlp: false,
+            seal: None,
         }
     }
 }
@@ -174,11 +178,20 @@ impl DecisionLog {
         } else {
             None
         };
-        let writer = tokio::task::spawn_blocking(move || Writer::open(dir, mesh, max, export))
-            .await
-            .map_err(|err| LogError::Config(format!("opening the log panicked: {err}")))??;
+        let seal = config.seal.clone();
+        let seal_interval = seal.as_ref().map(|seal| seal.interval);
+        let writer =
+            tokio::task::spawn_blocking(move || Writer::open(dir, mesh, max, export, seal))
+                .await
+                .map_err(|err| LogError::Config(format!("opening the log panicked: {err}")))??;
         let (tx, rx) = mpsc::channel(config.queue.max(1));
-        tokio::spawn(run(writer, config.durability, rx));
+        let timers = Timers {
+            durability: config.durability,
+            seal_interval,
+            sync_at: None,
+            seal_at: None,
+        };
+        tokio::spawn(run(writer, timers, rx));
         Ok(DecisionLog {
             inner: Arc::new(Inner {
                 tx,
@@ -197,6 +210,11 @@ impl DecisionLog {
     /// [`Durability::EveryRecord`], on disk). An error means the record is
     /// not in the log.
     pub async fn append(&self, mut entry: Entry) -> Result<Appended, LogError> {
+        if matches!(entry, Entry::Checkpoint(_) | Entry::Gap(_)) {
+            return Err(LogError::Config(
+                "checkpoints and gaps are written by the log itself, not appended".to_owned(),
+            ));
+        }
         let masked = self.inner.mask.mask_entry(&mut entry);
         let (reply, answer) = oneshot::channel();
         self.inner
@@ -238,23 +256,30 @@ impl DecisionLog {
 
 /// The writer task: groups requests, runs the file work on the blocking
 /// pool, answers.
-async fn run(writer: Writer, durability: Durability, mut rx: mpsc::Receiver<Request>) {
+async fn run(writer: Writer, mut timers: Timers, mut rx: mpsc::Receiver<Request>) {
     let mut writer = Some(writer);
-    // With `Interval`: when the unsynced writes must be synced.
-    let mut sync_at: Option<Instant> = None;
     loop {
         let first = tokio::select! {
             request = rx.recv() => request,
-            () = sleep_until(sync_at), if sync_at.is_some() => {
-                sync_at = None;
+            () = sleep_until(timers.sync_at), if timers.sync_at.is_some() => {
+                timers.sync_at = None;
                 let Some(result) = blocking(&mut writer, Writer::sync).await else { return };
                 // A failure poisons the writer; the next append reports it.
                 let _ = result;
                 continue;
             }
+            () = sleep_until(timers.seal_at), if timers.seal_at.is_some() => {
+                timers.seal_at = None;
+                let Some(result) = blocking(&mut writer, |w| w.seal_now(SealKind::Checkpoint("interval"))).await else { return };
+                if let Err(error) = result {
+                    tracing::error!(%error, "decision log: checkpoint not written");
+                }
+                continue;
+            }
         };
         let Some(first) = first else {
-            // Every handle is gone: sync what is written and stop.
+            // Every handle is gone: seal and sync what is written and stop.
+            let _ = blocking(&mut writer, |w| w.seal_now(SealKind::Checkpoint("close"))).await;
             let _ = blocking(&mut writer, Writer::sync).await;
             stop_export(&mut writer).await;
             return;
@@ -287,13 +312,24 @@ async fn run(writer: Writer, durability: Durability, mut rx: mpsc::Receiver<Requ
                 control => control,
             };
             // Appends before a sync or close are written first.
-            if !pending.flush(&mut writer, durability, &mut sync_at).await {
+            if !pending.flush(&mut writer, &mut timers).await {
                 return;
+            }
+            // A clean shutdown is sealed with a `close` checkpoint.
+            if matches!(control, Request::Close(_)) {
+                let Some(sealed) =
+                    blocking(&mut writer, |w| w.seal_now(SealKind::Checkpoint("close"))).await
+                else {
+                    return;
+                };
+                if let Err(error) = sealed {
+                    tracing::error!(%error, "decision log: closing checkpoint not written");
+                }
             }
             let Some(result) = blocking(&mut writer, Writer::sync).await else {
                 return;
             };
-            sync_at = None;
+            timers.sync_at = None;
             match control {
                 Request::Sync(reply) => {
                     let _ = reply.send(result);
@@ -309,7 +345,7 @@ async fn run(writer: Writer, durability: Durability, mut rx: mpsc::Receiver<Requ
                 Request::Append { .. } => unreachable!("appends are pending"),
             }
         }
-        if !pending.flush(&mut writer, durability, &mut sync_at).await {
+        if !pending.flush(&mut writer, &mut timers).await {
             return;
         }
         if closing {
@@ -322,6 +358,17 @@ async fn run(writer: Writer, durability: Durability, mut rx: mpsc::Receiver<Requ
     }
 }
 
+/// When the writer task must sync, and seal, by itself.
+struct Timers {
+    durability: Durability,
+    /// With checkpoints: the longest a record stays unsealed.
+    seal_interval: Option<Duration>,
+    /// With `Interval`: when the unsynced writes must be synced.
+    sync_at: Option<Instant>,
+    /// When the records written since the last checkpoint must be sealed.
+    seal_at: Option<Instant>,
+}
+
 /// Appends taken from the queue and not yet written.
 #[derive(Default)]
 struct Pending {
@@ -332,16 +379,12 @@ struct Pending {
 impl Pending {
     /// Writes the pending appends as one group and answers them; `false`
     /// if the writer is gone.
-    async fn flush(
-        &mut self,
-        writer: &mut Option<Writer>,
-        durability: Durability,
-        sync_at: &mut Option<Instant>,
-    ) -> bool {
+    async fn flush(&mut self, writer: &mut Option<Writer>, timers: &mut Timers) -> bool {
         if self.entries.is_empty() {
             return true;
         }
         let entries = std::mem::take(&mut self.entries);
+        let durability = timers.durability;
         let sync = durability == Durability::EveryRecord;
         let Some(results) = blocking(writer, move |w| w.append(entries, sync)).await else {
             return false;
@@ -352,9 +395,15 @@ impl Pending {
         }
         if let Durability::Interval(interval) = durability
             && wrote
-            && sync_at.is_none()
+            && timers.sync_at.is_none()
         {
-            *sync_at = Some(Instant::now() + interval);
+            timers.sync_at = Some(Instant::now() + interval);
+        }
+        if let Some(interval) = timers.seal_interval
+            && wrote
+            && timers.seal_at.is_none()
+        {
+            timers.seal_at = Some(Instant::now() + interval);
         }
         true
     }
@@ -403,21 +452,6 @@ async fn blocking<T: Send + 'static>(
     Some(result)
 }
 
-/// The envelope as written, without `hash` (the seal adds it). The member
-/// order is [`super::record::LogRecord`]'s.
-#[derive(Serialize)]
-struct Unsealed<'a> {
-    v: u32,
-    seq: u64,
-    id: &'a str,
-    time: &'a str,
-    mesh: &'a str,
-    prev: &'a str,
-    masked: u32,
-    #[serde(flatten)]
-    entry: &'a Entry,
-}
-
 /// The files and the chain; used from the blocking pool only.
 struct Writer {
     /// Held while the writer lives: one writer per log directory.
@@ -436,14 +470,36 @@ struct Writer {
     poisoned: Option<String>,
     /// Records written are also exported here (`otlp`).
     export: Option<super::otlp::Export>,
+    /// Signs checkpoints, when a key is configured.
+    sealer: Option<Sealer>,
 }
 
-/// A record serialized and sealed, not yet written.
+/// A line serialized and sealed, not yet written.
 struct Line {
     bytes: Vec<u8>,
     seq: u64,
     id: String,
     masked: u32,
+    /// The hash of `bytes`: the next line's `prev`.
+    hash: String,
+    /// The append this line answers; `None` for a checkpoint.
+    slot: Option<usize>,
+    /// The file is rotated before this line.
+    rotate_before: bool,
+}
+
+impl Line {
+    fn seal(bytes: Vec<u8>, seq: u64) -> Line {
+        Line {
+            hash: chain::sha256_hex(&bytes),
+            bytes,
+            seq,
+            id: String::new(),
+            masked: 0,
+            slot: None,
+            rotate_before: false,
+        }
+    }
 }
 
 impl Writer {
@@ -452,6 +508,7 @@ impl Writer {
         mesh: String,
         max_file_bytes: u64,
         export: Option<super::otlp::Export>,
+        seal: Option<SealConfig>,
     ) -> Result<Writer, LogError> {
         if dir.exists() && !dir.is_dir() {
             return Err(LogError::Config(format!(
@@ -459,6 +516,7 @@ impl Writer {
                 dir.display()
             )));
         }
+        let sealer = seal.as_ref().map(Sealer::open).transpose()?;
         fs::create_dir_all(&dir).map_err(|err| LogError::io("create", &dir, &err))?;
         let lock = lock_dir(&dir)?;
         let files = segment::list(&dir).map_err(|err| LogError::io("list", &dir, &err))?;
@@ -470,13 +528,19 @@ impl Writer {
                 let mut found = None;
                 for (_, file) in files.iter().rev() {
                     if let Some(tail) = last_record(file)? {
-                        found = Some(tail);
+                        found = Some((tail, file == last));
                         break;
                     }
                 }
-                let (next_seq, prev) = match found {
-                    Some((header, hash)) => (header.seq + 1, hash),
-                    None => (0, GENESIS.to_owned()),
+                let (next_seq, prev, rotated) = match found {
+                    Some(((header, hash), in_last)) => (
+                        header.seq + 1,
+                        hash,
+                        in_last
+                            && header.kind == "checkpoint"
+                            && header.reason.as_deref() == Some("rotate"),
+                    ),
+                    None => (0, GENESIS.to_owned(), false),
                 };
                 // An empty last file (a crash right after a rotation) must
                 // be named for the record that comes next.
@@ -490,7 +554,13 @@ impl Writer {
                         ),
                     });
                 }
-                (last.clone(), next_seq, prev)
+                if rotated {
+                    // A file closed by a `rotate` checkpoint takes nothing
+                    // more (a crash before the next file was written).
+                    (dir.join(segment::file_name(next_seq)), next_seq, prev)
+                } else {
+                    (last.clone(), next_seq, prev)
+                }
             }
         };
         let file = OpenOptions::new()
@@ -505,7 +575,7 @@ impl Writer {
         if size == 0 {
             sync_dir(&dir)?;
         }
-        Ok(Writer {
+        let mut writer = Writer {
             _lock: lock,
             dir,
             mesh,
@@ -518,7 +588,226 @@ impl Writer {
             prev,
             poisoned: None,
             export,
+            sealer,
+        };
+        writer.resume_sealed()?;
+        Ok(writer)
+    }
+
+    /// With a key: refuses a log that does not hold the latest checkpoint
+    /// known outside it (or, with `allow_gap`, writes a signed gap record
+    /// naming it), then opens the run with an `open` checkpoint.
+    fn resume_sealed(&mut self) -> Result<(), LogError> {
+        let Some(sealer) = &self.sealer else {
+            return Ok(());
+        };
+        let mut kind = SealKind::Checkpoint("open");
+        for known in sealer.known(&self.dir)? {
+            let sealed = &known.sealed;
+            if checkpoint::log_holds(&self.dir, self.next_seq, sealed.seq, &sealed.hash)? {
+                continue;
+            }
+            if !sealer.allow_gap {
+                return Err(LogError::Behind {
+                    dir: self.dir.clone(),
+                    source_name: known.source,
+                    seq: sealed.seq,
+                    hash: sealed.hash.clone(),
+                    time: sealed.time.clone(),
+                    next_seq: self.next_seq,
+                });
+            }
+            tracing::warn!(
+                source = known.source,
+                missing_seq = sealed.seq,
+                next_seq = self.next_seq,
+                "decision log: the log does not hold its latest checkpoint; continuing after a gap record (allow_gap)"
+            );
+            kind = SealKind::Gap {
+                missing_seq: sealed.seq,
+                missing_hash: sealed.hash.clone(),
+                source: known.source,
+            };
+            break;
+        }
+        self.seal_now(kind)
+    }
+
+    /// The name of the file written to.
+    fn segment_name(&self) -> String {
+        self.path
+            .file_name()
+            .map(|name| name.to_string_lossy().into_owned())
+            .unwrap_or_default()
+    }
+
+    /// Writes a checkpoint (or gap) now, syncs it, and keeps it outside the
+    /// log. An `interval` checkpoint is skipped when nothing is unsealed.
+    fn seal_now(&mut self, kind: SealKind) -> Result<(), LogError> {
+        let Some(sealer) = &self.sealer else {
+            return Ok(());
+        };
+        if matches!(kind, SealKind::Checkpoint("interval")) && sealer.since == 0 {
+            return Ok(());
+        }
+        if let Some(reason) = &self.poisoned {
+            return Err(LogError::Poisoned {
+                reason: reason.clone(),
+            });
+        }
+        let bytes = sealer.line(
+            self.next_seq,
+            &self.prev,
+            &self.mesh,
+            &self.segment_name(),
+            kind,
+        )?;
+        let line = Line::seal(bytes, self.next_seq);
+        let mut buf = Vec::with_capacity(line.bytes.len() + 1);
+        buf.extend_from_slice(&line.bytes);
+        buf.push(b'\n');
+        self.write_buf(&buf)?;
+        self.next_seq = line.seq + 1;
+        self.prev = line.hash.clone();
+        if let Some(sealer) = &mut self.sealer {
+            sealer.since = 0;
+        }
+        self.sync()?;
+        self.published(&line);
+        Ok(())
+    }
+
+    /// A checkpoint written and synced: to the witness, the state file and
+    /// the OTLP export. A failure there leaves the log intact; it is logged.
+    fn published(&self, line: &Line) {
+        if let Some(sealer) = &self.sealer
+            && let Err(error) = sealer.publish(&self.dir, &line.bytes)
+        {
+            tracing::error!(%error, seq = line.seq, "decision log: checkpoint not kept outside the log");
+        }
+        if let Some(export) = &self.export {
+            export.emit(&line.bytes);
+        }
+    }
+
+    /// A record's line at `seq` after `prev`.
+    fn record_line(
+        &self,
+        seq: u64,
+        prev: &str,
+        entry: &Entry,
+        masked: u32,
+    ) -> Result<Line, LogError> {
+        let id = Uuid::now_v7().to_string();
+        let time = time::OffsetDateTime::now_utc()
+            .format(&Rfc3339)
+            .unwrap_or_default();
+        let unsealed = Unsealed {
+            v: FORMAT_VERSION,
+            seq,
+            id: &id,
+            time: &time,
+            mesh: &self.mesh,
+            prev,
+            masked,
+            entry,
+        };
+        let object =
+            serde_json::to_vec(&unsealed).map_err(|err| LogError::Serialize(err.to_string()))?;
+        let bytes = chain::seal(object);
+        Ok(Line {
+            hash: chain::sha256_hex(&bytes),
+            bytes,
+            seq,
+            id,
+            masked,
+            slot: None,
+            rotate_before: false,
         })
+    }
+
+    /// Numbers, chains and seals `entries` (already masked), with the
+    /// checkpoints that fall due among them: before a record when `every`
+    /// records followed the last one, and as the last line of a file that
+    /// is rotated.
+    fn plan(&self, entries: &[(Entry, u32)]) -> (Vec<Line>, Vec<Option<LogError>>) {
+        let mut lines = Vec::with_capacity(entries.len() + 1);
+        let mut failed: Vec<Option<LogError>> = vec![None; entries.len()];
+        let (mut seq, mut prev) = (self.next_seq, self.prev.clone());
+        let mut size = self.size;
+        let mut since = self.sealer.as_ref().map_or(0, |s| s.since);
+        let mut segment = self.segment_name();
+        let push_seal = |lines: &mut Vec<Line>,
+                         seq: &mut u64,
+                         prev: &mut String,
+                         size: &mut u64,
+                         sealer: &Sealer,
+                         segment: &str,
+                         reason: &'static str|
+         -> Result<(), LogError> {
+            let bytes = sealer.line(
+                *seq,
+                prev,
+                &self.mesh,
+                segment,
+                SealKind::Checkpoint(reason),
+            )?;
+            let line = Line::seal(bytes, *seq);
+            *size += line.bytes.len() as u64 + 1;
+            *prev = line.hash.clone();
+            *seq += 1;
+            lines.push(line);
+            Ok(())
+        };
+        for (slot, (entry, masked)) in entries.iter().enumerate() {
+            if let Some(sealer) = &self.sealer
+                && since >= sealer.every
+            {
+                if let Err(error) = push_seal(
+                    &mut lines, &mut seq, &mut prev, &mut size, sealer, &segment, "count",
+                ) {
+                    failed[slot] = Some(error);
+                    continue;
+                }
+                since = 0;
+            }
+            let mut line = match self.record_line(seq, &prev, entry, *masked) {
+                Ok(line) => line,
+                Err(error) => {
+                    failed[slot] = Some(error);
+                    continue;
+                }
+            };
+            let len = line.bytes.len() as u64 + 1;
+            if size > 0 && size + len > self.max_file_bytes {
+                if let Some(sealer) = &self.sealer {
+                    // The file's last line vouches for it; the record moves
+                    // one place on.
+                    let resealed = push_seal(
+                        &mut lines, &mut seq, &mut prev, &mut size, sealer, &segment, "rotate",
+                    )
+                    .and_then(|()| self.record_line(seq, &prev, entry, *masked));
+                    match resealed {
+                        Ok(moved) => line = moved,
+                        Err(error) => {
+                            failed[slot] = Some(error);
+                            continue;
+                        }
+                    }
+                    since = 0;
+                }
+                line.rotate_before = true;
+                segment = segment::file_name(seq);
+                size = 0;
+            }
+            size += line.bytes.len() as u64 + 1;
+            prev = line.hash.clone();
+            seq += 1;
+            since += 1;
+            line.slot = Some(slot);
+            lines.push(line);
+        }
+        (lines, failed)
     }
 
     /// Appends `entries` (already masked) in order; syncs them when `sync`.
@@ -535,64 +824,41 @@ impl Writer {
             };
             return vec![Err(error); count];
         }
-        // Number, chain and seal the records.
-        let mut lines = Vec::with_capacity(count);
-        let mut results: Vec<Option<Result<Appended, LogError>>> = Vec::with_capacity(count);
-        let (mut seq, mut prev) = (self.next_seq, self.prev.clone());
-        for (entry, masked) in &entries {
-            let id = Uuid::now_v7().to_string();
-            let time = time::OffsetDateTime::now_utc()
-                .format(&Rfc3339)
-                .unwrap_or_default();
-            let unsealed = Unsealed {
-                v: FORMAT_VERSION,
-                seq,
-                id: &id,
-                time: &time,
-                mesh: &self.mesh,
-                prev: &prev,
-                masked: *masked,
-                entry,
-            };
-            match serde_json::to_vec(&unsealed) {
-                Ok(object) => {
-                    let bytes = chain::seal(object);
-                    prev = chain::sha256_hex(&bytes);
-                    lines.push((
-                        results.len(),
-                        Line {
-                            bytes,
-                            seq,
-                            id,
-                            masked: *masked,
-                        },
-                        prev.clone(),
-                    ));
-                    results.push(None);
-                    seq += 1;
-                }
-                Err(err) => results.push(Some(Err(LogError::Serialize(err.to_string())))),
-            }
-        }
+        let (lines, failed) = self.plan(&entries);
+        let mut results: Vec<Option<Result<Appended, LogError>>> =
+            failed.into_iter().map(|error| error.map(Err)).collect();
 
-        // Write them, rotating where a file would grow past its size.
-        let (written, write_failure) = self.write_lines(lines.iter().map(|(_, line, _)| line));
+        // Write them, rotating where planned.
+        let (written, write_failure) = self.write_lines(&lines);
         let mut sync_failure = None;
+        let sealed = lines[..written].iter().any(|line| line.slot.is_none());
         if written > 0 {
-            let (_, line, hash) = &lines[written - 1];
+            let line = &lines[written - 1];
             self.next_seq = line.seq + 1;
-            self.prev = hash.clone();
-            if sync {
+            self.prev = line.hash.clone();
+            if let Some(sealer) = &mut self.sealer {
+                for line in &lines[..written] {
+                    sealer.since = if line.slot.is_none() {
+                        0
+                    } else {
+                        sealer.since + 1
+                    };
+                }
+            }
+            // A checkpoint is on disk before it is kept anywhere else.
+            if sync || sealed {
                 sync_failure = self.sync().err();
             }
         }
-        for (index, (slot, line, _)) in lines.into_iter().enumerate() {
-            results[slot] = Some(match (&sync_failure, &write_failure) {
+        for (index, line) in lines.into_iter().enumerate() {
+            let result = match (&sync_failure, &write_failure) {
                 // Nothing of this group is known to be on disk.
                 (Some(error), _) => Err(error.clone()),
                 (None, Some(error)) if index >= written => Err(error.clone()),
                 _ => {
-                    if let Some(export) = &self.export {
+                    if line.slot.is_none() {
+                        self.published(&line);
+                    } else if let Some(export) = &self.export {
                         export.emit(&line.bytes);
                     }
                     Ok(Appended {
@@ -601,7 +867,10 @@ impl Writer {
                         masked: line.masked,
                     })
                 }
-            });
+            };
+            if let Some(slot) = line.slot {
+                results[slot] = Some(result);
+            }
         }
         results
             .into_iter()
@@ -609,19 +878,14 @@ impl Writer {
             .collect()
     }
 
-    /// Writes `lines` in order; returns how many were written, and the
-    /// failure that stopped the rest.
-    fn write_lines<'a>(
-        &mut self,
-        lines: impl Iterator<Item = &'a Line>,
-    ) -> (usize, Option<LogError>) {
+    /// Writes `lines` in order, rotating before the lines that say so;
+    /// returns how many were written, and the failure that stopped the rest.
+    fn write_lines(&mut self, lines: &[Line]) -> (usize, Option<LogError>) {
         let mut written = 0;
         let mut buf: Vec<u8> = Vec::new();
         let mut in_buf = 0;
         for line in lines {
-            let len = line.bytes.len() as u64 + 1;
-            let pending = self.size + buf.len() as u64;
-            if pending > 0 && pending + len > self.max_file_bytes {
+            if line.rotate_before {
                 if let Err(err) = self.write_buf(&buf) {
                     return (written, Some(err));
                 }
@@ -641,7 +905,6 @@ impl Writer {
         }
         (written + in_buf, None)
     }
-
     /// Writes whole lines to the current file, or nothing of them.
     fn write_buf(&mut self, buf: &[u8]) -> Result<(), LogError> {
         if buf.is_empty() {

@@ -1,0 +1,152 @@
+//! `guardmesh log`: reads the decision log (R29).
+//!
+//! * `verify PATH [--key PUB [--witness PATH | --checkpoint FILE]]` checks
+//!   the hash chain and, with the writer's public key, the signed
+//!   checkpoints, and with an outside checkpoint that the log was not cut
+//!   before it or rewritten after it;
+//! * `keygen --out FILE` writes a signing key for `[decision_log]
+//!   signing_key` and its public key.
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use clap::Subcommand;
+use guardmesh_server::decision_log::{self, VerifyOptions, checkpoint};
+
+#[derive(Subcommand)]
+pub(crate) enum LogAction {
+    /// Checks the hash chain of a decision log (its directory, or one of
+    /// its files); exits non-zero naming the first record that breaks it.
+    /// With --key, also its signed checkpoints; with --witness or
+    /// --checkpoint, also that it holds the latest checkpoint kept outside.
+    Verify {
+        path: PathBuf,
+        /// The writer's public key (PEM): checkpoints must verify with it.
+        #[arg(long)]
+        key: Option<PathBuf>,
+        /// The witness file, or the directory holding it: the log must hold
+        /// its last checkpoint.
+        #[arg(long, requires = "key", conflicts_with = "checkpoint")]
+        witness: Option<PathBuf>,
+        /// A file whose last line is a checkpoint exported from the log
+        /// (e.g. from the OTLP export): the log must hold it.
+        #[arg(long, requires = "key")]
+        checkpoint: Option<PathBuf>,
+        /// Reports gap records (a restart on a shortened log, allowed by
+        /// `allow_gap`) instead of failing on them.
+        #[arg(long)]
+        allow_gap: bool,
+    },
+    /// Writes a new Ed25519 signing key for `[decision_log] signing_key`
+    /// (PKCS#8 PEM, mode 0600, never overwriting a file) and its public key
+    /// to FILE.pub, and prints the public key.
+    Keygen {
+        #[arg(long)]
+        out: PathBuf,
+    },
+}
+
+/// Runs a `guardmesh log` command: 0 when it holds, 1 when the log does
+/// not verify, 2 when the command cannot run.
+pub(crate) fn run(action: LogAction) -> ExitCode {
+    match action {
+        LogAction::Keygen { out } => match checkpoint::generate(&out) {
+            Ok(key) => {
+                print!("{}", key.public_pem);
+                eprintln!(
+                    "wrote the private key to {} and the public key to {} (key id {})",
+                    key.private_path.display(),
+                    key.public_path.display(),
+                    key.key_id
+                );
+                ExitCode::SUCCESS
+            }
+            Err(error) => {
+                eprintln!("error: {error}");
+                ExitCode::from(2)
+            }
+        },
+        LogAction::Verify {
+            path,
+            key,
+            witness,
+            checkpoint,
+            allow_gap,
+        } => {
+            let key = match key
+                .as_deref()
+                .map(checkpoint::read_verifying_key)
+                .transpose()
+            {
+                Ok(key) => key,
+                Err(error) => {
+                    eprintln!("error: {error}");
+                    return ExitCode::from(2);
+                }
+            };
+            let options = VerifyOptions {
+                key,
+                anchor: witness.or(checkpoint),
+                allow_gap,
+            };
+            verify(&path, &options)
+        }
+    }
+}
+
+fn verify(path: &std::path::Path, options: &VerifyOptions) -> ExitCode {
+    match decision_log::verify_with(path, options) {
+        Ok(report) => {
+            println!(
+                "ok: {} records in {} files, {} with masked values",
+                report.records,
+                report.files.len(),
+                report.masked_records
+            );
+            if let Some(last) = &report.last {
+                println!(
+                    "head: seq {} id {} hash {} ({}:{})",
+                    last.seq,
+                    last.id,
+                    last.hash,
+                    last.file.display(),
+                    last.line
+                );
+            }
+            if report.signatures_checked {
+                println!(
+                    "signatures: {} checkpoints verified; {} records after the last one{}",
+                    report.checkpoints,
+                    report.unsealed,
+                    if report.closed {
+                        " (the log ends with the mesh's closing checkpoint)"
+                    } else {
+                        " (not sealed yet: a running mesh, or one that stopped without closing)"
+                    }
+                );
+                for (seq, missing) in &report.gaps {
+                    println!(
+                        "gap: at seq {seq}, the mesh restarted on a log missing the checkpoint at seq {missing}"
+                    );
+                }
+                match report.anchored_at {
+                    Some(seq) => {
+                        println!("anchor: the log holds the outside checkpoint at seq {seq}")
+                    }
+                    None => println!(
+                        "anchor: none given; a cut at the end of the log is not detected (--witness or --checkpoint)"
+                    ),
+                }
+            } else {
+                println!(
+                    "signatures: none checked (no --key): a rewritten, cut or appended log is not detected"
+                );
+            }
+            ExitCode::SUCCESS
+        }
+        Err(error) => {
+            eprintln!("error: decision log does not verify: {error}");
+            ExitCode::FAILURE
+        }
+    }
+}
