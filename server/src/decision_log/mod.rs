@@ -2,7 +2,9 @@
 //! change, masked, hash-chained, appended before the answer leaves.
 //!
 //! * [`record`]: the record types, the format of one line;
-//! * [`mask`]: masking sensitive values by key name and path;
+//! * [`mask`]: masking sensitive values by key name and path, and
+//!   scrubbing them from free text, log lines and spans;
+//! * [`budget`]: the log directory's budget (`max_dir_bytes`);
 //! * [`chain`]: how a line is sealed with its own hash and linked to the
 //!   one before;
 //! * [`segment`]: the log's files and their names;
@@ -20,6 +22,7 @@
 //! The format is described for readers by the JSON Schema
 //! `docs/decision-log.schema.json`.
 
+pub mod budget;
 pub mod chain;
 pub mod error;
 pub mod from_mesh;
@@ -33,14 +36,16 @@ pub mod writer;
 #[cfg(test)]
 mod tests;
 
+pub use budget::{BudgetReached, DirBudget};
 pub use chain::GENESIS;
 pub use error::LogError;
-pub use from_mesh::{MeshLog, OnLogFailure};
-pub use mask::{MASKED, MaskError, MaskRules, OMITTED};
+pub use from_mesh::{LogLimits, MeshLog, OnLogFailure, RefusalLimits};
+pub use mask::{Held, MASKED, MaskError, MaskRules, OMITTED, Secrets, scrub_live};
 pub use record::{
     Action, BatchRecord, CallDecisionRecord, CallRecord, Caller, ChainChangeRecord, ChangeKind,
     ChangeOutcome, ChangeStatus, DecisionRecord, Entry, FORMAT_VERSION, GuardRole,
-    GuardTraceRecord, LogRecord, Outcome, OutcomeStatus, TraceStatus,
+    GuardTraceRecord, LogRecord, Outcome, OutcomeStatus, PeerCount, RefusalSummaryRecord,
+    TraceStatus,
 };
 pub use verify::{BadRecord, RecordRef, VerifyError, VerifyReport, verify};
 pub use writer::{Appended, DecisionLog, Durability, LogConfig};
