@@ -910,9 +910,19 @@ async fn r29_records_carry_the_bound_listen_address() {
     assert_ne!(mesh, "127.0.0.1:0", "{record}");
     let addr: std::net::SocketAddr = mesh.parse().unwrap();
     assert_ne!(addr.port(), 0, "{record}");
-    // The address is the one that answers.
-    Coordinator::connect(format!("http://{addr}"))
-        .await
-        .expect("the recorded address is the mesh's");
+    // The address is the one that answers (once it listens: bounded).
+    let answered = tokio::time::timeout(Duration::from_secs(20), async {
+        while Coordinator::connect(format!("http://{addr}"))
+            .await
+            .is_err()
+        {
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    })
+    .await;
+    assert!(
+        answered.is_ok(),
+        "the recorded address {addr} is the mesh's"
+    );
     let _ = std::fs::remove_dir_all(&dir);
 }
