@@ -530,7 +530,7 @@ async fn agent_batch(pki: &TestPki, url: &str, id: &str) -> Result<(), tonic::St
         })
 }
 
-/// R29: on a small disk (a 256 KiB tmpfs), a flood without credentials
+/// R29: on a small disk (a 64 KiB tmpfs), a flood without credentials
 /// does not fill it, so the batches of authenticated callers are still
 /// recorded; once the disk is full, `refuse` answers UNAVAILABLE naming the
 /// log and `answer` answers and counts the loss; when space is freed the
@@ -539,7 +539,7 @@ async fn agent_batch(pki: &TestPki, url: &str, id: &str) -> Result<(), tonic::St
 async fn r29_a_full_disk_under_refuse_and_answer() {
     for on_failure in [OnLogFailure::Refuse, OnLogFailure::Answer] {
         let dir = folder(&format!("hardening-full-{on_failure:?}"));
-        let Some(tmpfs) = Tmpfs::mount(&dir.join("disk"), "256k") else {
+        let Some(tmpfs) = Tmpfs::mount(&dir.join("disk"), "64k") else {
             return;
         };
         let log = dir.join("disk").join("log");
