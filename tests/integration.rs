@@ -31,7 +31,10 @@
 //!   against a running mesh with a dry-run candidate;
 //!   `decision_log_refusals`: refusals by the auth layer and chain changes
 //!   that cannot be recorded; `decision_log_otlp`: the records exported as
-//!   OpenTelemetry log records.
+//!   OpenTelemetry log records; `decision_log_hardening`: masked values
+//!   nowhere, bounded refusal records, the directory budget and a full
+//!   disk, replay of final calls and of logs that verify only, policy
+//!   digests in chain changes.
 //! * `policy`: policy guards and unguarded calls (R27, R28), and
 //!   `guardmesh policy check|test`; `policy_order`: R3/R4 across policy,
 //!   Rust and Python guards with random verdicts; `policy_watch`: policy
@@ -47,6 +50,7 @@ mod busy;
 mod cli;
 mod conformance;
 mod decision_log;
+mod decision_log_hardening;
 mod decision_log_otlp;
 mod decision_log_refusals;
 mod decision_log_replay;

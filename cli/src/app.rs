@@ -570,15 +570,35 @@ async fn serve(config: Option<PathBuf>, listen: Option<std::net::SocketAddr>) ->
     let registry = build_registry(&config, mesh_config.default_guard_timeout).await?;
     let mesh = Mesh::new(mesh_config, registry);
     let addr = listen.unwrap_or(config.listen);
+    // Bound now, listening only once the mesh is ready: the decision log
+    // names the mesh by the address bound (the port of `--listen
+    // 127.0.0.1:0` is known here), and no connection is accepted before
+    // the log has recorded the config's guards.
+    let socket = if addr.is_ipv4() {
+        tokio::net::TcpSocket::new_v4()
+    } else {
+        tokio::net::TcpSocket::new_v6()
+    }
+    .and_then(|socket| {
+        #[cfg(unix)]
+        socket.set_reuseaddr(true)?;
+        socket.bind(addr)?;
+        Ok(socket)
+    })
+    .map_err(|e| format!("cannot listen on {addr}: {e}"))?;
+    let bound = socket.local_addr()?;
     // R29: the decision log is open before the first batch, or the mesh
     // does not start.
     if let Some(section) = &config.decision_log {
         use guardmesh_server::decision_log::{DecisionLog, MeshLog};
-        let settings = section.log_config(&addr.to_string())?;
+        // The instance is the address bound, not a port-0 address asked for.
+        let settings = section.log_config(&bound.to_string())?;
+        let limits = section.limits()?;
         let log = DecisionLog::open(settings)
             .await
             .map_err(|e| format!("[decision_log] cannot open the log: {e}"))?;
-        let log = MeshLog::new(log, section.on_log_failure, mesh.metrics.clone());
+        let log =
+            MeshLog::new(log, section.on_log_failure, mesh.metrics.clone()).with_limits(limits);
         let specs: Vec<_> = config.guards.iter().map(|g| g.to_spec()).collect();
         log.config_guards(&specs, mesh.registry().chain().revision)
             .await;
@@ -626,16 +646,16 @@ async fn serve(config: Option<PathBuf>, listen: Option<std::net::SocketAddr>) ->
             }
         });
     }
-    let listener = tokio::net::TcpListener::bind(addr)
-        .await
-        .map_err(|e| format!("cannot listen on {addr}: {e}"))?;
+    let listener = socket
+        .listen(1024)
+        .map_err(|e| format!("cannot listen on {bound}: {e}"))?;
     tracing::info!(addr = %listener.local_addr()?, guards = config.guards.len(), "guardmesh serving");
     if let Some(metrics_addr) = config.metrics_listen {
         guardmesh_server::observe::metrics_http::spawn(metrics_addr, mesh.metrics.clone()).await?;
     }
     guardmesh_server::server::run(listener, mesh.clone(), shutdown_signal()).await?;
     if let Some(log) = mesh.decision_log()
-        && let Err(error) = log.log().close().await
+        && let Err(error) = log.close().await
     {
         tracing::error!(%error, "decision log not closed cleanly");
     }

@@ -1,13 +1,21 @@
 //! `guardmesh replay LOG... --config FILE | --mesh URL` (R30): every batch
 //! the decision log recorded as decided is judged again, by an in-process
 //! mesh built from a config file or by a running mesh over gRPC, and every
-//! call whose action or deciding guard differs from the record is reported.
+//! call whose action, deciding guard or final call (the tool and arguments
+//! that would run, after rewrites) differs from the record is reported.
+//!
+//! A log is replayed only if it verifies (`guardmesh log verify`): a log
+//! with an edited, removed or reordered record is refused before anything
+//! is judged, naming the record.
 //!
 //! Deterministic for the same records and chain: the records are read
 //! whole first, batches are replayed one at a time, in log order, and only
-//! actions and deciding guards are compared (never latencies). Masked
-//! arguments are replayed as masked (the log holds nothing else), and the
-//! report says how many records had masked values.
+//! actions, deciding guards and final calls are compared (never
+//! latencies). Masked arguments are replayed as masked (the log holds
+//! nothing else), and the report says how many records had masked values;
+//! with `--config`, the new final calls are masked by the file's
+//! `[decision_log] mask` before they are compared, as the recorded ones
+//! were.
 //!
 //! Dry run (R18): a guard in mode `dry_run` never changes the enforced
 //! decision, so a candidate is previewed by what it *would* have done. A
@@ -26,7 +34,8 @@
 use guardmesh_proto::v1::{self as pb, BatchContext, EvaluateRequest, ToolCall};
 use guardmesh_server::config::Config;
 use guardmesh_server::decision_log::{
-    Action, CallDecisionRecord, DecisionRecord, Entry, LogRecord, OutcomeStatus, segment,
+    Action, CallDecisionRecord, CallRecord, DecisionRecord, Entry, LogRecord, MaskRules,
+    OutcomeStatus, segment,
 };
 use guardmesh_server::{MemoryRegistry, Mesh, Registry, TraceContext};
 use serde::Serialize;
@@ -58,12 +67,35 @@ pub(crate) struct ReplayArgs {
 }
 
 /// One call's decision: its action and the guard that decided it; with
-/// `dry_run`, what a dry-run guard would have decided (R18).
+/// `dry_run`, what a dry-run guard would have decided (R18); for a call
+/// that proceeds, the call that would run (after rewrites, R12).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 struct Decided {
     action: String,
     guard: Option<String>,
     dry_run: bool,
+    call: Option<FinalCall>,
+}
+
+/// The call that would run: its tool and arguments (masked as in the log).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+struct FinalCall {
+    tool: String,
+    arguments: serde_json::Value,
+}
+
+impl FinalCall {
+    /// From the wire, masked by `mask` when given.
+    fn from_wire(call: &ToolCall, mask: Option<&MaskRules>) -> Self {
+        let mut record = CallRecord::from_text(&call.call_id, &call.tool, &call.arguments);
+        if let Some(mask) = mask {
+            mask.mask_arguments(&mut record.arguments);
+        }
+        FinalCall {
+            tool: record.tool,
+            arguments: record.arguments,
+        }
+    }
 }
 
 /// A call whose decision differs.
@@ -158,7 +190,7 @@ fn print_table(report: &Report) {
         "{:<6} {:<16} {:<12} {:<20} {:<28} new",
         "seq", "batch", "call", "tool", "recorded"
     );
-    let shown = |d: &Decided| {
+    let shown = |d: &Decided, call: bool| {
         let mut text = match &d.guard {
             Some(guard) => format!("{} by {guard}", d.action),
             None => d.action.clone(),
@@ -166,17 +198,27 @@ fn print_table(report: &Report) {
         if d.dry_run {
             text.push_str(" (dry run: would have)");
         }
+        if call && let Some(final_call) = &d.call {
+            let arguments = final_call.arguments.to_string();
+            let mut cut: String = arguments.chars().take(60).collect();
+            if cut.len() < arguments.len() {
+                cut.push_str("...");
+            }
+            text.push_str(&format!(" as {} {cut}", final_call.tool));
+        }
         text
     };
     for d in &report.differences {
+        // The calls are shown when they are what differs.
+        let calls = d.recorded.call != d.new.call;
         println!(
             "{:<6} {:<16} {:<12} {:<20} {:<28} {}",
             d.seq,
             d.batch_id,
             d.call_id,
             d.tool,
-            shown(&d.recorded),
-            shown(&d.new)
+            shown(&d.recorded, calls),
+            shown(&d.new, calls)
         );
     }
 }
@@ -212,8 +254,9 @@ async fn mesh(config: &Path) -> Result<Arc<Mesh>, Error> {
 
 /// What judges the batches again.
 enum Judge {
-    /// An in-process mesh built from a config file.
-    Local(Arc<Mesh>),
+    /// An in-process mesh built from a config file, and the file's mask
+    /// rules.
+    Local(Arc<Mesh>, Option<MaskRules>),
     /// A running mesh, over one session stream.
     Remote(guardmesh_client::Session),
 }
@@ -225,8 +268,14 @@ type NewDecisions = Result<Vec<(String, Decided)>, String>;
 impl Judge {
     async fn connect(args: &ReplayArgs) -> Result<(Judge, String), Error> {
         if let Some(config) = &args.config {
+            let mask = match Config::load(config)?.decision_log {
+                Some(log) => Some(
+                    MaskRules::new(&log.mask).map_err(|e| format!("[decision_log] mask: {e}"))?,
+                ),
+                None => None,
+            };
             return Ok((
-                Judge::Local(mesh(config).await?),
+                Judge::Local(mesh(config).await?, mask),
                 format!("config {}", config.display()),
             ));
         }
@@ -251,8 +300,16 @@ impl Judge {
         request: EvaluateRequest,
         args: &crate::app::MeshArgs,
     ) -> Result<NewDecisions, Error> {
+        let original = |call_id: &str| {
+            request
+                .calls
+                .iter()
+                .find(|c| c.call_id == call_id)
+                .cloned()
+                .unwrap_or_default()
+        };
         match self {
-            Judge::Local(mesh) => {
+            Judge::Local(mesh, mask) => {
                 let timeout = match request.timeout_ms {
                     0 => mesh.config.default_batch_timeout,
                     ms => std::time::Duration::from_millis(u64::from(ms)),
@@ -261,7 +318,7 @@ impl Judge {
                 let deadline = tokio::time::Instant::now() + timeout;
                 Ok(
                     match mesh
-                        .evaluate(request, deadline, TraceContext::default())
+                        .evaluate(request.clone(), deadline, TraceContext::default())
                         .await
                     {
                         Ok(answer) => Ok(answer
@@ -270,9 +327,16 @@ impl Judge {
                             .map(|d| {
                                 let action = pb::Action::try_from(d.action)
                                     .unwrap_or(pb::Action::Unspecified);
+                                let call = d.call.clone().unwrap_or_else(|| original(&d.call_id));
                                 (
                                     d.call_id.clone(),
-                                    decided(&d.call_id, action, &d.decided_by, &answer.trace),
+                                    decided(
+                                        &d.call_id,
+                                        action,
+                                        &d.decided_by,
+                                        &answer.trace,
+                                        FinalCall::from_wire(&call, mask.as_ref()),
+                                    ),
                                 )
                             })
                             .collect()),
@@ -280,7 +344,7 @@ impl Judge {
                     },
                 )
             }
-            Judge::Remote(session) => match session.evaluate_raw(request).await {
+            Judge::Remote(session) => match session.evaluate_raw(request.clone()).await {
                 Ok(answer) => Ok(Ok(answer
                     .calls
                     .iter()
@@ -293,7 +357,13 @@ impl Judge {
                         let by = d.decided_by.clone().unwrap_or_default();
                         (
                             d.call_id.clone(),
-                            decided(&d.call_id, action, &by, &answer.trace),
+                            decided(
+                                &d.call_id,
+                                action,
+                                &by,
+                                &answer.trace,
+                                FinalCall::from_wire(&d.final_call, None),
+                            ),
                         )
                     })
                     .collect())),
@@ -308,12 +378,14 @@ impl Judge {
 
 /// A call's new decision from the answer: the enforced one, or, for a call
 /// that proceeds, the first dry-run guard in chain order that would have
-/// skipped it.
+/// skipped it. `call`: the call that would run, kept for a call that
+/// proceeds.
 fn decided(
     call_id: &str,
     action: pb::Action,
     decided_by: &str,
     trace: &[pb::GuardTrace],
+    call: FinalCall,
 ) -> Decided {
     let action = match action {
         pb::Action::Steer => "steer",
@@ -328,6 +400,7 @@ fn decided(
                     action: "skip".to_owned(),
                     guard: Some(guard.guard.clone()),
                     dry_run: true,
+                    call: None,
                 };
             }
             "proceed"
@@ -338,6 +411,7 @@ fn decided(
         action: action.to_owned(),
         guard: (!decided_by.is_empty()).then(|| decided_by.to_owned()),
         dry_run: false,
+        call: (action == "proceed").then_some(call),
     }
 }
 
@@ -346,6 +420,13 @@ async fn replay(args: &ReplayArgs) -> Result<Report, Error> {
     // judges the replayed batches does not make the replay longer.
     let mut records = Vec::new();
     for log in &args.logs {
+        // R30: only a log that verifies is replayed.
+        guardmesh_server::decision_log::verify(log).map_err(|e| {
+            format!(
+                "{} does not verify, so it is not replayed: {e} (see `guardmesh log verify`)",
+                log.display()
+            )
+        })?;
         for file in files(log)? {
             let text = std::fs::read_to_string(&file)
                 .map_err(|e| format!("cannot read {}: {e}", file.display()))?;
@@ -404,11 +485,22 @@ fn action_name(action: Action) -> &'static str {
     }
 }
 
-fn recorded(decision: &CallDecisionRecord) -> Decided {
+/// The recorded decision; `original`: the call as the batch sent it, the
+/// one that runs when no rewrite is recorded.
+fn recorded(decision: &CallDecisionRecord, original: Option<&CallRecord>) -> Decided {
+    let call = decision.call.as_ref().or(original).map(|call| FinalCall {
+        tool: call.tool.clone(),
+        arguments: call.arguments.clone(),
+    });
     Decided {
         action: action_name(decision.action).to_owned(),
         guard: decision.decided_by.clone(),
         dry_run: false,
+        call: if decision.action == Action::Proceed {
+            call
+        } else {
+            None
+        },
     }
 }
 
@@ -423,7 +515,7 @@ async fn judge_again(
     let batch = decision.batch;
     let request = EvaluateRequest {
         batch_id: match judge {
-            Judge::Local(_) => batch.batch_id.clone(),
+            Judge::Local(..) => batch.batch_id.clone(),
             Judge::Remote(_) => format!("{REPLAY_PREFIX}{id}"),
         },
         context: Some(BatchContext {
@@ -464,15 +556,18 @@ async fn judge_again(
                     action: "missing".to_owned(),
                     guard: None,
                     dry_run: false,
+                    call: None,
                 },
             },
             Err(message) => Decided {
                 action: format!("error: {message}"),
                 guard: None,
                 dry_run: false,
+                call: None,
             },
         };
-        let old_decided = recorded(old);
+        let original = batch.calls.iter().find(|c| c.call_id == old.call_id);
+        let old_decided = recorded(old, original);
         if new != old_decided {
             report.differences.push(Difference {
                 seq,

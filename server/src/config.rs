@@ -185,6 +185,29 @@ pub struct DecisionLogConfig {
     /// after a signed gap record, instead of refusing to start.
     #[serde(default)]
     pub allow_gap: bool,
+    /// The most bytes the log's files may hold together; past nine tenths
+    /// refusal records are left out (counted in summaries), at the budget
+    /// records cannot be written and `on_log_failure` applies. None by
+    /// default.
+    #[serde(default)]
+    pub max_dir_bytes: Option<u64>,
+    /// The interval of the bounds on refusal records (default 10000).
+    #[serde(default = "default_refusal_interval_ms")]
+    pub refusal_interval_ms: u64,
+    /// Refusal records per peer address per interval (default 20).
+    #[serde(default = "default_refusal_records_per_peer")]
+    pub refusal_records_per_peer: u32,
+    /// Bytes of refusal records per peer address per interval (default
+    /// 32768).
+    #[serde(default = "default_refusal_bytes_per_peer")]
+    pub refusal_bytes_per_peer: u64,
+    /// Refusal records of the whole mesh per interval (default 200).
+    #[serde(default = "default_refusal_records")]
+    pub refusal_records: u32,
+    /// Bytes of refusal records of the whole mesh per interval (default
+    /// 262144).
+    #[serde(default = "default_refusal_bytes")]
+    pub refusal_bytes: u64,
 }
 
 fn default_checkpoint_every() -> u64 {
@@ -193,6 +216,28 @@ fn default_checkpoint_every() -> u64 {
 
 fn default_checkpoint_interval_ms() -> u64 {
     crate::decision_log::checkpoint::DEFAULT_INTERVAL.as_millis() as u64
+}
+
+fn default_refusal_interval_ms() -> u64 {
+    crate::decision_log::RefusalLimits::default()
+        .interval
+        .as_millis() as u64
+}
+
+fn default_refusal_records_per_peer() -> u32 {
+    crate::decision_log::RefusalLimits::default().records_per_peer
+}
+
+fn default_refusal_bytes_per_peer() -> u64 {
+    crate::decision_log::RefusalLimits::default().bytes_per_peer
+}
+
+fn default_refusal_records() -> u32 {
+    crate::decision_log::RefusalLimits::default().records
+}
+
+fn default_refusal_bytes() -> u64 {
+    crate::decision_log::RefusalLimits::default().bytes
 }
 
 /// `[decision_log] durability`.
@@ -213,6 +258,29 @@ fn default_sync_interval_ms() -> u64 {
 }
 
 impl DecisionLogConfig {
+    /// The bounds on refusal records and the directory's budget.
+    pub fn limits(&self) -> Result<crate::decision_log::LogLimits, String> {
+        if self.refusal_interval_ms == 0 {
+            return Err("[decision_log] refusal_interval_ms must be greater than 0".to_owned());
+        }
+        if self.max_dir_bytes == Some(0) {
+            return Err(
+                "[decision_log] max_dir_bytes must be greater than 0 (leave it out for no budget)"
+                    .to_owned(),
+            );
+        }
+        Ok(crate::decision_log::LogLimits {
+            refusals: crate::decision_log::RefusalLimits {
+                interval: Duration::from_millis(self.refusal_interval_ms),
+                records_per_peer: self.refusal_records_per_peer,
+                bytes_per_peer: self.refusal_bytes_per_peer,
+                records: self.refusal_records,
+                bytes: self.refusal_bytes,
+            },
+            max_dir_bytes: self.max_dir_bytes,
+        })
+    }
+
     /// The writer's settings; `instance`: the default mesh instance name.
     pub fn log_config(&self, instance: &str) -> Result<crate::decision_log::LogConfig, String> {
         let mask = crate::decision_log::MaskRules::new(&self.mask)
@@ -913,6 +981,7 @@ impl Config {
         self.tool_names().map_err(|e| e.to_string())?;
         if let Some(log) = &self.decision_log {
             log.log_config("")?;
+            log.limits()?;
         }
         self.guard_links.check()
     }

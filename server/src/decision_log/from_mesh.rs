@@ -8,7 +8,9 @@
 //! (parsing each call's arguments once: the copy masking needs), and the
 //! decisions and traces are read from the answer by reference.
 
-use std::sync::Arc;
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex, PoisonError, Weak};
+use std::time::{Duration, Instant};
 
 use guardmesh_proto::v1::{
     self as pb, BatchDecision, CallDecision, EvaluateRequest, GuardSpec, GuardTrace, ToolCall,
@@ -16,9 +18,12 @@ use guardmesh_proto::v1::{
 use serde_json::Value;
 use tonic::Status;
 
+use super::budget::{self, BudgetReached, DirBudget};
+use super::mask::{self, Held, Secrets};
 use super::record::{
     Action, BatchRecord, CallDecisionRecord, CallRecord, Caller, ChainChangeRecord, ChangeKind,
-    ChangeOutcome, DecisionRecord, Entry, GuardRole, GuardTraceRecord, Outcome, TraceStatus,
+    ChangeOutcome, ChangeStatus, DecisionRecord, Entry, GuardRole, GuardTraceRecord, Outcome,
+    OutcomeStatus, PeerCount, RefusalSummaryRecord, SUMMARY_PEERS, TraceStatus,
 };
 use super::writer::DecisionLog;
 use crate::observe::metrics::Metrics;
@@ -37,40 +42,332 @@ pub enum OnLogFailure {
     Answer,
 }
 
+/// The bounds on the records that refused peers make the log write
+/// (`[decision_log] refusal_*`, R29): per interval, per peer (its address
+/// without the port) and for the whole mesh, at most so many refusal
+/// records and bytes. A refusal past a bound is answered as always, but its
+/// record is left out and counted; one `refusal_summary` record per
+/// interval in which something was left out says how many, from whom.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RefusalLimits {
+    pub interval: Duration,
+    pub records_per_peer: u32,
+    pub bytes_per_peer: u64,
+    pub records: u32,
+    pub bytes: u64,
+}
+
+impl Default for RefusalLimits {
+    /// Per 10 s: 20 records and 32 KiB per peer, 200 records and 256 KiB
+    /// for the mesh.
+    fn default() -> Self {
+        RefusalLimits {
+            interval: Duration::from_secs(10),
+            records_per_peer: 20,
+            bytes_per_peer: 32 * 1024,
+            records: 200,
+            bytes: 256 * 1024,
+        }
+    }
+}
+
+/// The bounds of a mesh's log: refusals, and the directory's budget.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct LogLimits {
+    pub refusals: RefusalLimits,
+    /// `max_dir_bytes`; `None`: no budget (see [`super::budget`]).
+    pub max_dir_bytes: Option<u64>,
+}
+
+/// The most peers tracked in one interval; later peers share one count.
+const MAX_PEERS: usize = 4096;
+
 /// The decision log of a mesh.
 #[derive(Debug, Clone)]
 pub struct MeshLog {
+    inner: Arc<Inner>,
+}
+
+#[derive(Debug)]
+struct Inner {
     log: DecisionLog,
     on_failure: OnLogFailure,
     metrics: Arc<Metrics>,
+    limits: RefusalLimits,
+    window: Mutex<Window>,
+    budget: Option<DirBudget>,
 }
 
-impl MeshLog {
-    pub fn new(log: DecisionLog, on_failure: OnLogFailure, metrics: Arc<Metrics>) -> Self {
-        MeshLog {
-            log,
-            on_failure,
-            metrics,
+/// What refused peers wrote in the current interval, and what was left out.
+#[derive(Debug)]
+struct Window {
+    started: Instant,
+    from: String,
+    records: u32,
+    bytes: u64,
+    peers: HashMap<String, PeerUse>,
+    left_out: u64,
+    left_out_bytes: u64,
+}
+
+#[derive(Debug, Default)]
+struct PeerUse {
+    records: u32,
+    bytes: u64,
+    left_out: u64,
+}
+
+fn now_rfc3339() -> String {
+    time::OffsetDateTime::now_utc()
+        .format(&time::format_description::well_known::Rfc3339)
+        .unwrap_or_default()
+}
+
+impl Window {
+    fn new() -> Self {
+        Window {
+            started: Instant::now(),
+            from: now_rfc3339(),
+            records: 0,
+            bytes: 0,
+            peers: HashMap::new(),
+            left_out: 0,
+            left_out_bytes: 0,
         }
     }
 
-    /// The log itself (for closing it at shutdown).
+    /// Starts a new window if this one is over (or `force`); the summary of
+    /// the one that ends, if anything was left out.
+    fn roll(&mut self, interval: Duration, force: bool) -> Option<RefusalSummaryRecord> {
+        if !force && self.started.elapsed() < interval {
+            return None;
+        }
+        let old = std::mem::replace(self, Window::new());
+        if old.left_out == 0 {
+            return None;
+        }
+        let mut peers: Vec<PeerCount> = old
+            .peers
+            .into_iter()
+            .filter(|(_, u)| u.left_out > 0)
+            .map(|(peer, u)| PeerCount {
+                peer,
+                left_out: u.left_out,
+            })
+            .collect();
+        peers.sort_by(|a, b| b.left_out.cmp(&a.left_out).then(a.peer.cmp(&b.peer)));
+        let other = peers.iter().skip(SUMMARY_PEERS).map(|p| p.left_out).sum();
+        peers.truncate(SUMMARY_PEERS);
+        Some(RefusalSummaryRecord {
+            from: old.from,
+            to: self.from.clone(),
+            left_out: old.left_out,
+            left_out_bytes: old.left_out_bytes,
+            peers,
+            other_peers_left_out: other,
+        })
+    }
+
+    /// Whether a refusal record of `bytes` from `peer` is within the
+    /// bounds; counts it either way. `room`: the directory's budget has
+    /// room for it.
+    fn admit(&mut self, limits: &RefusalLimits, peer: String, bytes: u64, room: bool) -> bool {
+        let peer = if self.peers.len() >= MAX_PEERS && !self.peers.contains_key(&peer) {
+            "other".to_owned()
+        } else {
+            peer
+        };
+        let within_mesh =
+            self.records < limits.records && self.bytes.saturating_add(bytes) <= limits.bytes;
+        let usage = self.peers.entry(peer).or_default();
+        let within_peer = usage.records < limits.records_per_peer
+            && usage.bytes.saturating_add(bytes) <= limits.bytes_per_peer;
+        if room && within_mesh && within_peer {
+            usage.records += 1;
+            usage.bytes += bytes;
+            self.records += 1;
+            self.bytes += bytes;
+            true
+        } else {
+            usage.left_out += 1;
+            self.left_out += 1;
+            self.left_out_bytes += bytes;
+            false
+        }
+    }
+}
+
+/// The peer's address without its port ("unknown" when not known).
+fn peer_key(caller: &Caller) -> String {
+    match caller.peer.as_deref() {
+        Some(peer) => match peer.parse::<std::net::SocketAddr>() {
+            Ok(addr) => addr.ip().to_string(),
+            Err(_) => peer.to_owned(),
+        },
+        None => "unknown".to_owned(),
+    }
+}
+
+/// A record's size as a line, estimated (see [`budget::RECORD_MARGIN`]).
+fn estimate(entry: &Entry) -> u64 {
+    serde_json::to_vec(entry).map_or(0, |v| v.len() as u64) + budget::RECORD_MARGIN
+}
+
+/// Why a record was not written.
+#[derive(Debug, thiserror::Error)]
+enum NotWritten {
+    #[error(transparent)]
+    Log(#[from] super::error::LogError),
+    #[error(transparent)]
+    Budget(#[from] BudgetReached),
+}
+
+impl MeshLog {
+    /// The log with the default bounds on refusal records and no
+    /// directory budget.
+    pub fn new(log: DecisionLog, on_failure: OnLogFailure, metrics: Arc<Metrics>) -> Self {
+        Self::build(log, on_failure, metrics, LogLimits::default())
+    }
+
+    /// The same log with these bounds.
+    pub fn with_limits(self, limits: LogLimits) -> Self {
+        Self::build(
+            self.inner.log.clone(),
+            self.inner.on_failure,
+            self.inner.metrics.clone(),
+            limits,
+        )
+    }
+
+    fn build(
+        log: DecisionLog,
+        on_failure: OnLogFailure,
+        metrics: Arc<Metrics>,
+        limits: LogLimits,
+    ) -> Self {
+        let budget = limits
+            .max_dir_bytes
+            .map(|max| DirBudget::new(log.dir(), max));
+        let inner = Arc::new(Inner {
+            log,
+            on_failure,
+            metrics,
+            limits: limits.refusals,
+            window: Mutex::new(Window::new()),
+            budget,
+        });
+        // Summaries are written when their interval ends, even when no
+        // refusal comes after it.
+        if let Ok(runtime) = tokio::runtime::Handle::try_current() {
+            runtime.spawn(summaries(Arc::downgrade(&inner)));
+        }
+        MeshLog { inner }
+    }
+
+    /// The log itself.
     pub fn log(&self) -> &DecisionLog {
-        &self.log
+        &self.inner.log
+    }
+
+    /// Writes the summary of the refusals left out so far, then syncs and
+    /// closes the log.
+    pub async fn close(&self) -> Result<(), super::error::LogError> {
+        let summary = self.window().roll(self.inner.limits.interval, true);
+        if let Some(summary) = summary {
+            self.summary(summary).await;
+        }
+        self.inner.log.close().await
+    }
+
+    /// Holds the masked values of `batch` in the process-wide set that log
+    /// lines and exported spans are scrubbed against, while the returned
+    /// guard lives (see [`super::mask`]).
+    pub fn hold(&self, batch: &BatchRecord) -> Held {
+        let rules = self.inner.log.mask_rules();
+        if rules.is_empty() {
+            return Held::default();
+        }
+        let mut secrets = Secrets::default();
+        rules.batch_secrets(batch, &mut secrets);
+        mask::hold(&secrets)
+    }
+
+    fn window(&self) -> std::sync::MutexGuard<'_, Window> {
+        self.inner
+            .window
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Appends `entry` within the directory's budget.
+    async fn write(&self, entry: Entry, kind: &'static str) -> Result<(), NotWritten> {
+        let size = self.inner.budget.as_ref().map(|budget| {
+            let size = estimate(&entry);
+            (budget, size)
+        });
+        if let Some((budget, size)) = size {
+            budget.admit(size, false)?;
+        }
+        self.inner.log.append(entry).await?;
+        if let Some((budget, size)) = size {
+            budget.wrote(size);
+        }
+        self.inner.metrics.decision_log_record(kind);
+        Ok(())
+    }
+
+    /// Whether the record of a refusal (a peer refused before it was
+    /// judged) is within the bounds; if not, it is counted for the
+    /// interval's summary instead of written.
+    async fn refusal_admitted(&self, caller: &Caller, entry: &Entry) -> bool {
+        let size = estimate(entry);
+        let room = self
+            .inner
+            .budget
+            .as_ref()
+            .is_none_or(|budget| budget.admit(size, true).is_ok());
+        let limits = self.inner.limits;
+        let (admitted, summary) = {
+            let mut window = self.window();
+            let summary = window.roll(limits.interval, false);
+            let admitted = window.admit(&limits, peer_key(caller), size, room);
+            (admitted, summary)
+        };
+        if let Some(summary) = summary {
+            self.summary(summary).await;
+        }
+        admitted
+    }
+
+    /// Appends a summary record; a failure is logged and counted.
+    async fn summary(&self, summary: RefusalSummaryRecord) {
+        let left_out = summary.left_out;
+        if let Err(error) = self
+            .write(Entry::RefusalSummary(summary), "refusal_summary")
+            .await
+        {
+            self.inner.metrics.decision_log_failure("refusal_summary");
+            tracing::error!(%error, left_out, "refusal summary record lost");
+        }
     }
 
     /// Appends the record of one batch answered. `Err` is the status the
     /// batch must be answered with instead (UNAVAILABLE, naming the log),
     /// when the record could not be written and the policy is `refuse`.
+    /// The record of a refused batch past the bounds on refusals is left
+    /// out and counted in a summary record.
     pub async fn batch(&self, record: DecisionRecord) -> Result<(), Status> {
-        match self.log.append(Entry::Decision(record)).await {
-            Ok(_) => {
-                self.metrics.decision_log_record("decision");
-                Ok(())
-            }
+        let refused = record.outcome.status == OutcomeStatus::Refused;
+        let caller = record.caller.clone();
+        let entry = Entry::Decision(record);
+        if refused && !self.refusal_admitted(&caller, &entry).await {
+            return Ok(());
+        }
+        match self.write(entry, "decision").await {
+            Ok(()) => Ok(()),
             Err(error) => {
-                self.metrics.decision_log_failure("decision");
-                match self.on_failure {
+                self.inner.metrics.decision_log_failure("decision");
+                match self.inner.on_failure {
                     OnLogFailure::Refuse => {
                         tracing::error!(%error, "batch refused: its decision record cannot be written");
                         Err(Status::unavailable(format!(
@@ -89,22 +386,27 @@ impl MeshLog {
     /// Whether a record that cannot be written refuses what it records
     /// (`on_log_failure = "refuse"`).
     pub fn refuses(&self) -> bool {
-        self.on_failure == OnLogFailure::Refuse
+        self.inner.on_failure == OnLogFailure::Refuse
     }
 
     /// Appends the record of a chain change before it is applied (or
     /// refused): `Err` is the status to answer instead, UNAVAILABLE naming
     /// the log, when it cannot be written and the policy is `refuse`; the
-    /// change must then not be applied.
+    /// change must then not be applied. The record of a change refused
+    /// before it reached the registry (by authentication) is bounded like
+    /// a refused batch's.
     pub async fn change_before(&self, record: ChainChangeRecord) -> Result<(), Status> {
-        match self.log.append(Entry::ChainChange(record)).await {
-            Ok(_) => {
-                self.metrics.decision_log_record("chain_change");
-                Ok(())
-            }
+        let refused = record.outcome.status == ChangeStatus::Refused;
+        let caller = record.caller.clone();
+        let entry = Entry::ChainChange(record);
+        if refused && !self.refusal_admitted(&caller, &entry).await {
+            return Ok(());
+        }
+        match self.write(entry, "chain_change").await {
+            Ok(()) => Ok(()),
             Err(error) => {
-                self.metrics.decision_log_failure("chain_change");
-                match self.on_failure {
+                self.inner.metrics.decision_log_failure("chain_change");
+                match self.inner.on_failure {
                     OnLogFailure::Refuse => {
                         tracing::error!(%error, "chain change refused: its record cannot be written");
                         Err(Status::unavailable(format!(
@@ -123,12 +425,33 @@ impl MeshLog {
     /// Appends the record of one chain change already applied (or
     /// refused): a failure is logged and counted.
     pub async fn change(&self, record: ChainChangeRecord) {
-        match self.log.append(Entry::ChainChange(record)).await {
-            Ok(_) => self.metrics.decision_log_record("chain_change"),
-            Err(error) => {
-                self.metrics.decision_log_failure("chain_change");
-                tracing::error!(%error, "chain change record lost");
-            }
+        if let Err(error) = self.write(Entry::ChainChange(record), "chain_change").await {
+            self.inner.metrics.decision_log_failure("chain_change");
+            tracing::error!(%error, "chain change record lost");
+        }
+    }
+}
+
+/// Writes each interval's summary once it ends; stops with the log.
+async fn summaries(inner: Weak<Inner>) {
+    let period = match inner.upgrade() {
+        Some(inner) => {
+            (inner.limits.interval / 2).clamp(Duration::from_millis(50), Duration::from_secs(5))
+        }
+        None => return,
+    };
+    loop {
+        tokio::time::sleep(period).await;
+        let Some(inner) = inner.upgrade() else {
+            return;
+        };
+        let log = MeshLog { inner };
+        if let Some(budget) = &log.inner.budget {
+            budget.measure_if_due();
+        }
+        let summary = log.window().roll(log.inner.limits.interval, false);
+        if let Some(summary) = summary {
+            log.summary(summary).await;
         }
     }
 }
@@ -335,8 +658,10 @@ pub fn not_decided(
 }
 
 /// A guard's registration as the log shows it (masked by the writer like
-/// arguments). The policy source is left out: it can be long, and the
-/// registry holds it.
+/// arguments). A policy guard's policy is named by the SHA-256 of its
+/// source (lowercase hex) and the source itself (`policy.sha256`,
+/// `policy.source`; a mask rule such as `$.policy.source` masks the text
+/// and keeps the digest); `null` for a remote guard.
 pub fn spec(spec: &GuardSpec) -> Value {
     serde_json::json!({
         "name": spec.name,
@@ -347,7 +672,14 @@ pub fn spec(spec: &GuardSpec) -> Value {
         "failure_policy": pb::FailurePolicy::try_from(spec.failure_policy).map_or("unknown", |f| f.as_str_name()),
         "priority": spec.priority,
         "mode": pb::GuardMode::try_from(spec.mode).map_or("unknown", |m| m.as_str_name()),
-        "policy": !spec.policy.is_empty(),
+        "policy": if spec.policy.is_empty() {
+            Value::Null
+        } else {
+            serde_json::json!({
+                "sha256": super::chain::sha256_hex(spec.policy.as_bytes()),
+                "source": spec.policy,
+            })
+        },
     })
 }
 

@@ -24,18 +24,37 @@
 //! root: the arguments of every call (as sent, and as rewritten), the
 //! batch metadata (an object of strings) and a chain change's guard spec.
 //! A masked value, whatever its type, is replaced by the string
-//! [`MASKED`]; its children are not visited. Free text (the model's text,
-//! skip content, error messages) is not masked: no key rule can reach it.
+//! [`MASKED`]; its children are not visited.
+//!
+//! Free text (the model's text, skip content, guard and policy error
+//! messages, refusal messages) is not reached by any key rule, but a masked
+//! value can be quoted in it: a CEL error naming its operand, a rule that
+//! echoes an argument into its message, a refusal naming a member inside a
+//! masked object. So the texts of the masked values ([`Secrets`]: strings,
+//! numbers as written, member names inside a masked object, each also as
+//! JSON and Rust escaping would write it) are scrubbed from every free-text
+//! field of the record, replaced by [`MASKED`]. Values shorter than
+//! [`MIN_SCRUBBED_CHARS`] are not scrubbed from free text: they would match
+//! everywhere. While a batch is judged, its masked values are also held in
+//! a process-wide set ([`hold`]) that the mesh's log lines and exported
+//! spans are scrubbed against ([`scrub_live`]), so that a masked value
+//! appears nowhere else either.
 //!
 //! Arguments that are not a JSON object (unparseable text, or another JSON
 //! type; R20 refuses such batches, but the refusal is recorded too) are
 //! never written: they are replaced whole by [`OMITTED`], counted as one
 //! masked value.
 
+use std::borrow::Cow;
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, LazyLock, Mutex, PoisonError};
+use std::time::{Duration, Instant};
+
 use globset::{GlobBuilder, GlobMatcher};
 use serde_json::Value;
 
-use super::record::{CallRecord, Entry};
+use super::record::{BatchRecord, CallRecord, DecisionRecord, Entry};
 
 /// What a masked value is replaced by.
 pub const MASKED: &str = "[masked]";
@@ -131,6 +150,14 @@ impl MaskRules {
     pub fn mask_entry(&self, entry: &mut Entry) -> u32 {
         match entry {
             Entry::Decision(decision) => {
+                let mut secrets = Secrets::default();
+                self.batch_secrets(&decision.batch, &mut secrets);
+                for decided in &decision.decisions {
+                    if let Some(call) = &decided.call {
+                        self.secrets_of(&call.arguments, &mut secrets);
+                    }
+                }
+                secrets.scrub_decision(decision);
                 let mut count = 0;
                 for call in &mut decision.batch.calls {
                     count += self.mask_call(call);
@@ -144,10 +171,69 @@ impl MaskRules {
                 count
             }
             Entry::ChainChange(change) => {
+                let mut secrets = Secrets::default();
+                if let Some(spec) = &change.spec {
+                    self.secrets_of(spec, &mut secrets);
+                }
+                if let Some(message) = &mut change.outcome.message {
+                    secrets.scrub(message);
+                }
                 change.spec.as_mut().map_or(0, |spec| self.mask_value(spec))
             }
             // The writer's own seals hold no caller data.
             Entry::Checkpoint(_) | Entry::Gap(_) => 0,
+            Entry::RefusalSummary(_) => 0,
+        }
+    }
+
+    /// The texts of the values these rules mask in a batch's calls and
+    /// metadata.
+    pub fn batch_secrets(&self, batch: &BatchRecord, secrets: &mut Secrets) {
+        if self.rules.is_empty() {
+            return;
+        }
+        for call in &batch.calls {
+            self.secrets_of(&call.arguments, secrets);
+        }
+        for (key, value) in &batch.metadata {
+            if self.matches(&[key.as_str()]) {
+                secrets.add(value);
+            }
+        }
+    }
+
+    /// The texts of the values these rules mask in `value`, as the root of
+    /// a document (read only: `value` is not masked).
+    pub fn secrets_of(&self, value: &Value, secrets: &mut Secrets) {
+        if self.rules.is_empty() || !(value.is_object() || value.is_array()) {
+            return;
+        }
+        let mut path = Vec::new();
+        self.collect(value, &mut path, secrets);
+    }
+
+    fn collect(&self, value: &Value, path: &mut Vec<String>, secrets: &mut Secrets) {
+        let mut child = |name: String, child: &Value, path: &mut Vec<String>| {
+            path.push(name);
+            if self.matches(path) {
+                secrets.add_value(child);
+            } else {
+                self.collect(child, path, secrets);
+            }
+            path.pop();
+        };
+        match value {
+            Value::Object(members) => {
+                for (key, value) in members {
+                    child(key.clone(), value, path);
+                }
+            }
+            Value::Array(items) => {
+                for (index, value) in items.iter().enumerate() {
+                    child(index.to_string(), value, path);
+                }
+            }
+            _ => {}
         }
     }
 
@@ -283,6 +369,215 @@ impl Rule {
     }
 }
 
+/// Masked values shorter than this, in characters, are not scrubbed from
+/// free text: they would match everywhere (`1`, `yes`).
+pub const MIN_SCRUBBED_CHARS: usize = 4;
+
+/// The texts of masked values, to be scrubbed from free text: each text as
+/// it is, and as JSON and Rust's `{:?}` would escape it (a quote, a
+/// newline), so that an error message quoting it is caught too.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Secrets {
+    texts: Vec<String>,
+}
+
+impl Secrets {
+    pub fn is_empty(&self) -> bool {
+        self.texts.is_empty()
+    }
+
+    /// The texts, longest first.
+    pub fn texts(&self) -> &[String] {
+        &self.texts
+    }
+
+    /// Adds `text` (and its escaped forms) if long enough.
+    pub fn add(&mut self, text: &str) {
+        if text.chars().count() < MIN_SCRUBBED_CHARS {
+            return;
+        }
+        let json = serde_json::to_string(text).unwrap_or_default();
+        let debug = format!("{text:?}");
+        for form in [
+            text,
+            json.get(1..json.len().saturating_sub(1)).unwrap_or(""),
+            debug.get(1..debug.len().saturating_sub(1)).unwrap_or(""),
+        ] {
+            if form.chars().count() >= MIN_SCRUBBED_CHARS && !self.texts.iter().any(|t| t == form) {
+                let at = self
+                    .texts
+                    .iter()
+                    .position(|t| t.len() < form.len())
+                    .unwrap_or(self.texts.len());
+                self.texts.insert(at, form.to_owned());
+            }
+        }
+    }
+
+    /// Adds the texts of a masked value: a string, a number as written,
+    /// and, inside objects and arrays, every member name and leaf.
+    pub fn add_value(&mut self, value: &Value) {
+        match value {
+            Value::String(text) => self.add(text),
+            Value::Number(number) => self.add(&number.to_string()),
+            Value::Array(items) => items.iter().for_each(|item| self.add_value(item)),
+            Value::Object(members) => {
+                for (key, value) in members {
+                    self.add(key);
+                    self.add_value(value);
+                }
+            }
+            Value::Bool(_) | Value::Null => {}
+        }
+    }
+
+    /// Replaces every occurrence of a text by [`MASKED`]; whether any was
+    /// found.
+    pub fn scrub(&self, text: &mut String) -> bool {
+        match scrub_with(self.texts.iter().map(String::as_str), text) {
+            Cow::Borrowed(_) => false,
+            Cow::Owned(scrubbed) => {
+                *text = scrubbed;
+                true
+            }
+        }
+    }
+
+    fn scrub_option(&self, text: &mut Option<String>) {
+        if let Some(text) = text {
+            self.scrub(text);
+        }
+    }
+
+    /// Scrubs every free-text field of a decision record.
+    pub fn scrub_decision(&self, decision: &mut DecisionRecord) {
+        if self.is_empty() {
+            return;
+        }
+        self.scrub_option(&mut decision.batch.model_text);
+        for decided in &mut decision.decisions {
+            self.scrub_option(&mut decided.content);
+        }
+        for trace in &mut decision.trace {
+            self.scrub_option(&mut trace.error);
+        }
+        self.scrub_option(&mut decision.outcome.message);
+    }
+}
+
+/// `text` with every one of `needles` (longest first) replaced by
+/// [`MASKED`]; borrowed when none occurs.
+fn scrub_with<'a, 't>(needles: impl Iterator<Item = &'a str>, text: &'t str) -> Cow<'t, str> {
+    let mut out = Cow::Borrowed(text);
+    for needle in needles {
+        if !needle.is_empty() && out.contains(needle) {
+            out = Cow::Owned(out.replace(needle, MASKED));
+        }
+    }
+    out
+}
+
+/// How long a released value stays in the process-wide set: spans are
+/// exported and log lines written a little after their batch is answered.
+const LIVE_GRACE: Duration = Duration::from_secs(60);
+
+/// Above this many texts, released ones are dropped before their grace.
+const LIVE_MAX: usize = 100_000;
+
+#[derive(Default)]
+struct Live {
+    texts: HashMap<Arc<str>, LiveText>,
+}
+
+struct LiveText {
+    holders: usize,
+    released: Option<Instant>,
+}
+
+static LIVE: LazyLock<Mutex<Live>> = LazyLock::new(Mutex::default);
+/// How many texts [`LIVE`] holds: 0 lets [`scrub_live`] return at once.
+static LIVE_COUNT: AtomicUsize = AtomicUsize::new(0);
+
+/// The masked values of a batch being judged, held in the process-wide set
+/// until dropped (and [`LIVE_GRACE`] after).
+#[derive(Debug, Default)]
+pub struct Held {
+    texts: Vec<Arc<str>>,
+}
+
+/// Holds `secrets` in the process-wide set that log lines and spans are
+/// scrubbed against ([`scrub_live`]).
+pub fn hold(secrets: &Secrets) -> Held {
+    if secrets.is_empty() {
+        return Held::default();
+    }
+    let mut live = LIVE.lock().unwrap_or_else(PoisonError::into_inner);
+    let mut texts = Vec::with_capacity(secrets.texts.len());
+    for text in &secrets.texts {
+        let key: Arc<str> = Arc::from(text.as_str());
+        let entry = live.texts.entry(key.clone()).or_insert(LiveText {
+            holders: 0,
+            released: None,
+        });
+        entry.holders += 1;
+        entry.released = None;
+        texts.push(key);
+    }
+    LIVE_COUNT.store(live.texts.len(), Ordering::Relaxed);
+    Held { texts }
+}
+
+impl Drop for Held {
+    fn drop(&mut self) {
+        if self.texts.is_empty() {
+            return;
+        }
+        let mut live = LIVE.lock().unwrap_or_else(PoisonError::into_inner);
+        let now = Instant::now();
+        for text in &self.texts {
+            if let Some(entry) = live.texts.get_mut(text) {
+                entry.holders = entry.holders.saturating_sub(1);
+                if entry.holders == 0 {
+                    entry.released = Some(now);
+                }
+            }
+        }
+    }
+}
+
+/// `text` with every masked value held now (or released within the last
+/// minute) replaced by [`MASKED`]; `None` when there is nothing to
+/// replace. For the mesh's log lines and exported spans.
+pub fn scrub_live(text: &str) -> Option<String> {
+    if LIVE_COUNT.load(Ordering::Relaxed) == 0 || text.len() < MIN_SCRUBBED_CHARS {
+        return None;
+    }
+    let mut live = LIVE.lock().unwrap_or_else(PoisonError::into_inner);
+    let now = Instant::now();
+    let grace = if live.texts.len() > LIVE_MAX {
+        Duration::ZERO
+    } else {
+        LIVE_GRACE
+    };
+    live.texts.retain(|_, entry| {
+        entry
+            .released
+            .is_none_or(|released| now.duration_since(released) < grace)
+    });
+    LIVE_COUNT.store(live.texts.len(), Ordering::Relaxed);
+    let mut found: Vec<&str> = live
+        .texts
+        .keys()
+        .map(|k| &**k)
+        .filter(|k| text.contains(k))
+        .collect();
+    if found.is_empty() {
+        return None;
+    }
+    found.sort_by_key(|k| std::cmp::Reverse(k.len()));
+    Some(scrub_with(found.into_iter(), text).into_owned())
+}
+
 #[cfg(test)]
 mod tests {
     //! R29: fields configured as sensitive are masked before anything is
@@ -385,5 +680,78 @@ mod tests {
             let err = MaskRules::new([rule]).unwrap_err();
             assert_eq!(err.rule, rule);
         }
+    }
+
+    #[test]
+    fn r29_masked_values_are_scrubbed_from_every_free_text_field() {
+        use crate::decision_log::record::{
+            Action, CallDecisionRecord, GuardRole, GuardTraceRecord, Outcome, TraceStatus,
+        };
+        let rules = MaskRules::new(["pin", "auth"]).unwrap();
+        let mut batch = crate::decision_log::from_mesh::batch_id_only("b");
+        batch.model_text = Some("my pin is 4242-77 ok".into());
+        batch.calls.push(CallRecord::from_text(
+            "c1",
+            "t",
+            r#"{"pin": 9223372036854775807, "auth": {"Key-Name": "tok\"en"}, "user": "ann"}"#,
+        ));
+        batch
+            .calls
+            .push(CallRecord::from_text("c2", "t", r#"{"pin": "4242-77"}"#));
+        let mut entry = Entry::Decision(DecisionRecord {
+            caller: Default::default(),
+            batch,
+            chain_revision: Some(1),
+            decisions: vec![CallDecisionRecord {
+                call_id: "c1".into(),
+                action: Action::Steer,
+                call: None,
+                content: Some("your pin 4242-77 is wrong".into()),
+                decided_by: Some("g".into()),
+                rule: None,
+                failure: false,
+                rewritten_by: vec![],
+                bypassed: vec![],
+            }],
+            trace: vec![GuardTraceRecord {
+                guard: "g".into(),
+                role: GuardRole::Validate,
+                status: TraceStatus::Failed,
+                latency_us: 1,
+                sent_call_ids: vec![],
+                skipped_call_ids: vec![],
+                rewritten_call_ids: vec![],
+                error: Some(
+                    "Overflow: Int(9223372036854775807) + 1; saw \"tok\\\"en\" at Key-Name".into(),
+                ),
+                dry_run_status: None,
+            }],
+            trace_id: None,
+            outcome: Outcome::refused(3, "duplicate member name \"Key-Name\" at $.auth"),
+        });
+        rules.mask_entry(&mut entry);
+        let text = serde_json::to_string(&entry).unwrap();
+        for secret in ["9223372036854775807", "4242-77", "Key-Name", "tok"] {
+            assert!(!text.contains(secret), "{secret} in {text}");
+        }
+        assert!(text.contains("ann"), "{text}");
+        assert!(text.contains("Overflow"), "{text}");
+    }
+
+    #[test]
+    fn r29_short_values_are_not_scrubbed_and_held_values_scrub_log_text() {
+        let mut secrets = Secrets::default();
+        secrets.add("abc");
+        assert!(secrets.is_empty());
+        secrets.add("held-secret-1");
+        let held = hold(&secrets);
+        assert_eq!(
+            scrub_live("error: held-secret-1 refused").as_deref(),
+            Some("error: [masked] refused")
+        );
+        assert_eq!(scrub_live("nothing here"), None);
+        drop(held);
+        // Within its grace it is still scrubbed.
+        assert!(scrub_live("held-secret-1").is_some());
     }
 }

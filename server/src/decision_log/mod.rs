@@ -2,7 +2,9 @@
 //! change, masked, hash-chained, appended before the answer leaves.
 //!
 //! * [`record`]: the record types, the format of one line;
-//! * [`mask`]: masking sensitive values by key name and path;
+//! * [`mask`]: masking sensitive values by key name and path, and
+//!   scrubbing them from free text, log lines and spans;
+//! * [`budget`]: the log directory's budget (`max_dir_bytes`);
 //! * [`chain`]: how a line is sealed with its own hash and linked to the
 //!   one before;
 //! * [`checkpoint`]: checkpoints signed with the writer's Ed25519 key, the
@@ -22,6 +24,7 @@
 //! The format is described for readers by the JSON Schema
 //! `docs/decision-log.schema.json`.
 
+pub mod budget;
 pub mod chain;
 pub mod checkpoint;
 pub mod error;
@@ -36,15 +39,17 @@ pub mod writer;
 #[cfg(test)]
 mod tests;
 
+pub use budget::{BudgetReached, DirBudget};
 pub use chain::GENESIS;
 pub use checkpoint::{KeyError, SealConfig};
 pub use error::LogError;
-pub use from_mesh::{MeshLog, OnLogFailure};
-pub use mask::{MASKED, MaskError, MaskRules, OMITTED};
+pub use from_mesh::{LogLimits, MeshLog, OnLogFailure, RefusalLimits};
+pub use mask::{Held, MASKED, MaskError, MaskRules, OMITTED, Secrets, scrub_live};
 pub use record::{
     Action, BatchRecord, CallDecisionRecord, CallRecord, Caller, ChainChangeRecord, ChangeKind,
     ChangeOutcome, ChangeStatus, CheckpointRecord, DecisionRecord, Entry, FORMAT_VERSION,
-    GapRecord, GuardRole, GuardTraceRecord, LogRecord, Outcome, OutcomeStatus, TraceStatus,
+    GapRecord, GuardRole, GuardTraceRecord, LogRecord, Outcome, OutcomeStatus, PeerCount,
+    RefusalSummaryRecord, TraceStatus,
 };
 pub use verify::{
     BadRecord, RecordRef, VerifyError, VerifyOptions, VerifyReport, verify, verify_with,

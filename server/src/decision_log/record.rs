@@ -78,6 +78,9 @@ pub(crate) struct Unsealed<'a> {
 pub enum Entry {
     Decision(DecisionRecord),
     ChainChange(ChainChangeRecord),
+    /// `"kind": "refusal_summary"`: refusal records left out by the bounds
+    /// on what refused peers may make the log write.
+    RefusalSummary(RefusalSummaryRecord),
     Checkpoint(CheckpointRecord),
     Gap(GapRecord),
 }
@@ -409,4 +412,35 @@ pub enum ChangeStatus {
     Requested,
     Applied,
     Refused,
+}
+
+/// The refusal records left out during one interval, because a peer or the
+/// whole mesh was past its bound (records or bytes per interval), or the
+/// log directory past nine tenths of its budget (R29). Written once per
+/// interval in which something was left out.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RefusalSummaryRecord {
+    /// The interval, RFC 3339 in UTC.
+    pub from: String,
+    pub to: String,
+    /// Refusal records left out.
+    pub left_out: u64,
+    /// Their size as records, in bytes (estimated).
+    pub left_out_bytes: u64,
+    /// The peers whose refusals were left out (address without port), the
+    /// most first, at most [`SUMMARY_PEERS`].
+    #[serde(default)]
+    pub peers: Vec<PeerCount>,
+    /// Left out from peers not listed.
+    pub other_peers_left_out: u64,
+}
+
+/// The most peers a summary names.
+pub const SUMMARY_PEERS: usize = 16;
+
+/// One peer's refusal records left out.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PeerCount {
+    pub peer: String,
+    pub left_out: u64,
 }

@@ -769,3 +769,68 @@ async fn measure_append_cost() {
         );
     }
 }
+
+/// The summary of refusals left out and a policy guard's registration
+/// (its digest and text) match the schema too.
+#[tokio::test]
+async fn r29_summaries_and_policy_registrations_match_the_json_schema() {
+    use super::record::{PeerCount, RefusalSummaryRecord};
+    let dir = tempfile::tempdir().unwrap();
+    let log = DecisionLog::open(config(dir.path())).await.unwrap();
+    let policy = guardmesh_proto::v1::GuardSpec {
+        name: "p".into(),
+        policy: "[[rule]]\nname = \"r\"\nwhen = \"true\"\naction = \"cancel\"\n".into(),
+        ..Default::default()
+    };
+    let entries = vec![
+        Entry::RefusalSummary(RefusalSummaryRecord {
+            from: "2026-01-01T00:00:00Z".into(),
+            to: "2026-01-01T00:00:10Z".into(),
+            left_out: 3,
+            left_out_bytes: 2000,
+            peers: vec![PeerCount {
+                peer: "127.0.0.1".into(),
+                left_out: 3,
+            }],
+            other_peers_left_out: 0,
+        }),
+        Entry::ChainChange(ChainChangeRecord {
+            caller: Caller::default(),
+            change: ChangeKind::Register,
+            guard: Some("p".into()),
+            spec: Some(super::from_mesh::spec(&policy)),
+            old_revision: Some(1),
+            new_revision: Some(2),
+            outcome: ChangeOutcome::applied(),
+        }),
+    ];
+    write_all(&log, entries).await;
+    log.close().await.unwrap();
+    let schema: Value =
+        serde_json::from_str(include_str!("../../../docs/decision-log.schema.json")).unwrap();
+    let validator = jsonschema::options()
+        .should_validate_formats(true)
+        .build(&schema)
+        .unwrap();
+    let lines = lines(dir.path());
+    assert_eq!(lines.len(), 2);
+    for (_, line) in &lines {
+        let value: Value = serde_json::from_str(line).unwrap();
+        let errors: Vec<String> = validator
+            .iter_errors(&value)
+            .map(|e| e.to_string())
+            .collect();
+        assert!(errors.is_empty(), "{line}\n{errors:#?}");
+        let record: LogRecord = serde_json::from_str(line).unwrap();
+        assert_eq!(&serde_json::to_string(&record).unwrap(), line);
+    }
+    let change: Value = serde_json::from_str(&lines[1].1).unwrap();
+    assert_eq!(
+        change["spec"]["policy"]["sha256"],
+        super::chain::sha256_hex(policy.policy.as_bytes())
+    );
+    // `"policy": true` is not the format any more.
+    let mut old = change.clone();
+    old["spec"]["policy"] = json!(true);
+    assert!(!validator.is_valid(&old));
+}

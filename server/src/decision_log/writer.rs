@@ -206,6 +206,11 @@ impl DecisionLog {
         &self.inner.dir
     }
 
+    /// The mask rules the log applies.
+    pub fn mask_rules(&self) -> &MaskRules {
+        &self.inner.mask
+    }
+
     /// Masks `entry`, appends it, and returns once it is written (and, with
     /// [`Durability::EveryRecord`], on disk). An error means the record is
     /// not in the log.

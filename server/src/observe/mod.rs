@@ -6,5 +6,6 @@ pub(crate) mod metrics;
 pub mod metrics_http;
 pub mod otlp;
 pub(crate) mod process;
+pub mod scrub;
 pub mod spans;
 pub mod telemetry;

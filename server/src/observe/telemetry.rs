@@ -183,7 +183,10 @@ fn provider() -> Result<SdkTracerProvider, TelemetryError> {
         resource = resource.with_service_name("guardmesh");
     }
     Ok(SdkTracerProvider::builder()
-        .with_batch_exporter(exporter)
+        // Masked values are scrubbed from a span as it ends (R29).
+        .with_span_processor(super::scrub::ScrubSpans(
+            opentelemetry_sdk::trace::BatchSpanProcessor::builder(exporter).build(),
+        ))
         .with_resource(resource.build())
         .build())
 }
@@ -290,7 +293,9 @@ pub fn init(format: LogFormat, default_filter: &str) -> Result<Telemetry, Teleme
         EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new(default_filter));
     // Colours only on a terminal: a log file gets plain text.
     let ansi = std::io::IsTerminal::is_terminal(&std::io::stderr());
-    let logs = log_layer(format, std::io::stderr, ansi).with_filter(filter);
+    // Masked values are scrubbed from every line (R29).
+    let logs =
+        log_layer(format, super::scrub::ScrubWriter(std::io::stderr), ansi).with_filter(filter);
     if let Err(error) = tracing_subscriber::registry()
         .with(otel)
         .with(logs)

@@ -129,6 +129,9 @@ struct Record {
     log: MeshLog,
     caller: LogCaller,
     batch: BatchRecord,
+    /// The batch's masked values, scrubbed from log lines and spans while
+    /// it is judged (R29).
+    _held: crate::decision_log::Held,
 }
 
 impl Record {
@@ -146,7 +149,13 @@ impl Record {
             Some(batch) => from_mesh::batch(batch),
             None => from_mesh::batch_id_only(batch_id),
         };
-        Some(Record { log, caller, batch })
+        let held = log.hold(&batch);
+        Some(Record {
+            log,
+            caller,
+            batch,
+            _held: held,
+        })
     }
 
     /// Appends the record of `answer`; the answer to send instead when it
