@@ -629,6 +629,7 @@ impl<'a> Judging<'a> {
         let run = &mut self.runs[g];
         let checked = check_verdicts(
             guard,
+            &self.mesh.config.limits,
             |i| self.calls[i].current(),
             &self.index_of,
             &run.sent,
@@ -890,6 +891,7 @@ impl<'a> Judging<'a> {
         let run = &mut self.runs[g];
         match check_verdicts(
             guard,
+            &self.mesh.config.limits,
             |i| self.calls[i].current(),
             &self.index_of,
             &run.sent,

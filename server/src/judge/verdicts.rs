@@ -42,6 +42,22 @@ pub(crate) enum Rejection {
     /// The rewritten arguments are not a JSON object.
     #[error("rewrite of call {call_id:?}: arguments are not a JSON object")]
     ArgumentsNotObject { call_id: String },
+    /// The rewrite renames the tool to a name the gate would refuse (R20):
+    /// a client could not have sent it, so no guard may make it run.
+    #[error(
+        "rewrite of call {call_id:?} renames tool {from:?} to {to:?}, outside the tool-name grammar: {why}"
+    )]
+    RenameOutsideGrammar {
+        call_id: String,
+        from: String,
+        to: String,
+        why: String,
+    },
+    /// The rewritten arguments are not what the gate accepts (R20: I-JSON,
+    /// within the depth limit, no member names equal under case folding),
+    /// so validate guards and the tool could read them differently.
+    #[error("rewrite of call {call_id:?}: arguments refused as the gate refuses them: {why}")]
+    ArgumentsRefused { call_id: String, why: String },
 }
 
 /// Why a verdict was dropped and counted as proceed from that guard (R8).
@@ -78,6 +94,7 @@ pub(crate) struct Checked {
 /// rewrite outside the grant rejects the whole answer (R11).
 pub(crate) fn check_verdicts<'c>(
     guard: &Guard,
+    limits: &validate::Limits,
     current: impl Fn(usize) -> &'c ToolCall,
     index_of: &CallIndex,
     sent: &[bool],
@@ -131,7 +148,7 @@ pub(crate) fn check_verdicts<'c>(
             (Some(Outcome::Rewrite(rewrite)), Some(i)) => {
                 answered[i] = true;
                 let call = current(i);
-                let next = check_rewrite(guard, call, rewrite)?;
+                let next = check_rewrite(guard, limits, call, rewrite)?;
                 if next == *call {
                     checked.proceeds.push(i);
                 } else {
@@ -146,6 +163,7 @@ pub(crate) fn check_verdicts<'c>(
 /// `call` as `guard`'s rewrite leaves it, if the grant allows it (R11).
 fn check_rewrite(
     guard: &Guard,
+    limits: &validate::Limits,
     call: &ToolCall,
     rewrite: guardmesh_proto::v1::Rewrite,
 ) -> Result<ToolCall, Rejection> {
@@ -178,12 +196,36 @@ fn check_rewrite(
                 to: clip(&tool, SHOWN_CHARS),
             });
         }
+        if let Err(bad) = limits.tool_names.check(&tool) {
+            return Err(Rejection::RenameOutsideGrammar {
+                call_id: call.call_id.clone(),
+                from: call.tool.clone(),
+                to: clip(&tool, SHOWN_CHARS),
+                why: bad.to_string(),
+            });
+        }
         next.tool = tool;
     }
     if let Some(arguments) = rewrite.arguments {
-        if !validate::is_json_object(&arguments) || arguments.trim().is_empty() {
+        if arguments.trim().is_empty() {
             return Err(Rejection::ArgumentsNotObject {
                 call_id: call.call_id.clone(),
+            });
+        }
+        if let Err(why) = validate::ijson::check(&arguments, limits.max_json_depth) {
+            // An object a lenient reader takes is refused for what the gate
+            // refuses in it; anything else is not an object at all.
+            let object =
+                serde_json::from_str::<serde_json::Map<String, serde_json::Value>>(&arguments)
+                    .is_ok();
+            let call_id = call.call_id.clone();
+            return Err(if object {
+                Rejection::ArgumentsRefused {
+                    call_id,
+                    why: why.to_string(),
+                }
+            } else {
+                Rejection::ArgumentsNotObject { call_id }
             });
         }
         next.arguments = arguments;
@@ -251,6 +293,7 @@ mod tests {
         let mut answered = vec![false; 3];
         let result = check_verdicts(
             guard,
+            &validate::Limits::default(),
             |i| &calls[i],
             &index_of,
             &[true, true, false],
@@ -258,6 +301,51 @@ mod tests {
             verdicts,
         );
         (result, answered)
+    }
+
+    /// R11, R20: a rewrite may not make run what the gate would refuse from
+    /// a client: a tool name outside the grammar, or arguments with member
+    /// names equal under case folding (validate guards and a Go tool would
+    /// read them differently). Rejected whole, like any rewrite R11 rejects.
+    #[test]
+    fn r11_r20_a_rewrite_is_held_to_the_gate_s_checks() {
+        let g = guard(GuardRole::Mutate, &["fs.*"], true);
+        for (tool, arguments, expected) in [
+            (
+                Some("fs.\u{200b}write"),
+                None,
+                "outside the tool-name grammar",
+            ),
+            (Some("fs. write"), None, "outside the tool-name grammar"),
+            (
+                None,
+                Some(r#"{"path":"/tmp/ok","PATH":"/etc/shadow"}"#),
+                "refused as the gate refuses them",
+            ),
+            (
+                None,
+                Some(r#"{"a":{"s":1,"\u017f":2}}"#),
+                "refused as the gate refuses them",
+            ),
+        ] {
+            let (result, _) = check(&g, vec![verdict("c0", rewrite(tool, arguments))]);
+            let Err(rejection) = result else {
+                panic!("rewrite {tool:?} {arguments:?} was accepted");
+            };
+            assert!(
+                rejection.to_string().contains(expected),
+                "{rejection} should say {expected:?}"
+            );
+        }
+        // Within the grammar and I-JSON, the same guard's rewrite applies.
+        let (result, _) = check(
+            &g,
+            vec![verdict(
+                "c0",
+                rewrite(Some("fs.write_all"), Some(r#"{"path":"/tmp/ok"}"#)),
+            )],
+        );
+        assert_eq!(result.map(|c| c.rewrites.len()).ok(), Some(1));
     }
 
     #[test]

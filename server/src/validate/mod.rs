@@ -148,6 +148,7 @@ fn exhausted(reason: &'static str, message: String) -> Refusal {
 
 /// Whether `text` is an I-JSON object (see [`ijson`]) within the default
 /// depth limit. An empty string counts as `{}`.
+#[cfg(test)]
 pub fn is_json_object(text: &str) -> bool {
     ijson::check(text, Limits::default().max_json_depth).is_ok()
 }
