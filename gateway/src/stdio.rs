@@ -135,25 +135,30 @@ async fn next_frame<R: AsyncRead + Unpin>(
     codec: &mut JsonRpcMessageCodec<Box<RawValue>>,
     eof: &mut bool,
 ) -> Option<Frame> {
-    next_frame_or_idle(reader, buf, codec, eof, || {}).await
+    next_decoded(reader, buf, codec, eof, || {}).await
 }
 
-/// [`next_frame`], calling `idle` each time everything read so far has been
-/// decoded, before waiting for more.
-async fn next_frame_or_idle<R: AsyncRead + Unpin>(
+/// The next item `codec` decodes from `reader`; `None` at end of input.
+/// Calls `idle` each time everything read so far has been decoded, before
+/// waiting for more.
+async fn next_decoded<R, D>(
     reader: &mut R,
     buf: &mut BytesMut,
-    codec: &mut JsonRpcMessageCodec<Box<RawValue>>,
+    codec: &mut D,
     eof: &mut bool,
     mut idle: impl FnMut(),
-) -> Option<Frame> {
+) -> Option<Result<D::Item, D::Error>>
+where
+    R: AsyncRead + Unpin,
+    D: Decoder,
+{
     loop {
         if *eof {
             idle();
             return codec.decode_eof(buf).transpose();
         }
         match codec.decode(buf) {
-            Ok(Some(frame)) => return Some(Ok(frame)),
+            Ok(Some(item)) => return Some(Ok(item)),
             Err(e) => return Some(Err(e)),
             Ok(None) => {}
         }
@@ -184,28 +189,9 @@ async fn next_client_line<R: AsyncRead + Unpin>(
     buf: &mut BytesMut,
     codec: &mut AnyDelimiterCodec,
     eof: &mut bool,
-    mut idle: impl FnMut(),
+    idle: impl FnMut(),
 ) -> Option<ClientLine> {
-    loop {
-        if *eof {
-            idle();
-            return codec.decode_eof(buf).transpose();
-        }
-        match codec.decode(buf) {
-            Ok(Some(line)) => return Some(Ok(line)),
-            Err(e) => return Some(Err(e)),
-            Ok(None) => {}
-        }
-        idle();
-        if buf.capacity() - buf.len() < READ_CHUNK / 2 {
-            buf.reserve(READ_CHUNK);
-        }
-        match reader.read_buf(buf).await {
-            Ok(0) => *eof = true,
-            Ok(_) => {}
-            Err(e) => return Some(Err(e.into())),
-        }
-    }
+    next_decoded(reader, buf, codec, eof, idle).await
 }
 
 /// Responses to forwarded requests of JSON-RPC batches, collected until each
