@@ -70,6 +70,9 @@ pub(crate) static HEAVY: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(
 /// own process-wide state: the global trace exporter and its environment, or
 /// the resident set they measure.
 pub(crate) fn isolated(path: &str) {
+    // The child measures the whole machine's share it gets: no other heavy
+    // test of this process runs meanwhile.
+    let _heavy = HEAVY.blocking_lock();
     let exe = std::env::current_exe().expect("the test binary's path");
     let output = std::process::Command::new(exe)
         .args([path, "--exact", "--include-ignored", "--test-threads=1"])
@@ -78,13 +81,32 @@ pub(crate) fn isolated(path: &str) {
         .expect("start the test binary");
     let stdout = String::from_utf8_lossy(&output.stdout);
     let stderr = String::from_utf8_lossy(&output.stderr);
+    // The reason first: a long log would push it out of a CI excerpt.
+    let reason: Vec<&str> = stderr
+        .lines()
+        .chain(stdout.lines())
+        .skip_while(|line| !line.contains("panicked at"))
+        .take(12)
+        .collect();
     assert!(
         output.status.success(),
-        "{path} failed in its own process:\n{stdout}\n{stderr}"
+        "{path} failed in its own process: {}\n--- stdout:\n{}\n--- stderr (last part):\n{}",
+        reason.join("\n"),
+        tail(&stdout, 4000),
+        tail(&stderr, 8000)
     );
     assert!(
         stdout.contains("1 passed"),
         "{path} did not run in its own process (wrong name?):\n{stdout}"
     );
     eprint!("{stderr}");
+}
+
+/// The last `max` bytes of `text`, cut at a character boundary.
+fn tail(text: &str, max: usize) -> &str {
+    let mut start = text.len().saturating_sub(max);
+    while !text.is_char_boundary(start) {
+        start += 1;
+    }
+    &text[start..]
 }
