@@ -56,8 +56,17 @@ macro_rules! names {
         impl FromStr for $ty {
             type Err = UnknownName;
 
+            /// Reads a name, also in kebab case (`fail-open`, the
+            /// command-line convention) for every `_` of it.
             fn from_str(text: &str) -> Result<Self, Self::Err> {
-                match text {
+                let snake;
+                let name = if text.contains('-') {
+                    snake = text.replace('-', "_");
+                    snake.as_str()
+                } else {
+                    text
+                };
+                match name {
                     $($name => Ok(Self::$variant),)+
                     _ => Err(UnknownName {
                         what: $what,
@@ -113,6 +122,8 @@ mod tests {
             for &value in all {
                 let name = value.to_string();
                 assert_eq!(name.parse::<T>(), Ok(value));
+                // Kebab case too, as command lines spell it.
+                assert_eq!(name.replace('_', "-").parse::<T>(), Ok(value));
                 let tail = proto(&value).strip_prefix(prefix).unwrap();
                 assert_eq!(name, tail.to_ascii_lowercase());
             }

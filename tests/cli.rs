@@ -625,3 +625,152 @@ async fn r24_cli_says_what_to_pass_when_a_client_certificate_is_required() {
     let _ = stop.send(());
     let _ = server.await;
 }
+
+/// A plaintext client at a mesh that serves TLS is told what to change,
+/// not left with a bare transport error.
+#[tokio::test]
+async fn r24_a_plaintext_client_at_a_tls_mesh_is_told_to_use_https() {
+    let pki = TestPki::new();
+    let (cert, key) = pki.issue_files("server");
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let port = listener.local_addr().unwrap().port();
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let guard = guardmesh_client::GuardServer::new(script_guard_state(|_| Script::default()));
+    let server = tokio::spawn(guard.serve_with(
+        listener,
+        Some(guardmesh_client::ServerTls {
+            cert_pem: std::fs::read_to_string(&cert).unwrap(),
+            key_pem: std::fs::read_to_string(&key).unwrap(),
+            client_ca_pem: None,
+        }),
+        async {
+            let _ = stopped.await;
+        },
+    ));
+    for mesh in [
+        format!("http://127.0.0.1:{port}"),
+        format!("127.0.0.1:{port}"),
+    ] {
+        let out = tokio::task::spawn_blocking({
+            let mesh = mesh.clone();
+            move || guardmesh(&["guards", "--mesh", &mesh, "list"])
+        })
+        .await
+        .unwrap();
+        let message = stderr(&out);
+        assert!(!out.status.success(), "{mesh}: {out:?}");
+        assert!(
+            message.contains("if this mesh serves TLS, use --mesh https://"),
+            "{mesh}: {message}"
+        );
+    }
+    // A mesh that is simply not there is not sent to TLS.
+    let closed = free_port();
+    let out = tokio::task::spawn_blocking(move || {
+        guardmesh(&[
+            "guards",
+            "--mesh",
+            &format!("http://127.0.0.1:{closed}"),
+            "list",
+        ])
+    })
+    .await
+    .unwrap();
+    assert!(!out.status.success(), "{out:?}");
+    assert!(!stderr(&out).contains("serves TLS"), "{}", stderr(&out));
+    let _ = stop.send(());
+    let _ = server.await;
+}
+
+/// Enum values are read in both spellings: `fail_open` as config files
+/// and the proto's names have it, `fail-open` as command lines do.
+#[tokio::test]
+async fn r13_failure_policies_and_roles_are_read_in_kebab_case_too() {
+    let mesh = TestMesh::start().await;
+    let guard = proceed_guard().await;
+    for (name, policy, shown) in [
+        ("a", "fail-open", "fail_open"),
+        ("b", "fail_closed", "fail_closed"),
+        ("c", "fail-closed", "fail_closed"),
+    ] {
+        let (url, endpoint) = (mesh.url.clone(), guard.url.clone());
+        let out = tokio::task::spawn_blocking(move || {
+            guardmesh(&[
+                "guards",
+                "--mesh",
+                &url,
+                "register",
+                "--name",
+                name,
+                "--endpoint",
+                &endpoint,
+                "--role",
+                "validate",
+                "--failure-policy",
+                policy,
+            ])
+        })
+        .await
+        .unwrap();
+        assert!(out.status.success(), "{policy}: {}", stderr(&out));
+        let chain = mesh.registrar().await.list().await.unwrap();
+        let registered = chain
+            .guards
+            .iter()
+            .find(|g| g.name == name)
+            .unwrap_or_else(|| panic!("{name} registered"));
+        assert_eq!(registered.failure_policy().to_string(), shown, "{policy}");
+    }
+    // A name in neither spelling is refused, naming the ones that exist.
+    let (url, endpoint) = (mesh.url.clone(), guard.url.clone());
+    let out = tokio::task::spawn_blocking(move || {
+        guardmesh(&[
+            "guards",
+            "--mesh",
+            &url,
+            "register",
+            "--name",
+            "d",
+            "--endpoint",
+            &endpoint,
+            "--failure-policy",
+            "open",
+        ])
+    })
+    .await
+    .unwrap();
+    assert_eq!(out.status.code(), Some(2), "{out:?}");
+    assert!(
+        stderr(&out).contains("fail_closed, fail_open, abort"),
+        "{}",
+        stderr(&out)
+    );
+}
+
+/// A report command whose reader stops early (`guardmesh demo | head -1`)
+/// ends quietly, as `ls | head` does: no panic, no error text.
+#[test]
+fn report_commands_end_quietly_when_their_reader_stops() {
+    use std::io::BufRead;
+    let mut demo = Command::new(env!("CARGO_BIN_EXE_guardmesh"))
+        .arg("demo")
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("start the demo");
+    let mut first = String::new();
+    std::io::BufReader::new(demo.stdout.take().unwrap())
+        .read_line(&mut first)
+        .unwrap();
+    // The reader goes: the pipe is closed.
+    assert!(first.contains("guardmesh demo"), "{first}");
+    let out = demo.wait_with_output().unwrap();
+    let text = String::from_utf8_lossy(&out.stderr);
+    assert!(!text.contains("panicked"), "{text}");
+    use std::os::unix::process::ExitStatusExt;
+    assert!(
+        out.status.success() || out.status.signal() == Some(libc::SIGPIPE),
+        "{:?}: {text}",
+        out.status
+    );
+}

@@ -293,8 +293,21 @@ impl MeshArgs {
                     // depending on when the connection is cut.
                     Some(tonic::Code::Unavailable | tonic::Code::Unknown | tonic::Code::Cancelled)
                 );
+            // A plaintext client's HTTP/2 preface reaches a TLS listener as a
+            // malformed handshake: the answer it reads is not HTTP/2.
+            let plaintext = self.mesh.starts_with("http://")
+                || (!self.mesh.contains("://") && self.ca_file.is_none());
+            let chain = guardmesh_server::error_chain(&error);
+            // The TLS alert it gets back reads as an HTTP/2 frame of an
+            // impossible size.
+            let not_http2 = chain.contains("h2 protocol error");
+            if plaintext && !error.is_connect() && (transport || not_http2) {
+                return format!(
+                    "{chain} (if this mesh serves TLS, use --mesh https://... with --ca-file)"
+                )
+                .into();
+            }
             if transport && self.ca_file.is_some() && self.cert_file.is_none() {
-                let chain = guardmesh_server::error_chain(&error);
                 return format!(
                     "{chain} (if this mesh requires client certificates, pass \
                      --cert-file and --key-file)"
@@ -503,7 +516,7 @@ async fn example_guard(
     delay_ms: u64,
 ) -> Result<(), Error> {
     let listener = tokio::net::TcpListener::bind(listen).await?;
-    println!("LISTENING {}", listener.local_addr()?.port());
+    outln!("LISTENING {}", listener.local_addr()?.port());
     let guard = Example::delayed(kind, Duration::from_millis(delay_ms));
     guardmesh_client::serve(guard, listener, shutdown_signal()).await?;
     Ok(())
@@ -511,11 +524,11 @@ async fn example_guard(
 
 fn certs(dir: &std::path::Path) -> Result<(), Error> {
     let files = crate::certs::generate(dir)?;
-    println!("wrote {} files to {}:", files.len(), dir.display());
+    outln!("wrote {} files to {}:", files.len(), dir.display());
     for file in files {
-        println!("  {}", file.display());
+        outln!("  {}", file.display());
     }
-    println!(
+    outln!(
         "identities: spiffe://{}/{{mesh,coordinator,registrar,admin,guard}}",
         crate::certs::TRUST_DOMAIN
     );
@@ -702,13 +715,19 @@ async fn guards(mesh: &MeshArgs, action: GuardsAction) -> Result<(), Error> {
     match action {
         GuardsAction::List => {
             let list = registrar.list().await.map_err(mesh.explain())?;
-            println!("chain revision {}", list.revision);
-            println!(
+            outln!("chain revision {}", list.revision);
+            outln!(
                 "{:<4} {:<20} {:<9} {:<8} {:<12} {:>8}  {:<24} endpoint",
-                "#", "name", "role", "mode", "on failure", "timeout", "tools"
+                "#",
+                "name",
+                "role",
+                "mode",
+                "on failure",
+                "timeout",
+                "tools"
             );
             for (i, g) in list.guards.iter().enumerate() {
-                println!(
+                outln!(
                     "{:<4} {:<20} {:<9} {:<8} {:<12} {:>6}ms  {:<24} {}",
                     i,
                     g.name,
@@ -776,7 +795,7 @@ async fn guards(mesh: &MeshArgs, action: GuardsAction) -> Result<(), Error> {
                 );
             }
             let out = registrar.register(spec).await.map_err(mesh.explain())?;
-            println!(
+            outln!(
                 "{} at position {} (chain revision {})",
                 if out.created { "registered" } else { "updated" },
                 out.position,
@@ -789,9 +808,9 @@ async fn guards(mesh: &MeshArgs, action: GuardsAction) -> Result<(), Error> {
                 .await
                 .map_err(mesh.explain())?
             {
-                println!("deregistered {name}");
+                outln!("deregistered {name}");
             } else {
-                println!("no guard named {name}");
+                outln!("no guard named {name}");
             }
         }
     }
@@ -858,12 +877,12 @@ async fn evaluate(mesh: &MeshArgs, file: &std::path::Path, json: bool) -> ExitCo
         };
         match (&result, json) {
             (Judged::Decided(decision), true) => {
-                println!("{}", eval::decision_json(&session, decision));
+                outln!("{}", eval::decision_json(&session, decision));
             }
-            (Judged::Decided(decision), false) => print!("{}", crate::demo::render(decision)),
+            (Judged::Decided(decision), false) => out!("{}", crate::demo::render(decision)),
             (Judged::Refused(status), _) => {
                 if json {
-                    println!("{}", eval::refusal_json(&session, status));
+                    outln!("{}", eval::refusal_json(&session, status));
                 }
                 let error = mesh.explain()(guardmesh_client::ClientError::Status(status.clone()));
                 eprintln!("error: batch {} refused: {error}", n + 1);

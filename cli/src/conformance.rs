@@ -202,9 +202,9 @@ impl Report {
 pub async fn main(args: ConformanceArgs) -> Result<(), Error> {
     let report = run(&args).await;
     if args.json {
-        println!("{}", serde_json::to_string_pretty(&report)?);
+        outln!("{}", serde_json::to_string_pretty(&report)?);
     } else {
-        print!("{}", report.lines());
+        out!("{}", report.lines());
     }
     let failed = report.failed().count();
     if failed > 0 {

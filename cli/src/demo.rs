@@ -169,21 +169,19 @@ pub async fn run(mtls: bool) -> Result<(), Error> {
     }
     drop(down);
 
-    println!("guardmesh demo: mesh on {mesh_url}\n");
+    outln!("guardmesh demo: mesh on {mesh_url}\n");
     if pki.is_some() {
-        println!("mTLS on: the registrar is spiffe://guardmesh.local/admin, the coordinator");
-        println!(
-            "spiffe://guardmesh.local/coordinator (certificates from a CA made for this run)."
-        );
+        outln!("mTLS on: the registrar is spiffe://guardmesh.local/admin, the coordinator");
+        outln!("spiffe://guardmesh.local/coordinator (certificates from a CA made for this run).");
         let anonymous = Coordinator::connect_with(mesh_url.clone(), &connection(None)).await?;
         let refused = anonymous
             .evaluate_once("intruder", Batch::new(0).call("x", "fs.read", "{}"))
             .await;
         if let Err(error) = refused {
-            println!("A client without a certificate is refused: {error}\n");
+            outln!("A client without a certificate is refused: {error}\n");
         }
     }
-    println!("The chain (guardmesh guards list):");
+    outln!("The chain (guardmesh guards list):");
     for (i, g) in registrar.list().await?.guards.iter().enumerate() {
         let role = g.role().name();
         let tools = if g.tools.is_empty() {
@@ -197,9 +195,9 @@ pub async fn run(mtls: bool) -> Result<(), Error> {
             "fraud-check" => "  (down: nothing listens, fail_closed)",
             _ => "",
         };
-        println!("  {i}. {:<16} {role:<8} tools {tools}{note}", g.name);
+        outln!("  {i}. {:<16} {role:<8} tools {tools}{note}", g.name);
     }
-    println!();
+    outln!();
 
     let coordinator =
         Coordinator::connect_with(mesh_url, &connection(pki.as_ref().map(|p| &p.coordinator)))
@@ -236,7 +234,7 @@ pub async fn run(mtls: bool) -> Result<(), Error> {
         ),
     ];
     for (i, (story, batch)) in rounds.into_iter().enumerate() {
-        println!("── Round {i}: {story}");
+        outln!("── Round {i}: {story}");
         // The agent's span for this round, as a framework would propagate it
         // (R22); with OTEL_EXPORTER_OTLP_ENDPOINT set, the mesh's spans join it.
         let traceparent = format!(
@@ -245,10 +243,10 @@ pub async fn run(mtls: bool) -> Result<(), Error> {
             rand::random::<u64>() | 1
         );
         let decision = session.evaluate(batch.traceparent(traceparent)).await?;
-        print!("{}", render(&decision));
-        println!();
+        out!("{}", render(&decision));
+        outln!();
     }
-    println!("Run `guardmesh serve --config FILE` for a real mesh; see README.md.");
+    outln!("Run `guardmesh serve --config FILE` for a real mesh; see README.md.");
     Ok(())
 }
 

@@ -19,6 +19,8 @@
 //!   instead, on loopback (latency, throughput, CPU, memory).
 //! * [`certs`]: a local CA and certificates for development and tests.
 
+#[macro_use]
+mod out;
 mod app;
 pub mod bench;
 pub mod certs;

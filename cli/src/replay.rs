@@ -154,7 +154,7 @@ pub(crate) fn main(args: ReplayArgs) -> ExitCode {
             }
             if args.json {
                 match serde_json::to_string_pretty(&report) {
-                    Ok(text) => println!("{text}"),
+                    Ok(text) => outln!("{text}"),
                     Err(error) => {
                         eprintln!("error: {error}");
                         return ExitCode::from(2);
@@ -177,18 +177,26 @@ pub(crate) fn main(args: ReplayArgs) -> ExitCode {
 }
 
 fn print_table(report: &Report) {
-    println!(
+    outln!(
         "replayed {} batches ({} calls) of {} decision records against {}; {} records had masked values (replayed masked)",
-        report.batches, report.calls, report.records, report.judged_by, report.masked_records
+        report.batches,
+        report.calls,
+        report.records,
+        report.judged_by,
+        report.masked_records
     );
     if report.differences.is_empty() {
-        println!("no call's decision differs");
+        outln!("no call's decision differs");
         return;
     }
-    println!("{} calls differ:", report.differences.len());
-    println!(
+    outln!("{} calls differ:", report.differences.len());
+    outln!(
         "{:<6} {:<16} {:<12} {:<20} {:<28} new",
-        "seq", "batch", "call", "tool", "recorded"
+        "seq",
+        "batch",
+        "call",
+        "tool",
+        "recorded"
     );
     let shown = |d: &Decided, call: bool| {
         let mut text = match &d.guard {
@@ -211,7 +219,7 @@ fn print_table(report: &Report) {
     for d in &report.differences {
         // The calls are shown when they are what differs.
         let calls = d.recorded.call != d.new.call;
-        println!(
+        outln!(
             "{:<6} {:<16} {:<12} {:<20} {:<28} {}",
             d.seq,
             d.batch_id,
