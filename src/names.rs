@@ -161,10 +161,10 @@ mod tests {
 
     #[test]
     fn unknown_names_list_the_known_ones() {
-        let error = "fail-closed".parse::<FailurePolicy>().unwrap_err();
+        let error = "fail-shut".parse::<FailurePolicy>().unwrap_err();
         assert_eq!(
             error.to_string(),
-            "unknown failure policy \"fail-closed\" (expected one of: fail_closed, fail_open, abort)"
+            "unknown failure policy \"fail-shut\" (expected one of: fail_closed, fail_open, abort)"
         );
     }
 }

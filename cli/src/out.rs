@@ -21,10 +21,11 @@ pub(crate) fn write(args: fmt::Arguments<'_>) {
         return;
     }
     let mut out = std::io::stdout().lock();
-    if let Err(error) = out.write_fmt(args).and_then(|()| out.flush()) {
-        if !GONE.swap(true, Ordering::Relaxed) && error.kind() != std::io::ErrorKind::BrokenPipe {
-            eprintln!("error: cannot write to stdout: {error}");
-        }
+    if let Err(error) = out.write_fmt(args).and_then(|()| out.flush())
+        && !GONE.swap(true, Ordering::Relaxed)
+        && error.kind() != std::io::ErrorKind::BrokenPipe
+    {
+        eprintln!("error: cannot write to stdout: {error}");
     }
 }
 
