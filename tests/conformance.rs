@@ -268,3 +268,80 @@ async fn conformance_skips_health_on_a_guard_without_grpc_health_and_still_passe
             >= 3
     );
 }
+
+/// A mutate guard that rewrote nothing has had its rewrites checked on
+/// nothing: `rewrites` says so (SKIP) and names `--batch`; with a file of
+/// its author's calls, the batches are sent, answered, and the rewrites of
+/// them checked.
+#[test]
+fn conformance_feeds_a_guard_its_authors_batches_and_says_when_no_rewrite_was_checked() {
+    // The deny-list guard rewrites nothing: as a mutate guard, nothing of
+    // its rewrites could be checked.
+    let deny = GuardProcess::start("deny-list", 0, &[]);
+    let (status, stdout) = run_conformance(
+        &deny.url,
+        &["--timeout-ms", PASSING_TIMEOUT_MS, "--role", "mutate"],
+    );
+    assert!(
+        line_of(&stdout, "rewrites")
+            .starts_with("SKIP rewrites (no rewrite seen: give --batch FILE"),
+        "{stdout}"
+    );
+    assert!(status.success(), "a skip is no failure:\n{stdout}");
+
+    let dir = std::env::temp_dir().join(format!("guardmesh-conformance-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let file = dir.join("mine.jsonl");
+    std::fs::write(
+        &file,
+        concat!(
+            r#"{"calls": [{"call_id": "a", "tool": "vault.put", "arguments": {"name": "db", "api_key": "k-1"}}]}"#,
+            "\n",
+            r#"{"calls": [{"call_id": "b", "tool": "vault.list"}, {"call_id": "c", "tool": "vault.put", "arguments": {"token": "t"}}]}"#,
+            "\n"
+        ),
+    )
+    .unwrap();
+    let redact = GuardProcess::start("redact-secrets", 0, &[]);
+    let stdout = {
+        let (status, stdout) = run_conformance(
+            &redact.url,
+            &[
+                "--timeout-ms",
+                PASSING_TIMEOUT_MS,
+                "--role",
+                "mutate",
+                "--batch",
+                file.to_str().unwrap(),
+            ],
+        );
+        assert!(status.success(), "{stdout}");
+        stdout
+    };
+    let own = line_of(&stdout, "batch-files");
+    assert!(
+        own.starts_with("PASS batch-files (3 calls:") && own.contains("2 rewrite"),
+        "{stdout}"
+    );
+    assert!(
+        line_of(&stdout, "rewrites").starts_with("PASS rewrites"),
+        "{stdout}"
+    );
+
+    // A file the mesh would refuse is refused before anything is sent,
+    // naming where.
+    std::fs::write(
+        &file,
+        r#"{"calls": [{"call_id": "a", "tool": "t", "arguments": [1, 2]}]}"#,
+    )
+    .unwrap();
+    let (status, stdout) = run_conformance(&redact.url, &["--batch", file.to_str().unwrap()]);
+    assert_eq!(status.code(), Some(1), "{stdout}");
+    let refused = line_of(&stdout, "batch-files");
+    assert!(
+        refused.starts_with("FAIL batch-files: ")
+            && refused.contains("batch 1: call \"a\": arguments must be a JSON object"),
+        "{stdout}"
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}

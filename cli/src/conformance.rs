@@ -21,6 +21,10 @@
 //! | `skip-content` | every skip has non-blank content and kind `STEER` or `CANCEL` (R7, R8) |
 //! | `rewrites` | a validate guard sends no rewrite; a mutate guard's rewrites carry JSON-object arguments and non-empty tool names (R11) |
 //! | `no-error-answers` | well-formed batches are judged, not answered with `JudgeResponse.error` |
+//! | `batch-files` | with `--batch FILE`: each of the file's batches is answered once, within its deadline (the other checks then cover their answers too) |
+//!
+//! A mutate guard's `rewrites` is `SKIP` when no rewrite was seen: give
+//! `--batch FILE` with calls it rewrites.
 //!
 //! Each check prints one line, `PASS name`, `SKIP name (why)` or
 //! `FAIL name: why` (or, with `--json`, one JSON report), and the command
@@ -75,6 +79,12 @@ pub struct ConformanceArgs {
     /// Prints one JSON report on stdout instead of a line per check.
     #[arg(long)]
     pub json: bool,
+    /// Also sends the batches of FILE (the input of `guardmesh evaluate`:
+    /// one JSON batch, or one per line), one at a time, so that the checks
+    /// see how the guard answers calls of its author's choosing: a mutate
+    /// guard's rewrites are only checked on calls it rewrites. Repeatable.
+    #[arg(long = "batch", value_name = "FILE")]
+    pub batches: Vec<std::path::PathBuf>,
 }
 
 impl ConformanceArgs {
@@ -86,6 +96,7 @@ impl ConformanceArgs {
             grace_ms: 500,
             role: Role::Validate,
             json: false,
+            batches: Vec::new(),
         }
     }
 }
@@ -232,6 +243,10 @@ pub async fn run(args: &ConformanceArgs) -> Report {
         );
         return Report::new(args, vec![check]);
     }
+    let own = match read_batches(&args.batches) {
+        Ok(own) => own,
+        Err(problem) => return Report::new(args, vec![Check::fail("batch-files", problem)]),
+    };
     let timeout = Duration::from_millis(u64::from(args.timeout_ms.max(1)));
     let channel = match connect(&url, timeout.max(Duration::from_secs(2))).await {
         Ok(channel) => channel,
@@ -259,6 +274,11 @@ pub async fn run(args: &ConformanceArgs) -> Report {
     let single = kit.single().await;
     let concurrent = kit.concurrent().await;
     let cancel = kit.cancelled_batch().await;
+    let own = if own.is_empty() {
+        None
+    } else {
+        Some(kit.own_batches(own).await)
+    };
 
     // Judged from everything the guard sent.
     let ledger = kit.shared.ledger();
@@ -270,7 +290,52 @@ pub async fn run(args: &ConformanceArgs) -> Report {
     checks.push(skip_content(&ledger));
     checks.push(rewrites(&ledger, args.role));
     checks.push(no_error_answers(&ledger));
+    if let Some(own) = own {
+        checks.push(own);
+    }
     Report::new(args, checks)
+}
+
+/// The batches of `--batch` files, each checked as the mesh would check a
+/// call before a guard sees it (R20: a tool name, arguments that are a
+/// JSON object or empty, call ids unique in their batch).
+fn read_batches(files: &[std::path::PathBuf]) -> Result<Vec<(String, Vec<ToolCall>)>, String> {
+    let mut out = Vec::new();
+    for file in files {
+        let source = file.display().to_string();
+        let text =
+            std::fs::read_to_string(file).map_err(|e| format!("cannot read {source}: {e}"))?;
+        let batches = crate::evaluate::parse_batches(&text, &source)?;
+        for (n, batch) in batches.into_iter().enumerate() {
+            let at = format!("{source}, batch {}", n + 1);
+            let calls: Vec<ToolCall> = batch.calls.into_iter().map(|c| c.into_call()).collect();
+            if calls.is_empty() {
+                return Err(format!("{at}: no calls"));
+            }
+            let mut ids = HashSet::new();
+            for call in &calls {
+                if call.tool.trim().is_empty() {
+                    return Err(format!("{at}: call {:?} has no tool name", call.call_id));
+                }
+                if !ids.insert(call.call_id.as_str()) {
+                    return Err(format!("{at}: call id {:?} repeats", call.call_id));
+                }
+                if !call.arguments.trim().is_empty()
+                    && !matches!(
+                        serde_json::from_str::<serde_json::Value>(&call.arguments),
+                        Ok(serde_json::Value::Object(_))
+                    )
+                {
+                    return Err(format!(
+                        "{at}: call {:?}: arguments must be a JSON object, as the mesh sends them",
+                        call.call_id
+                    ));
+                }
+            }
+            out.push((at, calls));
+        }
+    }
+    Ok(out)
 }
 
 async fn connect(url: &str, timeout: Duration) -> Result<Channel, Error> {
@@ -642,6 +707,59 @@ impl Kit {
         Exchange { ended }
     }
 
+    /// The `--batch` files' batches, one at a time on one stream: each
+    /// must be answered once within its deadline; the other checks then
+    /// judge their answers with the rest.
+    async fn own_batches(&self, batches: Vec<(String, Vec<ToolCall>)>) -> Check {
+        const NAME: &str = "batch-files";
+        let stream = self.open();
+        let mut problems = Vec::new();
+        let (mut steers, mut cancels, mut rewrites, mut calls) = (0, 0, 0, 0);
+        for (at, batch) in batches {
+            calls += batch.len();
+            let id = self.send(&stream, "batch-file", batch);
+            if !self
+                .wait(&stream, self.answer_by(Instant::now()), |l| {
+                    l.finals(id) >= 1
+                })
+                .await
+            {
+                problems.push(format!(
+                    "{at}: no answer within {:?}",
+                    self.deadline + self.grace
+                ));
+                if stream.ended().is_some() {
+                    break;
+                }
+                continue;
+            }
+            let ledger = self.shared.lock();
+            for verdict in ledger
+                .first_answer(id)
+                .iter()
+                .flat_map(|r| &r.response.verdicts)
+            {
+                match &verdict.outcome {
+                    Some(Outcome::Skip(skip)) if skip.kind() == SkipKind::Cancel => cancels += 1,
+                    Some(Outcome::Skip(_)) => steers += 1,
+                    Some(Outcome::Rewrite(_)) => rewrites += 1,
+                    _ => {}
+                }
+            }
+        }
+        stream.close();
+        if problems.is_empty() {
+            Check::pass(
+                NAME,
+                format!(
+                    "{calls} calls: {steers} steer, {cancels} cancel, {rewrites} rewrite, the rest proceed"
+                ),
+            )
+        } else {
+            Check::from_problems(NAME, &problems, String::new())
+        }
+    }
+
     /// Several batches in flight at once on one stream.
     async fn concurrent(&self) -> Check {
         const NAME: &str = "concurrent-batches";
@@ -962,9 +1080,16 @@ fn rewrites(ledger: &Ledger, role: Role) -> Check {
             problems.push(format!("{at}: a rewrite that changes nothing"));
         }
     }
-    let seen = match (role, count) {
-        (_, 0) => "no rewrite seen".to_owned(),
-        (_, n) => format!("{n} rewrites"),
+    if role == Role::Mutate && count == 0 && problems.is_empty() {
+        // Nothing of a mutate guard's rewrites was checked: say so.
+        return Check::skip(
+            "rewrites",
+            "no rewrite seen: give --batch FILE with calls this guard rewrites",
+        );
+    }
+    let seen = match count {
+        0 => "no rewrite seen".to_owned(),
+        n => format!("{n} rewrites"),
     };
     Check::from_problems("rewrites", &problems, seen)
 }
