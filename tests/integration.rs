@@ -60,6 +60,7 @@ mod faults;
 mod gate;
 mod hook;
 mod mcp;
+mod mcp_answers;
 mod mcp_bounds;
 mod mcp_readme;
 mod mcp_relay;

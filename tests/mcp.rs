@@ -82,7 +82,9 @@ impl Drop for Scratch {
 }
 
 /// The judging the tests use: delete_file steered, pay over 100 cancelled,
-/// read_file of /etc/* rewritten to /redacted, everything else proceeds.
+/// read_file of /etc/* rewritten to /redacted, write_note (a tool with an
+/// output schema) cancelled under /etc/ and steered when empty, everything
+/// else proceeds.
 pub(crate) fn policy(
     call: &guardmesh_client::proto::ToolCall,
 ) -> Option<guardmesh_client::proto::Verdict> {
@@ -95,6 +97,21 @@ pub(crate) fn policy(
         "read_file" if args["path"].as_str().unwrap_or("").starts_with("/etc/") => Some(
             rewrite_arguments(&call.call_id, &json!({ "path": "/redacted" })),
         ),
+        // The reference filesystem server's tools (tests/mcp_answers.rs).
+        "write_file" if args["path"].as_str().unwrap_or("").contains("/forbidden") => {
+            Some(cancel(&call.call_id, "writing there is not allowed"))
+        }
+        "create_directory" => Some(steer(
+            &call.call_id,
+            "directories are made by the operator: write into an existing one",
+        )),
+        "write_note" if args["path"].as_str().unwrap_or("").starts_with("/etc/") => {
+            Some(cancel(&call.call_id, "notes under /etc are not allowed"))
+        }
+        "write_note" if args["text"].as_str().unwrap_or("").is_empty() => Some(steer(
+            &call.call_id,
+            "an empty note: write what it should say",
+        )),
         _ => None,
     }
 }
@@ -137,7 +154,7 @@ pub(crate) fn run_client(scenario: Value, target: &[String]) -> Vec<Value> {
 }
 
 /// `stdio guardmesh mcp stdio --mesh URL [extra] -- UPSTREAM...`
-fn via_gateway(mesh: &str, extra: &[&str], upstream: Vec<String>) -> Vec<String> {
+pub(crate) fn via_gateway(mesh: &str, extra: &[&str], upstream: Vec<String>) -> Vec<String> {
     let mut target = vec![
         "stdio".to_owned(),
         env!("CARGO_BIN_EXE_guardmesh").to_owned(),
@@ -204,7 +221,8 @@ async fn r31_stdio_decisions_through_the_official_sdk() {
             .all(|b| b.context.as_ref().unwrap().session_id == "s-42")
     );
 
-    // tools/list is identical with and without the gateway (R31).
+    // tools/list is the upstream's with and without the gateway, but for
+    // the output schemas the gateway takes out (R31, gateway/src/schemas.rs).
     let direct = {
         let mut target = vec!["stdio".to_owned()];
         target.extend(scratch.upstream(&["stdio"]));
@@ -220,8 +238,19 @@ async fn r31_stdio_decisions_through_the_official_sdk() {
             .cloned()
             .unwrap()
     };
-    assert_eq!(listed(&lines), listed(&direct));
-    assert_eq!(listed(&lines)["tools"].as_array().unwrap().len(), 3);
+    let mut direct = listed(&direct);
+    let schemas: Vec<String> = direct["tools"]
+        .as_array_mut()
+        .unwrap()
+        .iter_mut()
+        .filter_map(|t| {
+            let schema = t.as_object_mut()?.remove("outputSchema")?;
+            Some(format!("{}: {schema}", t["name"]))
+        })
+        .collect();
+    assert_eq!(schemas.len(), 1, "write_note declares one: {schemas:?}");
+    assert_eq!(listed(&lines), direct);
+    assert_eq!(listed(&lines)["tools"].as_array().unwrap().len(), 4);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -442,7 +471,7 @@ async fn r31_a_json_rpc_batch_of_tool_calls_is_one_guard_batch() {
         "contents of /redacted"
     );
     assert_eq!(answers["\"3\""]["result"]["isError"], false);
-    assert_eq!(answers["4"]["result"]["tools"].as_array().unwrap().len(), 3);
+    assert_eq!(answers["4"]["result"]["tools"].as_array().unwrap().len(), 4);
     // The three tools/call were one guard batch (R31).
     let batches: Vec<GuardBatch> = guard.guard.batches();
     assert_eq!(batches.len(), 1, "{batches:?}");
@@ -981,7 +1010,7 @@ async fn r31_upstream_stderr_is_relayed_to_stderr_not_the_mcp_stream() {
         gateway.send(&json!({"jsonrpc": "2.0", "id": "l", "method": "tools/list"}).to_string());
         let listed = gateway.recv();
         assert_eq!(listed["id"], "l", "{listed}");
-        assert_eq!(listed["result"]["tools"].as_array().unwrap().len(), 3);
+        assert_eq!(listed["result"]["tools"].as_array().unwrap().len(), 4);
         gateway
             .send(&RawGateway::call(json!(1), "read_file", json!({"path": "/etc/x"})).to_string());
         let answer = gateway.recv();
@@ -1186,7 +1215,7 @@ impl Drop for Child {
 
 /// The Python SDK upstream on Streamable HTTP and `guardmesh mcp http` in
 /// front of it; returns the gateway's endpoint URL.
-async fn http_gateway(mesh: &str, scratch: &Scratch) -> (String, Child, Child) {
+pub(crate) async fn http_gateway(mesh: &str, scratch: &Scratch) -> (String, Child, Child) {
     http_gateway_with(mesh, scratch, "127.0.0.1", &[]).await
 }
 

@@ -195,7 +195,7 @@ async fn r31_readme_mcp_servers_entry_runs_as_written() {
         .map(|l| serde_json::from_str(l).unwrap())
         .collect();
     let listed = lines.iter().find(|l| l["op"] == "list_tools").unwrap();
-    assert_eq!(listed["tools"].as_array().unwrap().len(), 3, "{lines:?}");
+    assert_eq!(listed["tools"].as_array().unwrap().len(), 4, "{lines:?}");
     let results = calls(&lines);
     assert_eq!(results.len(), 3, "{lines:?}");
     assert_eq!(results[0]["text"][0], "contents of /redacted");

@@ -230,7 +230,7 @@ async fn r31_upstream_serves_when_the_gateway_stderr_is_closed() {
         let mut gateway = stdio_gateway(&url, upstream, writer.into());
         gateway.send(&json!({"jsonrpc": "2.0", "id": "l", "method": "tools/list"}).to_string());
         let listed = gateway.recv();
-        assert_eq!(listed["result"]["tools"].as_array().unwrap().len(), 3);
+        assert_eq!(listed["result"]["tools"].as_array().unwrap().len(), 4);
         gateway
             .send(&RawGateway::call(json!(1), "pay", json!({"amount": 2, "to": "b"})).to_string());
         let answer = gateway.recv();

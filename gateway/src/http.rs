@@ -261,6 +261,54 @@ impl Proxy {
         }
     }
 
+    /// [`Self::forward`], and when the request lists tools (`listing`: the
+    /// keys of its `tools/list` request ids), the upstream's answer is read
+    /// whole (JSON or SSE, at most [`MAX_LISTING_BYTES`]) and relayed
+    /// without the tools' output schemas ([`crate::schemas`]).
+    async fn forward_listing(
+        &self,
+        method: Method,
+        headers: &HeaderMap,
+        body: Out,
+        listing: &[String],
+    ) -> Response<Out> {
+        let response = match self.send(method, headers, body).await {
+            Ok(response) => response,
+            Err(why) => return Self::bad_gateway(why),
+        };
+        if listing.is_empty() {
+            return Self::relay(response);
+        }
+        let (parts, body) = response.into_parts();
+        let body = match http_body_util::Limited::new(body, MAX_LISTING_BYTES)
+            .collect()
+            .await
+        {
+            Ok(body) => body.to_bytes(),
+            Err(why) => {
+                return Self::bad_gateway(format!(
+                    "its answer to tools/list could not be read whole (at most \
+                     {MAX_LISTING_BYTES} bytes): {why}"
+                ));
+            }
+        };
+        let sse = parts
+            .headers
+            .get(header::CONTENT_TYPE)
+            .and_then(|v| v.to_str().ok())
+            .is_some_and(|v| v.starts_with("text/event-stream"));
+        let text = String::from_utf8_lossy(&body);
+        let out = if sse {
+            sse_without_schemas(&text, listing)
+        } else {
+            json_without_schemas(&text, listing)
+        };
+        let mut relayed = Response::new(full(out));
+        *relayed.status_mut() = parts.status;
+        copy_headers(&parts.headers, relayed.headers_mut());
+        relayed
+    }
+
     /// A request as it arrives on a connection whose local address is
     /// `local`: checked ([`Access`], methods with bodies), then handled.
     async fn serve(&self, request: Request<Body>, local: SocketAddr) -> Response<Out> {
@@ -382,8 +430,14 @@ impl Proxy {
             Err(error) => return error_response(StatusCode::OK, None, &error),
         };
         match incoming {
-            Incoming::Single(Item::Forward { text, .. }) => {
-                self.forward(parts.method, &parts.headers, full(text)).await
+            Incoming::Single(Item::Forward {
+                text,
+                request,
+                lists_tools,
+            }) => {
+                let listing: Vec<String> = request.filter(|_| lists_tools).into_iter().collect();
+                self.forward_listing(parts.method, &parts.headers, full(text), &listing)
+                    .await
             }
             Incoming::Single(Item::Reject { id, error }) => {
                 error_response(StatusCode::OK, id.as_deref(), &error)
@@ -411,6 +465,7 @@ impl Proxy {
                 if !items.iter().any(|i| matches!(i, Item::ToolCall(_))) {
                     // Every element read and forwardable: the gateway's
                     // serialization of each, as one batch.
+                    let listing = listing_keys(&items);
                     let texts: Vec<String> = items
                         .into_iter()
                         .filter_map(|item| match item {
@@ -419,7 +474,9 @@ impl Proxy {
                         })
                         .collect();
                     let body = format!("[{}]", texts.join(","));
-                    return self.forward(parts.method, &parts.headers, full(body)).await;
+                    return self
+                        .forward_listing(parts.method, &parts.headers, full(body), &listing)
+                        .await;
                 }
                 let _slot = match self.calls.enter(&session) {
                     Ok(slot) => slot,
@@ -432,6 +489,7 @@ impl Proxy {
 
     /// A JSON-RPC batch holding tool calls: one guard batch, one array.
     async fn batch(&self, items: Vec<Item>, session: &str, headers: &HeaderMap) -> Response<Out> {
+        let listing = listing_keys(&items);
         let mut calls: Vec<ToolCallRequest> = Vec::new();
         let mut answers = Vec::new();
         let mut forwards = Vec::new();
@@ -451,7 +509,12 @@ impl Proxy {
         }
         for message in forwards {
             match self.send(Method::POST, headers, full(message)).await {
-                Ok(response) => answers.extend(responses_of(response).await),
+                Ok(response) => answers.extend(
+                    responses_of(response)
+                        .await
+                        .into_iter()
+                        .map(|answer| without_schemas_if_listed(answer, &listing)),
+                ),
                 Err(why) => return Self::bad_gateway(why),
             }
         }
@@ -462,6 +525,80 @@ impl Proxy {
         }
         json_response(StatusCode::OK, format!("[{}]", answers.join(",")))
     }
+}
+
+/// The upstream's answer to a `tools/list` read whole, at most.
+const MAX_LISTING_BYTES: usize = 32 << 20;
+
+/// The id keys of the `tools/list` requests among `items`.
+fn listing_keys(items: &[Item]) -> Vec<String> {
+    items
+        .iter()
+        .filter_map(|item| match item {
+            Item::Forward {
+                request: Some(key),
+                lists_tools: true,
+                ..
+            } => Some(key.clone()),
+            _ => None,
+        })
+        .collect()
+}
+
+/// `message` without output schemas when it answers one of `listing`.
+fn without_schemas_if_listed(message: String, listing: &[String]) -> String {
+    let listed = jsonrpc::response_key(message.as_bytes()).is_some_and(|k| listing.contains(&k));
+    match listed.then(|| crate::schemas::without_output_schemas(&message)) {
+        Some(Some(without)) => without,
+        _ => message,
+    }
+}
+
+/// A JSON body (one message or a batch's array) with the answers to
+/// `listing` relayed without output schemas.
+fn json_without_schemas(text: &str, listing: &[String]) -> String {
+    match serde_json::from_str::<Vec<Box<serde_json::value::RawValue>>>(text) {
+        Ok(many) => {
+            let answers: Vec<String> = many
+                .into_iter()
+                .map(|m| without_schemas_if_listed(m.get().to_owned(), listing))
+                .collect();
+            format!("[{}]", answers.join(","))
+        }
+        Err(_) => without_schemas_if_listed(text.to_owned(), listing),
+    }
+}
+
+/// An SSE body whose events' data are relayed as [`json_without_schemas`];
+/// each event's other fields (`id:`, `event:`, `retry:`) are kept.
+fn sse_without_schemas(text: &str, listing: &[String]) -> String {
+    let text = text.replace("\r\n", "\n");
+    let mut out = String::with_capacity(text.len());
+    for event in text.split_inclusive("\n\n") {
+        let data: Vec<&str> = event
+            .lines()
+            .filter_map(|l| l.strip_prefix("data:"))
+            .map(|d| d.strip_prefix(' ').unwrap_or(d))
+            .collect();
+        if data.is_empty() {
+            out.push_str(event);
+            continue;
+        }
+        for line in event
+            .lines()
+            .filter(|l| !l.is_empty() && !l.starts_with("data:"))
+        {
+            out.push_str(line);
+            out.push('\n');
+        }
+        for line in json_without_schemas(&data.join("\n"), listing).lines() {
+            out.push_str("data: ");
+            out.push_str(line);
+            out.push('\n');
+        }
+        out.push('\n');
+    }
+    out
 }
 
 /// The JSON-RPC responses in an upstream answer: a JSON body (one message
@@ -1228,6 +1365,44 @@ mod tests {
             headers.insert(header::ORIGIN, HeaderValue::from_str(origin).unwrap());
         }
         headers
+    }
+
+    #[test]
+    fn r31_output_schemas_leave_tools_list_answers_in_json_and_sse_alike() {
+        let listed = r#"{"jsonrpc":"2.0","id":7,"result":{"tools":[{"name":"w","inputSchema":{},"outputSchema":{"type":"object"}}]}}"#;
+        let other =
+            r#"{"jsonrpc":"2.0","id":8,"result":{"tools":[{"name":"w","outputSchema":{}}]}}"#;
+        let keys = vec!["7".to_owned()];
+        // Only the answer to the tools/list request is changed.
+        let json = json_without_schemas(&format!("[{listed},{other}]"), &keys);
+        let value: serde_json::Value = serde_json::from_str(&json).unwrap();
+        assert!(
+            value[0]["result"]["tools"][0].get("outputSchema").is_none(),
+            "{json}"
+        );
+        assert!(
+            value[1]["result"]["tools"][0].get("outputSchema").is_some(),
+            "{json}"
+        );
+        // SSE: each event's other fields kept, its data rewritten; a data
+        // spread over several lines is read whole.
+        let pretty = serde_json::to_string_pretty(
+            &serde_json::from_str::<serde_json::Value>(listed).unwrap(),
+        )
+        .unwrap();
+        let data: String = pretty.lines().map(|l| format!("data: {l}\r\n")).collect();
+        let sse = format!("event: message\r\nid: e1\r\n{data}\r\n: comment\n\n");
+        let out = sse_without_schemas(&sse, &keys);
+        assert!(out.starts_with("event: message\nid: e1\ndata: {"), "{out}");
+        assert!(!out.contains("outputSchema"), "{out}");
+        assert!(out.contains(": comment\n\n"), "{out}");
+        let event: String = out
+            .lines()
+            .filter_map(|l| l.strip_prefix("data: "))
+            .collect::<Vec<_>>()
+            .join("\n");
+        let value: serde_json::Value = serde_json::from_str(&event).unwrap();
+        assert_eq!(value["result"]["tools"][0]["name"], "w");
     }
 
     #[test]

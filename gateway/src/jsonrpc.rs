@@ -205,6 +205,9 @@ pub enum Item {
         /// The id's key ([`id_key`]) when the message is a request, whose
         /// response is to come.
         request: Option<String>,
+        /// A `tools/list` request: its response is relayed without the
+        /// tools' output schemas ([`crate::schemas`]).
+        lists_tools: bool,
     },
     /// Answer with this error; forward nothing.
     Reject {
@@ -366,6 +369,7 @@ fn item(value: Json, problem: Option<String>) -> Item {
         return Item::Forward {
             text: value.to_text(),
             request: None,
+            lists_tools: false,
         };
     };
     let Some(method) = method.as_str() else {
@@ -386,6 +390,7 @@ fn item(value: Json, problem: Option<String>) -> Item {
         return Item::Forward {
             request: id.as_deref().map(id_key),
             text: value.to_text(),
+            lists_tools: method == "tools/list",
         };
     }
     let Some(id) = id else {
@@ -513,7 +518,12 @@ mod tests {
     fn r31_other_messages_are_forwarded_as_the_gateway_writes_them() {
         let text = "{\"jsonrpc\":\"2.0\", \"id\":1,\"method\":\"tools/list\",\"params\":{\"x\":1.50,\"_meta\":{\"u\":\"\u{2028}\"}}}";
         match single(text) {
-            Item::Forward { text, request } => {
+            Item::Forward {
+                text,
+                request,
+                lists_tools,
+            } => {
+                assert!(lists_tools);
                 assert_eq!(
                     text,
                     r#"{"jsonrpc":"2.0","id":1,"method":"tools/list","params":{"x":1.50,"_meta":{"u":"\u2028"}}}"#

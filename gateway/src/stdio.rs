@@ -201,6 +201,24 @@ struct Collector {
     next: usize,
     waiting: HashMap<String, usize>,
     slots: HashMap<usize, (usize, Vec<String>)>,
+    /// The ids of `tools/list` requests whose responses are yet to come:
+    /// relayed without output schemas ([`crate::schemas`]).
+    listing: std::collections::HashSet<String>,
+}
+
+/// `tools/list` requests awaited at once, at most; beyond it a response is
+/// relayed as it came (a client this far ahead is not waiting for it).
+const MAX_LISTING: usize = 1024;
+
+impl Collector {
+    /// Notes that the response to request `key` lists tools.
+    fn lists_tools(&mut self, key: Option<&String>) {
+        if let Some(key) = key
+            && self.listing.len() < MAX_LISTING
+        {
+            self.listing.insert(key.clone());
+        }
+    }
 }
 
 type Shared = Arc<Mutex<Collector>>;
@@ -305,9 +323,18 @@ where
                         continue;
                     }
                 };
-                let text = message.get();
+                let mut text = message.get();
+                let stripped;
                 let complete = {
                     let mut c = lock(&collector);
+                    if !c.listing.is_empty()
+                        && let Some(key) = jsonrpc::response_key(text.as_bytes())
+                        && c.listing.remove(&key)
+                        && let Some(without) = crate::schemas::without_output_schemas(text)
+                    {
+                        stripped = without;
+                        text = &stripped;
+                    }
                     match (!c.waiting.is_empty())
                         .then(|| jsonrpc::response_key(text.as_bytes()))
                         .flatten()
@@ -393,7 +420,14 @@ where
             }
         };
         match incoming {
-            Incoming::Single(Item::Forward { text, .. }) => {
+            Incoming::Single(Item::Forward {
+                text,
+                request,
+                lists_tools,
+            }) => {
+                if lists_tools {
+                    lock(&collector).lists_tools(request.as_ref());
+                }
                 let _ = to_upstream.send(text).await;
             }
             Incoming::Single(Item::Reject { id, error }) => {
@@ -544,7 +578,16 @@ async fn relay_batch(
     let mut forwards: Vec<(String, Option<String>)> = Vec::new();
     for item in rest {
         match item {
-            Item::Forward { text, request } => forwards.push((text, request)),
+            Item::Forward {
+                text,
+                request,
+                lists_tools,
+            } => {
+                if lists_tools {
+                    lock(collector).lists_tools(request.as_ref());
+                }
+                forwards.push((text, request));
+            }
             Item::Reject { id, error } => answers.push(jsonrpc::error(id.as_deref(), &error)),
             Item::Drop(why) => tracing::warn!("{why}"),
             Item::ToolCall(_) => {}

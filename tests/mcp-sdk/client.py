@@ -51,7 +51,7 @@ async def run(scenario, server):
         for step in scenario["steps"]:
             if step["op"] == "list_tools":
                 tools = await client.list_tools()
-                out({"op": "list_tools", "tools": [t.model_dump(mode="json", exclude_none=True) for t in tools.tools]})
+                out({"op": "list_tools", "tools": [t.model_dump(mode="json", by_alias=True, exclude_none=True) for t in tools.tools]})
             elif step["op"] == "call":
                 try:
                     result = await client.call_tool(step["name"], step.get("arguments"), meta=step.get("meta"))
@@ -59,6 +59,7 @@ async def run(scenario, server):
                         "op": "call",
                         "isError": bool(result.is_error),
                         "text": [c.text for c in result.content if getattr(c, "type", "") == "text"],
+                        "structured": result.structured_content,
                     })
                 except MCPError as e:
                     out({"op": "call", "error": {"code": e.code, "message": e.message}})

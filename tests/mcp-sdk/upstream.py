@@ -1,5 +1,6 @@
 """An upstream MCP server for the gateway tests (tests/mcp.rs), built with the
-official Python SDK: three tools (one deletes, one pays, one reads). Every
+official Python SDK: four tools (one deletes, one pays, one reads, one
+writes and declares an output schema). Every
 call it actually executes is appended to LOG as one JSON line, so a test can
 assert what ran and with which arguments.
 
@@ -17,6 +18,7 @@ import json
 import os
 import sys
 import time
+from typing import TypedDict
 
 from mcp.server.mcpserver import MCPServer
 
@@ -78,6 +80,19 @@ def read_file(path: str) -> str:
         sys.stderr.flush()
     record("read_file", {"path": path})
     return f"contents of {path}"
+
+
+class Written(TypedDict):
+    path: str
+    chars: int
+
+
+@server.tool()
+def write_note(path: str, text: str) -> Written:
+    """Writes a note. Declares an output schema: every result that is not
+    an error must carry structured content that conforms to it."""
+    record("write_note", {"path": path, "text": text})
+    return {"path": path, "chars": len(text)}
 
 
 if NOISY:
