@@ -1,6 +1,9 @@
 // The minimal Node guard in TypeScript: cancels file deletions, masks
-// passwords. Checked with `tsc --strict` (examples/tsconfig.json); in a
-// project of your own, import from 'guardmesh-guard' instead.
+// passwords (as a mutate guard). In a project of your own, with this file
+// and examples/tsconfig.json beside it (see the package README):
+//   npx tsc && node dist/no_delete.js --port 0 --mesh 127.0.0.1:50051 \
+//       --role mutate --grant-tools '*'
+// (`npx tsc` type-checks strictly and writes dist/no_delete.js.)
 import * as gg from 'guardmesh-guard';
 
 function judge(batch: gg.Batch): gg.Verdict[] {

@@ -6,14 +6,20 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import signal
 import socket
+import subprocess
+import sys
+import threading
+import time
 from pathlib import Path
 from typing import Any, Iterator, Optional
 
 import grpc
 import pytest
 
-from conftest import Mesh
+from conftest import Mesh, wait_until
 from guardmesh import (
     AsyncCoordinator,
     BatchRefused,
@@ -139,7 +145,7 @@ def test_policy_guard_registered_from_python_judges_in_the_mesh(mesh: Mesh) -> N
     assert "line 5" in details, details
     assert 'did you mean "startsWith"' in details, details
     with pytest.raises(TypeError):
-        gg.register_policy(mesh.addr, "g", POLICY, endpoint="http://x")
+        gg.register_policy(mesh.addr, "g", POLICY, endpoint="http://x")  # type: ignore[call-arg]
     with pytest.raises(TypeError):
         gg.register_policy(mesh.addr, "g", "  \n")
 
@@ -240,7 +246,7 @@ def test_misspelled_options_are_errors(mesh: Mesh) -> None:
     with pytest.raises(TypeError):
         Coordinator(mesh.addr, tokn="x")  # type: ignore[call-arg]
     with pytest.raises(TypeError):
-        gg.register(mesh.addr, "g", 1, rol="mutate")
+        gg.register(mesh.addr, "g", 1, rol="mutate")  # type: ignore[call-arg]
     with pytest.raises(TypeError):
         gg.argument_parser(nmae="x")
     with pytest.raises(ValueError):
@@ -342,3 +348,163 @@ roles = ["evaluate", "register"]
             server.stop(0).wait(5)
     finally:
         mesh.stop()
+
+
+SRC = str(Path(__file__).resolve().parents[1] / "src")
+
+USER_GUARD = """
+from __future__ import annotations
+
+from typing import Any, Iterator
+
+from guardmesh import guard as gg
+from guardmesh import guard_aio
+
+
+def judge(batch: gg.Batch) -> Iterator[gg.Verdict]:
+    for call in batch.calls:
+        if call.tool == "fs.delete":
+            yield gg.cancel(call.call_id, "Deleting files is not allowed.")
+
+
+async def ajudge(batch: guard_aio.Batch) -> list[guard_aio.Verdict]:
+    return list(judge(batch))
+
+
+def setup(mesh: str, port: int, options: dict[str, Any]) -> None:
+    gg.register(mesh, "g", port, failure_policy="fail_open", role="validate", priority=2)
+    gg.register(mesh, "g", port, **options)  # a dict of options, as before
+    opts: gg.RegisterOptions = {"tools": ["fs.*"], "mode": "dry_run"}
+    gg.register(mesh, "g", port, **opts)
+    gg.register_policy(mesh, "p", "[[rule]]", tools="sql.*", failure_policy="abort")
+    guard_aio.main(ajudge, name="g")
+"""
+
+
+def test_verdict_and_typed_options_under_mypy_strict(tmp_path: Path) -> None:
+    """The names the docstrings use are exported (``gg.Verdict``), and
+    register()/register_policy() options are typed: mypy --strict passes a
+    user's guard that uses them and names a misspelt option (the runtime
+    TypeError is tested in test_misspelled_options_are_errors)."""
+    assert gg.Verdict is gg.pb.Verdict and guard_aio.Verdict is gg.Verdict
+    (tmp_path / "good.py").write_text(USER_GUARD)
+    (tmp_path / "bad.py").write_text(
+        "from guardmesh import guard as gg\n"
+        "gg.register('127.0.0.1:1', 'g', 1, faillure_policy='fail_open')\n"
+        "gg.register_policy('127.0.0.1:1', 'p', 'x', role='mutate')\n"
+        "gg.register('127.0.0.1:1', 'g', 1, priority='high')\n")
+    result = subprocess.run(
+        [sys.executable, "-m", "mypy", "--strict", "--no-incremental", "--cache-dir",
+         str(tmp_path / "cache"), "good.py", "bad.py"],
+        cwd=tmp_path, env={**os.environ, "MYPYPATH": SRC}, capture_output=True, text=True,
+        timeout=300)
+    out = result.stdout + result.stderr
+    errors = [line for line in out.splitlines() if ": error:" in line]
+    assert all(line.startswith("bad.py:") for line in errors), out
+    assert any(line.startswith("bad.py:2:") and '"faillure_policy"' in line
+               for line in errors), out
+    assert any(line.startswith("bad.py:3:") and '"role"' in line for line in errors), out
+    assert any(line.startswith("bad.py:4:") and '"priority"' in line for line in errors), out
+    assert result.returncode == 1, out
+
+
+AIO_MAIN_GUARD = """
+import asyncio
+import sys
+
+from guardmesh import guard as gg
+from guardmesh import guard_aio
+
+
+async def judge(batch):
+    print("judging", batch.batch_id, file=sys.stderr, flush=True)
+    await asyncio.sleep(1.0)
+    return [gg.cancel(c.call_id, "slowly refused") for c in batch.calls if c.tool == "slow"]
+
+
+if __name__ == "__main__":
+    guard_aio.main(judge, name="aio-main")
+"""
+
+
+def start_aio_main(tmp_path: Path, *flags: str) -> "tuple[subprocess.Popen[str], int, list[str]]":
+    script = tmp_path / "aio_guard.py"
+    script.write_text(AIO_MAIN_GUARD)
+    process = subprocess.Popen(
+        [sys.executable, str(script), "--port", "0", *flags],
+        env={**os.environ, "PYTHONPATH": SRC}, stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    err: list[str] = []
+
+    def read_err() -> None:
+        assert process.stderr is not None
+        for line in process.stderr:
+            err.append(line)
+
+    threading.Thread(target=read_err, daemon=True).start()
+    assert process.stdout is not None
+    line = process.stdout.readline()  # the kit prints exactly one line
+    if not line.startswith("LISTENING "):
+        process.kill()
+        raise AssertionError(f"no LISTENING line: {line!r}\n{''.join(err)}")
+    return process, int(line.split()[1]), err
+
+
+def test_asyncio_guard_main_serves_registers_and_drains_on_sigterm(
+        mesh: Mesh, tmp_path: Path) -> None:
+    """guard_aio.main takes the sync kit's flags, registers (--mesh),
+    prints LISTENING, and on SIGTERM drains: the batch in flight is still
+    answered by the guard (not its failure policy), then it exits 0 without
+    waiting out the 5 s grace."""
+    process, port, err = start_aio_main(
+        tmp_path, "--mesh", mesh.addr, "--name", "aio-main", "--timeout-ms", "20000",
+        "--failure-policy", "fail_open")
+    try:
+        results: list[Any] = []
+
+        def ask() -> None:
+            with Coordinator(mesh.addr, timeout=30) as coordinator:
+                results.append(coordinator.session().evaluate(
+                    [{"call_id": "c1", "tool": "slow"}, {"call_id": "c2", "tool": "fast"}]))
+
+        asker = threading.Thread(target=ask)
+        asker.start()
+        wait_until(lambda: any(line.startswith("judging") for line in err), 20)
+        process.send_signal(signal.SIGTERM)
+        signalled = time.monotonic()
+        assert process.wait(30) == 0, "".join(err)
+        stopped_after = time.monotonic() - signalled
+        asker.join(30)
+        (result,) = results
+        c1, c2 = result.decisions
+        assert isinstance(c1, Cancel) and c1.content == "slowly refused", c1
+        assert c1.decided_by == "aio-main" and not c1.failure, c1
+        assert isinstance(c2, Proceed), c2
+        # The judge takes 1 s; a stop that waited for the grace would take 5 s.
+        assert stopped_after < 4.5, (stopped_after, "".join(err))
+        assert any("stopped" in line for line in err), "".join(err)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+
+
+def test_asyncio_guard_main_exits_0_on_sigint_and_refuses_bad_flags(tmp_path: Path) -> None:
+    """SIGINT stops it as SIGTERM does; flags that do not go together exit 2."""
+    process, port, err = start_aio_main(tmp_path)
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            check = channel.unary_unary("/grpc.health.v1.Health/Check",
+                                        request_serializer=lambda b: b,
+                                        response_deserializer=lambda b: b)
+            assert check(b"", timeout=5) == b"\x08\x01"  # SERVING
+        process.send_signal(signal.SIGINT)
+        assert process.wait(30) == 0, "".join(err)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+    bad = subprocess.run(
+        [sys.executable, str(tmp_path / "aio_guard.py"), "--tls-cert-file", "x.pem"],
+        env={**os.environ, "PYTHONPATH": SRC}, capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "go together" in bad.stderr, bad.stderr

@@ -7,6 +7,7 @@ stream: a guard author writes one function ::
 
     def judge(batch: Batch) -> Iterable[Verdict] | None
 
+(``Verdict`` is exported here, as are :class:`Batch` and :class:`Call`)
 and returns (or yields) a verdict for the calls it does not want to run as
 they are. A call without a verdict proceeds. Verdicts are built with the
 helpers :func:`steer`, :func:`cancel`, :func:`rewrite` and :func:`proceed`.
@@ -68,7 +69,18 @@ import signal
 import sys
 import threading
 import time
-from typing import Any, Callable, Iterable, Iterator, Mapping, Optional, Sequence, Union
+from typing import (
+    TYPE_CHECKING,
+    Any,
+    Callable,
+    Iterable,
+    Iterator,
+    Mapping,
+    Optional,
+    Sequence,
+    TypedDict,
+    Union,
+)
 
 import grpc
 
@@ -85,6 +97,11 @@ from guardmesh._tracing import extract_context, install_file_tracing, tracer
 from guardmesh.v1 import guardmesh_pb2 as pb
 from guardmesh.v1 import guardmesh_pb2_grpc as pb_grpc
 
+if sys.version_info >= (3, 11):
+    from typing import Unpack
+elif TYPE_CHECKING:  # only annotations use it, and they are not evaluated
+    from typing_extensions import Unpack
+
 __all__ = [
     "ArgumentsError",
     "Batch",
@@ -94,10 +111,15 @@ __all__ = [
     "Health",
     "SERVING",
     "credentials_from_args",
+    "registration_from_args",
+    "server_tls_from_args",
     "pb_grpc",
     "JudgeFn",
     "MeshCredentials",
+    "PolicyOptions",
+    "RegisterOptions",
     "ServerTls",
+    "Verdict",
     "Verdicts",
     "argument_parser",
     "cancel",
@@ -219,7 +241,12 @@ class Batch:
         )
 
 
-Verdicts = Optional[Union["pb.Verdict", Iterable["pb.Verdict"]]]
+#: One verdict on one call (the wire type ``guardmesh.v1.Verdict``), as the
+#: helpers :func:`steer`, :func:`cancel`, :func:`rewrite` and :func:`proceed`
+#: build it.
+Verdict = pb.Verdict
+#: What a judge returns: verdicts (a list, a generator), one verdict, or None.
+Verdicts = Optional[Union[Verdict, Iterable[Verdict]]]
 #: A judge function: a batch in, verdicts out (a list, a generator, one
 #: verdict, or None for "all proceed"). It runs on a worker thread.
 JudgeFn = Callable[[Batch], Verdicts]
@@ -230,18 +257,18 @@ JudgeFn = Callable[[Batch], Verdicts]
 # ---------------------------------------------------------------------------
 
 
-def _skip(call_id: str, content: str, kind: "pb.SkipKind.ValueType") -> "pb.Verdict":
+def _skip(call_id: str, content: str, kind: "pb.SkipKind.ValueType") -> Verdict:
     if not content or not content.strip():
         raise ValueError(f"skip of call {call_id!r} needs non-blank content (R8)")
     return pb.Verdict(call_id=call_id, skip=pb.Skip(content=content, kind=kind))
 
 
-def steer(call_id: str, content: str) -> "pb.Verdict":
+def steer(call_id: str, content: str) -> Verdict:
     """Skip the call as an error the model should fix and retry (R7)."""
     return _skip(call_id, content, pb.SKIP_KIND_STEER)
 
 
-def cancel(call_id: str, content: str) -> "pb.Verdict":
+def cancel(call_id: str, content: str) -> Verdict:
     """Skip the call with a benign "not allowed" result; the model moves on."""
     return _skip(call_id, content, pb.SKIP_KIND_CANCEL)
 
@@ -250,7 +277,7 @@ def rewrite(
     call_id: str,
     arguments: Union[Mapping[str, Any], str, None] = None,
     tool: Optional[str] = None,
-) -> "pb.Verdict":
+) -> Verdict:
     """Run the call changed (mutate guards, within their grant: R11).
 
     ``arguments`` replaces the call's arguments whole: a mapping (serialized
@@ -276,12 +303,12 @@ def rewrite(
     return pb.Verdict(call_id=call_id, rewrite=change)
 
 
-def proceed(call_id: str) -> "pb.Verdict":
+def proceed(call_id: str) -> Verdict:
     """An explicit "run it": the same as sending no verdict for the call."""
     return pb.Verdict(call_id=call_id)
 
 
-def conforming(batch: Batch, result: Verdicts) -> list[pb.Verdict]:
+def conforming(batch: Batch, result: Verdicts) -> list[Verdict]:
     """The verdicts of a judge's result that the protocol allows (R8)."""
     if result is None:
         return []
@@ -628,7 +655,9 @@ def serve(
     service_names = [GUARD_SERVICE, _health.SERVICE_NAME]
     if reflection:
         try:
-            from grpc_reflection.v1alpha import reflection as grpc_reflection
+            from grpc_reflection.v1alpha import (  # type: ignore[import-untyped,unused-ignore]
+                reflection as grpc_reflection,
+            )
         except ImportError:
             log.debug("grpcio-reflection not installed: no server reflection")
         else:
@@ -646,6 +675,48 @@ def serve(
         health_servicer.set(service, _health.SERVING)
     log.info("guard %r serving on %s:%d", name, host, bound)
     return GuardServer(server, servicer, health_servicer, bound), bound
+
+
+class PolicyOptions(TypedDict, total=False):
+    """The keyword options of :func:`register_policy` (all optional).
+
+    Enum options take a short name (``"fail_open"``, ``"dry_run"``), a full
+    one or the number; list options a sequence or comma-separated text. A
+    type checker (``mypy --strict``) flags a misspelt option; at run time an
+    unknown one is a TypeError and an unknown enum name a ValueError.
+    """
+
+    #: The tools judged: names or globs (default: all).
+    tools: Union[str, Sequence[str], None]
+    #: ``fail_closed`` (default), ``fail_open`` or ``abort`` (R13).
+    failure_policy: Union[str, int]
+    #: Chain position: lower first (default 0).
+    priority: int
+    #: ``enforce`` (default) or ``dry_run``: consulted and traced, never applied.
+    mode: Union[str, int]
+
+
+class RegisterOptions(PolicyOptions, total=False):
+    """The keyword options of :func:`register` (all optional): those of
+    :class:`PolicyOptions` and these."""
+
+    #: The address the guard serves on (default 127.0.0.1); a wildcard one
+    #: registers 127.0.0.1.
+    host: str
+    #: The endpoint registered (default ``http://HOST:PORT``).
+    endpoint: Optional[str]
+    #: ``validate`` (default) or ``mutate``.
+    role: Union[str, int]
+    #: Time to answer a batch in ms; 0 (default): the mesh's default.
+    timeout_ms: int
+    #: Mutate guards: the tools it may rewrite.
+    grant_tools: Union[str, Sequence[str], None]
+    #: Mutate guards: may change a call's tool name.
+    may_rename: bool
+    #: Register ``https://`` (the guard serves TLS).
+    https: bool
+    #: The name the mesh verifies the guard's certificate against.
+    server_identity: str
 
 
 def registration(
@@ -693,11 +764,12 @@ def register(
     *,
     timeout: float = 10.0,
     credentials: Optional[MeshCredentials] = None,
-    **options: Any,
+    **options: Unpack[RegisterOptions],
 ) -> "pb.RegisterResponse":
     """Registers (or updates) this guard with the mesh at ``mesh_addr``.
 
-    Options (keyword-only; an unknown one is a TypeError): ``host``,
+    Options (keyword-only, typed by :class:`RegisterOptions`; an unknown
+    one is a TypeError): ``host``,
     ``endpoint`` (default ``http://HOST:PORT``, with 127.0.0.1 for a
     wildcard host, ``https://`` with ``https=True``), ``role``, ``tools``,
     ``failure_policy``, ``timeout_ms``, ``priority``, ``mode``,
@@ -757,14 +829,15 @@ def register_policy(
     *,
     timeout: float = 10.0,
     credentials: Optional[MeshCredentials] = None,
-    **options: Any,
+    **options: Unpack[PolicyOptions],
 ) -> "pb.RegisterResponse":
     """Registers (or updates) a policy guard (SPEC.md R27) with the mesh at
     ``mesh_addr``: ``source`` is the text of a policy file (CEL rules), sent
     whole and judged inside the mesh; there is no process to run.
 
-    Options (keyword-only; an unknown one is a TypeError): ``tools``,
-    ``failure_policy``, ``priority``, ``mode`` (as :func:`register`). A
+    Options (keyword-only, typed by :class:`PolicyOptions`; an unknown one
+    is a TypeError): ``tools``, ``failure_policy``, ``priority``, ``mode``
+    (as :func:`register`). A
     policy that does not compile is refused: ``grpc.RpcError`` with
     ``INVALID_ARGUMENT`` and the line and reason in its details (check it
     first with ``guardmesh policy check FILE``).
@@ -860,17 +933,50 @@ def credentials_from_args(args: argparse.Namespace) -> MeshCredentials:
         tls_domain=args.mesh_tls_domain)
 
 
+def _setup_logging(args: argparse.Namespace) -> None:
+    logging.basicConfig(
+        stream=sys.stderr, level=args.log_level.upper(),
+        format=f"%(asctime)s %(levelname)s {args.name}: %(message)s")
+
+
+def server_tls_from_args(args: argparse.Namespace) -> Optional[ServerTls]:
+    """The TLS the kit's ``--tls-*`` flags give the guard's listener (None:
+    plaintext); ValueError if they do not go together."""
+    if args.tls_cert_file or args.tls_key_file:
+        if not (args.tls_cert_file and args.tls_key_file):
+            raise ValueError("--tls-cert-file and --tls-key-file go together")
+        return ServerTls(args.tls_cert_file, args.tls_key_file, args.tls_client_ca_file)
+    if args.tls_client_ca_file:
+        raise ValueError("--tls-client-ca-file needs --tls-cert-file and --tls-key-file")
+    return None
+
+
+def registration_from_args(args: argparse.Namespace, tls: Optional[ServerTls]) -> RegisterOptions:
+    """The :func:`register` options the kit's flags give."""
+    return RegisterOptions(
+        host=args.host, endpoint=args.endpoint, role=args.role, tools=args.tools,
+        failure_policy=args.failure_policy, timeout_ms=args.timeout_ms,
+        priority=args.priority, mode="dry_run" if args.dry_run else "enforce",
+        grant_tools=args.grant_tools, may_rename=args.may_rename, https=tls is not None)
+
+
+def _registration_failed(mesh: str, err: Exception) -> None:
+    detail = err.details() if isinstance(err, grpc.RpcError) else str(err)
+    code = err.code().name if isinstance(err, grpc.RpcError) else "INVALID"
+    log.error("could not register with the mesh at %s: %s: %s", mesh, code, detail)
+
+
 def run(judge_fn: JudgeFn, args: argparse.Namespace) -> int:
     """Serves ``judge_fn`` as the parsed flags say, until SIGTERM or SIGINT.
 
     Prints exactly one line to stdout, ``LISTENING <port>``, once serving
-    (and registered, with ``--mesh``). Logs go to stderr. Returns the exit
-    status: 0 after a graceful stop, 1 if registration failed. Call it from
-    the main thread (it installs signal handlers).
+    (and registered, with ``--mesh``). Logs go to stderr. On the signal it
+    drains: stops taking new streams, answers what is outstanding (for up
+    to 5 s), then stops. Returns the exit status: 0 after a graceful stop,
+    1 if registration failed, 2 for flags that do not go together. Call it
+    from the main thread (it installs signal handlers).
     """
-    logging.basicConfig(
-        stream=sys.stderr, level=args.log_level.upper(),
-        format=f"%(asctime)s %(levelname)s {args.name}: %(message)s")
+    _setup_logging(args)
     provider = install_file_tracing(args.otlp_file, args.name) if args.otlp_file else None
 
     stop = threading.Event()
@@ -879,13 +985,7 @@ def run(judge_fn: JudgeFn, args: argparse.Namespace) -> int:
 
     try:
         credentials = credentials_from_args(args)
-        tls = None
-        if args.tls_cert_file or args.tls_key_file:
-            if not (args.tls_cert_file and args.tls_key_file):
-                raise ValueError("--tls-cert-file and --tls-key-file go together")
-            tls = ServerTls(args.tls_cert_file, args.tls_key_file, args.tls_client_ca_file)
-        elif args.tls_client_ca_file:
-            raise ValueError("--tls-client-ca-file needs --tls-cert-file and --tls-key-file")
+        tls = server_tls_from_args(args)
     except ValueError as err:
         log.error("%s", err)
         return 2
@@ -893,16 +993,10 @@ def run(judge_fn: JudgeFn, args: argparse.Namespace) -> int:
                          tls=tls)
     if args.mesh:
         try:
-            register(args.mesh, args.name, port, host=args.host, endpoint=args.endpoint,
-                     role=args.role, tools=args.tools, failure_policy=args.failure_policy,
-                     timeout_ms=args.timeout_ms, priority=args.priority,
-                     mode="dry_run" if args.dry_run else "enforce",
-                     grant_tools=args.grant_tools, may_rename=args.may_rename,
-                     credentials=credentials, https=tls is not None)
+            register(args.mesh, args.name, port, credentials=credentials,
+                     **registration_from_args(args, tls))
         except (grpc.RpcError, ValueError) as err:
-            detail = err.details() if isinstance(err, grpc.RpcError) else str(err)
-            code = err.code().name if isinstance(err, grpc.RpcError) else "INVALID"
-            log.error("could not register with the mesh at %s: %s: %s", args.mesh, code, detail)
+            _registration_failed(args.mesh, err)
             server.stop(0).wait()
             return 1
     print(f"LISTENING {port}", flush=True)

@@ -16,43 +16,69 @@ the judge), tracing (R22), health and registration are those of
         return [guard.cancel(c.call_id, "No deletes.")
                 for c in batch.calls if c.tool == "fs.delete"]
 
-    async def main():
+    if __name__ == "__main__":
+        guard_aio.main(judge, name="no-delete")
+
+:func:`main` takes the sync kit's flags (``--port``, ``--mesh``, ``--name``,
+``--role``, TLS, ...; ``--workers`` bounds the batches judged at once),
+prints ``LISTENING <port>`` once serving and registered, and on SIGTERM or
+SIGINT drains (no new streams; each open stream ends once what it was sent
+is answered, for up to 5 s) and exits 0. To run the pieces yourself::
+
+    async def serve_it():
         server, port = await guard_aio.serve(judge, name="no-delete")
         await guard_aio.register("127.0.0.1:50051", "no-delete", port)
         await server.wait_for_termination()
-
-    asyncio.run(main())
 """
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import logging
-from typing import Any, AsyncIterator, Awaitable, Callable, Optional
+import signal
+import sys
+from typing import TYPE_CHECKING, Any, AsyncIterator, Awaitable, Callable, Optional, Sequence
 
 import grpc
 import grpc.aio
 
 from guardmesh import _health
 from guardmesh._common import MeshCredentials
-from guardmesh._tracing import extract_context, server_kind, tracer
+from guardmesh._tracing import extract_context, install_file_tracing, server_kind, tracer
 from guardmesh.guard import (
     GUARD_SERVICE,
     Batch,
+    Call,
+    PolicyOptions,
+    RegisterOptions,
     ServerTls,
+    Verdict,
     Verdicts,
+    _registration_failed,
+    _setup_logging,
     _span_attributes,
     _span_outcome,
+    argument_parser,
     conforming,
+    credentials_from_args,
     policy_registration,
     registration,
+    registration_from_args,
+    server_tls_from_args,
     steer,
 )
 from guardmesh.v1 import guardmesh_pb2 as pb
 from guardmesh.v1 import guardmesh_pb2_grpc as pb_grpc
 
-__all__ = ["AsyncGuardServer", "AsyncJudgeFn", "deregister", "register", "register_policy",
-           "serve"]
+if sys.version_info >= (3, 11):
+    from typing import Unpack
+elif TYPE_CHECKING:  # only annotations use it, and they are not evaluated
+    from typing_extensions import Unpack
+
+__all__ = ["AsyncGuardServer", "AsyncJudgeFn", "Batch", "Call", "PolicyOptions",
+           "RegisterOptions", "Verdict", "Verdicts", "argument_parser", "deregister", "main",
+           "register", "register_policy", "run", "serve"]
 
 log = logging.getLogger("guardmesh.guard")
 
@@ -89,21 +115,37 @@ async def _judge(judge_fn: AsyncJudgeFn, batch: Batch) -> pb.JudgeResponse:
 
 
 class _AsyncGuardServicer(pb_grpc.GuardServiceServicer):
-    def __init__(self, judge_fn: AsyncJudgeFn, name: str):
+    def __init__(self, judge_fn: AsyncJudgeFn, name: str, workers: Optional[int] = None):
         self.judge_fn = judge_fn
         self.name = name
+        self.slots = asyncio.Semaphore(workers) if workers else None
+        self.draining = asyncio.Event()
+        #: The outboxes of the open Judge streams.
+        self.streams: set[asyncio.Queue[Any]] = set()
+        self.streams_changed = asyncio.Condition()
+
+    async def _judge(self, batch: Batch) -> pb.JudgeResponse:
+        if self.slots is None:
+            return await _judge(self.judge_fn, batch)
+        async with self.slots:
+            return await _judge(self.judge_fn, batch)
 
     async def Judge(self, request_iterator: AsyncIterator[pb.JudgeRequest],
                     context: grpc.aio.ServicerContext[pb.JudgeRequest, pb.JudgeResponse],
                     ) -> AsyncIterator[pb.JudgeResponse]:
+        if self.draining.is_set():
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the guard is stopping")
         await context.send_initial_metadata(())
-        outbox: asyncio.Queue[Optional[pb.JudgeResponse]] = asyncio.Queue()
+        # Answers, _WAKE (re-check whether draining is done), None (reader done).
+        outbox: asyncio.Queue[Any] = asyncio.Queue()
         tasks: dict[int, asyncio.Task[None]] = {}
 
         async def judge_one(batch: Batch) -> None:
-            response = await _judge(self.judge_fn, batch)
+            response = await self._judge(batch)
+            # Popping and queueing the answer happen in one step of the loop,
+            # so "no task and an empty outbox" means nothing is outstanding.
             if tasks.pop(batch.request_id, None) is not None:
-                await outbox.put(response)
+                outbox.put_nowait(response)
 
         async def read() -> None:
             try:
@@ -123,44 +165,86 @@ class _AsyncGuardServicer(pb_grpc.GuardServiceServicer):
             finally:
                 if tasks:
                     await asyncio.gather(*tasks.values(), return_exceptions=True)
-                await outbox.put(None)
+                outbox.put_nowait(None)
 
         reader = asyncio.ensure_future(read())
+        async with self.streams_changed:
+            self.streams.add(outbox)
         try:
             while (item := await outbox.get()) is not None:
-                yield item
+                if isinstance(item, pb.JudgeResponse):
+                    yield item
+                if self.draining.is_set() and not tasks and outbox.empty():
+                    break  # drained: end the stream with OK
         finally:
             reader.cancel()
             for task in tasks.values():
                 task.cancel()
+            async with self.streams_changed:
+                self.streams.discard(outbox)
+                self.streams_changed.notify_all()
+
+    def drain(self) -> None:
+        """Ends each stream (with OK) once it has no outstanding request;
+        new streams are refused (UNAVAILABLE)."""
+        self.draining.set()
+        for outbox in self.streams:
+            outbox.put_nowait(_WAKE)
+
+    async def wait_drained(self, timeout: Optional[float]) -> bool:
+        """Waits until no Judge stream is open; False on timeout."""
+        async with self.streams_changed:
+            try:
+                await asyncio.wait_for(
+                    self.streams_changed.wait_for(lambda: not self.streams), timeout)
+            except asyncio.TimeoutError:
+                return False
+        return True
+
+
+_WAKE = object()
 
 
 class AsyncGuardServer:
     """A running asyncio guard."""
 
-    def __init__(self, server: grpc.aio.Server, health: _health.Health, port: int, name: str):
+    def __init__(self, server: grpc.aio.Server, health: _health.Health, port: int, name: str,
+                 servicer: Optional[_AsyncGuardServicer] = None):
         self.grpc_server = server
         self.port = port
         self.name = name
         self._health = health
+        self._servicer = servicer
 
     async def stop(self, grace: Optional[float] = 5.0) -> None:
-        """Reports NOT_SERVING, then stops, letting streams finish for
-        ``grace`` seconds."""
+        """Stops gracefully: reports NOT_SERVING, refuses new RPCs, lets each
+        open Judge stream answer what it was sent (ending it with OK), then
+        cancels what is left (health watches, say), at the latest after
+        ``grace`` seconds (at once with ``grace`` 0 or None)."""
         self._health.enter_graceful_shutdown()
-        await self.grpc_server.stop(grace)
+        if self._servicer is None or not grace:
+            await self.grpc_server.stop(grace)
+            return
+        self._servicer.drain()
+        stopping = asyncio.ensure_future(self.grpc_server.stop(grace))  # refuses new RPCs
+        await self._servicer.wait_drained(grace)
+        await self.grpc_server.stop(None)  # the rest: health watches
+        await stopping
 
     async def wait_for_termination(self, timeout: Optional[float] = None) -> bool:
         return await self.grpc_server.wait_for_termination(timeout)
 
 
 async def serve(judge_fn: AsyncJudgeFn, port: int = 0, host: str = "127.0.0.1", *,
-                name: str = "", tls: Optional[ServerTls] = None) -> tuple[AsyncGuardServer, int]:
+                name: str = "", tls: Optional[ServerTls] = None,
+                workers: Optional[int] = None) -> tuple[AsyncGuardServer, int]:
     """Starts serving ``judge_fn``; returns (server, port). ``port=0`` picks
-    a free port; ``tls`` serves TLS (mTLS with a client CA). Also serves
+    a free port; ``tls`` serves TLS (mTLS with a client CA); ``workers``
+    bounds the batches judged at once (default: no bound). Also serves
     ``grpc.health.v1.Health``."""
     server = grpc.aio.server()
-    pb_grpc.add_GuardServiceServicer_to_server(_AsyncGuardServicer(judge_fn, name), server)
+    servicer = _AsyncGuardServicer(judge_fn, name, workers)
+    pb_grpc.add_GuardServiceServicer_to_server(servicer, server)
     health = _health.Health()
     server.add_generic_rpc_handlers((health.aio_handler(),))
     address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
@@ -172,14 +256,15 @@ async def serve(judge_fn: AsyncJudgeFn, port: int = 0, host: str = "127.0.0.1", 
     for service in ("", GUARD_SERVICE):
         health.set(service, _health.SERVING)
     log.info("guard %r serving on %s:%d", name, host, bound)
-    return AsyncGuardServer(server, health, bound, name), bound
+    return AsyncGuardServer(server, health, bound, name, servicer), bound
 
 
 async def register(mesh_addr: str, name: str, port: int, *, timeout: float = 10.0,
                    credentials: Optional[MeshCredentials] = None,
-                   **options: Any) -> pb.RegisterResponse:
-    """As :func:`guardmesh.guard.register` (same keyword options; an unknown
-    one is a TypeError), on an asyncio channel."""
+                   **options: Unpack[RegisterOptions]) -> pb.RegisterResponse:
+    """As :func:`guardmesh.guard.register` (same keyword options,
+    :class:`RegisterOptions`; an unknown one is a TypeError), on an asyncio
+    channel."""
     return await _register(mesh_addr, registration(name, port, **options), timeout,
                            credentials)
 
@@ -199,9 +284,10 @@ async def _register(mesh_addr: str, spec: pb.GuardSpec, timeout: float,
 async def register_policy(mesh_addr: str, name: str, source: str, *,
                           timeout: float = 10.0,
                           credentials: Optional[MeshCredentials] = None,
-                          **options: Any) -> pb.RegisterResponse:
-    """As :func:`guardmesh.guard.register_policy` (same keyword options; an
-    unknown one is a TypeError), on an asyncio channel."""
+                          **options: Unpack[PolicyOptions]) -> pb.RegisterResponse:
+    """As :func:`guardmesh.guard.register_policy` (same keyword options,
+    :class:`PolicyOptions`; an unknown one is a TypeError), on an asyncio
+    channel."""
     return await _register(mesh_addr, policy_registration(name, source, **options), timeout,
                            credentials)
 
@@ -215,3 +301,80 @@ async def deregister(mesh_addr: str, name: str, *, timeout: float = 5.0,
         response: pb.DeregisterResponse = await stub.Deregister(
             pb.DeregisterRequest(name=name), timeout=timeout, metadata=credentials.metadata())
     return response.removed
+
+
+# ---------------------------------------------------------------------------
+# Command line
+# ---------------------------------------------------------------------------
+
+
+async def serve_until_signalled(judge_fn: AsyncJudgeFn, args: argparse.Namespace) -> int:
+    """:func:`run` inside a running event loop (on the main thread: it
+    handles SIGTERM and SIGINT)."""
+    _setup_logging(args)
+    provider = install_file_tracing(args.otlp_file, args.name) if args.otlp_file else None
+    try:
+        credentials = credentials_from_args(args)
+        tls = server_tls_from_args(args)
+    except ValueError as err:
+        log.error("%s", err)
+        return 2
+
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    signals = (signal.SIGTERM, signal.SIGINT)
+    for signum in signals:
+        try:
+            loop.add_signal_handler(signum, stop.set)
+        except NotImplementedError:  # no add_signal_handler (Windows)
+            signal.signal(signum, lambda *_: loop.call_soon_threadsafe(stop.set))
+    try:
+        server, port = await serve(judge_fn, args.port, args.host, name=args.name, tls=tls,
+                                   workers=args.workers)
+        if args.mesh:
+            try:
+                await register(args.mesh, args.name, port, credentials=credentials,
+                               **registration_from_args(args, tls))
+            except (grpc.RpcError, ValueError) as err:
+                _registration_failed(args.mesh, err)
+                await server.stop(0)
+                return 1
+        print(f"LISTENING {port}", flush=True)
+
+        await stop.wait()
+        log.info("stopping")
+        if args.mesh and args.deregister_on_exit:
+            try:
+                await deregister(args.mesh, args.name, credentials=credentials)
+            except (grpc.RpcError, ValueError) as err:
+                log.warning("could not deregister: %s", err)
+        await server.stop(grace=5.0)
+    finally:
+        for signum in signals:
+            try:
+                loop.remove_signal_handler(signum)
+            except NotImplementedError:
+                pass
+    if provider is not None:
+        provider.shutdown()
+    log.info("stopped")
+    return 0
+
+
+def run(judge_fn: AsyncJudgeFn, args: argparse.Namespace) -> int:
+    """Serves the coroutine function ``judge_fn`` as the parsed flags (those
+    of :func:`guardmesh.guard.argument_parser`) say, on a new event loop,
+    until SIGTERM or SIGINT: as :func:`guardmesh.guard.run` does. Prints
+    ``LISTENING <port>`` once serving (and registered, with ``--mesh``);
+    drains on the signal. Returns the exit status: 0 after a graceful stop,
+    1 if registration failed, 2 for flags that do not go together. Call it
+    from the main thread."""
+    return asyncio.run(serve_until_signalled(judge_fn, args))
+
+
+def main(judge_fn: AsyncJudgeFn, argv: Optional[Sequence[str]] = None,
+         **defaults: Any) -> None:
+    """Parses the kit's flags (``defaults`` as in
+    :func:`guardmesh.guard.argument_parser`), serves ``judge_fn`` and exits
+    with :func:`run`'s status."""
+    sys.exit(run(judge_fn, argument_parser(**defaults).parse_args(argv)))
