@@ -64,6 +64,7 @@ mod mcp_answers;
 mod mcp_bounds;
 mod mcp_readme;
 mod mcp_relay;
+mod mcp_revision;
 mod mcp_smuggling;
 mod observability;
 mod otel;

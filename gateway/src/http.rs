@@ -429,6 +429,31 @@ impl Proxy {
             }
             Err(error) => return error_response(StatusCode::OK, None, &error),
         };
+        // The 2026-07-28 revision's routing headers name what was judged.
+        let modern = crate::routing::present(&parts.headers);
+        if modern {
+            let checked = match &incoming {
+                Incoming::Single(Item::Forward { text, .. }) => {
+                    crate::routing::check_text(&parts.headers, text)
+                }
+                Incoming::Single(Item::ToolCall(call)) => {
+                    crate::routing::check(&parts.headers, "tools/call", Some(&call.name))
+                }
+                Incoming::Single(_) => Ok(()),
+                Incoming::Batch(_) => Err(ErrorData::new(
+                    crate::routing::HEADER_MISMATCH,
+                    "guardmesh: routing headers (Mcp-Method, Mcp-Name) on a JSON-RPC batch",
+                    None,
+                )),
+            };
+            if let Err(error) = checked {
+                let id = match &incoming {
+                    Incoming::Single(Item::ToolCall(call)) => Some(call.id.clone()),
+                    _ => None,
+                };
+                return error_response(StatusCode::BAD_REQUEST, id.as_deref(), &error);
+            }
+        }
         match incoming {
             Incoming::Single(Item::Forward {
                 text,
@@ -454,9 +479,19 @@ impl Proxy {
                     Ok(slot) => slot,
                     Err(busy) => return busy.response(Some(&*call.id)),
                 };
+                let original = modern.then(|| call.message.to_text());
                 match self.grouper.judge_one(&session, call).await {
                     Disposition::Forward(text) => {
-                        self.forward(parts.method, &parts.headers, full(text)).await
+                        let rewritten;
+                        let headers = match &original {
+                            Some(original) => {
+                                rewritten =
+                                    crate::routing::for_final_call(&parts.headers, original, &text);
+                                &rewritten
+                            }
+                            None => &parts.headers,
+                        };
+                        self.forward(parts.method, headers, full(text)).await
                     }
                     Disposition::Answer(text) => json_response(StatusCode::OK, text),
                 }
@@ -526,6 +561,9 @@ impl Proxy {
         json_response(StatusCode::OK, format!("[{}]", answers.join(",")))
     }
 }
+
+/// How long a connection to the upstream is kept idle for reuse.
+const UPSTREAM_IDLE: Duration = Duration::from_secs(2);
 
 /// The upstream's answer to a `tools/list` read whole, at most.
 const MAX_LISTING_BYTES: usize = 32 << 20;
@@ -1266,7 +1304,12 @@ async fn serve(
     let judge = Arc::new(Judge::new(args.mesh.clone(), "mcp-http"));
     let proxy = Arc::new(Proxy {
         upstream,
-        client: Client::builder(TokioExecutor::new()).build_http(),
+        // An idle connection is dropped before common servers drop it (5 s
+        // in uvicorn and Node): a request sent on a connection the upstream
+        // is closing fails with a reset that cannot be retried.
+        client: Client::builder(TokioExecutor::new())
+            .pool_idle_timeout(UPSTREAM_IDLE)
+            .build_http(),
         grouper: crate::group::Grouper::new(
             judge.clone(),
             Duration::from_millis(args.batch_window_ms),

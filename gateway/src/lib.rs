@@ -59,6 +59,7 @@ pub mod json;
 pub mod jsonrpc;
 pub mod judge;
 mod pipes;
+pub mod routing;
 pub mod schemas;
 pub mod stdio;
 

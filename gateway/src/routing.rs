@@ -1,0 +1,255 @@
+//! The routing headers of the MCP 2026-07-28 revision over HTTP (R31):
+//! `Mcp-Method` repeats the request's `method` and `Mcp-Name` its named
+//! parameter (`params.name` of `tools/call` and `prompts/get`,
+//! `params.uri` of `resources/read`), so that a router or an upstream may
+//! act on a request without reading its body. Whatever trusts them must see
+//! the call the guards judged:
+//!
+//! * a request whose routing headers disagree with the body the gateway read
+//!   is refused (HTTP 400, JSON-RPC `-32020`, the revision's header-mismatch
+//!   code), naming the header; nothing is forwarded;
+//! * a `tools/call` a guard rewrote is forwarded with `Mcp-Name` written
+//!   from the final call, and without the client's `Mcp-Param-*` headers
+//!   (they name argument values of the call as the client sent it; the
+//!   gateway does not write new ones, so an upstream that requires them
+//!   refuses the rewritten call rather than run it under stale headers).
+
+use crate::json::{self, Json};
+use base64::Engine;
+use http::{HeaderMap, HeaderValue};
+use rmcp::model::{ErrorCode, ErrorData};
+
+/// The revision's code for routing headers that disagree with the body.
+pub const HEADER_MISMATCH: ErrorCode = ErrorCode(-32020);
+
+const METHOD: &str = "mcp-method";
+const NAME: &str = "mcp-name";
+const PARAM_PREFIX: &str = "mcp-param-";
+
+/// Whether the request carries any routing header (the 2026-07-28 revision).
+pub fn present(headers: &HeaderMap) -> bool {
+    headers.contains_key(METHOD)
+        || headers.contains_key(NAME)
+        || headers.keys().any(|k| k.as_str().starts_with(PARAM_PREFIX))
+}
+
+/// The parameter `method` names in `Mcp-Name`, if any.
+fn named_param(method: &str) -> Option<&'static str> {
+    match method {
+        "tools/call" | "prompts/get" => Some("name"),
+        "resources/read" => Some("uri"),
+        _ => None,
+    }
+}
+
+/// A header value as the revision writes it: plain visible ASCII, or
+/// `=?base64?PAYLOAD?=` for anything else.
+pub fn decode(value: &HeaderValue) -> Option<String> {
+    let text = value.to_str().ok()?;
+    match text
+        .strip_prefix("=?base64?")
+        .and_then(|rest| rest.strip_suffix("?="))
+    {
+        Some(payload) => {
+            let bytes = base64::engine::general_purpose::STANDARD
+                .decode(payload)
+                .ok()?;
+            String::from_utf8(bytes).ok()
+        }
+        None => Some(text.to_owned()),
+    }
+}
+
+/// `text` as a header value: itself when it is visible ASCII, else the
+/// base64 form.
+pub fn encode(text: &str) -> Option<HeaderValue> {
+    if text.bytes().all(|b| (0x20..0x7f).contains(&b)) && !text.starts_with("=?") {
+        return HeaderValue::from_str(text).ok();
+    }
+    let payload = base64::engine::general_purpose::STANDARD.encode(text.as_bytes());
+    HeaderValue::from_str(&format!("=?base64?{payload}?=")).ok()
+}
+
+/// The one value of header `name`; an error when it is repeated (readers
+/// of the first and of the last copy would disagree).
+fn single<'a>(headers: &'a HeaderMap, name: &str) -> Result<Option<&'a HeaderValue>, String> {
+    let mut values = headers.get_all(name).iter();
+    let first = values.next();
+    if values.next().is_some() {
+        return Err(format!(
+            "guardmesh: the {name} header appears more than once"
+        ));
+    }
+    Ok(first)
+}
+
+/// Checks the routing headers against a single request the gateway read:
+/// its `method` and, for the methods that have one, the named parameter's
+/// value. `None` for a request without routing headers.
+pub fn check(headers: &HeaderMap, method: &str, named: Option<&str>) -> Result<(), ErrorData> {
+    let mismatch = |message: String| ErrorData::new(HEADER_MISMATCH, message, None);
+    let header_method = single(headers, METHOD).map_err(mismatch)?;
+    let header_name = single(headers, NAME).map_err(mismatch)?;
+    if let Some(value) = header_method
+        && value.to_str().ok() != Some(method)
+    {
+        return Err(mismatch(format!(
+            "guardmesh: the Mcp-Method header does not match the request's method {method:?}"
+        )));
+    }
+    if let Some(value) = header_name {
+        let Some(param) = named_param(method) else {
+            return Err(mismatch(format!(
+                "guardmesh: an Mcp-Name header on {method:?}, which names nothing"
+            )));
+        };
+        if decode(value).as_deref() != named {
+            return Err(mismatch(format!(
+                "guardmesh: the Mcp-Name header does not match the request's params.{param}"
+            )));
+        }
+    } else if header_method.is_some() && named.is_some() {
+        return Err(mismatch(format!(
+            "guardmesh: Mcp-Method {method:?} without the Mcp-Name header its request needs"
+        )));
+    }
+    Ok(())
+}
+
+/// Checks the routing headers against a request the gateway forwards as
+/// read (not a `tools/call`): its method and named parameter are read from
+/// the gateway's own serialization.
+pub fn check_text(headers: &HeaderMap, text: &str) -> Result<(), ErrorData> {
+    let Ok(read) = json::read(text) else {
+        return Ok(());
+    };
+    let method = read.value.get("method").and_then(Json::as_str);
+    let Some(method) = method else {
+        // A response to the server: it has no method to route on.
+        if present(headers) {
+            return Err(ErrorData::new(
+                HEADER_MISMATCH,
+                "guardmesh: routing headers on a message that is not a request",
+                None,
+            ));
+        }
+        return Ok(());
+    };
+    let named = named_param(method).and_then(|param| {
+        read.value
+            .get("params")
+            .and_then(|p| p.get(param))
+            .and_then(Json::as_str)
+    });
+    check(headers, method, named)
+}
+
+/// The headers of a `tools/call` forwarded as `forwarded` (the gateway's
+/// text of the final call) when the client sent it as `original`: a
+/// rewritten call gets `Mcp-Name` from its final tool and loses the
+/// client's `Mcp-Param-*` headers.
+pub fn for_final_call(headers: &HeaderMap, original: &str, forwarded: &str) -> HeaderMap {
+    let mut headers = headers.clone();
+    if original == forwarded || !present(&headers) {
+        return headers;
+    }
+    let params: Vec<_> = headers
+        .keys()
+        .filter(|k| k.as_str().starts_with(PARAM_PREFIX))
+        .cloned()
+        .collect();
+    for name in params {
+        headers.remove(name);
+    }
+    if headers.contains_key(NAME) {
+        let tool = json::read(forwarded).ok().and_then(|read| {
+            read.value
+                .get("params")
+                .and_then(|p| p.get("name"))
+                .and_then(Json::as_str)
+                .map(str::to_owned)
+        });
+        match tool.as_deref().and_then(encode) {
+            Some(value) => {
+                headers.insert(NAME, value);
+            }
+            None => {
+                headers.remove(NAME);
+            }
+        }
+    }
+    headers
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn headers(pairs: &[(&str, &str)]) -> HeaderMap {
+        let mut map = HeaderMap::new();
+        for (k, v) in pairs {
+            map.append(
+                http::HeaderName::from_bytes(k.as_bytes()).unwrap(),
+                HeaderValue::from_str(v).unwrap(),
+            );
+        }
+        map
+    }
+
+    #[test]
+    fn r31_routing_headers_must_match_the_body_that_was_judged() {
+        let ok = headers(&[("mcp-method", "tools/call"), ("mcp-name", "read_file")]);
+        assert!(check(&ok, "tools/call", Some("read_file")).is_ok());
+        // The router would see read_file; the server would run delete_file.
+        let err = check(&ok, "tools/call", Some("delete_file")).unwrap_err();
+        assert_eq!(err.code, HEADER_MISMATCH);
+        assert!(err.message.contains("Mcp-Name"), "{}", err.message);
+        let err = check(&ok, "ping", None).unwrap_err();
+        assert!(err.message.contains("Mcp-Method"), "{}", err.message);
+        // Repeated, missing, or on a method that names nothing.
+        let twice = headers(&[
+            ("mcp-method", "tools/call"),
+            ("mcp-name", "a"),
+            ("mcp-name", "b"),
+        ]);
+        assert!(check(&twice, "tools/call", Some("a")).is_err());
+        let missing = headers(&[("mcp-method", "tools/call")]);
+        assert!(check(&missing, "tools/call", Some("a")).is_err());
+        let stray = headers(&[("mcp-method", "ping"), ("mcp-name", "x")]);
+        assert!(check(&stray, "ping", None).is_err());
+        // Without routing headers (the 2025-11-25 revision), nothing to check.
+        assert!(check(&HeaderMap::new(), "tools/call", Some("a")).is_ok());
+    }
+
+    #[test]
+    fn r31_header_values_in_base64_are_compared_decoded() {
+        let name = "écrire";
+        let value = encode(name).unwrap();
+        assert!(value.to_str().unwrap().starts_with("=?base64?"));
+        assert_eq!(decode(&value).as_deref(), Some(name));
+        let h = headers(&[
+            ("mcp-method", "tools/call"),
+            ("mcp-name", value.to_str().unwrap()),
+        ]);
+        assert!(check(&h, "tools/call", Some(name)).is_ok());
+        assert!(check(&h, "tools/call", Some("ecrire")).is_err());
+    }
+
+    #[test]
+    fn r31_a_rewritten_call_is_forwarded_with_headers_of_the_final_call() {
+        let h = headers(&[
+            ("mcp-method", "tools/call"),
+            ("mcp-name", "read_file"),
+            ("mcp-param-path", "/etc/shadow"),
+            ("authorization", "Bearer t"),
+        ]);
+        let original = r#"{"jsonrpc":"2.0","id":1,"method":"tools/call","params":{"name":"read_file","arguments":{"path":"/etc/shadow"}}}"#;
+        let rewritten = r#"{"jsonrpc":"2.0","id":1,"method":"tools/call","params":{"name":"read_redacted","arguments":{"path":"/redacted"}}}"#;
+        let out = for_final_call(&h, original, rewritten);
+        assert_eq!(out.get("mcp-name").unwrap(), "read_redacted");
+        assert!(out.get("mcp-param-path").is_none());
+        assert_eq!(out.get("authorization").unwrap(), "Bearer t");
+        // Unchanged: as sent.
+        assert_eq!(for_final_call(&h, original, original), h);
+    }
+}
