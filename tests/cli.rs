@@ -586,22 +586,7 @@ async fn r16_registration_refuses_ambiguous_endpoint_forms() {
 #[tokio::test]
 async fn r24_cli_says_what_to_pass_when_a_client_certificate_is_required() {
     let pki = TestPki::new();
-    let (cert, key) = pki.issue_files("server");
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let port = listener.local_addr().unwrap().port();
-    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-    let guard = guardmesh_client::GuardServer::new(script_guard_state(|_| Script::default()));
-    let server = tokio::spawn(guard.serve_with(
-        listener,
-        Some(guardmesh_client::ServerTls {
-            cert_pem: std::fs::read_to_string(&cert).unwrap(),
-            key_pem: std::fs::read_to_string(&key).unwrap(),
-            client_ca_pem: Some(pki.ca.cert_pem()),
-        }),
-        async {
-            let _ = stopped.await;
-        },
-    ));
+    let (port, stop, server) = tls_server(&pki, true).await;
     let ca = pki.ca_file();
     let mesh = format!("https://localhost:{port}");
     let out = tokio::task::spawn_blocking(move || {
@@ -626,11 +611,17 @@ async fn r24_cli_says_what_to_pass_when_a_client_certificate_is_required() {
     let _ = server.await;
 }
 
-/// A plaintext client at a mesh that serves TLS is told what to change,
-/// not left with a bare transport error.
-#[tokio::test]
-async fn r24_a_plaintext_client_at_a_tls_mesh_is_told_to_use_https() {
-    let pki = TestPki::new();
+/// A gRPC server on loopback serving TLS with a certificate of `pki`,
+/// requiring client certificates of it when `mtls`: (port, its stop
+/// signal, its task).
+async fn tls_server(
+    pki: &TestPki,
+    mtls: bool,
+) -> (
+    u16,
+    tokio::sync::oneshot::Sender<()>,
+    tokio::task::JoinHandle<Result<(), guardmesh_client::ServeError>>,
+) {
     let (cert, key) = pki.issue_files("server");
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let port = listener.local_addr().unwrap().port();
@@ -641,12 +632,21 @@ async fn r24_a_plaintext_client_at_a_tls_mesh_is_told_to_use_https() {
         Some(guardmesh_client::ServerTls {
             cert_pem: std::fs::read_to_string(&cert).unwrap(),
             key_pem: std::fs::read_to_string(&key).unwrap(),
-            client_ca_pem: None,
+            client_ca_pem: mtls.then(|| pki.ca.cert_pem()),
         }),
         async {
             let _ = stopped.await;
         },
     ));
+    (port, stop, server)
+}
+
+/// A plaintext client at a mesh that serves TLS is told what to change,
+/// not left with a bare transport error.
+#[tokio::test]
+async fn r24_a_plaintext_client_at_a_tls_mesh_is_told_to_use_https() {
+    let pki = TestPki::new();
+    let (port, stop, server) = tls_server(&pki, false).await;
     for mesh in [
         format!("http://127.0.0.1:{port}"),
         format!("127.0.0.1:{port}"),

@@ -133,8 +133,25 @@ pub(crate) async fn mesh_with_policy(name: &str) -> (MeshProcess, TestGuard) {
 /// Runs the Python SDK client with `scenario` against `target` (the
 /// `stdio COMMAND...` or `http URL` arguments); returns its output lines.
 pub(crate) fn run_client(scenario: Value, target: &[String]) -> Vec<Value> {
-    let output = Command::new(mcp_python())
-        .arg(sdk_dir().join("client.py"))
+    run_sdk_client(
+        &mcp_python(),
+        &sdk_dir().join("client.py"),
+        &scenario,
+        target,
+    )
+}
+
+/// Runs an SDK client script (`program script SCENARIO TARGET...`, as
+/// tests/mcp-sdk/client.py and ts/client.mjs take them); returns its
+/// output lines, one JSON value each.
+pub(crate) fn run_sdk_client(
+    program: &std::path::Path,
+    script: &std::path::Path,
+    scenario: &Value,
+    target: &[String],
+) -> Vec<Value> {
+    let output = Command::new(program)
+        .arg(script)
         .arg(scenario.to_string())
         .args(target)
         .stdin(Stdio::null())

@@ -13,32 +13,15 @@
 
 use crate::harness::*;
 use crate::mcp::{
-    Scratch, calls, http_gateway, mcp_python, mesh_with_policy, run_client, sdk_dir, via_gateway,
+    Scratch, calls, http_gateway, mcp_python, mesh_with_policy, run_client, run_sdk_client,
+    sdk_dir, via_gateway,
 };
 use serde_json::{Value, json};
-use std::process::{Command, Stdio};
 
 /// Runs the TypeScript SDK client (tests/mcp-sdk/ts/client.mjs) with
 /// `scenario` against `target`; returns its output lines.
 fn run_ts_client(scenario: &Value, target: &[String]) -> Vec<Value> {
-    let output = Command::new(node())
-        .arg(sdk_dir().join("ts/client.mjs"))
-        .arg(scenario.to_string())
-        .args(target)
-        .stdin(Stdio::null())
-        .output()
-        .expect("run the TypeScript MCP client");
-    let stdout = String::from_utf8_lossy(&output.stdout);
-    assert!(
-        output.status.success(),
-        "TypeScript client failed: {}\nstdout: {stdout}\nstderr: {}",
-        output.status,
-        String::from_utf8_lossy(&output.stderr)
-    );
-    stdout
-        .lines()
-        .map(|l| serde_json::from_str(l).unwrap())
-        .collect()
+    run_sdk_client(&node(), &sdk_dir().join("ts/client.mjs"), scenario, target)
 }
 
 /// The reference filesystem server over stdio, serving `dir`.

@@ -4,7 +4,6 @@
 //! gateway refuses a request whose headers disagree with the body it
 //! judged, and forwards a rewritten call with headers of the final call.
 
-use crate::harness::*;
 use crate::mcp::{Scratch, calls, http_gateway, mesh_with_policy, run_client};
 use serde_json::{Value, json};
 
@@ -19,6 +18,9 @@ fn stateless_call(id: u32, tool: &str, arguments: Value) -> String {
     }}})
     .to_string()
 }
+
+/// Extra request headers: (name, value).
+type Headers<'a> = Vec<(&'a str, &'a str)>;
 
 /// One POST with `headers`: (status, body).
 async fn post(url: &str, headers: &[(&str, &str)], body: &str) -> (u16, String) {
@@ -52,7 +54,7 @@ async fn r31_routing_headers_that_disagree_with_the_judged_body_are_refused() {
     let scratch = Scratch::new("revision");
     let (url, _upstream, _gateway) = http_gateway(&mesh.url, &scratch).await;
     let pay = stateless_call(1, "pay", json!({"amount": 5, "to": "bob"}));
-    let cases: [(&str, Vec<(&str, &str)>, String); 5] = [
+    let cases: [(&str, Headers, String); 5] = [
         (
             "Mcp-Name names another tool",
             vec![("Mcp-Method", "tools/call"), ("Mcp-Name", "read_file")],
