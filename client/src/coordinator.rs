@@ -445,6 +445,24 @@ impl Session {
             .await
     }
 
+    /// [`Session::evaluate`] for another agent session, `session_id`, on
+    /// this stream: a relay that judges for many sessions (an MCP gateway)
+    /// keeps one stream instead of a call per batch. The batch id is
+    /// `session_id/turn/n`, `n` counted on this stream.
+    pub async fn evaluate_as(
+        &self,
+        session_id: &str,
+        batch: Batch,
+    ) -> Result<BatchDecision, ClientError> {
+        let n = self.next.fetch_add(1, Ordering::Relaxed);
+        let batch_id = format!("{session_id}/{}/{n}", batch.turn_index);
+        if batch.calls.is_empty() {
+            return Ok(BatchDecision::empty(batch_id));
+        }
+        self.evaluate_raw(batch.into_request(batch_id, session_id))
+            .await
+    }
+
     /// Sends a batch exactly as given (its `batch_id` included) and waits
     /// for its answer. Unlike [`Session::evaluate`], an empty batch is sent.
     pub async fn evaluate_raw(

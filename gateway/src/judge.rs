@@ -12,10 +12,11 @@
 //! A call the mesh returned no decision for is never forwarded.
 
 use crate::jsonrpc::{self, ToolCallRequest, codes};
-use guardmesh_client::{Batch, BatchDecision, ClientError, Coordinator, Outcome};
+use guardmesh_client::{Batch, BatchDecision, ClientError, Coordinator, Outcome, Session};
 use rmcp::model::ErrorData;
 use std::collections::HashMap;
 use std::path::PathBuf;
+use std::sync::Arc;
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::Duration;
 use tokio::sync::Mutex;
@@ -126,6 +127,9 @@ impl JudgeError {
 pub struct Judge {
     args: MeshArgs,
     coordinator: Mutex<Option<Coordinator>>,
+    /// The one `Evaluate` stream every batch of this gateway is judged on,
+    /// opened with the first; reopened when it ends.
+    stream: Mutex<Option<Arc<Session>>>,
     turn: AtomicU32,
     metadata: HashMap<String, String>,
 }
@@ -137,6 +141,7 @@ impl Judge {
         Self {
             args,
             coordinator: Mutex::new(None),
+            stream: Mutex::new(None),
             turn: AtomicU32::new(0),
             metadata: HashMap::from([("gateway".to_owned(), source.to_owned())]),
         }
@@ -180,24 +185,78 @@ impl Judge {
         if self.args.timeout_ms > 0 {
             batch = batch.timeout(Duration::from_millis(self.args.timeout_ms));
         }
-        coordinator
-            .evaluate_once(session, batch)
-            .await
-            .map_err(|e| match e {
-                ClientError::Status(status)
-                    if std::error::Error::source(&status).is_none()
-                        || status.code() != tonic::Code::Unavailable =>
-                {
-                    JudgeError::Refused {
-                        code: status.code(),
-                        message: status.message().to_owned(),
+        // One retry, on a fresh stream, when the stream had ended: the
+        // mesh restarted, or the connection was cut between two batches.
+        let mut answer = self.on_stream(session, batch.clone(), &coordinator).await;
+        if matches!(answer, Err(ClientError::SessionClosed(_))) {
+            answer = self.on_stream(session, batch, &coordinator).await;
+        }
+        answer.map_err(|e| match e {
+            ClientError::Protocol(message) if message.starts_with(NO_ANSWER) => {
+                JudgeError::Unreachable {
+                    mesh: self.args.mesh.clone(),
+                    message,
+                }
+            }
+            ClientError::Status(status)
+                if std::error::Error::source(&status).is_none()
+                    || status.code() != tonic::Code::Unavailable =>
+            {
+                JudgeError::Refused {
+                    code: status.code(),
+                    message: status.message().to_owned(),
+                }
+            }
+            other => JudgeError::Unreachable {
+                mesh: self.args.mesh.clone(),
+                message: error_chain(&other),
+            },
+        })
+    }
+
+    /// Evaluates `batch` on the gateway's stream, opening it first if
+    /// needed; a stream that ended is dropped, so the next batch opens
+    /// another.
+    async fn on_stream(
+        &self,
+        session: &str,
+        batch: Batch,
+        coordinator: &Coordinator,
+    ) -> Result<BatchDecision, ClientError> {
+        // The mesh answers by the batch's deadline (R14); a mesh that does
+        // not (stopped, or cut off) gets its stream given up.
+        let bound = match self.args.timeout_ms {
+            0 => NO_ANSWER_BOUND,
+            ms => Duration::from_millis(ms) + NO_ANSWER_GRACE,
+        };
+        let mut used = None;
+        let judged = tokio::time::timeout(bound, async {
+            let stream = {
+                let mut slot = self.stream.lock().await;
+                match slot.as_ref() {
+                    Some(stream) => stream.clone(),
+                    None => {
+                        let stream = Arc::new(coordinator.session("gateway").await?);
+                        *slot = Some(stream.clone());
+                        stream
                     }
                 }
-                other => JudgeError::Unreachable {
-                    mesh: self.args.mesh.clone(),
-                    message: error_chain(&other),
-                },
-            })
+            };
+            used = Some(stream.clone());
+            stream.evaluate_as(session, batch).await
+        })
+        .await;
+        let answer =
+            judged.unwrap_or_else(|_| Err(ClientError::Protocol(format!("{NO_ANSWER} {bound:?}"))));
+        if let (Err(error), Some(stream)) = (&answer, &used)
+            && stream_ended(error)
+        {
+            let mut slot = self.stream.lock().await;
+            if slot.as_ref().is_some_and(|s| Arc::ptr_eq(s, stream)) {
+                *slot = None;
+            }
+        }
+        answer
     }
 
     /// Judges `calls` as one batch and says what to do with each, in order.
@@ -235,6 +294,32 @@ impl Judge {
             .iter()
             .map(|c| Disposition::Answer(jsonrpc::error(Some(&c.id), &data)))
             .collect()
+    }
+}
+
+/// The start of the error of a batch the mesh did not answer in time.
+const NO_ANSWER: &str = "no answer from the mesh within";
+
+/// How long a batch without a deadline of its own waits for the mesh's
+/// answer (the mesh's deadlines are shorter).
+const NO_ANSWER_BOUND: Duration = Duration::from_secs(60);
+
+/// How much longer than its deadline a batch waits for the mesh's answer.
+const NO_ANSWER_GRACE: Duration = Duration::from_secs(2);
+
+/// Whether `error` means the stream it came on is gone: closed, or ended
+/// with a transport failure (a refusal of one batch leaves it open).
+fn stream_ended(error: &ClientError) -> bool {
+    match error {
+        ClientError::SessionClosed(_) => true,
+        ClientError::Status(status) => {
+            std::error::Error::source(status).is_some()
+                || matches!(
+                    status.code(),
+                    tonic::Code::Unavailable | tonic::Code::Cancelled | tonic::Code::Unknown
+                )
+        }
+        _ => true,
     }
 }
 
