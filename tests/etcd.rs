@@ -1259,14 +1259,14 @@ impl Member {
 /// Three etcd members on loopback, each with its own client URL and data
 /// directory, their peer traffic through a [`Partition`]. Dropping it kills
 /// the members and removes their directories.
-struct Cluster {
+pub(crate) struct Cluster {
     members: Vec<Member>,
     partition: Arc<Partition>,
     proxies: Vec<JoinHandle<()>>,
 }
 
 impl Cluster {
-    async fn start() -> Self {
+    pub(crate) async fn start() -> Self {
         static SEQ: AtomicUsize = AtomicUsize::new(0);
         let token = format!(
             "guardmesh-test-{}-{}",
@@ -1368,7 +1368,7 @@ impl Cluster {
         cluster
     }
 
-    fn urls(&self) -> Vec<String> {
+    pub(crate) fn urls(&self) -> Vec<String> {
         self.members.iter().map(Member::url).collect()
     }
 
@@ -1404,7 +1404,7 @@ impl Drop for Cluster {
 }
 
 /// The registry settings of a replica that talks to `endpoints` only.
-fn cluster_settings(endpoints: Vec<String>, prefix: &str) -> EtcdConfig {
+pub(crate) fn cluster_settings(endpoints: Vec<String>, prefix: &str) -> EtcdConfig {
     EtcdConfig {
         endpoints,
         ..settings(String::new(), prefix)

@@ -74,6 +74,7 @@ mod policy_order;
 mod policy_reload_attacks;
 mod policy_watch;
 mod polyglot;
+mod registration;
 mod rewrites;
 mod rules;
 mod security;
