@@ -225,6 +225,61 @@ async fn r16_concurrent_registrations_on_two_replicas_never_exceed_the_quota() {
     b.shutdown().await;
 }
 
+/// R16: a registration is checked once. The replica that admitted and
+/// wrote it serves the very guard it checked, also after its own watch
+/// reads the write back; the other replica reads the stored spec and
+/// builds the guard once, with the same policy.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn r16_the_writing_replica_serves_the_guard_it_admitted() {
+    let cluster = Cluster::start().await;
+    let prefix = "/t/checked-once";
+    let (a, a_registry) = replica(&cluster, prefix, 3).await;
+    let (b, b_registry) = replica(&cluster, prefix, 3).await;
+    let admission = guardmesh_server::registry::Admission::of(&a.mesh.config);
+    let checked = guardmesh_server::registry::admit(
+        Registration::policy("p", pattern_policy("p")).build(),
+        &admission,
+    )
+    .await
+    .unwrap();
+    let out = a_registry.register(checked.clone(), None).await.unwrap();
+    assert!(out.created);
+    for registry in [&a_registry, &b_registry] {
+        assert!(
+            registry
+                .wait_for(out.revision, Duration::from_secs(15))
+                .await
+        );
+    }
+    let served = a_registry.chain().guards[0].clone();
+    assert!(
+        Arc::ptr_eq(&served, checked.guard()),
+        "the writer serves the guard it admitted, not a second build"
+    );
+    let other = b_registry.chain().guards[0].clone();
+    assert!(!Arc::ptr_eq(&other, checked.guard()));
+    assert_eq!(other.to_spec(), served.to_spec());
+    // A later change elsewhere in the chain leaves both guards as built.
+    let more = guardmesh_server::registry::admit(
+        Registration::validate("r", "127.0.0.1:1").build(),
+        &admission,
+    )
+    .await
+    .unwrap();
+    let out = a_registry.register(more, None).await.unwrap();
+    for registry in [&a_registry, &b_registry] {
+        assert!(
+            registry
+                .wait_for(out.revision, Duration::from_secs(15))
+                .await
+        );
+    }
+    assert!(Arc::ptr_eq(&a_registry.chain().guards[0], &served));
+    assert!(Arc::ptr_eq(&b_registry.chain().guards[0], &other));
+    a.shutdown().await;
+    b.shutdown().await;
+}
+
 /// A policy with one `matches` pattern of its own (`^{tag}$`): each such
 /// policy is charged the same bytes.
 fn pattern_policy(tag: &str) -> String {

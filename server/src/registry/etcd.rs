@@ -13,6 +13,21 @@
 //! | `<prefix>/revision` | name of the guard changed last | none |
 //! | `<prefix>/alive/<name>` | unused (empty) | the guard's heartbeat lease |
 //! | `<prefix>/removed/<name>` | tombstone of a deregistered guard (a mark unique to the call) | none |
+//! | `<prefix>/owner/<name>` | the identity that registered the guard | none |
+//! | `<prefix>/owned/<identity>/<name>` | empty: one key per guard an identity owns (`/` and `%` of the identity escaped) | none |
+//!
+//! * **One quota for all replicas** (R16, R25): a `Register` by an
+//!   authenticated caller reads the caller's `owned/` keys (a linearizable
+//!   read), checks its quota, and writes the registration together with its
+//!   owner keys in one transaction that applies only if none of the
+//!   caller's `owned/` keys nor the guard's `owner` key changed since that
+//!   read; a replica that loses a race reads again. `Deregister` deletes
+//!   the owner keys in its own transaction, which frees the place.
+//! * **Checked once** (R16): a registration reaches the registry already
+//!   admitted (`registry::admit`). The replica that writes it keeps the
+//!   checked guard and uses it when its watch reads the write back; every
+//!   other replica decodes and checks the stored spec once, compiling its
+//!   policy, which is the work one process cannot share with another.
 //!
 //! * **Policy is durable** (R15): a registration is a plain key that only
 //!   deregistration removes. A crashed guard's registration never expires; the
@@ -405,6 +420,10 @@ fn freshness(
     }
 }
 
+/// Registrations a replica is writing: name -> (the bytes stored, the
+/// guard admitted).
+type Written = HashMap<String, (Vec<u8>, Arc<Guard>)>;
+
 struct Shared {
     config: EtcdConfig,
     default_timeout: Duration,
@@ -424,7 +443,7 @@ struct Shared {
     /// Registrations this replica admitted and is writing, by name, with
     /// the bytes stored: when the watch (or a listing) reads one back, the
     /// guard admitted here is used rather than checked and compiled again.
-    written: Mutex<HashMap<String, (Vec<u8>, Arc<Guard>)>>,
+    written: Mutex<Written>,
     /// Whether a new auth token is being fetched.
     reauthenticating: Arc<std::sync::atomic::AtomicBool>,
 }
@@ -875,7 +894,7 @@ impl Shared {
         self.view.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
-    fn written(&self) -> std::sync::MutexGuard<'_, HashMap<String, (Vec<u8>, Arc<Guard>)>> {
+    fn written(&self) -> std::sync::MutexGuard<'_, Written> {
         self.written.lock().unwrap_or_else(PoisonError::into_inner)
     }
 

@@ -334,4 +334,20 @@ mod tests {
         r.register(spec("c", 0), owner("team")).await.unwrap();
         assert_eq!(names(&r), ["a", "x", "c"]);
     }
+
+    /// R16: the registry keeps the guard admission checked and compiled;
+    /// it does not build another.
+    #[tokio::test]
+    async fn r16_the_registry_keeps_the_admitted_guard() {
+        let r = MemoryRegistry::new(Duration::from_secs(1));
+        let guard = checked(GuardSpec {
+            name: "p".into(),
+            policy:
+                "[[rule]]\nname = \"r\"\nwhen = \"true\"\naction = \"cancel\"\nmessage = '\"no\"'\n"
+                    .into(),
+            ..Default::default()
+        });
+        r.register(guard.clone(), None).await.unwrap();
+        assert!(Arc::ptr_eq(&r.chain().guards[0], guard.guard()));
+    }
 }
