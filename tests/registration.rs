@@ -353,3 +353,52 @@ async fn r25_compiled_policy_bytes_are_bounded_per_identity() {
         .unwrap();
     mesh.shutdown().await;
 }
+
+/// R25 with replicas: the bound on an identity's compiled policies holds
+/// across replicas of one etcd chain: a policy registered through B a
+/// moment ago is counted by A.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn r25_policy_bytes_per_identity_are_counted_across_etcd_replicas() {
+    let each = charged(&pattern_policy("p0"));
+    let cluster = Cluster::start().await;
+    let prefix = "/t/policy-bytes";
+    let start = |bound: usize| {
+        let mut config = auth_config(16);
+        config.max_policy_bytes_per_identity = bound;
+        let urls = cluster.urls();
+        async move {
+            let registry = Arc::new(
+                EtcdRegistry::connect(cluster_settings(urls, prefix), config.default_guard_timeout)
+                    .await
+                    .unwrap(),
+            );
+            TestMesh::with_registry(config, registry).await
+        }
+    };
+    let bound = 2 * each + each / 2;
+    let a = start(bound).await;
+    let b = start(bound).await;
+    let on_a = registrar(&a.url, TEAM_TOKEN).await;
+    let on_b = registrar(&b.url, TEAM_TOKEN).await;
+    on_a.register(Registration::policy("p0", pattern_policy("p0")))
+        .await
+        .unwrap();
+    on_b.register(Registration::policy("p1", pattern_policy("p1")))
+        .await
+        .unwrap();
+    let (code, message) = status(
+        on_a.register(Registration::policy("p2", pattern_policy("p2")))
+            .await,
+    );
+    assert_eq!(code, tonic::Code::ResourceExhausted, "{message}");
+    assert!(
+        message.contains(&format!("hold {} bytes now", 2 * each)),
+        "{message}"
+    );
+    assert!(on_a.deregister("p1").await.unwrap());
+    on_b.register(Registration::policy("p2", pattern_policy("p2")))
+        .await
+        .unwrap();
+    a.shutdown().await;
+    b.shutdown().await;
+}

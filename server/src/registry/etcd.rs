@@ -1693,6 +1693,19 @@ impl Shared {
             }
             let already = owned.iter().any(|n| n == name);
             owned.retain(|n| n != name);
+            // The bytes of the owner's other guards, as this replica
+            // compiled them: once its chain holds every one of them (a
+            // guard registered through another replica a moment ago may
+            // not have reached it yet).
+            let holds_all = || {
+                let chain = self.chain.load();
+                owned
+                    .iter()
+                    .all(|name| chain.guards.iter().any(|g| g.name == *name))
+            };
+            if !holds_all() {
+                self.settle(read_at).await;
+            }
             let used = {
                 let chain = self.chain.load();
                 chain
