@@ -182,6 +182,18 @@ fn settings(endpoint: String, prefix: &str) -> EtcdConfig {
     }
 }
 
+/// A registration as the config file's entries are: admitted once (R16),
+/// with the replicas' default guard timeout and an open endpoint policy.
+pub(crate) fn admitted(
+    spec: guardmesh_client::proto::GuardSpec,
+) -> guardmesh_server::registry::CheckedGuard {
+    let admission = guardmesh_server::registry::Admission {
+        default_timeout: Duration::from_secs(2),
+        endpoint_policy: Arc::default(),
+    };
+    guardmesh_server::registry::admit_blocking(spec, &admission).unwrap()
+}
+
 /// A mesh replica in-process: a real gRPC server whose registry is on etcd.
 const NOT_SERVING: i32 = 2;
 
@@ -979,7 +991,7 @@ async fn etcd_config_guards_seed_only_missing_registrations() {
     let rm = veto("rm").await;
     let seeded = a
         .registry
-        .register_if_absent(Registration::validate("veto", &rm.url).build())
+        .register_if_absent(admitted(Registration::validate("veto", &rm.url).build()))
         .await
         .unwrap();
     assert!(seeded.created);
@@ -992,7 +1004,7 @@ async fn etcd_config_guards_seed_only_missing_registrations() {
         .unwrap();
     let again = a
         .registry
-        .register_if_absent(Registration::validate("veto", &rm.url).build())
+        .register_if_absent(admitted(Registration::validate("veto", &rm.url).build()))
         .await
         .unwrap();
     assert!(!again.created);
@@ -1247,14 +1259,14 @@ impl Member {
 /// Three etcd members on loopback, each with its own client URL and data
 /// directory, their peer traffic through a [`Partition`]. Dropping it kills
 /// the members and removes their directories.
-struct Cluster {
+pub(crate) struct Cluster {
     members: Vec<Member>,
     partition: Arc<Partition>,
     proxies: Vec<JoinHandle<()>>,
 }
 
 impl Cluster {
-    async fn start() -> Self {
+    pub(crate) async fn start() -> Self {
         static SEQ: AtomicUsize = AtomicUsize::new(0);
         let token = format!(
             "guardmesh-test-{}-{}",
@@ -1356,7 +1368,7 @@ impl Cluster {
         cluster
     }
 
-    fn urls(&self) -> Vec<String> {
+    pub(crate) fn urls(&self) -> Vec<String> {
         self.members.iter().map(Member::url).collect()
     }
 
@@ -1392,7 +1404,7 @@ impl Drop for Cluster {
 }
 
 /// The registry settings of a replica that talks to `endpoints` only.
-fn cluster_settings(endpoints: Vec<String>, prefix: &str) -> EtcdConfig {
+pub(crate) fn cluster_settings(endpoints: Vec<String>, prefix: &str) -> EtcdConfig {
     EtcdConfig {
         endpoints,
         ..settings(String::new(), prefix)
@@ -1600,7 +1612,7 @@ async fn r17_a_deregistered_guard_is_not_brought_back_by_an_old_config() {
     let file_entry = || Registration::validate("veto", &rm.url).build();
     assert!(
         a.registry
-            .register_if_absent(file_entry())
+            .register_if_absent(admitted(file_entry()))
             .await
             .unwrap()
             .created
@@ -1612,7 +1624,11 @@ async fn r17_a_deregistered_guard_is_not_brought_back_by_an_old_config() {
 
     // A replica restarting with the old file: the entry is not applied.
     let b = Replica::start(config.clone()).await;
-    let seeded = b.registry.register_if_absent(file_entry()).await.unwrap();
+    let seeded = b
+        .registry
+        .register_if_absent(admitted(file_entry()))
+        .await
+        .unwrap();
     assert!(!seeded.created, "{seeded:?}");
     assert!(b.names().is_empty());
     assert!(a.names().is_empty());
@@ -1630,7 +1646,7 @@ async fn r17_a_deregistered_guard_is_not_brought_back_by_an_old_config() {
     assert_eq!(b.names(), ["veto"]);
     assert!(
         !b.registry
-            .register_if_absent(file_entry())
+            .register_if_absent(admitted(file_entry()))
             .await
             .unwrap()
             .created
@@ -1644,7 +1660,7 @@ async fn r17_a_deregistered_guard_is_not_brought_back_by_an_old_config() {
     let c = Replica::start(config).await;
     assert!(
         !c.registry
-            .register_if_absent(file_entry())
+            .register_if_absent(admitted(file_entry()))
             .await
             .unwrap()
             .created

@@ -76,6 +76,7 @@ mod policy_order;
 mod policy_reload_attacks;
 mod policy_watch;
 mod polyglot;
+mod registration;
 mod rewrites;
 mod rules;
 mod security;

@@ -9,7 +9,7 @@ use guardmesh_client::proto::{
 use guardmesh_client::{Batch, Coordinator, Registrar};
 use guardmesh_server::config::{Config, RegistryKind};
 use guardmesh_server::observe::telemetry::{self, LogFormat};
-use guardmesh_server::registry::etcd::{EtcdConfig, EtcdRegistry};
+use guardmesh_server::registry::etcd::EtcdRegistry;
 use guardmesh_server::{MemoryRegistry, Mesh, Registry};
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -579,8 +579,8 @@ async fn serve(config: Option<PathBuf>, listen: Option<std::net::SocketAddr>) ->
     if let Some(limit) = guardmesh_server::security::tls::raise_open_file_limit() {
         tracing::info!(open_files = limit, "open-file limit");
     }
-    let mesh_config = config.build()?;
-    let registry = build_registry(&config, mesh_config.default_guard_timeout).await?;
+    let (mesh_config, checked) = config.build_with_guards()?;
+    let registry = build_registry(&config, checked, mesh_config.default_guard_timeout).await?;
     let mesh = Mesh::new(mesh_config, registry);
     let addr = listen.unwrap_or(config.listen);
     // Bound now, listening only once the mesh is ready: the decision log
@@ -679,29 +679,33 @@ async fn serve(config: Option<PathBuf>, listen: Option<std::net::SocketAddr>) ->
 /// The registry `[registry]` asks for, with the file's `[[guard]]` entries
 /// registered in file order (R16). With etcd they are only created where
 /// absent: the shared chain, not one replica's file, is the source of truth.
+/// `guards`: the entries as admitted by `Config::build_with_guards`.
 async fn build_registry(
     config: &Config,
+    guards: Vec<guardmesh_server::registry::CheckedGuard>,
     default_timeout: Duration,
 ) -> Result<Arc<dyn Registry>, Error> {
     match config.registry.kind {
         RegistryKind::Memory => {
             let registry = Arc::new(MemoryRegistry::new(default_timeout));
-            for guard in &config.guards {
+            for guard in guards {
+                let name = guard.name().to_owned();
                 registry
-                    .register(guard.to_spec())
+                    .register(guard, None)
                     .await
-                    .map_err(|e| format!("config guard {:?}: {e}", guard.name))?;
+                    .map_err(|e| format!("config guard {name:?}: {e}"))?;
             }
             Ok(registry)
         }
         RegistryKind::Etcd => {
-            let etcd = EtcdConfig::from_config(&config.registry)?;
+            let etcd = config.registry.etcd()?;
             let registry = Arc::new(EtcdRegistry::connect(etcd, default_timeout).await?);
-            for guard in &config.guards {
+            for guard in guards {
+                let name = guard.name().to_owned();
                 registry
-                    .register_if_absent(guard.to_spec())
+                    .register_if_absent(guard)
                     .await
-                    .map_err(|e| format!("config guard {:?}: {e}", guard.name))?;
+                    .map_err(|e| format!("config guard {name:?}: {e}"))?;
             }
             Ok(registry)
         }

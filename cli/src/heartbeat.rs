@@ -9,7 +9,7 @@
 //! the lease and exit.
 
 use guardmesh_server::config::{Config, RegistryKind};
-use guardmesh_server::registry::etcd::{EtcdConfig, GuardHeartbeat};
+use guardmesh_server::registry::etcd::GuardHeartbeat;
 use std::future::Future;
 use std::path::PathBuf;
 use std::time::Duration;
@@ -50,7 +50,7 @@ pub(crate) async fn run(
         )
         .into());
     }
-    let etcd = EtcdConfig::from_config(&config.registry)?;
+    let etcd = config.registry.etcd()?;
     let guard = match &args.guard {
         Some(address) => Some(guard_url(address)?),
         None => None,

@@ -220,10 +220,15 @@ pub(crate) async fn reload_policy(
     let result = match loaded {
         Ok(source) => {
             guard.policy_source = Some(source);
-            mesh.registry()
-                .register(guard.to_spec())
-                .await
-                .map_err(|e| ReloadError::Register(e.to_string()))
+            let admission = guardmesh_server::registry::Admission::of(&mesh.config);
+            match guardmesh_server::registry::admit(guard.to_spec(), &admission).await {
+                Ok(checked) => mesh
+                    .registry()
+                    .register(checked, None)
+                    .await
+                    .map_err(|e| ReloadError::Register(e.to_string())),
+                Err(e) => Err(ReloadError::Register(e.to_string())),
+            }
         }
         Err(error) => Err(error),
     };

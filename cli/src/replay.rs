@@ -249,13 +249,14 @@ fn files(path: &Path) -> Result<Vec<PathBuf>, Error> {
 /// order, no listener, no decision log.
 async fn mesh(config: &Path) -> Result<Arc<Mesh>, Error> {
     let config = Config::load(config)?;
-    let mesh_config = config.build()?;
+    let (mesh_config, guards) = config.build_with_guards()?;
     let registry = Arc::new(MemoryRegistry::new(mesh_config.default_guard_timeout));
-    for guard in &config.guards {
+    for guard in guards {
+        let name = guard.name().to_owned();
         registry
-            .register(guard.to_spec())
+            .register(guard, None)
             .await
-            .map_err(|e| format!("config guard {:?}: {e}", guard.name))?;
+            .map_err(|e| format!("config guard {name:?}: {e}"))?;
     }
     Ok(Mesh::new(mesh_config, registry))
 }

@@ -570,6 +570,10 @@ pub struct RegistryConfig {
     pub staleness_window_ms: u64,
     /// After that: `refuse` (UNAVAILABLE, the default) or `serve_stale`.
     pub after_window: crate::registry::etcd::AfterWindow,
+    /// Bytes of compiled policies the guards one identity registered may
+    /// hold together (R25); default 64 MiB. Checked at registration, freed
+    /// on deregistration.
+    pub max_policy_bytes_per_identity: usize,
 }
 
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize)]
@@ -602,7 +606,57 @@ impl Default for RegistryConfig {
             lease_ttl_s: e.lease_ttl.as_secs(),
             staleness_window_ms: millis(e.staleness_window),
             after_window: e.after_window,
+            max_policy_bytes_per_identity:
+                crate::registry::admit::DEFAULT_MAX_POLICY_BYTES_PER_IDENTITY,
         }
+    }
+}
+
+impl RegistryConfig {
+    /// The etcd registry's own settings from this section. Reads
+    /// `password_env` here, so a missing secret fails start-up, not the
+    /// first request.
+    pub fn etcd(
+        &self,
+    ) -> Result<crate::registry::etcd::EtcdConfig, crate::registry::etcd::ConnectError> {
+        use crate::registry::etcd::{ConnectError, EtcdConfig, TlsFiles};
+        let password = match (&self.password, &self.password_env) {
+            (Some(_), Some(_)) => {
+                return Err(ConnectError::Config(
+                    "[registry] sets both password and password_env".into(),
+                ));
+            }
+            (Some(password), None) => Some(password.clone()),
+            (None, Some(var)) => Some(std::env::var(var).map_err(|_| {
+                ConnectError::Config(format!(
+                    "[registry] password_env names {var:?}, which is not set"
+                ))
+            })?),
+            (None, None) => None,
+        };
+        let tls = (self.ca_file.is_some()
+            || self.cert_file.is_some()
+            || self.key_file.is_some()
+            || self.tls_domain.is_some())
+        .then(|| TlsFiles {
+            ca_file: self.ca_file.clone(),
+            cert_file: self.cert_file.clone(),
+            key_file: self.key_file.clone(),
+            domain: self.tls_domain.clone(),
+        });
+        Ok(EtcdConfig {
+            endpoints: self.endpoints.clone(),
+            prefix: self.prefix.clone(),
+            username: self.username.clone(),
+            password,
+            tls,
+            dial_timeout: Duration::from_millis(self.dial_timeout_ms),
+            request_timeout: Duration::from_millis(self.request_timeout_ms),
+            heartbeat_interval: Duration::from_millis(self.heartbeat_interval_ms),
+            lease_ttl: Duration::from_secs(self.lease_ttl_s),
+            staleness_window: Duration::from_millis(self.staleness_window_ms),
+            after_window: self.after_window,
+        })
     }
 }
 
@@ -722,6 +776,8 @@ pub enum SecurityError {
         endpoint: String,
         why: String,
     },
+    #[error("[[guard]] entry {index} ({name:?}): its check was interrupted")]
+    GuardInterrupted { index: usize, name: String },
 }
 
 /// `[[guard]]`: one registration (R16).
@@ -886,6 +942,9 @@ impl Config {
         self.guards
             .iter()
             .enumerate()
+            // A policy guard is a validate guard, with none of these
+            // warnings: its policy is not compiled here (admission does).
+            .filter(|(_, g)| g.policy.is_none())
             .filter_map(|(i, g)| {
                 let guard = crate::registry::spec::Guard::from_spec(&g.to_spec(), default).ok()?;
                 Some(
@@ -955,6 +1014,10 @@ impl Config {
             (
                 "server.keepalive_timeout_ms",
                 self.server.keepalive_timeout_ms,
+            ),
+            (
+                "registry.max_policy_bytes_per_identity",
+                self.registry.max_policy_bytes_per_identity as u64,
             ),
         ];
         for (key, value) in positive {
@@ -1085,12 +1148,59 @@ impl Config {
             },
             security: MeshConfig::default().security,
             unguarded: self.unguarded,
+            max_policy_bytes_per_identity: self.registry.max_policy_bytes_per_identity,
         }
     }
 
     /// The mesh settings with the security sections loaded (certificate,
-    /// key and token files are read here).
+    /// key and token files are read here), the `[[guard]]` entries checked
+    /// as a `Register` call is.
     pub fn build(&self) -> Result<MeshConfig, SecurityError> {
+        self.build_with_guards().map(|(config, _)| config)
+    }
+
+    /// [`build`](Self::build), and the `[[guard]]` entries admitted, in
+    /// file order, for the registry: each checked once, by the admission a
+    /// `Register` call goes through (R16).
+    pub fn build_with_guards(
+        &self,
+    ) -> Result<(MeshConfig, Vec<crate::registry::CheckedGuard>), SecurityError> {
+        let config = self.build_security()?;
+        let admission = crate::registry::Admission::of(&config);
+        let mut guards = Vec::with_capacity(self.guards.len());
+        for (i, g) in self.guards.iter().enumerate() {
+            let guard =
+                crate::registry::admit_blocking(g.to_spec(), &admission).map_err(|error| {
+                    match error {
+                        crate::registry::AdmitError::Endpoint {
+                            name,
+                            endpoint,
+                            why,
+                        } => SecurityError::GuardEndpoint {
+                            index: i + 1,
+                            name,
+                            endpoint,
+                            why,
+                        },
+                        crate::registry::AdmitError::Invalid(source) => SecurityError::Guard {
+                            index: i + 1,
+                            name: g.name.clone(),
+                            source: Box::new(source),
+                        },
+                        crate::registry::AdmitError::Interrupted => {
+                            SecurityError::GuardInterrupted {
+                                index: i + 1,
+                                name: g.name.clone(),
+                            }
+                        }
+                    }
+                })?;
+            guards.push(guard);
+        }
+        Ok((config, guards))
+    }
+
+    fn build_security(&self) -> Result<MeshConfig, SecurityError> {
         let mut config = self.mesh_config();
         let security = &mut config.security;
         security.listener = self.server.listener_limits();
@@ -1115,29 +1225,6 @@ impl Config {
             )
             .map_err(SecurityError::Policy)?,
         );
-        // Guards of the file pass the checks a `Register` call passes: a
-        // valid registration, and an endpoint the policy allows.
-        for (i, g) in self.guards.iter().enumerate() {
-            let guard =
-                crate::registry::spec::Guard::from_spec(&g.to_spec(), config.default_guard_timeout)
-                    .map_err(|source| SecurityError::Guard {
-                        index: i + 1,
-                        name: g.name.clone(),
-                        source: Box::new(source),
-                    })?;
-            if guard.is_policy() {
-                continue;
-            }
-            security
-                .endpoint_policy
-                .check_host(&guard.host())
-                .map_err(|why| SecurityError::GuardEndpoint {
-                    index: i + 1,
-                    name: guard.name.clone(),
-                    endpoint: guard.endpoint.clone(),
-                    why,
-                })?;
-        }
         if let Some(auth) = &self.auth {
             let mut principals = Vec::new();
             for p in &auth.principals {
@@ -1408,7 +1495,7 @@ mod tests {
         )
         .unwrap();
         assert_eq!(config.registry.kind, RegistryKind::Etcd);
-        let etcd = crate::registry::etcd::EtcdConfig::from_config(&config.registry).unwrap();
+        let etcd = config.registry.etcd().unwrap();
         assert_eq!(etcd.prefix, "/guardmesh/prod");
         assert_eq!(etcd.staleness_window, Duration::from_secs(5));
         assert_eq!(

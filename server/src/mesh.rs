@@ -34,6 +34,9 @@ pub struct MeshConfig {
     pub security: Security,
     /// What happens to a call no enforced guard applies to (R28).
     pub unguarded: Unguarded,
+    /// Bytes of compiled policies the guards one identity registered may
+    /// hold together (R25), checked at admission.
+    pub max_policy_bytes_per_identity: usize,
 }
 
 /// What the mesh does with a call that no enforced guard applies to (R28).
@@ -78,6 +81,8 @@ impl Default for MeshConfig {
                 ..Security::default()
             },
             unguarded: Unguarded::Proceed,
+            max_policy_bytes_per_identity:
+                crate::registry::admit::DEFAULT_MAX_POLICY_BYTES_PER_IDENTITY,
         }
     }
 }

@@ -13,6 +13,21 @@
 //! | `<prefix>/revision` | name of the guard changed last | none |
 //! | `<prefix>/alive/<name>` | unused (empty) | the guard's heartbeat lease |
 //! | `<prefix>/removed/<name>` | tombstone of a deregistered guard (a mark unique to the call) | none |
+//! | `<prefix>/owner/<name>` | the identity that registered the guard | none |
+//! | `<prefix>/owned/<identity>/<name>` | empty: one key per guard an identity owns (`/` and `%` of the identity escaped) | none |
+//!
+//! * **One quota for all replicas** (R16, R25): a `Register` by an
+//!   authenticated caller reads the caller's `owned/` keys (a linearizable
+//!   read), checks its quota, and writes the registration together with its
+//!   owner keys in one transaction that applies only if none of the
+//!   caller's `owned/` keys nor the guard's `owner` key changed since that
+//!   read; a replica that loses a race reads again. `Deregister` deletes
+//!   the owner keys in its own transaction, which frees the place.
+//! * **Checked once** (R16): a registration reaches the registry already
+//!   admitted (`registry::admit`). The replica that writes it keeps the
+//!   checked guard and uses it when its watch reads the write back; every
+//!   other replica decodes and checks the stored spec once, compiling its
+//!   policy, which is the work one process cannot share with another.
 //!
 //! * **Policy is durable** (R15): a registration is a plain key that only
 //!   deregistration removes. A crashed guard's registration never expires; the
@@ -73,7 +88,9 @@
 //! without a restart.
 
 use crate::registry::spec::Guard;
-use crate::registry::{ChainSpec, Deregistered, Registered, Registry, RegistryError};
+use crate::registry::{
+    ChainSpec, CheckedGuard, Deregistered, Owner, Registered, Registry, RegistryError,
+};
 use arc_swap::ArcSwap;
 use etcd_client::{
     Client, Compare, CompareOp, ConnectOptions, Event, GetOptions, KeyValue, LeaseKeepAliveStream,
@@ -185,49 +202,6 @@ impl std::fmt::Debug for EtcdConfig {
 }
 
 impl EtcdConfig {
-    /// The etcd settings of a config file's `[registry]` section. Reads
-    /// `password_env` here, so a missing secret fails start-up, not the first
-    /// request.
-    pub fn from_config(config: &crate::config::RegistryConfig) -> Result<Self, ConnectError> {
-        let password = match (&config.password, &config.password_env) {
-            (Some(_), Some(_)) => {
-                return Err(ConnectError::Config(
-                    "[registry] sets both password and password_env".into(),
-                ));
-            }
-            (Some(password), None) => Some(password.clone()),
-            (None, Some(var)) => Some(std::env::var(var).map_err(|_| {
-                ConnectError::Config(format!(
-                    "[registry] password_env names {var:?}, which is not set"
-                ))
-            })?),
-            (None, None) => None,
-        };
-        let tls = (config.ca_file.is_some()
-            || config.cert_file.is_some()
-            || config.key_file.is_some()
-            || config.tls_domain.is_some())
-        .then(|| TlsFiles {
-            ca_file: config.ca_file.clone(),
-            cert_file: config.cert_file.clone(),
-            key_file: config.key_file.clone(),
-            domain: config.tls_domain.clone(),
-        });
-        Ok(Self {
-            endpoints: config.endpoints.clone(),
-            prefix: config.prefix.clone(),
-            username: config.username.clone(),
-            password,
-            tls,
-            dial_timeout: Duration::from_millis(config.dial_timeout_ms),
-            request_timeout: Duration::from_millis(config.request_timeout_ms),
-            heartbeat_interval: Duration::from_millis(config.heartbeat_interval_ms),
-            lease_ttl: Duration::from_secs(config.lease_ttl_s),
-            staleness_window: Duration::from_millis(config.staleness_window_ms),
-            after_window: config.after_window,
-        })
-    }
-
     /// Refuses settings that could only fail later, with the key to fix.
     fn validate(&self) -> Result<(), ConnectError> {
         let bad = |what: String| Err(ConnectError::Config(format!("[registry] {what}")));
@@ -277,6 +251,8 @@ impl EtcdConfig {
             alive: format!("{prefix}/alive/"),
             revision: format!("{prefix}/revision"),
             removed: format!("{prefix}/removed/"),
+            owner: format!("{prefix}/owner/"),
+            owned: format!("{prefix}/owned/"),
         }
     }
 }
@@ -299,6 +275,11 @@ struct Keys {
     revision: String,
     /// Tombstones of guards removed with `Deregister`.
     removed: String,
+    /// `<prefix>/owner/<name>`: the identity that registered the guard.
+    owner: String,
+    /// `<prefix>/owned/<identity>/<name>`: the guards an identity owns,
+    /// counted for its quota (R25).
+    owned: String,
 }
 
 impl Keys {
@@ -312,6 +293,18 @@ impl Keys {
 
     fn removed(&self, name: &str) -> String {
         format!("{}{name}", self.removed)
+    }
+
+    fn owner(&self, name: &str) -> String {
+        format!("{}{name}", self.owner)
+    }
+
+    /// The prefix of the keys of the guards `identity` owns. The identity
+    /// is escaped so that no identity's prefix holds another's (`a` and
+    /// `a/b`).
+    fn owned_by(&self, identity: &str) -> String {
+        let escaped = identity.replace('%', "%25").replace('/', "%2F");
+        format!("{}{escaped}/", self.owned)
     }
 }
 
@@ -427,6 +420,10 @@ fn freshness(
     }
 }
 
+/// Registrations a replica is writing: name -> (the bytes stored, the
+/// guard admitted).
+type Written = HashMap<String, (Vec<u8>, Arc<Guard>)>;
+
 struct Shared {
     config: EtcdConfig,
     default_timeout: Duration,
@@ -443,6 +440,10 @@ struct Shared {
     /// so that a writer waiting for its revision then reads its own write.
     applied: watch::Sender<u64>,
     health: Mutex<Health>,
+    /// Registrations this replica admitted and is writing, by name, with
+    /// the bytes stored: when the watch (or a listing) reads one back, the
+    /// guard admitted here is used rather than checked and compiled again.
+    written: Mutex<Written>,
     /// Whether a new auth token is being fetched.
     reauthenticating: Arc<std::sync::atomic::AtomicBool>,
 }
@@ -704,6 +705,7 @@ impl EtcdRegistry {
             unreadable: arc_swap::ArcSwapOption::empty(),
             view: Mutex::new(View::default()),
             applied,
+            written: Mutex::default(),
             health: Mutex::new(Health {
                 connected: false,
                 last_contact: Instant::now(),
@@ -812,8 +814,11 @@ impl EtcdRegistry {
     /// replicas sharing one chain, a replica restarting with an older file
     /// must not roll back a change made through `GuardRegistry`, a removal
     /// included (R17). `created` is false when nothing was written.
-    pub async fn register_if_absent(&self, spec: GuardSpec) -> Result<Registered, RegistryError> {
-        self.shared.register(spec, true).await
+    pub async fn register_if_absent(
+        &self,
+        guard: CheckedGuard,
+    ) -> Result<Registered, RegistryError> {
+        self.shared.register(guard, None, true).await
     }
 }
 
@@ -822,8 +827,12 @@ impl Registry for EtcdRegistry {
         self.shared.chain.load_full()
     }
 
-    fn register(&self, spec: GuardSpec) -> BoxFuture<'_, Result<Registered, RegistryError>> {
-        Box::pin(self.shared.register(spec, false))
+    fn register(
+        &self,
+        guard: CheckedGuard,
+        owner: Option<Owner>,
+    ) -> BoxFuture<'_, Result<Registered, RegistryError>> {
+        Box::pin(self.shared.register(guard, owner, false))
     }
 
     fn deregister(&self, name: String) -> BoxFuture<'_, Result<Deregistered, RegistryError>> {
@@ -883,6 +892,24 @@ impl Shared {
 
     fn view(&self) -> std::sync::MutexGuard<'_, View> {
         self.view.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    fn written(&self) -> std::sync::MutexGuard<'_, Written> {
+        self.written.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// The guard this replica admitted and is writing (or wrote) as
+    /// `value` under `name`, taken once its write is read back.
+    fn own_write(&self, name: &str, value: &[u8]) -> Option<Arc<Guard>> {
+        let mut written = self.written();
+        match written.get(name) {
+            Some((stored, guard)) if stored.as_slice() == value => {
+                let guard = guard.clone();
+                written.remove(name);
+                Some(guard)
+            }
+            _ => None,
+        }
     }
 
     /// Gets a new auth token in the background, one attempt at a time, when
@@ -1092,7 +1119,7 @@ impl Shared {
                         Entry {
                             create_revision: kv.create_revision(),
                             mod_revision: kv.mod_revision(),
-                            guard: Arc::new(guard),
+                            guard,
                         },
                     );
                 }
@@ -1141,10 +1168,17 @@ impl Shared {
         }
     }
 
-    /// Checks a stored registration the way `Register` checks one.
-    fn decode(&self, name: &str, value: &[u8]) -> Result<Guard, String> {
+    /// A stored registration as a guard: the one this replica admitted
+    /// and wrote, if it is that one; otherwise read and checked here, its
+    /// policy compiled once (another replica wrote it).
+    fn decode(&self, name: &str, value: &[u8]) -> Result<Arc<Guard>, String> {
+        if let Some(guard) = self.own_write(name, value) {
+            return Ok(guard);
+        }
         let spec = GuardSpec::decode(value).map_err(|e| format!("not a GuardSpec: {e}"))?;
-        let guard = Guard::from_spec(&spec, self.default_timeout).map_err(|e| e.to_string())?;
+        let guard = super::admit::from_store(&spec, self.default_timeout)
+            .map(Arc::new)
+            .map_err(|e| e.to_string())?;
         if guard.name != name {
             return Err(format!(
                 "stored under {name:?} but names itself {:?}",
@@ -1507,22 +1541,41 @@ impl Shared {
 
     async fn register(
         &self,
-        spec: GuardSpec,
+        checked: CheckedGuard,
+        owner: Option<Owner>,
         only_if_absent: bool,
     ) -> Result<Registered, RegistryError> {
-        let guard = Guard::from_spec(&spec, self.default_timeout)?;
-        let name = guard.name.clone();
+        let name = checked.name().to_owned();
         // Stored as given (not as compiled): each replica applies its own
         // default timeout to `timeout_ms = 0`.
-        let stored = GuardSpec {
-            name: name.clone(),
-            ..spec
-        };
+        let stored = checked.stored().encode_to_vec();
+        // This replica's own watch reads the write back: it reuses the
+        // guard checked here rather than compile it again.
+        self.written()
+            .insert(name.clone(), (stored.clone(), checked.guard().clone()));
+        let result = self
+            .write_registration(&checked, stored, owner, only_if_absent)
+            .await;
+        if result.is_err() {
+            self.written().remove(&name);
+        }
+        result
+    }
+
+    /// The registration's transaction, and the settling of its result.
+    async fn write_registration(
+        &self,
+        checked: &CheckedGuard,
+        stored: Vec<u8>,
+        owner: Option<Owner>,
+        only_if_absent: bool,
+    ) -> Result<Registered, RegistryError> {
+        let name = checked.name().to_owned();
         let key = self.keys.guard(&name);
         let tombstone = self.keys.removed(&name);
         let write = || {
             vec![
-                TxnOp::put(key.clone(), stored.encode_to_vec(), None),
+                TxnOp::put(key.clone(), stored.clone(), None),
                 TxnOp::put(self.keys.revision.clone(), name.clone(), None),
             ]
         };
@@ -1547,7 +1600,16 @@ impl Shared {
         };
         // Retried: the same put again leaves the same state. (If an attempt
         // that timed out was applied, the next one reports an update.)
-        let response = self.transaction("registering", txn).await?;
+        // The answer of the registration's own transaction, and the
+        // revision of the write (a nested transaction's answer has none).
+        let (response, written_at) = match &owner {
+            None => {
+                let response = self.transaction("registering", txn).await?;
+                let revision = response.header().map_or(0, |h| h.revision());
+                (response, revision)
+            }
+            Some(owner) => self.owned_transaction(checked.guard(), owner, txn).await?,
+        };
         let created = response.succeeded();
         let revision = if only_if_absent && !created {
             let removed_at = response.op_responses().into_iter().find_map(|op| match op {
@@ -1561,12 +1623,12 @@ impl Shared {
                     "etcd registry: this guard was deregistered; its config file entry is not applied (register it through GuardRegistry to bring it back)"
                 );
             }
+            self.written().remove(&name);
             // Nothing written: answer with what is served.
             i64::try_from(self.chain.load().revision).unwrap_or(i64::MAX)
         } else {
-            let revision = response.header().map_or(0, |h| h.revision());
-            self.settle(revision).await;
-            revision
+            self.settle(written_at).await;
+            written_at
         };
         let chain = self.chain.load();
         let position = chain
@@ -1581,18 +1643,131 @@ impl Shared {
         })
     }
 
+    /// Runs `registration` (a transaction on the guard's keys) only if
+    /// `owner` may register `guard`, and records the guard as the owner's in
+    /// the same transaction (R25). The owner's count is read, checked, and
+    /// the write made on condition that none of the owner's keys (nor the
+    /// guard's owner) changed since the read: two replicas registering for
+    /// one identity at once cannot both pass on the same count; the one that
+    /// loses reads again. Returns the answer of `registration` itself, and
+    /// the revision of the write.
+    async fn owned_transaction(
+        &self,
+        guard: &Guard,
+        owner: &Owner,
+        registration: Txn,
+    ) -> Result<(etcd_client::TxnResponse, i64), RegistryError> {
+        let name = &guard.name;
+        let owned_by = self.keys.owned_by(&owner.identity);
+        let owner_key = self.keys.owner(name);
+        let mine = format!("{owned_by}{name}");
+        let started = Instant::now();
+        loop {
+            let read = Txn::new().and_then([
+                TxnOp::get(
+                    owned_by.clone(),
+                    Some(GetOptions::new().with_prefix().with_keys_only()),
+                ),
+                TxnOp::get(owner_key.clone(), None),
+            ]);
+            let response = self
+                .transaction("reading the registrar's quota", read)
+                .await?;
+            let read_at = response.header().map_or(0, |h| h.revision());
+            let mut owned = Vec::new();
+            let mut previous = None;
+            for op in response.op_responses() {
+                let TxnOpResponse::Get(get) = op else {
+                    continue;
+                };
+                for kv in get.kvs() {
+                    let Ok(key) = std::str::from_utf8(kv.key()) else {
+                        continue;
+                    };
+                    if let Some(owned_name) = key.strip_prefix(owned_by.as_str()) {
+                        owned.push(owned_name.to_owned());
+                    } else if key == owner_key {
+                        previous = Some(String::from_utf8_lossy(kv.value()).into_owned());
+                    }
+                }
+            }
+            let already = owned.iter().any(|n| n == name);
+            owned.retain(|n| n != name);
+            // The bytes of the owner's other guards, as this replica
+            // compiled them: once its chain holds every one of them (a
+            // guard registered through another replica a moment ago may
+            // not have reached it yet).
+            let holds_all = || {
+                let chain = self.chain.load();
+                owned
+                    .iter()
+                    .all(|name| chain.guards.iter().any(|g| g.name == *name))
+            };
+            if !holds_all() {
+                self.settle(read_at).await;
+            }
+            let used = {
+                let chain = self.chain.load();
+                chain
+                    .guards
+                    .iter()
+                    .filter(|g| owned.contains(&g.name))
+                    .map(|g| super::admit::policy_bytes(g))
+                    .fold(0usize, usize::saturating_add)
+            };
+            owner.admits(guard, owned.len(), already, used)?;
+            let mut ops = vec![
+                TxnOp::txn(registration.clone()),
+                TxnOp::put(mine.clone(), Vec::new(), None),
+                TxnOp::put(owner_key.clone(), owner.identity.clone(), None),
+            ];
+            if let Some(previous) = previous.filter(|p| *p != owner.identity) {
+                ops.push(TxnOp::delete(
+                    format!("{}{name}", self.keys.owned_by(&previous)),
+                    None,
+                ));
+            }
+            let unchanged = [
+                Compare::mod_revision(owned_by.clone(), CompareOp::Less, read_at + 1).with_prefix(),
+                Compare::mod_revision(owner_key.clone(), CompareOp::Less, read_at + 1),
+            ];
+            let response = self
+                .transaction("registering", Txn::new().when(unchanged).and_then(ops))
+                .await?;
+            if response.succeeded() {
+                let revision = response.header().map_or(0, |h| h.revision());
+                return nested(response)
+                    .map(|inner| (inner, revision))
+                    .ok_or_else(|| {
+                        RegistryError::Unavailable(
+                            "registering: etcd answered without the registration's result".into(),
+                        )
+                    });
+            }
+            if started.elapsed() > self.config.request_timeout {
+                return Err(RegistryError::Unavailable(format!(
+                    "registering: the quota of {} kept changing for {:?}; try again",
+                    owner.identity, self.config.request_timeout
+                )));
+            }
+            tracing::debug!(guard = %name, identity = %owner.identity, "etcd registry: the registrar's guards changed meanwhile; reading its quota again");
+        }
+    }
+
     /// Removes a registration and leaves a tombstone `<prefix>/removed/<name>`,
     /// so that no replica's config file brings the guard back (R17). The
     /// tombstone holds a value unique to this call: when a retried attempt
     /// finds the guard gone, the tombstone tells whether an earlier attempt
     /// of this same call removed it (an attempt can time out and still be
-    /// applied).
+    /// applied). The guard's owner records go in the same transaction, which
+    /// frees its place in the owner's quota (R25).
     async fn deregister(&self, name: String) -> Result<Deregistered, RegistryError> {
         let name = name.trim();
         let key = self.keys.guard(name);
         let tombstone = self.keys.removed(name);
+        let owner_key = self.keys.owner(name);
         let mark = format!("{:016x}", rand::random::<u64>());
-        let txn = Txn::new()
+        let removal = Txn::new()
             .when([Compare::version(key.clone(), CompareOp::Greater, 0)])
             .and_then([
                 TxnOp::delete(key, None),
@@ -1600,9 +1775,50 @@ impl Shared {
                 TxnOp::put(tombstone.clone(), mark.clone(), None),
             ])
             .or_else([TxnOp::get(tombstone, None)]);
-        let response = self.transaction("deregistering", txn).await?;
+        let started = Instant::now();
+        let response = loop {
+            let read = self
+                .transaction(
+                    "reading the guard's owner",
+                    Txn::new().and_then([TxnOp::get(owner_key.clone(), None)]),
+                )
+                .await?;
+            let read_at = read.header().map_or(0, |h| h.revision());
+            let owner = read.op_responses().into_iter().find_map(|op| match op {
+                TxnOpResponse::Get(get) => get
+                    .kvs()
+                    .first()
+                    .map(|kv| String::from_utf8_lossy(kv.value()).into_owned()),
+                _ => None,
+            });
+            let mut ops = vec![TxnOp::txn(removal.clone())];
+            if let Some(owner) = owner {
+                ops.push(TxnOp::delete(owner_key.clone(), None));
+                ops.push(TxnOp::delete(
+                    format!("{}{name}", self.keys.owned_by(&owner)),
+                    None,
+                ));
+            }
+            let unchanged = Compare::mod_revision(owner_key.clone(), CompareOp::Less, read_at + 1);
+            let response = self
+                .transaction("deregistering", Txn::new().when([unchanged]).and_then(ops))
+                .await?;
+            if response.succeeded() {
+                let revision = response.header().map_or(0, |h| h.revision());
+                if let Some(inner) = nested(response) {
+                    break (inner, revision);
+                }
+            }
+            if started.elapsed() > self.config.request_timeout {
+                return Err(RegistryError::Unavailable(format!(
+                    "deregistering: the owner of {name:?} kept changing for {:?}; try again",
+                    self.config.request_timeout
+                )));
+            }
+        };
+        let (response, written_at) = response;
         let revision = if response.succeeded() {
-            response.header().map_or(0, |h| h.revision())
+            written_at
         } else {
             let ours = response.op_responses().into_iter().find_map(|op| match op {
                 TxnOpResponse::Get(get) => get
@@ -1628,6 +1844,14 @@ impl Shared {
             removed: true,
         })
     }
+}
+
+/// The answer of the transaction nested in `response`'s first branch.
+fn nested(response: etcd_client::TxnResponse) -> Option<etcd_client::TxnResponse> {
+    response.op_responses().into_iter().find_map(|op| match op {
+        TxnOpResponse::Txn(inner) => Some(inner),
+        _ => None,
+    })
 }
 
 /// What the chain is made of: a listing that yields the same key reuses the

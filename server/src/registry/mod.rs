@@ -6,12 +6,15 @@
 //! keeps *registrations*: whether a guard is reachable is the link's business,
 //! never the registry's (R15: liveness does not remove policy).
 
+pub mod admit;
 pub mod etcd;
 pub(crate) mod spec;
 
+pub use admit::{Admission, AdmitError, CheckedGuard, Owner, QuotaError, admit, admit_blocking};
+
 use crate::registry::spec::{Guard, SpecError};
 use futures::future::BoxFuture;
-use guardmesh_proto::v1::GuardSpec;
+use std::collections::HashMap;
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
@@ -43,6 +46,9 @@ pub struct Deregistered {
 pub enum RegistryError {
     #[error(transparent)]
     Invalid(#[from] SpecError),
+    /// The registering identity is at its quota (RESOURCE_EXHAUSTED).
+    #[error(transparent)]
+    Quota(#[from] QuotaError),
     #[error("registry store unavailable: {0}")]
     Unavailable(String),
 }
@@ -52,8 +58,16 @@ pub trait Registry: Send + Sync + 'static {
     /// The current chain. Cheap: called at the start of every batch.
     fn chain(&self) -> Arc<ChainSpec>;
     /// Adds a guard, or updates the one with the same name in place (R16).
-    fn register(&self, spec: GuardSpec) -> BoxFuture<'_, Result<Registered, RegistryError>>;
-    /// Removes a guard by name.
+    /// The guard was checked once, by [`admit`]; the registry does not
+    /// check it again. With an `owner`, the registry checks and counts the
+    /// owner's quota in the same step (R25), and the guard is the owner's
+    /// until deregistered (or registered by another identity).
+    fn register(
+        &self,
+        guard: CheckedGuard,
+        owner: Option<Owner>,
+    ) -> BoxFuture<'_, Result<Registered, RegistryError>>;
+    /// Removes a guard by name, and frees its place in its owner's quota.
     fn deregister(&self, name: String) -> BoxFuture<'_, Result<Deregistered, RegistryError>>;
     /// Whether the chain may be used to judge a batch right now. A shared
     /// store that has been unreachable for longer than its staleness window
@@ -81,6 +95,8 @@ struct State {
     next_seq: u64,
     revision: u64,
     entries: Vec<Entry>,
+    /// Guard name -> the identity that registered it (R25 quotas).
+    owners: HashMap<String, String>,
 }
 
 impl State {
@@ -93,6 +109,27 @@ impl State {
             revision: self.revision,
             guards: self.entries.iter().map(|e| e.guard.clone()).collect(),
         }
+    }
+
+    /// Checks `owner`'s quota for `guard` against what it owns now.
+    fn admits(&self, owner: &Owner, guard: &Guard) -> Result<(), QuotaError> {
+        let mut owned = 0;
+        let mut used = 0usize;
+        let mut already = false;
+        for (name, identity) in &self.owners {
+            if *identity != owner.identity {
+                continue;
+            }
+            if *name == guard.name {
+                already = true;
+                continue;
+            }
+            owned += 1;
+            if let Some(entry) = self.entries.iter().find(|e| e.guard.name == *name) {
+                used = used.saturating_add(admit::policy_bytes(&entry.guard));
+            }
+        }
+        owner.admits(guard, owned, already, used)
     }
 }
 
@@ -108,6 +145,8 @@ pub struct MemoryRegistry {
 }
 
 impl MemoryRegistry {
+    /// `default_timeout`: the mesh's default guard timeout, which the
+    /// guards admitted for this registry were given (see [`Admission`]).
     pub fn new(default_timeout: Duration) -> Self {
         Self {
             default_timeout,
@@ -116,9 +155,21 @@ impl MemoryRegistry {
         }
     }
 
-    fn apply(&self, spec: &GuardSpec) -> Result<Registered, RegistryError> {
-        let guard = Arc::new(Guard::from_spec(spec, self.default_timeout)?);
+    /// The default guard timeout it was made with.
+    pub fn default_timeout(&self) -> Duration {
+        self.default_timeout
+    }
+
+    fn apply(
+        &self,
+        checked: CheckedGuard,
+        owner: Option<Owner>,
+    ) -> Result<Registered, RegistryError> {
+        let guard = checked.guard().clone();
         let mut state = self.state.lock().unwrap_or_else(PoisonError::into_inner);
+        if let Some(owner) = &owner {
+            state.admits(owner, &guard)?;
+        }
         let name = guard.name.clone();
         let created = match state.entries.iter_mut().find(|e| e.guard.name == name) {
             Some(entry) => {
@@ -132,6 +183,9 @@ impl MemoryRegistry {
                 true
             }
         };
+        if let Some(owner) = owner {
+            state.owners.insert(name.clone(), owner.identity);
+        }
         self.chain.store(Arc::new(state.rebuild()));
         let position = state
             .entries
@@ -151,8 +205,12 @@ impl Registry for MemoryRegistry {
         self.chain.load_full()
     }
 
-    fn register(&self, spec: GuardSpec) -> BoxFuture<'_, Result<Registered, RegistryError>> {
-        Box::pin(async move { self.apply(&spec) })
+    fn register(
+        &self,
+        guard: CheckedGuard,
+        owner: Option<Owner>,
+    ) -> BoxFuture<'_, Result<Registered, RegistryError>> {
+        Box::pin(async move { self.apply(guard, owner) })
     }
 
     fn deregister(&self, name: String) -> BoxFuture<'_, Result<Deregistered, RegistryError>> {
@@ -160,6 +218,7 @@ impl Registry for MemoryRegistry {
             let mut state = self.state.lock().unwrap_or_else(PoisonError::into_inner);
             let before = state.entries.len();
             state.entries.retain(|e| e.guard.name != name);
+            state.owners.remove(&name);
             let removed = state.entries.len() != before;
             if removed {
                 self.chain.store(Arc::new(state.rebuild()));
@@ -175,14 +234,26 @@ impl Registry for MemoryRegistry {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use guardmesh_proto::v1::GuardSpec;
 
-    fn spec(name: &str, priority: i32) -> GuardSpec {
-        GuardSpec {
+    fn admission() -> Admission {
+        Admission {
+            default_timeout: Duration::from_secs(1),
+            endpoint_policy: Arc::default(),
+        }
+    }
+
+    fn spec(name: &str, priority: i32) -> CheckedGuard {
+        checked(GuardSpec {
             name: name.into(),
             endpoint: "127.0.0.1:1".into(),
             priority,
             ..Default::default()
-        }
+        })
+    }
+
+    fn checked(spec: GuardSpec) -> CheckedGuard {
+        admit_blocking(spec, &admission()).unwrap()
     }
 
     fn names(r: &MemoryRegistry) -> Vec<String> {
@@ -193,11 +264,15 @@ mod tests {
     async fn r16_update_in_place_keeps_position() {
         let r = MemoryRegistry::new(Duration::from_secs(1));
         for n in ["a", "b", "c"] {
-            assert!(r.register(spec(n, 0)).await.unwrap().created);
+            assert!(r.register(spec(n, 0), None).await.unwrap().created);
         }
-        let mut again = spec("a", 0);
-        again.timeout_ms = 77;
-        let out = r.register(again).await.unwrap();
+        let again = checked(GuardSpec {
+            name: "a".into(),
+            endpoint: "127.0.0.1:1".into(),
+            timeout_ms: 77,
+            ..Default::default()
+        });
+        let out = r.register(again, None).await.unwrap();
         assert!(!out.created);
         assert_eq!(out.position, 0);
         assert_eq!(names(&r), ["a", "b", "c"]);
@@ -208,10 +283,10 @@ mod tests {
     #[tokio::test]
     async fn r16_priority_then_registration_order() {
         let r = MemoryRegistry::new(Duration::from_secs(1));
-        r.register(spec("late", 5)).await.unwrap();
-        r.register(spec("x", 0)).await.unwrap();
-        r.register(spec("first", -1)).await.unwrap();
-        r.register(spec("y", 0)).await.unwrap();
+        r.register(spec("late", 5), None).await.unwrap();
+        r.register(spec("x", 0), None).await.unwrap();
+        r.register(spec("first", -1), None).await.unwrap();
+        r.register(spec("y", 0), None).await.unwrap();
         assert_eq!(names(&r), ["first", "x", "y", "late"]);
         let out = r.deregister("x".into()).await.unwrap();
         assert!(out.removed);
@@ -224,11 +299,55 @@ mod tests {
     #[tokio::test]
     async fn r17_old_snapshot_is_unchanged_by_registration() {
         let r = MemoryRegistry::new(Duration::from_secs(1));
-        r.register(spec("a", 0)).await.unwrap();
+        r.register(spec("a", 0), None).await.unwrap();
         let snapshot = r.chain();
-        r.register(spec("b", 0)).await.unwrap();
+        r.register(spec("b", 0), None).await.unwrap();
         assert_eq!(snapshot.guards.len(), 1);
         assert_eq!(r.chain().guards.len(), 2);
         assert!(r.chain().revision > snapshot.revision);
+    }
+
+    /// R16/R25: the quota is counted by the registry; an update of an owned
+    /// guard does not count, a deregistration frees a place, and another
+    /// identity's guards are not counted.
+    #[tokio::test]
+    async fn r16_quota_is_counted_by_the_registry() {
+        let r = MemoryRegistry::new(Duration::from_secs(1));
+        let owner = |id: &str| {
+            Some(Owner {
+                identity: id.into(),
+                max_guards: Some(2),
+                max_policy_bytes: 1 << 20,
+            })
+        };
+        r.register(spec("a", 0), owner("team")).await.unwrap();
+        r.register(spec("b", 0), owner("team")).await.unwrap();
+        r.register(spec("a", 0), owner("team")).await.unwrap();
+        r.register(spec("x", 0), owner("other")).await.unwrap();
+        let err = r.register(spec("c", 0), owner("team")).await.unwrap_err();
+        assert_eq!(
+            err.to_string(),
+            "team already registered 2 guards, its limit"
+        );
+        assert!(matches!(err, RegistryError::Quota(_)));
+        assert!(r.deregister("b".into()).await.unwrap().removed);
+        r.register(spec("c", 0), owner("team")).await.unwrap();
+        assert_eq!(names(&r), ["a", "x", "c"]);
+    }
+
+    /// R16: the registry keeps the guard admission checked and compiled;
+    /// it does not build another.
+    #[tokio::test]
+    async fn r16_the_registry_keeps_the_admitted_guard() {
+        let r = MemoryRegistry::new(Duration::from_secs(1));
+        let guard = checked(GuardSpec {
+            name: "p".into(),
+            policy:
+                "[[rule]]\nname = \"r\"\nwhen = \"true\"\naction = \"cancel\"\nmessage = '\"no\"'\n"
+                    .into(),
+            ..Default::default()
+        });
+        r.register(guard.clone(), None).await.unwrap();
+        assert!(Arc::ptr_eq(&r.chain().guards[0], guard.guard()));
     }
 }

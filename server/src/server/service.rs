@@ -5,7 +5,7 @@ use crate::decision_log::from_mesh;
 use crate::decision_log::{BatchRecord, MeshLog};
 use crate::judge::{BatchError, TraceContext};
 use crate::mesh::Mesh;
-use crate::registry::RegistryError;
+use crate::registry::{Admission, AdmitError, Owner, RegistryError};
 use crate::security::auth::{Caller, Role};
 use crate::server::inbound::{Inbound, InboundCodec, Refused};
 use crate::validate::{Refusal, shown_id};
@@ -931,17 +931,11 @@ fn error_response(batch_id: String, status: &Status) -> EvaluateResponse {
 #[derive(Debug, Clone)]
 pub(crate) struct Registrar {
     mesh: Arc<Mesh>,
-    /// Guards registered through this mesh, by the identity that did it
-    /// (for per-identity registration limits).
-    owned: Arc<Mutex<std::collections::HashMap<String, HashSet<String>>>>,
 }
 
 impl Registrar {
     pub(crate) fn new(mesh: Arc<Mesh>) -> Self {
-        Self {
-            mesh,
-            owned: Arc::default(),
-        }
+        Self { mesh }
     }
 
     /// Checks what an authenticated caller may do with guard `name`; open
@@ -968,7 +962,26 @@ impl Registrar {
 fn registry_status(error: RegistryError) -> Status {
     match error {
         RegistryError::Invalid(e) => Status::invalid_argument(e.to_string()),
+        RegistryError::Quota(e) => {
+            tracing::warn!("registration refused: {e}");
+            Status::resource_exhausted(e.to_string())
+        }
         RegistryError::Unavailable(e) => Status::unavailable(e),
+    }
+}
+
+/// The status of a registration that [`admit`](crate::registry::admit)
+/// refused.
+fn admit_status(name: &str, error: AdmitError) -> Status {
+    match error {
+        AdmitError::Invalid(e) => Status::invalid_argument(e.to_string()),
+        AdmitError::Endpoint { endpoint, why, .. } => {
+            tracing::warn!(guard = %name, endpoint = %endpoint, "registration refused: {why}");
+            Status::permission_denied(format!(
+                "guard {name:?}: endpoint {endpoint} refused by the endpoint policy: {why}"
+            ))
+        }
+        AdmitError::Interrupted => Status::unavailable(error.to_string()),
     }
 }
 
@@ -1094,69 +1107,32 @@ impl Registrar {
         };
         let name = spec.name.clone();
         let caller = self.authorize(&request, &name)?;
-        // The endpoint policy: no registration may point the mesh at a
-        // metadata service or outside the allow-list (checked again after
-        // DNS resolution when dialing).
-        // R25: a policy compiles off the runtime's threads (bounded in
-        // size and time by the policy's limits); the registry then shares
-        // the compiled policy rather than compiling it again.
-        let timeout = self.mesh.config.default_guard_timeout;
-        let checked = {
-            let spec = spec.clone();
-            tokio::task::spawn_blocking(move || {
-                crate::registry::spec::Guard::from_spec(&spec, timeout)
-            })
+        // R16: checked once, here (R25: its policy compiled off the
+        // runtime's threads, within the policy's size and time bounds); the
+        // registry takes the checked guard as it is.
+        let checked = crate::registry::admit(spec, &Admission::of(&self.mesh.config))
             .await
-            .map_err(|_| Status::unavailable("the registration was interrupted"))?
-            .map_err(|e| Status::invalid_argument(e.to_string()))?
-        };
-        for warning in checked.warnings() {
+            .map_err(|error| admit_status(&name, error))?;
+        for warning in checked.guard().warnings() {
             tracing::warn!(guard = %name, "{warning}");
         }
-        if !checked.is_policy()
-            && let Err(why) = self
-                .mesh
-                .config
-                .security
-                .endpoint_policy
-                .check_host(&checked.host())
-        {
-            tracing::warn!(guard = %name, endpoint = %checked.endpoint, "registration refused: {why}");
-            return Err(Status::permission_denied(format!(
-                "guard {name:?}: endpoint {} refused by the endpoint policy: {why}",
-                checked.endpoint
-            )));
-        }
-        if let Some(caller) = &caller
-            && !caller.roles.contains(&Role::Admin)
-        {
-            let owned = self.owned.lock().unwrap_or_else(PoisonError::into_inner);
-            let count = owned.get(&caller.id).map_or(0, |s| s.len());
-            let already = owned.get(&caller.id).is_some_and(|s| s.contains(&name));
-            if !already && count >= caller.max_registrations {
-                return Err(Status::resource_exhausted(format!(
-                    "{} already registered {count} guards, its limit",
-                    caller.id
-                )));
-            }
-        }
+        // R25: what the caller may hold is checked and counted by the
+        // registry in the same step as the registration, so replicas
+        // sharing a store enforce one quota.
+        let owner = caller.as_ref().map(|caller| Owner {
+            identity: caller.id.clone(),
+            max_guards: (!caller.roles.contains(&Role::Admin)).then_some(caller.max_registrations),
+            max_policy_bytes: self.mesh.config.max_policy_bytes_per_identity,
+        });
         if let Some(ahead) = ahead {
             ahead.write().await?;
         }
         let out = self
             .mesh
             .registry()
-            .register(spec)
+            .register(checked, owner)
             .await
             .map_err(registry_status)?;
-        if let Some(caller) = &caller {
-            self.owned
-                .lock()
-                .unwrap_or_else(PoisonError::into_inner)
-                .entry(caller.id.clone())
-                .or_default()
-                .insert(name.clone());
-        }
         // Start dialing the guard now rather than on its first batch.
         let _ = self.mesh.chain();
         tracing::info!(guard = %name, revision = out.revision, position = out.position, created = out.created, "guard registered");
@@ -1184,14 +1160,6 @@ impl Registrar {
             .await
             .map_err(registry_status)?;
         let _ = self.mesh.chain();
-        for names in self
-            .owned
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .values_mut()
-        {
-            names.remove(&name);
-        }
         tracing::info!(guard = %name, revision = out.revision, removed = out.removed, "guard deregistered");
         Ok(DeregisterResponse {
             revision: out.revision,
