@@ -365,7 +365,7 @@ pub(crate) struct RawGateway {
 }
 
 impl RawGateway {
-    fn start(mesh: &str, extra: &[&str], upstream: Vec<String>) -> Self {
+    pub(crate) fn start(mesh: &str, extra: &[&str], upstream: Vec<String>) -> Self {
         Self::start_with_stderr(mesh, extra, upstream, Stdio::inherit())
     }
 

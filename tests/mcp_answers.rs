@@ -172,3 +172,66 @@ async fn r31_both_sdk_clients_accept_every_answer_for_an_output_schema_tool_over
         "{ran:?}"
     );
 }
+
+/// The gateway judges on one `Evaluate` stream; when the mesh restarts, the
+/// next call is judged on a new stream by the new mesh, not answered as
+/// unreachable, and a call while it is down is never forwarded (R31, R13).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn r31_the_gateway_judges_on_a_new_stream_after_the_mesh_restarts() {
+    use crate::mcp::RawGateway;
+    let port = free_port();
+    let guard = call_guard(std::time::Duration::ZERO, crate::mcp::policy).await;
+    let start = move |name: &'static str, endpoint: String| async move {
+        let mesh = MeshProcess::start_at(name, "", None, port).await;
+        guardmesh_client::Registrar::connect(mesh.url.clone())
+            .await
+            .unwrap()
+            .register(guardmesh_client::Registration::validate(
+                "policy", &endpoint,
+            ))
+            .await
+            .unwrap();
+        mesh
+    };
+    let mut mesh = start("mcp-restart-1", guard.url.clone()).await;
+    let scratch = Scratch::new("restart");
+    let (url, upstream) = (mesh.url.clone(), scratch.upstream(&["stdio"]));
+    let handle = tokio::runtime::Handle::current();
+    let endpoint = guard.url.clone();
+    let second = tokio::task::spawn_blocking(move || {
+        let mut gateway = RawGateway::start(&url, &[], upstream);
+        let mut ask = |id: u32, amount: u32| {
+            let call = RawGateway::call(json!(id), "pay", json!({"amount": amount, "to": "bob"}));
+            gateway.send(&call.to_string());
+            gateway.recv()
+        };
+        let first = ask(1, 5);
+        assert_eq!(first["result"]["isError"], false, "{first}");
+        // The mesh goes away: a call is answered as unreachable, not run.
+        let _ = mesh.child.kill();
+        let _ = mesh.child.wait();
+        let down = ask(2, 6);
+        assert_eq!(down["error"]["code"], -32071, "{down}");
+        // A new mesh where the old one was.
+        let second = handle.block_on(start("mcp-restart-2", endpoint));
+        let cancelled = ask(3, 500);
+        assert_eq!(
+            cancelled["result"]["content"][0]["text"], "payments over 100 need approval",
+            "{cancelled}"
+        );
+        let fine = ask(4, 7);
+        assert_eq!(fine["result"]["isError"], false, "{fine}");
+        second
+    })
+    .await
+    .unwrap();
+    let ran: Vec<Value> = scratch.executed();
+    assert_eq!(
+        ran,
+        vec![
+            json!({"tool": "pay", "arguments": {"amount": 5.0, "to": "bob"}}),
+            json!({"tool": "pay", "arguments": {"amount": 7.0, "to": "bob"}}),
+        ]
+    );
+    drop(second);
+}

@@ -193,13 +193,23 @@ impl MeshProcess {
     /// `config` as the file, and waits (bounded) until it accepts. With
     /// `log_level`, the process logs at that level (`RUST_LOG`).
     pub(crate) async fn start(name: &str, config: &str, log_level: Option<&str>) -> Self {
+        Self::start_at(name, config, log_level, free_port()).await
+    }
+
+    /// [`MeshProcess::start`] on `port` (a mesh restarted where its
+    /// clients know it).
+    pub(crate) async fn start_at(
+        name: &str,
+        config: &str,
+        log_level: Option<&str>,
+        port: u16,
+    ) -> Self {
         let dir =
             std::env::temp_dir().join(format!("guardmesh-serve-{name}-{}", std::process::id()));
         std::fs::create_dir_all(&dir).unwrap();
         let file = dir.join("mesh.toml");
         std::fs::write(&file, config).unwrap();
         let log = std::fs::File::create(dir.join("mesh.log")).unwrap();
-        let port = free_port();
         let mut command = std::process::Command::new(env!("CARGO_BIN_EXE_guardmesh"));
         command
             .args([
