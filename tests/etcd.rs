@@ -1223,7 +1223,7 @@ async fn peer_proxy(
 }
 
 /// One member of a [`Cluster`].
-struct Member {
+pub(crate) struct Member {
     name: String,
     dir: PathBuf,
     client_port: u16,
@@ -1236,7 +1236,7 @@ impl Member {
     }
 
     /// Kills the process at once (SIGKILL), like a crash.
-    fn kill(&mut self) {
+    pub(crate) fn kill(&mut self) {
         if let Some(mut child) = self.child.take() {
             let _ = child.kill();
             let _ = child.wait();
@@ -1247,14 +1247,14 @@ impl Member {
 /// Three etcd members on loopback, each with its own client URL and data
 /// directory, their peer traffic through a [`Partition`]. Dropping it kills
 /// the members and removes their directories.
-struct Cluster {
-    members: Vec<Member>,
+pub(crate) struct Cluster {
+    pub(crate) members: Vec<Member>,
     partition: Arc<Partition>,
     proxies: Vec<JoinHandle<()>>,
 }
 
 impl Cluster {
-    async fn start() -> Self {
+    pub(crate) async fn start() -> Self {
         static SEQ: AtomicUsize = AtomicUsize::new(0);
         let token = format!(
             "guardmesh-test-{}-{}",
@@ -1356,7 +1356,7 @@ impl Cluster {
         cluster
     }
 
-    fn urls(&self) -> Vec<String> {
+    pub(crate) fn urls(&self) -> Vec<String> {
         self.members.iter().map(Member::url).collect()
     }
 

@@ -760,6 +760,7 @@ mod writer_tests {
         VerifyOptions {
             key: Some(read_verifying_key(&setup.key.with_extension("key.pub")).unwrap()),
             anchor: witness.then(|| setup.witness.clone()),
+            anchor_line: None,
             allow_gap,
         }
     }
