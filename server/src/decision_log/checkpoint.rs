@@ -951,6 +951,33 @@ mod writer_tests {
         log.close().await.unwrap();
     }
 
+    #[tokio::test]
+    async fn r29_a_witness_that_cannot_be_written_is_counted_and_logged_not_fatal() {
+        let setup = setup();
+        let config = LogConfig {
+            seal: Some(SealConfig {
+                witness: Some(setup.witness.join("no-such-dir").join("w.jsonl")),
+                ..SealConfig::new(&setup.key)
+            }),
+            ..LogConfig::new(&setup.log, "m")
+        };
+        let log = DecisionLog::open(config).await.unwrap();
+        // The `open` checkpoint is in the log, not in the witness.
+        assert_eq!(log.outside_failures().witness(), 1);
+        log.append(decision("b", Action::Proceed)).await.unwrap();
+        // Counted in the mesh's metrics once attached, earlier ones too.
+        let metrics = std::sync::Arc::new(crate::observe::metrics::Metrics::new());
+        log.attach_metrics(metrics.clone());
+        log.close().await.unwrap();
+        assert_eq!(log.outside_failures().witness(), 2);
+        let text = metrics.encode();
+        assert!(
+            text.contains("decision_log_failures_total{kind=\"checkpoint_witness\"} 2"),
+            "{text}"
+        );
+        assert_eq!(log.outside_failures().etcd(), 0);
+    }
+
     /// CPU time of this process (user + system).
     fn cpu() -> Duration {
         // SAFETY: getrusage writes into the struct given.
