@@ -285,6 +285,11 @@ impl Publisher {
         self.tx.send_replace(Some(Arc::new(line.to_vec())));
     }
 
+    /// Stops at once, nothing offered (the log did not open).
+    pub(crate) fn abort(self) {
+        self.task.abort();
+    }
+
     /// Stops taking checkpoints and waits, at most `within`, for the last
     /// one to be put.
     pub(crate) async fn finish(self, within: Duration) {

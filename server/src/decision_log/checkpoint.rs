@@ -27,9 +27,10 @@
 //!
 //! Outside the log, each checkpoint line is appended to the witness file
 //! (`witness`, on another mount, fsynced), written to the log directory's
-//! `checkpoint.state`, and exported over OTLP when the export is on. On
-//! open, a log that does not hold the latest checkpoint of the state file
-//! or the witness is refused ([`LogError::Behind`]) unless `allow_gap` is
+//! `checkpoint.state`, exported over OTLP when the export is on, and put
+//! to etcd when the registry is etcd ([`super::anchor`]). On open, a log
+//! that does not hold the latest checkpoint of the state file, the witness
+//! or the etcd anchor is refused ([`LogError::Behind`]) unless `allow_gap` is
 //! set: then a signed `gap` record naming the missing checkpoint is
 //! written first, and the chain goes on after it.
 //!

@@ -206,7 +206,7 @@ impl DecisionLog {
             Ok(writer) => writer,
             Err(error) => {
                 if let Some(publisher) = publisher {
-                    publisher.finish(Duration::ZERO).await;
+                    publisher.abort();
                 }
                 return Err(error);
             }
