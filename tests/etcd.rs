@@ -1235,7 +1235,7 @@ async fn peer_proxy(
 }
 
 /// One member of a [`Cluster`].
-struct Member {
+pub(crate) struct Member {
     name: String,
     dir: PathBuf,
     client_port: u16,
@@ -1248,7 +1248,7 @@ impl Member {
     }
 
     /// Kills the process at once (SIGKILL), like a crash.
-    fn kill(&mut self) {
+    pub(crate) fn kill(&mut self) {
         if let Some(mut child) = self.child.take() {
             let _ = child.kill();
             let _ = child.wait();
@@ -1260,7 +1260,7 @@ impl Member {
 /// directory, their peer traffic through a [`Partition`]. Dropping it kills
 /// the members and removes their directories.
 pub(crate) struct Cluster {
-    members: Vec<Member>,
+    pub(crate) members: Vec<Member>,
     partition: Arc<Partition>,
     proxies: Vec<JoinHandle<()>>,
 }

@@ -50,6 +50,7 @@ mod busy;
 mod cli;
 mod conformance;
 mod decision_log;
+mod decision_log_anchor;
 mod decision_log_hardening;
 mod decision_log_otlp;
 mod decision_log_refusals;

@@ -605,7 +605,7 @@ async fn serve(config: Option<PathBuf>, listen: Option<std::net::SocketAddr>) ->
     if let Some(section) = &config.decision_log {
         use guardmesh_server::decision_log::{DecisionLog, MeshLog};
         // The instance is the address bound, not a port-0 address asked for.
-        let settings = section.log_config(&bound.to_string())?;
+        let settings = config.decision_log_settings(section, &bound.to_string())?;
         let limits = section.limits()?;
         let log = DecisionLog::open(settings)
             .await

@@ -1,9 +1,10 @@
 //! `guardmesh log`: reads the decision log (R29).
 //!
-//! * `verify PATH [--key PUB [--witness PATH | --checkpoint FILE]]` checks
-//!   the hash chain and, with the writer's public key, the signed
-//!   checkpoints, and with an outside checkpoint that the log was not cut
-//!   before it or rewritten after it;
+//! * `verify PATH [--key PUB [--witness PATH | --checkpoint FILE |
+//!   --etcd ENDPOINTS --instance NAME]]` checks the hash chain and, with
+//!   the writer's public key, the signed checkpoints, and with an outside
+//!   checkpoint (a witness, a file, or the etcd anchor) that the log was
+//!   not cut before it or rewritten after it;
 //! * `keygen --out FILE` writes a signing key for `[decision_log]
 //!   signing_key` and its public key.
 
@@ -30,8 +31,24 @@ pub(crate) enum LogAction {
         witness: Option<PathBuf>,
         /// A file whose last line is a checkpoint exported from the log
         /// (e.g. from the OTLP export): the log must hold it.
-        #[arg(long, requires = "key")]
+        #[arg(long, requires = "key", conflicts_with = "etcd")]
         checkpoint: Option<PathBuf>,
+        /// etcd client URLs (comma-separated): the log must hold the
+        /// checkpoint the mesh anchored there (needs --instance).
+        #[arg(
+            long,
+            requires_all = ["key", "instance"],
+            conflicts_with = "witness",
+            value_delimiter = ','
+        )]
+        etcd: Vec<String>,
+        /// The registry's key prefix the mesh ran with.
+        #[arg(long, default_value = "/guardmesh", requires = "etcd")]
+        etcd_prefix: String,
+        /// The mesh instance whose anchor is read: `[decision_log]
+        /// instance`, or `HOST:LOG_DIR` when it is not set.
+        #[arg(long, requires = "etcd")]
+        instance: Option<String>,
         /// Reports gap records (a restart on a shortened log, allowed by
         /// `allow_gap`) instead of failing on them.
         #[arg(long)]
@@ -71,6 +88,9 @@ pub(crate) fn run(action: LogAction) -> ExitCode {
             key,
             witness,
             checkpoint,
+            etcd,
+            etcd_prefix,
+            instance,
             allow_gap,
         } => {
             let key = match key
@@ -84,14 +104,61 @@ pub(crate) fn run(action: LogAction) -> ExitCode {
                     return ExitCode::from(2);
                 }
             };
+            let anchor_line = match (&key, instance) {
+                (Some(key), Some(instance)) if !etcd.is_empty() => {
+                    match read_etcd_anchor(etcd, &etcd_prefix, &checkpoint::key_id(key), &instance)
+                    {
+                        Ok(line) => Some(line),
+                        Err(error) => {
+                            eprintln!("error: {error}");
+                            return ExitCode::from(2);
+                        }
+                    }
+                }
+                _ => None,
+            };
             let options = VerifyOptions {
                 key,
                 anchor: witness.or(checkpoint),
+                anchor_line,
                 allow_gap,
             };
             verify(&path, &options)
         }
     }
+}
+
+/// The checkpoint line anchored in etcd for `instance`'s log signed with
+/// the key `key_id`.
+fn read_etcd_anchor(
+    endpoints: Vec<String>,
+    prefix: &str,
+    key_id: &str,
+    instance: &str,
+) -> Result<Vec<u8>, String> {
+    use guardmesh_server::decision_log::anchor::{AnchorClient, anchor_key};
+    use guardmesh_server::registry::etcd::EtcdConfig;
+    let config = EtcdConfig {
+        endpoints,
+        prefix: prefix.to_owned(),
+        ..EtcdConfig::default()
+    };
+    let name = anchor_key(prefix, key_id, instance);
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .map_err(|err| format!("cannot start a runtime: {err}"))?;
+    runtime.block_on(async {
+        let mut client = AnchorClient::connect(&config)
+            .await
+            .map_err(|err| err.to_string())?;
+        match client.get(&name).await.map_err(|err| err.to_string())? {
+            Some(line) => Ok(line),
+            None => Err(format!(
+                "no checkpoint anchored in etcd at {name} (check --etcd-prefix, --instance and --key)"
+            )),
+        }
+    })
 }
 
 fn verify(path: &std::path::Path, options: &VerifyOptions) -> ExitCode {
@@ -134,7 +201,7 @@ fn verify(path: &std::path::Path, options: &VerifyOptions) -> ExitCode {
                         println!("anchor: the log holds the outside checkpoint at seq {seq}")
                     }
                     None => println!(
-                        "anchor: none given; a cut at the end of the log is not detected (--witness or --checkpoint)"
+                        "anchor: none given; a cut at the end of the log is not detected (--witness, --checkpoint or --etcd)"
                     ),
                 }
             } else {

@@ -880,6 +880,29 @@ fn guard_name_lines(text: &str) -> Vec<usize> {
 }
 
 impl Config {
+    /// The decision log's settings for a mesh whose default instance name
+    /// is `instance`; with a signing key and the etcd registry, the
+    /// checkpoints are anchored in etcd under the registry's prefix, named
+    /// by `[decision_log] instance`, or else by the host name and the log
+    /// directory (see [`crate::decision_log::anchor`]).
+    pub fn decision_log_settings(
+        &self,
+        section: &DecisionLogConfig,
+        instance: &str,
+    ) -> Result<crate::decision_log::LogConfig, String> {
+        let mut settings = section.log_config(instance)?;
+        if self.registry.kind == RegistryKind::Etcd && settings.seal.is_some() {
+            let etcd = crate::registry::etcd::EtcdConfig::from_config(&self.registry)
+                .map_err(|e| e.to_string())?;
+            let instance = section
+                .instance
+                .clone()
+                .unwrap_or_else(|| crate::decision_log::anchor::default_instance(&section.dir));
+            settings.anchor = Some(crate::decision_log::anchor::AnchorConfig { etcd, instance });
+        }
+        Ok(settings)
+    }
+
     /// Parses a config from TOML text; `origin` names it in errors.
     pub fn parse(text: &str, origin: &str) -> Result<Self, ConfigError> {
         let config: Self = toml::from_str(text).map_err(|source| ConfigError::Parse {

@@ -168,6 +168,16 @@ pub struct BenchArgs {
     /// is bimodal with placement; `split` and `one` fix it for a whole run.
     #[arg(long, value_enum, default_value_t = Placement::Os)]
     pub placement: Placement,
+    /// Runs one group only: `decision-log`, the decision log's cost (log
+    /// off, on, on with signed checkpoints), latency and throughput.
+    #[arg(long, value_enum)]
+    pub only: Option<Only>,
+}
+
+/// `guardmesh bench --only`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum Only {
+    DecisionLog,
 }
 
 /// Logs to stderr, `RUST_LOG` or `default_filter`.
@@ -1370,6 +1380,30 @@ async fn run(args: &BenchArgs) -> Result<(), Error> {
         dir.display()
     );
     let mut guards = GuardProcess::start(&exe, dir, &catalog(), args).await?;
+    if args.only == Some(Only::DecisionLog) {
+        let in_flight = args.in_flight.max(1);
+        let (latency, throughput) =
+            decision_log::run(&exe, dir, &mut guards, &work, &plan, in_flight).await?;
+        let mut setup = Map::new();
+        setup.insert("only".into(), json!("decision-log"));
+        setup.insert("rounds".into(), json!(plan.rounds));
+        setup.insert("in_flight".into(), json!(in_flight));
+        setup.insert("throughput_windows".into(), json!(plan.throughput_windows));
+        setup.insert(
+            "throughput_window_s".into(),
+            json!(plan.throughput_window.as_secs_f64()),
+        );
+        setup.insert("elapsed_s".into(), json!(started.elapsed().as_secs_f64()));
+        let results = Results {
+            quick: args.quick,
+            setup,
+            latency,
+            throughput,
+            memory: Memory::none(),
+            extra_ratios: Vec::new(),
+        };
+        return report(&results, args, mode, started, guards);
+    }
     let mut latency = Vec::new();
     let mut extra_setup = Map::new();
 
@@ -1709,6 +1743,17 @@ async fn run(args: &BenchArgs) -> Result<(), Error> {
         memory,
         extra_ratios: mcp.ratios.into_iter().chain(policy_figures).collect(),
     };
+    report(&results, args, mode, started, guards)
+}
+
+/// Prints the report, and writes the JSON when asked.
+fn report(
+    results: &Results,
+    args: &BenchArgs,
+    mode: &str,
+    started: Instant,
+    guards: GuardProcess,
+) -> Result<(), Error> {
     println!(
         "guardmesh bench ({mode} run, {:.0} s): batches of {CALLS} calls, {ARGUMENT_BYTES} B of JSON arguments each",
         started.elapsed().as_secs_f64()

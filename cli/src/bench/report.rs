@@ -197,6 +197,16 @@ pub(super) struct Memory {
 }
 
 impl Memory {
+    /// No memory figures (a run of one group).
+    pub(super) fn none() -> Memory {
+        Memory {
+            idle_bytes: 0,
+            streams: 0,
+            connections: 0,
+            with_streams_bytes: 0,
+        }
+    }
+
     fn mib(bytes: u64) -> f64 {
         bytes as f64 / (1024.0 * 1024.0)
     }
@@ -243,6 +253,7 @@ pub(super) const TARGETS: &[(&str, Bound)] = &[
     ("cpu_per_batch_mesh4_vs_echo_call", Bound::AtMost(1.6)),
     ("rss_mib_1000_streams", Bound::AtMost(40.0)),
     ("policy20_vs_no_guard_p50", Bound::AtMost(1.10)),
+    ("cpu_per_batch_log_signed_vs_log_on", Bound::AtMost(1.05)),
 ];
 
 /// Everything one run measured.
@@ -277,6 +288,9 @@ impl Results {
     /// The ratios (and the memory figure) the targets are stated in, plus a
     /// few that help read them.
     pub(super) fn ratios(&self) -> Result<Vec<(String, f64)>, Error> {
+        if self.setup.get("only").and_then(Value::as_str) == Some("decision-log") {
+            return Ok(super::decision_log::ratios(&self.latency, &self.throughput));
+        }
         let direct = self.latency("direct_unary")?;
         let parallel = self.latency("direct_parallel_4")?;
         let floor = self.latency("stream_floor")?;
@@ -490,15 +504,17 @@ impl Results {
             );
         }
         let m = &self.memory;
-        let _ = writeln!(
-            out,
-            "\nmemory: mesh RSS {:.1} MiB with no stream, {:.1} MiB with {} idle coordinator streams on {} connections ({:+.1} KiB per stream)",
-            Memory::mib(m.idle_bytes),
-            Memory::mib(m.with_streams_bytes),
-            m.streams,
-            m.connections,
-            m.kib_per_stream()
-        );
+        if m.streams > 0 {
+            let _ = writeln!(
+                out,
+                "\nmemory: mesh RSS {:.1} MiB with no stream, {:.1} MiB with {} idle coordinator streams on {} connections ({:+.1} KiB per stream)",
+                Memory::mib(m.idle_bytes),
+                Memory::mib(m.with_streams_bytes),
+                m.streams,
+                m.connections,
+                m.kib_per_stream()
+            );
+        }
         let _ = writeln!(
             out,
             "\n{:<34} {:>9}  {:<9} result",

@@ -27,9 +27,10 @@
 //!
 //! Outside the log, each checkpoint line is appended to the witness file
 //! (`witness`, on another mount, fsynced), written to the log directory's
-//! `checkpoint.state`, and exported over OTLP when the export is on. On
-//! open, a log that does not hold the latest checkpoint of the state file
-//! or the witness is refused ([`LogError::Behind`]) unless `allow_gap` is
+//! `checkpoint.state`, exported over OTLP when the export is on, and put
+//! to etcd when the registry is etcd ([`super::anchor`]). On open, a log
+//! that does not hold the latest checkpoint of the state file, the witness
+//! or the etcd anchor is refused ([`LogError::Behind`]) unless `allow_gap` is
 //! set: then a signed `gap` record naming the missing checkpoint is
 //! written first, and the chain goes on after it.
 //!
@@ -760,6 +761,7 @@ mod writer_tests {
         VerifyOptions {
             key: Some(read_verifying_key(&setup.key.with_extension("key.pub")).unwrap()),
             anchor: witness.then(|| setup.witness.clone()),
+            anchor_line: None,
             allow_gap,
         }
     }
@@ -948,6 +950,33 @@ mod writer_tests {
         });
         assert!(log.append(forged).await.is_err());
         log.close().await.unwrap();
+    }
+
+    #[tokio::test]
+    async fn r29_a_witness_that_cannot_be_written_is_counted_and_logged_not_fatal() {
+        let setup = setup();
+        let config = LogConfig {
+            seal: Some(SealConfig {
+                witness: Some(setup.witness.join("no-such-dir").join("w.jsonl")),
+                ..SealConfig::new(&setup.key)
+            }),
+            ..LogConfig::new(&setup.log, "m")
+        };
+        let log = DecisionLog::open(config).await.unwrap();
+        // The `open` checkpoint is in the log, not in the witness.
+        assert_eq!(log.outside_failures().witness(), 1);
+        log.append(decision("b", Action::Proceed)).await.unwrap();
+        // Counted in the mesh's metrics once attached, earlier ones too.
+        let metrics = std::sync::Arc::new(crate::observe::metrics::Metrics::new());
+        log.attach_metrics(metrics.clone());
+        log.close().await.unwrap();
+        assert_eq!(log.outside_failures().witness(), 2);
+        let text = metrics.encode();
+        assert!(
+            text.contains("decision_log_failures_total{kind=\"checkpoint_witness\"} 2"),
+            "{text}"
+        );
+        assert_eq!(log.outside_failures().etcd(), 0);
     }
 
     /// CPU time of this process (user + system).

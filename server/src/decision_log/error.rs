@@ -47,9 +47,10 @@ pub enum LogError {
     /// on after a signed `gap` record that names what is missing.
     #[error(
         "decision log: {dir} does not hold the latest checkpoint known from the {source_name} \
-         (seq {seq}, hash {hash}, written {time}); the log's next record would be seq {next_seq}: \
-         records were cut from its end or files removed. Restore them, or set \
-         [decision_log] allow_gap = true to continue after a signed gap record"
+         (seq {seq}, hash {hash}, written {time}); the log's next record would be seq {next_seq} \
+         ({missing}): records were cut from its end or files removed, or the log rewritten. \
+         Restore them, or set [decision_log] allow_gap = true to continue after a signed gap record",
+        missing = behind_by(*seq, *next_seq)
     )]
     Behind {
         dir: PathBuf,
@@ -69,6 +70,15 @@ pub enum LogError {
     /// of this module).
     #[error("decision log: cannot serialize a record: {0}")]
     Serialize(String),
+}
+
+/// What a log behind a checkpoint misses, for [`LogError::Behind`].
+fn behind_by(seq: u64, next_seq: u64) -> String {
+    if seq >= next_seq {
+        format!("{} records missing", seq + 1 - next_seq)
+    } else {
+        format!("the record at seq {seq} is not that checkpoint")
+    }
 }
 
 impl LogError {

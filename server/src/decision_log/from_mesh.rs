@@ -245,6 +245,7 @@ impl MeshLog {
         metrics: Arc<Metrics>,
         limits: LogLimits,
     ) -> Self {
+        log.attach_metrics(metrics.clone());
         let budget = limits
             .max_dir_bytes
             .map(|max| DirBudget::new(log.dir(), max));

@@ -18,12 +18,15 @@
 //!   records, and [`MeshLog`], the log with its failure policy
 //!   (`on_log_failure`);
 //! * [`error`]: what opening and appending can fail with, [`LogError`];
+//! * [`anchor`]: the etcd anchor of the checkpoints, when the registry is
+//!   etcd;
 //! * [`otlp`]: the optional export of the records as OpenTelemetry log
 //!   records.
 //!
 //! The format is described for readers by the JSON Schema
 //! `docs/decision-log.schema.json`.
 
+pub mod anchor;
 pub mod budget;
 pub mod chain;
 pub mod checkpoint;

@@ -82,6 +82,9 @@ pub struct VerifyOptions {
     /// A witness file (or a directory holding the key's witness file), or
     /// a file whose last line is a checkpoint; needs `key`.
     pub anchor: Option<PathBuf>,
+    /// A checkpoint line kept outside the log, given as bytes (e.g. read
+    /// from the etcd anchor); needs `key`; used when `anchor` is `None`.
+    pub anchor_line: Option<Vec<u8>>,
     /// Gap records are reported, not refused.
     pub allow_gap: bool,
 }
@@ -198,9 +201,22 @@ pub fn verify(path: &Path) -> Result<VerifyReport, VerifyError> {
 /// key its checkpoints, and with an anchor that it holds the latest
 /// checkpoint kept outside it.
 pub fn verify_with(path: &Path, options: &VerifyOptions) -> Result<VerifyReport, VerifyError> {
-    let anchor = match (&options.anchor, &options.key) {
-        (Some(anchor), Some(key)) => Some(read_anchor(anchor, key)?),
-        (Some(_), None) => {
+    let anchor = match (&options.anchor, &options.anchor_line, &options.key) {
+        (Some(anchor), _, Some(key)) => Some(read_anchor(anchor, key)?),
+        (None, Some(line), Some(key)) => match checkpoint::check_line(line, key) {
+            Ok(Some(sealed)) => Some(sealed),
+            Ok(None) => {
+                return Err(VerifyError::Anchor(
+                    "the outside checkpoint given is not a checkpoint".to_owned(),
+                ));
+            }
+            Err(reason) => {
+                return Err(VerifyError::Anchor(format!(
+                    "the outside checkpoint given {reason}"
+                )));
+            }
+        },
+        (Some(_), _, None) | (None, Some(_), None) => {
             return Err(VerifyError::Anchor(
                 "an outside checkpoint is checked with the key: give --key".to_owned(),
             ));
@@ -429,9 +445,10 @@ pub fn verify_with(path: &Path, options: &VerifyOptions) -> Result<VerifyReport,
                 )));
             }
             None => {
+                let missing = (anchor.seq + 1).saturating_sub(head.map_or(0, |seq| seq + 1));
                 return Err(VerifyError::Sealing(format!(
                     "the log ends at seq {} but the checkpoint kept outside it vouches for seq {} (written {}): \
-                     records were cut from its end or its last files removed",
+                     {missing} records missing: records were cut from its end or its last files removed",
                     head.map_or_else(|| "-".to_owned(), |seq| seq.to_string()),
                     anchor.seq,
                     anchor.time

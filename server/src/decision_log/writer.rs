@@ -56,8 +56,9 @@ use tokio::sync::{mpsc, oneshot};
 use tokio::time::Instant;
 use uuid::Uuid;
 
+use super::anchor::{AnchorClient, AnchorConfig, OutsideFailures, Publisher};
 use super::chain::{self, GENESIS, Header};
-use super::checkpoint::{self, SealConfig, SealKind, Sealer};
+use super::checkpoint::{self, Known, SealConfig, SealKind, Sealer};
 use super::error::LogError;
 use super::mask::MaskRules;
 use super::record::{Entry, FORMAT_VERSION, Unsealed};
@@ -94,6 +95,9 @@ pub struct LogConfig {
     /// Signed checkpoints, their witness, and the restart check (see
     /// [`super::checkpoint`]); `None`: no checkpoints.
     pub seal: Option<SealConfig>,
+    /// With `seal`: checkpoints are also anchored in etcd, and the log
+    /// must hold the anchored one to start (see [`super::anchor`]).
+    pub anchor: Option<AnchorConfig>,
 }
 
 impl LogConfig {
@@ -108,6 +112,7 @@ impl LogConfig {
             queue: 1024,
             otlp: false,
             seal: None,
+            anchor: None,
         }
     }
 }
@@ -133,6 +138,7 @@ struct Inner {
     tx: mpsc::Sender<Request>,
     mask: MaskRules,
     dir: PathBuf,
+    failures: Arc<OutsideFailures>,
 }
 
 enum Request {
@@ -180,10 +186,41 @@ impl DecisionLog {
         };
         let seal = config.seal.clone();
         let seal_interval = seal.as_ref().map(|seal| seal.interval);
-        let writer =
-            tokio::task::spawn_blocking(move || Writer::open(dir, mesh, max, export, seal))
-                .await
-                .map_err(|err| LogError::Config(format!("opening the log panicked: {err}")))??;
+        let failures = Arc::new(OutsideFailures::default());
+        // The etcd anchor is read before the log is opened, and its
+        // publisher started, so that the `open` checkpoint is anchored too.
+        let (anchored, publisher) = match (&seal, &config.anchor) {
+            (Some(seal), Some(anchor)) => {
+                let (known, publisher) = open_anchor(seal, anchor, failures.clone()).await?;
+                (known, Some(publisher))
+            }
+            _ => (None, None),
+        };
+        let outside = failures.clone();
+        let opened = tokio::task::spawn_blocking(move || {
+            Writer::open(dir, mesh, max, export, seal, anchored, outside)
+        })
+        .await
+        .map_err(|err| LogError::Config(format!("opening the log panicked: {err}")))?;
+        let mut writer = match opened {
+            Ok(writer) => writer,
+            Err(error) => {
+                if let Some(publisher) = publisher {
+                    publisher.abort();
+                }
+                return Err(error);
+            }
+        };
+        if let Some(publisher) = publisher {
+            // The `open` checkpoint (or gap) written by `Writer::open`.
+            if let Some(line) = &writer.last_seal {
+                publisher.offer(line);
+            }
+            writer.anchor = Some(publisher);
+            if let Some(anchor) = &config.anchor {
+                writer.anchor_timeout = anchor.etcd.request_timeout;
+            }
+        }
         let (tx, rx) = mpsc::channel(config.queue.max(1));
         let timers = Timers {
             durability: config.durability,
@@ -197,6 +234,7 @@ impl DecisionLog {
                 tx,
                 mask: config.mask,
                 dir: config.dir,
+                failures,
             }),
         })
     }
@@ -204,6 +242,18 @@ impl DecisionLog {
     /// The log's directory.
     pub fn dir(&self) -> &Path {
         &self.inner.dir
+    }
+
+    /// Checkpoints not kept outside the log (witness, etcd), counted.
+    pub fn outside_failures(&self) -> &OutsideFailures {
+        &self.inner.failures
+    }
+
+    /// Counts checkpoints not kept outside the log in `metrics` from now
+    /// on (`decision_log_failures{kind="checkpoint_witness"}`,
+    /// `{kind="checkpoint_etcd"}`).
+    pub fn attach_metrics(&self, metrics: Arc<crate::observe::metrics::Metrics>) {
+        self.inner.failures.attach(metrics);
     }
 
     /// The mask rules the log applies.
@@ -430,6 +480,68 @@ async fn stop_export(writer: &mut Option<Writer>) {
     if let Some(export) = writer.as_mut().and_then(|w| w.export.take()) {
         let _ = tokio::task::spawn_blocking(move || export.shutdown()).await;
     }
+    // The closing checkpoint is anchored before the log is released.
+    if let Some((publisher, within)) = writer
+        .as_mut()
+        .and_then(|w| w.anchor.take().map(|p| (p, w.anchor_timeout)))
+    {
+        publisher.finish(within).await;
+    }
+}
+
+/// Reads the etcd anchor of the log (checked with the key) and starts the
+/// task that keeps it: what the log must hold, and the publisher.
+async fn open_anchor(
+    seal: &SealConfig,
+    anchor: &AnchorConfig,
+    failures: Arc<OutsideFailures>,
+) -> Result<(Option<Known>, Publisher), LogError> {
+    let key_file = seal.key_file.clone();
+    let verifying = tokio::task::spawn_blocking(move || checkpoint::read_signing_key(&key_file))
+        .await
+        .map_err(|err| LogError::Config(format!("reading the key panicked: {err}")))?
+        .map_err(|err| LogError::Config(err.to_string()))?
+        .verifying_key();
+    if anchor.instance.is_empty() {
+        return Err(LogError::Config(
+            "the etcd anchor needs an instance name ([decision_log] instance)".to_owned(),
+        ));
+    }
+    let key = super::anchor::anchor_key(
+        &anchor.etcd.prefix,
+        &checkpoint::key_id(&verifying),
+        &anchor.instance,
+    );
+    let refused = |error: super::anchor::AnchorError| {
+        LogError::Config(format!(
+            "cannot read the checkpoint anchored in etcd at {key}: {error}; the log is not opened \
+             on a chain it cannot check"
+        ))
+    };
+    let mut client = AnchorClient::connect(&anchor.etcd).await.map_err(refused)?;
+    let value = client.get(&key).await.map_err(refused)?;
+    let known = match value {
+        None => None,
+        Some(value) => match checkpoint::check_line(&value, &verifying) {
+            Ok(Some(sealed)) => Some(Known {
+                sealed,
+                source: "etcd",
+            }),
+            Ok(None) => {
+                return Err(LogError::Config(format!(
+                    "the etcd anchor at {key} is not a checkpoint; remove the key if it is not this log's"
+                )));
+            }
+            Err(reason) => {
+                return Err(LogError::Config(format!(
+                    "the checkpoint anchored in etcd at {key} {reason}"
+                )));
+            }
+        },
+    };
+    tracing::info!(key = %key, anchored = known.as_ref().map(|k| k.sealed.seq), "decision log: checkpoints anchored in etcd");
+    let publisher = Publisher::start(client, anchor.etcd.clone(), key, failures);
+    Ok((known, publisher))
 }
 
 async fn sleep_until(at: Option<Instant>) {
@@ -477,6 +589,16 @@ struct Writer {
     export: Option<super::otlp::Export>,
     /// Signs checkpoints, when a key is configured.
     sealer: Option<Sealer>,
+    /// Puts checkpoints to etcd, off this thread.
+    anchor: Option<Publisher>,
+    /// How long a closing log waits for its last checkpoint to reach etcd.
+    anchor_timeout: Duration,
+    /// The checkpoint known from etcd when the log was opened.
+    anchored: Option<Known>,
+    /// The last checkpoint or gap line written.
+    last_seal: Option<Vec<u8>>,
+    /// Checkpoints not kept outside, counted.
+    failures: Arc<OutsideFailures>,
 }
 
 /// A line serialized and sealed, not yet written.
@@ -514,6 +636,8 @@ impl Writer {
         max_file_bytes: u64,
         export: Option<super::otlp::Export>,
         seal: Option<SealConfig>,
+        anchored: Option<Known>,
+        failures: Arc<OutsideFailures>,
     ) -> Result<Writer, LogError> {
         if dir.exists() && !dir.is_dir() {
             return Err(LogError::Config(format!(
@@ -594,6 +718,11 @@ impl Writer {
             poisoned: None,
             export,
             sealer,
+            anchor: None,
+            anchor_timeout: Duration::from_secs(2),
+            anchored,
+            last_seal: None,
+            failures,
         };
         writer.resume_sealed()?;
         Ok(writer)
@@ -607,7 +736,9 @@ impl Writer {
             return Ok(());
         };
         let mut kind = SealKind::Checkpoint("open");
-        for known in sealer.known(&self.dir)? {
+        let mut known = sealer.known(&self.dir)?;
+        known.extend(self.anchored.take());
+        for known in known {
             let sealed = &known.sealed;
             if checkpoint::log_holds(&self.dir, self.next_seq, sealed.seq, &sealed.hash)? {
                 continue;
@@ -684,12 +815,17 @@ impl Writer {
 
     /// A checkpoint written and synced: to the witness, the state file and
     /// the OTLP export. A failure there leaves the log intact; it is logged.
-    fn published(&self, line: &Line) {
+    fn published(&mut self, line: &Line) {
         if let Some(sealer) = &self.sealer
             && let Err(error) = sealer.publish(&self.dir, &line.bytes)
         {
+            self.failures.count("checkpoint_witness");
             tracing::error!(%error, seq = line.seq, "decision log: checkpoint not kept outside the log");
         }
+        if let Some(anchor) = &self.anchor {
+            anchor.offer(&line.bytes);
+        }
+        self.last_seal = Some(line.bytes.clone());
         if let Some(export) = &self.export {
             export.emit(&line.bytes);
         }
