@@ -136,13 +136,8 @@ fn read_etcd_anchor(
     key_id: &str,
     instance: &str,
 ) -> Result<Vec<u8>, String> {
-    use guardmesh_server::decision_log::anchor::{AnchorClient, anchor_key};
-    use guardmesh_server::registry::etcd::EtcdConfig;
-    let config = EtcdConfig {
-        endpoints,
-        prefix: prefix.to_owned(),
-        ..EtcdConfig::default()
-    };
+    use guardmesh_server::decision_log::anchor::{AnchorClient, EtcdConfig, anchor_key};
+    let config = EtcdConfig::plain(endpoints, prefix);
     let name = anchor_key(prefix, key_id, instance);
     let runtime = tokio::runtime::Builder::new_current_thread()
         .enable_all()

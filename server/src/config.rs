@@ -892,8 +892,21 @@ impl Config {
     ) -> Result<crate::decision_log::LogConfig, String> {
         let mut settings = section.log_config(instance)?;
         if self.registry.kind == RegistryKind::Etcd && settings.seal.is_some() {
-            let etcd = crate::registry::etcd::EtcdConfig::from_config(&self.registry)
-                .map_err(|e| e.to_string())?;
+            let registry = self.registry.etcd().map_err(|e| e.to_string())?;
+            let etcd = crate::decision_log::anchor::EtcdConfig {
+                endpoints: registry.endpoints,
+                prefix: registry.prefix,
+                username: registry.username,
+                password: registry.password,
+                tls: registry.tls.map(|t| crate::decision_log::anchor::EtcdTls {
+                    ca_file: t.ca_file,
+                    cert_file: t.cert_file,
+                    key_file: t.key_file,
+                    domain: t.domain,
+                }),
+                dial_timeout: registry.dial_timeout,
+                request_timeout: registry.request_timeout,
+            };
             let instance = section
                 .instance
                 .clone()

@@ -39,7 +39,48 @@ use tokio::sync::watch;
 use tokio::task::JoinHandle;
 
 use crate::observe::metrics::Metrics;
-use crate::registry::etcd::EtcdConfig;
+
+/// How the anchor reaches etcd: the registry's endpoints, prefix,
+/// credentials and timeouts (`[registry]`, see `config.rs`), without the
+/// registry's own settings.
+#[derive(Debug, Clone)]
+pub struct EtcdConfig {
+    pub endpoints: Vec<String>,
+    /// Key prefix of the chain; anchors go under `<prefix>/decision-log/`.
+    pub prefix: String,
+    pub username: Option<String>,
+    pub password: Option<String>,
+    /// PEM files for `https://` endpoints: (CA, client certificate, key,
+    /// name to verify).
+    pub tls: Option<EtcdTls>,
+    pub dial_timeout: Duration,
+    pub request_timeout: Duration,
+}
+
+/// TLS to etcd, as the registry has it.
+#[derive(Debug, Clone, Default)]
+pub struct EtcdTls {
+    pub ca_file: Option<std::path::PathBuf>,
+    pub cert_file: Option<std::path::PathBuf>,
+    pub key_file: Option<std::path::PathBuf>,
+    pub domain: Option<String>,
+}
+
+impl EtcdConfig {
+    /// Plain `http://` endpoints under `prefix`, without credentials, with
+    /// the registry's default timeouts.
+    pub fn plain(endpoints: Vec<String>, prefix: &str) -> Self {
+        Self {
+            endpoints,
+            prefix: prefix.to_owned(),
+            username: None,
+            password: None,
+            tls: None,
+            dial_timeout: Duration::from_secs(5),
+            request_timeout: Duration::from_secs(2),
+        }
+    }
+}
 
 /// The pause after a failed put before the next try, doubled up to
 /// [`MAX_RETRY`].
@@ -174,9 +215,7 @@ impl AnchorClient {
 }
 
 #[cfg(feature = "etcd-tls")]
-fn tls_options(
-    tls: &crate::registry::etcd::TlsFiles,
-) -> Result<etcd_client::TlsOptions, AnchorError> {
+fn tls_options(tls: &EtcdTls) -> Result<etcd_client::TlsOptions, AnchorError> {
     let read = |path: &std::path::PathBuf| {
         std::fs::read(path)
             .map_err(|e| AnchorError::Config(format!("cannot read {}: {e}", path.display())))
