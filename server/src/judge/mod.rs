@@ -1043,9 +1043,9 @@ impl<'a> Judging<'a> {
     /// batch's work stays within the inline bound (the meter stops it
     /// there otherwise), else on the pool, off the runtime's threads, in
     /// this client's turn. The calls move to the evaluation thread and back
-    /// (no copy). A guard whose time is up before a thread is free has
-    /// every call timed out; a client with too many batches waiting has
-    /// this one shed (R25).
+    /// (no copy). A batch that gets no thread before the first of its
+    /// policy guards' time is up, or whose client has its share of batches
+    /// waiting, is shed (R25).
     async fn evaluate_policies(
         &mut self,
         order: &[usize],
@@ -1080,24 +1080,18 @@ impl<'a> Judging<'a> {
                 Err(_) => return Ok(panicked(&jobs, now)),
             }
         }
-        let latest = jobs.iter().map(|j| j.until).max().unwrap_or(now);
-        let lane = match crate::policy::pool::lane(self.trace.client, latest).await {
+        // Waiting for a thread is load, not evaluation: a batch still
+        // waiting when the first of its policy guards' time is up is shed
+        // (R25), as is one whose client has its share waiting already; no
+        // guard failed, and no call is cancelled for it.
+        let Some(first) = jobs.iter().min_by_key(|job| job.until) else {
+            return Ok(Vec::new());
+        };
+        let lane = match crate::policy::pool::lane(self.trace.client, first.until).await {
             Ok(lane) => lane,
-            Err(crate::policy::pool::Wait::Busy) => {
-                return Ok(jobs
-                    .iter()
-                    .map(|job| {
-                        let outcomes = job.sent.iter().map(|_| PolicyOutcome::TimedOut).collect();
-                        (job.k, now, outcomes)
-                    })
-                    .collect());
-            }
-            Err(shed @ crate::policy::pool::Wait::Shed { .. }) => {
-                let guard = jobs
-                    .first()
-                    .map(|job| self.chain.guards[order[job.k]].guard.name.clone())
-                    .unwrap_or_default();
-                return Err(self.shed_policy(guard, shed));
+            Err(wait) => {
+                let guard = self.chain.guards[order[first.k]].guard.name.clone();
+                return Err(self.shed_policy(guard, wait));
             }
         };
         let work = PolicyWork {
@@ -1150,7 +1144,7 @@ impl<'a> Judging<'a> {
         calls + context
     }
 
-    /// No thread of the policy pool for this client now (R25): the batch
+    /// No thread of the policy pool for this batch (R25): the batch
     /// is shed whole with `RESOURCE_EXHAUSTED` to its own client, nothing is
     /// decided, no guard failed, and the requests already out to remote
     /// guards are withdrawn.

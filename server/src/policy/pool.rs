@@ -16,7 +16,9 @@
 //! (`spawn_blocking`), at most [`threads`] at once: the CPU and memory
 //! policy evaluation may take there are [`threads`] times one call's
 //! budget, whatever the number of batches. A batch waits for a thread
-//! within its deadline, in its client's queue (a coordinator connection,
+//! within the first of its policy guards' time (waiting is load, not
+//! evaluation: past it, the batch is shed, [`Wait::Busy`], R25), in its
+//! client's queue (a coordinator connection,
 //! as for a guard link's queue); a freed thread goes to the clients in
 //! turn, the first batch of each, so one client's costly batches delay
 //! another client's by at most one batch per thread. A client holds at
@@ -82,7 +84,10 @@ pub type Client = u64;
 #[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
 pub enum Wait {
     /// Every evaluation thread stayed busy until the deadline.
-    #[error("no policy evaluation thread was free before the deadline")]
+    #[error(
+        "policy evaluation is busy: no evaluation thread was free within the guard's time; \
+         retry with backoff"
+    )]
     Busy,
     /// The client already has as many batches waiting as it may.
     #[error(
@@ -114,26 +119,137 @@ struct Lanes {
     next_ticket: u64,
 }
 
-fn lanes() -> &'static Mutex<Lanes> {
-    static LANES: OnceLock<Mutex<Lanes>> = OnceLock::new();
-    LANES.get_or_init(|| {
-        Mutex::new(Lanes {
-            free: threads(),
-            queues: HashMap::new(),
-            turn: VecDeque::new(),
-            next_ticket: 0,
-        })
-    })
+/// A set of threads and its clients' queues; the process has one
+/// ([`lane`]).
+#[derive(Debug)]
+pub(crate) struct Pool {
+    lanes: Mutex<Lanes>,
+    /// Most batches one client may have waiting.
+    queued_per_client: usize,
 }
 
-fn lock() -> std::sync::MutexGuard<'static, Lanes> {
-    lanes().lock().unwrap_or_else(PoisonError::into_inner)
+impl Pool {
+    pub(crate) fn new(threads: usize, queued_per_client: usize) -> Self {
+        Self {
+            lanes: Mutex::new(Lanes {
+                free: threads,
+                queues: HashMap::new(),
+                turn: VecDeque::new(),
+                next_ticket: 0,
+            }),
+            queued_per_client,
+        }
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, Lanes> {
+        self.lanes.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Gives a freed thread to the first waiting batch of the next client
+    /// in turn, or counts it free.
+    fn release(&'static self) {
+        let mut lanes = self.lock();
+        while let Some(client) = lanes.turn.pop_front() {
+            let Some(queue) = lanes.queues.get_mut(&client) else {
+                continue;
+            };
+            let waiter = queue.pop_front();
+            if queue.is_empty() {
+                lanes.queues.remove(&client);
+            } else {
+                lanes.turn.push_back(client);
+            }
+            let Some((_, to)) = waiter else { continue };
+            match to.send(Lane {
+                pool: self,
+                held: true,
+            }) {
+                Ok(()) => return,
+                // Its waiter is gone: the next one gets the thread.
+                Err(mut lane) => lane.held = false,
+            }
+        }
+        lanes.free += 1;
+    }
+
+    /// Takes a ticket's batch out of its client's queue, if it is still
+    /// there.
+    fn withdraw(&self, client: Client, ticket: u64) {
+        let mut lanes = self.lock();
+        if let Some(queue) = lanes.queues.get_mut(&client) {
+            queue.retain(|(t, _)| *t != ticket);
+            if queue.is_empty() {
+                lanes.queues.remove(&client);
+                lanes.turn.retain(|c| *c != client);
+            }
+        }
+    }
+
+    /// Waits for a thread, in `client`'s queue, until `deadline`.
+    pub(crate) async fn lane(
+        &'static self,
+        client: Client,
+        deadline: tokio::time::Instant,
+    ) -> Result<Lane, Wait> {
+        let (receiver, waiting) = {
+            let mut lanes = self.lock();
+            if lanes.free > 0 && lanes.turn.is_empty() {
+                lanes.free -= 1;
+                return Ok(Lane {
+                    pool: self,
+                    held: true,
+                });
+            }
+            let queued = lanes.queues.get(&client).map_or(0, VecDeque::len);
+            if queued >= self.queued_per_client {
+                return Err(Wait::Shed {
+                    queued,
+                    limit: self.queued_per_client,
+                });
+            }
+            let ticket = lanes.next_ticket;
+            lanes.next_ticket += 1;
+            let (sender, receiver) = oneshot::channel();
+            if queued == 0 {
+                lanes.turn.push_back(client);
+            }
+            lanes
+                .queues
+                .entry(client)
+                .or_default()
+                .push_back((ticket, sender));
+            (
+                receiver,
+                Waiting {
+                    pool: self,
+                    client,
+                    ticket,
+                },
+            )
+        };
+        // Past the deadline the receiver goes first: a thread sent to it in
+        // the meantime is passed on as it drops; then the batch leaves its
+        // queue (as it does if this wait is dropped).
+        let got = tokio::time::timeout_at(deadline, receiver).await;
+        drop(waiting);
+        match got {
+            Ok(Ok(lane)) => Ok(lane),
+            _ => Err(Wait::Busy),
+        }
+    }
+}
+
+/// The process's pool: [`threads`] threads, [`QUEUED_PER_CLIENT`].
+fn pool() -> &'static Pool {
+    static POOL: OnceLock<Pool> = OnceLock::new();
+    POOL.get_or_init(|| Pool::new(threads(), QUEUED_PER_CLIENT))
 }
 
 /// A thread of the pool, held until [`Lane::run`] is done with it (or the
 /// lane is dropped): then it goes to the next client in turn.
 #[derive(Debug)]
 pub struct Lane {
+    pool: &'static Pool,
     /// False for a lane that was never handed over (its thread is passed
     /// on by whoever holds the lock).
     held: bool,
@@ -142,93 +258,28 @@ pub struct Lane {
 impl Drop for Lane {
     fn drop(&mut self) {
         if self.held {
-            release(&mut lock());
-        }
-    }
-}
-
-/// Gives a freed thread to the first waiting batch of the next client in
-/// turn, or counts it free.
-fn release(lanes: &mut Lanes) {
-    while let Some(client) = lanes.turn.pop_front() {
-        let Some(queue) = lanes.queues.get_mut(&client) else {
-            continue;
-        };
-        let waiter = queue.pop_front();
-        if queue.is_empty() {
-            lanes.queues.remove(&client);
-        } else {
-            lanes.turn.push_back(client);
-        }
-        let Some((_, to)) = waiter else { continue };
-        match to.send(Lane { held: true }) {
-            Ok(()) => return,
-            // Its waiter is gone: the next one gets the thread.
-            Err(mut lane) => lane.held = false,
-        }
-    }
-    lanes.free += 1;
-}
-
-/// Takes a ticket's batch out of its client's queue, if it is still there.
-fn withdraw(lanes: &mut Lanes, client: Client, ticket: u64) {
-    if let Some(queue) = lanes.queues.get_mut(&client) {
-        queue.retain(|(t, _)| *t != ticket);
-        if queue.is_empty() {
-            lanes.queues.remove(&client);
-            lanes.turn.retain(|c| *c != client);
+            self.pool.release();
         }
     }
 }
 
 /// A batch in its client's queue; leaves it when dropped.
 struct Waiting {
+    pool: &'static Pool,
     client: Client,
     ticket: u64,
 }
 
 impl Drop for Waiting {
     fn drop(&mut self) {
-        withdraw(&mut lock(), self.client, self.ticket);
+        self.pool.withdraw(self.client, self.ticket);
     }
 }
 
-/// Waits for an evaluation thread, in `client`'s queue, until `deadline`.
+/// Waits for an evaluation thread of the process's pool, in `client`'s
+/// queue, until `deadline`.
 pub async fn lane(client: Client, deadline: tokio::time::Instant) -> Result<Lane, Wait> {
-    let (receiver, waiting) = {
-        let mut lanes = lock();
-        if lanes.free > 0 && lanes.turn.is_empty() {
-            lanes.free -= 1;
-            return Ok(Lane { held: true });
-        }
-        let queued = lanes.queues.get(&client).map_or(0, VecDeque::len);
-        if queued >= QUEUED_PER_CLIENT {
-            return Err(Wait::Shed {
-                queued,
-                limit: QUEUED_PER_CLIENT,
-            });
-        }
-        let ticket = lanes.next_ticket;
-        lanes.next_ticket += 1;
-        let (sender, receiver) = oneshot::channel();
-        if queued == 0 {
-            lanes.turn.push_back(client);
-        }
-        lanes
-            .queues
-            .entry(client)
-            .or_default()
-            .push_back((ticket, sender));
-        (receiver, Waiting { client, ticket })
-    };
-    // Past the deadline the receiver goes first: a thread sent to it in the
-    // meantime is passed on as it drops; then the batch leaves its queue.
-    let got = tokio::time::timeout_at(deadline, receiver).await;
-    drop(waiting);
-    match got {
-        Ok(Ok(lane)) => Ok(lane),
-        _ => Err(Wait::Busy),
-    }
+    pool().lane(client, deadline).await
 }
 
 impl Lane {
@@ -268,4 +319,98 @@ pub fn inline_slot() -> Option<InlineSlot> {
         })
         .ok()
         .map(|_| InlineSlot(()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::time::Duration;
+    use tokio::time::Instant;
+
+    fn pool(threads: usize, queued: usize) -> &'static Pool {
+        Box::leak(Box::new(Pool::new(threads, queued)))
+    }
+
+    fn later() -> Instant {
+        Instant::now() + Duration::from_secs(30)
+    }
+
+    /// Whether a wait has got its thread, without waiting.
+    async fn got<F: std::future::Future<Output = Result<Lane, Wait>> + Unpin>(
+        wait: &mut F,
+    ) -> Option<Result<Lane, Wait>> {
+        tokio::time::timeout(Duration::from_millis(20), wait)
+            .await
+            .ok()
+    }
+
+    /// R25: a freed thread goes to the clients in turn, not to the batch
+    /// that waited longest: one client's queue delays another client by at
+    /// most one batch per thread.
+    #[tokio::test]
+    async fn r25_threads_go_to_the_clients_in_turn() {
+        let pool = pool(1, 8);
+        let running = pool.lane(1, later()).await.unwrap();
+        let mut a1 = Box::pin(pool.lane(1, later()));
+        let mut a2 = Box::pin(pool.lane(1, later()));
+        let mut a3 = Box::pin(pool.lane(1, later()));
+        assert!(got(&mut a1).await.is_none());
+        assert!(got(&mut a2).await.is_none());
+        assert!(got(&mut a3).await.is_none());
+        let mut b1 = Box::pin(pool.lane(2, later()));
+        assert!(got(&mut b1).await.is_none());
+        drop(running);
+        let a1 = got(&mut a1).await.unwrap().unwrap();
+        assert!(got(&mut b1).await.is_none(), "one thread, taken by a1");
+        drop(a1);
+        let b1 = got(&mut b1)
+            .await
+            .expect("B's turn comes before A's second batch");
+        assert!(got(&mut a2).await.is_none());
+        drop(b1);
+        drop(got(&mut a2).await.unwrap().unwrap());
+        drop(got(&mut a3).await.unwrap().unwrap());
+        assert_eq!(pool.lock().free, 1);
+    }
+
+    /// R25: past its share of waiting batches, a client's batch is shed at
+    /// once; another client still queues.
+    #[tokio::test]
+    async fn r25_a_client_past_its_share_is_shed_others_queue() {
+        let pool = pool(1, 2);
+        let _running = pool.lane(1, later()).await.unwrap();
+        let mut a1 = Box::pin(pool.lane(1, later()));
+        let mut a2 = Box::pin(pool.lane(1, later()));
+        assert!(got(&mut a1).await.is_none());
+        assert!(got(&mut a2).await.is_none());
+        assert_eq!(
+            pool.lane(1, later()).await.unwrap_err(),
+            Wait::Shed {
+                queued: 2,
+                limit: 2
+            }
+        );
+        let mut b1 = Box::pin(pool.lane(2, later()));
+        assert!(got(&mut b1).await.is_none(), "B waits, not shed");
+    }
+
+    /// A wait that times out, or is dropped, leaves its queue and never
+    /// keeps a thread: the pool ends with all its threads free.
+    #[tokio::test]
+    async fn r25_a_wait_timed_out_or_dropped_keeps_no_thread() {
+        let pool = pool(1, 8);
+        let running = pool.lane(1, later()).await.unwrap();
+        let soon = Instant::now() + Duration::from_millis(30);
+        assert_eq!(pool.lane(2, soon).await.unwrap_err(), Wait::Busy);
+        let mut dropped = Box::pin(pool.lane(3, later()));
+        assert!(got(&mut dropped).await.is_none());
+        drop(dropped);
+        let mut waiting = Box::pin(pool.lane(4, later()));
+        assert!(got(&mut waiting).await.is_none());
+        drop(running);
+        drop(got(&mut waiting).await.unwrap().unwrap());
+        let lanes = pool.lock();
+        assert_eq!(lanes.free, 1);
+        assert!(lanes.turn.is_empty() && lanes.queues.is_empty());
+    }
 }
