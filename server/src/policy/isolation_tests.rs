@@ -310,7 +310,27 @@ fn standard_batch() -> BatchInput {
 fn r25_the_usual_batch_is_judged_inline_as_on_the_pool() {
     let policy = Policy::compile(BENCH_POLICY).unwrap();
     let input = standard_batch();
-    let values = BatchValues::from_input(&input);
+    // As the mesh builds them: from the members its check recorded.
+    let texts: Vec<String> = input.calls.iter().map(|c| c.args.to_string()).collect();
+    let recorded = Recorded::of_arguments(texts.iter().map(String::as_str)).unwrap();
+    let values = BatchValues::new(
+        ContextRef {
+            session_id: "bench",
+            turn_index: 7,
+            model_text: &input.model_text,
+        },
+        input.metadata.iter().map(|(k, v)| (k.as_str(), v.as_str())),
+        input.calls.iter().enumerate().map(|(i, call)| CallRef {
+            call_id: &call.call_id,
+            tool: &call.tool,
+            args: Args::Recorded {
+                text: &texts[i],
+                members: recorded.call(i).unwrap(),
+            },
+        }),
+    );
+    let bytes: usize = texts.iter().map(String::len).sum();
+    assert!(bytes < pool::INLINE_BYTES, "{bytes}");
     let mut inline = pool::INLINE;
     let outcomes = policy
         .evaluate_inline(&values, None, None, &mut inline)

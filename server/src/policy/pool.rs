@@ -18,8 +18,8 @@
 //! budget, whatever the number of batches. A batch waits for a thread
 //! within the first of its policy guards' time (waiting is load, not
 //! evaluation: past it, the batch is shed, [`Wait::Busy`], R25), in its
-//! client's queue (a coordinator connection,
-//! as for a guard link's queue); a freed thread goes to the clients in
+//! client's queue (a coordinator connection, as for a guard link's
+//! queue); a freed thread goes to the clients in
 //! turn, the first batch of each, so one client's costly batches delay
 //! another client's by at most one batch per thread. A client holds at
 //! most [`QUEUED_PER_CLIENT`] batches waiting; past it, its batch is shed
@@ -45,8 +45,8 @@ pub const DEFAULT_THREADS: usize = 2;
 
 /// The inline bound of a batch (see the module's text): a call estimated
 /// at most 4,096 units, and 32 Ki units of work for the whole batch (about
-/// 10 to 40 µs; the bench's standard batch of 4 calls under 20 rules takes
-/// about 2,500).
+/// 10 to 40 µs; the bench's standard batch of 4 calls under 20 rules spends
+/// about 700).
 pub const INLINE: Inline = Inline {
     work: 32 << 10,
     cost: 4 << 10,
