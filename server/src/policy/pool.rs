@@ -56,8 +56,9 @@ pub const INLINE: Inline = Inline {
 /// context) judged inline: building its values reads them all.
 pub const INLINE_BYTES: usize = 16 << 10;
 
-/// Most threads judging inline at once.
-pub const INLINE_SLOTS: usize = 2;
+/// Most threads judging inline at once (each may hold a cache of every
+/// pattern, see `patterns`); the others hand their batch to the pool.
+pub const INLINE_SLOTS: usize = 1;
 
 /// Most batches one client may have waiting for a thread of the pool.
 pub const QUEUED_PER_CLIENT: usize = 4;
