@@ -73,6 +73,7 @@ mod otel_http;
 mod overload;
 mod policy;
 mod policy_isolation;
+mod policy_lanes;
 mod policy_order;
 mod policy_reload_attacks;
 mod policy_watch;

@@ -86,6 +86,13 @@ pub enum BatchError {
     /// the guard did not fail.
     #[error("batch shed: guard {guard:?} {busy}")]
     Shed { guard: String, busy: LinkBusy },
+    /// The client already had its share of batches waiting for a policy
+    /// evaluation thread (R25): shed as [`Self::Shed`] is.
+    #[error("batch shed: policy guard {guard:?}: {wait}")]
+    PolicyBusy {
+        guard: String,
+        wait: crate::policy::pool::Wait,
+    },
 }
 
 impl BatchError {
@@ -94,7 +101,9 @@ impl BatchError {
         match self {
             Self::Refused(refusal) => refusal.status.clone(),
             Self::Aborted { .. } => Status::unavailable(self.to_string()),
-            Self::Shed { .. } => Status::resource_exhausted(self.to_string()),
+            Self::Shed { .. } | Self::PolicyBusy { .. } => {
+                Status::resource_exhausted(self.to_string())
+            }
         }
     }
 }
@@ -350,6 +359,10 @@ impl Mesh {
             Ok(_) => "decided",
             Err(BatchError::Shed { .. }) => {
                 self.metrics.refused("guard_busy");
+                "refused"
+            }
+            Err(BatchError::PolicyBusy { .. }) => {
+                self.metrics.refused("policy_busy");
                 "refused"
             }
             Err(_) => "aborted",
@@ -1025,11 +1038,14 @@ impl<'a> Judging<'a> {
 
     /// Evaluates the policy guards at `policies` (positions in `order`)
     /// for the calls each was sent, on the batch as it stands after the
-    /// mutate guards, in the policy lane (`policy::pool`): off the
-    /// runtime's threads, each guard within its timeout and the batch's
-    /// deadline (R14). The calls move to the evaluation thread and back
-    /// (no copy); a guard whose time is up before a thread is free has
-    /// every call timed out.
+    /// mutate guards, each guard within its timeout and the batch's
+    /// deadline (R14), in its lane (`policy::pool`): here, when the
+    /// batch's work stays within the inline bound (the meter stops it
+    /// there otherwise), else on the pool, off the runtime's threads, in
+    /// this client's turn. The calls move to the evaluation thread and back
+    /// (no copy). A batch that gets no thread before the first of its
+    /// policy guards' time is up, or whose client has its share of batches
+    /// waiting, is shed (R25).
     async fn evaluate_policies(
         &mut self,
         order: &[usize],
@@ -1050,15 +1066,33 @@ impl<'a> Judging<'a> {
                 })
             })
             .collect();
-        let latest = jobs.iter().map(|j| j.until).max().unwrap_or(now);
-        let Ok(lane) = crate::policy::pool::lane(latest).await else {
-            return Ok(jobs
-                .iter()
-                .map(|job| {
-                    let outcomes = job.sent.iter().map(|_| PolicyOutcome::TimedOut).collect();
-                    (job.k, now, outcomes)
-                })
-                .collect());
+        if self.inline_bytes() <= crate::policy::pool::INLINE_BYTES
+            && let Some(_slot) = crate::policy::pool::inline_slot()
+        {
+            let mut inline = crate::policy::pool::INLINE;
+            let values = batch_values(&self.calls, &self.members, self.context.as_ref(), &jobs);
+            let judged = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                evaluate_jobs(&values, &jobs, Some(&mut inline))
+            }));
+            match judged {
+                Ok(Ok(outcomes)) => return Ok(outcomes),
+                Ok(Err(crate::policy::OverInline)) => {}
+                Err(_) => return Ok(panicked(&jobs, now)),
+            }
+        }
+        // Waiting for a thread is load, not evaluation: a batch still
+        // waiting when the first of its policy guards' time is up is shed
+        // (R25), as is one whose client has its share waiting already; no
+        // guard failed, and no call is cancelled for it.
+        let Some(first) = jobs.iter().min_by_key(|job| job.until) else {
+            return Ok(Vec::new());
+        };
+        let lane = match crate::policy::pool::lane(self.trace.client, first.until).await {
+            Ok(lane) => lane,
+            Err(wait) => {
+                let guard = self.chain.guards[order[first.k]].guard.name.clone();
+                return Err(self.shed_policy(guard, wait));
+            }
         };
         let work = PolicyWork {
             calls: std::mem::take(&mut self.calls),
@@ -1075,24 +1109,7 @@ impl<'a> Judging<'a> {
                 match outcomes {
                     Some(outcomes) => Ok(outcomes),
                     // A panic in evaluation: every policy guard fails (R13).
-                    None => Ok(work
-                        .jobs
-                        .iter()
-                        .map(|job| {
-                            let outcomes = job
-                                .sent
-                                .iter()
-                                .map(|_| {
-                                    PolicyOutcome::Error(crate::policy::EvalError::Failed {
-                                        rule: String::new(),
-                                        field: crate::policy::Field::When,
-                                        reason: "the evaluation panicked".into(),
-                                    })
-                                })
-                                .collect();
-                            (job.k, now, outcomes)
-                        })
-                        .collect()),
+                    None => Ok(panicked(&work.jobs, now)),
                 }
             }
             // The calls went with the work: the batch cannot be decided.
@@ -1103,6 +1120,52 @@ impl<'a> Judging<'a> {
                 failure: GuardFailure::Policy(interrupted.to_string()),
             }),
         }
+    }
+
+    /// The bytes building the batch's policy values reads: the calls' ids,
+    /// tools and arguments as they stand, and the context's text.
+    fn inline_bytes(&self) -> usize {
+        let calls: usize = self
+            .calls
+            .iter()
+            .map(|call| {
+                let call = call.current();
+                call.call_id.len() + call.tool.len() + call.arguments.len()
+            })
+            .sum();
+        let context = self.context.as_ref().map_or(0, |c| {
+            c.session_id.len()
+                + c.model_text.len()
+                + c.metadata
+                    .iter()
+                    .map(|(k, v)| k.len() + v.len())
+                    .sum::<usize>()
+        });
+        calls + context
+    }
+
+    /// No thread of the policy pool for this batch (R25): the batch
+    /// is shed whole with `RESOURCE_EXHAUSTED` to its own client, nothing is
+    /// decided, no guard failed, and the requests already out to remote
+    /// guards are withdrawn.
+    fn shed_policy(&mut self, guard: String, wait: crate::policy::pool::Wait) -> BatchError {
+        tracing::warn!(
+            guard = %guard,
+            batch_id = %self.request.batch_id,
+            trace_id = %self.trace.trace_id,
+            error = %wait,
+            "batch shed: policy evaluation busy"
+        );
+        for (run, ChainGuard { link, .. }) in self.runs.iter_mut().zip(&self.chain.guards) {
+            if run.finished.is_some() {
+                continue;
+            }
+            if let (Some(id), Some(link)) = (run.request_id, link) {
+                link.cancel(id);
+                run.superseded = true;
+            }
+        }
+        BatchError::PolicyBusy { guard, wait }
     }
 
     /// R28: a call that no enforced guard applies to, and that nothing
@@ -1334,60 +1397,106 @@ impl PolicyWork {
     /// The batch's CEL values are built once, straight from the calls'
     /// JSON text, and shared by all the policies.
     fn evaluate_all(&self) -> PolicyOutcomes {
-        let context = self.context.as_ref();
-        // The calls' arguments are read for the fast path only if one of
-        // these policies may read them.
-        let args = self.jobs.iter().any(|job| job.policy.reads_args());
-        let values = BatchValues::reading_args(
-            args,
-            ContextRef {
-                session_id: context.map_or("", |c| c.session_id.as_str()),
-                turn_index: context.map_or(0, |c| c.turn_index),
-                model_text: context.map_or("", |c| c.model_text.as_str()),
-            },
-            context
-                .into_iter()
-                .flat_map(|c| c.metadata.iter())
-                .map(|(k, v)| (k.as_str(), v.as_str())),
-            // Arguments were checked as an I-JSON object (R20), rewrites
-            // too; absent arguments are `{}`. Should text ever fail to parse
-            // here, a rule reading it sees `null` and errors (a guard
-            // failure, R13), never an empty object that would let it proceed.
-            // A rewritten call's arguments are scanned; the others were
-            // recorded by the check.
-            self.calls.iter().enumerate().map(|(i, call)| CallRef {
-                call_id: &call.current().call_id,
-                tool: &call.current().tool,
-                args: match (
-                    &call.rewritten,
-                    self.members.call(i),
-                    self.members.largest(i),
-                ) {
-                    (None, Some(members), _) => Args::Recorded {
-                        text: &call.original.arguments,
-                        members,
-                    },
-                    (None, None, Some(largest)) => Args::Counted {
-                        text: &call.original.arguments,
-                        largest,
-                    },
-                    _ => Args::Checked(&call.current().arguments),
-                },
-            }),
+        let values = batch_values(
+            &self.calls,
+            &self.members,
+            self.context.as_ref(),
+            &self.jobs,
         );
-        self.jobs
-            .iter()
-            .map(|job| {
-                let started = Instant::now();
-                let outcomes = job.policy.evaluate_within(
-                    &values,
-                    Some(&job.sent),
-                    Some(job.until.into_std()),
-                );
-                (job.k, started, outcomes)
-            })
-            .collect()
+        evaluate_jobs(&values, &self.jobs, None)
+            .unwrap_or_else(|crate::policy::OverInline| panicked(&self.jobs, Instant::now()))
     }
+}
+
+/// The values of a batch for its policy guards `jobs`, built once and
+/// shared by them all.
+fn batch_values<'a>(
+    calls: &'a [Call],
+    members: &'a Recorded,
+    context: Option<&'a BatchContext>,
+    jobs: &[PolicyJob],
+) -> BatchValues<'a> {
+    // The calls' arguments are read for the fast path only if one of
+    // these policies may read them.
+    let args = jobs.iter().any(|job| job.policy.reads_args());
+    BatchValues::reading_args(
+        args,
+        ContextRef {
+            session_id: context.map_or("", |c| c.session_id.as_str()),
+            turn_index: context.map_or(0, |c| c.turn_index),
+            model_text: context.map_or("", |c| c.model_text.as_str()),
+        },
+        context
+            .into_iter()
+            .flat_map(|c| c.metadata.iter())
+            .map(|(k, v)| (k.as_str(), v.as_str())),
+        // Arguments were checked as an I-JSON object (R20), rewrites
+        // too; absent arguments are `{}`. Should text ever fail to parse
+        // here, a rule reading it sees `null` and errors (a guard
+        // failure, R13), never an empty object that would let it proceed.
+        // A rewritten call's arguments are scanned; the others were
+        // recorded by the check.
+        calls.iter().enumerate().map(|(i, call)| CallRef {
+            call_id: &call.current().call_id,
+            tool: &call.current().tool,
+            args: match (&call.rewritten, members.call(i), members.largest(i)) {
+                (None, Some(members), _) => Args::Recorded {
+                    text: &call.original.arguments,
+                    members,
+                },
+                (None, None, Some(largest)) => Args::Counted {
+                    text: &call.original.arguments,
+                    largest,
+                },
+                _ => Args::Checked(&call.current().arguments),
+            },
+        }),
+    )
+}
+
+/// Judges every job on `values`; under `inline`, stops at its bound.
+fn evaluate_jobs(
+    values: &BatchValues<'_>,
+    jobs: &[PolicyJob],
+    mut inline: Option<&mut crate::policy::Inline>,
+) -> Result<PolicyOutcomes, crate::policy::OverInline> {
+    jobs.iter()
+        .map(|job| {
+            let started = Instant::now();
+            let deadline = Some(job.until.into_std());
+            let outcomes = match inline.as_deref_mut() {
+                Some(inline) => {
+                    job.policy
+                        .evaluate_inline(values, Some(&job.sent), deadline, inline)?
+                }
+                None => job
+                    .policy
+                    .evaluate_within(values, Some(&job.sent), deadline),
+            };
+            Ok((job.k, started, outcomes))
+        })
+        .collect()
+}
+
+/// Every policy guard of `jobs` failed on every call it was sent: its
+/// evaluation panicked (R13).
+fn panicked(jobs: &[PolicyJob], at: Instant) -> PolicyOutcomes {
+    jobs.iter()
+        .map(|job| {
+            let outcomes = job
+                .sent
+                .iter()
+                .map(|_| {
+                    PolicyOutcome::Error(crate::policy::EvalError::Failed {
+                        rule: String::new(),
+                        field: crate::policy::Field::When,
+                        reason: "the evaluation panicked".into(),
+                    })
+                })
+                .collect();
+            (job.k, at, outcomes)
+        })
+        .collect()
 }
 
 fn trace_entry(guard: &Guard, run: &GuardRun, ids: &[&str]) -> GuardTrace {

@@ -81,6 +81,25 @@ impl Default for Limits {
     }
 }
 
+/// The bound under which a batch's policies may be judged on the thread
+/// that reads the batch, before any hand-off to the evaluation pool (see
+/// `pool`): each call's estimate ([`Cost`]) at most `cost`, and the work
+/// of every call judged under it together (counted by the meter, as for
+/// [`Limits::max_work_per_call`]) at most `work`, spent as it is done.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Inline {
+    /// Units of work left, for all the calls and policies judged under it.
+    pub work: u64,
+    /// Estimated cost units one call may have.
+    pub cost: u64,
+}
+
+/// Judging went past its [`Inline`] bound and stopped there: nothing it
+/// judged stands, the batch is to be judged again without the bound.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+#[error("judging the batch would take more than its inline bound")]
+pub struct OverInline;
+
 /// An expression's estimated cost: `terms[k]` units times `n^k`.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct Cost {

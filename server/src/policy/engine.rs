@@ -11,7 +11,7 @@ use cel::common::types::{CelBool, CelString};
 use cel::{Context, Env, Value};
 use globset::{Glob, GlobBuilder, GlobSet, GlobSetBuilder};
 
-use super::cost::{Cost, Limits};
+use super::cost::{Cost, Inline, Limits, OverInline};
 use super::error::{CompileError, CompileErrorKind, EvalError, Field};
 use super::expr::{self, Compiled};
 use super::file::{self, RuleEntry};
@@ -299,7 +299,27 @@ impl Policy {
         deadline: Option<std::time::Instant>,
     ) -> Vec<Outcome> {
         super::patterns::with(&self.patterns, || {
-            self.evaluate_in(values, judged, deadline)
+            self.evaluate_in(values, judged, deadline, None)
+        })
+        // Without an inline bound nothing stops at it.
+        .unwrap_or_else(|OverInline| vec![Outcome::TimedOut; values.len()])
+    }
+
+    /// [`Self::evaluate_within`] under an inline bound (see `pool`): the
+    /// estimate of each call, and the work of all the calls judged under
+    /// `inline` (shared by every policy of the batch, spent as work is
+    /// done), must stay within it. Past it, judging stops at once and
+    /// [`OverInline`] says that nothing judged here stands: the batch is
+    /// to be judged again, off the thread, without the bound.
+    pub fn evaluate_inline(
+        &self,
+        values: &BatchValues<'_>,
+        judged: Option<&[bool]>,
+        deadline: Option<std::time::Instant>,
+        inline: &mut Inline,
+    ) -> Result<Vec<Outcome>, OverInline> {
+        super::patterns::with(&self.patterns, || {
+            self.evaluate_in(values, judged, deadline, Some(inline))
         })
     }
 
@@ -308,7 +328,8 @@ impl Policy {
         values: &BatchValues<'_>,
         judged: Option<&[bool]>,
         deadline: Option<std::time::Instant>,
-    ) -> Vec<Outcome> {
+        mut inline: Option<&mut Inline>,
+    ) -> Result<Vec<Outcome>, OverInline> {
         let calls = values.len();
         let is_judged = |i: usize| judged.is_none_or(|j| j.get(i).copied().unwrap_or(false));
         let batch_n = values.largest_collection();
@@ -322,45 +343,64 @@ impl Policy {
         let mut batch_wide = BatchWide { evaluated, held };
         let mut matched = Vec::new();
         let mut timed_out = false;
-        (0..calls)
-            .map(|i| {
-                if !is_judged(i) {
-                    return Outcome::Proceed;
+        let mut outcomes = Vec::with_capacity(calls);
+        for i in 0..calls {
+            if !is_judged(i) {
+                outcomes.push(Outcome::Proceed);
+                continue;
+            }
+            if timed_out || deadline.is_some_and(|d| std::time::Instant::now() >= d) {
+                timed_out = true;
+                outcomes.push(Outcome::TimedOut);
+                continue;
+            }
+            let n = values.call_largest(i);
+            let cost = self.tools.applicable(
+                values.tool(i),
+                &mut bits,
+                &mut matched,
+                &self.rules,
+                (n, batch_n),
+            );
+            if bits.iter().all(|w| *w == 0) {
+                outcomes.push(Outcome::Proceed);
+                continue;
+            }
+            if cost > self.limits.max_cost_per_call {
+                let rule = self.costliest(&bits, (n, batch_n));
+                outcomes.push(Outcome::Bounded(self.bounded(
+                    rule,
+                    format!(
+                        "its estimated cost {cost} is over the limit of {} (max_cost_per_call; \
+                         largest list or map in its input: {n} items)",
+                        self.limits.max_cost_per_call
+                    ),
+                )));
+                continue;
+            }
+            // Under an inline bound, the call's budget is what is left of
+            // it, when that is less than the call's own.
+            let mut units = self.limits.max_work_per_call;
+            if let Some(inline) = inline.as_deref() {
+                if cost > inline.cost {
+                    return Err(OverInline);
                 }
-                if timed_out || deadline.is_some_and(|d| std::time::Instant::now() >= d) {
-                    timed_out = true;
-                    return Outcome::TimedOut;
+                units = units.min(inline.work);
+            }
+            let meter = Meter::new(units, deadline);
+            let outcome = self.judge(values, i, &bits, &mut batch_wide, &meter);
+            if let Some(inline) = inline.as_deref_mut() {
+                if units < self.limits.max_work_per_call && meter.stopped() == Some(Stop::Work) {
+                    return Err(OverInline);
                 }
-                let n = values.call_largest(i);
-                let cost = self.tools.applicable(
-                    values.tool(i),
-                    &mut bits,
-                    &mut matched,
-                    &self.rules,
-                    (n, batch_n),
-                );
-                if bits.iter().all(|w| *w == 0) {
-                    return Outcome::Proceed;
-                }
-                if cost > self.limits.max_cost_per_call {
-                    let rule = self.costliest(&bits, (n, batch_n));
-                    return Outcome::Bounded(self.bounded(
-                        rule,
-                        format!(
-                            "its estimated cost {cost} is over the limit of {} (max_cost_per_call; \
-                             largest list or map in its input: {n} items)",
-                            self.limits.max_cost_per_call
-                        ),
-                    ));
-                }
-                let meter = Meter::new(self.limits.max_work_per_call, deadline);
-                let outcome = self.judge(values, i, &bits, &mut batch_wide, &meter);
-                if matches!(outcome, Outcome::TimedOut) {
-                    timed_out = true;
-                }
-                outcome
-            })
-            .collect()
+                inline.work -= units - meter.left();
+            }
+            if matches!(outcome, Outcome::TimedOut) {
+                timed_out = true;
+            }
+            outcomes.push(outcome);
+        }
+        Ok(outcomes)
     }
 
     /// The verdict for a call over a bound: a steer naming the rule and the

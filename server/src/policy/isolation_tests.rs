@@ -247,6 +247,13 @@ proptest! {
             .map(|(i, (tool, args))| call(&i.to_string(), tool, args))
             .collect();
         let before = policy.evaluate(&batch(calls.clone()));
+        // Judged inline, when it fits, a batch gets what the pool gives it.
+        let input = batch(calls.clone());
+        let values = BatchValues::from_input(&input);
+        let mut inline = pool::INLINE;
+        if let Ok(inline) = policy.evaluate_inline(&values, None, None, &mut inline) {
+            prop_assert_eq!(&inline, &before);
+        }
         let at = at.min(calls.len());
         let mut more = calls.clone();
         more.insert(at, call("extra", extra.0, extra.1));
@@ -257,4 +264,129 @@ proptest! {
             prop_assert_eq!(added, Outcome::Proceed);
         }
     }
+}
+
+/// The bench's policy of 20 rules (R27), read from the bench's own file.
+const BENCH_POLICY: &str = include_str!("../../../cli/src/bench/policy20.toml");
+
+/// A batch like the bench's standard one: 4 calls of about 500 bytes.
+fn standard_batch() -> BatchInput {
+    let tools = ["sql.query", "http.get", "fs.read", "shell.exec"];
+    let calls = (0..4)
+        .map(|i| {
+            call(
+                &format!("call-{i}"),
+                tools[i],
+                json!({
+                    "request": i,
+                    "tool": tools[i],
+                    "query": "SELECT id, name, email, created_at FROM customers WHERE region = 'emea' ORDER BY created_at DESC",
+                    "options": { "timeout_s": 30, "retries": 2, "dry_run": false },
+                    "note": "The agent asked for this call while working through the user's request; ".repeat(4),
+                }),
+            )
+        })
+        .collect();
+    BatchInput {
+        calls,
+        model_text: "Looking up the customer records and the related files before answering."
+            .into(),
+        metadata: [
+            ("tenant", "acme"),
+            ("user", "u-1042"),
+            ("agent", "support-bot"),
+        ]
+        .into_iter()
+        .map(|(k, v)| (k.into(), v.into()))
+        .collect(),
+        ..BatchInput::default()
+    }
+}
+
+/// R25: the usual batch (a few small calls, compiled plans) is judged
+/// inline, with no hand-off to the pool, and gets what the pool would
+/// give it; what it spent is well within the inline bound.
+#[test]
+fn r25_the_usual_batch_is_judged_inline_as_on_the_pool() {
+    let policy = Policy::compile(BENCH_POLICY).unwrap();
+    let input = standard_batch();
+    // As the mesh builds them: from the members its check recorded.
+    let texts: Vec<String> = input.calls.iter().map(|c| c.args.to_string()).collect();
+    let recorded = Recorded::of_arguments(texts.iter().map(String::as_str)).unwrap();
+    let values = BatchValues::new(
+        ContextRef {
+            session_id: "bench",
+            turn_index: 7,
+            model_text: &input.model_text,
+        },
+        input.metadata.iter().map(|(k, v)| (k.as_str(), v.as_str())),
+        input.calls.iter().enumerate().map(|(i, call)| CallRef {
+            call_id: &call.call_id,
+            tool: &call.tool,
+            args: Args::Recorded {
+                text: &texts[i],
+                members: recorded.call(i).unwrap(),
+            },
+        }),
+    );
+    let bytes: usize = texts.iter().map(String::len).sum();
+    assert!(bytes < pool::INLINE_BYTES, "{bytes}");
+    let mut inline = pool::INLINE;
+    let outcomes = policy
+        .evaluate_inline(&values, None, None, &mut inline)
+        .expect("the standard batch fits the inline bound");
+    assert_eq!(outcomes, policy.evaluate_values(&values, None));
+    assert!(
+        outcomes.iter().all(|o| *o == Outcome::Proceed),
+        "{outcomes:?}"
+    );
+    let spent = pool::INLINE.work - inline.work;
+    eprintln!("the standard batch spent {spent} units of work inline");
+    assert!(spent > 0 && spent * 4 < pool::INLINE.work, "{spent}");
+}
+
+/// R25: a batch whose work is over the inline bound stops at it (by the
+/// meter, not by a guess), and is judged whole off the thread; a call
+/// whose estimate is over it does not start inline at all.
+#[test]
+fn r25_a_costly_batch_stops_at_the_inline_bound() {
+    let l: Vec<i32> = (0..60).collect();
+    let s = "A".repeat(10_000);
+    let policy = Policy::compile(&rule(
+        "heavy",
+        None,
+        "call.args.l.exists(a, call.args.l.exists(b, call.args.s.lowerAscii().size() < 0))",
+        "'m'",
+    ))
+    .unwrap();
+    let input = batch(vec![
+        call("small", "t", json!({"l": [1], "s": "x"})),
+        call("big", "t", json!({"l": l, "s": s})),
+    ]);
+    let values = BatchValues::from_input(&input);
+    let started = std::time::Instant::now();
+    let mut inline = pool::INLINE;
+    let stopped = policy.evaluate_inline(&values, None, None, &mut inline);
+    let inline_took = started.elapsed();
+    assert_eq!(stopped, Err(OverInline));
+    let started = std::time::Instant::now();
+    let whole = policy.evaluate_values(&values, None);
+    let whole_took = started.elapsed();
+    assert_eq!(whole, vec![Outcome::Proceed, Outcome::Proceed]);
+    eprintln!("inline {inline_took:?} before stopping, whole {whole_took:?}");
+    assert!(
+        inline_took * 20 < whole_took,
+        "stopped at the bound: {inline_took:?} against {whole_took:?}"
+    );
+    // An estimate over the inline bound (within the call's own): nothing
+    // runs inline.
+    let wide: Vec<i32> = (0..200).collect();
+    let input = batch(vec![call("wide", "t", json!({"l": wide, "s": "x"}))]);
+    let values = BatchValues::from_input(&input);
+    let mut inline = pool::INLINE;
+    assert_eq!(
+        policy.evaluate_inline(&values, None, None, &mut inline),
+        Err(OverInline)
+    );
+    assert_eq!(inline, pool::INLINE, "no work was done");
 }

@@ -79,6 +79,11 @@ impl Meter {
         true
     }
 
+    /// The units not spent.
+    pub(crate) fn left(&self) -> u64 {
+        self.left.load(Ordering::Relaxed)
+    }
+
     /// Why it stopped, if it did.
     pub(crate) fn stopped(&self) -> Option<Stop> {
         match self.stop.load(Ordering::Relaxed) {

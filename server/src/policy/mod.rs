@@ -53,7 +53,7 @@ mod tests;
 
 pub use cases::{CheckReport, Failure, RuleSummary, TestReport, check, test};
 pub use cases::{NeverSent, never_sent};
-pub use cost::{Cost, Limits};
+pub use cost::{Cost, Inline, Limits, OverInline};
 pub use engine::{Policy, Rule};
 pub use error::{CasesError, CompileError, CompileErrorKind, EvalError, Field, Scope};
 pub use input::{Args, BatchInput, BatchValues, CallInput, CallRef, ContextRef, Members, Recorded};

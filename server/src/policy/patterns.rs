@@ -43,9 +43,9 @@ const STEPS: [usize; 4] = [16 << 10, 128 << 10, 512 << 10, SIZE_LIMIT];
 pub const MESH_PATTERN_BYTES: usize = 256 << 20;
 
 /// Threads that may hold a cache of one pattern: the evaluation pool's,
-/// and one that compiles.
+/// those judging inline, and one that compiles.
 fn cache_threads() -> usize {
-    super::pool::threads() + 1
+    super::pool::threads() + super::pool::INLINE_SLOTS + 1
 }
 
 /// Bytes charged to all live sets of the process.
