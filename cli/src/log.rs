@@ -69,7 +69,7 @@ pub(crate) fn run(action: LogAction) -> ExitCode {
     match action {
         LogAction::Keygen { out } => match checkpoint::generate(&out) {
             Ok(key) => {
-                print!("{}", key.public_pem);
+                out!("{}", key.public_pem);
                 eprintln!(
                     "wrote the private key to {} and the public key to {} (key id {})",
                     key.private_path.display(),
@@ -159,14 +159,14 @@ fn read_etcd_anchor(
 fn verify(path: &std::path::Path, options: &VerifyOptions) -> ExitCode {
     match decision_log::verify_with(path, options) {
         Ok(report) => {
-            println!(
+            outln!(
                 "ok: {} records in {} files, {} with masked values",
                 report.records,
                 report.files.len(),
                 report.masked_records
             );
             if let Some(last) = &report.last {
-                println!(
+                outln!(
                     "head: seq {} id {} hash {} ({}:{})",
                     last.seq,
                     last.id,
@@ -176,7 +176,7 @@ fn verify(path: &std::path::Path, options: &VerifyOptions) -> ExitCode {
                 );
             }
             if report.signatures_checked {
-                println!(
+                outln!(
                     "signatures: {} checkpoints verified; {} records after the last one{}",
                     report.checkpoints,
                     report.unsealed,
@@ -187,20 +187,20 @@ fn verify(path: &std::path::Path, options: &VerifyOptions) -> ExitCode {
                     }
                 );
                 for (seq, missing) in &report.gaps {
-                    println!(
+                    outln!(
                         "gap: at seq {seq}, the mesh restarted on a log missing the checkpoint at seq {missing}"
                     );
                 }
                 match report.anchored_at {
                     Some(seq) => {
-                        println!("anchor: the log holds the outside checkpoint at seq {seq}")
+                        outln!("anchor: the log holds the outside checkpoint at seq {seq}")
                     }
-                    None => println!(
+                    None => outln!(
                         "anchor: none given; a cut at the end of the log is not detected (--witness, --checkpoint or --etcd)"
                     ),
                 }
             } else {
-                println!(
+                outln!(
                     "signatures: none checked (no --key): a rewritten, cut or appended log is not detected"
                 );
             }
