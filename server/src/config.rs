@@ -898,12 +898,7 @@ impl Config {
                 prefix: registry.prefix,
                 username: registry.username,
                 password: registry.password,
-                tls: registry.tls.map(|t| crate::decision_log::anchor::EtcdTls {
-                    ca_file: t.ca_file,
-                    cert_file: t.cert_file,
-                    key_file: t.key_file,
-                    domain: t.domain,
-                }),
+                tls: registry.tls,
                 dial_timeout: registry.dial_timeout,
                 request_timeout: registry.request_timeout,
             };

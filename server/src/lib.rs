@@ -38,6 +38,7 @@
 
 pub mod config;
 pub mod decision_log;
+pub mod etcd_tls;
 mod judge;
 pub mod link;
 pub mod mesh;

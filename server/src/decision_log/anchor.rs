@@ -57,14 +57,7 @@ pub struct EtcdConfig {
     pub request_timeout: Duration,
 }
 
-/// TLS to etcd, as the registry has it.
-#[derive(Debug, Clone, Default)]
-pub struct EtcdTls {
-    pub ca_file: Option<std::path::PathBuf>,
-    pub cert_file: Option<std::path::PathBuf>,
-    pub key_file: Option<std::path::PathBuf>,
-    pub domain: Option<String>,
-}
+pub use crate::etcd_tls::TlsFiles as EtcdTls;
 
 impl EtcdConfig {
     /// Plain `http://` endpoints under `prefix`, without credentials, with
@@ -159,7 +152,8 @@ impl AnchorClient {
         }
         #[cfg(feature = "etcd-tls")]
         if let Some(tls) = &config.tls {
-            options = options.with_tls(tls_options(tls)?);
+            options =
+                options.with_tls(crate::etcd_tls::tls_options(tls).map_err(AnchorError::Config)?);
         }
         let endpoints = config.endpoints.join(",");
         let unreachable = |cause: String| AnchorError::Unreachable {
@@ -212,33 +206,6 @@ impl AnchorClient {
     pub fn endpoints(&self) -> &str {
         &self.endpoints
     }
-}
-
-#[cfg(feature = "etcd-tls")]
-fn tls_options(tls: &EtcdTls) -> Result<etcd_client::TlsOptions, AnchorError> {
-    let read = |path: &std::path::PathBuf| {
-        std::fs::read(path)
-            .map_err(|e| AnchorError::Config(format!("cannot read {}: {e}", path.display())))
-    };
-    let mut options = etcd_client::TlsOptions::new();
-    if let Some(ca) = &tls.ca_file {
-        options = options.ca_certificate(etcd_client::Certificate::from_pem(read(ca)?));
-    }
-    match (&tls.cert_file, &tls.key_file) {
-        (Some(cert), Some(key)) => {
-            options = options.identity(etcd_client::Identity::from_pem(read(cert)?, read(key)?));
-        }
-        (None, None) => {}
-        _ => {
-            return Err(AnchorError::Config(
-                "cert_file and key_file go together".into(),
-            ));
-        }
-    }
-    if let Some(domain) = &tls.domain {
-        options = options.domain_name(domain.clone());
-    }
-    Ok(options)
 }
 
 /// Checkpoints that could not be kept outside the log, counted before and

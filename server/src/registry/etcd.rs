@@ -102,7 +102,6 @@ use prost::Message;
 use serde::Deserialize;
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::future::Future;
-use std::path::PathBuf;
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 use tokio::sync::watch;
@@ -122,18 +121,7 @@ pub enum AfterWindow {
     ServeStale,
 }
 
-/// Client certificates and roots for `https://` endpoints.
-#[derive(Debug, Clone, Default)]
-pub struct TlsFiles {
-    /// PEM roots to verify etcd's certificate with (the system's otherwise).
-    pub ca_file: Option<PathBuf>,
-    /// PEM client certificate, for etcd's `--client-cert-auth`.
-    pub cert_file: Option<PathBuf>,
-    /// PEM key of `cert_file`.
-    pub key_file: Option<PathBuf>,
-    /// Name to verify etcd's certificate against, when not the endpoint host.
-    pub domain: Option<String>,
-}
+pub use crate::etcd_tls::TlsFiles;
 
 /// Settings of the etcd registry (the `[registry]` section of the config).
 #[derive(Clone)]
@@ -592,7 +580,10 @@ async fn connect_client(
     }
     #[cfg(feature = "etcd-tls")]
     if let Some(tls) = &config.tls {
-        options = options.with_tls(tls_options(tls)?);
+        options = options.with_tls(
+            crate::etcd_tls::tls_options(tls)
+                .map_err(|e| ConnectError::Config(format!("[registry] {e}")))?,
+        );
     }
     let unreachable = |cause: String| ConnectError::Unreachable {
         endpoints: config.endpoints.join(","),
@@ -654,34 +645,6 @@ fn transient(error: &etcd_client::Error) -> bool {
         etcd_client::Error::TransportError(_) | etcd_client::Error::IoError(_) => true,
         _ => false,
     }
-}
-
-#[cfg(feature = "etcd-tls")]
-fn tls_options(tls: &TlsFiles) -> Result<etcd_client::TlsOptions, ConnectError> {
-    let read = |path: &PathBuf| {
-        std::fs::read(path).map_err(|e| {
-            ConnectError::Config(format!("[registry] cannot read {}: {e}", path.display()))
-        })
-    };
-    let mut options = etcd_client::TlsOptions::new();
-    if let Some(ca) = &tls.ca_file {
-        options = options.ca_certificate(etcd_client::Certificate::from_pem(read(ca)?));
-    }
-    match (&tls.cert_file, &tls.key_file) {
-        (Some(cert), Some(key)) => {
-            options = options.identity(etcd_client::Identity::from_pem(read(cert)?, read(key)?));
-        }
-        (None, None) => {}
-        _ => {
-            return Err(ConnectError::Config(
-                "[registry] cert_file and key_file go together".into(),
-            ));
-        }
-    }
-    if let Some(domain) = &tls.domain {
-        options = options.domain_name(domain.clone());
-    }
-    Ok(options)
 }
 
 impl EtcdRegistry {

@@ -1,0 +1,41 @@
+//! TLS to etcd, shared by the registry and the decision log's anchor (both
+//! reach the same etcd with the `[registry]` settings).
+
+use std::path::PathBuf;
+
+/// Client certificates and roots for `https://` endpoints.
+#[derive(Debug, Clone, Default)]
+pub struct TlsFiles {
+    /// PEM roots to verify etcd's certificate with (the system's otherwise).
+    pub ca_file: Option<PathBuf>,
+    /// PEM client certificate, for etcd's `--client-cert-auth`.
+    pub cert_file: Option<PathBuf>,
+    /// PEM key of `cert_file`.
+    pub key_file: Option<PathBuf>,
+    /// Name to verify etcd's certificate against, when not the endpoint host.
+    pub domain: Option<String>,
+}
+
+/// The etcd client's TLS options for `tls`; the error names the file that
+/// cannot be read or the settings that do not go together.
+#[cfg(feature = "etcd-tls")]
+pub(crate) fn tls_options(tls: &TlsFiles) -> Result<etcd_client::TlsOptions, String> {
+    let read = |path: &PathBuf| {
+        std::fs::read(path).map_err(|e| format!("cannot read {}: {e}", path.display()))
+    };
+    let mut options = etcd_client::TlsOptions::new();
+    if let Some(ca) = &tls.ca_file {
+        options = options.ca_certificate(etcd_client::Certificate::from_pem(read(ca)?));
+    }
+    match (&tls.cert_file, &tls.key_file) {
+        (Some(cert), Some(key)) => {
+            options = options.identity(etcd_client::Identity::from_pem(read(cert)?, read(key)?));
+        }
+        (None, None) => {}
+        _ => return Err("cert_file and key_file go together".into()),
+    }
+    if let Some(domain) = &tls.domain {
+        options = options.domain_name(domain.clone());
+    }
+    Ok(options)
+}
