@@ -3,7 +3,7 @@
 //! calls on the shared mesh link, an upstream line without end, and a
 //! gateway whose own stderr nobody reads. Every attack runs against real
 //! processes on loopback, bounded in count and time, while a canary call
-//! from another client must be answered within a second; memory is read
+//! from another client must be answered within the canary's bound (3 s); memory is read
 //! from the gateway's `/proc/PID/status`.
 //!
 //! Also the HTTP transport's checks: `Origin` and `Host` (DNS rebinding),
@@ -20,8 +20,11 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 
 /// The canary's bound: well above a loopback call through the gateway, mesh
-/// and upstream (tens of milliseconds), well below any attack's hold.
-const CANARY: Duration = Duration::from_secs(1);
+/// and upstream (tens of milliseconds, a second or more on a loaded 2-core
+/// machine with 1,100 attack connections beside it), well below any
+/// attack's hold (6 s for the slow guard, 10 s for the header and body
+/// timeouts).
+const CANARY: Duration = Duration::from_secs(3);
 
 /// A child process killed when dropped.
 struct Child(std::process::Child);
@@ -229,7 +232,7 @@ async fn closed_within(stream: &mut TcpStream, within: Duration) -> bool {
 /// a gateway with 512 descriptors: the connection cap (automatic, from the
 /// open-file limit) keeps descriptors free, a new connection takes the place
 /// of the oldest one that has not sent a whole request, the accept loop does
-/// not spin, a canary is answered within a second throughout, and the
+/// not spin, a canary is answered within its bound throughout, and the
 /// header timeout (default 10 s) closes what is left.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn r31_r25_http_half_sent_requests_hold_no_descriptors_and_spin_nothing() {
@@ -305,7 +308,7 @@ async fn r31_r25_http_half_sent_requests_hold_no_descriptors_and_spin_nothing() 
 /// Slow bodies: 100 connections each send 4 MiB less 64 bytes of a 4 MiB
 /// body and then nothing. The bytes the gateway buffers are bounded (the
 /// global body budget), its peak RSS stays under 200 MiB, a canary is
-/// answered within a second, and the body timeout (default 10 s) ends what
+/// answered within its bound, and the body timeout (default 10 s) ends what
 /// is left.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn r31_r25_http_slow_bodies_are_bounded_in_bytes_and_time() {
@@ -398,8 +401,8 @@ async fn r31_r25_http_slow_bodies_are_bounded_in_bytes_and_time() {
 /// A slow guard, and one session that sends 1,100 calls at once (each its
 /// own request, judged on its own): past its bound the session's calls are
 /// answered at once with a JSON-RPC error (HTTP 429), so the shared link to
-/// the mesh is never full and another session's call is answered within a
-/// second.
+/// the mesh is never full and another session's call is answered within the
+/// canary's bound, well before the slow guard's 6 s.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn r31_r25_http_one_session_cannot_starve_the_mesh_link() {
     let _heavy = HEAVY.lock().await;
@@ -729,7 +732,7 @@ async fn r31_r25_stdio_an_endless_upstream_line_is_bounded() {
 /// Nobody reads the gateway's stderr: the upstream writes far more to its
 /// stderr than a pipe holds, and the gateway logs a warning per dropped
 /// message. The relay never blocks: the session is initialized and every
-/// call answered within a second; the lines that did not fit are dropped
+/// call answered within the canary's bound; the lines that did not fit are dropped
 /// and counted, and the count is reported once stderr is read again.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn r31_r25_stdio_unread_stderr_never_blocks_the_relay() {
