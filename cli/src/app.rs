@@ -7,14 +7,11 @@ use guardmesh_client::proto::{
     FailurePolicy, GuardMode, GuardRole, GuardSpec, RewriteGrant, ToolCall,
 };
 use guardmesh_client::{Batch, Coordinator, Registrar};
-use guardmesh_server::config::{Config, RegistryKind};
+use guardmesh_server::Server;
+use guardmesh_server::config::Config;
 use guardmesh_server::observe::telemetry::{self, LogFormat};
-use guardmesh_server::registry::etcd::EtcdRegistry;
-use guardmesh_server::{MemoryRegistry, Mesh, Registry};
 use std::path::PathBuf;
 use std::process::ExitCode;
-
-use std::sync::Arc;
 use std::time::Duration;
 
 #[derive(Parser)]
@@ -536,180 +533,20 @@ fn certs(dir: &std::path::Path) -> Result<(), Error> {
 }
 
 /// Completes on SIGINT or SIGTERM.
-async fn shutdown_signal() {
-    let interrupt = tokio::signal::ctrl_c();
-    #[cfg(unix)]
-    {
-        let mut term =
-            match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
-                Ok(term) => term,
-                Err(_) => {
-                    let _ = interrupt.await;
-                    return;
-                }
-            };
-        tokio::select! {
-            _ = interrupt => {}
-            _ = term.recv() => {}
-        }
-    }
-    #[cfg(not(unix))]
-    {
-        let _ = interrupt.await;
-    }
+fn shutdown_signal() -> impl std::future::Future<Output = ()> {
+    guardmesh_server::run::shutdown_signal()
 }
 
+/// `guardmesh serve`: the mesh the config describes (defaults without
+/// one), on `--listen` or the config's address, until SIGINT or SIGTERM.
 async fn serve(config: Option<PathBuf>, listen: Option<std::net::SocketAddr>) -> Result<(), Error> {
-    let config_folder = config
-        .as_deref()
-        .and_then(std::path::Path::parent)
-        .map_or_else(|| PathBuf::from("."), std::path::Path::to_path_buf);
-    let config = match config {
-        Some(path) => Config::load(&path)?,
-        None => Config::default(),
+    let server = match config {
+        Some(path) => Server::load(&path).await?,
+        None => Server::from_config(Config::default()).await?,
     };
-    for warning in config.insecure_settings() {
-        tracing::warn!("insecure setting: {warning}");
-    }
-    for warning in config.guard_warnings() {
-        tracing::warn!("{warning}");
-    }
-    // The soft open-file limit up to the hard one; the connection cap is
-    // derived from it unless [server] max_connections is set (R25).
-    if let Some(limit) = guardmesh_server::security::tls::raise_open_file_limit() {
-        tracing::info!(open_files = limit, "open-file limit");
-    }
-    let (mesh_config, checked) = config.build_with_guards()?;
-    let registry = build_registry(&config, checked, mesh_config.default_guard_timeout).await?;
-    let mesh = Mesh::new(mesh_config, registry);
-    let addr = listen.unwrap_or(config.listen);
-    // Bound now, listening only once the mesh is ready: the decision log
-    // names the mesh by the address bound (the port of `--listen
-    // 127.0.0.1:0` is known here), and no connection is accepted before
-    // the log has recorded the config's guards.
-    let socket = if addr.is_ipv4() {
-        tokio::net::TcpSocket::new_v4()
-    } else {
-        tokio::net::TcpSocket::new_v6()
-    }
-    .and_then(|socket| {
-        #[cfg(unix)]
-        socket.set_reuseaddr(true)?;
-        socket.bind(addr)?;
-        Ok(socket)
-    })
-    .map_err(|e| format!("cannot listen on {addr}: {e}"))?;
-    let bound = socket.local_addr()?;
-    // R29: the decision log is open before the first batch, or the mesh
-    // does not start.
-    if let Some(section) = &config.decision_log {
-        use guardmesh_server::decision_log::{DecisionLog, MeshLog};
-        // The instance is the address bound, not a port-0 address asked for.
-        let settings = config.decision_log_settings(section, &bound.to_string())?;
-        let limits = section.limits()?;
-        let log = DecisionLog::open(settings)
-            .await
-            .map_err(|e| format!("[decision_log] cannot open the log: {e}"))?;
-        let log =
-            MeshLog::new(log, section.on_log_failure, mesh.metrics.clone()).with_limits(limits);
-        let specs: Vec<_> = config.guards.iter().map(|g| g.to_spec()).collect();
-        log.config_guards(&specs, mesh.registry().chain().revision)
-            .await;
-        let _ = mesh.attach_decision_log(log);
-        tracing::info!(dir = %section.dir.display(), "decision log open");
-    }
-    // SIGHUP reloads the server certificate at once (it is also reloaded
-    // when its files change), and the policy files of the config's policy
-    // guards (R27), which are also reloaded when they change on disk.
-    let guards: Vec<_> = config
-        .guards
-        .iter()
-        .filter(|g| g.policy.is_some())
-        .cloned()
-        .collect();
-    let _policy_watch = if guards.is_empty() || !config.watch_policies {
-        None
-    } else {
-        let watched =
-            crate::policy_reload::watch(mesh.clone(), config_folder.clone(), guards.clone())
-                .map_err(|e| format!("cannot watch the policy files: {e}"))?;
-        Some(watched)
-    };
-    #[cfg(unix)]
-    if (mesh.config.security.server_tls.is_some() || !guards.is_empty())
-        && let Ok(mut hup) = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::hangup())
-    {
-        let tls = mesh.config.security.server_tls.clone();
-        let mesh = mesh.clone();
-        let folder = config_folder;
-        tokio::spawn(async move {
-            while hup.recv().await.is_some() {
-                if let Some(tls) = &tls {
-                    tls.cert.reload();
-                }
-                for guard in &guards {
-                    crate::policy_reload::reload_policy(
-                        &mesh,
-                        &folder,
-                        guard.clone(),
-                        crate::policy_reload::Trigger::Signal,
-                    )
-                    .await;
-                }
-            }
-        });
-    }
-    let listener = socket
-        .listen(1024)
-        .map_err(|e| format!("cannot listen on {bound}: {e}"))?;
-    tracing::info!(addr = %listener.local_addr()?, guards = config.guards.len(), "guardmesh serving");
-    if let Some(metrics_addr) = config.metrics_listen {
-        guardmesh_server::observe::metrics_http::spawn(metrics_addr, mesh.metrics.clone()).await?;
-    }
-    guardmesh_server::server::run(listener, mesh.clone(), shutdown_signal()).await?;
-    if let Some(log) = mesh.decision_log()
-        && let Err(error) = log.close().await
-    {
-        tracing::error!(%error, "decision log not closed cleanly");
-    }
-    tracing::info!("guardmesh stopped");
+    let addr = listen.unwrap_or_else(|| server.listen_addr());
+    server.serve(addr, shutdown_signal()).await?;
     Ok(())
-}
-
-/// The registry `[registry]` asks for, with the file's `[[guard]]` entries
-/// registered in file order (R16). With etcd they are only created where
-/// absent: the shared chain, not one replica's file, is the source of truth.
-/// `guards`: the entries as admitted by `Config::build_with_guards`.
-async fn build_registry(
-    config: &Config,
-    guards: Vec<guardmesh_server::registry::CheckedGuard>,
-    default_timeout: Duration,
-) -> Result<Arc<dyn Registry>, Error> {
-    match config.registry.kind {
-        RegistryKind::Memory => {
-            let registry = Arc::new(MemoryRegistry::new(default_timeout));
-            for guard in guards {
-                let name = guard.name().to_owned();
-                registry
-                    .register(guard, None)
-                    .await
-                    .map_err(|e| format!("config guard {name:?}: {e}"))?;
-            }
-            Ok(registry)
-        }
-        RegistryKind::Etcd => {
-            let etcd = config.registry.etcd()?;
-            let registry = Arc::new(EtcdRegistry::connect(etcd, default_timeout).await?);
-            for guard in guards {
-                let name = guard.name().to_owned();
-                registry
-                    .register_if_absent(guard)
-                    .await
-                    .map_err(|e| format!("config guard {name:?}: {e}"))?;
-            }
-            Ok(registry)
-        }
-    }
 }
 
 async fn guards(mesh: &MeshArgs, action: GuardsAction) -> Result<(), Error> {

@@ -9,7 +9,7 @@ use crate::examples::{Example, Kind};
 use guardmesh_client::proto::{FailurePolicy, TraceStatus};
 use guardmesh_client::{Batch, BatchDecision, Coordinator, Outcome, Registrar, Registration};
 use guardmesh_server::MemoryRegistry;
-use guardmesh_server::{Mesh, MeshConfig};
+use guardmesh_server::MeshConfig;
 use std::fmt::Write;
 use std::sync::Arc;
 use std::time::Duration;
@@ -106,17 +106,13 @@ pub async fn run(mtls: bool) -> Result<(), Error> {
         token: None,
     };
     let registry = Arc::new(MemoryRegistry::new(config.default_guard_timeout));
-    let mesh = Mesh::new(config, registry);
+    let server = guardmesh_server::Server::new(config, registry);
     let listener = TcpListener::bind("127.0.0.1:0").await?;
     let mesh_url = match &pki {
         Some(_) => format!("https://localhost:{}", listener.local_addr()?.port()),
         None => format!("http://{}", listener.local_addr()?),
     };
-    tokio::spawn(guardmesh_server::server::run(
-        listener,
-        mesh.clone(),
-        std::future::pending(),
-    ));
+    tokio::spawn(server.run(listener, std::future::pending()));
 
     let registrar = Registrar::connect_with(
         mesh_url.clone(),

@@ -8,8 +8,6 @@
 //! * `log`: `guardmesh log verify` and `guardmesh log keygen` (R29).
 //! * `heartbeat`: `guardmesh heartbeat`, a liveness sidecar for guards of any
 //!   language on the etcd registry.
-//! * `policy_reload`: the config's policy files reloaded on SIGHUP and when
-//!   they change on disk (R27).
 //! * [`demo`]: `guardmesh demo`, a mesh, example guards and a coordinator in
 //!   one process, printing decisions and traces.
 //! * [`examples`]: the example guards, written with the Rust SDK.
@@ -30,7 +28,6 @@ mod evaluate;
 pub mod examples;
 mod heartbeat;
 mod log;
-mod policy_reload;
 mod replay;
 mod runtime;
 

@@ -35,6 +35,9 @@
 //! * [`decision_log`]: the tamper-evident decision log (R29): records,
 //!   masking, the hash chain across rotated files, the writer, `verify`.
 //! * [`config`]: the TOML config file.
+//! * [`run`]: [`Server`], the mesh assembled from a config (registry,
+//!   decision log, policy watch and reload, metrics endpoint) and run until
+//!   shutdown: what `guardmesh serve` and the integration tests both run.
 
 pub mod config;
 pub mod decision_log;
@@ -45,6 +48,7 @@ pub mod mesh;
 pub mod observe;
 pub mod policy;
 pub mod registry;
+pub mod run;
 pub mod security;
 pub mod server;
 mod validate;
@@ -56,6 +60,7 @@ pub use judge::TraceContext;
 pub use link::error_chain;
 pub use mesh::{Mesh, MeshConfig};
 pub use registry::{MemoryRegistry, Registry};
+pub use run::{Server, ServerError};
 pub use validate::RESERVED_BATCH_PREFIX;
 
 /// Internals for the `cargo fuzz` targets in `fuzz/` (feature `fuzzing`);

@@ -18,19 +18,23 @@ impl TestMesh {
 
     pub(crate) async fn with_config(config: MeshConfig) -> Self {
         let registry = Arc::new(MemoryRegistry::new(config.default_guard_timeout));
-        let mesh = Mesh::new(config, registry);
+        Self::serve(Server::new(config, registry)).await
+    }
+
+    /// Runs `server` on a loopback port, as `guardmesh serve` runs its own
+    /// (the same [`Server`]), until [`TestMesh::shutdown`].
+    pub(crate) async fn serve(server: Server) -> Self {
+        let mesh = server.mesh().clone();
         let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
         let url = format!("http://{}", listener.local_addr().unwrap());
         let (stop, stopped) = oneshot::channel::<()>();
-        let task = tokio::spawn({
-            let mesh = mesh.clone();
-            async move {
-                guardmesh_server::server::run(listener, mesh, async {
+        let task = tokio::spawn(async move {
+            server
+                .run(listener, async {
                     let _ = stopped.await;
                 })
                 .await
                 .unwrap();
-            }
         });
         Self {
             url,
@@ -101,26 +105,7 @@ impl TestMesh {
         config: MeshConfig,
         registry: Arc<dyn guardmesh_server::Registry>,
     ) -> Self {
-        let mesh = Mesh::new(config, registry);
-        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let url = format!("http://{}", listener.local_addr().unwrap());
-        let (stop, stopped) = oneshot::channel::<()>();
-        let task = tokio::spawn({
-            let mesh = mesh.clone();
-            async move {
-                guardmesh_server::server::run(listener, mesh, async {
-                    let _ = stopped.await;
-                })
-                .await
-                .unwrap();
-            }
-        });
-        Self {
-            url,
-            mesh,
-            stop: Some(stop),
-            task,
-        }
+        Self::serve(Server::new(config, registry)).await
     }
 }
 

@@ -13,7 +13,7 @@
 use guardmesh_client::proto::guard_service_server::{GuardService, GuardServiceServer};
 use guardmesh_client::proto::{GuardBatch, JudgeRequest, JudgeResponse, Verdict};
 use guardmesh_client::{Coordinator, Guard, Registrar, Registration};
-use guardmesh_server::{MemoryRegistry, Mesh, MeshConfig};
+use guardmesh_server::{MemoryRegistry, Mesh, MeshConfig, Server};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;

@@ -23,8 +23,8 @@
 //! happens once the folder has been quiet for [`QUIET`]. A change that
 //! leaves a file's text as the running policy's is not a reload.
 
-use guardmesh_server::Mesh;
-use guardmesh_server::config::GuardConfig;
+use crate::Mesh;
+use crate::config::GuardConfig;
 use notify::event::{AccessKind, AccessMode, ModifyKind, RenameMode};
 use notify::{EventKind, RecursiveMode, Watcher};
 use std::collections::HashSet;
@@ -175,7 +175,7 @@ enum ReloadError {
 async fn load(file: PathBuf) -> Result<String, ReloadError> {
     tokio::task::spawn_blocking(move || {
         let source = read_policy_file(&file, MAX_POLICY_FILE_BYTES)?;
-        guardmesh_server::policy::Policy::compile(&source)
+        crate::policy::Policy::compile(&source)
             .map(|_| source)
             .map_err(|e| ReloadError::Compile {
                 path: file.display().to_string(),
@@ -220,8 +220,8 @@ pub(crate) async fn reload_policy(
     let result = match loaded {
         Ok(source) => {
             guard.policy_source = Some(source);
-            let admission = guardmesh_server::registry::Admission::of(&mesh.config);
-            match guardmesh_server::registry::admit(guard.to_spec(), &admission).await {
+            let admission = crate::registry::Admission::of(&mesh.config);
+            match crate::registry::admit(guard.to_spec(), &admission).await {
                 Ok(checked) => mesh
                     .registry()
                     .register(checked, None)
@@ -246,9 +246,7 @@ pub(crate) async fn reload_policy(
             tracing::info!(guard = %name, revision = registered.revision, on = how, "policy reloaded");
             // R27: a rule naming a tool the guard is never sent is reported.
             if let Some(source) = &guard.policy_source {
-                for never in
-                    guardmesh_server::policy::never_sent(source, &guard.tools).unwrap_or_default()
-                {
+                for never in crate::policy::never_sent(source, &guard.tools).unwrap_or_default() {
                     tracing::warn!(guard = %name, "{never}");
                 }
             }

@@ -1,0 +1,473 @@
+//! Running a mesh: [`Server`] assembles one from a [`Config`] and runs it
+//! until a shutdown future completes. `guardmesh serve` is a shell over it
+//! (parse the arguments, load the config, build a `Server`, run it), and the
+//! integration tests' mesh is built by the same `Server`.
+//!
+//! A `Server` owns, beside the [`Mesh`] itself:
+//!
+//! * the registry `[registry]` asks for (in memory, or shared on etcd), with
+//!   the config's `[[guard]]` entries registered in file order (R16);
+//! * the decision log (R29), opened before the first batch and closed after
+//!   the last, named by the address the listener is bound to;
+//! * the watch on the config's policy files and their reload on SIGHUP
+//!   (R27, [`policy_reload`]), and the reload of the server certificate on
+//!   SIGHUP;
+//! * the Prometheus endpoint (`metrics_listen`);
+//! * the gRPC listener and its drain on shutdown ([`crate::server::run`]).
+//!
+//! ```no_run
+//! # async fn serve(path: &std::path::Path) -> Result<(), guardmesh_server::run::ServerError> {
+//! use guardmesh_server::run::{Server, shutdown_signal};
+//! let server = Server::load(path).await?;
+//! let addr = server.listen_addr();
+//! server.serve(addr, shutdown_signal()).await
+//! # }
+//! ```
+
+mod policy_reload;
+
+use crate::config::{Config, ConfigError, GuardConfig, RegistryKind, SecurityError};
+use crate::mesh::{Mesh, MeshConfig};
+use crate::registry::etcd::EtcdRegistry;
+use crate::registry::{CheckedGuard, MemoryRegistry, Registry, RegistryError};
+use std::future::Future;
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+use tokio::net::{TcpListener, TcpSocket};
+
+/// An error with its causes, from the parts of the library whose errors are
+/// still being given types of their own.
+type BoxError = Box<dyn std::error::Error + Send + Sync>;
+
+/// Why a mesh could not be built or stopped with an error.
+#[derive(Debug, thiserror::Error)]
+pub enum ServerError {
+    /// The config file cannot be read or is invalid.
+    #[error(transparent)]
+    Config(#[from] ConfigError),
+    /// A security section, or a `[[guard]]` entry, cannot be loaded.
+    #[error(transparent)]
+    Security(#[from] SecurityError),
+    /// The etcd registry's settings are invalid or etcd cannot be reached.
+    #[error("[registry]: {0}")]
+    Registry(#[source] BoxError),
+    /// A `[[guard]]` entry could not be registered.
+    #[error("config guard {name:?}: {source}")]
+    ConfigGuard {
+        name: String,
+        #[source]
+        source: RegistryError,
+    },
+    /// The listener's address cannot be bound or listened on.
+    #[error("cannot listen on {addr}: {source}")]
+    Listen {
+        addr: SocketAddr,
+        #[source]
+        source: std::io::Error,
+    },
+    /// `[decision_log]` is invalid.
+    #[error("[decision_log] {0}")]
+    DecisionLogSettings(#[source] BoxError),
+    /// The decision log cannot be opened (R29: the mesh does not start).
+    #[error("[decision_log] cannot open the log: {0}")]
+    DecisionLogOpen(#[source] crate::decision_log::LogError),
+    /// The folders of the policy files cannot be watched.
+    #[error("cannot watch the policy files: {0}")]
+    PolicyWatch(#[source] notify::Error),
+    /// The metrics endpoint cannot listen.
+    #[error("metrics endpoint on {addr}: {source}")]
+    Metrics {
+        addr: SocketAddr,
+        #[source]
+        source: std::io::Error,
+    },
+    /// The gRPC server stopped with an error.
+    #[error(transparent)]
+    Serve(#[from] crate::server::ServeError),
+}
+
+/// A mesh and everything that runs beside it, ready to serve.
+pub struct Server {
+    mesh: Arc<Mesh>,
+    /// The config the mesh was built from; the defaults for a mesh built
+    /// from its parts ([`Server::new`]).
+    config: Config,
+    /// The folder the config's policy files are relative to.
+    config_dir: PathBuf,
+    metrics_listen: Option<SocketAddr>,
+}
+
+impl std::fmt::Debug for Server {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Server")
+            .field("listen", &self.config.listen)
+            .field("metrics_listen", &self.metrics_listen)
+            .field("config_dir", &self.config_dir)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Server {
+    /// A server for a mesh built from its settings and registry: no config
+    /// guards, no decision log, no metrics endpoint unless asked for
+    /// ([`Server::with_metrics_listen`]).
+    pub fn new(config: MeshConfig, registry: Arc<dyn Registry>) -> Self {
+        Self::with_mesh(Mesh::new(config, registry), Config::default())
+    }
+
+    fn with_mesh(mesh: Arc<Mesh>, config: Config) -> Self {
+        Self {
+            mesh,
+            metrics_listen: config.metrics_listen,
+            config,
+            config_dir: PathBuf::from("."),
+        }
+    }
+
+    /// Reads the config file at `path` ([`Config::load`]) and builds its
+    /// mesh ([`Server::from_config`]); policy files are relative to the
+    /// file's folder.
+    pub async fn load(path: &Path) -> Result<Self, ServerError> {
+        let config = Config::load(path)?;
+        let dir = path
+            .parent()
+            .filter(|dir| !dir.as_os_str().is_empty())
+            .unwrap_or_else(|| Path::new("."));
+        Ok(Self::from_config(config)
+            .await?
+            .with_config_dir(dir.to_path_buf()))
+    }
+
+    /// Builds the mesh a loaded config describes: its security sections,
+    /// its registry with the `[[guard]]` entries registered, each checked
+    /// once by the admission a `Register` call goes through (R16). Logs the
+    /// config's insecure settings and guard warnings, and raises the soft
+    /// open-file limit to the hard one (the connection cap is derived from
+    /// it unless `[server] max_connections` is set, R25).
+    pub async fn from_config(config: Config) -> Result<Self, ServerError> {
+        for warning in config.insecure_settings() {
+            tracing::warn!("insecure setting: {warning}");
+        }
+        for warning in config.guard_warnings() {
+            tracing::warn!("{warning}");
+        }
+        if let Some(limit) = crate::security::tls::raise_open_file_limit() {
+            tracing::info!(open_files = limit, "open-file limit");
+        }
+        let (mesh_config, checked) = config.build_with_guards()?;
+        let registry = build_registry(&config, checked, mesh_config.default_guard_timeout).await?;
+        Ok(Self::with_mesh(Mesh::new(mesh_config, registry), config))
+    }
+
+    /// The folder the config's policy files are relative to (default: the
+    /// current folder).
+    #[must_use]
+    pub fn with_config_dir(mut self, dir: impl Into<PathBuf>) -> Self {
+        self.config_dir = dir.into();
+        self
+    }
+
+    /// Serves Prometheus metrics on `addr` (instead of the config's
+    /// `metrics_listen`).
+    #[must_use]
+    pub fn with_metrics_listen(mut self, addr: SocketAddr) -> Self {
+        self.metrics_listen = Some(addr);
+        self
+    }
+
+    /// The mesh this server runs.
+    pub fn mesh(&self) -> &Arc<Mesh> {
+        &self.mesh
+    }
+
+    /// The config's `listen` address.
+    pub fn listen_addr(&self) -> SocketAddr {
+        self.config.listen
+    }
+
+    /// A handle that does what SIGHUP does: reload the server certificate
+    /// and the config's policy files.
+    pub fn reloader(&self) -> Reloader {
+        Reloader {
+            mesh: self.mesh.clone(),
+            folder: self.config_dir.clone(),
+            guards: self.policy_guards(),
+        }
+    }
+
+    /// Binds `addr` (with `SO_REUSEADDR`), prepares the mesh (decision log,
+    /// policy watch, SIGHUP, metrics), and only then listens and serves until
+    /// `shutdown` completes: no connection is accepted before the decision
+    /// log has recorded the config's guards, and the log names the mesh by
+    /// the address bound (the port of `127.0.0.1:0` is known by then).
+    pub async fn serve(
+        self,
+        addr: SocketAddr,
+        shutdown: impl Future<Output = ()> + Send,
+    ) -> Result<(), ServerError> {
+        let listen = |source| ServerError::Listen { addr, source };
+        let socket = if addr.is_ipv4() {
+            TcpSocket::new_v4()
+        } else {
+            TcpSocket::new_v6()
+        }
+        .and_then(|socket| {
+            #[cfg(unix)]
+            socket.set_reuseaddr(true)?;
+            socket.bind(addr)?;
+            Ok(socket)
+        })
+        .map_err(listen)?;
+        let bound = socket.local_addr().map_err(listen)?;
+        let running = self.prepare(bound).await?;
+        let listener = socket.listen(1024).map_err(|source| ServerError::Listen {
+            addr: bound,
+            source,
+        })?;
+        running.serve(listener, shutdown).await
+    }
+
+    /// Serves on a listener already listening (tests, and callers that
+    /// bind their own), after the same preparation as [`Server::serve`],
+    /// until `shutdown` completes; then drains and closes the decision log.
+    pub async fn run(
+        self,
+        listener: TcpListener,
+        shutdown: impl Future<Output = ()> + Send,
+    ) -> Result<(), ServerError> {
+        let bound = listener
+            .local_addr()
+            .map_err(|source| ServerError::Listen {
+                addr: self.config.listen,
+                source,
+            })?;
+        let running = self.prepare(bound).await?;
+        running.serve(listener, shutdown).await
+    }
+
+    /// The config's policy guards.
+    fn policy_guards(&self) -> Vec<GuardConfig> {
+        self.config
+            .guards
+            .iter()
+            .filter(|g| g.policy.is_some())
+            .cloned()
+            .collect()
+    }
+
+    /// Everything but the listener: the decision log, the policy watch,
+    /// SIGHUP and the metrics endpoint.
+    async fn prepare(self, bound: SocketAddr) -> Result<Running, ServerError> {
+        let mesh = self.mesh.clone();
+        // R29: the decision log is open before the first batch, or the mesh
+        // does not start.
+        if let Some(section) = &self.config.decision_log {
+            use crate::decision_log::{DecisionLog, MeshLog};
+            // The instance is the address bound, not a port-0 address asked for.
+            let settings = self
+                .config
+                .decision_log_settings(section, &bound.to_string())
+                .map_err(|e| ServerError::DecisionLogSettings(e.into()))?;
+            let limits = section
+                .limits()
+                .map_err(|e| ServerError::DecisionLogSettings(e.into()))?;
+            let log = DecisionLog::open(settings)
+                .await
+                .map_err(ServerError::DecisionLogOpen)?;
+            let log =
+                MeshLog::new(log, section.on_log_failure, mesh.metrics.clone()).with_limits(limits);
+            let specs: Vec<_> = self.config.guards.iter().map(|g| g.to_spec()).collect();
+            log.config_guards(&specs, mesh.registry().chain().revision)
+                .await;
+            let _ = mesh.attach_decision_log(log);
+            tracing::info!(dir = %section.dir.display(), "decision log open");
+        }
+        // The config's policy files are reloaded when they change on disk
+        // (unless `watch_policies = false`) and on SIGHUP (R27); SIGHUP also
+        // reloads the server certificate at once (it is also reloaded when
+        // its files change).
+        let reloader = self.reloader();
+        let policy_watch = if reloader.guards.is_empty() || !self.config.watch_policies {
+            None
+        } else {
+            Some(
+                policy_reload::watch(
+                    mesh.clone(),
+                    reloader.folder.clone(),
+                    reloader.guards.clone(),
+                )
+                .map_err(ServerError::PolicyWatch)?,
+            )
+        };
+        let hangup = reloader.on_sighup();
+        if let Some(addr) = self.metrics_listen {
+            crate::observe::metrics_http::spawn(addr, mesh.metrics.clone())
+                .await
+                .map_err(|source| ServerError::Metrics { addr, source })?;
+        }
+        Ok(Running {
+            mesh,
+            guards: self.config.guards.len(),
+            _policy_watch: policy_watch,
+            hangup,
+        })
+    }
+}
+
+/// A prepared server, waiting for its listener.
+struct Running {
+    mesh: Arc<Mesh>,
+    /// How many `[[guard]]` entries the config has (for the start line).
+    guards: usize,
+    /// Dropped with the server: the watch stops.
+    _policy_watch: Option<notify::RecommendedWatcher>,
+    hangup: Option<tokio::task::JoinHandle<()>>,
+}
+
+impl Running {
+    async fn serve(
+        self,
+        listener: TcpListener,
+        shutdown: impl Future<Output = ()> + Send,
+    ) -> Result<(), ServerError> {
+        if let Ok(addr) = listener.local_addr() {
+            tracing::info!(%addr, guards = self.guards, "guardmesh serving");
+        }
+        let served = crate::server::run(listener, self.mesh.clone(), shutdown).await;
+        if let Some(hangup) = &self.hangup {
+            hangup.abort();
+        }
+        if let Some(log) = self.mesh.decision_log()
+            && let Err(error) = log.close().await
+        {
+            tracing::error!(%error, "decision log not closed cleanly");
+        }
+        served?;
+        tracing::info!("guardmesh stopped");
+        Ok(())
+    }
+}
+
+/// Reloads what SIGHUP reloads: the server certificate, and the policy
+/// files of the config's policy guards (R27), each read and compiled whole
+/// before anything changes.
+#[derive(Clone)]
+pub struct Reloader {
+    mesh: Arc<Mesh>,
+    folder: PathBuf,
+    guards: Vec<GuardConfig>,
+}
+
+impl std::fmt::Debug for Reloader {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Reloader")
+            .field("folder", &self.folder)
+            .field("guards", &self.guards.len())
+            .finish_non_exhaustive()
+    }
+}
+
+impl Reloader {
+    /// Reloads the certificate and every policy file once.
+    pub async fn reload(&self) {
+        if let Some(tls) = &self.mesh.config.security.server_tls {
+            tls.cert.reload();
+        }
+        for guard in &self.guards {
+            policy_reload::reload_policy(
+                &self.mesh,
+                &self.folder,
+                guard.clone(),
+                policy_reload::Trigger::Signal,
+            )
+            .await;
+        }
+    }
+
+    /// Reloads on every SIGHUP until the returned task is aborted; none
+    /// when there is nothing to reload (SIGHUP then keeps its default).
+    fn on_sighup(self) -> Option<tokio::task::JoinHandle<()>> {
+        if self.mesh.config.security.server_tls.is_none() && self.guards.is_empty() {
+            return None;
+        }
+        #[cfg(unix)]
+        {
+            use tokio::signal::unix::{SignalKind, signal};
+            let mut hup = signal(SignalKind::hangup()).ok()?;
+            Some(tokio::spawn(async move {
+                while hup.recv().await.is_some() {
+                    self.reload().await;
+                }
+            }))
+        }
+        #[cfg(not(unix))]
+        None
+    }
+}
+
+/// The registry `[registry]` asks for, with the file's `[[guard]]` entries
+/// registered in file order (R16). With etcd they are only created where
+/// absent: the shared chain, not one replica's file, is the source of truth.
+/// `guards`: the entries as admitted by `Config::build_with_guards`.
+async fn build_registry(
+    config: &Config,
+    guards: Vec<CheckedGuard>,
+    default_timeout: Duration,
+) -> Result<Arc<dyn Registry>, ServerError> {
+    let failed = |name: String| move |source| ServerError::ConfigGuard { name, source };
+    match config.registry.kind {
+        RegistryKind::Memory => {
+            let registry = Arc::new(MemoryRegistry::new(default_timeout));
+            for guard in guards {
+                let name = guard.name().to_owned();
+                registry.register(guard, None).await.map_err(failed(name))?;
+            }
+            Ok(registry)
+        }
+        RegistryKind::Etcd => {
+            let etcd = config
+                .registry
+                .etcd()
+                .map_err(|e| ServerError::Registry(e.into()))?;
+            let registry = Arc::new(
+                EtcdRegistry::connect(etcd, default_timeout)
+                    .await
+                    .map_err(|e| ServerError::Registry(e.into()))?,
+            );
+            for guard in guards {
+                let name = guard.name().to_owned();
+                registry
+                    .register_if_absent(guard)
+                    .await
+                    .map_err(failed(name))?;
+            }
+            Ok(registry)
+        }
+    }
+}
+
+/// Completes on SIGINT or SIGTERM (on other systems, on Ctrl-C).
+pub async fn shutdown_signal() {
+    let interrupt = tokio::signal::ctrl_c();
+    #[cfg(unix)]
+    {
+        use tokio::signal::unix::{SignalKind, signal};
+        let mut term = match signal(SignalKind::terminate()) {
+            Ok(term) => term,
+            Err(_) => {
+                let _ = interrupt.await;
+                return;
+            }
+        };
+        tokio::select! {
+            _ = interrupt => {}
+            _ = term.recv() => {}
+        }
+    }
+    #[cfg(not(unix))]
+    {
+        let _ = interrupt.await;
+    }
+}
