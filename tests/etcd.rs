@@ -9,13 +9,12 @@
 //! prints how long a registration takes to reach the other replica.
 
 use crate::harness::*;
+use guardmesh_cli::heartbeat::GuardHeartbeat;
 use guardmesh_client::proto::{FailurePolicy, TraceStatus};
 use guardmesh_client::verdict::steer;
 use guardmesh_client::{Batch, BatchDecision, ClientError, Outcome, Registration};
 use guardmesh_server::Registry;
-use guardmesh_server::registry::etcd::{
-    AfterWindow, EtcdConfig, EtcdRegistry, GuardHeartbeat, Liveness,
-};
+use guardmesh_server::registry::etcd::{AfterWindow, EtcdConfig, EtcdRegistry, Liveness};
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};

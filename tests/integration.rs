@@ -67,6 +67,7 @@ mod mcp_readme;
 mod mcp_relay;
 mod mcp_revision;
 mod mcp_smuggling;
+mod mesh_args;
 mod observability;
 mod otel;
 mod otel_http;

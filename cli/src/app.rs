@@ -162,104 +162,9 @@ enum PolicyAction {
 }
 
 /// How the command-line tools reach a mesh: its address and the
-/// credentials sent on every call (R24).
-#[derive(clap::Args)]
-pub(crate) struct MeshArgs {
-    /// The mesh's address: a URL (`https://` for a mesh with TLS), or
-    /// `host:port` (https:// when --ca-file is given).
-    #[arg(long, default_value = "http://127.0.0.1:50051", global = true)]
-    pub(crate) mesh: String,
-    /// PEM of the CA that signed the mesh's certificate (TLS).
-    #[arg(long, global = true)]
-    ca_file: Option<PathBuf>,
-    /// This client's PEM certificate, for a mesh that requires mTLS.
-    #[arg(long, global = true, requires = "key_file")]
-    cert_file: Option<PathBuf>,
-    /// The key of `--cert-file`, PEM.
-    #[arg(long, global = true, requires = "cert_file")]
-    key_file: Option<PathBuf>,
-    /// The name to verify the mesh's certificate against, when it differs
-    /// from the address's host.
-    #[arg(long, global = true)]
-    tls_domain: Option<String>,
-    /// Bearer token. Prefer `--token-file` or the environment variable:
-    /// a command line is visible to every user of the machine.
-    #[arg(long, global = true, env = "GUARDMESH_TOKEN", hide_env_values = true)]
-    token: Option<String>,
-    /// A file holding the bearer token (its first line); wins over
-    /// `--token` and `GUARDMESH_TOKEN`.
-    #[arg(long, global = true)]
-    token_file: Option<PathBuf>,
-}
-
-/// Why the command-line tools could not build their connection to a mesh.
-#[derive(Debug, thiserror::Error)]
-pub(crate) enum MeshArgsError {
-    #[error("cannot read {what} {path}: {source}")]
-    Read {
-        what: &'static str,
-        path: String,
-        #[source]
-        source: std::io::Error,
-    },
-    #[error("the token file {0} is empty")]
-    EmptyToken(String),
-    #[error(
-        "--mesh {0} is https://: pass --ca-file with the CA that signed the mesh's certificate"
-    )]
-    NoCa(String),
-    #[error("TLS settings given but --mesh {0} is not https://")]
-    NotHttps(String),
-}
-
-impl MeshArgs {
-    /// The SDK connection these flags describe.
-    pub(crate) fn connection(&self) -> Result<guardmesh_client::Connection, MeshArgsError> {
-        let read = |what: &'static str, path: &std::path::Path| {
-            std::fs::read_to_string(path).map_err(|source| MeshArgsError::Read {
-                what,
-                path: path.display().to_string(),
-                source,
-            })
-        };
-        // A bare `host:port` is https:// when a CA is given (the SDK
-        // completes it the same way), http:// otherwise.
-        let mesh = self.mesh.trim_start();
-        let https =
-            mesh.starts_with("https://") || (!mesh.contains("://") && self.ca_file.is_some());
-        let tls_flags =
-            self.ca_file.is_some() || self.cert_file.is_some() || self.tls_domain.is_some();
-        let tls = match &self.ca_file {
-            Some(ca) if https => Some(guardmesh_client::Tls {
-                ca_pem: read("CA file", ca)?,
-                identity: match (&self.cert_file, &self.key_file) {
-                    (Some(cert), Some(key)) => {
-                        Some((read("certificate", cert)?, read("key", key)?))
-                    }
-                    _ => None,
-                },
-                domain: self.tls_domain.clone(),
-            }),
-            _ if https => return Err(MeshArgsError::NoCa(self.mesh.clone())),
-            _ if tls_flags => return Err(MeshArgsError::NotHttps(self.mesh.clone())),
-            _ => None,
-        };
-        let token = match (&self.token_file, &self.token) {
-            (None, Some(token)) => Some(token.trim().to_owned()),
-            (Some(path), _) => {
-                let text = read("token file", path)?;
-                let token = text.lines().next().unwrap_or_default().trim().to_owned();
-                if token.is_empty() {
-                    return Err(MeshArgsError::EmptyToken(path.display().to_string()));
-                }
-                Some(token)
-            }
-            (None, None) => None,
-        }
-        .filter(|t| !t.is_empty());
-        Ok(guardmesh_client::Connection { tls, token })
-    }
-}
+/// credentials sent on every call (R24). One definition, shared with the
+/// MCP gateway and hooks (`guardmesh mcp`, `guardmesh hook`).
+pub(crate) use guardmesh_client::MeshArgs;
 
 /// Adds what to do about a refusal for want of credentials.
 fn explain(error: guardmesh_client::ClientError) -> Error {
@@ -276,12 +181,17 @@ fn explain(error: guardmesh_client::ClientError) -> Error {
     }
 }
 
-impl MeshArgs {
+/// What to tell the user about a failed call to the mesh `--mesh` names.
+pub(crate) trait Explain {
     /// [`explain`], plus a hint when the connection failed under TLS
     /// without a client certificate: a mesh that requires one refuses the
     /// handshake before any RPC (R24), which reaches the client as a
     /// transport error rather than `UNAUTHENTICATED`.
-    pub(crate) fn explain(&self) -> impl Fn(guardmesh_client::ClientError) -> Error + '_ {
+    fn explain(&self) -> impl Fn(guardmesh_client::ClientError) -> Error + '_;
+}
+
+impl Explain for MeshArgs {
+    fn explain(&self) -> impl Fn(guardmesh_client::ClientError) -> Error + '_ {
         move |error| {
             let transport = error.is_connect()
                 || matches!(
@@ -292,8 +202,7 @@ impl MeshArgs {
                 );
             // A plaintext client's HTTP/2 preface reaches a TLS listener as a
             // malformed handshake: the answer it reads is not HTTP/2.
-            let plaintext = self.mesh.starts_with("http://")
-                || (!self.mesh.contains("://") && self.ca_file.is_none());
+            let plaintext = !self.https();
             let chain = guardmesh_server::error_chain(&error);
             // The TLS alert it gets back reads as an HTTP/2 frame of an
             // impossible size.

@@ -8,11 +8,15 @@
 //! Without it the lease only says the sidecar runs. SIGTERM or SIGINT revoke
 //! the lease and exit.
 
+use etcd_client::{Client, LeaseKeepAliveStream, LeaseKeeper, PutOptions};
 use guardmesh_server::config::{Config, RegistryKind};
-use guardmesh_server::registry::etcd::GuardHeartbeat;
+use guardmesh_server::registry::etcd::{ConnectError, EtcdConfig};
 use std::future::Future;
 use std::path::PathBuf;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicI64, Ordering};
 use std::time::Duration;
+use tokio::task::JoinHandle;
 use tonic_health::pb::HealthCheckRequest;
 use tonic_health::pb::health_check_response::ServingStatus;
 use tonic_health::pb::health_client::HealthClient;
@@ -88,6 +92,217 @@ pub(crate) async fn run(
         held.stop().await;
     }
     Ok(())
+}
+
+/// Keeps a guard's liveness key `<prefix>/alive/<name>` on a lease while it
+/// runs: what a guard process (or this sidecar beside it) uses to say it is
+/// up.
+///
+/// Liveness never changes the chain (R15). Dropping the heartbeat (or the
+/// process dying) stops renewing the lease, which lapses after its TTL, like
+/// a crash; [`GuardHeartbeat::stop`] revokes it at once, for a clean shutdown.
+pub struct GuardHeartbeat {
+    client: Client,
+    lease: Arc<AtomicI64>,
+    timeout: Duration,
+    task: JoinHandle<()>,
+}
+
+impl std::fmt::Debug for GuardHeartbeat {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("GuardHeartbeat").finish_non_exhaustive()
+    }
+}
+
+impl Drop for GuardHeartbeat {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+/// Why etcd did not do what the heartbeat asked.
+#[derive(Debug, thiserror::Error)]
+pub enum LeaseError {
+    /// etcd answered with an error.
+    #[error("{what}: {source}")]
+    Etcd {
+        what: &'static str,
+        #[source]
+        source: etcd_client::Error,
+    },
+    /// etcd did not answer in time.
+    #[error("{what}: no answer within {timeout:?}")]
+    Timeout {
+        what: &'static str,
+        timeout: Duration,
+    },
+    /// etcd ended the keep-alive stream.
+    #[error("etcd closed the keep-alive stream")]
+    Closed,
+}
+
+impl GuardHeartbeat {
+    /// Puts the liveness key of guard `name` on a new lease (the guard is
+    /// alive when this returns) and renews it every heartbeat interval.
+    pub async fn start(config: &EtcdConfig, name: &str) -> Result<Self, ConnectError> {
+        let client = guardmesh_server::registry::etcd::client(config).await?;
+        let key = config.alive_key(name);
+        let ttl = i64::try_from(config.lease_ttl.as_secs().max(1)).unwrap_or(i64::MAX);
+        // Renew well within the TTL, whatever the configured interval.
+        let every = config
+            .heartbeat_interval
+            .min(config.lease_ttl / 3)
+            .max(Duration::from_millis(10));
+        let timeout = config.request_timeout;
+        let lease = grant(&client, &key, ttl, timeout).await.map_err(|cause| {
+            ConnectError::Unreachable {
+                endpoints: config.endpoints.join(","),
+                cause: cause.to_string(),
+            }
+        })?;
+        let lease = Arc::new(AtomicI64::new(lease));
+        let task = tokio::spawn(renew(
+            client.clone(),
+            key,
+            ttl,
+            every,
+            timeout,
+            lease.clone(),
+        ));
+        Ok(Self {
+            client,
+            lease,
+            timeout,
+            task,
+        })
+    }
+
+    /// Stops heartbeating and revokes the lease: the guard reads as expired
+    /// at once instead of after its TTL.
+    pub async fn stop(self) {
+        self.task.abort();
+        let lease = self.lease.load(Ordering::SeqCst);
+        let mut client = self.client.lease_client();
+        if let Err(error) = timed(self.timeout, "revoking the lease", client.revoke(lease)).await {
+            tracing::warn!(%error, "guard heartbeat: the lease will lapse after its TTL instead");
+        }
+    }
+}
+
+/// `request` within `timeout`.
+async fn timed<T>(
+    timeout: Duration,
+    what: &'static str,
+    request: impl Future<Output = Result<T, etcd_client::Error>>,
+) -> Result<T, LeaseError> {
+    match tokio::time::timeout(timeout, request).await {
+        Ok(Ok(value)) => Ok(value),
+        Ok(Err(source)) => Err(LeaseError::Etcd { what, source }),
+        Err(_) => Err(LeaseError::Timeout { what, timeout }),
+    }
+}
+
+/// Grants a lease and puts the liveness key on it.
+async fn grant(client: &Client, key: &str, ttl: i64, timeout: Duration) -> Result<i64, LeaseError> {
+    let mut leases = client.lease_client();
+    let lease = timed(timeout, "granting a lease", leases.grant(ttl, None))
+        .await?
+        .id();
+    let mut kv = client.kv_client();
+    timed(
+        timeout,
+        "putting the liveness key",
+        kv.put(key, Vec::new(), Some(PutOptions::new().with_lease(lease))),
+    )
+    .await?;
+    Ok(lease)
+}
+
+/// Why a renewal failed.
+enum Renewal {
+    /// etcd says the lease no longer exists (it lapsed during an outage
+    /// longer than its TTL): grant a new one and put the key again.
+    Gone,
+    /// etcd could not be asked: keep trying the same lease, which etcd
+    /// extends when it restarts.
+    Unreachable(LeaseError),
+}
+
+/// Renews the lease every `every`, and replaces it when it is gone. Logs a
+/// failure once per outage, not once per tick.
+async fn renew(
+    client: Client,
+    key: String,
+    ttl: i64,
+    every: Duration,
+    timeout: Duration,
+    lease: Arc<AtomicI64>,
+) {
+    let mut stream: Option<(LeaseKeeper, LeaseKeepAliveStream)> = None;
+    let mut failing = false;
+    let mut tick = tokio::time::interval(every);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    tick.tick().await;
+    loop {
+        tick.tick().await;
+        let id = lease.load(Ordering::SeqCst);
+        let renewed = async {
+            if stream.is_none() {
+                let mut leases = client.lease_client();
+                stream = Some(
+                    timed(timeout, "lease keep-alive", leases.keep_alive(id))
+                        .await
+                        .map_err(Renewal::Unreachable)?,
+                );
+            }
+            let Some((keeper, responses)) = stream.as_mut() else {
+                return Err(Renewal::Unreachable(LeaseError::Closed));
+            };
+            timed(timeout, "lease keep-alive", keeper.keep_alive())
+                .await
+                .map_err(Renewal::Unreachable)?;
+            match timed(timeout, "lease keep-alive", responses.message()).await {
+                Ok(Some(response)) if response.ttl() > 0 => Ok(()),
+                Ok(Some(_)) => Err(Renewal::Gone),
+                Ok(None) => Err(Renewal::Unreachable(LeaseError::Closed)),
+                Err(cause) => Err(Renewal::Unreachable(cause)),
+            }
+        }
+        .await;
+        let outcome = match renewed {
+            Ok(()) => Ok(()),
+            Err(Renewal::Unreachable(cause)) => {
+                stream = None;
+                Err(cause)
+            }
+            Err(Renewal::Gone) => {
+                stream = None;
+                match grant(&client, &key, ttl, timeout).await {
+                    Ok(id) => {
+                        lease.store(id, Ordering::SeqCst);
+                        tracing::info!(
+                            key,
+                            "guard heartbeat: the lease had lapsed; heartbeating on a new one"
+                        );
+                        Ok(())
+                    }
+                    Err(cause) => Err(cause),
+                }
+            }
+        };
+        match outcome {
+            Ok(()) if failing => {
+                failing = false;
+                tracing::info!(key, "guard heartbeat: renewing again");
+            }
+            Ok(()) => {}
+            Err(cause) if !failing => {
+                failing = true;
+                tracing::warn!(key, %cause, "guard heartbeat: cannot renew the lease; retrying every heartbeat");
+            }
+            Err(cause) => tracing::debug!(key, %cause, "guard heartbeat: still cannot renew"),
+        }
+    }
 }
 
 /// `host:port` or an `http://` URL; TLS to the guard is not supported here

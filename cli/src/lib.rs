@@ -6,8 +6,9 @@
 //!   `example-guard`; `mcp` and `hook` delegate to the `guardmesh-gateway`
 //!   crate.
 //! * `log`: `guardmesh log verify` and `guardmesh log keygen` (R29).
-//! * `heartbeat`: `guardmesh heartbeat`, a liveness sidecar for guards of any
-//!   language on the etcd registry.
+//! * [`heartbeat`]: `guardmesh heartbeat`, a liveness sidecar for guards of
+//!   any language on the etcd registry, and the lease it keeps
+//!   ([`heartbeat::GuardHeartbeat`]).
 //! * [`demo`]: `guardmesh demo`, a mesh, example guards and a coordinator in
 //!   one process, printing decisions and traces.
 //! * [`examples`]: the example guards, written with the Rust SDK.
@@ -26,7 +27,7 @@ pub mod conformance;
 pub mod demo;
 mod evaluate;
 pub mod examples;
-mod heartbeat;
+pub mod heartbeat;
 mod log;
 mod replay;
 mod runtime;

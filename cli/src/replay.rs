@@ -31,6 +31,7 @@
 //! not replayed again (so replaying the log a mesh is writing gives the
 //! same report twice), and the report counts them.
 
+use crate::app::Explain;
 use guardmesh_proto::v1::{self as pb, BatchContext, EvaluateRequest, ToolCall};
 use guardmesh_server::config::Config;
 use guardmesh_server::decision_log::{

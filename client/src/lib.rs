@@ -28,8 +28,12 @@
 //! Features (all on by default): `coordinator` (tonic's client transport
 //! only: no hyper server, axum, health or reflection), `guard` (the guard
 //! server), `otel` (trace context from and into OpenTelemetry spans), `tls`
-//! (rustls with ring, on either side).
+//! (rustls with ring, on either side). Off by default: `args`, the clap
+//! flags that say how a command reaches a mesh (`args::MeshArgs`), as the
+//! `guardmesh` commands and the MCP gateway read them.
 
+#[cfg(feature = "args")]
+pub mod args;
 pub mod casefold;
 #[cfg(feature = "coordinator")]
 pub mod connect;
@@ -44,6 +48,8 @@ pub mod registry;
 pub mod trace;
 pub mod verdict;
 
+#[cfg(feature = "args")]
+pub use args::{MeshArgs, MeshArgsError};
 #[cfg(feature = "coordinator")]
 pub use connect::{Connection, Credentials, Tls};
 #[cfg(feature = "coordinator")]

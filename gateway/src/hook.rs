@@ -52,7 +52,7 @@
 //!   open. Codex releases from before `updatedInput` was accepted on
 //!   PreToolUse (mid-2026) read the rewrite answer as a failed hook too.
 
-use crate::judge::{Judge, JudgeError, MeshArgs};
+use crate::judge::{Judge, JudgeArgs, JudgeError};
 use guardmesh_client::Outcome;
 use serde::Deserialize;
 use serde_json::{Value, json};
@@ -85,7 +85,7 @@ pub enum Format {
 #[derive(clap::Args, Debug, Clone)]
 pub struct PreToolUseArgs {
     #[command(flatten)]
-    pub mesh: MeshArgs,
+    pub mesh: JudgeArgs,
     /// Let the call through when the mesh cannot be reached or does not
     /// answer by the deadline (default: deny).
     #[arg(long)]
@@ -225,7 +225,7 @@ fn undecided(args: &PreToolUseArgs, why: String) -> HookAnswer {
 fn late(args: &PreToolUseArgs) -> String {
     format!(
         "the mesh at {} did not answer within {} ms (--deadline-ms)",
-        args.mesh.mesh, args.deadline_ms
+        args.mesh.connect.mesh, args.deadline_ms
     )
 }
 

@@ -57,7 +57,7 @@
 //!   [`BUSY`], so no session can fill the shared link to the mesh.
 
 use crate::jsonrpc::{self, Incoming, Item, ToolCallRequest, codes};
-use crate::judge::{Disposition, Judge, MeshArgs};
+use crate::judge::{Disposition, Judge, JudgeArgs};
 use crate::stdio::fresh_session_id;
 use bytes::Bytes;
 use http::{HeaderMap, HeaderValue, Method, Request, Response, StatusCode, Uri, header};
@@ -92,7 +92,7 @@ const READ_BUFFER_BYTES: usize = 64 << 10;
 #[derive(clap::Args, Debug, Clone)]
 pub struct HttpArgs {
     #[command(flatten)]
-    pub mesh: MeshArgs,
+    pub mesh: JudgeArgs,
     /// Address to serve on. A non-loopback address needs `--tls-cert` and
     /// `--tls-key`.
     #[arg(long, default_value = "127.0.0.1:8808")]

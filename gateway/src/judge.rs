@@ -12,75 +12,27 @@
 //! A call the mesh returned no decision for is never forwarded.
 
 use crate::jsonrpc::{self, ToolCallRequest, codes};
-use guardmesh_client::{Batch, BatchDecision, ClientError, Coordinator, Outcome, Session};
+use guardmesh_client::{
+    Batch, BatchDecision, ClientError, Coordinator, MeshArgs, Outcome, Session,
+};
 use rmcp::model::ErrorData;
 use std::collections::HashMap;
-use std::path::PathBuf;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::Duration;
 use tokio::sync::Mutex;
 
-/// How the gateway reaches the mesh.
-#[derive(clap::Args, Debug, Clone)]
-pub struct MeshArgs {
-    /// The mesh's address (`https://` for a mesh with TLS).
-    #[arg(long, env = "GUARDMESH_MESH", default_value = "http://127.0.0.1:50051")]
-    pub mesh: String,
-    /// PEM of the CA that signed the mesh's certificate (TLS).
-    #[arg(long)]
-    pub ca_file: Option<PathBuf>,
-    /// This client's PEM certificate, for a mesh that requires mTLS.
-    #[arg(long, requires = "key_file")]
-    pub cert_file: Option<PathBuf>,
-    /// The key of `--cert-file`, PEM.
-    #[arg(long, requires = "cert_file")]
-    pub key_file: Option<PathBuf>,
-    /// The name to verify the mesh's certificate against.
-    #[arg(long)]
-    pub tls_domain: Option<String>,
-    /// A file holding the bearer token (its first line); else
-    /// `GUARDMESH_TOKEN`.
-    #[arg(long)]
-    pub token_file: Option<PathBuf>,
+/// How the gateway reaches the mesh: the connection flags every
+/// `guardmesh` command shares ([`MeshArgs`]: address, TLS, token, read the
+/// same way), and the deadline of each batch.
+#[derive(clap::Args, Debug, Clone, Default)]
+pub struct JudgeArgs {
+    #[command(flatten)]
+    pub connect: MeshArgs,
     /// Deadline of each batch at the mesh, in milliseconds (0: the mesh's
     /// default, R14).
     #[arg(long, default_value_t = 0)]
     pub timeout_ms: u64,
-}
-
-impl MeshArgs {
-    /// The SDK connection these flags describe.
-    pub fn connection(&self) -> Result<guardmesh_client::Connection, String> {
-        let read = |path: &std::path::Path| {
-            std::fs::read_to_string(path)
-                .map_err(|e| format!("cannot read {}: {e}", path.display()))
-        };
-        let tls = match &self.ca_file {
-            Some(ca) => Some(guardmesh_client::Tls {
-                ca_pem: read(ca)?,
-                identity: match (&self.cert_file, &self.key_file) {
-                    (Some(cert), Some(key)) => Some((read(cert)?, read(key)?)),
-                    _ => None,
-                },
-                domain: self.tls_domain.clone(),
-            }),
-            None => None,
-        };
-        let token = match &self.token_file {
-            Some(path) => Some(
-                read(path)?
-                    .lines()
-                    .next()
-                    .unwrap_or_default()
-                    .trim()
-                    .to_owned(),
-            ),
-            None => std::env::var("GUARDMESH_TOKEN").ok(),
-        }
-        .filter(|t| !t.trim().is_empty());
-        Ok(guardmesh_client::Connection { tls, token })
-    }
 }
 
 /// What to do with one judged call.
@@ -125,7 +77,7 @@ impl JudgeError {
 /// connected until the first call is judged, so a session without calls
 /// never contacts the mesh (R1).
 pub struct Judge {
-    args: MeshArgs,
+    args: JudgeArgs,
     coordinator: Mutex<Option<Coordinator>>,
     /// The one `Evaluate` stream every batch of this gateway is judged on,
     /// opened with the first; reopened when it ends.
@@ -137,7 +89,7 @@ pub struct Judge {
 impl Judge {
     /// A judge for `args`; `source` goes into each batch's metadata
     /// (`gateway`).
-    pub fn new(args: MeshArgs, source: &str) -> Self {
+    pub fn new(args: JudgeArgs, source: &str) -> Self {
         Self {
             args,
             coordinator: Mutex::new(None),
@@ -153,11 +105,15 @@ impl Judge {
             return Ok(c.clone());
         }
         let unreachable = |message: String| JudgeError::Unreachable {
-            mesh: self.args.mesh.clone(),
+            mesh: self.args.connect.mesh.clone(),
             message,
         };
-        let connection = self.args.connection().map_err(unreachable)?;
-        let connect = Coordinator::connect_with(self.args.mesh.clone(), &connection);
+        let connection = self
+            .args
+            .connect
+            .connection()
+            .map_err(|e| unreachable(e.to_string()))?;
+        let connect = Coordinator::connect_with(self.args.connect.mesh.clone(), &connection);
         let coordinator = tokio::time::timeout(Duration::from_secs(10), connect)
             .await
             .map_err(|_| unreachable("connect timed out".into()))?
@@ -194,7 +150,7 @@ impl Judge {
         answer.map_err(|e| match e {
             ClientError::Protocol(message) if message.starts_with(NO_ANSWER) => {
                 JudgeError::Unreachable {
-                    mesh: self.args.mesh.clone(),
+                    mesh: self.args.connect.mesh.clone(),
                     message,
                 }
             }
@@ -208,7 +164,7 @@ impl Judge {
                 }
             }
             other => JudgeError::Unreachable {
-                mesh: self.args.mesh.clone(),
+                mesh: self.args.connect.mesh.clone(),
                 message: error_chain(&other),
             },
         })

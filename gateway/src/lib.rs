@@ -63,9 +63,10 @@ pub mod routing;
 pub mod schemas;
 pub mod stdio;
 
+pub use guardmesh_client::MeshArgs;
 pub use hook::PreToolUseArgs;
 pub use http::HttpArgs;
-pub use judge::MeshArgs;
+pub use judge::JudgeArgs;
 pub use stdio::StdioArgs;
 
 use std::process::ExitCode;

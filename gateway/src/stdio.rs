@@ -40,7 +40,7 @@
 
 use crate::group::Grouper;
 use crate::jsonrpc::{self, Incoming, Item, codes};
-use crate::judge::{Disposition, Judge, MeshArgs};
+use crate::judge::{Disposition, Judge, JudgeArgs};
 use bytes::BytesMut;
 use rmcp::model::ErrorData;
 use rmcp::transport::async_rw::{JsonRpcMessageCodec, JsonRpcMessageCodecError};
@@ -57,7 +57,7 @@ use tokio_util::codec::{AnyDelimiterCodec, AnyDelimiterCodecError, Decoder};
 #[derive(clap::Args, Debug, Clone)]
 pub struct StdioArgs {
     #[command(flatten)]
-    pub mesh: MeshArgs,
+    pub mesh: JudgeArgs,
     /// The session id of every batch (R31); default: one made for this run.
     #[arg(long)]
     pub session: Option<String>,

@@ -34,7 +34,8 @@
 //!   guard stays in the chain and fails per its failure policy (R13), which the
 //!   guard's link already does when the guard cannot be reached.
 //! * **Liveness is leased and separate**: a guard (or a sidecar next to it)
-//!   may heartbeat `<prefix>/alive/<name>` with a lease ([`GuardHeartbeat`]).
+//!   may heartbeat `<prefix>/alive/<name>` with a lease (`guardmesh
+//!   heartbeat`, through [`client`] and [`EtcdConfig::alive_key`]).
 //!   When the lease lapses the replicas log it and report it in
 //!   [`EtcdRegistry::status`]; the chain does not change.
 //! * **Order comes from etcd** (R16): the chain is sorted by priority, then by
@@ -93,8 +94,8 @@ use crate::registry::{
 };
 use arc_swap::ArcSwap;
 use etcd_client::{
-    Client, Compare, CompareOp, ConnectOptions, Event, GetOptions, KeyValue, LeaseKeepAliveStream,
-    LeaseKeeper, PutOptions, Txn, TxnOp, TxnOpResponse, WatchOptions, WatchStream,
+    Client, Compare, CompareOp, ConnectOptions, Event, GetOptions, KeyValue, Txn, TxnOp,
+    TxnOpResponse, WatchOptions, WatchStream,
 };
 use futures::future::BoxFuture;
 use guardmesh_proto::v1::GuardSpec;
@@ -140,8 +141,8 @@ pub struct EtcdConfig {
     /// and of the watch's answer to a progress request.
     pub request_timeout: Duration,
     /// How often the replica confirms its chain with etcd's quorum (and
-    /// asks its watch for progress); how often a
-    /// [`GuardHeartbeat`] renews its lease.
+    /// asks its watch for progress); how often a guard's heartbeat
+    /// (`guardmesh heartbeat`) renews its lease.
     pub heartbeat_interval: Duration,
     /// Time to live of a guard's heartbeat lease (etcd rounds it to whole
     /// seconds and enforces its own minimum, about 2 s).
@@ -229,6 +230,12 @@ impl EtcdConfig {
             );
         }
         Ok(())
+    }
+
+    /// The liveness key of guard `name`: `<prefix>/alive/<name>`, which a
+    /// guard (or `guardmesh heartbeat` beside it) keeps on a lease.
+    pub fn alive_key(&self, name: &str) -> String {
+        self.keys().alive(name.trim())
     }
 
     fn keys(&self) -> Keys {
@@ -559,6 +566,13 @@ fn to_u64(revision: i64) -> u64 {
 /// registry does that in the background instead (see `Shared::reauthenticate`):
 /// a slow authentication cut short by every request's deadline would
 /// otherwise never complete.
+/// A client of the etcd `config` names, authenticated, its token refreshed
+/// in calls: for a process beside the mesh that keeps keys of its own on
+/// leases (`guardmesh heartbeat`).
+pub async fn client(config: &EtcdConfig) -> Result<Client, ConnectError> {
+    connect_client(config, true).await
+}
+
 async fn connect_client(
     config: &EtcdConfig,
     refresh_in_calls: bool,
@@ -1827,184 +1841,6 @@ fn chain_key(view: &View) -> (i64, Vec<(String, i64)>) {
         .collect();
     guards.sort_unstable();
     (view.chain_revision, guards)
-}
-
-/// Keeps a guard's liveness key `<prefix>/alive/<name>` on a lease while it
-/// runs: what a guard process (or a sidecar beside it) uses to say it is up.
-///
-/// Liveness never changes the chain (R15). Dropping the heartbeat (or the
-/// process dying) stops renewing the lease, which lapses after its TTL, like
-/// a crash; [`GuardHeartbeat::stop`] revokes it at once, for a clean shutdown.
-pub struct GuardHeartbeat {
-    client: Client,
-    lease: Arc<std::sync::atomic::AtomicI64>,
-    timeout: Duration,
-    task: JoinHandle<()>,
-}
-
-impl std::fmt::Debug for GuardHeartbeat {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("GuardHeartbeat").finish_non_exhaustive()
-    }
-}
-
-impl Drop for GuardHeartbeat {
-    fn drop(&mut self) {
-        self.task.abort();
-    }
-}
-
-impl GuardHeartbeat {
-    /// Puts the liveness key of guard `name` on a new lease (the guard is
-    /// alive when this returns) and renews it every heartbeat interval.
-    pub async fn start(config: &EtcdConfig, name: &str) -> Result<Self, ConnectError> {
-        let client = connect_client(config, true).await?;
-        let key = config.keys().alive(name.trim());
-        let ttl = i64::try_from(config.lease_ttl.as_secs().max(1)).unwrap_or(i64::MAX);
-        // Renew well within the TTL, whatever the configured interval.
-        let every = config
-            .heartbeat_interval
-            .min(config.lease_ttl / 3)
-            .max(Duration::from_millis(10));
-        let timeout = config.request_timeout;
-        let lease = grant(&client, &key, ttl, timeout).await.map_err(|cause| {
-            ConnectError::Unreachable {
-                endpoints: config.endpoints.join(","),
-                cause,
-            }
-        })?;
-        let lease = Arc::new(std::sync::atomic::AtomicI64::new(lease));
-        let task = tokio::spawn(renew(
-            client.clone(),
-            key,
-            ttl,
-            every,
-            timeout,
-            lease.clone(),
-        ));
-        Ok(Self {
-            client,
-            lease,
-            timeout,
-            task,
-        })
-    }
-
-    /// Stops heartbeating and revokes the lease: the guard reads as expired
-    /// at once instead of after its TTL.
-    pub async fn stop(self) {
-        self.task.abort();
-        let lease = self.lease.load(std::sync::atomic::Ordering::SeqCst);
-        let mut client = self.client.lease_client();
-        if let Err(error) = timed(self.timeout, "revoking the lease", client.revoke(lease)).await {
-            tracing::warn!(%error, "guard heartbeat: the lease will lapse after its TTL instead");
-        }
-    }
-}
-
-/// Grants a lease and puts the liveness key on it.
-async fn grant(client: &Client, key: &str, ttl: i64, timeout: Duration) -> Result<i64, String> {
-    let mut leases = client.lease_client();
-    let lease = timed(timeout, "granting a lease", leases.grant(ttl, None))
-        .await?
-        .id();
-    let mut kv = client.kv_client();
-    timed(
-        timeout,
-        "putting the liveness key",
-        kv.put(key, Vec::new(), Some(PutOptions::new().with_lease(lease))),
-    )
-    .await?;
-    Ok(lease)
-}
-
-/// Why a renewal failed.
-enum Renewal {
-    /// etcd says the lease no longer exists (it lapsed during an outage
-    /// longer than its TTL): grant a new one and put the key again.
-    Gone,
-    /// etcd could not be asked: keep trying the same lease, which etcd
-    /// extends when it restarts.
-    Unreachable(String),
-}
-
-/// Renews the lease every `every`, and replaces it when it is gone. Logs a
-/// failure once per outage, not once per tick.
-async fn renew(
-    client: Client,
-    key: String,
-    ttl: i64,
-    every: Duration,
-    timeout: Duration,
-    lease: Arc<std::sync::atomic::AtomicI64>,
-) {
-    let mut stream: Option<(LeaseKeeper, LeaseKeepAliveStream)> = None;
-    let mut failing = false;
-    let mut tick = tokio::time::interval(every);
-    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    tick.tick().await;
-    loop {
-        tick.tick().await;
-        let id = lease.load(std::sync::atomic::Ordering::SeqCst);
-        let renewed = async {
-            if stream.is_none() {
-                let mut leases = client.lease_client();
-                stream = Some(
-                    timed(timeout, "lease keep-alive", leases.keep_alive(id))
-                        .await
-                        .map_err(Renewal::Unreachable)?,
-                );
-            }
-            let Some((keeper, responses)) = stream.as_mut() else {
-                return Err(Renewal::Unreachable("no keep-alive stream".into()));
-            };
-            timed(timeout, "lease keep-alive", keeper.keep_alive())
-                .await
-                .map_err(Renewal::Unreachable)?;
-            match timed(timeout, "lease keep-alive", responses.message()).await {
-                Ok(Some(response)) if response.ttl() > 0 => Ok(()),
-                Ok(Some(_)) => Err(Renewal::Gone),
-                Ok(None) => Err(Renewal::Unreachable(
-                    "etcd closed the keep-alive stream".into(),
-                )),
-                Err(cause) => Err(Renewal::Unreachable(cause)),
-            }
-        }
-        .await;
-        let outcome = match renewed {
-            Ok(()) => Ok(()),
-            Err(Renewal::Unreachable(cause)) => {
-                stream = None;
-                Err(cause)
-            }
-            Err(Renewal::Gone) => {
-                stream = None;
-                match grant(&client, &key, ttl, timeout).await {
-                    Ok(id) => {
-                        lease.store(id, std::sync::atomic::Ordering::SeqCst);
-                        tracing::info!(
-                            key,
-                            "guard heartbeat: the lease had lapsed; heartbeating on a new one"
-                        );
-                        Ok(())
-                    }
-                    Err(cause) => Err(cause),
-                }
-            }
-        };
-        match outcome {
-            Ok(()) if failing => {
-                failing = false;
-                tracing::info!(key, "guard heartbeat: renewing again");
-            }
-            Ok(()) => {}
-            Err(cause) if !failing => {
-                failing = true;
-                tracing::warn!(key, %cause, "guard heartbeat: cannot renew the lease; retrying every heartbeat");
-            }
-            Err(cause) => tracing::debug!(key, %cause, "guard heartbeat: still cannot renew"),
-        }
-    }
 }
 
 #[cfg(test)]
