@@ -353,6 +353,43 @@ fn versions_come_from_the_workspace() {
             wrong.push(format!("guards/node/package-lock.json: {v}"));
         }
     }
+    // The package files the docs name (`guardmesh-X.Y.Z-py3-none-any.whl`,
+    // `guardmesh-guard-X.Y.Z.tgz`) are those of this version.
+    // (Not the changelog: it names the files of earlier releases too.)
+    let mut docs: Vec<PathBuf> = markdown_files()
+        .into_iter()
+        .filter(|f| !f.ends_with("CHANGELOG.md"))
+        .collect();
+    docs.extend(
+        [
+            "guards/README.md",
+            "guards/python/README.md",
+            "guards/node/README.md",
+        ]
+        .iter()
+        .map(|p| root.join(p)),
+    );
+    for file in docs {
+        let text = read(&file);
+        for (at, _) in text.match_indices("guardmesh-") {
+            let rest = &text[at + "guardmesh-".len()..];
+            let rest = rest.strip_prefix("guard-").unwrap_or(rest);
+            if !rest.starts_with(|c: char| c.is_ascii_digit()) {
+                continue;
+            }
+            let named: String = rest
+                .chars()
+                .take_while(|c| c.is_ascii_digit() || *c == '.')
+                .collect();
+            let named = named.trim_end_matches('.');
+            if named != version {
+                wrong.push(format!(
+                    "{}: names a package file of version {named}",
+                    file.strip_prefix(&root).unwrap_or(&file).display()
+                ));
+            }
+        }
+    }
     // Path dependencies between the crates carry a version for publishing:
     // the workspace's.
     for manifest in [
