@@ -488,3 +488,16 @@ fn the_proto_breaks_nothing_of_the_last_release() {
         String::from_utf8_lossy(&out.stderr)
     );
 }
+
+/// The Python wheel carries the licence: setuptools packs the `LICENSE`
+/// beside `pyproject.toml` (it cannot reach the repository's), so that copy
+/// must be the repository's. (The npm tarball copies it when packed.)
+#[test]
+fn the_python_package_carries_the_licence() {
+    let root = repo_root();
+    assert_eq!(
+        read(&root.join("guards/python/LICENSE")),
+        read(&root.join("LICENSE")),
+        "guards/python/LICENSE differs from LICENSE: copy it over"
+    );
+}
