@@ -19,13 +19,16 @@
 //! * `hook`: the pre-tool hook against hung meshes, rewrites and each
 //!   host's format (R31b).
 //! * `mcp`: the MCP gateway and the pre-tool hook through the official MCP
-//!   SDK (R31); `mcp_readme`: the README's client and hook snippets as
-//!   written; `mcp_relay`: grouping over HTTP and the stderr relay;
+//!   SDK (R31); `mcp_readme`: the client and hook snippets of
+//!   `docs/mcp-and-hooks.md` as written; `mcp_relay`: grouping over HTTP and the stderr relay;
 //!   `mcp_smuggling`: calls smuggled past the gateway to Python, Go and
 //!   TypeScript peers.
 //!   `mcp_bounds`: slow, idle and flooding clients, Origin and Host, and a
 //!   chatty upstream (R25 through the gateway).
 //! * `cli`, `shutdown`: the `guardmesh` command as users run it.
+//! * `docs`: the README's length and links, the docs pages' links, the
+//!   contract's rule numbers, one version number, no exact pins in the SDK,
+//!   and the proto against the last release.
 //! * `decision_log`: the decision log in the mesh, `guardmesh log verify`
 //!   and `guardmesh replay` (R29, R30); `decision_log_replay`: replay
 //!   against a running mesh with a dry-run candidate;
@@ -56,6 +59,7 @@ mod decision_log_otlp;
 mod decision_log_refusals;
 mod decision_log_replay;
 mod decision_log_tamper;
+mod docs;
 mod etcd;
 mod faults;
 mod gate;

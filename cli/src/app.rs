@@ -31,7 +31,7 @@ struct Cli {
     /// core. The default depends on the machine: 1 on up to 2 cores, where
     /// it measured best (the mesh waits on the network, and cross-thread
     /// wakeups cost more than a second worker gains), one per core above
-    /// (see README, Performance).
+    /// (see docs/performance.md).
     #[arg(
         long,
         global = true,
@@ -47,7 +47,7 @@ struct Cli {
 enum Command {
     /// Runs the mesh.
     Serve {
-        /// TOML config file (see README). Without one, defaults apply.
+        /// TOML config file (see docs/configuration.md). Without one, defaults apply.
         #[arg(long)]
         config: Option<PathBuf>,
         /// Overrides the config's listen address (default 127.0.0.1:50051).
@@ -113,7 +113,7 @@ enum Command {
     /// (one PASS/FAIL line per check; exits non-zero on any failure).
     Conformance(crate::conformance::ConformanceArgs),
     /// Benchmarks the mesh against calling guards directly, all on loopback
-    /// (see README, Performance). `--quick` is a smoke run.
+    /// (see docs/performance.md). `--quick` is a smoke run.
     Bench(crate::bench::BenchArgs),
     /// Serves the benchmark's guards and baselines (started by `bench`).
     #[command(hide = true)]

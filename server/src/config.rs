@@ -1653,15 +1653,19 @@ mod tests {
     }
 }
 
-/// The README's sample configs are configs: every key in them is one this
-/// file reads (a misspelt or stale key would be refused at start).
+/// The sample configs of the docs (`docs/quick_start.md`, the full sample,
+/// then `docs/security.md`) are configs: every key in them is one this file
+/// reads (a misspelt or stale key would be refused at start).
 #[cfg(test)]
 mod readme {
     use super::*;
 
-    /// The ```toml blocks of the README that are mesh configs.
+    /// The ```toml blocks of the docs that are mesh configs.
     fn samples() -> Vec<String> {
-        let readme = include_str!("../../README.md");
+        let readme = concat!(
+            include_str!("../../docs/quick_start.md"),
+            include_str!("../../docs/security.md")
+        );
         let mut blocks = Vec::new();
         let mut current: Option<String> = None;
         for line in readme.lines() {
@@ -1688,11 +1692,11 @@ mod readme {
         let samples = samples();
         assert!(samples.len() >= 2, "{} sample configs found", samples.len());
         for (i, text) in samples.iter().enumerate() {
-            let config = Config::parse(text, "README")
-                .unwrap_or_else(|e| panic!("README sample config {}: {e}", i + 1));
+            let config = Config::parse(text, "docs")
+                .unwrap_or_else(|e| panic!("docs sample config {}: {e}", i + 1));
             assert_eq!(config.listen.port(), 50051);
         }
-        let full = Config::parse(&samples[0], "README").expect("the full sample");
+        let full = Config::parse(&samples[0], "docs").expect("the full sample");
         assert!(full.watch_policies);
         assert_eq!(full.guards.len(), 4);
         assert!(full.decision_log.is_some());
