@@ -423,3 +423,70 @@ timeout_ms = 60000
         other => panic!("a batch cut by the grace period: {other:?}"),
     }
 }
+
+/// `systemd-analyze`, or None (with a message) where it is not installed.
+fn systemd_analyze() -> Option<&'static str> {
+    let found = Command::new("systemd-analyze")
+        .arg("--version")
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .status()
+        .is_ok_and(|s| s.success());
+    if !found {
+        eprintln!(
+            "SKIPPED: systemd-analyze is not installed (apt-get install systemd); \
+             deploy/systemd/guardmesh.service not verified"
+        );
+    }
+    found.then_some("systemd-analyze")
+}
+
+#[test]
+fn systemd_unit_verifies_and_its_sandbox_exposure_stays_low() {
+    let Some(analyze) = systemd_analyze() else {
+        return;
+    };
+    let unit = std::fs::read_to_string(repo_root().join("deploy/systemd/guardmesh.service"))
+        .expect("deploy/systemd/guardmesh.service");
+    for directive in [
+        "DynamicUser=yes",
+        "NoNewPrivileges=yes",
+        "ProtectSystem=strict",
+        "CapabilityBoundingSet=\n",
+        "StateDirectory=guardmesh",
+        "KillSignal=SIGTERM",
+    ] {
+        assert!(unit.contains(directive), "the unit lacks {directive:?}");
+    }
+    // verify checks that ExecStart names an executable: the one built here.
+    let dir = temp_dir("systemd");
+    let file = dir.join("guardmesh.service");
+    std::fs::write(
+        &file,
+        unit.replace("/usr/local/bin/guardmesh", env!("CARGO_BIN_EXE_guardmesh")),
+    )
+    .unwrap();
+    let verify = Command::new(analyze)
+        .arg("verify")
+        .arg(&file)
+        .output()
+        .expect("run systemd-analyze verify");
+    let said = String::from_utf8_lossy(&verify.stderr);
+    assert!(
+        verify.status.success() && said.trim().is_empty(),
+        "systemd-analyze verify: {}\n{said}",
+        verify.status
+    );
+    // The sandbox's exposure score (0 best, 10 worst) at most 2.0.
+    let security = Command::new(analyze)
+        .args(["security", "--offline=true", "--threshold=20"])
+        .arg(&file)
+        .output()
+        .expect("run systemd-analyze security");
+    assert!(
+        security.status.success(),
+        "systemd-analyze security: exposure above 2.0:\n{}",
+        String::from_utf8_lossy(&security.stdout)
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}
