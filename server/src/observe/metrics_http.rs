@@ -47,6 +47,10 @@ pub struct Probes {
     metrics_only: bool,
     listening: AtomicBool,
     draining: AtomicBool,
+    /// A decision-log directory check is running (on a blocking thread):
+    /// at most one at a time, however many probes arrive while a file
+    /// system hangs.
+    checking_log: Arc<AtomicBool>,
 }
 
 impl std::fmt::Debug for Probes {
@@ -116,8 +120,18 @@ impl Probes {
             reasons.push(format!("registry: {error}"));
         }
         if let Some(log) = mesh.decision_log() {
+            if self.checking_log.swap(true, Ordering::SeqCst) {
+                reasons
+                    .push("decision log: the previous directory check has not finished".to_owned());
+                return clean(reasons);
+            }
             let dir = log.log().dir().to_path_buf();
-            let check = tokio::task::spawn_blocking(move || writable(&dir).map_err(|e| (dir, e)));
+            let checking = self.checking_log.clone();
+            let check = tokio::task::spawn_blocking(move || {
+                let result = writable(&dir).map_err(|e| (dir, e));
+                checking.store(false, Ordering::SeqCst);
+                result
+            });
             match tokio::time::timeout(LOG_CHECK_TIMEOUT, check).await {
                 Ok(Ok(Ok(()))) => {}
                 Ok(Ok(Err((dir, error)))) => reasons.push(format!(
@@ -131,14 +145,7 @@ impl Probes {
                 )),
             }
         }
-        for reason in &mut reasons {
-            if reason.chars().count() > MAX_REASON_CHARS {
-                *reason = reason.chars().take(MAX_REASON_CHARS).collect::<String>() + "...";
-            }
-            // One line per reason, whatever an error message holds.
-            *reason = reason.replace(['\r', '\n'], " ");
-        }
-        reasons
+        clean(reasons)
     }
 
     /// A note for a ready mesh whose registry has gone unconfirmed for a
@@ -151,6 +158,18 @@ impl Probes {
             stale.as_millis()
         ))
     }
+}
+
+/// Each reason on one line, whatever an error message holds, and cut at
+/// [`MAX_REASON_CHARS`].
+fn clean(mut reasons: Vec<String>) -> Vec<String> {
+    for reason in &mut reasons {
+        if reason.chars().count() > MAX_REASON_CHARS {
+            *reason = reason.chars().take(MAX_REASON_CHARS).collect::<String>() + "...";
+        }
+        *reason = reason.replace(['\r', '\n'], " ");
+    }
+    reasons
 }
 
 /// Whether the process may create files in `dir` (write and search
@@ -334,7 +353,25 @@ fn metrics(
 
 #[cfg(test)]
 mod tests {
-    use super::prefers_openmetrics;
+    use super::{MAX_REASON_CHARS, clean, prefers_openmetrics, writable};
+
+    #[test]
+    fn the_log_directory_check_names_a_missing_directory() {
+        let dir = std::env::temp_dir().join(format!("guardmesh-writable-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        assert!(writable(&dir).is_ok());
+        std::fs::remove_dir_all(&dir).unwrap();
+        let error = writable(&dir).unwrap_err();
+        assert_eq!(error.kind(), std::io::ErrorKind::NotFound, "{error}");
+    }
+
+    #[test]
+    fn readyz_reasons_are_single_bounded_lines() {
+        let long = "x".repeat(10_000);
+        let reasons = clean(vec!["registry: a\r\nb".to_owned(), long]);
+        assert_eq!(reasons[0], "registry: a  b");
+        assert_eq!(reasons[1].chars().count(), MAX_REASON_CHARS + 3);
+    }
 
     #[test]
     fn the_accept_header_chooses_the_format() {
