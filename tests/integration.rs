@@ -82,6 +82,7 @@ mod policy_order;
 mod policy_reload_attacks;
 mod policy_watch;
 mod polyglot;
+mod probes;
 mod registration;
 mod rewrites;
 mod rules;

@@ -574,6 +574,13 @@ async fn serve(config: Option<PathBuf>, listen: Option<std::net::SocketAddr>) ->
     for warning in config.guard_warnings() {
         tracing::warn!("{warning}");
     }
+    // The probes answer from the start: /healthz at once, /readyz 503 until
+    // the registry is loaded and the listener accepts.
+    let probes = guardmesh_server::observe::metrics_http::Probes::new();
+    if let Some(metrics_addr) = config.metrics_listen {
+        guardmesh_server::observe::metrics_http::spawn_with_probes(metrics_addr, probes.clone())
+            .await?;
+    }
     // The soft open-file limit up to the hard one; the connection cap is
     // derived from it unless [server] max_connections is set (R25).
     if let Some(limit) = guardmesh_server::security::tls::raise_open_file_limit() {
@@ -618,6 +625,7 @@ async fn serve(config: Option<PathBuf>, listen: Option<std::net::SocketAddr>) ->
         let _ = mesh.attach_decision_log(log);
         tracing::info!(dir = %section.dir.display(), "decision log open");
     }
+    probes.set_mesh(mesh.clone());
     // SIGHUP reloads the server certificate at once (it is also reloaded
     // when its files change), and the policy files of the config's policy
     // guards (R27), which are also reloaded when they change on disk.
@@ -663,10 +671,37 @@ async fn serve(config: Option<PathBuf>, listen: Option<std::net::SocketAddr>) ->
         .listen(1024)
         .map_err(|e| format!("cannot listen on {bound}: {e}"))?;
     tracing::info!(addr = %listener.local_addr()?, guards = config.guards.len(), "guardmesh serving");
-    if let Some(metrics_addr) = config.metrics_listen {
-        guardmesh_server::observe::metrics_http::spawn(metrics_addr, mesh.metrics.clone()).await?;
+    probes.set_listening();
+    // On SIGTERM or SIGINT: /readyz turns 503, the server drains, and the
+    // drain has `[server] shutdown_grace_ms` to finish before the process
+    // exits anyway.
+    let (stopping, mut stop) = tokio::sync::watch::channel(false);
+    tokio::spawn({
+        let probes = probes.clone();
+        async move {
+            shutdown_signal().await;
+            probes.set_draining();
+            let _ = stopping.send(true);
+        }
+    });
+    let grace = config.server.shutdown_grace();
+    let signalled = {
+        let mut stop = stop.clone();
+        async move {
+            let _ = stop.wait_for(|s| *s).await;
+        }
+    };
+    let grace_over = async move {
+        let _ = stop.wait_for(|s| *s).await;
+        tokio::time::sleep(grace).await;
+    };
+    tokio::select! {
+        served = guardmesh_server::server::run(listener, mesh.clone(), signalled) => served?,
+        () = grace_over => tracing::warn!(
+            grace_ms = grace.as_millis() as u64,
+            "shutdown grace period over: exiting with batches still in flight"
+        ),
     }
-    guardmesh_server::server::run(listener, mesh.clone(), shutdown_signal()).await?;
     if let Some(log) = mesh.decision_log()
         && let Err(error) = log.close().await
     {

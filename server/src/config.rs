@@ -380,6 +380,11 @@ pub struct ServerConfig {
     /// Most client connections open at once; past it new ones are closed
     /// at once. 0: the open-file limit less a reserve (1/8, at least 64).
     pub max_connections: usize,
+    /// After SIGTERM or SIGINT, how long in-flight batches have to be
+    /// answered before the process exits anyway (cutting them). Default
+    /// 25000: under Kubernetes' 30 s `terminationGracePeriodSeconds` with
+    /// room for a 5 s preStop delay. 0: exit at once.
+    pub shutdown_grace_ms: u64,
 }
 
 impl Default for ServerConfig {
@@ -390,11 +395,20 @@ impl Default for ServerConfig {
             keepalive_interval_ms: l.keepalive_interval.map_or(0, millis),
             keepalive_timeout_ms: millis(l.keepalive_timeout),
             max_connections: l.max_connections,
+            shutdown_grace_ms: DEFAULT_SHUTDOWN_GRACE_MS,
         }
     }
 }
 
+/// `[server] shutdown_grace_ms` by default.
+pub const DEFAULT_SHUTDOWN_GRACE_MS: u64 = 25_000;
+
 impl ServerConfig {
+    /// `shutdown_grace_ms` as a duration.
+    pub fn shutdown_grace(&self) -> Duration {
+        Duration::from_millis(self.shutdown_grace_ms)
+    }
+
     pub fn listener_limits(&self) -> crate::security::tls::ListenerLimits {
         crate::security::tls::ListenerLimits {
             handshake_timeout: Duration::from_millis(self.handshake_timeout_ms),
