@@ -31,7 +31,7 @@ pub async fn spawn(addr: SocketAddr, metrics: Arc<Metrics>) -> std::io::Result<S
     tracing::info!(addr = %bound, "metrics endpoint serving /metrics");
     let slots = Arc::new(tokio::sync::Semaphore::new(MAX_CONNECTIONS));
     tokio::spawn(async move {
-        let mut backoff = crate::security::tls::AcceptBackoff::new("metrics");
+        let mut backoff = crate::accept::AcceptBackoff::new("metrics");
         loop {
             let stream = match listener.accept().await {
                 Ok((stream, _)) => {
