@@ -12,8 +12,9 @@
 //! * Judging only consults guards and folds: [`judge`] returns a [`Judged`]
 //!   outcome (the answer, and what happened at each guard) and writes no
 //!   metrics, spans' outcomes or records; the batch's record
-//!   ([`crate::mesh::record`]) does, once. The one log line written here is
-//!   a guard's failure, when it happens (R13: never silent).
+//!   ([`crate::mesh::record`]) does, once. The log lines written here are
+//!   a guard's failure and a batch shed, when they happen (R13: never
+//!   silent, even if the batch is then dropped).
 
 mod call_index;
 mod chain;
@@ -639,7 +640,7 @@ impl<'a> Judging<'a> {
     /// Guard `g`, the fold's guard `k`, failed: the one sequence for every
     /// failure (R13). Its request is cancelled when it may still be out
     /// (`cancel`), its circuit breaker hears of it, the failure is kept for
-    /// the trace and [`Self::record`], and the fold applies the guard's
+    /// the trace and the batch's record, and the fold applies the guard's
     /// failure policy to the calls it has not answered.
     fn guard_failed(
         &mut self,
