@@ -53,6 +53,12 @@ pub enum Refusal {
     /// The mesh judges `limits.max_inflight_batches` batches (R25).
     #[error("mesh overloaded: {0} batches already in flight; retry with backoff")]
     Overloaded(usize),
+    /// A coordinator stream, not a batch: `limits.max_coordinator_streams`
+    /// streams are open (R25).
+    #[error(
+        "{0} coordinator streams are already open on this mesh (limits.max_coordinator_streams); retry with backoff"
+    )]
+    TooManyStreams(usize),
     /// The registry cannot be trusted to be current (stale past its
     /// window); the registry's error.
     #[error("{0}")]
@@ -69,6 +75,7 @@ impl Refusal {
             Self::StreamOverloaded(_) => "stream_overloaded",
             Self::OverloadedBytes(_) => "overloaded_bytes",
             Self::Overloaded(_) => "overloaded",
+            Self::TooManyStreams(_) => "too_many_streams",
             Self::RegistryUnavailable(_) => "registry_unavailable",
         }
     }
@@ -82,9 +89,10 @@ impl Refusal {
             Self::ShuttingDown | Self::RegistryUnavailable(_) => {
                 Status::unavailable(self.to_string())
             }
-            Self::StreamOverloaded(_) | Self::OverloadedBytes(_) | Self::Overloaded(_) => {
-                Status::resource_exhausted(self.to_string())
-            }
+            Self::StreamOverloaded(_)
+            | Self::OverloadedBytes(_)
+            | Self::Overloaded(_)
+            | Self::TooManyStreams(_) => Status::resource_exhausted(self.to_string()),
         }
     }
 }
@@ -171,6 +179,18 @@ pub(crate) fn inflight_bytes(
     }
 }
 
+/// A slot of the mesh's coordinator streams (R25), held while the stream
+/// is open.
+pub(crate) fn stream(
+    streams: &Arc<Semaphore>,
+    limits: &Limits,
+) -> Result<OwnedSemaphorePermit, Refusal> {
+    streams
+        .clone()
+        .try_acquire_owned()
+        .map_err(|_| Refusal::TooManyStreams(limits.max_coordinator_streams))
+}
+
 /// What one coordinator stream admits: batch ids unique among those in
 /// flight (R19), and at most `max_batches` batches with calls being
 /// judged at once.
@@ -238,5 +258,104 @@ impl Drop for StreamTicket {
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
             .remove(&self.batch_id);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use guardmesh_proto::v1::ToolCall;
+    use tonic::Code;
+
+    fn batch(id: &str, calls: usize) -> EvaluateRequest {
+        EvaluateRequest {
+            batch_id: id.into(),
+            calls: (0..calls)
+                .map(|i| ToolCall {
+                    call_id: format!("c{i}"),
+                    tool: "t".into(),
+                    arguments: "{}".into(),
+                })
+                .collect(),
+            ..Default::default()
+        }
+    }
+
+    #[test]
+    fn r19_an_id_in_flight_is_refused_until_its_ticket_is_dropped() {
+        let gate = StreamGate::new(4);
+        let ticket = StreamGate::enter(&gate, &batch("b", 1), "b").unwrap();
+        let refusal = StreamGate::enter(&gate, &batch("b", 1), "b").unwrap_err();
+        assert_eq!(refusal.reason(), "duplicate_batch_id");
+        assert_eq!(refusal.status().code(), Code::InvalidArgument);
+        assert!(refusal.status().message().contains("\"b\""));
+        drop(ticket);
+        StreamGate::enter(&gate, &batch("b", 1), "b").unwrap();
+    }
+
+    #[test]
+    fn r25_a_stream_judges_at_most_its_batches_and_r1_zero_call_batches_take_no_slot() {
+        let gate = StreamGate::new(1);
+        let first = StreamGate::enter(&gate, &batch("a", 1), "a").unwrap();
+        let refusal = StreamGate::enter(&gate, &batch("b", 1), "b").unwrap_err();
+        assert_eq!(refusal.reason(), "stream_overloaded");
+        assert_eq!(refusal.status().code(), Code::ResourceExhausted);
+        // R1: a batch without calls is admitted on a full stream.
+        let empty = StreamGate::enter(&gate, &batch("e", 0), "e").unwrap();
+        drop(empty);
+        drop(first);
+        StreamGate::enter(&gate, &batch("b", 1), "b").unwrap();
+    }
+
+    #[test]
+    fn r1_zero_call_batches_take_no_inflight_bytes() {
+        let limits = Limits {
+            max_inflight_bytes: 1024,
+            ..Limits::default()
+        };
+        let bytes = Arc::new(Semaphore::new(1));
+        let held = inflight_bytes(&bytes, &limits, &batch("a", 1), 10).unwrap();
+        assert!(held.is_some());
+        let refusal = inflight_bytes(&bytes, &limits, &batch("b", 1), 10).unwrap_err();
+        assert_eq!(refusal.reason(), "overloaded_bytes");
+        assert!(
+            refusal
+                .status()
+                .message()
+                .contains("limits.max_inflight_bytes")
+        );
+        assert!(
+            inflight_bytes(&bytes, &limits, &batch("e", 0), 10)
+                .unwrap()
+                .is_none()
+        );
+    }
+
+    #[test]
+    fn every_refusal_has_one_status_whose_message_is_its_text() {
+        let refusals = [
+            (Refusal::ShuttingDown, Code::Unavailable),
+            (Refusal::DuplicateId("x".into()), Code::InvalidArgument),
+            (Refusal::StreamOverloaded(2), Code::ResourceExhausted),
+            (Refusal::OverloadedBytes(2), Code::ResourceExhausted),
+            (Refusal::Overloaded(2), Code::ResourceExhausted),
+            (Refusal::TooManyStreams(2), Code::ResourceExhausted),
+            (
+                Refusal::RegistryUnavailable("stale".into()),
+                Code::Unavailable,
+            ),
+        ];
+        for (refusal, code) in refusals {
+            let status = refusal.status();
+            assert_eq!(status.code(), code, "{refusal:?}");
+            assert_eq!(status.message(), refusal.to_string());
+        }
+        let mut bad = batch("b", 1);
+        bad.calls[0].arguments = "{\"a\": 1, \"a\": 2}".into();
+        let invalid = validate::check(&bad, &Limits::default()).unwrap_err();
+        let (reason, code) = (invalid.reason, invalid.status.code());
+        let refusal = Refusal::from(invalid);
+        assert_eq!(refusal.reason(), reason);
+        assert_eq!(refusal.status().code(), code);
     }
 }

@@ -401,6 +401,16 @@ impl BatchLog {
     }
 }
 
+/// Counts and logs a coordinator stream the admission stage refused (not a
+/// batch: no batch is counted or recorded); the status to answer.
+pub(crate) fn stream_refused(metrics: &Metrics, refusal: &Refusal) -> Status {
+    metrics.refused(refusal.reason());
+    if let Refusal::TooManyStreams(limit) = refusal {
+        tracing::warn!(limit, "coordinator stream refused: too many streams open");
+    }
+    refusal.status()
+}
+
 /// The auth layer's refusals, recorded in the mesh's decision log when one
 /// is attached (it may be attached after the listener starts).
 pub(crate) fn refusals(mesh: Arc<Mesh>) -> Arc<dyn RecordRefusal> {
@@ -455,5 +465,99 @@ impl RecordRefusal for Refusals {
                 Err(unavailable) => unavailable,
             }
         }))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::{MemoryRegistry, MeshConfig};
+    use guardmesh_proto::v1::ToolCall;
+
+    fn line<'a>(text: &'a str, series: &str) -> Option<&'a str> {
+        text.lines()
+            .find(|l| l.starts_with(series))
+            .map(|l| l[series.len()..].trim())
+    }
+
+    fn mesh() -> Arc<Mesh> {
+        Mesh::new(
+            MeshConfig::default(),
+            Arc::new(MemoryRegistry::new(Duration::from_secs(1))),
+        )
+    }
+
+    #[tokio::test]
+    async fn r20_a_refused_batch_is_counted_once_by_its_record() {
+        let mesh = mesh();
+        let batch = EvaluateRequest {
+            batch_id: "b".into(),
+            calls: vec![ToolCall {
+                call_id: "c".into(),
+                tool: "t".into(),
+                arguments: "[1]".into(),
+            }],
+            ..Default::default()
+        };
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(1);
+        let error = mesh
+            .evaluate(batch, deadline, Default::default())
+            .await
+            .unwrap_err();
+        assert_eq!(error.status().code(), tonic::Code::InvalidArgument);
+        let text = mesh.metrics.encode_prometheus();
+        assert_eq!(
+            line(&text, r#"guardmesh_batches_total{outcome="refused"}"#),
+            Some("1"),
+            "{text}"
+        );
+        let refused: Vec<&str> = text
+            .lines()
+            .filter(|l| l.starts_with("guardmesh_batches_refused_total{"))
+            .collect();
+        assert_eq!(refused.len(), 1, "{text}");
+        assert!(refused[0].ends_with(" 1"), "{text}");
+    }
+
+    #[tokio::test]
+    async fn r1_a_zero_call_batch_is_decided_at_once_and_counted_once() {
+        let mesh = mesh();
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(1);
+        let decision = mesh
+            .evaluate(
+                EvaluateRequest {
+                    batch_id: "b".into(),
+                    ..Default::default()
+                },
+                deadline,
+                Default::default(),
+            )
+            .await
+            .unwrap();
+        assert!(decision.decisions.is_empty());
+        let text = mesh.metrics.encode_prometheus();
+        assert_eq!(
+            line(&text, r#"guardmesh_batches_total{outcome="decided"}"#),
+            Some("1"),
+            "{text}"
+        );
+        assert!(
+            !text
+                .lines()
+                .any(|l| l.starts_with("guardmesh_batches_refused_total{")),
+            "{text}"
+        );
+    }
+
+    #[tokio::test]
+    async fn r29_refusals_of_the_auth_layer_are_not_recorded_without_a_log() {
+        let refusals = refusals(mesh());
+        let recorded = refusals.record(AuthRefusal {
+            kind: RefusedKind::Batch,
+            caller: None,
+            remote: None,
+            status: Status::unauthenticated("no"),
+        });
+        assert!(recorded.is_none());
     }
 }

@@ -197,14 +197,8 @@ impl PreTool {
     where
         S: Stream<Item = Result<Inbound, Status>> + Send + Unpin + 'static,
     {
-        let Ok(permit) = self.streams.clone().try_acquire_owned() else {
-            self.mesh.metrics.refused("too_many_streams");
-            let limit = self.mesh.config.limits.max_coordinator_streams;
-            tracing::warn!(limit, "coordinator stream refused: too many streams open");
-            return Err(Status::resource_exhausted(format!(
-                "{limit} coordinator streams are already open on this mesh (limits.max_coordinator_streams); retry with backoff"
-            )));
-        };
+        let permit = admit::stream(&self.streams, &self.mesh.config.limits)
+            .map_err(|refusal| crate::mesh::record::stream_refused(&self.mesh.metrics, &refusal))?;
         let limits = &self.mesh.config.limits;
         // Every batch read reserves the slot of its answer, so that a
         // finished batch never waits to be answered; refusals need a few.
