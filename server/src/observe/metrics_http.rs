@@ -217,7 +217,7 @@ pub async fn spawn_with_probes(
     tracing::info!(addr = %bound, "metrics endpoint serving /metrics, /healthz and /readyz");
     let slots = Arc::new(tokio::sync::Semaphore::new(MAX_CONNECTIONS));
     tokio::spawn(async move {
-        let mut backoff = crate::security::tls::AcceptBackoff::new("metrics");
+        let mut backoff = crate::accept::AcceptBackoff::new("metrics");
         loop {
             let stream = match listener.accept().await {
                 Ok((stream, _)) => {
