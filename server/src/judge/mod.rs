@@ -14,6 +14,8 @@
 
 mod call_index;
 pub(crate) mod fold;
+#[cfg(test)]
+mod paused_tests;
 pub(crate) mod verdicts;
 
 use crate::judge::call_index::CallIndex;
