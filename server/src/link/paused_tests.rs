@@ -243,7 +243,9 @@ async fn r13_circuit_opens_for_its_period_then_admits_one_probe() {
     assert_eq!(retry_in(rig.send(0, &["c"], "{}", 1)), ms(300));
     tokio::time::sleep(ms(100)).await;
     assert_eq!(retry_in(rig.send(0, &["c"], "{}", 1)), ms(200));
-    tokio::time::sleep(ms(200)).await;
+    tokio::time::sleep(ms(199)).await;
+    assert_eq!(retry_in(rig.send(0, &["c"], "{}", 1)), ms(1));
+    tokio::time::sleep(ms(1)).await;
     rig.send(1, &["c"], "{}", 1).expect("the half-open probe");
     assert_eq!(retry_in(rig.send(2, &["c"], "{}", 1)), Duration::ZERO);
     rig.link.record(Ok(()));
