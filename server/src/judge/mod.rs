@@ -19,6 +19,8 @@
 mod call_index;
 mod chain;
 pub(crate) mod fold;
+#[cfg(test)]
+mod paused_tests;
 pub(crate) mod verdicts;
 
 use crate::judge::call_index::CallIndex;
