@@ -232,3 +232,21 @@ impl Mesh {
         chain
     }
 }
+
+impl crate::observe::metrics_http::Readiness for Mesh {
+    fn metrics(&self) -> Arc<Metrics> {
+        self.metrics.clone()
+    }
+
+    fn registry_refusal(&self) -> Option<String> {
+        self.registry().check().err().map(|e| e.to_string())
+    }
+
+    fn registry_staleness(&self) -> Option<Duration> {
+        self.registry().staleness()
+    }
+
+    fn decision_log_dir(&self) -> Option<std::path::PathBuf> {
+        self.decision_log().map(|log| log.log().dir().to_path_buf())
+    }
+}

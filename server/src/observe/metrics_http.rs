@@ -11,7 +11,6 @@
 //! The port is plain HTTP on purpose: kubelets and load balancers probe it
 //! without the client certificate the gRPC listener may require.
 
-use crate::mesh::Mesh;
 use crate::observe::metrics::Metrics;
 use http_body_util::Full;
 use hyper::body::Bytes;
@@ -39,10 +38,23 @@ const MAX_REASON_CHARS: usize = 300;
 /// [`Probes::set_mesh`] once the mesh is built (registry loaded, decision
 /// log open), [`Probes::set_listening`] once the gRPC listener accepts,
 /// [`Probes::set_draining`] when a shutdown signal arrives.
+/// What `/readyz` asks of a built mesh (the mesh implements it; telemetry
+/// imports nothing above it).
+pub trait Readiness: Send + Sync {
+    /// The mesh's metrics, served at `/metrics`.
+    fn metrics(&self) -> Arc<Metrics>;
+    /// Why the registry refuses to judge now, if it does.
+    fn registry_refusal(&self) -> Option<String>;
+    /// How long the registry has gone unconfirmed by its store, if it has.
+    fn registry_staleness(&self) -> Option<Duration>;
+    /// The decision log's directory, when a decision log is configured.
+    fn decision_log_dir(&self) -> Option<std::path::PathBuf>;
+}
+
 #[derive(Default)]
 pub struct Probes {
     metrics: OnceLock<Arc<Metrics>>,
-    mesh: OnceLock<Arc<Mesh>>,
+    mesh: OnceLock<Arc<dyn Readiness>>,
     /// Made by [`spawn`]: metrics alone, nothing to judge readiness by.
     metrics_only: bool,
     listening: AtomicBool,
@@ -71,8 +83,8 @@ impl Probes {
     /// The mesh is built: its registry loaded (with etcd, the chain listed
     /// from the quorum) and its decision log open. Serves its metrics from
     /// now on. A second call is ignored.
-    pub fn set_mesh(&self, mesh: Arc<Mesh>) {
-        let _ = self.metrics.set(mesh.metrics.clone());
+    pub fn set_mesh(&self, mesh: Arc<dyn Readiness>) {
+        let _ = self.metrics.set(mesh.metrics());
         let _ = self.mesh.set(mesh);
     }
 
@@ -116,16 +128,15 @@ impl Probes {
         if !self.listening.load(Ordering::SeqCst) {
             reasons.push("starting: the gRPC listener is not up yet".to_owned());
         }
-        if let Err(error) = mesh.registry().check() {
+        if let Some(error) = mesh.registry_refusal() {
             reasons.push(format!("registry: {error}"));
         }
-        if let Some(log) = mesh.decision_log() {
+        if let Some(dir) = mesh.decision_log_dir() {
             if self.checking_log.swap(true, Ordering::SeqCst) {
                 reasons
                     .push("decision log: the previous directory check has not finished".to_owned());
                 return clean(reasons);
             }
-            let dir = log.log().dir().to_path_buf();
             let checking = self.checking_log.clone();
             let check = tokio::task::spawn_blocking(move || {
                 let result = writable(&dir).map_err(|e| (dir, e));
@@ -152,7 +163,7 @@ impl Probes {
     /// while but may still judge (within the staleness window, or
     /// `serve_stale`).
     fn note(&self) -> Option<String> {
-        let stale = self.mesh.get()?.registry().staleness()?;
+        let stale = self.mesh.get()?.registry_staleness()?;
         Some(format!(
             "registry: unconfirmed by its store for {}ms",
             stale.as_millis()
