@@ -26,6 +26,8 @@
 //!   `mcp_bounds`: slow, idle and flooding clients, Origin and Host, and a
 //!   chatty upstream (R25 through the gateway).
 //! * `cli`, `shutdown`: the `guardmesh` command as users run it.
+//! * `config_check`: `guardmesh config check|reference`, and relative paths
+//!   in a config file resolved against its folder.
 //! * `decision_log`: the decision log in the mesh, `guardmesh log verify`
 //!   and `guardmesh replay` (R29, R30); `decision_log_replay`: replay
 //!   against a running mesh with a dry-run candidate;
@@ -48,6 +50,7 @@ mod harness;
 
 mod busy;
 mod cli;
+mod config_check;
 mod conformance;
 mod decision_log;
 mod decision_log_anchor;

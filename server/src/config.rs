@@ -72,6 +72,7 @@ use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
+pub mod check;
 mod error;
 pub mod keys;
 pub use error::{ConfigError, DecisionLogError, LogSettingError, PolicyFileError, SettingError};

@@ -122,12 +122,15 @@ impl SettingError {
     /// What to write instead.
     pub fn fix(&self) -> String {
         match self {
-            Self::Zero { key } => match super::keys::find(key).map(|k| k.default) {
-                Some(default) if !default.is_empty() && default != "0" => {
-                    format!("write a number above 0, e.g. the default: {key} = {default}")
+            Self::Zero { key } => {
+                let leaf = key.rsplit_once('.').map_or(*key, |(_, leaf)| leaf);
+                match super::keys::find(key).map(|k| k.default) {
+                    Some(default) if !default.is_empty() && default != "0" => {
+                        format!("write a number above 0, e.g. the default: {leaf} = {default}")
+                    }
+                    _ => format!("write a number above 0 for {leaf}"),
                 }
-                _ => format!("write a number above 0 for {key}"),
-            },
+            }
             Self::GuardBoth { .. } => {
                 "keep `endpoint` for a remote guard or `policy` for a policy guard, not both".into()
             }

@@ -55,6 +55,12 @@ impl Kind {
     }
 }
 
+/// `an integer`, `a string`.
+fn article(what: &str) -> String {
+    let an = what.starts_with(['a', 'e', 'i', 'o', 'u']);
+    format!("{} {what}", if an { "an" } else { "a" })
+}
+
 fn quoted(names: &[&str]) -> String {
     names
         .iter()
@@ -783,7 +789,11 @@ pub struct At {
 
 impl std::fmt::Display for At {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "line {}: {}", self.line, self.key)
+        if self.key.is_empty() {
+            write!(f, "line {}", self.line)
+        } else {
+            write!(f, "line {}: {}", self.line, self.key)
+        }
     }
 }
 
@@ -793,12 +803,12 @@ impl std::fmt::Display for At {
 pub enum KeyError {
     #[error("{at}: not valid TOML: {message}")]
     Syntax { at: At, message: String },
-    #[error("{at}: unknown key{}", suggestion.map(|s| format!(" (did you mean `{s}`?)")).unwrap_or_default())]
+    #[error("{at}: unknown key{}", suggestion.map(|s| format!(" (did you mean `{}`?)", leaf(s))).unwrap_or_default())]
     Unknown {
         at: At,
         suggestion: Option<&'static str>,
     },
-    #[error("{at}: is a {found}, and must be a {}", expected.describe())]
+    #[error("{at}: is {}, and must be {}", article(found), article(&expected.describe()))]
     Type {
         at: At,
         expected: Kind,
@@ -855,7 +865,7 @@ impl KeyError {
             }
             Self::Type { at, expected, .. } => {
                 let example = find(&path(at)).map(example).unwrap_or_default();
-                format!("write a {}{example}", expected.describe())
+                format!("write {}{example}", article(&expected.describe()))
             }
             Self::Value { at, allowed, .. } => {
                 format!("write {} = \"{}\"", leaf(&at.key), allowed.join("\" or \""))
@@ -1222,4 +1232,225 @@ pub fn reference_markdown() -> String {
         );
     }
     out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::Config;
+
+    /// The headers and required keys that make the table at `path` exist
+    /// (`guard.grant`: a `[[guard]]` with its name, then `[guard.grant]`).
+    fn base(path: &str) -> String {
+        let mut text = String::new();
+        let mut prefix = String::new();
+        for segment in path.split('.').filter(|s| !s.is_empty()) {
+            if !prefix.is_empty() {
+                prefix.push('.');
+            }
+            prefix.push_str(segment);
+            let table = find(&prefix).expect("a table of the reference");
+            match table.kind {
+                Kind::Tables => text.push_str(&format!("[[{prefix}]]\n")),
+                _ => text.push_str(&format!("[{prefix}]\n")),
+            }
+            for key in children(&prefix).filter(|k| k.required) {
+                let value = match key.kind {
+                    Kind::Names(names) => format!("[\"{}\"]", names[0]),
+                    _ => "\"x\"".to_owned(),
+                };
+                text.push_str(&format!("{} = {value}\n", leaf(key.path)));
+            }
+        }
+        text
+    }
+
+    /// The keys serde accepts directly in the table at `path`, read from
+    /// its answer to a key it does not know.
+    fn accepted(path: &str) -> Vec<String> {
+        let text = format!("{}__probe__ = 1\n", base(path));
+        let error = toml::from_str::<Config>(&text)
+            .expect_err("an unknown key is refused")
+            .to_string();
+        let expected = error
+            .split_once("expected")
+            .unwrap_or_else(|| panic!("{path}: {error}"))
+            .1;
+        expected
+            .split('`')
+            .skip(1)
+            .step_by(2)
+            .map(str::to_owned)
+            .collect()
+    }
+
+    /// Every key the loader reads has a reference entry, and every entry
+    /// is a key the loader reads: a key added to a config struct without
+    /// an entry fails here (and the loader refuses files that use it).
+    #[test]
+    fn every_key_the_loader_reads_is_in_the_reference_and_back() {
+        let tables =
+            std::iter::once("").chain(KEYS.iter().filter(|k| k.kind.is_table()).map(|k| k.path));
+        let mut walked = 0;
+        for table in tables {
+            let mut loader = accepted(table);
+            loader.sort();
+            let mut reference: Vec<String> =
+                children(table).map(|k| leaf(k.path).to_owned()).collect();
+            reference.sort();
+            for key in &loader {
+                assert!(
+                    reference.contains(key),
+                    "the loader reads `{key}` in [{table}], which the reference (config::keys::KEYS) does not list"
+                );
+            }
+            for key in &reference {
+                assert!(
+                    loader.contains(key),
+                    "the reference lists `{key}` in [{table}], which the loader does not read"
+                );
+            }
+            walked += loader.len();
+        }
+        assert_eq!(walked, KEYS.len(), "every key walked once");
+    }
+
+    /// Setting a key to the default the reference gives changes nothing,
+    /// and every value a one-of key lists is accepted.
+    #[test]
+    fn every_default_and_value_in_the_reference_is_the_loaders() {
+        for key in KEYS.iter().filter(|k| !k.kind.is_table() && !k.required) {
+            let table = parent(key.path);
+            let base = base(table);
+            let plain: Config = toml::from_str(&base).unwrap();
+            if !key.default.is_empty() {
+                let text = format!("{base}{} = {}\n", leaf(key.path), key.default);
+                let set: Config = toml::from_str(&text)
+                    .unwrap_or_else(|e| panic!("{}: default {}: {e}", key.path, key.default));
+                assert_eq!(
+                    format!("{set:?}"),
+                    format!("{plain:?}"),
+                    "{}: the reference's default {} is not the loader's",
+                    key.path,
+                    key.default
+                );
+            }
+            if let Kind::Enum(names) = key.kind {
+                for name in names {
+                    let text = format!("{base}{} = \"{name}\"\n", leaf(key.path));
+                    assert!(
+                        toml::from_str::<Config>(&text).is_ok(),
+                        "{}: {name:?}",
+                        key.path
+                    );
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn the_reference_prints_every_key_with_its_type_and_default() {
+        let text = reference_text();
+        let markdown = reference_markdown();
+        for key in KEYS {
+            assert!(text.contains(key.path), "{}", key.path);
+            assert!(markdown.contains(key.path), "{}", key.path);
+            assert!(text.contains(key.meaning), "{}", key.path);
+        }
+        assert!(text.contains("type: integer; default: 256"));
+        assert!(markdown.contains("relative to the folder of the config file"));
+    }
+
+    /// Every error of a file at once, each with its line, key and fix.
+    #[test]
+    fn walk_reports_every_error_with_line_key_and_fix() {
+        let text = "lisen = \"127.0.0.1:1\"\n\
+                    unguarded = \"maybe\"\n\
+                    [limits]\n\
+                    max_calls_per_batch = \"many\"\n\
+                    [[guard]]\n\
+                    endpoint = \"http://127.0.0.1:1\"\n\
+                    tols = [\"x\"]\n";
+        let errors = walk(text);
+        let shown: Vec<String> = errors
+            .iter()
+            .map(|e| format!("{e} | {}", e.fix()))
+            .collect();
+        assert_eq!(errors.len(), 5, "{shown:#?}");
+        assert!(
+            shown[0].starts_with("line 1: lisen: unknown key (did you mean `listen`?)"),
+            "{shown:#?}"
+        );
+        assert!(shown[0].ends_with("write `listen`"), "{shown:#?}");
+        assert!(
+            shown[1].contains("line 2: unguarded") && shown[1].contains("\"cancel\""),
+            "{shown:#?}"
+        );
+        assert!(
+            shown[2].contains(
+                "line 4: limits.max_calls_per_batch: is a string, and must be an integer"
+            ),
+            "{shown:#?}"
+        );
+        assert!(shown[2].contains("max_calls_per_batch = 256"), "{shown:#?}");
+        assert!(
+            shown
+                .iter()
+                .any(|s| s.contains("guard[1].name: is required")),
+            "{shown:#?}"
+        );
+        assert!(
+            shown
+                .iter()
+                .any(|s| s.contains("line 7: guard[1].tols") && s.contains("`tools`")),
+            "{shown:#?}"
+        );
+        // Syntax errors: each one the parser recovers from.
+        let errors = walk("listen = \"127.0.0.1:1\"\nport = = 1\n[limits\nx = 1\n");
+        assert!(errors.len() >= 2, "{errors:?}");
+        assert!(
+            errors.iter().all(|e| matches!(e, KeyError::Syntax { .. })),
+            "{errors:?}"
+        );
+        assert_eq!(errors[0].at().line, 2, "{errors:?}");
+        assert!(errors.iter().any(|e| e.at().line == 3), "{errors:?}");
+    }
+
+    /// Every key of type path is resolved against the config's folder.
+    #[test]
+    fn every_path_key_is_resolved_against_the_config_folder() {
+        let mut text = String::new();
+        let mut tables: Vec<&str> = Vec::new();
+        for key in KEYS.iter().filter(|k| k.kind == Kind::Path) {
+            let table = parent(key.path);
+            if !tables.contains(&table) {
+                tables.push(table);
+            }
+        }
+        for table in &tables {
+            let mut section = base(table);
+            for key in children(table).filter(|k| k.kind == Kind::Path) {
+                let set = format!("{} = \"rel/{}\"\n", leaf(key.path), key.path);
+                let required = format!("{} = \"x\"\n", leaf(key.path));
+                if section.contains(&required) {
+                    section = section.replace(&required, &set);
+                } else {
+                    section.push_str(&set);
+                }
+            }
+            text.push_str(&section);
+        }
+        let mut config: Config = toml::from_str(&text).unwrap_or_else(|e| panic!("{e}\n{text}"));
+        let folder = std::path::Path::new("/configs/here");
+        config.resolve_paths(folder);
+        let shown = format!("{config:?}");
+        for key in KEYS.iter().filter(|k| k.kind == Kind::Path) {
+            let resolved = folder.join(format!("rel/{}", key.path));
+            assert!(
+                shown.contains(&format!("{:?}", resolved)),
+                "{} is not resolved against the config's folder: {shown}",
+                key.path
+            );
+        }
+    }
 }
