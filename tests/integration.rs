@@ -29,6 +29,8 @@
 //! * `docs`: the README's length and links, the docs pages' links, the
 //!   contract's rule numbers, one version number, no exact pins in the SDK,
 //!   and the proto against the last release.
+//! * `config_check`: `guardmesh config check|reference`, and relative paths
+//!   in a config file resolved against its folder.
 //! * `decision_log`: the decision log in the mesh, `guardmesh log verify`
 //!   and `guardmesh replay` (R29, R30); `decision_log_replay`: replay
 //!   against a running mesh with a dry-run candidate;
@@ -51,6 +53,7 @@ mod harness;
 
 mod busy;
 mod cli;
+mod config_check;
 mod conformance;
 mod decision_log;
 mod decision_log_anchor;

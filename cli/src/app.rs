@@ -145,6 +145,8 @@ enum Command {
     /// whose decision differs from the recorded one (R30). Exits 0 when
     /// none differs, 1 when one does, 2 when the replay cannot run.
     Replay(crate::replay::ReplayArgs),
+    /// Checks a config file without starting a mesh, or prints every key.
+    Config(crate::config_cmd::ConfigArgs),
 }
 
 #[derive(Subcommand)]
@@ -374,6 +376,7 @@ pub fn main() -> ExitCode {
         Command::Policy { action } => return policy(action),
         Command::Log { action } => return crate::log::run(action),
         Command::Replay(args) => return crate::replay::main(args),
+        Command::Config(args) => return crate::config_cmd::main(args),
         Command::Bench(args) => return crate::bench::main(args),
         Command::BenchGuards(args) => return crate::bench::serve_guards(args),
         Command::BenchRelay(args) => return crate::bench::serve_relay(args),
@@ -441,7 +444,8 @@ async fn run(cli: Cli) -> Result<ExitCode, Error> {
         | Command::Hook(_)
         | Command::Policy { .. }
         | Command::Log { .. }
-        | Command::Replay(_) => Err("this command runs without the runtime".into()),
+        | Command::Replay(_)
+        | Command::Config(_) => Err("this command runs without the runtime".into()),
     };
     // Flush spans on the way out, also after an error.
     telemetry.shutdown().await;

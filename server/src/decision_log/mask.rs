@@ -63,7 +63,7 @@ pub const MASKED: &str = "[masked]";
 pub const OMITTED: &str = "[omitted: not a JSON object]";
 
 /// A mask rule that cannot be used.
-#[derive(Debug, Clone, thiserror::Error)]
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[error("mask rule {rule:?}: {reason}")]
 pub struct MaskError {
     pub rule: String,

@@ -102,11 +102,21 @@ pub fn not_after(cert: &CertificateDer<'_>) -> Option<SystemTime> {
     SystemTime::UNIX_EPOCH.checked_add(Duration::from_secs(seconds))
 }
 
+/// Why a certificate yields no identity.
+#[derive(Debug, thiserror::Error)]
+pub enum IdentityError {
+    #[error("unreadable certificate: {0}")]
+    Unreadable(#[from] x509_parser::nom::Err<x509_parser::error::X509Error>),
+    #[error("the client certificate carries no URI SAN identity")]
+    NoUri,
+    #[error("the client certificate carries {count} URI SANs; exactly one is accepted")]
+    ManyUris { count: usize },
+}
+
 /// The single URI SAN of a certificate (its SPIFFE-style identity).
-pub fn uri_identity(cert: &CertificateDer<'_>) -> Result<String, String> {
+pub fn uri_identity(cert: &CertificateDer<'_>) -> Result<String, IdentityError> {
     use x509_parser::extensions::GeneralName;
-    let (_, parsed) = x509_parser::parse_x509_certificate(cert.as_ref())
-        .map_err(|e| format!("unreadable certificate: {e}"))?;
+    let (_, parsed) = x509_parser::parse_x509_certificate(cert.as_ref())?;
     let uris: Vec<String> = parsed
         .subject_alternative_name()
         .ok()
@@ -124,11 +134,8 @@ pub fn uri_identity(cert: &CertificateDer<'_>) -> Result<String, String> {
         .unwrap_or_default();
     match uris.as_slice() {
         [one] => Ok(one.clone()),
-        [] => Err("the client certificate carries no URI SAN identity".into()),
-        many => Err(format!(
-            "the client certificate carries {} URI SANs; exactly one is accepted",
-            many.len()
-        )),
+        [] => Err(IdentityError::NoUri),
+        many => Err(IdentityError::ManyUris { count: many.len() }),
     }
 }
 
@@ -394,7 +401,12 @@ impl ServerTls {
             let why = format!("client certificate rejected: {e}");
             return (ClientCert::Rejected(why.clone()), Err(why));
         }
-        (ClientCert::Verified, uri_identity(end_entity).map(Some))
+        (
+            ClientCert::Verified,
+            uri_identity(end_entity)
+                .map(Some)
+                .map_err(|e| e.to_string()),
+        )
     }
 }
 
