@@ -73,6 +73,7 @@ mod mcp_bounds;
 mod mcp_readme;
 mod mcp_relay;
 mod mcp_revision;
+mod mcp_revision_ts;
 mod mcp_smuggling;
 mod observability;
 mod otel;
