@@ -6,7 +6,7 @@
 //! its chain, or continues after a signed gap record when allowed.
 //!
 //! `true` in a table row means the verification passes (the tampering is
-//! NOT detected in that mode); the README's decision-log section shows the
+//! NOT detected in that mode); docs/decision-log.md shows the
 //! same table.
 
 use crate::harness::*;

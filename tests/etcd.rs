@@ -399,7 +399,7 @@ async fn replica_registration_through_one_replica_is_judged_by_the_other() {
     b.stop().await;
 }
 
-/// The figure for the README: how long a registration through A takes to
+/// The figure for docs/replicas.md: how long a registration through A takes to
 /// show in B's chain. Printed, not asserted.
 #[tokio::test]
 async fn replica_registration_reaches_the_other_replica_promptly() {

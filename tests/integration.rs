@@ -19,13 +19,18 @@
 //! * `hook`: the pre-tool hook against hung meshes, rewrites and each
 //!   host's format (R31b).
 //! * `mcp`: the MCP gateway and the pre-tool hook through the official MCP
-//!   SDK (R31); `mcp_readme`: the README's client and hook snippets as
-//!   written; `mcp_relay`: grouping over HTTP and the stderr relay;
+//!   SDK (R31); `mcp_readme`: the client and hook snippets of
+//!   `docs/mcp-and-hooks.md` as written; `mcp_relay`: grouping over HTTP and the stderr relay;
 //!   `mcp_smuggling`: calls smuggled past the gateway to Python, Go and
 //!   TypeScript peers.
 //!   `mcp_bounds`: slow, idle and flooding clients, Origin and Host, and a
 //!   chatty upstream (R25 through the gateway).
 //! * `cli`, `shutdown`: the `guardmesh` command as users run it.
+//! * `docs`: the README's length and links, the docs pages' links, the
+//!   contract's rule numbers, one version number, no exact pins in the SDK,
+//!   and the proto against the last release.
+//! * `config_check`: `guardmesh config check|reference`, and relative paths
+//!   in a config file resolved against its folder.
 //! * `decision_log`: the decision log in the mesh, `guardmesh log verify`
 //!   and `guardmesh replay` (R29, R30); `decision_log_replay`: replay
 //!   against a running mesh with a dry-run candidate;
@@ -48,6 +53,7 @@ mod harness;
 
 mod busy;
 mod cli;
+mod config_check;
 mod conformance;
 mod decision_log;
 mod decision_log_anchor;
@@ -56,6 +62,7 @@ mod decision_log_otlp;
 mod decision_log_refusals;
 mod decision_log_replay;
 mod decision_log_tamper;
+mod docs;
 mod etcd;
 mod faults;
 mod gate;
@@ -66,6 +73,7 @@ mod mcp_bounds;
 mod mcp_readme;
 mod mcp_relay;
 mod mcp_revision;
+mod mcp_revision_ts;
 mod mcp_smuggling;
 mod mesh_args;
 mod observability;
@@ -79,6 +87,7 @@ mod policy_order;
 mod policy_reload_attacks;
 mod policy_watch;
 mod polyglot;
+mod probes;
 mod registration;
 mod rewrites;
 mod rules;

@@ -1,6 +1,6 @@
-//! The README's "Agents and MCP" configuration snippets, tested as written
-//! (R31): each is read from README.md at test time, so an edit to the README
-//! is what gets tested, and run as an agent host runs it.
+//! The "Agents and MCP" configuration snippets of `docs/mcp-and-hooks.md`,
+//! tested as written (R31): each is read from that page at test time, so an
+//! edit to the docs is what gets tested, and run as an agent host runs it.
 //!
 //! * The `mcpServers` entry: its `command` and `args` are spawned exactly as
 //!   given by the official Python MCP SDK's stdio client, which then talks
@@ -25,18 +25,20 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::Duration;
 
-/// The mesh address the README's snippets use.
-const README_MESH: &str = "http://127.0.0.1:50051";
+/// The mesh address the docs' snippets use.
+const DOCS_MESH: &str = "http://127.0.0.1:50051";
+/// The page that holds the snippets, relative to the repository's root.
+const PAGE: &str = "docs/mcp-and-hooks.md";
 const SECTION: &str = "## Agents and MCP";
 
-/// The README's "Agents and MCP" section: from its heading to the next
+/// The page's "Agents and MCP" section: from its heading to the next
 /// second-level heading.
 fn section() -> String {
-    let readme = std::fs::read_to_string(repo_root().join("README.md")).unwrap();
+    let readme = std::fs::read_to_string(repo_root().join(PAGE)).unwrap();
     let start = readme
         .lines()
         .position(|l| l.starts_with(SECTION))
-        .unwrap_or_else(|| panic!("README.md has no section {SECTION:?}"));
+        .unwrap_or_else(|| panic!("{PAGE} has no section {SECTION:?}"));
     readme
         .lines()
         .skip(start)
@@ -67,24 +69,21 @@ fn snippet(key: &str) -> Value {
     assert_eq!(
         matching.len(),
         1,
-        "the README's {SECTION:?} section should hold exactly one valid ```json block with \
+        "{PAGE}'s {SECTION:?} section should hold exactly one valid ```json block with \
          a top-level {key:?} (found {} json blocks)",
         blocks.len()
     );
     matching.into_iter().next().unwrap()
 }
 
-/// Replaces the README's mesh address by `mesh` in the one string holding it.
+/// Replaces the docs' mesh address by `mesh` in the one string holding it.
 fn with_mesh(strings: &[String], mesh: &str) -> Vec<String> {
-    let holding = strings.iter().filter(|s| s.contains(README_MESH)).count();
+    let holding = strings.iter().filter(|s| s.contains(DOCS_MESH)).count();
     assert_eq!(
         holding, 1,
-        "the snippet should name the mesh {README_MESH} exactly once: {strings:?}"
+        "the snippet should name the mesh {DOCS_MESH} exactly once: {strings:?}"
     );
-    strings
-        .iter()
-        .map(|s| s.replace(README_MESH, mesh))
-        .collect()
+    strings.iter().map(|s| s.replace(DOCS_MESH, mesh)).collect()
 }
 
 /// `PATH` with the built `guardmesh`'s folder first, then `extra`.
@@ -186,7 +185,7 @@ async fn r31_readme_mcp_servers_entry_runs_as_written() {
     let stdout = String::from_utf8_lossy(&output.stdout);
     assert!(
         output.status.success(),
-        "the MCP client could not run the README's entry: {}\nstdout: {stdout}\nstderr: {}",
+        "the MCP client could not run the docs' entry: {}\nstdout: {stdout}\nstderr: {}",
         output.status,
         String::from_utf8_lossy(&output.stderr)
     );
@@ -226,7 +225,7 @@ fn with_mesh_env(env: &Value, mesh: &str) -> Value {
         env.iter()
             .map(|(k, v)| {
                 let v = v.as_str().expect("string env values");
-                (k.clone(), json!(v.replace(README_MESH, mesh)))
+                (k.clone(), json!(v.replace(DOCS_MESH, mesh)))
             })
             .collect(),
     )
@@ -269,7 +268,7 @@ fn run_hook(command: &str, input: &str) -> (i32, String) {
     let output = child.wait_with_output().unwrap();
     assert!(
         output.status.success(),
-        "the README's hook command failed ({}): {}",
+        "the docs' hook command failed ({}): {}",
         output.status,
         String::from_utf8_lossy(&output.stderr)
     );

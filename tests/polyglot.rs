@@ -560,7 +560,7 @@ async fn python_guard_span_has_the_batch_trace_id() {
     );
 }
 
-/// The README's minimal Python and Node guards, run as written
+/// The minimal Python and Node guards of docs/guards.md, run as written
 /// (`guards/*/examples/no_delete.*`), registering themselves with the mesh
 /// (a multi-thread runtime: the test blocks on their LISTENING line, which
 /// comes only once the in-process mesh has answered the registration).

@@ -28,7 +28,7 @@ struct Cli {
     /// core. The default depends on the machine: 1 on up to 2 cores, where
     /// it measured best (the mesh waits on the network, and cross-thread
     /// wakeups cost more than a second worker gains), one per core above
-    /// (see README, Performance).
+    /// (see docs/performance.md).
     #[arg(
         long,
         global = true,
@@ -44,7 +44,7 @@ struct Cli {
 enum Command {
     /// Runs the mesh.
     Serve {
-        /// TOML config file (see README). Without one, defaults apply.
+        /// TOML config file (see docs/configuration.md). Without one, defaults apply.
         #[arg(long)]
         config: Option<PathBuf>,
         /// Overrides the config's listen address (default 127.0.0.1:50051).
@@ -110,7 +110,7 @@ enum Command {
     /// (one PASS/FAIL line per check; exits non-zero on any failure).
     Conformance(crate::conformance::ConformanceArgs),
     /// Benchmarks the mesh against calling guards directly, all on loopback
-    /// (see README, Performance). `--quick` is a smoke run.
+    /// (see docs/performance.md). `--quick` is a smoke run.
     Bench(crate::bench::BenchArgs),
     /// Serves the benchmark's guards and baselines (started by `bench`).
     #[command(hide = true)]
@@ -142,6 +142,8 @@ enum Command {
     /// whose decision differs from the recorded one (R30). Exits 0 when
     /// none differs, 1 when one does, 2 when the replay cannot run.
     Replay(crate::replay::ReplayArgs),
+    /// Checks a config file without starting a mesh, or prints every key.
+    Config(crate::config_cmd::ConfigArgs),
 }
 
 #[derive(Subcommand)]
@@ -280,6 +282,7 @@ pub fn main() -> ExitCode {
         Command::Policy { action } => return policy(action),
         Command::Log { action } => return crate::log::run(action),
         Command::Replay(args) => return crate::replay::main(args),
+        Command::Config(args) => return crate::config_cmd::main(args),
         Command::Bench(args) => return crate::bench::main(args),
         Command::BenchGuards(args) => return crate::bench::serve_guards(args),
         Command::BenchRelay(args) => return crate::bench::serve_relay(args),
@@ -347,7 +350,8 @@ async fn run(cli: Cli) -> Result<ExitCode, Error> {
         | Command::Hook(_)
         | Command::Policy { .. }
         | Command::Log { .. }
-        | Command::Replay(_) => Err("this command runs without the runtime".into()),
+        | Command::Replay(_)
+        | Command::Config(_) => Err("this command runs without the runtime".into()),
     };
     // Flush spans on the way out, also after an error.
     telemetry.shutdown().await;

@@ -242,7 +242,7 @@ pub async fn run(mtls: bool) -> Result<(), Error> {
         out!("{}", render(&decision));
         outln!();
     }
-    outln!("Run `guardmesh serve --config FILE` for a real mesh; see README.md.");
+    outln!("Run `guardmesh serve --config FILE` for a real mesh; see docs/quick_start.md.");
     Ok(())
 }
 

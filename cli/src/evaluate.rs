@@ -2,7 +2,7 @@
 //! JSON Lines, from a file or stdin), the `--json` output, and the exit
 //! codes. The command itself (connecting with `MeshArgs`) is in `app`.
 //!
-//! Exit codes (also in `guardmesh evaluate --help` and the README):
+//! Exit codes (also in `guardmesh evaluate --help` and docs/quick_start.md):
 //!
 //! | code | meaning |
 //! |---|---|

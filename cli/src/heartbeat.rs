@@ -46,7 +46,9 @@ pub(crate) async fn run(
 ) -> Result<(), Error> {
     let text = std::fs::read_to_string(&args.config)
         .map_err(|e| format!("cannot read {}: {e}", args.config.display()))?;
-    let config = Config::parse(&text, &args.config.display().to_string())?;
+    let mut config = Config::parse(&text, &args.config.display().to_string())?;
+    // As `serve` reads it: [registry] files relative to the config's folder.
+    config.resolve_paths(Config::folder_of(&args.config));
     if config.registry.kind != RegistryKind::Etcd {
         return Err(format!(
             "{}: [registry] kind is not \"etcd\": liveness needs the shared registry",

@@ -23,6 +23,7 @@ mod out;
 mod app;
 pub mod bench;
 pub mod certs;
+mod config_cmd;
 pub mod conformance;
 pub mod demo;
 mod evaluate;

@@ -1,6 +1,6 @@
 //! How many runtime threads `guardmesh` uses by default.
 //!
-//! Measured with `guardmesh bench` on a 2-core VM (see README, Performance):
+//! Measured with `guardmesh bench` on a 2-core VM (see docs/performance.md):
 //! there, one thread (a current-thread runtime) gives the mesh more batches
 //! per second and less CPU per batch than two workers, because the mesh
 //! waits on the network and shares the cores with its guards and

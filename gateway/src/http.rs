@@ -164,6 +164,8 @@ struct Proxy {
     budget: Arc<tokio::sync::Semaphore>,
     calls: CallLimits,
     access: Access,
+    /// The upstream's `x-mcp-header` declarations ([`crate::routing`]).
+    params: crate::routing::ParamHeaders,
 }
 
 fn full(bytes: impl Into<Bytes>) -> Out {
@@ -303,6 +305,17 @@ impl Proxy {
         } else {
             json_without_schemas(&text, listing)
         };
+        if sse {
+            for event in out.split("\n\n") {
+                let data: Vec<&str> = event
+                    .lines()
+                    .filter_map(|l| l.strip_prefix("data: "))
+                    .collect();
+                self.params.learn(&data.join("\n"));
+            }
+        } else {
+            self.params.learn(&out);
+        }
         let mut relayed = Response::new(full(out));
         *relayed.status_mut() = parts.status;
         copy_headers(&parts.headers, relayed.headers_mut());
@@ -485,8 +498,12 @@ impl Proxy {
                         let rewritten;
                         let headers = match &original {
                             Some(original) => {
-                                rewritten =
-                                    crate::routing::for_final_call(&parts.headers, original, &text);
+                                rewritten = crate::routing::for_final_call(
+                                    &parts.headers,
+                                    original,
+                                    &text,
+                                    &self.params,
+                                );
                                 &rewritten
                             }
                             None => &parts.headers,
@@ -1323,6 +1340,7 @@ async fn serve(
         )),
         calls: CallLimits::new(args.max_calls_per_session, args.max_calls_in_flight),
         access: Access::new(&args, tls.is_some()),
+        params: Default::default(),
     });
     let cap = match args.max_connections {
         0 => automatic_connection_cap(),

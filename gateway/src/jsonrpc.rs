@@ -33,8 +33,8 @@ use serde::{Deserialize, Serialize};
 use serde_json::value::RawValue;
 use std::fmt;
 
-/// JSON-RPC error codes the gateway answers with (documented in the README,
-/// "Agents and MCP").
+/// JSON-RPC error codes the gateway answers with (documented in
+/// docs/mcp-and-hooks.md).
 pub mod codes {
     use rmcp::model::ErrorCode;
     /// The message is not valid JSON (JSON-RPC parse error).

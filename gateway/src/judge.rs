@@ -154,15 +154,14 @@ impl Judge {
                     message,
                 }
             }
-            ClientError::Status(status)
-                if std::error::Error::source(&status).is_none()
-                    || status.code() != tonic::Code::Unavailable =>
-            {
-                JudgeError::Refused {
-                    code: status.code(),
-                    message: status.message().to_owned(),
-                }
-            }
+            // A status the mesh sent (no transport error under it) is its
+            // refusal; one made from a broken connection (the mesh died or
+            // the connection was cut mid-batch) is an unreachable mesh,
+            // whatever code the transport error was mapped to.
+            ClientError::Status(status) if !from_transport(&status) => JudgeError::Refused {
+                code: status.code(),
+                message: status.message().to_owned(),
+            },
             other => JudgeError::Unreachable {
                 mesh: self.args.connect.mesh.clone(),
                 message: error_chain(&other),
@@ -277,6 +276,14 @@ fn stream_ended(error: &ClientError) -> bool {
         }
         _ => true,
     }
+}
+
+/// Whether `status` was made on this side from a transport failure (a
+/// connection refused, reset or closed mid-stream) rather than sent by the
+/// mesh: tonic keeps the transport error as its source, and a stream reset
+/// by the peer's end arrives as `Cancelled`.
+fn from_transport(status: &tonic::Status) -> bool {
+    std::error::Error::source(status).is_some() || status.code() == tonic::Code::Cancelled
 }
 
 /// What the decision says to do with `call`.

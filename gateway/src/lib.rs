@@ -100,7 +100,7 @@ pub struct HookArgs {
 #[derive(clap::Subcommand, Debug, Clone)]
 pub enum HookCommand {
     /// A PreToolUse hook for agent hosts: the call on stdin, the
-    /// decision as hook JSON on stdout (see README for the exit codes).
+    /// decision as hook JSON on stdout (see docs/mcp-and-hooks.md for the exit codes).
     PreToolUse(PreToolUseArgs),
 }
 

@@ -2,17 +2,27 @@
 //! `Mcp-Method` repeats the request's `method` and `Mcp-Name` its named
 //! parameter (`params.name` of `tools/call` and `prompts/get`,
 //! `params.uri` of `resources/read`), so that a router or an upstream may
-//! act on a request without reading its body. Whatever trusts them must see
-//! the call the guards judged:
+//! act on a request without reading its body; `Mcp-Param-{Header}` mirrors
+//! an argument of a `tools/call` whose tool declares it in its
+//! `inputSchema` (`"x-mcp-header": "Header"` on a property reached through
+//! `properties` alone). Whatever trusts them must see the call the guards
+//! judged:
 //!
 //! * a request whose routing headers disagree with the body the gateway read
 //!   is refused (HTTP 400, JSON-RPC `-32020`, the revision's header-mismatch
 //!   code), naming the header; nothing is forwarded;
-//! * a `tools/call` a guard rewrote is forwarded with `Mcp-Name` written
-//!   from the final call, and without the client's `Mcp-Param-*` headers
-//!   (they name argument values of the call as the client sent it; the
-//!   gateway does not write new ones, so an upstream that requires them
-//!   refuses the rewritten call rather than run it under stale headers).
+//! * a `tools/call` is forwarded with `Mcp-Name` written from the final call,
+//!   and with the `Mcp-Param-*` headers the client sent written again from
+//!   the final call's arguments, by the declarations the gateway read in the
+//!   upstream's `tools/list` answers ([`ParamHeaders`]). A header whose
+//!   argument the final call lacks (or is not a string, number or boolean)
+//!   is left out, as the revision's clients leave it out; the gateway adds no
+//!   header the client did not send. When the final tool's declarations are
+//!   unknown (no `tools/list` answer seen since the gateway started), the
+//!   client's `Mcp-Param-*` headers are forwarded as sent when the call is
+//!   unchanged and left out when a guard rewrote it, so an upstream that
+//!   requires them refuses the rewritten call rather than run it under
+//!   stale headers.
 
 use crate::json::{self, Json};
 use base64::Engine;
@@ -63,7 +73,11 @@ pub fn decode(value: &HeaderValue) -> Option<String> {
 /// `text` as a header value: itself when it is visible ASCII, else the
 /// base64 form.
 pub fn encode(text: &str) -> Option<HeaderValue> {
-    if text.bytes().all(|b| (0x20..0x7f).contains(&b)) && !text.starts_with("=?") {
+    let plain = !text.is_empty()
+        && text.trim() == text
+        && text.bytes().all(|b| (0x20..0x7f).contains(&b))
+        && !text.starts_with("=?");
+    if plain {
         return HeaderValue::from_str(text).ok();
     }
     let payload = base64::engine::general_purpose::STANDARD.encode(text.as_bytes());
@@ -144,32 +158,142 @@ pub fn check_text(headers: &HeaderMap, text: &str) -> Result<(), ErrorData> {
     check(headers, method, named)
 }
 
+/// The `x-mcp-header` declarations of the upstream's tools, read from the
+/// `tools/list` answers the gateway relays: tool name, then (header name,
+/// path of the argument under `arguments`).
+#[derive(Default)]
+pub struct ParamHeaders {
+    tools: std::sync::Mutex<std::collections::HashMap<String, Declarations>>,
+}
+
+type Declarations = Vec<(String, Vec<String>)>;
+
+/// Tools remembered at most (a listing beyond it is not remembered).
+const MAX_TOOLS: usize = 4096;
+
+impl ParamHeaders {
+    /// Remembers the declarations of the tools in `message`, one JSON-RPC
+    /// message or an array of them (a `tools/list` answer).
+    pub fn learn(&self, message: &str) {
+        let Ok(value) = serde_json::from_str::<serde_json::Value>(message) else {
+            return;
+        };
+        let messages = match value {
+            serde_json::Value::Array(many) => many,
+            one => vec![one],
+        };
+        let Ok(mut tools) = self.tools.lock() else {
+            return;
+        };
+        for message in &messages {
+            let Some(listed) = message.pointer("/result/tools").and_then(|t| t.as_array()) else {
+                continue;
+            };
+            for tool in listed {
+                let Some(name) = tool.get("name").and_then(|n| n.as_str()) else {
+                    continue;
+                };
+                let mut found = Vec::new();
+                if let Some(schema) = tool.get("inputSchema") {
+                    declarations(schema, &mut Vec::new(), &mut found);
+                }
+                if tools.len() < MAX_TOOLS || tools.contains_key(name) {
+                    tools.insert(name.to_owned(), found);
+                }
+            }
+        }
+    }
+
+    fn of(&self, tool: &str) -> Option<Declarations> {
+        self.tools.lock().ok()?.get(tool).cloned()
+    }
+}
+
+/// The `x-mcp-header` declarations under `schema`'s `properties` chain.
+fn declarations(schema: &serde_json::Value, path: &mut Vec<String>, out: &mut Declarations) {
+    if let Some(header) = schema.get("x-mcp-header").and_then(|h| h.as_str())
+        && !path.is_empty()
+    {
+        out.push((header.to_owned(), path.clone()));
+    }
+    if let Some(properties) = schema.get("properties").and_then(|p| p.as_object()) {
+        for (key, child) in properties {
+            path.push(key.clone());
+            declarations(child, path, out);
+            path.pop();
+        }
+    }
+}
+
+/// An argument as the revision writes it in a header: a string as itself,
+/// a boolean as `true`/`false`, a number in decimal (integers beyond 2^53
+/// and other values: none).
+fn param_text(value: &serde_json::Value) -> Option<String> {
+    const SAFE: f64 = 9_007_199_254_740_991.0;
+    match value {
+        serde_json::Value::String(s) => Some(s.clone()),
+        serde_json::Value::Bool(b) => Some(b.to_string()),
+        serde_json::Value::Number(n) => {
+            let f = n.as_f64()?;
+            if !f.is_finite() || (f.fract() == 0.0 && f.abs() > SAFE) {
+                None
+            } else if f.fract() == 0.0 {
+                Some(format!("{}", f as i64))
+            } else {
+                Some(format!("{f}"))
+            }
+        }
+        _ => None,
+    }
+}
+
 /// The headers of a `tools/call` forwarded as `forwarded` (the gateway's
-/// text of the final call) when the client sent it as `original`: a
-/// rewritten call gets `Mcp-Name` from its final tool and loses the
-/// client's `Mcp-Param-*` headers.
-pub fn for_final_call(headers: &HeaderMap, original: &str, forwarded: &str) -> HeaderMap {
+/// text of the final call) when the client sent it as `original`:
+/// `Mcp-Name` from the final tool, and the client's `Mcp-Param-*` headers
+/// written from the final arguments (see the module's documentation).
+pub fn for_final_call(
+    headers: &HeaderMap,
+    original: &str,
+    forwarded: &str,
+    declared: &ParamHeaders,
+) -> HeaderMap {
     let mut headers = headers.clone();
-    if original == forwarded || !present(&headers) {
+    if !present(&headers) {
         return headers;
     }
-    let params: Vec<_> = headers
+    let call = serde_json::from_str::<serde_json::Value>(forwarded).ok();
+    let tool = call
+        .as_ref()
+        .and_then(|c| c.pointer("/params/name"))
+        .and_then(|n| n.as_str());
+    let sent: Vec<_> = headers
         .keys()
         .filter(|k| k.as_str().starts_with(PARAM_PREFIX))
         .cloned()
         .collect();
-    for name in params {
-        headers.remove(name);
+    let known = tool.and_then(|tool| declared.of(tool));
+    if let Some(known) = known {
+        let arguments = call.as_ref().and_then(|c| c.pointer("/params/arguments"));
+        for name in sent {
+            let header = &name.as_str()[PARAM_PREFIX.len()..];
+            let value = known
+                .iter()
+                .find(|(declared, _)| declared.eq_ignore_ascii_case(header))
+                .and_then(|(_, path)| path.iter().try_fold(arguments?, |node, key| node.get(key)))
+                .and_then(param_text)
+                .and_then(|text| encode(&text));
+            headers.remove(&name);
+            if let Some(value) = value {
+                headers.insert(name, value);
+            }
+        }
+    } else if original != forwarded {
+        for name in sent {
+            headers.remove(name);
+        }
     }
-    if headers.contains_key(NAME) {
-        let tool = json::read(forwarded).ok().and_then(|read| {
-            read.value
-                .get("params")
-                .and_then(|p| p.get("name"))
-                .and_then(Json::as_str)
-                .map(str::to_owned)
-        });
-        match tool.as_deref().and_then(encode) {
+    if original != forwarded && headers.contains_key(NAME) {
+        match tool.and_then(encode) {
             Some(value) => {
                 headers.insert(NAME, value);
             }
@@ -245,11 +369,63 @@ mod tests {
         ]);
         let original = r#"{"jsonrpc":"2.0","id":1,"method":"tools/call","params":{"name":"read_file","arguments":{"path":"/etc/shadow"}}}"#;
         let rewritten = r#"{"jsonrpc":"2.0","id":1,"method":"tools/call","params":{"name":"read_redacted","arguments":{"path":"/redacted"}}}"#;
-        let out = for_final_call(&h, original, rewritten);
+        let unknown = ParamHeaders::default();
+        let out = for_final_call(&h, original, rewritten, &unknown);
         assert_eq!(out.get("mcp-name").unwrap(), "read_redacted");
         assert!(out.get("mcp-param-path").is_none());
         assert_eq!(out.get("authorization").unwrap(), "Bearer t");
         // Unchanged: as sent.
-        assert_eq!(for_final_call(&h, original, original), h);
+        assert_eq!(for_final_call(&h, original, original, &unknown), h);
+    }
+
+    #[test]
+    fn r31_mirrored_params_are_written_from_the_final_call() {
+        let declared = ParamHeaders::default();
+        declared.learn(
+            &serde_json::json!({"jsonrpc": "2.0", "id": 1, "result": {"tools": [
+                {"name": "read_file", "inputSchema": {"type": "object", "properties": {
+                    "path": {"type": "string", "x-mcp-header": "Path"},
+                    "opts": {"type": "object", "properties": {
+                        "depth": {"type": "integer", "x-mcp-header": "Depth"}}},
+                    "list": {"type": "array", "items": {"x-mcp-header": "Item"}}
+                }}}
+            ]}})
+            .to_string(),
+        );
+        let h = headers(&[
+            ("mcp-method", "tools/call"),
+            ("mcp-name", "read_file"),
+            ("mcp-param-path", "/etc/shadow"),
+            ("mcp-param-depth", "3"),
+            ("mcp-param-item", "x"),
+        ]);
+        let original = r#"{"jsonrpc":"2.0","id":1,"method":"tools/call","params":{"name":"read_file","arguments":{"path":"/etc/shadow","opts":{"depth":3}}}}"#;
+        let rewritten = r#"{"jsonrpc":"2.0","id":1,"method":"tools/call","params":{"name":"read_file","arguments":{"path":"/redacted","opts":{"depth":1.0}}}}"#;
+        let out = for_final_call(&h, original, rewritten, &declared);
+        assert_eq!(out.get("mcp-param-path").unwrap(), "/redacted");
+        assert_eq!(out.get("mcp-param-depth").unwrap(), "1");
+        // Declared under `items`: not a mirrored parameter.
+        assert!(out.get("mcp-param-item").is_none());
+        // A header the client sent that disagrees with an unchanged call is
+        // written from the call as judged.
+        let stale = headers(&[
+            ("mcp-method", "tools/call"),
+            ("mcp-name", "read_file"),
+            ("mcp-param-path", "/home/a"),
+        ]);
+        let out = for_final_call(&stale, original, original, &declared);
+        assert_eq!(out.get("mcp-param-path").unwrap(), "/etc/shadow");
+        // The final call lacks the argument: the header is left out; none is
+        // added that the client did not send.
+        let without = r#"{"jsonrpc":"2.0","id":1,"method":"tools/call","params":{"name":"read_file","arguments":{}}}"#;
+        let out = for_final_call(&stale, original, without, &declared);
+        assert!(out.get("mcp-param-path").is_none());
+        assert!(out.get("mcp-param-depth").is_none());
+        // Values that are not plain visible ASCII are written in base64.
+        let spaced = r#"{"jsonrpc":"2.0","id":1,"method":"tools/call","params":{"name":"read_file","arguments":{"path":" /x"}}}"#;
+        let out = for_final_call(&stale, original, spaced, &declared);
+        let value = out.get("mcp-param-path").unwrap();
+        assert!(value.to_str().unwrap().starts_with("=?base64?"));
+        assert_eq!(decode(value).as_deref(), Some(" /x"));
     }
 }

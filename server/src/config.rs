@@ -72,24 +72,10 @@ use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-/// Why the config could not be loaded.
-#[derive(Debug, thiserror::Error)]
-pub enum ConfigError {
-    #[error("cannot read config file {path}: {source}")]
-    Read {
-        path: String,
-        #[source]
-        source: std::io::Error,
-    },
-    #[error("config file {path}: {reason}")]
-    Invalid { path: String, reason: String },
-    #[error("config file {path} is invalid: {source}")]
-    Parse {
-        path: String,
-        #[source]
-        source: toml::de::Error,
-    },
-}
+pub mod check;
+mod error;
+pub mod keys;
+pub use error::{ConfigError, DecisionLogError, LogSettingError, PolicyFileError, SettingError};
 
 /// The whole config file. Every field has a default.
 #[derive(Debug, Clone, Deserialize)]
@@ -259,15 +245,14 @@ fn default_sync_interval_ms() -> u64 {
 
 impl DecisionLogConfig {
     /// The bounds on refusal records and the directory's budget.
-    pub fn limits(&self) -> Result<crate::decision_log::LogLimits, String> {
+    pub fn limits(&self) -> Result<crate::decision_log::LogLimits, LogSettingError> {
         if self.refusal_interval_ms == 0 {
-            return Err("[decision_log] refusal_interval_ms must be greater than 0".to_owned());
+            return Err(LogSettingError::Zero {
+                key: "refusal_interval_ms",
+            });
         }
         if self.max_dir_bytes == Some(0) {
-            return Err(
-                "[decision_log] max_dir_bytes must be greater than 0 (leave it out for no budget)"
-                    .to_owned(),
-            );
+            return Err(LogSettingError::ZeroBudget);
         }
         Ok(crate::decision_log::LogLimits {
             refusals: crate::decision_log::RefusalLimits {
@@ -282,19 +267,20 @@ impl DecisionLogConfig {
     }
 
     /// The writer's settings; `instance`: the default mesh instance name.
-    pub fn log_config(&self, instance: &str) -> Result<crate::decision_log::LogConfig, String> {
-        let mask = crate::decision_log::MaskRules::new(&self.mask)
-            .map_err(|e| format!("[decision_log] mask: {e}"))?;
+    pub fn log_config(
+        &self,
+        instance: &str,
+    ) -> Result<crate::decision_log::LogConfig, LogSettingError> {
+        let mask = crate::decision_log::MaskRules::new(&self.mask)?;
         if self.max_file_bytes == 0 {
-            return Err("[decision_log] max_file_bytes must be greater than 0".to_owned());
+            return Err(LogSettingError::Zero {
+                key: "max_file_bytes",
+            });
         }
         let durability = match self.durability {
             DurabilityConfig::EveryRecord => crate::decision_log::Durability::EveryRecord,
             DurabilityConfig::Interval if self.sync_interval_ms == 0 => {
-                return Err(
-                    "[decision_log] sync_interval_ms must be greater than 0 (or durability = \"every_record\")"
-                        .to_owned(),
-                );
+                return Err(LogSettingError::ZeroSync);
             }
             DurabilityConfig::Interval => crate::decision_log::Durability::Interval(
                 Duration::from_millis(self.sync_interval_ms),
@@ -302,20 +288,21 @@ impl DecisionLogConfig {
         };
         let seal = match &self.signing_key {
             None if self.witness.is_some() || self.allow_gap => {
-                return Err("[decision_log] witness and allow_gap need signing_key".to_owned());
+                return Err(LogSettingError::NeedsKey);
             }
             None => None,
             Some(_) if self.checkpoint_every == 0 => {
-                return Err("[decision_log] checkpoint_every must be greater than 0".to_owned());
+                return Err(LogSettingError::Zero {
+                    key: "checkpoint_every",
+                });
             }
             Some(_)
                 if self.checkpoint_interval_ms
                     < crate::decision_log::checkpoint::MIN_INTERVAL.as_millis() as u64 =>
             {
-                return Err(format!(
-                    "[decision_log] checkpoint_interval_ms must be at least {}",
-                    crate::decision_log::checkpoint::MIN_INTERVAL.as_millis()
-                ));
+                return Err(LogSettingError::CheckpointInterval {
+                    min: millis(crate::decision_log::checkpoint::MIN_INTERVAL),
+                });
             }
             Some(key) => Some(crate::decision_log::SealConfig {
                 key_file: key.clone(),
@@ -380,6 +367,11 @@ pub struct ServerConfig {
     /// Most client connections open at once; past it new ones are closed
     /// at once. 0: the open-file limit less a reserve (1/8, at least 64).
     pub max_connections: usize,
+    /// After SIGTERM or SIGINT, how long in-flight batches have to be
+    /// answered before the process exits anyway (cutting them). Default
+    /// 25000: under Kubernetes' 30 s `terminationGracePeriodSeconds` with
+    /// room for a 5 s preStop delay. 0: exit at once.
+    pub shutdown_grace_ms: u64,
 }
 
 impl Default for ServerConfig {
@@ -390,11 +382,20 @@ impl Default for ServerConfig {
             keepalive_interval_ms: l.keepalive_interval.map_or(0, millis),
             keepalive_timeout_ms: millis(l.keepalive_timeout),
             max_connections: l.max_connections,
+            shutdown_grace_ms: DEFAULT_SHUTDOWN_GRACE_MS,
         }
     }
 }
 
+/// `[server] shutdown_grace_ms` by default.
+pub const DEFAULT_SHUTDOWN_GRACE_MS: u64 = 25_000;
+
 impl ServerConfig {
+    /// `shutdown_grace_ms` as a duration.
+    pub fn shutdown_grace(&self) -> Duration {
+        Duration::from_millis(self.shutdown_grace_ms)
+    }
+
     pub fn listener_limits(&self) -> crate::security::tls::ListenerLimits {
         crate::security::tls::ListenerLimits {
             handshake_timeout: Duration::from_millis(self.handshake_timeout_ms),
@@ -505,34 +506,32 @@ impl Default for LinksConfig {
 impl LinksConfig {
     /// Refuses link settings that default guard servers would punish (R26)
     /// or that cannot work.
-    fn check(&self) -> Result<(), String> {
+    fn problems(&self, out: &mut Vec<SettingError>) {
         let floor = millis(crate::link::MIN_PEER_PING_INTERVAL);
         if self.keepalive_interval_ms != 0
             && self.keepalive_interval_ms < floor
             && !self.keepalive_force
         {
-            return Err(format!(
-                "guard_links.keepalive_interval_ms = {} is below {floor}: default gRPC servers \
-                 (grpcio) answer pings more frequent than every 5 minutes with GOAWAY \
-                 \"too_many_pings\" and drop the guard's link; raise it, set it to 0 (off), or set \
-                 guard_links.keepalive_force = true if every guard's server allows it",
-                self.keepalive_interval_ms
-            ));
+            out.push(SettingError::KeepaliveBelowFloor {
+                got: self.keepalive_interval_ms,
+                floor,
+            });
         }
         if self.keepalive_interval_ms != 0 && self.keepalive_timeout_ms == 0 {
-            return Err("guard_links.keepalive_timeout_ms must be greater than 0".into());
+            out.push(SettingError::Zero {
+                key: "guard_links.keepalive_timeout_ms",
+            });
         }
         if self.dead_peer_timeout_ms != 0 && self.dead_peer_timeout_ms < 2000 {
-            return Err(format!(
-                "guard_links.dead_peer_timeout_ms = {} is below 2000 (TCP keepalive counts in \
-                 seconds); use 0 to turn it off",
-                self.dead_peer_timeout_ms
-            ));
+            out.push(SettingError::DeadPeerTooShort {
+                got: self.dead_peer_timeout_ms,
+            });
         }
         if self.max_queued_bytes == 0 {
-            return Err("guard_links.max_queued_bytes must be greater than 0".into());
+            out.push(SettingError::Zero {
+                key: "guard_links.max_queued_bytes",
+            });
         }
-        Ok(())
     }
 }
 
@@ -750,7 +749,7 @@ pub enum SecurityError {
     #[error(transparent)]
     Tls(#[from] crate::security::tls::TlsError),
     #[error("[endpoint_policy]: {0}")]
-    Policy(String),
+    Policy(#[from] crate::link::dial::AllowListError),
     #[error("[auth] principal {id:?}: cannot read token file {path}: {source}")]
     Token {
         id: String,
@@ -889,10 +888,10 @@ impl Config {
         &self,
         section: &DecisionLogConfig,
         instance: &str,
-    ) -> Result<crate::decision_log::LogConfig, String> {
+    ) -> Result<crate::decision_log::LogConfig, DecisionLogError> {
         let mut settings = section.log_config(instance)?;
         if self.registry.kind == RegistryKind::Etcd && settings.seal.is_some() {
-            let registry = self.registry.etcd().map_err(|e| e.to_string())?;
+            let registry = self.registry.etcd()?;
             let etcd = crate::decision_log::anchor::EtcdConfig {
                 endpoints: registry.endpoints,
                 prefix: registry.prefix,
@@ -912,46 +911,54 @@ impl Config {
     }
 
     /// Parses a config from TOML text; `origin` names it in errors.
+    /// Relative paths stay as written: [`load`](Self::load) resolves them.
     pub fn parse(text: &str, origin: &str) -> Result<Self, ConfigError> {
         let config: Self = toml::from_str(text).map_err(|source| ConfigError::Parse {
             path: origin.to_owned(),
             source,
         })?;
-        for (i, guard) in config.guards.iter().enumerate() {
-            let endpoint = !guard.endpoint.trim().is_empty();
-            let reason = match (endpoint, guard.policy.is_some()) {
-                (true, true) => "has both `endpoint` and `policy`: a guard is remote or a policy",
-                (false, false) => {
-                    "needs `endpoint` (a remote guard) or `policy` (a policy file, R27)"
-                }
-                _ => continue,
-            };
-            return Err(ConfigError::Invalid {
+        // What serde read is also what the reference lists (keys::KEYS): a
+        // key read here without a reference entry refuses the file.
+        if let Some(source) = keys::walk(text).into_iter().next() {
+            return Err(ConfigError::Key {
                 path: origin.to_owned(),
-                reason: format!("[[guard]] entry {} ({:?}) {reason}", i + 1, guard.name),
+                source,
             });
+        }
+        let invalid = |source| ConfigError::Invalid {
+            path: origin.to_owned(),
+            source,
+        };
+        if let Some(shape) = config.guard_shapes().into_iter().next() {
+            return Err(invalid(shape));
         }
         if let Some((first, second)) = config.duplicate_guard() {
             let lines = guard_name_lines(text);
-            let at = |i: usize| {
-                lines
-                    .get(i)
-                    .map_or_else(String::new, |line| format!(" at line {line}"))
-            };
-            return Err(ConfigError::Invalid {
-                path: origin.to_owned(),
-                reason: format!(
-                    "[[guard]] entries {} (name{}) and {} (name{}) are both named {:?}: \
-                     guard names are unique (R16); remove or rename one",
-                    first + 1,
-                    at(first),
-                    second + 1,
-                    at(second),
-                    config.guards[second].name.trim()
-                ),
-            });
+            return Err(invalid(SettingError::DuplicateGuard {
+                first: first + 1,
+                second: second + 1,
+                name: config.guards[second].name.trim().to_owned(),
+                lines: lines.get(first).copied().zip(lines.get(second).copied()),
+            }));
         }
         Ok(config)
+    }
+
+    /// Every `[[guard]]` entry that is not exactly one of remote and policy.
+    fn guard_shapes(&self) -> Vec<SettingError> {
+        self.guards
+            .iter()
+            .enumerate()
+            .filter_map(|(i, guard)| {
+                let endpoint = !guard.endpoint.trim().is_empty();
+                let (index, name) = (i + 1, guard.name.clone());
+                match (endpoint, guard.policy.is_some()) {
+                    (true, true) => Some(SettingError::GuardBoth { index, name }),
+                    (false, false) => Some(SettingError::GuardNeither { index, name }),
+                    _ => None,
+                }
+            })
+            .collect()
     }
 
     /// The first two `[[guard]]` entries (0-based) that share a name, as
@@ -990,8 +997,17 @@ impl Config {
     }
 
     /// Refuses settings that cannot work (they would fail every guard or
-    /// refuse every batch), naming the key.
-    pub fn check(&self) -> Result<(), String> {
+    /// refuse every batch), naming the key: the first of [`problems`](Self::problems).
+    pub fn check(&self) -> Result<(), SettingError> {
+        match self.problems().into_iter().next() {
+            Some(problem) => Err(problem),
+            None => Ok(()),
+        }
+    }
+
+    /// Every setting that cannot work, in key order, each naming its key.
+    pub fn problems(&self) -> Vec<SettingError> {
+        let mut out = self.guard_shapes();
         let positive = [
             ("default_guard_timeout_ms", self.default_guard_timeout_ms),
             ("default_batch_timeout_ms", self.default_batch_timeout_ms),
@@ -1053,54 +1069,55 @@ impl Config {
         ];
         for (key, value) in positive {
             if value == 0 {
-                return Err(format!("{key} must be greater than 0"));
+                out.push(SettingError::Zero { key });
             }
         }
         if let Some((first, second)) = self.duplicate_guard() {
-            return Err(format!(
-                "[[guard]] entries {} and {} are both named {:?}: guard names are unique (R16)",
-                first + 1,
-                second + 1,
-                self.guards[second].name.trim()
-            ));
+            out.push(SettingError::DuplicateGuard {
+                first: first + 1,
+                second: second + 1,
+                name: self.guards[second].name.trim().to_owned(),
+                lines: None,
+            });
         }
         let depth = self.limits.max_json_depth;
         let most = crate::validate::ijson::MAX_DEPTH_LIMIT;
         if depth == 0 || depth > most {
-            return Err(format!(
-                "limits.max_json_depth must be between 1 and {most} (the deepest nesting \
-                 serde_json-based guards parse); it is {depth}"
-            ));
+            out.push(SettingError::JsonDepth { got: depth, most });
         }
-        self.tool_names().map_err(|e| e.to_string())?;
+        if let Err(error) = self.tool_names() {
+            out.push(SettingError::ToolNames(error));
+        }
         if let Some(log) = &self.decision_log {
-            log.log_config("")?;
-            log.limits()?;
+            if let Err(error) = log.log_config("") {
+                out.push(error.into());
+            }
+            if let Err(error) = log.limits() {
+                out.push(error.into());
+            }
         }
-        self.guard_links.check()
+        self.guard_links.problems(&mut out);
+        out
     }
 
     /// Reads the policy file of every policy guard (R27), relative to
     /// `folder`, and refuses one that does not compile, naming its line.
-    pub fn read_policies(&mut self, folder: &Path) -> Result<(), String> {
+    pub fn read_policies(&mut self, folder: &Path) -> Result<(), PolicyFileError> {
         for (i, guard) in self.guards.iter_mut().enumerate() {
             let Some(file) = &guard.policy else { continue };
             let file = folder.join(file);
-            let source = std::fs::read_to_string(&file).map_err(|e| {
-                format!(
-                    "[[guard]] entry {} ({:?}): cannot read policy file {}: {e}",
-                    i + 1,
-                    guard.name,
-                    file.display()
-                )
-            })?;
-            crate::policy::Policy::compile(&source).map_err(|e| {
-                format!(
-                    "[[guard]] entry {} ({:?}): policy file {}: {e}",
-                    i + 1,
-                    guard.name,
-                    file.display()
-                )
+            let source =
+                std::fs::read_to_string(&file).map_err(|source| PolicyFileError::Read {
+                    index: i + 1,
+                    name: guard.name.clone(),
+                    path: file.clone(),
+                    source,
+                })?;
+            crate::policy::Policy::compile(&source).map_err(|source| PolicyFileError::Compile {
+                index: i + 1,
+                name: guard.name.clone(),
+                path: file.clone(),
+                source: Box::new(source),
             })?;
             // R27: a rule naming a tool the guard is never sent is reported.
             for never in crate::policy::never_sent(&source, &guard.tools).unwrap_or_default() {
@@ -1111,7 +1128,58 @@ impl Config {
         Ok(())
     }
 
-    /// Reads and parses a config file.
+    /// Makes every relative path of the config (each key of type path in
+    /// the reference) relative to `folder`, the config file's folder.
+    pub fn resolve_paths(&mut self, folder: &Path) {
+        let resolve = |path: &mut PathBuf| {
+            if path.is_relative() {
+                *path = folder.join(&*path);
+            }
+        };
+        let resolve_opt = |path: &mut Option<PathBuf>| {
+            if let Some(path) = path {
+                resolve(path);
+            }
+        };
+        if let Some(tls) = &mut self.tls {
+            resolve(&mut tls.cert_file);
+            resolve(&mut tls.key_file);
+            resolve_opt(&mut tls.client_ca_file);
+        }
+        if let Some(auth) = &mut self.auth {
+            for principal in &mut auth.principals {
+                resolve_opt(&mut principal.token_file);
+            }
+        }
+        if let Some(guard_tls) = &mut self.guard_tls {
+            resolve(&mut guard_tls.ca_file);
+            resolve_opt(&mut guard_tls.cert_file);
+            resolve_opt(&mut guard_tls.key_file);
+        }
+        for guard in &mut self.guards {
+            resolve_opt(&mut guard.policy);
+        }
+        resolve_opt(&mut self.registry.ca_file);
+        resolve_opt(&mut self.registry.cert_file);
+        resolve_opt(&mut self.registry.key_file);
+        if let Some(log) = &mut self.decision_log {
+            resolve(&mut log.dir);
+            resolve_opt(&mut log.signing_key);
+            resolve_opt(&mut log.witness);
+        }
+    }
+
+    /// The folder relative paths of the config file at `path` are relative
+    /// to.
+    pub fn folder_of(path: &Path) -> &Path {
+        match path.parent() {
+            Some(folder) if !folder.as_os_str().is_empty() => folder,
+            _ => Path::new("."),
+        }
+    }
+
+    /// Reads and parses a config file; relative paths in it are relative to
+    /// its folder.
     pub fn load(path: &Path) -> Result<Self, ConfigError> {
         let shown = path.display().to_string();
         let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
@@ -1119,16 +1187,17 @@ impl Config {
             source,
         })?;
         let mut config = Self::parse(&text, &shown)?;
-        let folder = path.parent().unwrap_or_else(|| Path::new("."));
+        let folder = Self::folder_of(path);
+        config.resolve_paths(folder);
         config
             .read_policies(folder)
-            .map_err(|reason| ConfigError::Invalid {
+            .map_err(|source| ConfigError::Policy {
                 path: shown.clone(),
-                reason,
+                source,
             })?;
-        config.check().map_err(|reason| ConfigError::Invalid {
+        config.check().map_err(|source| ConfigError::Invalid {
             path: shown,
-            reason,
+            source,
         })?;
         Ok(config)
     }
@@ -1409,7 +1478,11 @@ mod tests {
             "[limits]\nmax_tool_name_chars = 0\n",
             "[limits]\nmax_tool_name_chars = 5000\n",
         ] {
-            let error = Config::parse(bad, "test").unwrap().check().unwrap_err();
+            let error = Config::parse(bad, "test")
+                .unwrap()
+                .check()
+                .unwrap_err()
+                .to_string();
             assert!(
                 error.contains("limits.") && error.contains("tool_name"),
                 "{error}"
@@ -1433,7 +1506,13 @@ mod tests {
         // Built another way, the check still refuses it (without lines).
         let mut config = Config::parse(&text.replace("\" a\"", "\"c\""), "t").unwrap();
         config.guards[2].name = "a".into();
-        assert!(config.check().unwrap_err().contains("entries 1 and 3"));
+        assert!(
+            config
+                .check()
+                .unwrap_err()
+                .to_string()
+                .contains("entries 1 and 3")
+        );
     }
 
     #[test]
@@ -1547,10 +1626,17 @@ mod tests {
             config
                 .check()
                 .unwrap_err()
+                .to_string()
                 .contains("default_guard_timeout_ms")
         );
         let config = Config::parse("[guard_links]\nmax_answer_bytes = 0", "t").unwrap();
-        assert!(config.check().unwrap_err().contains("max_answer_bytes"));
+        assert!(
+            config
+                .check()
+                .unwrap_err()
+                .to_string()
+                .contains("max_answer_bytes")
+        );
         assert!(Config::default().check().is_ok());
     }
 
@@ -1573,6 +1659,7 @@ mod tests {
             config
                 .check()
                 .unwrap_err()
+                .to_string()
                 .contains("server.handshake_timeout_ms")
         );
         let err = Config::parse("[server]\nhandshake_timeout = 1", "cfg.toml")
@@ -1588,7 +1675,7 @@ mod tests {
         let link = defaults.mesh_config().link;
         assert_eq!(link.keepalive_interval, crate::link::MIN_PEER_PING_INTERVAL);
         let config = Config::parse("[guard_links]\nkeepalive_interval_ms = 10000", "t").unwrap();
-        let err = config.check().unwrap_err();
+        let err = config.check().unwrap_err().to_string();
         assert!(
             err.contains("keepalive_interval_ms") && err.contains("too_many_pings"),
             "{err}"
@@ -1606,7 +1693,13 @@ mod tests {
         let config = Config::parse("[guard_links]\nkeepalive_interval_ms = 0", "t").unwrap();
         assert!(config.check().is_ok(), "0 turns pings off");
         let config = Config::parse("[guard_links]\ndead_peer_timeout_ms = 500", "t").unwrap();
-        assert!(config.check().unwrap_err().contains("dead_peer_timeout_ms"));
+        assert!(
+            config
+                .check()
+                .unwrap_err()
+                .to_string()
+                .contains("dead_peer_timeout_ms")
+        );
     }
 
     #[test]
@@ -1614,7 +1707,13 @@ mod tests {
         let config = Config::parse("[guard_links]\nmax_queued_bytes = 1048576", "t").unwrap();
         assert_eq!(config.mesh_config().link.max_queued_bytes, 1 << 20);
         let config = Config::parse("[guard_links]\nmax_queued_bytes = 0", "t").unwrap();
-        assert!(config.check().unwrap_err().contains("max_queued_bytes"));
+        assert!(
+            config
+                .check()
+                .unwrap_err()
+                .to_string()
+                .contains("max_queued_bytes")
+        );
     }
 
     #[test]
@@ -1644,6 +1743,7 @@ mod tests {
                     assert_eq!(config.mesh_config().limits.max_json_depth, depth);
                 }
                 Err(error) => {
+                    let error = error.to_string();
                     assert!(!ok, "{depth}: {error}");
                     assert!(error.contains("limits.max_json_depth"), "{error}");
                     assert!(error.contains("127"), "{error}");
@@ -1653,15 +1753,19 @@ mod tests {
     }
 }
 
-/// The README's sample configs are configs: every key in them is one this
-/// file reads (a misspelt or stale key would be refused at start).
+/// The sample configs of the docs (`docs/quick_start.md`, the full sample,
+/// then `docs/security.md`) are configs: every key in them is one this file
+/// reads (a misspelt or stale key would be refused at start).
 #[cfg(test)]
 mod readme {
     use super::*;
 
-    /// The ```toml blocks of the README that are mesh configs.
+    /// The ```toml blocks of the docs that are mesh configs.
     fn samples() -> Vec<String> {
-        let readme = include_str!("../../README.md");
+        let readme = concat!(
+            include_str!("../../docs/quick_start.md"),
+            include_str!("../../docs/security.md")
+        );
         let mut blocks = Vec::new();
         let mut current: Option<String> = None;
         for line in readme.lines() {
@@ -1688,11 +1792,11 @@ mod readme {
         let samples = samples();
         assert!(samples.len() >= 2, "{} sample configs found", samples.len());
         for (i, text) in samples.iter().enumerate() {
-            let config = Config::parse(text, "README")
-                .unwrap_or_else(|e| panic!("README sample config {}: {e}", i + 1));
+            let config = Config::parse(text, "docs")
+                .unwrap_or_else(|e| panic!("docs sample config {}: {e}", i + 1));
             assert_eq!(config.listen.port(), 50051);
         }
-        let full = Config::parse(&samples[0], "README").expect("the full sample");
+        let full = Config::parse(&samples[0], "docs").expect("the full sample");
         assert!(full.watch_policies);
         assert_eq!(full.guards.len(), 4);
         assert!(full.decision_log.is_some());

@@ -16,12 +16,28 @@ pub struct TlsFiles {
     pub domain: Option<String>,
 }
 
+/// Why the TLS files of the etcd client cannot be used.
+#[derive(Debug, Clone, thiserror::Error)]
+pub enum EtcdTlsError {
+    #[error("cannot read {}: {source}", path.display())]
+    Read {
+        path: PathBuf,
+        #[source]
+        source: std::sync::Arc<std::io::Error>,
+    },
+    #[error("cert_file and key_file go together")]
+    HalfIdentity,
+}
+
 /// The etcd client's TLS options for `tls`; the error names the file that
 /// cannot be read or the settings that do not go together.
 #[cfg(feature = "etcd-tls")]
-pub(crate) fn tls_options(tls: &TlsFiles) -> Result<etcd_client::TlsOptions, String> {
+pub(crate) fn tls_options(tls: &TlsFiles) -> Result<etcd_client::TlsOptions, EtcdTlsError> {
     let read = |path: &PathBuf| {
-        std::fs::read(path).map_err(|e| format!("cannot read {}: {e}", path.display()))
+        std::fs::read(path).map_err(|source| EtcdTlsError::Read {
+            path: path.clone(),
+            source: std::sync::Arc::new(source),
+        })
     };
     let mut options = etcd_client::TlsOptions::new();
     if let Some(ca) = &tls.ca_file {
@@ -32,7 +48,7 @@ pub(crate) fn tls_options(tls: &TlsFiles) -> Result<etcd_client::TlsOptions, Str
             options = options.identity(etcd_client::Identity::from_pem(read(cert)?, read(key)?));
         }
         (None, None) => {}
-        _ => return Err("cert_file and key_file go together".into()),
+        _ => return Err(EtcdTlsError::HalfIdentity),
     }
     if let Some(domain) = &tls.domain {
         options = options.domain_name(domain.clone());

@@ -12,17 +12,28 @@
 //!   and reflection; `server/service.rs` holds `PreToolService` (coordinators)
 //!   and `GuardRegistry` (registrars), `server/inbound.rs` checks a batch's
 //!   sizes and counts on its wire form before it is decoded (R20, R25).
-//! * `validate`: refusing bad batches before any guard sees them (R20), with
-//!   the one-pass I-JSON check of arguments in `validate/ijson.rs`.
+//! * `admit`: the admission stage, everything a batch must pass before any
+//!   guard sees it (sizes, ids, budgets, I-JSON, registry freshness, R1),
+//!   with one typed refusal mapped to its gRPC status in one place.
+//! * `validate`: the content rules of a batch (R20), with the one-pass
+//!   I-JSON check of arguments in `validate/ijson.rs`.
 //! * `judge`: judging one batch: mutate guards in order, validate guards
-//!   concurrently, decisions and traces. `judge/fold.rs` is the pure fold that
-//!   makes concurrent verdicts equal sequential ones (R3, R4, R5);
+//!   concurrently, decisions and traces; it returns an outcome and writes no
+//!   metrics or records. `judge/fold.rs` is the pure fold that makes
+//!   concurrent verdicts equal sequential ones (R3, R4, R5);
 //!   `judge/verdicts.rs` the pure checks on one guard's verdicts (R8, R11).
 //! * `link`: one long-lived `Judge` stream per guard, with reconnects
 //!   (`link/backoff.rs`) and a circuit breaker (`link/breaker.rs`), both small
 //!   pure state machines; [`link::dial`]: which endpoints may be dialed and
 //!   the TLS towards guards.
-//! * [`mesh`]: the mesh's settings, its registry and chain snapshots (R17).
+//! * [`mesh`]: the mesh's settings, its registry and chain snapshots (R17);
+//!   `Mesh::evaluate` (`mesh/evaluate.rs`) runs one batch through admission
+//!   and judging, and `mesh/record.rs` is the batch's record: it takes the
+//!   outcome once and emits metrics, logs, spans and the decision record.
+//!
+//! The modules are layered: no module imports one that imports it back
+//! (`scripts/check-import-cycles`); telemetry (`observe`) imports none of
+//! the others.
 //! * [`registry`]: where registrations live, behind the [`Registry`] trait:
 //!   in memory, or shared by replicas in [`registry::etcd`]; a registration
 //!   is checked and compiled in `registry/spec.rs`.
@@ -39,6 +50,8 @@
 //!   decision log, policy watch and reload, metrics endpoint) and run until
 //!   shutdown: what `guardmesh serve` and the integration tests both run.
 
+mod accept;
+mod admit;
 pub mod config;
 pub mod decision_log;
 pub mod etcd_tls;

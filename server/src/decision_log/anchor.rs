@@ -119,6 +119,8 @@ fn host_name() -> String {
 pub enum AnchorError {
     #[error("the settings cannot work: {0}")]
     Config(String),
+    #[error("the settings cannot work: {0}")]
+    Tls(#[from] crate::etcd_tls::EtcdTlsError),
     #[error("cannot reach etcd at {endpoints}: {cause}")]
     Unreachable { endpoints: String, cause: String },
     #[error("etcd refused {op} of {key}: {cause}")]
@@ -152,8 +154,7 @@ impl AnchorClient {
         }
         #[cfg(feature = "etcd-tls")]
         if let Some(tls) = &config.tls {
-            options =
-                options.with_tls(crate::etcd_tls::tls_options(tls).map_err(AnchorError::Config)?);
+            options = options.with_tls(crate::etcd_tls::tls_options(tls)?);
         }
         let endpoints = config.endpoints.join(",");
         let unreachable = |cause: String| AnchorError::Unreachable {

@@ -96,9 +96,14 @@ pub(crate) struct Header {
     pub reason: Option<String>,
 }
 
+/// A line that is not a record: the message completes "the line ...".
+#[derive(Debug, thiserror::Error)]
+#[error("is not a decision log record ({0})")]
+pub(crate) struct NotARecord(#[source] serde_json::Error);
+
 impl Header {
-    pub(crate) fn parse(line: &[u8]) -> Result<Header, String> {
-        serde_json::from_slice(line).map_err(|err| format!("is not a decision log record ({err})"))
+    pub(crate) fn parse(line: &[u8]) -> Result<Header, NotARecord> {
+        serde_json::from_slice(line).map_err(NotARecord)
     }
 }
 

@@ -264,13 +264,34 @@ pub struct Sealed {
     pub missing: Option<(u64, String)>,
 }
 
+/// Why a checkpoint or gap line does not check; each message completes
+/// "the checkpoint ...".
+#[derive(Debug, thiserror::Error)]
+pub enum CheckpointError {
+    #[error("its hash does not match its bytes")]
+    Seal,
+    #[error("is not a decision log record ({0})")]
+    NotARecord(#[source] serde_json::Error),
+    #[error("is signed with key {found}, not with the key given ({wanted})")]
+    OtherKey { found: String, wanted: String },
+    #[error(
+        "says it seals another chain than its own place in the log (records/head differ from seq/prev)"
+    )]
+    OtherChain,
+    #[error("its signature is not 64 bytes of hex")]
+    SignatureShape,
+    #[error("{0}")]
+    Message(#[source] serde_json::Error),
+    #[error("its signature does not verify: the checkpoint, or the chain it seals, was changed")]
+    Signature,
+}
+
 /// Checks a checkpoint or gap line (without newline) against `key`: its
 /// seal, its signature, and that it says what its envelope says. `Ok(None)`
 /// for a line that is a record of another kind.
-pub fn check_line(line: &[u8], key: &VerifyingKey) -> Result<Option<Sealed>, String> {
-    chain::check_seal(line).map_err(|_| "its hash does not match its bytes".to_owned())?;
-    let record: LogRecord = serde_json::from_slice(line)
-        .map_err(|err| format!("is not a decision log record ({err})"))?;
+pub fn check_line(line: &[u8], key: &VerifyingKey) -> Result<Option<Sealed>, CheckpointError> {
+    chain::check_seal(line).map_err(|_| CheckpointError::Seal)?;
+    let record: LogRecord = serde_json::from_slice(line).map_err(CheckpointError::NotARecord)?;
     let LogRecord {
         v,
         seq,
@@ -305,20 +326,18 @@ pub fn check_line(line: &[u8], key: &VerifyingKey) -> Result<Option<Sealed>, Str
     };
     let wanted = key_id(key);
     if key_id_ != wanted {
-        return Err(format!(
-            "is signed with key {key_id_}, not with the key given ({wanted})"
-        ));
+        return Err(CheckpointError::OtherKey {
+            found: key_id_,
+            wanted,
+        });
     }
     if records != seq || head != prev {
-        return Err(
-            "says it seals another chain than its own place in the log (records/head differ from seq/prev)"
-                .to_owned(),
-        );
+        return Err(CheckpointError::OtherChain);
     }
     let sig = sig_mut(&mut entry).map(std::mem::take).unwrap_or_default();
     let signature = unhex(&sig)
         .and_then(|bytes| Signature::from_slice(&bytes).ok())
-        .ok_or_else(|| "its signature is not 64 bytes of hex".to_owned())?;
+        .ok_or(CheckpointError::SignatureShape)?;
     let bytes = message(&Unsealed {
         v,
         seq,
@@ -329,11 +348,9 @@ pub fn check_line(line: &[u8], key: &VerifyingKey) -> Result<Option<Sealed>, Str
         masked,
         entry: &entry,
     })
-    .map_err(|err| err.to_string())?;
-    key.verify_strict(&bytes, &signature).map_err(|_| {
-        "its signature does not verify: the checkpoint, or the chain it seals, was changed"
-            .to_owned()
-    })?;
+    .map_err(CheckpointError::Message)?;
+    key.verify_strict(&bytes, &signature)
+        .map_err(|_| CheckpointError::Signature)?;
     Ok(Some(Sealed {
         seq,
         hash: chain::sha256_hex(line),

@@ -290,6 +290,7 @@ impl MeshLog {
         }
         let mut secrets = Secrets::default();
         rules.batch_secrets(batch, &mut secrets);
+        crate::observe::scrub::install(mask::scrub_live);
         mask::hold(&secrets)
     }
 
@@ -473,37 +474,6 @@ impl MeshLog {
             })
             .await;
         }
-    }
-}
-
-/// The caller as the log names it.
-pub fn caller(
-    auth: Option<&crate::security::auth::Caller>,
-    peer: Option<std::net::SocketAddr>,
-) -> Caller {
-    let (id, roles) = match auth {
-        Some(caller) => {
-            let mut roles: Vec<String> = caller
-                .roles
-                .iter()
-                .map(|role| {
-                    match role {
-                        crate::security::auth::Role::Evaluate => "evaluate",
-                        crate::security::auth::Role::Register => "register",
-                        crate::security::auth::Role::Admin => "admin",
-                    }
-                    .to_owned()
-                })
-                .collect();
-            roles.sort();
-            (Some(caller.id.clone()), roles)
-        }
-        None => (None, Vec::new()),
-    };
-    Caller {
-        id,
-        roles,
-        peer: peer.map(|p| p.to_string()),
     }
 }
 

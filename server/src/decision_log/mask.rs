@@ -63,7 +63,7 @@ pub const MASKED: &str = "[masked]";
 pub const OMITTED: &str = "[omitted: not a JSON object]";
 
 /// A mask rule that cannot be used.
-#[derive(Debug, Clone, thiserror::Error)]
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[error("mask rule {rule:?}: {reason}")]
 pub struct MaskError {
     pub rule: String,
@@ -740,8 +740,8 @@ mod tests {
 
     /// Pinned on purpose: masked values of 1 to 3 characters are masked in
     /// the record's fields but not scrubbed from free text, which they
-    /// would mangle (every `7`, `no` or `abc` in a message). The README's
-    /// masking paragraph says so.
+    /// would mangle (every `7`, `no` or `abc` in a message). docs/decision-log.md
+    /// ("Masked means masked everywhere") says so.
     #[test]
     fn r29_short_values_are_not_scrubbed_and_held_values_scrub_log_text() {
         let mut secrets = Secrets::default();

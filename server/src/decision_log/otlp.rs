@@ -83,24 +83,35 @@ fn env_set(name: &str) -> bool {
     std::env::var(name).is_ok_and(|v| !v.trim().is_empty())
 }
 
+/// Why the OTLP log exporter cannot be built from the environment.
+#[derive(Debug, thiserror::Error)]
+pub enum ExportError {
+    #[error("the OTLP log exporter: {0}")]
+    Protocol(#[from] crate::observe::otlp::UnsupportedProtocol),
+    #[error("the OTLP log exporter: {0}")]
+    Build(#[from] opentelemetry_otlp::ExporterBuildError),
+    #[error(
+        "the OTLP log exporter: {var}={endpoint:?}: only http:// endpoints are supported with http/protobuf"
+    )]
+    Https { var: &'static str, endpoint: String },
+    #[error("the OTLP log exporter: {0}")]
+    NoRuntime(#[from] tokio::runtime::TryCurrentError),
+}
+
 impl Export {
     /// The exporter the `OTEL_EXPORTER_OTLP_*` variables describe. Must be
     /// called on a tokio runtime.
-    pub fn from_env() -> Result<Export, String> {
+    pub fn from_env() -> Result<Export, ExportError> {
         use crate::observe::otlp::{self, CountedLogs, Protocol, RuntimeHttpClient};
         use opentelemetry_otlp::{WithExportConfig, WithHttpConfig};
         let protocol =
-            otlp::signal_protocol_from(otlp::LOGS_PROTOCOL_VARS, |var| std::env::var(var).ok())
-                .map_err(|e| format!("the OTLP log exporter: {e}"))?;
-        let built =
-            |e: opentelemetry_otlp::ExporterBuildError| format!("the OTLP log exporter: {e}");
+            otlp::signal_protocol_from(otlp::LOGS_PROTOCOL_VARS, |var| std::env::var(var).ok())?;
         // No `.with_endpoint()`: the OTEL_EXPORTER_OTLP_* variables decide.
         let exporter = match protocol {
             Protocol::Grpc => opentelemetry_otlp::LogExporter::builder()
                 .with_tonic()
                 .with_protocol(opentelemetry_otlp::Protocol::Grpc)
-                .build()
-                .map_err(built)?,
+                .build()?,
             Protocol::HttpProtobuf => {
                 for var in [
                     "OTEL_EXPORTER_OTLP_LOGS_ENDPOINT",
@@ -109,14 +120,10 @@ impl Export {
                     if let Ok(endpoint) = std::env::var(var)
                         && endpoint.trim().starts_with("https://")
                     {
-                        return Err(format!(
-                            "the OTLP log exporter: {var}={endpoint:?}: only http:// endpoints \
-                             are supported with http/protobuf"
-                        ));
+                        return Err(ExportError::Https { var, endpoint });
                     }
                 }
-                let runtime = tokio::runtime::Handle::try_current()
-                    .map_err(|e| format!("the OTLP log exporter: {e}"))?;
+                let runtime = tokio::runtime::Handle::try_current()?;
                 opentelemetry_otlp::LogExporter::builder()
                     .with_http()
                     .with_protocol(opentelemetry_otlp::Protocol::HttpBinary)
@@ -124,8 +131,7 @@ impl Export {
                         runtime,
                         timeout: otlp::export_timeout("OTEL_EXPORTER_OTLP_LOGS_TIMEOUT"),
                     })
-                    .build()
-                    .map_err(built)?
+                    .build()?
             }
         };
         let exporter = CountedLogs(exporter);

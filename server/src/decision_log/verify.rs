@@ -374,7 +374,7 @@ pub fn verify_with(path: &Path, options: &VerifyOptions) -> Result<VerifyReport,
                     .map(|n| n.to_string_lossy().into_owned())
                     .unwrap_or_default();
                 seal_rules(key, line, &header, &name, &mut seals, &mut report)
-                    .map_err(|reason| bad(Some(&header), reason))?;
+                    .map_err(|reason| bad(Some(&header), reason.to_string()))?;
             }
             if let Some(anchor) = &anchor
                 && anchor.seq == header.seq
@@ -471,6 +471,34 @@ pub fn verify_with(path: &Path, options: &VerifyOptions) -> Result<VerifyReport,
     Ok(report)
 }
 
+/// Which checkpoint rule a line breaks; each message completes "the
+/// record ...".
+#[derive(Debug, thiserror::Error)]
+enum SealRule {
+    #[error("{0}")]
+    Checkpoint(#[from] checkpoint::CheckpointError),
+    #[error("is not a checkpoint")]
+    NotACheckpoint,
+    #[error(
+        "follows the mesh's closing checkpoint without an opening one: appended after the mesh stopped"
+    )]
+    AfterClose,
+    #[error("follows the rotate checkpoint that closed its file: appended after it")]
+    AfterRotate,
+    #[error(
+        "no checkpoint where one was due: {since} records follow the checkpoint at seq {at} (one every {every} at most)"
+    )]
+    Overdue { since: u64, at: u64, every: u64 },
+    #[error("the checkpoint says it is in {segment}: files renamed or records moved")]
+    Moved { segment: String },
+    #[error("follows the mesh's closing checkpoint without an opening one")]
+    CheckpointAfterClose,
+    #[error(
+        "no checkpoint where one was due: {since} records before the first checkpoint (one every {every} at most)"
+    )]
+    FirstOverdue { since: u64, every: u64 },
+}
+
 /// The checkpoint rules for one line (with a key); the reason it breaks
 /// them.
 fn seal_rules(
@@ -480,45 +508,39 @@ fn seal_rules(
     file_name: &str,
     seals: &mut Seals,
     report: &mut VerifyReport,
-) -> Result<(), String> {
+) -> Result<(), SealRule> {
     let sealed = match header.kind.as_str() {
         "checkpoint" | "gap" => match checkpoint::check_line(line, key)? {
             Some(sealed) => sealed,
-            None => return Err("is not a checkpoint".to_owned()),
+            None => return Err(SealRule::NotACheckpoint),
         },
         _ => {
             if seals.closed {
-                return Err(
-                    "follows the mesh's closing checkpoint without an opening one: appended after the mesh stopped"
-                        .to_owned(),
-                );
+                return Err(SealRule::AfterClose);
             }
             if seals.rotated {
-                return Err(
-                    "follows the rotate checkpoint that closed its file: appended after it"
-                        .to_owned(),
-                );
+                return Err(SealRule::AfterRotate);
             }
             seals.since += 1;
             if let Some((at, every)) = seals.last
                 && seals.since > every
             {
-                return Err(format!(
-                    "no checkpoint where one was due: {} records follow the checkpoint at seq {at} (one every {every} at most)",
-                    seals.since
-                ));
+                return Err(SealRule::Overdue {
+                    since: seals.since,
+                    at,
+                    every,
+                });
             }
             return Ok(());
         }
     };
     if sealed.segment != file_name {
-        return Err(format!(
-            "the checkpoint says it is in {}: files renamed or records moved",
-            sealed.segment
-        ));
+        return Err(SealRule::Moved {
+            segment: sealed.segment,
+        });
     }
     if seals.closed && sealed.reason != "open" && sealed.reason != "gap" {
-        return Err("follows the mesh's closing checkpoint without an opening one".to_owned());
+        return Err(SealRule::CheckpointAfterClose);
     }
     // Before the first checkpoint: any number of records if it opens the
     // log's signed part (a key added to an existing log), else `every`.
@@ -527,10 +549,10 @@ fn seal_rules(
         && sealed.reason != "gap"
         && seals.since > sealed.every
     {
-        return Err(format!(
-            "no checkpoint where one was due: {} records before the first checkpoint (one every {} at most)",
-            seals.since, sealed.every
-        ));
+        return Err(SealRule::FirstOverdue {
+            since: seals.since,
+            every: sealed.every,
+        });
     }
     if let Some(missing) = &sealed.missing {
         report.gaps.push((sealed.seq, missing.0));

@@ -180,7 +180,7 @@ impl DecisionLog {
             config.max_file_bytes,
         );
         let export = if config.otlp {
-            Some(super::otlp::Export::from_env().map_err(LogError::Config)?)
+            Some(super::otlp::Export::from_env().map_err(|e| LogError::Config(e.to_string()))?)
         } else {
             None
         };
@@ -1212,7 +1212,7 @@ fn last_record(path: &Path) -> Result<Option<(Header, String)>, LogError> {
     if chain::check_seal(line).is_err() {
         return Err(corrupt(start, "does not match its hash"));
     }
-    let header = Header::parse(line).map_err(|reason| corrupt(start, &reason))?;
+    let header = Header::parse(line).map_err(|reason| corrupt(start, &reason.to_string()))?;
     if header.v != FORMAT_VERSION {
         return Err(corrupt(
             start,

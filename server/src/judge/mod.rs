@@ -9,20 +9,28 @@
 //!   and `apply` the one place a fold's outcome reaches the calls. Each
 //!   mutate guard is judged through a one-guard fold, the validate guards
 //!   through one fold together.
-//! * Deciding and recording are apart: `decide` builds the decision, and
-//!   `record` writes the logs, metrics and span fields of what happened.
+//! * Judging only consults guards and folds: [`judge`] returns a [`Judged`]
+//!   outcome (the answer, and what happened at each guard) and writes no
+//!   metrics, spans' outcomes or records; the batch's record
+//!   ([`crate::mesh::record`]) does, once. The log lines written here are
+//!   a guard's failure and a batch shed, when they happen (R13: never
+//!   silent, even if the batch is then dropped).
 
 mod call_index;
+mod chain;
 pub(crate) mod fold;
+#[cfg(test)]
+mod paused_tests;
 pub(crate) mod verdicts;
 
 use crate::judge::call_index::CallIndex;
 use crate::judge::fold::{Decided, Fold, FoldGuard};
 use crate::link::{GuardFailure, LinkBusy, LinkEvent, NotSent};
-use crate::mesh::{Chain, ChainGuard, Mesh, Unguarded};
+use crate::observe::spans::{SpanFailure, SpanGuard};
 use crate::policy::{Args, BatchValues, CallRef, ContextRef, Outcome as PolicyOutcome, Recorded};
 use crate::registry::spec::Guard;
-use crate::validate;
+use crate::validate::Limits;
+pub use chain::{Chain, ChainGuard, Unguarded};
 use guardmesh_proto::v1::{
     Action, BatchContext, BatchDecision, CallDecision, EvaluateRequest, GuardBatch, GuardRole,
     GuardTrace, JudgeResponse, Skip, SkipKind, ToolCall, TraceStatus,
@@ -72,9 +80,10 @@ impl TraceContext {
 /// Why a batch got no decision.
 #[derive(Debug, thiserror::Error)]
 pub enum BatchError {
-    /// Refused before any guard was contacted (R20).
-    #[error("batch refused: {}", .0.status.message())]
-    Refused(validate::Refusal),
+    /// Refused before any guard was contacted (R20, R25), by the admission
+    /// stage.
+    #[error("batch refused: {0}")]
+    Refused(crate::admit::Refusal),
     /// A guard with failure policy `abort` failed (R13).
     #[error("batch aborted: guard {guard:?} failed ({failure}) and its failure policy is abort")]
     Aborted {
@@ -99,7 +108,7 @@ impl BatchError {
     /// The gRPC status the coordinator gets.
     pub fn status(&self) -> Status {
         match self {
-            Self::Refused(refusal) => refusal.status.clone(),
+            Self::Refused(refusal) => refusal.status(),
             Self::Aborted { .. } => Status::unavailable(self.to_string()),
             Self::Shed { .. } | Self::PolicyBusy { .. } => {
                 Status::resource_exhausted(self.to_string())
@@ -145,25 +154,26 @@ fn unavailable(guard: &Guard) -> Fixed {
     }
 }
 
-/// What happened at one guard, collected into its trace entry.
-struct GuardRun {
-    sent: Vec<bool>,
-    sent_any: bool,
+/// What happened at one guard, collected into its trace entry and, by the
+/// batch's record, into metrics, logs and spans.
+pub(crate) struct GuardRun {
+    pub(crate) sent: Vec<bool>,
+    pub(crate) sent_any: bool,
     request_id: Option<u64>,
     started: Option<Instant>,
     finished: Option<Instant>,
-    skipped: Vec<usize>,
-    rewritten: Vec<usize>,
-    malformed: Vec<Malformed>,
-    failure: Option<GuardFailure>,
+    pub(crate) skipped: Vec<usize>,
+    pub(crate) rewritten: Vec<usize>,
+    pub(crate) malformed: Vec<Malformed>,
+    pub(crate) failure: Option<GuardFailure>,
     superseded: bool,
     answered: Vec<bool>,
     /// The kinds (`SkipKind`) of `skipped`, in the same order.
     skip_kinds: Vec<i32>,
     /// The guard's `apply_guardrail` span, and a remote guard's client span
     /// under it, while the guard is consulted.
-    guardrail: Option<tracing::Span>,
-    span: Option<tracing::Span>,
+    pub(crate) guardrail: Option<tracing::Span>,
+    pub(crate) span: Option<tracing::Span>,
     /// For a policy guard (R27): the rule that decided (or failed on) each
     /// call, by call index.
     rules: Vec<(usize, String)>,
@@ -191,7 +201,7 @@ impl GuardRun {
     }
 
     /// From sending to the answer or the failure, when both happened.
-    fn latency(&self) -> Option<Duration> {
+    pub(crate) fn latency(&self) -> Option<Duration> {
         match (self.started, self.finished) {
             (Some(s), Some(f)) => Some(f - s),
             _ => None,
@@ -201,7 +211,7 @@ impl GuardRun {
     /// What the guard said of call `i`, if it was sent it: `proceed`,
     /// `steer`, `cancel` or `rewrite`, `failed` when it failed before
     /// answering it; `None` when its answer was no longer needed (R5).
-    fn call_action(&self, i: usize) -> Option<&'static str> {
+    pub(crate) fn call_action(&self, i: usize) -> Option<&'static str> {
         if self.sent.get(i) != Some(&true) {
             return None;
         }
@@ -225,7 +235,7 @@ impl GuardRun {
     }
 
     /// The status this run would have if the guard enforced.
-    fn status(&self) -> TraceStatus {
+    pub(crate) fn status(&self) -> TraceStatus {
         match &self.failure {
             _ if !self.sent_any => TraceStatus::NotApplicable,
             Some(GuardFailure::TimedOut(_)) => TraceStatus::TimedOut,
@@ -240,141 +250,51 @@ impl GuardRun {
     }
 }
 
-impl Mesh {
-    /// Judges one batch. `deadline` is the batch's deadline (R14).
-    pub async fn evaluate(
-        &self,
-        request: EvaluateRequest,
-        deadline: Instant,
-        mut trace: TraceContext,
-    ) -> Result<BatchDecision, BatchError> {
-        let span = crate::observe::spans::batch_span(
-            trace.unary,
-            &request.batch_id,
-            request.context.as_ref(),
-            request.calls.len(),
-            self.served_at(),
-        );
-        {
-            use tracing_opentelemetry::OpenTelemetrySpanExt;
-            let _ = span.set_parent(trace.parent.clone());
-        }
-        if let Some(own) = guardmesh_client::trace::span_traceparent(&span)
-            && let Some((trace_id, _, _)) = guardmesh_client::trace::parse_traceparent(&own)
-        {
-            trace.trace_id = trace_id.to_owned();
-        }
-        let result = tracing::Instrument::instrument(
-            self.evaluate_in(request, deadline, trace, span.clone()),
-            span.clone(),
-        )
-        .await;
-        crate::observe::spans::batch_done(&span, &result);
-        result
-    }
+/// What judging a batch came to: the answer, and what happened at each
+/// guard (in chain order), for the batch's record.
+pub(crate) struct Judged {
+    pub(crate) result: Result<BatchDecision, BatchError>,
+    pub(crate) runs: Vec<GuardRun>,
+    /// The calls as sent, of a batch that got no decision (empty once
+    /// decided: the decision holds them).
+    pub(crate) calls: Vec<ToolCall>,
+    /// Calls no enforced guard applied to (R28), counted by the record.
+    pub(crate) unguarded: usize,
+}
 
-    async fn evaluate_in(
-        &self,
-        request: EvaluateRequest,
-        deadline: Instant,
-        trace: TraceContext,
-        span: tracing::Span,
-    ) -> Result<BatchDecision, BatchError> {
-        let started = Instant::now();
-        let chain = self.chain();
-        // With a policy guard in the chain, the check records where each
-        // call's argument members are, so that the rules read them without
-        // scanning the text again (R27); for policies that read no
-        // arguments, only each call's largest collection (the cost bounds'
-        // `n`).
-        let mut members = Recorded::default();
-        let policies = chain.guards.iter().filter_map(|g| g.guard.policy.as_ref());
-        let checked = if let Some(args) = policies
-            .map(|p| p.compiled.reads_args())
-            .reduce(|a, b| a || b)
-        {
-            let limits = &self.config.limits;
-            let calls = request.calls.len().min(limits.max_calls_per_batch);
-            members = if args {
-                Recorded::with_calls(calls)
-            } else {
-                Recorded::largest_only(calls)
-            };
-            validate::check_recording(&request, &self.config.limits, &mut members)
-        } else {
-            validate::check(&request, &self.config.limits)
-        };
-        if let Err(refusal) = checked {
-            self.metrics.refused(refusal.reason);
-            self.metrics.batch("refused", 0.0);
-            tracing::info!(batch_id = %request.batch_id, reason = refusal.reason, "batch refused: {}", refusal.status.message());
-            return Err(BatchError::Refused(refusal));
-        }
-        if let Err(error) = self.registry().check() {
-            self.metrics.refused("registry_unavailable");
-            self.metrics.batch("refused", 0.0);
-            tracing::warn!(batch_id = %request.batch_id, %error, "batch refused: registry unavailable");
-            return Err(BatchError::Refused(validate::Refusal {
-                reason: "registry_unavailable",
-                status: Status::unavailable(error.to_string()),
-            }));
-        }
-        // R1: zero calls contact no guard.
-        if request.calls.is_empty() {
-            self.metrics
-                .batch("decided", started.elapsed().as_secs_f64());
-            return Ok(BatchDecision {
-                decisions: Vec::new(),
-                execute: Vec::new(),
-                trace: chain
-                    .guards
-                    .iter()
-                    .map(|g| GuardTrace {
-                        guard: g.guard.name.clone(),
-                        role: g.guard.role as i32,
-                        status: TraceStatus::NotApplicable as i32,
-                        ..Default::default()
-                    })
-                    .collect(),
-                chain_revision: chain.revision,
-                trace_id: trace.trace_id,
-            });
-        }
-        // Load shedding: refuse at once rather than queue without bound.
-        let Ok(_permit) = self.inflight.clone().try_acquire_owned() else {
-            self.metrics.refused("overloaded");
-            self.metrics.batch("refused", 0.0);
-            let limit = self.config.limits.max_inflight_batches;
-            tracing::warn!(batch_id = %request.batch_id, limit, "batch refused: mesh overloaded");
-            return Err(BatchError::Refused(validate::Refusal {
-                reason: "overloaded",
-                status: Status::resource_exhausted(format!(
-                    "mesh overloaded: {limit} batches already in flight; retry with backoff"
-                )),
-            }));
-        };
-        let mut judging = Judging::new(self, &chain, request, members, deadline, trace, span);
-        let result = judging.run().await;
-        let outcome = match &result {
-            Ok(_) => "decided",
-            Err(BatchError::Shed { .. }) => {
-                self.metrics.refused("guard_busy");
-                "refused"
-            }
-            Err(BatchError::PolicyBusy { .. }) => {
-                self.metrics.refused("policy_busy");
-                "refused"
-            }
-            Err(_) => "aborted",
-        };
-        self.metrics.batch(outcome, started.elapsed().as_secs_f64());
-        result
+/// Judges one admitted batch against `chain`: consults its guards, folds
+/// their verdicts and decides (R2..R18). `members`: what the admission
+/// stage recorded of the calls' arguments for the policy guards (R27).
+/// `span`: the batch's span, under which each guard's span opens.
+#[allow(clippy::too_many_arguments)]
+pub(crate) async fn judge(
+    chain: &Chain,
+    limits: &Limits,
+    unguarded: Unguarded,
+    request: EvaluateRequest,
+    members: Recorded,
+    deadline: Instant,
+    trace: TraceContext,
+    span: tracing::Span,
+) -> Judged {
+    let mut judging = Judging::new(
+        chain, limits, unguarded, request, members, deadline, trace, span,
+    );
+    let result = judging.run().await;
+    Judged {
+        result,
+        calls: judging.calls.into_iter().map(|c| c.original).collect(),
+        runs: judging.runs,
+        unguarded: judging.unguarded_calls,
     }
 }
 
 /// The state of one batch being judged.
 struct Judging<'a> {
-    mesh: &'a Mesh,
+    limits: &'a Limits,
+    unguarded: Unguarded,
+    /// Calls no enforced guard applied to (R28).
+    unguarded_calls: usize,
     chain: &'a Chain,
     request: EvaluateRequest,
     context: Option<BatchContext>,
@@ -394,9 +314,11 @@ struct Judging<'a> {
 }
 
 impl<'a> Judging<'a> {
+    #[allow(clippy::too_many_arguments)]
     fn new(
-        mesh: &'a Mesh,
         chain: &'a Chain,
+        limits: &'a Limits,
+        unguarded: Unguarded,
         mut request: EvaluateRequest,
         members: Recorded,
         deadline: Instant,
@@ -418,7 +340,9 @@ impl<'a> Judging<'a> {
         Self {
             index_of,
             members,
-            mesh,
+            limits,
+            unguarded,
+            unguarded_calls: 0,
             chain,
             context: request.context.take(),
             request,
@@ -431,21 +355,12 @@ impl<'a> Judging<'a> {
         }
     }
 
-    /// Consults the guards, decides, then records what happened: deciding
-    /// and recording are apart, and every batch is recorded once.
+    /// Consults the guards, then decides; what happened is recorded by the
+    /// batch's record, not here.
     async fn run(&mut self) -> Result<BatchDecision, BatchError> {
-        match self.consult().await {
-            Ok(()) => {
-                self.unguarded();
-                let decision = self.decide();
-                self.record(Some(&decision));
-                Ok(decision)
-            }
-            Err(error) => {
-                self.record(None);
-                Err(error)
-            }
-        }
+        self.consult().await?;
+        self.unguarded();
+        Ok(self.decide())
     }
 
     async fn consult(&mut self) -> Result<(), BatchError> {
@@ -510,13 +425,14 @@ impl<'a> Judging<'a> {
         let budget = self.budget(guard, now);
         let run = &mut self.runs[g];
         run.started = Some(now);
+        let named = span_guard(guard);
         let guardrail = crate::observe::spans::guardrail_span(
             &self.span,
-            guard,
+            &named,
             self.context.as_ref().map_or("", |c| c.session_id.as_str()),
             run.sent.iter().filter(|s| **s).count(),
         );
-        let span = crate::observe::spans::judge_span(&guardrail, guard);
+        let span = crate::observe::spans::judge_span(&guardrail, &named);
         run.guardrail = Some(guardrail);
         // R22: the guard's span is parented on this guard's client span.
         let traceparent = guardmesh_client::trace::span_traceparent(&span)
@@ -642,7 +558,7 @@ impl<'a> Judging<'a> {
         let run = &mut self.runs[g];
         let checked = check_verdicts(
             guard,
-            &self.mesh.config.limits,
+            self.limits,
             |i| self.calls[i].current(),
             &self.index_of,
             &run.sent,
@@ -726,7 +642,7 @@ impl<'a> Judging<'a> {
     /// Guard `g`, the fold's guard `k`, failed: the one sequence for every
     /// failure (R13). Its request is cancelled when it may still be out
     /// (`cancel`), its circuit breaker hears of it, the failure is kept for
-    /// the trace and [`Self::record`], and the fold applies the guard's
+    /// the trace and the batch's record, and the fold applies the guard's
     /// failure policy to the calls it has not answered.
     fn guard_failed(
         &mut self,
@@ -904,7 +820,7 @@ impl<'a> Judging<'a> {
         let run = &mut self.runs[g];
         match check_verdicts(
             guard,
-            &self.mesh.config.limits,
+            self.limits,
             |i| self.calls[i].current(),
             &self.index_of,
             &run.sent,
@@ -961,7 +877,7 @@ impl<'a> Judging<'a> {
         run.started = Some(started);
         run.guardrail = Some(crate::observe::spans::guardrail_span(
             &self.span,
-            &self.chain.guards[g].guard,
+            &span_guard(&self.chain.guards[g].guard),
             self.context.as_ref().map_or("", |c| c.session_id.as_str()),
             run.sent.iter().filter(|s| **s).count(),
         ));
@@ -1173,7 +1089,6 @@ impl<'a> Judging<'a> {
     /// content naming its tool; counted either way.
     fn unguarded(&mut self) {
         let chain = self.chain;
-        let metrics = &self.mesh.metrics;
         let runs = &self.runs;
         for (i, call) in self.calls.iter_mut().enumerate() {
             if call.fixed.is_some() {
@@ -1190,10 +1105,10 @@ impl<'a> Judging<'a> {
             if guarded {
                 continue;
             }
-            match self.mesh.config.unguarded {
-                Unguarded::Proceed => metrics.unguarded("proceed"),
+            self.unguarded_calls += 1;
+            match self.unguarded {
+                Unguarded::Proceed => {}
                 Unguarded::Cancel => {
-                    metrics.unguarded("cancel");
                     call.fixed = Some(Fixed {
                         content: format!(
                             "Tool call blocked: no guard checks the tool {:?}, and this mesh \
@@ -1257,112 +1172,8 @@ impl<'a> Judging<'a> {
             trace_id: self.trace.trace_id.clone(),
         }
     }
-
-    /// Records what happened, once the batch is decided (`Some`) or aborted
-    /// (`None`): the calls' outcomes, and per guard its failure (never
-    /// silent, R13), its dropped verdicts (R8), what a dry-run guard would
-    /// have done (R18), its outcome and latency, and its span's fields. Of
-    /// an aborted batch, the guards never reached are not counted.
-    fn record(&self, decision: Option<&BatchDecision>) {
-        let metrics = &self.mesh.metrics;
-        let ids: Vec<&str> = match decision {
-            Some(decision) => {
-                for d in &decision.decisions {
-                    for name in &d.bypassed {
-                        metrics.bypassed(name);
-                    }
-                    metrics.call(match Action::try_from(d.action) {
-                        Ok(Action::Steer) => "steer",
-                        Ok(Action::Cancel) => "cancel",
-                        _ => "proceed",
-                    });
-                }
-                decision
-                    .decisions
-                    .iter()
-                    .map(|d| d.call_id.as_str())
-                    .collect()
-            }
-            None => self
-                .calls
-                .iter()
-                .map(|c| c.original.call_id.as_str())
-                .collect(),
-        };
-        // The tool of call `i`, as the agent named it.
-        let tools = |i: usize| -> &str {
-            match decision {
-                Some(decision) => decision
-                    .decisions
-                    .get(i)
-                    .and_then(|d| d.original.as_ref())
-                    .map_or("", |c| c.tool.as_str()),
-                None => self.calls.get(i).map_or("", |c| c.original.tool.as_str()),
-            }
-        };
-        for (ChainGuard { guard, .. }, run) in self.chain.guards.iter().zip(&self.runs) {
-            if decision.is_none() && !run.sent_any {
-                continue;
-            }
-            let status = run.status();
-            let reported = reported_status(guard, run);
-            let error = error_text(run);
-            if run.failure.is_none() && !run.malformed.is_empty() {
-                tracing::warn!(
-                    guard = %guard.name,
-                    batch_id = %self.request.batch_id,
-                    trace_id = %self.trace.trace_id,
-                    "malformed verdicts dropped: {error}"
-                );
-            }
-            if !guard.enforced() && status != TraceStatus::NotApplicable {
-                tracing::info!(
-                    guard = %guard.name,
-                    batch_id = %self.request.batch_id,
-                    would = status.name(),
-                    would_skip = ?run.skipped.iter().map(|&i| ids[i]).collect::<Vec<_>>(),
-                    would_rewrite = ?run.rewritten.iter().map(|&i| ids[i]).collect::<Vec<_>>(),
-                    "dry-run guard"
-                );
-            }
-            metrics.guard_outcome(
-                &guard.name,
-                reported.name(),
-                run.latency().map(|l| l.as_secs_f64()),
-            );
-            if !guard.enforced() {
-                for i in 0..ids.len() {
-                    if let Some(would) = run.call_action(i) {
-                        metrics.dry_run_call(&guard.name, would);
-                    }
-                }
-            }
-            if let Some(guardrail) = &run.guardrail {
-                crate::observe::spans::guard_done(
-                    guardrail,
-                    run.span.as_ref(),
-                    &crate::observe::spans::GuardOutcome {
-                        guard,
-                        status: reported.name(),
-                        failure: run.failure.as_ref(),
-                        error: &error,
-                        skipped: run.skipped.len(),
-                        rewritten: run.rewritten.len(),
-                    },
-                );
-                if !guardrail.is_disabled() {
-                    for (i, id) in ids.iter().enumerate() {
-                        if let Some(action) = run.call_action(i) {
-                            crate::observe::spans::call_event(guardrail, tools(i), id, action);
-                        }
-                    }
-                }
-            }
-        }
-    }
 }
 
-/// Guard `run`'s trace entry (R21); `ids` are the batch's call ids.
 /// One policy guard's evaluation of a batch, in the policy lane.
 struct PolicyJob {
     /// Its position in the validate fold.
@@ -1499,6 +1310,7 @@ fn panicked(jobs: &[PolicyJob], at: Instant) -> PolicyOutcomes {
         .collect()
 }
 
+/// Guard `run`'s trace entry (R21); `ids` are the batch's call ids.
 fn trace_entry(guard: &Guard, run: &GuardRun, ids: &[&str]) -> GuardTrace {
     let status = run.status();
     let reported = reported_status(guard, run);
@@ -1537,7 +1349,7 @@ fn trace_entry(guard: &Guard, run: &GuardRun, ids: &[&str]) -> GuardTrace {
 
 /// The error a guard's trace entry and span show: its failure, else why
 /// verdicts were dropped (R8), else nothing.
-fn error_text(run: &GuardRun) -> String {
+pub(crate) fn error_text(run: &GuardRun) -> String {
     match &run.failure {
         Some(failure) => failure.to_string(),
         None if run.malformed.is_empty() => String::new(),
@@ -1552,7 +1364,7 @@ fn error_text(run: &GuardRun) -> String {
 
 /// The status a guard's trace entry shows: a dry-run guard's is `dry_run`
 /// unless it was sent nothing (R18).
-fn reported_status(guard: &Guard, run: &GuardRun) -> TraceStatus {
+pub(crate) fn reported_status(guard: &Guard, run: &GuardRun) -> TraceStatus {
     let status = run.status();
     if guard.enforced() || status == TraceStatus::NotApplicable {
         status
@@ -1561,18 +1373,39 @@ fn reported_status(guard: &Guard, run: &GuardRun) -> TraceStatus {
     }
 }
 
-#[allow(dead_code)]
-fn _assert_send(mesh: Arc<Mesh>) {
-    fn is_send<T: Send>(_: T) {}
-    is_send(async move {
-        let _ = mesh
-            .evaluate(
-                EvaluateRequest::default(),
-                Instant::now(),
-                TraceContext::default(),
-            )
-            .await;
-    });
+/// A guard as its spans name it.
+pub(crate) fn span_guard(guard: &Guard) -> SpanGuard<'_> {
+    SpanGuard {
+        name: &guard.name,
+        role: guard.role.name(),
+        enforced: guard.enforced(),
+        policy: guard.is_policy(),
+        endpoint: &guard.endpoint,
+        failure_policy: guard.failure_policy,
+    }
+}
+
+/// A guard's failure as its spans name it: a low-cardinality kind, and the
+/// gRPC code of the exchange (`None` when the exchange itself went through
+/// and the answer was then refused).
+pub(crate) fn span_failure(failure: &GuardFailure) -> SpanFailure {
+    use crate::observe::spans::code_name;
+    use tonic::Code;
+    #[allow(unreachable_patterns)]
+    let (kind, code) = match failure {
+        GuardFailure::TimedOut(_) => ("timeout", Some(Code::DeadlineExceeded)),
+        GuardFailure::Status { code, .. } => (code_name(*code), Some(*code)),
+        GuardFailure::Refused(_) => ("refused", Some(Code::Unknown)),
+        GuardFailure::Unreachable(_) => ("unreachable", Some(Code::Unavailable)),
+        GuardFailure::StreamClosed => ("stream_closed", Some(Code::Unavailable)),
+        GuardFailure::CircuitOpen { .. } => ("circuit_open", Some(Code::Unavailable)),
+        GuardFailure::NotReading { .. } => ("not_reading", Some(Code::Unavailable)),
+        GuardFailure::RejectedRewrite(_) => ("rejected_rewrite", None),
+        GuardFailure::UnknownVerdictField(_) => ("unknown_verdict_field", None),
+        GuardFailure::Policy(_) => ("policy_error", None),
+        _ => ("_OTHER", Some(Code::Unknown)),
+    };
+    SpanFailure { kind, code }
 }
 
 #[cfg(test)]

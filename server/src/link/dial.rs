@@ -90,6 +90,27 @@ pub fn ambiguous_host(host: &str) -> Option<&'static str> {
     None
 }
 
+/// An `[endpoint_policy] allow` entry that is neither a CIDR nor a host.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("allow-list entry {entry:?} is neither a CIDR nor a host")]
+pub struct AllowListError {
+    pub entry: String,
+}
+
+/// Why the endpoint policy refuses a host or an address.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum EndpointRefused {
+    /// Never dialed: unspecified, multicast, link-local or metadata.
+    #[error("{ip} is {why}")]
+    Denied { ip: IpAddr, why: &'static str },
+    #[error("{host} is a cloud metadata host")]
+    MetadataHost { host: String },
+    #[error("{host} is not in the endpoint allow-list")]
+    HostNotAllowed { host: String },
+    #[error("{ip} is not in the endpoint allow-list")]
+    IpNotAllowed { ip: IpAddr },
+}
+
 /// Which guard endpoints the mesh may dial.
 #[derive(Debug, Clone)]
 pub struct EndpointPolicy {
@@ -112,7 +133,7 @@ impl Default for EndpointPolicy {
 impl EndpointPolicy {
     /// An allow-list of CIDRs/addresses and host names (`*.suffix` globs).
     /// Empty allows every host not denied.
-    pub fn new(allow: &[String], deny_link_local: bool) -> Result<Self, String> {
+    pub fn new(allow: &[String], deny_link_local: bool) -> Result<Self, AllowListError> {
         let mut policy = Self {
             deny_link_local,
             ..Self::default()
@@ -126,9 +147,9 @@ impl EndpointPolicy {
             } else if !entry.is_empty() && !entry.contains('/') {
                 policy.hosts.push(entry.to_ascii_lowercase());
             } else {
-                return Err(format!(
-                    "allow-list entry {entry:?} is neither a CIDR nor a host"
-                ));
+                return Err(AllowListError {
+                    entry: entry.to_owned(),
+                });
             }
         }
         Ok(policy)
@@ -167,16 +188,20 @@ impl EndpointPolicy {
     }
 
     /// Checks an endpoint's host as registered.
-    pub fn check_host(&self, host: &str) -> Result<(), String> {
+    pub fn check_host(&self, host: &str) -> Result<(), EndpointRefused> {
         let bare = host.trim_start_matches('[').trim_end_matches(']');
         if let Ok(ip) = bare.parse::<IpAddr>() {
             return self.check_ip(ip, None);
         }
         if self.deny_link_local && METADATA_HOSTS.contains(&bare.to_ascii_lowercase().as_str()) {
-            return Err(format!("{host} is a cloud metadata host"));
+            return Err(EndpointRefused::MetadataHost {
+                host: host.to_owned(),
+            });
         }
         if self.restricted() && !self.host_allowed(bare) {
-            return Err(format!("{host} is not in the endpoint allow-list"));
+            return Err(EndpointRefused::HostNotAllowed {
+                host: host.to_owned(),
+            });
         }
         Ok(())
     }
@@ -184,13 +209,13 @@ impl EndpointPolicy {
     /// Checks an address the mesh is about to dial. `host` is the name it
     /// was resolved from, if any: a name on the allow-list may resolve to
     /// any address that is not denied.
-    pub fn check_ip(&self, ip: IpAddr, host: Option<&str>) -> Result<(), String> {
+    pub fn check_ip(&self, ip: IpAddr, host: Option<&str>) -> Result<(), EndpointRefused> {
         if let Some(why) = self.denied_ip(ip) {
-            return Err(format!("{ip} is {why}"));
+            return Err(EndpointRefused::Denied { ip, why });
         }
         let by_name = host.is_some_and(|h| self.host_allowed(h));
         if self.restricted() && !by_name && !self.nets.iter().any(|n| n.contains(&ip)) {
-            return Err(format!("{ip} is not in the endpoint allow-list"));
+            return Err(EndpointRefused::IpNotAllowed { ip });
         }
         Ok(())
     }
@@ -270,7 +295,8 @@ impl ServerCertVerifier for PinnedVerifier {
         )?;
         match self.pin.as_deref() {
             Some(pin) if pin.contains("://") => {
-                let found = uri_identity(end_entity).map_err(rustls::Error::General)?;
+                let found =
+                    uri_identity(end_entity).map_err(|e| rustls::Error::General(e.to_string()))?;
                 if found != pin {
                     return Err(rustls::Error::General(format!(
                         "guard presented identity {found}, expected {pin}"

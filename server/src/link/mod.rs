@@ -27,7 +27,12 @@
 mod backoff;
 mod breaker;
 pub mod dial;
+#[cfg(test)]
+mod paused_tests;
 mod queue;
+#[cfg(any(test, feature = "test-util"))]
+pub mod scripted;
+pub mod transport;
 
 use backoff::ExpBackoff;
 use breaker::ConsecutiveFailures;
@@ -40,6 +45,7 @@ use std::time::Duration;
 use tokio::sync::mpsc;
 use tokio_stream::StreamExt;
 use tokio_stream::wrappers::UnboundedReceiverStream;
+use transport::{GrpcTransport, GuardTransport, OpenError, Requests};
 use wire::Encoded;
 
 /// Why a guard could not answer a request.
@@ -199,6 +205,10 @@ pub struct LinkConfig {
     /// once, per its failure policy. A request is always admitted to an
     /// empty queue, whatever its size.
     pub max_queued_bytes: usize,
+    /// How links reach their guards. `None` (the default): each guard's
+    /// endpoint over gRPC ([`GrpcTransport`]) with the mesh's connector.
+    /// Tests put an in-memory guard here ([`scripted`]).
+    pub transport: Option<Arc<dyn GuardTransport>>,
 }
 
 /// The least interval between keepalive PINGs that default gRPC servers
@@ -221,6 +231,7 @@ impl Default for LinkConfig {
             keepalive_timeout: Duration::from_secs(20),
             dead_peer_timeout: Duration::from_secs(30),
             max_queued_bytes: 16 * 1024 * 1024,
+            transport: None,
         }
     }
 }
@@ -396,7 +407,8 @@ impl Drop for GuardLink {
 }
 
 impl GuardLink {
-    /// Starts connecting to `endpoint` in the background. Must be called
+    /// Starts connecting to `endpoint` in the background, over gRPC with
+    /// `connector` (or over `config.transport` when set). Must be called
     /// within a tokio runtime.
     pub fn spawn(
         name: &str,
@@ -406,6 +418,24 @@ impl GuardLink {
         metrics: Arc<crate::observe::metrics::Metrics>,
     ) -> Self {
         let pin = connector.pin.clone();
+        let transport = match &config.transport {
+            Some(transport) => transport.clone(),
+            None => Arc::new(GrpcTransport::new(connector, config.dead_peer_timeout)),
+        };
+        Self::spawn_with(name, endpoint, config, transport, pin, metrics)
+    }
+
+    /// Starts connecting to `endpoint` in the background over `transport`;
+    /// `pin` is the identity the transport requires of the guard, if any
+    /// ([`Self::pin`]). Must be called within a tokio runtime.
+    pub fn spawn_with(
+        name: &str,
+        endpoint: &str,
+        config: LinkConfig,
+        transport: Arc<dyn GuardTransport>,
+        pin: Option<String>,
+        metrics: Arc<crate::observe::metrics::Metrics>,
+    ) -> Self {
         if !config.keepalive_interval.is_zero()
             && config.keepalive_interval < MIN_PEER_PING_INTERVAL
         {
@@ -432,7 +462,7 @@ impl GuardLink {
             outage: std::sync::atomic::AtomicBool::new(false),
         });
         let task =
-            tokio::spawn(run(shared.clone(), config, connector, Box::pin(requests))).abort_handle();
+            tokio::spawn(run(shared.clone(), config, transport, Box::pin(requests))).abort_handle();
         Self { shared, task, pin }
     }
 
@@ -590,14 +620,11 @@ fn record_outcome(
     }
 }
 
-/// The requests of one stream, as the stream takes them.
-type Requests = std::pin::Pin<Box<dyn tokio_stream::Stream<Item = Encoded> + Send>>;
-
 /// The link's life: connect, serve one stream, back off, repeat.
 async fn run(
     shared: Arc<Shared>,
     config: LinkConfig,
-    connector: crate::link::dial::GuardConnector,
+    transport: Arc<dyn GuardTransport>,
     first: Requests,
 ) {
     let mut first = Some(first);
@@ -606,10 +633,6 @@ async fn run(
         config.backoff_max,
         ExpBackoff::LINK_JITTER,
     );
-    let connector = DeadPeerConnector {
-        inner: connector,
-        timeout: config.dead_peer_timeout,
-    };
     loop {
         let requests = match first.take() {
             Some(requests) => requests,
@@ -619,7 +642,7 @@ async fn run(
                 Box::pin(requests) as Requests
             }
         };
-        let answered = serve_stream(&shared, &config, &connector, requests).await;
+        let answered = serve_stream(&shared, &config, transport.as_ref(), requests).await;
         if answered {
             backoff.reset();
         }
@@ -634,43 +657,21 @@ async fn run(
 async fn serve_stream(
     shared: &Shared,
     config: &LinkConfig,
-    connector: &DeadPeerConnector,
+    transport: &dyn GuardTransport,
     requests: Requests,
 ) -> bool {
-    // The connector resolves, applies the endpoint policy, connects and
-    // speaks TLS for https:// guards (see dial.rs).
-    let dial = match shared.endpoint.strip_prefix("https://") {
-        Some(rest) => format!("http://{rest}"),
-        None => shared.endpoint.clone(),
-    };
-    let channel = match tonic::transport::Endpoint::from_shared(dial) {
-        Ok(endpoint) => {
-            let mut endpoint = endpoint.connect_timeout(config.connect_timeout);
-            // R26: HTTP/2 PINGs only as often as default gRPC servers accept
-            // (hyper pings after `keepalive_interval` without a frame from
-            // the guard, so a busy link never pings). A vanished peer is
-            // found sooner by the kernel's TCP probes (DeadPeerConnector).
-            if !config.keepalive_interval.is_zero() {
-                endpoint = endpoint
-                    .http2_keep_alive_interval(config.keepalive_interval)
-                    .keep_alive_timeout(config.keepalive_timeout)
-                    .keep_alive_while_idle(true);
-            }
-            endpoint.connect_with_connector(connector.clone()).await
-        }
-        Err(error) => {
-            let reason: Arc<str> = format!("bad endpoint {}: {error}", shared.endpoint).into();
+    let mut answers = match transport.open(&shared.endpoint, config, requests).await {
+        Ok(answers) => answers,
+        Err(error @ OpenError::BadEndpoint { .. }) => {
+            let reason: Arc<str> = error.to_string().into();
             shared.fail_all(
                 GuardFailure::Unreachable(reason.clone()),
                 Conn::Down(reason),
             );
             return false;
         }
-    };
-    let channel = match channel {
-        Ok(channel) => channel,
-        Err(error) => {
-            let reason: Arc<str> = format!("{}: {}", shared.endpoint, error_chain(&error)).into();
+        Err(error @ OpenError::Unreachable { .. }) => {
+            let reason: Arc<str> = error.to_string().into();
             // Warn once per outage; the retries that follow log at debug.
             if shared.outage_started() {
                 tracing::warn!(guard = %shared.name, error = %reason, "guard unreachable; retrying with backoff");
@@ -683,10 +684,7 @@ async fn serve_stream(
             );
             return false;
         }
-    };
-    let mut answers = match judge(channel, config, requests).await {
-        Ok(response) => response.into_inner(),
-        Err(status) => {
+        Err(OpenError::Refused(status)) => {
             tracing::warn!(guard = %shared.name, %status, "guard refused the Judge stream");
             let reason: Arc<str> = format!("Judge stream refused: {status}").into();
             shared.fail_all(GuardFailure::from_status(&status), Conn::Down(reason));
@@ -698,13 +696,13 @@ async fn serve_stream(
     shared.outage.store(false, Ordering::Relaxed);
     let mut answered = false;
     let (failure, reason): (GuardFailure, Arc<str>) = loop {
-        match answers.message().await {
-            Ok(Some(answer)) => {
+        match answers.next().await {
+            Some(Ok(answer)) => {
                 answered = true;
                 route(shared, answer);
             }
-            Ok(None) => break (GuardFailure::StreamClosed, "guard closed its stream".into()),
-            Err(status) => {
+            None => break (GuardFailure::StreamClosed, "guard closed its stream".into()),
+            Some(Err(status)) => {
                 break (
                     GuardFailure::from_status(&status),
                     format!("stream failed: {status}").into(),
@@ -715,32 +713,6 @@ async fn serve_stream(
     tracing::warn!(guard = %shared.name, error = %failure, "guard stream ended");
     shared.fail_all(failure, Conn::Down(reason));
     answered
-}
-
-/// Opens the `Judge` stream. Like the generated client's `judge`, but its
-/// answers are read with [`wire::JudgeCodec`], which finds the verdict fields
-/// this mesh does not know (R23) before prost drops them.
-async fn judge(
-    channel: tonic::transport::Channel,
-    config: &LinkConfig,
-    requests: Requests,
-) -> Result<tonic::Response<tonic::Streaming<wire::Answer>>, tonic::Status> {
-    let mut grpc = tonic::client::Grpc::new(channel)
-        .max_decoding_message_size(config.max_decoding_message_size)
-        .max_encoding_message_size(config.max_encoding_message_size);
-    grpc.ready()
-        .await
-        .map_err(|e| tonic::Status::unavailable(format!("guard channel not ready: {e}")))?;
-    let mut request = tonic::Request::new(requests);
-    request
-        .extensions_mut()
-        .insert(tonic::GrpcMethod::new("guardmesh.v1.GuardService", "Judge"));
-    grpc.streaming(
-        request,
-        http::uri::PathAndQuery::from_static("/guardmesh.v1.GuardService/Judge"),
-        wire::JudgeCodec,
-    )
-    .await
 }
 
 /// Hands an answer to the batch waiting for it. Answers for requests that
@@ -777,68 +749,9 @@ fn route(shared: &Shared, answer: wire::Answer) {
     }
 }
 
-/// The guard connector, with the kernel's dead-peer detection on each new
-/// socket: TCP keepalive probes after half of `timeout` idle, and
-/// `TCP_USER_TIMEOUT` for data the peer never acknowledges. Unlike HTTP/2
-/// PINGs, these are invisible to the guard's gRPC ping policy (R26).
-#[derive(Clone)]
-struct DeadPeerConnector {
-    inner: crate::link::dial::GuardConnector,
-    timeout: Duration,
-}
-
-impl tower::Service<http::Uri> for DeadPeerConnector {
-    type Response = hyper_util::rt::TokioIo<crate::link::dial::GuardIo>;
-    type Error = std::io::Error;
-    type Future = std::pin::Pin<
-        Box<dyn std::future::Future<Output = Result<Self::Response, Self::Error>> + Send>,
-    >;
-
-    fn poll_ready(
-        &mut self,
-        cx: &mut std::task::Context<'_>,
-    ) -> std::task::Poll<Result<(), Self::Error>> {
-        self.inner.poll_ready(cx)
-    }
-
-    fn call(&mut self, uri: http::Uri) -> Self::Future {
-        let connecting = self.inner.call(uri);
-        let timeout = self.timeout;
-        Box::pin(async move {
-            let io = connecting.await?;
-            if !timeout.is_zero() {
-                let tcp = match io.inner() {
-                    crate::link::dial::GuardIo::Plain(tcp) => tcp,
-                    crate::link::dial::GuardIo::Tls(tls) => tls.get_ref().0,
-                };
-                if let Err(error) = detect_dead_peer(tcp, timeout) {
-                    tracing::debug!(%error, "cannot set TCP keepalive on a guard connection");
-                }
-            }
-            Ok(io)
-        })
-    }
-}
-
-/// Sets TCP keepalive (idle `timeout / 2`, then 3 probes over the other
-/// half) and, on Linux, `TCP_USER_TIMEOUT` = `timeout` on `tcp`.
-fn detect_dead_peer(tcp: &tokio::net::TcpStream, timeout: Duration) -> std::io::Result<()> {
-    let socket = socket2::SockRef::from(tcp);
-    let idle = (timeout / 2).max(Duration::from_secs(1));
-    let interval = (timeout / 6).max(Duration::from_secs(1));
-    socket.set_tcp_keepalive(
-        &socket2::TcpKeepalive::new()
-            .with_time(idle)
-            .with_interval(interval)
-            .with_retries(3),
-    )?;
-    #[cfg(any(target_os = "linux", target_os = "android"))]
-    socket.set_tcp_user_timeout(Some(timeout))?;
-    Ok(())
-}
-
 #[cfg(test)]
 mod tests {
+    use super::transport::DeadPeerConnector;
     use super::*;
 
     /// Failures that say something about a guard's availability.
@@ -1305,7 +1218,7 @@ pub mod wire {
         }
     }
 
-    fn read_answer(bytes: &[u8]) -> Result<Answer, Status> {
+    pub(crate) fn read_answer(bytes: &[u8]) -> Result<Answer, Status> {
         let malformed =
             |e: String| Status::internal(format!("guard sent an unreadable answer: {e}"));
         let unknown = unknown_verdict_field(bytes).map_err(|e| malformed(e.to_string()))?;

@@ -2,6 +2,9 @@
 //! (R29): both are scrubbed against the masked values of the batches being
 //! judged ([`crate::decision_log::scrub_live`]), which are empty, and cost
 //! one atomic load, when no `[decision_log] mask` is configured.
+//!
+//! Telemetry imports nothing above it: the decision log installs its
+//! scrubber here ([`install`]) when it first holds masked values.
 
 use std::borrow::Cow;
 use std::io;
@@ -13,7 +16,20 @@ use opentelemetry_sdk::error::OTelSdkResult;
 use opentelemetry_sdk::trace::{Span, SpanData, SpanProcessor};
 use tracing_subscriber::fmt::MakeWriter;
 
-use crate::decision_log::scrub_live;
+/// What a text is scrubbed with: the masked values being held, or `None`
+/// when none of them is in it.
+pub type Scrubber = fn(&str) -> Option<String>;
+
+static SCRUBBER: std::sync::OnceLock<Scrubber> = std::sync::OnceLock::new();
+
+/// Installs the scrubber of log lines and spans; the first one stays.
+pub fn install(scrubber: Scrubber) {
+    let _ = SCRUBBER.set(scrubber);
+}
+
+fn scrub_live(text: &str) -> Option<String> {
+    SCRUBBER.get().and_then(|scrub| scrub(text))
+}
 
 /// A span processor that scrubs every string attribute, event and status
 /// description of a span as it ends, then hands it to `P`.
@@ -118,6 +134,7 @@ mod tests {
     fn r29_log_lines_are_scrubbed_of_held_masked_values() {
         let mut secrets = Secrets::default();
         secrets.add("scrub-writer-secret");
+        install(crate::decision_log::scrub_live);
         let _held = mask::hold(&secrets);
         let mut out = Vec::new();
         Scrubbed(&mut out)

@@ -22,9 +22,6 @@
 //! The spans are at DEBUG: without an exporter they are never created, and
 //! every attribute that needs formatting is formatted only for a live span.
 
-use crate::judge::BatchError;
-use crate::link::GuardFailure;
-use crate::registry::spec::Guard;
 use guardmesh_proto::v1::{Action, BatchContext, BatchDecision, FailurePolicy};
 use std::net::SocketAddr;
 use std::sync::LazyLock;
@@ -183,8 +180,34 @@ pub(crate) fn batch_span(
     )
 }
 
-/// Records how a batch ended on its span.
-pub(crate) fn batch_done(span: &Span, result: &Result<BatchDecision, BatchError>) {
+/// A guard as its spans name it. Telemetry knows nothing of the registry:
+/// the caller describes the guard.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct SpanGuard<'a> {
+    pub(crate) name: &'a str,
+    /// `mutate` or `validate`.
+    pub(crate) role: &'static str,
+    /// Not dry-run (R18).
+    pub(crate) enforced: bool,
+    /// A policy guard judged inside the mesh (R27).
+    pub(crate) policy: bool,
+    pub(crate) endpoint: &'a str,
+    pub(crate) failure_policy: FailurePolicy,
+}
+
+/// How a guard's consultation failed, as its spans name it.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct SpanFailure {
+    /// A low-cardinality name (`error.type` of the guardrail span).
+    pub(crate) kind: &'static str,
+    /// The gRPC code of the exchange; `None` when the exchange itself went
+    /// through (the answer was then refused).
+    pub(crate) code: Option<tonic::Code>,
+}
+
+/// Records how a batch ended on its span: its decision, or the status it
+/// was answered with.
+pub(crate) fn batch_done(span: &Span, result: Result<&BatchDecision, &tonic::Status>) {
     if span.is_disabled() {
         return;
     }
@@ -208,8 +231,7 @@ pub(crate) fn batch_done(span: &Span, result: &Result<BatchDecision, BatchError>
             span.record("guardmesh.calls.steer", count_of(Action::Steer));
             span.record("guardmesh.calls.cancel", count_of(Action::Cancel));
         }
-        Err(error) => {
-            let status = error.status();
+        Err(status) => {
             record_status(
                 span,
                 status.code(),
@@ -224,7 +246,7 @@ pub(crate) fn batch_done(span: &Span, result: &Result<BatchDecision, BatchError>
 /// `apply_guardrail` operation); `conversation` is the batch's session.
 pub(crate) fn guardrail_span(
     parent: &Span,
-    guard: &Guard,
+    guard: &SpanGuard<'_>,
     conversation: &str,
     sent: usize,
 ) -> Span {
@@ -235,16 +257,16 @@ pub(crate) fn guardrail_span(
         otel.kind = "internal",
         otel.status_description = Empty,
         gen_ai.operation.name = "apply_guardrail",
-        gen_ai.guardian.name = guard.name.as_str(),
-        gen_ai.guardian.id = guard.name.as_str(),
+        gen_ai.guardian.name = guard.name,
+        gen_ai.guardian.id = guard.name,
         "gen_ai.security.target.type" = "tool_call",
         "gen_ai.security.decision.type" = Empty,
         gen_ai.conversation.id = (!conversation.is_empty()).then_some(conversation),
         "error.type" = Empty,
-        guardmesh.guard = guard.name.as_str(),
-        guardmesh.guard.role = guard.role.name(),
-        guardmesh.guard.dry_run = !guard.enforced(),
-        guardmesh.guard.policy = guard.is_policy(),
+        guardmesh.guard = guard.name,
+        guardmesh.guard.role = guard.role,
+        guardmesh.guard.dry_run = !guard.enforced,
+        guardmesh.guard.policy = guard.policy,
         guardmesh.status = Empty,
         guardmesh.calls.sent = count(sent),
         guardmesh.calls.skipped = Empty,
@@ -272,7 +294,7 @@ fn host_port(endpoint: &str) -> Option<(String, Option<u16>)> {
 
 /// The client span of a remote guard's exchange for one batch, under its
 /// guardrail span.
-pub(crate) fn judge_span(parent: &Span, guard: &Guard) -> Span {
+pub(crate) fn judge_span(parent: &Span, guard: &SpanGuard<'_>) -> Span {
     let conventions = *CONVENTIONS;
     let span = tracing::debug_span!(
         parent: parent,
@@ -289,10 +311,10 @@ pub(crate) fn judge_span(parent: &Span, guard: &Guard) -> Span {
         server.address = Empty,
         server.port = Empty,
         "error.type" = Empty,
-        guardmesh.guard = guard.name.as_str(),
+        guardmesh.guard = guard.name,
     );
     if !span.is_disabled() {
-        match host_port(&guard.endpoint) {
+        match host_port(guard.endpoint) {
             Some((host, port)) => {
                 span.record("server.address", host.as_str());
                 if let Some(port) = port {
@@ -300,58 +322,19 @@ pub(crate) fn judge_span(parent: &Span, guard: &Guard) -> Span {
                 }
             }
             None => {
-                span.record("server.address", guard.endpoint.as_str());
+                span.record("server.address", guard.endpoint);
             }
         }
     }
     span
 }
 
-/// The gRPC code of a guard's exchange that ended in `failure`; `None`
-/// when the exchange itself went through (the answer was then refused).
-fn failure_code(failure: &GuardFailure) -> Option<tonic::Code> {
-    use tonic::Code;
-    #[allow(unreachable_patterns)]
-    match failure {
-        GuardFailure::TimedOut(_) => Some(Code::DeadlineExceeded),
-        GuardFailure::Status { code, .. } => Some(*code),
-        GuardFailure::Refused(_) => Some(Code::Unknown),
-        GuardFailure::Unreachable(_)
-        | GuardFailure::StreamClosed
-        | GuardFailure::CircuitOpen { .. }
-        | GuardFailure::NotReading { .. } => Some(Code::Unavailable),
-        GuardFailure::RejectedRewrite(_)
-        | GuardFailure::UnknownVerdictField(_)
-        | GuardFailure::Policy(_) => None,
-        _ => Some(Code::Unknown),
-    }
-}
-
-/// A low-cardinality name for a guard's failure (`error.type` of its
-/// guardrail span).
-fn failure_type(failure: &GuardFailure) -> &'static str {
-    #[allow(unreachable_patterns)]
-    match failure {
-        GuardFailure::TimedOut(_) => "timeout",
-        GuardFailure::Status { code, .. } => code_name(*code),
-        GuardFailure::Refused(_) => "refused",
-        GuardFailure::Unreachable(_) => "unreachable",
-        GuardFailure::StreamClosed => "stream_closed",
-        GuardFailure::CircuitOpen { .. } => "circuit_open",
-        GuardFailure::NotReading { .. } => "not_reading",
-        GuardFailure::RejectedRewrite(_) => "rejected_rewrite",
-        GuardFailure::UnknownVerdictField(_) => "unknown_verdict_field",
-        GuardFailure::Policy(_) => "policy_error",
-        _ => "_OTHER",
-    }
-}
-
 /// What one guard did in a batch, for its spans.
 pub(crate) struct GuardOutcome<'a> {
-    pub(crate) guard: &'a Guard,
+    pub(crate) guard: SpanGuard<'a>,
     /// The trace status (R21) as reported.
     pub(crate) status: &'static str,
-    pub(crate) failure: Option<&'a GuardFailure>,
+    pub(crate) failure: Option<SpanFailure>,
     pub(crate) error: &'a str,
     pub(crate) skipped: usize,
     pub(crate) rewritten: usize,
@@ -361,7 +344,7 @@ pub(crate) struct GuardOutcome<'a> {
 /// dry-run guard only audits; a failed guard's calls go as its failure
 /// policy says.
 fn decision_type(outcome: &GuardOutcome<'_>) -> &'static str {
-    if !outcome.guard.enforced() {
+    if !outcome.guard.enforced {
         "audit"
     } else if outcome.failure.is_some() {
         match outcome.guard.failure_policy {
@@ -389,14 +372,14 @@ pub(crate) fn guard_done(guardrail: &Span, judge: Option<&Span>, outcome: &Guard
             guardrail.record("guardmesh.error", outcome.error);
         }
         if let Some(failure) = outcome.failure {
-            guardrail.record("error.type", failure_type(failure));
+            guardrail.record("error.type", failure.kind);
             guardrail.record("otel.status_description", outcome.error);
         }
     }
     if let Some(judge) = judge
         && !judge.is_disabled()
     {
-        match outcome.failure.and_then(failure_code) {
+        match outcome.failure.and_then(|failure| failure.code) {
             Some(code) => record_status(judge, code, true, outcome.error),
             None => record_status(judge, tonic::Code::Ok, false, ""),
         }

@@ -63,7 +63,7 @@ pub enum CompileErrorKind {
     /// (a misspelt name, or one of the extensions left out): it would fail
     /// on every call.
     #[error(
-        "`{field}` calls the unknown function {name:?}{} (CEL names are case-sensitive; the functions rules may call are listed in the README, Policies)",
+        "`{field}` calls the unknown function {name:?}{} (CEL names are case-sensitive; the functions rules may call are listed in docs/policies.md)",
         did_you_mean(.suggestion)
     )]
     UnknownFunction {

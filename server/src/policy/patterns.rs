@@ -74,10 +74,14 @@ impl Drop for PatternSet {
 }
 
 /// Why a pattern was refused.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
 pub(crate) enum PatternError {
+    /// Not a regular expression (the regex crate's own message).
     #[error("{0}")]
-    Invalid(String),
+    Invalid(regex::Error),
+    /// Larger than the largest compile step.
+    #[error("compiled, it is larger than the limit of {limit} bytes")]
+    TooBig { limit: usize },
     #[error("the policy's patterns would take more than {limit} bytes compiled")]
     PolicyBytes { limit: usize },
     #[error("the policy has more than {limit} distinct patterns")]
@@ -95,19 +99,18 @@ fn build(pattern: &str, size_limit: usize) -> Result<Regex, regex::Error> {
 
 /// Compiles `pattern` at the smallest step it fits: the regex and the
 /// bytes it is charged.
-fn compile_charged(pattern: &str) -> Result<(Regex, usize), String> {
+fn compile_charged(pattern: &str) -> Result<(Regex, usize), PatternError> {
     let mut last = None;
     for step in STEPS {
         match build(pattern, step) {
             Ok(regex) => return Ok((regex, step + CACHE_LIMIT * cache_threads())),
             Err(regex::Error::CompiledTooBig(_)) => last = Some(step),
-            Err(error) => return Err(error.to_string()),
+            Err(error) => return Err(PatternError::Invalid(error)),
         }
     }
-    Err(format!(
-        "compiled, it is larger than the limit of {} bytes",
-        last.unwrap_or(SIZE_LIMIT)
-    ))
+    Err(PatternError::TooBig {
+        limit: last.unwrap_or(SIZE_LIMIT),
+    })
 }
 
 impl PatternSet {
@@ -145,7 +148,7 @@ impl PatternSet {
                 limit: self.max_patterns,
             });
         }
-        let (regex, bytes) = compile_charged(pattern).map_err(PatternError::Invalid)?;
+        let (regex, bytes) = compile_charged(pattern)?;
         let mine = self.charged.load(Ordering::Relaxed);
         if mine.saturating_add(bytes) > self.max_bytes {
             return Err(PatternError::PolicyBytes {
@@ -189,9 +192,7 @@ pub(crate) fn with<T>(set: &Arc<PatternSet>, f: impl FnOnce() -> T) -> T {
 pub(crate) fn precompile(pattern: &str) -> Result<(), PatternError> {
     match CURRENT.with(|c| c.borrow().clone()) {
         Some(set) => set.add(pattern),
-        None => compile_charged(pattern)
-            .map(|_| ())
-            .map_err(PatternError::Invalid),
+        None => compile_charged(pattern).map(|_| ()),
     }
 }
 

@@ -381,12 +381,44 @@ struct Tally {
     answered: u32,
 }
 
+/// A case where the fast path and the interpreter do not agree.
+#[derive(Debug, thiserror::Error)]
+enum Disagreement {
+    #[error(
+        "{policy}: the fast path answered from text {text}, from checked text {checked}, \
+         from parsed JSON {json}, on {batch}"
+    )]
+    Lanes {
+        policy: String,
+        text: bool,
+        checked: bool,
+        json: bool,
+        batch: String,
+    },
+    #[error("{policy}: the fast value has no plain form")]
+    Unplain { policy: String },
+    #[error("{policy}: the fast path gave {fast}, the interpreter {slow}, on {batch}")]
+    Value {
+        policy: String,
+        fast: String,
+        slow: String,
+        batch: String,
+    },
+    #[error("{policy}: the fast path gave {fast}, the interpreter the error {error}, on {batch}")]
+    Error {
+        policy: String,
+        fast: String,
+        error: String,
+        batch: String,
+    },
+}
+
 fn check(
     env: &Arc<Env>,
     source: &str,
     batch: &BatchInput,
     tally: &mut Tally,
-) -> Result<(), String> {
+) -> Result<(), Disagreement> {
     let Ok(program) = env.compile(source) else {
         return Ok(());
     };
@@ -425,10 +457,13 @@ fn check(
     let checked = agree(env, source, &program, &plan, &from_checked, batch)?;
     let json = agree(env, source, &program, &plan, &from_json, batch)?;
     if text != json || checked != json {
-        return Err(format!(
-            "{source}: the fast path answered from text {text}, from checked text {checked}, \
-             from parsed JSON {json}, on {batch:?}"
-        ));
+        return Err(Disagreement::Lanes {
+            policy: source.to_owned(),
+            text,
+            checked,
+            json,
+            batch: format!("{batch:?}"),
+        });
     }
     tally.answered += u32::from(text);
     Ok(())
@@ -443,11 +478,15 @@ fn agree(
     plan: &Plan,
     values: &BatchValues<'_>,
     batch: &BatchInput,
-) -> Result<bool, String> {
+) -> Result<bool, Disagreement> {
     let fast = match plan.plain(&values.fast(0)) {
         Ok(fast) => fast,
         Err(Seen::Unsure) => return Ok(false),
-        Err(Seen::Unplain) => return Err(format!("{source}: the fast value has no plain form")),
+        Err(Seen::Unplain) => {
+            return Err(Disagreement::Unplain {
+                policy: source.to_owned(),
+            });
+        }
     };
     let variables = values.scope(0);
     let mut activation = Context::with_env(Arc::clone(env));
@@ -458,14 +497,20 @@ fn agree(
             if slow.as_ref() == Some(&fast) {
                 Ok(true)
             } else {
-                Err(format!(
-                    "{source}: the fast path gave {fast:?}, the interpreter {slow:?}, on {batch:?}"
-                ))
+                Err(Disagreement::Value {
+                    policy: source.to_owned(),
+                    fast: format!("{fast:?}"),
+                    slow: format!("{slow:?}"),
+                    batch: format!("{batch:?}"),
+                })
             }
         }
-        Err(error) => Err(format!(
-            "{source}: the fast path gave {fast:?}, the interpreter the error {error}, on {batch:?}"
-        )),
+        Err(error) => Err(Disagreement::Error {
+            policy: source.to_owned(),
+            fast: format!("{fast:?}"),
+            error: error.to_string(),
+            batch: format!("{batch:?}"),
+        }),
     }
 }
 
@@ -481,7 +526,7 @@ fn run(expressions: impl Strategy<Value = String>) -> Tally {
     let tally = std::cell::RefCell::new(Tally::default());
     let result = runner.run(&(expressions, batch()), |(source, batch)| {
         check(&env, &source, &batch, &mut tally.borrow_mut())
-            .map_err(proptest::test_runner::TestCaseError::fail)
+            .map_err(|e| proptest::test_runner::TestCaseError::fail(e.to_string()))
     });
     if let Err(error) = result {
         panic!("{error}");

@@ -103,7 +103,7 @@ pub fn admit_blocking(spec: GuardSpec, admission: &Admission) -> Result<CheckedG
         return Err(AdmitError::Endpoint {
             name: guard.name.clone(),
             endpoint: guard.endpoint.clone(),
-            why,
+            why: why.to_string(),
         });
     }
     let stored = GuardSpec {

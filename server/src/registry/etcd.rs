@@ -257,8 +257,59 @@ impl EtcdConfig {
 pub enum ConnectError {
     #[error("invalid etcd registry settings: {0}")]
     Config(String),
+    #[error("invalid etcd registry settings: [registry] {0}")]
+    Tls(#[from] crate::etcd_tls::EtcdTlsError),
     #[error("cannot reach etcd at {endpoints}: {cause}")]
     Unreachable { endpoints: String, cause: String },
+}
+
+/// Why an etcd request failed; `what` names the request.
+#[derive(Debug, thiserror::Error)]
+pub(crate) enum RequestError {
+    /// etcd answered with an error that a retry only repeats.
+    #[error("{what}: {source}")]
+    Refused {
+        what: &'static str,
+        #[source]
+        source: etcd_client::Error,
+    },
+    /// One attempt, and no answer within its deadline.
+    #[error("{what}: no answer within {timeout:?}")]
+    Timeout {
+        what: &'static str,
+        timeout: Duration,
+    },
+    /// Retried until the deadline; `last` is the last attempt's failure.
+    #[error("{what}: {last} ({attempts} attempt(s) within {timeout:?})")]
+    Exhausted {
+        what: &'static str,
+        last: Attempt,
+        attempts: u32,
+        timeout: Duration,
+    },
+}
+
+/// How one attempt of a retried request failed.
+#[derive(Debug, thiserror::Error)]
+pub(crate) enum Attempt {
+    /// etcd refused the auth token (a new one is being fetched).
+    #[error("{0}")]
+    Unauthenticated(tonic::Status),
+    #[error("{0}")]
+    Etcd(etcd_client::Error),
+    #[error("no answer within {0:?}")]
+    Timeout(Duration),
+}
+
+/// Why a stored registration cannot be read back as a guard.
+#[derive(Debug, thiserror::Error)]
+enum StoredError {
+    #[error("not a GuardSpec: {0}")]
+    Decode(#[from] prost::DecodeError),
+    #[error("{0}")]
+    Invalid(#[from] crate::registry::spec::SpecError),
+    #[error("stored under {key:?} but names itself {name:?}")]
+    Misnamed { key: String, name: String },
 }
 
 /// The key layout under one prefix (see the module docs).
@@ -467,13 +518,13 @@ impl Drop for EtcdRegistry {
 /// etcd answers as an error instead of a hang.
 async fn timed<T>(
     timeout: Duration,
-    what: &str,
+    what: &'static str,
     request: impl Future<Output = Result<T, etcd_client::Error>>,
-) -> Result<T, String> {
+) -> Result<T, RequestError> {
     match tokio::time::timeout(timeout, request).await {
         Ok(Ok(value)) => Ok(value),
-        Ok(Err(error)) => Err(format!("{what}: {error}")),
-        Err(_) => Err(format!("{what}: no answer within {timeout:?}")),
+        Ok(Err(source)) => Err(RequestError::Refused { what, source }),
+        Err(_) => Err(RequestError::Timeout { what, timeout }),
     }
 }
 
@@ -498,10 +549,10 @@ async fn timed<T>(
 async fn retried<T, F, Fut>(
     timeout: Duration,
     members: usize,
-    what: &str,
+    what: &'static str,
     reauthenticate: &(dyn Fn() + Sync),
     mut request: F,
-) -> Result<T, String>
+) -> Result<T, RequestError>
 where
     F: FnMut() -> Fut,
     Fut: Future<Output = Result<T, etcd_client::Error>>,
@@ -523,17 +574,22 @@ where
                 if status.code() == tonic::Code::Unauthenticated =>
             {
                 reauthenticate();
-                status.to_string()
+                Attempt::Unauthenticated(status)
             }
-            Ok(Err(error)) if !transient(&error) => return Err(format!("{what}: {error}")),
-            Ok(Err(error)) => error.to_string(),
-            Err(_) => format!("no answer within {budget:?}"),
+            Ok(Err(source)) if !transient(&source) => {
+                return Err(RequestError::Refused { what, source });
+            }
+            Ok(Err(error)) => Attempt::Etcd(error),
+            Err(_) => Attempt::Timeout(budget),
         };
         let left = timeout.saturating_sub(started.elapsed());
         if left <= pause {
-            return Err(format!(
-                "{what}: {error} ({attempts} attempt(s) within {timeout:?})"
-            ));
+            return Err(RequestError::Exhausted {
+                what,
+                last: error,
+                attempts,
+                timeout,
+            });
         }
         tracing::debug!(what, %error, attempts, "etcd: request failed; retrying");
         tokio::time::sleep(pause).await;
@@ -594,10 +650,7 @@ async fn connect_client(
     }
     #[cfg(feature = "etcd-tls")]
     if let Some(tls) = &config.tls {
-        options = options.with_tls(
-            crate::etcd_tls::tls_options(tls)
-                .map_err(|e| ConnectError::Config(format!("[registry] {e}")))?,
-        );
+        options = options.with_tls(crate::etcd_tls::tls_options(tls)?);
     }
     let unreachable = |cause: String| ConnectError::Unreachable {
         endpoints: config.endpoints.join(","),
@@ -698,7 +751,7 @@ impl EtcdRegistry {
             .await
             .map_err(|cause| ConnectError::Unreachable {
                 endpoints: shared.config.endpoints.join(","),
-                cause,
+                cause: cause.to_string(),
             })?;
         let chain = shared.chain.load_full();
         tracing::info!(
@@ -988,7 +1041,7 @@ impl Shared {
 
     /// Lists every key under the prefix and replaces the view with it.
     /// Returns the listing's revision.
-    async fn list(&self, timeout: Duration) -> Result<i64, String> {
+    async fn list(&self, timeout: Duration) -> Result<i64, RequestError> {
         let sent = Instant::now();
         let (revision, kvs) = self.read_all(timeout).await?;
         let changed = {
@@ -1027,7 +1080,7 @@ impl Shared {
     /// one answer, 4 MiB by default), all at the revision of the first page.
     /// The first page is a linearizable read (etcd's default): a member cut
     /// off from the quorum cannot answer it with its old state.
-    async fn read_all(&self, timeout: Duration) -> Result<(i64, Vec<KeyValue>), String> {
+    async fn read_all(&self, timeout: Duration) -> Result<(i64, Vec<KeyValue>), RequestError> {
         const PAGE: i64 = 512;
         let started = Instant::now();
         let end = prefix_end(self.keys.root.as_bytes());
@@ -1103,7 +1156,7 @@ impl Shared {
                 Err(reason) => {
                     tracing::error!(key, %reason, "etcd registry: registration cannot be read; batches are refused until it is fixed or deregistered");
                     view.guards.remove(name);
-                    view.invalid.insert(key.to_owned(), reason);
+                    view.invalid.insert(key.to_owned(), reason.to_string());
                 }
             }
         } else if let Some(name) = key.strip_prefix(self.keys.alive.as_str()) {
@@ -1148,19 +1201,17 @@ impl Shared {
     /// A stored registration as a guard: the one this replica admitted
     /// and wrote, if it is that one; otherwise read and checked here, its
     /// policy compiled once (another replica wrote it).
-    fn decode(&self, name: &str, value: &[u8]) -> Result<Arc<Guard>, String> {
+    fn decode(&self, name: &str, value: &[u8]) -> Result<Arc<Guard>, StoredError> {
         if let Some(guard) = self.own_write(name, value) {
             return Ok(guard);
         }
-        let spec = GuardSpec::decode(value).map_err(|e| format!("not a GuardSpec: {e}"))?;
-        let guard = super::admit::from_store(&spec, self.default_timeout)
-            .map(Arc::new)
-            .map_err(|e| e.to_string())?;
+        let spec = GuardSpec::decode(value)?;
+        let guard = super::admit::from_store(&spec, self.default_timeout).map(Arc::new)?;
         if guard.name != name {
-            return Err(format!(
-                "stored under {name:?} but names itself {:?}",
-                guard.name
-            ));
+            return Err(StoredError::Misnamed {
+                key: name.to_owned(),
+                name: guard.name.clone(),
+            });
         }
         Ok(guard)
     }
@@ -1269,7 +1320,7 @@ impl Shared {
                         relist = false;
                     }
                     Err(cause) => {
-                        broken(&mut failing, &cause);
+                        broken(&mut failing, &cause.to_string());
                         tokio::time::sleep(backoff).await;
                         backoff = (backoff * 2).min(max_backoff);
                         continue;
@@ -1285,7 +1336,7 @@ impl Shared {
                     }
                     self.watch(stream, revision, &mut cluster_id).await
                 }
-                Err(cause) => Stopped::Lost(cause),
+                Err(cause) => Stopped::Lost(cause.to_string()),
             };
             revision = self.view().revision;
             match stopped {
@@ -1321,7 +1372,7 @@ impl Shared {
             let sent = Instant::now();
             match self.probe().await {
                 Ok(()) => self.contact(sent),
-                Err(cause) => self.lost(&cause),
+                Err(cause) => self.lost(&cause.to_string()),
             }
         }
     }
@@ -1330,7 +1381,7 @@ impl Shared {
     /// request timeout (the transactions of this registry are idempotent).
     async fn transaction(
         &self,
-        what: &str,
+        what: &'static str,
         txn: Txn,
     ) -> Result<etcd_client::TxnResponse, RegistryError> {
         retried(
@@ -1345,7 +1396,7 @@ impl Shared {
             },
         )
         .await
-        .map_err(RegistryError::Unavailable)
+        .map_err(|e| RegistryError::Unavailable(e.to_string()))
     }
 
     /// One freshness probe: a linearizable read of the registration keys
@@ -1353,7 +1404,7 @@ impl Shared {
     /// applied at least the read's revision, or holds the same keys at the
     /// same revisions; otherwise the watch is behind the quorum and the
     /// chain is listed again.
-    async fn probe(&self) -> Result<(), String> {
+    async fn probe(&self) -> Result<(), RequestError> {
         let response = retried(
             self.config.request_timeout,
             self.config.endpoints.len(),
@@ -1410,7 +1461,7 @@ impl Shared {
         Ok(())
     }
 
-    async fn open_watch(&self, start: i64) -> Result<WatchStream, String> {
+    async fn open_watch(&self, start: i64) -> Result<WatchStream, RequestError> {
         let mut client = self.client.watch_client();
         timed(
             self.config.request_timeout,
@@ -1889,11 +1940,11 @@ mod tests {
             async move { if fail { Err(unavailable()) } else { Ok(calls) } }
         })
         .await;
-        assert_eq!(answer, Ok(4));
+        assert_eq!(answer.ok(), Some(4));
 
         // What a retry only repeats fails at once.
         let mut calls = 0;
-        let answer: Result<(), String> =
+        let answer: Result<(), RequestError> =
             retried(Duration::from_secs(5), 3, "reading", &|| {}, || {
                 calls += 1;
                 async {
@@ -1904,7 +1955,7 @@ mod tests {
             })
             .await;
         assert_eq!(calls, 1);
-        assert!(answer.unwrap_err().contains("permission"));
+        assert!(answer.unwrap_err().to_string().contains("permission"));
 
         // A member that never answers does not take the whole deadline, and
         // the deadline holds.
@@ -1921,13 +1972,13 @@ mod tests {
             }
         })
         .await;
-        assert_eq!(answer, Ok(2));
-        let answer: Result<(), String> =
+        assert_eq!(answer.ok(), Some(2));
+        let answer: Result<(), RequestError> =
             retried(Duration::from_millis(300), 3, "reading", &|| {}, || async {
                 Err(unavailable())
             })
             .await;
-        assert!(answer.unwrap_err().contains("no leader"));
+        assert!(answer.unwrap_err().to_string().contains("no leader"));
         assert!(started.elapsed() < Duration::from_secs(2));
     }
 

@@ -28,6 +28,7 @@ mod policy_reload;
 
 use crate::config::{Config, ConfigError, GuardConfig, RegistryKind, SecurityError};
 use crate::mesh::{Mesh, MeshConfig};
+use crate::observe::metrics_http::Probes;
 use crate::registry::etcd::EtcdRegistry;
 use crate::registry::{CheckedGuard, MemoryRegistry, Registry, RegistryError};
 use std::future::Future;
@@ -97,6 +98,11 @@ pub struct Server {
     /// The folder the config's policy files are relative to.
     config_dir: PathBuf,
     metrics_listen: Option<SocketAddr>,
+    /// What `/healthz` and `/readyz` on the metrics listener report.
+    probes: Arc<Probes>,
+    /// The metrics listener already serves the probes (started before the
+    /// registry was loaded, so probes answer during an etcd connect).
+    metrics_started: bool,
 }
 
 impl std::fmt::Debug for Server {
@@ -123,6 +129,8 @@ impl Server {
             metrics_listen: config.metrics_listen,
             config,
             config_dir: PathBuf::from("."),
+            probes: Probes::new(),
+            metrics_started: false,
         }
     }
 
@@ -153,12 +161,24 @@ impl Server {
         for warning in config.guard_warnings() {
             tracing::warn!("{warning}");
         }
+        // The probes answer from the start: /healthz at once, /readyz 503
+        // until the registry is loaded and the listener accepts.
+        let probes = Probes::new();
+        if let Some(addr) = config.metrics_listen {
+            crate::observe::metrics_http::spawn_with_probes(addr, probes.clone())
+                .await
+                .map_err(|source| ServerError::Metrics { addr, source })?;
+        }
         if let Some(limit) = crate::security::tls::raise_open_file_limit() {
             tracing::info!(open_files = limit, "open-file limit");
         }
         let (mesh_config, checked) = config.build_with_guards()?;
         let registry = build_registry(&config, checked, mesh_config.default_guard_timeout).await?;
-        Ok(Self::with_mesh(Mesh::new(mesh_config, registry), config))
+        let metrics_started = config.metrics_listen.is_some();
+        let mut server = Self::with_mesh(Mesh::new(mesh_config, registry), config);
+        server.probes = probes;
+        server.metrics_started = metrics_started;
+        Ok(server)
     }
 
     /// The folder the config's policy files are relative to (default: the
@@ -174,7 +194,13 @@ impl Server {
     #[must_use]
     pub fn with_metrics_listen(mut self, addr: SocketAddr) -> Self {
         self.metrics_listen = Some(addr);
+        self.metrics_started = false;
         self
+    }
+
+    /// What `/healthz` and `/readyz` report for this server.
+    pub fn probes(&self) -> &Arc<Probes> {
+        &self.probes
     }
 
     /// The mesh this server runs.
@@ -302,16 +328,19 @@ impl Server {
             )
         };
         let hangup = reloader.on_sighup();
-        if let Some(addr) = self.metrics_listen {
-            crate::observe::metrics_http::spawn(addr, mesh.metrics.clone())
+        if let Some(addr) = self.metrics_listen.filter(|_| !self.metrics_started) {
+            crate::observe::metrics_http::spawn_with_probes(addr, self.probes.clone())
                 .await
                 .map_err(|source| ServerError::Metrics { addr, source })?;
         }
+        self.probes.set_mesh(mesh.clone());
         Ok(Running {
             mesh,
             guards: self.config.guards.len(),
             _policy_watch: policy_watch,
             hangup,
+            probes: self.probes.clone(),
+            grace: self.config.server.shutdown_grace(),
         })
     }
 }
@@ -324,6 +353,10 @@ struct Running {
     /// Dropped with the server: the watch stops.
     _policy_watch: Option<notify::RecommendedWatcher>,
     hangup: Option<tokio::task::JoinHandle<()>>,
+    probes: Arc<Probes>,
+    /// How long the drain may take once `shutdown` completes
+    /// (`[server] shutdown_grace_ms`).
+    grace: std::time::Duration,
 }
 
 impl Running {
@@ -335,7 +368,52 @@ impl Running {
         if let Ok(addr) = listener.local_addr() {
             tracing::info!(%addr, guards = self.guards, "guardmesh serving");
         }
-        let served = crate::server::run(listener, self.mesh.clone(), shutdown).await;
+        self.probes.set_listening();
+        // On shutdown: /readyz turns 503, the server drains, and the drain
+        // has `[server] shutdown_grace_ms` to finish before serving stops
+        // anyway (batches still in flight are cut).
+        let (stopping, stop) = tokio::sync::watch::channel(false);
+        let probes = self.probes.clone();
+        let signal = async move {
+            shutdown.await;
+            probes.set_draining();
+            let _ = stopping.send(true);
+        };
+        let signalled = {
+            let mut stop = stop.clone();
+            async move {
+                let _ = stop.wait_for(|s| *s).await;
+            }
+        };
+        let grace = self.grace;
+        let grace_over = async move {
+            let mut stop = stop;
+            let _ = stop.wait_for(|s| *s).await;
+            tokio::time::sleep(grace).await;
+        };
+        let serving = async {
+            tokio::select! {
+                served = crate::server::run(listener, self.mesh.clone(), signalled) => served,
+                () = grace_over => {
+                    tracing::warn!(
+                        grace_ms = grace.as_millis() as u64,
+                        "shutdown grace period over: exiting with batches still in flight"
+                    );
+                    Ok(())
+                }
+            }
+        };
+        let served = {
+            tokio::pin!(signal);
+            tokio::pin!(serving);
+            let mut signalled = false;
+            loop {
+                tokio::select! {
+                    served = &mut serving => break served,
+                    () = &mut signal, if !signalled => signalled = true,
+                }
+            }
+        };
         if let Some(hangup) = &self.hangup {
             hangup.abort();
         }

@@ -13,11 +13,12 @@
 //! Missing or bad credentials get UNAUTHENTICATED; valid credentials without
 //! the role get PERMISSION_DENIED. Both are logged with the identity and
 //! counted. Health stays open, so probes work; reflection is open to every
-//! caller the listener admits. With a decision log (R29), a refused batch
-//! (`PreToolService`) or chain change (`Register`, `Deregister`) is also
-//! recorded before the refusal is answered: the caller as far as known
-//! (identity, roles, peer address), the status, and no batch (none was
-//! read).
+//! caller the listener admits. A refused batch (`PreToolService`) or chain
+//! change (`Register`, `Deregister`) is handed to the mesh's record path
+//! ([`RecordRefusal`]), which, with a decision log (R29), records it before
+//! the refusal is answered: the caller as far as known (identity, roles,
+//! peer address), the status, and no batch (none was read). The layer
+//! itself writes no record.
 //!
 //! A listener with a client CA admits no one without a valid certificate
 //! from it, whether or not there are roles (R24): every request but health
@@ -25,7 +26,6 @@
 //! another CA, expired, ...). Only `tokens_without_client_cert` lets a
 //! caller with no certificate authenticate with a bearer token instead.
 
-use crate::decision_log::MeshLog;
 use crate::observe::metrics::Metrics;
 use crate::security::tls::{ClientCert, PeerInfo};
 use std::collections::HashSet;
@@ -211,9 +211,39 @@ pub struct AuthLayer {
     log: Option<LogSource>,
 }
 
-/// Where the layer finds the decision log when it refuses a request: the
-/// mesh's, which may be attached after the listener starts.
-pub type LogSource = Arc<dyn Fn() -> Option<MeshLog> + Send + Sync>;
+/// Where the layer hands the requests it refuses: the mesh's record path.
+pub type LogSource = Arc<dyn RecordRefusal>;
+
+/// What a refused request would have been.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RefusedKind {
+    /// A batch (`PreToolService`).
+    Batch,
+    /// `GuardRegistry.Register`.
+    Register,
+    /// `GuardRegistry.Deregister`.
+    Deregister,
+}
+
+/// A request the layer refused.
+#[derive(Debug)]
+pub struct AuthRefusal {
+    pub kind: RefusedKind,
+    /// Who asked, when known.
+    pub caller: Option<Caller>,
+    /// The connection's peer address, when known.
+    pub remote: Option<std::net::SocketAddr>,
+    pub status: Status,
+}
+
+/// Records the requests the layer refuses (R29).
+pub trait RecordRefusal: Send + Sync {
+    /// `None` when nothing is recorded (no decision log attached): the
+    /// refusal is answered at once. Else the status to answer once the
+    /// record is written: the refusal's, or UNAVAILABLE when it cannot be
+    /// written and the log's policy is `refuse`.
+    fn record(&self, refusal: AuthRefusal) -> Option<futures::future::BoxFuture<'static, Status>>;
+}
 
 impl std::fmt::Debug for AuthLayer {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -235,8 +265,8 @@ impl AuthLayer {
         }
     }
 
-    /// Records refused batches and chain changes in the decision log that
-    /// `log` returns, when it returns one (R29).
+    /// Hands refused batches and chain changes to `log`, which records
+    /// them (R29).
     pub fn decision_log(mut self, log: LogSource) -> Self {
         self.log = Some(log);
         self
@@ -276,59 +306,12 @@ pub struct AuthService<S> {
 /// Why a request is refused, and who asked (`None` when unknown).
 type Refusal = (Status, Option<Caller>);
 
-/// What a refused request would have been, for the decision log.
-enum Refused {
-    Batch,
-    Change(crate::decision_log::ChangeKind),
-}
-
-fn refused_kind(path: &str) -> Option<Refused> {
-    use crate::decision_log::ChangeKind;
+fn refused_kind(path: &str) -> Option<RefusedKind> {
     match path {
-        p if p.starts_with("/guardmesh.v1.PreToolService/") => Some(Refused::Batch),
-        "/guardmesh.v1.GuardRegistry/Register" => Some(Refused::Change(ChangeKind::Register)),
-        "/guardmesh.v1.GuardRegistry/Deregister" => Some(Refused::Change(ChangeKind::Deregister)),
+        p if p.starts_with("/guardmesh.v1.PreToolService/") => Some(RefusedKind::Batch),
+        "/guardmesh.v1.GuardRegistry/Register" => Some(RefusedKind::Register),
+        "/guardmesh.v1.GuardRegistry/Deregister" => Some(RefusedKind::Deregister),
         _ => None,
-    }
-}
-
-/// Records a refusal (R29); the status to answer: the refusal, or
-/// UNAVAILABLE when its record cannot be written and the log's policy is
-/// `refuse`.
-async fn record_refusal(
-    log: MeshLog,
-    kind: Refused,
-    caller: crate::decision_log::Caller,
-    status: Status,
-) -> Status {
-    use crate::decision_log::from_mesh;
-    match kind {
-        Refused::Batch => {
-            let record =
-                from_mesh::not_decided(caller, from_mesh::batch_id_only(""), &status, false);
-            match log.batch(record).await {
-                Ok(()) => status,
-                Err(unavailable) => unavailable,
-            }
-        }
-        Refused::Change(change) => {
-            let record = crate::decision_log::ChainChangeRecord {
-                caller,
-                change,
-                guard: None,
-                spec: None,
-                old_revision: None,
-                new_revision: None,
-                outcome: crate::decision_log::ChangeOutcome::refused(
-                    status.code() as i32,
-                    status.message(),
-                ),
-            };
-            match log.change_before(record).await {
-                Ok(()) => status,
-                Err(unavailable) => unavailable,
-            }
-        }
     }
 }
 
@@ -453,16 +436,20 @@ where
                     status.message()
                 );
                 self.metrics.auth_refused(status.code());
-                let log = self.log.as_ref().and_then(|source| source());
-                match (log, refused_kind(&path)) {
-                    (Some(log), Some(kind)) => {
-                        let caller =
-                            crate::decision_log::from_mesh::caller(caller.as_ref(), remote_addr);
-                        futures::future::Either::Right(Box::pin(async move {
-                            Ok(record_refusal(log, kind, caller, status).await.into_http())
-                        }))
-                    }
-                    _ => futures::future::Either::Right(Box::pin(futures::future::ready(Ok(
+                let recorded = match (&self.log, refused_kind(&path)) {
+                    (Some(log), Some(kind)) => log.record(AuthRefusal {
+                        kind,
+                        caller,
+                        remote: remote_addr,
+                        status: status.clone(),
+                    }),
+                    _ => None,
+                };
+                match recorded {
+                    Some(recorded) => futures::future::Either::Right(Box::pin(async move {
+                        Ok(recorded.await.into_http())
+                    })),
+                    None => futures::future::Either::Right(Box::pin(futures::future::ready(Ok(
                         status.into_http(),
                     )))),
                 }

@@ -102,11 +102,21 @@ pub fn not_after(cert: &CertificateDer<'_>) -> Option<SystemTime> {
     SystemTime::UNIX_EPOCH.checked_add(Duration::from_secs(seconds))
 }
 
+/// Why a certificate yields no identity.
+#[derive(Debug, thiserror::Error)]
+pub enum IdentityError {
+    #[error("unreadable certificate: {0}")]
+    Unreadable(#[from] x509_parser::nom::Err<x509_parser::error::X509Error>),
+    #[error("the client certificate carries no URI SAN identity")]
+    NoUri,
+    #[error("the client certificate carries {count} URI SANs; exactly one is accepted")]
+    ManyUris { count: usize },
+}
+
 /// The single URI SAN of a certificate (its SPIFFE-style identity).
-pub fn uri_identity(cert: &CertificateDer<'_>) -> Result<String, String> {
+pub fn uri_identity(cert: &CertificateDer<'_>) -> Result<String, IdentityError> {
     use x509_parser::extensions::GeneralName;
-    let (_, parsed) = x509_parser::parse_x509_certificate(cert.as_ref())
-        .map_err(|e| format!("unreadable certificate: {e}"))?;
+    let (_, parsed) = x509_parser::parse_x509_certificate(cert.as_ref())?;
     let uris: Vec<String> = parsed
         .subject_alternative_name()
         .ok()
@@ -124,11 +134,8 @@ pub fn uri_identity(cert: &CertificateDer<'_>) -> Result<String, String> {
         .unwrap_or_default();
     match uris.as_slice() {
         [one] => Ok(one.clone()),
-        [] => Err("the client certificate carries no URI SAN identity".into()),
-        many => Err(format!(
-            "the client certificate carries {} URI SANs; exactly one is accepted",
-            many.len()
-        )),
+        [] => Err(IdentityError::NoUri),
+        many => Err(IdentityError::ManyUris { count: many.len() }),
     }
 }
 
@@ -394,7 +401,12 @@ impl ServerTls {
             let why = format!("client certificate rejected: {e}");
             return (ClientCert::Rejected(why.clone()), Err(why));
         }
-        (ClientCert::Verified, uri_identity(end_entity).map(Some))
+        (
+            ClientCert::Verified,
+            uri_identity(end_entity)
+                .map(Some)
+                .map_err(|e| e.to_string()),
+        )
     }
 }
 
@@ -718,53 +730,7 @@ pub fn automatic_connection_cap() -> Option<usize> {
     Some(limit.saturating_sub(reserve).max(16))
 }
 
-/// Pauses between failed accepts. A failure such as "too many open files"
-/// leaves the connection queued, so an immediate retry fails again at once:
-/// without a pause the accept loop spins. The pause doubles up to a cap and
-/// resets on success; failures are logged at most every few seconds.
-#[derive(Debug)]
-pub struct AcceptBackoff {
-    listener: &'static str,
-    next: Duration,
-    failures: u64,
-    logged: Option<std::time::Instant>,
-}
-
-impl AcceptBackoff {
-    const FIRST: Duration = Duration::from_millis(5);
-    const MAX: Duration = Duration::from_millis(250);
-    const LOG_EVERY: Duration = Duration::from_secs(5);
-
-    pub fn new(listener: &'static str) -> Self {
-        Self {
-            listener,
-            next: Self::FIRST,
-            failures: 0,
-            logged: None,
-        }
-    }
-
-    pub fn succeeded(&mut self) {
-        self.next = Self::FIRST;
-    }
-
-    /// Logs (throttled) and sleeps before the next accept.
-    pub async fn failed(&mut self, error: &std::io::Error) {
-        self.failures += 1;
-        if self.logged.is_none_or(|at| at.elapsed() >= Self::LOG_EVERY) {
-            tracing::warn!(
-                listener = self.listener,
-                %error,
-                failures = self.failures,
-                "accept failed; backing off"
-            );
-            self.logged = Some(std::time::Instant::now());
-            self.failures = 0;
-        }
-        tokio::time::sleep(self.next).await;
-        self.next = (self.next * 2).min(Self::MAX);
-    }
-}
+pub use crate::accept::AcceptBackoff;
 
 /// Accepts connections on `listener`, with TLS when `tls` is set, and hands
 /// on only those that complete their handshake and send the HTTP/2 preface

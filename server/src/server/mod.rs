@@ -134,10 +134,7 @@ pub async fn run(
                         .as_ref()
                         .is_some_and(|tls| tls.require_client_cert),
                 )
-                .decision_log({
-                    let mesh = mesh.clone();
-                    Arc::new(move || mesh.decision_log().cloned())
-                }),
+                .decision_log(crate::mesh::record::refusals(mesh.clone())),
         )
         .add_service(health_service)
         .add_service(reflection)

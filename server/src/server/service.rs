@@ -1,14 +1,24 @@
 //! The gRPC services of the mesh: `PreToolService` for coordinators and
 //! `GuardRegistry` for registrars.
+//!
+//! A batch's way, from the `Evaluate` handler to its answer: the batch is
+//! read and its size and counts checked on the wire (`inbound.rs`); a
+//! [`BatchLog`] (`mesh/record.rs`) is made for it; the admission stage
+//! (`admit/`) admits it to its stream and the mesh's in-flight bytes;
+//! [`Mesh::pass`] runs the admission stage's mesh checks and judging
+//! (`mesh/evaluate.rs`, `judge/`); the outcome goes to the record, which
+//! emits metrics, logs, spans and the decision record; the answer is
+//! queued. Nothing below calls back up here.
 
-use crate::decision_log::from_mesh;
-use crate::decision_log::{BatchRecord, MeshLog};
-use crate::judge::{BatchError, TraceContext};
+use crate::admit::{self, Refusal, StreamGate};
+use crate::decision_log::{MeshLog, from_mesh};
+use crate::judge::TraceContext;
 use crate::mesh::Mesh;
+use crate::mesh::record::{BatchLog, LogCaller};
 use crate::registry::{Admission, AdmitError, Owner, RegistryError};
 use crate::security::auth::{Caller, Role};
 use crate::server::inbound::{Inbound, InboundCodec, Refused};
-use crate::validate::{Refusal, shown_id};
+use crate::validate::shown_id;
 use futures::{Stream, StreamExt};
 use guardmesh_proto::v1::guard_registry_server::GuardRegistry;
 use guardmesh_proto::v1::pre_tool_service_server::PreToolService;
@@ -17,11 +27,10 @@ use guardmesh_proto::v1::{
     ListRequest, ListResponse, RegisterRequest, RegisterResponse, evaluate_response,
 };
 use prost::Message;
-use std::collections::HashSet;
 use std::future::Future;
 use std::pin::Pin;
+use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex, PoisonError};
 use std::task::{Context, Poll};
 use std::time::Duration;
 use tokio::sync::mpsc::OwnedPermit;
@@ -105,9 +114,6 @@ fn client_key<T>(request: &Request<T>) -> u64 {
     })
 }
 
-/// Who sent a batch or made a change, as the decision log names it.
-type LogCaller = Arc<crate::decision_log::Caller>;
-
 /// The caller of a request for the decision log; `None` (and nothing
 /// read) when no log is attached.
 fn log_caller<T>(mesh: &Mesh, request: &Request<T>) -> Option<LogCaller> {
@@ -117,81 +123,10 @@ fn log_caller<T>(mesh: &Mesh, request: &Request<T>) -> Option<LogCaller> {
         .get::<crate::security::tls::PeerInfo>()
         .and_then(|p| p.remote)
         .or_else(|| request.remote_addr());
-    Some(Arc::new(from_mesh::caller(
+    Some(Arc::new(crate::mesh::record::caller(
         request.extensions().get::<Caller>(),
         peer,
     )))
-}
-
-/// The decision record of one batch being answered (R29), taken before the
-/// batch is judged; only made when a log is attached.
-struct Record {
-    log: MeshLog,
-    caller: LogCaller,
-    batch: BatchRecord,
-    /// The batch's masked values, scrubbed from log lines and spans while
-    /// it is judged (R29).
-    _held: crate::decision_log::Held,
-}
-
-impl Record {
-    /// `batch`: the batch as read; `None` for one refused before it could
-    /// be read, known by its id alone.
-    fn new(
-        mesh: &Mesh,
-        caller: Option<&LogCaller>,
-        batch: Option<&EvaluateRequest>,
-        batch_id: &str,
-    ) -> Option<Record> {
-        let log = mesh.decision_log()?.clone();
-        let caller = caller?.clone();
-        let batch = match batch {
-            Some(batch) => from_mesh::batch(batch),
-            None => from_mesh::batch_id_only(batch_id),
-        };
-        let held = log.hold(&batch);
-        Some(Record {
-            log,
-            caller,
-            batch,
-            _held: held,
-        })
-    }
-
-    /// Appends the record of `answer`; the answer to send instead when it
-    /// cannot be written and the log's policy is `refuse`.
-    async fn answer(
-        self,
-        answer: Result<BatchDecision, BatchError>,
-    ) -> Result<BatchDecision, Status> {
-        let caller = Arc::unwrap_or_clone(self.caller);
-        let (record, answer) = match answer {
-            Ok(decision) => (
-                from_mesh::decided(caller, self.batch, &decision),
-                Ok(decision),
-            ),
-            Err(error) => {
-                let status = error.status();
-                let aborted = matches!(error, BatchError::Aborted { .. });
-                (
-                    from_mesh::not_decided(caller, self.batch, &status, aborted),
-                    Err(status),
-                )
-            }
-        };
-        self.log.batch(record).await?;
-        answer
-    }
-
-    /// Appends the record of a batch refused with `status`.
-    async fn refused(self, status: Status) -> Status {
-        let caller = Arc::unwrap_or_clone(self.caller);
-        let record = from_mesh::not_decided(caller, self.batch, &status, false);
-        match self.log.batch(record).await {
-            Ok(()) => status,
-            Err(unavailable) => unavailable,
-        }
-    }
 }
 
 /// Parses a `grpc-timeout` header (`<digits><H|M|S|m|u|n>`).
@@ -252,52 +187,6 @@ impl PreTool {
         Instant::now() + asked.min(config.max_batch_timeout)
     }
 
-    /// Counts and logs a batch refused before it was judged.
-    fn refused(&self, batch_id: &str, refusal: &Refusal) {
-        self.mesh.metrics.refused(refusal.reason);
-        self.mesh.metrics.batch("refused", 0.0);
-        tracing::info!(
-            batch_id = %batch_id,
-            reason = refusal.reason,
-            "batch refused: {}",
-            refusal.status.message()
-        );
-    }
-
-    /// Takes the in-flight bytes a batch of `size` encoded bytes weighs
-    /// (R25), or sheds it. Zero-call batches need none (R1).
-    fn inflight_bytes(
-        &self,
-        batch_id: &str,
-        calls: usize,
-        size: usize,
-    ) -> Result<Option<OwnedSemaphorePermit>, Refusal> {
-        if calls == 0 {
-            return Ok(None);
-        }
-        let limit = self.mesh.config.limits.max_inflight_bytes;
-        // A batch heavier than the whole budget is still admitted alone.
-        let total = (limit / 1024).clamp(1, Semaphore::MAX_PERMITS);
-        let kib = size
-            .saturating_mul(crate::validate::INFLIGHT_COPIES)
-            .div_ceil(1024)
-            .clamp(1, total.min(u32::MAX as usize));
-        let kib = u32::try_from(kib).unwrap_or(u32::MAX);
-        match self.mesh.inflight_bytes.clone().try_acquire_many_owned(kib) {
-            Ok(permit) => Ok(Some(permit)),
-            Err(_) => {
-                let refusal = Refusal {
-                    reason: "overloaded_bytes",
-                    status: Status::resource_exhausted(format!(
-                        "mesh overloaded: {limit} bytes of batches already in flight (limits.max_inflight_bytes); retry with backoff"
-                    )),
-                };
-                self.refused(batch_id, &refusal);
-                Err(refusal)
-            }
-        }
-    }
-
     /// Opens a coordinator stream reading `inbound` (R19, R25).
     pub(crate) fn open_stream<S>(
         &self,
@@ -308,14 +197,8 @@ impl PreTool {
     where
         S: Stream<Item = Result<Inbound, Status>> + Send + Unpin + 'static,
     {
-        let Ok(permit) = self.streams.clone().try_acquire_owned() else {
-            self.mesh.metrics.refused("too_many_streams");
-            let limit = self.mesh.config.limits.max_coordinator_streams;
-            tracing::warn!(limit, "coordinator stream refused: too many streams open");
-            return Err(Status::resource_exhausted(format!(
-                "{limit} coordinator streams are already open on this mesh (limits.max_coordinator_streams); retry with backoff"
-            )));
-        };
+        let permit = admit::stream(&self.streams, &self.mesh.config.limits)
+            .map_err(|refusal| crate::mesh::record::stream_refused(&self.mesh.metrics, &refusal))?;
         let limits = &self.mesh.config.limits;
         // Every batch read reserves the slot of its answer, so that a
         // finished batch never waits to be answered; refusals need a few.
@@ -332,8 +215,7 @@ impl PreTool {
             tx,
             budget: budget.clone(),
             tasks: JoinSet::new(),
-            in_flight: Arc::default(),
-            judged: Arc::new(AtomicUsize::new(0)),
+            gate: StreamGate::new(limits.max_batches_per_stream),
         };
         tokio::spawn(stream.run(inbound, permit));
         Ok(AnswerStream { rx, budget })
@@ -350,39 +232,26 @@ impl PreTool {
         let (batch, size) = match inbound {
             Inbound::Batch { request, size } => (request, size),
             Inbound::Refused(refused) => {
-                self.refused(&refused.batch_id, &refused.refusal);
-                let status = refused.refusal.status;
-                return Err(
-                    match Record::new(&self.mesh, caller.as_ref(), None, &refused.batch_id) {
-                        Some(record) => record.refused(status).await,
-                        None => status,
-                    },
-                );
+                let record = BatchLog::arrived(&self.mesh, caller.as_ref(), None, refused.batch_id);
+                return Err(record.refuse(refused.refusal.into()).await);
             }
         };
-        let record = Record::new(&self.mesh, caller.as_ref(), Some(&batch), "");
+        let limits = &self.mesh.config.limits;
+        let shown = shown_id(&batch.batch_id, limits.max_id_bytes);
+        let record = BatchLog::arrived(&self.mesh, caller.as_ref(), Some(&batch), shown);
         let mut stream_trace = trace_context(metadata);
         stream_trace.client = client;
         let transport = grpc_timeout(metadata);
-        let shown = shown_id(&batch.batch_id, self.mesh.config.limits.max_id_bytes);
-        let _bytes = match self.inflight_bytes(&shown, batch.calls.len(), size) {
+        let _bytes = match admit::inflight_bytes(&self.mesh.inflight_bytes, limits, &batch, size) {
             Ok(bytes) => bytes,
-            Err(refusal) => {
-                return Err(match record {
-                    Some(record) => record.refused(refusal.status).await,
-                    None => refusal.status,
-                });
-            }
+            Err(refusal) => return Err(record.refuse(refusal).await),
         };
         let mut trace = batch_trace(&batch, &stream_trace);
         trace.unary = true;
         let deadline = self.deadline(batch.timeout_ms, transport);
-        let result = self.mesh.evaluate(batch, deadline, trace).await;
-        match record {
-            // R29: recorded before the answer leaves.
-            Some(record) => record.answer(result).await,
-            None => result.map_err(|error| error.status()),
-        }
+        let outcome = self.mesh.pass(batch, deadline, trace).await;
+        // R29: recorded before the answer leaves.
+        record.finish(outcome).await
     }
 }
 
@@ -462,10 +331,9 @@ struct StreamLoop {
     tx: mpsc::Sender<Answer>,
     budget: Arc<StreamBudget>,
     tasks: JoinSet<()>,
-    /// Batch ids in flight on this stream (R19: unique).
-    in_flight: Arc<Mutex<HashSet<String>>>,
-    /// Batches with calls being judged (`limits.max_batches_per_stream`).
-    judged: Arc<AtomicUsize>,
+    /// Batch ids in flight on this stream (R19: unique), and batches with
+    /// calls being judged (`limits.max_batches_per_stream`).
+    gate: Arc<StreamGate>,
 }
 
 /// What the stream loop does next. Short-lived, on the stack: not boxed.
@@ -509,20 +377,14 @@ impl StreamLoop {
                     break;
                 }
                 Step::Read(Some(Ok(Inbound::Refused(refused))), slot) => {
-                    self.tool.refused(&refused.batch_id, &refused.refusal);
-                    self.refuse(slot, None, refused.batch_id, refused.refusal.status);
+                    let record = self.record(None, refused.batch_id.clone());
+                    self.refuse(slot, record, refused.batch_id, refused.refusal.into());
                 }
                 Step::Read(Some(Ok(Inbound::Batch { request, size })), slot) => {
                     if is_draining {
                         let id = shown_id(&request.batch_id, self.limits().max_id_bytes);
-                        let refusal = Refusal {
-                            reason: "shutting_down",
-                            status: Status::unavailable(
-                                "the mesh is shutting down; send this batch to another replica",
-                            ),
-                        };
-                        self.tool.refused(&id, &refusal);
-                        self.refuse(slot, Some(&request), id, refusal.status);
+                        let record = self.record(Some(&request), id.clone());
+                        self.refuse(slot, record, id, Refusal::ShuttingDown);
                     } else {
                         self.admit(request, size, slot);
                     }
@@ -614,109 +476,66 @@ impl StreamLoop {
         slot.send(answer);
     }
 
-    /// Answers a refused batch (`batch`: as read, if it could be), recorded
-    /// first when a decision log is attached (R29).
+    /// The record of a batch read from this stream (`batch`: as read, if
+    /// it could be; `batch_id`: its id as shown).
+    fn record(&self, batch: Option<&EvaluateRequest>, batch_id: String) -> BatchLog {
+        BatchLog::arrived(&self.tool.mesh, self.caller.as_ref(), batch, batch_id)
+    }
+
+    /// Answers a batch the admission stage refused, recorded first when a
+    /// decision log is attached (R29).
     fn refuse(
         &mut self,
         slot: OwnedPermit<Answer>,
-        batch: Option<&EvaluateRequest>,
+        record: BatchLog,
         batch_id: String,
-        status: Status,
+        refusal: Refusal,
     ) {
-        let Some(record) = Record::new(&self.tool.mesh, self.caller.as_ref(), batch, &batch_id)
-        else {
+        let writes = record.writes();
+        let refused = record.refuse(refusal);
+        if !writes {
+            // Nothing to write: answered at once.
+            let status = futures::FutureExt::now_or_never(refused)
+                .unwrap_or_else(|| Status::internal("a refusal's record did not finish"));
             self.answer(slot, error_response(batch_id, &status));
             return;
-        };
+        }
         let budget = self.budget.clone();
         self.tasks.spawn(async move {
-            let status = record.refused(status).await;
+            let status = refused.await;
             let answer = Answer::new(error_response(batch_id, &status));
             budget.add(answer.bytes);
             slot.send(answer);
         });
     }
 
-    /// Judges a batch read from the stream, or refuses it.
+    /// Judges a batch read from the stream, or refuses it: the admission
+    /// stage, the mesh's pass, the record, each once.
     fn admit(&mut self, batch: EvaluateRequest, size: usize, slot: OwnedPermit<Answer>) {
         let limits = *self.limits();
         let batch_id = batch.batch_id.clone();
         let shown = shown_id(&batch_id, limits.max_id_bytes);
-        let duplicate = !self
-            .in_flight
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .insert(batch_id.clone());
-        let refusal = if duplicate {
-            Some(Refusal {
-                reason: "duplicate_batch_id",
-                status: Status::invalid_argument(format!(
-                    "batch_id {shown:?} is already in flight on this stream"
-                )),
-            })
-        } else if !batch.calls.is_empty()
-            && self.judged.load(Ordering::Acquire) >= limits.max_batches_per_stream
-        {
-            // R1: a zero-call batch needs no slot and is answered at once.
-            Some(Refusal {
-                reason: "stream_overloaded",
-                status: Status::resource_exhausted(format!(
-                    "{} batches already in flight on this stream (limits.max_batches_per_stream); wait for answers",
-                    limits.max_batches_per_stream
-                )),
-            })
-        } else {
-            None
+        let record = self.record(Some(&batch), shown.clone());
+        let mesh = self.tool.mesh.clone();
+        let admitted = StreamGate::enter(&self.gate, &batch, &shown).and_then(|ticket| {
+            admit::inflight_bytes(&mesh.inflight_bytes, &limits, &batch, size)
+                .map(|bytes| (ticket, bytes))
+        });
+        let (ticket, bytes) = match admitted {
+            Ok(admitted) => admitted,
+            Err(refusal) => return self.refuse(slot, record, shown, refusal),
         };
-        let bytes = match refusal {
-            Some(refusal) => Err(refusal),
-            None => self.tool.inflight_bytes(&shown, batch.calls.len(), size),
-        };
-        let bytes = match bytes {
-            Ok(bytes) => bytes,
-            Err(refusal) => {
-                if !duplicate {
-                    self.in_flight
-                        .lock()
-                        .unwrap_or_else(PoisonError::into_inner)
-                        .remove(&batch_id);
-                }
-                if refusal.reason != "overloaded_bytes" {
-                    self.tool.refused(&shown, &refusal);
-                }
-                self.refuse(slot, Some(&batch), shown, refusal.status);
-                return;
-            }
-        };
-        let counted = !batch.calls.is_empty();
-        if counted {
-            self.judged.fetch_add(1, Ordering::AcqRel);
-        }
         // The batch holds its bytes of the stream's budget while judged.
         self.budget.add(size);
-        let mesh = self.tool.mesh.clone();
         let deadline = self.tool.deadline(batch.timeout_ms, None);
         let trace = batch_trace(&batch, &self.trace);
-        let in_flight = self.in_flight.clone();
-        let judged = self.judged.clone();
         let budget = self.budget.clone();
-        let record = Record::new(&mesh, self.caller.as_ref(), Some(&batch), "");
         self.tasks.spawn(async move {
-            let result = mesh.evaluate(batch, deadline, trace).await;
+            let outcome = mesh.pass(batch, deadline, trace).await;
             drop(bytes);
-            if counted {
-                judged.fetch_sub(1, Ordering::AcqRel);
-            }
-            in_flight
-                .lock()
-                .unwrap_or_else(PoisonError::into_inner)
-                .remove(&batch_id);
+            drop(ticket);
             // R29: recorded before the answer leaves.
-            let result = match record {
-                Some(record) => record.answer(result).await,
-                None => result.map_err(|error| error.status()),
-            };
-            let response = match result {
+            let response = match record.finish(outcome).await {
                 Ok(decision) => EvaluateResponse {
                     batch_id,
                     result: Some(evaluate_response::Result::Decision(decision)),

@@ -5,8 +5,17 @@
 //! rebuilt lazily when the registry's chain changes, reusing the open link of
 //! every guard whose endpoint did not change, so a re-registration neither
 //! drops the guard's stream nor moves it in the chain.
+//!
+//! A batch's way through the mesh ([`Mesh::evaluate`], `evaluate.rs`) is
+//! one pipeline: the admission stage ([`crate::admit`]), judging
+//! ([`crate::judge`]), and the batch's record ([`record`]), each once.
+
+mod evaluate;
+pub(crate) mod record;
 
 use crate::decision_log::MeshLog;
+pub use crate::judge::BatchError;
+pub use crate::judge::{Chain, ChainGuard, Unguarded};
 use crate::link::dial::{EndpointPolicy, GuardConnector, GuardTls};
 use crate::link::{GuardLink, LinkConfig};
 use crate::observe::metrics::Metrics;
@@ -37,17 +46,6 @@ pub struct MeshConfig {
     /// Bytes of compiled policies the guards one identity registered may
     /// hold together (R25), checked at admission.
     pub max_policy_bytes_per_identity: usize,
-}
-
-/// What the mesh does with a call that no enforced guard applies to (R28).
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Deserialize)]
-#[serde(rename_all = "lowercase")]
-pub enum Unguarded {
-    /// It proceeds, as a sequential chain would (the default).
-    #[default]
-    Proceed,
-    /// It is cancelled with content naming its tool (default deny).
-    Cancel,
 }
 
 /// Who may talk to the mesh, and whom the mesh may talk to.
@@ -85,22 +83,6 @@ impl Default for MeshConfig {
                 crate::registry::admit::DEFAULT_MAX_POLICY_BYTES_PER_IDENTITY,
         }
     }
-}
-
-/// A guard of a chain snapshot and its link; a policy guard (R27) has no
-/// link: it is judged inside the mesh.
-#[derive(Debug)]
-pub struct ChainGuard {
-    pub guard: Arc<Guard>,
-    pub link: Option<Arc<GuardLink>>,
-}
-
-/// One consistent view of the chain (R17).
-#[derive(Debug)]
-pub struct Chain {
-    pub revision: u64,
-    pub guards: Vec<ChainGuard>,
-    spec: Arc<ChainSpec>,
 }
 
 /// The mesh.
@@ -248,5 +230,23 @@ impl Mesh {
         );
         self.chain.store(chain.clone());
         chain
+    }
+}
+
+impl crate::observe::metrics_http::Readiness for Mesh {
+    fn metrics(&self) -> Arc<Metrics> {
+        self.metrics.clone()
+    }
+
+    fn registry_refusal(&self) -> Option<String> {
+        self.registry().check().err().map(|e| e.to_string())
+    }
+
+    fn registry_staleness(&self) -> Option<Duration> {
+        self.registry().staleness()
+    }
+
+    fn decision_log_dir(&self) -> Option<std::path::PathBuf> {
+        self.decision_log().map(|log| log.log().dir().to_path_buf())
     }
 }

@@ -1,0 +1,144 @@
+//! One batch through the mesh: the admission stage's mesh checks
+//! ([`crate::admit`]), judging ([`crate::judge`]), and an [`Outcome`] for
+//! the batch's record ([`super::record`]), which emits what happened once.
+
+use super::Mesh;
+use super::record::{BatchLog, Guards, Outcome};
+use crate::admit;
+use crate::judge::{BatchError, TraceContext};
+use guardmesh_proto::v1::{BatchDecision, EvaluateRequest, GuardTrace, TraceStatus};
+use tokio::time::Instant;
+
+impl Mesh {
+    /// Judges one batch. `deadline` is the batch's deadline (R14). The
+    /// batch's metrics, logs and spans are emitted; no decision record is
+    /// written (the services write it, knowing the caller).
+    pub async fn evaluate(
+        &self,
+        request: EvaluateRequest,
+        deadline: Instant,
+        trace: TraceContext,
+    ) -> Result<BatchDecision, BatchError> {
+        let record = BatchLog::new(self.metrics.clone(), request.batch_id.clone());
+        record.emit(self.pass(request, deadline, trace).await)
+    }
+
+    /// The mesh's part of a batch's way: its span, the admission checks
+    /// that need the mesh (content, registry, R1, batches in flight), then
+    /// judging. Emits nothing: the outcome goes to the batch's record.
+    pub(crate) async fn pass(
+        &self,
+        request: EvaluateRequest,
+        deadline: Instant,
+        mut trace: TraceContext,
+    ) -> Outcome {
+        let span = crate::observe::spans::batch_span(
+            trace.unary,
+            &request.batch_id,
+            request.context.as_ref(),
+            request.calls.len(),
+            self.served_at(),
+        );
+        {
+            use tracing_opentelemetry::OpenTelemetrySpanExt;
+            let _ = span.set_parent(trace.parent.clone());
+        }
+        if let Some(own) = guardmesh_client::trace::span_traceparent(&span)
+            && let Some((trace_id, _, _)) = guardmesh_client::trace::parse_traceparent(&own)
+        {
+            trace.trace_id = trace_id.to_owned();
+        }
+        let mut outcome = tracing::Instrument::instrument(
+            self.pass_in(request, deadline, trace, span.clone()),
+            span.clone(),
+        )
+        .await;
+        outcome.span = Some(span);
+        outcome
+    }
+
+    async fn pass_in(
+        &self,
+        request: EvaluateRequest,
+        deadline: Instant,
+        trace: TraceContext,
+        span: tracing::Span,
+    ) -> Outcome {
+        let started = Instant::now();
+        let chain = self.chain();
+        let limits = &self.config.limits;
+        let policy_args = chain
+            .guards
+            .iter()
+            .filter_map(|g| g.guard.policy.as_ref())
+            .map(|p| p.compiled.reads_args())
+            .reduce(|a, b| a || b);
+        let members = match admit::content(&request, limits, policy_args)
+            .and_then(|members| admit::registry(self.registry()).map(|()| members))
+        {
+            Ok(members) => members,
+            Err(refusal) => return Outcome::refused(refusal),
+        };
+        let trace_id = trace.trace_id.clone();
+        // R1: zero calls contact no guard.
+        if !admit::contacts_guards(&request) {
+            let decision = BatchDecision {
+                decisions: Vec::new(),
+                execute: Vec::new(),
+                trace: chain
+                    .guards
+                    .iter()
+                    .map(|g| GuardTrace {
+                        guard: g.guard.name.clone(),
+                        role: g.guard.role as i32,
+                        status: TraceStatus::NotApplicable as i32,
+                        ..Default::default()
+                    })
+                    .collect(),
+                chain_revision: chain.revision,
+                trace_id: trace.trace_id,
+            };
+            return Outcome::decided(decision, trace_id, started.elapsed());
+        }
+        let _permit = match admit::inflight(&self.inflight, limits) {
+            Ok(permit) => permit,
+            Err(refusal) => return Outcome::refused(refusal),
+        };
+        let judged = crate::judge::judge(
+            &chain,
+            limits,
+            self.config.unguarded,
+            request,
+            members,
+            deadline,
+            trace,
+            span,
+        )
+        .await;
+        Outcome::judged(
+            judged.result,
+            Guards {
+                chain,
+                runs: judged.runs,
+                calls: judged.calls,
+                unguarded: (self.config.unguarded, judged.unguarded),
+            },
+            trace_id,
+            started.elapsed(),
+        )
+    }
+}
+
+#[allow(dead_code)]
+fn _assert_send(mesh: std::sync::Arc<Mesh>) {
+    fn is_send<T: Send>(_: T) {}
+    is_send(async move {
+        let _ = mesh
+            .evaluate(
+                EvaluateRequest::default(),
+                Instant::now(),
+                TraceContext::default(),
+            )
+            .await;
+    });
+}

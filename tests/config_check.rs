@@ -1,0 +1,301 @@
+//! `guardmesh config check` and `guardmesh config reference` as operators
+//! and scripts run them, and relative paths in a config file resolved
+//! against its folder whatever the working directory (R27 for the policy
+//! files a config names).
+
+use std::io::{BufRead, BufReader};
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output, Stdio};
+use std::time::Duration;
+
+fn guardmesh(args: &[&str], dir: Option<&Path>) -> Output {
+    let mut command = Command::new(env!("CARGO_BIN_EXE_guardmesh"));
+    command.args(args);
+    if let Some(dir) = dir {
+        command.current_dir(dir);
+    }
+    command.output().expect("run guardmesh")
+}
+
+fn stdout(output: &Output) -> String {
+    String::from_utf8_lossy(&output.stdout).into_owned()
+}
+
+/// A fresh folder of its own for one test.
+fn folder(name: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!(
+        "guardmesh-config-check-{name}-{}",
+        std::process::id()
+    ));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    dir
+}
+
+fn write(dir: &Path, name: &str, text: &str) -> PathBuf {
+    let path = dir.join(name);
+    std::fs::write(&path, text).unwrap();
+    path
+}
+
+fn check(config: &Path) -> (Option<i32>, String) {
+    let output = guardmesh(&["config", "check", config.to_str().unwrap()], None);
+    (output.status.code(), stdout(&output))
+}
+
+/// Every error of the file at once, each on its line with its key and what
+/// to write instead.
+#[test]
+fn config_check_names_line_key_and_fix_of_every_error() {
+    let dir = folder("broken");
+    let config = write(
+        &dir,
+        "mesh.toml",
+        "lisen = \"127.0.0.1:0\"\n\
+         unguarded = \"maybe\"\n\
+         [limits]\n\
+         max_calls_per_batch = \"many\"\n\
+         [[guard]]\n\
+         name = \"g\"\n\
+         endpoint = \"http://127.0.0.1:1\"\n\
+         tols = [\"sql.*\"]\n",
+    );
+    let (code, out) = check(&config);
+    assert_eq!(code, Some(1), "{out}");
+    let shown = config.display().to_string();
+    for (line, key, says, fix) in [
+        (
+            1,
+            "lisen",
+            "unknown key (did you mean `listen`?)",
+            "fix: write `listen`",
+        ),
+        (
+            2,
+            "unguarded",
+            "\"maybe\" is not one of \"proceed\", \"cancel\"",
+            "fix: write unguarded = \"proceed\" or \"cancel\"",
+        ),
+        (
+            4,
+            "limits.max_calls_per_batch",
+            "is a string, and must be an integer",
+            "e.g. max_calls_per_batch = 256",
+        ),
+        (
+            8,
+            "guard[1].tols",
+            "unknown key (did you mean `tools`?)",
+            "fix: write `tools`",
+        ),
+    ] {
+        let head = format!("{shown}:{line}: error: {key}: {says}");
+        let at = out
+            .find(&head)
+            .unwrap_or_else(|| panic!("no `{head}` in:\n{out}"));
+        let next = out[at..].lines().nth(1).unwrap_or_default();
+        assert!(next.contains(fix), "{key}: fix line {next:?} in:\n{out}");
+    }
+    assert!(out.contains("invalid (4 errors"), "{out}");
+    // Settings that parse but cannot work are all reported too.
+    let config = write(
+        &dir,
+        "zeros.toml",
+        "[limits]\nmax_json_depth = 0\nmax_batch_bytes = 0\n\
+         [guard_links]\ndead_peer_timeout_ms = 500\n",
+    );
+    let (code, out) = check(&config);
+    assert_eq!(code, Some(1), "{out}");
+    for needle in [
+        ":2: error: limits.max_json_depth:",
+        ":3: error: limits.max_batch_bytes: limits.max_batch_bytes must be greater than 0",
+        "e.g. the default: max_batch_bytes = 4194304",
+        ":5: error: guard_links.dead_peer_timeout_ms:",
+        "invalid (3 errors",
+    ] {
+        assert!(out.contains(needle), "no {needle:?} in:\n{out}");
+    }
+}
+
+/// 0 valid, 1 invalid, 2 when the check cannot run.
+#[test]
+fn config_check_exit_codes_for_scripts() {
+    let dir = folder("codes");
+    let valid = write(&dir, "valid.toml", "listen = \"127.0.0.1:0\"\n");
+    let (code, out) = check(&valid);
+    assert_eq!(code, Some(0), "{out}");
+    assert!(out.contains("valid (2 warnings)"), "{out}");
+    assert!(out.contains("warning: no [tls]"), "{out}");
+    let invalid = write(&dir, "invalid.toml", "listen = 1\n");
+    assert_eq!(check(&invalid).0, Some(1));
+    let syntax = write(&dir, "syntax.toml", "listen = \n[limits\n");
+    let (code, out) = check(&syntax);
+    assert_eq!(code, Some(1), "{out}");
+    assert!(out.contains("not valid TOML"), "{out}");
+    let output = guardmesh(
+        &[
+            "config",
+            "check",
+            dir.join("missing.toml").to_str().unwrap(),
+        ],
+        None,
+    );
+    assert_eq!(output.status.code(), Some(2));
+    assert!(
+        String::from_utf8_lossy(&output.stderr).contains("cannot read config file"),
+        "{output:?}"
+    );
+    // A folder is not a config file either.
+    assert_eq!(check(&dir).0, Some(2));
+    let help = stdout(&guardmesh(&["config", "check", "--help"], None));
+    assert!(help.contains("Exit codes: 0"), "{help}");
+}
+
+/// The files a config names are read as at start: a missing certificate
+/// and a policy file that does not compile are both reported, with the
+/// policy's own line (R27).
+#[test]
+fn r27_config_check_reports_a_missing_certificate_and_a_broken_policy_file() {
+    let dir = folder("files");
+    write(
+        &dir,
+        "rules.toml",
+        "[[rule]]\nname = \"x\"\nwhen = \"(\"\naction = \"cancel\"\nmessage = '\"m\"'\n",
+    );
+    let config = write(
+        &dir,
+        "mesh.toml",
+        "[tls]\ncert_file = \"certs/missing.pem\"\nkey_file = \"certs/missing-key.pem\"\n\
+         [[guard]]\nname = \"p\"\npolicy = \"rules.toml\"\n",
+    );
+    let (code, out) = check(&config);
+    assert_eq!(code, Some(1), "{out}");
+    let certs = dir.join("certs/missing.pem").display().to_string();
+    assert!(
+        out.contains(&format!(":2: error: tls.cert_file: cannot read {certs}")),
+        "{out}"
+    );
+    assert!(out.contains(":3: error: tls.key_file:"), "{out}");
+    assert!(
+        out.contains(":6: error: guard[1].policy: policy file"),
+        "{out}"
+    );
+    assert!(out.contains("line 3"), "the policy's own line: {out}");
+    // A certificate file that is not PEM.
+    write(&dir, "bad.pem", "not a certificate\n");
+    std::fs::write(
+        &config,
+        "[tls]\ncert_file = \"bad.pem\"\nkey_file = \"bad.pem\"\n",
+    )
+    .unwrap();
+    let (code, out) = check(&config);
+    assert_eq!(code, Some(1), "{out}");
+    assert!(
+        out.contains("tls.cert_file:") && out.contains("no certificate found"),
+        "{out}"
+    );
+}
+
+/// Every key the loader reads is printed, with its type and default.
+#[test]
+fn config_reference_lists_every_key() {
+    let output = guardmesh(&["config", "reference"], None);
+    assert!(output.status.success());
+    let text = stdout(&output);
+    for key in guardmesh_server::config::keys::KEYS {
+        assert!(text.contains(key.path), "{} missing:\n{text}", key.path);
+        assert!(text.contains(key.meaning), "{}", key.path);
+    }
+    assert!(text.contains("limits.max_calls_per_batch\n    type: integer; default: 256"));
+    assert!(text.contains("tls.cert_file\n    type: path; default: required"));
+}
+
+/// docs/configuration.md is the reference's Markdown as the command prints
+/// it: regenerate it with `guardmesh config reference --markdown >
+/// docs/configuration.md`.
+#[test]
+fn config_reference_docs_match_the_command() {
+    let docs = Path::new(env!("CARGO_MANIFEST_DIR")).join("../docs/configuration.md");
+    let checked_in = std::fs::read_to_string(&docs).expect("docs/configuration.md");
+    let output = guardmesh(&["config", "reference", "--markdown"], None);
+    assert!(output.status.success());
+    assert!(
+        stdout(&output) == checked_in,
+        "docs/configuration.md differs from `guardmesh config reference --markdown`; regenerate it"
+    );
+}
+
+struct Serve(std::process::Child);
+
+impl Drop for Serve {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+/// A config in its own folder, the mesh started from another working
+/// directory: the certificate, key, policy file and log directory are all
+/// found next to the config.
+#[test]
+fn config_relative_paths_resolve_against_the_config_folder() {
+    let dir = folder("relative");
+    let elsewhere = folder("elsewhere");
+    let certs = guardmesh(&["certs", dir.join("certs").to_str().unwrap()], None);
+    assert!(certs.status.success(), "{certs:?}");
+    write(
+        &dir,
+        "rules.toml",
+        "[[rule]]\nname = \"no-shell\"\ntools = [\"shell.*\"]\nwhen = \"true\"\n\
+         action = \"cancel\"\nmessage = '\"no\"'\n",
+    );
+    write(
+        &dir,
+        "mesh.toml",
+        "listen = \"127.0.0.1:0\"\n\
+         [tls]\ncert_file = \"certs/mesh.pem\"\nkey_file = \"certs/mesh-key.pem\"\n\
+         [decision_log]\ndir = \"decisions\"\n\
+         [[guard]]\nname = \"p\"\npolicy = \"rules.toml\"\ntools = [\"shell.*\"]\n",
+    );
+    let relative = format!(
+        "../{}/mesh.toml",
+        dir.file_name().unwrap().to_str().unwrap()
+    );
+    let output = guardmesh(&["config", "check", &relative], Some(&elsewhere));
+    assert_eq!(output.status.code(), Some(0), "{}", stdout(&output));
+
+    let mut child = Command::new(env!("CARGO_BIN_EXE_guardmesh"))
+        .args(["serve", "--config", &relative])
+        .current_dir(&elsewhere)
+        .env("NO_COLOR", "1")
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("start serve");
+    let stderr = child.stderr.take().unwrap();
+    let _serve = Serve(child);
+    let (lines, seen) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        for line in BufReader::new(stderr).lines().map_while(Result::ok) {
+            if lines.send(line).is_err() {
+                break;
+            }
+        }
+    });
+    let mut log = String::new();
+    let started = loop {
+        match seen.recv_timeout(Duration::from_secs(60)) {
+            Ok(line) => {
+                log.push_str(&line);
+                log.push('\n');
+                if line.contains("guardmesh serving") {
+                    break true;
+                }
+            }
+            Err(_) => break false,
+        }
+    };
+    assert!(started, "serve did not start:\n{log}");
+    assert!(dir.join("decisions").is_dir(), "{log}");
+    assert!(!elsewhere.join("decisions").exists());
+}
