@@ -299,3 +299,89 @@ fn config_relative_paths_resolve_against_the_config_folder() {
     assert!(dir.join("decisions").is_dir(), "{log}");
     assert!(!elsewhere.join("decisions").exists());
 }
+
+/// Runs `guardmesh` with `args`, killed if it has not ended within `bound`
+/// (a FIFO read would hold it forever): its exit code, stdout and stderr,
+/// or `None` when it had to be killed.
+fn bounded(args: &[&str], bound: Duration) -> Option<(Option<i32>, String, String)> {
+    let mut child = Command::new(env!("CARGO_BIN_EXE_guardmesh"))
+        .args(args)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("run guardmesh");
+    let start = std::time::Instant::now();
+    while start.elapsed() < bound {
+        if child.try_wait().expect("wait").is_some() {
+            let output = child.wait_with_output().expect("output");
+            return Some((
+                output.status.code(),
+                stdout(&output),
+                String::from_utf8_lossy(&output.stderr).into_owned(),
+            ));
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let _ = child.kill();
+    let _ = child.wait();
+    None
+}
+
+/// Files a config names that are not what they claim (R25: nothing read
+/// without a bound): a FIFO in place of a certificate, token or policy file
+/// never holds `config check` or `serve` (no writer ever comes), and a
+/// sparse gigabyte named as a certificate, or as the config itself, is
+/// refused by its size instead of being read. Each error names the file and
+/// what it is.
+#[test]
+fn r25_a_fifo_or_a_sparse_gigabyte_named_by_a_config_is_refused_not_read() {
+    let dir = folder("fifo");
+    let fifo = dir.join("cert.pem");
+    assert!(
+        Command::new("mkfifo")
+            .arg(&fifo)
+            .status()
+            .expect("mkfifo")
+            .success()
+    );
+    std::fs::File::create(dir.join("big.pem"))
+        .unwrap()
+        .set_len(1 << 30)
+        .unwrap();
+    write(&dir, "key.pem", "not a key\n");
+    let bound = Duration::from_secs(20);
+    for cert in ["cert.pem", "big.pem"] {
+        let config = write(
+            &dir,
+            "mesh.toml",
+            &format!(
+                "listen = \"127.0.0.1:0\"\n[tls]\ncert_file = \"{cert}\"\nkey_file = \"key.pem\"\n"
+            ),
+        );
+        let path = config.to_str().unwrap();
+        let (code, out, _) = bounded(&["config", "check", path], bound)
+            .unwrap_or_else(|| panic!("config check held by {cert} for {bound:?}"));
+        assert_eq!(code, Some(1), "{cert}: {out}");
+        let what = if cert == "cert.pem" {
+            "it is a FIFO, not a regular file"
+        } else {
+            "it holds 1073741824 bytes, more than the 1048576 allowed"
+        };
+        assert!(out.contains(cert) && out.contains(what), "{cert}: {out}");
+        let (code, _, err) = bounded(&["serve", "--config", path], bound)
+            .unwrap_or_else(|| panic!("serve held by {cert} for {bound:?}"));
+        assert_ne!(code, Some(0), "{cert}: {err}");
+        assert!(err.contains(cert) && err.contains(what), "{cert}: {err}");
+    }
+    // The config file itself.
+    let huge = dir.join("huge.toml");
+    std::fs::File::create(&huge)
+        .unwrap()
+        .set_len(1 << 30)
+        .unwrap();
+    let (code, _, err) = bounded(&["config", "check", huge.to_str().unwrap()], bound)
+        .expect("config check of a sparse gigabyte ends");
+    assert_eq!(code, Some(2), "{err}");
+    assert!(err.contains("more than the 4194304 allowed"), "{err}");
+    let _ = std::fs::remove_dir_all(&dir);
+}

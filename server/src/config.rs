@@ -1106,13 +1106,13 @@ impl Config {
         for (i, guard) in self.guards.iter_mut().enumerate() {
             let Some(file) = &guard.policy else { continue };
             let file = folder.join(file);
-            let source =
-                std::fs::read_to_string(&file).map_err(|source| PolicyFileError::Read {
-                    index: i + 1,
-                    name: guard.name.clone(),
-                    path: file.clone(),
-                    source,
-                })?;
+            let source = crate::files::read_to_string(&file, crate::files::MAX_POLICY_FILE_BYTES)
+                .map_err(|source| PolicyFileError::Read {
+                index: i + 1,
+                name: guard.name.clone(),
+                path: file.clone(),
+                source,
+            })?;
             crate::policy::Policy::compile(&source).map_err(|source| PolicyFileError::Compile {
                 index: i + 1,
                 name: guard.name.clone(),
@@ -1182,10 +1182,11 @@ impl Config {
     /// its folder.
     pub fn load(path: &Path) -> Result<Self, ConfigError> {
         let shown = path.display().to_string();
-        let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
-            path: shown.clone(),
-            source,
-        })?;
+        let text = crate::files::read_to_string(path, crate::files::MAX_CONFIG_FILE_BYTES)
+            .map_err(|source| ConfigError::Read {
+                path: shown.clone(),
+                source,
+            })?;
         let mut config = Self::parse(&text, &shown)?;
         let folder = Self::folder_of(path);
         config.resolve_paths(folder);
@@ -1331,13 +1332,13 @@ impl Config {
                 let token = match &p.token_file {
                     None => None,
                     Some(path) => {
-                        let text = std::fs::read_to_string(path).map_err(|source| {
-                            SecurityError::Token {
-                                id: p.id.clone(),
-                                path: path.display().to_string(),
-                                source,
-                            }
-                        })?;
+                        let text =
+                            crate::files::read_to_string(path, crate::files::MAX_SECRET_FILE_BYTES)
+                                .map_err(|source| SecurityError::Token {
+                                    id: p.id.clone(),
+                                    path: path.display().to_string(),
+                                    source,
+                                })?;
                         let token = text.trim().to_owned();
                         if token.is_empty() {
                             return Err(SecurityError::EmptyToken(p.id.clone()));

@@ -34,9 +34,11 @@ pub enum EtcdTlsError {
 #[cfg(feature = "etcd-tls")]
 pub(crate) fn tls_options(tls: &TlsFiles) -> Result<etcd_client::TlsOptions, EtcdTlsError> {
     let read = |path: &PathBuf| {
-        std::fs::read(path).map_err(|source| EtcdTlsError::Read {
-            path: path.clone(),
-            source: std::sync::Arc::new(source),
+        crate::files::read(path, crate::files::MAX_SECRET_FILE_BYTES).map_err(|source| {
+            EtcdTlsError::Read {
+                path: path.clone(),
+                source: std::sync::Arc::new(source),
+            }
         })
     };
     let mut options = etcd_client::TlsOptions::new();

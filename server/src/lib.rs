@@ -55,6 +55,7 @@ mod admit;
 pub mod config;
 pub mod decision_log;
 pub mod etcd_tls;
+pub mod files;
 mod judge;
 pub mod link;
 pub mod mesh;

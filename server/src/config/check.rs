@@ -42,10 +42,12 @@ pub struct Unreadable {
 /// Checks the config file at `path`; relative paths in it are relative to
 /// its folder, as when the mesh loads it.
 pub fn check_file(path: &Path) -> Result<Vec<Finding>, Unreadable> {
-    let text = std::fs::read_to_string(path).map_err(|source| Unreadable {
-        path: path.to_owned(),
-        source,
-    })?;
+    let text = crate::files::read_to_string(path, crate::files::MAX_CONFIG_FILE_BYTES).map_err(
+        |source| Unreadable {
+            path: path.to_owned(),
+            source,
+        },
+    )?;
     Ok(check_text(&text, Config::folder_of(path)))
 }
 
@@ -206,7 +208,7 @@ fn check_files(
     for (i, guard) in config.guards.iter_mut().enumerate() {
         let Some(file) = &guard.policy else { continue };
         let index = Some(i + 1);
-        match std::fs::read_to_string(file) {
+        match crate::files::read_to_string(file, crate::files::MAX_POLICY_FILE_BYTES) {
             Err(e) => error(
                 "guard.policy",
                 index,
@@ -265,7 +267,7 @@ fn check_files(
                 continue;
             };
             let index = Some(i + 1);
-            match std::fs::read_to_string(file) {
+            match crate::files::read_to_string(file, crate::files::MAX_SECRET_FILE_BYTES) {
                 Err(e) => error(
                     "auth.principal.token_file",
                     index,

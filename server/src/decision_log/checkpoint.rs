@@ -114,9 +114,11 @@ impl SealConfig {
 }
 
 fn read_text(path: &Path) -> Result<String, KeyError> {
-    fs::read_to_string(path).map_err(|err| KeyError::Read {
-        path: path.to_path_buf(),
-        message: err.to_string(),
+    crate::files::read_to_string(path, crate::files::MAX_SECRET_FILE_BYTES).map_err(|err| {
+        KeyError::Read {
+            path: path.to_path_buf(),
+            message: err.to_string(),
+        }
     })
 }
 

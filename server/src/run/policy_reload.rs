@@ -36,9 +36,7 @@ use tokio::sync::mpsc;
 /// How long a watched folder must be quiet before changed files are read.
 pub(crate) const QUIET: Duration = Duration::from_millis(200);
 
-/// The largest policy file a reload reads. A policy's own bounds (256
-/// rules of at most 4 KiB per expression) stay well within it.
-pub(crate) const MAX_POLICY_FILE_BYTES: u64 = 4 << 20;
+pub(crate) use crate::files::MAX_POLICY_FILE_BYTES;
 
 /// The policy file of a config guard, relative to the config's folder.
 fn policy_file(folder: &Path, guard: &GuardConfig) -> Option<PathBuf> {
@@ -87,24 +85,6 @@ impl ReadError {
     }
 }
 
-/// What kind of file `file_type` is, for a refusal.
-fn kind_of(file_type: std::fs::FileType) -> &'static str {
-    use std::os::unix::fs::FileTypeExt;
-    if file_type.is_dir() {
-        "a folder"
-    } else if file_type.is_fifo() {
-        "a FIFO"
-    } else if file_type.is_char_device() {
-        "a character device"
-    } else if file_type.is_block_device() {
-        "a block device"
-    } else if file_type.is_socket() {
-        "a socket"
-    } else {
-        "not a regular file"
-    }
-}
-
 /// Reads the policy file at `path` (following links): only a regular file
 /// of at most `limit` bytes. Opened non-blocking, so that a FIFO never
 /// waits for a writer; the type and size are those of the file opened, so
@@ -112,48 +92,27 @@ fn kind_of(file_type: std::fs::FileType) -> &'static str {
 /// more than `limit` bytes are read, whatever the file grows to meanwhile.
 /// Blocking: call it off the runtime's threads.
 pub(crate) fn read_policy_file(path: &Path, limit: u64) -> Result<String, ReadError> {
-    use std::io::Read;
-    use std::os::unix::fs::OpenOptionsExt;
+    use crate::files::FileError;
     let shown = || path.display().to_string();
-    let file = std::fs::OpenOptions::new()
-        .read(true)
-        .custom_flags(libc::O_NONBLOCK)
-        .open(path)
-        .map_err(|source| ReadError::Open {
+    let bytes = crate::files::read_regular(path, limit).map_err(|error| match error {
+        FileError::Open(source) => ReadError::Open {
             path: shown(),
             source,
-        })?;
-    let meta = file.metadata().map_err(|source| ReadError::Read {
-        path: shown(),
-        source,
+        },
+        FileError::NotRegular { kind } => ReadError::NotRegular {
+            path: shown(),
+            kind,
+        },
+        FileError::TooLarge { size, limit } => ReadError::TooLarge {
+            path: shown(),
+            size,
+            limit,
+        },
+        FileError::Read(source) => ReadError::Read {
+            path: shown(),
+            source,
+        },
     })?;
-    if !meta.file_type().is_file() {
-        return Err(ReadError::NotRegular {
-            path: shown(),
-            kind: kind_of(meta.file_type()),
-        });
-    }
-    if meta.len() > limit {
-        return Err(ReadError::TooLarge {
-            path: shown(),
-            size: meta.len(),
-            limit,
-        });
-    }
-    let mut bytes = Vec::with_capacity(usize::try_from(meta.len()).unwrap_or(0));
-    file.take(limit.saturating_add(1))
-        .read_to_end(&mut bytes)
-        .map_err(|source| ReadError::Read {
-            path: shown(),
-            source,
-        })?;
-    if bytes.len() as u64 > limit {
-        return Err(ReadError::TooLarge {
-            path: shown(),
-            size: bytes.len() as u64,
-            limit,
-        });
-    }
     String::from_utf8(bytes).map_err(|_| ReadError::NotText { path: shown() })
 }
 

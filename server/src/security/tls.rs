@@ -50,10 +50,13 @@ pub fn provider() -> Arc<rustls::crypto::CryptoProvider> {
 /// Reads every certificate of a PEM file.
 pub fn load_certs(path: &Path) -> Result<Vec<CertificateDer<'static>>, TlsError> {
     let shown = path.display().to_string();
-    let bytes = std::fs::read(path).map_err(|source| TlsError::Read {
-        path: shown.clone(),
-        source,
-    })?;
+    let bytes =
+        crate::files::read(path, crate::files::MAX_SECRET_FILE_BYTES).map_err(|source| {
+            TlsError::Read {
+                path: shown.clone(),
+                source,
+            }
+        })?;
     let certs = CertificateDer::pem_slice_iter(&bytes)
         .collect::<Result<Vec<_>, _>>()
         .map_err(|e| TlsError::Pem {
@@ -72,10 +75,13 @@ pub fn load_certs(path: &Path) -> Result<Vec<CertificateDer<'static>>, TlsError>
 /// Reads the private key of a PEM file.
 pub fn load_key(path: &Path) -> Result<PrivateKeyDer<'static>, TlsError> {
     let shown = path.display().to_string();
-    let bytes = std::fs::read(path).map_err(|source| TlsError::Read {
-        path: shown.clone(),
-        source,
-    })?;
+    let bytes =
+        crate::files::read(path, crate::files::MAX_SECRET_FILE_BYTES).map_err(|source| {
+            TlsError::Read {
+                path: shown.clone(),
+                source,
+            }
+        })?;
     PrivateKeyDer::from_pem_slice(&bytes).map_err(|e| TlsError::Pem {
         path: shown,
         reason: e.to_string(),
