@@ -80,7 +80,19 @@ impl Etcd {
             peer_port: loopback_port(),
             child: None,
         };
-        etcd.spawn().await;
+        // A port chosen free can be taken by another process before etcd
+        // binds it: then new ports, at most 3 times.
+        for attempt in 1.. {
+            match etcd.try_spawn().await {
+                Ok(()) => break,
+                Err(log) if attempt < 3 && log.contains("address already in use") => {
+                    eprintln!("etcd: a port it was given was taken; starting again on new ports");
+                    etcd.client_port = loopback_port();
+                    etcd.peer_port = loopback_port();
+                }
+                Err(log) => panic!("etcd exited; its log: {log}"),
+            }
+        }
         etcd
     }
 
@@ -95,6 +107,13 @@ impl Etcd {
     /// Starts the process (again) on the same ports and data, and waits
     /// until it answers.
     async fn spawn(&mut self) {
+        if let Err(log) = self.try_spawn().await {
+            panic!("etcd exited; its log: {log}");
+        }
+    }
+
+    /// [`Etcd::spawn`], with the log of a process that exited as the error.
+    async fn try_spawn(&mut self) -> Result<(), String> {
         assert!(self.child.is_none(), "etcd is already running");
         let log = std::fs::OpenOptions::new()
             .create(true)
@@ -126,13 +145,14 @@ impl Etcd {
                 && let Ok(Ok(_)) =
                     tokio::time::timeout(Duration::from_secs(2), client.status()).await
             {
-                return;
+                return Ok(());
             }
             if let Some(Ok(Some(status))) = self.child.as_mut().map(|c| c.try_wait()) {
-                panic!(
-                    "etcd exited with {status}; its log: {}",
+                self.child = None;
+                return Err(format!(
+                    "(exit {status}) {}",
                     std::fs::read_to_string(self.dir.join("etcd.log")).unwrap_or_default()
-                );
+                ));
             }
             assert!(Instant::now() < deadline, "etcd did not answer within 30 s");
             tokio::time::sleep(Duration::from_millis(50)).await;
@@ -1265,7 +1285,27 @@ pub(crate) struct Cluster {
 }
 
 impl Cluster {
+    /// Starts the three members and waits for their quorum. A port is
+    /// chosen free and then handed to etcd, so another process can take it
+    /// in between: a member that says so is not a failure of the test, and
+    /// the whole cluster starts again on new ports (at most 3 times).
     pub(crate) async fn start() -> Self {
+        let mut attempt = 0;
+        loop {
+            attempt += 1;
+            match Self::try_start().await {
+                Ok(cluster) => return cluster,
+                Err(taken) if attempt < 3 => {
+                    eprintln!("etcd cluster: {taken}; starting again on new ports");
+                }
+                Err(taken) => panic!("etcd cluster: {taken}, {attempt} times"),
+            }
+        }
+    }
+
+    /// One try of [`Cluster::start`]: `Err` when a member could not bind a
+    /// port it was given (the members started are killed on the way out).
+    async fn try_start() -> Result<Self, String> {
         static SEQ: AtomicUsize = AtomicUsize::new(0);
         let token = format!(
             "guardmesh-test-{}-{}",
@@ -1345,6 +1385,13 @@ impl Cluster {
                 {
                     break;
                 }
+                let log = std::fs::read_to_string(member.dir.join("etcd.log")).unwrap_or_default();
+                if log.contains("address already in use") {
+                    return Err(format!(
+                        "member {} found a port it was given taken",
+                        member.name
+                    ));
+                }
                 assert!(
                     Instant::now() < deadline,
                     "etcd member {} did not answer within 30 s; its log: {}",
@@ -1364,7 +1411,7 @@ impl Cluster {
         }
         assert_eq!(names.len(), 3, "{names:?}");
         drop(names);
-        cluster
+        Ok(cluster)
     }
 
     pub(crate) fn urls(&self) -> Vec<String> {
