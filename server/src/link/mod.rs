@@ -27,6 +27,7 @@
 mod backoff;
 mod breaker;
 pub mod dial;
+pub mod discover;
 #[cfg(test)]
 mod paused_tests;
 mod queue;
