@@ -52,6 +52,7 @@
 //! something does not work.
 
 mod child;
+mod compare;
 mod decision_log;
 mod guards;
 mod mcp;
@@ -169,15 +170,21 @@ pub struct BenchArgs {
     #[arg(long, value_enum, default_value_t = Placement::Os)]
     pub placement: Placement,
     /// Runs one group only: `decision-log`, the decision log's cost (log
-    /// off, on, on with signed checkpoints), latency and throughput.
+    /// off, on, on with signed checkpoints), latency and throughput;
+    /// `compare`, this build against `--baseline` in one interleaved group.
     #[arg(long, value_enum)]
     pub only: Option<Only>,
+    /// Another build's `guardmesh` executable, for `--only compare`: its
+    /// meshes run beside this build's, round by round.
+    #[arg(long, value_name = "EXE", requires = "only")]
+    pub baseline: Option<PathBuf>,
 }
 
 /// `guardmesh bench --only`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
 pub enum Only {
     DecisionLog,
+    Compare,
 }
 
 /// Logs to stderr, `RUST_LOG` or `default_filter`.
@@ -1379,7 +1386,27 @@ async fn run(args: &BenchArgs) -> Result<(), Error> {
         work.request_bytes,
         dir.display()
     );
+    if args.only == Some(Only::Compare) && args.baseline.is_none() {
+        return Err("--only compare needs --baseline EXE: the guardmesh executable to compare this build against".into());
+    }
     let mut guards = GuardProcess::start(&exe, dir, &catalog(), args).await?;
+    if let (Some(Only::Compare), Some(baseline)) = (args.only, &args.baseline) {
+        let latency = compare::run(&exe, baseline, dir, &mut guards, &work, &plan).await?;
+        let mut setup = Map::new();
+        setup.insert("only".into(), json!("compare"));
+        setup.insert("baseline".into(), json!(baseline.display().to_string()));
+        setup.insert("rounds".into(), json!(plan.rounds));
+        setup.insert("elapsed_s".into(), json!(started.elapsed().as_secs_f64()));
+        let results = Results {
+            quick: args.quick,
+            setup,
+            latency,
+            throughput: Vec::new(),
+            memory: Memory::none(),
+            extra_ratios: Vec::new(),
+        };
+        return report(&results, args, mode, started, guards);
+    }
     if args.only == Some(Only::DecisionLog) {
         let in_flight = args.in_flight.max(1);
         let (latency, throughput) =

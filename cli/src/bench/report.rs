@@ -291,6 +291,9 @@ impl Results {
         if self.setup.get("only").and_then(Value::as_str) == Some("decision-log") {
             return Ok(super::decision_log::ratios(&self.latency, &self.throughput));
         }
+        if self.setup.get("only").and_then(Value::as_str) == Some("compare") {
+            return Ok(super::compare::ratios(&self.latency));
+        }
         let direct = self.latency("direct_unary")?;
         let parallel = self.latency("direct_parallel_4")?;
         let floor = self.latency("stream_floor")?;
