@@ -866,6 +866,8 @@ impl GuardConfig {
             }),
             server_identity: self.server_identity.clone().unwrap_or_default(),
             policy: self.policy_source.clone().unwrap_or_default(),
+            // The replica list (R32) is carried by the guard-replica pool's change.
+            replicas: Vec::new(),
         }
     }
 }
