@@ -8,6 +8,8 @@
 //! * `overload`, `soak`: bounds under load, and a bounded soak under faults.
 //! * `security`: TLS, mTLS, tokens, roles and endpoint policy (R24, R25).
 //! * `etcd`: replicas sharing one chain on a real etcd (R17).
+//! * `guard_discovery`: a guard's replicas from a DNS name and from
+//!   heartbeats on a 3-member etcd (R32).
 //! * `observability`, `otel`, `otel_http`: metrics (parsed as Prometheus text
 //!   and OpenMetrics), logs, and traces exported over OTLP/gRPC and
 //!   OTLP/HTTP (R21, R22).
@@ -66,6 +68,7 @@ mod docs;
 mod etcd;
 mod faults;
 mod gate;
+mod guard_discovery;
 mod hook;
 mod mcp;
 mod mcp_answers;

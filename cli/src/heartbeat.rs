@@ -7,6 +7,13 @@
 //! as soon as the guard stops answering, and takes a new one when it is back.
 //! Without it the lease only says the sidecar runs. SIGTERM or SIGINT revoke
 //! the lease and exit.
+//!
+//! With `--replica ADDR` the sidecar announces one replica of the guard
+//! (R32): it keeps `<prefix>/replicas/<name>/<ADDR>` on its lease instead
+//! of `<prefix>/alive/<name>`, and the mesh adds ADDR to the guard's
+//! replicas while the lease lives. Run one sidecar per replica, each with
+//! the address the mesh dials for it (`--guard` is the address the sidecar
+//! checks, usually the replica's loopback one).
 
 use etcd_client::{Client, LeaseKeepAliveStream, LeaseKeeper, PutOptions};
 use guardmesh_server::config::{Config, RegistryKind};
@@ -37,6 +44,11 @@ pub(crate) struct HeartbeatArgs {
     /// only while its `grpc.health.v1.Health` says SERVING.
     #[arg(long)]
     guard: Option<String>,
+    /// Announce this address (`http://host:port`, `https://host:port` or
+    /// `host:port`) as one replica of the guard while the lease is held:
+    /// the address the mesh dials for this replica (R32).
+    #[arg(long)]
+    replica: Option<String>,
 }
 
 /// Runs until `shutdown`, then revokes the lease.
@@ -61,6 +73,10 @@ pub(crate) async fn run(
         Some(address) => Some(guard_url(address)?),
         None => None,
     };
+    let replica = match &args.replica {
+        Some(address) => Some(replica_url(address)?),
+        None => None,
+    };
     let every = etcd.heartbeat_interval.max(Duration::from_millis(100));
     let mut beat: Option<GuardHeartbeat> = None;
     tokio::pin!(shutdown);
@@ -70,9 +86,13 @@ pub(crate) async fn run(
             None => true,
         };
         if serving && beat.is_none() {
-            match GuardHeartbeat::start(&etcd, &args.name).await {
+            let started = match &replica {
+                Some(address) => GuardHeartbeat::start_replica(&etcd, &args.name, address).await,
+                None => GuardHeartbeat::start(&etcd, &args.name).await,
+            };
+            match started {
                 Ok(started) => {
-                    tracing::info!(guard = %args.name, "liveness lease held");
+                    tracing::info!(guard = %args.name, replica = ?replica, "liveness lease held");
                     println!("ALIVE {}", args.name);
                     beat = Some(started);
                 }
@@ -147,8 +167,28 @@ impl GuardHeartbeat {
     /// Puts the liveness key of guard `name` on a new lease (the guard is
     /// alive when this returns) and renews it every heartbeat interval.
     pub async fn start(config: &EtcdConfig, name: &str) -> Result<Self, ConnectError> {
+        Self::hold(config, config.alive_key(name), Vec::new()).await
+    }
+
+    /// Announces `address` as one replica of guard `name` (R32): puts
+    /// `<prefix>/replicas/<name>/<address>` on a new lease and renews it
+    /// every heartbeat interval. The replica leaves the guard's replica set
+    /// when the lease ends (revoked by [`Self::stop`], or lapsed).
+    pub async fn start_replica(
+        config: &EtcdConfig,
+        name: &str,
+        address: &str,
+    ) -> Result<Self, ConnectError> {
+        Self::hold(
+            config,
+            config.replica_key(name, address),
+            address.as_bytes().to_vec(),
+        )
+        .await
+    }
+
+    async fn hold(config: &EtcdConfig, key: String, value: Vec<u8>) -> Result<Self, ConnectError> {
         let client = guardmesh_server::registry::etcd::client(config).await?;
-        let key = config.alive_key(name);
         let ttl = i64::try_from(config.lease_ttl.as_secs().max(1)).unwrap_or(i64::MAX);
         // Renew well within the TTL, whatever the configured interval.
         let every = config
@@ -156,16 +196,17 @@ impl GuardHeartbeat {
             .min(config.lease_ttl / 3)
             .max(Duration::from_millis(10));
         let timeout = config.request_timeout;
-        let lease = grant(&client, &key, ttl, timeout).await.map_err(|cause| {
-            ConnectError::Unreachable {
+        let lease = grant(&client, &key, &value, ttl, timeout)
+            .await
+            .map_err(|cause| ConnectError::Unreachable {
                 endpoints: config.endpoints.join(","),
                 cause: cause.to_string(),
-            }
-        })?;
+            })?;
         let lease = Arc::new(AtomicI64::new(lease));
         let task = tokio::spawn(renew(
             client.clone(),
             key,
+            value,
             ttl,
             every,
             timeout,
@@ -204,8 +245,14 @@ async fn timed<T>(
     }
 }
 
-/// Grants a lease and puts the liveness key on it.
-async fn grant(client: &Client, key: &str, ttl: i64, timeout: Duration) -> Result<i64, LeaseError> {
+/// Grants a lease and puts the liveness (or replica) key on it.
+async fn grant(
+    client: &Client,
+    key: &str,
+    value: &[u8],
+    ttl: i64,
+    timeout: Duration,
+) -> Result<i64, LeaseError> {
     let mut leases = client.lease_client();
     let lease = timed(timeout, "granting a lease", leases.grant(ttl, None))
         .await?
@@ -214,7 +261,11 @@ async fn grant(client: &Client, key: &str, ttl: i64, timeout: Duration) -> Resul
     timed(
         timeout,
         "putting the liveness key",
-        kv.put(key, Vec::new(), Some(PutOptions::new().with_lease(lease))),
+        kv.put(
+            key,
+            value.to_vec(),
+            Some(PutOptions::new().with_lease(lease)),
+        ),
     )
     .await?;
     Ok(lease)
@@ -235,6 +286,7 @@ enum Renewal {
 async fn renew(
     client: Client,
     key: String,
+    value: Vec<u8>,
     ttl: i64,
     every: Duration,
     timeout: Duration,
@@ -279,7 +331,7 @@ async fn renew(
             }
             Err(Renewal::Gone) => {
                 stream = None;
-                match grant(&client, &key, ttl, timeout).await {
+                match grant(&client, &key, &value, ttl, timeout).await {
                     Ok(id) => {
                         lease.store(id, Ordering::SeqCst);
                         tracing::info!(
@@ -327,6 +379,20 @@ fn guard_url(address: &str) -> Result<String, Error> {
     Ok(url)
 }
 
+/// The address a replica is announced with: `host:port` reads as
+/// `http://host:port`; the host is checked as a registration's is (no
+/// ambiguous forms). The endpoint policy is the mesh's to apply, to every
+/// announced address.
+fn replica_url(address: &str) -> Result<String, Error> {
+    let parsed = guardmesh_server::link::discover::dns::parse_endpoint(address)
+        .map_err(|e| format!("--replica: {e}"))?;
+    let host = match parsed.literal {
+        Some(std::net::IpAddr::V6(ip)) => format!("[{ip}]"),
+        _ => parsed.host,
+    };
+    Ok(format!("{}://{host}:{}", parsed.scheme, parsed.port))
+}
+
 /// Whether the guard answers its overall health as SERVING within `timeout`.
 async fn serving(url: &str, timeout: Duration) -> bool {
     let check = async {
@@ -364,5 +430,21 @@ mod tests {
             "{error}"
         );
         assert!(guard_url("not an address").is_err());
+    }
+
+    #[test]
+    fn r32_replica_addresses_are_read_as_the_mesh_dials_them() {
+        assert_eq!(
+            replica_url("10.0.0.5:7001").unwrap(),
+            "http://10.0.0.5:7001"
+        );
+        assert_eq!(
+            replica_url("https://pod-1.guard.ns.svc:7001").unwrap(),
+            "https://pod-1.guard.ns.svc:7001"
+        );
+        assert_eq!(replica_url("http://[::1]:7").unwrap(), "http://[::1]:7");
+        for bad in ["http://0x7f.1:7", "ftp://a:1", "http://a:1/x", "http://a:0"] {
+            assert!(replica_url(bad).is_err(), "{bad}");
+        }
     }
 }

@@ -106,6 +106,19 @@ impl Registration {
         self
     }
 
+    /// More replicas of the same guard (R32), each an endpoint in the form
+    /// of the registration's own (`http://host:port`): the mesh keeps a
+    /// link to every replica and sends each request to one of them. Adds
+    /// to the list; the endpoint stays a replica.
+    pub fn replicas<I, S>(mut self, replicas: I) -> Self
+    where
+        I: IntoIterator<Item = S>,
+        S: Into<String>,
+    {
+        self.0.replicas.extend(replicas.into_iter().map(Into::into));
+        self
+    }
+
     /// Consulted and traced, never applied (R18).
     pub fn dry_run(mut self) -> Self {
         self.0.mode = GuardMode::DryRun as i32;
@@ -193,5 +206,30 @@ impl Registrar {
     /// The chain in order.
     pub async fn list(&self) -> Result<ListResponse, ClientError> {
         Ok(self.client.clone().list(ListRequest {}).await?.into_inner())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn r32_a_registration_carries_its_replicas_beside_its_endpoint() {
+        let spec = Registration::validate("g", "http://10.0.0.5:7001")
+            .replicas(["http://10.0.0.6:7001"])
+            .replicas(vec!["http://10.0.0.7:7001".to_string()])
+            .build();
+        assert_eq!(spec.endpoint, "http://10.0.0.5:7001");
+        assert_eq!(
+            spec.replicas,
+            ["http://10.0.0.6:7001", "http://10.0.0.7:7001"]
+        );
+        // The old single endpoint: no replicas on the wire.
+        assert!(
+            Registration::validate("g", "http://10.0.0.5:7001")
+                .build()
+                .replicas
+                .is_empty()
+        );
     }
 }

@@ -146,6 +146,12 @@ export interface RegisterOptions extends CredentialOptions {
   /** How long to wait for the mesh (default 10000). */
   waitMs?: number;
   https?: boolean;
+  /**
+   * More replicas of this guard (`http://host:port` each; an array or
+   * comma-separated text): the mesh spreads requests over the endpoint and
+   * these (R32). Default: the endpoint alone.
+   */
+  replicas?: string[] | string;
 }
 
 export interface RegisterResponse {

@@ -800,7 +800,7 @@ function unary(client, method, request, timeoutMs, metadata) {
 
 const REGISTER_OPTIONS = [
   'host', 'endpoint', 'role', 'tools', 'failurePolicy', 'timeoutMs', 'priority', 'mode',
-  'grantTools', 'mayRename', 'waitMs', 'https', ...CREDENTIAL_OPTIONS,
+  'grantTools', 'mayRename', 'waitMs', 'https', 'replicas', ...CREDENTIAL_OPTIONS,
 ];
 
 /** Picks the credential options out of `options`. */
@@ -813,6 +813,8 @@ function credentialOptions(options) {
  * is `endpoint` or `http://HOST:PORT` (`https://` with `https: true`;
  * 127.0.0.1 for a wildcard host). Enum options take short names ('mutate',
  * 'fail_open', 'dry_run'); list options an array or comma-separated text.
+ * `replicas` lists more replicas of this guard (`http://host:port` each,
+ * R32): the mesh spreads requests over the endpoint and these.
  * Waits up to `waitMs` for the mesh. The credential options (`caFile`,
  * `certFile`, `keyFile`, `token`, `tokenFile`, `tlsDomain`: see
  * meshCredentials) go on the call. Unknown options are refused. Resolves to
@@ -823,7 +825,7 @@ async function register(meshAddr, name, port, options = {}) {
   const {
     host = '127.0.0.1', role = 'validate', tools = [], failurePolicy = 'fail_closed',
     timeoutMs = 0, priority = 0, mode = 'enforce', grantTools = [], mayRename = false,
-    waitMs = 10000, https = false,
+    waitMs = 10000, https = false, replicas = [],
   } = options;
   let { endpoint = null } = options;
   const credentials = meshCredentials(meshAddr, credentialOptions(options));
@@ -842,6 +844,7 @@ async function register(meshAddr, name, port, options = {}) {
     priority,
     mode: enumName('mode', mode),
     grant: { tools: list(grantTools), may_rename: mayRename },
+    replicas: list(replicas),
   };
   const client = registryClient(meshAddr, credentials);
   try {

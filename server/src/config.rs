@@ -482,6 +482,9 @@ pub struct LinksConfig {
     /// Bytes of requests queued for a guard that is not reading them; past
     /// it, batches fail at that guard per its policy (R25).
     pub max_queued_bytes: usize,
+    /// How often a guard endpoint that is a DNS name is resolved again for
+    /// its replicas (R32); a failed connection asks sooner.
+    pub resolve_interval_ms: u64,
 }
 
 impl Default for LinksConfig {
@@ -499,6 +502,7 @@ impl Default for LinksConfig {
             keepalive_force: false,
             dead_peer_timeout_ms: millis(l.dead_peer_timeout),
             max_queued_bytes: l.max_queued_bytes,
+            resolve_interval_ms: millis(crate::link::discover::dns::DEFAULT_RESOLVE_INTERVAL),
         }
     }
 }
@@ -532,6 +536,18 @@ impl LinksConfig {
                 key: "guard_links.max_queued_bytes",
             });
         }
+        if self.resolve_interval_ms < millis(crate::link::discover::dns::MIN_RESOLVE_GAP) {
+            out.push(SettingError::ResolveIntervalTooShort {
+                got: self.resolve_interval_ms,
+            });
+        }
+    }
+
+    /// How often guard endpoints that are DNS names are resolved again
+    /// (R32): what [`crate::link::discover::dns::watch_endpoint`] takes.
+    pub fn resolve_interval(&self) -> Duration {
+        Duration::from_millis(self.resolve_interval_ms)
+            .max(crate::link::discover::dns::MIN_RESOLVE_GAP)
     }
 }
 
@@ -850,6 +866,8 @@ impl GuardConfig {
             }),
             server_identity: self.server_identity.clone().unwrap_or_default(),
             policy: self.policy_source.clone().unwrap_or_default(),
+            // The replica list (R32) is carried by the guard-replica pool's change.
+            replicas: Vec::new(),
         }
     }
 }

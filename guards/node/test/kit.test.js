@@ -165,3 +165,32 @@ roles = ["evaluate", "register"]
     if (saved !== undefined) process.env.GUARDMESH_TOKEN = saved;
   }
 });
+
+test('a registration carries its replicas beside its endpoint (R32)', async () => {
+  const protoLoader = require('@grpc/proto-loader');
+  const pb = grpc.loadPackageDefinition(protoLoader.loadSync('guardmesh/v1/guardmesh.proto', {
+    keepCase: true, longs: String, enums: String, defaults: true, oneofs: true,
+    includeDirs: [path.resolve(__dirname, '..', 'proto')],
+  })).guardmesh.v1;
+  const seen = [];
+  const server = new grpc.Server();
+  server.addService(pb.GuardRegistry.service, {
+    Register: (call, done) => { seen.push(call.request.guard); done(null, { revision: '1', position: 0, created: true }); },
+    Deregister: (call, done) => done(null, { revision: '1', removed: false }),
+    List: (call, done) => done(null, { revision: '1', guards: [] }),
+  });
+  const port = await new Promise((resolve, reject) => server.bindAsync('127.0.0.1:0',
+    grpc.ServerCredentials.createInsecure(), (err, p) => (err ? reject(err) : resolve(p))));
+  try {
+    const addr = `127.0.0.1:${port}`;
+    await gg.register(addr, 'g', 7001, { replicas: ['http://10.0.0.6:7001', 'http://10.0.0.7:7001'] });
+    await gg.register(addr, 'g', 7001, { replicas: 'http://10.0.0.8:7001' });
+    await gg.register(addr, 'g', 7001);
+    assert.equal(seen[0].endpoint, 'http://127.0.0.1:7001');
+    assert.deepEqual(seen[0].replicas, ['http://10.0.0.6:7001', 'http://10.0.0.7:7001']);
+    assert.deepEqual(seen[1].replicas, ['http://10.0.0.8:7001']);
+    assert.deepEqual(seen[2].replicas, [], 'the old single endpoint: no replicas');
+  } finally {
+    server.forceShutdown();
+  }
+});

@@ -508,3 +508,13 @@ def test_asyncio_guard_main_exits_0_on_sigint_and_refuses_bad_flags(tmp_path: Pa
         [sys.executable, str(tmp_path / "aio_guard.py"), "--tls-cert-file", "x.pem"],
         env={**os.environ, "PYTHONPATH": SRC}, capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "go together" in bad.stderr, bad.stderr
+
+
+def test_r32_a_registration_carries_its_replicas_beside_its_endpoint() -> None:
+    """``replicas`` goes in GuardSpec.replicas; the endpoint stays; none by default."""
+    spec = gg.registration("g", 7001, replicas=["http://10.0.0.6:7001", "http://10.0.0.7:7001"])
+    assert spec.endpoint == "http://127.0.0.1:7001"
+    assert list(spec.replicas) == ["http://10.0.0.6:7001", "http://10.0.0.7:7001"]
+    assert list(gg.registration("g", 7001, replicas="http://10.0.0.8:7001").replicas) == [
+        "http://10.0.0.8:7001"]
+    assert list(gg.registration("g", 7001).replicas) == []

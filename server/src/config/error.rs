@@ -82,6 +82,11 @@ pub enum SettingError {
          seconds); use 0 to turn it off"
     )]
     DeadPeerTooShort { got: u64 },
+    #[error(
+        "guard_links.resolve_interval_ms = {got}: guard names are resolved again at most once a \
+         second (1000)"
+    )]
+    ResolveIntervalTooShort { got: u64 },
     #[error(transparent)]
     DecisionLog(#[from] LogSettingError),
 }
@@ -115,6 +120,9 @@ impl SettingError {
             Self::ToolNames(_) => ("limits.tool_name_extra_chars".into(), None),
             Self::KeepaliveBelowFloor { .. } => ("guard_links.keepalive_interval_ms".into(), None),
             Self::DeadPeerTooShort { .. } => ("guard_links.dead_peer_timeout_ms".into(), None),
+            Self::ResolveIntervalTooShort { .. } => {
+                ("guard_links.resolve_interval_ms".into(), None)
+            }
             Self::DecisionLog(error) => (format!("decision_log.{}", error.key()), None),
         }
     }
@@ -155,6 +163,9 @@ impl SettingError {
             ),
             Self::DeadPeerTooShort { .. } => {
                 "write dead_peer_timeout_ms = 2000 (or more), or 0 to turn it off".into()
+            }
+            Self::ResolveIntervalTooShort { .. } => {
+                "write resolve_interval_ms = 1000 (or more); 30000 is the default".into()
             }
             Self::DecisionLog(error) => error.fix(),
         }

@@ -308,6 +308,12 @@ pub static KEYS: &[Key] = &[
         "16777216",
         "Bytes of requests queued for a guard that is not reading them; past it batches fail at that guard per its policy (R25).",
     ),
+    key(
+        "guard_links.resolve_interval_ms",
+        Kind::Int,
+        "30000",
+        "How often a guard endpoint that is a DNS name is resolved again for its replicas, in milliseconds (at least 1000); a failed connection asks sooner (R32).",
+    ),
     // [server]
     key(
         "server",

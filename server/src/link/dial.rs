@@ -499,6 +499,58 @@ impl GuardConnector {
     }
 }
 
+impl GuardConnector {
+    /// The connector of one replica of a guard registered at `registered`
+    /// (R32). A replica found by resolving the registered name is dialed by
+    /// its address, but it is still that name's guard: over TLS it must
+    /// present the pinned identity, or, with no pin, the registered name
+    /// (never merely a certificate for the IP address); and a name on the
+    /// endpoint allow-list vouches for the addresses it resolved to, which
+    /// were checked against the policy with that name when they were
+    /// resolved (and are checked again, denied ranges first, at dial). A
+    /// replica whose endpoint is the registered one, or that names its own
+    /// host, gets this connector unchanged. (Over TLS the replica's
+    /// connector is pinned to the name, so its `pin` differs from the
+    /// registration's `server_identity` when that is empty.)
+    pub fn for_replica(&self, registered: &str, replica: &str) -> Self {
+        let mut connector = self.clone();
+        let (Some(name), Some(ip)) = (uri_host(registered), uri_host(replica)) else {
+            return connector;
+        };
+        let Ok(ip) = ip.parse::<IpAddr>() else {
+            return connector;
+        };
+        if name.parse::<IpAddr>().is_ok() {
+            return connector;
+        }
+        let tls = self.https || replica.starts_with("https://");
+        if tls && connector.pin.is_none() {
+            connector.pin = Some(name.to_owned());
+        }
+        if self.policy.restricted() && self.policy.check_ip(ip, Some(name)).is_ok() {
+            let mut policy = (*self.policy).clone();
+            policy.nets.push(IpNet::from(ip));
+            connector.policy = Arc::new(policy);
+        }
+        connector
+    }
+}
+
+/// The host of `scheme://host:port` (or `host:port`), without brackets.
+fn uri_host(endpoint: &str) -> Option<&str> {
+    let rest = endpoint
+        .split_once("://")
+        .map_or(endpoint, |(_, rest)| rest);
+    let authority = rest.split('/').next()?;
+    let host = match authority.strip_prefix('[') {
+        Some(v6) => v6.split_once(']')?.0,
+        None => authority
+            .rsplit_once(':')
+            .map_or(authority, |(host, _)| host),
+    };
+    (!host.is_empty()).then_some(host)
+}
+
 impl tower::Service<Uri> for GuardConnector {
     type Response = hyper_util::rt::TokioIo<GuardIo>;
     type Error = std::io::Error;
@@ -576,5 +628,83 @@ mod tests {
             "a name on the list that resolves to metadata is still refused"
         );
         assert!(EndpointPolicy::new(&["10.0.0.0/33".into()], true).is_err());
+    }
+
+    fn connector(policy: EndpointPolicy, pin: Option<&str>) -> GuardConnector {
+        GuardConnector {
+            policy: Arc::new(policy),
+            tls: None,
+            pin: pin.map(str::to_owned),
+            https: true,
+            connect_timeout: Duration::from_secs(1),
+        }
+    }
+
+    #[test]
+    fn r32_a_replica_reached_by_address_is_still_held_to_the_guards_name() {
+        let base = connector(EndpointPolicy::default(), None);
+        let replica = base.for_replica("https://guard.test:7001", "https://127.0.0.2:7001");
+        assert_eq!(replica.pin.as_deref(), Some("guard.test"));
+        // A pinned identity stays the one to verify.
+        let pinned = connector(EndpointPolicy::default(), Some("spiffe://mesh/g"));
+        let replica = pinned.for_replica("https://guard.test:7001", "https://[::1]:7001");
+        assert_eq!(replica.pin.as_deref(), Some("spiffe://mesh/g"));
+        // An address registration, or a replica named by its own host: as is.
+        assert_eq!(
+            base.for_replica("https://127.0.0.2:1", "https://127.0.0.2:1")
+                .pin,
+            None
+        );
+        assert_eq!(
+            base.for_replica("https://guard.test:1", "https://pod-1.guard.test:1")
+                .pin,
+            None
+        );
+        // Plaintext has no identity to verify.
+        let plain = GuardConnector {
+            https: false,
+            ..base.clone()
+        };
+        assert_eq!(
+            plain
+                .for_replica("http://guard.test:1", "http://127.0.0.2:1")
+                .pin,
+            None
+        );
+    }
+
+    #[test]
+    fn ssrf_a_name_on_the_allow_list_vouches_only_for_allowed_addresses() {
+        let allow = EndpointPolicy::new(&["*.guards.svc".into()], true).unwrap();
+        let base = connector(allow, None);
+        let replica = base.for_replica("http://a.guards.svc:1", "http://10.0.0.7:1");
+        assert!(
+            replica
+                .policy
+                .check_ip("10.0.0.7".parse().unwrap(), None)
+                .is_ok()
+        );
+        assert!(
+            replica
+                .policy
+                .check_ip("10.0.0.8".parse().unwrap(), None)
+                .is_err()
+        );
+        // Metadata is never vouched for, whatever the name.
+        let replica = base.for_replica("http://a.guards.svc:1", "http://169.254.169.254:1");
+        assert!(
+            replica
+                .policy
+                .check_ip("169.254.169.254".parse().unwrap(), None)
+                .is_err()
+        );
+        // A name off the list vouches for nothing.
+        let replica = base.for_replica("http://evil.example:1", "http://10.0.0.7:1");
+        assert!(
+            replica
+                .policy
+                .check_ip("10.0.0.7".parse().unwrap(), None)
+                .is_err()
+        );
     }
 }

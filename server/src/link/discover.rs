@@ -8,8 +8,12 @@
 //! when it changes; the guard's pool opens links to new targets and drains
 //! the ones that left.
 
+use futures::StreamExt;
+use futures::stream::FuturesUnordered;
 use std::sync::Arc;
 use tokio::sync::watch;
+
+pub mod dns;
 
 /// One replica the mesh may send a guard's requests to.
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
@@ -39,9 +43,109 @@ pub fn fixed(endpoints: impl IntoIterator<Item = String>) -> Replicas {
     rx
 }
 
+/// One replica set of several sources (R32): every target any of them
+/// holds, each once, in the order of the sources. The registry gives a
+/// guard's heartbeat-announced replicas and its registration gives its own
+/// endpoint (an address, a name's addresses, or a list); the guard's
+/// replicas are both. A source that ends keeps its last set in the union;
+/// the union's task ends with its last reader, or when every source ended.
+/// Must be called within a tokio runtime.
+pub fn union(sources: Vec<Replicas>) -> Replicas {
+    let mut sources = sources;
+    let mut latest: Vec<Arc<[ReplicaTarget]>> = sources
+        .iter_mut()
+        .map(|rx| rx.borrow_and_update().clone())
+        .collect();
+    let (tx, rx) = watch::channel(merge(&latest));
+    let mut pending: FuturesUnordered<_> = sources
+        .into_iter()
+        .enumerate()
+        .map(|(i, rx)| next_change(i, rx))
+        .collect();
+    tokio::spawn(async move {
+        loop {
+            tokio::select! {
+                next = pending.next() => match next {
+                    None => return,
+                    Some((i, mut source, true)) => {
+                        latest[i] = source.borrow_and_update().clone();
+                        let next = merge(&latest);
+                        tx.send_if_modified(|current| {
+                            let changed = *current != next;
+                            if changed {
+                                *current = next;
+                            }
+                            changed
+                        });
+                        pending.push(next_change(i, source));
+                    }
+                    // That source ended: its last set stays.
+                    Some((_, _, false)) => {}
+                },
+                () = tx.closed() => return,
+            }
+        }
+    });
+    rx
+}
+
+fn next_change(
+    i: usize,
+    mut rx: Replicas,
+) -> futures::future::BoxFuture<'static, (usize, Replicas, bool)> {
+    Box::pin(async move {
+        let live = rx.changed().await.is_ok();
+        (i, rx, live)
+    })
+}
+
+fn merge(sets: &[Arc<[ReplicaTarget]>]) -> Arc<[ReplicaTarget]> {
+    let mut seen = std::collections::HashSet::new();
+    sets.iter()
+        .flat_map(|set| set.iter())
+        .filter(|t| seen.insert(t.endpoint.as_str()))
+        .cloned()
+        .collect()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::time::Duration;
+
+    fn endpoints(rx: &Replicas) -> Vec<String> {
+        rx.borrow().iter().map(|t| t.endpoint.clone()).collect()
+    }
+
+    #[tokio::test]
+    async fn r32_a_union_holds_every_source_once_and_follows_each() {
+        let (heartbeats, announced) = watch::channel::<Arc<[ReplicaTarget]>>(Arc::from(vec![
+            ReplicaTarget::new("http://127.0.0.3:1"),
+            ReplicaTarget::new("http://127.0.0.2:1"),
+        ]));
+        let mut rx = union(vec![fixed(["http://127.0.0.2:1".to_string()]), announced]);
+        assert_eq!(endpoints(&rx), ["http://127.0.0.2:1", "http://127.0.0.3:1"]);
+        heartbeats.send_replace(Arc::from(vec![ReplicaTarget::new("http://127.0.0.4:1")]));
+        tokio::time::timeout(Duration::from_secs(5), rx.changed())
+            .await
+            .unwrap()
+            .unwrap();
+        assert_eq!(endpoints(&rx), ["http://127.0.0.2:1", "http://127.0.0.4:1"]);
+        // Every announced replica left: the registration's own stays (R15).
+        heartbeats.send_replace(Arc::from(Vec::new()));
+        tokio::time::timeout(Duration::from_secs(5), rx.changed())
+            .await
+            .unwrap()
+            .unwrap();
+        assert_eq!(endpoints(&rx), ["http://127.0.0.2:1"]);
+        // The source ends: its last set stays, and the union ends too.
+        drop(heartbeats);
+        tokio::time::timeout(Duration::from_secs(5), rx.changed())
+            .await
+            .unwrap()
+            .unwrap_err();
+        assert_eq!(endpoints(&rx), ["http://127.0.0.2:1"]);
+    }
 
     #[test]
     fn r32_a_fixed_set_holds_its_targets_in_order() {

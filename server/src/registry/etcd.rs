@@ -12,6 +12,7 @@
 //! | `<prefix>/guards/<name>` | the `GuardSpec`, protobuf-encoded (the wire message of `guardmesh.v1`) | none |
 //! | `<prefix>/revision` | name of the guard changed last | none |
 //! | `<prefix>/alive/<name>` | unused (empty) | the guard's heartbeat lease |
+//! | `<prefix>/replicas/<name>/<address, `%` and `/` escaped>` | the replica's address (`http://host:port`) | that replica's heartbeat lease |
 //! | `<prefix>/removed/<name>` | tombstone of a deregistered guard (a mark unique to the call) | none |
 //! | `<prefix>/owner/<name>` | the identity that registered the guard | none |
 //! | `<prefix>/owned/<identity>/<name>` | empty: one key per guard an identity owns (`/` and `%` of the identity escaped) | none |
@@ -38,6 +39,14 @@
 //!   heartbeat`, through [`client`] and [`EtcdConfig::alive_key`]).
 //!   When the lease lapses the replicas log it and report it in
 //!   [`EtcdRegistry::status`]; the chain does not change.
+//! * **Replicas come and go with their leases** (R32): `guardmesh heartbeat
+//!   --replica ADDR`, run once beside each replica of a guard, keeps
+//!   `<prefix>/replicas/<name>/<ADDR>` on its own lease. Each mesh replica
+//!   follows those keys ([`EtcdRegistry::replicas`]): a replica whose lease
+//!   ends leaves the guard's replica set, the others stay. Every announced
+//!   address is held to the endpoint policy as a registered one is. A
+//!   guard with a live replica key reads as alive; a guard whose announced
+//!   replicas all left stays in the chain (R15).
 //! * **Order comes from etcd** (R16): the chain is sorted by priority, then by
 //!   the registration key's `create_revision`. Every replica computes the same
 //!   order from the same keys without coordinating. Registering an existing
@@ -101,7 +110,7 @@ use futures::future::BoxFuture;
 use guardmesh_proto::v1::GuardSpec;
 use prost::Message;
 use serde::Deserialize;
-use std::collections::{BTreeMap, HashMap, HashSet};
+use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 use std::future::Future;
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
@@ -238,12 +247,22 @@ impl EtcdConfig {
         self.keys().alive(name.trim())
     }
 
+    /// The key that announces `address` as one replica of guard `name`
+    /// (R32): `<prefix>/replicas/<name>/<address>`, with `%` and `/` of the
+    /// address escaped so that the name is everything before the last `/`.
+    /// `guardmesh heartbeat --replica` keeps it on that replica's lease,
+    /// with the address as its value.
+    pub fn replica_key(&self, name: &str, address: &str) -> String {
+        self.keys().replica(name.trim(), address)
+    }
+
     fn keys(&self) -> Keys {
         let prefix = self.prefix.trim_end_matches('/');
         Keys {
             root: format!("{prefix}/"),
             guards: format!("{prefix}/guards/"),
             alive: format!("{prefix}/alive/"),
+            replicas: format!("{prefix}/replicas/"),
             revision: format!("{prefix}/revision"),
             removed: format!("{prefix}/removed/"),
             owner: format!("{prefix}/owner/"),
@@ -318,6 +337,9 @@ struct Keys {
     root: String,
     guards: String,
     alive: String,
+    /// `<prefix>/replicas/<name>/<address>`: replicas announced by their
+    /// heartbeats (R32).
+    replicas: String,
     revision: String,
     /// Tombstones of guards removed with `Deregister`.
     removed: String,
@@ -335,6 +357,10 @@ impl Keys {
 
     fn alive(&self, name: &str) -> String {
         format!("{}{name}", self.alive)
+    }
+
+    fn replica(&self, name: &str, address: &str) -> String {
+        format!("{}{name}/{}", self.replicas, escape_address(address))
     }
 
     fn removed(&self, name: &str) -> String {
@@ -421,6 +447,14 @@ struct View {
     invalid: BTreeMap<String, String>,
     alive: HashSet<String>,
     heartbeated: HashSet<String>,
+    /// Replicas announced by heartbeats: guard name -> key suffix ->
+    /// address (R32).
+    replicas: BTreeMap<String, BTreeMap<String, String>>,
+}
+
+/// `%` and `/` of an announced address escaped, for its key.
+fn escape_address(address: &str) -> String {
+    address.replace('%', "%25").replace('/', "%2F")
 }
 
 /// Connection state, for staleness.
@@ -492,6 +526,12 @@ struct Shared {
     written: Mutex<Written>,
     /// Whether a new auth token is being fetched.
     reauthenticating: Arc<std::sync::atomic::AtomicBool>,
+    /// The replicas heartbeats announce, by guard (R32), as the view has
+    /// them: what [`EtcdRegistry::replicas`] filters per guard.
+    announced: watch::Sender<Arc<BTreeMap<String, BTreeSet<String>>>>,
+    /// Announced addresses the endpoint policy refused, counted once per
+    /// change of a guard's announced set.
+    replicas_refused: Arc<std::sync::atomic::AtomicU64>,
 }
 
 /// The etcd registry of one mesh replica. Dropping it stops its watch.
@@ -744,6 +784,8 @@ impl EtcdRegistry {
                 window_logged: false,
             }),
             reauthenticating: Arc::default(),
+            announced: watch::channel(Arc::default()).0,
+            replicas_refused: Arc::default(),
             config,
         });
         let revision = shared
@@ -793,7 +835,7 @@ impl EtcdRegistry {
             .guards
             .iter()
             .map(|g| {
-                let state = if view.alive.contains(&g.name) {
+                let state = if view.alive.contains(&g.name) || view.replicas.contains_key(&g.name) {
                     Liveness::Alive
                 } else if view.heartbeated.contains(&g.name) {
                     Liveness::Expired
@@ -819,6 +861,66 @@ impl EtcdRegistry {
                 .map(|(k, v)| (k.clone(), v.clone()))
                 .collect(),
         }
+    }
+
+    /// The replicas of guard `name` that heartbeats announce (R32), each
+    /// held to `policy` as a registered endpoint is (an address that is
+    /// malformed, ambiguous or refused is left out, logged and counted in
+    /// [`Self::replicas_refused`]), at most
+    /// [`MAX_ADDRESSES_PER_NAME`](crate::link::discover::dns::MAX_ADDRESSES_PER_NAME)
+    /// of them. The set follows the replicas' leases: a replica whose
+    /// heartbeat ends leaves it, the others stay. These are in addition to
+    /// the registration's own endpoint (join them with
+    /// [`crate::link::discover::union`]), so a guard whose announced
+    /// replicas all left keeps its registered endpoint and stays in the
+    /// chain (R15). Must be called within a tokio runtime; the task ends
+    /// with the last reader or with the registry.
+    pub fn replicas(
+        &self,
+        name: &str,
+        policy: Arc<crate::link::dial::EndpointPolicy>,
+    ) -> crate::link::discover::Replicas {
+        let mut all = self.shared.announced.subscribe();
+        let filter = AnnouncedFilter {
+            guard: name.trim().to_owned(),
+            policy,
+            refused: self.shared.replicas_refused.clone(),
+        };
+        let mut raw = all.borrow_and_update().get(&filter.guard).cloned();
+        let (tx, rx) = watch::channel(filter.apply(raw.as_ref()));
+        tokio::spawn(async move {
+            loop {
+                tokio::select! {
+                    changed = all.changed() => {
+                        if changed.is_err() {
+                            return;
+                        }
+                        let next = all.borrow_and_update().get(&filter.guard).cloned();
+                        if next == raw {
+                            continue;
+                        }
+                        raw = next;
+                        let targets = filter.apply(raw.as_ref());
+                        tx.send_if_modified(|current| {
+                            let changed = *current != targets;
+                            if changed {
+                                *current = targets;
+                            }
+                            changed
+                        });
+                    }
+                    () = tx.closed() => return,
+                }
+            }
+        });
+        rx
+    }
+
+    /// Announced replica addresses the endpoint policy refused (R32).
+    pub fn replicas_refused(&self) -> u64 {
+        self.shared
+            .replicas_refused
+            .load(std::sync::atomic::Ordering::Relaxed)
     }
 
     /// The revision of the latest change under the prefix this replica has
@@ -855,6 +957,14 @@ impl EtcdRegistry {
 impl Registry for EtcdRegistry {
     fn chain(&self) -> Arc<ChainSpec> {
         self.shared.chain.load_full()
+    }
+
+    fn announced_replicas(
+        &self,
+        name: &str,
+        policy: Arc<crate::link::dial::EndpointPolicy>,
+    ) -> Option<crate::link::discover::Replicas> {
+        Some(self.replicas(name, policy))
     }
 
     fn register(
@@ -1066,6 +1176,7 @@ impl Shared {
                 if changed {
                     self.rebuild(&view);
                 }
+                self.publish_replicas(&view);
                 Some(changed)
             }
         };
@@ -1164,6 +1275,32 @@ impl Shared {
                 tracing::info!(guard = name, "etcd registry: guard heartbeating");
             }
             view.heartbeated.insert(name.to_owned());
+        } else if let Some((name, suffix)) = key
+            .strip_prefix(self.keys.replicas.as_str())
+            .and_then(|rest| rest.rsplit_once('/'))
+        {
+            // The value is the address; the key must be its escaped form,
+            // so that one address is one key.
+            let Ok(address) = std::str::from_utf8(kv.value()) else {
+                tracing::warn!(
+                    key,
+                    "etcd registry: announced replica is not UTF-8; ignored"
+                );
+                return;
+            };
+            if name.is_empty() || escape_address(address) != suffix {
+                tracing::warn!(
+                    key,
+                    address,
+                    "etcd registry: announced replica's key does not name its address; ignored"
+                );
+                return;
+            }
+            let set = view.replicas.entry(name.to_owned()).or_default();
+            if set.insert(suffix.to_owned(), address.to_owned()).is_none() && previous.is_none() {
+                tracing::info!(guard = name, address, "etcd registry: replica announced");
+            }
+            view.heartbeated.insert(name.to_owned());
         }
     }
 
@@ -1181,7 +1318,40 @@ impl Shared {
             && view.alive.remove(name)
         {
             self.log_expired(view, name);
+        } else if let Some((name, suffix)) = key
+            .strip_prefix(self.keys.replicas.as_str())
+            .and_then(|rest| rest.rsplit_once('/'))
+            && let Some(set) = view.replicas.get_mut(name)
+            && let Some(address) = set.remove(suffix)
+        {
+            tracing::info!(
+                guard = name,
+                address,
+                "etcd registry: replica left (its heartbeat lease ended)"
+            );
+            if set.is_empty() {
+                view.replicas.remove(name);
+                if !view.alive.contains(name) {
+                    self.log_expired(view, name);
+                }
+            }
         }
+    }
+
+    /// Publishes the announced replicas when they changed.
+    fn publish_replicas(&self, view: &View) {
+        let next: BTreeMap<String, BTreeSet<String>> = view
+            .replicas
+            .iter()
+            .map(|(name, set)| (name.clone(), set.values().cloned().collect()))
+            .collect();
+        self.announced.send_if_modified(|current| {
+            if **current == next {
+                return false;
+            }
+            *current = Arc::new(next);
+            true
+        });
     }
 
     fn log_expired(&self, view: &View, name: &str) {
@@ -1269,6 +1439,7 @@ impl Shared {
             }
         }
         view.revision = reached;
+        self.publish_replicas(&view);
         if chain_key(&view) != before {
             self.rebuild(&view);
             tracing::debug!(
@@ -1875,6 +2046,57 @@ impl Shared {
 }
 
 /// The answer of the transaction nested in `response`'s first branch.
+/// Holds one guard's announced addresses to the endpoint policy.
+struct AnnouncedFilter {
+    guard: String,
+    policy: Arc<crate::link::dial::EndpointPolicy>,
+    refused: Arc<std::sync::atomic::AtomicU64>,
+}
+
+impl AnnouncedFilter {
+    fn apply(
+        &self,
+        addresses: Option<&BTreeSet<String>>,
+    ) -> Arc<[crate::link::discover::ReplicaTarget]> {
+        use crate::link::discover::{ReplicaTarget, dns};
+        let mut targets = Vec::new();
+        for address in addresses.into_iter().flatten() {
+            let checked = dns::parse_endpoint(address)
+                .map_err(|e| e.to_string())
+                .and_then(|p| {
+                    match p.literal {
+                        Some(ip) => self.policy.check_ip(ip, None),
+                        None => self.policy.check_host(&p.host),
+                    }
+                    .map_err(|e| e.to_string())?;
+                    Ok(format!(
+                        "{}://{}",
+                        p.scheme,
+                        match p.literal {
+                            Some(ip) => std::net::SocketAddr::new(ip, p.port).to_string(),
+                            None => format!("{}:{}", p.host, p.port),
+                        }
+                    ))
+                });
+            match checked {
+                Ok(endpoint) if targets.len() < dns::MAX_ADDRESSES_PER_NAME => {
+                    targets.push(ReplicaTarget::new(endpoint));
+                }
+                Ok(_) => {
+                    tracing::warn!(guard = %self.guard, address, "etcd registry: more announced replicas than a guard may have; left out");
+                }
+                Err(why) => {
+                    self.refused
+                        .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                    tracing::warn!(guard = %self.guard, address, %why, "etcd registry: announced replica refused by the endpoint policy; it is not dialed");
+                }
+            }
+        }
+        targets.dedup();
+        targets.into()
+    }
+}
+
 fn nested(response: etcd_client::TxnResponse) -> Option<etcd_client::TxnResponse> {
     response.op_responses().into_iter().find_map(|op| match op {
         TxnOpResponse::Txn(inner) => Some(inner),
@@ -1992,6 +2214,10 @@ mod tests {
         assert_eq!(keys.root, "/guardmesh/prod/");
         assert_eq!(keys.guard("sql/where"), "/guardmesh/prod/guards/sql/where");
         assert_eq!(keys.alive("a"), "/guardmesh/prod/alive/a");
+        assert_eq!(
+            config.replica_key("sql/where", "http://10.0.0.5:7001"),
+            "/guardmesh/prod/replicas/sql/where/http:%2F%2F10.0.0.5:7001"
+        );
         assert_eq!(keys.revision, "/guardmesh/prod/revision");
     }
 

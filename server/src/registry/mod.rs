@@ -81,6 +81,17 @@ pub trait Registry: Send + Sync + 'static {
     fn staleness(&self) -> Option<std::time::Duration> {
         None
     }
+    /// The replicas of guard `name` that join and leave through the
+    /// registry's heartbeats (R32), held to `policy`; `None` for a registry
+    /// without heartbeats. They add to the registration's own endpoint.
+    fn announced_replicas(
+        &self,
+        name: &str,
+        policy: Arc<crate::link::dial::EndpointPolicy>,
+    ) -> Option<crate::link::discover::Replicas> {
+        let _ = (name, policy);
+        None
+    }
 }
 
 /// One registration and its registration order.

@@ -287,6 +287,8 @@ impl Guard {
                 .policy
                 .as_ref()
                 .map_or_else(String::new, |p| p.source.to_string()),
+            // The replica list (R32) is carried by the guard-replica pool's change.
+            replicas: Vec::new(),
         }
     }
 

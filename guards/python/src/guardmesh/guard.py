@@ -717,6 +717,9 @@ class RegisterOptions(PolicyOptions, total=False):
     https: bool
     #: The name the mesh verifies the guard's certificate against.
     server_identity: str
+    #: More replicas of this guard (``http://host:port`` each, R32): the
+    #: mesh spreads requests over ``endpoint`` and these.
+    replicas: Union[str, Sequence[str], None]
 
 
 def registration(
@@ -735,6 +738,7 @@ def registration(
     may_rename: bool = False,
     https: bool = False,
     server_identity: str = "",
+    replicas: Union[str, Sequence[str], None] = None,
 ) -> pb.GuardSpec:
     """The ``GuardSpec`` :func:`register` sends (options as there)."""
     if endpoint is None:
@@ -754,6 +758,7 @@ def registration(
         mode=pb.GuardMode.ValueType(enum_value(dict(pb.GuardMode.items()), "GUARD_MODE_", mode)),
         grant=pb.RewriteGrant(tools=as_list(grant_tools), may_rename=may_rename),
         server_identity=server_identity,
+        replicas=as_list(replicas),
     )
 
 
@@ -773,7 +778,8 @@ def register(
     ``endpoint`` (default ``http://HOST:PORT``, with 127.0.0.1 for a
     wildcard host, ``https://`` with ``https=True``), ``role``, ``tools``,
     ``failure_policy``, ``timeout_ms``, ``priority``, ``mode``,
-    ``grant_tools``, ``may_rename``, ``server_identity``. Enum options take
+    ``grant_tools``, ``may_rename``, ``server_identity``, ``replicas``
+    (more replicas of this guard, R32). Enum options take
     short names (``"mutate"``, ``"fail_open"``, ``"dry_run"``); list options
     a sequence or comma-separated text. Waits up to ``timeout`` seconds for
     the mesh to be reachable; raises ``grpc.RpcError`` if registration

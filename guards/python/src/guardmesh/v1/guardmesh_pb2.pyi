@@ -978,6 +978,7 @@ class GuardSpec(_message.Message):
     GRANT_FIELD_NUMBER: _builtins.int
     SERVER_IDENTITY_FIELD_NUMBER: _builtins.int
     POLICY_FIELD_NUMBER: _builtins.int
+    REPLICAS_FIELD_NUMBER: _builtins.int
     name: _builtins.str
     """Unique name of the guard in the chain."""
     endpoint: _builtins.str
@@ -1021,6 +1022,17 @@ class GuardSpec(_message.Message):
         which may rewrite nothing.
         """
 
+    @_builtins.property
+    def replicas(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """More replicas of the same guard (R32): endpoints in the form of
+        `endpoint` (`http://host:port`, `https://host:port` or `host:port`),
+        each held to the endpoint policy and, over TLS, to `server_identity` as
+        `endpoint` is. The guard's replicas are `endpoint` and these (a DNS name
+        among them stands for every address it resolves to), together with any
+        its etcd heartbeats announce; each request goes to one of them. Empty
+        (the default): `endpoint` alone, as before.
+        """
+
     def __init__(
         self,
         *,
@@ -1035,10 +1047,11 @@ class GuardSpec(_message.Message):
         grant: Global___RewriteGrant | None = ...,
         server_identity: _builtins.str = ...,
         policy: _builtins.str = ...,
+        replicas: _abc.Iterable[_builtins.str] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["grant", b"grant"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["endpoint", b"endpoint", "failure_policy", b"failure_policy", "grant", b"grant", "mode", b"mode", "name", b"name", "policy", b"policy", "priority", b"priority", "role", b"role", "server_identity", b"server_identity", "timeout_ms", b"timeout_ms", "tools", b"tools"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["endpoint", b"endpoint", "failure_policy", b"failure_policy", "grant", b"grant", "mode", b"mode", "name", b"name", "policy", b"policy", "priority", b"priority", "replicas", b"replicas", "role", b"role", "server_identity", b"server_identity", "timeout_ms", b"timeout_ms", "tools", b"tools"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
