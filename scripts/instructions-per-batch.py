@@ -16,7 +16,7 @@ With `--policy FILE` the mesh has one policy guard of FILE and nothing
 else; with `--no-guard`, no guard at all. Both send `guardmesh bench`'s
 standard batch (four calls to sql.query, http.get, fs.read and shell.exec,
 500 bytes of arguments each, a context with model text and metadata), so
-`--policy cli/src/bench/policy20.toml` against `--no-guard` (both with
+`--policy bench/src/bench/policy20.toml` against `--no-guard` (both with
 IN_FLIGHT 1) counts what the bench's 20-rule policy guard adds per batch.
 With `--relay` the four guards are behind `guardmesh bench-relay` instead
 of a mesh: the relay floor of `guardmesh bench` (the mesh's hops, none of
@@ -46,7 +46,7 @@ def free_port():
         return s.getsockname()[1]
 
 
-# `guardmesh bench`'s standard batch (cli/src/bench/mod.rs, `Work::new`).
+# `guardmesh bench`'s standard batch (bench/src/bench/mod.rs, `Work::new`).
 BENCH_TOOLS = ["sql.query", "http.get", "fs.read", "shell.exec"]
 BENCH_FILLER = "The agent asked for this call while working through the user's request; "
 

@@ -13,16 +13,6 @@ pub mod v1 {
 mod names;
 pub use names::UnknownName;
 
-/// `guardmesh.bench.v1`: the unary baselines (`DirectGuard`, `Echo`) that
-/// `guardmesh bench` measures the mesh against. Not part of the contract, and
-/// not in [`FILE_DESCRIPTOR_SET`].
-pub mod bench {
-    pub mod v1 {
-        #![allow(clippy::all, missing_docs)]
-        include!(concat!(env!("OUT_DIR"), "/bench/guardmesh.bench.v1.rs"));
-    }
-}
-
 /// The encoded `FileDescriptorSet` of the guardmesh protos, for gRPC server
 /// reflection.
 pub const FILE_DESCRIPTOR_SET: &[u8] = tonic::include_file_descriptor_set!("guardmesh_descriptor");

@@ -18,27 +18,10 @@ use guardmesh_client::{Batch, Coordinator, Registration};
 use guardmesh_server::decision_log::{
     DecisionLog, LogConfig, LogLimits, MeshLog, OnLogFailure, RefusalLimits, segment,
 };
-use opentelemetry_proto::tonic::collector::logs::v1::logs_service_server::{
-    LogsService, LogsServiceServer,
-};
-use opentelemetry_proto::tonic::collector::logs::v1::{
-    ExportLogsServiceRequest, ExportLogsServiceResponse,
-};
-use opentelemetry_proto::tonic::collector::trace::v1::trace_service_server::{
-    TraceService, TraceServiceServer,
-};
-use opentelemetry_proto::tonic::collector::trace::v1::{
-    ExportTraceServiceRequest, ExportTraceServiceResponse,
-};
 use opentelemetry_proto::tonic::common::v1::{AnyValue, KeyValue, any_value};
-use opentelemetry_proto::tonic::logs::v1::LogRecord;
-use opentelemetry_proto::tonic::trace::v1::Span;
 use serde_json::{Value, json};
 use std::path::{Path, PathBuf};
-use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
-use tokio::net::TcpListener;
-use tokio_stream::wrappers::TcpListenerStream;
 
 // ---------------------------------------------------------------------------
 // Item: masked means masked everywhere.
@@ -69,49 +52,6 @@ action = "steer"
 message = '"your pin " + call.args.pin + " is wrong"'
 "#;
 
-/// A collector for spans and log records over OTLP/gRPC.
-#[derive(Default, Clone)]
-struct Collector {
-    spans: Arc<Mutex<Vec<Span>>>,
-    logs: Arc<Mutex<Vec<LogRecord>>>,
-}
-
-#[tonic::async_trait]
-impl TraceService for Collector {
-    async fn export(
-        &self,
-        request: tonic::Request<ExportTraceServiceRequest>,
-    ) -> Result<tonic::Response<ExportTraceServiceResponse>, tonic::Status> {
-        let mut spans = self.spans.lock().unwrap();
-        for resource in request.into_inner().resource_spans {
-            for scope in resource.scope_spans {
-                spans.extend(scope.spans);
-            }
-        }
-        Ok(tonic::Response::new(ExportTraceServiceResponse {
-            partial_success: None,
-        }))
-    }
-}
-
-#[tonic::async_trait]
-impl LogsService for Collector {
-    async fn export(
-        &self,
-        request: tonic::Request<ExportLogsServiceRequest>,
-    ) -> Result<tonic::Response<ExportLogsServiceResponse>, tonic::Status> {
-        let mut logs = self.logs.lock().unwrap();
-        for resource in request.into_inner().resource_logs {
-            for scope in resource.scope_logs {
-                logs.extend(scope.log_records);
-            }
-        }
-        Ok(tonic::Response::new(ExportLogsServiceResponse {
-            partial_success: None,
-        }))
-    }
-}
-
 /// Every text an OTLP value holds.
 fn any_texts(value: &Option<AnyValue>, out: &mut Vec<String>) {
     match value.as_ref().and_then(|v| v.value.as_ref()) {
@@ -135,16 +75,6 @@ fn attribute_texts(attributes: &[KeyValue], out: &mut Vec<String>) {
     }
 }
 
-/// `guardmesh serve`, killed when dropped.
-struct Serve(std::process::Child);
-
-impl Drop for Serve {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
-
 /// R29: a value masked by config reaches neither the records (guard and
 /// policy error texts, skip contents, refusal messages), nor the mesh's
 /// log lines on stderr, nor the spans and log records it exports, whichever
@@ -152,20 +82,7 @@ impl Drop for Serve {
 /// echoing it into its content, a refusal quoting a member name inside it.
 #[tokio::test]
 async fn r29_a_masked_value_reaches_no_record_log_line_span_or_exported_log() {
-    let collector = Collector::default();
-    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let endpoint = format!("http://{}", listener.local_addr().unwrap());
-    tokio::spawn({
-        let collector = collector.clone();
-        async move {
-            tonic::transport::Server::builder()
-                .add_service(TraceServiceServer::new(collector.clone()))
-                .add_service(LogsServiceServer::new(collector))
-                .serve_with_incoming(TcpListenerStream::new(listener))
-                .await
-                .unwrap();
-        }
-    });
+    let (collector, endpoint) = Collector::serve().await;
 
     let dir = folder("hardening-mask");
     let log = dir.join("log");
@@ -183,7 +100,7 @@ async fn r29_a_masked_value_reaches_no_record_log_line_span_or_exported_log() {
     let stderr_path = dir.join("stderr.log");
     let port = free_port();
     let url = format!("http://127.0.0.1:{port}");
-    let _serve = Serve(
+    let _serve = KillOnDrop(
         std::process::Command::new(env!("CARGO_BIN_EXE_guardmesh"))
             .args([
                 "serve",
@@ -890,7 +807,7 @@ async fn r29_records_carry_the_bound_listen_address() {
         ),
     )
     .unwrap();
-    let _serve = Serve(
+    let _serve = KillOnDrop(
         std::process::Command::new(env!("CARGO_BIN_EXE_guardmesh"))
             .args(["serve", "--listen", "127.0.0.1:0", "--config"])
             .arg(&config)

@@ -7,55 +7,14 @@
 use crate::harness::*;
 use guardmesh_client::Batch;
 use guardmesh_server::decision_log::segment;
-use opentelemetry_proto::tonic::collector::logs::v1::logs_service_server::{
-    LogsService, LogsServiceServer,
-};
-use opentelemetry_proto::tonic::collector::logs::v1::{
-    ExportLogsServiceRequest, ExportLogsServiceResponse,
-};
+use opentelemetry_proto::tonic::collector::logs::v1::ExportLogsServiceRequest;
 use opentelemetry_proto::tonic::common::v1::any_value::Value as Any;
 use opentelemetry_proto::tonic::logs::v1::LogRecord;
 use prost::Message;
 use serde_json::Value;
-use std::sync::{Arc, Mutex};
 use std::time::Duration;
-use tokio::net::TcpListener;
-use tokio_stream::wrappers::TcpListenerStream;
 
 const SECRET: &str = "hunter2-otlp-secret";
-
-#[derive(Default, Clone)]
-struct Collector {
-    records: Arc<Mutex<Vec<LogRecord>>>,
-}
-
-#[tonic::async_trait]
-impl LogsService for Collector {
-    async fn export(
-        &self,
-        request: tonic::Request<ExportLogsServiceRequest>,
-    ) -> Result<tonic::Response<ExportLogsServiceResponse>, tonic::Status> {
-        let mut records = self.records.lock().unwrap();
-        for resource in request.into_inner().resource_logs {
-            for scope in resource.scope_logs {
-                records.extend(scope.log_records);
-            }
-        }
-        Ok(tonic::Response::new(ExportLogsServiceResponse {
-            partial_success: None,
-        }))
-    }
-}
-
-/// `guardmesh serve`, killed when dropped.
-struct Serve(std::process::Child);
-
-impl Drop for Serve {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
 
 fn attribute(record: &LogRecord, key: &str) -> Option<Any> {
     record
@@ -96,21 +55,9 @@ type FirstRecord = Box<dyn Fn() -> Option<LogRecord> + Send>;
 async fn collector(via: Via) -> (Vec<(&'static str, String)>, FirstRecord) {
     match via {
         Via::Grpc => {
-            let collector = Collector::default();
-            let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
-            let endpoint = format!("http://{}", listener.local_addr().unwrap());
-            tokio::spawn({
-                let collector = collector.clone();
-                async move {
-                    tonic::transport::Server::builder()
-                        .add_service(LogsServiceServer::new(collector))
-                        .serve_with_incoming(TcpListenerStream::new(listener))
-                        .await
-                        .unwrap();
-                }
-            });
+            let (collector, endpoint) = Collector::serve().await;
             let first: FirstRecord =
-                Box::new(move || collector.records.lock().unwrap().first().cloned());
+                Box::new(move || collector.logs.lock().unwrap().first().cloned());
             (vec![("OTEL_EXPORTER_OTLP_ENDPOINT", endpoint)], first)
         }
         Via::HttpProtobuf => {
@@ -162,7 +109,7 @@ async fn exported(via: Via) {
     .unwrap();
     let port = free_port();
     let url = format!("http://127.0.0.1:{port}");
-    let _serve = Serve(
+    let _serve = KillOnDrop(
         std::process::Command::new(env!("CARGO_BIN_EXE_guardmesh"))
             .args([
                 "serve",

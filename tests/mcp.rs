@@ -1339,23 +1339,8 @@ async fn r31_http_decisions_and_session_through_the_official_sdk() {
 
 /// One HTTP/1.1 exchange on a fresh connection: (status, headers, body).
 pub(crate) async fn post(url: &str, session: Option<&str>, body: &str) -> (u16, String, String) {
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
-    let authority = url.trim_start_matches("http://").split('/').next().unwrap();
-    let mut stream = tokio::net::TcpStream::connect(authority).await.unwrap();
-    let session = session.map_or(String::new(), |s| format!("Mcp-Session-Id: {s}\r\n"));
-    let request = format!(
-        "POST /mcp HTTP/1.1\r\nHost: {authority}\r\nContent-Type: application/json\r\n\
-         Accept: application/json, text/event-stream\r\nMCP-Protocol-Version: 2025-11-25\r\n\
-         {session}Content-Length: {}\r\nConnection: close\r\n\r\n{body}",
-        body.len()
-    );
-    stream.write_all(request.as_bytes()).await.unwrap();
-    let mut answer = Vec::new();
-    stream.read_to_end(&mut answer).await.unwrap();
-    let answer = String::from_utf8_lossy(&answer).into_owned();
-    let (head, body) = answer.split_once("\r\n\r\n").unwrap();
-    let status = head.split(' ').nth(1).unwrap().parse().unwrap();
-    (status, head.to_owned(), body.to_owned())
+    let session: Vec<_> = session.map(|s| ("Mcp-Session-Id", s)).into_iter().collect();
+    mcp_post(url, "2025-11-25", &session, body).await
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

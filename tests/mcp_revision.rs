@@ -4,6 +4,7 @@
 //! gateway refuses a request whose headers disagree with the body it
 //! judged, and forwards a rewritten call with headers of the final call.
 
+use crate::harness::mcp_post;
 use crate::mcp::{Scratch, calls, http_gateway, mesh_with_policy, run_client};
 use serde_json::{Value, json};
 
@@ -24,28 +25,8 @@ type Headers<'a> = Vec<(&'a str, &'a str)>;
 
 /// One POST with `headers`: (status, body).
 async fn post(url: &str, headers: &[(&str, &str)], body: &str) -> (u16, String) {
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
-    let authority = url.trim_start_matches("http://").split('/').next().unwrap();
-    let mut stream = tokio::net::TcpStream::connect(authority).await.unwrap();
-    let extra: String = headers
-        .iter()
-        .map(|(k, v)| format!("{k}: {v}\r\n"))
-        .collect();
-    let request = format!(
-        "POST /mcp HTTP/1.1\r\nHost: {authority}\r\nContent-Type: application/json\r\n\
-         Accept: application/json, text/event-stream\r\nMCP-Protocol-Version: 2026-07-28\r\n\
-         {extra}Content-Length: {}\r\nConnection: close\r\n\r\n{body}",
-        body.len()
-    );
-    stream.write_all(request.as_bytes()).await.unwrap();
-    let mut answer = Vec::new();
-    stream.read_to_end(&mut answer).await.unwrap();
-    let answer = String::from_utf8_lossy(&answer).into_owned();
-    let (head, body) = answer.split_once("\r\n\r\n").unwrap();
-    (
-        head.split(' ').nth(1).unwrap().parse().unwrap(),
-        body.to_owned(),
-    )
+    let (status, _, body) = mcp_post(url, "2026-07-28", headers, body).await;
+    (status, body)
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -9,43 +9,11 @@ use crate::harness::*;
 use guardmesh_client::Batch;
 use guardmesh_client::Registration;
 use guardmesh_client::verdict::steer;
-use opentelemetry_proto::tonic::collector::trace::v1::trace_service_server::{
-    TraceService, TraceServiceServer,
-};
-use opentelemetry_proto::tonic::collector::trace::v1::{
-    ExportTraceServiceRequest, ExportTraceServiceResponse,
-};
 use opentelemetry_proto::tonic::common::v1::KeyValue;
 use opentelemetry_proto::tonic::common::v1::any_value::Value;
 use opentelemetry_proto::tonic::trace::v1::Span;
 use opentelemetry_proto::tonic::trace::v1::span::SpanKind;
-use std::sync::{Arc, Mutex};
 use std::time::Duration;
-use tokio::net::TcpListener;
-use tokio_stream::wrappers::TcpListenerStream;
-
-#[derive(Default, Clone)]
-struct Collector {
-    spans: Arc<Mutex<Vec<Span>>>,
-}
-
-#[tonic::async_trait]
-impl TraceService for Collector {
-    async fn export(
-        &self,
-        request: tonic::Request<ExportTraceServiceRequest>,
-    ) -> Result<tonic::Response<ExportTraceServiceResponse>, tonic::Status> {
-        let mut spans = self.spans.lock().unwrap();
-        for rs in request.into_inner().resource_spans {
-            for ss in rs.scope_spans {
-                spans.extend(ss.spans);
-            }
-        }
-        Ok(tonic::Response::new(ExportTraceServiceResponse {
-            partial_success: None,
-        }))
-    }
-}
 
 fn hex(bytes: &[u8]) -> String {
     bytes.iter().map(|b| format!("{b:02x}")).collect()
@@ -123,19 +91,7 @@ fn r22_otlp_export_joins_coordinator_mesh_and_guard_in_one_trace() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore = "runs in its own process through r22_otlp_export_joins_coordinator_mesh_and_guard_in_one_trace"]
 async fn r22_otlp_export_joins_coordinator_mesh_and_guard_in_one_trace_in_own_process() {
-    let collector = Collector::default();
-    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let endpoint = format!("http://{}", listener.local_addr().unwrap());
-    tokio::spawn({
-        let collector = collector.clone();
-        async move {
-            tonic::transport::Server::builder()
-                .add_service(TraceServiceServer::new(collector))
-                .serve_with_incoming(TcpListenerStream::new(listener))
-                .await
-                .unwrap();
-        }
-    });
+    let (collector, endpoint) = Collector::serve().await;
     // The standard variables configure the real exporter.
     // SAFETY: this test runs alone in its own process (see the wrapper
     // above); nothing else reads the environment concurrently here.

@@ -48,28 +48,11 @@ async fn until_content(coordinator: &Coordinator, want: &str) -> BatchDecision {
 
 /// `guardmesh_policy_reloads_total{outcome=...}` on the metrics endpoint.
 async fn reloads(metrics_port: u16, outcome: &str) -> f64 {
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
-    let fetch = async {
-        let mut tcp = tokio::net::TcpStream::connect(("127.0.0.1", metrics_port))
-            .await
-            .ok()?;
-        tcp.write_all(b"GET /metrics HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n")
-            .await
-            .ok()?;
-        let mut text = String::new();
-        tcp.read_to_string(&mut text).await.ok()?;
-        Some(text)
-    };
-    let text = tokio::time::timeout(Duration::from_secs(10), fetch)
+    let text = fetch_metrics(metrics_port, Duration::from_secs(10))
         .await
-        .ok()
-        .flatten()
         .expect("the metrics endpoint answers");
     let sample = format!("guardmesh_policy_reloads_total{{outcome=\"{outcome}\"}}");
-    text.lines()
-        .filter_map(|line| line.strip_prefix(&sample))
-        .filter_map(|value| value.trim().parse::<f64>().ok())
-        .sum()
+    sample_sum(&text, &sample)
 }
 
 /// Writes `text` to `path` through a temporary file and a rename, as

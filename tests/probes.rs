@@ -48,20 +48,7 @@ impl Serve {
             format!("metrics_listen = \"127.0.0.1:{metrics}\"\n{config}"),
         )
         .unwrap();
-        let log = std::fs::File::create(dir.join("mesh.log")).unwrap();
-        let child = Command::new(env!("CARGO_BIN_EXE_guardmesh"))
-            .args([
-                "serve",
-                "--listen",
-                &format!("127.0.0.1:{port}"),
-                "--config",
-            ])
-            .arg(&file)
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(Stdio::from(log))
-            .spawn()
-            .expect("start guardmesh serve");
+        let child = spawn_serve(&file, port, &dir.join("mesh.log"), None);
         let mut serve = Self {
             child,
             url: format!("http://127.0.0.1:{port}"),
@@ -108,11 +95,7 @@ impl Serve {
     }
 
     fn signal(&self, signal: &str) {
-        let status = Command::new("kill")
-            .args([&format!("-{signal}"), &self.child.id().to_string()])
-            .status()
-            .expect("run kill");
-        assert!(status.success(), "kill -{signal}");
+        send_signal(&self.child, signal);
     }
 
     /// Waits at most `bound` for the process to exit.
@@ -320,45 +303,40 @@ timeout_ms = 20000
     let session = coordinator.session("s").await.unwrap();
     let in_flight = session.evaluate(Batch::new(0).call("c1", "t", "{}"));
     tokio::pin!(in_flight);
-    let reached = tokio::select! {
-        biased;
-        d = &mut in_flight => panic!("answered while held: {d:?}"),
-        reached = eventually_within(500, || held.guard.requests() == 1) => reached,
-    };
+    let reached = while_held(
+        &mut in_flight,
+        "answered while held",
+        eventually_within(500, || held.guard.requests() == 1),
+    )
+    .await;
     assert!(reached, "the batch reached the guard");
 
     serve.signal("TERM");
-    let (_, body) = tokio::select! {
-        biased;
-        d = &mut in_flight => panic!("answered while held: {d:?}"),
-        answer = serve.readyz_until(503, 200) => answer,
-    };
+    let (_, body) = while_held(
+        &mut in_flight,
+        "answered while held",
+        serve.readyz_until(503, 200),
+    )
+    .await;
     assert!(body.contains("draining"), "{body}");
     // New streams are refused, on a new connection and on the open one.
-    let refused = tokio::select! {
-        biased;
-        d = &mut in_flight => panic!("answered while held: {d:?}"),
-        refused = async {
-            for _ in 0..500 {
-                if Coordinator::connect(serve.url.clone()).await.is_err() {
-                    return true;
-                }
-                tokio::time::sleep(Duration::from_millis(10)).await;
-            }
-            false
-        } => refused,
-    };
+    let refused = while_held(
+        &mut in_flight,
+        "answered while held",
+        refuses_new_connections(&serve.url),
+    )
+    .await;
     assert!(refused, "the draining mesh refuses new connections");
-    let second = tokio::select! {
-        biased;
-        d = &mut in_flight => panic!("answered while held: {d:?}"),
-        second = async {
-            match coordinator.session("late").await {
-                Err(error) => Some(error),
-                Ok(late) => late.evaluate(Batch::new(1).call("c1", "t", "{}")).await.err(),
-            }
-        } => second,
-    };
+    let second = while_held(&mut in_flight, "answered while held", async {
+        match coordinator.session("late").await {
+            Err(error) => Some(error),
+            Ok(late) => late
+                .evaluate(Batch::new(1).call("c1", "t", "{}"))
+                .await
+                .err(),
+        }
+    })
+    .await;
     assert!(
         second.is_some(),
         "a stream opened while draining takes no batch"
@@ -401,11 +379,12 @@ timeout_ms = 60000
     let session = coordinator.session("s").await.unwrap();
     let in_flight = session.evaluate(Batch::new(0).call("c1", "t", "{}"));
     tokio::pin!(in_flight);
-    let reached = tokio::select! {
-        biased;
-        d = &mut in_flight => panic!("answered while held: {d:?}"),
-        reached = eventually_within(500, || held.guard.requests() == 1) => reached,
-    };
+    let reached = while_held(
+        &mut in_flight,
+        "answered while held",
+        eventually_within(500, || held.guard.requests() == 1),
+    )
+    .await;
     assert!(reached, "the batch reached the guard");
 
     serve.signal("TERM");

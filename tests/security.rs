@@ -860,22 +860,8 @@ impl LimitedMesh {
 
     /// `GET /metrics`, bounded.
     async fn metrics(&self) -> String {
-        use tokio::io::{AsyncReadExt, AsyncWriteExt};
-        let fetch = async {
-            let mut tcp = tokio::net::TcpStream::connect(("127.0.0.1", self.metrics_port))
-                .await
-                .ok()?;
-            tcp.write_all(b"GET /metrics HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n")
-                .await
-                .ok()?;
-            let mut text = String::new();
-            tcp.read_to_string(&mut text).await.ok()?;
-            Some(text)
-        };
-        tokio::time::timeout(Duration::from_secs(10), fetch)
+        fetch_metrics(self.metrics_port, Duration::from_secs(10))
             .await
-            .ok()
-            .flatten()
             .unwrap_or_default()
     }
 }

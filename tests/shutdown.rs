@@ -57,31 +57,23 @@ failure_policy = "fail_closed"
             .timeout(Duration::from_secs(30)),
     );
     tokio::pin!(in_flight);
-    let reached = tokio::select! {
-        biased;
-        d = &mut in_flight => panic!("answered before the slow guard could: {d:?}"),
-        reached = eventually_within(500, || probe.guard.requests() == 1) => reached,
-    };
+    let reached = while_held(
+        &mut in_flight,
+        "answered before the slow guard could",
+        eventually_within(500, || probe.guard.requests() == 1),
+    )
+    .await;
     assert!(reached, "the batch reached the guards");
 
     mesh.signal(signal);
 
     // Draining: new connections are refused while the batch is in flight.
-    let refused = tokio::select! {
-        biased;
-        d = &mut in_flight => panic!(
-            "the in-flight batch finished before the mesh stopped accepting: {d:?}"
-        ),
-        refused = async {
-            for _ in 0..500 {
-                if Coordinator::connect(mesh.url.clone()).await.is_err() {
-                    return true;
-                }
-                tokio::time::sleep(Duration::from_millis(10)).await;
-            }
-            false
-        } => refused,
-    };
+    let refused = while_held(
+        &mut in_flight,
+        "the in-flight batch finished before the mesh stopped accepting",
+        refuses_new_connections(&mesh.url),
+    )
+    .await;
     assert!(refused, "the draining mesh refuses new connections");
 
     // A batch sent on the old stream once draining began is answered: with
@@ -157,36 +149,31 @@ timeout_ms = 20000
     let session = coordinator.session("s").await.unwrap();
     let in_flight = session.evaluate(Batch::new(0).call("c1", "t", "{}"));
     tokio::pin!(in_flight);
-    let reached = tokio::select! {
-        biased;
-        d = &mut in_flight => panic!("answered while held: {d:?}"),
-        reached = eventually_within(500, || held.guard.requests() == 1) => reached,
-    };
+    let reached = while_held(
+        &mut in_flight,
+        "answered while held",
+        eventually_within(500, || held.guard.requests() == 1),
+    )
+    .await;
     assert!(reached, "the batch reached the guard");
     mesh.signal("TERM");
-    let refused = tokio::select! {
-        biased;
-        d = &mut in_flight => panic!("answered while held: {d:?}"),
-        refused = async {
-            for _ in 0..500 {
-                if Coordinator::connect(mesh.url.clone()).await.is_err() {
-                    return true;
-                }
-                tokio::time::sleep(Duration::from_millis(10)).await;
-            }
-            false
-        } => refused,
-    };
+    let refused = while_held(
+        &mut in_flight,
+        "answered while held",
+        refuses_new_connections(&mesh.url),
+    )
+    .await;
     assert!(refused, "the draining mesh refuses new connections");
     // Batches sent on the open stream while it drains: each is read and
     // answered, with an error, while the held batch is still in flight.
-    let late = tokio::select! {
-        biased;
-        d = &mut in_flight => panic!("answered while held: {d:?}"),
-        late = futures::future::join_all(
+    let late = while_held(
+        &mut in_flight,
+        "answered while held",
+        futures::future::join_all(
             (1..=3).map(|turn| session.evaluate(Batch::new(turn).call("c1", "t", "{}"))),
-        ) => late,
-    };
+        ),
+    )
+    .await;
     for answer in late {
         match answer {
             Err(ClientError::Status(status)) => {

@@ -2,6 +2,7 @@
 //! talk to a mesh (`serve`, `guards`, `evaluate`, `certs`, `example-guard`).
 
 use crate::examples::{Example, Kind};
+use crate::runtime::default_worker_threads;
 use clap::{Parser, Subcommand};
 use guardmesh_client::proto::{
     FailurePolicy, GuardMode, GuardRole, GuardSpec, RewriteGrant, ToolCall,
@@ -33,7 +34,7 @@ struct Cli {
         long,
         global = true,
         env = "GUARDMESH_WORKER_THREADS",
-        default_value_t = crate::runtime::default_worker_threads()
+        default_value_t = default_worker_threads()
     )]
     worker_threads: usize,
     #[command(subcommand)]
@@ -108,17 +109,17 @@ enum Command {
     },
     /// Checks a running guard, of any language, against the Judge protocol
     /// (one PASS/FAIL line per check; exits non-zero on any failure).
-    Conformance(crate::conformance::ConformanceArgs),
+    Conformance(guardmesh_conformance::ConformanceArgs),
     /// Benchmarks the mesh against calling guards directly, all on loopback
     /// (see docs/performance.md). `--quick` is a smoke run.
-    Bench(crate::bench::BenchArgs),
+    Bench(guardmesh_bench::BenchArgs),
     /// Serves the benchmark's guards and baselines (started by `bench`).
     #[command(hide = true)]
-    BenchGuards(crate::bench::GuardsArgs),
+    BenchGuards(guardmesh_bench::GuardsArgs),
     /// Serves the benchmark's relay floor: the mesh's hops without its work
     /// (started by `bench`).
     #[command(hide = true)]
-    BenchRelay(crate::bench::RelayArgs),
+    BenchRelay(guardmesh_bench::RelayArgs),
     /// Serves the benchmark's upstream MCP server on stdio (started by
     /// `bench`).
     #[command(hide = true)]
@@ -283,10 +284,12 @@ pub fn main() -> ExitCode {
         Command::Log { action } => return crate::log::run(action),
         Command::Replay(args) => return crate::replay::main(args),
         Command::Config(args) => return crate::config_cmd::main(args),
-        Command::Bench(args) => return crate::bench::main(args),
-        Command::BenchGuards(args) => return crate::bench::serve_guards(args),
-        Command::BenchRelay(args) => return crate::bench::serve_relay(args),
-        Command::BenchMcpUpstream => return crate::bench::serve_mcp_upstream(),
+        Command::Bench(args) => return guardmesh_bench::run(args, default_worker_threads()),
+        Command::BenchGuards(args) => return guardmesh_bench::serve_guards(args),
+        Command::BenchRelay(args) => {
+            return guardmesh_bench::serve_relay(args, default_worker_threads());
+        }
+        Command::BenchMcpUpstream => return guardmesh_bench::serve_mcp_upstream(),
         Command::Mcp(args) => return guardmesh_gateway::main_mcp(args),
         Command::Hook(args) => return guardmesh_gateway::main_hook(args),
         command => Cli { command, ..cli },
@@ -341,7 +344,11 @@ async fn run(cli: Cli) -> Result<ExitCode, Error> {
             listen,
             delay_ms,
         } => example_guard(kind, listen, delay_ms).await,
-        Command::Conformance(args) => crate::conformance::main(args).await,
+        Command::Conformance(args) => {
+            let report = guardmesh_conformance::run(&args).await;
+            out!("{}", report.render(args.json)?);
+            report.verdict()
+        }
         Command::Bench(_)
         | Command::BenchGuards(_)
         | Command::BenchRelay(_)

@@ -17,7 +17,6 @@
 
 use guardmesh_client::proto::{Action, GuardRole, ToolCall, TraceStatus};
 use guardmesh_client::{BatchDecision, ClientError, Outcome};
-use serde_json::value::RawValue;
 use serde_json::{Value, json};
 
 /// Every call proceeds.
@@ -34,77 +33,9 @@ pub(crate) const EXIT_CODES_HELP: &str = "Exit codes: 0 every call proceeds; 1 n
 judged (unreadable input, mesh unreachable); 2 usage error; 3 at least one call was steered or \
 cancelled; 4 the mesh refused or aborted a batch (none of its calls may run).";
 
-/// One batch of the input.
-#[derive(serde::Deserialize)]
-#[serde(deny_unknown_fields)]
-pub(crate) struct BatchInput {
-    #[serde(default)]
-    pub(crate) session_id: String,
-    #[serde(default)]
-    pub(crate) turn_index: u32,
-    #[serde(default)]
-    pub(crate) model_text: String,
-    #[serde(default)]
-    pub(crate) metadata: std::collections::HashMap<String, String>,
-    pub(crate) calls: Vec<CallInput>,
-}
-
-/// One call of a batch. The arguments are kept as the exact text given, so
-/// the mesh judges (and refuses, R20) what was written, not a re-encoding.
-#[derive(serde::Deserialize)]
-#[serde(deny_unknown_fields)]
-pub(crate) struct CallInput {
-    call_id: String,
-    tool: String,
-    #[serde(default)]
-    arguments: Option<Box<RawValue>>,
-}
-
-impl CallInput {
-    /// The call as the mesh is sent it.
-    pub(crate) fn into_call(self) -> ToolCall {
-        ToolCall {
-            call_id: self.call_id,
-            tool: self.tool,
-            arguments: self
-                .arguments
-                .map(|a| a.get().to_owned())
-                .unwrap_or_default(),
-        }
-    }
-}
-
-/// Reads the input: one JSON object, or several separated by whitespace
-/// (JSON Lines: one batch per line). `source` names the input in errors.
-pub(crate) fn parse_batches(text: &str, source: &str) -> Result<Vec<BatchInput>, String> {
-    let mut batches = Vec::new();
-    let mut stream = serde_json::Deserializer::from_str(text).into_iter::<&RawValue>();
-    loop {
-        let start = stream.byte_offset();
-        let Some(next) = stream.next() else { break };
-        let n = batches.len() + 1;
-        let line = |offset: usize| {
-            let skipped = text[offset.min(text.len())..]
-                .bytes()
-                .take_while(u8::is_ascii_whitespace)
-                .filter(|b| *b == b'\n')
-                .count();
-            text[..offset.min(text.len())].matches('\n').count() + skipped + 1
-        };
-        let raw = next.map_err(|e| format!("{source} is not a batch (batch {n}): {e}"))?;
-        let batch: BatchInput = serde_json::from_str(raw.get()).map_err(|e| {
-            format!(
-                "{source} is not a batch (batch {n}, line {}): {e}",
-                line(start)
-            )
-        })?;
-        batches.push(batch);
-    }
-    if batches.is_empty() {
-        return Err(format!("{source} is not a batch: no JSON object in it"));
-    }
-    Ok(batches)
-}
+// The input's format (one batch, or several as JSON Lines) is read as the
+// conformance kit reads its `--batch` files.
+pub(crate) use guardmesh_conformance::batch_file::parse_batches;
 
 /// How one batch went.
 pub(crate) enum Judged {

@@ -12,19 +12,17 @@
 //! * [`demo`]: `guardmesh demo`, a mesh, example guards and a coordinator in
 //!   one process, printing decisions and traces.
 //! * [`examples`]: the example guards, written with the Rust SDK.
-//! * [`conformance`]: `guardmesh conformance`, which checks a running guard of
-//!   any language against the `Judge` protocol.
-//! * [`bench`]: `guardmesh bench`, the mesh against what users would run
-//!   instead, on loopback (latency, throughput, CPU, memory).
+//! * `guardmesh conformance` (a check of a running guard of any language
+//!   against the `Judge` protocol) and `guardmesh bench` (the mesh against
+//!   what users would run instead, on loopback) are thin subcommands over
+//!   their own crates, `guardmesh-conformance` and `guardmesh-bench`.
 //! * [`certs`]: a local CA and certificates for development and tests.
 
 #[macro_use]
 mod out;
 mod app;
-pub mod bench;
 pub mod certs;
 mod config_cmd;
-pub mod conformance;
 pub mod demo;
 mod evaluate;
 pub mod examples;

@@ -1137,8 +1137,11 @@ impl Config {
                 path: file.clone(),
                 source: Box::new(source),
             })?;
-            // R27: a rule naming a tool the guard is never sent is reported.
-            for never in crate::policy::never_sent(&source, &guard.tools).unwrap_or_default() {
+            // R27: a rule naming a tool the guard is never sent is reported
+            // (the file compiled just above: not compiled again).
+            for never in
+                crate::policy::never_sent_compiled(&source, &guard.tools).unwrap_or_default()
+            {
                 tracing::warn!(guard = %guard.name, file = %file.display(), "{never}");
             }
             guard.policy_source = Some(source);

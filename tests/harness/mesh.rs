@@ -194,23 +194,7 @@ impl MeshProcess {
         std::fs::create_dir_all(&dir).unwrap();
         let file = dir.join("mesh.toml");
         std::fs::write(&file, config).unwrap();
-        let log = std::fs::File::create(dir.join("mesh.log")).unwrap();
-        let mut command = std::process::Command::new(env!("CARGO_BIN_EXE_guardmesh"));
-        command
-            .args([
-                "serve",
-                "--listen",
-                &format!("127.0.0.1:{port}"),
-                "--config",
-            ])
-            .arg(&file)
-            .stdin(std::process::Stdio::null())
-            .stdout(std::process::Stdio::null())
-            .stderr(std::process::Stdio::from(log));
-        if let Some(level) = log_level {
-            command.env("RUST_LOG", level);
-        }
-        let child = command.spawn().expect("start guardmesh serve");
+        let child = spawn_serve(&file, port, &dir.join("mesh.log"), log_level);
         let mut mesh = Self {
             child,
             url: format!("http://127.0.0.1:{port}"),
@@ -244,11 +228,7 @@ impl MeshProcess {
 
     /// Sends the process a signal (`TERM`, `INT`, ...).
     pub(crate) fn signal(&self, signal: &str) {
-        let status = std::process::Command::new("kill")
-            .args([&format!("-{signal}"), &self.child.id().to_string()])
-            .status()
-            .expect("run kill");
-        assert!(status.success(), "kill -{signal}");
+        send_signal(&self.child, signal);
     }
 
     /// Waits (bounded) for the process to exit.
@@ -269,4 +249,96 @@ impl Drop for MeshProcess {
         let _ = self.child.wait();
         let _ = std::fs::remove_dir_all(&self.dir);
     }
+}
+
+/// Runs `work` while `in_flight` (a batch held by a guard) stays
+/// unanswered: panics with `what` and the answer if it comes first.
+pub(crate) async fn while_held<D: std::fmt::Debug, T>(
+    in_flight: &mut (impl std::future::Future<Output = D> + Unpin),
+    what: &str,
+    work: impl std::future::Future<Output = T>,
+) -> T {
+    tokio::select! {
+        biased;
+        d = in_flight => panic!("{what}: {d:?}"),
+        out = work => out,
+    }
+}
+
+/// Whether a mesh that drains refuses new connections (polled every 10 ms,
+/// at most 500 times).
+pub(crate) async fn refuses_new_connections(url: &str) -> bool {
+    for _ in 0..500 {
+        if guardmesh_client::Coordinator::connect(url.to_owned())
+            .await
+            .is_err()
+        {
+            return true;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    false
+}
+
+/// Starts `guardmesh serve --listen 127.0.0.1:<port> --config <config>`,
+/// its stderr to the file `log` (`RUST_LOG=log_level` when given).
+pub(crate) fn spawn_serve(
+    config: &std::path::Path,
+    port: u16,
+    log: &std::path::Path,
+    log_level: Option<&str>,
+) -> std::process::Child {
+    let log = std::fs::File::create(log).unwrap();
+    let mut command = std::process::Command::new(env!("CARGO_BIN_EXE_guardmesh"));
+    command
+        .args([
+            "serve",
+            "--listen",
+            &format!("127.0.0.1:{port}"),
+            "--config",
+        ])
+        .arg(config)
+        .stdin(std::process::Stdio::null())
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::from(log));
+    if let Some(level) = log_level {
+        command.env("RUST_LOG", level);
+    }
+    command.spawn().expect("start guardmesh serve")
+}
+
+/// Sends `child` a signal (`TERM`, `INT`, ...).
+pub(crate) fn send_signal(child: &std::process::Child, signal: &str) {
+    let status = std::process::Command::new("kill")
+        .args([&format!("-{signal}"), &child.id().to_string()])
+        .status()
+        .expect("run kill");
+    assert!(status.success(), "kill -{signal}");
+}
+
+/// `GET /metrics` on a mesh process's metrics port, as raw HTTP text: None
+/// when nothing answered within `within`.
+pub(crate) async fn fetch_metrics(port: u16, within: Duration) -> Option<String> {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let fetch = async {
+        let mut tcp = tokio::net::TcpStream::connect(("127.0.0.1", port))
+            .await
+            .ok()?;
+        tcp.write_all(b"GET /metrics HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n")
+            .await
+            .ok()?;
+        let mut text = String::new();
+        tcp.read_to_string(&mut text).await.ok()?;
+        Some(text)
+    };
+    tokio::time::timeout(within, fetch).await.ok().flatten()
+}
+
+/// The sum of the samples of `text` named exactly `sample` (name and
+/// labels, e.g. `guardmesh_policy_reloads_total{outcome="applied"}`).
+pub(crate) fn sample_sum(text: &str, sample: &str) -> f64 {
+    text.lines()
+        .filter_map(|line| line.strip_prefix(sample))
+        .filter_map(|value| value.trim().parse::<f64>().ok())
+        .sum()
 }

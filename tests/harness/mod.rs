@@ -6,9 +6,11 @@
 //! * [`guards`]: scripted and misbehaving guards served in process.
 //! * [`processes`]: guards as separate processes (Rust, Python, Node) and the
 //!   conformance kit.
-//! * [`coordinator`]: raw protobuf bytes towards `PreToolService`.
+//! * [`coordinator`]: raw protobuf bytes towards `PreToolService`, raw HTTP
+//!   towards the MCP gateway.
 //! * [`pki`]: certificates for secured meshes.
 //! * [`measure`]: memory measurements.
+//! * [`otlp`]: an OTLP/gRPC collector for exported spans and log records.
 
 use guardmesh_client::proto::guard_service_server::{GuardService, GuardServiceServer};
 use guardmesh_client::proto::{GuardBatch, JudgeRequest, JudgeResponse, Verdict};
@@ -27,6 +29,7 @@ mod coordinator;
 mod guards;
 mod measure;
 mod mesh;
+mod otlp;
 mod pki;
 mod processes;
 mod records;
@@ -35,6 +38,7 @@ pub(crate) use coordinator::*;
 pub(crate) use guards::*;
 pub(crate) use measure::*;
 pub(crate) use mesh::*;
+pub(crate) use otlp::*;
 pub(crate) use pki::*;
 pub(crate) use processes::*;
 pub(crate) use records::*;

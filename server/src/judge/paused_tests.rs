@@ -110,6 +110,13 @@ impl World {
         evaluate(&self.mesh, batch).await
     }
 
+    /// Evaluates `batch` in a task of its own: a batch left in flight while
+    /// the test goes on.
+    fn spawn(&self, batch: Batch) -> tokio::task::JoinHandle<Result<BatchDecision, BatchError>> {
+        let mesh = self.mesh.clone();
+        tokio::spawn(async move { evaluate(&mesh, batch).await })
+    }
+
     /// A counter of the mesh's metrics, by sample name and labels.
     fn metric(&self, sample: &str) -> f64 {
         self.mesh
@@ -736,18 +743,11 @@ async fn r9_r19_held_guard_for_some_tools_does_not_delay_batches_that_do_not_nee
         .await;
     world.register(validate("other", &other_url)).await;
     let started = Instant::now();
-    let slow = tokio::spawn({
-        let mesh = world.mesh.clone();
-        async move {
-            evaluate(
-                &mesh,
-                Batch::new(0)
-                    .call("s1", "slow.op", "{}")
-                    .timeout(Duration::from_secs(60)),
-            )
-            .await
-        }
-    });
+    let slow = world.spawn(
+        Batch::new(0)
+            .call("s1", "slow.op", "{}")
+            .timeout(Duration::from_secs(60)),
+    );
     settle().await;
     assert_eq!(held.requests(), 1, "the slow batch reached the held guard");
     for i in 0..10 {
@@ -765,19 +765,12 @@ async fn r9_r19_held_guard_for_some_tools_does_not_delay_batches_that_do_not_nee
         assert!(proceeds(&d.decisions[0]));
         assert_eq!(status(&d, "held"), TraceStatus::NotApplicable);
     }
-    let mixed = tokio::spawn({
-        let mesh = world.mesh.clone();
-        async move {
-            evaluate(
-                &mesh,
-                Batch::new(50)
-                    .call("m1", "fast.op", "{}")
-                    .call("m2", "slow.op", "{}")
-                    .timeout(Duration::from_secs(60)),
-            )
-            .await
-        }
-    });
+    let mixed = world.spawn(
+        Batch::new(50)
+            .call("m1", "fast.op", "{}")
+            .call("m2", "slow.op", "{}")
+            .timeout(Duration::from_secs(60)),
+    );
     settle().await;
     assert_eq!(held.requests(), 2);
     assert!(!mixed.is_finished());
@@ -1226,18 +1219,11 @@ async fn r13_guard_killed_with_a_batch_in_flight_fails_that_batch_at_once() {
         .await;
     world.register(validate("probe", &probe_url)).await;
     let started = Instant::now();
-    let batch = tokio::spawn({
-        let mesh = world.mesh.clone();
-        async move {
-            evaluate(
-                &mesh,
-                Batch::new(0)
-                    .call("c1", "t", "{}")
-                    .timeout(Duration::from_secs(30)),
-            )
-            .await
-        }
-    });
+    let batch = world.spawn(
+        Batch::new(0)
+            .call("c1", "t", "{}")
+            .timeout(Duration::from_secs(30)),
+    );
     tokio::time::sleep(ms(10)).await;
     assert_eq!((probe.requests(), process.requests()), (1, 1));
     assert!(!batch.is_finished());
@@ -1624,21 +1610,15 @@ async fn r25_a_busy_guard_sheds_the_flooding_client_and_never_cancels_or_opens_i
     let blob = format!(r#"{{"blob":"{}"}}"#, "x".repeat(4000));
     let flood: Vec<_> = (0..FLOOD)
         .map(|i| {
-            let mesh = world.mesh.clone();
-            let blob = blob.clone();
-            tokio::spawn(async move {
-                evaluate(
-                    &mesh,
-                    Batch::new(100 + i)
-                        .call("u1", "upload", &blob)
-                        .call("u2", "upload", &blob)
-                        .call("u3", "upload", &blob)
-                        .call("u4", "upload", &blob)
-                        .timeout(Duration::from_secs(30))
-                        .client(1),
-                )
-                .await
-            })
+            world.spawn(
+                Batch::new(100 + i)
+                    .call("u1", "upload", &blob)
+                    .call("u2", "upload", &blob)
+                    .call("u3", "upload", &blob)
+                    .call("u4", "upload", &blob)
+                    .timeout(Duration::from_secs(30))
+                    .client(1),
+            )
         })
         .collect();
     settle().await;
@@ -2093,10 +2073,7 @@ async fn r17_registration_during_a_batch_applies_from_the_next() {
         )]
     });
     world.register(validate("slow", &slow_url)).await;
-    let in_flight = tokio::spawn({
-        let mesh = world.mesh.clone();
-        async move { evaluate(&mesh, Batch::new(0).call("c", "t", "{}")).await }
-    });
+    let in_flight = world.spawn(Batch::new(0).call("c", "t", "{}"));
     settle().await;
     assert_eq!(slow.requests(), 1);
     world

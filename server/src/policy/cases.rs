@@ -409,6 +409,13 @@ impl fmt::Display for NeverSent {
 /// order. A file that does not compile is an error, as in [`check`].
 pub fn never_sent(source: &str, tools: &[String]) -> Result<Vec<NeverSent>, CompileError> {
     Policy::compile(source)?;
+    never_sent_compiled(source, tools)
+}
+
+/// [`never_sent`] for a `source` its caller has just compiled (config load,
+/// a policy reload): the file is only read for its rules' tool names, not
+/// compiled a second time.
+pub fn never_sent_compiled(source: &str, tools: &[String]) -> Result<Vec<NeverSent>, CompileError> {
     if tools.is_empty() {
         return Ok(Vec::new());
     }

@@ -267,7 +267,7 @@ proptest! {
 }
 
 /// The bench's policy of 20 rules (R27), read from the bench's own file.
-const BENCH_POLICY: &str = include_str!("../../../cli/src/bench/policy20.toml");
+const BENCH_POLICY: &str = include_str!("../../../bench/src/bench/policy20.toml");
 
 /// A batch like the bench's standard one: 4 calls of about 500 bytes.
 fn standard_batch() -> BatchInput {

@@ -52,7 +52,7 @@ mod plan_tests;
 mod tests;
 
 pub use cases::{CheckReport, Failure, RuleSummary, TestReport, check, test};
-pub use cases::{NeverSent, never_sent};
+pub use cases::{NeverSent, never_sent, never_sent_compiled};
 pub use cost::{Cost, Inline, Limits, OverInline};
 pub use engine::{Policy, Rule};
 pub use error::{CasesError, CompileError, CompileErrorKind, EvalError, Field, Scope};

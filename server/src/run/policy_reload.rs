@@ -205,7 +205,10 @@ pub(crate) async fn reload_policy(
             tracing::info!(guard = %name, revision = registered.revision, on = how, "policy reloaded");
             // R27: a rule naming a tool the guard is never sent is reported.
             if let Some(source) = &guard.policy_source {
-                for never in crate::policy::never_sent(source, &guard.tools).unwrap_or_default() {
+                // Registered just now: compiled, not compiled again here.
+                for never in
+                    crate::policy::never_sent_compiled(source, &guard.tools).unwrap_or_default()
+                {
                     tracing::warn!(guard = %name, "{never}");
                 }
             }

@@ -16,13 +16,13 @@
 //! SIGINT or SIGTERM.
 
 use super::{Error, Flavor};
+use crate::proto::EchoMessage;
+use crate::proto::direct_guard_server::{DirectGuard, DirectGuardServer};
+use crate::proto::echo_server::{Echo, EchoServer};
 use guardmesh_client::Guard;
 use guardmesh_client::guard::GuardServer;
 use guardmesh_client::proto::{GuardBatch, JudgeResponse, Verdict};
 use guardmesh_client::verdict::steer;
-use guardmesh_proto::bench::v1::EchoMessage;
-use guardmesh_proto::bench::v1::direct_guard_server::{DirectGuard, DirectGuardServer};
-use guardmesh_proto::bench::v1::echo_server::{Echo, EchoServer};
 use std::io::Write;
 use std::process::ExitCode;
 use std::sync::Arc;

@@ -65,13 +65,13 @@ pub use guards::GuardsArgs;
 pub use placement::Placement;
 pub use relay::RelayArgs;
 
+use crate::proto::EchoMessage;
+use crate::proto::direct_guard_client::DirectGuardClient;
+use crate::proto::echo_client::EchoClient;
 use child::{Child, TempDir};
 use futures::{StreamExt, TryStreamExt};
 use guardmesh_client::proto::{BatchContext, EvaluateRequest, GuardBatch, ToolCall};
 use guardmesh_client::{Batch, Coordinator, Outcome, Registrar, Session};
-use guardmesh_proto::bench::v1::EchoMessage;
-use guardmesh_proto::bench::v1::direct_guard_client::DirectGuardClient;
-use guardmesh_proto::bench::v1::echo_client::EchoClient;
 use guards::GuardDef;
 use hdrhistogram::Histogram;
 use prost::Message;
@@ -81,7 +81,7 @@ use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::process::{Command, ExitCode};
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::time::Duration;
 use tokio::sync::mpsc;
 use tokio::task::JoinSet;
@@ -223,8 +223,20 @@ async fn interrupted() {
     }
 }
 
-/// Entry point of `guardmesh bench`.
-pub fn main(args: BenchArgs) -> ExitCode {
+/// The runtime threads `guardmesh serve` takes by default on this machine,
+/// as the product binary said when it started the run ([`main`]): the
+/// runtime of the `mesh_4` throughput run without `--worker-threads`.
+static MESH_DEFAULT_WORKER_THREADS: AtomicUsize = AtomicUsize::new(1);
+
+fn mesh_default_worker_threads() -> usize {
+    MESH_DEFAULT_WORKER_THREADS.load(Ordering::Relaxed)
+}
+
+/// Entry point of `guardmesh bench`. `mesh_default_worker_threads` is the
+/// number of runtime threads `guardmesh serve` takes by default here (the
+/// product binary knows it; the run reports it).
+pub fn main(args: BenchArgs, mesh_default_worker_threads: usize) -> ExitCode {
+    MESH_DEFAULT_WORKER_THREADS.store(mesh_default_worker_threads, Ordering::Relaxed);
     init_logs("warn");
     // Before the runtime starts: its threads inherit this thread's CPUs.
     let pinning = match placement::apply(args.placement) {
@@ -346,9 +358,11 @@ fn run_child(
     }
 }
 
-/// Entry point of the hidden `guardmesh bench-relay`.
-pub fn serve_relay(args: RelayArgs) -> ExitCode {
-    relay::main(args)
+/// Entry point of the hidden `guardmesh bench-relay`; without
+/// `--worker-threads`, it runs with `mesh_default_worker_threads`, as
+/// `guardmesh serve` would.
+pub fn serve_relay(args: RelayArgs, mesh_default_worker_threads: usize) -> ExitCode {
+    relay::main(args, mesh_default_worker_threads)
 }
 
 /// Entry point of the hidden `guardmesh bench-guards`.
@@ -1208,7 +1222,7 @@ async fn throughput(
 ) -> Result<Vec<Throughput>, Error> {
     eprintln!(
         "[bench] throughput: mesh_4 (default: {} worker thread(s) here), mesh_4 with --worker-threads {threads:?}, echo; {in_flight} in flight",
-        crate::runtime::default_worker_threads()
+        mesh_default_worker_threads()
     );
     let mut variants = vec![(
         "mesh_4".to_owned(),
@@ -1738,7 +1752,7 @@ async fn run(args: &BenchArgs) -> Result<(), Error> {
     put("idle_streams", json!(IDLE_STREAMS));
     put(
         "mesh_default_worker_threads",
-        json!(crate::runtime::default_worker_threads()),
+        json!(mesh_default_worker_threads()),
     );
     put("mesh_threads", json!(args.mesh_threads));
     put("client_runtime", json!(args.client_runtime.label()));

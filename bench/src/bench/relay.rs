@@ -53,9 +53,10 @@ pub struct RelayArgs {
     #[arg(long = "guard", required = true)]
     pub guards: Vec<String>,
     /// Runtime threads: 1 (a current-thread runtime) or more workers, as
-    /// `guardmesh serve --worker-threads`.
-    #[arg(long, default_value_t = crate::runtime::default_worker_threads())]
-    pub worker_threads: usize,
+    /// `guardmesh serve --worker-threads`, and by default as many as
+    /// `guardmesh serve` takes on this machine.
+    #[arg(long)]
+    pub worker_threads: Option<usize>,
 }
 
 /// Answers waiting for their batch, by request id.
@@ -310,8 +311,8 @@ impl PreToolService for RelayService {
 }
 
 /// Entry point of `guardmesh bench-relay`.
-pub(super) fn main(args: RelayArgs) -> ExitCode {
-    let runtime = match args.worker_threads {
+pub(super) fn main(args: RelayArgs, mesh_default_worker_threads: usize) -> ExitCode {
+    let runtime = match args.worker_threads.unwrap_or(mesh_default_worker_threads) {
         0 | 1 => tokio::runtime::Builder::new_current_thread()
             .enable_all()
             .build(),

@@ -44,7 +44,8 @@ use tokio::time::Instant;
 use tokio_stream::wrappers::UnboundedReceiverStream;
 use tonic::transport::{Channel, Endpoint};
 
-type Error = Box<dyn std::error::Error + Send + Sync>;
+/// The error of a failed run.
+pub type Error = Box<dyn std::error::Error + Send + Sync>;
 
 /// How many batches the `concurrent-batches` check keeps in flight.
 pub const CONCURRENT_BATCHES: usize = 8;
@@ -208,25 +209,31 @@ impl Report {
     }
 }
 
-/// The `guardmesh conformance` command: runs the checks, prints them, and
-/// fails when any check failed.
-pub async fn main(args: ConformanceArgs) -> Result<(), Error> {
-    let report = run(&args).await;
-    if args.json {
-        outln!("{}", serde_json::to_string_pretty(&report)?);
-    } else {
-        out!("{}", report.lines());
+impl Report {
+    /// What `guardmesh conformance` prints: one JSON report (`json`), or a
+    /// line per check.
+    pub fn render(&self, json: bool) -> Result<String, serde_json::Error> {
+        if json {
+            Ok(serde_json::to_string_pretty(self)? + "\n")
+        } else {
+            Ok(self.lines())
+        }
     }
-    let failed = report.failed().count();
-    if failed > 0 {
-        return Err(format!(
-            "{failed} of {} conformance checks failed for the guard at {}",
-            report.checks.len(),
-            report.guard
-        )
-        .into());
+
+    /// How `guardmesh conformance` ends: an error naming how many checks
+    /// failed, when any did.
+    pub fn verdict(&self) -> Result<(), Error> {
+        let failed = self.failed().count();
+        if failed > 0 {
+            return Err(format!(
+                "{failed} of {} conformance checks failed for the guard at {}",
+                self.checks.len(),
+                self.guard
+            )
+            .into());
+        }
+        Ok(())
     }
-    Ok(())
 }
 
 /// Runs every check against the guard at `args.guard`.
@@ -305,7 +312,7 @@ fn read_batches(files: &[std::path::PathBuf]) -> Result<Vec<(String, Vec<ToolCal
         let source = file.display().to_string();
         let text =
             std::fs::read_to_string(file).map_err(|e| format!("cannot read {source}: {e}"))?;
-        let batches = crate::evaluate::parse_batches(&text, &source)?;
+        let batches = crate::batch_file::parse_batches(&text, &source)?;
         for (n, batch) in batches.into_iter().enumerate() {
             let at = format!("{source}, batch {}", n + 1);
             let calls: Vec<ToolCall> = batch.calls.into_iter().map(|c| c.into_call()).collect();

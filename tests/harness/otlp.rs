@@ -1,0 +1,95 @@
+//! An OTLP/gRPC collector on loopback: the spans and log records a mesh
+//! (or this process's exporter) sends it.
+
+use opentelemetry_proto::tonic::collector::logs::v1::logs_service_server::{
+    LogsService, LogsServiceServer,
+};
+use opentelemetry_proto::tonic::collector::logs::v1::{
+    ExportLogsServiceRequest, ExportLogsServiceResponse,
+};
+use opentelemetry_proto::tonic::collector::trace::v1::trace_service_server::{
+    TraceService, TraceServiceServer,
+};
+use opentelemetry_proto::tonic::collector::trace::v1::{
+    ExportTraceServiceRequest, ExportTraceServiceResponse,
+};
+use opentelemetry_proto::tonic::logs::v1::LogRecord;
+use opentelemetry_proto::tonic::trace::v1::Span;
+use std::sync::{Arc, Mutex};
+use tokio::net::TcpListener;
+use tokio_stream::wrappers::TcpListenerStream;
+
+/// What a collector received.
+#[derive(Default, Clone)]
+pub(crate) struct Collector {
+    pub spans: Arc<Mutex<Vec<Span>>>,
+    pub logs: Arc<Mutex<Vec<LogRecord>>>,
+}
+
+impl Collector {
+    /// Serves both the trace and the logs services on a loopback port, until
+    /// the test's runtime ends: the collector and its `http://` endpoint.
+    pub(crate) async fn serve() -> (Self, String) {
+        let collector = Self::default();
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let endpoint = format!("http://{}", listener.local_addr().unwrap());
+        tokio::spawn({
+            let collector = collector.clone();
+            async move {
+                tonic::transport::Server::builder()
+                    .add_service(TraceServiceServer::new(collector.clone()))
+                    .add_service(LogsServiceServer::new(collector))
+                    .serve_with_incoming(TcpListenerStream::new(listener))
+                    .await
+                    .unwrap();
+            }
+        });
+        (collector, endpoint)
+    }
+}
+
+#[tonic::async_trait]
+impl TraceService for Collector {
+    async fn export(
+        &self,
+        request: tonic::Request<ExportTraceServiceRequest>,
+    ) -> Result<tonic::Response<ExportTraceServiceResponse>, tonic::Status> {
+        let mut spans = self.spans.lock().unwrap();
+        for resource in request.into_inner().resource_spans {
+            for scope in resource.scope_spans {
+                spans.extend(scope.spans);
+            }
+        }
+        Ok(tonic::Response::new(ExportTraceServiceResponse {
+            partial_success: None,
+        }))
+    }
+}
+
+#[tonic::async_trait]
+impl LogsService for Collector {
+    async fn export(
+        &self,
+        request: tonic::Request<ExportLogsServiceRequest>,
+    ) -> Result<tonic::Response<ExportLogsServiceResponse>, tonic::Status> {
+        let mut logs = self.logs.lock().unwrap();
+        for resource in request.into_inner().resource_logs {
+            for scope in resource.scope_logs {
+                logs.extend(scope.log_records);
+            }
+        }
+        Ok(tonic::Response::new(ExportLogsServiceResponse {
+            partial_success: None,
+        }))
+    }
+}
+
+/// A child process (`guardmesh serve`), killed when dropped.
+pub(crate) struct KillOnDrop(pub std::process::Child);
+
+impl Drop for KillOnDrop {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
