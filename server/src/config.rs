@@ -811,6 +811,9 @@ pub struct GuardConfig {
     /// For `https://` endpoints: the identity the guard must present.
     #[serde(default)]
     pub server_identity: Option<String>,
+    /// R32: the guard's replicas (with `endpoint`, one more each).
+    #[serde(default)]
+    pub replicas: Vec<String>,
 }
 
 /// Reads an enum of the contract by its one spelling (`fail_closed`,
@@ -850,6 +853,7 @@ impl GuardConfig {
             }),
             server_identity: self.server_identity.clone().unwrap_or_default(),
             policy: self.policy_source.clone().unwrap_or_default(),
+            replicas: self.replicas.clone(),
         }
     }
 }
@@ -950,7 +954,7 @@ impl Config {
             .iter()
             .enumerate()
             .filter_map(|(i, guard)| {
-                let endpoint = !guard.endpoint.trim().is_empty();
+                let endpoint = !guard.endpoint.trim().is_empty() || !guard.replicas.is_empty();
                 let (index, name) = (i + 1, guard.name.clone());
                 match (endpoint, guard.policy.is_some()) {
                     (true, true) => Some(SettingError::GuardBoth { index, name }),
@@ -1412,7 +1416,10 @@ impl Config {
         if self
             .guards
             .iter()
-            .any(|g| g.endpoint.starts_with("https://"))
+            .any(|g| {
+                g.endpoint.starts_with("https://")
+                    || g.replicas.iter().any(|r| r.starts_with("https://"))
+            })
             && self.guard_tls.is_none()
         {
             out.push("https guards but no [guard_tls]: they cannot be dialed".into());
