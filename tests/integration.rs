@@ -66,6 +66,7 @@ mod docs;
 mod etcd;
 mod faults;
 mod gate;
+mod guard_replicas;
 mod hook;
 mod mcp;
 mod mcp_answers;

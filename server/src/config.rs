@@ -1413,14 +1413,10 @@ impl Config {
                     .into(),
             );
         }
-        if self
-            .guards
-            .iter()
-            .any(|g| {
-                g.endpoint.starts_with("https://")
-                    || g.replicas.iter().any(|r| r.starts_with("https://"))
-            })
-            && self.guard_tls.is_none()
+        if self.guards.iter().any(|g| {
+            g.endpoint.starts_with("https://")
+                || g.replicas.iter().any(|r| r.starts_with("https://"))
+        }) && self.guard_tls.is_none()
         {
             out.push("https guards but no [guard_tls]: they cannot be dialed".into());
         }

@@ -264,7 +264,12 @@ impl GuardPool {
             .lock()
             .live
             .iter()
-            .map(|r| (r.endpoint.to_string(), r.outstanding.load(Ordering::Relaxed)))
+            .map(|r| {
+                (
+                    r.endpoint.to_string(),
+                    r.outstanding.load(Ordering::Relaxed),
+                )
+            })
             .collect()
     }
 
@@ -404,17 +409,20 @@ impl Inner {
         if matches!(failure, GuardFailure::CircuitOpen { .. }) {
             return;
         }
-        let n = replica.ejections.fetch_add(1, Ordering::Relaxed).min(16);
-        let period = EJECT_INITIAL
-            .saturating_mul(1u32 << n.min(5))
-            .min(EJECT_MAX);
         let mut until = replica
             .ejected_until
             .lock()
             .unwrap_or_else(PoisonError::into_inner);
-        if until.is_none_or(|u| u < now + period) {
-            *until = Some(now + period);
+        // One outage is one ejection: the other requests it fails while
+        // the replica is out extend nothing.
+        if until.is_some_and(|u| u > now) {
+            return;
         }
+        let n = replica.ejections.fetch_add(1, Ordering::Relaxed);
+        let period = EJECT_INITIAL
+            .saturating_mul(1u32 << n.min(5))
+            .min(EJECT_MAX);
+        *until = Some(now + period);
         drop(until);
         tracing::warn!(
             guard = %self.name,
@@ -573,8 +581,8 @@ impl Inner {
                     self.eject(&failed, &failure, now);
                     pending.tried.push(failed.endpoint.clone());
                     let mut batch = pending.batch.clone();
-                    batch.deadline_ms = u32::try_from((pending.until - now).as_millis().max(1))
-                        .unwrap_or(u32::MAX);
+                    batch.deadline_ms =
+                        u32::try_from((pending.until - now).as_millis().max(1)).unwrap_or(u32::MAX);
                     let tried = pending.tried.clone();
                     let (shared, client, stall) =
                         (pending.shared.clone(), pending.client, pending.stall);

@@ -48,7 +48,9 @@ pub enum SpecError {
         source: crate::policy::CompileError,
     },
     /// R32: more replicas than a guard may have.
-    #[error("guard {name:?}: {count} replicas in all (endpoint and replicas); at most {max} are allowed")]
+    #[error(
+        "guard {name:?}: {count} replicas in all (endpoint and replicas); at most {max} are allowed"
+    )]
     TooManyReplicas {
         name: String,
         count: usize,
