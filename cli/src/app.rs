@@ -500,7 +500,13 @@ async fn guards(mesh: &MeshArgs, action: GuardsAction) -> Result<(), Error> {
                         g.tools.join(",")
                     },
                     if g.policy.is_empty() {
-                        g.endpoint.clone()
+                        // R32: every replica, `endpoint` first.
+                        std::iter::once(&g.endpoint)
+                            .filter(|e| !e.is_empty())
+                            .chain(&g.replicas)
+                            .cloned()
+                            .collect::<Vec<_>>()
+                            .join(",")
                     } else {
                         format!("(policy, {} bytes)", g.policy.len())
                     }

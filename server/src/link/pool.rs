@@ -62,6 +62,14 @@ pub const EJECT_INITIAL: Duration = Duration::from_millis(500);
 /// The longest ejection.
 pub const EJECT_MAX: Duration = Duration::from_secs(8);
 
+/// Whether the choice weighs outstanding requests by each replica's
+/// peak-EWMA latency (else outstanding requests alone). See the module doc
+/// for what was measured.
+const PEAK_EWMA: bool = true;
+
+/// How much of a faster answer's round trip the peak-EWMA moves towards.
+const EWMA_WEIGHT: f64 = 0.1;
+
 /// One replica: its link and its load.
 struct Replica {
     endpoint: Arc<str>,
@@ -72,6 +80,9 @@ struct Replica {
     ejections: AtomicU32,
     /// Until when it gets no new requests, unless no other replica can.
     ejected_until: Mutex<Option<Instant>>,
+    /// Peak-EWMA of its answers' round trips, in nanoseconds (f64 bits):
+    /// a slower answer raises it at once, faster ones lower it gradually.
+    latency: AtomicU64,
 }
 
 impl Replica {
@@ -84,6 +95,33 @@ impl Replica {
 
     fn available(&self, now: Instant) -> bool {
         self.ejected_until().is_none_or(|until| until <= now) && !self.link.is_down()
+    }
+
+    /// Folds an answer's round trip into [`Self::latency`].
+    fn observe(&self, rtt: Duration) {
+        let rtt = rtt.as_nanos() as f64;
+        let _ = self
+            .latency
+            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |bits| {
+                let ewma = f64::from_bits(bits);
+                let next = if rtt > ewma {
+                    rtt
+                } else {
+                    ewma + (rtt - ewma) * EWMA_WEIGHT
+                };
+                Some(next.to_bits())
+            });
+    }
+
+    /// What the choice compares: requests unanswered, weighted (with
+    /// [`PEAK_EWMA`]) by the replica's peak-EWMA latency.
+    fn cost(&self) -> f64 {
+        let outstanding = self.outstanding.load(Ordering::Relaxed) as f64;
+        if PEAK_EWMA {
+            (outstanding + 1.0) * f64::from_bits(self.latency.load(Ordering::Relaxed)).max(1_000.0)
+        } else {
+            outstanding
+        }
     }
 
     fn done(&self) -> usize {
@@ -110,6 +148,8 @@ struct Pending {
     link_id: u64,
     tried: Vec<Arc<str>>,
     partial: bool,
+    /// When it was sent to `replica` (for its latency).
+    sent_at: Instant,
 }
 
 struct State {
@@ -310,6 +350,7 @@ impl GuardPool {
                 link_id,
                 tried: Vec::new(),
                 partial: false,
+                sent_at: Instant::now(),
             },
         );
         Ok(id)
@@ -388,6 +429,7 @@ impl Inner {
                         outstanding: AtomicUsize::new(0),
                         ejections: AtomicU32::new(0),
                         ejected_until: Mutex::new(None),
+                        latency: AtomicU64::new(0f64.to_bits()),
                     })),
                 }
             }
@@ -405,9 +447,10 @@ impl Inner {
 
     /// Ejects `replica` after `failure`: it gets no new requests for its
     /// backoff, unless no other replica can take them.
-    fn eject(&self, replica: &Replica, failure: &GuardFailure, now: Instant) {
+    /// True when this is a new ejection (the first failure of an outage).
+    fn eject(&self, replica: &Replica, failure: &GuardFailure, now: Instant) -> bool {
         if matches!(failure, GuardFailure::CircuitOpen { .. }) {
-            return;
+            return false;
         }
         let mut until = replica
             .ejected_until
@@ -416,7 +459,7 @@ impl Inner {
         // One outage is one ejection: the other requests it fails while
         // the replica is out extend nothing.
         if until.is_some_and(|u| u > now) {
-            return;
+            return false;
         }
         let n = replica.ejections.fetch_add(1, Ordering::Relaxed);
         let period = EJECT_INITIAL
@@ -432,6 +475,7 @@ impl Inner {
             "replica ejected"
         );
         self.metrics.replica_ejected(&self.name, &replica.endpoint);
+        true
     }
 
     /// The replicas to try for a request, best first: two drawn at random
@@ -450,7 +494,6 @@ impl Inner {
             .filter(|r| !exclude.iter().any(|e| *e == r.endpoint))
             .cloned()
             .partition(|r| r.available(now));
-        let load = |r: &Arc<Replica>| r.outstanding.load(Ordering::Relaxed);
         let mut order = Vec::with_capacity(available.len() + out.len());
         if available.len() >= 2 {
             let i = state.rng.random_range(0..available.len());
@@ -458,7 +501,7 @@ impl Inner {
             if j >= i {
                 j += 1;
             }
-            let (first, second) = if load(&available[j]) < load(&available[i]) {
+            let (first, second) = if available[j].cost() < available[i].cost() {
                 (j, i)
             } else {
                 (i, j)
@@ -469,7 +512,7 @@ impl Inner {
             available.swap_remove(hi);
             available.swap_remove(lo);
         }
-        available.sort_by_key(load);
+        available.sort_by(|a, b| a.cost().total_cmp(&b.cost()));
         order.extend(available);
         out.sort_by_key(|r| r.ejected_until());
         order.extend(out);
@@ -557,6 +600,7 @@ impl Inner {
                     return;
                 };
                 drop(state);
+                pending.replica.observe(pending.sent_at.elapsed());
                 let left = pending.replica.done();
                 self.metrics
                     .replica_outstanding(&self.name, &pending.replica.endpoint, left);
@@ -578,7 +622,7 @@ impl Inner {
                     .replica_outstanding(&self.name, &failed.endpoint, left);
                 let now = Instant::now();
                 if fails_over(&failure) && !pending.partial && now < pending.until {
-                    self.eject(&failed, &failure, now);
+                    let outage = self.eject(&failed, &failure, now);
                     pending.tried.push(failed.endpoint.clone());
                     let mut batch = pending.batch.clone();
                     batch.deadline_ms =
@@ -599,10 +643,15 @@ impl Inner {
                         );
                         self.metrics.replica_failover(&self.name, &failed.endpoint);
                         // The batch never hears of this failure: the
-                        // replica's circuit does, here.
-                        failed.link.record(Err(&failure));
+                        // replica's circuit does, here, once per outage
+                        // (a reset stream fails every request on it at
+                        // once; that is one failure of the replica).
+                        if outage {
+                            failed.link.record(Err(&failure));
+                        }
                         let old = state.requests.get_mut(&id).map(|pending| {
                             pending.link_id = link_id;
+                            pending.sent_at = Instant::now();
                             std::mem::replace(&mut pending.replica, next)
                         });
                         drop(state);
