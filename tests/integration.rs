@@ -69,6 +69,7 @@ mod etcd;
 mod faults;
 mod gate;
 mod guard_discovery;
+mod guard_replicas;
 mod hook;
 mod mcp;
 mod mcp_answers;

@@ -236,12 +236,17 @@ enum GuardsAction {
     Register {
         #[arg(long)]
         name: String,
-        /// A remote guard's address; or `--policy-file`.
-        #[arg(long, required_unless_present = "policy_file")]
+        /// A remote guard's address; or `--replica`, or `--policy-file`.
+        #[arg(long, required_unless_present_any = ["policy_file", "replica"])]
         endpoint: Option<String>,
+        /// A replica of the guard (R32), repeatable: each request goes to
+        /// one replica, chosen by load; with `--endpoint`, that address is
+        /// one more replica.
+        #[arg(long = "replica", value_name = "ADDR")]
+        replica: Vec<String>,
         /// A policy guard (R27): a file of CEL rules, sent whole with the
         /// registration and judged inside the mesh.
-        #[arg(long, conflicts_with = "endpoint")]
+        #[arg(long, conflicts_with_all = ["endpoint", "replica"])]
         policy_file: Option<PathBuf>,
         /// validate or mutate.
         #[arg(long, default_value_t = GuardRole::Validate)]
@@ -502,7 +507,13 @@ async fn guards(mesh: &MeshArgs, action: GuardsAction) -> Result<(), Error> {
                         g.tools.join(",")
                     },
                     if g.policy.is_empty() {
-                        g.endpoint.clone()
+                        // R32: every replica, `endpoint` first.
+                        std::iter::once(&g.endpoint)
+                            .filter(|e| !e.is_empty())
+                            .chain(&g.replicas)
+                            .cloned()
+                            .collect::<Vec<_>>()
+                            .join(",")
                     } else {
                         format!("(policy, {} bytes)", g.policy.len())
                     }
@@ -512,6 +523,7 @@ async fn guards(mesh: &MeshArgs, action: GuardsAction) -> Result<(), Error> {
         GuardsAction::Register {
             name,
             endpoint,
+            replica,
             policy_file,
             role,
             tools,
@@ -547,8 +559,7 @@ async fn guards(mesh: &MeshArgs, action: GuardsAction) -> Result<(), Error> {
                 }),
                 server_identity: server_identity.unwrap_or_default(),
                 policy,
-                // `--replica` is the guard-replica pool's change (R32).
-                replicas: Vec::new(),
+                replicas: replica,
             };
             if role == GuardRole::Mutate && spec.grant.as_ref().is_none_or(|g| g.tools.is_empty()) {
                 eprintln!(

@@ -827,6 +827,9 @@ pub struct GuardConfig {
     /// For `https://` endpoints: the identity the guard must present.
     #[serde(default)]
     pub server_identity: Option<String>,
+    /// R32: the guard's replicas (with `endpoint`, one more each).
+    #[serde(default)]
+    pub replicas: Vec<String>,
 }
 
 /// Reads an enum of the contract by its one spelling (`fail_closed`,
@@ -866,8 +869,7 @@ impl GuardConfig {
             }),
             server_identity: self.server_identity.clone().unwrap_or_default(),
             policy: self.policy_source.clone().unwrap_or_default(),
-            // The replica list (R32) is carried by the guard-replica pool's change.
-            replicas: Vec::new(),
+            replicas: self.replicas.clone(),
         }
     }
 }
@@ -968,7 +970,7 @@ impl Config {
             .iter()
             .enumerate()
             .filter_map(|(i, guard)| {
-                let endpoint = !guard.endpoint.trim().is_empty();
+                let endpoint = !guard.endpoint.trim().is_empty() || !guard.replicas.is_empty();
                 let (index, name) = (i + 1, guard.name.clone());
                 match (endpoint, guard.policy.is_some()) {
                     (true, true) => Some(SettingError::GuardBoth { index, name }),
@@ -1430,11 +1432,10 @@ impl Config {
                     .into(),
             );
         }
-        if self
-            .guards
-            .iter()
-            .any(|g| g.endpoint.starts_with("https://"))
-            && self.guard_tls.is_none()
+        if self.guards.iter().any(|g| {
+            g.endpoint.starts_with("https://")
+                || g.replicas.iter().any(|r| r.starts_with("https://"))
+        }) && self.guard_tls.is_none()
         {
             out.push("https guards but no [guard_tls]: they cannot be dialed".into());
         }

@@ -481,6 +481,12 @@ pub static KEYS: &[Key] = &[
         "A remote guard's address (`http://host:port`, `https://...`); exactly one of endpoint and policy.",
     ),
     key(
+        "guard.replicas",
+        Kind::Strs,
+        "[]",
+        "The guard's replicas (R32), each an address as endpoint takes; each request goes to one, chosen by load. With endpoint, one more each; at most 64.",
+    ),
+    key(
         "guard.policy",
         Kind::Path,
         "",

@@ -561,6 +561,7 @@ fn guard_trace(trace: &GuardTrace) -> GuardTraceRecord {
         rewritten_call_ids: trace.rewritten_call_ids.clone(),
         error: some(&trace.error),
         dry_run_status: (status == TraceStatus::DryRun).then(|| trace_status(trace.dry_run_status)),
+        replica: some(&trace.replica),
     }
 }
 

@@ -725,6 +725,7 @@ mod tests {
                     "Overflow: Int(9223372036854775807) + 1; saw \"tok\\\"en\" at Key-Name".into(),
                 ),
                 dry_run_status: None,
+                replica: None,
             }],
             trace_id: None,
             outcome: Outcome::refused(3, "duplicate member name \"Key-Name\" at $.auth"),

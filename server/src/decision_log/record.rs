@@ -289,6 +289,11 @@ pub struct GuardTraceRecord {
     pub error: Option<String>,
     /// For `dry_run` guards: the status it would have had if enforced.
     pub dry_run_status: Option<TraceStatus>,
+    /// R32: the replica that judged (or failed), as dialed; absent for a
+    /// policy guard, when nothing was sent, and in records written before
+    /// guards had replicas (so those verify unchanged).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub replica: Option<String>,
 }
 
 /// How the batch ended.

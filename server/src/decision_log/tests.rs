@@ -46,6 +46,7 @@ fn trace(guard: &str, status: TraceStatus) -> GuardTraceRecord {
         rewritten_call_ids: Vec::new(),
         error: None,
         dry_run_status: None,
+        replica: None,
     }
 }
 

@@ -3,17 +3,18 @@
 //! applies to (R28). The mesh builds the snapshots ([`crate::mesh`]); the
 //! judge only reads them.
 
-use crate::link::GuardLink;
+use crate::link::pool::GuardPool;
 use crate::registry::ChainSpec;
 use crate::registry::spec::Guard;
 use std::sync::Arc;
 
-/// A guard of a chain snapshot and its link; a policy guard (R27) has no
-/// link: it is judged inside the mesh.
+/// A guard of a chain snapshot and its link: the pool of its replicas'
+/// links (R32; one for a single-address guard). A policy guard (R27) has
+/// no link: it is judged inside the mesh.
 #[derive(Debug)]
 pub struct ChainGuard {
     pub guard: Arc<Guard>,
-    pub link: Option<Arc<GuardLink>>,
+    pub link: Option<Arc<GuardPool>>,
 }
 
 /// One consistent view of the chain (R17).

@@ -160,6 +160,8 @@ pub(crate) struct GuardRun {
     pub(crate) sent: Vec<bool>,
     pub(crate) sent_any: bool,
     request_id: Option<u64>,
+    /// R32: the replica that answered (or failed) the request last.
+    pub(crate) replica: Option<Arc<str>>,
     started: Option<Instant>,
     finished: Option<Instant>,
     pub(crate) skipped: Vec<usize>,
@@ -185,6 +187,7 @@ impl GuardRun {
             sent: vec![false; calls],
             sent_any: false,
             request_id: None,
+            replica: None,
             started: None,
             finished: None,
             skipped: Vec::new(),
@@ -455,7 +458,15 @@ impl<'a> Judging<'a> {
         // A guard that takes nothing off its stream for its own timeout is
         // not reading (a failure); one that is slow but takes requests is
         // busy, and the batch is shed (R25).
-        let id = link.send(batch, shared, tag, events, self.trace.client, guard.timeout)?;
+        let id = link.send(
+            batch,
+            shared,
+            tag,
+            events,
+            self.trace.client,
+            guard.timeout,
+            now + budget,
+        )?;
         self.runs[g].request_id = Some(id);
         Ok(now + budget)
     }
@@ -485,7 +496,7 @@ impl<'a> Judging<'a> {
                 continue;
             }
             if let (Some(id), Some(link)) = (run.request_id, link) {
-                link.cancel(id);
+                let _ = link.cancel(id);
                 run.superseded = true;
             }
         }
@@ -528,16 +539,21 @@ impl<'a> Judging<'a> {
             Ok(guard_deadline) => loop {
                 tokio::select! {
                     event = events.recv() => match event {
-                        Some(LinkEvent::Answer { response, .. }) if !response.error.is_empty() => {
+                        Some(LinkEvent::Answer { response, replica, .. }) if !response.error.is_empty() => {
+                            self.runs[g].replica = Some(replica);
                             break Some(GuardFailure::Refused(response.error));
                         }
-                        Some(LinkEvent::Answer { response, .. }) => {
+                        Some(LinkEvent::Answer { response, replica, .. }) => {
+                            self.runs[g].replica = Some(replica);
                             verdicts.extend(response.verdicts);
                             if !response.partial {
                                 break None;
                             }
                         }
-                        Some(LinkEvent::Failed { failure, .. }) => break Some(failure),
+                        Some(LinkEvent::Failed { failure, replica, .. }) => {
+                            self.runs[g].replica = Some(replica);
+                            break Some(failure);
+                        }
                         None => break Some(GuardFailure::StreamClosed),
                     },
                     () = tokio::time::sleep_until(guard_deadline) => {
@@ -551,7 +567,7 @@ impl<'a> Judging<'a> {
         // then rejected (R11): that is a policy bug, not an outage.
         let answered = failure.is_none();
         if answered && let Some(link) = &self.chain.guards[g].link {
-            link.record(Ok(()));
+            link.record(self.runs[g].replica.as_deref(), Ok(()));
         }
         let chain = self.chain;
         let guard = &chain.guards[g].guard;
@@ -667,10 +683,13 @@ impl<'a> Judging<'a> {
         let run = &mut self.runs[g];
         run.finished.get_or_insert_with(Instant::now);
         if let Some(link) = link {
-            if cancel && let Some(id) = run.request_id {
-                link.cancel(id);
+            if cancel
+                && let Some(id) = run.request_id
+                && let Some(replica) = link.cancel(id)
+            {
+                run.replica = Some(replica);
             }
-            link.record(Err(&failure));
+            link.record(run.replica.as_deref(), Err(&failure));
         }
         run.failure = Some(failure);
         fold.fail(k);
@@ -733,7 +752,7 @@ impl<'a> Judging<'a> {
                 if let Some(id) = self.runs[g].request_id
                     && let Some(link) = &self.chain.guards[g].link
                 {
-                    link.cancel(id);
+                    let _ = link.cancel(id);
                 }
                 self.runs[g].superseded = true;
             }
@@ -774,10 +793,20 @@ impl<'a> Judging<'a> {
                 None => events.recv().await,
             };
             match event {
-                Some(LinkEvent::Answer { tag: k, response }) => {
+                Some(LinkEvent::Answer {
+                    tag: k,
+                    response,
+                    replica,
+                }) => {
+                    self.runs[order[k]].replica = Some(replica);
                     self.on_answer(order, k, response, fold, deadlines);
                 }
-                Some(LinkEvent::Failed { tag: k, failure }) => {
+                Some(LinkEvent::Failed {
+                    tag: k,
+                    failure,
+                    replica,
+                }) => {
+                    self.runs[order[k]].replica = Some(replica);
                     deadlines[k] = None;
                     self.guard_failed(order[k], failure, false, fold, k);
                 }
@@ -842,7 +871,7 @@ impl<'a> Judging<'a> {
                     run.finished = Some(Instant::now());
                     fold.complete(k);
                     if let Some(link) = &self.chain.guards[g].link {
-                        link.record(Ok(()));
+                        link.record(run.replica.as_deref(), Ok(()));
                     }
                 }
             }
@@ -1077,7 +1106,7 @@ impl<'a> Judging<'a> {
                 continue;
             }
             if let (Some(id), Some(link)) = (run.request_id, link) {
-                link.cancel(id);
+                let _ = link.cancel(id);
                 run.superseded = true;
             }
         }
@@ -1344,6 +1373,7 @@ fn trace_entry(guard: &Guard, run: &GuardRun, ids: &[&str]) -> GuardTrace {
             .iter()
             .map(|(i, rule)| (ids[*i].to_owned(), rule.clone()))
             .collect(),
+        replica: run.replica.as_deref().unwrap_or_default().to_owned(),
     }
 }
 
@@ -1380,7 +1410,11 @@ pub(crate) fn span_guard(guard: &Guard) -> SpanGuard<'_> {
         role: guard.role.name(),
         enforced: guard.enforced(),
         policy: guard.is_policy(),
-        endpoint: &guard.endpoint,
+        endpoint: if guard.endpoint.is_empty() {
+            guard.replicas.first().map_or("", String::as_str)
+        } else {
+            &guard.endpoint
+        },
         failure_policy: guard.failure_policy,
     }
 }

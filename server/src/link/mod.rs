@@ -30,6 +30,9 @@ pub mod dial;
 pub mod discover;
 #[cfg(test)]
 mod paused_tests;
+pub mod pool;
+#[cfg(test)]
+mod pool_tests;
 mod queue;
 #[cfg(any(test, feature = "test-util"))]
 pub mod scripted;
@@ -165,13 +168,52 @@ pub fn client_share(max_queued_bytes: usize) -> usize {
 /// How many clients' shares a guard's queue holds ([`client_share`]).
 pub const CLIENT_SHARES: usize = 4;
 
-/// What a link reports to the batch that sent a request.
+/// What a link reports to the batch that sent a request. `replica`: the
+/// endpoint of the link (the replica, R32) that answered or failed.
 #[derive(Debug)]
 pub enum LinkEvent {
     /// An answer (possibly partial) from the guard at index `tag`.
-    Answer { tag: usize, response: JudgeResponse },
+    Answer {
+        tag: usize,
+        response: JudgeResponse,
+        replica: Arc<str>,
+    },
     /// The request to the guard at index `tag` failed.
-    Failed { tag: usize, failure: GuardFailure },
+    Failed {
+        tag: usize,
+        failure: GuardFailure,
+        replica: Arc<str>,
+    },
+}
+
+impl LinkEvent {
+    /// The replica that answered or failed.
+    pub fn replica(&self) -> &Arc<str> {
+        match self {
+            Self::Answer { replica, .. } | Self::Failed { replica, .. } => replica,
+        }
+    }
+}
+
+/// Where a link reports how a request ended: the sending batch's channel,
+/// or a hook (the replica pool's, which may send the request again to
+/// another replica before the batch hears of a failure). A hook is called
+/// on the link's reader task with none of the link's locks held.
+#[derive(Clone)]
+pub(crate) enum Report {
+    Channel(mpsc::UnboundedSender<LinkEvent>),
+    Hook(Arc<dyn Fn(LinkEvent) + Send + Sync>),
+}
+
+impl Report {
+    fn send(&self, event: LinkEvent) {
+        match self {
+            Self::Channel(events) => {
+                let _ = events.send(event);
+            }
+            Self::Hook(hook) => hook(event),
+        }
+    }
 }
 
 /// Settings for connecting to guards.
@@ -239,7 +281,7 @@ impl Default for LinkConfig {
 
 struct Waiter {
     tag: usize,
-    events: mpsc::UnboundedSender<LinkEvent>,
+    events: Report,
 }
 
 /// The requests waiting to be written to one stream, encoded, with the
@@ -334,7 +376,7 @@ struct Shared {
     max_queued_bytes: usize,
     circuit_open_for: Duration,
     metrics: Arc<crate::observe::metrics::Metrics>,
-    endpoint: String,
+    endpoint: Arc<str>,
     state: Mutex<State>,
     next_id: AtomicU64,
     /// Whether the current outage was already logged.
@@ -373,9 +415,10 @@ impl Shared {
             std::mem::take(&mut state.waiting)
         };
         for (_, waiter) in waiting {
-            let _ = waiter.events.send(LinkEvent::Failed {
+            waiter.events.send(LinkEvent::Failed {
                 tag: waiter.tag,
                 failure: failure.clone(),
+                replica: self.endpoint.clone(),
             });
         }
     }
@@ -453,7 +496,7 @@ impl GuardLink {
             max_queued_bytes: config.max_queued_bytes,
             circuit_open_for: config.circuit_open_for,
             metrics,
-            endpoint: endpoint.to_owned(),
+            endpoint: Arc::from(endpoint),
             state: Mutex::new(State {
                 conn: Conn::Open(queue),
                 waiting: HashMap::new(),
@@ -489,10 +532,36 @@ impl GuardLink {
     /// nothing for `stall` (its timeout): then it is not reading, a failure.
     pub fn send(
         &self,
-        mut batch: GuardBatch,
+        batch: GuardBatch,
         shared: Bytes,
         tag: usize,
         events: &mpsc::UnboundedSender<LinkEvent>,
+        client: u64,
+        stall: Duration,
+    ) -> Result<u64, NotSent> {
+        self.send_to(
+            batch,
+            shared,
+            tag,
+            Report::Channel(events.clone()),
+            client,
+            stall,
+        )
+    }
+
+    /// Whether the link's last connection attempt failed and it waits to
+    /// try again: a request sent now fails at once.
+    pub fn is_down(&self) -> bool {
+        matches!(self.shared.lock().conn, Conn::Down(_))
+    }
+
+    /// [`Self::send`], reporting to `events`.
+    pub(crate) fn send_to(
+        &self,
+        mut batch: GuardBatch,
+        shared: Bytes,
+        tag: usize,
+        events: Report,
         client: u64,
         stall: Duration,
     ) -> Result<u64, NotSent> {
@@ -536,13 +605,7 @@ impl GuardLink {
             }
             Err(QueueError::Refused(refusal)) => return Err(self.refused(refusal)),
         }
-        state.waiting.insert(
-            id,
-            Waiter {
-                tag,
-                events: events.clone(),
-            },
-        );
+        state.waiting.insert(id, Waiter { tag, events });
         Ok(id)
     }
 
@@ -733,14 +796,20 @@ fn route(shared: &Shared, answer: wire::Answer) {
         shared.send_cancel(&state, id);
     }
     drop(state);
+    let replica = shared.endpoint.clone();
     match (waiter, unknown) {
         (Some((tag, events)), None) => {
-            let _ = events.send(LinkEvent::Answer { tag, response });
+            events.send(LinkEvent::Answer {
+                tag,
+                response,
+                replica,
+            });
         }
         (Some((tag, events)), Some(field)) => {
-            let _ = events.send(LinkEvent::Failed {
+            events.send(LinkEvent::Failed {
                 tag,
                 failure: GuardFailure::UnknownVerdictField(field),
+                replica,
             });
         }
         (None, _) => {

@@ -352,6 +352,7 @@ async fn r23_partial_answer_with_an_unknown_verdict_field_fails_and_cancels_the_
         LinkEvent::Failed {
             tag: 0,
             failure: GuardFailure::UnknownVerdictField(field),
+            ..
         } => assert_eq!((field.message, field.number), ("Verdict", 4)),
         other => panic!("{other:?}"),
     }
@@ -436,7 +437,7 @@ async fn r19_answers_reach_their_batches_by_request_id_in_any_order() {
     let mut seen = Vec::new();
     for _ in 0..3 {
         let (event, _) = rig.next().await;
-        let LinkEvent::Answer { tag, response } = event else {
+        let LinkEvent::Answer { tag, response, .. } = event else {
             panic!("{event:?}");
         };
         assert_eq!(response.request_id, ids[tag]);

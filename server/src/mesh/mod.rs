@@ -17,6 +17,7 @@ use crate::decision_log::MeshLog;
 pub use crate::judge::BatchError;
 pub use crate::judge::{Chain, ChainGuard, Unguarded};
 use crate::link::dial::{EndpointPolicy, GuardConnector, GuardTls};
+use crate::link::pool::GuardPool;
 use crate::link::{GuardLink, LinkConfig};
 use crate::observe::metrics::Metrics;
 use crate::registry::spec::Guard;
@@ -152,14 +153,41 @@ impl Mesh {
         self.served_at.get().copied()
     }
 
-    fn connector(&self, guard: &Guard) -> GuardConnector {
-        GuardConnector {
-            policy: self.config.security.endpoint_policy.clone(),
-            tls: self.config.security.guard_tls.clone(),
-            pin: guard.server_identity.clone(),
-            https: guard.endpoint.starts_with("https://"),
-            connect_timeout: self.config.link.connect_timeout,
-        }
+    /// The pool of links to `guard`'s replicas (R32). Each replica's link
+    /// dials under the endpoint policy and requires the pinned identity,
+    /// as a single-address guard's does.
+    fn pool(&self, guard: &Guard) -> GuardPool {
+        let name = guard.name.clone();
+        let config = self.config.link.clone();
+        let metrics = self.metrics.clone();
+        let security = (
+            self.config.security.endpoint_policy.clone(),
+            self.config.security.guard_tls.clone(),
+            guard.server_identity.clone(),
+            self.config.link.connect_timeout,
+        );
+        let spawn_metrics = metrics.clone();
+        GuardPool::listed(
+            &guard.name,
+            guard.targets(),
+            Box::new(move |target| {
+                let connector = GuardConnector {
+                    policy: security.0.clone(),
+                    tls: security.1.clone(),
+                    pin: security.2.clone(),
+                    https: target.endpoint.starts_with("https://"),
+                    connect_timeout: security.3,
+                };
+                GuardLink::spawn(
+                    &name,
+                    &target.endpoint,
+                    config.clone(),
+                    connector,
+                    spawn_metrics.clone(),
+                )
+            }),
+            metrics,
+        )
     }
 
     pub fn registry(&self) -> &dyn Registry {
@@ -180,7 +208,7 @@ impl Mesh {
         if Arc::ptr_eq(&current.spec, &spec) {
             return current;
         }
-        let mut links: HashMap<&str, &Arc<GuardLink>> = current
+        let mut links: HashMap<&str, &Arc<GuardPool>> = current
             .guards
             .iter()
             .filter_map(|g| Some((g.guard.name.as_str(), g.link.as_ref()?)))
@@ -195,20 +223,17 @@ impl Mesh {
                         link: None,
                     };
                 }
+                // The same pin: the pool is kept, and a changed replica
+                // list opens links to new replicas and drains the others.
                 let link = match links.remove(guard.name.as_str()) {
-                    Some(link)
-                        if link.endpoint() == guard.endpoint
-                            && link.pin() == guard.server_identity.as_deref() =>
-                    {
+                    Some(link) if link.pin() == guard.server_identity => {
+                        let targets = guard.targets();
+                        if link.endpoints() != targets {
+                            link.relist(&targets);
+                        }
                         link.clone()
                     }
-                    _ => Arc::new(GuardLink::spawn(
-                        &guard.name,
-                        &guard.endpoint,
-                        self.config.link.clone(),
-                        self.connector(guard),
-                        self.metrics.clone(),
-                    )),
+                    _ => Arc::new(self.pool(guard)),
                 };
                 ChainGuard {
                     guard: guard.clone(),

@@ -38,6 +38,13 @@ struct GuardLabel {
     guard: String,
 }
 
+/// R32: one replica of a guard.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct ReplicaLabel {
+    guard: String,
+    replica: String,
+}
+
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct CodeLabel {
     code: String,
@@ -105,6 +112,10 @@ pub struct Metrics {
     spurious: Family<GuardLabel, Counter>,
     circuit_opened: Family<GuardLabel, Counter>,
     streams_opened: Family<GuardLabel, Counter>,
+    replica_requests: Family<ReplicaLabel, Counter>,
+    replica_outstanding: Family<ReplicaLabel, Gauge>,
+    replica_ejections: Family<ReplicaLabel, Counter>,
+    replica_failovers: Family<ReplicaLabel, Counter>,
     auth_refused: Family<CodeLabel, Counter>,
     connections_refused: Family<ReasonLabel, Counter>,
     connections_open: Gauge,
@@ -245,6 +256,30 @@ impl Metrics {
             "Times a guard's circuit breaker opened, by guard",
             circuit_opened.clone(),
         );
+        let replica_requests = Family::<ReplicaLabel, Counter>::default();
+        registry.register(
+            "guard_replica_requests",
+            "Requests sent to each replica of a guard (R32), by guard and replica",
+            replica_requests.clone(),
+        );
+        let replica_outstanding = Family::<ReplicaLabel, Gauge>::default();
+        registry.register(
+            "guard_replica_outstanding",
+            "Requests a replica of a guard has not answered yet (R32), by guard and replica",
+            replica_outstanding.clone(),
+        );
+        let replica_ejections = Family::<ReplicaLabel, Counter>::default();
+        registry.register(
+            "guard_replica_ejections",
+            "Times a replica of a guard was ejected after a failure (R32), by guard and replica",
+            replica_ejections.clone(),
+        );
+        let replica_failovers = Family::<ReplicaLabel, Counter>::default();
+        registry.register(
+            "guard_replica_failovers",
+            "Requests sent again to another replica after this replica failed them (R32)",
+            replica_failovers.clone(),
+        );
         let streams_opened = Family::<GuardLabel, Counter>::default();
         registry.register(
             "guard_streams_opened",
@@ -369,6 +404,10 @@ impl Metrics {
             spurious,
             circuit_opened,
             streams_opened,
+            replica_requests,
+            replica_outstanding,
+            replica_ejections,
+            replica_failovers,
             auth_refused,
             connections_refused,
             connections_open,
@@ -534,6 +573,62 @@ impl Metrics {
                 guard: guard.to_owned(),
             })
             .inc();
+    }
+
+    /// R32: a request sent to `replica` of `guard`; `outstanding`: what
+    /// it holds unanswered now.
+    pub fn replica_sent(&self, guard: &str, replica: &str, outstanding: usize) {
+        let label = ReplicaLabel {
+            guard: guard.to_owned(),
+            replica: replica.to_owned(),
+        };
+        self.replica_requests.get_or_create(&label).inc();
+        self.replica_outstanding
+            .get_or_create(&label)
+            .set(i64::try_from(outstanding).unwrap_or(i64::MAX));
+    }
+
+    /// R32: what `replica` of `guard` holds unanswered now.
+    pub fn replica_outstanding(&self, guard: &str, replica: &str, outstanding: usize) {
+        self.replica_outstanding
+            .get_or_create(&ReplicaLabel {
+                guard: guard.to_owned(),
+                replica: replica.to_owned(),
+            })
+            .set(i64::try_from(outstanding).unwrap_or(i64::MAX));
+    }
+
+    /// R32: `replica` of `guard` was ejected after a failure.
+    pub fn replica_ejected(&self, guard: &str, replica: &str) {
+        self.replica_ejections
+            .get_or_create(&ReplicaLabel {
+                guard: guard.to_owned(),
+                replica: replica.to_owned(),
+            })
+            .inc();
+    }
+
+    /// R32: a request `replica` of `guard` failed was sent to another.
+    pub fn replica_failover(&self, guard: &str, replica: &str) {
+        self.replica_failovers
+            .get_or_create(&ReplicaLabel {
+                guard: guard.to_owned(),
+                replica: replica.to_owned(),
+            })
+            .inc();
+    }
+
+    /// R32: `replica` of `guard` left: its series go (a guard's replicas
+    /// come and go; the label set stays bounded by the live ones).
+    pub fn replica_gone(&self, guard: &str, replica: &str) {
+        let label = ReplicaLabel {
+            guard: guard.to_owned(),
+            replica: replica.to_owned(),
+        };
+        self.replica_requests.remove(&label);
+        self.replica_outstanding.remove(&label);
+        self.replica_ejections.remove(&label);
+        self.replica_failovers.remove(&label);
     }
 
     pub fn guard_stream_opened(&self, guard: &str) {

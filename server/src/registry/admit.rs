@@ -97,14 +97,17 @@ pub fn admit_blocking(spec: GuardSpec, admission: &Admission) -> Result<CheckedG
     // The endpoint policy: no registration may point the mesh at a
     // metadata service or outside the allow-list (checked again after DNS
     // resolution when dialing).
-    if !guard.is_policy()
-        && let Err(why) = admission.endpoint_policy.check_host(&guard.host())
-    {
-        return Err(AdmitError::Endpoint {
-            name: guard.name.clone(),
-            endpoint: guard.endpoint.clone(),
-            why: why.to_string(),
-        });
+    // R32: every replica is held to it.
+    if !guard.is_policy() {
+        for (endpoint, host) in guard.hosts() {
+            if let Err(why) = admission.endpoint_policy.check_host(&host) {
+                return Err(AdmitError::Endpoint {
+                    name: guard.name.clone(),
+                    endpoint,
+                    why: why.to_string(),
+                });
+            }
+        }
     }
     let stored = GuardSpec {
         name: guard.name.clone(),

@@ -47,6 +47,18 @@ pub enum SpecError {
         #[source]
         source: crate::policy::CompileError,
     },
+    /// R32: more replicas than a guard may have.
+    #[error(
+        "guard {name:?}: {count} replicas in all (endpoint and replicas); at most {max} are allowed"
+    )]
+    TooManyReplicas {
+        name: String,
+        count: usize,
+        max: usize,
+    },
+    /// R32: the same replica address twice.
+    #[error("guard {name:?}: replica {endpoint:?} is listed twice")]
+    DuplicateReplica { name: String, endpoint: String },
     /// R27: a guard is either remote (`endpoint`) or a policy (`policy`).
     #[error("guard {name:?}: {reason}")]
     PolicyGuard { name: String, reason: &'static str },
@@ -139,6 +151,9 @@ pub struct Guard {
     /// For a policy guard (R27): its rules, judged inside the mesh; its
     /// `endpoint` is then empty.
     pub policy: Option<PolicyRules>,
+    /// R32: the replicas listed besides `endpoint` (`GuardSpec.replicas`),
+    /// normalized as `endpoint` is. See [`Self::targets`].
+    pub replicas: Vec<String>,
 }
 
 /// Compiles a policy, or shares the compiled policy of a live guard with
@@ -197,8 +212,18 @@ impl Guard {
             reason,
         };
         let (endpoint, policy) = if spec.policy.trim().is_empty() {
-            (normalize_endpoint(&name, &spec.endpoint)?, None)
+            if spec.endpoint.trim().is_empty() && !spec.replicas.is_empty() {
+                // R32: a guard of replicas only.
+                (String::new(), None)
+            } else {
+                (normalize_endpoint(&name, &spec.endpoint)?, None)
+            }
         } else {
+            if !spec.replicas.is_empty() {
+                return Err(policy_guard(
+                    "a policy guard is judged inside the mesh: it has no replicas",
+                ));
+            }
             if !spec.endpoint.trim().is_empty() {
                 return Err(policy_guard(
                     "has both an endpoint and a policy: a guard is one or the other",
@@ -240,6 +265,7 @@ impl Guard {
             field: "mode",
             value: spec.mode,
         })?;
+        let replicas = normalize_replicas(&name, &endpoint, &spec.replicas)?;
         let tools = ToolSet::compile(&name, &spec.tools, true, true)?;
         let grant = match role {
             GuardRole::Mutate => spec.grant.clone().unwrap_or_default(),
@@ -264,7 +290,32 @@ impl Guard {
             may_rename: grant.may_rename,
             server_identity: Some(spec.server_identity.trim().to_owned()).filter(|s| !s.is_empty()),
             policy,
+            replicas,
         })
+    }
+
+    /// R32: every address the guard is reached at: `endpoint` (when set)
+    /// first, then `replicas`. One entry for a single-address guard; none
+    /// for a policy guard.
+    pub fn targets(&self) -> Vec<String> {
+        let mut out = Vec::with_capacity(1 + self.replicas.len());
+        if !self.endpoint.is_empty() {
+            out.push(self.endpoint.clone());
+        }
+        out.extend(self.replicas.iter().cloned());
+        out
+    }
+
+    /// The hosts of every address the guard is reached at (for the
+    /// endpoint policy, which applies to each replica).
+    pub fn hosts(&self) -> Vec<(String, String)> {
+        self.targets()
+            .into_iter()
+            .map(|endpoint| {
+                let host = host_of(&endpoint);
+                (endpoint, host)
+            })
+            .collect()
     }
 
     /// The registration as it goes back on the wire (`List`).
@@ -287,18 +338,13 @@ impl Guard {
                 .policy
                 .as_ref()
                 .map_or_else(String::new, |p| p.source.to_string()),
-            // The replica list (R32) is carried by the guard-replica pool's change.
-            replicas: Vec::new(),
+            replicas: self.replicas.clone(),
         }
     }
 
     /// The endpoint's host (for the endpoint policy).
     pub fn host(&self) -> String {
-        self.endpoint
-            .parse::<tonic::transport::Uri>()
-            .ok()
-            .and_then(|u| u.host().map(str::to_owned))
-            .unwrap_or_default()
+        host_of(&self.endpoint)
     }
 
     /// What this registration allows but was probably not meant: a mutate
@@ -331,6 +377,48 @@ impl Guard {
 
 /// Longest endpoint accepted.
 const MAX_ENDPOINT_LEN: usize = 512;
+
+/// R32: most replicas a guard may have, `endpoint` included.
+pub const MAX_REPLICAS: usize = 64;
+
+/// The host of a normalized endpoint (empty when it has none).
+fn host_of(endpoint: &str) -> String {
+    endpoint
+        .parse::<tonic::transport::Uri>()
+        .ok()
+        .and_then(|u| u.host().map(str::to_owned))
+        .unwrap_or_default()
+}
+
+/// R32: the replica list, each address normalized as `endpoint` is, within
+/// [`MAX_REPLICAS`] (counting `endpoint` when set), none twice (nor equal
+/// to `endpoint`). The count is checked before any address is parsed.
+fn normalize_replicas(
+    name: &str,
+    endpoint: &str,
+    replicas: &[String],
+) -> Result<Vec<String>, SpecError> {
+    let count = replicas.len() + usize::from(!endpoint.is_empty());
+    if count > MAX_REPLICAS {
+        return Err(SpecError::TooManyReplicas {
+            name: name.to_owned(),
+            count,
+            max: MAX_REPLICAS,
+        });
+    }
+    let mut out: Vec<String> = Vec::with_capacity(replicas.len());
+    for replica in replicas {
+        let normalized = normalize_endpoint(name, replica)?;
+        if normalized == endpoint || out.contains(&normalized) {
+            return Err(SpecError::DuplicateReplica {
+                name: name.to_owned(),
+                endpoint: normalized,
+            });
+        }
+        out.push(normalized);
+    }
+    Ok(out)
+}
 
 /// `text` for an error message: at most 128 characters.
 fn shown(text: &str) -> String {

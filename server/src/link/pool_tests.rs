@@ -1,0 +1,482 @@
+//! Paused-time tests of a guard's replica pool (R32) over scripted guards:
+//! the choice by load, ejection and failover of a failed replica's
+//! requests, draining of a replica that left, busy replicas (R25) and the
+//! failure policy only when no replica can judge (R13). The real-process
+//! versions are in the integration module `guard_replicas`.
+
+use super::discover::ReplicaTarget;
+use super::pool::{EJECT_INITIAL, GuardPool};
+use super::scripted::{ScriptedGuard, ScriptedNet, Step, proceed};
+use super::transport::GuardTransport;
+use super::{GuardFailure, GuardLink, LinkConfig, LinkEvent, NotSent, wire};
+use crate::observe::metrics::Metrics;
+use guardmesh_proto::v1::{GuardBatch, ToolCall};
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::Duration;
+use tokio::sync::{mpsc, watch};
+use tokio::time::Instant;
+
+fn ms(n: u64) -> Duration {
+    Duration::from_millis(n)
+}
+
+fn url(i: usize) -> String {
+    format!("http://127.0.0.{}:30000", i + 2)
+}
+
+struct Rig {
+    guards: Vec<Arc<ScriptedGuard>>,
+    pool: GuardPool,
+    metrics: Arc<Metrics>,
+    events: mpsc::UnboundedReceiver<LinkEvent>,
+    tx: mpsc::UnboundedSender<LinkEvent>,
+    set: Option<watch::Sender<Arc<[ReplicaTarget]>>>,
+}
+
+fn answer_after(delay: Duration) -> impl Fn(&GuardBatch) -> Vec<Step> + Send + Sync + 'static {
+    move |b: &GuardBatch| {
+        vec![Step::answer(b, b.calls.iter().map(|c| proceed(&c.call_id)).collect()).after(delay)]
+    }
+}
+
+/// A pool over `n` scripted replicas each running `script(i)`, following
+/// a watch the test holds (`rig.set`).
+fn rig<S>(n: usize, change: impl FnOnce(&mut LinkConfig), script: impl Fn(usize) -> S) -> Rig
+where
+    S: Fn(&GuardBatch) -> Vec<Step> + Send + Sync + 'static,
+{
+    let net = ScriptedNet::new();
+    let guards = (0..n).map(|i| net.guard(&url(i), script(i))).collect();
+    let mut config = LinkConfig {
+        backoff_initial: ms(20),
+        backoff_max: ms(200),
+        ..LinkConfig::default()
+    };
+    change(&mut config);
+    let metrics = Arc::new(Metrics::with_max_latency(Duration::from_secs(30)));
+    let targets: Arc<[ReplicaTarget]> = (0..n).map(|i| ReplicaTarget::new(url(i))).collect();
+    let (set, replicas) = watch::channel(targets);
+    let transport = net.clone() as Arc<dyn GuardTransport>;
+    let link_metrics = metrics.clone();
+    let pool = GuardPool::new(
+        "g",
+        replicas,
+        Box::new(move |target| {
+            GuardLink::spawn_with(
+                "g",
+                &target.endpoint,
+                config.clone(),
+                transport.clone(),
+                None,
+                link_metrics.clone(),
+            )
+        }),
+        metrics.clone(),
+    );
+    let (tx, events) = mpsc::unbounded_channel();
+    Rig {
+        guards,
+        pool,
+        metrics,
+        events,
+        tx,
+        set: Some(set),
+    }
+}
+
+impl Rig {
+    /// Sends a one-call batch tagged `tag`, the guard's time `within`.
+    fn send(&self, tag: usize, within: Duration) -> Result<u64, NotSent> {
+        let calls = [ToolCall {
+            call_id: format!("c{tag}"),
+            tool: "t".into(),
+            arguments: "{}".into(),
+        }];
+        let shared = wire::shared_part(None, calls.iter());
+        let batch = GuardBatch {
+            batch_id: format!("b{tag}"),
+            guard: "g".into(),
+            deadline_ms: u32::try_from(within.as_millis()).unwrap_or(u32::MAX),
+            ..Default::default()
+        };
+        self.pool.send(
+            batch,
+            shared,
+            tag,
+            &self.tx,
+            1,
+            Duration::from_secs(1),
+            Instant::now() + within,
+        )
+    }
+
+    async fn next(&mut self) -> LinkEvent {
+        self.events.recv().await.expect("the rig holds a sender")
+    }
+
+    /// Batches each replica read.
+    fn reads(&self) -> Vec<usize> {
+        self.guards.iter().map(|g| g.requests()).collect()
+    }
+
+    /// The batch ids each replica read.
+    fn batch_ids(&self, i: usize) -> Vec<String> {
+        self.guards[i]
+            .batches()
+            .into_iter()
+            .map(|b| b.batch_id)
+            .collect()
+    }
+}
+
+/// Lets the links connect and read what is queued.
+async fn settle() {
+    tokio::time::sleep(ms(1)).await;
+}
+
+#[tokio::test(start_paused = true)]
+async fn r32_requests_spread_over_replicas_by_outstanding_requests() {
+    // Nothing is answered: each request adds to its replica's load, so
+    // the two choices keep the replicas within a few requests of even.
+    let rig = rig(3, |_| {}, |_| |_: &GuardBatch| Vec::new());
+    settle().await;
+    for tag in 0..60 {
+        rig.send(tag, Duration::from_secs(5)).unwrap();
+    }
+    settle().await;
+    let reads = rig.reads();
+    assert_eq!(reads.iter().sum::<usize>(), 60);
+    for (i, n) in reads.iter().enumerate() {
+        assert!((17..=23).contains(n), "replica {i}: {reads:?}");
+    }
+    let outstanding = rig.pool.outstanding();
+    assert_eq!(outstanding.iter().map(|(_, n)| n).sum::<usize>(), 60);
+    let text = rig.metrics.encode();
+    assert!(
+        text.contains(&format!(
+            r#"guardmesh_guard_replica_requests_total{{guard="g",replica="{}"}} {}"#,
+            url(0),
+            reads[0]
+        )),
+        "{text}"
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn r32_a_replica_five_times_slower_gets_a_small_share() {
+    // Closed loop: 12 requests always in flight, for 3 s of virtual time.
+    let mut rig = rig(
+        3,
+        |_| {},
+        |i| answer_after(if i == 0 { ms(50) } else { ms(10) }),
+    );
+    settle().await;
+    for tag in 0..12 {
+        rig.send(tag, Duration::from_secs(1)).unwrap();
+    }
+    let end = Instant::now() + Duration::from_secs(3);
+    let mut answered: HashMap<String, usize> = HashMap::new();
+    let mut tag = 12;
+    while Instant::now() < end {
+        match rig.next().await {
+            LinkEvent::Answer { replica, .. } => {
+                *answered.entry(replica.to_string()).or_default() += 1;
+            }
+            LinkEvent::Failed { failure, .. } => panic!("failed: {failure}"),
+        }
+        rig.send(tag, Duration::from_secs(1)).unwrap();
+        tag += 1;
+    }
+    let total: usize = answered.values().sum();
+    let slow = answered.get(&url(0)).copied().unwrap_or(0);
+    assert!(total > 1000, "{answered:?}");
+    // Even would be a third; by latency alone a ninth or less.
+    assert!(slow * 100 / total <= 15, "{answered:?}");
+}
+
+#[tokio::test(start_paused = true)]
+async fn r32_requests_on_a_replica_that_dies_are_answered_by_another() {
+    // Replica 0 answers late; it dies with requests in flight on it. (Its
+    // circuit is off here: each failed request counts towards it, and an
+    // open circuit would keep it out for `circuit_open_for` on its own.)
+    let mut rig = rig(3, |c| c.circuit_failures = 0, |_| answer_after(ms(100)));
+    settle().await;
+    for tag in 0..30 {
+        rig.send(tag, Duration::from_secs(2)).unwrap();
+    }
+    settle().await;
+    let on_dead = rig.reads()[0];
+    assert!(on_dead > 0);
+    tokio::time::sleep(ms(20)).await;
+    rig.guards[0].kill();
+    let mut by_tag = HashMap::new();
+    for _ in 0..30 {
+        match rig.next().await {
+            LinkEvent::Answer { tag, replica, .. } => {
+                assert_ne!(&*replica, url(0), "the dead replica answered");
+                by_tag.insert(tag, replica);
+            }
+            LinkEvent::Failed { failure, .. } => panic!("R32: failed: {failure}"),
+        }
+    }
+    assert_eq!(by_tag.len(), 30, "every batch answered once");
+    // The batches the dead replica held were read again elsewhere: the
+    // same batch id on two replicas.
+    let again: usize = rig
+        .batch_ids(0)
+        .iter()
+        .filter(|id| rig.batch_ids(1).contains(id) || rig.batch_ids(2).contains(id))
+        .count();
+    assert_eq!(again, on_dead);
+    assert!(
+        rig.metrics.encode().contains(&format!(
+            r#"guardmesh_guard_replica_ejections_total{{guard="g",replica="{}"}} 1
+"#,
+            url(0)
+        )),
+        "{}",
+        rig.metrics.encode()
+    );
+    // Ejected: for its backoff it gets nothing, though it is back.
+    rig.guards[0].restart();
+    tokio::time::sleep(ms(50)).await;
+    let before = rig.reads()[0];
+    for tag in 100..130 {
+        rig.send(tag, Duration::from_secs(2)).unwrap();
+    }
+    settle().await;
+    assert_eq!(rig.reads()[0], before, "an ejected replica got requests");
+    for _ in 0..30 {
+        assert!(matches!(rig.next().await, LinkEvent::Answer { .. }));
+    }
+    // After the ejection, it takes its share again.
+    tokio::time::sleep(EJECT_INITIAL).await;
+    for tag in 200..230 {
+        rig.send(tag, Duration::from_secs(2)).unwrap();
+    }
+    settle().await;
+    assert!(
+        rig.reads()[0] > before,
+        "{:?} connects {} streams {}",
+        rig.reads(),
+        rig.guards[0].connects(),
+        rig.guards[0].streams()
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn r13_a_failed_request_is_not_sent_again_once_the_guard_s_time_is_up() {
+    // Replica 0 fails every stream 300 ms after reading; the guard's time
+    // is 200 ms: the failure comes too late to send the request again.
+    let mut rig = rig(
+        2,
+        |_| {},
+        |i| {
+            move |_: &GuardBatch| {
+                if i == 0 {
+                    vec![Step::fail(tonic::Status::unavailable("reset")).after(ms(300))]
+                } else {
+                    Vec::new()
+                }
+            }
+        },
+    );
+    // Replica 1 is down: replica 0 takes the request.
+    rig.guards[1].kill();
+    settle().await;
+    let sent = rig.send(0, ms(200));
+    assert!(sent.is_ok());
+    let event = rig.next().await;
+    assert!(
+        matches!(event, LinkEvent::Failed { ref failure, .. } if matches!(failure, GuardFailure::Status { .. })),
+        "{event:?}"
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn r13_when_no_replica_can_judge_the_failure_policy_applies() {
+    // Every replica refuses connections: the request fails (at once, or
+    // by event), never hangs.
+    let mut rig = rig(3, |_| {}, |_| answer_after(ms(1)));
+    for guard in &rig.guards {
+        guard.kill();
+    }
+    settle().await;
+    tokio::time::sleep(ms(5)).await;
+    let started = Instant::now();
+    match rig.send(0, Duration::from_secs(1)) {
+        Err(NotSent::Failed(GuardFailure::Unreachable(_))) => {}
+        Ok(_) => match rig.next().await {
+            LinkEvent::Failed {
+                failure: GuardFailure::Unreachable(_),
+                ..
+            } => {}
+            other => panic!("{other:?}"),
+        },
+        Err(other) => panic!("{other:?}"),
+    }
+    assert!(started.elapsed() < Duration::from_secs(1));
+}
+
+#[tokio::test(start_paused = true)]
+async fn r15_a_guard_whose_replicas_all_left_fails_per_policy() {
+    let mut rig = rig(2, |_| {}, |_| answer_after(ms(1)));
+    settle().await;
+    let set = rig.set.take().unwrap();
+    set.send_replace(Arc::from(Vec::new()));
+    settle().await;
+    assert!(rig.pool.endpoints().is_empty());
+    match rig.send(0, Duration::from_secs(1)) {
+        Err(NotSent::Failed(GuardFailure::Unreachable(reason))) => {
+            assert!(reason.contains("no replicas"), "{reason}");
+        }
+        other => panic!("{other:?}"),
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn r32_a_replica_that_left_gets_no_new_requests_and_finishes_its_own() {
+    let mut rig = rig(2, |_| {}, |_| answer_after(ms(100)));
+    settle().await;
+    for tag in 0..10 {
+        rig.send(tag, Duration::from_secs(2)).unwrap();
+    }
+    settle().await;
+    let held = rig.reads()[0];
+    assert!(held > 0);
+    // Replica 0 leaves the set while it holds requests.
+    let set = rig.set.take().unwrap();
+    set.send_replace(Arc::from(vec![ReplicaTarget::new(url(1))]));
+    settle().await;
+    assert_eq!(rig.pool.endpoints(), [url(1)]);
+    for tag in 10..20 {
+        rig.send(tag, Duration::from_secs(2)).unwrap();
+    }
+    settle().await;
+    assert_eq!(rig.reads()[0], held, "a draining replica got a request");
+    let mut from_left = 0;
+    for _ in 0..20 {
+        match rig.next().await {
+            LinkEvent::Answer { replica, .. } => from_left += usize::from(*replica == *url(0)),
+            LinkEvent::Failed { failure, .. } => panic!("{failure}"),
+        }
+    }
+    assert_eq!(from_left, held, "its own requests were answered by it");
+    // It comes back: a link again, and requests.
+    set.send_replace(Arc::from(vec![
+        ReplicaTarget::new(url(1)),
+        ReplicaTarget::new(url(0)),
+    ]));
+    settle().await;
+    for tag in 20..40 {
+        rig.send(tag, Duration::from_secs(2)).unwrap();
+    }
+    settle().await;
+    assert!(rig.reads()[0] > held);
+}
+
+#[tokio::test(start_paused = true)]
+async fn r25_a_full_replica_sends_the_request_to_another_and_all_full_sheds() {
+    // Replicas that take nothing off their stream and a queue bound of a
+    // few bytes: each holds one request, then is full. Within the stall
+    // bound that is load: busy, never a failure.
+    let rig = rig(
+        3,
+        |c| c.max_queued_bytes = 64,
+        |_| |_: &GuardBatch| Vec::new(),
+    );
+    settle().await;
+    for guard in &rig.guards {
+        guard.reading(false);
+    }
+    for tag in 0..3 {
+        rig.send(tag, Duration::from_secs(5)).unwrap();
+    }
+    let outstanding: Vec<usize> = rig.pool.outstanding().into_iter().map(|(_, n)| n).collect();
+    assert_eq!(outstanding, [1, 1, 1]);
+    match rig.send(3, Duration::from_secs(5)) {
+        Err(NotSent::Busy(_)) => {}
+        other => panic!("R25: expected busy, got {other:?}"),
+    }
+    let text = rig.metrics.encode();
+    assert!(
+        !text.contains("guardmesh_guard_replica_ejections_total{"),
+        "busy ejected a replica: {text}"
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn r32_one_replica_s_failures_never_open_the_others_circuits() {
+    let mut rig = rig(
+        2,
+        |c| c.circuit_failures = 2,
+        |i| {
+            move |b: &GuardBatch| {
+                if i == 0 {
+                    vec![Step::fail(tonic::Status::unavailable("reset"))]
+                } else {
+                    vec![Step::answer(
+                        b,
+                        b.calls.iter().map(|c| proceed(&c.call_id)).collect(),
+                    )]
+                }
+            }
+        },
+    );
+    settle().await;
+    for round in 0..20 {
+        rig.send(round, Duration::from_secs(1)).unwrap();
+        match rig.next().await {
+            LinkEvent::Answer { replica, .. } => assert_eq!(&*replica, url(1)),
+            LinkEvent::Failed { failure, .. } => panic!("round {round}: {failure}"),
+        }
+        // Past any ejection: replica 0 keeps being tried and failing.
+        tokio::time::sleep(Duration::from_secs(10)).await;
+    }
+    // Replica 0 kept failing (its circuit opened, then probed), and
+    // replica 1 answered every round.
+    assert!(rig.reads()[0] >= 2, "{:?}", rig.reads());
+}
+
+#[tokio::test(start_paused = true)]
+async fn r32_a_request_with_a_partial_answer_is_not_sent_again() {
+    let mut rig = rig(
+        2,
+        |_| {},
+        |_| {
+            |b: &GuardBatch| {
+                vec![
+                    Step::partial(b, vec![]),
+                    Step::fail(tonic::Status::unavailable("reset")).after(ms(10)),
+                ]
+            }
+        },
+    );
+    settle().await;
+    rig.send(0, Duration::from_secs(1)).unwrap();
+    assert!(matches!(rig.next().await, LinkEvent::Answer { .. }));
+    assert!(matches!(rig.next().await, LinkEvent::Failed { .. }));
+    settle().await;
+    assert_eq!(rig.reads().iter().sum::<usize>(), 1);
+}
+
+#[tokio::test(start_paused = true)]
+async fn r32_a_pool_of_one_fails_as_a_single_link_did() {
+    let mut rig = rig(
+        1,
+        |_| {},
+        |_| |_: &GuardBatch| vec![Step::fail(tonic::Status::unavailable("reset"))],
+    );
+    settle().await;
+    rig.send(0, Duration::from_secs(1)).unwrap();
+    match rig.next().await {
+        LinkEvent::Failed {
+            failure: GuardFailure::Status { .. },
+            replica,
+            ..
+        } => assert_eq!(&*replica, url(0)),
+        other => panic!("{other:?}"),
+    }
+    assert_eq!(rig.reads(), [1]);
+}
