@@ -12,6 +12,7 @@
 
 use crate::admit::{self, Refusal, StreamGate};
 use crate::decision_log::{MeshLog, from_mesh};
+use crate::judge::Phase;
 use crate::judge::TraceContext;
 use crate::mesh::Mesh;
 use crate::mesh::record::{BatchLog, LogCaller};
@@ -229,7 +230,7 @@ impl PreTool {
         caller: Option<LogCaller>,
         inbound: Inbound,
     ) -> Result<BatchDecision, Status> {
-        let (batch, size) = match inbound {
+        let (mut batch, size) = match inbound {
             Inbound::Batch { request, size } => (request, size),
             Inbound::Refused(refused) => {
                 let record = BatchLog::arrived(&self.mesh, caller.as_ref(), None, refused.batch_id);
@@ -238,7 +239,14 @@ impl PreTool {
         };
         let limits = &self.mesh.config.limits;
         let shown = shown_id(&batch.batch_id, limits.max_id_bytes);
+        // R33: results are judged as calls; taken before the record is made.
+        let results = admit::results::take(&mut batch, limits);
         let record = BatchLog::arrived(&self.mesh, caller.as_ref(), Some(&batch), shown);
+        let phase = match results {
+            Ok(None) => Phase::Calls,
+            Ok(Some(results)) => Phase::Results(results),
+            Err(refusal) => return Err(record.refuse(refusal.into()).await),
+        };
         let mut stream_trace = trace_context(metadata);
         stream_trace.client = client;
         let transport = grpc_timeout(metadata);
@@ -249,9 +257,33 @@ impl PreTool {
         let mut trace = batch_trace(&batch, &stream_trace);
         trace.unary = true;
         let deadline = self.deadline(batch.timeout_ms, transport);
-        let outcome = self.mesh.pass(batch, deadline, trace).await;
+        let answer = AnswerPhase::of(&phase);
+        let outcome = self.mesh.pass_phase(batch, deadline, trace, phase).await;
         // R29: recorded before the answer leaves.
-        record.finish(outcome).await
+        record.finish(outcome).await.map(|d| answer.answer(d))
+    }
+}
+
+/// How a judged batch is answered: as calls, or as results (R33), once
+/// its record (which holds the results as calls) is written.
+enum AnswerPhase {
+    Calls,
+    Results(crate::admit::results::ResultBatch),
+}
+
+impl AnswerPhase {
+    fn of(phase: &Phase) -> Self {
+        match phase {
+            Phase::Calls => Self::Calls,
+            Phase::Results(results) => Self::Results(results.clone()),
+        }
+    }
+
+    fn answer(&self, decision: BatchDecision) -> BatchDecision {
+        match self {
+            Self::Calls => decision,
+            Self::Results(results) => results.answer(decision),
+        }
     }
 }
 
@@ -511,11 +543,18 @@ impl StreamLoop {
 
     /// Judges a batch read from the stream, or refuses it: the admission
     /// stage, the mesh's pass, the record, each once.
-    fn admit(&mut self, batch: EvaluateRequest, size: usize, slot: OwnedPermit<Answer>) {
+    fn admit(&mut self, mut batch: EvaluateRequest, size: usize, slot: OwnedPermit<Answer>) {
         let limits = *self.limits();
         let batch_id = batch.batch_id.clone();
         let shown = shown_id(&batch_id, limits.max_id_bytes);
+        // R33: results are judged as calls; taken before the record is made.
+        let results = admit::results::take(&mut batch, &limits);
         let record = self.record(Some(&batch), shown.clone());
+        let phase = match results {
+            Ok(None) => Phase::Calls,
+            Ok(Some(results)) => Phase::Results(results),
+            Err(refusal) => return self.refuse(slot, record, shown, refusal.into()),
+        };
         let mesh = self.tool.mesh.clone();
         let admitted = StreamGate::enter(&self.gate, &batch, &shown).and_then(|ticket| {
             admit::inflight_bytes(&mesh.inflight_bytes, &limits, &batch, size)
@@ -530,15 +569,16 @@ impl StreamLoop {
         let deadline = self.tool.deadline(batch.timeout_ms, None);
         let trace = batch_trace(&batch, &self.trace);
         let budget = self.budget.clone();
+        let answer = AnswerPhase::of(&phase);
         self.tasks.spawn(async move {
-            let outcome = mesh.pass(batch, deadline, trace).await;
+            let outcome = mesh.pass_phase(batch, deadline, trace, phase).await;
             drop(bytes);
             drop(ticket);
             // R29: recorded before the answer leaves.
             let response = match record.finish(outcome).await {
                 Ok(decision) => EvaluateResponse {
                     batch_id,
-                    result: Some(evaluate_response::Result::Decision(decision)),
+                    result: Some(evaluate_response::Result::Decision(answer.answer(decision))),
                 },
                 Err(status) => error_response(batch_id, &status),
             };
