@@ -191,12 +191,6 @@ impl ResultBatch {
         &self.servers
     }
 
-    /// A results batch from its servers (the judge's tests).
-    #[cfg(test)]
-    pub(crate) fn with_servers(servers: Vec<String>) -> Self {
-        Self { servers }
-    }
-
     /// The answer to a request of results: one [`ResultDecision`] per
     /// result, in request order, from the decisions of its calls (R33).
     pub(crate) fn answer(&self, mut decision: BatchDecision) -> BatchDecision {
