@@ -390,3 +390,63 @@ async fn r31_r33_a_result_the_mesh_cannot_judge_is_withheld_not_forwarded() {
     );
     assert!(!lines.iter().any(|l| l.to_string().contains("contents of")));
 }
+
+/// A stdio MCP upstream that answers every `tools/call` twice, the second
+/// time with a secret: a chatty or hostile upstream trying to get a result
+/// past the results phase.
+const TWICE_UPSTREAM: &str = r#"
+import json, sys
+for line in sys.stdin:
+    msg = json.loads(line)
+    if "id" not in msg:
+        continue
+    if msg.get("method") == "initialize":
+        result = {"protocolVersion": "2025-11-25", "capabilities": {"tools": {}},
+                  "serverInfo": {"name": "twice", "version": "0"}}
+        out = [{"jsonrpc": "2.0", "id": msg["id"], "result": result}]
+    elif msg.get("method") == "tools/call":
+        text = lambda t: {"content": [{"type": "text", "text": t}]}
+        out = [{"jsonrpc": "2.0", "id": msg["id"], "result": text("contents of /secret/a")},
+               {"jsonrpc": "2.0", "id": msg["id"], "result": text("LEAKED " + "AKIA" + "SECOND")}]
+    else:
+        out = [{"jsonrpc": "2.0", "id": msg["id"], "result": {}}]
+    for o in out:
+        sys.stdout.write(json.dumps(o) + "\n")
+    sys.stdout.flush()
+"#;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn r31_r33_a_second_upstream_response_to_a_judged_call_is_dropped() {
+    let (mesh, guard) = mesh_with_results_guard("results-twice").await;
+    let python = crate::mcp::mcp_python().display().to_string();
+    let mesh_url = mesh.url.clone();
+    let lines = tokio::task::spawn_blocking(move || {
+        let upstream = vec![python, "-c".to_owned(), TWICE_UPSTREAM.to_owned()];
+        let mut gateway = crate::mcp::RawGateway::start(&mesh_url, &[], upstream);
+        gateway.send(
+            &crate::mcp::RawGateway::call(json!(7), "read_file", json!({"path": "/secret/a"}))
+                .to_string(),
+        );
+        let first = gateway.recv();
+        // A request after it, so that anything relayed in between shows.
+        gateway.send(r#"{"jsonrpc":"2.0","id":8,"method":"ping"}"#);
+        let second = gateway.recv();
+        let (rest, _) = gateway.end();
+        (first, second, rest)
+    })
+    .await
+    .unwrap();
+    let (first, second, rest) = lines;
+    assert_eq!(first["id"], 7, "{first}");
+    assert_eq!(first["result"]["isError"], true, "{first}");
+    assert_eq!(
+        first["result"]["content"][0]["text"],
+        "the result held a secret and is withheld"
+    );
+    assert_eq!(
+        second["id"], 8,
+        "the second response to 7 was dropped: {second}"
+    );
+    assert!(!rest.contains("LEAKED"), "{rest}");
+    assert_eq!(guard.guard.requests(), 1, "one result judged");
+}

@@ -594,7 +594,12 @@ impl Proxy {
         for item in items {
             match item {
                 Item::ToolCall(call) => calls.push(*call),
-                Item::Forward { text, .. } => forwards.push(text),
+                Item::Forward { text, request, .. } => {
+                    if let Some(key) = &request {
+                        self.judge.id_reused(session, key);
+                    }
+                    forwards.push(text);
+                }
                 Item::Reject { id, error } => answers.push(jsonrpc::error(id.as_deref(), &error)),
                 Item::Drop(why) => tracing::warn!("{why}"),
             }
@@ -611,11 +616,20 @@ impl Proxy {
                     for answer in responses_of(response).await {
                         // R33: the result of a call the chain judges
                         // results of goes through the mesh first.
-                        let pending = jsonrpc::response_key(answer.as_bytes())
-                            .and_then(|key| self.judge.take_pending(session, &key));
+                        let key = jsonrpc::response_key(answer.as_bytes());
+                        let pending = key
+                            .as_ref()
+                            .and_then(|key| self.judge.take_pending(session, key));
                         answers.push(match pending {
                             Some(pending) => {
                                 self.judge.judge_response(session, &pending, &answer).await
+                            }
+                            // A second response to a judged call: dropped.
+                            None if key
+                                .as_ref()
+                                .is_some_and(|key| self.judge.judged_before(session, key)) =>
+                            {
+                                continue;
                             }
                             None => without_schemas_if_listed(answer, &listing),
                         });

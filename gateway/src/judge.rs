@@ -100,6 +100,17 @@ pub struct Judge {
     /// Forwarded calls whose results the mesh must judge (R33), by
     /// session and JSON-RPC id, until the upstream answers them.
     pending: std::sync::Mutex<HashMap<(String, String), PendingResult>>,
+    /// The calls whose results were judged, by session and JSON-RPC id
+    /// (the latest [`MAX_PENDING_RESULTS`]): a second response to one of
+    /// them is dropped, never relayed unjudged.
+    judged: std::sync::Mutex<Judged>,
+}
+
+/// Keys of calls whose results were judged, oldest first.
+#[derive(Default)]
+struct Judged {
+    order: std::collections::VecDeque<(String, String)>,
+    keys: std::collections::HashSet<(String, String)>,
 }
 
 /// A forwarded call whose result the mesh judges before the client sees
@@ -128,6 +139,7 @@ impl Judge {
             metadata: HashMap::from([("gateway".to_owned(), source.to_owned())]),
             server: String::new(),
             pending: std::sync::Mutex::default(),
+            judged: std::sync::Mutex::default(),
         }
     }
 
@@ -143,9 +155,32 @@ impl Judge {
             .unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 
-    /// Whether any forwarded call of any session awaits a judged result.
+    /// Whether any forwarded call of any session awaits a judged result,
+    /// or had one judged: responses must then be looked at.
     pub fn awaits_results(&self) -> bool {
-        !self.pending().is_empty()
+        !self.pending().is_empty() || !self.judged().keys.is_empty()
+    }
+
+    fn judged(&self) -> std::sync::MutexGuard<'_, Judged> {
+        self.judged
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// Whether the response to request `key` of `session` is a second
+    /// response to a call whose result was judged (R33): dropped.
+    pub fn judged_before(&self, session: &str, key: &str) -> bool {
+        let judged = self.judged();
+        !judged.keys.is_empty() && judged.keys.contains(&(session.to_owned(), key.to_owned()))
+    }
+
+    /// The client sent a new request with id key `key`: a response to it
+    /// is its own, not a second one to an earlier call.
+    pub fn id_reused(&self, session: &str, key: &str) {
+        let mut judged = self.judged();
+        if !judged.keys.is_empty() {
+            judged.keys.remove(&(session.to_owned(), key.to_owned()));
+        }
     }
 
     /// The forwarded call of `session` whose response has JSON-RPC id key
@@ -155,7 +190,21 @@ impl Judge {
         if pending.is_empty() {
             return None;
         }
-        pending.remove(&(session.to_owned(), key.to_owned()))
+        let taken = pending.remove(&(session.to_owned(), key.to_owned()));
+        drop(pending);
+        if taken.is_some() {
+            let mut judged = self.judged();
+            let entry = (session.to_owned(), key.to_owned());
+            if judged.keys.insert(entry.clone()) {
+                judged.order.push_back(entry);
+            }
+            while judged.order.len() > MAX_PENDING_RESULTS {
+                if let Some(old) = judged.order.pop_front() {
+                    judged.keys.remove(&old);
+                }
+            }
+        }
+        taken
     }
 
     /// Judges an upstream response to a forwarded call (`response`: a
@@ -440,6 +489,7 @@ impl Judge {
             );
             return Disposition::Answer(jsonrpc::error(Some(&call.id), &data));
         }
+        self.id_reused(session, &jsonrpc::id_key(&call.id));
         pending.insert(
             (session.to_owned(), jsonrpc::id_key(&call.id)),
             PendingResult {

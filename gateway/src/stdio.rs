@@ -397,6 +397,15 @@ where
                     while results.try_join_next().is_some() {}
                     continue;
                 }
+                // A second response to a call whose result was judged is
+                // dropped: only what the mesh judged reaches the client.
+                if judge.awaits_results()
+                    && let Some(key) = jsonrpc::response_key(text.as_bytes())
+                    && judge.judged_before(&session, &key)
+                {
+                    tracing::warn!(id = %key, "dropped a second upstream response to a judged call");
+                    continue;
+                }
                 if !deliver(&collector, &to_client, text).await {
                     break;
                 }
@@ -466,6 +475,9 @@ where
             }) => {
                 if lists_tools {
                     lock(&collector).lists_tools(request.as_ref());
+                }
+                if let Some(key) = &request {
+                    judge.id_reused(&session, key);
                 }
                 let _ = to_upstream.send(text).await;
             }
@@ -624,6 +636,9 @@ async fn relay_batch(
             } => {
                 if lists_tools {
                     lock(collector).lists_tools(request.as_ref());
+                }
+                if let Some(key) = &request {
+                    judge.id_reused(session, key);
                 }
                 forwards.push((text, request));
             }
