@@ -62,6 +62,9 @@ pub struct TraceContext {
     /// which a guard link shares its queue between clients (R25); 0 when
     /// unknown.
     pub client: u64,
+    /// The authenticated caller's identity, when there is one: handed on
+    /// with each result decision (R33, `mesh/results.rs`).
+    pub caller: Option<Arc<str>>,
 }
 
 impl TraceContext {
@@ -75,6 +78,7 @@ impl TraceContext {
                 trace_id: trace_id.to_ascii_lowercase(),
                 unary: false,
                 client: 0,
+                caller: None,
             },
             None => Self::default(),
         }

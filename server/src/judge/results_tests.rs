@@ -455,3 +455,77 @@ fn r27_r33_a_policy_guard_may_not_judge_results() {
         .expect_err("refused");
     assert!(error.to_string().contains("calls only"), "{error}");
 }
+
+#[tokio::test(start_paused = true)]
+async fn r33_each_result_decision_is_handed_on_with_its_session_and_caller() {
+    use crate::mesh::results::{ResultRead, ResultReads};
+    use std::sync::Mutex;
+    #[derive(Default)]
+    struct Reads(Mutex<Vec<(String, Option<String>, String, bool, String)>>);
+    impl ResultReads for Reads {
+        fn result_read(&self, read: ResultRead<'_>) {
+            self.0.lock().unwrap().push((
+                read.session_id.to_owned(),
+                read.caller.map(str::to_owned),
+                read.decision.call_id.clone(),
+                read.read(),
+                read.decision.original.as_ref().unwrap().server.clone(),
+            ));
+        }
+    }
+    let world = World::new();
+    let reads = Arc::new(Reads::default());
+    assert!(world.mesh.on_result_read(reads.clone()));
+    assert!(
+        !world.mesh.on_result_read(Arc::new(Reads::default())),
+        "the first hook stays"
+    );
+    let (url, _) = world.guard(|b| {
+        let verdicts = b
+            .results
+            .iter()
+            .filter(|r| r.call_id == "b")
+            .map(|r| steer(&r.call_id, "no"))
+            .collect();
+        vec![Step::answer(b, verdicts)]
+    });
+    world.register(spec("g", &url, GuardPhases::Results)).await;
+    let request = EvaluateRequest {
+        batch_id: "r".into(),
+        context: Some(guardmesh_proto::v1::BatchContext {
+            session_id: "s1".into(),
+            ..Default::default()
+        }),
+        results: ["a", "b"]
+            .iter()
+            .map(|id| ToolResult {
+                call_id: (*id).into(),
+                tool: "fs.read".into(),
+                server: "fs".into(),
+                result: text_result("x"),
+            })
+            .collect(),
+        ..Default::default()
+    };
+    let trace = TraceContext {
+        caller: Some(Arc::from("agent-7")),
+        ..TraceContext::default()
+    };
+    world
+        .mesh
+        .evaluate(request, Instant::now() + Duration::from_secs(5), trace)
+        .await
+        .unwrap();
+    let seen = reads.0.lock().unwrap().clone();
+    let who = (String::from("s1"), Some(String::from("agent-7")));
+    assert_eq!(
+        seen,
+        vec![
+            (who.0.clone(), who.1.clone(), "a".into(), true, "fs".into()),
+            (who.0, who.1, "b".into(), false, "fs".into()),
+        ]
+    );
+    // A batch of calls hands nothing on.
+    world.calls(&[("c", "fs.read")]).await;
+    assert_eq!(reads.0.lock().unwrap().len(), 2);
+}

@@ -25,10 +25,22 @@ impl Mesh {
         match admit::results::take(&mut request, &self.config.limits) {
             Ok(None) => record.emit(self.pass(request, deadline, trace).await),
             Ok(Some(results)) => {
+                let by = super::results::ReadBy {
+                    session_id: request
+                        .context
+                        .as_ref()
+                        .map_or_else(String::new, |c| c.session_id.clone()),
+                    caller: trace.caller.clone(),
+                    batch_id: request.batch_id.clone(),
+                };
                 let phase = Phase::Results(results.clone());
                 record
                     .emit(self.pass_phase(request, deadline, trace, phase).await)
-                    .map(|decision| results.answer(decision))
+                    .map(|decision| {
+                        let decision = results.answer(decision);
+                        self.results_read(&by, &decision);
+                        decision
+                    })
             }
             Err(refusal) => record.emit(Outcome::refused(refusal.into())),
         }
