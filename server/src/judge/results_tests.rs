@@ -460,8 +460,10 @@ fn r27_r33_a_policy_guard_may_not_judge_results() {
 async fn r33_each_result_decision_is_handed_on_with_its_session_and_caller() {
     use crate::mesh::results::{ResultRead, ResultReads};
     use std::sync::Mutex;
+    /// (session, caller, call id, read, server) of each result handed on.
+    type Seen = (String, Option<String>, String, bool, String);
     #[derive(Default)]
-    struct Reads(Mutex<Vec<(String, Option<String>, String, bool, String)>>);
+    struct Reads(Mutex<Vec<Seen>>);
     impl ResultReads for Reads {
         fn result_read(&self, read: ResultRead<'_>) {
             self.0.lock().unwrap().push((
