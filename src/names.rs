@@ -4,7 +4,9 @@
 //! `Display` and `FromStr` from the one table below, so no other place
 //! spells them.
 
-use crate::v1::{Action, FailurePolicy, GuardMode, GuardRole, SkipKind, TraceStatus};
+use crate::v1::{
+    Action, FailurePolicy, GuardMode, GuardPhases, GuardRole, ResultAction, SkipKind, TraceStatus,
+};
 use std::fmt;
 use std::str::FromStr;
 
@@ -86,6 +88,17 @@ names!(FailurePolicy, "failure policy", [
     Abort => "abort",
 ]);
 names!(GuardMode, "guard mode", [Enforce => "enforce", DryRun => "dry_run"]);
+names!(GuardPhases, "guard phases", [
+    Calls => "calls",
+    Results => "results",
+    Both => "both",
+]);
+names!(ResultAction, "result action", [
+    Unspecified => "unspecified",
+    Pass => "pass",
+    Rewrite => "rewrite",
+    Block => "block",
+]);
 names!(SkipKind, "skip kind", [Steer => "steer", Cancel => "cancel"]);
 names!(Action, "action", [
     Unspecified => "unspecified",

@@ -93,6 +93,7 @@ mod policy_watch;
 mod polyglot;
 mod probes;
 mod registration;
+mod results;
 mod rewrites;
 mod rules;
 mod security;

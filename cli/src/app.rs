@@ -560,6 +560,7 @@ async fn guards(mesh: &MeshArgs, action: GuardsAction) -> Result<(), Error> {
                 server_identity: server_identity.unwrap_or_default(),
                 policy,
                 replicas: replica,
+                ..GuardSpec::default()
             };
             if role == GuardRole::Mutate && spec.grant.as_ref().is_none_or(|g| g.tools.is_empty()) {
                 eprintln!(

@@ -23,8 +23,8 @@ use crate::connect::{Authorized, Connection, Credentials, MAX_MESSAGE_BYTES};
 use crate::error::ClientError;
 use crate::proto::pre_tool_service_client::PreToolServiceClient;
 use crate::proto::{
-    self, Action, BatchContext, EvaluateRequest, EvaluateResponse, GuardTrace, ToolCall,
-    TraceStatus, evaluate_response,
+    self, Action, BatchContext, EvaluateRequest, EvaluateResponse, GuardTrace, ResultAction,
+    ToolCall, ToolResult, TraceStatus, evaluate_response,
 };
 use std::collections::{BTreeSet, HashMap};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -49,6 +49,10 @@ pub struct Batch {
     pub timeout: Option<Duration>,
     /// W3C `traceparent` to send; `None` sends the current span's (R22).
     pub traceparent: Option<String>,
+    /// Results of calls that ran, to judge before the model reads them
+    /// (R33). A batch carries calls or results, not both: the mesh refuses
+    /// one with both (INVALID_ARGUMENT).
+    pub results: Vec<ToolResult>,
 }
 
 impl Batch {
@@ -73,6 +77,31 @@ impl Batch {
             arguments: arguments.into(),
         });
         self
+    }
+
+    /// Adds the result of a call that ran (R33): `result` is the MCP
+    /// `CallToolResult` as JSON text (`content`, and optionally
+    /// `structuredContent`, `isError`, `_meta`); `server` is the server or
+    /// namespace the tool belongs to (may be empty).
+    pub fn result(
+        mut self,
+        call_id: impl Into<String>,
+        tool: impl Into<String>,
+        server: impl Into<String>,
+        result: impl Into<String>,
+    ) -> Self {
+        self.results.push(ToolResult {
+            call_id: call_id.into(),
+            tool: tool.into(),
+            server: server.into(),
+            result: result.into(),
+        });
+        self
+    }
+
+    /// Whether the batch has nothing to judge (R1): no call and no result.
+    pub fn is_empty(&self) -> bool {
+        self.calls.is_empty() && self.results.is_empty()
     }
 
     /// Sets the model's text for the round.
@@ -116,6 +145,7 @@ impl Batch {
                 metadata: self.metadata,
             }),
             calls: self.calls,
+            results: self.results,
             timeout_ms: self.timeout.map_or(0, |t| {
                 u32::try_from(t.as_millis()).unwrap_or(u32::MAX).max(1)
             }),
@@ -192,6 +222,56 @@ impl CallDecision {
     }
 }
 
+/// What becomes of one result (R33).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ResultOutcome {
+    /// The model reads the result as the tool returned it.
+    Pass,
+    /// The model reads the result as mutate guards rewrote it
+    /// ([`ResultDecision::result`]).
+    Rewrite,
+    /// A guard blocked it: the model reads an error result holding
+    /// `content` ([`ResultDecision::result`]).
+    Block {
+        /// The guard's content.
+        content: String,
+    },
+}
+
+/// The mesh's decision for one result (R33).
+#[derive(Debug, Clone, PartialEq)]
+pub struct ResultDecision {
+    /// The id of the call that produced the result.
+    pub call_id: String,
+    /// Pass, rewrite or block.
+    pub outcome: ResultOutcome,
+    /// What the model reads: a `CallToolResult` as JSON text (the result
+    /// as sent, as rewritten, or the error result of a block).
+    pub result: String,
+    /// The result as the coordinator sent it.
+    pub original: ToolResult,
+    /// The guard that blocked it.
+    pub decided_by: Option<String>,
+    /// True when the block comes from a guard's failure (R13).
+    pub failure: bool,
+    /// Mutate guards that rewrote the result, in order.
+    pub rewritten_by: Vec<String>,
+    /// `fail_open` guards that failed and were bypassed.
+    pub bypassed: Vec<String>,
+}
+
+impl ResultDecision {
+    /// Whether a guard blocked the result.
+    pub fn blocked(&self) -> bool {
+        matches!(self.outcome, ResultOutcome::Block { .. })
+    }
+
+    /// What the model reads, parsed.
+    pub fn result_json(&self) -> Result<serde_json::Value, serde_json::Error> {
+        serde_json::from_str(&self.result)
+    }
+}
+
 /// The mesh's answer for one batch.
 #[derive(Debug, Clone, PartialEq)]
 pub struct BatchDecision {
@@ -208,6 +288,11 @@ pub struct BatchDecision {
     pub chain_revision: u64,
     /// OpenTelemetry trace id, when tracing is on.
     pub trace_id: String,
+    /// For a batch of results: one per result, in order (R33).
+    pub results: Vec<ResultDecision>,
+    /// Whether the chain judges results (R33): when false, sending the
+    /// results of this batch's calls changes nothing.
+    pub judges_results: bool,
 }
 
 impl BatchDecision {
@@ -219,6 +304,8 @@ impl BatchDecision {
             trace: Vec::new(),
             chain_revision: 0,
             trace_id: String::new(),
+            results: Vec::new(),
+            judges_results: false,
         }
     }
 
@@ -252,6 +339,33 @@ impl BatchDecision {
                 })
             })
             .collect::<Result<_, _>>()?;
+        let results = wire
+            .results
+            .into_iter()
+            .map(|d| {
+                let outcome = match ResultAction::try_from(d.action) {
+                    Ok(ResultAction::Pass) => ResultOutcome::Pass,
+                    Ok(ResultAction::Rewrite) => ResultOutcome::Rewrite,
+                    Ok(ResultAction::Block) => ResultOutcome::Block { content: d.content },
+                    _ => {
+                        return Err(ClientError::Protocol(format!(
+                            "result {:?} has no action ({})",
+                            d.call_id, d.action
+                        )));
+                    }
+                };
+                Ok(ResultDecision {
+                    call_id: d.call_id,
+                    outcome,
+                    result: d.result,
+                    original: d.original.unwrap_or_default(),
+                    decided_by: (!d.decided_by.is_empty()).then_some(d.decided_by),
+                    failure: d.failure,
+                    rewritten_by: d.rewritten_by,
+                    bypassed: d.bypassed,
+                })
+            })
+            .collect::<Result<_, _>>()?;
         Ok(Self {
             batch_id,
             calls,
@@ -259,7 +373,14 @@ impl BatchDecision {
             trace: wire.trace,
             chain_revision: wire.chain_revision,
             trace_id: wire.trace_id,
+            results,
+            judges_results: wire.judges_results,
         })
+    }
+
+    /// The decision for the result of `call_id` (R33).
+    pub fn result(&self, call_id: &str) -> Option<&ResultDecision> {
+        self.results.iter().find(|r| r.call_id == call_id)
     }
 
     /// The decision for `call_id`.
@@ -391,7 +512,7 @@ impl Coordinator {
         batch: Batch,
     ) -> Result<BatchDecision, ClientError> {
         let batch_id = format!("{session_id}/{}", batch.turn_index);
-        if batch.calls.is_empty() {
+        if batch.is_empty() {
             return Ok(BatchDecision::empty(batch_id));
         }
         let mut client = self.client.clone();
@@ -438,7 +559,7 @@ impl Session {
     pub async fn evaluate(&self, batch: Batch) -> Result<BatchDecision, ClientError> {
         let n = self.next.fetch_add(1, Ordering::Relaxed);
         let batch_id = format!("{}/{}/{n}", self.session_id, batch.turn_index);
-        if batch.calls.is_empty() {
+        if batch.is_empty() {
             return Ok(BatchDecision::empty(batch_id));
         }
         self.evaluate_raw(batch.into_request(batch_id, &self.session_id))
@@ -456,7 +577,7 @@ impl Session {
     ) -> Result<BatchDecision, ClientError> {
         let n = self.next.fetch_add(1, Ordering::Relaxed);
         let batch_id = format!("{session_id}/{}/{n}", batch.turn_index);
-        if batch.calls.is_empty() {
+        if batch.is_empty() {
             return Ok(BatchDecision::empty(batch_id));
         }
         self.evaluate_raw(batch.into_request(batch_id, session_id))

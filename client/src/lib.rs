@@ -53,7 +53,10 @@ pub use args::{MeshArgs, MeshArgsError};
 #[cfg(feature = "coordinator")]
 pub use connect::{Connection, Credentials, Tls};
 #[cfg(feature = "coordinator")]
-pub use coordinator::{Batch, BatchDecision, CallDecision, Coordinator, Outcome, Session};
+pub use coordinator::{
+    Batch, BatchDecision, CallDecision, Coordinator, Outcome, ResultDecision, ResultOutcome,
+    Session,
+};
 #[cfg(feature = "coordinator")]
 pub use error::ClientError;
 #[cfg(feature = "guard")]

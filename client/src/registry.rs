@@ -4,8 +4,8 @@ use crate::connect::{Authorized, Connection, Credentials, MAX_MESSAGE_BYTES};
 use crate::error::ClientError;
 use crate::proto::guard_registry_client::GuardRegistryClient;
 use crate::proto::{
-    DeregisterRequest, FailurePolicy, GuardMode, GuardRole, GuardSpec, ListRequest, ListResponse,
-    RegisterRequest, RegisterResponse, RewriteGrant,
+    DeregisterRequest, FailurePolicy, GuardMode, GuardPhases, GuardRole, GuardSpec, ListRequest,
+    ListResponse, RegisterRequest, RegisterResponse, ResultGrant, RewriteGrant,
 };
 use std::time::Duration;
 use tonic::transport::Channel;
@@ -116,6 +116,26 @@ impl Registration {
         S: Into<String>,
     {
         self.0.replicas.extend(replicas.into_iter().map(Into::into));
+        self
+    }
+
+    /// The phases the guard judges (R33): calls (the default), results,
+    /// or both.
+    pub fn phases(mut self, phases: GuardPhases) -> Self {
+        self.0.phases = phases as i32;
+        self
+    }
+
+    /// For a mutate guard judging results: the tools whose results it may
+    /// rewrite (R11, R33).
+    pub fn result_grant<I, S>(mut self, tools: I) -> Self
+    where
+        I: IntoIterator<Item = S>,
+        S: Into<String>,
+    {
+        self.0.result_grant = Some(ResultGrant {
+            tools: tools.into_iter().map(Into::into).collect(),
+        });
         self
     }
 

@@ -38,6 +38,25 @@ pub fn rewrite_arguments(call_id: impl Into<String>, arguments: &serde_json::Val
     }
 }
 
+/// Replaces a result (R33; mutate guards judging results, within their
+/// result grant): `result` is the whole new MCP `CallToolResult`, carried
+/// in `Rewrite.arguments`.
+pub fn rewrite_result(call_id: impl Into<String>, result: &serde_json::Value) -> Verdict {
+    Verdict {
+        call_id: call_id.into(),
+        outcome: Some(Outcome::Rewrite(Rewrite {
+            tool: None,
+            arguments: Some(result.to_string()),
+        })),
+    }
+}
+
+/// Blocks a result (R33): the model reads `content` as an error result
+/// instead of the tool's result.
+pub fn block_result(call_id: impl Into<String>, content: impl Into<String>) -> Verdict {
+    skip(call_id, content, SkipKind::Steer)
+}
+
 /// Renames the call's tool, optionally with new arguments (mutate guards
 /// whose grant allows renaming).
 pub fn rename(

@@ -635,6 +635,7 @@ impl Kit {
             deadline_ms,
             traceparent: self.traceparent.clone(),
             tracestate: String::new(),
+            ..GuardBatch::default()
         };
         self.shared.lock().sent.insert(
             id,

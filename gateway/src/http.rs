@@ -106,6 +106,10 @@ pub struct HttpArgs {
     /// The upstream MCP server's Streamable HTTP endpoint (`http://`).
     #[arg(long)]
     pub upstream: String,
+    /// The upstream's server name, sent with each tool result judged by the
+    /// mesh (R33); default: the upstream URL's `host:port`.
+    #[arg(long)]
+    pub server_name: Option<String>,
     /// Largest request body accepted from a client, in bytes.
     #[arg(long, default_value_t = 4 << 20)]
     pub max_message_bytes: usize,
@@ -254,6 +258,39 @@ impl Proxy {
             None,
         );
         error_response(StatusCode::BAD_GATEWAY, None, &data)
+    }
+
+    /// Forwards a call whose result the mesh judges (R33): the upstream's
+    /// answer is read whole, the response to the call (JSON-RPC id key
+    /// `key`) is judged, and the client gets it as the mesh decided, as
+    /// JSON. An answer without that response is a bad gateway, with
+    /// nothing of it forwarded.
+    async fn forward_judged(
+        &self,
+        headers: &HeaderMap,
+        body: Out,
+        session: &str,
+        key: &str,
+        pending: &crate::judge::PendingResult,
+    ) -> Response<Out> {
+        let response = match self.send(Method::POST, headers, body).await {
+            Ok(response) => response,
+            Err(why) => return Self::bad_gateway(why),
+        };
+        let session_header = response.headers().get("mcp-session-id").cloned();
+        let answer = responses_of(response)
+            .await
+            .into_iter()
+            .find(|text| jsonrpc::response_key(text.as_bytes()).as_deref() == Some(key));
+        let Some(answer) = answer else {
+            return Self::bad_gateway("the upstream's answer holds no response to the call".into());
+        };
+        let judged = self.judge.judge_response(session, pending, &answer).await;
+        let mut out = json_response(StatusCode::OK, judged);
+        if let Some(value) = session_header {
+            out.headers_mut().insert("mcp-session-id", value);
+        }
+        out
     }
 
     async fn forward(&self, method: Method, headers: &HeaderMap, body: Out) -> Response<Out> {
@@ -493,6 +530,7 @@ impl Proxy {
                     Err(busy) => return busy.response(Some(&*call.id)),
                 };
                 let original = modern.then(|| call.message.to_text());
+                let key = jsonrpc::id_key(&call.id);
                 match self.grouper.judge_one(&session, call).await {
                     Disposition::Forward(text) => {
                         let rewritten;
@@ -508,7 +546,15 @@ impl Proxy {
                             }
                             None => &parts.headers,
                         };
-                        self.forward(parts.method, headers, full(text)).await
+                        // R33: a result the chain judges is read whole and
+                        // judged before the client sees it.
+                        match self.judge.take_pending(&session, &key) {
+                            Some(pending) => {
+                                self.forward_judged(headers, full(text), &session, &key, &pending)
+                                    .await
+                            }
+                            None => self.forward(parts.method, headers, full(text)).await,
+                        }
                     }
                     Disposition::Answer(text) => json_response(StatusCode::OK, text),
                 }
@@ -548,7 +594,12 @@ impl Proxy {
         for item in items {
             match item {
                 Item::ToolCall(call) => calls.push(*call),
-                Item::Forward { text, .. } => forwards.push(text),
+                Item::Forward { text, request, .. } => {
+                    if let Some(key) = &request {
+                        self.judge.id_reused(session, key);
+                    }
+                    forwards.push(text);
+                }
                 Item::Reject { id, error } => answers.push(jsonrpc::error(id.as_deref(), &error)),
                 Item::Drop(why) => tracing::warn!("{why}"),
             }
@@ -561,12 +612,29 @@ impl Proxy {
         }
         for message in forwards {
             match self.send(Method::POST, headers, full(message)).await {
-                Ok(response) => answers.extend(
-                    responses_of(response)
-                        .await
-                        .into_iter()
-                        .map(|answer| without_schemas_if_listed(answer, &listing)),
-                ),
+                Ok(response) => {
+                    for answer in responses_of(response).await {
+                        // R33: the result of a call the chain judges
+                        // results of goes through the mesh first.
+                        let key = jsonrpc::response_key(answer.as_bytes());
+                        let pending = key
+                            .as_ref()
+                            .and_then(|key| self.judge.take_pending(session, key));
+                        answers.push(match pending {
+                            Some(pending) => {
+                                self.judge.judge_response(session, &pending, &answer).await
+                            }
+                            // A second response to a judged call: dropped.
+                            None if key
+                                .as_ref()
+                                .is_some_and(|key| self.judge.judged_before(session, key)) =>
+                            {
+                                continue;
+                            }
+                            None => without_schemas_if_listed(answer, &listing),
+                        });
+                    }
+                }
                 Err(why) => return Self::bad_gateway(why),
             }
         }
@@ -1318,7 +1386,12 @@ async fn serve(
     upstream: Uri,
     tls: Option<tokio_rustls::TlsAcceptor>,
 ) {
-    let judge = Arc::new(Judge::new(args.mesh.clone(), "mcp-http"));
+    let server = args.server_name.clone().unwrap_or_else(|| {
+        upstream
+            .authority()
+            .map_or_else(String::new, |a| a.as_str().to_owned())
+    });
+    let judge = Arc::new(Judge::new(args.mesh.clone(), "mcp-http").with_server(server));
     let proxy = Arc::new(Proxy {
         upstream,
         // An idle connection is dropped before common servers drop it (5 s

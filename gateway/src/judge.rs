@@ -10,6 +10,17 @@
 //! | mesh unreachable | JSON-RPC error [`codes::MESH_UNREACHABLE`] |
 //!
 //! A call the mesh returned no decision for is never forwarded.
+//!
+//! Results (R33): when the chain judges results (the call's decision says
+//! so, `judges_results`), each forwarded call is remembered
+//! ([`Judge::take_pending`]) and the upstream's response to it goes through
+//! the mesh's results phase ([`Judge::judge_response`]) before the client
+//! sees it, with the upstream's server name: the client reads the result
+//! as the mesh decided it (passed, rewritten, or blocked as an error
+//! result), in the gateway's own serialization. A result the mesh cannot
+//! judge (unreachable, refused) is withheld and answered with a JSON-RPC
+//! error, never forwarded unjudged. A chain without a results guard costs
+//! no extra round trip.
 
 use crate::jsonrpc::{self, ToolCallRequest, codes};
 use guardmesh_client::{
@@ -84,7 +95,37 @@ pub struct Judge {
     stream: Mutex<Option<Arc<Session>>>,
     turn: AtomicU32,
     metadata: HashMap<String, String>,
+    /// The upstream's server name, sent with each result (R33).
+    server: String,
+    /// Forwarded calls whose results the mesh must judge (R33), by
+    /// session and JSON-RPC id, until the upstream answers them.
+    pending: std::sync::Mutex<HashMap<(String, String), PendingResult>>,
+    /// The calls whose results were judged, by session and JSON-RPC id
+    /// (the latest [`MAX_PENDING_RESULTS`]): a second response to one of
+    /// them is dropped, never relayed unjudged.
+    judged: std::sync::Mutex<Judged>,
 }
+
+/// Keys of calls whose results were judged, oldest first.
+#[derive(Default)]
+struct Judged {
+    order: std::collections::VecDeque<(String, String)>,
+    keys: std::collections::HashSet<(String, String)>,
+}
+
+/// A forwarded call whose result the mesh judges before the client sees
+/// it (R33).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PendingResult {
+    /// The call id the call was judged under.
+    pub call_id: String,
+    /// The tool that runs (the final name).
+    pub tool: String,
+}
+
+/// Forwarded calls whose results are awaited at once, at most (R25); a
+/// call past it is not forwarded (its result could not be judged).
+pub const MAX_PENDING_RESULTS: usize = 4096;
 
 impl Judge {
     /// A judge for `args`; `source` goes into each batch's metadata
@@ -96,7 +137,170 @@ impl Judge {
             stream: Mutex::new(None),
             turn: AtomicU32::new(0),
             metadata: HashMap::from([("gateway".to_owned(), source.to_owned())]),
+            server: String::new(),
+            pending: std::sync::Mutex::default(),
+            judged: std::sync::Mutex::default(),
         }
+    }
+
+    /// Names the upstream server the results come from (R33).
+    pub fn with_server(mut self, server: impl Into<String>) -> Self {
+        self.server = server.into();
+        self
+    }
+
+    fn pending(&self) -> std::sync::MutexGuard<'_, HashMap<(String, String), PendingResult>> {
+        self.pending
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// Whether any forwarded call of any session awaits a judged result,
+    /// or had one judged: responses must then be looked at.
+    pub fn awaits_results(&self) -> bool {
+        !self.pending().is_empty() || !self.judged().keys.is_empty()
+    }
+
+    fn judged(&self) -> std::sync::MutexGuard<'_, Judged> {
+        self.judged
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// Whether the response to request `key` of `session` is a second
+    /// response to a call whose result was judged (R33): dropped.
+    pub fn judged_before(&self, session: &str, key: &str) -> bool {
+        let judged = self.judged();
+        !judged.keys.is_empty() && judged.keys.contains(&(session.to_owned(), key.to_owned()))
+    }
+
+    /// The client sent a new request with id key `key`: a response to it
+    /// is its own, not a second one to an earlier call.
+    pub fn id_reused(&self, session: &str, key: &str) {
+        let mut judged = self.judged();
+        if !judged.keys.is_empty() {
+            judged.keys.remove(&(session.to_owned(), key.to_owned()));
+        }
+    }
+
+    /// The forwarded call of `session` whose response has JSON-RPC id key
+    /// `key` ([`jsonrpc::id_key`]), if its result must be judged; taken.
+    pub fn take_pending(&self, session: &str, key: &str) -> Option<PendingResult> {
+        let mut pending = self.pending();
+        if pending.is_empty() {
+            return None;
+        }
+        let taken = pending.remove(&(session.to_owned(), key.to_owned()));
+        drop(pending);
+        if taken.is_some() {
+            let mut judged = self.judged();
+            let entry = (session.to_owned(), key.to_owned());
+            if judged.keys.insert(entry.clone()) {
+                judged.order.push_back(entry);
+            }
+            while judged.order.len() > MAX_PENDING_RESULTS {
+                if let Some(old) = judged.order.pop_front() {
+                    judged.keys.remove(&old);
+                }
+            }
+        }
+        taken
+    }
+
+    /// Judges an upstream response to a forwarded call (`response`: a
+    /// JSON-RPC message) through the results phase (R33); the message the
+    /// client gets. An error response carries no result and is relayed as
+    /// read.
+    pub async fn judge_response(
+        &self,
+        session: &str,
+        pending: &PendingResult,
+        response: &str,
+    ) -> String {
+        #[derive(serde::Deserialize)]
+        struct Envelope<'a> {
+            #[serde(borrow)]
+            id: &'a serde_json::value::RawValue,
+            #[serde(default, borrow)]
+            result: Option<&'a serde_json::value::RawValue>,
+        }
+        let Ok(envelope) = serde_json::from_str::<Envelope<'_>>(response) else {
+            return response.to_owned();
+        };
+        let id = envelope.id;
+        let Some(result) = envelope.result else {
+            return response.to_owned();
+        };
+        let judged = match serde_json::from_str::<serde_json::Value>(result.get()) {
+            // What is judged is the CallToolResult's own members; anything
+            // else the upstream added is not forwarded.
+            Ok(serde_json::Value::Object(mut members)) => {
+                members.retain(|k, _| {
+                    matches!(
+                        k.as_str(),
+                        "content" | "structuredContent" | "isError" | "_meta"
+                    )
+                });
+                serde_json::Value::Object(members).to_string()
+            }
+            _ => result.get().to_owned(),
+        };
+        match self.evaluate_result(session, pending, judged).await {
+            Ok(decision) => match decision.result(&pending.call_id) {
+                Some(decided) => {
+                    match serde_json::value::RawValue::from_string(decided.result.clone()) {
+                        Ok(result) => serde_json::json!({
+                            "jsonrpc": "2.0",
+                            "id": id,
+                            "result": result,
+                        })
+                        .to_string(),
+                        Err(_) => no_result_decision(id),
+                    }
+                }
+                None => no_result_decision(id),
+            },
+            Err(error) => {
+                tracing::warn!(%error, "a tool's result was withheld: the mesh did not judge it");
+                let data = match &error {
+                    JudgeError::Refused { code, message } => ErrorData::new(
+                        codes::MESH_REFUSED,
+                        format!(
+                            "guardmesh: the tool ran, but the mesh refused its result: {message}"
+                        ),
+                        Some(
+                            serde_json::json!({ "grpcCode": format!("{code:?}"), "message": message }),
+                        ),
+                    ),
+                    JudgeError::Unreachable { mesh, message } => ErrorData::new(
+                        codes::MESH_UNREACHABLE,
+                        format!(
+                            "guardmesh: the tool ran, but the mesh cannot be reached to check its result, so it is withheld: {message}"
+                        ),
+                        Some(serde_json::json!({ "mesh": mesh })),
+                    ),
+                };
+                jsonrpc::error(Some(id), &data)
+            }
+        }
+    }
+
+    /// Evaluates one result as a batch of results (R33).
+    async fn evaluate_result(
+        &self,
+        session: &str,
+        pending: &PendingResult,
+        result: String,
+    ) -> Result<BatchDecision, JudgeError> {
+        let mut batch = Batch::new(self.turn.fetch_add(1, Ordering::Relaxed));
+        batch.metadata = self.metadata.clone();
+        batch = batch.result(
+            pending.call_id.clone(),
+            pending.tool.clone(),
+            self.server.clone(),
+            result,
+        );
+        self.evaluate_batch(session, batch).await
     }
 
     async fn coordinator(&self) -> Result<Coordinator, JudgeError> {
@@ -129,7 +333,6 @@ impl Judge {
         calls: Vec<(String, String, String)>,
         traceparent: Option<&str>,
     ) -> Result<BatchDecision, JudgeError> {
-        let coordinator = self.coordinator().await?;
         let mut batch = Batch::new(self.turn.fetch_add(1, Ordering::Relaxed));
         batch.metadata = self.metadata.clone();
         for (call_id, tool, arguments) in calls {
@@ -138,6 +341,16 @@ impl Judge {
         if let Some(tp) = traceparent {
             batch = batch.traceparent(tp);
         }
+        self.evaluate_batch(session, batch).await
+    }
+
+    /// Evaluates a batch of calls or results on the gateway's stream.
+    async fn evaluate_batch(
+        &self,
+        session: &str,
+        mut batch: Batch,
+    ) -> Result<BatchDecision, JudgeError> {
+        let coordinator = self.coordinator().await?;
         if self.args.timeout_ms > 0 {
             batch = batch.timeout(Duration::from_millis(self.args.timeout_ms));
         }
@@ -237,7 +450,54 @@ impl Judge {
             .map(|c| (c.call_id().to_owned(), c.name.clone(), c.arguments.clone()))
             .collect();
         let decision = self.evaluate(session, wire, traceparent).await?;
-        Ok(calls.iter().map(|c| dispose(c, &decision)).collect())
+        Ok(calls
+            .iter()
+            .map(|c| {
+                let disposition = dispose(c, &decision);
+                self.await_result(session, c, &decision, disposition)
+            })
+            .collect())
+    }
+
+    /// R33: a call forwarded under a chain that judges results is
+    /// remembered, so that its response is judged before the client sees
+    /// it; past [`MAX_PENDING_RESULTS`] it is not forwarded.
+    fn await_result(
+        &self,
+        session: &str,
+        call: &ToolCallRequest,
+        decision: &BatchDecision,
+        disposition: Disposition,
+    ) -> Disposition {
+        let Disposition::Forward(_) = &disposition else {
+            return disposition;
+        };
+        if !decision.judges_results {
+            return disposition;
+        }
+        let Some(decided) = decision.call(call.call_id()) else {
+            return disposition;
+        };
+        let mut pending = self.pending();
+        if pending.len() >= MAX_PENDING_RESULTS {
+            let data = ErrorData::new(
+                codes::MESH_REFUSED,
+                format!(
+                    "guardmesh: {MAX_PENDING_RESULTS} tool results are already awaited; the call was not run"
+                ),
+                None,
+            );
+            return Disposition::Answer(jsonrpc::error(Some(&call.id), &data));
+        }
+        self.id_reused(session, &jsonrpc::id_key(&call.id));
+        pending.insert(
+            (session.to_owned(), jsonrpc::id_key(&call.id)),
+            PendingResult {
+                call_id: decided.call_id.clone(),
+                tool: decided.final_call.tool.clone(),
+            },
+        );
+        disposition
     }
 
     /// The JSON-RPC error each of `calls` is answered with when their batch
@@ -318,6 +578,16 @@ fn dispose(call: &ToolCallRequest, decision: &BatchDecision) -> Disposition {
             Disposition::Answer(jsonrpc::tool_result(&call.id, content, false))
         }
     }
+}
+
+/// The answer to a result the mesh returned no decision for: withheld.
+fn no_result_decision(id: &serde_json::value::RawValue) -> String {
+    let data = ErrorData::new(
+        codes::MESH_REFUSED,
+        "guardmesh: the mesh returned no decision for this tool's result; it is withheld",
+        None,
+    );
+    jsonrpc::error(Some(id), &data)
 }
 
 /// An error with its sources, `: `-separated.

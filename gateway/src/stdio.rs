@@ -76,6 +76,10 @@ pub struct StdioArgs {
     /// as the gateway has read all the client sent, with no waiting.
     #[arg(long)]
     pub batch_window_ms: Option<u64>,
+    /// The upstream's server name, sent with each tool result judged by
+    /// the mesh (R33); default: the command's file name.
+    #[arg(long)]
+    pub server_name: Option<String>,
     /// The upstream MCP server: a command and its arguments, after `--`.
     #[arg(required = true, last = true, num_args = 1..)]
     pub command: Vec<String>,
@@ -231,6 +235,51 @@ fn array(items: &[String]) -> String {
     format!("[{}]", items.join(","))
 }
 
+/// Passes one upstream message on to the client: a `tools/list` answer
+/// without output schemas, a response a JSON-RPC batch waits for into its
+/// array (sent once complete), anything else as it is. False when the
+/// client is gone.
+async fn deliver(collector: &Shared, to_client: &mpsc::Sender<String>, text: &str) -> bool {
+    let mut text = text;
+    let stripped;
+    let complete = {
+        let mut c = lock(collector);
+        if !c.listing.is_empty()
+            && let Some(key) = jsonrpc::response_key(text.as_bytes())
+            && c.listing.remove(&key)
+            && let Some(without) = crate::schemas::without_output_schemas(text)
+        {
+            stripped = without;
+            text = &stripped;
+        }
+        match (!c.waiting.is_empty())
+            .then(|| jsonrpc::response_key(text.as_bytes()))
+            .flatten()
+            .and_then(|key| c.waiting.remove(&key))
+        {
+            Some(slot) => {
+                let done = c.slots.get_mut(&slot).is_some_and(|(left, answers)| {
+                    answers.push(text.to_owned());
+                    *left -= 1;
+                    *left == 0
+                });
+                if done {
+                    c.slots.remove(&slot).map(|(_, answers)| array(&answers))
+                } else {
+                    Some(String::new())
+                }
+            }
+            None => None,
+        }
+    };
+    let out = match complete {
+        Some(batch) if batch.is_empty() => return true,
+        Some(batch) => batch,
+        None => text.to_owned(),
+    };
+    to_client.send(out).await.is_ok()
+}
+
 /// Runs the relay on the given client streams.
 pub async fn run_with<R, W>(args: StdioArgs, input: R, output: W) -> Result<i32, StdioError>
 where
@@ -269,7 +318,12 @@ where
         .session
         .clone()
         .unwrap_or_else(|| fresh_session_id("mcp-stdio"));
-    let judge = Arc::new(Judge::new(args.mesh.clone(), "mcp-stdio"));
+    let server = args.server_name.clone().unwrap_or_else(|| {
+        std::path::Path::new(program)
+            .file_name()
+            .map_or_else(String::new, |n| n.to_string_lossy().into_owned())
+    });
+    let judge = Arc::new(Judge::new(args.mesh.clone(), "mcp-stdio").with_server(server));
     let grouper = match args.batch_window_ms {
         Some(ms) => Grouper::new(judge.clone(), Duration::from_millis(ms)),
         None => Grouper::until_idle(judge.clone()),
@@ -304,6 +358,8 @@ where
     let mut upstream_reader = tokio::spawn({
         let to_client = to_client.clone();
         let collector = collector.clone();
+        let (judge, session) = (judge.clone(), session.clone());
+        let mut results = tokio::task::JoinSet::new();
         let max = args.max_upstream_message_bytes;
         async move {
             let mut buf = BytesMut::new();
@@ -323,47 +379,39 @@ where
                         continue;
                     }
                 };
-                let mut text = message.get();
-                let stripped;
-                let complete = {
-                    let mut c = lock(&collector);
-                    if !c.listing.is_empty()
-                        && let Some(key) = jsonrpc::response_key(text.as_bytes())
-                        && c.listing.remove(&key)
-                        && let Some(without) = crate::schemas::without_output_schemas(text)
-                    {
-                        stripped = without;
-                        text = &stripped;
-                    }
-                    match (!c.waiting.is_empty())
-                        .then(|| jsonrpc::response_key(text.as_bytes()))
-                        .flatten()
-                        .and_then(|key| c.waiting.remove(&key))
-                    {
-                        Some(slot) => {
-                            let done = c.slots.get_mut(&slot).is_some_and(|(left, answers)| {
-                                answers.push(text.to_owned());
-                                *left -= 1;
-                                *left == 0
-                            });
-                            if done {
-                                c.slots.remove(&slot).map(|(_, answers)| array(&answers))
-                            } else {
-                                Some(String::new())
-                            }
-                        }
-                        None => None,
-                    }
-                };
-                let out = match complete {
-                    Some(batch) if batch.is_empty() => continue,
-                    Some(batch) => batch,
-                    None => text.to_owned(),
-                };
-                if to_client.send(out).await.is_err() {
+                let text = message.get();
+                // R33: the result of a call forwarded under a chain that
+                // judges results goes through the mesh first, in a task of
+                // its own (a slow guard holds up no other response).
+                if judge.awaits_results()
+                    && let Some(key) = jsonrpc::response_key(text.as_bytes())
+                    && let Some(pending) = judge.take_pending(&session, &key)
+                {
+                    let (judge, session) = (judge.clone(), session.clone());
+                    let (to_client, collector) = (to_client.clone(), collector.clone());
+                    let text = text.to_owned();
+                    results.spawn(async move {
+                        let judged = judge.judge_response(&session, &pending, &text).await;
+                        deliver(&collector, &to_client, &judged).await
+                    });
+                    while results.try_join_next().is_some() {}
+                    continue;
+                }
+                // A second response to a call whose result was judged is
+                // dropped: only what the mesh judged reaches the client.
+                if judge.awaits_results()
+                    && let Some(key) = jsonrpc::response_key(text.as_bytes())
+                    && judge.judged_before(&session, &key)
+                {
+                    tracing::warn!(id = %key, "dropped a second upstream response to a judged call");
+                    continue;
+                }
+                if !deliver(&collector, &to_client, text).await {
                     break;
                 }
             }
+            // Results being judged are answered before the session ends.
+            while results.join_next().await.is_some() {}
             UpstreamEnd::Closed
         }
     });
@@ -427,6 +475,9 @@ where
             }) => {
                 if lists_tools {
                     lock(&collector).lists_tools(request.as_ref());
+                }
+                if let Some(key) = &request {
+                    judge.id_reused(&session, key);
                 }
                 let _ = to_upstream.send(text).await;
             }
@@ -585,6 +636,9 @@ async fn relay_batch(
             } => {
                 if lists_tools {
                     lock(collector).lists_tools(request.as_ref());
+                }
+                if let Some(key) = &request {
+                    judge.id_reused(session, key);
                 }
                 forwards.push((text, request));
             }

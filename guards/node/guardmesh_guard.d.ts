@@ -30,6 +30,20 @@ export interface BatchContext {
   metadata: { [key: string]: string };
 }
 
+/** The result of a call that ran (R33). */
+export class Result {
+  readonly callId: string;
+  readonly tool: string;
+  /** The server or namespace the tool belongs to ('' when unknown). */
+  readonly server: string;
+  /** The MCP CallToolResult as JSON text. */
+  readonly result: string;
+  /** The result, parsed. */
+  readonly json: { [key: string]: Json };
+  /** The text of its `text` content blocks, joined by newlines. */
+  readonly text: string;
+}
+
 /** The part of a batch this guard is asked to judge. */
 export class Batch {
   readonly raw: unknown;
@@ -42,6 +56,10 @@ export class Batch {
   readonly calls: Call[];
   /** Calls whose arguments cannot be read; the kit steers them. */
   readonly unreadable: Call[];
+  /** For a batch of results (R33): the results to judge (`calls` is then empty). */
+  readonly results: Result[];
+  /** 'results' for a batch of results, else 'calls'. */
+  readonly phase: 'calls' | 'results';
   readonly deadlineMs: number;
   readonly traceparent: string;
   readonly tracestate: string;
@@ -58,6 +76,7 @@ export class Batch {
   /** Resolves after `ms`: true, or false early on cancellation. */
   sleep(ms: number): Promise<boolean>;
   call(callId: string): Call | undefined;
+  result(callId: string): Result | undefined;
 }
 
 /** A verdict on one call (wire shape); build it with steer, cancel, rewrite, proceed. */
@@ -81,6 +100,10 @@ export function cancel(callId: string, content: string): Verdict;
 export function rewrite(callId: string, args?: { [key: string]: Json } | string | null, tool?: string | null): Verdict;
 /** An explicit "run it". */
 export function proceed(callId: string): Verdict;
+/** Block a result (R33): the model reads `content` as an error result. */
+export function blockResult(callId: string, content: string): Verdict;
+/** Replace a result (R33; mutate guards within their result grant): a whole CallToolResult. */
+export function rewriteResult(callId: string, result: { [key: string]: Json } | string): Verdict;
 
 /** Parses call arguments strictly (R20); throws ArgumentsError. */
 export function parseArguments(text: string): { [key: string]: Json };
@@ -129,6 +152,7 @@ export interface CredentialOptions {
 export type Role = 'validate' | 'mutate';
 export type FailurePolicy = 'fail_closed' | 'fail_open' | 'abort';
 export type Mode = 'enforce' | 'dry_run';
+export type Phases = 'calls' | 'results' | 'both';
 
 export interface RegisterOptions extends CredentialOptions {
   host?: string;
@@ -143,6 +167,10 @@ export interface RegisterOptions extends CredentialOptions {
   mode?: Mode;
   grantTools?: string[] | string;
   mayRename?: boolean;
+  /** What the guard judges (R33): calls (default), results or both. */
+  phases?: Phases;
+  /** Mutate guards judging results: the tools whose results it may rewrite. */
+  resultGrantTools?: string[] | string;
   /** How long to wait for the mesh (default 10000). */
   waitMs?: number;
   https?: boolean;

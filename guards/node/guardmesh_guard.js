@@ -248,6 +248,13 @@ class Batch {
      * (steer), never lets them proceed, and the judge does not see them.
      */
     this.unreadable = calls.filter((c) => c.error !== null);
+    /**
+     * For a batch of results (R33): the results to judge, each
+     * {callId, tool, server, result (CallToolResult JSON text), json (parsed)};
+     * `calls` is then empty. Sent only to guards that registered the results
+     * phase (`phases: 'results'` or `'both'`).
+     */
+    this.results = (request.results || []).map((r) => new Result(r));
     this.deadlineMs = request.deadline_ms;
     this.traceparent = request.traceparent;
     this.tracestate = request.tracestate;
@@ -283,7 +290,34 @@ class Batch {
   /** The call with this id, or undefined. */
   call(callId) { return this.calls.find((c) => c.callId === callId); }
 
+  /** 'results' for a batch of results (R33), else 'calls'. */
+  get phase() { return this.results.length ? 'results' : 'calls'; }
+
+  /** The result with this id, or undefined. */
+  result(callId) { return this.results.find((r) => r.callId === callId); }
+
   _cancel() { this._controller.abort(); }
+}
+
+/** The result of a call that ran (R33). */
+class Result {
+  constructor(result) {
+    this.callId = result.call_id;
+    this.tool = result.tool;
+    /** The server or namespace the tool belongs to ('' when unknown). */
+    this.server = result.server || '';
+    /** The MCP CallToolResult as JSON text. */
+    this.result = result.result;
+  }
+
+  /** The result, parsed. */
+  get json() { return JSON.parse(this.result); }
+
+  /** The text of its `text` content blocks, joined by newlines. */
+  get text() {
+    const blocks = (this.json && this.json.content) || [];
+    return blocks.filter((b) => b && b.type === 'text').map((b) => b.text || '').join('\n');
+  }
 }
 
 // ---------------------------------------------------------------------------
@@ -335,11 +369,38 @@ function rewrite(callId, args = null, tool = null) {
 /** An explicit "run it": the same as sending no verdict for the call. */
 function proceed(callId) { return { call_id: callId }; }
 
+/**
+ * Block a result (R33): the model reads `content` as an error result instead
+ * of what the tool returned.
+ */
+function blockResult(callId, content) { return skip(callId, content, 'SKIP_KIND_STEER'); }
+
+/**
+ * Replace a result (R33; mutate guards, within their result grant): `result`
+ * is the whole new MCP CallToolResult (an object with a `content` array, or
+ * its JSON text), carried in `Rewrite.arguments`.
+ */
+function rewriteResult(callId, result) {
+  let parsed = result;
+  if (typeof result === 'string') {
+    try {
+      parsed = parseArguments(result);
+    } catch (err) {
+      throw new TypeError(`rewrite of result ${JSON.stringify(callId)}: not a JSON object: ${err.message}`);
+    }
+  }
+  if (!parsed || typeof parsed !== 'object' || !Array.isArray(parsed.content)) {
+    throw new TypeError(`rewrite of result ${JSON.stringify(callId)}: a CallToolResult needs a \`content\` array`);
+  }
+  const text = typeof result === 'string' ? result : JSON.stringify(result);
+  return { call_id: callId, rewrite: { arguments: text } };
+}
+
 /** The verdicts of a judge's result that the protocol allows (R8). */
 function conforming(batch, result) {
   if (result === null || result === undefined) return [];
   const items = typeof result[Symbol.iterator] === 'function' ? [...result] : [result];
-  const sent = new Set(batch.calls.map((c) => c.callId));
+  const sent = new Set([...batch.calls.map((c) => c.callId), ...batch.results.map((r) => r.callId)]);
   const seen = new Set();
   const verdicts = [];
   const where = `batch ${JSON.stringify(batch.batchId)} (request ${batch.requestId})`;
@@ -566,7 +627,8 @@ function judgeStream(call, judgeFn, guardName, streams, draining) {
         + `JSON object (${c.error}); guard ${JSON.stringify(batch.guard)} did not judge them. `
         + 'Send them as a plain JSON object.');
     });
-    const judged = batch.calls.length ? judgeTraced(judgeFn, batch) : Promise.resolve([]);
+    const judged = batch.calls.length || batch.results.length
+      ? judgeTraced(judgeFn, batch) : Promise.resolve([]);
     judged.then(
       (verdicts) => answer(batch, { verdicts: [...skipped, ...verdicts] }),
       (err) => {
@@ -720,6 +782,7 @@ const ENUMS = {
   role: ['GUARD_ROLE_', ['validate', 'mutate']],
   failurePolicy: ['FAILURE_POLICY_', ['fail_closed', 'fail_open', 'abort']],
   mode: ['GUARD_MODE_', ['enforce', 'dry_run']],
+  phases: ['GUARD_PHASES_', ['calls', 'results', 'both']],
 };
 
 function enumName(kind, value) {
@@ -800,7 +863,8 @@ function unary(client, method, request, timeoutMs, metadata) {
 
 const REGISTER_OPTIONS = [
   'host', 'endpoint', 'role', 'tools', 'failurePolicy', 'timeoutMs', 'priority', 'mode',
-  'grantTools', 'mayRename', 'waitMs', 'https', 'replicas', ...CREDENTIAL_OPTIONS,
+  'grantTools', 'mayRename', 'waitMs', 'https', 'replicas', 'phases', 'resultGrantTools',
+  ...CREDENTIAL_OPTIONS,
 ];
 
 /** Picks the credential options out of `options`. */
@@ -825,7 +889,7 @@ async function register(meshAddr, name, port, options = {}) {
   const {
     host = '127.0.0.1', role = 'validate', tools = [], failurePolicy = 'fail_closed',
     timeoutMs = 0, priority = 0, mode = 'enforce', grantTools = [], mayRename = false,
-    waitMs = 10000, https = false, replicas = [],
+    waitMs = 10000, https = false, replicas = [], phases = 'calls', resultGrantTools = [],
   } = options;
   let { endpoint = null } = options;
   const credentials = meshCredentials(meshAddr, credentialOptions(options));
@@ -845,6 +909,8 @@ async function register(meshAddr, name, port, options = {}) {
     mode: enumName('mode', mode),
     grant: { tools: list(grantTools), may_rename: mayRename },
     replicas: list(replicas),
+    phases: enumName('phases', phases),
+    result_grant: { tools: list(resultGrantTools) },
   };
   const client = registryClient(meshAddr, credentials);
   try {
@@ -938,6 +1004,8 @@ const KIT_OPTIONS = {
   'dry-run': { type: 'boolean', default: false },
   'grant-tools': { type: 'string', default: '' },
   'may-rename': { type: 'boolean', default: false },
+  phases: { type: 'string', default: 'calls' },
+  'result-grant-tools': { type: 'string', default: '' },
   endpoint: { type: 'string' },
   'mesh-ca-file': { type: 'string' },
   'mesh-cert-file': { type: 'string' },
@@ -966,6 +1034,8 @@ const KIT_HELP = `guard kit flags:
   --dry-run               register in mode dry_run: consulted, never applied
   --grant-tools LIST      mutate guards: comma-separated tools it may rewrite
   --may-rename            mutate guards: may change a call's tool name
+  --phases P              what it judges (R33): calls (default), results or both
+  --result-grant-tools L  mutate guards judging results: tools whose results it may rewrite
   --endpoint URL          endpoint to register (default http://HOST:PORT)
   --mesh-ca-file PATH     TLS to the mesh: PEM of the CA that signed its certificate
   --mesh-cert-file PATH   this guard's PEM client certificate, for a mesh requiring mTLS
@@ -1022,6 +1092,7 @@ function parseFlags(argv = process.argv.slice(2), settings = {}) {
     for (const flag of ['port', 'timeout-ms', 'priority']) values[flag] = integer(flag, values[flag]);
     enumName('role', values.role);
     enumName('failurePolicy', values['failure-policy']);
+    enumName('phases', values.phases);
     if (!(values['log-level'] in LEVELS)) throw new TypeError(`--log-level: unknown level ${values['log-level']}`);
   } catch (err) {
     process.stderr.write(`${err.message}\n\n${help()}\n`);
@@ -1072,6 +1143,8 @@ async function run(judgeFn, flags) {
         mode: flags['dry-run'] ? 'dry_run' : 'enforce',
         grantTools: flags['grant-tools'],
         mayRename: flags['may-rename'],
+        phases: flags.phases,
+        resultGrantTools: flags['result-grant-tools'],
         https: tls !== null,
         ...credentials,
       });
@@ -1113,6 +1186,8 @@ module.exports = {
   ArgumentsError,
   Batch,
   Call,
+  Result,
+  blockResult,
   cancel,
   deregister,
   installFileTracing,
@@ -1125,6 +1200,7 @@ module.exports = {
   register,
   registerPolicy,
   rewrite,
+  rewriteResult,
   run,
   serve,
   steer,

@@ -432,6 +432,8 @@ pub struct LimitsConfig {
     /// Printable ASCII characters tool names may hold besides letters,
     /// digits, `_`, `-` and `.` (R20); nothing else can be allowed.
     pub tool_name_extra_chars: String,
+    /// Largest result of one call sent to be judged (R33).
+    pub max_result_bytes: usize,
 }
 
 impl Default for LimitsConfig {
@@ -451,6 +453,7 @@ impl Default for LimitsConfig {
             max_coordinator_streams: l.max_coordinator_streams,
             max_tool_name_chars: l.tool_names.max_chars,
             tool_name_extra_chars: String::new(),
+            max_result_bytes: l.max_result_bytes,
         }
     }
 }
@@ -830,6 +833,20 @@ pub struct GuardConfig {
     /// R32: the guard's replicas (with `endpoint`, one more each).
     #[serde(default)]
     pub replicas: Vec<String>,
+    /// The phases it judges (R33): `calls` (default), `results` or `both`.
+    #[serde(default, deserialize_with = "by_name")]
+    pub phases: guardmesh_proto::v1::GuardPhases,
+    /// For mutate guards judging results: the tools whose results they may
+    /// rewrite (R11, R33).
+    #[serde(default)]
+    pub result_grant: Option<ResultGrantConfig>,
+}
+
+#[derive(Debug, Clone, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ResultGrantConfig {
+    #[serde(default)]
+    pub tools: Vec<String>,
 }
 
 /// Reads an enum of the contract by its one spelling (`fail_closed`,
@@ -870,6 +887,13 @@ impl GuardConfig {
             server_identity: self.server_identity.clone().unwrap_or_default(),
             policy: self.policy_source.clone().unwrap_or_default(),
             replicas: self.replicas.clone(),
+            phases: self.phases as i32,
+            result_grant: self
+                .result_grant
+                .as_ref()
+                .map(|g| guardmesh_proto::v1::ResultGrant {
+                    tools: g.tools.clone(),
+                }),
         }
     }
 }
@@ -1037,6 +1061,10 @@ impl Config {
                 self.limits.max_calls_per_batch as u64,
             ),
             ("limits.max_batch_bytes", self.limits.max_batch_bytes as u64),
+            (
+                "limits.max_result_bytes",
+                self.limits.max_result_bytes as u64,
+            ),
             (
                 "limits.max_argument_bytes",
                 self.limits.max_argument_bytes as u64,
@@ -1256,6 +1284,7 @@ impl Config {
                 max_coordinator_streams: self.limits.max_coordinator_streams,
                 // Checked by `check`; a config that skipped it gets the default.
                 tool_names: self.tool_names().unwrap_or_default(),
+                max_result_bytes: self.limits.max_result_bytes,
             },
             link: LinkConfig {
                 connect_timeout: Duration::from_millis(self.guard_links.connect_timeout_ms),

@@ -257,6 +257,7 @@ impl Relay {
             execute: request.calls,
             chain_revision: 1,
             trace_id: String::new(),
+            ..BatchDecision::default()
         })
     }
 }

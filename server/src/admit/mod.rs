@@ -16,6 +16,8 @@
 //! handed to the batch's record (`mesh/record.rs`), which counts, logs and
 //! records it.
 
+pub(crate) mod results;
+
 use crate::registry::Registry;
 use crate::validate::ijson::Recorded;
 use crate::validate::{self, Limits};

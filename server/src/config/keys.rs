@@ -194,6 +194,12 @@ pub static KEYS: &[Key] = &[
         "Deepest nesting in one call's arguments, 1 to 127.",
     ),
     key(
+        "limits.max_result_bytes",
+        Kind::Int,
+        "1048576",
+        "Largest result (its `CallToolResult` JSON text) of one call sent to be judged (R33).",
+    ),
+    key(
         "limits.max_id_bytes",
         Kind::Int,
         "256",
@@ -551,6 +557,24 @@ pub static KEYS: &[Key] = &[
         Kind::Bool,
         "false",
         "It may change a call's tool name.",
+    ),
+    key(
+        "guard.phases",
+        Kind::Enum(guardmesh_proto::v1::GuardPhases::NAMES),
+        "\"calls\"",
+        "What the guard judges (R33): calls before they run, results before the model reads them, or both.",
+    ),
+    key(
+        "guard.result_grant",
+        Kind::Table,
+        "",
+        "For a mutate guard judging results: which results it may rewrite (R11).",
+    ),
+    key(
+        "guard.result_grant.tools",
+        Kind::Strs,
+        "[]",
+        "Globs of the tools whose results it may rewrite.",
     ),
     // [registry]
     key(

@@ -21,6 +21,9 @@ mod chain;
 pub(crate) mod fold;
 #[cfg(test)]
 mod paused_tests;
+mod results;
+#[cfg(test)]
+mod results_tests;
 pub(crate) mod verdicts;
 
 use crate::judge::call_index::CallIndex;
@@ -36,12 +39,13 @@ use guardmesh_proto::v1::{
     GuardTrace, JudgeResponse, Skip, SkipKind, ToolCall, TraceStatus,
 };
 use prost::bytes::Bytes;
+pub(crate) use results::Phase;
 use std::sync::Arc;
 use std::time::Duration;
 use tokio::sync::mpsc;
 use tokio::time::Instant;
 use tonic::Status;
-use verdicts::{Malformed, check_verdicts};
+use verdicts::{Malformed, check_verdicts_in};
 
 /// The coordinator's W3C trace context for a batch (R22).
 #[derive(Debug, Clone, Default)]
@@ -58,6 +62,9 @@ pub struct TraceContext {
     /// which a guard link shares its queue between clients (R25); 0 when
     /// unknown.
     pub client: u64,
+    /// The authenticated caller's identity, when there is one: handed on
+    /// with each result decision (R33, `mesh/results.rs`).
+    pub caller: Option<Arc<str>>,
 }
 
 impl TraceContext {
@@ -71,6 +78,7 @@ impl TraceContext {
                 trace_id: trace_id.to_ascii_lowercase(),
                 unary: false,
                 client: 0,
+                caller: None,
             },
             None => Self::default(),
         }
@@ -269,7 +277,7 @@ pub(crate) struct Judged {
 /// their verdicts and decides (R2..R18). `members`: what the admission
 /// stage recorded of the calls' arguments for the policy guards (R27).
 /// `span`: the batch's span, under which each guard's span opens.
-#[allow(clippy::too_many_arguments)]
+#[allow(clippy::too_many_arguments, dead_code)]
 pub(crate) async fn judge(
     chain: &Chain,
     limits: &Limits,
@@ -280,9 +288,37 @@ pub(crate) async fn judge(
     trace: TraceContext,
     span: tracing::Span,
 ) -> Judged {
+    judge_phase(
+        chain,
+        limits,
+        unguarded,
+        request,
+        members,
+        deadline,
+        trace,
+        span,
+        Phase::Calls,
+    )
+    .await
+}
+
+/// [`judge`] in a phase: a batch of calls, or of results as calls (R33).
+#[allow(clippy::too_many_arguments)]
+pub(crate) async fn judge_phase(
+    chain: &Chain,
+    limits: &Limits,
+    unguarded: Unguarded,
+    request: EvaluateRequest,
+    members: Recorded,
+    deadline: Instant,
+    trace: TraceContext,
+    span: tracing::Span,
+    phase: Phase,
+) -> Judged {
     let mut judging = Judging::new(
         chain, limits, unguarded, request, members, deadline, trace, span,
     );
+    judging.phase = phase;
     let result = judging.run().await;
     Judged {
         result,
@@ -314,6 +350,8 @@ struct Judging<'a> {
     deadline: Instant,
     trace: TraceContext,
     span: tracing::Span,
+    /// Calls, or results (R33).
+    phase: Phase,
 }
 
 impl<'a> Judging<'a> {
@@ -355,6 +393,7 @@ impl<'a> Judging<'a> {
             deadline,
             trace,
             span,
+            phase: Phase::Calls,
         }
     }
 
@@ -367,6 +406,17 @@ impl<'a> Judging<'a> {
     }
 
     async fn consult(&mut self) -> Result<(), BatchError> {
+        if self.phase.is_results() {
+            // R33: validate guards judge the raw result first, then mutate
+            // guards rewrite it, one after another in chain order.
+            self.validate().await?;
+            for g in 0..self.chain.guards.len() {
+                if self.chain.guards[g].guard.role == GuardRole::Mutate {
+                    self.mutate(g).await?;
+                }
+            }
+            return Ok(());
+        }
         // R10: mutate guards first, one after another, in chain order.
         for g in 0..self.chain.guards.len() {
             if self.chain.guards[g].guard.role == GuardRole::Mutate {
@@ -382,7 +432,11 @@ impl<'a> Judging<'a> {
         let guard = &self.chain.guards[g].guard;
         self.calls
             .iter()
-            .map(|call| call.fixed.is_none() && guard.tools.matches(&call.current().tool))
+            .map(|call| {
+                call.fixed.is_none()
+                    && self.phase.reaches(guard)
+                    && guard.tools.matches(&call.current().tool)
+            })
             .collect()
     }
 
@@ -392,6 +446,20 @@ impl<'a> Judging<'a> {
         let sent = &self.runs[g].sent;
         if let Some((_, bytes)) = self.encoded.iter().find(|(set, _)| set == sent) {
             return bytes.clone();
+        }
+        if let Phase::Results(batch) = &self.phase {
+            let bytes = results::shared_part(
+                self.context.as_ref(),
+                batch,
+                self.calls
+                    .iter()
+                    .zip(sent)
+                    .enumerate()
+                    .filter(|(_, (_, sent))| **sent)
+                    .map(|(i, (call, _))| (i, call.current())),
+            );
+            self.encoded.push((sent.clone(), bytes.clone()));
+            return bytes;
         }
         let bytes = crate::link::wire::shared_part(
             self.context.as_ref(),
@@ -453,6 +521,7 @@ impl<'a> Judging<'a> {
             deadline_ms: u32::try_from(budget.as_millis()).unwrap_or(u32::MAX),
             traceparent,
             tracestate: self.trace.tracestate.clone(),
+            results: Vec::new(),
         };
         let shared = self.shared_part(g);
         // A guard that takes nothing off its stream for its own timeout is
@@ -572,7 +641,8 @@ impl<'a> Judging<'a> {
         let chain = self.chain;
         let guard = &chain.guards[g].guard;
         let run = &mut self.runs[g];
-        let checked = check_verdicts(
+        let checked = check_verdicts_in(
+            self.phase.is_results(),
             guard,
             self.limits,
             |i| self.calls[i].current(),
@@ -847,7 +917,8 @@ impl<'a> Judging<'a> {
         }
         let final_answer = !response.partial;
         let run = &mut self.runs[g];
-        match check_verdicts(
+        match check_verdicts_in(
+            self.phase.is_results(),
             guard,
             self.limits,
             |i| self.calls[i].current(),
@@ -1117,6 +1188,11 @@ impl<'a> Judging<'a> {
     /// skipped, proceeds or, with `unguarded = "cancel"`, is cancelled with
     /// content naming its tool; counted either way.
     fn unguarded(&mut self) {
+        // R33: a result no guard judges is read as the tool returned it;
+        // R28 is about calls that would run.
+        if self.phase.is_results() {
+            return;
+        }
         let chain = self.chain;
         let runs = &self.runs;
         for (i, call) in self.calls.iter_mut().enumerate() {
@@ -1199,6 +1275,8 @@ impl<'a> Judging<'a> {
             trace,
             chain_revision: self.chain.revision,
             trace_id: self.trace.trace_id.clone(),
+            results: Vec::new(),
+            judges_results: self.chain.judges_results(),
         }
     }
 }

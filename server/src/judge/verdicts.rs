@@ -58,6 +58,14 @@ pub(crate) enum Rejection {
     /// so validate guards and the tool could read them differently.
     #[error("rewrite of call {call_id:?}: arguments refused as the gate refuses them: {why}")]
     ArgumentsRefused { call_id: String, why: String },
+    /// The result grant does not cover the result's tool (R33).
+    #[error(
+        "rewrite of the result of call {call_id:?}: the result grant does not cover tool {tool:?}"
+    )]
+    ResultNotGranted { call_id: String, tool: String },
+    /// The rewritten result is not what the mesh accepts of a result (R33).
+    #[error("rewrite of the result of call {call_id:?} refused: {why}")]
+    ResultRefused { call_id: String, why: String },
 }
 
 /// Why a verdict was dropped and counted as proceed from that guard (R8).
@@ -92,7 +100,27 @@ pub(crate) struct Checked {
 /// `current(i)` is call `i` as the guard saw it. `answered` tracks calls
 /// already answered by this guard (R8: a second verdict is ignored). A
 /// rewrite outside the grant rejects the whole answer (R11).
+#[cfg(test)]
 pub(crate) fn check_verdicts<'c>(
+    guard: &Guard,
+    limits: &validate::Limits,
+    current: impl Fn(usize) -> &'c ToolCall,
+    index_of: &CallIndex,
+    sent: &[bool],
+    answered: &mut [bool],
+    verdicts: Vec<Verdict>,
+) -> Result<Checked, Rejection> {
+    check_verdicts_in(
+        false, guard, limits, current, index_of, sent, answered, verdicts,
+    )
+}
+
+/// [`check_verdicts`] in a phase: with `results`, the calls are results
+/// (R33), and a rewrite is held to the guard's result grant, may not
+/// rename, and must leave a `CallToolResult` (R11).
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn check_verdicts_in<'c>(
+    results: bool,
     guard: &Guard,
     limits: &validate::Limits,
     current: impl Fn(usize) -> &'c ToolCall,
@@ -148,7 +176,11 @@ pub(crate) fn check_verdicts<'c>(
             (Some(Outcome::Rewrite(rewrite)), Some(i)) => {
                 answered[i] = true;
                 let call = current(i);
-                let next = check_rewrite(guard, limits, call, rewrite)?;
+                let next = if results {
+                    check_result_rewrite(guard, limits, call, rewrite)?
+                } else {
+                    check_rewrite(guard, limits, call, rewrite)?
+                };
                 if next == *call {
                     checked.proceeds.push(i);
                 } else {
@@ -158,6 +190,65 @@ pub(crate) fn check_verdicts<'c>(
         }
     }
     Ok(checked)
+}
+
+/// A result (`call`: the result as a call) as `guard`'s rewrite leaves it,
+/// if its result grant allows it (R11, R33): no rename, the tool within
+/// the result grant, the new result an I-JSON `CallToolResult` object.
+fn check_result_rewrite(
+    guard: &Guard,
+    limits: &validate::Limits,
+    call: &ToolCall,
+    rewrite: guardmesh_proto::v1::Rewrite,
+) -> Result<ToolCall, Rejection> {
+    if guard.role != GuardRole::Mutate {
+        return Err(Rejection::NotMutate {
+            call_id: call.call_id.clone(),
+        });
+    }
+    if !guard.result_grant_tools.matches(&call.tool) {
+        return Err(Rejection::ResultNotGranted {
+            call_id: call.call_id.clone(),
+            tool: call.tool.clone(),
+        });
+    }
+    if let Some(tool) = &rewrite.tool
+        && *tool != call.tool
+    {
+        return Err(Rejection::RenameNotGranted {
+            call_id: call.call_id.clone(),
+            from: call.tool.clone(),
+            to: clip(tool, SHOWN_CHARS),
+        });
+    }
+    let Some(result) = rewrite.arguments else {
+        return Ok(call.clone());
+    };
+    if result.len() > limits.max_result_bytes {
+        return Err(Rejection::ResultRefused {
+            call_id: call.call_id.clone(),
+            why: format!(
+                "{} bytes, over limits.max_result_bytes ({})",
+                result.len(),
+                limits.max_result_bytes
+            ),
+        });
+    }
+    if let Err(why) = validate::ijson::check(&result, limits.max_json_depth) {
+        return Err(Rejection::ResultRefused {
+            call_id: call.call_id.clone(),
+            why: why.to_string(),
+        });
+    }
+    if let Err(why) = crate::admit::results::check_shape(&result) {
+        return Err(Rejection::ResultRefused {
+            call_id: call.call_id.clone(),
+            why: format!("the new result {why}"),
+        });
+    }
+    let mut next = call.clone();
+    next.arguments = result;
+    Ok(next)
 }
 
 /// `call` as `guard`'s rewrite leaves it, if the grant allows it (R11).

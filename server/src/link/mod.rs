@@ -1445,6 +1445,7 @@ pub mod wire {
                 deadline_ms: 250,
                 traceparent: "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01".into(),
                 tracestate: String::new(),
+                ..GuardBatch::default()
             }
         }
 

@@ -5,7 +5,7 @@
 use super::Mesh;
 use super::record::{BatchLog, Guards, Outcome};
 use crate::admit;
-use crate::judge::{BatchError, TraceContext};
+use crate::judge::{BatchError, Phase, TraceContext};
 use guardmesh_proto::v1::{BatchDecision, EvaluateRequest, GuardTrace, TraceStatus};
 use tokio::time::Instant;
 
@@ -15,12 +15,35 @@ impl Mesh {
     /// written (the services write it, knowing the caller).
     pub async fn evaluate(
         &self,
-        request: EvaluateRequest,
+        mut request: EvaluateRequest,
         deadline: Instant,
         trace: TraceContext,
     ) -> Result<BatchDecision, BatchError> {
         let record = BatchLog::new(self.metrics.clone(), request.batch_id.clone());
-        record.emit(self.pass(request, deadline, trace).await)
+        // R33: a request of results is judged as calls and answered as
+        // results.
+        match admit::results::take(&mut request, &self.config.limits) {
+            Ok(None) => record.emit(self.pass(request, deadline, trace).await),
+            Ok(Some(results)) => {
+                let by = super::results::ReadBy {
+                    session_id: request
+                        .context
+                        .as_ref()
+                        .map_or_else(String::new, |c| c.session_id.clone()),
+                    caller: trace.caller.clone(),
+                    batch_id: request.batch_id.clone(),
+                };
+                let phase = Phase::Results(results.clone());
+                record
+                    .emit(self.pass_phase(request, deadline, trace, phase).await)
+                    .map(|decision| {
+                        let decision = results.answer(decision);
+                        self.results_read(&by, &decision);
+                        decision
+                    })
+            }
+            Err(refusal) => record.emit(Outcome::refused(refusal.into())),
+        }
     }
 
     /// The mesh's part of a batch's way: its span, the admission checks
@@ -30,7 +53,20 @@ impl Mesh {
         &self,
         request: EvaluateRequest,
         deadline: Instant,
+        trace: TraceContext,
+    ) -> Outcome {
+        self.pass_phase(request, deadline, trace, Phase::Calls)
+            .await
+    }
+
+    /// [`Self::pass`] in a phase: calls, or results taken out of the
+    /// request by [`admit::results::take`] (R33).
+    pub(crate) async fn pass_phase(
+        &self,
+        request: EvaluateRequest,
+        deadline: Instant,
         mut trace: TraceContext,
+        phase: Phase,
     ) -> Outcome {
         let span = crate::observe::spans::batch_span(
             trace.unary,
@@ -49,7 +85,7 @@ impl Mesh {
             trace.trace_id = trace_id.to_owned();
         }
         let mut outcome = tracing::Instrument::instrument(
-            self.pass_in(request, deadline, trace, span.clone()),
+            self.pass_in(request, deadline, trace, span.clone(), phase),
             span.clone(),
         )
         .await;
@@ -63,16 +99,32 @@ impl Mesh {
         deadline: Instant,
         trace: TraceContext,
         span: tracing::Span,
+        phase: Phase,
     ) -> Outcome {
         let started = Instant::now();
         let chain = self.chain();
-        let limits = &self.config.limits;
-        let policy_args = chain
-            .guards
-            .iter()
-            .filter_map(|g| g.guard.policy.as_ref())
-            .map(|p| p.compiled.reads_args())
-            .reduce(|a, b| a || b);
+        let results_limits;
+        let (limits, policy_args) = if phase.is_results() {
+            // R33: policy guards judge calls only; a result's size is
+            // bounded by `max_result_bytes`, checked when it was taken.
+            results_limits = crate::validate::Limits {
+                max_argument_bytes: self
+                    .config
+                    .limits
+                    .max_argument_bytes
+                    .max(self.config.limits.max_result_bytes),
+                ..self.config.limits
+            };
+            (&results_limits, None)
+        } else {
+            let policy_args = chain
+                .guards
+                .iter()
+                .filter_map(|g| g.guard.policy.as_ref())
+                .map(|p| p.compiled.reads_args())
+                .reduce(|a, b| a || b);
+            (&self.config.limits, policy_args)
+        };
         let members = match admit::content(&request, limits, policy_args)
             .and_then(|members| admit::registry(self.registry()).map(|()| members))
         {
@@ -97,6 +149,8 @@ impl Mesh {
                     .collect(),
                 chain_revision: chain.revision,
                 trace_id: trace.trace_id,
+                results: Vec::new(),
+                judges_results: chain.judges_results(),
             };
             return Outcome::decided(decision, trace_id, started.elapsed());
         }
@@ -104,7 +158,7 @@ impl Mesh {
             Ok(permit) => permit,
             Err(refusal) => return Outcome::refused(refusal),
         };
-        let judged = crate::judge::judge(
+        let judged = crate::judge::judge_phase(
             &chain,
             limits,
             self.config.unguarded,
@@ -113,6 +167,7 @@ impl Mesh {
             deadline,
             trace,
             span,
+            phase,
         )
         .await;
         Outcome::judged(

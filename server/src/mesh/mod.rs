@@ -12,6 +12,7 @@
 
 mod evaluate;
 pub(crate) mod record;
+pub mod results;
 
 use crate::decision_log::MeshLog;
 pub use crate::judge::BatchError;
@@ -102,6 +103,8 @@ pub struct Mesh {
     decision_log: std::sync::OnceLock<MeshLog>,
     /// Where the gRPC server listens, once it serves (span attributes).
     pub(crate) served_at: std::sync::OnceLock<std::net::SocketAddr>,
+    /// Told of every result decision (R33), when set (`mesh/results.rs`).
+    result_reads: std::sync::OnceLock<Arc<dyn results::ResultReads>>,
 }
 
 impl std::fmt::Debug for Mesh {
@@ -133,6 +136,7 @@ impl Mesh {
             )),
             decision_log: std::sync::OnceLock::new(),
             served_at: std::sync::OnceLock::new(),
+            result_reads: std::sync::OnceLock::new(),
         })
     }
 

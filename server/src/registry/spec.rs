@@ -10,7 +10,9 @@
 #![allow(unreachable_pub)]
 
 use globset::{GlobBuilder, GlobSet, GlobSetBuilder};
-use guardmesh_proto::v1::{FailurePolicy, GuardMode, GuardRole, GuardSpec, RewriteGrant};
+use guardmesh_proto::v1::{
+    FailurePolicy, GuardMode, GuardPhases, GuardRole, GuardSpec, ResultGrant, RewriteGrant,
+};
 use std::time::Duration;
 
 /// Why a registration was refused. Every variant names the offending field.
@@ -154,6 +156,11 @@ pub struct Guard {
     /// R32: the replicas listed besides `endpoint` (`GuardSpec.replicas`),
     /// normalized as `endpoint` is. See [`Self::targets`].
     pub replicas: Vec<String>,
+    /// The phases it judges (R33): calls (the default), results, or both.
+    pub phases: GuardPhases,
+    /// What a mutate guard may rewrite in results (R11, R33); always empty
+    /// for validate guards.
+    pub result_grant_tools: ToolSet,
 }
 
 /// Compiles a policy, or shares the compiled policy of a live guard with
@@ -272,6 +279,21 @@ impl Guard {
             GuardRole::Validate => RewriteGrant::default(),
         };
         let grant_tools = ToolSet::compile(&name, &grant.tools, false, false)?;
+        let phases = GuardPhases::try_from(spec.phases).map_err(|_| SpecError::UnknownEnum {
+            name: name.clone(),
+            field: "phases",
+            value: spec.phases,
+        })?;
+        if policy.is_some() && phases != GuardPhases::Calls {
+            return Err(policy_guard(
+                "a policy guard judges calls only: its phases must be calls (R33)",
+            ));
+        }
+        let result_grant = match role {
+            GuardRole::Mutate => spec.result_grant.clone().unwrap_or_default(),
+            GuardRole::Validate => ResultGrant::default(),
+        };
+        let result_grant_tools = ToolSet::compile(&name, &result_grant.tools, false, false)?;
         let timeout = if spec.timeout_ms == 0 {
             default_timeout
         } else {
@@ -291,6 +313,8 @@ impl Guard {
             server_identity: Some(spec.server_identity.trim().to_owned()).filter(|s| !s.is_empty()),
             policy,
             replicas,
+            phases,
+            result_grant_tools,
         })
     }
 
@@ -339,7 +363,23 @@ impl Guard {
                 .as_ref()
                 .map_or_else(String::new, |p| p.source.to_string()),
             replicas: self.replicas.clone(),
+            phases: self.phases as i32,
+            result_grant: (self.role == GuardRole::Mutate
+                && !self.result_grant_tools.patterns().is_empty())
+            .then(|| ResultGrant {
+                tools: self.result_grant_tools.patterns().to_vec(),
+            }),
         }
+    }
+
+    /// Whether the guard judges calls before they run (R33).
+    pub fn judges_calls(&self) -> bool {
+        matches!(self.phases, GuardPhases::Calls | GuardPhases::Both)
+    }
+
+    /// Whether the guard judges results before the model reads them (R33).
+    pub fn judges_results(&self) -> bool {
+        matches!(self.phases, GuardPhases::Results | GuardPhases::Both)
     }
 
     /// The endpoint's host (for the endpoint policy).

@@ -58,7 +58,8 @@ impl Inbound {
         match validate::check_counts(
             &request.batch_id,
             size,
-            request.calls.len(),
+            // R33: results count as calls against the batch's limits.
+            request.calls.len() + request.results.len(),
             metadata,
             limits,
         ) {
@@ -129,6 +130,8 @@ struct Scan<'a> {
 const BATCH_ID: u64 = 1;
 const CONTEXT: u64 = 2;
 const CALLS: u64 = 3;
+/// `EvaluateRequest.results` (R33): counted as calls.
+const RESULTS: u64 = 7;
 /// `BatchContext.metadata`.
 const METADATA: u64 = 4;
 
@@ -145,7 +148,7 @@ fn scan(bytes: &[u8]) -> Result<Scan<'_>, &'static str> {
                     }
                 }
             }
-            (CALLS, Some(_)) => scan.calls += 1,
+            (CALLS | RESULTS, Some(_)) => scan.calls += 1,
             _ => {}
         }
     }

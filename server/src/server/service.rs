@@ -12,6 +12,7 @@
 
 use crate::admit::{self, Refusal, StreamGate};
 use crate::decision_log::{MeshLog, from_mesh};
+use crate::judge::Phase;
 use crate::judge::TraceContext;
 use crate::mesh::Mesh;
 use crate::mesh::record::{BatchLog, LogCaller};
@@ -61,6 +62,7 @@ fn batch_trace(batch: &EvaluateRequest, stream: &TraceContext) -> TraceContext {
             stream.clone()
         } else {
             own.client = stream.client;
+            own.caller = stream.caller.clone();
             own
         }
     }
@@ -112,6 +114,15 @@ fn client_key<T>(request: &Request<T>) -> u64 {
         peer.hash(&mut hasher);
         hasher.finish()
     })
+}
+
+/// The authenticated caller's identity, if any (R33: handed on with each
+/// result decision).
+fn caller_id<T>(request: &Request<T>) -> Option<Arc<str>> {
+    request
+        .extensions()
+        .get::<Caller>()
+        .map(|caller| Arc::from(caller.id.as_str()))
 }
 
 /// The caller of a request for the decision log; `None` (and nothing
@@ -225,11 +236,11 @@ impl PreTool {
     async fn unary(
         &self,
         metadata: &MetadataMap,
-        client: u64,
+        (client, caller_id): (u64, Option<Arc<str>>),
         caller: Option<LogCaller>,
         inbound: Inbound,
     ) -> Result<BatchDecision, Status> {
-        let (batch, size) = match inbound {
+        let (mut batch, size) = match inbound {
             Inbound::Batch { request, size } => (request, size),
             Inbound::Refused(refused) => {
                 let record = BatchLog::arrived(&self.mesh, caller.as_ref(), None, refused.batch_id);
@@ -238,9 +249,17 @@ impl PreTool {
         };
         let limits = &self.mesh.config.limits;
         let shown = shown_id(&batch.batch_id, limits.max_id_bytes);
+        // R33: results are judged as calls; taken before the record is made.
+        let results = admit::results::take(&mut batch, limits);
         let record = BatchLog::arrived(&self.mesh, caller.as_ref(), Some(&batch), shown);
+        let phase = match results {
+            Ok(None) => Phase::Calls,
+            Ok(Some(results)) => Phase::Results(results),
+            Err(refusal) => return Err(record.refuse(refusal.into()).await),
+        };
         let mut stream_trace = trace_context(metadata);
         stream_trace.client = client;
+        stream_trace.caller = caller_id;
         let transport = grpc_timeout(metadata);
         let _bytes = match admit::inflight_bytes(&self.mesh.inflight_bytes, limits, &batch, size) {
             Ok(bytes) => bytes,
@@ -249,9 +268,53 @@ impl PreTool {
         let mut trace = batch_trace(&batch, &stream_trace);
         trace.unary = true;
         let deadline = self.deadline(batch.timeout_ms, transport);
-        let outcome = self.mesh.pass(batch, deadline, trace).await;
+        let answer = AnswerPhase::of(&phase, &batch, &trace);
+        let outcome = self.mesh.pass_phase(batch, deadline, trace, phase).await;
         // R29: recorded before the answer leaves.
-        record.finish(outcome).await
+        let mesh = &self.mesh;
+        record.finish(outcome).await.map(|d| answer.answer(mesh, d))
+    }
+}
+
+/// How a judged batch is answered: as calls, or as results (R33), once
+/// its record (which holds the results as calls) is written.
+enum AnswerPhase {
+    Calls,
+    Results(
+        crate::admit::results::ResultBatch,
+        crate::mesh::results::ReadBy,
+    ),
+}
+
+impl AnswerPhase {
+    fn of(phase: &Phase, batch: &EvaluateRequest, trace: &TraceContext) -> Self {
+        match phase {
+            Phase::Calls => Self::Calls,
+            Phase::Results(results) => Self::Results(
+                results.clone(),
+                crate::mesh::results::ReadBy {
+                    session_id: batch
+                        .context
+                        .as_ref()
+                        .map_or_else(String::new, |c| c.session_id.clone()),
+                    caller: trace.caller.clone(),
+                    batch_id: batch.batch_id.clone(),
+                },
+            ),
+        }
+    }
+
+    /// The answer; a result's decision is handed on to the mesh's hook
+    /// (`mesh/results.rs`) once recorded, before the answer leaves.
+    fn answer(&self, mesh: &Mesh, decision: BatchDecision) -> BatchDecision {
+        match self {
+            Self::Calls => decision,
+            Self::Results(results, by) => {
+                let decision = results.answer(decision);
+                mesh.results_read(by, &decision);
+                decision
+            }
+        }
     }
 }
 
@@ -511,11 +574,18 @@ impl StreamLoop {
 
     /// Judges a batch read from the stream, or refuses it: the admission
     /// stage, the mesh's pass, the record, each once.
-    fn admit(&mut self, batch: EvaluateRequest, size: usize, slot: OwnedPermit<Answer>) {
+    fn admit(&mut self, mut batch: EvaluateRequest, size: usize, slot: OwnedPermit<Answer>) {
         let limits = *self.limits();
         let batch_id = batch.batch_id.clone();
         let shown = shown_id(&batch_id, limits.max_id_bytes);
+        // R33: results are judged as calls; taken before the record is made.
+        let results = admit::results::take(&mut batch, &limits);
         let record = self.record(Some(&batch), shown.clone());
+        let phase = match results {
+            Ok(None) => Phase::Calls,
+            Ok(Some(results)) => Phase::Results(results),
+            Err(refusal) => return self.refuse(slot, record, shown, refusal.into()),
+        };
         let mesh = self.tool.mesh.clone();
         let admitted = StreamGate::enter(&self.gate, &batch, &shown).and_then(|ticket| {
             admit::inflight_bytes(&mesh.inflight_bytes, &limits, &batch, size)
@@ -530,15 +600,18 @@ impl StreamLoop {
         let deadline = self.tool.deadline(batch.timeout_ms, None);
         let trace = batch_trace(&batch, &self.trace);
         let budget = self.budget.clone();
+        let answer = AnswerPhase::of(&phase, &batch, &trace);
         self.tasks.spawn(async move {
-            let outcome = mesh.pass(batch, deadline, trace).await;
+            let outcome = mesh.pass_phase(batch, deadline, trace, phase).await;
             drop(bytes);
             drop(ticket);
             // R29: recorded before the answer leaves.
             let response = match record.finish(outcome).await {
                 Ok(decision) => EvaluateResponse {
                     batch_id,
-                    result: Some(evaluate_response::Result::Decision(decision)),
+                    result: Some(evaluate_response::Result::Decision(
+                        answer.answer(&mesh, decision),
+                    )),
                 },
                 Err(status) => error_response(batch_id, &status),
             };
@@ -564,6 +637,7 @@ impl PreToolService for PreTool {
     ) -> Result<Response<Self::EvaluateStream>, Status> {
         let mut trace = trace_context(request.metadata());
         trace.client = client_key(&request);
+        trace.caller = caller_id(&request);
         let caller = log_caller(&self.mesh, &request);
         let limits = self.mesh.config.limits;
         let replay = may_replay(&request);
@@ -585,7 +659,7 @@ impl PreToolService for PreTool {
     ) -> Result<Response<BatchDecision>, Status> {
         let caller = log_caller(&self.mesh, &request);
         let replay = may_replay(&request);
-        let client = client_key(&request);
+        let client = (client_key(&request), caller_id(&request));
         let (metadata, _, batch) = request.into_parts();
         let limits = &self.mesh.config.limits;
         let inbound = reserve(
@@ -646,6 +720,7 @@ impl tonic::server::StreamingService<Inbound> for EvaluateMethod {
         Box::pin(async move {
             let mut trace = trace_context(request.metadata());
             trace.client = client_key(&request);
+            trace.caller = caller_id(&request);
             let caller = log_caller(&tool.mesh, &request);
             let replay = may_replay(&request);
             let max_id_bytes = tool.mesh.config.limits.max_id_bytes;
@@ -671,7 +746,7 @@ impl tonic::server::ClientStreamingService<Inbound> for EvaluateBatchMethod {
         Box::pin(async move {
             let caller = log_caller(&tool.mesh, &request);
             let replay = may_replay(&request);
-            let client = client_key(&request);
+            let client = (client_key(&request), caller_id(&request));
             let (metadata, _, mut inbound) = request.into_parts();
             let message = inbound
                 .message()

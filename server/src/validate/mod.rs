@@ -68,6 +68,8 @@ pub struct Limits {
     pub max_coordinator_streams: usize,
     /// The tool names a batch may carry (R20).
     pub tool_names: ToolNameGrammar,
+    /// Largest `result` text of one result sent to be judged (R33).
+    pub max_result_bytes: usize,
 }
 
 /// How many times its encoded size a batch in flight counts against
@@ -121,6 +123,7 @@ impl Default for Limits {
             max_stream_bytes: 16 << 20,
             max_coordinator_streams: 4096,
             tool_names: ToolNameGrammar::default(),
+            max_result_bytes: 1024 * 1024,
         }
     }
 }

@@ -20,8 +20,10 @@ from guardmesh.coordinator import (
     Decision,
     GuardTrace,
     Proceed,
+    ResultDecision,
     Session,
     Steer,
+    ToolResult,
 )
 
 __version__ = "0.1.0"
@@ -39,7 +41,9 @@ __all__ = [
     "GuardTrace",
     "MeshCredentials",
     "Proceed",
+    "ResultDecision",
     "Session",
     "Steer",
+    "ToolResult",
     "parse_arguments",
 ]

@@ -17,6 +17,10 @@ running any of them.
                 reply(decision.call_id, decision.content)
 
 :class:`AsyncCoordinator` is the same for asyncio (``await session.evaluate``).
+
+Results (R33): once the calls ran, ``session.evaluate_results([...])`` sends
+their results (MCP ``CallToolResult`` JSON) through the mesh before the model
+reads them; each :class:`ResultDecision` says what the model reads.
 A round without calls is answered at once without contacting the mesh (R1).
 With OpenTelemetry installed, each batch carries the current span's W3C
 trace context, so the mesh and every guard join the agent's trace (R22).
@@ -50,8 +54,11 @@ __all__ = [
     "Decision",
     "GuardTrace",
     "Proceed",
+    "ResultDecision",
     "Session",
     "Steer",
+    "ToolResult",
+    "ToolResultLike",
 ]
 
 
@@ -91,6 +98,76 @@ class Call:
 #: ``pb.ToolCall``, or a mapping with ``call_id``, ``tool`` and ``arguments``
 #: (a JSON object as text, or a mapping serialized as JSON).
 CallLike = Union[Call, "pb.ToolCall", Mapping[str, Any]]
+
+
+@dataclasses.dataclass(frozen=True)
+class ToolResult:
+    """The result of a call that ran (R33): ``result`` is the MCP
+    ``CallToolResult`` as JSON text (``content``, and optionally
+    ``structuredContent``, ``isError``, ``_meta``); ``server`` the server or
+    namespace the tool belongs to."""
+
+    call_id: str
+    tool: str
+    result: str
+    server: str = ""
+
+    @classmethod
+    def of(cls, result: "ToolResultLike") -> "ToolResult":
+        if isinstance(result, ToolResult):
+            return result
+        if isinstance(result, pb.ToolResult):
+            return cls(result.call_id, result.tool, result.result, result.server)
+        unknown = set(result) - {"call_id", "tool", "result", "server"}
+        if unknown:
+            raise TypeError(f"a result has no field(s) {', '.join(sorted(unknown))}; "
+                            "expected call_id, tool, result, server")
+        text = result["result"]
+        if not isinstance(text, str):
+            text = json.dumps(text, ensure_ascii=False)
+        return cls(str(result["call_id"]), str(result["tool"]), text,
+                   str(result.get("server", "")))
+
+    def proto(self) -> pb.ToolResult:
+        return pb.ToolResult(call_id=self.call_id, tool=self.tool, server=self.server,
+                             result=self.result)
+
+
+#: A result as :meth:`Session.evaluate_results` takes it: a
+#: :class:`ToolResult`, a ``pb.ToolResult``, or a mapping with ``call_id``,
+#: ``tool``, ``result`` (JSON text, or a mapping serialized as JSON) and
+#: optionally ``server``.
+ToolResultLike = Union[ToolResult, "pb.ToolResult", Mapping[str, Any]]
+
+
+@dataclasses.dataclass(frozen=True)
+class ResultDecision:
+    """What the model reads of one result (R33)."""
+
+    call_id: str
+    #: "pass", "rewrite" or "block".
+    action: str
+    #: What the model reads: a ``CallToolResult`` as JSON text (the result
+    #: as sent, as rewritten, or, blocked, an error result holding
+    #: ``content``).
+    result: str
+    original: ToolResult
+    #: For a block: the guard's content and name.
+    content: str = ""
+    decided_by: str = ""
+    #: True when the block comes from a guard's failure (fail_closed, R13).
+    failure: bool = False
+    rewritten_by: tuple[str, ...] = ()
+    bypassed: tuple[str, ...] = ()
+
+    @property
+    def blocked(self) -> bool:
+        return self.action == "block"
+
+    @property
+    def json(self) -> Any:
+        """What the model reads, parsed."""
+        return json.loads(self.result)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -175,6 +252,11 @@ class BatchResult:
     chain_revision: Optional[int] = None
     #: The OpenTelemetry trace id of the batch, or "".
     trace_id: str = ""
+    #: For a batch of results: one decision per result, in order (R33).
+    results: tuple[ResultDecision, ...] = ()
+    #: Whether the chain judges results (R33): only then is sending the
+    #: results of the calls that ran worth a round trip.
+    judges_results: bool = False
 
     @property
     def execute(self) -> tuple[Call, ...]:
@@ -235,7 +317,34 @@ def _result(batch_id: str, calls: Sequence[Call], answer: pb.BatchDecision) -> B
                    tuple(t.rewritten_call_ids), t.error,
                    tuple((c.call_id, t.rules[c.call_id]) for c in calls if c.call_id in t.rules))
         for t in answer.trace)
-    return BatchResult(batch_id, decisions, trace, answer.chain_revision, answer.trace_id)
+    return BatchResult(batch_id, decisions, trace, answer.chain_revision, answer.trace_id,
+                       _result_decisions(answer), answer.judges_results)
+
+
+_RESULT_ACTIONS: dict[int, str] = {int(v): k for k, v in pb.ResultAction.items()}
+
+
+def _result_decisions(answer: pb.BatchDecision) -> tuple[ResultDecision, ...]:
+    out = []
+    for d in answer.results:
+        action = _enum_name(_RESULT_ACTIONS, "RESULT_ACTION_", d.action)
+        original = ToolResult.of(d.original)
+        if action not in ("pass", "rewrite", "block"):
+            # Never sent by the mesh; a client must not show such a result.
+            action = "block"
+        out.append(ResultDecision(d.call_id, action, d.result, original, d.content,
+                                  d.decided_by, d.failure, tuple(d.rewritten_by),
+                                  tuple(d.bypassed)))
+    return tuple(out)
+
+
+def _results_answer(batch_id: str, results: Sequence[ToolResult],
+                    answer: pb.BatchDecision) -> BatchResult:
+    batch = _result(batch_id, [], answer)
+    if [r.call_id for r in batch.results] != [r.call_id for r in results]:
+        raise BatchRefused(grpc.StatusCode.INTERNAL,
+                           "the mesh's result decisions do not match the results sent (R33)")
+    return batch
 
 
 class _SessionBase:
@@ -259,6 +368,20 @@ class _SessionBase:
             context=pb.BatchContext(session_id=self.session_id, turn_index=turn,
                                     model_text=model_text, metadata=self.metadata),
             calls=[c.proto() for c in normalized],
+            traceparent=traceparent, tracestate=tracestate)
+        return normalized, request
+
+    def _results_request(self, results: Sequence[ToolResultLike], batch_id: Optional[str],
+                         ) -> tuple[list[ToolResult], pb.EvaluateRequest]:
+        normalized = [ToolResult.of(r) for r in results]
+        bid = batch_id or f"{self.session_id}-{next(self._batches)}"
+        traceparent, tracestate = current_traceparent()
+        request = pb.EvaluateRequest(
+            batch_id=bid,
+            context=pb.BatchContext(session_id=self.session_id,
+                                    turn_index=max(self.turn_index - 1, 0),
+                                    metadata=self.metadata),
+            results=[r.proto() for r in normalized],
             traceparent=traceparent, tracestate=tracestate)
         return normalized, request
 
@@ -288,6 +411,26 @@ class Session(_SessionBase):
         except grpc.RpcError as err:
             raise BatchRefused(err.code(), err.details() or "") from None
         return _result(request.batch_id, normalized, answer)
+
+    def evaluate_results(self, results: Sequence[ToolResultLike], *,
+                         batch_id: Optional[str] = None,
+                         timeout: Optional[float] = None) -> BatchResult:
+        """Judges the results of calls that ran, before the model reads them
+        (R33); ``BatchResult.results`` says what the model reads of each.
+        Raises :class:`BatchRefused` when the mesh refuses them (a result
+        that is not a CallToolResult, over ``limits.max_result_bytes``...).
+        Without results, answers at once with no RPC."""
+        normalized, request = self._results_request(results, batch_id)
+        if not normalized:
+            return BatchResult(request.batch_id, ())
+        coordinator = self._coordinator
+        try:
+            answer = coordinator._stub.EvaluateBatch(
+                request, timeout=timeout or self.timeout or coordinator.timeout,
+                metadata=coordinator.credentials.metadata())
+        except grpc.RpcError as err:
+            raise BatchRefused(err.code(), err.details() or "") from None
+        return _results_answer(request.batch_id, normalized, answer)
 
 
 class Coordinator:
@@ -358,6 +501,22 @@ class AsyncSession(_SessionBase):
         except grpc.aio.AioRpcError as err:
             raise BatchRefused(err.code(), err.details() or "") from None
         return _result(request.batch_id, normalized, answer)
+
+    async def evaluate_results(self, results: Sequence[ToolResultLike], *,
+                               batch_id: Optional[str] = None,
+                               timeout: Optional[float] = None) -> BatchResult:
+        """As :meth:`Session.evaluate_results`."""
+        normalized, request = self._results_request(results, batch_id)
+        if not normalized:
+            return BatchResult(request.batch_id, ())
+        coordinator = self._coordinator
+        try:
+            answer = await coordinator._stub.EvaluateBatch(
+                request, timeout=timeout or self.timeout or coordinator.timeout,
+                metadata=coordinator.credentials.metadata())
+        except grpc.aio.AioRpcError as err:
+            raise BatchRefused(err.code(), err.details() or "") from None
+        return _results_answer(request.batch_id, normalized, answer)
 
 
 class AsyncCoordinator:

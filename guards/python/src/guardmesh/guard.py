@@ -106,6 +106,9 @@ __all__ = [
     "ArgumentsError",
     "Batch",
     "Call",
+    "Result",
+    "block_result",
+    "rewrite_result",
     "GUARD_SERVICE",
     "GuardServer",
     "Health",
@@ -169,6 +172,31 @@ class Call:
             return cls(call.call_id, call.tool, call.arguments, None, str(err))
 
 
+@dataclasses.dataclass(frozen=True)
+class Result:
+    """The result of a call that ran (R33), sent to a guard that registered
+    the results phase."""
+
+    call_id: str
+    tool: str
+    #: The server or namespace the tool belongs to ("" when unknown).
+    server: str
+    #: The MCP ``CallToolResult`` as JSON text.
+    result: str
+
+    @property
+    def json(self) -> Any:
+        """The result, parsed (a dict with ``content``...)."""
+        return json.loads(self.result)
+
+    @property
+    def text(self) -> str:
+        """The text of its ``text`` content blocks, joined by newlines."""
+        blocks = self.json.get("content", [])
+        return "\n".join(b.get("text", "") for b in blocks
+                         if isinstance(b, dict) and b.get("type") == "text")
+
+
 class Batch:
     """The part of a batch this guard is asked to judge (a ``GuardBatch``).
 
@@ -189,6 +217,11 @@ class Batch:
         #: Calls whose arguments are not an I-JSON object; the kit skips them
         #: (steer), never lets them proceed, and the judge does not see them.
         self.unreadable: list[Call] = [c for c in calls if c.error is not None]
+        #: For a batch of results (R33): the results to judge; ``calls`` is
+        #: then empty. A guard is sent results only if it registered the
+        #: results phase (``phases="results"`` or ``"both"``).
+        self.results: list[Result] = [
+            Result(r.call_id, r.tool, r.server, r.result) for r in request.results]
         self.deadline_ms: int = request.deadline_ms
         self.traceparent: str = request.traceparent
         self.tracestate: str = request.tracestate
@@ -232,6 +265,18 @@ class Batch:
         for c in self.calls:
             if c.call_id == call_id:
                 return c
+        raise KeyError(call_id)
+
+    @property
+    def phase(self) -> str:
+        """``"results"`` for a batch of results (R33), else ``"calls"``."""
+        return "results" if self.results else "calls"
+
+    def result(self, call_id: str) -> Result:
+        """The result with this id (KeyError if it was not sent)."""
+        for r in self.results:
+            if r.call_id == call_id:
+                return r
         raise KeyError(call_id)
 
     def __repr__(self) -> str:
@@ -303,6 +348,32 @@ def rewrite(
     return pb.Verdict(call_id=call_id, rewrite=change)
 
 
+def block_result(call_id: str, content: str) -> Verdict:
+    """Block a result (R33): the model reads ``content`` as an error result
+    instead of what the tool returned."""
+    return _skip(call_id, content, pb.SKIP_KIND_STEER)
+
+
+def rewrite_result(call_id: str, result: Union[Mapping[str, Any], str]) -> Verdict:
+    """Replace a result (R33; mutate guards, within their result grant):
+    ``result`` is the whole new MCP ``CallToolResult`` (a mapping, or JSON
+    object text with ``content``), carried in ``Rewrite.arguments``."""
+    if isinstance(result, str):
+        try:
+            parsed = parse_arguments(result)
+        except ArgumentsError as err:
+            raise ValueError(
+                f"rewrite of result {call_id!r}: not a JSON object: {err}") from None
+        text = result
+    else:
+        parsed = dict(result)
+        text = json.dumps(parsed, ensure_ascii=False)
+    if not isinstance(parsed.get("content"), list):
+        raise ValueError(f"rewrite of result {call_id!r}: a CallToolResult needs a "
+                         "`content` array")
+    return pb.Verdict(call_id=call_id, rewrite=pb.Rewrite(arguments=text))
+
+
 def proceed(call_id: str) -> Verdict:
     """An explicit "run it": the same as sending no verdict for the call."""
     return pb.Verdict(call_id=call_id)
@@ -314,7 +385,7 @@ def conforming(batch: Batch, result: Verdicts) -> list[Verdict]:
         return []
     if isinstance(result, pb.Verdict):
         result = [result]
-    sent = {c.call_id for c in batch.calls}
+    sent = {c.call_id for c in batch.calls} | {r.call_id for r in batch.results}
     seen: set[str] = set()
     verdicts = []
     for verdict in result:
@@ -521,7 +592,7 @@ class _GuardServicer(pb_grpc.GuardServiceServicer):
         for c in batch.unreadable:
             log.warning("batch %r: skipping call %r, its arguments cannot be read: %s",
                         batch.batch_id, c.call_id, c.error)
-        if not batch.calls:
+        if not batch.calls and not batch.results:
             return skipped
         return skipped + self._judge_calls(batch)
 
@@ -715,6 +786,10 @@ class RegisterOptions(PolicyOptions, total=False):
     may_rename: bool
     #: Register ``https://`` (the guard serves TLS).
     https: bool
+    #: The phases judged (R33): ``calls`` (default), ``results`` or ``both``.
+    phases: Union[str, int]
+    #: Mutate guards judging results: the tools whose results it may rewrite.
+    result_grant_tools: Union[str, Sequence[str], None]
     #: The name the mesh verifies the guard's certificate against.
     server_identity: str
     #: More replicas of this guard (``http://host:port`` each, R32): the
@@ -739,6 +814,8 @@ def registration(
     https: bool = False,
     server_identity: str = "",
     replicas: Union[str, Sequence[str], None] = None,
+    phases: Union[str, int] = "calls",
+    result_grant_tools: Union[str, Sequence[str], None] = None,
 ) -> pb.GuardSpec:
     """The ``GuardSpec`` :func:`register` sends (options as there)."""
     if endpoint is None:
@@ -759,6 +836,9 @@ def registration(
         grant=pb.RewriteGrant(tools=as_list(grant_tools), may_rename=may_rename),
         server_identity=server_identity,
         replicas=as_list(replicas),
+        phases=pb.GuardPhases.ValueType(
+            enum_value(dict(pb.GuardPhases.items()), "GUARD_PHASES_", phases)),
+        result_grant=pb.ResultGrant(tools=as_list(result_grant_tools)),
     )
 
 
@@ -898,6 +978,12 @@ def argument_parser(description: Optional[str] = None, *, name: str = "guard",
                      help="mutate guards: comma-separated tools it may rewrite")
     kit.add_argument("--may-rename", action="store_true",
                      help="mutate guards: may change a call's tool name")
+    kit.add_argument("--phases", type=choice, choices=["calls", "results", "both"],
+                     default="calls",
+                     help="what the guard judges (R33): calls (default), results, or both")
+    kit.add_argument("--result-grant-tools", default="",
+                     help="mutate guards judging results: comma-separated tools whose "
+                          "results it may rewrite")
     kit.add_argument("--endpoint",
                      help="endpoint to register (default http://HOST:PORT)")
     kit.add_argument("--mesh-ca-file", metavar="PATH",
@@ -963,7 +1049,8 @@ def registration_from_args(args: argparse.Namespace, tls: Optional[ServerTls]) -
         host=args.host, endpoint=args.endpoint, role=args.role, tools=args.tools,
         failure_policy=args.failure_policy, timeout_ms=args.timeout_ms,
         priority=args.priority, mode="dry_run" if args.dry_run else "enforce",
-        grant_tools=args.grant_tools, may_rename=args.may_rename, https=tls is not None)
+        grant_tools=args.grant_tools, may_rename=args.may_rename, https=tls is not None,
+        phases=args.phases, result_grant_tools=args.result_grant_tools)
 
 
 def _registration_failed(mesh: str, err: Exception) -> None:

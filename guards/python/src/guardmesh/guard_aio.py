@@ -94,7 +94,7 @@ async def _judge(judge_fn: AsyncJudgeFn, batch: Batch) -> pb.JudgeResponse:
         for c in batch.unreadable
     ]
     try:
-        if batch.calls:
+        if batch.calls or batch.results:
             span_tracer = tracer("guardmesh.guard")
             if span_tracer is None:
                 verdicts += conforming(batch, await judge_fn(batch))

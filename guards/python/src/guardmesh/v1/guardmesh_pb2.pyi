@@ -58,6 +58,44 @@ SKIP_KIND_CANCEL: SkipKind.ValueType  # 1
 """A benign result: "not allowed"; the model is expected to move on."""
 Global___SkipKind: _TypeAlias = SkipKind  # noqa: Y015
 
+class _ResultAction:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _ResultActionEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_ResultAction.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    RESULT_ACTION_UNSPECIFIED: _ResultAction.ValueType  # 0
+    """Never sent by the mesh. A client that reads it must not show the result."""
+    RESULT_ACTION_PASS: _ResultAction.ValueType  # 1
+    """The model reads the result unchanged."""
+    RESULT_ACTION_REWRITE: _ResultAction.ValueType  # 2
+    """The model reads `ResultDecision.result`, as mutate guards rewrote it
+    (`rewritten_by` names them).
+    """
+    RESULT_ACTION_BLOCK: _ResultAction.ValueType  # 3
+    """A guard blocked the result (a skip, or a failure under `fail_closed`):
+    the model reads `ResultDecision.result`, an error result (`isError`
+    true) holding the guard's content instead of the tool's result.
+    """
+
+class ResultAction(_ResultAction, metaclass=_ResultActionEnumTypeWrapper):
+    """What happened to a result (R33)."""
+
+RESULT_ACTION_UNSPECIFIED: ResultAction.ValueType  # 0
+"""Never sent by the mesh. A client that reads it must not show the result."""
+RESULT_ACTION_PASS: ResultAction.ValueType  # 1
+"""The model reads the result unchanged."""
+RESULT_ACTION_REWRITE: ResultAction.ValueType  # 2
+"""The model reads `ResultDecision.result`, as mutate guards rewrote it
+(`rewritten_by` names them).
+"""
+RESULT_ACTION_BLOCK: ResultAction.ValueType  # 3
+"""A guard blocked the result (a skip, or a failure under `fail_closed`):
+the model reads `ResultDecision.result`, an error result (`isError`
+true) holding the guard's content instead of the tool's result.
+"""
+Global___ResultAction: _TypeAlias = ResultAction  # noqa: Y015
+
 class _Action:
     ValueType = _typing.NewType("ValueType", _builtins.int)
     V: _TypeAlias = ValueType  # noqa: Y015
@@ -231,6 +269,34 @@ GUARD_MODE_ENFORCE: GuardMode.ValueType  # 0
 GUARD_MODE_DRY_RUN: GuardMode.ValueType  # 1
 """Consulted and traced, never applied (R18)."""
 Global___GuardMode: _TypeAlias = GuardMode  # noqa: Y015
+
+class _GuardPhases:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _GuardPhasesEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_GuardPhases.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    GUARD_PHASES_CALLS: _GuardPhases.ValueType  # 0
+    """Calls before they run. The default: every guard registered before
+    results existed judges calls only.
+    """
+    GUARD_PHASES_RESULTS: _GuardPhases.ValueType  # 1
+    """Results of calls that ran, before the model reads them."""
+    GUARD_PHASES_BOTH: _GuardPhases.ValueType  # 2
+    """Both."""
+
+class GuardPhases(_GuardPhases, metaclass=_GuardPhasesEnumTypeWrapper):
+    """The phases a guard judges (R33). The zero value is CALLS."""
+
+GUARD_PHASES_CALLS: GuardPhases.ValueType  # 0
+"""Calls before they run. The default: every guard registered before
+results existed judges calls only.
+"""
+GUARD_PHASES_RESULTS: GuardPhases.ValueType  # 1
+"""Results of calls that ran, before the model reads them."""
+GUARD_PHASES_BOTH: GuardPhases.ValueType  # 2
+"""Both."""
+Global___GuardPhases: _TypeAlias = GuardPhases  # noqa: Y015
 
 @_typing.final
 class ToolCall(_message.Message):
@@ -406,6 +472,7 @@ class EvaluateRequest(_message.Message):
     TIMEOUT_MS_FIELD_NUMBER: _builtins.int
     TRACEPARENT_FIELD_NUMBER: _builtins.int
     TRACESTATE_FIELD_NUMBER: _builtins.int
+    RESULTS_FIELD_NUMBER: _builtins.int
     batch_id: _builtins.str
     """Chosen by the coordinator; echoed on the answer. Must be unique among the
     batches in flight on one stream, and at most the mesh's `max_id_bytes`
@@ -433,6 +500,18 @@ class EvaluateRequest(_message.Message):
         guard and is answered at once (R1).
         """
 
+    @_builtins.property
+    def results(self) -> _containers.RepeatedCompositeFieldContainer[Global___ToolResult]:
+        """The results of calls that ran, to judge before the model reads them
+        (R33). A request carries calls or results, never both: one with both is
+        refused with INVALID_ARGUMENT naming `results`. Results count against
+        the same limits as calls (calls per batch, bytes per batch); each result
+        is bounded by the mesh's `limits.max_result_bytes`, its `call_id` must
+        be non-empty and unique in the request, and its `result` must be a
+        `CallToolResult` JSON object (R20, R25). Empty (the default): a batch of
+        calls. Only guards that registered the results phase are sent results.
+        """
+
     def __init__(
         self,
         *,
@@ -442,14 +521,127 @@ class EvaluateRequest(_message.Message):
         timeout_ms: _builtins.int = ...,
         traceparent: _builtins.str = ...,
         tracestate: _builtins.str = ...,
+        results: _abc.Iterable[Global___ToolResult] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["context", b"context"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["batch_id", b"batch_id", "calls", b"calls", "context", b"context", "timeout_ms", b"timeout_ms", "traceparent", b"traceparent", "tracestate", b"tracestate"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["batch_id", b"batch_id", "calls", b"calls", "context", b"context", "results", b"results", "timeout_ms", b"timeout_ms", "traceparent", b"traceparent", "tracestate", b"tracestate"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___EvaluateRequest: _TypeAlias = EvaluateRequest  # noqa: Y015
+
+@_typing.final
+class ToolResult(_message.Message):
+    """The result of one call that ran, as the tool returned it (R33)."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    CALL_ID_FIELD_NUMBER: _builtins.int
+    TOOL_FIELD_NUMBER: _builtins.int
+    SERVER_FIELD_NUMBER: _builtins.int
+    RESULT_FIELD_NUMBER: _builtins.int
+    call_id: _builtins.str
+    """The id of the call that produced it, as the coordinator chose it for
+    the call's batch. Must not be empty, nor longer than the mesh's
+    `max_id_bytes`, and unique among the results of one request (R20).
+    """
+    tool: _builtins.str
+    """The tool that ran (the final tool name, after rewrites), within the
+    mesh's tool-name grammar (R20).
+    """
+    server: _builtins.str
+    """The server or namespace the tool belongs to (the MCP gateway's upstream
+    name). Empty when unknown. Passed to guards unchanged.
+    """
+    result: _builtins.str
+    """The result as MCP `CallToolResult` JSON, UTF-8 text: an I-JSON object
+    with `content` (an array of content blocks, each an object with a
+    string `type`), and optionally `structuredContent` (an object),
+    `isError` (a boolean) and `_meta` (an object). Any other member, or
+    anything that is not such an object, is refused with INVALID_ARGUMENT
+    naming the result (R20).
+    """
+    def __init__(
+        self,
+        *,
+        call_id: _builtins.str = ...,
+        tool: _builtins.str = ...,
+        server: _builtins.str = ...,
+        result: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["call_id", b"call_id", "result", b"result", "server", b"server", "tool", b"tool"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ToolResult: _TypeAlias = ToolResult  # noqa: Y015
+
+@_typing.final
+class ResultDecision(_message.Message):
+    """The mesh's answer for one result (R33)."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    CALL_ID_FIELD_NUMBER: _builtins.int
+    ACTION_FIELD_NUMBER: _builtins.int
+    RESULT_FIELD_NUMBER: _builtins.int
+    ORIGINAL_FIELD_NUMBER: _builtins.int
+    CONTENT_FIELD_NUMBER: _builtins.int
+    DECIDED_BY_FIELD_NUMBER: _builtins.int
+    FAILURE_FIELD_NUMBER: _builtins.int
+    REWRITTEN_BY_FIELD_NUMBER: _builtins.int
+    BYPASSED_FIELD_NUMBER: _builtins.int
+    call_id: _builtins.str
+    """The result's call id, as sent."""
+    action: Global___ResultAction.ValueType
+    """Pass, rewrite or block."""
+    result: _builtins.str
+    """What the model reads: a `CallToolResult` JSON object. The result as sent
+    (PASS), as rewritten (REWRITE), or `{"content":[{"type":"text","text":
+    CONTENT}],"isError":true}` (BLOCK).
+    """
+    content: _builtins.str
+    """For BLOCK: the guard's content (what the blocked result holds)."""
+    decided_by: _builtins.str
+    """For BLOCK: the name of the guard that blocked it."""
+    failure: _builtins.bool
+    """For BLOCK: true when the block comes from a guard's failure under
+    `fail_closed` rather than from a verdict (R13).
+    """
+    @_builtins.property
+    def original(self) -> Global___ToolResult:
+        """The result as the coordinator sent it."""
+
+    @_builtins.property
+    def rewritten_by(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """The mutate guards that rewrote the result, in the order they did."""
+
+    @_builtins.property
+    def bypassed(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """`fail_open` guards that failed on this result and were bypassed (R13)."""
+
+    def __init__(
+        self,
+        *,
+        call_id: _builtins.str = ...,
+        action: Global___ResultAction.ValueType = ...,
+        result: _builtins.str = ...,
+        original: Global___ToolResult | None = ...,
+        content: _builtins.str = ...,
+        decided_by: _builtins.str = ...,
+        failure: _builtins.bool = ...,
+        rewritten_by: _abc.Iterable[_builtins.str] | None = ...,
+        bypassed: _abc.Iterable[_builtins.str] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["original", b"original"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["action", b"action", "bypassed", b"bypassed", "call_id", b"call_id", "content", b"content", "decided_by", b"decided_by", "failure", b"failure", "original", b"original", "result", b"result", "rewritten_by", b"rewritten_by"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ResultDecision: _TypeAlias = ResultDecision  # noqa: Y015
 
 @_typing.final
 class EvaluateResponse(_message.Message):
@@ -601,11 +793,19 @@ class BatchDecision(_message.Message):
     TRACE_FIELD_NUMBER: _builtins.int
     CHAIN_REVISION_FIELD_NUMBER: _builtins.int
     TRACE_ID_FIELD_NUMBER: _builtins.int
+    RESULTS_FIELD_NUMBER: _builtins.int
+    JUDGES_RESULTS_FIELD_NUMBER: _builtins.int
     chain_revision: _builtins.int
     """Revision of the chain snapshot the batch was judged against (R17)."""
     trace_id: _builtins.str
     """OpenTelemetry trace id of the batch (32 lowercase hex digits), or empty
     when tracing is off (R21).
+    """
+    judges_results: _builtins.bool
+    """True when the chain this batch was judged against has at least one
+    guard (enforced or dry run) that judges the results phase: a
+    coordinator or gateway that only then sends results pays the extra
+    round trip only when it can matter (R33). False by default.
     """
     @_builtins.property
     def decisions(self) -> _containers.RepeatedCompositeFieldContainer[Global___CallDecision]:
@@ -623,6 +823,12 @@ class BatchDecision(_message.Message):
         order (R21).
         """
 
+    @_builtins.property
+    def results(self) -> _containers.RepeatedCompositeFieldContainer[Global___ResultDecision]:
+        """For a request of results: one decision per result, in request order
+        (R33); `decisions` and `execute` are then empty. Empty for calls.
+        """
+
     def __init__(
         self,
         *,
@@ -631,10 +837,12 @@ class BatchDecision(_message.Message):
         trace: _abc.Iterable[Global___GuardTrace] | None = ...,
         chain_revision: _builtins.int = ...,
         trace_id: _builtins.str = ...,
+        results: _abc.Iterable[Global___ResultDecision] | None = ...,
+        judges_results: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["chain_revision", b"chain_revision", "decisions", b"decisions", "execute", b"execute", "trace", b"trace", "trace_id", b"trace_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["chain_revision", b"chain_revision", "decisions", b"decisions", "execute", b"execute", "judges_results", b"judges_results", "results", b"results", "trace", b"trace", "trace_id", b"trace_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -676,6 +884,7 @@ class GuardTrace(_message.Message):
     ERROR_FIELD_NUMBER: _builtins.int
     DRY_RUN_STATUS_FIELD_NUMBER: _builtins.int
     RULES_FIELD_NUMBER: _builtins.int
+    REPLICA_FIELD_NUMBER: _builtins.int
     guard: _builtins.str
     """The guard's registered name."""
     role: Global___GuardRole.ValueType
@@ -690,6 +899,12 @@ class GuardTrace(_message.Message):
     """Error text for FAILED, TIMED_OUT, MALFORMED and REJECTED_REWRITE."""
     dry_run_status: Global___TraceStatus.ValueType
     """For DRY_RUN guards: the status the guard would have had if enforced."""
+    replica: _builtins.str
+    """For a guard with replicas (R32): the address of the replica whose answer
+    (or failure) this entry reports, as dialed (`http://host:port`). When a
+    request failed over, the replica that answered last. Empty for policy
+    guards and when nothing was sent.
+    """
     @_builtins.property
     def sent_call_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
         """Ids of the calls the guard was sent."""
@@ -723,10 +938,11 @@ class GuardTrace(_message.Message):
         error: _builtins.str = ...,
         dry_run_status: Global___TraceStatus.ValueType = ...,
         rules: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
+        replica: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["dry_run_status", b"dry_run_status", "error", b"error", "guard", b"guard", "latency_us", b"latency_us", "rewritten_call_ids", b"rewritten_call_ids", "role", b"role", "rules", b"rules", "sent_call_ids", b"sent_call_ids", "skipped_call_ids", b"skipped_call_ids", "status", b"status"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["dry_run_status", b"dry_run_status", "error", b"error", "guard", b"guard", "latency_us", b"latency_us", "replica", b"replica", "rewritten_call_ids", b"rewritten_call_ids", "role", b"role", "rules", b"rules", "sent_call_ids", b"sent_call_ids", "skipped_call_ids", b"skipped_call_ids", "status", b"status"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -780,6 +996,7 @@ class GuardBatch(_message.Message):
     DEADLINE_MS_FIELD_NUMBER: _builtins.int
     TRACEPARENT_FIELD_NUMBER: _builtins.int
     TRACESTATE_FIELD_NUMBER: _builtins.int
+    RESULTS_FIELD_NUMBER: _builtins.int
     request_id: _builtins.int
     """Chosen by the mesh, unique on this stream; echoed on the answer."""
     batch_id: _builtins.str
@@ -804,6 +1021,20 @@ class GuardBatch(_message.Message):
         (R9), as earlier mutate guards left them (R10), in batch order.
         """
 
+    @_builtins.property
+    def results(self) -> _containers.RepeatedCompositeFieldContainer[Global___ToolResult]:
+        """For a batch of results (R33): the results this guard judges (those of
+        tools it applies to, not already blocked, as earlier guards left them),
+        in request order; `calls` is then empty. A guard is sent results only if
+        it registered the results phase. It answers with the usual `Verdict`s
+        keyed by `call_id`: no outcome passes the result; a `skip` blocks it
+        (the model reads `content` as an error result; the kind is recorded but
+        a blocked result is always an error result); a `rewrite` (mutate guards,
+        within their result grant) carries the new result, a whole
+        `CallToolResult` JSON object, in `Rewrite.arguments`; `Rewrite.tool`
+        must be unset (R11).
+        """
+
     def __init__(
         self,
         *,
@@ -815,10 +1046,11 @@ class GuardBatch(_message.Message):
         deadline_ms: _builtins.int = ...,
         traceparent: _builtins.str = ...,
         tracestate: _builtins.str = ...,
+        results: _abc.Iterable[Global___ToolResult] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["context", b"context"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["batch_id", b"batch_id", "calls", b"calls", "context", b"context", "deadline_ms", b"deadline_ms", "guard", b"guard", "request_id", b"request_id", "traceparent", b"traceparent", "tracestate", b"tracestate"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["batch_id", b"batch_id", "calls", b"calls", "context", b"context", "deadline_ms", b"deadline_ms", "guard", b"guard", "request_id", b"request_id", "results", b"results", "traceparent", b"traceparent", "tracestate", b"tracestate"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -979,6 +1211,8 @@ class GuardSpec(_message.Message):
     SERVER_IDENTITY_FIELD_NUMBER: _builtins.int
     POLICY_FIELD_NUMBER: _builtins.int
     REPLICAS_FIELD_NUMBER: _builtins.int
+    PHASES_FIELD_NUMBER: _builtins.int
+    RESULT_GRANT_FIELD_NUMBER: _builtins.int
     name: _builtins.str
     """Unique name of the guard in the chain."""
     endpoint: _builtins.str
@@ -1012,6 +1246,12 @@ class GuardSpec(_message.Message):
     the registration, so every replica runs the same rules and the chain
     revision covers them (R17).
     """
+    phases: Global___GuardPhases.ValueType
+    """The phases the guard judges (R33): calls (the default), results, or
+    both. A guard that judges only results is never sent calls, and one that
+    judges only calls is never sent results. A policy guard judges calls
+    only.
+    """
     @_builtins.property
     def tools(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
         """Tools the guard judges: exact names or globs. Empty: all tools (R9)."""
@@ -1024,13 +1264,25 @@ class GuardSpec(_message.Message):
 
     @_builtins.property
     def replicas(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
-        """More replicas of the same guard (R32): endpoints in the form of
-        `endpoint` (`http://host:port`, `https://host:port` or `host:port`),
-        each held to the endpoint policy and, over TLS, to `server_identity` as
-        `endpoint` is. The guard's replicas are `endpoint` and these (a DNS name
-        among them stands for every address it resolves to), together with any
-        its etcd heartbeats announce; each request goes to one of them. Empty
-        (the default): `endpoint` alone, as before.
+        """R32: the guard's replicas, each an address in the form `endpoint` takes
+        (`http://host:port`, `https://host:port` or `host:port`). The mesh keeps
+        a link to each replica and sends each request to one of them, chosen by
+        load; a replica that fails is ejected for a while and its requests in
+        flight are sent to another while time allows. Each address is held to
+        what `endpoint` is held to: the endpoint policy, and `server_identity`
+        on every replica. When `endpoint` is set too, it is one more replica
+        (the first). At most 64 replicas in all; no address twice. Empty (the
+        default): the guard is `endpoint` alone, as before. Not for policy
+        guards. A DNS name among them stands for every address it resolves to,
+        resolved again over time, and replicas its etcd heartbeats announce
+        join these.
+        """
+
+    @_builtins.property
+    def result_grant(self) -> Global___ResultGrant:
+        """For mutate guards that judge results: which tools' results they may
+        rewrite (R11 applies as to `grant`). Unset: none. Ignored for validate
+        guards.
         """
 
     def __init__(
@@ -1048,14 +1300,40 @@ class GuardSpec(_message.Message):
         server_identity: _builtins.str = ...,
         policy: _builtins.str = ...,
         replicas: _abc.Iterable[_builtins.str] | None = ...,
+        phases: Global___GuardPhases.ValueType = ...,
+        result_grant: Global___ResultGrant | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["grant", b"grant"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["grant", b"grant", "result_grant", b"result_grant"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["endpoint", b"endpoint", "failure_policy", b"failure_policy", "grant", b"grant", "mode", b"mode", "name", b"name", "policy", b"policy", "priority", b"priority", "replicas", b"replicas", "role", b"role", "server_identity", b"server_identity", "timeout_ms", b"timeout_ms", "tools", b"tools"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["endpoint", b"endpoint", "failure_policy", b"failure_policy", "grant", b"grant", "mode", b"mode", "name", b"name", "phases", b"phases", "policy", b"policy", "priority", b"priority", "replicas", b"replicas", "result_grant", b"result_grant", "role", b"role", "server_identity", b"server_identity", "timeout_ms", b"timeout_ms", "tools", b"tools"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___GuardSpec: _TypeAlias = GuardSpec  # noqa: Y015
+
+@_typing.final
+class ResultGrant(_message.Message):
+    """What a mutate guard may rewrite in results (R11, R33)."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TOOLS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def tools(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """Tools whose results it may rewrite: exact names or globs. Empty: none."""
+
+    def __init__(
+        self,
+        *,
+        tools: _abc.Iterable[_builtins.str] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["tools", b"tools"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ResultGrant: _TypeAlias = ResultGrant  # noqa: Y015
 
 @_typing.final
 class RegisterRequest(_message.Message):

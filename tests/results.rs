@@ -1,0 +1,452 @@
+//! Results through the mesh (R33), end to end: the Rust SDK sends the
+//! results of calls that ran (unary and on a session stream) to a mesh
+//! served on loopback, with guards served by the SDK; and the MCP gateway
+//! (stdio and HTTP) sends every upstream `tools/call` result through the
+//! results phase, read by the official Python MCP SDK client.
+
+use crate::harness::*;
+use crate::mcp::{Scratch, calls, http_gateway, run_client, via_gateway};
+use guardmesh_client::proto::{FailurePolicy, GuardPhases, TraceStatus};
+use guardmesh_client::verdict::{block_result, rewrite_result};
+use guardmesh_client::{Batch, ClientError, Code, Registration, ResultOutcome};
+use serde_json::{Value, json};
+use std::time::Duration;
+
+const SECRET: &str = "AKIAIOSFODNN7EXAMPLE";
+
+fn text_result(text: &str) -> String {
+    json!({"content": [{"type": "text", "text": text}]}).to_string()
+}
+
+/// A mutate guard's script: redacts `SECRET` from every result it is sent.
+fn redact(batch: &guardmesh_client::proto::GuardBatch) -> Script {
+    Script {
+        verdicts: batch
+            .results
+            .iter()
+            .filter(|r| r.result.contains(SECRET))
+            .map(|r| {
+                let mut v: Value = serde_json::from_str(&r.result).unwrap();
+                for block in v["content"].as_array_mut().unwrap() {
+                    if let Some(text) = block["text"].as_str() {
+                        block["text"] = json!(text.replace(SECRET, "[REDACTED]"));
+                    }
+                }
+                rewrite_result(&r.call_id, &v)
+            })
+            .collect(),
+        ..Script::default()
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn r33_a_validator_sees_the_raw_result_and_the_model_reads_the_redaction() {
+    let mesh = TestMesh::start().await;
+    let validator = script_guard(|_| Script::default()).await;
+    let redactor = script_guard(redact).await;
+    // The mutate guard is first in the chain, yet judges after the
+    // validator in the results phase (R33).
+    mesh.register(
+        Registration::mutate("redact", &redactor.url, Vec::<String>::new())
+            .phases(GuardPhases::Results)
+            .result_grant(["fs.*"])
+            .priority(-1),
+    )
+    .await;
+    mesh.register(Registration::validate("audit", &validator.url).phases(GuardPhases::Results))
+        .await;
+    let coordinator = mesh.coordinator().await;
+    // The call batch says the chain judges results; nobody was sent calls.
+    let d = coordinator
+        .evaluate_once(
+            "s",
+            Batch::new(0).call("c1", "fs.read", r#"{"path":".env"}"#),
+        )
+        .await
+        .unwrap();
+    assert!(d.judges_results);
+    assert_eq!(validator.guard.requests(), 0);
+    let raw = text_result(&format!("AWS_ACCESS_KEY_ID={SECRET}"));
+    let session = coordinator.session("s").await.unwrap();
+    let d = session
+        .evaluate(Batch::new(1).result("c1", "fs.read", "filesystem", raw.clone()))
+        .await
+        .unwrap();
+    assert!(d.calls.is_empty() && d.execute.is_empty());
+    let r = d.result("c1").unwrap();
+    assert_eq!(r.outcome, ResultOutcome::Rewrite);
+    assert!(!r.result.contains(SECRET), "{}", r.result);
+    assert!(r.result.contains("[REDACTED]"));
+    assert_eq!(r.rewritten_by, ["redact"]);
+    assert_eq!(r.original.result, raw);
+    let seen = validator.guard.batches();
+    assert_eq!(seen.len(), 1);
+    assert_eq!(
+        seen[0].results[0].result, raw,
+        "the validator saw the raw result"
+    );
+    assert_eq!(seen[0].results[0].server, "filesystem");
+    assert_eq!(d.status("redact"), Some(TraceStatus::Rewrote));
+    assert_eq!(d.status("audit"), Some(TraceStatus::Proceeded));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn r11_r33_a_result_grant_violated_is_rejected_whole() {
+    let mesh = TestMesh::start().await;
+    let redactor = script_guard(redact).await;
+    mesh.register(
+        Registration::mutate("redact", &redactor.url, ["*"])
+            .phases(GuardPhases::Results)
+            .result_grant(["fs.*"]),
+    )
+    .await;
+    let raw = text_result(SECRET);
+    let d = mesh
+        .coordinator()
+        .await
+        .evaluate_once(
+            "s",
+            Batch::new(0)
+                .result("a", "fs.read", "fs", raw.clone())
+                .result("b", "db.query", "db", raw.clone()),
+        )
+        .await
+        .unwrap();
+    assert_eq!(d.status("redact"), Some(TraceStatus::RejectedRewrite));
+    assert!(d.guard("redact").unwrap().error.contains("result grant"));
+    for r in &d.results {
+        // Not even the granted rewrite of "a" is applied; fail_closed blocks.
+        assert!(r.blocked(), "{r:?}");
+        assert!(r.failure);
+        assert!(!r.result.contains(SECRET));
+        let shown = r.result_json().unwrap();
+        assert_eq!(shown["isError"], true);
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn r13_r33_a_results_guard_that_times_out_under_fail_closed_blocks_the_result() {
+    let mesh = TestMesh::start().await;
+    let slow = script_guard(|_| Script {
+        delay: Duration::from_secs(5),
+        ..Script::default()
+    })
+    .await;
+    mesh.register(
+        Registration::validate("slow", &slow.url)
+            .phases(GuardPhases::Both)
+            .timeout(Duration::from_millis(200))
+            .failure_policy(FailurePolicy::FailClosed),
+    )
+    .await;
+    let started = std::time::Instant::now();
+    let d = mesh
+        .coordinator()
+        .await
+        .evaluate_once(
+            "s",
+            Batch::new(0).result("a", "fs.read", "fs", text_result(SECRET)),
+        )
+        .await
+        .unwrap();
+    assert!(
+        started.elapsed() < Duration::from_secs(4),
+        "bounded by the guard's timeout"
+    );
+    assert_eq!(d.status("slow"), Some(TraceStatus::TimedOut));
+    let r = &d.results[0];
+    assert!(r.blocked() && r.failure, "{r:?}");
+    assert!(!r.result.contains(SECRET));
+    assert!(
+        matches!(&r.outcome, ResultOutcome::Block { content } if content.contains("slow")),
+        "{r:?}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn r33_a_results_only_guard_is_never_sent_calls() {
+    let mesh = TestMesh::start().await;
+    let results_only = script_guard(|_| Script::default()).await;
+    mesh.register(
+        Registration::validate("results", &results_only.url).phases(GuardPhases::Results),
+    )
+    .await;
+    let coordinator = mesh.coordinator().await;
+    let session = coordinator.session("s").await.unwrap();
+    for turn in 0..3 {
+        let d = session
+            .evaluate(Batch::new(turn).call("c", "fs.read", "{}"))
+            .await
+            .unwrap();
+        assert_eq!(d.status("results"), Some(TraceStatus::NotApplicable));
+        assert_eq!(d.execute.len(), 1);
+    }
+    assert_eq!(results_only.guard.requests(), 0);
+    session
+        .evaluate(Batch::new(3).result("c", "fs.read", "", text_result("x")))
+        .await
+        .unwrap();
+    let batches = results_only.guard.batches();
+    assert_eq!(batches.len(), 1);
+    assert!(batches[0].calls.is_empty());
+    assert_eq!(batches[0].results.len(), 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn r20_r25_r33_results_are_bounded_and_shaped_and_the_stream_survives() {
+    let mut config = fast_config();
+    config.limits.max_result_bytes = 1024;
+    let mesh = TestMesh::with_config(config).await;
+    let guard = script_guard(|_| Script::default()).await;
+    mesh.register(Registration::validate("g", &guard.url).phases(GuardPhases::Both))
+        .await;
+    let coordinator = mesh.coordinator().await;
+    let session = coordinator.session("s").await.unwrap();
+    let refused = |error: ClientError| match error {
+        ClientError::Status(status) => (status.code(), status.message().to_owned()),
+        other => panic!("not a status: {other}"),
+    };
+    let big = text_result(&"x".repeat(2048));
+    let cases: Vec<(Batch, Code, &str)> = vec![
+        (
+            Batch::new(0).result("a", "fs.read", "fs", big),
+            Code::ResourceExhausted,
+            "limits.max_result_bytes",
+        ),
+        (
+            Batch::new(0)
+                .result("a", "fs.read", "fs", text_result("1"))
+                .result("a", "fs.read", "fs", text_result("2")),
+            Code::InvalidArgument,
+            "repeated",
+        ),
+        (
+            Batch::new(0).result("", "fs.read", "fs", text_result("1")),
+            Code::InvalidArgument,
+            "empty call_id",
+        ),
+        (
+            Batch::new(0).result("a", "fs.read", "fs", r#"{"text":"no content"}"#),
+            Code::InvalidArgument,
+            "CallToolResult",
+        ),
+        (
+            Batch::new(0).result("a", "fs.read", "fs", "[1,2]"),
+            Code::InvalidArgument,
+            "CallToolResult",
+        ),
+        (
+            Batch::new(0).result(
+                "a",
+                "fs.read",
+                "fs",
+                r#"{"content":[],"content":[{"type":"text","text":"x"}]}"#,
+            ),
+            Code::InvalidArgument,
+            "duplicate",
+        ),
+        (
+            Batch::new(0)
+                .call("a", "fs.read", "{}")
+                .result("b", "fs.read", "fs", text_result("1")),
+            Code::InvalidArgument,
+            "results",
+        ),
+    ];
+    for (batch, code, needle) in cases {
+        let (got, message) = refused(session.evaluate(batch).await.unwrap_err());
+        assert_eq!(got, code, "{message}");
+        assert!(message.contains(needle), "{needle}: {message}");
+    }
+    assert_eq!(guard.guard.requests(), 0, "no guard saw a refused result");
+    // The stream still serves.
+    let d = session
+        .evaluate(Batch::new(1).result("a", "fs.read", "fs", text_result("ok")))
+        .await
+        .unwrap();
+    assert_eq!(d.results[0].outcome, ResultOutcome::Pass);
+}
+
+/// The gateway's results guard: blocks a result that holds the secret.
+fn block_secrets(batch: &guardmesh_client::proto::GuardBatch) -> Script {
+    Script {
+        verdicts: batch
+            .results
+            .iter()
+            .filter(|r| r.result.contains("/secret"))
+            .map(|r| block_result(&r.call_id, "the result held a secret and is withheld"))
+            .collect(),
+        ..Script::default()
+    }
+}
+
+async fn mesh_with_results_guard(name: &str) -> (MeshProcess, TestGuard) {
+    let mesh = MeshProcess::start(name, "", None).await;
+    let guard = script_guard(block_secrets).await;
+    guardmesh_client::Registrar::connect(mesh.url.clone())
+        .await
+        .unwrap()
+        .register(Registration::validate("secrets", &guard.url).phases(GuardPhases::Results))
+        .await
+        .unwrap();
+    (mesh, guard)
+}
+
+fn assert_blocked_through_the_sdk(lines: &[Value], guard: &TestGuard, server: &str) {
+    let results = calls(lines);
+    assert_eq!(results[0]["isError"], true, "{lines:?}");
+    assert_eq!(
+        results[0]["text"][0], "the result held a secret and is withheld",
+        "{lines:?}"
+    );
+    assert!(
+        !lines
+            .iter()
+            .any(|l| l.to_string().contains("contents of /secret"))
+    );
+    assert_eq!(results[1]["isError"], false, "{lines:?}");
+    assert_eq!(results[1]["text"][0], "contents of /home/notes");
+    let judged = guard.guard.batches();
+    assert_eq!(judged.len(), 2, "one result batch per forwarded call");
+    assert!(judged.iter().all(|b| b.calls.is_empty()));
+    assert_eq!(judged[0].results[0].tool, "read_file");
+    assert!(
+        judged[0].results[0].server.contains(server),
+        "{:?}",
+        judged[0].results[0].server
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn r31_r33_a_blocked_result_reaches_the_official_sdk_as_an_error_result_stdio() {
+    let (mesh, guard) = mesh_with_results_guard("results-stdio").await;
+    let scratch = Scratch::new("results-stdio");
+    let scenario = json!({"mode": "legacy", "steps": [
+        {"op": "call", "name": "read_file", "arguments": {"path": "/secret/key"}},
+        {"op": "call", "name": "read_file", "arguments": {"path": "/home/notes"}},
+    ]});
+    let target = via_gateway(
+        &mesh.url,
+        &["--server-name", "notes-server"],
+        scratch.upstream(&["stdio"]),
+    );
+    let lines = tokio::task::spawn_blocking(move || run_client(scenario, &target))
+        .await
+        .unwrap();
+    assert_blocked_through_the_sdk(&lines, &guard, "notes-server");
+    // Both calls ran: the result, not the call, was blocked.
+    assert_eq!(scratch.executed().len(), 2);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn r31_r33_a_blocked_result_reaches_the_official_sdk_as_an_error_result_http() {
+    let (mesh, guard) = mesh_with_results_guard("results-http").await;
+    let scratch = Scratch::new("results-http");
+    let (url, _upstream, _gateway) = http_gateway(&mesh.url, &scratch).await;
+    let scenario = json!({"mode": "legacy", "steps": [
+        {"op": "call", "name": "read_file", "arguments": {"path": "/secret/key"}},
+        {"op": "call", "name": "read_file", "arguments": {"path": "/home/notes"}},
+    ]});
+    let target = vec!["http".to_owned(), url];
+    let lines = tokio::task::spawn_blocking(move || run_client(scenario, &target))
+        .await
+        .unwrap();
+    assert_blocked_through_the_sdk(&lines, &guard, "127.0.0.1");
+    assert_eq!(scratch.executed().len(), 2);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn r31_r33_a_result_the_mesh_cannot_judge_is_withheld_not_forwarded() {
+    let (mesh, guard) = mesh_with_results_guard("results-down").await;
+    // The results guard is a dead endpoint under fail_closed: the result
+    // is blocked by the mesh's failure policy, never forwarded unjudged.
+    guardmesh_client::Registrar::connect(mesh.url.clone())
+        .await
+        .unwrap()
+        .register(
+            Registration::validate("secrets", closed_port().await)
+                .phases(GuardPhases::Results)
+                .timeout(Duration::from_millis(300)),
+        )
+        .await
+        .unwrap();
+    drop(guard);
+    let scratch = Scratch::new("results-down");
+    let scenario = json!({"mode": "legacy", "steps": [
+        {"op": "call", "name": "read_file", "arguments": {"path": "/home/notes"}},
+    ]});
+    let target = via_gateway(&mesh.url, &[], scratch.upstream(&["stdio"]));
+    let lines = tokio::task::spawn_blocking(move || run_client(scenario, &target))
+        .await
+        .unwrap();
+    let results = calls(&lines);
+    assert_eq!(results[0]["isError"], true, "{lines:?}");
+    assert!(
+        results[0]["text"][0]
+            .as_str()
+            .unwrap_or("")
+            .contains("unavailable"),
+        "{lines:?}"
+    );
+    assert!(!lines.iter().any(|l| l.to_string().contains("contents of")));
+}
+
+/// A stdio MCP upstream that answers every `tools/call` twice, the second
+/// time with a secret: a chatty or hostile upstream trying to get a result
+/// past the results phase.
+const TWICE_UPSTREAM: &str = r#"
+import json, sys
+for line in sys.stdin:
+    msg = json.loads(line)
+    if "id" not in msg:
+        continue
+    if msg.get("method") == "initialize":
+        result = {"protocolVersion": "2025-11-25", "capabilities": {"tools": {}},
+                  "serverInfo": {"name": "twice", "version": "0"}}
+        out = [{"jsonrpc": "2.0", "id": msg["id"], "result": result}]
+    elif msg.get("method") == "tools/call":
+        text = lambda t: {"content": [{"type": "text", "text": t}]}
+        out = [{"jsonrpc": "2.0", "id": msg["id"], "result": text("contents of /secret/a")},
+               {"jsonrpc": "2.0", "id": msg["id"], "result": text("LEAKED " + "AKIA" + "SECOND")}]
+    else:
+        out = [{"jsonrpc": "2.0", "id": msg["id"], "result": {}}]
+    for o in out:
+        sys.stdout.write(json.dumps(o) + "\n")
+    sys.stdout.flush()
+"#;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn r31_r33_a_second_upstream_response_to_a_judged_call_is_dropped() {
+    let (mesh, guard) = mesh_with_results_guard("results-twice").await;
+    let python = crate::mcp::mcp_python().display().to_string();
+    let mesh_url = mesh.url.clone();
+    let lines = tokio::task::spawn_blocking(move || {
+        let upstream = vec![python, "-c".to_owned(), TWICE_UPSTREAM.to_owned()];
+        let mut gateway = crate::mcp::RawGateway::start(&mesh_url, &[], upstream);
+        gateway.send(
+            &crate::mcp::RawGateway::call(json!(7), "read_file", json!({"path": "/secret/a"}))
+                .to_string(),
+        );
+        let first = gateway.recv();
+        // A request after it, so that anything relayed in between shows.
+        gateway.send(r#"{"jsonrpc":"2.0","id":8,"method":"ping"}"#);
+        let second = gateway.recv();
+        let (rest, _) = gateway.end();
+        (first, second, rest)
+    })
+    .await
+    .unwrap();
+    let (first, second, rest) = lines;
+    assert_eq!(first["id"], 7, "{first}");
+    assert_eq!(first["result"]["isError"], true, "{first}");
+    assert_eq!(
+        first["result"]["content"][0]["text"],
+        "the result held a secret and is withheld"
+    );
+    assert_eq!(
+        second["id"], 8,
+        "the second response to 7 was dropped: {second}"
+    );
+    assert!(!rest.contains("LEAKED"), "{rest}");
+    assert_eq!(guard.guard.requests(), 1, "one result judged");
+}
