@@ -92,5 +92,6 @@ mod registration;
 mod rewrites;
 mod rules;
 mod security;
+mod sessions;
 mod shutdown;
 mod soak;

@@ -1248,6 +1248,7 @@ impl Config {
                 ..LinkConfig::default()
             },
             security: MeshConfig::default().security,
+            sessions: crate::session::SessionLimits::default(),
             unguarded: self.unguarded,
             max_policy_bytes_per_identity: self.registry.max_policy_bytes_per_identity,
         }

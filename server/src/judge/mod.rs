@@ -58,6 +58,9 @@ pub struct TraceContext {
     /// which a guard link shares its queue between clients (R25); 0 when
     /// unknown.
     pub client: u64,
+    /// The caller's identity as the auth layer established it; empty on a
+    /// mesh without principals. Session memory is keyed by it (R34).
+    pub identity: Arc<str>,
 }
 
 impl TraceContext {
@@ -71,6 +74,7 @@ impl TraceContext {
                 trace_id: trace_id.to_ascii_lowercase(),
                 unary: false,
                 client: 0,
+                identity: Arc::from(""),
             },
             None => Self::default(),
         }
@@ -276,10 +280,12 @@ pub(crate) async fn judge(
     deadline: Instant,
     trace: TraceContext,
     span: tracing::Span,
+    session: Option<crate::policy::SessionVal>,
 ) -> Judged {
     let mut judging = Judging::new(
         chain, limits, unguarded, request, members, deadline, trace, span,
     );
+    judging.session = session;
     let result = judging.run().await;
     Judged {
         result,
@@ -311,6 +317,8 @@ struct Judging<'a> {
     deadline: Instant,
     trace: TraceContext,
     span: tracing::Span,
+    /// The session's memory for the policy guards that read it (R34).
+    session: Option<crate::policy::SessionVal>,
 }
 
 impl<'a> Judging<'a> {
@@ -352,6 +360,7 @@ impl<'a> Judging<'a> {
             deadline,
             trace,
             span,
+            session: None,
         }
     }
 
@@ -986,7 +995,13 @@ impl<'a> Judging<'a> {
             && let Some(_slot) = crate::policy::pool::inline_slot()
         {
             let mut inline = crate::policy::pool::INLINE;
-            let values = batch_values(&self.calls, &self.members, self.context.as_ref(), &jobs);
+            let values = batch_values(
+                &self.calls,
+                &self.members,
+                self.context.as_ref(),
+                &jobs,
+                self.session.as_ref(),
+            );
             let judged = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
                 evaluate_jobs(&values, &jobs, Some(&mut inline))
             }));
@@ -1015,6 +1030,7 @@ impl<'a> Judging<'a> {
             members: std::mem::take(&mut self.members),
             context: self.context.take(),
             jobs,
+            session: self.session.clone(),
         };
         let first = work.jobs.first().map(|job| job.k);
         match lane.run(move || work.evaluate()).await {
@@ -1192,6 +1208,7 @@ struct PolicyWork {
     members: Recorded,
     context: Option<BatchContext>,
     jobs: Vec<PolicyJob>,
+    session: Option<crate::policy::SessionVal>,
 }
 
 type PolicyOutcomes = Vec<(usize, Instant, Vec<PolicyOutcome>)>;
@@ -1213,6 +1230,7 @@ impl PolicyWork {
             &self.members,
             self.context.as_ref(),
             &self.jobs,
+            self.session.as_ref(),
         );
         evaluate_jobs(&values, &self.jobs, None)
             .unwrap_or_else(|crate::policy::OverInline| panicked(&self.jobs, Instant::now()))
@@ -1226,11 +1244,12 @@ fn batch_values<'a>(
     members: &'a Recorded,
     context: Option<&'a BatchContext>,
     jobs: &[PolicyJob],
+    session: Option<&crate::policy::SessionVal>,
 ) -> BatchValues<'a> {
     // The calls' arguments are read for the fast path only if one of
     // these policies may read them.
     let args = jobs.iter().any(|job| job.policy.reads_args());
-    BatchValues::reading_args(
+    let mut values = BatchValues::reading_args(
         args,
         ContextRef {
             session_id: context.map_or("", |c| c.session_id.as_str()),
@@ -1262,7 +1281,11 @@ fn batch_values<'a>(
                 _ => Args::Checked(&call.current().arguments),
             },
         }),
-    )
+    );
+    if let Some(session) = session {
+        values.set_session(session.clone());
+    }
+    values
 }
 
 /// Judges every job on `values`; under `inline`, stops at its bound.

@@ -104,6 +104,8 @@ impl Mesh {
             Ok(permit) => permit,
             Err(refusal) => return Outcome::refused(refusal),
         };
+        // R34: the session's memory, read once when a guard reads it.
+        let session = self.read_session(&chain, &request, &trace).await;
         let judged = crate::judge::judge(
             &chain,
             limits,
@@ -113,8 +115,12 @@ impl Mesh {
             deadline,
             trace,
             span,
+            session.as_ref().map(|s| s.value.clone()),
         )
         .await;
+        if let (Some(session), Ok(decision)) = (&session, &judged.result) {
+            self.remember_session(session, decision, Vec::new()).await;
+        }
         Outcome::judged(
             judged.result,
             Guards {

@@ -12,6 +12,7 @@
 
 mod evaluate;
 pub(crate) mod record;
+mod session;
 
 use crate::decision_log::MeshLog;
 pub use crate::judge::BatchError;
@@ -46,6 +47,8 @@ pub struct MeshConfig {
     /// Bytes of compiled policies the guards one identity registered may
     /// hold together (R25), checked at admission.
     pub max_policy_bytes_per_identity: usize,
+    /// The bounds of session memory (R34).
+    pub sessions: crate::session::SessionLimits,
 }
 
 /// Who may talk to the mesh, and whom the mesh may talk to.
@@ -81,6 +84,7 @@ impl Default for MeshConfig {
             unguarded: Unguarded::Proceed,
             max_policy_bytes_per_identity:
                 crate::registry::admit::DEFAULT_MAX_POLICY_BYTES_PER_IDENTITY,
+            sessions: crate::session::SessionLimits::default(),
         }
     }
 }
@@ -101,6 +105,9 @@ pub struct Mesh {
     decision_log: std::sync::OnceLock<MeshLog>,
     /// Where the gRPC server listens, once it serves (span attributes).
     pub(crate) served_at: std::sync::OnceLock<std::net::SocketAddr>,
+    /// Session memory (R34): in this mesh's memory unless a shared store
+    /// was attached before the first batch that needed it.
+    sessions: std::sync::OnceLock<Arc<crate::session::SessionMemory>>,
 }
 
 impl std::fmt::Debug for Mesh {
@@ -132,6 +139,7 @@ impl Mesh {
             )),
             decision_log: std::sync::OnceLock::new(),
             served_at: std::sync::OnceLock::new(),
+            sessions: std::sync::OnceLock::new(),
         })
     }
 

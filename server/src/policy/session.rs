@@ -156,12 +156,12 @@ fn count<'b, 'v>(args: Vec<CowVal<'b, 'v>>) -> Result<CowVal<'b, 'v>, ExecutionE
     let window = parse_window(window).ok_or_else(|| {
         ExecutionError::function_error(
             "count",
-            format!("window {window:?} is not a duration like \"30s\", \"15m\", \"1h\" or \"7d\""),
+            "its window is not a duration like \"30s\", \"15m\", \"1h\" or \"7d\"",
         )
     })?;
     let n = view
         .count(glob, window)
-        .map_err(|e| ExecutionError::function_error("count", format!("tool glob {glob:?}: {e}")))?;
+        .map_err(|_| ExecutionError::function_error("count", "its tool glob does not compile"))?;
     Ok(CowVal::owned(CelInt::from(
         i64::try_from(n).unwrap_or(i64::MAX),
     )))

@@ -61,6 +61,7 @@ fn batch_trace(batch: &EvaluateRequest, stream: &TraceContext) -> TraceContext {
             stream.clone()
         } else {
             own.client = stream.client;
+            own.identity = stream.identity.clone();
             own
         }
     }
@@ -112,6 +113,15 @@ fn client_key<T>(request: &Request<T>) -> u64 {
         peer.hash(&mut hasher);
         hasher.finish()
     })
+}
+
+/// The caller's identity as the auth layer established it (empty without
+/// principals): session memory is keyed by it (R34).
+fn caller_identity<T>(request: &Request<T>) -> Arc<str> {
+    request
+        .extensions()
+        .get::<Caller>()
+        .map_or_else(|| Arc::from(""), |caller| Arc::from(caller.id.as_str()))
 }
 
 /// The caller of a request for the decision log; `None` (and nothing
@@ -225,10 +235,11 @@ impl PreTool {
     async fn unary(
         &self,
         metadata: &MetadataMap,
-        client: u64,
+        client: (u64, Arc<str>),
         caller: Option<LogCaller>,
         inbound: Inbound,
     ) -> Result<BatchDecision, Status> {
+        let (client, identity) = client;
         let (batch, size) = match inbound {
             Inbound::Batch { request, size } => (request, size),
             Inbound::Refused(refused) => {
@@ -241,6 +252,7 @@ impl PreTool {
         let record = BatchLog::arrived(&self.mesh, caller.as_ref(), Some(&batch), shown);
         let mut stream_trace = trace_context(metadata);
         stream_trace.client = client;
+        stream_trace.identity = identity;
         let transport = grpc_timeout(metadata);
         let _bytes = match admit::inflight_bytes(&self.mesh.inflight_bytes, limits, &batch, size) {
             Ok(bytes) => bytes,
@@ -564,6 +576,7 @@ impl PreToolService for PreTool {
     ) -> Result<Response<Self::EvaluateStream>, Status> {
         let mut trace = trace_context(request.metadata());
         trace.client = client_key(&request);
+        trace.identity = caller_identity(&request);
         let caller = log_caller(&self.mesh, &request);
         let limits = self.mesh.config.limits;
         let replay = may_replay(&request);
@@ -585,7 +598,7 @@ impl PreToolService for PreTool {
     ) -> Result<Response<BatchDecision>, Status> {
         let caller = log_caller(&self.mesh, &request);
         let replay = may_replay(&request);
-        let client = client_key(&request);
+        let client = (client_key(&request), caller_identity(&request));
         let (metadata, _, batch) = request.into_parts();
         let limits = &self.mesh.config.limits;
         let inbound = reserve(
@@ -646,6 +659,7 @@ impl tonic::server::StreamingService<Inbound> for EvaluateMethod {
         Box::pin(async move {
             let mut trace = trace_context(request.metadata());
             trace.client = client_key(&request);
+            trace.identity = caller_identity(&request);
             let caller = log_caller(&tool.mesh, &request);
             let replay = may_replay(&request);
             let max_id_bytes = tool.mesh.config.limits.max_id_bytes;
@@ -671,7 +685,7 @@ impl tonic::server::ClientStreamingService<Inbound> for EvaluateBatchMethod {
         Box::pin(async move {
             let caller = log_caller(&tool.mesh, &request);
             let replay = may_replay(&request);
-            let client = client_key(&request);
+            let client = (client_key(&request), caller_identity(&request));
             let (metadata, _, mut inbound) = request.into_parts();
             let message = inbound
                 .message()

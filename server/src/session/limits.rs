@@ -28,14 +28,14 @@ pub struct SessionLimits {
 impl Default for SessionLimits {
     fn default() -> Self {
         Self {
-            max_bytes: 64 * 1024,
+            max_bytes: 16 * 1024,
             max_entries: 1024,
             max_age: Duration::from_secs(24 * 3600),
             max_labels: 64,
             max_label_bytes: 128,
             max_values_per_result: 256,
-            max_sessions: 10_000,
-            max_sessions_per_identity: 1_000,
+            max_sessions: 4_096,
+            max_sessions_per_identity: 1_024,
         }
     }
 }

@@ -1,0 +1,228 @@
+//! Session memory through a real mesh (R34): flows across batches, rates,
+//! isolation between identities, and a store that cannot answer.
+//!
+//! Values seen in results are fed through the results phase's hook
+//! (`SessionMemory::result_seen`) directly until that phase (R33) sends
+//! results through the mesh.
+
+use crate::harness::*;
+use guardmesh_client::proto::FailurePolicy;
+use guardmesh_client::{Batch, Coordinator, Outcome, Registration};
+use guardmesh_server::session::{
+    Applied, Digester, Memory, SessionKey, SessionLimits, SessionMemory, SessionStore, StoreError,
+    Update,
+};
+use std::sync::Arc;
+
+fn relaybleed() -> String {
+    std::fs::read_to_string(repo_root().join("examples/policy/relaybleed.toml")).unwrap()
+}
+
+async fn outcome(c: &Coordinator, session: &str, turn: u32, tool: &str, args: &str) -> Outcome {
+    let d = c
+        .evaluate_once(session, Batch::new(turn).call("c", tool, args))
+        .await
+        .unwrap();
+    d.call("c").unwrap().outcome.clone()
+}
+
+fn proceeds(o: &Outcome) -> bool {
+    matches!(o, Outcome::Proceed)
+}
+
+#[tokio::test]
+async fn r34_relaybleed_denied_to_another_server_allowed_back_and_elsewhere() {
+    let mesh = TestMesh::start().await;
+    mesh.register(Registration::policy("flows", relaybleed()))
+        .await;
+    let c = mesh.coordinator().await;
+    let secret = "hunter2-Sup3rS3cret";
+    let insert = format!(r#"{{"sql":"INSERT INTO notes VALUES ('{secret}')"}}"#);
+    // No prior read: allowed.
+    assert!(proceeds(
+        &outcome(&c, "s1", 0, "sqlite.query", &insert).await
+    ));
+    // The read runs (recorded by the mesh), and its result is read.
+    let d = c
+        .evaluate_once(
+            "s1",
+            Batch::new(1).call("r1", "fs.read_file", r#"{"path":".env"}"#),
+        )
+        .await
+        .unwrap();
+    assert!(proceeds(&d.call("r1").unwrap().outcome));
+    let result = serde_json::json!({
+        "content": [{"type": "text", "text": format!("DB_PASSWORD={secret}\n")}]
+    })
+    .to_string();
+    mesh.mesh
+        .sessions()
+        .result_seen(
+            &SessionKey::new("", "s1"),
+            "r1",
+            "fs.read_file",
+            "fs",
+            &result,
+            &[],
+        )
+        .await
+        .unwrap();
+    // Sent to another server: denied.
+    let denied = outcome(&c, "s1", 2, "sqlite.query", &insert).await;
+    assert!(
+        matches!(&denied, Outcome::Cancel { content } if content.contains("read from the fs server")),
+        "{denied:?}"
+    );
+    // Written back to fs: allowed.
+    let back = format!(r#"{{"path":"backup.env","content":"DB_PASSWORD={secret}"}}"#);
+    assert!(proceeds(
+        &outcome(&c, "s1", 3, "fs.write_file", &back).await
+    ));
+    // Another session: allowed.
+    assert!(proceeds(
+        &outcome(&c, "s2", 0, "sqlite.query", &insert).await
+    ));
+    // A result for a call that never ran in the session teaches nothing.
+    let never = mesh
+        .mesh
+        .sessions()
+        .result_seen(
+            &SessionKey::new("", "s2"),
+            "r1",
+            "fs.read_file",
+            "fs",
+            &result,
+            &[],
+        )
+        .await;
+    assert!(never.is_err());
+    mesh.shutdown().await;
+}
+
+#[tokio::test]
+async fn r34_rate_limit_per_session_never_shared_with_another_identity() {
+    let pki = TestPki::new();
+    let (mesh, url) = TestMesh::with_tokens(
+        &pki,
+        &[
+            ("ops", "ops-token", &["admin"]),
+            ("alice", "alice-token", &["evaluate"]),
+            ("mallory", "mallory-token", &["evaluate"]),
+        ],
+        "",
+    )
+    .await;
+    let ops = guardmesh_client::Registrar::connect_with(
+        url.clone(),
+        &pki.connection(None, Some("ops-token")),
+    )
+    .await
+    .unwrap();
+    ops.register(Registration::policy("flows", relaybleed()).build())
+        .await
+        .unwrap();
+    let alice = Coordinator::connect_with(url.clone(), &pki.connection(None, Some("alice-token")))
+        .await
+        .unwrap();
+    let mallory =
+        Coordinator::connect_with(url.clone(), &pki.connection(None, Some("mallory-token")))
+            .await
+            .unwrap();
+    for turn in 0..3 {
+        assert!(
+            proceeds(&outcome(&alice, "s", turn, "email.send", "{}").await),
+            "email {turn}"
+        );
+    }
+    let fourth = outcome(&alice, "s", 3, "email.send", "{}").await;
+    assert!(matches!(fourth, Outcome::Cancel { .. }), "{fourth:?}");
+    // Mallory claims Alice's session id: a session of Mallory's own, with
+    // none of Alice's calls, and Mallory's calls do not count for Alice.
+    for turn in 0..3 {
+        assert!(proceeds(
+            &outcome(&mallory, "s", turn, "email.send", "{}").await
+        ));
+    }
+    assert!(matches!(
+        outcome(&mallory, "s", 3, "email.send", "{}").await,
+        Outcome::Cancel { .. }
+    ));
+    // Alice's other session starts afresh.
+    assert!(proceeds(&outcome(&alice, "t", 0, "email.send", "{}").await));
+    mesh.shutdown().await;
+}
+
+/// A store that cannot be reached.
+#[derive(Debug)]
+struct Down;
+
+#[tonic::async_trait]
+impl SessionStore for Down {
+    async fn load(&self, _: &SessionKey) -> Result<Option<Memory>, StoreError> {
+        Err(StoreError::Unavailable("connection refused".into()))
+    }
+    async fn update(
+        &self,
+        _: &SessionKey,
+        _: &Update,
+        _: &SessionLimits,
+        _: u64,
+    ) -> Result<Applied, StoreError> {
+        Err(StoreError::Unavailable("connection refused".into()))
+    }
+    fn kind(&self) -> &'static str {
+        "down"
+    }
+}
+
+#[tokio::test]
+async fn r34_store_down_fails_the_session_rules_per_their_guard_policy() {
+    let mesh = TestMesh::start().await;
+    let down = SessionMemory::new(Arc::new(Down), Digester::random(), SessionLimits::default());
+    mesh.mesh.attach_sessions(Arc::new(down)).unwrap();
+    mesh.register(Registration::policy("flows", relaybleed()))
+        .await;
+    let c = mesh.coordinator().await;
+    let d = c
+        .evaluate_once("s", Batch::new(0).call("c", "email.send", "{}"))
+        .await
+        .unwrap();
+    let call = d.call("c").unwrap();
+    assert!(
+        matches!(&call.outcome, Outcome::Cancel { content } if content.contains("unavailable")),
+        "fail closed, never no history so proceed: {call:?}"
+    );
+    assert!(call.failure);
+    let error = &d.guard("flows").unwrap().error;
+    assert!(error.contains("session memory unavailable"), "{error}");
+    // fail_open: the guard is bypassed, and the decision says so.
+    mesh.register(
+        Registration::policy("flows", relaybleed()).failure_policy(FailurePolicy::FailOpen),
+    )
+    .await;
+    let d = c
+        .evaluate_once("s", Batch::new(1).call("c", "email.send", "{}"))
+        .await
+        .unwrap();
+    let call = d.call("c").unwrap();
+    assert!(proceeds(&call.outcome));
+    assert!(call.bypassed.contains(&"flows".to_owned()), "{call:?}");
+    mesh.shutdown().await;
+}
+
+/// R25: a policy that does not name `session` never touches the store (a
+/// store that is down changes nothing for it).
+#[tokio::test]
+async fn r34_policies_without_session_pay_nothing() {
+    let mesh = TestMesh::start().await;
+    let down = SessionMemory::new(Arc::new(Down), Digester::random(), SessionLimits::default());
+    mesh.mesh.attach_sessions(Arc::new(down)).unwrap();
+    let plain = "[[rule]]\nname='no-rm'\nwhen='call.tool == \"shell.rm\"'\naction='cancel'\nmessage='\"no\"'\n";
+    mesh.register(Registration::policy("plain", plain)).await;
+    let c = mesh.coordinator().await;
+    assert!(proceeds(&outcome(&c, "s", 0, "email.send", "{}").await));
+    let stats = mesh.mesh.sessions().stats();
+    assert_eq!(stats.reads.load(std::sync::atomic::Ordering::Relaxed), 0);
+    assert_eq!(stats.writes.load(std::sync::atomic::Ordering::Relaxed), 0);
+    mesh.shutdown().await;
+}
