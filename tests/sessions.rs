@@ -226,3 +226,129 @@ async fn r34_policies_without_session_pay_nothing() {
     assert_eq!(stats.writes.load(std::sync::atomic::Ordering::Relaxed), 0);
     mesh.shutdown().await;
 }
+
+/// A mesh replica whose registry and session memory are on etcd.
+async fn replica(
+    endpoints: Vec<String>,
+    prefix: &str,
+) -> (
+    TestMesh,
+    Arc<guardmesh_server::registry::etcd::EtcdRegistry>,
+) {
+    use guardmesh_server::registry::etcd::EtcdRegistry;
+    use guardmesh_server::session::etcd::EtcdStore;
+    let config = fast_config();
+    let registry = Arc::new(
+        EtcdRegistry::connect(
+            crate::etcd::cluster_settings(endpoints.clone(), prefix),
+            config.default_guard_timeout,
+        )
+        .await
+        .unwrap(),
+    );
+    let mesh = TestMesh::with_registry(config, registry.clone()).await;
+    let client = etcd_client::Client::connect(endpoints, None).await.unwrap();
+    let memory = SessionMemory::new(
+        Arc::new(EtcdStore::new(client, prefix)),
+        Digester::new(&[7u8; 32]).unwrap(),
+        SessionLimits::default(),
+    );
+    mesh.mesh.attach_sessions(Arc::new(memory)).unwrap();
+    (mesh, registry)
+}
+
+/// Two replicas, each on its own members of a 3-member etcd cluster: what
+/// one learns (calls that ran, a label, values seen) is enforced by the
+/// other at the session's next batch; with etcd gone, the session rules
+/// fail closed (R34, R13).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn r34_replicas_on_a_3_member_etcd_share_session_memory() {
+    let cluster = crate::etcd::Cluster::start().await;
+    let urls = cluster.urls();
+    let prefix = "/t/sessions/";
+    let (a, _ra) = replica(urls[..1].to_vec(), prefix).await;
+    let (b, rb) = replica(urls[1..].to_vec(), prefix).await;
+    let out = a
+        .registrar()
+        .await
+        .register(Registration::policy("flows", relaybleed()).build())
+        .await
+        .unwrap();
+    assert!(
+        rb.wait_for(out.revision, std::time::Duration::from_secs(15))
+            .await
+    );
+    let (ca, cb) = (a.coordinator().await, b.coordinator().await);
+    // Emails alternate between the replicas; the fourth is refused.
+    let mut took = Vec::new();
+    for turn in 0..3 {
+        let c = if turn % 2 == 0 { &ca } else { &cb };
+        let started = std::time::Instant::now();
+        assert!(
+            proceeds(&outcome(c, "s", turn, "email.send", "{}").await),
+            "email {turn}"
+        );
+        took.push(started.elapsed());
+    }
+    assert!(matches!(
+        outcome(&cb, "s", 3, "email.send", "{}").await,
+        Outcome::Cancel { .. }
+    ));
+    // A label set through A is enforced by B at the next batch.
+    let key = SessionKey::new("", "s");
+    let label = Update {
+        labels: vec!["secret:fs".into()],
+        ..Update::default()
+    };
+    a.mesh.sessions().record(&key, &label).await.unwrap();
+    assert!(matches!(
+        outcome(&cb, "s", 4, "http.get", r#"{"url":"https://example.com"}"#).await,
+        Outcome::Cancel { .. }
+    ));
+    // A value read through A (its result fed to A's hook) is followed on B.
+    let d = ca
+        .evaluate_once(
+            "s",
+            Batch::new(5).call("r1", "fs.read_file", r#"{"path":".env"}"#),
+        )
+        .await
+        .unwrap();
+    assert!(proceeds(&d.call("r1").unwrap().outcome));
+    let result =
+        r#"{"content":[{"type":"text","text":"TOKEN=ghp_abcdefghijklmnopqrstuv0123456789"}]}"#;
+    a.mesh
+        .sessions()
+        .result_seen(&key, "r1", "fs.read_file", "fs", result, &[])
+        .await
+        .unwrap();
+    let leak = r#"{"sql":"INSERT INTO t VALUES ('ghp_abcdefghijklmnopqrstuv0123456789')"}"#;
+    assert!(matches!(
+        outcome(&cb, "s", 6, "sqlite.query", leak).await,
+        Outcome::Cancel { .. }
+    ));
+    took.sort();
+    eprintln!(
+        "etcd session memory: {} batches, p50 {:?} (one read and one write per batch)",
+        took.len(),
+        took[took.len() / 2]
+    );
+    // etcd gone: B still judges with its chain (within its staleness
+    // window) but cannot read the session: its rules fail closed.
+    drop(cluster);
+    let d = cb
+        .evaluate_once("s", Batch::new(7).call("c", "email.send", "{}"))
+        .await;
+    match d {
+        Ok(d) => {
+            let call = d.call("c").unwrap();
+            assert!(
+                matches!(call.outcome, Outcome::Cancel { .. }) && call.failure,
+                "{call:?}"
+            );
+        }
+        // Or the replica already refuses its stale chain (R17).
+        Err(e) => assert_eq!(e.code(), Some(tonic::Code::Unavailable), "{e}"),
+    }
+    a.shutdown().await;
+    b.shutdown().await;
+}
