@@ -449,3 +449,44 @@ message = '"Tool call blocked: this session read a secret"'
         ));
     }
 }
+
+#[cfg(test)]
+mod secrets_tests {
+    use crate::policy::{Args, BatchValues, CallRef, ContextRef, Outcome, Policy};
+
+    #[test]
+    fn common_secret_formats_in_arguments_are_cancelled() {
+        let policy =
+            Policy::compile(include_str!("../../../examples/policy/secrets.toml")).unwrap();
+        let judge = |args: &str| {
+            let values = BatchValues::new(
+                ContextRef::default(),
+                [],
+                [CallRef {
+                    call_id: "c",
+                    tool: "http.post",
+                    args: Args::Text(args),
+                }],
+            );
+            policy.evaluate_values(&values, None).remove(0)
+        };
+        for secret in [
+            "AKIAIOSFODNN7EXAMPLE",
+            "ghp_abcdefghijklmnopqrstuvwxyz0123456789",
+            "sk_live_4eC39HqLyjWDarjtT1zdp7dc",
+            "-----BEGIN RSA PRIVATE KEY-----\\nMIIE...",
+            "-----BEGIN PRIVATE KEY-----",
+        ] {
+            let args = format!(r#"{{"body":"x {secret} y","n":1}}"#);
+            assert!(matches!(judge(&args), Outcome::Matched(_)), "{secret}");
+        }
+        for clean in [
+            "AKIA-not-a-key",
+            "sk_test_4eC39HqLyjWDarjtT1zdp7dc",
+            "hello",
+        ] {
+            let args = format!(r#"{{"body":"{clean}"}}"#);
+            assert_eq!(judge(&args), Outcome::Proceed, "{clean}");
+        }
+    }
+}
