@@ -97,5 +97,6 @@ mod results;
 mod rewrites;
 mod rules;
 mod security;
+mod sessions;
 mod shutdown;
 mod soak;

@@ -113,6 +113,54 @@ pub struct Config {
     /// `[decision_log]`: one record per batch answered and per chain
     /// change (R29). Absent: no log, at no cost.
     pub decision_log: Option<DecisionLogConfig>,
+    /// `[sessions]`: the bounds of session memory (R34).
+    pub sessions: SessionsConfig,
+}
+
+/// `[sessions]`: the bounds of session memory (R25, R34).
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct SessionsConfig {
+    pub max_bytes: usize,
+    pub max_entries: usize,
+    pub max_age_ms: u64,
+    pub max_labels: usize,
+    pub max_label_bytes: usize,
+    pub max_values_per_result: usize,
+    pub max_sessions: usize,
+    pub max_sessions_per_identity: usize,
+}
+
+impl Default for SessionsConfig {
+    fn default() -> Self {
+        let l = crate::session::SessionLimits::default();
+        Self {
+            max_bytes: l.max_bytes,
+            max_entries: l.max_entries,
+            max_age_ms: millis(l.max_age),
+            max_labels: l.max_labels,
+            max_label_bytes: l.max_label_bytes,
+            max_values_per_result: l.max_values_per_result,
+            max_sessions: l.max_sessions,
+            max_sessions_per_identity: l.max_sessions_per_identity,
+        }
+    }
+}
+
+impl SessionsConfig {
+    /// The bounds this section describes.
+    pub fn limits(&self) -> crate::session::SessionLimits {
+        crate::session::SessionLimits {
+            max_bytes: self.max_bytes,
+            max_entries: self.max_entries,
+            max_age: Duration::from_millis(self.max_age_ms),
+            max_labels: self.max_labels,
+            max_label_bytes: self.max_label_bytes,
+            max_values_per_result: self.max_values_per_result,
+            max_sessions: self.max_sessions.max(1),
+            max_sessions_per_identity: self.max_sessions_per_identity.max(1),
+        }
+    }
 }
 
 /// `[decision_log]` (R29).
@@ -347,6 +395,7 @@ impl Default for Config {
             unguarded: crate::mesh::Unguarded::Proceed,
             watch_policies: true,
             decision_log: None,
+            sessions: SessionsConfig::default(),
         }
     }
 }
@@ -1300,6 +1349,7 @@ impl Config {
                 ..LinkConfig::default()
             },
             security: MeshConfig::default().security,
+            sessions: self.sessions.limits(),
             unguarded: self.unguarded,
             max_policy_bytes_per_identity: self.registry.max_policy_bytes_per_identity,
         }

@@ -65,6 +65,7 @@ pub mod registry;
 pub mod run;
 pub mod security;
 pub mod server;
+pub mod session;
 mod validate;
 
 #[cfg(test)]

@@ -680,6 +680,61 @@ pub static KEYS: &[Key] = &[
         "67108864",
         "Bytes of compiled policies the guards one identity registered may hold together (R25).",
     ),
+    // [sessions]
+    key(
+        "sessions",
+        Kind::Table,
+        "",
+        "Bounds of the memory kept per session for rules that read `session` (R34).",
+    ),
+    key(
+        "sessions.max_bytes",
+        Kind::Int,
+        "16384",
+        "Bytes one session's memory may hold; past it the oldest entries go first.",
+    ),
+    key(
+        "sessions.max_entries",
+        Kind::Int,
+        "1024",
+        "Entries (calls, labels, values seen) one session may hold; past it the oldest go first.",
+    ),
+    key(
+        "sessions.max_age_ms",
+        Kind::Int,
+        "86400000",
+        "Entries older than this are dropped.",
+    ),
+    key(
+        "sessions.max_labels",
+        Kind::Int,
+        "64",
+        "Labels one session may hold; past it the oldest go first.",
+    ),
+    key(
+        "sessions.max_label_bytes",
+        Kind::Int,
+        "128",
+        "Bytes of one label; a longer one is refused.",
+    ),
+    key(
+        "sessions.max_values_per_result",
+        Kind::Int,
+        "256",
+        "Digests kept of the values of one result.",
+    ),
+    key(
+        "sessions.max_sessions",
+        Kind::Int,
+        "4096",
+        "Sessions a mesh keeps in memory; past it the least recently updated goes.",
+    ),
+    key(
+        "sessions.max_sessions_per_identity",
+        Kind::Int,
+        "1024",
+        "Sessions one identity may have; past it its least recently updated goes.",
+    ),
     // [decision_log]
     key(
         "decision_log",

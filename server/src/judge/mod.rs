@@ -65,6 +65,9 @@ pub struct TraceContext {
     /// The authenticated caller's identity, when there is one: handed on
     /// with each result decision (R33, `mesh/results.rs`).
     pub caller: Option<Arc<str>>,
+    /// The caller's identity as the auth layer established it; empty on a
+    /// mesh without principals. Session memory is keyed by it (R34).
+    pub identity: Arc<str>,
 }
 
 impl TraceContext {
@@ -79,6 +82,7 @@ impl TraceContext {
                 unary: false,
                 client: 0,
                 caller: None,
+                identity: Arc::from(""),
             },
             None => Self::default(),
         }
@@ -287,6 +291,7 @@ pub(crate) async fn judge(
     deadline: Instant,
     trace: TraceContext,
     span: tracing::Span,
+    session: Option<crate::policy::SessionVal>,
 ) -> Judged {
     judge_phase(
         chain,
@@ -298,6 +303,7 @@ pub(crate) async fn judge(
         trace,
         span,
         Phase::Calls,
+        session,
     )
     .await
 }
@@ -314,11 +320,13 @@ pub(crate) async fn judge_phase(
     trace: TraceContext,
     span: tracing::Span,
     phase: Phase,
+    session: Option<crate::policy::SessionVal>,
 ) -> Judged {
     let mut judging = Judging::new(
         chain, limits, unguarded, request, members, deadline, trace, span,
     );
     judging.phase = phase;
+    judging.session = session;
     let result = judging.run().await;
     Judged {
         result,
@@ -352,6 +360,8 @@ struct Judging<'a> {
     span: tracing::Span,
     /// Calls, or results (R33).
     phase: Phase,
+    /// The session's memory for the policy guards that read it (R34).
+    session: Option<crate::policy::SessionVal>,
 }
 
 impl<'a> Judging<'a> {
@@ -394,6 +404,7 @@ impl<'a> Judging<'a> {
             trace,
             span,
             phase: Phase::Calls,
+            session: None,
         }
     }
 
@@ -1086,7 +1097,13 @@ impl<'a> Judging<'a> {
             && let Some(_slot) = crate::policy::pool::inline_slot()
         {
             let mut inline = crate::policy::pool::INLINE;
-            let values = batch_values(&self.calls, &self.members, self.context.as_ref(), &jobs);
+            let values = batch_values(
+                &self.calls,
+                &self.members,
+                self.context.as_ref(),
+                &jobs,
+                self.session.as_ref(),
+            );
             let judged = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
                 evaluate_jobs(&values, &jobs, Some(&mut inline))
             }));
@@ -1115,6 +1132,7 @@ impl<'a> Judging<'a> {
             members: std::mem::take(&mut self.members),
             context: self.context.take(),
             jobs,
+            session: self.session.clone(),
         };
         let first = work.jobs.first().map(|job| job.k);
         match lane.run(move || work.evaluate()).await {
@@ -1299,6 +1317,7 @@ struct PolicyWork {
     members: Recorded,
     context: Option<BatchContext>,
     jobs: Vec<PolicyJob>,
+    session: Option<crate::policy::SessionVal>,
 }
 
 type PolicyOutcomes = Vec<(usize, Instant, Vec<PolicyOutcome>)>;
@@ -1320,6 +1339,7 @@ impl PolicyWork {
             &self.members,
             self.context.as_ref(),
             &self.jobs,
+            self.session.as_ref(),
         );
         evaluate_jobs(&values, &self.jobs, None)
             .unwrap_or_else(|crate::policy::OverInline| panicked(&self.jobs, Instant::now()))
@@ -1333,11 +1353,12 @@ fn batch_values<'a>(
     members: &'a Recorded,
     context: Option<&'a BatchContext>,
     jobs: &[PolicyJob],
+    session: Option<&crate::policy::SessionVal>,
 ) -> BatchValues<'a> {
     // The calls' arguments are read for the fast path only if one of
     // these policies may read them.
     let args = jobs.iter().any(|job| job.policy.reads_args());
-    BatchValues::reading_args(
+    let mut values = BatchValues::reading_args(
         args,
         ContextRef {
             session_id: context.map_or("", |c| c.session_id.as_str()),
@@ -1369,7 +1390,11 @@ fn batch_values<'a>(
                 _ => Args::Checked(&call.current().arguments),
             },
         }),
-    )
+    );
+    if let Some(session) = session {
+        values.set_session(session.clone());
+    }
+    values
 }
 
 /// Judges every job on `values`; under `inline`, stops at its bound.

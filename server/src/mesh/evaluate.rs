@@ -158,6 +158,8 @@ impl Mesh {
             Ok(permit) => permit,
             Err(refusal) => return Outcome::refused(refusal),
         };
+        // R34: the session's memory, read once when a guard reads it.
+        let session = self.read_session(&chain, &request, &trace).await;
         let judged = crate::judge::judge_phase(
             &chain,
             limits,
@@ -168,8 +170,12 @@ impl Mesh {
             trace,
             span,
             phase,
+            session.as_ref().map(|s| s.value.clone()),
         )
         .await;
+        if let (Some(session), Ok(decision)) = (&session, &judged.result) {
+            self.remember_session(session, decision, Vec::new()).await;
+        }
         Outcome::judged(
             judged.result,
             Guards {

@@ -13,6 +13,7 @@
 mod evaluate;
 pub(crate) mod record;
 pub mod results;
+mod session;
 
 use crate::decision_log::MeshLog;
 pub use crate::judge::BatchError;
@@ -48,6 +49,8 @@ pub struct MeshConfig {
     /// Bytes of compiled policies the guards one identity registered may
     /// hold together (R25), checked at admission.
     pub max_policy_bytes_per_identity: usize,
+    /// The bounds of session memory (R34).
+    pub sessions: crate::session::SessionLimits,
 }
 
 /// Who may talk to the mesh, and whom the mesh may talk to.
@@ -83,6 +86,7 @@ impl Default for MeshConfig {
             unguarded: Unguarded::Proceed,
             max_policy_bytes_per_identity:
                 crate::registry::admit::DEFAULT_MAX_POLICY_BYTES_PER_IDENTITY,
+            sessions: crate::session::SessionLimits::default(),
         }
     }
 }
@@ -105,6 +109,9 @@ pub struct Mesh {
     pub(crate) served_at: std::sync::OnceLock<std::net::SocketAddr>,
     /// Told of every result decision (R33), when set (`mesh/results.rs`).
     result_reads: std::sync::OnceLock<Arc<dyn results::ResultReads>>,
+    /// Session memory (R34): in this mesh's memory unless a shared store
+    /// was attached before the first batch that needed it.
+    sessions: std::sync::OnceLock<Arc<crate::session::SessionMemory>>,
 }
 
 impl std::fmt::Debug for Mesh {
@@ -137,6 +144,7 @@ impl Mesh {
             decision_log: std::sync::OnceLock::new(),
             served_at: std::sync::OnceLock::new(),
             result_reads: std::sync::OnceLock::new(),
+            sessions: std::sync::OnceLock::new(),
         })
     }
 

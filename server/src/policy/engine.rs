@@ -42,6 +42,8 @@ pub struct Policy {
     reads_args: bool,
     /// Its `matches` patterns, compiled; freed with the policy.
     patterns: Arc<PatternSet>,
+    /// Whether a rule names `session` (R34).
+    reads_session: bool,
 }
 
 /// One compiled rule.
@@ -186,6 +188,7 @@ impl Policy {
         let mut env = Env::stdlib();
         super::patterns::declare(&mut env);
         super::strings::declare(&mut env);
+        super::session::declare(&mut env);
         let env = Arc::new(env);
         let mut functions = Functions::new(Arc::clone(&env));
         let mut lines: HashMap<String, usize> = HashMap::new();
@@ -224,7 +227,11 @@ impl Policy {
                 .flatten()
                 .any(Plan::reads_args)
         });
+        let reads_session = rules
+            .iter()
+            .any(|rule| rule.when.reads_session || rule.message.reads_session);
         Ok(Policy {
+            reads_session,
             patterns,
             interpreted: AtomicU64::new(0),
             reads_args,
@@ -258,6 +265,12 @@ impl Policy {
     /// alone (`context.metadata.user in [...]`) does not.
     pub fn reads_args(&self) -> bool {
         self.reads_args
+    }
+
+    /// Whether a rule names `session`: only then do its batches read the
+    /// session's memory (R34); a policy that does not pays nothing.
+    pub fn reads_session(&self) -> bool {
+        self.reads_session
     }
 
     /// Bytes its compiled `matches` patterns are charged (see `patterns`).

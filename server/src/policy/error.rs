@@ -245,7 +245,20 @@ pub(crate) fn describe(error: &cel::ExecutionError, written: impl Fn(&str) -> bo
             "an unsupported index".into()
         }
         // `matches` is the mesh's own, and its messages quote no value.
-        E::FunctionError { function, message } if function == "matches" => {
+        // So are the session functions' (R34: they name the memory's state
+        // and the bound, never an argument).
+        E::FunctionError { function, message }
+            if matches!(
+                function.as_str(),
+                "matches"
+                    | "count"
+                    | "seen_from"
+                    | "seen_from_other"
+                    | "labels"
+                    | "evicted"
+                    | "calls_total"
+            ) =>
+        {
             format!("function {function} failed: {message}")
         }
         E::FunctionError { function, .. } => format!("function {function} failed"),

@@ -9,7 +9,7 @@ use super::error::{CompileErrorKind, Field};
 use super::functions::{Form, Functions};
 
 /// The variables every expression may use (see `input`).
-pub(crate) const VARIABLES: [&str; 3] = ["call", "calls", "context"];
+pub(crate) const VARIABLES: [&str; 4] = ["call", "calls", "context", "session"];
 
 /// Identifiers that name CEL types or namespaces, not variables.
 const TYPE_NAMES: [&str; 12] = [
@@ -38,6 +38,8 @@ pub(crate) struct Compiled {
     /// Whether it reads `calls`, the whole batch: its cost is then
     /// estimated at the batch's `n`, not the call's.
     pub(crate) reads_calls: bool,
+    /// Whether it names `session` (R34): its batches read session memory.
+    pub(crate) reads_session: bool,
 }
 
 /// A refused expression: why, and on which line of the expression (from 1).
@@ -88,6 +90,7 @@ pub(crate) fn compile(
         wrong_count: None,
         bad_regex: None,
         reads_calls: false,
+        reads_session: false,
     };
     walk.expr(program.expression(), 0);
     let line_of = |id: u64| {
@@ -169,6 +172,7 @@ pub(crate) fn compile(
     Ok(Compiled {
         cost: walk.cost,
         reads_calls: walk.reads_calls,
+        reads_session: walk.reads_session,
         program,
     })
 }
@@ -197,6 +201,8 @@ struct Walk<'a, 'f> {
     bad_regex: Option<(u64, CompileErrorKind)>,
     /// Whether it names `calls`.
     reads_calls: bool,
+    /// Whether it names `session`.
+    reads_session: bool,
 }
 
 impl Walk<'_, '_> {
@@ -330,6 +336,9 @@ impl Walk<'_, '_> {
         }
         if name == "calls" {
             self.reads_calls = true;
+        }
+        if name == "session" {
+            self.reads_session = true;
         }
         if !VARIABLES.contains(&name) && !TYPE_NAMES.contains(&name) && self.unknown.is_none() {
             self.unknown = Some((id, name.to_owned()));

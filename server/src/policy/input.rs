@@ -163,6 +163,8 @@ pub struct BatchValues<'a> {
     batch_bytes: usize,
     /// The bytes of the context's strings.
     context_bytes: usize,
+    /// `session`, when the batch's policies read it (R34).
+    session: Option<super::session::SessionVal>,
 }
 
 /// The CEL interpreter's values of a batch.
@@ -273,7 +275,14 @@ impl<'a> BatchValues<'a> {
             call_bytes,
             batch_bytes,
             context_bytes,
+            session: None,
         }
+    }
+
+    /// Sets `session`: the session's memory, or why it cannot be read (R34).
+    /// Without it a rule naming `session` fails (R13).
+    pub fn set_session(&mut self, session: super::session::SessionVal) {
+        self.session = Some(session);
     }
 
     /// The interpreter's values, built on first use.
@@ -407,8 +416,9 @@ impl<'a> BatchValues<'a> {
             call: cel.calls.inner()[i].as_ref(),
             calls: &cel.calls,
             context: &cel.context,
+            session: self.session.as_ref(),
             meter: None,
-            bytes: [0; 3],
+            bytes: [0; 4],
         }
     }
 
@@ -420,11 +430,13 @@ impl<'a> BatchValues<'a> {
             call: cel.calls.inner()[i].as_ref(),
             calls: &cel.calls,
             context: &cel.context,
+            session: self.session.as_ref(),
             meter: Some(meter),
             bytes: [
                 self.call_bytes.get(i).copied().unwrap_or(0),
                 self.batch_bytes,
                 self.context_bytes,
+                0,
             ]
             .map(|b| u64::try_from(b).unwrap_or(u64::MAX)),
         }
@@ -437,9 +449,10 @@ pub(crate) struct Scope<'s, 'a> {
     call: &'s (dyn Val + 'a),
     calls: &'s CelList<'a>,
     context: &'s CelMap<'a>,
+    session: Option<&'s super::session::SessionVal>,
     meter: Option<&'s Meter>,
-    /// The bytes of `call`, `calls` and `context`.
-    bytes: [u64; 3],
+    /// The bytes of `call`, `calls` and `context` (`session`'s are its own).
+    bytes: [u64; 4],
 }
 
 impl VariableResolver for Scope<'_, '_> {
@@ -448,6 +461,10 @@ impl VariableResolver for Scope<'_, '_> {
             "call" => (self.call, self.bytes[0]),
             "calls" => (self.calls, self.bytes[1]),
             "context" => (self.context, self.bytes[2]),
+            "session" => {
+                let session = self.session?;
+                (session as &dyn Val, session.bytes())
+            }
             _ => return None,
         };
         // Spent or out of time: the variable is undefined, so the

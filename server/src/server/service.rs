@@ -63,6 +63,7 @@ fn batch_trace(batch: &EvaluateRequest, stream: &TraceContext) -> TraceContext {
         } else {
             own.client = stream.client;
             own.caller = stream.caller.clone();
+            own.identity = stream.identity.clone();
             own
         }
     }
@@ -123,6 +124,15 @@ fn caller_id<T>(request: &Request<T>) -> Option<Arc<str>> {
         .extensions()
         .get::<Caller>()
         .map(|caller| Arc::from(caller.id.as_str()))
+}
+
+/// The caller's identity as the auth layer established it (empty without
+/// principals): session memory is keyed by it (R34).
+fn caller_identity<T>(request: &Request<T>) -> Arc<str> {
+    request
+        .extensions()
+        .get::<Caller>()
+        .map_or_else(|| Arc::from(""), |caller| Arc::from(caller.id.as_str()))
 }
 
 /// The caller of a request for the decision log; `None` (and nothing
@@ -240,6 +250,7 @@ impl PreTool {
         caller: Option<LogCaller>,
         inbound: Inbound,
     ) -> Result<BatchDecision, Status> {
+        let identity = caller_id.clone().unwrap_or_else(|| Arc::from(""));
         let (mut batch, size) = match inbound {
             Inbound::Batch { request, size } => (request, size),
             Inbound::Refused(refused) => {
@@ -260,6 +271,7 @@ impl PreTool {
         let mut stream_trace = trace_context(metadata);
         stream_trace.client = client;
         stream_trace.caller = caller_id;
+        stream_trace.identity = identity;
         let transport = grpc_timeout(metadata);
         let _bytes = match admit::inflight_bytes(&self.mesh.inflight_bytes, limits, &batch, size) {
             Ok(bytes) => bytes,
@@ -638,6 +650,7 @@ impl PreToolService for PreTool {
         let mut trace = trace_context(request.metadata());
         trace.client = client_key(&request);
         trace.caller = caller_id(&request);
+        trace.identity = caller_identity(&request);
         let caller = log_caller(&self.mesh, &request);
         let limits = self.mesh.config.limits;
         let replay = may_replay(&request);
@@ -721,6 +734,7 @@ impl tonic::server::StreamingService<Inbound> for EvaluateMethod {
             let mut trace = trace_context(request.metadata());
             trace.client = client_key(&request);
             trace.caller = caller_id(&request);
+            trace.identity = caller_identity(&request);
             let caller = log_caller(&tool.mesh, &request);
             let replay = may_replay(&request);
             let max_id_bytes = tool.mesh.config.limits.max_id_bytes;

@@ -1,0 +1,125 @@
+//! Session memory shared by replicas through the registry's etcd (R34):
+//! one key per session under `<prefix>sessions/`, its memory as JSON,
+//! updated by compare-and-swap on the key's revision (so two replicas
+//! updating one session never lose each other's entries), read
+//! linearizably (a member cut off from its quorum refuses rather than
+//! answers from old state: the rules that need the memory then fail per
+//! their guard's policy, as R17's stale chain does). Each session's key is
+//! on a lease of the memory's age, so an abandoned session leaves the
+//! store by itself.
+//!
+//! The key names the session by a digest of its identity and id, so the
+//! store's keys do not list who has sessions.
+
+use super::key::SessionKey;
+use super::limits::SessionLimits;
+use super::memory::{Applied, Memory, Update};
+use super::store::{SessionStore, StoreError};
+use etcd_client::{Client, Compare, CompareOp, PutOptions, Txn, TxnOp};
+use sha2::Digest as _;
+
+/// Attempts of one update that meets concurrent updates of its session.
+const ATTEMPTS: u32 = 8;
+
+/// The etcd store.
+#[derive(Clone)]
+pub struct EtcdStore {
+    client: Client,
+    prefix: String,
+}
+
+impl std::fmt::Debug for EtcdStore {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("EtcdStore")
+            .field("prefix", &self.prefix)
+            .finish_non_exhaustive()
+    }
+}
+
+fn unavailable(error: etcd_client::Error) -> StoreError {
+    StoreError::Unavailable(error.to_string())
+}
+
+impl EtcdStore {
+    /// Sessions under `<prefix>sessions/` of the etcd `client` talks to.
+    pub fn new(client: Client, prefix: &str) -> Self {
+        Self {
+            client,
+            prefix: format!("{prefix}sessions/"),
+        }
+    }
+
+    fn key(&self, key: &SessionKey) -> String {
+        let digest = sha2::Sha256::digest(key.store_key().as_bytes());
+        let hex: String = digest.iter().map(|b| format!("{b:02x}")).collect();
+        format!("{}{hex}", self.prefix)
+    }
+
+    /// The memory at `key`, its revision (0: absent) and lease.
+    async fn get(&self, key: &str) -> Result<(Option<Memory>, i64, i64), StoreError> {
+        let mut client = self.client.clone();
+        let response = client.get(key, None).await.map_err(unavailable)?;
+        match response.kvs().first() {
+            None => Ok((None, 0, 0)),
+            Some(kv) => {
+                let memory = serde_json::from_slice(kv.value())
+                    .map_err(|e| StoreError::Corrupt(e.to_string()))?;
+                Ok((Some(memory), kv.mod_revision(), kv.lease()))
+            }
+        }
+    }
+}
+
+#[tonic::async_trait]
+impl SessionStore for EtcdStore {
+    async fn load(&self, key: &SessionKey) -> Result<Option<Memory>, StoreError> {
+        Ok(self.get(&self.key(key)).await?.0)
+    }
+
+    async fn update(
+        &self,
+        key: &SessionKey,
+        update: &Update,
+        limits: &SessionLimits,
+        now: u64,
+    ) -> Result<Applied, StoreError> {
+        let key = self.key(key);
+        let mut client = self.client.clone();
+        for _ in 0..ATTEMPTS {
+            let (memory, revision, mut lease) = self.get(&key).await?;
+            let mut memory = memory.unwrap_or_default();
+            let applied = memory.apply(update, limits, now);
+            let value =
+                serde_json::to_vec(&memory).map_err(|e| StoreError::Corrupt(e.to_string()))?;
+            if lease == 0 {
+                let ttl = i64::try_from(limits.max_age.as_secs())
+                    .unwrap_or(i64::MAX)
+                    .max(1);
+                lease = client
+                    .lease_grant(ttl, None)
+                    .await
+                    .map_err(unavailable)?
+                    .id();
+            }
+            let unchanged = if revision == 0 {
+                Compare::version(key.clone(), CompareOp::Equal, 0)
+            } else {
+                Compare::mod_revision(key.clone(), CompareOp::Equal, revision)
+            };
+            let txn = Txn::new().when([unchanged]).and_then([TxnOp::put(
+                key.clone(),
+                value,
+                Some(PutOptions::new().with_lease(lease)),
+            )]);
+            let response = client.txn(txn).await.map_err(unavailable)?;
+            if response.succeeded() {
+                return Ok(applied);
+            }
+        }
+        Err(StoreError::Contended(ATTEMPTS))
+    }
+
+    fn kind(&self) -> &'static str {
+        "etcd"
+    }
+}

@@ -1,0 +1,67 @@
+//! Whose memory: a session is keyed by the caller's identity (as the auth
+//! layer established it, `security::auth`) *and* the session id the batch
+//! names, so a caller that claims another caller's session id reaches a
+//! memory of its own, never the other's (R34).
+
+use serde::{Deserialize, Serialize};
+
+/// The key of one session's memory.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+pub struct SessionKey {
+    /// The authenticated caller; empty on a mesh without principals (where
+    /// every caller may do everything, R24), which then shares one space
+    /// of session ids.
+    pub identity: String,
+    /// The batch's session id (`BatchContext.session_id`).
+    pub session_id: String,
+}
+
+impl SessionKey {
+    pub fn new(identity: impl Into<String>, session_id: impl Into<String>) -> Self {
+        Self {
+            identity: identity.into(),
+            session_id: session_id.into(),
+        }
+    }
+
+    /// Whether the batch named a session at all: a batch without a session
+    /// id has no memory (nothing is read or written for it).
+    pub fn is_anonymous(&self) -> bool {
+        self.session_id.is_empty()
+    }
+
+    /// The key as a store's key: both parts length-prefixed, so no choice of
+    /// identity and session id can spell another pair's key.
+    pub fn store_key(&self) -> String {
+        format!(
+            "{}:{}/{}:{}",
+            self.identity.len(),
+            self.identity,
+            self.session_id.len(),
+            self.session_id
+        )
+    }
+
+    /// Bytes this key holds.
+    pub fn bytes(&self) -> usize {
+        self.identity.len() + self.session_id.len()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn r34_no_identity_and_session_pair_spells_another_pairs_store_key() {
+        let a = SessionKey::new("alice/x", "y");
+        let b = SessionKey::new("alice", "x/y");
+        let c = SessionKey::new("alice:1", "y");
+        assert_ne!(a.store_key(), b.store_key());
+        assert_ne!(a.store_key(), c.store_key());
+        assert_ne!(
+            SessionKey::new("", "3:abc").store_key(),
+            SessionKey::new("3:abc", "").store_key()
+        );
+    }
+}

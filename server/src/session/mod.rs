@@ -1,0 +1,280 @@
+//! Session memory (R34): what the mesh remembers of a session across its
+//! batches, so that rules can judge flows ("a value read from server A is
+//! being sent to server B"), rates and budgets.
+//!
+//! * [`key`]: whose memory: the caller's identity *and* the session id;
+//! * [`memory`]: one session's memory (calls, labels, digests of values
+//!   seen, counters), bounded in bytes, entries and age;
+//! * [`digest`]: values seen kept only as keyed digests (HMAC-SHA256 under
+//!   the mesh's session secret), short values not at all;
+//! * [`view`]: a session's memory as a batch reads it (`session.*` in CEL);
+//! * [`store`]: the [`SessionStore`] trait; [`local`]: in the mesh's memory
+//!   (a single mesh); [`etcd`]: shared by replicas through the registry's
+//!   etcd;
+//! * [`limits`]: the bounds.
+//!
+//! [`SessionMemory`] is what the mesh holds: a store, the secret and the
+//! bounds. Per batch that needs it, one read before the guards are
+//! consulted and one write after the decision (the calls that run, the
+//! labels that rules and verdicts set).
+
+pub mod digest;
+pub mod etcd;
+pub mod key;
+pub mod limits;
+pub mod local;
+pub mod memory;
+pub mod store;
+pub mod view;
+
+#[cfg(test)]
+mod tests;
+
+pub use digest::{Digester, MIN_VALUE_CHARS};
+pub use key::SessionKey;
+pub use limits::SessionLimits;
+pub use local::LocalStore;
+pub use memory::{Applied, CallRan, Memory, Seen, Update};
+pub use store::{SessionStore, StoreError};
+pub use view::SessionView;
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+/// The default deadline of one store operation.
+pub const DEFAULT_STORE_TIMEOUT: Duration = Duration::from_millis(500);
+
+/// Session memory: a store, the secret its digests are keyed with, and the
+/// bounds.
+#[derive(Debug)]
+pub struct SessionMemory {
+    store: Arc<dyn SessionStore>,
+    digester: Digester,
+    limits: SessionLimits,
+    timeout: Duration,
+    stats: Stats,
+}
+
+/// What session memory did since the mesh began.
+#[derive(Debug, Default)]
+pub struct Stats {
+    pub reads: AtomicU64,
+    pub writes: AtomicU64,
+    pub failures: AtomicU64,
+    pub evicted_entries: AtomicU64,
+}
+
+/// Why a result was not recorded.
+#[derive(Debug, Clone, thiserror::Error)]
+pub enum ResultError {
+    #[error(transparent)]
+    Store(#[from] StoreError),
+    /// No call with that id and tool ran in this session (within the
+    /// memory's age): a result for a call never made, or made in another
+    /// session, washes nothing and teaches nothing.
+    #[error("no call {call_id:?} of tool {tool:?} ran in this session")]
+    NoSuchCall { call_id: String, tool: String },
+    #[error("the result is not JSON: {0}")]
+    NotJson(String),
+}
+
+/// Milliseconds since the Unix epoch.
+pub fn now_ms() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
+}
+
+impl SessionMemory {
+    pub fn new(store: Arc<dyn SessionStore>, digester: Digester, limits: SessionLimits) -> Self {
+        Self {
+            store,
+            digester,
+            limits,
+            timeout: DEFAULT_STORE_TIMEOUT,
+            stats: Stats::default(),
+        }
+    }
+
+    /// In the mesh's memory, keyed with a random secret: a single mesh.
+    pub fn in_memory(limits: SessionLimits) -> Self {
+        Self::new(
+            Arc::new(LocalStore::new(limits)),
+            Digester::random(),
+            limits,
+        )
+    }
+
+    /// With `timeout` as the deadline of each store operation.
+    pub fn with_timeout(mut self, timeout: Duration) -> Self {
+        self.timeout = timeout;
+        self
+    }
+
+    pub fn limits(&self) -> &SessionLimits {
+        &self.limits
+    }
+
+    pub fn store(&self) -> &dyn SessionStore {
+        self.store.as_ref()
+    }
+
+    pub fn stats(&self) -> &Stats {
+        &self.stats
+    }
+
+    async fn bounded<T>(
+        &self,
+        op: impl Future<Output = Result<T, StoreError>>,
+    ) -> Result<T, StoreError> {
+        let result = match tokio::time::timeout(self.timeout, op).await {
+            Ok(result) => result,
+            Err(_) => Err(StoreError::TimedOut(self.timeout)),
+        };
+        if let Err(error) = &result {
+            self.stats.failures.fetch_add(1, Ordering::Relaxed);
+            tracing::warn!(store = self.store.kind(), %error, "session memory unavailable");
+        }
+        result
+    }
+
+    /// The memory of `key` as a batch reads it. An error is never read as
+    /// an empty session (R34).
+    pub async fn read(&self, key: &SessionKey) -> Result<Arc<SessionView>, StoreError> {
+        self.stats.reads.fetch_add(1, Ordering::Relaxed);
+        let now = now_ms();
+        let memory = self.bounded(self.store.load(key)).await?;
+        Ok(Arc::new(match memory {
+            Some(memory) => {
+                SessionView::new(&memory, self.digester.clone(), now, self.limits.max_age)
+            }
+            None => SessionView::empty(self.digester.clone(), now),
+        }))
+    }
+
+    /// Adds `update` to the memory of `key`.
+    pub async fn record(&self, key: &SessionKey, update: &Update) -> Result<Applied, StoreError> {
+        self.stats.writes.fetch_add(1, Ordering::Relaxed);
+        let applied = self
+            .bounded(self.store.update(key, update, &self.limits, now_ms()))
+            .await?;
+        if applied.evicted > 0 {
+            self.stats
+                .evicted_entries
+                .fetch_add(applied.evicted as u64, Ordering::Relaxed);
+            tracing::info!(
+                evicted = applied.evicted,
+                entries = applied.entries,
+                bytes = applied.bytes,
+                "session memory: the oldest entries were dropped to stay within bounds"
+            );
+        }
+        Ok(applied)
+    }
+
+    /// A call that runs: its final arguments kept as a keyed digest of
+    /// their canonical JSON, never as text.
+    pub fn call(&self, id: &str, tool: &str, server: &str, arguments: &str) -> CallRan {
+        let canonical = serde_json::from_str::<serde_json::Value>(arguments)
+            .map_or_else(|_| arguments.to_owned(), |v| v.to_string());
+        CallRan {
+            id: id.to_owned(),
+            tool: tool.to_owned(),
+            server: server.to_owned(),
+            args: digest::to_hex(&self.digester.digest(&canonical)),
+            at: 0,
+        }
+    }
+
+    /// The digests of the values of a result from `server` (every string
+    /// in it, and their tokens, long enough; at most
+    /// `max_values_per_result`). Returns them and whether some were left
+    /// out.
+    pub fn seen(&self, server: &str, result: &serde_json::Value) -> (Vec<Seen>, bool) {
+        let max = self.limits.max_values_per_result;
+        let mut digests = Vec::new();
+        let mut cut = false;
+        let mut stack = vec![result];
+        while let Some(value) = stack.pop() {
+            match value {
+                serde_json::Value::String(text) => {
+                    cut |= self.digester.of_value(text, max, &mut digests);
+                }
+                serde_json::Value::Array(items) => stack.extend(items.iter().rev()),
+                serde_json::Value::Object(members) => stack.extend(members.values().rev()),
+                _ => {}
+            }
+            if cut {
+                break;
+            }
+        }
+        let seen = digests
+            .iter()
+            .map(|d| Seen {
+                server: server.to_owned(),
+                digest: digest::to_hex(d),
+                at: 0,
+            })
+            .collect();
+        (seen, cut)
+    }
+
+    /// The hook of the results phase (R33): the result `result_json` of
+    /// call `call_id` of `tool`, from `server`, was read in the session
+    /// `key`. Its values are remembered as digests, with `labels` (a result
+    /// verdict's). A result for a call that did not run in this session is
+    /// refused ([`ResultError::NoSuchCall`]).
+    pub async fn result_seen(
+        &self,
+        key: &SessionKey,
+        call_id: &str,
+        tool: &str,
+        server: &str,
+        result_json: &str,
+        labels: &[String],
+    ) -> Result<Applied, ResultError> {
+        let view = self.store.load(key);
+        let memory = self.bounded(view).await?.unwrap_or_default();
+        let cutoff = now_ms()
+            .saturating_sub(u64::try_from(self.limits.max_age.as_millis()).unwrap_or(u64::MAX));
+        if !memory
+            .calls
+            .iter()
+            .any(|c| c.id == call_id && c.tool == tool && c.at >= cutoff)
+        {
+            return Err(ResultError::NoSuchCall {
+                call_id: call_id.to_owned(),
+                tool: tool.to_owned(),
+            });
+        }
+        let result: serde_json::Value =
+            serde_json::from_str(result_json).map_err(|e| ResultError::NotJson(e.to_string()))?;
+        let (seen, cut) = self.seen(server, &result);
+        if cut {
+            tracing::info!(
+                server,
+                limit = self.limits.max_values_per_result,
+                "session memory: a result held more values than are kept of one result"
+            );
+        }
+        let update = Update {
+            seen,
+            labels: labels.to_vec(),
+            results: 1,
+            ..Update::default()
+        };
+        Ok(self.record(key, &update).await?)
+    }
+
+    /// The server a call's tool belongs to: the batch's metadata `server`
+    /// when given (the MCP gateway knows its upstream), else the tool
+    /// name's part before its first `.` (`fs.read_file`: `fs`), else
+    /// empty.
+    pub fn server_of<'a>(tool: &'a str, metadata_server: Option<&'a str>) -> &'a str {
+        match metadata_server {
+            Some(server) if !server.is_empty() => server,
+            _ => tool.split_once('.').map_or("", |(server, _)| server),
+        }
+    }
+}

@@ -1,0 +1,318 @@
+//! Threats to session memory, each a test (R25, R34).
+
+use super::*;
+use std::time::Duration;
+
+fn limits() -> SessionLimits {
+    SessionLimits {
+        max_bytes: 8 * 1024,
+        max_entries: 64,
+        max_labels: 4,
+        max_sessions: 50,
+        max_sessions_per_identity: 10,
+        ..SessionLimits::default()
+    }
+}
+
+fn memory() -> SessionMemory {
+    SessionMemory::in_memory(limits())
+}
+
+fn update_with_call(mem: &SessionMemory, id: &str, tool: &str) -> Update {
+    Update {
+        calls: vec![mem.call(id, tool, SessionMemory::server_of(tool, None), "{}")],
+        ..Update::default()
+    }
+}
+
+#[tokio::test]
+async fn r34_another_identity_claiming_the_session_id_sees_nothing_and_taints_nothing() {
+    let mem = memory();
+    let alice = SessionKey::new("alice", "s-1");
+    let mallory = SessionKey::new("mallory", "s-1");
+    let mut update = update_with_call(&mem, "c1", "fs.read_file");
+    update.labels = vec!["secret:fs".into()];
+    mem.record(&alice, &update).await.unwrap();
+    mem.result_seen(
+        &alice,
+        "c1",
+        "fs.read_file",
+        "fs",
+        r#"{"content":[{"type":"text","text":"API_KEY=s3cr3tV4lue"}]}"#,
+        &[],
+    )
+    .await
+    .unwrap();
+    let theirs = mem.read(&mallory).await.unwrap();
+    assert!(theirs.labels().is_empty());
+    assert_eq!(theirs.count("*", Duration::from_secs(3600)).unwrap(), 0);
+    assert!(!theirs.seen_from(["s3cr3tV4lue"], "*").unwrap());
+    // Mallory's own writes land in Mallory's memory only.
+    let mut taint = update_with_call(&mem, "c9", "email.send");
+    taint.labels = vec!["approved".into()];
+    mem.record(&mallory, &taint).await.unwrap();
+    let mine = mem.read(&alice).await.unwrap();
+    assert_eq!(mine.labels(), ["secret:fs".to_owned()]);
+    assert_eq!(mine.count("email.*", Duration::from_secs(3600)).unwrap(), 0);
+    assert!(mine.seen_from(["INSERT 's3cr3tV4lue'"], "fs").unwrap());
+}
+
+#[tokio::test]
+async fn r34_a_session_past_its_entries_drops_its_oldest_and_says_so() {
+    let mem = memory();
+    let key = SessionKey::new("a", "s");
+    let mut evicted = 0;
+    for i in 0..200 {
+        let applied = mem
+            .record(&key, &update_with_call(&mem, &format!("c{i}"), "t.x"))
+            .await
+            .unwrap();
+        assert!(applied.entries <= limits().max_entries, "{applied:?}");
+        assert!(applied.bytes <= limits().max_bytes, "{applied:?}");
+        evicted += applied.evicted;
+    }
+    assert_eq!(evicted, 200 - limits().max_entries);
+    assert_eq!(
+        mem.stats()
+            .evicted_entries
+            .load(std::sync::atomic::Ordering::Relaxed),
+        evicted as u64
+    );
+    let view = mem.read(&key).await.unwrap();
+    assert_eq!(
+        view.evicted(),
+        evicted as u64,
+        "the session says it lost memory"
+    );
+    assert_eq!(view.calls_total(), 200);
+}
+
+#[tokio::test]
+async fn r34_many_distinct_values_stay_within_bytes_and_entries_and_keep_labels() {
+    let mem = memory();
+    let key = SessionKey::new("a", "s");
+    let mut first = update_with_call(&mem, "c0", "fs.read");
+    first.labels = vec!["secret:fs".into()];
+    mem.record(&key, &first).await.unwrap();
+    // A result flooding distinct values: bounded per result, then per session.
+    let text: String = (0..5000).map(|i| format!("value{i:08} ")).collect();
+    let result = serde_json::json!({"content": [{"type": "text", "text": text}]}).to_string();
+    let applied = mem
+        .result_seen(&key, "c0", "fs.read", "fs", &result, &[])
+        .await
+        .unwrap();
+    assert!(applied.seen <= limits().max_values_per_result);
+    assert!(applied.entries <= limits().max_entries);
+    assert!(applied.bytes <= limits().max_bytes);
+    let view = mem.read(&key).await.unwrap();
+    assert_eq!(
+        view.labels(),
+        ["secret:fs".to_owned()],
+        "a flood of values does not wash a label away"
+    );
+}
+
+#[tokio::test]
+async fn r34_huge_and_malformed_labels_are_refused_and_labels_are_bounded() {
+    let mem = memory();
+    let key = SessionKey::new("a", "s");
+    let update = Update {
+        labels: vec![
+            "x".repeat(10_000),
+            "bad label".into(),
+            String::new(),
+            "l1".into(),
+            "l2".into(),
+            "l3".into(),
+            "l4".into(),
+            "l5".into(),
+        ],
+        ..Update::default()
+    };
+    let applied = mem.record(&key, &update).await.unwrap();
+    assert_eq!(applied.refused_labels, 3);
+    assert_eq!(applied.evicted, 1, "the oldest label went first");
+    let view = mem.read(&key).await.unwrap();
+    assert_eq!(view.labels(), ["l2", "l3", "l4", "l5"].map(String::from));
+}
+
+#[tokio::test]
+async fn r25_many_sessions_are_bounded_per_identity_and_mesh_wide() {
+    let store = Arc::new(LocalStore::new(limits()));
+    let mem = SessionMemory::new(store.clone(), Digester::random(), limits());
+    for i in 0..100 {
+        let key = SessionKey::new("flood", format!("s{i}"));
+        mem.record(&key, &update_with_call(&mem, "c", "t.x"))
+            .await
+            .unwrap();
+    }
+    let (sessions, _) = store.held().unwrap();
+    assert_eq!(sessions, limits().max_sessions_per_identity);
+    // Another identity keeps its sessions while the first floods.
+    let kept = SessionKey::new("bob", "mine");
+    mem.record(&kept, &update_with_call(&mem, "c", "t.x"))
+        .await
+        .unwrap();
+    for i in 0..100 {
+        let key = SessionKey::new("flood", format!("t{i}"));
+        mem.record(&key, &update_with_call(&mem, "c", "t.x"))
+            .await
+            .unwrap();
+    }
+    assert_eq!(mem.read(&kept).await.unwrap().calls_total(), 1);
+    for i in 0..100 {
+        let key = SessionKey::new(format!("id{i}"), "s");
+        mem.record(&key, &update_with_call(&mem, "c", "t.x"))
+            .await
+            .unwrap();
+    }
+    let (sessions, bytes) = store.held().unwrap();
+    assert_eq!(sessions, limits().max_sessions);
+    assert!(bytes <= limits().max_sessions * limits().max_bytes);
+    assert!(store.evicted_sessions() >= 150);
+}
+
+#[tokio::test]
+async fn r34_a_result_for_a_call_never_made_is_refused() {
+    let mem = memory();
+    let key = SessionKey::new("a", "s");
+    mem.record(&key, &update_with_call(&mem, "c1", "fs.read"))
+        .await
+        .unwrap();
+    let result = r#"{"content":[]}"#;
+    let never = mem
+        .result_seen(&key, "c2", "fs.read", "fs", result, &[])
+        .await;
+    assert!(
+        matches!(never, Err(ResultError::NoSuchCall { .. })),
+        "{never:?}"
+    );
+    let other_session = mem
+        .result_seen(
+            &SessionKey::new("a", "t"),
+            "c1",
+            "fs.read",
+            "fs",
+            result,
+            &[],
+        )
+        .await;
+    assert!(matches!(other_session, Err(ResultError::NoSuchCall { .. })));
+    mem.result_seen(&key, "c1", "fs.read", "fs", result, &[])
+        .await
+        .unwrap();
+}
+
+#[tokio::test]
+async fn r34_entries_past_their_age_are_not_read_and_are_dropped() {
+    let limits = SessionLimits {
+        max_age: Duration::from_millis(1),
+        ..limits()
+    };
+    let mem = SessionMemory::in_memory(limits);
+    let key = SessionKey::new("a", "s");
+    mem.record(&key, &update_with_call(&mem, "c1", "email.send"))
+        .await
+        .unwrap();
+    tokio::time::sleep(Duration::from_millis(20)).await;
+    assert_eq!(
+        mem.read(&key)
+            .await
+            .unwrap()
+            .count("*", Duration::from_secs(60))
+            .unwrap(),
+        0
+    );
+    let applied = mem.record(&key, &Update::default()).await.unwrap();
+    assert_eq!(applied.evicted, 1);
+    assert_eq!(applied.entries, 0);
+}
+
+/// A store that cannot be reached.
+#[derive(Debug)]
+struct Down;
+
+#[tonic::async_trait]
+impl SessionStore for Down {
+    async fn load(&self, _: &SessionKey) -> Result<Option<Memory>, StoreError> {
+        Err(StoreError::Unavailable("connection refused".into()))
+    }
+    async fn update(
+        &self,
+        _: &SessionKey,
+        _: &Update,
+        _: &SessionLimits,
+        _: u64,
+    ) -> Result<Applied, StoreError> {
+        Err(StoreError::Unavailable("connection refused".into()))
+    }
+    fn kind(&self) -> &'static str {
+        "down"
+    }
+}
+
+/// A store that never answers.
+#[derive(Debug)]
+struct Hung;
+
+#[tonic::async_trait]
+impl SessionStore for Hung {
+    async fn load(&self, _: &SessionKey) -> Result<Option<Memory>, StoreError> {
+        std::future::pending().await
+    }
+    async fn update(
+        &self,
+        _: &SessionKey,
+        _: &Update,
+        _: &SessionLimits,
+        _: u64,
+    ) -> Result<Applied, StoreError> {
+        std::future::pending().await
+    }
+    fn kind(&self) -> &'static str {
+        "hung"
+    }
+}
+
+#[tokio::test]
+async fn r34_a_store_down_or_slow_is_an_error_never_an_empty_session() {
+    let down = SessionMemory::new(Arc::new(Down), Digester::random(), limits());
+    let key = SessionKey::new("a", "s");
+    assert!(matches!(
+        down.read(&key).await,
+        Err(StoreError::Unavailable(_))
+    ));
+    let hung = SessionMemory::new(Arc::new(Hung), Digester::random(), limits())
+        .with_timeout(Duration::from_millis(50));
+    assert!(matches!(
+        hung.read(&key).await,
+        Err(StoreError::TimedOut(_))
+    ));
+    assert!(matches!(
+        hung.record(&key, &Update::default()).await,
+        Err(StoreError::TimedOut(_))
+    ));
+    assert_eq!(
+        hung.stats()
+            .failures
+            .load(std::sync::atomic::Ordering::Relaxed),
+        2
+    );
+}
+
+#[test]
+fn r34_windows_parse_and_servers_come_from_metadata_or_the_tool() {
+    assert_eq!(view::parse_window("1h"), Some(Duration::from_secs(3600)));
+    assert_eq!(view::parse_window("90s"), Some(Duration::from_secs(90)));
+    assert_eq!(view::parse_window("15m"), Some(Duration::from_secs(900)));
+    assert_eq!(view::parse_window("2d"), Some(Duration::from_secs(172_800)));
+    assert_eq!(view::parse_window("1 hour"), None);
+    assert_eq!(view::parse_window("h"), None);
+    assert_eq!(view::parse_window("99999999999999999999d"), None);
+    assert_eq!(SessionMemory::server_of("fs.read_file", None), "fs");
+    assert_eq!(
+        SessionMemory::server_of("fs.read_file", Some("files")),
+        "files"
+    );
+    assert_eq!(SessionMemory::server_of("read", None), "");
+}

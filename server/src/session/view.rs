@@ -1,0 +1,175 @@
+//! A session's memory as one batch reads it: labels, calls by tool and
+//! time, and an index of the digests of values seen by server. Built once
+//! per batch that needs it, shared by every rule and guard of the batch.
+
+use super::digest::{self, Digest, Digester};
+use super::memory::Memory;
+use std::collections::HashMap;
+use std::time::Duration;
+
+/// Most tokens of one argument value a `seen_from` question digests: past
+/// it the question is an error (the call's own size, R13), never a "no".
+pub const MAX_TOKENS_CHECKED: usize = 16_384;
+
+/// A read-only view of one session's memory.
+#[derive(Debug, Clone)]
+pub struct SessionView {
+    labels: Vec<String>,
+    calls: Vec<(String, String, u64)>,
+    seen: HashMap<Digest, Vec<String>>,
+    evicted: u64,
+    calls_total: u64,
+    now: u64,
+    digester: Digester,
+}
+
+/// A `seen_from` question over more text than it may digest.
+#[derive(Debug, Clone, thiserror::Error)]
+#[error("the value holds more than {MAX_TOKENS_CHECKED} tokens to compare with values seen")]
+pub struct TooManyTokens;
+
+impl SessionView {
+    /// The view of `memory` at `now`; entries older than `max_age` are not
+    /// in it.
+    pub fn new(memory: &Memory, digester: Digester, now: u64, max_age: Duration) -> Self {
+        let cutoff = now.saturating_sub(u64::try_from(max_age.as_millis()).unwrap_or(u64::MAX));
+        let mut seen: HashMap<Digest, Vec<String>> = HashMap::new();
+        for s in memory.seen.iter().filter(|s| s.at >= cutoff) {
+            if let Some(d) = digest::from_hex(&s.digest) {
+                let servers = seen.entry(d).or_default();
+                if !servers.contains(&s.server) {
+                    servers.push(s.server.clone());
+                }
+            }
+        }
+        Self {
+            labels: memory
+                .labels
+                .iter()
+                .filter(|l| l.at >= cutoff)
+                .map(|l| l.name.clone())
+                .collect(),
+            calls: memory
+                .calls
+                .iter()
+                .filter(|c| c.at >= cutoff)
+                .map(|c| (c.tool.clone(), c.server.clone(), c.at))
+                .collect(),
+            seen,
+            evicted: memory.evicted,
+            calls_total: memory.calls_total,
+            now,
+            digester,
+        }
+    }
+
+    /// An empty session (nothing remembered yet).
+    pub fn empty(digester: Digester, now: u64) -> Self {
+        Self::new(&Memory::default(), digester, now, Duration::ZERO)
+    }
+
+    /// Its labels, oldest first.
+    pub fn labels(&self) -> &[String] {
+        &self.labels
+    }
+
+    /// Entries its bounds dropped since the session began: a strict rule
+    /// may treat a session that lost memory as tainted.
+    pub fn evicted(&self) -> u64 {
+        self.evicted
+    }
+
+    /// Calls recorded since the session began.
+    pub fn calls_total(&self) -> u64 {
+        self.calls_total
+    }
+
+    /// The calls remembered: tool, server, time (ms since the epoch).
+    pub fn calls(&self) -> impl Iterator<Item = (&str, &str, u64)> {
+        self.calls
+            .iter()
+            .map(|(t, s, at)| (t.as_str(), s.as_str(), *at))
+    }
+
+    /// Calls of a tool matching `glob` (ASCII case ignored, as guards'
+    /// tool patterns, R9) that ran within `window` before now.
+    pub fn count(&self, glob: &str, window: Duration) -> Result<u64, globset::Error> {
+        let matcher = globset::GlobBuilder::new(glob)
+            .case_insensitive(true)
+            .build()?
+            .compile_matcher();
+        let since = self
+            .now
+            .saturating_sub(u64::try_from(window.as_millis()).unwrap_or(u64::MAX));
+        Ok(self
+            .calls
+            .iter()
+            .filter(|(tool, _, at)| *at >= since && matcher.is_match(tool))
+            .count() as u64)
+    }
+
+    /// Whether one of `texts` (or a token in it) is a value seen in a result
+    /// from `server` (`*`: any server; ASCII case ignored).
+    pub fn seen_from<'t>(
+        &self,
+        texts: impl IntoIterator<Item = &'t str>,
+        server: &str,
+    ) -> Result<bool, TooManyTokens> {
+        self.seen_where(texts, |s| server == "*" || s.eq_ignore_ascii_case(server))
+    }
+
+    /// Whether one of `texts` is a value seen in a result from a server
+    /// other than `server`.
+    pub fn seen_from_other<'t>(
+        &self,
+        texts: impl IntoIterator<Item = &'t str>,
+        server: &str,
+    ) -> Result<bool, TooManyTokens> {
+        self.seen_where(texts, |s| !s.eq_ignore_ascii_case(server))
+    }
+
+    fn seen_where<'t>(
+        &self,
+        texts: impl IntoIterator<Item = &'t str>,
+        server: impl Fn(&str) -> bool,
+    ) -> Result<bool, TooManyTokens> {
+        if self.seen.is_empty() {
+            return Ok(false);
+        }
+        let mut checked = 0;
+        for text in texts {
+            for piece in digest::pieces(text) {
+                checked += 1;
+                if checked > MAX_TOKENS_CHECKED {
+                    return Err(TooManyTokens);
+                }
+                let d = self.digester.digest(piece);
+                if self
+                    .seen
+                    .get(&d)
+                    .is_some_and(|servers| servers.iter().any(|s| server(s)))
+                {
+                    return Ok(true);
+                }
+            }
+        }
+        Ok(false)
+    }
+}
+
+/// A window as rules write it: `30s`, `15m`, `1h`, `7d`, `500ms`.
+pub fn parse_window(text: &str) -> Option<Duration> {
+    let text = text.trim();
+    let split = text.find(|c: char| !c.is_ascii_digit())?;
+    let (digits, unit) = text.split_at(split);
+    let n: u64 = digits.parse().ok()?;
+    let ms = match unit {
+        "ms" => n,
+        "s" => n.checked_mul(1000)?,
+        "m" => n.checked_mul(60_000)?,
+        "h" => n.checked_mul(3_600_000)?,
+        "d" => n.checked_mul(86_400_000)?,
+        _ => return None,
+    };
+    Some(Duration::from_millis(ms))
+}

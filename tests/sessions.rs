@@ -1,0 +1,411 @@
+//! Session memory through a real mesh (R34): flows across batches, rates,
+//! isolation between identities, and a store that cannot answer.
+//!
+//! Values seen in results are fed through the results phase's hook
+//! (`SessionMemory::result_seen`) directly until that phase (R33) sends
+//! results through the mesh.
+
+use crate::harness::*;
+use guardmesh_client::proto::FailurePolicy;
+use guardmesh_client::{Batch, Coordinator, Outcome, Registration};
+use guardmesh_server::session::{
+    Applied, Digester, Memory, SessionKey, SessionLimits, SessionMemory, SessionStore, StoreError,
+    Update,
+};
+use std::sync::Arc;
+
+fn relaybleed() -> String {
+    std::fs::read_to_string(repo_root().join("examples/policy/relaybleed.toml")).unwrap()
+}
+
+async fn outcome(c: &Coordinator, session: &str, turn: u32, tool: &str, args: &str) -> Outcome {
+    let d = c
+        .evaluate_once(session, Batch::new(turn).call("c", tool, args))
+        .await
+        .unwrap();
+    d.call("c").unwrap().outcome.clone()
+}
+
+fn proceeds(o: &Outcome) -> bool {
+    matches!(o, Outcome::Proceed)
+}
+
+#[tokio::test]
+async fn r34_relaybleed_denied_to_another_server_allowed_back_and_elsewhere() {
+    let mesh = TestMesh::start().await;
+    mesh.register(Registration::policy("flows", relaybleed()))
+        .await;
+    let c = mesh.coordinator().await;
+    let secret = "hunter2-Sup3rS3cret";
+    let insert = format!(r#"{{"sql":"INSERT INTO notes VALUES ('{secret}')"}}"#);
+    // No prior read: allowed.
+    assert!(proceeds(
+        &outcome(&c, "s1", 0, "sqlite.query", &insert).await
+    ));
+    // The read runs (recorded by the mesh), and its result is read.
+    let d = c
+        .evaluate_once(
+            "s1",
+            Batch::new(1).call("r1", "fs.read_file", r#"{"path":".env"}"#),
+        )
+        .await
+        .unwrap();
+    assert!(proceeds(&d.call("r1").unwrap().outcome));
+    let result = serde_json::json!({
+        "content": [{"type": "text", "text": format!("DB_PASSWORD={secret}\n")}]
+    })
+    .to_string();
+    mesh.mesh
+        .sessions()
+        .result_seen(
+            &SessionKey::new("", "s1"),
+            "r1",
+            "fs.read_file",
+            "fs",
+            &result,
+            &[],
+        )
+        .await
+        .unwrap();
+    // Sent to another server: denied.
+    let denied = outcome(&c, "s1", 2, "sqlite.query", &insert).await;
+    assert!(
+        matches!(&denied, Outcome::Cancel { content } if content.contains("read from the fs server")),
+        "{denied:?}"
+    );
+    // Written back to fs: allowed.
+    let back = format!(r#"{{"path":"backup.env","content":"DB_PASSWORD={secret}"}}"#);
+    assert!(proceeds(
+        &outcome(&c, "s1", 3, "fs.write_file", &back).await
+    ));
+    // Another session: allowed.
+    assert!(proceeds(
+        &outcome(&c, "s2", 0, "sqlite.query", &insert).await
+    ));
+    // A result for a call that never ran in the session teaches nothing.
+    let never = mesh
+        .mesh
+        .sessions()
+        .result_seen(
+            &SessionKey::new("", "s2"),
+            "r1",
+            "fs.read_file",
+            "fs",
+            &result,
+            &[],
+        )
+        .await;
+    assert!(never.is_err());
+    mesh.shutdown().await;
+}
+
+#[tokio::test]
+async fn r34_rate_limit_per_session_never_shared_with_another_identity() {
+    let pki = TestPki::new();
+    let (mesh, url) = TestMesh::with_tokens(
+        &pki,
+        &[
+            ("ops", "ops-token", &["admin"]),
+            ("alice", "alice-token", &["evaluate"]),
+            ("mallory", "mallory-token", &["evaluate"]),
+        ],
+        "",
+    )
+    .await;
+    let ops = guardmesh_client::Registrar::connect_with(
+        url.clone(),
+        &pki.connection(None, Some("ops-token")),
+    )
+    .await
+    .unwrap();
+    ops.register(Registration::policy("flows", relaybleed()).build())
+        .await
+        .unwrap();
+    let alice = Coordinator::connect_with(url.clone(), &pki.connection(None, Some("alice-token")))
+        .await
+        .unwrap();
+    let mallory =
+        Coordinator::connect_with(url.clone(), &pki.connection(None, Some("mallory-token")))
+            .await
+            .unwrap();
+    for turn in 0..3 {
+        assert!(
+            proceeds(&outcome(&alice, "s", turn, "email.send", "{}").await),
+            "email {turn}"
+        );
+    }
+    let fourth = outcome(&alice, "s", 3, "email.send", "{}").await;
+    assert!(matches!(fourth, Outcome::Cancel { .. }), "{fourth:?}");
+    // Mallory claims Alice's session id: a session of Mallory's own, with
+    // none of Alice's calls, and Mallory's calls do not count for Alice.
+    for turn in 0..3 {
+        assert!(proceeds(
+            &outcome(&mallory, "s", turn, "email.send", "{}").await
+        ));
+    }
+    assert!(matches!(
+        outcome(&mallory, "s", 3, "email.send", "{}").await,
+        Outcome::Cancel { .. }
+    ));
+    // Alice's other session starts afresh.
+    assert!(proceeds(&outcome(&alice, "t", 0, "email.send", "{}").await));
+    mesh.shutdown().await;
+}
+
+/// A store that cannot be reached.
+#[derive(Debug)]
+struct Down;
+
+#[tonic::async_trait]
+impl SessionStore for Down {
+    async fn load(&self, _: &SessionKey) -> Result<Option<Memory>, StoreError> {
+        Err(StoreError::Unavailable("connection refused".into()))
+    }
+    async fn update(
+        &self,
+        _: &SessionKey,
+        _: &Update,
+        _: &SessionLimits,
+        _: u64,
+    ) -> Result<Applied, StoreError> {
+        Err(StoreError::Unavailable("connection refused".into()))
+    }
+    fn kind(&self) -> &'static str {
+        "down"
+    }
+}
+
+#[tokio::test]
+async fn r34_store_down_fails_the_session_rules_per_their_guard_policy() {
+    let mesh = TestMesh::start().await;
+    let down = SessionMemory::new(Arc::new(Down), Digester::random(), SessionLimits::default());
+    mesh.mesh.attach_sessions(Arc::new(down)).unwrap();
+    mesh.register(Registration::policy("flows", relaybleed()))
+        .await;
+    let c = mesh.coordinator().await;
+    let d = c
+        .evaluate_once("s", Batch::new(0).call("c", "email.send", "{}"))
+        .await
+        .unwrap();
+    let call = d.call("c").unwrap();
+    assert!(
+        matches!(&call.outcome, Outcome::Cancel { content } if content.contains("unavailable")),
+        "fail closed, never no history so proceed: {call:?}"
+    );
+    assert!(call.failure);
+    let error = &d.guard("flows").unwrap().error;
+    assert!(error.contains("session memory unavailable"), "{error}");
+    // fail_open: the guard is bypassed, and the decision says so.
+    mesh.register(
+        Registration::policy("flows", relaybleed()).failure_policy(FailurePolicy::FailOpen),
+    )
+    .await;
+    let d = c
+        .evaluate_once("s", Batch::new(1).call("c", "email.send", "{}"))
+        .await
+        .unwrap();
+    let call = d.call("c").unwrap();
+    assert!(proceeds(&call.outcome));
+    assert!(call.bypassed.contains(&"flows".to_owned()), "{call:?}");
+    mesh.shutdown().await;
+}
+
+/// R25: a policy that does not name `session` never touches the store (a
+/// store that is down changes nothing for it).
+#[tokio::test]
+async fn r34_policies_without_session_pay_nothing() {
+    let mesh = TestMesh::start().await;
+    let down = SessionMemory::new(Arc::new(Down), Digester::random(), SessionLimits::default());
+    mesh.mesh.attach_sessions(Arc::new(down)).unwrap();
+    let plain = "[[rule]]\nname='no-rm'\nwhen='call.tool == \"shell.rm\"'\naction='cancel'\nmessage='\"no\"'\n";
+    mesh.register(Registration::policy("plain", plain)).await;
+    let c = mesh.coordinator().await;
+    assert!(proceeds(&outcome(&c, "s", 0, "email.send", "{}").await));
+    let stats = mesh.mesh.sessions().stats();
+    assert_eq!(stats.reads.load(std::sync::atomic::Ordering::Relaxed), 0);
+    assert_eq!(stats.writes.load(std::sync::atomic::Ordering::Relaxed), 0);
+    mesh.shutdown().await;
+}
+
+/// A mesh replica whose registry and session memory are on etcd.
+async fn replica(
+    endpoints: Vec<String>,
+    prefix: &str,
+) -> (
+    TestMesh,
+    Arc<guardmesh_server::registry::etcd::EtcdRegistry>,
+) {
+    use guardmesh_server::registry::etcd::EtcdRegistry;
+    use guardmesh_server::session::etcd::EtcdStore;
+    let config = fast_config();
+    let registry = Arc::new(
+        EtcdRegistry::connect(
+            crate::etcd::cluster_settings(endpoints.clone(), prefix),
+            config.default_guard_timeout,
+        )
+        .await
+        .unwrap(),
+    );
+    let mesh = TestMesh::with_registry(config, registry.clone()).await;
+    let client = etcd_client::Client::connect(endpoints, None).await.unwrap();
+    let memory = SessionMemory::new(
+        Arc::new(EtcdStore::new(client, prefix)),
+        Digester::new(&[7u8; 32]).unwrap(),
+        SessionLimits::default(),
+    );
+    mesh.mesh.attach_sessions(Arc::new(memory)).unwrap();
+    (mesh, registry)
+}
+
+/// Two replicas, each on its own members of a 3-member etcd cluster: what
+/// one learns (calls that ran, a label, values seen) is enforced by the
+/// other at the session's next batch; with etcd gone, the session rules
+/// fail closed (R34, R13).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn r34_replicas_on_a_3_member_etcd_share_session_memory() {
+    let cluster = crate::etcd::Cluster::start().await;
+    let urls = cluster.urls();
+    let prefix = "/t/sessions/";
+    let (a, _ra) = replica(urls[..1].to_vec(), prefix).await;
+    let (b, rb) = replica(urls[1..].to_vec(), prefix).await;
+    let out = a
+        .registrar()
+        .await
+        .register(Registration::policy("flows", relaybleed()).build())
+        .await
+        .unwrap();
+    assert!(
+        rb.wait_for(out.revision, std::time::Duration::from_secs(15))
+            .await
+    );
+    let (ca, cb) = (a.coordinator().await, b.coordinator().await);
+    // Emails alternate between the replicas; the fourth is refused.
+    let mut took = Vec::new();
+    for turn in 0..3 {
+        let c = if turn % 2 == 0 { &ca } else { &cb };
+        let started = std::time::Instant::now();
+        assert!(
+            proceeds(&outcome(c, "s", turn, "email.send", "{}").await),
+            "email {turn}"
+        );
+        took.push(started.elapsed());
+    }
+    assert!(matches!(
+        outcome(&cb, "s", 3, "email.send", "{}").await,
+        Outcome::Cancel { .. }
+    ));
+    // A label set through A is enforced by B at the next batch.
+    let key = SessionKey::new("", "s");
+    let label = Update {
+        labels: vec!["secret:fs".into()],
+        ..Update::default()
+    };
+    a.mesh.sessions().record(&key, &label).await.unwrap();
+    assert!(matches!(
+        outcome(&cb, "s", 4, "http.get", r#"{"url":"https://example.com"}"#).await,
+        Outcome::Cancel { .. }
+    ));
+    // A value read through A (its result fed to A's hook) is followed on B.
+    let d = ca
+        .evaluate_once(
+            "s",
+            Batch::new(5).call("r1", "fs.read_file", r#"{"path":".env"}"#),
+        )
+        .await
+        .unwrap();
+    assert!(proceeds(&d.call("r1").unwrap().outcome));
+    let result =
+        r#"{"content":[{"type":"text","text":"TOKEN=ghp_abcdefghijklmnopqrstuv0123456789"}]}"#;
+    a.mesh
+        .sessions()
+        .result_seen(&key, "r1", "fs.read_file", "fs", result, &[])
+        .await
+        .unwrap();
+    let leak = r#"{"sql":"INSERT INTO t VALUES ('ghp_abcdefghijklmnopqrstuv0123456789')"}"#;
+    assert!(matches!(
+        outcome(&cb, "s", 6, "sqlite.query", leak).await,
+        Outcome::Cancel { .. }
+    ));
+    took.sort();
+    eprintln!(
+        "etcd session memory: {} batches, p50 {:?} (one read and one write per batch)",
+        took.len(),
+        took[took.len() / 2]
+    );
+    // etcd gone: B still judges with its chain (within its staleness
+    // window) but cannot read the session: its rules fail closed.
+    drop(cluster);
+    let d = cb
+        .evaluate_once("s", Batch::new(7).call("c", "email.send", "{}"))
+        .await;
+    match d {
+        Ok(d) => {
+            let call = d.call("c").unwrap();
+            assert!(
+                matches!(call.outcome, Outcome::Cancel { .. }) && call.failure,
+                "{call:?}"
+            );
+        }
+        // Or the replica already refuses its stale chain (R17).
+        Err(e) => assert_eq!(e.code(), Some(tonic::Code::Unavailable), "{e}"),
+    }
+    a.shutdown().await;
+    b.shutdown().await;
+}
+
+/// R25: a flood of sessions, each filled past its bounds, leaves a real
+/// `guardmesh serve` within its bounds: at most 256 sessions of 16 KiB.
+/// The flood sends 32 000 calls in 500 sessions (bounded in time on a
+/// debug build; 4000 sessions, 256 000 calls, measured 47 MiB before and
+/// after).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn r25_a_flood_of_sessions_keeps_serve_within_its_bounds() {
+    let dir = std::env::temp_dir().join(format!("guardmesh-sessions-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let policy = dir.join("flows.toml");
+    std::fs::write(&policy, relaybleed()).unwrap();
+    let config = format!(
+        "[sessions]\nmax_sessions = 256\nmax_sessions_per_identity = 256\n\n\
+         [[guard]]\nname = \"flows\"\npolicy = {:?}\n",
+        policy.display().to_string()
+    );
+    let mesh = MeshProcess::start("sessions-flood", &config, None).await;
+    let c = Coordinator::connect(mesh.url.clone()).await.unwrap();
+    let batch = |s: usize| {
+        (0..64).fold(Batch::new(0), |b, i| {
+            b.call(
+                format!("call-{s}-{i}"),
+                "email.send",
+                format!(r#"{{"to":"user{s}@example.com","n":{i}}}"#),
+            )
+        })
+    };
+    // Warm up: the allocator's and the runtime's own first use.
+    for s in 0..300 {
+        c.evaluate_once(&format!("warm-{s}"), batch(s))
+            .await
+            .unwrap();
+    }
+    let (before, _) = mesh.memory_mib();
+    let sessions = 500;
+    let mut done = 0;
+    while done < sessions {
+        let round: Vec<_> = (done..(done + 8).min(sessions))
+            .map(|s| {
+                let c = c.clone();
+                async move { c.evaluate_once(&format!("s-{s}"), batch(s)).await }
+            })
+            .collect();
+        for d in futures::future::join_all(round).await {
+            d.unwrap();
+        }
+        done += 8;
+    }
+    let (after, peak) = mesh.memory_mib();
+    eprintln!("sessions flood: RSS {before} MiB before, {after} MiB after, peak {peak} MiB");
+    assert!(
+        after <= before + 24,
+        "RSS grew from {before} to {after} MiB under a bounded session memory"
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}
