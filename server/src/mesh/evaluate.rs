@@ -34,13 +34,14 @@ impl Mesh {
                     batch_id: request.batch_id.clone(),
                 };
                 let phase = Phase::Results(results.clone());
-                record
-                    .emit(self.pass_phase(request, deadline, trace, phase).await)
-                    .map(|decision| {
+                match record.emit(self.pass_phase(request, deadline, trace, phase).await) {
+                    Ok(decision) => {
                         let decision = results.answer(decision);
-                        self.results_read(&by, &decision);
-                        decision
-                    })
+                        self.results_read(&by, &decision).await;
+                        Ok(decision)
+                    }
+                    Err(status) => Err(status),
+                }
             }
             Err(refusal) => record.emit(Outcome::refused(refusal.into())),
         }

@@ -54,8 +54,37 @@ impl crate::Mesh {
         self.result_reads.set(reads).is_ok()
     }
 
-    /// Offers the result decisions of `decision` to the hook, if any.
-    pub(crate) fn results_read(&self, by: &ReadBy, decision: &guardmesh_proto::v1::BatchDecision) {
+    /// Hands the result decisions of `decision` on: session memory
+    /// remembers what the model reads (R34: digests of its values, in the
+    /// caller's session), and the hook, if any, is told of each.
+    pub(crate) async fn results_read(
+        &self,
+        by: &ReadBy,
+        decision: &guardmesh_proto::v1::BatchDecision,
+    ) {
+        if !by.session_id.is_empty() {
+            let key = crate::session::SessionKey::new(
+                by.caller.as_deref().unwrap_or_default(),
+                by.session_id.as_str(),
+            );
+            for result in &decision.results {
+                let (tool, server) = result
+                    .original
+                    .as_ref()
+                    .map_or(("", ""), |o| (o.tool.as_str(), o.server.as_str()));
+                if let Err(error) = self
+                    .sessions()
+                    .result_seen(&key, &result.call_id, tool, server, &result.result, &[])
+                    .await
+                {
+                    tracing::warn!(
+                        %error,
+                        call_id = %result.call_id,
+                        "a result read was not remembered in its session"
+                    );
+                }
+            }
+        }
         let Some(reads) = self.result_reads.get() else {
             return;
         };

@@ -284,7 +284,10 @@ impl PreTool {
         let outcome = self.mesh.pass_phase(batch, deadline, trace, phase).await;
         // R29: recorded before the answer leaves.
         let mesh = &self.mesh;
-        record.finish(outcome).await.map(|d| answer.answer(mesh, d))
+        match record.finish(outcome).await {
+            Ok(d) => Ok(answer.answer(mesh, d).await),
+            Err(status) => Err(status),
+        }
     }
 }
 
@@ -318,12 +321,12 @@ impl AnswerPhase {
 
     /// The answer; a result's decision is handed on to the mesh's hook
     /// (`mesh/results.rs`) once recorded, before the answer leaves.
-    fn answer(&self, mesh: &Mesh, decision: BatchDecision) -> BatchDecision {
+    async fn answer(&self, mesh: &Mesh, decision: BatchDecision) -> BatchDecision {
         match self {
             Self::Calls => decision,
             Self::Results(results, by) => {
                 let decision = results.answer(decision);
-                mesh.results_read(by, &decision);
+                mesh.results_read(by, &decision).await;
                 decision
             }
         }
@@ -622,7 +625,7 @@ impl StreamLoop {
                 Ok(decision) => EvaluateResponse {
                     batch_id,
                     result: Some(evaluate_response::Result::Decision(
-                        answer.answer(&mesh, decision),
+                        answer.answer(&mesh, decision).await,
                     )),
                 },
                 Err(status) => error_response(batch_id, &status),
