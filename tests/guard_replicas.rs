@@ -156,7 +156,8 @@ async fn r32_requests_spread_evenly_over_three_python_replicas() {
                 r#"guardmesh_guard_replica_requests_total{{guard="nd",replica="{}"}}"#,
                 urls[0]
             )
-        ) >= (even * 3 / 4) as f64
+        ) >= (even * 13 / 20) as f64,
+        "the replica metric counts what the first replica judged (35% bound, as above)"
     );
 }
 
