@@ -403,13 +403,7 @@ class Session(_SessionBase):
         normalized, request = self._request(calls, model_text, turn_index, batch_id)
         if not normalized:
             return BatchResult(request.batch_id, ())
-        coordinator = self._coordinator
-        try:
-            answer = coordinator._stub.EvaluateBatch(
-                request, timeout=timeout or self.timeout or coordinator.timeout,
-                metadata=coordinator.credentials.metadata())
-        except grpc.RpcError as err:
-            raise BatchRefused(err.code(), err.details() or "") from None
+        answer = self._evaluate_batch(request, timeout)
         return _result(request.batch_id, normalized, answer)
 
     def evaluate_results(self, results: Sequence[ToolResultLike], *,
@@ -423,14 +417,20 @@ class Session(_SessionBase):
         normalized, request = self._results_request(results, batch_id)
         if not normalized:
             return BatchResult(request.batch_id, ())
+        answer = self._evaluate_batch(request, timeout)
+        return _results_answer(request.batch_id, normalized, answer)
+
+    def _evaluate_batch(self, request: pb.EvaluateRequest,
+                        timeout: Optional[float]) -> pb.BatchDecision:
+        """One ``EvaluateBatch`` call; a gRPC error is the batch refused."""
         coordinator = self._coordinator
         try:
-            answer = coordinator._stub.EvaluateBatch(
+            answer: pb.BatchDecision = coordinator._stub.EvaluateBatch(
                 request, timeout=timeout or self.timeout or coordinator.timeout,
                 metadata=coordinator.credentials.metadata())
         except grpc.RpcError as err:
             raise BatchRefused(err.code(), err.details() or "") from None
-        return _results_answer(request.batch_id, normalized, answer)
+        return answer
 
 
 class Coordinator:
