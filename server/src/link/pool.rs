@@ -1,10 +1,14 @@
 //! A guard's replicas as one guard (R32): a [`GuardLink`] per replica, a
 //! replica chosen per request by load, failover before failure policy.
 //!
-//! The pool follows a [`Replicas`] watch (a fixed list, or what a DNS or
-//! registry source publishes): a new target gets a link of its own, a
-//! target that left gets no new requests and its link closes once the
-//! requests in flight on it have ended (the link is held by them).
+//! The pool follows a [`Replicas`] watch: a registered guard's pool
+//! ([`GuardPool::registered`]) follows the union of its sources
+//! ([`GuardSources`]: each registered target, a DNS name's addresses, the
+//! heartbeat-announced replicas), which a new registration relists. A new
+//! target gets a link of its own, a target that left gets no new requests
+//! and its link closes once the requests in flight on it have ended (the
+//! link is held by them). A replica of a name that fails to connect asks
+//! the name to be resolved again.
 //!
 //! **Choice**: power of two choices, by cost. Two replicas are drawn at
 //! random among those that are not ejected and whose link is not down, and
@@ -588,9 +592,16 @@ impl Inner {
         // A replica of a name that cannot be reached may have moved: the
         // name is resolved again (at most once a gap) rather than at the
         // next interval.
-        if let (Some(name), GuardFailure::Unreachable(_) | GuardFailure::StreamClosed) =
-            (&replica.registered, failure)
-        {
+        let connection = matches!(
+            failure,
+            GuardFailure::Unreachable(_)
+                | GuardFailure::StreamClosed
+                | GuardFailure::Status {
+                    code: tonic::Code::Unavailable,
+                    ..
+                }
+        );
+        if let (true, Some(name)) = (connection, &replica.registered) {
             let handle = self
                 .resolvers
                 .lock()

@@ -145,3 +145,115 @@ impl GuardSources {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::link::discover::ReplicaTarget;
+    use futures::future::BoxFuture;
+    use std::net::IpAddr;
+    use std::sync::atomic::{AtomicU64, Ordering};
+    use tokio::sync::watch;
+
+    /// Resolves every name to 127.0.0.2 and 127.0.0.3, counting lookups.
+    struct Two(AtomicU64);
+
+    impl Resolve for Two {
+        fn lookup<'a>(&'a self, _: &'a str, _: u16) -> BoxFuture<'a, std::io::Result<Vec<IpAddr>>> {
+            self.0.fetch_add(1, Ordering::Relaxed);
+            Box::pin(async {
+                Ok(vec![
+                    "127.0.0.3".parse().unwrap(),
+                    "127.0.0.2".parse().unwrap(),
+                ])
+            })
+        }
+    }
+
+    fn endpoints(rx: &Replicas) -> Vec<String> {
+        rx.borrow().iter().map(|t| t.endpoint.clone()).collect()
+    }
+
+    async fn until(rx: &mut Replicas, want: &[&str]) {
+        for _ in 0..50 {
+            if endpoints(rx) == want {
+                return;
+            }
+            let _ = tokio::time::timeout(Duration::from_secs(1), rx.changed()).await;
+        }
+        assert_eq!(endpoints(rx), want);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn r32_a_guard_is_its_targets_its_names_addresses_and_its_announced_replicas() {
+        let resolver = Arc::new(Two(AtomicU64::new(0)));
+        let (heartbeats, announced) =
+            watch::channel::<Arc<[ReplicaTarget]>>(Arc::from(vec![ReplicaTarget::new(
+                "http://127.0.0.7:1",
+            )]));
+        let mut sources = GuardSources::new(
+            "g",
+            Some(NameSettings {
+                policy: Arc::new(EndpointPolicy::default()),
+                interval: Duration::from_secs(3600),
+                resolver: resolver.clone(),
+            }),
+            Some(announced),
+        );
+        let mut rx = sources.relist(&[
+            "http://guard.test:1".to_string(),
+            "http://127.0.0.9:1".to_string(),
+        ]);
+        // Not blocked on the resolution: the name itself first.
+        assert_eq!(
+            endpoints(&rx),
+            [
+                "http://guard.test:1",
+                "http://127.0.0.9:1",
+                "http://127.0.0.7:1"
+            ]
+        );
+        until(
+            &mut rx,
+            &[
+                "http://127.0.0.2:1",
+                "http://127.0.0.3:1",
+                "http://127.0.0.9:1",
+                "http://127.0.0.7:1",
+            ],
+        )
+        .await;
+        let first = rx.borrow()[0].clone();
+        assert_eq!(first.registered.as_deref(), Some("http://guard.test:1"));
+        assert_eq!(rx.borrow()[2].registered, None);
+        assert!(sources.resolver("http://guard.test:1").is_some());
+        assert!(sources.resolver("http://127.0.0.9:1").is_none());
+        assert_eq!(resolver.0.load(Ordering::Relaxed), 1);
+        // A new list without the address: the name's addresses and the
+        // announced replicas are there at once, the name not resolved anew.
+        let rx = sources.relist(&["http://guard.test:1".to_string()]);
+        assert_eq!(
+            endpoints(&rx),
+            [
+                "http://127.0.0.2:1",
+                "http://127.0.0.3:1",
+                "http://127.0.0.7:1"
+            ]
+        );
+        assert_eq!(sources.registered(), ["http://guard.test:1"]);
+        assert_eq!(resolver.0.load(Ordering::Relaxed), 1);
+        // The announced replicas follow their source in the new union.
+        let mut rx = rx;
+        heartbeats.send_replace(Arc::from(Vec::new()));
+        until(&mut rx, &["http://127.0.0.2:1", "http://127.0.0.3:1"]).await;
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn r32_without_name_settings_a_name_is_one_replica_dialed_as_written() {
+        let mut sources = GuardSources::new("g", None, None);
+        let rx = sources.relist(&["http://guard.test:1".to_string()]);
+        tokio::time::sleep(Duration::from_secs(5)).await;
+        assert_eq!(endpoints(&rx), ["http://guard.test:1"]);
+        assert_eq!(rx.borrow()[0].registered, None);
+    }
+}
