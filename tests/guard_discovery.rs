@@ -9,6 +9,8 @@
 //! mount namespace (`unshare -m`) whose `/etc/hosts` is a file the test
 //! writes, so the test owns the name without touching the machine's.
 
+use crate::harness::*;
+use guardmesh_client::{Batch, Registration};
 use guardmesh_server::link::dial::EndpointPolicy;
 use guardmesh_server::link::discover::dns::{SystemResolver, watch_endpoint};
 use guardmesh_server::link::discover::{Replicas, union};
@@ -40,6 +42,254 @@ async fn until(rx: &mut Replicas, want: &[&str], what: &str) {
         );
         let _ = tokio::time::timeout(left, rx.changed()).await;
     }
+}
+
+/// Runs the ignored test `child` of this binary in a private mount
+/// namespace whose `/etc/hosts` is a file of the test's (its path in
+/// [`CHILD_HOSTS`]); the child prints `marker` when it passed.
+fn run_in_namespace(child: &str, marker: &str) {
+    let dir = std::env::temp_dir().join(format!(
+        "guardmesh-discovery-{}-{}",
+        std::process::id(),
+        rand::random::<u32>()
+    ));
+    std::fs::create_dir_all(&dir).unwrap();
+    let hosts = dir.join("hosts");
+    std::fs::write(&hosts, "").unwrap();
+    let exe = std::env::current_exe().unwrap();
+    let script = format!(
+        "mount --bind '{}' /etc/hosts && exec '{}' {child} --exact \
+         --include-ignored --test-threads=1 --nocapture",
+        hosts.display(),
+        exe.display()
+    );
+    let output = Command::new("unshare")
+        .args(["-m", "sh", "-c", &script])
+        .env(CHILD_HOSTS, &hosts)
+        .output()
+        .expect("unshare");
+    let _ = std::fs::remove_dir_all(&dir);
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(
+        output.status.success() && stdout.contains(marker),
+        "the child in its own mount namespace failed: {}\n{stdout}\n{stderr}",
+        output.status
+    );
+    // What the child measured.
+    for line in stderr.lines().filter(|l| l.starts_with("MEASURED ")) {
+        eprintln!("{line}");
+    }
+}
+
+/// Serves a proceeding script guard on `ip`:`port` (port 0: any); `None`
+/// when that port is taken on `ip`.
+async fn guard_on(ip: &str, port: u16) -> Option<TestGuard> {
+    let listener = tokio::net::TcpListener::bind((ip, port)).await.ok()?;
+    Some(serve_script_guard(listener, |_| Script::default()).await)
+}
+
+fn port_of(url: &str) -> u16 {
+    url.rsplit(':').next().unwrap().parse().unwrap()
+}
+
+/// Sends `total` one-call batches from `workers` concurrent sessions; the
+/// replicas that judged them for guard `guard` (trace entries), counted,
+/// and the decisions that were not a plain proceed (a failure included).
+async fn judged_by(
+    mesh: &TestMesh,
+    guard: &str,
+    workers: usize,
+    total: usize,
+) -> (std::collections::HashMap<String, usize>, usize) {
+    let next = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let mut tasks = Vec::new();
+    for worker in 0..workers {
+        let session = mesh
+            .coordinator()
+            .await
+            .session(format!("w{worker}"))
+            .await
+            .unwrap();
+        let next = next.clone();
+        let guard = guard.to_owned();
+        tasks.push(tokio::spawn(async move {
+            let mut seen = Vec::new();
+            loop {
+                let round = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                if round >= total {
+                    return seen;
+                }
+                let d = session
+                    .evaluate(
+                        Batch::new(u32::try_from(round).unwrap())
+                            .call("c", "t", "{}")
+                            .timeout(Duration::from_secs(10)),
+                    )
+                    .await
+                    .expect("a decision");
+                let ok = d.calls.len() == 1 && d.calls[0].proceeds() && !d.calls[0].failure;
+                let replica = d
+                    .trace
+                    .iter()
+                    .find(|t| t.guard == guard)
+                    .map(|t| t.replica.clone())
+                    .unwrap_or_default();
+                seen.push((replica, ok));
+            }
+        }));
+    }
+    let mut counts = std::collections::HashMap::new();
+    let mut wrong = 0;
+    for task in tasks {
+        for (replica, ok) in task.await.unwrap() {
+            *counts.entry(replica).or_default() += 1;
+            wrong += usize::from(!ok);
+        }
+    }
+    (counts, wrong)
+}
+
+/// The live replicas of the chain's guard `guard`.
+fn live(mesh: &TestMesh, guard: &str) -> Vec<String> {
+    mesh.mesh
+        .chain()
+        .guards
+        .iter()
+        .find(|g| g.guard.name == guard)
+        .and_then(|g| g.link.as_ref())
+        .map(|pool| pool.endpoints())
+        .unwrap_or_default()
+}
+
+async fn until_live(mesh: &TestMesh, guard: &str, want: &[String], what: &str) {
+    let deadline = Instant::now() + Duration::from_secs(20);
+    let mut want = want.to_vec();
+    want.sort();
+    let sorted = || {
+        let mut have = live(mesh, guard);
+        have.sort();
+        have
+    };
+    while sorted() != want {
+        assert!(
+            Instant::now() < deadline,
+            "{what}: have {:?}, want {want:?}",
+            sorted()
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// A mesh whose guard is registered by a name resolving to two loopback
+/// addresses, a real guard on each: batches are judged by both replicas;
+/// one address removed from the hosts file, after the re-resolution
+/// interval only the other judges (R32). A name resolving to 127.0.0.1 and
+/// ::1 with a guard listening on 127.0.0.1 only: every batch is judged
+/// there, no call fails (the refusing address is ejected and its requests
+/// fail over).
+#[test]
+fn r32_a_mesh_follows_a_dns_name_over_real_guards() {
+    run_in_namespace("guard_discovery::dns_mesh_child", "DNS-MESH-CHILD-PASSED");
+}
+
+const DUAL: &str = "dual.guardmesh.test";
+
+/// The body of the mesh DNS test, run only as the child above.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "run by r32_a_mesh_follows_a_dns_name_over_real_guards"]
+async fn dns_mesh_child() {
+    let Ok(hosts) = std::env::var(CHILD_HOSTS) else {
+        return;
+    };
+    // Two guards on one port, on 127.0.0.2 and 127.0.0.3.
+    let mut pair = None;
+    for _ in 0..20 {
+        let a = guard_on("127.0.0.2", 0).await.unwrap();
+        if let Some(b) = guard_on("127.0.0.3", port_of(&a.url)).await {
+            pair = Some((a, b));
+            break;
+        }
+    }
+    let (a, b) = pair.expect("one free port on 127.0.0.2 and 127.0.0.3");
+    let port = port_of(&a.url);
+    // A guard on 127.0.0.1 only, for the dual-family name.
+    let single = guard_on("127.0.0.1", 0).await.unwrap();
+    let dual_port = port_of(&single.url);
+    let write = |ips: &[&str]| {
+        let mut text: String = ips.iter().map(|ip| format!("{ip} {NAME}\n")).collect();
+        text.push_str(&format!("127.0.0.1 {DUAL}\n::1 {DUAL}\n"));
+        std::fs::write(&hosts, text).unwrap();
+    };
+    write(&["127.0.0.2", "127.0.0.3"]);
+
+    let mut config = fast_config();
+    config.link.resolve_interval = Duration::from_secs(1);
+    let mesh = TestMesh::with_config(config).await;
+    mesh.register(Registration::validate("g", format!("http://{NAME}:{port}")))
+        .await;
+    let (ra, rb) = (
+        format!("http://127.0.0.2:{port}"),
+        format!("http://127.0.0.3:{port}"),
+    );
+    until_live(
+        &mesh,
+        "g",
+        &[ra.clone(), rb.clone()],
+        "the name's two addresses",
+    )
+    .await;
+    let (counts, wrong) = judged_by(&mesh, "g", 8, 200).await;
+    eprintln!("MEASURED two addresses: {counts:?}");
+    assert_eq!(wrong, 0, "{counts:?}");
+    for replica in [&ra, &rb] {
+        let n = counts.get(replica.as_str()).copied().unwrap_or(0);
+        assert!(n >= 20, "{replica} judged {n} of 200: {counts:?}");
+    }
+    assert!(a.guard.requests() >= 20 && b.guard.requests() >= 20);
+
+    // 127.0.0.3 leaves the name: after the interval, only 127.0.0.2 judges.
+    write(&["127.0.0.2"]);
+    until_live(&mesh, "g", std::slice::from_ref(&ra), "re-resolved").await;
+    let before = b.guard.requests();
+    let (counts, wrong) = judged_by(&mesh, "g", 8, 100).await;
+    eprintln!("MEASURED one address: {counts:?}");
+    assert_eq!(wrong, 0, "{counts:?}");
+    assert_eq!(counts.get(ra.as_str()), Some(&100), "{counts:?}");
+    assert_eq!(
+        b.guard.requests(),
+        before,
+        "the removed address got a request"
+    );
+
+    // A name on 127.0.0.1 and ::1, a guard on 127.0.0.1 only: two
+    // replicas, one refusing; no call fails and 127.0.0.1 judges them all.
+    mesh.register(Registration::validate(
+        "h",
+        format!("http://{DUAL}:{dual_port}"),
+    ))
+    .await;
+    let (v4, v6) = (
+        format!("http://127.0.0.1:{dual_port}"),
+        format!("http://[::1]:{dual_port}"),
+    );
+    until_live(&mesh, "h", &[v4.clone(), v6.clone()], "both families").await;
+    let (counts, wrong) = judged_by(&mesh, "h", 8, 200).await;
+    let failovers = metric(
+        &mesh,
+        &format!("guardmesh_guard_replica_failovers_total{{guard=\"h\",replica=\"{v6}\"}}"),
+    );
+    let ejections = metric(
+        &mesh,
+        &format!("guardmesh_guard_replica_ejections_total{{guard=\"h\",replica=\"{v6}\"}}"),
+    );
+    eprintln!(
+        "MEASURED 127.0.0.1 and ::1, a guard on 127.0.0.1: {counts:?}; ::1 ejected {ejections} times, \
+         {failovers} requests failed over"
+    );
+    assert_eq!(wrong, 0, "no call fails: {counts:?}");
+    assert_eq!(counts.get(v4.as_str()), Some(&200), "{counts:?}");
+    println!("DNS-MESH-CHILD-PASSED");
 }
 
 /// A name resolving to three loopback addresses is three replicas;
@@ -290,5 +540,107 @@ async fn r32_heartbeat_replicas_leave_with_their_own_lease_only() {
         1,
         "liveness never removes policy"
     );
+    let _ = std::fs::remove_dir_all(dir);
+}
+
+/// A mesh on a real 3-member etcd cluster whose guard is registered at one
+/// address and has three more replicas announced by three `guardmesh
+/// heartbeat --replica` processes, a real guard behind each: batches reach
+/// the announced replicas; a heartbeat killed with SIGKILL, its replica
+/// gets no more batches once its lease lapses, and the others keep judging
+/// (R32, R15).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn r32_a_mesh_sends_to_heartbeat_replicas_and_stops_with_their_lease() {
+    use guardmesh_server::registry::etcd::EtcdRegistry;
+    let cluster = crate::etcd::Cluster::start().await;
+    let mut config = crate::etcd::cluster_settings(cluster.urls(), "/t/discovery-mesh");
+    config.lease_ttl = Duration::from_secs(2);
+    let registry = Arc::new(
+        EtcdRegistry::connect(config, Duration::from_secs(2))
+            .await
+            .unwrap(),
+    );
+    let mesh = TestMesh::with_registry(fast_config(), registry.clone()).await;
+    let mut guards = Vec::new();
+    for _ in 0..4 {
+        guards.push(guard_on("127.0.0.1", 0).await.unwrap());
+    }
+    let urls: Vec<String> = guards.iter().map(|g| g.url.clone()).collect();
+    mesh.register(Registration::validate("g", &urls[0])).await;
+
+    let dir = std::env::temp_dir().join(format!(
+        "guardmesh-discovery-mesh-{}-{}",
+        std::process::id(),
+        rand::random::<u32>()
+    ));
+    std::fs::create_dir_all(&dir).unwrap();
+    let file = dir.join("mesh.toml");
+    let endpoints_toml: Vec<String> = cluster.urls().iter().map(|u| format!("\"{u}\"")).collect();
+    std::fs::write(
+        &file,
+        format!(
+            "[registry]\nkind = \"etcd\"\nendpoints = [{}]\nprefix = \"/t/discovery-mesh\"\n\
+             heartbeat_interval_ms = 200\nlease_ttl_s = 2\n",
+            endpoints_toml.join(", ")
+        ),
+    )
+    .unwrap();
+    let beat = |replica: &str| {
+        Command::new(env!("CARGO_BIN_EXE_guardmesh"))
+            .args(["heartbeat", "--name", "g", "--config"])
+            .arg(&file)
+            .args(["--replica", replica])
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap()
+    };
+    let mut beats = Heartbeats(urls[1..].iter().map(|u| beat(u)).collect());
+    until_live(
+        &mesh,
+        "g",
+        &urls,
+        "the registered replica and three announced",
+    )
+    .await;
+
+    let (counts, wrong) = judged_by(&mesh, "g", 8, 200).await;
+    eprintln!("registered + 3 announced: {counts:?}");
+    assert_eq!(wrong, 0, "{counts:?}");
+    for url in &urls {
+        let n = counts.get(url.as_str()).copied().unwrap_or(0);
+        assert!(n >= 10, "{url} judged {n} of 200: {counts:?}");
+    }
+
+    // kill -9 the heartbeat of the second announced replica.
+    let mut killed = beats.0.remove(1);
+    killed.kill().unwrap();
+    killed.wait().unwrap();
+    let gone = urls[2].clone();
+    let kept: Vec<String> = urls.iter().filter(|u| **u != gone).cloned().collect();
+    until_live(
+        &mesh,
+        "g",
+        &kept,
+        "only the killed heartbeat's replica leaves",
+    )
+    .await;
+    let before = guards[2].guard.requests();
+    let (counts, wrong) = judged_by(&mesh, "g", 8, 150).await;
+    eprintln!("after one heartbeat was killed: {counts:?}");
+    assert_eq!(wrong, 0, "{counts:?}");
+    assert_eq!(
+        guards[2].guard.requests(),
+        before,
+        "the left replica got a batch"
+    );
+    assert!(!counts.contains_key(gone.as_str()), "{counts:?}");
+    for url in &kept {
+        assert!(
+            counts.get(url.as_str()).copied().unwrap_or(0) >= 10,
+            "{url}: {counts:?}"
+        );
+    }
+    drop(beats);
     let _ = std::fs::remove_dir_all(dir);
 }

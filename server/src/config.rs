@@ -1346,6 +1346,7 @@ impl Config {
                 keepalive_timeout: Duration::from_millis(self.guard_links.keepalive_timeout_ms),
                 dead_peer_timeout: Duration::from_millis(self.guard_links.dead_peer_timeout_ms),
                 max_queued_bytes: self.guard_links.max_queued_bytes,
+                resolve_interval: self.guard_links.resolve_interval(),
                 ..LinkConfig::default()
             },
             security: MeshConfig::default().security,

@@ -14,6 +14,7 @@ use std::sync::Arc;
 use tokio::sync::watch;
 
 pub mod dns;
+pub mod sources;
 
 /// One replica the mesh may send a guard's requests to.
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
@@ -21,12 +22,27 @@ pub struct ReplicaTarget {
     /// What is dialed, in the form a single-address registration's
     /// `endpoint` takes (`http://host:port`, `https://host:port`).
     pub endpoint: String,
+    /// The registered endpoint this target was found from, when that is a
+    /// DNS name (the name's own endpoint, or one of its addresses): over
+    /// TLS the replica must present that name (or the pinned identity),
+    /// and a failed connection to it asks the name to be resolved again.
+    /// `None` for an address as registered or announced.
+    pub registered: Option<String>,
 }
 
 impl ReplicaTarget {
     pub fn new(endpoint: impl Into<String>) -> Self {
         Self {
             endpoint: endpoint.into(),
+            registered: None,
+        }
+    }
+
+    /// A target found from the registered name endpoint `registered`.
+    pub fn of_name(endpoint: impl Into<String>, registered: impl Into<String>) -> Self {
+        Self {
+            endpoint: endpoint.into(),
+            registered: Some(registered.into()),
         }
     }
 }

@@ -248,6 +248,9 @@ pub struct LinkConfig {
     /// once, per its failure policy. A request is always admitted to an
     /// empty queue, whatever its size.
     pub max_queued_bytes: usize,
+    /// How often a guard endpoint that is a DNS name is resolved again for
+    /// its replicas (R32); a failed connection to one of them asks sooner.
+    pub resolve_interval: Duration,
     /// How links reach their guards. `None` (the default): each guard's
     /// endpoint over gRPC ([`GrpcTransport`]) with the mesh's connector.
     /// Tests put an in-memory guard here ([`scripted`]).
@@ -274,6 +277,7 @@ impl Default for LinkConfig {
             keepalive_timeout: Duration::from_secs(20),
             dead_peer_timeout: Duration::from_secs(30),
             max_queued_bytes: 16 * 1024 * 1024,
+            resolve_interval: crate::link::discover::dns::DEFAULT_RESOLVE_INTERVAL,
             transport: None,
         }
     }

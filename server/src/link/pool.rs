@@ -1,10 +1,14 @@
 //! A guard's replicas as one guard (R32): a [`GuardLink`] per replica, a
 //! replica chosen per request by load, failover before failure policy.
 //!
-//! The pool follows a [`Replicas`] watch (a fixed list, or what a DNS or
-//! registry source publishes): a new target gets a link of its own, a
-//! target that left gets no new requests and its link closes once the
-//! requests in flight on it have ended (the link is held by them).
+//! The pool follows a [`Replicas`] watch: a registered guard's pool
+//! ([`GuardPool::registered`]) follows the union of its sources
+//! ([`GuardSources`]: each registered target, a DNS name's addresses, the
+//! heartbeat-announced replicas), which a new registration relists. A new
+//! target gets a link of its own, a target that left gets no new requests
+//! and its link closes once the requests in flight on it have ended (the
+//! link is held by them). A replica of a name that fails to connect asks
+//! the name to be resolved again.
 //!
 //! **Choice**: power of two choices, by cost. Two replicas are drawn at
 //! random among those that are not ejected and whose link is not down, and
@@ -52,6 +56,8 @@
 //! replica set is a `tokio::sync::watch`, which is what tower's `discover`
 //! change stream would be fed from.
 
+use super::discover::dns::ResolveHandle;
+use super::discover::sources::GuardSources;
 use super::discover::{ReplicaTarget, Replicas};
 use super::{GuardFailure, GuardLink, LinkEvent, NotSent, Report};
 use crate::observe::metrics::Metrics;
@@ -63,7 +69,7 @@ use std::collections::HashMap;
 use std::sync::atomic::{AtomicU32, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, PoisonError, Weak};
 use std::time::Duration;
-use tokio::sync::{mpsc, watch};
+use tokio::sync::mpsc;
 use tokio::time::Instant;
 
 /// Opens the link to one replica.
@@ -86,6 +92,8 @@ const EWMA_WEIGHT: f64 = 0.1;
 /// One replica: its link and its load.
 struct Replica {
     endpoint: Arc<str>,
+    /// The registered name it was found from ([`ReplicaTarget::registered`]).
+    registered: Option<Arc<str>>,
     link: GuardLink,
     /// Requests sent to it and not yet answered, failed or withdrawn.
     outstanding: AtomicUsize,
@@ -177,6 +185,12 @@ struct Inner {
     metrics: Arc<Metrics>,
     state: Mutex<State>,
     next_id: AtomicU64,
+    /// Which watch of the replica set the pool follows now: a set read
+    /// from an older one (replaced by [`GuardPool::relist`]) is not applied.
+    generation: AtomicU64,
+    /// The handles that ask a registered name to be resolved again, by
+    /// registered endpoint. A leaf lock: nothing else is taken under it.
+    resolvers: Mutex<HashMap<String, ResolveHandle>>,
 }
 
 /// What a failed request's replica failure means for the pool: whether
@@ -198,9 +212,12 @@ pub fn fails_over(failure: &GuardFailure) -> bool {
 /// A guard's replicas, one link each (R32).
 pub struct GuardPool {
     inner: Arc<Inner>,
-    follow: Option<tokio::task::AbortHandle>,
-    /// The set, when the pool was given a list ([`Self::listed`]).
-    list: Option<watch::Sender<Arc<[ReplicaTarget]>>>,
+    follow: Mutex<Option<tokio::task::AbortHandle>>,
+    /// The registration's sources, when the pool was given a list
+    /// ([`Self::listed`], [`Self::registered`]).
+    sources: Option<Mutex<GuardSources>>,
+    /// The identity the registration pins (`server_identity`).
+    identity: Option<String>,
 }
 
 impl std::fmt::Debug for GuardPool {
@@ -214,7 +231,11 @@ impl std::fmt::Debug for GuardPool {
 
 impl Drop for GuardPool {
     fn drop(&mut self) {
-        if let Some(follow) = &self.follow {
+        let follow = self
+            .follow
+            .get_mut()
+            .unwrap_or_else(PoisonError::into_inner);
+        if let Some(follow) = follow.take() {
             follow.abort();
         }
     }
@@ -224,28 +245,55 @@ impl GuardPool {
     /// A pool that follows `replicas`, opening each replica's link with
     /// `spawn`. Must be called within a tokio runtime.
     pub fn new(name: &str, replicas: Replicas, spawn: SpawnLink, metrics: Arc<Metrics>) -> Self {
-        Self::start(name, replicas, spawn, metrics, None)
+        let pool = Self::start(name, spawn, metrics, None, None);
+        pool.follow(replicas);
+        pool
     }
 
-    /// A pool over a list the owner changes with [`Self::relist`] (a
-    /// registration's replicas).
+    /// A pool over a list the owner changes with [`Self::relist`], each
+    /// entry one replica dialed as written.
     pub fn listed(
         name: &str,
         endpoints: impl IntoIterator<Item = String>,
         spawn: SpawnLink,
         metrics: Arc<Metrics>,
     ) -> Self {
-        let targets: Arc<[ReplicaTarget]> = endpoints.into_iter().map(ReplicaTarget::new).collect();
-        let (tx, rx) = watch::channel(targets);
-        Self::start(name, rx, spawn, metrics, Some(tx))
+        Self::registered(
+            name,
+            endpoints,
+            GuardSources::new(name, None, None),
+            None,
+            spawn,
+            metrics,
+        )
+    }
+
+    /// A registered guard's pool (R32): it follows `sources` (each
+    /// registered target, a name's addresses, the heartbeat-announced
+    /// replicas) with the registered list `endpoints`, which the owner
+    /// changes with [`Self::relist`]. `identity`: the registration's
+    /// pinned identity ([`Self::identity`]). Must be called within a tokio
+    /// runtime.
+    pub fn registered(
+        name: &str,
+        endpoints: impl IntoIterator<Item = String>,
+        sources: GuardSources,
+        identity: Option<String>,
+        spawn: SpawnLink,
+        metrics: Arc<Metrics>,
+    ) -> Self {
+        let endpoints: Vec<String> = endpoints.into_iter().collect();
+        let pool = Self::start(name, spawn, metrics, Some(sources), identity);
+        pool.relist(&endpoints);
+        pool
     }
 
     fn start(
         name: &str,
-        mut replicas: Replicas,
         spawn: SpawnLink,
         metrics: Arc<Metrics>,
-        list: Option<watch::Sender<Arc<[ReplicaTarget]>>>,
+        sources: Option<GuardSources>,
+        identity: Option<String>,
     ) -> Self {
         let inner = Arc::new(Inner {
             name: name.to_owned(),
@@ -257,39 +305,88 @@ impl GuardPool {
                 rng: rand::rngs::SmallRng::from_os_rng(),
             }),
             next_id: AtomicU64::new(1),
+            generation: AtomicU64::new(0),
+            resolvers: Mutex::new(HashMap::new()),
         });
-        let first = replicas.borrow_and_update().clone();
-        inner.apply(&first);
-        let weak = Arc::downgrade(&inner);
-        let follow = tokio::spawn(async move {
-            while replicas.changed().await.is_ok() {
-                let targets = replicas.borrow_and_update().clone();
-                let Some(inner) = weak.upgrade() else { return };
-                inner.apply(&targets);
-            }
-        })
-        .abort_handle();
         Self {
             inner,
-            follow: Some(follow),
-            list,
+            follow: Mutex::new(None),
+            sources: sources.map(Mutex::new),
+            identity,
         }
     }
 
-    /// Replaces the list of a [`Self::listed`] pool: new replicas get a
-    /// link, removed ones drain. False for a pool that follows a source.
+    /// Follows `replicas` from now on, in place of what the pool followed:
+    /// its set is applied at once (the chain snapshot built with this pool
+    /// expects it), then each change.
+    fn follow(&self, mut replicas: Replicas) {
+        let generation = self.inner.generation.fetch_add(1, Ordering::SeqCst) + 1;
+        let first = replicas.borrow_and_update().clone();
+        self.inner.apply(&first, generation);
+        let weak = Arc::downgrade(&self.inner);
+        let task = tokio::spawn(async move {
+            while replicas.changed().await.is_ok() {
+                let targets = replicas.borrow_and_update().clone();
+                let Some(inner) = weak.upgrade() else { return };
+                inner.apply(&targets, generation);
+            }
+        })
+        .abort_handle();
+        let old = self
+            .follow
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .replace(task);
+        if let Some(old) = old {
+            old.abort();
+        }
+    }
+
+    /// Replaces the registered list of a [`Self::listed`] or
+    /// [`Self::registered`] pool: new targets get their replicas, targets
+    /// that left drain theirs; the replicas of targets still listed (a
+    /// name's addresses) and the announced ones stay as they are. False
+    /// for a pool that follows a source given to [`Self::new`].
     pub fn relist(&self, endpoints: &[String]) -> bool {
-        let Some(list) = &self.list else {
+        let Some(sources) = &self.sources else {
             return false;
         };
-        let targets: Arc<[ReplicaTarget]> =
-            endpoints.iter().cloned().map(ReplicaTarget::new).collect();
-        list.send_replace(targets);
-        // Applied at once, not when the follower next runs: the chain
-        // snapshot built with this pool expects the new set.
-        let now = list.borrow().clone();
-        self.inner.apply(&now);
+        let (replicas, resolvers) = {
+            let mut sources = sources.lock().unwrap_or_else(PoisonError::into_inner);
+            let replicas = sources.relist(endpoints);
+            let resolvers: HashMap<String, ResolveHandle> = sources
+                .registered()
+                .iter()
+                .filter_map(|e| Some((e.clone(), sources.resolver(e)?)))
+                .collect();
+            (replicas, resolvers)
+        };
+        *self
+            .inner
+            .resolvers
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner) = resolvers;
+        self.follow(replicas);
         true
+    }
+
+    /// The registered list (what [`Self::relist`] was last given, each
+    /// target once); empty for a pool that follows a source.
+    pub fn registered_targets(&self) -> Vec<String> {
+        self.sources.as_ref().map_or_else(Vec::new, |sources| {
+            sources
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner)
+                .registered()
+                .to_vec()
+        })
+    }
+
+    /// The identity the registration pins, as given to
+    /// [`Self::registered`] (a replica reached by a name's address may be
+    /// pinned to the name instead, see [`Self::pin`]).
+    pub fn identity(&self) -> Option<&str> {
+        self.identity.as_deref()
     }
 
     /// The live replicas' endpoints, in the set's order.
@@ -421,10 +518,13 @@ impl Inner {
     /// Makes the live set `targets`: keeps the replicas still listed, opens
     /// links to new ones, and lets the others drain (their links close
     /// when the last request on them ends).
-    fn apply(&self, targets: &[ReplicaTarget]) {
+    fn apply(&self, targets: &[ReplicaTarget], generation: u64) {
         let left;
         {
             let mut state = self.lock();
+            if self.generation.load(Ordering::SeqCst) != generation {
+                return;
+            }
             let mut old: Vec<Arc<Replica>> = std::mem::take(&mut state.live);
             let mut live = Vec::with_capacity(targets.len());
             for target in targets {
@@ -438,6 +538,7 @@ impl Inner {
                     Some(i) => live.push(old.swap_remove(i)),
                     None => live.push(Arc::new(Replica {
                         endpoint: Arc::from(target.endpoint.as_str()),
+                        registered: target.registered.as_deref().map(Arc::from),
                         link: (self.spawn)(target),
                         outstanding: AtomicUsize::new(0),
                         ejections: AtomicU32::new(0),
@@ -488,6 +589,29 @@ impl Inner {
             "replica ejected"
         );
         self.metrics.replica_ejected(&self.name, &replica.endpoint);
+        // A replica of a name that cannot be reached may have moved: the
+        // name is resolved again (at most once a gap) rather than at the
+        // next interval.
+        let connection = matches!(
+            failure,
+            GuardFailure::Unreachable(_)
+                | GuardFailure::StreamClosed
+                | GuardFailure::Status {
+                    code: tonic::Code::Unavailable,
+                    ..
+                }
+        );
+        if let (true, Some(name)) = (connection, &replica.registered) {
+            let handle = self
+                .resolvers
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner)
+                .get(&**name)
+                .cloned();
+            if let Some(handle) = handle {
+                handle.resolve_now();
+            }
+        }
         true
     }
 

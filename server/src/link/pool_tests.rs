@@ -480,3 +480,116 @@ async fn r32_a_pool_of_one_fails_as_a_single_link_did() {
     }
     assert_eq!(rig.reads(), [1]);
 }
+
+/// Resolves every name to the first two scripted replicas, counting lookups.
+struct FirstTwo(std::sync::atomic::AtomicU64);
+
+impl super::discover::dns::Resolve for FirstTwo {
+    fn lookup<'a>(
+        &'a self,
+        _: &'a str,
+        _: u16,
+    ) -> futures::future::BoxFuture<'a, std::io::Result<Vec<std::net::IpAddr>>> {
+        self.0.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        Box::pin(async {
+            Ok(vec![
+                "127.0.0.2".parse().unwrap(),
+                "127.0.0.3".parse().unwrap(),
+            ])
+        })
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn r32_a_name_is_its_addresses_and_a_failed_one_asks_for_a_resolution() {
+    use super::discover::sources::{GuardSources, NameSettings};
+    use std::sync::atomic::Ordering;
+    let net = ScriptedNet::new();
+    let guards: Vec<_> = (0..2)
+        .map(|i| net.guard(&url(i), answer_after(ms(100))))
+        .collect();
+    let config = LinkConfig {
+        backoff_initial: ms(20),
+        backoff_max: ms(200),
+        circuit_failures: 0,
+        ..LinkConfig::default()
+    };
+    let metrics = Arc::new(Metrics::with_max_latency(Duration::from_secs(30)));
+    let resolver = Arc::new(FirstTwo(std::sync::atomic::AtomicU64::new(0)));
+    let sources = GuardSources::new(
+        "g",
+        Some(NameSettings {
+            policy: Arc::new(crate::link::dial::EndpointPolicy::default()),
+            interval: Duration::from_secs(3600),
+            resolver: resolver.clone(),
+        }),
+        None,
+    );
+    let transport = net.clone() as Arc<dyn GuardTransport>;
+    let link_metrics = metrics.clone();
+    let pool = GuardPool::registered(
+        "g",
+        ["http://guard.test:30000".to_string()],
+        sources,
+        None,
+        Box::new(move |target| {
+            GuardLink::spawn_with(
+                "g",
+                &target.endpoint,
+                config.clone(),
+                transport.clone(),
+                None,
+                link_metrics.clone(),
+            )
+        }),
+        metrics.clone(),
+    );
+    assert_eq!(pool.registered_targets(), ["http://guard.test:30000"]);
+    for _ in 0..20 {
+        if pool.endpoints() == [url(0), url(1)] {
+            break;
+        }
+        tokio::time::sleep(ms(10)).await;
+    }
+    assert_eq!(pool.endpoints(), [url(0), url(1)], "the name's addresses");
+    assert_eq!(resolver.0.load(Ordering::Relaxed), 1);
+    let (tx, mut events) = mpsc::unbounded_channel();
+    let calls = [ToolCall {
+        call_id: "c".into(),
+        tool: "t".into(),
+        arguments: "{}".into(),
+    }];
+    for tag in 0..10 {
+        let batch = GuardBatch {
+            batch_id: format!("b{tag}"),
+            guard: "g".into(),
+            deadline_ms: 2000,
+            ..Default::default()
+        };
+        pool.send(
+            batch,
+            wire::shared_part(None, calls.iter()),
+            tag,
+            &tx,
+            1,
+            Duration::from_secs(1),
+            Instant::now() + Duration::from_secs(2),
+        )
+        .unwrap();
+    }
+    settle().await;
+    assert!(guards[0].requests() > 0);
+    guards[0].kill();
+    for _ in 0..10 {
+        match events.recv().await.unwrap() {
+            LinkEvent::Answer { replica, .. } => assert_eq!(&*replica, url(1)),
+            LinkEvent::Failed { failure, .. } => panic!("failed: {failure}"),
+        }
+    }
+    // The failure asked for a resolution long before the hour's interval.
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    assert!(
+        resolver.0.load(Ordering::Relaxed) >= 2,
+        "a failed replica of a name asks the name to be resolved again"
+    );
+}

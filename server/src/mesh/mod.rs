@@ -19,6 +19,8 @@ use crate::decision_log::MeshLog;
 pub use crate::judge::BatchError;
 pub use crate::judge::{Chain, ChainGuard, Unguarded};
 use crate::link::dial::{EndpointPolicy, GuardConnector, GuardTls};
+use crate::link::discover::dns::SystemResolver;
+use crate::link::discover::sources::{GuardSources, NameSettings};
 use crate::link::pool::GuardPool;
 use crate::link::{GuardLink, LinkConfig};
 use crate::observe::metrics::Metrics;
@@ -165,30 +167,53 @@ impl Mesh {
         self.served_at.get().copied()
     }
 
-    /// The pool of links to `guard`'s replicas (R32). Each replica's link
-    /// dials under the endpoint policy and requires the pinned identity,
-    /// as a single-address guard's does.
+    /// The pool of links to `guard`'s replicas (R32): each registered
+    /// target (an address; a DNS name's addresses, resolved again over
+    /// time) and the replicas the registry's heartbeats announce. Each
+    /// replica's link dials under the endpoint policy and requires the
+    /// pinned identity, as a single-address guard's does; a replica
+    /// reached by a name's address must present that name (or the pin).
+    /// Nothing here waits: a name is dialed as written until its first
+    /// resolution answers.
     fn pool(&self, guard: &Guard) -> GuardPool {
         let name = guard.name.clone();
         let config = self.config.link.clone();
         let metrics = self.metrics.clone();
+        let policy = self.config.security.endpoint_policy.clone();
         let security = (
-            self.config.security.endpoint_policy.clone(),
+            policy.clone(),
             self.config.security.guard_tls.clone(),
             guard.server_identity.clone(),
             self.config.link.connect_timeout,
         );
         let spawn_metrics = metrics.clone();
-        GuardPool::listed(
+        // Scripted transports (tests) reach guards by endpoint as written.
+        let names = self.config.link.transport.is_none().then(|| NameSettings {
+            policy: policy.clone(),
+            interval: self.config.link.resolve_interval,
+            resolver: Arc::new(SystemResolver),
+        });
+        let sources = GuardSources::new(
+            &guard.name,
+            names,
+            self.registry.announced_replicas(&guard.name, policy),
+        );
+        GuardPool::registered(
             &guard.name,
             guard.targets(),
+            sources,
+            guard.server_identity.clone(),
             Box::new(move |target| {
-                let connector = GuardConnector {
+                let base = GuardConnector {
                     policy: security.0.clone(),
                     tls: security.1.clone(),
                     pin: security.2.clone(),
                     https: target.endpoint.starts_with("https://"),
                     connect_timeout: security.3,
+                };
+                let connector = match &target.registered {
+                    Some(registered) => base.for_replica(registered, &target.endpoint),
+                    None => base,
                 };
                 GuardLink::spawn(
                     &name,
@@ -235,12 +260,14 @@ impl Mesh {
                         link: None,
                     };
                 }
-                // The same pin: the pool is kept, and a changed replica
-                // list opens links to new replicas and drains the others.
+                // The same pin: the pool is kept, and a changed registered
+                // list opens links to new replicas and drains the others
+                // (compared with the registered targets, not the live
+                // replicas, which names and heartbeats add to).
                 let link = match links.remove(guard.name.as_str()) {
-                    Some(link) if link.pin() == guard.server_identity => {
+                    Some(link) if link.identity() == guard.server_identity.as_deref() => {
                         let targets = guard.targets();
-                        if link.endpoints() != targets {
+                        if link.registered_targets() != targets {
                             link.relist(&targets);
                         }
                         link.clone()

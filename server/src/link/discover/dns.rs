@@ -200,6 +200,7 @@ pub async fn watch_endpoint(
     }
     let mut name = NameWatch {
         guard: guard.to_owned(),
+        endpoint: endpoint.to_owned(),
         parsed,
         policy,
         resolver,
@@ -211,8 +212,55 @@ pub async fn watch_endpoint(
     Ok((rx, handle))
 }
 
+/// [`watch_endpoint`] without waiting for the first resolution, for a
+/// caller that must not block (the mesh building its chain): a name's set
+/// starts as the name's own endpoint (dialed as written, its addresses
+/// checked against the policy at dial, as before R32), and a task replaces
+/// it with the name's addresses once the first resolution answers, so the
+/// guard is never without a replica meanwhile. A first resolution that
+/// fails keeps the name's endpoint, as any failed resolution keeps the
+/// last set; one that finds no allowed address publishes an empty set.
+/// Must be called within a tokio runtime.
+pub fn watch_name(
+    guard: &str,
+    endpoint: &str,
+    policy: Arc<EndpointPolicy>,
+    interval: Duration,
+    resolver: Arc<dyn Resolve>,
+) -> Result<(Replicas, ResolveHandle), EndpointError> {
+    let parsed = parse_endpoint(endpoint)?;
+    let handle = ResolveHandle::default();
+    if parsed.literal.is_some() {
+        return Ok((fixed([endpoint.to_owned()]), handle));
+    }
+    let mut name = NameWatch {
+        guard: guard.to_owned(),
+        endpoint: endpoint.to_owned(),
+        parsed,
+        policy,
+        resolver,
+        handle: handle.clone(),
+    };
+    let itself: Arc<[ReplicaTarget]> = Arc::from(vec![ReplicaTarget::of_name(endpoint, endpoint)]);
+    let (tx, rx) = watch::channel(itself);
+    tokio::spawn(async move {
+        tokio::select! {
+            first = name.resolve() => {
+                if let Some(first) = first {
+                    name.publish(&tx, first);
+                }
+            }
+            () = tx.closed() => return,
+        }
+        name.run(tx, interval.max(MIN_RESOLVE_GAP)).await;
+    });
+    Ok((rx, handle))
+}
+
 struct NameWatch {
     guard: String,
+    /// The endpoint as registered (`scheme://name:port`).
+    endpoint: String,
     parsed: ParsedEndpoint,
     policy: Arc<EndpointPolicy>,
     resolver: Arc<dyn Resolve>,
@@ -258,7 +306,10 @@ impl NameWatch {
                 .into_iter()
                 .take(MAX_ADDRESSES_PER_NAME)
                 .map(|ip| {
-                    ReplicaTarget::new(address_endpoint(self.parsed.scheme, ip, self.parsed.port))
+                    ReplicaTarget::of_name(
+                        address_endpoint(self.parsed.scheme, ip, self.parsed.port),
+                        self.endpoint.as_str(),
+                    )
                 })
                 .collect(),
         )
@@ -280,21 +331,26 @@ impl NameWatch {
                 () = tx.closed() => return,
             }
             if let Some(next) = self.resolve().await {
-                tx.send_if_modified(|current| {
-                    if *current == next {
-                        return false;
-                    }
-                    tracing::info!(
-                        guard = %self.guard,
-                        host = %self.parsed.host,
-                        replicas = next.len(),
-                        "guard endpoint: replica set changed"
-                    );
-                    *current = next;
-                    true
-                });
+                self.publish(&tx, next);
             }
         }
+    }
+
+    /// Publishes `next` when it differs from the current set.
+    fn publish(&self, tx: &watch::Sender<Arc<[ReplicaTarget]>>, next: Arc<[ReplicaTarget]>) {
+        tx.send_if_modified(|current| {
+            if *current == next {
+                return false;
+            }
+            tracing::info!(
+                guard = %self.guard,
+                host = %self.parsed.host,
+                replicas = next.len(),
+                "guard endpoint: replica set changed"
+            );
+            *current = next;
+            true
+        });
     }
 }
 
