@@ -100,14 +100,22 @@ impl Serve {
 
     /// Waits at most `bound` for the process to exit.
     async fn exit_within(&mut self, bound: Duration) -> std::process::ExitStatus {
+        match self.exited_within(bound).await {
+            Some(status) => status,
+            None => panic!("the mesh did not exit within {bound:?}:\n{}", self.log()),
+        }
+    }
+
+    /// The exit status if the process exits within `bound`.
+    async fn exited_within(&mut self, bound: Duration) -> Option<std::process::ExitStatus> {
         let deadline = Instant::now() + bound;
         while Instant::now() < deadline {
             if let Some(status) = self.child.try_wait().unwrap() {
-                return status;
+                return Some(status);
             }
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
-        panic!("the mesh did not exit within {bound:?}:\n{}", self.log());
+        None
     }
 }
 
@@ -400,6 +408,73 @@ timeout_ms = 60000
     match tokio::time::timeout(Duration::from_secs(10), in_flight).await {
         Ok(Err(ClientError::Status(_) | ClientError::SessionClosed(_))) => {}
         other => panic!("a batch cut by the grace period: {other:?}"),
+    }
+}
+
+#[tokio::test]
+async fn a_second_sigterm_cuts_the_drain_short() {
+    // A 60 s grace and a batch held for good: only the second signal can
+    // end the drain early (what an operator pressing Ctrl-C twice expects).
+    let held = held_guard().await;
+    let config = format!(
+        r#"
+default_batch_timeout_ms = 60000
+max_batch_timeout_ms = 60000
+
+[server]
+shutdown_grace_ms = 60000
+
+[[guard]]
+name = "held"
+endpoint = "{}"
+timeout_ms = 60000
+"#,
+        held.url
+    );
+    let mut serve = Serve::start("second-signal", &config).await;
+    serve.readyz_until(200, 200).await;
+    let coordinator = Coordinator::connect(serve.url.clone()).await.unwrap();
+    let session = coordinator.session("s").await.unwrap();
+    let in_flight = session.evaluate(Batch::new(0).call("c1", "t", "{}"));
+    tokio::pin!(in_flight);
+    let reached = while_held(
+        &mut in_flight,
+        "answered while held",
+        eventually_within(500, || held.guard.requests() == 1),
+    )
+    .await;
+    assert!(reached, "the batch reached the guard");
+
+    serve.signal("TERM");
+    let (status, _) = serve.readyz_until(503, 200).await;
+    assert_eq!(status, 503, "draining after the first signal");
+    // The drain holds: the batch is still in flight a second later.
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    assert!(
+        serve.child.try_wait().unwrap().is_none(),
+        "one signal drains, it does not exit with a batch in flight:\n{}",
+        serve.log()
+    );
+    // The second signal (resent a few times in case the first resend came
+    // before the mesh listened for it) ends the drain far inside the grace.
+    let mut exited = None;
+    for _ in 0..5 {
+        serve.signal("TERM");
+        exited = serve.exited_within(Duration::from_secs(2)).await;
+        if exited.is_some() {
+            break;
+        }
+    }
+    let status = exited.unwrap_or_else(|| panic!("still draining:\n{}", serve.log()));
+    assert!(status.success(), "exit status {status}:\n{}", serve.log());
+    assert!(
+        serve.log().contains("second shutdown signal"),
+        "{}",
+        serve.log()
+    );
+    match tokio::time::timeout(Duration::from_secs(10), in_flight).await {
+        Ok(Err(ClientError::Status(_) | ClientError::SessionClosed(_))) => {}
+        other => panic!("a batch cut by the second signal: {other:?}"),
     }
 }
 

@@ -470,7 +470,10 @@ async fn serve(config: Option<PathBuf>, listen: Option<std::net::SocketAddr>) ->
         None => Server::from_config(Config::default()).await?,
     };
     let addr = listen.unwrap_or_else(|| server.listen_addr());
-    server.serve(addr, shutdown_signal()).await?;
+    server
+        .second_signal_cuts_drain()
+        .serve(addr, shutdown_signal())
+        .await?;
     Ok(())
 }
 

@@ -103,6 +103,9 @@ pub struct Server {
     /// The metrics listener already serves the probes (started before the
     /// registry was loaded, so probes answer during an etcd connect).
     metrics_started: bool,
+    /// A second SIGINT or SIGTERM during the drain cuts it short
+    /// ([`Server::second_signal_cuts_drain`]).
+    second_signal_cuts: bool,
 }
 
 impl std::fmt::Debug for Server {
@@ -131,6 +134,7 @@ impl Server {
             config_dir: PathBuf::from("."),
             probes: Probes::new(),
             metrics_started: false,
+            second_signal_cuts: false,
         }
     }
 
@@ -221,6 +225,17 @@ impl Server {
             folder: self.config_dir.clone(),
             guards: self.policy_guards(),
         }
+    }
+
+    /// Makes a second SIGINT or SIGTERM during the drain end it at once,
+    /// as an operator who presses Ctrl-C twice expects: batches still in
+    /// flight are cut (their streams end with an error), the decision log
+    /// is still closed cleanly. Off by default, because it installs signal
+    /// handlers for the whole process once the first shutdown begins;
+    /// `guardmesh serve` turns it on.
+    pub fn second_signal_cuts_drain(mut self) -> Self {
+        self.second_signal_cuts = true;
+        self
     }
 
     /// Binds `addr` (with `SO_REUSEADDR`), prepares the mesh (decision log,
@@ -341,6 +356,7 @@ impl Server {
             hangup,
             probes: self.probes.clone(),
             grace: self.config.server.shutdown_grace(),
+            second_signal_cuts: self.second_signal_cuts,
         })
     }
 }
@@ -357,6 +373,8 @@ struct Running {
     /// How long the drain may take once `shutdown` completes
     /// (`[server] shutdown_grace_ms`).
     grace: std::time::Duration,
+    /// A second SIGINT or SIGTERM during the drain ends it at once.
+    second_signal_cuts: bool,
 }
 
 impl Running {
@@ -386,19 +404,37 @@ impl Running {
             }
         };
         let grace = self.grace;
+        let second_signal_cuts = self.second_signal_cuts;
         let grace_over = async move {
             let mut stop = stop;
             let _ = stop.wait_for(|s| *s).await;
-            tokio::time::sleep(grace).await;
+            // Listening starts only now: a signal before the first one
+            // finished is not a second one.
+            let second = async {
+                if second_signal_cuts {
+                    shutdown_signal().await;
+                } else {
+                    std::future::pending::<()>().await;
+                }
+            };
+            tokio::select! {
+                () = tokio::time::sleep(grace) => DrainCut::GraceOver,
+                () = second => DrainCut::SecondSignal,
+            }
         };
         let serving = async {
             tokio::select! {
                 served = crate::server::run(listener, self.mesh.clone(), signalled) => served,
-                () = grace_over => {
-                    tracing::warn!(
-                        grace_ms = grace.as_millis() as u64,
-                        "shutdown grace period over: exiting with batches still in flight"
-                    );
+                cut = grace_over => {
+                    match cut {
+                        DrainCut::GraceOver => tracing::warn!(
+                            grace_ms = grace.as_millis() as u64,
+                            "shutdown grace period over: exiting with batches still in flight"
+                        ),
+                        DrainCut::SecondSignal => tracing::warn!(
+                            "second shutdown signal: drain cut short, exiting with batches still in flight"
+                        ),
+                    }
                     Ok(())
                 }
             }
@@ -426,6 +462,14 @@ impl Running {
         tracing::info!("guardmesh stopped");
         Ok(())
     }
+}
+
+/// Why a drain ended before every batch in flight was answered.
+enum DrainCut {
+    /// `[server] shutdown_grace_ms` ran out.
+    GraceOver,
+    /// The operator signalled again.
+    SecondSignal,
 }
 
 /// Reloads what SIGHUP reloads: the server certificate, and the policy
