@@ -402,3 +402,103 @@ async fn r29_with_etcd_down_batches_are_answered_and_failed_anchors_counted() {
     let answered = records.iter().filter(|r| r["kind"] == "decision").count();
     assert_eq!(answered, 16, "every batch recorded");
 }
+
+/// `guardmesh log verify` of `dir`'s log with the key and `args`, run off
+/// this runtime's thread.
+async fn verify_with(dir: &Path, args: &[&str]) -> Output {
+    let mut all = vec![
+        "log".to_owned(),
+        "verify".to_owned(),
+        path(&dir.join("log")).to_owned(),
+        "--key".to_owned(),
+        path(&dir.join("log.key.pub")).to_owned(),
+    ];
+    all.extend(args.iter().map(|a| (*a).to_owned()));
+    tokio::task::spawn_blocking(move || {
+        let all: Vec<&str> = all.iter().map(String::as_str).collect();
+        guardmesh(&all)
+    })
+    .await
+    .unwrap()
+}
+
+#[tokio::test]
+async fn r29_log_verify_reads_the_etcd_anchor_with_the_mesh_configs_credentials() {
+    let cluster = Cluster::start().await;
+    let dir = keyed_folder("anchor-auth");
+    let prefix = "/anchor-auth";
+    serve_and_stop("anchor-auth", &dir, &cluster, prefix, "").await;
+
+    // The cluster turns on authentication after the mesh ran: reading the
+    // anchor now needs the user the mesh's config names.
+    let mut admin = etcd_client::Client::connect(cluster.urls(), None)
+        .await
+        .unwrap();
+    admin.user_add("root", "anchor-pw", None).await.unwrap();
+    admin.user_grant_role("root", "root").await.unwrap();
+    admin.auth_enable().await.unwrap();
+
+    // Without credentials (--etcd): the anchor cannot be read, and verify
+    // says so instead of passing without it.
+    let endpoints = cluster.urls().join(",");
+    let out = verify_with(
+        &dir,
+        &[
+            "--etcd",
+            &endpoints,
+            "--etcd-prefix",
+            prefix,
+            "--instance",
+            INSTANCE,
+        ],
+    )
+    .await;
+    assert_eq!(out.status.code(), Some(2), "{}", text(&out.stderr));
+
+    // With the mesh's config (user and password from the environment, as
+    // an operator keeps it): the anchor is read and the log holds it.
+    let mesh_config = config(&dir, &cluster.urls(), prefix, "", free_port()).replace(
+        "request_timeout_ms = 500\n",
+        "request_timeout_ms = 500\nusername = \"root\"\npassword_env = \"ANCHOR_TEST_ETCD_PW\"\n",
+    );
+    let file = dir.join("mesh.toml");
+    std::fs::write(&file, mesh_config).unwrap();
+    let out = verify_with_config(&dir, &file).await;
+    assert!(
+        out.status.success(),
+        "{}{}",
+        text(&out.stdout),
+        text(&out.stderr)
+    );
+    assert!(
+        text(&out.stdout).contains("anchor: the log holds the outside checkpoint"),
+        "{}",
+        text(&out.stdout)
+    );
+
+    // The config's anchor is the one checked: a cut log fails verify.
+    cut_tail(&dir.join("log"), 3);
+    let out = verify_with_config(&dir, &file).await;
+    assert_eq!(out.status.code(), Some(1), "{}", text(&out.stdout));
+    assert!(
+        text(&out.stderr).contains("3 records missing"),
+        "{}",
+        text(&out.stderr)
+    );
+}
+
+/// `guardmesh log verify --config FILE` with the etcd password in the
+/// environment variable the config names.
+async fn verify_with_config(dir: &Path, file: &Path) -> Output {
+    let (log, public, file) = (dir.join("log"), dir.join("log.key.pub"), file.to_owned());
+    tokio::task::spawn_blocking(move || {
+        Command::new(env!("CARGO_BIN_EXE_guardmesh"))
+            .args(["log", "verify", path(&log), "--key", path(&public)])
+            .args(["--config", path(&file)])
+            .env("ANCHOR_TEST_ETCD_PW", "anchor-pw")
+            .output()
+            .expect("run guardmesh")
+    })
+    .await
+    .unwrap()
+}

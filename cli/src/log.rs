@@ -1,17 +1,20 @@
 //! `guardmesh log`: reads the decision log (R29).
 //!
 //! * `verify PATH [--key PUB [--witness PATH | --checkpoint FILE |
-//!   --etcd ENDPOINTS --instance NAME]]` checks the hash chain and, with
+//!   --etcd ENDPOINTS --instance NAME | --config MESH.toml]]` checks the hash chain and, with
 //!   the writer's public key, the signed checkpoints, and with an outside
 //!   checkpoint (a witness, a file, or the etcd anchor) that the log was
 //!   not cut before it or rewritten after it;
 //! * `keygen --out FILE` writes a signing key for `[decision_log]
 //!   signing_key` and its public key.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
 use clap::Subcommand;
+use guardmesh_server::decision_log::anchor::{
+    AnchorClient, AnchorConfig, EtcdConfig, anchor_key, default_instance,
+};
 use guardmesh_server::decision_log::{self, VerifyOptions, checkpoint};
 
 #[derive(Subcommand)]
@@ -47,8 +50,14 @@ pub(crate) enum LogAction {
         etcd_prefix: String,
         /// The mesh instance whose anchor is read: `[decision_log]
         /// instance`, or `HOST:LOG_DIR` when it is not set.
-        #[arg(long, requires = "etcd")]
+        #[arg(long)]
         instance: Option<String>,
+        /// The mesh's config file: read the etcd anchor with its
+        /// `[registry]` (endpoints, prefix, user and password or
+        /// password_env, TLS files) and its `[decision_log]` instance, as
+        /// the mesh wrote it (instead of --etcd and --etcd-prefix).
+        #[arg(long, requires = "key", conflicts_with_all = ["etcd", "witness", "checkpoint"])]
+        config: Option<PathBuf>,
         /// Reports gap records (a restart on a shortened log, allowed by
         /// `allow_gap`) instead of failing on them.
         #[arg(long)]
@@ -91,6 +100,7 @@ pub(crate) fn run(action: LogAction) -> ExitCode {
             etcd,
             etcd_prefix,
             instance,
+            config,
             allow_gap,
         } => {
             let key = match key
@@ -104,10 +114,29 @@ pub(crate) fn run(action: LogAction) -> ExitCode {
                     return ExitCode::from(2);
                 }
             };
-            let anchor_line = match (&key, instance) {
-                (Some(key), Some(instance)) if !etcd.is_empty() => {
-                    match read_etcd_anchor(etcd, &etcd_prefix, &checkpoint::key_id(key), &instance)
-                    {
+            let anchor = match (config, etcd.is_empty()) {
+                (Some(config), _) => match anchor_from_config(&config, instance) {
+                    Ok(anchor) => Some(anchor),
+                    Err(error) => {
+                        eprintln!("error: {error}");
+                        return ExitCode::from(2);
+                    }
+                },
+                (None, false) => match instance {
+                    Some(instance) => Some(AnchorConfig {
+                        etcd: EtcdConfig::plain(etcd, &etcd_prefix),
+                        instance,
+                    }),
+                    None => {
+                        eprintln!("error: --etcd needs --instance (or use --config)");
+                        return ExitCode::from(2);
+                    }
+                },
+                (None, true) => None,
+            };
+            let anchor_line = match (&key, anchor) {
+                (Some(key), Some(anchor)) => {
+                    match read_etcd_anchor(&anchor, &checkpoint::key_id(key)) {
                         Ok(line) => Some(line),
                         Err(error) => {
                             eprintln!("error: {error}");
@@ -128,29 +157,67 @@ pub(crate) fn run(action: LogAction) -> ExitCode {
     }
 }
 
-/// The checkpoint line anchored in etcd for `instance`'s log signed with
-/// the key `key_id`.
-fn read_etcd_anchor(
-    endpoints: Vec<String>,
-    prefix: &str,
-    key_id: &str,
-    instance: &str,
-) -> Result<Vec<u8>, String> {
-    use guardmesh_server::decision_log::anchor::{AnchorClient, EtcdConfig, anchor_key};
-    let config = EtcdConfig::plain(endpoints, prefix);
-    let name = anchor_key(prefix, key_id, instance);
+/// Where the mesh of the config file at `path` anchors its checkpoints:
+/// its etcd registry's endpoints, prefix, credentials and TLS files, and
+/// its decision log's instance (`instance` overrides it).
+fn anchor_from_config(path: &Path, instance: Option<String>) -> Result<AnchorConfig, String> {
+    use guardmesh_server::config::{Config, RegistryKind};
+    let text = std::fs::read_to_string(path)
+        .map_err(|e| format!("cannot read {}: {e}", path.display()))?;
+    let mut config =
+        Config::parse(&text, &path.display().to_string()).map_err(|e| e.to_string())?;
+    // As `serve` reads it: files relative to the config's folder.
+    config.resolve_paths(Config::folder_of(path));
+    if config.registry.kind != RegistryKind::Etcd {
+        return Err(format!(
+            "{}: [registry] kind is not \"etcd\": the mesh anchored nothing in etcd",
+            path.display()
+        ));
+    }
+    let registry = config.registry.etcd().map_err(|e| e.to_string())?;
+    let instance = match (instance, &config.decision_log) {
+        (Some(instance), _) => instance,
+        (None, Some(log)) => log
+            .instance
+            .clone()
+            .unwrap_or_else(|| default_instance(&log.dir)),
+        (None, None) => {
+            return Err(format!(
+                "{}: no [decision_log] section; name the instance with --instance",
+                path.display()
+            ));
+        }
+    };
+    Ok(AnchorConfig {
+        etcd: EtcdConfig {
+            endpoints: registry.endpoints,
+            prefix: registry.prefix,
+            username: registry.username,
+            password: registry.password,
+            tls: registry.tls,
+            dial_timeout: registry.dial_timeout,
+            request_timeout: registry.request_timeout,
+        },
+        instance,
+    })
+}
+
+/// The checkpoint line `anchor` names, for the log signed with the key
+/// `key_id`.
+fn read_etcd_anchor(anchor: &AnchorConfig, key_id: &str) -> Result<Vec<u8>, String> {
+    let name = anchor_key(&anchor.etcd.prefix, key_id, &anchor.instance);
     let runtime = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()
         .map_err(|err| format!("cannot start a runtime: {err}"))?;
     runtime.block_on(async {
-        let mut client = AnchorClient::connect(&config)
+        let mut client = AnchorClient::connect(&anchor.etcd)
             .await
             .map_err(|err| err.to_string())?;
         match client.get(&name).await.map_err(|err| err.to_string())? {
             Some(line) => Ok(line),
             None => Err(format!(
-                "no checkpoint anchored in etcd at {name} (check --etcd-prefix, --instance and --key)"
+                "no checkpoint anchored in etcd at {name} (check the prefix, the instance and --key)"
             )),
         }
     })
