@@ -39,6 +39,12 @@ impl Health {
         self.status.load(Ordering::Relaxed) == NOT_SERVING
     }
 
+    /// Sets what the watch would (unit tests of the choice).
+    #[cfg(test)]
+    pub(crate) fn set_draining(&self, draining: bool) {
+        self.set(if draining { NOT_SERVING } else { SERVING });
+    }
+
     fn set(&self, status: u8) -> u8 {
         self.status.swap(status, Ordering::Relaxed)
     }

@@ -435,6 +435,17 @@ impl GuardPool {
             .collect()
     }
 
+    /// The health the link of replica `endpoint` reads (unit tests).
+    #[cfg(test)]
+    pub(crate) fn health_of(&self, endpoint: &str) -> Option<Arc<super::health::Health>> {
+        self.inner
+            .lock()
+            .live
+            .iter()
+            .find(|r| &*r.endpoint == endpoint)
+            .map(|r| r.link.health.clone())
+    }
+
     /// Requests each live replica has unanswered, by endpoint.
     pub fn outstanding(&self) -> Vec<(String, usize)> {
         self.inner
