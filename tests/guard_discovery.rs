@@ -150,6 +150,54 @@ async fn judged_by(
     (counts, wrong)
 }
 
+/// One-call batches from `workers` sessions until `stop`; each task
+/// returns the replica that judged each batch and whether it proceeded.
+async fn flowing(
+    mesh: &TestMesh,
+    guard: &str,
+    workers: usize,
+    stop: Arc<std::sync::atomic::AtomicBool>,
+) -> Vec<tokio::task::JoinHandle<Vec<(String, bool)>>> {
+    let mut tasks = Vec::new();
+    for worker in 0..workers {
+        let session = mesh
+            .coordinator()
+            .await
+            .session(format!("f{worker}"))
+            .await
+            .unwrap();
+        let (guard, stop) = (guard.to_owned(), stop.clone());
+        tasks.push(tokio::spawn(async move {
+            let mut seen = Vec::new();
+            let mut round = worker * 1_000_000;
+            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                round += 1;
+                let d = session
+                    .evaluate(
+                        Batch::new(u32::try_from(round).unwrap())
+                            .call("c", "t", "{}")
+                            .timeout(Duration::from_secs(10)),
+                    )
+                    .await;
+                let Ok(d) = d else {
+                    seen.push((String::new(), false));
+                    continue;
+                };
+                let ok = d.calls.len() == 1 && d.calls[0].proceeds() && !d.calls[0].failure;
+                let replica = d
+                    .trace
+                    .iter()
+                    .find(|t| t.guard == guard)
+                    .map(|t| t.replica.clone())
+                    .unwrap_or_default();
+                seen.push((replica, ok));
+            }
+            seen
+        }));
+    }
+    tasks
+}
+
 /// The live replicas of the chain's guard `guard`.
 fn live(mesh: &TestMesh, guard: &str) -> Vec<String> {
     mesh.mesh
@@ -183,8 +231,9 @@ async fn until_live(mesh: &TestMesh, guard: &str, want: &[String], what: &str) {
 
 /// A mesh whose guard is registered by a name resolving to two loopback
 /// addresses, a real guard on each: batches are judged by both replicas;
-/// one address removed from the hosts file, after the re-resolution
-/// interval only the other judges (R32). A name resolving to 127.0.0.1 and
+/// while batches flow, a third address joins, one leaves, and the name
+/// starts resolving to the metadata address too, which is refused at that
+/// re-resolution while the others keep judging, no call failing (R32). A name resolving to 127.0.0.1 and
 /// ::1 with a guard listening on 127.0.0.1 only: every batch is judged
 /// there, no call fails (the refusing address is ejected and its requests
 /// fail over).
@@ -202,16 +251,19 @@ async fn dns_mesh_child() {
     let Ok(hosts) = std::env::var(CHILD_HOSTS) else {
         return;
     };
-    // Two guards on one port, on 127.0.0.2 and 127.0.0.3.
-    let mut pair = None;
+    // Three guards on one port, on 127.0.0.2, 127.0.0.3 and 127.0.0.4.
+    let mut triple = None;
     for _ in 0..20 {
         let a = guard_on("127.0.0.2", 0).await.unwrap();
-        if let Some(b) = guard_on("127.0.0.3", port_of(&a.url)).await {
-            pair = Some((a, b));
+        let Some(b) = guard_on("127.0.0.3", port_of(&a.url)).await else {
+            continue;
+        };
+        if let Some(c) = guard_on("127.0.0.4", port_of(&a.url)).await {
+            triple = Some((a, b, c));
             break;
         }
     }
-    let (a, b) = pair.expect("one free port on 127.0.0.2 and 127.0.0.3");
+    let (a, b, c) = triple.expect("one free port on 127.0.0.2, 127.0.0.3 and 127.0.0.4");
     let port = port_of(&a.url);
     // A guard on 127.0.0.1 only, for the dual-family name.
     let single = guard_on("127.0.0.1", 0).await.unwrap();
@@ -228,9 +280,10 @@ async fn dns_mesh_child() {
     let mesh = TestMesh::with_config(config).await;
     mesh.register(Registration::validate("g", format!("http://{NAME}:{port}")))
         .await;
-    let (ra, rb) = (
+    let (ra, rb, rc) = (
         format!("http://127.0.0.2:{port}"),
         format!("http://127.0.0.3:{port}"),
+        format!("http://127.0.0.4:{port}"),
     );
     until_live(
         &mesh,
@@ -248,16 +301,78 @@ async fn dns_mesh_child() {
     }
     assert!(a.guard.requests() >= 20 && b.guard.requests() >= 20);
 
-    // 127.0.0.3 leaves the name: after the interval, only 127.0.0.2 judges.
+    // While batches flow: 127.0.0.4 joins the name, then 127.0.0.3 leaves,
+    // then the name also resolves to the metadata address, which is
+    // refused at that re-resolution while the others keep serving.
+    let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let flowing = flowing(&mesh, "g", 6, stop.clone()).await;
+    write(&["127.0.0.2", "127.0.0.3", "127.0.0.4"]);
+    until_live(
+        &mesh,
+        "g",
+        &[ra.clone(), rb.clone(), rc.clone()],
+        "127.0.0.4 added",
+    )
+    .await;
+    tokio::time::sleep(Duration::from_millis(1000)).await;
+    let joined = c.guard.requests();
+    write(&["127.0.0.2", "127.0.0.4"]);
+    until_live(&mesh, "g", &[ra.clone(), rc.clone()], "127.0.0.3 removed").await;
+    // What it held when it left is answered; then it gets nothing.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let left = b.guard.requests();
+    write(&["127.0.0.2", "169.254.169.254", "127.0.0.4"]);
+    // Three re-resolutions at least: the metadata address never joins.
+    let until = Instant::now() + Duration::from_millis(3500);
+    while Instant::now() < until {
+        let mut have = live(&mesh, "g");
+        have.sort();
+        assert_eq!(
+            have,
+            [ra.clone(), rc.clone()],
+            "R32: a metadata address is refused at re-resolution"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    let mut during = std::collections::HashMap::<String, usize>::new();
+    let mut wrong = 0;
+    for task in flowing {
+        for (replica, ok) in tokio::time::timeout(Duration::from_secs(30), task)
+            .await
+            .expect("every batch answered")
+            .unwrap()
+        {
+            *during.entry(replica).or_default() += 1;
+            wrong += usize::from(!ok);
+        }
+    }
+    eprintln!(
+        "MEASURED added, removed, metadata refused while batches flowed: {during:?}; \
+         127.0.0.4 judged {joined} within 1 s of joining"
+    );
+    assert_eq!(
+        wrong, 0,
+        "R32: no call failed as replicas came and went: {during:?}"
+    );
+    assert!(joined >= 1, "the added address judged");
+    assert_eq!(
+        b.guard.requests(),
+        left,
+        "the removed address got a request"
+    );
+    assert!(!during.keys().any(|r| r.contains("169.254")), "{during:?}");
+
+    // 127.0.0.4 and the metadata address leave: only 127.0.0.2 judges.
     write(&["127.0.0.2"]);
     until_live(&mesh, "g", std::slice::from_ref(&ra), "re-resolved").await;
-    let before = b.guard.requests();
+    let before = c.guard.requests();
     let (counts, wrong) = judged_by(&mesh, "g", 8, 100).await;
     eprintln!("MEASURED one address: {counts:?}");
     assert_eq!(wrong, 0, "{counts:?}");
     assert_eq!(counts.get(ra.as_str()), Some(&100), "{counts:?}");
     assert_eq!(
-        b.guard.requests(),
+        c.guard.requests(),
         before,
         "the removed address got a request"
     );
@@ -612,7 +727,12 @@ async fn r32_a_mesh_sends_to_heartbeat_replicas_and_stops_with_their_lease() {
         assert!(n >= 10, "{url} judged {n} of 200: {counts:?}");
     }
 
-    // kill -9 the heartbeat of the second announced replica.
+    // kill -9 the heartbeat of the second announced replica while batches
+    // flow: its replica leaves when its lease lapses, the others keep
+    // judging, and no call fails.
+    let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let load = flowing(&mesh, "g", 6, stop.clone()).await;
+    tokio::time::sleep(Duration::from_millis(300)).await;
     let mut killed = beats.0.remove(1);
     killed.kill().unwrap();
     killed.wait().unwrap();
@@ -625,6 +745,28 @@ async fn r32_a_mesh_sends_to_heartbeat_replicas_and_stops_with_their_lease() {
         "only the killed heartbeat's replica leaves",
     )
     .await;
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    let mut during = std::collections::HashMap::<String, usize>::new();
+    let mut failed = 0;
+    for task in load {
+        for (replica, ok) in tokio::time::timeout(Duration::from_secs(30), task)
+            .await
+            .expect("every batch answered")
+            .unwrap()
+        {
+            *during.entry(replica).or_default() += 1;
+            failed += usize::from(!ok);
+        }
+    }
+    eprintln!("while the heartbeat was killed and its lease lapsed: {during:?}");
+    assert_eq!(failed, 0, "R32: no call failed: {during:?}");
+    for url in &kept {
+        assert!(
+            during.get(url.as_str()).copied().unwrap_or(0) >= 5,
+            "{url} kept judging: {during:?}"
+        );
+    }
     let before = guards[2].guard.requests();
     let (counts, wrong) = judged_by(&mesh, "g", 8, 150).await;
     eprintln!("after one heartbeat was killed: {counts:?}");

@@ -70,6 +70,7 @@ mod faults;
 mod gate;
 mod guard_discovery;
 mod guard_replicas;
+mod guard_replicas_health;
 mod hook;
 mod mcp;
 mod mcp_answers;

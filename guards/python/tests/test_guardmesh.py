@@ -324,6 +324,25 @@ def test_guard_serves_grpc_health(sync_guard: gg.GuardServer) -> None:
         assert err.value.code() == grpc.StatusCode.NOT_FOUND
 
 
+def test_set_serving_reports_not_serving_and_back(sync_guard: gg.GuardServer) -> None:
+    """A replica taken out of rotation reports NOT_SERVING (overall and
+    GuardService) and keeps serving; set_serving(True) puts it back."""
+    with grpc.insecure_channel(f"127.0.0.1:{sync_guard.port}") as channel:
+        check = channel.unary_unary("/grpc.health.v1.Health/Check",
+                                    request_serializer=lambda b: b,
+                                    response_deserializer=lambda b: b)
+        service = gg.GUARD_SERVICE.encode()
+        guard_service = b"\x0a" + bytes([len(service)]) + service
+        try:
+            sync_guard.set_serving(False)
+            assert check(b"", timeout=5) == b"\x08\x02"  # NOT_SERVING
+            assert check(guard_service, timeout=5) == b"\x08\x02"
+        finally:
+            sync_guard.set_serving(True)
+        assert check(b"", timeout=5) == b"\x08\x01"  # SERVING
+        assert check(guard_service, timeout=5) == b"\x08\x01"
+
+
 def mtls_config(certs: Path, token: Optional[str] = None) -> str:
     return f"""
 [tls]

@@ -28,6 +28,7 @@ mod backoff;
 mod breaker;
 pub mod dial;
 pub mod discover;
+pub mod health;
 #[cfg(test)]
 mod paused_tests;
 pub mod pool;
@@ -373,6 +374,9 @@ struct State {
     /// failure like any other (R13): under `fail_closed` it blocks, it never
     /// bypasses.
     circuit: ConsecutiveFailures,
+    /// Why the last stream ended or could not be opened, until a stream
+    /// opens again ([`GuardLink::down_reason`]).
+    last_failure: Option<Arc<str>>,
 }
 
 struct Shared {
@@ -415,6 +419,9 @@ impl Shared {
     fn fail_all(&self, failure: GuardFailure, conn: Conn) {
         let waiting = {
             let mut state = self.lock();
+            if let Conn::Down(reason) = &conn {
+                state.last_failure = Some(reason.clone());
+            }
             state.conn = conn;
             std::mem::take(&mut state.waiting)
         };
@@ -433,6 +440,8 @@ pub struct GuardLink {
     shared: Arc<Shared>,
     task: tokio::task::AbortHandle,
     pin: Option<String>,
+    /// What the guard's health watch last said (R32: draining).
+    health: Arc<health::Health>,
 }
 
 impl std::fmt::Debug for GuardLink {
@@ -466,11 +475,17 @@ impl GuardLink {
         metrics: Arc<crate::observe::metrics::Metrics>,
     ) -> Self {
         let pin = connector.pin.clone();
+        let health = Arc::new(health::Health::default());
         let transport = match &config.transport {
             Some(transport) => transport.clone(),
-            None => Arc::new(GrpcTransport::new(connector, config.dead_peer_timeout)),
+            None => Arc::new(
+                GrpcTransport::new(connector, config.dead_peer_timeout)
+                    .with_health(name, health.clone()),
+            ),
         };
-        Self::spawn_with(name, endpoint, config, transport, pin, metrics)
+        let mut link = Self::spawn_with(name, endpoint, config, transport, pin, metrics);
+        link.health = health;
+        link
     }
 
     /// Starts connecting to `endpoint` in the background over `transport`;
@@ -505,13 +520,25 @@ impl GuardLink {
                 conn: Conn::Open(queue),
                 waiting: HashMap::new(),
                 circuit: ConsecutiveFailures::new(config.circuit_failures, config.circuit_open_for),
+                last_failure: None,
             }),
             next_id: AtomicU64::new(1),
             outage: std::sync::atomic::AtomicBool::new(false),
         });
         let task =
             tokio::spawn(run(shared.clone(), config, transport, Box::pin(requests))).abort_handle();
-        Self { shared, task, pin }
+        Self {
+            shared,
+            task,
+            pin,
+            health: Arc::default(),
+        }
+    }
+
+    /// Whether the guard said, on its health watch, that it does not serve
+    /// (`NOT_SERVING`): it is draining, and should get no new requests.
+    pub fn draining(&self) -> bool {
+        self.health.draining()
     }
 
     /// The identity this link requires of the guard, if pinned.
@@ -557,6 +584,13 @@ impl GuardLink {
     /// try again: a request sent now fails at once.
     pub fn is_down(&self) -> bool {
         matches!(self.shared.lock().conn, Conn::Down(_))
+    }
+
+    /// Why the link's last stream ended or could not be opened (a refused
+    /// connection, a certificate that is not the pinned identity, ...),
+    /// while no stream has opened since: `None` once one is open.
+    pub fn down_reason(&self) -> Option<Arc<str>> {
+        self.shared.lock().last_failure.clone()
     }
 
     /// [`Self::send`], reporting to `events`.
@@ -762,6 +796,7 @@ async fn serve_stream(
     tracing::debug!(guard = %shared.name, endpoint = %shared.endpoint, "guard stream open");
     shared.metrics.guard_stream_opened(&shared.name);
     shared.outage.store(false, Ordering::Relaxed);
+    shared.lock().last_failure = None;
     let mut answered = false;
     let (failure, reason): (GuardFailure, Arc<str>) = loop {
         match answers.next().await {

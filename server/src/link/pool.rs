@@ -11,7 +11,8 @@
 //! the name to be resolved again.
 //!
 //! **Choice**: power of two choices, by cost. Two replicas are drawn at
-//! random among those that are not ejected and whose link is not down, and
+//! random among those that are not ejected, not draining (their health
+//! watch says `NOT_SERVING`, [`super::health`]) and whose link is not down, and
 //! the cheaper gets the request; when its queue is full ([`NotSent::Busy`],
 //! R25) or it fails at once, the other, then the rest by cost, then the
 //! ejected ones, get their turn. A batch is shed with `RESOURCE_EXHAUSTED`
@@ -115,7 +116,9 @@ impl Replica {
     }
 
     fn available(&self, now: Instant) -> bool {
-        self.ejected_until().is_none_or(|until| until <= now) && !self.link.is_down()
+        self.ejected_until().is_none_or(|until| until <= now)
+            && !self.link.is_down()
+            && !self.link.draining()
     }
 
     /// Folds an answer's round trip into [`Self::latency`].
@@ -408,6 +411,41 @@ impl GuardPool {
             .and_then(|r| r.link.pin().map(str::to_owned))
     }
 
+    /// The live replicas that cannot be reached now, with why (their
+    /// link's last stream ended or could not be opened, and none opened
+    /// since: refused, a certificate that is not the pinned identity, ...);
+    /// they get no request while another replica can take it.
+    pub fn unreachable(&self) -> Vec<(String, String)> {
+        self.inner
+            .lock()
+            .live
+            .iter()
+            .filter_map(|r| Some((r.endpoint.to_string(), r.link.down_reason()?.to_string())))
+            .collect()
+    }
+
+    /// Whether each live replica is draining (its health watch says
+    /// `NOT_SERVING`), by endpoint.
+    pub fn draining(&self) -> Vec<(String, bool)> {
+        self.inner
+            .lock()
+            .live
+            .iter()
+            .map(|r| (r.endpoint.to_string(), r.link.draining()))
+            .collect()
+    }
+
+    /// The health the link of replica `endpoint` reads (unit tests).
+    #[cfg(test)]
+    pub(crate) fn health_of(&self, endpoint: &str) -> Option<Arc<super::health::Health>> {
+        self.inner
+            .lock()
+            .live
+            .iter()
+            .find(|r| &*r.endpoint == endpoint)
+            .map(|r| r.link.health.clone())
+    }
+
     /// Requests each live replica has unanswered, by endpoint.
     pub fn outstanding(&self) -> Vec<(String, usize)> {
         self.inner
@@ -618,7 +656,8 @@ impl Inner {
     /// The replicas to try for a request, best first: two drawn at random
     /// among the available ones, the less loaded first (power of two
     /// choices), then the other available ones by load, then the ejected
-    /// or down ones, the soonest back first. `exclude`: already tried.
+    /// or down ones, the soonest back first, then the draining ones (health
+    /// `NOT_SERVING`). `exclude`: already tried.
     fn candidates(
         &self,
         state: &mut State,
@@ -651,7 +690,9 @@ impl Inner {
         }
         available.sort_by(|a, b| a.cost().total_cmp(&b.cost()));
         order.extend(available);
-        out.sort_by_key(|r| r.ejected_until());
+        // A draining replica (health NOT_SERVING) only when nothing else
+        // can take the request.
+        out.sort_by_key(|r| (r.link.draining(), r.ejected_until()));
         order.extend(out);
         order
     }

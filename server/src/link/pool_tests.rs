@@ -593,3 +593,67 @@ async fn r32_a_name_is_its_addresses_and_a_failed_one_asks_for_a_resolution() {
         "a failed replica of a name asks the name to be resolved again"
     );
 }
+
+/// The batch numbers in `ids` (`b<tag>`).
+fn tags(ids: &[String]) -> Vec<usize> {
+    ids.iter()
+        .filter_map(|id| id.strip_prefix('b')?.parse().ok())
+        .collect()
+}
+
+#[tokio::test(start_paused = true)]
+async fn r32_a_draining_replica_gets_no_new_requests_and_finishes_what_it_holds() {
+    let mut rig = rig(3, |_| {}, |_| answer_after(ms(10)));
+    settle().await;
+    let health = rig.pool.health_of(&url(0)).expect("replica 0");
+    // Replica 0 holds requests when it reports NOT_SERVING.
+    for tag in 0..30 {
+        rig.send(tag, ms(1000)).unwrap();
+    }
+    health.set_draining(true);
+    for tag in 30..90 {
+        rig.send(tag, ms(1000)).unwrap();
+    }
+    for _ in 0..90 {
+        let event = rig.next().await;
+        assert!(matches!(event, LinkEvent::Answer { .. }), "{event:?}");
+    }
+    let held = tags(&rig.batch_ids(0));
+    assert!(
+        !held.is_empty(),
+        "replica 0 held requests: {:?}",
+        rig.reads()
+    );
+    assert!(
+        held.iter().all(|t| *t < 30),
+        "R32: a draining replica got new requests: {held:?}"
+    );
+    // SERVING again: it is chosen again.
+    health.set_draining(false);
+    for tag in 90..150 {
+        rig.send(tag, ms(1000)).unwrap();
+    }
+    for _ in 90..150 {
+        let event = rig.next().await;
+        assert!(matches!(event, LinkEvent::Answer { .. }), "{event:?}");
+    }
+    assert!(
+        tags(&rig.batch_ids(0)).iter().any(|t| *t >= 90),
+        "R32: back to SERVING, it judges again: {:?}",
+        rig.reads()
+    );
+    // Every replica draining: they still judge (never a failure, R15).
+    for i in 0..3 {
+        rig.pool
+            .health_of(&url(i))
+            .expect("replica")
+            .set_draining(true);
+    }
+    for tag in 150..160 {
+        rig.send(tag, ms(1000)).unwrap();
+    }
+    for _ in 150..160 {
+        let event = rig.next().await;
+        assert!(matches!(event, LinkEvent::Answer { .. }), "{event:?}");
+    }
+}

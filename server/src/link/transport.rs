@@ -10,9 +10,11 @@
 //! ([`super::scripted`]) and run the link and the judging above it in
 //! paused time.
 
+use super::health::Health;
 use super::wire::{self, Encoded};
 use super::{LinkConfig, error_chain};
 use futures::future::BoxFuture;
+use std::sync::Arc;
 use std::time::Duration;
 
 /// The requests of one stream, as the stream takes them. A request taken
@@ -59,6 +61,10 @@ pub trait GuardTransport: Send + Sync + std::fmt::Debug + 'static {
 #[derive(Clone)]
 pub struct GrpcTransport {
     connector: DeadPeerConnector,
+    /// Where each stream's health watch writes the replica's status.
+    health: Arc<Health>,
+    /// Named in the health watch's logs.
+    guard: Arc<str>,
 }
 
 impl std::fmt::Debug for GrpcTransport {
@@ -79,7 +85,17 @@ impl GrpcTransport {
                 inner: connector,
                 timeout: dead_peer_timeout,
             },
+            health: Arc::default(),
+            guard: Arc::from(""),
         }
+    }
+
+    /// Watches the guard service's health on each stream's connection for
+    /// `guard`, into `health` (see [`super::health`]).
+    pub fn with_health(mut self, guard: &str, health: Arc<Health>) -> Self {
+        self.guard = Arc::from(guard);
+        self.health = health;
+        self
     }
 }
 
@@ -120,12 +136,52 @@ impl GuardTransport for GrpcTransport {
                     endpoint: endpoint.to_owned(),
                     reason: error_chain(&error),
                 })?;
+            // R32: the replica's health rides on the same connection, and
+            // ends with the stream (its task is aborted when the answers
+            // are dropped).
+            let watch = tokio::spawn(super::health::watch(
+                channel.clone(),
+                self.health.clone(),
+                self.guard.clone(),
+                Arc::from(endpoint),
+            ))
+            .abort_handle();
+            let watch = AbortOnDrop(watch);
             let answers = judge(channel, config, requests)
                 .await
                 .map_err(OpenError::Refused)?
                 .into_inner();
-            Ok(Box::pin(answers) as Answers)
+            Ok(Box::pin(WithWatch {
+                answers: Box::pin(answers),
+                _watch: watch,
+            }) as Answers)
         })
+    }
+}
+
+/// Aborts a task when dropped.
+struct AbortOnDrop(tokio::task::AbortHandle);
+
+impl Drop for AbortOnDrop {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
+}
+
+/// A stream's answers, holding its health watch for as long as they last.
+struct WithWatch {
+    answers: Answers,
+    _watch: AbortOnDrop,
+}
+
+impl futures::Stream for WithWatch {
+    type Item = Result<wire::Answer, tonic::Status>;
+
+    fn poll_next(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Option<Self::Item>> {
+        self.answers.as_mut().poll_next(cx)
     }
 }
 

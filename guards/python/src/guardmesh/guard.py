@@ -667,6 +667,17 @@ class GuardServer:
         self._servicer = servicer
         self._health = health_servicer
 
+    def set_serving(self, serving: bool) -> None:
+        """Reports SERVING or NOT_SERVING on ``grpc.health.v1.Health`` (the
+        server's and the guard service's status) and keeps serving: a mesh
+        sends a NOT_SERVING replica no new requests while its other replicas
+        can take them, lets it finish the ones it holds, and sends it requests
+        again once it reports SERVING. For a replica taken out of rotation
+        (warming up, reloading a model) without stopping it."""
+        status = _health.SERVING if serving else _health.NOT_SERVING
+        for service in ("", GUARD_SERVICE):
+            self._health.set(service, status)
+
     def stop(self, grace: Optional[float] = 5.0) -> threading.Event:
         """Stops gracefully: reports NOT_SERVING, refuses new RPCs, lets each
         open Judge stream finish its outstanding requests (ending it with OK),

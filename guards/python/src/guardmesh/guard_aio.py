@@ -216,6 +216,14 @@ class AsyncGuardServer:
         self._health = health
         self._servicer = servicer
 
+    def set_serving(self, serving: bool) -> None:
+        """Reports SERVING or NOT_SERVING on ``grpc.health.v1.Health`` and
+        keeps serving: a mesh sends a NOT_SERVING replica no new requests while
+        its other replicas can take them (see ``GuardServer.set_serving``)."""
+        status = _health.SERVING if serving else _health.NOT_SERVING
+        for service in ("", GUARD_SERVICE):
+            self._health.set(service, status)
+
     async def stop(self, grace: Optional[float] = 5.0) -> None:
         """Stops gracefully: reports NOT_SERVING, refuses new RPCs, lets each
         open Judge stream answer what it was sent (ending it with OK), then

@@ -1,0 +1,466 @@
+//! Draining replicas (R32): a replica whose `grpc.health.v1` status turns
+//! NOT_SERVING gets no new requests and finishes what it holds; back to
+//! SERVING it gets requests again; a replica that shuts down gracefully
+//! (NOT_SERVING, then GOAWAY and its streams ended once drained) loses no
+//! call. Real Python kit guards (grpcio, default server options), steered
+//! through their stdin.
+//!
+//! Needs `scripts/setup-polyglot` (as `polyglot` does).
+
+use crate::harness::*;
+use guardmesh_client::proto::GuardSpec;
+use guardmesh_client::{Batch, BatchDecision, Outcome, Registration};
+use std::io::{BufRead, Write};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+/// A kit guard that cancels `fs.delete` after 20 ms of work per batch and
+/// takes commands on stdin: `down` / `up` (its health status, through the
+/// kit's `GuardServer.set_serving`), `stop` (the kit's graceful stop).
+const SCRIPT: &str = r#"
+import sys, time
+from guardmesh import guard as gg
+
+def judge(batch):
+    time.sleep(0.02)
+    for call in batch.calls:
+        if call.tool == "fs.delete":
+            yield gg.cancel(call.call_id, "Deleting files is not allowed.")
+
+server, port = gg.serve(judge, port=0, name="hg")
+print(f"LISTENING {port}", flush=True)
+for line in sys.stdin:
+    command = line.strip()
+    if command == "down":
+        server.set_serving(False)
+    elif command == "up":
+        server.set_serving(True)
+    elif command == "stop":
+        server.stop(5.0)
+    print(f"OK {command}", flush=True)
+"#;
+
+struct Replica {
+    url: String,
+    child: std::process::Child,
+    stdin: std::process::ChildStdin,
+    lines: std::sync::mpsc::Receiver<String>,
+}
+
+impl Replica {
+    fn start(script: &std::path::Path) -> Self {
+        let mut child = std::process::Command::new(python())
+            .arg(script)
+            .env("PYTHONPATH", repo_root().join("guards/python/src"))
+            .current_dir(repo_root())
+            .stdin(std::process::Stdio::piped())
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::null())
+            .spawn()
+            .expect("start a Python replica");
+        let stdin = child.stdin.take().expect("stdin");
+        let stdout = child.stdout.take().expect("stdout");
+        let (tx, lines) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            for line in std::io::BufReader::new(stdout).lines() {
+                let Ok(line) = line else { return };
+                if tx.send(line).is_err() {
+                    return;
+                }
+            }
+        });
+        let first = lines
+            .recv_timeout(Duration::from_secs(30))
+            .expect("the replica prints LISTENING");
+        let port = listening_port(&first, "health replica");
+        Self {
+            url: format!("http://127.0.0.1:{port}"),
+            child,
+            stdin,
+            lines,
+        }
+    }
+
+    fn command(&mut self, command: &str) {
+        writeln!(self.stdin, "{command}").unwrap();
+        self.stdin.flush().unwrap();
+        let answer = self
+            .lines
+            .recv_timeout(Duration::from_secs(10))
+            .expect("the replica answers its command");
+        assert_eq!(answer, format!("OK {command}"));
+    }
+}
+
+impl Drop for Replica {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn script() -> (std::path::PathBuf, std::path::PathBuf) {
+    let dir = std::env::temp_dir().join(format!(
+        "guardmesh-health-{}-{}",
+        std::process::id(),
+        rand::random::<u32>()
+    ));
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join("health_guard.py");
+    std::fs::write(&path, SCRIPT).unwrap();
+    (dir, path)
+}
+
+async fn replicas(n: usize) -> (std::path::PathBuf, Vec<Replica>) {
+    let (dir, path) = script();
+    let mut out = Vec::new();
+    for _ in 0..n {
+        let path = path.clone();
+        out.push(
+            tokio::task::spawn_blocking(move || Replica::start(&path))
+                .await
+                .unwrap(),
+        );
+    }
+    (dir, out)
+}
+
+fn replicated(name: &str, urls: &[String]) -> GuardSpec {
+    let mut spec = Registration::validate(name, "")
+        .timeout(Duration::from_secs(5))
+        .build();
+    spec.endpoint = String::new();
+    spec.replicas = urls.to_vec();
+    spec
+}
+
+fn batch(round: usize) -> Batch {
+    Batch::new(u32::try_from(round % 4_000_000_000).unwrap_or(0))
+        .call("del", "fs.delete", r#"{"path":"/tmp/x"}"#)
+        .call("read", "fs.read", r#"{"path":"/tmp/x"}"#)
+        .timeout(Duration::from_secs(20))
+}
+
+fn correct(d: &BatchDecision) -> bool {
+    let [del, read] = d.calls.as_slice() else {
+        return false;
+    };
+    matches!(del.outcome, Outcome::Cancel { .. })
+        && !del.failure
+        && del.decided_by.as_deref() == Some("hg")
+        && read.proceeds()
+        && !read.failure
+}
+
+/// What a load run saw: each decision's send time, its replica, and
+/// whether it was right; and every failure.
+#[derive(Default)]
+struct Seen {
+    judged: Vec<(Instant, String)>,
+    failed: Vec<String>,
+}
+
+/// Batches from `workers` sessions until `stop`.
+async fn load(
+    mesh: &TestMesh,
+    workers: usize,
+    stop: Arc<AtomicBool>,
+    seen: Arc<Mutex<Seen>>,
+) -> Vec<tokio::task::JoinHandle<()>> {
+    let mut tasks = Vec::new();
+    for worker in 0..workers {
+        let session = mesh
+            .coordinator()
+            .await
+            .session(format!("w{worker}"))
+            .await
+            .unwrap();
+        let (stop, seen) = (stop.clone(), seen.clone());
+        tasks.push(tokio::spawn(async move {
+            let mut round = worker * 1_000_000;
+            while !stop.load(Ordering::Relaxed) {
+                round += 1;
+                let sent = Instant::now();
+                let outcome = session.evaluate(batch(round)).await;
+                let mut seen = seen.lock().unwrap();
+                match outcome {
+                    Ok(d) if correct(&d) => {
+                        let replica = d
+                            .trace
+                            .iter()
+                            .find(|t| t.guard == "hg")
+                            .map(|t| t.replica.clone())
+                            .unwrap_or_default();
+                        seen.judged.push((sent, replica));
+                    }
+                    Ok(d) => seen.failed.push(format!("{:?}", d.trace)),
+                    Err(e) => seen.failed.push(e.to_string()),
+                }
+            }
+        }));
+    }
+    tasks
+}
+
+/// Batches sent within `[from, to)` that `replica` judged, and all sent then.
+fn judged_between(seen: &Seen, replica: &str, from: Instant, to: Instant) -> (usize, usize) {
+    let window: Vec<_> = seen
+        .judged
+        .iter()
+        .filter(|(at, _)| *at >= from && *at < to)
+        .collect();
+    (
+        window.iter().filter(|(_, r)| r == replica).count(),
+        window.len(),
+    )
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn r32_a_not_serving_replica_gets_no_new_requests_then_serves_again() {
+    let mesh = TestMesh::start().await;
+    let (dir, mut guards) = replicas(3).await;
+    let urls: Vec<String> = guards.iter().map(|g| g.url.clone()).collect();
+    mesh.registrar()
+        .await
+        .register(replicated("hg", &urls))
+        .await
+        .unwrap();
+    let stop = Arc::new(AtomicBool::new(false));
+    let seen = Arc::new(Mutex::new(Seen::default()));
+    let tasks = load(&mesh, 8, stop.clone(), seen.clone()).await;
+    let settle = Duration::from_millis(500);
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+
+    // The first replica says NOT_SERVING: after a settling time (the watch
+    // message, and the batches it already held), it judges nothing new.
+    guards[0].command("down");
+    let down = Instant::now();
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    guards[0].command("up");
+    let up = Instant::now();
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    // Every replica NOT_SERVING: they still judge (R15: a guard is never
+    // left without replicas by their health; none fails).
+    for guard in &mut guards {
+        guard.command("down");
+    }
+    let all_down = Instant::now();
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    stop.store(true, Ordering::Relaxed);
+    for task in tasks {
+        tokio::time::timeout(Duration::from_secs(30), task)
+            .await
+            .expect("R32: every batch is answered")
+            .unwrap();
+    }
+    let seen = seen.lock().unwrap();
+    let (drained, total) = judged_between(&seen, &urls[0], down + settle, up);
+    eprintln!("NOT_SERVING for 3 s: the replica judged {drained} of {total}");
+    assert!(total >= 30, "load flowed while it drained: {total}");
+    assert_eq!(
+        drained, 0,
+        "R32: a NOT_SERVING replica got {drained} of {total} new requests"
+    );
+    let (back, total) = judged_between(&seen, &urls[0], up + settle, all_down);
+    eprintln!("SERVING again: the replica judged {back} of {total}");
+    assert!(
+        back * 10 >= total,
+        "R32: back to SERVING, it judges again: {back} of {total}"
+    );
+    let (_, total) = judged_between(&seen, &urls[0], all_down + settle, Instant::now());
+    assert!(
+        total >= 10,
+        "every replica NOT_SERVING still judges: {total}"
+    );
+    assert!(
+        seen.failed.is_empty(),
+        "R32: {} batches failed; first: {:?}",
+        seen.failed.len(),
+        seen.failed.first()
+    );
+    drop(seen);
+    drop(guards);
+    let _ = std::fs::remove_dir_all(dir);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn r32_a_replica_shutting_down_gracefully_finishes_its_requests_and_gets_no_more() {
+    let mesh = TestMesh::start().await;
+    let (dir, mut guards) = replicas(3).await;
+    let urls: Vec<String> = guards.iter().map(|g| g.url.clone()).collect();
+    mesh.registrar()
+        .await
+        .register(replicated("hg", &urls))
+        .await
+        .unwrap();
+    let stop = Arc::new(AtomicBool::new(false));
+    let seen = Arc::new(Mutex::new(Seen::default()));
+    let tasks = load(&mesh, 8, stop.clone(), seen.clone()).await;
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    // The kit's graceful stop: NOT_SERVING, new RPCs refused (GOAWAY), each
+    // Judge stream ended once it has no request outstanding, 5 s grace.
+    guards[0].command("stop");
+    let stopped = Instant::now();
+    tokio::time::sleep(Duration::from_secs(4)).await;
+    stop.store(true, Ordering::Relaxed);
+    for task in tasks {
+        tokio::time::timeout(Duration::from_secs(30), task)
+            .await
+            .expect("R32: every batch is answered")
+            .unwrap();
+    }
+    let seen = seen.lock().unwrap();
+    let (after, total) = judged_between(
+        &seen,
+        &urls[0],
+        stopped + Duration::from_millis(500),
+        Instant::now(),
+    );
+    eprintln!("after a graceful stop: the replica judged {after} of {total}");
+    assert!(total >= 30, "load flowed: {total}");
+    assert_eq!(after, 0, "R32: a stopping replica got new requests");
+    assert!(
+        seen.failed.is_empty(),
+        "R32: {} batches failed; first: {:?}",
+        seen.failed.len(),
+        seen.failed.first()
+    );
+    drop(seen);
+    drop(guards);
+    let _ = std::fs::remove_dir_all(dir);
+}
+
+/// A TLS script guard on 127.0.0.1 whose certificate names `id`
+/// (`spiffe://guardmesh.local/ID`), steering every call.
+async fn tls_replica(pki: &TestPki, id: &str) -> (String, Arc<ScriptGuard>) {
+    let issued = pki
+        .ca
+        .issue(&guardmesh_cli::certs::Subject::loopback(id))
+        .unwrap();
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!(
+        "https://127.0.0.1:{}",
+        listener.local_addr().unwrap().port()
+    );
+    let guard = Arc::new(script_guard_state(|batch| Script {
+        verdicts: batch
+            .calls
+            .iter()
+            .map(|c| guardmesh_client::verdict::steer(&c.call_id, "checked over TLS"))
+            .collect(),
+        ..Default::default()
+    }));
+    tokio::spawn(
+        guardmesh_client::GuardServer::from_arc(guard.clone()).serve_with(
+            listener,
+            Some(guardmesh_client::ServerTls {
+                cert_pem: issued.cert_pem,
+                key_pem: issued.key_pem,
+                client_ca_pem: None,
+            }),
+            std::future::pending(),
+        ),
+    );
+    (url, guard)
+}
+
+/// Three TLS replicas of a guard pinned to one identity, one of them an
+/// impostor (a certificate of the same CA for another identity): the
+/// impostor never receives a request, the two others judge every batch,
+/// none fails, and the impostor is named with the reason (R32, R24).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn r32_an_impostor_replica_gets_no_request_and_is_named() {
+    let pki = TestPki::new();
+    let mut config = fast_config();
+    config.security.guard_tls = Some(Arc::new(
+        guardmesh_server::link::dial::GuardTls::new(&pki.ca_file(), None, None).unwrap(),
+    ));
+    let mesh = TestMesh::with_config(config).await;
+    let (real_a, guard_a) = tls_replica(&pki, "guard/real").await;
+    let (impostor, impostor_guard) = tls_replica(&pki, "guard/impostor").await;
+    let (real_b, guard_b) = tls_replica(&pki, "guard/real").await;
+    let mut spec = replicated("tg", &[real_a.clone(), impostor.clone(), real_b.clone()]);
+    spec.server_identity = "spiffe://guardmesh.local/guard/real".into();
+    mesh.registrar().await.register(spec).await.unwrap();
+    let total = 120;
+    let mut tasks = Vec::new();
+    for worker in 0..6 {
+        let session = mesh
+            .coordinator()
+            .await
+            .session(format!("w{worker}"))
+            .await
+            .unwrap();
+        tasks.push(tokio::spawn(async move {
+            let mut seen = Vec::new();
+            for round in 0..total / 6 {
+                let d = session
+                    .evaluate(
+                        Batch::new(u32::try_from(worker * 1000 + round).unwrap())
+                            .call("c", "t", "{}")
+                            .timeout(Duration::from_secs(10)),
+                    )
+                    .await
+                    .expect("a decision");
+                let steered =
+                    matches!(d.calls[0].outcome, Outcome::Steer { .. }) && !d.calls[0].failure;
+                let replica = d
+                    .trace
+                    .iter()
+                    .find(|t| t.guard == "tg")
+                    .map(|t| t.replica.clone())
+                    .unwrap_or_default();
+                seen.push((replica, steered));
+            }
+            seen
+        }));
+    }
+    let mut counts = std::collections::HashMap::<String, usize>::new();
+    for task in tasks {
+        for (replica, steered) in task.await.unwrap() {
+            assert!(steered, "R32: every batch judged by a real replica");
+            *counts.entry(replica).or_default() += 1;
+        }
+    }
+    eprintln!("pinned replicas with an impostor: {counts:?}");
+    assert_eq!(
+        impostor_guard.requests(),
+        0,
+        "R32: the impostor got a request"
+    );
+    assert!(!counts.contains_key(&impostor), "{counts:?}");
+    assert_eq!(counts.values().sum::<usize>(), total);
+    assert!(
+        guard_a.requests() >= 10 && guard_b.requests() >= 10,
+        "{counts:?}"
+    );
+    // Requests its link queued while it was first dialed went to a real
+    // replica once the handshake refused the impostor: the impostor
+    // process itself saw none (above).
+    // The pool names the impostor and why it cannot be reached.
+    let pool = mesh
+        .mesh
+        .chain()
+        .guards
+        .iter()
+        .find(|g| g.guard.name == "tg")
+        .and_then(|g| g.link.clone())
+        .expect("the guard's pool");
+    let mut unreachable = pool.unreachable();
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while unreachable.is_empty() && Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        unreachable = pool.unreachable();
+    }
+    eprintln!("unreachable replicas: {unreachable:?}");
+    let (_, reason) = unreachable
+        .iter()
+        .find(|(r, _)| *r == impostor)
+        .expect("the impostor is named");
+    assert!(reason.contains("guard/impostor"), "{reason}");
+    assert!(
+        unreachable.iter().all(|(r, _)| *r == impostor),
+        "{unreachable:?}"
+    );
+}
