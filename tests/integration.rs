@@ -71,6 +71,7 @@ mod gate;
 mod guard_discovery;
 mod guard_replicas;
 mod hook;
+mod interceptors_conformance;
 mod mcp;
 mod mcp_answers;
 mod mcp_bounds;
