@@ -711,3 +711,273 @@ fn sep2624_the_test_redactor_leaves_no_secret_of_the_fixture_formats() {
         "sk_live_short AKIA123"
     );
 }
+
+// --- the extension's surfaces, attacked ------------------------------------
+
+async fn interceptor_client(
+    url: &str,
+) -> guardmesh_client::proto::interceptor_service_client::InterceptorServiceClient<
+    tonic::transport::Channel,
+> {
+    let channel = tonic::transport::Endpoint::from_shared(url.to_owned())
+        .expect("mesh url")
+        .connect()
+        .await
+        .expect("connect to the mesh");
+    guardmesh_client::proto::interceptor_service_client::InterceptorServiceClient::new(channel)
+}
+
+fn invocation(
+    name: &str,
+    batch: Option<guardmesh_client::proto::EvaluateRequest>,
+) -> guardmesh_client::proto::InterceptorInvokeRequest {
+    guardmesh_client::proto::InterceptorInvokeRequest {
+        name: name.to_owned(),
+        batch,
+    }
+}
+
+fn one_call(calls: usize, arguments: &str) -> guardmesh_client::proto::EvaluateRequest {
+    guardmesh_client::proto::EvaluateRequest {
+        batch_id: "invoke".into(),
+        calls: (0..calls)
+            .map(|i| guardmesh_client::proto::ToolCall {
+                call_id: format!("c{i}"),
+                tool: "echo".into(),
+                arguments: arguments.into(),
+            })
+            .collect(),
+        ..Default::default()
+    }
+}
+
+#[tokio::test]
+async fn sep2624_invoke_judges_one_call_or_result_of_a_named_guard_and_refuses_the_rest() {
+    let mesh = MeshProcess::start("icf-invoke-attacks", "", None).await;
+    let registrar = Registrar::connect(mesh.url.clone()).await.unwrap();
+    registrar
+        .register(Registration::policy("flows", CROSS_BOUNDARY_POLICY))
+        .await
+        .unwrap();
+    let mut client = interceptor_client(&mesh.url).await;
+    let code = |r: Result<_, tonic::Status>| r.map(|_: tonic::Response<_>| ()).unwrap_err();
+
+    // No batch, two calls, no call: refused, naming what is wrong.
+    let e = code(client.invoke(invocation("flows", None)).await);
+    assert_eq!(e.code(), tonic::Code::InvalidArgument, "{e:?}");
+    assert!(e.message().contains("batch"), "{e:?}");
+    let e = code(
+        client
+            .invoke(invocation("flows", Some(one_call(2, "{}"))))
+            .await,
+    );
+    assert_eq!(e.code(), tonic::Code::InvalidArgument, "{e:?}");
+    assert!(
+        e.message().contains("exactly one call or one result"),
+        "{e:?}"
+    );
+    let e = code(
+        client
+            .invoke(invocation("flows", Some(one_call(0, "{}"))))
+            .await,
+    );
+    assert_eq!(e.code(), tonic::Code::InvalidArgument, "{e:?}");
+
+    // Unknown names, a huge one too: NOT_FOUND, the name not echoed whole.
+    let e = code(
+        client
+            .invoke(invocation("nobody", Some(one_call(1, "{}"))))
+            .await,
+    );
+    assert_eq!(e.code(), tonic::Code::NotFound, "{e:?}");
+    assert!(e.message().contains("nobody"), "{e:?}");
+    let huge = "x".repeat(100_000);
+    let e = code(
+        client
+            .invoke(invocation(&huge, Some(one_call(1, "{}"))))
+            .await,
+    );
+    assert_eq!(e.code(), tonic::Code::NotFound, "{e:?}");
+    assert!(e.message().len() < 512, "{} bytes", e.message().len());
+
+    // Arguments a batch may not carry are refused as in a batch (R20).
+    let e = code(
+        client
+            .invoke(invocation("flows", Some(one_call(1, r#"{"a":1,"a":2}"#))))
+            .await,
+    );
+    assert_eq!(e.code(), tonic::Code::InvalidArgument, "{e:?}");
+
+    // A policy guard judges calls: invoking it on a result is refused.
+    let result = guardmesh_client::proto::EvaluateRequest {
+        batch_id: "invoke".into(),
+        results: vec![guardmesh_client::proto::ToolResult {
+            call_id: "c".into(),
+            tool: "echo".into(),
+            server: String::new(),
+            result: r#"{"content":[]}"#.into(),
+        }],
+        ..Default::default()
+    };
+    let e = code(client.invoke(invocation("flows", Some(result))).await);
+    assert_eq!(e.code(), tonic::Code::FailedPrecondition, "{e:?}");
+
+    // A list's event filter is bounded.
+    let e = client
+        .list(guardmesh_client::proto::InterceptorListRequest {
+            event: "e".repeat(1000),
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(e.code(), tonic::Code::InvalidArgument, "{e:?}");
+
+    // The mesh still serves: a good invocation is judged.
+    let ok = client
+        .invoke(invocation("flows", Some(one_call(1, r#"{"note":"hi"}"#))))
+        .await
+        .unwrap()
+        .into_inner();
+    let decision = ok.decision.unwrap();
+    assert_eq!(decision.decisions.len(), 1);
+    assert_eq!(decision.trace.len(), 1, "the named guard alone");
+}
+
+#[tokio::test]
+async fn sep2624_interceptor_events_outside_the_grammar_are_refused_at_registration() {
+    let mesh = MeshProcess::start("icf-events", "", None).await;
+    let registrar = Registrar::connect(mesh.url.clone()).await.unwrap();
+    let with_events = |events: Vec<String>| {
+        let mut spec = Registration::policy("g", CROSS_BOUNDARY_POLICY).build();
+        spec.interceptor_events = events;
+        spec
+    };
+    for (events, says) in [
+        (vec!["tools/call\n".to_owned()], "outside ASCII letters"),
+        (vec![String::new()], "1 to 128 bytes"),
+        (vec!["e".repeat(129)], "1 to 128 bytes"),
+        ((0..17).map(|i| format!("e{i}")).collect(), "more than 16"),
+        (vec!["*".into(), "*".into()], "twice"),
+        (vec!["t\u{2028}".into()], "outside ASCII letters"),
+    ] {
+        let error = registrar
+            .register(with_events(events.clone()))
+            .await
+            .unwrap_err();
+        let text = error.to_string();
+        assert!(text.contains(says), "{events:?}: {text}");
+    }
+    assert!(registrar.list().await.unwrap().guards.is_empty());
+    registrar
+        .register(with_events(vec!["tools/call".into(), "*".into()]))
+        .await
+        .unwrap();
+}
+
+#[test]
+fn sep2624_the_interceptor_service_needs_the_evaluate_role() {
+    use guardmesh_server::security::auth::{Role, required_role};
+    for method in ["List", "Invoke"] {
+        assert_eq!(
+            required_role(&format!("/guardmesh.v1.InterceptorService/{method}")),
+            Some(Role::Evaluate)
+        );
+    }
+}
+
+#[tokio::test]
+async fn sep2624_hostile_extension_requests_get_invalid_params_through_the_gateway() {
+    let mesh = MeshProcess::start("icf-gateway-attacks", "", None).await;
+    let registrar = Registrar::connect(mesh.url.clone()).await.unwrap();
+    registrar
+        .register(Registration::policy("flows", CROSS_BOUNDARY_POLICY))
+        .await
+        .unwrap();
+    let mut gateway = Gateway::start(&mesh.url, "hostile");
+    for (method, params, says) in [
+        ("interceptor/invoke", json!([1]), "params must be an object"),
+        (
+            "interceptor/invoke",
+            json!({"name": "flows", "phase": "request", "payload": {"name": "t", "arguments": []}}),
+            "arguments must be an object",
+        ),
+        (
+            "interceptor/invoke",
+            json!({"name": "nobody", "phase": "request", "payload": {"name": "t"}}),
+            "unknown interceptor",
+        ),
+        (
+            "interceptor/invoke",
+            json!({"name": "n".repeat(5000), "phase": "request", "payload": {"name": "t"}}),
+            "1 to 128 bytes",
+        ),
+        (
+            "interceptor/invoke",
+            json!({"name": "flows", "phase": "response", "payload": {"content": []}}),
+            "does not judge results",
+        ),
+        (
+            "interceptor/invoke",
+            json!({"name": "flows", "phase": "request", "payload": {"name": "bad name\n"}}),
+            "tool",
+        ),
+        (
+            "interceptors/list",
+            json!({"event": "e".repeat(500)}),
+            "params.event",
+        ),
+        ("interceptors/list", json!("x"), "must be an object"),
+    ] {
+        let answer = gateway.request(method, params.clone()).await.unwrap();
+        assert_eq!(
+            answer.pointer("/error/code"),
+            Some(&json!(-32602)),
+            "{params}: {answer}"
+        );
+        let message = answer
+            .pointer("/error/message")
+            .and_then(Value::as_str)
+            .unwrap_or_default();
+        assert!(message.contains(says), "{params}: {answer}");
+        assert!(message.len() < 1024, "{params}: {} bytes", message.len());
+    }
+    // Still serving.
+    let listed = gateway
+        .request("interceptors/list", json!({}))
+        .await
+        .unwrap();
+    assert_eq!(
+        listed.pointer("/result/interceptors/0/name"),
+        Some(&json!("flows")),
+        "{listed}"
+    );
+}
+
+#[tokio::test]
+async fn sep2624_the_runner_fails_a_fixture_the_mesh_does_not_meet() {
+    let Some(dir) = fixtures_dir() else {
+        return;
+    };
+    let read = |file: &str| -> Value {
+        let path = dir.join(file);
+        let text = std::fs::read_to_string(&path)
+            .unwrap_or_else(|e| panic!("fixtures not at {} ({e})", path.display()));
+        serde_json::from_str(&text).unwrap()
+    };
+    // The relaybleed flow expected to pass: the mesh denies it, so the
+    // runner must report the step.
+    let mut flow = read("fixtures/behavior/relaybleed-aws_access_key.json");
+    flow["steps"][2]["expect"]["decision"] = json!("allow");
+    let why = replay(&flow, "icf-neg-flow").await.unwrap_err();
+    assert!(why.contains("step 2"), "{why}");
+    // An audit validator made active: it blocks.
+    let mut audit = read("fixtures/protocol/chain-audit-never-blocks.json");
+    audit["interceptors"][0]
+        .as_object_mut()
+        .unwrap()
+        .remove("mode");
+    assert!(replay(&audit, "icf-neg-audit").await.is_err());
+    // A listing expected in another order.
+    let mut list = read("fixtures/protocol/list-all.json");
+    list["interceptors"].as_array_mut().unwrap().reverse();
+    assert!(replay(&list, "icf-neg-list").await.is_err());
+}

@@ -90,11 +90,9 @@ impl Refused {
     }
 }
 
-/// The extension's end in one gateway: its link to the mesh and the
-/// session its invocations read.
+/// The extension's end in one gateway: its link to the mesh.
 pub struct Interceptors {
     connect: MeshArgs,
-    session: String,
     timeout: Duration,
     client: Mutex<Option<Client>>,
     in_flight: Arc<Semaphore>,
@@ -108,32 +106,31 @@ pub fn may_be_ours(text: &str) -> bool {
 }
 
 impl Interceptors {
-    /// The extension for a gateway reaching the mesh with `connect`, whose
-    /// MCP session (the batches' session) is `session`.
-    pub fn new(connect: MeshArgs, session: String, timeout: Duration) -> Arc<Self> {
+    /// The extension for a gateway reaching the mesh with `connect`.
+    pub fn new(connect: MeshArgs, timeout: Duration) -> Arc<Self> {
         Arc::new(Self {
             connect,
-            session,
             timeout,
             client: Mutex::new(None),
             in_flight: Arc::new(Semaphore::new(MAX_IN_FLIGHT)),
         })
     }
 
-    /// The extension for a gateway with `args`, in MCP session `session`:
-    /// each request is bounded by `--timeout-ms` (30 s when 0).
-    pub fn from_judge_args(args: &crate::JudgeArgs, session: &str) -> Arc<Self> {
+    /// The extension for a gateway with `args`: each request is bounded
+    /// by `--timeout-ms` (30 s when 0).
+    pub fn from_judge_args(args: &crate::JudgeArgs) -> Arc<Self> {
         let timeout = match args.timeout_ms {
             0 => Duration::from_secs(30),
             ms => Duration::from_millis(ms),
         };
-        Self::new(args.connect.clone(), session.to_owned(), timeout)
+        Self::new(args.connect.clone(), timeout)
     }
 
     /// The answer to `text` when it is a request of the extension (read
     /// from the gateway's serialization; `None` for any other message,
-    /// which goes on as before).
-    pub fn take(self: &Arc<Self>, text: &str) -> Option<Answer> {
+    /// which goes on as before). `session` is the MCP session: the session
+    /// an invocation's batch names (its memory is read, never written).
+    pub fn take(self: &Arc<Self>, text: &str, session: &str) -> Option<Answer> {
         if !may_be_ours(text) {
             return None;
         }
@@ -153,11 +150,12 @@ impl Interceptors {
             return Some(Box::pin(std::future::ready(text)));
         };
         let this = self.clone();
+        let session = session.to_owned();
         let invoke = method == INVOKE;
         Some(Box::pin(async move {
             let _permit = permit;
             let answer = if invoke {
-                this.invoke(params.as_ref()).await
+                this.invoke(params.as_ref(), session).await
             } else {
                 this.list(params.as_ref()).await
             };
@@ -263,12 +261,12 @@ impl Interceptors {
         Ok(object(vec![("interceptors", Json::Array(interceptors))]))
     }
 
-    async fn invoke(&self, params: Option<&Json>) -> Result<Json, Refused> {
+    async fn invoke(&self, params: Option<&Json>, session: String) -> Result<Json, Refused> {
         let invocation = Invocation::read(params)?;
         let mut batch = EvaluateRequest {
             batch_id: String::new(),
             context: Some(BatchContext {
-                session_id: self.session.clone(),
+                session_id: session,
                 ..Default::default()
             }),
             ..Default::default()
@@ -616,21 +614,22 @@ mod tests {
             mesh: crate::JudgeArgs,
         }
         let args = Args::parse_from(["t", "--mesh", "127.0.0.1:1"]);
-        let ic = Interceptors::from_judge_args(&args.mesh, "s");
+        let ic = Interceptors::from_judge_args(&args.mesh);
         assert!(
-            ic.take(r#"{"jsonrpc":"2.0","id":1,"method":"tools/list"}"#)
+            ic.take(r#"{"jsonrpc":"2.0","id":1,"method":"tools/list"}"#, "s")
                 .is_none()
         );
         // The method named inside params is not the method.
         assert!(
             ic.take(
-                r#"{"jsonrpc":"2.0","id":1,"method":"ping","params":{"m":"interceptors/list"}}"#
+                r#"{"jsonrpc":"2.0","id":1,"method":"ping","params":{"m":"interceptors/list"}}"#,
+                "s"
             )
             .is_none()
         );
         // A notification of the method is not answered here.
         assert!(
-            ic.take(r#"{"jsonrpc":"2.0","method":"interceptors/list"}"#)
+            ic.take(r#"{"jsonrpc":"2.0","method":"interceptors/list"}"#, "s")
                 .is_none()
         );
     }

@@ -324,7 +324,7 @@ where
             .map_or_else(String::new, |n| n.to_string_lossy().into_owned())
     });
     let judge = Arc::new(Judge::new(args.mesh.clone(), "mcp-stdio").with_server(server));
-    let interceptors = crate::interceptors::Interceptors::from_judge_args(&args.mesh, &session);
+    let interceptors = crate::interceptors::Interceptors::from_judge_args(&args.mesh);
     let grouper = match args.batch_window_ms {
         Some(ms) => Grouper::new(judge.clone(), Duration::from_millis(ms)),
         None => Grouper::until_idle(judge.clone()),
@@ -476,7 +476,7 @@ where
             }) => {
                 // SEP-2624: answered by the gateway, never forwarded.
                 if request.is_some()
-                    && let Some(answer) = interceptors.take(&text)
+                    && let Some(answer) = interceptors.take(&text, &session)
                 {
                     let to_client = to_client.clone();
                     tasks.spawn(async move { drop(to_client.send(answer.await).await) });
