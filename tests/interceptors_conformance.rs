@@ -155,9 +155,12 @@ fn mutate(behavior: &str, payload: &Value) -> Option<Value> {
     }
 }
 
-/// The secret formats of the fixtures' reference adapter: prefix, the
-/// characters after it, the least and most of them.
-const SECRETS: &[(&str, &str, fn(u8) -> bool, usize, usize)] = &[
+/// A secret format: prefix, name, the characters after the prefix, the
+/// least and most of them.
+type SecretFormat = (&'static str, &'static str, fn(u8) -> bool, usize, usize);
+
+/// The secret formats of the fixtures' reference adapter.
+const SECRETS: &[SecretFormat] = &[
     (
         "sk_live_",
         "stripe_secret_live",
