@@ -984,3 +984,69 @@ async fn sep2624_the_runner_fails_a_fixture_the_mesh_does_not_meet() {
     list["interceptors"].as_array_mut().unwrap().reverse();
     assert!(replay(&list, "icf-neg-list").await.is_err());
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sep2624_the_http_gateway_answers_the_extension_itself() {
+    use super::mcp::{Scratch, http_gateway, post};
+    let mesh = MeshProcess::start("icf-http", "", None).await;
+    let registrar = Registrar::connect(mesh.url.clone()).await.unwrap();
+    let guard = behaviour_guard("uppercase-note".into()).await;
+    let mut spec = Registration::mutate("upper", &guard.url, ["*"])
+        .phases(GuardPhases::Both)
+        .result_grant(["*"])
+        .build();
+    spec.interceptor_events = vec!["*".into()];
+    registrar.register(spec).await.unwrap();
+    let scratch = Scratch::new("icf-http");
+    let (url, _upstream, _gateway) = http_gateway(&mesh.url, &scratch).await;
+    let ask = |id: u32, method: &str, params: Value| {
+        json!({"jsonrpc": "2.0", "id": id, "method": method, "params": params}).to_string()
+    };
+    let (status, _, body) = post(
+        &url,
+        None,
+        &ask(1, "interceptors/list", json!({"event": "prompts/get"})),
+    )
+    .await;
+    assert_eq!(status, 200, "{body}");
+    let listed: Value = serde_json::from_str(&body).unwrap();
+    assert_eq!(
+        listed["result"]["interceptors"][0]["hooks"][1],
+        json!({"events": ["*"], "phase": "response"}),
+        "{body}"
+    );
+    let payload = json!({"name": "echo", "arguments": {"note": "quiet"}});
+    let (_, _, body) = post(
+        &url,
+        None,
+        &ask(
+            2,
+            "interceptor/invoke",
+            json!({"name": "upper", "phase": "response", "payload": payload}),
+        ),
+    )
+    .await;
+    let invoked: Value = serde_json::from_str(&body).unwrap();
+    assert_eq!(invoked["result"]["modified"], json!(true), "{body}");
+    assert_eq!(
+        invoked["result"]["payload"]["arguments"]["note"],
+        json!("QUIET"),
+        "{body}"
+    );
+    let (_, _, body) = post(
+        &url,
+        None,
+        &ask(
+            3,
+            "interceptor/invoke",
+            json!({"name": 1, "phase": "request", "payload": {}}),
+        ),
+    )
+    .await;
+    let refused: Value = serde_json::from_str(&body).unwrap();
+    assert_eq!(refused["error"]["code"], json!(-32602), "{body}");
+    assert!(
+        scratch.executed().is_empty(),
+        "nothing reached the upstream's tools"
+    );
+}
