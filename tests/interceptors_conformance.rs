@@ -331,19 +331,11 @@ async fn register(registrar: &Registrar, interceptors: &[Value]) -> Result<Vec<T
         if i.get("failOpen").and_then(Value::as_bool) == Some(true) {
             registration = registration.failure_policy(FailurePolicy::FailOpen);
         }
-        let mut spec = registration.build();
-        spec.interceptor_events = i
-            .get("events")
-            .and_then(Value::as_array)
-            .map(|e| {
-                e.iter()
-                    .filter_map(Value::as_str)
-                    .map(str::to_owned)
-                    .collect()
-            })
-            .unwrap_or_default();
+        let events = i.get("events").and_then(Value::as_array);
+        let registration =
+            registration.interceptor_events(events.into_iter().flatten().filter_map(Value::as_str));
         registrar
-            .register(spec)
+            .register(registration)
             .await
             .map_err(|e| format!("registering {name}: {e}"))?;
     }
@@ -991,11 +983,10 @@ async fn sep2624_the_http_gateway_answers_the_extension_itself() {
     let mesh = MeshProcess::start("icf-http", "", None).await;
     let registrar = Registrar::connect(mesh.url.clone()).await.unwrap();
     let guard = behaviour_guard("uppercase-note".into()).await;
-    let mut spec = Registration::mutate("upper", &guard.url, ["*"])
+    let spec = Registration::mutate("upper", &guard.url, ["*"])
         .phases(GuardPhases::Both)
         .result_grant(["*"])
-        .build();
-    spec.interceptor_events = vec!["*".into()];
+        .interceptor_events(["*"]);
     registrar.register(spec).await.unwrap();
     let scratch = Scratch::new("icf-http");
     let (url, _upstream, _gateway) = http_gateway(&mesh.url, &scratch).await;
