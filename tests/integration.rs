@@ -72,6 +72,7 @@ mod guard_discovery;
 mod guard_replicas;
 mod guard_replicas_health;
 mod hook;
+mod interceptors_conformance;
 mod mcp;
 mod mcp_answers;
 mod mcp_bounds;

@@ -139,6 +139,19 @@ impl Registration {
         self
     }
 
+    /// The MCP events the guard hooks when the chain is listed as MCP
+    /// interceptors (SEP-2624): `tools/call`, `*`, ... (listing only; the
+    /// mesh refuses more than 16, or one outside ASCII letters, digits and
+    /// `/ _ . * -`). None given: `tools/call`.
+    pub fn interceptor_events<I, S>(mut self, events: I) -> Self
+    where
+        I: IntoIterator<Item = S>,
+        S: Into<String>,
+    {
+        self.0.interceptor_events = events.into_iter().map(Into::into).collect();
+        self
+    }
+
     /// Consulted and traced, never applied (R18).
     pub fn dry_run(mut self) -> Self {
         self.0.mode = GuardMode::DryRun as i32;

@@ -161,6 +161,8 @@ struct Proxy {
     upstream: Uri,
     client: Client<HttpConnector, Out>,
     judge: Arc<Judge>,
+    /// SEP-2624: `interceptors/list` and `interceptor/invoke`.
+    interceptors: Arc<crate::interceptors::Interceptors>,
     grouper: crate::group::Grouper,
     max: usize,
     body_timeout: Duration,
@@ -510,6 +512,12 @@ impl Proxy {
                 request,
                 lists_tools,
             }) => {
+                // SEP-2624: answered by the gateway, never forwarded.
+                if request.is_some()
+                    && let Some(answer) = self.interceptors.take(&text, &session)
+                {
+                    return json_response(StatusCode::OK, answer.await);
+                }
                 let listing: Vec<String> = request.filter(|_| lists_tools).into_iter().collect();
                 self.forward_listing(parts.method, &parts.headers, full(text), &listing)
                     .await
@@ -1404,6 +1412,7 @@ async fn serve(
             judge.clone(),
             Duration::from_millis(args.batch_window_ms),
         ),
+        interceptors: crate::interceptors::Interceptors::from_judge_args(&args.mesh),
         judge,
         max: args.max_message_bytes,
         body_timeout: Duration::from_millis(args.body_timeout_ms),

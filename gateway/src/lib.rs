@@ -55,6 +55,7 @@
 pub mod group;
 pub mod hook;
 pub mod http;
+pub mod interceptors;
 pub mod json;
 pub mod jsonrpc;
 pub mod judge;

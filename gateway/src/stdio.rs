@@ -324,6 +324,7 @@ where
             .map_or_else(String::new, |n| n.to_string_lossy().into_owned())
     });
     let judge = Arc::new(Judge::new(args.mesh.clone(), "mcp-stdio").with_server(server));
+    let interceptors = crate::interceptors::Interceptors::from_judge_args(&args.mesh);
     let grouper = match args.batch_window_ms {
         Some(ms) => Grouper::new(judge.clone(), Duration::from_millis(ms)),
         None => Grouper::until_idle(judge.clone()),
@@ -473,6 +474,14 @@ where
                 request,
                 lists_tools,
             }) => {
+                // SEP-2624: answered by the gateway, never forwarded.
+                if request.is_some()
+                    && let Some(answer) = interceptors.take(&text, &session)
+                {
+                    let to_client = to_client.clone();
+                    tasks.spawn(async move { drop(to_client.send(answer.await).await) });
+                    continue;
+                }
                 if lists_tools {
                     lock(&collector).lists_tools(request.as_ref());
                 }

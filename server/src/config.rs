@@ -943,6 +943,8 @@ impl GuardConfig {
                 .map(|g| guardmesh_proto::v1::ResultGrant {
                     tools: g.tools.clone(),
                 }),
+            // Registered over `GuardRegistry` only (SEP-2624 listing).
+            interceptor_events: Vec::new(),
         }
     }
 }

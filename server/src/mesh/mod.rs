@@ -11,6 +11,7 @@
 //! ([`crate::judge`]), and the batch's record ([`record`]), each once.
 
 mod evaluate;
+pub mod interceptors;
 pub(crate) mod record;
 pub mod results;
 mod session;

@@ -64,6 +64,51 @@ pub enum SpecError {
     /// R27: a guard is either remote (`endpoint`) or a policy (`policy`).
     #[error("guard {name:?}: {reason}")]
     PolicyGuard { name: String, reason: &'static str },
+    /// SEP-2624: an interceptor event outside the grammar, or too many.
+    #[error("guard {name:?}: interceptor_events: {reason}")]
+    BadInterceptorEvents { name: String, reason: String },
+}
+
+/// Most interceptor events a guard lists (`GuardSpec.interceptor_events`).
+pub const MAX_INTERCEPTOR_EVENTS: usize = 16;
+/// Longest interceptor event, in bytes.
+pub const MAX_INTERCEPTOR_EVENT_BYTES: usize = 128;
+
+/// Checks the MCP events a guard hooks as an interceptor (SEP-2624): at
+/// most [`MAX_INTERCEPTOR_EVENTS`], each 1 to
+/// [`MAX_INTERCEPTOR_EVENT_BYTES`] bytes of ASCII letters, digits and
+/// `/ _ . * -`, no event twice.
+pub fn check_interceptor_events(name: &str, events: &[String]) -> Result<(), SpecError> {
+    let bad = |reason: String| SpecError::BadInterceptorEvents {
+        name: name.to_owned(),
+        reason,
+    };
+    if events.len() > MAX_INTERCEPTOR_EVENTS {
+        return Err(bad(format!(
+            "{} events, more than {MAX_INTERCEPTOR_EVENTS}",
+            events.len()
+        )));
+    }
+    for (i, event) in events.iter().enumerate() {
+        let shown: String = event.chars().take(32).collect();
+        if event.is_empty() || event.len() > MAX_INTERCEPTOR_EVENT_BYTES {
+            return Err(bad(format!(
+                "event {i} ({shown:?}) must be 1 to {MAX_INTERCEPTOR_EVENT_BYTES} bytes"
+            )));
+        }
+        if !event
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b"/_.*-".contains(&b))
+        {
+            return Err(bad(format!(
+                "event {i} ({shown:?}) holds a character outside ASCII letters, digits and / _ . * -"
+            )));
+        }
+        if events[..i].contains(event) {
+            return Err(bad(format!("event {shown:?} is listed twice")));
+        }
+    }
+    Ok(())
 }
 
 /// Tool-name patterns: exact names and globs. Empty matches every tool.
@@ -161,6 +206,9 @@ pub struct Guard {
     /// What a mutate guard may rewrite in results (R11, R33); always empty
     /// for validate guards.
     pub result_grant_tools: ToolSet,
+    /// SEP-2624: the MCP events it hooks as an interceptor (listing only;
+    /// empty: `tools/call`).
+    pub interceptor_events: Vec<String>,
 }
 
 /// Compiles a policy, or shares the compiled policy of a live guard with
@@ -294,6 +342,7 @@ impl Guard {
             GuardRole::Validate => ResultGrant::default(),
         };
         let result_grant_tools = ToolSet::compile(&name, &result_grant.tools, false, false)?;
+        check_interceptor_events(&name, &spec.interceptor_events)?;
         let timeout = if spec.timeout_ms == 0 {
             default_timeout
         } else {
@@ -315,6 +364,7 @@ impl Guard {
             replicas,
             phases,
             result_grant_tools,
+            interceptor_events: spec.interceptor_events.clone(),
         })
     }
 
@@ -369,6 +419,7 @@ impl Guard {
             .then(|| ResultGrant {
                 tools: self.result_grant_tools.patterns().to_vec(),
             }),
+            interceptor_events: self.interceptor_events.clone(),
         }
     }
 

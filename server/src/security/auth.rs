@@ -170,6 +170,8 @@ impl AuthPolicy {
 pub fn required_role(path: &str) -> Option<Role> {
     match path {
         p if p.starts_with("/guardmesh.v1.PreToolService/") => Some(Role::Evaluate),
+        // SEP-2624: the chain as interceptors, for an MCP gateway.
+        p if p.starts_with("/guardmesh.v1.InterceptorService/") => Some(Role::Evaluate),
         "/guardmesh.v1.GuardRegistry/Register" | "/guardmesh.v1.GuardRegistry/Deregister" => {
             Some(Role::Register)
         }

@@ -2,6 +2,7 @@
 //! reflection, composed in one place.
 
 mod inbound;
+mod interceptors;
 pub(crate) mod service;
 
 use crate::mesh::Mesh;
@@ -141,6 +142,11 @@ pub async fn run(
         .add_service(reflection_v1alpha)
         .add_service(pre_tool)
         .add_service(registrar)
+        .add_service(
+            guardmesh_proto::v1::interceptor_service_server::InterceptorServiceServer::new(
+                interceptors::Interceptors::new(mesh.clone()),
+            ),
+        )
         .serve_with_incoming_shutdown(incoming, signal)
         .await;
     if let Some(watch) = cert_watch {

@@ -3,7 +3,7 @@
 isort:skip_file
 guardmesh: a gRPC guard mesh for AI agent tool calls.
 
-Three services live here:
+Four services live here:
 
 * `PreToolService`: what a coordinator (an agent loop) calls with each round
   of tool calls (a *batch*) before it runs any of them. The mesh answers with
@@ -13,6 +13,7 @@ Three services live here:
   one long-lived `Judge` stream open to each registered guard and sends it
   the batches it applies to; the guard answers with *verdicts*.
 * `GuardRegistry`: how guards enter and leave the *chain*.
+* `InterceptorService`: the chain seen as MCP interceptors (SEP-2624).
 
 The behaviour behind these messages is specified in SPEC.md; rule numbers
 (R1..R22) in the comments below refer to it.
@@ -1213,6 +1214,7 @@ class GuardSpec(_message.Message):
     REPLICAS_FIELD_NUMBER: _builtins.int
     PHASES_FIELD_NUMBER: _builtins.int
     RESULT_GRANT_FIELD_NUMBER: _builtins.int
+    INTERCEPTOR_EVENTS_FIELD_NUMBER: _builtins.int
     name: _builtins.str
     """Unique name of the guard in the chain."""
     endpoint: _builtins.str
@@ -1285,6 +1287,16 @@ class GuardSpec(_message.Message):
         guards.
         """
 
+    @_builtins.property
+    def interceptor_events(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """The MCP events the guard hooks when the chain is exposed as MCP
+        interceptors (SEP-2624, `InterceptorService`): method names such as
+        `tools/call`, or `*` for every event. Listing only: the mesh judges
+        tool calls and their results whatever this holds. At most 16, each 1
+        to 128 bytes of ASCII letters, digits and `/ _ . * -`; anything else is
+        refused with INVALID_ARGUMENT. Empty (the default): `tools/call`.
+        """
+
     def __init__(
         self,
         *,
@@ -1302,10 +1314,11 @@ class GuardSpec(_message.Message):
         replicas: _abc.Iterable[_builtins.str] | None = ...,
         phases: Global___GuardPhases.ValueType = ...,
         result_grant: Global___ResultGrant | None = ...,
+        interceptor_events: _abc.Iterable[_builtins.str] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["grant", b"grant", "result_grant", b"result_grant"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["endpoint", b"endpoint", "failure_policy", b"failure_policy", "grant", b"grant", "mode", b"mode", "name", b"name", "phases", b"phases", "policy", b"policy", "priority", b"priority", "replicas", b"replicas", "result_grant", b"result_grant", "role", b"role", "server_identity", b"server_identity", "timeout_ms", b"timeout_ms", "tools", b"tools"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["endpoint", b"endpoint", "failure_policy", b"failure_policy", "grant", b"grant", "interceptor_events", b"interceptor_events", "mode", b"mode", "name", b"name", "phases", b"phases", "policy", b"policy", "priority", b"priority", "replicas", b"replicas", "result_grant", b"result_grant", "role", b"role", "server_identity", b"server_identity", "timeout_ms", b"timeout_ms", "tools", b"tools"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1469,3 +1482,155 @@ class ListResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___ListResponse: _TypeAlias = ListResponse  # noqa: Y015
+
+@_typing.final
+class InterceptorListRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    EVENT_FIELD_NUMBER: _builtins.int
+    event: _builtins.str
+    """Only the guards hooking this MCP event (a guard hooking `*` hooks
+    every event). Empty: every guard. At most 128 bytes.
+    """
+    def __init__(
+        self,
+        *,
+        event: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["event", b"event"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___InterceptorListRequest: _TypeAlias = InterceptorListRequest  # noqa: Y015
+
+@_typing.final
+class InterceptorListResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    REVISION_FIELD_NUMBER: _builtins.int
+    INTERCEPTORS_FIELD_NUMBER: _builtins.int
+    revision: _builtins.int
+    """Revision of the chain listed (R17)."""
+    @_builtins.property
+    def interceptors(self) -> _containers.RepeatedCompositeFieldContainer[Global___InterceptorDescriptor]:
+        """The guards, in chain order."""
+
+    def __init__(
+        self,
+        *,
+        revision: _builtins.int = ...,
+        interceptors: _abc.Iterable[Global___InterceptorDescriptor] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["interceptors", b"interceptors", "revision", b"revision"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___InterceptorListResponse: _TypeAlias = InterceptorListResponse  # noqa: Y015
+
+@_typing.final
+class InterceptorDescriptor(_message.Message):
+    """One guard of the chain as an interceptor."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NAME_FIELD_NUMBER: _builtins.int
+    ROLE_FIELD_NUMBER: _builtins.int
+    PHASES_FIELD_NUMBER: _builtins.int
+    EVENTS_FIELD_NUMBER: _builtins.int
+    MODE_FIELD_NUMBER: _builtins.int
+    PRIORITY_FIELD_NUMBER: _builtins.int
+    FAILURE_POLICY_FIELD_NUMBER: _builtins.int
+    name: _builtins.str
+    """The guard's name."""
+    role: Global___GuardRole.ValueType
+    """Validate (an interceptor of type `validation`) or mutate (`mutation`)."""
+    phases: Global___GuardPhases.ValueType
+    """Calls (the `request` phase), results (`response`) or both (R33)."""
+    mode: Global___GuardMode.ValueType
+    """Enforce (`active`) or dry run (`audit`, R18)."""
+    priority: _builtins.int
+    """Its position key in the chain (lower first)."""
+    failure_policy: Global___FailurePolicy.ValueType
+    """What happens when it fails (R13); `fail_open` is SEP-2624's `failOpen`."""
+    @_builtins.property
+    def events(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """The MCP events it hooks (`GuardSpec.interceptor_events`; `tools/call`
+        when none were registered).
+        """
+
+    def __init__(
+        self,
+        *,
+        name: _builtins.str = ...,
+        role: Global___GuardRole.ValueType = ...,
+        phases: Global___GuardPhases.ValueType = ...,
+        events: _abc.Iterable[_builtins.str] | None = ...,
+        mode: Global___GuardMode.ValueType = ...,
+        priority: _builtins.int = ...,
+        failure_policy: Global___FailurePolicy.ValueType = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["events", b"events", "failure_policy", b"failure_policy", "mode", b"mode", "name", b"name", "phases", b"phases", "priority", b"priority", "role", b"role"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___InterceptorDescriptor: _TypeAlias = InterceptorDescriptor  # noqa: Y015
+
+@_typing.final
+class InterceptorInvokeRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NAME_FIELD_NUMBER: _builtins.int
+    BATCH_FIELD_NUMBER: _builtins.int
+    name: _builtins.str
+    """The guard to run."""
+    @_builtins.property
+    def batch(self) -> Global___EvaluateRequest:
+        """What it judges: a batch of exactly one call, or exactly one result
+        (R33), checked as `PreToolService` checks a batch (R20, R25). The
+        batch's session is read, never written.
+        """
+
+    def __init__(
+        self,
+        *,
+        name: _builtins.str = ...,
+        batch: Global___EvaluateRequest | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["batch", b"batch"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["batch", b"batch", "name", b"name"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___InterceptorInvokeRequest: _TypeAlias = InterceptorInvokeRequest  # noqa: Y015
+
+@_typing.final
+class InterceptorInvokeResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    DECISION_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def decision(self) -> Global___BatchDecision:
+        """The guard's decision, as a chain holding that guard alone (in enforce
+        mode, whatever its registered mode) would decide: the call's or the
+        result's decision and the guard's trace entry.
+        """
+
+    def __init__(
+        self,
+        *,
+        decision: Global___BatchDecision | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["decision", b"decision"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["decision", b"decision"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___InterceptorInvokeResponse: _TypeAlias = InterceptorInvokeResponse  # noqa: Y015

@@ -434,3 +434,149 @@ class GuardRegistry:
             timeout,
             metadata,
             _registered_method=True)
+
+
+class InterceptorServiceStub:
+    """---------------------------------------------------------------------------
+    InterceptorService: the chain as MCP interceptors (SEP-2624)
+    ---------------------------------------------------------------------------
+
+    The chain seen as MCP interceptors, for an MCP gateway that speaks the
+    interceptor extension (`interceptors/list`, `interceptor/invoke`). Needs
+    the same role as `PreToolService` (evaluate): it reveals the guards'
+    names, roles, phases, events, modes and priorities, never their
+    endpoints or policies.
+    """
+
+    def __init__(self, channel):
+        """Constructor.
+
+        Args:
+            channel: A grpc.Channel.
+        """
+        self.List = channel.unary_unary(
+                '/guardmesh.v1.InterceptorService/List',
+                request_serializer=guardmesh_dot_v1_dot_guardmesh__pb2.InterceptorListRequest.SerializeToString,
+                response_deserializer=guardmesh_dot_v1_dot_guardmesh__pb2.InterceptorListResponse.FromString,
+                _registered_method=True)
+        self.Invoke = channel.unary_unary(
+                '/guardmesh.v1.InterceptorService/Invoke',
+                request_serializer=guardmesh_dot_v1_dot_guardmesh__pb2.InterceptorInvokeRequest.SerializeToString,
+                response_deserializer=guardmesh_dot_v1_dot_guardmesh__pb2.InterceptorInvokeResponse.FromString,
+                _registered_method=True)
+
+
+class InterceptorServiceServicer:
+    """---------------------------------------------------------------------------
+    InterceptorService: the chain as MCP interceptors (SEP-2624)
+    ---------------------------------------------------------------------------
+
+    The chain seen as MCP interceptors, for an MCP gateway that speaks the
+    interceptor extension (`interceptors/list`, `interceptor/invoke`). Needs
+    the same role as `PreToolService` (evaluate): it reveals the guards'
+    names, roles, phases, events, modes and priorities, never their
+    endpoints or policies.
+    """
+
+    def List(self, request, context):
+        """The chain's guards as interceptors, in chain order.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Invoke(self, request, context):
+        """Runs one guard of the chain, alone, on one call or one result, and
+        answers what it decided. Nothing runs and nothing is remembered in the
+        session: a dry computation. An unknown guard name is NOT_FOUND.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+
+def add_InterceptorServiceServicer_to_server(servicer, server):
+    rpc_method_handlers = {
+            'List': grpc.unary_unary_rpc_method_handler(
+                    servicer.List,
+                    request_deserializer=guardmesh_dot_v1_dot_guardmesh__pb2.InterceptorListRequest.FromString,
+                    response_serializer=guardmesh_dot_v1_dot_guardmesh__pb2.InterceptorListResponse.SerializeToString,
+            ),
+            'Invoke': grpc.unary_unary_rpc_method_handler(
+                    servicer.Invoke,
+                    request_deserializer=guardmesh_dot_v1_dot_guardmesh__pb2.InterceptorInvokeRequest.FromString,
+                    response_serializer=guardmesh_dot_v1_dot_guardmesh__pb2.InterceptorInvokeResponse.SerializeToString,
+            ),
+    }
+    generic_handler = grpc.method_handlers_generic_handler(
+            'guardmesh.v1.InterceptorService', rpc_method_handlers)
+    server.add_generic_rpc_handlers((generic_handler,))
+    server.add_registered_method_handlers('guardmesh.v1.InterceptorService', rpc_method_handlers)
+
+
+ # This class is part of an EXPERIMENTAL API.
+class InterceptorService:
+    """---------------------------------------------------------------------------
+    InterceptorService: the chain as MCP interceptors (SEP-2624)
+    ---------------------------------------------------------------------------
+
+    The chain seen as MCP interceptors, for an MCP gateway that speaks the
+    interceptor extension (`interceptors/list`, `interceptor/invoke`). Needs
+    the same role as `PreToolService` (evaluate): it reveals the guards'
+    names, roles, phases, events, modes and priorities, never their
+    endpoints or policies.
+    """
+
+    @staticmethod
+    def List(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/guardmesh.v1.InterceptorService/List',
+            guardmesh_dot_v1_dot_guardmesh__pb2.InterceptorListRequest.SerializeToString,
+            guardmesh_dot_v1_dot_guardmesh__pb2.InterceptorListResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Invoke(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/guardmesh.v1.InterceptorService/Invoke',
+            guardmesh_dot_v1_dot_guardmesh__pb2.InterceptorInvokeRequest.SerializeToString,
+            guardmesh_dot_v1_dot_guardmesh__pb2.InterceptorInvokeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)

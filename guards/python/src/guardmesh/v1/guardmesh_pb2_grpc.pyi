@@ -3,7 +3,7 @@
 isort:skip_file
 guardmesh: a gRPC guard mesh for AI agent tool calls.
 
-Three services live here:
+Four services live here:
 
 * `PreToolService`: what a coordinator (an agent loop) calls with each round
   of tool calls (a *batch*) before it runs any of them. The mesh answers with
@@ -13,6 +13,7 @@ Three services live here:
   one long-lived `Judge` stream open to each registered guard and sends it
   the batches it applies to; the guard answers with *verdicts*.
 * `GuardRegistry`: how guards enter and leave the *chain*.
+* `InterceptorService`: the chain seen as MCP interceptors (SEP-2624).
 
 The behaviour behind these messages is specified in SPEC.md; rule numbers
 (R1..R22) in the comments below refer to it.
@@ -265,3 +266,82 @@ class GuardRegistryServicer(metaclass=_abc_1.ABCMeta):
         """The chain in order, with its revision."""
 
 def add_GuardRegistryServicer_to_server(servicer: GuardRegistryServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...
+
+class InterceptorServiceStub:
+    """---------------------------------------------------------------------------
+    InterceptorService: the chain as MCP interceptors (SEP-2624)
+    ---------------------------------------------------------------------------
+
+    The chain seen as MCP interceptors, for an MCP gateway that speaks the
+    interceptor extension (`interceptors/list`, `interceptor/invoke`). Needs
+    the same role as `PreToolService` (evaluate): it reveals the guards'
+    names, roles, phases, events, modes and priorities, never their
+    endpoints or policies.
+    """
+
+    @_typing.overload
+    def __new__(cls, channel: _grpc.Channel) -> _Self: ...
+    @_typing.overload
+    def __new__(cls, channel: _aio.Channel) -> InterceptorServiceAsyncStub: ...
+    List: _grpc.UnaryUnaryMultiCallable[_guardmesh_pb2.InterceptorListRequest, _guardmesh_pb2.InterceptorListResponse]
+    """The chain's guards as interceptors, in chain order."""
+    Invoke: _grpc.UnaryUnaryMultiCallable[_guardmesh_pb2.InterceptorInvokeRequest, _guardmesh_pb2.InterceptorInvokeResponse]
+    """Runs one guard of the chain, alone, on one call or one result, and
+    answers what it decided. Nothing runs and nothing is remembered in the
+    session: a dry computation. An unknown guard name is NOT_FOUND.
+    """
+
+@_typing.type_check_only
+class InterceptorServiceAsyncStub(InterceptorServiceStub):
+    """---------------------------------------------------------------------------
+    InterceptorService: the chain as MCP interceptors (SEP-2624)
+    ---------------------------------------------------------------------------
+
+    The chain seen as MCP interceptors, for an MCP gateway that speaks the
+    interceptor extension (`interceptors/list`, `interceptor/invoke`). Needs
+    the same role as `PreToolService` (evaluate): it reveals the guards'
+    names, roles, phases, events, modes and priorities, never their
+    endpoints or policies.
+    """
+
+    def __init__(self, channel: _aio.Channel) -> None: ...
+    List: _aio.UnaryUnaryMultiCallable[_guardmesh_pb2.InterceptorListRequest, _guardmesh_pb2.InterceptorListResponse]  # type: ignore[assignment]
+    """The chain's guards as interceptors, in chain order."""
+    Invoke: _aio.UnaryUnaryMultiCallable[_guardmesh_pb2.InterceptorInvokeRequest, _guardmesh_pb2.InterceptorInvokeResponse]  # type: ignore[assignment]
+    """Runs one guard of the chain, alone, on one call or one result, and
+    answers what it decided. Nothing runs and nothing is remembered in the
+    session: a dry computation. An unknown guard name is NOT_FOUND.
+    """
+
+class InterceptorServiceServicer(metaclass=_abc_1.ABCMeta):
+    """---------------------------------------------------------------------------
+    InterceptorService: the chain as MCP interceptors (SEP-2624)
+    ---------------------------------------------------------------------------
+
+    The chain seen as MCP interceptors, for an MCP gateway that speaks the
+    interceptor extension (`interceptors/list`, `interceptor/invoke`). Needs
+    the same role as `PreToolService` (evaluate): it reveals the guards'
+    names, roles, phases, events, modes and priorities, never their
+    endpoints or policies.
+    """
+
+    @_abc_1.abstractmethod
+    def List(
+        self,
+        request: _guardmesh_pb2.InterceptorListRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_guardmesh_pb2.InterceptorListResponse, _abc.Awaitable[_guardmesh_pb2.InterceptorListResponse]]:
+        """The chain's guards as interceptors, in chain order."""
+
+    @_abc_1.abstractmethod
+    def Invoke(
+        self,
+        request: _guardmesh_pb2.InterceptorInvokeRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_guardmesh_pb2.InterceptorInvokeResponse, _abc.Awaitable[_guardmesh_pb2.InterceptorInvokeResponse]]:
+        """Runs one guard of the chain, alone, on one call or one result, and
+        answers what it decided. Nothing runs and nothing is remembered in the
+        session: a dry computation. An unknown guard name is NOT_FOUND.
+        """
+
+def add_InterceptorServiceServicer_to_server(servicer: InterceptorServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...
