@@ -29,7 +29,6 @@
 //! so the gateway keeps numbers as text in its own small tree instead.
 
 use guardmesh_client::casefold;
-use std::fmt::Write as _;
 
 /// Deepest nesting of arrays and objects read in one message (serde_json's
 /// own recursion limit): deeper is refused as not readable.
@@ -109,22 +108,30 @@ pub fn read(text: &str) -> Result<Read, SyntaxError> {
         bytes: text.as_bytes(),
         text,
         pos: 0,
-        pointer: String::new(),
         ambiguity: None,
+        place: Vec::new(),
     };
     let value = reader.value(0)?;
-    Ok(Read {
-        value,
-        ambiguity: reader.ambiguity,
-    })
+    let ambiguity = reader.ambiguity.map(|mut ambiguity| {
+        for segment in reader.place.iter().rev() {
+            ambiguity.pointer.push('/');
+            ambiguity.pointer.push_str(segment);
+        }
+        ambiguity
+    });
+    Ok(Read { value, ambiguity })
 }
 
 struct Reader<'a> {
     bytes: &'a [u8],
     text: &'a str,
     pos: usize,
-    pointer: String,
+    /// The first ambiguity found, its pointer still empty.
     ambiguity: Option<Ambiguity>,
+    /// The place of the first ambiguity, innermost segment first: each
+    /// array and object whose member held it adds its segment as the
+    /// reading returns from it (no pointer is kept while reading).
+    place: Vec<String>,
 }
 
 fn invalid(what: &str) -> SyntaxError {
@@ -184,10 +191,14 @@ impl Reader<'_> {
     fn string(&mut self) -> Result<String, SyntaxError> {
         let start = self.pos;
         self.pos += 1;
+        let mut escaped = false;
         loop {
             match self.peek() {
                 Some(b'"') => break,
-                Some(b'\\') => self.pos += 2,
+                Some(b'\\') => {
+                    escaped = true;
+                    self.pos += 2;
+                }
                 Some(_) => self.pos += 1,
                 None => return Err(invalid("unterminated string")),
             }
@@ -197,6 +208,11 @@ impl Reader<'_> {
             .text
             .get(start..self.pos)
             .ok_or_else(|| invalid("a string ends inside a character"))?;
+        if !escaped {
+            // serde_json has checked the text (no control characters in a
+            // string): without escapes, a string is its characters.
+            return Ok(quoted[1..quoted.len() - 1].to_owned());
+        }
         serde_json::from_str::<String>(quoted).map_err(|e| SyntaxError::Invalid(e.to_string()))
     }
 
@@ -212,10 +228,11 @@ impl Reader<'_> {
             return Ok(Json::Array(items));
         }
         loop {
-            let len = self.pointer.len();
-            let _ = write!(self.pointer, "/{}", items.len());
+            let clear = self.ambiguity.is_none();
             items.push(self.value(depth)?);
-            self.pointer.truncate(len);
+            if clear && self.ambiguity.is_some() {
+                self.place.push((items.len() - 1).to_string());
+            }
             self.skip_ws();
             match self.peek() {
                 Some(b',') => self.pos += 1,
@@ -239,9 +256,6 @@ impl Reader<'_> {
             self.pos += 1;
             return Ok(Json::Object(members));
         }
-        // The object's place, for an ambiguity in its own names (found
-        // after its members, which come first in document order).
-        let here = self.pointer.clone();
         loop {
             self.skip_ws();
             if self.peek() != Some(b'"') {
@@ -249,12 +263,11 @@ impl Reader<'_> {
             }
             let key = self.string()?;
             self.expect(b':')?;
-            let len = self.pointer.len();
-            self.pointer.push('/');
-            self.pointer
-                .push_str(&key.replace('~', "~0").replace('/', "~1"));
+            let clear = self.ambiguity.is_none();
             let value = self.value(depth)?;
-            self.pointer.truncate(len);
+            if clear && self.ambiguity.is_some() {
+                self.place.push(key.replace('~', "~0").replace('/', "~1"));
+            }
             members.push((key, value));
             self.skip_ws();
             match self.peek() {
@@ -266,18 +279,46 @@ impl Reader<'_> {
                 _ => return Err(invalid("expected , or }")),
             }
         }
+        // The object's own names, after its members (which come first in
+        // document order).
         if self.ambiguity.is_none()
-            && let Some((first, second)) =
-                casefold::find_collision(members.iter().map(|(k, _)| k.as_str()))
+            && let Some((first, second)) = find_collision(&members)
         {
             self.ambiguity = Some(Ambiguity {
-                pointer: here,
+                pointer: String::new(),
                 first: first.to_owned(),
                 second: second.to_owned(),
             });
         }
         Ok(Json::Object(members))
     }
+}
+
+/// Objects with at most this many members are checked for colliding
+/// names pair by pair, without allocating; larger ones through
+/// [`casefold::find_collision`]'s table.
+const PAIRWISE_MAX: usize = 16;
+
+/// [`casefold::find_collision`] over the names of `members`: the first
+/// name equal under Go's case folding to an earlier one, and that earlier
+/// one.
+fn find_collision(members: &[(String, Json)]) -> Option<(&str, &str)> {
+    if members.len() > PAIRWISE_MAX {
+        return casefold::find_collision(members.iter().map(|(k, _)| k.as_str()));
+    }
+    for (j, (second, _)) in members.iter().enumerate() {
+        for (first, _) in &members[..j] {
+            let equal = if first.is_ascii() && second.is_ascii() {
+                first.eq_ignore_ascii_case(second)
+            } else {
+                casefold::equal_fold(first, second)
+            };
+            if equal {
+                return Some((first, second));
+            }
+        }
+    }
+    None
 }
 
 impl Json {
@@ -348,23 +389,57 @@ impl Json {
     }
 }
 
-/// A JSON string: serde_json's escaping, and the line breaks outside ASCII
-/// that some readers split lines on (NEL, LS, PS) escaped as well.
-fn write_string(s: &str, out: &mut String) {
-    // A String always serializes.
-    let quoted = serde_json::to_string(s).unwrap_or_default();
-    if quoted.contains(['\u{85}', '\u{2028}', '\u{2029}']) {
-        for c in quoted.chars() {
-            match c {
-                '\u{85}' => out.push_str("\\u0085"),
-                '\u{2028}' => out.push_str("\\u2028"),
-                '\u{2029}' => out.push_str("\\u2029"),
-                c => out.push(c),
+/// A JSON string: serde_json's escaping (`\"`, `\\`, the short escapes of
+/// `\b \f \n \r \t`, `\u00XX` for the other control characters), and the
+/// line breaks outside ASCII that some readers split lines on (NEL, LS, PS)
+/// escaped as well; written straight into `out`, in one pass.
+pub(crate) fn write_string(s: &str, out: &mut String) {
+    const HEX: &[u8; 16] = b"0123456789abcdef";
+    out.reserve(s.len() + 2);
+    out.push('"');
+    let bytes = s.as_bytes();
+    let mut start = 0;
+    let mut i = 0;
+    while i < bytes.len() {
+        let b = bytes[i];
+        let (escape, len): (&str, usize) = match b {
+            b'"' => ("\\\"", 1),
+            b'\\' => ("\\\\", 1),
+            b'\n' => ("\\n", 1),
+            b'\r' => ("\\r", 1),
+            b'\t' => ("\\t", 1),
+            0x08 => ("\\b", 1),
+            0x0c => ("\\f", 1),
+            0x00..=0x1f => ("", 1),
+            // NEL (U+0085) is C2 85 in UTF-8; LS and PS (U+2028, U+2029)
+            // are E2 80 A8 and E2 80 A9.
+            0xc2 if bytes.get(i + 1) == Some(&0x85) => ("\\u0085", 2),
+            0xe2 if bytes.get(i + 1) == Some(&0x80) && bytes.get(i + 2) == Some(&0xa8) => {
+                ("\\u2028", 3)
             }
+            0xe2 if bytes.get(i + 1) == Some(&0x80) && bytes.get(i + 2) == Some(&0xa9) => {
+                ("\\u2029", 3)
+            }
+            _ => {
+                i += 1;
+                continue;
+            }
+        };
+        // `i` is at the start of a character (ASCII, or a lead byte): the
+        // run before it is whole characters.
+        out.push_str(&s[start..i]);
+        if escape.is_empty() {
+            out.push_str("\\u00");
+            out.push(char::from(HEX[usize::from(b >> 4)]));
+            out.push(char::from(HEX[usize::from(b & 0xf)]));
+        } else {
+            out.push_str(escape);
         }
-    } else {
-        out.push_str(&quoted);
+        i += len;
+        start = i;
     }
+    out.push_str(&s[start..]);
+    out.push('"');
 }
 
 #[cfg(test)]
@@ -439,5 +514,70 @@ mod tests {
             read.value.get("path").and_then(Json::as_str),
             Some("a\"b\\c/d\u{e9}\u{1f600}")
         );
+    }
+
+    /// The escaping as it was written before it was done in one pass:
+    /// serde_json's, then NEL, LS and PS.
+    fn reference(s: &str) -> String {
+        serde_json::to_string(s)
+            .unwrap()
+            .replace('\u{85}', "\\u0085")
+            .replace('\u{2028}', "\\u2028")
+            .replace('\u{2029}', "\\u2029")
+    }
+
+    #[test]
+    fn r31_strings_are_written_as_serde_json_escapes_them_plus_line_breaks() {
+        let mut samples: Vec<String> = (0u32..0x3000)
+            .chain([0xfeff, 0xfffd, 0x1f600, 0x10ffff])
+            .filter_map(char::from_u32)
+            .map(|c| format!("a{c}b{c}"))
+            .collect();
+        samples.extend(
+            [
+                "",
+                "plain",
+                "\"\\/",
+                "\u{85}\u{2028}\u{2029}\r\n\u{7f}\u{0}",
+                "é\u{2028}é\u{85}\u{2029}\u{2027}\u{202a}\u{84}\u{86}",
+                "\u{e2}\u{80}",
+            ]
+            .map(str::to_owned),
+        );
+        for sample in samples {
+            let mut out = String::new();
+            write_string(&sample, &mut out);
+            assert_eq!(out, reference(&sample), "{sample:?}");
+            assert!(!out.contains(['\r', '\n', '\u{85}', '\u{2028}', '\u{2029}']));
+        }
+    }
+
+    #[test]
+    fn r31_names_are_compared_pairwise_as_the_fold_table_compares_them() {
+        let names = [
+            "a", "A", "b", "path", "PATH", "paTh", "s", "ſ", "k", "K", "K", "ı", "I", "é", "É", "x",
+        ];
+        // Every pair and triple of the names, in every order.
+        for a in names {
+            for b in names {
+                for c in names {
+                    let members: Vec<(String, Json)> = [a, b, c]
+                        .iter()
+                        .map(|n| ((*n).to_owned(), Json::Null))
+                        .collect();
+                    assert_eq!(
+                        find_collision(&members),
+                        casefold::find_collision([a, b, c]),
+                        "{a} {b} {c}"
+                    );
+                }
+            }
+        }
+        // Larger objects go through the table.
+        let mut members: Vec<(String, Json)> =
+            (0..40).map(|i| (format!("m{i}"), Json::Null)).collect();
+        assert_eq!(find_collision(&members), None);
+        members.push(("M7".into(), Json::Null));
+        assert_eq!(find_collision(&members), Some(("m7", "M7")));
     }
 }

@@ -136,12 +136,15 @@ const ENVELOPE: [&str; 6] = ["jsonrpc", "id", "method", "params", "result", "err
 pub struct ToolCallRequest {
     /// The request id, as the gateway writes it (a string or a number).
     pub id: Box<RawValue>,
-    /// The message as read, to write out with the final call.
+    /// The message as read, to write out with a rewritten call.
     pub message: Json,
+    /// The message as the gateway writes it, written once when it was read:
+    /// what is forwarded when the mesh changes nothing.
+    text: String,
     /// The tool's name.
     pub name: String,
-    /// The arguments' JSON text as the gateway writes them; empty when the
-    /// call has none.
+    /// The arguments' JSON text as the gateway writes them (cut from the
+    /// message's text); empty when the call has none.
     pub arguments: String,
     /// `params._meta.traceparent`, W3C trace context to join (R22).
     pub traceparent: Option<String>,
@@ -169,7 +172,7 @@ impl ToolCallRequest {
     /// error: nothing is forwarded.
     pub fn forward(&self, tool: &str, arguments: &str) -> Result<String, ForwardError> {
         if tool == self.name && arguments == self.arguments {
-            return Ok(self.message.to_text());
+            return Ok(self.text.clone());
         }
         let arguments = if arguments.trim().is_empty() {
             Json::Object(Vec::new())
@@ -405,23 +408,65 @@ fn item(value: Json, problem: Option<String>) -> Item {
         Some(name) if !name.is_empty() => name.to_owned(),
         _ => return bad_params("tools/call params.name must be a non-empty string"),
     };
-    let arguments = match params.get("arguments") {
-        None => String::new(),
-        Some(arguments @ Json::Object(_)) => arguments.to_text(),
-        Some(_) => return bad_params("tools/call params.arguments must be a JSON object"),
-    };
+    if !matches!(params.get("arguments"), None | Some(Json::Object(_))) {
+        return bad_params("tools/call params.arguments must be a JSON object");
+    }
     let traceparent = params
         .get("_meta")
         .and_then(|m| m.get("traceparent"))
         .and_then(Json::as_str)
         .map(str::to_owned);
+    let (text, arguments) = write_tool_call(&value);
+    let arguments = text.get(arguments).unwrap_or_default().to_owned();
     Item::ToolCall(Box::new(ToolCallRequest {
         id,
         message: value,
-        name,
+        text,
         arguments,
+        name,
         traceparent,
     }))
+}
+
+/// The text of a `tools/call` message (an object whose `params` is an
+/// object), and where `params.arguments` is in it: one serialization for
+/// what is judged and what is forwarded.
+fn write_tool_call(message: &Json) -> (String, std::ops::Range<usize>) {
+    let mut out = String::with_capacity(256);
+    let mut arguments = 0..0;
+    let Json::Object(members) = message else {
+        message.write(&mut out);
+        return (out, arguments);
+    };
+    out.push('{');
+    for (i, (key, value)) in members.iter().enumerate() {
+        if i > 0 {
+            out.push(',');
+        }
+        json::write_string(key, &mut out);
+        out.push(':');
+        match value {
+            Json::Object(params) if key == "params" => {
+                out.push('{');
+                for (j, (key, value)) in params.iter().enumerate() {
+                    if j > 0 {
+                        out.push(',');
+                    }
+                    json::write_string(key, &mut out);
+                    out.push(':');
+                    let start = out.len();
+                    value.write(&mut out);
+                    if key == "arguments" && arguments.is_empty() {
+                        arguments = start..out.len();
+                    }
+                }
+                out.push('}');
+            }
+            value => value.write(&mut out),
+        }
+    }
+    out.push('}');
+    (out, arguments)
 }
 
 #[derive(Serialize)]
@@ -688,5 +733,27 @@ mod tests {
             response_key(br#"{"jsonrpc":"2.0","id":"1","result":{}}"#).as_deref(),
             Some("s:1")
         );
+    }
+
+    #[test]
+    fn r31_a_tool_call_is_written_once_for_judging_and_forwarding() {
+        for text in [
+            r#"{"jsonrpc":"2.0","id":1,"method":"tools/call","params":{"name":"t"}}"#,
+            r#"{"params":{"arguments":{"a":[1.50,{"b":"\u2028"}]},"name":"t"},"id":"x","method":"tools/call","jsonrpc":"2.0"}"#,
+            "{ \"jsonrpc\" : \"2.0\", \"id\" : 7 , \"method\":\"tools/call\",\"params\":{\"_meta\":{\"arguments\":1},\"name\":\"t\",\"arguments\":{ \"q\\\"\": \"\u{85}\" }}}",
+        ] {
+            let Item::ToolCall(call) = single(text) else {
+                panic!("{text}")
+            };
+            let whole = call.message.to_text();
+            assert_eq!(call.forward(&call.name, &call.arguments).unwrap(), whole);
+            let arguments = call
+                .message
+                .get("params")
+                .and_then(|p| p.get("arguments"))
+                .map(Json::to_text)
+                .unwrap_or_default();
+            assert_eq!(call.arguments, arguments, "{text}");
+        }
     }
 }

@@ -89,7 +89,9 @@ impl JudgeError {
 /// never contacts the mesh (R1).
 pub struct Judge {
     args: JudgeArgs,
-    coordinator: Mutex<Option<Coordinator>>,
+    /// Connected with the first batch; a failed connect is tried again
+    /// with the next.
+    coordinator: tokio::sync::OnceCell<Coordinator>,
     /// The one `Evaluate` stream every batch of this gateway is judged on,
     /// opened with the first; reopened when it ends.
     stream: Mutex<Option<Arc<Session>>>,
@@ -133,7 +135,7 @@ impl Judge {
     pub fn new(args: JudgeArgs, source: &str) -> Self {
         Self {
             args,
-            coordinator: Mutex::new(None),
+            coordinator: tokio::sync::OnceCell::new(),
             stream: Mutex::new(None),
             turn: AtomicU32::new(0),
             metadata: HashMap::from([("gateway".to_owned(), source.to_owned())]),
@@ -303,11 +305,11 @@ impl Judge {
         self.evaluate_batch(session, batch).await
     }
 
-    async fn coordinator(&self) -> Result<Coordinator, JudgeError> {
-        let mut slot = self.coordinator.lock().await;
-        if let Some(c) = slot.as_ref() {
-            return Ok(c.clone());
-        }
+    async fn coordinator(&self) -> Result<&Coordinator, JudgeError> {
+        self.coordinator.get_or_try_init(|| self.connect()).await
+    }
+
+    async fn connect(&self) -> Result<Coordinator, JudgeError> {
         let unreachable = |message: String| JudgeError::Unreachable {
             mesh: self.args.connect.mesh.clone(),
             message,
@@ -322,7 +324,6 @@ impl Judge {
             .await
             .map_err(|_| unreachable("connect timed out".into()))?
             .map_err(|e| unreachable(error_chain(&e)))?;
-        *slot = Some(coordinator.clone());
         Ok(coordinator)
     }
 
@@ -356,9 +357,9 @@ impl Judge {
         }
         // One retry, on a fresh stream, when the stream had ended: the
         // mesh restarted, or the connection was cut between two batches.
-        let mut answer = self.on_stream(session, batch.clone(), &coordinator).await;
+        let mut answer = self.on_stream(session, batch.clone(), coordinator).await;
         if matches!(answer, Err(ClientError::SessionClosed(_))) {
-            answer = self.on_stream(session, batch, &coordinator).await;
+            answer = self.on_stream(session, batch, coordinator).await;
         }
         answer.map_err(|e| match e {
             ClientError::Protocol(message) if message.starts_with(NO_ANSWER) => {

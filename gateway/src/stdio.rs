@@ -50,7 +50,6 @@ use std::process::Stdio;
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
-use tokio::sync::mpsc;
 use tokio_util::codec::{AnyDelimiterCodec, AnyDelimiterCodecError, Decoder};
 
 /// `guardmesh mcp stdio`.
@@ -198,6 +197,53 @@ async fn next_client_line<R: AsyncRead + Unpin>(
     next_decoded(reader, buf, codec, eof, idle).await
 }
 
+/// One direction's output: each message written whole, with its newline,
+/// and flushed, by the task that has it (no writer task in between: a hop
+/// per message), one message at a time. A write that fails closes it: the
+/// messages after it are not sent.
+pub(crate) struct Lines {
+    writer: tokio::sync::Mutex<Option<Box<dyn AsyncWrite + Unpin + Send>>>,
+}
+
+/// The peer a [`Lines`] writes to is gone.
+#[derive(Debug)]
+pub(crate) struct Closed;
+
+impl Lines {
+    fn new(writer: impl AsyncWrite + Unpin + Send + 'static) -> Arc<Self> {
+        Arc::new(Self {
+            writer: tokio::sync::Mutex::new(Some(Box::new(writer))),
+        })
+    }
+
+    /// Writes `message` and a newline.
+    pub(crate) async fn send(&self, message: String) -> Result<(), Closed> {
+        let mut line = message.into_bytes();
+        line.push(b'\n');
+        let mut slot = self.writer.lock().await;
+        let writer = slot.as_mut().ok_or(Closed)?;
+        if writer.write_all(&line).await.is_err() || writer.flush().await.is_err() {
+            *slot = None;
+            return Err(Closed);
+        }
+        Ok(())
+    }
+
+    /// Closes the output, once the message being written (if any) is out.
+    async fn close(&self) {
+        let writer = self.writer.lock().await.take();
+        drop(writer);
+    }
+
+    /// Closes the output now, unless a message is being written (its task
+    /// is stopped; the output closes when the last holder lets it go).
+    fn close_now(&self) {
+        if let Ok(mut slot) = self.writer.try_lock() {
+            slot.take();
+        }
+    }
+}
+
 /// Responses to forwarded requests of JSON-RPC batches, collected until each
 /// batch's array is complete.
 #[derive(Default)]
@@ -239,7 +285,7 @@ fn array(items: &[String]) -> String {
 /// without output schemas, a response a JSON-RPC batch waits for into its
 /// array (sent once complete), anything else as it is. False when the
 /// client is gone.
-async fn deliver(collector: &Shared, to_client: &mpsc::Sender<String>, text: &str) -> bool {
+async fn deliver(collector: &Shared, to_client: &Lines, text: &str) -> bool {
     let mut text = text;
     let stripped;
     let complete = {
@@ -306,7 +352,7 @@ where
             command: args.command.join(" "),
             source,
         })?;
-    let (Some(mut upstream_in), Some(mut upstream_out), Some(upstream_err)) =
+    let (Some(upstream_in), Some(mut upstream_out), Some(upstream_err)) =
         (child.stdin.take(), child.stdout.take(), child.stderr.take())
     else {
         return Err(StdioError::Io(std::io::Error::other(
@@ -331,29 +377,10 @@ where
     };
     let collector: Shared = Arc::default();
 
-    // One writer per direction, so that messages are never interleaved.
-    let (to_client, mut client_rx) = mpsc::channel::<String>(256);
-    let client_writer = tokio::spawn(async move {
-        let mut output = output;
-        while let Some(message) = client_rx.recv().await {
-            let mut line = message.into_bytes();
-            line.push(b'\n');
-            if output.write_all(&line).await.is_err() || output.flush().await.is_err() {
-                break;
-            }
-        }
-    });
-    let (to_upstream, mut upstream_rx) = mpsc::channel::<String>(256);
-    let upstream_writer = tokio::spawn(async move {
-        while let Some(message) = upstream_rx.recv().await {
-            let mut line = message.into_bytes();
-            line.push(b'\n');
-            if upstream_in.write_all(&line).await.is_err() || upstream_in.flush().await.is_err() {
-                break;
-            }
-        }
-        // Dropping stdin tells the upstream the session is over.
-    });
+    // One writer per direction, written by whoever has a message, one
+    // message at a time, so that messages are never interleaved.
+    let to_client = Lines::new(output);
+    let to_upstream = Lines::new(upstream_in);
 
     // Upstream to client: unchanged, except responses a batch waits for.
     let mut upstream_reader = tokio::spawn({
@@ -550,8 +577,8 @@ where
         // The client is done: let the calls in flight finish, then close the
         // upstream's stdin and give it a moment to exit.
         while tasks.join_next().await.is_some() {}
-        drop(to_upstream);
-        let _ = upstream_writer.await;
+        // Closing its stdin tells the upstream the session is over.
+        to_upstream.close().await;
         if tokio::time::timeout(Duration::from_secs(5), &mut upstream_reader)
             .await
             .is_err()
@@ -560,11 +587,9 @@ where
         }
     } else {
         tasks.abort_all();
-        drop(to_upstream);
-        upstream_writer.abort();
+        to_upstream.close_now();
     }
-    drop(to_client);
-    let _ = client_writer.await;
+    to_client.close().await;
     if too_long {
         let _ = child.kill().await;
         return Err(StdioError::UpstreamTooLong(args.max_upstream_message_bytes));
@@ -622,8 +647,8 @@ async fn relay_batch(
     judge: &Judge,
     session: &str,
     collector: &Shared,
-    to_client: &mpsc::Sender<String>,
-    to_upstream: &mpsc::Sender<String>,
+    to_client: &Lines,
+    to_upstream: &Lines,
 ) {
     let mut calls = Vec::new();
     let mut rest = Vec::new();

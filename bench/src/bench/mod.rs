@@ -171,7 +171,8 @@ pub struct BenchArgs {
     pub placement: Placement,
     /// Runs one group only: `decision-log`, the decision log's cost (log
     /// off, on, on with signed checkpoints), latency and throughput;
-    /// `compare`, this build against `--baseline` in one interleaved group.
+    /// `compare`, this build against `--baseline` in one interleaved group;
+    /// `mcp`, the MCP gateway's group (the same counts as in a full run).
     #[arg(long, value_enum)]
     pub only: Option<Only>,
     /// Another build's `guardmesh` executable, for `--only compare`: its
@@ -185,6 +186,7 @@ pub struct BenchArgs {
 pub enum Only {
     DecisionLog,
     Compare,
+    Mcp,
 }
 
 /// Logs to stderr, `RUST_LOG` or `default_filter`.
@@ -1445,6 +1447,24 @@ async fn run(args: &BenchArgs) -> Result<(), Error> {
         };
         return report(&results, args, mode, started, guards);
     }
+    // The MCP gateway against calling the MCP server directly (R31).
+    let mcp_counts = if args.quick { (100, 200) } else { (300, 1000) };
+    if args.only == Some(Only::Mcp) {
+        let mcp = mcp::run(&exe, dir, &mut guards, plan.rounds, mcp_counts).await?;
+        let mut setup = Map::new();
+        setup.insert("only".into(), json!("mcp"));
+        setup.insert("rounds".into(), json!(plan.rounds));
+        setup.insert("elapsed_s".into(), json!(started.elapsed().as_secs_f64()));
+        let results = Results {
+            quick: args.quick,
+            setup,
+            latency: mcp.latency,
+            throughput: Vec::new(),
+            memory: Memory::none(),
+            extra_ratios: mcp.ratios,
+        };
+        return report(&results, args, mode, started, guards);
+    }
     let mut latency = Vec::new();
     let mut extra_setup = Map::new();
 
@@ -1625,8 +1645,6 @@ async fn run(args: &BenchArgs) -> Result<(), Error> {
         );
     }
 
-    // The MCP gateway against calling the MCP server directly (R31).
-    let mcp_counts = if args.quick { (100, 200) } else { (300, 1000) };
     let mcp = mcp::run(&exe, dir, &mut guards, plan.rounds, mcp_counts).await?;
     latency.extend(mcp.latency);
     // Policy guards (R27): no_guard, policy20, policy20_match, policy1, and

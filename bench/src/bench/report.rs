@@ -294,6 +294,9 @@ impl Results {
         if self.setup.get("only").and_then(Value::as_str) == Some("compare") {
             return Ok(super::compare::ratios(&self.latency));
         }
+        if self.setup.get("only").and_then(Value::as_str) == Some("mcp") {
+            return Ok(self.extra_ratios.clone());
+        }
         let direct = self.latency("direct_unary")?;
         let parallel = self.latency("direct_parallel_4")?;
         let floor = self.latency("stream_floor")?;
