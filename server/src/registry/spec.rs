@@ -12,6 +12,7 @@
 use globset::{GlobBuilder, GlobSet, GlobSetBuilder};
 use guardmesh_proto::v1::{
     FailurePolicy, GuardMode, GuardPhases, GuardRole, GuardSpec, ResultGrant, RewriteGrant,
+    SessionMemoryUse,
 };
 use std::time::Duration;
 
@@ -161,6 +162,10 @@ pub struct Guard {
     /// What a mutate guard may rewrite in results (R11, R33); always empty
     /// for validate guards.
     pub result_grant_tools: ToolSet,
+    /// Whether it is sent its batch's session memory (R34; sent by
+    /// default). Policy guards read memory through `session` in their
+    /// rules instead.
+    pub session_memory: SessionMemoryUse,
 }
 
 /// Compiles a policy, or shares the compiled policy of a live guard with
@@ -294,6 +299,13 @@ impl Guard {
             GuardRole::Validate => ResultGrant::default(),
         };
         let result_grant_tools = ToolSet::compile(&name, &result_grant.tools, false, false)?;
+        let session_memory = SessionMemoryUse::try_from(spec.session_memory).map_err(|_| {
+            SpecError::UnknownEnum {
+                name: name.clone(),
+                field: "session_memory",
+                value: spec.session_memory,
+            }
+        })?;
         let timeout = if spec.timeout_ms == 0 {
             default_timeout
         } else {
@@ -315,6 +327,7 @@ impl Guard {
             replicas,
             phases,
             result_grant_tools,
+            session_memory,
         })
     }
 
@@ -369,7 +382,14 @@ impl Guard {
             .then(|| ResultGrant {
                 tools: self.result_grant_tools.patterns().to_vec(),
             }),
+            session_memory: self.session_memory as i32,
         }
+    }
+
+    /// Whether it is sent session memory with its batches (R34): a remote
+    /// guard that did not opt out.
+    pub fn wants_session_memory(&self) -> bool {
+        self.policy.is_none() && self.session_memory == SessionMemoryUse::Send
     }
 
     /// Whether the guard judges calls before they run (R33).
