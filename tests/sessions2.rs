@@ -352,3 +352,62 @@ async fn r34_a_result_verdict_labels_the_session() {
     assert!(labels_of(&mesh, "other").await.is_empty());
     mesh.shutdown().await;
 }
+
+/// R34, R27: a policy rule that decides a call adds its `labels` to the
+/// session, and a later batch's rule reads them; a label outside the
+/// grammar is refused when the policy is checked.
+#[tokio::test]
+async fn r34_a_policy_rule_labels_the_session_and_a_bad_label_is_refused() {
+    let mesh = TestMesh::start().await;
+    let policy = r#"
+[[rule]]
+name = "no-paste-sites"
+tools = ["http.*"]
+when = 'call.args.url.contains("pastebin")'
+action = "cancel"
+message = '"no paste sites"'
+labels = ["exfil:attempt"]
+
+[[rule]]
+name = "no-mail-after-an-attempt"
+tools = ["email.*"]
+when = '"exfil:attempt" in session.labels'
+action = "cancel"
+message = '"this session tried to exfiltrate; no email"'
+"#;
+    mesh.register(Registration::policy("exfil", policy)).await;
+    let c = mesh.coordinator().await;
+    let mail = || Batch::new(0).call("m", "email.send", "{}");
+    let d = c.evaluate_once("s", mail()).await.unwrap();
+    assert!(matches!(d.call("m").unwrap().outcome, Outcome::Proceed));
+    let d = c
+        .evaluate_once(
+            "s",
+            Batch::new(1).call("p", "http.post", r#"{"url":"https://pastebin.com/x"}"#),
+        )
+        .await
+        .unwrap();
+    assert!(matches!(
+        d.call("p").unwrap().outcome,
+        Outcome::Cancel { .. }
+    ));
+    assert_eq!(d.guard("exfil").unwrap().labels, ["exfil:attempt"]);
+    let d = c.evaluate_once("s", mail()).await.unwrap();
+    assert!(
+        matches!(&d.call("m").unwrap().outcome, Outcome::Cancel { content } if content.contains("exfiltrate")),
+        "{:?}",
+        d.call("m")
+    );
+    let d = c.evaluate_once("other", mail()).await.unwrap();
+    assert!(matches!(d.call("m").unwrap().outcome, Outcome::Proceed));
+    // A label outside the grammar: the policy is refused whole.
+    let bad = policy.replace("exfil:attempt\"]", "exfil attempt!\"]");
+    let refused = mesh
+        .registrar()
+        .await
+        .register(Registration::policy("bad", bad))
+        .await
+        .unwrap_err();
+    assert!(refused.to_string().contains("is not a label"), "{refused}");
+    mesh.shutdown().await;
+}
