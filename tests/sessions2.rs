@@ -411,3 +411,57 @@ message = '"this session tried to exfiltrate; no email"'
     assert!(refused.to_string().contains("is not a label"), "{refused}");
     mesh.shutdown().await;
 }
+
+/// R33, R11, R29: the `redact-formats` example guard (mutate, calls and
+/// results) replaces secrets of common formats; the tool is sent, and the
+/// model reads, no copy, and the decision's final call and result hold
+/// none either.
+#[tokio::test]
+async fn r29_r33_the_redaction_guard_leaves_no_secret_in_calls_or_results() {
+    use guardmesh_cli::examples::{Example, Kind};
+    let mesh = TestMesh::start().await;
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}", listener.local_addr().unwrap());
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let server = tokio::spawn(guardmesh_client::serve(
+        Example::new(Kind::RedactFormats),
+        listener,
+        async {
+            let _ = stopped.await;
+        },
+    ));
+    mesh.register(
+        Registration::mutate("redact", &url, ["*"])
+            .phases(GuardPhases::Both)
+            .result_grant(["*"]),
+    )
+    .await;
+    let aws = "AKIAIOSFODNN7EXAMPLE";
+    let stripe = "sk_live_4eC39HqLyjWDarjtT1zdp7dc";
+    let pem_body = "MIIEpAIBAAKCAQEAsecretkeybody";
+    let c = mesh.coordinator().await;
+    let args = format!(r#"{{"body":"key {aws} and {stripe}"}}"#);
+    let d = c
+        .evaluate_once("s", Batch::new(0).call("c", "email.send", &args))
+        .await
+        .unwrap();
+    let sent: String = d.execute.iter().map(|c| c.arguments.clone()).collect();
+    assert!(sent.contains("[REDACTED:aws-access-key]"), "{sent}");
+    assert!(!sent.contains(aws) && !sent.contains(stripe), "{sent}");
+    let result = serde_json::json!({"content": [{"type": "text", "text":
+        format!("-----BEGIN OPENSSH PRIVATE KEY-----\n{pem_body}\n-----END OPENSSH PRIVATE KEY-----")}]})
+    .to_string();
+    let d = c
+        .evaluate_once(
+            "s",
+            Batch::new(1).result("c", "email.send", "mail", &result),
+        )
+        .await
+        .unwrap();
+    let read = &d.result("c").unwrap().result;
+    assert!(read.contains("[REDACTED:private-key]"), "{read}");
+    assert!(!read.contains(pem_body), "{read}");
+    mesh.shutdown().await;
+    let _ = stop.send(());
+    server.abort();
+}
