@@ -905,6 +905,8 @@ class GuardTrace(_message.Message):
     DRY_RUN_STATUS_FIELD_NUMBER: _builtins.int
     RULES_FIELD_NUMBER: _builtins.int
     REPLICA_FIELD_NUMBER: _builtins.int
+    LABELS_FIELD_NUMBER: _builtins.int
+    REFUSED_LABELS_FIELD_NUMBER: _builtins.int
     guard: _builtins.str
     """The guard's registered name."""
     role: Global___GuardRole.ValueType
@@ -924,6 +926,10 @@ class GuardTrace(_message.Message):
     (or failure) this entry reports, as dialed (`http://host:port`). When a
     request failed over, the replica that answered last. Empty for policy
     guards and when nothing was sent.
+    """
+    refused_labels: _builtins.int
+    """R34: labels it sent that were refused (outside the label grammar, past
+    8 per verdict or 64 per batch, or on a dropped verdict).
     """
     @_builtins.property
     def sent_call_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
@@ -945,6 +951,14 @@ class GuardTrace(_message.Message):
         is in `error`). Empty for other guards.
         """
 
+    @_builtins.property
+    def labels(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """R34: the session labels this guard's verdicts (or, for a policy guard,
+        its matching rules) added: applied when it enforces and did not fail;
+        for DRY_RUN, what it would have added. Labels the session already had
+        are listed too.
+        """
+
     def __init__(
         self,
         *,
@@ -959,10 +973,12 @@ class GuardTrace(_message.Message):
         dry_run_status: Global___TraceStatus.ValueType = ...,
         rules: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
         replica: _builtins.str = ...,
+        labels: _abc.Iterable[_builtins.str] | None = ...,
+        refused_labels: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["dry_run_status", b"dry_run_status", "error", b"error", "guard", b"guard", "latency_us", b"latency_us", "replica", b"replica", "rewritten_call_ids", b"rewritten_call_ids", "role", b"role", "rules", b"rules", "sent_call_ids", b"sent_call_ids", "skipped_call_ids", b"skipped_call_ids", "status", b"status"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["dry_run_status", b"dry_run_status", "error", b"error", "guard", b"guard", "labels", b"labels", "latency_us", b"latency_us", "refused_labels", b"refused_labels", "replica", b"replica", "rewritten_call_ids", b"rewritten_call_ids", "role", b"role", "rules", b"rules", "sent_call_ids", b"sent_call_ids", "skipped_call_ids", b"skipped_call_ids", "status", b"status"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
