@@ -5,7 +5,8 @@
 //! spells them.
 
 use crate::v1::{
-    Action, FailurePolicy, GuardMode, GuardPhases, GuardRole, ResultAction, SkipKind, TraceStatus,
+    Action, FailurePolicy, GuardMode, GuardPhases, GuardRole, ResultAction, SessionMemoryUse,
+    SkipKind, TraceStatus,
 };
 use std::fmt;
 use std::str::FromStr;
@@ -93,6 +94,7 @@ names!(GuardPhases, "guard phases", [
     Results => "results",
     Both => "both",
 ]);
+names!(SessionMemoryUse, "session memory use", [Send => "send", None => "none"]);
 names!(ResultAction, "result action", [
     Unspecified => "unspecified",
     Pass => "pass",

@@ -892,6 +892,7 @@ async fn spurious_answers_for_unknown_request_ids_are_ignored_and_counted() {
 
 fn skip_with_kind(call_id: &str, kind: i32) -> Verdict {
     Verdict {
+        labels: Vec::new(),
         call_id: call_id.into(),
         outcome: Some(verdict::Outcome::Skip(Skip {
             content: format!("kind {kind}"),
@@ -1336,17 +1337,17 @@ fn newer_verdicts(call_id: &str, variant: &str) -> (Vec<u8>, bool) {
     let mut outcome = Vec::new();
     let mut partial = false;
     match variant {
-        // Field 4 of the `outcome` oneof: a message, as a new outcome would be.
+        // Field 9 (unknown: 4 is `labels`): a message, as a new outcome would be.
         "new outcome message" => {
             let mut defer = Vec::new();
             raw_pb::bytes_field(&mut defer, 1, b"ask the user first");
-            raw_pb::bytes_field(&mut outcome, 4, &defer);
+            raw_pb::bytes_field(&mut outcome, 9, &defer);
         }
-        // Field 4 as a bare varint (a new enum-valued outcome).
-        "new outcome varint" => raw_pb::varint_field(&mut outcome, 4, 1),
+        // Field 9 as a bare varint (a new enum-valued outcome).
+        "new outcome varint" => raw_pb::varint_field(&mut outcome, 9, 1),
         // The same, in a partial answer: the request fails at once.
         "new outcome in a partial answer" => {
-            raw_pb::bytes_field(&mut outcome, 4, b"");
+            raw_pb::bytes_field(&mut outcome, 9, b"");
             partial = true;
         }
         other => panic!("unknown variant {other}"),
@@ -1382,7 +1383,7 @@ async fn r23_unknown_verdict_outcome_fails_the_guard_per_its_policy() {
         .await;
         register_each_policy(&mesh, &guard.url, Duration::from_secs(5)).await;
         let session = mesh.coordinator().await.session("s").await.unwrap();
-        assert_each_policy_fails(&session, variant, 2, &[TraceStatus::Failed], "field 4").await;
+        assert_each_policy_fails(&session, variant, 2, &[TraceStatus::Failed], "field 9").await;
         // The guard failed on its answers, not on its streams: one per
         // registered name, never reopened.
         assert_eq!(guard.streams.load(Ordering::SeqCst), 3, "{variant}");

@@ -100,5 +100,6 @@ mod rewrites;
 mod rules;
 mod security;
 mod sessions;
+mod sessions2;
 mod shutdown;
 mod soak;

@@ -188,6 +188,7 @@ async fn r11_non_object_arguments_are_rejected_fail_closed() {
         let (d, _judge, _mesh, _g) = rejected_case(
             move |c| {
                 Some(Verdict {
+                    labels: Vec::new(),
                     call_id: c.call_id.clone(),
                     outcome: Some(guardmesh_client::proto::verdict::Outcome::Rewrite(
                         guardmesh_client::proto::Rewrite {

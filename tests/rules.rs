@@ -167,6 +167,7 @@ async fn r7_skip_without_kind_is_steer() {
     let mesh = TestMesh::start().await;
     let guard = call_guard(Duration::ZERO, |c| match c.call_id.as_str() {
         "default" => Some(guardmesh_client::proto::Verdict {
+            labels: Vec::new(),
             call_id: c.call_id.clone(),
             outcome: Some(guardmesh_client::proto::verdict::Outcome::Skip(
                 guardmesh_client::proto::Skip {

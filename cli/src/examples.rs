@@ -29,6 +29,11 @@ pub enum Kind {
     /// Steers every call with the marker `veto` in a string of its
     /// arguments (a key or a value).
     VetoMarker,
+    /// Mutate, calls and results (R33): replaces secrets of common formats
+    /// (AWS access keys, GitHub tokens, Stripe live keys, PEM private key
+    /// blocks) in any string with `[REDACTED:<kind>]` (see `redact`).
+    /// Register it with `phases = both`, a grant and a result grant.
+    RedactFormats,
 }
 
 /// An example guard with an optional artificial latency.
@@ -76,6 +81,14 @@ impl Example {
             Kind::RedactSecrets => redact_secrets(call),
             Kind::SqlLimit => sql_limit(call),
             Kind::Allow => None,
+            Kind::RedactFormats => {
+                let Some(args) = arguments(call) else {
+                    return Some(unreadable(call));
+                };
+                let mut args = Value::Object(args);
+                crate::redact::redact_value(&mut args)
+                    .then(|| rewrite_arguments(&call.call_id, &args))
+            }
             Kind::VetoMarker => match arguments(call) {
                 None => Some(unreadable(call)),
                 Some(args) => any_string(&args, &|s| s.contains("veto"))
@@ -90,7 +103,23 @@ impl Guard for Example {
         if !self.delay.is_zero() {
             tokio::time::sleep(self.delay).await;
         }
-        Ok(batch.calls.iter().filter_map(|c| self.verdict(c)).collect())
+        let mut verdicts: Vec<Verdict> =
+            batch.calls.iter().filter_map(|c| self.verdict(c)).collect();
+        if self.kind == Kind::RedactFormats {
+            // R33: a result is a whole `CallToolResult`, rewritten whole.
+            for result in &batch.results {
+                let Ok(mut value) = serde_json::from_str::<Value>(&result.result) else {
+                    continue;
+                };
+                if crate::redact::redact_value(&mut value) {
+                    verdicts.push(guardmesh_client::verdict::rewrite_result(
+                        &result.call_id,
+                        &value,
+                    ));
+                }
+            }
+        }
+        Ok(verdicts)
     }
 }
 

@@ -28,6 +28,7 @@ mod evaluate;
 pub mod examples;
 pub mod heartbeat;
 mod log;
+pub mod redact;
 mod replay;
 mod runtime;
 

@@ -152,6 +152,13 @@ impl Registration {
         self
     }
 
+    /// Opts out of session memory (R34): the guard is sent no
+    /// `GuardBatch.session`. By default it is sent one with each batch.
+    pub fn without_session_memory(mut self) -> Self {
+        self.0.session_memory = crate::proto::SessionMemoryUse::None as i32;
+        self
+    }
+
     /// Consulted and traced, never applied (R18).
     pub fn dry_run(mut self) -> Self {
         self.0.mode = GuardMode::DryRun as i32;

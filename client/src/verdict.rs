@@ -19,6 +19,7 @@ pub fn cancel(call_id: impl Into<String>, content: impl Into<String>) -> Verdict
 
 fn skip(call_id: impl Into<String>, content: impl Into<String>, kind: SkipKind) -> Verdict {
     Verdict {
+        labels: Vec::new(),
         call_id: call_id.into(),
         outcome: Some(Outcome::Skip(Skip {
             content: content.into(),
@@ -30,6 +31,7 @@ fn skip(call_id: impl Into<String>, content: impl Into<String>, kind: SkipKind) 
 /// Replaces the call's arguments (mutate guards, within their grant).
 pub fn rewrite_arguments(call_id: impl Into<String>, arguments: &serde_json::Value) -> Verdict {
     Verdict {
+        labels: Vec::new(),
         call_id: call_id.into(),
         outcome: Some(Outcome::Rewrite(Rewrite {
             tool: None,
@@ -43,6 +45,7 @@ pub fn rewrite_arguments(call_id: impl Into<String>, arguments: &serde_json::Val
 /// in `Rewrite.arguments`.
 pub fn rewrite_result(call_id: impl Into<String>, result: &serde_json::Value) -> Verdict {
     Verdict {
+        labels: Vec::new(),
         call_id: call_id.into(),
         outcome: Some(Outcome::Rewrite(Rewrite {
             tool: None,
@@ -65,6 +68,7 @@ pub fn rename(
     arguments: Option<&serde_json::Value>,
 ) -> Verdict {
     Verdict {
+        labels: Vec::new(),
         call_id: call_id.into(),
         outcome: Some(Outcome::Rewrite(Rewrite {
             tool: Some(tool.into()),
@@ -77,7 +81,22 @@ pub fn rename(
 /// for guards that answer every call.
 pub fn proceed(call_id: impl Into<String>) -> Verdict {
     Verdict {
+        labels: Vec::new(),
         call_id: call_id.into(),
         outcome: None,
     }
+}
+
+/// `verdict` adding `labels` to the batch's session (R34), e.g.
+/// `secret:fs`: each 1 to 128 bytes of ASCII letters, digits and
+/// `_ - . : /`, at most 8 per verdict (others are refused and counted).
+/// With a proceed, a skip or a rewrite alike; a plain label is
+/// `labelled(proceed(id), ["secret:fs"])`.
+pub fn labelled<I, S>(mut verdict: Verdict, labels: I) -> Verdict
+where
+    I: IntoIterator<Item = S>,
+    S: Into<String>,
+{
+    verdict.labels.extend(labels.into_iter().map(Into::into));
+    verdict
 }

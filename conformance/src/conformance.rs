@@ -1258,6 +1258,7 @@ mod tests {
 
     fn skip(call: &str, content: &str, kind: i32) -> guardmesh_proto::v1::Verdict {
         guardmesh_proto::v1::Verdict {
+            labels: Vec::new(),
             call_id: call.into(),
             outcome: Some(Outcome::Skip(guardmesh_proto::v1::Skip {
                 content: content.into(),
@@ -1293,6 +1294,7 @@ mod tests {
             &mut ledger,
             1,
             vec![guardmesh_proto::v1::Verdict {
+                labels: Vec::new(),
                 call_id: "a".into(),
                 outcome: Some(Outcome::Rewrite(guardmesh_proto::v1::Rewrite {
                     tool: None,

@@ -29,13 +29,13 @@
  *    promise) and answers each request exactly once, in whatever order the
  *    judgements finish;
  *  - sends only verdicts for call ids it was sent, at most one per call, and no
- *    skip with blank content (each dropped with a warning, SPEC.md R8);
+ *    skip with blank content (each dropped with a warning, docs/behaviour.md R8);
  *  - honours `CancelBatch`: a cancelled request is not answered, and
  *    `batch.signal` / `batch.cancelled` / `batch.sleep()` let a slow judge
  *    stop early;
  *  - sends the stream's response headers as soon as it opens;
  *  - serves `grpc.health.v1.Health` (through the `grpc-health-check` package);
- *  - joins the coordinator's trace (SPEC.md R22): each batch is judged inside
+ *  - joins the coordinator's trace (docs/behaviour.md R22): each batch is judged inside
  *    an `@opentelemetry/api` span `guard.judge` whose parent is the batch's
  *    `traceparent` (recorded only when a tracer provider is registered; no
  *    SDK needed);
@@ -47,7 +47,7 @@
  *
  * A judge that throws (or rejects) fails that request only: the kit answers
  * it with `JudgeResponse.error` set to the error's message, the mesh applies
- * the guard's failure policy to its calls (SPEC.md R13), and the stream and
+ * the guard's failure policy to its calls (docs/behaviour.md R13), and the stream and
  * the other requests on it go on. A judge that computes synchronously blocks
  * the event loop while it runs; make slow work asynchronous.
  *
@@ -203,7 +203,7 @@ function checkValues(value) {
 
 /**
  * Parses a call's arguments: a JSON object, as text ('' is {}). Strict, as
- * the mesh's gate is (SPEC.md R20): throws ArgumentsError for anything that
+ * the mesh's gate is (docs/behaviour.md R20): throws ArgumentsError for anything that
  * is not an I-JSON object (invalid JSON, not an object, duplicate member
  * names, numbers a double cannot hold, lone surrogates, nesting too deep).
  */
@@ -927,7 +927,7 @@ async function register(meshAddr, name, port, options = {}) {
 const POLICY_OPTIONS = ['tools', 'failurePolicy', 'priority', 'mode', 'waitMs', ...CREDENTIAL_OPTIONS];
 
 /**
- * Registers (or updates) a policy guard (SPEC.md R27) with the mesh at
+ * Registers (or updates) a policy guard (docs/behaviour.md R27) with the mesh at
  * `meshAddr`: `source` is the text of a policy file (CEL rules), sent whole
  * and judged inside the mesh; there is no process to run. Options: `tools`,
  * `failurePolicy`, `priority`, `mode`, `waitMs` and the credential options, as

@@ -889,6 +889,10 @@ pub struct GuardConfig {
     /// rewrite (R11, R33).
     #[serde(default)]
     pub result_grant: Option<ResultGrantConfig>,
+    /// Whether it is sent its batch's session memory (R34): `send`
+    /// (default) or `none`.
+    #[serde(default, deserialize_with = "by_name")]
+    pub session_memory: guardmesh_proto::v1::SessionMemoryUse,
 }
 
 #[derive(Debug, Clone, Default, Deserialize)]
@@ -945,6 +949,7 @@ impl GuardConfig {
                 }),
             // Registered over `GuardRegistry` only (SEP-2624 listing).
             interceptor_events: Vec::new(),
+            session_memory: self.session_memory as i32,
         }
     }
 }

@@ -421,7 +421,11 @@ fn judge_response() -> impl Strategy<Value = JudgeResponse> {
             request_id,
             verdicts: verdicts
                 .into_iter()
-                .map(|(call_id, outcome)| Verdict { call_id, outcome })
+                .map(|(call_id, outcome)| Verdict {
+                    call_id,
+                    outcome,
+                    labels: Vec::new(),
+                })
                 .collect(),
             partial,
             error,

@@ -576,6 +576,12 @@ pub static KEYS: &[Key] = &[
         "[]",
         "Globs of the tools whose results it may rewrite.",
     ),
+    key(
+        "guard.session_memory",
+        Kind::Enum(guardmesh_proto::v1::SessionMemoryUse::NAMES),
+        "\"send\"",
+        "Whether the guard is sent its batch's session memory (R34); `none` opts out.",
+    ),
     // [registry]
     key(
         "registry",

@@ -562,6 +562,8 @@ fn guard_trace(trace: &GuardTrace) -> GuardTraceRecord {
         error: some(&trace.error),
         dry_run_status: (status == TraceStatus::DryRun).then(|| trace_status(trace.dry_run_status)),
         replica: some(&trace.replica),
+        labels: trace.labels.clone(),
+        refused_labels: trace.refused_labels,
     }
 }
 

@@ -460,6 +460,11 @@ impl Secrets {
         }
         for trace in &mut decision.trace {
             self.scrub_option(&mut trace.error);
+            // R34: a guard's labels are its own text: a masked value
+            // spelled into one is masked there too.
+            for label in &mut trace.labels {
+                self.scrub(label);
+            }
         }
         self.scrub_option(&mut decision.outcome.message);
     }
@@ -726,6 +731,8 @@ mod tests {
                 ),
                 dry_run_status: None,
                 replica: None,
+                labels: Vec::new(),
+                refused_labels: 0,
             }],
             trace_id: None,
             outcome: Outcome::refused(3, "duplicate member name \"Key-Name\" at $.auth"),

@@ -294,6 +294,18 @@ pub struct GuardTraceRecord {
     /// guards had replicas (so those verify unchanged).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub replica: Option<String>,
+    /// R34: the session labels the guard added (for `dry_run`: would have
+    /// added); absent when none, so records without labels verify
+    /// unchanged.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub labels: Vec<String>,
+    /// R34: labels it sent that were refused.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub refused_labels: u32,
+}
+
+fn is_zero(n: &u32) -> bool {
+    *n == 0
 }
 
 /// How the batch ended.

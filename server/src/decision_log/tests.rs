@@ -47,6 +47,8 @@ fn trace(guard: &str, status: TraceStatus) -> GuardTraceRecord {
         error: None,
         dry_run_status: None,
         replica: None,
+        labels: Vec::new(),
+        refused_labels: 0,
     }
 }
 

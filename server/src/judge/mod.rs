@@ -191,7 +191,22 @@ pub(crate) struct GuardRun {
     /// For a policy guard (R27): the rule that decided (or failed on) each
     /// call, by call index.
     rules: Vec<(usize, String)>,
+    /// Session labels its verdicts (or its policy rules) add (R34), at
+    /// most [`MAX_LABELS_PER_GUARD`]; applied only when the guard enforces
+    /// and did not fail.
+    pub(crate) labels: Vec<String>,
+    /// Labels refused: outside the grammar or past a bound.
+    pub(crate) refused_labels: usize,
 }
+
+/// Labels one guard may add to a session in one batch (R34).
+pub(crate) const MAX_LABELS_PER_GUARD: usize = 64;
+
+/// Labels one policy rule may add (R34), as one verdict may.
+pub(crate) const MAX_RULE_LABELS: usize = verdicts::MAX_LABELS_PER_VERDICT;
+
+/// Bytes of one label a policy rule adds (R34).
+pub(crate) const MAX_RULE_LABEL_BYTES: usize = verdicts::MAX_LABEL_BYTES;
 
 impl GuardRun {
     fn new(calls: usize) -> Self {
@@ -212,6 +227,33 @@ impl GuardRun {
             guardrail: None,
             span: None,
             rules: Vec::new(),
+            labels: Vec::new(),
+            refused_labels: 0,
+        }
+    }
+
+    /// Adds labels a verdict set, within [`MAX_LABELS_PER_GUARD`].
+    pub(crate) fn add_labels(&mut self, labels: Vec<String>, refused: usize) {
+        self.refused_labels += refused;
+        for label in labels {
+            if self.labels.contains(&label) {
+                continue;
+            }
+            if self.labels.len() >= MAX_LABELS_PER_GUARD {
+                self.refused_labels += 1;
+            } else {
+                self.labels.push(label);
+            }
+        }
+    }
+
+    /// The labels that apply (R34): those of a guard that enforces and
+    /// did not fail (R13, R18).
+    pub(crate) fn applied_labels(&self, guard: &Guard) -> &[String] {
+        if guard.enforced() && self.failure.is_none() {
+            &self.labels
+        } else {
+            &[]
         }
     }
 
@@ -275,6 +317,22 @@ pub(crate) struct Judged {
     pub(crate) calls: Vec<ToolCall>,
     /// Calls no enforced guard applied to (R28), counted by the record.
     pub(crate) unguarded: usize,
+}
+
+impl Judged {
+    /// The session labels the batch's guards added (R34): of those that
+    /// enforce and did not fail, in chain order, each once.
+    pub(crate) fn labels(&self, chain: &Chain) -> Vec<String> {
+        let mut out: Vec<String> = Vec::new();
+        for (g, run) in chain.guards.iter().zip(&self.runs) {
+            for label in run.applied_labels(&g.guard) {
+                if !out.contains(label) {
+                    out.push(label.clone());
+                }
+            }
+        }
+        out
+    }
 }
 
 /// Judges one admitted batch against `chain`: consults its guards, folds
@@ -360,9 +418,14 @@ struct Judging<'a> {
     span: tracing::Span,
     /// Calls, or results (R33).
     phase: Phase,
-    /// The session's memory for the policy guards that read it (R34).
+    /// The session's memory for the guards that read it (R34).
     session: Option<crate::policy::SessionVal>,
+    /// The session's memory as remote guards are sent it, encoded once.
+    memory: Option<Bytes>,
 }
+
+/// `GuardBatch.session`.
+const SESSION_FIELD: u32 = 11;
 
 impl<'a> Judging<'a> {
     #[allow(clippy::too_many_arguments)]
@@ -405,6 +468,7 @@ impl<'a> Judging<'a> {
             span,
             phase: Phase::Calls,
             session: None,
+            memory: None,
         }
     }
 
@@ -454,6 +518,40 @@ impl<'a> Judging<'a> {
     /// The context and the calls guard `g` is sent, encoded: once for every
     /// guard sent the same calls, until a rewrite changes a call.
     fn shared_part(&mut self, g: usize) -> Bytes {
+        let calls = self.shared_calls(g);
+        if !self.chain.guards[g].guard.wants_session_memory() {
+            return calls;
+        }
+        // R34: the session's memory, encoded once per batch, after the
+        // calls (protobuf readers accept fields in any order).
+        let Some(memory) = self.memory_part() else {
+            return calls;
+        };
+        let mut bytes = Vec::with_capacity(calls.len() + memory.len());
+        bytes.extend_from_slice(&calls);
+        bytes.extend_from_slice(&memory);
+        Bytes::from(bytes)
+    }
+
+    /// `GuardBatch.session` (field 11) encoded, once per batch: the memory
+    /// read for the batch, or why it could not be read (R34).
+    fn memory_part(&mut self) -> Option<Bytes> {
+        if self.memory.is_none() {
+            let memory = match self.session.as_ref()? {
+                crate::policy::SessionVal::Read(view) => view.for_guard(),
+                crate::policy::SessionVal::Unavailable(why) => guardmesh_proto::v1::SessionMemory {
+                    unavailable: why.to_string(),
+                    ..Default::default()
+                },
+            };
+            let mut bytes = Vec::new();
+            prost::encoding::message::encode(SESSION_FIELD, &memory, &mut bytes);
+            self.memory = Some(Bytes::from(bytes));
+        }
+        self.memory.clone()
+    }
+
+    fn shared_calls(&mut self, g: usize) -> Bytes {
         let sent = &self.runs[g].sent;
         if let Some((_, bytes)) = self.encoded.iter().find(|(set, _)| set == sent) {
             return bytes.clone();
@@ -524,6 +622,7 @@ impl<'a> Judging<'a> {
             return Err(GuardFailure::TimedOut(Duration::ZERO).into());
         }
         let batch = GuardBatch {
+            session: None,
             request_id: 0,
             batch_id: self.request.batch_id.clone(),
             guard: guard.name.clone(),
@@ -664,6 +763,7 @@ impl<'a> Judging<'a> {
         );
         let failure = match checked {
             Ok(checked) => {
+                run.add_labels(checked.labels, checked.refused_labels);
                 run.malformed = checked.malformed;
                 run.skipped = checked.skips.iter().map(|(i, _)| *i).collect();
                 run.skip_kinds = checked.skips.iter().map(|(_, s)| s.kind).collect();
@@ -939,6 +1039,7 @@ impl<'a> Judging<'a> {
             response.verdicts,
         ) {
             Ok(checked) => {
+                run.add_labels(checked.labels, checked.refused_labels);
                 for i in checked.proceeds {
                     fold.answer(k, i, None);
                 }
@@ -1039,6 +1140,7 @@ impl<'a> Judging<'a> {
                         crate::policy::Action::Cancel => SkipKind::Cancel,
                     } as i32;
                     run.answered[i] = true;
+                    run.add_labels(matched.labels.to_vec(), 0);
                     run.rules.push((i, matched.rule));
                     run.skipped.push(i);
                     run.skip_kinds.push(kind);
@@ -1477,6 +1579,12 @@ fn trace_entry(guard: &Guard, run: &GuardRun, ids: &[&str]) -> GuardTrace {
             .map(|(i, rule)| (ids[*i].to_owned(), rule.clone()))
             .collect(),
         replica: run.replica.as_deref().unwrap_or_default().to_owned(),
+        labels: if guard.enforced() {
+            run.applied_labels(guard).to_vec()
+        } else {
+            run.labels.clone()
+        },
+        refused_labels: u32::try_from(run.refused_labels).unwrap_or(u32::MAX),
     }
 }
 

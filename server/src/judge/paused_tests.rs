@@ -1330,10 +1330,10 @@ async fn r23_unknown_verdict_outcome_fails_the_guard_per_its_policy() {
                         "message" => {
                             let mut defer = Vec::new();
                             raw_pb::bytes_field(&mut defer, 1, b"ask the user first");
-                            raw_pb::bytes_field(&mut outcome, 4, &defer);
+                            raw_pb::bytes_field(&mut outcome, 9, &defer);
                         }
-                        "varint" => raw_pb::varint_field(&mut outcome, 4, 1),
-                        _ => raw_pb::bytes_field(&mut outcome, 4, b""),
+                        "varint" => raw_pb::varint_field(&mut outcome, 9, 1),
+                        _ => raw_pb::bytes_field(&mut outcome, 9, b""),
                     }
                     raw_pb::verdict(&c.call_id, &outcome)
                 })
@@ -1354,7 +1354,7 @@ async fn r23_unknown_verdict_outcome_fails_the_guard_per_its_policy() {
             variant,
             2,
             &[TraceStatus::Failed],
-            "field 4",
+            "field 9",
             Duration::ZERO,
         )
         .await;

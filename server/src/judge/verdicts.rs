@@ -94,7 +94,21 @@ pub(crate) struct Checked {
     pub proceeds: Vec<usize>,
     /// Verdicts dropped (R8).
     pub malformed: Vec<Malformed>,
+    /// Session labels the verdicts add (R34), each within the label
+    /// grammar, at most [`MAX_LABELS_PER_VERDICT`] per verdict; only of
+    /// verdicts that count (for a call the guard was sent, its first).
+    pub labels: Vec<String>,
+    /// Labels refused: outside the grammar, past the per-verdict bound, or
+    /// on a verdict that was dropped.
+    pub refused_labels: usize,
 }
+
+/// Labels one verdict may add to its session (R34); past it they are
+/// refused and counted.
+pub(crate) const MAX_LABELS_PER_VERDICT: usize = 8;
+
+/// Bytes of one label (R34), as session memory bounds them.
+pub(crate) const MAX_LABEL_BYTES: usize = 128;
 
 /// Checks `verdicts` from `guard`, which was sent the calls at `sent`;
 /// `current(i)` is call `i` as the guard saw it. `answered` tracks calls
@@ -130,10 +144,28 @@ pub(crate) fn check_verdicts_in<'c>(
     verdicts: Vec<Verdict>,
 ) -> Result<Checked, Rejection> {
     let mut checked = Checked::default();
-    for verdict in verdicts {
+    for mut verdict in verdicts {
         let index = index_of
             .get(&verdict.call_id, |i| current(i).call_id.as_str())
             .filter(|&i| sent[i]);
+        if !verdict.labels.is_empty() {
+            let labels = std::mem::take(&mut verdict.labels);
+            if index.is_some_and(|i| !answered[i]) {
+                for (n, label) in labels.into_iter().enumerate() {
+                    if n < MAX_LABELS_PER_VERDICT
+                        && crate::session::memory::label_ok(&label, MAX_LABEL_BYTES)
+                    {
+                        if !checked.labels.contains(&label) {
+                            checked.labels.push(label);
+                        }
+                    } else {
+                        checked.refused_labels += 1;
+                    }
+                }
+            } else {
+                checked.refused_labels += labels.len();
+            }
+        }
         match (verdict.outcome, index) {
             (Some(Outcome::Rewrite(_)), None) => {
                 return Err(Rejection::UnknownCall {
@@ -358,6 +390,7 @@ mod tests {
 
     fn verdict(call_id: &str, outcome: Option<Outcome>) -> Verdict {
         Verdict {
+            labels: Vec::new(),
             call_id: call_id.into(),
             outcome,
         }

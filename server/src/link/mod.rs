@@ -1146,7 +1146,7 @@ pub mod wire {
 
     /// Finds the first field of a verdict in a `JudgeResponse`'s bytes that
     /// this mesh does not know: a `Verdict` field other than `call_id`,
-    /// `skip` and `rewrite` (such as a new outcome), or a `Rewrite` field
+    /// `skip`, `rewrite` and `labels` (such as a new outcome), or a `Rewrite` field
     /// other than `tool` and `arguments` (a rewrite is applied whole or not
     /// at all). Unknown fields elsewhere, inside a `Skip` included, do not
     /// change what the verdict means for the call and are ignored: a skip
@@ -1156,7 +1156,7 @@ pub mod wire {
             let (number, wire_type) = key(&mut bytes)?;
             if number == 2 && wire_type == LEN {
                 let verdict = length_delimited(&mut bytes)?;
-                if let Some(field) = scan(verdict, "Verdict", &[1, 2], Some(3))? {
+                if let Some(field) = scan(verdict, "Verdict", &[1, 2, 4], Some(3))? {
                     return Ok(Some(field));
                 }
             } else {
@@ -1363,6 +1363,7 @@ pub mod wire {
                 request_id: 1,
                 verdicts: vec![
                     Verdict {
+                        labels: Vec::new(),
                         call_id: "a".into(),
                         outcome: Some(Outcome::Skip(Skip {
                             content: "no".into(),
@@ -1370,6 +1371,7 @@ pub mod wire {
                         })),
                     },
                     Verdict {
+                        labels: Vec::new(),
                         call_id: "b".into(),
                         outcome: Some(Outcome::Rewrite(Rewrite {
                             tool: Some("t".into()),
@@ -1377,6 +1379,7 @@ pub mod wire {
                         })),
                     },
                     Verdict {
+                        labels: Vec::new(),
                         call_id: "c".into(),
                         outcome: None,
                     },
@@ -1390,28 +1393,33 @@ pub mod wire {
         #[test]
         fn r23_unknown_fields_in_verdicts_and_rewrites_are_found_others_ignored() {
             let base = Verdict {
+                labels: Vec::new(),
                 call_id: "a".into(),
                 outcome: None,
             }
             .encode_to_vec();
-            // Field 4 of Verdict, as a message (a new outcome) and as a varint.
+            // Field 9 of Verdict, as a message (a new outcome) and as a
+            // varint; field 4 (`labels`) is known.
             let mut v = base.clone();
-            field(&mut v, 4, b"\x0a\x01x");
+            field(&mut v, 4, b"secret:fs");
+            assert_eq!(unknown_verdict_field(&response_with(v, &[])).unwrap(), None);
+            let mut v = base.clone();
+            field(&mut v, 9, b"\x0a\x01x");
             let found = unknown_verdict_field(&response_with(v, &[])).unwrap();
             assert_eq!(
                 found,
                 Some(UnknownField {
                     message: "Verdict",
-                    number: 4
+                    number: 9
                 })
             );
             let mut v = base.clone();
-            v.extend_from_slice(&[0x20, 0x01]);
+            v.extend_from_slice(&[0x48, 0x01]);
             assert_eq!(
                 unknown_verdict_field(&response_with(v, &[])).unwrap(),
                 Some(UnknownField {
                     message: "Verdict",
-                    number: 4
+                    number: 9
                 })
             );
             // A rewrite with a field 3.

@@ -314,7 +314,7 @@ async fn r23_partial_answer_with_an_unknown_verdict_field_fails_and_cancels_the_
         |_| {},
         |b| {
             if b.batch_id == "b0" {
-                // A partial answer whose verdict has a field 4.
+                // A partial answer whose verdict has a field 9 (unknown).
                 let mut verdict = Vec::new();
                 prost::encoding::encode_key(
                     1,
@@ -323,7 +323,7 @@ async fn r23_partial_answer_with_an_unknown_verdict_field_fails_and_cancels_the_
                 );
                 prost::encoding::encode_varint(1, &mut verdict);
                 verdict.push(b'c');
-                prost::encoding::encode_key(4, prost::encoding::WireType::Varint, &mut verdict);
+                prost::encoding::encode_key(9, prost::encoding::WireType::Varint, &mut verdict);
                 prost::encoding::encode_varint(1, &mut verdict);
                 let mut bytes = Vec::new();
                 prost::encoding::encode_key(1, prost::encoding::WireType::Varint, &mut bytes);
@@ -353,7 +353,7 @@ async fn r23_partial_answer_with_an_unknown_verdict_field_fails_and_cancels_the_
             tag: 0,
             failure: GuardFailure::UnknownVerdictField(field),
             ..
-        } => assert_eq!((field.message, field.number), ("Verdict", 4)),
+        } => assert_eq!((field.message, field.number), ("Verdict", 9)),
         other => panic!("{other:?}"),
     }
     assert_eq!(took, ms(10));
@@ -368,7 +368,7 @@ async fn r23_partial_answer_with_an_unknown_verdict_field_fails_and_cancels_the_
     assert!(
         !GuardFailure::UnknownVerdictField(wire::UnknownField {
             message: "Verdict",
-            number: 4
+            number: 9
         })
         .counts_for_circuit()
     );

@@ -146,6 +146,7 @@ impl Step {
 /// A proceed verdict for `call_id`.
 pub fn proceed(call_id: &str) -> Verdict {
     Verdict {
+        labels: Vec::new(),
         call_id: call_id.into(),
         outcome: None,
     }
@@ -154,6 +155,7 @@ pub fn proceed(call_id: &str) -> Verdict {
 /// A skip of `call_id` with `content`, of `kind` (`SkipKind` as sent).
 pub fn skip(call_id: &str, content: &str, kind: i32) -> Verdict {
     Verdict {
+        labels: Vec::new(),
         call_id: call_id.into(),
         outcome: Some(verdict::Outcome::Skip(Skip {
             content: content.into(),
@@ -175,6 +177,7 @@ pub fn cancel(call_id: &str, content: &str) -> Verdict {
 /// A rewrite of `call_id` (new tool name, new arguments).
 pub fn rewrite(call_id: &str, tool: Option<&str>, arguments: Option<&str>) -> Verdict {
     Verdict {
+        labels: Vec::new(),
         call_id: call_id.into(),
         outcome: Some(verdict::Outcome::Rewrite(Rewrite {
             tool: tool.map(Into::into),

@@ -160,7 +160,13 @@ impl Mesh {
             Err(refusal) => return Outcome::refused(refusal),
         };
         // R34: the session's memory, read once when a guard reads it.
-        let session = self.read_session(&chain, &request, &trace).await;
+        let session = self.read_session(&chain, &request, &trace, &phase).await;
+        // R33: a request of results runs no call; its results are
+        // remembered by `results_read`.
+        let runs_calls = !phase.is_results();
+        let label_session = session
+            .is_none()
+            .then(|| Self::label_session(&request, &trace));
         let judged = crate::judge::judge_phase(
             &chain,
             limits,
@@ -174,8 +180,24 @@ impl Mesh {
             session.as_ref().map(|s| s.value.clone()),
         )
         .await;
-        if let (Some(session), Ok(decision)) = (&session, &judged.result) {
-            self.remember_session(session, decision, Vec::new()).await;
+        if let Ok(decision) = &judged.result {
+            // R34: the calls that run (when the memory was read) and the
+            // labels the guards set, in one write.
+            let labels = judged.labels(&chain);
+            match &session {
+                Some(session) => {
+                    self.remember_session(session, decision, labels, runs_calls)
+                        .await;
+                }
+                None => {
+                    if let Some(label_session) = &label_session
+                        && !labels.is_empty()
+                    {
+                        self.remember_session(label_session, decision, labels, false)
+                            .await;
+                    }
+                }
+            }
         }
         Outcome::judged(
             judged.result,

@@ -4,7 +4,7 @@
 //! pipeline's part is two calls.
 
 use super::Mesh;
-use crate::judge::{Chain, TraceContext};
+use crate::judge::{Chain, Phase, TraceContext};
 use crate::policy::SessionVal;
 use crate::session::{Applied, SessionKey, SessionMemory, Update};
 use guardmesh_proto::v1::{BatchDecision, EvaluateRequest};
@@ -35,8 +35,7 @@ impl Mesh {
     }
 
     /// Whether a guard of `chain` reads session memory: a policy guard one
-    /// of whose rules names `session`. Otherwise nothing is read or
-    /// written for the batch.
+    /// of whose rules names `session`.
     pub(crate) fn chain_reads_session(chain: &Chain) -> bool {
         chain
             .guards
@@ -45,32 +44,75 @@ impl Mesh {
             .any(|p| p.compiled.reads_session())
     }
 
-    /// Reads the batch's session before judging, when its chain needs it.
+    /// Whether this batch needs the session's memory (R34): a policy guard
+    /// reads `session`, or a remote guard that did not opt out
+    /// (`session_memory = none`) judges this phase and applies to one of
+    /// the batch's calls. Otherwise nothing is read for the batch.
+    pub(crate) fn batch_needs_session(
+        chain: &Chain,
+        request: &EvaluateRequest,
+        phase: &Phase,
+    ) -> bool {
+        Self::chain_reads_session(chain)
+            || chain.guards.iter().any(|g| {
+                g.guard.wants_session_memory()
+                    && phase.reaches(&g.guard)
+                    && request.calls.iter().any(|c| g.guard.tools.matches(&c.tool))
+            })
+    }
+
+    /// The key of the batch's session: the caller's identity and the
+    /// batch's session id.
+    fn session_key(request: &EvaluateRequest, trace: &TraceContext) -> SessionKey {
+        SessionKey::new(
+            trace.identity.as_ref(),
+            request
+                .context
+                .as_ref()
+                .map_or("", |c| c.session_id.as_str()),
+        )
+    }
+
+    /// Reads the batch's session before judging, when it needs it.
     /// A store that cannot answer gives [`SessionVal::Unavailable`]: the
-    /// rules that read it fail per their guard's policy (R13).
+    /// rules that read it fail per their guard's policy (R13), and remote
+    /// guards are sent why it could not be read.
     pub(crate) async fn read_session(
         &self,
         chain: &Chain,
         request: &EvaluateRequest,
         trace: &TraceContext,
+        phase: &Phase,
     ) -> Option<BatchSession> {
-        if !Self::chain_reads_session(chain) {
+        if !Self::batch_needs_session(chain, request, phase) {
             return None;
         }
-        let context = request.context.as_ref();
-        let key = SessionKey::new(
-            trace.identity.as_ref(),
-            context.map_or("", |c| c.session_id.as_str()),
-        );
-        let server = context
-            .and_then(|c| c.metadata.get("server"))
-            .filter(|s| !s.is_empty())
-            .cloned();
+        let key = Self::session_key(request, trace);
+        let server = Self::metadata_server(request);
         let value = match self.sessions().read(&key).await {
             Ok(view) => SessionVal::Read(view),
             Err(error) => SessionVal::Unavailable(Arc::from(error.to_string())),
         };
         Some(BatchSession { key, value, server })
+    }
+
+    fn metadata_server(request: &EvaluateRequest) -> Option<String> {
+        request
+            .context
+            .as_ref()
+            .and_then(|c| c.metadata.get("server"))
+            .filter(|s| !s.is_empty())
+            .cloned()
+    }
+
+    /// The session a batch that read no memory writes labels to (R34): a
+    /// guard set labels though no guard read the memory.
+    pub(crate) fn label_session(request: &EvaluateRequest, trace: &TraceContext) -> BatchSession {
+        BatchSession {
+            key: Self::session_key(request, trace),
+            value: SessionVal::Unavailable(Arc::from("not read")),
+            server: Self::metadata_server(request),
+        }
     }
 
     /// Records the calls that run (and the labels set) in the session.
@@ -81,11 +123,13 @@ impl Mesh {
         session: &BatchSession,
         decision: &BatchDecision,
         labels: Vec<String>,
+        calls: bool,
     ) -> Option<Applied> {
         let sessions = self.sessions();
         let calls = decision
             .execute
             .iter()
+            .filter(|_| calls)
             .map(|call| {
                 let server = SessionMemory::server_of(&call.tool, session.server.as_deref());
                 sessions.call(&call.call_id, &call.tool, server, &call.arguments)

@@ -57,6 +57,8 @@ pub struct Rule {
     when: Compiled,
     action: Action,
     message: Compiled,
+    /// R34: labels it adds to the session when it decides a call.
+    labels: std::sync::Arc<[String]>,
     cost: Cost,
     /// `when` and `message` on the fast path, when it covers them.
     when_plan: Option<Plan>,
@@ -426,6 +428,7 @@ impl Policy {
             ),
             rule,
             action: Action::Steer,
+            labels: std::sync::Arc::from(Vec::new()),
         }
     }
 
@@ -565,6 +568,7 @@ impl Policy {
                     rule: rule.name.clone(),
                     action: rule.action,
                     message,
+                    labels: rule.labels.clone(),
                 }),
                 (Ok(message), Some(error)) => Outcome::FailedThen(
                     error,
@@ -572,6 +576,7 @@ impl Policy {
                         rule: rule.name.clone(),
                         action: rule.action,
                         message,
+                        labels: rule.labels.clone(),
                     },
                 ),
                 // The rule matched but its message failed: an error of that
@@ -821,6 +826,37 @@ fn compile_rule(
         expr::compile(env, functions, field, text.get_ref(), limits)
             .map_err(|refused| fail(first_line + refused.line - 1, refused.kind))
     };
+    let labels: std::sync::Arc<[String]> = match entry.labels {
+        None => std::sync::Arc::from(Vec::new()),
+        Some(labels) => {
+            let at = file::line_at(source, labels.span().start);
+            let labels = labels.into_inner();
+            if labels.len() > crate::judge::MAX_RULE_LABELS {
+                return Err(fail(
+                    at,
+                    CompileErrorKind::Format(format!(
+                        "`labels`: {} labels, more than the limit of {}",
+                        labels.len(),
+                        crate::judge::MAX_RULE_LABELS
+                    )),
+                ));
+            }
+            if let Some(bad) = labels
+                .iter()
+                .find(|l| !crate::session::memory::label_ok(l, crate::judge::MAX_RULE_LABEL_BYTES))
+            {
+                return Err(fail(
+                    at,
+                    CompileErrorKind::Format(format!(
+                        "`labels`: {:?} is not a label (1 to {} bytes of ASCII letters, digits and _ - . : /)",
+                        bad.chars().take(64).collect::<String>(),
+                        crate::judge::MAX_RULE_LABEL_BYTES
+                    )),
+                ));
+            }
+            std::sync::Arc::from(labels)
+        }
+    };
     let text = format!("{}\n{}", entry.when.get_ref(), entry.message.get_ref());
     let when = compile(Field::When, entry.when)?;
     let message = compile(Field::Message, entry.message)?;
@@ -841,6 +877,7 @@ fn compile_rule(
         when,
         action: entry.action,
         message,
+        labels,
         cost,
     })
 }

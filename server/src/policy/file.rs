@@ -11,6 +11,7 @@
 //! '''
 //! action = "cancel"                        # or "steer"
 //! message = '"DELETE without WHERE refused: " + call.args.query'
+//! labels = ["sql:unbounded-delete"]        # optional: session labels (R34)
 //! ```
 //!
 //! `when` is a CEL expression that must give a bool, `message` one that must
@@ -45,6 +46,9 @@ pub(crate) struct RuleEntry {
     pub(crate) when: Spanned<String>,
     pub(crate) action: Action,
     pub(crate) message: Spanned<String>,
+    /// R34: labels the rule adds to the session when it decides a call.
+    #[serde(default)]
+    pub(crate) labels: Option<Spanned<Vec<String>>>,
 }
 
 /// Reads a policy file's TOML.

@@ -32,6 +32,8 @@ pub struct Verdict {
     pub action: Action,
     /// Its message, evaluated for this call: the skipped call's content.
     pub message: String,
+    /// R34: the labels the rule adds to the session when it decides.
+    pub labels: std::sync::Arc<[String]>,
 }
 
 /// The policy's judgement of one call.

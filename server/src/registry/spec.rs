@@ -12,6 +12,7 @@
 use globset::{GlobBuilder, GlobSet, GlobSetBuilder};
 use guardmesh_proto::v1::{
     FailurePolicy, GuardMode, GuardPhases, GuardRole, GuardSpec, ResultGrant, RewriteGrant,
+    SessionMemoryUse,
 };
 use std::time::Duration;
 
@@ -209,6 +210,10 @@ pub struct Guard {
     /// SEP-2624: the MCP events it hooks as an interceptor (listing only;
     /// empty: `tools/call`).
     pub interceptor_events: Vec<String>,
+    /// Whether it is sent its batch's session memory (R34; sent by
+    /// default). Policy guards read memory through `session` in their
+    /// rules instead.
+    pub session_memory: SessionMemoryUse,
 }
 
 /// Compiles a policy, or shares the compiled policy of a live guard with
@@ -343,6 +348,13 @@ impl Guard {
         };
         let result_grant_tools = ToolSet::compile(&name, &result_grant.tools, false, false)?;
         check_interceptor_events(&name, &spec.interceptor_events)?;
+        let session_memory = SessionMemoryUse::try_from(spec.session_memory).map_err(|_| {
+            SpecError::UnknownEnum {
+                name: name.clone(),
+                field: "session_memory",
+                value: spec.session_memory,
+            }
+        })?;
         let timeout = if spec.timeout_ms == 0 {
             default_timeout
         } else {
@@ -365,6 +377,7 @@ impl Guard {
             phases,
             result_grant_tools,
             interceptor_events: spec.interceptor_events.clone(),
+            session_memory,
         })
     }
 
@@ -420,7 +433,14 @@ impl Guard {
                 tools: self.result_grant_tools.patterns().to_vec(),
             }),
             interceptor_events: self.interceptor_events.clone(),
+            session_memory: self.session_memory as i32,
         }
+    }
+
+    /// Whether it is sent session memory with its batches (R34): a remote
+    /// guard that did not opt out.
+    pub fn wants_session_memory(&self) -> bool {
+        self.policy.is_none() && self.session_memory == SessionMemoryUse::Send
     }
 
     /// Whether the guard judges calls before they run (R33).

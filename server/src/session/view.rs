@@ -11,14 +11,23 @@ use std::time::Duration;
 /// it the question is an error (the call's own size, R13), never a "no".
 pub const MAX_TOKENS_CHECKED: usize = 16_384;
 
+/// Most labels, tools in `counts` and recent calls a guard is sent (R34).
+pub const GUARD_MAX_ITEMS: usize = 64;
+
+/// Most bytes of the session memory a guard is sent (R34).
+pub const GUARD_MAX_BYTES: usize = 16 * 1024;
+
 /// A read-only view of one session's memory.
 #[derive(Debug, Clone)]
 pub struct SessionView {
     labels: Vec<String>,
     calls: Vec<(String, String, u64)>,
+    /// The digests of the calls' arguments, in the order of `calls`.
+    args: Vec<String>,
     seen: HashMap<Digest, Vec<String>>,
     evicted: u64,
     calls_total: u64,
+    results_total: u64,
     now: u64,
     digester: Digester,
 }
@@ -55,9 +64,16 @@ impl SessionView {
                 .filter(|c| c.at >= cutoff)
                 .map(|c| (c.tool.clone(), c.server.clone(), c.at))
                 .collect(),
+            args: memory
+                .calls
+                .iter()
+                .filter(|c| c.at >= cutoff)
+                .map(|c| c.args.clone())
+                .collect(),
             seen,
             evicted: memory.evicted,
             calls_total: memory.calls_total,
+            results_total: memory.results_total,
             now,
             digester,
         }
@@ -89,6 +105,66 @@ impl SessionView {
         self.calls
             .iter()
             .map(|(t, s, at)| (t.as_str(), s.as_str(), *at))
+    }
+
+    /// The session's memory as a guard is sent it (R34): labels, counts
+    /// per tool, the most recent calls (tool, server, digest of the
+    /// arguments, time), counters; never a value, and no digest of values
+    /// seen. Within [`GUARD_MAX_ITEMS`] labels, tools and calls and
+    /// [`GUARD_MAX_BYTES`] in all: the oldest calls are left out first,
+    /// then the oldest labels, and `truncated` says so.
+    pub fn for_guard(&self) -> guardmesh_proto::v1::SessionMemory {
+        use guardmesh_proto::v1::{SessionCall, SessionMemory};
+        use prost::Message;
+        let mut truncated = false;
+        let mut counts: std::collections::BTreeMap<&str, u32> = Default::default();
+        for (tool, _, _) in &self.calls {
+            if let Some(n) = counts.get_mut(tool.as_str()) {
+                *n = n.saturating_add(1);
+            } else if counts.len() < GUARD_MAX_ITEMS {
+                counts.insert(tool, 1);
+            } else {
+                truncated = true;
+            }
+        }
+        let skip_calls = self.calls.len().saturating_sub(GUARD_MAX_ITEMS);
+        let skip_labels = self.labels.len().saturating_sub(GUARD_MAX_ITEMS);
+        truncated |= skip_calls > 0 || skip_labels > 0;
+        let mut memory = SessionMemory {
+            labels: self.labels[skip_labels..].to_vec(),
+            counts: counts
+                .into_iter()
+                .map(|(tool, n)| (tool.to_owned(), n))
+                .collect(),
+            recent: self
+                .calls
+                .iter()
+                .zip(&self.args)
+                .skip(skip_calls)
+                .map(|((tool, server, at), args)| SessionCall {
+                    tool: tool.clone(),
+                    server: server.clone(),
+                    args_digest: args.clone(),
+                    at_ms: *at,
+                })
+                .collect(),
+            calls_total: self.calls_total,
+            results_total: self.results_total,
+            evicted: self.evicted > 0,
+            truncated,
+            unavailable: String::new(),
+        };
+        while memory.encoded_len() > GUARD_MAX_BYTES {
+            memory.truncated = true;
+            if !memory.recent.is_empty() {
+                memory.recent.remove(0);
+            } else if !memory.labels.is_empty() {
+                memory.labels.remove(0);
+            } else {
+                memory.counts.clear();
+            }
+        }
+        memory
     }
 
     /// Calls of a tool matching `glob` (ASCII case ignored, as guards'

@@ -72,7 +72,7 @@ def _check_strings(value: Any) -> None:
 def parse_arguments(text: str) -> dict[str, Any]:
     """Parses a call's arguments: a JSON object, as text ("" is ``{}``).
 
-    Strict, as the mesh's gate is (SPEC.md R20): raises :class:`ArgumentsError`
+    Strict, as the mesh's gate is (docs/behaviour.md R20): raises :class:`ArgumentsError`
     for anything that is not an I-JSON object (invalid JSON, not an object,
     duplicate member names, numbers a double cannot hold, NaN/Infinity, lone
     surrogates, nesting too deep to parse), which parsers read differently.

@@ -32,13 +32,13 @@ What the kit does for the author:
 * judges the batches of one stream concurrently, on a thread pool, and answers
   each request exactly once, in whatever order the judgements finish;
 * sends only verdicts for call ids it was sent, at most one per call, and no
-  skip with blank content (each dropped with a warning, see SPEC.md R8);
+  skip with blank content (each dropped with a warning, see docs/behaviour.md R8);
 * honours ``CancelBatch``: a cancelled request is not answered, and
   :attr:`Batch.cancelled` / :meth:`Batch.sleep` let a slow judge stop early;
 * sends the stream's response headers as soon as it opens;
 * serves ``grpc.health.v1.Health`` (and server reflection when
   ``grpcio-reflection`` is installed);
-* joins the coordinator's trace (SPEC.md R22): when ``opentelemetry`` is
+* joins the coordinator's trace (docs/behaviour.md R22): when ``opentelemetry`` is
   installed and a TracerProvider is configured, each batch is judged inside a
   span ``guard.judge`` whose parent is the batch's ``traceparent``;
 * skips (steer) every call whose arguments it cannot read as an I-JSON
@@ -49,7 +49,7 @@ What the kit does for the author:
 
 A judge that raises fails that request only: the kit answers it with
 ``JudgeResponse.error`` set to the exception, the mesh applies the guard's
-failure policy to its calls (SPEC.md R13), and the stream and the other
+failure policy to its calls (docs/behaviour.md R13), and the stream and the other
 requests on it go on.
 
 The wire types are ``guardmesh.v1.guardmesh_pb2`` (re-exported here as
@@ -928,7 +928,7 @@ def register_policy(
     credentials: Optional[MeshCredentials] = None,
     **options: Unpack[PolicyOptions],
 ) -> "pb.RegisterResponse":
-    """Registers (or updates) a policy guard (SPEC.md R27) with the mesh at
+    """Registers (or updates) a policy guard (docs/behaviour.md R27) with the mesh at
     ``mesh_addr``: ``source`` is the text of a policy file (CEL rules), sent
     whole and judged inside the mesh; there is no process to run.
 

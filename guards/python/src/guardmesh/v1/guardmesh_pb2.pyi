@@ -15,8 +15,8 @@ Four services live here:
 * `GuardRegistry`: how guards enter and leave the *chain*.
 * `InterceptorService`: the chain seen as MCP interceptors (SEP-2624).
 
-The behaviour behind these messages is specified in SPEC.md; rule numbers
-(R1..R22) in the comments below refer to it.
+The behaviour behind these messages is specified in docs/behaviour.md of the
+guardmesh repository; rule numbers (R1..R35) in the comments refer to it.
 """
 
 from collections import abc as _abc
@@ -270,6 +270,26 @@ GUARD_MODE_ENFORCE: GuardMode.ValueType  # 0
 GUARD_MODE_DRY_RUN: GuardMode.ValueType  # 1
 """Consulted and traced, never applied (R18)."""
 Global___GuardMode: _TypeAlias = GuardMode  # noqa: Y015
+
+class _SessionMemoryUse:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _SessionMemoryUseEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_SessionMemoryUse.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    SESSION_MEMORY_USE_SEND: _SessionMemoryUse.ValueType  # 0
+    """Sent with each batch (R34: guards receive the memory)."""
+    SESSION_MEMORY_USE_NONE: _SessionMemoryUse.ValueType  # 1
+    """Not sent."""
+
+class SessionMemoryUse(_SessionMemoryUse, metaclass=_SessionMemoryUseEnumTypeWrapper):
+    """Whether a guard is sent session memory (R34). The zero value sends it."""
+
+SESSION_MEMORY_USE_SEND: SessionMemoryUse.ValueType  # 0
+"""Sent with each batch (R34: guards receive the memory)."""
+SESSION_MEMORY_USE_NONE: SessionMemoryUse.ValueType  # 1
+"""Not sent."""
+Global___SessionMemoryUse: _TypeAlias = SessionMemoryUse  # noqa: Y015
 
 class _GuardPhases:
     ValueType = _typing.NewType("ValueType", _builtins.int)
@@ -886,6 +906,8 @@ class GuardTrace(_message.Message):
     DRY_RUN_STATUS_FIELD_NUMBER: _builtins.int
     RULES_FIELD_NUMBER: _builtins.int
     REPLICA_FIELD_NUMBER: _builtins.int
+    LABELS_FIELD_NUMBER: _builtins.int
+    REFUSED_LABELS_FIELD_NUMBER: _builtins.int
     guard: _builtins.str
     """The guard's registered name."""
     role: Global___GuardRole.ValueType
@@ -905,6 +927,10 @@ class GuardTrace(_message.Message):
     (or failure) this entry reports, as dialed (`http://host:port`). When a
     request failed over, the replica that answered last. Empty for policy
     guards and when nothing was sent.
+    """
+    refused_labels: _builtins.int
+    """R34: labels it sent that were refused (outside the label grammar, past
+    8 per verdict or 64 per batch, or on a dropped verdict).
     """
     @_builtins.property
     def sent_call_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
@@ -926,6 +952,14 @@ class GuardTrace(_message.Message):
         is in `error`). Empty for other guards.
         """
 
+    @_builtins.property
+    def labels(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """R34: the session labels this guard's verdicts (or, for a policy guard,
+        its matching rules) added: applied when it enforces and did not fail;
+        for DRY_RUN, what it would have added. Labels the session already had
+        are listed too.
+        """
+
     def __init__(
         self,
         *,
@@ -940,10 +974,12 @@ class GuardTrace(_message.Message):
         dry_run_status: Global___TraceStatus.ValueType = ...,
         rules: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
         replica: _builtins.str = ...,
+        labels: _abc.Iterable[_builtins.str] | None = ...,
+        refused_labels: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["dry_run_status", b"dry_run_status", "error", b"error", "guard", b"guard", "latency_us", b"latency_us", "replica", b"replica", "rewritten_call_ids", b"rewritten_call_ids", "role", b"role", "rules", b"rules", "sent_call_ids", b"sent_call_ids", "skipped_call_ids", b"skipped_call_ids", "status", b"status"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["dry_run_status", b"dry_run_status", "error", b"error", "guard", b"guard", "labels", b"labels", "latency_us", b"latency_us", "refused_labels", b"refused_labels", "replica", b"replica", "rewritten_call_ids", b"rewritten_call_ids", "role", b"role", "rules", b"rules", "sent_call_ids", b"sent_call_ids", "skipped_call_ids", b"skipped_call_ids", "status", b"status"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -998,6 +1034,7 @@ class GuardBatch(_message.Message):
     TRACEPARENT_FIELD_NUMBER: _builtins.int
     TRACESTATE_FIELD_NUMBER: _builtins.int
     RESULTS_FIELD_NUMBER: _builtins.int
+    SESSION_FIELD_NUMBER: _builtins.int
     request_id: _builtins.int
     """Chosen by the mesh, unique on this stream; echoed on the answer."""
     batch_id: _builtins.str
@@ -1036,6 +1073,17 @@ class GuardBatch(_message.Message):
         must be unset (R11).
         """
 
+    @_builtins.property
+    def session(self) -> Global___SessionMemory:
+        """R34: what the mesh remembers of the batch's session (the caller's
+        identity and `context.session_id`) as it was when the batch arrived:
+        labels, counts of calls per tool, the most recent calls, and whether
+        the session's bounds dropped entries. Digests only, never a value of an
+        argument or a result. Bounded (see `SessionMemory`). Unset when the
+        guard registered `session_memory` NONE. When the memory cannot be read,
+        only `unavailable` is set.
+        """
+
     def __init__(
         self,
         *,
@@ -1048,14 +1096,149 @@ class GuardBatch(_message.Message):
         traceparent: _builtins.str = ...,
         tracestate: _builtins.str = ...,
         results: _abc.Iterable[Global___ToolResult] | None = ...,
+        session: Global___SessionMemory | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["context", b"context"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["context", b"context", "session", b"session"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["batch_id", b"batch_id", "calls", b"calls", "context", b"context", "deadline_ms", b"deadline_ms", "guard", b"guard", "request_id", b"request_id", "results", b"results", "traceparent", b"traceparent", "tracestate", b"tracestate"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["batch_id", b"batch_id", "calls", b"calls", "context", b"context", "deadline_ms", b"deadline_ms", "guard", b"guard", "request_id", b"request_id", "results", b"results", "session", b"session", "traceparent", b"traceparent", "tracestate", b"tracestate"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___GuardBatch: _TypeAlias = GuardBatch  # noqa: Y015
+
+@_typing.final
+class SessionMemory(_message.Message):
+    """A session's memory as a guard is sent it (R34). Never a raw value: calls
+    carry a keyed digest of their final arguments (HMAC-SHA256 under the
+    mesh's session secret, cut to 128 bits, hex), which a guard can compare
+    between calls (the same arguments again) but not reverse. Values seen in
+    results are not sent at all (their digests are of use only to the mesh's
+    `session.seen_from`). Bounded: at most 64 labels, 64 tools in `counts`
+    and 64 `recent` calls, and 16 KiB in all; past that the oldest calls are
+    left out first and `truncated` is set.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    @_typing.final
+    class CountsEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.int
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.int = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+    LABELS_FIELD_NUMBER: _builtins.int
+    COUNTS_FIELD_NUMBER: _builtins.int
+    RECENT_FIELD_NUMBER: _builtins.int
+    CALLS_TOTAL_FIELD_NUMBER: _builtins.int
+    RESULTS_TOTAL_FIELD_NUMBER: _builtins.int
+    EVICTED_FIELD_NUMBER: _builtins.int
+    TRUNCATED_FIELD_NUMBER: _builtins.int
+    UNAVAILABLE_FIELD_NUMBER: _builtins.int
+    calls_total: _builtins.int
+    """Calls recorded since the session began (eviction does not lower it)."""
+    results_total: _builtins.int
+    """Results recorded since the session began."""
+    evicted: _builtins.bool
+    """True when the session's bounds (bytes, entries, age) dropped entries
+    since it began: a strict guard may treat such a session as tainted.
+    """
+    truncated: _builtins.bool
+    """True when this message left out calls or labels to stay within its own
+    bounds (the session holds more than was sent).
+    """
+    unavailable: _builtins.str
+    """Set (to the reason) when the session's memory could not be read (the
+    store is down, slow or cut off from its quorum); every other field is
+    then empty. A guard that judges flows must treat the session as
+    unknown, never as empty (R34).
+    """
+    @_builtins.property
+    def labels(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """The session's labels (`secret:fs`), set by guards' verdicts and by
+        policy rules, oldest first.
+        """
+
+    @_builtins.property
+    def counts(self) -> _containers.ScalarMap[_builtins.str, _builtins.int]:
+        """Calls per tool remembered (within the memory's age), tool name to
+        count.
+        """
+
+    @_builtins.property
+    def recent(self) -> _containers.RepeatedCompositeFieldContainer[Global___SessionCall]:
+        """The most recent calls that ran, oldest first."""
+
+    def __init__(
+        self,
+        *,
+        labels: _abc.Iterable[_builtins.str] | None = ...,
+        counts: _abc.Mapping[_builtins.str, _builtins.int] | None = ...,
+        recent: _abc.Iterable[Global___SessionCall] | None = ...,
+        calls_total: _builtins.int = ...,
+        results_total: _builtins.int = ...,
+        evicted: _builtins.bool = ...,
+        truncated: _builtins.bool = ...,
+        unavailable: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["calls_total", b"calls_total", "counts", b"counts", "evicted", b"evicted", "labels", b"labels", "recent", b"recent", "results_total", b"results_total", "truncated", b"truncated", "unavailable", b"unavailable"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___SessionMemory: _TypeAlias = SessionMemory  # noqa: Y015
+
+@_typing.final
+class SessionCall(_message.Message):
+    """A call that ran in a session (R34)."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TOOL_FIELD_NUMBER: _builtins.int
+    SERVER_FIELD_NUMBER: _builtins.int
+    ARGS_DIGEST_FIELD_NUMBER: _builtins.int
+    AT_MS_FIELD_NUMBER: _builtins.int
+    tool: _builtins.str
+    """The tool that ran (its final name)."""
+    server: _builtins.str
+    """The server the tool belongs to: the batch's metadata `server` when the
+    coordinator gave it, else the tool name's part before its first `.`.
+    """
+    args_digest: _builtins.str
+    """Keyed digest of the call's final arguments (canonical JSON), 32 hex
+    digits. Never the arguments.
+    """
+    at_ms: _builtins.int
+    """When it was judged to run, milliseconds since the Unix epoch."""
+    def __init__(
+        self,
+        *,
+        tool: _builtins.str = ...,
+        server: _builtins.str = ...,
+        args_digest: _builtins.str = ...,
+        at_ms: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["args_digest", b"args_digest", "at_ms", b"at_ms", "server", b"server", "tool", b"tool"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___SessionCall: _TypeAlias = SessionCall  # noqa: Y015
 
 @_typing.final
 class CancelBatch(_message.Message):
@@ -1137,6 +1320,7 @@ class Verdict(_message.Message):
     CALL_ID_FIELD_NUMBER: _builtins.int
     SKIP_FIELD_NUMBER: _builtins.int
     REWRITE_FIELD_NUMBER: _builtins.int
+    LABELS_FIELD_NUMBER: _builtins.int
     call_id: _builtins.str
     """The call judged; must be one the guard was sent (R8)."""
     @_builtins.property
@@ -1147,16 +1331,28 @@ class Verdict(_message.Message):
     def rewrite(self) -> Global___Rewrite:
         """Run it like this instead (mutate guards only, within their grant: R11)."""
 
+    @_builtins.property
+    def labels(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """R34: labels this verdict adds to the batch's session (`secret:fs`), with
+        any outcome (a proceed too), on calls and on results. Each is 1 to 128
+        bytes of ASCII letters, digits and `_ - . : /`; at most 8 per verdict.
+        A label outside that is refused (recorded and counted, never applied);
+        the verdict's outcome stands. Labels of a dry-run guard, or of an answer
+        the mesh rejects (R8, R11, R13), are not applied. Applied labels are in
+        the batch's decision record, naming the guard.
+        """
+
     def __init__(
         self,
         *,
         call_id: _builtins.str = ...,
         skip: Global___Skip | None = ...,
         rewrite: Global___Rewrite | None = ...,
+        labels: _abc.Iterable[_builtins.str] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["outcome", b"outcome", "rewrite", b"rewrite", "skip", b"skip"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["call_id", b"call_id", "outcome", b"outcome", "rewrite", b"rewrite", "skip", b"skip"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["call_id", b"call_id", "labels", b"labels", "outcome", b"outcome", "rewrite", b"rewrite", "skip", b"skip"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType_outcome: _TypeAlias = _typing.Literal["skip", "rewrite"]  # noqa: Y015
     _WhichOneofArgType_outcome: _TypeAlias = _typing.Literal["outcome", b"outcome"]  # noqa: Y015
@@ -1214,6 +1410,7 @@ class GuardSpec(_message.Message):
     REPLICAS_FIELD_NUMBER: _builtins.int
     PHASES_FIELD_NUMBER: _builtins.int
     RESULT_GRANT_FIELD_NUMBER: _builtins.int
+    SESSION_MEMORY_FIELD_NUMBER: _builtins.int
     INTERCEPTOR_EVENTS_FIELD_NUMBER: _builtins.int
     name: _builtins.str
     """Unique name of the guard in the chain."""
@@ -1253,6 +1450,12 @@ class GuardSpec(_message.Message):
     both. A guard that judges only results is never sent calls, and one that
     judges only calls is never sent results. A policy guard judges calls
     only.
+    """
+    session_memory: Global___SessionMemoryUse.ValueType
+    """R34: whether the guard is sent its batch's session memory
+    (`GuardBatch.session`). The default sends it; NONE opts out: the guard
+    is sent none, and a chain none of whose guards want memory (and none of
+    whose policy rules read `session`) costs no read of the session store.
     """
     @_builtins.property
     def tools(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
@@ -1314,11 +1517,12 @@ class GuardSpec(_message.Message):
         replicas: _abc.Iterable[_builtins.str] | None = ...,
         phases: Global___GuardPhases.ValueType = ...,
         result_grant: Global___ResultGrant | None = ...,
+        session_memory: Global___SessionMemoryUse.ValueType = ...,
         interceptor_events: _abc.Iterable[_builtins.str] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["grant", b"grant", "result_grant", b"result_grant"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["endpoint", b"endpoint", "failure_policy", b"failure_policy", "grant", b"grant", "interceptor_events", b"interceptor_events", "mode", b"mode", "name", b"name", "phases", b"phases", "policy", b"policy", "priority", b"priority", "replicas", b"replicas", "result_grant", b"result_grant", "role", b"role", "server_identity", b"server_identity", "timeout_ms", b"timeout_ms", "tools", b"tools"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["endpoint", b"endpoint", "failure_policy", b"failure_policy", "grant", b"grant", "interceptor_events", b"interceptor_events", "mode", b"mode", "name", b"name", "phases", b"phases", "policy", b"policy", "priority", b"priority", "replicas", b"replicas", "result_grant", b"result_grant", "role", b"role", "server_identity", b"server_identity", "session_memory", b"session_memory", "timeout_ms", b"timeout_ms", "tools", b"tools"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

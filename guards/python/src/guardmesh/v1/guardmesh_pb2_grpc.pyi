@@ -15,8 +15,8 @@ Four services live here:
 * `GuardRegistry`: how guards enter and leave the *chain*.
 * `InterceptorService`: the chain seen as MCP interceptors (SEP-2624).
 
-The behaviour behind these messages is specified in SPEC.md; rule numbers
-(R1..R22) in the comments below refer to it.
+The behaviour behind these messages is specified in docs/behaviour.md of the
+guardmesh repository; rule numbers (R1..R35) in the comments refer to it.
 """
 
 from collections import abc as _abc
