@@ -156,7 +156,7 @@ impl Mesh {
         let members = admit::content(&request, limits, policy_args).map_err(refused)?;
         admit::registry(self.registry()).map_err(refused)?;
         let _permit = admit::inflight(&self.inflight, limits).map_err(refused)?;
-        let session = self.read_session(&chain, &request, &trace).await;
+        let session = self.read_session(&chain, &request, &trace, &phase).await;
         let span = tracing::info_span!("interceptor_invoke", guard = %name);
         let judged = crate::judge::judge_phase(
             &chain,
