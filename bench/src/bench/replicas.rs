@@ -6,8 +6,12 @@
 //! enough cores the throughput grows with the replicas. The meshes' windows
 //! alternate as the other throughput runs' do.
 //!
-//! Figures: `replicas2_vs_replicas1_throughput` and
-//! `replicas4_vs_replicas1_throughput`. On a machine with few cores the mesh,
+//! Then one window with 4 replicas, one of which is killed (SIGKILL)
+//! halfway through it: every call must still be judged (a failed or
+//! cancelled call fails the run), and its p99 is set against `replicas_4`'s.
+//!
+//! Figures: `replicas2_vs_replicas1_throughput`,
+//! `replicas4_vs_replicas1_throughput` and `replicas4_kill_vs_none_p99`. On a machine with few cores the mesh,
 //! the load generator and the replicas share them: on two, about 2 is the
 //! ceiling however many replicas run.
 
@@ -36,10 +40,10 @@ pub(super) struct ReplicaFigures {
     pub ratios: Vec<(String, f64)>,
 }
 
-/// The `[[guard]]` section of the guard with its first `n` replicas.
-fn section(replicas: &[GuardProcess], n: usize) -> Result<String, Error> {
-    let mut urls = Vec::with_capacity(n);
-    for replica in &replicas[..n] {
+/// The `[[guard]]` section of the guard with the replicas `replicas`.
+fn section(replicas: &[&GuardProcess]) -> Result<String, Error> {
+    let mut urls = Vec::with_capacity(replicas.len());
+    for replica in replicas {
         urls.push(format!("\"{}\"", replica.stream_url(GUARD)?));
     }
     let (first, rest) = urls.split_first().ok_or("no replica")?;
@@ -78,7 +82,7 @@ pub(super) async fn run(
             exe,
             dir,
             &format!("throughput_{name}"),
-            &section(&replicas, n)?,
+            &section(&replicas.iter().take(n).collect::<Vec<_>>())?,
             1,
             None,
         )
@@ -132,6 +136,75 @@ pub(super) async fn run(
         }
         return Err(error);
     }
+    // Four replicas again, one of which (a process of its own) is killed
+    // halfway through the window: what failing over costs the tail.
+    let victim_dir = dir.join("replica-killed");
+    std::fs::create_dir_all(&victim_dir)
+        .map_err(|e| format!("cannot create {}: {e}", victim_dir.display()))?;
+    let mut victim = GuardProcess::start(exe, &victim_dir, &defs, args).await?;
+    let mut members: Vec<&GuardProcess> = replicas.iter().skip(1).take(max - 1).collect();
+    members.push(&victim);
+    let mesh = MeshProcess::start_config(
+        exe,
+        dir,
+        "throughput_replicas_4_kill",
+        &section(&members)?,
+        1,
+        None,
+    )
+    .await?;
+    let coordinator = mesh.coordinator().await?;
+    let mut loads = Vec::with_capacity(in_flight);
+    for i in 0..in_flight {
+        loads.push(Load::Mesh(Arc::new(
+            coordinator.session(format!("load-{i}")).await?,
+        )));
+    }
+    let mut killed = LoadTotals::new()?;
+    let victim_pid = victim.child.pid();
+    let killer = tokio::spawn({
+        let after = plan.throughput_warmup + plan.throughput_window / 2;
+        async move {
+            tokio::time::sleep(after).await;
+            kill(victim_pid);
+        }
+    });
+    let measured = closed_loop(
+        &loads,
+        work,
+        plan.throughput_warmup,
+        plan.throughput_window,
+        Some(mesh.pid()),
+        members[0].child.pid(),
+        &mut killed,
+    )
+    .await;
+    killer.abort();
+    measured.map_err(|e| format!("throughput replicas_4_kill: {e}"))?;
+    drop(members);
+    // The window must really have lost a replica.
+    let mut dead = false;
+    for _ in 0..50 {
+        if victim.child.check_alive().is_err() {
+            dead = true;
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    }
+    if !dead {
+        return Err("replicas_4_kill: the replica to kill was still alive after the window".into());
+    }
+    runs.push(LoadRun {
+        name: "replicas_4_kill".into(),
+        what: format!(
+            "as replicas_4, one replica killed (SIGKILL) halfway through the window; one window of {:.1} s",
+            plan.throughput_window.as_secs_f64()
+        ),
+        mesh: Some(mesh),
+        loads,
+        totals: killed,
+    });
+    drop(victim);
     let throughput: Vec<Throughput> = runs
         .into_iter()
         .map(|run| {
@@ -149,17 +222,26 @@ pub(super) async fn run(
     Ok(ReplicaFigures { throughput, ratios })
 }
 
-/// Throughput with 2 and 4 replicas over that with 1.
+/// Kills the process `pid` (SIGKILL).
+fn kill(pid: u32) {
+    if let Ok(pid) = libc::pid_t::try_from(pid) {
+        // SAFETY: kill(2) is a plain system call on a process this
+        // benchmark started and still holds (so its pid is not reused).
+        unsafe {
+            libc::kill(pid, libc::SIGKILL);
+        }
+    }
+}
+
+/// Throughput with 2 and 4 replicas over that with 1, and the p99 with
+/// one of 4 replicas killed over that with none.
 fn ratios(throughput: &[Throughput]) -> Vec<(String, f64)> {
-    let per_second = |n: usize| {
-        let name = format!("replicas_{n}");
-        throughput
-            .iter()
-            .find(|t| t.name == name)
-            .map_or(f64::NAN, |t| t.per_second)
-    };
+    let find = |name: &str| throughput.iter().find(|t| t.name == name);
+    let per_second = |n: usize| find(&format!("replicas_{n}")).map_or(f64::NAN, |t| t.per_second);
     let one = per_second(1);
     let ratio = |a: f64| if one > 0.0 { a / one } else { f64::NAN };
+    let p99 = |name: &str| find(name).map_or(f64::NAN, |t| t.p99);
+    let none = p99("replicas_4");
     vec![
         (
             "replicas2_vs_replicas1_throughput".to_owned(),
@@ -168,6 +250,14 @@ fn ratios(throughput: &[Throughput]) -> Vec<(String, f64)> {
         (
             "replicas4_vs_replicas1_throughput".to_owned(),
             ratio(per_second(4)),
+        ),
+        (
+            "replicas4_kill_vs_none_p99".to_owned(),
+            if none > 0.0 {
+                p99("replicas_4_kill") / none
+            } else {
+                f64::NAN
+            },
         ),
     ]
 }
