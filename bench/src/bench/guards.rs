@@ -34,8 +34,9 @@ use tonic::{Request, Response, Status};
 /// Arguments of `guardmesh bench-guards`.
 #[derive(Debug, Clone, clap::Args)]
 pub struct GuardsArgs {
-    /// A guard to serve: `NAME:DELAY_MS`, or `NAME:DELAY_MS:veto` for one
-    /// that steers every call it is sent. Repeatable.
+    /// A guard to serve: `NAME:DELAY_MS`, `NAME:DELAY_MS:veto` for one
+    /// that steers every call it is sent, or `NAME:DELAY_MS:cpu` for one
+    /// that spends the delay busy on the CPU instead of asleep. Repeatable.
     #[arg(long = "guard", required = true)]
     pub guards: Vec<String>,
     /// Also serves the raw unary echo.
@@ -52,12 +53,14 @@ pub struct GuardsArgs {
 }
 
 /// One guard of the benchmark: answers after `delay`, proceeding on every
-/// call, or skipping (steer) every call when `veto`.
+/// call, or skipping (steer) every call when `veto`; when `cpu`, the delay
+/// is spent busy on the CPU (a CPU-bound guard) rather than asleep.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(super) struct GuardDef {
     pub name: String,
     pub delay: Duration,
     pub veto: bool,
+    pub cpu: bool,
 }
 
 impl GuardDef {
@@ -66,30 +69,49 @@ impl GuardDef {
             name: name.to_owned(),
             delay: Duration::from_millis(delay_ms),
             veto,
+            cpu: false,
+        }
+    }
+
+    /// A guard that proceeds on every call after `delay_ms` of CPU work.
+    pub(super) fn cpu(name: &str, delay_ms: u64) -> Self {
+        Self {
+            cpu: true,
+            ..Self::new(name, delay_ms, false)
         }
     }
 
     /// The `--guard` argument that describes it.
     pub(super) fn to_arg(&self) -> String {
-        let veto = if self.veto { ":veto" } else { "" };
-        format!("{}:{}{veto}", self.name, self.delay.as_millis())
+        let mode = if self.veto {
+            ":veto"
+        } else if self.cpu {
+            ":cpu"
+        } else {
+            ""
+        };
+        format!("{}:{}{mode}", self.name, self.delay.as_millis())
     }
 
     /// Parses a `--guard` argument.
     pub(super) fn parse(text: &str) -> Result<Self, Error> {
         let mut parts = text.split(':');
-        let bad = || format!("bad --guard {text:?}: expected NAME:DELAY_MS[:veto]");
+        let bad = || format!("bad --guard {text:?}: expected NAME:DELAY_MS[:veto|:cpu]");
         let name = parts.next().filter(|n| !n.is_empty()).ok_or_else(bad)?;
         let delay_ms: u64 = parts.next().and_then(|d| d.parse().ok()).ok_or_else(bad)?;
-        let veto = match parts.next() {
-            None => false,
-            Some("veto") => true,
+        let (veto, cpu) = match parts.next() {
+            None => (false, false),
+            Some("veto") => (true, false),
+            Some("cpu") => (false, true),
             Some(_) => return Err(bad().into()),
         };
         if parts.next().is_some() {
             return Err(bad().into());
         }
-        Ok(Self::new(name, delay_ms, veto))
+        Ok(Self {
+            cpu,
+            ..Self::new(name, delay_ms, veto)
+        })
     }
 }
 
@@ -98,11 +120,24 @@ impl GuardDef {
 pub(super) struct BenchGuard {
     delay: Duration,
     veto: bool,
+    cpu: bool,
+}
+
+/// Keeps this thread busy for `work`: a guard whose judging costs CPU (a
+/// classifier, a parser), which no await lets another request overlap.
+fn busy(work: Duration) {
+    let started = std::time::Instant::now();
+    let mut spins: u64 = 0;
+    while started.elapsed() < work {
+        spins = std::hint::black_box(spins.wrapping_add(1));
+    }
 }
 
 impl Guard for BenchGuard {
     async fn judge(&self, batch: &GuardBatch) -> Result<Vec<Verdict>, Status> {
-        if !self.delay.is_zero() {
+        if self.cpu {
+            busy(self.delay);
+        } else if !self.delay.is_zero() {
             tokio::time::sleep(self.delay).await;
         }
         Ok(if self.veto {
@@ -193,6 +228,7 @@ async fn serve(args: GuardsArgs) -> Result<(), Error> {
         let guard = Arc::new(BenchGuard {
             delay: def.delay,
             veto: def.veto,
+            cpu: def.cpu,
         });
         let (stream_listener, stream_port) = bind().await?;
         let (direct_listener, direct_port) = bind().await?;
@@ -261,10 +297,20 @@ mod tests {
         for def in [
             GuardDef::new("zero-1", 0, false),
             GuardDef::new("veto-1ms", 1, true),
+            GuardDef::cpu("cpu-1ms", 1),
         ] {
             assert_eq!(GuardDef::parse(&def.to_arg()).ok(), Some(def));
         }
-        for bad in ["", "x", "x:", "x:y", "x:1:maybe", "x:1:veto:1", ":1"] {
+        for bad in [
+            "",
+            "x",
+            "x:",
+            "x:y",
+            "x:1:maybe",
+            "x:1:veto:1",
+            "x:1:cpu:veto",
+            ":1",
+        ] {
             assert!(GuardDef::parse(bad).is_err(), "{bad}");
         }
     }

@@ -31,6 +31,9 @@
 //! | decision log | `log_off`, `log_fsync_record`, `log_fsync_interval` (after the throughput runs, with their own; see [`decision_log`]) |
 //! | MCP gateway ([`mcp`]) | `mcp_direct`, `mcp_stdio`, `mcp_stdio_w0`, `mcp_relay_w0` |
 //!
+//! After the throughput runs, a CPU-bound guard with 1, 2 and 4 replica
+//! processes ([`replicas`]).
+//!
 //! `relay_floor_*` is the relay floor ([`relay`]): the mesh's hops on the
 //! same protocols and crates with none of the mesh's work, the floor every
 //! mesh-vs-baseline ratio has to clear on the machine that runs the bench.
@@ -59,6 +62,7 @@ mod mcp;
 mod placement;
 mod policy;
 mod relay;
+mod replicas;
 mod report;
 
 pub use guards::GuardsArgs;
@@ -172,7 +176,8 @@ pub struct BenchArgs {
     /// Runs one group only: `decision-log`, the decision log's cost (log
     /// off, on, on with signed checkpoints), latency and throughput;
     /// `compare`, this build against `--baseline` in one interleaved group;
-    /// `mcp`, the MCP gateway's group (the same counts as in a full run).
+    /// `mcp`, the MCP gateway's group (the same counts as in a full run);
+    /// `replicas`, a CPU-bound guard with 1, 2 and 4 replicas.
     #[arg(long, value_enum)]
     pub only: Option<Only>,
     /// Another build's `guardmesh` executable, for `--only compare`: its
@@ -187,6 +192,7 @@ pub enum Only {
     DecisionLog,
     Compare,
     Mcp,
+    Replicas,
 }
 
 /// Logs to stderr, `RUST_LOG` or `default_filter`.
@@ -1465,6 +1471,32 @@ async fn run(args: &BenchArgs) -> Result<(), Error> {
         };
         return report(&results, args, mode, started, guards);
     }
+    if args.only == Some(Only::Replicas) {
+        let figures = replicas::run(&exe, dir, &work, &plan, args).await?;
+        let mut setup = Map::new();
+        setup.insert("only".into(), json!("replicas"));
+        setup.insert("in_flight".into(), json!(args.in_flight.max(1)));
+        setup.insert("throughput_windows".into(), json!(plan.throughput_windows));
+        setup.insert(
+            "throughput_window_s".into(),
+            json!(plan.throughput_window.as_secs_f64()),
+        );
+        setup.insert("replica_cpu_ms".into(), json!(replicas::CPU_MS));
+        setup.insert(
+            "cpus".into(),
+            json!(std::thread::available_parallelism().map_or(0, |n| n.get())),
+        );
+        setup.insert("elapsed_s".into(), json!(started.elapsed().as_secs_f64()));
+        let results = Results {
+            quick: args.quick,
+            setup,
+            latency: Vec::new(),
+            throughput: figures.throughput,
+            memory: Memory::none(),
+            extra_ratios: figures.ratios,
+        };
+        return report(&results, args, mode, started, guards);
+    }
     let mut latency = Vec::new();
     let mut extra_setup = Map::new();
 
@@ -1743,6 +1775,9 @@ async fn run(args: &BenchArgs) -> Result<(), Error> {
         decision_log::run(&exe, dir, &mut guards, &work, &plan, in_flight).await?;
     latency.extend(log_latency);
     throughput.extend(log_throughput);
+    // A CPU-bound guard with 1, 2 and 4 replicas (R32).
+    let replica_figures = replicas::run(&exe, dir, &work, &plan, args).await?;
+    throughput.extend(replica_figures.throughput);
     let memory = memory(&exe, dir, &guards, &work, &plan, args.idle_connections).await?;
 
     let mut setup = Map::new();
@@ -1800,7 +1835,12 @@ async fn run(args: &BenchArgs) -> Result<(), Error> {
         latency,
         throughput,
         memory,
-        extra_ratios: mcp.ratios.into_iter().chain(policy_figures).collect(),
+        extra_ratios: mcp
+            .ratios
+            .into_iter()
+            .chain(policy_figures)
+            .chain(replica_figures.ratios)
+            .collect(),
     };
     report(&results, args, mode, started, guards)
 }

@@ -294,7 +294,10 @@ impl Results {
         if self.setup.get("only").and_then(Value::as_str) == Some("compare") {
             return Ok(super::compare::ratios(&self.latency));
         }
-        if self.setup.get("only").and_then(Value::as_str) == Some("mcp") {
+        if matches!(
+            self.setup.get("only").and_then(Value::as_str),
+            Some("mcp" | "replicas")
+        ) {
             return Ok(self.extra_ratios.clone());
         }
         let direct = self.latency("direct_unary")?;
@@ -440,24 +443,26 @@ impl Results {
             .get("rounds")
             .and_then(Value::as_u64)
             .unwrap_or(0);
-        let _ = writeln!(
-            out,
-            "\nlatency: one batch in flight, {rounds} interleaved rounds after warm-up (µs; CPU µs per batch)"
-        );
-        let _ = writeln!(
-            out,
-            "{:<18} {:>7} {:>9} {:>9} {:>9} {:>9} {:>9} {:>9} {:>9} {:>9}",
-            "scenario",
-            "n",
-            "p50",
-            "p90",
-            "p99",
-            "p99.9",
-            "max",
-            "mesh cpu",
-            "guard cpu",
-            "client cpu"
-        );
+        if !self.latency.is_empty() {
+            let _ = writeln!(
+                out,
+                "\nlatency: one batch in flight, {rounds} interleaved rounds after warm-up (µs; CPU µs per batch)"
+            );
+            let _ = writeln!(
+                out,
+                "{:<18} {:>7} {:>9} {:>9} {:>9} {:>9} {:>9} {:>9} {:>9} {:>9}",
+                "scenario",
+                "n",
+                "p50",
+                "p90",
+                "p99",
+                "p99.9",
+                "max",
+                "mesh cpu",
+                "guard cpu",
+                "client cpu"
+            );
+        }
         for l in &self.latency {
             let mesh = l.cpu.mesh.map_or("-".to_owned(), |v| format!("{v:.1}"));
             let _ = writeln!(
