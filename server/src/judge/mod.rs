@@ -202,12 +202,6 @@ pub(crate) struct GuardRun {
 /// Labels one guard may add to a session in one batch (R34).
 pub(crate) const MAX_LABELS_PER_GUARD: usize = 64;
 
-/// Labels one policy rule may add (R34), as one verdict may.
-pub(crate) const MAX_RULE_LABELS: usize = verdicts::MAX_LABELS_PER_VERDICT;
-
-/// Bytes of one label a policy rule adds (R34).
-pub(crate) const MAX_RULE_LABEL_BYTES: usize = verdicts::MAX_LABEL_BYTES;
-
 impl GuardRun {
     fn new(calls: usize) -> Self {
         Self {

@@ -103,12 +103,7 @@ pub(crate) struct Checked {
     pub refused_labels: usize,
 }
 
-/// Labels one verdict may add to its session (R34); past it they are
-/// refused and counted.
-pub(crate) const MAX_LABELS_PER_VERDICT: usize = 8;
-
-/// Bytes of one label (R34), as session memory bounds them.
-pub(crate) const MAX_LABEL_BYTES: usize = 128;
+pub(crate) use crate::session::limits::{MAX_LABEL_BYTES, MAX_LABELS_PER_VERDICT};
 
 /// Checks `verdicts` from `guard`, which was sent the calls at `sent`;
 /// `current(i)` is call `i` as the guard saw it. `answered` tracks calls

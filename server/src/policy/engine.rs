@@ -831,26 +831,25 @@ fn compile_rule(
         Some(labels) => {
             let at = file::line_at(source, labels.span().start);
             let labels = labels.into_inner();
-            if labels.len() > crate::judge::MAX_RULE_LABELS {
+            if labels.len() > crate::session::limits::MAX_LABELS_PER_VERDICT {
                 return Err(fail(
                     at,
                     CompileErrorKind::Format(format!(
                         "`labels`: {} labels, more than the limit of {}",
                         labels.len(),
-                        crate::judge::MAX_RULE_LABELS
+                        crate::session::limits::MAX_LABELS_PER_VERDICT
                     )),
                 ));
             }
-            if let Some(bad) = labels
-                .iter()
-                .find(|l| !crate::session::memory::label_ok(l, crate::judge::MAX_RULE_LABEL_BYTES))
-            {
+            if let Some(bad) = labels.iter().find(|l| {
+                !crate::session::memory::label_ok(l, crate::session::limits::MAX_LABEL_BYTES)
+            }) {
                 return Err(fail(
                     at,
                     CompileErrorKind::Format(format!(
                         "`labels`: {:?} is not a label (1 to {} bytes of ASCII letters, digits and _ - . : /)",
                         bad.chars().take(64).collect::<String>(),
-                        crate::judge::MAX_RULE_LABEL_BYTES
+                        crate::session::limits::MAX_LABEL_BYTES
                     )),
                 ));
             }

@@ -39,3 +39,10 @@ impl Default for SessionLimits {
         }
     }
 }
+
+/// Labels one verdict (or one policy rule) may add to its session (R34);
+/// past it they are refused and counted.
+pub(crate) const MAX_LABELS_PER_VERDICT: usize = 8;
+
+/// Bytes of one label (R34), as session memory bounds them.
+pub(crate) const MAX_LABEL_BYTES: usize = 128;
