@@ -361,18 +361,16 @@ timeout_ms = 20000
     assert!(status.success(), "exit status {status}:\n{}", serve.log());
 }
 
-#[tokio::test]
-async fn sigterm_exits_within_the_grace_period_while_a_batch_is_still_held() {
-    // The guard holds its batch for good; the mesh would wait up to the
-    // batch's 60 s timeout without a grace period.
-    let held = held_guard().await;
+/// A mesh whose one guard, `held`, never answers, with batch timeouts of
+/// 60 s and `grace_ms` of shutdown grace.
+async fn serve_held(name: &str, held: &HeldHandle, grace_ms: u64) -> Serve {
     let config = format!(
         r#"
 default_batch_timeout_ms = 60000
 max_batch_timeout_ms = 60000
 
 [server]
-shutdown_grace_ms = 1000
+shutdown_grace_ms = {grace_ms}
 
 [[guard]]
 name = "held"
@@ -381,7 +379,15 @@ timeout_ms = 60000
 "#,
         held.url
     );
-    let mut serve = Serve::start("grace", &config).await;
+    Serve::start(name, &config).await
+}
+
+#[tokio::test]
+async fn sigterm_exits_within_the_grace_period_while_a_batch_is_still_held() {
+    // The guard holds its batch for good; the mesh would wait up to the
+    // batch's 60 s timeout without a grace period.
+    let held = held_guard().await;
+    let mut serve = serve_held("grace", &held, 1000).await;
     serve.readyz_until(200, 200).await;
     let coordinator = Coordinator::connect(serve.url.clone()).await.unwrap();
     let session = coordinator.session("s").await.unwrap();
@@ -416,22 +422,7 @@ async fn a_second_sigterm_cuts_the_drain_short() {
     // A 60 s grace and a batch held for good: only the second signal can
     // end the drain early (what an operator pressing Ctrl-C twice expects).
     let held = held_guard().await;
-    let config = format!(
-        r#"
-default_batch_timeout_ms = 60000
-max_batch_timeout_ms = 60000
-
-[server]
-shutdown_grace_ms = 60000
-
-[[guard]]
-name = "held"
-endpoint = "{}"
-timeout_ms = 60000
-"#,
-        held.url
-    );
-    let mut serve = Serve::start("second-signal", &config).await;
+    let mut serve = serve_held("second-signal", &held, 60000).await;
     serve.readyz_until(200, 200).await;
     let coordinator = Coordinator::connect(serve.url.clone()).await.unwrap();
     let session = coordinator.session("s").await.unwrap();
