@@ -179,6 +179,29 @@ impl ResolveHandle {
     }
 }
 
+/// The watch of `endpoint`'s name for the guard `guard`, or None when the
+/// endpoint is an address (a fixed set of itself).
+fn name_watch(
+    guard: &str,
+    endpoint: &str,
+    policy: Arc<EndpointPolicy>,
+    resolver: Arc<dyn Resolve>,
+    handle: &ResolveHandle,
+) -> Result<Option<NameWatch>, EndpointError> {
+    let parsed = parse_endpoint(endpoint)?;
+    if parsed.literal.is_some() {
+        return Ok(None);
+    }
+    Ok(Some(NameWatch {
+        guard: guard.to_owned(),
+        endpoint: endpoint.to_owned(),
+        parsed,
+        policy,
+        resolver,
+        handle: handle.clone(),
+    }))
+}
+
 /// The replica set of the guard `guard` registered at `endpoint`, and the
 /// handle that asks for a new resolution.
 ///
@@ -193,18 +216,9 @@ pub async fn watch_endpoint(
     interval: Duration,
     resolver: Arc<dyn Resolve>,
 ) -> Result<(Replicas, ResolveHandle), EndpointError> {
-    let parsed = parse_endpoint(endpoint)?;
     let handle = ResolveHandle::default();
-    if parsed.literal.is_some() {
+    let Some(mut name) = name_watch(guard, endpoint, policy, resolver, &handle)? else {
         return Ok((fixed([endpoint.to_owned()]), handle));
-    }
-    let mut name = NameWatch {
-        guard: guard.to_owned(),
-        endpoint: endpoint.to_owned(),
-        parsed,
-        policy,
-        resolver,
-        handle: handle.clone(),
     };
     let first = name.resolve().await.unwrap_or_default();
     let (tx, rx) = watch::channel(first);
@@ -228,18 +242,9 @@ pub fn watch_name(
     interval: Duration,
     resolver: Arc<dyn Resolve>,
 ) -> Result<(Replicas, ResolveHandle), EndpointError> {
-    let parsed = parse_endpoint(endpoint)?;
     let handle = ResolveHandle::default();
-    if parsed.literal.is_some() {
+    let Some(mut name) = name_watch(guard, endpoint, policy, resolver, &handle)? else {
         return Ok((fixed([endpoint.to_owned()]), handle));
-    }
-    let mut name = NameWatch {
-        guard: guard.to_owned(),
-        endpoint: endpoint.to_owned(),
-        parsed,
-        policy,
-        resolver,
-        handle: handle.clone(),
     };
     let itself: Arc<[ReplicaTarget]> = Arc::from(vec![ReplicaTarget::of_name(endpoint, endpoint)]);
     let (tx, rx) = watch::channel(itself);
