@@ -548,33 +548,8 @@ async fn r32_heartbeat_replicas_leave_with_their_own_lease_only() {
         .await
         .unwrap();
 
-    let dir = std::env::temp_dir().join(format!(
-        "guardmesh-discovery-etcd-{}-{}",
-        std::process::id(),
-        rand::random::<u32>()
-    ));
-    std::fs::create_dir_all(&dir).unwrap();
-    let file = dir.join("mesh.toml");
-    let endpoints_toml: Vec<String> = cluster.urls().iter().map(|u| format!("\"{u}\"")).collect();
-    std::fs::write(
-        &file,
-        format!(
-            "[registry]\nkind = \"etcd\"\nendpoints = [{}]\nprefix = \"/t/discovery\"\n\
-             heartbeat_interval_ms = 200\nlease_ttl_s = 2\n",
-            endpoints_toml.join(", ")
-        ),
-    )
-    .unwrap();
-    let beat = |replica: &str| {
-        Command::new(env!("CARGO_BIN_EXE_guardmesh"))
-            .args(["heartbeat", "--name", "g", "--config"])
-            .arg(&file)
-            .args(["--replica", replica])
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .unwrap()
-    };
+    let file = heartbeat_config(&cluster, "etcd", "/t/discovery");
+    let beat = |replica: &str| heartbeat(&file, replica);
     let mut beats = Heartbeats(vec![
         beat("127.0.0.3:7001"),
         beat("http://127.0.0.4:7001"),
@@ -655,7 +630,7 @@ async fn r32_heartbeat_replicas_leave_with_their_own_lease_only() {
         1,
         "liveness never removes policy"
     );
-    let _ = std::fs::remove_dir_all(dir);
+    let _ = std::fs::remove_dir_all(file.parent().expect("the config's folder"));
 }
 
 /// A mesh on a real 3-member etcd cluster whose guard is registered at one
@@ -683,33 +658,8 @@ async fn r32_a_mesh_sends_to_heartbeat_replicas_and_stops_with_their_lease() {
     let urls: Vec<String> = guards.iter().map(|g| g.url.clone()).collect();
     mesh.register(Registration::validate("g", &urls[0])).await;
 
-    let dir = std::env::temp_dir().join(format!(
-        "guardmesh-discovery-mesh-{}-{}",
-        std::process::id(),
-        rand::random::<u32>()
-    ));
-    std::fs::create_dir_all(&dir).unwrap();
-    let file = dir.join("mesh.toml");
-    let endpoints_toml: Vec<String> = cluster.urls().iter().map(|u| format!("\"{u}\"")).collect();
-    std::fs::write(
-        &file,
-        format!(
-            "[registry]\nkind = \"etcd\"\nendpoints = [{}]\nprefix = \"/t/discovery-mesh\"\n\
-             heartbeat_interval_ms = 200\nlease_ttl_s = 2\n",
-            endpoints_toml.join(", ")
-        ),
-    )
-    .unwrap();
-    let beat = |replica: &str| {
-        Command::new(env!("CARGO_BIN_EXE_guardmesh"))
-            .args(["heartbeat", "--name", "g", "--config"])
-            .arg(&file)
-            .args(["--replica", replica])
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .unwrap()
-    };
+    let file = heartbeat_config(&cluster, "mesh", "/t/discovery-mesh");
+    let beat = |replica: &str| heartbeat(&file, replica);
     let mut beats = Heartbeats(urls[1..].iter().map(|u| beat(u)).collect());
     until_live(
         &mesh,
@@ -784,5 +734,40 @@ async fn r32_a_mesh_sends_to_heartbeat_replicas_and_stops_with_their_lease() {
         );
     }
     drop(beats);
-    let _ = std::fs::remove_dir_all(dir);
+    let _ = std::fs::remove_dir_all(file.parent().expect("the config's folder"));
+}
+
+/// A mesh config for `guardmesh heartbeat`: the etcd registry of `cluster`
+/// under `prefix`, heartbeats every 200 ms on a 2 s lease.
+fn heartbeat_config(cluster: &crate::etcd::Cluster, tag: &str, prefix: &str) -> std::path::PathBuf {
+    let dir = std::env::temp_dir().join(format!(
+        "guardmesh-discovery-{tag}-{}-{}",
+        std::process::id(),
+        rand::random::<u32>()
+    ));
+    std::fs::create_dir_all(&dir).unwrap();
+    let file = dir.join("mesh.toml");
+    let endpoints_toml: Vec<String> = cluster.urls().iter().map(|u| format!("\"{u}\"")).collect();
+    std::fs::write(
+        &file,
+        format!(
+            "[registry]\nkind = \"etcd\"\nendpoints = [{}]\nprefix = {prefix:?}\n\
+             heartbeat_interval_ms = 200\nlease_ttl_s = 2\n",
+            endpoints_toml.join(", ")
+        ),
+    )
+    .unwrap();
+    file
+}
+
+/// `guardmesh heartbeat` announcing `replica` of the guard `g`.
+fn heartbeat(file: &std::path::Path, replica: &str) -> std::process::Child {
+    Command::new(env!("CARGO_BIN_EXE_guardmesh"))
+        .args(["heartbeat", "--name", "g", "--config"])
+        .arg(file)
+        .args(["--replica", replica])
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap()
 }
