@@ -526,3 +526,121 @@ async fn r29_records_name_the_authenticated_caller() {
     assert!(all[4]["new_revision"].is_null());
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// R29, R33: secrets of common formats (`decision_log.mask_formats`, all
+/// four by default) leave no copy in the log, whatever field holds them:
+/// the call as the coordinator sent it (which the redaction guard then
+/// rewrote), a result, the model's text and the metadata. The record says
+/// what was there (`[masked:<kind>]`) and still verifies; with
+/// `mask_formats = []` the same batch's secret is in the file, as the
+/// operator asked.
+#[tokio::test]
+async fn r29_r33_secrets_of_known_formats_leave_no_copy_in_the_log() {
+    use guardmesh_cli::examples::{Example, Kind};
+    let aws = "AKIAIOSFODNN7EXAMPLE";
+    let stripe = "sk_live_4eC39HqLyjWDarjtT1zdp7dc";
+    let github = format!("ghp_{}", "a1B2".repeat(9));
+    let pem_body = "MIIEpAIBAAKCAQEAsecretkeybody";
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}", listener.local_addr().unwrap());
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let guard = tokio::spawn(guardmesh_client::serve(
+        Example::new(Kind::RedactFormats),
+        listener,
+        async {
+            let _ = stopped.await;
+        },
+    ));
+    let redact = format!(
+        "[[guard]]\nname = \"redact\"\nendpoint = {url:?}\nrole = \"mutate\"\nphases = \"both\"\n\
+         grant = {{ tools = [\"*\"] }}\nresult_grant = {{ tools = [\"*\"] }}\n"
+    );
+    let run = |name: &'static str, formats: &'static str| {
+        let dir = folder(name);
+        let log = dir.join("log");
+        let config = format!(
+            "[decision_log]\ndir = {:?}\n{formats}\n{redact}",
+            log.display().to_string()
+        );
+        (log, config)
+    };
+
+    let (log, config) = run("formats-default", "");
+    let mesh = MeshProcess::start("declog-formats", &config, None).await;
+    let coordinator = guardmesh_client::Coordinator::connect(mesh.url.clone())
+        .await
+        .unwrap();
+    let session = coordinator.session("s").await.unwrap();
+    let args = format!(r#"{{"body":"key {aws} and {stripe}","{github}":1}}"#);
+    let d = session
+        .evaluate(
+            Batch::new(0)
+                .call("c", "email.send", &args)
+                .model_text(format!("sending {aws} now"))
+                .meta("note", format!("token {github}")),
+        )
+        .await
+        .unwrap();
+    let sent: String = d.execute.iter().map(|c| c.arguments.clone()).collect();
+    assert!(sent.contains("[REDACTED:aws-access-key]"), "{sent}");
+    let result = serde_json::json!({"content": [{"type": "text", "text": format!(
+        "-----BEGIN OPENSSH PRIVATE KEY-----\n{pem_body}\n-----END OPENSSH PRIVATE KEY-----")}]})
+    .to_string();
+    session
+        .evaluate(Batch::new(1).result("c", "email.send", "mail", &result))
+        .await
+        .unwrap();
+    let bytes = text(&log_bytes(&log));
+    for secret in [aws, stripe, github.as_str(), pem_body] {
+        assert!(!bytes.contains(secret), "{secret} is in the log: {bytes}");
+    }
+    let record = &decisions_of(&log, &d.batch_id)[0];
+    let original = record["batch"]["calls"][0]["arguments"].to_string();
+    assert!(
+        original.contains("[masked:aws-access-key]") && original.contains("[masked:github-token]"),
+        "{original}"
+    );
+    assert!(record["masked"].as_u64().unwrap() >= 2, "{record}");
+    let out = guardmesh(&["log", "verify", &log.display().to_string()]);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    drop(mesh);
+
+    // The operator's choice: no formats masked; the secret is recorded.
+    let (log, config) = run("formats-none", "mask_formats = []");
+    let mesh = MeshProcess::start("declog-noformats", &config, None).await;
+    let coordinator = guardmesh_client::Coordinator::connect(mesh.url.clone())
+        .await
+        .unwrap();
+    let session = coordinator.session("s").await.unwrap();
+    session
+        .evaluate(Batch::new(0).call("c", "email.send", &args))
+        .await
+        .unwrap();
+    assert!(text(&log_bytes(&log)).contains(aws));
+    drop(mesh);
+    let _ = stop.send(());
+    guard.abort();
+}
+
+/// R29: an unknown secret format in `mask_formats` is refused at start,
+/// naming it and the known ones.
+#[test]
+fn r29_an_unknown_mask_format_is_refused_naming_it() {
+    let dir = folder("formats-unknown");
+    let config = dir.join("mesh.toml");
+    std::fs::write(
+        &config,
+        format!(
+            "[decision_log]\ndir = {:?}\nmask_formats = [\"aws\"]\n",
+            dir.join("log").display().to_string()
+        ),
+    )
+    .unwrap();
+    let out = guardmesh(&["config", "check", &config.display().to_string()]);
+    let err = format!("{}{}", text(&out.stdout), text(&out.stderr));
+    assert!(!out.status.success(), "{err}");
+    assert!(
+        err.contains("mask_formats") && err.contains("\"aws\"") && err.contains("github-token"),
+        "{err}"
+    );
+}

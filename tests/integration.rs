@@ -94,6 +94,7 @@ mod policy_reload_attacks;
 mod policy_watch;
 mod polyglot;
 mod probes;
+mod readme_flows;
 mod registration;
 mod results;
 mod rewrites;

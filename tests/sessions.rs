@@ -99,6 +99,49 @@ async fn r34_relaybleed_denied_to_another_server_allowed_back_and_elsewhere() {
     mesh.shutdown().await;
 }
 
+/// R33, R34: a coordinator that sends no session id has one session per
+/// identity (the empty id): the results it sends through the mesh are
+/// remembered there as its calls are, so leaving the id out is no way
+/// around a flow rule; a named session still learns nothing from it.
+#[tokio::test]
+async fn r33_r34_no_session_id_is_one_session_not_a_way_around_a_flow_rule() {
+    let mesh = TestMesh::start().await;
+    mesh.register(Registration::policy("flows", relaybleed()))
+        .await;
+    let c = mesh.coordinator().await;
+    let secret = "hunter2-Sup3rS3cret";
+    let d = c
+        .evaluate_once(
+            "",
+            Batch::new(0).call("r1", "fs.read_file", r#"{"path":".env"}"#),
+        )
+        .await
+        .unwrap();
+    assert!(proceeds(&d.call("r1").unwrap().outcome));
+    let result = serde_json::json!({
+        "content": [{"type": "text", "text": format!("DB_PASSWORD={secret}\n")}]
+    })
+    .to_string();
+    let d = c
+        .evaluate_once(
+            "",
+            Batch::new(1).result("r1", "fs.read_file", "fs", &result),
+        )
+        .await
+        .unwrap();
+    assert!(!d.result("r1").unwrap().blocked());
+    let insert = format!(r#"{{"sql":"INSERT INTO notes VALUES ('{secret}')"}}"#);
+    let denied = outcome(&c, "", 2, "sqlite.query", &insert).await;
+    assert!(
+        matches!(&denied, Outcome::Cancel { content } if content.contains("read from the fs server")),
+        "{denied:?}"
+    );
+    assert!(proceeds(
+        &outcome(&c, "named", 0, "sqlite.query", &insert).await
+    ));
+    mesh.shutdown().await;
+}
+
 #[tokio::test]
 async fn r34_rate_limit_per_session_never_shared_with_another_identity() {
     let pki = TestPki::new();

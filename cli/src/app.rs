@@ -67,8 +67,10 @@ enum Command {
     ///
     /// A batch: {"session_id": "s", "turn_index": 0, "model_text": "...",
     /// "metadata": {...}, "calls": [{"call_id": "c1", "tool": "t",
-    /// "arguments": {...}}]}. The input is one batch, or one batch per line
-    /// (JSON Lines), each judged in turn.
+    /// "arguments": {...}}], "results": [{"call_id": "c1", "tool": "t",
+    /// "server": "fs", "result": {"content": [...]}}]}. The input is one
+    /// batch, or one batch per line (JSON Lines), each judged in turn, so a
+    /// session's flow (a call, its result, a later call) can be replayed.
     #[command(after_help = crate::evaluate::EXIT_CODES_HELP)]
     Evaluate {
         #[command(flatten)]
@@ -637,6 +639,7 @@ async fn evaluate(mesh: &MeshArgs, file: &std::path::Path, json: bool) -> ExitCo
             .into_iter()
             .map(|c| c.into_call())
             .collect::<Vec<ToolCall>>();
+        batch.results = input.results.into_iter().map(|r| r.into_result()).collect();
         let session = if input.session_id.is_empty() {
             "cli".to_owned()
         } else {

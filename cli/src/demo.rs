@@ -7,7 +7,9 @@
 
 use crate::examples::{Example, Kind};
 use guardmesh_client::proto::{FailurePolicy, TraceStatus};
-use guardmesh_client::{Batch, BatchDecision, Coordinator, Outcome, Registrar, Registration};
+use guardmesh_client::{
+    Batch, BatchDecision, Coordinator, Outcome, Registrar, Registration, ResultOutcome,
+};
 use guardmesh_server::MemoryRegistry;
 use guardmesh_server::MeshConfig;
 use std::fmt::Write;
@@ -283,15 +285,53 @@ pub fn render(decision: &BatchDecision) -> String {
         "   batch {}  chain revision {}  trace id {}",
         decision.batch_id, decision.chain_revision, trace_id
     );
-    if decision.calls.is_empty() {
+    if decision.calls.is_empty() && decision.results.is_empty() {
         let _ = writeln!(out, "   no calls: nothing to judge, no guard contacted");
         return out;
     }
-    let _ = writeln!(
-        out,
-        "   {:<5} {:<17} {:<8} {:<16} detail",
-        "call", "tool", "decision", "by"
-    );
+    if !decision.results.is_empty() {
+        let _ = writeln!(
+            out,
+            "   {:<6} {:<17} {:<8} {:<16} detail",
+            "result", "tool", "outcome", "by"
+        );
+        for result in &decision.results {
+            let by = result.decided_by.clone().unwrap_or_else(|| "-".into());
+            let (label, detail) = match &result.outcome {
+                ResultOutcome::Pass => ("pass", "the model reads it as returned".to_owned()),
+                ResultOutcome::Rewrite => (
+                    "rewrite",
+                    format!(
+                        "the model reads it as rewritten by {}",
+                        result.rewritten_by.join(", ")
+                    ),
+                ),
+                ResultOutcome::Block { content } => {
+                    let failure = if result.failure {
+                        "[guard failure] "
+                    } else {
+                        ""
+                    };
+                    (
+                        "block",
+                        format!("{failure}model reads: {}", clip(content, 70)),
+                    )
+                }
+            };
+            let _ = writeln!(
+                out,
+                "   {:<6} {:<17} {:<8} {:<16} {detail}",
+                result.call_id, result.original.tool, label, by
+            );
+        }
+    }
+    if !decision.calls.is_empty() {
+        let _ = writeln!(
+            out,
+            "   {:<5} {:<17} {:<8} {:<16} detail",
+            "call", "tool", "decision", "by"
+        );
+    }
     for call in &decision.calls {
         let by = call.decided_by.clone().unwrap_or_else(|| "-".into());
         let detail = match &call.outcome {

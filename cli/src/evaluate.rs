@@ -9,14 +9,14 @@
 //! | 0 | every call of every batch may proceed (a zero-call batch too, R1) |
 //! | 1 | nothing was judged: the input cannot be read or is not a batch, the mesh cannot be reached, or a credential file cannot be read |
 //! | 2 | usage error (the command line itself) |
-//! | 3 | the mesh answered every batch, and at least one call was steered or cancelled |
+//! | 3 | the mesh answered every batch, and at least one call was steered or cancelled, or a result blocked |
 //! | 4 | the mesh refused (R20) or aborted (R13) a batch, or refused the caller (R24): none of that batch's calls may run |
 //!
 //! When several apply, the highest-numbered among 3 and 4 wins; 1 stops at
 //! once.
 
 use guardmesh_client::proto::{Action, GuardRole, ToolCall, TraceStatus};
-use guardmesh_client::{BatchDecision, ClientError, Outcome};
+use guardmesh_client::{BatchDecision, ClientError, Outcome, ResultOutcome};
 use serde_json::{Value, json};
 
 /// Every call proceeds.
@@ -31,7 +31,7 @@ pub(crate) const EXIT_REFUSED: u8 = 4;
 /// The exit codes, for `--help`.
 pub(crate) const EXIT_CODES_HELP: &str = "Exit codes: 0 every call proceeds; 1 nothing was \
 judged (unreadable input, mesh unreachable); 2 usage error; 3 at least one call was steered or \
-cancelled; 4 the mesh refused or aborted a batch (none of its calls may run).";
+cancelled, or a result blocked; 4 the mesh refused or aborted a batch (none of its calls may run).";
 
 // The input's format (one batch, or several as JSON Lines) is read as the
 // conformance kit reads its `--batch` files.
@@ -66,7 +66,12 @@ pub(crate) fn exit_code(judged: &[Judged]) -> u8 {
     for j in judged {
         let this = match j {
             Judged::Refused(_) => EXIT_REFUSED,
-            Judged::Decided(d) if d.calls.iter().all(|c| c.proceeds()) => EXIT_PROCEED,
+            Judged::Decided(d)
+                if d.calls.iter().all(|c| c.proceeds())
+                    && d.results.iter().all(|r| !r.blocked()) =>
+            {
+                EXIT_PROCEED
+            }
             Judged::Decided(_) => EXIT_SKIPPED,
         };
         code = code.max(this);
@@ -146,14 +151,38 @@ pub(crate) fn decision_json(session: &str, decision: &BatchDecision) -> Value {
             entry
         })
         .collect();
-    json!({
+    let mut out = json!({
         "batch_id": decision.batch_id,
         "session_id": session,
         "chain_revision": decision.chain_revision,
         "trace_id": decision.trace_id,
         "decisions": decisions,
         "trace": trace,
-    })
+    });
+    if !decision.results.is_empty() {
+        out["results"] = decision
+            .results
+            .iter()
+            .map(|r| {
+                let (outcome, content) = match &r.outcome {
+                    ResultOutcome::Pass => ("pass", None),
+                    ResultOutcome::Rewrite => ("rewrite", None),
+                    ResultOutcome::Block { content } => ("block", Some(content.as_str())),
+                };
+                json!({
+                    "call_id": r.call_id,
+                    "outcome": outcome,
+                    "content": content,
+                    "decided_by": r.decided_by,
+                    "failure": r.failure,
+                    "bypassed": r.bypassed,
+                    "rewritten_by": r.rewritten_by,
+                    "result": arguments(&r.result),
+                })
+            })
+            .collect();
+    }
+    out
 }
 
 /// A refused batch as one JSON object (`--json`), in place of its decision.

@@ -280,7 +280,12 @@ impl Judge {
         if let Some(config) = &args.config {
             let mask = match Config::load(config)?.decision_log {
                 Some(log) => Some(
-                    MaskRules::new(&log.mask).map_err(|e| format!("[decision_log] mask: {e}"))?,
+                    MaskRules::new(&log.mask)
+                        .map_err(|e| format!("[decision_log] mask: {e}"))?
+                        .with_formats(
+                            guardmesh_server::secret_formats::Formats::named(&log.mask_formats)
+                                .map_err(|e| format!("[decision_log] mask_formats: {e}"))?,
+                        ),
                 ),
                 None => None,
             };

@@ -1,7 +1,7 @@
 //! The batch input of `guardmesh evaluate` and of `guardmesh conformance
 //! --batch`: one JSON batch, or several separated by whitespace (JSON Lines).
 
-use guardmesh_proto::v1::ToolCall;
+use guardmesh_proto::v1::{ToolCall, ToolResult};
 use serde_json::value::RawValue;
 
 /// One batch of the input.
@@ -16,7 +16,36 @@ pub struct BatchInput {
     pub model_text: String,
     #[serde(default)]
     pub metadata: std::collections::HashMap<String, String>,
+    #[serde(default)]
     pub calls: Vec<CallInput>,
+    /// Results of calls that ran (R33), judged before the model reads them.
+    #[serde(default)]
+    pub results: Vec<ResultInput>,
+}
+
+/// One result of a batch (R33): the MCP `CallToolResult` of a call that
+/// ran, kept as the exact text given.
+#[derive(serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ResultInput {
+    call_id: String,
+    tool: String,
+    /// The server or namespace the tool belongs to.
+    #[serde(default)]
+    server: String,
+    result: Box<RawValue>,
+}
+
+impl ResultInput {
+    /// The result as the mesh is sent it.
+    pub fn into_result(self) -> ToolResult {
+        ToolResult {
+            call_id: self.call_id,
+            tool: self.tool,
+            server: self.server,
+            result: self.result.get().to_owned(),
+        }
+    }
 }
 
 /// One call of a batch. The arguments are kept as the exact text given, so

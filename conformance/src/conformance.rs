@@ -315,6 +315,11 @@ fn read_batches(files: &[std::path::PathBuf]) -> Result<Vec<(String, Vec<ToolCal
         let batches = crate::batch_file::parse_batches(&text, &source)?;
         for (n, batch) in batches.into_iter().enumerate() {
             let at = format!("{source}, batch {}", n + 1);
+            if !batch.results.is_empty() {
+                return Err(format!(
+                    "{at}: results are judged by the mesh (guardmesh evaluate), not sent to a guard by --batch"
+                ));
+            }
             let calls: Vec<ToolCall> = batch.calls.into_iter().map(|c| c.into_call()).collect();
             if calls.is_empty() {
                 return Err(format!("{at}: no calls"));

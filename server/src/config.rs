@@ -186,6 +186,11 @@ pub struct DecisionLogConfig {
     /// written.
     #[serde(default)]
     pub mask: Vec<String>,
+    /// Secret formats masked wherever they appear in a record, whatever
+    /// the key (`aws-access-key`, `github-token`, `stripe-live-key`,
+    /// `private-key`); default: all of them; `[]`: none.
+    #[serde(default = "default_mask_formats")]
+    pub mask_formats: Vec<String>,
     /// `refuse` (the default): a batch whose record cannot be written is
     /// refused UNAVAILABLE; `answer`: answered, and the loss counted.
     #[serde(default)]
@@ -242,6 +247,13 @@ pub struct DecisionLogConfig {
     /// 262144).
     #[serde(default = "default_refusal_bytes")]
     pub refusal_bytes: u64,
+}
+
+fn default_mask_formats() -> Vec<String> {
+    crate::secret_formats::KINDS
+        .iter()
+        .map(|kind| (*kind).to_owned())
+        .collect()
 }
 
 fn default_checkpoint_every() -> u64 {
@@ -319,7 +331,8 @@ impl DecisionLogConfig {
         &self,
         instance: &str,
     ) -> Result<crate::decision_log::LogConfig, LogSettingError> {
-        let mask = crate::decision_log::MaskRules::new(&self.mask)?;
+        let mask = crate::decision_log::MaskRules::new(&self.mask)?
+            .with_formats(crate::secret_formats::Formats::named(&self.mask_formats)?);
         if self.max_file_bytes == 0 {
             return Err(LogSettingError::Zero {
                 key: "max_file_bytes",
@@ -1209,7 +1222,14 @@ impl Config {
     pub fn read_policies(&mut self, folder: &Path) -> Result<(), PolicyFileError> {
         for (i, guard) in self.guards.iter_mut().enumerate() {
             let Some(file) = &guard.policy else { continue };
-            let file = folder.join(file);
+            // Resolved against the config's folder already
+            // (`resolve_paths`): joined again only if it is still relative
+            // to it, never twice.
+            let file = if file.starts_with(folder) {
+                file.clone()
+            } else {
+                folder.join(file)
+            };
             let source = crate::files::read_to_string(&file, crate::files::MAX_POLICY_FILE_BYTES)
                 .map_err(|source| PolicyFileError::Read {
                 index: i + 1,

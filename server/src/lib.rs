@@ -63,6 +63,7 @@ pub mod observe;
 pub mod policy;
 pub mod registry;
 pub mod run;
+pub mod secret_formats;
 pub mod security;
 pub mod server;
 pub mod session;

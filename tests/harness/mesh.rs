@@ -194,7 +194,20 @@ impl MeshProcess {
         std::fs::create_dir_all(&dir).unwrap();
         let file = dir.join("mesh.toml");
         std::fs::write(&file, config).unwrap();
-        let child = spawn_serve(&file, port, &dir.join("mesh.log"), log_level);
+        Self::start_file(dir, &file, log_level, port).await
+    }
+
+    /// `guardmesh serve --listen 127.0.0.1:PORT --config FILE` with a file
+    /// of the repository (its relative paths resolved from its folder),
+    /// logging into `dir`.
+    pub(crate) async fn start_file(
+        dir: std::path::PathBuf,
+        file: &std::path::Path,
+        log_level: Option<&str>,
+        port: u16,
+    ) -> Self {
+        std::fs::create_dir_all(&dir).unwrap();
+        let child = spawn_serve(file, port, &dir.join("mesh.log"), log_level);
         let mut mesh = Self {
             child,
             url: format!("http://127.0.0.1:{port}"),

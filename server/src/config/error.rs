@@ -189,6 +189,8 @@ pub enum LogSettingError {
     CheckpointInterval { min: u64 },
     #[error("[decision_log] mask: {0}")]
     Mask(#[from] crate::decision_log::MaskError),
+    #[error("[decision_log] mask_formats: {0}")]
+    MaskFormat(#[from] crate::secret_formats::UnknownFormat),
 }
 
 impl LogSettingError {
@@ -201,6 +203,7 @@ impl LogSettingError {
             Self::NeedsKey => "signing_key",
             Self::CheckpointInterval { .. } => "checkpoint_interval_ms",
             Self::Mask(_) => "mask",
+            Self::MaskFormat(_) => "mask_formats",
         }
     }
 
@@ -224,6 +227,9 @@ impl LogSettingError {
             }
             Self::Mask(_) => "write a key name (`password`), a glob (`*.api_key`) or a path \
                               (`$.headers.authorization`)"
+                .into(),
+            Self::MaskFormat(_) => "name formats among aws-access-key, github-token, \
+                                    stripe-live-key, private-key; or mask_formats = [] for none"
                 .into(),
         }
     }

@@ -778,6 +778,12 @@ pub static KEYS: &[Key] = &[
         "Masking rules applied before anything is written: key names, globs (`*.api_key`), paths (`$.headers.authorization`).",
     ),
     key(
+        "decision_log.mask_formats",
+        Kind::Strs,
+        "[\"private-key\", \"aws-access-key\", \"github-token\", \"stripe-live-key\"]",
+        "Secret formats masked wherever they appear in a record (values, member names, free text), whatever the key; `[]`: none.",
+    ),
+    key(
         "decision_log.on_log_failure",
         Kind::Enum(&["refuse", "answer"]),
         "\"refuse\"",
@@ -1555,5 +1561,18 @@ mod tests {
                 key.path
             );
         }
+    }
+
+    /// A config named by a relative path with a folder in it (as a user
+    /// types `guardmesh serve --config examples/flows/mesh.toml`) reads its
+    /// policy file from its own folder, not from that folder joined twice.
+    /// Unit tests run in the server crate's folder, so the repository's
+    /// example is `../examples/flows/mesh.toml` from here.
+    #[test]
+    fn a_relative_config_path_reads_its_policy_from_its_own_folder() {
+        let config = Config::load(std::path::Path::new("../examples/flows/mesh.toml"))
+            .unwrap_or_else(|e| panic!("{e}"));
+        let source = config.guards[0].policy_source.as_deref().unwrap_or("");
+        assert!(source.contains("fs-values-stay-on-fs"), "{source}");
     }
 }

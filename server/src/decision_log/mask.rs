@@ -55,6 +55,7 @@ use globset::{GlobBuilder, GlobMatcher};
 use serde_json::Value;
 
 use super::record::{BatchRecord, CallRecord, DecisionRecord, Entry};
+use crate::secret_formats::Formats;
 
 /// What a masked value is replaced by.
 pub const MASKED: &str = "[masked]";
@@ -70,10 +71,18 @@ pub struct MaskError {
     pub reason: String,
 }
 
-/// The configured mask rules, compiled.
+/// The configured mask rules, compiled, and the secret formats masked
+/// wherever they appear (`decision_log.mask_formats`).
 #[derive(Debug, Clone, Default)]
 pub struct MaskRules {
     rules: Vec<Rule>,
+    formats: Formats,
+}
+
+/// What a secret of a known format is replaced by in a record:
+/// `[masked:<kind>]`.
+pub fn masked_format(kind: &str) -> String {
+    format!("[masked:{kind}]")
 }
 
 #[derive(Debug, Clone)]
@@ -117,21 +126,45 @@ impl MaskRules {
             .into_iter()
             .map(|rule| Rule::parse(rule.as_ref()))
             .collect::<Result<_, _>>()?;
-        Ok(MaskRules { rules })
+        Ok(MaskRules {
+            rules,
+            formats: Formats::none(),
+        })
+    }
+
+    /// These rules, also masking every secret of `formats` in every string
+    /// of a record (values, member names and free text), whatever its key.
+    pub fn with_formats(mut self, formats: Formats) -> Self {
+        self.formats = formats;
+        self
     }
 
     pub fn is_empty(&self) -> bool {
-        self.rules.is_empty()
+        self.rules.is_empty() && self.formats.is_empty()
     }
 
     /// Masks `value` in place, as the root of a document; returns how many
     /// values were masked.
     pub fn mask_value(&self, value: &mut Value) -> u32 {
-        if self.rules.is_empty() {
-            return 0;
+        let mut count = 0;
+        if !self.rules.is_empty() {
+            let mut path = Vec::new();
+            count += self.walk(value, &mut path);
         }
-        let mut path = Vec::new();
-        self.walk(value, &mut path)
+        count + self.formats.replace_in(value, &masked_format)
+    }
+
+    /// Masks the secrets of the configured formats in a free-text field.
+    fn mask_text(&self, text: &mut String) {
+        if let Some(masked) = self.formats.replace(text, masked_format) {
+            *text = masked;
+        }
+    }
+
+    fn mask_text_option(&self, text: &mut Option<String>) {
+        if let Some(text) = text {
+            self.mask_text(text);
+        }
     }
 
     /// Masks call arguments: a JSON object is masked by the rules, anything
@@ -158,6 +191,17 @@ impl MaskRules {
                     }
                 }
                 secrets.scrub_decision(decision);
+                if !self.formats.is_empty() {
+                    self.mask_text_option(&mut decision.batch.model_text);
+                    for decided in &mut decision.decisions {
+                        self.mask_text_option(&mut decided.content);
+                    }
+                    for trace in &mut decision.trace {
+                        self.mask_text_option(&mut trace.error);
+                        trace.labels.iter_mut().for_each(|l| self.mask_text(l));
+                    }
+                    self.mask_text_option(&mut decision.outcome.message);
+                }
                 let mut count = 0;
                 for call in &mut decision.batch.calls {
                     count += self.mask_call(call);
@@ -177,6 +221,7 @@ impl MaskRules {
                 }
                 if let Some(message) = &mut change.outcome.message {
                     secrets.scrub(message);
+                    self.mask_text(message);
                 }
                 change.spec.as_mut().map_or(0, |spec| self.mask_value(spec))
             }
@@ -189,7 +234,7 @@ impl MaskRules {
     /// The texts of the values these rules mask in a batch's calls and
     /// metadata.
     pub fn batch_secrets(&self, batch: &BatchRecord, secrets: &mut Secrets) {
-        if self.rules.is_empty() {
+        if self.is_empty() {
             return;
         }
         for call in &batch.calls {
@@ -198,14 +243,34 @@ impl MaskRules {
         for (key, value) in &batch.metadata {
             if self.matches(&[key.as_str()]) {
                 secrets.add(value);
+            } else {
+                self.formats
+                    .found(value)
+                    .into_iter()
+                    .for_each(|found| secrets.add(found));
             }
+        }
+        if let Some(text) = &batch.model_text {
+            self.formats
+                .found(text)
+                .into_iter()
+                .for_each(|found| secrets.add(found));
         }
     }
 
     /// The texts of the values these rules mask in `value`, as the root of
     /// a document (read only: `value` is not masked).
     pub fn secrets_of(&self, value: &Value, secrets: &mut Secrets) {
-        if self.rules.is_empty() || !(value.is_object() || value.is_array()) {
+        if self.is_empty() {
+            return;
+        }
+        if !(value.is_object() || value.is_array()) {
+            if let Value::String(text) = value {
+                self.formats
+                    .found(text)
+                    .into_iter()
+                    .for_each(|found| secrets.add(found));
+            }
             return;
         }
         let mut path = Vec::new();
@@ -213,7 +278,7 @@ impl MaskRules {
     }
 
     fn collect(&self, value: &Value, path: &mut Vec<String>, secrets: &mut Secrets) {
-        let mut child = |name: String, child: &Value, path: &mut Vec<String>| {
+        let child = |name: String, child: &Value, path: &mut Vec<String>, secrets: &mut Secrets| {
             path.push(name);
             if self.matches(path) {
                 secrets.add_value(child);
@@ -223,14 +288,24 @@ impl MaskRules {
             path.pop();
         };
         match value {
+            Value::String(text) => {
+                self.formats
+                    .found(text)
+                    .into_iter()
+                    .for_each(|found| secrets.add(found));
+            }
             Value::Object(members) => {
                 for (key, value) in members {
-                    child(key.clone(), value, path);
+                    self.formats
+                        .found(key)
+                        .into_iter()
+                        .for_each(|found| secrets.add(found));
+                    child(key.clone(), value, path, secrets);
                 }
             }
             Value::Array(items) => {
                 for (index, value) in items.iter().enumerate() {
-                    child(index.to_string(), value, path);
+                    child(index.to_string(), value, path, secrets);
                 }
             }
             _ => {}
@@ -246,6 +321,9 @@ impl MaskRules {
         for (key, value) in metadata.iter_mut() {
             if self.matches(&[key.as_str()]) {
                 *value = MASKED.to_owned();
+                count += 1;
+            } else if let Some(masked) = self.formats.replace(value, masked_format) {
+                *value = masked;
                 count += 1;
             }
         }
@@ -744,6 +822,81 @@ mod tests {
         }
         assert!(text.contains("ann"), "{text}");
         assert!(text.contains("Overflow"), "{text}");
+    }
+
+    /// R29, R33: with secret formats configured, a secret of a known shape
+    /// is masked in every field of a record whatever its key (values,
+    /// member names, metadata, the model's text, a decided call, a result
+    /// recorded as a call, a guard's error and labels), and a free-text
+    /// field quoting it is scrubbed; other text is kept.
+    #[test]
+    fn r29_secret_formats_are_masked_in_every_field_whatever_the_key() {
+        use crate::decision_log::record::{
+            Action, CallDecisionRecord, GuardRole, GuardTraceRecord, Outcome, TraceStatus,
+        };
+        let aws = "AKIAIOSFODNN7EXAMPLE";
+        let stripe = "sk_live_4eC39HqLyjWDarjtT1zdp7dc";
+        let rules = MaskRules::new(["pin"])
+            .unwrap()
+            .with_formats(Formats::all());
+        let mut batch = crate::decision_log::from_mesh::batch_id_only("b");
+        batch.model_text = Some(format!("use {stripe} please"));
+        batch.metadata.insert("note".into(), format!("k={aws}"));
+        batch.calls.push(CallRecord::from_text(
+            "c1",
+            "t",
+            &format!(r#"{{"body": "key {aws}", "{stripe}": 1, "pin": "1234", "user": "ann"}}"#),
+        ));
+        let mut rewritten = batch.calls[0].clone();
+        rewritten.arguments = serde_json::json!({"body": format!("still {aws}")});
+        let mut entry = Entry::Decision(DecisionRecord {
+            caller: Default::default(),
+            batch,
+            chain_revision: Some(1),
+            decisions: vec![CallDecisionRecord {
+                call_id: "c1".into(),
+                action: Action::Proceed,
+                call: Some(rewritten),
+                content: Some(format!("saw {aws}")),
+                decided_by: None,
+                rule: None,
+                failure: false,
+                rewritten_by: vec!["g".into()],
+                bypassed: vec![],
+            }],
+            trace: vec![GuardTraceRecord {
+                guard: "g".into(),
+                role: GuardRole::Mutate,
+                status: TraceStatus::Failed,
+                latency_us: 1,
+                sent_call_ids: vec![],
+                skipped_call_ids: vec![],
+                rewritten_call_ids: vec![],
+                error: Some(format!("bad value {stripe}")),
+                dry_run_status: None,
+                replica: None,
+                labels: vec![format!("seen:{aws}")],
+                refused_labels: 0,
+            }],
+            trace_id: None,
+            outcome: Outcome::refused(3, format!("near {aws}")),
+        });
+        let count = rules.mask_entry(&mut entry);
+        let text = serde_json::to_string(&entry).unwrap();
+        for secret in [aws, stripe, "1234"] {
+            assert!(!text.contains(secret), "{secret} in {text}");
+        }
+        assert!(text.contains("[masked:aws-access-key]"), "{text}");
+        assert!(text.contains("[masked:stripe-live-key]"), "{text}");
+        assert!(text.contains("ann") && text.contains("bad value"), "{text}");
+        assert!(count >= 5, "{count}: {text}");
+        // The same record without formats keeps them: the choice is the
+        // operator's.
+        let mut secrets = Secrets::default();
+        MaskRules::new(["pin"])
+            .unwrap()
+            .secrets_of(&serde_json::json!({"body": aws}), &mut secrets);
+        assert!(secrets.is_empty());
     }
 
     /// Pinned on purpose: masked values of 1 to 3 characters are masked in

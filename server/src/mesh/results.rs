@@ -62,7 +62,12 @@ impl crate::Mesh {
         by: &ReadBy,
         decision: &guardmesh_proto::v1::BatchDecision,
     ) {
-        if !by.session_id.is_empty() {
+        // Remembered in the caller's session, the empty session id
+        // included (its calls are recorded there too: leaving the id out
+        // must not escape a flow rule), when a guard of the chain uses
+        // session memory at all (otherwise its calls were not recorded
+        // either, and there is nothing to learn).
+        if Self::chain_uses_session(&self.chain()) {
             let key = crate::session::SessionKey::new(
                 by.caller.as_deref().unwrap_or_default(),
                 by.session_id.as_str(),

@@ -44,6 +44,13 @@ impl Mesh {
             .any(|p| p.compiled.reads_session())
     }
 
+    /// Whether a guard of `chain` uses session memory at all: a policy
+    /// guard reads `session`, or a remote guard did not opt out.
+    pub(crate) fn chain_uses_session(chain: &Chain) -> bool {
+        Self::chain_reads_session(chain)
+            || chain.guards.iter().any(|g| g.guard.wants_session_memory())
+    }
+
     /// Whether this batch needs the session's memory (R34): a policy guard
     /// reads `session`, or a remote guard that did not opt out
     /// (`session_memory = none`) judges this phase and applies to one of

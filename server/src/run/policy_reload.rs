@@ -40,7 +40,16 @@ pub(crate) use crate::files::MAX_POLICY_FILE_BYTES;
 
 /// The policy file of a config guard, relative to the config's folder.
 fn policy_file(folder: &Path, guard: &GuardConfig) -> Option<PathBuf> {
-    guard.policy.as_ref().map(|f| folder.join(f))
+    // A loaded config's paths are resolved against its folder already: a
+    // relative config path (`examples/flows/mesh.toml`) must not have its
+    // folder joined twice.
+    guard.policy.as_ref().map(|f| {
+        if f.starts_with(folder) {
+            f.clone()
+        } else {
+            folder.join(f)
+        }
+    })
 }
 
 /// Why a reload was asked for.
