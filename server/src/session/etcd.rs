@@ -1,5 +1,6 @@
 //! Session memory shared by replicas through the registry's etcd (R34):
-//! one key per session under `<prefix>sessions/`, its memory as JSON,
+//! one key per session under `<prefix>.sessions/` (beside the registry's
+//! keys, see [`super::store::sessions_prefix`]), its memory as JSON,
 //! updated by compare-and-swap on the key's revision (so two replicas
 //! updating one session never lose each other's entries), read
 //! linearizably (a member cut off from its quorum refuses rather than
@@ -14,9 +15,8 @@
 use super::key::SessionKey;
 use super::limits::SessionLimits;
 use super::memory::{Applied, Memory, Update};
-use super::store::{SessionStore, StoreError};
+use super::store::{SECRET_CHECK, SecretAgreement, SessionStore, StoreError};
 use etcd_client::{Client, Compare, CompareOp, PutOptions, Txn, TxnOp};
-use sha2::Digest as _;
 
 /// Attempts of one update that meets concurrent updates of its session.
 const ATTEMPTS: u32 = 8;
@@ -41,18 +41,17 @@ fn unavailable(error: etcd_client::Error) -> StoreError {
 }
 
 impl EtcdStore {
-    /// Sessions under `<prefix>sessions/` of the etcd `client` talks to.
+    /// Sessions of the chain at the registry's `prefix`, under
+    /// `<prefix>.sessions/` of the etcd `client` talks to.
     pub fn new(client: Client, prefix: &str) -> Self {
         Self {
             client,
-            prefix: format!("{prefix}sessions/"),
+            prefix: super::store::sessions_prefix(prefix),
         }
     }
 
     fn key(&self, key: &SessionKey) -> String {
-        let digest = sha2::Sha256::digest(key.store_key().as_bytes());
-        let hex: String = digest.iter().map(|b| format!("{b:02x}")).collect();
-        format!("{}{hex}", self.prefix)
+        format!("{}{}", self.prefix, key.stored_name())
     }
 
     /// The memory at `key`, its revision (0: absent) and lease.
@@ -117,6 +116,29 @@ impl SessionStore for EtcdStore {
             }
         }
         Err(StoreError::Contended(ATTEMPTS))
+    }
+
+    async fn agree_on_secret(&self, check: &str) -> Result<SecretAgreement, StoreError> {
+        let key = format!("{}{SECRET_CHECK}", self.prefix);
+        let mut client = self.client.clone();
+        let txn = Txn::new()
+            .when([Compare::version(key.clone(), CompareOp::Equal, 0)])
+            .and_then([TxnOp::put(key.clone(), check, None)])
+            .or_else([TxnOp::get(key.clone(), None)]);
+        let response = client.txn(txn).await.map_err(unavailable)?;
+        if response.succeeded() {
+            return Ok(SecretAgreement::First);
+        }
+        let there = response.op_responses().into_iter().find_map(|op| match op {
+            etcd_client::TxnOpResponse::Get(get) => get.kvs().first().map(|kv| kv.value().to_vec()),
+            _ => None,
+        });
+        Ok(match there {
+            Some(value) if value == check.as_bytes() => SecretAgreement::Same,
+            Some(_) => SecretAgreement::Differs,
+            // Deleted in between: the next start writes it.
+            None => SecretAgreement::First,
+        })
     }
 
     fn kind(&self) -> &'static str {
