@@ -871,3 +871,58 @@ async fn r34_a_replica_with_another_secret_does_not_start() {
     drop((a, b));
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// In etcd a session's key lives on a lease of the memory's age: an active
+/// session keeps what it learned recently past its first lease (the lease
+/// is granted again past half of it), an abandoned one leaves the store
+/// (R34). With a 4 s age: written at 0 s and 2.5 s, still there at 5 s with
+/// the later entry; gone once 4 s pass without a write.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn r34_an_active_session_outlives_its_first_etcd_lease() {
+    use guardmesh_server::session::etcd::EtcdStore;
+    use guardmesh_server::session::{CallRan, SessionLimits, SessionStore as _, Update, now_ms};
+    let cluster = Cluster::start().await;
+    let client = etcd_client::Client::connect(cluster.urls(), None)
+        .await
+        .unwrap();
+    let store = EtcdStore::new(client, "/t/lease");
+    let limits = SessionLimits {
+        max_age: Duration::from_secs(4),
+        ..SessionLimits::default()
+    };
+    let key = SessionKey::new("", "active");
+    let call = |id: &str| Update {
+        calls: vec![CallRan {
+            id: id.into(),
+            tool: "fs.read_file".into(),
+            server: "fs".into(),
+            args: "00".repeat(16),
+            at: 0,
+        }],
+        ..Update::default()
+    };
+    store
+        .update(&key, &call("first"), &limits, now_ms())
+        .await
+        .unwrap();
+    tokio::time::sleep(Duration::from_millis(2500)).await;
+    store
+        .update(&key, &call("second"), &limits, now_ms())
+        .await
+        .unwrap();
+    tokio::time::sleep(Duration::from_millis(2500)).await;
+    let memory = store
+        .load(&key)
+        .await
+        .unwrap()
+        .expect("an active session is kept");
+    assert!(memory.calls.iter().any(|c| c.id == "second"), "{memory:?}");
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while store.load(&key).await.unwrap().is_some() {
+        assert!(
+            Instant::now() < deadline,
+            "an abandoned session stays in etcd"
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}

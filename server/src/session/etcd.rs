@@ -6,8 +6,9 @@
 //! linearizably (a member cut off from its quorum refuses rather than
 //! answers from old state: the rules that need the memory then fail per
 //! their guard's policy, as R17's stale chain does). Each session's key is
-//! on a lease of the memory's age, so an abandoned session leaves the
-//! store by itself.
+//! on a lease of the memory's age, granted again once half of it has
+//! passed, so an abandoned session leaves the store by itself and an
+//! active one keeps its recent entries.
 //!
 //! The key names the session by a digest of its identity and id, so the
 //! store's keys do not list who has sessions.
@@ -88,9 +89,12 @@ impl SessionStore for EtcdStore {
             let (memory, revision, mut lease) = self.get(&key).await?;
             let mut memory = memory.unwrap_or_default();
             let applied = memory.apply(update, limits, now);
-            let value =
-                serde_json::to_vec(&memory).map_err(|e| StoreError::Corrupt(e.to_string()))?;
-            if lease == 0 {
+            // A lease lives the memory's age from its grant, whatever is
+            // written later: past half of it a new one is granted, so an
+            // active session's recent entries never go with its first
+            // lease. (The old lease, left without keys, ends by itself.)
+            let age = u64::try_from(limits.max_age.as_millis()).unwrap_or(u64::MAX);
+            if lease == 0 || now.saturating_sub(memory.lease_at) >= age / 2 {
                 let ttl = i64::try_from(limits.max_age.as_secs())
                     .unwrap_or(i64::MAX)
                     .max(1);
@@ -99,7 +103,10 @@ impl SessionStore for EtcdStore {
                     .await
                     .map_err(unavailable)?
                     .id();
+                memory.lease_at = now;
             }
+            let value =
+                serde_json::to_vec(&memory).map_err(|e| StoreError::Corrupt(e.to_string()))?;
             let unchanged = if revision == 0 {
                 Compare::version(key.clone(), CompareOp::Equal, 0)
             } else {
