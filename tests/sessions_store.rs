@@ -205,39 +205,62 @@ impl Redis {
             return None;
         };
         for _ in 0..3 {
-            let port = free_port();
-            let dir = folder("redis");
-            let log = std::fs::File::create(dir.join("redis.log")).unwrap();
-            let child = Command::new(&bin)
-                .args(["--port", &port.to_string(), "--bind", "127.0.0.1"])
-                .args(["--save", "", "--appendonly", "no", "--daemonize", "no"])
-                .arg("--dir")
-                .arg(&dir)
-                .stdin(Stdio::null())
-                .stdout(Stdio::from(log.try_clone().unwrap()))
-                .stderr(Stdio::from(log))
-                .spawn()
-                .unwrap_or_else(|e| panic!("cannot start {}: {e}", bin.display()));
             let mut redis = Self {
-                child: Some(child),
-                port,
-                dir,
+                child: None,
+                port: free_port(),
+                dir: folder("redis"),
             };
-            let deadline = Instant::now() + Duration::from_secs(10);
-            while Instant::now() < deadline {
-                if redis.ping() {
-                    return Some(redis);
-                }
-                if let Some(child) = &mut redis.child
-                    && let Ok(Some(_)) = child.try_wait()
-                {
-                    break;
-                }
-                tokio::time::sleep(Duration::from_millis(50)).await;
+            if redis.spawn(&bin).await {
+                return Some(redis);
             }
-            eprintln!("redis-server did not start on {port}: {}", redis.log());
+            eprintln!(
+                "redis-server did not start on {}: {}",
+                redis.port,
+                redis.log()
+            );
         }
         panic!("redis-server did not start, 3 times");
+    }
+
+    /// Starts the process on the struct's port; whether it answers PING
+    /// within 10 s.
+    async fn spawn(&mut self, bin: &Path) -> bool {
+        let log = std::fs::File::create(self.dir.join("redis.log")).unwrap();
+        let child = Command::new(bin)
+            .args(["--port", &self.port.to_string(), "--bind", "127.0.0.1"])
+            .args(["--save", "", "--appendonly", "no", "--daemonize", "no"])
+            .arg("--dir")
+            .arg(&self.dir)
+            .stdin(Stdio::null())
+            .stdout(Stdio::from(log.try_clone().unwrap()))
+            .stderr(Stdio::from(log))
+            .spawn()
+            .unwrap_or_else(|e| panic!("cannot start {}: {e}", bin.display()));
+        self.child = Some(child);
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while Instant::now() < deadline {
+            if self.ping() {
+                return true;
+            }
+            if let Some(child) = &mut self.child
+                && let Ok(Some(_)) = child.try_wait()
+            {
+                return false;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        false
+    }
+
+    /// Starts it again on the same port (empty: nothing was saved).
+    pub(crate) async fn restart(&mut self) {
+        self.kill();
+        let bin = redis_binary().expect("redis-server");
+        assert!(
+            self.spawn(&bin).await,
+            "redis-server did not start again: {}",
+            self.log()
+        );
     }
 
     fn log(&self) -> String {
@@ -471,6 +494,27 @@ async fn r34_two_serve_replicas_on_redis_share_session_memory() {
         started.elapsed()
     );
     fails_closed(&cb, "s", Duration::from_secs(5)).await;
+    // Redis back (empty): each replica connects again by itself, and the
+    // rules judge again, within a bounded wait.
+    redis.restart().await;
+    for c in [&ca, &cb] {
+        let deadline = Instant::now() + Duration::from_secs(15);
+        loop {
+            let o = outcome(
+                c,
+                "after",
+                0,
+                "http.get",
+                r#"{"url":"https://example.com"}"#,
+            )
+            .await;
+            if o == Outcome::Proceed {
+                break;
+            }
+            assert!(Instant::now() < deadline, "Redis is back, yet: {o:?}");
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+    }
     drop((a, b));
     let _ = std::fs::remove_dir_all(&dir);
 }
