@@ -534,6 +534,8 @@ async fn r34_a_shared_store_without_a_usable_secret_does_not_start() {
     let blank = dir.join("blank.secret");
     std::fs::write(&blank, [b'a'; 48]).unwrap();
     let good = secret_file(&dir, "good.secret");
+    let empty = dir.join("empty.password");
+    std::fs::write(&empty, "\n").unwrap();
     let cases: Vec<(&str, String, String, &[&str])> = vec![
         (
             "etcd-no-secret",
@@ -585,6 +587,16 @@ async fn r34_a_shared_store_without_a_usable_secret_does_not_start() {
                 good.display().to_string()
             ),
             &["sessions.redis_url", "fragment"],
+        ),
+        (
+            "empty-password",
+            String::new(),
+            format!(
+                "store = \"redis\"\nredis_url = \"redis://127.0.0.1:9\"\nsecret_file = {:?}\nredis_password_file = {:?}",
+                good.display().to_string(),
+                empty.display().to_string()
+            ),
+            &["sessions.redis_password_file", "empty"],
         ),
         (
             "url-without-redis",

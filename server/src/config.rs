@@ -1832,6 +1832,66 @@ mod tests {
         );
     }
 
+    /// R34: where session memory is kept for each `[sessions] store` and
+    /// registry kind, and the sections that cannot start a mesh.
+    #[test]
+    fn r34_sessions_place_follows_the_registry_and_a_shared_store_needs_the_secret() {
+        let place = |text: &str| {
+            let config = Config::parse(text, "test").unwrap();
+            config.sessions.place(&config.registry)
+        };
+        let etcd = "[registry]\nkind = \"etcd\"\nendpoints = [\"http://127.0.0.1:2379\"]\n";
+        let secret = "[sessions]\nsecret_file = \"s\"\n";
+        assert_eq!(place(""), Ok(SessionPlace::Local));
+        assert_eq!(
+            place(&format!("{etcd}{secret}")),
+            Ok(SessionPlace::Etcd),
+            "the registry's etcd by default"
+        );
+        assert_eq!(
+            place(&format!("{etcd}[sessions]\nstore = \"memory\"\n")),
+            Ok(SessionPlace::Local),
+            "memory on request, no secret needed"
+        );
+        assert_eq!(
+            place(etcd),
+            Err(SessionsSettingError::NoSecret { store: "etcd" })
+        );
+        let redis = "[sessions]\nstore = \"redis\"\nredis_url = \"redis://127.0.0.1:6379\"\n";
+        assert_eq!(
+            place(redis),
+            Err(SessionsSettingError::NoSecret { store: "redis" })
+        );
+        assert_eq!(
+            place(&format!("{redis}secret_file = \"s\"\n")),
+            Ok(SessionPlace::Redis)
+        );
+        assert_eq!(
+            place("[sessions]\nstore = \"redis\"\nsecret_file = \"s\"\n"),
+            Err(SessionsSettingError::NoRedisUrl)
+        );
+        assert_eq!(
+            place("[sessions]\nredis_password_file = \"p\"\n")
+                .unwrap_err()
+                .key(),
+            "sessions.redis_password_file"
+        );
+        let error = place(etcd).unwrap_err().to_string();
+        assert!(error.contains("head -c 32 /dev/urandom"), "{error}");
+        assert!(
+            Config::parse("[sessions]\nstore = \"zookeeper\"\n", "test").is_err(),
+            "an unknown store"
+        );
+        let zero = Config::parse("[sessions]\nstore_timeout_ms = 0\n", "test").unwrap();
+        assert_eq!(
+            zero.check(),
+            Err(SettingError::Zero {
+                key: "sessions.store_timeout_ms"
+            }),
+            "a store with no time to answer"
+        );
+    }
+
     #[test]
     fn registry_section_defaults_to_memory_and_reads_etcd() {
         let config = Config::parse("", "test").unwrap();
