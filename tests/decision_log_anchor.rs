@@ -49,10 +49,12 @@ fn config(dir: &Path, endpoints: &[String], prefix: &str, extra: &str, metrics: 
         "metrics_listen = \"127.0.0.1:{metrics}\"\n\n\
          [registry]\nkind = \"etcd\"\nendpoints = [{}]\nprefix = {prefix:?}\n\
          request_timeout_ms = 500\nstaleness_window_ms = 600000\n\n\
+         [sessions]\nsecret_file = {:?}\n\n\
          [decision_log]\ndir = {:?}\nmax_file_bytes = 5000\nsigning_key = {:?}\n\
          checkpoint_every = 4\ninstance = {INSTANCE:?}\n{extra}\n\n\
          [[guard]]\nname = \"policy\"\npolicy = {:?}\n",
         endpoints.join(", "),
+        path(&session_secret(dir, "session.secret")),
         path(&dir.join("log")),
         path(&dir.join("log.key")),
         path(&policy),

@@ -102,5 +102,6 @@ mod rules;
 mod security;
 mod sessions;
 mod sessions2;
+mod sessions_store;
 mod shutdown;
 mod soak;

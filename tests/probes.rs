@@ -232,6 +232,7 @@ async fn healthz_and_readyz_answer_plain_text_on_the_metrics_port() {
 #[tokio::test]
 async fn readyz_is_503_until_etcd_confirms_the_chain_and_again_once_etcd_is_gone() {
     let mut etcd = Etcd::new();
+    let secret = session_secret(&etcd.dir, "session.secret");
     let config = format!(
         r#"
 [registry]
@@ -242,8 +243,12 @@ dial_timeout_ms = 60000
 request_timeout_ms = 1000
 staleness_window_ms = 1000
 after_window = "refuse"
+
+[sessions]
+secret_file = {:?}
 "#,
-        etcd.url()
+        etcd.url(),
+        secret.display().to_string()
     );
     // etcd is not running yet: the mesh is alive but not ready.
     let serve = Serve::start("etcd", &config).await;

@@ -64,6 +64,22 @@ pub(crate) fn free_port() -> u16 {
         .port()
 }
 
+/// A session secret (`[sessions] secret_file`, R34) of 32 random bytes,
+/// readable by its owner only, at `dir/name`: what a mesh whose session
+/// memory is shared (an etcd registry, Redis) needs to start. Written once:
+/// a mesh restarted on the same folder keeps its secret (another one would
+/// not start against the store its first run wrote).
+pub(crate) fn session_secret(dir: &std::path::Path, name: &str) -> std::path::PathBuf {
+    use std::os::unix::fs::PermissionsExt;
+    let file = dir.join(name);
+    if file.exists() {
+        return file;
+    }
+    std::fs::write(&file, rand::random::<[u8; 32]>()).unwrap();
+    std::fs::set_permissions(&file, std::fs::Permissions::from_mode(0o600)).unwrap();
+    file
+}
+
 /// Serializes the tests that measure memory or load the machine, so that
 /// their bounds are not disturbed by each other.
 pub(crate) static HEAVY: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());

@@ -295,6 +295,48 @@ fn check_files(
             "point it at a key written by `guardmesh log keygen --out FILE`".into(),
         );
     }
+    // R34: where session memory is kept, and the secret replicas share.
+    match config.sessions.place(&config.registry) {
+        Err(e) => {
+            let fix = match e {
+                super::SessionsSettingError::NoSecret { .. } => format!(
+                    "write secret_file = \"FILE\" under [sessions]: {}",
+                    crate::session::secret::HOW_TO_CREATE
+                ),
+                _ => "fix the [sessions] section as the message says".into(),
+            };
+            error(e.key(), None, e.to_string(), fix);
+        }
+        Ok(_) => {
+            if let Some(path) = &config.sessions.secret_file
+                && let Err(e) = crate::session::secret::read_secret(path)
+            {
+                error(
+                    "sessions.secret_file",
+                    None,
+                    e.to_string(),
+                    crate::session::secret::HOW_TO_CREATE.into(),
+                );
+            }
+            if let Some(path) = &config.sessions.redis_password_file {
+                match crate::files::read_to_string(path, crate::files::MAX_SECRET_FILE_BYTES) {
+                    Err(e) => error(
+                        "sessions.redis_password_file",
+                        None,
+                        format!("cannot read {}: {e}", path.display()),
+                        file_fix("file holding Redis's password"),
+                    ),
+                    Ok(text) if text.trim_end_matches(['\r', '\n']).is_empty() => error(
+                        "sessions.redis_password_file",
+                        None,
+                        format!("{} is empty", path.display()),
+                        "write Redis's password on the file's one line".into(),
+                    ),
+                    Ok(_) => {}
+                }
+            }
+        }
+    }
     out
 }
 

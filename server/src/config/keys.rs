@@ -691,7 +691,37 @@ pub static KEYS: &[Key] = &[
         "sessions",
         Kind::Table,
         "",
-        "Bounds of the memory kept per session for rules that read `session` (R34).",
+        "Where the memory kept per session for rules that read `session` lives, and its bounds (R34).",
+    ),
+    key(
+        "sessions.store",
+        Kind::Enum(&["registry", "memory", "redis"]),
+        "\"registry\"",
+        "Where session memory is kept: `registry` (etcd when the registry is etcd, shared by the replicas; else this mesh's memory), `memory` (this mesh's memory, never shared: each replica remembers only what it saw) or `redis` (Redis or Valkey at `redis_url`, shared).",
+    ),
+    key(
+        "sessions.redis_url",
+        Kind::Str,
+        "",
+        "With store = \"redis\": `redis://[user:password@]host:port[/db]`, or `rediss://` for TLS verified against the system's roots; start-up tries for `registry.dial_timeout_ms`.",
+    ),
+    key(
+        "sessions.redis_password_file",
+        Kind::Path,
+        "",
+        "With store = \"redis\": a file holding Redis's password (a final newline is dropped), used instead of one in the URL.",
+    ),
+    key(
+        "sessions.secret_file",
+        Kind::Path,
+        "",
+        "A file whose bytes (at least 32) key the digests of values seen; required with a shared store (etcd or redis), the same file on every replica, never written into the store. Create one with `head -c 32 /dev/urandom > FILE`. Unset with a single mesh: a random secret per process.",
+    ),
+    key(
+        "sessions.store_timeout_ms",
+        Kind::Int,
+        "500",
+        "Deadline of each read or update of a session in the store, in milliseconds; past it the rules that read `session` fail per their guard's failure policy.",
     ),
     key(
         "sessions.max_bytes",
@@ -733,13 +763,13 @@ pub static KEYS: &[Key] = &[
         "sessions.max_sessions",
         Kind::Int,
         "4096",
-        "Sessions a mesh keeps in memory; past it the least recently updated goes.",
+        "Sessions a mesh keeps in its own memory (a shared store bounds them by `max_age_ms` instead); past it the least recently updated goes.",
     ),
     key(
         "sessions.max_sessions_per_identity",
         Kind::Int,
         "1024",
-        "Sessions one identity may have; past it its least recently updated goes.",
+        "Sessions one identity may have in the mesh's own memory; past it its least recently updated goes.",
     ),
     // [decision_log]
     key(

@@ -811,6 +811,17 @@ impl EtcdRegistry {
         Ok(Self { shared, task })
     }
 
+    /// The replica's etcd client (its connection, credentials and TLS), for
+    /// what else the mesh keeps in the same etcd: session memory (R34).
+    pub fn client(&self) -> Client {
+        self.shared.client.clone()
+    }
+
+    /// The key prefix of the chain.
+    pub fn prefix(&self) -> &str {
+        &self.shared.config.prefix
+    }
+
     /// What the replica knows about etcd and the chain. Cheap enough for a
     /// health check or a metrics scrape.
     pub fn status(&self) -> RegistryStatus {

@@ -71,6 +71,10 @@ pub enum ServerError {
     /// `[decision_log]` is invalid.
     #[error("[decision_log] {0}")]
     DecisionLogSettings(#[source] BoxError),
+    /// `[sessions]` cannot start a mesh, or its store cannot be reached
+    /// (R34).
+    #[error("{0}")]
+    Sessions(String),
     /// The decision log cannot be opened (R29: the mesh does not start).
     #[error("[decision_log] cannot open the log: {0}")]
     DecisionLogOpen(#[source] crate::decision_log::LogError),
@@ -176,10 +180,39 @@ impl Server {
         if let Some(limit) = crate::security::tls::raise_open_file_limit() {
             tracing::info!(open_files = limit, "open-file limit");
         }
+        // R34: a shared store without the secret is refused before anything
+        // is connected.
+        let place = config
+            .sessions
+            .place(&config.registry)
+            .map_err(|e| ServerError::Sessions(e.to_string()))?;
+        let digester = match &config.sessions.secret_file {
+            Some(path) => Some(
+                crate::session::secret::read_secret(path)
+                    .map_err(|e| ServerError::Sessions(e.to_string()))?,
+            ),
+            None => None,
+        };
         let (mesh_config, checked) = config.build_with_guards()?;
-        let registry = build_registry(&config, checked, mesh_config.default_guard_timeout).await?;
+        let (registry, etcd) =
+            build_registry(&config, checked, mesh_config.default_guard_timeout).await?;
+        let sessions = build_sessions(&config, place, etcd, digester).await?;
         let metrics_started = config.metrics_listen.is_some();
-        let mut server = Self::with_mesh(Mesh::new(mesh_config, registry), config);
+        let mesh = Mesh::new(mesh_config, registry);
+        if let Some(sessions) = sessions {
+            tracing::info!(
+                store = sessions.store().kind(),
+                "session memory: {}",
+                if place.shared() {
+                    "shared with the replicas through the store"
+                } else {
+                    "in this mesh's memory, not shared with other replicas"
+                }
+            );
+            // A new mesh has no sessions attached yet.
+            let _ = mesh.attach_sessions(sessions);
+        }
+        let mut server = Self::with_mesh(mesh, config);
         server.probes = probes;
         server.metrics_started = metrics_started;
         Ok(server)
@@ -532,12 +565,13 @@ impl Reloader {
 /// The registry `[registry]` asks for, with the file's `[[guard]]` entries
 /// registered in file order (R16). With etcd they are only created where
 /// absent: the shared chain, not one replica's file, is the source of truth.
-/// `guards`: the entries as admitted by `Config::build_with_guards`.
+/// `guards`: the entries as admitted by `Config::build_with_guards`. With
+/// etcd, also its client and the chain's prefix (for session memory).
 async fn build_registry(
     config: &Config,
     guards: Vec<CheckedGuard>,
     default_timeout: Duration,
-) -> Result<Arc<dyn Registry>, ServerError> {
+) -> Result<(Arc<dyn Registry>, Option<(etcd_client::Client, String)>), ServerError> {
     let failed = |name: String| move |source| ServerError::ConfigGuard { name, source };
     match config.registry.kind {
         RegistryKind::Memory => {
@@ -546,7 +580,7 @@ async fn build_registry(
                 let name = guard.name().to_owned();
                 registry.register(guard, None).await.map_err(failed(name))?;
             }
-            Ok(registry)
+            Ok((registry, None))
         }
         RegistryKind::Etcd => {
             let etcd = config
@@ -565,9 +599,123 @@ async fn build_registry(
                     .await
                     .map_err(failed(name))?;
             }
-            Ok(registry)
+            let etcd = (registry.client(), registry.prefix().to_owned());
+            Ok((registry, Some(etcd)))
         }
     }
+}
+
+/// The session memory `[sessions]` asks for (R34), at `place`: in a shared
+/// store (the registry's etcd through its client, or Redis), keyed with
+/// `digester` (the secret of `secret_file`); in this mesh's memory keyed
+/// with it, or with a random secret. Every store operation has `store_timeout_ms` as its
+/// deadline.
+async fn build_sessions(
+    config: &Config,
+    place: crate::config::SessionPlace,
+    etcd: Option<(etcd_client::Client, String)>,
+    digester: Option<crate::session::Digester>,
+) -> Result<Option<Arc<crate::session::SessionMemory>>, ServerError> {
+    use crate::config::SessionPlace;
+    use crate::session::{LocalStore, SessionMemory, SessionStore};
+    let section = &config.sessions;
+    let failed = |e: &dyn std::fmt::Display| ServerError::Sessions(e.to_string());
+    let limits = section.limits();
+    let store: Arc<dyn SessionStore> = match place {
+        SessionPlace::Local => Arc::new(LocalStore::new(limits)),
+        SessionPlace::Etcd => {
+            let (client, prefix) = etcd.ok_or_else(|| {
+                ServerError::Sessions("sessions: the etcd registry is not connected".into())
+            })?;
+            Arc::new(crate::session::etcd::EtcdStore::new(client, &prefix))
+        }
+        SessionPlace::Redis => {
+            let password = match &section.redis_password_file {
+                None => None,
+                Some(path) => Some(read_password(path).map_err(|e| failed(&e))?),
+            };
+            let settings = crate::session::redis::RedisSettings {
+                url: section.redis_url.clone().unwrap_or_default(),
+                password,
+                prefix: config.registry.prefix.clone(),
+                request_timeout: section.store_timeout(),
+                dial_timeout: Duration::from_millis(config.registry.dial_timeout_ms.max(1)),
+            };
+            Arc::new(
+                crate::session::redis::RedisStore::connect(&settings)
+                    .await
+                    .map_err(|e| failed(&e))?,
+            )
+        }
+    };
+    let digester = match digester {
+        Some(digester) => digester,
+        // A single mesh: a secret of this process.
+        None if !place.shared() => crate::session::Digester::random(),
+        None => {
+            return Err(ServerError::Sessions(
+                crate::config::SessionsSettingError::NoSecret {
+                    store: place.name(),
+                }
+                .to_string(),
+            ));
+        }
+    };
+    if place.shared() {
+        agree_on_secret(store.as_ref(), &digester, config).await?;
+    }
+    Ok(Some(Arc::new(
+        SessionMemory::new(store, digester, limits).with_timeout(section.store_timeout()),
+    )))
+}
+
+/// Refuses to start a replica whose session secret is not the one the
+/// replicas already sharing the store use (their digests would never
+/// meet: a value read through one replica would not be recognised through
+/// another).
+async fn agree_on_secret(
+    store: &dyn crate::session::SessionStore,
+    digester: &crate::session::Digester,
+    config: &Config,
+) -> Result<(), ServerError> {
+    use crate::session::store::{SECRET_CHECK, SecretAgreement, secret_check, sessions_prefix};
+    let within = Duration::from_millis(config.registry.dial_timeout_ms.max(1));
+    let check = secret_check(digester);
+    let key = format!("{}{SECRET_CHECK}", sessions_prefix(&config.registry.prefix));
+    match tokio::time::timeout(within, store.agree_on_secret(&check)).await {
+        Err(_) => Err(ServerError::Sessions(format!(
+            "sessions: the {} store did not answer the check of the session secret within {within:?}",
+            store.kind()
+        ))),
+        Ok(Err(e)) => Err(ServerError::Sessions(format!(
+            "sessions: cannot check the session secret in the {} store: {e}",
+            store.kind()
+        ))),
+        Ok(Ok(SecretAgreement::Differs)) => Err(ServerError::Sessions(format!(
+            "sessions.secret_file is not the secret the other replicas sharing the {} store use \
+             (the check at {key} was written with another): give every replica the same file; \
+             to change the secret, stop every replica, delete the keys under {} and start them \
+             with the new file",
+            store.kind(),
+            sessions_prefix(&config.registry.prefix)
+        ))),
+        Ok(Ok(_)) => Ok(()),
+    }
+}
+
+/// Reads `sessions.redis_password_file`: its text less a final newline.
+fn read_password(path: &Path) -> Result<String, String> {
+    let text = crate::files::read_to_string(path, crate::files::MAX_SECRET_FILE_BYTES)
+        .map_err(|e| format!("sessions.redis_password_file {}: {e}", path.display()))?;
+    let password = text.strip_suffix('\n').unwrap_or(&text);
+    let password = password.strip_suffix('\r').unwrap_or(password);
+    if password.is_empty() {
+        return Err(format!(
+            "sessions.redis_password_file {} is empty",
+            path.display()
+        ));
+    }
+    Ok(password.to_owned())
 }
 
 /// Completes on SIGINT or SIGTERM (on other systems, on Ctrl-C).

@@ -1,12 +1,14 @@
 //! Session memory shared by replicas through the registry's etcd (R34):
-//! one key per session under `<prefix>sessions/`, its memory as JSON,
+//! one key per session under `<prefix>.sessions/` (beside the registry's
+//! keys, see [`super::store::sessions_prefix`]), its memory as JSON,
 //! updated by compare-and-swap on the key's revision (so two replicas
 //! updating one session never lose each other's entries), read
 //! linearizably (a member cut off from its quorum refuses rather than
 //! answers from old state: the rules that need the memory then fail per
 //! their guard's policy, as R17's stale chain does). Each session's key is
-//! on a lease of the memory's age, so an abandoned session leaves the
-//! store by itself.
+//! on a lease of the memory's age, granted again once half of it has
+//! passed, so an abandoned session leaves the store by itself and an
+//! active one keeps its recent entries.
 //!
 //! The key names the session by a digest of its identity and id, so the
 //! store's keys do not list who has sessions.
@@ -14,9 +16,8 @@
 use super::key::SessionKey;
 use super::limits::SessionLimits;
 use super::memory::{Applied, Memory, Update};
-use super::store::{SessionStore, StoreError};
+use super::store::{SECRET_CHECK, SecretAgreement, SessionStore, StoreError};
 use etcd_client::{Client, Compare, CompareOp, PutOptions, Txn, TxnOp};
-use sha2::Digest as _;
 
 /// Attempts of one update that meets concurrent updates of its session.
 const ATTEMPTS: u32 = 8;
@@ -41,18 +42,17 @@ fn unavailable(error: etcd_client::Error) -> StoreError {
 }
 
 impl EtcdStore {
-    /// Sessions under `<prefix>sessions/` of the etcd `client` talks to.
+    /// Sessions of the chain at the registry's `prefix`, under
+    /// `<prefix>.sessions/` of the etcd `client` talks to.
     pub fn new(client: Client, prefix: &str) -> Self {
         Self {
             client,
-            prefix: format!("{prefix}sessions/"),
+            prefix: super::store::sessions_prefix(prefix),
         }
     }
 
     fn key(&self, key: &SessionKey) -> String {
-        let digest = sha2::Sha256::digest(key.store_key().as_bytes());
-        let hex: String = digest.iter().map(|b| format!("{b:02x}")).collect();
-        format!("{}{hex}", self.prefix)
+        format!("{}{}", self.prefix, key.stored_name())
     }
 
     /// The memory at `key`, its revision (0: absent) and lease.
@@ -89,9 +89,12 @@ impl SessionStore for EtcdStore {
             let (memory, revision, mut lease) = self.get(&key).await?;
             let mut memory = memory.unwrap_or_default();
             let applied = memory.apply(update, limits, now);
-            let value =
-                serde_json::to_vec(&memory).map_err(|e| StoreError::Corrupt(e.to_string()))?;
-            if lease == 0 {
+            // A lease lives the memory's age from its grant, whatever is
+            // written later: past half of it a new one is granted, so an
+            // active session's recent entries never go with its first
+            // lease. (The old lease, left without keys, ends by itself.)
+            let age = u64::try_from(limits.max_age.as_millis()).unwrap_or(u64::MAX);
+            if lease == 0 || now.saturating_sub(memory.lease_at) >= age / 2 {
                 let ttl = i64::try_from(limits.max_age.as_secs())
                     .unwrap_or(i64::MAX)
                     .max(1);
@@ -100,7 +103,10 @@ impl SessionStore for EtcdStore {
                     .await
                     .map_err(unavailable)?
                     .id();
+                memory.lease_at = now;
             }
+            let value =
+                serde_json::to_vec(&memory).map_err(|e| StoreError::Corrupt(e.to_string()))?;
             let unchanged = if revision == 0 {
                 Compare::version(key.clone(), CompareOp::Equal, 0)
             } else {
@@ -117,6 +123,29 @@ impl SessionStore for EtcdStore {
             }
         }
         Err(StoreError::Contended(ATTEMPTS))
+    }
+
+    async fn agree_on_secret(&self, check: &str) -> Result<SecretAgreement, StoreError> {
+        let key = format!("{}{SECRET_CHECK}", self.prefix);
+        let mut client = self.client.clone();
+        let txn = Txn::new()
+            .when([Compare::version(key.clone(), CompareOp::Equal, 0)])
+            .and_then([TxnOp::put(key.clone(), check, None)])
+            .or_else([TxnOp::get(key.clone(), None)]);
+        let response = client.txn(txn).await.map_err(unavailable)?;
+        if response.succeeded() {
+            return Ok(SecretAgreement::First);
+        }
+        let there = response.op_responses().into_iter().find_map(|op| match op {
+            etcd_client::TxnOpResponse::Get(get) => get.kvs().first().map(|kv| kv.value().to_vec()),
+            _ => None,
+        });
+        Ok(match there {
+            Some(value) if value == check.as_bytes() => SecretAgreement::Same,
+            Some(_) => SecretAgreement::Differs,
+            // Deleted in between: the next start writes it.
+            None => SecretAgreement::First,
+        })
     }
 
     fn kind(&self) -> &'static str {

@@ -42,6 +42,15 @@ impl SessionKey {
         )
     }
 
+    /// The session's name in a shared store (etcd, Redis): the SHA-256 of
+    /// [`SessionKey::store_key`] in hex, so the store's keys do not list
+    /// who has sessions.
+    pub fn stored_name(&self) -> String {
+        use sha2::Digest as _;
+        let digest = sha2::Sha256::digest(self.store_key().as_bytes());
+        digest.iter().map(|b| format!("{b:02x}")).collect()
+    }
+
     /// Bytes this key holds.
     pub fn bytes(&self) -> usize {
         self.identity.len() + self.session_id.len()

@@ -61,6 +61,14 @@ pub struct Memory {
     /// When it last changed.
     #[serde(default)]
     pub updated: u64,
+    /// In etcd: when the lease the session's key is on was granted (a
+    /// lease lives the memory's age from then, so it is renewed before).
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub lease_at: u64,
+}
+
+fn is_zero(n: &u64) -> bool {
+    *n == 0
 }
 
 /// What one batch (or one result) adds to a session.

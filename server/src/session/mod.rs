@@ -10,7 +10,8 @@
 //! * [`view`]: a session's memory as a batch reads it (`session.*` in CEL);
 //! * [`store`]: the [`SessionStore`] trait; [`local`]: in the mesh's memory
 //!   (a single mesh); [`etcd`]: shared by replicas through the registry's
-//!   etcd;
+//!   etcd; [`redis`]: shared through Redis or Valkey;
+//! * [`secret`]: the session secret replicas that share a store share;
 //! * [`limits`]: the bounds.
 //!
 //! [`SessionMemory`] is what the mesh holds: a store, the secret and the
@@ -24,6 +25,8 @@ pub mod key;
 pub mod limits;
 pub mod local;
 pub mod memory;
+pub mod redis;
+pub mod secret;
 pub mod store;
 pub mod view;
 

@@ -8,6 +8,40 @@ use super::limits::SessionLimits;
 use super::memory::{Applied, Memory, Update};
 use std::time::Duration;
 
+/// Where a shared store keeps the sessions of the chain at the registry's
+/// `prefix`: `<prefix>.sessions/` (`/guardmesh` → `/guardmesh.sessions/`).
+/// Beside the registry's keys, not under `<prefix>/`: every replica's
+/// registry watches and lists `<prefix>/`, and would otherwise be woken by
+/// every session write of every replica.
+pub fn sessions_prefix(prefix: &str) -> String {
+    format!("{}.sessions/", prefix.trim_end_matches('/'))
+}
+
+/// The name, under the sessions' prefix, of the check of the session
+/// secret (never a session's: those are 64 hex digits).
+pub const SECRET_CHECK: &str = "secret-check";
+
+/// What [`secret_check`] is a digest of.
+const SECRET_CHECK_TEXT: &str = "guardmesh session secret check v1";
+
+/// The check of the secret `digester` is keyed with: the digest of a fixed
+/// text, which a reader of the store cannot turn back into the secret (no
+/// more than the digests of values seen).
+pub fn secret_check(digester: &super::Digester) -> String {
+    super::digest::to_hex(&digester.digest(SECRET_CHECK_TEXT))
+}
+
+/// Whether the replicas sharing a store use one secret.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum SecretAgreement {
+    /// No replica had written a check: this one's is there now.
+    First,
+    /// The check there is this replica's.
+    Same,
+    /// Another replica wrote another check: the secrets differ.
+    Differs,
+}
+
 /// Why session memory could not be read or written. Rules that need the
 /// memory then fail per their guard's failure policy (R13): never "no
 /// history, so proceed".
@@ -39,6 +73,16 @@ pub trait SessionStore: Send + Sync + std::fmt::Debug {
         limits: &SessionLimits,
         now: u64,
     ) -> Result<Applied, StoreError>;
+
+    /// Makes sure the replicas sharing the store key their digests with one
+    /// secret: `check` (a digest of a fixed text under this replica's
+    /// secret, [`secret_check`]) is written at [`SECRET_CHECK`] if nothing
+    /// is there yet, and compared with what is. A store of one mesh has
+    /// nothing to compare.
+    async fn agree_on_secret(&self, check: &str) -> Result<SecretAgreement, StoreError> {
+        let _ = check;
+        Ok(SecretAgreement::First)
+    }
 
     /// Its kind, for logs and metrics: `memory`, `etcd`.
     fn kind(&self) -> &'static str;

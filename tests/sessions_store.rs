@@ -1,0 +1,984 @@
+//! Session memory shared by real `guardmesh serve` replicas (R34): through
+//! the registry's etcd (a real 3-member cluster) and through a real Redis,
+//! with the relaybleed policy (`examples/policy/relaybleed.toml`). A secret
+//! read through one replica (its result sent back through the results
+//! phase, R33) and sent to another server through the other replica is
+//! cancelled; with the store down or answering garbage the session rules
+//! fail closed (R13), never "no history, so proceed". A shared store
+//! without the session secret does not start.
+//!
+//! Redis is Debian's `redis-server` (scripts/setup-redis), started by each
+//! test on a free loopback port with nothing saved; a test that needs it
+//! says so loudly and returns when the binary is absent.
+//!
+//! `r34_store_costs_per_batch` prints what each store adds per batch.
+
+use crate::etcd::Cluster;
+use crate::harness::*;
+use guardmesh_client::{Batch, BatchDecision, Coordinator, Outcome};
+use guardmesh_server::session::{SessionKey, store::sessions_prefix};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+/// The value a `.env` read returns, and that must not reach sqlite.
+const SECRET: &str = "hunter2-Sup3rS3cretValue";
+
+/// A fresh folder for one test's files.
+fn folder(name: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!(
+        "guardmesh-store-{name}-{}-{}",
+        std::process::id(),
+        rand::random::<u32>()
+    ));
+    std::fs::create_dir_all(&dir).unwrap();
+    dir
+}
+
+fn secret_file(dir: &Path, name: &str) -> PathBuf {
+    session_secret(dir, name)
+}
+
+/// A mesh config: `registry` and `sessions` sections, and the relaybleed
+/// policy as the fail-closed guard `flows`.
+fn mesh_config(dir: &Path, registry: &str, sessions: &str) -> String {
+    let policy = dir.join("relaybleed.toml");
+    std::fs::copy(repo_root().join("examples/policy/relaybleed.toml"), &policy).unwrap();
+    format!(
+        "{registry}\n\n[sessions]\n{sessions}\n\n[[guard]]\nname = \"flows\"\npolicy = {:?}\n\
+         failure_policy = \"fail_closed\"\n",
+        policy.display().to_string()
+    )
+}
+
+/// `[registry]` on etcd at `endpoints` under `prefix`, with a staleness
+/// window longer than any test: a lost quorum never refuses the batches
+/// here, so what is asserted is the session rules' own failure.
+fn etcd_registry(endpoints: &[String], prefix: &str) -> String {
+    let endpoints: Vec<String> = endpoints.iter().map(|e| format!("{e:?}")).collect();
+    format!(
+        "[registry]\nkind = \"etcd\"\nendpoints = [{}]\nprefix = {prefix:?}\n\
+         request_timeout_ms = 700\nheartbeat_interval_ms = 200\nstaleness_window_ms = 600000",
+        endpoints.join(", ")
+    )
+}
+
+/// The batch outcome of the one call `c` of `tool`.
+async fn outcome(c: &Coordinator, session: &str, turn: u32, tool: &str, args: &str) -> Outcome {
+    decide(c, session, Batch::new(turn).call("c", tool, args))
+        .await
+        .call("c")
+        .unwrap()
+        .outcome
+        .clone()
+}
+
+/// `batch` in `session`, answered within 10 s.
+async fn decide(c: &Coordinator, session: &str, batch: Batch) -> BatchDecision {
+    tokio::time::timeout(Duration::from_secs(10), c.evaluate_once(session, batch))
+        .await
+        .expect("answered within 10 s")
+        .expect("answered")
+}
+
+/// The `.env` read: the call runs through `reader`, its result (holding
+/// `SECRET`) comes back through the results phase of the same replica.
+async fn read_the_secret(reader: &Coordinator, session: &str) {
+    let d = decide(
+        reader,
+        session,
+        Batch::new(1).call("r1", "fs.read_file", r#"{"path":".env"}"#),
+    )
+    .await;
+    assert_eq!(d.call("r1").unwrap().outcome, Outcome::Proceed, "{d:?}");
+    let result = serde_json::json!({
+        "content": [{"type": "text", "text": format!("DB_PASSWORD={SECRET}\nDEBUG=1\n")}]
+    })
+    .to_string();
+    decide(
+        reader,
+        session,
+        Batch::new(2).result("r1", "fs.read_file", "fs", result),
+    )
+    .await;
+}
+
+fn insert_secret() -> String {
+    format!(r#"{{"sql":"INSERT INTO notes VALUES ('{SECRET}')"}}"#)
+}
+
+fn cancelled(o: &Outcome) -> bool {
+    matches!(o, Outcome::Cancel { .. })
+}
+
+/// The relaybleed flow across two replicas: read through `a`, sent to
+/// sqlite through `b` (cancelled); written back to fs through `b`, and the
+/// same insert in another session (allowed).
+async fn flow_across(a: &Coordinator, b: &Coordinator, session: &str) {
+    // Before the read: allowed on either replica.
+    assert_eq!(
+        outcome(b, session, 0, "sqlite.query", &insert_secret()).await,
+        Outcome::Proceed
+    );
+    read_the_secret(a, session).await;
+    let o = outcome(b, session, 3, "sqlite.query", &insert_secret()).await;
+    assert!(
+        cancelled(&o),
+        "a secret read on one replica and sent on the other must be cancelled: {o:?}"
+    );
+    assert_eq!(
+        outcome(
+            b,
+            session,
+            4,
+            "fs.write_file",
+            &format!(r#"{{"path":"backup.env","text":"{SECRET}"}}"#)
+        )
+        .await,
+        Outcome::Proceed,
+        "written back to fs: allowed"
+    );
+    assert_eq!(
+        outcome(
+            b,
+            &format!("{session}-other"),
+            0,
+            "sqlite.query",
+            &insert_secret()
+        )
+        .await,
+        Outcome::Proceed,
+        "another session never read it"
+    );
+}
+
+/// A batch whose session rules cannot read the memory: cancelled as a
+/// failure (fail_closed), answered within `bound`.
+async fn fails_closed(c: &Coordinator, session: &str, bound: Duration) -> BatchDecision {
+    let started = Instant::now();
+    let d = decide(
+        c,
+        session,
+        Batch::new(9).call("c", "http.get", r#"{"url":"https://example.com"}"#),
+    )
+    .await;
+    let took = started.elapsed();
+    let call = d.call("c").unwrap();
+    assert!(
+        cancelled(&call.outcome) && call.failure,
+        "the store cannot answer: fail closed, never proceed: {call:?}"
+    );
+    assert!(took < bound, "answered in {took:?}, past {bound:?}");
+    d
+}
+
+// ---------------------------------------------------------------------------
+// A real Redis
+// ---------------------------------------------------------------------------
+
+fn redis_binary() -> Option<PathBuf> {
+    std::env::var_os("PATH")
+        .map(|path| std::env::split_paths(&path).collect::<Vec<_>>())
+        .unwrap_or_default()
+        .into_iter()
+        .map(|dir| dir.join("redis-server"))
+        .chain([PathBuf::from("/usr/bin/redis-server")])
+        .find(|candidate| candidate.is_file())
+}
+
+/// `redis-server` on a free loopback port, nothing saved; killed when
+/// dropped.
+pub(crate) struct Redis {
+    child: Option<Child>,
+    port: u16,
+    dir: PathBuf,
+}
+
+impl Redis {
+    /// None (said loudly) when `redis-server` is not installed.
+    pub(crate) async fn start(test: &str) -> Option<Self> {
+        let Some(bin) = redis_binary() else {
+            eprintln!(
+                "\n!!! {test}: SKIPPED: redis-server is not installed; run scripts/setup-redis \
+                 (apt-get install -y redis-server) !!!\n"
+            );
+            return None;
+        };
+        for _ in 0..3 {
+            let mut redis = Self {
+                child: None,
+                port: free_port(),
+                dir: folder("redis"),
+            };
+            if redis.spawn(&bin).await {
+                return Some(redis);
+            }
+            eprintln!(
+                "redis-server did not start on {}: {}",
+                redis.port,
+                redis.log()
+            );
+        }
+        panic!("redis-server did not start, 3 times");
+    }
+
+    /// Starts the process on the struct's port; whether it answers PING
+    /// within 10 s.
+    async fn spawn(&mut self, bin: &Path) -> bool {
+        let log = std::fs::File::create(self.dir.join("redis.log")).unwrap();
+        let child = Command::new(bin)
+            .args(["--port", &self.port.to_string(), "--bind", "127.0.0.1"])
+            .args(["--save", "", "--appendonly", "no", "--daemonize", "no"])
+            .arg("--dir")
+            .arg(&self.dir)
+            .stdin(Stdio::null())
+            .stdout(Stdio::from(log.try_clone().unwrap()))
+            .stderr(Stdio::from(log))
+            .spawn()
+            .unwrap_or_else(|e| panic!("cannot start {}: {e}", bin.display()));
+        self.child = Some(child);
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while Instant::now() < deadline {
+            if self.ping() {
+                return true;
+            }
+            if let Some(child) = &mut self.child
+                && let Ok(Some(_)) = child.try_wait()
+            {
+                return false;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        false
+    }
+
+    /// Starts it again on the same port (empty: nothing was saved).
+    pub(crate) async fn restart(&mut self) {
+        self.kill();
+        let bin = redis_binary().expect("redis-server");
+        assert!(
+            self.spawn(&bin).await,
+            "redis-server did not start again: {}",
+            self.log()
+        );
+    }
+
+    fn log(&self) -> String {
+        std::fs::read_to_string(self.dir.join("redis.log")).unwrap_or_default()
+    }
+
+    pub(crate) fn url(&self) -> String {
+        format!("redis://127.0.0.1:{}", self.port)
+    }
+
+    fn connection(&self) -> Option<redis::Connection> {
+        let client = redis::Client::open(self.url()).ok()?;
+        client
+            .get_connection_with_timeout(Duration::from_secs(2))
+            .ok()
+    }
+
+    fn ping(&self) -> bool {
+        self.connection()
+            .and_then(|mut c| redis::cmd("PING").query::<String>(&mut c).ok())
+            .is_some_and(|p| p == "PONG")
+    }
+
+    /// Runs one command and returns its answer.
+    pub(crate) fn command<T: redis::FromRedisValue>(&self, args: &[&str]) -> T {
+        let mut c = self.connection().expect("connect to the test's redis");
+        let mut cmd = redis::cmd(args[0]);
+        for arg in &args[1..] {
+            cmd.arg(*arg);
+        }
+        cmd.query(&mut c)
+            .unwrap_or_else(|e| panic!("redis {args:?}: {e}"))
+    }
+
+    /// Calls of `command` (lower case) since the start, from `INFO
+    /// commandstats`.
+    pub(crate) fn calls(&self, command: &str) -> u64 {
+        let info: String = self.command(&["INFO", "commandstats"]);
+        info.lines()
+            .find_map(|l| l.strip_prefix(&format!("cmdstat_{command}:calls=")))
+            .and_then(|rest| rest.split(',').next())
+            .and_then(|n| n.parse().ok())
+            .unwrap_or(0)
+    }
+
+    pub(crate) fn kill(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+}
+
+impl Drop for Redis {
+    fn drop(&mut self) {
+        self.kill();
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+/// The name of `session`'s key (no identity: a mesh without principals)
+/// in a shared store under the registry's `prefix`.
+fn stored_key(prefix: &str, session: &str) -> String {
+    format!(
+        "{}{}",
+        sessions_prefix(prefix),
+        SessionKey::new("", session).stored_name()
+    )
+}
+
+// ---------------------------------------------------------------------------
+// Tests
+// ---------------------------------------------------------------------------
+
+/// Two `guardmesh serve` replicas, each on its own members of a 3-member
+/// etcd cluster, the session memory in the registry's etcd (the default
+/// with an etcd registry), one secret file: the relaybleed flow read on
+/// one and sent on the other is cancelled; the store holds no value and
+/// no secret, outside the registry's keys; with the quorum gone the session
+/// rules fail closed within the store's deadline (R34, R13).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn r34_two_serve_replicas_on_a_3_member_etcd_share_session_memory() {
+    let mut cluster = Cluster::start().await;
+    let urls = cluster.urls();
+    let dir = folder("etcd");
+    let secret = secret_file(&dir, "session.secret");
+    let prefix = "/t/store-etcd";
+    let sessions = format!(
+        "secret_file = {:?}\nstore_timeout_ms = 300",
+        secret.display().to_string()
+    );
+    let a = MeshProcess::start(
+        "store-etcd-a",
+        &mesh_config(&dir, &etcd_registry(&urls[..1], prefix), &sessions),
+        None,
+    )
+    .await;
+    let b = MeshProcess::start(
+        "store-etcd-b",
+        &mesh_config(&dir, &etcd_registry(&urls[1..], prefix), &sessions),
+        None,
+    )
+    .await;
+    let (ca, cb) = (
+        Coordinator::connect(a.url.clone()).await.unwrap(),
+        Coordinator::connect(b.url.clone()).await.unwrap(),
+    );
+    flow_across(&ca, &cb, "s").await;
+    // What etcd holds: the sessions beside the registry's keys, by digest
+    // only; neither the value read nor the session secret.
+    let mut client = etcd_client::Client::connect(urls.clone(), None)
+        .await
+        .unwrap();
+    let all = client
+        .get("", Some(etcd_client::GetOptions::new().with_all_keys()))
+        .await
+        .unwrap();
+    let secret_bytes = std::fs::read(&secret).unwrap();
+    let mut sessions_seen = 0;
+    for kv in all.kvs() {
+        let (key, value) = (String::from_utf8_lossy(kv.key()), kv.value());
+        assert!(
+            !value.windows(SECRET.len()).any(|w| w == SECRET.as_bytes()),
+            "{key} holds the value read"
+        );
+        assert!(
+            !value.windows(32).any(|w| w == &secret_bytes[..32]),
+            "{key} holds the session secret"
+        );
+        if key.starts_with(&sessions_prefix(prefix)) && !key.ends_with("/secret-check") {
+            sessions_seen += 1;
+        }
+        assert!(
+            !key.starts_with(&format!("{prefix}/")) || !key.contains("session"),
+            "session memory under the registry's watched prefix: {key}"
+        );
+    }
+    assert_eq!(sessions_seen, 2, "sessions s and s-other");
+    let key = stored_key(prefix, "s");
+    let held = client.get(key.as_str(), None).await.unwrap();
+    assert_eq!(held.kvs().len(), 1, "{key}");
+    // The quorum gone: every linearizable read is refused; the session
+    // rules fail closed within the store's deadline, on both replicas.
+    cluster.members[1].kill();
+    cluster.members[2].kill();
+    let started = Instant::now();
+    let d = fails_closed(&ca, "s", Duration::from_secs(5)).await;
+    eprintln!(
+        "etcd without quorum: a session batch answered (cancelled) in {:?}",
+        started.elapsed()
+    );
+    let error = &d.guard("flows").unwrap().error;
+    assert!(error.contains("session memory"), "{error}");
+    fails_closed(&cb, "s", Duration::from_secs(5)).await;
+    drop((a, b));
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// The same with `store = "redis"` on two replicas whose registries are
+/// their own (memory): the flow is cancelled across them; a session whose
+/// value in Redis is not JSON, or not a string, fails closed (Corrupt)
+/// without being overwritten; with Redis gone, the session rules fail
+/// closed within the store's deadline; Redis back, they judge again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn r34_two_serve_replicas_on_redis_share_session_memory() {
+    let Some(mut redis) =
+        Redis::start("r34_two_serve_replicas_on_redis_share_session_memory").await
+    else {
+        return;
+    };
+    let dir = folder("redis");
+    let secret = secret_file(&dir, "session.secret");
+    let prefix = "/t/store-redis";
+    let registry = format!("[registry]\nprefix = {prefix:?}");
+    let sessions = format!(
+        "store = \"redis\"\nredis_url = {:?}\nsecret_file = {:?}\nstore_timeout_ms = 300",
+        redis.url(),
+        secret.display().to_string()
+    );
+    let config = mesh_config(&dir, &registry, &sessions);
+    let a = MeshProcess::start("store-redis-a", &config, None).await;
+    let b = MeshProcess::start("store-redis-b", &config, None).await;
+    let (ca, cb) = (
+        Coordinator::connect(a.url.clone()).await.unwrap(),
+        Coordinator::connect(b.url.clone()).await.unwrap(),
+    );
+    flow_across(&ca, &cb, "s").await;
+    // One key per session, JSON, on a time to live of the memory's age
+    // (24 h by default); no value read, no secret.
+    let key = stored_key(prefix, "s");
+    let value: String = redis.command(&["GET", &key]);
+    let memory: serde_json::Value = serde_json::from_str(&value).unwrap();
+    assert!(
+        memory["seen"].as_array().is_some_and(|s| !s.is_empty()),
+        "{value}"
+    );
+    assert!(!value.contains(SECRET));
+    let ttl: i64 = redis.command(&["PTTL", &key]);
+    assert!(ttl > 23 * 3600 * 1000 && ttl <= 24 * 3600 * 1000, "{ttl}");
+    let keys: Vec<String> = redis.command(&["KEYS", "*"]);
+    let secret_bytes = std::fs::read(&secret).unwrap();
+    for k in &keys {
+        assert!(k.starts_with(&sessions_prefix(prefix)), "{k}");
+        let v: Vec<u8> = redis.command(&["GET", k]);
+        assert!(!v.windows(32).any(|w| w == &secret_bytes[..32]), "{k}");
+    }
+    let sessions = keys.iter().filter(|k| !k.ends_with("/secret-check"));
+    assert_eq!(
+        sessions.count(),
+        2,
+        "sessions s and s-other, and the check: {keys:?}"
+    );
+    // Garbage in the store: not JSON, then not a string. Never read as an
+    // empty session, never overwritten by the next update.
+    let garbage = stored_key(prefix, "g");
+    let _: () = redis.command(&["SET", &garbage, "{not json"]);
+    let d = fails_closed(&cb, "g", Duration::from_secs(5)).await;
+    let error = &d.guard("flows").unwrap().error;
+    assert!(error.contains("cannot be read"), "{error}");
+    let still: String = redis.command(&["GET", &garbage]);
+    assert_eq!(still, "{not json");
+    let _: () = redis.command(&["DEL", &garbage]);
+    let _: i64 = redis.command(&["LPUSH", &garbage, "x"]);
+    fails_closed(&ca, "g", Duration::from_secs(5)).await;
+    // Redis gone: fail closed within the deadline, on both replicas.
+    redis.kill();
+    let started = Instant::now();
+    fails_closed(&ca, "s", Duration::from_secs(5)).await;
+    eprintln!(
+        "redis down: a session batch answered (cancelled) in {:?}",
+        started.elapsed()
+    );
+    fails_closed(&cb, "s", Duration::from_secs(5)).await;
+    // Redis back (empty): each replica connects again by itself, and the
+    // rules judge again, within a bounded wait.
+    redis.restart().await;
+    for c in [&ca, &cb] {
+        let deadline = Instant::now() + Duration::from_secs(15);
+        loop {
+            let o = outcome(
+                c,
+                "after",
+                0,
+                "http.get",
+                r#"{"url":"https://example.com"}"#,
+            )
+            .await;
+            if o == Outcome::Proceed {
+                break;
+            }
+            assert!(Instant::now() < deadline, "Redis is back, yet: {o:?}");
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+    }
+    drop((a, b));
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// Refused starts (R34): a shared store (etcd through the registry, or
+/// Redis) without `sessions.secret_file`, naming the key and how to make
+/// one; a secret file too short, a placeholder, or missing; a Redis URL of
+/// another scheme or with `#insecure`; `redis_url` without `store =
+/// "redis"`. None of them needs the store running: each is refused before
+/// anything is connected. `config check` reports the missing secret too.
+#[tokio::test]
+async fn r34_a_shared_store_without_a_usable_secret_does_not_start() {
+    let dir = folder("refused");
+    let etcd = etcd_registry(&["http://127.0.0.1:9".to_owned()], "/t/refused");
+    let short = dir.join("short.secret");
+    std::fs::write(&short, [7u8; 16]).unwrap();
+    let blank = dir.join("blank.secret");
+    std::fs::write(&blank, [b'a'; 48]).unwrap();
+    let good = secret_file(&dir, "good.secret");
+    let empty = dir.join("empty.password");
+    std::fs::write(&empty, "\n").unwrap();
+    let cases: Vec<(&str, String, String, &[&str])> = vec![
+        (
+            "etcd-no-secret",
+            etcd.clone(),
+            String::new(),
+            &["sessions.secret_file", "head -c 32 /dev/urandom", "etcd"],
+        ),
+        (
+            "redis-no-secret",
+            String::new(),
+            "store = \"redis\"\nredis_url = \"redis://127.0.0.1:9\"".into(),
+            &["sessions.secret_file", "head -c 32 /dev/urandom", "redis"],
+        ),
+        (
+            "short",
+            etcd.clone(),
+            format!("secret_file = {:?}", short.display().to_string()),
+            &["sessions.secret_file", "16 bytes", "at least 32"],
+        ),
+        (
+            "placeholder",
+            etcd.clone(),
+            format!("secret_file = {:?}", blank.display().to_string()),
+            &["sessions.secret_file", "placeholder"],
+        ),
+        (
+            "missing",
+            etcd.clone(),
+            format!(
+                "secret_file = {:?}",
+                dir.join("nothing-here").display().to_string()
+            ),
+            &["sessions.secret_file", "cannot read"],
+        ),
+        (
+            "scheme",
+            String::new(),
+            format!(
+                "store = \"redis\"\nredis_url = \"http://127.0.0.1:6379\"\nsecret_file = {:?}",
+                good.display().to_string()
+            ),
+            &["sessions.redis_url", "redis://"],
+        ),
+        (
+            "insecure",
+            String::new(),
+            format!(
+                "store = \"redis\"\nredis_url = \"rediss://127.0.0.1:6379/#insecure\"\nsecret_file = {:?}",
+                good.display().to_string()
+            ),
+            &["sessions.redis_url", "fragment"],
+        ),
+        (
+            "empty-password",
+            String::new(),
+            format!(
+                "store = \"redis\"\nredis_url = \"redis://127.0.0.1:9\"\nsecret_file = {:?}\nredis_password_file = {:?}",
+                good.display().to_string(),
+                empty.display().to_string()
+            ),
+            &["sessions.redis_password_file", "empty"],
+        ),
+        (
+            "url-without-redis",
+            String::new(),
+            "redis_url = \"redis://127.0.0.1:6379\"".into(),
+            &["sessions.redis_url", "store = \"redis\""],
+        ),
+    ];
+    for (name, registry, sessions, expected) in cases {
+        let file = dir.join(format!("{name}.toml"));
+        std::fs::write(&file, mesh_config(&dir, &registry, &sessions)).unwrap();
+        let log = dir.join(format!("{name}.log"));
+        let mut child = spawn_serve(&file, free_port(), &log, None);
+        let deadline = Instant::now() + Duration::from_secs(20);
+        let status = loop {
+            if let Some(status) = child.try_wait().unwrap() {
+                break status;
+            }
+            if Instant::now() > deadline {
+                let _ = child.kill();
+                panic!(
+                    "{name}: the mesh started: {}",
+                    std::fs::read_to_string(&log).unwrap()
+                );
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        };
+        let text = std::fs::read_to_string(&log).unwrap();
+        assert!(!status.success(), "{name}: {text}");
+        for part in expected {
+            assert!(text.contains(part), "{name}: {part:?} not in: {text}");
+        }
+    }
+    // `config check` says the same, with the key and how to fix it.
+    let file = dir.join("check.toml");
+    std::fs::write(&file, mesh_config(&dir, &etcd, "")).unwrap();
+    let out = Command::new(env!("CARGO_BIN_EXE_guardmesh"))
+        .args(["config", "check"])
+        .arg(&file)
+        .output()
+        .unwrap();
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(!out.status.success(), "{text}");
+    assert!(text.contains("sessions.secret_file"), "{text}");
+    assert!(text.contains("head -c 32 /dev/urandom"), "{text}");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// p50 and p99 of `n` session-reading batches (one `fs.read_file` call,
+/// recorded) through `c`, in one session.
+async fn timed_batches(c: &Coordinator, session: &str, n: u32) -> (Duration, Duration) {
+    let mut took = Vec::new();
+    for turn in 0..n {
+        let started = Instant::now();
+        let d = decide(
+            c,
+            session,
+            Batch::new(turn).call(
+                format!("c{turn}"),
+                "fs.read_file",
+                format!(r#"{{"path":"f{turn}"}}"#),
+            ),
+        )
+        .await;
+        took.push(started.elapsed());
+        assert_eq!(d.calls[0].outcome, Outcome::Proceed);
+    }
+    took.sort();
+    (took[took.len() / 2], took[took.len() * 99 / 100])
+}
+
+/// What each store adds to a batch that reads session memory (printed, not
+/// asserted: the lead's bench holds the figures): p50 and p99 of 200
+/// batches through a `guardmesh serve` with the memory in its own memory,
+/// in a 3-member etcd, and in Redis; the store's writes per batch (etcd's
+/// revision, Redis's command counts); and how long a batch takes to be
+/// cancelled with the store down.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn r34_store_costs_per_batch() {
+    const N: u32 = 200;
+    let dir = folder("costs");
+    let secret = secret_file(&dir, "session.secret");
+    let secret = secret.display().to_string();
+    let mut lines = Vec::new();
+    // In the mesh's memory.
+    let memory = MeshProcess::start(
+        "store-costs-memory",
+        &mesh_config(
+            &dir,
+            "",
+            &format!("store = \"memory\"\nsecret_file = {secret:?}"),
+        ),
+        None,
+    )
+    .await;
+    let c = Coordinator::connect(memory.url.clone()).await.unwrap();
+    timed_batches(&c, "warm", 20).await;
+    let (p50_memory, p99) = timed_batches(&c, "s", N).await;
+    lines.push(format!("memory: p50 {p50_memory:?} p99 {p99:?}"));
+    drop(memory);
+    // etcd, 3 members.
+    let mut cluster = Cluster::start().await;
+    let prefix = "/t/costs";
+    let etcd = MeshProcess::start(
+        "store-costs-etcd",
+        &mesh_config(
+            &dir,
+            &etcd_registry(&cluster.urls(), prefix),
+            &format!("secret_file = {secret:?}"),
+        ),
+        None,
+    )
+    .await;
+    let c = Coordinator::connect(etcd.url.clone()).await.unwrap();
+    timed_batches(&c, "warm", 20).await;
+    let mut client = etcd_client::Client::connect(cluster.urls(), None)
+        .await
+        .unwrap();
+    let revision = |r: etcd_client::GetResponse| r.header().map_or(0, |h| h.revision());
+    let before = revision(client.get("x", None).await.unwrap());
+    let (p50, p99) = timed_batches(&c, "s", N).await;
+    let after = revision(client.get("x", None).await.unwrap());
+    lines.push(format!(
+        "etcd (3 members): p50 {p50:?} (+{:?}) p99 {p99:?}; {:.2} writes per batch",
+        p50.saturating_sub(p50_memory),
+        (after - before) as f64 / f64::from(N)
+    ));
+    cluster.members[1].kill();
+    cluster.members[2].kill();
+    let started = Instant::now();
+    fails_closed(&c, "s", Duration::from_secs(5)).await;
+    lines.push(format!(
+        "etcd without quorum: cancelled (fail_closed) in {:?}",
+        started.elapsed()
+    ));
+    drop(etcd);
+    drop(cluster);
+    // Redis.
+    if let Some(mut redis) = Redis::start("r34_store_costs_per_batch").await {
+        let mesh = MeshProcess::start(
+            "store-costs-redis",
+            &mesh_config(
+                &dir,
+                "",
+                &format!(
+                    "store = \"redis\"\nredis_url = {:?}\nsecret_file = {secret:?}",
+                    redis.url()
+                ),
+            ),
+            None,
+        )
+        .await;
+        let c = Coordinator::connect(mesh.url.clone()).await.unwrap();
+        timed_batches(&c, "warm", 20).await;
+        let (gets, sets) = (
+            redis.calls("get"),
+            redis.calls("evalsha") + redis.calls("eval"),
+        );
+        let (p50, p99) = timed_batches(&c, "s", N).await;
+        let (gets, sets) = (
+            redis.calls("get") - gets,
+            redis.calls("evalsha") + redis.calls("eval") - sets,
+        );
+        lines.push(format!(
+            "redis: p50 {p50:?} (+{:?}) p99 {p99:?}; {:.2} writes and {:.2} reads per batch",
+            p50.saturating_sub(p50_memory),
+            sets as f64 / f64::from(N),
+            gets as f64 / f64::from(N)
+        ));
+        redis.kill();
+        let started = Instant::now();
+        fails_closed(&c, "s", Duration::from_secs(5)).await;
+        lines.push(format!(
+            "redis down: cancelled (fail_closed) in {:?}",
+            started.elapsed()
+        ));
+    }
+    eprintln!("\nsession store costs per session-reading batch ({N} batches, one call each):");
+    for line in lines {
+        eprintln!("  {line}");
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// Two replicas' stores (each its own connection) updating one session at
+/// once, 4 tasks each, 10 updates a task: every update that succeeded is
+/// in the memory (none overwrote another), and one that did not says so
+/// (`Contended`), never silently (R34).
+async fn no_update_is_lost(
+    a: std::sync::Arc<dyn guardmesh_server::session::SessionStore>,
+    b: std::sync::Arc<dyn guardmesh_server::session::SessionStore>,
+) {
+    use guardmesh_server::session::{CallRan, SessionLimits, StoreError, Update, now_ms};
+    let key = SessionKey::new("", "contended");
+    let limits = SessionLimits::default();
+    let mut tasks = Vec::new();
+    for (replica, store) in [("a", a.clone()), ("b", b.clone())] {
+        for task in 0..4 {
+            let (store, key) = (store.clone(), key.clone());
+            tasks.push(tokio::spawn(async move {
+                let mut ok = 0u64;
+                for i in 0..10 {
+                    let update = Update {
+                        calls: vec![CallRan {
+                            id: format!("{replica}-{task}-{i}"),
+                            tool: "fs.read_file".into(),
+                            server: "fs".into(),
+                            args: "00".repeat(16),
+                            at: 0,
+                        }],
+                        ..Update::default()
+                    };
+                    match store.update(&key, &update, &limits, now_ms()).await {
+                        Ok(_) => ok += 1,
+                        Err(StoreError::Contended(_)) => {}
+                        Err(e) => panic!("{replica}: {e}"),
+                    }
+                }
+                ok
+            }));
+        }
+    }
+    let mut ok = 0;
+    for task in tasks {
+        ok += task.await.unwrap();
+    }
+    let memory = a.load(&key).await.unwrap().expect("the session");
+    assert_eq!(memory.calls_total, ok, "an update that succeeded was lost");
+    assert_eq!(memory.calls.len() as u64, ok);
+    assert!(ok >= 40, "only {ok} of 80 updates got through");
+    eprintln!(
+        "{}: {ok} of 80 concurrent updates applied, none lost",
+        a.kind()
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn r34_replicas_updating_one_session_in_redis_lose_no_update() {
+    use guardmesh_server::session::redis::{RedisSettings, RedisStore};
+    let Some(redis) =
+        Redis::start("r34_replicas_updating_one_session_in_redis_lose_no_update").await
+    else {
+        return;
+    };
+    let settings = RedisSettings {
+        url: redis.url(),
+        password: None,
+        prefix: "/t/contended".into(),
+        request_timeout: Duration::from_secs(2),
+        dial_timeout: Duration::from_secs(5),
+    };
+    let a = RedisStore::connect(&settings).await.unwrap();
+    let b = RedisStore::connect(&settings).await.unwrap();
+    no_update_is_lost(std::sync::Arc::new(a), std::sync::Arc::new(b)).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn r34_replicas_updating_one_session_in_etcd_lose_no_update() {
+    use guardmesh_server::session::etcd::EtcdStore;
+    let cluster = Cluster::start().await;
+    let urls = cluster.urls();
+    let a = etcd_client::Client::connect(&urls[..1], None)
+        .await
+        .unwrap();
+    let b = etcd_client::Client::connect(&urls[1..], None)
+        .await
+        .unwrap();
+    no_update_is_lost(
+        std::sync::Arc::new(EtcdStore::new(a, "/t/contended")),
+        std::sync::Arc::new(EtcdStore::new(b, "/t/contended")),
+    )
+    .await;
+}
+
+/// A replica whose session secret is not the one the replicas already on
+/// the store use does not start, naming the setting: its digests would
+/// never meet theirs, and every flow across replicas would be missed
+/// (R34). The replica with the same secret starts.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn r34_a_replica_with_another_secret_does_not_start() {
+    let Some(redis) = Redis::start("r34_a_replica_with_another_secret_does_not_start").await else {
+        return;
+    };
+    let dir = folder("secrets");
+    let config = |secret: &Path| {
+        mesh_config(
+            &dir,
+            "[registry]\nprefix = \"/t/secrets\"",
+            &format!(
+                "store = \"redis\"\nredis_url = {:?}\nsecret_file = {:?}",
+                redis.url(),
+                secret.display().to_string()
+            ),
+        )
+    };
+    let first = secret_file(&dir, "first.secret");
+    let other = secret_file(&dir, "other.secret");
+    let a = MeshProcess::start("secrets-a", &config(&first), None).await;
+    let file = dir.join("other.toml");
+    std::fs::write(&file, config(&other)).unwrap();
+    let log = dir.join("other.log");
+    let mut child = spawn_serve(&file, free_port(), &log, None);
+    let deadline = Instant::now() + Duration::from_secs(20);
+    let status = loop {
+        if let Some(status) = child.try_wait().unwrap() {
+            break status;
+        }
+        if Instant::now() > deadline {
+            let _ = child.kill();
+            panic!(
+                "started with another secret: {}",
+                std::fs::read_to_string(&log).unwrap()
+            );
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    };
+    let text = std::fs::read_to_string(&log).unwrap();
+    assert!(!status.success(), "{text}");
+    assert!(
+        text.contains("sessions.secret_file") && text.contains("same file"),
+        "{text}"
+    );
+    let b = MeshProcess::start("secrets-b", &config(&first), None).await;
+    drop((a, b));
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// In etcd a session's key lives on a lease of the memory's age: an active
+/// session keeps what it learned recently past its first lease (the lease
+/// is granted again past half of it), an abandoned one leaves the store
+/// (R34). With a 4 s age: written at 0 s and 2.5 s, still there at 5 s with
+/// the later entry; gone once 4 s pass without a write.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn r34_an_active_session_outlives_its_first_etcd_lease() {
+    use guardmesh_server::session::etcd::EtcdStore;
+    use guardmesh_server::session::{CallRan, SessionLimits, SessionStore as _, Update, now_ms};
+    let cluster = Cluster::start().await;
+    let client = etcd_client::Client::connect(cluster.urls(), None)
+        .await
+        .unwrap();
+    let store = EtcdStore::new(client, "/t/lease");
+    let limits = SessionLimits {
+        max_age: Duration::from_secs(4),
+        ..SessionLimits::default()
+    };
+    let key = SessionKey::new("", "active");
+    let call = |id: &str| Update {
+        calls: vec![CallRan {
+            id: id.into(),
+            tool: "fs.read_file".into(),
+            server: "fs".into(),
+            args: "00".repeat(16),
+            at: 0,
+        }],
+        ..Update::default()
+    };
+    store
+        .update(&key, &call("first"), &limits, now_ms())
+        .await
+        .unwrap();
+    tokio::time::sleep(Duration::from_millis(2500)).await;
+    store
+        .update(&key, &call("second"), &limits, now_ms())
+        .await
+        .unwrap();
+    tokio::time::sleep(Duration::from_millis(2500)).await;
+    let memory = store
+        .load(&key)
+        .await
+        .unwrap()
+        .expect("an active session is kept");
+    assert!(memory.calls.iter().any(|c| c.id == "second"), "{memory:?}");
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while store.load(&key).await.unwrap().is_some() {
+        assert!(
+            Instant::now() < deadline,
+            "an abandoned session stays in etcd"
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
