@@ -13,6 +13,7 @@
 //! | `remote_session_on` | the same guard, sent the session's memory (the default) | the standard batch |
 //! | `call_batch` | the `redact-formats` example guard, mutate, calls and results | 4 calls, one holding an AWS access key |
 //! | `result_batch` | the same chain (a mesh of its own) | the 4 results of those calls, one holding the key |
+//! | `result_batch_etcd` | the same, its memory in the etcd | the same |
 //!
 //! Every scenario keeps to one session, so from the warm-up on its memory
 //! is full (16 KiB by default) and every measured batch reads and writes a
@@ -32,8 +33,8 @@
 //! The store kinds beyond the mesh's own memory are [`STORES`]: a kind is
 //! a line there, a way to start its server ([`StoreServer::start`]) and a
 //! way for the mesh process to connect ([`connect_store`]). Without the
-//! `etcd` executable on `PATH` (or at `/usr/bin/etcd`), its scenario is
-//! skipped, said on stderr and in the report, and its figures are `NaN`.
+//! `etcd` executable on `PATH`, its scenarios are skipped, said on stderr
+//! and in the report, and their figures are `NaN`.
 
 use super::child::Child;
 use super::report::{self, Cpu, Latency};
@@ -118,15 +119,19 @@ pub(super) enum StoreKind {
 }
 
 /// A shared store the session scenarios measure against the mesh's own
-/// memory: the same chain as `session_on`, its memory in the store.
+/// memory: `session_on`'s chain and `result_batch`'s, their memory in the
+/// store.
 #[derive(Debug, Clone, Copy)]
 pub(super) struct StoreDef {
     pub kind: StoreKind,
     /// `--store` of the mesh process: `<name>=URL`.
     pub name: &'static str,
-    /// The scenario.
+    /// The scenario of `session_on`'s chain, and what it is.
     pub scenario: &'static str,
     pub what: &'static str,
+    /// The scenario of `result_batch`'s chain, and what it is.
+    pub results_scenario: &'static str,
+    pub results_what: &'static str,
 }
 
 /// The shared stores measured, in order.
@@ -135,6 +140,8 @@ pub(super) const STORES: &[StoreDef] = &[StoreDef {
     name: "etcd",
     scenario: "session_on_etcd",
     what: "as session_on, the memory in a single-member etcd on loopback (fsync on)",
+    results_scenario: "result_batch_etcd",
+    results_what: "as result_batch, the memory in the same etcd (CPU: with the calls)",
 }];
 
 /// Where the mesh process keeps session memory (`--store`).
@@ -470,14 +477,13 @@ struct StoreServer {
     url: String,
 }
 
-/// An executable on `PATH`, or at `/usr/bin/<name>`.
+/// An executable on `PATH`.
 fn executable(name: &str) -> Option<PathBuf> {
     std::env::var_os("PATH")
         .map(|path| std::env::split_paths(&path).collect::<Vec<_>>())
         .unwrap_or_default()
         .into_iter()
         .map(|dir| dir.join(name))
-        .chain(std::iter::once(Path::new("/usr/bin").join(name)))
         .find(|candidate| candidate.is_file())
 }
 
@@ -688,6 +694,22 @@ fn check_results(decision: &BatchDecision, batch: &Batch, redacts: bool) -> Resu
     Ok(())
 }
 
+/// How a scenario is set up: its mesh (guard sections and store), what it
+/// sends, and how many.
+struct Setup {
+    name: &'static str,
+    what: &'static str,
+    sections: String,
+    store: StoreSpec,
+    op: Op,
+    redacts: bool,
+    /// The process of the chain's remote guard (its CPU is the "guard"
+    /// column).
+    guard_pid: u32,
+    /// (warm-up, per round).
+    counts: (u64, u64),
+}
+
 /// [`check_calls`] or [`check_results`].
 type Check = fn(&BatchDecision, &Batch, bool) -> Result<(), Error>;
 
@@ -712,25 +734,17 @@ struct Scenario {
 }
 
 impl Scenario {
-    async fn new(
-        name: &'static str,
-        what: &'static str,
-        mesh: SessionMesh,
-        op: Op,
-        redacts: bool,
-        guard_pid: u32,
-        counts: (u64, u64),
-    ) -> Result<Self, Error> {
-        let session = mesh.mesh.session(name).await?;
+    async fn new(setup: Setup, mesh: SessionMesh) -> Result<Self, Error> {
+        let session = mesh.mesh.session(setup.name).await?;
         Ok(Self {
-            name,
-            what,
+            name: setup.name,
+            what: setup.what,
             mesh,
             session,
-            op,
-            redacts,
-            guard_pid,
-            counts,
+            op: setup.op,
+            redacts: setup.redacts,
+            guard_pid: setup.guard_pid,
+            counts: setup.counts,
             histogram: report::histogram()?,
             cpu: Cpu::default(),
             ops: StoreOps::default(),
@@ -855,6 +869,13 @@ pub(super) fn counts(quick: bool) -> (u64, u64) {
     if quick { (60, 60) } else { (200, 400) }
 }
 
+/// (warm-up, per round) of the result batches on a shared store: each is
+/// preceded by its calls, and each of its results is a write of its own
+/// (tens of milliseconds per pair on etcd with fsync).
+fn store_results_counts(quick: bool) -> (u64, u64) {
+    if quick { (10, 20) } else { (40, 100) }
+}
+
 /// The redaction example guard (`guardmesh example-guard redact-formats`),
 /// a process of its own.
 async fn redaction_guard(exe: &Path, dir: &Path) -> Result<(Child, u16), Error> {
@@ -910,10 +931,10 @@ pub(super) async fn run(
             Some(server) => servers.push((def, server)),
             None => {
                 let why = format!(
-                    "{}: SKIPPED, no `{}` executable on PATH (scripts/setup-etcd installs it); its figures are NaN",
-                    def.scenario, def.name
+                    "{} and {}: no `{}` executable on PATH (scripts/setup-etcd installs etcd); their figures are NaN",
+                    def.scenario, def.results_scenario, def.name
                 );
-                eprintln!("[bench] WARNING: {why}");
+                eprintln!("[bench] WARNING: SKIPPED {why}");
                 skipped.push(why);
             }
         }
@@ -941,106 +962,104 @@ pub(super) async fn run(
     let guards_pid = guards.child.pid();
     let redactor_pid = redactor.pid();
     let standard = || Op::Calls(work.batch.clone());
-
-    let mut scenarios = Vec::new();
-    let mesh = SessionMesh::start(exe, dir, SESSION_OFF, &policy(&off), 1, &memory).await?;
-    scenarios.push(
-        Scenario::new(
-            SESSION_OFF,
-            "one policy guard, relaybleed's rules with no session term (reads no memory)",
-            mesh,
-            standard(),
-            false,
-            guards_pid,
+    let results = || Op::Results {
+        calls: redaction.calls.clone(),
+        results: redaction.results.clone(),
+    };
+    let store_counts = store_results_counts(quick);
+    // (name, what, the mesh's guard sections, its store, what it sends,
+    // whether the chain redacts, the guard process, counts).
+    let mut setups = vec![
+        Setup {
+            name: SESSION_OFF,
+            what: "one policy guard, relaybleed's rules with no session term (reads no memory)",
+            sections: policy(&off),
+            store: memory.clone(),
+            op: standard(),
+            redacts: false,
+            guard_pid: guards_pid,
             counts,
-        )
-        .await?,
-    );
-    let mesh = SessionMesh::start(exe, dir, SESSION_ON, &policy(&relaybleed), 1, &memory).await?;
-    scenarios.push(
-        Scenario::new(
-            SESSION_ON,
-            "one policy guard, examples/policy/relaybleed.toml (session memory in the mesh)",
-            mesh,
-            standard(),
-            false,
-            guards_pid,
+        },
+        Setup {
+            name: SESSION_ON,
+            what: "one policy guard, examples/policy/relaybleed.toml (session memory in the mesh)",
+            sections: policy(&relaybleed),
+            store: memory.clone(),
+            op: standard(),
+            redacts: false,
+            guard_pid: guards_pid,
             counts,
-        )
-        .await?,
-    );
+        },
+        Setup {
+            name: REMOTE_OFF,
+            what: "one zero-latency remote guard that opted out of session memory",
+            sections: remote("none")?,
+            store: memory.clone(),
+            op: standard(),
+            redacts: false,
+            guard_pid: guards_pid,
+            counts,
+        },
+        Setup {
+            name: REMOTE_ON,
+            what: "the same guard, sent the session's memory with each batch (the default)",
+            sections: remote("send")?,
+            store: memory.clone(),
+            op: standard(),
+            redacts: false,
+            guard_pid: guards_pid,
+            counts,
+        },
+        Setup {
+            name: CALL_BATCH,
+            what: "the redact-formats guard (mutate, calls and results): 4 calls, one key redacted",
+            sections: redact.clone(),
+            store: memory.clone(),
+            op: Op::Calls(redaction.calls.clone()),
+            redacts: true,
+            guard_pid: redactor_pid,
+            counts,
+        },
+        Setup {
+            name: RESULT_BATCH,
+            what: "the same chain: the 4 results of those calls, one key redacted (CPU: with the calls)",
+            sections: redact.clone(),
+            store: memory.clone(),
+            op: results(),
+            redacts: true,
+            guard_pid: redactor_pid,
+            counts,
+        },
+    ];
     for (def, server) in &servers {
         let store = StoreSpec::Shared(def.kind, server.url.clone());
-        let mesh =
-            SessionMesh::start(exe, dir, def.scenario, &policy(&relaybleed), 1, &store).await?;
-        scenarios.push(
-            Scenario::new(
-                def.scenario,
-                def.what,
-                mesh,
-                standard(),
-                false,
-                guards_pid,
-                counts,
-            )
-            .await?,
-        );
+        setups.push(Setup {
+            name: def.scenario,
+            what: def.what,
+            sections: policy(&relaybleed),
+            store: store.clone(),
+            op: standard(),
+            redacts: false,
+            guard_pid: guards_pid,
+            counts,
+        });
+        setups.push(Setup {
+            name: def.results_scenario,
+            what: def.results_what,
+            sections: redact.clone(),
+            store,
+            op: results(),
+            redacts: true,
+            guard_pid: redactor_pid,
+            counts: store_counts,
+        });
     }
-    let mesh = SessionMesh::start(exe, dir, REMOTE_OFF, &remote("none")?, 1, &memory).await?;
-    scenarios.push(
-        Scenario::new(
-            REMOTE_OFF,
-            "one zero-latency remote guard that opted out of session memory",
-            mesh,
-            standard(),
-            false,
-            guards_pid,
-            counts,
-        )
-        .await?,
-    );
-    let mesh = SessionMesh::start(exe, dir, REMOTE_ON, &remote("send")?, 1, &memory).await?;
-    scenarios.push(
-        Scenario::new(
-            REMOTE_ON,
-            "the same guard, sent the session's memory with each batch (the default)",
-            mesh,
-            standard(),
-            false,
-            guards_pid,
-            counts,
-        )
-        .await?,
-    );
-    let mesh = SessionMesh::start(exe, dir, CALL_BATCH, &redact, 1, &memory).await?;
-    scenarios.push(
-        Scenario::new(
-            CALL_BATCH,
-            "the redact-formats guard (mutate, calls and results): 4 calls, one key redacted",
-            mesh,
-            Op::Calls(redaction.calls.clone()),
-            true,
-            redactor_pid,
-            counts,
-        )
-        .await?,
-    );
-    let mesh = SessionMesh::start(exe, dir, RESULT_BATCH, &redact, 1, &memory).await?;
-    scenarios.push(
-        Scenario::new(
-            RESULT_BATCH,
-            "the same chain: the 4 results of those calls, one key redacted (CPU: with the calls)",
-            mesh,
-            Op::Results {
-                calls: redaction.calls,
-                results: redaction.results,
-            },
-            true,
-            redactor_pid,
-            counts,
-        )
-        .await?,
-    );
+    let mut scenarios = Vec::with_capacity(setups.len());
+    for setup in setups {
+        let mesh =
+            SessionMesh::start(exe, dir, setup.name, &setup.sections, 1, &setup.store).await?;
+        scenarios.push(Scenario::new(setup, mesh).await?);
+    }
 
     let names: Vec<&str> = scenarios.iter().map(|s| s.name).collect();
     eprintln!("[bench] session memory and results: {}", names.join(", "));
@@ -1213,6 +1232,18 @@ fn figures(scenarios: &[Scenario]) -> Vec<(String, f64)> {
         out.push((
             format!("session_store_{name}_updates_per_batch"),
             per_batch(def.scenario, |o| o.updates),
+        ));
+        out.push((
+            format!("result_batch_{name}_vs_memory_p50"),
+            ratio(p50(def.results_scenario), p50(RESULT_BATCH)),
+        ));
+        out.push((
+            format!("result_batch_store_{name}_added_us_p50"),
+            p50(def.results_scenario) - p50(RESULT_BATCH),
+        ));
+        out.push((
+            format!("result_batch_{name}_store_updates_per_batch"),
+            per_batch(def.results_scenario, |o| o.updates),
         ));
     }
     out
