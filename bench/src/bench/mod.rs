@@ -30,7 +30,7 @@
 //! | veto | `veto_1ms`, `early_veto` |
 //! | decision log | `log_off`, `log_fsync_record`, `log_fsync_interval` (after the throughput runs, with their own; see [`decision_log`]) |
 //! | MCP gateway ([`mcp`]) | `mcp_direct`, `mcp_stdio`, `mcp_stdio_w0`, `mcp_relay_w0` |
-//! | session memory and results ([`sessions`]) | `session_off`, `session_on`, `session_on_etcd`, `remote_session_off`, `remote_session_on`, `call_batch`, `result_batch` |
+//! | session memory and results ([`sessions`]) | `session_off`, `session_on`, `session_on_etcd`, `remote_session_off`, `remote_session_on`, `call_batch`, `result_batch`, `result_batch_etcd` |
 //!
 //! After the throughput runs, a CPU-bound guard with 1, 2 and 4 replica
 //! processes ([`replicas`]).
