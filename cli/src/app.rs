@@ -126,6 +126,10 @@ enum Command {
     /// `bench`).
     #[command(hide = true)]
     BenchMcpUpstream,
+    /// Serves a mesh of the benchmark's session scenarios: `serve`'s config
+    /// and server, session memory in the store named (started by `bench`).
+    #[command(hide = true)]
+    BenchSessionMesh(guardmesh_bench::SessionMeshArgs),
     /// MCP gateway: judges every tools/call through the mesh (R31).
     Mcp(guardmesh_gateway::McpArgs),
     /// Agent-host hooks (PreToolUse).
@@ -297,6 +301,9 @@ pub fn main() -> ExitCode {
             return guardmesh_bench::serve_relay(args, default_worker_threads());
         }
         Command::BenchMcpUpstream => return guardmesh_bench::serve_mcp_upstream(),
+        Command::BenchSessionMesh(args) => {
+            return guardmesh_bench::serve_session_mesh(args, default_worker_threads());
+        }
         Command::Mcp(args) => return guardmesh_gateway::main_mcp(args),
         Command::Hook(args) => return guardmesh_gateway::main_hook(args),
         command => Cli { command, ..cli },
@@ -360,6 +367,7 @@ async fn run(cli: Cli) -> Result<ExitCode, Error> {
         | Command::BenchGuards(_)
         | Command::BenchRelay(_)
         | Command::BenchMcpUpstream
+        | Command::BenchSessionMesh(_)
         | Command::Mcp(_)
         | Command::Hook(_)
         | Command::Policy { .. }

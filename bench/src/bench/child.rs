@@ -6,7 +6,7 @@
 //! a benchmark killed with SIGKILL takes its children with it.
 
 use super::Error;
-use std::io::{BufRead, BufReader, Read};
+use std::io::{BufRead, BufReader, Read, Write};
 use std::path::{Path, PathBuf};
 use std::process::{ChildStdin, Command, Stdio};
 use std::time::Duration;
@@ -18,7 +18,7 @@ pub(super) struct Child {
     child: std::process::Child,
     log: Option<PathBuf>,
     /// Held open so that the child sees EOF on stdin when this drops.
-    _stdin: Option<ChildStdin>,
+    stdin: Option<ChildStdin>,
 }
 
 impl Child {
@@ -74,8 +74,21 @@ impl Child {
             what,
             child,
             log,
-            _stdin: stdin,
+            stdin,
         })
+    }
+
+    /// Writes `line` to the child's stdin (a request of the benchmark's
+    /// own protocol with it).
+    pub(super) fn send_line(&mut self, line: &str) -> Result<(), Error> {
+        let stdin = self
+            .stdin
+            .as_mut()
+            .ok_or_else(|| format!("{} has no stdin", self.what))?;
+        stdin
+            .write_all(format!("{line}\n").as_bytes())
+            .and_then(|()| stdin.flush())
+            .map_err(|e| format!("cannot write to {}: {e}", self.what).into())
     }
 
     pub(super) fn pid(&self) -> u32 {

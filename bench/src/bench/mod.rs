@@ -30,6 +30,7 @@
 //! | veto | `veto_1ms`, `early_veto` |
 //! | decision log | `log_off`, `log_fsync_record`, `log_fsync_interval` (after the throughput runs, with their own; see [`decision_log`]) |
 //! | MCP gateway ([`mcp`]) | `mcp_direct`, `mcp_stdio`, `mcp_stdio_w0`, `mcp_relay_w0` |
+//! | session memory and results ([`sessions`]) | `session_off`, `session_on`, `session_on_etcd`, `remote_session_off`, `remote_session_on`, `call_batch`, `result_batch`, `result_batch_etcd` |
 //!
 //! After the throughput runs, a CPU-bound guard with 1, 2 and 4 replica
 //! processes ([`replicas`]).
@@ -64,10 +65,12 @@ mod policy;
 mod relay;
 mod replicas;
 mod report;
+mod sessions;
 
 pub use guards::GuardsArgs;
 pub use placement::Placement;
 pub use relay::RelayArgs;
+pub use sessions::SessionMeshArgs;
 
 use crate::proto::EchoMessage;
 use crate::proto::direct_guard_client::DirectGuardClient;
@@ -177,7 +180,9 @@ pub struct BenchArgs {
     /// off, on, on with signed checkpoints), latency and throughput;
     /// `compare`, this build against `--baseline` in one interleaved group;
     /// `mcp`, the MCP gateway's group (the same counts as in a full run);
-    /// `replicas`, a CPU-bound guard with 1, 2 and 4 replicas.
+    /// `replicas`, a CPU-bound guard with 1, 2 and 4 replicas; `sessions`,
+    /// session memory on and off, a result batch against a call batch, and
+    /// the etcd store against the mesh's own memory.
     #[arg(long, value_enum)]
     pub only: Option<Only>,
     /// Another build's `guardmesh` executable, for `--only compare`: its
@@ -193,6 +198,7 @@ pub enum Only {
     Compare,
     Mcp,
     Replicas,
+    Sessions,
 }
 
 /// Logs to stderr, `RUST_LOG` or `default_filter`.
@@ -371,6 +377,13 @@ fn run_child(
 /// `guardmesh serve` would.
 pub fn serve_relay(args: RelayArgs, mesh_default_worker_threads: usize) -> ExitCode {
     relay::main(args, mesh_default_worker_threads)
+}
+
+/// Entry point of the hidden `guardmesh bench-session-mesh`: a mesh of the
+/// session scenarios ([`sessions`]); without `--worker-threads`, it runs
+/// with `mesh_default_worker_threads`, as `guardmesh serve` would.
+pub fn serve_session_mesh(args: SessionMeshArgs, mesh_default_worker_threads: usize) -> ExitCode {
+    sessions::serve_mesh(args, mesh_default_worker_threads)
 }
 
 /// Entry point of the hidden `guardmesh bench-guards`.
@@ -1375,6 +1388,24 @@ fn put_policy_setup(setup: &mut Map<String, Value>, evaluation: &policy::Evaluat
     );
 }
 
+/// The session group's setup, for the JSON: its counts and what it
+/// skipped (`skipped` is printed with the report).
+fn put_sessions_setup(
+    setup: &mut Map<String, Value>,
+    figures: &sessions::SessionFigures,
+    quick: bool,
+) {
+    let (warm_up, per_round) = sessions::counts(quick);
+    setup.insert("counts_sessions".into(), json!([warm_up, per_round]));
+    setup.insert(
+        "session_store_ops_batches".into(),
+        json!(sessions::COUNTED_BATCHES),
+    );
+    if !figures.skipped.is_empty() {
+        setup.insert("skipped".into(), json!(figures.skipped));
+    }
+}
+
 const ZERO: [&str; 4] = ["zero-1", "zero-2", "zero-3", "zero-4"];
 const FIVE: [&str; 4] = ["ms5-1", "ms5-2", "ms5-3", "ms5-4"];
 const EARLY_VETO: [&str; 4] = ["veto-1ms", "ms200-2", "ms200-3", "ms200-4"];
@@ -1492,6 +1523,23 @@ async fn run(args: &BenchArgs) -> Result<(), Error> {
             setup,
             latency: Vec::new(),
             throughput: figures.throughput,
+            memory: Memory::none(),
+            extra_ratios: figures.ratios,
+        };
+        return report(&results, args, mode, started, guards);
+    }
+    if args.only == Some(Only::Sessions) {
+        let figures = sessions::run(&exe, dir, &mut guards, &work, &plan, args.quick).await?;
+        let mut setup = Map::new();
+        setup.insert("only".into(), json!("sessions"));
+        setup.insert("rounds".into(), json!(plan.rounds));
+        put_sessions_setup(&mut setup, &figures, args.quick);
+        setup.insert("elapsed_s".into(), json!(started.elapsed().as_secs_f64()));
+        let results = Results {
+            quick: args.quick,
+            setup,
+            latency: figures.latency,
+            throughput: Vec::new(),
             memory: Memory::none(),
             extra_ratios: figures.ratios,
         };
@@ -1757,6 +1805,11 @@ async fn run(args: &BenchArgs) -> Result<(), Error> {
         put_policy_setup(&mut extra_setup, &evaluation);
         figures
     };
+    // Session memory on and off, results against calls, the stores (R33,
+    // R34).
+    let session_figures = sessions::run(&exe, dir, &mut guards, &work, &plan, args.quick).await?;
+    put_sessions_setup(&mut extra_setup, &session_figures, args.quick);
+    latency.extend(session_figures.latency);
 
     let in_flight = args.in_flight.max(1);
     let mut throughput = throughput(
@@ -1839,6 +1892,7 @@ async fn run(args: &BenchArgs) -> Result<(), Error> {
             .ratios
             .into_iter()
             .chain(policy_figures)
+            .chain(session_figures.ratios)
             .chain(replica_figures.ratios)
             .collect(),
     };

@@ -296,7 +296,7 @@ impl Results {
         }
         if matches!(
             self.setup.get("only").and_then(Value::as_str),
-            Some("mcp" | "replicas")
+            Some("mcp" | "replicas" | "sessions")
         ) {
             return Ok(self.extra_ratios.clone());
         }
@@ -486,15 +486,17 @@ impl Results {
             .get("throughput_window_s")
             .and_then(Value::as_f64)
             .unwrap_or(0.0);
-        let _ = writeln!(
-            out,
-            "\nthroughput: closed loop, {in_flight} in flight, {windows} window(s) of {window:.1} s each (CPU µs per op)"
-        );
-        let _ = writeln!(
-            out,
-            "{:<18} {:>9} {:>11} {:>9} {:>9} {:>11} {:>9} {:>10}",
-            "load", "ops", "ops/s", "p50 µs", "p99 µs", "server cpu", "guard cpu", "client cpu"
-        );
+        if !self.throughput.is_empty() {
+            let _ = writeln!(
+                out,
+                "\nthroughput: closed loop, {in_flight} in flight, {windows} window(s) of {window:.1} s each (CPU µs per op)"
+            );
+            let _ = writeln!(
+                out,
+                "{:<18} {:>9} {:>11} {:>9} {:>9} {:>11} {:>9} {:>10}",
+                "load", "ops", "ops/s", "p50 µs", "p99 µs", "server cpu", "guard cpu", "client cpu"
+            );
+        }
         for t in &self.throughput {
             let guards = if t.cpu.mesh.is_some() {
                 format!("{:.1}", t.cpu.guards)
@@ -525,6 +527,17 @@ impl Results {
                 m.connections,
                 m.kib_per_stream()
             );
+        }
+        // Scenarios a run could not measure here (a store not installed).
+        for why in self
+            .setup
+            .get("skipped")
+            .and_then(Value::as_array)
+            .into_iter()
+            .flatten()
+            .filter_map(Value::as_str)
+        {
+            let _ = writeln!(out, "\nSKIPPED {why}");
         }
         let _ = writeln!(
             out,
