@@ -13,7 +13,12 @@
 //! **Choice**: power of two choices, by cost. Two replicas are drawn at
 //! random among those that are not ejected, not draining (their health
 //! watch says `NOT_SERVING`, [`super::health`]) and whose link is not down, and
-//! the cheaper gets the request; when its queue is full ([`NotSent::Busy`],
+//! the cheaper gets the request. Two costs within a factor of [`COST_TIE`]
+//! of each other are a tie, which the requests each holds decide, then the
+//! draw: equal replicas' latency estimates differ by noise, and following
+//! it sent nearly every request to whichever looked a little faster (at
+//! light load, where each holds none, two thirds to the fastest of three
+//! and none to the slowest). When its queue is full ([`NotSent::Busy`],
 //! R25) or it fails at once, the other, then the rest by cost, then the
 //! ejected ones, get their turn. A batch is shed with `RESOURCE_EXHAUSTED`
 //! only when every replica was full: busy is never a failure.
@@ -90,6 +95,10 @@ const PEAK_EWMA: bool = true;
 /// How far the latency estimate moves towards each answer's round trip.
 const EWMA_WEIGHT: f64 = 0.1;
 
+/// Two replicas whose costs are within this factor of each other are a
+/// tie for the choice ([`Replica::cheaper_than`]).
+const COST_TIE: f64 = 2.0;
+
 /// One replica: its link and its load.
 struct Replica {
     endpoint: Arc<str>,
@@ -145,6 +154,22 @@ impl Replica {
             (outstanding + 1.0) * f64::from_bits(self.latency.load(Ordering::Relaxed)).max(1_000.0)
         } else {
             outstanding
+        }
+    }
+
+    /// Whether the choice prefers this replica to `other`. Costs within
+    /// [`COST_TIE`] of each other are a tie, told apart by the requests
+    /// each holds: what separates equal replicas' latency estimates is
+    /// noise (a descheduled process, a busy core), and a choice that
+    /// followed it would send nearly every request to whichever replica
+    /// last looked a little faster. A real difference (a replica several
+    /// times slower, or holding many more requests) is past the band.
+    fn cheaper_than(&self, other: &Replica) -> bool {
+        let (mine, theirs) = (self.cost(), other.cost());
+        if mine.max(theirs) <= mine.min(theirs) * COST_TIE {
+            self.outstanding.load(Ordering::Relaxed) < other.outstanding.load(Ordering::Relaxed)
+        } else {
+            mine < theirs
         }
     }
 
@@ -677,7 +702,7 @@ impl Inner {
             if j >= i {
                 j += 1;
             }
-            let (first, second) = if available[j].cost() < available[i].cost() {
+            let (first, second) = if available[j].cheaper_than(&available[i]) {
                 (j, i)
             } else {
                 (i, j)
