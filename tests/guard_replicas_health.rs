@@ -234,12 +234,28 @@ async fn r32_a_not_serving_replica_gets_no_new_requests_then_serves_again() {
 
     // The first replica says NOT_SERVING: after a settling time (the watch
     // message, and the batches it already held), it judges nothing new.
+    // The draining gauge names the replica that drains, and only it.
+    let draining = |url: &str| {
+        metric(
+            &mesh,
+            &format!(r#"guardmesh_guard_replica_draining{{guard="hg",replica="{url}"}}"#),
+        )
+    };
     guards[0].command("down");
+    // Measured from when the mesh has heard it (its gauge says so): on a
+    // loaded machine the health message itself can take a while.
+    let heard = Instant::now() + Duration::from_secs(10);
+    while draining(&urls[0]) != 1.0 && Instant::now() < heard {
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert_eq!(draining(&urls[0]), 1.0, "R32: the draining replica's gauge");
     let down = Instant::now();
     tokio::time::sleep(Duration::from_secs(3)).await;
+    assert_eq!(draining(&urls[1]), 0.0, "R32: a serving replica's gauge");
     guards[0].command("up");
     let up = Instant::now();
     tokio::time::sleep(Duration::from_secs(3)).await;
+    assert_eq!(draining(&urls[0]), 0.0, "R32: serving again");
     // Every replica NOT_SERVING: they still judge (R15: a guard is never
     // left without replicas by their health; none fails).
     for guard in &mut guards {
@@ -247,6 +263,9 @@ async fn r32_a_not_serving_replica_gets_no_new_requests_then_serves_again() {
     }
     let all_down = Instant::now();
     tokio::time::sleep(Duration::from_secs(2)).await;
+    for url in &urls {
+        assert_eq!(draining(url), 1.0, "R32: {url} drains");
+    }
     stop.store(true, Ordering::Relaxed);
     for task in tasks {
         tokio::time::timeout(Duration::from_secs(30), task)
@@ -463,4 +482,16 @@ async fn r32_an_impostor_replica_gets_no_request_and_is_named() {
         unreachable.iter().all(|(r, _)| *r == impostor),
         "{unreachable:?}"
     );
+    // R24: its refused certificate is counted under its own name, and
+    // only its own.
+    let refused = |url: &str| {
+        metric(
+            &mesh,
+            &format!(
+                r#"guardmesh_guard_replica_certificate_refused_total{{guard="tg",replica="{url}"}}"#
+            ),
+        )
+    };
+    assert!(refused(&impostor) >= 1.0, "{}", mesh.mesh.metrics.encode());
+    assert_eq!(refused(&real_a) + refused(&real_b), 0.0);
 }
