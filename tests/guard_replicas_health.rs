@@ -277,9 +277,27 @@ async fn r32_a_not_serving_replica_gets_no_new_requests_then_serves_again() {
     let (drained, total) = judged_between(&seen, &urls[0], down + settle, up);
     eprintln!("NOT_SERVING for 3 s: the replica judged {drained} of {total}");
     assert!(total >= 30, "load flowed while it drained: {total}");
+    // What the replicas' metrics said, should it fail: a request the
+    // others failed (failovers, ejections) may go to a draining replica
+    // as the last resort, and a reconnected stream (streams opened) starts
+    // a new health watch.
+    let replica_metrics = || {
+        mesh.mesh
+            .metrics
+            .encode()
+            .lines()
+            .filter(|l| {
+                l.starts_with("guardmesh_guard_replica_")
+                    || l.starts_with("guardmesh_guard_streams_opened")
+            })
+            .collect::<Vec<_>>()
+            .join("\n")
+    };
     assert_eq!(
-        drained, 0,
-        "R32: a NOT_SERVING replica got {drained} of {total} new requests"
+        drained,
+        0,
+        "R32: a NOT_SERVING replica got {drained} of {total} new requests\n{}",
+        replica_metrics()
     );
     let (back, total) = judged_between(&seen, &urls[0], up + settle, all_down);
     eprintln!("SERVING again: the replica judged {back} of {total}");
