@@ -252,16 +252,18 @@ async fn r32_a_not_serving_replica_gets_no_new_requests_then_serves_again() {
     let down = Instant::now();
     tokio::time::sleep(Duration::from_secs(3)).await;
     assert_eq!(draining(&urls[1]), 0.0, "R32: a serving replica's gauge");
-    guards[0].command("up");
+    // Taken before the command: the replica says SERVING before it
+    // answers it, and batches sent from then on may rightly go to it.
     let up = Instant::now();
+    guards[0].command("up");
     tokio::time::sleep(Duration::from_secs(3)).await;
     assert_eq!(draining(&urls[0]), 0.0, "R32: serving again");
     // Every replica NOT_SERVING: they still judge (R15: a guard is never
     // left without replicas by their health; none fails).
+    let all_down = Instant::now();
     for guard in &mut guards {
         guard.command("down");
     }
-    let all_down = Instant::now();
     tokio::time::sleep(Duration::from_secs(2)).await;
     for url in &urls {
         assert_eq!(draining(url), 1.0, "R32: {url} drains");
