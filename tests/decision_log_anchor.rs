@@ -504,3 +504,30 @@ async fn verify_with_config(dir: &Path, file: &Path) -> Output {
     .await
     .unwrap()
 }
+
+#[test]
+fn r29_log_verify_instance_without_etcd_or_config_is_an_error() {
+    // `--instance` says whose etcd anchor the log must hold. Without
+    // `--etcd` or `--config` there is nothing to read it from: the command
+    // fails naming the missing flags, rather than checking the log without
+    // the anchor the user asked for and reporting "ok".
+    let dir = keyed_folder("verify-instance-alone");
+    let log = dir.join("log");
+    std::fs::create_dir_all(&log).unwrap();
+    let out = guardmesh(&[
+        "log",
+        "verify",
+        path(&log),
+        "--key",
+        path(&dir.join("log.key.pub")),
+        "--instance",
+        INSTANCE,
+    ]);
+    let stderr = text(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{stderr}");
+    assert!(
+        stderr.contains("--instance") && stderr.contains("--etcd") && stderr.contains("--config"),
+        "{stderr}"
+    );
+    assert!(text(&out.stdout).is_empty(), "{}", text(&out.stdout));
+}

@@ -234,19 +234,40 @@ async fn r32_a_not_serving_replica_gets_no_new_requests_then_serves_again() {
 
     // The first replica says NOT_SERVING: after a settling time (the watch
     // message, and the batches it already held), it judges nothing new.
+    // The draining gauge names the replica that drains, and only it.
+    let draining = |url: &str| {
+        metric(
+            &mesh,
+            &format!(r#"guardmesh_guard_replica_draining{{guard="hg",replica="{url}"}}"#),
+        )
+    };
     guards[0].command("down");
+    // Measured from when the mesh has heard it (its gauge says so): on a
+    // loaded machine the health message itself can take a while.
+    let heard = Instant::now() + Duration::from_secs(10);
+    while draining(&urls[0]) != 1.0 && Instant::now() < heard {
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert_eq!(draining(&urls[0]), 1.0, "R32: the draining replica's gauge");
     let down = Instant::now();
     tokio::time::sleep(Duration::from_secs(3)).await;
-    guards[0].command("up");
+    assert_eq!(draining(&urls[1]), 0.0, "R32: a serving replica's gauge");
+    // Taken before the command: the replica says SERVING before it
+    // answers it, and batches sent from then on may rightly go to it.
     let up = Instant::now();
+    guards[0].command("up");
     tokio::time::sleep(Duration::from_secs(3)).await;
+    assert_eq!(draining(&urls[0]), 0.0, "R32: serving again");
     // Every replica NOT_SERVING: they still judge (R15: a guard is never
     // left without replicas by their health; none fails).
+    let all_down = Instant::now();
     for guard in &mut guards {
         guard.command("down");
     }
-    let all_down = Instant::now();
     tokio::time::sleep(Duration::from_secs(2)).await;
+    for url in &urls {
+        assert_eq!(draining(url), 1.0, "R32: {url} drains");
+    }
     stop.store(true, Ordering::Relaxed);
     for task in tasks {
         tokio::time::timeout(Duration::from_secs(30), task)
@@ -258,9 +279,27 @@ async fn r32_a_not_serving_replica_gets_no_new_requests_then_serves_again() {
     let (drained, total) = judged_between(&seen, &urls[0], down + settle, up);
     eprintln!("NOT_SERVING for 3 s: the replica judged {drained} of {total}");
     assert!(total >= 30, "load flowed while it drained: {total}");
+    // What the replicas' metrics said, should it fail: a request the
+    // others failed (failovers, ejections) may go to a draining replica
+    // as the last resort, and a reconnected stream (streams opened) starts
+    // a new health watch.
+    let replica_metrics = || {
+        mesh.mesh
+            .metrics
+            .encode()
+            .lines()
+            .filter(|l| {
+                l.starts_with("guardmesh_guard_replica_")
+                    || l.starts_with("guardmesh_guard_streams_opened")
+            })
+            .collect::<Vec<_>>()
+            .join("\n")
+    };
     assert_eq!(
-        drained, 0,
-        "R32: a NOT_SERVING replica got {drained} of {total} new requests"
+        drained,
+        0,
+        "R32: a NOT_SERVING replica got {drained} of {total} new requests\n{}",
+        replica_metrics()
     );
     let (back, total) = judged_between(&seen, &urls[0], up + settle, all_down);
     eprintln!("SERVING again: the replica judged {back} of {total}");
@@ -463,4 +502,16 @@ async fn r32_an_impostor_replica_gets_no_request_and_is_named() {
         unreachable.iter().all(|(r, _)| *r == impostor),
         "{unreachable:?}"
     );
+    // R24: its refused certificate is counted under its own name, and
+    // only its own.
+    let refused = |url: &str| {
+        metric(
+            &mesh,
+            &format!(
+                r#"guardmesh_guard_replica_certificate_refused_total{{guard="tg",replica="{url}"}}"#
+            ),
+        )
+    };
+    assert!(refused(&impostor) >= 1.0, "{}", mesh.mesh.metrics.encode());
+    assert_eq!(refused(&real_a) + refused(&real_b), 0.0);
 }

@@ -132,7 +132,19 @@ pub(crate) fn run(action: LogAction) -> ExitCode {
                         return ExitCode::from(2);
                     }
                 },
-                (None, true) => None,
+                (None, true) => {
+                    if instance.is_some() {
+                        // Without a source to read the anchor from, the
+                        // instance would be ignored and the log checked
+                        // without the anchor the user asked for.
+                        eprintln!(
+                            "error: --instance names whose etcd anchor to read: \
+                             give --etcd ENDPOINTS or --config MESH.toml with it"
+                        );
+                        return ExitCode::from(2);
+                    }
+                    None
+                }
             };
             let anchor_line = match (&key, anchor) {
                 (Some(key), Some(anchor)) => {

@@ -50,6 +50,10 @@ pub struct GuardsArgs {
     /// (which leaves Nagle's algorithm on), to measure what that costs.
     #[arg(long)]
     pub stream_nodelay: bool,
+    /// Diagnostic: a `:cpu` guard does its work on the runtime's thread,
+    /// timed by the wall clock (how the benchmark ran it before).
+    #[arg(long)]
+    pub cpu_inline: bool,
 }
 
 /// One guard of the benchmark: answers after `delay`, proceeding on every
@@ -121,22 +125,81 @@ pub(super) struct BenchGuard {
     delay: Duration,
     veto: bool,
     cpu: bool,
+    /// A CPU-bound guard judges one request at a time (one core's worth of
+    /// judging per process), in turn.
+    one_at_a_time: tokio::sync::Mutex<()>,
+    /// `--cpu-inline`: the work on the runtime's thread, by the wall clock.
+    inline: bool,
 }
 
-/// Keeps this thread busy for `work`: a guard whose judging costs CPU (a
-/// classifier, a parser), which no await lets another request overlap.
+/// Keeps this thread busy until it has used `work` of CPU time: a guard
+/// whose judging costs CPU (a classifier, a parser), which no await lets
+/// another request overlap. Counted on the thread's own CPU clock, not the
+/// wall clock: a replica preempted in the middle of a request (by the mesh,
+/// the load generator or another replica sharing its core) still spends
+/// the whole `work` on it, as a real CPU-bound guard would, rather than
+/// finishing it early with less work done.
 fn busy(work: Duration) {
-    let started = std::time::Instant::now();
+    let Some(started) = thread_cpu() else {
+        // No thread CPU clock: the wall clock (overstates the work done
+        // when the thread is preempted).
+        let started = std::time::Instant::now();
+        while started.elapsed() < work {
+            spin();
+        }
+        return;
+    };
+    while thread_cpu().is_some_and(|now| now.saturating_sub(started) < work) {
+        spin();
+    }
+}
+
+/// A few microseconds of work between two reads of the clock.
+fn spin() {
     let mut spins: u64 = 0;
-    while started.elapsed() < work {
+    for _ in 0..2_000 {
         spins = std::hint::black_box(spins.wrapping_add(1));
     }
 }
 
+/// The CPU time this thread has used (`CLOCK_THREAD_CPUTIME_ID`).
+fn thread_cpu() -> Option<Duration> {
+    let mut now = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: clock_gettime writes only the timespec it is given, which
+    // lives for the call.
+    let rc = unsafe { libc::clock_gettime(libc::CLOCK_THREAD_CPUTIME_ID, &mut now) };
+    if rc != 0 {
+        return None;
+    }
+    Some(Duration::new(
+        u64::try_from(now.tv_sec).ok()?,
+        u32::try_from(now.tv_nsec).ok()?,
+    ))
+}
+
 impl Guard for BenchGuard {
     async fn judge(&self, batch: &GuardBatch) -> Result<Vec<Verdict>, Status> {
-        if self.cpu {
-            busy(self.delay);
+        if self.cpu && self.inline {
+            let started = std::time::Instant::now();
+            while started.elapsed() < self.delay {
+                spin();
+            }
+        } else if self.cpu {
+            // On a thread of its own, as a CPU-bound guard must run: work
+            // done on the runtime's one thread would hold the process's
+            // I/O for as long as every request read before it takes. The
+            // requests read meanwhile and the answers written would wait
+            // for it, and the guard would answer in bursts of the whole
+            // queue at once (the mesh would see a replica that holds every
+            // request and then answers them all).
+            let _turn = self.one_at_a_time.lock().await;
+            let work = self.delay;
+            tokio::task::spawn_blocking(move || busy(work))
+                .await
+                .map_err(|e| Status::internal(format!("the guard's CPU work failed: {e}")))?;
         } else if !self.delay.is_zero() {
             tokio::time::sleep(self.delay).await;
         }
@@ -229,6 +292,8 @@ async fn serve(args: GuardsArgs) -> Result<(), Error> {
             delay: def.delay,
             veto: def.veto,
             cpu: def.cpu,
+            one_at_a_time: tokio::sync::Mutex::new(()),
+            inline: args.cpu_inline,
         });
         let (stream_listener, stream_port) = bind().await?;
         let (direct_listener, direct_port) = bind().await?;
@@ -313,5 +378,18 @@ mod tests {
         ] {
             assert!(GuardDef::parse(bad).is_err(), "{bad}");
         }
+    }
+
+    #[test]
+    fn a_cpu_guard_spends_its_delay_in_cpu_time() {
+        // The replicas figure rests on it: each request costs the guard
+        // this much CPU, however often its thread is preempted meanwhile.
+        let before = thread_cpu().expect("a thread CPU clock");
+        busy(Duration::from_millis(5));
+        let spent = thread_cpu().expect("a thread CPU clock") - before;
+        assert!(
+            spent >= Duration::from_millis(5) && spent < Duration::from_millis(50),
+            "{spent:?}"
+        );
     }
 }

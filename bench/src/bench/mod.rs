@@ -170,6 +170,12 @@ pub struct BenchArgs {
     /// the accepted sockets, rather than through the SDK's `serve`.
     #[arg(long)]
     pub guard_nodelay: bool,
+    /// Diagnostic: the CPU-bound guard of `replicas` does its work on its
+    /// runtime's one thread and times it by the wall clock, as the
+    /// benchmark did before (its reads and answers wait for the work, and
+    /// time it is preempted counts as work), to measure what that changed.
+    #[arg(long)]
+    pub cpu_guard_inline: bool,
     /// Where the processes run: `os` (unpinned), `split` (this load
     /// generator on the first CPU, meshes, guards and gateways on the
     /// others) or `one` (everything on the first CPU). Latency on small VMs
@@ -546,6 +552,9 @@ impl GuardProcess {
             .arg(args.guard_runtime.label());
         if args.guard_nodelay {
             command.arg("--stream-nodelay");
+        }
+        if args.cpu_guard_inline {
+            command.arg("--cpu-inline");
         }
         for def in defs {
             command.arg("--guard").arg(def.to_arg());
@@ -1864,6 +1873,14 @@ async fn run(args: &BenchArgs) -> Result<(), Error> {
     put("client_runtime", json!(args.client_runtime.label()));
     put("guard_runtime", json!(args.guard_runtime.label()));
     put("placement", json!(args.placement.label()));
+    put(
+        "cpu_guard",
+        json!(if args.cpu_guard_inline {
+            "work on the runtime thread, wall clock (--cpu-guard-inline)"
+        } else {
+            "work on a thread of its own, one request at a time, thread CPU clock"
+        }),
+    );
     put(
         "guard_streams",
         json!(if args.guard_nodelay {

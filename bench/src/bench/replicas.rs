@@ -1,19 +1,24 @@
 //! Replicas of a CPU-bound guard (R32): throughput of one guard registered
 //! with 1, 2 and 4 replicas, each replica a guard process of its own
-//! (`guardmesh bench-guards`, one runtime thread) whose every request costs
-//! [`CPU_MS`] ms of CPU, busy, not asleep. One replica judges one request at
-//! a time; the mesh spreads a guard's requests over its replicas, so with
-//! enough cores the throughput grows with the replicas. The meshes' windows
-//! alternate as the other throughput runs' do.
+//! (`guardmesh bench-guards`) whose every request costs [`CPU_MS`] ms of its
+//! CPU time, busy, not asleep. One replica judges one request at a time, on
+//! a worker thread, while its runtime thread reads requests and writes
+//! answers (see `guards::busy`); the mesh spreads a guard's requests over
+//! its replicas, so with enough cores the throughput grows with the
+//! replicas. The meshes' windows alternate as the other throughput runs' do.
 //!
 //! Then one window with 4 replicas, one of which is killed (SIGKILL)
 //! halfway through it: every call must still be judged (a failed or
 //! cancelled call fails the run), and its p99 is set against `replicas_4`'s.
 //!
 //! Figures: `replicas2_vs_replicas1_throughput`,
-//! `replicas4_vs_replicas1_throughput` and `replicas4_kill_vs_none_p99`. On a machine with few cores the mesh,
-//! the load generator and the replicas share them: on two, about 2 is the
-//! ceiling however many replicas run.
+//! `replicas4_vs_replicas1_throughput` and `replicas4_kill_vs_none_p99`. On a
+//! machine with few cores the mesh, the load generator and the replicas
+//! share them. On two, the ceiling is about 1.5, whatever the number of
+//! replicas: a batch costs about 1.5 ms of CPU in all (1.15 ms in the
+//! replica, 0.2-0.3 ms in the mesh, under 0.1 ms in the load generator),
+//! so two cores judge about 1,300 a second, while one replica alone has one
+//! core, about 870 a second (measured: 1.3 to 1.6; docs/performance.md).
 
 use super::{
     Error, GuardProcess, Load, LoadRun, LoadTotals, MeshProcess, Plan, Throughput, Work,
@@ -97,7 +102,7 @@ pub(super) async fn run(
         runs.push(LoadRun {
             name,
             what: format!(
-                "batches through the mesh, one guard of {CPU_MS} ms CPU per request, {n} replica process(es) (guard CPU: replica 1's)"
+                "batches through the mesh, one guard of {CPU_MS} ms CPU per request (its thread CPU time), {n} replica process(es) (guard CPU: replica 1's)"
             ),
             mesh: Some(mesh),
             loads,

@@ -295,10 +295,9 @@ impl ServerCertVerifier for PinnedVerifier {
         )?;
         match self.pin.as_deref() {
             Some(pin) if pin.contains("://") => {
-                let found =
-                    uri_identity(end_entity).map_err(|e| rustls::Error::General(e.to_string()))?;
+                let found = uri_identity(end_entity).map_err(|e| refused(e.to_string()))?;
                 if found != pin {
-                    return Err(rustls::Error::General(format!(
+                    return Err(refused(format!(
                         "guard presented identity {found}, expected {pin}"
                     )));
                 }
@@ -418,6 +417,68 @@ fn io_error(message: String) -> std::io::Error {
     std::io::Error::new(std::io::ErrorKind::PermissionDenied, message)
 }
 
+/// A guard's certificate refused at the TLS handshake (R24): not the
+/// pinned identity (an impostor), not valid for the name dialed, or not
+/// issued by the CA. A dial's error holds it, so the link can tell a
+/// refused replica (`guardmesh_guard_replica_certificate_refused_total`)
+/// from one that is merely down.
+#[derive(Debug, thiserror::Error)]
+#[error("{0}")]
+pub struct CertificateRefused(String);
+
+impl CertificateRefused {
+    /// Whether `error`, or an error it was caused by, is a refused
+    /// certificate.
+    pub fn in_chain(error: &(dyn std::error::Error + 'static)) -> bool {
+        let mut next = Some(error);
+        while let Some(error) = next {
+            if error.is::<Self>() {
+                return true;
+            }
+            // An `io::Error`'s `source` skips the error it wraps.
+            if let Some(inner) = error
+                .downcast_ref::<std::io::Error>()
+                .and_then(std::io::Error::get_ref)
+                && Self::in_chain(inner)
+            {
+                return true;
+            }
+            next = error.source();
+        }
+        false
+    }
+}
+
+/// The verifier's refusal of a certificate that is not the pinned
+/// identity: a certificate error, so the dial reports it as one.
+fn refused(message: String) -> rustls::Error {
+    #[derive(Debug, thiserror::Error)]
+    #[error("{0}")]
+    struct NotPinned(String);
+    rustls::Error::InvalidCertificate(rustls::CertificateError::Other(rustls::OtherError(
+        Arc::new(NotPinned(message)),
+    )))
+}
+
+/// A failed TLS handshake whose cause is the guard's certificate, as a
+/// [`CertificateRefused`]; any other error as it was.
+fn certificate_error(error: std::io::Error) -> std::io::Error {
+    let message = match error
+        .get_ref()
+        .and_then(|e| e.downcast_ref::<rustls::Error>())
+    {
+        Some(rustls::Error::InvalidCertificate(rustls::CertificateError::Other(other))) => {
+            other.0.to_string()
+        }
+        Some(tls @ rustls::Error::InvalidCertificate(_)) => tls.to_string(),
+        _ => return error,
+    };
+    std::io::Error::new(
+        std::io::ErrorKind::PermissionDenied,
+        CertificateRefused(message),
+    )
+}
+
 /// Dials one guard: resolves, applies the endpoint policy to every address,
 /// connects, and speaks TLS for `https://` endpoints.
 #[derive(Clone)]
@@ -494,7 +555,8 @@ impl GuardConnector {
             .map_err(|e| io_error(format!("server name {host:?}: {e}")))?;
         let stream = tokio_rustls::TlsConnector::from(Arc::new(config))
             .connect(server_name, tcp)
-            .await?;
+            .await
+            .map_err(certificate_error)?;
         Ok(hyper_util::rt::TokioIo::new(GuardIo::Tls(Box::new(stream))))
     }
 }

@@ -13,6 +13,7 @@
 //! The watch sends nothing after its request and no pings of its own, so it
 //! is within what default gRPC servers allow (R26).
 
+use crate::observe::metrics::Metrics;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU8, Ordering};
 use tonic_health::pb::HealthCheckRequest;
@@ -52,13 +53,16 @@ impl Health {
 
 /// Watches the guard service's health on `channel` (the connection of the
 /// replica's `Judge` stream) until the stream ends or the task is aborted,
-/// writing each status into `health`.
+/// writing each status into `health` (and whether it drains into
+/// `metrics`, `guardmesh_guard_replica_draining`).
 pub async fn watch(
     channel: tonic::transport::Channel,
     health: Arc<Health>,
     guard: Arc<str>,
     endpoint: Arc<str>,
+    metrics: Option<Arc<Metrics>>,
 ) {
+    let report = |status| report(&health, status, &guard, &endpoint, metrics.as_deref());
     let mut client = HealthClient::new(channel);
     let request = HealthCheckRequest {
         service: GUARD_SERVICE.to_owned(),
@@ -71,7 +75,7 @@ pub async fn watch(
                 tonic::Code::Unimplemented | tonic::Code::NotFound
             ) {
                 // No health service: only the Judge stream speaks for it.
-                report(&health, UNKNOWN, &guard, &endpoint);
+                report(UNKNOWN);
             }
             tracing::debug!(guard = %guard, replica = %endpoint, %status, "no health watch");
             return;
@@ -87,7 +91,7 @@ pub async fn watch(
                     // word about draining.
                     _ => UNKNOWN,
                 };
-                report(&health, status, &guard, &endpoint);
+                report(status);
             }
             // The stream ended (a guard that shuts down ends its watches
             // after reporting NOT_SERVING): the last status stands until
@@ -97,8 +101,13 @@ pub async fn watch(
     }
 }
 
-fn report(health: &Health, status: u8, guard: &str, endpoint: &str) {
+fn report(health: &Health, status: u8, guard: &str, endpoint: &str, metrics: Option<&Metrics>) {
     let before = health.set(status);
+    // After the choice reads it: the gauge never says draining before the
+    // choice acts on it.
+    if let Some(metrics) = metrics {
+        metrics.replica_draining(guard, endpoint, status == NOT_SERVING);
+    }
     if before == status {
         return;
     }

@@ -479,8 +479,11 @@ impl GuardLink {
         let transport = match &config.transport {
             Some(transport) => transport.clone(),
             None => Arc::new(
-                GrpcTransport::new(connector, config.dead_peer_timeout)
-                    .with_health(name, health.clone()),
+                GrpcTransport::new(connector, config.dead_peer_timeout).with_health(
+                    name,
+                    health.clone(),
+                    metrics.clone(),
+                ),
             ),
         };
         let mut link = Self::spawn_with(name, endpoint, config, transport, pin, metrics);

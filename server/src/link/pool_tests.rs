@@ -196,6 +196,34 @@ async fn r32_a_replica_five_times_slower_gets_a_small_share() {
 }
 
 #[tokio::test(start_paused = true)]
+async fn r32_equal_replicas_share_evenly_at_light_load_despite_latency_noise() {
+    // One request at a time: every replica holds none when the choice is
+    // made, so only the latency estimates tell them apart, and those of
+    // equal replicas differ by noise (here 10, 12 and 14 ms). A choice
+    // that followed the noise sent two thirds to the first replica and
+    // none to the third; within the tie band each gets an even share.
+    let mut rig = rig(3, |_| {}, |i| answer_after(ms(10 + 2 * i as u64)));
+    settle().await;
+    let total = 600;
+    let mut answered: HashMap<String, usize> = HashMap::new();
+    for tag in 0..total {
+        rig.send(tag, Duration::from_secs(1)).unwrap();
+        match rig.next().await {
+            LinkEvent::Answer { replica, .. } => {
+                *answered.entry(replica.to_string()).or_default() += 1;
+            }
+            LinkEvent::Failed { failure, .. } => panic!("failed: {failure}"),
+        }
+    }
+    // R32: within 25% of even (150-250 of 600; a fair coin stays within
+    // 4 standard deviations of it).
+    for i in 0..3 {
+        let n = answered.get(&url(i)).copied().unwrap_or(0);
+        assert!((150..=250).contains(&n), "replica {i}: {answered:?}");
+    }
+}
+
+#[tokio::test(start_paused = true)]
 async fn r32_requests_on_a_replica_that_dies_are_answered_by_another() {
     // Replica 0 answers late; it dies with requests in flight on it. (Its
     // circuit is off here: each failed request counts towards it, and an

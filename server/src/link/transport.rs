@@ -13,6 +13,7 @@
 use super::health::Health;
 use super::wire::{self, Encoded};
 use super::{LinkConfig, error_chain};
+use crate::observe::metrics::Metrics;
 use futures::future::BoxFuture;
 use std::sync::Arc;
 use std::time::Duration;
@@ -63,8 +64,11 @@ pub struct GrpcTransport {
     connector: DeadPeerConnector,
     /// Where each stream's health watch writes the replica's status.
     health: Arc<Health>,
-    /// Named in the health watch's logs.
+    /// Named in the health watch's logs and metrics.
     guard: Arc<str>,
+    /// Where the health watch reports a replica draining, and the dial a
+    /// refused certificate (R32); none in tests that only dial.
+    metrics: Option<Arc<Metrics>>,
 }
 
 impl std::fmt::Debug for GrpcTransport {
@@ -87,14 +91,17 @@ impl GrpcTransport {
             },
             health: Arc::default(),
             guard: Arc::from(""),
+            metrics: None,
         }
     }
 
     /// Watches the guard service's health on each stream's connection for
-    /// `guard`, into `health` (see [`super::health`]).
-    pub fn with_health(mut self, guard: &str, health: Arc<Health>) -> Self {
+    /// `guard`, into `health` (see [`super::health`]), and reports the
+    /// replica's draining and refused certificates to `metrics`.
+    pub fn with_health(mut self, guard: &str, health: Arc<Health>, metrics: Arc<Metrics>) -> Self {
         self.guard = Arc::from(guard);
         self.health = health;
+        self.metrics = Some(metrics);
         self
     }
 }
@@ -132,9 +139,17 @@ impl GuardTransport for GrpcTransport {
             let channel = dial
                 .connect_with_connector(self.connector.clone())
                 .await
-                .map_err(|error| OpenError::Unreachable {
-                    endpoint: endpoint.to_owned(),
-                    reason: error_chain(&error),
+                .map_err(|error| {
+                    if let (true, Some(metrics)) = (
+                        super::dial::CertificateRefused::in_chain(&error),
+                        &self.metrics,
+                    ) {
+                        metrics.replica_certificate_refused(&self.guard, endpoint);
+                    }
+                    OpenError::Unreachable {
+                        endpoint: endpoint.to_owned(),
+                        reason: error_chain(&error),
+                    }
                 })?;
             // R32: the replica's health rides on the same connection, and
             // ends with the stream (its task is aborted when the answers
@@ -144,6 +159,7 @@ impl GuardTransport for GrpcTransport {
                 self.health.clone(),
                 self.guard.clone(),
                 Arc::from(endpoint),
+                self.metrics.clone(),
             ))
             .abort_handle();
             let watch = AbortOnDrop(watch);

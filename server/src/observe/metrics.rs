@@ -116,6 +116,8 @@ pub struct Metrics {
     replica_outstanding: Family<ReplicaLabel, Gauge>,
     replica_ejections: Family<ReplicaLabel, Counter>,
     replica_failovers: Family<ReplicaLabel, Counter>,
+    replica_draining: Family<ReplicaLabel, Gauge>,
+    replica_certificate_refused: Family<ReplicaLabel, Counter>,
     auth_refused: Family<CodeLabel, Counter>,
     connections_refused: Family<ReasonLabel, Counter>,
     connections_open: Gauge,
@@ -280,6 +282,20 @@ impl Metrics {
             "Requests sent again to another replica after this replica failed them (R32)",
             replica_failovers.clone(),
         );
+        let replica_draining = Family::<ReplicaLabel, Gauge>::default();
+        registry.register(
+            "guard_replica_draining",
+            "1 while a replica of a guard reports NOT_SERVING on its health watch (draining: \
+             no new requests while another replica can take them), else 0 (R32)",
+            replica_draining.clone(),
+        );
+        let replica_certificate_refused = Family::<ReplicaLabel, Counter>::default();
+        registry.register(
+            "guard_replica_certificate_refused",
+            "Connections to a replica of a guard refused at the TLS handshake because its \
+             certificate was not the pinned identity or did not verify (R32, R24)",
+            replica_certificate_refused.clone(),
+        );
         let streams_opened = Family::<GuardLabel, Counter>::default();
         registry.register(
             "guard_streams_opened",
@@ -408,6 +424,8 @@ impl Metrics {
             replica_outstanding,
             replica_ejections,
             replica_failovers,
+            replica_draining,
+            replica_certificate_refused,
             auth_refused,
             connections_refused,
             connections_open,
@@ -629,6 +647,30 @@ impl Metrics {
         self.replica_outstanding.remove(&label);
         self.replica_ejections.remove(&label);
         self.replica_failovers.remove(&label);
+        self.replica_draining.remove(&label);
+        self.replica_certificate_refused.remove(&label);
+    }
+
+    /// R32: whether `replica` of `guard` reports `NOT_SERVING` (draining).
+    pub fn replica_draining(&self, guard: &str, replica: &str, draining: bool) {
+        self.replica_draining
+            .get_or_create(&ReplicaLabel {
+                guard: guard.to_owned(),
+                replica: replica.to_owned(),
+            })
+            .set(i64::from(draining));
+    }
+
+    /// R32, R24: a connection to `replica` of `guard` was refused at the
+    /// handshake: its certificate is not the pinned identity (an impostor)
+    /// or does not verify.
+    pub fn replica_certificate_refused(&self, guard: &str, replica: &str) {
+        self.replica_certificate_refused
+            .get_or_create(&ReplicaLabel {
+                guard: guard.to_owned(),
+                replica: replica.to_owned(),
+            })
+            .inc();
     }
 
     pub fn guard_stream_opened(&self, guard: &str) {
