@@ -316,3 +316,129 @@ fn r34_windows_parse_and_servers_come_from_metadata_or_the_tool() {
     );
     assert_eq!(SessionMemory::server_of("read", None), "");
 }
+
+/// A store that counts the operations asked of it.
+#[derive(Debug)]
+struct Counting {
+    inner: LocalStore,
+    loads: std::sync::atomic::AtomicUsize,
+    updates: std::sync::atomic::AtomicUsize,
+}
+
+#[tonic::async_trait]
+impl SessionStore for Counting {
+    async fn load(&self, key: &SessionKey) -> Result<Option<Memory>, StoreError> {
+        self.loads.fetch_add(1, Ordering::Relaxed);
+        self.inner.load(key).await
+    }
+
+    async fn update(
+        &self,
+        key: &SessionKey,
+        update: &Update,
+        limits: &SessionLimits,
+        now: u64,
+    ) -> Result<Applied, StoreError> {
+        self.updates.fetch_add(1, Ordering::Relaxed);
+        self.inner.update(key, update, limits, now).await
+    }
+
+    fn kind(&self) -> &'static str {
+        "counting"
+    }
+}
+
+#[tokio::test]
+async fn r33_r34_a_request_of_results_costs_one_load_and_one_update_of_its_session() {
+    let store = Arc::new(Counting {
+        inner: LocalStore::new(limits()),
+        loads: Default::default(),
+        updates: Default::default(),
+    });
+    let mem = SessionMemory::new(store.clone(), Digester::random(), limits());
+    let key = SessionKey::new("alice", "s-1");
+    let mut calls = Update::default();
+    for id in ["c1", "c2", "c3"] {
+        calls.calls.push(mem.call(id, "fs.read", "fs", "{}"));
+    }
+    mem.record(&key, &calls).await.unwrap();
+    let (loads, updates) = (
+        store.loads.load(Ordering::Relaxed),
+        store.updates.load(Ordering::Relaxed),
+    );
+    let text = |v: &str| format!(r#"{{"content":[{{"type":"text","text":"{v}"}}]}}"#);
+    let (r1, r2, r3, forged) = (
+        text("TOKEN=first-secret-value"),
+        text("TOKEN=second-secret-value"),
+        // The same value as the first: kept once.
+        text("TOKEN=first-secret-value"),
+        text("TOKEN=forged-result-value"),
+    );
+    let label = ["secret:fs".to_owned()];
+    let results = [
+        ResultSeen {
+            call_id: "c1",
+            tool: "fs.read",
+            server: "fs",
+            result_json: &r1,
+            labels: &label,
+        },
+        ResultSeen {
+            call_id: "c2",
+            tool: "fs.read",
+            server: "fs",
+            result_json: &r2,
+            labels: &[],
+        },
+        // A result for a call that never ran in this session.
+        ResultSeen {
+            call_id: "c9",
+            tool: "fs.read",
+            server: "fs",
+            result_json: &forged,
+            labels: &[],
+        },
+        ResultSeen {
+            call_id: "c3",
+            tool: "fs.read",
+            server: "fs",
+            result_json: &r3,
+            labels: &label,
+        },
+    ];
+    let seen = mem.results_seen(&key, &results).await.unwrap();
+    assert_eq!(store.loads.load(Ordering::Relaxed) - loads, 1, "loads");
+    assert_eq!(
+        store.updates.load(Ordering::Relaxed) - updates,
+        1,
+        "updates"
+    );
+    assert!(seen.outcomes[0].is_ok() && seen.outcomes[1].is_ok() && seen.outcomes[3].is_ok());
+    assert!(
+        matches!(&seen.outcomes[2], Err(ResultError::NoSuchCall { call_id, .. }) if call_id == "c9"),
+        "{:?}",
+        seen.outcomes[2]
+    );
+    let applied = seen.applied.unwrap();
+    assert_eq!(applied.labels, ["secret:fs".to_owned()]);
+    let view = mem.read(&key).await.unwrap();
+    assert_eq!(view.labels(), ["secret:fs".to_owned()]);
+    assert!(view.seen_from(["first-secret-value"], "fs").unwrap());
+    assert!(view.seen_from(["second-secret-value"], "fs").unwrap());
+    assert!(!view.seen_from(["forged-result-value"], "*").unwrap());
+    assert_eq!(view.for_guard().results_total, 3);
+    // The values of results 1 and 3 are one value, kept once.
+    let after = store.inner.load(&key).await.unwrap().unwrap();
+    let digests: std::collections::HashSet<_> = after.seen.iter().map(|s| &s.digest).collect();
+    assert_eq!(digests.len(), after.seen.len());
+
+    // Only forged results: the session is loaded, never written.
+    let (loads, updates) = (
+        store.loads.load(Ordering::Relaxed),
+        store.updates.load(Ordering::Relaxed),
+    );
+    let seen = mem.results_seen(&key, &results[2..3]).await.unwrap();
+    assert!(seen.applied.is_none());
+    assert_eq!(store.loads.load(Ordering::Relaxed) - loads, 1);
+    assert_eq!(store.updates.load(Ordering::Relaxed) - updates, 0);
+}
