@@ -170,10 +170,10 @@ impl SessionMemory {
     pub async fn read(&self, key: &SessionKey) -> Result<Arc<SessionView>, StoreError> {
         self.stats.reads.fetch_add(1, Ordering::Relaxed);
         let now = now_ms();
-        let memory = self.bounded(self.store.load(key)).await?;
+        let memory = self.bounded(self.store.snapshot(key)).await?;
         Ok(Arc::new(match memory {
             Some(memory) => {
-                SessionView::new(&memory, self.digester.clone(), now, self.limits.max_age)
+                SessionView::new(memory, self.digester.clone(), now, self.limits.max_age)
             }
             None => SessionView::empty(self.digester.clone(), now),
         }))
@@ -292,7 +292,7 @@ impl SessionMemory {
             return Ok(ResultsSeen::default());
         }
         let memory = self
-            .bounded(self.store.load(key))
+            .bounded(self.store.snapshot(key))
             .await?
             .unwrap_or_default();
         let cutoff = now_ms()
@@ -302,6 +302,9 @@ impl SessionMemory {
         for r in results {
             outcomes.push(self.one_result(&memory, cutoff, r, &mut update));
         }
+        // The snapshot is let go before the write: a store in this
+        // process then updates the memory in place, without copying it.
+        drop(memory);
         if update.results == 0 {
             return Ok(ResultsSeen {
                 applied: None,

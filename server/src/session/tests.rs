@@ -442,3 +442,52 @@ async fn r33_r34_a_request_of_results_costs_one_load_and_one_update_of_its_sessi
     assert_eq!(store.loads.load(Ordering::Relaxed) - loads, 1);
     assert_eq!(store.updates.load(Ordering::Relaxed) - updates, 0);
 }
+
+#[tokio::test]
+async fn r34_a_read_shares_the_memory_and_a_later_write_never_changes_what_it_read() {
+    let store = LocalStore::new(limits());
+    let mem = SessionMemory::in_memory(limits());
+    let key = SessionKey::new("alice", "s-1");
+    let now = now_ms();
+    store
+        .update(
+            &key,
+            &update_with_call(&mem, "c1", "fs.read"),
+            &limits(),
+            now,
+        )
+        .await
+        .unwrap();
+    // Two reads hand out one memory, not two copies.
+    let a = store.snapshot(&key).await.unwrap().unwrap();
+    let b = store.snapshot(&key).await.unwrap().unwrap();
+    assert!(Arc::ptr_eq(&a, &b));
+    drop(b);
+    // A write while a batch still reads: the batch keeps what it read, the
+    // next read sees the write.
+    let mut taint = update_with_call(&mem, "c2", "email.send");
+    taint.labels = vec!["secret:fs".into()];
+    store.update(&key, &taint, &limits(), now).await.unwrap();
+    assert_eq!(a.calls.len(), 1);
+    assert!(a.labels.is_empty());
+    let c = store.snapshot(&key).await.unwrap().unwrap();
+    assert_eq!(c.calls.len(), 2);
+    assert_eq!(c.labels.len(), 1);
+    // With no reader left, a write updates the memory in place.
+    drop(a);
+    let before = Arc::as_ptr(&c);
+    drop(c);
+    store
+        .update(
+            &key,
+            &update_with_call(&mem, "c3", "fs.read"),
+            &limits(),
+            now,
+        )
+        .await
+        .unwrap();
+    let d = store.snapshot(&key).await.unwrap().unwrap();
+    assert_eq!(Arc::as_ptr(&d), before);
+    assert_eq!(d.calls.len(), 3);
+    assert_eq!(store.held().map(|(sessions, _)| sessions), Some(1));
+}
