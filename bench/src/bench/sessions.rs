@@ -251,6 +251,17 @@ impl SessionStore for Counted {
         loaded
     }
 
+    /// A read of the mesh: the store's shared snapshot where it has one
+    /// (the mesh's own memory), counted as a load.
+    async fn snapshot(&self, key: &SessionKey) -> Result<Option<Arc<Memory>>, StoreError> {
+        self.loads.fetch_add(1, Ordering::Relaxed);
+        let loaded = self.inner.snapshot(key).await;
+        if loaded.is_err() {
+            self.failures.fetch_add(1, Ordering::Relaxed);
+        }
+        loaded
+    }
+
     async fn update(
         &self,
         key: &SessionKey,
@@ -284,6 +295,7 @@ impl SessionStore for Counted {
 async fn connect_store(
     spec: &StoreSpec,
     limits: SessionLimits,
+    digester: &Digester,
 ) -> Result<Arc<dyn SessionStore>, Error> {
     Ok(match spec {
         StoreSpec::Memory => Arc::new(LocalStore::new(limits)),
@@ -295,7 +307,7 @@ async fn connect_store(
             .await
             .map_err(|_| format!("etcd at {url} did not answer within {START_TIMEOUT:?}"))?
             .map_err(|e| format!("cannot connect to etcd at {url}: {e}"))?;
-            Arc::new(EtcdStore::new(client, STORE_PREFIX))
+            Arc::new(EtcdStore::new(client, STORE_PREFIX, digester))
         }
     })
 }
@@ -322,9 +334,10 @@ async fn serve(args: SessionMeshArgs) -> Result<(), Error> {
     let spec = StoreSpec::parse(&args.store)?;
     let server = guardmesh_server::run::Server::load(&args.config).await?;
     let limits = server.mesh().config.sessions;
-    let counted = Arc::new(Counted::new(connect_store(&spec, limits).await?));
     // Keyed with a random secret, as a single mesh's own memory is.
-    let memory = SessionMemory::new(counted.clone(), Digester::random(), limits);
+    let digester = Digester::random();
+    let counted = Arc::new(Counted::new(connect_store(&spec, limits, &digester).await?));
+    let memory = SessionMemory::new(counted.clone(), digester, limits);
     if server.mesh().attach_sessions(Arc::new(memory)).is_err() {
         return Err(
             "the mesh's session memory was attached before the bench attached its own".into(),

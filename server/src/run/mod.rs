@@ -621,13 +621,28 @@ async fn build_sessions(
     let section = &config.sessions;
     let failed = |e: &dyn std::fmt::Display| ServerError::Sessions(e.to_string());
     let limits = section.limits();
+    let digester = match digester {
+        Some(digester) => digester,
+        // A single mesh: a secret of this process.
+        None if !place.shared() => crate::session::Digester::random(),
+        None => {
+            return Err(ServerError::Sessions(
+                crate::config::SessionsSettingError::NoSecret {
+                    store: place.name(),
+                }
+                .to_string(),
+            ));
+        }
+    };
     let store: Arc<dyn SessionStore> = match place {
         SessionPlace::Local => Arc::new(LocalStore::new(limits)),
         SessionPlace::Etcd => {
             let (client, prefix) = etcd.ok_or_else(|| {
                 ServerError::Sessions("sessions: the etcd registry is not connected".into())
             })?;
-            Arc::new(crate::session::etcd::EtcdStore::new(client, &prefix))
+            Arc::new(crate::session::etcd::EtcdStore::new(
+                client, &prefix, &digester,
+            ))
         }
         SessionPlace::Redis => {
             let password = match &section.redis_password_file {
@@ -642,23 +657,10 @@ async fn build_sessions(
                 dial_timeout: Duration::from_millis(config.registry.dial_timeout_ms.max(1)),
             };
             Arc::new(
-                crate::session::redis::RedisStore::connect(&settings)
+                crate::session::redis::RedisStore::connect(&settings, &digester)
                     .await
                     .map_err(|e| failed(&e))?,
             )
-        }
-    };
-    let digester = match digester {
-        Some(digester) => digester,
-        // A single mesh: a secret of this process.
-        None if !place.shared() => crate::session::Digester::random(),
-        None => {
-            return Err(ServerError::Sessions(
-                crate::config::SessionsSettingError::NoSecret {
-                    store: place.name(),
-                }
-                .to_string(),
-            ));
         }
     };
     if place.shared() {
