@@ -291,9 +291,10 @@ async fn replica(
     );
     let mesh = TestMesh::with_registry(config, registry.clone()).await;
     let client = etcd_client::Client::connect(endpoints, None).await.unwrap();
+    let digester = Digester::new(&[7u8; 32]).unwrap();
     let memory = SessionMemory::new(
-        Arc::new(EtcdStore::new(client, prefix)),
-        Digester::new(&[7u8; 32]).unwrap(),
+        Arc::new(EtcdStore::new(client, prefix, &digester)),
+        digester.clone(),
         SessionLimits::default(),
     );
     mesh.mesh.attach_sessions(Arc::new(memory)).unwrap();

@@ -322,13 +322,24 @@ impl Drop for Redis {
 }
 
 /// The name of `session`'s key (no identity: a mesh without principals)
-/// in a shared store under the registry's `prefix`.
-fn stored_key(prefix: &str, session: &str) -> String {
+/// in a shared store under the registry's `prefix`, the replicas' session
+/// secret in the file `secret`.
+fn stored_key(prefix: &str, session: &str, secret: &Path) -> String {
+    let digester = guardmesh_server::session::secret::read_secret(secret).unwrap();
     format!(
         "{}{}",
         sessions_prefix(prefix),
-        SessionKey::new("", session).stored_name()
+        SessionKey::new("", session).stored_name(&digester)
     )
+}
+
+/// The name a reader of the store without the secret would guess for
+/// `session`: a plain SHA-256 of its key.
+fn guessed_key(prefix: &str, session: &str) -> String {
+    use sha2::Digest as _;
+    let plain = sha2::Sha256::digest(SessionKey::new("", session).store_key().as_bytes());
+    let hex: String = plain.iter().map(|b| format!("{b:02x}")).collect();
+    format!("{}{hex}", sessions_prefix(prefix))
 }
 
 // ---------------------------------------------------------------------------
@@ -399,9 +410,13 @@ async fn r34_two_serve_replicas_on_a_3_member_etcd_share_session_memory() {
         );
     }
     assert_eq!(sessions_seen, 2, "sessions s and s-other");
-    let key = stored_key(prefix, "s");
+    let key = stored_key(prefix, "s", &secret);
     let held = client.get(key.as_str(), None).await.unwrap();
     assert_eq!(held.kvs().len(), 1, "{key}");
+    // Without the secret, a guess of who has a session is not confirmed.
+    let guess = guessed_key(prefix, "s");
+    let held = client.get(guess.as_str(), None).await.unwrap();
+    assert!(held.kvs().is_empty(), "{guess} confirms a guessed session");
     // The quorum gone: every linearizable read is refused; the session
     // rules fail closed within the store's deadline, on both replicas.
     cluster.members[1].kill();
@@ -450,8 +465,11 @@ async fn r34_two_serve_replicas_on_redis_share_session_memory() {
     flow_across(&ca, &cb, "s").await;
     // One key per session, JSON, on a time to live of the memory's age
     // (24 h by default); no value read, no secret.
-    let key = stored_key(prefix, "s");
+    let key = stored_key(prefix, "s", &secret);
     let value: String = redis.command(&["GET", &key]);
+    // Without the secret, a guess of who has a session is not confirmed.
+    let guessed: i64 = redis.command(&["EXISTS", &guessed_key(prefix, "s")]);
+    assert_eq!(guessed, 0, "a guessed session name is in Redis");
     let memory: serde_json::Value = serde_json::from_str(&value).unwrap();
     assert!(
         memory["seen"].as_array().is_some_and(|s| !s.is_empty()),
@@ -475,7 +493,7 @@ async fn r34_two_serve_replicas_on_redis_share_session_memory() {
     );
     // Garbage in the store: not JSON, then not a string. Never read as an
     // empty session, never overwritten by the next update.
-    let garbage = stored_key(prefix, "g");
+    let garbage = stored_key(prefix, "g", &secret);
     let _: () = redis.command(&["SET", &garbage, "{not json"]);
     let d = fails_closed(&cb, "g", Duration::from_secs(5)).await;
     let error = &d.guard("flows").unwrap().error;
@@ -852,8 +870,9 @@ async fn r34_replicas_updating_one_session_in_redis_lose_no_update() {
         request_timeout: Duration::from_secs(2),
         dial_timeout: Duration::from_secs(5),
     };
-    let a = RedisStore::connect(&settings).await.unwrap();
-    let b = RedisStore::connect(&settings).await.unwrap();
+    let names = guardmesh_server::session::Digester::new(&[3u8; 32]).unwrap();
+    let a = RedisStore::connect(&settings, &names).await.unwrap();
+    let b = RedisStore::connect(&settings, &names).await.unwrap();
     no_update_is_lost(std::sync::Arc::new(a), std::sync::Arc::new(b)).await;
 }
 
@@ -868,9 +887,10 @@ async fn r34_replicas_updating_one_session_in_etcd_lose_no_update() {
     let b = etcd_client::Client::connect(&urls[1..], None)
         .await
         .unwrap();
+    let names = guardmesh_server::session::Digester::new(&[3u8; 32]).unwrap();
     no_update_is_lost(
-        std::sync::Arc::new(EtcdStore::new(a, "/t/contended")),
-        std::sync::Arc::new(EtcdStore::new(b, "/t/contended")),
+        std::sync::Arc::new(EtcdStore::new(a, "/t/contended", &names)),
+        std::sync::Arc::new(EtcdStore::new(b, "/t/contended", &names)),
     )
     .await;
 }
@@ -941,7 +961,8 @@ async fn r34_an_active_session_outlives_its_first_etcd_lease() {
     let client = etcd_client::Client::connect(cluster.urls(), None)
         .await
         .unwrap();
-    let store = EtcdStore::new(client, "/t/lease");
+    let names = guardmesh_server::session::Digester::new(&[3u8; 32]).unwrap();
+    let store = EtcdStore::new(client, "/t/lease", &names);
     let limits = SessionLimits {
         max_age: Duration::from_secs(4),
         ..SessionLimits::default()

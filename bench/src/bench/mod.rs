@@ -30,7 +30,7 @@
 //! | veto | `veto_1ms`, `early_veto` |
 //! | decision log | `log_off`, `log_fsync_record`, `log_fsync_interval` (after the throughput runs, with their own; see [`decision_log`]) |
 //! | MCP gateway ([`mcp`]) | `mcp_direct`, `mcp_stdio`, `mcp_stdio_w0`, `mcp_relay_w0` |
-//! | session memory and results ([`sessions`]) | `session_off`, `session_on`, `session_on_etcd`, `remote_session_off`, `remote_session_on`, `call_batch`, `result_batch`, `result_batch_etcd` |
+//! | session memory and results ([`sessions`]) | `session_off`, `session_on`, `session_on_etcd`, `remote_session_off`, `remote_session_on`, `call_batch`, `result_batch`, `result_batch_etcd`, `session_on_redis`, `result_batch_redis` |
 //!
 //! After the throughput runs, a CPU-bound guard with 1, 2 and 4 replica
 //! processes ([`replicas`]).
@@ -188,7 +188,7 @@ pub struct BenchArgs {
     /// `mcp`, the MCP gateway's group (the same counts as in a full run);
     /// `replicas`, a CPU-bound guard with 1, 2 and 4 replicas; `sessions`,
     /// session memory on and off, a result batch against a call batch, and
-    /// the etcd store against the mesh's own memory.
+    /// the etcd and Redis stores against the mesh's own memory.
     #[arg(long, value_enum)]
     pub only: Option<Only>,
     /// Another build's `guardmesh` executable, for `--only compare`: its

@@ -14,6 +14,8 @@
 //! | `call_batch` | the `redact-formats` example guard, mutate, calls and results | 4 calls, one holding an AWS access key |
 //! | `result_batch` | the same chain (a mesh of its own) | the 4 results of those calls, one holding the key |
 //! | `result_batch_etcd` | the same, its memory in the etcd | the same |
+//! | `session_on_redis` | as `session_on_etcd`, its memory in a `redis-server` on loopback (no persistence) | the standard batch |
+//! | `result_batch_redis` | the same, its memory in that Redis | the same |
 //!
 //! Every scenario keeps to one session, so from the warm-up on its memory
 //! is full (16 KiB by default) and every measured batch reads and writes a
@@ -24,7 +26,7 @@
 //!
 //! Each mesh is a process of its own, `guardmesh bench-session-mesh`
 //! ([`serve_mesh`]): `guardmesh serve`'s config file and server, with the
-//! session memory attached on the store named (`memory` or `etcd=URL`)
+//! session memory attached on the store named (`memory`, `etcd=URL` or `redis=URL`)
 //! behind a counter of store operations, which the benchmark reads after
 //! the timed rounds with a separate, counted pass per scenario: loads and
 //! updates per batch. A scenario whose figures say "off" must not touch the
@@ -33,8 +35,9 @@
 //! The store kinds beyond the mesh's own memory are [`STORES`]: a kind is
 //! a line there, a way to start its server ([`StoreServer::start`]) and a
 //! way for the mesh process to connect ([`connect_store`]). Without the
-//! `etcd` executable on `PATH`, its scenarios are skipped, said on stderr
-//! and in the report, and their figures are `NaN`.
+//! store's executable on `PATH` (`etcd`, `redis-server`), its scenarios
+//! are skipped, said on stderr and in the report, and their figures are
+//! `NaN`.
 
 use super::child::Child;
 use super::report::{self, Cpu, Latency};
@@ -44,6 +47,7 @@ use super::{
 };
 use guardmesh_client::{Batch, BatchDecision, Outcome, ResultOutcome, Session};
 use guardmesh_server::session::etcd::EtcdStore;
+use guardmesh_server::session::redis::{RedisSettings, RedisStore};
 use guardmesh_server::session::{
     Applied, Digester, LocalStore, Memory, SessionKey, SessionLimits, SessionMemory, SessionStore,
     StoreError, Update,
@@ -116,6 +120,7 @@ pub(super) const RESULT_BATCH: &str = "result_batch";
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(super) enum StoreKind {
     Etcd,
+    Redis,
 }
 
 /// A shared store the session scenarios measure against the mesh's own
@@ -132,17 +137,31 @@ pub(super) struct StoreDef {
     /// The scenario of `result_batch`'s chain, and what it is.
     pub results_scenario: &'static str,
     pub results_what: &'static str,
+    /// How to install its server, said when it is not on `PATH`.
+    pub install: &'static str,
 }
 
 /// The shared stores measured, in order.
-pub(super) const STORES: &[StoreDef] = &[StoreDef {
-    kind: StoreKind::Etcd,
-    name: "etcd",
-    scenario: "session_on_etcd",
-    what: "as session_on, the memory in a single-member etcd on loopback (fsync on)",
-    results_scenario: "result_batch_etcd",
-    results_what: "as result_batch, the memory in the same etcd (CPU: with the calls)",
-}];
+pub(super) const STORES: &[StoreDef] = &[
+    StoreDef {
+        kind: StoreKind::Etcd,
+        name: "etcd",
+        scenario: "session_on_etcd",
+        what: "as session_on, the memory in a single-member etcd on loopback (fsync on)",
+        results_scenario: "result_batch_etcd",
+        results_what: "as result_batch, the memory in the same etcd (CPU: with the calls)",
+        install: "scripts/setup-etcd installs etcd",
+    },
+    StoreDef {
+        kind: StoreKind::Redis,
+        name: "redis",
+        scenario: "session_on_redis",
+        what: "as session_on, the memory in a redis-server on loopback (no persistence)",
+        results_scenario: "result_batch_redis",
+        results_what: "as result_batch, the memory in the same redis-server (CPU: with the calls)",
+        install: "scripts/setup-redis installs redis-server",
+    },
+];
 
 /// Where the mesh process keeps session memory (`--store`).
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -194,7 +213,7 @@ pub struct SessionMeshArgs {
     #[arg(long)]
     pub config: PathBuf,
     /// Where session memory is kept: `memory` (the mesh's own, as
-    /// `guardmesh serve` keeps it) or `etcd=URL`.
+    /// `guardmesh serve` keeps it), `etcd=URL` or `redis=URL`.
     #[arg(long, default_value = "memory")]
     pub store: String,
     /// Runtime threads, as `guardmesh serve --worker-threads` (by default
@@ -251,6 +270,17 @@ impl SessionStore for Counted {
         loaded
     }
 
+    /// A read of the mesh: the store's shared snapshot where it has one
+    /// (the mesh's own memory), counted as a load.
+    async fn snapshot(&self, key: &SessionKey) -> Result<Option<Arc<Memory>>, StoreError> {
+        self.loads.fetch_add(1, Ordering::Relaxed);
+        let loaded = self.inner.snapshot(key).await;
+        if loaded.is_err() {
+            self.failures.fetch_add(1, Ordering::Relaxed);
+        }
+        loaded
+    }
+
     async fn update(
         &self,
         key: &SessionKey,
@@ -284,6 +314,7 @@ impl SessionStore for Counted {
 async fn connect_store(
     spec: &StoreSpec,
     limits: SessionLimits,
+    digester: &Digester,
 ) -> Result<Arc<dyn SessionStore>, Error> {
     Ok(match spec {
         StoreSpec::Memory => Arc::new(LocalStore::new(limits)),
@@ -295,7 +326,21 @@ async fn connect_store(
             .await
             .map_err(|_| format!("etcd at {url} did not answer within {START_TIMEOUT:?}"))?
             .map_err(|e| format!("cannot connect to etcd at {url}: {e}"))?;
-            Arc::new(EtcdStore::new(client, STORE_PREFIX))
+            Arc::new(EtcdStore::new(client, STORE_PREFIX, digester))
+        }
+        StoreSpec::Shared(StoreKind::Redis, url) => {
+            let settings = RedisSettings {
+                url: url.clone(),
+                password: None,
+                prefix: STORE_PREFIX.to_owned(),
+                request_timeout: OP_TIMEOUT,
+                dial_timeout: START_TIMEOUT,
+            };
+            Arc::new(
+                RedisStore::connect(&settings, digester)
+                    .await
+                    .map_err(|e| format!("cannot connect to redis at {url}: {e}"))?,
+            )
         }
     })
 }
@@ -320,11 +365,12 @@ pub(super) fn serve_mesh(args: SessionMeshArgs, mesh_default_worker_threads: usi
 
 async fn serve(args: SessionMeshArgs) -> Result<(), Error> {
     let spec = StoreSpec::parse(&args.store)?;
-    let server = guardmesh_server::run::Server::load(&args.config).await?;
+    let server = guardmesh_server::run::Server::load_without_sessions(&args.config).await?;
     let limits = server.mesh().config.sessions;
-    let counted = Arc::new(Counted::new(connect_store(&spec, limits).await?));
     // Keyed with a random secret, as a single mesh's own memory is.
-    let memory = SessionMemory::new(counted.clone(), Digester::random(), limits);
+    let digester = Digester::random();
+    let counted = Arc::new(Counted::new(connect_store(&spec, limits, &digester).await?));
+    let memory = SessionMemory::new(counted.clone(), digester, limits);
     if server.mesh().attach_sessions(Arc::new(memory)).is_err() {
         return Err(
             "the mesh's session memory was attached before the bench attached its own".into(),
@@ -493,6 +539,68 @@ impl StoreServer {
     async fn start(def: &StoreDef, dir: &Path) -> Result<Option<Self>, Error> {
         match def.kind {
             StoreKind::Etcd => Self::etcd(dir).await,
+            StoreKind::Redis => Self::redis(dir).await,
+        }
+    }
+
+    /// A `redis-server` on a free loopback port, nothing saved (no RDB
+    /// snapshots, no append-only file), its files in `dir`.
+    async fn redis(dir: &Path) -> Result<Option<Self>, Error> {
+        let Some(bin) = executable("redis-server") else {
+            return Ok(None);
+        };
+        let mut last_error: Option<Error> = None;
+        // A port found free may be taken before redis binds it: retry.
+        for attempt in 0..3 {
+            let port = free_port()?;
+            let data = dir.join(format!("redis-data-{attempt}"));
+            std::fs::create_dir_all(&data)
+                .map_err(|e| format!("cannot create {}: {e}", data.display()))?;
+            let mut command = Command::new(&bin);
+            command
+                .args(["--port", &port.to_string(), "--bind", "127.0.0.1"])
+                .args(["--save", "", "--appendonly", "no", "--daemonize", "no"])
+                .arg("--dir")
+                .arg(&data);
+            let log = dir.join(format!("redis-{attempt}.log"));
+            let mut child = Child::spawn("redis-server", command, Some(log), None)?;
+            match Self::redis_ready(port, &mut child).await {
+                Ok(()) => {
+                    let url = format!("redis://127.0.0.1:{port}");
+                    return Ok(Some(Self { _child: child, url }));
+                }
+                Err(error) => last_error = Some(error),
+            }
+        }
+        Err(last_error.unwrap_or_else(|| "redis-server did not start".into()))
+    }
+
+    /// Waits until redis on `port` answers `PING`.
+    async fn redis_ready(port: u16, child: &mut Child) -> Result<(), Error> {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let deadline = Instant::now() + 2 * START_TIMEOUT;
+        loop {
+            child.check_alive()?;
+            let pong = tokio::time::timeout(Duration::from_secs(2), async {
+                let mut stream = tokio::net::TcpStream::connect(("127.0.0.1", port)).await?;
+                stream.write_all(b"PING\r\n").await?;
+                let mut answer = [0u8; 7];
+                stream.read_exact(&mut answer).await?;
+                Ok::<bool, std::io::Error>(&answer == b"+PONG\r\n")
+            })
+            .await;
+            if let Ok(Ok(true)) = pong {
+                return Ok(());
+            }
+            if Instant::now() >= deadline {
+                return Err(format!(
+                    "redis-server on port {port} did not answer PING within {:?}{}",
+                    2 * START_TIMEOUT,
+                    child.log_tail()
+                )
+                .into());
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
         }
     }
 
@@ -931,8 +1039,14 @@ pub(super) async fn run(
             Some(server) => servers.push((def, server)),
             None => {
                 let why = format!(
-                    "{} and {}: no `{}` executable on PATH (scripts/setup-etcd installs etcd); their figures are NaN",
-                    def.scenario, def.results_scenario, def.name
+                    "{} and {}: no `{}` executable on PATH ({}); their figures are NaN",
+                    def.scenario,
+                    def.results_scenario,
+                    match def.kind {
+                        StoreKind::Etcd => "etcd",
+                        StoreKind::Redis => "redis-server",
+                    },
+                    def.install
                 );
                 eprintln!("[bench] WARNING: SKIPPED {why}");
                 skipped.push(why);
@@ -1306,6 +1420,8 @@ mod tests {
         assert_eq!(StoreSpec::parse("memory").ok(), Some(StoreSpec::Memory));
         let etcd = StoreSpec::Shared(StoreKind::Etcd, "http://127.0.0.1:2379".into());
         assert_eq!(StoreSpec::parse(&etcd.arg()).ok(), Some(etcd));
+        let redis = StoreSpec::Shared(StoreKind::Redis, "redis://127.0.0.1:6379".into());
+        assert_eq!(StoreSpec::parse(&redis.arg()).ok(), Some(redis));
         for bad in ["", "etcd", "etcd=", "nosuch=http://x", "memory=x"] {
             assert!(StoreSpec::parse(bad).is_err(), "{bad}");
         }

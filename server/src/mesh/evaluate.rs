@@ -4,6 +4,7 @@
 
 use super::Mesh;
 use super::record::{BatchLog, Guards, Outcome};
+use super::session::BatchSession;
 use crate::admit;
 use crate::judge::{BatchError, Phase, TraceContext};
 use guardmesh_proto::v1::{BatchDecision, EvaluateRequest, GuardTrace, TraceStatus};
@@ -160,7 +161,7 @@ impl Mesh {
             Err(refusal) => return Outcome::refused(refusal),
         };
         // R34: the session's memory, read once when a guard reads it.
-        let session = self.read_session(&chain, &request, &trace, &phase).await;
+        let mut session = self.read_session(&chain, &request, &trace, &phase).await;
         // R33: a request of results runs no call; its results are
         // remembered by `results_read`.
         let runs_calls = !phase.is_results();
@@ -177,7 +178,10 @@ impl Mesh {
             trace,
             span,
             phase,
-            session.as_ref().map(|s| s.value.clone()),
+            // Handed to the judge, not kept: the memory read is let go
+            // when judging ends, so that the write after it updates a
+            // store in this process in place (no copy of the memory).
+            session.as_mut().map(BatchSession::take_value),
         )
         .await;
         if let Ok(decision) = &judged.result {

@@ -72,22 +72,42 @@ impl crate::Mesh {
                 by.caller.as_deref().unwrap_or_default(),
                 by.session_id.as_str(),
             );
-            for result in &decision.results {
-                let (tool, server) = result
-                    .original
-                    .as_ref()
-                    .map_or(("", ""), |o| (o.tool.as_str(), o.server.as_str()));
-                if let Err(error) = self
-                    .sessions()
-                    .result_seen(&key, &result.call_id, tool, server, &result.result, &[])
-                    .await
-                {
-                    tracing::warn!(
-                        %error,
-                        call_id = %result.call_id,
-                        "a result read was not remembered in its session"
-                    );
+            let results: Vec<crate::session::ResultSeen<'_>> = decision
+                .results
+                .iter()
+                .map(|result| {
+                    let (tool, server) = result
+                        .original
+                        .as_ref()
+                        .map_or(("", ""), |o| (o.tool.as_str(), o.server.as_str()));
+                    crate::session::ResultSeen {
+                        call_id: &result.call_id,
+                        tool,
+                        server,
+                        result_json: &result.result,
+                        labels: &[],
+                    }
+                })
+                .collect();
+            // One load and one update of the session for the whole
+            // request, however many results it holds.
+            match self.sessions().results_seen(&key, &results).await {
+                Ok(seen) => {
+                    for (result, outcome) in decision.results.iter().zip(&seen.outcomes) {
+                        if let Err(error) = outcome {
+                            tracing::warn!(
+                                %error,
+                                call_id = %result.call_id,
+                                "a result read was not remembered in its session"
+                            );
+                        }
+                    }
                 }
+                Err(error) => tracing::warn!(
+                    %error,
+                    results = results.len(),
+                    "the results read were not remembered in their session"
+                ),
             }
         }
         let Some(reads) = self.result_reads.get() else {

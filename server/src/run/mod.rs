@@ -146,12 +146,24 @@ impl Server {
     /// mesh ([`Server::from_config`]); policy files are relative to the
     /// file's folder.
     pub async fn load(path: &Path) -> Result<Self, ServerError> {
+        Self::load_with(path, true).await
+    }
+
+    /// As [`Server::load`], with no session memory attached: the caller
+    /// attaches its own ([`Mesh::attach_sessions`]) before the first batch,
+    /// as the benchmark does to count its store's operations. The config's
+    /// `[sessions]` section is still checked, and its bounds are the mesh's.
+    pub async fn load_without_sessions(path: &Path) -> Result<Self, ServerError> {
+        Self::load_with(path, false).await
+    }
+
+    async fn load_with(path: &Path, sessions: bool) -> Result<Self, ServerError> {
         let config = Config::load(path)?;
         let dir = path
             .parent()
             .filter(|dir| !dir.as_os_str().is_empty())
             .unwrap_or_else(|| Path::new("."));
-        Ok(Self::from_config(config)
+        Ok(Self::build(config, sessions)
             .await?
             .with_config_dir(dir.to_path_buf()))
     }
@@ -163,6 +175,10 @@ impl Server {
     /// open-file limit to the hard one (the connection cap is derived from
     /// it unless `[server] max_connections` is set, R25).
     pub async fn from_config(config: Config) -> Result<Self, ServerError> {
+        Self::build(config, true).await
+    }
+
+    async fn build(config: Config, attach_sessions: bool) -> Result<Self, ServerError> {
         for warning in config.insecure_settings() {
             tracing::warn!("insecure setting: {warning}");
         }
@@ -196,7 +212,11 @@ impl Server {
         let (mesh_config, checked) = config.build_with_guards()?;
         let (registry, etcd) =
             build_registry(&config, checked, mesh_config.default_guard_timeout).await?;
-        let sessions = build_sessions(&config, place, etcd, digester).await?;
+        let sessions = if attach_sessions {
+            build_sessions(&config, place, etcd, digester).await?
+        } else {
+            None
+        };
         let metrics_started = config.metrics_listen.is_some();
         let mesh = Mesh::new(mesh_config, registry);
         if let Some(sessions) = sessions {
@@ -621,13 +641,28 @@ async fn build_sessions(
     let section = &config.sessions;
     let failed = |e: &dyn std::fmt::Display| ServerError::Sessions(e.to_string());
     let limits = section.limits();
+    let digester = match digester {
+        Some(digester) => digester,
+        // A single mesh: a secret of this process.
+        None if !place.shared() => crate::session::Digester::random(),
+        None => {
+            return Err(ServerError::Sessions(
+                crate::config::SessionsSettingError::NoSecret {
+                    store: place.name(),
+                }
+                .to_string(),
+            ));
+        }
+    };
     let store: Arc<dyn SessionStore> = match place {
         SessionPlace::Local => Arc::new(LocalStore::new(limits)),
         SessionPlace::Etcd => {
             let (client, prefix) = etcd.ok_or_else(|| {
                 ServerError::Sessions("sessions: the etcd registry is not connected".into())
             })?;
-            Arc::new(crate::session::etcd::EtcdStore::new(client, &prefix))
+            Arc::new(crate::session::etcd::EtcdStore::new(
+                client, &prefix, &digester,
+            ))
         }
         SessionPlace::Redis => {
             let password = match &section.redis_password_file {
@@ -642,23 +677,10 @@ async fn build_sessions(
                 dial_timeout: Duration::from_millis(config.registry.dial_timeout_ms.max(1)),
             };
             Arc::new(
-                crate::session::redis::RedisStore::connect(&settings)
+                crate::session::redis::RedisStore::connect(&settings, &digester)
                     .await
                     .map_err(|e| failed(&e))?,
             )
-        }
-    };
-    let digester = match digester {
-        Some(digester) => digester,
-        // A single mesh: a secret of this process.
-        None if !place.shared() => crate::session::Digester::random(),
-        None => {
-            return Err(ServerError::Sessions(
-                crate::config::SessionsSettingError::NoSecret {
-                    store: place.name(),
-                }
-                .to_string(),
-            ));
         }
     };
     if place.shared() {

@@ -26,6 +26,11 @@ pub const MIN_VALUE_CHARS: usize = 8;
 /// Longest text digested whole; a longer value is kept by its tokens only.
 pub const MAX_WHOLE_VALUE_BYTES: usize = 4096;
 
+/// What a session's name in a store is a keyed digest of, before the
+/// session's key: no value seen (digested without it) has the digest of a
+/// session's name.
+const SESSION_NAME_DOMAIN: &str = "guardmesh session name v1\n";
+
 /// The digest of one value: HMAC-SHA256 cut to 128 bits.
 pub type Digest = [u8; 16];
 
@@ -73,6 +78,21 @@ impl Digester {
         let mut out = [0u8; 16];
         out.copy_from_slice(&full[..16]);
         out
+    }
+
+    /// The name of a session in a shared store (hex, 64 digits): the
+    /// HMAC-SHA256 of `store_key` under the secret, apart from the digests
+    /// of values by a prefix of its own. Without the secret, a reader of
+    /// the store cannot test a guess of who has a session.
+    pub fn session_name(&self, store_key: &str) -> String {
+        let mut mac = self.key.clone();
+        mac.update(SESSION_NAME_DOMAIN.as_bytes());
+        mac.update(store_key.as_bytes());
+        mac.finalize()
+            .into_bytes()
+            .iter()
+            .map(|b| format!("{b:02x}"))
+            .collect()
     }
 
     /// The digests of `text` as a value seen: the whole text (when not too

@@ -27,6 +27,8 @@ const ATTEMPTS: u32 = 8;
 pub struct EtcdStore {
     client: Client,
     prefix: String,
+    /// Keys the sessions' names (the session secret).
+    names: super::Digester,
 }
 
 impl std::fmt::Debug for EtcdStore {
@@ -43,16 +45,19 @@ fn unavailable(error: etcd_client::Error) -> StoreError {
 
 impl EtcdStore {
     /// Sessions of the chain at the registry's `prefix`, under
-    /// `<prefix>.sessions/` of the etcd `client` talks to.
-    pub fn new(client: Client, prefix: &str) -> Self {
+    /// `<prefix>.sessions/` of the etcd `client` talks to, each named by
+    /// a digest of its key under `names` (the session secret:
+    /// [`SessionKey::stored_name`]).
+    pub fn new(client: Client, prefix: &str, names: &super::Digester) -> Self {
         Self {
             client,
             prefix: super::store::sessions_prefix(prefix),
+            names: names.clone(),
         }
     }
 
     fn key(&self, key: &SessionKey) -> String {
-        format!("{}{}", self.prefix, key.stored_name())
+        format!("{}{}", self.prefix, key.stored_name(&self.names))
     }
 
     /// The memory at `key`, its revision (0: absent) and lease.

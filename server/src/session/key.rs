@@ -42,13 +42,12 @@ impl SessionKey {
         )
     }
 
-    /// The session's name in a shared store (etcd, Redis): the SHA-256 of
-    /// [`SessionKey::store_key`] in hex, so the store's keys do not list
-    /// who has sessions.
-    pub fn stored_name(&self) -> String {
-        use sha2::Digest as _;
-        let digest = sha2::Sha256::digest(self.store_key().as_bytes());
-        digest.iter().map(|b| format!("{b:02x}")).collect()
+    /// The session's name in a shared store (etcd, Redis): the HMAC-SHA256
+    /// of [`SessionKey::store_key`] under the session secret, in hex, so
+    /// the store's keys do not list who has sessions, and a reader of the
+    /// store without the secret cannot confirm a guess of one either.
+    pub fn stored_name(&self, digester: &super::Digester) -> String {
+        digester.session_name(&self.store_key())
     }
 
     /// Bytes this key holds.
@@ -72,5 +71,34 @@ mod tests {
             SessionKey::new("", "3:abc").store_key(),
             SessionKey::new("3:abc", "").store_key()
         );
+    }
+
+    #[test]
+    fn r34_a_stored_name_cannot_be_confirmed_without_the_secret() {
+        use sha2::Digest as _;
+        let a = super::super::Digester::new(&[1u8; 32]).unwrap();
+        let b = super::super::Digester::new(&[2u8; 32]).unwrap();
+        let key = SessionKey::new("alice", "s-1");
+        let name = key.stored_name(&a);
+        // 64 hex digits, the same for every replica with the secret.
+        assert_eq!(name.len(), 64);
+        assert!(name.bytes().all(|c| c.is_ascii_hexdigit()));
+        assert_eq!(
+            name,
+            key.stored_name(&super::super::Digester::new(&[1u8; 32]).unwrap())
+        );
+        // A guess hashed without the secret, or under another secret, does
+        // not meet it.
+        let plain: String = sha2::Sha256::digest(key.store_key().as_bytes())
+            .iter()
+            .map(|b| format!("{b:02x}"))
+            .collect();
+        assert_ne!(name, plain);
+        assert_ne!(name, key.stored_name(&b));
+        // Nor the digest of a value seen under the same secret.
+        assert!(!name.starts_with(&super::super::digest::to_hex(&a.digest(&key.store_key()))));
+        // Other sessions, other names.
+        assert_ne!(name, SessionKey::new("alice", "s-2").stored_name(&a));
+        assert_ne!(name, SessionKey::new("bob", "s-1").stored_name(&a));
     }
 }

@@ -8,7 +8,7 @@ use super::memory::{Applied, Memory, Update};
 use super::store::{SessionStore, StoreError};
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Mutex, PoisonError};
+use std::sync::{Arc, Mutex, PoisonError};
 
 /// The in-memory store.
 #[derive(Debug)]
@@ -20,7 +20,9 @@ pub struct LocalStore {
 
 #[derive(Debug, Default)]
 struct State {
-    sessions: HashMap<SessionKey, Memory>,
+    /// Each session's memory, shared with the readers of a snapshot: an
+    /// update copies it only while a batch still reads the one before.
+    sessions: HashMap<SessionKey, Arc<Memory>>,
     per_identity: HashMap<String, usize>,
     bytes: usize,
 }
@@ -78,6 +80,11 @@ impl LocalStore {
 impl SessionStore for LocalStore {
     async fn load(&self, key: &SessionKey) -> Result<Option<Memory>, StoreError> {
         let state = self.state.lock().unwrap_or_else(PoisonError::into_inner);
+        Ok(state.sessions.get(key).map(|m| Memory::clone(m)))
+    }
+
+    async fn snapshot(&self, key: &SessionKey) -> Result<Option<Arc<Memory>>, StoreError> {
+        let state = self.state.lock().unwrap_or_else(PoisonError::into_inner);
         Ok(state.sessions.get(key).cloned())
     }
 
@@ -100,7 +107,7 @@ impl SessionStore for LocalStore {
             *state.per_identity.entry(key.identity.clone()).or_default() += 1;
             state.bytes += key.bytes();
         }
-        let memory = state.sessions.entry(key.clone()).or_default();
+        let memory = Arc::make_mut(state.sessions.entry(key.clone()).or_default());
         let before = memory.bytes();
         let applied = memory.apply(update, limits, now);
         state.bytes = state.bytes.saturating_sub(before) + applied.bytes;

@@ -174,7 +174,10 @@ impl Memory {
             });
             applied.labels.push(label.clone());
         }
-        let known: HashSet<(&str, &str)> = self
+        // Values already seen, and those earlier in this update (a
+        // request of results brings several results in one update), are
+        // not added twice.
+        let mut known: HashSet<(&str, &str)> = self
             .seen
             .iter()
             .map(|s| (s.server.as_str(), s.digest.as_str()))
@@ -182,7 +185,7 @@ impl Memory {
         let fresh: Vec<Seen> = update
             .seen
             .iter()
-            .filter(|s| !known.contains(&(s.server.as_str(), s.digest.as_str())))
+            .filter(|s| known.insert((s.server.as_str(), s.digest.as_str())))
             .map(|s| Seen {
                 at: now,
                 ..s.clone()

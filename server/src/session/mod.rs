@@ -82,6 +82,29 @@ pub enum ResultError {
     NotJson(String),
 }
 
+/// One result read in a session, for [`SessionMemory::results_seen`].
+#[derive(Debug, Clone, Copy)]
+pub struct ResultSeen<'a> {
+    /// The id and tool of the call it is the result of.
+    pub call_id: &'a str,
+    pub tool: &'a str,
+    /// The server the result came from.
+    pub server: &'a str,
+    /// The result as the model reads it (JSON).
+    pub result_json: &'a str,
+    /// Labels a result verdict set.
+    pub labels: &'a [String],
+}
+
+/// What [`SessionMemory::results_seen`] did.
+#[derive(Debug, Clone, Default)]
+pub struct ResultsSeen {
+    /// The update of the session, when a result was kept.
+    pub applied: Option<Applied>,
+    /// Per result, in order: kept, or why not.
+    pub outcomes: Vec<Result<(), ResultError>>,
+}
+
 /// Milliseconds since the Unix epoch.
 pub fn now_ms() -> u64 {
     SystemTime::now()
@@ -147,10 +170,10 @@ impl SessionMemory {
     pub async fn read(&self, key: &SessionKey) -> Result<Arc<SessionView>, StoreError> {
         self.stats.reads.fetch_add(1, Ordering::Relaxed);
         let now = now_ms();
-        let memory = self.bounded(self.store.load(key)).await?;
+        let memory = self.bounded(self.store.snapshot(key)).await?;
         Ok(Arc::new(match memory {
             Some(memory) => {
-                SessionView::new(&memory, self.digester.clone(), now, self.limits.max_age)
+                SessionView::new(memory, self.digester.clone(), now, self.limits.max_age)
             }
             None => SessionView::empty(self.digester.clone(), now),
         }))
@@ -223,11 +246,8 @@ impl SessionMemory {
         (seen, cut)
     }
 
-    /// The hook of the results phase (R33): the result `result_json` of
-    /// call `call_id` of `tool`, from `server`, was read in the session
-    /// `key`. Its values are remembered as digests, with `labels` (a result
-    /// verdict's). A result for a call that did not run in this session is
-    /// refused ([`ResultError::NoSuchCall`]).
+    /// The hook of the results phase (R33) for one result: see
+    /// [`SessionMemory::results_seen`].
     pub async fn result_seen(
         &self,
         key: &SessionKey,
@@ -237,37 +257,99 @@ impl SessionMemory {
         result_json: &str,
         labels: &[String],
     ) -> Result<Applied, ResultError> {
-        let view = self.store.load(key);
-        let memory = self.bounded(view).await?.unwrap_or_default();
+        let seen = self
+            .results_seen(
+                key,
+                &[ResultSeen {
+                    call_id,
+                    tool,
+                    server,
+                    result_json,
+                    labels,
+                }],
+            )
+            .await?;
+        match seen.outcomes.into_iter().next() {
+            Some(Err(error)) => Err(error),
+            _ => Ok(seen.applied.unwrap_or_default()),
+        }
+    }
+
+    /// The hook of the results phase (R33) for a request of results, read
+    /// in the session `key`: each result's values are remembered as
+    /// digests, with its `labels` (a result verdict's). A result for a call
+    /// that did not run in this session is refused on its own
+    /// ([`ResultError::NoSuchCall`]), as is one that is not JSON; the
+    /// others are kept. One load and at most one update of the session for
+    /// the whole request, however many results it holds. A store that
+    /// cannot answer fails the whole request.
+    pub async fn results_seen(
+        &self,
+        key: &SessionKey,
+        results: &[ResultSeen<'_>],
+    ) -> Result<ResultsSeen, StoreError> {
+        if results.is_empty() {
+            return Ok(ResultsSeen::default());
+        }
+        let memory = self
+            .bounded(self.store.snapshot(key))
+            .await?
+            .unwrap_or_default();
         let cutoff = now_ms()
             .saturating_sub(u64::try_from(self.limits.max_age.as_millis()).unwrap_or(u64::MAX));
+        let mut update = Update::default();
+        let mut outcomes = Vec::with_capacity(results.len());
+        for r in results {
+            outcomes.push(self.one_result(&memory, cutoff, r, &mut update));
+        }
+        // The snapshot is let go before the write: a store in this
+        // process then updates the memory in place, without copying it.
+        drop(memory);
+        if update.results == 0 {
+            return Ok(ResultsSeen {
+                applied: None,
+                outcomes,
+            });
+        }
+        let applied = self.record(key, &update).await?;
+        Ok(ResultsSeen {
+            applied: Some(applied),
+            outcomes,
+        })
+    }
+
+    /// Adds one result to `update`, if its call ran in `memory`.
+    fn one_result(
+        &self,
+        memory: &Memory,
+        cutoff: u64,
+        r: &ResultSeen<'_>,
+        update: &mut Update,
+    ) -> Result<(), ResultError> {
         if !memory
             .calls
             .iter()
-            .any(|c| c.id == call_id && c.tool == tool && c.at >= cutoff)
+            .any(|c| c.id == r.call_id && c.tool == r.tool && c.at >= cutoff)
         {
             return Err(ResultError::NoSuchCall {
-                call_id: call_id.to_owned(),
-                tool: tool.to_owned(),
+                call_id: r.call_id.to_owned(),
+                tool: r.tool.to_owned(),
             });
         }
         let result: serde_json::Value =
-            serde_json::from_str(result_json).map_err(|e| ResultError::NotJson(e.to_string()))?;
-        let (seen, cut) = self.seen(server, &result);
+            serde_json::from_str(r.result_json).map_err(|e| ResultError::NotJson(e.to_string()))?;
+        let (seen, cut) = self.seen(r.server, &result);
         if cut {
             tracing::info!(
-                server,
+                server = r.server,
                 limit = self.limits.max_values_per_result,
                 "session memory: a result held more values than are kept of one result"
             );
         }
-        let update = Update {
-            seen,
-            labels: labels.to_vec(),
-            results: 1,
-            ..Update::default()
-        };
-        Ok(self.record(key, &update).await?)
+        update.seen.extend(seen);
+        update.labels.extend_from_slice(r.labels);
+        update.results += 1;
+        Ok(())
     }
 
     /// The server a call's tool belongs to: the batch's metadata `server`

@@ -93,6 +93,8 @@ pub struct RedisStore {
     prefix: String,
     script: redis::Script,
     timeout: Duration,
+    /// Keys the sessions' names (the session secret).
+    names: super::Digester,
 }
 
 impl std::fmt::Debug for RedisStore {
@@ -130,8 +132,13 @@ pub fn check_url(url: &str) -> Result<(), RedisConnectError> {
 }
 
 impl RedisStore {
-    /// Connects to Redis (within `dial_timeout`) and authenticates.
-    pub async fn connect(settings: &RedisSettings) -> Result<Self, RedisConnectError> {
+    /// Connects to Redis (within `dial_timeout`) and authenticates; its
+    /// sessions are named by a digest of their key under `names` (the
+    /// session secret: [`SessionKey::stored_name`]).
+    pub async fn connect(
+        settings: &RedisSettings,
+        names: &super::Digester,
+    ) -> Result<Self, RedisConnectError> {
         check_url(&settings.url)?;
         let client = redis::Client::open(settings.url.as_str())
             .map_err(|e| RedisConnectError::Url(e.to_string()))?;
@@ -170,11 +177,12 @@ impl RedisStore {
             prefix: super::store::sessions_prefix(&settings.prefix),
             script: redis::Script::new(COMPARE_AND_SET),
             timeout: settings.request_timeout,
+            names: names.clone(),
         })
     }
 
     fn key(&self, key: &SessionKey) -> String {
-        format!("{}{}", self.prefix, key.stored_name())
+        format!("{}{}", self.prefix, key.stored_name(&self.names))
     }
 
     fn error(&self, error: &redis::RedisError) -> StoreError {

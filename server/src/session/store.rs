@@ -6,6 +6,7 @@
 use super::key::SessionKey;
 use super::limits::SessionLimits;
 use super::memory::{Applied, Memory, Update};
+use std::sync::Arc;
 use std::time::Duration;
 
 /// Where a shared store keeps the sessions of the chain at the registry's
@@ -62,6 +63,13 @@ pub enum StoreError {
 pub trait SessionStore: Send + Sync + std::fmt::Debug {
     /// The memory of `key`, if it has any.
     async fn load(&self, key: &SessionKey) -> Result<Option<Memory>, StoreError>;
+
+    /// The memory of `key` to read, shared: a store that keeps memory in
+    /// this process hands out what it holds without copying it; others
+    /// load it.
+    async fn snapshot(&self, key: &SessionKey) -> Result<Option<Arc<Memory>>, StoreError> {
+        Ok(self.load(key).await?.map(Arc::new))
+    }
 
     /// Applies `update` to the memory of `key` at `now` (milliseconds since
     /// the Unix epoch), within `limits`, atomically with respect to other

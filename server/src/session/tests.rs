@@ -316,3 +316,178 @@ fn r34_windows_parse_and_servers_come_from_metadata_or_the_tool() {
     );
     assert_eq!(SessionMemory::server_of("read", None), "");
 }
+
+/// A store that counts the operations asked of it.
+#[derive(Debug)]
+struct Counting {
+    inner: LocalStore,
+    loads: std::sync::atomic::AtomicUsize,
+    updates: std::sync::atomic::AtomicUsize,
+}
+
+#[tonic::async_trait]
+impl SessionStore for Counting {
+    async fn load(&self, key: &SessionKey) -> Result<Option<Memory>, StoreError> {
+        self.loads.fetch_add(1, Ordering::Relaxed);
+        self.inner.load(key).await
+    }
+
+    async fn update(
+        &self,
+        key: &SessionKey,
+        update: &Update,
+        limits: &SessionLimits,
+        now: u64,
+    ) -> Result<Applied, StoreError> {
+        self.updates.fetch_add(1, Ordering::Relaxed);
+        self.inner.update(key, update, limits, now).await
+    }
+
+    fn kind(&self) -> &'static str {
+        "counting"
+    }
+}
+
+#[tokio::test]
+async fn r33_r34_a_request_of_results_costs_one_load_and_one_update_of_its_session() {
+    let store = Arc::new(Counting {
+        inner: LocalStore::new(limits()),
+        loads: Default::default(),
+        updates: Default::default(),
+    });
+    let mem = SessionMemory::new(store.clone(), Digester::random(), limits());
+    let key = SessionKey::new("alice", "s-1");
+    let mut calls = Update::default();
+    for id in ["c1", "c2", "c3"] {
+        calls.calls.push(mem.call(id, "fs.read", "fs", "{}"));
+    }
+    mem.record(&key, &calls).await.unwrap();
+    let (loads, updates) = (
+        store.loads.load(Ordering::Relaxed),
+        store.updates.load(Ordering::Relaxed),
+    );
+    let text = |v: &str| format!(r#"{{"content":[{{"type":"text","text":"{v}"}}]}}"#);
+    let (r1, r2, r3, forged) = (
+        text("TOKEN=first-secret-value"),
+        text("TOKEN=second-secret-value"),
+        // The same value as the first: kept once.
+        text("TOKEN=first-secret-value"),
+        text("TOKEN=forged-result-value"),
+    );
+    let label = ["secret:fs".to_owned()];
+    let results = [
+        ResultSeen {
+            call_id: "c1",
+            tool: "fs.read",
+            server: "fs",
+            result_json: &r1,
+            labels: &label,
+        },
+        ResultSeen {
+            call_id: "c2",
+            tool: "fs.read",
+            server: "fs",
+            result_json: &r2,
+            labels: &[],
+        },
+        // A result for a call that never ran in this session.
+        ResultSeen {
+            call_id: "c9",
+            tool: "fs.read",
+            server: "fs",
+            result_json: &forged,
+            labels: &[],
+        },
+        ResultSeen {
+            call_id: "c3",
+            tool: "fs.read",
+            server: "fs",
+            result_json: &r3,
+            labels: &label,
+        },
+    ];
+    let seen = mem.results_seen(&key, &results).await.unwrap();
+    assert_eq!(store.loads.load(Ordering::Relaxed) - loads, 1, "loads");
+    assert_eq!(
+        store.updates.load(Ordering::Relaxed) - updates,
+        1,
+        "updates"
+    );
+    assert!(seen.outcomes[0].is_ok() && seen.outcomes[1].is_ok() && seen.outcomes[3].is_ok());
+    assert!(
+        matches!(&seen.outcomes[2], Err(ResultError::NoSuchCall { call_id, .. }) if call_id == "c9"),
+        "{:?}",
+        seen.outcomes[2]
+    );
+    let applied = seen.applied.unwrap();
+    assert_eq!(applied.labels, ["secret:fs".to_owned()]);
+    let view = mem.read(&key).await.unwrap();
+    assert_eq!(view.labels(), ["secret:fs".to_owned()]);
+    assert!(view.seen_from(["first-secret-value"], "fs").unwrap());
+    assert!(view.seen_from(["second-secret-value"], "fs").unwrap());
+    assert!(!view.seen_from(["forged-result-value"], "*").unwrap());
+    assert_eq!(view.for_guard().results_total, 3);
+    // The values of results 1 and 3 are one value, kept once.
+    let after = store.inner.load(&key).await.unwrap().unwrap();
+    let digests: std::collections::HashSet<_> = after.seen.iter().map(|s| &s.digest).collect();
+    assert_eq!(digests.len(), after.seen.len());
+
+    // Only forged results: the session is loaded, never written.
+    let (loads, updates) = (
+        store.loads.load(Ordering::Relaxed),
+        store.updates.load(Ordering::Relaxed),
+    );
+    let seen = mem.results_seen(&key, &results[2..3]).await.unwrap();
+    assert!(seen.applied.is_none());
+    assert_eq!(store.loads.load(Ordering::Relaxed) - loads, 1);
+    assert_eq!(store.updates.load(Ordering::Relaxed) - updates, 0);
+}
+
+#[tokio::test]
+async fn r34_a_read_shares_the_memory_and_a_later_write_never_changes_what_it_read() {
+    let store = LocalStore::new(limits());
+    let mem = SessionMemory::in_memory(limits());
+    let key = SessionKey::new("alice", "s-1");
+    let now = now_ms();
+    store
+        .update(
+            &key,
+            &update_with_call(&mem, "c1", "fs.read"),
+            &limits(),
+            now,
+        )
+        .await
+        .unwrap();
+    // Two reads hand out one memory, not two copies.
+    let a = store.snapshot(&key).await.unwrap().unwrap();
+    let b = store.snapshot(&key).await.unwrap().unwrap();
+    assert!(Arc::ptr_eq(&a, &b));
+    drop(b);
+    // A write while a batch still reads: the batch keeps what it read, the
+    // next read sees the write.
+    let mut taint = update_with_call(&mem, "c2", "email.send");
+    taint.labels = vec!["secret:fs".into()];
+    store.update(&key, &taint, &limits(), now).await.unwrap();
+    assert_eq!(a.calls.len(), 1);
+    assert!(a.labels.is_empty());
+    let c = store.snapshot(&key).await.unwrap().unwrap();
+    assert_eq!(c.calls.len(), 2);
+    assert_eq!(c.labels.len(), 1);
+    // With no reader left, a write updates the memory in place.
+    drop(a);
+    let before = Arc::as_ptr(&c);
+    drop(c);
+    store
+        .update(
+            &key,
+            &update_with_call(&mem, "c3", "fs.read"),
+            &limits(),
+            now,
+        )
+        .await
+        .unwrap();
+    let d = store.snapshot(&key).await.unwrap().unwrap();
+    assert_eq!(Arc::as_ptr(&d), before);
+    assert_eq!(d.calls.len(), 3);
+    assert_eq!(store.held().map(|(sessions, _)| sessions), Some(1));
+}

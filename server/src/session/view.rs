@@ -3,8 +3,9 @@
 //! per batch that needs it, shared by every rule and guard of the batch.
 
 use super::digest::{self, Digest, Digester};
-use super::memory::Memory;
+use super::memory::{CallRan, Memory};
 use std::collections::HashMap;
+use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
 /// Most tokens of one argument value a `seen_from` question digests: past
@@ -17,17 +18,17 @@ pub const GUARD_MAX_ITEMS: usize = 64;
 /// Most bytes of the session memory a guard is sent (R34).
 pub const GUARD_MAX_BYTES: usize = 16 * 1024;
 
-/// A read-only view of one session's memory.
+/// A read-only view of one session's memory: the memory as the store
+/// handed it out (shared, not copied), the entries older than its age left
+/// out as they are read. The index of values seen is built the first time
+/// a rule asks about them, not for every batch.
 #[derive(Debug, Clone)]
 pub struct SessionView {
+    memory: Arc<Memory>,
+    /// Entries before it (ms since the epoch) are past the memory's age.
+    cutoff: u64,
     labels: Vec<String>,
-    calls: Vec<(String, String, u64)>,
-    /// The digests of the calls' arguments, in the order of `calls`.
-    args: Vec<String>,
-    seen: HashMap<Digest, Vec<String>>,
-    evicted: u64,
-    calls_total: u64,
-    results_total: u64,
+    seen: OnceLock<HashMap<Digest, Vec<String>>>,
     now: u64,
     digester: Digester,
 }
@@ -40,40 +41,19 @@ pub struct TooManyTokens;
 impl SessionView {
     /// The view of `memory` at `now`; entries older than `max_age` are not
     /// in it.
-    pub fn new(memory: &Memory, digester: Digester, now: u64, max_age: Duration) -> Self {
+    pub fn new(memory: Arc<Memory>, digester: Digester, now: u64, max_age: Duration) -> Self {
         let cutoff = now.saturating_sub(u64::try_from(max_age.as_millis()).unwrap_or(u64::MAX));
-        let mut seen: HashMap<Digest, Vec<String>> = HashMap::new();
-        for s in memory.seen.iter().filter(|s| s.at >= cutoff) {
-            if let Some(d) = digest::from_hex(&s.digest) {
-                let servers = seen.entry(d).or_default();
-                if !servers.contains(&s.server) {
-                    servers.push(s.server.clone());
-                }
-            }
-        }
+        let labels = memory
+            .labels
+            .iter()
+            .filter(|l| l.at >= cutoff)
+            .map(|l| l.name.clone())
+            .collect();
         Self {
-            labels: memory
-                .labels
-                .iter()
-                .filter(|l| l.at >= cutoff)
-                .map(|l| l.name.clone())
-                .collect(),
-            calls: memory
-                .calls
-                .iter()
-                .filter(|c| c.at >= cutoff)
-                .map(|c| (c.tool.clone(), c.server.clone(), c.at))
-                .collect(),
-            args: memory
-                .calls
-                .iter()
-                .filter(|c| c.at >= cutoff)
-                .map(|c| c.args.clone())
-                .collect(),
-            seen,
-            evicted: memory.evicted,
-            calls_total: memory.calls_total,
-            results_total: memory.results_total,
+            memory,
+            cutoff,
+            labels,
+            seen: OnceLock::new(),
             now,
             digester,
         }
@@ -81,7 +61,29 @@ impl SessionView {
 
     /// An empty session (nothing remembered yet).
     pub fn empty(digester: Digester, now: u64) -> Self {
-        Self::new(&Memory::default(), digester, now, Duration::ZERO)
+        Self::new(Arc::default(), digester, now, Duration::ZERO)
+    }
+
+    /// The digests of values seen within the age, each with the servers
+    /// it was seen from.
+    fn seen(&self) -> &HashMap<Digest, Vec<String>> {
+        self.seen.get_or_init(|| {
+            let mut seen: HashMap<Digest, Vec<String>> = HashMap::new();
+            for s in self.memory.seen.iter().filter(|s| s.at >= self.cutoff) {
+                if let Some(d) = digest::from_hex(&s.digest) {
+                    let servers = seen.entry(d).or_default();
+                    if !servers.contains(&s.server) {
+                        servers.push(s.server.clone());
+                    }
+                }
+            }
+            seen
+        })
+    }
+
+    /// The calls remembered within the age, oldest first.
+    fn live_calls(&self) -> impl Iterator<Item = &CallRan> {
+        self.memory.calls.iter().filter(|c| c.at >= self.cutoff)
     }
 
     /// Its labels, oldest first.
@@ -92,19 +94,18 @@ impl SessionView {
     /// Entries its bounds dropped since the session began: a strict rule
     /// may treat a session that lost memory as tainted.
     pub fn evicted(&self) -> u64 {
-        self.evicted
+        self.memory.evicted
     }
 
     /// Calls recorded since the session began.
     pub fn calls_total(&self) -> u64 {
-        self.calls_total
+        self.memory.calls_total
     }
 
     /// The calls remembered: tool, server, time (ms since the epoch).
     pub fn calls(&self) -> impl Iterator<Item = (&str, &str, u64)> {
-        self.calls
-            .iter()
-            .map(|(t, s, at)| (t.as_str(), s.as_str(), *at))
+        self.live_calls()
+            .map(|c| (c.tool.as_str(), c.server.as_str(), c.at))
     }
 
     /// The session's memory as a guard is sent it (R34): labels, counts
@@ -118,8 +119,10 @@ impl SessionView {
         use prost::Message;
         let mut truncated = false;
         let mut counts: std::collections::BTreeMap<&str, u32> = Default::default();
-        for (tool, _, _) in &self.calls {
-            if let Some(n) = counts.get_mut(tool.as_str()) {
+        let calls: Vec<&CallRan> = self.live_calls().collect();
+        for call in &calls {
+            let tool = call.tool.as_str();
+            if let Some(n) = counts.get_mut(tool) {
                 *n = n.saturating_add(1);
             } else if counts.len() < GUARD_MAX_ITEMS {
                 counts.insert(tool, 1);
@@ -127,7 +130,7 @@ impl SessionView {
                 truncated = true;
             }
         }
-        let skip_calls = self.calls.len().saturating_sub(GUARD_MAX_ITEMS);
+        let skip_calls = calls.len().saturating_sub(GUARD_MAX_ITEMS);
         let skip_labels = self.labels.len().saturating_sub(GUARD_MAX_ITEMS);
         truncated |= skip_calls > 0 || skip_labels > 0;
         let mut memory = SessionMemory {
@@ -136,21 +139,19 @@ impl SessionView {
                 .into_iter()
                 .map(|(tool, n)| (tool.to_owned(), n))
                 .collect(),
-            recent: self
-                .calls
+            recent: calls
                 .iter()
-                .zip(&self.args)
                 .skip(skip_calls)
-                .map(|((tool, server, at), args)| SessionCall {
-                    tool: tool.clone(),
-                    server: server.clone(),
-                    args_digest: args.clone(),
-                    at_ms: *at,
+                .map(|c| SessionCall {
+                    tool: c.tool.clone(),
+                    server: c.server.clone(),
+                    args_digest: c.args.clone(),
+                    at_ms: c.at,
                 })
                 .collect(),
-            calls_total: self.calls_total,
-            results_total: self.results_total,
-            evicted: self.evicted > 0,
+            calls_total: self.memory.calls_total,
+            results_total: self.memory.results_total,
+            evicted: self.memory.evicted > 0,
             truncated,
             unavailable: String::new(),
         };
@@ -178,9 +179,8 @@ impl SessionView {
             .now
             .saturating_sub(u64::try_from(window.as_millis()).unwrap_or(u64::MAX));
         Ok(self
-            .calls
-            .iter()
-            .filter(|(tool, _, at)| *at >= since && matcher.is_match(tool))
+            .live_calls()
+            .filter(|c| c.at >= since && matcher.is_match(&c.tool))
             .count() as u64)
     }
 
@@ -209,7 +209,11 @@ impl SessionView {
         texts: impl IntoIterator<Item = &'t str>,
         server: impl Fn(&str) -> bool,
     ) -> Result<bool, TooManyTokens> {
-        if self.seen.is_empty() {
+        if self.memory.seen.is_empty() {
+            return Ok(false);
+        }
+        let seen = self.seen();
+        if seen.is_empty() {
             return Ok(false);
         }
         let mut checked = 0;
@@ -220,8 +224,7 @@ impl SessionView {
                     return Err(TooManyTokens);
                 }
                 let d = self.digester.digest(piece);
-                if self
-                    .seen
+                if seen
                     .get(&d)
                     .is_some_and(|servers| servers.iter().any(|s| server(s)))
                 {
