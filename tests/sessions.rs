@@ -30,6 +30,23 @@ fn proceeds(o: &Outcome) -> bool {
     matches!(o, Outcome::Proceed)
 }
 
+/// Runs the `.env` read `r1` in `session` (it proceeds and is recorded by
+/// the mesh) and returns its result, a `CallToolResult` holding `secret`.
+async fn read_env(c: &Coordinator, session: &str, turn: u32, secret: &str) -> String {
+    let d = c
+        .evaluate_once(
+            session,
+            Batch::new(turn).call("r1", "fs.read_file", r#"{"path":".env"}"#),
+        )
+        .await
+        .unwrap();
+    assert!(proceeds(&d.call("r1").unwrap().outcome));
+    serde_json::json!({
+        "content": [{"type": "text", "text": format!("DB_PASSWORD={secret}\n")}]
+    })
+    .to_string()
+}
+
 #[tokio::test]
 async fn r34_relaybleed_denied_to_another_server_allowed_back_and_elsewhere() {
     let mesh = TestMesh::start().await;
@@ -43,18 +60,7 @@ async fn r34_relaybleed_denied_to_another_server_allowed_back_and_elsewhere() {
         &outcome(&c, "s1", 0, "sqlite.query", &insert).await
     ));
     // The read runs (recorded by the mesh), and its result is read.
-    let d = c
-        .evaluate_once(
-            "s1",
-            Batch::new(1).call("r1", "fs.read_file", r#"{"path":".env"}"#),
-        )
-        .await
-        .unwrap();
-    assert!(proceeds(&d.call("r1").unwrap().outcome));
-    let result = serde_json::json!({
-        "content": [{"type": "text", "text": format!("DB_PASSWORD={secret}\n")}]
-    })
-    .to_string();
+    let result = read_env(&c, "s1", 1, secret).await;
     mesh.mesh
         .sessions()
         .result_seen(
@@ -110,18 +116,7 @@ async fn r33_r34_no_session_id_is_one_session_not_a_way_around_a_flow_rule() {
         .await;
     let c = mesh.coordinator().await;
     let secret = "hunter2-Sup3rS3cret";
-    let d = c
-        .evaluate_once(
-            "",
-            Batch::new(0).call("r1", "fs.read_file", r#"{"path":".env"}"#),
-        )
-        .await
-        .unwrap();
-    assert!(proceeds(&d.call("r1").unwrap().outcome));
-    let result = serde_json::json!({
-        "content": [{"type": "text", "text": format!("DB_PASSWORD={secret}\n")}]
-    })
-    .to_string();
+    let result = read_env(&c, "", 0, secret).await;
     let d = c
         .evaluate_once(
             "",
