@@ -543,6 +543,30 @@ async fn r34_two_serve_replicas_on_redis_share_session_memory() {
 /// another scheme or with `#insecure`; `redis_url` without `store =
 /// "redis"`. None of them needs the store running: each is refused before
 /// anything is connected. `config check` reports the missing secret too.
+/// Starts `guardmesh serve` on `config` and waits (at most 20 s) for it
+/// to exit; panics naming `what` if it starts or exits with success.
+/// Returns what it logged.
+async fn refused_start(config: &Path, log: &Path, what: &str) -> String {
+    let mut child = spawn_serve(config, free_port(), log, None);
+    let deadline = Instant::now() + Duration::from_secs(20);
+    let status = loop {
+        if let Some(status) = child.try_wait().unwrap() {
+            break status;
+        }
+        if Instant::now() > deadline {
+            let _ = child.kill();
+            panic!(
+                "{what}: the mesh started: {}",
+                std::fs::read_to_string(log).unwrap()
+            );
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    };
+    let text = std::fs::read_to_string(log).unwrap();
+    assert!(!status.success(), "{what}: {text}");
+    text
+}
+
 #[tokio::test]
 async fn r34_a_shared_store_without_a_usable_secret_does_not_start() {
     let dir = folder("refused");
@@ -626,24 +650,7 @@ async fn r34_a_shared_store_without_a_usable_secret_does_not_start() {
     for (name, registry, sessions, expected) in cases {
         let file = dir.join(format!("{name}.toml"));
         std::fs::write(&file, mesh_config(&dir, &registry, &sessions)).unwrap();
-        let log = dir.join(format!("{name}.log"));
-        let mut child = spawn_serve(&file, free_port(), &log, None);
-        let deadline = Instant::now() + Duration::from_secs(20);
-        let status = loop {
-            if let Some(status) = child.try_wait().unwrap() {
-                break status;
-            }
-            if Instant::now() > deadline {
-                let _ = child.kill();
-                panic!(
-                    "{name}: the mesh started: {}",
-                    std::fs::read_to_string(&log).unwrap()
-                );
-            }
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        };
-        let text = std::fs::read_to_string(&log).unwrap();
-        assert!(!status.success(), "{name}: {text}");
+        let text = refused_start(&file, &dir.join(format!("{name}.log")), name).await;
         for part in expected {
             assert!(text.contains(part), "{name}: {part:?} not in: {text}");
         }
@@ -921,24 +928,7 @@ async fn r34_a_replica_with_another_secret_does_not_start() {
     let a = MeshProcess::start("secrets-a", &config(&first), None).await;
     let file = dir.join("other.toml");
     std::fs::write(&file, config(&other)).unwrap();
-    let log = dir.join("other.log");
-    let mut child = spawn_serve(&file, free_port(), &log, None);
-    let deadline = Instant::now() + Duration::from_secs(20);
-    let status = loop {
-        if let Some(status) = child.try_wait().unwrap() {
-            break status;
-        }
-        if Instant::now() > deadline {
-            let _ = child.kill();
-            panic!(
-                "started with another secret: {}",
-                std::fs::read_to_string(&log).unwrap()
-            );
-        }
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    };
-    let text = std::fs::read_to_string(&log).unwrap();
-    assert!(!status.success(), "{text}");
+    let text = refused_start(&file, &dir.join("other.log"), "another secret").await;
     assert!(
         text.contains("sessions.secret_file") && text.contains("same file"),
         "{text}"
