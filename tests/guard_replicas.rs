@@ -152,69 +152,12 @@ for line in sys.stdin:
         print(f"COUNT {n}", flush=True)
 "#;
 
-/// A [`COUNTING`] replica process.
-struct CountingReplica {
-    url: String,
-    child: std::process::Child,
-    stdin: std::process::ChildStdin,
-    lines: std::sync::mpsc::Receiver<String>,
-}
-
-impl CountingReplica {
-    fn start(script: &std::path::Path) -> Self {
-        use std::io::BufRead;
-        let mut child = std::process::Command::new(python())
-            .arg(script)
-            .env("PYTHONPATH", repo_root().join("guards/python/src"))
-            .current_dir(repo_root())
-            .stdin(std::process::Stdio::piped())
-            .stdout(std::process::Stdio::piped())
-            .stderr(std::process::Stdio::inherit())
-            .spawn()
-            .expect("start a Python replica");
-        let stdin = child.stdin.take().expect("stdin");
-        let stdout = child.stdout.take().expect("stdout");
-        let (tx, lines) = std::sync::mpsc::channel();
-        std::thread::spawn(move || {
-            for line in std::io::BufReader::new(stdout).lines() {
-                let Ok(line) = line else { return };
-                if tx.send(line).is_err() {
-                    return;
-                }
-            }
-        });
-        let first = lines
-            .recv_timeout(Duration::from_secs(30))
-            .expect("the replica prints LISTENING");
-        let port = listening_port(&first, "counting replica");
-        Self {
-            url: format!("http://127.0.0.1:{port}"),
-            child,
-            stdin,
-            lines,
-        }
-    }
-
-    /// The batches this replica says it judged.
-    fn judged(&mut self) -> usize {
-        use std::io::Write;
-        writeln!(self.stdin, "count").unwrap();
-        self.stdin.flush().unwrap();
-        let line = self
-            .lines
-            .recv_timeout(Duration::from_secs(10))
-            .expect("the replica answers `count`");
-        line.strip_prefix("COUNT ")
-            .and_then(|n| n.parse().ok())
-            .unwrap_or_else(|| panic!("unexpected answer to `count`: {line:?}"))
-    }
-}
-
-impl Drop for CountingReplica {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
+/// The batches a [`COUNTING`] replica says it judged.
+fn judged(replica: &mut ScriptedReplica) -> usize {
+    let line = replica.ask("count");
+    line.strip_prefix("COUNT ")
+        .and_then(|n| n.parse().ok())
+        .unwrap_or_else(|| panic!("unexpected answer to `count`: {line:?}"))
 }
 
 #[tokio::test]
@@ -227,9 +170,11 @@ async fn r32_requests_spread_evenly_over_three_python_replicas() {
     for _ in 0..3 {
         let script = script.clone();
         replicas.push(
-            tokio::task::spawn_blocking(move || CountingReplica::start(&script))
-                .await
-                .unwrap(),
+            tokio::task::spawn_blocking(move || {
+                ScriptedReplica::start(&script, "counting replica")
+            })
+            .await
+            .unwrap(),
         );
     }
     let urls: Vec<String> = replicas.iter().map(|r| r.url.clone()).collect();
@@ -242,12 +187,12 @@ async fn r32_requests_spread_evenly_over_three_python_replicas() {
     let pace = Some(Duration::from_millis(25));
     let (_, wrong) = steady_load(&mesh, "nd", 8, 80, pace).await;
     assert_eq!(wrong, 0);
-    let before: Vec<usize> = replicas.iter_mut().map(CountingReplica::judged).collect();
+    let before: Vec<usize> = replicas.iter_mut().map(judged).collect();
     let total = 1200;
     let started = Instant::now();
     let (counts, wrong) = steady_load(&mesh, "nd", 8, total, pace).await;
     let elapsed = started.elapsed();
-    let after: Vec<usize> = replicas.iter_mut().map(CountingReplica::judged).collect();
+    let after: Vec<usize> = replicas.iter_mut().map(judged).collect();
     let judged: Vec<usize> = after.iter().zip(&before).map(|(a, b)| a - b).collect();
     eprintln!("spread over 3 Python replicas in {elapsed:?}: the replicas counted {judged:?}");
     assert_eq!(wrong, 0, "every decision correct: {counts:?}");

@@ -10,7 +10,6 @@
 use crate::harness::*;
 use guardmesh_client::proto::GuardSpec;
 use guardmesh_client::{Batch, BatchDecision, Outcome, Registration};
-use std::io::{BufRead, Write};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -41,63 +40,10 @@ for line in sys.stdin:
     print(f"OK {command}", flush=True)
 "#;
 
-struct Replica {
-    url: String,
-    child: std::process::Child,
-    stdin: std::process::ChildStdin,
-    lines: std::sync::mpsc::Receiver<String>,
-}
-
-impl Replica {
-    fn start(script: &std::path::Path) -> Self {
-        let mut child = std::process::Command::new(python())
-            .arg(script)
-            .env("PYTHONPATH", repo_root().join("guards/python/src"))
-            .current_dir(repo_root())
-            .stdin(std::process::Stdio::piped())
-            .stdout(std::process::Stdio::piped())
-            .stderr(std::process::Stdio::null())
-            .spawn()
-            .expect("start a Python replica");
-        let stdin = child.stdin.take().expect("stdin");
-        let stdout = child.stdout.take().expect("stdout");
-        let (tx, lines) = std::sync::mpsc::channel();
-        std::thread::spawn(move || {
-            for line in std::io::BufReader::new(stdout).lines() {
-                let Ok(line) = line else { return };
-                if tx.send(line).is_err() {
-                    return;
-                }
-            }
-        });
-        let first = lines
-            .recv_timeout(Duration::from_secs(30))
-            .expect("the replica prints LISTENING");
-        let port = listening_port(&first, "health replica");
-        Self {
-            url: format!("http://127.0.0.1:{port}"),
-            child,
-            stdin,
-            lines,
-        }
-    }
-
-    fn command(&mut self, command: &str) {
-        writeln!(self.stdin, "{command}").unwrap();
-        self.stdin.flush().unwrap();
-        let answer = self
-            .lines
-            .recv_timeout(Duration::from_secs(10))
-            .expect("the replica answers its command");
-        assert_eq!(answer, format!("OK {command}"));
-    }
-}
-
-impl Drop for Replica {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
+/// Sends a replica of [`SCRIPT`] `command` (`down`, `up`, `stop`) and
+/// checks it was done.
+fn command(replica: &mut ScriptedReplica, command: &str) {
+    assert_eq!(replica.ask(command), format!("OK {command}"));
 }
 
 fn script() -> (std::path::PathBuf, std::path::PathBuf) {
@@ -112,13 +58,13 @@ fn script() -> (std::path::PathBuf, std::path::PathBuf) {
     (dir, path)
 }
 
-async fn replicas(n: usize) -> (std::path::PathBuf, Vec<Replica>) {
+async fn replicas(n: usize) -> (std::path::PathBuf, Vec<ScriptedReplica>) {
     let (dir, path) = script();
     let mut out = Vec::new();
     for _ in 0..n {
         let path = path.clone();
         out.push(
-            tokio::task::spawn_blocking(move || Replica::start(&path))
+            tokio::task::spawn_blocking(move || ScriptedReplica::start(&path, "health replica"))
                 .await
                 .unwrap(),
         );
@@ -241,7 +187,7 @@ async fn r32_a_not_serving_replica_gets_no_new_requests_then_serves_again() {
             &format!(r#"guardmesh_guard_replica_draining{{guard="hg",replica="{url}"}}"#),
         )
     };
-    guards[0].command("down");
+    command(&mut guards[0], "down");
     // Measured from when the mesh has heard it (its gauge says so): on a
     // loaded machine the health message itself can take a while.
     let heard = Instant::now() + Duration::from_secs(10);
@@ -255,14 +201,14 @@ async fn r32_a_not_serving_replica_gets_no_new_requests_then_serves_again() {
     // Taken before the command: the replica says SERVING before it
     // answers it, and batches sent from then on may rightly go to it.
     let up = Instant::now();
-    guards[0].command("up");
+    command(&mut guards[0], "up");
     tokio::time::sleep(Duration::from_secs(3)).await;
     assert_eq!(draining(&urls[0]), 0.0, "R32: serving again");
     // Every replica NOT_SERVING: they still judge (R15: a guard is never
     // left without replicas by their health; none fails).
     let all_down = Instant::now();
     for guard in &mut guards {
-        guard.command("down");
+        command(guard, "down");
     }
     tokio::time::sleep(Duration::from_secs(2)).await;
     for url in &urls {
@@ -339,7 +285,7 @@ async fn r32_a_replica_shutting_down_gracefully_finishes_its_requests_and_gets_n
     tokio::time::sleep(Duration::from_millis(1500)).await;
     // The kit's graceful stop: NOT_SERVING, new RPCs refused (GOAWAY), each
     // Judge stream ended once it has no request outstanding, 5 s grace.
-    guards[0].command("stop");
+    command(&mut guards[0], "stop");
     let stopped = Instant::now();
     tokio::time::sleep(Duration::from_secs(4)).await;
     stop.store(true, Ordering::Relaxed);

@@ -219,3 +219,69 @@ pub(crate) fn listening_port(line: &str, what: &str) -> u16 {
         .and_then(|p| p.parse().ok())
         .unwrap_or_else(|| panic!("{what}: unexpected first line {line:?}"))
 }
+
+/// A Python guard script run as a replica that takes commands: it prints
+/// its `LISTENING` line first, then answers each line written to its
+/// stdin with one line ([`ScriptedReplica::ask`]). Killed when dropped.
+pub(crate) struct ScriptedReplica {
+    pub url: String,
+    child: std::process::Child,
+    stdin: std::process::ChildStdin,
+    lines: std::sync::mpsc::Receiver<String>,
+}
+
+impl ScriptedReplica {
+    /// Starts `script` with the checkout's Python package; `what` names
+    /// it in failures.
+    pub(crate) fn start(script: &std::path::Path, what: &str) -> Self {
+        use std::io::BufRead;
+        let mut child = std::process::Command::new(python())
+            .arg(script)
+            .env("PYTHONPATH", repo_root().join("guards/python/src"))
+            .current_dir(repo_root())
+            .stdin(std::process::Stdio::piped())
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::inherit())
+            .spawn()
+            .expect("start a Python replica");
+        let stdin = child.stdin.take().expect("stdin");
+        let stdout = child.stdout.take().expect("stdout");
+        let (tx, lines) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            for line in std::io::BufReader::new(stdout).lines() {
+                let Ok(line) = line else { return };
+                if tx.send(line).is_err() {
+                    return;
+                }
+            }
+        });
+        let first = lines
+            .recv_timeout(Duration::from_secs(30))
+            .expect("the replica prints LISTENING");
+        let port = listening_port(&first, what);
+        Self {
+            url: format!("http://127.0.0.1:{port}"),
+            child,
+            stdin,
+            lines,
+        }
+    }
+
+    /// Writes `command` as a line and returns the replica's answer (within
+    /// 10 s).
+    pub(crate) fn ask(&mut self, command: &str) -> String {
+        use std::io::Write;
+        writeln!(self.stdin, "{command}").unwrap();
+        self.stdin.flush().unwrap();
+        self.lines
+            .recv_timeout(Duration::from_secs(10))
+            .unwrap_or_else(|_| panic!("the replica answers {command:?}"))
+    }
+}
+
+impl Drop for ScriptedReplica {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
