@@ -76,6 +76,7 @@ mod interceptors_conformance;
 mod mcp;
 mod mcp_answers;
 mod mcp_bounds;
+mod mcp_embedded;
 mod mcp_readme;
 mod mcp_relay;
 mod mcp_revision;

@@ -304,7 +304,13 @@ pub fn main() -> ExitCode {
         Command::BenchSessionMesh(args) => {
             return guardmesh_bench::serve_session_mesh(args, default_worker_threads());
         }
-        Command::Mcp(args) => return guardmesh_gateway::main_mcp(args),
+        Command::Mcp(args) => {
+            let source = match &args.command {
+                guardmesh_gateway::McpCommand::Stdio(_) => "mcp-stdio",
+                guardmesh_gateway::McpCommand::Http(_) => "mcp-http",
+            };
+            return guardmesh_gateway::main_mcp_with(args, Some(crate::embedded::loader(source)));
+        }
         Command::Hook(args) => return guardmesh_gateway::main_hook(args),
         command => Cli { command, ..cli },
     };

@@ -1,10 +1,12 @@
 //! The `guardmesh` command and the tools around the mesh. The mesh itself is
-//! the `guardmesh-server` library; nothing here is on a batch's path.
+//! the `guardmesh-server` library; nothing here is on a batch's path
+//! but the glue of a gateway that embeds the mesh.
 //!
 //! * `app`: the command line (clap), the runtime, and the commands that run
 //!   or talk to a mesh: `serve`, `guards`, `evaluate`, `policy`, `certs`,
 //!   `example-guard`; `mcp` and `hook` delegate to the `guardmesh-gateway`
-//!   crate.
+//!   crate, and `embedded` builds the mesh a gateway started with
+//!   `--config` judges with in its own process.
 //! * `log`: `guardmesh log verify` and `guardmesh log keygen` (R29).
 //! * [`heartbeat`]: `guardmesh heartbeat`, a liveness sidecar for guards of
 //!   any language on the etcd registry, and the lease it keeps
@@ -24,6 +26,7 @@ mod app;
 pub mod certs;
 mod config_cmd;
 pub mod demo;
+mod embedded;
 mod evaluate;
 pub mod examples;
 pub mod heartbeat;

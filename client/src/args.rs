@@ -15,6 +15,9 @@
 use crate::connect::{Connection, Tls};
 use std::path::{Path, PathBuf};
 
+/// The mesh address a command uses unless told otherwise.
+pub const DEFAULT_MESH: &str = "http://127.0.0.1:50051";
+
 /// How a command reaches a mesh: its address and the credentials sent on
 /// every call (R24). Flatten it into a command's arguments
 /// (`#[command(flatten)]`).
@@ -25,7 +28,7 @@ pub struct MeshArgs {
     #[arg(
         long,
         env = "GUARDMESH_MESH",
-        default_value = "http://127.0.0.1:50051",
+        default_value = DEFAULT_MESH,
         global = true
     )]
     pub mesh: String,

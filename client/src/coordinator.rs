@@ -128,7 +128,11 @@ impl Batch {
         self
     }
 
-    fn into_request(self, batch_id: String, session_id: &str) -> EvaluateRequest {
+    /// The batch's wire form, as a session sends it: `batch_id`, in the
+    /// agent session `session_id`, with the current span's `traceparent`
+    /// when none was set (R22). For callers that hand batches to a mesh
+    /// other than over a [`Session`] (a gateway embedding the mesh).
+    pub fn into_request(self, batch_id: String, session_id: &str) -> EvaluateRequest {
         // R22: the batch joins the trace of the caller's current span.
         let traceparent = self
             .traceparent
@@ -296,7 +300,8 @@ pub struct BatchDecision {
 }
 
 impl BatchDecision {
-    fn empty(batch_id: String) -> Self {
+    /// The decision of a batch with no calls, made without the mesh (R1).
+    pub fn empty(batch_id: String) -> Self {
         Self {
             batch_id,
             calls: Vec::new(),

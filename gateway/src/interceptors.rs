@@ -93,6 +93,9 @@ impl Refused {
 /// The extension's end in one gateway: its link to the mesh.
 pub struct Interceptors {
     connect: MeshArgs,
+    /// The gateway judges with a mesh in its own process (`--config`),
+    /// which serves no `InterceptorService`: requests are refused.
+    in_process: bool,
     timeout: Duration,
     client: Mutex<Option<Client>>,
     in_flight: Arc<Semaphore>,
@@ -110,6 +113,7 @@ impl Interceptors {
     pub fn new(connect: MeshArgs, timeout: Duration) -> Arc<Self> {
         Arc::new(Self {
             connect,
+            in_process: false,
             timeout,
             client: Mutex::new(None),
             in_flight: Arc::new(Semaphore::new(MAX_IN_FLIGHT)),
@@ -123,7 +127,13 @@ impl Interceptors {
             0 => Duration::from_secs(30),
             ms => Duration::from_millis(ms),
         };
-        Self::new(args.connect.clone(), timeout)
+        let mut this = Self::new(args.connect.clone(), timeout);
+        if args.local.is_some()
+            && let Some(this) = Arc::get_mut(&mut this)
+        {
+            this.in_process = true;
+        }
+        this
     }
 
     /// The answer to `text` when it is a request of the extension (read
@@ -171,6 +181,11 @@ impl Interceptors {
     }
 
     async fn client(&self) -> Result<Client, Refused> {
+        if self.in_process {
+            return Err(Refused::Unreachable(
+                "the interceptors extension needs a mesh reached with --mesh; this gateway judges with its own (--config)".into(),
+            ));
+        }
         let mut slot = self.client.lock().await;
         if let Some(client) = slot.as_ref() {
             return Ok(client.clone());

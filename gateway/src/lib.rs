@@ -67,7 +67,7 @@ pub mod stdio;
 pub use guardmesh_client::MeshArgs;
 pub use hook::PreToolUseArgs;
 pub use http::HttpArgs;
-pub use judge::JudgeArgs;
+pub use judge::{InProcessMesh, JudgeArgs, LocalMesh};
 pub use stdio::StdioArgs;
 
 use std::process::ExitCode;
@@ -124,15 +124,82 @@ pub async fn hook(args: HookArgs) -> i32 {
     }
 }
 
+/// Builds the mesh a config file describes, in this process (`--config`):
+/// given by the `guardmesh` binary, which has the server.
+pub type MeshLoader = Box<
+    dyn FnOnce(
+            std::path::PathBuf,
+        )
+            -> futures::future::BoxFuture<'static, Result<std::sync::Arc<dyn LocalMesh>, String>>
+        + Send,
+>;
+
 /// [`mcp`] on its own runtime, logging to stderr only (stdout is the
 /// protocol's).
 pub fn main_mcp(args: McpArgs) -> ExitCode {
-    block_on(mcp(args))
+    main_mcp_with(args, None)
 }
 
-/// [`hook`] on its own runtime, logging to stderr only.
+/// [`hook`] on its own runtime, logging to stderr only. The hook runs
+/// once per call, so it reaches a mesh (`--mesh`) and never builds one:
+/// `--config` blocks the call (exit 2) with the reason.
 pub fn main_hook(args: HookArgs) -> ExitCode {
+    let HookCommand::PreToolUse(pre) = &args.command;
+    if pre.mesh.config.is_some() {
+        eprintln!(
+            "guardmesh: --config is for the MCP gateways; the hook runs once per call and reaches a mesh with --mesh; blocking the call"
+        );
+        return ExitCode::from(2);
+    }
     block_on(hook(args))
+}
+
+/// [`main_mcp`], judging with the mesh `loader` builds when `--config` is
+/// given.
+pub fn main_mcp_with(mut args: McpArgs, loader: Option<MeshLoader>) -> ExitCode {
+    block_on(async move {
+        let judge = match &mut args.command {
+            McpCommand::Stdio(args) => &mut args.mesh,
+            McpCommand::Http(args) => &mut args.mesh,
+        };
+        match embed(judge, loader).await {
+            Ok(local) => {
+                let code = mcp(args).await;
+                if let Some(local) = local {
+                    local.close().await;
+                }
+                code
+            }
+            Err(error) => {
+                eprintln!("error: {error}");
+                1
+            }
+        }
+    })
+}
+
+/// Loads the mesh of `--config` into `judge`, if given.
+async fn embed(
+    judge: &mut JudgeArgs,
+    loader: Option<MeshLoader>,
+) -> Result<Option<std::sync::Arc<dyn LocalMesh>>, String> {
+    let Some(path) = judge.config.clone() else {
+        return Ok(None);
+    };
+    let Some(loader) = loader else {
+        return Err("--config: this build cannot judge in process; use --mesh".into());
+    };
+    if judge.connect.mesh != guardmesh_client::args::DEFAULT_MESH {
+        tracing::warn!(
+            mesh = %judge.connect.mesh,
+            "judging with the mesh of --config: the mesh address (--mesh, GUARDMESH_MESH) is not used"
+        );
+    }
+    let local = loader(path.clone())
+        .await
+        .map_err(|e| format!("the mesh of {}: {e}", path.display()))?;
+    judge.local = Some(InProcessMesh(local.clone()));
+    Ok(Some(local))
 }
 
 fn block_on(future: impl std::future::Future<Output = i32>) -> ExitCode {

@@ -1634,6 +1634,15 @@ impl Config {
 
     /// Settings that leave the mesh open; printed as warnings at start.
     pub fn insecure_settings(&self) -> Vec<String> {
+        let mut out = self.listener_insecure_settings();
+        out.extend(self.mesh_insecure_settings());
+        out
+    }
+
+    /// The [`Config::insecure_settings`] of the gRPC listener (`[tls]`,
+    /// `[auth]`): moot for a mesh judging in a gateway's process, which
+    /// opens no listener.
+    pub fn listener_insecure_settings(&self) -> Vec<String> {
         let mut out = Vec::new();
         if self.tls.is_none() {
             out.push("no [tls]: coordinators and registrars talk to the mesh in plaintext".into());
@@ -1669,6 +1678,13 @@ impl Config {
             ),
             Some(_) => {}
         }
+        out
+    }
+
+    /// The [`Config::insecure_settings`] of the mesh itself, listener or
+    /// not (how it reaches its guards).
+    pub fn mesh_insecure_settings(&self) -> Vec<String> {
+        let mut out = Vec::new();
         if !self.endpoint_policy.deny_link_local {
             out.push(
                 "[endpoint_policy] deny_link_local = false: guards may point at metadata addresses"

@@ -14,6 +14,11 @@
 //!   zero-latency guard of the guard process (`mcp_stdio`, with the
 //!   gateway's default grouping and with `--batch-window-ms 0`), or with no guard
 //!   at all (`mcp_relay_w0`: the relay and one mesh round trip).
+//! * **The embedded gateway** (`guardmesh mcp stdio --config`) judges
+//!   with the mesh in its own process, built from a config with the same
+//!   guard (`mcp_embedded_w0`) or none (`mcp_embedded_relay_w0`, its relay
+//!   floor: the gateway alone). Its CPU figure holds the mesh's work; the
+//!   one to set it beside is `mcp_gateway_w0_with_mesh_cpu_us_per_call`.
 //!
 //! Each call carries [`ARGUMENT_BYTES`](super::ARGUMENT_BYTES) of JSON
 //! arguments, as the mesh scenarios do.
@@ -230,6 +235,35 @@ fn gateway(exe: &Path, mesh: &MeshProcess, extra: &[&str]) -> tokio::process::Co
     command
 }
 
+/// `guardmesh mcp stdio --config CONFIG --batch-window-ms 0 --
+/// guardmesh bench-mcp-upstream`: the gateway judging with the mesh of
+/// `config` in its own process.
+fn embedded(exe: &Path, config: &Path) -> tokio::process::Command {
+    let mut command = tokio::process::Command::new(exe);
+    command
+        .args(["mcp", "stdio", "--config"])
+        .arg(config)
+        .args(["--session", "bench", "--batch-window-ms", "0", "--"])
+        .arg(exe)
+        .arg("bench-mcp-upstream");
+    command
+}
+
+/// Writes the config of a mesh judging in the gateway's process with the
+/// guards `names` of `guards`.
+fn embedded_config(
+    dir: &Path,
+    label: &str,
+    guards: &GuardProcess,
+    names: &[&str],
+) -> Result<std::path::PathBuf, Error> {
+    let path = dir.join(format!("{label}.toml"));
+    let mut config = format!("# guardmesh bench, scenario {label}\n");
+    config.push_str(&MeshProcess::guard_sections(guards, names)?);
+    std::fs::write(&path, config).map_err(|e| format!("cannot write {}: {e}", path.display()))?;
+    Ok(path)
+}
+
 /// The figures of the MCP scenarios, and their ratios.
 pub(super) struct McpFigures {
     pub latency: Vec<Latency>,
@@ -269,6 +303,21 @@ pub(super) async fn run(
         &dir.join("mcp_relay_w0.log"),
     )
     .await?;
+    let embedded_w0 = McpClient::start(
+        "guardmesh mcp stdio --config (1 guard)",
+        embedded(
+            exe,
+            &embedded_config(dir, "mcp_embedded_1", guards, &ZERO[..1])?,
+        ),
+        &dir.join("mcp_embedded_w0.log"),
+    )
+    .await?;
+    let embedded_relay_w0 = McpClient::start(
+        "guardmesh mcp stdio --config (no guard)",
+        embedded(exe, &embedded_config(dir, "mcp_embedded_0", guards, &[])?),
+        &dir.join("mcp_embedded_relay_w0.log"),
+    )
+    .await?;
     let mut scenarios = vec![
         Scenario::new(
             "mcp_direct",
@@ -293,6 +342,18 @@ pub(super) async fn run(
             "tools/call through guardmesh mcp stdio, a mesh with no guard, --batch-window-ms 0",
             relay_w0,
             Some(&mesh0),
+        )?,
+        Scenario::new(
+            "mcp_embedded_w0",
+            "tools/call through guardmesh mcp stdio --config (the mesh in the gateway's process), 1 zero-latency guard, --batch-window-ms 0",
+            embedded_w0,
+            None,
+        )?,
+        Scenario::new(
+            "mcp_embedded_relay_w0",
+            "tools/call through guardmesh mcp stdio --config, a mesh with no guard, --batch-window-ms 0",
+            embedded_relay_w0,
+            None,
         )?,
     ];
     let arguments: JsonObject = match serde_json::from_str(&super::arguments(0, TOOL))? {
@@ -348,7 +409,15 @@ pub(super) async fn run(
 /// called directly.
 fn ratios(latency: &[Latency], server_cpu: &[f64]) -> Vec<(String, f64)> {
     let ratio = |a: f64, b: f64| if b > 0.0 { a / b } else { f64::NAN };
-    let [direct, stdio, stdio_w0, relay_w0] = latency else {
+    let [
+        direct,
+        stdio,
+        stdio_w0,
+        relay_w0,
+        embedded_w0,
+        embedded_relay_w0,
+    ] = latency
+    else {
         return Vec::new();
     };
     let mut out = Vec::new();
@@ -356,6 +425,8 @@ fn ratios(latency: &[Latency], server_cpu: &[f64]) -> Vec<(String, f64)> {
         ("mcp_stdio", stdio),
         ("mcp_stdio_w0", stdio_w0),
         ("mcp_relay_w0", relay_w0),
+        ("mcp_embedded_w0", embedded_w0),
+        ("mcp_embedded_relay_w0", embedded_relay_w0),
     ] {
         out.push((
             format!("{key}_vs_direct_p50"),
@@ -368,9 +439,20 @@ fn ratios(latency: &[Latency], server_cpu: &[f64]) -> Vec<(String, f64)> {
         out.push((format!("{key}_added_us_p50"), through.p50 - direct.p50));
         out.push((format!("{key}_added_us_p99"), through.p99 - direct.p99));
     }
-    if let [upstream, _, gateway_w0, ..] = server_cpu {
+    if let [upstream, _, gateway_w0, _, embedded_w0, embedded_relay_w0] = server_cpu {
         out.push(("mcp_upstream_cpu_us_per_call".into(), *upstream));
         out.push(("mcp_gateway_w0_cpu_us_per_call".into(), *gateway_w0));
+        // The gateway and its mesh together: two processes with --mesh,
+        // one with --config (whose mesh is in the gateway's figure).
+        out.push((
+            "mcp_gateway_w0_with_mesh_cpu_us_per_call".into(),
+            gateway_w0 + stdio_w0.cpu.mesh.unwrap_or(f64::NAN),
+        ));
+        out.push(("mcp_embedded_w0_cpu_us_per_call".into(), *embedded_w0));
+        out.push((
+            "mcp_embedded_relay_w0_cpu_us_per_call".into(),
+            *embedded_relay_w0,
+        ));
     }
     out
 }

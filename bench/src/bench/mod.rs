@@ -29,7 +29,7 @@
 //! | 5 ms guards | `direct_unary_5ms`, `direct_parallel_4_5ms`, `mesh_4_5ms`, `relay_floor_4_5ms`, `sequential_4_5ms` |
 //! | veto | `veto_1ms`, `early_veto` |
 //! | decision log | `log_off`, `log_fsync_record`, `log_fsync_interval` (after the throughput runs, with their own; see [`decision_log`]) |
-//! | MCP gateway ([`mcp`]) | `mcp_direct`, `mcp_stdio`, `mcp_stdio_w0`, `mcp_relay_w0` |
+//! | MCP gateway ([`mcp`]) | `mcp_direct`, `mcp_stdio`, `mcp_stdio_w0`, `mcp_relay_w0`, `mcp_embedded_w0`, `mcp_embedded_relay_w0` |
 //! | session memory and results ([`sessions`]) | `session_off`, `session_on`, `session_on_etcd`, `remote_session_off`, `remote_session_on`, `call_batch`, `result_batch`, `result_batch_etcd`, `session_on_redis`, `result_batch_redis` |
 //!
 //! After the throughput runs, a CPU-bound guard with 1, 2 and 4 replica

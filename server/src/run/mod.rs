@@ -110,6 +110,9 @@ pub struct Server {
     /// A second SIGINT or SIGTERM during the drain cuts it short
     /// ([`Server::second_signal_cuts_drain`]).
     second_signal_cuts: bool,
+    /// The config's insecure settings of the listener, logged when it
+    /// opens (none for a mesh built from its parts).
+    listener_warnings: Vec<String>,
 }
 
 impl std::fmt::Debug for Server {
@@ -139,6 +142,7 @@ impl Server {
             probes: Probes::new(),
             metrics_started: false,
             second_signal_cuts: false,
+            listener_warnings: Vec::new(),
         }
     }
 
@@ -179,7 +183,8 @@ impl Server {
     }
 
     async fn build(config: Config, attach_sessions: bool) -> Result<Self, ServerError> {
-        for warning in config.insecure_settings() {
+        // The listener's own are logged when it opens (Server::serve, run).
+        for warning in config.mesh_insecure_settings() {
             tracing::warn!("insecure setting: {warning}");
         }
         for warning in config.guard_warnings() {
@@ -232,7 +237,9 @@ impl Server {
             // A new mesh has no sessions attached yet.
             let _ = mesh.attach_sessions(sessions);
         }
+        let listener_warnings = config.listener_insecure_settings();
         let mut server = Self::with_mesh(mesh, config);
+        server.listener_warnings = listener_warnings;
         server.probes = probes;
         server.metrics_started = metrics_started;
         Ok(server)
@@ -315,6 +322,7 @@ impl Server {
         })
         .map_err(listen)?;
         let bound = socket.local_addr().map_err(listen)?;
+        self.warn_listener();
         let running = self.prepare(bound).await?;
         let listener = socket.listen(1024).map_err(|source| ServerError::Listen {
             addr: bound,
@@ -337,8 +345,16 @@ impl Server {
                 addr: self.config.listen,
                 source,
             })?;
+        self.warn_listener();
         let running = self.prepare(bound).await?;
         running.serve(listener, shutdown).await
+    }
+
+    /// Logs the listener's insecure settings of a config ([`Server::load`]).
+    fn warn_listener(&self) {
+        for warning in &self.listener_warnings {
+            tracing::warn!("insecure setting: {warning}");
+        }
     }
 
     /// The config's policy guards.
@@ -354,6 +370,11 @@ impl Server {
     /// Everything but the listener: the decision log, the policy watch,
     /// SIGHUP and the metrics endpoint.
     async fn prepare(self, bound: SocketAddr) -> Result<Running, ServerError> {
+        self.prepare_as(&bound.to_string()).await
+    }
+
+    /// [`Server::prepare`], the decision log naming the mesh `instance`.
+    async fn prepare_as(self, instance: &str) -> Result<Running, ServerError> {
         let mesh = self.mesh.clone();
         // R29: the decision log is open before the first batch, or the mesh
         // does not start.
@@ -362,7 +383,7 @@ impl Server {
             // The instance is the address bound, not a port-0 address asked for.
             let settings = self
                 .config
-                .decision_log_settings(section, &bound.to_string())
+                .decision_log_settings(section, instance)
                 .map_err(|e| ServerError::DecisionLogSettings(e.into()))?;
             let limits = section
                 .limits()
@@ -411,6 +432,92 @@ impl Server {
             grace: self.config.server.shutdown_grace(),
             second_signal_cuts: self.second_signal_cuts,
         })
+    }
+}
+
+/// A mesh in the caller's own process, with no listener: an MCP gateway
+/// started with `--config` judges through it by function calls instead
+/// of a gRPC stream to a mesh of its own (one process and one network hop
+/// fewer per call). Everything but the listener is as `guardmesh serve`
+/// has it: the config's guards and policies (and their reload on change
+/// and SIGHUP), the registry, session memory, limits and deadlines, and
+/// the decision log, named by the instance given to
+/// [`Server::in_process`]. Each batch is judged and recorded as a unary
+/// `EvaluateBatch` from an unauthenticated caller would be. Close it
+/// ([`InProcess::close`]) when done, so that the decision log is closed
+/// cleanly.
+pub struct InProcess {
+    tool: crate::server::service::PreTool,
+    caller: crate::decision_log::Caller,
+    running: Running,
+    /// Held so that the draining flag never turns.
+    _draining: tokio::sync::watch::Sender<bool>,
+}
+
+impl std::fmt::Debug for InProcess {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("InProcess")
+            .field("guards", &self.running.guards)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Server {
+    /// Prepares the mesh as [`Server::serve`] does (decision log, policy
+    /// watch, SIGHUP, metrics endpoint when configured) and returns it for
+    /// judging in this process; no listener is opened. `instance` names the
+    /// mesh in the decision log (`log verify --instance`), and `caller`
+    /// names what sends its batches (the log's `caller.peer` is
+    /// `in-process:<caller>`).
+    pub async fn in_process(self, instance: &str, caller: &str) -> Result<InProcess, ServerError> {
+        let running = self.prepare_as(instance).await?;
+        // Dial the config's guards before the first batch needs them.
+        let _ = running.mesh.chain();
+        let (draining, watch) = tokio::sync::watch::channel(false);
+        let tool = crate::server::service::PreTool::new(running.mesh.clone(), watch);
+        // No principal was authenticated: the log names the caller by where
+        // its batches came from instead of a peer address.
+        let caller = crate::decision_log::Caller {
+            id: None,
+            roles: Vec::new(),
+            peer: Some(format!("in-process:{caller}")),
+        };
+        Ok(InProcess {
+            tool,
+            caller,
+            running,
+            _draining: draining,
+        })
+    }
+}
+
+impl InProcess {
+    /// Judges one batch (R2-R35 as for a batch sent over gRPC): its
+    /// decision, or the status a unary `EvaluateBatch` would have been
+    /// answered with (a refusal, R20; an abort, R13, R17).
+    pub async fn evaluate(
+        &self,
+        request: guardmesh_proto::v1::EvaluateRequest,
+    ) -> Result<guardmesh_proto::v1::BatchDecision, tonic::Status> {
+        self.tool.local(request, &self.caller).await
+    }
+
+    /// The mesh itself (metrics, registry, chain).
+    pub fn mesh(&self) -> &Arc<Mesh> {
+        &self.running.mesh
+    }
+
+    /// Stops the SIGHUP reload and closes the decision log (R29: every
+    /// record written and the chain's end recorded).
+    pub async fn close(&self) {
+        if let Some(hangup) = &self.running.hangup {
+            hangup.abort();
+        }
+        if let Some(log) = self.running.mesh.decision_log()
+            && let Err(error) = log.close().await
+        {
+            tracing::error!(%error, "decision log not closed cleanly");
+        }
     }
 }
 

@@ -242,6 +242,23 @@ impl PreTool {
         Ok(AnswerStream { rx, budget })
     }
 
+    /// Judges one batch sent from this process (a gateway embedding the
+    /// mesh): the unary call's path without the transport. The batch is
+    /// checked against the same limits a decoded message is (R20),
+    /// recorded (R29) and answered as a unary `EvaluateBatch` from an
+    /// unauthenticated caller would be; `caller` names it in the decision
+    /// log.
+    pub(crate) async fn local(
+        &self,
+        request: EvaluateRequest,
+        caller: &crate::decision_log::Caller,
+    ) -> Result<BatchDecision, Status> {
+        let inbound = Inbound::from_request(request, &self.mesh.config.limits);
+        let caller = self.mesh.decision_log().map(|_| Arc::new(caller.clone()));
+        self.unary(&MetadataMap::new(), (0, None), caller, inbound)
+            .await
+    }
+
     /// Judges one batch of a unary call.
     async fn unary(
         &self,

@@ -1,0 +1,211 @@
+//! `guardmesh mcp stdio --config MESH_TOML`: the gateway judging with the
+//! mesh of a config file in its own process (R31), end to end with the
+//! official Python MCP SDK as client and upstream, a remote guard on
+//! loopback and a CEL policy guard, both from the config. What `guardmesh
+//! serve` does with a config, the embedded mesh does: registration order
+//! (R16), rewrites (R10), steer and cancel (R31), failure policies (R13),
+//! session ids (R34) and the decision log (R29), closed cleanly when the
+//! session ends.
+//!
+//! Needs `scripts/setup-polyglot` (the SDK in build/venv).
+
+use crate::harness::*;
+use crate::mcp::{Scratch, calls, policy, run_client};
+use serde_json::{Value, json};
+use std::path::Path;
+use std::time::Duration;
+
+/// A CEL policy beside the remote guard: payments over 1000 are cancelled.
+const CEL: &str = r#"
+[[rule]]
+name = "big-payments"
+tools = ["pay"]
+when = "has(call.args.amount) && call.args.amount > 1000"
+action = "cancel"
+message = '"payments over 1000 need a human"'
+"#;
+
+/// `stdio guardmesh mcp stdio --config CONFIG [extra] -- UPSTREAM...`
+fn via_embedded(config: &Path, extra: &[&str], upstream: Vec<String>) -> Vec<String> {
+    let mut target = vec![
+        "stdio".to_owned(),
+        env!("CARGO_BIN_EXE_guardmesh").to_owned(),
+        "mcp".into(),
+        "stdio".into(),
+        "--config".into(),
+        config.display().to_string(),
+    ];
+    target.extend(extra.iter().map(|s| s.to_string()));
+    target.push("--".into());
+    target.extend(upstream);
+    target
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn r31_r29_a_gateway_with_a_config_judges_in_its_own_process() {
+    let guard = call_guard(Duration::ZERO, policy).await;
+    let scratch = Scratch::new("embedded");
+    let log = scratch.dir.join("log");
+    std::fs::write(scratch.dir.join("cel.toml"), CEL).unwrap();
+    let config = scratch.dir.join("mesh.toml");
+    std::fs::write(
+        &config,
+        format!(
+            "[decision_log]\ndir = {:?}\n\n\
+             [[guard]]\nname = \"policy\"\nendpoint = {:?}\nrole = \"mutate\"\n\
+             grant = {{ tools = [\"read_file\"] }}\n\n\
+             [[guard]]\nname = \"cel\"\npolicy = \"cel.toml\"\n",
+            log.display().to_string(),
+            guard.url
+        ),
+    )
+    .unwrap();
+    let scenario = json!({"mode": "legacy", "steps": [
+        {"op": "call", "name": "read_file", "arguments": {"path": "/etc/shadow"}},
+        {"op": "call", "name": "delete_file", "arguments": {"path": "/home/a"}},
+        {"op": "call", "name": "pay", "arguments": {"amount": 500, "to": "mallory"}},
+        {"op": "call", "name": "pay", "arguments": {"amount": 5000, "to": "bob"}},
+        {"op": "call", "name": "pay", "arguments": {"amount": 5, "to": "bob"}},
+    ]});
+    let target = via_embedded(&config, &["--session", "s-7"], scratch.upstream(&["stdio"]));
+    let lines = tokio::task::spawn_blocking(move || run_client(scenario, &target))
+        .await
+        .unwrap();
+    let results = calls(&lines);
+    assert_eq!(results.len(), 5, "{lines:?}");
+    // The remote guard's rewrite applied (R10), its steer and cancel (R31).
+    assert_eq!(results[0]["text"][0], "contents of /redacted", "{lines:?}");
+    assert_eq!(results[1]["isError"], true, "{:?}", results[1]);
+    assert_eq!(results[1]["text"][0], "deleting is not allowed; use trash");
+    assert_eq!(results[2]["isError"], false);
+    assert_eq!(results[2]["text"][0], "payments over 100 need approval");
+    // The first skip wins (R4): 5000 is cancelled by the remote guard, which
+    // comes first in the file (R16), not by the CEL policy after it.
+    assert_eq!(results[3]["text"][0], "payments over 100 need approval");
+    assert_eq!(results[4]["text"][0], "paid 5.0 to bob");
+    assert_eq!(
+        scratch.executed(),
+        vec![
+            json!({"tool": "read_file", "arguments": {"path": "/redacted"}}),
+            json!({"tool": "pay", "arguments": {"amount": 5.0, "to": "bob"}}),
+        ],
+        "the upstream ran only what was allowed, as rewritten"
+    );
+    // Each tools/call was one batch of the MCP session, sent to the remote
+    // guard by the mesh inside the gateway.
+    let batches = guard.guard.batches();
+    assert_eq!(batches.len(), 5);
+    assert!(
+        batches
+            .iter()
+            .all(|b| b.context.as_ref().unwrap().session_id == "s-7")
+    );
+
+    // R29: one record per batch, naming the in-process caller, and a log
+    // closed cleanly when the session ended (it verifies).
+    let all = records(&log);
+    let changes = all.iter().filter(|r| r["kind"] == "chain_change").count();
+    assert_eq!(changes, 2, "the config's two guards: {all:?}");
+    let records: Vec<&Value> = all.iter().filter(|r| r["kind"] == "decision").collect();
+    assert_eq!(records.len(), 5, "{all:?}");
+    for record in &records {
+        assert_eq!(record["caller"]["peer"], "in-process:mcp-stdio", "{record}");
+        assert_eq!(record["batch"]["session_id"], "s-7", "{record}");
+    }
+    let actions: Vec<&Value> = records
+        .iter()
+        .map(|r| &r["decisions"][0]["action"])
+        .collect();
+    assert_eq!(
+        actions,
+        ["proceed", "steer", "cancel", "cancel", "proceed"],
+        "{records:?}"
+    );
+    let verify = std::process::Command::new(env!("CARGO_BIN_EXE_guardmesh"))
+        .args(["log", "verify"])
+        .arg(&log)
+        .output()
+        .unwrap();
+    assert!(
+        verify.status.success(),
+        "{}{}",
+        text(&verify.stdout),
+        text(&verify.stderr)
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn r13_r31_an_embedded_mesh_whose_guard_is_down_forwards_nothing() {
+    let scratch = Scratch::new("embedded-down");
+    let closed = closed_port().await;
+    let config = scratch.dir.join("mesh.toml");
+    std::fs::write(
+        &config,
+        format!(
+            "[[guard]]\nname = \"strict\"\nendpoint = {closed:?}\nfailure_policy = \"abort\"\ntimeout_ms = 500\n"
+        ),
+    )
+    .unwrap();
+    let scenario = json!({"mode": "legacy", "steps": [
+        {"op": "call", "name": "pay", "arguments": {"amount": 1, "to": "bob"}},
+    ]});
+    let target = via_embedded(&config, &[], scratch.upstream(&["stdio"]));
+    let lines = tokio::task::spawn_blocking(move || run_client(scenario, &target))
+        .await
+        .unwrap();
+    let result = calls(&lines)[0];
+    // Aborted (R13): a JSON-RPC error naming the guard, as with --mesh.
+    assert_eq!(result["error"]["code"], -32070, "{result:?}");
+    assert!(
+        result["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("strict"),
+        "{result:?}"
+    );
+    assert_eq!(scratch.executed(), Vec::<Value>::new(), "nothing forwarded");
+}
+
+#[test]
+fn r31_a_gateway_whose_config_cannot_start_a_mesh_starts_no_upstream() {
+    let scratch = Scratch::new("embedded-broken");
+    let marker = scratch.dir.join("upstream-ran");
+    let upstream = format!("touch {}", marker.display());
+    for (name, config, expect) in [
+        ("missing", None, "cannot read config file"),
+        (
+            "unknown-key",
+            Some(
+                "[[guard]]\nname = \"a\"\nendpoint = \"http://127.0.0.1:1\"\nfailure = \"open\"\n",
+            ),
+            "failure",
+        ),
+        (
+            "missing-policy",
+            Some("[[guard]]\nname = \"p\"\npolicy = \"nowhere.toml\"\n"),
+            "nowhere.toml",
+        ),
+    ] {
+        let path = scratch.dir.join(format!("{name}.toml"));
+        if let Some(config) = config {
+            std::fs::write(&path, config).unwrap();
+        }
+        let output = std::process::Command::new(env!("CARGO_BIN_EXE_guardmesh"))
+            .args(["mcp", "stdio", "--config"])
+            .arg(&path)
+            .args(["--", "sh", "-c", &upstream])
+            .stdin(std::process::Stdio::null())
+            .output()
+            .unwrap();
+        let stderr = text(&output.stderr);
+        assert_eq!(output.status.code(), Some(1), "{name}: {stderr}");
+        assert!(
+            stderr.contains(&path.display().to_string()) && stderr.contains(expect),
+            "{name}: the error names the file and what is wrong: {stderr}"
+        );
+        assert!(
+            !marker.exists(),
+            "{name}: the upstream was started without a mesh"
+        );
+    }
+}
