@@ -209,3 +209,115 @@ fn r31_a_gateway_whose_config_cannot_start_a_mesh_starts_no_upstream() {
         );
     }
 }
+
+/// Writes `lines` to a `guardmesh mcp stdio --config` gateway in front of
+/// the SDK's upstream, one at a time, each after the answer to the one
+/// before; returns the answers with the time each took.
+fn exchange(config: &Path, upstream: &[String], lines: &[Value]) -> Vec<(Value, Duration)> {
+    use std::io::{BufRead, BufReader, Write};
+    let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_guardmesh"))
+        .args(["mcp", "stdio", "--config"])
+        .arg(config)
+        .arg("--")
+        .args(upstream)
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    let mut stdin = child.stdin.take().unwrap();
+    let mut stdout = BufReader::new(child.stdout.take().unwrap());
+    let mut answers = Vec::new();
+    let init = json!({"jsonrpc": "2.0", "id": 0, "method": "initialize", "params": {
+        "protocolVersion": "2025-06-18", "capabilities": {},
+        "clientInfo": {"name": "t", "version": "1"}}});
+    for line in std::iter::once(&init).chain(lines) {
+        let started = std::time::Instant::now();
+        writeln!(stdin, "{line}").unwrap();
+        stdin.flush().unwrap();
+        let mut answer = String::new();
+        stdout.read_line(&mut answer).unwrap();
+        answers.push((serde_json::from_str(&answer).unwrap(), started.elapsed()));
+    }
+    drop(stdin);
+    let _ = child.wait();
+    answers.remove(0);
+    answers
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn r14_r20_the_mesh_in_the_gateway_keeps_its_limits_and_deadlines() {
+    // A guard that answers after 5 s, past its 300 ms timeout (R14).
+    let slow = script_guard(|_| Script {
+        delay: Duration::from_secs(5),
+        ..Script::default()
+    })
+    .await;
+    let scratch = Scratch::new("embedded-bounds");
+    let config = scratch.dir.join("mesh.toml");
+    std::fs::write(
+        &config,
+        format!(
+            "[limits]\nmax_argument_bytes = 64\nmax_calls_per_batch = 2\n\n\
+             [[guard]]\nname = \"slow\"\nendpoint = {:?}\ntimeout_ms = 300\nfailure_policy = \"fail_closed\"\n",
+            slow.url
+        ),
+    )
+    .unwrap();
+    let call = |id: u32, amount: u32, to: &str| {
+        json!({"jsonrpc": "2.0", "id": id, "method": "tools/call",
+               "params": {"name": "pay", "arguments": {"amount": amount, "to": to}}})
+    };
+    let lines = vec![
+        // Over max_argument_bytes (R20).
+        call(1, 1, &"x".repeat(200)),
+        // A JSON-RPC batch of three calls: one guard batch, over
+        // max_calls_per_batch (R20, R31).
+        json!([call(2, 1, "a"), call(3, 1, "b"), call(4, 1, "c")]),
+        // Within the limits: the guard times out, fail_closed (R13, R14).
+        call(5, 1, "bob"),
+        // The interceptors extension needs a mesh reached with --mesh.
+        json!({"jsonrpc": "2.0", "id": 6, "method": "interceptors/list", "params": {}}),
+    ];
+    let upstream = scratch.upstream(&["stdio"]);
+    let answers = tokio::task::spawn_blocking(move || exchange(&config, &upstream, &lines))
+        .await
+        .unwrap();
+    let (big, _) = &answers[0];
+    assert_eq!(big["error"]["code"], -32070, "{big}");
+    assert!(
+        big["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("220 bytes of arguments; the limit is 64"),
+        "the refusal names the limit: {big}"
+    );
+    let (batch, _) = &answers[1];
+    let batch = batch
+        .as_array()
+        .expect("a JSON-RPC batch is answered with an array");
+    assert_eq!(batch.len(), 3, "{batch:?}");
+    for answer in batch {
+        assert_eq!(answer["error"]["code"], -32070, "{answer}");
+    }
+    assert_eq!(slow.guard.requests(), 1, "refused batches contact no guard");
+    let (late, took) = &answers[2];
+    assert!(
+        late.get("error").is_some() || late["result"]["isError"].is_boolean(),
+        "answered, not forwarded: {late}"
+    );
+    assert!(
+        *took < Duration::from_secs(4),
+        "answered by the guard's deadline, not its 5 s: {took:?}"
+    );
+    let (listed, _) = &answers[3];
+    assert_eq!(listed["error"]["code"], -32071, "{listed}");
+    assert!(
+        listed["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("--mesh"),
+        "{listed}"
+    );
+    assert_eq!(scratch.executed(), Vec::<Value>::new(), "nothing forwarded");
+}
