@@ -1207,7 +1207,7 @@ async fn r31_hook_deny_allow_updated_input_and_exit_codes() {
 // ---------------------------------------------------------------------------
 
 /// Waits (bounded) until something accepts on `port`.
-async fn wait_for_port(port: u16, what: &str) {
+pub(crate) async fn wait_for_port(port: u16, what: &str) {
     for _ in 0..300 {
         if tokio::net::TcpStream::connect(("127.0.0.1", port))
             .await
@@ -1221,7 +1221,7 @@ async fn wait_for_port(port: u16, what: &str) {
 }
 
 /// A child process killed when dropped.
-pub(crate) struct Child(std::process::Child);
+pub(crate) struct Child(pub(crate) std::process::Child);
 
 impl Drop for Child {
     fn drop(&mut self) {

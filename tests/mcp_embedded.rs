@@ -321,3 +321,58 @@ async fn r14_r20_the_mesh_in_the_gateway_keeps_its_limits_and_deadlines() {
     );
     assert_eq!(scratch.executed(), Vec::<Value>::new(), "nothing forwarded");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn r31_the_http_gateway_with_a_config_judges_in_its_own_process() {
+    use crate::mcp::{Child, wait_for_port};
+    let guard = call_guard(Duration::ZERO, policy).await;
+    let scratch = Scratch::new("embedded-http");
+    let config = scratch.dir.join("mesh.toml");
+    std::fs::write(
+        &config,
+        format!("[[guard]]\nname = \"policy\"\nendpoint = {:?}\n", guard.url),
+    )
+    .unwrap();
+    let upstream_port = free_port();
+    let mut command = scratch.upstream(&["http", &upstream_port.to_string()]);
+    let _upstream = Child(
+        std::process::Command::new(command.remove(0))
+            .args(command)
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .spawn()
+            .unwrap(),
+    );
+    wait_for_port(upstream_port, "the upstream MCP server").await;
+    let port = free_port();
+    let _gateway = Child(
+        std::process::Command::new(env!("CARGO_BIN_EXE_guardmesh"))
+            .args(["mcp", "http", "--config"])
+            .arg(&config)
+            .arg("--listen")
+            .arg(format!("127.0.0.1:{port}"))
+            .arg("--upstream")
+            .arg(format!("http://127.0.0.1:{upstream_port}/mcp"))
+            .stdout(std::process::Stdio::null())
+            .spawn()
+            .unwrap(),
+    );
+    wait_for_port(port, "guardmesh mcp http --config").await;
+    let scenario = json!({"mode": "legacy", "steps": [
+        {"op": "call", "name": "delete_file", "arguments": {"path": "/home/a"}},
+        {"op": "call", "name": "pay", "arguments": {"amount": 5, "to": "bob"}},
+    ]});
+    let target = vec!["http".to_owned(), format!("http://127.0.0.1:{port}/mcp")];
+    let lines = tokio::task::spawn_blocking(move || run_client(scenario, &target))
+        .await
+        .unwrap();
+    let results = calls(&lines);
+    assert_eq!(results[0]["isError"], true, "{lines:?}");
+    assert_eq!(results[0]["text"][0], "deleting is not allowed; use trash");
+    assert_eq!(results[1]["text"][0], "paid 5.0 to bob", "{lines:?}");
+    assert_eq!(
+        scratch.executed(),
+        vec![json!({"tool": "pay", "arguments": {"amount": 5.0, "to": "bob"}})]
+    );
+    assert_eq!(guard.guard.batches().len(), 2);
+}
