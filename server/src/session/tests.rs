@@ -491,3 +491,73 @@ async fn r34_a_read_shares_the_memory_and_a_later_write_never_changes_what_it_re
     assert_eq!(d.calls.len(), 3);
     assert_eq!(store.held().map(|(sessions, _)| sessions), Some(1));
 }
+
+/// Log lines written while it runs (a thread's own subscriber, `info` and
+/// above).
+#[derive(Clone, Default)]
+struct Lines(Arc<std::sync::Mutex<Vec<u8>>>);
+
+impl std::io::Write for Lines {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        self.0
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .extend_from_slice(buf);
+        Ok(buf.len())
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+impl Lines {
+    fn containing(&self, text: &str) -> usize {
+        let bytes = self
+            .0
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .clone();
+        String::from_utf8_lossy(&bytes)
+            .lines()
+            .filter(|l| l.contains(text))
+            .count()
+    }
+}
+
+#[tokio::test]
+async fn r34_a_session_at_its_bounds_is_logged_once_not_at_every_batch() {
+    let lines = Lines::default();
+    let writer = lines.clone();
+    let subscriber = tracing_subscriber::fmt()
+        .with_max_level(tracing::Level::INFO)
+        .with_writer(move || writer.clone())
+        .with_ansi(false)
+        .finish();
+    // (A test runs on one thread: the subscriber sees every line of it.)
+    let _logging = tracing::subscriber::set_default(subscriber);
+    let mem = memory();
+    let (a, b) = (SessionKey::new("a", "s-1"), SessionKey::new("a", "s-2"));
+    for i in 0..500 {
+        for key in [&a, &b] {
+            mem.record(key, &update_with_call(&mem, &format!("c{i}"), "t.x"))
+                .await
+                .unwrap();
+        }
+    }
+    let evicted = mem
+        .stats()
+        .evicted_entries
+        .load(std::sync::atomic::Ordering::Relaxed);
+    assert_eq!(
+        evicted,
+        2 * (500 - limits().max_entries as u64),
+        "all counted"
+    );
+    assert_eq!(
+        lines.containing("the oldest entries were dropped"),
+        2,
+        "one line per session that reached its bounds, not one per batch"
+    );
+    let view = mem.read(&a).await.unwrap();
+    assert_eq!(view.evicted(), 500 - limits().max_entries as u64);
+}
