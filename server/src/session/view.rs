@@ -174,10 +174,13 @@ impl SessionView {
     /// string is copied but into `buf`). What a batch sends its guards.
     pub fn encode_for_guard(&self, tag: u32, buf: &mut Vec<u8>) {
         use prost::encoding::{WireType, encode_key, encode_varint};
-        let calls: Vec<&CallRan> = self.live_calls().collect();
+        // The calls are walked, not collected: once to count them, then
+        // from the first one sent.
+        let mut live: usize = 0;
         let mut truncated = false;
         let mut counts: std::collections::BTreeMap<&str, u32> = Default::default();
-        for call in &calls {
+        for call in self.live_calls() {
+            live += 1;
             let tool = call.tool.as_str();
             if let Some(n) = counts.get_mut(tool) {
                 *n = n.saturating_add(1);
@@ -187,10 +190,11 @@ impl SessionView {
                 truncated = true;
             }
         }
-        let mut skip_calls = calls.len().saturating_sub(GUARD_MAX_ITEMS);
+        let mut skip_calls = live.saturating_sub(GUARD_MAX_ITEMS);
         let mut skip_labels = self.labels.len().saturating_sub(GUARD_MAX_ITEMS);
         truncated |= skip_calls > 0 || skip_labels > 0;
-        let mut recent_bytes: usize = calls[skip_calls..].iter().map(|c| recent_len(c)).sum();
+        let mut recent_bytes: usize = self.live_calls().skip(skip_calls).map(recent_len).sum();
+        let mut oldest_sent = self.live_calls().skip(skip_calls);
         let mut labels_bytes: usize = self.labels[skip_labels..]
             .iter()
             .map(|l| string_len(1, l, false))
@@ -206,8 +210,8 @@ impl SessionView {
         // labels, then the counts.
         while len(labels_bytes, counts_bytes, recent_bytes, truncated) > GUARD_MAX_BYTES {
             truncated = true;
-            if skip_calls < calls.len() {
-                recent_bytes -= recent_len(calls[skip_calls]);
+            if let Some(call) = oldest_sent.next() {
+                recent_bytes -= recent_len(call);
                 skip_calls += 1;
             } else if skip_labels < self.labels.len() {
                 labels_bytes -= string_len(1, &self.labels[skip_labels], false);
@@ -232,7 +236,7 @@ impl SessionView {
             put_string(1, tool, true, buf);
             put_varint(2, u64::from(*n), buf);
         }
-        for call in &calls[skip_calls..] {
+        for call in self.live_calls().skip(skip_calls) {
             encode_key(3, WireType::LengthDelimited, buf);
             encode_varint(recent_body(call) as u64, buf);
             put_string(1, &call.tool, true, buf);
