@@ -531,15 +531,20 @@ impl<'a> Judging<'a> {
     /// read for the batch, or why it could not be read (R34).
     fn memory_part(&mut self) -> Option<Bytes> {
         if self.memory.is_none() {
-            let memory = match self.session.as_ref()? {
-                crate::policy::SessionVal::Read(view) => view.for_guard(),
-                crate::policy::SessionVal::Unavailable(why) => guardmesh_proto::v1::SessionMemory {
-                    unavailable: why.to_string(),
-                    ..Default::default()
-                },
-            };
             let mut bytes = Vec::new();
-            prost::encoding::message::encode(SESSION_FIELD, &memory, &mut bytes);
+            match self.session.as_ref()? {
+                // Written straight from the memory read, not built first.
+                crate::policy::SessionVal::Read(view) => {
+                    view.encode_for_guard(SESSION_FIELD, &mut bytes);
+                }
+                crate::policy::SessionVal::Unavailable(why) => {
+                    let memory = guardmesh_proto::v1::SessionMemory {
+                        unavailable: why.to_string(),
+                        ..Default::default()
+                    };
+                    prost::encoding::message::encode(SESSION_FIELD, &memory, &mut bytes);
+                }
+            }
             self.memory = Some(Bytes::from(bytes));
         }
         self.memory.clone()

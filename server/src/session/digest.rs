@@ -88,11 +88,7 @@ impl Digester {
         let mut mac = self.key.clone();
         mac.update(SESSION_NAME_DOMAIN.as_bytes());
         mac.update(store_key.as_bytes());
-        mac.finalize()
-            .into_bytes()
-            .iter()
-            .map(|b| format!("{b:02x}"))
-            .collect()
+        hex(&mac.finalize().into_bytes())
     }
 
     /// The digests of `text` as a value seen: the whole text (when not too
@@ -156,7 +152,18 @@ pub fn pieces(text: &str) -> impl Iterator<Item = &str> {
 
 /// A digest as text (the stores' form).
 pub fn to_hex(d: &Digest) -> String {
-    d.iter().map(|b| format!("{b:02x}")).collect()
+    hex(d)
+}
+
+/// `bytes` as lowercase hex digits, two per byte: one allocation.
+fn hex(bytes: &[u8]) -> String {
+    const DIGITS: &[u8; 16] = b"0123456789abcdef";
+    let mut out = String::with_capacity(2 * bytes.len());
+    for &b in bytes {
+        out.push(char::from(DIGITS[usize::from(b >> 4)]));
+        out.push(char::from(DIGITS[usize::from(b & 0x0f)]));
+    }
+    out
 }
 
 /// A digest from its text form.
@@ -206,6 +213,24 @@ mod tests {
         assert!(
             Digester::new(&[0; 16]).is_err(),
             "a short secret is refused"
+        );
+    }
+
+    #[test]
+    fn r34_hex_is_two_lowercase_digits_per_byte_as_stores_hold_it() {
+        let all: Vec<u8> = (0..=255).collect();
+        let expected: String = all.iter().map(|b| format!("{b:02x}")).collect();
+        assert_eq!(hex(&all), expected);
+        let d: Digest = [
+            0, 1, 0x0f, 0x10, 0x7f, 0x80, 0xab, 0xff, 9, 10, 11, 12, 13, 14, 15, 16,
+        ];
+        assert_eq!(to_hex(&d), "00010f107f80abff090a0b0c0d0e0f10");
+        assert_eq!(from_hex(&to_hex(&d)), Some(d));
+        let name = digester(5).session_name("alice\0s-1");
+        assert_eq!(name.len(), 64);
+        assert!(
+            name.bytes()
+                .all(|c| c.is_ascii_hexdigit() && !c.is_ascii_uppercase())
         );
     }
 

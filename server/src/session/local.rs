@@ -106,11 +106,19 @@ impl SessionStore for LocalStore {
             }
             *state.per_identity.entry(key.identity.clone()).or_default() += 1;
             state.bytes += key.bytes();
+            state.sessions.insert(key.clone(), Arc::default());
         }
-        let memory = Arc::make_mut(state.sessions.entry(key.clone()).or_default());
+        let State {
+            sessions, bytes, ..
+        } = &mut *state;
+        // (The key is cloned only for a new session, above.)
+        let Some(memory) = sessions.get_mut(key) else {
+            unreachable!("inserted above when missing")
+        };
+        let memory = Arc::make_mut(memory);
         let before = memory.bytes();
         let applied = memory.apply(update, limits, now);
-        state.bytes = state.bytes.saturating_sub(before) + applied.bytes;
+        *bytes = bytes.saturating_sub(before) + applied.bytes;
         Ok(applied)
     }
 

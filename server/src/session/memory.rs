@@ -65,7 +65,28 @@ pub struct Memory {
     /// lease lives the memory's age from then, so it is renewed before).
     #[serde(default, skip_serializing_if = "is_zero")]
     pub lease_at: u64,
+    /// The bytes it is charged, kept in step by the methods that change
+    /// its entries (see [`Held`]).
+    #[serde(skip)]
+    held: Held,
 }
+
+/// The bytes a [`Memory`] is charged, once counted: kept in step with its
+/// entries by every change [`Memory::apply`] and [`Memory::expire`] make,
+/// so that a batch does not add up the whole memory again (in debug builds
+/// [`Memory::bytes`] checks it against the sum). Not stored: a memory read
+/// from a store counts its bytes on its first change. Derived from the
+/// entries, so no part of a memory's equality.
+#[derive(Debug, Clone, Copy, Default)]
+struct Held(Option<usize>);
+
+impl PartialEq for Held {
+    fn eq(&self, _: &Self) -> bool {
+        true
+    }
+}
+
+impl Eq for Held {}
 
 fn is_zero(n: &u64) -> bool {
     *n == 0
@@ -103,6 +124,11 @@ pub struct Applied {
     /// The session's entries and bytes after the update.
     pub entries: usize,
     pub bytes: usize,
+    /// This update is the first to drop entries of the session (by the
+    /// bounds or by age): from it on, the session has lost memory. Logged
+    /// once per session, not at every update that drops more.
+    #[serde(default)]
+    pub began_to_forget: bool,
 }
 
 /// Why a label is refused: it must be 1 to `max` bytes of ASCII letters,
@@ -121,15 +147,45 @@ impl Memory {
         self.calls.len() + self.labels.len() + self.seen.len()
     }
 
-    /// The bytes it is charged.
+    /// The bytes it is charged: kept as it changes, not added up again.
     pub fn bytes(&self) -> usize {
-        self.calls
-            .iter()
-            .map(|c| c.id.len() + c.tool.len() + c.server.len() + c.args.len())
-            .chain(self.labels.iter().map(|l| l.name.len()))
-            .chain(self.seen.iter().map(|s| s.server.len() + s.digest.len()))
-            .map(|b| b + ENTRY_OVERHEAD)
-            .sum()
+        match self.held.0 {
+            Some(held) => {
+                debug_assert_eq!(held, self.count_bytes(), "bytes kept out of step");
+                held
+            }
+            None => self.count_bytes(),
+        }
+    }
+
+    /// The bytes it is charged, added up entry by entry.
+    fn count_bytes(&self) -> usize {
+        self.calls.iter().map(call_bytes).sum::<usize>()
+            + self.labels.iter().map(label_bytes).sum::<usize>()
+            + self.seen.iter().map(seen_bytes).sum::<usize>()
+    }
+
+    /// The bytes it is charged, counted once if not yet kept: before a
+    /// change.
+    fn held_bytes(&mut self) -> usize {
+        match self.held.0 {
+            Some(held) => held,
+            None => {
+                let held = self.count_bytes();
+                self.held = Held(Some(held));
+                held
+            }
+        }
+    }
+
+    fn charge(&mut self, bytes: usize) {
+        let held = self.held_bytes() + bytes;
+        self.held = Held(Some(held));
+    }
+
+    fn free(&mut self, bytes: usize) {
+        let held = self.held_bytes().saturating_sub(bytes);
+        self.held = Held(Some(held));
     }
 
     /// Drops the entries older than the bounds' age; returns how many.
@@ -137,9 +193,23 @@ impl Memory {
         let age = u64::try_from(limits.max_age.as_millis()).unwrap_or(u64::MAX);
         let cutoff = now.saturating_sub(age);
         let before = self.entries();
-        self.calls.retain(|c| c.at >= cutoff);
-        self.labels.retain(|l| l.at >= cutoff);
-        self.seen.retain(|s| s.at >= cutoff);
+        let mut freed = 0;
+        self.calls.retain(|c| {
+            let keep = c.at >= cutoff;
+            freed += if keep { 0 } else { call_bytes(c) };
+            keep
+        });
+        self.labels.retain(|l| {
+            let keep = l.at >= cutoff;
+            freed += if keep { 0 } else { label_bytes(l) };
+            keep
+        });
+        self.seen.retain(|s| {
+            let keep = s.at >= cutoff;
+            freed += if keep { 0 } else { seen_bytes(s) };
+            keep
+        });
+        self.free(freed);
         let dropped = before - self.entries();
         self.evicted += dropped as u64;
         dropped
@@ -147,11 +217,13 @@ impl Memory {
 
     /// Applies `update` at `now` within `limits`.
     pub fn apply(&mut self, update: &Update, limits: &SessionLimits, now: u64) -> Applied {
+        let whole = self.evicted == 0;
         let mut applied = Applied {
             evicted: self.expire(limits, now),
             ..Applied::default()
         };
         for call in &update.calls {
+            self.charge(call_bytes(call));
             self.calls.push_back(CallRan {
                 at: now,
                 ..call.clone()
@@ -168,22 +240,45 @@ impl Memory {
             if self.labels.iter().any(|l| &l.name == label) {
                 continue;
             }
-            self.labels.push_back(Label {
+            let label = Label {
                 name: label.clone(),
                 at: now,
-            });
-            applied.labels.push(label.clone());
+            };
+            self.charge(label_bytes(&label));
+            applied.labels.push(label.name.clone());
+            self.labels.push_back(label);
         }
-        // Values already seen, and those earlier in this update (a
-        // request of results brings several results in one update), are
-        // not added twice.
+        if !update.seen.is_empty() {
+            self.add_seen(&update.seen, now, &mut applied);
+        }
+        // `expire` counted its own drops; these are counted here.
+        let mut dropped = 0;
+        while self.labels.len() > limits.max_labels {
+            if let Some(label) = self.labels.pop_front() {
+                self.free(label_bytes(&label));
+            }
+            dropped += 1;
+        }
+        dropped += self.shrink(limits);
+        self.evicted += dropped as u64;
+        applied.evicted += dropped;
+        applied.began_to_forget = whole && self.evicted > 0;
+        self.updated = now;
+        applied.entries = self.entries();
+        applied.bytes = self.bytes();
+        applied
+    }
+
+    /// Adds the values of `seen` not seen yet: values already seen, and
+    /// those earlier in this update (a request of results brings several
+    /// results in one update), are not added twice.
+    fn add_seen(&mut self, seen: &[Seen], now: u64, applied: &mut Applied) {
         let mut known: HashSet<(&str, &str)> = self
             .seen
             .iter()
             .map(|s| (s.server.as_str(), s.digest.as_str()))
             .collect();
-        let fresh: Vec<Seen> = update
-            .seen
+        let fresh: Vec<Seen> = seen
             .iter()
             .filter(|s| known.insert((s.server.as_str(), s.digest.as_str())))
             .map(|s| Seen {
@@ -192,27 +287,15 @@ impl Memory {
             })
             .collect();
         applied.seen = fresh.len();
+        self.charge(fresh.iter().map(seen_bytes).sum());
         self.seen.extend(fresh);
-        // `expire` counted its own drops; these are counted here.
-        let mut dropped = 0;
-        while self.labels.len() > limits.max_labels {
-            self.labels.pop_front();
-            dropped += 1;
-        }
-        dropped += self.shrink(limits);
-        self.evicted += dropped as u64;
-        applied.evicted += dropped;
-        self.updated = now;
-        applied.entries = self.entries();
-        applied.bytes = self.bytes();
-        applied
     }
 
     /// Drops the oldest entries until the session is within its entries
     /// and bytes; labels go last (a flood of values must not wash a label
     /// away before it washes away the values). Returns how many.
     fn shrink(&mut self, limits: &SessionLimits) -> usize {
-        let mut bytes = self.bytes();
+        let mut bytes = self.held_bytes();
         let mut dropped = 0;
         while self.entries() > limits.max_entries || bytes > limits.max_bytes {
             let call = self.calls.front().map(|c| c.at);
@@ -221,17 +304,19 @@ impl Memory {
                 (Some(c), Some(s)) if c <= s => self.calls.pop_front().map(|c| call_bytes(&c)),
                 (Some(_), None) => self.calls.pop_front().map(|c| call_bytes(&c)),
                 (_, Some(_)) => self.seen.pop_front().map(|s| seen_bytes(&s)),
-                (None, None) => self
-                    .labels
-                    .pop_front()
-                    .map(|l| l.name.len() + ENTRY_OVERHEAD),
+                (None, None) => self.labels.pop_front().map(|l| label_bytes(&l)),
             };
             let Some(freed) = freed else { break };
             bytes = bytes.saturating_sub(freed);
             dropped += 1;
         }
+        self.held = Held(Some(bytes));
         dropped
     }
+}
+
+fn label_bytes(l: &Label) -> usize {
+    l.name.len() + ENTRY_OVERHEAD
 }
 
 fn call_bytes(c: &CallRan) -> usize {
@@ -240,4 +325,146 @@ fn call_bytes(c: &CallRan) -> usize {
 
 fn seen_bytes(s: &Seen) -> usize {
     s.server.len() + s.digest.len() + ENTRY_OVERHEAD
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::time::Duration;
+
+    fn call(id: usize, tool: &str) -> CallRan {
+        CallRan {
+            id: format!("call-{id}"),
+            tool: tool.to_owned(),
+            server: "fs".to_owned(),
+            args: "0123456789abcdef0123456789abcdef".to_owned(),
+            at: 0,
+        }
+    }
+
+    fn seen(n: usize) -> Seen {
+        Seen {
+            server: "fs".to_owned(),
+            digest: format!("{n:032x}"),
+            at: 0,
+        }
+    }
+
+    /// The bytes kept as the memory changes are those its entries add up
+    /// to, after every kind of change.
+    fn in_step(memory: &Memory, after: &str) {
+        assert_eq!(memory.held.0, Some(memory.count_bytes()), "after {after}");
+        assert_eq!(memory.bytes(), memory.count_bytes(), "after {after}");
+    }
+
+    #[test]
+    fn r34_the_bytes_kept_stay_in_step_through_inserts_evictions_and_expiry() {
+        let limits = SessionLimits {
+            max_bytes: 4 * 1024,
+            max_entries: 40,
+            max_labels: 3,
+            max_age: Duration::from_secs(60),
+            ..SessionLimits::default()
+        };
+        let mut memory = Memory::default();
+        let mut now = 1_000_000;
+        // Inserts of calls, labels (some twice, some refused) and values.
+        for i in 0..10 {
+            let update = Update {
+                calls: vec![call(i, "fs.read")],
+                labels: vec![format!("l{}", i % 5), "bad label!".to_owned()],
+                seen: vec![seen(i), seen(i), seen(i + 1)],
+                results: 1,
+            };
+            let applied = memory.apply(&update, &limits, now);
+            assert_eq!(applied.bytes, memory.count_bytes());
+            in_step(&memory, &format!("insert {i}"));
+            now += 1;
+        }
+        assert_eq!(memory.labels.len(), 3, "labels past their bound went");
+        // Evictions by entries, then by bytes.
+        let many = Update {
+            calls: (100..160).map(|i| call(i, "fs.write")).collect(),
+            ..Update::default()
+        };
+        let applied = memory.apply(&many, &limits, now);
+        assert!(applied.evicted > 0 && memory.entries() <= limits.max_entries);
+        in_step(&memory, "eviction by entries");
+        let wide = SessionLimits {
+            max_entries: 1000,
+            max_bytes: 1024,
+            ..limits
+        };
+        let applied = memory.apply(&many, &wide, now);
+        assert!(applied.evicted > 0 && memory.bytes() <= wide.max_bytes);
+        in_step(&memory, "eviction by bytes");
+        // Expiry of some entries, then of all.
+        now += 30_000;
+        memory.apply(&Update::default(), &limits, now);
+        memory.apply(
+            &Update {
+                calls: vec![call(500, "fs.read")],
+                labels: vec!["late".to_owned()],
+                ..Update::default()
+            },
+            &limits,
+            now,
+        );
+        now += 40_000;
+        assert!(memory.expire(&limits, now) > 0);
+        in_step(&memory, "partial expiry");
+        assert_eq!(memory.entries(), 2, "only the late entries are left");
+        now += 120_000;
+        memory.expire(&limits, now);
+        in_step(&memory, "full expiry");
+        assert_eq!(memory.bytes(), 0);
+    }
+
+    #[test]
+    fn r34_a_memory_read_from_a_store_counts_its_bytes_and_equals_the_one_written() {
+        let limits = SessionLimits::default();
+        let mut memory = Memory::default();
+        let update = Update {
+            calls: vec![call(1, "fs.read"), call(2, "fs.read")],
+            labels: vec!["secret:fs".to_owned()],
+            seen: vec![seen(1)],
+            results: 1,
+        };
+        memory.apply(&update, &limits, 5);
+        let stored = serde_json::to_string(&memory).unwrap();
+        assert!(
+            !stored.contains("held"),
+            "the count is not stored: {stored}"
+        );
+        let mut read: Memory = serde_json::from_str(&stored).unwrap();
+        assert_eq!(read, memory, "the count is no part of equality");
+        assert_eq!(read.held.0, None);
+        assert_eq!(read.bytes(), memory.bytes());
+        read.apply(&update, &limits, 6);
+        in_step(&read, "an update of a memory read from a store");
+    }
+
+    #[test]
+    fn r34_an_update_says_when_the_session_first_loses_entries() {
+        let limits = SessionLimits {
+            max_entries: 4,
+            ..SessionLimits::default()
+        };
+        let mut memory = Memory::default();
+        let firsts: Vec<bool> = (0..10)
+            .map(|i| {
+                let update = Update {
+                    calls: vec![call(i, "fs.read")],
+                    ..Update::default()
+                };
+                memory
+                    .apply(&update, &limits, 10 + i as u64)
+                    .began_to_forget
+            })
+            .collect();
+        // The fifth call is the first past the bound, the only one said.
+        let expected: Vec<bool> = (0..10).map(|i| i == 4).collect();
+        assert_eq!(firsts, expected);
+        assert_eq!(memory.evicted, 6);
+    }
 }

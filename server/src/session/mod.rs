@@ -189,7 +189,22 @@ impl SessionMemory {
             self.stats
                 .evicted_entries
                 .fetch_add(applied.evicted as u64, Ordering::Relaxed);
+        }
+        // At `info` once per session, when it first loses entries: a
+        // session at its bounds drops some at every batch from then on (a
+        // line per batch would flood the log); those are counted above and
+        // in the session's own count (`session.evicted`), and logged at
+        // `debug`.
+        if applied.began_to_forget {
             tracing::info!(
+                evicted = applied.evicted,
+                entries = applied.entries,
+                bytes = applied.bytes,
+                "session memory: the oldest entries were dropped to stay within bounds \
+                 (logged once per session; later drops are counted, and logged at debug)"
+            );
+        } else if applied.evicted > 0 {
+            tracing::debug!(
                 evicted = applied.evicted,
                 entries = applied.entries,
                 bytes = applied.bytes,

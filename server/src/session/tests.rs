@@ -491,3 +491,194 @@ async fn r34_a_read_shares_the_memory_and_a_later_write_never_changes_what_it_re
     assert_eq!(d.calls.len(), 3);
     assert_eq!(store.held().map(|(sessions, _)| sessions), Some(1));
 }
+
+/// Log lines written while it runs (a thread's own subscriber, `info` and
+/// above).
+#[derive(Clone, Default)]
+struct Lines(Arc<std::sync::Mutex<Vec<u8>>>);
+
+impl std::io::Write for Lines {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        self.0
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .extend_from_slice(buf);
+        Ok(buf.len())
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+impl Lines {
+    fn containing(&self, text: &str) -> usize {
+        let bytes = self
+            .0
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .clone();
+        String::from_utf8_lossy(&bytes)
+            .lines()
+            .filter(|l| l.contains(text))
+            .count()
+    }
+}
+
+#[tokio::test]
+async fn r34_a_session_at_its_bounds_is_logged_once_not_at_every_batch() {
+    let lines = Lines::default();
+    let writer = lines.clone();
+    let subscriber = tracing_subscriber::fmt()
+        .with_max_level(tracing::Level::INFO)
+        .with_writer(move || writer.clone())
+        .with_ansi(false)
+        .finish();
+    // (A test runs on one thread: the subscriber sees every line of it.)
+    let _logging = tracing::subscriber::set_default(subscriber);
+    let mem = memory();
+    let (a, b) = (SessionKey::new("a", "s-1"), SessionKey::new("a", "s-2"));
+    for i in 0..500 {
+        for key in [&a, &b] {
+            mem.record(key, &update_with_call(&mem, &format!("c{i}"), "t.x"))
+                .await
+                .unwrap();
+        }
+    }
+    let evicted = mem
+        .stats()
+        .evicted_entries
+        .load(std::sync::atomic::Ordering::Relaxed);
+    assert_eq!(
+        evicted,
+        2 * (500 - limits().max_entries as u64),
+        "all counted"
+    );
+    assert_eq!(
+        lines.containing("the oldest entries were dropped"),
+        2,
+        "one line per session that reached its bounds, not one per batch"
+    );
+    let view = mem.read(&a).await.unwrap();
+    assert_eq!(view.evicted(), 500 - limits().max_entries as u64);
+}
+
+/// A view of a memory that `calls` (tool, server) and `labels` were
+/// applied to at `now`, one update each.
+fn view_of(calls: &[(String, String)], labels: &[String], now: u64) -> SessionView {
+    let limits = SessionLimits {
+        max_bytes: usize::MAX,
+        max_entries: usize::MAX,
+        max_labels: usize::MAX,
+        max_label_bytes: usize::MAX,
+        ..SessionLimits::default()
+    };
+    let mut memory = Memory::default();
+    for (i, (tool, server)) in calls.iter().enumerate() {
+        let call = CallRan {
+            id: format!("c{i}"),
+            tool: tool.clone(),
+            server: server.clone(),
+            args: digest::to_hex(&[i as u8; 16]),
+            at: 0,
+        };
+        let update = Update {
+            calls: vec![call],
+            results: u64::from(i % 3 == 0),
+            ..Update::default()
+        };
+        memory.apply(&update, &limits, now);
+    }
+    for label in labels {
+        let update = Update {
+            labels: vec![label.clone()],
+            ..Update::default()
+        };
+        memory.apply(&update, &limits, now);
+    }
+    memory.evicted = u64::from(calls.len() % 2 == 1);
+    SessionView::new(
+        Arc::new(memory),
+        Digester::random(),
+        now,
+        Duration::from_secs(3600),
+    )
+}
+
+#[test]
+fn r34_the_memory_a_guard_is_sent_is_encoded_as_the_message_it_stands_for() {
+    use guardmesh_proto::v1::GuardBatch;
+    use prost::Message;
+    let named = |n: usize, width: usize, what: &str| format!("{what}{n:0width$}");
+    let calls = |n: usize, tools: usize, width: usize| -> Vec<(String, String)> {
+        (0..n)
+            .map(|i| (named(i % tools, width, "t."), named(i % 5, 3, "srv")))
+            .collect()
+    };
+    let labels = |n: usize, width: usize| -> Vec<String> {
+        (0..n).map(|i| named(i, width, "label:")).collect()
+    };
+    let cases: Vec<(&str, SessionView)> = vec![
+        ("empty", SessionView::empty(Digester::random(), 1_000)),
+        ("one tool", view_of(&calls(5, 1, 3), &labels(2, 3), 1_000)),
+        (
+            "at zero, empty names",
+            view_of(&[(String::new(), String::new())], &[], 0),
+        ),
+        (
+            "many tools, calls and labels",
+            view_of(&calls(300, 100, 3), &labels(100, 3), 1_000),
+        ),
+        (
+            "calls cut by bytes",
+            view_of(&calls(64, 3, 400), &labels(3, 3), 1_000),
+        ),
+        (
+            "labels cut by bytes",
+            view_of(&calls(64, 64, 180), &labels(64, 120), 1_000),
+        ),
+        (
+            "counts dropped",
+            view_of(&calls(64, 64, 400), &labels(64, 120), 1_000),
+        ),
+    ];
+    for (case, view) in cases {
+        let message = view.for_guard();
+        let (recent, labels, counts) = (
+            message.recent.len(),
+            message.labels.len(),
+            message.counts.len(),
+        );
+        let cut = match case {
+            "many tools, calls and labels" => recent == 64 && labels == 64 && counts == 64,
+            "calls cut by bytes" => recent > 0 && recent < 64 && labels == 3,
+            "labels cut by bytes" => recent == 0 && labels > 0 && labels < 64 && counts == 64,
+            "counts dropped" => recent == 0 && labels == 0 && counts == 0,
+            _ => !message.truncated,
+        };
+        assert!(
+            cut,
+            "{case}: {recent} calls, {labels} labels, {counts} counts"
+        );
+        assert_eq!(
+            message.truncated,
+            case.contains("cut") || case.contains("many") || case.contains("dropped"),
+            "{case}"
+        );
+        let mut bytes = Vec::new();
+        view.encode_for_guard(11, &mut bytes);
+        assert_eq!(
+            bytes.len(),
+            prost::encoding::message::encoded_len(11, &message),
+            "{case}"
+        );
+        let batch = GuardBatch::decode(bytes.as_slice()).unwrap();
+        assert_eq!(batch.session.as_ref(), Some(&message), "{case}");
+        if message.counts.len() <= 1 {
+            // (Where the counts' order cannot differ, byte for byte.)
+            let mut expected = Vec::new();
+            prost::encoding::message::encode(11, &message, &mut expected);
+            assert_eq!(bytes, expected, "{case}");
+        }
+        assert!(bytes.len() <= view::GUARD_MAX_BYTES + 8, "{case}");
+    }
+}

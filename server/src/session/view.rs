@@ -168,6 +168,88 @@ impl SessionView {
         memory
     }
 
+    /// [`SessionView::for_guard`] encoded as the field `tag` of the
+    /// message it goes in, appended to `buf`: the same message, left out
+    /// and truncated the same way, written straight from the memory (no
+    /// string is copied but into `buf`). What a batch sends its guards.
+    pub fn encode_for_guard(&self, tag: u32, buf: &mut Vec<u8>) {
+        use prost::encoding::{WireType, encode_key, encode_varint};
+        // The calls are walked, not collected: once to count them, then
+        // from the first one sent.
+        let mut live: usize = 0;
+        let mut truncated = false;
+        let mut counts: std::collections::BTreeMap<&str, u32> = Default::default();
+        for call in self.live_calls() {
+            live += 1;
+            let tool = call.tool.as_str();
+            if let Some(n) = counts.get_mut(tool) {
+                *n = n.saturating_add(1);
+            } else if counts.len() < GUARD_MAX_ITEMS {
+                counts.insert(tool, 1);
+            } else {
+                truncated = true;
+            }
+        }
+        let mut skip_calls = live.saturating_sub(GUARD_MAX_ITEMS);
+        let mut skip_labels = self.labels.len().saturating_sub(GUARD_MAX_ITEMS);
+        truncated |= skip_calls > 0 || skip_labels > 0;
+        let mut recent_bytes: usize = self.live_calls().skip(skip_calls).map(recent_len).sum();
+        let mut oldest_sent = self.live_calls().skip(skip_calls);
+        let mut labels_bytes: usize = self.labels[skip_labels..]
+            .iter()
+            .map(|l| string_len(1, l, false))
+            .sum();
+        let mut counts_bytes: usize = counts.iter().map(|(t, n)| count_len(t, *n)).sum();
+        let totals = varint_len(4, self.memory.calls_total)
+            + varint_len(5, self.memory.results_total)
+            + varint_len(6, u64::from(self.memory.evicted > 0));
+        let len = |labels: usize, counts: usize, recent: usize, truncated: bool| {
+            labels + counts + recent + totals + varint_len(7, u64::from(truncated))
+        };
+        // As `for_guard`: the oldest calls go first, then the oldest
+        // labels, then the counts.
+        while len(labels_bytes, counts_bytes, recent_bytes, truncated) > GUARD_MAX_BYTES {
+            truncated = true;
+            if let Some(call) = oldest_sent.next() {
+                recent_bytes -= recent_len(call);
+                skip_calls += 1;
+            } else if skip_labels < self.labels.len() {
+                labels_bytes -= string_len(1, &self.labels[skip_labels], false);
+                skip_labels += 1;
+            } else if !counts.is_empty() {
+                counts.clear();
+                counts_bytes = 0;
+            } else {
+                break;
+            }
+        }
+        let total = len(labels_bytes, counts_bytes, recent_bytes, truncated);
+        buf.reserve(total + 2 * prost::encoding::key_len(tag) + 8);
+        encode_key(tag, WireType::LengthDelimited, buf);
+        encode_varint(total as u64, buf);
+        for label in &self.labels[skip_labels..] {
+            put_string(1, label, false, buf);
+        }
+        for (tool, n) in &counts {
+            encode_key(2, WireType::LengthDelimited, buf);
+            encode_varint(count_body(tool, *n) as u64, buf);
+            put_string(1, tool, true, buf);
+            put_varint(2, u64::from(*n), buf);
+        }
+        for call in self.live_calls().skip(skip_calls) {
+            encode_key(3, WireType::LengthDelimited, buf);
+            encode_varint(recent_body(call) as u64, buf);
+            put_string(1, &call.tool, true, buf);
+            put_string(2, &call.server, true, buf);
+            put_string(3, &call.args, true, buf);
+            put_varint(4, call.at, buf);
+        }
+        put_varint(4, self.memory.calls_total, buf);
+        put_varint(5, self.memory.results_total, buf);
+        put_varint(6, u64::from(self.memory.evicted > 0), buf);
+        put_varint(7, u64::from(truncated), buf);
+    }
+
     /// Calls of a tool matching `glob` (ASCII case ignored, as guards'
     /// tool patterns, R9) that ran within `window` before now.
     pub fn count(&self, glob: &str, window: Duration) -> Result<u64, globset::Error> {
@@ -234,6 +316,69 @@ impl SessionView {
         }
         Ok(false)
     }
+}
+
+// The protobuf encoding of `SessionMemory` and `SessionCall`, field by
+// field, as prost writes them: a singular field at its default value is
+// left out, each string of a repeated field is written, and a map entry
+// leaves out a key or value at its default.
+
+fn string_len(tag: u32, text: &str, singular: bool) -> usize {
+    if singular && text.is_empty() {
+        return 0;
+    }
+    prost::encoding::key_len(tag)
+        + prost::encoding::encoded_len_varint(text.len() as u64)
+        + text.len()
+}
+
+fn varint_len(tag: u32, value: u64) -> usize {
+    if value == 0 {
+        return 0;
+    }
+    prost::encoding::key_len(tag) + prost::encoding::encoded_len_varint(value)
+}
+
+fn nested_len(tag: u32, body: usize) -> usize {
+    prost::encoding::key_len(tag) + prost::encoding::encoded_len_varint(body as u64) + body
+}
+
+/// An entry of `counts` (field 2), within it.
+fn count_body(tool: &str, n: u32) -> usize {
+    string_len(1, tool, true) + varint_len(2, u64::from(n))
+}
+
+fn count_len(tool: &str, n: u32) -> usize {
+    nested_len(2, count_body(tool, n))
+}
+
+/// A `SessionCall` of `recent` (field 3), within it.
+fn recent_body(call: &CallRan) -> usize {
+    string_len(1, &call.tool, true)
+        + string_len(2, &call.server, true)
+        + string_len(3, &call.args, true)
+        + varint_len(4, call.at)
+}
+
+fn recent_len(call: &CallRan) -> usize {
+    nested_len(3, recent_body(call))
+}
+
+fn put_string(tag: u32, text: &str, singular: bool, buf: &mut Vec<u8>) {
+    if singular && text.is_empty() {
+        return;
+    }
+    prost::encoding::encode_key(tag, prost::encoding::WireType::LengthDelimited, buf);
+    prost::encoding::encode_varint(text.len() as u64, buf);
+    buf.extend_from_slice(text.as_bytes());
+}
+
+fn put_varint(tag: u32, value: u64, buf: &mut Vec<u8>) {
+    if value == 0 {
+        return;
+    }
+    prost::encoding::encode_key(tag, prost::encoding::WireType::Varint, buf);
+    prost::encoding::encode_varint(value, buf);
 }
 
 /// A window as rules write it: `30s`, `15m`, `1h`, `7d`, `500ms`.
