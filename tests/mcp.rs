@@ -172,13 +172,23 @@ pub(crate) fn run_sdk_client(
 
 /// `stdio guardmesh mcp stdio --mesh URL [extra] -- UPSTREAM...`
 pub(crate) fn via_gateway(mesh: &str, extra: &[&str], upstream: Vec<String>) -> Vec<String> {
+    via_gateway_judging(["--mesh", mesh], extra, upstream)
+}
+
+/// `stdio guardmesh mcp stdio FLAG VALUE [extra] -- UPSTREAM...`, where
+/// `FLAG VALUE` says how the gateway judges (`--mesh URL`, `--config FILE`).
+pub(crate) fn via_gateway_judging(
+    [flag, value]: [&str; 2],
+    extra: &[&str],
+    upstream: Vec<String>,
+) -> Vec<String> {
     let mut target = vec![
         "stdio".to_owned(),
         env!("CARGO_BIN_EXE_guardmesh").to_owned(),
         "mcp".into(),
         "stdio".into(),
-        "--mesh".into(),
-        mesh.to_owned(),
+        flag.to_owned(),
+        value.to_owned(),
     ];
     target.extend(extra.iter().map(|s| s.to_string()));
     target.push("--".into());

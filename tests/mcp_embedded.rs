@@ -10,7 +10,7 @@
 //! Needs `scripts/setup-polyglot` (the SDK in build/venv).
 
 use crate::harness::*;
-use crate::mcp::{Scratch, calls, policy, run_client};
+use crate::mcp::{Scratch, calls, policy, run_client, via_gateway_judging};
 use serde_json::{Value, json};
 use std::path::Path;
 use std::time::Duration;
@@ -27,18 +27,7 @@ message = '"payments over 1000 need a human"'
 
 /// `stdio guardmesh mcp stdio --config CONFIG [extra] -- UPSTREAM...`
 fn via_embedded(config: &Path, extra: &[&str], upstream: Vec<String>) -> Vec<String> {
-    let mut target = vec![
-        "stdio".to_owned(),
-        env!("CARGO_BIN_EXE_guardmesh").to_owned(),
-        "mcp".into(),
-        "stdio".into(),
-        "--config".into(),
-        config.display().to_string(),
-    ];
-    target.extend(extra.iter().map(|s| s.to_string()));
-    target.push("--".into());
-    target.extend(upstream);
-    target
+    via_gateway_judging(["--config", &config.display().to_string()], extra, upstream)
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -117,19 +117,8 @@ impl SessionView {
     pub fn for_guard(&self) -> guardmesh_proto::v1::SessionMemory {
         use guardmesh_proto::v1::{SessionCall, SessionMemory};
         use prost::Message;
-        let mut truncated = false;
-        let mut counts: std::collections::BTreeMap<&str, u32> = Default::default();
         let calls: Vec<&CallRan> = self.live_calls().collect();
-        for call in &calls {
-            let tool = call.tool.as_str();
-            if let Some(n) = counts.get_mut(tool) {
-                *n = n.saturating_add(1);
-            } else if counts.len() < GUARD_MAX_ITEMS {
-                counts.insert(tool, 1);
-            } else {
-                truncated = true;
-            }
-        }
+        let (counts, _, mut truncated) = tool_counts(calls.iter().copied());
         let skip_calls = calls.len().saturating_sub(GUARD_MAX_ITEMS);
         let skip_labels = self.labels.len().saturating_sub(GUARD_MAX_ITEMS);
         truncated |= skip_calls > 0 || skip_labels > 0;
@@ -176,20 +165,7 @@ impl SessionView {
         use prost::encoding::{WireType, encode_key, encode_varint};
         // The calls are walked, not collected: once to count them, then
         // from the first one sent.
-        let mut live: usize = 0;
-        let mut truncated = false;
-        let mut counts: std::collections::BTreeMap<&str, u32> = Default::default();
-        for call in self.live_calls() {
-            live += 1;
-            let tool = call.tool.as_str();
-            if let Some(n) = counts.get_mut(tool) {
-                *n = n.saturating_add(1);
-            } else if counts.len() < GUARD_MAX_ITEMS {
-                counts.insert(tool, 1);
-            } else {
-                truncated = true;
-            }
-        }
+        let (mut counts, live, mut truncated) = tool_counts(self.live_calls());
         let mut skip_calls = live.saturating_sub(GUARD_MAX_ITEMS);
         let mut skip_labels = self.labels.len().saturating_sub(GUARD_MAX_ITEMS);
         truncated |= skip_calls > 0 || skip_labels > 0;
@@ -396,4 +372,26 @@ pub fn parse_window(text: &str) -> Option<Duration> {
         _ => return None,
     };
     Some(Duration::from_millis(ms))
+}
+
+/// The calls per tool of `calls` (at most [`GUARD_MAX_ITEMS`] tools, in
+/// name order), how many calls there are, and whether a tool was left out.
+fn tool_counts<'a>(
+    calls: impl Iterator<Item = &'a CallRan>,
+) -> (std::collections::BTreeMap<&'a str, u32>, usize, bool) {
+    let mut counts: std::collections::BTreeMap<&str, u32> = Default::default();
+    let mut live = 0;
+    let mut truncated = false;
+    for call in calls {
+        live += 1;
+        let tool = call.tool.as_str();
+        if let Some(n) = counts.get_mut(tool) {
+            *n = n.saturating_add(1);
+        } else if counts.len() < GUARD_MAX_ITEMS {
+            counts.insert(tool, 1);
+        } else {
+            truncated = true;
+        }
+    }
+    (counts, live, truncated)
 }
