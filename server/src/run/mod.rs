@@ -448,7 +448,8 @@ impl Server {
 /// cleanly.
 pub struct InProcess {
     tool: crate::server::service::PreTool,
-    caller: crate::decision_log::Caller,
+    /// The decision log's caller of every batch (made once).
+    caller: Arc<crate::decision_log::Caller>,
     running: Running,
     /// Held so that the draining flag never turns.
     _draining: tokio::sync::watch::Sender<bool>,
@@ -477,11 +478,11 @@ impl Server {
         let tool = crate::server::service::PreTool::new(running.mesh.clone(), watch);
         // No principal was authenticated: the log names the caller by where
         // its batches came from instead of a peer address.
-        let caller = crate::decision_log::Caller {
+        let caller = Arc::new(crate::decision_log::Caller {
             id: None,
             roles: Vec::new(),
             peer: Some(format!("in-process:{caller}")),
-        };
+        });
         Ok(InProcess {
             tool,
             caller,

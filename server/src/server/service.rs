@@ -251,10 +251,10 @@ impl PreTool {
     pub(crate) async fn local(
         &self,
         request: EvaluateRequest,
-        caller: &crate::decision_log::Caller,
+        caller: &LogCaller,
     ) -> Result<BatchDecision, Status> {
         let inbound = Inbound::from_request(request, &self.mesh.config.limits);
-        let caller = self.mesh.decision_log().map(|_| Arc::new(caller.clone()));
+        let caller = self.mesh.decision_log().map(|_| caller.clone());
         self.unary(&MetadataMap::new(), (0, None), caller, inbound)
             .await
     }
