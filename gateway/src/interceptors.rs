@@ -111,9 +111,13 @@ pub fn may_be_ours(text: &str) -> bool {
 impl Interceptors {
     /// The extension for a gateway reaching the mesh with `connect`.
     pub fn new(connect: MeshArgs, timeout: Duration) -> Arc<Self> {
+        Self::with(connect, timeout, false)
+    }
+
+    fn with(connect: MeshArgs, timeout: Duration, in_process: bool) -> Arc<Self> {
         Arc::new(Self {
             connect,
-            in_process: false,
+            in_process,
             timeout,
             client: Mutex::new(None),
             in_flight: Arc::new(Semaphore::new(MAX_IN_FLIGHT)),
@@ -127,13 +131,7 @@ impl Interceptors {
             0 => Duration::from_secs(30),
             ms => Duration::from_millis(ms),
         };
-        let mut this = Self::new(args.connect.clone(), timeout);
-        if args.local.is_some()
-            && let Some(this) = Arc::get_mut(&mut this)
-        {
-            this.in_process = true;
-        }
-        this
+        Self::with(args.connect.clone(), timeout, args.local.is_some())
     }
 
     /// The answer to `text` when it is a request of the extension (read
