@@ -203,8 +203,19 @@ fn r31_a_gateway_whose_config_cannot_start_a_mesh_starts_no_upstream() {
 /// the SDK's upstream, one at a time, each after the answer to the one
 /// before; returns the answers with the time each took.
 fn exchange(config: &Path, upstream: &[String], lines: &[Value]) -> Vec<(Value, Duration)> {
+    exchange_with_env(config, upstream, &[], lines)
+}
+
+/// [`exchange`] with `env` set on the gateway's process.
+fn exchange_with_env(
+    config: &Path,
+    upstream: &[String],
+    env: &[(&str, &str)],
+    lines: &[Value],
+) -> Vec<(Value, Duration)> {
     use std::io::{BufRead, BufReader, Write};
     let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_guardmesh"))
+        .envs(env.iter().copied())
         .args(["mcp", "stdio", "--config"])
         .arg(config)
         .arg("--")
@@ -364,4 +375,57 @@ async fn r31_the_http_gateway_with_a_config_judges_in_its_own_process() {
         vec![json!({"tool": "pay", "arguments": {"amount": 5.0, "to": "bob"}})]
     );
     assert_eq!(guard.guard.batches().len(), 2);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn r31_r31b_config_wins_over_an_exported_mesh_address_and_the_hook_refuses_it() {
+    let scratch = Scratch::new("embedded-env");
+    std::fs::write(scratch.dir.join("cel.toml"), CEL).unwrap();
+    let config = scratch.dir.join("mesh.toml");
+    std::fs::write(
+        &config,
+        "[[guard]]\nname = \"cel\"\npolicy = \"cel.toml\"\n",
+    )
+    .unwrap();
+    let upstream = scratch.upstream(&["stdio"]);
+    // A mesh address exported for other commands, reaching nothing: the
+    // gateway judges with its config all the same (a warning says so).
+    let closed = closed_port().await;
+    let answers = tokio::task::spawn_blocking({
+        let config = config.clone();
+        move || {
+            // The variable is set on the gateway's process only.
+            exchange_with_env(
+                &config,
+                &upstream,
+                &[("GUARDMESH_MESH", closed.as_str())],
+                &[json!({"jsonrpc": "2.0", "id": 1, "method": "tools/call",
+                    "params": {"name": "pay", "arguments": {"amount": 5000, "to": "bob"}}})],
+            )
+        }
+    })
+    .await
+    .unwrap();
+    let (cancelled, _) = &answers[0];
+    assert_eq!(
+        cancelled["result"]["content"][0]["text"], "payments over 1000 need a human",
+        "{cancelled}"
+    );
+    assert_eq!(scratch.executed(), Vec::<Value>::new());
+
+    // R31b: the hook runs once per call and reaches a mesh: `--config`
+    // blocks the call (exit 2) with the reason, never lets it through.
+    let hook = std::process::Command::new(env!("CARGO_BIN_EXE_guardmesh"))
+        .args(["hook", "pre-tool-use", "--config"])
+        .arg(&config)
+        .stdin(std::process::Stdio::null())
+        .output()
+        .unwrap();
+    assert_eq!(hook.status.code(), Some(2), "{}", text(&hook.stderr));
+    assert!(text(&hook.stdout).is_empty());
+    assert!(
+        text(&hook.stderr).contains("--config"),
+        "{}",
+        text(&hook.stderr)
+    );
 }
