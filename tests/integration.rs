@@ -65,6 +65,7 @@ mod decision_log_refusals;
 mod decision_log_replay;
 mod decision_log_tamper;
 mod docs;
+mod doors;
 mod etcd;
 mod faults;
 mod gate;

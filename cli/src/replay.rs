@@ -325,15 +325,10 @@ impl Judge {
         };
         match self {
             Judge::Local(mesh, mask) => {
-                let timeout = match request.timeout_ms {
-                    0 => mesh.config.default_batch_timeout,
-                    ms => std::time::Duration::from_millis(u64::from(ms)),
-                }
-                .min(mesh.config.max_batch_timeout);
-                let deadline = tokio::time::Instant::now() + timeout;
+                let deadline = mesh.config.batch_deadline(request.timeout_ms, None);
                 Ok(
                     match mesh
-                        .evaluate(request.clone(), deadline, TraceContext::default())
+                        .evaluate_unrecorded(request.clone(), deadline, TraceContext::default())
                         .await
                     {
                         Ok(answer) => Ok(answer

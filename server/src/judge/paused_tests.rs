@@ -146,7 +146,7 @@ async fn evaluate(mesh: &Mesh, batch: Batch) -> Result<BatchDecision, BatchError
         unary: batch.unary,
         ..TraceContext::default()
     };
-    mesh.evaluate(request, Instant::now() + batch.timeout, trace)
+    mesh.evaluate_unrecorded(request, Instant::now() + batch.timeout, trace)
         .await
 }
 

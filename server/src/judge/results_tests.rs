@@ -88,7 +88,7 @@ impl World {
             ..Default::default()
         };
         self.mesh
-            .evaluate(
+            .evaluate_unrecorded(
                 request,
                 Instant::now() + Duration::from_secs(5),
                 TraceContext::default(),
@@ -111,7 +111,7 @@ impl World {
             ..Default::default()
         };
         self.mesh
-            .evaluate(
+            .evaluate_unrecorded(
                 request,
                 Instant::now() + Duration::from_secs(5),
                 TraceContext::default(),
@@ -515,7 +515,7 @@ async fn r33_each_result_decision_is_handed_on_with_its_session_and_caller() {
     };
     world
         .mesh
-        .evaluate(request, Instant::now() + Duration::from_secs(5), trace)
+        .evaluate_unrecorded(request, Instant::now() + Duration::from_secs(5), trace)
         .await
         .unwrap();
     let seen = reads.0.lock().unwrap().clone();

@@ -1,74 +1,31 @@
-//! One batch through the mesh: the admission stage's mesh checks
-//! ([`crate::admit`]), judging ([`crate::judge`]), and an [`Outcome`] for
+//! The mesh's part of a batch's way (`pipeline.rs` owns the whole way):
+//! the admission stage's mesh checks ([`crate::admit`]), the session read,
+//! judging ([`crate::judge`]), the session write, and an [`Outcome`] for
 //! the batch's record ([`super::record`]), which emits what happened once.
 
 use super::Mesh;
-use super::record::{BatchLog, Guards, Outcome};
+use super::pipeline::Judges;
+use super::record::{Guards, Outcome};
 use super::session::BatchSession;
 use crate::admit;
-use crate::judge::{BatchError, Phase, TraceContext};
+use crate::judge::{Phase, TraceContext, Unguarded};
 use guardmesh_proto::v1::{BatchDecision, EvaluateRequest, GuardTrace, TraceStatus};
 use tokio::time::Instant;
 
 impl Mesh {
-    /// Judges one batch. `deadline` is the batch's deadline (R14). The
-    /// batch's metrics, logs and spans are emitted; no decision record is
-    /// written (the services write it, knowing the caller).
-    pub async fn evaluate(
-        &self,
-        mut request: EvaluateRequest,
-        deadline: Instant,
-        trace: TraceContext,
-    ) -> Result<BatchDecision, BatchError> {
-        let record = BatchLog::new(self.metrics.clone(), request.batch_id.clone());
-        // R33: a request of results is judged as calls and answered as
-        // results.
-        match admit::results::take(&mut request, &self.config.limits) {
-            Ok(None) => record.emit(self.pass(request, deadline, trace).await),
-            Ok(Some(results)) => {
-                let by = super::results::ReadBy {
-                    session_id: request
-                        .context
-                        .as_ref()
-                        .map_or_else(String::new, |c| c.session_id.clone()),
-                    caller: trace.caller.clone(),
-                    batch_id: request.batch_id.clone(),
-                };
-                let phase = Phase::Results(results.clone());
-                match record.emit(self.pass_phase(request, deadline, trace, phase).await) {
-                    Ok(decision) => {
-                        let decision = results.answer(decision);
-                        self.results_read(&by, &decision).await;
-                        Ok(decision)
-                    }
-                    Err(status) => Err(status),
-                }
-            }
-            Err(refusal) => record.emit(Outcome::refused(refusal.into())),
-        }
-    }
-
-    /// The mesh's part of a batch's way: its span, the admission checks
-    /// that need the mesh (content, registry, R1, batches in flight), then
-    /// judging. Emits nothing: the outcome goes to the batch's record.
-    pub(crate) async fn pass(
-        &self,
-        request: EvaluateRequest,
-        deadline: Instant,
-        trace: TraceContext,
-    ) -> Outcome {
-        self.pass_phase(request, deadline, trace, Phase::Calls)
-            .await
-    }
-
-    /// [`Self::pass`] in a phase: calls, or results taken out of the
-    /// request by [`admit::results::take`] (R33).
+    /// The mesh's part of a batch's way (`pipeline.rs`): its span, the
+    /// admission checks that need the mesh (content, registry, R1, batches
+    /// in flight), the session read, judging by `judges` in a phase (calls,
+    /// or results taken out of the request by [`admit::results::take`],
+    /// R33), the session write. Emits nothing: the outcome goes to the
+    /// batch's record.
     pub(crate) async fn pass_phase(
         &self,
         request: EvaluateRequest,
         deadline: Instant,
         mut trace: TraceContext,
         phase: Phase,
+        judges: &Judges,
     ) -> Outcome {
         let span = crate::observe::spans::batch_span(
             trace.unary,
@@ -87,7 +44,7 @@ impl Mesh {
             trace.trace_id = trace_id.to_owned();
         }
         let mut outcome = tracing::Instrument::instrument(
-            self.pass_in(request, deadline, trace, span.clone(), phase),
+            self.pass_in(request, deadline, trace, span.clone(), phase, judges),
             span.clone(),
         )
         .await;
@@ -102,9 +59,13 @@ impl Mesh {
         trace: TraceContext,
         span: tracing::Span,
         phase: Phase,
+        judges: &Judges,
     ) -> Outcome {
         let started = Instant::now();
-        let chain = self.chain();
+        let (chain, unguarded) = match judges {
+            Judges::Chain => (self.chain(), self.config.unguarded),
+            Judges::Alone(chain) => (chain.clone(), Unguarded::Proceed),
+        };
         let results_limits;
         let (limits, policy_args) = if phase.is_results() {
             // R33: policy guards judge calls only; a result's size is
@@ -165,13 +126,13 @@ impl Mesh {
         // R33: a request of results runs no call; its results are
         // remembered by `results_read`.
         let runs_calls = !phase.is_results();
-        let label_session = session
-            .is_none()
-            .then(|| Self::label_session(&request, &trace));
+        let remembers = judges.remembers();
+        let label_session =
+            (session.is_none() && remembers).then(|| Self::label_session(&request, &trace));
         let judged = crate::judge::judge_phase(
             &chain,
             limits,
-            self.config.unguarded,
+            unguarded,
             request,
             members,
             deadline,
@@ -189,11 +150,11 @@ impl Mesh {
             // labels the guards set, in one write.
             let labels = judged.labels(&chain);
             match &session {
-                Some(session) => {
+                Some(session) if remembers => {
                     self.remember_session(session, decision, labels, runs_calls)
                         .await;
                 }
-                None => {
+                _ => {
                     if let Some(label_session) = &label_session
                         && !labels.is_empty()
                     {
@@ -209,7 +170,7 @@ impl Mesh {
                 chain,
                 runs: judged.runs,
                 calls: judged.calls,
-                unguarded: (self.config.unguarded, judged.unguarded),
+                unguarded: (unguarded, judged.unguarded),
             },
             trace_id,
             started.elapsed(),
@@ -222,7 +183,7 @@ fn _assert_send(mesh: std::sync::Arc<Mesh>) {
     fn is_send<T: Send>(_: T) {}
     is_send(async move {
         let _ = mesh
-            .evaluate(
+            .evaluate_unrecorded(
                 EvaluateRequest::default(),
                 Instant::now(),
                 TraceContext::default(),

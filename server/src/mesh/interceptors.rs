@@ -3,21 +3,21 @@
 //! descriptors ([`Mesh::interceptors`]), and one guard run alone on one
 //! call or one result ([`Mesh::invoke_interceptor`]).
 //!
-//! An invocation is a dry computation: it is judged as a batch is (the
-//! same admission checks, R20, R25; the same fold, R3-R5, R13, R14), by a
-//! chain holding the named guard alone, in enforce mode whatever its
+//! An invocation is a dry computation: it is judged as a batch is,
+//! through the same pipeline as every other door (the same admission
+//! checks, R20, R25; the same fold, R3-R5, R13, R14; the same record, R29),
+//! by a chain holding the named guard alone, in enforce mode whatever its
 //! registered mode (what it *would* decide is the point of invoking it).
 //! The session's memory is read for the policy rules that need it, never
 //! written: nothing ran.
 
 use super::Mesh;
-use crate::admit;
-use crate::judge::{BatchError, Chain, ChainGuard, Phase, TraceContext};
+use super::pipeline::{Arrival, Door, Inbound, Judges};
+use crate::judge::{Chain, ChainGuard};
 use guardmesh_proto::v1::{
     BatchDecision, EvaluateRequest, GuardMode, InterceptorDescriptor, InterceptorListResponse,
 };
 use std::sync::Arc;
-use tokio::time::Instant;
 
 /// Longest event filter of a list, in bytes.
 pub const MAX_EVENT_FILTER_BYTES: usize = 128;
@@ -37,9 +37,10 @@ pub enum InvokeError {
     /// The guard does not judge the phase asked for (R33).
     #[error("guard {guard:?} does not judge {phase}")]
     WrongPhase { guard: String, phase: &'static str },
-    /// Refused or aborted as a batch would be.
-    #[error(transparent)]
-    Batch(#[from] BatchError),
+    /// Refused or aborted as a batch would be: the status it is answered
+    /// with.
+    #[error("{}", .0.message())]
+    Status(tonic::Status),
 }
 
 impl InvokeError {
@@ -49,7 +50,7 @@ impl InvokeError {
             Self::UnknownGuard(_) => tonic::Status::not_found(self.to_string()),
             Self::BadRequest(_) => tonic::Status::invalid_argument(self.to_string()),
             Self::WrongPhase { .. } => tonic::Status::failed_precondition(self.to_string()),
-            Self::Batch(error) => error.status(),
+            Self::Status(status) => status.clone(),
         }
     }
 }
@@ -92,13 +93,14 @@ impl Mesh {
     }
 
     /// Runs the guard `name` alone on the one call or one result of
-    /// `request`, as a batch: see the module's documentation.
-    pub async fn invoke_interceptor(
+    /// `request`, as a batch through the one pipeline (`pipeline.rs`): see
+    /// the module's documentation. `door`: what the invoke's transport
+    /// knows; its `judges` is set here.
+    pub(crate) async fn invoke_interceptor(
         &self,
         name: &str,
-        mut request: EvaluateRequest,
-        deadline: Instant,
-        trace: TraceContext,
+        request: EvaluateRequest,
+        mut door: Door<'_>,
     ) -> Result<BatchDecision, InvokeError> {
         let items = request.calls.len() + request.results.len();
         if items != 1 {
@@ -114,13 +116,12 @@ impl Mesh {
             let shown: String = name.chars().take(128).collect();
             return Err(InvokeError::UnknownGuard(shown));
         };
-        let results = admit::results::take(&mut request, &self.config.limits)
-            .map_err(|refusal| BatchError::Refused(refusal.into()))?;
-        let (phase, phase_name) = match results.clone() {
-            Some(results) => (Phase::Results(results), "results"),
-            None => (Phase::Calls, "calls"),
+        let (reaches, phase_name) = if request.results.is_empty() {
+            (found.guard.judges_calls(), "calls")
+        } else {
+            (found.guard.judges_results(), "results")
         };
-        if !phase.reaches(&found.guard) {
+        if !reaches {
             return Err(InvokeError::WrongPhase {
                 guard: name.to_owned(),
                 phase: phase_name,
@@ -128,53 +129,18 @@ impl Mesh {
         }
         let mut guard = (*found.guard).clone();
         guard.mode = GuardMode::Enforce;
-        let chain = Chain {
+        door.judges = Judges::Alone(Arc::new(Chain {
             revision: whole.revision,
             guards: vec![ChainGuard {
                 guard: Arc::new(guard),
                 link: found.link.clone(),
             }],
             spec: whole.spec.clone(),
-        };
-        let limits = &self.config.limits;
-        let results_limits;
-        let (limits, policy_args) = if phase.is_results() {
-            results_limits = crate::validate::Limits {
-                max_argument_bytes: limits.max_argument_bytes.max(limits.max_result_bytes),
-                ..*limits
-            };
-            (&results_limits, None)
-        } else {
-            let policy_args = chain.guards[0]
-                .guard
-                .policy
-                .as_ref()
-                .map(|p| p.compiled.reads_args());
-            (limits, policy_args)
-        };
-        let refused = |refusal| InvokeError::Batch(BatchError::Refused(refusal));
-        let members = admit::content(&request, limits, policy_args).map_err(refused)?;
-        admit::registry(self.registry()).map_err(refused)?;
-        let _permit = admit::inflight(&self.inflight, limits).map_err(refused)?;
-        let session = self.read_session(&chain, &request, &trace, &phase).await;
-        let span = tracing::info_span!("interceptor_invoke", guard = %name);
-        let judged = crate::judge::judge_phase(
-            &chain,
-            limits,
-            crate::judge::Unguarded::Proceed,
-            request,
-            members,
-            deadline,
-            trace,
-            span,
-            phase,
-            session.map(|s| s.value),
-        )
-        .await;
-        let decision = judged.result?;
-        Ok(match results {
-            Some(results) => results.answer(decision),
-            None => decision,
-        })
+        }));
+        let inbound = Inbound::from_request(request, &self.config.limits);
+        match self.arrive(inbound, door) {
+            Arrival::Admitted(admitted) => admitted.run(self).await.map_err(InvokeError::Status),
+            Arrival::Refused(refused) => Err(InvokeError::Status(refused.status().await)),
+        }
     }
 }

@@ -6,12 +6,14 @@
 //! every guard whose endpoint did not change, so a re-registration neither
 //! drops the guard's stream nor moves it in the chain.
 //!
-//! A batch's way through the mesh ([`Mesh::evaluate`], `evaluate.rs`) is
-//! one pipeline: the admission stage ([`crate::admit`]), judging
-//! ([`crate::judge`]), and the batch's record ([`record`]), each once.
+//! A batch's way through the mesh is one pipeline whatever door it came
+//! in by (`pipeline.rs`): the admission stage ([`crate::admit`]), judging
+//! ([`crate::judge`], `evaluate.rs`), and the batch's record ([`record`]),
+//! each once.
 
 mod evaluate;
 pub mod interceptors;
+pub(crate) mod pipeline;
 pub(crate) mod record;
 pub mod results;
 mod session;
@@ -72,6 +74,29 @@ pub struct Security {
     pub max_concurrent_streams: u32,
     /// Handshake deadline, keepalive and connection cap of the listener (R25).
     pub listener: crate::security::tls::ListenerLimits,
+}
+
+impl MeshConfig {
+    /// A batch's deadline (R14), from now: its `timeout_ms`, else the
+    /// mesh's default, shortened to the transport's deadline when there is
+    /// one, and capped by `max_batch_timeout`. A transport deadline is the
+    /// client's: the mesh answers a little before it, so that a guard
+    /// timing out still yields a decision the client can read rather than
+    /// its own DEADLINE_EXCEEDED.
+    pub fn batch_deadline(
+        &self,
+        timeout_ms: u32,
+        transport: Option<Duration>,
+    ) -> tokio::time::Instant {
+        let transport = transport.map(|t| t.saturating_sub((t / 20).max(Duration::from_millis(5))));
+        let asked = match (timeout_ms, transport) {
+            (0, None) => self.default_batch_timeout,
+            (0, Some(t)) => t,
+            (ms, None) => Duration::from_millis(u64::from(ms)),
+            (ms, Some(t)) => Duration::from_millis(u64::from(ms)).min(t),
+        };
+        tokio::time::Instant::now() + asked.min(self.max_batch_timeout)
+    }
 }
 
 impl Default for MeshConfig {

@@ -135,16 +135,6 @@ pub(crate) struct BatchLog {
 }
 
 impl BatchLog {
-    /// A record that emits metrics, logs and spans, and writes no decision
-    /// record.
-    pub(crate) fn new(metrics: Arc<Metrics>, batch_id: String) -> Self {
-        Self {
-            metrics,
-            batch_id,
-            decision: None,
-        }
-    }
-
     /// The record of a batch arriving at `mesh` from `caller` (`None`
     /// without a decision log). `batch`: the batch as read; `None` for one
     /// refused before it could be read, known by its id alone. `batch_id`:
@@ -501,7 +491,7 @@ mod tests {
         };
         let deadline = tokio::time::Instant::now() + Duration::from_secs(1);
         let error = mesh
-            .evaluate(batch, deadline, Default::default())
+            .evaluate_unrecorded(batch, deadline, Default::default())
             .await
             .unwrap_err();
         assert_eq!(error.status().code(), tonic::Code::InvalidArgument);
@@ -524,7 +514,7 @@ mod tests {
         let mesh = mesh();
         let deadline = tokio::time::Instant::now() + Duration::from_secs(1);
         let decision = mesh
-            .evaluate(
+            .evaluate_unrecorded(
                 EvaluateRequest {
                     batch_id: "b".into(),
                     ..Default::default()

@@ -9,6 +9,7 @@
 //! only its (shown) id, and is never built. So a refused batch costs its
 //! bytes once, and the stream stays open for the next batch (R20).
 
+pub(crate) use crate::mesh::pipeline::{Inbound, Refused};
 use crate::validate::{self, Limits, Refusal};
 use guardmesh_proto::v1::EvaluateRequest;
 use prost::Message;
@@ -28,49 +29,7 @@ pub(crate) fn buffer_settings() -> BufferSettings {
     BufferSettings::new(STREAM_BUFFER_BYTES, 32 * 1024)
 }
 
-/// One message read from a coordinator.
-#[derive(Debug)]
-pub(crate) enum Inbound {
-    /// A batch within the size and count limits; `size` is its encoded size.
-    Batch {
-        request: EvaluateRequest,
-        size: usize,
-    },
-    /// A batch refused before it was built.
-    Refused(Refused),
-}
-
-/// A batch refused as read: the id to answer with, and why.
-#[derive(Debug)]
-pub(crate) struct Refused {
-    /// The batch's id as shown by [`validate::shown_id`]: as sent when it is
-    /// within `limits.max_id_bytes`, otherwise cut and marked.
-    pub batch_id: String,
-    pub refusal: Refusal,
-}
-
 impl Inbound {
-    /// Checks a message already decoded (for servers built with the stock
-    /// codec) against the same limits.
-    pub(crate) fn from_request(request: EvaluateRequest, limits: &Limits) -> Self {
-        let size = request.encoded_len();
-        let metadata = request.context.as_ref().map_or(0, |c| c.metadata.len());
-        match validate::check_counts(
-            &request.batch_id,
-            size,
-            // R33: results count as calls against the batch's limits.
-            request.calls.len() + request.results.len(),
-            metadata,
-            limits,
-        ) {
-            Ok(()) => Self::Batch { request, size },
-            Err(refusal) => Self::Refused(Refused {
-                batch_id: validate::shown_id(&request.batch_id, limits.max_id_bytes),
-                refusal,
-            }),
-        }
-    }
-
     /// Reads one encoded `EvaluateRequest`: scans it, then decodes it if it
     /// is within the limits.
     pub(crate) fn decode(bytes: &[u8], limits: &Limits) -> Self {

@@ -2,19 +2,16 @@
 //! MCP gateway speaking the interceptor extension. See
 //! [`crate::mesh::interceptors`].
 
-use crate::judge::TraceContext;
 use crate::mesh::Mesh;
 use crate::mesh::interceptors::MAX_EVENT_FILTER_BYTES;
-use crate::security::auth::Caller;
-use crate::server::service::{grpc_timeout, trace_context};
+use crate::mesh::pipeline::Door;
+use crate::server::service::{door_trace, grpc_timeout, log_caller, may_replay};
 use guardmesh_proto::v1::interceptor_service_server::InterceptorService;
 use guardmesh_proto::v1::{
     InterceptorInvokeRequest, InterceptorInvokeResponse, InterceptorListRequest,
     InterceptorListResponse,
 };
 use std::sync::Arc;
-use std::time::Duration;
-use tokio::time::Instant;
 use tonic::{Request, Response, Status};
 
 /// Longest guard name an invocation may name, in bytes (names are at most
@@ -29,20 +26,6 @@ pub(crate) struct Interceptors {
 impl Interceptors {
     pub(crate) fn new(mesh: Arc<Mesh>) -> Self {
         Self { mesh }
-    }
-
-    /// The invocation's deadline: the batch's `timeout_ms` or the
-    /// transport's, capped by the mesh's maximum (R14).
-    fn deadline(&self, timeout_ms: u32, transport: Option<Duration>) -> Instant {
-        let config = &self.mesh.config;
-        let transport = transport.map(|t| t.saturating_sub((t / 20).max(Duration::from_millis(5))));
-        let asked = match (timeout_ms, transport) {
-            (0, None) => config.default_batch_timeout,
-            (0, Some(t)) => t,
-            (ms, None) => Duration::from_millis(u64::from(ms)),
-            (ms, Some(t)) => Duration::from_millis(u64::from(ms)).min(t),
-        };
-        Instant::now() + asked.min(config.max_batch_timeout)
     }
 }
 
@@ -67,11 +50,9 @@ impl InterceptorService for Interceptors {
         &self,
         request: Request<InterceptorInvokeRequest>,
     ) -> Result<Response<InterceptorInvokeResponse>, Status> {
-        let mut trace: TraceContext = trace_context(request.metadata());
-        let caller = request.extensions().get::<Caller>().map(|c| c.id.clone());
-        trace.caller = caller.as_deref().map(Arc::from);
-        trace.identity = Arc::from(caller.as_deref().unwrap_or_default());
-        trace.unary = true;
+        let trace = door_trace(&request);
+        let caller = log_caller(&self.mesh, &request);
+        let may_replay = may_replay(&request);
         let transport = grpc_timeout(request.metadata());
         let InterceptorInvokeRequest { name, batch } = request.into_inner();
         if name.is_empty() || name.len() > MAX_NAME_BYTES {
@@ -85,10 +66,12 @@ impl InterceptorService for Interceptors {
                 "`batch` is missing: an invocation judges one call or one result",
             ));
         };
-        let deadline = self.deadline(batch.timeout_ms, transport);
+        let mut door = Door::unary(&trace, caller.as_ref());
+        door.transport = transport;
+        door.may_replay = may_replay;
         let decision = self
             .mesh
-            .invoke_interceptor(&name, batch, deadline, trace)
+            .invoke_interceptor(&name, batch, door)
             .await
             .map_err(|error| error.status())?;
         Ok(Response::new(InterceptorInvokeResponse {

@@ -10,16 +10,15 @@
 //! emits metrics, logs, spans and the decision record; the answer is
 //! queued. Nothing below calls back up here.
 
-use crate::admit::{self, Refusal, StreamGate};
+use crate::admit::{self, StreamGate};
 use crate::decision_log::{MeshLog, from_mesh};
-use crate::judge::Phase;
 use crate::judge::TraceContext;
 use crate::mesh::Mesh;
-use crate::mesh::record::{BatchLog, LogCaller};
+use crate::mesh::pipeline::{Admitted, Arrival, Door, Inbound, Refusing};
+use crate::mesh::record::LogCaller;
 use crate::registry::{Admission, AdmitError, Owner, RegistryError};
 use crate::security::auth::{Caller, Role};
-use crate::server::inbound::{Inbound, InboundCodec, Refused};
-use crate::validate::shown_id;
+use crate::server::inbound::InboundCodec;
 use futures::{Stream, StreamExt};
 use guardmesh_proto::v1::guard_registry_server::GuardRegistry;
 use guardmesh_proto::v1::pre_tool_service_server::PreToolService;
@@ -37,7 +36,6 @@ use std::time::Duration;
 use tokio::sync::mpsc::OwnedPermit;
 use tokio::sync::{Notify, OwnedSemaphorePermit, Semaphore, mpsc, watch};
 use tokio::task::JoinSet;
-use tokio::time::Instant;
 use tonic::metadata::MetadataMap;
 use tonic::{Request, Response, Status, Streaming};
 
@@ -52,52 +50,15 @@ pub(crate) fn trace_context(metadata: &MetadataMap) -> TraceContext {
     TraceContext::from_w3c(get("traceparent"), get("tracestate"))
 }
 
-/// The batch's own trace context when it carries one, else the stream's.
-fn batch_trace(batch: &EvaluateRequest, stream: &TraceContext) -> TraceContext {
-    if batch.traceparent.is_empty() {
-        stream.clone()
-    } else {
-        let mut own = TraceContext::from_w3c(&batch.traceparent, &batch.tracestate);
-        if own.trace_id.is_empty() {
-            stream.clone()
-        } else {
-            own.client = stream.client;
-            own.caller = stream.caller.clone();
-            own.identity = stream.identity.clone();
-            own
-        }
-    }
-}
-
 /// R20: whether `request`'s caller may send batch ids in the prefix the
 /// mesh reserves for its replays: a caller with the admin role (an
 /// operator running `guardmesh replay --mesh`), or any caller of a mesh
 /// without principals, where every caller may do everything.
-fn may_replay<T>(request: &Request<T>) -> bool {
+pub(crate) fn may_replay<T>(request: &Request<T>) -> bool {
     request
         .extensions()
         .get::<Caller>()
         .is_none_or(|caller| caller.has(Role::Admin))
-}
-
-/// A batch in the reserved prefix from a caller that may not replay,
-/// refused (R20); any other message as it is.
-fn reserve(inbound: Inbound, may_replay: bool, max_id_bytes: usize) -> Inbound {
-    if may_replay {
-        return inbound;
-    }
-    match inbound {
-        Inbound::Batch { request, size } => {
-            match crate::validate::check_reserved(&request.batch_id) {
-                Ok(()) => Inbound::Batch { request, size },
-                Err(refusal) => Inbound::Refused(Refused {
-                    batch_id: shown_id(&request.batch_id, max_id_bytes),
-                    refusal,
-                }),
-            }
-        }
-        refused => refused,
-    }
 }
 
 /// The key of the connection `request` came on, by which guard links share
@@ -137,7 +98,7 @@ fn caller_identity<T>(request: &Request<T>) -> Arc<str> {
 
 /// The caller of a request for the decision log; `None` (and nothing
 /// read) when no log is attached.
-fn log_caller<T>(mesh: &Mesh, request: &Request<T>) -> Option<LogCaller> {
+pub(crate) fn log_caller<T>(mesh: &Mesh, request: &Request<T>) -> Option<LogCaller> {
     mesh.decision_log()?;
     let peer = request
         .extensions()
@@ -148,6 +109,17 @@ fn log_caller<T>(mesh: &Mesh, request: &Request<T>) -> Option<LogCaller> {
         request.extensions().get::<Caller>(),
         peer,
     )))
+}
+
+/// The trace context a request's door hands its batches (R22): the W3C
+/// context of its metadata, the key of its connection (R25), and the
+/// authenticated caller (R33, R34).
+pub(crate) fn door_trace<T>(request: &Request<T>) -> TraceContext {
+    let mut trace = trace_context(request.metadata());
+    trace.client = client_key(request);
+    trace.caller = caller_id(request);
+    trace.identity = caller_identity(request);
+    trace
 }
 
 /// Parses a `grpc-timeout` header (`<digits><H|M|S|m|u|n>`).
@@ -193,26 +165,12 @@ impl PreTool {
         }
     }
 
-    fn deadline(&self, timeout_ms: u32, transport: Option<Duration>) -> Instant {
-        let config = &self.mesh.config;
-        // A transport deadline is the client's: answer a little before it,
-        // so that a guard timing out still yields a decision the client can
-        // read rather than its own DEADLINE_EXCEEDED.
-        let transport = transport.map(|t| t.saturating_sub((t / 20).max(Duration::from_millis(5))));
-        let asked = match (timeout_ms, transport) {
-            (0, None) => config.default_batch_timeout,
-            (0, Some(t)) => t,
-            (ms, None) => Duration::from_millis(u64::from(ms)),
-            (ms, Some(t)) => Duration::from_millis(u64::from(ms)).min(t),
-        };
-        Instant::now() + asked.min(config.max_batch_timeout)
-    }
-
     /// Opens a coordinator stream reading `inbound` (R19, R25).
     pub(crate) fn open_stream<S>(
         &self,
         trace: TraceContext,
         caller: Option<LogCaller>,
+        may_replay: bool,
         inbound: S,
     ) -> Result<AnswerStream, Status>
     where
@@ -233,6 +191,7 @@ impl PreTool {
             tool: self.clone(),
             trace,
             caller,
+            may_replay,
             tx,
             budget: budget.clone(),
             tasks: JoinSet::new(),
@@ -243,7 +202,7 @@ impl PreTool {
     }
 
     /// Judges one batch sent from this process (a gateway embedding the
-    /// mesh): the unary call's path without the transport. The batch is
+    /// mesh): the unary call's door without the transport. The batch is
     /// checked against the same limits a decoded message is (R20),
     /// recorded (R29) and answered as a unary `EvaluateBatch` from an
     /// unauthenticated caller would be; `caller` names it in the decision
@@ -255,98 +214,31 @@ impl PreTool {
     ) -> Result<BatchDecision, Status> {
         let inbound = Inbound::from_request(request, &self.mesh.config.limits);
         let caller = self.mesh.decision_log().map(|_| caller.clone());
-        self.unary(&MetadataMap::new(), (0, None), caller, inbound)
+        let trace = trace_context(&MetadataMap::new());
+        self.unary(Door::unary(&trace, caller.as_ref()), inbound)
             .await
     }
 
-    /// Judges one batch of a unary call.
-    async fn unary(
+    /// Judges the one batch of a unary call through the pipeline.
+    async fn unary(&self, door: Door<'_>, inbound: Inbound) -> Result<BatchDecision, Status> {
+        match self.mesh.arrive(inbound, door) {
+            Arrival::Admitted(admitted) => admitted.run(&self.mesh).await,
+            Arrival::Refused(refused) => Err(refused.status().await),
+        }
+    }
+
+    /// The door of a unary call: its trace, caller and deadline.
+    async fn unary_request(
         &self,
         metadata: &MetadataMap,
-        (client, caller_id): (u64, Option<Arc<str>>),
-        caller: Option<LogCaller>,
+        trace: TraceContext,
+        (caller, may_replay): (Option<LogCaller>, bool),
         inbound: Inbound,
     ) -> Result<BatchDecision, Status> {
-        let identity = caller_id.clone().unwrap_or_else(|| Arc::from(""));
-        let (mut batch, size) = match inbound {
-            Inbound::Batch { request, size } => (request, size),
-            Inbound::Refused(refused) => {
-                let record = BatchLog::arrived(&self.mesh, caller.as_ref(), None, refused.batch_id);
-                return Err(record.refuse(refused.refusal.into()).await);
-            }
-        };
-        let limits = &self.mesh.config.limits;
-        let shown = shown_id(&batch.batch_id, limits.max_id_bytes);
-        // R33: results are judged as calls; taken before the record is made.
-        let results = admit::results::take(&mut batch, limits);
-        let record = BatchLog::arrived(&self.mesh, caller.as_ref(), Some(&batch), shown);
-        let phase = match results {
-            Ok(None) => Phase::Calls,
-            Ok(Some(results)) => Phase::Results(results),
-            Err(refusal) => return Err(record.refuse(refusal.into()).await),
-        };
-        let mut stream_trace = trace_context(metadata);
-        stream_trace.client = client;
-        stream_trace.caller = caller_id;
-        stream_trace.identity = identity;
-        let transport = grpc_timeout(metadata);
-        let _bytes = match admit::inflight_bytes(&self.mesh.inflight_bytes, limits, &batch, size) {
-            Ok(bytes) => bytes,
-            Err(refusal) => return Err(record.refuse(refusal).await),
-        };
-        let mut trace = batch_trace(&batch, &stream_trace);
-        trace.unary = true;
-        let deadline = self.deadline(batch.timeout_ms, transport);
-        let answer = AnswerPhase::of(&phase, &batch, &trace);
-        let outcome = self.mesh.pass_phase(batch, deadline, trace, phase).await;
-        // R29: recorded before the answer leaves.
-        let mesh = &self.mesh;
-        match record.finish(outcome).await {
-            Ok(d) => Ok(answer.answer(mesh, d).await),
-            Err(status) => Err(status),
-        }
-    }
-}
-
-/// How a judged batch is answered: as calls, or as results (R33), once
-/// its record (which holds the results as calls) is written.
-enum AnswerPhase {
-    Calls,
-    Results(
-        crate::admit::results::ResultBatch,
-        crate::mesh::results::ReadBy,
-    ),
-}
-
-impl AnswerPhase {
-    fn of(phase: &Phase, batch: &EvaluateRequest, trace: &TraceContext) -> Self {
-        match phase {
-            Phase::Calls => Self::Calls,
-            Phase::Results(results) => Self::Results(
-                results.clone(),
-                crate::mesh::results::ReadBy {
-                    session_id: batch
-                        .context
-                        .as_ref()
-                        .map_or_else(String::new, |c| c.session_id.clone()),
-                    caller: trace.caller.clone(),
-                    batch_id: batch.batch_id.clone(),
-                },
-            ),
-        }
-    }
-
-    /// The answer; a result's decision is handed on to the mesh's hook
-    /// (`mesh/results.rs`) once recorded, before the answer leaves.
-    async fn answer(&self, mesh: &Mesh, decision: BatchDecision) -> BatchDecision {
-        match self {
-            Self::Calls => decision,
-            Self::Results(results, by) => {
-                let decision = results.answer(decision);
-                mesh.results_read(by, &decision).await;
-                decision
-            }
-        }
+        let mut door = Door::unary(&trace, caller.as_ref());
+        door.transport = grpc_timeout(metadata);
+        door.may_replay = may_replay;
+        self.unary(door, inbound).await
     }
 }
 
@@ -423,6 +315,8 @@ struct StreamLoop {
     trace: TraceContext,
     /// The stream's caller for the decision log; `None` without a log.
     caller: Option<LogCaller>,
+    /// Whether its caller may send batch ids in the replay prefix (R20).
+    may_replay: bool,
     tx: mpsc::Sender<Answer>,
     budget: Arc<StreamBudget>,
     tasks: JoinSet<()>,
@@ -471,17 +365,13 @@ impl StreamLoop {
                     stream_error = Some(transport_status(status));
                     break;
                 }
-                Step::Read(Some(Ok(Inbound::Refused(refused))), slot) => {
-                    let record = self.record(None, refused.batch_id.clone());
-                    self.refuse(slot, record, refused.batch_id, refused.refusal.into());
-                }
-                Step::Read(Some(Ok(Inbound::Batch { request, size })), slot) => {
-                    if is_draining {
-                        let id = shown_id(&request.batch_id, self.limits().max_id_bytes);
-                        let record = self.record(Some(&request), id.clone());
-                        self.refuse(slot, record, id, Refusal::ShuttingDown);
-                    } else {
-                        self.admit(request, size, slot);
+                Step::Read(Some(Ok(inbound)), slot) => {
+                    let mut door =
+                        Door::stream(&self.trace, self.caller.as_ref(), &self.gate, is_draining);
+                    door.may_replay = self.may_replay;
+                    match self.tool.mesh.arrive(inbound, door) {
+                        Arrival::Admitted(admitted) => self.judge(admitted, slot),
+                        Arrival::Refused(refused) => self.refuse(slot, refused),
                     }
                 }
             }
@@ -502,10 +392,6 @@ impl StreamLoop {
             () = finish => {}
             () = tx.closed() => {}
         }
-    }
-
-    fn limits(&self) -> &crate::validate::Limits {
-        &self.tool.mesh.config.limits
     }
 
     /// Waits until the stream may read (room in its budget and a slot for
@@ -571,79 +457,43 @@ impl StreamLoop {
         slot.send(answer);
     }
 
-    /// The record of a batch read from this stream (`batch`: as read, if
-    /// it could be; `batch_id`: its id as shown).
-    fn record(&self, batch: Option<&EvaluateRequest>, batch_id: String) -> BatchLog {
-        BatchLog::arrived(&self.tool.mesh, self.caller.as_ref(), batch, batch_id)
-    }
-
-    /// Answers a batch the admission stage refused, recorded first when a
+    /// Answers a batch the pipeline refused, recorded first when a
     /// decision log is attached (R29).
-    fn refuse(
-        &mut self,
-        slot: OwnedPermit<Answer>,
-        record: BatchLog,
-        batch_id: String,
-        refusal: Refusal,
-    ) {
-        let writes = record.writes();
-        let refused = record.refuse(refusal);
+    fn refuse(&mut self, slot: OwnedPermit<Answer>, refused: Refusing) {
+        let batch_id = refused.batch_id.clone();
+        let writes = refused.writes();
+        let status = refused.status();
         if !writes {
             // Nothing to write: answered at once.
-            let status = futures::FutureExt::now_or_never(refused)
+            let status = futures::FutureExt::now_or_never(status)
                 .unwrap_or_else(|| Status::internal("a refusal's record did not finish"));
             self.answer(slot, error_response(batch_id, &status));
             return;
         }
         let budget = self.budget.clone();
         self.tasks.spawn(async move {
-            let status = refused.await;
+            let status = status.await;
             let answer = Answer::new(error_response(batch_id, &status));
             budget.add(answer.bytes);
             slot.send(answer);
         });
     }
 
-    /// Judges a batch read from the stream, or refuses it: the admission
-    /// stage, the mesh's pass, the record, each once.
-    fn admit(&mut self, mut batch: EvaluateRequest, size: usize, slot: OwnedPermit<Answer>) {
-        let limits = *self.limits();
-        let batch_id = batch.batch_id.clone();
-        let shown = shown_id(&batch_id, limits.max_id_bytes);
-        // R33: results are judged as calls; taken before the record is made.
-        let results = admit::results::take(&mut batch, &limits);
-        let record = self.record(Some(&batch), shown.clone());
-        let phase = match results {
-            Ok(None) => Phase::Calls,
-            Ok(Some(results)) => Phase::Results(results),
-            Err(refusal) => return self.refuse(slot, record, shown, refusal.into()),
-        };
-        let mesh = self.tool.mesh.clone();
-        let admitted = StreamGate::enter(&self.gate, &batch, &shown).and_then(|ticket| {
-            admit::inflight_bytes(&mesh.inflight_bytes, &limits, &batch, size)
-                .map(|bytes| (ticket, bytes))
-        });
-        let (ticket, bytes) = match admitted {
-            Ok(admitted) => admitted,
-            Err(refusal) => return self.refuse(slot, record, shown, refusal),
-        };
+    /// Judges a batch the pipeline admitted, on a task of its own; its
+    /// answer goes to its reserved slot.
+    fn judge(&mut self, admitted: Admitted, slot: OwnedPermit<Answer>) {
         // The batch holds its bytes of the stream's budget while judged.
+        let size = admitted.size();
         self.budget.add(size);
-        let deadline = self.tool.deadline(batch.timeout_ms, None);
-        let trace = batch_trace(&batch, &self.trace);
         let budget = self.budget.clone();
-        let answer = AnswerPhase::of(&phase, &batch, &trace);
+        let mesh = self.tool.mesh.clone();
+        // The id as sent: answers carry it (R19).
+        let batch_id = admitted.batch_id().to_owned();
         self.tasks.spawn(async move {
-            let outcome = mesh.pass_phase(batch, deadline, trace, phase).await;
-            drop(bytes);
-            drop(ticket);
-            // R29: recorded before the answer leaves.
-            let response = match record.finish(outcome).await {
+            let response = match admitted.run(&mesh).await {
                 Ok(decision) => EvaluateResponse {
                     batch_id,
-                    result: Some(evaluate_response::Result::Decision(
-                        answer.answer(&mesh, decision).await,
-                    )),
+                    result: Some(evaluate_response::Result::Decision(decision)),
                 },
                 Err(status) => error_response(batch_id, &status),
             };
@@ -667,41 +517,29 @@ impl PreToolService for PreTool {
         &self,
         request: Request<Streaming<EvaluateRequest>>,
     ) -> Result<Response<Self::EvaluateStream>, Status> {
-        let mut trace = trace_context(request.metadata());
-        trace.client = client_key(&request);
-        trace.caller = caller_id(&request);
-        trace.identity = caller_identity(&request);
+        let trace = door_trace(&request);
         let caller = log_caller(&self.mesh, &request);
         let limits = self.mesh.config.limits;
         let replay = may_replay(&request);
-        let inbound = request.into_inner().map(move |message| {
-            message.map(|m| {
-                reserve(
-                    Inbound::from_request(m, &limits),
-                    replay,
-                    limits.max_id_bytes,
-                )
-            })
-        });
-        Ok(Response::new(self.open_stream(trace, caller, inbound)?))
+        let inbound = request
+            .into_inner()
+            .map(move |message| message.map(|m| Inbound::from_request(m, &limits)));
+        Ok(Response::new(
+            self.open_stream(trace, caller, replay, inbound)?,
+        ))
     }
 
     async fn evaluate_batch(
         &self,
         request: Request<EvaluateRequest>,
     ) -> Result<Response<BatchDecision>, Status> {
-        let caller = log_caller(&self.mesh, &request);
-        let replay = may_replay(&request);
-        let client = (client_key(&request), caller_id(&request));
+        let trace = door_trace(&request);
+        let caller = (log_caller(&self.mesh, &request), may_replay(&request));
         let (metadata, _, batch) = request.into_parts();
-        let limits = &self.mesh.config.limits;
-        let inbound = reserve(
-            Inbound::from_request(batch, limits),
-            replay,
-            limits.max_id_bytes,
-        );
+        let inbound = Inbound::from_request(batch, &self.mesh.config.limits);
         Ok(Response::new(
-            self.unary(&metadata, client, caller, inbound).await?,
+            self.unary_request(&metadata, trace, caller, inbound)
+                .await?,
         ))
     }
 }
@@ -751,17 +589,15 @@ impl tonic::server::StreamingService<Inbound> for EvaluateMethod {
     fn call(&mut self, request: Request<Streaming<Inbound>>) -> Self::Future {
         let tool = self.0.clone();
         Box::pin(async move {
-            let mut trace = trace_context(request.metadata());
-            trace.client = client_key(&request);
-            trace.caller = caller_id(&request);
-            trace.identity = caller_identity(&request);
+            let trace = door_trace(&request);
             let caller = log_caller(&tool.mesh, &request);
             let replay = may_replay(&request);
-            let max_id_bytes = tool.mesh.config.limits.max_id_bytes;
-            let inbound = request
-                .into_inner()
-                .map(move |message| message.map(|m| reserve(m, replay, max_id_bytes)));
-            Ok(Response::new(tool.open_stream(trace, caller, inbound)?))
+            Ok(Response::new(tool.open_stream(
+                trace,
+                caller,
+                replay,
+                request.into_inner(),
+            )?))
         })
     }
 }
@@ -778,18 +614,17 @@ impl tonic::server::ClientStreamingService<Inbound> for EvaluateBatchMethod {
     fn call(&mut self, request: Request<Streaming<Inbound>>) -> Self::Future {
         let tool = self.0.clone();
         Box::pin(async move {
-            let caller = log_caller(&tool.mesh, &request);
-            let replay = may_replay(&request);
-            let client = (client_key(&request), caller_id(&request));
+            let trace = door_trace(&request);
+            let caller = (log_caller(&tool.mesh, &request), may_replay(&request));
             let (metadata, _, mut inbound) = request.into_parts();
             let message = inbound
                 .message()
                 .await
                 .map_err(transport_status)?
                 .ok_or_else(|| Status::invalid_argument("EvaluateBatch sent no request message"))?;
-            let message = reserve(message, replay, tool.mesh.config.limits.max_id_bytes);
             Ok(Response::new(
-                tool.unary(&metadata, client, caller, message).await?,
+                tool.unary_request(&metadata, trace, caller, message)
+                    .await?,
             ))
         })
     }
