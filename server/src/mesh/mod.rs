@@ -88,7 +88,7 @@ impl Default for MeshConfig {
             },
             unguarded: Unguarded::Proceed,
             max_policy_bytes_per_identity:
-                crate::registry::admit::DEFAULT_MAX_POLICY_BYTES_PER_IDENTITY,
+                crate::registry::registration::DEFAULT_MAX_POLICY_BYTES_PER_IDENTITY,
             sessions: crate::session::SessionLimits::default(),
         }
     }

@@ -25,10 +25,10 @@
 //!   read; a replica that loses a race reads again. `Deregister` deletes
 //!   the owner keys in its own transaction, which frees the place.
 //! * **Checked once** (R16): a registration reaches the registry already
-//!   admitted (`registry::admit`). The replica that writes it keeps the
-//!   checked guard and uses it when its watch reads the write back; every
-//!   other replica decodes and checks the stored spec once, compiling its
-//!   policy, which is the work one process cannot share with another.
+//!   admitted (`registry::registration`). The replica that writes it keeps
+//!   the checked guard and uses it when its watch reads the write back;
+//!   every other replica decodes and checks the stored spec once, compiling
+//!   its policy, which is the work one process cannot share with another.
 //!
 //! * **Policy is durable** (R15): a registration is a plain key that only
 //!   deregistration removes. A crashed guard's registration never expires; the

@@ -264,7 +264,7 @@ impl Shared {
         }
         let spec = GuardSpec::decode(value)?;
         let guard =
-            crate::registry::admit::from_store(&spec, self.default_timeout).map(Arc::new)?;
+            crate::registry::registration::from_store(&spec, self.default_timeout).map(Arc::new)?;
         if guard.name != name {
             return Err(StoredError::Misnamed {
                 key: name.to_owned(),

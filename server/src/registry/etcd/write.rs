@@ -249,7 +249,7 @@ impl Shared {
                     .guards
                     .iter()
                     .filter(|g| owned.contains(&g.name))
-                    .map(|g| crate::registry::admit::policy_bytes(g))
+                    .map(|g| crate::registry::registration::policy_bytes(g))
                     .fold(0usize, usize::saturating_add)
             };
             owner.admits(guard, owned.len(), already, used)?;

@@ -1,4 +1,4 @@
-//! Admission: the one place a registration is checked (R16).
+//! Admitting a guard's registration: the one place it is checked (R16).
 //!
 //! A registration, whether it comes from a `Register` call or from a
 //! `[[guard]]` entry of the config file, goes through [`admit`]: the spec's
