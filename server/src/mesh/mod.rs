@@ -94,6 +94,18 @@ impl Default for MeshConfig {
     }
 }
 
+// Here rather than beside `Admission` in the registry, which does not
+// import the mesh (the modules are layered).
+impl crate::registry::Admission {
+    /// The admission of a mesh with `config`.
+    pub fn of(config: &MeshConfig) -> Self {
+        Self {
+            default_timeout: config.default_guard_timeout,
+            endpoint_policy: config.security.endpoint_policy.clone(),
+        }
+    }
+}
+
 /// The mesh.
 pub struct Mesh {
     pub config: MeshConfig,
