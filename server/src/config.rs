@@ -820,7 +820,7 @@ impl Default for RegistryConfig {
             staleness_window_ms: millis(e.staleness_window),
             after_window: e.after_window,
             max_policy_bytes_per_identity:
-                crate::registry::admit::DEFAULT_MAX_POLICY_BYTES_PER_IDENTITY,
+                crate::registry::registration::DEFAULT_MAX_POLICY_BYTES_PER_IDENTITY,
         }
     }
 }

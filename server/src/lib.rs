@@ -35,8 +35,10 @@
 //! (`scripts/check-import-cycles`); telemetry (`observe`) imports none of
 //! the others.
 //! * [`registry`]: where registrations live, behind the [`Registry`] trait:
-//!   in memory, or shared by replicas in [`registry::etcd`]; a registration
-//!   is checked and compiled in `registry/spec.rs`.
+//!   in memory, or shared by replicas in [`registry::etcd`] (one file per
+//!   concern in `registry/etcd/`). A registration is checked and compiled in
+//!   `registry/spec.rs` and admitted in [`registry::registration`], the one
+//!   place it is checked (R16); `admit` above is a batch's admission stage.
 //! * [`security`]: TLS/mTLS on the listener ([`security::tls`]), identities
 //!   and roles ([`security::auth`]).
 //! * [`observe`]: counters and histograms (`observe/metrics.rs`), the

@@ -113,8 +113,20 @@ impl Default for MeshConfig {
             },
             unguarded: Unguarded::Proceed,
             max_policy_bytes_per_identity:
-                crate::registry::admit::DEFAULT_MAX_POLICY_BYTES_PER_IDENTITY,
+                crate::registry::registration::DEFAULT_MAX_POLICY_BYTES_PER_IDENTITY,
             sessions: crate::session::SessionLimits::default(),
+        }
+    }
+}
+
+// Here rather than beside `Admission` in the registry, which does not
+// import the mesh (the modules are layered).
+impl crate::registry::Admission {
+    /// The admission of a mesh with `config`.
+    pub fn of(config: &MeshConfig) -> Self {
+        Self {
+            default_timeout: config.default_guard_timeout,
+            endpoint_policy: config.security.endpoint_policy.clone(),
         }
     }
 }

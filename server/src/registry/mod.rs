@@ -6,11 +6,13 @@
 //! keeps *registrations*: whether a guard is reachable is the link's business,
 //! never the registry's (R15: liveness does not remove policy).
 
-pub mod admit;
 pub mod etcd;
+pub mod registration;
 pub(crate) mod spec;
 
-pub use admit::{Admission, AdmitError, CheckedGuard, Owner, QuotaError, admit, admit_blocking};
+pub use registration::{
+    Admission, AdmitError, CheckedGuard, Owner, QuotaError, admit, admit_blocking,
+};
 
 use crate::registry::spec::{Guard, SpecError};
 use futures::future::BoxFuture;
@@ -137,7 +139,7 @@ impl State {
             }
             owned += 1;
             if let Some(entry) = self.entries.iter().find(|e| e.guard.name == *name) {
-                used = used.saturating_add(admit::policy_bytes(&entry.guard));
+                used = used.saturating_add(registration::policy_bytes(&entry.guard));
             }
         }
         owner.admits(guard, owned, already, used)

@@ -1,4 +1,4 @@
-//! Admission: the one place a registration is checked (R16).
+//! Admitting a guard's registration: the one place it is checked (R16).
 //!
 //! A registration, whether it comes from a `Register` call or from a
 //! `[[guard]]` entry of the config file, goes through [`admit`]: the spec's
@@ -24,23 +24,15 @@ use std::time::Duration;
 /// registered (`[registry] max_policy_bytes_per_identity`).
 pub const DEFAULT_MAX_POLICY_BYTES_PER_IDENTITY: usize = 64 << 20;
 
-/// What a registration is checked against besides itself.
+/// What a registration is checked against besides itself. A mesh's is
+/// [`Admission::of`] its settings, defined beside them in `mesh` so that the
+/// registry does not import the mesh.
 #[derive(Debug, Clone)]
 pub struct Admission {
     /// Replaces a registration's `timeout_ms = 0`.
     pub default_timeout: Duration,
     /// Which endpoints a remote guard may have.
     pub endpoint_policy: Arc<EndpointPolicy>,
-}
-
-impl Admission {
-    /// The admission of a mesh with `config`.
-    pub fn of(config: &crate::MeshConfig) -> Self {
-        Self {
-            default_timeout: config.default_guard_timeout,
-            endpoint_policy: config.security.endpoint_policy.clone(),
-        }
-    }
 }
 
 /// Why a registration was not admitted.
