@@ -7,6 +7,8 @@
 //!   anchor, a heading of that page); none leaves the repository, so a
 //!   clone stands alone (the behaviour contract is `docs/behaviour.md`);
 //! * the contract keeps every rule number;
+//! * no page says that a rule has no tests or is not implemented while test
+//!   functions carry that rule's number;
 //! * the guard examples quoted in `docs/guards.md` are the example files;
 //! * one version number: the workspace's, stated alike by the Python and
 //!   Node packages and by the crates' path dependencies;
@@ -268,6 +270,250 @@ fn the_behaviour_contract_keeps_every_rule_number() {
             "docs/behaviour.md has no rule {rule}"
         );
     }
+}
+
+/// Words that say a rule is not held: no test is named after it, or it is
+/// not implemented yet (lower case).
+const NOT_HELD: [&str; 13] = [
+    "no test",
+    "not tested",
+    "untested",
+    "without tests",
+    "without a test",
+    "not implemented",
+    "unimplemented",
+    "ahead of its implementation",
+    "ahead of their implementation",
+    "not hold it",
+    "not hold them",
+    "not yet hold",
+    "not held",
+];
+
+/// The rules whose numbers test functions carry: `fn r32_...` holds R32,
+/// `fn r31b_...` R31b, `fn r10_r27_...` both R10 and R27. Read from every
+/// `.rs` file under `tests/` and the crates' `src/` folders (unit tests live
+/// beside the code).
+fn rules_with_tests() -> BTreeSet<String> {
+    fn rust_files(dir: &Path, out: &mut Vec<PathBuf>) {
+        let Ok(entries) = std::fs::read_dir(dir) else {
+            return;
+        };
+        for entry in entries {
+            let path = entry.expect("a directory entry").path();
+            if path.is_dir() {
+                rust_files(&path, out);
+            } else if path.extension().is_some_and(|x| x == "rs") {
+                out.push(path);
+            }
+        }
+    }
+    let root = repo_root();
+    let mut files = Vec::new();
+    for dir in [
+        "tests",
+        "server/src",
+        "gateway/src",
+        "client/src",
+        "cli/src",
+        "bench/src",
+        "conformance/src",
+    ] {
+        rust_files(&root.join(dir), &mut files);
+    }
+    let mut rules = BTreeSet::new();
+    for file in files {
+        rules.extend(rules_in_test_names(&read(&file)));
+    }
+    rules
+}
+
+/// The rules named by the functions `fn rNN_...` / `fn rNNb_...` of `code`
+/// (not in comments).
+fn rules_in_test_names(code: &str) -> BTreeSet<String> {
+    let mut rules = BTreeSet::new();
+    for line in code.lines() {
+        if line.trim_start().starts_with("//") {
+            continue;
+        }
+        for (at, _) in line.match_indices("fn r") {
+            if line[..at].ends_with(|c: char| c.is_alphanumeric() || c == '_') {
+                continue;
+            }
+            let mut rest = &line[at + "fn ".len()..];
+            // `r10_r27_...`: every leading `rNN_` of the name.
+            while let Some(tail) = rest.strip_prefix('r') {
+                let digits = tail.chars().take_while(char::is_ascii_digit).count();
+                if digits == 0 {
+                    break;
+                }
+                let mut len = digits;
+                if tail[len..].starts_with('b') {
+                    len += 1;
+                }
+                let Some(after) = tail[len..].strip_prefix('_') else {
+                    break;
+                };
+                rules.insert(format!("R{}", &tail[..len]));
+                rest = after;
+            }
+        }
+    }
+    rules
+}
+
+/// The rule numbers a clause names, with ranges (`R32 to R35`, `R32..R35`,
+/// `R32-R35`, `R32 through R35`) spelled out.
+fn rules_named(clause: &str) -> Vec<String> {
+    let bytes = clause.as_bytes();
+    // (start, end, number, suffix) of each `R<digits>[b]` standing alone.
+    let mut found: Vec<(usize, usize, u32, bool)> = Vec::new();
+    let mut i = 0;
+    while i < bytes.len() {
+        let alone = i == 0 || !(bytes[i - 1].is_ascii_alphanumeric() || bytes[i - 1] == b'_');
+        if bytes[i] == b'R' && alone {
+            let digits = bytes[i + 1..]
+                .iter()
+                .take_while(|b| b.is_ascii_digit())
+                .count();
+            if digits > 0 {
+                let mut end = i + 1 + digits;
+                let suffix = bytes.get(end) == Some(&b'b');
+                if suffix {
+                    end += 1;
+                }
+                if !bytes
+                    .get(end)
+                    .is_some_and(|b| b.is_ascii_alphanumeric() || *b == b'_')
+                {
+                    let number = clause[i + 1..i + 1 + digits].parse().unwrap_or(0);
+                    found.push((i, end, number, suffix));
+                    i = end;
+                    continue;
+                }
+            }
+        }
+        i += 1;
+    }
+    let name = |n: u32, b: bool| format!("R{n}{}", if b { "b" } else { "" });
+    let mut rules = Vec::new();
+    let mut k = 0;
+    while k < found.len() {
+        let (_, end, from, from_b) = found[k];
+        if let Some(&(start, _, to, to_b)) = found.get(k + 1) {
+            let between = clause[end..start].trim();
+            if ["to", "..", "-", "–", "through"].contains(&between) && to > from {
+                rules.push(name(from, from_b));
+                rules.extend((from + 1..=to).map(|n| name(n, false)));
+                if to_b {
+                    rules.push(name(to, true));
+                }
+                k += 2;
+                continue;
+            }
+        }
+        rules.push(name(from, from_b));
+        k += 1;
+    }
+    rules
+}
+
+/// Where `text` (a Markdown page, `shown` in messages) says that a rule in
+/// `tested` has no tests or is not implemented. A claim is a clause (a
+/// sentence cut at `;`, `:` and parentheses) holding one of [`NOT_HELD`];
+/// its rules are those it names or, when it names none ("this release does
+/// not hold them"), those of the sentence's clause before it.
+fn stale_claims(shown: &str, text: &str, tested: &BTreeSet<String>) -> Vec<String> {
+    let mut stale = Vec::new();
+    for paragraph in prose(text).split("\n\n") {
+        let paragraph = paragraph.split_whitespace().collect::<Vec<_>>().join(" ");
+        for sentence in paragraph.split(". ") {
+            let mut before: Vec<String> = Vec::new();
+            for clause in sentence.split([';', ':', '(', ')']) {
+                let mut rules = rules_named(clause);
+                let lower = clause.to_lowercase();
+                if NOT_HELD.iter().any(|w| lower.contains(w)) {
+                    if rules.is_empty() {
+                        rules = before.clone();
+                    }
+                    let held: Vec<&String> = rules.iter().filter(|r| tested.contains(*r)).collect();
+                    if !held.is_empty() {
+                        stale.push(format!(
+                            "{shown}: {:?} says {held:?} are not held, yet tests are named \
+                             after them",
+                            clause.trim()
+                        ));
+                    }
+                }
+                if !rules.is_empty() {
+                    before = rules;
+                }
+            }
+        }
+    }
+    stale
+}
+
+/// The contract and the other pages say a rule is untested or not
+/// implemented only while no test function carries its number (tests are
+/// named after the rule they hold).
+#[test]
+fn no_page_calls_a_tested_rule_untested_or_unimplemented() {
+    let tested = rules_with_tests();
+    assert!(
+        tested.contains("R1") && tested.contains("R31b"),
+        "the scan of test names found too little: {tested:?}"
+    );
+    let root = repo_root();
+    let stale: Vec<String> = markdown_files()
+        .iter()
+        .filter(|f| !f.ends_with("CHANGELOG.md"))
+        .flat_map(|f| {
+            let shown = f.strip_prefix(&root).unwrap_or(f).display().to_string();
+            stale_claims(&shown, &read(f), &tested)
+        })
+        .collect();
+    assert!(
+        stale.is_empty(),
+        "pages say rules are not held that tests hold:\n{}",
+        stale.join("\n")
+    );
+}
+
+/// The claim checker finds what it must find, and only that.
+#[test]
+fn the_claim_checker_finds_untested_claims_of_tested_rules() {
+    // `FN`, not the keyword: this file's own text is scanned for test names.
+    let names = rules_in_test_names(
+        &"FN r32_a() {}\nasync FN r10_r27_b() {}\nFN r31b_c() {}\nFN rr1_d() {}\nFN r7x() {}\n\
+          // FN r33_in_a_comment() {}\n"
+            .replace("FN", "fn"),
+    );
+    let want: BTreeSet<String> = ["R10", "R27", "R31b", "R32"]
+        .into_iter()
+        .map(str::to_owned)
+        .collect();
+    assert_eq!(names, want);
+    assert_eq!(
+        rules_named("R1..R3, R31b and R32 to R34; R40-R41 (R9 through R10)"),
+        [
+            "R1", "R2", "R3", "R31b", "R32", "R33", "R34", "R40", "R41", "R9", "R10"
+        ]
+    );
+
+    let tested: BTreeSet<String> = ["R1", "R32", "R33"]
+        .into_iter()
+        .map(str::to_owned)
+        .collect();
+    let text = "R32 to R35 are specified ahead of their implementation: this release does \
+                not hold them yet.\n\nRules R1..R35 (R33 has no tests); tests are named \
+                after the rule they hold.\n\nR35 is not implemented: no test is named after \
+                it. A case that does not hold fails (R1).\n\n```\nR1 is untested\n```\n";
+    let stale = stale_claims("scratch.md", text, &tested);
+    assert_eq!(stale.len(), 3, "{stale:#?}");
+    assert!(stale[0].contains("R32"), "{}", stale[0]);
+    assert!(stale[1].contains("R32"), "{}", stale[1]);
+    assert!(stale[2].contains("R33"), "{}", stale[2]);
 }
 
 /// The minimal guards of `docs/guards.md` are the example files the tests

@@ -1,15 +1,28 @@
 //! guardmesh's integration tests: one binary, real processes and real
-//! sockets on 127.0.0.1 with port 0, every test named after the SPEC rule it
-//! holds. The harness is split by role in `harness/`; the tests by area:
+//! sockets on 127.0.0.1 with port 0, every test named after the rule of
+//! `docs/behaviour.md` it holds. The harness is split by role in
+//! `harness/`; the tests by area:
 //!
 //! * `rules`, `rewrites`: the decision rules and checked rewrites (R1..R22).
 //! * `faults`: unreachable, closing, hanging, spurious, oversized and
 //!   restarted guards (R12..R16, R23, R26).
-//! * `overload`, `soak`: bounds under load, and a bounded soak under faults.
+//! * `overload`, `soak`: bounds under load, and a bounded soak under faults;
+//!   `busy`: a slow healthy guard under a flood is busy, not failed (R25,
+//!   R13); `registration`: what one registrar may hold (R16, R25).
 //! * `security`: TLS, mTLS, tokens, roles and endpoint policy (R24, R25).
 //! * `etcd`: replicas sharing one chain on a real etcd (R17).
 //! * `guard_discovery`: a guard's replicas from a DNS name and from
-//!   heartbeats on a 3-member etcd (R32).
+//!   heartbeats on a 3-member etcd (R32); `guard_replicas`: a guard run as
+//!   several replica processes, balancing and failover;
+//!   `guard_replicas_health`: replicas drained through `grpc.health.v1`
+//!   (R32).
+//! * `results`: results through the mesh, from the SDK and the MCP gateway
+//!   (R33).
+//! * `sessions`: session memory through a real mesh, flows, rates and
+//!   isolation (R34); `sessions_guards`: the memory as guards are sent it and
+//!   label it, and labels from policy rules; `sessions_store`: the memory
+//!   shared by replicas through etcd and Redis; `readme_flows`: the README's
+//!   "Flows and sessions" example as written (R33, R34).
 //! * `observability`, `otel`, `otel_http`: metrics (parsed as Prometheus text
 //!   and OpenMetrics), logs, and traces exported over OTLP/gRPC and
 //!   OTLP/HTTP (R21, R22).
@@ -26,11 +39,19 @@
 //!   `mcp_smuggling`: calls smuggled past the gateway to Python, Go and
 //!   TypeScript peers.
 //!   `mcp_bounds`: slow, idle and flooding clients, Origin and Host, and a
-//!   chatty upstream (R25 through the gateway).
-//! * `cli`, `shutdown`: the `guardmesh` command as users run it.
+//!   chatty upstream (R25 through the gateway); `mcp_answers`: every answer
+//!   accepted by the official SDK clients; `mcp_revision`,
+//!   `mcp_revision_ts`: the 2026-07-28 revision's routing headers with the
+//!   Python and TypeScript SDKs; `mcp_embedded`: the gateway with the mesh in
+//!   its own process (`--config`); `interceptors_conformance`: the MCP
+//!   interceptor conformance fixtures (SEP-2624).
+//! * `cli`, `shutdown`: the `guardmesh` command as users run it;
+//!   `mesh_args`: the flags that say how a command reaches a mesh (R24);
+//!   `probes`: `/healthz`, `/readyz` and the drain on SIGTERM.
 //! * `docs`: the README's length and links, the docs pages' links, the
-//!   contract's rule numbers, one version number, no exact pins in the SDK,
-//!   and the proto against the last release.
+//!   contract's rule numbers, no page calling a tested rule untested, one
+//!   version number, no exact pins in the SDK, and the proto against the
+//!   last release.
 //! * `config_check`: `guardmesh config check|reference`, and relative paths
 //!   in a config file resolved against its folder.
 //! * `decision_log`: the decision log in the mesh, `guardmesh log verify`
@@ -41,11 +62,16 @@
 //!   OpenTelemetry log records; `decision_log_hardening`: masked values
 //!   nowhere, bounded refusal records, the directory budget and a full
 //!   disk, replay of final calls and of logs that verify only, policy
-//!   digests in chain changes.
+//!   digests in chain changes; `decision_log_tamper`: logs tampered with
+//!   in every way and verified; `decision_log_anchor`: the etcd anchor of
+//!   checkpoints.
 //! * `policy`: policy guards and unguarded calls (R27, R28), and
 //!   `guardmesh policy check|test`; `policy_order`: R3/R4 across policy,
 //!   Rust and Python guards with random verdicts; `policy_watch`: policy
-//!   files reloaded when they change on disk.
+//!   files reloaded when they change on disk; `policy_reload_attacks`:
+//!   reloads that cannot be turned against the mesh; `policy_isolation`,
+//!   `policy_lanes`: fail closed, and every client in its lane (R13, R14,
+//!   R25).
 //!
 //! Tests that measure memory take [`harness::HEAVY`]; tests that must own the
 //! process (its global telemetry, its resident set) run in a child process of
@@ -103,7 +129,7 @@ mod rewrites;
 mod rules;
 mod security;
 mod sessions;
-mod sessions2;
+mod sessions_guards;
 mod sessions_store;
 mod shutdown;
 mod soak;

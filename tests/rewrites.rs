@@ -1,5 +1,5 @@
 //! Rewrites by mutate guards: order, grants, the original beside the final
-//! call, and dry runs (SPEC R10, R11, R12, R18).
+//! call, and dry runs (R10, R11, R12, R18 of `docs/behaviour.md`).
 
 use crate::harness::*;
 use guardmesh_client::proto::{FailurePolicy, ToolCall, TraceStatus, Verdict};

@@ -1,6 +1,6 @@
-//! The decision rules of SPEC.md (R1..R9, R13..R17, R19..R21), held against a
-//! real mesh and real guards on loopback. Each test is named after the rule
-//! it holds.
+//! The decision rules of `docs/behaviour.md` (R1..R9, R13..R17, R19..R21),
+//! held against a real mesh and real guards on loopback. Each test is named
+//! after the rule it holds.
 
 use crate::harness::*;
 use guardmesh_client::proto::{EvaluateRequest, FailurePolicy, ToolCall, TraceStatus};

@@ -2,8 +2,9 @@
 //! isolation between identities, and a store that cannot answer.
 //!
 //! Values seen in results are fed through the results phase's hook
-//! (`SessionMemory::result_seen`) directly until that phase (R33) sends
-//! results through the mesh.
+//! (`SessionMemory::result_seen`) directly, so that these tests hold the
+//! memory apart from the results phase (R33), which `results`,
+//! `sessions_store` and `readme_flows` drive through the mesh.
 
 use crate::harness::*;
 use guardmesh_client::proto::FailurePolicy;

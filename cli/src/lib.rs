@@ -7,13 +7,18 @@
 //!   `example-guard`; `mcp` and `hook` delegate to the `guardmesh-gateway`
 //!   crate, and `embedded` builds the mesh a gateway started with
 //!   `--config` judges with in its own process.
-//! * `log`: `guardmesh log verify` and `guardmesh log keygen` (R29).
+//! * `evaluate`: the input, `--json` output and exit codes of `guardmesh
+//!   evaluate`; `config_cmd`: `guardmesh config check` and `guardmesh config
+//!   reference`.
+//! * `log`: `guardmesh log verify` and `guardmesh log keygen` (R29);
+//!   `replay`: `guardmesh replay` (R30).
 //! * [`heartbeat`]: `guardmesh heartbeat`, a liveness sidecar for guards of
 //!   any language on the etcd registry, and the lease it keeps
 //!   ([`heartbeat::GuardHeartbeat`]).
 //! * [`demo`]: `guardmesh demo`, a mesh, example guards and a coordinator in
 //!   one process, printing decisions and traces.
-//! * [`examples`]: the example guards, written with the Rust SDK.
+//! * [`examples`]: the example guards, written with the Rust SDK;
+//!   [`redact`]: the `redact-formats` example guard's redaction (R33, R34).
 //! * `guardmesh conformance` (a check of a running guard of any language
 //!   against the `Judge` protocol) and `guardmesh bench` (the mesh against
 //!   what users would run instead, on loopback) are thin subcommands over

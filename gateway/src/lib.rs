@@ -1,21 +1,27 @@
 //! The guardmesh MCP gateway and agent-host hooks: tool calls from agents
 //! that speak MCP, or that run pre-tool hooks, judged by the mesh before they
-//! run (SPEC R31).
+//! run (R31 of `docs/behaviour.md`).
 //!
 //! * [`stdio`]: `guardmesh mcp stdio -- COMMAND...`, a relay in front of an
 //!   MCP server started over stdio.
 //! * [`http`]: `guardmesh mcp http --upstream URL`, the same in front of a
 //!   Streamable HTTP MCP server; the `Mcp-Session-Id` is the batch's session.
 //! * [`judge`]: a set of `tools/call` requests as one mesh batch, and each
-//!   decision as forward / tool result / JSON-RPC error.
+//!   decision as forward / tool result / JSON-RPC error; the mesh reached
+//!   over gRPC (`--mesh`) or run in the gateway's process (`--config`).
 //! * [`group`]: single `tools/call` requests arriving together judged as
 //!   one batch.
 //! * [`jsonrpc`]: strict reading of client messages, and the answers the
 //!   gateway writes itself.
 //! * [`json`]: the JSON tree messages are read into once and written out
 //!   from.
-//! * [`hook`]: `guardmesh hook pre-tool-use`, an agent host's
+//! * [`hook`](mod@hook): `guardmesh hook pre-tool-use`, an agent host's
 //!   `PreToolUse` hook.
+//! * [`interceptors`]: `interceptors/list` and `interceptor/invoke` (the
+//!   MCP interceptor extension, SEP-2624) answered through the mesh.
+//! * [`routing`]: the routing headers of the 2026-07-28 revision over HTTP.
+//! * [`schemas`]: the tools' output schemas, so that every answer the
+//!   gateway writes is one the official SDK clients accept.
 //! * `pipes`: the process's stdin and stdout on the runtime's reactor, when
 //!   they are pipes or sockets.
 //!

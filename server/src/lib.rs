@@ -2,38 +2,44 @@
 //!
 //! A coordinator streams each round of tool calls (a *batch*) to the mesh's
 //! `PreToolService`; the mesh fans it out to the registered *guards* and folds
-//! their verdicts into one decision per call, under the rules of SPEC.md.
+//! their verdicts into one decision per call, under the rules of the
+//! behaviour contract, `docs/behaviour.md` (R1..R35).
 //!
-//! This crate is the mesh and nothing else; the `guardmesh` command, the demo,
-//! the benchmark and the conformance kit live in the `cli/` crate. The
-//! modules, from the wire inwards:
+//! This crate is the mesh and nothing else: the `guardmesh` command and the
+//! demo live in the `cli/` crate, the MCP gateway and the pre-tool hook in
+//! `gateway/`, the benchmark and the conformance kit in crates of their own
+//! (`bench/`, `conformance/`). The modules, from the wire inwards:
 //!
 //! * [`server`]: `run(listener, mesh, shutdown)`, the gRPC server with health
 //!   and reflection; `server/service.rs` holds `PreToolService` (coordinators)
-//!   and `GuardRegistry` (registrars), `server/inbound.rs` checks a batch's
-//!   sizes and counts on its wire form before it is decoded (R20, R25).
+//!   and `GuardRegistry` (registrars), `server/interceptors.rs` the chain as
+//!   MCP interceptors, `server/inbound.rs` checks a batch's sizes and counts
+//!   on its wire form before it is decoded (R20, R25).
 //! * `admit`: the admission stage, everything a batch must pass before any
 //!   guard sees it (sizes, ids, budgets, I-JSON, registry freshness, R1),
-//!   with one typed refusal mapped to its gRPC status in one place.
+//!   with one typed refusal mapped to its gRPC status in one place;
+//!   `admit/results.rs` the same for a request of results (R33).
 //! * `validate`: the content rules of a batch (R20), with the one-pass
 //!   I-JSON check of arguments in `validate/ijson.rs`.
 //! * `judge`: judging one batch: mutate guards in order, validate guards
 //!   concurrently, decisions and traces; it returns an outcome and writes no
 //!   metrics or records. `judge/fold.rs` is the pure fold that makes
 //!   concurrent verdicts equal sequential ones (R3, R4, R5);
-//!   `judge/verdicts.rs` the pure checks on one guard's verdicts (R8, R11).
-//! * `link`: one long-lived `Judge` stream per guard, with reconnects
-//!   (`link/backoff.rs`) and a circuit breaker (`link/breaker.rs`), both small
-//!   pure state machines; [`link::dial`]: which endpoints may be dialed and
-//!   the TLS towards guards.
+//!   `judge/verdicts.rs` the pure checks on one guard's verdicts (R8, R11);
+//!   `judge/results.rs` the results phase (R33).
+//! * [`link`]: a pool per guard over its replicas ([`link::pool`]: choice by
+//!   load, failover, ejection; [`link::discover`]: replicas from a list, a
+//!   DNS name or heartbeats; R32), one long-lived `Judge` stream per replica,
+//!   with reconnects (`link/backoff.rs`) and a circuit breaker
+//!   (`link/breaker.rs`), both small pure state machines; [`link::dial`]:
+//!   which endpoints may be dialed and the TLS towards guards.
 //! * [`mesh`]: the mesh's settings, its registry and chain snapshots (R17);
 //!   `Mesh::evaluate` (`mesh/evaluate.rs`) runs one batch through admission
-//!   and judging, and `mesh/record.rs` is the batch's record: it takes the
+//!   and judging, `mesh/session.rs` reads and writes the batch's session
+//!   memory, and `mesh/record.rs` is the batch's record: it takes the
 //!   outcome once and emits metrics, logs, spans and the decision record.
-//!
-//! The modules are layered: no module imports one that imports it back
-//! (`scripts/check-import-cycles`); telemetry (`observe`) imports none of
-//! the others.
+//! * [`session`]: session memory (R34), per caller and session, bounded,
+//!   keyed digests of the values seen; in memory, in etcd or in Redis.
 //! * [`registry`]: where registrations live, behind the [`Registry`] trait:
 //!   in memory, or shared by replicas in [`registry::etcd`] (one file per
 //!   concern in `registry/etcd/`). A registration is checked and compiled in
@@ -47,10 +53,19 @@
 //! * [`policy`]: policy guards, CEL rules evaluated inside the mesh (R27).
 //! * [`decision_log`]: the tamper-evident decision log (R29): records,
 //!   masking, the hash chain across rotated files, the writer, `verify`.
-//! * [`config`]: the TOML config file.
+//! * [`secret_formats`]: common secret formats, masked in records and
+//!   redacted by the redaction guard.
+//! * [`config`]: the TOML config file, its key reference and `config
+//!   check`; [`files`]: reading the small files a config names;
+//!   [`etcd_tls`]: TLS to etcd.
 //! * [`run`]: [`Server`], the mesh assembled from a config (registry,
 //!   decision log, policy watch and reload, metrics endpoint) and run until
 //!   shutdown: what `guardmesh serve` and the integration tests both run.
+//!
+//! The modules are layered: no module imports one that imports it back
+//! (`scripts/check-import-cycles`); telemetry (`observe`) imports none of
+//! the others but `accept`, the leaf that paces failed accepts for every
+//! listener.
 
 mod accept;
 mod admit;

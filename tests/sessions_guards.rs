@@ -1,7 +1,8 @@
-//! Session memory, continued (R34): remote guards are sent the memory (never
-//! a value), may opt out, and add labels with their verdicts; policy rules
-//! add labels; labels are bounded, applied only from guards that enforce
-//! and did not fail, and recorded.
+//! Session memory as guards see and shape it (R34): remote guards are sent
+//! the memory (never a value), may opt out, and add labels with their
+//! verdicts; policy rules add labels; labels are bounded, applied only from
+//! guards that enforce and did not fail, and recorded. And the redaction
+//! guard on calls and results (R29, R33).
 
 use crate::harness::*;
 use guardmesh_client::proto::{GuardPhases, SessionMemory as WireMemory};
