@@ -10,7 +10,8 @@ use crate::harness::*;
 use guardmesh_client::proto::interceptor_service_client::InterceptorServiceClient;
 use guardmesh_client::proto::pre_tool_service_client::PreToolServiceClient;
 use guardmesh_client::proto::{
-    Action, BatchDecision, EvaluateRequest, InterceptorInvokeRequest, ToolCall, evaluate_response,
+    Action, BatchContext, BatchDecision, EvaluateRequest, InterceptorInvokeRequest, ToolCall,
+    evaluate_response,
 };
 use guardmesh_server::Server;
 use serde_json::{Value, json};
@@ -140,6 +141,18 @@ fn table() -> Vec<Row> {
             batch: batch(&"b".repeat(300), vec![call("c1", "read", "{}")]),
             invoke: Some("policy"),
             expect: Refused(invalid, "batch_id_too_long", "batch_id is 300 bytes"),
+        },
+        // R34, R20: a session id is bounded like batch and call ids.
+        Row {
+            batch: EvaluateRequest {
+                context: Some(BatchContext {
+                    session_id: "s".repeat(300),
+                    ..Default::default()
+                }),
+                ..batch("long-session-id", vec![call("c1", "read", "{}")])
+            },
+            invoke: Some("policy"),
+            expect: Refused(invalid, "session_id_too_long", "limits.max_id_bytes"),
         },
         // R20, R25: sizes and counts.
         Row {

@@ -201,6 +201,7 @@ impl MaskRules {
                         trace.labels.iter_mut().for_each(|l| self.mask_text(l));
                     }
                     self.mask_text_option(&mut decision.outcome.message);
+                    self.mask_ids(decision);
                 }
                 let mut count = 0;
                 for call in &mut decision.batch.calls {
@@ -228,6 +229,32 @@ impl MaskRules {
             // The writer's own seals hold no caller data.
             Entry::Checkpoint(_) | Entry::Gap(_) => 0,
             Entry::RefusalSummary(_) => 0,
+        }
+    }
+
+    /// Masks the secrets of the configured formats in every id field of a
+    /// decision record (R29, R34): ids are the caller's text like any
+    /// other, and a forged result's `call_id` may be a secret.
+    fn mask_ids(&self, decision: &mut DecisionRecord) {
+        self.mask_text(&mut decision.batch.batch_id);
+        self.mask_text(&mut decision.batch.session_id);
+        for call in &mut decision.batch.calls {
+            self.mask_text(&mut call.call_id);
+        }
+        for decided in &mut decision.decisions {
+            self.mask_text(&mut decided.call_id);
+            if let Some(call) = &mut decided.call {
+                self.mask_text(&mut call.call_id);
+            }
+        }
+        for trace in &mut decision.trace {
+            for ids in [
+                &mut trace.sent_call_ids,
+                &mut trace.skipped_call_ids,
+                &mut trace.rewritten_call_ids,
+            ] {
+                ids.iter_mut().for_each(|id| self.mask_text(id));
+            }
         }
     }
 
@@ -897,6 +924,61 @@ mod tests {
             .unwrap()
             .secrets_of(&serde_json::json!({"body": aws}), &mut secrets);
         assert!(secrets.is_empty());
+    }
+
+    /// R29, R34: a secret of a known shape sent as an id (a forged
+    /// result's `call_id`, a batch or session id) is masked in every id
+    /// field of the record: the batch's, the calls', the decisions' and the
+    /// traces' lists of call ids.
+    #[test]
+    fn r29_r34_secret_formats_are_masked_in_every_id_field() {
+        use crate::decision_log::record::{
+            Action, CallDecisionRecord, GuardRole, GuardTraceRecord, Outcome, TraceStatus,
+        };
+        let aws = "AKIAIOSFODNN7EXAMPLE";
+        let github = "ghp_16C7e42F292c6912E7710c838347Ae178B4a";
+        let rules = MaskRules::none().with_formats(Formats::all());
+        let mut batch = crate::decision_log::from_mesh::batch_id_only(&format!("b-{aws}"));
+        batch.session_id = format!("s-{github}");
+        batch.calls.push(CallRecord::from_text(aws, "t", "{}"));
+        let mut entry = Entry::Decision(DecisionRecord {
+            caller: Default::default(),
+            batch,
+            chain_revision: Some(1),
+            decisions: vec![CallDecisionRecord {
+                call_id: aws.into(),
+                action: Action::Proceed,
+                call: Some(CallRecord::from_text(aws, "t", "{}")),
+                content: None,
+                decided_by: None,
+                rule: None,
+                failure: false,
+                rewritten_by: vec![],
+                bypassed: vec![],
+            }],
+            trace: vec![GuardTraceRecord {
+                guard: "g".into(),
+                role: GuardRole::Validate,
+                status: TraceStatus::Proceeded,
+                latency_us: 1,
+                sent_call_ids: vec![aws.into()],
+                skipped_call_ids: vec![aws.into()],
+                rewritten_call_ids: vec![github.into()],
+                error: None,
+                dry_run_status: None,
+                replica: None,
+                labels: vec![],
+                refused_labels: 0,
+            }],
+            trace_id: None,
+            outcome: Outcome::decided(),
+        });
+        rules.mask_entry(&mut entry);
+        let text = serde_json::to_string(&entry).unwrap();
+        for secret in [aws, github] {
+            assert!(!text.contains(secret), "{secret} in {text}");
+        }
+        assert!(text.contains("b-[masked:aws-access-key]"), "{text}");
     }
 
     /// Pinned on purpose: masked values of 1 to 3 characters are masked in

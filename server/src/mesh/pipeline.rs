@@ -10,7 +10,8 @@
 //! step after that is taken here, in this order, once:
 //!
 //! 1. [`Mesh::arrive`] (no await): a batch refused as read is recorded
-//!    and refused; then the reserved replay prefix (R20), draining (R25),
+//!    and refused; then the reserved replay prefix (R20), the session
+//!    id's length (R34), draining (R25),
 //!    the results taken out of the request (R33), the batch's record
 //!    (R29), the stream's gate (R19, R25), the mesh's bytes in flight
 //!    (R25), the batch's trace (R22) and deadline (R14).
@@ -339,6 +340,12 @@ impl Mesh {
         if !door.may_replay
             && let Err(refusal) = validate::check_reserved(&batch.batch_id)
         {
+            let record = BatchLog::arrived(self, door.caller, None, shown.clone());
+            return refuse(record, shown, refusal.into());
+        }
+        // R34: a session id over the id limit is refused before anything
+        // (the record, session memory) holds it.
+        if let Err(refusal) = validate::check_session_id(&batch, limits) {
             let record = BatchLog::arrived(self, door.caller, None, shown.clone());
             return refuse(record, shown, refusal.into());
         }

@@ -292,6 +292,26 @@ pub fn check_reserved(batch_id: &str) -> Result<(), Refusal> {
     Ok(())
 }
 
+/// R34, R20: a session id is bounded like batch and call ids
+/// (`limits.max_id_bytes`), so that no session of unbounded name is ever
+/// kept in session memory, a record or a log line.
+pub fn check_session_id(request: &EvaluateRequest, limits: &Limits) -> Result<(), Refusal> {
+    let Some(context) = &request.context else {
+        return Ok(());
+    };
+    let bytes = context.session_id.len();
+    if bytes > limits.max_id_bytes {
+        return Err(invalid(
+            "session_id_too_long",
+            format!(
+                "session_id is {bytes} bytes; the limit is {} bytes (limits.max_id_bytes)",
+                limits.max_id_bytes
+            ),
+        ));
+    }
+    Ok(())
+}
+
 /// The checks that need only a batch's id, size and counts, so that they
 /// can run before the batch is decoded (R20: before the costly work).
 pub fn check_counts(
