@@ -85,6 +85,7 @@ pub mod security;
 pub mod server;
 pub mod session;
 mod validate;
+mod wire;
 
 #[cfg(test)]
 mod properties;

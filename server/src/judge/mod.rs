@@ -33,6 +33,8 @@ use crate::observe::spans::{SpanFailure, SpanGuard};
 use crate::policy::{Args, BatchValues, CallRef, ContextRef, Outcome as PolicyOutcome, Recorded};
 use crate::registry::spec::Guard;
 use crate::validate::Limits;
+use crate::wire::fields::guard_batch;
+use crate::wire::write;
 pub use chain::{Chain, ChainGuard, Unguarded};
 use guardmesh_proto::v1::{
     Action, BatchContext, BatchDecision, CallDecision, EvaluateRequest, GuardBatch, GuardRole,
@@ -418,9 +420,6 @@ struct Judging<'a> {
     memory: Option<Bytes>,
 }
 
-/// `GuardBatch.session`.
-const SESSION_FIELD: u32 = 11;
-
 impl<'a> Judging<'a> {
     #[allow(clippy::too_many_arguments)]
     fn new(
@@ -527,7 +526,7 @@ impl<'a> Judging<'a> {
         Bytes::from(bytes)
     }
 
-    /// `GuardBatch.session` (field 11) encoded, once per batch: the memory
+    /// `GuardBatch.session` encoded, once per batch: the memory
     /// read for the batch, or why it could not be read (R34).
     fn memory_part(&mut self) -> Option<Bytes> {
         if self.memory.is_none() {
@@ -535,14 +534,14 @@ impl<'a> Judging<'a> {
             match self.session.as_ref()? {
                 // Written straight from the memory read, not built first.
                 crate::policy::SessionVal::Read(view) => {
-                    view.encode_for_guard(SESSION_FIELD, &mut bytes);
+                    view.encode_for_guard(guard_batch::SESSION, &mut bytes);
                 }
                 crate::policy::SessionVal::Unavailable(why) => {
                     let memory = guardmesh_proto::v1::SessionMemory {
                         unavailable: why.to_string(),
                         ..Default::default()
                     };
-                    prost::encoding::message::encode(SESSION_FIELD, &memory, &mut bytes);
+                    write::message(guard_batch::SESSION, &memory, &mut bytes);
                 }
             }
             self.memory = Some(Bytes::from(bytes));
@@ -569,7 +568,7 @@ impl<'a> Judging<'a> {
             self.encoded.push((sent.clone(), bytes.clone()));
             return bytes;
         }
-        let bytes = crate::link::wire::shared_part(
+        let bytes = crate::wire::judge_stream::shared_part(
             self.context.as_ref(),
             self.calls
                 .iter()
