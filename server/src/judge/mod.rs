@@ -9,9 +9,9 @@
 //!   and `apply` the one place a fold's outcome reaches the calls. Each
 //!   mutate guard is judged through a one-guard fold, the validate guards
 //!   through one fold together.
-//! * Judging only consults guards and folds: [`judge`] returns a [`Judged`]
-//!   outcome (the answer, and what happened at each guard) and writes no
-//!   metrics, spans' outcomes or records; the batch's record
+//! * Judging only consults guards and folds: [`judge_phase`] returns a
+//!   [`Judged`] outcome (the answer, and what happened at each guard) and
+//!   writes no metrics, spans' outcomes or records; the batch's record
 //!   ([`crate::mesh::record`]) does, once. The log lines written here are
 //!   a guard's failure and a batch shed, when they happen (R13: never
 //!   silent, even if the batch is then dropped).
@@ -331,56 +331,31 @@ impl Judged {
     }
 }
 
-/// Judges one admitted batch against `chain`: consults its guards, folds
-/// their verdicts and decides (R2..R18). `members`: what the admission
-/// stage recorded of the calls' arguments for the policy guards (R27).
-/// `span`: the batch's span, under which each guard's span opens.
-#[allow(clippy::too_many_arguments, dead_code)]
-pub(crate) async fn judge(
-    chain: &Chain,
-    limits: &Limits,
-    unguarded: Unguarded,
-    request: EvaluateRequest,
-    members: Recorded,
-    deadline: Instant,
-    trace: TraceContext,
-    span: tracing::Span,
-    session: Option<crate::policy::SessionVal>,
-) -> Judged {
-    judge_phase(
-        chain,
-        limits,
-        unguarded,
-        request,
-        members,
-        deadline,
-        trace,
-        span,
-        Phase::Calls,
-        session,
-    )
-    .await
+/// What a batch is judged with ([`judge_phase`]).
+pub(crate) struct JudgeInput<'a> {
+    /// The chain's snapshot the batch is judged against (R17).
+    pub(crate) chain: &'a Chain,
+    pub(crate) limits: &'a Limits,
+    /// What becomes of a call no enforced guard applies to (R28).
+    pub(crate) unguarded: Unguarded,
+    pub(crate) request: EvaluateRequest,
+    /// What the admission stage recorded of the calls' arguments for the
+    /// policy guards (R27).
+    pub(crate) members: Recorded,
+    pub(crate) deadline: Instant,
+    pub(crate) trace: TraceContext,
+    /// The batch's span, under which each guard's span opens.
+    pub(crate) span: tracing::Span,
+    /// A batch of calls, or of results as calls (R33).
+    pub(crate) phase: Phase,
+    /// The session's memory for the guards that read it (R34).
+    pub(crate) session: Option<crate::policy::SessionVal>,
 }
 
-/// [`judge`] in a phase: a batch of calls, or of results as calls (R33).
-#[allow(clippy::too_many_arguments)]
-pub(crate) async fn judge_phase(
-    chain: &Chain,
-    limits: &Limits,
-    unguarded: Unguarded,
-    request: EvaluateRequest,
-    members: Recorded,
-    deadline: Instant,
-    trace: TraceContext,
-    span: tracing::Span,
-    phase: Phase,
-    session: Option<crate::policy::SessionVal>,
-) -> Judged {
-    let mut judging = Judging::new(
-        chain, limits, unguarded, request, members, deadline, trace, span,
-    );
-    judging.phase = phase;
-    judging.session = session;
+/// Judges one admitted batch against its chain: consults the guards, folds
+/// their verdicts and decides (R2..R18).
+pub(crate) async fn judge_phase(input: JudgeInput<'_>) -> Judged {
+    let mut judging = Judging::new(input);
     let result = judging.run().await;
     Judged {
         result,
@@ -421,17 +396,19 @@ struct Judging<'a> {
 }
 
 impl<'a> Judging<'a> {
-    #[allow(clippy::too_many_arguments)]
-    fn new(
-        chain: &'a Chain,
-        limits: &'a Limits,
-        unguarded: Unguarded,
-        mut request: EvaluateRequest,
-        members: Recorded,
-        deadline: Instant,
-        trace: TraceContext,
-        span: tracing::Span,
-    ) -> Self {
+    fn new(input: JudgeInput<'a>) -> Self {
+        let JudgeInput {
+            chain,
+            limits,
+            unguarded,
+            mut request,
+            members,
+            deadline,
+            trace,
+            span,
+            phase,
+            session,
+        } = input;
         let calls: Vec<Call> = std::mem::take(&mut request.calls)
             .into_iter()
             .map(|call| Call {
@@ -459,8 +436,8 @@ impl<'a> Judging<'a> {
             deadline,
             trace,
             span,
-            phase: Phase::Calls,
-            session: None,
+            phase,
+            session,
             memory: None,
         }
     }
