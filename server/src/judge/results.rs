@@ -9,7 +9,7 @@ use crate::admit::results::ResultBatch;
 use crate::registry::spec::Guard;
 use crate::wire::fields::guard_batch;
 use crate::wire::write;
-use guardmesh_proto::v1::{BatchContext, ToolCall, ToolResult};
+use guardmesh_proto::v1::{BatchContext, GuardRole, ToolCall, ToolResult};
 use prost::bytes::Bytes;
 
 /// What a batch carries: calls before they run, or results before the
@@ -57,6 +57,21 @@ pub(crate) fn shared_part<'a>(
         write::message(guard_batch::RESULTS, &result, &mut buf);
     }
     Bytes::from(buf)
+}
+
+impl super::Judging<'_> {
+    /// Consults the guards of a batch of results (R33): validate guards
+    /// judge the raw result first, then mutate guards rewrite it, one after
+    /// another in chain order.
+    pub(super) async fn consult_results(&mut self) -> Result<(), super::BatchError> {
+        self.validate().await?;
+        for g in 0..self.chain.guards.len() {
+            if self.chain.guards[g].guard.role == GuardRole::Mutate {
+                self.mutate(g).await?;
+            }
+        }
+        Ok(())
+    }
 }
 
 impl super::Chain {
