@@ -10,11 +10,19 @@
 //! `gateway/`, the benchmark and the conformance kit in crates of their own
 //! (`bench/`, `conformance/`). The modules, from the wire inwards:
 //!
+//! * `wire`: the protobuf wire where the mesh reads or writes it by hand
+//!   (hot paths), in one place: every field number so used, declared once
+//!   per message in `wire/fields.rs` and checked by its tests against the
+//!   generated types; scanning fields without decoding them
+//!   (`wire/read.rs`) and writing them (`wire/write.rs`); the `Judge`
+//!   stream's codec (`wire/judge_stream.rs`, [`link::wire`]). It imports
+//!   none of the other modules.
 //! * [`server`]: `run(listener, mesh, shutdown)`, the gRPC server with health
 //!   and reflection; `server/service.rs` holds `PreToolService` (coordinators)
 //!   and `GuardRegistry` (registrars), `server/interceptors.rs` the chain as
 //!   MCP interceptors, `server/inbound.rs` checks a batch's sizes and counts
-//!   on its wire form before it is decoded (R20, R25).
+//!   on its wire form before it is decoded (R20, R25), with the scan of
+//!   `wire/read.rs`.
 //! * `admit`: the admission stage, everything a batch must pass before any
 //!   guard sees it (sizes, ids, budgets, I-JSON, registry freshness, R1),
 //!   with one typed refusal mapped to its gRPC status in one place;
@@ -26,13 +34,19 @@
 //!   metrics or records. `judge/fold.rs` is the pure fold that makes
 //!   concurrent verdicts equal sequential ones (R3, R4, R5);
 //!   `judge/verdicts.rs` the pure checks on one guard's verdicts (R8, R11);
-//!   `judge/results.rs` the results phase (R33).
+//!   `judge/remote.rs` the guards consulted over their links,
+//!   `judge/lanes.rs` the policy guards evaluated in the mesh (R27),
+//!   `judge/results.rs` the results phase (R33), `judge/guard_run.rs` what
+//!   happened at one guard and its trace entry (R21).
 //! * [`link`]: a pool per guard over its replicas ([`link::pool`]: choice by
 //!   load, failover, ejection; [`link::discover`]: replicas from a list, a
-//!   DNS name or heartbeats; R32), one long-lived `Judge` stream per replica,
-//!   with reconnects (`link/backoff.rs`) and a circuit breaker
-//!   (`link/breaker.rs`), both small pure state machines; [`link::dial`]:
-//!   which endpoints may be dialed and the TLS towards guards.
+//!   DNS name or heartbeats; R32), one long-lived `Judge` stream per replica
+//!   (`link/guard_link.rs`, its task in `link/stream.rs`), the requests
+//!   queued for it (`link/queue.rs`, R25), how a request fails
+//!   (`link/failure.rs`), with reconnects (`link/backoff.rs`) and a circuit
+//!   breaker (`link/breaker.rs`), both small pure state machines;
+//!   [`link::dial`]: which endpoints may be dialed and the TLS towards
+//!   guards.
 //! * [`mesh`]: the mesh's settings, its registry and chain snapshots (R17);
 //!   `Mesh::evaluate` (`mesh/evaluate.rs`) runs one batch through admission
 //!   and judging, `mesh/session.rs` reads and writes the batch's session
@@ -85,6 +99,7 @@ pub mod security;
 pub mod server;
 pub mod session;
 mod validate;
+mod wire;
 
 #[cfg(test)]
 mod properties;

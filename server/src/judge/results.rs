@@ -7,12 +7,10 @@
 
 use crate::admit::results::ResultBatch;
 use crate::registry::spec::Guard;
-use guardmesh_proto::v1::{BatchContext, ToolCall, ToolResult};
+use crate::wire::fields::guard_batch;
+use crate::wire::write;
+use guardmesh_proto::v1::{BatchContext, GuardRole, ToolCall, ToolResult};
 use prost::bytes::Bytes;
-
-/// `GuardBatch.context` and `GuardBatch.results`.
-const CONTEXT_FIELD: u32 = 4;
-const RESULTS_FIELD: u32 = 9;
 
 /// What a batch carries: calls before they run, or results before the
 /// model reads them (R33).
@@ -47,7 +45,7 @@ pub(crate) fn shared_part<'a>(
 ) -> Bytes {
     let mut buf = Vec::new();
     if let Some(context) = context {
-        prost::encoding::message::encode(CONTEXT_FIELD, context, &mut buf);
+        write::message(guard_batch::CONTEXT, context, &mut buf);
     }
     for (i, call) in calls {
         let result = ToolResult {
@@ -56,9 +54,24 @@ pub(crate) fn shared_part<'a>(
             server: results.servers().get(i).cloned().unwrap_or_default(),
             result: call.arguments.clone(),
         };
-        prost::encoding::message::encode(RESULTS_FIELD, &result, &mut buf);
+        write::message(guard_batch::RESULTS, &result, &mut buf);
     }
     Bytes::from(buf)
+}
+
+impl super::Judging<'_> {
+    /// Consults the guards of a batch of results (R33): validate guards
+    /// judge the raw result first, then mutate guards rewrite it, one after
+    /// another in chain order.
+    pub(super) async fn consult_results(&mut self) -> Result<(), super::BatchError> {
+        self.validate().await?;
+        for g in 0..self.chain.guards.len() {
+            if self.chain.guards[g].guard.role == GuardRole::Mutate {
+                self.mutate(g).await?;
+            }
+        }
+        Ok(())
+    }
 }
 
 impl super::Chain {

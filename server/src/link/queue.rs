@@ -15,10 +15,19 @@
 //!   otherwise it is busy ([`Refusal::Busy`]), and the batch is shed with
 //!   `RESOURCE_EXHAUSTED` to its own client without a word to the guard's
 //!   circuit.
+//!
+//! The rule is [`Load`]; [`Queue`] is the queue itself, one per stream: the
+//! channel the stream takes requests from, with the `Load` it keeps as they
+//! are queued and taken.
 
+use super::wire::Encoded;
 use std::collections::HashMap;
+use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
+use tokio::sync::mpsc;
 use tokio::time::Instant;
+use tokio_stream::StreamExt;
+use tokio_stream::wrappers::UnboundedReceiverStream;
 
 /// Who queued a request: a key per coordinator connection; [`CONTROL`]
 /// for the mesh's own messages (cancels), which have no share.
@@ -147,6 +156,71 @@ impl Load {
             self.mark = now;
         }
     }
+}
+
+/// The requests waiting to be written to one stream, encoded, with the
+/// client that queued each, and their bytes ([`Load`]).
+pub(crate) struct Queue {
+    tx: mpsc::UnboundedSender<(Encoded, Client)>,
+    load: Arc<Mutex<Load>>,
+}
+
+impl Queue {
+    pub(crate) fn new() -> (
+        Self,
+        impl tokio_stream::Stream<Item = Encoded> + Send + 'static,
+    ) {
+        let (tx, rx) = mpsc::unbounded_channel::<(Encoded, Client)>();
+        let load = Arc::new(Mutex::new(Load::new(tokio::time::Instant::now())));
+        let taken = load.clone();
+        let stream = UnboundedReceiverStream::new(rx).map(move |(request, client)| {
+            taken.lock().unwrap_or_else(PoisonError::into_inner).remove(
+                request.len(),
+                client,
+                tokio::time::Instant::now(),
+                true,
+            );
+            request
+        });
+        (Self { tx, load }, stream)
+    }
+
+    fn load(&self) -> std::sync::MutexGuard<'_, Load> {
+        self.load.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Whether `len` bytes from `client` would be queued now.
+    pub(crate) fn check(&self, len: usize, client: Client, bounds: Bounds) -> Result<(), Refusal> {
+        self.load()
+            .check(len, client, bounds, tokio::time::Instant::now())
+    }
+
+    /// Queues `request` from `client` within `bounds` (see [`Load`]).
+    pub(crate) fn push(
+        &self,
+        request: Encoded,
+        client: Client,
+        bounds: Bounds,
+    ) -> Result<(), QueueError> {
+        let len = request.len();
+        let now = tokio::time::Instant::now();
+        {
+            let mut load = self.load();
+            load.check(len, client, bounds, now)
+                .map_err(QueueError::Refused)?;
+            load.add(len, client, now);
+        }
+        self.tx.send((request, client)).map_err(|_| {
+            self.load().remove(len, client, now, false);
+            QueueError::Closed
+        })
+    }
+}
+
+/// Why [`Queue::push`] queued nothing.
+pub(crate) enum QueueError {
+    Refused(Refusal),
+    Closed,
 }
 
 #[cfg(test)]

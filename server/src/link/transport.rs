@@ -286,3 +286,48 @@ fn detect_dead_peer(tcp: &tokio::net::TcpStream, timeout: Duration) -> std::io::
     socket.set_tcp_user_timeout(Some(timeout))?;
     Ok(())
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::Arc;
+
+    #[tokio::test]
+    async fn r26_guard_sockets_get_tcp_keepalive_and_a_user_timeout() {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let accept = tokio::spawn(async move { listener.accept().await.map(|(s, _)| s) });
+        let mut connector = DeadPeerConnector {
+            inner: crate::link::dial::GuardConnector {
+                policy: Arc::new(crate::link::dial::EndpointPolicy::default()),
+                tls: None,
+                pin: None,
+                https: false,
+                connect_timeout: Duration::from_secs(2),
+            },
+            timeout: Duration::from_secs(30),
+        };
+        let uri: http::Uri = format!("http://{addr}").parse().unwrap();
+        let io = tower::Service::call(&mut connector, uri).await.unwrap();
+        let _peer = accept.await.unwrap().unwrap();
+        let crate::link::dial::GuardIo::Plain(tcp) = io.inner() else {
+            panic!("plaintext guard");
+        };
+        let socket = socket2::SockRef::from(tcp);
+        assert!(socket.keepalive().unwrap());
+        assert_eq!(
+            socket.tcp_keepalive_time().unwrap(),
+            Duration::from_secs(15)
+        );
+        assert_eq!(
+            socket.tcp_keepalive_interval().unwrap(),
+            Duration::from_secs(5)
+        );
+        assert_eq!(socket.tcp_keepalive_retries().unwrap(), 3);
+        #[cfg(target_os = "linux")]
+        assert_eq!(
+            socket.tcp_user_timeout().unwrap(),
+            Some(Duration::from_secs(30))
+        );
+    }
+}

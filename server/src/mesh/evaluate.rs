@@ -129,8 +129,8 @@ impl Mesh {
         let remembers = judges.remembers();
         let label_session =
             (session.is_none() && remembers).then(|| Self::label_session(&request, &trace));
-        let judged = crate::judge::judge_phase(
-            &chain,
+        let judged = crate::judge::judge_phase(crate::judge::JudgeInput {
+            chain: &chain,
             limits,
             unguarded,
             request,
@@ -142,8 +142,8 @@ impl Mesh {
             // Handed to the judge, not kept: the memory read is let go
             // when judging ends, so that the write after it updates a
             // store in this process in place (no copy of the memory).
-            session.as_mut().map(BatchSession::take_value),
-        )
+            session: session.as_mut().map(BatchSession::take_value),
+        })
         .await;
         if let Ok(decision) = &judged.result {
             // R34: the calls that run (when the memory was read) and the

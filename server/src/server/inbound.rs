@@ -11,6 +11,8 @@
 
 pub(crate) use crate::mesh::pipeline::{Inbound, Refused};
 use crate::validate::{self, Limits, Refusal};
+use crate::wire::fields::{batch_context, evaluate_request as request};
+use crate::wire::read::Fields;
 use guardmesh_proto::v1::EvaluateRequest;
 use prost::Message;
 use std::marker::PhantomData;
@@ -85,103 +87,27 @@ struct Scan<'a> {
     metadata_entries: usize,
 }
 
-/// `EvaluateRequest` field numbers.
-const BATCH_ID: u64 = 1;
-const CONTEXT: u64 = 2;
-const CALLS: u64 = 3;
-/// `EvaluateRequest.results` (R33): counted as calls.
-const RESULTS: u64 = 7;
-/// `BatchContext.metadata`.
-const METADATA: u64 = 4;
-
 fn scan(bytes: &[u8]) -> Result<Scan<'_>, &'static str> {
     let mut scan = Scan::default();
     for field in Fields(bytes) {
         let (number, value) = field?;
-        match (number, value) {
-            (BATCH_ID, Some(value)) => scan.batch_id = value,
-            (CONTEXT, Some(value)) => {
+        // A number past `u32` is no field of these messages.
+        match (u32::try_from(number), value) {
+            (Ok(request::BATCH_ID), Some(value)) => scan.batch_id = value,
+            (Ok(request::CONTEXT), Some(value)) => {
                 for inner in Fields(value) {
-                    if let (METADATA, Some(_)) = inner? {
+                    let (number, value) = inner?;
+                    if let (Ok(batch_context::METADATA), Some(_)) = (u32::try_from(number), value) {
                         scan.metadata_entries += 1;
                     }
                 }
             }
-            (CALLS | RESULTS, Some(_)) => scan.calls += 1,
+            // R33: results count as calls.
+            (Ok(request::CALLS | request::RESULTS), Some(_)) => scan.calls += 1,
             _ => {}
         }
     }
     Ok(scan)
-}
-
-/// The fields of a protobuf message: (number, contents of a
-/// length-delimited field), without decoding them.
-struct Fields<'a>(&'a [u8]);
-
-impl<'a> Iterator for Fields<'a> {
-    type Item = Result<(u64, Option<&'a [u8]>), &'static str>;
-
-    fn next(&mut self) -> Option<Self::Item> {
-        if self.0.is_empty() {
-            return None;
-        }
-        let item = self.field();
-        if item.is_err() {
-            self.0 = &[];
-        }
-        Some(item)
-    }
-}
-
-impl<'a> Fields<'a> {
-    fn field(&mut self) -> Result<(u64, Option<&'a [u8]>), &'static str> {
-        let key = self.varint()?;
-        let number = key >> 3;
-        if number == 0 {
-            return Err("field number 0");
-        }
-        let value = match key & 7 {
-            0 => {
-                self.varint()?;
-                None
-            }
-            1 => {
-                self.skip(8)?;
-                None
-            }
-            2 => {
-                let len = usize::try_from(self.varint()?).map_err(|_| "length overflow")?;
-                Some(self.skip(len)?)
-            }
-            5 => {
-                self.skip(4)?;
-                None
-            }
-            _ => return Err("unsupported wire type"),
-        };
-        Ok((number, value))
-    }
-
-    fn varint(&mut self) -> Result<u64, &'static str> {
-        let mut value = 0u64;
-        for (i, byte) in self.0.iter().enumerate().take(10) {
-            value |= u64::from(byte & 0x7f) << (7 * i);
-            if byte & 0x80 == 0 {
-                self.0 = &self.0[i + 1..];
-                return Ok(value);
-            }
-        }
-        Err("invalid varint")
-    }
-
-    fn skip(&mut self, len: usize) -> Result<&'a [u8], &'static str> {
-        if len > self.0.len() {
-            return Err("field runs past the end of the message");
-        }
-        let (value, rest) = self.0.split_at(len);
-        self.0 = rest;
-        Ok(value)
-    }
 }
 
 /// The codec of `PreToolService`: encodes answers of type `E` with prost,

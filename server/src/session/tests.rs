@@ -664,11 +664,12 @@ fn r34_the_memory_a_guard_is_sent_is_encoded_as_the_message_it_stands_for() {
             case.contains("cut") || case.contains("many") || case.contains("dropped"),
             "{case}"
         );
+        let session = crate::wire::fields::guard_batch::SESSION;
         let mut bytes = Vec::new();
-        view.encode_for_guard(11, &mut bytes);
+        view.encode_for_guard(session, &mut bytes);
         assert_eq!(
             bytes.len(),
-            prost::encoding::message::encoded_len(11, &message),
+            prost::encoding::message::encoded_len(session, &message),
             "{case}"
         );
         let batch = GuardBatch::decode(bytes.as_slice()).unwrap();
@@ -676,7 +677,7 @@ fn r34_the_memory_a_guard_is_sent_is_encoded_as_the_message_it_stands_for() {
         if message.counts.len() <= 1 {
             // (Where the counts' order cannot differ, byte for byte.)
             let mut expected = Vec::new();
-            prost::encoding::message::encode(11, &message, &mut expected);
+            prost::encoding::message::encode(session, &message, &mut expected);
             assert_eq!(bytes, expected, "{case}");
         }
         assert!(bytes.len() <= view::GUARD_MAX_BYTES + 8, "{case}");

@@ -4,6 +4,8 @@
 
 use super::digest::{self, Digest, Digester};
 use super::memory::{CallRan, Memory};
+use crate::wire::fields::{map_entry, session_call, session_memory};
+use crate::wire::write;
 use std::collections::HashMap;
 use std::sync::{Arc, OnceLock};
 use std::time::Duration;
@@ -162,7 +164,9 @@ impl SessionView {
     /// and truncated the same way, written straight from the memory (no
     /// string is copied but into `buf`). What a batch sends its guards.
     pub fn encode_for_guard(&self, tag: u32, buf: &mut Vec<u8>) {
-        use prost::encoding::{WireType, encode_key, encode_varint};
+        use session_memory::{
+            CALLS_TOTAL, COUNTS, EVICTED, LABELS, RECENT, RESULTS_TOTAL, TRUNCATED,
+        };
         // The calls are walked, not collected: once to count them, then
         // from the first one sent.
         let (mut counts, live, mut truncated) = tool_counts(self.live_calls());
@@ -173,14 +177,14 @@ impl SessionView {
         let mut oldest_sent = self.live_calls().skip(skip_calls);
         let mut labels_bytes: usize = self.labels[skip_labels..]
             .iter()
-            .map(|l| string_len(1, l, false))
+            .map(|l| write::string_len(LABELS, l, false))
             .sum();
         let mut counts_bytes: usize = counts.iter().map(|(t, n)| count_len(t, *n)).sum();
-        let totals = varint_len(4, self.memory.calls_total)
-            + varint_len(5, self.memory.results_total)
-            + varint_len(6, u64::from(self.memory.evicted > 0));
+        let totals = write::varint_len(CALLS_TOTAL, self.memory.calls_total)
+            + write::varint_len(RESULTS_TOTAL, self.memory.results_total)
+            + write::varint_len(EVICTED, u64::from(self.memory.evicted > 0));
         let len = |labels: usize, counts: usize, recent: usize, truncated: bool| {
-            labels + counts + recent + totals + varint_len(7, u64::from(truncated))
+            labels + counts + recent + totals + write::varint_len(TRUNCATED, u64::from(truncated))
         };
         // As `for_guard`: the oldest calls go first, then the oldest
         // labels, then the counts.
@@ -190,7 +194,7 @@ impl SessionView {
                 recent_bytes -= recent_len(call);
                 skip_calls += 1;
             } else if skip_labels < self.labels.len() {
-                labels_bytes -= string_len(1, &self.labels[skip_labels], false);
+                labels_bytes -= write::string_len(LABELS, &self.labels[skip_labels], false);
                 skip_labels += 1;
             } else if !counts.is_empty() {
                 counts.clear();
@@ -201,29 +205,26 @@ impl SessionView {
         }
         let total = len(labels_bytes, counts_bytes, recent_bytes, truncated);
         buf.reserve(total + 2 * prost::encoding::key_len(tag) + 8);
-        encode_key(tag, WireType::LengthDelimited, buf);
-        encode_varint(total as u64, buf);
+        write::header(tag, total, buf);
         for label in &self.labels[skip_labels..] {
-            put_string(1, label, false, buf);
+            write::string(LABELS, label, false, buf);
         }
         for (tool, n) in &counts {
-            encode_key(2, WireType::LengthDelimited, buf);
-            encode_varint(count_body(tool, *n) as u64, buf);
-            put_string(1, tool, true, buf);
-            put_varint(2, u64::from(*n), buf);
+            write::header(COUNTS, count_body(tool, *n), buf);
+            write::string(map_entry::KEY, tool, true, buf);
+            write::varint(map_entry::VALUE, u64::from(*n), buf);
         }
         for call in self.live_calls().skip(skip_calls) {
-            encode_key(3, WireType::LengthDelimited, buf);
-            encode_varint(recent_body(call) as u64, buf);
-            put_string(1, &call.tool, true, buf);
-            put_string(2, &call.server, true, buf);
-            put_string(3, &call.args, true, buf);
-            put_varint(4, call.at, buf);
+            write::header(RECENT, recent_body(call), buf);
+            write::string(session_call::TOOL, &call.tool, true, buf);
+            write::string(session_call::SERVER, &call.server, true, buf);
+            write::string(session_call::ARGS_DIGEST, &call.args, true, buf);
+            write::varint(session_call::AT_MS, call.at, buf);
         }
-        put_varint(4, self.memory.calls_total, buf);
-        put_varint(5, self.memory.results_total, buf);
-        put_varint(6, u64::from(self.memory.evicted > 0), buf);
-        put_varint(7, u64::from(truncated), buf);
+        write::varint(CALLS_TOTAL, self.memory.calls_total, buf);
+        write::varint(RESULTS_TOTAL, self.memory.results_total, buf);
+        write::varint(EVICTED, u64::from(self.memory.evicted > 0), buf);
+        write::varint(TRUNCATED, u64::from(truncated), buf);
     }
 
     /// Calls of a tool matching `glob` (ASCII case ignored, as guards'
@@ -294,67 +295,30 @@ impl SessionView {
     }
 }
 
-// The protobuf encoding of `SessionMemory` and `SessionCall`, field by
-// field, as prost writes them: a singular field at its default value is
-// left out, each string of a repeated field is written, and a map entry
-// leaves out a key or value at its default.
+// The lengths of `SessionMemory`'s nested fields, written by hand as prost
+// writes them (`wire::write`): a map entry leaves out a key or value at its
+// default, as a `SessionCall` its fields.
 
-fn string_len(tag: u32, text: &str, singular: bool) -> usize {
-    if singular && text.is_empty() {
-        return 0;
-    }
-    prost::encoding::key_len(tag)
-        + prost::encoding::encoded_len_varint(text.len() as u64)
-        + text.len()
-}
-
-fn varint_len(tag: u32, value: u64) -> usize {
-    if value == 0 {
-        return 0;
-    }
-    prost::encoding::key_len(tag) + prost::encoding::encoded_len_varint(value)
-}
-
-fn nested_len(tag: u32, body: usize) -> usize {
-    prost::encoding::key_len(tag) + prost::encoding::encoded_len_varint(body as u64) + body
-}
-
-/// An entry of `counts` (field 2), within it.
+/// An entry of `counts`, within it.
 fn count_body(tool: &str, n: u32) -> usize {
-    string_len(1, tool, true) + varint_len(2, u64::from(n))
+    write::string_len(map_entry::KEY, tool, true)
+        + write::varint_len(map_entry::VALUE, u64::from(n))
 }
 
 fn count_len(tool: &str, n: u32) -> usize {
-    nested_len(2, count_body(tool, n))
+    write::nested_len(session_memory::COUNTS, count_body(tool, n))
 }
 
-/// A `SessionCall` of `recent` (field 3), within it.
+/// A `SessionCall` of `recent`, within it.
 fn recent_body(call: &CallRan) -> usize {
-    string_len(1, &call.tool, true)
-        + string_len(2, &call.server, true)
-        + string_len(3, &call.args, true)
-        + varint_len(4, call.at)
+    write::string_len(session_call::TOOL, &call.tool, true)
+        + write::string_len(session_call::SERVER, &call.server, true)
+        + write::string_len(session_call::ARGS_DIGEST, &call.args, true)
+        + write::varint_len(session_call::AT_MS, call.at)
 }
 
 fn recent_len(call: &CallRan) -> usize {
-    nested_len(3, recent_body(call))
-}
-
-fn put_string(tag: u32, text: &str, singular: bool, buf: &mut Vec<u8>) {
-    if singular && text.is_empty() {
-        return;
-    }
-    prost::encoding::encode_key(tag, prost::encoding::WireType::LengthDelimited, buf);
-    prost::encoding::encode_varint(text.len() as u64, buf);
-    buf.extend_from_slice(text.as_bytes());
-}
-
-fn put_varint(tag: u32, value: u64, buf: &mut Vec<u8>) {
-    if value == 0 {
-        return;
-    }
-    prost::encoding::encode_key(tag, prost::encoding::WireType::Varint, buf);
-    prost::encoding::encode_varint(value, buf);
+    write::nested_len(session_memory::RECENT, recent_body(call))
 }
 
 /// A window as rules write it: `30s`, `15m`, `1h`, `7d`, `500ms`.

@@ -1,0 +1,476 @@
+//! The guards judging consults over their links: the batch's parts
+//! encoded once and sent to each remote guard (R22, R25, R34), mutate
+//! guards one after another (R10, R11, R12), validate guards concurrently
+//! through one fold with the policy guards (R3, R4, R5), and their answers,
+//! failures and deadlines collected (R13, R14).
+
+use super::fold::Fold;
+use super::results::{self, Phase};
+use super::verdicts::check_verdicts_in;
+use super::{BatchError, ChainGuard, Judging, span_guard};
+use crate::link::{GuardFailure, LinkBusy, LinkEvent, NotSent};
+use crate::wire::fields::guard_batch;
+use crate::wire::write;
+use guardmesh_proto::v1::{GuardBatch, GuardRole, JudgeResponse};
+use prost::bytes::Bytes;
+use std::time::Duration;
+use tokio::sync::mpsc;
+use tokio::time::Instant;
+
+impl Judging<'_> {
+    /// The context and the calls guard `g` is sent, encoded: once for every
+    /// guard sent the same calls, until a rewrite changes a call.
+    fn shared_part(&mut self, g: usize) -> Bytes {
+        let calls = self.shared_calls(g);
+        if !self.chain.guards[g].guard.wants_session_memory() {
+            return calls;
+        }
+        // R34: the session's memory, encoded once per batch, after the
+        // calls (protobuf readers accept fields in any order).
+        let Some(memory) = self.memory_part() else {
+            return calls;
+        };
+        let mut bytes = Vec::with_capacity(calls.len() + memory.len());
+        bytes.extend_from_slice(&calls);
+        bytes.extend_from_slice(&memory);
+        Bytes::from(bytes)
+    }
+
+    /// `GuardBatch.session` encoded, once per batch: the memory
+    /// read for the batch, or why it could not be read (R34).
+    fn memory_part(&mut self) -> Option<Bytes> {
+        if self.memory.is_none() {
+            let mut bytes = Vec::new();
+            match self.session.as_ref()? {
+                // Written straight from the memory read, not built first.
+                crate::policy::SessionVal::Read(view) => {
+                    view.encode_for_guard(guard_batch::SESSION, &mut bytes);
+                }
+                crate::policy::SessionVal::Unavailable(why) => {
+                    let memory = guardmesh_proto::v1::SessionMemory {
+                        unavailable: why.to_string(),
+                        ..Default::default()
+                    };
+                    write::message(guard_batch::SESSION, &memory, &mut bytes);
+                }
+            }
+            self.memory = Some(Bytes::from(bytes));
+        }
+        self.memory.clone()
+    }
+
+    fn shared_calls(&mut self, g: usize) -> Bytes {
+        let sent = &self.runs[g].sent;
+        if let Some((_, bytes)) = self.encoded.iter().find(|(set, _)| set == sent) {
+            return bytes.clone();
+        }
+        if let Phase::Results(batch) = &self.phase {
+            let bytes = results::shared_part(
+                self.context.as_ref(),
+                batch,
+                self.calls
+                    .iter()
+                    .zip(sent)
+                    .enumerate()
+                    .filter(|(_, (_, sent))| **sent)
+                    .map(|(i, (call, _))| (i, call.current())),
+            );
+            self.encoded.push((sent.clone(), bytes.clone()));
+            return bytes;
+        }
+        let bytes = crate::wire::judge_stream::shared_part(
+            self.context.as_ref(),
+            self.calls
+                .iter()
+                .zip(sent)
+                .filter(|(_, sent)| **sent)
+                .map(|(call, _)| call.current()),
+        );
+        self.encoded.push((sent.clone(), bytes.clone()));
+        bytes
+    }
+
+    fn send(
+        &mut self,
+        g: usize,
+        tag: usize,
+        events: &mpsc::UnboundedSender<LinkEvent>,
+        now: Instant,
+    ) -> Result<Instant, NotSent> {
+        let chain = self.chain;
+        let ChainGuard { guard, link } = &chain.guards[g];
+        let Some(link) = link else {
+            return Err(GuardFailure::StreamClosed.into());
+        };
+        let budget = self.budget(guard, now);
+        let run = &mut self.runs[g];
+        run.started = Some(now);
+        let named = span_guard(guard);
+        let guardrail = crate::observe::spans::guardrail_span(
+            &self.span,
+            &named,
+            self.context.as_ref().map_or("", |c| c.session_id.as_str()),
+            run.sent.iter().filter(|s| **s).count(),
+        );
+        let span = crate::observe::spans::judge_span(&guardrail, &named);
+        run.guardrail = Some(guardrail);
+        // R22: the guard's span is parented on this guard's client span.
+        let traceparent = guardmesh_client::trace::span_traceparent(&span)
+            .unwrap_or_else(|| self.trace.traceparent.clone());
+        run.span = Some(span);
+        if budget.is_zero() {
+            return Err(GuardFailure::TimedOut(Duration::ZERO).into());
+        }
+        let batch = GuardBatch {
+            session: None,
+            request_id: 0,
+            batch_id: self.request.batch_id.clone(),
+            guard: guard.name.clone(),
+            context: None,
+            calls: Vec::new(),
+            deadline_ms: u32::try_from(budget.as_millis()).unwrap_or(u32::MAX),
+            traceparent,
+            tracestate: self.trace.tracestate.clone(),
+            results: Vec::new(),
+        };
+        let shared = self.shared_part(g);
+        // A guard that takes nothing off its stream for its own timeout is
+        // not reading (a failure); one that is slow but takes requests is
+        // busy, and the batch is shed (R25).
+        let id = link.send(
+            batch,
+            shared,
+            tag,
+            events,
+            self.trace.client,
+            guard.timeout,
+            now + budget,
+        )?;
+        self.runs[g].request_id = Some(id);
+        Ok(now + budget)
+    }
+
+    /// Guard `g`'s link had no room for this batch while the guard was
+    /// making progress (R25): the batch is shed whole with
+    /// `RESOURCE_EXHAUSTED` to its own client. No call is decided, so no
+    /// load turns into a cancel; the requests already out to other guards
+    /// are withdrawn, and no circuit hears of it.
+    fn shed(&mut self, g: usize, busy: LinkBusy) -> BatchError {
+        let guard = &self.chain.guards[g].guard;
+        tracing::warn!(
+            guard = %guard.name,
+            batch_id = %self.request.batch_id,
+            trace_id = %self.trace.trace_id,
+            error = %busy,
+            "batch shed: guard busy"
+        );
+        let error = BatchError::Shed {
+            guard: guard.name.clone(),
+            busy,
+        };
+        // Not sent: neither a failure nor an outcome of that guard.
+        self.runs[g].sent_any = false;
+        for (run, ChainGuard { link, .. }) in self.runs.iter_mut().zip(&self.chain.guards) {
+            if run.finished.is_some() {
+                continue;
+            }
+            if let (Some(id), Some(link)) = (run.request_id, link) {
+                let _ = link.cancel(id);
+                run.superseded = true;
+            }
+        }
+        error
+    }
+
+    /// Consults mutate guard `g` and applies what it says (R10, R11, R12).
+    /// Its verdicts and its failure go through a one-guard [`Fold`], so the
+    /// failure policy (R13) is applied exactly as for validate guards.
+    pub(super) async fn mutate(&mut self, g: usize) -> Result<(), BatchError> {
+        let sent = self.select(g);
+        if !sent.contains(&true) {
+            return Ok(());
+        }
+        self.runs[g].sent_any = true;
+        self.runs[g].sent = sent;
+        let mut fold = self.fold_of(&[g]);
+        let (events_tx, mut events) = mpsc::unbounded_channel();
+        let now = Instant::now();
+        // Verdicts arrive in one final answer or in partial ones; a guard
+        // that fails after partial answers keeps the skips it sent.
+        let mut verdicts = Vec::new();
+        let failure = match self.send(g, 0, &events_tx, now) {
+            Err(NotSent::Busy(busy)) => return Err(self.shed(g, busy)),
+            Err(NotSent::Failed(failure)) => Some(failure),
+            Ok(guard_deadline) => loop {
+                tokio::select! {
+                    event = events.recv() => match event {
+                        Some(LinkEvent::Answer { response, replica, .. }) if !response.error.is_empty() => {
+                            self.runs[g].replica = Some(replica);
+                            break Some(GuardFailure::Refused(response.error));
+                        }
+                        Some(LinkEvent::Answer { response, replica, .. }) => {
+                            self.runs[g].replica = Some(replica);
+                            verdicts.extend(response.verdicts);
+                            if !response.partial {
+                                break None;
+                            }
+                        }
+                        Some(LinkEvent::Failed { failure, replica, .. }) => {
+                            self.runs[g].replica = Some(replica);
+                            break Some(failure);
+                        }
+                        None => break Some(GuardFailure::StreamClosed),
+                    },
+                    () = tokio::time::sleep_until(guard_deadline) => {
+                        break Some(GuardFailure::TimedOut(guard_deadline - now));
+                    }
+                }
+            },
+        };
+        self.runs[g].finished = Some(Instant::now());
+        // A guard that answered in full is healthy, even when its answer is
+        // then rejected (R11): that is a policy bug, not an outage.
+        let answered = failure.is_none();
+        if answered && let Some(link) = &self.chain.guards[g].link {
+            link.record(self.runs[g].replica.as_deref(), Ok(()));
+        }
+        let chain = self.chain;
+        let guard = &chain.guards[g].guard;
+        let run = &mut self.runs[g];
+        let checked = check_verdicts_in(
+            self.phase.is_results(),
+            guard,
+            self.limits,
+            |i| self.calls[i].current(),
+            &self.index_of,
+            &run.sent,
+            &mut run.answered,
+            verdicts,
+        );
+        let failure = match checked {
+            Ok(checked) => {
+                run.add_labels(checked.labels, checked.refused_labels);
+                run.malformed = checked.malformed;
+                run.skipped = checked.skips.iter().map(|(i, _)| *i).collect();
+                run.skip_kinds = checked.skips.iter().map(|(_, s)| s.kind).collect();
+                for (i, skip) in checked.skips {
+                    fold.answer(0, i, Some(skip));
+                }
+                // The rewrites of a guard that failed before its final
+                // answer are not applied: a rewrite stands only as part of
+                // a whole, final answer. A dry-run guard's never do (R18).
+                if answered {
+                    run.rewritten = checked.rewrites.iter().map(|(i, _)| *i).collect();
+                    if guard.enforced() {
+                        if !checked.rewrites.is_empty() {
+                            self.encoded.clear();
+                        }
+                        for (i, call) in checked.rewrites {
+                            self.calls[i].rewritten = Some(call);
+                            self.calls[i].rewritten_by.push(guard.name.clone());
+                        }
+                    }
+                }
+                failure
+            }
+            Err(rejection) => Some(GuardFailure::RejectedRewrite(rejection.to_string())),
+        };
+        match failure {
+            None => fold.complete(0),
+            Some(failure) => self.guard_failed(g, failure, !answered, &mut fold, 0),
+        }
+        self.apply(&[g], &mut fold)
+    }
+
+    /// Consults the validate guards concurrently and folds their verdicts
+    /// as if in chain order (R3, R4, R5).
+    pub(super) async fn validate(&mut self) -> Result<(), BatchError> {
+        let order: Vec<usize> = (0..self.chain.guards.len())
+            .filter(|&g| self.chain.guards[g].guard.role == GuardRole::Validate)
+            .collect();
+        if order.is_empty() {
+            return Ok(());
+        }
+        for &g in &order {
+            let sent = self.select(g);
+            self.runs[g].sent_any = sent.contains(&true);
+            self.runs[g].sent = sent;
+        }
+        let mut fold = self.fold_of(&order);
+        // The remote guards' answers, on a channel made when one is sent to.
+        let mut channel = None;
+        let mut deadlines: Vec<Option<Instant>> = vec![None; order.len()];
+        let now = Instant::now();
+        for (k, &g) in order.iter().enumerate() {
+            if !self.runs[g].sent_any || self.chain.guards[g].guard.is_policy() {
+                continue;
+            }
+            let (events_tx, _) = channel.get_or_insert_with(mpsc::unbounded_channel);
+            match self.send(g, k, events_tx, now) {
+                Ok(at) => deadlines[k] = Some(at),
+                Err(NotSent::Busy(busy)) => return Err(self.shed(g, busy)),
+                Err(NotSent::Failed(failure)) => {
+                    self.guard_failed(g, failure, false, &mut fold, k);
+                }
+            }
+        }
+        // Policy guards (R27) answer at once, in the mesh, through the same
+        // fold as remote guards, once the remote ones are on their way.
+        let policies: Vec<usize> = (0..order.len())
+            .filter(|&k| {
+                let g = order[k];
+                self.runs[g].sent_any && self.chain.guards[g].guard.is_policy()
+            })
+            .collect();
+        if !policies.is_empty() {
+            for (k, started, outcomes) in self.evaluate_policies(&order, &policies).await? {
+                let order = order.as_slice();
+                self.judge_policy(outcomes, started, order, k, &mut fold, &mut deadlines);
+            }
+        }
+        if !fold.done() {
+            let events = &mut channel.get_or_insert_with(mpsc::unbounded_channel).1;
+            self.collect(&order, events, &mut fold, &mut deadlines, now)
+                .await;
+        }
+        // R5: what is still out can no longer change a decision.
+        for (k, &g) in order.iter().enumerate() {
+            if deadlines[k].is_some() && fold.pending(k) {
+                if let Some(id) = self.runs[g].request_id
+                    && let Some(link) = &self.chain.guards[g].link
+                {
+                    let _ = link.cancel(id);
+                }
+                self.runs[g].superseded = true;
+            }
+        }
+        self.apply(&order, &mut fold)
+    }
+
+    /// Waits for the remote guards' answers (and their deadlines) until
+    /// the fold is done: only when something is still out after the policy
+    /// guards answered.
+    async fn collect(
+        &mut self,
+        order: &[usize],
+        events: &mut mpsc::UnboundedReceiver<LinkEvent>,
+        fold: &mut Fold,
+        deadlines: &mut [Option<Instant>],
+        now: Instant,
+    ) {
+        // One timer for the batch, moved only when the earliest deadline
+        // changes (a guard that answered no longer has one): not a timer
+        // registered and dropped per answer.
+        let mut armed = deadlines.iter().flatten().min().copied();
+        let timer = tokio::time::sleep_until(armed.unwrap_or(now));
+        tokio::pin!(timer);
+        while !fold.done() {
+            let next_deadline = deadlines.iter().flatten().min().copied();
+            let event = match next_deadline {
+                Some(at) => {
+                    if armed != Some(at) {
+                        timer.as_mut().reset(at);
+                        armed = Some(at);
+                    }
+                    tokio::select! {
+                        event = events.recv() => event,
+                        () = &mut timer => None,
+                    }
+                }
+                None => events.recv().await,
+            };
+            match event {
+                Some(LinkEvent::Answer {
+                    tag: k,
+                    response,
+                    replica,
+                }) => {
+                    self.runs[order[k]].replica = Some(replica);
+                    self.on_answer(order, k, response, fold, deadlines);
+                }
+                Some(LinkEvent::Failed {
+                    tag: k,
+                    failure,
+                    replica,
+                }) => {
+                    self.runs[order[k]].replica = Some(replica);
+                    deadlines[k] = None;
+                    self.guard_failed(order[k], failure, false, fold, k);
+                }
+                None => {
+                    let now = Instant::now();
+                    for k in 0..order.len() {
+                        if let Some(at) = deadlines[k]
+                            && at <= now
+                        {
+                            let g = order[k];
+                            deadlines[k] = None;
+                            let waited = at - self.runs[g].started.unwrap_or(at);
+                            let failure = GuardFailure::TimedOut(waited);
+                            self.guard_failed(g, failure, true, fold, k);
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    fn on_answer(
+        &mut self,
+        order: &[usize],
+        k: usize,
+        response: JudgeResponse,
+        fold: &mut Fold,
+        deadlines: &mut [Option<Instant>],
+    ) {
+        let g = order[k];
+        let chain = self.chain;
+        let guard = &chain.guards[g].guard;
+        if !response.error.is_empty() {
+            deadlines[k] = None;
+            let failure = GuardFailure::Refused(response.error);
+            self.guard_failed(g, failure, response.partial, fold, k);
+            return;
+        }
+        let final_answer = !response.partial;
+        let run = &mut self.runs[g];
+        match check_verdicts_in(
+            self.phase.is_results(),
+            guard,
+            self.limits,
+            |i| self.calls[i].current(),
+            &self.index_of,
+            &run.sent,
+            &mut run.answered,
+            response.verdicts,
+        ) {
+            Ok(checked) => {
+                run.add_labels(checked.labels, checked.refused_labels);
+                for i in checked.proceeds {
+                    fold.answer(k, i, None);
+                }
+                for (i, skip) in checked.skips {
+                    run.skipped.push(i);
+                    run.skip_kinds.push(skip.kind);
+                    fold.answer(k, i, Some(skip));
+                }
+                run.malformed.extend(checked.malformed);
+                if final_answer {
+                    deadlines[k] = None;
+                    run.finished = Some(Instant::now());
+                    fold.complete(k);
+                    if let Some(link) = &self.chain.guards[g].link {
+                        link.record(run.replica.as_deref(), Ok(()));
+                    }
+                }
+            }
+            Err(reason) => {
+                // R11: a validate guard may not rewrite; the whole answer is
+                // rejected and the guard fails per its policy.
+                deadlines[k] = None;
+                let failure = GuardFailure::RejectedRewrite(reason.to_string());
+                self.guard_failed(g, failure, !final_answer, fold, k);
+            }
+        }
+    }
+}

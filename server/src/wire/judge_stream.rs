@@ -1,0 +1,473 @@
+//! The `Judge` stream on the mesh's side: requests to guards written once,
+//! and guards' answers read off the wire (R23). Reached from outside the
+//! mesh as `link::wire`.
+
+use super::fields::{guard_batch, judge_request, judge_response, rewrite, verdict};
+pub use super::read::Malformed;
+use super::read::{self, LEN};
+use super::write;
+use guardmesh_proto::v1::{BatchContext, GuardBatch, JudgeRequest, JudgeResponse, ToolCall};
+use prost::Message;
+use prost::bytes::{Buf, BufMut, Bytes};
+use tonic::Status;
+use tonic::codec::{BufferSettings, Codec, DecodeBuf, Decoder, EncodeBuf, Encoder};
+
+/// An encoded `JudgeRequest`: `head`, then `shared`. A batch's `shared`
+/// part is its context and calls (`GuardBatch.context` and `.calls`),
+/// encoded once and shared, by reference count, by every guard of the
+/// batch that is sent the same calls; `head` is the rest (the request's
+/// key and length, the request id, the guard's name, deadline and trace
+/// context). Protobuf readers accept fields in any order.
+#[derive(Debug, Clone)]
+pub struct Encoded {
+    head: Bytes,
+    shared: Bytes,
+}
+
+/// The bytes of a `GuardBatch`'s context and calls, to be encoded once per
+/// batch and set of calls and shared by every guard sent that set (see
+/// [`Encoded::batch`]).
+pub fn shared_part<'a>(
+    context: Option<&BatchContext>,
+    calls: impl Iterator<Item = &'a ToolCall> + Clone,
+) -> Bytes {
+    let len = context.map_or(0, |c| write::message_len(guard_batch::CONTEXT, c))
+        + calls
+            .clone()
+            .map(|call| write::message_len(guard_batch::CALLS, call))
+            .sum::<usize>();
+    let mut buf = Vec::with_capacity(len);
+    if let Some(context) = context {
+        write::message(guard_batch::CONTEXT, context, &mut buf);
+    }
+    for call in calls {
+        write::message(guard_batch::CALLS, call, &mut buf);
+    }
+    Bytes::from(buf)
+}
+
+impl Encoded {
+    /// Any request, encoded whole.
+    pub fn request(request: &JudgeRequest) -> Self {
+        Self {
+            head: request.encode_to_vec().into(),
+            shared: Bytes::new(),
+        }
+    }
+
+    /// A batch: `head` is the batch without context and calls (those
+    /// are ignored), `shared` its context and calls as
+    /// [`shared_part`] encodes them.
+    pub fn batch(head: &GuardBatch, shared: Bytes) -> Self {
+        debug_assert!(head.context.is_none() && head.calls.is_empty());
+        let own = head.encoded_len();
+        let inner = own + shared.len();
+        let mut bytes = Vec::with_capacity(write::header_len(judge_request::BATCH, inner) + own);
+        write::header(judge_request::BATCH, inner, &mut bytes);
+        head.encode_raw(&mut bytes);
+        Self {
+            head: bytes.into(),
+            shared,
+        }
+    }
+
+    /// Encoded bytes.
+    pub fn len(&self) -> usize {
+        self.head.len() + self.shared.len()
+    }
+
+    /// Whether there are none (never, for a request).
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// The bytes, in one buffer.
+    pub fn to_vec(&self) -> Vec<u8> {
+        let mut out = Vec::with_capacity(self.len());
+        out.extend_from_slice(&self.head);
+        out.extend_from_slice(&self.shared);
+        out
+    }
+}
+
+/// A field of a guard's verdict that this mesh does not know.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct UnknownField {
+    /// The message it was found in: `Verdict` or `Rewrite`.
+    pub message: &'static str,
+    /// Its field number.
+    pub number: u32,
+}
+
+impl std::fmt::Display for UnknownField {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "sent a verdict with {} field {}, which this mesh does not know (a newer protocol?); \
+             a verdict the mesh cannot read never counts as proceed",
+            self.message, self.number
+        )
+    }
+}
+
+/// A guard's answer, and the first unknown field of its verdicts.
+#[derive(Debug)]
+pub struct Answer {
+    pub response: JudgeResponse,
+    pub unknown: Option<UnknownField>,
+}
+
+/// The fields of a `Verdict` that this mesh knows, `rewrite` aside.
+const VERDICT_FIELDS: [u32; 3] = [verdict::CALL_ID, verdict::SKIP, verdict::LABELS];
+
+/// The fields of a `Rewrite`.
+const REWRITE_FIELDS: [u32; 2] = [rewrite::TOOL, rewrite::ARGUMENTS];
+
+/// Finds the first field of a verdict in a `JudgeResponse`'s bytes that
+/// this mesh does not know: a `Verdict` field other than `call_id`,
+/// `skip`, `rewrite` and `labels` (such as a new outcome), or a `Rewrite` field
+/// other than `tool` and `arguments` (a rewrite is applied whole or not
+/// at all). Unknown fields elsewhere, inside a `Skip` included, do not
+/// change what the verdict means for the call and are ignored: a skip
+/// stands whatever else it carries (R23).
+pub fn unknown_verdict_field(mut bytes: &[u8]) -> Result<Option<UnknownField>, Malformed> {
+    while !bytes.is_empty() {
+        let (number, wire_type) = read::key(&mut bytes)?;
+        if number == judge_response::VERDICTS && wire_type == LEN {
+            let verdict = read::length_delimited(&mut bytes)?;
+            if let Some(field) = scan(verdict, "Verdict", &VERDICT_FIELDS, Some(verdict::REWRITE))?
+            {
+                return Ok(Some(field));
+            }
+        } else {
+            read::skip(&mut bytes, number, wire_type, 0)?;
+        }
+    }
+    Ok(None)
+}
+
+/// Walks a `Verdict` (`known` fields; `rewrite` scanned as a `Rewrite`)
+/// or a `Rewrite` (`known` fields, no nested message to scan).
+fn scan(
+    mut bytes: &[u8],
+    message: &'static str,
+    known: &[u32],
+    rewrite: Option<u32>,
+) -> Result<Option<UnknownField>, Malformed> {
+    while !bytes.is_empty() {
+        let (number, wire_type) = read::key(&mut bytes)?;
+        if Some(number) == rewrite {
+            if wire_type == LEN {
+                let inner = read::length_delimited(&mut bytes)?;
+                if let Some(field) = scan(inner, "Rewrite", &REWRITE_FIELDS, None)? {
+                    return Ok(Some(field));
+                }
+            } else {
+                // A known field of the wrong type: prost refuses it.
+                read::skip(&mut bytes, number, wire_type, 0)?;
+            }
+        } else if known.contains(&number) {
+            read::skip(&mut bytes, number, wire_type, 0)?;
+        } else {
+            return Ok(Some(UnknownField { message, number }));
+        }
+    }
+    Ok(None)
+}
+
+/// The `Judge` stream's codec on the mesh's side: requests encoded by
+/// prost; answers walked for unknown verdict fields, then decoded.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct JudgeCodec;
+
+impl Codec for JudgeCodec {
+    type Encode = Encoded;
+    type Decode = Answer;
+    type Encoder = JudgeCodec;
+    type Decoder = JudgeCodec;
+
+    fn encoder(&mut self) -> Self::Encoder {
+        *self
+    }
+
+    fn decoder(&mut self) -> Self::Decoder {
+        *self
+    }
+}
+
+impl Encoder for JudgeCodec {
+    type Item = Encoded;
+    type Error = Status;
+
+    fn encode(&mut self, item: Encoded, dst: &mut EncodeBuf<'_>) -> Result<(), Status> {
+        dst.put_slice(&item.head);
+        dst.put_slice(&item.shared);
+        Ok(())
+    }
+
+    /// A guard link is one stream that carries every batch sent to its
+    /// guard: a write buffer with room for many requests, so that the
+    /// buffer rarely grows (and copies what it holds) while requests
+    /// queue up under load.
+    fn buffer_settings(&self) -> BufferSettings {
+        BufferSettings::new(64 * 1024, 32 * 1024)
+    }
+}
+
+impl Decoder for JudgeCodec {
+    type Item = Answer;
+    type Error = Status;
+
+    fn decode(&mut self, src: &mut DecodeBuf<'_>) -> Result<Option<Answer>, Status> {
+        let len = src.remaining();
+        // The frame is one contiguous buffer; copy only if it is not.
+        if src.chunk().len() < len {
+            let owned = src.copy_to_bytes(len);
+            return read_answer(&owned).map(Some);
+        }
+        let answer = read_answer(src.chunk())?;
+        src.advance(len);
+        Ok(Some(answer))
+    }
+}
+
+pub(crate) fn read_answer(bytes: &[u8]) -> Result<Answer, Status> {
+    let malformed = |e: String| Status::internal(format!("guard sent an unreadable answer: {e}"));
+    let unknown = unknown_verdict_field(bytes).map_err(|e| malformed(e.to_string()))?;
+    let response = JudgeResponse::decode(bytes).map_err(|e| malformed(e.to_string()))?;
+    Ok(Answer { response, unknown })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use guardmesh_proto::v1::{Rewrite, Skip, Verdict, verdict::Outcome};
+
+    fn field(out: &mut Vec<u8>, number: u32, payload: &[u8]) {
+        prost::encoding::encode_key(number, prost::encoding::WireType::LengthDelimited, out);
+        prost::encoding::encode_varint(payload.len() as u64, out);
+        out.extend_from_slice(payload);
+    }
+
+    fn response_with(verdict: Vec<u8>, extra: &[u8]) -> Vec<u8> {
+        let mut out = JudgeResponse {
+            request_id: 7,
+            ..Default::default()
+        }
+        .encode_to_vec();
+        field(&mut out, 2, &verdict);
+        out.extend_from_slice(extra);
+        out
+    }
+
+    #[test]
+    fn r23_known_verdicts_have_no_unknown_field() {
+        let response = JudgeResponse {
+            request_id: 1,
+            verdicts: vec![
+                Verdict {
+                    labels: Vec::new(),
+                    call_id: "a".into(),
+                    outcome: Some(Outcome::Skip(Skip {
+                        content: "no".into(),
+                        kind: 1,
+                    })),
+                },
+                Verdict {
+                    labels: Vec::new(),
+                    call_id: "b".into(),
+                    outcome: Some(Outcome::Rewrite(Rewrite {
+                        tool: Some("t".into()),
+                        arguments: Some("{}".into()),
+                    })),
+                },
+                Verdict {
+                    labels: Vec::new(),
+                    call_id: "c".into(),
+                    outcome: None,
+                },
+            ],
+            partial: true,
+            error: String::new(),
+        };
+        assert_eq!(unknown_verdict_field(&response.encode_to_vec()), Ok(None));
+    }
+
+    #[test]
+    fn r23_unknown_fields_in_verdicts_and_rewrites_are_found_others_ignored() {
+        let base = Verdict {
+            labels: Vec::new(),
+            call_id: "a".into(),
+            outcome: None,
+        }
+        .encode_to_vec();
+        // Field 9 of Verdict, as a message (a new outcome) and as a
+        // varint; field 4 (`labels`) is known.
+        let mut v = base.clone();
+        field(&mut v, 4, b"secret:fs");
+        assert_eq!(unknown_verdict_field(&response_with(v, &[])).unwrap(), None);
+        let mut v = base.clone();
+        field(&mut v, 9, b"\x0a\x01x");
+        let found = unknown_verdict_field(&response_with(v, &[])).unwrap();
+        assert_eq!(
+            found,
+            Some(UnknownField {
+                message: "Verdict",
+                number: 9
+            })
+        );
+        let mut v = base.clone();
+        v.extend_from_slice(&[0x48, 0x01]);
+        assert_eq!(
+            unknown_verdict_field(&response_with(v, &[])).unwrap(),
+            Some(UnknownField {
+                message: "Verdict",
+                number: 9
+            })
+        );
+        // A rewrite with a field 3.
+        let mut rewrite = Vec::new();
+        field(&mut rewrite, 3, b"drop");
+        let mut v = base.clone();
+        field(&mut v, 3, &rewrite);
+        assert_eq!(
+            unknown_verdict_field(&response_with(v, &[])).unwrap(),
+            Some(UnknownField {
+                message: "Rewrite",
+                number: 3
+            })
+        );
+        // Unknown fields in a skip, and after the verdicts (a group
+        // included), are ignored.
+        let mut skip = Skip {
+            content: "no".into(),
+            kind: 0,
+        }
+        .encode_to_vec();
+        field(&mut skip, 9, b"why");
+        let mut v = base.clone();
+        field(&mut v, 2, &skip);
+        let mut extra = Vec::new();
+        field(&mut extra, 5, b"new top-level field");
+        extra.extend_from_slice(&[0x30, 0x05]); // field 6, varint
+        extra.extend_from_slice(&[0x3b, 0x08, 0x01, 0x3c]); // group 7 { 1: 1 }
+        let bytes = response_with(v, &extra);
+        assert_eq!(unknown_verdict_field(&bytes), Ok(None));
+        assert!(JudgeResponse::decode(&bytes[..]).is_ok());
+    }
+
+    proptest::proptest! {
+        /// The scan never panics, and never refuses what prost reads.
+        #[test]
+        fn r23_scan_accepts_whatever_prost_decodes(
+            bytes in proptest::collection::vec(proptest::prelude::any::<u8>(), 0..96)
+        ) {
+            let scanned = unknown_verdict_field(&bytes);
+            if JudgeResponse::decode(&bytes[..]).is_ok() {
+                proptest::prop_assert!(scanned.is_ok(), "{:?}", scanned);
+            }
+        }
+    }
+
+    fn batch(guard: &str, request_id: u64, arguments: &str) -> GuardBatch {
+        GuardBatch {
+            request_id,
+            batch_id: "b/1".into(),
+            guard: guard.into(),
+            context: Some(BatchContext {
+                session_id: "s".into(),
+                turn_index: 3,
+                model_text: "text".into(),
+                metadata: [("tenant".to_owned(), "acme".to_owned())].into(),
+            }),
+            calls: vec![
+                ToolCall {
+                    call_id: "c1".into(),
+                    tool: "sql.query".into(),
+                    arguments: arguments.into(),
+                },
+                ToolCall {
+                    call_id: "c2".into(),
+                    tool: "fs.read".into(),
+                    arguments: "{}".into(),
+                },
+            ],
+            deadline_ms: 250,
+            traceparent: "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01".into(),
+            tracestate: String::new(),
+            ..GuardBatch::default()
+        }
+    }
+
+    fn decoded(encoded: &Encoded) -> JudgeRequest {
+        JudgeRequest::decode(&encoded.to_vec()[..]).unwrap()
+    }
+
+    fn as_request(batch: GuardBatch) -> JudgeRequest {
+        JudgeRequest {
+            kind: Some(guardmesh_proto::v1::judge_request::Kind::Batch(batch)),
+        }
+    }
+
+    /// Encodes `batch` as the mesh does: its context and calls apart.
+    fn encoded(batch: &GuardBatch) -> Encoded {
+        let shared = shared_part(batch.context.as_ref(), batch.calls.iter());
+        let head = GuardBatch {
+            context: None,
+            calls: Vec::new(),
+            ..batch.clone()
+        };
+        Encoded::batch(&head, shared)
+    }
+
+    #[test]
+    fn batches_encoded_in_two_parts_read_as_prost_encodes_them() {
+        for batch in [
+            batch("g1", 1, "{\"q\":1}"),
+            batch("g3", u64::MAX, &"x".repeat(300)),
+            GuardBatch {
+                request_id: 9,
+                ..GuardBatch::default()
+            },
+        ] {
+            let encoded = encoded(&batch);
+            let whole = as_request(batch);
+            assert_eq!(decoded(&encoded), whole);
+            assert_eq!(encoded.len(), whole.encoded_len());
+        }
+        // Guards sent the same calls share one buffer.
+        let b = batch("g1", 1, "{}");
+        let shared = shared_part(b.context.as_ref(), b.calls.iter());
+        let head = GuardBatch {
+            context: None,
+            calls: Vec::new(),
+            ..b.clone()
+        };
+        let (x, y) = (
+            Encoded::batch(&head, shared.clone()),
+            Encoded::batch(&head, shared),
+        );
+        assert_eq!(x.shared.as_ptr(), y.shared.as_ptr());
+        let cancel = JudgeRequest {
+            kind: Some(guardmesh_proto::v1::judge_request::Kind::Cancel(
+                guardmesh_proto::v1::CancelBatch { request_id: 4 },
+            )),
+        };
+        assert_eq!(decoded(&Encoded::request(&cancel)), cancel);
+    }
+
+    #[test]
+    fn r23_truncated_answers_are_malformed() {
+        let mut v = Vec::new();
+        field(&mut v, 1, b"abc");
+        let bytes = response_with(v, &[]);
+        for cut in 1..bytes.len() {
+            let scanned = unknown_verdict_field(&bytes[..cut]);
+            if JudgeResponse::decode(&bytes[..cut]).is_ok() {
+                assert_eq!(scanned, Ok(None), "cut at {cut}");
+            } else {
+                assert!(scanned.is_err(), "cut at {cut}");
+            }
+        }
+    }
+}
