@@ -1,95 +1,98 @@
 //! `[decision_log]`: one record per batch answered and per chain change
 //! (R29).
 
+use super::describe::table;
 use super::{Config, DecisionLogError, LogSettingError, RegistryKind, millis};
 use serde::Deserialize;
 use std::path::PathBuf;
 use std::time::Duration;
 
-/// `[decision_log]` (R29).
-#[derive(Debug, Clone, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct DecisionLogConfig {
-    /// The log's directory (created if missing; one mesh per directory).
-    pub dir: PathBuf,
-    /// A file is rotated before it would grow past this size.
-    #[serde(default = "default_max_file_bytes")]
-    pub max_file_bytes: u64,
-    /// `every_record` (the default): a batch is answered once its record is
-    /// on disk (fdatasync, shared by concurrent batches); `interval`: once
-    /// written to the file, synced every `sync_interval_ms`.
-    #[serde(default)]
-    pub durability: DurabilityConfig,
-    /// With `durability = "interval"`: at most this long between a write
-    /// and its fsync.
-    #[serde(default = "default_sync_interval_ms")]
-    pub sync_interval_ms: u64,
-    /// Masking rules: key names (`password`), globs (`*.api_key`) and
-    /// paths (`$.headers.authorization`), applied before anything is
-    /// written.
-    #[serde(default)]
-    pub mask: Vec<String>,
-    /// Secret formats masked wherever they appear in a record, whatever
-    /// the key (`aws-access-key`, `github-token`, `stripe-live-key`,
-    /// `private-key`); default: all of them; `[]`: none.
-    #[serde(default = "default_mask_formats")]
-    pub mask_formats: Vec<String>,
-    /// `refuse` (the default): a batch whose record cannot be written is
-    /// refused UNAVAILABLE; `answer`: answered, and the loss counted.
-    #[serde(default)]
-    pub on_log_failure: crate::decision_log::OnLogFailure,
-    /// The mesh instance written in every record; default: the listen
-    /// address.
-    #[serde(default)]
-    pub instance: Option<String>,
-    /// Also export every record written as an OpenTelemetry log record
-    /// over OTLP/gRPC, to where the standard `OTEL_EXPORTER_OTLP_*`
-    /// variables say. The file stays the source of truth.
-    #[serde(default)]
-    pub otlp: bool,
-    /// The Ed25519 private key (PKCS#8 PEM, `guardmesh log keygen`) that
-    /// signs the log's checkpoints; absent: no checkpoints.
-    #[serde(default)]
-    pub signing_key: Option<PathBuf>,
-    /// With a key: a checkpoint at least every this many records.
-    #[serde(default = "default_checkpoint_every")]
-    pub checkpoint_every: u64,
-    /// With a key: a checkpoint at most this long after a record it does
-    /// not seal yet.
-    #[serde(default = "default_checkpoint_interval_ms")]
-    pub checkpoint_interval_ms: u64,
-    /// With a key: every checkpoint is also appended (fsynced) to this file,
-    /// or to `checkpoints-<key id>.jsonl` in this directory; put it on
-    /// another mount.
-    #[serde(default)]
-    pub witness: Option<PathBuf>,
-    /// With a key: start on a log that ends before its latest checkpoint
-    /// after a signed gap record, instead of refusing to start.
-    #[serde(default)]
-    pub allow_gap: bool,
-    /// The most bytes the log's files may hold together; past nine tenths
-    /// refusal records are left out (counted in summaries), at the budget
-    /// records cannot be written and `on_log_failure` applies. None by
-    /// default.
-    #[serde(default)]
-    pub max_dir_bytes: Option<u64>,
-    /// The interval of the bounds on refusal records (default 10000).
-    #[serde(default = "default_refusal_interval_ms")]
-    pub refusal_interval_ms: u64,
-    /// Refusal records per peer address per interval (default 20).
-    #[serde(default = "default_refusal_records_per_peer")]
-    pub refusal_records_per_peer: u32,
-    /// Bytes of refusal records per peer address per interval (default
-    /// 32768).
-    #[serde(default = "default_refusal_bytes_per_peer")]
-    pub refusal_bytes_per_peer: u64,
-    /// Refusal records of the whole mesh per interval (default 200).
-    #[serde(default = "default_refusal_records")]
-    pub refusal_records: u32,
-    /// Bytes of refusal records of the whole mesh per interval (default
-    /// 262144).
-    #[serde(default = "default_refusal_bytes")]
-    pub refusal_bytes: u64,
+table! {
+    /// `[decision_log]` (R29).
+    #[derive(Debug, Clone, Deserialize)]
+    #[serde(deny_unknown_fields)]
+    pub struct DecisionLogConfig {
+        /// The log's directory (created if missing; one mesh per directory).
+        pub dir: PathBuf,
+        /// A file is rotated before it would grow past this size, in bytes.
+        #[serde(default = "default_max_file_bytes")]
+        pub max_file_bytes: u64,
+        // The sync is an fdatasync shared by concurrent batches; with
+        // `interval` a batch is answered once its record is written to the
+        // file.
+        /// `every_record`: a batch is answered once its record is synced to
+        /// disk; `interval`: synced every sync_interval_ms.
+        #[serde(default)]
+        pub durability: DurabilityConfig,
+        /// With durability = "interval": most time between a write and its
+        /// fsync, in milliseconds.
+        #[serde(default = "default_sync_interval_ms")]
+        pub sync_interval_ms: u64,
+        /// Masking rules applied before anything is written: key names, globs
+        /// (`*.api_key`), paths (`$.headers.authorization`).
+        #[serde(default)]
+        pub mask: Vec<String>,
+        // Default: all of them (`crate::secret_formats::KINDS`).
+        /// Secret formats masked wherever they appear in a record (values,
+        /// member names, free text), whatever the key; `[]`: none.
+        #[serde(default = "default_mask_formats")]
+        pub mask_formats: Vec<String>,
+        /// A batch whose record cannot be written is refused UNAVAILABLE, or
+        /// answered and the loss counted.
+        #[serde(default)]
+        pub on_log_failure: crate::decision_log::OnLogFailure,
+        /// The mesh instance written in every record; unset: the listen
+        /// address.
+        #[serde(default)]
+        pub instance: Option<String>,
+        // Over OTLP/gRPC; the file stays the source of truth.
+        /// Also export every record as an OpenTelemetry log record, where the
+        /// OTEL_EXPORTER_OTLP_* variables say.
+        #[serde(default)]
+        pub otlp: bool,
+        /// Ed25519 private key (PKCS#8 PEM, `guardmesh log keygen`) that signs
+        /// checkpoints; unset: no checkpoints.
+        #[serde(default)]
+        pub signing_key: Option<PathBuf>,
+        /// With a key: a checkpoint at least every this many records.
+        #[serde(default = "default_checkpoint_every")]
+        pub checkpoint_every: u64,
+        /// With a key: a checkpoint at most this long after a record it does
+        /// not seal yet, in milliseconds (at least 100).
+        #[serde(default = "default_checkpoint_interval_ms")]
+        pub checkpoint_interval_ms: u64,
+        // Appended and fsynced; put it on another mount.
+        /// With a key: every checkpoint is also appended to this file (or to
+        /// checkpoints-<key id>.jsonl in this directory).
+        #[serde(default)]
+        pub witness: Option<PathBuf>,
+        // Else the mesh refuses to start on such a log.
+        /// With a key: start on a log that ends before its latest checkpoint,
+        /// after a signed gap record.
+        #[serde(default)]
+        pub allow_gap: bool,
+        // Past nine tenths refusal records are left out (counted in
+        // summaries); at the budget records cannot be written and
+        // `on_log_failure` applies.
+        /// Most bytes the log's files may hold together; unset: no budget.
+        #[serde(default)]
+        pub max_dir_bytes: Option<u64>,
+        /// Interval of the bounds on refusal records, in milliseconds.
+        #[serde(default = "default_refusal_interval_ms")]
+        pub refusal_interval_ms: u64,
+        /// Refusal records per peer address per interval.
+        #[serde(default = "default_refusal_records_per_peer")]
+        pub refusal_records_per_peer: u32,
+        /// Bytes of refusal records per peer address per interval.
+        #[serde(default = "default_refusal_bytes_per_peer")]
+        pub refusal_bytes_per_peer: u64,
+        /// Refusal records of the whole mesh per interval.
+        #[serde(default = "default_refusal_records")]
+        pub refusal_records: u32,
+        /// Bytes of refusal records of the whole mesh per interval.
+        #[serde(default = "default_refusal_bytes")]
+        pub refusal_bytes: u64,
+    }
 }
 
 fn default_mask_formats() -> Vec<String> {

@@ -1,5 +1,6 @@
 //! `[[guard]]`: the guards registered at start, in file order (R16).
 
+use super::describe::table;
 use super::{Config, PolicyFileError, SecurityError, SettingError};
 use crate::mesh::MeshConfig;
 use guardmesh_proto::v1::{FailurePolicy, GuardMode, GuardRole, GuardSpec, RewriteGrant};
@@ -7,59 +8,84 @@ use serde::Deserialize;
 use std::path::Path;
 use std::time::Duration;
 
-/// `[[guard]]`: one registration (R16).
-#[derive(Debug, Clone, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct GuardConfig {
-    pub name: String,
-    /// A remote guard's address; exactly one of `endpoint` and `policy`.
-    #[serde(default)]
-    pub endpoint: String,
-    /// A policy guard's file of CEL rules (R27), relative to the config
-    /// file's folder; exactly one of `endpoint` and `policy`.
-    #[serde(default)]
-    pub policy: Option<std::path::PathBuf>,
-    /// The policy file's text, read by [`Config::load`].
-    #[serde(skip)]
-    pub policy_source: Option<String>,
-    #[serde(default, deserialize_with = "by_name")]
-    pub role: GuardRole,
-    #[serde(default)]
-    pub tools: Vec<String>,
-    #[serde(default)]
-    pub timeout_ms: u32,
-    #[serde(default, deserialize_with = "by_name")]
-    pub failure_policy: FailurePolicy,
-    #[serde(default)]
-    pub priority: i32,
-    #[serde(default, deserialize_with = "by_name")]
-    pub mode: GuardMode,
-    #[serde(default)]
-    pub grant: Option<GrantConfig>,
-    /// For `https://` endpoints: the identity the guard must present.
-    #[serde(default)]
-    pub server_identity: Option<String>,
-    /// R32: the guard's replicas (with `endpoint`, one more each).
-    #[serde(default)]
-    pub replicas: Vec<String>,
-    /// The phases it judges (R33): `calls` (default), `results` or `both`.
-    #[serde(default, deserialize_with = "by_name")]
-    pub phases: guardmesh_proto::v1::GuardPhases,
-    /// For mutate guards judging results: the tools whose results they may
-    /// rewrite (R11, R33).
-    #[serde(default)]
-    pub result_grant: Option<ResultGrantConfig>,
-    /// Whether it is sent its batch's session memory (R34): `send`
-    /// (default) or `none`.
-    #[serde(default, deserialize_with = "by_name")]
-    pub session_memory: guardmesh_proto::v1::SessionMemoryUse,
+table! {
+    /// `[[guard]]`: one registration (R16).
+    #[derive(Debug, Clone, Deserialize)]
+    #[serde(deny_unknown_fields)]
+    pub struct GuardConfig {
+        /// Unique name of the guard.
+        pub name: String,
+        // Empty is the same as left out: the reference says unset.
+        /// A remote guard's address (`http://host:port`, `https://...`);
+        /// exactly one of endpoint and policy.
+        #[serde(default, skip_serializing_if = "String::is_empty")]
+        pub endpoint: String,
+        /// The guard's replicas (R32), each an address as endpoint takes; each
+        /// request goes to one, chosen by load. With endpoint, one more each;
+        /// at most 64.
+        #[serde(default)]
+        pub replicas: Vec<String>,
+        // Relative to the config file's folder.
+        /// A policy guard's file of CEL rules (R27); exactly one of endpoint
+        /// and policy.
+        #[serde(default)]
+        pub policy: Option<std::path::PathBuf>,
+        // The policy file's text, read by `Config::load`.
+        #[serde(skip)]
+        pub policy_source: Option<String>,
+        /// A validate guard answers verdicts; a mutate guard may also rewrite
+        /// calls within its grant.
+        #[serde(default, deserialize_with = "by_name")]
+        pub role: GuardRole,
+        /// Globs of the tools the guard is sent; empty: every tool.
+        #[serde(default)]
+        pub tools: Vec<String>,
+        /// The guard's deadline, in milliseconds; 0: default_guard_timeout_ms.
+        #[serde(default)]
+        pub timeout_ms: u32,
+        /// What a failure of the guard means for its calls (R13).
+        #[serde(default, deserialize_with = "by_name")]
+        pub failure_policy: FailurePolicy,
+        /// Place in the chain: lower first; equal priorities keep
+        /// registration order.
+        #[serde(default)]
+        pub priority: i32,
+        /// `dry_run`: the guard is consulted and traced, its verdict not
+        /// applied.
+        #[serde(default, deserialize_with = "by_name")]
+        pub mode: GuardMode,
+        /// For `https://` endpoints: the identity (URI SAN or name) the guard
+        /// must present.
+        #[serde(default)]
+        pub server_identity: Option<String>,
+        /// For a mutate guard: what it may rewrite.
+        #[serde(default)]
+        pub grant: Option<GrantConfig>,
+        /// What the guard judges (R33): calls before they run, results before
+        /// the model reads them, or both.
+        #[serde(default, deserialize_with = "by_name")]
+        pub phases: guardmesh_proto::v1::GuardPhases,
+        // R11, R33.
+        /// For a mutate guard judging results: which results it may rewrite
+        /// (R11).
+        #[serde(default)]
+        pub result_grant: Option<ResultGrantConfig>,
+        /// Whether the guard is sent its batch's session memory (R34); `none`
+        /// opts out.
+        #[serde(default, deserialize_with = "by_name")]
+        pub session_memory: guardmesh_proto::v1::SessionMemoryUse,
+    }
 }
 
-#[derive(Debug, Clone, Default, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct ResultGrantConfig {
-    #[serde(default)]
-    pub tools: Vec<String>,
+table! {
+    /// `[guard.result_grant]`: the results a mutate guard may rewrite.
+    #[derive(Debug, Clone, Default, Deserialize)]
+    #[serde(deny_unknown_fields)]
+    pub struct ResultGrantConfig {
+        /// Globs of the tools whose results it may rewrite.
+        #[serde(default)]
+        pub tools: Vec<String>,
+    }
 }
 
 /// Reads an enum of the contract by its one spelling (`fail_closed`,
@@ -73,13 +99,18 @@ where
     text.parse().map_err(serde::de::Error::custom)
 }
 
-#[derive(Debug, Clone, Default, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct GrantConfig {
-    #[serde(default)]
-    pub tools: Vec<String>,
-    #[serde(default)]
-    pub may_rename: bool,
+table! {
+    /// `[guard.grant]`: the calls a mutate guard may rewrite.
+    #[derive(Debug, Clone, Default, Deserialize)]
+    #[serde(deny_unknown_fields)]
+    pub struct GrantConfig {
+        /// Globs of the tools whose calls it may rewrite.
+        #[serde(default)]
+        pub tools: Vec<String>,
+        /// It may change a call's tool name.
+        #[serde(default)]
+        pub may_rename: bool,
+    }
 }
 
 impl GuardConfig {

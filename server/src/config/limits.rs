@@ -1,31 +1,46 @@
 //! `[limits]`: what coordinators may send (R20).
 
+use super::describe::table;
 use crate::validate::Limits;
 use serde::Deserialize;
 
-/// `[limits]`: what coordinators may send (R20).
-#[derive(Debug, Clone, Deserialize)]
-#[serde(deny_unknown_fields, default)]
-pub struct LimitsConfig {
-    pub max_calls_per_batch: usize,
-    pub max_batch_bytes: usize,
-    pub max_argument_bytes: usize,
-    pub max_inflight_batches: usize,
-    pub max_batches_per_stream: usize,
-    /// Deepest nesting in one call's arguments, 1..=127.
-    pub max_json_depth: usize,
-    pub max_id_bytes: usize,
-    pub max_metadata_entries: usize,
-    pub max_inflight_bytes: usize,
-    pub max_stream_bytes: usize,
-    pub max_coordinator_streams: usize,
-    /// Longest tool name a batch may carry (R20), 1..=1024.
-    pub max_tool_name_chars: usize,
-    /// Printable ASCII characters tool names may hold besides letters,
-    /// digits, `_`, `-` and `.` (R20); nothing else can be allowed.
-    pub tool_name_extra_chars: String,
-    /// Largest result of one call sent to be judged (R33).
-    pub max_result_bytes: usize,
+table! {
+    /// `[limits]`: what coordinators may send (R20).
+    #[derive(Debug, Clone, Deserialize)]
+    #[serde(deny_unknown_fields, default)]
+    pub struct LimitsConfig {
+        /// Most calls in one batch.
+        pub max_calls_per_batch: usize,
+        /// Largest batch, in bytes.
+        pub max_batch_bytes: usize,
+        /// Largest arguments of one call, in bytes.
+        pub max_argument_bytes: usize,
+        /// Most batches judged at once in the whole mesh.
+        pub max_inflight_batches: usize,
+        /// Most batches judged at once on one coordinator stream.
+        pub max_batches_per_stream: usize,
+        /// Deepest nesting in one call's arguments, 1 to 127.
+        pub max_json_depth: usize,
+        /// Largest result (its `CallToolResult` JSON text) of one call sent
+        /// to be judged (R33).
+        pub max_result_bytes: usize,
+        /// Longest batch, call or session id, in bytes.
+        pub max_id_bytes: usize,
+        /// Most metadata entries of one batch.
+        pub max_metadata_entries: usize,
+        /// Bytes of batches being judged at once in the whole mesh.
+        pub max_inflight_bytes: usize,
+        /// Bytes of batches being judged at once on one coordinator stream.
+        pub max_stream_bytes: usize,
+        /// Most coordinator streams open at once.
+        pub max_coordinator_streams: usize,
+        /// Longest tool name a batch may carry, 1 to 1024.
+        pub max_tool_name_chars: usize,
+        // Nothing else than printable ASCII can be allowed (R20).
+        /// Printable ASCII characters tool names may hold besides letters,
+        /// digits, `_`, `-` and `.`.
+        pub tool_name_extra_chars: String,
+    }
 }
 
 impl Default for LimitsConfig {

@@ -1,40 +1,52 @@
 //! `[guard_links]`: how the mesh dials and keeps its links to guards.
 
+use super::describe::table;
 use super::{SettingError, millis};
 use crate::link::LinkConfig;
 use serde::Deserialize;
 use std::time::Duration;
 
-/// `[guard_links]`: how the mesh dials guards.
-#[derive(Debug, Clone, Deserialize)]
-#[serde(deny_unknown_fields, default)]
-pub struct LinksConfig {
-    pub connect_timeout_ms: u64,
-    pub backoff_initial_ms: u64,
-    pub backoff_max_ms: u64,
-    /// Largest answer accepted from a guard.
-    pub max_answer_bytes: usize,
-    /// Consecutive failures that open a guard's circuit; 0 disables it.
-    pub circuit_failures: u32,
-    /// How long an open circuit fails at once before one probe goes through.
-    pub circuit_open_ms: u64,
-    /// HTTP/2 PING after this long without a frame from the guard (0: off).
-    /// Below 300000 (what default grpcio servers accept, R26) only with
-    /// `keepalive_force`.
-    pub keepalive_interval_ms: u64,
-    pub keepalive_timeout_ms: u64,
-    /// Accept a `keepalive_interval_ms` below 300000 (guards whose servers
-    /// are configured to allow it).
-    pub keepalive_force: bool,
-    /// TCP keepalive and TCP_USER_TIMEOUT: a vanished guard host is noticed
-    /// within about this long (0: off).
-    pub dead_peer_timeout_ms: u64,
-    /// Bytes of requests queued for a guard that is not reading them; past
-    /// it, batches fail at that guard per its policy (R25).
-    pub max_queued_bytes: usize,
-    /// How often a guard endpoint that is a DNS name is resolved again for
-    /// its replicas (R32); a failed connection asks sooner.
-    pub resolve_interval_ms: u64,
+table! {
+    /// `[guard_links]`: how the mesh dials guards.
+    #[derive(Debug, Clone, Deserialize)]
+    #[serde(deny_unknown_fields, default)]
+    pub struct LinksConfig {
+        /// Deadline of one connection attempt to a guard, in milliseconds.
+        pub connect_timeout_ms: u64,
+        /// First pause before dialing a lost guard again, in milliseconds;
+        /// doubles up to backoff_max_ms.
+        pub backoff_initial_ms: u64,
+        /// Longest pause between dials of a lost guard, in milliseconds.
+        pub backoff_max_ms: u64,
+        /// Largest answer accepted from a guard, in bytes.
+        pub max_answer_bytes: usize,
+        /// Consecutive failures that open a guard's circuit; 0 disables the
+        /// circuit.
+        pub circuit_failures: u32,
+        /// How long an open circuit fails at once before one probe goes
+        /// through, in milliseconds.
+        pub circuit_open_ms: u64,
+        // 300000 is what default grpcio servers accept (R26).
+        /// HTTP/2 PING after this long without a frame from the guard, in
+        /// milliseconds; 0: off. Below 300000 only with keepalive_force (R26).
+        pub keepalive_interval_ms: u64,
+        /// How long a PING to a guard may go unanswered, in milliseconds.
+        pub keepalive_timeout_ms: u64,
+        /// Accept a keepalive_interval_ms below 300000 (for guards whose
+        /// servers allow it).
+        pub keepalive_force: bool,
+        /// TCP keepalive and TCP_USER_TIMEOUT: a vanished guard host is
+        /// noticed within about this long, in milliseconds; 0: off, else at
+        /// least 2000.
+        pub dead_peer_timeout_ms: u64,
+        /// Bytes of requests queued for a guard that is not reading them;
+        /// past it batches fail at that guard per its policy (R25).
+        pub max_queued_bytes: usize,
+        /// How often a guard endpoint that is a DNS name is resolved again
+        /// for its replicas, in milliseconds (at least 1000); a failed
+        /// connection asks sooner (R32).
+        pub resolve_interval_ms: u64,
+    }
 }
 
 impl Default for LinksConfig {

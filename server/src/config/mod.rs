@@ -72,6 +72,7 @@ use std::time::Duration;
 
 pub mod check;
 mod decision_log;
+mod describe;
 mod error;
 mod guards;
 pub mod keys;
@@ -82,6 +83,7 @@ mod security;
 mod server;
 mod sessions;
 pub use decision_log::{DecisionLogConfig, DurabilityConfig};
+use describe::table;
 pub use error::{ConfigError, DecisionLogError, LogSettingError, PolicyFileError, SettingError};
 pub use guards::{GrantConfig, GuardConfig, ResultGrantConfig};
 pub use limits::LimitsConfig;
@@ -93,44 +95,61 @@ pub use security::{
 pub use server::{DEFAULT_SHUTDOWN_GRACE_MS, ServerConfig};
 pub use sessions::{SessionPlace, SessionStoreKind, SessionsConfig, SessionsSettingError};
 
-/// The whole config file. Every field has a default.
-#[derive(Debug, Clone, Deserialize)]
-#[serde(deny_unknown_fields, default)]
-pub struct Config {
-    /// Address of the gRPC server.
-    pub listen: SocketAddr,
-    /// Address of the Prometheus metrics endpoint; none when unset.
-    pub metrics_listen: Option<SocketAddr>,
-    pub default_guard_timeout_ms: u64,
-    pub default_batch_timeout_ms: u64,
-    pub max_batch_timeout_ms: u64,
-    pub limits: LimitsConfig,
-    pub guard_links: LinksConfig,
-    /// TLS on the mesh's listener.
-    pub tls: Option<TlsConfig>,
-    /// Authentication and roles. Absent: no authentication (a warning is
-    /// printed at start).
-    pub auth: Option<AuthConfig>,
-    /// TLS towards `https://` guards.
-    pub guard_tls: Option<GuardTlsConfig>,
-    pub endpoint_policy: EndpointPolicyConfig,
-    #[serde(rename = "guard")]
-    pub guards: Vec<GuardConfig>,
-    pub registry: RegistryConfig,
-    /// `[server]`: the listener against silent and dead clients (R25).
-    pub server: ServerConfig,
-    /// What happens to a call no enforced guard applies to (R28):
-    /// `proceed` (the default) or `cancel` (default deny).
-    pub unguarded: crate::mesh::Unguarded,
-    /// Whether `guardmesh serve` reloads the config's policy files when they
-    /// change on disk (default); `false`: only on SIGHUP, for teams that roll
-    /// policies out by signal.
-    pub watch_policies: bool,
-    /// `[decision_log]`: one record per batch answered and per chain
-    /// change (R29). Absent: no log, at no cost.
-    pub decision_log: Option<DecisionLogConfig>,
-    /// `[sessions]`: the bounds of session memory (R34).
-    pub sessions: SessionsConfig,
+table! {
+    /// The whole config file. Every field has a default.
+    #[derive(Debug, Clone, Deserialize)]
+    #[serde(deny_unknown_fields, default)]
+    pub struct Config {
+        /// Address of the mesh's gRPC listener.
+        pub listen: SocketAddr,
+        /// Address of the HTTP listener for Prometheus metrics; unset: no
+        /// metrics listener.
+        pub metrics_listen: Option<SocketAddr>,
+        /// Deadline of a guard that registers with `timeout_ms = 0`, in
+        /// milliseconds.
+        pub default_guard_timeout_ms: u64,
+        /// Deadline of a batch that names none, in milliseconds.
+        pub default_batch_timeout_ms: u64,
+        /// Longest deadline a batch may ask for, in milliseconds.
+        pub max_batch_timeout_ms: u64,
+        /// What happens to a call no enforced guard applies to (R28): it
+        /// proceeds, or is cancelled (default deny).
+        pub unguarded: crate::mesh::Unguarded,
+        // `guardmesh serve` reloads them; false is for teams that roll
+        // policies out by signal.
+        /// Reload the policy files of policy guards when they change on disk;
+        /// false: only on SIGHUP.
+        pub watch_policies: bool,
+        /// What coordinators may send (R20).
+        pub limits: LimitsConfig,
+        /// How the mesh dials and keeps its links to guards.
+        pub guard_links: LinksConfig,
+        /// How the listener treats silent and dead clients (R25).
+        pub server: ServerConfig,
+        /// TLS on the mesh's listener; absent: plaintext (a warning is printed
+        /// at start).
+        pub tls: Option<TlsConfig>,
+        /// Authentication and roles; absent: no roles (a warning is printed at
+        /// start).
+        pub auth: Option<AuthConfig>,
+        /// How the mesh verifies `https://` guards, and its client certificate
+        /// for guards that require mTLS.
+        pub guard_tls: Option<GuardTlsConfig>,
+        /// Which guard endpoints may be registered and dialed.
+        pub endpoint_policy: EndpointPolicyConfig,
+        /// `[[guard]]`: a guard registered at start, in file order (R16).
+        #[serde(rename = "guard")]
+        pub guards: Vec<GuardConfig>,
+        /// Where the chain of guards lives.
+        pub registry: RegistryConfig,
+        /// Where the memory kept per session for rules that read `session`
+        /// lives, and its bounds (R34).
+        pub sessions: SessionsConfig,
+        // Absent, it costs nothing.
+        /// One record per batch answered and per chain change (R29); absent:
+        /// no log.
+        pub decision_log: Option<DecisionLogConfig>,
+    }
 }
 
 impl Default for Config {

@@ -1,47 +1,59 @@
 //! `[registry]`: where the chain of guards lives.
 
+use super::describe::table;
 use super::millis;
 use serde::Deserialize;
 use std::time::Duration;
 
-/// `[registry]`: where the chain lives.
-#[derive(Debug, Clone, Deserialize)]
-#[serde(deny_unknown_fields, default)]
-pub struct RegistryConfig {
-    pub kind: RegistryKind,
-    /// etcd client URLs (`http://host:port`; `https://` needs the
-    /// `etcd-tls` build feature).
-    pub endpoints: Vec<String>,
-    /// Key prefix of the chain: replicas with the same prefix share it.
-    pub prefix: String,
-    pub username: Option<String>,
-    pub password: Option<String>,
-    /// Name of an environment variable holding the password, to keep the
-    /// secret out of the file.
-    pub password_env: Option<String>,
-    /// PEM roots for etcd's certificate.
-    pub ca_file: Option<std::path::PathBuf>,
-    /// PEM client certificate and key, for etcd's client-cert auth.
-    pub cert_file: Option<std::path::PathBuf>,
-    pub key_file: Option<std::path::PathBuf>,
-    /// Name to verify etcd's certificate against.
-    pub tls_domain: Option<String>,
-    /// How long start-up may try to reach etcd.
-    pub dial_timeout_ms: u64,
-    /// Deadline of each etcd request and of the watch's probe answers.
-    pub request_timeout_ms: u64,
-    /// How often a replica probes its watch and a guard heartbeat renews.
-    pub heartbeat_interval_ms: u64,
-    /// Time to live of a guard's heartbeat lease, in seconds.
-    pub lease_ttl_s: u64,
-    /// How long a replica that lost etcd keeps judging with its last chain.
-    pub staleness_window_ms: u64,
-    /// After that: `refuse` (UNAVAILABLE, the default) or `serve_stale`.
-    pub after_window: crate::registry::etcd::AfterWindow,
-    /// Bytes of compiled policies the guards one identity registered may
-    /// hold together (R25); default 64 MiB. Checked at registration, freed
-    /// on deregistration.
-    pub max_policy_bytes_per_identity: usize,
+table! {
+    /// `[registry]`: where the chain lives.
+    #[derive(Debug, Clone, Deserialize)]
+    #[serde(deny_unknown_fields, default)]
+    pub struct RegistryConfig {
+        /// `memory`: in this process; `etcd`: shared by every replica with the
+        /// same prefix.
+        pub kind: RegistryKind,
+        /// etcd client URLs (`https://` needs the `etcd-tls` build feature).
+        pub endpoints: Vec<String>,
+        /// Key prefix of the chain: replicas with the same prefix share it.
+        pub prefix: String,
+        /// etcd user name.
+        pub username: Option<String>,
+        /// etcd password; prefer password_env.
+        pub password: Option<String>,
+        // Keeps the secret out of the file.
+        /// Name of an environment variable holding the etcd password.
+        pub password_env: Option<String>,
+        /// PEM roots for etcd's certificate.
+        pub ca_file: Option<std::path::PathBuf>,
+        /// PEM client certificate for etcd's client-certificate auth.
+        pub cert_file: Option<std::path::PathBuf>,
+        /// PEM private key of cert_file.
+        pub key_file: Option<std::path::PathBuf>,
+        /// Name to verify etcd's certificate against, when not the endpoint's
+        /// host.
+        pub tls_domain: Option<String>,
+        /// How long start-up may try to reach etcd, in milliseconds.
+        pub dial_timeout_ms: u64,
+        // Also the deadline of the watch's probe answers.
+        /// Deadline of each etcd request, in milliseconds.
+        pub request_timeout_ms: u64,
+        /// How often a replica confirms its chain and a guard heartbeat
+        /// renews, in milliseconds.
+        pub heartbeat_interval_ms: u64,
+        /// Time to live of a guard's heartbeat lease, in seconds.
+        pub lease_ttl_s: u64,
+        /// How long a replica that lost etcd keeps judging with its last
+        /// chain, in milliseconds.
+        pub staleness_window_ms: u64,
+        /// After the staleness window: refuse batches (UNAVAILABLE) or keep
+        /// judging with the stale chain.
+        pub after_window: crate::registry::etcd::AfterWindow,
+        // Checked at registration, freed on deregistration.
+        /// Bytes of compiled policies the guards one identity registered may
+        /// hold together (R25).
+        pub max_policy_bytes_per_identity: usize,
+    }
 }
 
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize)]

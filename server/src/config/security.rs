@@ -3,84 +3,108 @@
 //! guards; the settings that leave it open.
 
 use super::Config;
+use super::describe::table;
 use crate::mesh::MeshConfig;
 use crate::security::auth::Role;
 use serde::Deserialize;
 use std::path::PathBuf;
 
-/// `[tls]`: the mesh's certificate, and the CA of client certificates.
-#[derive(Debug, Clone, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct TlsConfig {
-    pub cert_file: PathBuf,
-    pub key_file: PathBuf,
-    /// With it, every client must present a certificate signed by this CA.
-    #[serde(default)]
-    pub client_ca_file: Option<PathBuf>,
+table! {
+    /// `[tls]`: the mesh's certificate, and the CA of client certificates.
+    #[derive(Debug, Clone, Deserialize)]
+    #[serde(deny_unknown_fields)]
+    pub struct TlsConfig {
+        /// PEM certificate chain of the mesh (reloaded when it changes).
+        pub cert_file: PathBuf,
+        /// PEM private key of cert_file.
+        pub key_file: PathBuf,
+        /// PEM CA: with it every client must present a certificate it signed
+        /// (R24).
+        #[serde(default)]
+        pub client_ca_file: Option<PathBuf>,
+    }
 }
 
-/// `[auth]`: who may do what.
-#[derive(Debug, Clone, Default, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct AuthConfig {
-    /// Accept bearer tokens over plaintext when the client is on loopback.
-    /// For local development only.
-    #[serde(default)]
-    pub plaintext_tokens_on_loopback: bool,
-    /// With `[tls] client_ca_file`: let a caller without a certificate
-    /// authenticate with a bearer token alone (default false: with a client
-    /// CA every connection needs a certificate, R24).
-    #[serde(default)]
-    pub tokens_without_client_cert: bool,
-    #[serde(default, rename = "principal")]
-    pub principals: Vec<PrincipalConfig>,
+table! {
+    /// `[auth]`: who may do what.
+    #[derive(Debug, Clone, Default, Deserialize)]
+    #[serde(deny_unknown_fields)]
+    pub struct AuthConfig {
+        /// Accept bearer tokens over plaintext from loopback clients
+        /// (development only).
+        #[serde(default)]
+        pub plaintext_tokens_on_loopback: bool,
+        // Default false: with a client CA every connection needs a
+        // certificate (R24).
+        /// With tls.client_ca_file: let a caller without a certificate
+        /// authenticate with a bearer token alone.
+        #[serde(default)]
+        pub tokens_without_client_cert: bool,
+        /// `[[auth.principal]]`: an identity (certificate URI SAN, or a
+        /// token's name) and its roles.
+        #[serde(default, rename = "principal")]
+        pub principals: Vec<PrincipalConfig>,
+    }
 }
 
-/// `[[auth.principal]]`: an identity (certificate URI SAN, or a token's
-/// name) and its roles.
-#[derive(Debug, Clone, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct PrincipalConfig {
-    pub id: String,
-    pub roles: Vec<Role>,
-    /// A file holding this principal's bearer token (one line). Without it
-    /// the principal is matched by its certificate's URI SAN.
-    #[serde(default)]
-    pub token_file: Option<PathBuf>,
-    /// For `register`: the guard names it may manage start with one of these.
-    #[serde(default)]
-    pub name_prefixes: Vec<String>,
-    /// For `register`: most guards it may have registered (default 64).
-    #[serde(default = "default_max_registrations")]
-    pub max_registrations: usize,
+table! {
+    /// `[[auth.principal]]`: an identity (certificate URI SAN, or a token's
+    /// name) and its roles.
+    #[derive(Debug, Clone, Deserialize)]
+    #[serde(deny_unknown_fields)]
+    pub struct PrincipalConfig {
+        /// The certificate's URI SAN, or the token's name.
+        pub id: String,
+        /// What the principal may do.
+        pub roles: Vec<Role>,
+        /// File holding the principal's bearer token (one line); unset:
+        /// matched by certificate.
+        #[serde(default)]
+        pub token_file: Option<PathBuf>,
+        /// With `register`: the guard names it may manage start with one of
+        /// these.
+        #[serde(default)]
+        pub name_prefixes: Vec<String>,
+        /// With `register`: most guards it may have registered at once.
+        #[serde(default = "default_max_registrations")]
+        pub max_registrations: usize,
+    }
 }
 
 fn default_max_registrations() -> usize {
     64
 }
 
-/// `[guard_tls]`: how the mesh verifies `https://` guards, and the client
-/// certificate it presents to guards that require mTLS.
-#[derive(Debug, Clone, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct GuardTlsConfig {
-    pub ca_file: PathBuf,
-    #[serde(default)]
-    pub cert_file: Option<PathBuf>,
-    #[serde(default)]
-    pub key_file: Option<PathBuf>,
+table! {
+    /// `[guard_tls]`: how the mesh verifies `https://` guards, and the client
+    /// certificate it presents to guards that require mTLS.
+    #[derive(Debug, Clone, Deserialize)]
+    #[serde(deny_unknown_fields)]
+    pub struct GuardTlsConfig {
+        /// PEM roots for guards' certificates.
+        pub ca_file: PathBuf,
+        /// PEM client certificate the mesh presents to guards.
+        #[serde(default)]
+        pub cert_file: Option<PathBuf>,
+        /// PEM private key of cert_file.
+        #[serde(default)]
+        pub key_file: Option<PathBuf>,
+    }
 }
 
-/// `[endpoint_policy]`: which guard endpoints may be registered and dialed.
-#[derive(Debug, Clone, Deserialize)]
-#[serde(deny_unknown_fields, default)]
-pub struct EndpointPolicyConfig {
-    /// CIDRs, addresses and host names (`*.suffix` allowed). Empty: any
-    /// host that is not denied.
-    pub allow: Vec<String>,
-    /// Refuse link-local and cloud metadata addresses (169.254.0.0/16,
-    /// fe80::/10, metadata host names).
-    pub deny_link_local: bool,
+table! {
+    /// `[endpoint_policy]`: which guard endpoints may be registered and
+    /// dialed.
+    #[derive(Debug, Clone, Deserialize)]
+    #[serde(deny_unknown_fields, default)]
+    pub struct EndpointPolicyConfig {
+        /// CIDRs, addresses and host names (`*.suffix` allowed); empty: any
+        /// host that is not denied.
+        pub allow: Vec<String>,
+        /// Refuse link-local and cloud metadata addresses (169.254.0.0/16,
+        /// fe80::/10, metadata host names).
+        pub deny_link_local: bool,
+    }
 }
 
 impl Default for EndpointPolicyConfig {

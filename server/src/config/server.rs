@@ -1,30 +1,36 @@
 //! `[server]`: how the gRPC listener treats silent and dead clients (R25).
 
+use super::describe::table;
 use super::millis;
 use serde::Deserialize;
 use std::time::Duration;
 
-/// `[server]`: how the gRPC listener treats connections that say nothing
-/// (R25).
-#[derive(Debug, Clone, Deserialize)]
-#[serde(deny_unknown_fields, default)]
-pub struct ServerConfig {
-    /// Time a new connection has to finish its TLS handshake and send the
-    /// HTTP/2 preface and first SETTINGS frame before it is closed.
-    pub handshake_timeout_ms: u64,
-    /// HTTP/2 PING interval on connections the mesh hears nothing from; 0:
-    /// no pings.
-    pub keepalive_interval_ms: u64,
-    /// How long a PING may go unanswered before the connection is closed.
-    pub keepalive_timeout_ms: u64,
-    /// Most client connections open at once; past it new ones are closed
-    /// at once. 0: the open-file limit less a reserve (1/8, at least 64).
-    pub max_connections: usize,
-    /// After SIGTERM or SIGINT, how long in-flight batches have to be
-    /// answered before the process exits anyway (cutting them). Default
-    /// 25000: under Kubernetes' 30 s `terminationGracePeriodSeconds` with
-    /// room for a 5 s preStop delay. 0: exit at once.
-    pub shutdown_grace_ms: u64,
+table! {
+    /// `[server]`: how the gRPC listener treats connections that say nothing
+    /// (R25).
+    #[derive(Debug, Clone, Deserialize)]
+    #[serde(deny_unknown_fields, default)]
+    pub struct ServerConfig {
+        // Also the first SETTINGS frame; past it the connection is closed.
+        /// Time a new connection has to finish TLS and send the HTTP/2
+        /// preface, in milliseconds.
+        pub handshake_timeout_ms: u64,
+        /// HTTP/2 PING interval on connections the mesh hears nothing from,
+        /// in milliseconds; 0: no pings.
+        pub keepalive_interval_ms: u64,
+        /// How long a PING to a client may go unanswered, in milliseconds.
+        pub keepalive_timeout_ms: u64,
+        // Past it new connections are closed at once.
+        /// Most client connections open at once; 0: the open-file limit less
+        /// a reserve (1/8, at least 64).
+        pub max_connections: usize,
+        // Batches still in flight then are cut.
+        /// After SIGTERM or SIGINT, how long batches in flight have to be
+        /// answered before the process exits anyway, in milliseconds (under
+        /// Kubernetes' 30 s terminationGracePeriodSeconds with room for a 5 s
+        /// preStop delay); 0: exit at once.
+        pub shutdown_grace_ms: u64,
+    }
 }
 
 impl Default for ServerConfig {

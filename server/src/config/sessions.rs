@@ -1,37 +1,63 @@
 //! `[sessions]`: where the memory kept per session lives, and its bounds
 //! (R25, R34).
 
+use super::describe::table;
 use super::millis;
 use super::registry::{RegistryConfig, RegistryKind};
 use serde::Deserialize;
 use std::path::PathBuf;
 use std::time::Duration;
 
-/// `[sessions]`: where session memory is kept and its bounds (R25, R34).
-#[derive(Debug, Clone, Deserialize)]
-#[serde(deny_unknown_fields, default)]
-pub struct SessionsConfig {
-    /// Where the memory is kept: with the registry (etcd when the registry
-    /// is, else this mesh's memory), in this mesh's memory, or in Redis.
-    pub store: SessionStoreKind,
-    /// With `store = "redis"`: `redis://` or `rediss://` URL.
-    pub redis_url: Option<String>,
-    /// With `store = "redis"`: a file holding Redis's password (replaces
-    /// the URL's).
-    pub redis_password_file: Option<PathBuf>,
-    /// The session secret that keys the digests (R34): required with a
-    /// shared store, the same file on every replica.
-    pub secret_file: Option<PathBuf>,
-    /// Deadline of each operation on the store.
-    pub store_timeout_ms: u64,
-    pub max_bytes: usize,
-    pub max_entries: usize,
-    pub max_age_ms: u64,
-    pub max_labels: usize,
-    pub max_label_bytes: usize,
-    pub max_values_per_result: usize,
-    pub max_sessions: usize,
-    pub max_sessions_per_identity: usize,
+table! {
+    /// `[sessions]`: where session memory is kept and its bounds (R25, R34).
+    #[derive(Debug, Clone, Deserialize)]
+    #[serde(deny_unknown_fields, default)]
+    pub struct SessionsConfig {
+        /// Where session memory is kept: `registry` (etcd when the registry
+        /// is etcd, shared by the replicas; else this mesh's memory),
+        /// `memory` (this mesh's memory, never shared: each replica remembers
+        /// only what it saw) or `redis` (Redis or Valkey at `redis_url`,
+        /// shared).
+        pub store: SessionStoreKind,
+        /// With store = "redis": `redis://[user:password@]host:port[/db]`, or
+        /// `rediss://` for TLS verified against the system's roots; start-up
+        /// tries for `registry.dial_timeout_ms`.
+        pub redis_url: Option<String>,
+        /// With store = "redis": a file holding Redis's password (a final
+        /// newline is dropped), used instead of one in the URL.
+        pub redis_password_file: Option<PathBuf>,
+        // The session secret (R34).
+        /// A file whose bytes (at least 32) key the digests of values seen;
+        /// required with a shared store (etcd or redis), the same file on
+        /// every replica, never written into the store. Create one with
+        /// `head -c 32 /dev/urandom > FILE`. Unset with a single mesh: a
+        /// random secret per process.
+        pub secret_file: Option<PathBuf>,
+        /// Deadline of each read or update of a session in the store, in
+        /// milliseconds; past it the rules that read `session` fail per their
+        /// guard's failure policy.
+        pub store_timeout_ms: u64,
+        /// Bytes one session's memory may hold; past it the oldest entries go
+        /// first.
+        pub max_bytes: usize,
+        /// Entries (calls, labels, values seen) one session may hold; past it
+        /// the oldest go first.
+        pub max_entries: usize,
+        /// Entries older than this are dropped.
+        pub max_age_ms: u64,
+        /// Labels one session may hold; past it the oldest go first.
+        pub max_labels: usize,
+        /// Bytes of one label; a longer one is refused.
+        pub max_label_bytes: usize,
+        /// Digests kept of the values of one result.
+        pub max_values_per_result: usize,
+        /// Sessions a mesh keeps in its own memory (a shared store bounds them
+        /// by `max_age_ms` instead); past it the least recently updated goes.
+        pub max_sessions: usize,
+        /// Sessions one identity may have in the mesh's own memory; past it
+        /// its least recently updated goes.
+        pub max_sessions_per_identity: usize,
+    }
 }
 
 /// `[sessions] store`.
