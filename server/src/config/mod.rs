@@ -78,6 +78,7 @@ mod guards;
 pub mod keys;
 mod limits;
 mod links;
+mod reference;
 mod registry;
 mod security;
 mod server;
@@ -495,6 +496,19 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(err.contains("lissen"), "{err}");
+    }
+
+    /// A config named by a relative path with a folder in it (as a user
+    /// types `guardmesh serve --config examples/flows/mesh.toml`) reads its
+    /// policy file from its own folder, not from that folder joined twice.
+    /// Unit tests run in the server crate's folder, so the repository's
+    /// example is `../examples/flows/mesh.toml` from here.
+    #[test]
+    fn a_relative_config_path_reads_its_policy_from_its_own_folder() {
+        let config = Config::load(std::path::Path::new("../examples/flows/mesh.toml"))
+            .unwrap_or_else(|e| panic!("{e}"));
+        let source = config.guards[0].policy_source.as_deref().unwrap_or("");
+        assert!(source.contains("fs-values-stay-on-fs"), "{source}");
     }
 }
 
