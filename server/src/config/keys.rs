@@ -1,7 +1,7 @@
 //! Every key of the config file: its type, default and meaning.
 //!
 //! [`KEYS`] is read from the config's types, where each key is declared
-//! once (see [`super::describe`]): its meaning is the field's doc comment,
+//! once (see `config::describe`): its meaning is the field's doc comment,
 //! its default what serde fills in when it is left out. It is what the
 //! loader checks a file against (after serde has read it: a key serde reads
 //! that is missing here refuses the file), what `guardmesh config check`
@@ -92,7 +92,7 @@ pub struct Key {
 
 /// Every key the loader reads, in the order the config's types declare
 /// them, each table followed by its keys: read from the types themselves
-/// (see [`super::describe`]).
+/// (see `config::describe`).
 pub static KEYS: Keys = Keys(());
 
 /// The list of [`KEYS`], made once from the config's types: a slice of
@@ -586,6 +586,18 @@ mod tests {
             walked += loader.len();
         }
         assert_eq!(walked, KEYS.len(), "every key walked once");
+    }
+
+    /// Every key has a meaning: the doc comment of its field.
+    #[test]
+    fn every_key_has_a_meaning() {
+        for key in KEYS {
+            assert!(
+                !key.meaning.is_empty(),
+                "{}: its field has no doc comment, which is its meaning in the reference",
+                key.path
+            );
+        }
     }
 
     /// Setting a key to the default the reference gives changes nothing,
