@@ -1,15 +1,21 @@
 //! Every key of the config file: its type, default and meaning.
 //!
-//! [`KEYS`] is what the loader checks a file against (after serde has read
-//! it: a key serde reads that is missing here refuses the file), what
-//! `guardmesh config check` walks to report every error with its line, and
-//! what `guardmesh config reference` prints. A test walks the keys serde
-//! accepts and fails on one this table does not list, and another sets
-//! each key to its listed default and expects the defaults' config.
+//! [`KEYS`] is read from the config's types, where each key is declared
+//! once (see `config::describe`): its meaning is the field's doc comment,
+//! its default what serde fills in when it is left out. It is what the
+//! loader checks a file against (after serde has read it: a key serde reads
+//! that is missing here refuses the file), what `guardmesh config check`
+//! walks to report every error with its line, and what `guardmesh config
+//! reference` prints. A test walks the keys serde accepts and fails on one
+//! this list does not hold (or the reverse), and another sets each key to
+//! its listed default and expects the defaults' config.
 
-use std::fmt::Write as _;
+use super::describe::{Field, Table};
 use std::ops::Range;
+use std::sync::LazyLock;
 use toml::de::{DeTable, DeValue};
+
+pub use super::reference::{reference_markdown, reference_text};
 
 /// The type of a key's value.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -50,7 +56,7 @@ impl Kind {
         }
     }
 
-    fn is_table(self) -> bool {
+    pub(super) fn is_table(self) -> bool {
         matches!(self, Kind::Table | Kind::Tables)
     }
 }
@@ -84,820 +90,64 @@ pub struct Key {
     pub meaning: &'static str,
 }
 
-const fn key(path: &'static str, kind: Kind, default: &'static str, meaning: &'static str) -> Key {
-    Key {
-        path,
-        kind,
-        default,
-        required: false,
-        meaning,
+/// Every key the loader reads, in the order the config's types declare
+/// them, each table followed by its keys: read from the types themselves
+/// (see `config::describe`).
+pub static KEYS: Keys = Keys(());
+
+/// The list of [`KEYS`], made once from the config's types: a slice of
+/// [`Key`] (`KEYS.iter()`, `for key in KEYS`).
+#[derive(Debug, Clone, Copy)]
+pub struct Keys(());
+
+impl std::ops::Deref for Keys {
+    type Target = [Key];
+
+    fn deref(&self) -> &[Key] {
+        all()
     }
 }
 
-const fn required(path: &'static str, kind: Kind, meaning: &'static str) -> Key {
-    Key {
-        path,
-        kind,
-        default: "",
-        required: true,
-        meaning,
+impl IntoIterator for Keys {
+    type Item = &'static Key;
+    type IntoIter = std::slice::Iter<'static, Key>;
+
+    fn into_iter(self) -> Self::IntoIter {
+        all().iter()
     }
 }
 
-const ROLES: &[&str] = &["evaluate", "register", "admin"];
+fn all() -> &'static [Key] {
+    static ALL: LazyLock<Vec<Key>> = LazyLock::new(|| {
+        let mut keys = Vec::new();
+        flatten("", <super::Config as Table>::keys(), &mut keys);
+        keys
+    });
+    &ALL
+}
 
-/// Every key the loader reads, tables first within their section.
-pub static KEYS: &[Key] = &[
-    key(
-        "listen",
-        Kind::Addr,
-        "\"127.0.0.1:50051\"",
-        "Address of the mesh's gRPC listener.",
-    ),
-    key(
-        "metrics_listen",
-        Kind::Addr,
-        "",
-        "Address of the HTTP listener for Prometheus metrics; unset: no metrics listener.",
-    ),
-    key(
-        "default_guard_timeout_ms",
-        Kind::Int,
-        "1000",
-        "Deadline of a guard that registers with `timeout_ms = 0`, in milliseconds.",
-    ),
-    key(
-        "default_batch_timeout_ms",
-        Kind::Int,
-        "5000",
-        "Deadline of a batch that names none, in milliseconds.",
-    ),
-    key(
-        "max_batch_timeout_ms",
-        Kind::Int,
-        "30000",
-        "Longest deadline a batch may ask for, in milliseconds.",
-    ),
-    key(
-        "unguarded",
-        Kind::Enum(&["proceed", "cancel"]),
-        "\"proceed\"",
-        "What happens to a call no enforced guard applies to (R28): it proceeds, or is cancelled (default deny).",
-    ),
-    key(
-        "watch_policies",
-        Kind::Bool,
-        "true",
-        "Reload the policy files of policy guards when they change on disk; false: only on SIGHUP.",
-    ),
-    // [limits]
-    key(
-        "limits",
-        Kind::Table,
-        "",
-        "What coordinators may send (R20).",
-    ),
-    key(
-        "limits.max_calls_per_batch",
-        Kind::Int,
-        "256",
-        "Most calls in one batch.",
-    ),
-    key(
-        "limits.max_batch_bytes",
-        Kind::Int,
-        "4194304",
-        "Largest batch, in bytes.",
-    ),
-    key(
-        "limits.max_argument_bytes",
-        Kind::Int,
-        "1048576",
-        "Largest arguments of one call, in bytes.",
-    ),
-    key(
-        "limits.max_inflight_batches",
-        Kind::Int,
-        "4096",
-        "Most batches judged at once in the whole mesh.",
-    ),
-    key(
-        "limits.max_batches_per_stream",
-        Kind::Int,
-        "256",
-        "Most batches judged at once on one coordinator stream.",
-    ),
-    key(
-        "limits.max_json_depth",
-        Kind::Int,
-        "64",
-        "Deepest nesting in one call's arguments, 1 to 127.",
-    ),
-    key(
-        "limits.max_result_bytes",
-        Kind::Int,
-        "1048576",
-        "Largest result (its `CallToolResult` JSON text) of one call sent to be judged (R33).",
-    ),
-    key(
-        "limits.max_id_bytes",
-        Kind::Int,
-        "256",
-        "Longest batch, call or session id, in bytes.",
-    ),
-    key(
-        "limits.max_metadata_entries",
-        Kind::Int,
-        "1024",
-        "Most metadata entries of one batch.",
-    ),
-    key(
-        "limits.max_inflight_bytes",
-        Kind::Int,
-        "268435456",
-        "Bytes of batches being judged at once in the whole mesh.",
-    ),
-    key(
-        "limits.max_stream_bytes",
-        Kind::Int,
-        "16777216",
-        "Bytes of batches being judged at once on one coordinator stream.",
-    ),
-    key(
-        "limits.max_coordinator_streams",
-        Kind::Int,
-        "4096",
-        "Most coordinator streams open at once.",
-    ),
-    key(
-        "limits.max_tool_name_chars",
-        Kind::Int,
-        "128",
-        "Longest tool name a batch may carry, 1 to 1024.",
-    ),
-    key(
-        "limits.tool_name_extra_chars",
-        Kind::Str,
-        "\"\"",
-        "Printable ASCII characters tool names may hold besides letters, digits, `_`, `-` and `.`.",
-    ),
-    // [guard_links]
-    key(
-        "guard_links",
-        Kind::Table,
-        "",
-        "How the mesh dials and keeps its links to guards.",
-    ),
-    key(
-        "guard_links.connect_timeout_ms",
-        Kind::Int,
-        "2000",
-        "Deadline of one connection attempt to a guard, in milliseconds.",
-    ),
-    key(
-        "guard_links.backoff_initial_ms",
-        Kind::Int,
-        "50",
-        "First pause before dialing a lost guard again, in milliseconds; doubles up to backoff_max_ms.",
-    ),
-    key(
-        "guard_links.backoff_max_ms",
-        Kind::Int,
-        "2000",
-        "Longest pause between dials of a lost guard, in milliseconds.",
-    ),
-    key(
-        "guard_links.max_answer_bytes",
-        Kind::Int,
-        "4194304",
-        "Largest answer accepted from a guard, in bytes.",
-    ),
-    key(
-        "guard_links.circuit_failures",
-        Kind::Int,
-        "5",
-        "Consecutive failures that open a guard's circuit; 0 disables the circuit.",
-    ),
-    key(
-        "guard_links.circuit_open_ms",
-        Kind::Int,
-        "5000",
-        "How long an open circuit fails at once before one probe goes through, in milliseconds.",
-    ),
-    key(
-        "guard_links.keepalive_interval_ms",
-        Kind::Int,
-        "300000",
-        "HTTP/2 PING after this long without a frame from the guard, in milliseconds; 0: off. Below 300000 only with keepalive_force (R26).",
-    ),
-    key(
-        "guard_links.keepalive_timeout_ms",
-        Kind::Int,
-        "20000",
-        "How long a PING to a guard may go unanswered, in milliseconds.",
-    ),
-    key(
-        "guard_links.keepalive_force",
-        Kind::Bool,
-        "false",
-        "Accept a keepalive_interval_ms below 300000 (for guards whose servers allow it).",
-    ),
-    key(
-        "guard_links.dead_peer_timeout_ms",
-        Kind::Int,
-        "30000",
-        "TCP keepalive and TCP_USER_TIMEOUT: a vanished guard host is noticed within about this long, in milliseconds; 0: off, else at least 2000.",
-    ),
-    key(
-        "guard_links.max_queued_bytes",
-        Kind::Int,
-        "16777216",
-        "Bytes of requests queued for a guard that is not reading them; past it batches fail at that guard per its policy (R25).",
-    ),
-    key(
-        "guard_links.resolve_interval_ms",
-        Kind::Int,
-        "30000",
-        "How often a guard endpoint that is a DNS name is resolved again for its replicas, in milliseconds (at least 1000); a failed connection asks sooner (R32).",
-    ),
-    // [server]
-    key(
-        "server",
-        Kind::Table,
-        "",
-        "How the listener treats silent and dead clients (R25).",
-    ),
-    key(
-        "server.handshake_timeout_ms",
-        Kind::Int,
-        "10000",
-        "Time a new connection has to finish TLS and send the HTTP/2 preface, in milliseconds.",
-    ),
-    key(
-        "server.keepalive_interval_ms",
-        Kind::Int,
-        "60000",
-        "HTTP/2 PING interval on connections the mesh hears nothing from, in milliseconds; 0: no pings.",
-    ),
-    key(
-        "server.keepalive_timeout_ms",
-        Kind::Int,
-        "20000",
-        "How long a PING to a client may go unanswered, in milliseconds.",
-    ),
-    key(
-        "server.max_connections",
-        Kind::Int,
-        "0",
-        "Most client connections open at once; 0: the open-file limit less a reserve (1/8, at least 64).",
-    ),
-    key(
-        "server.shutdown_grace_ms",
-        Kind::Int,
-        "25000",
-        "After SIGTERM or SIGINT, how long batches in flight have to be answered before the process exits anyway, in milliseconds (under Kubernetes' 30 s terminationGracePeriodSeconds with room for a 5 s preStop delay); 0: exit at once.",
-    ),
-    // [tls]
-    key(
-        "tls",
-        Kind::Table,
-        "",
-        "TLS on the mesh's listener; absent: plaintext (a warning is printed at start).",
-    ),
-    required(
-        "tls.cert_file",
-        Kind::Path,
-        "PEM certificate chain of the mesh (reloaded when it changes).",
-    ),
-    required("tls.key_file", Kind::Path, "PEM private key of cert_file."),
-    key(
-        "tls.client_ca_file",
-        Kind::Path,
-        "",
-        "PEM CA: with it every client must present a certificate it signed (R24).",
-    ),
-    // [auth]
-    key(
-        "auth",
-        Kind::Table,
-        "",
-        "Authentication and roles; absent: no roles (a warning is printed at start).",
-    ),
-    key(
-        "auth.plaintext_tokens_on_loopback",
-        Kind::Bool,
-        "false",
-        "Accept bearer tokens over plaintext from loopback clients (development only).",
-    ),
-    key(
-        "auth.tokens_without_client_cert",
-        Kind::Bool,
-        "false",
-        "With tls.client_ca_file: let a caller without a certificate authenticate with a bearer token alone.",
-    ),
-    key(
-        "auth.principal",
-        Kind::Tables,
-        "",
-        "`[[auth.principal]]`: an identity (certificate URI SAN, or a token's name) and its roles.",
-    ),
-    required(
-        "auth.principal.id",
-        Kind::Str,
-        "The certificate's URI SAN, or the token's name.",
-    ),
-    required(
-        "auth.principal.roles",
-        Kind::Names(ROLES),
-        "What the principal may do.",
-    ),
-    key(
-        "auth.principal.token_file",
-        Kind::Path,
-        "",
-        "File holding the principal's bearer token (one line); unset: matched by certificate.",
-    ),
-    key(
-        "auth.principal.name_prefixes",
-        Kind::Strs,
-        "[]",
-        "With `register`: the guard names it may manage start with one of these.",
-    ),
-    key(
-        "auth.principal.max_registrations",
-        Kind::Int,
-        "64",
-        "With `register`: most guards it may have registered at once.",
-    ),
-    // [guard_tls]
-    key(
-        "guard_tls",
-        Kind::Table,
-        "",
-        "How the mesh verifies `https://` guards, and its client certificate for guards that require mTLS.",
-    ),
-    required(
-        "guard_tls.ca_file",
-        Kind::Path,
-        "PEM roots for guards' certificates.",
-    ),
-    key(
-        "guard_tls.cert_file",
-        Kind::Path,
-        "",
-        "PEM client certificate the mesh presents to guards.",
-    ),
-    key(
-        "guard_tls.key_file",
-        Kind::Path,
-        "",
-        "PEM private key of cert_file.",
-    ),
-    // [endpoint_policy]
-    key(
-        "endpoint_policy",
-        Kind::Table,
-        "",
-        "Which guard endpoints may be registered and dialed.",
-    ),
-    key(
-        "endpoint_policy.allow",
-        Kind::Strs,
-        "[]",
-        "CIDRs, addresses and host names (`*.suffix` allowed); empty: any host that is not denied.",
-    ),
-    key(
-        "endpoint_policy.deny_link_local",
-        Kind::Bool,
-        "true",
-        "Refuse link-local and cloud metadata addresses (169.254.0.0/16, fe80::/10, metadata host names).",
-    ),
-    // [[guard]]
-    key(
-        "guard",
-        Kind::Tables,
-        "",
-        "`[[guard]]`: a guard registered at start, in file order (R16).",
-    ),
-    required("guard.name", Kind::Str, "Unique name of the guard."),
-    key(
-        "guard.endpoint",
-        Kind::Str,
-        "",
-        "A remote guard's address (`http://host:port`, `https://...`); exactly one of endpoint and policy.",
-    ),
-    key(
-        "guard.replicas",
-        Kind::Strs,
-        "[]",
-        "The guard's replicas (R32), each an address as endpoint takes; each request goes to one, chosen by load. With endpoint, one more each; at most 64.",
-    ),
-    key(
-        "guard.policy",
-        Kind::Path,
-        "",
-        "A policy guard's file of CEL rules (R27); exactly one of endpoint and policy.",
-    ),
-    key(
-        "guard.role",
-        Kind::Enum(guardmesh_proto::v1::GuardRole::NAMES),
-        "\"validate\"",
-        "A validate guard answers verdicts; a mutate guard may also rewrite calls within its grant.",
-    ),
-    key(
-        "guard.tools",
-        Kind::Strs,
-        "[]",
-        "Globs of the tools the guard is sent; empty: every tool.",
-    ),
-    key(
-        "guard.timeout_ms",
-        Kind::Int,
-        "0",
-        "The guard's deadline, in milliseconds; 0: default_guard_timeout_ms.",
-    ),
-    key(
-        "guard.failure_policy",
-        Kind::Enum(guardmesh_proto::v1::FailurePolicy::NAMES),
-        "\"fail_closed\"",
-        "What a failure of the guard means for its calls (R13).",
-    ),
-    key(
-        "guard.priority",
-        Kind::Int,
-        "0",
-        "Place in the chain: lower first; equal priorities keep registration order.",
-    ),
-    key(
-        "guard.mode",
-        Kind::Enum(guardmesh_proto::v1::GuardMode::NAMES),
-        "\"enforce\"",
-        "`dry_run`: the guard is consulted and traced, its verdict not applied.",
-    ),
-    key(
-        "guard.server_identity",
-        Kind::Str,
-        "",
-        "For `https://` endpoints: the identity (URI SAN or name) the guard must present.",
-    ),
-    key(
-        "guard.grant",
-        Kind::Table,
-        "",
-        "For a mutate guard: what it may rewrite.",
-    ),
-    key(
-        "guard.grant.tools",
-        Kind::Strs,
-        "[]",
-        "Globs of the tools whose calls it may rewrite.",
-    ),
-    key(
-        "guard.grant.may_rename",
-        Kind::Bool,
-        "false",
-        "It may change a call's tool name.",
-    ),
-    key(
-        "guard.phases",
-        Kind::Enum(guardmesh_proto::v1::GuardPhases::NAMES),
-        "\"calls\"",
-        "What the guard judges (R33): calls before they run, results before the model reads them, or both.",
-    ),
-    key(
-        "guard.result_grant",
-        Kind::Table,
-        "",
-        "For a mutate guard judging results: which results it may rewrite (R11).",
-    ),
-    key(
-        "guard.result_grant.tools",
-        Kind::Strs,
-        "[]",
-        "Globs of the tools whose results it may rewrite.",
-    ),
-    key(
-        "guard.session_memory",
-        Kind::Enum(guardmesh_proto::v1::SessionMemoryUse::NAMES),
-        "\"send\"",
-        "Whether the guard is sent its batch's session memory (R34); `none` opts out.",
-    ),
-    // [registry]
-    key(
-        "registry",
-        Kind::Table,
-        "",
-        "Where the chain of guards lives.",
-    ),
-    key(
-        "registry.kind",
-        Kind::Enum(&["memory", "etcd"]),
-        "\"memory\"",
-        "`memory`: in this process; `etcd`: shared by every replica with the same prefix.",
-    ),
-    key(
-        "registry.endpoints",
-        Kind::Strs,
-        "[\"http://127.0.0.1:2379\"]",
-        "etcd client URLs (`https://` needs the `etcd-tls` build feature).",
-    ),
-    key(
-        "registry.prefix",
-        Kind::Str,
-        "\"/guardmesh\"",
-        "Key prefix of the chain: replicas with the same prefix share it.",
-    ),
-    key("registry.username", Kind::Str, "", "etcd user name."),
-    key(
-        "registry.password",
-        Kind::Str,
-        "",
-        "etcd password; prefer password_env.",
-    ),
-    key(
-        "registry.password_env",
-        Kind::Str,
-        "",
-        "Name of an environment variable holding the etcd password.",
-    ),
-    key(
-        "registry.ca_file",
-        Kind::Path,
-        "",
-        "PEM roots for etcd's certificate.",
-    ),
-    key(
-        "registry.cert_file",
-        Kind::Path,
-        "",
-        "PEM client certificate for etcd's client-certificate auth.",
-    ),
-    key(
-        "registry.key_file",
-        Kind::Path,
-        "",
-        "PEM private key of cert_file.",
-    ),
-    key(
-        "registry.tls_domain",
-        Kind::Str,
-        "",
-        "Name to verify etcd's certificate against, when not the endpoint's host.",
-    ),
-    key(
-        "registry.dial_timeout_ms",
-        Kind::Int,
-        "5000",
-        "How long start-up may try to reach etcd, in milliseconds.",
-    ),
-    key(
-        "registry.request_timeout_ms",
-        Kind::Int,
-        "2000",
-        "Deadline of each etcd request, in milliseconds.",
-    ),
-    key(
-        "registry.heartbeat_interval_ms",
-        Kind::Int,
-        "1000",
-        "How often a replica confirms its chain and a guard heartbeat renews, in milliseconds.",
-    ),
-    key(
-        "registry.lease_ttl_s",
-        Kind::Int,
-        "10",
-        "Time to live of a guard's heartbeat lease, in seconds.",
-    ),
-    key(
-        "registry.staleness_window_ms",
-        Kind::Int,
-        "30000",
-        "How long a replica that lost etcd keeps judging with its last chain, in milliseconds.",
-    ),
-    key(
-        "registry.after_window",
-        Kind::Enum(&["refuse", "serve_stale"]),
-        "\"refuse\"",
-        "After the staleness window: refuse batches (UNAVAILABLE) or keep judging with the stale chain.",
-    ),
-    key(
-        "registry.max_policy_bytes_per_identity",
-        Kind::Int,
-        "67108864",
-        "Bytes of compiled policies the guards one identity registered may hold together (R25).",
-    ),
-    // [sessions]
-    key(
-        "sessions",
-        Kind::Table,
-        "",
-        "Where the memory kept per session for rules that read `session` lives, and its bounds (R34).",
-    ),
-    key(
-        "sessions.store",
-        Kind::Enum(&["registry", "memory", "redis"]),
-        "\"registry\"",
-        "Where session memory is kept: `registry` (etcd when the registry is etcd, shared by the replicas; else this mesh's memory), `memory` (this mesh's memory, never shared: each replica remembers only what it saw) or `redis` (Redis or Valkey at `redis_url`, shared).",
-    ),
-    key(
-        "sessions.redis_url",
-        Kind::Str,
-        "",
-        "With store = \"redis\": `redis://[user:password@]host:port[/db]`, or `rediss://` for TLS verified against the system's roots; start-up tries for `registry.dial_timeout_ms`.",
-    ),
-    key(
-        "sessions.redis_password_file",
-        Kind::Path,
-        "",
-        "With store = \"redis\": a file holding Redis's password (a final newline is dropped), used instead of one in the URL.",
-    ),
-    key(
-        "sessions.secret_file",
-        Kind::Path,
-        "",
-        "A file whose bytes (at least 32) key the digests of values seen; required with a shared store (etcd or redis), the same file on every replica, never written into the store. Create one with `head -c 32 /dev/urandom > FILE`. Unset with a single mesh: a random secret per process.",
-    ),
-    key(
-        "sessions.store_timeout_ms",
-        Kind::Int,
-        "500",
-        "Deadline of each read or update of a session in the store, in milliseconds; past it the rules that read `session` fail per their guard's failure policy.",
-    ),
-    key(
-        "sessions.max_bytes",
-        Kind::Int,
-        "16384",
-        "Bytes one session's memory may hold; past it the oldest entries go first.",
-    ),
-    key(
-        "sessions.max_entries",
-        Kind::Int,
-        "1024",
-        "Entries (calls, labels, values seen) one session may hold; past it the oldest go first.",
-    ),
-    key(
-        "sessions.max_age_ms",
-        Kind::Int,
-        "86400000",
-        "Entries older than this are dropped.",
-    ),
-    key(
-        "sessions.max_labels",
-        Kind::Int,
-        "64",
-        "Labels one session may hold; past it the oldest go first.",
-    ),
-    key(
-        "sessions.max_label_bytes",
-        Kind::Int,
-        "128",
-        "Bytes of one label; a longer one is refused.",
-    ),
-    key(
-        "sessions.max_values_per_result",
-        Kind::Int,
-        "256",
-        "Digests kept of the values of one result.",
-    ),
-    key(
-        "sessions.max_sessions",
-        Kind::Int,
-        "4096",
-        "Sessions a mesh keeps in its own memory (a shared store bounds them by `max_age_ms` instead); past it the least recently updated goes.",
-    ),
-    key(
-        "sessions.max_sessions_per_identity",
-        Kind::Int,
-        "1024",
-        "Sessions one identity may have in the mesh's own memory; past it its least recently updated goes.",
-    ),
-    // [decision_log]
-    key(
-        "decision_log",
-        Kind::Table,
-        "",
-        "One record per batch answered and per chain change (R29); absent: no log.",
-    ),
-    required(
-        "decision_log.dir",
-        Kind::Path,
-        "The log's directory (created if missing; one mesh per directory).",
-    ),
-    key(
-        "decision_log.max_file_bytes",
-        Kind::Int,
-        "67108864",
-        "A file is rotated before it would grow past this size, in bytes.",
-    ),
-    key(
-        "decision_log.durability",
-        Kind::Enum(&["every_record", "interval"]),
-        "\"every_record\"",
-        "`every_record`: a batch is answered once its record is synced to disk; `interval`: synced every sync_interval_ms.",
-    ),
-    key(
-        "decision_log.sync_interval_ms",
-        Kind::Int,
-        "100",
-        "With durability = \"interval\": most time between a write and its fsync, in milliseconds.",
-    ),
-    key(
-        "decision_log.mask",
-        Kind::Strs,
-        "[]",
-        "Masking rules applied before anything is written: key names, globs (`*.api_key`), paths (`$.headers.authorization`).",
-    ),
-    key(
-        "decision_log.mask_formats",
-        Kind::Strs,
-        "[\"private-key\", \"aws-access-key\", \"github-token\", \"stripe-live-key\"]",
-        "Secret formats masked wherever they appear in a record (values, member names, free text), whatever the key; `[]`: none.",
-    ),
-    key(
-        "decision_log.on_log_failure",
-        Kind::Enum(&["refuse", "answer"]),
-        "\"refuse\"",
-        "A batch whose record cannot be written is refused UNAVAILABLE, or answered and the loss counted.",
-    ),
-    key(
-        "decision_log.instance",
-        Kind::Str,
-        "",
-        "The mesh instance written in every record; unset: the listen address.",
-    ),
-    key(
-        "decision_log.otlp",
-        Kind::Bool,
-        "false",
-        "Also export every record as an OpenTelemetry log record, where the OTEL_EXPORTER_OTLP_* variables say.",
-    ),
-    key(
-        "decision_log.signing_key",
-        Kind::Path,
-        "",
-        "Ed25519 private key (PKCS#8 PEM, `guardmesh log keygen`) that signs checkpoints; unset: no checkpoints.",
-    ),
-    key(
-        "decision_log.checkpoint_every",
-        Kind::Int,
-        "1000",
-        "With a key: a checkpoint at least every this many records.",
-    ),
-    key(
-        "decision_log.checkpoint_interval_ms",
-        Kind::Int,
-        "10000",
-        "With a key: a checkpoint at most this long after a record it does not seal yet, in milliseconds (at least 100).",
-    ),
-    key(
-        "decision_log.witness",
-        Kind::Path,
-        "",
-        "With a key: every checkpoint is also appended to this file (or to checkpoints-<key id>.jsonl in this directory).",
-    ),
-    key(
-        "decision_log.allow_gap",
-        Kind::Bool,
-        "false",
-        "With a key: start on a log that ends before its latest checkpoint, after a signed gap record.",
-    ),
-    key(
-        "decision_log.max_dir_bytes",
-        Kind::Int,
-        "",
-        "Most bytes the log's files may hold together; unset: no budget.",
-    ),
-    key(
-        "decision_log.refusal_interval_ms",
-        Kind::Int,
-        "10000",
-        "Interval of the bounds on refusal records, in milliseconds.",
-    ),
-    key(
-        "decision_log.refusal_records_per_peer",
-        Kind::Int,
-        "20",
-        "Refusal records per peer address per interval.",
-    ),
-    key(
-        "decision_log.refusal_bytes_per_peer",
-        Kind::Int,
-        "32768",
-        "Bytes of refusal records per peer address per interval.",
-    ),
-    key(
-        "decision_log.refusal_records",
-        Kind::Int,
-        "200",
-        "Refusal records of the whole mesh per interval.",
-    ),
-    key(
-        "decision_log.refusal_bytes",
-        Kind::Int,
-        "262144",
-        "Bytes of refusal records of the whole mesh per interval.",
-    ),
-];
+/// The keys of the table at `table` (`""`: the top), each followed by the
+/// keys of the table it is. Made once per process: the texts are kept for
+/// its life.
+fn flatten(table: &str, fields: Vec<Field>, out: &mut Vec<Key>) {
+    for field in fields {
+        let path = if table.is_empty() {
+            field.name.to_owned()
+        } else {
+            format!("{table}.{}", field.name)
+        };
+        out.push(Key {
+            path: String::leak(path.clone()),
+            kind: field.kind,
+            default: String::leak(field.default.unwrap_or_default()),
+            required: field.required,
+            meaning: String::leak(field.meaning),
+        });
+        if let Some(keys) = field.keys {
+            flatten(&path, keys(), out);
+        }
+    }
+}
 
 /// The key at `path` (`limits.max_json_depth`, `guard.name`).
 pub fn find(path: &str) -> Option<&'static Key> {
@@ -1257,122 +507,6 @@ fn suggest(path: &str, name: &str) -> Option<&'static str> {
         .map(|(_, path)| path)
 }
 
-/// The section a key is listed under in the reference: its top-level
-/// table, or `""` for top-level keys.
-fn section(key: &Key) -> &'static str {
-    match key.path.split_once('.') {
-        Some((top, _)) => top,
-        None if key.kind.is_table() => key.path,
-        None => "",
-    }
-}
-
-const PATHS: &str = "Relative paths (every key of type path) are relative to the folder of \
-                     the config file, whatever the working directory the mesh starts in.";
-
-const EXIT_CODES: &str = "`guardmesh config check FILE` reports every error it finds with its \
-                          line, key and what to write instead, and exits 0 when the file is \
-                          valid (warnings are printed), 1 when it is not (a syntax, key or \
-                          value error, or a policy, certificate, key or token file it names \
-                          that is missing, unreadable or does not parse), and 2 when the \
-                          check cannot run (the config file cannot be read, or a usage error).";
-
-/// The reference as plain text: every key with its type, default and
-/// meaning.
-pub fn reference_text() -> String {
-    let mut out = String::new();
-    let _ = writeln!(out, "guardmesh config file reference (TOML)\n");
-    let _ = writeln!(out, "{PATHS}\n");
-    for key in KEYS {
-        let name = match key.kind {
-            Kind::Table => format!("[{}]", key.path),
-            Kind::Tables => format!("[[{}]]", key.path),
-            _ => key.path.to_owned(),
-        };
-        let _ = writeln!(out, "{name}");
-        if !key.kind.is_table() {
-            let _ = writeln!(
-                out,
-                "    type: {}; default: {}",
-                key.kind.describe(),
-                default_text(key)
-            );
-        }
-        let _ = writeln!(out, "    {}", key.meaning);
-    }
-    out
-}
-
-fn default_text(key: &Key) -> String {
-    match (key.required, key.default) {
-        (true, _) => "required".into(),
-        (false, "") => "unset".into(),
-        (false, default) => default.to_owned(),
-    }
-}
-
-/// The reference as Markdown, the text of `docs/configuration.md`.
-pub fn reference_markdown() -> String {
-    let mut out = String::new();
-    let _ = writeln!(out, "# Configuration reference\n");
-    let _ = writeln!(
-        out,
-        "<!-- Generated by `guardmesh config reference --markdown`; do not edit by hand. -->\n"
-    );
-    let _ = writeln!(
-        out,
-        "The mesh reads one TOML file (`guardmesh serve --config FILE`). Every key has a \
-         default unless marked required; a key not listed here is refused at start.\n"
-    );
-    let _ = writeln!(out, "{PATHS}\n");
-    let _ = writeln!(out, "{EXIT_CODES}\n");
-    let mut current = None;
-    for key in KEYS {
-        let section = section(key);
-        if current != Some(section) {
-            if current.is_some() {
-                out.push('\n');
-            }
-            current = Some(section);
-            match find(section).filter(|_| !section.is_empty()) {
-                None => {
-                    let _ = writeln!(out, "## Top level\n");
-                }
-                Some(table) => {
-                    let header = match table.kind {
-                        Kind::Tables => format!("[[{}]]", table.path),
-                        _ => format!("[{}]", table.path),
-                    };
-                    let _ = writeln!(out, "## `{header}`\n\n{}\n", table.meaning);
-                }
-            }
-            let _ = writeln!(out, "| Key | Type | Default | Meaning |");
-            let _ = writeln!(out, "|---|---|---|---|");
-        }
-        if key.path == section {
-            continue;
-        }
-        let name = match key.kind {
-            Kind::Tables => format!("`[[{}]]`", key.path),
-            Kind::Table => format!("`[{}]`", key.path),
-            _ => format!("`{}`", key.path),
-        };
-        let default = match default_text(key).as_str() {
-            "required" => "required".to_owned(),
-            "unset" => "unset".to_owned(),
-            _ if key.kind.is_table() => String::new(),
-            other => format!("`{}`", other.replace('|', "\\|")),
-        };
-        let _ = writeln!(
-            out,
-            "| {name} | {} | {default} | {} |",
-            key.kind.describe().replace('|', "\\|"),
-            key.meaning.replace('|', "\\|")
-        );
-    }
-    out
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -1454,6 +588,18 @@ mod tests {
         assert_eq!(walked, KEYS.len(), "every key walked once");
     }
 
+    /// Every key has a meaning: the doc comment of its field.
+    #[test]
+    fn every_key_has_a_meaning() {
+        for key in KEYS {
+            assert!(
+                !key.meaning.is_empty(),
+                "{}: its field has no doc comment, which is its meaning in the reference",
+                key.path
+            );
+        }
+    }
+
     /// Setting a key to the default the reference gives changes nothing,
     /// and every value a one-of key lists is accepted.
     #[test]
@@ -1486,20 +632,6 @@ mod tests {
             }
         }
     }
-
-    #[test]
-    fn the_reference_prints_every_key_with_its_type_and_default() {
-        let text = reference_text();
-        let markdown = reference_markdown();
-        for key in KEYS {
-            assert!(text.contains(key.path), "{}", key.path);
-            assert!(markdown.contains(key.path), "{}", key.path);
-            assert!(text.contains(key.meaning), "{}", key.path);
-        }
-        assert!(text.contains("type: integer; default: 256"));
-        assert!(markdown.contains("relative to the folder of the config file"));
-    }
-
     /// Every error of a file at once, each with its line, key and fix.
     #[test]
     fn walk_reports_every_error_with_line_key_and_fix() {
@@ -1591,18 +723,5 @@ mod tests {
                 key.path
             );
         }
-    }
-
-    /// A config named by a relative path with a folder in it (as a user
-    /// types `guardmesh serve --config examples/flows/mesh.toml`) reads its
-    /// policy file from its own folder, not from that folder joined twice.
-    /// Unit tests run in the server crate's folder, so the repository's
-    /// example is `../examples/flows/mesh.toml` from here.
-    #[test]
-    fn a_relative_config_path_reads_its_policy_from_its_own_folder() {
-        let config = Config::load(std::path::Path::new("../examples/flows/mesh.toml"))
-            .unwrap_or_else(|e| panic!("{e}"));
-        let source = config.guards[0].policy_source.as_deref().unwrap_or("");
-        assert!(source.contains("fs-values-stay-on-fs"), "{source}");
     }
 }
