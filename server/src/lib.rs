@@ -17,16 +17,17 @@
 //!   (`wire/read.rs`) and writing them (`wire/write.rs`); the `Judge`
 //!   stream's codec (`wire/judge_stream.rs`, [`link::wire`]). It imports
 //!   none of the other modules.
-//! * [`server`]: `run(listener, mesh, shutdown)`, the gRPC server with health
-//!   and reflection; `server/service.rs` holds `PreToolService` (coordinators)
-//!   and `GuardRegistry` (registrars), `server/interceptors.rs` the chain as
-//!   MCP interceptors, `server/inbound.rs` checks a batch's sizes and counts
-//!   on its wire form before it is decoded (R20, R25), with the scan of
-//!   `wire/read.rs`.
+//! * [`grpc`]: `run(listener, mesh, shutdown)`, the gRPC server with health
+//!   and reflection; `grpc/service.rs` holds `PreToolService` (coordinators)
+//!   and `GuardRegistry` (registrars): the transports of the stream and
+//!   unary doors, and nothing of a batch's way past them;
+//!   `grpc/interceptor_service.rs` the chain as MCP interceptors,
+//!   `grpc/inbound.rs` checks a batch's sizes and counts on its wire form
+//!   before it is decoded (R20, R25), with the scan of `wire/read.rs`.
 //! * `admit`: the admission stage, everything a batch must pass before any
 //!   guard sees it (sizes, ids, budgets, I-JSON, registry freshness, R1),
 //!   with one typed refusal mapped to its gRPC status in one place;
-//!   `admit/results.rs` the same for a request of results (R33).
+//!   `admit/result_batch.rs` the same for a request of results (R33).
 //! * `validate`: the content rules of a batch (R20), with the one-pass
 //!   I-JSON check of arguments in `validate/ijson.rs`.
 //! * `judge`: judging one batch: mutate guards in order, validate guards
@@ -36,7 +37,7 @@
 //!   `judge/verdicts.rs` the pure checks on one guard's verdicts (R8, R11);
 //!   `judge/remote.rs` the guards consulted over their links,
 //!   `judge/lanes.rs` the policy guards evaluated in the mesh (R27),
-//!   `judge/results.rs` the results phase (R33), `judge/guard_run.rs` what
+//!   `judge/results_phase.rs` the results phase (R33), `judge/guard_run.rs` what
 //!   happened at one guard and its trace entry (R21).
 //! * [`link`]: a pool per guard over its replicas ([`link::pool`]: choice by
 //!   load, failover, ejection; [`link::discover`]: replicas from a list, a
@@ -48,10 +49,15 @@
 //!   [`link::dial`]: which endpoints may be dialed and the TLS towards
 //!   guards.
 //! * [`mesh`]: the mesh's settings, its registry and chain snapshots (R17);
-//!   `Mesh::evaluate` (`mesh/evaluate.rs`) runs one batch through admission
-//!   and judging, `mesh/session.rs` reads and writes the batch's session
-//!   memory, and `mesh/record.rs` is the batch's record: it takes the
-//!   outcome once and emits metrics, logs, spans and the decision record.
+//!   `mesh/pipeline.rs` is the one way of a batch, whatever door it came in
+//!   by (stream, unary, in process, interceptor invoke, replay): each door
+//!   hands it only what its transport knows. `mesh/evaluate.rs` is the
+//!   mesh's part of it (admission checks, session read, judging, session
+//!   write), `mesh/batch_session.rs` reads and writes the batch's session
+//!   memory, `mesh/result_reads.rs` hands judged results on, and
+//!   `mesh/record.rs` is the batch's record: it takes the outcome once and
+//!   emits metrics, logs, spans and the decision record;
+//!   `mesh/interceptor_chain.rs` the chain seen as MCP interceptors.
 //! * [`session`]: session memory (R34), per caller and session, bounded,
 //!   keyed digests of the values seen; in memory, in etcd or in Redis.
 //! * [`registry`]: where registrations live, behind the [`Registry`] trait:
@@ -87,6 +93,7 @@ pub mod config;
 pub mod decision_log;
 pub mod etcd_tls;
 pub mod files;
+pub mod grpc;
 mod judge;
 pub mod link;
 pub mod mesh;
@@ -96,7 +103,6 @@ pub mod registry;
 pub mod run;
 pub mod secret_formats;
 pub mod security;
-pub mod server;
 pub mod session;
 mod validate;
 mod wire;

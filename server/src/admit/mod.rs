@@ -3,7 +3,7 @@
 //! its gRPC status in one place ([`Refusal::status`]).
 //!
 //! * the batch's content: sizes, counts, ids and I-JSON arguments (R20),
-//!   checked on the wire by `server/inbound.rs` and here by [`content`];
+//!   checked on the wire by `grpc/inbound.rs` and here by [`content`];
 //! * its stream: ids unique in flight (R19), batches judged at once
 //!   ([`StreamGate`]);
 //! * the mesh's budgets: batches and bytes in flight ([`inflight`],
@@ -16,7 +16,7 @@
 //! handed to the batch's record (`mesh/record.rs`), which counts, logs and
 //! records it.
 
-pub(crate) mod results;
+pub(crate) mod result_batch;
 
 use crate::registry::Registry;
 use crate::validate::ijson::Recorded;

@@ -37,9 +37,9 @@ mod lanes;
 #[cfg(test)]
 mod paused_tests;
 mod remote;
-mod results;
+mod results_phase;
 #[cfg(test)]
-mod results_tests;
+mod results_phase_tests;
 pub(crate) mod verdicts;
 
 use crate::judge::call_index::CallIndex;
@@ -56,7 +56,7 @@ use guardmesh_proto::v1::{
     ToolCall,
 };
 use prost::bytes::Bytes;
-pub(crate) use results::Phase;
+pub(crate) use results_phase::Phase;
 use std::sync::Arc;
 use std::time::Duration;
 use tokio::time::Instant;
@@ -78,7 +78,7 @@ pub struct TraceContext {
     /// unknown.
     pub client: u64,
     /// The authenticated caller's identity, when there is one: handed on
-    /// with each result decision (R33, `mesh/results.rs`).
+    /// with each result decision (R33, `mesh/result_reads.rs`).
     pub caller: Option<Arc<str>>,
     /// The caller's identity as the auth layer established it; empty on a
     /// mesh without principals. Session memory is keyed by it (R34).

@@ -5,7 +5,7 @@
 //! failures and deadlines collected (R13, R14).
 
 use super::fold::Fold;
-use super::results::{self, Phase};
+use super::results_phase::{self, Phase};
 use super::verdicts::check_verdicts_in;
 use super::{BatchError, ChainGuard, Judging, span_guard};
 use crate::link::{GuardFailure, LinkBusy, LinkEvent, NotSent};
@@ -65,7 +65,7 @@ impl Judging<'_> {
             return bytes.clone();
         }
         if let Phase::Results(batch) = &self.phase {
-            let bytes = results::shared_part(
+            let bytes = results_phase::shared_part(
                 self.context.as_ref(),
                 batch,
                 self.calls

@@ -267,7 +267,7 @@ fn check_result_rewrite(
             why: why.to_string(),
         });
     }
-    if let Err(why) = crate::admit::results::check_shape(&result) {
+    if let Err(why) = crate::admit::result_batch::check_shape(&result) {
         return Err(Rejection::ResultRefused {
             call_id: call.call_id.clone(),
             why: format!("the new result {why}"),

@@ -4,9 +4,9 @@
 //! the batch's record ([`super::record`]), which emits what happened once.
 
 use super::Mesh;
+use super::batch_session::BatchSession;
 use super::pipeline::Judges;
 use super::record::{Guards, Outcome};
-use super::session::BatchSession;
 use crate::admit;
 use crate::judge::{Phase, TraceContext, Unguarded};
 use guardmesh_proto::v1::{BatchDecision, EvaluateRequest, GuardTrace, TraceStatus};
@@ -16,7 +16,7 @@ impl Mesh {
     /// The mesh's part of a batch's way (`pipeline.rs`): its span, the
     /// admission checks that need the mesh (content, registry, R1, batches
     /// in flight), the session read, judging by `judges` in a phase (calls,
-    /// or results taken out of the request by [`admit::results::take`],
+    /// or results taken out of the request by [`admit::result_batch::take`],
     /// R33), the session write. Emits nothing: the outcome goes to the
     /// batch's record.
     pub(crate) async fn pass_phase(

@@ -11,12 +11,12 @@
 //! ([`crate::judge`], `evaluate.rs`), and the batch's record ([`record`]),
 //! each once.
 
+mod batch_session;
 mod evaluate;
-pub mod interceptors;
+pub mod interceptor_chain;
 pub(crate) mod pipeline;
 pub(crate) mod record;
-pub mod results;
-mod session;
+pub mod result_reads;
 
 use crate::decision_log::MeshLog;
 pub use crate::judge::BatchError;
@@ -147,8 +147,8 @@ pub struct Mesh {
     decision_log: std::sync::OnceLock<MeshLog>,
     /// Where the gRPC server listens, once it serves (span attributes).
     pub(crate) served_at: std::sync::OnceLock<std::net::SocketAddr>,
-    /// Told of every result decision (R33), when set (`mesh/results.rs`).
-    result_reads: std::sync::OnceLock<Arc<dyn results::ResultReads>>,
+    /// Told of every result decision (R33), when set (`mesh/result_reads.rs`).
+    result_reads: std::sync::OnceLock<Arc<dyn result_reads::ResultReads>>,
     /// Session memory (R34): in this mesh's memory unless a shared store
     /// was attached before the first batch that needed it.
     sessions: std::sync::OnceLock<Arc<crate::session::SessionMemory>>,

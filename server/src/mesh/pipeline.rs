@@ -197,7 +197,10 @@ impl Refusing {
 /// its record (which holds the results as calls) is written.
 enum AnswerPhase {
     Calls,
-    Results(admit::results::ResultBatch, Option<super::results::ReadBy>),
+    Results(
+        admit::result_batch::ResultBatch,
+        Option<super::result_reads::ReadBy>,
+    ),
 }
 
 impl AnswerPhase {
@@ -206,7 +209,7 @@ impl AnswerPhase {
             Phase::Calls => Self::Calls,
             Phase::Results(results) => Self::Results(
                 results.clone(),
-                judges.remembers().then(|| super::results::ReadBy {
+                judges.remembers().then(|| super::result_reads::ReadBy {
                     session_id: batch
                         .context
                         .as_ref()
@@ -219,7 +222,7 @@ impl AnswerPhase {
     }
 
     /// The answer; a result's decision is handed on to the mesh's hook
-    /// (`mesh/results.rs`) once recorded, before the answer leaves.
+    /// (`mesh/result_reads.rs`) once recorded, before the answer leaves.
     async fn answer(&self, mesh: &Mesh, decision: BatchDecision) -> BatchDecision {
         match self {
             Self::Calls => decision,
@@ -354,7 +357,7 @@ impl Mesh {
             return refuse(record, shown, Refusal::ShuttingDown);
         }
         // R33: results are judged as calls; taken before the record is made.
-        let results = admit::results::take(&mut batch, limits);
+        let results = admit::result_batch::take(&mut batch, limits);
         let record = BatchLog::arrived(self, door.caller, Some(&batch), shown.clone());
         let phase = match results {
             Ok(None) => Phase::Calls,

@@ -164,7 +164,7 @@ pub struct BatchValues<'a> {
     /// The bytes of the context's strings.
     context_bytes: usize,
     /// `session`, when the batch's policies read it (R34).
-    session: Option<super::session::SessionVal>,
+    session: Option<super::session_cel::SessionVal>,
 }
 
 /// The CEL interpreter's values of a batch.
@@ -281,7 +281,7 @@ impl<'a> BatchValues<'a> {
 
     /// Sets `session`: the session's memory, or why it cannot be read (R34).
     /// Without it a rule naming `session` fails (R13).
-    pub fn set_session(&mut self, session: super::session::SessionVal) {
+    pub fn set_session(&mut self, session: super::session_cel::SessionVal) {
         self.session = Some(session);
     }
 
@@ -449,7 +449,7 @@ pub(crate) struct Scope<'s, 'a> {
     call: &'s (dyn Val + 'a),
     calls: &'s CelList<'a>,
     context: &'s CelMap<'a>,
-    session: Option<&'s super::session::SessionVal>,
+    session: Option<&'s super::session_cel::SessionVal>,
     meter: Option<&'s Meter>,
     /// The bytes of `call`, `calls` and `context` (`session`'s are its own).
     bytes: [u64; 4],

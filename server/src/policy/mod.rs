@@ -41,7 +41,7 @@ mod patterns;
 mod plan;
 pub mod pool;
 mod reach;
-mod session;
+mod session_cel;
 mod strings;
 mod verdict;
 
@@ -59,5 +59,5 @@ pub use engine::{Policy, Rule};
 pub use error::{CasesError, CompileError, CompileErrorKind, EvalError, Field, Scope};
 pub use input::{Args, BatchInput, BatchValues, CallInput, CallRef, ContextRef, Members, Recorded};
 pub use patterns::{MESH_PATTERN_BYTES, charged_bytes as pattern_bytes};
-pub use session::SessionVal;
+pub use session_cel::SessionVal;
 pub use verdict::{Action, Outcome, Verdict};

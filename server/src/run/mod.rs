@@ -13,7 +13,7 @@
 //!   (R27, [`policy_reload`]), and the reload of the server certificate on
 //!   SIGHUP;
 //! * the Prometheus endpoint (`metrics_listen`);
-//! * the gRPC listener and its drain on shutdown ([`crate::server::run`]).
+//! * the gRPC listener and its drain on shutdown ([`crate::grpc::run`]).
 //!
 //! ```no_run
 //! # async fn serve(path: &std::path::Path) -> Result<(), guardmesh_server::run::ServerError> {
@@ -90,7 +90,7 @@ pub enum ServerError {
     },
     /// The gRPC server stopped with an error.
     #[error(transparent)]
-    Serve(#[from] crate::server::ServeError),
+    Serve(#[from] crate::grpc::ServeError),
 }
 
 /// A mesh and everything that runs beside it, ready to serve.
@@ -447,7 +447,7 @@ impl Server {
 /// ([`InProcess::close`]) when done, so that the decision log is closed
 /// cleanly.
 pub struct InProcess {
-    tool: crate::server::service::PreTool,
+    tool: crate::grpc::service::PreTool,
     /// The decision log's caller of every batch (made once).
     caller: Arc<crate::decision_log::Caller>,
     running: Running,
@@ -475,7 +475,7 @@ impl Server {
         // Dial the config's guards before the first batch needs them.
         let _ = running.mesh.chain();
         let (draining, watch) = tokio::sync::watch::channel(false);
-        let tool = crate::server::service::PreTool::new(running.mesh.clone(), watch);
+        let tool = crate::grpc::service::PreTool::new(running.mesh.clone(), watch);
         // No principal was authenticated: the log names the caller by where
         // its batches came from instead of a peer address.
         let caller = Arc::new(crate::decision_log::Caller {
@@ -585,7 +585,7 @@ impl Running {
         };
         let serving = async {
             tokio::select! {
-                served = crate::server::run(listener, self.mesh.clone(), signalled) => served,
+                served = crate::grpc::run(listener, self.mesh.clone(), signalled) => served,
                 cut = grace_over => {
                     match cut {
                         DrainCut::GraceOver => tracing::warn!(

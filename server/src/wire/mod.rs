@@ -5,10 +5,10 @@
 //!   per message, each checked by a test against the generated types.
 //! * `read`: scanning fields without decoding them (varints, keys,
 //!   length-delimited values, skipping); what the inbound scan of a batch
-//!   (`server/inbound.rs`, R20) and the scan of guards' answers (R23) read.
+//!   (`grpc/inbound.rs`, R20) and the scan of guards' answers (R23) read.
 //! * `write`: writing a field by hand as prost writes it, and its length;
 //!   what the session memory sent to guards (`session/view.rs`, R34), the
-//!   results sent to guards (`judge/results.rs`, R33) and the parts of a
+//!   results sent to guards (`judge/results_phase.rs`, R33) and the parts of a
 //!   batch encoded once are written with.
 //! * `judge_stream`: the `Judge` stream's codec on the mesh's side:
 //!   requests written once and shared by guards, answers scanned for

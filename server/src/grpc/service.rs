@@ -12,13 +12,13 @@
 
 use crate::admit::{self, StreamGate};
 use crate::decision_log::{MeshLog, from_mesh};
+use crate::grpc::inbound::InboundCodec;
 use crate::judge::TraceContext;
 use crate::mesh::Mesh;
 use crate::mesh::pipeline::{Admitted, Arrival, Door, Inbound, Refusing};
 use crate::mesh::record::LogCaller;
 use crate::registry::{Admission, AdmitError, Owner, RegistryError};
 use crate::security::auth::{Caller, Role};
-use crate::server::inbound::InboundCodec;
 use futures::{Stream, StreamExt};
 use guardmesh_proto::v1::guard_registry_server::GuardRegistry;
 use guardmesh_proto::v1::pre_tool_service_server::PreToolService;

@@ -458,7 +458,7 @@ fn r27_r33_a_policy_guard_may_not_judge_results() {
 
 #[tokio::test(start_paused = true)]
 async fn r33_each_result_decision_is_handed_on_with_its_session_and_caller() {
-    use crate::mesh::results::{ResultRead, ResultReads};
+    use crate::mesh::result_reads::{ResultRead, ResultReads};
     use std::sync::Mutex;
     /// (session, caller, call id, read, server) of each result handed on.
     type Seen = (String, Option<String>, String, bool, String);

@@ -5,7 +5,7 @@
 //! (validate guards first, on the raw result; then mutate guards), the
 //! grant a rewrite is held to, and how the results are put on the wire.
 
-use crate::admit::results::ResultBatch;
+use crate::admit::result_batch::ResultBatch;
 use crate::registry::spec::Guard;
 use crate::wire::fields::guard_batch;
 use crate::wire::write;

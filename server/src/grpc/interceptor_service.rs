@@ -1,11 +1,11 @@
 //! `InterceptorService`: the chain as MCP interceptors (SEP-2624), for an
 //! MCP gateway speaking the interceptor extension. See
-//! [`crate::mesh::interceptors`].
+//! [`crate::mesh::interceptor_chain`].
 
+use crate::grpc::service::{door_trace, grpc_timeout, log_caller, may_replay};
 use crate::mesh::Mesh;
-use crate::mesh::interceptors::MAX_EVENT_FILTER_BYTES;
+use crate::mesh::interceptor_chain::MAX_EVENT_FILTER_BYTES;
 use crate::mesh::pipeline::Door;
-use crate::server::service::{door_trace, grpc_timeout, log_caller, may_replay};
 use guardmesh_proto::v1::interceptor_service_server::InterceptorService;
 use guardmesh_proto::v1::{
     InterceptorInvokeRequest, InterceptorInvokeResponse, InterceptorListRequest,

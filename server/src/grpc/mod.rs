@@ -2,12 +2,12 @@
 //! reflection, composed in one place.
 
 mod inbound;
-mod interceptors;
+mod interceptor_service;
 pub(crate) mod service;
 
+use crate::grpc::service::{PreTool, PreToolServer, Registrar};
 use crate::mesh::Mesh;
 use crate::security::auth::AuthLayer;
-use crate::server::service::{PreTool, PreToolServer, Registrar};
 use guardmesh_proto::v1::guard_registry_server::GuardRegistryServer;
 use guardmesh_proto::v1::pre_tool_service_server::PreToolServiceServer;
 use std::future::Future;
@@ -144,7 +144,7 @@ pub async fn run(
         .add_service(registrar)
         .add_service(
             guardmesh_proto::v1::interceptor_service_server::InterceptorServiceServer::new(
-                interceptors::Interceptors::new(mesh.clone()),
+                interceptor_service::Interceptors::new(mesh.clone()),
             ),
         )
         .serve_with_incoming_shutdown(incoming, signal)
