@@ -42,7 +42,8 @@
 //! * [`observe`]: counters and histograms (`observe/metrics.rs`), the
 //!   Prometheus endpoint ([`observe::metrics_http`]), logs and traces
 //!   ([`observe::telemetry`]).
-//! * [`policy`]: policy guards, CEL rules evaluated inside the mesh (R27).
+//! * [`policy`]: policy guards, CEL rules evaluated inside the mesh (R27),
+//!   with the fast path beside the CEL interpreter in `policy/plan/`.
 //! * [`decision_log`]: the tamper-evident decision log (R29): records,
 //!   masking, the hash chain across rotated files, the writer, `verify`.
 //! * [`config`]: the TOML config file.
