@@ -45,7 +45,9 @@
 //! * [`policy`]: policy guards, CEL rules evaluated inside the mesh (R27),
 //!   with the fast path beside the CEL interpreter in `policy/plan/`.
 //! * [`decision_log`]: the tamper-evident decision log (R29): records,
-//!   masking, the hash chain across rotated files, the writer, `verify`.
+//!   masking, the hash chain across rotated files, the writer
+//!   (`decision_log/writer/`: the handle, its task, the write path,
+//!   opening), `verify`.
 //! * [`config`]: the TOML config file.
 //! * [`run`]: [`Server`], the mesh assembled from a config (registry,
 //!   decision log, policy watch and reload, metrics endpoint) and run until
