@@ -39,6 +39,9 @@
 //!   is checked and compiled in `registry/spec.rs`.
 //! * [`security`]: TLS/mTLS on the listener ([`security::tls`]), identities
 //!   and roles ([`security::auth`]).
+//! * `accept`: the line the mesh's listeners log when an accept fails; the
+//!   pauses between failed accepts and the open-file limit are
+//!   `guardmesh_client::listener`'s, shared with the MCP gateway.
 //! * [`observe`]: counters and histograms (`observe/metrics.rs`), the
 //!   Prometheus endpoint ([`observe::metrics_http`]), logs and traces
 //!   ([`observe::telemetry`]).
