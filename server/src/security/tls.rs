@@ -49,8 +49,8 @@ pub fn provider() -> Arc<rustls::crypto::CryptoProvider> {
     Arc::new(rustls::crypto::ring::default_provider())
 }
 
-/// Reads every certificate of a PEM file.
-pub fn load_certs(path: &Path) -> Result<Vec<CertificateDer<'static>>, TlsError> {
+/// The bytes of a PEM file, and its path as errors show it.
+fn read_pem(path: &Path) -> Result<(String, Vec<u8>), TlsError> {
     let shown = path.display().to_string();
     let bytes =
         crate::files::read(path, crate::files::MAX_SECRET_FILE_BYTES).map_err(|source| {
@@ -59,6 +59,12 @@ pub fn load_certs(path: &Path) -> Result<Vec<CertificateDer<'static>>, TlsError>
                 source,
             }
         })?;
+    Ok((shown, bytes))
+}
+
+/// Reads every certificate of a PEM file.
+pub fn load_certs(path: &Path) -> Result<Vec<CertificateDer<'static>>, TlsError> {
+    let (shown, bytes) = read_pem(path)?;
     let certs = CertificateDer::pem_slice_iter(&bytes)
         .collect::<Result<Vec<_>, _>>()
         .map_err(|e| TlsError::Pem {
@@ -76,14 +82,7 @@ pub fn load_certs(path: &Path) -> Result<Vec<CertificateDer<'static>>, TlsError>
 
 /// Reads the private key of a PEM file.
 pub fn load_key(path: &Path) -> Result<PrivateKeyDer<'static>, TlsError> {
-    let shown = path.display().to_string();
-    let bytes =
-        crate::files::read(path, crate::files::MAX_SECRET_FILE_BYTES).map_err(|source| {
-            TlsError::Read {
-                path: shown.clone(),
-                source,
-            }
-        })?;
+    let (shown, bytes) = read_pem(path)?;
     PrivateKeyDer::from_pem_slice(&bytes).map_err(|e| TlsError::Pem {
         path: shown,
         reason: e.to_string(),
