@@ -30,7 +30,10 @@
 //! server), `otel` (trace context from and into OpenTelemetry spans), `tls`
 //! (rustls with ring, on either side). Off by default: `args`, the clap
 //! flags that say how a command reaches a mesh (`args::MeshArgs`), as the
-//! `guardmesh` commands and the MCP gateway read them.
+//! `guardmesh` commands and the MCP gateway read them; `listener`, the
+//! hardening of a TCP listener (the pause between failed accepts, the
+//! open-file limit) that the mesh and the MCP gateway share
+//! (`listener`).
 
 #[cfg(feature = "args")]
 pub mod args;
@@ -43,6 +46,8 @@ pub mod coordinator;
 pub mod error;
 #[cfg(feature = "guard")]
 pub mod guard;
+#[cfg(feature = "listener")]
+pub mod listener;
 #[cfg(feature = "coordinator")]
 pub mod registry;
 pub mod trace;

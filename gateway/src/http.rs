@@ -60,6 +60,9 @@ use crate::jsonrpc::{self, Incoming, Item, ToolCallRequest, codes};
 use crate::judge::{Disposition, Judge, JudgeArgs};
 use crate::stdio::fresh_session_id;
 use bytes::Bytes;
+use guardmesh_client::listener::{
+    AcceptBackoff, descriptors_for_connections, out_of_descriptors, raise_open_file_limit,
+};
 use http::{HeaderMap, HeaderValue, Method, Request, Response, StatusCode, Uri, header};
 use http_body_util::combinators::BoxBody;
 use http_body_util::{BodyExt, Full};
@@ -1250,94 +1253,7 @@ fn automatic_connection_cap() -> usize {
         return 1024;
     };
     let limit = usize::try_from(limit).unwrap_or(usize::MAX);
-    let reserve = (limit / 8).max(64);
-    (limit.saturating_sub(reserve) / 2).max(16)
-}
-
-/// Raises the soft open-file limit to the hard one, as servers commonly do;
-/// returns the limit in force (`None`: unlimited or unknown).
-fn raise_open_file_limit() -> Option<u64> {
-    #[cfg(unix)]
-    {
-        let mut limit = libc::rlimit {
-            rlim_cur: 0,
-            rlim_max: 0,
-        };
-        // SAFETY: getrlimit and setrlimit only read and write the struct.
-        unsafe {
-            if libc::getrlimit(libc::RLIMIT_NOFILE, &mut limit) != 0 {
-                return None;
-            }
-            if limit.rlim_cur < limit.rlim_max {
-                let raised = libc::rlimit {
-                    rlim_cur: limit.rlim_max,
-                    rlim_max: limit.rlim_max,
-                };
-                if libc::setrlimit(libc::RLIMIT_NOFILE, &raised) == 0 {
-                    limit = raised;
-                }
-            }
-        }
-        (limit.rlim_cur != libc::RLIM_INFINITY).then_some(limit.rlim_cur)
-    }
-    #[cfg(not(unix))]
-    {
-        None
-    }
-}
-
-/// Whether an accept failed for want of file descriptors (EMFILE, ENFILE).
-fn out_of_descriptors(error: &std::io::Error) -> bool {
-    #[cfg(unix)]
-    {
-        matches!(error.raw_os_error(), Some(libc::EMFILE | libc::ENFILE))
-    }
-    #[cfg(not(unix))]
-    {
-        let _ = error;
-        false
-    }
-}
-
-/// Pauses between failed accepts: a failure such as "too many open files"
-/// leaves the connection queued, so an immediate retry fails again at once.
-/// The pause doubles from 5 ms to 250 ms and resets on success; failures
-/// are logged at most every 5 s.
-struct AcceptBackoff {
-    next: Duration,
-    failures: u64,
-    logged: Option<std::time::Instant>,
-}
-
-impl AcceptBackoff {
-    const FIRST: Duration = Duration::from_millis(5);
-    const MAX: Duration = Duration::from_millis(250);
-
-    fn new() -> Self {
-        Self {
-            next: Self::FIRST,
-            failures: 0,
-            logged: None,
-        }
-    }
-
-    fn succeeded(&mut self) {
-        self.next = Self::FIRST;
-    }
-
-    async fn failed(&mut self, error: &std::io::Error) {
-        self.failures += 1;
-        if self
-            .logged
-            .is_none_or(|at| at.elapsed() >= Duration::from_secs(5))
-        {
-            tracing::warn!(%error, failures = self.failures, "mcp http: accept failed; backing off");
-            self.logged = Some(std::time::Instant::now());
-            self.failures = 0;
-        }
-        tokio::time::sleep(self.next).await;
-        self.next = (self.next * 2).min(Self::MAX);
-    }
+    (descriptors_for_connections(limit) / 2).max(16)
 }
 
 /// Serves HTTP/1.1 on one client connection until it ends or is closed to
@@ -1447,7 +1363,15 @@ async fn serve(
                 if out_of_descriptors(&error) {
                     registry.make_room();
                 }
-                backoff.failed(&error).await;
+                backoff
+                    .failed(|failures| {
+                        tracing::warn!(
+                            %error,
+                            failures,
+                            "mcp http: accept failed; backing off"
+                        );
+                    })
+                    .await;
                 continue;
             }
         };

@@ -1,53 +1,42 @@
-//! Pauses between failed accepts, shared by the mesh's listeners (the gRPC
+//! The mesh's line for a failed accept, shared by its listeners (the gRPC
 //! listener in [`crate::security::tls`] and the metrics endpoint): a leaf
-//! that both import.
+//! that both import. The pauses are the shared ones of
+//! [`guardmesh_client::listener::AcceptBackoff`].
 
-use std::time::Duration;
+use guardmesh_client::listener;
 
-/// Pauses between failed accepts. A failure such as "too many open files"
-/// leaves the connection queued, so an immediate retry fails again at once:
-/// without a pause the accept loop spins. The pause doubles up to a cap and
-/// resets on success; failures are logged at most every few seconds.
+/// Pauses between failed accepts on one of the mesh's listeners, logged
+/// (at most every few seconds) with the listener's name.
 #[derive(Debug)]
-pub struct AcceptBackoff {
+pub(crate) struct AcceptBackoff {
     listener: &'static str,
-    next: Duration,
-    failures: u64,
-    logged: Option<std::time::Instant>,
+    pauses: listener::AcceptBackoff,
 }
 
 impl AcceptBackoff {
-    const FIRST: Duration = Duration::from_millis(5);
-    const MAX: Duration = Duration::from_millis(250);
-    const LOG_EVERY: Duration = Duration::from_secs(5);
-
-    pub fn new(listener: &'static str) -> Self {
+    pub(crate) fn new(listener: &'static str) -> Self {
         Self {
             listener,
-            next: Self::FIRST,
-            failures: 0,
-            logged: None,
+            pauses: listener::AcceptBackoff::new(),
         }
     }
 
-    pub fn succeeded(&mut self) {
-        self.next = Self::FIRST;
+    pub(crate) fn succeeded(&mut self) {
+        self.pauses.succeeded();
     }
 
     /// Logs (throttled) and sleeps before the next accept.
-    pub async fn failed(&mut self, error: &std::io::Error) {
-        self.failures += 1;
-        if self.logged.is_none_or(|at| at.elapsed() >= Self::LOG_EVERY) {
-            tracing::warn!(
-                listener = self.listener,
-                %error,
-                failures = self.failures,
-                "accept failed; backing off"
-            );
-            self.logged = Some(std::time::Instant::now());
-            self.failures = 0;
-        }
-        tokio::time::sleep(self.next).await;
-        self.next = (self.next * 2).min(Self::MAX);
+    pub(crate) async fn failed(&mut self, error: &std::io::Error) {
+        let listener = self.listener;
+        self.pauses
+            .failed(|failures| {
+                tracing::warn!(
+                    listener,
+                    %error,
+                    failures,
+                    "accept failed; backing off"
+                );
+            })
+            .await;
     }
 }

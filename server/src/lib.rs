@@ -67,16 +67,23 @@
 //!   place it is checked (R16); `admit` above is a batch's admission stage.
 //! * [`security`]: TLS/mTLS on the listener ([`security::tls`]), identities
 //!   and roles ([`security::auth`]).
+//! * `accept`: the line the mesh's listeners log when an accept fails; the
+//!   pauses between failed accepts and the open-file limit are
+//!   `guardmesh_client::listener`'s, shared with the MCP gateway.
 //! * [`observe`]: counters and histograms (`observe/metrics.rs`), the
 //!   Prometheus endpoint ([`observe::metrics_http`]), logs and traces
 //!   ([`observe::telemetry`]).
-//! * [`policy`]: policy guards, CEL rules evaluated inside the mesh (R27).
+//! * [`policy`]: policy guards, CEL rules evaluated inside the mesh (R27),
+//!   with the fast path beside the CEL interpreter in `policy/plan/`.
 //! * [`decision_log`]: the tamper-evident decision log (R29): records,
-//!   masking, the hash chain across rotated files, the writer, `verify`.
+//!   masking, the hash chain across rotated files, the writer
+//!   (`decision_log/writer/`: the handle, its task, the write path,
+//!   opening), `verify`.
 //! * [`secret_formats`]: common secret formats, masked in records and
 //!   redacted by the redaction guard.
-//! * [`config`]: the TOML config file, its key reference and `config
-//!   check`; [`files`]: reading the small files a config names;
+//! * [`config`]: the TOML config file (one file per table in `config/`,
+//!   each key declared once in its table's type), its key reference and
+//!   `config check`; [`files`]: reading the small files a config names;
 //!   [`etcd_tls`]: TLS to etcd.
 //! * [`run`]: [`Server`], the mesh assembled from a config (registry,
 //!   decision log, policy watch and reload, metrics endpoint) and run until

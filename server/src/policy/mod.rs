@@ -48,8 +48,6 @@ mod verdict;
 #[cfg(test)]
 mod isolation_tests;
 #[cfg(test)]
-mod plan_tests;
-#[cfg(test)]
 mod tests;
 
 pub use cases::{CheckReport, Failure, RuleSummary, TestReport, check, test};

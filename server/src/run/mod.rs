@@ -198,7 +198,7 @@ impl Server {
                 .await
                 .map_err(|source| ServerError::Metrics { addr, source })?;
         }
-        if let Some(limit) = crate::security::tls::raise_open_file_limit() {
+        if let Some(limit) = guardmesh_client::listener::raise_open_file_limit() {
             tracing::info!(open_files = limit, "open-file limit");
         }
         // R34: a shared store without the secret is refused before anything

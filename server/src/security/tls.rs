@@ -9,7 +9,9 @@
 //! missing, foreign, expired or ambiguous certificate with UNAUTHENTICATED
 //! and a message that says which, before any request is served.
 
+use crate::accept::AcceptBackoff;
 use crate::observe::metrics::Metrics;
+use guardmesh_client::listener::{descriptors_for_connections, open_file_limit};
 use rustls::pki_types::pem::PemObject;
 use rustls::pki_types::{CertificateDer, PrivateKeyDer, UnixTime};
 use rustls::server::danger::{ClientCertVerified, ClientCertVerifier};
@@ -47,8 +49,8 @@ pub fn provider() -> Arc<rustls::crypto::CryptoProvider> {
     Arc::new(rustls::crypto::ring::default_provider())
 }
 
-/// Reads every certificate of a PEM file.
-pub fn load_certs(path: &Path) -> Result<Vec<CertificateDer<'static>>, TlsError> {
+/// The bytes of a PEM file, and its path as errors show it.
+fn read_pem(path: &Path) -> Result<(String, Vec<u8>), TlsError> {
     let shown = path.display().to_string();
     let bytes =
         crate::files::read(path, crate::files::MAX_SECRET_FILE_BYTES).map_err(|source| {
@@ -57,6 +59,12 @@ pub fn load_certs(path: &Path) -> Result<Vec<CertificateDer<'static>>, TlsError>
                 source,
             }
         })?;
+    Ok((shown, bytes))
+}
+
+/// Reads every certificate of a PEM file.
+pub fn load_certs(path: &Path) -> Result<Vec<CertificateDer<'static>>, TlsError> {
+    let (shown, bytes) = read_pem(path)?;
     let certs = CertificateDer::pem_slice_iter(&bytes)
         .collect::<Result<Vec<_>, _>>()
         .map_err(|e| TlsError::Pem {
@@ -74,14 +82,7 @@ pub fn load_certs(path: &Path) -> Result<Vec<CertificateDer<'static>>, TlsError>
 
 /// Reads the private key of a PEM file.
 pub fn load_key(path: &Path) -> Result<PrivateKeyDer<'static>, TlsError> {
-    let shown = path.display().to_string();
-    let bytes =
-        crate::files::read(path, crate::files::MAX_SECRET_FILE_BYTES).map_err(|source| {
-            TlsError::Read {
-                path: shown.clone(),
-                source,
-            }
-        })?;
+    let (shown, bytes) = read_pem(path)?;
     PrivateKeyDer::from_pem_slice(&bytes).map_err(|e| TlsError::Pem {
         path: shown,
         reason: e.to_string(),
@@ -681,50 +682,6 @@ impl ListenerLimits {
     }
 }
 
-/// The process's open-file limit (soft), if it has one.
-pub fn open_file_limit() -> Option<u64> {
-    #[cfg(unix)]
-    {
-        let mut limit = libc::rlimit {
-            rlim_cur: 0,
-            rlim_max: 0,
-        };
-        // SAFETY: getrlimit only writes the struct it is given.
-        if unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut limit) } != 0
-            || limit.rlim_cur == libc::RLIM_INFINITY
-        {
-            return None;
-        }
-        Some(limit.rlim_cur)
-    }
-    #[cfg(not(unix))]
-    {
-        None
-    }
-}
-
-/// Raises the soft open-file limit to the hard one (as servers commonly do
-/// at start); returns the limit in force.
-pub fn raise_open_file_limit() -> Option<u64> {
-    #[cfg(unix)]
-    {
-        let mut limit = libc::rlimit {
-            rlim_cur: 0,
-            rlim_max: 0,
-        };
-        // SAFETY: getrlimit and setrlimit only read and write the struct.
-        unsafe {
-            if libc::getrlimit(libc::RLIMIT_NOFILE, &mut limit) == 0
-                && limit.rlim_cur < limit.rlim_max
-            {
-                limit.rlim_cur = limit.rlim_max;
-                let _ = libc::setrlimit(libc::RLIMIT_NOFILE, &limit);
-            }
-        }
-    }
-    open_file_limit()
-}
-
 /// The connection cap when none is configured: the open-file limit less a
 /// reserve (an eighth of it, at least 64) for guard links, the registry,
 /// the metrics endpoint and the log, so that silent clients can never
@@ -732,11 +689,8 @@ pub fn raise_open_file_limit() -> Option<u64> {
 /// process has no open-file limit.
 pub fn automatic_connection_cap() -> Option<usize> {
     let limit = usize::try_from(open_file_limit()?).ok()?;
-    let reserve = (limit / 8).max(64);
-    Some(limit.saturating_sub(reserve).max(16))
+    Some(descriptors_for_connections(limit).max(16))
 }
-
-pub use crate::accept::AcceptBackoff;
 
 /// Accepts connections on `listener`, with TLS when `tls` is set, and hands
 /// on only those that complete their handshake and send the HTTP/2 preface

@@ -16,8 +16,10 @@ use proptest::prelude::*;
 use proptest::test_runner::{Config, TestRunner};
 use serde_json::json;
 
-use super::input::{Args, BatchInput, BatchValues, CallInput, CallRef, ContextRef};
-use super::plan::{Plan, Seen};
+use super::value::V;
+use super::{Input, Plan, Unsure};
+use crate::policy::input::{Args, BatchInput, BatchValues, CallInput, CallRef, ContextRef};
+use crate::policy::json::Json;
 
 /// A value, comparable across both evaluators.
 #[derive(Debug, Clone, PartialEq)]
@@ -31,6 +33,97 @@ pub(crate) enum Plain {
     Str(String),
     List(Vec<Plain>),
     Map(BTreeMap<String, Plain>),
+}
+
+/// Why [`Plan::plain`] has no value.
+#[derive(Debug)]
+pub(crate) enum Seen {
+    Unsure,
+    /// A value with no plain form (a bug of the fast path).
+    Unplain,
+}
+
+impl Plan {
+    /// Evaluates to a value comparable with the interpreter's.
+    pub(crate) fn plain(&self, input: &Input<'_, '_>) -> Result<Plain, Seen> {
+        let value = self
+            .run(input, super::eval::eval)
+            .map_err(|Unsure| Seen::Unsure)?;
+        plain(&value, input).ok_or(Seen::Unplain)
+    }
+}
+
+fn plain(value: &V<'_>, input: &Input<'_, '_>) -> Option<Plain> {
+    fn json(value: &Json<'_>) -> Plain {
+        match value {
+            Json::Null => Plain::Null,
+            Json::Bool(b) => Plain::Bool(*b),
+            Json::Int(i) => Plain::Int(*i),
+            Json::Uint(u) => Plain::Uint(*u),
+            Json::Double(d) => Plain::Double(d.to_bits()),
+            Json::Str(s) => Plain::Str(s.to_string()),
+            Json::List(items) => Plain::List(items.iter().map(json).collect()),
+            Json::Map(object) => Plain::Map(
+                object
+                    .iter()
+                    .map(|(k, v)| (k.to_string(), json(v.expect("a member that parses"))))
+                    .collect(),
+            ),
+        }
+    }
+    let input: &Input<'_, '_> = input;
+    Some(match value {
+        V::Null => Plain::Null,
+        V::Bool(b) => Plain::Bool(*b),
+        V::Int(i) => Plain::Int(*i),
+        V::Uint(u) => Plain::Uint(*u),
+        V::Double(d) => Plain::Double(d.to_bits()),
+        V::Str(s) => Plain::Str((*s).to_owned()),
+        V::Owned(s) => Plain::Str(s.to_string()),
+        V::Json(j) => json(j),
+        V::List(items) => Plain::List(
+            items
+                .iter()
+                .map(|v| plain(v, input))
+                .collect::<Option<_>>()?,
+        ),
+        V::CallMap(i) => {
+            let call = input.calls.get(*i)?;
+            Plain::Map(BTreeMap::from([
+                ("call_id".to_owned(), Plain::Str(call.call_id.to_owned())),
+                ("tool".to_owned(), Plain::Str(call.tool.to_owned())),
+                ("args".to_owned(), json(call.args.as_ref()?)),
+            ]))
+        }
+        V::Calls => Plain::List(
+            (0..input.calls.len())
+                .map(|i| plain(&V::CallMap(i), input))
+                .collect::<Option<_>>()?,
+        ),
+        V::Metadata => Plain::Map(
+            input
+                .context
+                .metadata
+                .iter()
+                .map(|(k, v)| ((*k).to_owned(), Plain::Str((*v).to_owned())))
+                .collect(),
+        ),
+        V::Context => Plain::Map(BTreeMap::from([
+            (
+                "session_id".to_owned(),
+                Plain::Str(input.context.session_id.to_owned()),
+            ),
+            (
+                "turn_index".to_owned(),
+                Plain::Int(i64::from(input.context.turn_index)),
+            ),
+            (
+                "model_text".to_owned(),
+                Plain::Str(input.context.model_text.to_owned()),
+            ),
+            ("metadata".to_owned(), plain(&V::Metadata, input)?),
+        ])),
+    })
 }
 
 fn from_cel(value: &dyn Val) -> Option<Plain> {
@@ -67,8 +160,8 @@ fn from_cel(value: &dyn Val) -> Option<Plain> {
 
 fn env() -> Arc<Env> {
     let mut env = Env::stdlib();
-    super::patterns::declare(&mut env);
-    super::strings::declare(&mut env);
+    crate::policy::patterns::declare(&mut env);
+    crate::policy::strings::declare(&mut env);
     Arc::new(env)
 }
 
@@ -762,7 +855,7 @@ fn r27_patterns_of_words_match_as_the_regex_does() {
     });
     let result = runner.run(&texts, |text| {
         for (pattern, regex) in patterns.iter().zip(&regexes) {
-            if let Some(found) = super::plan::word_match(pattern, &text) {
+            if let Some(found) = super::text::word_match(pattern, &text) {
                 prop_assert_eq!(found, regex.is_match(&text), "{} on {:?}", pattern, text);
             }
         }
@@ -774,7 +867,7 @@ fn r27_patterns_of_words_match_as_the_regex_does() {
     // The first five are checked without the regex engine (on ASCII text).
     for pattern in &patterns[..5] {
         assert!(
-            super::plan::word_match(pattern, "token").is_some(),
+            super::text::word_match(pattern, "token").is_some(),
             "{pattern} is left to the regex"
         );
     }
