@@ -130,6 +130,7 @@ mod rules;
 mod security;
 mod sessions;
 mod sessions_guards;
+mod sessions_serialized;
 mod sessions_store;
 mod shutdown;
 mod soak;

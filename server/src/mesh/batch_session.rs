@@ -81,7 +81,7 @@ impl Mesh {
 
     /// The key of the batch's session: the caller's identity and the
     /// batch's session id.
-    fn session_key(request: &EvaluateRequest, trace: &TraceContext) -> SessionKey {
+    pub(crate) fn session_key(request: &EvaluateRequest, trace: &TraceContext) -> SessionKey {
         SessionKey::new(
             trace.identity.as_ref(),
             request
@@ -101,15 +101,21 @@ impl Mesh {
         request: &EvaluateRequest,
         trace: &TraceContext,
         phase: &Phase,
+        busy: Option<Arc<str>>,
     ) -> Option<BatchSession> {
         if !Self::batch_needs_session(chain, request, phase) {
             return None;
         }
         let key = Self::session_key(request, trace);
         let server = Self::metadata_server(request);
-        let value = match self.sessions().read(&key).await {
-            Ok(view) => SessionVal::Read(view),
-            Err(error) => SessionVal::Unavailable(Arc::from(error.to_string())),
+        // R34: without its turn the memory is not read; the rules that need
+        // it fail per their guard's policy.
+        let value = match busy {
+            Some(why) => SessionVal::Unavailable(why),
+            None => match self.sessions().read(&key).await {
+                Ok(view) => SessionVal::Read(view),
+                Err(error) => SessionVal::Unavailable(Arc::from(error.to_string())),
+            },
         };
         Some(BatchSession { key, value, server })
     }

@@ -26,6 +26,7 @@ impl Mesh {
         mut trace: TraceContext,
         phase: Phase,
         judges: &Judges,
+        busy: Option<std::sync::Arc<str>>,
     ) -> Outcome {
         let span = crate::observe::spans::batch_span(
             trace.unary,
@@ -44,7 +45,7 @@ impl Mesh {
             trace.trace_id = trace_id.to_owned();
         }
         let mut outcome = tracing::Instrument::instrument(
-            self.pass_in(request, deadline, trace, span.clone(), phase, judges),
+            self.pass_in(request, deadline, trace, span.clone(), phase, judges, busy),
             span.clone(),
         )
         .await;
@@ -60,6 +61,7 @@ impl Mesh {
         span: tracing::Span,
         phase: Phase,
         judges: &Judges,
+        busy: Option<std::sync::Arc<str>>,
     ) -> Outcome {
         let started = Instant::now();
         let (chain, unguarded) = match judges {
@@ -122,7 +124,9 @@ impl Mesh {
             Err(refusal) => return Outcome::refused(refusal),
         };
         // R34: the session's memory, read once when a guard reads it.
-        let mut session = self.read_session(&chain, &request, &trace, &phase).await;
+        let mut session = self
+            .read_session(&chain, &request, &trace, &phase, busy)
+            .await;
         // R33: a request of results runs no call; its results are
         // remembered by `results_read`.
         let runs_calls = !phase.is_results();

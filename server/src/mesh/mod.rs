@@ -17,6 +17,7 @@ pub mod interceptor_chain;
 pub(crate) mod pipeline;
 pub(crate) mod record;
 pub mod result_reads;
+mod session_turns;
 
 use crate::decision_log::MeshLog;
 pub use crate::judge::BatchError;
@@ -152,6 +153,8 @@ pub struct Mesh {
     /// Session memory (R34): in this mesh's memory unless a shared store
     /// was attached before the first batch that needed it.
     sessions: std::sync::OnceLock<Arc<crate::session::SessionMemory>>,
+    /// A session's batches judged one after another on this mesh (R34).
+    session_turns: Arc<session_turns::SessionTurns>,
 }
 
 impl std::fmt::Debug for Mesh {
@@ -185,6 +188,7 @@ impl Mesh {
             served_at: std::sync::OnceLock::new(),
             result_reads: std::sync::OnceLock::new(),
             sessions: std::sync::OnceLock::new(),
+            session_turns: Arc::default(),
         })
     }
 

@@ -268,20 +268,57 @@ impl Admitted {
     /// Judges the batch, writes its record (R29: before the answer
     /// leaves), and gives the answer or the status to answer with.
     pub(crate) async fn run(self, mesh: &Mesh) -> Result<BatchDecision, Status> {
-        let (outcome, record, answer) = self.judge(mesh).await;
+        let (outcome, record, answer, turn) = self.judge(mesh).await;
         let decision = record.finish(outcome).await?;
-        Ok(answer.answer(mesh, decision).await)
+        let decision = answer.answer(mesh, decision).await;
+        // R34: the session's next batch reads the memory this one wrote.
+        drop(turn);
+        Ok(decision)
     }
 
     /// [`Self::run`] for a door that writes no decision record (replay and
     /// tests): the error as the judge typed it.
     async fn run_unrecorded(self, mesh: &Mesh) -> Result<BatchDecision, BatchError> {
-        let (outcome, record, answer) = self.judge(mesh).await;
+        let (outcome, record, answer, turn) = self.judge(mesh).await;
         let decision = record.emit(outcome)?;
-        Ok(answer.answer(mesh, decision).await)
+        let decision = answer.answer(mesh, decision).await;
+        drop(turn);
+        Ok(decision)
     }
 
-    async fn judge(self, mesh: &Mesh) -> (super::record::Outcome, BatchLog, AnswerPhase) {
+    /// The session's turn (R34), when the chain uses session memory: held
+    /// from before the memory is read until the answer is ready. `Err`
+    /// with why the memory is not read when the turn did not come before
+    /// the batch's deadline.
+    async fn session_turn(
+        &self,
+        mesh: &Mesh,
+    ) -> Result<Option<super::session_turns::Turn>, std::sync::Arc<str>> {
+        if !Mesh::chain_uses_session(&mesh.chain()) {
+            return Ok(None);
+        }
+        let key = Mesh::session_key(&self.batch, &self.trace);
+        match mesh.session_turns.take(key, self.deadline).await {
+            Ok(turn) => Ok(Some(turn)),
+            Err(super::session_turns::Busy) => Err(std::sync::Arc::from(
+                "another batch of this session was still being judged at this batch's deadline",
+            )),
+        }
+    }
+
+    async fn judge(
+        self,
+        mesh: &Mesh,
+    ) -> (
+        super::record::Outcome,
+        BatchLog,
+        AnswerPhase,
+        Option<super::session_turns::Turn>,
+    ) {
+        let (turn, busy) = match self.session_turn(mesh).await {
+            Ok(turn) => (turn, None),
+            Err(why) => (None, Some(why)),
+        };
         let Self {
             batch,
             phase,
@@ -295,11 +332,11 @@ impl Admitted {
             size: _,
         } = self;
         let outcome = mesh
-            .pass_phase(batch, deadline, trace, phase, &judges)
+            .pass_phase(batch, deadline, trace, phase, &judges, busy)
             .await;
         drop(bytes);
         drop(ticket);
-        (outcome, record, answer)
+        (outcome, record, answer, turn)
     }
 }
 

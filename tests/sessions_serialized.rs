@@ -1,0 +1,63 @@
+//! R34: two batches of one session are judged as if one ran after the
+//! other, so a count or a flow cannot be raced by sending batches at once.
+//! (On one mesh; replicas sharing a store are a later step.)
+
+use crate::harness::*;
+use guardmesh_client::{Batch, Outcome, Registration};
+
+fn relaybleed() -> String {
+    std::fs::read_to_string(repo_root().join("examples/policy/relaybleed.toml")).unwrap()
+}
+
+/// Six single-email batches of one session sent at once, each on a
+/// connection of its own: `email-rate` lets exactly three run. Another
+/// session is not held up by them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn r34_concurrent_batches_of_one_session_cannot_race_a_count() {
+    let mesh = TestMesh::start().await;
+    mesh.register(Registration::policy("flows", relaybleed()))
+        .await;
+    for round in 0..3 {
+        let session = format!("race-{round}");
+        let mut sent = Vec::new();
+        for turn in 0..6u32 {
+            let url = mesh.url.clone();
+            let session = session.clone();
+            sent.push(tokio::spawn(async move {
+                let c = guardmesh_client::Coordinator::connect(url).await.unwrap();
+                let d = c
+                    .evaluate_once(
+                        &session,
+                        Batch::new(turn).call("e", "email.send", r#"{"to":"a@example.com"}"#),
+                    )
+                    .await
+                    .unwrap();
+                d.call("e").unwrap().outcome.clone()
+            }));
+        }
+        let mut proceeded = 0;
+        let mut cancelled = 0;
+        for sent in sent {
+            match sent.await.unwrap() {
+                Outcome::Proceed => proceeded += 1,
+                Outcome::Cancel { content } => {
+                    assert!(content.contains("3 emails"), "{content}");
+                    cancelled += 1;
+                }
+                other => panic!("round {round}: {other:?}"),
+            }
+        }
+        assert_eq!((proceeded, cancelled), (3, 3), "round {round}");
+    }
+    // Another session still gets its own three.
+    let c = mesh.coordinator().await;
+    let d = c
+        .evaluate_once(
+            "other",
+            Batch::new(0).call("e", "email.send", r#"{"to":"a@example.com"}"#),
+        )
+        .await
+        .unwrap();
+    assert!(matches!(d.call("e").unwrap().outcome, Outcome::Proceed));
+    mesh.shutdown().await;
+}
