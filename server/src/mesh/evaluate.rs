@@ -5,10 +5,10 @@
 
 use super::Mesh;
 use super::batch_session::BatchSession;
-use super::pipeline::Judges;
+use super::pipeline::{Judges, Pass};
 use super::record::{Guards, Outcome};
 use crate::admit;
-use crate::judge::{Phase, TraceContext, Unguarded};
+use crate::judge::{TraceContext, Unguarded};
 use guardmesh_proto::v1::{BatchDecision, EvaluateRequest, GuardTrace, TraceStatus};
 use tokio::time::Instant;
 
@@ -24,9 +24,7 @@ impl Mesh {
         request: EvaluateRequest,
         deadline: Instant,
         mut trace: TraceContext,
-        phase: Phase,
-        judges: &Judges,
-        busy: Option<std::sync::Arc<str>>,
+        pass: Pass<'_>,
     ) -> Outcome {
         let span = crate::observe::spans::batch_span(
             trace.unary,
@@ -45,7 +43,7 @@ impl Mesh {
             trace.trace_id = trace_id.to_owned();
         }
         let mut outcome = tracing::Instrument::instrument(
-            self.pass_in(request, deadline, trace, span.clone(), phase, judges, busy),
+            self.pass_in(request, deadline, trace, span.clone(), pass),
             span.clone(),
         )
         .await;
@@ -59,10 +57,13 @@ impl Mesh {
         deadline: Instant,
         trace: TraceContext,
         span: tracing::Span,
-        phase: Phase,
-        judges: &Judges,
-        busy: Option<std::sync::Arc<str>>,
+        pass: Pass<'_>,
     ) -> Outcome {
+        let Pass {
+            phase,
+            judges,
+            busy,
+        } = pass;
         let started = Instant::now();
         let (chain, unguarded) = match judges {
             Judges::Chain => (self.chain(), self.config.unguarded),

@@ -102,6 +102,14 @@ impl Judges {
     }
 }
 
+/// How a batch is judged once admitted: its phase, by whom, and whether it
+/// had its session's turn (`busy`: why not, R34).
+pub(crate) struct Pass<'a> {
+    pub(crate) phase: Phase,
+    pub(crate) judges: &'a Judges,
+    pub(crate) busy: Option<Arc<str>>,
+}
+
 /// What a door hands the pipeline for one batch: what its transport knows.
 #[derive(Debug)]
 pub(crate) struct Door<'a> {
@@ -332,7 +340,16 @@ impl Admitted {
             size: _,
         } = self;
         let outcome = mesh
-            .pass_phase(batch, deadline, trace, phase, &judges, busy)
+            .pass_phase(
+                batch,
+                deadline,
+                trace,
+                Pass {
+                    phase,
+                    judges: &judges,
+                    busy,
+                },
+            )
             .await;
         drop(bytes);
         drop(ticket);
