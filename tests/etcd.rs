@@ -65,17 +65,9 @@ fn loopback_port() -> u16 {
 
 impl Etcd {
     async fn start() -> Self {
-        static SEQ: AtomicUsize = AtomicUsize::new(0);
-        let dir = std::env::temp_dir().join(format!(
-            "guardmesh-etcd-{}-{}",
-            std::process::id(),
-            SEQ.fetch_add(1, Ordering::SeqCst)
-        ));
-        let _ = std::fs::remove_dir_all(&dir);
-        std::fs::create_dir_all(&dir).unwrap();
         let mut etcd = Self {
             bin: etcd_binary(),
-            dir,
+            dir: fresh_dir("etcd"),
             client_port: loopback_port(),
             peer_port: loopback_port(),
             child: None,
@@ -1721,7 +1713,7 @@ async fn r15_heartbeat_sidecar_follows_the_guard_and_revokes_on_exit() {
     let a = Replica::start(config.clone()).await;
     let mut guard = GuardProcess::start("deny-list", 0, &[]);
     let out = a.register(Registration::validate("deny", &guard.url)).await;
-    let dir = tempdir("sidecar");
+    let dir = fresh_dir("sidecar");
     let file = dir.join("mesh.toml");
     std::fs::write(
         &file,
@@ -1782,17 +1774,6 @@ async fn r15_heartbeat_sidecar_follows_the_guard_and_revokes_on_exit() {
     .await;
     a.stop().await;
     let _ = std::fs::remove_dir_all(dir);
-}
-
-/// A fresh temporary folder for one test.
-fn tempdir(name: &str) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!(
-        "guardmesh-{name}-{}-{}",
-        std::process::id(),
-        rand::random::<u32>()
-    ));
-    std::fs::create_dir_all(&dir).unwrap();
-    dir
 }
 
 /// A policy guard registered through one replica is judged by the other with

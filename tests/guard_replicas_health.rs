@@ -47,12 +47,7 @@ fn command(replica: &mut ScriptedReplica, command: &str) {
 }
 
 fn script() -> (std::path::PathBuf, std::path::PathBuf) {
-    let dir = std::env::temp_dir().join(format!(
-        "guardmesh-health-{}-{}",
-        std::process::id(),
-        rand::random::<u32>()
-    ));
-    std::fs::create_dir_all(&dir).unwrap();
+    let dir = fresh_dir("health");
     let path = dir.join("health_guard.py");
     std::fs::write(&path, SCRIPT).unwrap();
     (dir, path)

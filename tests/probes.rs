@@ -10,7 +10,6 @@ use crate::harness::*;
 use guardmesh_client::{Batch, ClientError, Coordinator};
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
-use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
@@ -23,23 +22,11 @@ struct Serve {
     dir: PathBuf,
 }
 
-fn temp_dir(name: &str) -> PathBuf {
-    static SEQ: AtomicUsize = AtomicUsize::new(0);
-    let dir = std::env::temp_dir().join(format!(
-        "guardmesh-probes-{name}-{}-{}",
-        std::process::id(),
-        SEQ.fetch_add(1, Ordering::SeqCst)
-    ));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).unwrap();
-    dir
-}
-
 impl Serve {
     /// Starts the mesh with `config` (a `metrics_listen` line is added) and
     /// waits (bounded) until `/healthz` answers.
     async fn start(name: &str, config: &str) -> Self {
-        let dir = temp_dir(name);
+        let dir = fresh_dir(name);
         let port = free_port();
         let metrics = free_port();
         let file = dir.join("mesh.toml");
@@ -163,7 +150,7 @@ struct Etcd {
 impl Etcd {
     fn new() -> Self {
         Self {
-            dir: temp_dir("etcd"),
+            dir: fresh_dir("probes-etcd"),
             client_port: free_port(),
             peer_port: free_port(),
             child: None,
@@ -275,7 +262,7 @@ secret_file = {:?}
 
 #[tokio::test]
 async fn readyz_is_503_when_the_decision_log_directory_cannot_be_written() {
-    let logs = temp_dir("log");
+    let logs = fresh_dir("probes-log");
     let log_dir = logs.join("decisions");
     let config = format!(
         "[decision_log]\ndir = {:?}\n",
@@ -509,7 +496,7 @@ fn systemd_unit_verifies_and_its_sandbox_exposure_stays_low() {
         assert!(unit.contains(directive), "the unit lacks {directive:?}");
     }
     // verify checks that ExecStart names an executable: the one built here.
-    let dir = temp_dir("systemd");
+    let dir = fresh_dir("probes-systemd");
     let file = dir.join("guardmesh.service");
     std::fs::write(
         &file,

@@ -64,6 +64,20 @@ pub(crate) fn free_port() -> u16 {
         .port()
 }
 
+/// A fresh, empty folder under the system's temporary folder, named after
+/// `name`, this process and a counter: another one at each call.
+pub(crate) fn fresh_dir(name: &str) -> std::path::PathBuf {
+    static SEQ: AtomicUsize = AtomicUsize::new(0);
+    let dir = std::env::temp_dir().join(format!(
+        "guardmesh-{name}-{}-{}",
+        std::process::id(),
+        SEQ.fetch_add(1, Ordering::SeqCst)
+    ));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    dir
+}
+
 /// A session secret (`[sessions] secret_file`, R34) of 32 random bytes,
 /// readable by its owner only, at `dir/name`: what a mesh whose session
 /// memory is shared (an etcd registry, Redis) needs to start. Written once:
