@@ -369,11 +369,9 @@ async fn r29_with_on_log_failure_answer_the_batch_is_answered_and_the_loss_count
     };
     let guard = proceed_guard().await;
     mesh.register(Registration::validate("g", &guard.url)).await;
-    let session = mesh.coordinator().await.session("s").await.unwrap();
-    let d = session
-        .evaluate(Batch::new(0).call("c1", "t", "{}"))
-        .await
-        .unwrap();
+    let (_session, d) = mesh
+        .session_decides(Batch::new(0).call("c1", "t", "{}"))
+        .await;
     assert!(d.call("c1").unwrap().proceeds());
     assert_eq!(
         metric(

@@ -278,11 +278,9 @@ async fn unreachable_guard_unparsable_endpoint_is_refused_at_registration_and_th
         let after = registrar.list().await.unwrap();
         assert_eq!(after, before, "{bad:?}: the chain is unchanged");
     }
-    let session = mesh.coordinator().await.session("s").await.unwrap();
-    let d = session
-        .evaluate(Batch::new(0).call("c1", "t", "{}"))
-        .await
-        .unwrap();
+    let (_session, d) = mesh
+        .session_decides(Batch::new(0).call("c1", "t", "{}"))
+        .await;
     assert_skip(&d.calls[0], "g", &steer_outcome("from g"), "still judged");
     assert_eq!(d.chain_revision, before.revision);
 }
@@ -582,15 +580,13 @@ async fn hang_remaining_batch_budget_shrinks_across_mutate_guards() {
         .await;
     mesh.register(Registration::validate("v", &validate.url).timeout(Duration::from_secs(20)))
         .await;
-    let session = mesh.coordinator().await.session("s").await.unwrap();
-    let d = session
-        .evaluate(
+    let (_session, d) = mesh
+        .session_decides(
             Batch::new(0)
                 .call("c1", "t", "{}")
                 .timeout(Duration::from_secs(3)),
         )
-        .await
-        .unwrap();
+        .await;
     assert!(d.calls[0].proceeds(), "{:?}", d.calls[0]);
     assert_eq!(*first_answered_when_second_asked.lock().unwrap(), [1]);
     let m1 = first.guard.batches()[0].deadline_ms;
@@ -919,17 +915,15 @@ async fn spurious_unknown_skip_kind_is_still_a_skip_read_as_steer() {
         };
         mesh.register(registration.failure_policy(FailurePolicy::FailOpen))
             .await;
-        let session = mesh.coordinator().await.session("s").await.unwrap();
-        let d = session
-            .evaluate(
+        let (_session, d) = mesh
+            .session_decides(
                 Batch::new(0)
                     .call("c1", "seven", "{}")
                     .call("c2", "negative", "{}")
                     .call("c3", "max", "{}")
                     .call("c4", "fine", "{}"),
             )
-            .await
-            .unwrap();
+            .await;
         let what = if mutate { "mutate" } else { "validate" };
         for (call, kind) in d.calls.iter().zip([7, -3, i32::MAX]) {
             assert_skip(call, "g", &steer_outcome(&format!("kind {kind}")), what);
@@ -1419,15 +1413,13 @@ async fn r23_unknown_fields_outside_a_verdict_are_ignored() {
             .timeout(Duration::from_secs(5)),
     )
     .await;
-    let session = mesh.coordinator().await.session("s").await.unwrap();
-    let d = session
-        .evaluate(
+    let (_session, d) = mesh
+        .session_decides(
             Batch::new(0)
                 .call("c1", "fs.delete", "{}")
                 .call("c2", "fs.read", "{}"),
         )
-        .await
-        .unwrap();
+        .await;
     assert_skip(
         &d.calls[0],
         "g",
@@ -1686,15 +1678,13 @@ async fn r23_unknown_rewrite_field_fails_a_mutate_guard_and_nothing_is_rewritten
     )
     .await;
     mesh.register(Registration::validate("v", &later.url)).await;
-    let session = mesh.coordinator().await.session("s").await.unwrap();
-    let d = session
-        .evaluate(
+    let (_session, d) = mesh
+        .session_decides(
             Batch::new(0)
                 .call("c1", "fs.write", r#"{"path":"/etc/passwd"}"#)
                 .call("c2", "net.get", "{}"),
         )
-        .await
-        .unwrap();
+        .await;
     assert_failure_cancel(&d.calls[0], "m", "unknown rewrite field");
     assert!(d.calls[0].rewritten_by.is_empty(), "{:?}", d.calls[0]);
     assert_eq!(d.calls[0].final_call.arguments, r#"{"path":"/etc/passwd"}"#);

@@ -576,16 +576,14 @@ async fn readme_minimal_python_and_node_guards_work_as_documented() {
     let chain = mesh.registrar().await.list().await.unwrap();
     let names: Vec<_> = chain.guards.iter().map(|g| g.name.as_str()).collect();
     assert_eq!(names, ["no-delete", "no-delete-js"]);
-    let session = mesh.coordinator().await.session("s").await.unwrap();
-    let d = session
-        .evaluate(
+    let (_session, d) = mesh
+        .session_decides(
             Batch::new(0)
                 .call("c1", "fs.delete", r#"{"path":"/tmp/x"}"#)
                 .call("c2", "login", r#"{"user":"ada","password":"hunter2"}"#)
                 .call("c3", "fs.read", r#"{"path":"/tmp/x"}"#),
         )
-        .await
-        .unwrap();
+        .await;
     assert_eq!(
         d.calls[0].outcome,
         Outcome::Cancel {

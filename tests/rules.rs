@@ -107,15 +107,13 @@ async fn r5_early_veto_answers_and_cancels_the_slow_later_guard() {
         .await;
     mesh.register(Registration::validate("slow", &slow.url).timeout(Duration::from_secs(20)))
         .await;
-    let session = mesh.coordinator().await.session("s").await.unwrap();
-    let d = session
-        .evaluate(
+    let (_session, d) = mesh
+        .session_decides(
             Batch::new(0)
                 .call("c1", "t", "{}")
                 .timeout(Duration::from_secs(30)),
         )
-        .await
-        .unwrap();
+        .await;
     assert_eq!(d.calls[0].decided_by.as_deref(), Some("veto"));
     assert_eq!(status_of(&d, "slow"), TraceStatus::Superseded);
     assert_eq!(slow.guard.requests(), 1);
@@ -139,16 +137,14 @@ async fn r6_a_skip_touches_only_its_call() {
     })
     .await;
     mesh.register(Registration::validate("g", &guard.url)).await;
-    let session = mesh.coordinator().await.session("s").await.unwrap();
-    let d = session
-        .evaluate(
+    let (_session, d) = mesh
+        .session_decides(
             Batch::new(0)
                 .call("c1", "a", "{}")
                 .call("c2", "b", "{}")
                 .call("c3", "c", r#"{"x":1}"#),
         )
-        .await
-        .unwrap();
+        .await;
     let ids: Vec<_> = d.calls.iter().map(|c| c.call_id.as_str()).collect();
     assert_eq!(
         ids,
@@ -181,15 +177,13 @@ async fn r7_skip_without_kind_is_steer() {
     })
     .await;
     mesh.register(Registration::validate("g", &guard.url)).await;
-    let session = mesh.coordinator().await.session("s").await.unwrap();
-    let d = session
-        .evaluate(
+    let (_session, d) = mesh
+        .session_decides(
             Batch::new(0)
                 .call("default", "t", "{}")
                 .call("cancel", "t", "{}"),
         )
-        .await
-        .unwrap();
+        .await;
     assert_eq!(
         d.calls[0].outcome,
         Outcome::Steer {
@@ -231,15 +225,13 @@ async fn r8_malformed_verdicts_are_dropped_and_traced() {
         .await;
     mesh.register(Registration::validate("later", &later.url))
         .await;
-    let session = mesh.coordinator().await.session("s").await.unwrap();
-    let d = session
-        .evaluate(
+    let (_session, d) = mesh
+        .session_decides(
             Batch::new(0)
                 .call("blank", "t", "{}")
                 .call("twice", "t", "{}"),
         )
-        .await
-        .unwrap();
+        .await;
     assert!(d.calls[0].proceeds(), "a blank skip counts as proceed");
     assert!(d.calls[1].proceeds(), "the second verdict is ignored");
     assert_eq!(status_of(&d, "buggy"), TraceStatus::Malformed);
@@ -266,16 +258,14 @@ async fn r9_guard_receives_only_the_calls_it_applies_to() {
         .await;
     mesh.register(Registration::validate("none", &none.url).tools(["payments.*"]))
         .await;
-    let session = mesh.coordinator().await.session("s").await.unwrap();
-    let d = session
-        .evaluate(
+    let (_session, d) = mesh
+        .session_decides(
             Batch::new(0)
                 .call("q", "sql.query", sql_args())
                 .call("r", "fs.read", "{}")
                 .call("x", "shell", "{}"),
         )
-        .await
-        .unwrap();
+        .await;
     let got = |g: &TestGuard| -> Vec<String> {
         g.guard.batches()[0]
             .calls
@@ -529,11 +519,9 @@ async fn r16_reregistration_updates_in_place_and_keeps_position() {
     let names: Vec<_> = list.guards.iter().map(|g| g.name.as_str()).collect();
     assert_eq!(names, ["a", "b"]);
     assert_eq!(list.guards[0].tools, ["t"]);
-    let session = mesh.coordinator().await.session("s").await.unwrap();
-    let d = session
-        .evaluate(Batch::new(0).call("c", "t", "{}"))
-        .await
-        .unwrap();
+    let (_session, d) = mesh
+        .session_decides(Batch::new(0).call("c", "t", "{}"))
+        .await;
     assert_eq!(d.calls[0].decided_by.as_deref(), Some("a"));
     assert_eq!(d.chain_revision, list.revision);
     // Bad registrations are refused with INVALID_ARGUMENT naming the field.
@@ -771,15 +759,13 @@ async fn r21_one_trace_entry_per_guard_with_its_status() {
         Registration::validate("superseded", &superseded.url).timeout(Duration::from_secs(20)),
     )
     .await;
-    let session = mesh.coordinator().await.session("s").await.unwrap();
-    let d = session
-        .evaluate(
+    let (_session, d) = mesh
+        .session_decides(
             Batch::new(0)
                 .call("c1", "t", "{}")
                 .timeout(Duration::from_secs(30)),
         )
-        .await
-        .unwrap();
+        .await;
     let got: Vec<_> = d
         .trace
         .iter()

@@ -56,6 +56,17 @@ impl TestMesh {
         self.registrar().await.register(spec).await.unwrap();
     }
 
+    /// Opens session "s" and has it evaluate `batch`: the session (open
+    /// while the caller holds it) and the decision.
+    pub(crate) async fn session_decides(
+        &self,
+        batch: guardmesh_client::Batch,
+    ) -> (guardmesh_client::Session, guardmesh_client::BatchDecision) {
+        let session = self.coordinator().await.session("s").await.unwrap();
+        let decision = session.evaluate(batch).await.unwrap();
+        (session, decision)
+    }
+
     /// Signals shutdown and waits for the server to finish draining.
     pub(crate) async fn shutdown(mut self) {
         if let Some(stop) = self.stop.take() {
