@@ -292,15 +292,7 @@ fn code_of<T: std::fmt::Debug>(
 async fn r24_sdk_sends_its_token_on_every_call() {
     use guardmesh_client::{Batch, Coordinator, Registrar, Registration};
     let pki = TestPki::new();
-    let (mesh, url) = TestMesh::with_tokens(
-        &pki,
-        &[
-            ("ops", "ops-token", &["admin"]),
-            ("agent", "agent-token", &["evaluate"]),
-        ],
-        "",
-    )
-    .await;
+    let (mesh, url) = TestMesh::with_tokens(&pki, &[OPS, AGENT], "").await;
     let guard = proceed_guard().await;
     let ops = pki.connection(None, Some("ops-token"));
     let registrar = Registrar::connect_with(url.clone(), &ops).await.unwrap();

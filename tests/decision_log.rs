@@ -454,15 +454,7 @@ async fn r29_records_name_the_authenticated_caller() {
     use guardmesh_client::{Coordinator, Registrar};
     let dir = folder("caller");
     let pki = TestPki::new();
-    let (mesh, url) = TestMesh::with_tokens(
-        &pki,
-        &[
-            ("ops", "ops-token", &["admin"]),
-            ("agent", "agent-token", &["evaluate"]),
-        ],
-        "",
-    )
-    .await;
+    let (mesh, url) = TestMesh::with_tokens(&pki, &[OPS, AGENT], "").await;
     let log = DecisionLog::open(LogConfig::new(dir.join("log"), "test"))
         .await
         .unwrap();

@@ -258,15 +258,7 @@ async fn secured(
     on_failure: OnLogFailure,
     limits: LogLimits,
 ) -> (TestMesh, String) {
-    let (mesh, url) = TestMesh::with_tokens(
-        pki,
-        &[
-            ("agent", "agent-token", &["evaluate"]),
-            ("ops", "ops-token", &["admin"]),
-        ],
-        "",
-    )
-    .await;
+    let (mesh, url) = TestMesh::with_tokens(pki, &[AGENT, OPS], "").await;
     let log = DecisionLog::open(LogConfig::new(dir, "test"))
         .await
         .unwrap();

@@ -25,15 +25,8 @@ async fn r29_requests_refused_by_the_auth_layer_are_recorded() {
     let dir = folder("auth-refusals");
     let log = dir.join("log");
     let pki = TestPki::new();
-    let (mesh, url) = TestMesh::with_tokens(
-        &pki,
-        &[
-            ("agent", "agent-token", &["evaluate"]),
-            ("reg", "reg-token", &["register"]),
-        ],
-        "",
-    )
-    .await;
+    let (mesh, url) =
+        TestMesh::with_tokens(&pki, &[AGENT, ("reg", "reg-token", &["register"])], "").await;
     attach(&mesh, &log, OnLogFailure::Refuse).await;
     let batch = || Batch::new(0).call("c1", "t", "{}");
 

@@ -43,15 +43,7 @@ async fn r30_replay_against_a_running_mesh_lists_what_a_dry_run_candidate_would_
     let dir = folder("replay-mesh");
     let log = dir.join("log");
     let pki = TestPki::new();
-    let (mesh, url) = TestMesh::with_tokens(
-        &pki,
-        &[
-            ("ops", "ops-token", &["admin"]),
-            ("agent", "agent-token", &["evaluate"]),
-        ],
-        "",
-    )
-    .await;
+    let (mesh, url) = TestMesh::with_tokens(&pki, &[OPS, AGENT], "").await;
     let decision_log = DecisionLog::open(LogConfig {
         mask: guardmesh_server::decision_log::MaskRules::new(["password"]).unwrap(),
         ..LogConfig::new(&log, "test")

@@ -202,15 +202,7 @@ async fn r20_gate_tool_name_grammar_follows_the_config() {
 async fn r20_gate_refuses_the_replay_prefix_from_callers_that_may_not_replay() {
     let prefix = guardmesh_server::RESERVED_BATCH_PREFIX;
     let pki = TestPki::new();
-    let (_mesh, url) = TestMesh::with_tokens(
-        &pki,
-        &[
-            ("ops", "ops-token", &["admin"]),
-            ("agent", "agent-token", &["evaluate"]),
-        ],
-        "",
-    )
-    .await;
+    let (_mesh, url) = TestMesh::with_tokens(&pki, &[OPS, AGENT], "").await;
     let guard = call_guard(Duration::ZERO, |_| None).await;
     Registrar::connect_with(url.clone(), &pki.connection(None, Some("ops-token")))
         .await

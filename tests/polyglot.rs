@@ -642,10 +642,7 @@ async fn r24_kits_register_with_a_token_over_tls() {
     let (link_cert, link_key) = pki.issue_files("mesh-link");
     let (mesh, url) = TestMesh::with_tokens(
         &pki,
-        &[
-            ("guards", "guard-token", &["register"]),
-            ("agent", "agent-token", &["evaluate"]),
-        ],
+        &[("guards", "guard-token", &["register"]), AGENT],
         &format!(
             "[guard_tls]\nca_file = {:?}\ncert_file = {:?}\nkey_file = {:?}\n",
             ca.to_str().unwrap(),

@@ -143,7 +143,7 @@ async fn r34_rate_limit_per_session_never_shared_with_another_identity() {
     let (mesh, url) = TestMesh::with_tokens(
         &pki,
         &[
-            ("ops", "ops-token", &["admin"]),
+            OPS,
             ("alice", "alice-token", &["evaluate"]),
             ("mallory", "mallory-token", &["evaluate"]),
         ],

@@ -137,6 +137,15 @@ impl TestMesh {
     }
 }
 
+/// A principal of [`TestMesh::with_tokens`]: id, token and roles.
+pub(crate) type Principal = (&'static str, &'static str, &'static [&'static str]);
+
+/// The operator: token `ops-token`, role `admin`.
+pub(crate) const OPS: Principal = ("ops", "ops-token", &["admin"]);
+
+/// The agent: token `agent-token`, role `evaluate`.
+pub(crate) const AGENT: Principal = ("agent", "agent-token", &["evaluate"]);
+
 impl TestMesh {
     /// A mesh on TLS (no client certificates) whose `[auth]` knows only
     /// token principals `(id, token, roles)`, built from a config file's
