@@ -36,21 +36,14 @@ const PIN_KEY: &str = "SecretKeyName991";
 
 /// The policy of the masking test: one rule fails on the masked pin (CEL
 /// integer overflow), one echoes it into the content the model reads.
-const PIN_POLICY: &str = r#"
-[[rule]]
-name = "pin-overflow"
-tools = ["unlock"]
-when = "call.args.pin + 1 > 0"
-action = "cancel"
-message = '"no"'
-
-[[rule]]
-name = "pin-echo"
-tools = ["echo"]
-when = "true"
-action = "steer"
-message = '"your pin " + call.args.pin + " is wrong"'
-"#;
+const PIN_POLICY: &str = concat!(
+    policy_rule!(name: "pin-overflow", tools: ["unlock"], action: "cancel",
+        when: r#""call.args.pin + 1 > 0""#,
+        message: r#"'"no"'"#),
+    policy_rule!(name: "pin-echo", tools: ["echo"], action: "steer",
+        when: r#""true""#,
+        message: r#"'"your pin " + call.args.pin + " is wrong"'"#),
+);
 
 /// Every text an OTLP value holds.
 fn any_texts(value: &Option<AnyValue>, out: &mut Vec<String>) {

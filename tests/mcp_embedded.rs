@@ -16,14 +16,9 @@ use std::path::Path;
 use std::time::Duration;
 
 /// A CEL policy beside the remote guard: payments over 1000 are cancelled.
-const CEL: &str = r#"
-[[rule]]
-name = "big-payments"
-tools = ["pay"]
-when = "has(call.args.amount) && call.args.amount > 1000"
-action = "cancel"
-message = '"payments over 1000 need a human"'
-"#;
+const CEL: &str = policy_rule!(name: "big-payments", tools: ["pay"], action: "cancel",
+    when: r#""has(call.args.amount) && call.args.amount > 1000""#,
+    message: r#"'"payments over 1000 need a human"'"#);
 
 /// `stdio guardmesh mcp stdio --config CONFIG [extra] -- UPSTREAM...`
 fn via_embedded(config: &Path, extra: &[&str], upstream: Vec<String>) -> Vec<String> {

@@ -143,39 +143,24 @@ use guardmesh_client::{Batch, BatchDecision, Outcome, Registration};
 
 /// The policy the mesh tests register: SQL, payments (an error when the
 /// amount is missing), a batch-wide rule, and a rule shadowed by the first.
-const POLICY: &str = r#"
-[[rule]]
-name = "sql-delete-needs-where"
-tools = ["sql.*"]
-when = '''
+const POLICY: &str = concat!(
+    policy_rule!(name: "sql-delete-needs-where", tools: ["sql.*"], action: "cancel",
+        when: r#"'''
   has(call.args.query) &&
   call.args.query.matches(r'(?i)^\s*delete\s') &&
   !call.args.query.matches(r'(?i)\swhere\s')
-'''
-action = "cancel"
-message = '"DELETE without WHERE refused: " + call.args.query'
-
-[[rule]]
-name = "sql-no-drop"
-tools = ["sql.*"]
-when = "call.args.query.contains('DROP')"
-action = "steer"
-message = '"no DROP: " + call.args.query'
-
-[[rule]]
-name = "payment-over-10000"
-tools = ["payments.send"]
-when = "call.args.amount > 10000"
-action = "steer"
-message = '"payment of " + string(call.args.amount) + " needs a human"'
-
-[[rule]]
-name = "at-most-3-emails-per-round"
-tools = ["email.send"]
-when = "calls.filter(c, c.tool == 'email.send').size() > 3"
-action = "steer"
-message = '"send at most 3 emails per round"'
-"#;
+'''"#,
+        message: r#"'"DELETE without WHERE refused: " + call.args.query'"#),
+    policy_rule!(name: "sql-no-drop", tools: ["sql.*"], action: "steer",
+        when: r#""call.args.query.contains('DROP')""#,
+        message: r#"'"no DROP: " + call.args.query'"#),
+    policy_rule!(name: "payment-over-10000", tools: ["payments.send"], action: "steer",
+        when: r#""call.args.amount > 10000""#,
+        message: r#"'"payment of " + string(call.args.amount) + " needs a human"'"#),
+    policy_rule!(name: "at-most-3-emails-per-round", tools: ["email.send"], action: "steer",
+        when: r#""calls.filter(c, c.tool == 'email.send').size() > 3""#,
+        message: r#"'"send at most 3 emails per round"'"#),
+);
 
 fn skip_content(outcome: &Outcome) -> &str {
     match outcome {
@@ -250,20 +235,14 @@ async fn r27_policy_guard_steers_and_cancels_with_the_rules_message_and_trace_na
 /// both judge, in chain order (R3).
 #[tokio::test]
 async fn r27_policy_of_context_rules_judges_without_reading_arguments() {
-    const CONTEXT: &str = r#"
-[[rule]]
-name = "blocked-users"
-when = "has(context.metadata.user) && context.metadata.user in ['u-0666']"
-action = "cancel"
-message = '"user " + context.metadata.user + " is blocked"'
-
-[[rule]]
-name = "no-shell-in-production"
-tools = ["shell.*"]
-when = "context.metadata.env == 'production'"
-action = "cancel"
-message = '"no shell in " + context.metadata.env'
-"#;
+    const CONTEXT: &str = concat!(
+        policy_rule!(name: "blocked-users", action: "cancel",
+            when: r#""has(context.metadata.user) && context.metadata.user in ['u-0666']""#,
+            message: r#"'"user " + context.metadata.user + " is blocked"'"#),
+        policy_rule!(name: "no-shell-in-production", tools: ["shell.*"], action: "cancel",
+            when: r#""context.metadata.env == 'production'""#,
+            message: r#"'"no shell in " + context.metadata.env'"#),
+    );
     let mesh = policy_mesh(Registration::policy("context", CONTEXT)).await;
     let coordinator = mesh.coordinator().await;
     let batch = |user: &str| {

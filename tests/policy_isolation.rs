@@ -41,14 +41,9 @@ fn zeros(n: usize) -> String {
     text
 }
 
-const NO_RM: &str = r#"
-[[rule]]
-name = "no-rm"
-tools = ["shell.*"]
-when = '["rm", "dd", "mkfs"].exists(p, call.args.cmd.startsWith(p))'
-action = "cancel"
-message = '"rm is not allowed"'
-"#;
+const NO_RM: &str = policy_rule!(name: "no-rm", tools: ["shell.*"], action: "cancel",
+    when: r#"'["rm", "dd", "mkfs"].exists(p, call.args.cmd.startsWith(p))'"#,
+    message: r#"'"rm is not allowed"'"#);
 
 /// Finding 1: one unrelated call carrying a 1 MiB array made every rule
 /// exceed its cost bound; under `fail_open` the forbidden call then ran,
@@ -115,19 +110,14 @@ async fn r27_a_rule_error_fails_its_rule_and_never_skips_the_later_rules() {
         &mesh,
         Registration::policy(
             "rules",
-            r#"
-[[rule]]
-name = "big-payments"
-when = 'has(call.args.amount) && call.args.amount + 1 > 10000'
-action = "cancel"
-message = '"too much"'
-
-[[rule]]
-name = "no-rm"
-when = 'has(call.args.cmd) && call.args.cmd.startsWith("rm")'
-action = "cancel"
-message = '"rm is not allowed"'
-"#,
+            concat!(
+                policy_rule!(name: "big-payments", action: "cancel",
+                    when: "'has(call.args.amount) && call.args.amount + 1 > 10000'",
+                    message: r#"'"too much"'"#),
+                policy_rule!(name: "no-rm", action: "cancel",
+                    when: r#"'has(call.args.cmd) && call.args.cmd.startsWith("rm")'"#,
+                    message: r#"'"rm is not allowed"'"#),
+            ),
         )
         .failure_policy(FailurePolicy::FailOpen),
     )
@@ -219,19 +209,14 @@ async fn within_memory<T>(
     }
 }
 
-const STALL: &str = r#"
-[[rule]]
-name = "stall"
-when = 'call.args.l.exists(a, call.args.l.exists(b, call.args.s.lowerAscii().size() < 0))'
-action = "steer"
-message = '"never"'
-
-[[rule]]
-name = "grow"
-when = 'call.args.l.map(a, call.args.l.map(b, call.args.s.lowerAscii())).size() < 0'
-action = "steer"
-message = '"never"'
-"#;
+const STALL: &str = concat!(
+    policy_rule!(name: "stall", action: "steer",
+        when: "'call.args.l.exists(a, call.args.l.exists(b, call.args.s.lowerAscii().size() < 0))'",
+        message: r#"'"never"'"#),
+    policy_rule!(name: "grow", action: "steer",
+        when: "'call.args.l.map(a, call.args.l.map(b, call.args.s.lowerAscii())).size() < 0'",
+        message: r#"'"never"'"#),
+);
 
 /// Finding 2: a batch whose rules do quadratic work on megabyte strings
 /// held the mesh's one runtime thread for seconds (every client waited),

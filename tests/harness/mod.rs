@@ -25,6 +25,35 @@ use tokio::task::JoinHandle;
 use tokio_stream::wrappers::TcpListenerStream;
 use tonic::Status;
 
+/// One `[[rule]]` of a policy file, as text: `name` and `action` plain,
+/// `tools` a list of patterns, `when`, `message` and `labels` as their
+/// TOML values are written (quotes included); the fields come out in the
+/// order a policy file has them. Rules put one after the other with
+/// `concat!` make a policy of several rules.
+macro_rules! policy_rule {
+    (
+        name: $name:literal,
+        $(tools: [$($tool:literal),+],)?
+        action: $action:literal,
+        when: $when:literal,
+        message: $message:literal
+        $(, labels: $labels:literal)? $(,)?
+    ) => {
+        concat!(
+            "\n[[rule]]\nname = \"", $name, "\"\n",
+            $("tools = [", $crate::harness::policy_rule!(@list $($tool),+), "]\n",)?
+            "when = ", $when, "\n",
+            "action = \"", $action, "\"\n",
+            "message = ", $message, "\n",
+            $("labels = ", $labels, "\n",)?
+        )
+    };
+    (@list $first:literal $(, $rest:literal)*) => {
+        concat!("\"", $first, "\"", $(", \"", $rest, "\"",)*)
+    };
+}
+pub(crate) use policy_rule;
+
 mod coordinator;
 mod guards;
 mod measure;

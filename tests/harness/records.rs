@@ -34,21 +34,11 @@ pub(crate) fn text(bytes: &[u8]) -> String {
 }
 
 /// The decision-log tests' policy: cancels every call of tool `danger`.
-pub(crate) const LOG_POLICY: &str = r#"
-[[rule]]
-name = "no-danger"
-tools = ["danger"]
-when = "true"
-action = "cancel"
-message = '"no danger"'
-"#;
+pub(crate) const LOG_POLICY: &str = policy_rule!(name: "no-danger", tools: ["danger"], action: "cancel",
+    when: r#""true""#,
+    message: r#"'"no danger"'"#);
 
 /// A stricter candidate: also cancels `read` calls of paths under /etc.
-pub(crate) const LOG_VETO: &str = r#"
-[[rule]]
-name = "no-etc"
-tools = ["read"]
-when = "has(call.args.path) && call.args.path.startsWith('/etc')"
-action = "cancel"
-message = '"not /etc"'
-"#;
+pub(crate) const LOG_VETO: &str = policy_rule!(name: "no-etc", tools: ["read"], action: "cancel",
+    when: r#""has(call.args.path) && call.args.path.startsWith('/etc')""#,
+    message: r#"'"not /etc"'"#);
