@@ -6,7 +6,7 @@
 use crate::harness::*;
 use guardmesh_client::proto::{EvaluateRequest, FailurePolicy, ToolCall};
 use guardmesh_client::{Batch, Registration};
-use guardmesh_server::decision_log::{DecisionLog, LogConfig, MeshLog, OnLogFailure, segment};
+use guardmesh_server::decision_log::{LogConfig, OnLogFailure, segment};
 use serde_json::Value;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
@@ -313,12 +313,8 @@ async fn failing_mesh(on_failure: OnLogFailure) -> Option<(TestMesh, PathBuf)> {
     let dir = folder(&format!("full-{on_failure:?}"));
     std::os::unix::fs::symlink("/dev/full", dir.join(segment::file_name(0))).unwrap();
     let mesh = TestMesh::start().await;
-    let log = DecisionLog::open(LogConfig::new(&dir, "test"))
-        .await
-        .unwrap();
-    mesh.mesh
-        .attach_decision_log(MeshLog::new(log, on_failure, mesh.mesh.metrics.clone()))
-        .unwrap();
+    mesh.attach_log(LogConfig::new(&dir, "test"), on_failure)
+        .await;
     Some((mesh, dir))
 }
 
@@ -411,19 +407,11 @@ async fn measure_log_cost_per_batch() {
         mesh.register(Registration::policy("policy", LOG_POLICY))
             .await;
         if let Some(durability) = mode {
-            let log = DecisionLog::open(LogConfig {
+            let config = LogConfig {
                 durability,
                 ..LogConfig::new(dir.join("log"), "measure")
-            })
-            .await
-            .unwrap();
-            mesh.mesh
-                .attach_decision_log(MeshLog::new(
-                    log,
-                    OnLogFailure::Refuse,
-                    mesh.mesh.metrics.clone(),
-                ))
-                .unwrap();
+            };
+            mesh.attach_log(config, OnLogFailure::Refuse).await;
         }
         let session = mesh.coordinator().await.session("m").await.unwrap();
         let batch = || {
@@ -455,16 +443,11 @@ async fn r29_records_name_the_authenticated_caller() {
     let dir = folder("caller");
     let pki = TestPki::new();
     let (mesh, url) = TestMesh::with_tokens(&pki, &[OPS, AGENT], "").await;
-    let log = DecisionLog::open(LogConfig::new(dir.join("log"), "test"))
-        .await
-        .unwrap();
-    mesh.mesh
-        .attach_decision_log(MeshLog::new(
-            log,
-            OnLogFailure::Refuse,
-            mesh.mesh.metrics.clone(),
-        ))
-        .unwrap();
+    mesh.attach_log(
+        LogConfig::new(dir.join("log"), "test"),
+        OnLogFailure::Refuse,
+    )
+    .await;
     let guard = proceed_guard().await;
     let ops = Registrar::connect_with(url.clone(), &pki.connection(None, Some("ops-token")))
         .await

@@ -593,16 +593,8 @@ async fn guardmesh(args: Vec<String>) -> std::process::Output {
 /// A mesh without guards, its log in `log`, that answered `n` SELECTs.
 async fn recorded_selects(log: &Path, n: usize) -> TestMesh {
     let mesh = TestMesh::start().await;
-    let decision_log = DecisionLog::open(LogConfig::new(log, "test"))
-        .await
-        .unwrap();
-    mesh.mesh
-        .attach_decision_log(MeshLog::new(
-            decision_log,
-            OnLogFailure::Refuse,
-            mesh.mesh.metrics.clone(),
-        ))
-        .unwrap();
+    mesh.attach_log(LogConfig::new(log, "test"), OnLogFailure::Refuse)
+        .await;
     let coordinator = mesh.coordinator().await;
     for i in 0..n {
         coordinator
@@ -746,16 +738,8 @@ async fn r29_a_policy_registration_record_names_its_digest_and_text() {
     let dir = folder("hardening-policy-digest");
     let log = dir.join("log");
     let mesh = TestMesh::start().await;
-    let decision_log = DecisionLog::open(LogConfig::new(&log, "test"))
-        .await
-        .unwrap();
-    mesh.mesh
-        .attach_decision_log(MeshLog::new(
-            decision_log,
-            OnLogFailure::Answer,
-            mesh.mesh.metrics.clone(),
-        ))
-        .unwrap();
+    mesh.attach_log(LogConfig::new(&log, "test"), OnLogFailure::Answer)
+        .await;
     mesh.register(Registration::policy("policy", LOG_POLICY))
         .await;
     let all = records(&log);

@@ -6,7 +6,7 @@
 use crate::harness::*;
 use guardmesh_client::proto::{EvaluateRequest, ToolCall};
 use guardmesh_client::{Coordinator, Registrar, Registration};
-use guardmesh_server::decision_log::{DecisionLog, LogConfig, MeshLog, OnLogFailure};
+use guardmesh_server::decision_log::{LogConfig, OnLogFailure};
 use serde_json::Value;
 use std::process::Output;
 
@@ -44,19 +44,11 @@ async fn r30_replay_against_a_running_mesh_lists_what_a_dry_run_candidate_would_
     let log = dir.join("log");
     let pki = TestPki::new();
     let (mesh, url) = TestMesh::with_tokens(&pki, &[OPS, AGENT], "").await;
-    let decision_log = DecisionLog::open(LogConfig {
+    let config = LogConfig {
         mask: guardmesh_server::decision_log::MaskRules::new(["password"]).unwrap(),
         ..LogConfig::new(&log, "test")
-    })
-    .await
-    .unwrap();
-    mesh.mesh
-        .attach_decision_log(MeshLog::new(
-            decision_log,
-            OnLogFailure::Refuse,
-            mesh.mesh.metrics.clone(),
-        ))
-        .unwrap();
+    };
+    mesh.attach_log(config, OnLogFailure::Refuse).await;
     let ops = Registrar::connect_with(url.clone(), &pki.connection(None, Some("ops-token")))
         .await
         .unwrap();

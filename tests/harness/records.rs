@@ -1,7 +1,8 @@
 //! Decision logs on disk (R29): a fresh folder per test, the records a
 //! log holds read back as JSON, and the policies the log tests judge with.
 
-use guardmesh_server::decision_log::segment;
+use super::TestMesh;
+use guardmesh_server::decision_log::{DecisionLog, LogConfig, MeshLog, OnLogFailure, segment};
 use serde_json::Value;
 use std::path::{Path, PathBuf};
 
@@ -13,8 +14,8 @@ pub(crate) fn folder(name: &str) -> PathBuf {
     dir
 }
 
-/// Every record of the log in `dir`, in order, across its segment files.
-pub(crate) fn records(dir: &Path) -> Vec<Value> {
+/// Every line of the log in `dir`, in order, across its segment files.
+pub(crate) fn log_lines(dir: &Path) -> Vec<String> {
     segment::list(dir)
         .unwrap()
         .into_iter()
@@ -22,10 +23,29 @@ pub(crate) fn records(dir: &Path) -> Vec<Value> {
             std::fs::read_to_string(file)
                 .unwrap()
                 .lines()
-                .map(|line| serde_json::from_str::<Value>(line).unwrap())
+                .map(str::to_owned)
                 .collect::<Vec<_>>()
         })
         .collect()
+}
+
+/// Every record of the log in `dir`, in order, across its segment files.
+pub(crate) fn records(dir: &Path) -> Vec<Value> {
+    log_lines(dir)
+        .iter()
+        .map(|line| serde_json::from_str::<Value>(line).unwrap())
+        .collect()
+}
+
+impl TestMesh {
+    /// Opens the decision log `config` describes and attaches it to the
+    /// mesh, which does `on_failure` when a record cannot be written.
+    pub(crate) async fn attach_log(&self, config: LogConfig, on_failure: OnLogFailure) {
+        let log = DecisionLog::open(config).await.unwrap();
+        self.mesh
+            .attach_decision_log(MeshLog::new(log, on_failure, self.mesh.metrics.clone()))
+            .unwrap();
+    }
 }
 
 /// Text of a process's output.
