@@ -5,13 +5,6 @@ use crate::harness::*;
 use std::process::{Command, Output};
 use std::time::Duration;
 
-fn guardmesh(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_guardmesh"))
-        .args(args)
-        .output()
-        .expect("run guardmesh")
-}
-
 fn stdout(output: &Output) -> String {
     String::from_utf8_lossy(&output.stdout).into_owned()
 }

@@ -9,17 +9,9 @@ use guardmesh_client::{Batch, Registration};
 use guardmesh_server::decision_log::{LogConfig, OnLogFailure, segment};
 use serde_json::Value;
 use std::path::{Path, PathBuf};
-use std::process::{Command, Output};
 
 const SECRET: &str = "hunter2-very-secret";
 const TOKEN: &str = "Bearer tok-very-secret";
-
-fn guardmesh(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_guardmesh"))
-        .args(args)
-        .output()
-        .expect("run guardmesh")
-}
 
 fn log_bytes(dir: &Path) -> Vec<u8> {
     segment::list(dir)

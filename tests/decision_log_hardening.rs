@@ -579,17 +579,6 @@ async fn r29_the_log_directory_budget_stops_refusals_first_then_follows_on_log_f
 // Item: replay compares the call that would run, and verifies first.
 // ---------------------------------------------------------------------------
 
-async fn guardmesh(args: Vec<String>) -> std::process::Output {
-    tokio::task::spawn_blocking(move || {
-        std::process::Command::new(env!("CARGO_BIN_EXE_guardmesh"))
-            .args(&args)
-            .output()
-            .expect("run guardmesh")
-    })
-    .await
-    .unwrap()
-}
-
 /// A mesh without guards, its log in `log`, that answered `n` SELECTs.
 async fn recorded_selects(log: &Path, n: usize) -> TestMesh {
     let mesh = TestMesh::start().await;
@@ -634,7 +623,7 @@ async fn r30_replay_reports_every_call_a_candidate_mutate_guard_would_rewrite() 
         ),
     )
     .unwrap();
-    let out = guardmesh(vec![
+    let out = guardmesh_off_thread(vec![
         "replay".into(),
         log.display().to_string(),
         "--config".into(),
@@ -668,7 +657,7 @@ async fn r30_replay_reports_every_call_a_candidate_mutate_guard_would_rewrite() 
         assert_eq!(d["new"]["call"]["tool"], "sql");
     }
     // The table says what changed.
-    let out = guardmesh(vec![
+    let out = guardmesh_off_thread(vec![
         "replay".into(),
         log.display().to_string(),
         "--config".into(),
@@ -711,7 +700,7 @@ async fn r30_replay_refuses_a_log_that_does_not_verify() {
     std::fs::write(&file, edited).unwrap();
     let candidate = dir.join("empty.toml");
     std::fs::write(&candidate, "").unwrap();
-    let out = guardmesh(vec![
+    let out = guardmesh_off_thread(vec![
         "replay".into(),
         log.display().to_string(),
         "--config".into(),

@@ -8,20 +8,6 @@ use guardmesh_client::proto::{EvaluateRequest, ToolCall};
 use guardmesh_client::{Coordinator, Registrar, Registration};
 use guardmesh_server::decision_log::{LogConfig, OnLogFailure};
 use serde_json::Value;
-use std::process::Output;
-
-/// Runs `guardmesh` off the runtime: the mesh it talks to is served by
-/// this test's runtime.
-async fn guardmesh(args: Vec<String>) -> Output {
-    tokio::task::spawn_blocking(move || {
-        std::process::Command::new(env!("CARGO_BIN_EXE_guardmesh"))
-            .args(&args)
-            .output()
-            .expect("run guardmesh")
-    })
-    .await
-    .unwrap()
-}
 
 fn request(batch_id: &str, calls: &[(&str, &str, &str)]) -> EvaluateRequest {
     EvaluateRequest {
@@ -111,12 +97,12 @@ async fn r30_replay_against_a_running_mesh_lists_what_a_dry_run_candidate_would_
     };
 
     // R24: without credentials the mesh refuses the replay, and it says so.
-    let out = guardmesh(args(false)).await;
+    let out = guardmesh_off_thread(args(false)).await;
     assert_eq!(out.status.code(), Some(2), "{}", text(&out.stdout));
     let stderr = text(&out.stderr);
     assert!(stderr.contains("token"), "{stderr}");
 
-    let out = guardmesh(args(true)).await;
+    let out = guardmesh_off_thread(args(true)).await;
     assert_eq!(
         out.status.code(),
         Some(1),
@@ -157,7 +143,7 @@ async fn r30_replay_against_a_running_mesh_lists_what_a_dry_run_candidate_would_
         .collect();
     assert_eq!(replayed.len(), 2, "{replayed:?}");
     assert!(replayed.iter().all(|r| r["caller"]["id"] == "ops"));
-    let again = guardmesh(args(true)).await;
+    let again = guardmesh_off_thread(args(true)).await;
     assert_eq!(again.status.code(), Some(1));
     assert_eq!(text(&again.stdout), text(&out.stdout), "same report twice");
     assert!(text(&again.stderr).contains("2 records of earlier replays"));
@@ -165,7 +151,7 @@ async fn r30_replay_against_a_running_mesh_lists_what_a_dry_run_candidate_would_
     // The table names the would-have decision as a dry run.
     let mut table_args = args(true);
     table_args.retain(|a| a != "--json");
-    let out = guardmesh(table_args).await;
+    let out = guardmesh_off_thread(table_args).await;
     assert_eq!(out.status.code(), Some(1));
     let table = text(&out.stdout);
     assert!(
@@ -177,7 +163,7 @@ async fn r30_replay_against_a_running_mesh_lists_what_a_dry_run_candidate_would_
     // replays: each replayed batch is refused (R20).
     let mut agent_args = args(false);
     agent_args.extend(["--token-file".to_owned(), agent_token.display().to_string()]);
-    let out = guardmesh(agent_args).await;
+    let out = guardmesh_off_thread(agent_args).await;
     let report: Value = serde_json::from_slice(&out.stdout).unwrap();
     let differences = report["differences"].as_array().unwrap();
     assert!(!differences.is_empty(), "{report}");

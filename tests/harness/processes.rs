@@ -4,6 +4,25 @@
 
 use super::*;
 
+/// Runs `guardmesh ARGS...` to its end: its output.
+pub(crate) fn guardmesh(args: &[&str]) -> std::process::Output {
+    std::process::Command::new(env!("CARGO_BIN_EXE_guardmesh"))
+        .args(args)
+        .output()
+        .expect("run guardmesh")
+}
+
+/// [`guardmesh`] off the runtime's thread: for commands that talk to a mesh
+/// this test's runtime serves.
+pub(crate) async fn guardmesh_off_thread(args: Vec<String>) -> std::process::Output {
+    tokio::task::spawn_blocking(move || {
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        guardmesh(&args)
+    })
+    .await
+    .unwrap()
+}
+
 /// A guard running as a real separate process: `guardmesh example-guard`.
 pub(crate) struct GuardProcess {
     pub url: String,

@@ -5,6 +5,7 @@ use super::TestMesh;
 use guardmesh_server::decision_log::{DecisionLog, LogConfig, MeshLog, OnLogFailure, segment};
 use serde_json::Value;
 use std::path::{Path, PathBuf};
+use std::time::Duration;
 
 /// A fresh folder for one test's log.
 pub(crate) fn folder(name: &str) -> PathBuf {
@@ -46,6 +47,86 @@ impl TestMesh {
             .attach_decision_log(MeshLog::new(log, on_failure, self.mesh.metrics.clone()))
             .unwrap();
     }
+}
+
+/// A path as the `&str` a command line takes.
+pub(crate) fn path(p: &Path) -> &str {
+    p.to_str().unwrap()
+}
+
+/// Writes a signing key pair into `dir` (`log.key`, `log.key.pub`) with
+/// `guardmesh log keygen`, which must succeed: its output.
+pub(crate) fn log_keygen(dir: &Path) -> std::process::Output {
+    let out = super::guardmesh(&["log", "keygen", "--out", path(&dir.join("log.key"))]);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    out
+}
+
+/// Runs `n` batches through the mesh at `url`, ids `prefix0`, `prefix1`...:
+/// even ones a `danger` call (cancelled by [`LOG_POLICY`]), odd ones a
+/// `read` (proceeds). With `within`, each must be answered within it.
+pub(crate) async fn log_batches(url: &str, prefix: &str, n: usize, within: Option<Duration>) {
+    use guardmesh_client::proto::{EvaluateRequest, ToolCall};
+    let coordinator = guardmesh_client::Coordinator::connect(url.to_owned())
+        .await
+        .unwrap();
+    let session = coordinator.session("s").await.unwrap();
+    for i in 0..n {
+        let tool = if i % 2 == 0 { "danger" } else { "read" };
+        let answer = session.evaluate_raw(EvaluateRequest {
+            batch_id: format!("{prefix}{i}"),
+            calls: vec![ToolCall {
+                call_id: "c".into(),
+                tool: tool.into(),
+                arguments: "{}".into(),
+            }],
+            ..Default::default()
+        });
+        let answer = match within {
+            Some(within) => tokio::time::timeout(within, answer)
+                .await
+                .unwrap_or_else(|_| panic!("batch {prefix}{i} not answered within {within:?}")),
+            None => answer.await,
+        };
+        answer.unwrap_or_else(|e| panic!("batch {prefix}{i}: {e}"));
+    }
+}
+
+/// `guardmesh serve` on `config` (written to `dir/mesh.toml`), expected to
+/// refuse to start: its stderr. Bounded: killed and failed after 30 s.
+pub(crate) async fn serve_refused(dir: &Path, config: &str) -> String {
+    let file = dir.join("mesh.toml");
+    std::fs::write(&file, config).unwrap();
+    let stderr = std::fs::File::create(dir.join("refused.log")).unwrap();
+    let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_guardmesh"))
+        .args(["serve", "--listen", "127.0.0.1:0", "--config", path(&file)])
+        .stdout(std::process::Stdio::null())
+        .stderr(stderr)
+        .spawn()
+        .unwrap();
+    for _ in 0..1500 {
+        if let Some(status) = child.try_wait().unwrap() {
+            assert!(!status.success());
+            return std::fs::read_to_string(dir.join("refused.log")).unwrap();
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let _ = child.kill();
+    let _ = child.wait();
+    panic!("guardmesh serve started on a log cut short");
+}
+
+/// Cuts the last `n` lines of the log in `log` (of its last file).
+pub(crate) fn cut_last_lines(log: &Path, n: usize) {
+    let (_, last) = segment::list(log).unwrap().pop().unwrap();
+    let text = std::fs::read_to_string(&last).unwrap();
+    let lines: Vec<&str> = text.lines().collect();
+    assert!(lines.len() > n, "{lines:?}");
+    let kept: String = lines[..lines.len() - n]
+        .iter()
+        .map(|l| format!("{l}\n"))
+        .collect();
+    std::fs::write(&last, kept).unwrap();
 }
 
 /// Text of a process's output.
