@@ -201,12 +201,7 @@ async fn r29_r30_every_answer_and_chain_change_is_recorded_masked_verified_and_r
         "--config",
         &same.display().to_string(),
     ]);
-    assert!(
-        out.status.success(),
-        "{}{}",
-        text(&out.stdout),
-        text(&out.stderr)
-    );
+    assert_succeeded(&out);
     let report = text(&out.stdout);
     assert!(report.contains("no call's decision differs"), "{report}");
     assert!(report.contains("1 records had masked values"), "{report}");

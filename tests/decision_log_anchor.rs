@@ -136,12 +136,7 @@ async fn r29_a_log_cut_after_its_etcd_anchor_refuses_to_start_and_fails_verify()
     let prefix = "/anchor-cut";
     serve_and_stop("anchor-cut", &dir, &cluster, prefix, "").await;
     let out = verify_etcd(&dir, &cluster, prefix, &[]).await;
-    assert!(
-        out.status.success(),
-        "{}{}",
-        text(&out.stdout),
-        text(&out.stderr)
-    );
+    assert_succeeded(&out);
     assert!(text(&out.stdout).contains("anchor: the log holds the outside checkpoint"));
 
     let log = dir.join("log");
@@ -190,25 +185,8 @@ async fn r29_with_allow_gap_a_mesh_behind_its_etcd_anchor_starts_after_a_signed_
     assert_eq!(out.status.code(), Some(1), "{}", text(&out.stdout));
     assert!(text(&out.stderr).contains("gap"), "{}", text(&out.stderr));
     let out = verify_etcd(&dir, &cluster, prefix, &["--allow-gap"]).await;
-    assert!(
-        out.status.success(),
-        "{}{}",
-        text(&out.stdout),
-        text(&out.stderr)
-    );
+    assert_succeeded(&out);
     assert!(text(&out.stdout).contains("gap: at seq"));
-}
-
-/// Replaces the value of `"member":` (a number or a string) in a line.
-fn set_member(line: &str, member: &str, value: &str) -> String {
-    let key = format!("\"{member}\":");
-    let start = line.find(&key).unwrap() + key.len();
-    let rest = &line[start..];
-    let end = match rest.strip_prefix('"') {
-        Some(string) => string.find('"').unwrap() + 2,
-        None => rest.find([',', '}']).unwrap(),
-    };
-    format!("{}{value}{}", &line[..start], &rest[end..])
 }
 
 #[tokio::test]
@@ -381,12 +359,7 @@ async fn r29_log_verify_reads_the_etcd_anchor_with_the_mesh_configs_credentials(
     let file = dir.join("mesh.toml");
     std::fs::write(&file, mesh_config).unwrap();
     let out = verify_with_config(&dir, &file).await;
-    assert!(
-        out.status.success(),
-        "{}{}",
-        text(&out.stdout),
-        text(&out.stderr)
-    );
+    assert_succeeded(&out);
     assert!(
         text(&out.stdout).contains("anchor: the log holds the outside checkpoint"),
         "{}",

@@ -94,14 +94,7 @@ async fn r29_a_masked_value_reaches_no_record_log_line_span_or_exported_log() {
     let port = free_port();
     let url = format!("http://127.0.0.1:{port}");
     let _serve = KillOnDrop(
-        std::process::Command::new(env!("CARGO_BIN_EXE_guardmesh"))
-            .args([
-                "serve",
-                "--listen",
-                &format!("127.0.0.1:{port}"),
-                "--config",
-            ])
-            .arg(&config)
+        serve_command(&config, port)
             .env("OTEL_EXPORTER_OTLP_ENDPOINT", &endpoint)
             .env("OTEL_BSP_SCHEDULE_DELAY", "100")
             .env("OTEL_BLRP_SCHEDULE_DELAY", "100")
@@ -766,9 +759,7 @@ async fn r29_records_carry_the_bound_listen_address() {
     )
     .unwrap();
     let _serve = KillOnDrop(
-        std::process::Command::new(env!("CARGO_BIN_EXE_guardmesh"))
-            .args(["serve", "--listen", "127.0.0.1:0", "--config"])
-            .arg(&config)
+        serve_command(&config, 0)
             .env_remove("OTEL_EXPORTER_OTLP_ENDPOINT")
             .stdout(std::process::Stdio::null())
             .stderr(std::process::Stdio::null())

@@ -110,14 +110,7 @@ async fn exported(via: Via) {
     let port = free_port();
     let url = format!("http://127.0.0.1:{port}");
     let _serve = KillOnDrop(
-        std::process::Command::new(env!("CARGO_BIN_EXE_guardmesh"))
-            .args([
-                "serve",
-                "--listen",
-                &format!("127.0.0.1:{port}"),
-                "--config",
-            ])
-            .arg(&config)
+        serve_command(&config, port)
             .envs(environment)
             // The batch processor exports every 100 ms instead of 1 s.
             .env("OTEL_BLRP_SCHEDULE_DELAY", "100")
@@ -243,9 +236,7 @@ fn r29_an_unsupported_logs_protocol_refuses_to_start_naming_the_variable() {
         ),
     )
     .unwrap();
-    let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_guardmesh"))
-        .args(["serve", "--listen", "127.0.0.1:0", "--config"])
-        .arg(&config)
+    let mut child = serve_command(&config, 0)
         .env(
             "OTEL_EXPORTER_OTLP_LOGS_ENDPOINT",
             "http://127.0.0.1:9/v1/logs",

@@ -115,18 +115,6 @@ fn seq_of(line: &str) -> u64 {
     v["seq"].as_u64().unwrap()
 }
 
-/// Replaces the value of `"member":` (a number or a string) in a line.
-fn set_member(line: &str, member: &str, value: &str) -> String {
-    let key = format!("\"{member}\":");
-    let start = line.find(&key).unwrap() + key.len();
-    let rest = &line[start..];
-    let end = match rest.strip_prefix('"') {
-        Some(string) => string.find('"').unwrap() + 2,
-        None => rest.find([',', '}']).unwrap(),
-    };
-    format!("{}{value}{}", &line[..start], &rest[end..])
-}
-
 /// Recomputes a line's own hash, as a forger with the format at hand would.
 fn reseal(line: &str) -> String {
     let body = &line[..line.rfind(",\"hash\":\"").unwrap()];
@@ -488,12 +476,7 @@ async fn r29_a_mesh_restarted_on_a_cut_log_refuses_or_continues_after_a_signed_g
     assert_eq!(out.status.code(), Some(1));
     assert!(text(&out.stderr).contains("gap"), "{}", text(&out.stderr));
     let out = verify(&["--allow-gap", "--witness", path(&dir.join("witness"))]);
-    assert!(
-        out.status.success(),
-        "{}{}",
-        text(&out.stdout),
-        text(&out.stderr)
-    );
+    assert_succeeded(&out);
     assert!(
         text(&out.stdout).contains("gap: at seq"),
         "{}",
@@ -559,14 +542,7 @@ async fn r29_checkpoints_exported_over_otlp_anchor_the_tail() {
     std::fs::write(&config, sealed_config(&dir, "otlp = true")).unwrap();
     let port = free_port();
     let url = format!("http://127.0.0.1:{port}");
-    let mut child = Command::new(env!("CARGO_BIN_EXE_guardmesh"))
-        .args([
-            "serve",
-            "--listen",
-            &format!("127.0.0.1:{port}"),
-            "--config",
-        ])
-        .arg(&config)
+    let mut child = serve_command(&config, port)
         .env("OTEL_EXPORTER_OTLP_ENDPOINT", &endpoint)
         .env("OTEL_BLRP_SCHEDULE_DELAY", "100")
         .env_remove("OTEL_TRACES_EXPORTER")

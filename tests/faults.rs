@@ -292,14 +292,7 @@ async fn unreachable_guard_bad_endpoint_in_the_config_file_stops_the_mesh_from_s
     let file = dir.join("bad-endpoint.toml");
     std::fs::write(&file, "[[guard]]\nname = \"g\"\nendpoint = \"not a uri\"\n").unwrap();
     let port = free_port();
-    let output = std::process::Command::new(env!("CARGO_BIN_EXE_guardmesh"))
-        .args([
-            "serve",
-            "--listen",
-            &format!("127.0.0.1:{port}"),
-            "--config",
-        ])
-        .arg(&file)
+    let output = serve_command(&file, port)
         .stdin(std::process::Stdio::null())
         .output()
         .expect("run guardmesh serve");

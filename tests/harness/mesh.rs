@@ -313,6 +313,21 @@ pub(crate) async fn refuses_new_connections(url: &str) -> bool {
     false
 }
 
+/// `guardmesh serve --listen 127.0.0.1:<port> --config <config>` (port 0:
+/// any), not started yet: the caller adds its environment and its output.
+pub(crate) fn serve_command(config: &std::path::Path, port: u16) -> std::process::Command {
+    let mut command = std::process::Command::new(env!("CARGO_BIN_EXE_guardmesh"));
+    command
+        .args([
+            "serve",
+            "--listen",
+            &format!("127.0.0.1:{port}"),
+            "--config",
+        ])
+        .arg(config);
+    command
+}
+
 /// Starts `guardmesh serve --listen 127.0.0.1:<port> --config <config>`,
 /// its stderr to the file `log` (`RUST_LOG=log_level` when given).
 pub(crate) fn spawn_serve(
@@ -322,15 +337,8 @@ pub(crate) fn spawn_serve(
     log_level: Option<&str>,
 ) -> std::process::Child {
     let log = std::fs::File::create(log).unwrap();
-    let mut command = std::process::Command::new(env!("CARGO_BIN_EXE_guardmesh"));
+    let mut command = serve_command(config, port);
     command
-        .args([
-            "serve",
-            "--listen",
-            &format!("127.0.0.1:{port}"),
-            "--config",
-        ])
-        .arg(config)
         .stdin(std::process::Stdio::null())
         .stdout(std::process::Stdio::null())
         .stderr(std::process::Stdio::from(log));

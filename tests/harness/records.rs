@@ -98,8 +98,7 @@ pub(crate) async fn serve_refused(dir: &Path, config: &str) -> String {
     let file = dir.join("mesh.toml");
     std::fs::write(&file, config).unwrap();
     let stderr = std::fs::File::create(dir.join("refused.log")).unwrap();
-    let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_guardmesh"))
-        .args(["serve", "--listen", "127.0.0.1:0", "--config", path(&file)])
+    let mut child = super::serve_command(&file, 0)
         .stdout(std::process::Stdio::null())
         .stderr(stderr)
         .spawn()
@@ -127,6 +126,29 @@ pub(crate) fn cut_last_lines(log: &Path, n: usize) {
         .map(|l| format!("{l}\n"))
         .collect();
     std::fs::write(&last, kept).unwrap();
+}
+
+/// Replaces the value of `"member":` (a number or a string) in a line.
+pub(crate) fn set_member(line: &str, member: &str, value: &str) -> String {
+    let key = format!("\"{member}\":");
+    let start = line.find(&key).unwrap() + key.len();
+    let rest = &line[start..];
+    let end = match rest.strip_prefix('"') {
+        Some(string) => string.find('"').unwrap() + 2,
+        None => rest.find([',', '}']).unwrap(),
+    };
+    format!("{}{value}{}", &line[..start], &rest[end..])
+}
+
+/// Fails, with its stdout and stderr, unless `out` is a success.
+#[track_caller]
+pub(crate) fn assert_succeeded(out: &std::process::Output) {
+    assert!(
+        out.status.success(),
+        "{}{}",
+        text(&out.stdout),
+        text(&out.stderr)
+    );
 }
 
 /// Text of a process's output.
