@@ -624,13 +624,7 @@ async fn r30_replay_reports_every_call_a_candidate_mutate_guard_would_rewrite() 
         "--json".into(),
     ])
     .await;
-    assert_eq!(
-        out.status.code(),
-        Some(1),
-        "{}{}",
-        text(&out.stdout),
-        text(&out.stderr)
-    );
+    assert_exit_code(&out, 1);
     let report: Value = serde_json::from_slice(&out.stdout).unwrap();
     let differences = report["differences"].as_array().unwrap();
     assert_eq!(differences.len(), 30, "{report}");

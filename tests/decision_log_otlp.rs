@@ -6,7 +6,6 @@
 
 use crate::harness::*;
 use guardmesh_client::Batch;
-use guardmesh_server::decision_log::segment;
 use opentelemetry_proto::tonic::collector::logs::v1::ExportLogsServiceRequest;
 use opentelemetry_proto::tonic::common::v1::any_value::Value as Any;
 use opentelemetry_proto::tonic::logs::v1::LogRecord;
@@ -91,12 +90,7 @@ async fn collector(via: Via) -> (Vec<(&'static str, String)>, FirstRecord) {
 async fn exported(via: Via) {
     let (environment, first_record) = collector(via).await;
 
-    let dir = std::env::temp_dir().join(format!(
-        "guardmesh-declog-otlp-{via:?}-{}",
-        std::process::id()
-    ));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).unwrap();
+    let dir = fresh_dir(&format!("declog-otlp-{via:?}"));
     let log = dir.join("log");
     let config = dir.join("mesh.toml");
     std::fs::write(
@@ -148,17 +142,7 @@ async fn exported(via: Via) {
     assert_eq!(decision.trace_id, trace);
 
     // The line in the file.
-    let lines: Vec<String> = segment::list(&log)
-        .unwrap()
-        .into_iter()
-        .flat_map(|(_, f)| {
-            std::fs::read_to_string(f)
-                .unwrap()
-                .lines()
-                .map(str::to_owned)
-                .collect::<Vec<_>>()
-        })
-        .collect();
+    let lines = log_lines(&log);
     assert_eq!(lines.len(), 1, "{lines:?}");
     let line = &lines[0];
     let written: Value = serde_json::from_str(line).unwrap();
@@ -221,12 +205,7 @@ async fn exported(via: Via) {
 /// one asked for.
 #[test]
 fn r29_an_unsupported_logs_protocol_refuses_to_start_naming_the_variable() {
-    let dir = std::env::temp_dir().join(format!(
-        "guardmesh-declog-otlp-protocol-{}",
-        std::process::id()
-    ));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).unwrap();
+    let dir = fresh_dir("declog-otlp-protocol");
     let config = dir.join("mesh.toml");
     std::fs::write(
         &config,

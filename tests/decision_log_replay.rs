@@ -4,25 +4,9 @@
 //! have blocked; the replay sends the credentials the mesh asks for.
 
 use crate::harness::*;
-use guardmesh_client::proto::{EvaluateRequest, ToolCall};
 use guardmesh_client::{Coordinator, Registrar, Registration};
 use guardmesh_server::decision_log::{LogConfig, OnLogFailure};
 use serde_json::Value;
-
-fn request(batch_id: &str, calls: &[(&str, &str, &str)]) -> EvaluateRequest {
-    EvaluateRequest {
-        batch_id: batch_id.into(),
-        calls: calls
-            .iter()
-            .map(|(call_id, tool, arguments)| ToolCall {
-                call_id: (*call_id).into(),
-                tool: (*tool).into(),
-                arguments: (*arguments).into(),
-            })
-            .collect(),
-        ..Default::default()
-    }
-}
 
 #[tokio::test]
 async fn r30_replay_against_a_running_mesh_lists_what_a_dry_run_candidate_would_block() {
@@ -48,7 +32,7 @@ async fn r30_replay_against_a_running_mesh_lists_what_a_dry_run_candidate_would_
         .unwrap();
     let session = agent.session("s").await.unwrap();
     let first = session
-        .evaluate_raw(request(
+        .evaluate_raw(evaluate_request(
             "b1",
             &[
                 ("c1", "read", r#"{"path": "/etc/passwd", "password": "p"}"#),
@@ -61,7 +45,7 @@ async fn r30_replay_against_a_running_mesh_lists_what_a_dry_run_candidate_would_
     assert!(first.call("c1").unwrap().proceeds());
     assert!(!first.call("c2").unwrap().proceeds());
     session
-        .evaluate_raw(request(
+        .evaluate_raw(evaluate_request(
             "b2",
             &[
                 ("c4", "read", r#"{"path": "/etc/hosts"}"#),
@@ -103,13 +87,7 @@ async fn r30_replay_against_a_running_mesh_lists_what_a_dry_run_candidate_would_
     assert!(stderr.contains("token"), "{stderr}");
 
     let out = guardmesh_off_thread(args(true)).await;
-    assert_eq!(
-        out.status.code(),
-        Some(1),
-        "{}{}",
-        text(&out.stdout),
-        text(&out.stderr)
-    );
+    assert_exit_code(&out, 1);
     let report: Value = serde_json::from_slice(&out.stdout).unwrap();
     assert_eq!(report["batches"], 2, "{report}");
     assert_eq!(report["calls"], 5, "{report}");

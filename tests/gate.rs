@@ -5,25 +5,10 @@
 //! stays open for the next batch) and on the unary call alike.
 
 use crate::harness::*;
-use guardmesh_client::proto::{EvaluateRequest, ToolCall};
+use guardmesh_client::proto::EvaluateRequest;
 use guardmesh_client::verdict::cancel;
 use guardmesh_client::{ClientError, Coordinator, Registrar, Registration};
 use std::time::Duration;
-
-fn request(batch_id: &str, calls: &[(&str, &str, &str)]) -> EvaluateRequest {
-    EvaluateRequest {
-        batch_id: batch_id.into(),
-        calls: calls
-            .iter()
-            .map(|(call_id, tool, arguments)| ToolCall {
-                call_id: (*call_id).into(),
-                tool: (*tool).into(),
-                arguments: (*arguments).into(),
-            })
-            .collect(),
-        ..Default::default()
-    }
-}
 
 /// The status a refused batch was answered with.
 fn refused(result: Result<guardmesh_client::BatchDecision, ClientError>) -> tonic::Status {
@@ -72,7 +57,7 @@ async fn r20_gate_refuses_member_names_equal_under_case_folding() {
         ),
     ];
     for (i, (arguments, names)) in cases.iter().enumerate() {
-        let batch = request(
+        let batch = evaluate_request(
             &format!("b{i}"),
             &[("ok", "read_file", "{}"), ("fold", "read_file", arguments)],
         );
@@ -88,7 +73,7 @@ async fn r20_gate_refuses_member_names_equal_under_case_folding() {
         }
     }
     // The stream is still served; only this batch reached the guard.
-    let fine = request(
+    let fine = evaluate_request(
         "fine",
         &[("c", "read_file", r#"{"path":"/tmp/ok","Path2":1}"#)],
     );
@@ -127,7 +112,7 @@ async fn r20_gate_refuses_tool_names_outside_the_grammar() {
         long.as_str(),
     ];
     for (i, tool) in bad.iter().enumerate() {
-        let batch = request(&format!("b{i}"), &[("c1", "ok", "{}"), ("bad", tool, "{}")]);
+        let batch = evaluate_request(&format!("b{i}"), &[("c1", "ok", "{}"), ("bad", tool, "{}")]);
         for status in [
             refused(session.evaluate_raw(batch.clone()).await),
             unary(&mesh.url, &batch).await.unwrap_err(),
@@ -142,7 +127,7 @@ async fn r20_gate_refuses_tool_names_outside_the_grammar() {
             assert!(message.len() < 500, "{message}");
         }
     }
-    let fine = request(
+    let fine = evaluate_request(
         "fine",
         &[
             ("c1", "Shell.exec", "{}"),
@@ -169,7 +154,7 @@ async fn r20_gate_tool_name_grammar_follows_the_config() {
     mesh_config.limits = config.mesh_config().limits;
     let mesh = TestMesh::with_config(mesh_config).await;
     let session = mesh.coordinator().await.session("s").await.unwrap();
-    let ok = request("a", &[("c", "fs/read", "{}")]);
+    let ok = evaluate_request("a", &[("c", "fs/read", "{}")]);
     assert!(
         session
             .evaluate_raw(ok)
@@ -182,7 +167,7 @@ async fn r20_gate_tool_name_grammar_follows_the_config() {
     for tool in ["fs/read/longer", "fs:read"] {
         let status = refused(
             session
-                .evaluate_raw(request("b", &[("c", tool, "{}")]))
+                .evaluate_raw(evaluate_request("b", &[("c", tool, "{}")]))
                 .await,
         );
         assert_eq!(status.code(), tonic::Code::InvalidArgument, "{tool}");
@@ -214,7 +199,7 @@ async fn r20_gate_refuses_the_replay_prefix_from_callers_that_may_not_replay() {
         .await
         .unwrap();
     let session = agent.session("s").await.unwrap();
-    let hidden = request(&format!("{prefix}42"), &[("c", "read_file", "{}")]);
+    let hidden = evaluate_request(&format!("{prefix}42"), &[("c", "read_file", "{}")]);
     let status = refused(session.evaluate_raw(hidden.clone()).await);
     assert_eq!(status.code(), tonic::Code::InvalidArgument);
     assert!(status.message().contains(prefix), "{}", status.message());
@@ -224,7 +209,7 @@ async fn r20_gate_refuses_the_replay_prefix_from_callers_that_may_not_replay() {
         status.message()
     );
     // The same stream goes on; another id of the agent is judged.
-    let fine = request("replayed-by-hand", &[("c", "read_file", "{}")]);
+    let fine = evaluate_request("replayed-by-hand", &[("c", "read_file", "{}")]);
     assert!(
         session
             .evaluate_raw(fine)
@@ -254,7 +239,7 @@ async fn r20_gate_refuses_the_replay_prefix_from_callers_that_may_not_replay() {
     // Without principals every caller may replay.
     let (open, _guard) = mesh_with_guard().await;
     let session = open.coordinator().await.session("s").await.unwrap();
-    let replayed = request(&format!("{prefix}7"), &[("c", "read_file", "{}")]);
+    let replayed = evaluate_request(&format!("{prefix}7"), &[("c", "read_file", "{}")]);
     assert!(session.evaluate_raw(replayed.clone()).await.is_ok());
     assert!(unary(&open.url, &replayed).await.is_ok());
 }
@@ -273,7 +258,7 @@ async fn r9_gate_guard_patterns_match_tool_names_in_any_case() {
         .await;
     let session = mesh.coordinator().await.session("s").await.unwrap();
     let decision = session
-        .evaluate_raw(request(
+        .evaluate_raw(evaluate_request(
             "b",
             &[
                 ("c1", "shell.exec", "{}"),

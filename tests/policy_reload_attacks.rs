@@ -60,12 +60,7 @@ struct Reloading {
 
 impl Reloading {
     async fn start(name: &str, text: &str) -> Self {
-        let dir = std::env::temp_dir().join(format!(
-            "guardmesh-reload-attack-{name}-{}",
-            std::process::id()
-        ));
-        let _ = std::fs::remove_dir_all(&dir);
-        std::fs::create_dir_all(&dir).unwrap();
+        let dir = fresh_dir(&format!("reload-attack-{name}"));
         let policy = dir.join("rules.toml");
         std::fs::write(&policy, text).unwrap();
         let metrics_port = free_port();

@@ -113,6 +113,28 @@ pub(crate) async fn next_answer(
     }
 }
 
+/// An `EvaluateRequest` with id `batch_id` and `calls` given as
+/// `(call_id, tool, arguments)`.
+pub(crate) fn evaluate_request(
+    batch_id: &str,
+    calls: &[(&str, &str, &str)],
+) -> guardmesh_client::proto::EvaluateRequest {
+    guardmesh_client::proto::EvaluateRequest {
+        batch_id: batch_id.into(),
+        calls: calls
+            .iter()
+            .map(
+                |(call_id, tool, arguments)| guardmesh_client::proto::ToolCall {
+                    call_id: (*call_id).into(),
+                    tool: (*tool).into(),
+                    arguments: (*arguments).into(),
+                },
+            )
+            .collect(),
+        ..Default::default()
+    }
+}
+
 /// A well-formed batch's bytes.
 pub(crate) fn batch_bytes(
     request: &guardmesh_client::proto::EvaluateRequest,

@@ -151,6 +151,18 @@ pub(crate) fn assert_succeeded(out: &std::process::Output) {
     );
 }
 
+/// Fails, with its stdout and stderr, unless `out` exited with `code`.
+#[track_caller]
+pub(crate) fn assert_exit_code(out: &std::process::Output, code: i32) {
+    assert_eq!(
+        out.status.code(),
+        Some(code),
+        "{}{}",
+        text(&out.stdout),
+        text(&out.stderr)
+    );
+}
+
 /// Text of a process's output.
 pub(crate) fn text(bytes: &[u8]) -> String {
     String::from_utf8_lossy(bytes).into_owned()
