@@ -426,7 +426,7 @@ async fn measure_log_cost_per_batch() {
 /// change refused for want of the role.
 #[tokio::test]
 async fn r29_records_name_the_authenticated_caller() {
-    use guardmesh_client::{Coordinator, Registrar};
+    use guardmesh_client::Coordinator;
     let dir = folder("caller");
     let pki = TestPki::new();
     let (mesh, url) = TestMesh::with_tokens(&pki, &[OPS, AGENT], "").await;
@@ -436,9 +436,7 @@ async fn r29_records_name_the_authenticated_caller() {
     )
     .await;
     let guard = proceed_guard().await;
-    let ops = Registrar::connect_with(url.clone(), &pki.connection(None, Some("ops-token")))
-        .await
-        .unwrap();
+    let ops = pki.registrar(&url, "ops-token").await;
     ops.register(Registration::validate("g", &guard.url))
         .await
         .unwrap();

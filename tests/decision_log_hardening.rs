@@ -411,10 +411,7 @@ impl Drop for Tmpfs {
 }
 
 async fn agent_batch(pki: &TestPki, url: &str, id: &str) -> Result<(), tonic::Status> {
-    let coordinator =
-        Coordinator::connect_with(url.to_owned(), &pki.connection(None, Some("agent-token")))
-            .await
-            .unwrap();
+    let coordinator = pki.coordinator(url, "agent-token").await;
     coordinator
         .evaluate_once(id, Batch::new(0).call("c1", "t", "{}"))
         .await
@@ -518,10 +515,7 @@ async fn r29_the_log_directory_budget_stops_refusals_first_then_follows_on_log_f
         };
         let (mesh, url) = secured(&pki, &log, on_failure, limits).await;
         let big = json!({ "text": "x".repeat(1500) }).to_string();
-        let coordinator =
-            Coordinator::connect_with(url.clone(), &pki.connection(None, Some("agent-token")))
-                .await
-                .unwrap();
+        let coordinator = pki.coordinator(&url, "agent-token").await;
         let mut stopped = None;
         for i in 0..40 {
             let result = coordinator

@@ -40,16 +40,16 @@ async fn r29_requests_refused_by_the_auth_layer_are_recorded() {
     assert!(nobody.list().await.is_err());
 
     // Valid credentials without the role: PERMISSION_DENIED.
-    let err = Coordinator::connect_with(url.clone(), &pki.connection(None, Some("reg-token")))
+    let err = pki
+        .coordinator(&url, "reg-token")
         .await
-        .unwrap()
         .evaluate_once("s", batch())
         .await
         .unwrap_err();
     assert_eq!(err.code(), Some(tonic::Code::PermissionDenied), "{err}");
-    let err = Registrar::connect_with(url.clone(), &pki.connection(None, Some("agent-token")))
+    let err = pki
+        .registrar(&url, "agent-token")
         .await
-        .unwrap()
         .register(Registration::validate("p", "http://127.0.0.1:1"))
         .await
         .unwrap_err();

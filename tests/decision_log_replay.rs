@@ -4,7 +4,7 @@
 //! have blocked; the replay sends the credentials the mesh asks for.
 
 use crate::harness::*;
-use guardmesh_client::{Coordinator, Registrar, Registration};
+use guardmesh_client::Registration;
 use guardmesh_server::decision_log::{LogConfig, OnLogFailure};
 use serde_json::Value;
 
@@ -19,17 +19,13 @@ async fn r30_replay_against_a_running_mesh_lists_what_a_dry_run_candidate_would_
         ..LogConfig::new(&log, "test")
     };
     mesh.attach_log(config, OnLogFailure::Refuse).await;
-    let ops = Registrar::connect_with(url.clone(), &pki.connection(None, Some("ops-token")))
-        .await
-        .unwrap();
+    let ops = pki.registrar(&url, "ops-token").await;
     ops.register(Registration::policy("policy", LOG_POLICY))
         .await
         .unwrap();
 
     // The recorded run: two /etc reads proceed, a danger call is cancelled.
-    let agent = Coordinator::connect_with(url.clone(), &pki.connection(None, Some("agent-token")))
-        .await
-        .unwrap();
+    let agent = pki.coordinator(&url, "agent-token").await;
     let session = agent.session("s").await.unwrap();
     let first = session
         .evaluate_raw(evaluate_request(

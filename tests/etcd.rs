@@ -341,13 +341,6 @@ async fn stop_all<const N: usize>(replicas: [Replica; N]) {
     }
 }
 
-/// A steer with `content`.
-fn steered(content: &str) -> Outcome {
-    Outcome::Steer {
-        content: content.into(),
-    }
-}
-
 fn trace_names(decision: &BatchDecision) -> Vec<String> {
     decision.trace.iter().map(|t| t.guard.clone()).collect()
 }

@@ -7,7 +7,7 @@
 use crate::harness::*;
 use guardmesh_client::proto::EvaluateRequest;
 use guardmesh_client::verdict::cancel;
-use guardmesh_client::{ClientError, Coordinator, Registrar, Registration};
+use guardmesh_client::{ClientError, Registration};
 use std::time::Duration;
 
 /// The status a refused batch was answered with.
@@ -189,15 +189,12 @@ async fn r20_gate_refuses_the_replay_prefix_from_callers_that_may_not_replay() {
     let pki = TestPki::new();
     let (_mesh, url) = TestMesh::with_tokens(&pki, &[OPS, AGENT], "").await;
     let guard = call_guard(Duration::ZERO, |_| None).await;
-    Registrar::connect_with(url.clone(), &pki.connection(None, Some("ops-token")))
+    pki.registrar(&url, "ops-token")
         .await
-        .unwrap()
         .register(Registration::validate("watch", &guard.url))
         .await
         .unwrap();
-    let agent = Coordinator::connect_with(url.clone(), &pki.connection(None, Some("agent-token")))
-        .await
-        .unwrap();
+    let agent = pki.coordinator(&url, "agent-token").await;
     let session = agent.session("s").await.unwrap();
     let hidden = evaluate_request(&format!("{prefix}42"), &[("c", "read_file", "{}")]);
     let status = refused(session.evaluate_raw(hidden.clone()).await);
@@ -221,9 +218,7 @@ async fn r20_gate_refuses_the_replay_prefix_from_callers_that_may_not_replay() {
     );
     assert_eq!(guard.guard.batches().len(), 1);
     // The operator's replay is judged.
-    let ops = Coordinator::connect_with(url.clone(), &pki.connection(None, Some("ops-token")))
-        .await
-        .unwrap();
+    let ops = pki.coordinator(&url, "ops-token").await;
     let replay = ops.session("replay").await.unwrap();
     assert!(
         replay

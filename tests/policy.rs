@@ -356,12 +356,7 @@ async fn r27_calls_rule_at_most_3_emails_per_round() {
         .unwrap();
     for i in 0..4 {
         let c = d.call(&format!("e{i}")).unwrap();
-        assert_eq!(
-            c.outcome,
-            Outcome::Steer {
-                content: "send at most 3 emails per round".into()
-            }
-        );
+        assert_eq!(c.outcome, steered("send at most 3 emails per round"));
     }
     assert!(d.call("other").unwrap().proceeds());
 }

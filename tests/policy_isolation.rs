@@ -79,9 +79,7 @@ async fn r13_an_unrelated_large_call_is_no_lever_on_another_calls_decision() {
         let rm = d.call("rm").unwrap();
         assert_eq!(
             rm.outcome,
-            Outcome::Cancel {
-                content: "rm is not allowed".into()
-            },
+            cancelled("rm is not allowed"),
             "{policy:?}: the forbidden call is judged by its own content: {rm:?}"
         );
         assert!(!rm.failure, "{policy:?}: {rm:?}");
@@ -135,9 +133,7 @@ async fn r27_a_rule_error_fails_its_rule_and_never_skips_the_later_rules() {
     let rm = d.call("rm").unwrap();
     assert_eq!(
         rm.outcome,
-        Outcome::Cancel {
-            content: "rm is not allowed".into()
-        },
+        cancelled("rm is not allowed"),
         "the later rule still judges the call: {rm:?}"
     );
     // The overflowing call: fail_open lets it through, recorded.

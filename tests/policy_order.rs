@@ -260,17 +260,13 @@ async fn r10_r27_policy_judges_the_arguments_as_rewritten() {
     let outcome = |id: &str| decision.call(id).map(|c| c.outcome.clone());
     assert_eq!(
         outcome("up"),
-        Some(Outcome::Steer {
-            content: "a payment of 50000 needs a human".into()
-        }),
+        Some(steered("a payment of 50000 needs a human")),
         "{decision:?}"
     );
     assert_eq!(outcome("down"), Some(Outcome::Proceed), "{decision:?}");
     assert_eq!(
         outcome("big"),
-        Some(Outcome::Steer {
-            content: "a payment of 20000 needs a human".into()
-        }),
+        Some(steered("a payment of 20000 needs a human")),
         "{decision:?}"
     );
     assert_eq!(outcome("small"), Some(Outcome::Proceed), "{decision:?}");

@@ -586,9 +586,7 @@ async fn readme_minimal_python_and_node_guards_work_as_documented() {
         .await;
     assert_eq!(
         d.calls[0].outcome,
-        Outcome::Cancel {
-            content: "Deleting files is not allowed.".into()
-        }
+        cancelled("Deleting files is not allowed.")
     );
     assert_eq!(d.calls[0].decided_by.as_deref(), Some("no-delete"));
     assert!(d.calls[1].proceeds());
@@ -724,12 +722,7 @@ async fn r24_kits_register_with_a_token_over_tls() {
     );
 
     // Both judge: the Node guard over TLS.
-    let coordinator = guardmesh_client::Coordinator::connect_with(
-        url.clone(),
-        &pki.connection(None, Some("agent-token")),
-    )
-    .await
-    .unwrap();
+    let coordinator = pki.coordinator(&url, "agent-token").await;
     let d = coordinator
         .evaluate_once(
             "s",
@@ -890,9 +883,7 @@ async fn r26_idle_python_guard_keeps_its_link_under_grpcio_default_ping_policy()
         let del = d.call("del").unwrap();
         assert_eq!(
             del.outcome,
-            Outcome::Cancel {
-                content: "Deleting files is not allowed.".into()
-            },
+            cancelled("Deleting files is not allowed."),
             "{what}: {del:?}"
         );
         assert!(!del.failure, "{what}: judged, not failed: {del:?}");

@@ -265,12 +265,7 @@ async fn r12_a_mutate_skip_is_final_and_later_guards_never_see_the_call() {
     let (_session, d) = mesh
         .session_decides(Batch::new(0).call("c1", "t", "{}").call("c2", "t", "{}"))
         .await;
-    assert_eq!(
-        d.calls[0].outcome,
-        Outcome::Cancel {
-            content: "blocked at rewrite time".into()
-        }
-    );
+    assert_eq!(d.calls[0].outcome, cancelled("blocked at rewrite time"));
     assert_eq!(d.calls[0].decided_by.as_deref(), Some("m"));
     for g in [&later_mutate, &judge] {
         let ids: Vec<_> = g.guard.batches()[0]

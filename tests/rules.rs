@@ -87,9 +87,7 @@ async fn r3_r4_slow_early_skip_beats_fast_later_skip() {
         let call = &d.calls[0];
         assert_eq!(
             call.outcome,
-            Outcome::Steer {
-                content: "early guard says no".into()
-            },
+            steered("early guard says no"),
             "chain order decides, not answer order"
         );
         assert_eq!(call.decided_by.as_deref(), Some("early"));
@@ -184,18 +182,8 @@ async fn r7_skip_without_kind_is_steer() {
                 .call("cancel", "t", "{}"),
         )
         .await;
-    assert_eq!(
-        d.calls[0].outcome,
-        Outcome::Steer {
-            content: "fix it".into()
-        }
-    );
-    assert_eq!(
-        d.calls[1].outcome,
-        Outcome::Cancel {
-            content: "not allowed".into()
-        }
-    );
+    assert_eq!(d.calls[0].outcome, steered("fix it"));
+    assert_eq!(d.calls[1].outcome, cancelled("not allowed"));
 }
 
 #[tokio::test]

@@ -150,22 +150,12 @@ async fn r34_rate_limit_per_session_never_shared_with_another_identity() {
         "",
     )
     .await;
-    let ops = guardmesh_client::Registrar::connect_with(
-        url.clone(),
-        &pki.connection(None, Some("ops-token")),
-    )
-    .await
-    .unwrap();
+    let ops = pki.registrar(&url, "ops-token").await;
     ops.register(Registration::policy("flows", relaybleed()).build())
         .await
         .unwrap();
-    let alice = Coordinator::connect_with(url.clone(), &pki.connection(None, Some("alice-token")))
-        .await
-        .unwrap();
-    let mallory =
-        Coordinator::connect_with(url.clone(), &pki.connection(None, Some("mallory-token")))
-            .await
-            .unwrap();
+    let alice = pki.coordinator(&url, "alice-token").await;
+    let mallory = pki.coordinator(&url, "mallory-token").await;
     for turn in 0..3 {
         assert!(
             proceeds(&outcome(&alice, "s", turn, "email.send", "{}").await),

@@ -135,6 +135,20 @@ pub(crate) fn evaluate_request(
     }
 }
 
+/// A steer with `content`.
+pub(crate) fn steered(content: &str) -> guardmesh_client::Outcome {
+    guardmesh_client::Outcome::Steer {
+        content: content.into(),
+    }
+}
+
+/// A cancel with `content`.
+pub(crate) fn cancelled(content: &str) -> guardmesh_client::Outcome {
+    guardmesh_client::Outcome::Cancel {
+        content: content.into(),
+    }
+}
+
 /// A well-formed batch's bytes.
 pub(crate) fn batch_bytes(
     request: &guardmesh_client::proto::EvaluateRequest,
