@@ -9,21 +9,12 @@ fn stdout(output: &Output) -> String {
     String::from_utf8_lossy(&output.stdout).into_owned()
 }
 
-struct Serve(std::process::Child);
-
-impl Drop for Serve {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
-
 #[test]
 fn cli_serve_register_evaluate_deregister() {
     let guard = GuardProcess::start("deny-list", 0, &[]);
     let port = free_port();
     let mesh = format!("http://127.0.0.1:{port}");
-    let _serve = Serve(
+    let _serve = KillOnDrop(
         Command::new(env!("CARGO_BIN_EXE_guardmesh"))
             .args(["serve", "--listen", &format!("127.0.0.1:{port}")])
             .stderr(std::process::Stdio::null())
@@ -135,7 +126,7 @@ async fn r2_r13_r20_evaluate_for_scripts_json_and_exit_codes() {
     let guard = GuardProcess::start("deny-list", 0, &[]);
     let port = free_port();
     let mesh = format!("http://127.0.0.1:{port}");
-    let _serve = Serve(
+    let _serve = KillOnDrop(
         Command::new(env!("CARGO_BIN_EXE_guardmesh"))
             .args(["serve", "--listen", &format!("127.0.0.1:{port}")])
             .stderr(std::process::Stdio::null())
@@ -352,9 +343,9 @@ async fn r24_sdk_sends_its_token_on_every_call() {
 
 /// Starts `guardmesh serve --config CONFIG` on a free port; returns it
 /// with the port.
-fn serve_config(config: &std::path::Path) -> (Serve, u16) {
+fn serve_config(config: &std::path::Path) -> (KillOnDrop, u16) {
     let port = free_port();
-    let serve = Serve(
+    let serve = KillOnDrop(
         Command::new(env!("CARGO_BIN_EXE_guardmesh"))
             .args(["serve", "--listen", &format!("127.0.0.1:{port}")])
             .arg("--config")

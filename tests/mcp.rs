@@ -1216,33 +1216,12 @@ async fn r31_hook_deny_allow_updated_input_and_exit_codes() {
 // guardmesh mcp http
 // ---------------------------------------------------------------------------
 
-/// Waits (bounded) until something accepts on `port`.
-pub(crate) async fn wait_for_port(port: u16, what: &str) {
-    for _ in 0..300 {
-        if tokio::net::TcpStream::connect(("127.0.0.1", port))
-            .await
-            .is_ok()
-        {
-            return;
-        }
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-    panic!("{what} did not start listening on {port}");
-}
-
-/// A child process killed when dropped.
-pub(crate) struct Child(pub(crate) std::process::Child);
-
-impl Drop for Child {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
-
 /// The Python SDK upstream on Streamable HTTP and `guardmesh mcp http` in
 /// front of it; returns the gateway's endpoint URL.
-pub(crate) async fn http_gateway(mesh: &str, scratch: &Scratch) -> (String, Child, Child) {
+pub(crate) async fn http_gateway(
+    mesh: &str,
+    scratch: &Scratch,
+) -> (String, KillOnDrop, KillOnDrop) {
     http_gateway_with(mesh, scratch, "127.0.0.1", &[]).await
 }
 
@@ -1253,10 +1232,10 @@ pub(crate) async fn http_gateway_with(
     scratch: &Scratch,
     host: &str,
     extra: &[&std::ffi::OsStr],
-) -> (String, Child, Child) {
+) -> (String, KillOnDrop, KillOnDrop) {
     let upstream_port = free_port();
     let mut command = scratch.upstream(&["http", &upstream_port.to_string()]);
-    let upstream = Child(
+    let upstream = KillOnDrop(
         Command::new(command.remove(0))
             .args(command)
             .stdout(Stdio::null())
@@ -1266,7 +1245,7 @@ pub(crate) async fn http_gateway_with(
     );
     wait_for_port(upstream_port, "the upstream MCP server").await;
     let port = free_port();
-    let gateway = Child(
+    let gateway = KillOnDrop(
         Command::new(env!("CARGO_BIN_EXE_guardmesh"))
             .args(["mcp", "http", "--mesh", mesh, "--listen"])
             .arg(format!("{host}:{port}"))

@@ -26,43 +26,12 @@ use tokio::net::TcpStream;
 /// timeouts).
 const CANARY: Duration = Duration::from_secs(3);
 
-/// A child process killed when dropped.
-struct Child(std::process::Child);
-
-impl Child {
-    fn new(child: std::process::Child) -> Self {
-        Self(child)
-    }
-
-    fn id(&self) -> u32 {
-        self.0.id()
-    }
-}
-
-impl Drop for Child {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
-
-/// Waits (bounded) until something accepts on `port`.
-async fn wait_for_port(port: u16, what: &str) {
-    for _ in 0..300 {
-        if TcpStream::connect(("127.0.0.1", port)).await.is_ok() {
-            return;
-        }
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-    panic!("{what} did not start listening on {port}");
-}
-
 /// `guardmesh mcp http` in front of the Python SDK upstream.
 struct HttpGateway {
     port: u16,
     url: String,
-    gateway: Child,
-    _upstream: Child,
+    gateway: KillOnDrop,
+    _upstream: KillOnDrop,
     stderr: std::path::PathBuf,
 }
 
@@ -72,7 +41,7 @@ impl HttpGateway {
     async fn start(mesh: &str, scratch: &Scratch, nofile: Option<u64>, extra: &[&str]) -> Self {
         let upstream_port = free_port();
         let mut command = scratch.upstream(&["http", &upstream_port.to_string()]);
-        let upstream = Child::new(
+        let upstream = KillOnDrop(
             Command::new(command.remove(0))
                 .args(command)
                 .stdout(Stdio::null())
@@ -101,7 +70,7 @@ impl HttpGateway {
             .args(extra)
             .stdout(Stdio::null())
             .stderr(std::fs::File::create(&stderr).unwrap());
-        let gateway = Child::new(command.spawn().unwrap());
+        let gateway = KillOnDrop(command.spawn().unwrap());
         wait_for_port(port, "guardmesh mcp http").await;
         Self {
             port,
@@ -113,7 +82,7 @@ impl HttpGateway {
     }
 
     fn pid(&self) -> String {
-        self.gateway.id().to_string()
+        self.gateway.0.id().to_string()
     }
 
     /// (RSS, peak RSS) of the gateway in MiB.

@@ -319,7 +319,6 @@ async fn r14_r20_the_mesh_in_the_gateway_keeps_its_limits_and_deadlines() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn r31_the_http_gateway_with_a_config_judges_in_its_own_process() {
-    use crate::mcp::{Child, wait_for_port};
     let guard = call_guard(Duration::ZERO, policy).await;
     let scratch = Scratch::new("embedded-http");
     let config = scratch.dir.join("mesh.toml");
@@ -330,7 +329,7 @@ async fn r31_the_http_gateway_with_a_config_judges_in_its_own_process() {
     .unwrap();
     let upstream_port = free_port();
     let mut command = scratch.upstream(&["http", &upstream_port.to_string()]);
-    let _upstream = Child(
+    let _upstream = KillOnDrop(
         std::process::Command::new(command.remove(0))
             .args(command)
             .stdout(std::process::Stdio::null())
@@ -340,7 +339,7 @@ async fn r31_the_http_gateway_with_a_config_judges_in_its_own_process() {
     );
     wait_for_port(upstream_port, "the upstream MCP server").await;
     let port = free_port();
-    let _gateway = Child(
+    let _gateway = KillOnDrop(
         std::process::Command::new(env!("CARGO_BIN_EXE_guardmesh"))
             .args(["mcp", "http", "--config"])
             .arg(&config)

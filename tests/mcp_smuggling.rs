@@ -66,30 +66,6 @@ fn ts_dir() -> PathBuf {
     dir
 }
 
-/// Waits (bounded) until something accepts on `port`.
-async fn wait_for_port(port: u16, what: &str) {
-    for _ in 0..300 {
-        if tokio::net::TcpStream::connect(("127.0.0.1", port))
-            .await
-            .is_ok()
-        {
-            return;
-        }
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-    panic!("{what} did not start listening on {port}");
-}
-
-/// A child process killed when dropped.
-struct Child(std::process::Child);
-
-impl Drop for Child {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
-
 /// What an upstream executed: its log's lines.
 fn executed(log: &std::path::Path) -> Vec<Value> {
     std::fs::read_to_string(log)
@@ -331,10 +307,10 @@ async fn r31_r20_member_names_colliding_under_case_folding_are_refused() {
 
 /// The TypeScript SDK server on Streamable HTTP and `guardmesh mcp http` in
 /// front of it; returns the gateway's endpoint URL and the upstream's log.
-async fn ts_gateway(mesh: &str, scratch: &Scratch) -> (String, Child, Child) {
+async fn ts_gateway(mesh: &str, scratch: &Scratch) -> (String, KillOnDrop, KillOnDrop) {
     let dir = ts_dir();
     let upstream_port = free_port();
-    let upstream = Child(
+    let upstream = KillOnDrop(
         Command::new("node")
             .arg(dir.join("server.mjs"))
             .arg(scratch.log())
@@ -346,7 +322,7 @@ async fn ts_gateway(mesh: &str, scratch: &Scratch) -> (String, Child, Child) {
     );
     wait_for_port(upstream_port, "the TypeScript MCP server").await;
     let port = free_port();
-    let gateway = Child(
+    let gateway = KillOnDrop(
         Command::new(env!("CARGO_BIN_EXE_guardmesh"))
             .args(["mcp", "http", "--mesh", mesh, "--listen"])
             .arg(format!("127.0.0.1:{port}"))

@@ -83,13 +83,3 @@ impl LogsService for Collector {
         }))
     }
 }
-
-/// A child process (`guardmesh serve`), killed when dropped.
-pub(crate) struct KillOnDrop(pub std::process::Child);
-
-impl Drop for KillOnDrop {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}

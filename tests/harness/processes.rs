@@ -23,6 +23,31 @@ pub(crate) async fn guardmesh_off_thread(args: Vec<String>) -> std::process::Out
     .unwrap()
 }
 
+/// A child process, killed (and reaped) when dropped.
+pub(crate) struct KillOnDrop(pub std::process::Child);
+
+impl Drop for KillOnDrop {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+/// Waits (bounded: 15 s) until something accepts on loopback `port`;
+/// `what` names it in the failure.
+pub(crate) async fn wait_for_port(port: u16, what: &str) {
+    for _ in 0..300 {
+        if tokio::net::TcpStream::connect(("127.0.0.1", port))
+            .await
+            .is_ok()
+        {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    panic!("{what} did not start listening on {port}");
+}
+
 /// A guard running as a real separate process: `guardmesh example-guard`.
 pub(crate) struct GuardProcess {
     pub url: String,
