@@ -444,11 +444,7 @@ async fn guard_closes_stream_mid_batch_mutate_guard_keeps_the_skip_it_sent() {
 #[tokio::test]
 async fn hang_guard_fails_at_its_own_timeout_and_is_told_to_stop() {
     let mesh = TestMesh::start().await;
-    let hung = script_guard(|_| Script {
-        delay: Duration::from_secs(30),
-        ..Default::default()
-    })
-    .await;
+    let hung = slow_guard(Duration::from_secs(30)).await;
     register_each_policy(&mesh, &hung.url, Duration::from_millis(200)).await;
     let session = mesh.coordinator().await.session("s").await.unwrap();
     assert_each_policy_fails(
@@ -480,11 +476,7 @@ async fn hang_guard_fails_at_its_own_timeout_and_is_told_to_stop() {
 #[tokio::test]
 async fn hang_batch_deadline_smaller_than_the_guard_timeout_bounds_the_guard() {
     let mesh = TestMesh::start().await;
-    let hung = script_guard(|_| Script {
-        delay: Duration::from_secs(30),
-        ..Default::default()
-    })
-    .await;
+    let hung = slow_guard(Duration::from_secs(30)).await;
     register_each_policy(&mesh, &hung.url, Duration::from_secs(20)).await;
     let session = mesh.coordinator().await.session("s").await.unwrap();
     let d = session
@@ -517,11 +509,7 @@ async fn hang_batch_deadline_smaller_than_the_guard_timeout_bounds_the_guard() {
 #[tokio::test]
 async fn hang_unary_batch_gets_a_decision_before_its_grpc_deadline() {
     let mesh = TestMesh::start().await;
-    let hung = script_guard(|_| Script {
-        delay: Duration::from_secs(30),
-        ..Default::default()
-    })
-    .await;
+    let hung = slow_guard(Duration::from_secs(30)).await;
     mesh.register(
         Registration::validate("fc", &hung.url)
             .failure_policy(FailurePolicy::FailClosed)
@@ -547,11 +535,7 @@ async fn hang_unary_batch_gets_a_decision_before_its_grpc_deadline() {
 #[tokio::test]
 async fn hang_remaining_batch_budget_shrinks_across_mutate_guards() {
     let mesh = TestMesh::start().await;
-    let first = script_guard(|_| Script {
-        delay: Duration::from_millis(300),
-        ..Default::default()
-    })
-    .await;
+    let first = slow_guard(Duration::from_millis(300)).await;
     // When the second mutate guard is asked, the first has already answered
     // (R10: one after another).
     let first_answered_when_second_asked = Arc::new(Mutex::new(Vec::new()));
@@ -602,11 +586,7 @@ async fn hang_remaining_batch_budget_shrinks_across_mutate_guards() {
 #[tokio::test]
 async fn hang_exhausted_batch_budget_fails_later_guards_without_contacting_them() {
     let mesh = TestMesh::start().await;
-    let hung = script_guard(|_| Script {
-        delay: Duration::from_secs(30),
-        ..Default::default()
-    })
-    .await;
+    let hung = slow_guard(Duration::from_secs(30)).await;
     let later = proceed_guard().await;
     let validate = proceed_guard().await;
     mesh.register(

@@ -243,11 +243,7 @@ fn exchange_with_env(
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn r14_r20_the_mesh_in_the_gateway_keeps_its_limits_and_deadlines() {
     // A guard that answers after 5 s, past its 300 ms timeout (R14).
-    let slow = script_guard(|_| Script {
-        delay: Duration::from_secs(5),
-        ..Script::default()
-    })
-    .await;
+    let slow = slow_guard(Duration::from_secs(5)).await;
     let scratch = Scratch::new("embedded-bounds");
     let config = scratch.dir.join("mesh.toml");
     std::fs::write(

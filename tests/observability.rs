@@ -62,11 +62,7 @@ async fn metrics_count_exactly_what_happened() {
         .unwrap();
     // 4: a refused batch.
     session
-        .evaluate_raw(guardmesh_client::proto::EvaluateRequest {
-            batch_id: "bad".into(),
-            calls: vec![Default::default()],
-            ..Default::default()
-        })
+        .evaluate_raw(evaluate_request("bad", &[("", "", "")]))
         .await
         .unwrap_err();
 

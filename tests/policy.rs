@@ -294,15 +294,11 @@ async fn r27_policy_of_context_rules_judges_without_reading_arguments() {
 async fn r27_first_matching_rule_wins_in_file_order() {
     let mesh = policy_mesh(Registration::policy("policy", POLICY)).await;
     let d = mesh
-        .coordinator()
-        .await
-        .evaluate_once(
-            "s",
+        .decides(
             // Both sql rules match; the first in the file decides.
             Batch::new(0).call("q", "sql.query", r#"{"query": "DELETE FROM t; DROP x"}"#),
         )
-        .await
-        .unwrap();
+        .await;
     let q = d.call("q").unwrap();
     assert!(matches!(q.outcome, Outcome::Cancel { .. }), "{q:?}");
     assert_eq!(
@@ -315,16 +311,12 @@ async fn r27_first_matching_rule_wins_in_file_order() {
 async fn r27_policy_guard_tools_globs_limit_what_it_is_sent() {
     let mesh = policy_mesh(Registration::policy("policy", POLICY).tools(["payments.*"])).await;
     let d = mesh
-        .coordinator()
-        .await
-        .evaluate_once(
-            "s",
+        .decides(
             Batch::new(0)
                 .call("del", "sql.query", r#"{"query": "DELETE FROM users"}"#)
                 .call("pay", "payments.send", r#"{"amount": 20000}"#),
         )
-        .await
-        .unwrap();
+        .await;
     assert!(
         d.call("del").unwrap().proceeds(),
         "sql is outside the guard's tools"
@@ -369,18 +361,12 @@ async fn r27_evaluation_error_fails_the_guard_per_its_policy_never_a_proceed() {
     // the rule and the error.
     let mesh = policy_mesh(Registration::policy("policy", POLICY)).await;
     let d = mesh
-        .coordinator()
-        .await
-        .evaluate_once(
-            "s",
-            Batch::new(0).call("bad", "payments.send", bad).call(
-                "ok",
-                "sql.query",
-                r#"{"query": "SELECT 1"}"#,
-            ),
-        )
-        .await
-        .unwrap();
+        .decides(Batch::new(0).call("bad", "payments.send", bad).call(
+            "ok",
+            "sql.query",
+            r#"{"query": "SELECT 1"}"#,
+        ))
+        .await;
     let call = d.call("bad").unwrap();
     assert!(matches!(call.outcome, Outcome::Cancel { .. }), "{call:?}");
     assert!(call.failure);
@@ -443,16 +429,12 @@ async fn r27_evaluation_error_fails_the_guard_per_its_policy_never_a_proceed() {
 async fn r27_r18_dry_run_policy_guard_decides_nothing() {
     let mesh = policy_mesh(Registration::policy("policy", POLICY).dry_run()).await;
     let d = mesh
-        .coordinator()
-        .await
-        .evaluate_once(
-            "s",
+        .decides(
             Batch::new(0)
                 .call("del", "sql.query", r#"{"query": "DELETE FROM users"}"#)
                 .call("bad", "payments.send", "{}"),
         )
-        .await
-        .unwrap();
+        .await;
     assert!(d.calls.iter().all(|c| c.proceeds()), "{d:?}");
     assert!(d.calls.iter().all(|c| c.bypassed.is_empty()));
     let entry = trace_of(&d, "policy");
@@ -484,16 +466,12 @@ async fn r27_r3_policy_and_remote_guards_keep_registration_order_vetoes() {
             mesh.register(remote_reg).await;
         }
         let d = mesh
-            .coordinator()
-            .await
-            .evaluate_once(
-                "s",
+            .decides(
                 Batch::new(0)
                     .call("del", "sql.query", r#"{"query": "DELETE FROM users"}"#)
                     .call("sel", "sql.query", r#"{"query": "SELECT 1"}"#),
             )
-            .await
-            .unwrap();
+            .await;
         let del = d.call("del").unwrap();
         let sel = d.call("sel").unwrap();
         // `sel` only the remote guard skips.
@@ -567,16 +545,12 @@ async fn r28_unguarded_cancel_cancels_an_unguarded_tool_and_not_a_guarded_one() 
     mesh.register(Registration::policy("policy", POLICY).tools(["sql.*"]))
         .await;
     let d = mesh
-        .coordinator()
-        .await
-        .evaluate_once(
-            "s",
+        .decides(
             Batch::new(0)
                 .call("sel", "sql.query", r#"{"query": "SELECT 1"}"#)
                 .call("sh", "shell.exec", r#"{"cmd": "ls"}"#),
         )
-        .await
-        .unwrap();
+        .await;
     assert!(d.call("sel").unwrap().proceeds(), "a guarded tool proceeds");
     let sh = d.call("sh").unwrap();
     assert!(matches!(sh.outcome, Outcome::Cancel { .. }), "{sh:?}");

@@ -193,10 +193,7 @@ async fn python_guard_steers_injection_and_cancels_rm_rf_in_a_three_language_cha
     let _rust = rust_guard(&mesh, "sql-where", "rust-sql", 2).await;
 
     let d = mesh
-        .coordinator()
-        .await
-        .evaluate_once(
-            "s",
+        .decides(
             Batch::new(0)
                 .timeout(Duration::from_secs(15))
                 .call(
@@ -208,8 +205,7 @@ async fn python_guard_steers_injection_and_cancels_rm_rf_in_a_three_language_cha
                 .call("s3", "sql.query", r#"{"sql":"DELETE FROM users"}"#)
                 .call("s4", "shell.exec", r#"{"command":"ls -la"}"#),
         )
-        .await
-        .unwrap();
+        .await;
     let s1 = d.call("s1").unwrap();
     assert!(matches!(s1.outcome, Outcome::Steer { .. }), "{s1:?}");
     assert_eq!(s1.decided_by.as_deref(), Some("py-injection"));
@@ -282,10 +278,7 @@ async fn python_mutate_guard_rewrite_is_what_node_and_rust_validate_guards_judge
     let p1_args = r#"{"to":"veto.team@example.com","body":"card 4111 1111 1111 1111"}"#;
     let p3_args = r#"{"path":"/tmp/jane@example.com"}"#;
     let d = mesh
-        .coordinator()
-        .await
-        .evaluate_once(
-            "s",
+        .decides(
             Batch::new(0)
                 .timeout(Duration::from_secs(15))
                 // Redacted: "veto" goes with the address, so the Rust guard
@@ -296,8 +289,7 @@ async fn python_mutate_guard_rewrite_is_what_node_and_rust_validate_guards_judge
                 // Redacted, then cancelled by Node: denied as rewritten.
                 .call("p3", "fs.delete", p3_args),
         )
-        .await
-        .unwrap();
+        .await;
 
     let p1 = d.call("p1").unwrap();
     assert!(
@@ -505,10 +497,7 @@ async fn python_guard_span_has_the_batch_trace_id() {
     let trace_id = format!("{:032x}", rand::random::<u128>() | 1);
     let span_id = format!("{:016x}", rand::random::<u64>() | 1);
     let d = mesh
-        .coordinator()
-        .await
-        .evaluate_once(
-            "s",
+        .decides(
             Batch::new(0)
                 .timeout(Duration::from_secs(15))
                 .traceparent(format!("00-{trace_id}-{span_id}-01"))
@@ -519,8 +508,7 @@ async fn python_guard_span_has_the_batch_trace_id() {
                 )
                 .call("t2", "fs.read", r#"{"path":"/etc/hosts"}"#),
         )
-        .await
-        .unwrap();
+        .await;
     assert_eq!(
         d.trace_id, trace_id,
         "R21: the decision carries the trace id"

@@ -102,16 +102,12 @@ async fn r11_r33_a_result_grant_violated_is_rejected_whole() {
     .await;
     let raw = text_result(SECRET);
     let d = mesh
-        .coordinator()
-        .await
-        .evaluate_once(
-            "s",
+        .decides(
             Batch::new(0)
                 .result("a", "fs.read", "fs", raw.clone())
                 .result("b", "db.query", "db", raw.clone()),
         )
-        .await
-        .unwrap();
+        .await;
     assert_eq!(d.status("redact"), Some(TraceStatus::RejectedRewrite));
     assert!(d.guard("redact").unwrap().error.contains("result grant"));
     for r in &d.results {
@@ -127,11 +123,7 @@ async fn r11_r33_a_result_grant_violated_is_rejected_whole() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn r13_r33_a_results_guard_that_times_out_under_fail_closed_blocks_the_result() {
     let mesh = TestMesh::start().await;
-    let slow = script_guard(|_| Script {
-        delay: Duration::from_secs(5),
-        ..Script::default()
-    })
-    .await;
+    let slow = slow_guard(Duration::from_secs(5)).await;
     mesh.register(
         Registration::validate("slow", &slow.url)
             .phases(GuardPhases::Both)
@@ -141,14 +133,8 @@ async fn r13_r33_a_results_guard_that_times_out_under_fail_closed_blocks_the_res
     .await;
     let started = std::time::Instant::now();
     let d = mesh
-        .coordinator()
-        .await
-        .evaluate_once(
-            "s",
-            Batch::new(0).result("a", "fs.read", "fs", text_result(SECRET)),
-        )
-        .await
-        .unwrap();
+        .decides(Batch::new(0).result("a", "fs.read", "fs", text_result(SECRET)))
+        .await;
     assert!(
         started.elapsed() < Duration::from_secs(4),
         "bounded by the guard's timeout"

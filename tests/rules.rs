@@ -308,11 +308,7 @@ async fn failing_guard(
             (url, None, Some(task))
         }
         Cause::Timeout => {
-            let g = script_guard(|_| Script {
-                delay: Duration::from_secs(5),
-                ..Default::default()
-            })
-            .await;
+            let g = slow_guard(Duration::from_secs(5)).await;
             (g.url.clone(), Some(g), None)
         }
     }
@@ -402,11 +398,7 @@ async fn r13_each_failure_cause_under_each_policy() {
 #[tokio::test]
 async fn r14_guard_gets_the_smaller_of_its_timeout_and_the_batch_deadline() {
     let mesh = TestMesh::start().await;
-    let slow = script_guard(|_| Script {
-        delay: Duration::from_secs(3),
-        ..Default::default()
-    })
-    .await;
+    let slow = slow_guard(Duration::from_secs(3)).await;
     mesh.register(Registration::validate("slow", &slow.url).timeout(Duration::from_secs(20)))
         .await;
     let session = mesh.coordinator().await.session("s").await.unwrap();
@@ -525,11 +517,7 @@ async fn r16_reregistration_updates_in_place_and_keeps_position() {
 #[tokio::test]
 async fn r17_registration_during_a_batch_applies_from_the_next() {
     let mesh = TestMesh::start().await;
-    let slow = script_guard(|_| Script {
-        delay: Duration::from_millis(500),
-        ..Default::default()
-    })
-    .await;
+    let slow = slow_guard(Duration::from_millis(500)).await;
     let veto = call_guard(Duration::ZERO, |c| Some(cancel(&c.call_id, "new guard"))).await;
     mesh.register(Registration::validate("slow", &slow.url))
         .await;
@@ -724,11 +712,7 @@ async fn r21_one_trace_entry_per_guard_with_its_status() {
     })
     .await;
     let not_applicable = proceed_guard().await;
-    let superseded = script_guard(|_| Script {
-        delay: Duration::from_secs(10),
-        ..Default::default()
-    })
-    .await;
+    let superseded = slow_guard(Duration::from_secs(10)).await;
     let malformed = call_guard(Duration::ZERO, |c| Some(steer(&c.call_id, ""))).await;
     let failed = closed_port().await;
     mesh.register(Registration::validate("proceeds", &proceeds.url))

@@ -131,6 +131,15 @@ pub(crate) async fn proceed_guard() -> TestGuard {
     script_guard(|_| Script::default()).await
 }
 
+/// A guard that proceeds on everything after `delay`.
+pub(crate) async fn slow_guard(delay: Duration) -> TestGuard {
+    script_guard(move |_| Script {
+        delay,
+        ..Default::default()
+    })
+    .await
+}
+
 /// A guard that applies `f` to each call: `Some(verdict)` or proceed.
 pub(crate) async fn call_guard(
     delay: Duration,

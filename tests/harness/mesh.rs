@@ -56,6 +56,18 @@ impl TestMesh {
         self.registrar().await.register(spec).await.unwrap();
     }
 
+    /// `batch` judged as a one-off batch of session `s`.
+    pub(crate) async fn decides(
+        &self,
+        batch: guardmesh_client::Batch,
+    ) -> guardmesh_client::BatchDecision {
+        self.coordinator()
+            .await
+            .evaluate_once("s", batch)
+            .await
+            .unwrap()
+    }
+
     /// Opens session "s" and has it evaluate `batch`: the session (open
     /// while the caller holds it) and the decision.
     pub(crate) async fn session_decides(
