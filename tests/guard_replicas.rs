@@ -15,7 +15,7 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 /// The chain's one guard: `endpoint` empty, `replicas` the urls.
-fn replicated(name: &str, urls: &[String], timeout: Duration) -> GuardSpec {
+pub(crate) fn replicated(name: &str, urls: &[String], timeout: Duration) -> GuardSpec {
     let mut spec = Registration::validate(name, "").timeout(timeout).build();
     spec.endpoint = String::new();
     spec.replicas = urls.to_vec();
@@ -24,7 +24,7 @@ fn replicated(name: &str, urls: &[String], timeout: Duration) -> GuardSpec {
 
 /// A batch the deny-list guards (Python `no_delete`, Rust `deny-list`)
 /// judge alike: `fs.delete` is cancelled, `fs.read` proceeds.
-fn batch(round: usize) -> Batch {
+pub(crate) fn batch(round: usize) -> Batch {
     Batch::new(u32::try_from(round % 4_000_000_000).unwrap_or(0))
         .call("del", "fs.delete", r#"{"path":"/tmp/x"}"#)
         .call("read", "fs.read", r#"{"path":"/tmp/x"}"#)
@@ -380,37 +380,25 @@ async fn r32_registration_bounds_replicas_and_holds_each_to_the_endpoint_policy(
     let many: Vec<String> = (0..65)
         .map(|i| format!("127.0.0.1:{}", 20000 + i))
         .collect();
-    let error = registrar
-        .register(replicated("g", &many, Duration::from_secs(1)))
-        .await
-        .unwrap_err()
-        .to_string();
+    let refusal = async |urls: &[String]| {
+        registrar
+            .register(replicated("g", urls, Duration::from_secs(1)))
+            .await
+            .unwrap_err()
+            .to_string()
+    };
+    let one_at = |address: &str| vec!["127.0.0.1:20001".to_string(), address.to_string()];
+    let error = refusal(&many).await;
     assert!(
         error.contains("InvalidArgument") || error.contains("invalid"),
         "{error}"
     );
     assert!(error.contains("at most 64"), "{error}");
     // One replica at a metadata address: the whole registration is refused.
-    let urls = vec![
-        "127.0.0.1:20001".to_string(),
-        "169.254.169.254:80".to_string(),
-    ];
-    let error = registrar
-        .register(replicated("g", &urls, Duration::from_secs(1)))
-        .await
-        .unwrap_err()
-        .to_string();
+    let error = refusal(&one_at("169.254.169.254:80")).await;
     assert!(error.contains("169.254.169.254"), "{error}");
     // The same address twice.
-    let urls = vec![
-        "127.0.0.1:20001".to_string(),
-        "http://127.0.0.1:20001".to_string(),
-    ];
-    let error = registrar
-        .register(replicated("g", &urls, Duration::from_secs(1)))
-        .await
-        .unwrap_err()
-        .to_string();
+    let error = refusal(&one_at("http://127.0.0.1:20001")).await;
     assert!(error.contains("twice"), "{error}");
     let listed = registrar.list().await.unwrap();
     assert!(listed.guards.is_empty(), "nothing was registered");

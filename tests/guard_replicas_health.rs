@@ -7,9 +7,10 @@
 //!
 //! Needs `scripts/setup-polyglot` (as `polyglot` does).
 
+use crate::guard_replicas::batch;
 use crate::harness::*;
 use guardmesh_client::proto::GuardSpec;
-use guardmesh_client::{Batch, BatchDecision, Outcome, Registration};
+use guardmesh_client::{Batch, BatchDecision, Outcome};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -68,19 +69,7 @@ async fn replicas(n: usize) -> (std::path::PathBuf, Vec<ScriptedReplica>) {
 }
 
 fn replicated(name: &str, urls: &[String]) -> GuardSpec {
-    let mut spec = Registration::validate(name, "")
-        .timeout(Duration::from_secs(5))
-        .build();
-    spec.endpoint = String::new();
-    spec.replicas = urls.to_vec();
-    spec
-}
-
-fn batch(round: usize) -> Batch {
-    Batch::new(u32::try_from(round % 4_000_000_000).unwrap_or(0))
-        .call("del", "fs.delete", r#"{"path":"/tmp/x"}"#)
-        .call("read", "fs.read", r#"{"path":"/tmp/x"}"#)
-        .timeout(Duration::from_secs(20))
+    crate::guard_replicas::replicated(name, urls, Duration::from_secs(5))
 }
 
 fn correct(d: &BatchDecision) -> bool {
