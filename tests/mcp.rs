@@ -75,6 +75,50 @@ impl Scratch {
     }
 }
 
+impl Scratch {
+    /// The Python upstream on Streamable HTTP on a free port, its output to
+    /// nowhere, once it listens: (its port, the process).
+    pub(crate) async fn http_upstream(&self) -> (u16, KillOnDrop) {
+        let port = free_port();
+        let mut command = self.upstream(&["http", &port.to_string()]);
+        let mut command_line = Command::new(command.remove(0));
+        command_line.args(command).stderr(Stdio::null());
+        let upstream = listening(&mut command_line, port, "the upstream MCP server").await;
+        (port, upstream)
+    }
+}
+
+/// `guardmesh mcp http ARGS... --listen LISTEN --upstream
+/// http://127.0.0.1:UPSTREAM_PORT/mcp` (ARGS: `--mesh URL` or `--config
+/// FILE`), its standard output to nowhere; not started yet.
+pub(crate) fn gateway_command<S: AsRef<std::ffi::OsStr>>(
+    args: impl IntoIterator<Item = S>,
+    listen: &str,
+    upstream_port: u16,
+) -> Command {
+    let mut command = Command::new(env!("CARGO_BIN_EXE_guardmesh"));
+    command
+        .args(["mcp", "http"])
+        .args(args)
+        .args(["--listen", listen, "--upstream"])
+        .arg(format!("http://127.0.0.1:{upstream_port}/mcp"))
+        .stdout(Stdio::null());
+    command
+}
+
+/// Starts `command` (its standard output to nowhere) and waits until it
+/// listens on `port`; `what` names it.
+pub(crate) async fn listening(command: &mut Command, port: u16, what: &str) -> KillOnDrop {
+    let child = KillOnDrop(
+        command
+            .stdout(Stdio::null())
+            .spawn()
+            .unwrap_or_else(|e| panic!("start {what}: {e}")),
+    );
+    wait_for_port(port, what).await;
+    child
+}
+
 impl Drop for Scratch {
     fn drop(&mut self) {
         let _ = std::fs::remove_dir_all(&self.dir);
@@ -1233,40 +1277,30 @@ pub(crate) async fn http_gateway_with(
     host: &str,
     extra: &[&std::ffi::OsStr],
 ) -> (String, KillOnDrop, KillOnDrop) {
-    let upstream_port = free_port();
-    let mut command = scratch.upstream(&["http", &upstream_port.to_string()]);
-    let upstream = KillOnDrop(
-        Command::new(command.remove(0))
-            .args(command)
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .unwrap(),
-    );
-    wait_for_port(upstream_port, "the upstream MCP server").await;
+    let (upstream_port, upstream) = scratch.http_upstream().await;
+    let (url, gateway) = gateway_before(mesh, host, upstream_port, extra).await;
+    (url, upstream, gateway)
+}
+
+/// `guardmesh mcp http --mesh MESH` on a free port of `host`, in front of
+/// the upstream on `upstream_port`, with `extra` arguments (`--tls-cert
+/// ...`: the URL is then https://127.0.0.1), once it listens: (its endpoint
+/// URL, the process).
+pub(crate) async fn gateway_before(
+    mesh: &str,
+    host: &str,
+    upstream_port: u16,
+    extra: &[&std::ffi::OsStr],
+) -> (String, KillOnDrop) {
     let port = free_port();
-    let gateway = KillOnDrop(
-        Command::new(env!("CARGO_BIN_EXE_guardmesh"))
-            .args(["mcp", "http", "--mesh", mesh, "--listen"])
-            .arg(format!("{host}:{port}"))
-            .arg("--upstream")
-            .arg(format!("http://127.0.0.1:{upstream_port}/mcp"))
-            .args(extra)
-            .stdout(Stdio::null())
-            .spawn()
-            .unwrap(),
-    );
-    wait_for_port(port, "guardmesh mcp http").await;
+    let mut command = gateway_command(["--mesh", mesh], &format!("{host}:{port}"), upstream_port);
+    let gateway = listening(command.args(extra), port, "guardmesh mcp http").await;
     let scheme = if extra.iter().any(|a| *a == "--tls-cert") {
         "https"
     } else {
         "http"
     };
-    (
-        format!("{scheme}://127.0.0.1:{port}/mcp"),
-        upstream,
-        gateway,
-    )
+    (format!("{scheme}://127.0.0.1:{port}/mcp"), gateway)
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -39,17 +39,7 @@ impl HttpGateway {
     /// Starts the upstream and the gateway with `extra` arguments; with
     /// `nofile`, the gateway runs under that open-file limit.
     async fn start(mesh: &str, scratch: &Scratch, nofile: Option<u64>, extra: &[&str]) -> Self {
-        let upstream_port = free_port();
-        let mut command = scratch.upstream(&["http", &upstream_port.to_string()]);
-        let upstream = KillOnDrop(
-            Command::new(command.remove(0))
-                .args(command)
-                .stdout(Stdio::null())
-                .stderr(Stdio::null())
-                .spawn()
-                .unwrap(),
-        );
-        wait_for_port(upstream_port, "the upstream MCP server").await;
+        let (upstream_port, upstream) = scratch.http_upstream().await;
         let port = free_port();
         let stderr = scratch.dir.join("gateway.stderr");
         let mut command = match nofile {

@@ -323,31 +323,14 @@ async fn r31_the_http_gateway_with_a_config_judges_in_its_own_process() {
         format!("[[guard]]\nname = \"policy\"\nendpoint = {:?}\n", guard.url),
     )
     .unwrap();
-    let upstream_port = free_port();
-    let mut command = scratch.upstream(&["http", &upstream_port.to_string()]);
-    let _upstream = KillOnDrop(
-        std::process::Command::new(command.remove(0))
-            .args(command)
-            .stdout(std::process::Stdio::null())
-            .stderr(std::process::Stdio::null())
-            .spawn()
-            .unwrap(),
-    );
-    wait_for_port(upstream_port, "the upstream MCP server").await;
+    let (upstream_port, _upstream) = scratch.http_upstream().await;
     let port = free_port();
-    let _gateway = KillOnDrop(
-        std::process::Command::new(env!("CARGO_BIN_EXE_guardmesh"))
-            .args(["mcp", "http", "--config"])
-            .arg(&config)
-            .arg("--listen")
-            .arg(format!("127.0.0.1:{port}"))
-            .arg("--upstream")
-            .arg(format!("http://127.0.0.1:{upstream_port}/mcp"))
-            .stdout(std::process::Stdio::null())
-            .spawn()
-            .unwrap(),
+    let mut command = crate::mcp::gateway_command(
+        [std::ffi::OsStr::new("--config"), config.as_os_str()],
+        &format!("127.0.0.1:{port}"),
+        upstream_port,
     );
-    wait_for_port(port, "guardmesh mcp http --config").await;
+    let _gateway = crate::mcp::listening(&mut command, port, "guardmesh mcp http --config").await;
     let scenario = json!({"mode": "legacy", "steps": [
         {"op": "call", "name": "delete_file", "arguments": {"path": "/home/a"}},
         {"op": "call", "name": "pay", "arguments": {"amount": 5, "to": "bob"}},

@@ -16,7 +16,7 @@
 //! SDK in tests/mcp-sdk/ts) and `scripts/setup-go` (golang-go).
 
 use crate::harness::*;
-use crate::mcp::{RawGateway, Scratch, mesh_with_policy, post, sdk_dir};
+use crate::mcp::{RawGateway, Scratch, gateway_before, listening, mesh_with_policy, post, sdk_dir};
 use serde_json::{Value, json};
 use std::path::PathBuf;
 use std::process::{Command, Stdio};
@@ -310,30 +310,18 @@ async fn r31_r20_member_names_colliding_under_case_folding_are_refused() {
 async fn ts_gateway(mesh: &str, scratch: &Scratch) -> (String, KillOnDrop, KillOnDrop) {
     let dir = ts_dir();
     let upstream_port = free_port();
-    let upstream = KillOnDrop(
+    let upstream = listening(
         Command::new("node")
             .arg(dir.join("server.mjs"))
             .arg(scratch.log())
             .arg(upstream_port.to_string())
-            .current_dir(&dir)
-            .stdout(Stdio::null())
-            .spawn()
-            .expect("run node"),
-    );
-    wait_for_port(upstream_port, "the TypeScript MCP server").await;
-    let port = free_port();
-    let gateway = KillOnDrop(
-        Command::new(env!("CARGO_BIN_EXE_guardmesh"))
-            .args(["mcp", "http", "--mesh", mesh, "--listen"])
-            .arg(format!("127.0.0.1:{port}"))
-            .arg("--upstream")
-            .arg(format!("http://127.0.0.1:{upstream_port}/mcp"))
-            .stdout(Stdio::null())
-            .spawn()
-            .unwrap(),
-    );
-    wait_for_port(port, "guardmesh mcp http").await;
-    (format!("http://127.0.0.1:{port}/mcp"), upstream, gateway)
+            .current_dir(&dir),
+        upstream_port,
+        "the TypeScript MCP server",
+    )
+    .await;
+    let (url, gateway) = gateway_before(mesh, "127.0.0.1", upstream_port, &[]).await;
+    (url, upstream, gateway)
 }
 
 /// A JSON-RPC batch whose tools/call the gateway cannot read (a repeated
