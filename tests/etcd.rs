@@ -1171,17 +1171,6 @@ impl Partition {
     }
 }
 
-/// The value of an HTTP/1 header in a request head.
-fn header_value(head: &[u8], name: &str) -> Option<String> {
-    let text = String::from_utf8_lossy(head);
-    text.split("\r\n").find_map(|line| {
-        let (key, value) = line.split_once(':')?;
-        key.trim()
-            .eq_ignore_ascii_case(name)
-            .then(|| value.trim().to_owned())
-    })
-}
-
 /// Forwards peer connections for member `to` from `listener` to `target`,
 /// unless the partition separates the sender from `to`.
 async fn peer_proxy(
@@ -1203,7 +1192,7 @@ async fn peer_proxy(
                     _ => return,
                 }
             }
-            let from = header_value(&head, "X-Server-From");
+            let from = header_value(&String::from_utf8_lossy(&head), "X-Server-From");
             let mut connections = partition.connections.lock().unwrap();
             if partition.blocked(from.as_deref(), &to) {
                 return;

@@ -176,6 +176,13 @@ pub(crate) async fn mesh_with_policy(name: &str) -> (MeshProcess, TestGuard) {
 
 /// Runs the Python SDK client with `scenario` against `target` (the
 /// `stdio COMMAND...` or `http URL` arguments); returns its output lines.
+/// [`run_client`] off the runtime's thread (the mesh it reaches runs on it).
+pub(crate) async fn run_client_off_thread(scenario: Value, target: Vec<String>) -> Vec<Value> {
+    tokio::task::spawn_blocking(move || run_client(scenario, &target))
+        .await
+        .unwrap()
+}
+
 pub(crate) fn run_client(scenario: Value, target: &[String]) -> Vec<Value> {
     run_sdk_client(
         &mcp_python(),
@@ -260,9 +267,7 @@ async fn r31_stdio_decisions_through_the_official_sdk() {
         &["--session", "s-42"],
         scratch.upstream(&["stdio"]),
     );
-    let lines = tokio::task::spawn_blocking(move || run_client(scenario, &target))
-        .await
-        .unwrap();
+    let lines = run_client_off_thread(scenario, target).await;
     let results = calls(&lines);
     assert_eq!(results.len(), 4, "{lines:?}");
     // Proceed with the rewrite applied (R10, R31).
@@ -298,9 +303,7 @@ async fn r31_stdio_decisions_through_the_official_sdk() {
         let mut target = vec!["stdio".to_owned()];
         target.extend(scratch.upstream(&["stdio"]));
         let scenario = json!({"mode": "legacy", "steps": [{"op": "list_tools"}]});
-        tokio::task::spawn_blocking(move || run_client(scenario, &target))
-            .await
-            .unwrap()
+        run_client_off_thread(scenario, target).await
     };
     let listed = |lines: &[Value]| {
         lines
@@ -332,9 +335,7 @@ async fn r1_r31_a_session_without_calls_contacts_no_guard() {
     for mode in ["legacy", "auto"] {
         let scenario = json!({"mode": mode, "steps": [{"op": "list_tools"}, {"op": "list_tools"}]});
         let target = via_gateway(&mesh.url, &[], scratch.upstream(&["stdio"]));
-        let lines = tokio::task::spawn_blocking(move || run_client(scenario, &target))
-            .await
-            .unwrap();
+        let lines = run_client_off_thread(scenario, target).await;
         assert_eq!(lines.iter().filter(|l| l["op"] == "list_tools").count(), 2);
     }
     assert_eq!(guard.guard.requests(), 0, "no guard contacted (R1, R31)");
@@ -361,9 +362,7 @@ async fn r31_r13_aborted_and_unreachable_answer_json_rpc_errors_and_forward_noth
         {"op": "call", "name": "pay", "arguments": {"amount": 1, "to": "bob"}},
     ]});
     let target = via_gateway(&mesh.url, &[], scratch.upstream(&["stdio"]));
-    let lines = tokio::task::spawn_blocking(move || run_client(scenario, &target))
-        .await
-        .unwrap();
+    let lines = run_client_off_thread(scenario, target).await;
     let result = calls(&lines)[0];
     assert_eq!(result["error"]["code"], -32070, "{result:?}");
     assert!(
@@ -380,9 +379,7 @@ async fn r31_r13_aborted_and_unreachable_answer_json_rpc_errors_and_forward_noth
         {"op": "call", "name": "pay", "arguments": {"amount": 1, "to": "bob"}},
     ]});
     let target = via_gateway(&closed, &[], scratch.upstream(&["stdio"]));
-    let lines = tokio::task::spawn_blocking(move || run_client(scenario, &target))
-        .await
-        .unwrap();
+    let lines = run_client_off_thread(scenario, target).await;
     assert_eq!(calls(&lines)[0]["error"]["code"], -32071, "{lines:?}");
     assert_eq!(scratch.executed(), Vec::<Value>::new(), "nothing forwarded");
 }
@@ -396,9 +393,7 @@ async fn r22_r31_meta_traceparent_joins_the_trace() {
          "meta": {"traceparent": TRACEPARENT}},
     ]});
     let target = via_gateway(&mesh.url, &[], scratch.upstream(&["stdio"]));
-    let lines = tokio::task::spawn_blocking(move || run_client(scenario, &target))
-        .await
-        .unwrap();
+    let lines = run_client_off_thread(scenario, target).await;
     assert_eq!(calls(&lines)[0]["isError"], false, "{lines:?}");
     let batches = guard.guard.batches();
     assert_eq!(batches.len(), 1);
@@ -1126,21 +1121,12 @@ async fn r31_upstream_stderr_is_relayed_to_stderr_not_the_mcp_stream() {
 
 /// Runs the hook with `input` on stdin: (exit code, stdout, stderr).
 pub(crate) fn hook(mesh: &str, extra: &[&str], input: &str) -> (i32, String, String) {
-    let mut child = Command::new(env!("CARGO_BIN_EXE_guardmesh"))
-        .args(["hook", "pre-tool-use", "--mesh", mesh])
-        .args(extra)
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    child
-        .stdin
-        .take()
-        .unwrap()
-        .write_all(input.as_bytes())
-        .unwrap();
-    let output = child.wait_with_output().unwrap();
+    let output = run_with_input(
+        Command::new(env!("CARGO_BIN_EXE_guardmesh"))
+            .args(["hook", "pre-tool-use", "--mesh", mesh])
+            .args(extra),
+        input.as_bytes(),
+    );
     (
         output.status.code().unwrap_or(-1),
         String::from_utf8_lossy(&output.stdout).into_owned(),
@@ -1316,9 +1302,7 @@ async fn r31_http_decisions_and_session_through_the_official_sdk() {
         {"op": "call", "name": "pay", "arguments": {"amount": 5, "to": "bob"}},
     ]});
     let target = vec!["http".to_owned(), url.clone()];
-    let lines = tokio::task::spawn_blocking(move || run_client(scenario, &target))
-        .await
-        .unwrap();
+    let lines = run_client_off_thread(scenario, target).await;
     let results = calls(&lines);
     assert_eq!(results[0]["text"][0], "contents of /redacted", "{lines:?}");
     assert_eq!(results[1]["isError"], true);
@@ -1353,9 +1337,7 @@ async fn r31_http_decisions_and_session_through_the_official_sdk() {
         {"op": "call", "name": "delete_file", "arguments": {"path": "/b"}},
     ]});
     let target = vec!["http".to_owned(), url];
-    let lines = tokio::task::spawn_blocking(move || run_client(scenario, &target))
-        .await
-        .unwrap();
+    let lines = run_client_off_thread(scenario, target).await;
     assert_eq!(calls(&lines)[0]["isError"], true, "{lines:?}");
     assert_eq!(scratch.executed().len(), 2, "the steered call did not run");
 }
@@ -1376,14 +1358,7 @@ async fn r31_http_json_rpc_batch_is_one_guard_batch() {
         "clientInfo": {"name": "raw", "version": "0"}}});
     let (status, head, _) = post(&url, None, &init.to_string()).await;
     assert_eq!(status, 200, "{head}");
-    let session = head
-        .lines()
-        .find_map(|l| {
-            let (name, value) = l.split_once(':')?;
-            name.eq_ignore_ascii_case("mcp-session-id")
-                .then(|| value.trim().to_owned())
-        })
-        .expect("Mcp-Session-Id");
+    let session = header_value(&head, "mcp-session-id").expect("Mcp-Session-Id");
     let (status, _, _) = post(
         &url,
         Some(&session),
@@ -1472,9 +1447,7 @@ async fn r31_http_serves_tls_and_then_any_listen_address() {
         {"op": "call", "name": "delete_file", "arguments": {"path": "/home/a"}},
     ]});
     let target = vec!["http".to_owned(), url.clone()];
-    let lines = tokio::task::spawn_blocking(move || run_client(scenario, &target))
-        .await
-        .unwrap();
+    let lines = run_client_off_thread(scenario, target).await;
     let results = calls(&lines);
     assert_eq!(results.len(), 2, "{lines:?}");
     assert_eq!(results[0]["text"][0], "contents of /redacted");

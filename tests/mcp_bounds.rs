@@ -102,7 +102,7 @@ impl HttpGateway {
             "clientInfo": {"name": "canary", "version": "0"}}});
         let (status, head, body) = post(&self.url, None, &init.to_string()).await;
         assert_eq!(status, 200, "{head}\n{body}");
-        let session = header(&head, "mcp-session-id").expect("Mcp-Session-Id");
+        let session = header_value(&head, "mcp-session-id").expect("Mcp-Session-Id");
         let (status, _, _) = post(
             &self.url,
             Some(&session),
@@ -140,14 +140,6 @@ impl HttpGateway {
         assert!(took < CANARY, "canary {n} took {took:?}");
         took
     }
-}
-
-fn header(head: &str, name: &str) -> Option<String> {
-    head.lines().find_map(|l| {
-        let (n, value) = l.split_once(':')?;
-        n.eq_ignore_ascii_case(name)
-            .then(|| value.trim().to_owned())
-    })
 }
 
 /// One raw HTTP/1.1 exchange: writes `request`, reads to the end (bounded).

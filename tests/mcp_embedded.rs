@@ -10,7 +10,7 @@
 //! Needs `scripts/setup-polyglot` (the SDK in build/venv).
 
 use crate::harness::*;
-use crate::mcp::{Scratch, calls, policy, run_client, via_gateway_judging};
+use crate::mcp::{Scratch, calls, policy, run_client_off_thread, via_gateway_judging};
 use serde_json::{Value, json};
 use std::path::Path;
 use std::time::Duration;
@@ -52,9 +52,7 @@ async fn r31_r29_a_gateway_with_a_config_judges_in_its_own_process() {
         {"op": "call", "name": "pay", "arguments": {"amount": 5, "to": "bob"}},
     ]});
     let target = via_embedded(&config, &["--session", "s-7"], scratch.upstream(&["stdio"]));
-    let lines = tokio::task::spawn_blocking(move || run_client(scenario, &target))
-        .await
-        .unwrap();
+    let lines = run_client_off_thread(scenario, target).await;
     let results = calls(&lines);
     assert_eq!(results.len(), 5, "{lines:?}");
     // The remote guard's rewrite applied (R10), its steer and cancel (R31).
@@ -134,9 +132,7 @@ async fn r13_r31_an_embedded_mesh_whose_guard_is_down_forwards_nothing() {
         {"op": "call", "name": "pay", "arguments": {"amount": 1, "to": "bob"}},
     ]});
     let target = via_embedded(&config, &[], scratch.upstream(&["stdio"]));
-    let lines = tokio::task::spawn_blocking(move || run_client(scenario, &target))
-        .await
-        .unwrap();
+    let lines = run_client_off_thread(scenario, target).await;
     let result = calls(&lines)[0];
     // Aborted (R13): a JSON-RPC error naming the guard, as with --mesh.
     assert_eq!(result["error"]["code"], -32070, "{result:?}");
@@ -336,9 +332,7 @@ async fn r31_the_http_gateway_with_a_config_judges_in_its_own_process() {
         {"op": "call", "name": "pay", "arguments": {"amount": 5, "to": "bob"}},
     ]});
     let target = vec!["http".to_owned(), format!("http://127.0.0.1:{port}/mcp")];
-    let lines = tokio::task::spawn_blocking(move || run_client(scenario, &target))
-        .await
-        .unwrap();
+    let lines = run_client_off_thread(scenario, target).await;
     let results = calls(&lines);
     assert_eq!(results[0]["isError"], true, "{lines:?}");
     assert_eq!(results[0]["text"][0], "deleting is not allowed; use trash");

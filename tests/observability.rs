@@ -258,14 +258,7 @@ async fn scrape(addr: std::net::SocketAddr, accept: Option<&str>) -> (String, St
     let mut out = String::new();
     stream.read_to_string(&mut out).await.unwrap();
     let (head, body) = out.split_once("\r\n\r\n").expect("an HTTP answer");
-    let content_type = head
-        .lines()
-        .find_map(|l| {
-            let (k, v) = l.split_once(':')?;
-            k.eq_ignore_ascii_case("content-type")
-                .then(|| v.trim().to_owned())
-        })
-        .unwrap_or_default();
+    let content_type = header_value(head, "content-type").unwrap_or_default();
     (content_type, body.to_owned())
 }
 
@@ -286,21 +279,10 @@ for family in parse(sys.stdin.read()):
     }
 print(json.dumps(families))
 "#;
-    use std::io::Write;
-    let mut child = std::process::Command::new(python())
-        .args(["-c", SCRIPT, format])
-        .stdin(std::process::Stdio::piped())
-        .stdout(std::process::Stdio::piped())
-        .stderr(std::process::Stdio::piped())
-        .spawn()
-        .expect("start python");
-    child
-        .stdin
-        .take()
-        .unwrap()
-        .write_all(text.as_bytes())
-        .unwrap();
-    let output = child.wait_with_output().unwrap();
+    let output = run_with_input(
+        std::process::Command::new(python()).args(["-c", SCRIPT, format]),
+        text.as_bytes(),
+    );
     assert!(
         output.status.success(),
         "the {format} parser refused the metrics:\n{}\n{text}",

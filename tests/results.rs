@@ -5,7 +5,7 @@
 //! results phase, read by the official Python MCP SDK client.
 
 use crate::harness::*;
-use crate::mcp::{Scratch, calls, http_gateway, run_client, via_gateway};
+use crate::mcp::{Scratch, calls, http_gateway, run_client_off_thread, via_gateway};
 use guardmesh_client::proto::{FailurePolicy, GuardPhases, TraceStatus};
 use guardmesh_client::verdict::{block_result, rewrite_result};
 use guardmesh_client::{Batch, ClientError, Code, Registration, ResultOutcome};
@@ -316,9 +316,7 @@ async fn r31_r33_a_blocked_result_reaches_the_official_sdk_as_an_error_result_st
         &["--server-name", "notes-server"],
         scratch.upstream(&["stdio"]),
     );
-    let lines = tokio::task::spawn_blocking(move || run_client(scenario, &target))
-        .await
-        .unwrap();
+    let lines = run_client_off_thread(scenario, target).await;
     assert_blocked_through_the_sdk(&lines, &guard, "notes-server");
     // Both calls ran: the result, not the call, was blocked.
     assert_eq!(scratch.executed().len(), 2);
@@ -334,9 +332,7 @@ async fn r31_r33_a_blocked_result_reaches_the_official_sdk_as_an_error_result_ht
         {"op": "call", "name": "read_file", "arguments": {"path": "/home/notes"}},
     ]});
     let target = vec!["http".to_owned(), url];
-    let lines = tokio::task::spawn_blocking(move || run_client(scenario, &target))
-        .await
-        .unwrap();
+    let lines = run_client_off_thread(scenario, target).await;
     assert_blocked_through_the_sdk(&lines, &guard, "127.0.0.1");
     assert_eq!(scratch.executed().len(), 2);
 }
@@ -362,9 +358,7 @@ async fn r31_r33_a_result_the_mesh_cannot_judge_is_withheld_not_forwarded() {
         {"op": "call", "name": "read_file", "arguments": {"path": "/home/notes"}},
     ]});
     let target = via_gateway(&mesh.url, &[], scratch.upstream(&["stdio"]));
-    let lines = tokio::task::spawn_blocking(move || run_client(scenario, &target))
-        .await
-        .unwrap();
+    let lines = run_client_off_thread(scenario, target).await;
     let results = calls(&lines);
     assert_eq!(results[0]["isError"], true, "{lines:?}");
     assert!(

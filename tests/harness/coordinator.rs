@@ -157,6 +157,16 @@ pub(crate) fn batch_bytes(
     request.encode_to_vec().into()
 }
 
+/// The value of header `name` (any case) in an HTTP/1 head.
+pub(crate) fn header_value(head: &str, name: &str) -> Option<String> {
+    head.lines().find_map(|line| {
+        let (key, value) = line.split_once(':')?;
+        key.trim()
+            .eq_ignore_ascii_case(name)
+            .then(|| value.trim().to_owned())
+    })
+}
+
 /// One HTTP/1.1 `POST /mcp` on a fresh connection to the MCP gateway at
 /// `url`, with the MCP headers of protocol `version` and `headers` (name,
 /// value) besides: (status, head, body).

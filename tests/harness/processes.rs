@@ -48,6 +48,24 @@ pub(crate) async fn wait_for_port(port: u16, what: &str) {
     panic!("{what} did not start listening on {port}");
 }
 
+/// Runs `command` with `input` on its stdin, its stdout and stderr
+/// captured: its output.
+pub(crate) fn run_with_input(
+    command: &mut std::process::Command,
+    input: &[u8],
+) -> std::process::Output {
+    use std::io::Write;
+    use std::process::Stdio;
+    let mut child = command
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap_or_else(|e| panic!("start {command:?}: {e}"));
+    child.stdin.take().unwrap().write_all(input).unwrap();
+    child.wait_with_output().unwrap()
+}
+
 /// A guard running as a real separate process: `guardmesh example-guard`.
 pub(crate) struct GuardProcess {
     pub url: String,
