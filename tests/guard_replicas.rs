@@ -75,6 +75,16 @@ async fn rust_replica(port: u16, delay_ms: u64) -> GuardProcess {
     .expect("start a Rust replica")
 }
 
+/// Three Rust replicas answering after `delay_ms`, and their URLs.
+async fn three_replicas(delay_ms: u64) -> (Vec<GuardProcess>, Vec<String>) {
+    let mut replicas = Vec::new();
+    for _ in 0..3 {
+        replicas.push(rust_replica(0, delay_ms).await);
+    }
+    let urls = replicas.iter().map(|g| g.url.clone()).collect();
+    (replicas, urls)
+}
+
 /// Sends `total` batches from `workers` concurrent coordinators, each
 /// sending its next batch once its last is decided and, with `pace`, no
 /// sooner than `pace` after it sent the last; returns the decisions'
@@ -237,11 +247,7 @@ async fn r32_requests_spread_evenly_over_three_python_replicas() {
 #[tokio::test]
 async fn r32_kill_9_one_replica_every_half_second_loses_no_call() {
     let mesh = TestMesh::start().await;
-    let mut replicas = Vec::new();
-    for _ in 0..3 {
-        replicas.push(rust_replica(0, 2).await);
-    }
-    let urls: Vec<String> = replicas.iter().map(|g| g.url.clone()).collect();
+    let (mut replicas, urls) = three_replicas(2).await;
     let ports: Vec<u16> = replicas.iter().map(|g| g.port).collect();
     register(&mesh, replicated("deny", &urls, Duration::from_secs(5))).await;
     let stop = Arc::new(AtomicBool::new(false));
@@ -324,11 +330,7 @@ async fn r32_kill_9_one_replica_every_half_second_loses_no_call() {
 #[tokio::test]
 async fn r13_all_replicas_dead_fails_per_policy_within_the_guard_s_timeout() {
     let mesh = TestMesh::start().await;
-    let mut replicas = Vec::new();
-    for _ in 0..3 {
-        replicas.push(rust_replica(0, 0).await);
-    }
-    let urls: Vec<String> = replicas.iter().map(|g| g.url.clone()).collect();
+    let (mut replicas, urls) = three_replicas(0).await;
     register(&mesh, replicated("deny", &urls, Duration::from_secs(2))).await;
     let coordinator = session(&mesh, 0).await;
     let d = coordinator.evaluate(batch(0)).await.unwrap();

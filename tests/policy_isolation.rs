@@ -7,7 +7,9 @@
 
 use crate::harness::*;
 use guardmesh_client::proto::{FailurePolicy, TraceStatus};
-use guardmesh_client::{Batch, Coordinator, Outcome, Registrar, Registration};
+use guardmesh_client::{
+    Batch, BatchDecision, CallDecision, Coordinator, Outcome, Registrar, Registration,
+};
 use std::time::{Duration, Instant};
 
 /// A mesh process with nothing in its chain.
@@ -45,6 +47,19 @@ const NO_RM: &str = policy_rule!(name: "no-rm", tools: ["shell.*"], action: "can
     when: r#"'["rm", "dd", "mkfs"].exists(p, call.args.cmd.startsWith(p))'"#,
     message: r#"'"rm is not allowed"'"#);
 
+/// The decision on call `rm`, which [`NO_RM`] cancelled (`context` says
+/// why that matters).
+#[track_caller]
+fn rm_cancelled<'a>(d: &'a BatchDecision, context: &str) -> &'a CallDecision {
+    let rm = d.call("rm").unwrap();
+    assert_eq!(
+        rm.outcome,
+        cancelled("rm is not allowed"),
+        "{context}: {rm:?}"
+    );
+    rm
+}
+
 /// Finding 1: one unrelated call carrying a 1 MiB array made every rule
 /// exceed its cost bound; under `fail_open` the forbidden call then ran,
 /// under `fail_closed` the legitimate one was cancelled.
@@ -76,11 +91,9 @@ async fn r13_an_unrelated_large_call_is_no_lever_on_another_calls_decision() {
             )
             .await
             .unwrap();
-        let rm = d.call("rm").unwrap();
-        assert_eq!(
-            rm.outcome,
-            cancelled("rm is not allowed"),
-            "{policy:?}: the forbidden call is judged by its own content: {rm:?}"
+        let rm = rm_cancelled(
+            &d,
+            &format!("{policy:?}: the forbidden call is judged by its own content"),
         );
         assert!(!rm.failure, "{policy:?}: {rm:?}");
         let ls = d.call("ls").unwrap();
@@ -130,12 +143,7 @@ async fn r27_a_rule_error_fails_its_rule_and_never_skips_the_later_rules() {
         )
         .await
         .unwrap();
-    let rm = d.call("rm").unwrap();
-    assert_eq!(
-        rm.outcome,
-        cancelled("rm is not allowed"),
-        "the later rule still judges the call: {rm:?}"
-    );
+    rm_cancelled(&d, "the later rule still judges the call");
     // The overflowing call: fail_open lets it through, recorded.
     let overflow = d.call("overflow").unwrap();
     assert_eq!(overflow.bypassed, vec!["rules".to_owned()], "{overflow:?}");

@@ -47,12 +47,18 @@ async fn read_env(c: &Coordinator, session: &str, turn: u32, secret: &str) -> St
     .to_string()
 }
 
+/// Registers the relaybleed flow rules as policy guard `flows`: a
+/// coordinator of the mesh.
+async fn flows(mesh: &TestMesh) -> guardmesh_client::Coordinator {
+    mesh.register(Registration::policy("flows", relaybleed()))
+        .await;
+    mesh.coordinator().await
+}
+
 #[tokio::test]
 async fn r34_relaybleed_denied_to_another_server_allowed_back_and_elsewhere() {
     let mesh = TestMesh::start().await;
-    mesh.register(Registration::policy("flows", relaybleed()))
-        .await;
-    let c = mesh.coordinator().await;
+    let c = flows(&mesh).await;
     let secret = "hunter2-Sup3rS3cret";
     let insert = format!(r#"{{"sql":"INSERT INTO notes VALUES ('{secret}')"}}"#);
     // No prior read: allowed.
@@ -112,9 +118,7 @@ async fn r34_relaybleed_denied_to_another_server_allowed_back_and_elsewhere() {
 #[tokio::test]
 async fn r33_r34_no_session_id_is_one_session_not_a_way_around_a_flow_rule() {
     let mesh = TestMesh::start().await;
-    mesh.register(Registration::policy("flows", relaybleed()))
-        .await;
-    let c = mesh.coordinator().await;
+    let c = flows(&mesh).await;
     let secret = "hunter2-Sup3rS3cret";
     let result = read_env(&c, "", 0, secret).await;
     let d = c
@@ -208,9 +212,7 @@ async fn r34_store_down_fails_the_session_rules_per_their_guard_policy() {
     let mesh = TestMesh::start().await;
     let down = SessionMemory::new(Arc::new(Down), Digester::random(), SessionLimits::default());
     mesh.mesh.attach_sessions(Arc::new(down)).unwrap();
-    mesh.register(Registration::policy("flows", relaybleed()))
-        .await;
-    let c = mesh.coordinator().await;
+    let c = flows(&mesh).await;
     let d = c
         .evaluate_once("s", Batch::new(0).call("c", "email.send", "{}"))
         .await
