@@ -219,11 +219,7 @@ const NOT_SERVING: i32 = 2;
 async fn pre_tool_health(url: &str) -> i32 {
     use tonic_health::pb::HealthCheckRequest;
     use tonic_health::pb::health_client::HealthClient;
-    let channel = tonic::transport::Endpoint::from_shared(url.to_owned())
-        .unwrap()
-        .connect()
-        .await
-        .unwrap();
+    let channel = channel(url).await;
     HealthClient::new(channel)
         .check(HealthCheckRequest {
             service: "guardmesh.v1.PreToolService".into(),

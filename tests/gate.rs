@@ -40,6 +40,12 @@ async fn mesh_with_guard() -> (TestMesh, TestGuard) {
 /// R20: two member names that Go's `encoding/json` reads as one (`path`
 /// and `PATH`, `s` and `ſ`, `k` and the Kelvin sign), at any depth, are
 /// refused naming the call and both names; no guard sees the batch.
+/// Whether call `c` of `request`, sent on `session`, proceeds.
+async fn call_c_proceeds(session: &guardmesh_client::Session, request: EvaluateRequest) -> bool {
+    let decision = session.evaluate_raw(request).await.unwrap();
+    decision.call("c").unwrap().proceeds()
+}
+
 #[tokio::test]
 async fn r20_gate_refuses_member_names_equal_under_case_folding() {
     let (mesh, guard) = mesh_with_guard().await;
@@ -77,15 +83,7 @@ async fn r20_gate_refuses_member_names_equal_under_case_folding() {
         "fine",
         &[("c", "read_file", r#"{"path":"/tmp/ok","Path2":1}"#)],
     );
-    assert!(
-        session
-            .evaluate_raw(fine)
-            .await
-            .unwrap()
-            .call("c")
-            .unwrap()
-            .proceeds()
-    );
+    assert!(call_c_proceeds(&session, fine).await);
     let batches = guard.guard.batches();
     assert_eq!(batches.len(), 1, "{batches:?}");
     assert_eq!(batches[0].calls[0].call_id, "c");
@@ -155,15 +153,7 @@ async fn r20_gate_tool_name_grammar_follows_the_config() {
     let mesh = TestMesh::with_config(mesh_config).await;
     let session = mesh.coordinator().await.session("s").await.unwrap();
     let ok = evaluate_request("a", &[("c", "fs/read", "{}")]);
-    assert!(
-        session
-            .evaluate_raw(ok)
-            .await
-            .unwrap()
-            .call("c")
-            .unwrap()
-            .proceeds()
-    );
+    assert!(call_c_proceeds(&session, ok).await);
     for tool in ["fs/read/longer", "fs:read"] {
         let status = refused(
             session
@@ -207,15 +197,7 @@ async fn r20_gate_refuses_the_replay_prefix_from_callers_that_may_not_replay() {
     );
     // The same stream goes on; another id of the agent is judged.
     let fine = evaluate_request("replayed-by-hand", &[("c", "read_file", "{}")]);
-    assert!(
-        session
-            .evaluate_raw(fine)
-            .await
-            .unwrap()
-            .call("c")
-            .unwrap()
-            .proceeds()
-    );
+    assert!(call_c_proceeds(&session, fine).await);
     assert_eq!(guard.guard.batches().len(), 1);
     // The operator's replay is judged.
     let ops = pki.coordinator(&url, "ops-token").await;

@@ -688,12 +688,7 @@ async fn r25_coordinator_streams_are_capped_mesh_wide() {
         "{status:?}"
     );
     // Unary calls still work, and a closed stream frees its place.
-    let d = mesh
-        .coordinator()
-        .await
-        .evaluate_once("s", Batch::new(0).call("c", "t", "{}"))
-        .await
-        .unwrap();
+    let d = mesh.decides(Batch::new(0).call("c", "t", "{}")).await;
     assert!(d.calls[0].proceeds());
     drop(open.pop());
     let mut reopened = false;

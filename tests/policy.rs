@@ -182,6 +182,11 @@ async fn policy_mesh(registration: Registration) -> TestMesh {
     mesh
 }
 
+/// A mesh with [`POLICY`] registered under `failure_policy`.
+async fn failing_policy_mesh(failure_policy: FailurePolicy) -> TestMesh {
+    policy_mesh(Registration::policy("policy", POLICY).failure_policy(failure_policy)).await
+}
+
 #[tokio::test]
 async fn r27_policy_guard_steers_and_cancels_with_the_rules_message_and_trace_names_the_rule() {
     let mesh = policy_mesh(Registration::policy("policy", POLICY)).await;
@@ -398,30 +403,20 @@ async fn r27_evaluation_error_fails_the_guard_per_its_policy_never_a_proceed() {
     );
 
     // fail_open: bypassed, and recorded as such.
-    let mesh =
-        policy_mesh(Registration::policy("policy", POLICY).failure_policy(FailurePolicy::FailOpen))
-            .await;
+    let mesh = failing_policy_mesh(FailurePolicy::FailOpen).await;
     let d = mesh
-        .coordinator()
-        .await
-        .evaluate_once("s", Batch::new(0).call("bad", "payments.send", bad))
-        .await
-        .unwrap();
+        .decides(Batch::new(0).call("bad", "payments.send", bad))
+        .await;
     let call = d.call("bad").unwrap();
     assert!(call.proceeds());
     assert_eq!(call.bypassed, vec!["policy"]);
     assert_eq!(trace_of(&d, "policy").status, TraceStatus::Failed as i32);
 
     // abort: the batch fails, naming the guard.
-    let mesh =
-        policy_mesh(Registration::policy("policy", POLICY).failure_policy(FailurePolicy::Abort))
-            .await;
+    let mesh = failing_policy_mesh(FailurePolicy::Abort).await;
     let error = mesh
-        .coordinator()
-        .await
-        .evaluate_once("s", Batch::new(0).call("bad", "payments.send", bad))
-        .await
-        .unwrap_err();
+        .refuses(Batch::new(0).call("bad", "payments.send", bad))
+        .await;
     assert!(error.to_string().contains("\"policy\""), "{error}");
 }
 
@@ -569,11 +564,8 @@ async fn r28_unguarded_cancel_cancels_an_unguarded_tool_and_not_a_guarded_one() 
     mesh.register(Registration::policy("watch", POLICY).dry_run())
         .await;
     let d = mesh
-        .coordinator()
-        .await
-        .evaluate_once("s", Batch::new(0).call("sh", "shell.exec", "{}"))
-        .await
-        .unwrap();
+        .decides(Batch::new(0).call("sh", "shell.exec", "{}"))
+        .await;
     assert!(matches!(
         d.call("sh").unwrap().outcome,
         Outcome::Cancel { .. }
@@ -584,11 +576,8 @@ async fn r28_unguarded_cancel_cancels_an_unguarded_tool_and_not_a_guarded_one() 
 async fn r28_unguarded_calls_proceed_by_default_and_are_counted() {
     let mesh = TestMesh::start().await;
     let d = mesh
-        .coordinator()
-        .await
-        .evaluate_once("s", Batch::new(0).call("sh", "shell.exec", "{}"))
-        .await
-        .unwrap();
+        .decides(Batch::new(0).call("sh", "shell.exec", "{}"))
+        .await;
     assert!(d.call("sh").unwrap().proceeds());
     assert_eq!(
         metric(

@@ -54,14 +54,18 @@ impl tonic::codec::Codec for RawCodec {
     }
 }
 
-/// A gRPC client on its own connection that speaks raw bytes.
-pub(crate) async fn raw_client(url: &str) -> tonic::client::Grpc<tonic::transport::Channel> {
-    let channel = tonic::transport::Endpoint::from_shared(url.to_owned())
+/// A gRPC channel of its own to `url`.
+pub(crate) async fn channel(url: &str) -> tonic::transport::Channel {
+    tonic::transport::Endpoint::from_shared(url.to_owned())
         .unwrap()
         .connect()
         .await
-        .unwrap();
-    tonic::client::Grpc::new(channel).max_decoding_message_size(64 << 20)
+        .unwrap()
+}
+
+/// A gRPC client on its own connection that speaks raw bytes.
+pub(crate) async fn raw_client(url: &str) -> tonic::client::Grpc<tonic::transport::Channel> {
+    tonic::client::Grpc::new(channel(url).await).max_decoding_message_size(64 << 20)
 }
 
 /// Opens `Evaluate` sending `requests` as raw messages; the answers are

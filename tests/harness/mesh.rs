@@ -68,6 +68,18 @@ impl TestMesh {
             .unwrap()
     }
 
+    /// `batch` as a one-off batch of session `s`, which the mesh refuses.
+    pub(crate) async fn refuses(
+        &self,
+        batch: guardmesh_client::Batch,
+    ) -> guardmesh_client::ClientError {
+        self.coordinator()
+            .await
+            .evaluate_once("s", batch)
+            .await
+            .unwrap_err()
+    }
+
     /// Opens session "s" and has it evaluate `batch`: the session (open
     /// while the caller holds it) and the decision.
     pub(crate) async fn session_decides(
