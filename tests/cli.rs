@@ -565,18 +565,15 @@ async fn r24_cli_says_what_to_pass_when_a_client_certificate_is_required() {
     let (port, stop, server) = tls_server(&pki, true).await;
     let ca = pki.ca_file();
     let mesh = format!("https://localhost:{port}");
-    let out = tokio::task::spawn_blocking(move || {
-        guardmesh(&[
-            "guards",
-            "--mesh",
-            &mesh,
-            "--ca-file",
-            ca.to_str().unwrap(),
-            "list",
-        ])
-    })
-    .await
-    .unwrap();
+    let out = guardmesh_off_thread([
+        "guards",
+        "--mesh",
+        &mesh,
+        "--ca-file",
+        ca.to_str().unwrap(),
+        "list",
+    ])
+    .await;
     let message = stderr(&out);
     assert!(!out.status.success(), "{out:?}");
     assert!(
@@ -627,12 +624,7 @@ async fn r24_a_plaintext_client_at_a_tls_mesh_is_told_to_use_https() {
         format!("http://127.0.0.1:{port}"),
         format!("127.0.0.1:{port}"),
     ] {
-        let out = tokio::task::spawn_blocking({
-            let mesh = mesh.clone();
-            move || guardmesh(&["guards", "--mesh", &mesh, "list"])
-        })
-        .await
-        .unwrap();
+        let out = guardmesh_off_thread(["guards", "--mesh", &mesh, "list"]).await;
         let message = stderr(&out);
         assert!(!out.status.success(), "{mesh}: {out:?}");
         assert!(
@@ -642,16 +634,13 @@ async fn r24_a_plaintext_client_at_a_tls_mesh_is_told_to_use_https() {
     }
     // A mesh that is simply not there is not sent to TLS.
     let closed = free_port();
-    let out = tokio::task::spawn_blocking(move || {
-        guardmesh(&[
-            "guards",
-            "--mesh",
-            &format!("http://127.0.0.1:{closed}"),
-            "list",
-        ])
-    })
-    .await
-    .unwrap();
+    let out = guardmesh_off_thread([
+        "guards",
+        "--mesh",
+        &format!("http://127.0.0.1:{closed}"),
+        "list",
+    ])
+    .await;
     assert!(!out.status.success(), "{out:?}");
     assert!(!stderr(&out).contains("serves TLS"), "{}", stderr(&out));
     let _ = stop.send(());
@@ -670,24 +659,21 @@ async fn r13_failure_policies_and_roles_are_read_in_kebab_case_too() {
         ("c", "fail-closed", "fail_closed"),
     ] {
         let (url, endpoint) = (mesh.url.clone(), guard.url.clone());
-        let out = tokio::task::spawn_blocking(move || {
-            guardmesh(&[
-                "guards",
-                "--mesh",
-                &url,
-                "register",
-                "--name",
-                name,
-                "--endpoint",
-                &endpoint,
-                "--role",
-                "validate",
-                "--failure-policy",
-                policy,
-            ])
-        })
-        .await
-        .unwrap();
+        let out = guardmesh_off_thread([
+            "guards",
+            "--mesh",
+            &url,
+            "register",
+            "--name",
+            name,
+            "--endpoint",
+            &endpoint,
+            "--role",
+            "validate",
+            "--failure-policy",
+            policy,
+        ])
+        .await;
         assert!(out.status.success(), "{policy}: {}", stderr(&out));
         let chain = mesh.registrar().await.list().await.unwrap();
         let registered = chain
@@ -699,22 +685,19 @@ async fn r13_failure_policies_and_roles_are_read_in_kebab_case_too() {
     }
     // A name in neither spelling is refused, naming the ones that exist.
     let (url, endpoint) = (mesh.url.clone(), guard.url.clone());
-    let out = tokio::task::spawn_blocking(move || {
-        guardmesh(&[
-            "guards",
-            "--mesh",
-            &url,
-            "register",
-            "--name",
-            "d",
-            "--endpoint",
-            &endpoint,
-            "--failure-policy",
-            "open",
-        ])
-    })
-    .await
-    .unwrap();
+    let out = guardmesh_off_thread([
+        "guards",
+        "--mesh",
+        &url,
+        "register",
+        "--name",
+        "d",
+        "--endpoint",
+        &endpoint,
+        "--failure-policy",
+        "open",
+    ])
+    .await;
     assert_eq!(out.status.code(), Some(2), "{out:?}");
     assert!(
         stderr(&out).contains("fail_closed, fail_open, abort"),

@@ -356,13 +356,11 @@ async fn r29_with_on_log_failure_answer_the_batch_is_answered_and_the_loss_count
         .session_decides(Batch::new(0).call("c1", "t", "{}"))
         .await;
     assert!(d.call("c1").unwrap().proceeds());
-    assert_eq!(
-        metric(
-            &mesh,
-            "guardmesh_decision_log_failures_total{kind=\"decision\"}"
-        ),
-        1.0
+    let lost = metric(
+        &mesh,
+        "guardmesh_decision_log_failures_total{kind=\"decision\"}",
     );
+    assert_eq!(lost, 1.0);
     // The registration was lost too, and counted.
     assert_eq!(
         metric(

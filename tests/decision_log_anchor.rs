@@ -120,13 +120,7 @@ async fn verify_etcd(dir: &Path, cluster: &Cluster, prefix: &str, extra: &[&str]
         INSTANCE,
     ];
     args.extend_from_slice(extra);
-    let args: Vec<String> = args.into_iter().map(str::to_owned).collect();
-    tokio::task::spawn_blocking(move || {
-        let args: Vec<&str> = args.iter().map(String::as_str).collect();
-        guardmesh(&args)
-    })
-    .await
-    .unwrap()
+    guardmesh_off_thread(args).await
 }
 
 #[tokio::test]
@@ -301,20 +295,10 @@ async fn r29_with_etcd_down_batches_are_answered_and_failed_anchors_counted() {
 /// `guardmesh log verify` of `dir`'s log with the key and `args`, run off
 /// this runtime's thread.
 async fn verify_with(dir: &Path, args: &[&str]) -> Output {
-    let mut all = vec![
-        "log".to_owned(),
-        "verify".to_owned(),
-        path(&dir.join("log")).to_owned(),
-        "--key".to_owned(),
-        path(&dir.join("log.key.pub")).to_owned(),
-    ];
-    all.extend(args.iter().map(|a| (*a).to_owned()));
-    tokio::task::spawn_blocking(move || {
-        let all: Vec<&str> = all.iter().map(String::as_str).collect();
-        guardmesh(&all)
-    })
-    .await
-    .unwrap()
+    let (log, public) = (dir.join("log"), dir.join("log.key.pub"));
+    let mut all = vec!["log", "verify", path(&log), "--key", path(&public)];
+    all.extend_from_slice(args);
+    guardmesh_off_thread(all).await
 }
 
 #[tokio::test]

@@ -56,16 +56,20 @@ impl TestMesh {
         self.registrar().await.register(spec).await.unwrap();
     }
 
+    /// `batch` sent as a one-off batch of session `s`.
+    async fn once(
+        &self,
+        batch: guardmesh_client::Batch,
+    ) -> Result<guardmesh_client::BatchDecision, guardmesh_client::ClientError> {
+        self.coordinator().await.evaluate_once("s", batch).await
+    }
+
     /// `batch` judged as a one-off batch of session `s`.
     pub(crate) async fn decides(
         &self,
         batch: guardmesh_client::Batch,
     ) -> guardmesh_client::BatchDecision {
-        self.coordinator()
-            .await
-            .evaluate_once("s", batch)
-            .await
-            .unwrap()
+        self.once(batch).await.unwrap()
     }
 
     /// `batch` as a one-off batch of session `s`, which the mesh refuses.
@@ -73,11 +77,7 @@ impl TestMesh {
         &self,
         batch: guardmesh_client::Batch,
     ) -> guardmesh_client::ClientError {
-        self.coordinator()
-            .await
-            .evaluate_once("s", batch)
-            .await
-            .unwrap_err()
+        self.once(batch).await.unwrap_err()
     }
 
     /// Opens session "s" and has it evaluate `batch`: the session (open

@@ -14,7 +14,10 @@ pub(crate) fn guardmesh(args: &[&str]) -> std::process::Output {
 
 /// [`guardmesh`] off the runtime's thread: for commands that talk to a mesh
 /// this test's runtime serves.
-pub(crate) async fn guardmesh_off_thread(args: Vec<String>) -> std::process::Output {
+pub(crate) async fn guardmesh_off_thread(
+    args: impl IntoIterator<Item = impl Into<String>>,
+) -> std::process::Output {
+    let args: Vec<String> = args.into_iter().map(Into::into).collect();
     tokio::task::spawn_blocking(move || {
         let args: Vec<&str> = args.iter().map(String::as_str).collect();
         guardmesh(&args)
