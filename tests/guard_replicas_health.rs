@@ -307,31 +307,7 @@ async fn tls_replica(pki: &TestPki, id: &str) -> (String, Arc<ScriptGuard>) {
         .ca
         .issue(&guardmesh_cli::certs::Subject::loopback(id))
         .unwrap();
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let url = format!(
-        "https://127.0.0.1:{}",
-        listener.local_addr().unwrap().port()
-    );
-    let guard = Arc::new(script_guard_state(|batch| Script {
-        verdicts: batch
-            .calls
-            .iter()
-            .map(|c| guardmesh_client::verdict::steer(&c.call_id, "checked over TLS"))
-            .collect(),
-        ..Default::default()
-    }));
-    tokio::spawn(
-        guardmesh_client::GuardServer::from_arc(guard.clone()).serve_with(
-            listener,
-            Some(guardmesh_client::ServerTls {
-                cert_pem: issued.cert_pem,
-                key_pem: issued.key_pem,
-                client_ca_pem: None,
-            }),
-            std::future::pending(),
-        ),
-    );
-    (url, guard)
+    tls_steering_guard("127.0.0.1", issued.cert_pem, issued.key_pem, None).await
 }
 
 /// Three TLS replicas of a guard pinned to one identity, one of them an

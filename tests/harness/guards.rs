@@ -453,6 +453,39 @@ pub(crate) async fn held_guard() -> HeldHandle {
     HeldHandle { url, guard, task }
 }
 
+/// A script guard served over TLS with `cert_pem` and `key_pem` (asking
+/// clients for a certificate of `client_ca_pem` when given), steering every
+/// call with "checked over TLS": its `https://HOST:PORT` URL and state.
+pub(crate) async fn tls_steering_guard(
+    host: &str,
+    cert_pem: String,
+    key_pem: String,
+    client_ca_pem: Option<String>,
+) -> (String, Arc<ScriptGuard>) {
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("https://{host}:{}", listener.local_addr().unwrap().port());
+    let guard = Arc::new(script_guard_state(|batch| Script {
+        verdicts: batch
+            .calls
+            .iter()
+            .map(|c| guardmesh_client::verdict::steer(&c.call_id, "checked over TLS"))
+            .collect(),
+        ..Default::default()
+    }));
+    tokio::spawn(
+        guardmesh_client::GuardServer::from_arc(guard.clone()).serve_with(
+            listener,
+            Some(guardmesh_client::ServerTls {
+                cert_pem,
+                key_pem,
+                client_ca_pem,
+            }),
+            std::future::pending(),
+        ),
+    );
+    (url, guard)
+}
+
 /// A scripted guard's state without a server (to serve it yourself).
 pub(crate) fn script_guard_state(
     behaviour: impl Fn(&GuardBatch) -> Script + Send + Sync + 'static,
