@@ -583,15 +583,7 @@ async fn r29_r33_secrets_of_known_formats_leave_no_copy_in_the_log() {
 #[test]
 fn r29_an_unknown_mask_format_is_refused_naming_it() {
     let dir = folder("formats-unknown");
-    let config = dir.join("mesh.toml");
-    std::fs::write(
-        &config,
-        format!(
-            "[decision_log]\ndir = {:?}\nmask_formats = [\"aws\"]\n",
-            dir.join("log").display().to_string()
-        ),
-    )
-    .unwrap();
+    let config = log_config_file(&dir, &dir.join("log"), "mask_formats = [\"aws\"]\n");
     let out = guardmesh(&["config", "check", &config.display().to_string()]);
     let err = format!("{}{}", text(&out.stdout), text(&out.stderr));
     assert!(!out.status.success(), "{err}");

@@ -80,16 +80,11 @@ async fn r29_a_masked_value_reaches_no_record_log_line_span_or_exported_log() {
     let dir = folder("hardening-mask");
     let log = dir.join("log");
     std::fs::write(dir.join("pins.toml"), PIN_POLICY).unwrap();
-    let config = dir.join("mesh.toml");
-    std::fs::write(
-        &config,
-        format!(
-            "[decision_log]\ndir = {:?}\nmask = [\"pin\"]\notlp = true\n\n\
-             [[guard]]\nname = \"pins\"\npolicy = \"pins.toml\"\n",
-            log.display().to_string()
-        ),
-    )
-    .unwrap();
+    let config = log_config_file(
+        &dir,
+        &log,
+        "mask = [\"pin\"]\notlp = true\n\n[[guard]]\nname = \"pins\"\npolicy = \"pins.toml\"\n",
+    );
     let stderr_path = dir.join("stderr.log");
     let port = free_port();
     let url = format!("http://127.0.0.1:{port}");
@@ -610,14 +605,8 @@ async fn r30_replay_reports_every_call_a_candidate_mutate_guard_would_rewrite() 
         ),
     )
     .unwrap();
-    let out = guardmesh_off_thread(vec![
-        "replay".into(),
-        log.display().to_string(),
-        "--config".into(),
-        candidate.display().to_string(),
-        "--json".into(),
-    ])
-    .await;
+    let out =
+        guardmesh_off_thread(["replay", path(&log), "--config", path(&candidate), "--json"]).await;
     assert_exit_code(&out, 1);
     let report: Value = serde_json::from_slice(&out.stdout).unwrap();
     let differences = report["differences"].as_array().unwrap();
@@ -638,13 +627,7 @@ async fn r30_replay_reports_every_call_a_candidate_mutate_guard_would_rewrite() 
         assert_eq!(d["new"]["call"]["tool"], "sql");
     }
     // The table says what changed.
-    let out = guardmesh_off_thread(vec![
-        "replay".into(),
-        log.display().to_string(),
-        "--config".into(),
-        candidate.display().to_string(),
-    ])
-    .await;
+    let out = guardmesh_off_thread(["replay", path(&log), "--config", path(&candidate)]).await;
     assert_eq!(out.status.code(), Some(1));
     assert!(
         text(&out.stdout).contains("30 calls differ"),
@@ -681,13 +664,7 @@ async fn r30_replay_refuses_a_log_that_does_not_verify() {
     std::fs::write(&file, edited).unwrap();
     let candidate = dir.join("empty.toml");
     std::fs::write(&candidate, "").unwrap();
-    let out = guardmesh_off_thread(vec![
-        "replay".into(),
-        log.display().to_string(),
-        "--config".into(),
-        candidate.display().to_string(),
-    ])
-    .await;
+    let out = guardmesh_off_thread(["replay", path(&log), "--config", path(&candidate)]).await;
     assert_eq!(out.status.code(), Some(2), "{}", text(&out.stdout));
     let stderr = text(&out.stderr);
     assert!(stderr.contains("does not verify"), "{stderr}");
@@ -737,15 +714,11 @@ async fn r29_records_carry_the_bound_listen_address() {
     let dir = folder("hardening-bound");
     let log = dir.join("log");
     std::fs::write(dir.join("policy.toml"), LOG_POLICY).unwrap();
-    let config = dir.join("mesh.toml");
-    std::fs::write(
-        &config,
-        format!(
-            "[decision_log]\ndir = {:?}\n\n[[guard]]\nname = \"policy\"\npolicy = \"policy.toml\"\n",
-            log.display().to_string()
-        ),
-    )
-    .unwrap();
+    let config = log_config_file(
+        &dir,
+        &log,
+        "\n[[guard]]\nname = \"policy\"\npolicy = \"policy.toml\"\n",
+    );
     let _serve = KillOnDrop(
         serve_command(&config, 0)
             .env_remove("OTEL_EXPORTER_OTLP_ENDPOINT")

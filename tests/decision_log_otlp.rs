@@ -92,15 +92,7 @@ async fn exported(via: Via) {
 
     let dir = fresh_dir(&format!("declog-otlp-{via:?}"));
     let log = dir.join("log");
-    let config = dir.join("mesh.toml");
-    std::fs::write(
-        &config,
-        format!(
-            "[decision_log]\ndir = {:?}\nmask = [\"password\"]\notlp = true\n",
-            log.display().to_string()
-        ),
-    )
-    .unwrap();
+    let config = log_config_file(&dir, &log, "mask = [\"password\"]\notlp = true\n");
     let port = free_port();
     let url = format!("http://127.0.0.1:{port}");
     let _serve = KillOnDrop(
@@ -206,15 +198,7 @@ async fn exported(via: Via) {
 #[test]
 fn r29_an_unsupported_logs_protocol_refuses_to_start_naming_the_variable() {
     let dir = fresh_dir("declog-otlp-protocol");
-    let config = dir.join("mesh.toml");
-    std::fs::write(
-        &config,
-        format!(
-            "[decision_log]\ndir = {:?}\notlp = true\n",
-            dir.join("log").display().to_string()
-        ),
-    )
-    .unwrap();
+    let config = log_config_file(&dir, &dir.join("log"), "otlp = true\n");
     let mut child = serve_command(&config, 0)
         .env(
             "OTEL_EXPORTER_OTLP_LOGS_ENDPOINT",

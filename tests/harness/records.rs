@@ -49,6 +49,21 @@ impl TestMesh {
     }
 }
 
+/// Writes `dir/mesh.toml`: a `[decision_log]` in `log`, then `more` (its
+/// other keys, other sections): the file's path.
+pub(crate) fn log_config_file(dir: &Path, log: &Path, more: &str) -> PathBuf {
+    let config = dir.join("mesh.toml");
+    std::fs::write(
+        &config,
+        format!(
+            "[decision_log]\ndir = {:?}\n{more}",
+            log.display().to_string()
+        ),
+    )
+    .unwrap();
+    config
+}
+
 /// A path as the `&str` a command line takes.
 pub(crate) fn path(p: &Path) -> &str {
     p.to_str().unwrap()
