@@ -12,15 +12,8 @@ fn stdout(output: &Output) -> String {
 #[test]
 fn cli_serve_register_evaluate_deregister() {
     let guard = GuardProcess::start("deny-list", 0, &[]);
-    let port = free_port();
+    let (_serve, port) = serve(&[]);
     let mesh = format!("http://127.0.0.1:{port}");
-    let _serve = KillOnDrop(
-        Command::new(env!("CARGO_BIN_EXE_guardmesh"))
-            .args(["serve", "--listen", &format!("127.0.0.1:{port}")])
-            .stderr(std::process::Stdio::null())
-            .spawn()
-            .expect("start serve"),
-    );
     let mut listed = None;
     for _ in 0..200 {
         let out = guardmesh(&["guards", "--mesh", &mesh, "list"]);
@@ -124,15 +117,8 @@ fn evaluate_stdin(mesh: &str, extra: &[&str], input: &str) -> (Option<i32>, Stri
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn r2_r13_r20_evaluate_for_scripts_json_and_exit_codes() {
     let guard = GuardProcess::start("deny-list", 0, &[]);
-    let port = free_port();
+    let (_serve, port) = serve(&[]);
     let mesh = format!("http://127.0.0.1:{port}");
-    let _serve = KillOnDrop(
-        Command::new(env!("CARGO_BIN_EXE_guardmesh"))
-            .args(["serve", "--listen", &format!("127.0.0.1:{port}")])
-            .stderr(std::process::Stdio::null())
-            .spawn()
-            .expect("start serve"),
-    );
     let closed = closed_port().await;
     let m = mesh.clone();
     tokio::task::spawn_blocking(move || {
@@ -344,12 +330,17 @@ async fn r24_sdk_sends_its_token_on_every_call() {
 /// Starts `guardmesh serve --config CONFIG` on a free port; returns it
 /// with the port.
 fn serve_config(config: &std::path::Path) -> (KillOnDrop, u16) {
+    serve(&["--config".as_ref(), config.as_os_str()])
+}
+
+/// Starts `guardmesh serve ARGS...` on a free port, its stderr to nowhere;
+/// returns it with the port.
+fn serve(args: &[&std::ffi::OsStr]) -> (KillOnDrop, u16) {
     let port = free_port();
     let serve = KillOnDrop(
         Command::new(env!("CARGO_BIN_EXE_guardmesh"))
             .args(["serve", "--listen", &format!("127.0.0.1:{port}")])
-            .arg("--config")
-            .arg(config)
+            .args(args)
             .stderr(std::process::Stdio::null())
             .spawn()
             .expect("start serve"),
@@ -653,27 +644,18 @@ async fn r24_a_plaintext_client_at_a_tls_mesh_is_told_to_use_https() {
 async fn r13_failure_policies_and_roles_are_read_in_kebab_case_too() {
     let mesh = TestMesh::start().await;
     let guard = proceed_guard().await;
+    // `guardmesh guards register --name NAME` of the guard, with `more`.
+    let register = async |name: &str, more: &[&str]| {
+        let args = ["guards", "--mesh", &mesh.url, "register", "--name", name];
+        let endpoint = ["--endpoint", guard.url.as_str()];
+        guardmesh_off_thread([&args[..], &endpoint, more].concat()).await
+    };
     for (name, policy, shown) in [
         ("a", "fail-open", "fail_open"),
         ("b", "fail_closed", "fail_closed"),
         ("c", "fail-closed", "fail_closed"),
     ] {
-        let (url, endpoint) = (mesh.url.clone(), guard.url.clone());
-        let out = guardmesh_off_thread([
-            "guards",
-            "--mesh",
-            &url,
-            "register",
-            "--name",
-            name,
-            "--endpoint",
-            &endpoint,
-            "--role",
-            "validate",
-            "--failure-policy",
-            policy,
-        ])
-        .await;
+        let out = register(name, &["--role", "validate", "--failure-policy", policy]).await;
         assert!(out.status.success(), "{policy}: {}", stderr(&out));
         let chain = mesh.registrar().await.list().await.unwrap();
         let registered = chain
@@ -684,20 +666,7 @@ async fn r13_failure_policies_and_roles_are_read_in_kebab_case_too() {
         assert_eq!(registered.failure_policy().to_string(), shown, "{policy}");
     }
     // A name in neither spelling is refused, naming the ones that exist.
-    let (url, endpoint) = (mesh.url.clone(), guard.url.clone());
-    let out = guardmesh_off_thread([
-        "guards",
-        "--mesh",
-        &url,
-        "register",
-        "--name",
-        "d",
-        "--endpoint",
-        &endpoint,
-        "--failure-policy",
-        "open",
-    ])
-    .await;
+    let out = register("d", &["--failure-policy", "open"]).await;
     assert_eq!(out.status.code(), Some(2), "{out:?}");
     assert!(
         stderr(&out).contains("fail_closed, fail_open, abort"),
