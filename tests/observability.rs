@@ -125,7 +125,7 @@ async fn health_reports_serving_on_mesh_and_sdk_guard() {
         (&guard.url, "guardmesh.v1.GuardService"),
         (&mesh.url, ""),
     ] {
-        let channel = channel(&url).await;
+        let channel = channel(url).await;
         let mut client = HealthClient::new(channel);
         let status = client
             .check(HealthCheckRequest {
@@ -161,7 +161,7 @@ async fn reflection_lists_the_guardmesh_services() {
             vec!["guardmesh.v1.GuardService", "grpc.health.v1.Health"],
         ),
     ] {
-        let channel = channel(&url).await;
+        let channel = channel(url).await;
         let mut client = ServerReflectionClient::new(channel);
         let request = ServerReflectionRequest {
             host: String::new(),
