@@ -72,9 +72,7 @@ async fn r29_r30_every_answer_and_chain_change_is_recorded_masked_verified_and_r
     assert_eq!(start[0]["change"], "config_reload");
     assert_eq!(start[0]["guard"], "policy");
 
-    let coordinator = guardmesh_client::Coordinator::connect(mesh.url.clone())
-        .await
-        .unwrap();
+    let coordinator = mesh.coordinator().await;
     let session = coordinator.session("s").await.unwrap();
     let arguments = format!(
         r#"{{"path": "/etc/passwd", "password": "{SECRET}", "headers": {{"authorization": "{TOKEN}"}}}}"#
@@ -523,9 +521,7 @@ async fn r29_r33_secrets_of_known_formats_leave_no_copy_in_the_log() {
 
     let (log, config) = run("formats-default", "");
     let mesh = MeshProcess::start("declog-formats", &config, None).await;
-    let coordinator = guardmesh_client::Coordinator::connect(mesh.url.clone())
-        .await
-        .unwrap();
+    let coordinator = mesh.coordinator().await;
     let session = coordinator.session("s").await.unwrap();
     let args = format!(r#"{{"body":"key {aws} and {stripe}","{github}":1}}"#);
     let d = session
@@ -564,9 +560,7 @@ async fn r29_r33_secrets_of_known_formats_leave_no_copy_in_the_log() {
     // The operator's choice: no formats masked; the secret is recorded.
     let (log, config) = run("formats-none", "mask_formats = []");
     let mesh = MeshProcess::start("declog-noformats", &config, None).await;
-    let coordinator = guardmesh_client::Coordinator::connect(mesh.url.clone())
-        .await
-        .unwrap();
+    let coordinator = mesh.coordinator().await;
     let session = coordinator.session("s").await.unwrap();
     session
         .evaluate(Batch::new(0).call("c", "email.send", &args))

@@ -599,9 +599,9 @@ async fn r27_r28_policy_guard_and_unguarded_from_the_config_file() {
         policy.display().to_string()
     );
     let mesh = MeshProcess::start("policy-config", &config, None).await;
-    let d = guardmesh_client::Coordinator::connect(mesh.url.clone())
+    let d = mesh
+        .coordinator()
         .await
-        .unwrap()
         .evaluate_once(
             "s",
             Batch::new(0)
@@ -671,9 +671,7 @@ async fn r27_sighup_reloads_the_policy_and_keeps_the_running_one_when_broken() {
         policy.display().to_string()
     );
     let mesh = MeshProcess::start("policy-hup", &config, Some("info")).await;
-    let coordinator = guardmesh_client::Coordinator::connect(mesh.url.clone())
-        .await
-        .unwrap();
+    let coordinator = mesh.coordinator().await;
     let content = |d: BatchDecision| skip_content(&d.calls[0].outcome).to_owned();
     let shell = || Batch::new(0).call("sh", "shell.exec", "{}");
     let d = coordinator.evaluate_once("s", shell()).await.unwrap();

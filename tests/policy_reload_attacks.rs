@@ -71,7 +71,7 @@ impl Reloading {
             policy.display().to_string()
         );
         let mesh = MeshProcess::start(name, &config, Some("info")).await;
-        let coordinator = Coordinator::connect(mesh.url.clone()).await.unwrap();
+        let coordinator = mesh.coordinator().await;
         Self {
             mesh,
             coordinator,

@@ -79,7 +79,7 @@ async fn r27_a_changed_policy_file_is_reloaded_and_a_broken_one_keeps_the_runnin
         policy.display().to_string()
     );
     let mesh = MeshProcess::start("policy-watch", &config, Some("info")).await;
-    let coordinator = Coordinator::connect(mesh.url.clone()).await.unwrap();
+    let coordinator = mesh.coordinator().await;
     let first = shell(&coordinator).await;
     assert_eq!(content(&first), "first");
 

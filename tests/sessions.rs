@@ -401,7 +401,7 @@ async fn r25_a_flood_of_sessions_keeps_serve_within_its_bounds() {
         policy.display().to_string()
     );
     let mesh = MeshProcess::start("sessions-flood", &config, None).await;
-    let c = Coordinator::connect(mesh.url.clone()).await.unwrap();
+    let c = mesh.coordinator().await;
     let batch = |s: usize| {
         (0..64).fold(Batch::new(0), |b, i| {
             b.call(

@@ -767,7 +767,7 @@ async fn r34_store_costs_per_batch() {
             None,
         )
         .await;
-        let c = Coordinator::connect(mesh.url.clone()).await.unwrap();
+        let c = mesh.coordinator().await;
         timed_batches(&c, "warm", 20).await;
         let (gets, sets) = (
             redis.calls("get"),

@@ -48,7 +48,7 @@ failure_policy = "fail_closed"
         slow.url, probe.url
     );
     let mut mesh = MeshProcess::start(signal, &config, None).await;
-    let coordinator = Coordinator::connect(mesh.url.clone()).await.unwrap();
+    let coordinator = mesh.coordinator().await;
     let session = coordinator.session("s").await.unwrap();
 
     let in_flight = session.evaluate(
@@ -145,7 +145,7 @@ timeout_ms = 20000
         held.url
     );
     let mut mesh = MeshProcess::start("r25-drain", &config, None).await;
-    let coordinator = Coordinator::connect(mesh.url.clone()).await.unwrap();
+    let coordinator = mesh.coordinator().await;
     let session = coordinator.session("s").await.unwrap();
     let in_flight = session.evaluate(Batch::new(0).call("c1", "t", "{}"));
     tokio::pin!(in_flight);

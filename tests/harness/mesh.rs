@@ -272,6 +272,11 @@ impl MeshProcess {
         panic!("guardmesh serve did not start:\n{}", mesh.log());
     }
 
+    /// A coordinator of the mesh.
+    pub(crate) async fn coordinator(&self) -> Coordinator {
+        Coordinator::connect(self.url.clone()).await.unwrap()
+    }
+
     /// What the process wrote to stderr so far.
     pub(crate) fn log(&self) -> String {
         std::fs::read_to_string(self.dir.join("mesh.log")).unwrap_or_default()
