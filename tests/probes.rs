@@ -303,13 +303,7 @@ timeout_ms = 20000
     let session = coordinator.session("s").await.unwrap();
     let in_flight = session.evaluate(Batch::new(0).call("c1", "t", "{}"));
     tokio::pin!(in_flight);
-    let reached = while_held(
-        &mut in_flight,
-        "answered while held",
-        eventually_within(500, || held.guard.requests() == 1),
-    )
-    .await;
-    assert!(reached, "the batch reached the guard");
+    until_held(&mut in_flight, &held.guard).await;
 
     serve.signal("TERM");
     let (_, body) = while_held(
@@ -320,13 +314,7 @@ timeout_ms = 20000
     .await;
     assert!(body.contains("draining"), "{body}");
     // New streams are refused, on a new connection and on the open one.
-    let refused = while_held(
-        &mut in_flight,
-        "answered while held",
-        refuses_new_connections(&serve.url),
-    )
-    .await;
-    assert!(refused, "the draining mesh refuses new connections");
+    refuses_while_held(&mut in_flight, &serve.url).await;
     let second = while_held(&mut in_flight, "answered while held", async {
         match coordinator.session("late").await {
             Err(error) => Some(error),
@@ -385,13 +373,7 @@ async fn sigterm_exits_within_the_grace_period_while_a_batch_is_still_held() {
     let session = coordinator.session("s").await.unwrap();
     let in_flight = session.evaluate(Batch::new(0).call("c1", "t", "{}"));
     tokio::pin!(in_flight);
-    let reached = while_held(
-        &mut in_flight,
-        "answered while held",
-        eventually_within(500, || held.guard.requests() == 1),
-    )
-    .await;
-    assert!(reached, "the batch reached the guard");
+    until_held(&mut in_flight, &held.guard).await;
 
     serve.signal("TERM");
     // 1 s of grace; 20 s is the wide bound (the batch's timeout is 60 s).
@@ -420,13 +402,7 @@ async fn a_second_sigterm_cuts_the_drain_short() {
     let session = coordinator.session("s").await.unwrap();
     let in_flight = session.evaluate(Batch::new(0).call("c1", "t", "{}"));
     tokio::pin!(in_flight);
-    let reached = while_held(
-        &mut in_flight,
-        "answered while held",
-        eventually_within(500, || held.guard.requests() == 1),
-    )
-    .await;
-    assert!(reached, "the batch reached the guard");
+    until_held(&mut in_flight, &held.guard).await;
 
     serve.signal("TERM");
     let (status, _) = serve.readyz_until(503, 200).await;

@@ -149,21 +149,9 @@ timeout_ms = 20000
     let session = coordinator.session("s").await.unwrap();
     let in_flight = session.evaluate(Batch::new(0).call("c1", "t", "{}"));
     tokio::pin!(in_flight);
-    let reached = while_held(
-        &mut in_flight,
-        "answered while held",
-        eventually_within(500, || held.guard.requests() == 1),
-    )
-    .await;
-    assert!(reached, "the batch reached the guard");
+    until_held(&mut in_flight, &held.guard).await;
     mesh.signal("TERM");
-    let refused = while_held(
-        &mut in_flight,
-        "answered while held",
-        refuses_new_connections(&mesh.url),
-    )
-    .await;
-    assert!(refused, "the draining mesh refuses new connections");
+    refuses_while_held(&mut in_flight, &mesh.url).await;
     // Batches sent on the open stream while it drains: each is read and
     // answered, with an error, while the held batch is still in flight.
     let late = while_held(

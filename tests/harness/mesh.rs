@@ -327,6 +327,34 @@ pub(crate) async fn while_held<D: std::fmt::Debug, T>(
     }
 }
 
+/// Waits (bounded) until `held` has the batch `in_flight` carries, which
+/// stays unanswered meanwhile.
+pub(crate) async fn until_held<D: std::fmt::Debug>(
+    in_flight: &mut (impl std::future::Future<Output = D> + Unpin),
+    held: &HeldGuard,
+) {
+    let reached = eventually_within(500, || held.requests() == 1);
+    assert!(
+        while_held(in_flight, "answered while held", reached).await,
+        "the batch reached the guard"
+    );
+}
+
+/// Waits (bounded) until the draining mesh at `url` refuses new
+/// connections, while the batch `in_flight` carries stays unanswered.
+pub(crate) async fn refuses_while_held<D: std::fmt::Debug>(
+    in_flight: &mut (impl std::future::Future<Output = D> + Unpin),
+    url: &str,
+) {
+    let refused = while_held(
+        in_flight,
+        "answered while held",
+        refuses_new_connections(url),
+    )
+    .await;
+    assert!(refused, "the draining mesh refuses new connections");
+}
+
 /// Whether a mesh that drains refuses new connections (polled every 10 ms,
 /// at most 500 times).
 pub(crate) async fn refuses_new_connections(url: &str) -> bool {
