@@ -283,19 +283,11 @@ async fn readyz_is_503_when_the_decision_log_directory_cannot_be_written() {
 #[tokio::test]
 async fn sigterm_drains_readyz_turns_503_in_flight_batch_answered_new_streams_refused() {
     let held = held_guard().await;
-    let config = format!(
-        r#"
-default_batch_timeout_ms = 30000
-
-[server]
-shutdown_grace_ms = 20000
-
-[[guard]]
-name = "held"
-endpoint = "{}"
-timeout_ms = 20000
-"#,
-        held.url
+    let config = held_guard_config(
+        &held.url,
+        30000,
+        "\n[server]\nshutdown_grace_ms = 20000\n",
+        20000,
     );
     let mut serve = Serve::start("drain", &config).await;
     serve.readyz_until(200, 200).await;
@@ -344,21 +336,9 @@ timeout_ms = 20000
 /// A mesh whose one guard, `held`, never answers, with batch timeouts of
 /// 60 s and `grace_ms` of shutdown grace.
 async fn serve_held(name: &str, held: &HeldHandle, grace_ms: u64) -> Serve {
-    let config = format!(
-        r#"
-default_batch_timeout_ms = 60000
-max_batch_timeout_ms = 60000
-
-[server]
-shutdown_grace_ms = {grace_ms}
-
-[[guard]]
-name = "held"
-endpoint = "{}"
-timeout_ms = 60000
-"#,
-        held.url
-    );
+    let more =
+        format!("max_batch_timeout_ms = 60000\n\n[server]\nshutdown_grace_ms = {grace_ms}\n");
+    let config = held_guard_config(&held.url, 60000, &more, 60000);
     Serve::start(name, &config).await
 }
 

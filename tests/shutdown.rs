@@ -133,17 +133,7 @@ async fn shutdown_on_sigint_finishes_in_flight_batches_and_exits_cleanly() {
 #[tokio::test]
 async fn r25_a_draining_stream_answers_every_batch_it_read() {
     let held = held_guard().await;
-    let config = format!(
-        r#"
-default_batch_timeout_ms = 30000
-
-[[guard]]
-name = "held"
-endpoint = "{}"
-timeout_ms = 20000
-"#,
-        held.url
-    );
+    let config = held_guard_config(&held.url, 30000, "", 20000);
     let mut mesh = MeshProcess::start("r25-drain", &config, None).await;
     let coordinator = mesh.coordinator().await;
     let session = coordinator.session("s").await.unwrap();

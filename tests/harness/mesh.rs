@@ -327,6 +327,15 @@ pub(crate) async fn while_held<D: std::fmt::Debug, T>(
     }
 }
 
+/// A mesh config: batches of `batch_ms` by default, then `more` (keys and
+/// sections), then the guard `held` at `url` with a timeout of `guard_ms`.
+pub(crate) fn held_guard_config(url: &str, batch_ms: u64, more: &str, guard_ms: u64) -> String {
+    format!(
+        "\ndefault_batch_timeout_ms = {batch_ms}\n{more}\n\
+         [[guard]]\nname = \"held\"\nendpoint = \"{url}\"\ntimeout_ms = {guard_ms}\n"
+    )
+}
+
 /// Waits (bounded) until `held` has the batch `in_flight` carries, which
 /// stays unanswered meanwhile.
 pub(crate) async fn until_held<D: std::fmt::Debug>(
