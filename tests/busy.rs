@@ -102,9 +102,7 @@ async fn victim_round(coordinator: &Coordinator, round: u32) -> BatchDecision {
 fn assert_judged_by_guard(d: &BatchDecision, what: &str) {
     assert_eq!(
         d.calls[0].outcome,
-        Outcome::Steer {
-            content: "not that one".into()
-        },
+        steered("not that one"),
         "{what}: {:?}",
         d.calls[0]
     );

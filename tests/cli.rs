@@ -5,38 +5,15 @@ use crate::harness::*;
 use std::process::{Command, Output};
 use std::time::Duration;
 
-fn guardmesh(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_guardmesh"))
-        .args(args)
-        .output()
-        .expect("run guardmesh")
-}
-
 fn stdout(output: &Output) -> String {
     String::from_utf8_lossy(&output.stdout).into_owned()
-}
-
-struct Serve(std::process::Child);
-
-impl Drop for Serve {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
 }
 
 #[test]
 fn cli_serve_register_evaluate_deregister() {
     let guard = GuardProcess::start("deny-list", 0, &[]);
-    let port = free_port();
+    let (_serve, port) = serve(&[]);
     let mesh = format!("http://127.0.0.1:{port}");
-    let _serve = Serve(
-        Command::new(env!("CARGO_BIN_EXE_guardmesh"))
-            .args(["serve", "--listen", &format!("127.0.0.1:{port}")])
-            .stderr(std::process::Stdio::null())
-            .spawn()
-            .expect("start serve"),
-    );
     let mut listed = None;
     for _ in 0..200 {
         let out = guardmesh(&["guards", "--mesh", &mesh, "list"]);
@@ -140,15 +117,8 @@ fn evaluate_stdin(mesh: &str, extra: &[&str], input: &str) -> (Option<i32>, Stri
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn r2_r13_r20_evaluate_for_scripts_json_and_exit_codes() {
     let guard = GuardProcess::start("deny-list", 0, &[]);
-    let port = free_port();
+    let (_serve, port) = serve(&[]);
     let mesh = format!("http://127.0.0.1:{port}");
-    let _serve = Serve(
-        Command::new(env!("CARGO_BIN_EXE_guardmesh"))
-            .args(["serve", "--listen", &format!("127.0.0.1:{port}")])
-            .stderr(std::process::Stdio::null())
-            .spawn()
-            .expect("start serve"),
-    );
     let closed = closed_port().await;
     let m = mesh.clone();
     tokio::task::spawn_blocking(move || {
@@ -292,15 +262,7 @@ fn code_of<T: std::fmt::Debug>(
 async fn r24_sdk_sends_its_token_on_every_call() {
     use guardmesh_client::{Batch, Coordinator, Registrar, Registration};
     let pki = TestPki::new();
-    let (mesh, url) = TestMesh::with_tokens(
-        &pki,
-        &[
-            ("ops", "ops-token", &["admin"]),
-            ("agent", "agent-token", &["evaluate"]),
-        ],
-        "",
-    )
-    .await;
+    let (mesh, url) = TestMesh::with_tokens(&pki, &[OPS, AGENT], "").await;
     let guard = proceed_guard().await;
     let ops = pki.connection(None, Some("ops-token"));
     let registrar = Registrar::connect_with(url.clone(), &ops).await.unwrap();
@@ -367,13 +329,18 @@ async fn r24_sdk_sends_its_token_on_every_call() {
 
 /// Starts `guardmesh serve --config CONFIG` on a free port; returns it
 /// with the port.
-fn serve_config(config: &std::path::Path) -> (Serve, u16) {
+fn serve_config(config: &std::path::Path) -> (KillOnDrop, u16) {
+    serve(&["--config".as_ref(), config.as_os_str()])
+}
+
+/// Starts `guardmesh serve ARGS...` on a free port, its stderr to nowhere;
+/// returns it with the port.
+fn serve(args: &[&std::ffi::OsStr]) -> (KillOnDrop, u16) {
     let port = free_port();
-    let serve = Serve(
+    let serve = KillOnDrop(
         Command::new(env!("CARGO_BIN_EXE_guardmesh"))
             .args(["serve", "--listen", &format!("127.0.0.1:{port}")])
-            .arg("--config")
-            .arg(config)
+            .args(args)
             .stderr(std::process::Stdio::null())
             .spawn()
             .expect("start serve"),
@@ -589,18 +556,15 @@ async fn r24_cli_says_what_to_pass_when_a_client_certificate_is_required() {
     let (port, stop, server) = tls_server(&pki, true).await;
     let ca = pki.ca_file();
     let mesh = format!("https://localhost:{port}");
-    let out = tokio::task::spawn_blocking(move || {
-        guardmesh(&[
-            "guards",
-            "--mesh",
-            &mesh,
-            "--ca-file",
-            ca.to_str().unwrap(),
-            "list",
-        ])
-    })
-    .await
-    .unwrap();
+    let out = guardmesh_off_thread([
+        "guards",
+        "--mesh",
+        &mesh,
+        "--ca-file",
+        ca.to_str().unwrap(),
+        "list",
+    ])
+    .await;
     let message = stderr(&out);
     assert!(!out.status.success(), "{out:?}");
     assert!(
@@ -651,12 +615,7 @@ async fn r24_a_plaintext_client_at_a_tls_mesh_is_told_to_use_https() {
         format!("http://127.0.0.1:{port}"),
         format!("127.0.0.1:{port}"),
     ] {
-        let out = tokio::task::spawn_blocking({
-            let mesh = mesh.clone();
-            move || guardmesh(&["guards", "--mesh", &mesh, "list"])
-        })
-        .await
-        .unwrap();
+        let out = guardmesh_off_thread(["guards", "--mesh", &mesh, "list"]).await;
         let message = stderr(&out);
         assert!(!out.status.success(), "{mesh}: {out:?}");
         assert!(
@@ -666,16 +625,13 @@ async fn r24_a_plaintext_client_at_a_tls_mesh_is_told_to_use_https() {
     }
     // A mesh that is simply not there is not sent to TLS.
     let closed = free_port();
-    let out = tokio::task::spawn_blocking(move || {
-        guardmesh(&[
-            "guards",
-            "--mesh",
-            &format!("http://127.0.0.1:{closed}"),
-            "list",
-        ])
-    })
-    .await
-    .unwrap();
+    let out = guardmesh_off_thread([
+        "guards",
+        "--mesh",
+        &format!("http://127.0.0.1:{closed}"),
+        "list",
+    ])
+    .await;
     assert!(!out.status.success(), "{out:?}");
     assert!(!stderr(&out).contains("serves TLS"), "{}", stderr(&out));
     let _ = stop.send(());
@@ -688,30 +644,18 @@ async fn r24_a_plaintext_client_at_a_tls_mesh_is_told_to_use_https() {
 async fn r13_failure_policies_and_roles_are_read_in_kebab_case_too() {
     let mesh = TestMesh::start().await;
     let guard = proceed_guard().await;
+    // `guardmesh guards register --name NAME` of the guard, with `more`.
+    let register = async |name: &str, more: &[&str]| {
+        let args = ["guards", "--mesh", &mesh.url, "register", "--name", name];
+        let endpoint = ["--endpoint", guard.url.as_str()];
+        guardmesh_off_thread([&args[..], &endpoint, more].concat()).await
+    };
     for (name, policy, shown) in [
         ("a", "fail-open", "fail_open"),
         ("b", "fail_closed", "fail_closed"),
         ("c", "fail-closed", "fail_closed"),
     ] {
-        let (url, endpoint) = (mesh.url.clone(), guard.url.clone());
-        let out = tokio::task::spawn_blocking(move || {
-            guardmesh(&[
-                "guards",
-                "--mesh",
-                &url,
-                "register",
-                "--name",
-                name,
-                "--endpoint",
-                &endpoint,
-                "--role",
-                "validate",
-                "--failure-policy",
-                policy,
-            ])
-        })
-        .await
-        .unwrap();
+        let out = register(name, &["--role", "validate", "--failure-policy", policy]).await;
         assert!(out.status.success(), "{policy}: {}", stderr(&out));
         let chain = mesh.registrar().await.list().await.unwrap();
         let registered = chain
@@ -722,23 +666,7 @@ async fn r13_failure_policies_and_roles_are_read_in_kebab_case_too() {
         assert_eq!(registered.failure_policy().to_string(), shown, "{policy}");
     }
     // A name in neither spelling is refused, naming the ones that exist.
-    let (url, endpoint) = (mesh.url.clone(), guard.url.clone());
-    let out = tokio::task::spawn_blocking(move || {
-        guardmesh(&[
-            "guards",
-            "--mesh",
-            &url,
-            "register",
-            "--name",
-            "d",
-            "--endpoint",
-            &endpoint,
-            "--failure-policy",
-            "open",
-        ])
-    })
-    .await
-    .unwrap();
+    let out = register("d", &["--failure-policy", "open"]).await;
     assert_eq!(out.status.code(), Some(2), "{out:?}");
     assert!(
         stderr(&out).contains("fail_closed, fail_open, abort"),

@@ -225,15 +225,6 @@ fn config_reference_docs_match_the_command() {
     );
 }
 
-struct Serve(std::process::Child);
-
-impl Drop for Serve {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
-
 /// A config in its own folder, the mesh started from another working
 /// directory: the certificate, key, policy file and log directory are all
 /// found next to the config.
@@ -273,7 +264,7 @@ fn config_relative_paths_resolve_against_the_config_folder() {
         .spawn()
         .expect("start serve");
     let stderr = child.stderr.take().unwrap();
-    let _serve = Serve(child);
+    let _serve = crate::harness::KillOnDrop(child);
     let (lines, seen) = std::sync::mpsc::channel();
     std::thread::spawn(move || {
         for line in BufReader::new(stderr).lines().map_while(Result::ok) {

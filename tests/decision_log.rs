@@ -6,20 +6,12 @@
 use crate::harness::*;
 use guardmesh_client::proto::{EvaluateRequest, FailurePolicy, ToolCall};
 use guardmesh_client::{Batch, Registration};
-use guardmesh_server::decision_log::{DecisionLog, LogConfig, MeshLog, OnLogFailure, segment};
+use guardmesh_server::decision_log::{LogConfig, OnLogFailure, segment};
 use serde_json::Value;
 use std::path::{Path, PathBuf};
-use std::process::{Command, Output};
 
 const SECRET: &str = "hunter2-very-secret";
 const TOKEN: &str = "Bearer tok-very-secret";
-
-fn guardmesh(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_guardmesh"))
-        .args(args)
-        .output()
-        .expect("run guardmesh")
-}
 
 fn log_bytes(dir: &Path) -> Vec<u8> {
     segment::list(dir)
@@ -80,9 +72,7 @@ async fn r29_r30_every_answer_and_chain_change_is_recorded_masked_verified_and_r
     assert_eq!(start[0]["change"], "config_reload");
     assert_eq!(start[0]["guard"], "policy");
 
-    let coordinator = guardmesh_client::Coordinator::connect(mesh.url.clone())
-        .await
-        .unwrap();
+    let coordinator = mesh.coordinator().await;
     let session = coordinator.session("s").await.unwrap();
     let arguments = format!(
         r#"{{"path": "/etc/passwd", "password": "{SECRET}", "headers": {{"authorization": "{TOKEN}"}}}}"#
@@ -209,12 +199,7 @@ async fn r29_r30_every_answer_and_chain_change_is_recorded_masked_verified_and_r
         "--config",
         &same.display().to_string(),
     ]);
-    assert!(
-        out.status.success(),
-        "{}{}",
-        text(&out.stdout),
-        text(&out.stderr)
-    );
+    assert_succeeded(&out);
     let report = text(&out.stdout);
     assert!(report.contains("no call's decision differs"), "{report}");
     assert!(report.contains("1 records had masked values"), "{report}");
@@ -313,12 +298,8 @@ async fn failing_mesh(on_failure: OnLogFailure) -> Option<(TestMesh, PathBuf)> {
     let dir = folder(&format!("full-{on_failure:?}"));
     std::os::unix::fs::symlink("/dev/full", dir.join(segment::file_name(0))).unwrap();
     let mesh = TestMesh::start().await;
-    let log = DecisionLog::open(LogConfig::new(&dir, "test"))
-        .await
-        .unwrap();
-    mesh.mesh
-        .attach_decision_log(MeshLog::new(log, on_failure, mesh.mesh.metrics.clone()))
-        .unwrap();
+    mesh.attach_log(LogConfig::new(&dir, "test"), on_failure)
+        .await;
     Some((mesh, dir))
 }
 
@@ -369,19 +350,15 @@ async fn r29_with_on_log_failure_answer_the_batch_is_answered_and_the_loss_count
     };
     let guard = proceed_guard().await;
     mesh.register(Registration::validate("g", &guard.url)).await;
-    let session = mesh.coordinator().await.session("s").await.unwrap();
-    let d = session
-        .evaluate(Batch::new(0).call("c1", "t", "{}"))
-        .await
-        .unwrap();
+    let (_session, d) = mesh
+        .session_decides(Batch::new(0).call("c1", "t", "{}"))
+        .await;
     assert!(d.call("c1").unwrap().proceeds());
-    assert_eq!(
-        metric(
-            &mesh,
-            "guardmesh_decision_log_failures_total{kind=\"decision\"}"
-        ),
-        1.0
+    let lost = metric(
+        &mesh,
+        "guardmesh_decision_log_failures_total{kind=\"decision\"}",
     );
+    assert_eq!(lost, 1.0);
     // The registration was lost too, and counted.
     assert_eq!(
         metric(
@@ -413,19 +390,11 @@ async fn measure_log_cost_per_batch() {
         mesh.register(Registration::policy("policy", LOG_POLICY))
             .await;
         if let Some(durability) = mode {
-            let log = DecisionLog::open(LogConfig {
+            let config = LogConfig {
                 durability,
                 ..LogConfig::new(dir.join("log"), "measure")
-            })
-            .await
-            .unwrap();
-            mesh.mesh
-                .attach_decision_log(MeshLog::new(
-                    log,
-                    OnLogFailure::Refuse,
-                    mesh.mesh.metrics.clone(),
-                ))
-                .unwrap();
+            };
+            mesh.attach_log(config, OnLogFailure::Refuse).await;
         }
         let session = mesh.coordinator().await.session("m").await.unwrap();
         let batch = || {
@@ -453,32 +422,17 @@ async fn measure_log_cost_per_batch() {
 /// change refused for want of the role.
 #[tokio::test]
 async fn r29_records_name_the_authenticated_caller() {
-    use guardmesh_client::{Coordinator, Registrar};
+    use guardmesh_client::Coordinator;
     let dir = folder("caller");
     let pki = TestPki::new();
-    let (mesh, url) = TestMesh::with_tokens(
-        &pki,
-        &[
-            ("ops", "ops-token", &["admin"]),
-            ("agent", "agent-token", &["evaluate"]),
-        ],
-        "",
+    let (mesh, url) = TestMesh::with_tokens(&pki, &[OPS, AGENT], "").await;
+    mesh.attach_log(
+        LogConfig::new(dir.join("log"), "test"),
+        OnLogFailure::Refuse,
     )
     .await;
-    let log = DecisionLog::open(LogConfig::new(dir.join("log"), "test"))
-        .await
-        .unwrap();
-    mesh.mesh
-        .attach_decision_log(MeshLog::new(
-            log,
-            OnLogFailure::Refuse,
-            mesh.mesh.metrics.clone(),
-        ))
-        .unwrap();
     let guard = proceed_guard().await;
-    let ops = Registrar::connect_with(url.clone(), &pki.connection(None, Some("ops-token")))
-        .await
-        .unwrap();
+    let ops = pki.registrar(&url, "ops-token").await;
     ops.register(Registration::validate("g", &guard.url))
         .await
         .unwrap();
@@ -567,9 +521,7 @@ async fn r29_r33_secrets_of_known_formats_leave_no_copy_in_the_log() {
 
     let (log, config) = run("formats-default", "");
     let mesh = MeshProcess::start("declog-formats", &config, None).await;
-    let coordinator = guardmesh_client::Coordinator::connect(mesh.url.clone())
-        .await
-        .unwrap();
+    let coordinator = mesh.coordinator().await;
     let session = coordinator.session("s").await.unwrap();
     let args = format!(r#"{{"body":"key {aws} and {stripe}","{github}":1}}"#);
     let d = session
@@ -608,9 +560,7 @@ async fn r29_r33_secrets_of_known_formats_leave_no_copy_in_the_log() {
     // The operator's choice: no formats masked; the secret is recorded.
     let (log, config) = run("formats-none", "mask_formats = []");
     let mesh = MeshProcess::start("declog-noformats", &config, None).await;
-    let coordinator = guardmesh_client::Coordinator::connect(mesh.url.clone())
-        .await
-        .unwrap();
+    let coordinator = mesh.coordinator().await;
     let session = coordinator.session("s").await.unwrap();
     session
         .evaluate(Batch::new(0).call("c", "email.send", &args))
@@ -627,15 +577,7 @@ async fn r29_r33_secrets_of_known_formats_leave_no_copy_in_the_log() {
 #[test]
 fn r29_an_unknown_mask_format_is_refused_naming_it() {
     let dir = folder("formats-unknown");
-    let config = dir.join("mesh.toml");
-    std::fs::write(
-        &config,
-        format!(
-            "[decision_log]\ndir = {:?}\nmask_formats = [\"aws\"]\n",
-            dir.join("log").display().to_string()
-        ),
-    )
-    .unwrap();
+    let config = log_config_file(&dir, &dir.join("log"), "mask_formats = [\"aws\"]\n");
     let out = guardmesh(&["config", "check", &config.display().to_string()]);
     let err = format!("{}{}", text(&out.stdout), text(&out.stderr));
     assert!(!out.status.success(), "{err}");

@@ -10,7 +10,6 @@
 
 use crate::etcd::Cluster;
 use crate::harness::*;
-use guardmesh_client::proto::{EvaluateRequest, ToolCall};
 use guardmesh_server::decision_log::{chain, checkpoint, segment};
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
@@ -18,22 +17,10 @@ use std::time::{Duration, Instant};
 
 const INSTANCE: &str = "mesh-a";
 
-fn guardmesh(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_guardmesh"))
-        .args(args)
-        .output()
-        .expect("run guardmesh")
-}
-
-fn path(p: &Path) -> &str {
-    p.to_str().unwrap()
-}
-
 /// A fresh folder with a key pair written by `guardmesh log keygen`.
 fn keyed_folder(name: &str) -> PathBuf {
     let dir = folder(name);
-    let out = guardmesh(&["log", "keygen", "--out", path(&dir.join("log.key"))]);
-    assert!(out.status.success(), "{}", text(&out.stderr));
+    log_keygen(&dir);
     dir
 }
 
@@ -61,33 +48,6 @@ fn config(dir: &Path, endpoints: &[String], prefix: &str, extra: &str, metrics: 
     )
 }
 
-/// Runs `n` batches: even ones a `danger` call (cancelled), odd ones a
-/// `read`; each must be answered within 10 s.
-async fn batches(url: &str, prefix: &str, n: usize) {
-    let coordinator = guardmesh_client::Coordinator::connect(url.to_owned())
-        .await
-        .unwrap();
-    let session = coordinator.session("s").await.unwrap();
-    for i in 0..n {
-        let tool = if i % 2 == 0 { "danger" } else { "read" };
-        let answer = tokio::time::timeout(
-            Duration::from_secs(10),
-            session.evaluate_raw(EvaluateRequest {
-                batch_id: format!("{prefix}{i}"),
-                calls: vec![ToolCall {
-                    call_id: "c".into(),
-                    tool: tool.into(),
-                    arguments: "{}".into(),
-                }],
-                ..Default::default()
-            }),
-        )
-        .await
-        .unwrap_or_else(|_| panic!("batch {prefix}{i} not answered within 10 s"));
-        answer.unwrap_or_else(|e| panic!("batch {prefix}{i}: {e}"));
-    }
-}
-
 /// The etcd key of the anchor of this test's mesh.
 fn anchor_key(dir: &Path, prefix: &str) -> String {
     let public = checkpoint::read_verifying_key(&dir.join("log.key.pub")).unwrap();
@@ -108,26 +68,12 @@ async fn anchored(cluster: &Cluster, key: &str) -> Option<String> {
         .map(|kv| String::from_utf8(kv.value().to_vec()).unwrap())
 }
 
-fn log_lines(log: &Path) -> Vec<String> {
-    segment::list(log)
-        .unwrap()
-        .into_iter()
-        .flat_map(|(_, file)| {
-            std::fs::read_to_string(file)
-                .unwrap()
-                .lines()
-                .map(str::to_owned)
-                .collect::<Vec<_>>()
-        })
-        .collect()
-}
-
 /// Serves `n` batches, stops the mesh cleanly, and waits (bounded) until
 /// etcd holds the log's last line, its closing checkpoint.
 async fn serve_and_stop(name: &str, dir: &Path, cluster: &Cluster, prefix: &str, extra: &str) {
     let config = config(dir, &cluster.urls(), prefix, extra, free_port());
     let mut mesh = MeshProcess::start(name, &config, None).await;
-    batches(&mesh.url, name, 6).await;
+    log_batches(&mesh.url, name, 6, Some(Duration::from_secs(10))).await;
     mesh.signal("TERM");
     let status = mesh.exit_status().await;
     assert!(status.success(), "{status}\n{}", mesh.log());
@@ -146,42 +92,11 @@ async fn serve_and_stop(name: &str, dir: &Path, cluster: &Cluster, prefix: &str,
     }
 }
 
-/// `guardmesh serve` expected to refuse to start: its stderr (bounded).
-async fn serve_refused(dir: &Path, config: &str) -> String {
-    let file = dir.join("mesh.toml");
-    std::fs::write(&file, config).unwrap();
-    let stderr = std::fs::File::create(dir.join("refused.log")).unwrap();
-    let mut child = Command::new(env!("CARGO_BIN_EXE_guardmesh"))
-        .args(["serve", "--listen", "127.0.0.1:0", "--config", path(&file)])
-        .stdout(std::process::Stdio::null())
-        .stderr(stderr)
-        .spawn()
-        .unwrap();
-    for _ in 0..1500 {
-        if let Some(status) = child.try_wait().unwrap() {
-            assert!(!status.success());
-            return std::fs::read_to_string(dir.join("refused.log")).unwrap();
-        }
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-    let _ = child.kill();
-    let _ = child.wait();
-    panic!("guardmesh serve started on a log cut short");
-}
-
 /// Cuts the last `n` lines of the log, and removes the directory's own
 /// copy of the latest checkpoint, as someone with write access to the log
 /// directory would.
 fn cut_tail(log: &Path, n: usize) {
-    let (_, last) = segment::list(log).unwrap().pop().unwrap();
-    let text = std::fs::read_to_string(&last).unwrap();
-    let lines: Vec<&str> = text.lines().collect();
-    assert!(lines.len() > n, "{lines:?}");
-    let kept: String = lines[..lines.len() - n]
-        .iter()
-        .map(|l| format!("{l}\n"))
-        .collect();
-    std::fs::write(&last, kept).unwrap();
+    cut_last_lines(log, n);
     std::fs::remove_file(log.join(checkpoint::STATE_FILE)).unwrap();
 }
 
@@ -205,13 +120,7 @@ async fn verify_etcd(dir: &Path, cluster: &Cluster, prefix: &str, extra: &[&str]
         INSTANCE,
     ];
     args.extend_from_slice(extra);
-    let args: Vec<String> = args.into_iter().map(str::to_owned).collect();
-    tokio::task::spawn_blocking(move || {
-        let args: Vec<&str> = args.iter().map(String::as_str).collect();
-        guardmesh(&args)
-    })
-    .await
-    .unwrap()
+    guardmesh_off_thread(args).await
 }
 
 #[tokio::test]
@@ -221,12 +130,7 @@ async fn r29_a_log_cut_after_its_etcd_anchor_refuses_to_start_and_fails_verify()
     let prefix = "/anchor-cut";
     serve_and_stop("anchor-cut", &dir, &cluster, prefix, "").await;
     let out = verify_etcd(&dir, &cluster, prefix, &[]).await;
-    assert!(
-        out.status.success(),
-        "{}{}",
-        text(&out.stdout),
-        text(&out.stderr)
-    );
+    assert_succeeded(&out);
     assert!(text(&out.stdout).contains("anchor: the log holds the outside checkpoint"));
 
     let log = dir.join("log");
@@ -275,25 +179,8 @@ async fn r29_with_allow_gap_a_mesh_behind_its_etcd_anchor_starts_after_a_signed_
     assert_eq!(out.status.code(), Some(1), "{}", text(&out.stdout));
     assert!(text(&out.stderr).contains("gap"), "{}", text(&out.stderr));
     let out = verify_etcd(&dir, &cluster, prefix, &["--allow-gap"]).await;
-    assert!(
-        out.status.success(),
-        "{}{}",
-        text(&out.stdout),
-        text(&out.stderr)
-    );
+    assert_succeeded(&out);
     assert!(text(&out.stdout).contains("gap: at seq"));
-}
-
-/// Replaces the value of `"member":` (a number or a string) in a line.
-fn set_member(line: &str, member: &str, value: &str) -> String {
-    let key = format!("\"{member}\":");
-    let start = line.find(&key).unwrap() + key.len();
-    let rest = &line[start..];
-    let end = match rest.strip_prefix('"') {
-        Some(string) => string.find('"').unwrap() + 2,
-        None => rest.find([',', '}']).unwrap(),
-    };
-    format!("{}{value}{}", &line[..start], &rest[end..])
 }
 
 #[tokio::test]
@@ -381,7 +268,7 @@ async fn r29_with_etcd_down_batches_are_answered_and_failed_anchors_counted() {
     // Checkpoints every 4 records: several puts fall due, and fail; every
     // batch is answered meanwhile, each within the bound of `batches`.
     let started = Instant::now();
-    batches(&mesh.url, "down", 12).await;
+    log_batches(&mesh.url, "down", 12, Some(Duration::from_secs(10))).await;
     let took = started.elapsed();
     let deadline = Instant::now() + Duration::from_secs(30);
     while metric(metrics, sample).await < 1.0 {
@@ -393,7 +280,7 @@ async fn r29_with_etcd_down_batches_are_answered_and_failed_anchors_counted() {
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
     // Still answering, and the failure is in the mesh's log.
-    batches(&mesh.url, "still", 4).await;
+    log_batches(&mesh.url, "still", 4, Some(Duration::from_secs(10))).await;
     assert!(
         mesh.log().contains("checkpoint not anchored in etcd"),
         "{}",
@@ -408,20 +295,10 @@ async fn r29_with_etcd_down_batches_are_answered_and_failed_anchors_counted() {
 /// `guardmesh log verify` of `dir`'s log with the key and `args`, run off
 /// this runtime's thread.
 async fn verify_with(dir: &Path, args: &[&str]) -> Output {
-    let mut all = vec![
-        "log".to_owned(),
-        "verify".to_owned(),
-        path(&dir.join("log")).to_owned(),
-        "--key".to_owned(),
-        path(&dir.join("log.key.pub")).to_owned(),
-    ];
-    all.extend(args.iter().map(|a| (*a).to_owned()));
-    tokio::task::spawn_blocking(move || {
-        let all: Vec<&str> = all.iter().map(String::as_str).collect();
-        guardmesh(&all)
-    })
-    .await
-    .unwrap()
+    let (log, public) = (dir.join("log"), dir.join("log.key.pub"));
+    let mut all = vec!["log", "verify", path(&log), "--key", path(&public)];
+    all.extend_from_slice(args);
+    guardmesh_off_thread(all).await
 }
 
 #[tokio::test]
@@ -466,12 +343,7 @@ async fn r29_log_verify_reads_the_etcd_anchor_with_the_mesh_configs_credentials(
     let file = dir.join("mesh.toml");
     std::fs::write(&file, mesh_config).unwrap();
     let out = verify_with_config(&dir, &file).await;
-    assert!(
-        out.status.success(),
-        "{}{}",
-        text(&out.stdout),
-        text(&out.stderr)
-    );
+    assert_succeeded(&out);
     assert!(
         text(&out.stdout).contains("anchor: the log holds the outside checkpoint"),
         "{}",

@@ -36,21 +36,14 @@ const PIN_KEY: &str = "SecretKeyName991";
 
 /// The policy of the masking test: one rule fails on the masked pin (CEL
 /// integer overflow), one echoes it into the content the model reads.
-const PIN_POLICY: &str = r#"
-[[rule]]
-name = "pin-overflow"
-tools = ["unlock"]
-when = "call.args.pin + 1 > 0"
-action = "cancel"
-message = '"no"'
-
-[[rule]]
-name = "pin-echo"
-tools = ["echo"]
-when = "true"
-action = "steer"
-message = '"your pin " + call.args.pin + " is wrong"'
-"#;
+const PIN_POLICY: &str = concat!(
+    policy_rule!(name: "pin-overflow", tools: ["unlock"], action: "cancel",
+        when: r#""call.args.pin + 1 > 0""#,
+        message: r#"'"no"'"#),
+    policy_rule!(name: "pin-echo", tools: ["echo"], action: "steer",
+        when: r#""true""#,
+        message: r#"'"your pin " + call.args.pin + " is wrong"'"#),
+);
 
 /// Every text an OTLP value holds.
 fn any_texts(value: &Option<AnyValue>, out: &mut Vec<String>) {
@@ -87,28 +80,16 @@ async fn r29_a_masked_value_reaches_no_record_log_line_span_or_exported_log() {
     let dir = folder("hardening-mask");
     let log = dir.join("log");
     std::fs::write(dir.join("pins.toml"), PIN_POLICY).unwrap();
-    let config = dir.join("mesh.toml");
-    std::fs::write(
-        &config,
-        format!(
-            "[decision_log]\ndir = {:?}\nmask = [\"pin\"]\notlp = true\n\n\
-             [[guard]]\nname = \"pins\"\npolicy = \"pins.toml\"\n",
-            log.display().to_string()
-        ),
-    )
-    .unwrap();
+    let config = log_config_file(
+        &dir,
+        &log,
+        "mask = [\"pin\"]\notlp = true\n\n[[guard]]\nname = \"pins\"\npolicy = \"pins.toml\"\n",
+    );
     let stderr_path = dir.join("stderr.log");
     let port = free_port();
     let url = format!("http://127.0.0.1:{port}");
     let _serve = KillOnDrop(
-        std::process::Command::new(env!("CARGO_BIN_EXE_guardmesh"))
-            .args([
-                "serve",
-                "--listen",
-                &format!("127.0.0.1:{port}"),
-                "--config",
-            ])
-            .arg(&config)
+        serve_command(&config, port)
             .env("OTEL_EXPORTER_OTLP_ENDPOINT", &endpoint)
             .env("OTEL_BSP_SCHEDULE_DELAY", "100")
             .env("OTEL_BLRP_SCHEDULE_DELAY", "100")
@@ -258,15 +239,7 @@ async fn secured(
     on_failure: OnLogFailure,
     limits: LogLimits,
 ) -> (TestMesh, String) {
-    let (mesh, url) = TestMesh::with_tokens(
-        pki,
-        &[
-            ("agent", "agent-token", &["evaluate"]),
-            ("ops", "ops-token", &["admin"]),
-        ],
-        "",
-    )
-    .await;
+    let (mesh, url) = TestMesh::with_tokens(pki, &[AGENT, OPS], "").await;
     let log = DecisionLog::open(LogConfig::new(dir, "test"))
         .await
         .unwrap();
@@ -433,10 +406,7 @@ impl Drop for Tmpfs {
 }
 
 async fn agent_batch(pki: &TestPki, url: &str, id: &str) -> Result<(), tonic::Status> {
-    let coordinator =
-        Coordinator::connect_with(url.to_owned(), &pki.connection(None, Some("agent-token")))
-            .await
-            .unwrap();
+    let coordinator = pki.coordinator(url, "agent-token").await;
     coordinator
         .evaluate_once(id, Batch::new(0).call("c1", "t", "{}"))
         .await
@@ -540,10 +510,7 @@ async fn r29_the_log_directory_budget_stops_refusals_first_then_follows_on_log_f
         };
         let (mesh, url) = secured(&pki, &log, on_failure, limits).await;
         let big = json!({ "text": "x".repeat(1500) }).to_string();
-        let coordinator =
-            Coordinator::connect_with(url.clone(), &pki.connection(None, Some("agent-token")))
-                .await
-                .unwrap();
+        let coordinator = pki.coordinator(&url, "agent-token").await;
         let mut stopped = None;
         for i in 0..40 {
             let result = coordinator
@@ -594,30 +561,11 @@ async fn r29_the_log_directory_budget_stops_refusals_first_then_follows_on_log_f
 // Item: replay compares the call that would run, and verifies first.
 // ---------------------------------------------------------------------------
 
-async fn guardmesh(args: Vec<String>) -> std::process::Output {
-    tokio::task::spawn_blocking(move || {
-        std::process::Command::new(env!("CARGO_BIN_EXE_guardmesh"))
-            .args(&args)
-            .output()
-            .expect("run guardmesh")
-    })
-    .await
-    .unwrap()
-}
-
 /// A mesh without guards, its log in `log`, that answered `n` SELECTs.
 async fn recorded_selects(log: &Path, n: usize) -> TestMesh {
     let mesh = TestMesh::start().await;
-    let decision_log = DecisionLog::open(LogConfig::new(log, "test"))
-        .await
-        .unwrap();
-    mesh.mesh
-        .attach_decision_log(MeshLog::new(
-            decision_log,
-            OnLogFailure::Refuse,
-            mesh.mesh.metrics.clone(),
-        ))
-        .unwrap();
+    mesh.attach_log(LogConfig::new(log, "test"), OnLogFailure::Refuse)
+        .await;
     let coordinator = mesh.coordinator().await;
     for i in 0..n {
         coordinator
@@ -657,21 +605,9 @@ async fn r30_replay_reports_every_call_a_candidate_mutate_guard_would_rewrite() 
         ),
     )
     .unwrap();
-    let out = guardmesh(vec![
-        "replay".into(),
-        log.display().to_string(),
-        "--config".into(),
-        candidate.display().to_string(),
-        "--json".into(),
-    ])
-    .await;
-    assert_eq!(
-        out.status.code(),
-        Some(1),
-        "{}{}",
-        text(&out.stdout),
-        text(&out.stderr)
-    );
+    let out =
+        guardmesh_off_thread(["replay", path(&log), "--config", path(&candidate), "--json"]).await;
+    assert_exit_code(&out, 1);
     let report: Value = serde_json::from_slice(&out.stdout).unwrap();
     let differences = report["differences"].as_array().unwrap();
     assert_eq!(differences.len(), 30, "{report}");
@@ -691,13 +627,7 @@ async fn r30_replay_reports_every_call_a_candidate_mutate_guard_would_rewrite() 
         assert_eq!(d["new"]["call"]["tool"], "sql");
     }
     // The table says what changed.
-    let out = guardmesh(vec![
-        "replay".into(),
-        log.display().to_string(),
-        "--config".into(),
-        candidate.display().to_string(),
-    ])
-    .await;
+    let out = guardmesh_off_thread(["replay", path(&log), "--config", path(&candidate)]).await;
     assert_eq!(out.status.code(), Some(1));
     assert!(
         text(&out.stdout).contains("30 calls differ"),
@@ -734,13 +664,7 @@ async fn r30_replay_refuses_a_log_that_does_not_verify() {
     std::fs::write(&file, edited).unwrap();
     let candidate = dir.join("empty.toml");
     std::fs::write(&candidate, "").unwrap();
-    let out = guardmesh(vec![
-        "replay".into(),
-        log.display().to_string(),
-        "--config".into(),
-        candidate.display().to_string(),
-    ])
-    .await;
+    let out = guardmesh_off_thread(["replay", path(&log), "--config", path(&candidate)]).await;
     assert_eq!(out.status.code(), Some(2), "{}", text(&out.stdout));
     let stderr = text(&out.stderr);
     assert!(stderr.contains("does not verify"), "{stderr}");
@@ -761,16 +685,8 @@ async fn r29_a_policy_registration_record_names_its_digest_and_text() {
     let dir = folder("hardening-policy-digest");
     let log = dir.join("log");
     let mesh = TestMesh::start().await;
-    let decision_log = DecisionLog::open(LogConfig::new(&log, "test"))
-        .await
-        .unwrap();
-    mesh.mesh
-        .attach_decision_log(MeshLog::new(
-            decision_log,
-            OnLogFailure::Answer,
-            mesh.mesh.metrics.clone(),
-        ))
-        .unwrap();
+    mesh.attach_log(LogConfig::new(&log, "test"), OnLogFailure::Answer)
+        .await;
     mesh.register(Registration::policy("policy", LOG_POLICY))
         .await;
     let all = records(&log);
@@ -798,19 +714,13 @@ async fn r29_records_carry_the_bound_listen_address() {
     let dir = folder("hardening-bound");
     let log = dir.join("log");
     std::fs::write(dir.join("policy.toml"), LOG_POLICY).unwrap();
-    let config = dir.join("mesh.toml");
-    std::fs::write(
-        &config,
-        format!(
-            "[decision_log]\ndir = {:?}\n\n[[guard]]\nname = \"policy\"\npolicy = \"policy.toml\"\n",
-            log.display().to_string()
-        ),
-    )
-    .unwrap();
+    let config = log_config_file(
+        &dir,
+        &log,
+        "\n[[guard]]\nname = \"policy\"\npolicy = \"policy.toml\"\n",
+    );
     let _serve = KillOnDrop(
-        std::process::Command::new(env!("CARGO_BIN_EXE_guardmesh"))
-            .args(["serve", "--listen", "127.0.0.1:0", "--config"])
-            .arg(&config)
+        serve_command(&config, 0)
             .env_remove("OTEL_EXPORTER_OTLP_ENDPOINT")
             .stdout(std::process::Stdio::null())
             .stderr(std::process::Stdio::null())

@@ -6,7 +6,6 @@
 
 use crate::harness::*;
 use guardmesh_client::Batch;
-use guardmesh_server::decision_log::segment;
 use opentelemetry_proto::tonic::collector::logs::v1::ExportLogsServiceRequest;
 use opentelemetry_proto::tonic::common::v1::any_value::Value as Any;
 use opentelemetry_proto::tonic::logs::v1::LogRecord;
@@ -91,33 +90,13 @@ async fn collector(via: Via) -> (Vec<(&'static str, String)>, FirstRecord) {
 async fn exported(via: Via) {
     let (environment, first_record) = collector(via).await;
 
-    let dir = std::env::temp_dir().join(format!(
-        "guardmesh-declog-otlp-{via:?}-{}",
-        std::process::id()
-    ));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).unwrap();
+    let dir = fresh_dir(&format!("declog-otlp-{via:?}"));
     let log = dir.join("log");
-    let config = dir.join("mesh.toml");
-    std::fs::write(
-        &config,
-        format!(
-            "[decision_log]\ndir = {:?}\nmask = [\"password\"]\notlp = true\n",
-            log.display().to_string()
-        ),
-    )
-    .unwrap();
+    let config = log_config_file(&dir, &log, "mask = [\"password\"]\notlp = true\n");
     let port = free_port();
     let url = format!("http://127.0.0.1:{port}");
     let _serve = KillOnDrop(
-        std::process::Command::new(env!("CARGO_BIN_EXE_guardmesh"))
-            .args([
-                "serve",
-                "--listen",
-                &format!("127.0.0.1:{port}"),
-                "--config",
-            ])
-            .arg(&config)
+        serve_command(&config, port)
             .envs(environment)
             // The batch processor exports every 100 ms instead of 1 s.
             .env("OTEL_BLRP_SCHEDULE_DELAY", "100")
@@ -155,17 +134,7 @@ async fn exported(via: Via) {
     assert_eq!(decision.trace_id, trace);
 
     // The line in the file.
-    let lines: Vec<String> = segment::list(&log)
-        .unwrap()
-        .into_iter()
-        .flat_map(|(_, f)| {
-            std::fs::read_to_string(f)
-                .unwrap()
-                .lines()
-                .map(str::to_owned)
-                .collect::<Vec<_>>()
-        })
-        .collect();
+    let lines = log_lines(&log);
     assert_eq!(lines.len(), 1, "{lines:?}");
     let line = &lines[0];
     let written: Value = serde_json::from_str(line).unwrap();
@@ -228,24 +197,9 @@ async fn exported(via: Via) {
 /// one asked for.
 #[test]
 fn r29_an_unsupported_logs_protocol_refuses_to_start_naming_the_variable() {
-    let dir = std::env::temp_dir().join(format!(
-        "guardmesh-declog-otlp-protocol-{}",
-        std::process::id()
-    ));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).unwrap();
-    let config = dir.join("mesh.toml");
-    std::fs::write(
-        &config,
-        format!(
-            "[decision_log]\ndir = {:?}\notlp = true\n",
-            dir.join("log").display().to_string()
-        ),
-    )
-    .unwrap();
-    let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_guardmesh"))
-        .args(["serve", "--listen", "127.0.0.1:0", "--config"])
-        .arg(&config)
+    let dir = fresh_dir("declog-otlp-protocol");
+    let config = log_config_file(&dir, &dir.join("log"), "otlp = true\n");
+    let mut child = serve_command(&config, 0)
         .env(
             "OTEL_EXPORTER_OTLP_LOGS_ENDPOINT",
             "http://127.0.0.1:9/v1/logs",

@@ -4,17 +4,8 @@
 
 use crate::harness::*;
 use guardmesh_client::{Batch, Coordinator, Registrar, Registration};
-use guardmesh_server::decision_log::{DecisionLog, LogConfig, MeshLog, OnLogFailure, segment};
+use guardmesh_server::decision_log::{LogConfig, OnLogFailure, segment};
 use std::path::Path;
-
-async fn attach(mesh: &TestMesh, dir: &Path, on_failure: OnLogFailure) {
-    let log = DecisionLog::open(LogConfig::new(dir, "test"))
-        .await
-        .unwrap();
-    mesh.mesh
-        .attach_decision_log(MeshLog::new(log, on_failure, mesh.mesh.metrics.clone()))
-        .unwrap();
-}
 
 /// R29 with R24: a batch or chain change the auth layer refuses
 /// (UNAUTHENTICATED, PERMISSION_DENIED) is recorded with the caller as far
@@ -25,16 +16,10 @@ async fn r29_requests_refused_by_the_auth_layer_are_recorded() {
     let dir = folder("auth-refusals");
     let log = dir.join("log");
     let pki = TestPki::new();
-    let (mesh, url) = TestMesh::with_tokens(
-        &pki,
-        &[
-            ("agent", "agent-token", &["evaluate"]),
-            ("reg", "reg-token", &["register"]),
-        ],
-        "",
-    )
-    .await;
-    attach(&mesh, &log, OnLogFailure::Refuse).await;
+    let (mesh, url) =
+        TestMesh::with_tokens(&pki, &[AGENT, ("reg", "reg-token", &["register"])], "").await;
+    mesh.attach_log(LogConfig::new(&log, "test"), OnLogFailure::Refuse)
+        .await;
     let batch = || Batch::new(0).call("c1", "t", "{}");
 
     // No credentials: UNAUTHENTICATED, a batch and a deregistration.
@@ -55,16 +40,16 @@ async fn r29_requests_refused_by_the_auth_layer_are_recorded() {
     assert!(nobody.list().await.is_err());
 
     // Valid credentials without the role: PERMISSION_DENIED.
-    let err = Coordinator::connect_with(url.clone(), &pki.connection(None, Some("reg-token")))
+    let err = pki
+        .coordinator(&url, "reg-token")
         .await
-        .unwrap()
         .evaluate_once("s", batch())
         .await
         .unwrap_err();
     assert_eq!(err.code(), Some(tonic::Code::PermissionDenied), "{err}");
-    let err = Registrar::connect_with(url.clone(), &pki.connection(None, Some("agent-token")))
+    let err = pki
+        .registrar(&url, "agent-token")
         .await
-        .unwrap()
         .register(Registration::validate("p", "http://127.0.0.1:1"))
         .await
         .unwrap_err();
@@ -138,7 +123,8 @@ async fn r29_a_chain_change_that_cannot_be_recorded_is_refused_and_not_applied()
     let before = registrar.list().await.unwrap();
 
     std::os::unix::fs::symlink("/dev/full", dir.join(segment::file_name(0))).unwrap();
-    attach(&mesh, &dir, OnLogFailure::Refuse).await;
+    mesh.attach_log(LogConfig::new(&dir, "test"), OnLogFailure::Refuse)
+        .await;
 
     let err = registrar
         .register(Registration::validate("h", &guard.url))

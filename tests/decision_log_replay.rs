@@ -4,81 +4,31 @@
 //! have blocked; the replay sends the credentials the mesh asks for.
 
 use crate::harness::*;
-use guardmesh_client::proto::{EvaluateRequest, ToolCall};
-use guardmesh_client::{Coordinator, Registrar, Registration};
-use guardmesh_server::decision_log::{DecisionLog, LogConfig, MeshLog, OnLogFailure};
+use guardmesh_client::Registration;
+use guardmesh_server::decision_log::{LogConfig, OnLogFailure};
 use serde_json::Value;
-use std::process::Output;
-
-/// Runs `guardmesh` off the runtime: the mesh it talks to is served by
-/// this test's runtime.
-async fn guardmesh(args: Vec<String>) -> Output {
-    tokio::task::spawn_blocking(move || {
-        std::process::Command::new(env!("CARGO_BIN_EXE_guardmesh"))
-            .args(&args)
-            .output()
-            .expect("run guardmesh")
-    })
-    .await
-    .unwrap()
-}
-
-fn request(batch_id: &str, calls: &[(&str, &str, &str)]) -> EvaluateRequest {
-    EvaluateRequest {
-        batch_id: batch_id.into(),
-        calls: calls
-            .iter()
-            .map(|(call_id, tool, arguments)| ToolCall {
-                call_id: (*call_id).into(),
-                tool: (*tool).into(),
-                arguments: (*arguments).into(),
-            })
-            .collect(),
-        ..Default::default()
-    }
-}
 
 #[tokio::test]
 async fn r30_replay_against_a_running_mesh_lists_what_a_dry_run_candidate_would_block() {
     let dir = folder("replay-mesh");
     let log = dir.join("log");
     let pki = TestPki::new();
-    let (mesh, url) = TestMesh::with_tokens(
-        &pki,
-        &[
-            ("ops", "ops-token", &["admin"]),
-            ("agent", "agent-token", &["evaluate"]),
-        ],
-        "",
-    )
-    .await;
-    let decision_log = DecisionLog::open(LogConfig {
+    let (mesh, url) = TestMesh::with_tokens(&pki, &[OPS, AGENT], "").await;
+    let config = LogConfig {
         mask: guardmesh_server::decision_log::MaskRules::new(["password"]).unwrap(),
         ..LogConfig::new(&log, "test")
-    })
-    .await
-    .unwrap();
-    mesh.mesh
-        .attach_decision_log(MeshLog::new(
-            decision_log,
-            OnLogFailure::Refuse,
-            mesh.mesh.metrics.clone(),
-        ))
-        .unwrap();
-    let ops = Registrar::connect_with(url.clone(), &pki.connection(None, Some("ops-token")))
-        .await
-        .unwrap();
+    };
+    mesh.attach_log(config, OnLogFailure::Refuse).await;
+    let ops = pki.registrar(&url, "ops-token").await;
     ops.register(Registration::policy("policy", LOG_POLICY))
         .await
         .unwrap();
 
     // The recorded run: two /etc reads proceed, a danger call is cancelled.
-    let agent = Coordinator::connect_with(url.clone(), &pki.connection(None, Some("agent-token")))
-        .await
-        .unwrap();
+    let agent = pki.coordinator(&url, "agent-token").await;
     let session = agent.session("s").await.unwrap();
     let first = session
-        .evaluate_raw(request(
+        .evaluate_raw(evaluate_request(
             "b1",
             &[
                 ("c1", "read", r#"{"path": "/etc/passwd", "password": "p"}"#),
@@ -91,7 +41,7 @@ async fn r30_replay_against_a_running_mesh_lists_what_a_dry_run_candidate_would_
     assert!(first.call("c1").unwrap().proceeds());
     assert!(!first.call("c2").unwrap().proceeds());
     session
-        .evaluate_raw(request(
+        .evaluate_raw(evaluate_request(
             "b2",
             &[
                 ("c4", "read", r#"{"path": "/etc/hosts"}"#),
@@ -127,19 +77,13 @@ async fn r30_replay_against_a_running_mesh_lists_what_a_dry_run_candidate_would_
     };
 
     // R24: without credentials the mesh refuses the replay, and it says so.
-    let out = guardmesh(args(false)).await;
+    let out = guardmesh_off_thread(args(false)).await;
     assert_eq!(out.status.code(), Some(2), "{}", text(&out.stdout));
     let stderr = text(&out.stderr);
     assert!(stderr.contains("token"), "{stderr}");
 
-    let out = guardmesh(args(true)).await;
-    assert_eq!(
-        out.status.code(),
-        Some(1),
-        "{}{}",
-        text(&out.stdout),
-        text(&out.stderr)
-    );
+    let out = guardmesh_off_thread(args(true)).await;
+    assert_exit_code(&out, 1);
     let report: Value = serde_json::from_slice(&out.stdout).unwrap();
     assert_eq!(report["batches"], 2, "{report}");
     assert_eq!(report["calls"], 5, "{report}");
@@ -173,7 +117,7 @@ async fn r30_replay_against_a_running_mesh_lists_what_a_dry_run_candidate_would_
         .collect();
     assert_eq!(replayed.len(), 2, "{replayed:?}");
     assert!(replayed.iter().all(|r| r["caller"]["id"] == "ops"));
-    let again = guardmesh(args(true)).await;
+    let again = guardmesh_off_thread(args(true)).await;
     assert_eq!(again.status.code(), Some(1));
     assert_eq!(text(&again.stdout), text(&out.stdout), "same report twice");
     assert!(text(&again.stderr).contains("2 records of earlier replays"));
@@ -181,7 +125,7 @@ async fn r30_replay_against_a_running_mesh_lists_what_a_dry_run_candidate_would_
     // The table names the would-have decision as a dry run.
     let mut table_args = args(true);
     table_args.retain(|a| a != "--json");
-    let out = guardmesh(table_args).await;
+    let out = guardmesh_off_thread(table_args).await;
     assert_eq!(out.status.code(), Some(1));
     let table = text(&out.stdout);
     assert!(
@@ -193,7 +137,7 @@ async fn r30_replay_against_a_running_mesh_lists_what_a_dry_run_candidate_would_
     // replays: each replayed batch is refused (R20).
     let mut agent_args = args(false);
     agent_args.extend(["--token-file".to_owned(), agent_token.display().to_string()]);
-    let out = guardmesh(agent_args).await;
+    let out = guardmesh_off_thread(agent_args).await;
     let report: Value = serde_json::from_slice(&out.stdout).unwrap();
     let differences = report["differences"].as_array().unwrap();
     assert!(!differences.is_empty(), "{report}");

@@ -10,23 +10,11 @@
 //! same table.
 
 use crate::harness::*;
-use guardmesh_client::proto::{EvaluateRequest, ToolCall};
 use guardmesh_server::decision_log::{GENESIS, chain, segment};
 use std::path::{Path, PathBuf};
-use std::process::{Command, Output};
+use std::process::Command;
 use std::sync::OnceLock;
 use std::time::Duration;
-
-fn guardmesh(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_guardmesh"))
-        .args(args)
-        .output()
-        .expect("run guardmesh")
-}
-
-fn path(p: &Path) -> &str {
-    p.to_str().unwrap()
-}
 
 /// A mesh config with the decision log in `dir/log`, signed with
 /// `dir/log.key`, its witness in `dir/witness`, checkpoints every 4 records
@@ -49,43 +37,17 @@ fn sealed_config(dir: &Path, extra: &str) -> String {
 /// an empty witness directory.
 fn keyed_folder(name: &str) -> PathBuf {
     let dir = folder(name);
-    let key = dir.join("log.key");
-    let out = guardmesh(&["log", "keygen", "--out", path(&key)]);
-    assert!(out.status.success(), "{}", text(&out.stderr));
+    let out = log_keygen(&dir);
     assert!(text(&out.stdout).starts_with("-----BEGIN PUBLIC KEY-----"));
     std::fs::create_dir_all(dir.join("witness")).unwrap();
     dir
-}
-
-/// Runs `n` batches through the mesh at `url`: even ones a `danger` call
-/// (cancelled by the policy), odd ones a `read` (proceeds).
-async fn batches(url: &str, prefix: &str, n: usize) {
-    let coordinator = guardmesh_client::Coordinator::connect(url.to_owned())
-        .await
-        .unwrap();
-    let session = coordinator.session("s").await.unwrap();
-    for i in 0..n {
-        let tool = if i % 2 == 0 { "danger" } else { "read" };
-        session
-            .evaluate_raw(EvaluateRequest {
-                batch_id: format!("{prefix}{i}"),
-                calls: vec![ToolCall {
-                    call_id: "c".into(),
-                    tool: tool.into(),
-                    arguments: "{}".into(),
-                }],
-                ..Default::default()
-            })
-            .await
-            .unwrap();
-    }
 }
 
 /// Starts `guardmesh serve` on `dir`'s config, runs `n` batches, stops it
 /// with SIGTERM (a clean shutdown: the `close` checkpoint).
 async fn serve_and_stop(name: &str, dir: &Path, extra: &str, n: usize) {
     let mut mesh = MeshProcess::start(name, &sealed_config(dir, extra), None).await;
-    batches(&mesh.url, name, n).await;
+    log_batches(&mesh.url, name, n, None).await;
     mesh.signal("TERM");
     let status = mesh.exit_status().await;
     assert!(status.success(), "{status}\n{}", mesh.log());
@@ -151,18 +113,6 @@ fn write_log(dir: &Path, files: &Files) {
 fn seq_of(line: &str) -> u64 {
     let v: serde_json::Value = serde_json::from_str(line).unwrap();
     v["seq"].as_u64().unwrap()
-}
-
-/// Replaces the value of `"member":` (a number or a string) in a line.
-fn set_member(line: &str, member: &str, value: &str) -> String {
-    let key = format!("\"{member}\":");
-    let start = line.find(&key).unwrap() + key.len();
-    let rest = &line[start..];
-    let end = match rest.strip_prefix('"') {
-        Some(string) => string.find('"').unwrap() + 2,
-        None => rest.find([',', '}']).unwrap(),
-    };
-    format!("{}{value}{}", &line[..start], &rest[end..])
 }
 
 /// Recomputes a line's own hash, as a forger with the format at hand would.
@@ -485,42 +435,6 @@ fn r29_tamper_a_forged_append_is_detected_with_the_key() {
     check("forged-append", Tamper::ForgedAppend, [true, false, false]);
 }
 
-/// `guardmesh serve` on `dir`'s config, expected to refuse to start:
-/// its stderr. Bounded: killed and failed after 30 s.
-async fn serve_refused(dir: &Path, extra: &str) -> String {
-    let file = dir.join("mesh.toml");
-    std::fs::write(&file, sealed_config(dir, extra)).unwrap();
-    let stderr = std::fs::File::create(dir.join("refused.log")).unwrap();
-    let mut child = Command::new(env!("CARGO_BIN_EXE_guardmesh"))
-        .args(["serve", "--listen", "127.0.0.1:0", "--config", path(&file)])
-        .stdout(std::process::Stdio::null())
-        .stderr(stderr)
-        .spawn()
-        .unwrap();
-    for _ in 0..1500 {
-        if let Some(status) = child.try_wait().unwrap() {
-            assert!(!status.success());
-            return std::fs::read_to_string(dir.join("refused.log")).unwrap();
-        }
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-    let _ = child.kill();
-    let _ = child.wait();
-    panic!("guardmesh serve started on a log cut short");
-}
-
-fn cut_last_lines(log: &Path, n: usize) {
-    let (_, last) = segment::list(log).unwrap().pop().unwrap();
-    let text = std::fs::read_to_string(&last).unwrap();
-    let lines: Vec<&str> = text.lines().collect();
-    assert!(lines.len() > n, "{lines:?}");
-    let kept: String = lines[..lines.len() - n]
-        .iter()
-        .map(|l| format!("{l}\n"))
-        .collect();
-    std::fs::write(&last, kept).unwrap();
-}
-
 #[tokio::test]
 async fn r29_a_mesh_restarted_on_a_cut_log_refuses_or_continues_after_a_signed_gap() {
     let dir = keyed_folder("tamper-restart");
@@ -530,7 +444,7 @@ async fn r29_a_mesh_restarted_on_a_cut_log_refuses_or_continues_after_a_signed_g
     let before = read_log(&log);
 
     // Refused, naming what is missing and the way out.
-    let stderr = serve_refused(&dir, "").await;
+    let stderr = serve_refused(&dir, &sealed_config(&dir, "")).await;
     assert!(
         stderr.contains("does not hold the latest checkpoint") && stderr.contains("allow_gap"),
         "{stderr}"
@@ -540,7 +454,7 @@ async fn r29_a_mesh_restarted_on_a_cut_log_refuses_or_continues_after_a_signed_g
     let moved = dir.join("witness-away");
     std::fs::rename(dir.join("witness"), &moved).unwrap();
     std::fs::create_dir(dir.join("witness")).unwrap();
-    let stderr = serve_refused(&dir, "").await;
+    let stderr = serve_refused(&dir, &sealed_config(&dir, "")).await;
     assert!(stderr.contains("known from the state"), "{stderr}");
     std::fs::remove_dir_all(dir.join("witness")).unwrap();
     std::fs::rename(&moved, dir.join("witness")).unwrap();
@@ -562,12 +476,7 @@ async fn r29_a_mesh_restarted_on_a_cut_log_refuses_or_continues_after_a_signed_g
     assert_eq!(out.status.code(), Some(1));
     assert!(text(&out.stderr).contains("gap"), "{}", text(&out.stderr));
     let out = verify(&["--allow-gap", "--witness", path(&dir.join("witness"))]);
-    assert!(
-        out.status.success(),
-        "{}{}",
-        text(&out.stdout),
-        text(&out.stderr)
-    );
+    assert_succeeded(&out);
     assert!(
         text(&out.stdout).contains("gap: at seq"),
         "{}",
@@ -633,14 +542,7 @@ async fn r29_checkpoints_exported_over_otlp_anchor_the_tail() {
     std::fs::write(&config, sealed_config(&dir, "otlp = true")).unwrap();
     let port = free_port();
     let url = format!("http://127.0.0.1:{port}");
-    let mut child = Command::new(env!("CARGO_BIN_EXE_guardmesh"))
-        .args([
-            "serve",
-            "--listen",
-            &format!("127.0.0.1:{port}"),
-            "--config",
-        ])
-        .arg(&config)
+    let mut child = serve_command(&config, port)
         .env("OTEL_EXPORTER_OTLP_ENDPOINT", &endpoint)
         .env("OTEL_BLRP_SCHEDULE_DELAY", "100")
         .env_remove("OTEL_TRACES_EXPORTER")
@@ -661,7 +563,7 @@ async fn r29_checkpoints_exported_over_otlp_anchor_the_tail() {
         let _ = child.kill();
         panic!("the mesh did not start");
     }
-    batches(&url, "otlp", 6).await;
+    log_batches(&url, "otlp", 6, None).await;
     let _ = Command::new("kill")
         .args(["-TERM", &child.id().to_string()])
         .status();

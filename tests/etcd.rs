@@ -65,17 +65,9 @@ fn loopback_port() -> u16 {
 
 impl Etcd {
     async fn start() -> Self {
-        static SEQ: AtomicUsize = AtomicUsize::new(0);
-        let dir = std::env::temp_dir().join(format!(
-            "guardmesh-etcd-{}-{}",
-            std::process::id(),
-            SEQ.fetch_add(1, Ordering::SeqCst)
-        ));
-        let _ = std::fs::remove_dir_all(&dir);
-        std::fs::create_dir_all(&dir).unwrap();
         let mut etcd = Self {
             bin: etcd_binary(),
-            dir,
+            dir: fresh_dir("etcd"),
             client_port: loopback_port(),
             peer_port: loopback_port(),
             child: None,
@@ -137,11 +129,7 @@ impl Etcd {
         self.child = Some(child);
         let deadline = Instant::now() + Duration::from_secs(30);
         loop {
-            if let Ok(Ok(mut client)) = tokio::time::timeout(
-                Duration::from_secs(2),
-                etcd_client::Client::connect([self.url()], None),
-            )
-            .await
+            if let Some(mut client) = connect_within_2s(self.url()).await
                 && let Ok(Ok(_)) =
                     tokio::time::timeout(Duration::from_secs(2), client.status()).await
             {
@@ -172,6 +160,17 @@ impl Etcd {
             .await
             .unwrap()
     }
+}
+
+/// A client of the etcd at `url`, if it connects within 2 s.
+async fn connect_within_2s(url: String) -> Option<etcd_client::Client> {
+    tokio::time::timeout(
+        Duration::from_secs(2),
+        etcd_client::Client::connect([url], None),
+    )
+    .await
+    .ok()?
+    .ok()
 }
 
 impl Drop for Etcd {
@@ -220,11 +219,7 @@ const NOT_SERVING: i32 = 2;
 async fn pre_tool_health(url: &str) -> i32 {
     use tonic_health::pb::HealthCheckRequest;
     use tonic_health::pb::health_client::HealthClient;
-    let channel = tonic::transport::Endpoint::from_shared(url.to_owned())
-        .unwrap()
-        .connect()
-        .await
-        .unwrap();
+    let channel = channel(url).await;
     HealthClient::new(channel)
         .check(HealthCheckRequest {
             service: "guardmesh.v1.PreToolService".into(),
@@ -286,6 +281,60 @@ impl Replica {
     async fn stop(self) {
         self.mesh.shutdown().await;
     }
+
+    /// Registers through this replica's `GuardRegistry`.
+    async fn try_register(
+        &self,
+        registration: Registration,
+    ) -> Result<guardmesh_client::proto::RegisterResponse, ClientError> {
+        self.mesh.registrar().await.register(registration).await
+    }
+
+    async fn register(
+        &self,
+        registration: Registration,
+    ) -> guardmesh_client::proto::RegisterResponse {
+        self.try_register(registration).await.unwrap()
+    }
+
+    /// Registers through this replica, which must refuse.
+    async fn refused(&self, registration: Registration) -> ClientError {
+        self.try_register(registration).await.unwrap_err()
+    }
+
+    /// Seeds `spec` as a config file's entry is (written only where absent).
+    async fn seed(
+        &self,
+        spec: guardmesh_client::proto::GuardSpec,
+    ) -> guardmesh_server::registry::Registered {
+        self.registry
+            .register_if_absent(admitted(spec))
+            .await
+            .unwrap()
+    }
+}
+
+/// A fresh etcd and the settings of replicas under `prefix` on it.
+async fn etcd_at(prefix: &str) -> (Etcd, EtcdConfig) {
+    let etcd = Etcd::start().await;
+    let config = settings(etcd.url(), prefix);
+    (etcd, config)
+}
+
+/// [`etcd_at`] with two replicas on its settings, started one after the
+/// other.
+async fn two_replicas(prefix: &str) -> (Etcd, EtcdConfig, Replica, Replica) {
+    let (etcd, config) = etcd_at(prefix).await;
+    let a = Replica::start(config.clone()).await;
+    let b = Replica::start(config.clone()).await;
+    (etcd, config, a, b)
+}
+
+/// Stops `replicas` one after the other.
+async fn stop_all<const N: usize>(replicas: [Replica; N]) {
+    for replica in replicas {
+        replica.stop().await;
+    }
 }
 
 fn trace_names(decision: &BatchDecision) -> Vec<String> {
@@ -328,32 +377,18 @@ fn two_calls() -> Batch {
 /// re-register and deregister through B, seen by A (R16, R17).
 #[tokio::test]
 async fn replica_registration_through_one_replica_is_judged_by_the_other() {
-    let etcd = Etcd::start().await;
-    let config = settings(etcd.url(), "/t/two");
-    let a = Replica::start(config.clone()).await;
-    let b = Replica::start(config).await;
+    let (_etcd, _, a, b) = two_replicas("/t/two").await;
     let rm = veto("rm").await;
     let ls = veto("ls").await;
 
-    let out = a
-        .mesh
-        .registrar()
-        .await
-        .register(Registration::validate("veto", &rm.url))
-        .await
-        .unwrap();
+    let out = a.register(Registration::validate("veto", &rm.url)).await;
     assert!(out.created);
     assert_eq!(out.position, 0);
     b.sees(out.revision).await;
 
     let on_b = b.evaluate(two_calls()).await.unwrap();
     assert_eq!(on_b.chain_revision, out.revision, "R17: etcd's revision");
-    assert_eq!(
-        on_b.calls[0].outcome,
-        Outcome::Steer {
-            content: "no rm".into()
-        }
-    );
+    assert_eq!(on_b.calls[0].outcome, steered("no rm"));
     assert_eq!(on_b.calls[0].decided_by.as_deref(), Some("veto"));
     assert!(on_b.calls[1].proceeds());
     let on_a = a.evaluate(two_calls()).await.unwrap();
@@ -392,12 +427,7 @@ async fn replica_registration_through_one_replica_is_judged_by_the_other() {
     let on_a = a.evaluate(two_calls()).await.unwrap();
     assert_eq!(on_a.chain_revision, again.revision);
     assert!(on_a.calls[0].proceeds(), "the updated guard judges");
-    assert_eq!(
-        on_a.calls[1].outcome,
-        Outcome::Steer {
-            content: "no ls".into()
-        }
-    );
+    assert_eq!(on_a.calls[1].outcome, steered("no ls"));
     assert_eq!(trace_names(&on_a), ["veto", "audit"]);
 
     // Deregister through B, seen by A.
@@ -415,18 +445,14 @@ async fn replica_registration_through_one_replica_is_judged_by_the_other() {
     assert_eq!(on_a.chain_revision, gone.revision);
     assert!(!registrar_b.deregister("veto").await.unwrap());
 
-    a.stop().await;
-    b.stop().await;
+    stop_all([a, b]).await;
 }
 
 /// The figure for docs/replicas.md: how long a registration through A takes to
 /// show in B's chain. Printed, not asserted.
 #[tokio::test]
 async fn replica_registration_reaches_the_other_replica_promptly() {
-    let etcd = Etcd::start().await;
-    let config = settings(etcd.url(), "/t/latency");
-    let a = Replica::start(config.clone()).await;
-    let b = Replica::start(config).await;
+    let (_etcd, _, a, b) = two_replicas("/t/latency").await;
     let guard = proceed_guard().await;
     let registrar = a.mesh.registrar().await;
     // Warm the channels.
@@ -483,18 +509,14 @@ async fn replica_registration_reaches_the_other_replica_promptly() {
         rpc[rpc.len() - 1],
     );
     assert_eq!(a.names(), b.names());
-    a.stop().await;
-    b.stop().await;
+    stop_all([a, b]).await;
 }
 
 /// Registrations racing through both replicas produce one order, the same
 /// on both: priority, then etcd's create revision (R16).
 #[tokio::test]
 async fn replica_concurrent_registrations_agree_on_one_order() {
-    let etcd = Etcd::start().await;
-    let config = settings(etcd.url(), "/t/race");
-    let a = Replica::start(config.clone()).await;
-    let b = Replica::start(config).await;
+    let (_etcd, _, a, b) = two_replicas("/t/race").await;
     let guard = proceed_guard().await;
     let registrars = [
         ("a", a.mesh.registrar().await),
@@ -535,8 +557,7 @@ async fn replica_concurrent_registrations_agree_on_one_order() {
     assert_eq!(trace_names(&on_a), expected);
     assert_eq!(trace_names(&on_b), expected);
     assert_eq!(on_a.chain_revision, on_b.chain_revision);
-    a.stop().await;
-    b.stop().await;
+    stop_all([a, b]).await;
 }
 
 /// A guard whose heartbeat lease lapses stays in the chain and fails per its
@@ -544,10 +565,7 @@ async fn replica_concurrent_registrations_agree_on_one_order() {
 /// The guards are real processes, killed like a crash.
 #[tokio::test]
 async fn lease_expired_guard_stays_in_chain_and_fails_per_its_policy() {
-    let etcd = Etcd::start().await;
-    let config = settings(etcd.url(), "/t/lease");
-    let a = Replica::start(config.clone()).await;
-    let b = Replica::start(config.clone()).await;
+    let (_etcd, config, a, b) = two_replicas("/t/lease").await;
     // relaxed (fail_open) steers calls marked "veto"; strict (fail_closed)
     // cancels denied tools such as fs.delete.
     let mut relaxed = GuardProcess::start("veto-marker", 0, &[]);
@@ -659,8 +677,7 @@ async fn lease_expired_guard_stays_in_chain_and_fails_per_its_policy() {
         .await;
         assert_eq!(replica.revision(), revision);
     }
-    a.stop().await;
-    b.stop().await;
+    stop_all([a, b]).await;
 }
 
 /// etcd stops: replicas keep judging with their last chain within the
@@ -682,23 +699,13 @@ async fn etcd_outage_judges_within_window_then_refuses_then_recovers() {
     })
     .await;
     let rm = veto("rm").await;
-    let out = a
-        .mesh
-        .registrar()
-        .await
-        .register(Registration::validate("veto", &rm.url))
-        .await
-        .unwrap();
+    let out = a.register(Registration::validate("veto", &rm.url)).await;
     for r in [&a, &b, &c] {
         r.sees(out.revision).await;
         assert!(r.registry.status().connected);
     }
-    let steered = |d: &BatchDecision| {
-        d.calls[0].outcome
-            == Outcome::Steer {
-                content: "no rm".into(),
-            }
-            && d.chain_revision == out.revision
+    let steered_by_rm = |d: &BatchDecision| {
+        d.calls[0].outcome == steered("no rm") && d.chain_revision == out.revision
     };
 
     etcd.stop();
@@ -715,19 +722,13 @@ async fn etcd_outage_judges_within_window_then_refuses_then_recovers() {
         let stale_for = status.stale_for.expect("stale while etcd is down");
         if stale_for <= window {
             let d = result.unwrap();
-            assert!(steered(&d), "{d:?}");
+            assert!(steered_by_rm(&d), "{d:?}");
             assert!(status.serving);
         }
         assert!(status.last_error.is_some());
     }
     // Writes need etcd: refused, not lost silently.
-    let err = b
-        .mesh
-        .registrar()
-        .await
-        .register(Registration::validate("late", &rm.url))
-        .await
-        .unwrap_err();
+    let err = b.refused(Registration::validate("late", &rm.url)).await;
     assert_eq!(err.code(), Some(tonic::Code::Unavailable), "{err}");
 
     // After the window: A and B refuse; C (serve_stale) keeps judging.
@@ -770,7 +771,7 @@ async fn etcd_outage_judges_within_window_then_refuses_then_recovers() {
     .await;
     assert!(c.registry.status().serving, "serve_stale keeps serving");
     let d = c.evaluate(two_calls()).await.unwrap();
-    assert!(steered(&d), "serve_stale keeps judging: {d:?}");
+    assert!(steered_by_rm(&d), "serve_stale keeps judging: {d:?}");
 
     // etcd is back (same data): every replica recovers on its own.
     etcd.spawn().await;
@@ -778,7 +779,7 @@ async fn etcd_outage_judges_within_window_then_refuses_then_recovers() {
         poll_until(
             Duration::from_secs(30),
             "the replica judges again",
-            || async { matches!(r.evaluate(two_calls()).await, Ok(d) if steered(&d)) },
+            || async { matches!(r.evaluate(two_calls()).await, Ok(d) if steered_by_rm(&d)) },
         )
         .await;
         // Judging again can precede the status catching up (the watch
@@ -797,29 +798,20 @@ async fn etcd_outage_judges_within_window_then_refuses_then_recovers() {
     // ...and follows the chain again.
     let audit = proceed_guard().await;
     let added = b
-        .mesh
-        .registrar()
-        .await
         .register(Registration::validate("audit", &audit.url))
-        .await
-        .unwrap();
+        .await;
     for r in [&a, &b, &c] {
         r.sees(added.revision).await;
         assert_eq!(r.names(), ["veto", "audit"]);
     }
-    a.stop().await;
-    b.stop().await;
-    c.stop().await;
+    stop_all([a, b, c]).await;
 }
 
 /// A replica that restarts lists the whole chain back from etcd: order,
 /// settings and revision.
 #[tokio::test]
 async fn replica_restart_recovers_the_full_chain() {
-    let etcd = Etcd::start().await;
-    let config = settings(etcd.url(), "/t/restart");
-    let a = Replica::start(config.clone()).await;
-    let b = Replica::start(config.clone()).await;
+    let (etcd, config, a, b) = two_replicas("/t/restart").await;
     let rm = veto("rm").await;
     let other = proceed_guard().await;
     let registrar = a.mesh.registrar().await;
@@ -866,8 +858,7 @@ async fn replica_restart_recovers_the_full_chain() {
     assert_eq!(d.chain_revision, before.revision);
     assert_eq!(trace_names(&d), ["first", "second", "third"]);
     assert_eq!(d.calls[0].decided_by.as_deref(), Some("first"));
-    again.stop().await;
-    b.stop().await;
+    stop_all([again, b]).await;
 }
 
 /// A TCP proxy between one replica and etcd that a test can cut, to
@@ -941,10 +932,7 @@ async fn etcd_partitioned_replica_relists_after_compaction() {
     let rm = veto("rm").await;
     let other = proceed_guard().await;
     let registrar_b = b.mesh.registrar().await;
-    let out = registrar_b
-        .register(Registration::validate("old", &other.url))
-        .await
-        .unwrap();
+    let out = b.register(Registration::validate("old", &other.url)).await;
     a.sees(out.revision).await;
     assert_eq!(a.registry.status().relists, 0);
 
@@ -996,36 +984,26 @@ async fn etcd_partitioned_replica_relists_after_compaction() {
     let d = a.evaluate(two_calls()).await.unwrap();
     assert_eq!(d.chain_revision, after.revision);
     assert_eq!(d.calls[0].decided_by.as_deref(), Some("veto"));
-    a.stop().await;
-    b.stop().await;
+    stop_all([a, b]).await;
 }
 
 /// The config file's guards seed a shared chain only where absent: a
 /// replica restarting with an older file does not roll back a change.
 #[tokio::test]
 async fn etcd_config_guards_seed_only_missing_registrations() {
-    let etcd = Etcd::start().await;
-    let config = settings(etcd.url(), "/t/seed");
+    let (_etcd, config) = etcd_at("/t/seed").await;
     let a = Replica::start(config.clone()).await;
     let rm = veto("rm").await;
     let seeded = a
-        .registry
-        .register_if_absent(admitted(Registration::validate("veto", &rm.url).build()))
-        .await
-        .unwrap();
+        .seed(Registration::validate("veto", &rm.url).build())
+        .await;
     assert!(seeded.created);
     let changed = a
-        .mesh
-        .registrar()
-        .await
         .register(Registration::validate("veto", &rm.url).failure_policy(FailurePolicy::FailOpen))
-        .await
-        .unwrap();
+        .await;
     let again = a
-        .registry
-        .register_if_absent(admitted(Registration::validate("veto", &rm.url).build()))
-        .await
-        .unwrap();
+        .seed(Registration::validate("veto", &rm.url).build())
+        .await;
     assert!(!again.created);
     assert_eq!(again.revision, changed.revision, "nothing written");
     assert_eq!(
@@ -1034,12 +1012,8 @@ async fn etcd_config_guards_seed_only_missing_registrations() {
     );
     // An invalid registration is refused before anything is written.
     let err = a
-        .mesh
-        .registrar()
-        .await
-        .register(Registration::validate("bad name!", &rm.url))
-        .await
-        .unwrap_err();
+        .refused(Registration::validate("bad name!", &rm.url))
+        .await;
     assert_eq!(err.code(), Some(tonic::Code::InvalidArgument), "{err}");
     assert_eq!(a.revision(), changed.revision);
     a.stop().await;
@@ -1075,13 +1049,7 @@ async fn etcd_credentials_confine_a_replica_to_its_prefix() {
     let a = Replica::start(with_user("/t/auth", "mesh-pw")).await;
     let b = Replica::start(with_user("/t/auth", "mesh-pw")).await;
     let rm = veto("rm").await;
-    let out = a
-        .mesh
-        .registrar()
-        .await
-        .register(Registration::validate("veto", &rm.url))
-        .await
-        .unwrap();
+    let out = a.register(Registration::validate("veto", &rm.url)).await;
     b.sees(out.revision).await;
     let d = b.evaluate(two_calls()).await.unwrap();
     assert_eq!(d.calls[0].decided_by.as_deref(), Some("veto"));
@@ -1095,20 +1063,16 @@ async fn etcd_credentials_confine_a_replica_to_its_prefix() {
     )
     .await;
 
-    let wrong = EtcdRegistry::connect(with_user("/t/auth", "nope"), Duration::from_secs(1))
-        .await
-        .unwrap_err();
-    assert!(
-        wrong.to_string().contains("authentication failed"),
-        "{wrong}"
-    );
-    let elsewhere = EtcdRegistry::connect(with_user("/t/other", "mesh-pw"), Duration::from_secs(1))
-        .await
-        .unwrap_err();
-    assert!(
-        elsewhere.to_string().contains("permission denied"),
-        "{elsewhere}"
-    );
+    // A wrong password, then a prefix the role does not cover.
+    for (prefix, password, says) in [
+        ("/t/auth", "nope", "authentication failed"),
+        ("/t/other", "mesh-pw", "permission denied"),
+    ] {
+        let err = EtcdRegistry::connect(with_user(prefix, password), Duration::from_secs(1))
+            .await
+            .unwrap_err();
+        assert!(err.to_string().contains(says), "{err}");
+    }
 
     // An etcd restart voids the replicas' tokens; they authenticate again.
     etcd.stop();
@@ -1140,8 +1104,7 @@ async fn etcd_credentials_confine_a_replica_to_its_prefix() {
     )
     .await;
     drop(beat);
-    a.stop().await;
-    b.stop().await;
+    stop_all([a, b]).await;
 }
 
 // ---------------------------------------------------------------------------
@@ -1204,17 +1167,6 @@ impl Partition {
     }
 }
 
-/// The value of an HTTP/1 header in a request head.
-fn header_value(head: &[u8], name: &str) -> Option<String> {
-    let text = String::from_utf8_lossy(head);
-    text.split("\r\n").find_map(|line| {
-        let (key, value) = line.split_once(':')?;
-        key.trim()
-            .eq_ignore_ascii_case(name)
-            .then(|| value.trim().to_owned())
-    })
-}
-
 /// Forwards peer connections for member `to` from `listener` to `target`,
 /// unless the partition separates the sender from `to`.
 async fn peer_proxy(
@@ -1236,7 +1188,7 @@ async fn peer_proxy(
                     _ => return,
                 }
             }
-            let from = header_value(&head, "X-Server-From");
+            let from = header_value(&String::from_utf8_lossy(&head), "X-Server-From");
             let mut connections = partition.connections.lock().unwrap();
             if partition.blocked(from.as_deref(), &to) {
                 return;
@@ -1374,11 +1326,7 @@ impl Cluster {
         for member in &cluster.members {
             let deadline = Instant::now() + Duration::from_secs(30);
             loop {
-                if let Ok(Ok(mut client)) = tokio::time::timeout(
-                    Duration::from_secs(2),
-                    etcd_client::Client::connect([member.url()], None),
-                )
-                .await
+                if let Some(mut client) = connect_within_2s(member.url()).await
                     && let Ok(Ok(_)) =
                         tokio::time::timeout(Duration::from_secs(2), client.get("ready", None))
                             .await
@@ -1502,10 +1450,7 @@ async fn r17_a_replica_cut_off_from_the_quorum_refuses_after_the_window() {
     let rm = veto("rm").await;
     let ls = veto("ls").await;
     let registrar_b = b.mesh.registrar().await;
-    let out = registrar_b
-        .register(Registration::validate("veto", &rm.url))
-        .await
-        .unwrap();
+    let out = b.register(Registration::validate("veto", &rm.url)).await;
     a.sees(out.revision).await;
     let d = a.evaluate(two_calls()).await.unwrap();
     assert_eq!(trace_names(&d), ["veto"]);
@@ -1594,9 +1539,7 @@ async fn r17_a_replica_cut_off_from_the_quorum_refuses_after_the_window() {
             .contains("guardmesh_registry_usable 1")
     })
     .await;
-    a.stop().await;
-    b.stop().await;
-    c.stop().await;
+    stop_all([a, b, c]).await;
 }
 
 /// One member of three is killed (the quorum stays): a replica configured
@@ -1651,18 +1594,11 @@ async fn r17_registrations_succeed_while_one_member_is_down() {
 /// the API brings it back (R17).
 #[tokio::test]
 async fn r17_a_deregistered_guard_is_not_brought_back_by_an_old_config() {
-    let etcd = Etcd::start().await;
-    let config = settings(etcd.url(), "/t/tombstone");
+    let (_etcd, config) = etcd_at("/t/tombstone").await;
     let a = Replica::start(config.clone()).await;
     let rm = veto("rm").await;
     let file_entry = || Registration::validate("veto", &rm.url).build();
-    assert!(
-        a.registry
-            .register_if_absent(admitted(file_entry()))
-            .await
-            .unwrap()
-            .created
-    );
+    assert!(a.seed(file_entry()).await.created);
     assert_eq!(a.names(), ["veto"]);
     let registrar = a.mesh.registrar().await;
     assert!(registrar.deregister("veto").await.unwrap());
@@ -1670,11 +1606,7 @@ async fn r17_a_deregistered_guard_is_not_brought_back_by_an_old_config() {
 
     // A replica restarting with the old file: the entry is not applied.
     let b = Replica::start(config.clone()).await;
-    let seeded = b
-        .registry
-        .register_if_absent(admitted(file_entry()))
-        .await
-        .unwrap();
+    let seeded = b.seed(file_entry()).await;
     assert!(!seeded.created, "{seeded:?}");
     assert!(b.names().is_empty());
     assert!(a.names().is_empty());
@@ -1690,13 +1622,7 @@ async fn r17_a_deregistered_guard_is_not_brought_back_by_an_old_config() {
     assert!(again.created);
     b.sees(again.revision).await;
     assert_eq!(b.names(), ["veto"]);
-    assert!(
-        !b.registry
-            .register_if_absent(admitted(file_entry()))
-            .await
-            .unwrap()
-            .created
-    );
+    assert!(!b.seed(file_entry()).await.created);
     assert_eq!(
         b.registry.chain().guards[0].failure_policy,
         FailurePolicy::FailOpen
@@ -1704,17 +1630,9 @@ async fn r17_a_deregistered_guard_is_not_brought_back_by_an_old_config() {
     // Deregistered again: gone again for the file.
     assert!(registrar.deregister("veto").await.unwrap());
     let c = Replica::start(config).await;
-    assert!(
-        !c.registry
-            .register_if_absent(admitted(file_entry()))
-            .await
-            .unwrap()
-            .created
-    );
+    assert!(!c.seed(file_entry()).await.created);
     assert!(c.names().is_empty());
-    a.stop().await;
-    b.stop().await;
-    c.stop().await;
+    stop_all([a, b, c]).await;
 }
 
 /// A stored registration this replica cannot read (written by a newer
@@ -1727,13 +1645,7 @@ async fn r17_an_unreadable_stored_registration_refuses_batches_until_removed() {
     let etcd = Etcd::start().await;
     let a = Replica::start(settings(etcd.url(), "/t/unreadable")).await;
     let rm = veto("rm").await;
-    let registered = a
-        .mesh
-        .registrar()
-        .await
-        .register(Registration::validate("veto", &rm.url))
-        .await
-        .unwrap();
+    let registered = a.register(Registration::validate("veto", &rm.url)).await;
     a.sees(registered.revision).await;
     let decision = a.evaluate(two_calls()).await.unwrap();
     assert!(!decision.calls[0].proceeds() && decision.calls[1].proceeds());
@@ -1775,18 +1687,11 @@ async fn r17_an_unreadable_stored_registration_refuses_batches_until_removed() {
 /// on SIGTERM. Liveness never changes the chain (R15).
 #[tokio::test]
 async fn r15_heartbeat_sidecar_follows_the_guard_and_revokes_on_exit() {
-    let etcd = Etcd::start().await;
-    let config = settings(etcd.url(), "/t/sidecar");
+    let (etcd, config) = etcd_at("/t/sidecar").await;
     let a = Replica::start(config.clone()).await;
     let mut guard = GuardProcess::start("deny-list", 0, &[]);
-    let out = a
-        .mesh
-        .registrar()
-        .await
-        .register(Registration::validate("deny", &guard.url))
-        .await
-        .unwrap();
-    let dir = tempdir("sidecar");
+    let out = a.register(Registration::validate("deny", &guard.url)).await;
+    let dir = fresh_dir("sidecar");
     let file = dir.join("mesh.toml");
     std::fs::write(
         &file,
@@ -1849,26 +1754,12 @@ async fn r15_heartbeat_sidecar_follows_the_guard_and_revokes_on_exit() {
     let _ = std::fs::remove_dir_all(dir);
 }
 
-/// A fresh temporary folder for one test.
-fn tempdir(name: &str) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!(
-        "guardmesh-{name}-{}-{}",
-        std::process::id(),
-        rand::random::<u32>()
-    ));
-    std::fs::create_dir_all(&dir).unwrap();
-    dir
-}
-
 /// A policy guard registered through one replica is judged by the other with
 /// the same rules (R27: the rules travel in the registration); a new version
 /// of the rules is a chain change both replicas see (R17).
 #[tokio::test]
 async fn r27_r17_replicas_judge_with_the_same_policy_rules() {
-    let etcd = Etcd::start().await;
-    let config = settings(etcd.url(), "/t/policy");
-    let a = Replica::start(config.clone()).await;
-    let b = Replica::start(config).await;
+    let (_etcd, _, a, b) = two_replicas("/t/policy").await;
     let rules = |tool: &str| {
         format!(
             "[[rule]]\nname = \"no-{tool}\"\nwhen = 'call.tool == \"{tool}\"'\n\
@@ -1884,12 +1775,7 @@ async fn r27_r17_replicas_judge_with_the_same_policy_rules() {
     for replica in [&a, &b] {
         let d = replica.evaluate(two_calls()).await.unwrap();
         assert_eq!(d.chain_revision, first.revision);
-        assert_eq!(
-            d.calls[0].outcome,
-            Outcome::Steer {
-                content: "no rm".into()
-            }
-        );
+        assert_eq!(d.calls[0].outcome, steered("no rm"));
         assert_eq!(d.calls[0].decided_by.as_deref(), Some("rules"));
         assert!(d.calls[1].proceeds());
     }
@@ -1905,13 +1791,7 @@ async fn r27_r17_replicas_judge_with_the_same_policy_rules() {
         let d = replica.evaluate(two_calls()).await.unwrap();
         assert_eq!(d.chain_revision, second.revision);
         assert!(d.calls[0].proceeds(), "{:?}", d.calls[0]);
-        assert_eq!(
-            d.calls[1].outcome,
-            Outcome::Steer {
-                content: "no ls".into()
-            }
-        );
+        assert_eq!(d.calls[1].outcome, steered("no ls"));
     }
-    a.stop().await;
-    b.stop().await;
+    stop_all([a, b]).await;
 }

@@ -278,11 +278,9 @@ async fn unreachable_guard_unparsable_endpoint_is_refused_at_registration_and_th
         let after = registrar.list().await.unwrap();
         assert_eq!(after, before, "{bad:?}: the chain is unchanged");
     }
-    let session = mesh.coordinator().await.session("s").await.unwrap();
-    let d = session
-        .evaluate(Batch::new(0).call("c1", "t", "{}"))
-        .await
-        .unwrap();
+    let (_session, d) = mesh
+        .session_decides(Batch::new(0).call("c1", "t", "{}"))
+        .await;
     assert_skip(&d.calls[0], "g", &steer_outcome("from g"), "still judged");
     assert_eq!(d.chain_revision, before.revision);
 }
@@ -294,14 +292,7 @@ async fn unreachable_guard_bad_endpoint_in_the_config_file_stops_the_mesh_from_s
     let file = dir.join("bad-endpoint.toml");
     std::fs::write(&file, "[[guard]]\nname = \"g\"\nendpoint = \"not a uri\"\n").unwrap();
     let port = free_port();
-    let output = std::process::Command::new(env!("CARGO_BIN_EXE_guardmesh"))
-        .args([
-            "serve",
-            "--listen",
-            &format!("127.0.0.1:{port}"),
-            "--config",
-        ])
-        .arg(&file)
+    let output = serve_command(&file, port)
         .stdin(std::process::Stdio::null())
         .output()
         .expect("run guardmesh serve");
@@ -453,11 +444,7 @@ async fn guard_closes_stream_mid_batch_mutate_guard_keeps_the_skip_it_sent() {
 #[tokio::test]
 async fn hang_guard_fails_at_its_own_timeout_and_is_told_to_stop() {
     let mesh = TestMesh::start().await;
-    let hung = script_guard(|_| Script {
-        delay: Duration::from_secs(30),
-        ..Default::default()
-    })
-    .await;
+    let hung = slow_guard(Duration::from_secs(30)).await;
     register_each_policy(&mesh, &hung.url, Duration::from_millis(200)).await;
     let session = mesh.coordinator().await.session("s").await.unwrap();
     assert_each_policy_fails(
@@ -489,11 +476,7 @@ async fn hang_guard_fails_at_its_own_timeout_and_is_told_to_stop() {
 #[tokio::test]
 async fn hang_batch_deadline_smaller_than_the_guard_timeout_bounds_the_guard() {
     let mesh = TestMesh::start().await;
-    let hung = script_guard(|_| Script {
-        delay: Duration::from_secs(30),
-        ..Default::default()
-    })
-    .await;
+    let hung = slow_guard(Duration::from_secs(30)).await;
     register_each_policy(&mesh, &hung.url, Duration::from_secs(20)).await;
     let session = mesh.coordinator().await.session("s").await.unwrap();
     let d = session
@@ -526,11 +509,7 @@ async fn hang_batch_deadline_smaller_than_the_guard_timeout_bounds_the_guard() {
 #[tokio::test]
 async fn hang_unary_batch_gets_a_decision_before_its_grpc_deadline() {
     let mesh = TestMesh::start().await;
-    let hung = script_guard(|_| Script {
-        delay: Duration::from_secs(30),
-        ..Default::default()
-    })
-    .await;
+    let hung = slow_guard(Duration::from_secs(30)).await;
     mesh.register(
         Registration::validate("fc", &hung.url)
             .failure_policy(FailurePolicy::FailClosed)
@@ -556,11 +535,7 @@ async fn hang_unary_batch_gets_a_decision_before_its_grpc_deadline() {
 #[tokio::test]
 async fn hang_remaining_batch_budget_shrinks_across_mutate_guards() {
     let mesh = TestMesh::start().await;
-    let first = script_guard(|_| Script {
-        delay: Duration::from_millis(300),
-        ..Default::default()
-    })
-    .await;
+    let first = slow_guard(Duration::from_millis(300)).await;
     // When the second mutate guard is asked, the first has already answered
     // (R10: one after another).
     let first_answered_when_second_asked = Arc::new(Mutex::new(Vec::new()));
@@ -582,15 +557,13 @@ async fn hang_remaining_batch_budget_shrinks_across_mutate_guards() {
         .await;
     mesh.register(Registration::validate("v", &validate.url).timeout(Duration::from_secs(20)))
         .await;
-    let session = mesh.coordinator().await.session("s").await.unwrap();
-    let d = session
-        .evaluate(
+    let (_session, d) = mesh
+        .session_decides(
             Batch::new(0)
                 .call("c1", "t", "{}")
                 .timeout(Duration::from_secs(3)),
         )
-        .await
-        .unwrap();
+        .await;
     assert!(d.calls[0].proceeds(), "{:?}", d.calls[0]);
     assert_eq!(*first_answered_when_second_asked.lock().unwrap(), [1]);
     let m1 = first.guard.batches()[0].deadline_ms;
@@ -613,11 +586,7 @@ async fn hang_remaining_batch_budget_shrinks_across_mutate_guards() {
 #[tokio::test]
 async fn hang_exhausted_batch_budget_fails_later_guards_without_contacting_them() {
     let mesh = TestMesh::start().await;
-    let hung = script_guard(|_| Script {
-        delay: Duration::from_secs(30),
-        ..Default::default()
-    })
-    .await;
+    let hung = slow_guard(Duration::from_secs(30)).await;
     let later = proceed_guard().await;
     let validate = proceed_guard().await;
     mesh.register(
@@ -919,17 +888,15 @@ async fn spurious_unknown_skip_kind_is_still_a_skip_read_as_steer() {
         };
         mesh.register(registration.failure_policy(FailurePolicy::FailOpen))
             .await;
-        let session = mesh.coordinator().await.session("s").await.unwrap();
-        let d = session
-            .evaluate(
+        let (_session, d) = mesh
+            .session_decides(
                 Batch::new(0)
                     .call("c1", "seven", "{}")
                     .call("c2", "negative", "{}")
                     .call("c3", "max", "{}")
                     .call("c4", "fine", "{}"),
             )
-            .await
-            .unwrap();
+            .await;
         let what = if mutate { "mutate" } else { "validate" };
         for (call, kind) in d.calls.iter().zip([7, -3, i32::MAX]) {
             assert_skip(call, "g", &steer_outcome(&format!("kind {kind}")), what);
@@ -1419,15 +1386,13 @@ async fn r23_unknown_fields_outside_a_verdict_are_ignored() {
             .timeout(Duration::from_secs(5)),
     )
     .await;
-    let session = mesh.coordinator().await.session("s").await.unwrap();
-    let d = session
-        .evaluate(
+    let (_session, d) = mesh
+        .session_decides(
             Batch::new(0)
                 .call("c1", "fs.delete", "{}")
                 .call("c2", "fs.read", "{}"),
         )
-        .await
-        .unwrap();
+        .await;
     assert_skip(
         &d.calls[0],
         "g",
@@ -1686,15 +1651,13 @@ async fn r23_unknown_rewrite_field_fails_a_mutate_guard_and_nothing_is_rewritten
     )
     .await;
     mesh.register(Registration::validate("v", &later.url)).await;
-    let session = mesh.coordinator().await.session("s").await.unwrap();
-    let d = session
-        .evaluate(
+    let (_session, d) = mesh
+        .session_decides(
             Batch::new(0)
                 .call("c1", "fs.write", r#"{"path":"/etc/passwd"}"#)
                 .call("c2", "net.get", "{}"),
         )
-        .await
-        .unwrap();
+        .await;
     assert_failure_cancel(&d.calls[0], "m", "unknown rewrite field");
     assert!(d.calls[0].rewritten_by.is_empty(), "{:?}", d.calls[0]);
     assert_eq!(d.calls[0].final_call.arguments, r#"{"path":"/etc/passwd"}"#);

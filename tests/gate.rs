@@ -5,25 +5,10 @@
 //! stays open for the next batch) and on the unary call alike.
 
 use crate::harness::*;
-use guardmesh_client::proto::{EvaluateRequest, ToolCall};
+use guardmesh_client::proto::EvaluateRequest;
 use guardmesh_client::verdict::cancel;
-use guardmesh_client::{ClientError, Coordinator, Registrar, Registration};
+use guardmesh_client::{ClientError, Registration};
 use std::time::Duration;
-
-fn request(batch_id: &str, calls: &[(&str, &str, &str)]) -> EvaluateRequest {
-    EvaluateRequest {
-        batch_id: batch_id.into(),
-        calls: calls
-            .iter()
-            .map(|(call_id, tool, arguments)| ToolCall {
-                call_id: (*call_id).into(),
-                tool: (*tool).into(),
-                arguments: (*arguments).into(),
-            })
-            .collect(),
-        ..Default::default()
-    }
-}
 
 /// The status a refused batch was answered with.
 fn refused(result: Result<guardmesh_client::BatchDecision, ClientError>) -> tonic::Status {
@@ -55,6 +40,12 @@ async fn mesh_with_guard() -> (TestMesh, TestGuard) {
 /// R20: two member names that Go's `encoding/json` reads as one (`path`
 /// and `PATH`, `s` and `ſ`, `k` and the Kelvin sign), at any depth, are
 /// refused naming the call and both names; no guard sees the batch.
+/// Whether call `c` of `request`, sent on `session`, proceeds.
+async fn call_c_proceeds(session: &guardmesh_client::Session, request: EvaluateRequest) -> bool {
+    let decision = session.evaluate_raw(request).await.unwrap();
+    decision.call("c").unwrap().proceeds()
+}
+
 #[tokio::test]
 async fn r20_gate_refuses_member_names_equal_under_case_folding() {
     let (mesh, guard) = mesh_with_guard().await;
@@ -72,7 +63,7 @@ async fn r20_gate_refuses_member_names_equal_under_case_folding() {
         ),
     ];
     for (i, (arguments, names)) in cases.iter().enumerate() {
-        let batch = request(
+        let batch = evaluate_request(
             &format!("b{i}"),
             &[("ok", "read_file", "{}"), ("fold", "read_file", arguments)],
         );
@@ -88,19 +79,11 @@ async fn r20_gate_refuses_member_names_equal_under_case_folding() {
         }
     }
     // The stream is still served; only this batch reached the guard.
-    let fine = request(
+    let fine = evaluate_request(
         "fine",
         &[("c", "read_file", r#"{"path":"/tmp/ok","Path2":1}"#)],
     );
-    assert!(
-        session
-            .evaluate_raw(fine)
-            .await
-            .unwrap()
-            .call("c")
-            .unwrap()
-            .proceeds()
-    );
+    assert!(call_c_proceeds(&session, fine).await);
     let batches = guard.guard.batches();
     assert_eq!(batches.len(), 1, "{batches:?}");
     assert_eq!(batches[0].calls[0].call_id, "c");
@@ -127,7 +110,7 @@ async fn r20_gate_refuses_tool_names_outside_the_grammar() {
         long.as_str(),
     ];
     for (i, tool) in bad.iter().enumerate() {
-        let batch = request(&format!("b{i}"), &[("c1", "ok", "{}"), ("bad", tool, "{}")]);
+        let batch = evaluate_request(&format!("b{i}"), &[("c1", "ok", "{}"), ("bad", tool, "{}")]);
         for status in [
             refused(session.evaluate_raw(batch.clone()).await),
             unary(&mesh.url, &batch).await.unwrap_err(),
@@ -142,7 +125,7 @@ async fn r20_gate_refuses_tool_names_outside_the_grammar() {
             assert!(message.len() < 500, "{message}");
         }
     }
-    let fine = request(
+    let fine = evaluate_request(
         "fine",
         &[
             ("c1", "Shell.exec", "{}"),
@@ -169,20 +152,12 @@ async fn r20_gate_tool_name_grammar_follows_the_config() {
     mesh_config.limits = config.mesh_config().limits;
     let mesh = TestMesh::with_config(mesh_config).await;
     let session = mesh.coordinator().await.session("s").await.unwrap();
-    let ok = request("a", &[("c", "fs/read", "{}")]);
-    assert!(
-        session
-            .evaluate_raw(ok)
-            .await
-            .unwrap()
-            .call("c")
-            .unwrap()
-            .proceeds()
-    );
+    let ok = evaluate_request("a", &[("c", "fs/read", "{}")]);
+    assert!(call_c_proceeds(&session, ok).await);
     for tool in ["fs/read/longer", "fs:read"] {
         let status = refused(
             session
-                .evaluate_raw(request("b", &[("c", tool, "{}")]))
+                .evaluate_raw(evaluate_request("b", &[("c", tool, "{}")]))
                 .await,
         );
         assert_eq!(status.code(), tonic::Code::InvalidArgument, "{tool}");
@@ -202,27 +177,16 @@ async fn r20_gate_tool_name_grammar_follows_the_config() {
 async fn r20_gate_refuses_the_replay_prefix_from_callers_that_may_not_replay() {
     let prefix = guardmesh_server::RESERVED_BATCH_PREFIX;
     let pki = TestPki::new();
-    let (_mesh, url) = TestMesh::with_tokens(
-        &pki,
-        &[
-            ("ops", "ops-token", &["admin"]),
-            ("agent", "agent-token", &["evaluate"]),
-        ],
-        "",
-    )
-    .await;
+    let (_mesh, url) = TestMesh::with_tokens(&pki, &[OPS, AGENT], "").await;
     let guard = call_guard(Duration::ZERO, |_| None).await;
-    Registrar::connect_with(url.clone(), &pki.connection(None, Some("ops-token")))
+    pki.registrar(&url, "ops-token")
         .await
-        .unwrap()
         .register(Registration::validate("watch", &guard.url))
         .await
         .unwrap();
-    let agent = Coordinator::connect_with(url.clone(), &pki.connection(None, Some("agent-token")))
-        .await
-        .unwrap();
+    let agent = pki.coordinator(&url, "agent-token").await;
     let session = agent.session("s").await.unwrap();
-    let hidden = request(&format!("{prefix}42"), &[("c", "read_file", "{}")]);
+    let hidden = evaluate_request(&format!("{prefix}42"), &[("c", "read_file", "{}")]);
     let status = refused(session.evaluate_raw(hidden.clone()).await);
     assert_eq!(status.code(), tonic::Code::InvalidArgument);
     assert!(status.message().contains(prefix), "{}", status.message());
@@ -232,21 +196,11 @@ async fn r20_gate_refuses_the_replay_prefix_from_callers_that_may_not_replay() {
         status.message()
     );
     // The same stream goes on; another id of the agent is judged.
-    let fine = request("replayed-by-hand", &[("c", "read_file", "{}")]);
-    assert!(
-        session
-            .evaluate_raw(fine)
-            .await
-            .unwrap()
-            .call("c")
-            .unwrap()
-            .proceeds()
-    );
+    let fine = evaluate_request("replayed-by-hand", &[("c", "read_file", "{}")]);
+    assert!(call_c_proceeds(&session, fine).await);
     assert_eq!(guard.guard.batches().len(), 1);
     // The operator's replay is judged.
-    let ops = Coordinator::connect_with(url.clone(), &pki.connection(None, Some("ops-token")))
-        .await
-        .unwrap();
+    let ops = pki.coordinator(&url, "ops-token").await;
     let replay = ops.session("replay").await.unwrap();
     assert!(
         replay
@@ -262,7 +216,7 @@ async fn r20_gate_refuses_the_replay_prefix_from_callers_that_may_not_replay() {
     // Without principals every caller may replay.
     let (open, _guard) = mesh_with_guard().await;
     let session = open.coordinator().await.session("s").await.unwrap();
-    let replayed = request(&format!("{prefix}7"), &[("c", "read_file", "{}")]);
+    let replayed = evaluate_request(&format!("{prefix}7"), &[("c", "read_file", "{}")]);
     assert!(session.evaluate_raw(replayed.clone()).await.is_ok());
     assert!(unary(&open.url, &replayed).await.is_ok());
 }
@@ -281,7 +235,7 @@ async fn r9_gate_guard_patterns_match_tool_names_in_any_case() {
         .await;
     let session = mesh.coordinator().await.session("s").await.unwrap();
     let decision = session
-        .evaluate_raw(request(
+        .evaluate_raw(evaluate_request(
             "b",
             &[
                 ("c1", "shell.exec", "{}"),

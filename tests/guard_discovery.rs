@@ -48,12 +48,7 @@ async fn until(rx: &mut Replicas, want: &[&str], what: &str) {
 /// namespace whose `/etc/hosts` is a file of the test's (its path in
 /// [`CHILD_HOSTS`]); the child prints `marker` when it passed.
 fn run_in_namespace(child: &str, marker: &str) {
-    let dir = std::env::temp_dir().join(format!(
-        "guardmesh-discovery-{}-{}",
-        std::process::id(),
-        rand::random::<u32>()
-    ));
-    std::fs::create_dir_all(&dir).unwrap();
+    let dir = fresh_dir("discovery");
     let hosts = dir.join("hosts");
     std::fs::write(&hosts, "").unwrap();
     let exe = std::env::current_exe().unwrap();
@@ -413,12 +408,7 @@ async fn dns_mesh_child() {
 /// that address and never publishes it (R32, endpoint policy).
 #[test]
 fn r32_a_dns_name_is_every_address_it_resolves_to_and_never_metadata() {
-    let dir = std::env::temp_dir().join(format!(
-        "guardmesh-discovery-{}-{}",
-        std::process::id(),
-        rand::random::<u32>()
-    ));
-    std::fs::create_dir_all(&dir).unwrap();
+    let dir = fresh_dir("discovery");
     let hosts = dir.join("hosts");
     std::fs::write(&hosts, "").unwrap();
     let exe = std::env::current_exe().unwrap();
@@ -740,12 +730,7 @@ async fn r32_a_mesh_sends_to_heartbeat_replicas_and_stops_with_their_lease() {
 /// A mesh config for `guardmesh heartbeat`: the etcd registry of `cluster`
 /// under `prefix`, heartbeats every 200 ms on a 2 s lease.
 fn heartbeat_config(cluster: &crate::etcd::Cluster, tag: &str, prefix: &str) -> std::path::PathBuf {
-    let dir = std::env::temp_dir().join(format!(
-        "guardmesh-discovery-{tag}-{}-{}",
-        std::process::id(),
-        rand::random::<u32>()
-    ));
-    std::fs::create_dir_all(&dir).unwrap();
+    let dir = fresh_dir(&format!("discovery-{tag}"));
     let file = dir.join("mesh.toml");
     let endpoints_toml: Vec<String> = cluster.urls().iter().map(|u| format!("\"{u}\"")).collect();
     std::fs::write(

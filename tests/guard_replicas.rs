@@ -15,7 +15,7 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 /// The chain's one guard: `endpoint` empty, `replicas` the urls.
-fn replicated(name: &str, urls: &[String], timeout: Duration) -> GuardSpec {
+pub(crate) fn replicated(name: &str, urls: &[String], timeout: Duration) -> GuardSpec {
     let mut spec = Registration::validate(name, "").timeout(timeout).build();
     spec.endpoint = String::new();
     spec.replicas = urls.to_vec();
@@ -24,7 +24,7 @@ fn replicated(name: &str, urls: &[String], timeout: Duration) -> GuardSpec {
 
 /// A batch the deny-list guards (Python `no_delete`, Rust `deny-list`)
 /// judge alike: `fs.delete` is cancelled, `fs.read` proceeds.
-fn batch(round: usize) -> Batch {
+pub(crate) fn batch(round: usize) -> Batch {
     Batch::new(u32::try_from(round % 4_000_000_000).unwrap_or(0))
         .call("del", "fs.delete", r#"{"path":"/tmp/x"}"#)
         .call("read", "fs.read", r#"{"path":"/tmp/x"}"#)
@@ -73,6 +73,16 @@ async fn rust_replica(port: u16, delay_ms: u64) -> GuardProcess {
     })
     .await
     .expect("start a Rust replica")
+}
+
+/// Three Rust replicas answering after `delay_ms`, and their URLs.
+async fn three_replicas(delay_ms: u64) -> (Vec<GuardProcess>, Vec<String>) {
+    let mut replicas = Vec::new();
+    for _ in 0..3 {
+        replicas.push(rust_replica(0, delay_ms).await);
+    }
+    let urls = replicas.iter().map(|g| g.url.clone()).collect();
+    (replicas, urls)
 }
 
 /// Sends `total` batches from `workers` concurrent coordinators, each
@@ -237,11 +247,7 @@ async fn r32_requests_spread_evenly_over_three_python_replicas() {
 #[tokio::test]
 async fn r32_kill_9_one_replica_every_half_second_loses_no_call() {
     let mesh = TestMesh::start().await;
-    let mut replicas = Vec::new();
-    for _ in 0..3 {
-        replicas.push(rust_replica(0, 2).await);
-    }
-    let urls: Vec<String> = replicas.iter().map(|g| g.url.clone()).collect();
+    let (mut replicas, urls) = three_replicas(2).await;
     let ports: Vec<u16> = replicas.iter().map(|g| g.port).collect();
     register(&mesh, replicated("deny", &urls, Duration::from_secs(5))).await;
     let stop = Arc::new(AtomicBool::new(false));
@@ -324,11 +330,7 @@ async fn r32_kill_9_one_replica_every_half_second_loses_no_call() {
 #[tokio::test]
 async fn r13_all_replicas_dead_fails_per_policy_within_the_guard_s_timeout() {
     let mesh = TestMesh::start().await;
-    let mut replicas = Vec::new();
-    for _ in 0..3 {
-        replicas.push(rust_replica(0, 0).await);
-    }
-    let urls: Vec<String> = replicas.iter().map(|g| g.url.clone()).collect();
+    let (mut replicas, urls) = three_replicas(0).await;
     register(&mesh, replicated("deny", &urls, Duration::from_secs(2))).await;
     let coordinator = session(&mesh, 0).await;
     let d = coordinator.evaluate(batch(0)).await.unwrap();
@@ -380,37 +382,25 @@ async fn r32_registration_bounds_replicas_and_holds_each_to_the_endpoint_policy(
     let many: Vec<String> = (0..65)
         .map(|i| format!("127.0.0.1:{}", 20000 + i))
         .collect();
-    let error = registrar
-        .register(replicated("g", &many, Duration::from_secs(1)))
-        .await
-        .unwrap_err()
-        .to_string();
+    let refusal = async |urls: &[String]| {
+        registrar
+            .register(replicated("g", urls, Duration::from_secs(1)))
+            .await
+            .unwrap_err()
+            .to_string()
+    };
+    let one_at = |address: &str| vec!["127.0.0.1:20001".to_string(), address.to_string()];
+    let error = refusal(&many).await;
     assert!(
         error.contains("InvalidArgument") || error.contains("invalid"),
         "{error}"
     );
     assert!(error.contains("at most 64"), "{error}");
     // One replica at a metadata address: the whole registration is refused.
-    let urls = vec![
-        "127.0.0.1:20001".to_string(),
-        "169.254.169.254:80".to_string(),
-    ];
-    let error = registrar
-        .register(replicated("g", &urls, Duration::from_secs(1)))
-        .await
-        .unwrap_err()
-        .to_string();
+    let error = refusal(&one_at("169.254.169.254:80")).await;
     assert!(error.contains("169.254.169.254"), "{error}");
     // The same address twice.
-    let urls = vec![
-        "127.0.0.1:20001".to_string(),
-        "http://127.0.0.1:20001".to_string(),
-    ];
-    let error = registrar
-        .register(replicated("g", &urls, Duration::from_secs(1)))
-        .await
-        .unwrap_err()
-        .to_string();
+    let error = refusal(&one_at("http://127.0.0.1:20001")).await;
     assert!(error.contains("twice"), "{error}");
     let listed = registrar.list().await.unwrap();
     assert!(listed.guards.is_empty(), "nothing was registered");

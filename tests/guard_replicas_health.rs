@@ -7,9 +7,10 @@
 //!
 //! Needs `scripts/setup-polyglot` (as `polyglot` does).
 
+use crate::guard_replicas::batch;
 use crate::harness::*;
 use guardmesh_client::proto::GuardSpec;
-use guardmesh_client::{Batch, BatchDecision, Outcome, Registration};
+use guardmesh_client::{Batch, BatchDecision, Outcome};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -47,12 +48,7 @@ fn command(replica: &mut ScriptedReplica, command: &str) {
 }
 
 fn script() -> (std::path::PathBuf, std::path::PathBuf) {
-    let dir = std::env::temp_dir().join(format!(
-        "guardmesh-health-{}-{}",
-        std::process::id(),
-        rand::random::<u32>()
-    ));
-    std::fs::create_dir_all(&dir).unwrap();
+    let dir = fresh_dir("health");
     let path = dir.join("health_guard.py");
     std::fs::write(&path, SCRIPT).unwrap();
     (dir, path)
@@ -73,19 +69,7 @@ async fn replicas(n: usize) -> (std::path::PathBuf, Vec<ScriptedReplica>) {
 }
 
 fn replicated(name: &str, urls: &[String]) -> GuardSpec {
-    let mut spec = Registration::validate(name, "")
-        .timeout(Duration::from_secs(5))
-        .build();
-    spec.endpoint = String::new();
-    spec.replicas = urls.to_vec();
-    spec
-}
-
-fn batch(round: usize) -> Batch {
-    Batch::new(u32::try_from(round % 4_000_000_000).unwrap_or(0))
-        .call("del", "fs.delete", r#"{"path":"/tmp/x"}"#)
-        .call("read", "fs.read", r#"{"path":"/tmp/x"}"#)
-        .timeout(Duration::from_secs(20))
+    crate::guard_replicas::replicated(name, urls, Duration::from_secs(5))
 }
 
 fn correct(d: &BatchDecision) -> bool {
@@ -323,31 +307,7 @@ async fn tls_replica(pki: &TestPki, id: &str) -> (String, Arc<ScriptGuard>) {
         .ca
         .issue(&guardmesh_cli::certs::Subject::loopback(id))
         .unwrap();
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let url = format!(
-        "https://127.0.0.1:{}",
-        listener.local_addr().unwrap().port()
-    );
-    let guard = Arc::new(script_guard_state(|batch| Script {
-        verdicts: batch
-            .calls
-            .iter()
-            .map(|c| guardmesh_client::verdict::steer(&c.call_id, "checked over TLS"))
-            .collect(),
-        ..Default::default()
-    }));
-    tokio::spawn(
-        guardmesh_client::GuardServer::from_arc(guard.clone()).serve_with(
-            listener,
-            Some(guardmesh_client::ServerTls {
-                cert_pem: issued.cert_pem,
-                key_pem: issued.key_pem,
-                client_ca_pem: None,
-            }),
-            std::future::pending(),
-        ),
-    );
-    (url, guard)
+    tls_steering_guard("127.0.0.1", issued.cert_pem, issued.key_pem, None).await
 }
 
 /// Three TLS replicas of a guard pinned to one identity, one of them an

@@ -28,13 +28,9 @@ use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
 /// that sends a value a result of another server held is cancelled. The
 /// batch's metadata `server` is the call's server (the gateway's
 /// upstream); results are remembered with their server (R33, R34).
-const CROSS_BOUNDARY_POLICY: &str = r#"
-[[rule]]
-name = "values-stay-on-their-server"
-when = '"server" in context.metadata && session.seen_from_other(call.args, context.metadata.server)'
-action = "cancel"
-message = '"Tool call blocked: it sends a value read from another server. Do not retry it."'
-"#;
+const CROSS_BOUNDARY_POLICY: &str = policy_rule!(name: "values-stay-on-their-server", action: "cancel",
+    when: r#"'"server" in context.metadata && session.seen_from_other(call.args, context.metadata.server)'"#,
+    message: r#"'"Tool call blocked: it sends a value read from another server. Do not retry it."'"#);
 
 /// The tools of the reference adapter's servers (the fixtures' PROVENANCE):
 /// a tool not listed is a server of its own name.

@@ -75,6 +75,50 @@ impl Scratch {
     }
 }
 
+impl Scratch {
+    /// The Python upstream on Streamable HTTP on a free port, its output to
+    /// nowhere, once it listens: (its port, the process).
+    pub(crate) async fn http_upstream(&self) -> (u16, KillOnDrop) {
+        let port = free_port();
+        let mut command = self.upstream(&["http", &port.to_string()]);
+        let mut command_line = Command::new(command.remove(0));
+        command_line.args(command).stderr(Stdio::null());
+        let upstream = listening(&mut command_line, port, "the upstream MCP server").await;
+        (port, upstream)
+    }
+}
+
+/// `guardmesh mcp http ARGS... --listen LISTEN --upstream
+/// http://127.0.0.1:UPSTREAM_PORT/mcp` (ARGS: `--mesh URL` or `--config
+/// FILE`), its standard output to nowhere; not started yet.
+pub(crate) fn gateway_command<S: AsRef<std::ffi::OsStr>>(
+    args: impl IntoIterator<Item = S>,
+    listen: &str,
+    upstream_port: u16,
+) -> Command {
+    let mut command = Command::new(env!("CARGO_BIN_EXE_guardmesh"));
+    command
+        .args(["mcp", "http"])
+        .args(args)
+        .args(["--listen", listen, "--upstream"])
+        .arg(format!("http://127.0.0.1:{upstream_port}/mcp"))
+        .stdout(Stdio::null());
+    command
+}
+
+/// Starts `command` (its standard output to nowhere) and waits until it
+/// listens on `port`; `what` names it.
+pub(crate) async fn listening(command: &mut Command, port: u16, what: &str) -> KillOnDrop {
+    let child = KillOnDrop(
+        command
+            .stdout(Stdio::null())
+            .spawn()
+            .unwrap_or_else(|e| panic!("start {what}: {e}")),
+    );
+    wait_for_port(port, what).await;
+    child
+}
+
 impl Drop for Scratch {
     fn drop(&mut self) {
         let _ = std::fs::remove_dir_all(&self.dir);
@@ -132,6 +176,13 @@ pub(crate) async fn mesh_with_policy(name: &str) -> (MeshProcess, TestGuard) {
 
 /// Runs the Python SDK client with `scenario` against `target` (the
 /// `stdio COMMAND...` or `http URL` arguments); returns its output lines.
+/// [`run_client`] off the runtime's thread (the mesh it reaches runs on it).
+pub(crate) async fn run_client_off_thread(scenario: Value, target: Vec<String>) -> Vec<Value> {
+    tokio::task::spawn_blocking(move || run_client(scenario, &target))
+        .await
+        .unwrap()
+}
+
 pub(crate) fn run_client(scenario: Value, target: &[String]) -> Vec<Value> {
     run_sdk_client(
         &mcp_python(),
@@ -216,9 +267,7 @@ async fn r31_stdio_decisions_through_the_official_sdk() {
         &["--session", "s-42"],
         scratch.upstream(&["stdio"]),
     );
-    let lines = tokio::task::spawn_blocking(move || run_client(scenario, &target))
-        .await
-        .unwrap();
+    let lines = run_client_off_thread(scenario, target).await;
     let results = calls(&lines);
     assert_eq!(results.len(), 4, "{lines:?}");
     // Proceed with the rewrite applied (R10, R31).
@@ -254,9 +303,7 @@ async fn r31_stdio_decisions_through_the_official_sdk() {
         let mut target = vec!["stdio".to_owned()];
         target.extend(scratch.upstream(&["stdio"]));
         let scenario = json!({"mode": "legacy", "steps": [{"op": "list_tools"}]});
-        tokio::task::spawn_blocking(move || run_client(scenario, &target))
-            .await
-            .unwrap()
+        run_client_off_thread(scenario, target).await
     };
     let listed = |lines: &[Value]| {
         lines
@@ -288,9 +335,7 @@ async fn r1_r31_a_session_without_calls_contacts_no_guard() {
     for mode in ["legacy", "auto"] {
         let scenario = json!({"mode": mode, "steps": [{"op": "list_tools"}, {"op": "list_tools"}]});
         let target = via_gateway(&mesh.url, &[], scratch.upstream(&["stdio"]));
-        let lines = tokio::task::spawn_blocking(move || run_client(scenario, &target))
-            .await
-            .unwrap();
+        let lines = run_client_off_thread(scenario, target).await;
         assert_eq!(lines.iter().filter(|l| l["op"] == "list_tools").count(), 2);
     }
     assert_eq!(guard.guard.requests(), 0, "no guard contacted (R1, R31)");
@@ -317,9 +362,7 @@ async fn r31_r13_aborted_and_unreachable_answer_json_rpc_errors_and_forward_noth
         {"op": "call", "name": "pay", "arguments": {"amount": 1, "to": "bob"}},
     ]});
     let target = via_gateway(&mesh.url, &[], scratch.upstream(&["stdio"]));
-    let lines = tokio::task::spawn_blocking(move || run_client(scenario, &target))
-        .await
-        .unwrap();
+    let lines = run_client_off_thread(scenario, target).await;
     let result = calls(&lines)[0];
     assert_eq!(result["error"]["code"], -32070, "{result:?}");
     assert!(
@@ -336,9 +379,7 @@ async fn r31_r13_aborted_and_unreachable_answer_json_rpc_errors_and_forward_noth
         {"op": "call", "name": "pay", "arguments": {"amount": 1, "to": "bob"}},
     ]});
     let target = via_gateway(&closed, &[], scratch.upstream(&["stdio"]));
-    let lines = tokio::task::spawn_blocking(move || run_client(scenario, &target))
-        .await
-        .unwrap();
+    let lines = run_client_off_thread(scenario, target).await;
     assert_eq!(calls(&lines)[0]["error"]["code"], -32071, "{lines:?}");
     assert_eq!(scratch.executed(), Vec::<Value>::new(), "nothing forwarded");
 }
@@ -352,9 +393,7 @@ async fn r22_r31_meta_traceparent_joins_the_trace() {
          "meta": {"traceparent": TRACEPARENT}},
     ]});
     let target = via_gateway(&mesh.url, &[], scratch.upstream(&["stdio"]));
-    let lines = tokio::task::spawn_blocking(move || run_client(scenario, &target))
-        .await
-        .unwrap();
+    let lines = run_client_off_thread(scenario, target).await;
     assert_eq!(calls(&lines)[0]["isError"], false, "{lines:?}");
     let batches = guard.guard.batches();
     assert_eq!(batches.len(), 1);
@@ -1082,21 +1121,12 @@ async fn r31_upstream_stderr_is_relayed_to_stderr_not_the_mcp_stream() {
 
 /// Runs the hook with `input` on stdin: (exit code, stdout, stderr).
 pub(crate) fn hook(mesh: &str, extra: &[&str], input: &str) -> (i32, String, String) {
-    let mut child = Command::new(env!("CARGO_BIN_EXE_guardmesh"))
-        .args(["hook", "pre-tool-use", "--mesh", mesh])
-        .args(extra)
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    child
-        .stdin
-        .take()
-        .unwrap()
-        .write_all(input.as_bytes())
-        .unwrap();
-    let output = child.wait_with_output().unwrap();
+    let output = run_with_input(
+        Command::new(env!("CARGO_BIN_EXE_guardmesh"))
+            .args(["hook", "pre-tool-use", "--mesh", mesh])
+            .args(extra),
+        input.as_bytes(),
+    );
     (
         output.status.code().unwrap_or(-1),
         String::from_utf8_lossy(&output.stdout).into_owned(),
@@ -1216,33 +1246,12 @@ async fn r31_hook_deny_allow_updated_input_and_exit_codes() {
 // guardmesh mcp http
 // ---------------------------------------------------------------------------
 
-/// Waits (bounded) until something accepts on `port`.
-pub(crate) async fn wait_for_port(port: u16, what: &str) {
-    for _ in 0..300 {
-        if tokio::net::TcpStream::connect(("127.0.0.1", port))
-            .await
-            .is_ok()
-        {
-            return;
-        }
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-    panic!("{what} did not start listening on {port}");
-}
-
-/// A child process killed when dropped.
-pub(crate) struct Child(pub(crate) std::process::Child);
-
-impl Drop for Child {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
-
 /// The Python SDK upstream on Streamable HTTP and `guardmesh mcp http` in
 /// front of it; returns the gateway's endpoint URL.
-pub(crate) async fn http_gateway(mesh: &str, scratch: &Scratch) -> (String, Child, Child) {
+pub(crate) async fn http_gateway(
+    mesh: &str,
+    scratch: &Scratch,
+) -> (String, KillOnDrop, KillOnDrop) {
     http_gateway_with(mesh, scratch, "127.0.0.1", &[]).await
 }
 
@@ -1253,41 +1262,31 @@ pub(crate) async fn http_gateway_with(
     scratch: &Scratch,
     host: &str,
     extra: &[&std::ffi::OsStr],
-) -> (String, Child, Child) {
-    let upstream_port = free_port();
-    let mut command = scratch.upstream(&["http", &upstream_port.to_string()]);
-    let upstream = Child(
-        Command::new(command.remove(0))
-            .args(command)
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .unwrap(),
-    );
-    wait_for_port(upstream_port, "the upstream MCP server").await;
+) -> (String, KillOnDrop, KillOnDrop) {
+    let (upstream_port, upstream) = scratch.http_upstream().await;
+    let (url, gateway) = gateway_before(mesh, host, upstream_port, extra).await;
+    (url, upstream, gateway)
+}
+
+/// `guardmesh mcp http --mesh MESH` on a free port of `host`, in front of
+/// the upstream on `upstream_port`, with `extra` arguments (`--tls-cert
+/// ...`: the URL is then https://127.0.0.1), once it listens: (its endpoint
+/// URL, the process).
+pub(crate) async fn gateway_before(
+    mesh: &str,
+    host: &str,
+    upstream_port: u16,
+    extra: &[&std::ffi::OsStr],
+) -> (String, KillOnDrop) {
     let port = free_port();
-    let gateway = Child(
-        Command::new(env!("CARGO_BIN_EXE_guardmesh"))
-            .args(["mcp", "http", "--mesh", mesh, "--listen"])
-            .arg(format!("{host}:{port}"))
-            .arg("--upstream")
-            .arg(format!("http://127.0.0.1:{upstream_port}/mcp"))
-            .args(extra)
-            .stdout(Stdio::null())
-            .spawn()
-            .unwrap(),
-    );
-    wait_for_port(port, "guardmesh mcp http").await;
+    let mut command = gateway_command(["--mesh", mesh], &format!("{host}:{port}"), upstream_port);
+    let gateway = listening(command.args(extra), port, "guardmesh mcp http").await;
     let scheme = if extra.iter().any(|a| *a == "--tls-cert") {
         "https"
     } else {
         "http"
     };
-    (
-        format!("{scheme}://127.0.0.1:{port}/mcp"),
-        upstream,
-        gateway,
-    )
+    (format!("{scheme}://127.0.0.1:{port}/mcp"), gateway)
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -1303,9 +1302,7 @@ async fn r31_http_decisions_and_session_through_the_official_sdk() {
         {"op": "call", "name": "pay", "arguments": {"amount": 5, "to": "bob"}},
     ]});
     let target = vec!["http".to_owned(), url.clone()];
-    let lines = tokio::task::spawn_blocking(move || run_client(scenario, &target))
-        .await
-        .unwrap();
+    let lines = run_client_off_thread(scenario, target).await;
     let results = calls(&lines);
     assert_eq!(results[0]["text"][0], "contents of /redacted", "{lines:?}");
     assert_eq!(results[1]["isError"], true);
@@ -1340,9 +1337,7 @@ async fn r31_http_decisions_and_session_through_the_official_sdk() {
         {"op": "call", "name": "delete_file", "arguments": {"path": "/b"}},
     ]});
     let target = vec!["http".to_owned(), url];
-    let lines = tokio::task::spawn_blocking(move || run_client(scenario, &target))
-        .await
-        .unwrap();
+    let lines = run_client_off_thread(scenario, target).await;
     assert_eq!(calls(&lines)[0]["isError"], true, "{lines:?}");
     assert_eq!(scratch.executed().len(), 2, "the steered call did not run");
 }
@@ -1363,14 +1358,7 @@ async fn r31_http_json_rpc_batch_is_one_guard_batch() {
         "clientInfo": {"name": "raw", "version": "0"}}});
     let (status, head, _) = post(&url, None, &init.to_string()).await;
     assert_eq!(status, 200, "{head}");
-    let session = head
-        .lines()
-        .find_map(|l| {
-            let (name, value) = l.split_once(':')?;
-            name.eq_ignore_ascii_case("mcp-session-id")
-                .then(|| value.trim().to_owned())
-        })
-        .expect("Mcp-Session-Id");
+    let session = header_value(&head, "mcp-session-id").expect("Mcp-Session-Id");
     let (status, _, _) = post(
         &url,
         Some(&session),
@@ -1459,9 +1447,7 @@ async fn r31_http_serves_tls_and_then_any_listen_address() {
         {"op": "call", "name": "delete_file", "arguments": {"path": "/home/a"}},
     ]});
     let target = vec!["http".to_owned(), url.clone()];
-    let lines = tokio::task::spawn_blocking(move || run_client(scenario, &target))
-        .await
-        .unwrap();
+    let lines = run_client_off_thread(scenario, target).await;
     let results = calls(&lines);
     assert_eq!(results.len(), 2, "{lines:?}");
     assert_eq!(results[0]["text"][0], "contents of /redacted");

@@ -26,43 +26,12 @@ use tokio::net::TcpStream;
 /// timeouts).
 const CANARY: Duration = Duration::from_secs(3);
 
-/// A child process killed when dropped.
-struct Child(std::process::Child);
-
-impl Child {
-    fn new(child: std::process::Child) -> Self {
-        Self(child)
-    }
-
-    fn id(&self) -> u32 {
-        self.0.id()
-    }
-}
-
-impl Drop for Child {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
-
-/// Waits (bounded) until something accepts on `port`.
-async fn wait_for_port(port: u16, what: &str) {
-    for _ in 0..300 {
-        if TcpStream::connect(("127.0.0.1", port)).await.is_ok() {
-            return;
-        }
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-    panic!("{what} did not start listening on {port}");
-}
-
 /// `guardmesh mcp http` in front of the Python SDK upstream.
 struct HttpGateway {
     port: u16,
     url: String,
-    gateway: Child,
-    _upstream: Child,
+    gateway: KillOnDrop,
+    _upstream: KillOnDrop,
     stderr: std::path::PathBuf,
 }
 
@@ -70,17 +39,7 @@ impl HttpGateway {
     /// Starts the upstream and the gateway with `extra` arguments; with
     /// `nofile`, the gateway runs under that open-file limit.
     async fn start(mesh: &str, scratch: &Scratch, nofile: Option<u64>, extra: &[&str]) -> Self {
-        let upstream_port = free_port();
-        let mut command = scratch.upstream(&["http", &upstream_port.to_string()]);
-        let upstream = Child::new(
-            Command::new(command.remove(0))
-                .args(command)
-                .stdout(Stdio::null())
-                .stderr(Stdio::null())
-                .spawn()
-                .unwrap(),
-        );
-        wait_for_port(upstream_port, "the upstream MCP server").await;
+        let (upstream_port, upstream) = scratch.http_upstream().await;
         let port = free_port();
         let stderr = scratch.dir.join("gateway.stderr");
         let mut command = match nofile {
@@ -101,7 +60,7 @@ impl HttpGateway {
             .args(extra)
             .stdout(Stdio::null())
             .stderr(std::fs::File::create(&stderr).unwrap());
-        let gateway = Child::new(command.spawn().unwrap());
+        let gateway = KillOnDrop(command.spawn().unwrap());
         wait_for_port(port, "guardmesh mcp http").await;
         Self {
             port,
@@ -113,7 +72,7 @@ impl HttpGateway {
     }
 
     fn pid(&self) -> String {
-        self.gateway.id().to_string()
+        self.gateway.0.id().to_string()
     }
 
     /// (RSS, peak RSS) of the gateway in MiB.
@@ -143,7 +102,7 @@ impl HttpGateway {
             "clientInfo": {"name": "canary", "version": "0"}}});
         let (status, head, body) = post(&self.url, None, &init.to_string()).await;
         assert_eq!(status, 200, "{head}\n{body}");
-        let session = header(&head, "mcp-session-id").expect("Mcp-Session-Id");
+        let session = header_value(&head, "mcp-session-id").expect("Mcp-Session-Id");
         let (status, _, _) = post(
             &self.url,
             Some(&session),
@@ -181,14 +140,6 @@ impl HttpGateway {
         assert!(took < CANARY, "canary {n} took {took:?}");
         took
     }
-}
-
-fn header(head: &str, name: &str) -> Option<String> {
-    head.lines().find_map(|l| {
-        let (n, value) = l.split_once(':')?;
-        n.eq_ignore_ascii_case(name)
-            .then(|| value.trim().to_owned())
-    })
 }
 
 /// One raw HTTP/1.1 exchange: writes `request`, reads to the end (bounded).

@@ -10,20 +10,15 @@
 //! Needs `scripts/setup-polyglot` (the SDK in build/venv).
 
 use crate::harness::*;
-use crate::mcp::{Scratch, calls, policy, run_client, via_gateway_judging};
+use crate::mcp::{Scratch, calls, policy, run_client_off_thread, via_gateway_judging};
 use serde_json::{Value, json};
 use std::path::Path;
 use std::time::Duration;
 
 /// A CEL policy beside the remote guard: payments over 1000 are cancelled.
-const CEL: &str = r#"
-[[rule]]
-name = "big-payments"
-tools = ["pay"]
-when = "has(call.args.amount) && call.args.amount > 1000"
-action = "cancel"
-message = '"payments over 1000 need a human"'
-"#;
+const CEL: &str = policy_rule!(name: "big-payments", tools: ["pay"], action: "cancel",
+    when: r#""has(call.args.amount) && call.args.amount > 1000""#,
+    message: r#"'"payments over 1000 need a human"'"#);
 
 /// `stdio guardmesh mcp stdio --config CONFIG [extra] -- UPSTREAM...`
 fn via_embedded(config: &Path, extra: &[&str], upstream: Vec<String>) -> Vec<String> {
@@ -57,9 +52,7 @@ async fn r31_r29_a_gateway_with_a_config_judges_in_its_own_process() {
         {"op": "call", "name": "pay", "arguments": {"amount": 5, "to": "bob"}},
     ]});
     let target = via_embedded(&config, &["--session", "s-7"], scratch.upstream(&["stdio"]));
-    let lines = tokio::task::spawn_blocking(move || run_client(scenario, &target))
-        .await
-        .unwrap();
+    let lines = run_client_off_thread(scenario, target).await;
     let results = calls(&lines);
     assert_eq!(results.len(), 5, "{lines:?}");
     // The remote guard's rewrite applied (R10), its steer and cancel (R31).
@@ -139,9 +132,7 @@ async fn r13_r31_an_embedded_mesh_whose_guard_is_down_forwards_nothing() {
         {"op": "call", "name": "pay", "arguments": {"amount": 1, "to": "bob"}},
     ]});
     let target = via_embedded(&config, &[], scratch.upstream(&["stdio"]));
-    let lines = tokio::task::spawn_blocking(move || run_client(scenario, &target))
-        .await
-        .unwrap();
+    let lines = run_client_off_thread(scenario, target).await;
     let result = calls(&lines)[0];
     // Aborted (R13): a JSON-RPC error naming the guard, as with --mesh.
     assert_eq!(result["error"]["code"], -32070, "{result:?}");
@@ -248,11 +239,7 @@ fn exchange_with_env(
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn r14_r20_the_mesh_in_the_gateway_keeps_its_limits_and_deadlines() {
     // A guard that answers after 5 s, past its 300 ms timeout (R14).
-    let slow = script_guard(|_| Script {
-        delay: Duration::from_secs(5),
-        ..Script::default()
-    })
-    .await;
+    let slow = slow_guard(Duration::from_secs(5)).await;
     let scratch = Scratch::new("embedded-bounds");
     let config = scratch.dir.join("mesh.toml");
     std::fs::write(
@@ -324,7 +311,6 @@ async fn r14_r20_the_mesh_in_the_gateway_keeps_its_limits_and_deadlines() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn r31_the_http_gateway_with_a_config_judges_in_its_own_process() {
-    use crate::mcp::{Child, wait_for_port};
     let guard = call_guard(Duration::ZERO, policy).await;
     let scratch = Scratch::new("embedded-http");
     let config = scratch.dir.join("mesh.toml");
@@ -333,39 +319,20 @@ async fn r31_the_http_gateway_with_a_config_judges_in_its_own_process() {
         format!("[[guard]]\nname = \"policy\"\nendpoint = {:?}\n", guard.url),
     )
     .unwrap();
-    let upstream_port = free_port();
-    let mut command = scratch.upstream(&["http", &upstream_port.to_string()]);
-    let _upstream = Child(
-        std::process::Command::new(command.remove(0))
-            .args(command)
-            .stdout(std::process::Stdio::null())
-            .stderr(std::process::Stdio::null())
-            .spawn()
-            .unwrap(),
-    );
-    wait_for_port(upstream_port, "the upstream MCP server").await;
+    let (upstream_port, _upstream) = scratch.http_upstream().await;
     let port = free_port();
-    let _gateway = Child(
-        std::process::Command::new(env!("CARGO_BIN_EXE_guardmesh"))
-            .args(["mcp", "http", "--config"])
-            .arg(&config)
-            .arg("--listen")
-            .arg(format!("127.0.0.1:{port}"))
-            .arg("--upstream")
-            .arg(format!("http://127.0.0.1:{upstream_port}/mcp"))
-            .stdout(std::process::Stdio::null())
-            .spawn()
-            .unwrap(),
+    let mut command = crate::mcp::gateway_command(
+        [std::ffi::OsStr::new("--config"), config.as_os_str()],
+        &format!("127.0.0.1:{port}"),
+        upstream_port,
     );
-    wait_for_port(port, "guardmesh mcp http --config").await;
+    let _gateway = crate::mcp::listening(&mut command, port, "guardmesh mcp http --config").await;
     let scenario = json!({"mode": "legacy", "steps": [
         {"op": "call", "name": "delete_file", "arguments": {"path": "/home/a"}},
         {"op": "call", "name": "pay", "arguments": {"amount": 5, "to": "bob"}},
     ]});
     let target = vec!["http".to_owned(), format!("http://127.0.0.1:{port}/mcp")];
-    let lines = tokio::task::spawn_blocking(move || run_client(scenario, &target))
-        .await
-        .unwrap();
+    let lines = run_client_off_thread(scenario, target).await;
     let results = calls(&lines);
     assert_eq!(results[0]["isError"], true, "{lines:?}");
     assert_eq!(results[0]["text"][0], "deleting is not allowed; use trash");

@@ -20,7 +20,6 @@ use crate::mcp::{Scratch, calls, mcp_python, mesh_with_policy, sdk_dir};
 use guardmesh_client::verdict::{rewrite_arguments, steer};
 use guardmesh_client::{Registrar, Registration};
 use serde_json::{Value, json};
-use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::Duration;
@@ -250,22 +249,13 @@ fn recorded_payload(tool: &str, input: Value) -> String {
 /// Runs the hook's command string with `sh -c` as the host does, `input`
 /// on stdin: (exit code, stdout); panics with its stderr unless it exits 0.
 fn run_hook(command: &str, input: &str) -> (i32, String) {
-    let mut child = Command::new("sh")
-        .arg("-c")
-        .arg(command)
-        .env("PATH", path_with(&[]))
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    child
-        .stdin
-        .take()
-        .unwrap()
-        .write_all(input.as_bytes())
-        .unwrap();
-    let output = child.wait_with_output().unwrap();
+    let output = run_with_input(
+        Command::new("sh")
+            .arg("-c")
+            .arg(command)
+            .env("PATH", path_with(&[])),
+        input.as_bytes(),
+    );
     assert!(
         output.status.success(),
         "the docs' hook command failed ({}): {}",

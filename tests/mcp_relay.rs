@@ -3,6 +3,7 @@
 //! one guard batch, and what the relay of the upstream's stderr in
 //! `guardmesh mcp stdio` does that an inherited stderr would not.
 
+use crate::harness::header_value;
 use crate::mcp::{RawGateway, Scratch, http_gateway_with, mesh_with_policy, post};
 use serde_json::{Value, json};
 use std::ffi::OsStr;
@@ -16,14 +17,7 @@ async fn http_session(url: &str) -> String {
         "clientInfo": {"name": "raw", "version": "0"}}});
     let (status, head, _) = post(url, None, &init.to_string()).await;
     assert_eq!(status, 200, "{head}");
-    let session = head
-        .lines()
-        .find_map(|l| {
-            let (name, value) = l.split_once(':')?;
-            name.eq_ignore_ascii_case("mcp-session-id")
-                .then(|| value.trim().to_owned())
-        })
-        .expect("Mcp-Session-Id");
+    let session = header_value(&head, "mcp-session-id").expect("Mcp-Session-Id");
     let (status, _, _) = post(
         url,
         Some(&session),

@@ -5,7 +5,7 @@
 //! judged, and forwards a rewritten call with headers of the final call.
 
 use crate::harness::mcp_post;
-use crate::mcp::{Scratch, calls, http_gateway, mesh_with_policy, run_client};
+use crate::mcp::{Scratch, calls, http_gateway, mesh_with_policy, run_client_off_thread};
 use serde_json::{Value, json};
 
 /// A stateless (2026-07-28) `tools/call` body for `tool`.
@@ -117,9 +117,7 @@ async fn r31_the_stateless_revision_through_the_official_sdks_with_a_rewrite() {
         {"op": "call", "name": "write_note", "arguments": {"path": "/tmp/n", "text": "hi"}},
     ]});
     let target = vec!["http".to_owned(), url];
-    let lines = tokio::task::spawn_blocking(move || run_client(scenario, &target))
-        .await
-        .unwrap();
+    let lines = run_client_off_thread(scenario, target).await;
     assert_eq!(lines[0]["protocol"], "2026-07-28", "{lines:?}");
     let results = calls(&lines);
     assert_eq!(results[0]["text"][0], "contents of /redacted", "{lines:?}");

@@ -9,60 +9,30 @@
 //! each call it ran with the routing headers it came with.
 
 use crate::harness::*;
-use crate::mcp::{Scratch, calls, mesh_with_policy, run_sdk_client, sdk_dir};
+use crate::mcp::{
+    Scratch, calls, gateway_before, listening, mesh_with_policy, run_sdk_client, sdk_dir,
+};
 use serde_json::{Value, json};
-use std::process::{Command, Stdio};
-
-/// A child process killed when dropped.
-struct Child(std::process::Child);
-
-impl Drop for Child {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
-
-async fn wait_for_port(port: u16, what: &str) {
-    for _ in 0..300 {
-        if tokio::net::TcpStream::connect(("127.0.0.1", port))
-            .await
-            .is_ok()
-        {
-            return;
-        }
-        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
-    }
-    panic!("{what} did not listen on {port}");
-}
+use std::process::Command;
 
 /// The SDK v2 upstream (tests/mcp-sdk/ts2/server.mjs) and `guardmesh mcp
 /// http` in front of it: (gateway URL, upstream, gateway).
-async fn gateway_before_ts2_upstream(mesh: &str, scratch: &Scratch) -> (String, Child, Child) {
+async fn gateway_before_ts2_upstream(
+    mesh: &str,
+    scratch: &Scratch,
+) -> (String, KillOnDrop, KillOnDrop) {
     let upstream_port = free_port();
-    let upstream = Child(
+    let upstream = listening(
         Command::new(node())
             .arg(sdk_dir().join("ts2/server.mjs"))
             .arg(scratch.log())
-            .arg(upstream_port.to_string())
-            .stdout(Stdio::null())
-            .spawn()
-            .unwrap(),
-    );
-    wait_for_port(upstream_port, "the SDK v2 upstream").await;
-    let port = free_port();
-    let gateway = Child(
-        Command::new(env!("CARGO_BIN_EXE_guardmesh"))
-            .args(["mcp", "http", "--mesh", mesh, "--listen"])
-            .arg(format!("127.0.0.1:{port}"))
-            .arg("--upstream")
-            .arg(format!("http://127.0.0.1:{upstream_port}/mcp"))
-            .stdout(Stdio::null())
-            .spawn()
-            .unwrap(),
-    );
-    wait_for_port(port, "guardmesh mcp http").await;
-    (format!("http://127.0.0.1:{port}/mcp"), upstream, gateway)
+            .arg(upstream_port.to_string()),
+        upstream_port,
+        "the SDK v2 upstream",
+    )
+    .await;
+    let (url, gateway) = gateway_before(mesh, "127.0.0.1", upstream_port, &[]).await;
+    (url, upstream, gateway)
 }
 
 /// Runs the SDK v2 client (tests/mcp-sdk/ts2/client.mjs) with `scenario`.

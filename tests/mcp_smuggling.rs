@@ -16,7 +16,7 @@
 //! SDK in tests/mcp-sdk/ts) and `scripts/setup-go` (golang-go).
 
 use crate::harness::*;
-use crate::mcp::{RawGateway, Scratch, mesh_with_policy, post, sdk_dir};
+use crate::mcp::{RawGateway, Scratch, gateway_before, listening, mesh_with_policy, post, sdk_dir};
 use serde_json::{Value, json};
 use std::path::PathBuf;
 use std::process::{Command, Stdio};
@@ -64,30 +64,6 @@ fn ts_dir() -> PathBuf {
         "the TypeScript MCP SDK is not installed: run scripts/setup-polyglot"
     );
     dir
-}
-
-/// Waits (bounded) until something accepts on `port`.
-async fn wait_for_port(port: u16, what: &str) {
-    for _ in 0..300 {
-        if tokio::net::TcpStream::connect(("127.0.0.1", port))
-            .await
-            .is_ok()
-        {
-            return;
-        }
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-    panic!("{what} did not start listening on {port}");
-}
-
-/// A child process killed when dropped.
-struct Child(std::process::Child);
-
-impl Drop for Child {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
 }
 
 /// What an upstream executed: its log's lines.
@@ -331,33 +307,21 @@ async fn r31_r20_member_names_colliding_under_case_folding_are_refused() {
 
 /// The TypeScript SDK server on Streamable HTTP and `guardmesh mcp http` in
 /// front of it; returns the gateway's endpoint URL and the upstream's log.
-async fn ts_gateway(mesh: &str, scratch: &Scratch) -> (String, Child, Child) {
+async fn ts_gateway(mesh: &str, scratch: &Scratch) -> (String, KillOnDrop, KillOnDrop) {
     let dir = ts_dir();
     let upstream_port = free_port();
-    let upstream = Child(
+    let upstream = listening(
         Command::new("node")
             .arg(dir.join("server.mjs"))
             .arg(scratch.log())
             .arg(upstream_port.to_string())
-            .current_dir(&dir)
-            .stdout(Stdio::null())
-            .spawn()
-            .expect("run node"),
-    );
-    wait_for_port(upstream_port, "the TypeScript MCP server").await;
-    let port = free_port();
-    let gateway = Child(
-        Command::new(env!("CARGO_BIN_EXE_guardmesh"))
-            .args(["mcp", "http", "--mesh", mesh, "--listen"])
-            .arg(format!("127.0.0.1:{port}"))
-            .arg("--upstream")
-            .arg(format!("http://127.0.0.1:{upstream_port}/mcp"))
-            .stdout(Stdio::null())
-            .spawn()
-            .unwrap(),
-    );
-    wait_for_port(port, "guardmesh mcp http").await;
-    (format!("http://127.0.0.1:{port}/mcp"), upstream, gateway)
+            .current_dir(&dir),
+        upstream_port,
+        "the TypeScript MCP server",
+    )
+    .await;
+    let (url, gateway) = gateway_before(mesh, "127.0.0.1", upstream_port, &[]).await;
+    (url, upstream, gateway)
 }
 
 /// A JSON-RPC batch whose tools/call the gateway cannot read (a repeated

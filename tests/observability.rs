@@ -37,36 +37,23 @@ async fn metrics_count_exactly_what_happened() {
     )
     .await;
     let session = mesh.coordinator().await.session("s").await.unwrap();
-    // 1: a vetoed call and a proceeding one.
-    session
-        .evaluate(
-            Batch::new(0)
-                .call("a", "danger", "{}")
-                .call("b", "ok", "{}"),
-        )
-        .await
-        .unwrap();
-    // 2: a failed fail_open guard, bypassed.
-    session
-        .evaluate(Batch::new(1).call("c", "net.get", "{}"))
-        .await
-        .unwrap();
-    // 3: a malformed verdict and a steer.
-    session
-        .evaluate(
-            Batch::new(2)
-                .call("d", "blank", "{}")
-                .call("e", "typo", "{}"),
-        )
-        .await
-        .unwrap();
+    for batch in [
+        // 1: a vetoed call and a proceeding one.
+        Batch::new(0)
+            .call("a", "danger", "{}")
+            .call("b", "ok", "{}"),
+        // 2: a failed fail_open guard, bypassed.
+        Batch::new(1).call("c", "net.get", "{}"),
+        // 3: a malformed verdict and a steer.
+        Batch::new(2)
+            .call("d", "blank", "{}")
+            .call("e", "typo", "{}"),
+    ] {
+        session.evaluate(batch).await.unwrap();
+    }
     // 4: a refused batch.
     session
-        .evaluate_raw(guardmesh_client::proto::EvaluateRequest {
-            batch_id: "bad".into(),
-            calls: vec![Default::default()],
-            ..Default::default()
-        })
+        .evaluate_raw(evaluate_request("bad", &[("", "", "")]))
         .await
         .unwrap_err();
 
@@ -138,11 +125,7 @@ async fn health_reports_serving_on_mesh_and_sdk_guard() {
         (&guard.url, "guardmesh.v1.GuardService"),
         (&mesh.url, ""),
     ] {
-        let channel = tonic::transport::Endpoint::from_shared(url.clone())
-            .unwrap()
-            .connect()
-            .await
-            .unwrap();
+        let channel = channel(url).await;
         let mut client = HealthClient::new(channel);
         let status = client
             .check(HealthCheckRequest {
@@ -178,11 +161,7 @@ async fn reflection_lists_the_guardmesh_services() {
             vec!["guardmesh.v1.GuardService", "grpc.health.v1.Health"],
         ),
     ] {
-        let channel = tonic::transport::Endpoint::from_shared(url.clone())
-            .unwrap()
-            .connect()
-            .await
-            .unwrap();
+        let channel = channel(url).await;
         let mut client = ServerReflectionClient::new(channel);
         let request = ServerReflectionRequest {
             host: String::new(),
@@ -214,11 +193,7 @@ async fn reflection_v1alpha_lists_and_describes_the_guardmesh_services() {
     use tonic_reflection::pb::v1alpha::server_reflection_request::MessageRequest;
     use tonic_reflection::pb::v1alpha::server_reflection_response::MessageResponse;
     let mesh = TestMesh::start().await;
-    let channel = tonic::transport::Endpoint::from_shared(mesh.url.clone())
-        .unwrap()
-        .connect()
-        .await
-        .unwrap();
+    let channel = channel(&mesh.url).await;
     let mut client = ServerReflectionClient::new(channel);
     let requests = [
         MessageRequest::ListServices(String::new()),
@@ -253,6 +228,16 @@ async fn reflection_v1alpha_lists_and_describes_the_guardmesh_services() {
 }
 
 /// `GET /metrics` with an `Accept` header: the content type and the body.
+/// [`scrape`] without `Accept`, which must answer Prometheus text: the text.
+async fn scrape_prometheus_text(addr: std::net::SocketAddr) -> String {
+    let (content_type, text) = scrape(addr, None).await;
+    assert!(
+        content_type.starts_with("text/plain; version=0.0.4"),
+        "{content_type}"
+    );
+    text
+}
+
 async fn scrape(addr: std::net::SocketAddr, accept: Option<&str>) -> (String, String) {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
     let mut stream = tokio::net::TcpStream::connect(addr).await.unwrap();
@@ -262,14 +247,7 @@ async fn scrape(addr: std::net::SocketAddr, accept: Option<&str>) -> (String, St
     let mut out = String::new();
     stream.read_to_string(&mut out).await.unwrap();
     let (head, body) = out.split_once("\r\n\r\n").expect("an HTTP answer");
-    let content_type = head
-        .lines()
-        .find_map(|l| {
-            let (k, v) = l.split_once(':')?;
-            k.eq_ignore_ascii_case("content-type")
-                .then(|| v.trim().to_owned())
-        })
-        .unwrap_or_default();
+    let content_type = header_value(head, "content-type").unwrap_or_default();
     (content_type, body.to_owned())
 }
 
@@ -290,21 +268,10 @@ for family in parse(sys.stdin.read()):
     }
 print(json.dumps(families))
 "#;
-    use std::io::Write;
-    let mut child = std::process::Command::new(python())
-        .args(["-c", SCRIPT, format])
-        .stdin(std::process::Stdio::piped())
-        .stdout(std::process::Stdio::piped())
-        .stderr(std::process::Stdio::piped())
-        .spawn()
-        .expect("start python");
-    child
-        .stdin
-        .take()
-        .unwrap()
-        .write_all(text.as_bytes())
-        .unwrap();
-    let output = child.wait_with_output().unwrap();
+    let output = run_with_input(
+        std::process::Command::new(python()).args(["-c", SCRIPT, format]),
+        text.as_bytes(),
+    );
     assert!(
         output.status.success(),
         "the {format} parser refused the metrics:\n{}\n{text}",
@@ -358,11 +325,7 @@ async fn metrics_parse_as_prometheus_text_and_openmetrics() {
     .unwrap();
 
     // Registered, not yet used: the guards' series are there, at 0.
-    let (content_type, text) = scrape(addr, None).await;
-    assert!(
-        content_type.starts_with("text/plain; version=0.0.4"),
-        "{content_type}"
-    );
+    let text = scrape_prometheus_text(addr).await;
     let before = parsed("prometheus", &text);
     for guard in ["veto", "candidate"] {
         for status in ["proceeded", "skipped", "failed", "timed_out", "dry_run"] {
@@ -408,11 +371,7 @@ async fn metrics_parse_as_prometheus_text_and_openmetrics() {
         .await
         .unwrap();
 
-    let (content_type, text) = scrape(addr, None).await;
-    assert!(
-        content_type.starts_with("text/plain; version=0.0.4"),
-        "{content_type}"
-    );
+    let text = scrape_prometheus_text(addr).await;
     let (om_type, om_text) = scrape(
         addr,
         Some("application/openmetrics-text;version=1.0.0;q=0.5,text/plain;version=0.0.4;q=0.3"),

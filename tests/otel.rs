@@ -163,11 +163,7 @@ async fn r22_otlp_export_joins_coordinator_mesh_and_guard_in_one_trace_in_own_pr
 
     // A batch refused for the client's mistake (R20).
     session
-        .evaluate_raw(guardmesh_client::proto::EvaluateRequest {
-            batch_id: "bad".into(),
-            calls: vec![Default::default()],
-            ..Default::default()
-        })
+        .evaluate_raw(evaluate_request("bad", &[("", "", "")]))
         .await
         .unwrap_err();
 

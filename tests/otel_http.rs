@@ -54,14 +54,7 @@ pub(crate) async fn receiver(fail_first: bool) -> (String, Arc<Mutex<Received>>)
                         }
                     };
                     let head = String::from_utf8_lossy(&buf[..head_end]).to_string();
-                    let header = |name: &str| {
-                        head.lines()
-                            .find_map(|l| {
-                                let (k, v) = l.split_once(':')?;
-                                k.eq_ignore_ascii_case(name).then(|| v.trim().to_owned())
-                            })
-                            .unwrap_or_default()
-                    };
+                    let header = |name: &str| header_value(&head, name).unwrap_or_default();
                     let length: usize = header("content-length").parse().unwrap_or(0);
                     while buf.len() < head_end + length {
                         match stream.read(&mut chunk).await {

@@ -127,11 +127,7 @@ async fn overload_excess_batches_are_refused_quickly_and_every_batch_answered_on
     let mut config = fast_config();
     config.limits.max_inflight_batches = 4;
     let mesh = TestMesh::with_config(config).await;
-    let slow = script_guard(|_| Script {
-        delay: Duration::from_millis(500),
-        ..Default::default()
-    })
-    .await;
+    let slow = slow_guard(Duration::from_millis(500)).await;
     mesh.register(Registration::validate("slow", &slow.url))
         .await;
     let session = mesh.coordinator().await.session("s").await.unwrap();
@@ -209,11 +205,7 @@ async fn overload_flood_keeps_memory_bounded_in_own_process() {
     config.limits.max_inflight_batches = 8;
     config.limits.max_batches_per_stream = 16;
     let mesh = TestMesh::with_config(config).await;
-    let slow = script_guard(|_| Script {
-        delay: Duration::from_millis(200),
-        ..Default::default()
-    })
-    .await;
+    let slow = slow_guard(Duration::from_millis(200)).await;
     mesh.register(Registration::validate("slow", &slow.url))
         .await;
     let coordinator = mesh.coordinator().await;
@@ -696,12 +688,7 @@ async fn r25_coordinator_streams_are_capped_mesh_wide() {
         "{status:?}"
     );
     // Unary calls still work, and a closed stream frees its place.
-    let d = mesh
-        .coordinator()
-        .await
-        .evaluate_once("s", Batch::new(0).call("c", "t", "{}"))
-        .await
-        .unwrap();
+    let d = mesh.decides(Batch::new(0).call("c", "t", "{}")).await;
     assert!(d.calls[0].proceeds());
     drop(open.pop());
     let mut reopened = false;

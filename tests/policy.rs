@@ -143,39 +143,24 @@ use guardmesh_client::{Batch, BatchDecision, Outcome, Registration};
 
 /// The policy the mesh tests register: SQL, payments (an error when the
 /// amount is missing), a batch-wide rule, and a rule shadowed by the first.
-const POLICY: &str = r#"
-[[rule]]
-name = "sql-delete-needs-where"
-tools = ["sql.*"]
-when = '''
+const POLICY: &str = concat!(
+    policy_rule!(name: "sql-delete-needs-where", tools: ["sql.*"], action: "cancel",
+        when: r#"'''
   has(call.args.query) &&
   call.args.query.matches(r'(?i)^\s*delete\s') &&
   !call.args.query.matches(r'(?i)\swhere\s')
-'''
-action = "cancel"
-message = '"DELETE without WHERE refused: " + call.args.query'
-
-[[rule]]
-name = "sql-no-drop"
-tools = ["sql.*"]
-when = "call.args.query.contains('DROP')"
-action = "steer"
-message = '"no DROP: " + call.args.query'
-
-[[rule]]
-name = "payment-over-10000"
-tools = ["payments.send"]
-when = "call.args.amount > 10000"
-action = "steer"
-message = '"payment of " + string(call.args.amount) + " needs a human"'
-
-[[rule]]
-name = "at-most-3-emails-per-round"
-tools = ["email.send"]
-when = "calls.filter(c, c.tool == 'email.send').size() > 3"
-action = "steer"
-message = '"send at most 3 emails per round"'
-"#;
+'''"#,
+        message: r#"'"DELETE without WHERE refused: " + call.args.query'"#),
+    policy_rule!(name: "sql-no-drop", tools: ["sql.*"], action: "steer",
+        when: r#""call.args.query.contains('DROP')""#,
+        message: r#"'"no DROP: " + call.args.query'"#),
+    policy_rule!(name: "payment-over-10000", tools: ["payments.send"], action: "steer",
+        when: r#""call.args.amount > 10000""#,
+        message: r#"'"payment of " + string(call.args.amount) + " needs a human"'"#),
+    policy_rule!(name: "at-most-3-emails-per-round", tools: ["email.send"], action: "steer",
+        when: r#""calls.filter(c, c.tool == 'email.send').size() > 3""#,
+        message: r#"'"send at most 3 emails per round"'"#),
+);
 
 fn skip_content(outcome: &Outcome) -> &str {
     match outcome {
@@ -195,6 +180,11 @@ async fn policy_mesh(registration: Registration) -> TestMesh {
     let mesh = TestMesh::start().await;
     mesh.register(registration).await;
     mesh
+}
+
+/// A mesh with [`POLICY`] registered under `failure_policy`.
+async fn failing_policy_mesh(failure_policy: FailurePolicy) -> TestMesh {
+    policy_mesh(Registration::policy("policy", POLICY).failure_policy(failure_policy)).await
 }
 
 #[tokio::test]
@@ -250,20 +240,14 @@ async fn r27_policy_guard_steers_and_cancels_with_the_rules_message_and_trace_na
 /// both judge, in chain order (R3).
 #[tokio::test]
 async fn r27_policy_of_context_rules_judges_without_reading_arguments() {
-    const CONTEXT: &str = r#"
-[[rule]]
-name = "blocked-users"
-when = "has(context.metadata.user) && context.metadata.user in ['u-0666']"
-action = "cancel"
-message = '"user " + context.metadata.user + " is blocked"'
-
-[[rule]]
-name = "no-shell-in-production"
-tools = ["shell.*"]
-when = "context.metadata.env == 'production'"
-action = "cancel"
-message = '"no shell in " + context.metadata.env'
-"#;
+    const CONTEXT: &str = concat!(
+        policy_rule!(name: "blocked-users", action: "cancel",
+            when: r#""has(context.metadata.user) && context.metadata.user in ['u-0666']""#,
+            message: r#"'"user " + context.metadata.user + " is blocked"'"#),
+        policy_rule!(name: "no-shell-in-production", tools: ["shell.*"], action: "cancel",
+            when: r#""context.metadata.env == 'production'""#,
+            message: r#"'"no shell in " + context.metadata.env'"#),
+    );
     let mesh = policy_mesh(Registration::policy("context", CONTEXT)).await;
     let coordinator = mesh.coordinator().await;
     let batch = |user: &str| {
@@ -315,15 +299,11 @@ message = '"no shell in " + context.metadata.env'
 async fn r27_first_matching_rule_wins_in_file_order() {
     let mesh = policy_mesh(Registration::policy("policy", POLICY)).await;
     let d = mesh
-        .coordinator()
-        .await
-        .evaluate_once(
-            "s",
+        .decides(
             // Both sql rules match; the first in the file decides.
             Batch::new(0).call("q", "sql.query", r#"{"query": "DELETE FROM t; DROP x"}"#),
         )
-        .await
-        .unwrap();
+        .await;
     let q = d.call("q").unwrap();
     assert!(matches!(q.outcome, Outcome::Cancel { .. }), "{q:?}");
     assert_eq!(
@@ -336,16 +316,12 @@ async fn r27_first_matching_rule_wins_in_file_order() {
 async fn r27_policy_guard_tools_globs_limit_what_it_is_sent() {
     let mesh = policy_mesh(Registration::policy("policy", POLICY).tools(["payments.*"])).await;
     let d = mesh
-        .coordinator()
-        .await
-        .evaluate_once(
-            "s",
+        .decides(
             Batch::new(0)
                 .call("del", "sql.query", r#"{"query": "DELETE FROM users"}"#)
                 .call("pay", "payments.send", r#"{"amount": 20000}"#),
         )
-        .await
-        .unwrap();
+        .await;
     assert!(
         d.call("del").unwrap().proceeds(),
         "sql is outside the guard's tools"
@@ -377,12 +353,7 @@ async fn r27_calls_rule_at_most_3_emails_per_round() {
         .unwrap();
     for i in 0..4 {
         let c = d.call(&format!("e{i}")).unwrap();
-        assert_eq!(
-            c.outcome,
-            Outcome::Steer {
-                content: "send at most 3 emails per round".into()
-            }
-        );
+        assert_eq!(c.outcome, steered("send at most 3 emails per round"));
     }
     assert!(d.call("other").unwrap().proceeds());
 }
@@ -395,18 +366,12 @@ async fn r27_evaluation_error_fails_the_guard_per_its_policy_never_a_proceed() {
     // the rule and the error.
     let mesh = policy_mesh(Registration::policy("policy", POLICY)).await;
     let d = mesh
-        .coordinator()
-        .await
-        .evaluate_once(
-            "s",
-            Batch::new(0).call("bad", "payments.send", bad).call(
-                "ok",
-                "sql.query",
-                r#"{"query": "SELECT 1"}"#,
-            ),
-        )
-        .await
-        .unwrap();
+        .decides(Batch::new(0).call("bad", "payments.send", bad).call(
+            "ok",
+            "sql.query",
+            r#"{"query": "SELECT 1"}"#,
+        ))
+        .await;
     let call = d.call("bad").unwrap();
     assert!(matches!(call.outcome, Outcome::Cancel { .. }), "{call:?}");
     assert!(call.failure);
@@ -438,30 +403,20 @@ async fn r27_evaluation_error_fails_the_guard_per_its_policy_never_a_proceed() {
     );
 
     // fail_open: bypassed, and recorded as such.
-    let mesh =
-        policy_mesh(Registration::policy("policy", POLICY).failure_policy(FailurePolicy::FailOpen))
-            .await;
+    let mesh = failing_policy_mesh(FailurePolicy::FailOpen).await;
     let d = mesh
-        .coordinator()
-        .await
-        .evaluate_once("s", Batch::new(0).call("bad", "payments.send", bad))
-        .await
-        .unwrap();
+        .decides(Batch::new(0).call("bad", "payments.send", bad))
+        .await;
     let call = d.call("bad").unwrap();
     assert!(call.proceeds());
     assert_eq!(call.bypassed, vec!["policy"]);
     assert_eq!(trace_of(&d, "policy").status, TraceStatus::Failed as i32);
 
     // abort: the batch fails, naming the guard.
-    let mesh =
-        policy_mesh(Registration::policy("policy", POLICY).failure_policy(FailurePolicy::Abort))
-            .await;
+    let mesh = failing_policy_mesh(FailurePolicy::Abort).await;
     let error = mesh
-        .coordinator()
-        .await
-        .evaluate_once("s", Batch::new(0).call("bad", "payments.send", bad))
-        .await
-        .unwrap_err();
+        .refuses(Batch::new(0).call("bad", "payments.send", bad))
+        .await;
     assert!(error.to_string().contains("\"policy\""), "{error}");
 }
 
@@ -469,16 +424,12 @@ async fn r27_evaluation_error_fails_the_guard_per_its_policy_never_a_proceed() {
 async fn r27_r18_dry_run_policy_guard_decides_nothing() {
     let mesh = policy_mesh(Registration::policy("policy", POLICY).dry_run()).await;
     let d = mesh
-        .coordinator()
-        .await
-        .evaluate_once(
-            "s",
+        .decides(
             Batch::new(0)
                 .call("del", "sql.query", r#"{"query": "DELETE FROM users"}"#)
                 .call("bad", "payments.send", "{}"),
         )
-        .await
-        .unwrap();
+        .await;
     assert!(d.calls.iter().all(|c| c.proceeds()), "{d:?}");
     assert!(d.calls.iter().all(|c| c.bypassed.is_empty()));
     let entry = trace_of(&d, "policy");
@@ -510,16 +461,12 @@ async fn r27_r3_policy_and_remote_guards_keep_registration_order_vetoes() {
             mesh.register(remote_reg).await;
         }
         let d = mesh
-            .coordinator()
-            .await
-            .evaluate_once(
-                "s",
+            .decides(
                 Batch::new(0)
                     .call("del", "sql.query", r#"{"query": "DELETE FROM users"}"#)
                     .call("sel", "sql.query", r#"{"query": "SELECT 1"}"#),
             )
-            .await
-            .unwrap();
+            .await;
         let del = d.call("del").unwrap();
         let sel = d.call("sel").unwrap();
         // `sel` only the remote guard skips.
@@ -593,16 +540,12 @@ async fn r28_unguarded_cancel_cancels_an_unguarded_tool_and_not_a_guarded_one() 
     mesh.register(Registration::policy("policy", POLICY).tools(["sql.*"]))
         .await;
     let d = mesh
-        .coordinator()
-        .await
-        .evaluate_once(
-            "s",
+        .decides(
             Batch::new(0)
                 .call("sel", "sql.query", r#"{"query": "SELECT 1"}"#)
                 .call("sh", "shell.exec", r#"{"cmd": "ls"}"#),
         )
-        .await
-        .unwrap();
+        .await;
     assert!(d.call("sel").unwrap().proceeds(), "a guarded tool proceeds");
     let sh = d.call("sh").unwrap();
     assert!(matches!(sh.outcome, Outcome::Cancel { .. }), "{sh:?}");
@@ -621,11 +564,8 @@ async fn r28_unguarded_cancel_cancels_an_unguarded_tool_and_not_a_guarded_one() 
     mesh.register(Registration::policy("watch", POLICY).dry_run())
         .await;
     let d = mesh
-        .coordinator()
-        .await
-        .evaluate_once("s", Batch::new(0).call("sh", "shell.exec", "{}"))
-        .await
-        .unwrap();
+        .decides(Batch::new(0).call("sh", "shell.exec", "{}"))
+        .await;
     assert!(matches!(
         d.call("sh").unwrap().outcome,
         Outcome::Cancel { .. }
@@ -636,11 +576,8 @@ async fn r28_unguarded_cancel_cancels_an_unguarded_tool_and_not_a_guarded_one() 
 async fn r28_unguarded_calls_proceed_by_default_and_are_counted() {
     let mesh = TestMesh::start().await;
     let d = mesh
-        .coordinator()
-        .await
-        .evaluate_once("s", Batch::new(0).call("sh", "shell.exec", "{}"))
-        .await
-        .unwrap();
+        .decides(Batch::new(0).call("sh", "shell.exec", "{}"))
+        .await;
     assert!(d.call("sh").unwrap().proceeds());
     assert_eq!(
         metric(
@@ -662,9 +599,9 @@ async fn r27_r28_policy_guard_and_unguarded_from_the_config_file() {
         policy.display().to_string()
     );
     let mesh = MeshProcess::start("policy-config", &config, None).await;
-    let d = guardmesh_client::Coordinator::connect(mesh.url.clone())
+    let d = mesh
+        .coordinator()
         .await
-        .unwrap()
         .evaluate_once(
             "s",
             Batch::new(0)
@@ -734,9 +671,7 @@ async fn r27_sighup_reloads_the_policy_and_keeps_the_running_one_when_broken() {
         policy.display().to_string()
     );
     let mesh = MeshProcess::start("policy-hup", &config, Some("info")).await;
-    let coordinator = guardmesh_client::Coordinator::connect(mesh.url.clone())
-        .await
-        .unwrap();
+    let coordinator = mesh.coordinator().await;
     let content = |d: BatchDecision| skip_content(&d.calls[0].outcome).to_owned();
     let shell = || Batch::new(0).call("sh", "shell.exec", "{}");
     let d = coordinator.evaluate_once("s", shell()).await.unwrap();

@@ -7,7 +7,9 @@
 
 use crate::harness::*;
 use guardmesh_client::proto::{FailurePolicy, TraceStatus};
-use guardmesh_client::{Batch, Coordinator, Outcome, Registrar, Registration};
+use guardmesh_client::{
+    Batch, BatchDecision, CallDecision, Coordinator, Outcome, Registrar, Registration,
+};
 use std::time::{Duration, Instant};
 
 /// A mesh process with nothing in its chain.
@@ -41,14 +43,22 @@ fn zeros(n: usize) -> String {
     text
 }
 
-const NO_RM: &str = r#"
-[[rule]]
-name = "no-rm"
-tools = ["shell.*"]
-when = '["rm", "dd", "mkfs"].exists(p, call.args.cmd.startsWith(p))'
-action = "cancel"
-message = '"rm is not allowed"'
-"#;
+const NO_RM: &str = policy_rule!(name: "no-rm", tools: ["shell.*"], action: "cancel",
+    when: r#"'["rm", "dd", "mkfs"].exists(p, call.args.cmd.startsWith(p))'"#,
+    message: r#"'"rm is not allowed"'"#);
+
+/// The decision on call `rm`, which [`NO_RM`] cancelled (`context` says
+/// why that matters).
+#[track_caller]
+fn rm_cancelled<'a>(d: &'a BatchDecision, context: &str) -> &'a CallDecision {
+    let rm = d.call("rm").unwrap();
+    assert_eq!(
+        rm.outcome,
+        cancelled("rm is not allowed"),
+        "{context}: {rm:?}"
+    );
+    rm
+}
 
 /// Finding 1: one unrelated call carrying a 1 MiB array made every rule
 /// exceed its cost bound; under `fail_open` the forbidden call then ran,
@@ -81,13 +91,9 @@ async fn r13_an_unrelated_large_call_is_no_lever_on_another_calls_decision() {
             )
             .await
             .unwrap();
-        let rm = d.call("rm").unwrap();
-        assert_eq!(
-            rm.outcome,
-            Outcome::Cancel {
-                content: "rm is not allowed".into()
-            },
-            "{policy:?}: the forbidden call is judged by its own content: {rm:?}"
+        let rm = rm_cancelled(
+            &d,
+            &format!("{policy:?}: the forbidden call is judged by its own content"),
         );
         assert!(!rm.failure, "{policy:?}: {rm:?}");
         let ls = d.call("ls").unwrap();
@@ -115,19 +121,14 @@ async fn r27_a_rule_error_fails_its_rule_and_never_skips_the_later_rules() {
         &mesh,
         Registration::policy(
             "rules",
-            r#"
-[[rule]]
-name = "big-payments"
-when = 'has(call.args.amount) && call.args.amount + 1 > 10000'
-action = "cancel"
-message = '"too much"'
-
-[[rule]]
-name = "no-rm"
-when = 'has(call.args.cmd) && call.args.cmd.startsWith("rm")'
-action = "cancel"
-message = '"rm is not allowed"'
-"#,
+            concat!(
+                policy_rule!(name: "big-payments", action: "cancel",
+                    when: "'has(call.args.amount) && call.args.amount + 1 > 10000'",
+                    message: r#"'"too much"'"#),
+                policy_rule!(name: "no-rm", action: "cancel",
+                    when: r#"'has(call.args.cmd) && call.args.cmd.startsWith("rm")'"#,
+                    message: r#"'"rm is not allowed"'"#),
+            ),
         )
         .failure_policy(FailurePolicy::FailOpen),
     )
@@ -142,14 +143,7 @@ message = '"rm is not allowed"'
         )
         .await
         .unwrap();
-    let rm = d.call("rm").unwrap();
-    assert_eq!(
-        rm.outcome,
-        Outcome::Cancel {
-            content: "rm is not allowed".into()
-        },
-        "the later rule still judges the call: {rm:?}"
-    );
+    rm_cancelled(&d, "the later rule still judges the call");
     // The overflowing call: fail_open lets it through, recorded.
     let overflow = d.call("overflow").unwrap();
     assert_eq!(overflow.bypassed, vec!["rules".to_owned()], "{overflow:?}");
@@ -219,19 +213,14 @@ async fn within_memory<T>(
     }
 }
 
-const STALL: &str = r#"
-[[rule]]
-name = "stall"
-when = 'call.args.l.exists(a, call.args.l.exists(b, call.args.s.lowerAscii().size() < 0))'
-action = "steer"
-message = '"never"'
-
-[[rule]]
-name = "grow"
-when = 'call.args.l.map(a, call.args.l.map(b, call.args.s.lowerAscii())).size() < 0'
-action = "steer"
-message = '"never"'
-"#;
+const STALL: &str = concat!(
+    policy_rule!(name: "stall", action: "steer",
+        when: "'call.args.l.exists(a, call.args.l.exists(b, call.args.s.lowerAscii().size() < 0))'",
+        message: r#"'"never"'"#),
+    policy_rule!(name: "grow", action: "steer",
+        when: "'call.args.l.map(a, call.args.l.map(b, call.args.s.lowerAscii())).size() < 0'",
+        message: r#"'"never"'"#),
+);
 
 /// Finding 2: a batch whose rules do quadratic work on megabyte strings
 /// held the mesh's one runtime thread for seconds (every client waited),

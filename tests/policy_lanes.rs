@@ -12,13 +12,9 @@ use std::time::{Duration, Instant};
 
 /// Quadratic work on a string: legal (within every bound of one call),
 /// but hundreds of milliseconds of evaluation per call.
-const COSTLY: &str = r#"
-[[rule]]
-name = "costly"
-when = 'call.args.l.exists(a, call.args.l.exists(b, call.args.s.lowerAscii().size() < 0))'
-action = "steer"
-message = '"never"'
-"#;
+const COSTLY: &str = policy_rule!(name: "costly", action: "steer",
+    when: "'call.args.l.exists(a, call.args.l.exists(b, call.args.s.lowerAscii().size() < 0))'",
+    message: r#"'"never"'"#);
 
 /// A one-call batch costing the guard about as much as any other.
 fn costly_batch(turn: u32) -> Batch {
@@ -142,13 +138,9 @@ async fn r25_a_flooding_client_is_shed_and_another_clients_costly_batch_keeps_it
 }
 
 /// A cheap rule, for a guard with a short timeout.
-const QUICK: &str = r#"
-[[rule]]
-name = "quick"
-when = 'call.args.s.size() < 0'
-action = "cancel"
-message = '"never"'
-"#;
+const QUICK: &str = policy_rule!(name: "quick", action: "cancel",
+    when: "'call.args.s.size() < 0'",
+    message: r#"'"never"'"#);
 
 /// R25 over R14: a batch that waits for an evaluation thread past its
 /// policy guard's time was never being evaluated: the wait is load, so the

@@ -23,19 +23,14 @@ use std::collections::BTreeMap;
 use std::time::Duration;
 
 /// The policy guard's rules: the verdict its call's arguments ask of it.
-const POLICY: &str = r#"
-[[rule]]
-name = "asked-to-steer"
-when = "has(call.args.skip.policy) && call.args.skip.policy == 'steer'"
-action = "steer"
-message = '"policy steer"'
-
-[[rule]]
-name = "asked-to-cancel"
-when = "has(call.args.skip.policy) && call.args.skip.policy == 'cancel'"
-action = "cancel"
-message = '"policy cancel"'
-"#;
+const POLICY: &str = concat!(
+    policy_rule!(name: "asked-to-steer", action: "steer",
+        when: r#""has(call.args.skip.policy) && call.args.skip.policy == 'steer'""#,
+        message: r#"'"policy steer"'"#),
+    policy_rule!(name: "asked-to-cancel", action: "cancel",
+        when: r#""has(call.args.skip.policy) && call.args.skip.policy == 'cancel'""#,
+        message: r#"'"policy cancel"'"#),
+);
 
 /// What the Python guard says of an `fs.delete` call.
 const PYTHON_CANCEL: &str = "Deleting files is not allowed.";
@@ -224,13 +219,9 @@ async fn r3_r4_r27_policy_rust_and_python_guards_keep_chain_order() {
 #[tokio::test]
 async fn r10_r27_policy_judges_the_arguments_as_rewritten() {
     use guardmesh_client::verdict::rewrite_arguments;
-    const RULES: &str = r#"
-[[rule]]
-name = "big-payment"
-when = "call.args.amount > 10000"
-action = "steer"
-message = '"a payment of " + string(call.args.amount) + " needs a human"'
-"#;
+    const RULES: &str = policy_rule!(name: "big-payment", action: "steer",
+        when: r#""call.args.amount > 10000""#,
+        message: r#"'"a payment of " + string(call.args.amount) + " needs a human"'"#);
     // Rewrites each call's amount to what its `to` member says.
     let mutate = script_guard(|batch| Script {
         delay: Duration::ZERO,
@@ -269,17 +260,13 @@ message = '"a payment of " + string(call.args.amount) + " needs a human"'
     let outcome = |id: &str| decision.call(id).map(|c| c.outcome.clone());
     assert_eq!(
         outcome("up"),
-        Some(Outcome::Steer {
-            content: "a payment of 50000 needs a human".into()
-        }),
+        Some(steered("a payment of 50000 needs a human")),
         "{decision:?}"
     );
     assert_eq!(outcome("down"), Some(Outcome::Proceed), "{decision:?}");
     assert_eq!(
         outcome("big"),
-        Some(Outcome::Steer {
-            content: "a payment of 20000 needs a human".into()
-        }),
+        Some(steered("a payment of 20000 needs a human")),
         "{decision:?}"
     );
     assert_eq!(outcome("small"), Some(Outcome::Proceed), "{decision:?}");

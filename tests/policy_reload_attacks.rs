@@ -6,31 +6,11 @@
 //! keep being answered. Waits are polls with a bound.
 
 use crate::harness::*;
-use guardmesh_client::{Batch, BatchDecision, Coordinator, Outcome};
+use crate::policy_watch::{content, rule, shell};
+use guardmesh_client::{BatchDecision, Coordinator};
 use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
-
-fn rule(name: &str, tools: &str, message: &str) -> String {
-    format!(
-        "[[rule]]\nname = \"{name}\"\ntools = [\"{tools}\"]\nwhen = \"true\"\n\
-         action = \"cancel\"\nmessage = '\"{message}\"'\n"
-    )
-}
-
-fn content(d: &BatchDecision) -> String {
-    match &d.calls[0].outcome {
-        Outcome::Cancel { content } | Outcome::Steer { content } => content.clone(),
-        Outcome::Proceed => String::new(),
-    }
-}
-
-async fn shell(coordinator: &Coordinator) -> BatchDecision {
-    coordinator
-        .evaluate_once("s", Batch::new(0).call("sh", "shell.exec", "{}"))
-        .await
-        .unwrap()
-}
 
 /// The shell call's decision, which must come within 1 s (the canary).
 async fn canary(coordinator: &Coordinator, what: &str) -> BatchDecision {
@@ -39,13 +19,9 @@ async fn canary(coordinator: &Coordinator, what: &str) -> BatchDecision {
         .unwrap_or_else(|_| panic!("{what}: a batch was not answered within 1 s"))
 }
 
-/// `guardmesh_policy_reloads_total{outcome=...}` on the metrics endpoint.
+/// `guardmesh_policy_reloads_total{outcome=...}`, within 1 s.
 async fn reloads(metrics_port: u16, outcome: &str) -> f64 {
-    let text = fetch_metrics(metrics_port, Duration::from_secs(1))
-        .await
-        .expect("the metrics endpoint answers within 1 s");
-    let sample = format!("guardmesh_policy_reloads_total{{outcome=\"{outcome}\"}}");
-    sample_sum(&text, &sample)
+    crate::policy_watch::reloads(metrics_port, outcome, Duration::from_secs(1)).await
 }
 
 /// A mesh process whose guard `policy` reads `rules.toml` in a folder of
@@ -59,13 +35,34 @@ struct Reloading {
 }
 
 impl Reloading {
+    /// A mesh whose policy cancels shell calls with "no shell", which it
+    /// does from the start.
+    async fn no_shell(name: &str) -> Self {
+        let r = Self::start(name, &rule("no-shell", "shell.*", "no shell")).await;
+        assert_eq!(content(&canary(&r.coordinator, "start").await), "no shell");
+        r
+    }
+
+    /// Fails unless the mesh stays under 256 MiB resident: `what` was not
+    /// read.
+    #[track_caller]
+    fn read_nothing(&self, what: &str) {
+        let (rss, _) = self.mesh.memory_mib();
+        assert!(rss < 256, "{what}: RSS {rss} MiB");
+    }
+
+    /// Fails unless the mesh's log says `why` (the reason of a refusal).
+    #[track_caller]
+    fn says(&self, why: &str) {
+        assert!(
+            self.mesh.log().contains(why),
+            "the refusal says why:\n{}",
+            self.mesh.log()
+        );
+    }
+
     async fn start(name: &str, text: &str) -> Self {
-        let dir = std::env::temp_dir().join(format!(
-            "guardmesh-reload-attack-{name}-{}",
-            std::process::id()
-        ));
-        let _ = std::fs::remove_dir_all(&dir);
-        std::fs::create_dir_all(&dir).unwrap();
+        let dir = fresh_dir(&format!("reload-attack-{name}"));
         let policy = dir.join("rules.toml");
         std::fs::write(&policy, text).unwrap();
         let metrics_port = free_port();
@@ -74,7 +71,7 @@ impl Reloading {
             policy.display().to_string()
         );
         let mesh = MeshProcess::start(name, &config, Some("info")).await;
-        let coordinator = Coordinator::connect(mesh.url.clone()).await.unwrap();
+        let coordinator = mesh.coordinator().await;
         Self {
             mesh,
             coordinator,
@@ -91,13 +88,16 @@ impl Reloading {
         let before = reloads(self.metrics_port, "refused").await;
         attack(&self.policy);
         let mut refused = false;
-        for _ in 0..400 {
+        let kept = async || {
             let d = canary(&self.coordinator, what).await;
             assert_eq!(
                 content(&d),
                 "no shell",
                 "{what}: the running policy is kept"
             );
+        };
+        for _ in 0..400 {
+            kept().await;
             if reloads(self.metrics_port, "refused").await > before {
                 refused = true;
                 break;
@@ -107,12 +107,7 @@ impl Reloading {
         assert!(refused, "{what}: the reload is refused and counted");
         // And still after the refusal.
         for _ in 0..5 {
-            let d = canary(&self.coordinator, what).await;
-            assert_eq!(
-                content(&d),
-                "no shell",
-                "{what}: the running policy is kept"
-            );
+            kept().await;
         }
     }
 
@@ -196,52 +191,35 @@ async fn r27_a_policy_file_written_in_two_parts_is_applied_only_once_closed() {
 
 #[tokio::test]
 async fn r27_a_fifo_in_place_of_a_policy_file_is_refused_and_batches_are_answered() {
-    let r = Reloading::start("fifo", &rule("no-shell", "shell.*", "no shell")).await;
-    assert_eq!(content(&canary(&r.coordinator, "start").await), "no shell");
+    let r = Reloading::no_shell("fifo").await;
     r.refused_while_judging("a FIFO", replace_with_fifo).await;
-    assert!(
-        r.mesh.log().contains("not a regular file"),
-        "the refusal says why:\n{}",
-        r.mesh.log()
-    );
+    r.says("not a regular file");
     r.recovers("no shell, after the FIFO").await;
 }
 
 #[tokio::test]
 async fn r27_a_link_to_dev_zero_in_place_of_a_policy_file_is_refused_and_batches_are_answered() {
-    let r = Reloading::start("dev-zero", &rule("no-shell", "shell.*", "no shell")).await;
-    assert_eq!(content(&canary(&r.coordinator, "start").await), "no shell");
+    let r = Reloading::no_shell("dev-zero").await;
     r.refused_while_judging("a link to /dev/zero", |path| {
         let link = path.with_extension("toml.link");
         std::os::unix::fs::symlink("/dev/zero", &link).unwrap();
         std::fs::rename(&link, path).unwrap();
     })
     .await;
-    assert!(
-        r.mesh.log().contains("character device"),
-        "the refusal says why:\n{}",
-        r.mesh.log()
-    );
-    let (rss, _) = r.mesh.memory_mib();
-    assert!(rss < 256, "nothing of /dev/zero was read: RSS {rss} MiB");
+    r.says("character device");
+    r.read_nothing("nothing of /dev/zero was read");
     r.recovers("no shell, after /dev/zero").await;
 }
 
 #[tokio::test]
 async fn r27_a_sparse_gigabyte_policy_file_is_refused_by_its_size_and_batches_are_answered() {
-    let r = Reloading::start("sparse", &rule("no-shell", "shell.*", "no shell")).await;
-    assert_eq!(content(&canary(&r.coordinator, "start").await), "no shell");
+    let r = Reloading::no_shell("sparse").await;
     r.refused_while_judging("a 1 GiB sparse file", |path| {
         let file = std::fs::OpenOptions::new().write(true).open(path).unwrap();
         file.set_len(1 << 30).unwrap();
     })
     .await;
-    assert!(
-        r.mesh.log().contains("more than a policy file may"),
-        "the refusal says why:\n{}",
-        r.mesh.log()
-    );
-    let (rss, _) = r.mesh.memory_mib();
-    assert!(rss < 256, "the sparse file was not read: RSS {rss} MiB");
+    r.says("more than a policy file may");
+    r.read_nothing("the sparse file was not read");
     r.recovers("no shell, after the sparse file").await;
 }

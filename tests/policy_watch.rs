@@ -8,21 +8,24 @@ use guardmesh_client::{Batch, BatchDecision, Coordinator, Outcome};
 use std::path::Path;
 use std::time::Duration;
 
-fn rule(message: &str) -> String {
+/// A policy of one rule that cancels the calls of `tools` with `message`.
+pub(crate) fn rule(name: &str, tools: &str, message: &str) -> String {
     format!(
-        "[[rule]]\nname = \"no-shell\"\ntools = [\"shell.*\"]\nwhen = \"true\"\n\
+        "[[rule]]\nname = \"{name}\"\ntools = [\"{tools}\"]\nwhen = \"true\"\n\
          action = \"cancel\"\nmessage = '\"{message}\"'\n"
     )
 }
 
-fn content(d: &BatchDecision) -> String {
+/// The content of the first call's skip ("" when it proceeds).
+pub(crate) fn content(d: &BatchDecision) -> String {
     match &d.calls[0].outcome {
         Outcome::Cancel { content } | Outcome::Steer { content } => content.clone(),
         Outcome::Proceed => String::new(),
     }
 }
 
-async fn shell(coordinator: &Coordinator) -> BatchDecision {
+/// A batch of one `shell.exec` call.
+pub(crate) async fn shell(coordinator: &Coordinator) -> BatchDecision {
     coordinator
         .evaluate_once("s", Batch::new(0).call("sh", "shell.exec", "{}"))
         .await
@@ -46,11 +49,12 @@ async fn until_content(coordinator: &Coordinator, want: &str) -> BatchDecision {
     );
 }
 
-/// `guardmesh_policy_reloads_total{outcome=...}` on the metrics endpoint.
-async fn reloads(metrics_port: u16, outcome: &str) -> f64 {
-    let text = fetch_metrics(metrics_port, Duration::from_secs(10))
+/// `guardmesh_policy_reloads_total{outcome=...}` on the metrics endpoint,
+/// which must answer `within`.
+pub(crate) async fn reloads(metrics_port: u16, outcome: &str, within: Duration) -> f64 {
+    let text = fetch_metrics(metrics_port, within)
         .await
-        .expect("the metrics endpoint answers");
+        .unwrap_or_else(|| panic!("the metrics endpoint answers within {within:?}"));
     let sample = format!("guardmesh_policy_reloads_total{{outcome=\"{outcome}\"}}");
     sample_sum(&text, &sample)
 }
@@ -68,38 +72,38 @@ async fn r27_a_changed_policy_file_is_reloaded_and_a_broken_one_keeps_the_runnin
     let dir = std::env::temp_dir().join(format!("guardmesh-policy-watch-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     let policy = dir.join("rules.toml");
-    std::fs::write(&policy, rule("first")).unwrap();
+    std::fs::write(&policy, rule("no-shell", "shell.*", "first")).unwrap();
     let metrics_port = free_port();
     let config = format!(
         "metrics_listen = \"127.0.0.1:{metrics_port}\"\n\n[[guard]]\nname = \"policy\"\npolicy = {:?}\n",
         policy.display().to_string()
     );
     let mesh = MeshProcess::start("policy-watch", &config, Some("info")).await;
-    let coordinator = Coordinator::connect(mesh.url.clone()).await.unwrap();
+    let coordinator = mesh.coordinator().await;
     let first = shell(&coordinator).await;
     assert_eq!(content(&first), "first");
 
     // Edited in place: the new rule decides, under a new chain revision.
-    std::fs::write(&policy, rule("second")).unwrap();
+    std::fs::write(&policy, rule("no-shell", "shell.*", "second")).unwrap();
     let second = until_content(&coordinator, "second").await;
     assert!(
         second.chain_revision > first.chain_revision,
         "the revision covers the rules"
     );
-    assert!(reloads(metrics_port, "applied").await >= 1.0);
+    assert!(reloads(metrics_port, "applied", Duration::from_secs(10)).await >= 1.0);
 
     // Replaced by a rename: seen as well.
-    replace(&policy, &rule("third"));
+    replace(&policy, &rule("no-shell", "shell.*", "third"));
     until_content(&coordinator, "third").await;
 
     // Broken: refused, logged and counted; the running policy still decides.
-    let refused = reloads(metrics_port, "refused").await;
+    let refused = reloads(metrics_port, "refused", Duration::from_secs(10)).await;
     std::fs::write(&policy, "[[rule]]\nname = \"x\"\nwhen = \"(\"\n").unwrap();
     let counted = eventually_within(500, || mesh.log().contains("policy reload refused")).await;
     assert!(counted, "a broken file is logged:\n{}", mesh.log());
     let mut rose = false;
     for _ in 0..400 {
-        if reloads(metrics_port, "refused").await > refused {
+        if reloads(metrics_port, "refused", Duration::from_secs(10)).await > refused {
             rose = true;
             break;
         }
@@ -112,7 +116,7 @@ async fn r27_a_changed_policy_file_is_reloaded_and_a_broken_one_keeps_the_runnin
         "the running policy is kept"
     );
     // A broken file does not stop the watch: the next good one applies.
-    std::fs::write(&policy, rule("fourth")).unwrap();
+    std::fs::write(&policy, rule("no-shell", "shell.*", "fourth")).unwrap();
     until_content(&coordinator, "fourth").await;
     let _ = std::fs::remove_dir_all(&dir);
 }

@@ -193,10 +193,7 @@ async fn python_guard_steers_injection_and_cancels_rm_rf_in_a_three_language_cha
     let _rust = rust_guard(&mesh, "sql-where", "rust-sql", 2).await;
 
     let d = mesh
-        .coordinator()
-        .await
-        .evaluate_once(
-            "s",
+        .decides(
             Batch::new(0)
                 .timeout(Duration::from_secs(15))
                 .call(
@@ -208,8 +205,7 @@ async fn python_guard_steers_injection_and_cancels_rm_rf_in_a_three_language_cha
                 .call("s3", "sql.query", r#"{"sql":"DELETE FROM users"}"#)
                 .call("s4", "shell.exec", r#"{"command":"ls -la"}"#),
         )
-        .await
-        .unwrap();
+        .await;
     let s1 = d.call("s1").unwrap();
     assert!(matches!(s1.outcome, Outcome::Steer { .. }), "{s1:?}");
     assert_eq!(s1.decided_by.as_deref(), Some("py-injection"));
@@ -282,10 +278,7 @@ async fn python_mutate_guard_rewrite_is_what_node_and_rust_validate_guards_judge
     let p1_args = r#"{"to":"veto.team@example.com","body":"card 4111 1111 1111 1111"}"#;
     let p3_args = r#"{"path":"/tmp/jane@example.com"}"#;
     let d = mesh
-        .coordinator()
-        .await
-        .evaluate_once(
-            "s",
+        .decides(
             Batch::new(0)
                 .timeout(Duration::from_secs(15))
                 // Redacted: "veto" goes with the address, so the Rust guard
@@ -296,8 +289,7 @@ async fn python_mutate_guard_rewrite_is_what_node_and_rust_validate_guards_judge
                 // Redacted, then cancelled by Node: denied as rewritten.
                 .call("p3", "fs.delete", p3_args),
         )
-        .await
-        .unwrap();
+        .await;
 
     let p1 = d.call("p1").unwrap();
     assert!(
@@ -505,10 +497,7 @@ async fn python_guard_span_has_the_batch_trace_id() {
     let trace_id = format!("{:032x}", rand::random::<u128>() | 1);
     let span_id = format!("{:016x}", rand::random::<u64>() | 1);
     let d = mesh
-        .coordinator()
-        .await
-        .evaluate_once(
-            "s",
+        .decides(
             Batch::new(0)
                 .timeout(Duration::from_secs(15))
                 .traceparent(format!("00-{trace_id}-{span_id}-01"))
@@ -519,8 +508,7 @@ async fn python_guard_span_has_the_batch_trace_id() {
                 )
                 .call("t2", "fs.read", r#"{"path":"/etc/hosts"}"#),
         )
-        .await
-        .unwrap();
+        .await;
     assert_eq!(
         d.trace_id, trace_id,
         "R21: the decision carries the trace id"
@@ -576,21 +564,17 @@ async fn readme_minimal_python_and_node_guards_work_as_documented() {
     let chain = mesh.registrar().await.list().await.unwrap();
     let names: Vec<_> = chain.guards.iter().map(|g| g.name.as_str()).collect();
     assert_eq!(names, ["no-delete", "no-delete-js"]);
-    let session = mesh.coordinator().await.session("s").await.unwrap();
-    let d = session
-        .evaluate(
+    let (_session, d) = mesh
+        .session_decides(
             Batch::new(0)
                 .call("c1", "fs.delete", r#"{"path":"/tmp/x"}"#)
                 .call("c2", "login", r#"{"user":"ada","password":"hunter2"}"#)
                 .call("c3", "fs.read", r#"{"path":"/tmp/x"}"#),
         )
-        .await
-        .unwrap();
+        .await;
     assert_eq!(
         d.calls[0].outcome,
-        Outcome::Cancel {
-            content: "Deleting files is not allowed.".into()
-        }
+        cancelled("Deleting files is not allowed.")
     );
     assert_eq!(d.calls[0].decided_by.as_deref(), Some("no-delete"));
     assert!(d.calls[1].proceeds());
@@ -644,10 +628,7 @@ async fn r24_kits_register_with_a_token_over_tls() {
     let (link_cert, link_key) = pki.issue_files("mesh-link");
     let (mesh, url) = TestMesh::with_tokens(
         &pki,
-        &[
-            ("guards", "guard-token", &["register"]),
-            ("agent", "agent-token", &["evaluate"]),
-        ],
+        &[("guards", "guard-token", &["register"]), AGENT],
         &format!(
             "[guard_tls]\nca_file = {:?}\ncert_file = {:?}\nkey_file = {:?}\n",
             ca.to_str().unwrap(),
@@ -729,12 +710,7 @@ async fn r24_kits_register_with_a_token_over_tls() {
     );
 
     // Both judge: the Node guard over TLS.
-    let coordinator = guardmesh_client::Coordinator::connect_with(
-        url.clone(),
-        &pki.connection(None, Some("agent-token")),
-    )
-    .await
-    .unwrap();
+    let coordinator = pki.coordinator(&url, "agent-token").await;
     let d = coordinator
         .evaluate_once(
             "s",
@@ -895,9 +871,7 @@ async fn r26_idle_python_guard_keeps_its_link_under_grpcio_default_ping_policy()
         let del = d.call("del").unwrap();
         assert_eq!(
             del.outcome,
-            Outcome::Cancel {
-                content: "Deleting files is not allowed.".into()
-            },
+            cancelled("Deleting files is not allowed."),
             "{what}: {del:?}"
         );
         assert!(!del.failure, "{what}: judged, not failed: {del:?}");

@@ -10,7 +10,6 @@ use crate::harness::*;
 use guardmesh_client::{Batch, ClientError, Coordinator};
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
-use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
@@ -23,23 +22,11 @@ struct Serve {
     dir: PathBuf,
 }
 
-fn temp_dir(name: &str) -> PathBuf {
-    static SEQ: AtomicUsize = AtomicUsize::new(0);
-    let dir = std::env::temp_dir().join(format!(
-        "guardmesh-probes-{name}-{}-{}",
-        std::process::id(),
-        SEQ.fetch_add(1, Ordering::SeqCst)
-    ));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).unwrap();
-    dir
-}
-
 impl Serve {
     /// Starts the mesh with `config` (a `metrics_listen` line is added) and
     /// waits (bounded) until `/healthz` answers.
     async fn start(name: &str, config: &str) -> Self {
-        let dir = temp_dir(name);
+        let dir = fresh_dir(name);
         let port = free_port();
         let metrics = free_port();
         let file = dir.join("mesh.toml");
@@ -163,7 +150,7 @@ struct Etcd {
 impl Etcd {
     fn new() -> Self {
         Self {
-            dir: temp_dir("etcd"),
+            dir: fresh_dir("probes-etcd"),
             client_port: free_port(),
             peer_port: free_port(),
             child: None,
@@ -275,7 +262,7 @@ secret_file = {:?}
 
 #[tokio::test]
 async fn readyz_is_503_when_the_decision_log_directory_cannot_be_written() {
-    let logs = temp_dir("log");
+    let logs = fresh_dir("probes-log");
     let log_dir = logs.join("decisions");
     let config = format!(
         "[decision_log]\ndir = {:?}\n",
@@ -296,19 +283,11 @@ async fn readyz_is_503_when_the_decision_log_directory_cannot_be_written() {
 #[tokio::test]
 async fn sigterm_drains_readyz_turns_503_in_flight_batch_answered_new_streams_refused() {
     let held = held_guard().await;
-    let config = format!(
-        r#"
-default_batch_timeout_ms = 30000
-
-[server]
-shutdown_grace_ms = 20000
-
-[[guard]]
-name = "held"
-endpoint = "{}"
-timeout_ms = 20000
-"#,
-        held.url
+    let config = held_guard_config(
+        &held.url,
+        30000,
+        "\n[server]\nshutdown_grace_ms = 20000\n",
+        20000,
     );
     let mut serve = Serve::start("drain", &config).await;
     serve.readyz_until(200, 200).await;
@@ -316,13 +295,7 @@ timeout_ms = 20000
     let session = coordinator.session("s").await.unwrap();
     let in_flight = session.evaluate(Batch::new(0).call("c1", "t", "{}"));
     tokio::pin!(in_flight);
-    let reached = while_held(
-        &mut in_flight,
-        "answered while held",
-        eventually_within(500, || held.guard.requests() == 1),
-    )
-    .await;
-    assert!(reached, "the batch reached the guard");
+    until_held(&mut in_flight, &held.guard).await;
 
     serve.signal("TERM");
     let (_, body) = while_held(
@@ -333,13 +306,7 @@ timeout_ms = 20000
     .await;
     assert!(body.contains("draining"), "{body}");
     // New streams are refused, on a new connection and on the open one.
-    let refused = while_held(
-        &mut in_flight,
-        "answered while held",
-        refuses_new_connections(&serve.url),
-    )
-    .await;
-    assert!(refused, "the draining mesh refuses new connections");
+    refuses_while_held(&mut in_flight, &serve.url).await;
     let second = while_held(&mut in_flight, "answered while held", async {
         match coordinator.session("late").await {
             Err(error) => Some(error),
@@ -369,21 +336,9 @@ timeout_ms = 20000
 /// A mesh whose one guard, `held`, never answers, with batch timeouts of
 /// 60 s and `grace_ms` of shutdown grace.
 async fn serve_held(name: &str, held: &HeldHandle, grace_ms: u64) -> Serve {
-    let config = format!(
-        r#"
-default_batch_timeout_ms = 60000
-max_batch_timeout_ms = 60000
-
-[server]
-shutdown_grace_ms = {grace_ms}
-
-[[guard]]
-name = "held"
-endpoint = "{}"
-timeout_ms = 60000
-"#,
-        held.url
-    );
+    let more =
+        format!("max_batch_timeout_ms = 60000\n\n[server]\nshutdown_grace_ms = {grace_ms}\n");
+    let config = held_guard_config(&held.url, 60000, &more, 60000);
     Serve::start(name, &config).await
 }
 
@@ -398,13 +353,7 @@ async fn sigterm_exits_within_the_grace_period_while_a_batch_is_still_held() {
     let session = coordinator.session("s").await.unwrap();
     let in_flight = session.evaluate(Batch::new(0).call("c1", "t", "{}"));
     tokio::pin!(in_flight);
-    let reached = while_held(
-        &mut in_flight,
-        "answered while held",
-        eventually_within(500, || held.guard.requests() == 1),
-    )
-    .await;
-    assert!(reached, "the batch reached the guard");
+    until_held(&mut in_flight, &held.guard).await;
 
     serve.signal("TERM");
     // 1 s of grace; 20 s is the wide bound (the batch's timeout is 60 s).
@@ -433,13 +382,7 @@ async fn a_second_sigterm_cuts_the_drain_short() {
     let session = coordinator.session("s").await.unwrap();
     let in_flight = session.evaluate(Batch::new(0).call("c1", "t", "{}"));
     tokio::pin!(in_flight);
-    let reached = while_held(
-        &mut in_flight,
-        "answered while held",
-        eventually_within(500, || held.guard.requests() == 1),
-    )
-    .await;
-    assert!(reached, "the batch reached the guard");
+    until_held(&mut in_flight, &held.guard).await;
 
     serve.signal("TERM");
     let (status, _) = serve.readyz_until(503, 200).await;
@@ -509,7 +452,7 @@ fn systemd_unit_verifies_and_its_sandbox_exposure_stays_low() {
         assert!(unit.contains(directive), "the unit lacks {directive:?}");
     }
     // verify checks that ExecStart names an executable: the one built here.
-    let dir = temp_dir("systemd");
+    let dir = fresh_dir("probes-systemd");
     let file = dir.join("guardmesh.service");
     std::fs::write(
         &file,

@@ -5,7 +5,7 @@
 //! results phase, read by the official Python MCP SDK client.
 
 use crate::harness::*;
-use crate::mcp::{Scratch, calls, http_gateway, run_client, via_gateway};
+use crate::mcp::{Scratch, calls, http_gateway, run_client_off_thread, via_gateway};
 use guardmesh_client::proto::{FailurePolicy, GuardPhases, TraceStatus};
 use guardmesh_client::verdict::{block_result, rewrite_result};
 use guardmesh_client::{Batch, ClientError, Code, Registration, ResultOutcome};
@@ -102,16 +102,12 @@ async fn r11_r33_a_result_grant_violated_is_rejected_whole() {
     .await;
     let raw = text_result(SECRET);
     let d = mesh
-        .coordinator()
-        .await
-        .evaluate_once(
-            "s",
+        .decides(
             Batch::new(0)
                 .result("a", "fs.read", "fs", raw.clone())
                 .result("b", "db.query", "db", raw.clone()),
         )
-        .await
-        .unwrap();
+        .await;
     assert_eq!(d.status("redact"), Some(TraceStatus::RejectedRewrite));
     assert!(d.guard("redact").unwrap().error.contains("result grant"));
     for r in &d.results {
@@ -127,11 +123,7 @@ async fn r11_r33_a_result_grant_violated_is_rejected_whole() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn r13_r33_a_results_guard_that_times_out_under_fail_closed_blocks_the_result() {
     let mesh = TestMesh::start().await;
-    let slow = script_guard(|_| Script {
-        delay: Duration::from_secs(5),
-        ..Script::default()
-    })
-    .await;
+    let slow = slow_guard(Duration::from_secs(5)).await;
     mesh.register(
         Registration::validate("slow", &slow.url)
             .phases(GuardPhases::Both)
@@ -141,14 +133,8 @@ async fn r13_r33_a_results_guard_that_times_out_under_fail_closed_blocks_the_res
     .await;
     let started = std::time::Instant::now();
     let d = mesh
-        .coordinator()
-        .await
-        .evaluate_once(
-            "s",
-            Batch::new(0).result("a", "fs.read", "fs", text_result(SECRET)),
-        )
-        .await
-        .unwrap();
+        .decides(Batch::new(0).result("a", "fs.read", "fs", text_result(SECRET)))
+        .await;
     assert!(
         started.elapsed() < Duration::from_secs(4),
         "bounded by the guard's timeout"
@@ -330,9 +316,7 @@ async fn r31_r33_a_blocked_result_reaches_the_official_sdk_as_an_error_result_st
         &["--server-name", "notes-server"],
         scratch.upstream(&["stdio"]),
     );
-    let lines = tokio::task::spawn_blocking(move || run_client(scenario, &target))
-        .await
-        .unwrap();
+    let lines = run_client_off_thread(scenario, target).await;
     assert_blocked_through_the_sdk(&lines, &guard, "notes-server");
     // Both calls ran: the result, not the call, was blocked.
     assert_eq!(scratch.executed().len(), 2);
@@ -348,9 +332,7 @@ async fn r31_r33_a_blocked_result_reaches_the_official_sdk_as_an_error_result_ht
         {"op": "call", "name": "read_file", "arguments": {"path": "/home/notes"}},
     ]});
     let target = vec!["http".to_owned(), url];
-    let lines = tokio::task::spawn_blocking(move || run_client(scenario, &target))
-        .await
-        .unwrap();
+    let lines = run_client_off_thread(scenario, target).await;
     assert_blocked_through_the_sdk(&lines, &guard, "127.0.0.1");
     assert_eq!(scratch.executed().len(), 2);
 }
@@ -376,9 +358,7 @@ async fn r31_r33_a_result_the_mesh_cannot_judge_is_withheld_not_forwarded() {
         {"op": "call", "name": "read_file", "arguments": {"path": "/home/notes"}},
     ]});
     let target = via_gateway(&mesh.url, &[], scratch.upstream(&["stdio"]));
-    let lines = tokio::task::spawn_blocking(move || run_client(scenario, &target))
-        .await
-        .unwrap();
+    let lines = run_client_off_thread(scenario, target).await;
     let results = calls(&lines);
     assert_eq!(results[0]["isError"], true, "{lines:?}");
     assert!(

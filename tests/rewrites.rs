@@ -42,11 +42,9 @@ async fn r10_each_mutate_guard_sees_the_previous_output_and_validate_sees_the_fi
         .await;
     mesh.register(Registration::mutate("second", &second.url, ["*"]))
         .await;
-    let session = mesh.coordinator().await.session("s").await.unwrap();
-    let d = session
-        .evaluate(Batch::new(0).call("c1", "http.get", r#"{"url":"u"}"#))
-        .await
-        .unwrap();
+    let (_session, d) = mesh
+        .session_decides(Batch::new(0).call("c1", "http.get", r#"{"url":"u"}"#))
+        .await;
     // The second mutate guard received the first one's output...
     let seen_by_second = &second.guard.batches()[0].calls[0];
     assert_eq!(args(seen_by_second), json!({"url": "u", "first": true}));
@@ -218,11 +216,9 @@ async fn r11_a_validate_guard_that_rewrites_is_refused() {
         Registration::validate("rw", &sneaky.url).failure_policy(FailurePolicy::FailOpen),
     )
     .await;
-    let session = mesh.coordinator().await.session("s").await.unwrap();
-    let d = session
-        .evaluate(Batch::new(0).call("c1", "t", r#"{"a":1}"#))
-        .await
-        .unwrap();
+    let (_session, d) = mesh
+        .session_decides(Batch::new(0).call("c1", "t", r#"{"a":1}"#))
+        .await;
     assert_rejected(&d, "only mutate guards may rewrite");
     assert!(d.calls[0].proceeds());
     assert_eq!(d.calls[0].final_call.arguments, r#"{"a":1}"#);
@@ -242,11 +238,9 @@ async fn r11_rename_within_the_grant_applies() {
     .await;
     mesh.register(Registration::mutate("rw", &g.url, ["sql.*"]).may_rename())
         .await;
-    let session = mesh.coordinator().await.session("s").await.unwrap();
-    let d = session
-        .evaluate(Batch::new(0).call("c1", "sql.query", r#"{"sql":"SELECT 1;"}"#))
-        .await
-        .unwrap();
+    let (_session, d) = mesh
+        .session_decides(Batch::new(0).call("c1", "sql.query", r#"{"sql":"SELECT 1;"}"#))
+        .await;
     assert_eq!(d.calls[0].final_call.tool, "sql.readonly_query");
     assert_eq!(d.calls[0].original.tool, "sql.query");
     assert_eq!(d.calls[0].changed_argument_keys(), ["sql"]);
@@ -268,17 +262,10 @@ async fn r12_a_mutate_skip_is_final_and_later_guards_never_see_the_call() {
         .await;
     mesh.register(Registration::validate("judge", &judge.url))
         .await;
-    let session = mesh.coordinator().await.session("s").await.unwrap();
-    let d = session
-        .evaluate(Batch::new(0).call("c1", "t", "{}").call("c2", "t", "{}"))
-        .await
-        .unwrap();
-    assert_eq!(
-        d.calls[0].outcome,
-        Outcome::Cancel {
-            content: "blocked at rewrite time".into()
-        }
-    );
+    let (_session, d) = mesh
+        .session_decides(Batch::new(0).call("c1", "t", "{}").call("c2", "t", "{}"))
+        .await;
+    assert_eq!(d.calls[0].outcome, cancelled("blocked at rewrite time"));
     assert_eq!(d.calls[0].decided_by.as_deref(), Some("m"));
     for g in [&later_mutate, &judge] {
         let ids: Vec<_> = g.guard.batches()[0]
@@ -303,11 +290,9 @@ async fn r18_dry_run_guards_change_nothing_and_say_what_they_would_have_done() {
         .await;
     mesh.register(Registration::validate("judge", &judge.url))
         .await;
-    let session = mesh.coordinator().await.session("s").await.unwrap();
-    let d = session
-        .evaluate(Batch::new(0).call("c1", "t", r#"{"a":1}"#))
-        .await
-        .unwrap();
+    let (_session, d) = mesh
+        .session_decides(Batch::new(0).call("c1", "t", r#"{"a":1}"#))
+        .await;
     let call = &d.calls[0];
     assert!(call.proceeds());
     assert_eq!(call.final_call.arguments, r#"{"a":1}"#);
@@ -352,16 +337,14 @@ async fn r10_r4_final_calls_do_not_depend_on_guard_latencies() {
             .await;
         mesh.register(Registration::validate("v2", &v2.url).tools(["x.*"]))
             .await;
-        let session = mesh.coordinator().await.session("s").await.unwrap();
-        let d = session
-            .evaluate(
+        let (_session, d) = mesh
+            .session_decides(
                 Batch::new(0)
                     .call("c1", "x.one", "{}")
                     .call("c2", "x.two", "{}")
                     .call("c3", "y.three", "{}"),
             )
-            .await
-            .unwrap();
+            .await;
         let got: Vec<_> = d
             .calls
             .iter()

@@ -87,9 +87,7 @@ async fn r3_r4_slow_early_skip_beats_fast_later_skip() {
         let call = &d.calls[0];
         assert_eq!(
             call.outcome,
-            Outcome::Steer {
-                content: "early guard says no".into()
-            },
+            steered("early guard says no"),
             "chain order decides, not answer order"
         );
         assert_eq!(call.decided_by.as_deref(), Some("early"));
@@ -107,15 +105,13 @@ async fn r5_early_veto_answers_and_cancels_the_slow_later_guard() {
         .await;
     mesh.register(Registration::validate("slow", &slow.url).timeout(Duration::from_secs(20)))
         .await;
-    let session = mesh.coordinator().await.session("s").await.unwrap();
-    let d = session
-        .evaluate(
+    let (_session, d) = mesh
+        .session_decides(
             Batch::new(0)
                 .call("c1", "t", "{}")
                 .timeout(Duration::from_secs(30)),
         )
-        .await
-        .unwrap();
+        .await;
     assert_eq!(d.calls[0].decided_by.as_deref(), Some("veto"));
     assert_eq!(status_of(&d, "slow"), TraceStatus::Superseded);
     assert_eq!(slow.guard.requests(), 1);
@@ -139,16 +135,14 @@ async fn r6_a_skip_touches_only_its_call() {
     })
     .await;
     mesh.register(Registration::validate("g", &guard.url)).await;
-    let session = mesh.coordinator().await.session("s").await.unwrap();
-    let d = session
-        .evaluate(
+    let (_session, d) = mesh
+        .session_decides(
             Batch::new(0)
                 .call("c1", "a", "{}")
                 .call("c2", "b", "{}")
                 .call("c3", "c", r#"{"x":1}"#),
         )
-        .await
-        .unwrap();
+        .await;
     let ids: Vec<_> = d.calls.iter().map(|c| c.call_id.as_str()).collect();
     assert_eq!(
         ids,
@@ -181,27 +175,15 @@ async fn r7_skip_without_kind_is_steer() {
     })
     .await;
     mesh.register(Registration::validate("g", &guard.url)).await;
-    let session = mesh.coordinator().await.session("s").await.unwrap();
-    let d = session
-        .evaluate(
+    let (_session, d) = mesh
+        .session_decides(
             Batch::new(0)
                 .call("default", "t", "{}")
                 .call("cancel", "t", "{}"),
         )
-        .await
-        .unwrap();
-    assert_eq!(
-        d.calls[0].outcome,
-        Outcome::Steer {
-            content: "fix it".into()
-        }
-    );
-    assert_eq!(
-        d.calls[1].outcome,
-        Outcome::Cancel {
-            content: "not allowed".into()
-        }
-    );
+        .await;
+    assert_eq!(d.calls[0].outcome, steered("fix it"));
+    assert_eq!(d.calls[1].outcome, cancelled("not allowed"));
 }
 
 #[tokio::test]
@@ -231,15 +213,13 @@ async fn r8_malformed_verdicts_are_dropped_and_traced() {
         .await;
     mesh.register(Registration::validate("later", &later.url))
         .await;
-    let session = mesh.coordinator().await.session("s").await.unwrap();
-    let d = session
-        .evaluate(
+    let (_session, d) = mesh
+        .session_decides(
             Batch::new(0)
                 .call("blank", "t", "{}")
                 .call("twice", "t", "{}"),
         )
-        .await
-        .unwrap();
+        .await;
     assert!(d.calls[0].proceeds(), "a blank skip counts as proceed");
     assert!(d.calls[1].proceeds(), "the second verdict is ignored");
     assert_eq!(status_of(&d, "buggy"), TraceStatus::Malformed);
@@ -266,16 +246,14 @@ async fn r9_guard_receives_only_the_calls_it_applies_to() {
         .await;
     mesh.register(Registration::validate("none", &none.url).tools(["payments.*"]))
         .await;
-    let session = mesh.coordinator().await.session("s").await.unwrap();
-    let d = session
-        .evaluate(
+    let (_session, d) = mesh
+        .session_decides(
             Batch::new(0)
                 .call("q", "sql.query", sql_args())
                 .call("r", "fs.read", "{}")
                 .call("x", "shell", "{}"),
         )
-        .await
-        .unwrap();
+        .await;
     let got = |g: &TestGuard| -> Vec<String> {
         g.guard.batches()[0]
             .calls
@@ -330,11 +308,7 @@ async fn failing_guard(
             (url, None, Some(task))
         }
         Cause::Timeout => {
-            let g = script_guard(|_| Script {
-                delay: Duration::from_secs(5),
-                ..Default::default()
-            })
-            .await;
+            let g = slow_guard(Duration::from_secs(5)).await;
             (g.url.clone(), Some(g), None)
         }
     }
@@ -424,11 +398,7 @@ async fn r13_each_failure_cause_under_each_policy() {
 #[tokio::test]
 async fn r14_guard_gets_the_smaller_of_its_timeout_and_the_batch_deadline() {
     let mesh = TestMesh::start().await;
-    let slow = script_guard(|_| Script {
-        delay: Duration::from_secs(3),
-        ..Default::default()
-    })
-    .await;
+    let slow = slow_guard(Duration::from_secs(3)).await;
     mesh.register(Registration::validate("slow", &slow.url).timeout(Duration::from_secs(20)))
         .await;
     let session = mesh.coordinator().await.session("s").await.unwrap();
@@ -529,11 +499,9 @@ async fn r16_reregistration_updates_in_place_and_keeps_position() {
     let names: Vec<_> = list.guards.iter().map(|g| g.name.as_str()).collect();
     assert_eq!(names, ["a", "b"]);
     assert_eq!(list.guards[0].tools, ["t"]);
-    let session = mesh.coordinator().await.session("s").await.unwrap();
-    let d = session
-        .evaluate(Batch::new(0).call("c", "t", "{}"))
-        .await
-        .unwrap();
+    let (_session, d) = mesh
+        .session_decides(Batch::new(0).call("c", "t", "{}"))
+        .await;
     assert_eq!(d.calls[0].decided_by.as_deref(), Some("a"));
     assert_eq!(d.chain_revision, list.revision);
     // Bad registrations are refused with INVALID_ARGUMENT naming the field.
@@ -549,11 +517,7 @@ async fn r16_reregistration_updates_in_place_and_keeps_position() {
 #[tokio::test]
 async fn r17_registration_during_a_batch_applies_from_the_next() {
     let mesh = TestMesh::start().await;
-    let slow = script_guard(|_| Script {
-        delay: Duration::from_millis(500),
-        ..Default::default()
-    })
-    .await;
+    let slow = slow_guard(Duration::from_millis(500)).await;
     let veto = call_guard(Duration::ZERO, |c| Some(cancel(&c.call_id, "new guard"))).await;
     mesh.register(Registration::validate("slow", &slow.url))
         .await;
@@ -748,11 +712,7 @@ async fn r21_one_trace_entry_per_guard_with_its_status() {
     })
     .await;
     let not_applicable = proceed_guard().await;
-    let superseded = script_guard(|_| Script {
-        delay: Duration::from_secs(10),
-        ..Default::default()
-    })
-    .await;
+    let superseded = slow_guard(Duration::from_secs(10)).await;
     let malformed = call_guard(Duration::ZERO, |c| Some(steer(&c.call_id, ""))).await;
     let failed = closed_port().await;
     mesh.register(Registration::validate("proceeds", &proceeds.url))
@@ -771,15 +731,13 @@ async fn r21_one_trace_entry_per_guard_with_its_status() {
         Registration::validate("superseded", &superseded.url).timeout(Duration::from_secs(20)),
     )
     .await;
-    let session = mesh.coordinator().await.session("s").await.unwrap();
-    let d = session
-        .evaluate(
+    let (_session, d) = mesh
+        .session_decides(
             Batch::new(0)
                 .call("c1", "t", "{}")
                 .timeout(Duration::from_secs(30)),
         )
-        .await
-        .unwrap();
+        .await;
     let got: Vec<_> = d
         .trace
         .iter()

@@ -379,31 +379,8 @@ async fn role_bearer_token_over_tls_is_accepted() {
 
 async fn tls_guard(pki: &Pki, id: &str) -> (String, Arc<ScriptGuard>) {
     let issued = pki.issue(&Subject::loopback(id));
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let url = format!(
-        "https://localhost:{}",
-        listener.local_addr().unwrap().port()
-    );
-    let guard = Arc::new(script_guard_state(|batch| Script {
-        verdicts: batch
-            .calls
-            .iter()
-            .map(|c| guardmesh_client::verdict::steer(&c.call_id, "checked over TLS"))
-            .collect(),
-        ..Default::default()
-    }));
-    tokio::spawn(
-        guardmesh_client::GuardServer::from_arc(guard.clone()).serve_with(
-            listener,
-            Some(guardmesh_client::ServerTls {
-                cert_pem: issued.cert_pem,
-                key_pem: issued.key_pem,
-                client_ca_pem: Some(pki.ca.cert_pem()),
-            }),
-            std::future::pending(),
-        ),
-    );
-    (url, guard)
+    let client_ca = Some(pki.ca.cert_pem());
+    tls_steering_guard("localhost", issued.cert_pem, issued.key_pem, client_ca).await
 }
 
 #[tokio::test]

@@ -48,12 +48,18 @@ async fn read_env(c: &Coordinator, session: &str, turn: u32, secret: &str) -> St
     .to_string()
 }
 
+/// Registers the relaybleed flow rules as policy guard `flows`: a
+/// coordinator of the mesh.
+async fn flows(mesh: &TestMesh) -> guardmesh_client::Coordinator {
+    mesh.register(Registration::policy("flows", relaybleed()))
+        .await;
+    mesh.coordinator().await
+}
+
 #[tokio::test]
 async fn r34_relaybleed_denied_to_another_server_allowed_back_and_elsewhere() {
     let mesh = TestMesh::start().await;
-    mesh.register(Registration::policy("flows", relaybleed()))
-        .await;
-    let c = mesh.coordinator().await;
+    let c = flows(&mesh).await;
     let secret = "hunter2-Sup3rS3cret";
     let insert = format!(r#"{{"sql":"INSERT INTO notes VALUES ('{secret}')"}}"#);
     // No prior read: allowed.
@@ -113,9 +119,7 @@ async fn r34_relaybleed_denied_to_another_server_allowed_back_and_elsewhere() {
 #[tokio::test]
 async fn r33_r34_no_session_id_is_one_session_not_a_way_around_a_flow_rule() {
     let mesh = TestMesh::start().await;
-    mesh.register(Registration::policy("flows", relaybleed()))
-        .await;
-    let c = mesh.coordinator().await;
+    let c = flows(&mesh).await;
     let secret = "hunter2-Sup3rS3cret";
     let result = read_env(&c, "", 0, secret).await;
     let d = c
@@ -144,29 +148,19 @@ async fn r34_rate_limit_per_session_never_shared_with_another_identity() {
     let (mesh, url) = TestMesh::with_tokens(
         &pki,
         &[
-            ("ops", "ops-token", &["admin"]),
+            OPS,
             ("alice", "alice-token", &["evaluate"]),
             ("mallory", "mallory-token", &["evaluate"]),
         ],
         "",
     )
     .await;
-    let ops = guardmesh_client::Registrar::connect_with(
-        url.clone(),
-        &pki.connection(None, Some("ops-token")),
-    )
-    .await
-    .unwrap();
+    let ops = pki.registrar(&url, "ops-token").await;
     ops.register(Registration::policy("flows", relaybleed()).build())
         .await
         .unwrap();
-    let alice = Coordinator::connect_with(url.clone(), &pki.connection(None, Some("alice-token")))
-        .await
-        .unwrap();
-    let mallory =
-        Coordinator::connect_with(url.clone(), &pki.connection(None, Some("mallory-token")))
-            .await
-            .unwrap();
+    let alice = pki.coordinator(&url, "alice-token").await;
+    let mallory = pki.coordinator(&url, "mallory-token").await;
     for turn in 0..3 {
         assert!(
             proceeds(&outcome(&alice, "s", turn, "email.send", "{}").await),
@@ -219,9 +213,7 @@ async fn r34_store_down_fails_the_session_rules_per_their_guard_policy() {
     let mesh = TestMesh::start().await;
     let down = SessionMemory::new(Arc::new(Down), Digester::random(), SessionLimits::default());
     mesh.mesh.attach_sessions(Arc::new(down)).unwrap();
-    mesh.register(Registration::policy("flows", relaybleed()))
-        .await;
-    let c = mesh.coordinator().await;
+    let c = flows(&mesh).await;
     let d = c
         .evaluate_once("s", Batch::new(0).call("c", "email.send", "{}"))
         .await
@@ -410,7 +402,7 @@ async fn r25_a_flood_of_sessions_keeps_serve_within_its_bounds() {
         policy.display().to_string()
     );
     let mesh = MeshProcess::start("sessions-flood", &config, None).await;
-    let c = Coordinator::connect(mesh.url.clone()).await.unwrap();
+    let c = mesh.coordinator().await;
     let batch = |s: usize| {
         (0..64).fold(Batch::new(0), |b, i| {
             b.call(

@@ -360,22 +360,15 @@ async fn r34_a_result_verdict_labels_the_session() {
 #[tokio::test]
 async fn r34_a_policy_rule_labels_the_session_and_a_bad_label_is_refused() {
     let mesh = TestMesh::start().await;
-    let policy = r#"
-[[rule]]
-name = "no-paste-sites"
-tools = ["http.*"]
-when = 'call.args.url.contains("pastebin")'
-action = "cancel"
-message = '"no paste sites"'
-labels = ["exfil:attempt"]
-
-[[rule]]
-name = "no-mail-after-an-attempt"
-tools = ["email.*"]
-when = '"exfil:attempt" in session.labels'
-action = "cancel"
-message = '"this session tried to exfiltrate; no email"'
-"#;
+    let policy = concat!(
+        policy_rule!(name: "no-paste-sites", tools: ["http.*"], action: "cancel",
+            when: r#"'call.args.url.contains("pastebin")'"#,
+            message: r#"'"no paste sites"'"#,
+            labels: r#"["exfil:attempt"]"#),
+        policy_rule!(name: "no-mail-after-an-attempt", tools: ["email.*"], action: "cancel",
+            when: r#"'"exfil:attempt" in session.labels'"#,
+            message: r#"'"this session tried to exfiltrate; no email"'"#),
+    );
     mesh.register(Registration::policy("exfil", policy)).await;
     let c = mesh.coordinator().await;
     let mail = || Batch::new(0).call("m", "email.send", "{}");

@@ -24,17 +24,6 @@ use std::time::{Duration, Instant};
 /// The value a `.env` read returns, and that must not reach sqlite.
 const SECRET: &str = "hunter2-Sup3rS3cretValue";
 
-/// A fresh folder for one test's files.
-fn folder(name: &str) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!(
-        "guardmesh-store-{name}-{}-{}",
-        std::process::id(),
-        rand::random::<u32>()
-    ));
-    std::fs::create_dir_all(&dir).unwrap();
-    dir
-}
-
 fn secret_file(dir: &Path, name: &str) -> PathBuf {
     session_secret(dir, name)
 }
@@ -208,7 +197,7 @@ impl Redis {
             let mut redis = Self {
                 child: None,
                 port: free_port(),
-                dir: folder("redis"),
+                dir: fresh_dir("store-redis"),
             };
             if redis.spawn(&bin).await {
                 return Some(redis);
@@ -356,7 +345,7 @@ fn guessed_key(prefix: &str, session: &str) -> String {
 async fn r34_two_serve_replicas_on_a_3_member_etcd_share_session_memory() {
     let mut cluster = Cluster::start().await;
     let urls = cluster.urls();
-    let dir = folder("etcd");
+    let dir = fresh_dir("store-etcd");
     let secret = secret_file(&dir, "session.secret");
     let prefix = "/t/store-etcd";
     let sessions = format!(
@@ -446,7 +435,7 @@ async fn r34_two_serve_replicas_on_redis_share_session_memory() {
     else {
         return;
     };
-    let dir = folder("redis");
+    let dir = fresh_dir("store-redis");
     let secret = secret_file(&dir, "session.secret");
     let prefix = "/t/store-redis";
     let registry = format!("[registry]\nprefix = {prefix:?}");
@@ -569,7 +558,7 @@ async fn refused_start(config: &Path, log: &Path, what: &str) -> String {
 
 #[tokio::test]
 async fn r34_a_shared_store_without_a_usable_secret_does_not_start() {
-    let dir = folder("refused");
+    let dir = fresh_dir("store-refused");
     let etcd = etcd_registry(&["http://127.0.0.1:9".to_owned()], "/t/refused");
     let short = dir.join("short.secret");
     std::fs::write(&short, [7u8; 16]).unwrap();
@@ -706,7 +695,7 @@ async fn timed_batches(c: &Coordinator, session: &str, n: u32) -> (Duration, Dur
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn r34_store_costs_per_batch() {
     const N: u32 = 200;
-    let dir = folder("costs");
+    let dir = fresh_dir("store-costs");
     let secret = secret_file(&dir, "session.secret");
     let secret = secret.display().to_string();
     let mut lines = Vec::new();
@@ -778,7 +767,7 @@ async fn r34_store_costs_per_batch() {
             None,
         )
         .await;
-        let c = Coordinator::connect(mesh.url.clone()).await.unwrap();
+        let c = mesh.coordinator().await;
         timed_batches(&c, "warm", 20).await;
         let (gets, sets) = (
             redis.calls("get"),
@@ -911,7 +900,7 @@ async fn r34_a_replica_with_another_secret_does_not_start() {
     let Some(redis) = Redis::start("r34_a_replica_with_another_secret_does_not_start").await else {
         return;
     };
-    let dir = folder("secrets");
+    let dir = fresh_dir("store-secrets");
     let config = |secret: &Path| {
         mesh_config(
             &dir,

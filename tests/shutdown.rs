@@ -48,7 +48,7 @@ failure_policy = "fail_closed"
         slow.url, probe.url
     );
     let mut mesh = MeshProcess::start(signal, &config, None).await;
-    let coordinator = Coordinator::connect(mesh.url.clone()).await.unwrap();
+    let coordinator = mesh.coordinator().await;
     let session = coordinator.session("s").await.unwrap();
 
     let in_flight = session.evaluate(
@@ -133,37 +133,15 @@ async fn shutdown_on_sigint_finishes_in_flight_batches_and_exits_cleanly() {
 #[tokio::test]
 async fn r25_a_draining_stream_answers_every_batch_it_read() {
     let held = held_guard().await;
-    let config = format!(
-        r#"
-default_batch_timeout_ms = 30000
-
-[[guard]]
-name = "held"
-endpoint = "{}"
-timeout_ms = 20000
-"#,
-        held.url
-    );
+    let config = held_guard_config(&held.url, 30000, "", 20000);
     let mut mesh = MeshProcess::start("r25-drain", &config, None).await;
-    let coordinator = Coordinator::connect(mesh.url.clone()).await.unwrap();
+    let coordinator = mesh.coordinator().await;
     let session = coordinator.session("s").await.unwrap();
     let in_flight = session.evaluate(Batch::new(0).call("c1", "t", "{}"));
     tokio::pin!(in_flight);
-    let reached = while_held(
-        &mut in_flight,
-        "answered while held",
-        eventually_within(500, || held.guard.requests() == 1),
-    )
-    .await;
-    assert!(reached, "the batch reached the guard");
+    until_held(&mut in_flight, &held.guard).await;
     mesh.signal("TERM");
-    let refused = while_held(
-        &mut in_flight,
-        "answered while held",
-        refuses_new_connections(&mesh.url),
-    )
-    .await;
-    assert!(refused, "the draining mesh refuses new connections");
+    refuses_while_held(&mut in_flight, &mesh.url).await;
     // Batches sent on the open stream while it drains: each is read and
     // answered, with an error, while the held batch is still in flight.
     let late = while_held(

@@ -741,24 +741,28 @@ async fn soak_faulty_chain_every_batch_answered_once_and_every_decision_consiste
             .timeout(GUARD_TIMEOUT),
     )
     .await;
-    mesh.register(
-        Registration::validate("flaky", &flaky_url)
-            .failure_policy(FailurePolicy::FailClosed)
-            .timeout(GUARD_TIMEOUT),
-    )
-    .await;
-    mesh.register(
-        Registration::validate("veto", &veto_url)
-            .failure_policy(FailurePolicy::FailClosed)
-            .timeout(Duration::from_millis(500)),
-    )
-    .await;
-    mesh.register(
-        Registration::validate("open", &open_url)
-            .failure_policy(FailurePolicy::FailOpen)
-            .timeout(GUARD_TIMEOUT),
-    )
-    .await;
+    for (name, url, policy, timeout) in [
+        (
+            "flaky",
+            &flaky_url,
+            FailurePolicy::FailClosed,
+            GUARD_TIMEOUT,
+        ),
+        (
+            "veto",
+            &veto_url,
+            FailurePolicy::FailClosed,
+            Duration::from_millis(500),
+        ),
+        ("open", &open_url, FailurePolicy::FailOpen, GUARD_TIMEOUT),
+    ] {
+        mesh.register(
+            Registration::validate(name, url)
+                .failure_policy(policy)
+                .timeout(timeout),
+        )
+        .await;
+    }
 
     let started = tokio::time::Instant::now();
     let until = started + duration;

@@ -54,14 +54,18 @@ impl tonic::codec::Codec for RawCodec {
     }
 }
 
-/// A gRPC client on its own connection that speaks raw bytes.
-pub(crate) async fn raw_client(url: &str) -> tonic::client::Grpc<tonic::transport::Channel> {
-    let channel = tonic::transport::Endpoint::from_shared(url.to_owned())
+/// A gRPC channel of its own to `url`.
+pub(crate) async fn channel(url: &str) -> tonic::transport::Channel {
+    tonic::transport::Endpoint::from_shared(url.to_owned())
         .unwrap()
         .connect()
         .await
-        .unwrap();
-    tonic::client::Grpc::new(channel).max_decoding_message_size(64 << 20)
+        .unwrap()
+}
+
+/// A gRPC client on its own connection that speaks raw bytes.
+pub(crate) async fn raw_client(url: &str) -> tonic::client::Grpc<tonic::transport::Channel> {
+    tonic::client::Grpc::new(channel(url).await).max_decoding_message_size(64 << 20)
 }
 
 /// Opens `Evaluate` sending `requests` as raw messages; the answers are
@@ -113,12 +117,58 @@ pub(crate) async fn next_answer(
     }
 }
 
+/// An `EvaluateRequest` with id `batch_id` and `calls` given as
+/// `(call_id, tool, arguments)`.
+pub(crate) fn evaluate_request(
+    batch_id: &str,
+    calls: &[(&str, &str, &str)],
+) -> guardmesh_client::proto::EvaluateRequest {
+    guardmesh_client::proto::EvaluateRequest {
+        batch_id: batch_id.into(),
+        calls: calls
+            .iter()
+            .map(
+                |(call_id, tool, arguments)| guardmesh_client::proto::ToolCall {
+                    call_id: (*call_id).into(),
+                    tool: (*tool).into(),
+                    arguments: (*arguments).into(),
+                },
+            )
+            .collect(),
+        ..Default::default()
+    }
+}
+
+/// A steer with `content`.
+pub(crate) fn steered(content: &str) -> guardmesh_client::Outcome {
+    guardmesh_client::Outcome::Steer {
+        content: content.into(),
+    }
+}
+
+/// A cancel with `content`.
+pub(crate) fn cancelled(content: &str) -> guardmesh_client::Outcome {
+    guardmesh_client::Outcome::Cancel {
+        content: content.into(),
+    }
+}
+
 /// A well-formed batch's bytes.
 pub(crate) fn batch_bytes(
     request: &guardmesh_client::proto::EvaluateRequest,
 ) -> prost::bytes::Bytes {
     use prost::Message;
     request.encode_to_vec().into()
+}
+
+/// The value of header `name` (any case) in an HTTP/1 head.
+pub(crate) fn header_value(head: &str, name: &str) -> Option<String> {
+    head.lines().find_map(|line| {
+        let (key, value) = line.split_once(':')?;
+        key.trim()
+            .eq_ignore_ascii_case(name)
+            .then(|| value.trim().to_owned())
+    })
 }
 
 /// One HTTP/1.1 `POST /mcp` on a fresh connection to the MCP gateway at

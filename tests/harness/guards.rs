@@ -131,6 +131,15 @@ pub(crate) async fn proceed_guard() -> TestGuard {
     script_guard(|_| Script::default()).await
 }
 
+/// A guard that proceeds on everything after `delay`.
+pub(crate) async fn slow_guard(delay: Duration) -> TestGuard {
+    script_guard(move |_| Script {
+        delay,
+        ..Default::default()
+    })
+    .await
+}
+
 /// A guard that applies `f` to each call: `Some(verdict)` or proceed.
 pub(crate) async fn call_guard(
     delay: Duration,
@@ -442,6 +451,39 @@ pub(crate) async fn held_guard() -> HeldHandle {
         }
     });
     HeldHandle { url, guard, task }
+}
+
+/// A script guard served over TLS with `cert_pem` and `key_pem` (asking
+/// clients for a certificate of `client_ca_pem` when given), steering every
+/// call with "checked over TLS": its `https://HOST:PORT` URL and state.
+pub(crate) async fn tls_steering_guard(
+    host: &str,
+    cert_pem: String,
+    key_pem: String,
+    client_ca_pem: Option<String>,
+) -> (String, Arc<ScriptGuard>) {
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("https://{host}:{}", listener.local_addr().unwrap().port());
+    let guard = Arc::new(script_guard_state(|batch| Script {
+        verdicts: batch
+            .calls
+            .iter()
+            .map(|c| guardmesh_client::verdict::steer(&c.call_id, "checked over TLS"))
+            .collect(),
+        ..Default::default()
+    }));
+    tokio::spawn(
+        guardmesh_client::GuardServer::from_arc(guard.clone()).serve_with(
+            listener,
+            Some(guardmesh_client::ServerTls {
+                cert_pem,
+                key_pem,
+                client_ca_pem,
+            }),
+            std::future::pending(),
+        ),
+    );
+    (url, guard)
 }
 
 /// A scripted guard's state without a server (to serve it yourself).

@@ -56,6 +56,41 @@ impl TestMesh {
         self.registrar().await.register(spec).await.unwrap();
     }
 
+    /// `batch` sent as a one-off batch of session `s`.
+    async fn once(
+        &self,
+        batch: guardmesh_client::Batch,
+    ) -> Result<guardmesh_client::BatchDecision, guardmesh_client::ClientError> {
+        self.coordinator().await.evaluate_once("s", batch).await
+    }
+
+    /// `batch` judged as a one-off batch of session `s`.
+    pub(crate) async fn decides(
+        &self,
+        batch: guardmesh_client::Batch,
+    ) -> guardmesh_client::BatchDecision {
+        self.once(batch).await.unwrap()
+    }
+
+    /// `batch` as a one-off batch of session `s`, which the mesh refuses.
+    pub(crate) async fn refuses(
+        &self,
+        batch: guardmesh_client::Batch,
+    ) -> guardmesh_client::ClientError {
+        self.once(batch).await.unwrap_err()
+    }
+
+    /// Opens session "s" and has it evaluate `batch`: the session (open
+    /// while the caller holds it) and the decision.
+    pub(crate) async fn session_decides(
+        &self,
+        batch: guardmesh_client::Batch,
+    ) -> (guardmesh_client::Session, guardmesh_client::BatchDecision) {
+        let session = self.coordinator().await.session("s").await.unwrap();
+        let decision = session.evaluate(batch).await.unwrap();
+        (session, decision)
+    }
+
     /// Signals shutdown and waits for the server to finish draining.
     pub(crate) async fn shutdown(mut self) {
         if let Some(stop) = self.stop.take() {
@@ -125,6 +160,15 @@ impl TestMesh {
             .unwrap();
     }
 }
+
+/// A principal of [`TestMesh::with_tokens`]: id, token and roles.
+pub(crate) type Principal = (&'static str, &'static str, &'static [&'static str]);
+
+/// The operator: token `ops-token`, role `admin`.
+pub(crate) const OPS: Principal = ("ops", "ops-token", &["admin"]);
+
+/// The agent: token `agent-token`, role `evaluate`.
+pub(crate) const AGENT: Principal = ("agent", "agent-token", &["evaluate"]);
 
 impl TestMesh {
     /// A mesh on TLS (no client certificates) whose `[auth]` knows only
@@ -228,6 +272,11 @@ impl MeshProcess {
         panic!("guardmesh serve did not start:\n{}", mesh.log());
     }
 
+    /// A coordinator of the mesh.
+    pub(crate) async fn coordinator(&self) -> Coordinator {
+        Coordinator::connect(self.url.clone()).await.unwrap()
+    }
+
     /// What the process wrote to stderr so far.
     pub(crate) fn log(&self) -> String {
         std::fs::read_to_string(self.dir.join("mesh.log")).unwrap_or_default()
@@ -278,6 +327,43 @@ pub(crate) async fn while_held<D: std::fmt::Debug, T>(
     }
 }
 
+/// A mesh config: batches of `batch_ms` by default, then `more` (keys and
+/// sections), then the guard `held` at `url` with a timeout of `guard_ms`.
+pub(crate) fn held_guard_config(url: &str, batch_ms: u64, more: &str, guard_ms: u64) -> String {
+    format!(
+        "\ndefault_batch_timeout_ms = {batch_ms}\n{more}\n\
+         [[guard]]\nname = \"held\"\nendpoint = \"{url}\"\ntimeout_ms = {guard_ms}\n"
+    )
+}
+
+/// Waits (bounded) until `held` has the batch `in_flight` carries, which
+/// stays unanswered meanwhile.
+pub(crate) async fn until_held<D: std::fmt::Debug>(
+    in_flight: &mut (impl std::future::Future<Output = D> + Unpin),
+    held: &HeldGuard,
+) {
+    let reached = eventually_within(500, || held.requests() == 1);
+    assert!(
+        while_held(in_flight, "answered while held", reached).await,
+        "the batch reached the guard"
+    );
+}
+
+/// Waits (bounded) until the draining mesh at `url` refuses new
+/// connections, while the batch `in_flight` carries stays unanswered.
+pub(crate) async fn refuses_while_held<D: std::fmt::Debug>(
+    in_flight: &mut (impl std::future::Future<Output = D> + Unpin),
+    url: &str,
+) {
+    let refused = while_held(
+        in_flight,
+        "answered while held",
+        refuses_new_connections(url),
+    )
+    .await;
+    assert!(refused, "the draining mesh refuses new connections");
+}
+
 /// Whether a mesh that drains refuses new connections (polled every 10 ms,
 /// at most 500 times).
 pub(crate) async fn refuses_new_connections(url: &str) -> bool {
@@ -293,6 +379,21 @@ pub(crate) async fn refuses_new_connections(url: &str) -> bool {
     false
 }
 
+/// `guardmesh serve --listen 127.0.0.1:<port> --config <config>` (port 0:
+/// any), not started yet: the caller adds its environment and its output.
+pub(crate) fn serve_command(config: &std::path::Path, port: u16) -> std::process::Command {
+    let mut command = std::process::Command::new(env!("CARGO_BIN_EXE_guardmesh"));
+    command
+        .args([
+            "serve",
+            "--listen",
+            &format!("127.0.0.1:{port}"),
+            "--config",
+        ])
+        .arg(config);
+    command
+}
+
 /// Starts `guardmesh serve --listen 127.0.0.1:<port> --config <config>`,
 /// its stderr to the file `log` (`RUST_LOG=log_level` when given).
 pub(crate) fn spawn_serve(
@@ -302,15 +403,8 @@ pub(crate) fn spawn_serve(
     log_level: Option<&str>,
 ) -> std::process::Child {
     let log = std::fs::File::create(log).unwrap();
-    let mut command = std::process::Command::new(env!("CARGO_BIN_EXE_guardmesh"));
+    let mut command = serve_command(config, port);
     command
-        .args([
-            "serve",
-            "--listen",
-            &format!("127.0.0.1:{port}"),
-            "--config",
-        ])
-        .arg(config)
         .stdin(std::process::Stdio::null())
         .stdout(std::process::Stdio::null())
         .stderr(std::process::Stdio::from(log));

@@ -25,6 +25,35 @@ use tokio::task::JoinHandle;
 use tokio_stream::wrappers::TcpListenerStream;
 use tonic::Status;
 
+/// One `[[rule]]` of a policy file, as text: `name` and `action` plain,
+/// `tools` a list of patterns, `when`, `message` and `labels` as their
+/// TOML values are written (quotes included); the fields come out in the
+/// order a policy file has them. Rules put one after the other with
+/// `concat!` make a policy of several rules.
+macro_rules! policy_rule {
+    (
+        name: $name:literal,
+        $(tools: [$($tool:literal),+],)?
+        action: $action:literal,
+        when: $when:literal,
+        message: $message:literal
+        $(, labels: $labels:literal)? $(,)?
+    ) => {
+        concat!(
+            "\n[[rule]]\nname = \"", $name, "\"\n",
+            $("tools = [", $crate::harness::policy_rule!(@list $($tool),+), "]\n",)?
+            "when = ", $when, "\n",
+            "action = \"", $action, "\"\n",
+            "message = ", $message, "\n",
+            $("labels = ", $labels, "\n",)?
+        )
+    };
+    (@list $first:literal $(, $rest:literal)*) => {
+        concat!("\"", $first, "\"", $(", \"", $rest, "\"",)*)
+    };
+}
+pub(crate) use policy_rule;
+
 mod coordinator;
 mod guards;
 mod measure;
@@ -62,6 +91,20 @@ pub(crate) fn free_port() -> u16 {
         .local_addr()
         .unwrap()
         .port()
+}
+
+/// A fresh, empty folder under the system's temporary folder, named after
+/// `name`, this process and a counter: another one at each call.
+pub(crate) fn fresh_dir(name: &str) -> std::path::PathBuf {
+    static SEQ: AtomicUsize = AtomicUsize::new(0);
+    let dir = std::env::temp_dir().join(format!(
+        "guardmesh-{name}-{}-{}",
+        std::process::id(),
+        SEQ.fetch_add(1, Ordering::SeqCst)
+    ));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    dir
 }
 
 /// A session secret (`[sessions] secret_file`, R34) of 32 random bytes,

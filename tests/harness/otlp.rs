@@ -54,12 +54,12 @@ impl TraceService for Collector {
         &self,
         request: tonic::Request<ExportTraceServiceRequest>,
     ) -> Result<tonic::Response<ExportTraceServiceResponse>, tonic::Status> {
-        let mut spans = self.spans.lock().unwrap();
-        for resource in request.into_inner().resource_spans {
-            for scope in resource.scope_spans {
-                spans.extend(scope.spans);
-            }
-        }
+        let resources = request.into_inner().resource_spans;
+        let spans = resources.into_iter().flat_map(|r| r.scope_spans);
+        self.spans
+            .lock()
+            .unwrap()
+            .extend(spans.flat_map(|s| s.spans));
         Ok(tonic::Response::new(ExportTraceServiceResponse {
             partial_success: None,
         }))
@@ -72,24 +72,14 @@ impl LogsService for Collector {
         &self,
         request: tonic::Request<ExportLogsServiceRequest>,
     ) -> Result<tonic::Response<ExportLogsServiceResponse>, tonic::Status> {
-        let mut logs = self.logs.lock().unwrap();
-        for resource in request.into_inner().resource_logs {
-            for scope in resource.scope_logs {
-                logs.extend(scope.log_records);
-            }
-        }
+        let resources = request.into_inner().resource_logs;
+        let logs = resources.into_iter().flat_map(|r| r.scope_logs);
+        self.logs
+            .lock()
+            .unwrap()
+            .extend(logs.flat_map(|s| s.log_records));
         Ok(tonic::Response::new(ExportLogsServiceResponse {
             partial_success: None,
         }))
-    }
-}
-
-/// A child process (`guardmesh serve`), killed when dropped.
-pub(crate) struct KillOnDrop(pub std::process::Child);
-
-impl Drop for KillOnDrop {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
     }
 }

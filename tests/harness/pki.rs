@@ -51,6 +51,31 @@ impl TestPki {
         path
     }
 
+    /// A coordinator of the mesh at `url` that sends `token` (TLS trusting
+    /// this CA).
+    pub(crate) async fn coordinator(
+        &self,
+        url: &str,
+        token: &str,
+    ) -> guardmesh_client::Coordinator {
+        guardmesh_client::Coordinator::connect_with(
+            url.to_owned(),
+            &self.connection(None, Some(token)),
+        )
+        .await
+        .unwrap()
+    }
+
+    /// A registrar of the mesh at `url` that sends `token`.
+    pub(crate) async fn registrar(&self, url: &str, token: &str) -> guardmesh_client::Registrar {
+        guardmesh_client::Registrar::connect_with(
+            url.to_owned(),
+            &self.connection(None, Some(token)),
+        )
+        .await
+        .unwrap()
+    }
+
     /// SDK connection settings: TLS trusting this CA, with the certificate of
     /// `identity` (issued now) and `token` when given.
     pub(crate) fn connection(

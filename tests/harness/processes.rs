@@ -4,6 +4,71 @@
 
 use super::*;
 
+/// Runs `guardmesh ARGS...` to its end: its output.
+pub(crate) fn guardmesh(args: &[&str]) -> std::process::Output {
+    std::process::Command::new(env!("CARGO_BIN_EXE_guardmesh"))
+        .args(args)
+        .output()
+        .expect("run guardmesh")
+}
+
+/// [`guardmesh`] off the runtime's thread: for commands that talk to a mesh
+/// this test's runtime serves.
+pub(crate) async fn guardmesh_off_thread(
+    args: impl IntoIterator<Item = impl Into<String>>,
+) -> std::process::Output {
+    let args: Vec<String> = args.into_iter().map(Into::into).collect();
+    tokio::task::spawn_blocking(move || {
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        guardmesh(&args)
+    })
+    .await
+    .unwrap()
+}
+
+/// A child process, killed (and reaped) when dropped.
+pub(crate) struct KillOnDrop(pub std::process::Child);
+
+impl Drop for KillOnDrop {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+/// Waits (bounded: 15 s) until something accepts on loopback `port`;
+/// `what` names it in the failure.
+pub(crate) async fn wait_for_port(port: u16, what: &str) {
+    for _ in 0..300 {
+        if tokio::net::TcpStream::connect(("127.0.0.1", port))
+            .await
+            .is_ok()
+        {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    panic!("{what} did not start listening on {port}");
+}
+
+/// Runs `command` with `input` on its stdin, its stdout and stderr
+/// captured: its output.
+pub(crate) fn run_with_input(
+    command: &mut std::process::Command,
+    input: &[u8],
+) -> std::process::Output {
+    use std::io::Write;
+    use std::process::Stdio;
+    let mut child = command
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap_or_else(|e| panic!("start {command:?}: {e}"));
+    child.stdin.take().unwrap().write_all(input).unwrap();
+    child.wait_with_output().unwrap()
+}
+
 /// A guard running as a real separate process: `guardmesh example-guard`.
 pub(crate) struct GuardProcess {
     pub url: String,
