@@ -294,15 +294,17 @@ impl Admitted {
         Ok(decision)
     }
 
-    /// The session's turn (R34), when the chain uses session memory: held
-    /// from before the memory is read until the answer is ready. `Err`
-    /// with why the memory is not read when the turn did not come before
-    /// the batch's deadline.
+    /// The session's turn (R34), when a policy rule of the chain reads
+    /// session memory (a count, a flow, a label): held from before the
+    /// memory is read until the answer is ready. `Err` with why the memory
+    /// is not read when the turn did not come before the batch's deadline.
+    /// A chain whose only readers are remote guards sent the memory by
+    /// default is not serialized: its batches stay concurrent (R19, R25).
     async fn session_turn(
         &self,
         mesh: &Mesh,
     ) -> Result<Option<super::session_turns::Turn>, std::sync::Arc<str>> {
-        if !Mesh::chain_uses_session(&mesh.chain()) {
+        if !Mesh::chain_reads_session(&mesh.chain()) {
             return Ok(None);
         }
         let key = Mesh::session_key(&self.batch, &self.trace);

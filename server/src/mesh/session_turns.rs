@@ -1,8 +1,9 @@
 //! R34: the batches of one session are judged one after another on this
 //! mesh, so that a count or a flow cannot be raced by sending them at once.
 //!
-//! A batch whose chain uses session memory takes its session's turn before
-//! its memory is read and keeps it until its answer is ready: its calls
+//! A batch whose chain has a policy rule reading session memory takes its
+//! session's turn before its memory is read and keeps it until its answer
+//! is ready: its calls
 //! are remembered (and, for results, what the model reads) before the next
 //! batch of the session reads the memory. A batch that cannot have its
 //! turn before its deadline is judged without the memory: the rules that
