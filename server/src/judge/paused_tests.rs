@@ -1,6 +1,6 @@
 //! Paused-time versions of the real-socket fault, deadline, restart and
 //! circuit tests (R3-R5, R8-R10, R12-R15, R17, R23, R25): the real judging
-//! ([`Mesh::evaluate`] over a registry, a chain and its guard links) with
+//! ([`Mesh::evaluate_unrecorded`] over a registry, a chain and its guard links) with
 //! guards scripted in memory ([`crate::link::scripted`]) in place of gRPC
 //! servers on loopback. Time is tokio's paused clock: a guard that "hangs
 //! for 30 s" costs nothing, and every duration a batch takes is exact, so

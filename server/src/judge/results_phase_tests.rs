@@ -1,5 +1,5 @@
 //! The results phase (R33) under paused time, with guards scripted in
-//! memory ([`crate::link::scripted`]): the real judging ([`Mesh::evaluate`]
+//! memory ([`crate::link::scripted`]): the real judging ([`Mesh::evaluate_unrecorded`]
 //! over a registry, a chain and its links), as `paused_tests.rs` does for
 //! calls. Order (validate guards on the raw result, then mutate guards),
 //! result grants (R11), failure policies (R13), dry run (R18), traces
