@@ -61,13 +61,14 @@ impl Mesh {
     ) -> Outcome {
         let Pass {
             phase,
+            chain,
             judges,
             busy,
         } = pass;
         let started = Instant::now();
-        let (chain, unguarded) = match judges {
-            Judges::Chain => (self.chain(), self.config.unguarded),
-            Judges::Alone(chain) => (chain.clone(), Unguarded::Proceed),
+        let unguarded = match judges {
+            Judges::Chain => self.config.unguarded,
+            Judges::Alone(_) => Unguarded::Proceed,
         };
         let results_limits;
         let (limits, policy_args) = if phase.is_results() {

@@ -102,10 +102,12 @@ impl Judges {
     }
 }
 
-/// How a batch is judged once admitted: its phase, by whom, and whether it
-/// had its session's turn (`busy`: why not, R34).
+/// How a batch is judged once admitted: its phase, the chain snapshot it
+/// is judged against (R17), by whom, and whether it had its session's turn
+/// (`busy`: why not, R34).
 pub(crate) struct Pass<'a> {
     pub(crate) phase: Phase,
+    pub(crate) chain: Arc<Chain>,
     pub(crate) judges: &'a Judges,
     pub(crate) busy: Option<Arc<str>>,
 }
@@ -303,8 +305,9 @@ impl Admitted {
     async fn session_turn(
         &self,
         mesh: &Mesh,
+        chain: &Chain,
     ) -> Result<Option<super::session_turns::Turn>, std::sync::Arc<str>> {
-        if !Mesh::chain_reads_session(&mesh.chain()) {
+        if !Mesh::chain_reads_session(chain) {
             return Ok(None);
         }
         let key = Mesh::session_key(&self.batch, &self.trace);
@@ -325,7 +328,13 @@ impl Admitted {
         AnswerPhase,
         Option<super::session_turns::Turn>,
     ) {
-        let (turn, busy) = match self.session_turn(mesh).await {
+        // R17: one snapshot of the chain for the whole batch, the session
+        // turn's check included.
+        let chain = match &self.judges {
+            Judges::Chain => mesh.chain(),
+            Judges::Alone(chain) => chain.clone(),
+        };
+        let (turn, busy) = match self.session_turn(mesh, &chain).await {
             Ok(turn) => (turn, None),
             Err(why) => (None, Some(why)),
         };
@@ -348,6 +357,7 @@ impl Admitted {
                 trace,
                 Pass {
                     phase,
+                    chain,
                     judges: &judges,
                     busy,
                 },
