@@ -94,7 +94,11 @@ names!(GuardPhases, "guard phases", [
     Results => "results",
     Both => "both",
 ]);
-names!(SessionMemoryUse, "session memory use", [Send => "send", None => "none"]);
+names!(SessionMemoryUse, "session memory use", [
+    Unspecified => "unspecified",
+    None => "none",
+    Read => "read",
+]);
 names!(ResultAction, "result action", [
     Unspecified => "unspecified",
     Pass => "pass",

@@ -77,6 +77,7 @@ async fn r34_remote_guard_is_sent_session_memory_never_a_value() {
     .await;
     mesh.register(
         Registration::validate("watch", &guard.url)
+            .reads_session_memory()
             .phases(GuardPhases::Both)
             .timeout(Duration::from_secs(5)),
     )
@@ -138,16 +139,20 @@ async fn r34_remote_guard_is_sent_session_memory_never_a_value() {
     mesh.shutdown().await;
 }
 
-/// R34, R25: a guard that opts out is sent no memory, and a chain of such
-/// guards reads nothing from the store (a store that is down changes
-/// nothing for it).
+/// R34, R25: a guard that does not ask for memory (by saying nothing, the
+/// default, or by saying `none`) is sent none and pays nothing for it: a
+/// chain of such guards reads nothing from the store (a store that is down
+/// changes nothing for it).
 #[tokio::test]
-async fn r34_a_guard_that_opts_out_is_sent_nothing_and_costs_no_read() {
+async fn r34_a_guard_that_does_not_ask_is_sent_nothing_and_costs_no_read() {
     let mesh = TestMesh::start().await;
     let down = SessionMemory::new(Arc::new(Down), Digester::random(), SessionLimits::default());
     mesh.mesh.attach_sessions(Arc::new(down)).unwrap();
-    let guard = proceed_guard().await;
-    mesh.register(Registration::validate("plain", &guard.url).without_session_memory())
+    let silent = proceed_guard().await;
+    let plain = proceed_guard().await;
+    mesh.register(Registration::validate("silent", &silent.url))
+        .await;
+    mesh.register(Registration::validate("plain", &plain.url).without_session_memory())
         .await;
     let c = mesh.coordinator().await;
     let d = c
@@ -155,15 +160,30 @@ async fn r34_a_guard_that_opts_out_is_sent_nothing_and_costs_no_read() {
         .await
         .unwrap();
     assert!(matches!(d.call("c").unwrap().outcome, Outcome::Proceed));
-    assert!(guard.guard.batches()[0].session.is_none());
+    assert!(silent.guard.batches()[0].session.is_none());
+    assert!(plain.guard.batches()[0].session.is_none());
     let stats = mesh.mesh.sessions().stats();
     assert_eq!(stats.reads.load(AtomicOrdering::Relaxed), 0);
     assert_eq!(stats.writes.load(AtomicOrdering::Relaxed), 0);
-    // The registration says so when listed.
+    // The registrations say so when listed.
     let listed = mesh.registrar().await.list().await.unwrap();
+    let uses: Vec<(&str, i32)> = listed
+        .guards
+        .iter()
+        .map(|g| (g.name.as_str(), g.session_memory))
+        .collect();
     assert_eq!(
-        listed.guards[0].session_memory,
-        guardmesh_client::proto::SessionMemoryUse::None as i32
+        uses,
+        [
+            (
+                "silent",
+                guardmesh_client::proto::SessionMemoryUse::Unspecified as i32
+            ),
+            (
+                "plain",
+                guardmesh_client::proto::SessionMemoryUse::None as i32
+            )
+        ]
     );
     mesh.shutdown().await;
 }
@@ -176,7 +196,7 @@ async fn r34_store_down_a_guard_is_told_the_memory_is_unavailable_not_empty() {
     let down = SessionMemory::new(Arc::new(Down), Digester::random(), SessionLimits::default());
     mesh.mesh.attach_sessions(Arc::new(down)).unwrap();
     let guard = proceed_guard().await;
-    mesh.register(Registration::validate("flows", &guard.url))
+    mesh.register(Registration::validate("flows", &guard.url).reads_session_memory())
         .await;
     let c = mesh.coordinator().await;
     c.evaluate_once("s", Batch::new(0).call("c", "email.send", "{}"))

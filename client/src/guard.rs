@@ -59,6 +59,13 @@ use tonic::{Request, Response, Status, Streaming};
 /// [`Guard::judge`] to see the whole batch at once (and await I/O). Both
 /// default to proceeding: a guard only says what it objects to.
 pub trait Guard: Send + Sync + 'static {
+    /// Whether the guard reads the batch's session memory
+    /// (`GuardBatch.session`, R34). Registered through
+    /// `GuardServer::registration`, a guard that says `true` is sent the
+    /// memory with each batch; one that keeps the default `false` is sent
+    /// none and pays nothing for it.
+    const READS_SESSION: bool = false;
+
     /// Judges one call. `None` proceeds.
     fn check(&self, call: &ToolCall, batch: &GuardBatch) -> Option<Verdict> {
         let _ = (call, batch);
@@ -105,6 +112,24 @@ impl<G: Guard> GuardServer<G> {
     pub fn new(guard: G) -> Self {
         Self {
             guard: Arc::new(guard),
+        }
+    }
+
+    /// The registration of this guard as a validate guard named `name` at
+    /// `endpoint`, asking for session memory when the guard reads it
+    /// ([`Guard::READS_SESSION`], R34). Chain more options on it
+    /// ([`crate::Registration`]) before sending it. (Feature `coordinator`.)
+    #[cfg(feature = "coordinator")]
+    pub fn registration(
+        &self,
+        name: impl Into<String>,
+        endpoint: impl Into<String>,
+    ) -> crate::Registration {
+        let registration = crate::Registration::validate(name, endpoint);
+        if G::READS_SESSION {
+            registration.reads_session_memory()
+        } else {
+            registration.without_session_memory()
         }
     }
 

@@ -152,8 +152,17 @@ impl Registration {
         self
     }
 
-    /// Opts out of session memory (R34): the guard is sent no
-    /// `GuardBatch.session`. By default it is sent one with each batch.
+    /// Asks for session memory (R34): the guard is sent the batch's
+    /// `GuardBatch.session` with each batch it judges. By default it is sent
+    /// none and pays nothing for it. A kit guard whose `Guard::READS_SESSION`
+    /// is true is registered this way by `GuardServer::registration`.
+    pub fn reads_session_memory(mut self) -> Self {
+        self.0.session_memory = crate::proto::SessionMemoryUse::Read as i32;
+        self
+    }
+
+    /// Says the guard does not read session memory (R34): it is sent none.
+    /// The same as saying nothing.
     pub fn without_session_memory(mut self) -> Self {
         self.0.session_memory = crate::proto::SessionMemoryUse::None as i32;
         self

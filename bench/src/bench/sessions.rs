@@ -9,8 +9,8 @@
 //! | `session_off` | one policy guard: `examples/policy/relaybleed.toml` with each `session.*` term replaced by one on the batch ([`rules_off`]) | the standard batch |
 //! | `session_on` | one policy guard: `relaybleed.toml` as shipped (memory store) | the standard batch |
 //! | `session_on_etcd` | the same, its memory in a single-member etcd on loopback | the standard batch |
-//! | `remote_session_off` | one zero-latency remote guard, `session_memory = "none"` | the standard batch |
-//! | `remote_session_on` | the same guard, sent the session's memory (the default) | the standard batch |
+//! | `remote_session_off` | one zero-latency remote guard that says nothing of session memory (the default: not sent) | the standard batch |
+//! | `remote_session_on` | the same guard with `session_memory = "read"`: sent the session's memory | the standard batch |
 //! | `call_batch` | the `redact-formats` example guard, mutate, calls and results | 4 calls, one holding an AWS access key |
 //! | `result_batch` | the same chain (a mesh of its own) | the 4 results of those calls, one holding the key |
 //! | `result_batch_etcd` | the same, its memory in the etcd | the same |
@@ -1060,9 +1060,11 @@ pub(super) async fn run(
     std::fs::write(&off, rules_off()?)
         .map_err(|e| format!("cannot write {}: {e}", off.display()))?;
     let policy = |file: &Path| super::policy::guard_section("flows", file);
-    let remote = |memory: &str| -> Result<String, Error> {
+    // `None`: the guard says nothing of session memory (the default).
+    let remote = |memory: Option<&str>| -> Result<String, Error> {
+        let memory = memory.map_or(String::new(), |m| format!("session_memory = \"{m}\"\n"));
         Ok(format!(
-            "\n[[guard]]\nname = \"{}\"\nendpoint = \"{}\"\nsession_memory = \"{memory}\"\n",
+            "\n[[guard]]\nname = \"{}\"\nendpoint = \"{}\"\n{memory}",
             ZERO[0],
             guards.stream_url(ZERO[0])?
         ))
@@ -1106,8 +1108,8 @@ pub(super) async fn run(
         },
         Setup {
             name: REMOTE_OFF,
-            what: "one zero-latency remote guard that opted out of session memory",
-            sections: remote("none")?,
+            what: "one zero-latency remote guard that does not ask for session memory (the default)",
+            sections: remote(None)?,
             store: memory.clone(),
             op: standard(),
             redacts: false,
@@ -1116,8 +1118,8 @@ pub(super) async fn run(
         },
         Setup {
             name: REMOTE_ON,
-            what: "the same guard, sent the session's memory with each batch (the default)",
-            sections: remote("send")?,
+            what: "the same guard, asking for the session's memory (session_memory = \"read\")",
+            sections: remote(Some("read"))?,
             store: memory.clone(),
             op: standard(),
             redacts: false,

@@ -70,8 +70,9 @@ table! {
         /// (R11).
         #[serde(default)]
         pub result_grant: Option<ResultGrantConfig>,
-        /// Whether the guard is sent its batch's session memory (R34); `none`
-        /// opts out.
+        /// Whether the guard reads its batch's session memory (R34): `read`
+        /// sends it with each batch the guard judges; `none` (or leaving it
+        /// out) sends none, and the guard pays nothing for it.
         #[serde(default, deserialize_with = "by_name")]
         pub session_memory: guardmesh_proto::v1::SessionMemoryUse,
     }

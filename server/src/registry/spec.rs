@@ -438,9 +438,10 @@ impl Guard {
     }
 
     /// Whether it is sent session memory with its batches (R34): a remote
-    /// guard that did not opt out.
+    /// guard that registered that it reads it. One that said nothing is
+    /// sent none and pays nothing for it.
     pub fn wants_session_memory(&self) -> bool {
-        self.policy.is_none() && self.session_memory == SessionMemoryUse::Send
+        self.policy.is_none() && self.session_memory == SessionMemoryUse::Read
     }
 
     /// Whether the guard judges calls before they run (R33).

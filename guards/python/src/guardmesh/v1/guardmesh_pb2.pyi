@@ -277,18 +277,25 @@ class _SessionMemoryUse:
 
 class _SessionMemoryUseEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_SessionMemoryUse.ValueType], _builtins.type):
     DESCRIPTOR: _descriptor.EnumDescriptor
-    SESSION_MEMORY_USE_SEND: _SessionMemoryUse.ValueType  # 0
-    """Sent with each batch (R34: guards receive the memory)."""
+    SESSION_MEMORY_USE_UNSPECIFIED: _SessionMemoryUse.ValueType  # 0
+    """The guard said nothing: not sent."""
     SESSION_MEMORY_USE_NONE: _SessionMemoryUse.ValueType  # 1
-    """Not sent."""
+    """The guard does not read it: not sent."""
+    SESSION_MEMORY_USE_READ: _SessionMemoryUse.ValueType  # 2
+    """The guard reads it: sent with each batch the guard judges."""
 
 class SessionMemoryUse(_SessionMemoryUse, metaclass=_SessionMemoryUseEnumTypeWrapper):
-    """Whether a guard is sent session memory (R34). The zero value sends it."""
+    """Whether a guard reads session memory (R34: guards that ask for it
+    receive it; one that does not pays nothing for it). The zero value does
+    not ask.
+    """
 
-SESSION_MEMORY_USE_SEND: SessionMemoryUse.ValueType  # 0
-"""Sent with each batch (R34: guards receive the memory)."""
+SESSION_MEMORY_USE_UNSPECIFIED: SessionMemoryUse.ValueType  # 0
+"""The guard said nothing: not sent."""
 SESSION_MEMORY_USE_NONE: SessionMemoryUse.ValueType  # 1
-"""Not sent."""
+"""The guard does not read it: not sent."""
+SESSION_MEMORY_USE_READ: SessionMemoryUse.ValueType  # 2
+"""The guard reads it: sent with each batch the guard judges."""
 Global___SessionMemoryUse: _TypeAlias = SessionMemoryUse  # noqa: Y015
 
 class _GuardPhases:
@@ -1079,8 +1086,8 @@ class GuardBatch(_message.Message):
         identity and `context.session_id`) as it was when the batch arrived:
         labels, counts of calls per tool, the most recent calls, and whether
         the session's bounds dropped entries. Digests only, never a value of an
-        argument or a result. Bounded (see `SessionMemory`). Unset when the
-        guard registered `session_memory` NONE. When the memory cannot be read,
+        argument or a result. Bounded (see `SessionMemory`). Set only for a
+        guard that registered `session_memory` READ. When the memory cannot be read,
         only `unavailable` is set.
         """
 
@@ -1452,10 +1459,13 @@ class GuardSpec(_message.Message):
     only.
     """
     session_memory: Global___SessionMemoryUse.ValueType
-    """R34: whether the guard is sent its batch's session memory
-    (`GuardBatch.session`). The default sends it; NONE opts out: the guard
-    is sent none, and a chain none of whose guards want memory (and none of
-    whose policy rules read `session`) costs no read of the session store.
+    """R34: whether the guard reads its batch's session memory
+    (`GuardBatch.session`). READ asks for it: the memory is read for each
+    batch the guard judges and sent with it. Unset (the default) and NONE
+    do not: the guard is sent none and pays nothing for it, and a chain
+    none of whose guards read memory (and none of whose policy rules read
+    `session`) costs no read of the session store. The kits set READ when
+    the guard's handler takes the memory.
     """
     @_builtins.property
     def tools(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
