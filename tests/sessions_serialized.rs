@@ -61,3 +61,57 @@ async fn r34_concurrent_batches_of_one_session_cannot_race_a_count() {
     assert!(matches!(d.call("e").unwrap().outcome, Outcome::Proceed));
     mesh.shutdown().await;
 }
+
+/// The same race judged by a remote guard that reads the memory (it asked
+/// for it): its count of the session's emails sees every email an earlier
+/// batch let run, so six batches at once let exactly three run.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn r34_a_remote_guard_that_reads_the_memory_cannot_be_raced() {
+    let mesh = TestMesh::start().await;
+    let guard = script_guard(|b| {
+        let sent = b
+            .session
+            .as_ref()
+            .and_then(|m| m.counts.get("email.send").copied())
+            .unwrap_or(0);
+        Script {
+            // A little time judging, so that batches overlap.
+            delay: std::time::Duration::from_millis(20),
+            verdicts: b
+                .calls
+                .iter()
+                .filter(|_| sent >= 3)
+                .map(|c| guardmesh_client::verdict::cancel(&c.call_id, "at most 3 emails"))
+                .collect(),
+            ..Script::default()
+        }
+    })
+    .await;
+    mesh.register(Registration::validate("rate", &guard.url).reads_session_memory())
+        .await;
+    let mut sent = Vec::new();
+    for turn in 0..6u32 {
+        let url = mesh.url.clone();
+        sent.push(tokio::spawn(async move {
+            let c = guardmesh_client::Coordinator::connect(url).await.unwrap();
+            let d = c
+                .evaluate_once(
+                    "remote-race",
+                    Batch::new(turn).call("e", "email.send", r#"{"to":"a@example.com"}"#),
+                )
+                .await
+                .unwrap();
+            d.call("e").unwrap().outcome.clone()
+        }));
+    }
+    let mut proceeded = 0;
+    for sent in sent {
+        match sent.await.unwrap() {
+            Outcome::Proceed => proceeded += 1,
+            Outcome::Cancel { content } => assert!(content.contains("3 emails"), "{content}"),
+            other => panic!("{other:?}"),
+        }
+    }
+    assert_eq!(proceeded, 3);
+    mesh.shutdown().await;
+}

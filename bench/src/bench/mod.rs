@@ -66,6 +66,7 @@ mod relay;
 mod replicas;
 mod report;
 mod sessions;
+mod tripwire;
 
 pub use guards::GuardsArgs;
 pub use placement::Placement;
@@ -191,6 +192,13 @@ pub struct BenchArgs {
     /// the etcd and Redis stores against the mesh's own memory.
     #[arg(long, value_enum)]
     pub only: Option<Only>,
+    /// After the run, fails when `cpu_per_batch_mesh4_vs_relay_floor4` or
+    /// `throughput_mesh4_vs_relay_floor4` is more than 1.5 times worse than
+    /// in this file of committed figures (`bench/last-full-run.json`, the
+    /// last full run's). Ratios in one run; meant for `--quick --placement
+    /// split`.
+    #[arg(long, value_name = "FILE", conflicts_with = "only")]
+    pub tripwire: Option<PathBuf>,
     /// Another build's `guardmesh` executable, for `--only compare`: its
     /// meshes run beside this build's, round by round.
     #[arg(long, value_name = "EXE", requires = "only")]
@@ -1940,6 +1948,9 @@ fn report(
         println!("\nwrote {}", path.display());
     }
     drop(guards);
+    if let Some(path) = &args.tripwire {
+        tripwire::check(&results.json()?, path)?;
+    }
     Ok(())
 }
 

@@ -56,15 +56,15 @@ impl Mesh {
     }
 
     /// Whether a guard of `chain` uses session memory at all: a policy
-    /// guard reads `session`, or a remote guard did not opt out.
+    /// guard reads `session`, or a remote guard asked for the memory.
     pub(crate) fn chain_uses_session(chain: &Chain) -> bool {
         Self::chain_reads_session(chain)
             || chain.guards.iter().any(|g| g.guard.wants_session_memory())
     }
 
     /// Whether this batch needs the session's memory (R34): a policy guard
-    /// reads `session`, or a remote guard that did not opt out
-    /// (`session_memory = none`) judges this phase and applies to one of
+    /// reads `session`, or a remote guard that asked for the memory
+    /// (`session_memory = read`) judges this phase and applies to one of
     /// the batch's calls. Otherwise nothing is read for the batch.
     pub(crate) fn batch_needs_session(
         chain: &Chain,

@@ -296,18 +296,18 @@ impl Admitted {
         Ok(decision)
     }
 
-    /// The session's turn (R34), when a policy rule of the chain reads
-    /// session memory (a count, a flow, a label): held from before the
-    /// memory is read until the answer is ready. `Err` with why the memory
-    /// is not read when the turn did not come before the batch's deadline.
-    /// A chain whose only readers are remote guards sent the memory by
-    /// default is not serialized: its batches stay concurrent (R19, R25).
+    /// The session's turn (R34), when the chain uses session memory (a
+    /// policy rule reads `session`, or a remote guard asked for the
+    /// memory): held from before the memory is read until the answer is
+    /// ready. `Err` with why the memory is not read when the turn did not
+    /// come before the batch's deadline. A chain that uses no memory is not
+    /// serialized: its batches stay concurrent (R19, R25).
     async fn session_turn(
         &self,
         mesh: &Mesh,
         chain: &Chain,
     ) -> Result<Option<super::session_turns::Turn>, std::sync::Arc<str>> {
-        if !Mesh::chain_reads_session(chain) {
+        if !Mesh::chain_uses_session(chain) {
             return Ok(None);
         }
         let key = Mesh::session_key(&self.batch, &self.trace);
