@@ -30,6 +30,44 @@ export interface BatchContext {
   metadata: { [key: string]: string };
 }
 
+/** A call that ran in a session (R34; wire field names). */
+export interface SessionCall {
+  /** The tool that ran (its final name). */
+  tool: string;
+  /** The server the tool belongs to. */
+  server: string;
+  /** Keyed digest of the call's final arguments, 32 hex digits; never the arguments. */
+  args_digest: string;
+  /** When it was judged to run, ms since the Unix epoch (uint64, as decimal text). */
+  at_ms: string;
+}
+
+/**
+ * A session's memory as a guard is sent it (R34; wire field names): what
+ * earlier batches of the session did. Digests only, never a value.
+ */
+export interface SessionMemory {
+  /** The session's labels (`secret:fs`), oldest first. */
+  labels: string[];
+  /** Calls remembered per tool. */
+  counts: { [tool: string]: number };
+  /** The most recent calls that ran, oldest first. */
+  recent: SessionCall[];
+  /** Calls recorded since the session began (uint64, as decimal text). */
+  calls_total: string;
+  /** Results recorded since the session began (uint64, as decimal text). */
+  results_total: string;
+  /** The session's bounds dropped entries: a strict guard may treat it as tainted. */
+  evicted: boolean;
+  /** This message left out calls or labels to stay within its bounds. */
+  truncated: boolean;
+  /**
+   * Set (to the reason), alone, when the memory could not be read: the
+   * session is unknown, never empty.
+   */
+  unavailable: string;
+}
+
 /** The result of a call that ran (R33). */
 export class Result {
   readonly callId: string;
@@ -58,6 +96,11 @@ export class Batch {
   readonly unreadable: Call[];
   /** For a batch of results (R33): the results to judge (`calls` is then empty). */
   readonly results: Result[];
+  /**
+   * The session's memory when the batch arrived (R34), or null: sent only
+   * to a guard registered as reading it (`sessionMemory: 'read'`).
+   */
+  readonly session: SessionMemory | null;
   /** 'results' for a batch of results, else 'calls'. */
   readonly phase: 'calls' | 'results';
   readonly deadlineMs: number;
@@ -89,8 +132,13 @@ export interface Verdict {
 /** What a judge returns: verdicts (any iterable), one verdict, or nothing (all proceed). */
 export type Verdicts = Iterable<Verdict> | Verdict | null | undefined | void;
 
-/** A judge function: may be async. */
-export type JudgeFn = (batch: Batch) => Verdicts | Promise<Verdicts>;
+/**
+ * A judge function: may be async. One of two parameters reads the session's
+ * memory (R34): it is registered asking for it (`server.register`, `main`)
+ * and called with it (null when the batch carries none). A parameter with a
+ * default does not count (the function's `length`).
+ */
+export type JudgeFn = (batch: Batch, session: SessionMemory | null) => Verdicts | Promise<Verdicts>;
 
 /** Skip the call as an error the model should fix and retry (R7). */
 export function steer(callId: string, content: string): Verdict;
@@ -128,12 +176,24 @@ export interface GuardServer {
   readonly grpcServer: grpc.Server;
   readonly port: number;
   readonly name: string;
+  /** 'read' when the judge takes two parameters (it reads session memory), else 'none'. */
+  readonly sessionMemory: SessionMemoryUse;
+  /**
+   * Registers this guard as `register` does, at the port (and host, and
+   * TLS) it serves on, with its `sessionMemory` unless `options` says it.
+   */
+  register(meshAddr: string, name: string, options?: RegisterOptions): Promise<RegisterResponse>;
   /** Stops gracefully; resolves once stopped. */
   stop(graceMs?: number): Promise<void>;
 }
 
 /** Starts serving `judgeFn` as a GuardService, with grpc.health.v1. */
-export function serve(judgeFn: JudgeFn, options?: ServeOptions): Promise<{ server: GuardServer; port: number }>;
+export function serve(judgeFn: JudgeFn, options?: ServeOptions): Promise<{
+  server: GuardServer;
+  port: number;
+  /** As `server.sessionMemory`. */
+  sessionMemory: SessionMemoryUse;
+}>;
 
 /** How the kit reaches the mesh (R24: every call carries them). */
 export interface CredentialOptions {
@@ -153,6 +213,8 @@ export type Role = 'validate' | 'mutate';
 export type FailurePolicy = 'fail_closed' | 'fail_open' | 'abort';
 export type Mode = 'enforce' | 'dry_run';
 export type Phases = 'calls' | 'results' | 'both';
+/** Whether a guard reads the session's memory (R34). */
+export type SessionMemoryUse = 'read' | 'none';
 
 export interface RegisterOptions extends CredentialOptions {
   host?: string;
@@ -180,6 +242,12 @@ export interface RegisterOptions extends CredentialOptions {
    * these (R32). Default: the endpoint alone.
    */
   replicas?: string[] | string;
+  /**
+   * 'read': the guard is sent the session's memory with each batch (R34);
+   * 'none' or unset (the default): it is sent none. `server.register` sets
+   * it from the judge.
+   */
+  sessionMemory?: SessionMemoryUse | null;
 }
 
 export interface RegisterResponse {

@@ -24,6 +24,15 @@
  * `node my_guard.js --port 0 --mesh 127.0.0.1:50051` serves, registers with
  * the mesh and prints `LISTENING <port>`.
  *
+ * A judge that reads the session's memory (R34: what earlier batches of the
+ * session did, as labels, counts and digests) says so by taking it as a
+ * second parameter: `judge(batch, session)` (a function of two parameters,
+ * `judgeFn.length >= 2`; a parameter with a default does not count). Its
+ * server then says `sessionMemory: 'read'`, `server.register()` (and
+ * `main()`) registers it asking for the memory, and it is called with the
+ * batch's memory (null when the batch carries none). A judge of one
+ * parameter asks for none and is sent none.
+ *
  * What the kit does for the author:
  *  - judges the batches of one stream concurrently (each judge call is its own
  *    promise) and answers each request exactly once, in whatever order the
@@ -255,6 +264,14 @@ class Batch {
      * phase (`phases: 'results'` or `'both'`).
      */
     this.results = (request.results || []).map((r) => new Result(r));
+    /**
+     * The session's memory as it was when the batch arrived (R34; wire
+     * field names: labels, counts, recent, calls_total, results_total,
+     * evicted, truncated, unavailable), or null: it is sent only to a guard
+     * registered as reading it (`sessionMemory: 'read'`, which
+     * `server.register()` sends for a judge of two parameters).
+     */
+    this.session = request.session || null;
     this.deadlineMs = request.deadline_ms;
     this.traceparent = request.traceparent;
     this.tracestate = request.tracestate;
@@ -732,13 +749,22 @@ function serverCredentials(tls) {
  * Starts serving `judgeFn` as a GuardService, with grpc.health.v1 (overall and
  * GuardService SERVING). Options: `port` (0 picks one), `host`, `name`, and
  * `tls` ({certFile, keyFile, clientCaFile}: serve TLS, mTLS with a client CA).
- * Unknown options are refused. Resolves to {server, port}; `server.stop(graceMs)`
- * stops gracefully (NOT_SERVING, each stream ends once its outstanding
- * requests are answered, the rest is cancelled after `graceMs`).
+ * Unknown options are refused. Resolves to {server, port, sessionMemory}:
+ * `sessionMemory` is 'read' when `judgeFn` takes two parameters (it is then
+ * called as `judgeFn(batch, session)`), else 'none' (R34).
+ * `server.register(meshAddr, name, options)` registers it at the port (and
+ * host, and TLS) it serves on with that `sessionMemory`, as `register` does;
+ * `server.stop(graceMs)` stops gracefully (NOT_SERVING, each stream ends
+ * once its outstanding requests are answered, the rest is cancelled after
+ * `graceMs`).
  */
 async function serve(judgeFn, options = {}) {
   refuseUnknown('serve', options, SERVE_OPTIONS);
+  if (typeof judgeFn !== 'function') throw new TypeError('serve: judgeFn must be a function');
   const { port = 0, host = '127.0.0.1', name = '', tls = null } = options;
+  // A judge of two parameters reads the session's memory (R34).
+  const sessionMemory = judgeFn.length >= 2 ? 'read' : 'none';
+  const judge = sessionMemory === 'read' ? (batch) => judgeFn(batch, batch.session) : judgeFn;
   const credentials = serverCredentials(tls);
   const grpcServer = new grpc.Server();
   const streams = new Set();
@@ -747,7 +773,7 @@ async function serve(judgeFn, options = {}) {
   grpcServer.addService(pb.GuardService.service, {
     Judge: (call) => {
       if (draining.value) call.emit('error', { code: grpc.status.UNAVAILABLE, details: 'the guard is stopping' });
-      else judgeStream(call, judgeFn, name, streams, draining);
+      else judgeStream(call, judge, name, streams, draining);
     },
   });
   health.addToServer(grpcServer);
@@ -764,6 +790,16 @@ async function serve(judgeFn, options = {}) {
     grpcServer,
     port: bound,
     name,
+    /** 'read' when the judge reads the session's memory, else 'none' (R34). */
+    sessionMemory,
+    /**
+     * Registers this guard as `register` does, at the port (and host, and
+     * TLS) it serves on, with `sessionMemory` unless `options` says it.
+     */
+    register(meshAddr, guardName, registerOptions = {}) {
+      return register(meshAddr, guardName, bound,
+        { host, https: tls !== null, sessionMemory, ...registerOptions });
+    },
     /** Stops gracefully; resolves once stopped. */
     stop(graceMs = 5000) {
       health.shutdown();
@@ -775,7 +811,7 @@ async function serve(judgeFn, options = {}) {
       });
     },
   };
-  return { server, port: bound };
+  return { server, port: bound, sessionMemory };
 }
 
 const ENUMS = {
@@ -783,6 +819,7 @@ const ENUMS = {
   failurePolicy: ['FAILURE_POLICY_', ['fail_closed', 'fail_open', 'abort']],
   mode: ['GUARD_MODE_', ['enforce', 'dry_run']],
   phases: ['GUARD_PHASES_', ['calls', 'results', 'both']],
+  sessionMemory: ['SESSION_MEMORY_USE_', ['none', 'read']],
 };
 
 function enumName(kind, value) {
@@ -864,7 +901,7 @@ function unary(client, method, request, timeoutMs, metadata) {
 const REGISTER_OPTIONS = [
   'host', 'endpoint', 'role', 'tools', 'failurePolicy', 'timeoutMs', 'priority', 'mode',
   'grantTools', 'mayRename', 'waitMs', 'https', 'replicas', 'phases', 'resultGrantTools',
-  ...CREDENTIAL_OPTIONS,
+  'sessionMemory', ...CREDENTIAL_OPTIONS,
 ];
 
 /** Picks the credential options out of `options`. */
@@ -879,6 +916,9 @@ function credentialOptions(options) {
  * 'fail_open', 'dry_run'); list options an array or comma-separated text.
  * `replicas` lists more replicas of this guard (`http://host:port` each,
  * R32): the mesh spreads requests over the endpoint and these.
+ * `sessionMemory: 'read'` asks for the session's memory with each batch
+ * (R34); 'none' or unset (the default) asks for none. A served guard's
+ * `server.register()` sets it from its judge (`serve` resolves to it too).
  * Waits up to `waitMs` for the mesh. The credential options (`caFile`,
  * `certFile`, `keyFile`, `token`, `tokenFile`, `tlsDomain`: see
  * meshCredentials) go on the call. Unknown options are refused. Resolves to
@@ -890,6 +930,7 @@ async function register(meshAddr, name, port, options = {}) {
     host = '127.0.0.1', role = 'validate', tools = [], failurePolicy = 'fail_closed',
     timeoutMs = 0, priority = 0, mode = 'enforce', grantTools = [], mayRename = false,
     waitMs = 10000, https = false, replicas = [], phases = 'calls', resultGrantTools = [],
+    sessionMemory = null,
   } = options;
   let { endpoint = null } = options;
   const credentials = meshCredentials(meshAddr, credentialOptions(options));
@@ -912,6 +953,9 @@ async function register(meshAddr, name, port, options = {}) {
     phases: enumName('phases', phases),
     result_grant: { tools: list(resultGrantTools) },
   };
+  if (sessionMemory !== null && sessionMemory !== undefined) {
+    guard.session_memory = enumName('sessionMemory', sessionMemory);
+  }
   const client = registryClient(meshAddr, credentials);
   try {
     const response = await unary(client, 'Register', { guard }, waitMs, credentials.metadata);
@@ -1104,7 +1148,8 @@ function parseFlags(argv = process.argv.slice(2), settings = {}) {
 /**
  * Serves `judgeFn` as the parsed flags say, until SIGTERM or SIGINT. Prints
  * exactly one line to stdout, `LISTENING <port>`, once serving (and
- * registered, with --mesh); logs go to stderr. Exits the process: 0 after a
+ * registered, with --mesh, asking for the session's memory when `judgeFn`
+ * takes two parameters); logs go to stderr. Exits the process: 0 after a
  * graceful stop, 1 if serving or registration failed.
  */
 async function run(judgeFn, flags) {
@@ -1132,7 +1177,7 @@ async function run(judgeFn, flags) {
       port: flags.port, host: flags.host, name: flags.name, tls,
     }));
     if (flags.mesh) {
-      await register(flags.mesh, flags.name, server.port, {
+      await server.register(flags.mesh, flags.name, {
         host: flags.host,
         endpoint: flags.endpoint,
         role: flags.role,

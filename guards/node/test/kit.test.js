@@ -236,3 +236,167 @@ test('a registration carries its replicas beside its endpoint (R32)', async () =
     server.forceShutdown();
   }
 });
+
+/** EvaluateBatch of `calls` as turn `turn` of session `sessionId`. */
+function evaluateIn(addr, sessionId, turn, calls) {
+  const client = new gg.pb.PreToolService(addr, grpc.credentials.createInsecure());
+  return new Promise((resolve, reject) => {
+    client.EvaluateBatch({
+      batch_id: `${sessionId}-${turn}`, context: { session_id: sessionId, turn_index: turn }, calls,
+    }, new grpc.Metadata(), { deadline: Date.now() + 10000 },
+    (err, answer) => { client.close(); if (err) reject(err); else resolve(answer); });
+  });
+}
+
+/** The chain's guards and the session memory each registered (R34). */
+function registeredSessionMemory(addr) {
+  const client = new gg.pb.GuardRegistry(addr, grpc.credentials.createInsecure());
+  return new Promise((resolve, reject) => {
+    client.List({}, { deadline: Date.now() + 10000 }, (err, listed) => {
+      client.close();
+      if (err) reject(err);
+      else resolve(Object.fromEntries(listed.guards.map((g) => [g.name, g.session_memory])));
+    });
+  });
+}
+
+test('a judge of two parameters asks for session memory and is sent it; one of one parameter is not (R34)', async () => {
+  const { addr } = await startMesh();
+  const memories = [];
+  const plain = [];
+  const reader = await gg.serve((batch, session) => {
+    assert.equal(session, batch.session);
+    memories.push(session);
+    // A label on the first call, for the next batch of the session to see.
+    return batch.calls.map((c) => ({ ...gg.proceed(c.callId), labels: ['seen:fs'] }));
+  }, { name: 'js-reader' });
+  cleanup.push(() => reader.server.stop(100));
+  const one = await gg.serve((batch) => { plain.push(batch); }, { name: 'js-plain' });
+  cleanup.push(() => one.server.stop(100));
+  assert.deepEqual([reader.sessionMemory, reader.server.sessionMemory], ['read', 'read']);
+  assert.deepEqual([one.sessionMemory, one.server.sessionMemory], ['none', 'none']);
+
+  await reader.server.register(addr, 'js-reader', { timeoutMs: 5000 });
+  await gg.register(addr, 'js-plain', one.port, { sessionMemory: one.sessionMemory, timeoutMs: 5000 });
+  assert.deepEqual(await registeredSessionMemory(addr),
+    { 'js-reader': 'SESSION_MEMORY_USE_READ', 'js-plain': 'SESSION_MEMORY_USE_NONE' });
+
+  const call = (id, tool) => [{ call_id: id, tool, arguments: '{"path":"a"}' }];
+  await evaluateIn(addr, 'js-memory', 0, call('c1', 'fs.read'));
+  await evaluateIn(addr, 'js-memory', 1, call('c2', 'fs.write'));
+  const [first, second] = memories;
+  assert.ok(first && !first.unavailable, JSON.stringify(first));
+  assert.deepEqual([first.labels, String(first.calls_total)], [[], '0']);
+  assert.ok(second && !second.unavailable, JSON.stringify(second));
+  assert.deepEqual(second.labels, ['seen:fs']);
+  assert.equal(String(second.calls_total), '1');
+  assert.deepEqual(second.counts, { 'fs.read': 1 });
+  assert.deepEqual(second.recent.map((c) => [c.tool, c.args_digest.length]), [['fs.read', 32]]);
+  assert.deepEqual(plain.map((b) => [b.raw.session, b.session]), [[null, null], [null, null]]);
+
+  // Registered without the option, the same judge is sent none: null.
+  await gg.register(addr, 'js-reader', reader.port, { timeoutMs: 5000 });
+  assert.equal((await registeredSessionMemory(addr))['js-reader'], 'SESSION_MEMORY_USE_UNSPECIFIED');
+  await evaluateIn(addr, 'js-memory', 2, call('c3', 'fs.read'));
+  assert.deepEqual(memories.slice(2), [null]);
+});
+
+test('sessionMemory is a registration option; the judge\'s length says whether it reads (R34)', async () => {
+  const seen = [];
+  const server = new grpc.Server();
+  server.addService(gg.pb.GuardRegistry.service, {
+    Register: (call, done) => { seen.push(call.request.guard); done(null, { revision: '1', position: 0, created: true }); },
+    Deregister: (call, done) => done(null, { revision: '1', removed: false }),
+    List: (call, done) => done(null, { revision: '1', guards: [] }),
+  });
+  const port = await new Promise((resolve, reject) => server.bindAsync('127.0.0.1:0',
+    grpc.ServerCredentials.createInsecure(), (err, p) => (err ? reject(err) : resolve(p))));
+  try {
+    const addr = `127.0.0.1:${port}`;
+    await gg.register(addr, 'g', 7001, { sessionMemory: 'read' });
+    await gg.register(addr, 'g', 7001, { sessionMemory: 'none' });
+    await gg.register(addr, 'g', 7001);
+    assert.deepEqual(seen.map((g) => g.session_memory),
+      ['SESSION_MEMORY_USE_READ', 'SESSION_MEMORY_USE_NONE', 'SESSION_MEMORY_USE_UNSPECIFIED']);
+    await assert.rejects(gg.register(addr, 'g', 7001, { sessionMemory: 'send' }), TypeError);
+  } finally {
+    server.forceShutdown();
+  }
+  // Function.length counts the parameters before the first with a default.
+  const kinds = [
+    [(batch, session) => [batch, session], 'read'],
+    [async function judge(batch, session) { return [batch, session]; }, 'read'],
+    [(batch) => [batch], 'none'],
+    [(batch, session = null) => [batch, session], 'none'],
+  ];
+  for (const [judge, expected] of kinds) {
+    const served = await gg.serve(judge);
+    await served.server.stop(0);
+    assert.equal(served.sessionMemory, expected, String(judge));
+  }
+});
+
+test('main() registers a judge of two parameters as reading session memory (R34)', async () => {
+  const { addr, dir } = await startMesh();
+  const script = path.join(dir, 'reader.js');
+  fs.writeFileSync(script, `const gg = require(${JSON.stringify(path.resolve(__dirname, '..'))});
+gg.main((batch, session) => null, { defaults: { name: 'main-reader' } });\n`);
+  const child = spawn(process.execPath, [script, '--port', '0', '--mesh', addr, '--log-level', 'error'],
+    { stdio: ['ignore', 'pipe', 'inherit'] });
+  const exited = new Promise((resolve) => child.once('exit', resolve));
+  cleanup.push(async () => { if (child.exitCode === null) { child.kill('SIGTERM'); await exited; } });
+  await new Promise((resolve, reject) => {
+    let out = '';
+    child.stdout.on('data', (chunk) => { out += chunk; if (/^LISTENING \d+/m.test(out)) resolve(); });
+    exited.then((code) => reject(new Error(`the guard exited ${code}: ${out}`)));
+  });
+  assert.deepEqual(await registeredSessionMemory(addr), { 'main-reader': 'SESSION_MEMORY_USE_READ' });
+});
+
+test('the typings take a judge of two parameters and the sessionMemory option (tsc --strict)', () => {
+  const tsc = path.resolve(__dirname, '..', 'node_modules', 'typescript', 'bin', 'tsc');
+  const dir = fs.mkdtempSync(path.join(os.tmpdir(), 'guardmesh-node-tsc-'));
+  cleanup.push(() => fs.rmSync(dir, { recursive: true, force: true }));
+  fs.writeFileSync(path.join(dir, 'tsconfig.json'), JSON.stringify({
+    compilerOptions: {
+      strict: true, target: 'es2022', module: 'nodenext', noEmit: true, types: ['node'],
+      typeRoots: [path.resolve(__dirname, '..', 'node_modules', '@types')],
+      paths: { 'guardmesh-guard': [path.resolve(__dirname, '..', 'guardmesh_guard.d.ts')] },
+    },
+    include: ['*.ts'],
+  }));
+  fs.writeFileSync(path.join(dir, 'good.ts'), `import * as gg from 'guardmesh-guard';
+export function reads(batch: gg.Batch, session: gg.SessionMemory | null): gg.Verdict[] {
+  if (session === null || session.unavailable) return [];
+  const tainted = session.labels.includes('secret:fs') || (session.counts['fs.read'] ?? 0) > 3;
+  const last: gg.SessionCall | undefined = session.recent[session.recent.length - 1];
+  return tainted && last !== undefined && BigInt(session.calls_total) > 0n
+    ? batch.calls.map((c) => gg.cancel(c.callId, \`not after \${last.tool}\`)) : [];
+}
+export function one(batch: gg.Batch): gg.Verdict[] {
+  return batch.session === null ? [] : batch.calls.map((c) => gg.proceed(c.callId));
+}
+export async function start(mesh: string): Promise<void> {
+  const { server, port, sessionMemory } = await gg.serve(reads, { name: 'r' });
+  const use: 'read' | 'none' = server.sessionMemory;
+  await server.register(mesh, 'r', { failurePolicy: 'fail_open' });
+  await gg.register(mesh, 'r', port, { sessionMemory, timeoutMs: 1 });
+  await gg.register(mesh, 'r', port, { sessionMemory: use });
+  await gg.serve(one);
+  await gg.main(reads);
+}
+`);
+  fs.writeFileSync(path.join(dir, 'bad.ts'), `import * as gg from 'guardmesh-guard';
+export async function start(mesh: string): Promise<void> {
+  await gg.register(mesh, 'r', 1, { sessionMemory: 'send' });
+  await gg.register(mesh, 'r', 1, { session_memory: 'read' });
+}
+`);
+  const { spawnSync } = require('node:child_process');
+  const result = spawnSync(process.execPath, [tsc, '-p', '.'], { cwd: dir, encoding: 'utf8', timeout: 120000 });
+  const errors = result.stdout.split('\n').filter((line) => /error TS/.test(line));
+  assert.ok(errors.every((line) => line.startsWith('bad.ts')), result.stdout);
+  assert.ok(errors.some((line) => line.startsWith('bad.ts(3,') && /"send"/.test(line)), result.stdout);
+  assert.ok(errors.some((line) => line.startsWith('bad.ts(4,') && /session_memory/.test(line)), result.stdout);
+  assert.equal(result.status, 2, result.stdout);
+});

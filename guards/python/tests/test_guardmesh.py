@@ -442,7 +442,27 @@ async def ajudge(batch: guard_aio.Batch) -> list[guard_aio.Verdict]:
     return list(judge(batch))
 
 
+def reads(batch: gg.Batch, session: gg.SessionMemory | None) -> list[gg.Verdict]:
+    return [] if session is None or "secret:fs" not in session.labels else [
+        gg.cancel(c.call_id, "The session read a secret.") for c in batch.calls]
+
+
+async def areads(batch: guard_aio.Batch,
+                 session: guard_aio.SessionMemory | None) -> list[guard_aio.Verdict]:
+    return reads(batch, session)
+
+
+async def aserve(mesh: str) -> None:
+    server, _ = await guard_aio.serve(areads, name="ar")
+    assert server.session_memory == "read"
+    await server.register(mesh, "ar", failure_policy="fail_open")
+
+
 def setup(mesh: str, port: int, options: dict[str, Any]) -> None:
+    server, _ = gg.serve(reads, name="r")
+    server.register(mesh, "r", tools="fs.*", priority=1)
+    gg.register(mesh, "r", port, session_memory=server.session_memory)
+    gg.register(mesh, "r", port, session_memory="read")
     gg.register(mesh, "g", port, failure_policy="fail_open", role="validate", priority=2)
     gg.register(mesh, "g", port, **options)  # a dict of options, as before
     opts: gg.RegisterOptions = {"tools": ["fs.*"], "mode": "dry_run"}
@@ -463,7 +483,8 @@ def test_verdict_and_typed_options_under_mypy_strict(tmp_path: Path) -> None:
         "from guardmesh import guard as gg\n"
         "gg.register('127.0.0.1:1', 'g', 1, faillure_policy='fail_open')\n"
         "gg.register_policy('127.0.0.1:1', 'p', 'x', role='mutate')\n"
-        "gg.register('127.0.0.1:1', 'g', 1, priority='high')\n")
+        "gg.register('127.0.0.1:1', 'g', 1, priority='high')\n"
+        "gg.register('127.0.0.1:1', 'g', 1, session_memory=['read'])\n")
     result = subprocess.run(
         [sys.executable, "-m", "mypy", "--strict", "--no-incremental", "--cache-dir",
          str(tmp_path / "cache"), "good.py", "bad.py"],
@@ -476,6 +497,8 @@ def test_verdict_and_typed_options_under_mypy_strict(tmp_path: Path) -> None:
                for line in errors), out
     assert any(line.startswith("bad.py:3:") and '"role"' in line for line in errors), out
     assert any(line.startswith("bad.py:4:") and '"priority"' in line for line in errors), out
+    assert any(line.startswith("bad.py:5:") and '"session_memory"' in line
+               for line in errors), out
     assert result.returncode == 1, out
 
 
@@ -499,8 +522,14 @@ if __name__ == "__main__":
 
 
 def start_aio_main(tmp_path: Path, *flags: str) -> "tuple[subprocess.Popen[str], int, list[str]]":
-    script = tmp_path / "aio_guard.py"
-    script.write_text(AIO_MAIN_GUARD)
+    return start_script(tmp_path / "aio_guard.py", AIO_MAIN_GUARD, *flags)
+
+
+def start_script(script: Path, source: str,
+                 *flags: str) -> "tuple[subprocess.Popen[str], int, list[str]]":
+    """Runs the guard ``source`` (a kit ``main``) as ``script``; returns the
+    process, the port of its LISTENING line and its stderr lines so far."""
+    script.write_text(source)
     process = subprocess.Popen(
         [sys.executable, str(script), "--port", "0", *flags],
         env={**os.environ, "PYTHONPATH": SRC}, stdin=subprocess.DEVNULL,
@@ -589,3 +618,170 @@ def test_r32_a_registration_carries_its_replicas_beside_its_endpoint() -> None:
     assert list(gg.registration("g", 7001, replicas="http://10.0.0.8:7001").replicas) == [
         "http://10.0.0.8:7001"]
     assert list(gg.registration("g", 7001).replicas) == []
+
+
+def registered_session_memory(mesh_addr: str) -> dict[str, int]:
+    """The chain's guards and the session memory each registered (R34)."""
+    with grpc.insecure_channel(mesh_addr) as channel:
+        listed = gg.pb_grpc.GuardRegistryStub(channel).List(gg.pb.ListRequest(), timeout=10)
+    return {g.name: g.session_memory for g in listed.guards}
+
+
+READ_CALL = [{"call_id": "c1", "tool": "fs.read", "arguments": {"path": "a.txt"}}]
+WRITE_CALL = [{"call_id": "c2", "tool": "fs.write", "arguments": {"path": "b.txt"}}]
+
+
+def check_memories(memories: "list[Optional[gg.SessionMemory]]") -> None:
+    """The memory of two batches of one session: the first sees a new
+    session, the second the call the first let run (R34)."""
+    first, second = memories
+    assert first is not None and not first.unavailable, first
+    assert first.calls_total == 0 and not first.recent, first
+    assert second is not None and not second.unavailable, second
+    assert second.calls_total == 1 and dict(second.counts) == {"fs.read": 1}, second
+    assert [(c.tool, len(c.args_digest)) for c in second.recent] == [("fs.read", 32)], second
+
+
+def test_r34_a_judge_taking_session_asks_for_the_memory_and_is_sent_it(mesh: Mesh) -> None:
+    """R34: guards that ask for session memory receive it with each batch; a
+    guard that does not is sent none. A judge declared with a second
+    parameter ``session`` asks: its server says ``session_memory == "read"``,
+    ``GuardServer.register`` registers READ, and the judge is called with the
+    batch's memory (``batch.session`` too), which holds the call an earlier
+    batch of the session let run. A one-parameter judge is unchanged: it
+    registers NONE and its batches carry no ``session``."""
+    memories: list[Optional[gg.SessionMemory]] = []
+    plain: list[gg.Batch] = []
+
+    def reader(batch: gg.Batch, session: Optional[gg.SessionMemory]) -> None:
+        assert session == batch.session
+        memories.append(session)
+
+    def one_parameter(batch: gg.Batch) -> None:
+        plain.append(batch)
+
+    reader_server, reader_port = gg.serve(reader, name="py-reader")
+    plain_server, _ = gg.serve(one_parameter, name="py-plain")
+    try:
+        assert (reader_server.session_memory, plain_server.session_memory) == ("read", "none")
+        reader_server.register(mesh.addr, "py-reader", timeout_ms=5000)
+        plain_server.register(mesh.addr, "py-plain", timeout_ms=5000)
+        assert registered_session_memory(mesh.addr) == {
+            "py-reader": gg.pb.SESSION_MEMORY_USE_READ,
+            "py-plain": gg.pb.SESSION_MEMORY_USE_NONE}
+        with Coordinator(mesh.addr) as coordinator:
+            session = coordinator.session("s-memory")
+            assert isinstance(session.evaluate(READ_CALL).decisions[0], Proceed)
+            assert isinstance(session.evaluate(WRITE_CALL).decisions[0], Proceed)
+        check_memories(memories)
+        assert len(plain) == 2
+        assert [(b.raw.HasField("session"), b.session) for b in plain] == [(False, None)] * 2
+
+        # register() says nothing of it unless told: the reader, registered
+        # so, is sent none, and called with None.
+        gg.register(mesh.addr, "py-reader", reader_port, timeout_ms=5000)
+        assert registered_session_memory(mesh.addr)["py-reader"] == (
+            gg.pb.SESSION_MEMORY_USE_UNSPECIFIED)
+        with Coordinator(mesh.addr) as coordinator:
+            coordinator.session("s-memory").evaluate(READ_CALL)
+        assert memories[2:] == [None]
+    finally:
+        reader_server.stop(0).wait(5)
+        plain_server.stop(0).wait(5)
+
+
+def test_r34_an_asyncio_judge_taking_session_is_sent_the_memory(mesh: Mesh) -> None:
+    """R34 through guardmesh.guard_aio: a coroutine judge with a second
+    parameter ``session`` is registered READ by ``AsyncGuardServer.register``
+    and sees what the session did; a one-parameter one registers NONE and is
+    sent none."""
+    memories: list[Optional[gg.SessionMemory]] = []
+    plain: list[gg.Batch] = []
+
+    async def reader(batch: gg.Batch, session: Optional[gg.SessionMemory]) -> None:
+        memories.append(session)
+
+    async def one_parameter(batch: gg.Batch) -> None:
+        plain.append(batch)
+
+    async def scenario() -> None:
+        reader_server, _ = await guard_aio.serve(reader, name="aio-reader")
+        plain_server, _ = await guard_aio.serve(one_parameter, name="aio-plain")
+        try:
+            assert reader_server.session_memory == "read"
+            assert plain_server.session_memory == "none"
+            await reader_server.register(mesh.addr, "aio-reader", timeout_ms=5000)
+            await plain_server.register(mesh.addr, "aio-plain", timeout_ms=5000)
+            assert registered_session_memory(mesh.addr) == {
+                "aio-reader": gg.pb.SESSION_MEMORY_USE_READ,
+                "aio-plain": gg.pb.SESSION_MEMORY_USE_NONE}
+            async with AsyncCoordinator(mesh.addr) as coordinator:
+                session = coordinator.session("s-aio-memory")
+                await session.evaluate(READ_CALL)
+                await session.evaluate(WRITE_CALL)
+        finally:
+            await reader_server.stop(0)
+            await plain_server.stop(0)
+
+    asyncio.run(scenario())
+    check_memories(memories)
+    assert [(b.raw.HasField("session"), b.session) for b in plain] == [(False, None)] * 2
+
+
+def test_r34_which_judges_read_the_memory() -> None:
+    """Only a second parameter named ``session`` asks for the memory (with a
+    default, or keyword-only, too); another second parameter or ``*session``
+    does not, nor does a function whose signature cannot be read."""
+    def positional(batch: Any, session: Any) -> None: ...
+    def keyword(batch: Any, *, session: Any = None) -> None: ...
+    def defaulted(batch: Any, session: Any = None) -> None: ...
+    def other(batch: Any, context: Any = None) -> None: ...
+    def varargs(batch: Any, *session: Any) -> None: ...
+    def one(batch: Any) -> None: ...
+
+    class Judge:
+        def judge(self, batch: Any, session: Any) -> None: ...
+
+    assert [gg.reads_session(f) for f in (positional, keyword, defaulted, Judge().judge)] == [
+        True] * 4
+    assert [gg.reads_session(f) for f in (other, varargs, one, print)] == [False] * 4
+    assert guard_aio.reads_session is gg.reads_session
+
+
+def test_r34_session_memory_is_a_registration_option() -> None:
+    """``session_memory`` ("read", "none", or unset: the mesh's default,
+    which sends none) goes in GuardSpec.session_memory."""
+    assert gg.registration("g", 1).session_memory == gg.pb.SESSION_MEMORY_USE_UNSPECIFIED
+    assert gg.registration("g", 1, session_memory="read").session_memory == (
+        gg.pb.SESSION_MEMORY_USE_READ)
+    assert gg.registration("g", 1, session_memory="NONE").session_memory == (
+        gg.pb.SESSION_MEMORY_USE_NONE)
+    with pytest.raises(ValueError):
+        gg.registration("g", 1, session_memory="send")
+
+
+MAIN_READER = """
+from guardmesh import guard as gg
+
+
+def judge(batch, session):
+    return None
+
+
+if __name__ == "__main__":
+    gg.main(judge, name="main-reader")
+"""
+
+
+def test_r34_main_registers_a_judge_taking_session_as_reading_it(
+        mesh: Mesh, tmp_path: Path) -> None:
+    """``guard.main(judge)`` with ``--mesh`` asks for the memory when the
+    judge takes ``session``, as ``GuardServer.register`` does."""
+    process, _, err = start_script(tmp_path / "main_reader.py", MAIN_READER,
+                                   "--mesh", mesh.addr, "--name", "main-reader")
+    try:
+        assert registered_session_memory(mesh.addr) == {
+            "main-reader": gg.pb.SESSION_MEMORY_USE_READ}, "".join(err)
+    finally:
+        process.terminate()
+        process.wait(30)

@@ -12,6 +12,16 @@ and returns (or yields) a verdict for the calls it does not want to run as
 they are. A call without a verdict proceeds. Verdicts are built with the
 helpers :func:`steer`, :func:`cancel`, :func:`rewrite` and :func:`proceed`.
 
+A judge that reads the session's memory (R34: what earlier batches of the
+session did, as labels, counts and digests) says so by taking it as a
+second parameter named ``session`` ::
+
+    def judge(batch: Batch, session: SessionMemory | None) -> ...
+
+Its server then says ``session_memory == "read"``, :meth:`GuardServer.register`
+(and :func:`main`) registers it asking for the memory, and it is called with
+the batch's memory. A judge of one parameter asks for none and is sent none.
+
 A complete guard::
 
     from guardmesh import guard as gg
@@ -62,6 +72,7 @@ from __future__ import annotations
 import argparse
 import concurrent.futures
 import dataclasses
+import inspect
 import json
 import logging
 import queue
@@ -79,7 +90,9 @@ from typing import (
     Optional,
     Sequence,
     TypedDict,
+    TypeVar,
     Union,
+    cast,
 )
 
 import grpc
@@ -122,6 +135,7 @@ __all__ = [
     "PolicyOptions",
     "RegisterOptions",
     "ServerTls",
+    "SessionMemory",
     "Verdict",
     "Verdicts",
     "argument_parser",
@@ -132,6 +146,7 @@ __all__ = [
     "parse_arguments",
     "pb",
     "proceed",
+    "reads_session",
     "register",
     "register_policy",
     "rewrite",
@@ -148,6 +163,15 @@ GUARD_SERVICE: str = pb.DESCRIPTOR.services_by_name["GuardService"].full_name
 Health = _health.Health
 SERVING = _health.SERVING
 NOT_SERVING = _health.NOT_SERVING
+
+#: A session's memory as a guard is sent it (R34; the wire type
+#: ``guardmesh.v1.SessionMemory``): ``labels``, ``counts`` (calls per tool),
+#: ``recent`` (the latest calls: ``tool``, ``server``, ``args_digest``,
+#: ``at_ms``), ``calls_total``, ``results_total``, ``evicted``,
+#: ``truncated``, and ``unavailable`` (set, alone, when the memory could
+#: not be read: the session is unknown, never empty). Digests only, never a
+#: value.
+SessionMemory = pb.SessionMemory
 
 
 @dataclasses.dataclass(frozen=True)
@@ -233,6 +257,14 @@ class Batch:
         return self.context.session_id
 
     @property
+    def session(self) -> Optional[SessionMemory]:
+        """The session's memory as it was when the batch arrived (R34), or
+        None: it is sent only to a guard registered as reading it
+        (``session_memory="read"``, which :meth:`GuardServer.register` sends
+        for a judge that takes ``session``)."""
+        return self.raw.session if self.raw.HasField("session") else None
+
+    @property
     def turn_index(self) -> int:
         return self.context.turn_index
 
@@ -293,8 +325,50 @@ Verdict = pb.Verdict
 #: What a judge returns: verdicts (a list, a generator), one verdict, or None.
 Verdicts = Optional[Union[Verdict, Iterable[Verdict]]]
 #: A judge function: a batch in, verdicts out (a list, a generator, one
-#: verdict, or None for "all proceed"). It runs on a worker thread.
-JudgeFn = Callable[[Batch], Verdicts]
+#: verdict, or None for "all proceed"). It runs on a worker thread. One that
+#: takes a second parameter named ``session`` reads the session's memory
+#: (R34) and is called with it (None when the batch carries none).
+JudgeFn = Union[
+    Callable[[Batch], Verdicts],
+    Callable[[Batch, Optional[SessionMemory]], Verdicts],
+]
+
+_R = TypeVar("_R")
+
+
+def _session_parameter(judge_fn: Callable[..., Any]) -> Optional[inspect.Parameter]:
+    """The judge's second parameter if it is named ``session``."""
+    try:
+        parameters = list(inspect.signature(judge_fn).parameters.values())
+    except (TypeError, ValueError):  # no signature to read (some builtins)
+        return None
+    if len(parameters) < 2:
+        return None
+    second = parameters[1]
+    if second.name != "session" or second.kind in (inspect.Parameter.VAR_POSITIONAL,
+                                                   inspect.Parameter.VAR_KEYWORD):
+        return None
+    return second
+
+
+def reads_session(judge_fn: Callable[..., Any]) -> bool:
+    """True when ``judge_fn`` reads the session's memory (R34): it is
+    declared with a second parameter named ``session`` (keyword-only or
+    with a default, too). The kit calls such a judge with the batch's
+    memory and registers it asking for it; it calls any other judge with
+    the batch alone, and registers it asking for none."""
+    return _session_parameter(judge_fn) is not None
+
+
+def _batch_judge(judge_fn: Callable[..., _R]) -> Callable[[Batch], _R]:
+    """``judge_fn`` as a function of the batch alone: a judge that reads the
+    session's memory is called with it too."""
+    second = _session_parameter(judge_fn)
+    if second is None:
+        return cast(Callable[[Batch], _R], judge_fn)
+    if second.kind is inspect.Parameter.KEYWORD_ONLY:
+        return lambda batch: judge_fn(batch, session=batch.session)
+    return lambda batch: judge_fn(batch, batch.session)
 
 
 # ---------------------------------------------------------------------------
@@ -539,6 +613,9 @@ class _Stream:
 class _GuardServicer(pb_grpc.GuardServiceServicer):
     def __init__(self, judge_fn: JudgeFn, name: str, workers: int):
         self.judge_fn = judge_fn
+        #: Whether the judge reads the session's memory (R34).
+        self.reads_session = reads_session(judge_fn)
+        self.judge_batch: Callable[[Batch], Verdicts] = _batch_judge(judge_fn)
         self.name = name
         self.executor = concurrent.futures.ThreadPoolExecutor(
             max_workers=workers, thread_name_prefix="guard-judge")
@@ -599,8 +676,8 @@ class _GuardServicer(pb_grpc.GuardServiceServicer):
     def _judge_calls(self, batch: Batch) -> list[pb.Verdict]:
         span_tracer = tracer("guardmesh.guard")
         if span_tracer is None:
-            return conforming(batch, self.judge_fn(batch))
-        return judge_traced(batch, span_tracer, lambda: self.judge_fn(batch))
+            return conforming(batch, self.judge_batch(batch))
+        return judge_traced(batch, span_tracer, lambda: self.judge_batch(batch))
 
 
 def _span_attributes(batch: Batch) -> dict[str, Any]:
@@ -660,12 +737,40 @@ class GuardServer:
     """A running guard: the gRPC server plus the kit's worker pool."""
 
     def __init__(self, grpc_server: grpc.Server, servicer: _GuardServicer,
-                 health_servicer: _health.Health, port: int):
+                 health_servicer: _health.Health, port: int, *, host: str = "127.0.0.1",
+                 https: bool = False):
         self.grpc_server = grpc_server
         self.port = port
         self.name = servicer.name
+        self.host = host
+        #: Whether it serves TLS (its endpoint is then ``https://``).
+        self.https = https
+        #: ``"read"`` when its judge reads the session's memory (it takes
+        #: ``session``), else ``"none"``: the ``session_memory`` it registers
+        #: with (R34).
+        self.session_memory: str = "read" if servicer.reads_session else "none"
         self._servicer = servicer
         self._health = health_servicer
+
+    def registration(self, name: str, **options: Unpack[RegisterOptions]) -> pb.GuardSpec:
+        """The ``GuardSpec`` :meth:`register` sends."""
+        return registration(name, self.port, **self._options(options))
+
+    def register(self, mesh_addr: str, name: str, *, timeout: float = 10.0,
+                 credentials: Optional[MeshCredentials] = None,
+                 **options: Unpack[RegisterOptions]) -> "pb.RegisterResponse":
+        """Registers this guard with the mesh, as :func:`register` does, at
+        the port (and address, and TLS) it serves on, asking for the
+        session's memory when its judge reads it (``session_memory`` is
+        :attr:`session_memory` unless given; R34). Options as there."""
+        return register(mesh_addr, name, self.port, timeout=timeout, credentials=credentials,
+                        **self._options(options))
+
+    def _options(self, options: RegisterOptions) -> RegisterOptions:
+        filled = RegisterOptions(host=self.host, https=self.https,
+                                 session_memory=self.session_memory)
+        filled.update(options)
+        return filled
 
     def set_serving(self, serving: bool) -> None:
         """Reports SERVING or NOT_SERVING on ``grpc.health.v1.Health`` (the
@@ -715,6 +820,9 @@ def serve(
 ) -> tuple[GuardServer, int]:
     """Starts serving ``judge_fn`` as a GuardService; returns (server, port).
 
+    A ``judge_fn`` with a second parameter ``session`` is called with the
+    batch's session memory (:func:`reads_session`); register it with
+    :meth:`GuardServer.register`, which asks for the memory (R34).
     ``port=0`` picks a free port. ``name`` is used when a batch does not say
     which guard it is for (logs and spans). ``workers`` bounds the batches
     judged at once across all streams. Each open Judge stream holds one of
@@ -756,7 +864,9 @@ def serve(
     for service in ("", GUARD_SERVICE):
         health_servicer.set(service, _health.SERVING)
     log.info("guard %r serving on %s:%d", name, host, bound)
-    return GuardServer(server, servicer, health_servicer, bound), bound
+    guard_server = GuardServer(server, servicer, health_servicer, bound, host=host,
+                               https=tls is not None)
+    return guard_server, bound
 
 
 class PolicyOptions(TypedDict, total=False):
@@ -806,6 +916,10 @@ class RegisterOptions(PolicyOptions, total=False):
     #: More replicas of this guard (``http://host:port`` each, R32): the
     #: mesh spreads requests over ``endpoint`` and these.
     replicas: Union[str, Sequence[str], None]
+    #: Whether the guard reads the session's memory (R34): ``read`` sends
+    #: it with each batch; ``none`` or unset (the default) sends none.
+    #: :meth:`GuardServer.register` sets it from the judge.
+    session_memory: Union[str, int, None]
 
 
 def registration(
@@ -827,6 +941,7 @@ def registration(
     replicas: Union[str, Sequence[str], None] = None,
     phases: Union[str, int] = "calls",
     result_grant_tools: Union[str, Sequence[str], None] = None,
+    session_memory: Union[str, int, None] = None,
 ) -> pb.GuardSpec:
     """The ``GuardSpec`` :func:`register` sends (options as there)."""
     if endpoint is None:
@@ -850,6 +965,9 @@ def registration(
         phases=pb.GuardPhases.ValueType(
             enum_value(dict(pb.GuardPhases.items()), "GUARD_PHASES_", phases)),
         result_grant=pb.ResultGrant(tools=as_list(result_grant_tools)),
+        session_memory=pb.SessionMemoryUse.ValueType(
+            0 if session_memory is None else
+            enum_value(dict(pb.SessionMemoryUse.items()), "SESSION_MEMORY_USE_", session_memory)),
     )
 
 
@@ -870,7 +988,10 @@ def register(
     wildcard host, ``https://`` with ``https=True``), ``role``, ``tools``,
     ``failure_policy``, ``timeout_ms``, ``priority``, ``mode``,
     ``grant_tools``, ``may_rename``, ``server_identity``, ``replicas``
-    (more replicas of this guard, R32). Enum options take
+    (more replicas of this guard, R32), ``phases``, ``result_grant_tools``,
+    ``session_memory`` (``"read"`` to be sent the session's memory with
+    each batch, R34; unset or ``"none"``: sent none; a served guard's
+    :meth:`GuardServer.register` sets it from its judge). Enum options take
     short names (``"mutate"``, ``"fail_open"``, ``"dry_run"``); list options
     a sequence or comma-separated text. Waits up to ``timeout`` seconds for
     the mesh to be reachable; raises ``grpc.RpcError`` if registration
@@ -1074,7 +1195,8 @@ def run(judge_fn: JudgeFn, args: argparse.Namespace) -> int:
     """Serves ``judge_fn`` as the parsed flags say, until SIGTERM or SIGINT.
 
     Prints exactly one line to stdout, ``LISTENING <port>``, once serving
-    (and registered, with ``--mesh``). Logs go to stderr. On the signal it
+    (and registered, with ``--mesh``, asking for the session's memory when
+    ``judge_fn`` takes ``session``). Logs go to stderr. On the signal it
     drains: stops taking new streams, answers what is outstanding (for up
     to 5 s), then stops. Returns the exit status: 0 after a graceful stop,
     1 if registration failed, 2 for flags that do not go together. Call it
@@ -1097,8 +1219,8 @@ def run(judge_fn: JudgeFn, args: argparse.Namespace) -> int:
                          tls=tls)
     if args.mesh:
         try:
-            register(args.mesh, args.name, port, credentials=credentials,
-                     **registration_from_args(args, tls))
+            server.register(args.mesh, args.name, credentials=credentials,
+                            **registration_from_args(args, tls))
         except (grpc.RpcError, ValueError) as err:
             _registration_failed(args.mesh, err)
             server.stop(0).wait()

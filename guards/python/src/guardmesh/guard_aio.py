@@ -2,6 +2,11 @@
 
     async def judge(batch: Batch) -> Iterable[Verdict] | None
 
+or, for a judge that reads the session's memory (R34), with a second
+parameter named ``session`` (as in :mod:`guardmesh.guard`) ::
+
+    async def judge(batch: Batch, session: SessionMemory | None) -> ...
+
 Each batch of a Judge stream is judged in its own task, so batches are
 judged concurrently and answered in whatever order they finish, each exactly
 once; a ``CancelBatch`` cancels its task (R5), and the answer is not sent.
@@ -27,8 +32,12 @@ is answered, for up to 5 s) and exits 0. To run the pieces yourself::
 
     async def serve_it():
         server, port = await guard_aio.serve(judge, name="no-delete")
-        await guard_aio.register("127.0.0.1:50051", "no-delete", port)
+        await server.register("127.0.0.1:50051", "no-delete")
         await server.wait_for_termination()
+
+(``server.register`` registers the port served, asking for the session's
+memory when the judge takes ``session``; :func:`register` takes the port
+and ``session_memory`` as options.)
 """
 
 from __future__ import annotations
@@ -38,7 +47,16 @@ import asyncio
 import logging
 import signal
 import sys
-from typing import TYPE_CHECKING, Any, AsyncIterator, Awaitable, Callable, Optional, Sequence
+from typing import (
+    TYPE_CHECKING,
+    Any,
+    AsyncIterator,
+    Awaitable,
+    Callable,
+    Optional,
+    Sequence,
+    Union,
+)
 
 import grpc
 import grpc.aio
@@ -53,8 +71,10 @@ from guardmesh.guard import (
     PolicyOptions,
     RegisterOptions,
     ServerTls,
+    SessionMemory,
     Verdict,
     Verdicts,
+    _batch_judge,
     _registration_failed,
     _setup_logging,
     _span_attributes,
@@ -63,6 +83,7 @@ from guardmesh.guard import (
     conforming,
     credentials_from_args,
     policy_registration,
+    reads_session,
     registration,
     registration_from_args,
     server_tls_from_args,
@@ -77,16 +98,22 @@ elif TYPE_CHECKING:  # only annotations use it, and they are not evaluated
     from typing_extensions import Unpack
 
 __all__ = ["AsyncGuardServer", "AsyncJudgeFn", "Batch", "Call", "PolicyOptions",
-           "RegisterOptions", "Verdict", "Verdicts", "argument_parser", "deregister", "main",
-           "register", "register_policy", "run", "serve"]
+           "RegisterOptions", "SessionMemory", "Verdict", "Verdicts", "argument_parser",
+           "deregister", "main", "reads_session", "register", "register_policy", "run", "serve"]
 
 log = logging.getLogger("guardmesh.guard")
 
-#: An asyncio judge: a batch in, verdicts out.
-AsyncJudgeFn = Callable[[Batch], Awaitable[Verdicts]]
+#: An asyncio judge: a batch in, verdicts out. One that takes a second
+#: parameter named ``session`` reads the session's memory (R34) and is
+#: called with it (None when the batch carries none).
+AsyncJudgeFn = Union[
+    Callable[[Batch], Awaitable[Verdicts]],
+    Callable[[Batch, Optional[SessionMemory]], Awaitable[Verdicts]],
+]
 
 
-async def _judge(judge_fn: AsyncJudgeFn, batch: Batch) -> pb.JudgeResponse:
+async def _judge(judge_fn: Callable[[Batch], Awaitable[Verdicts]],
+                 batch: Batch) -> pb.JudgeResponse:
     verdicts = [
         steer(c.call_id, f"The arguments of call {c.call_id!r} cannot be read as a JSON "
                          f"object ({c.error}); guard {batch.guard!r} did not judge them. "
@@ -117,6 +144,9 @@ async def _judge(judge_fn: AsyncJudgeFn, batch: Batch) -> pb.JudgeResponse:
 class _AsyncGuardServicer(pb_grpc.GuardServiceServicer):
     def __init__(self, judge_fn: AsyncJudgeFn, name: str, workers: Optional[int] = None):
         self.judge_fn = judge_fn
+        #: Whether the judge reads the session's memory (R34).
+        self.reads_session = reads_session(judge_fn)
+        self.judge_batch: Callable[[Batch], Awaitable[Verdicts]] = _batch_judge(judge_fn)
         self.name = name
         self.slots = asyncio.Semaphore(workers) if workers else None
         self.draining = asyncio.Event()
@@ -126,9 +156,9 @@ class _AsyncGuardServicer(pb_grpc.GuardServiceServicer):
 
     async def _judge(self, batch: Batch) -> pb.JudgeResponse:
         if self.slots is None:
-            return await _judge(self.judge_fn, batch)
+            return await _judge(self.judge_batch, batch)
         async with self.slots:
-            return await _judge(self.judge_fn, batch)
+            return await _judge(self.judge_batch, batch)
 
     async def Judge(self, request_iterator: AsyncIterator[pb.JudgeRequest],
                     context: grpc.aio.ServicerContext[pb.JudgeRequest, pb.JudgeResponse],
@@ -209,12 +239,41 @@ class AsyncGuardServer:
     """A running asyncio guard."""
 
     def __init__(self, server: grpc.aio.Server, health: _health.Health, port: int, name: str,
-                 servicer: Optional[_AsyncGuardServicer] = None):
+                 servicer: Optional[_AsyncGuardServicer] = None, *, host: str = "127.0.0.1",
+                 https: bool = False):
         self.grpc_server = server
         self.port = port
         self.name = name
+        self.host = host
+        #: Whether it serves TLS (its endpoint is then ``https://``).
+        self.https = https
+        #: ``"read"`` when its judge reads the session's memory (it takes
+        #: ``session``), else ``"none"``: the ``session_memory`` it registers
+        #: with (R34).
+        self.session_memory: str = (
+            "read" if servicer is not None and servicer.reads_session else "none")
         self._health = health
         self._servicer = servicer
+
+    def registration(self, name: str, **options: Unpack[RegisterOptions]) -> pb.GuardSpec:
+        """The ``GuardSpec`` :meth:`register` sends."""
+        return registration(name, self.port, **self._options(options))
+
+    async def register(self, mesh_addr: str, name: str, *, timeout: float = 10.0,
+                       credentials: Optional[MeshCredentials] = None,
+                       **options: Unpack[RegisterOptions]) -> pb.RegisterResponse:
+        """Registers this guard, as :func:`register` does, at the port (and
+        address, and TLS) it serves on, asking for the session's memory when
+        its judge reads it (``session_memory`` is :attr:`session_memory`
+        unless given; R34). Options as there."""
+        return await _register(mesh_addr, self.registration(name, **options), timeout,
+                               credentials)
+
+    def _options(self, options: RegisterOptions) -> RegisterOptions:
+        filled = RegisterOptions(host=self.host, https=self.https,
+                                 session_memory=self.session_memory)
+        filled.update(options)
+        return filled
 
     def set_serving(self, serving: bool) -> None:
         """Reports SERVING or NOT_SERVING on ``grpc.health.v1.Health`` and
@@ -246,8 +305,10 @@ class AsyncGuardServer:
 async def serve(judge_fn: AsyncJudgeFn, port: int = 0, host: str = "127.0.0.1", *,
                 name: str = "", tls: Optional[ServerTls] = None,
                 workers: Optional[int] = None) -> tuple[AsyncGuardServer, int]:
-    """Starts serving ``judge_fn``; returns (server, port). ``port=0`` picks
-    a free port; ``tls`` serves TLS (mTLS with a client CA); ``workers``
+    """Starts serving ``judge_fn``; returns (server, port). A ``judge_fn``
+    with a second parameter ``session`` is called with the batch's session
+    memory; register it with :meth:`AsyncGuardServer.register`, which asks
+    for the memory (R34). ``port=0`` picks a free port; ``tls`` serves TLS (mTLS with a client CA); ``workers``
     bounds the batches judged at once (default: no bound). Also serves
     ``grpc.health.v1.Health``."""
     server = grpc.aio.server()
@@ -264,7 +325,9 @@ async def serve(judge_fn: AsyncJudgeFn, port: int = 0, host: str = "127.0.0.1", 
     for service in ("", GUARD_SERVICE):
         health.set(service, _health.SERVING)
     log.info("guard %r serving on %s:%d", name, host, bound)
-    return AsyncGuardServer(server, health, bound, name, servicer), bound
+    guard_server = AsyncGuardServer(server, health, bound, name, servicer, host=host,
+                                    https=tls is not None)
+    return guard_server, bound
 
 
 async def register(mesh_addr: str, name: str, port: int, *, timeout: float = 10.0,
@@ -341,8 +404,8 @@ async def serve_until_signalled(judge_fn: AsyncJudgeFn, args: argparse.Namespace
                                    workers=args.workers)
         if args.mesh:
             try:
-                await register(args.mesh, args.name, port, credentials=credentials,
-                               **registration_from_args(args, tls))
+                await server.register(args.mesh, args.name, credentials=credentials,
+                                      **registration_from_args(args, tls))
             except (grpc.RpcError, ValueError) as err:
                 _registration_failed(args.mesh, err)
                 await server.stop(0)
