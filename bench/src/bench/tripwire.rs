@@ -22,7 +22,7 @@ use std::path::Path;
 
 /// How much worse than the committed figure a run may be before the
 /// tripwire fails.
-pub const MARGIN: f64 = 1.5;
+pub(super) const MARGIN: f64 = 1.5;
 
 /// The figures watched, and which way is worse.
 const WATCHED: [(&str, Worse); 2] = [
@@ -39,16 +39,16 @@ enum Worse {
 /// One watched figure that tripped: its name, this run's value and the
 /// committed one.
 #[derive(Debug, Clone, PartialEq)]
-pub struct Trip {
-    pub figure: &'static str,
-    pub run: f64,
-    pub committed: f64,
+pub(super) struct Trip {
+    pub(super) figure: &'static str,
+    pub(super) run: f64,
+    pub(super) committed: f64,
 }
 
 /// The watched figures of `run` (a run's JSON) that are more than
 /// [`MARGIN`] times worse than in `committed`. A figure missing or not a
 /// positive number on either side is an error, never a pass.
-pub fn judge(run: &Value, committed: &Value) -> Result<Vec<Trip>, Error> {
+pub(super) fn judge(run: &Value, committed: &Value) -> Result<Vec<Trip>, Error> {
     let mut trips = Vec::new();
     for (figure, worse) in WATCHED {
         let value = |side: &Value, which: &str| -> Result<f64, Error> {
@@ -78,7 +78,7 @@ pub fn judge(run: &Value, committed: &Value) -> Result<Vec<Trip>, Error> {
 
 /// Checks `run` against the committed figures at `path`: `Err` naming
 /// every figure that tripped and how to rerun it.
-pub fn check(run: &Value, path: &Path) -> Result<(), Error> {
+pub(super) fn check(run: &Value, path: &Path) -> Result<(), Error> {
     let text = std::fs::read_to_string(path)
         .map_err(|e| format!("tripwire: cannot read {}: {e}", path.display()))?;
     let committed: Value = serde_json::from_str(&text)
