@@ -347,3 +347,35 @@ pub struct ServerTls {
     /// With it, the mesh must present a client certificate from this CA.
     pub client_ca_pem: Option<String>,
 }
+
+#[cfg(all(test, feature = "coordinator"))]
+mod tests {
+    use super::{Guard, GuardServer};
+    use crate::proto::SessionMemoryUse;
+
+    struct Plain;
+    impl Guard for Plain {}
+
+    struct Rate;
+    impl Guard for Rate {
+        const READS_SESSION: bool = true;
+    }
+
+    /// R34: a guard's registration asks for session memory exactly when
+    /// its handler reads it; one that says nothing is sent none.
+    #[test]
+    fn r34_the_registration_asks_for_memory_when_the_guard_reads_it() {
+        let plain = GuardServer::new(Plain)
+            .registration("plain", "http://127.0.0.1:7001")
+            .build();
+        assert_eq!(plain.session_memory, SessionMemoryUse::None as i32);
+        let rate = GuardServer::new(Rate)
+            .registration("rate", "http://127.0.0.1:7002")
+            .build();
+        assert_eq!(rate.session_memory, SessionMemoryUse::Read as i32);
+        assert_eq!(
+            (rate.name.as_str(), rate.endpoint.as_str()),
+            ("rate", "http://127.0.0.1:7002")
+        );
+    }
+}
