@@ -824,6 +824,7 @@ async fn no_update_is_lost(
                             server: "fs".into(),
                             args: "00".repeat(16),
                             at: 0,
+                            seq: 0,
                         }],
                         ..Update::default()
                     };
@@ -954,6 +955,7 @@ async fn r34_an_active_session_outlives_its_first_etcd_lease() {
             server: "fs".into(),
             args: "00".repeat(16),
             at: 0,
+            seq: 0,
         }],
         ..Update::default()
     };

@@ -580,6 +580,7 @@ fn view_of(calls: &[(String, String)], labels: &[String], now: u64) -> SessionVi
             server: server.clone(),
             args: digest::to_hex(&[i as u8; 16]),
             at: 0,
+            seq: 0,
         };
         let update = Update {
             calls: vec![call],
