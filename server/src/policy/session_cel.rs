@@ -4,7 +4,10 @@
 //!   first (`"secret:fs" in session.labels`);
 //! * `session.evicted`: entries the session's bounds dropped since it
 //!   began (a strict rule may treat a session that lost memory as
-//!   tainted);
+//!   tainted); at least 1 once the whole session was dropped for room;
+//! * `session.dropped`: whether the whole session was dropped to make
+//!   room for other sessions and came back (all it held is lost: it reads
+//!   as lost, never as new);
 //! * `session.calls_total`: calls recorded since the session began;
 //! * `session.count(tool_glob, window)`: calls of a tool matching the glob
 //!   (ASCII case ignored) that ran in the session within the window
@@ -112,6 +115,7 @@ impl Indexer for SessionVal {
             "evicted" => Ok(CowVal::owned(CelInt::from(
                 i64::try_from(view.evicted()).unwrap_or(i64::MAX),
             ))),
+            "dropped" => Ok(CowVal::owned(CelBool::from(view.dropped()))),
             "calls_total" => Ok(CowVal::owned(CelInt::from(
                 i64::try_from(view.calls_total()).unwrap_or(i64::MAX),
             ))),
@@ -412,6 +416,32 @@ message = '"Tool call blocked: this session read a secret"'
             blocked_by(&judge(&policy, view, "EMAIL.SEND", "{}")),
             Some("email-rate")
         );
+    }
+
+    /// R34: a session dropped for room and back reads as lost to rules:
+    /// `session.dropped`, and `session.evicted` above 0.
+    #[test]
+    fn r34_rules_read_that_a_session_was_dropped_for_room() {
+        let policy = Policy::compile(
+            "[[rule]]\nname='lost'\nwhen='session.dropped && session.evicted > 0'\n\
+             action='cancel'\nmessage='\"lost\"'\n",
+        )
+        .unwrap();
+        let view = |memory: crate::session::Memory| {
+            SessionVal::Read(Arc::new(crate::session::SessionView::new(
+                Arc::new(memory),
+                crate::session::Digester::random(),
+                1_000,
+                std::time::Duration::from_secs(60),
+            )))
+        };
+        let dropped = view(crate::session::Memory::dropped_for_room());
+        assert_eq!(
+            blocked_by(&judge(&policy, dropped, "sqlite.query", "{}")),
+            Some("lost")
+        );
+        let new = view(crate::session::Memory::default());
+        assert_eq!(judge(&policy, new, "sqlite.query", "{}"), Outcome::Proceed);
     }
 
     #[test]

@@ -67,9 +67,14 @@ pub struct Memory {
     /// Results recorded since the session began.
     #[serde(default)]
     pub results_total: u64,
-    /// Entries dropped by the bounds since the session began.
+    /// Entries dropped by the bounds since the session began (at least 1
+    /// once the session was dropped for room, see `dropped`).
     #[serde(default)]
     pub evicted: u64,
+    /// The session was dropped to make room for others and came back: all
+    /// it held before is lost (R34: read as lost, never as new).
+    #[serde(default, skip_serializing_if = "is_false")]
+    pub dropped: bool,
     /// When it last changed.
     #[serde(default)]
     pub updated: u64,
@@ -106,6 +111,10 @@ impl Eq for Held {}
 
 fn is_zero(n: &u64) -> bool {
     *n == 0
+}
+
+fn is_false(b: &bool) -> bool {
+    !*b
 }
 
 /// What one batch (or one result) adds to a session.
@@ -158,6 +167,17 @@ pub fn label_ok(label: &str, max: usize) -> bool {
 }
 
 impl Memory {
+    /// The memory of a session that was dropped to make room for others
+    /// and comes back: nothing of what it held, and marked as having lost
+    /// it (how many entries is not kept: at least one).
+    pub fn dropped_for_room() -> Self {
+        Self {
+            evicted: 1,
+            dropped: true,
+            ..Self::default()
+        }
+    }
+
     /// Its entries: calls, labels and values seen.
     pub fn entries(&self) -> usize {
         self.calls.len() + self.labels.len() + self.seen.len()
