@@ -405,9 +405,11 @@ async fn r25_a_flood_of_sessions_keeps_serve_within_its_bounds() {
     let c = mesh.coordinator().await;
     let batch = |s: usize| {
         (0..64).fold(Batch::new(0), |b, i| {
+            // A tool no rule bounds: every call runs and is recorded (a
+            // batch of emails would stop at the third, R34).
             b.call(
                 format!("call-{s}-{i}"),
-                "email.send",
+                "crm.update",
                 format!(r#"{{"to":"user{s}@example.com","n":{i}}}"#),
             )
         })

@@ -239,6 +239,18 @@ impl SessionView {
     /// Calls of a tool matching `glob` (ASCII case ignored, as guards'
     /// tool patterns, R9) that ran within `window` before now.
     pub fn count(&self, glob: &str, window: Duration) -> Result<u64, globset::Error> {
+        self.count_with(glob, window, &[])
+    }
+
+    /// [`SessionView::count`], plus those of `earlier` (the tools of the
+    /// calls before the one judged in its own batch, which have not run
+    /// yet, R34) that match `glob`.
+    pub fn count_with(
+        &self,
+        glob: &str,
+        window: Duration,
+        earlier: &[String],
+    ) -> Result<u64, globset::Error> {
         let matcher = globset::GlobBuilder::new(glob)
             .case_insensitive(true)
             .build()?
@@ -246,10 +258,15 @@ impl SessionView {
         let since = self
             .now
             .saturating_sub(u64::try_from(window.as_millis()).unwrap_or(u64::MAX));
-        Ok(self
+        let ran = self
             .live_calls()
             .filter(|c| c.at >= since && matcher.is_match(&c.tool))
-            .count() as u64)
+            .count();
+        let before = earlier
+            .iter()
+            .filter(|t| matcher.is_match(t.as_str()))
+            .count();
+        Ok((ran + before) as u64)
     }
 
     /// Whether one of `texts` (or a token in it) is a value seen in a result
