@@ -405,9 +405,11 @@ async fn r25_a_flood_of_sessions_keeps_serve_within_its_bounds() {
     let c = mesh.coordinator().await;
     let batch = |s: usize| {
         (0..64).fold(Batch::new(0), |b, i| {
+            // A tool no rule bounds: every call runs and is recorded (a
+            // batch of emails would stop at the third, R34).
             b.call(
                 format!("call-{s}-{i}"),
-                "email.send",
+                "crm.update",
                 format!(r#"{{"to":"user{s}@example.com","n":{i}}}"#),
             )
         })
@@ -439,5 +441,81 @@ async fn r25_a_flood_of_sessions_keeps_serve_within_its_bounds() {
         after <= before + 24,
         "RSS grew from {before} to {after} MiB under a bounded session memory"
     );
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// R34 "forgetting is never innocence": through a real `guardmesh serve`
+/// with the default session bounds, a session reads a secret, then more
+/// sessions than the mesh keeps (`max_sessions`, past the per-identity
+/// bound too) push it out. Its memory is gone, but it comes back as a
+/// session that lost memory, never as a new one: a rule that keeps such
+/// sessions from sending values out still stops its insert of the secret,
+/// while a session that never was may send anything.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn r34_a_session_pushed_out_by_a_flood_of_sessions_still_cannot_send_its_secret() {
+    let dir = std::env::temp_dir().join(format!("guardmesh-dropped-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let policy = dir.join("flows.toml");
+    let forgotten = "\n[[rule]]\nname = \"forgotten-sessions-stay-home\"\n\
+         when = '!call.tool.startsWith(\"fs.\") && session.evicted > 0'\n\
+         action = \"cancel\"\n\
+         message = '\"Tool call blocked: this session lost memory, so it may not send values out.\"'\n";
+    std::fs::write(&policy, relaybleed() + forgotten).unwrap();
+    let config = format!(
+        "[[guard]]\nname = \"flows\"\npolicy = {:?}\nfailure_policy = \"fail_closed\"\n",
+        policy.display().to_string()
+    );
+    let mesh = MeshProcess::start("sessions-dropped", &config, None).await;
+    let c = mesh.coordinator().await;
+    let secret = "hunter2-Sup3rS3cretValue";
+    let insert = format!(r#"{{"sql":"INSERT INTO notes VALUES ('{secret}')"}}"#);
+    use futures::StreamExt;
+    let within = std::time::Duration::from_secs(60);
+    // The secret is read (the call runs, its result comes back).
+    let result = read_env(&c, "victim", 1, secret).await;
+    tokio::time::timeout(
+        within,
+        c.evaluate_once(
+            "victim",
+            Batch::new(2).result("r1", "fs.read_file", "fs", result),
+        ),
+    )
+    .await
+    .unwrap()
+    .unwrap();
+    assert!(!proceeds(
+        &outcome(&c, "victim", 3, "sqlite.query", &insert).await
+    ));
+    // More sessions than the mesh keeps, 32 batches at a time.
+    let flood = SessionLimits::default().max_sessions + 100;
+    let sent = futures::stream::iter(0..flood)
+        .map(|s| {
+            let c = c.clone();
+            async move {
+                c.evaluate_once(
+                    &format!("flood-{s}"),
+                    Batch::new(0).call("n", "notes.add", r#"{"text":"hello"}"#),
+                )
+                .await
+            }
+        })
+        .buffer_unordered(32)
+        .collect::<Vec<_>>();
+    let started = std::time::Instant::now();
+    for d in tokio::time::timeout(within, sent)
+        .await
+        .expect("the flood answered within 60 s")
+    {
+        assert!(proceeds(&d.unwrap().call("n").unwrap().outcome));
+    }
+    eprintln!("{flood} sessions sent in {:?}", started.elapsed());
+    let o = outcome(&c, "victim", 4, "sqlite.query", &insert).await;
+    assert!(
+        matches!(&o, Outcome::Cancel { content } if content.contains("lost memory")),
+        "a session pushed out by other sessions reads as new: {o:?}"
+    );
+    assert!(proceeds(
+        &outcome(&c, "never-seen", 0, "sqlite.query", &insert).await
+    ));
     let _ = std::fs::remove_dir_all(&dir);
 }

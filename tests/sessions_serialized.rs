@@ -1,6 +1,8 @@
 //! R34: two batches of one session are judged as if one ran after the
-//! other, so a count or a flow cannot be raced by sending batches at once.
-//! (On one mesh; replicas sharing a store are a later step.)
+//! other, and a call's rules see the calls before it in its own batch, so
+//! a count or a flow cannot be raced by sending batches at once, nor by
+//! sending many calls in one batch. (On one mesh; replicas sharing a store
+//! are a later step.)
 
 use crate::harness::*;
 use guardmesh_client::{Batch, Outcome, Registration};
@@ -113,5 +115,58 @@ async fn r34_a_remote_guard_that_reads_the_memory_cannot_be_raced() {
         }
     }
     assert_eq!(proceeded, 3);
+    mesh.shutdown().await;
+}
+
+/// One batch of six `email.send` calls in a fresh session: `email-rate`
+/// ("at most 3 an hour") lets the first three run and cancels the others,
+/// as six batches of one call would. The next batch of the session sends
+/// none, and a call of another tool in the batch is not counted.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn r34_one_batch_of_many_calls_cannot_pass_a_count() {
+    let mesh = TestMesh::start().await;
+    mesh.register(Registration::policy("flows", relaybleed()))
+        .await;
+    let c = mesh.coordinator().await;
+    let batch = (0..7).fold(Batch::new(0), |b, i| {
+        let tool = if i == 2 { "fs.read_file" } else { "email.send" };
+        b.call(
+            format!("e{i}"),
+            tool,
+            format!(r#"{{"to":"a{i}@example.com"}}"#),
+        )
+    });
+    let d = c.evaluate_once("burst", batch).await.unwrap();
+    let proceeded: Vec<bool> = d
+        .calls
+        .iter()
+        .map(|call| matches!(call.outcome, Outcome::Proceed))
+        .collect();
+    assert_eq!(
+        proceeded,
+        [true, true, true, true, false, false, false],
+        "{d:?}"
+    );
+    for call in d
+        .calls
+        .iter()
+        .filter(|c| !matches!(c.outcome, Outcome::Proceed))
+    {
+        assert!(
+            matches!(&call.outcome, Outcome::Cancel { content } if content.contains("3 emails")),
+            "{call:?}"
+        );
+    }
+    let d = c
+        .evaluate_once(
+            "burst",
+            Batch::new(1).call("e", "email.send", r#"{"to":"a@example.com"}"#),
+        )
+        .await
+        .unwrap();
+    assert!(matches!(
+        d.call("e").unwrap().outcome,
+        Outcome::Cancel { .. }
+    ));
     mesh.shutdown().await;
 }

@@ -824,6 +824,7 @@ async fn no_update_is_lost(
                             server: "fs".into(),
                             args: "00".repeat(16),
                             at: 0,
+                            seq: 0,
                         }],
                         ..Update::default()
                     };
@@ -927,11 +928,12 @@ async fn r34_a_replica_with_another_secret_does_not_start() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
-/// In etcd a session's key lives on a lease of the memory's age: an active
-/// session keeps what it learned recently past its first lease (the lease
-/// is granted again past half of it), an abandoned one leaves the store
-/// (R34). With a 4 s age: written at 0 s and 2.5 s, still there at 5 s with
-/// the later entry; gone once 4 s pass without a write.
+/// In etcd a session's key lives on a lease of one and a half times the
+/// memory's age: an active session keeps what it learned recently past its
+/// first lease (the lease is granted again past half of the age), an
+/// abandoned one leaves the store (R34). With a 4 s age: written at 0 s and
+/// 2.5 s, still there at 5 s with the later entry; gone once 6 s pass
+/// without a write.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn r34_an_active_session_outlives_its_first_etcd_lease() {
     use guardmesh_server::session::etcd::EtcdStore;
@@ -954,6 +956,7 @@ async fn r34_an_active_session_outlives_its_first_etcd_lease() {
             server: "fs".into(),
             args: "00".repeat(16),
             at: 0,
+            seq: 0,
         }],
         ..Update::default()
     };

@@ -27,6 +27,7 @@
 use std::cell::OnceCell;
 use std::collections::{BTreeMap, HashMap};
 use std::fmt;
+use std::sync::Arc;
 
 use cel::common::types::{
     CelBool, CelDouble, CelInt, CelList, CelMap, CelMapKey, CelNull, CelString, CelUInt,
@@ -163,8 +164,10 @@ pub struct BatchValues<'a> {
     batch_bytes: usize,
     /// The bytes of the context's strings.
     context_bytes: usize,
-    /// `session`, when the batch's policies read it (R34).
-    session: Option<super::session_cel::SessionVal>,
+    /// `session`, when the batch's policies read it (R34), with the tools
+    /// of the batch's calls in order: call `i`'s rules see the calls before
+    /// it ([`super::session_cel::SessionAt`]).
+    session: Option<(super::session_cel::SessionVal, Arc<[String]>)>,
 }
 
 /// The CEL interpreter's values of a batch.
@@ -282,7 +285,18 @@ impl<'a> BatchValues<'a> {
     /// Sets `session`: the session's memory, or why it cannot be read (R34).
     /// Without it a rule naming `session` fails (R13).
     pub fn set_session(&mut self, session: super::session_cel::SessionVal) {
-        self.session = Some(session);
+        let tools = self.sources.iter().map(|c| c.tool.to_owned()).collect();
+        self.session = Some((session, tools));
+    }
+
+    /// `session` as call `i`'s rules read it.
+    fn session_at(&self, i: usize) -> Option<super::session_cel::SessionAt> {
+        let (session, tools) = self.session.as_ref()?;
+        Some(super::session_cel::SessionAt::new(
+            session.clone(),
+            Arc::clone(tools),
+            i,
+        ))
     }
 
     /// The interpreter's values, built on first use.
@@ -416,7 +430,7 @@ impl<'a> BatchValues<'a> {
             call: cel.calls.inner()[i].as_ref(),
             calls: &cel.calls,
             context: &cel.context,
-            session: self.session.as_ref(),
+            session: self.session_at(i),
             meter: None,
             bytes: [0; 4],
         }
@@ -430,7 +444,7 @@ impl<'a> BatchValues<'a> {
             call: cel.calls.inner()[i].as_ref(),
             calls: &cel.calls,
             context: &cel.context,
-            session: self.session.as_ref(),
+            session: self.session_at(i),
             meter: Some(meter),
             bytes: [
                 self.call_bytes.get(i).copied().unwrap_or(0),
@@ -449,7 +463,7 @@ pub(crate) struct Scope<'s, 'a> {
     call: &'s (dyn Val + 'a),
     calls: &'s CelList<'a>,
     context: &'s CelMap<'a>,
-    session: Option<&'s super::session_cel::SessionVal>,
+    session: Option<super::session_cel::SessionAt>,
     meter: Option<&'s Meter>,
     /// The bytes of `call`, `calls` and `context` (`session`'s are its own).
     bytes: [u64; 4],
@@ -462,7 +476,7 @@ impl VariableResolver for Scope<'_, '_> {
             "calls" => (self.calls, self.bytes[1]),
             "context" => (self.context, self.bytes[2]),
             "session" => {
-                let session = self.session?;
+                let session = self.session.as_ref()?;
                 (session as &dyn Val, session.bytes())
             }
             _ => return None,

@@ -4,11 +4,17 @@
 //!   first (`"secret:fs" in session.labels`);
 //! * `session.evicted`: entries the session's bounds dropped since it
 //!   began (a strict rule may treat a session that lost memory as
-//!   tainted);
+//!   tainted); at least 1 once the whole session was dropped for room;
+//! * `session.dropped`: whether the whole session was dropped to make
+//!   room for other sessions and came back (all it held is lost: it reads
+//!   as lost, never as new);
 //! * `session.calls_total`: calls recorded since the session began;
 //! * `session.count(tool_glob, window)`: calls of a tool matching the glob
 //!   (ASCII case ignored) that ran in the session within the window
-//!   (`"30s"`, `"15m"`, `"1h"`, `"7d"`): an int;
+//!   (`"30s"`, `"15m"`, `"1h"`, `"7d"`), plus the calls before this one in
+//!   its own batch whose tool matches, whatever their decision (R34: a
+//!   call's rules see the calls before it in its batch; a call that an
+//!   earlier guard or this rule skips still counts, the safe side): an int;
 //! * `session.seen_from(value, server)`: whether a string in `value` (a
 //!   string, or any string or map key inside a list or map, such as
 //!   `call.args`), or a token of it, is a value seen in a result from
@@ -64,7 +70,39 @@ impl SessionVal {
     }
 }
 
-impl Val for SessionVal {
+/// `session` as the rules of one call of a batch read it (R34): the
+/// memory as the batch read it, and the tools of the batch's calls, of
+/// which those before this call are counted by `session.count`.
+#[derive(Debug, Clone)]
+pub(crate) struct SessionAt {
+    session: SessionVal,
+    tools: Arc<[String]>,
+    index: usize,
+}
+
+impl SessionAt {
+    /// `session` for call `index` of a batch whose calls' tools are
+    /// `tools`, in order.
+    pub(crate) fn new(session: SessionVal, tools: Arc<[String]>, index: usize) -> Self {
+        Self {
+            session,
+            tools,
+            index,
+        }
+    }
+
+    /// The tools of the calls before this one in its batch.
+    fn earlier(&self) -> &[String] {
+        self.tools.get(..self.index).unwrap_or(&self.tools)
+    }
+
+    /// Bytes a read of it is charged (see `meter`).
+    pub(crate) fn bytes(&self) -> u64 {
+        self.session.bytes()
+    }
+}
+
+impl Val for SessionAt {
     fn get_type(&self) -> &Type {
         &SESSION_TYPE
     }
@@ -89,9 +127,9 @@ impl Val for SessionVal {
     }
 }
 
-impl StaticVal for SessionVal {}
+impl StaticVal for SessionAt {}
 
-impl Indexer for SessionVal {
+impl Indexer for SessionAt {
     fn get<'b, 'v>(&'b self, idx: &dyn Val) -> Result<CowVal<'b, 'v>, ExecutionError>
     where
         Self: 'v,
@@ -99,7 +137,7 @@ impl Indexer for SessionVal {
         let Some(field) = idx.downcast_ref::<CelString>() else {
             return Err(ExecutionError::no_such_key("session"));
         };
-        let view = self.view(field.inner())?;
+        let view = self.session.view(field.inner())?;
         match field.inner() {
             "labels" => {
                 let labels: Vec<Box<dyn Val + 'v>> = view
@@ -112,6 +150,7 @@ impl Indexer for SessionVal {
             "evicted" => Ok(CowVal::owned(CelInt::from(
                 i64::try_from(view.evicted()).unwrap_or(i64::MAX),
             ))),
+            "dropped" => Ok(CowVal::owned(CelBool::from(view.dropped()))),
             "calls_total" => Ok(CowVal::owned(CelInt::from(
                 i64::try_from(view.calls_total()).unwrap_or(i64::MAX),
             ))),
@@ -130,9 +169,9 @@ impl Indexer for SessionVal {
 fn session_arg<'a>(
     args: &'a [CowVal<'_, '_>],
     function: &str,
-) -> Result<&'a SessionVal, ExecutionError> {
+) -> Result<&'a SessionAt, ExecutionError> {
     args.first()
-        .and_then(|a| a.downcast_ref::<SessionVal>())
+        .and_then(|a| a.downcast_ref::<SessionAt>())
         .ok_or_else(|| ExecutionError::function_error(function, "expects session as its receiver"))
 }
 
@@ -150,7 +189,8 @@ fn string_arg<'a>(
 }
 
 fn count<'b, 'v>(args: Vec<CowVal<'b, 'v>>) -> Result<CowVal<'b, 'v>, ExecutionError> {
-    let view = session_arg(&args, "count")?.view("count")?;
+    let at = session_arg(&args, "count")?;
+    let view = at.session.view("count")?;
     let glob = string_arg(&args, 1, "count")?;
     let window = string_arg(&args, 2, "count")?;
     let window = parse_window(window).ok_or_else(|| {
@@ -160,7 +200,7 @@ fn count<'b, 'v>(args: Vec<CowVal<'b, 'v>>) -> Result<CowVal<'b, 'v>, ExecutionE
         )
     })?;
     let n = view
-        .count(glob, window)
+        .count_with(glob, window, at.earlier())
         .map_err(|_| ExecutionError::function_error("count", "its tool glob does not compile"))?;
     Ok(CowVal::owned(CelInt::from(
         i64::try_from(n).unwrap_or(i64::MAX),
@@ -193,7 +233,7 @@ fn seen<'b, 'v>(
     function: &str,
     other: bool,
 ) -> Result<CowVal<'b, 'v>, ExecutionError> {
-    let view = session_arg(&args, function)?.view(function)?;
+    let view = session_arg(&args, function)?.session.view(function)?;
     let server = string_arg(&args, 2, function)?;
     let value = args
         .get(1)
@@ -412,6 +452,100 @@ message = '"Tool call blocked: this session read a secret"'
             blocked_by(&judge(&policy, view, "EMAIL.SEND", "{}")),
             Some("email-rate")
         );
+    }
+
+    /// R34: a call's rules see the calls before it in its own batch. A
+    /// batch of six emails in a session allowed three lets the first three
+    /// run and stops the others; calls of other tools do not count, and
+    /// the calls of earlier batches add up with those of this one.
+    #[tokio::test]
+    async fn r34_a_count_sees_the_earlier_calls_of_its_own_batch() {
+        let policy = Policy::compile(RELAYBLEED).unwrap();
+        let mem = SessionMemory::in_memory(SessionLimits::default());
+        let key = SessionKey::new("agent", "s1");
+        let judge_batch = |session: SessionVal, tools: &[&str]| {
+            let ids: Vec<String> = (0..tools.len()).map(|i| format!("c{i}")).collect();
+            let mut values = BatchValues::new(
+                ContextRef {
+                    session_id: "s1",
+                    ..ContextRef::default()
+                },
+                [],
+                tools.iter().zip(&ids).map(|(tool, id)| CallRef {
+                    call_id: id,
+                    tool,
+                    args: Args::Text("{}"),
+                }),
+            );
+            values.set_session(session);
+            policy
+                .evaluate_values(&values, None)
+                .iter()
+                .map(|o| blocked_by(o).is_none())
+                .collect::<Vec<bool>>()
+        };
+        let view = SessionVal::Read(mem.read(&key).await.unwrap());
+        assert_eq!(
+            judge_batch(view, &["email.send"; 6]),
+            [true, true, true, false, false, false],
+            "six emails in one batch where three are allowed"
+        );
+        let view = SessionVal::Read(mem.read(&key).await.unwrap());
+        let mixed = [
+            "fs.read",
+            "email.send",
+            "fs.read",
+            "EMAIL.SEND",
+            "email.send",
+            "fs.read",
+            "email.send",
+        ];
+        assert_eq!(
+            judge_batch(view, &mixed),
+            [true, true, true, true, true, true, false],
+            "only the emails count, whatever the case of their names"
+        );
+        mem.record(
+            &key,
+            &Update {
+                calls: vec![mem.call("e0", "email.send", "email", "{}")],
+                ..Update::default()
+            },
+        )
+        .await
+        .unwrap();
+        let view = SessionVal::Read(mem.read(&key).await.unwrap());
+        assert_eq!(
+            judge_batch(view, &["email.send"; 4]),
+            [true, true, false, false],
+            "one email of an earlier batch and two of this one make three"
+        );
+    }
+
+    /// R34: a session dropped for room and back reads as lost to rules:
+    /// `session.dropped`, and `session.evicted` above 0.
+    #[test]
+    fn r34_rules_read_that_a_session_was_dropped_for_room() {
+        let policy = Policy::compile(
+            "[[rule]]\nname='lost'\nwhen='session.dropped && session.evicted > 0'\n\
+             action='cancel'\nmessage='\"lost\"'\n",
+        )
+        .unwrap();
+        let view = |memory: crate::session::Memory| {
+            SessionVal::Read(Arc::new(crate::session::SessionView::new(
+                Arc::new(memory),
+                crate::session::Digester::random(),
+                1_000,
+                std::time::Duration::from_secs(60),
+            )))
+        };
+        let dropped = view(crate::session::Memory::dropped_for_room());
+        assert_eq!(
+            blocked_by(&judge(&policy, dropped, "sqlite.query", "{}")),
+            Some("lost")
+        );
+        let new = view(crate::session::Memory::default());
+        assert_eq!(judge(&policy, new, "sqlite.query", "{}"), Outcome::Proceed);
     }
 
     #[test]

@@ -6,9 +6,11 @@
 //! linearizably (a member cut off from its quorum refuses rather than
 //! answers from old state: the rules that need the memory then fail per
 //! their guard's policy, as R17's stale chain does). Each session's key is
-//! on a lease of the memory's age, granted again once half of it has
-//! passed, so an abandoned session leaves the store by itself and an
-//! active one keeps its recent entries.
+//! on a lease of one and a half times the memory's age, granted again at
+//! the first write once half of the age has passed, so an abandoned
+//! session leaves the store by itself, but never while an entry of it is
+//! still within the age (R34: memory the store lost would read as a new
+//! session); see [`lease_ttl`].
 //!
 //! The key names the session by a digest of its identity and id, so the
 //! store's keys do not list who has sessions.
@@ -21,6 +23,18 @@ use etcd_client::{Client, Compare, CompareOp, PutOptions, Txn, TxnOp};
 
 /// Attempts of one update that meets concurrent updates of its session.
 const ATTEMPTS: u32 = 8;
+
+/// The time to live, in seconds, of a lease a session's key is put on:
+/// one and a half times the memory's age (rounded up). A lease is granted
+/// again only at a write half of the age or more after the last grant, so
+/// the last write under a lease comes less than half the age after it:
+/// the key outlives that write's entries by at least their age.
+pub(crate) fn lease_ttl(max_age: std::time::Duration) -> i64 {
+    let ms = max_age
+        .as_millis()
+        .saturating_add(max_age.as_millis().div_ceil(2));
+    i64::try_from(ms.div_ceil(1000)).unwrap_or(i64::MAX).max(1)
+}
 
 /// The etcd store.
 #[derive(Clone)]
@@ -100,11 +114,8 @@ impl SessionStore for EtcdStore {
             // lease. (The old lease, left without keys, ends by itself.)
             let age = u64::try_from(limits.max_age.as_millis()).unwrap_or(u64::MAX);
             if lease == 0 || now.saturating_sub(memory.lease_at) >= age / 2 {
-                let ttl = i64::try_from(limits.max_age.as_secs())
-                    .unwrap_or(i64::MAX)
-                    .max(1);
                 lease = client
-                    .lease_grant(ttl, None)
+                    .lease_grant(lease_ttl(limits.max_age), None)
                     .await
                     .map_err(unavailable)?
                     .id();
@@ -155,5 +166,30 @@ impl SessionStore for EtcdStore {
 
     fn kind(&self) -> &'static str {
         "etcd"
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::lease_ttl;
+    use std::time::Duration;
+
+    /// R34: a session's key in etcd outlives every entry still within the
+    /// memory's age. The last write under a lease comes less than half the
+    /// age after its grant (a later write grants a new lease), so the
+    /// lease must live at least one and a half times the age.
+    #[test]
+    fn r34_a_sessions_lease_outlives_its_newest_entries_age() {
+        for age_ms in [1, 999, 1_000, 1_500, 60_000, 3_600_001, 86_400_000] {
+            let age = Duration::from_millis(age_ms);
+            let ttl_ms = u64::try_from(lease_ttl(age)).unwrap() * 1000;
+            let last_write = age_ms / 2 + age_ms % 2; // just before half of it
+            assert!(
+                ttl_ms >= last_write + age_ms,
+                "age {age_ms} ms: a lease of {ttl_ms} ms ends before an entry \
+                 written {last_write} ms after its grant is past the age"
+            );
+        }
+        assert_eq!(lease_ttl(Duration::from_secs(24 * 3600)), 36 * 3600);
     }
 }

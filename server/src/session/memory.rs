@@ -1,14 +1,17 @@
 //! One session's memory: the calls that ran, the labels set, the digests
 //! of values seen in results, and counters; bounded in bytes, entries and
-//! age, the oldest entries going first (R34).
+//! age, the oldest entries going first (R34). "Oldest" is the order in
+//! which the session recorded them (each entry's sequence number), never
+//! their millisecond: entries recorded in one millisecond still have an
+//! order, and the clock may step back.
 
 use super::limits::SessionLimits;
 use serde::{Deserialize, Serialize};
 use std::collections::{HashSet, VecDeque};
 
-/// Bytes an entry is charged beyond its strings (its times and framing as
-/// stored).
-const ENTRY_OVERHEAD: usize = 32;
+/// Bytes an entry is charged beyond its strings (its time, its sequence
+/// number and framing as stored).
+const ENTRY_OVERHEAD: usize = 40;
 
 /// A call that ran in the session.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -22,6 +25,11 @@ pub struct CallRan {
     pub args: String,
     /// When it was judged to run, in milliseconds since the Unix epoch.
     pub at: u64,
+    /// Its place in the order the session recorded its entries (see
+    /// [`Memory::seq`]); 0 in memories stored before entries had one,
+    /// which are older than every entry that has one.
+    #[serde(default)]
+    pub seq: u64,
 }
 
 /// A label of the session (`secret:fs`), set by a guard's verdict or a
@@ -30,6 +38,8 @@ pub struct CallRan {
 pub struct Label {
     pub name: String,
     pub at: u64,
+    #[serde(default)]
+    pub seq: u64,
 }
 
 /// The keyed digest (hex) of a value seen in a result from `server`.
@@ -38,6 +48,8 @@ pub struct Seen {
     pub server: String,
     pub digest: String,
     pub at: u64,
+    #[serde(default)]
+    pub seq: u64,
 }
 
 /// One session's memory, as a store holds it.
@@ -55,12 +67,21 @@ pub struct Memory {
     /// Results recorded since the session began.
     #[serde(default)]
     pub results_total: u64,
-    /// Entries dropped by the bounds since the session began.
+    /// Entries dropped by the bounds since the session began (at least 1
+    /// once the session was dropped for room, see `dropped`).
     #[serde(default)]
     pub evicted: u64,
+    /// The session was dropped to make room for others and came back: all
+    /// it held before is lost (R34: read as lost, never as new).
+    #[serde(default, skip_serializing_if = "is_false")]
+    pub dropped: bool,
     /// When it last changed.
     #[serde(default)]
     pub updated: u64,
+    /// The sequence number of the last entry recorded: each entry gets the
+    /// next, so the oldest entry is the one with the lowest (R34).
+    #[serde(default)]
+    pub seq: u64,
     /// In etcd: when the lease the session's key is on was granted (a
     /// lease lives the memory's age from then, so it is renewed before).
     #[serde(default, skip_serializing_if = "is_zero")]
@@ -90,6 +111,10 @@ impl Eq for Held {}
 
 fn is_zero(n: &u64) -> bool {
     *n == 0
+}
+
+fn is_false(b: &bool) -> bool {
+    !*b
 }
 
 /// What one batch (or one result) adds to a session.
@@ -142,6 +167,17 @@ pub fn label_ok(label: &str, max: usize) -> bool {
 }
 
 impl Memory {
+    /// The memory of a session that was dropped to make room for others
+    /// and comes back: nothing of what it held, and marked as having lost
+    /// it (how many entries is not kept: at least one).
+    pub fn dropped_for_room() -> Self {
+        Self {
+            evicted: 1,
+            dropped: true,
+            ..Self::default()
+        }
+    }
+
     /// Its entries: calls, labels and values seen.
     pub fn entries(&self) -> usize {
         self.calls.len() + self.labels.len() + self.seen.len()
@@ -188,6 +224,12 @@ impl Memory {
         self.held = Held(Some(held));
     }
 
+    /// The sequence number of the next entry.
+    fn next_seq(&mut self) -> u64 {
+        self.seq = self.seq.saturating_add(1);
+        self.seq
+    }
+
     /// Drops the entries older than the bounds' age; returns how many.
     pub fn expire(&mut self, limits: &SessionLimits, now: u64) -> usize {
         let age = u64::try_from(limits.max_age.as_millis()).unwrap_or(u64::MAX);
@@ -224,8 +266,10 @@ impl Memory {
         };
         for call in &update.calls {
             self.charge(call_bytes(call));
+            let seq = self.next_seq();
             self.calls.push_back(CallRan {
                 at: now,
+                seq,
                 ..call.clone()
             });
             applied.calls.push(call.tool.clone());
@@ -243,6 +287,7 @@ impl Memory {
             let label = Label {
                 name: label.clone(),
                 at: now,
+                seq: self.next_seq(),
             };
             self.charge(label_bytes(&label));
             applied.labels.push(label.name.clone());
@@ -278,14 +323,21 @@ impl Memory {
             .iter()
             .map(|s| (s.server.as_str(), s.digest.as_str()))
             .collect();
-        let fresh: Vec<Seen> = seen
+        let fresh: Vec<&Seen> = seen
             .iter()
             .filter(|s| known.insert((s.server.as_str(), s.digest.as_str())))
-            .map(|s| Seen {
+            .collect();
+        let first = self.seq;
+        let fresh: Vec<Seen> = fresh
+            .into_iter()
+            .zip(1..)
+            .map(|(s, n)| Seen {
                 at: now,
+                seq: first.saturating_add(n),
                 ..s.clone()
             })
             .collect();
+        self.seq = first.saturating_add(fresh.len() as u64);
         applied.seen = fresh.len();
         self.charge(fresh.iter().map(seen_bytes).sum());
         self.seen.extend(fresh);
@@ -293,13 +345,18 @@ impl Memory {
 
     /// Drops the oldest entries until the session is within its entries
     /// and bytes; labels go last (a flood of values must not wash a label
-    /// away before it washes away the values). Returns how many.
+    /// away before it washes away the values). Between a call and a value
+    /// seen, the one recorded first goes: by sequence number, never by a
+    /// tie of milliseconds (a call just recorded must outlive values seen
+    /// before it, or its result would be refused). Entries stored without
+    /// a sequence number (0) are older than every entry with one, and
+    /// among themselves go by time. Returns how many.
     fn shrink(&mut self, limits: &SessionLimits) -> usize {
         let mut bytes = self.held_bytes();
         let mut dropped = 0;
         while self.entries() > limits.max_entries || bytes > limits.max_bytes {
-            let call = self.calls.front().map(|c| c.at);
-            let seen = self.seen.front().map(|s| s.at);
+            let call = self.calls.front().map(|c| (c.seq, c.at));
+            let seen = self.seen.front().map(|s| (s.seq, s.at));
             let freed = match (call, seen) {
                 (Some(c), Some(s)) if c <= s => self.calls.pop_front().map(|c| call_bytes(&c)),
                 (Some(_), None) => self.calls.pop_front().map(|c| call_bytes(&c)),
@@ -339,6 +396,7 @@ mod tests {
             server: "fs".to_owned(),
             args: "0123456789abcdef0123456789abcdef".to_owned(),
             at: 0,
+            seq: 0,
         }
     }
 
@@ -347,6 +405,7 @@ mod tests {
             server: "fs".to_owned(),
             digest: format!("{n:032x}"),
             at: 0,
+            seq: 0,
         }
     }
 
@@ -442,6 +501,94 @@ mod tests {
         assert_eq!(read.bytes(), memory.bytes());
         read.apply(&update, &limits, 6);
         in_step(&read, "an update of a memory read from a store");
+    }
+
+    /// R34: the oldest entries go first, by the order they were recorded
+    /// in, never by a tie of their milliseconds. A session at its byte
+    /// bound fed calls and values in one millisecond keeps each call it
+    /// has just recorded (its result, coming next, must find it).
+    #[test]
+    fn r34_a_full_session_never_evicts_the_call_it_just_recorded_on_a_millisecond_tie() {
+        let limits = SessionLimits {
+            max_bytes: 2 * 1024,
+            ..SessionLimits::default()
+        };
+        let mut memory = Memory::default();
+        let now = 1_000_000;
+        // Values seen fill the session past its byte bound.
+        memory.apply(
+            &Update {
+                seen: (0..100).map(seen).collect(),
+                results: 1,
+                ..Update::default()
+            },
+            &limits,
+            now,
+        );
+        assert!(memory.evicted > 0, "the session is at its bound");
+        for i in 0..50 {
+            memory.apply(
+                &Update {
+                    calls: vec![call(i, "fs.read")],
+                    ..Update::default()
+                },
+                &limits,
+                now,
+            );
+            let id = format!("call-{i}");
+            assert!(
+                memory.calls.iter().any(|c| c.id == id),
+                "update {i}: the call just recorded was evicted before older values"
+            );
+            in_step(&memory, &format!("call {i}"));
+            // Its result's values, in the same millisecond.
+            memory.apply(
+                &Update {
+                    seen: (1000 + 10 * i..1010 + 10 * i).map(seen).collect(),
+                    results: 1,
+                    ..Update::default()
+                },
+                &limits,
+                now,
+            );
+            assert!(
+                memory.calls.iter().any(|c| c.id == id),
+                "update {i}: the call was evicted before values seen before it"
+            );
+            in_step(&memory, &format!("values {i}"));
+        }
+        assert!(memory.bytes() <= limits.max_bytes);
+    }
+
+    /// A memory stored before entries had sequence numbers still reads,
+    /// and its entries are older than any recorded since.
+    #[test]
+    fn r34_a_memory_stored_without_sequence_numbers_reads_and_its_entries_go_first() {
+        let stored = r#"{"calls":[{"id":"old","tool":"fs.read","server":"fs",
+            "args":"00","at":5000}],"seen":[{"server":"fs","digest":"ab","at":5000}],
+            "calls_total":1,"results_total":1,"updated":5000}"#;
+        let mut memory: Memory = serde_json::from_str(stored).unwrap();
+        let limits = SessionLimits {
+            max_entries: 3,
+            ..SessionLimits::default()
+        };
+        // Recorded at an earlier millisecond (the clock stepped back).
+        memory.apply(
+            &Update {
+                calls: vec![call(1, "fs.read"), call(2, "fs.read")],
+                ..Update::default()
+            },
+            &limits,
+            4000,
+        );
+        let ids: Vec<&str> = memory.calls.iter().map(|c| c.id.as_str()).collect();
+        assert_eq!(ids, ["call-1", "call-2"], "the stored call went first");
+        assert_eq!(memory.seen.len(), 1);
+        assert_eq!(memory.evicted, 1);
+        in_step(
+            &memory,
+            "an update of a memory stored without sequence numbers",
+        );
     }
 
     #[test]

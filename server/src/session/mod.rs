@@ -225,6 +225,7 @@ impl SessionMemory {
             server: server.to_owned(),
             args: digest::to_hex(&self.digester.digest(&canonical)),
             at: 0,
+            seq: 0,
         }
     }
 
@@ -256,6 +257,7 @@ impl SessionMemory {
                 server: server.to_owned(),
                 digest: digest::to_hex(d),
                 at: 0,
+                seq: 0,
             })
             .collect();
         (seen, cut)

@@ -172,6 +172,87 @@ async fn r25_many_sessions_are_bounded_per_identity_and_mesh_wide() {
     assert!(store.evicted_sessions() >= 150);
 }
 
+/// R34 "forgetting is never innocence": a session dropped to make room
+/// for others (per identity or mesh-wide) comes back as a session that
+/// lost memory, never as a new one, whether it is read or written first;
+/// a session that never was reads as new; the least recently updated
+/// session is the one that goes.
+#[tokio::test]
+async fn r34_a_session_dropped_for_room_reads_as_lost_never_as_new() {
+    let store = Arc::new(LocalStore::new(limits()));
+    let mem = SessionMemory::new(store.clone(), Digester::random(), limits());
+    let victim = SessionKey::new("agent", "victim");
+    let kept = SessionKey::new("agent", "kept");
+    let mut secret = update_with_call(&mem, "r1", "fs.read_file");
+    secret.labels.push("secret:fs".to_owned());
+    mem.record(&victim, &secret).await.unwrap();
+    mem.record(&kept, &update_with_call(&mem, "c", "t.x"))
+        .await
+        .unwrap();
+    for i in 0..limits().max_sessions_per_identity {
+        let key = SessionKey::new("agent", format!("other-{i}"));
+        mem.record(&key, &update_with_call(&mem, "c", "t.x"))
+            .await
+            .unwrap();
+        // `kept` stays the most recently updated but one.
+        mem.record(&kept, &update_with_call(&mem, "c", "t.x"))
+            .await
+            .unwrap();
+    }
+    assert!(store.evicted_sessions() > 0);
+    assert_eq!(
+        mem.read(&kept).await.unwrap().calls_total(),
+        1 + limits().max_sessions_per_identity as u64,
+        "the session updated last was not the one dropped"
+    );
+    // Read first: lost, not new.
+    let view = mem.read(&victim).await.unwrap();
+    assert!(
+        view.labels().is_empty(),
+        "the session updated least recently was not the one dropped"
+    );
+    assert!(
+        view.evicted() > 0,
+        "a session dropped for room reads as a new session"
+    );
+    assert!(view.dropped(), "{view:?}");
+    assert!(view.for_guard().dropped && view.for_guard().evicted);
+    // Written first (then read): lost too.
+    mem.record(&victim, &update_with_call(&mem, "c2", "t.x"))
+        .await
+        .unwrap();
+    let view = mem.read(&victim).await.unwrap();
+    assert_eq!(view.calls_total(), 1);
+    assert!(
+        view.evicted() > 0,
+        "a dropped session written again reads as new"
+    );
+    assert!(view.dropped());
+    // Dropped mesh-wide by other identities: lost too.
+    let lonely = SessionKey::new("alone", "s");
+    mem.record(&lonely, &update_with_call(&mem, "c", "t.x"))
+        .await
+        .unwrap();
+    for i in 0..limits().max_sessions {
+        let key = SessionKey::new(format!("id{i}"), "s");
+        mem.record(&key, &update_with_call(&mem, "c", "t.x"))
+            .await
+            .unwrap();
+    }
+    assert!(mem.read(&lonely).await.unwrap().dropped());
+    // A session that never was is new.
+    let fresh = mem.read(&SessionKey::new("agent", "fresh")).await.unwrap();
+    assert_eq!((fresh.evicted(), fresh.dropped()), (0, false));
+    // What is remembered of the dropped sessions is within its own bound,
+    // counted with the sessions' bytes.
+    let (sessions, bytes) = store.held().unwrap();
+    assert_eq!(sessions, limits().max_sessions);
+    assert!(
+        bytes <= limits().max_sessions * limits().max_bytes,
+        "{bytes}"
+    );
+}
+
 #[tokio::test]
 async fn r34_a_result_for_a_call_never_made_is_refused() {
     let mem = memory();
@@ -580,6 +661,7 @@ fn view_of(calls: &[(String, String)], labels: &[String], now: u64) -> SessionVi
             server: server.clone(),
             args: digest::to_hex(&[i as u8; 16]),
             at: 0,
+            seq: 0,
         };
         let update = Update {
             calls: vec![call],
@@ -596,6 +678,7 @@ fn view_of(calls: &[(String, String)], labels: &[String], now: u64) -> SessionVi
         memory.apply(&update, &limits, now);
     }
     memory.evicted = u64::from(calls.len() % 2 == 1);
+    memory.dropped = calls.len() % 3 == 1;
     SessionView::new(
         Arc::new(memory),
         Digester::random(),

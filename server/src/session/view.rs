@@ -99,6 +99,12 @@ impl SessionView {
         self.memory.evicted
     }
 
+    /// Whether the session was dropped to make room for others and came
+    /// back: what it held before is lost (its `evicted` counts it too).
+    pub fn dropped(&self) -> bool {
+        self.memory.dropped
+    }
+
     /// Calls recorded since the session began.
     pub fn calls_total(&self) -> u64 {
         self.memory.calls_total
@@ -145,6 +151,7 @@ impl SessionView {
             evicted: self.memory.evicted > 0,
             truncated,
             unavailable: String::new(),
+            dropped: self.memory.dropped,
         };
         while memory.encoded_len() > GUARD_MAX_BYTES {
             memory.truncated = true;
@@ -165,7 +172,7 @@ impl SessionView {
     /// string is copied but into `buf`). What a batch sends its guards.
     pub fn encode_for_guard(&self, tag: u32, buf: &mut Vec<u8>) {
         use session_memory::{
-            CALLS_TOTAL, COUNTS, EVICTED, LABELS, RECENT, RESULTS_TOTAL, TRUNCATED,
+            CALLS_TOTAL, COUNTS, DROPPED, EVICTED, LABELS, RECENT, RESULTS_TOTAL, TRUNCATED,
         };
         // The calls are walked, not collected: once to count them, then
         // from the first one sent.
@@ -182,7 +189,8 @@ impl SessionView {
         let mut counts_bytes: usize = counts.iter().map(|(t, n)| count_len(t, *n)).sum();
         let totals = write::varint_len(CALLS_TOTAL, self.memory.calls_total)
             + write::varint_len(RESULTS_TOTAL, self.memory.results_total)
-            + write::varint_len(EVICTED, u64::from(self.memory.evicted > 0));
+            + write::varint_len(EVICTED, u64::from(self.memory.evicted > 0))
+            + write::varint_len(DROPPED, u64::from(self.memory.dropped));
         let len = |labels: usize, counts: usize, recent: usize, truncated: bool| {
             labels + counts + recent + totals + write::varint_len(TRUNCATED, u64::from(truncated))
         };
@@ -225,11 +233,24 @@ impl SessionView {
         write::varint(RESULTS_TOTAL, self.memory.results_total, buf);
         write::varint(EVICTED, u64::from(self.memory.evicted > 0), buf);
         write::varint(TRUNCATED, u64::from(truncated), buf);
+        write::varint(DROPPED, u64::from(self.memory.dropped), buf);
     }
 
     /// Calls of a tool matching `glob` (ASCII case ignored, as guards'
     /// tool patterns, R9) that ran within `window` before now.
     pub fn count(&self, glob: &str, window: Duration) -> Result<u64, globset::Error> {
+        self.count_with(glob, window, &[])
+    }
+
+    /// [`SessionView::count`], plus those of `earlier` (the tools of the
+    /// calls before the one judged in its own batch, which have not run
+    /// yet, R34) that match `glob`.
+    pub fn count_with(
+        &self,
+        glob: &str,
+        window: Duration,
+        earlier: &[String],
+    ) -> Result<u64, globset::Error> {
         let matcher = globset::GlobBuilder::new(glob)
             .case_insensitive(true)
             .build()?
@@ -237,10 +258,15 @@ impl SessionView {
         let since = self
             .now
             .saturating_sub(u64::try_from(window.as_millis()).unwrap_or(u64::MAX));
-        Ok(self
+        let ran = self
             .live_calls()
             .filter(|c| c.at >= since && matcher.is_match(&c.tool))
-            .count() as u64)
+            .count();
+        let before = earlier
+            .iter()
+            .filter(|t| matcher.is_match(t.as_str()))
+            .count();
+        Ok((ran + before) as u64)
     }
 
     /// Whether one of `texts` (or a token in it) is a value seen in a result

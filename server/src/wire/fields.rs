@@ -65,6 +65,7 @@ pub(crate) mod session_memory {
     pub(crate) const RESULTS_TOTAL: u32 = 5;
     pub(crate) const EVICTED: u32 = 6;
     pub(crate) const TRUNCATED: u32 = 7;
+    pub(crate) const DROPPED: u32 = 9;
 }
 
 /// `SessionCall`.
@@ -228,6 +229,10 @@ mod tests {
             (session_memory::RESULTS_TOTAL, VARINT)
         );
         assert_eq!(
+            only(|m| m.dropped = true),
+            (session_memory::DROPPED, VARINT)
+        );
+        assert_eq!(
             only(|m| m.evicted = true),
             (session_memory::EVICTED, VARINT)
         );
@@ -300,6 +305,7 @@ mod tests {
         write::varint(session_memory::RESULTS_TOTAL, 5, &mut memory);
         write::varint(session_memory::EVICTED, 1, &mut memory);
         write::varint(session_memory::TRUNCATED, 1, &mut memory);
+        write::varint(session_memory::DROPPED, 1, &mut memory);
         let expected = SessionMemory {
             labels: vec!["secret".into()],
             counts: [("fs.read".to_owned(), 2)].into(),
@@ -309,6 +315,7 @@ mod tests {
             evicted: true,
             truncated: true,
             unavailable: String::new(),
+            dropped: true,
         };
         assert_eq!(
             SessionMemory::decode(memory.as_slice()),

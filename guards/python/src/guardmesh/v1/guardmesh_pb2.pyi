@@ -1155,13 +1155,15 @@ class SessionMemory(_message.Message):
     EVICTED_FIELD_NUMBER: _builtins.int
     TRUNCATED_FIELD_NUMBER: _builtins.int
     UNAVAILABLE_FIELD_NUMBER: _builtins.int
+    DROPPED_FIELD_NUMBER: _builtins.int
     calls_total: _builtins.int
     """Calls recorded since the session began (eviction does not lower it)."""
     results_total: _builtins.int
     """Results recorded since the session began."""
     evicted: _builtins.bool
     """True when the session's bounds (bytes, entries, age) dropped entries
-    since it began: a strict guard may treat such a session as tainted.
+    since it began, or the session itself was dropped for room (see
+    `dropped`): a strict guard may treat such a session as tainted.
     """
     truncated: _builtins.bool
     """True when this message left out calls or labels to stay within its own
@@ -1172,6 +1174,13 @@ class SessionMemory(_message.Message):
     store is down, slow or cut off from its quorum); every other field is
     then empty. A guard that judges flows must treat the session as
     unknown, never as empty (R34).
+    """
+    dropped: _builtins.bool
+    """True when the mesh dropped the whole session to make room for other
+    sessions (its bound on sessions, mesh-wide or per identity) and the
+    session came back: everything it held before is lost, so it must be
+    judged as a session that forgot, never as a new one (R34). `evicted`
+    is then true as well.
     """
     @_builtins.property
     def labels(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
@@ -1200,10 +1209,11 @@ class SessionMemory(_message.Message):
         evicted: _builtins.bool = ...,
         truncated: _builtins.bool = ...,
         unavailable: _builtins.str = ...,
+        dropped: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["calls_total", b"calls_total", "counts", b"counts", "evicted", b"evicted", "labels", b"labels", "recent", b"recent", "results_total", b"results_total", "truncated", b"truncated", "unavailable", b"unavailable"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["calls_total", b"calls_total", "counts", b"counts", "dropped", b"dropped", "evicted", b"evicted", "labels", b"labels", "recent", b"recent", "results_total", b"results_total", "truncated", b"truncated", "unavailable", b"unavailable"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
