@@ -8,7 +8,7 @@ use super::batch_session::BatchSession;
 use super::pipeline::{Judges, Pass};
 use super::record::{Guards, Outcome};
 use crate::admit;
-use crate::judge::{TraceContext, Unguarded};
+use crate::judge::{Phase, TraceContext, Unguarded};
 use guardmesh_proto::v1::{BatchDecision, EvaluateRequest, GuardTrace, TraceStatus};
 use tokio::time::Instant;
 
@@ -60,7 +60,7 @@ impl Mesh {
         pass: Pass<'_>,
     ) -> Outcome {
         let Pass {
-            phase,
+            mut phase,
             chain,
             judges,
             busy,
@@ -130,11 +130,24 @@ impl Mesh {
             .read_session(&chain, &request, &trace, &phase, busy)
             .await;
         // R33: a request of results runs no call; its results are
-        // remembered by `results_read`.
+        // remembered from the servers of the calls they answer (R34).
         let runs_calls = !phase.is_results();
         let remembers = judges.remembers();
-        let label_session =
-            (session.is_none() && remembers).then(|| Self::label_session(&request, &trace));
+        let mut results_session = None;
+        if let Phase::Results(results) = &mut phase
+            && remembers
+            && Self::chain_uses_session(&chain)
+        {
+            match self
+                .results_session(session.as_ref(), &request, &trace, results)
+                .await
+            {
+                Ok(found) => results_session = Some(found),
+                Err(refusal) => return Outcome::refused(refusal.into()),
+            }
+        }
+        let label_session = (session.is_none() && results_session.is_none() && remembers)
+            .then(|| Self::label_session(&request, &trace));
         let judged = crate::judge::judge_phase(crate::judge::JudgeInput {
             chain: &chain,
             limits,
@@ -152,10 +165,24 @@ impl Mesh {
         })
         .await;
         if let Ok(decision) = &judged.result {
-            // R34: the calls that run (when the memory was read) and the
-            // labels the guards set, in one write.
+            // R34: the calls that run (when the memory was read), or what
+            // the model reads of the results, and the labels the guards
+            // set, in one write.
             let labels = judged.labels(&chain);
             match &session {
+                _ if results_session.is_some() => {
+                    if let Some(results_session) = results_session
+                        && let Err(why) = self
+                            .remember_results(results_session, decision, labels)
+                            .await
+                    {
+                        tracing::warn!(
+                            error = %why,
+                            results = decision.decisions.len(),
+                            "the results read were not remembered in their session"
+                        );
+                    }
+                }
                 Some(session) if remembers => {
                     self.remember_session(session, decision, labels, runs_calls)
                         .await;

@@ -203,6 +203,89 @@ async fn r34_a_result_for_a_call_never_made_is_refused() {
         .unwrap();
 }
 
+/// R34: a result belongs to the server of the call it answers, as the
+/// session recorded it: its values are remembered from that server whether
+/// the result named it in another ASCII case or named none; a result
+/// naming another server is refused and teaches nothing; a call recorded
+/// without a server takes the one its result names.
+#[tokio::test]
+async fn r34_a_result_belongs_to_the_server_its_call_was_recorded_with() {
+    let mem = memory();
+    let key = SessionKey::new("a", "s");
+    let mut calls = Update::default();
+    for (id, tool) in [
+        ("c1", "fs.read_file"),
+        ("c2", "fs.read_file"),
+        ("c3", "fs.read_file"),
+        ("c4", "read_file"),
+    ] {
+        calls
+            .calls
+            .push(mem.call(id, tool, SessionMemory::server_of(tool, None), "{}"));
+    }
+    mem.record(&key, &calls).await.unwrap();
+    let text = |v: &str| format!(r#"{{"content":[{{"type":"text","text":"{v}"}}]}}"#);
+    mem.result_seen(
+        &key,
+        "c1",
+        "fs.read_file",
+        "",
+        &text("unknown-server-value"),
+        &[],
+    )
+    .await
+    .unwrap();
+    mem.result_seen(
+        &key,
+        "c2",
+        "fs.read_file",
+        "FS",
+        &text("upper-case-server-value"),
+        &[],
+    )
+    .await
+    .unwrap();
+    let other = mem
+        .result_seen(
+            &key,
+            "c3",
+            "fs.read_file",
+            "sqlite",
+            &text("another-server-value"),
+            &[],
+        )
+        .await;
+    assert!(
+        matches!(&other, Err(ResultError::OtherServer { sent, recorded, .. })
+            if sent == "sqlite" && recorded == "fs"),
+        "{other:?}"
+    );
+    mem.result_seen(
+        &key,
+        "c4",
+        "read_file",
+        "notes",
+        &text("named-by-the-result"),
+        &[],
+    )
+    .await
+    .unwrap();
+    let view = mem.read(&key).await.unwrap();
+    assert!(view.seen_from(["unknown-server-value"], "fs").unwrap());
+    assert!(view.seen_from(["upper-case-server-value"], "fs").unwrap());
+    assert!(!view.seen_from(["another-server-value"], "*").unwrap());
+    assert!(view.seen_from(["named-by-the-result"], "notes").unwrap());
+    assert_eq!(
+        view.call_answered("c3", "fs.read_file", "").unwrap(),
+        "fs",
+        "the latest call of that id"
+    );
+    assert!(matches!(
+        view.call_answered("c9", "fs.read_file", "fs"),
+        Err(ResultError::NoSuchCall { .. })
+    ));
+}
+
 #[tokio::test]
 async fn r34_entries_past_their_age_are_not_read_and_are_dropped() {
     let limits = SessionLimits {

@@ -88,6 +88,42 @@ impl SessionView {
         self.memory.calls.iter().filter(|c| c.at >= self.cutoff)
     }
 
+    /// The server of the call a result answers, as this session recorded
+    /// it (R34: a result belongs to the server of the call it answers):
+    /// the call `call_id` of `tool` remembered within the age (the latest,
+    /// if the id was used again). `sent` is the server the result named:
+    /// empty (unknown) or the recorded one in any ASCII case is the
+    /// recorded one; another is [`ResultError::OtherServer`]. A call
+    /// recorded without a server (a tool name without a `.` and no
+    /// metadata `server`) takes the one its result names. A result whose
+    /// call did not run in this session is [`ResultError::NoSuchCall`].
+    pub fn call_answered<'a>(
+        &'a self,
+        call_id: &str,
+        tool: &str,
+        sent: &'a str,
+    ) -> Result<&'a str, super::ResultError> {
+        let call = self
+            .live_calls()
+            .filter(|c| c.id == call_id && c.tool == tool)
+            .last()
+            .ok_or_else(|| super::ResultError::NoSuchCall {
+                call_id: call_id.to_owned(),
+                tool: tool.to_owned(),
+            })?;
+        if call.server.is_empty() {
+            Ok(sent)
+        } else if sent.is_empty() || sent.eq_ignore_ascii_case(&call.server) {
+            Ok(&call.server)
+        } else {
+            Err(super::ResultError::OtherServer {
+                call_id: call_id.to_owned(),
+                sent: sent.to_owned(),
+                recorded: call.server.clone(),
+            })
+        }
+    }
+
     /// Its labels, oldest first.
     pub fn labels(&self) -> &[String] {
         &self.labels
