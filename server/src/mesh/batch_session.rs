@@ -32,6 +32,18 @@ pub(crate) struct ResultsSession {
     calls: Result<Vec<Result<String, ResultError>>, Arc<str>>,
 }
 
+impl ResultsSession {
+    /// Per result of the `n`, whether it was to be remembered: its call
+    /// ran in the session, or the memory could not be read to tell (then
+    /// every one).
+    pub(crate) fn affected(&self, n: usize) -> Vec<bool> {
+        match &self.calls {
+            Ok(calls) => calls.iter().map(Result::is_ok).collect(),
+            Err(_) => vec![true; n],
+        }
+    }
+}
+
 impl BatchSession {
     /// What the guards read, taken out: the batch keeps only the key and
     /// server it writes to.
@@ -264,16 +276,17 @@ impl Mesh {
         }
     }
 
-    /// Records the calls that run (and the labels set) in the session.
-    /// A write that fails is logged and counted; the next batch's read
-    /// fails the same way, so the rules that need memory fail closed then.
+    /// Records the calls that run (and the labels set) in the session,
+    /// before their proceed leaves the mesh. `Err` with why when the write
+    /// failed (logged and counted): the calls then fail per the policy of
+    /// the guards that read sessions (R34, R13; `judge::unremembered`).
     pub(crate) async fn remember_session(
         &self,
         session: &BatchSession,
         decision: &BatchDecision,
         labels: Vec<String>,
         calls: bool,
-    ) -> Option<Applied> {
+    ) -> Result<Option<Applied>, Arc<str>> {
         let sessions = self.sessions();
         let calls = decision
             .execute
@@ -290,8 +303,12 @@ impl Mesh {
             ..Update::default()
         };
         if update.is_empty() {
-            return None;
+            return Ok(None);
         }
-        sessions.record(&session.key, &update).await.ok()
+        sessions
+            .record(&session.key, &update)
+            .await
+            .map(Some)
+            .map_err(|error| Arc::from(error.to_string()))
     }
 }

@@ -148,7 +148,7 @@ impl Mesh {
         }
         let label_session = (session.is_none() && results_session.is_none() && remembers)
             .then(|| Self::label_session(&request, &trace));
-        let judged = crate::judge::judge_phase(crate::judge::JudgeInput {
+        let mut judged = crate::judge::judge_phase(crate::judge::JudgeInput {
             chain: &chain,
             limits,
             unguarded,
@@ -164,38 +164,49 @@ impl Mesh {
             session: session.as_mut().map(BatchSession::take_value),
         })
         .await;
+        // R34, R13: what cannot be remembered is not passed.
+        let mut unremembered = None;
         if let Ok(decision) = &judged.result {
             // R34: the calls that run (when the memory was read), or what
             // the model reads of the results, and the labels the guards
-            // set, in one write.
+            // set, in one write, before the answer leaves.
             let labels = judged.labels(&chain);
             match &session {
                 _ if results_session.is_some() => {
-                    if let Some(results_session) = results_session
-                        && let Err(why) = self
+                    if let Some(results_session) = results_session {
+                        let affected = results_session.affected(decision.decisions.len());
+                        if let Err(why) = self
                             .remember_results(results_session, decision, labels)
                             .await
-                    {
-                        tracing::warn!(
-                            error = %why,
-                            results = decision.decisions.len(),
-                            "the results read were not remembered in their session"
-                        );
+                        {
+                            unremembered = Some((why, affected));
+                        }
                     }
                 }
                 Some(session) if remembers => {
-                    self.remember_session(session, decision, labels, runs_calls)
-                        .await;
+                    if let Err(why) = self
+                        .remember_session(session, decision, labels, runs_calls)
+                        .await
+                        && runs_calls
+                    {
+                        unremembered = Some((why, vec![true; decision.decisions.len()]));
+                    }
                 }
                 _ => {
+                    // Labels alone, in a batch that read no memory: a
+                    // failed write is logged and counted by the store.
                     if let Some(label_session) = &label_session
                         && !labels.is_empty()
                     {
-                        self.remember_session(label_session, decision, labels, false)
+                        let _ = self
+                            .remember_session(label_session, decision, labels, false)
                             .await;
                     }
                 }
             }
+        }
+        if let Some((why, affected)) = unremembered {
+            crate::judge::unremembered(&mut judged, &chain, &affected, &why, !runs_calls);
         }
         Outcome::judged(
             judged.result,
