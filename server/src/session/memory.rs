@@ -38,6 +38,12 @@ pub struct Seen {
     pub server: String,
     pub digest: String,
     pub at: u64,
+    /// The digest is of the value in ASCII lower case (`Digester::folded`),
+    /// as this version keeps values; false for one an earlier version kept
+    /// as read (until it ages out, `seen_from` also looks values up as
+    /// sent).
+    #[serde(default, rename = "f", skip_serializing_if = "std::ops::Not::not")]
+    pub folded: bool,
 }
 
 /// One session's memory, as a store holds it.
@@ -347,6 +353,7 @@ mod tests {
             server: "fs".to_owned(),
             digest: format!("{n:032x}"),
             at: 0,
+            folded: true,
         }
     }
 

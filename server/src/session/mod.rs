@@ -7,6 +7,8 @@
 //!   seen, counters), bounded in bytes, entries and age;
 //! * [`digest`]: values seen kept only as keyed digests (HMAC-SHA256 under
 //!   the mesh's session secret), short values not at all;
+//! * [`encodings`]: the forms of a sent value `seen_from` also looks up
+//!   (another ASCII case, URL path segments, percent-escapes, base64, hex);
 //! * [`view`]: a session's memory as a batch reads it (`session.*` in CEL);
 //! * [`store`]: the [`SessionStore`] trait; [`local`]: in the mesh's memory
 //!   (a single mesh); [`etcd`]: shared by replicas through the registry's
@@ -20,6 +22,7 @@
 //! labels that rules and verdicts set).
 
 pub mod digest;
+pub mod encodings;
 pub mod etcd;
 pub mod key;
 pub mod limits;
@@ -268,6 +271,7 @@ impl SessionMemory {
                 server: server.to_owned(),
                 digest: digest::to_hex(d),
                 at: 0,
+                folded: true,
             })
             .collect();
         (seen, cut)
