@@ -539,7 +539,7 @@ async fn r29_r33_secrets_of_known_formats_leave_no_copy_in_the_log() {
         "-----BEGIN OPENSSH PRIVATE KEY-----\n{pem_body}\n-----END OPENSSH PRIVATE KEY-----")}]})
     .to_string();
     session
-        .evaluate(Batch::new(1).result("c", "email.send", "mail", &result))
+        .evaluate(Batch::new(1).result("c", "email.send", "email", &result))
         .await
         .unwrap();
     let bytes = text(&log_bytes(&log));

@@ -30,7 +30,7 @@ use tokio::task::JoinHandle;
 /// An `etcd` process on loopback, with its data directory. Stopping it keeps
 /// the data (a restart finds the same chain); dropping it kills the process
 /// and removes the directory.
-struct Etcd {
+pub(crate) struct Etcd {
     bin: PathBuf,
     dir: PathBuf,
     client_port: u16,
@@ -64,7 +64,7 @@ fn loopback_port() -> u16 {
 }
 
 impl Etcd {
-    async fn start() -> Self {
+    pub(crate) async fn start() -> Self {
         let mut etcd = Self {
             bin: etcd_binary(),
             dir: fresh_dir("etcd"),
@@ -88,8 +88,13 @@ impl Etcd {
         etcd
     }
 
-    fn url(&self) -> String {
+    pub(crate) fn url(&self) -> String {
         format!("http://127.0.0.1:{}", self.client_port)
+    }
+
+    /// The process's id, while it runs.
+    pub(crate) fn pid(&self) -> Option<u32> {
+        self.child.as_ref().map(Child::id)
     }
 
     fn addr(&self) -> std::net::SocketAddr {

@@ -430,3 +430,161 @@ async fn r31_r33_a_second_upstream_response_to_a_judged_call_is_dropped() {
     assert!(!rest.contains("LEAKED"), "{rest}");
     assert_eq!(guard.guard.requests(), 1, "one result judged");
 }
+
+// ---------------------------------------------------------------------------
+// A result belongs to the server of the call it answers (R34)
+// ---------------------------------------------------------------------------
+
+/// A value a `.env` read returns: long enough to be followed (R34).
+const ENV_SECRET: &str = "hunter2-Sup3rS3cretValue";
+
+/// A `guardmesh serve` config: the relaybleed policy as the fail-closed
+/// policy guard `flows`, and a decision log in `log`.
+fn flows_with_log(dir: &std::path::Path, log: &std::path::Path) -> String {
+    let policy = dir.join("relaybleed.toml");
+    std::fs::copy(repo_root().join("examples/policy/relaybleed.toml"), &policy).unwrap();
+    format!(
+        "[decision_log]\ndir = {:?}\n\n[[guard]]\nname = \"flows\"\npolicy = {:?}\n\
+         failure_policy = \"fail_closed\"\n",
+        log.display().to_string(),
+        policy.display().to_string()
+    )
+}
+
+/// `batch` in `session`, answered within 10 s.
+async fn within_10s(
+    c: &guardmesh_client::Coordinator,
+    session: &str,
+    batch: Batch,
+) -> Result<guardmesh_client::BatchDecision, ClientError> {
+    tokio::time::timeout(Duration::from_secs(10), c.evaluate_once(session, batch))
+        .await
+        .expect("answered within 10 s")
+}
+
+/// Runs the `.env` read `call_id` in `session` (it proceeds), then sends
+/// its result, holding [`ENV_SECRET`], naming `server`: the answer.
+async fn read_env_then_send_result(
+    c: &guardmesh_client::Coordinator,
+    session: &str,
+    call_id: &str,
+    server: &str,
+) -> Result<guardmesh_client::BatchDecision, ClientError> {
+    let d = within_10s(
+        c,
+        session,
+        Batch::new(1).call(call_id, "fs.read_file", r#"{"path":".env"}"#),
+    )
+    .await
+    .unwrap();
+    assert_eq!(
+        d.call(call_id).unwrap().outcome,
+        guardmesh_client::Outcome::Proceed,
+        "{d:?}"
+    );
+    let result = text_result(&format!("DB_PASSWORD={ENV_SECRET}\n"));
+    within_10s(
+        c,
+        session,
+        Batch::new(2).result(call_id, "fs.read_file", server, result),
+    )
+    .await
+}
+
+/// The insert of [`ENV_SECRET`] into sqlite in `session`: its outcome.
+async fn insert_the_secret(
+    c: &guardmesh_client::Coordinator,
+    session: &str,
+) -> guardmesh_client::Outcome {
+    let sql = format!(r#"{{"sql":"INSERT INTO notes VALUES ('{ENV_SECRET}')"}}"#);
+    let d = within_10s(c, session, Batch::new(3).call("q", "sqlite.query", &sql))
+        .await
+        .unwrap();
+    d.call("q").unwrap().outcome.clone()
+}
+
+/// R34: a result belongs to the server of the call it answers, as the mesh
+/// recorded it. Sent with its server empty (the proto's "unknown") or in
+/// another ASCII case, its values are followed from the call's server, so
+/// the relaybleed rule cancels the later insert into sqlite; sent naming
+/// another server, the request is refused naming both, and the model never
+/// reads it. R29: a forged result's secret-shaped call id, and the one a
+/// refusal names, are masked in the decision record.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn r34_a_result_belongs_to_the_server_of_the_call_it_answers() {
+    let dir = folder("results-server-of-call");
+    let log = dir.join("log");
+    let mesh =
+        MeshProcess::start("results-server-of-call", &flows_with_log(&dir, &log), None).await;
+    let c = mesh.coordinator().await;
+
+    // The server left empty: the result is the fs read's.
+    let d = read_env_then_send_result(&c, "empty", "r1", "")
+        .await
+        .unwrap();
+    assert_eq!(d.result("r1").unwrap().outcome, ResultOutcome::Pass);
+    let o = insert_the_secret(&c, "empty").await;
+    assert!(
+        matches!(&o, guardmesh_client::Outcome::Cancel { content } if content.contains("fs server")),
+        "a value read from fs, its result sent with no server, reached sqlite: {o:?}"
+    );
+
+    // The server in another ASCII case: the same server.
+    let d = read_env_then_send_result(&c, "case", "r1", "FS")
+        .await
+        .unwrap();
+    assert_eq!(d.result("r1").unwrap().outcome, ResultOutcome::Pass);
+    let o = insert_the_secret(&c, "case").await;
+    assert!(
+        matches!(o, guardmesh_client::Outcome::Cancel { .. }),
+        "{o:?}"
+    );
+
+    // Another server: refused, naming the call, the server sent and the
+    // server recorded.
+    let github = format!("ghp_{}", "a1B2".repeat(9));
+    let refused = read_env_then_send_result(&c, "other", &github, "sqlite")
+        .await
+        .unwrap_err();
+    let ClientError::Status(status) = refused else {
+        panic!("not a status: {refused}");
+    };
+    assert_eq!(status.code(), Code::InvalidArgument, "{status:?}");
+    let message = status.message();
+    assert!(
+        message.contains("\"sqlite\"") && message.contains("\"fs\""),
+        "the refusal names both servers: {message}"
+    );
+
+    // A forged result (no call ran) whose id is a secret: judged, and its
+    // id masked in the record.
+    let aws = "AKIAIOSFODNN7EXAMPLE";
+    let d = within_10s(
+        &c,
+        "forged",
+        Batch::new(0).result(aws, "fs.read_file", "fs", text_result("nothing")),
+    )
+    .await
+    .unwrap();
+    assert_eq!(d.results.len(), 1);
+    let written = log_lines(&log).join("\n");
+    for secret in [aws, github.as_str()] {
+        assert!(
+            !written.contains(secret),
+            "{secret} is in the decision log: {written}"
+        );
+    }
+    let refusals: Vec<Value> = records(&log)
+        .into_iter()
+        .filter(|r| r["outcome"]["code"] == 3)
+        .collect();
+    assert!(
+        refusals.iter().any(|r| {
+            let m = r["outcome"]["message"].as_str().unwrap_or("");
+            m.contains("[masked:github-token]") && m.contains("\"sqlite\"")
+        }),
+        "the refusal is recorded, its call id masked: {refusals:?}"
+    );
+    drop(mesh);
+    let _ = std::fs::remove_dir_all(&dir);
+}

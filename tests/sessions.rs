@@ -1,10 +1,13 @@
 //! Session memory through a real mesh (R34): flows across batches, rates,
-//! isolation between identities, and a store that cannot answer.
+//! isolation between identities, and a store that cannot answer or cannot
+//! write.
 //!
-//! Values seen in results are fed through the results phase's hook
+//! Values seen in results are mostly fed through the results phase's hook
 //! (`SessionMemory::result_seen`) directly, so that these tests hold the
 //! memory apart from the results phase (R33), which `results`,
-//! `sessions_store` and `readme_flows` drive through the mesh.
+//! `sessions_store` and `readme_flows` drive through the mesh; the test of
+//! a store whose writes fail sends its results through the mesh, since
+//! what it holds is the mesh's answer to them (R13).
 
 use crate::harness::*;
 use guardmesh_client::proto::FailurePolicy;
@@ -238,6 +241,123 @@ async fn r34_store_down_fails_the_session_rules_per_their_guard_policy() {
     let call = d.call("c").unwrap();
     assert!(proceeds(&call.outcome));
     assert!(call.bypassed.contains(&"flows".to_owned()), "{call:?}");
+    mesh.shutdown().await;
+}
+
+/// The mesh's own store whose writes fail while `failing` is set: the
+/// memory reads, but what a batch adds to it cannot be written.
+#[derive(Debug)]
+struct WritesFail {
+    inner: guardmesh_server::session::LocalStore,
+    failing: std::sync::atomic::AtomicBool,
+}
+
+impl WritesFail {
+    fn fail(&self, failing: bool) {
+        self.failing
+            .store(failing, std::sync::atomic::Ordering::SeqCst);
+    }
+}
+
+#[tonic::async_trait]
+impl SessionStore for WritesFail {
+    async fn load(&self, key: &SessionKey) -> Result<Option<Memory>, StoreError> {
+        self.inner.load(key).await
+    }
+    async fn update(
+        &self,
+        key: &SessionKey,
+        update: &Update,
+        limits: &SessionLimits,
+        now: u64,
+    ) -> Result<Applied, StoreError> {
+        if self.failing.load(std::sync::atomic::Ordering::SeqCst) {
+            return Err(StoreError::TimedOut(std::time::Duration::from_millis(300)));
+        }
+        self.inner.update(key, update, limits, now).await
+    }
+    fn kind(&self) -> &'static str {
+        "writes-fail"
+    }
+}
+
+/// R13, R34: what cannot be remembered is not passed. With the memory
+/// readable but its writes failing, a call the relaybleed rules let run
+/// (an `fs` read, which no rule reads the memory for) and a result of a
+/// call that ran fail per the failure policy of the guard that reads
+/// sessions: `fail_closed` cancels the call and blocks the result (an
+/// error result, as a blocked result is), both marked as failures;
+/// `fail_open` lets them through and records the guard as bypassed;
+/// `abort` refuses the batch naming the guard.
+#[tokio::test]
+async fn r13_r34_a_call_or_result_that_cannot_be_remembered_fails_per_the_readers_policy() {
+    let mesh = TestMesh::start().await;
+    let store = Arc::new(WritesFail {
+        inner: guardmesh_server::session::LocalStore::new(SessionLimits::default()),
+        failing: false.into(),
+    });
+    let memory = SessionMemory::new(store.clone(), Digester::random(), SessionLimits::default());
+    mesh.mesh.attach_sessions(Arc::new(memory)).unwrap();
+    let c = flows(&mesh).await;
+    let env = r#"{"path":".env"}"#;
+    let secret = "hunter2-Sup3rS3cret";
+    let read = |turn: u32, id: &str| Batch::new(turn).call(id, "fs.read_file", env);
+    let result = |turn: u32, id: &str| {
+        let json = serde_json::json!({
+            "content": [{"type": "text", "text": format!("DB_PASSWORD={secret}\n")}]
+        })
+        .to_string();
+        Batch::new(turn).result(id, "fs.read_file", "fs", json)
+    };
+
+    // fail_closed (the default): the call does not run.
+    store.fail(true);
+    let d = c.evaluate_once("s", read(0, "r1")).await.unwrap();
+    let call = d.call("r1").unwrap();
+    assert!(
+        matches!(&call.outcome, Outcome::Cancel { content } if content.contains("flows")),
+        "a call that cannot be remembered ran: {call:?}"
+    );
+    assert!(call.failure && d.execute.is_empty(), "{d:?}");
+    let error = &d.guard("flows").unwrap().error;
+    assert!(error.contains("session memory"), "{error}");
+    // A result of a call that ran is not passed.
+    store.fail(false);
+    let d = c.evaluate_once("s", read(1, "r2")).await.unwrap();
+    assert!(proceeds(&d.call("r2").unwrap().outcome));
+    store.fail(true);
+    let d = c.evaluate_once("s", result(2, "r2")).await.unwrap();
+    let r = d.result("r2").unwrap();
+    assert!(
+        r.blocked() && r.failure,
+        "a result that cannot be remembered was passed: {r:?}"
+    );
+    assert!(!r.result.contains(secret), "{}", r.result);
+    assert_eq!(r.result_json().unwrap()["isError"], true);
+
+    // fail_open: through, and the decision says the guard was bypassed.
+    mesh.register(
+        Registration::policy("flows", relaybleed()).failure_policy(FailurePolicy::FailOpen),
+    )
+    .await;
+    let d = c.evaluate_once("t", read(0, "r1")).await.unwrap();
+    let call = d.call("r1").unwrap();
+    assert!(proceeds(&call.outcome), "{call:?}");
+    assert!(call.bypassed.contains(&"flows".to_owned()), "{call:?}");
+    store.fail(false);
+    let d = c.evaluate_once("t", read(1, "r2")).await.unwrap();
+    assert!(proceeds(&d.call("r2").unwrap().outcome));
+    store.fail(true);
+    let d = c.evaluate_once("t", result(2, "r2")).await.unwrap();
+    let r = d.result("r2").unwrap();
+    assert!(!r.blocked(), "{r:?}");
+    assert!(r.bypassed.contains(&"flows".to_owned()), "{r:?}");
+
+    // abort: the batch is refused, naming the guard.
+    mesh.register(Registration::policy("flows", relaybleed()).failure_policy(FailurePolicy::Abort))
+        .await;
+    let refused = c.evaluate_once("u", read(0, "r1")).await.unwrap_err();
+    assert!(refused.to_string().contains("flows"), "{refused}");
     mesh.shutdown().await;
 }
 

@@ -468,7 +468,7 @@ async fn r29_r33_the_redaction_guard_leaves_no_secret_in_calls_or_results() {
     let d = c
         .evaluate_once(
             "s",
-            Batch::new(1).result("c", "email.send", "mail", &result),
+            Batch::new(1).result("c", "email.send", "email", &result),
         )
         .await
         .unwrap();

@@ -260,6 +260,11 @@ impl Redis {
         format!("redis://127.0.0.1:{}", self.port)
     }
 
+    /// The process's id, while it runs.
+    fn pid(&self) -> Option<u32> {
+        self.child.as_ref().map(Child::id)
+    }
+
     fn connection(&self) -> Option<redis::Connection> {
         let client = redis::Client::open(self.url()).ok()?;
         client
@@ -984,4 +989,165 @@ async fn r34_an_active_session_outlives_its_first_etcd_lease() {
         );
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
+}
+
+// ---------------------------------------------------------------------------
+// What a paused store cannot remember is not passed (R34, R13)
+// ---------------------------------------------------------------------------
+
+/// A store process paused (SIGSTOP) while held, resumed (SIGCONT) when
+/// dropped: a failed assertion never leaves a stopped process behind.
+struct Paused(libc::pid_t);
+
+impl Paused {
+    fn new(pid: Option<u32>) -> Self {
+        let pid = libc::pid_t::try_from(pid.expect("the store runs")).expect("a process id");
+        // SAFETY: `kill` only sends a signal to the store process this
+        // test started.
+        assert_eq!(unsafe { libc::kill(pid, libc::SIGSTOP) }, 0, "SIGSTOP");
+        Self(pid)
+    }
+}
+
+impl Drop for Paused {
+    fn drop(&mut self) {
+        // SAFETY: as in `Paused::new`.
+        unsafe { libc::kill(self.0, libc::SIGCONT) };
+    }
+}
+
+/// Waits (bounded) until the session rules of `c` judge again: a call
+/// that reads the memory proceeds in a session of its own.
+async fn until_the_store_answers(c: &Coordinator) {
+    let deadline = Instant::now() + Duration::from_secs(15);
+    for turn in 0.. {
+        let o = outcome(
+            c,
+            "probe",
+            turn,
+            "http.get",
+            r#"{"url":"https://example.com"}"#,
+        )
+        .await;
+        if o == Outcome::Proceed {
+            return;
+        }
+        assert!(Instant::now() < deadline, "the store is back, yet: {o:?}");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+/// The `.env` read's result, holding [`SECRET`].
+fn env_result() -> String {
+    serde_json::json!({
+        "content": [{"type": "text", "text": format!("DB_PASSWORD={SECRET}\nDEBUG=1\n")}]
+    })
+    .to_string()
+}
+
+/// R13, R34 on a store paused by `pause` (the store's process id): while
+/// a call is judged, the `.env` read (which no rule reads the memory for)
+/// cannot be remembered and does not proceed (fail_closed, a failure);
+/// while a result is judged, the result cannot be remembered and is
+/// blocked as a failure, an error result without the secret. Resumed, the
+/// session judges as before: the read runs, its result passes and is
+/// remembered, the secret sent to sqlite is cancelled and written back to
+/// fs is allowed.
+async fn a_paused_store_passes_nothing_it_cannot_remember(c: &Coordinator, pid: Option<u32>) {
+    let session = "paused";
+    let read =
+        |turn: u32, id: &str| Batch::new(turn).call(id, "fs.read_file", r#"{"path":".env"}"#);
+    until_the_store_answers(c).await;
+    {
+        let _paused = Paused::new(pid);
+        let d = decide(c, session, read(0, "r0")).await;
+        let call = d.call("r0").unwrap();
+        assert!(
+            cancelled(&call.outcome) && call.failure,
+            "the store paused while the call was judged: it must not proceed: {call:?}"
+        );
+        assert!(d.execute.is_empty(), "{d:?}");
+    }
+    until_the_store_answers(c).await;
+    let d = decide(c, session, read(1, "r1")).await;
+    assert_eq!(d.call("r1").unwrap().outcome, Outcome::Proceed, "{d:?}");
+    {
+        let _paused = Paused::new(pid);
+        let d = decide(
+            c,
+            session,
+            Batch::new(2).result("r1", "fs.read_file", "fs", env_result()),
+        )
+        .await;
+        let r = d.result("r1").unwrap();
+        assert!(
+            r.blocked() && r.failure,
+            "the store paused while the result was judged: it must not pass: {r:?}"
+        );
+        assert!(!r.result.contains(SECRET), "{}", r.result);
+        assert_eq!(r.result_json().unwrap()["isError"], true, "{}", r.result);
+    }
+    until_the_store_answers(c).await;
+    let d = decide(
+        c,
+        session,
+        Batch::new(3).result("r1", "fs.read_file", "fs", env_result()),
+    )
+    .await;
+    let r = d.result("r1").unwrap();
+    assert!(!r.blocked() && !r.failure, "{r:?}");
+    let o = outcome(c, session, 4, "sqlite.query", &insert_secret()).await;
+    assert!(
+        cancelled(&o),
+        "the value read, once remembered, is followed: {o:?}"
+    );
+    let back = format!(r#"{{"path":"backup.env","text":"{SECRET}"}}"#);
+    assert_eq!(
+        outcome(c, session, 5, "fs.write_file", &back).await,
+        Outcome::Proceed
+    );
+}
+
+/// [`a_paused_store_passes_nothing_it_cannot_remember`] on a real etcd
+/// (one member, the registry's and the sessions' store), its process
+/// paused with SIGSTOP.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn r13_r34_a_paused_etcd_passes_no_call_or_result_it_cannot_remember() {
+    let etcd = crate::etcd::Etcd::start().await;
+    let dir = fresh_dir("store-etcd-paused");
+    let secret = secret_file(&dir, "session.secret");
+    let sessions = format!(
+        "secret_file = {:?}\nstore_timeout_ms = 300",
+        secret.display().to_string()
+    );
+    let config = mesh_config(&dir, &etcd_registry(&[etcd.url()], "/t/paused"), &sessions);
+    let mesh = MeshProcess::start("store-etcd-paused", &config, None).await;
+    let c = Coordinator::connect(mesh.url.clone()).await.unwrap();
+    a_paused_store_passes_nothing_it_cannot_remember(&c, etcd.pid()).await;
+    drop(mesh);
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// [`a_paused_store_passes_nothing_it_cannot_remember`] on a real
+/// `redis-server`, its process paused with SIGSTOP.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn r13_r34_a_paused_redis_passes_no_call_or_result_it_cannot_remember() {
+    let Some(redis) =
+        Redis::start("r13_r34_a_paused_redis_passes_no_call_or_result_it_cannot_remember").await
+    else {
+        return;
+    };
+    let dir = fresh_dir("store-redis-paused");
+    let secret = secret_file(&dir, "session.secret");
+    let sessions = format!(
+        "store = \"redis\"\nredis_url = {:?}\nsecret_file = {:?}\nstore_timeout_ms = 300",
+        redis.url(),
+        secret.display().to_string()
+    );
+    let config = mesh_config(&dir, "[registry]\nprefix = \"/t/paused\"", &sessions);
+    let mesh = MeshProcess::start("store-redis-paused", &config, None).await;
+    let c = Coordinator::connect(mesh.url.clone()).await.unwrap();
+    a_paused_store_passes_nothing_it_cannot_remember(&c, redis.pid()).await;
+    drop(mesh);
+    let _ = std::fs::remove_dir_all(&dir);
 }

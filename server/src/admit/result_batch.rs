@@ -8,7 +8,8 @@
 
 use crate::validate::{self, Limits, shown_id, truncate};
 use guardmesh_proto::v1::{
-    Action, BatchDecision, EvaluateRequest, ResultAction, ResultDecision, ToolCall, ToolResult,
+    Action, BatchDecision, CallDecision, EvaluateRequest, ResultAction, ResultDecision, ToolCall,
+    ToolResult,
 };
 use serde_json::Value;
 use std::collections::HashSet;
@@ -91,6 +92,42 @@ pub(crate) fn blocked(content: &str) -> String {
         "isError": true,
     })
     .to_string()
+}
+
+/// What the model reads of a judged result: the result as it stands when
+/// it proceeds (as sent or rewritten), else the error result holding the
+/// content of the block (R33).
+pub(crate) fn model_reads(call: &CallDecision) -> std::borrow::Cow<'_, str> {
+    if call.action == Action::Proceed as i32 {
+        std::borrow::Cow::Borrowed(call.call.as_ref().map_or("", |c| c.arguments.as_str()))
+    } else {
+        std::borrow::Cow::Owned(blocked(&call.content))
+    }
+}
+
+/// The refusal of a request of results one of whose results (`index`, of
+/// the call `call_id` of `tool`) names server `sent` where the mesh
+/// recorded its call as one to `recorded` (R34: a result belongs to the
+/// server of the call it answers).
+pub(crate) fn other_server(
+    index: usize,
+    call_id: &str,
+    tool: &str,
+    sent: &str,
+    recorded: &str,
+) -> validate::Refusal {
+    invalid(
+        "result_of_another_server",
+        format!(
+            "result #{index} names server {:?}, but the mesh recorded its call {:?} (tool {:?}) \
+             as a call to server {:?}: a result belongs to the server of the call it answers; \
+             send it with that server or with none",
+            shown_id(sent, SHOWN),
+            shown_id(call_id, SHOWN),
+            shown_id(tool, SHOWN),
+            shown_id(recorded, SHOWN),
+        ),
+    )
 }
 
 fn invalid(reason: &'static str, message: String) -> validate::Refusal {
@@ -191,6 +228,16 @@ impl ResultBatch {
         &self.servers
     }
 
+    /// Result `index` belongs to `server`: the server its call was
+    /// recorded with (R34), which guards are then sent.
+    pub(crate) fn attribute(&mut self, index: usize, server: &str) {
+        if let Some(slot) = self.servers.get_mut(index)
+            && slot != server
+        {
+            server.clone_into(slot);
+        }
+    }
+
     /// The answer to a request of results: one [`ResultDecision`] per
     /// result, in request order, from the decisions of its calls (R33).
     pub(crate) fn answer(&self, mut decision: BatchDecision) -> BatchDecision {
@@ -200,16 +247,16 @@ impl ResultBatch {
             .into_iter()
             .enumerate()
             .map(|(i, call)| {
+                let read = model_reads(&call).into_owned();
                 let original = call.original.unwrap_or_default();
-                let current = call.call.map(|c| c.arguments).unwrap_or_default();
                 let server = self.servers.get(i).cloned().unwrap_or_default();
                 let proceed = call.action == Action::Proceed as i32;
                 let (action, result) = if !proceed {
-                    (ResultAction::Block, blocked(&call.content))
-                } else if call.rewritten_by.is_empty() || current == original.arguments {
-                    (ResultAction::Pass, current)
+                    (ResultAction::Block, read)
+                } else if call.rewritten_by.is_empty() || read == original.arguments {
+                    (ResultAction::Pass, read)
                 } else {
-                    (ResultAction::Rewrite, current)
+                    (ResultAction::Rewrite, read)
                 };
                 ResultDecision {
                     call_id: call.call_id,

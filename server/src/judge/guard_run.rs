@@ -133,6 +133,9 @@ impl GuardRun {
     /// The status this run would have if the guard enforced.
     pub(crate) fn status(&self) -> TraceStatus {
         match &self.failure {
+            // R34: the memory it reads failed to record what the batch
+            // let through, whether or not the guard was sent any of it.
+            Some(GuardFailure::SessionMemory(_)) => TraceStatus::Failed,
             _ if !self.sent_any => TraceStatus::NotApplicable,
             Some(GuardFailure::TimedOut(_)) => TraceStatus::TimedOut,
             Some(GuardFailure::RejectedRewrite(_)) => TraceStatus::RejectedRewrite,
@@ -250,6 +253,7 @@ pub(crate) fn span_failure(failure: &GuardFailure) -> SpanFailure {
         GuardFailure::RejectedRewrite(_) => ("rejected_rewrite", None),
         GuardFailure::UnknownVerdictField(_) => ("unknown_verdict_field", None),
         GuardFailure::Policy(_) => ("policy_error", None),
+        GuardFailure::SessionMemory(_) => ("session_memory", None),
         _ => ("_OTHER", Some(Code::Unknown)),
     };
     SpanFailure { kind, code }

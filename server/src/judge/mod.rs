@@ -28,6 +28,9 @@
 //! * `results`: the results phase (R33): which guards it reaches, its
 //!   order, how results are put on the wire.
 //! * `guard_run`: what happened at one guard, and its trace entry (R21).
+//! * `unremembered`: a decided batch whose calls or results its session
+//!   could not record, failed per the policy of the guards that read
+//!   sessions (R34, R13).
 
 mod call_index;
 mod chain;
@@ -40,6 +43,7 @@ mod remote;
 mod results_phase;
 #[cfg(test)]
 mod results_phase_tests;
+mod unremembered;
 pub(crate) mod verdicts;
 
 use crate::judge::call_index::CallIndex;
@@ -61,6 +65,7 @@ use std::sync::Arc;
 use std::time::Duration;
 use tokio::time::Instant;
 use tonic::Status;
+pub(crate) use unremembered::unremembered;
 
 /// The coordinator's W3C trace context for a batch (R22).
 #[derive(Debug, Clone, Default)]

@@ -52,6 +52,11 @@ pub enum GuardFailure {
     /// proceed. The text names the rule and the error.
     #[error("policy evaluation failed: {0}")]
     Policy(String),
+    /// R34: the session memory the guard reads could not record a call or
+    /// a result that was to pass: what cannot be remembered is not passed
+    /// (R13 applies). Says nothing of the guard's own availability.
+    #[error("session memory cannot remember what the batch let through: {0}")]
+    SessionMemory(Arc<str>),
 }
 
 impl GuardFailure {
@@ -66,6 +71,7 @@ impl GuardFailure {
                 | Self::CircuitOpen { .. }
                 | Self::UnknownVerdictField(_)
                 | Self::Policy(_)
+                | Self::SessionMemory(_)
         )
     }
 }
@@ -176,6 +182,7 @@ mod tests {
                 message: "Verdict",
                 number: 4,
             }),
+            GuardFailure::SessionMemory("the session store did not answer".into()),
         ]
     }
 

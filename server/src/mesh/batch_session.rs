@@ -4,9 +4,11 @@
 //! pipeline's part is two calls.
 
 use super::Mesh;
+use crate::admit::result_batch::{self, ResultBatch};
 use crate::judge::{Chain, Phase, TraceContext};
 use crate::policy::SessionVal;
-use crate::session::{Applied, SessionKey, SessionMemory, Update};
+use crate::session::{Applied, ResultError, ResultSeen, SessionKey, SessionMemory, Update};
+use crate::validate;
 use guardmesh_proto::v1::{BatchDecision, EvaluateRequest};
 use std::sync::Arc;
 
@@ -17,6 +19,29 @@ pub(crate) struct BatchSession {
     pub(crate) value: SessionVal,
     /// The metadata `server` of the batch, if given (the tool's server).
     server: Option<String>,
+}
+
+/// A request of results in its session (R33, R34): the session its
+/// results are remembered in, and the calls they answer as the session
+/// recorded them.
+pub(crate) struct ResultsSession {
+    key: SessionKey,
+    /// Per result, in request order: the server its call was recorded
+    /// with, or why it is not remembered (a call that did not run in the
+    /// session). `Err` with why when the memory could not be read.
+    calls: Result<Vec<Result<String, ResultError>>, Arc<str>>,
+}
+
+impl ResultsSession {
+    /// Per result of the `n`, whether it was to be remembered: its call
+    /// ran in the session, or the memory could not be read to tell (then
+    /// every one).
+    pub(crate) fn affected(&self, n: usize) -> Vec<bool> {
+        match &self.calls {
+            Ok(calls) => calls.iter().map(Result::is_ok).collect(),
+            Err(_) => vec![true; n],
+        }
+    }
 }
 
 impl BatchSession {
@@ -120,6 +145,118 @@ impl Mesh {
         Some(BatchSession { key, value, server })
     }
 
+    /// The calls the results of `request` answer, looked up in the
+    /// session's memory (R34: a result belongs to the server of the call
+    /// it answers, as the mesh recorded it): each result whose call ran
+    /// in the session is attributed to that call's server in `results`
+    /// (guards are sent it, and its values are remembered from it),
+    /// whatever server it named, empty included; a result naming another
+    /// server refuses the request, naming both. `session`: the memory the
+    /// batch read for its guards, if it read it; otherwise it is read
+    /// here.
+    pub(crate) async fn results_session(
+        &self,
+        session: Option<&BatchSession>,
+        request: &EvaluateRequest,
+        trace: &TraceContext,
+        results: &mut ResultBatch,
+    ) -> Result<ResultsSession, validate::Refusal> {
+        let key = session.map_or_else(|| Self::session_key(request, trace), |s| s.key.clone());
+        let read;
+        let view = match session.map(|s| &s.value) {
+            Some(SessionVal::Read(view)) => view,
+            Some(SessionVal::Unavailable(why)) => {
+                return Ok(ResultsSession {
+                    key,
+                    calls: Err(why.clone()),
+                });
+            }
+            None => {
+                read = self.sessions().read(&key).await;
+                match &read {
+                    Ok(view) => view,
+                    Err(error) => {
+                        return Ok(ResultsSession {
+                            key,
+                            calls: Err(Arc::from(error.to_string())),
+                        });
+                    }
+                }
+            }
+        };
+        let mut calls = Vec::with_capacity(request.calls.len());
+        for (i, call) in request.calls.iter().enumerate() {
+            let sent = results.servers().get(i).map_or("", String::as_str);
+            match view.call_answered(&call.call_id, &call.tool, sent) {
+                Ok(server) => {
+                    let server = server.to_owned();
+                    results.attribute(i, &server);
+                    calls.push(Ok(server));
+                }
+                Err(ResultError::OtherServer { sent, recorded, .. }) => {
+                    return Err(result_batch::other_server(
+                        i,
+                        &call.call_id,
+                        &call.tool,
+                        &sent,
+                        &recorded,
+                    ));
+                }
+                Err(other) => calls.push(Err(other)),
+            }
+        }
+        Ok(ResultsSession {
+            key,
+            calls: Ok(calls),
+        })
+    }
+
+    /// Remembers what the model reads of each result of `decision` whose
+    /// call ran in the session, from that call's server, with the labels
+    /// the guards set: one write. A result for a call that did not run in
+    /// the session teaches nothing (counted in a log line). `Err` with why
+    /// when the memory could not be read or written.
+    pub(crate) async fn remember_results(
+        &self,
+        session: ResultsSession,
+        decision: &BatchDecision,
+        labels: Vec<String>,
+    ) -> Result<Option<Applied>, Arc<str>> {
+        let calls = session.calls?;
+        let reads: Vec<std::borrow::Cow<'_, str>> = decision
+            .decisions
+            .iter()
+            .map(result_batch::model_reads)
+            .collect();
+        let results: Vec<ResultSeen<'_>> = decision
+            .decisions
+            .iter()
+            .zip(&reads)
+            .map(|(d, read)| ResultSeen {
+                call_id: &d.call_id,
+                tool: d.original.as_ref().map_or("", |c| c.tool.as_str()),
+                server: "",
+                result_json: read,
+                labels: &[],
+            })
+            .collect();
+        let seen = self
+            .sessions()
+            .remember_results(&session.key, &results, calls, labels)
+            .await
+            .map_err(|error| Arc::from(error.to_string()))?;
+        // Counted, not named: a forged result's id is the caller's text,
+        // perhaps a secret, and log lines are not masked as records are.
+        let forgotten = seen.outcomes.iter().filter(|o| o.is_err()).count();
+        if forgotten > 0 {
+            tracing::warn!(
+                results = forgotten,
+                "results for calls that did not run in this session were not remembered"
+            );
+        }
+        Ok(seen.applied)
+    }
+
     fn metadata_server(request: &EvaluateRequest) -> Option<String> {
         request
             .context
@@ -139,16 +276,17 @@ impl Mesh {
         }
     }
 
-    /// Records the calls that run (and the labels set) in the session.
-    /// A write that fails is logged and counted; the next batch's read
-    /// fails the same way, so the rules that need memory fail closed then.
+    /// Records the calls that run (and the labels set) in the session,
+    /// before their proceed leaves the mesh. `Err` with why when the write
+    /// failed (logged and counted): the calls then fail per the policy of
+    /// the guards that read sessions (R34, R13; `judge::unremembered`).
     pub(crate) async fn remember_session(
         &self,
         session: &BatchSession,
         decision: &BatchDecision,
         labels: Vec<String>,
         calls: bool,
-    ) -> Option<Applied> {
+    ) -> Result<Option<Applied>, Arc<str>> {
         let sessions = self.sessions();
         let calls = decision
             .execute
@@ -165,8 +303,12 @@ impl Mesh {
             ..Update::default()
         };
         if update.is_empty() {
-            return None;
+            return Ok(None);
         }
-        sessions.record(&session.key, &update).await.ok()
+        sessions
+            .record(&session.key, &update)
+            .await
+            .map(Some)
+            .map_err(|error| Arc::from(error.to_string()))
     }
 }

@@ -8,7 +8,7 @@ use super::batch_session::BatchSession;
 use super::pipeline::{Judges, Pass};
 use super::record::{Guards, Outcome};
 use crate::admit;
-use crate::judge::{TraceContext, Unguarded};
+use crate::judge::{Phase, TraceContext, Unguarded};
 use guardmesh_proto::v1::{BatchDecision, EvaluateRequest, GuardTrace, TraceStatus};
 use tokio::time::Instant;
 
@@ -60,7 +60,7 @@ impl Mesh {
         pass: Pass<'_>,
     ) -> Outcome {
         let Pass {
-            phase,
+            mut phase,
             chain,
             judges,
             busy,
@@ -130,12 +130,25 @@ impl Mesh {
             .read_session(&chain, &request, &trace, &phase, busy)
             .await;
         // R33: a request of results runs no call; its results are
-        // remembered by `results_read`.
+        // remembered from the servers of the calls they answer (R34).
         let runs_calls = !phase.is_results();
         let remembers = judges.remembers();
-        let label_session =
-            (session.is_none() && remembers).then(|| Self::label_session(&request, &trace));
-        let judged = crate::judge::judge_phase(crate::judge::JudgeInput {
+        let mut results_session = None;
+        if let Phase::Results(results) = &mut phase
+            && remembers
+            && Self::chain_uses_session(&chain)
+        {
+            match self
+                .results_session(session.as_ref(), &request, &trace, results)
+                .await
+            {
+                Ok(found) => results_session = Some(found),
+                Err(refusal) => return Outcome::refused(refusal.into()),
+            }
+        }
+        let label_session = (session.is_none() && results_session.is_none() && remembers)
+            .then(|| Self::label_session(&request, &trace));
+        let mut judged = crate::judge::judge_phase(crate::judge::JudgeInput {
             chain: &chain,
             limits,
             unguarded,
@@ -151,24 +164,49 @@ impl Mesh {
             session: session.as_mut().map(BatchSession::take_value),
         })
         .await;
+        // R34, R13: what cannot be remembered is not passed.
+        let mut unremembered = None;
         if let Ok(decision) = &judged.result {
-            // R34: the calls that run (when the memory was read) and the
-            // labels the guards set, in one write.
+            // R34: the calls that run (when the memory was read), or what
+            // the model reads of the results, and the labels the guards
+            // set, in one write, before the answer leaves.
             let labels = judged.labels(&chain);
             match &session {
+                _ if results_session.is_some() => {
+                    if let Some(results_session) = results_session {
+                        let affected = results_session.affected(decision.decisions.len());
+                        if let Err(why) = self
+                            .remember_results(results_session, decision, labels)
+                            .await
+                        {
+                            unremembered = Some((why, affected));
+                        }
+                    }
+                }
                 Some(session) if remembers => {
-                    self.remember_session(session, decision, labels, runs_calls)
-                        .await;
+                    if let Err(why) = self
+                        .remember_session(session, decision, labels, runs_calls)
+                        .await
+                        && runs_calls
+                    {
+                        unremembered = Some((why, vec![true; decision.decisions.len()]));
+                    }
                 }
                 _ => {
+                    // Labels alone, in a batch that read no memory: a
+                    // failed write is logged and counted by the store.
                     if let Some(label_session) = &label_session
                         && !labels.is_empty()
                     {
-                        self.remember_session(label_session, decision, labels, false)
+                        let _ = self
+                            .remember_session(label_session, decision, labels, false)
                             .await;
                     }
                 }
             }
+        }
+        if let Some((why, affected)) = unremembered {
+            crate::judge::unremembered(&mut judged, &chain, &affected, &why, !runs_calls);
         }
         Outcome::judged(
             judged.result,

@@ -239,7 +239,7 @@ impl AnswerPhase {
             Self::Results(results, by) => {
                 let decision = results.answer(decision);
                 if let Some(by) = by {
-                    mesh.results_read(by, &decision).await;
+                    mesh.results_read(by, &decision);
                 }
                 decision
             }

@@ -1,9 +1,10 @@
-//! The hook where a judged result is handed on (R33, for R34): once a
-//! request of results is decided and recorded, and before its answer
-//! leaves the mesh, every result decision is offered to the mesh's
-//! [`ResultReads`], if one is set ([`crate::Mesh::on_result_read`]).
-//! Session memory (R34) implements it to learn "this result, of this call,
-//! in this session, by this caller, was read".
+//! The hook where a judged result is handed on (R33): once a request of
+//! results is decided and recorded, and before its answer leaves the
+//! mesh, every result decision is offered to the mesh's [`ResultReads`],
+//! if one is set ([`crate::Mesh::on_result_read`]), to learn "this result,
+//! of this call, in this session, by this caller, was read". Session
+//! memory (R34) does not wait for it: a result is remembered before its
+//! record is written (`mesh/batch_session.rs`).
 
 use guardmesh_proto::v1::{ResultAction, ResultDecision};
 use std::sync::Arc;
@@ -54,62 +55,10 @@ impl crate::Mesh {
         self.result_reads.set(reads).is_ok()
     }
 
-    /// Hands the result decisions of `decision` on: session memory
-    /// remembers what the model reads (R34: digests of its values, in the
-    /// caller's session), and the hook, if any, is told of each.
-    pub(crate) async fn results_read(
-        &self,
-        by: &ReadBy,
-        decision: &guardmesh_proto::v1::BatchDecision,
-    ) {
-        // Remembered in the caller's session, the empty session id
-        // included (its calls are recorded there too: leaving the id out
-        // must not escape a flow rule), when a guard of the chain uses
-        // session memory at all (otherwise its calls were not recorded
-        // either, and there is nothing to learn).
-        if Self::chain_uses_session(&self.chain()) {
-            let key = crate::session::SessionKey::new(
-                by.caller.as_deref().unwrap_or_default(),
-                by.session_id.as_str(),
-            );
-            let results: Vec<crate::session::ResultSeen<'_>> = decision
-                .results
-                .iter()
-                .map(|result| {
-                    let (tool, server) = result
-                        .original
-                        .as_ref()
-                        .map_or(("", ""), |o| (o.tool.as_str(), o.server.as_str()));
-                    crate::session::ResultSeen {
-                        call_id: &result.call_id,
-                        tool,
-                        server,
-                        result_json: &result.result,
-                        labels: &[],
-                    }
-                })
-                .collect();
-            // One load and one update of the session for the whole
-            // request, however many results it holds.
-            match self.sessions().results_seen(&key, &results).await {
-                Ok(seen) => {
-                    for (result, outcome) in decision.results.iter().zip(&seen.outcomes) {
-                        if let Err(error) = outcome {
-                            tracing::warn!(
-                                %error,
-                                call_id = %result.call_id,
-                                "a result read was not remembered in its session"
-                            );
-                        }
-                    }
-                }
-                Err(error) => tracing::warn!(
-                    %error,
-                    results = results.len(),
-                    "the results read were not remembered in their session"
-                ),
-            }
-        }
+    /// Hands the result decisions of `decision` on to the hook, if any,
+    /// one by one. (Session memory remembered them before the record was
+    /// written, `mesh/batch_session.rs`.)
+    pub(crate) fn results_read(&self, by: &ReadBy, decision: &guardmesh_proto::v1::BatchDecision) {
         let Some(reads) = self.result_reads.get() else {
             return;
         };

@@ -17,7 +17,9 @@
 //!   earlier guard or this rule skips still counts, the safe side): an int;
 //! * `session.seen_from(value, server)`: whether a string in `value` (a
 //!   string, or any string or map key inside a list or map, such as
-//!   `call.args`), or a token of it, is a value seen in a result from
+//!   `call.args`), or a token of it, in any ASCII case or in one of the
+//!   forms `session::encodings` follows (a URL path segment, percent
+//!   escapes, base64 or hex as a whole), is a value seen in a result from
 //!   `server` (`"*"`: any server);
 //! * `session.seen_from_other(value, server)`: the same, from any server
 //!   but `server`.

@@ -16,6 +16,10 @@
 //! value seen when the argument's whole text or one of its tokens has the
 //! digest of a value or token seen: so `INSERT INTO t VALUES ('s3cr3tV4lue')`
 //! contains the `s3cr3tV4lue` of a `.env` line `API_KEY=s3cr3tV4lue`.
+//! Values are digested in ASCII lower case ([`Digester::folded`]), so
+//! `S3CR3TV4LUE` contains it too; the other forms a sent value is looked
+//! for in (URL path segments, percent-escapes, base64, hex) are in
+//! [`super::encodings`].
 
 use hmac::{Hmac, KeyInit, Mac};
 use sha2::Sha256;
@@ -74,6 +78,25 @@ impl Digester {
     pub fn digest(&self, text: &str) -> Digest {
         let mut mac = self.key.clone();
         mac.update(text.as_bytes());
+        Self::cut(mac)
+    }
+
+    /// The digest of `text` in ASCII lower case: how values seen are
+    /// kept, so that a value is found again in another ASCII case (R34).
+    /// Equal to [`Digester::digest`] for a text without ASCII capitals.
+    pub fn folded(&self, text: &str) -> Digest {
+        let mut mac = self.key.clone();
+        let mut buf = [0u8; 256];
+        for chunk in text.as_bytes().chunks(buf.len()) {
+            let lower = &mut buf[..chunk.len()];
+            lower.copy_from_slice(chunk);
+            lower.make_ascii_lowercase();
+            mac.update(lower);
+        }
+        Self::cut(mac)
+    }
+
+    fn cut(mac: Hmac<Sha256>) -> Digest {
         let full = mac.finalize().into_bytes();
         let mut out = [0u8; 16];
         out.copy_from_slice(&full[..16]);
@@ -92,14 +115,15 @@ impl Digester {
     }
 
     /// The digests of `text` as a value seen: the whole text (when not too
-    /// long) and each of its tokens, those long enough, at most `max`.
-    /// Returns them and whether some were left out by `max`.
+    /// long) and each of its tokens, those long enough, at most `max`,
+    /// each in ASCII lower case ([`Digester::folded`]). Returns them and
+    /// whether some were left out by `max`.
     pub fn of_value(&self, text: &str, max: usize, out: &mut Vec<Digest>) -> bool {
         for piece in pieces(text) {
             if out.len() >= max {
                 return true;
             }
-            let d = self.digest(piece);
+            let d = self.folded(piece);
             if !out.contains(&d) {
                 out.push(d);
             }
@@ -245,6 +269,20 @@ mod tests {
         let mut other = Vec::new();
         d.of_value("INSERT INTO t VALUES ('nothing-here')", 100, &mut other);
         assert!(!other.iter().any(|a| seen.contains(a)));
+    }
+
+    #[test]
+    fn r34_values_are_digested_in_ascii_lower_case() {
+        let d = digester(6);
+        assert_eq!(d.folded("S3CR3T-Välue"), d.folded("s3cr3t-välue"));
+        assert_eq!(d.folded("s3cr3t-välue"), d.digest("s3cr3t-välue"));
+        assert_ne!(
+            d.folded("S3CR3T-VÄLUE"),
+            d.folded("s3cr3t-välue"),
+            "ASCII only"
+        );
+        let long = "AbC".repeat(400);
+        assert_eq!(d.folded(&long), d.digest(&long.to_ascii_lowercase()));
     }
 
     #[test]

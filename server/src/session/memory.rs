@@ -50,6 +50,12 @@ pub struct Seen {
     pub at: u64,
     #[serde(default)]
     pub seq: u64,
+    /// The digest is of the value in ASCII lower case (`Digester::folded`),
+    /// as this version keeps values; false for one an earlier version kept
+    /// as read (until it ages out, `seen_from` also looks values up as
+    /// sent).
+    #[serde(default, rename = "f", skip_serializing_if = "std::ops::Not::not")]
+    pub folded: bool,
 }
 
 /// One session's memory, as a store holds it.
@@ -406,6 +412,7 @@ mod tests {
             digest: format!("{n:032x}"),
             at: 0,
             seq: 0,
+            folded: true,
         }
     }
 

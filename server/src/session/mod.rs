@@ -7,6 +7,8 @@
 //!   seen, counters), bounded in bytes, entries and age;
 //! * [`digest`]: values seen kept only as keyed digests (HMAC-SHA256 under
 //!   the mesh's session secret), short values not at all;
+//! * [`encodings`]: the forms of a sent value `seen_from` also looks up
+//!   (another ASCII case, URL path segments, percent-escapes, base64, hex);
 //! * [`view`]: a session's memory as a batch reads it (`session.*` in CEL);
 //! * [`store`]: the [`SessionStore`] trait; [`local`]: in the mesh's memory
 //!   (a single mesh); [`etcd`]: shared by replicas through the registry's
@@ -20,6 +22,7 @@
 //! labels that rules and verdicts set).
 
 pub mod digest;
+pub mod encodings;
 pub mod etcd;
 pub mod key;
 pub mod limits;
@@ -78,6 +81,17 @@ pub enum ResultError {
     /// session, washes nothing and teaches nothing.
     #[error("no call {call_id:?} of tool {tool:?} ran in this session")]
     NoSuchCall { call_id: String, tool: String },
+    /// The result names another server than the one its call was recorded
+    /// with (R34: a result belongs to the server of the call it answers).
+    #[error(
+        "the result of call {call_id:?} names server {sent:?}, but its call was recorded as a \
+         call to server {recorded:?}"
+    )]
+    OtherServer {
+        call_id: String,
+        sent: String,
+        recorded: String,
+    },
     #[error("the result is not JSON: {0}")]
     NotJson(String),
 }
@@ -88,7 +102,8 @@ pub struct ResultSeen<'a> {
     /// The id and tool of the call it is the result of.
     pub call_id: &'a str,
     pub tool: &'a str,
-    /// The server the result came from.
+    /// The server the result named (empty when unknown). Its values are
+    /// remembered from the server its call was recorded with (R34).
     pub server: &'a str,
     /// The result as the model reads it (JSON).
     pub result_json: &'a str,
@@ -258,6 +273,7 @@ impl SessionMemory {
                 digest: digest::to_hex(d),
                 at: 0,
                 seq: 0,
+                folded: true,
             })
             .collect();
         (seen, cut)
@@ -294,12 +310,14 @@ impl SessionMemory {
 
     /// The hook of the results phase (R33) for a request of results, read
     /// in the session `key`: each result's values are remembered as
-    /// digests, with its `labels` (a result verdict's). A result for a call
-    /// that did not run in this session is refused on its own
-    /// ([`ResultError::NoSuchCall`]), as is one that is not JSON; the
-    /// others are kept. One load and at most one update of the session for
-    /// the whole request, however many results it holds. A store that
-    /// cannot answer fails the whole request.
+    /// digests, from the server its call was recorded with (R34), with its
+    /// `labels` (a result verdict's). A result for a call that did not run
+    /// in this session ([`ResultError::NoSuchCall`]), one naming another
+    /// server than its call's ([`ResultError::OtherServer`]) or one that is
+    /// not JSON is refused on its own; the others are kept. One load and at
+    /// most one update of the session for the whole request, however many
+    /// results it holds. A store that cannot answer fails the whole
+    /// request.
     pub async fn results_seen(
         &self,
         key: &SessionKey,
@@ -308,21 +326,44 @@ impl SessionMemory {
         if results.is_empty() {
             return Ok(ResultsSeen::default());
         }
-        let memory = self
-            .bounded(self.store.snapshot(key))
-            .await?
-            .unwrap_or_default();
-        let cutoff = now_ms()
-            .saturating_sub(u64::try_from(self.limits.max_age.as_millis()).unwrap_or(u64::MAX));
-        let mut update = Update::default();
-        let mut outcomes = Vec::with_capacity(results.len());
-        for r in results {
-            outcomes.push(self.one_result(&memory, cutoff, r, &mut update));
-        }
+        let view = self.read(key).await?;
+        let calls: Vec<Result<String, ResultError>> = results
+            .iter()
+            .map(|r| {
+                view.call_answered(r.call_id, r.tool, r.server)
+                    .map(str::to_owned)
+            })
+            .collect();
         // The snapshot is let go before the write: a store in this
         // process then updates the memory in place, without copying it.
-        drop(memory);
-        if update.results == 0 {
+        drop(view);
+        self.remember_results(key, results, calls, Vec::new()).await
+    }
+
+    /// Remembers a request of results in the session `key`, its calls
+    /// already looked up ([`SessionView::call_answered`]): `calls[i]` is
+    /// the server result `i`'s call was recorded with (its values are
+    /// remembered from it, whatever server the result named), or why the
+    /// result is not remembered. `labels` are the batch's (its guards'
+    /// verdicts'), added in the same update. At most one update; none when
+    /// nothing is to be remembered.
+    pub async fn remember_results(
+        &self,
+        key: &SessionKey,
+        results: &[ResultSeen<'_>],
+        calls: Vec<Result<String, ResultError>>,
+        labels: Vec<String>,
+    ) -> Result<ResultsSeen, StoreError> {
+        let mut update = Update {
+            labels,
+            ..Update::default()
+        };
+        let outcomes: Vec<Result<(), ResultError>> = results
+            .iter()
+            .zip(calls)
+            .map(|(r, server)| self.one_result(&server?, r, &mut update))
+            .collect();
+        if update.results == 0 && update.labels.is_empty() {
             return Ok(ResultsSeen {
                 applied: None,
                 outcomes,
@@ -335,30 +376,20 @@ impl SessionMemory {
         })
     }
 
-    /// Adds one result to `update`, if its call ran in `memory`.
+    /// Adds one result, of a call that ran and was recorded with `server`,
+    /// to `update`.
     fn one_result(
         &self,
-        memory: &Memory,
-        cutoff: u64,
+        server: &str,
         r: &ResultSeen<'_>,
         update: &mut Update,
     ) -> Result<(), ResultError> {
-        if !memory
-            .calls
-            .iter()
-            .any(|c| c.id == r.call_id && c.tool == r.tool && c.at >= cutoff)
-        {
-            return Err(ResultError::NoSuchCall {
-                call_id: r.call_id.to_owned(),
-                tool: r.tool.to_owned(),
-            });
-        }
         let result: serde_json::Value =
             serde_json::from_str(r.result_json).map_err(|e| ResultError::NotJson(e.to_string()))?;
-        let (seen, cut) = self.seen(r.server, &result);
+        let (seen, cut) = self.seen(server, &result);
         if cut {
             tracing::info!(
-                server = r.server,
+                server,
                 limit = self.limits.max_values_per_result,
                 "session memory: a result held more values than are kept of one result"
             );

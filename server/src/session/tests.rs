@@ -284,6 +284,89 @@ async fn r34_a_result_for_a_call_never_made_is_refused() {
         .unwrap();
 }
 
+/// R34: a result belongs to the server of the call it answers, as the
+/// session recorded it: its values are remembered from that server whether
+/// the result named it in another ASCII case or named none; a result
+/// naming another server is refused and teaches nothing; a call recorded
+/// without a server takes the one its result names.
+#[tokio::test]
+async fn r34_a_result_belongs_to_the_server_its_call_was_recorded_with() {
+    let mem = memory();
+    let key = SessionKey::new("a", "s");
+    let mut calls = Update::default();
+    for (id, tool) in [
+        ("c1", "fs.read_file"),
+        ("c2", "fs.read_file"),
+        ("c3", "fs.read_file"),
+        ("c4", "read_file"),
+    ] {
+        calls
+            .calls
+            .push(mem.call(id, tool, SessionMemory::server_of(tool, None), "{}"));
+    }
+    mem.record(&key, &calls).await.unwrap();
+    let text = |v: &str| format!(r#"{{"content":[{{"type":"text","text":"{v}"}}]}}"#);
+    mem.result_seen(
+        &key,
+        "c1",
+        "fs.read_file",
+        "",
+        &text("unknown-server-value"),
+        &[],
+    )
+    .await
+    .unwrap();
+    mem.result_seen(
+        &key,
+        "c2",
+        "fs.read_file",
+        "FS",
+        &text("upper-case-server-value"),
+        &[],
+    )
+    .await
+    .unwrap();
+    let other = mem
+        .result_seen(
+            &key,
+            "c3",
+            "fs.read_file",
+            "sqlite",
+            &text("another-server-value"),
+            &[],
+        )
+        .await;
+    assert!(
+        matches!(&other, Err(ResultError::OtherServer { sent, recorded, .. })
+            if sent == "sqlite" && recorded == "fs"),
+        "{other:?}"
+    );
+    mem.result_seen(
+        &key,
+        "c4",
+        "read_file",
+        "notes",
+        &text("named-by-the-result"),
+        &[],
+    )
+    .await
+    .unwrap();
+    let view = mem.read(&key).await.unwrap();
+    assert!(view.seen_from(["unknown-server-value"], "fs").unwrap());
+    assert!(view.seen_from(["upper-case-server-value"], "fs").unwrap());
+    assert!(!view.seen_from(["another-server-value"], "*").unwrap());
+    assert!(view.seen_from(["named-by-the-result"], "notes").unwrap());
+    assert_eq!(
+        view.call_answered("c3", "fs.read_file", "").unwrap(),
+        "fs",
+        "the latest call of that id"
+    );
+    assert!(matches!(
+        view.call_answered("c9", "fs.read_file", "fs"),
+        Err(ResultError::NoSuchCall { .. })
+    ));
+}
+
 #[tokio::test]
 async fn r34_entries_past_their_age_are_not_read_and_are_dropped() {
     let limits = SessionLimits {
@@ -764,5 +847,234 @@ fn r34_the_memory_a_guard_is_sent_is_encoded_as_the_message_it_stands_for() {
             assert_eq!(bytes, expected, "{case}");
         }
         assert!(bytes.len() <= view::GUARD_MAX_BYTES + 8, "{case}");
+    }
+}
+
+// ---------------------------------------------------------------------------
+// `seen_from` follows simple encodings (R34)
+// ---------------------------------------------------------------------------
+
+/// A value without separators whose standard base64 has `+`, `/` and
+/// padding (and so differs from its URL-safe form).
+const B64_TRICKY: &str = "S3cr3twH~lb99ÿ$A";
+
+/// The view of a session that read `values` from `fs` (the call ran, its
+/// result went through the results phase's hook).
+async fn read_from_fs(values: &[&str]) -> Arc<SessionView> {
+    let mem = memory();
+    let key = SessionKey::new("a", "s");
+    mem.record(&key, &update_with_call(&mem, "c1", "fs.read_file"))
+        .await
+        .unwrap();
+    let text: String = values.iter().map(|v| format!("API_KEY={v}\n")).collect();
+    let result = serde_json::json!({"content": [{"type": "text", "text": text}]}).to_string();
+    mem.result_seen(&key, "c1", "fs.read_file", "fs", &result, &[])
+        .await
+        .unwrap();
+    mem.read(&key).await.unwrap()
+}
+
+fn found(view: &SessionView, sent: &str) -> bool {
+    view.seen_from([sent], "fs").unwrap()
+}
+
+fn hex_of(text: &str, upper: bool) -> String {
+    text.bytes()
+        .map(|b| {
+            if upper {
+                format!("{b:02X}")
+            } else {
+                format!("{b:02x}")
+            }
+        })
+        .collect()
+}
+
+#[tokio::test]
+async fn r34_seen_from_follows_a_value_sent_as_a_url_path_segment() {
+    let view = read_from_fs(&["hunter2-Sup3rS3cretValue"]).await;
+    for sent in [
+        "https://evil.example/collect/hunter2-Sup3rS3cretValue",
+        "https://evil.example/c/hunter2-Sup3rS3cretValue/x.png?size=1",
+        "/upload/hunter2-Sup3rS3cretValue",
+        "https://evil.example/c/hunter2%2DSup3rS3cretValue",
+        "GET /v1/hunter2%2dSup3rS3cretValue HTTP/1.1",
+    ] {
+        assert!(found(&view, sent), "{sent}");
+    }
+}
+
+#[tokio::test]
+async fn r34_seen_from_follows_a_value_in_another_ascii_case() {
+    let view = read_from_fs(&["hunter2-Sup3rS3cretValue", "ANOTHER-SECRET-VALUE"]).await;
+    for sent in [
+        "HUNTER2-SUP3RS3CRETVALUE",
+        "hunter2-sup3rs3cretvalue",
+        "INSERT INTO t VALUES ('Hunter2-sup3RS3CRETvalue')",
+        "another-secret-value",
+        "https://evil.example/c/HUNTER2-sup3rs3cretvalue",
+    ] {
+        assert!(found(&view, sent), "{sent}");
+    }
+}
+
+#[tokio::test]
+async fn r34_seen_from_follows_a_value_base64_encoded_as_a_whole() {
+    use base64::Engine as _;
+    use base64::engine::general_purpose::{STANDARD, STANDARD_NO_PAD, URL_SAFE, URL_SAFE_NO_PAD};
+    let view = read_from_fs(&["hunter2-Sup3rS3cretValue", B64_TRICKY]).await;
+    let tricky = STANDARD.encode(B64_TRICKY);
+    assert!(
+        tricky.contains('+') && tricky.contains('/') && tricky.ends_with('='),
+        "{tricky}"
+    );
+    for value in ["hunter2-Sup3rS3cretValue", B64_TRICKY] {
+        for engine in [STANDARD, STANDARD_NO_PAD, URL_SAFE, URL_SAFE_NO_PAD] {
+            let encoded = engine.encode(value);
+            // In a URL path, a `/` of the standard alphabet is escaped.
+            let escaped = encoded.replace('/', "%2F").replace('+', "%2B");
+            for sent in [
+                encoded.clone(),
+                format!(r#"{{"data":"{encoded}"}}"#),
+                format!("Authorization: Basic {encoded}"),
+                format!("https://evil.example/c/{escaped}"),
+                format!("https://evil.example/c?d={encoded}&x=1"),
+            ] {
+                assert!(found(&view, &sent), "{value}: {sent}");
+            }
+        }
+    }
+    // A whole line of the result, encoded: its tokens are followed.
+    let line = STANDARD.encode("API_KEY=hunter2-Sup3rS3cretValue\n");
+    assert!(found(&view, &line), "{line}");
+}
+
+#[tokio::test]
+async fn r34_seen_from_follows_a_value_hex_encoded_as_a_whole() {
+    let view = read_from_fs(&["hunter2-Sup3rS3cretValue", B64_TRICKY]).await;
+    for value in ["hunter2-Sup3rS3cretValue", B64_TRICKY] {
+        for upper in [false, true] {
+            let encoded = hex_of(value, upper);
+            for sent in [
+                encoded.clone(),
+                format!("0x{encoded}"),
+                format!("https://evil.example/c/{encoded}"),
+                format!("INSERT INTO t VALUES (X'{encoded}')"),
+            ] {
+                assert!(found(&view, &sent), "{value}: {sent}");
+            }
+        }
+    }
+}
+
+#[tokio::test]
+async fn r34_seen_from_does_not_find_a_value_not_seen_in_any_encoding() {
+    use base64::Engine as _;
+    use base64::engine::general_purpose::{STANDARD, URL_SAFE_NO_PAD};
+    let view = read_from_fs(&["hunter2-Sup3rS3cretValue"]).await;
+    let other = "correct-horse-battery-staple";
+    for sent in [
+        other.to_owned(),
+        other.to_ascii_uppercase(),
+        format!("https://evil.example/c/{other}"),
+        STANDARD.encode(other),
+        URL_SAFE_NO_PAD.encode(other),
+        hex_of(other, false),
+        // The value seen, cut or split: not the value.
+        "hunter2-Sup3rS3cret".to_owned(),
+        "hunter2- Sup3rS3cretValue".to_owned(),
+        // Base64 of the value seen, cut in two.
+        STANDARD.encode("hunter2-Sup3rS3cretValue")[..16].to_owned(),
+    ] {
+        assert!(!found(&view, &sent), "{sent}");
+    }
+    assert!(found(&view, "hunter2-Sup3rS3cretValue"), "the value itself");
+}
+
+/// R34: a memory written by an earlier version holds digests of values as
+/// they were read, not in lower case: they are still found when sent as
+/// read (not in another case) until they age out; values kept since are
+/// found in any case.
+#[tokio::test]
+async fn r34_values_an_earlier_version_kept_as_read_are_still_found_as_sent() {
+    let digester = Digester::random();
+    let mem = SessionMemory::new(
+        Arc::new(LocalStore::new(limits())),
+        digester.clone(),
+        limits(),
+    );
+    let key = SessionKey::new("a", "s");
+    let earlier = Update {
+        seen: vec![Seen {
+            server: "fs".into(),
+            digest: digest::to_hex(&digester.digest("Kept-As-Read-Value")),
+            at: 0,
+            folded: false,
+        }],
+        ..Update::default()
+    };
+    mem.record(&key, &earlier).await.unwrap();
+    let view = mem.read(&key).await.unwrap();
+    assert!(found(&view, "INSERT 'Kept-As-Read-Value'"));
+    assert!(!found(&view, "kept-as-read-value"), "its case is unknown");
+    let stored = serde_json::to_string(&mem.store().load(&key).await.unwrap()).unwrap();
+    assert!(!stored.contains("\"f\""), "{stored}");
+    let view = read_from_fs(&["Kept-Since-Value"]).await;
+    assert!(found(&view, "KEPT-SINCE-VALUE"));
+}
+
+/// What following the encodings costs a `seen_from` question, printed
+/// once (no bound asserted: run with `--ignored --nocapture`): the same
+/// arguments looked up as before (each piece digested once, as read) and
+/// with every form, in one run so that the two compare.
+#[tokio::test]
+#[ignore = "a measurement: run it with --ignored --nocapture"]
+async fn r34_seen_from_cost_of_following_encodings_printed() {
+    use base64::Engine as _;
+    let view = read_from_fs(&["hunter2-Sup3rS3cretValue"]).await;
+    let digester = Digester::random();
+    let words = |n: usize| -> String {
+        (0..n)
+            .map(|i| format!("Field{i:05} = 'Value{i:07}', "))
+            .collect()
+    };
+    let prose = words(128);
+    let urls: String = (0..64)
+        .map(|i| format!("https://cdn.example/assets/v{i:03}/Image{i:06}.png "))
+        .collect();
+    let blob = base64::engine::general_purpose::STANDARD.encode(words(96));
+    let worst = words(5400);
+    let cases = [
+        ("4 KiB of SQL-like text", prose),
+        ("4 KiB of URLs", urls),
+        ("4 KiB of base64 of text", blob),
+        ("the bound (about 16k forms)", worst),
+    ];
+    for (what, text) in cases {
+        let rounds = 20;
+        let started = std::time::Instant::now();
+        let mut pieces = 0;
+        for _ in 0..rounds {
+            for piece in digest::pieces(&text) {
+                std::hint::black_box(digester.digest(piece));
+                pieces += 1;
+            }
+        }
+        let before = started.elapsed() / rounds;
+        let started = std::time::Instant::now();
+        let mut answer = Ok(false);
+        for _ in 0..rounds {
+            answer = view
+                .seen_from([text.as_str()], "fs")
+                .map_err(|e| e.to_string());
+        }
+        let now = started.elapsed() / rounds;
+        eprintln!(
+            "seen_from over {what} ({} bytes, {} pieces): {before:?} digesting the pieces as \
+             read, {now:?} with every form ({:.1}x); answer {answer:?}",
+            text.len(),
+            pieces / rounds as usize,
+            now.as_secs_f64() / before.as_secs_f64().max(1e-9),
+        );
     }
 }

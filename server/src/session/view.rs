@@ -3,15 +3,18 @@
 //! per batch that needs it, shared by every rule and guard of the batch.
 
 use super::digest::{self, Digest, Digester};
+use super::encodings;
 use super::memory::{CallRan, Memory};
 use crate::wire::fields::{map_entry, session_call, session_memory};
 use crate::wire::write;
 use std::collections::HashMap;
+use std::ops::ControlFlow;
 use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
-/// Most tokens of one argument value a `seen_from` question digests: past
-/// it the question is an error (the call's own size, R13), never a "no".
+/// Most forms of one argument value a `seen_from` question digests (its
+/// pieces, and the forms `session::encodings` finds in them): past it the
+/// question is an error (the call's own size, R13), never a "no".
 pub const MAX_TOKENS_CHECKED: usize = 16_384;
 
 /// Most labels, tools in `counts` and recent calls a guard is sent (R34).
@@ -30,9 +33,18 @@ pub struct SessionView {
     /// Entries before it (ms since the epoch) are past the memory's age.
     cutoff: u64,
     labels: Vec<String>,
-    seen: OnceLock<HashMap<Digest, Vec<String>>>,
+    seen: OnceLock<SeenIndex>,
     now: u64,
     digester: Digester,
+}
+
+/// The digests of values seen within the age, each with the servers it
+/// was seen from; and whether one was kept as read (not in ASCII lower
+/// case) by an earlier version.
+#[derive(Debug, Clone, Default)]
+struct SeenIndex {
+    digests: HashMap<Digest, Vec<String>>,
+    as_read: bool,
 }
 
 /// A `seen_from` question over more text than it may digest.
@@ -66,14 +78,14 @@ impl SessionView {
         Self::new(Arc::default(), digester, now, Duration::ZERO)
     }
 
-    /// The digests of values seen within the age, each with the servers
-    /// it was seen from.
-    fn seen(&self) -> &HashMap<Digest, Vec<String>> {
+    /// The digests of values seen within the age, indexed.
+    fn seen(&self) -> &SeenIndex {
         self.seen.get_or_init(|| {
-            let mut seen: HashMap<Digest, Vec<String>> = HashMap::new();
+            let mut seen = SeenIndex::default();
             for s in self.memory.seen.iter().filter(|s| s.at >= self.cutoff) {
                 if let Some(d) = digest::from_hex(&s.digest) {
-                    let servers = seen.entry(d).or_default();
+                    seen.as_read |= !s.folded;
+                    let servers = seen.digests.entry(d).or_default();
                     if !servers.contains(&s.server) {
                         servers.push(s.server.clone());
                     }
@@ -86,6 +98,42 @@ impl SessionView {
     /// The calls remembered within the age, oldest first.
     fn live_calls(&self) -> impl Iterator<Item = &CallRan> {
         self.memory.calls.iter().filter(|c| c.at >= self.cutoff)
+    }
+
+    /// The server of the call a result answers, as this session recorded
+    /// it (R34: a result belongs to the server of the call it answers):
+    /// the call `call_id` of `tool` remembered within the age (the latest,
+    /// if the id was used again). `sent` is the server the result named:
+    /// empty (unknown) or the recorded one in any ASCII case is the
+    /// recorded one; another is [`ResultError::OtherServer`]. A call
+    /// recorded without a server (a tool name without a `.` and no
+    /// metadata `server`) takes the one its result names. A result whose
+    /// call did not run in this session is [`ResultError::NoSuchCall`].
+    pub fn call_answered<'a>(
+        &'a self,
+        call_id: &str,
+        tool: &str,
+        sent: &'a str,
+    ) -> Result<&'a str, super::ResultError> {
+        let call = self
+            .live_calls()
+            .filter(|c| c.id == call_id && c.tool == tool)
+            .last()
+            .ok_or_else(|| super::ResultError::NoSuchCall {
+                call_id: call_id.to_owned(),
+                tool: tool.to_owned(),
+            })?;
+        if call.server.is_empty() {
+            Ok(sent)
+        } else if sent.is_empty() || sent.eq_ignore_ascii_case(&call.server) {
+            Ok(&call.server)
+        } else {
+            Err(super::ResultError::OtherServer {
+                call_id: call_id.to_owned(),
+                sent: sent.to_owned(),
+                recorded: call.server.clone(),
+            })
+        }
     }
 
     /// Its labels, oldest first.
@@ -269,8 +317,9 @@ impl SessionView {
         Ok((ran + before) as u64)
     }
 
-    /// Whether one of `texts` (or a token in it) is a value seen in a result
-    /// from `server` (`*`: any server; ASCII case ignored).
+    /// Whether one of `texts` (or a token in it, in any ASCII case, or in
+    /// one of the forms `session::encodings` follows) is a value seen in a
+    /// result from `server` (`*`: any server; ASCII case ignored).
     pub fn seen_from<'t>(
         &self,
         texts: impl IntoIterator<Item = &'t str>,
@@ -298,22 +347,43 @@ impl SessionView {
             return Ok(false);
         }
         let seen = self.seen();
-        if seen.is_empty() {
+        if seen.digests.is_empty() {
             return Ok(false);
         }
+        let found = |d: &Digest| {
+            seen.digests
+                .get(d)
+                .is_some_and(|servers| servers.iter().any(|s| server(s)))
+        };
         let mut checked = 0;
+        let mut too_many = false;
+        let mut visit = |form: &str, as_sent: bool| {
+            checked += 1;
+            if checked > MAX_TOKENS_CHECKED {
+                too_many = true;
+                return ControlFlow::Break(());
+            }
+            // Values seen are kept in ASCII lower case; while the memory
+            // holds one an earlier version kept as read, a form as sent is
+            // also looked up as it is.
+            if found(&self.digester.folded(form))
+                || (as_sent
+                    && seen.as_read
+                    && form.bytes().any(|b| b.is_ascii_uppercase())
+                    && found(&self.digester.digest(form)))
+            {
+                return ControlFlow::Break(());
+            }
+            ControlFlow::Continue(())
+        };
         for text in texts {
             for piece in digest::pieces(text) {
-                checked += 1;
-                if checked > MAX_TOKENS_CHECKED {
-                    return Err(TooManyTokens);
-                }
-                let d = self.digester.digest(piece);
-                if seen
-                    .get(&d)
-                    .is_some_and(|servers| servers.iter().any(|s| server(s)))
-                {
-                    return Ok(true);
+                if encodings::forms(piece, &mut visit).is_break() {
+                    return if too_many {
+                        Err(TooManyTokens)
+                    } else {
+                        Ok(true)
+                    };
                 }
             }
         }
