@@ -1009,6 +1009,7 @@ async fn r34_values_an_earlier_version_kept_as_read_are_still_found_as_sent() {
             server: "fs".into(),
             digest: digest::to_hex(&digester.digest("Kept-As-Read-Value")),
             at: 0,
+            seq: 0,
             folded: false,
         }],
         ..Update::default()
