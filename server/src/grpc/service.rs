@@ -489,7 +489,11 @@ impl StreamLoop {
         let mesh = self.tool.mesh.clone();
         // The id as sent: answers carry it (R19).
         let batch_id = admitted.batch_id().to_owned();
-        self.tasks.spawn(async move {
+        // Boxed: the judging future is several KiB, and a task's future is
+        // moved whole into its cell, its output slot and out again; boxed,
+        // only a pointer moves (this was over half the mesh's instructions
+        // per batch).
+        self.tasks.spawn(Box::pin(async move {
             let response = match admitted.run(&mesh).await {
                 Ok(decision) => EvaluateResponse {
                     batch_id,
@@ -501,7 +505,7 @@ impl StreamLoop {
             budget.add(answer.bytes);
             budget.release(size);
             slot.send(answer);
-        });
+        }));
     }
 }
 
