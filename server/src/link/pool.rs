@@ -23,30 +23,51 @@
 //! ejected ones, get their turn. A batch is shed with `RESOURCE_EXHAUSTED`
 //! only when every replica was full: busy is never a failure.
 //!
-//! The cost is the replica's requests unanswered plus one, times its
-//! latency estimate (an EWMA of its answers' round trips, weight 0.1).
+//! **Cost**: what one more request to the replica would wait for. Each
+//! request it holds counts as its latency estimate, or as its age once it
+//! is older than that (a replica that stopped answering costs more with
+//! every moment its requests wait), and the new request as the estimate
+//! ([`Load::price`]). The estimate is a peak-EWMA of its answers' round
+//! trips: a slower answer sets it at once, a faster one moves it a tenth
+//! of the way ([`EWMA_WEIGHT`]); a request withdrawn unanswered (the
+//! batch's time ran out, or the batch no longer needed it) raises it to
+//! its age. A replica that has not answered yet is priced at its
+//! *default*: the lowest estimate among the other replicas that have
+//! answered (what a replica of this guard is known to take), or
+//! [`DEFAULT_RTT`] (30 ms) before any has; never zero, the price that
+//! made a replica hanging from the start look the cheapest and draw
+//! most requests. An estimate above the default decays towards it with
+//! the time constant [`DECAY`] (0.5 s), whether or not the replica is
+//! chosen, so a replica that was slow for a moment, and got nothing
+//! since, is tried again. (Like linkerd's and tower's peak-EWMA balancers,
+//! with two differences: the default is the replica's peers' figure, not
+//! a constant, and an estimate decays towards it, not towards zero; an
+//! idle pool then prices every replica alike, where decay towards zero
+//! would price them all at nothing.)
+//!
 //! Measured against real guards (the integration module
 //! `guard_replicas`, 600 batches per run, 2 vCPU shared with other
-//! builds): a replica 5x slower than two others judged, of 600,
-//! 114 and 124 (19-21%) by outstanding requests alone; 64 (11%) with a
-//! peak-EWMA (a slower answer raises the estimate at once, as tower's
-//! `PeakEwma`); 23 with the rise damped to half; 39 and 46 (7%) with the
-//! plain EWMA kept here. Three equal Python replicas: 200/208/192 by
-//! outstanding requests; 243/174/183 with peak-EWMA; 189/191/220 and then
-//! 266/160/174 (outside +-25%) with the damped peak; 168/206/226 and
-//! 199/186/215 with the plain EWMA. With the tie band ([`COST_TIE`]), the
-//! same test counting from the replicas' own tally, 1,200 batches paced at
-//! 320 a second: 389/406/405, 395/404/401, 396/405/399 (without the band
-//! 424/377/399, 438/380/382, 408/417/375); closed loop of 16 sessions:
-//! 406/394/400, 406/397/397, 410/398/392 (without: 415/399/386,
-//! 423/389/388, 381/423/396); the 5x slower replica judged 53 of 600 (9%).
-//! The paused-time test of three replicas at 10, 12 and 14 ms, one request
-//! at a time, shows what the band is for: without it the 14 ms replica got
-//! nothing. Outstanding requests alone see a slow
-//! replica only once it holds more requests than the others, which with
-//! a few requests in flight is a coin toss; a peak follows one late answer
-//! (a pause of a guard's runtime, a busy core) and pushes a healthy replica
-//! aside; the plain EWMA follows a replica's steady speed.
+//! builds), before the decay and the age: a replica 5x slower than two
+//! others judged, of 600, 114 and 124 (19-21%) by outstanding requests
+//! alone; 64 (11%) with a peak-EWMA without the tie band; 23 with the
+//! rise damped to half; 39 and 46 (7%) with a plain EWMA. Three equal
+//! Python replicas: 200/208/192 by outstanding requests; 243/174/183 with
+//! peak-EWMA; 189/191/220 and then 266/160/174 (outside +-25%) with the
+//! damped peak; 168/206/226 and 199/186/215 with the plain EWMA. With the
+//! tie band ([`COST_TIE`]), the same test counting from the replicas' own
+//! tally, 1,200 batches paced at 320 a second: 389/406/405, 395/404/401,
+//! 396/405/399 (without the band 424/377/399, 438/380/382, 408/417/375);
+//! closed loop of 16 sessions: 406/394/400, 406/397/397, 410/398/392
+//! (without: 415/399/386, 423/389/388, 381/423/396); the 5x slower
+//! replica judged 53 of 600 (9%). The paused-time test of three replicas
+//! at 10, 12 and 14 ms, one request at a time, shows what the band is
+//! for: without it the 14 ms replica got nothing. The plain EWMA had a
+//! flaw the band did not show: it moved only on answers, and a replica
+//! more than twice as costly is never asked, so one slow second (300 ms
+//! more) left a replica out for good; the decay brings it back, and the
+//! band keeps a peak of noise (a pause of a guard's runtime, a busy
+//! core) from pushing a healthy replica aside unless it doubles the
+//! cost, and then only for about a [`DECAY`].
 //!
 //! **Failover**: a request whose replica fails (connect error, stream
 //! reset, GOAWAY, not reading its stream) is sent to another replica not
@@ -79,8 +100,8 @@ use guardmesh_proto::v1::GuardBatch;
 use prost::bytes::Bytes;
 use rand::Rng;
 use rand::SeedableRng;
-use std::collections::HashMap;
-use std::sync::atomic::{AtomicU32, AtomicU64, AtomicUsize, Ordering};
+use std::collections::{BTreeSet, HashMap};
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, PoisonError, Weak};
 use std::time::Duration;
 use tokio::sync::mpsc;
@@ -95,17 +116,30 @@ pub const EJECT_INITIAL: Duration = Duration::from_millis(500);
 /// The longest ejection.
 pub const EJECT_MAX: Duration = Duration::from_secs(8);
 
-/// Whether the choice weighs outstanding requests by each replica's
-/// latency estimate (else outstanding requests alone, kept to measure the
-/// two against each other). See the module doc for what was measured.
-const PEAK_EWMA: bool = true;
+/// What a replica is priced at before any replica of its guard has
+/// answered ([`Prices`]): a figure of the order of a guard's round trip,
+/// never zero (a replica that never answered used to look the cheapest).
+pub const DEFAULT_RTT: Duration = Duration::from_millis(30);
 
-/// How far the latency estimate moves towards each answer's round trip.
+/// The time constant with which a latency estimate above its default
+/// decays towards it ([`Load::estimate`]): a replica once slow is tried
+/// again after a few of these, though nothing was sent to it meanwhile.
+pub const DECAY: Duration = Duration::from_millis(500);
+
+/// How far the latency estimate moves towards an answer faster than it.
+/// (A slower answer sets it at once: peak.)
 const EWMA_WEIGHT: f64 = 0.1;
 
 /// Two replicas whose costs are within this factor of each other are a
-/// tie for the choice ([`Replica::cheaper_than`]).
+/// tie for the choice ([`Price::cheaper_than`]).
 const COST_TIE: f64 = 2.0;
+
+/// The least latency estimate, in nanoseconds: a cost is never zero.
+const MIN_ESTIMATE: f64 = 1_000.0;
+
+fn nanos(d: Duration) -> f64 {
+    d.as_nanos() as f64
+}
 
 /// One replica: its link and its load.
 struct Replica {
@@ -113,15 +147,157 @@ struct Replica {
     /// The registered name it was found from ([`ReplicaTarget::registered`]).
     registered: Option<Arc<str>>,
     link: GuardLink,
-    /// Requests sent to it and not yet answered, failed or withdrawn.
-    outstanding: AtomicUsize,
     /// Consecutive ejections (for the backoff), reset by an answer.
     ejections: AtomicU32,
     /// Until when it gets no new requests, unless no other replica can.
     ejected_until: Mutex<Option<Instant>>,
-    /// EWMA of its answers' round trips, in nanoseconds (f64 bits); 0
+    /// Its requests in flight and its latency estimate. A leaf lock.
+    load: Mutex<Load>,
+    /// [`Load::estimate`] as last set, in nanoseconds (f64 bits; 0 before
+    /// its first answer): read without the lock to price the other
+    /// replicas ([`Prices`]).
+    estimate: AtomicU64,
+}
+
+/// A replica's requests in flight and its latency estimate.
+struct Load {
+    /// Requests sent to it and not yet answered, failed or withdrawn: when
+    /// each was sent, and the pool's id of it. Oldest first.
+    in_flight: BTreeSet<(Instant, u64)>,
+    /// Peak-EWMA of its answers' round trips, in nanoseconds: a slower
+    /// answer sets it, a faster one moves it by [`EWMA_WEIGHT`]. `None`
     /// until its first answer.
-    latency: AtomicU64,
+    estimate: Option<f64>,
+    /// When `estimate` was last set: its decay runs from then.
+    updated: Instant,
+}
+
+impl Load {
+    /// The latency estimate at `now`, in nanoseconds. A replica that has
+    /// not answered yet is priced at `default` (what its peers take,
+    /// [`Prices`]); an estimate above `default` decays towards it with
+    /// the time constant [`DECAY`], so a replica that was slow, and so
+    /// got nothing since, is tried again.
+    fn estimate(&self, now: Instant, default: f64) -> f64 {
+        let estimate = match self.estimate {
+            None => default,
+            Some(estimate) if estimate > default => {
+                let elapsed = nanos(now.saturating_duration_since(self.updated));
+                default + (estimate - default) * (-elapsed / nanos(DECAY)).exp()
+            }
+            Some(estimate) => estimate,
+        };
+        estimate.max(MIN_ESTIMATE)
+    }
+
+    /// What sending it one more request costs: each request in flight
+    /// counts as the estimate, or as its age once it is older than that
+    /// (a replica that stopped answering costs more with every moment),
+    /// and the new request as the estimate.
+    fn price(&self, now: Instant, default: f64) -> Price {
+        let estimate = self.estimate(now, default);
+        let mut cost = estimate * (self.in_flight.len() as f64 + 1.0);
+        for (sent, _) in &self.in_flight {
+            let age = nanos(now.saturating_duration_since(*sent));
+            if age <= estimate {
+                break;
+            }
+            cost += age - estimate;
+        }
+        Price {
+            cost,
+            outstanding: self.in_flight.len(),
+        }
+    }
+
+    /// Folds `rtt` in at `now`: a round trip slower than the estimate sets
+    /// it (peak), a faster one moves it by [`EWMA_WEIGHT`]. With
+    /// `bound_only`, `rtt` is only a lower bound (a request withdrawn
+    /// unanswered after that long): it can raise the estimate, never
+    /// lower it.
+    fn observe(&mut self, rtt: f64, now: Instant, default: f64, bound_only: bool) -> Option<f64> {
+        let current = self.estimate.map(|_| self.estimate(now, default));
+        let next = match current {
+            Some(current) if rtt >= current => rtt,
+            Some(current) if !bound_only => current + (rtt - current) * EWMA_WEIGHT,
+            None if !bound_only || rtt > default => rtt,
+            _ => return None,
+        };
+        self.estimate = Some(next);
+        self.updated = now;
+        Some(next)
+    }
+}
+
+/// What one more request to a replica costs, and the requests it holds.
+#[derive(Debug, Clone, Copy)]
+struct Price {
+    cost: f64,
+    outstanding: usize,
+}
+
+impl Price {
+    /// Whether the choice prefers this replica to `other`. Costs within
+    /// [`COST_TIE`] of each other are a tie, told apart by the requests
+    /// each holds: what separates equal replicas' latency estimates is
+    /// noise (a descheduled process, a busy core), and a choice that
+    /// followed it would send nearly every request to whichever replica
+    /// last looked a little faster. A real difference (a replica several
+    /// times slower, or holding many more requests, or holding one it has
+    /// not answered for long) is past the band.
+    fn cheaper_than(self, other: Price) -> bool {
+        let (mine, theirs) = (self.cost, other.cost);
+        if mine.max(theirs) <= mine.min(theirs) * COST_TIE {
+            self.outstanding < other.outstanding
+        } else {
+            mine < theirs
+        }
+    }
+}
+
+/// What each replica of a guard is priced at while it has not answered,
+/// and what its estimate decays towards: the lowest latency estimate among
+/// the *other* replicas that have answered (what a replica of this guard
+/// is known to take), or [`DEFAULT_RTT`] when none has.
+struct Prices {
+    lowest: Option<(f64, *const Replica)>,
+    second: Option<f64>,
+}
+
+impl Prices {
+    fn of(live: &[Arc<Replica>]) -> Self {
+        let mut prices = Prices {
+            lowest: None,
+            second: None,
+        };
+        for replica in live {
+            let estimate = f64::from_bits(replica.estimate.load(Ordering::Relaxed));
+            if estimate <= 0.0 {
+                continue;
+            }
+            match prices.lowest {
+                Some((lowest, _)) if estimate >= lowest => {
+                    if prices.second.is_none_or(|second| estimate < second) {
+                        prices.second = Some(estimate);
+                    }
+                }
+                _ => {
+                    prices.second = prices.lowest.map(|(lowest, _)| lowest);
+                    prices.lowest = Some((estimate, Arc::as_ptr(replica)));
+                }
+            }
+        }
+        prices
+    }
+
+    /// The default of `replica`: the lowest estimate but its own.
+    fn default_for(&self, replica: &Replica) -> f64 {
+        let others = match self.lowest {
+            Some((_, which)) if std::ptr::eq(which, replica) => self.second,
+            lowest => lowest.map(|(lowest, _)| lowest),
+        };
+        others.unwrap_or_else(|| nanos(DEFAULT_RTT))
+    }
 }
 
 impl Replica {
@@ -138,58 +314,60 @@ impl Replica {
             && !self.link.draining()
     }
 
-    /// Folds an answer's round trip into [`Self::latency`].
-    fn observe(&self, rtt: Duration) {
-        let rtt = rtt.as_nanos() as f64;
-        let _ = self
-            .latency
-            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |bits| {
-                let ewma = f64::from_bits(bits);
-                let next = if ewma == 0.0 {
-                    rtt
-                } else {
-                    ewma + (rtt - ewma) * EWMA_WEIGHT
-                };
-                Some(next.to_bits())
-            });
+    fn load(&self) -> std::sync::MutexGuard<'_, Load> {
+        self.load.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
-    /// What the choice compares: requests unanswered, weighted (with
-    /// [`PEAK_EWMA`]) by the replica's peak-EWMA latency.
-    fn cost(&self) -> f64 {
-        let outstanding = self.outstanding.load(Ordering::Relaxed) as f64;
-        if PEAK_EWMA {
-            (outstanding + 1.0) * f64::from_bits(self.latency.load(Ordering::Relaxed)).max(1_000.0)
-        } else {
-            outstanding
+    fn price(&self, now: Instant, prices: &Prices) -> Price {
+        self.load().price(now, prices.default_for(self))
+    }
+
+    /// Request `id`, sent at `sent`, is now held by this replica: how many
+    /// it holds.
+    fn hold(&self, sent: Instant, id: u64) -> usize {
+        let mut load = self.load();
+        load.in_flight.insert((sent, id));
+        load.in_flight.len()
+    }
+
+    /// Request `id`, sent at `sent`, left this replica at `now`: answered
+    /// (its round trip folded into the estimate), withdrawn unanswered
+    /// (its age a lower bound of the estimate), or failed (no round
+    /// trip). How many it still holds.
+    fn release(
+        &self,
+        sent: Instant,
+        id: u64,
+        now: Instant,
+        ended: Ended,
+        prices: &Prices,
+    ) -> usize {
+        let default = prices.default_for(self);
+        let mut load = self.load();
+        load.in_flight.remove(&(sent, id));
+        let rtt = nanos(now.saturating_duration_since(sent));
+        let estimate = match ended {
+            Ended::Answered => load.observe(rtt, now, default, false),
+            Ended::Withdrawn => load.observe(rtt, now, default, true),
+            Ended::Failed => None,
+        };
+        if let Some(estimate) = estimate {
+            self.estimate.store(estimate.to_bits(), Ordering::Relaxed);
         }
+        load.in_flight.len()
     }
 
-    /// Whether the choice prefers this replica to `other`. Costs within
-    /// [`COST_TIE`] of each other are a tie, told apart by the requests
-    /// each holds: what separates equal replicas' latency estimates is
-    /// noise (a descheduled process, a busy core), and a choice that
-    /// followed it would send nearly every request to whichever replica
-    /// last looked a little faster. A real difference (a replica several
-    /// times slower, or holding many more requests) is past the band.
-    fn cheaper_than(&self, other: &Replica) -> bool {
-        let (mine, theirs) = (self.cost(), other.cost());
-        if mine.max(theirs) <= mine.min(theirs) * COST_TIE {
-            self.outstanding.load(Ordering::Relaxed) < other.outstanding.load(Ordering::Relaxed)
-        } else {
-            mine < theirs
-        }
+    fn outstanding(&self) -> usize {
+        self.load().in_flight.len()
     }
+}
 
-    fn done(&self) -> usize {
-        let before = self
-            .outstanding
-            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |n| {
-                Some(n.saturating_sub(1))
-            })
-            .unwrap_or(0);
-        before.saturating_sub(1)
-    }
+/// How a request left a replica ([`Replica::release`]).
+#[derive(Debug, Clone, Copy)]
+enum Ended {
+    Answered,
+    Withdrawn,
+    Failed,
 }
 
 /// A request the pool has sent and not settled.
@@ -485,12 +663,7 @@ impl GuardPool {
             .lock()
             .live
             .iter()
-            .map(|r| {
-                (
-                    r.endpoint.to_string(),
-                    r.outstanding.load(Ordering::Relaxed),
-                )
-            })
+            .map(|r| (r.endpoint.to_string(), r.outstanding()))
             .collect()
     }
 
@@ -514,9 +687,9 @@ impl GuardPool {
         let id = self.inner.next_id.fetch_add(1, Ordering::Relaxed);
         let hook = self.inner.hook(id);
         let mut state = self.inner.lock();
-        let (replica, link_id) =
+        let (replica, link_id, sent_at) =
             self.inner
-                .dispatch(&mut state, &batch, &shared, client, stall, &[], &hook)?;
+                .dispatch(&mut state, id, &batch, &shared, client, stall, &[], &hook)?;
         state.requests.insert(
             id,
             Pending {
@@ -531,7 +704,7 @@ impl GuardPool {
                 link_id,
                 tried: Vec::new(),
                 partial: false,
-                sent_at: Instant::now(),
+                sent_at,
             },
         );
         Ok(id)
@@ -540,9 +713,20 @@ impl GuardPool {
     /// Withdraws request `id` (R5, a timeout): the replica holding it is
     /// told, and named in the answer (when it was still out).
     pub fn cancel(&self, id: u64) -> Option<Arc<str>> {
-        let pending = self.inner.lock().requests.remove(&id)?;
+        let (pending, prices) = {
+            let mut state = self.inner.lock();
+            let pending = state.requests.remove(&id)?;
+            (pending, Prices::of(&state.live))
+        };
         pending.replica.link.cancel(pending.link_id);
-        let left = pending.replica.done();
+        // Unanswered for this long: its estimate is at least that.
+        let left = pending.replica.release(
+            pending.sent_at,
+            id,
+            Instant::now(),
+            Ended::Withdrawn,
+            &prices,
+        );
         self.inner
             .metrics
             .replica_outstanding(&self.inner.name, &pending.replica.endpoint, left);
@@ -611,10 +795,14 @@ impl Inner {
                         endpoint: Arc::from(target.endpoint.as_str()),
                         registered: target.registered.as_deref().map(Arc::from),
                         link: (self.spawn)(target),
-                        outstanding: AtomicUsize::new(0),
                         ejections: AtomicU32::new(0),
                         ejected_until: Mutex::new(None),
-                        latency: AtomicU64::new(0f64.to_bits()),
+                        load: Mutex::new(Load {
+                            in_flight: BTreeSet::new(),
+                            estimate: None,
+                            updated: Instant::now(),
+                        }),
+                        estimate: AtomicU64::new(0f64.to_bits()),
                     })),
                 }
             }
@@ -704,25 +892,30 @@ impl Inner {
             .cloned()
             .partition(|r| r.available(now));
         let mut order = Vec::with_capacity(available.len() + out.len());
+        let prices = Prices::of(&state.live);
         if available.len() >= 2 {
             let i = state.rng.random_range(0..available.len());
             let mut j = state.rng.random_range(0..available.len() - 1);
             if j >= i {
                 j += 1;
             }
-            let (first, second) = if available[j].cheaper_than(&available[i]) {
-                (j, i)
-            } else {
-                (i, j)
-            };
+            let (pi, pj) = (
+                available[i].price(now, &prices),
+                available[j].price(now, &prices),
+            );
+            let (first, second) = if pj.cheaper_than(pi) { (j, i) } else { (i, j) };
             order.push(available[first].clone());
             order.push(available[second].clone());
             let (hi, lo) = (first.max(second), first.min(second));
             available.swap_remove(hi);
             available.swap_remove(lo);
         }
-        available.sort_by(|a, b| a.cost().total_cmp(&b.cost()));
-        order.extend(available);
+        let mut rest: Vec<(f64, Arc<Replica>)> = available
+            .into_iter()
+            .map(|r| (r.price(now, &prices).cost, r))
+            .collect();
+        rest.sort_by(|a, b| a.0.total_cmp(&b.0));
+        order.extend(rest.into_iter().map(|(_, r)| r));
         // A draining replica (health NOT_SERVING) only when nothing else
         // can take the request.
         out.sort_by_key(|r| (r.link.draining(), r.ejected_until()));
@@ -737,13 +930,14 @@ impl Inner {
     fn dispatch(
         &self,
         state: &mut State,
+        id: u64,
         batch: &GuardBatch,
         shared: &Bytes,
         client: u64,
         stall: Duration,
         exclude: &[Arc<str>],
         hook: &Report,
-    ) -> Result<(Arc<Replica>, u64), NotSent> {
+    ) -> Result<(Arc<Replica>, u64, Instant), NotSent> {
         let now = Instant::now();
         let mut busy = None;
         let mut failed = None;
@@ -757,10 +951,10 @@ impl Inner {
                 stall,
             ) {
                 Ok(link_id) => {
-                    let held = replica.outstanding.fetch_add(1, Ordering::Relaxed) + 1;
+                    let held = replica.hold(now, id);
                     self.metrics
                         .replica_sent(&self.name, &replica.endpoint, held);
-                    return Ok((replica, link_id));
+                    return Ok((replica, link_id, now));
                 }
                 Err(NotSent::Busy(b)) => {
                     busy.get_or_insert(b);
@@ -810,9 +1004,15 @@ impl Inner {
                 let Some(pending) = state.requests.remove(&id) else {
                     return;
                 };
+                let prices = Prices::of(&state.live);
                 drop(state);
-                pending.replica.observe(pending.sent_at.elapsed());
-                let left = pending.replica.done();
+                let left = pending.replica.release(
+                    pending.sent_at,
+                    id,
+                    Instant::now(),
+                    Ended::Answered,
+                    &prices,
+                );
                 self.metrics
                     .replica_outstanding(&self.name, &pending.replica.endpoint, left);
                 (
@@ -828,7 +1028,13 @@ impl Inner {
                 failure, replica, ..
             } => {
                 let failed = pending.replica.clone();
-                let left = failed.done();
+                let left = failed.release(
+                    pending.sent_at,
+                    id,
+                    Instant::now(),
+                    Ended::Failed,
+                    &Prices::of(&[]),
+                );
                 self.metrics
                     .replica_outstanding(&self.name, &failed.endpoint, left);
                 let now = Instant::now();
@@ -842,9 +1048,9 @@ impl Inner {
                     let (shared, client, stall) =
                         (pending.shared.clone(), pending.client, pending.stall);
                     let hook = self.hook(id);
-                    if let Ok((next, link_id)) =
-                        self.dispatch(&mut state, &batch, &shared, client, stall, &tried, &hook)
-                    {
+                    if let Ok((next, link_id, sent_at)) = self.dispatch(
+                        &mut state, id, &batch, &shared, client, stall, &tried, &hook,
+                    ) {
                         tracing::info!(
                             guard = %self.name,
                             from = %failed.endpoint,
@@ -862,7 +1068,7 @@ impl Inner {
                         }
                         let old = state.requests.get_mut(&id).map(|pending| {
                             pending.link_id = link_id;
-                            pending.sent_at = Instant::now();
+                            pending.sent_at = sent_at;
                             std::mem::replace(&mut pending.replica, next)
                         });
                         drop(state);

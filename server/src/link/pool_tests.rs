@@ -685,3 +685,173 @@ async fn r32_a_draining_replica_gets_no_new_requests_and_finishes_what_it_holds(
         assert!(matches!(event, LinkEvent::Answer { .. }), "{event:?}");
     }
 }
+
+impl Rig {
+    /// Sends a one-call batch tagged `tag` and waits for it as a batch
+    /// does: the answer's replica, or the failure; at the guard's time
+    /// (`within`) the request is withdrawn and it timed out (R14).
+    async fn judge(&mut self, tag: usize, within: Duration) -> Result<Arc<str>, GuardFailure> {
+        let until = Instant::now() + within;
+        let id = match self.send(tag, within) {
+            Ok(id) => id,
+            Err(NotSent::Failed(failure)) => return Err(failure),
+            Err(NotSent::Busy(busy)) => panic!("busy: {busy}"),
+        };
+        loop {
+            tokio::select! {
+                event = self.events.recv() => match event.expect("the rig holds a sender") {
+                    LinkEvent::Answer { tag: t, replica, .. } if t == tag => return Ok(replica),
+                    LinkEvent::Failed { tag: t, failure, .. } if t == tag => return Err(failure),
+                    _ => {}
+                },
+                () = tokio::time::sleep_until(until) => {
+                    self.pool.cancel(id);
+                    return Err(GuardFailure::TimedOut(within));
+                }
+            }
+        }
+    }
+}
+
+/// A replica that answers its `n`-th batch (from 1) after `slow`, the
+/// others after `fast`.
+fn slow_at(
+    n: usize,
+    slow: Duration,
+    fast: Duration,
+) -> impl Fn(&GuardBatch) -> Vec<Step> + Send + Sync + 'static {
+    let read = std::sync::atomic::AtomicUsize::new(0);
+    move |b: &GuardBatch| {
+        let k = read.fetch_add(1, std::sync::atomic::Ordering::Relaxed) + 1;
+        let delay = if k == n { slow } else { fast };
+        vec![Step::answer(b, b.calls.iter().map(|c| proceed(&c.call_id)).collect()).after(delay)]
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn r32_a_replica_that_never_answered_is_priced_at_a_default_not_as_the_cheapest() {
+    // Replica 0 takes its stream and never answers; the two others answer
+    // in 10 ms. A replica with no answer yet used to cost nothing (its
+    // estimate started at zero), so every draw that included it chose it
+    // and the batch waited for the guard's whole time.
+    let mut rig = rig(
+        3,
+        |_| {},
+        |i| {
+            move |b: &GuardBatch| {
+                if i == 0 {
+                    Vec::new()
+                } else {
+                    answer_after(ms(10))(b)
+                }
+            }
+        },
+    );
+    settle().await;
+    let mut timed_out = 0;
+    for tag in 0..60 {
+        if let Err(failure) = rig.judge(tag, Duration::from_secs(1)).await {
+            assert!(
+                matches!(failure, GuardFailure::TimedOut(_)),
+                "{tag}: {failure}"
+            );
+            timed_out += 1;
+        }
+    }
+    let reads = rig.reads();
+    eprintln!("reads {reads:?}, timed out {timed_out}");
+    // Priced like its peers, it may get the first request; once that is
+    // older than the estimate it costs more than either peer.
+    assert!(
+        reads[0] <= 3,
+        "R32: the replica that never answered read {} of 60: {reads:?}",
+        reads[0]
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn r32_a_slow_answer_raises_the_estimate_at_once() {
+    // Three replicas at 10 ms; replica 0 answers its third batch after
+    // 100 ms. One request at a time: each choice compares estimates only.
+    let mut rig = rig(
+        3,
+        |_| {},
+        |i| slow_at(if i == 0 { 3 } else { 0 }, ms(100), ms(10)),
+    );
+    settle().await;
+    let mut tag = 0;
+    while rig.guards[0].answered() < 3 {
+        rig.judge(tag, Duration::from_secs(1)).await.unwrap();
+        tag += 1;
+        assert!(
+            tag < 500,
+            "replica 0 never got three batches: {:?}",
+            rig.reads()
+        );
+    }
+    let before = rig.reads()[0];
+    // The next 30 requests (300 ms): a plain average moved only a tenth of
+    // the way (10 to 19 ms, a tie with 10 ms) and kept sending it a third.
+    for tag in tag..tag + 30 {
+        rig.judge(tag, Duration::from_secs(1)).await.unwrap();
+    }
+    assert_eq!(
+        rig.reads()[0],
+        before,
+        "R32: one slow answer did not raise replica 0's cost at once: {:?}",
+        rig.reads()
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn r32_a_once_slow_replica_is_chosen_again_as_its_estimate_decays() {
+    // Three replicas at 10 ms; replica 0 takes 300 ms more from 1 s to
+    // 2 s, then is fast again. One request at a time for 6 s.
+    let start = Instant::now();
+    let mut rig = rig(
+        3,
+        |_| {},
+        |i| {
+            move |b: &GuardBatch| {
+                let at = start.elapsed();
+                let slow = i == 0 && at >= Duration::from_secs(1) && at < Duration::from_secs(2);
+                answer_after(if slow { ms(310) } else { ms(10) })(b)
+            }
+        },
+    );
+    settle().await;
+    let mut tag = 0;
+    while start.elapsed() < Duration::from_secs(6) {
+        rig.judge(tag, Duration::from_secs(1)).await.unwrap();
+        tag += 1;
+    }
+    let read_at: Vec<Duration> = rig.guards[0]
+        .read_at()
+        .into_iter()
+        .map(|at| at - start)
+        .collect();
+    let slow = read_at
+        .iter()
+        .filter(|at| (ms(1000)..ms(2000)).contains(*at))
+        .count();
+    assert!(slow >= 1, "replica 0 was never slow: {read_at:?}");
+    // Its last slow answer came by 2.31 s: after that it is fast again,
+    // and is tried again once what it cost has decayed.
+    let again = read_at.iter().find(|at| **at >= ms(2310));
+    assert!(
+        again.is_some_and(|at| *at < ms(4500)),
+        "R32: the once-slow replica was not chosen again within 2.2 s of recovering (first at {again:?})"
+    );
+    // And in the last second it takes about its share (a third).
+    let last = read_at.iter().filter(|at| **at >= ms(5000)).count();
+    let total_last = rig
+        .guards
+        .iter()
+        .flat_map(|g| g.read_at())
+        .filter(|at| *at - start >= ms(5000))
+        .count();
+    assert!(
+        last * 5 >= total_last,
+        "R32: {last} of the last second's {total_last} batches on the recovered replica"
+    );
+}
