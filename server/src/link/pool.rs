@@ -80,6 +80,25 @@
 //! answer is not sent again (its verdicts are in the batch's fold). A
 //! guard may therefore see the same batch id on two replicas.
 //!
+//! **A timeout fails over too** (R32: R13 applies only when no replica
+//! can judge in time). A request that another available replica could
+//! take gives its replica half of the guard's time left, so that a second
+//! attempt fits, but at least [`ATTEMPT_ESTIMATES`] (3) times the
+//! replica's estimate (a replica at its usual pace is not cut off, and a
+//! guard whose answers take a large part of its timeout is not split at
+//! all). When that runs out unanswered ([`attempt_timer`], one task per
+//! pool, woken only for an earlier deadline), the request is sent to
+//! another replica and withdrawn from the first, whose estimate rises to
+//! what it waited and which is ejected as a failed one is. A request moves
+//! so once at most, and the pool's moves on timeout are held to a budget
+//! ([`Budget`]: 10 a second plus a fifth of the requests sent), so a
+//! guard whose replicas all hang is sent each batch twice at most, most
+//! batches once, and fails per R13 at its time as before. Ejection is
+//! capped: at most half the replicas are ejected at once (never all, in
+//! the manner of Envoy's `max_ejection_percent`); a failing replica past
+//! the cap stays in the choice, where its unanswered requests' age prices
+//! it out, and its circuit still hears of its outage once.
+//!
 //! **Why not tower's `balance::p2c`**: tower's balancer drives
 //! `tower::Service`s, one call per request and readiness polled before
 //! each call. A guard link is a multiplexed stream whose requests answer
@@ -104,7 +123,7 @@ use std::collections::{BTreeSet, HashMap};
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, PoisonError, Weak};
 use std::time::Duration;
-use tokio::sync::mpsc;
+use tokio::sync::{Notify, mpsc};
 use tokio::time::Instant;
 
 /// Opens the link to one replica.
@@ -125,6 +144,21 @@ pub const DEFAULT_RTT: Duration = Duration::from_millis(30);
 /// decays towards it ([`Load::estimate`]): a replica once slow is tried
 /// again after a few of these, though nothing was sent to it meanwhile.
 pub const DECAY: Duration = Duration::from_millis(500);
+
+/// A request that another replica could take if its own does not answer
+/// in time gives that replica half the guard's time left, so that a
+/// second attempt fits, but never less than this many of the replica's
+/// latency estimate: a replica answering at its own pace is not cut off
+/// (and a guard whose answers take most of its timeout is not split).
+const ATTEMPT_ESTIMATES: f64 = 3.0;
+
+/// The budget of requests moved to another replica because theirs did not
+/// answer in time ([`Budget`]): per window of this long, ...
+const BUDGET_WINDOW: Duration = Duration::from_secs(1);
+/// ... this many, ...
+const BUDGET_MIN: u32 = 10;
+/// ... and this share of the requests sent in the window.
+const BUDGET_RATIO: f64 = 0.2;
 
 /// How far the latency estimate moves towards an answer faster than it.
 /// (A slower answer sets it at once: peak.)
@@ -147,16 +181,27 @@ struct Replica {
     /// The registered name it was found from ([`ReplicaTarget::registered`]).
     registered: Option<Arc<str>>,
     link: GuardLink,
-    /// Consecutive ejections (for the backoff), reset by an answer.
+    /// Consecutive outages (for the backoff), reset by an answer.
     ejections: AtomicU32,
-    /// Until when it gets no new requests, unless no other replica can.
-    ejected_until: Mutex<Option<Instant>>,
+    /// Its ejection and its outage. A leaf lock.
+    ejection: Mutex<Ejection>,
     /// Its requests in flight and its latency estimate. A leaf lock.
     load: Mutex<Load>,
     /// [`Load::estimate`] as last set, in nanoseconds (f64 bits; 0 before
     /// its first answer): read without the lock to price the other
     /// replicas ([`Prices`]).
     estimate: AtomicU64,
+}
+
+/// A replica's ejection ([`Inner::eject`]).
+#[derive(Debug, Default)]
+struct Ejection {
+    /// Until when it gets no new requests, unless no other replica can.
+    until: Option<Instant>,
+    /// Until when its failures are one outage, of which its circuit hears
+    /// once: its backoff period, whether it was ejected or not (at most
+    /// half the replicas are).
+    outage_until: Option<Instant>,
 }
 
 /// A replica's requests in flight and its latency estimate.
@@ -302,10 +347,10 @@ impl Prices {
 
 impl Replica {
     fn ejected_until(&self) -> Option<Instant> {
-        *self
-            .ejected_until
+        self.ejection
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
+            .until
     }
 
     fn available(&self, now: Instant) -> bool {
@@ -385,12 +430,66 @@ struct Pending {
     partial: bool,
     /// When it was sent to `replica` (for its latency).
     sent_at: Instant,
+    /// When the attempt on `replica` gives up for another replica (its
+    /// entry in [`State::attempts`]); `None`: it waits for the guard's
+    /// time.
+    attempt_until: Option<Instant>,
+    /// Whether it already moved because its replica did not answer in
+    /// time: once is all, so a batch is sent to a hung guard twice at
+    /// most.
+    moved_on_timeout: bool,
 }
 
 struct State {
     live: Vec<Arc<Replica>>,
     requests: HashMap<u64, Pending>,
     rng: rand::rngs::SmallRng,
+    /// The requests' attempt deadlines ([`Pending::attempt_until`]),
+    /// earliest first, with each request's id.
+    attempts: BTreeSet<(Instant, u64)>,
+    /// The deadline the attempt timer sleeps until ([`Inner::expire`]).
+    armed: Option<Instant>,
+    budget: Budget,
+}
+
+/// How many requests the pool moved to another replica because theirs did
+/// not answer in time, against how many it sent, in the current window of
+/// [`BUDGET_WINDOW`]: at most [`BUDGET_MIN`] plus [`BUDGET_RATIO`] of
+/// them. Past it a request waits for its replica to the guard's time, so
+/// a guard whose replicas all hang is not sent every batch twice. (Moves
+/// after a replica *failed* are not counted: that replica has dropped the
+/// request, nothing is sent twice to a live one.)
+struct Budget {
+    since: Instant,
+    sent: u32,
+    moved: u32,
+}
+
+impl Budget {
+    fn roll(&mut self, now: Instant) {
+        if now.saturating_duration_since(self.since) >= BUDGET_WINDOW {
+            *self = Budget {
+                since: now,
+                sent: 0,
+                moved: 0,
+            };
+        }
+    }
+
+    fn sent(&mut self, now: Instant) {
+        self.roll(now);
+        self.sent = self.sent.saturating_add(1);
+    }
+
+    fn allows(&mut self, now: Instant) -> bool {
+        self.roll(now);
+        f64::from(self.moved) < f64::from(BUDGET_MIN) + f64::from(self.sent) * BUDGET_RATIO
+    }
+
+    fn spend(&mut self, now: Instant) {
+        self.roll(now);
+        self.moved = self.moved.saturating_add(1);
+    }
 }
 
 struct Inner {
@@ -405,6 +504,42 @@ struct Inner {
     /// The handles that ask a registered name to be resolved again, by
     /// registered endpoint. A leaf lock: nothing else is taken under it.
     resolvers: Mutex<HashMap<String, ResolveHandle>>,
+    /// Wakes the attempt timer ([`attempt_timer`]) for an earlier deadline.
+    wake: Arc<Notify>,
+    /// The attempt timer's task, ended with the pool.
+    timer: Mutex<Option<tokio::task::AbortHandle>>,
+}
+
+impl Drop for Inner {
+    fn drop(&mut self) {
+        let timer = self.timer.get_mut().unwrap_or_else(PoisonError::into_inner);
+        if let Some(timer) = timer.take() {
+            timer.abort();
+        }
+    }
+}
+
+/// Moves the requests whose attempt ran out to another replica
+/// ([`Inner::expire`]), then sleeps until the next attempt deadline or an
+/// earlier one is set. Holds the pool weakly: it ends with it.
+async fn attempt_timer(inner: Weak<Inner>, wake: Arc<Notify>) {
+    loop {
+        let next = {
+            let Some(inner) = inner.upgrade() else {
+                return;
+            };
+            inner.expire(Instant::now())
+        };
+        match next {
+            Some(at) => {
+                tokio::select! {
+                    () = tokio::time::sleep_until(at) => {}
+                    () = wake.notified() => {}
+                }
+            }
+            None => wake.notified().await,
+        }
+    }
 }
 
 /// What a failed request's replica failure means for the pool: whether
@@ -517,11 +652,22 @@ impl GuardPool {
                 live: Vec::new(),
                 requests: HashMap::new(),
                 rng: rand::rngs::SmallRng::from_os_rng(),
+                attempts: BTreeSet::new(),
+                armed: None,
+                budget: Budget {
+                    since: Instant::now(),
+                    sent: 0,
+                    moved: 0,
+                },
             }),
             next_id: AtomicU64::new(1),
             generation: AtomicU64::new(0),
             resolvers: Mutex::new(HashMap::new()),
+            wake: Arc::new(Notify::new()),
+            timer: Mutex::new(None),
         });
+        let timer = tokio::spawn(attempt_timer(Arc::downgrade(&inner), inner.wake.clone()));
+        *inner.timer.lock().unwrap_or_else(PoisonError::into_inner) = Some(timer.abort_handle());
         Self {
             inner,
             follow: Mutex::new(None),
@@ -690,6 +836,13 @@ impl GuardPool {
         let (replica, link_id, sent_at) =
             self.inner
                 .dispatch(&mut state, id, &batch, &shared, client, stall, &[], &hook)?;
+        state.budget.sent(sent_at);
+        let attempt_until = self
+            .inner
+            .attempt_deadline(&mut state, &replica, &[], sent_at, until);
+        if let Some(at) = attempt_until {
+            self.inner.arm(&mut state, id, at);
+        }
         state.requests.insert(
             id,
             Pending {
@@ -705,6 +858,8 @@ impl GuardPool {
                 tried: Vec::new(),
                 partial: false,
                 sent_at,
+                attempt_until,
+                moved_on_timeout: false,
             },
         );
         Ok(id)
@@ -716,6 +871,9 @@ impl GuardPool {
         let (pending, prices) = {
             let mut state = self.inner.lock();
             let pending = state.requests.remove(&id)?;
+            if let Some(at) = pending.attempt_until {
+                state.attempts.remove(&(at, id));
+            }
             (pending, Prices::of(&state.live))
         };
         pending.replica.link.cancel(pending.link_id);
@@ -796,7 +954,7 @@ impl Inner {
                         registered: target.registered.as_deref().map(Arc::from),
                         link: (self.spawn)(target),
                         ejections: AtomicU32::new(0),
-                        ejected_until: Mutex::new(None),
+                        ejection: Mutex::new(Ejection::default()),
                         load: Mutex::new(Load {
                             in_flight: BTreeSet::new(),
                             estimate: None,
@@ -818,36 +976,195 @@ impl Inner {
         drop(left);
     }
 
+    /// Sets request `id`'s attempt deadline `at`, waking the timer when it
+    /// is the earliest.
+    fn arm(&self, state: &mut State, id: u64, at: Instant) {
+        state.attempts.insert((at, id));
+        if state.armed.is_none_or(|armed| at < armed) {
+            state.armed = Some(at);
+            self.wake.notify_one();
+        }
+    }
+
+    /// When the attempt just sent to `replica` at `now`, of a request whose
+    /// time ends `until` and which replicas `tried` already failed, gives
+    /// up for another replica: `None` (it waits to `until`) when no other
+    /// replica is available to take it, the budget of such moves is spent,
+    /// or [`ATTEMPT_ESTIMATES`] of the replica's estimate leave no time for
+    /// a second attempt.
+    fn attempt_deadline(
+        &self,
+        state: &mut State,
+        replica: &Replica,
+        tried: &[Arc<str>],
+        now: Instant,
+        until: Instant,
+    ) -> Option<Instant> {
+        let left = until.checked_duration_since(now)?;
+        let another = state.live.iter().any(|r| {
+            !std::ptr::eq(Arc::as_ptr(r), replica)
+                && !tried.contains(&r.endpoint)
+                && r.available(now)
+        });
+        if !another || !state.budget.allows(now) {
+            return None;
+        }
+        let prices = Prices::of(&state.live);
+        let estimate = replica.load().estimate(now, prices.default_for(replica));
+        let attempt = (left / 2).max(Duration::from_nanos((estimate * ATTEMPT_ESTIMATES) as u64));
+        (attempt < left).then(|| now + attempt)
+    }
+
+    /// Moves the requests whose attempt deadline is past at `now` to
+    /// another replica ([`Self::attempt_timed_out`]); the next deadline.
+    fn expire(self: &Arc<Self>, now: Instant) -> Option<Instant> {
+        let mut moved = Vec::new();
+        let mut state = self.lock();
+        while let Some(&(at, id)) = state.attempts.first() {
+            if at > now {
+                break;
+            }
+            state.attempts.pop_first();
+            moved.extend(self.attempt_timed_out(&mut state, id, now));
+        }
+        state.armed = state.attempts.first().map(|(at, _)| *at);
+        let next = state.armed;
+        drop(state);
+        // The replicas they left, outside the lock.
+        drop(moved);
+        next
+    }
+
+    /// Request `id`'s replica has not answered by its attempt deadline
+    /// (R32: "R13 applies only when no replica can judge in time"): it is
+    /// sent to another replica not yet tried, within the budget, and only
+    /// once; then withdrawn from the first, whose estimate rises to the
+    /// time it waited, and which is ejected as a failed one is. A request
+    /// with a partial answer stays (its verdicts are in the batch's fold),
+    /// and so does one that no other replica takes: both wait for the
+    /// guard's time. The replica it left, to be dropped outside the lock.
+    fn attempt_timed_out(
+        self: &Arc<Self>,
+        state: &mut State,
+        id: u64,
+        now: Instant,
+    ) -> Option<Arc<Replica>> {
+        let pending = state.requests.get_mut(&id)?;
+        pending.attempt_until = None;
+        if pending.partial || pending.moved_on_timeout || now >= pending.until {
+            return None;
+        }
+        let failed = pending.replica.clone();
+        let mut tried = pending.tried.clone();
+        tried.push(failed.endpoint.clone());
+        let mut batch = pending.batch.clone();
+        batch.deadline_ms =
+            u32::try_from((pending.until - now).as_millis().max(1)).unwrap_or(u32::MAX);
+        let (shared, client, stall) = (pending.shared.clone(), pending.client, pending.stall);
+        if !state.budget.allows(now) {
+            tracing::debug!(
+                guard = %self.name,
+                replica = %failed.endpoint,
+                "no answer in time; the failover budget is spent: the request waits for the guard's time"
+            );
+            return None;
+        }
+        let hook = self.hook(id);
+        let (next, link_id, sent_at) = self
+            .dispatch(state, id, &batch, &shared, client, stall, &tried, &hook)
+            .ok()?;
+        state.budget.spend(now);
+        let pending = state.requests.get_mut(&id)?;
+        let old_link = std::mem::replace(&mut pending.link_id, link_id);
+        let sent = std::mem::replace(&mut pending.sent_at, sent_at);
+        let old = std::mem::replace(&mut pending.replica, next.clone());
+        pending.tried = tried;
+        pending.moved_on_timeout = true;
+        failed.link.cancel(old_link);
+        let left = failed.release(sent, id, now, Ended::Withdrawn, &Prices::of(&state.live));
+        self.metrics
+            .replica_outstanding(&self.name, &failed.endpoint, left);
+        let waited = now.saturating_duration_since(sent);
+        let failure = GuardFailure::TimedOut(waited);
+        // The replica's circuit hears of it once per outage, as of a
+        // replica that failed; the batch never does.
+        if self.eject(state, &failed, &failure, now) {
+            failed.link.record(Err(&failure));
+        }
+        self.metrics.replica_failover(&self.name, &failed.endpoint);
+        tracing::info!(
+            guard = %self.name,
+            from = %failed.endpoint,
+            to = %next.endpoint,
+            waited = ?waited,
+            "request sent to another replica: no answer in time"
+        );
+        Some(old)
+    }
+
     /// Ejects `replica` after `failure`: it gets no new requests for its
-    /// backoff, unless no other replica can take them.
-    /// True when this is a new ejection (the first failure of an outage).
-    fn eject(&self, replica: &Replica, failure: &GuardFailure, now: Instant) -> bool {
+    /// backoff, unless no other replica can take them; but never more than
+    /// half of the replicas at once (never all: Envoy's
+    /// `max_ejection_percent` of 50), so one outage of several replicas
+    /// leaves the others, and a replica past the cap stays in the choice,
+    /// where the age of its unanswered requests prices it out.
+    /// True when this is the first failure of an outage, which the
+    /// replica's circuit hears of; the others within its backoff are not.
+    fn eject(
+        &self,
+        state: &State,
+        replica: &Replica,
+        failure: &GuardFailure,
+        now: Instant,
+    ) -> bool {
         if matches!(failure, GuardFailure::CircuitOpen { .. }) {
             return false;
         }
-        let mut until = replica
-            .ejected_until
+        let out = state
+            .live
+            .iter()
+            .filter(|r| !std::ptr::eq(Arc::as_ptr(r), replica))
+            .filter(|r| r.ejected_until().is_some_and(|until| until > now))
+            .count();
+        let cap = state.live.len() / 2;
+        let mut ejection = replica
+            .ejection
             .lock()
             .unwrap_or_else(PoisonError::into_inner);
         // One outage is one ejection: the other requests it fails while
         // the replica is out extend nothing.
-        if until.is_some_and(|u| u > now) {
+        if ejection.outage_until.is_some_and(|u| u > now) {
             return false;
         }
         let n = replica.ejections.fetch_add(1, Ordering::Relaxed);
         let period = EJECT_INITIAL
             .saturating_mul(1u32 << n.min(5))
             .min(EJECT_MAX);
-        *until = Some(now + period);
-        drop(until);
-        tracing::warn!(
-            guard = %self.name,
-            replica = %replica.endpoint,
-            error = %failure,
-            ejected_for = ?period,
-            "replica ejected"
-        );
-        self.metrics.replica_ejected(&self.name, &replica.endpoint);
+        ejection.outage_until = Some(now + period);
+        let ejected = out < cap;
+        if ejected {
+            ejection.until = Some(now + period);
+        }
+        drop(ejection);
+        if ejected {
+            tracing::warn!(
+                guard = %self.name,
+                replica = %replica.endpoint,
+                error = %failure,
+                ejected_for = ?period,
+                "replica ejected"
+            );
+            self.metrics.replica_ejected(&self.name, &replica.endpoint);
+        } else {
+            tracing::warn!(
+                guard = %self.name,
+                replica = %replica.endpoint,
+                error = %failure,
+                ejected = out,
+                replicas = state.live.len(),
+                "replica failed; not ejected: at most half the replicas are at once"
+            );
+        }
         // A replica of a name that cannot be reached may have moved: the
         // name is resolved again (at most once a gap) rather than at the
         // next interval.
@@ -961,7 +1278,7 @@ impl Inner {
                 }
                 Err(NotSent::Failed(f)) => {
                     if fails_over(&f) {
-                        self.eject(&replica, &f, now);
+                        self.eject(state, &replica, &f, now);
                     }
                     replica.link.record(Err(&f));
                     failed.get_or_insert(f);
@@ -983,7 +1300,8 @@ impl Inner {
     /// a failure moves the request to another replica while its time
     /// lasts, and reaches the batch only when none can take it.
     fn on_event(self: &Arc<Self>, id: u64, event: LinkEvent) {
-        let mut state = self.lock();
+        let mut guard = self.lock();
+        let state = &mut *guard;
         let Some(pending) = state.requests.get_mut(&id) else {
             return;
         };
@@ -993,6 +1311,11 @@ impl Inner {
             } => {
                 if response.partial && response.error.is_empty() {
                     pending.partial = true;
+                    // Not sent again (its verdicts are in the batch's
+                    // fold): it waits for the guard's time.
+                    if let Some(at) = pending.attempt_until.take() {
+                        state.attempts.remove(&(at, id));
+                    }
                     let event = LinkEvent::Answer {
                         tag: pending.tag,
                         response,
@@ -1004,8 +1327,11 @@ impl Inner {
                 let Some(pending) = state.requests.remove(&id) else {
                     return;
                 };
+                if let Some(at) = pending.attempt_until {
+                    state.attempts.remove(&(at, id));
+                }
                 let prices = Prices::of(&state.live);
-                drop(state);
+                drop(guard);
                 let left = pending.replica.release(
                     pending.sent_at,
                     id,
@@ -1027,30 +1353,33 @@ impl Inner {
             LinkEvent::Failed {
                 failure, replica, ..
             } => {
+                let now = Instant::now();
+                if let Some(at) = pending.attempt_until.take() {
+                    state.attempts.remove(&(at, id));
+                }
                 let failed = pending.replica.clone();
-                let left = failed.release(
-                    pending.sent_at,
-                    id,
-                    Instant::now(),
-                    Ended::Failed,
-                    &Prices::of(&[]),
-                );
+                let left =
+                    failed.release(pending.sent_at, id, now, Ended::Failed, &Prices::of(&[]));
                 self.metrics
                     .replica_outstanding(&self.name, &failed.endpoint, left);
-                let now = Instant::now();
                 if fails_over(&failure) && !pending.partial && now < pending.until {
-                    let outage = self.eject(&failed, &failure, now);
                     pending.tried.push(failed.endpoint.clone());
                     let mut batch = pending.batch.clone();
                     batch.deadline_ms =
                         u32::try_from((pending.until - now).as_millis().max(1)).unwrap_or(u32::MAX);
                     let tried = pending.tried.clone();
-                    let (shared, client, stall) =
-                        (pending.shared.clone(), pending.client, pending.stall);
+                    let (shared, client, stall, until, moved) = (
+                        pending.shared.clone(),
+                        pending.client,
+                        pending.stall,
+                        pending.until,
+                        pending.moved_on_timeout,
+                    );
+                    let outage = self.eject(state, &failed, &failure, now);
                     let hook = self.hook(id);
-                    if let Ok((next, link_id, sent_at)) = self.dispatch(
-                        &mut state, id, &batch, &shared, client, stall, &tried, &hook,
-                    ) {
+                    if let Ok((next, link_id, sent_at)) =
+                        self.dispatch(state, id, &batch, &shared, client, stall, &tried, &hook)
+                    {
                         tracing::info!(
                             guard = %self.name,
                             from = %failed.endpoint,
@@ -1066,12 +1395,23 @@ impl Inner {
                         if outage {
                             failed.link.record(Err(&failure));
                         }
+                        // It may still move once more if this replica
+                        // does not answer in time.
+                        let attempt_until = if moved {
+                            None
+                        } else {
+                            self.attempt_deadline(state, &next, &tried, sent_at, until)
+                        };
+                        if let Some(at) = attempt_until {
+                            self.arm(state, id, at);
+                        }
                         let old = state.requests.get_mut(&id).map(|pending| {
                             pending.link_id = link_id;
                             pending.sent_at = sent_at;
+                            pending.attempt_until = attempt_until;
                             std::mem::replace(&mut pending.replica, next)
                         });
-                        drop(state);
+                        drop(guard);
                         drop(old);
                         return;
                     }
@@ -1079,7 +1419,7 @@ impl Inner {
                 let Some(pending) = state.requests.remove(&id) else {
                     return;
                 };
-                drop(state);
+                drop(guard);
                 (
                     pending,
                     LinkEvent::Failed {

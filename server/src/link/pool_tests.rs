@@ -855,3 +855,137 @@ async fn r32_a_once_slow_replica_is_chosen_again_as_its_estimate_decays() {
         "R32: {last} of the last second's {total_last} batches on the recovered replica"
     );
 }
+
+#[tokio::test(start_paused = true)]
+async fn r32_a_request_that_times_out_on_one_replica_is_answered_by_another() {
+    // Replica 0 answers its first two batches in 10 ms, then takes
+    // batches and never answers; the others answer in 10 ms. The guard's
+    // time is 1 s: a request that waited for it there timed out (R13).
+    let mut rig = rig(
+        3,
+        |_| {},
+        |i| {
+            let read = std::sync::atomic::AtomicUsize::new(0);
+            move |b: &GuardBatch| {
+                let k = read.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                if i == 0 && k >= 2 {
+                    Vec::new()
+                } else {
+                    answer_after(ms(10))(b)
+                }
+            }
+        },
+    );
+    settle().await;
+    let mut took = HashMap::new();
+    let mut tag = 0;
+    let mut last = None;
+    while last != Some(tag) {
+        let started = Instant::now();
+        match rig.judge(tag, Duration::from_secs(1)).await {
+            Ok(replica) => {
+                took.insert(format!("b{tag}"), (replica, started.elapsed()));
+            }
+            Err(failure) => panic!("R32: batch {tag} failed while two replicas judge: {failure}"),
+        }
+        tag += 1;
+        // 20 batches more once replica 0 held one it did not answer.
+        if last.is_none() && rig.reads()[0] > 2 {
+            last = Some(tag + 20);
+        }
+        assert!(
+            tag < 1000,
+            "replica 0 got no third batch: {:?}",
+            rig.reads()
+        );
+    }
+    let hung: Vec<String> = rig.batch_ids(0).into_iter().skip(2).collect();
+    assert!(!hung.is_empty());
+    for id in &hung {
+        let (replica, waited) = &took[id];
+        assert_ne!(&**replica, url(0), "{id}");
+        assert!(
+            rig.batch_ids(1).contains(id) || rig.batch_ids(2).contains(id),
+            "{id} was not sent again"
+        );
+        // Half the guard's time on the hung replica, then 10 ms on another.
+        assert_eq!(*waited, ms(510), "{id}");
+    }
+    assert_eq!(rig.guards[0].cancels().len(), hung.len(), "told to stop");
+    let text = rig.metrics.encode();
+    assert!(
+        text.contains(&format!(
+            r#"guardmesh_guard_replica_ejections_total{{guard="g",replica="{}"}} 1
+"#,
+            url(0)
+        )),
+        "the replica that timed out was ejected: {text}"
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn r13_every_replica_hung_fails_at_the_guard_s_time_and_each_batch_is_sent_at_most_twice() {
+    let mut rig = rig(3, |_| {}, |_| |_: &GuardBatch| Vec::new());
+    settle().await;
+    // 50 batches at once, then 10 one at a time: each times out at the
+    // guard's time (1 s), the batch's failure policy then applies (R13).
+    let ids: Vec<u64> = (0..50)
+        .map(|tag| rig.send(tag, Duration::from_secs(1)).unwrap())
+        .collect();
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    assert!(rig.events.try_recv().is_err(), "nothing answered");
+    for id in ids {
+        rig.pool.cancel(id);
+    }
+    for tag in 50..60 {
+        let started = Instant::now();
+        let failure = rig.judge(tag, Duration::from_secs(1)).await.unwrap_err();
+        assert!(matches!(failure, GuardFailure::TimedOut(_)), "{failure}");
+        assert_eq!(started.elapsed(), Duration::from_secs(1));
+    }
+    // A hung guard is not hammered: a batch goes to two replicas at most,
+    // and the failovers stay within the budget.
+    let mut sent: HashMap<String, usize> = HashMap::new();
+    for i in 0..3 {
+        for id in rig.batch_ids(i) {
+            *sent.entry(id).or_default() += 1;
+        }
+    }
+    assert_eq!(sent.len(), 60);
+    assert!(sent.values().all(|n| *n <= 2), "{sent:?}");
+    // The 50 sent at once, in one window of the budget: 10 moves and a
+    // fifth of the requests.
+    let burst: usize = (0..50).map(|tag| sent[&format!("b{tag}")]).sum();
+    let total: usize = sent.values().sum();
+    eprintln!("{burst} requests for the 50 batches at once, {total} for all 60");
+    assert!(burst <= 50 + 10 + 10, "{burst} requests for 50 batches");
+}
+
+#[tokio::test(start_paused = true)]
+async fn r32_at_most_half_the_replicas_are_ejected_at_once() {
+    // Four replicas whose streams all fail: the request is tried on each
+    // and then fails (R13), but two replicas at most are ejected.
+    let mut rig = rig(
+        4,
+        |c| c.circuit_failures = 0,
+        |_| |_: &GuardBatch| vec![Step::fail(tonic::Status::unavailable("reset"))],
+    );
+    settle().await;
+    let failure = rig.judge(0, Duration::from_secs(1)).await.unwrap_err();
+    assert!(matches!(failure, GuardFailure::Status { .. }), "{failure}");
+    assert_eq!(rig.reads(), [1, 1, 1, 1]);
+    let text = rig.metrics.encode();
+    let ejected = (0..4)
+        .filter(|i| {
+            text.contains(&format!(
+                r#"guardmesh_guard_replica_ejections_total{{guard="g",replica="{}"}} 1"#,
+                url(*i)
+            ))
+        })
+        .count();
+    let lines: Vec<&str> = text
+        .lines()
+        .filter(|l| l.starts_with("guardmesh_guard_replica_ejections_total{"))
+        .collect();
+    assert_eq!(ejected, 2, "R32: never more than half ejected: {lines:?}");
+}
