@@ -15,7 +15,8 @@
 //!   heartbeats on a 3-member etcd (R32); `guard_replicas`: a guard run as
 //!   several replica processes, balancing and failover;
 //!   `guard_replicas_health`: replicas drained through `grpc.health.v1`
-//!   (R32).
+//!   (R32); `guard_replicas_balance`: replicas that hang or slow down, priced
+//!   and failed over (R32, R13).
 //! * `results`: results through the mesh, from the SDK and the MCP gateway
 //!   (R33).
 //! * `sessions`: session memory through a real mesh, flows, rates and
@@ -97,6 +98,7 @@ mod faults;
 mod gate;
 mod guard_discovery;
 mod guard_replicas;
+mod guard_replicas_balance;
 mod guard_replicas_health;
 mod hook;
 mod interceptors_conformance;

@@ -23,30 +23,51 @@
 //! ejected ones, get their turn. A batch is shed with `RESOURCE_EXHAUSTED`
 //! only when every replica was full: busy is never a failure.
 //!
-//! The cost is the replica's requests unanswered plus one, times its
-//! latency estimate (an EWMA of its answers' round trips, weight 0.1).
+//! **Cost**: what one more request to the replica would wait for. Each
+//! request it holds counts as its latency estimate, or as its age once it
+//! is older than that (a replica that stopped answering costs more with
+//! every moment its requests wait), and the new request as the estimate
+//! ([`Load::price`]). The estimate is a peak-EWMA of its answers' round
+//! trips: a slower answer sets it at once, a faster one moves it a tenth
+//! of the way ([`EWMA_WEIGHT`]); a request withdrawn unanswered (the
+//! batch's time ran out, or the batch no longer needed it) raises it to
+//! its age. A replica that has not answered yet is priced at its
+//! *default*: the lowest estimate among the other replicas that have
+//! answered (what a replica of this guard is known to take), or
+//! [`DEFAULT_RTT`] (30 ms) before any has; never zero, the price that
+//! made a replica hanging from the start look the cheapest and draw
+//! most requests. An estimate above the default decays towards it with
+//! the time constant [`DECAY`] (0.5 s), whether or not the replica is
+//! chosen, so a replica that was slow for a moment, and got nothing
+//! since, is tried again. (Like linkerd's and tower's peak-EWMA balancers,
+//! with two differences: the default is the replica's peers' figure, not
+//! a constant, and an estimate decays towards it, not towards zero; an
+//! idle pool then prices every replica alike, where decay towards zero
+//! would price them all at nothing.)
+//!
 //! Measured against real guards (the integration module
 //! `guard_replicas`, 600 batches per run, 2 vCPU shared with other
-//! builds): a replica 5x slower than two others judged, of 600,
-//! 114 and 124 (19-21%) by outstanding requests alone; 64 (11%) with a
-//! peak-EWMA (a slower answer raises the estimate at once, as tower's
-//! `PeakEwma`); 23 with the rise damped to half; 39 and 46 (7%) with the
-//! plain EWMA kept here. Three equal Python replicas: 200/208/192 by
-//! outstanding requests; 243/174/183 with peak-EWMA; 189/191/220 and then
-//! 266/160/174 (outside +-25%) with the damped peak; 168/206/226 and
-//! 199/186/215 with the plain EWMA. With the tie band ([`COST_TIE`]), the
-//! same test counting from the replicas' own tally, 1,200 batches paced at
-//! 320 a second: 389/406/405, 395/404/401, 396/405/399 (without the band
-//! 424/377/399, 438/380/382, 408/417/375); closed loop of 16 sessions:
-//! 406/394/400, 406/397/397, 410/398/392 (without: 415/399/386,
-//! 423/389/388, 381/423/396); the 5x slower replica judged 53 of 600 (9%).
-//! The paused-time test of three replicas at 10, 12 and 14 ms, one request
-//! at a time, shows what the band is for: without it the 14 ms replica got
-//! nothing. Outstanding requests alone see a slow
-//! replica only once it holds more requests than the others, which with
-//! a few requests in flight is a coin toss; a peak follows one late answer
-//! (a pause of a guard's runtime, a busy core) and pushes a healthy replica
-//! aside; the plain EWMA follows a replica's steady speed.
+//! builds), before the decay and the age: a replica 5x slower than two
+//! others judged, of 600, 114 and 124 (19-21%) by outstanding requests
+//! alone; 64 (11%) with a peak-EWMA without the tie band; 23 with the
+//! rise damped to half; 39 and 46 (7%) with a plain EWMA. Three equal
+//! Python replicas: 200/208/192 by outstanding requests; 243/174/183 with
+//! peak-EWMA; 189/191/220 and then 266/160/174 (outside +-25%) with the
+//! damped peak; 168/206/226 and 199/186/215 with the plain EWMA. With the
+//! tie band ([`COST_TIE`]), the same test counting from the replicas' own
+//! tally, 1,200 batches paced at 320 a second: 389/406/405, 395/404/401,
+//! 396/405/399 (without the band 424/377/399, 438/380/382, 408/417/375);
+//! closed loop of 16 sessions: 406/394/400, 406/397/397, 410/398/392
+//! (without: 415/399/386, 423/389/388, 381/423/396); the 5x slower
+//! replica judged 53 of 600 (9%). The paused-time test of three replicas
+//! at 10, 12 and 14 ms, one request at a time, shows what the band is
+//! for: without it the 14 ms replica got nothing. The plain EWMA had a
+//! flaw the band did not show: it moved only on answers, and a replica
+//! more than twice as costly is never asked, so one slow second (300 ms
+//! more) left a replica out for good; the decay brings it back, and the
+//! band keeps a peak of noise (a pause of a guard's runtime, a busy
+//! core) from pushing a healthy replica aside unless it doubles the
+//! cost, and then only for about a [`DECAY`].
 //!
 //! **Failover**: a request whose replica fails (connect error, stream
 //! reset, GOAWAY, not reading its stream) is sent to another replica not
@@ -58,6 +79,25 @@
 //! failure policy applies (R13). A request that already had a partial
 //! answer is not sent again (its verdicts are in the batch's fold). A
 //! guard may therefore see the same batch id on two replicas.
+//!
+//! **A timeout fails over too** (R32: R13 applies only when no replica
+//! can judge in time). A request that another available replica could
+//! take gives its replica half of the guard's time left, so that a second
+//! attempt fits, but at least [`ATTEMPT_ESTIMATES`] (3) times the
+//! replica's estimate (a replica at its usual pace is not cut off, and a
+//! guard whose answers take a large part of its timeout is not split at
+//! all). When that runs out unanswered ([`attempt_timer`], one task per
+//! pool, woken only for an earlier deadline), the request is sent to
+//! another replica and withdrawn from the first, whose estimate rises to
+//! what it waited and which is ejected as a failed one is. A request moves
+//! so once at most, and the pool's moves on timeout are held to a budget
+//! ([`Budget`]: 10 a second plus a fifth of the requests sent), so a
+//! guard whose replicas all hang is sent each batch twice at most, most
+//! batches once, and fails per R13 at its time as before. Ejection is
+//! capped: at most half the replicas are ejected at once (never all, in
+//! the manner of Envoy's `max_ejection_percent`); a failing replica past
+//! the cap stays in the choice, where its unanswered requests' age prices
+//! it out, and its circuit still hears of its outage once.
 //!
 //! **Why not tower's `balance::p2c`**: tower's balancer drives
 //! `tower::Service`s, one call per request and readiness polled before
@@ -79,11 +119,11 @@ use guardmesh_proto::v1::GuardBatch;
 use prost::bytes::Bytes;
 use rand::Rng;
 use rand::SeedableRng;
-use std::collections::HashMap;
-use std::sync::atomic::{AtomicU32, AtomicU64, AtomicUsize, Ordering};
+use std::collections::{BTreeSet, HashMap};
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, PoisonError, Weak};
 use std::time::Duration;
-use tokio::sync::mpsc;
+use tokio::sync::{Notify, mpsc};
 use tokio::time::Instant;
 
 /// Opens the link to one replica.
@@ -95,17 +135,45 @@ pub const EJECT_INITIAL: Duration = Duration::from_millis(500);
 /// The longest ejection.
 pub const EJECT_MAX: Duration = Duration::from_secs(8);
 
-/// Whether the choice weighs outstanding requests by each replica's
-/// latency estimate (else outstanding requests alone, kept to measure the
-/// two against each other). See the module doc for what was measured.
-const PEAK_EWMA: bool = true;
+/// What a replica is priced at before any replica of its guard has
+/// answered ([`Prices`]): a figure of the order of a guard's round trip,
+/// never zero (a replica that never answered used to look the cheapest).
+pub const DEFAULT_RTT: Duration = Duration::from_millis(30);
 
-/// How far the latency estimate moves towards each answer's round trip.
+/// The time constant with which a latency estimate above its default
+/// decays towards it ([`Load::estimate`]): a replica once slow is tried
+/// again after a few of these, though nothing was sent to it meanwhile.
+pub const DECAY: Duration = Duration::from_millis(500);
+
+/// A request that another replica could take if its own does not answer
+/// in time gives that replica half the guard's time left, so that a
+/// second attempt fits, but never less than this many of the replica's
+/// latency estimate: a replica answering at its own pace is not cut off
+/// (and a guard whose answers take most of its timeout is not split).
+const ATTEMPT_ESTIMATES: f64 = 3.0;
+
+/// The budget of requests moved to another replica because theirs did not
+/// answer in time ([`Budget`]): per window of this long, ...
+const BUDGET_WINDOW: Duration = Duration::from_secs(1);
+/// ... this many, ...
+const BUDGET_MIN: u32 = 10;
+/// ... and this share of the requests sent in the window.
+const BUDGET_RATIO: f64 = 0.2;
+
+/// How far the latency estimate moves towards an answer faster than it.
+/// (A slower answer sets it at once: peak.)
 const EWMA_WEIGHT: f64 = 0.1;
 
 /// Two replicas whose costs are within this factor of each other are a
-/// tie for the choice ([`Replica::cheaper_than`]).
+/// tie for the choice ([`Price::cheaper_than`]).
 const COST_TIE: f64 = 2.0;
+
+/// The least latency estimate, in nanoseconds: a cost is never zero.
+const MIN_ESTIMATE: f64 = 1_000.0;
+
+fn nanos(d: Duration) -> f64 {
+    d.as_nanos() as f64
+}
 
 /// One replica: its link and its load.
 struct Replica {
@@ -113,23 +181,176 @@ struct Replica {
     /// The registered name it was found from ([`ReplicaTarget::registered`]).
     registered: Option<Arc<str>>,
     link: GuardLink,
-    /// Requests sent to it and not yet answered, failed or withdrawn.
-    outstanding: AtomicUsize,
-    /// Consecutive ejections (for the backoff), reset by an answer.
+    /// Consecutive outages (for the backoff), reset by an answer.
     ejections: AtomicU32,
+    /// Its ejection and its outage. A leaf lock.
+    ejection: Mutex<Ejection>,
+    /// Its requests in flight and its latency estimate. A leaf lock.
+    load: Mutex<Load>,
+    /// [`Load::estimate`] as last set, in nanoseconds (f64 bits; 0 before
+    /// its first answer): read without the lock to price the other
+    /// replicas ([`Prices`]).
+    estimate: AtomicU64,
+}
+
+/// A replica's ejection ([`Inner::eject`]).
+#[derive(Debug, Default)]
+struct Ejection {
     /// Until when it gets no new requests, unless no other replica can.
-    ejected_until: Mutex<Option<Instant>>,
-    /// EWMA of its answers' round trips, in nanoseconds (f64 bits); 0
+    until: Option<Instant>,
+    /// Until when its failures are one outage, of which its circuit hears
+    /// once: its backoff period, whether it was ejected or not (at most
+    /// half the replicas are).
+    outage_until: Option<Instant>,
+}
+
+/// A replica's requests in flight and its latency estimate.
+struct Load {
+    /// Requests sent to it and not yet answered, failed or withdrawn: when
+    /// each was sent, and the pool's id of it. Oldest first.
+    in_flight: BTreeSet<(Instant, u64)>,
+    /// Peak-EWMA of its answers' round trips, in nanoseconds: a slower
+    /// answer sets it, a faster one moves it by [`EWMA_WEIGHT`]. `None`
     /// until its first answer.
-    latency: AtomicU64,
+    estimate: Option<f64>,
+    /// When `estimate` was last set: its decay runs from then.
+    updated: Instant,
+}
+
+impl Load {
+    /// The latency estimate at `now`, in nanoseconds. A replica that has
+    /// not answered yet is priced at `default` (what its peers take,
+    /// [`Prices`]); an estimate above `default` decays towards it with
+    /// the time constant [`DECAY`], so a replica that was slow, and so
+    /// got nothing since, is tried again.
+    fn estimate(&self, now: Instant, default: f64) -> f64 {
+        let estimate = match self.estimate {
+            None => default,
+            Some(estimate) if estimate > default => {
+                let elapsed = nanos(now.saturating_duration_since(self.updated));
+                default + (estimate - default) * (-elapsed / nanos(DECAY)).exp()
+            }
+            Some(estimate) => estimate,
+        };
+        estimate.max(MIN_ESTIMATE)
+    }
+
+    /// What sending it one more request costs: each request in flight
+    /// counts as the estimate, or as its age once it is older than that
+    /// (a replica that stopped answering costs more with every moment),
+    /// and the new request as the estimate.
+    fn price(&self, now: Instant, default: f64) -> Price {
+        let estimate = self.estimate(now, default);
+        let mut cost = estimate * (self.in_flight.len() as f64 + 1.0);
+        for (sent, _) in &self.in_flight {
+            let age = nanos(now.saturating_duration_since(*sent));
+            if age <= estimate {
+                break;
+            }
+            cost += age - estimate;
+        }
+        Price {
+            cost,
+            outstanding: self.in_flight.len(),
+        }
+    }
+
+    /// Folds `rtt` in at `now`: a round trip slower than the estimate sets
+    /// it (peak), a faster one moves it by [`EWMA_WEIGHT`]. With
+    /// `bound_only`, `rtt` is only a lower bound (a request withdrawn
+    /// unanswered after that long): it can raise the estimate, never
+    /// lower it.
+    fn observe(&mut self, rtt: f64, now: Instant, default: f64, bound_only: bool) -> Option<f64> {
+        let current = self.estimate.map(|_| self.estimate(now, default));
+        let next = match current {
+            Some(current) if rtt >= current => rtt,
+            Some(current) if !bound_only => current + (rtt - current) * EWMA_WEIGHT,
+            None if !bound_only || rtt > default => rtt,
+            _ => return None,
+        };
+        self.estimate = Some(next);
+        self.updated = now;
+        Some(next)
+    }
+}
+
+/// What one more request to a replica costs, and the requests it holds.
+#[derive(Debug, Clone, Copy)]
+struct Price {
+    cost: f64,
+    outstanding: usize,
+}
+
+impl Price {
+    /// Whether the choice prefers this replica to `other`. Costs within
+    /// [`COST_TIE`] of each other are a tie, told apart by the requests
+    /// each holds: what separates equal replicas' latency estimates is
+    /// noise (a descheduled process, a busy core), and a choice that
+    /// followed it would send nearly every request to whichever replica
+    /// last looked a little faster. A real difference (a replica several
+    /// times slower, or holding many more requests, or holding one it has
+    /// not answered for long) is past the band.
+    fn cheaper_than(self, other: Price) -> bool {
+        let (mine, theirs) = (self.cost, other.cost);
+        if mine.max(theirs) <= mine.min(theirs) * COST_TIE {
+            self.outstanding < other.outstanding
+        } else {
+            mine < theirs
+        }
+    }
+}
+
+/// What each replica of a guard is priced at while it has not answered,
+/// and what its estimate decays towards: the lowest latency estimate among
+/// the *other* replicas that have answered (what a replica of this guard
+/// is known to take), or [`DEFAULT_RTT`] when none has.
+struct Prices {
+    lowest: Option<(f64, *const Replica)>,
+    second: Option<f64>,
+}
+
+impl Prices {
+    fn of(live: &[Arc<Replica>]) -> Self {
+        let mut prices = Prices {
+            lowest: None,
+            second: None,
+        };
+        for replica in live {
+            let estimate = f64::from_bits(replica.estimate.load(Ordering::Relaxed));
+            if estimate <= 0.0 {
+                continue;
+            }
+            match prices.lowest {
+                Some((lowest, _)) if estimate >= lowest => {
+                    if prices.second.is_none_or(|second| estimate < second) {
+                        prices.second = Some(estimate);
+                    }
+                }
+                _ => {
+                    prices.second = prices.lowest.map(|(lowest, _)| lowest);
+                    prices.lowest = Some((estimate, Arc::as_ptr(replica)));
+                }
+            }
+        }
+        prices
+    }
+
+    /// The default of `replica`: the lowest estimate but its own.
+    fn default_for(&self, replica: &Replica) -> f64 {
+        let others = match self.lowest {
+            Some((_, which)) if std::ptr::eq(which, replica) => self.second,
+            lowest => lowest.map(|(lowest, _)| lowest),
+        };
+        others.unwrap_or_else(|| nanos(DEFAULT_RTT))
+    }
 }
 
 impl Replica {
     fn ejected_until(&self) -> Option<Instant> {
-        *self
-            .ejected_until
+        self.ejection
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
+            .until
     }
 
     fn available(&self, now: Instant) -> bool {
@@ -138,58 +359,60 @@ impl Replica {
             && !self.link.draining()
     }
 
-    /// Folds an answer's round trip into [`Self::latency`].
-    fn observe(&self, rtt: Duration) {
-        let rtt = rtt.as_nanos() as f64;
-        let _ = self
-            .latency
-            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |bits| {
-                let ewma = f64::from_bits(bits);
-                let next = if ewma == 0.0 {
-                    rtt
-                } else {
-                    ewma + (rtt - ewma) * EWMA_WEIGHT
-                };
-                Some(next.to_bits())
-            });
+    fn load(&self) -> std::sync::MutexGuard<'_, Load> {
+        self.load.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
-    /// What the choice compares: requests unanswered, weighted (with
-    /// [`PEAK_EWMA`]) by the replica's peak-EWMA latency.
-    fn cost(&self) -> f64 {
-        let outstanding = self.outstanding.load(Ordering::Relaxed) as f64;
-        if PEAK_EWMA {
-            (outstanding + 1.0) * f64::from_bits(self.latency.load(Ordering::Relaxed)).max(1_000.0)
-        } else {
-            outstanding
+    fn price(&self, now: Instant, prices: &Prices) -> Price {
+        self.load().price(now, prices.default_for(self))
+    }
+
+    /// Request `id`, sent at `sent`, is now held by this replica: how many
+    /// it holds.
+    fn hold(&self, sent: Instant, id: u64) -> usize {
+        let mut load = self.load();
+        load.in_flight.insert((sent, id));
+        load.in_flight.len()
+    }
+
+    /// Request `id`, sent at `sent`, left this replica at `now`: answered
+    /// (its round trip folded into the estimate), withdrawn unanswered
+    /// (its age a lower bound of the estimate), or failed (no round
+    /// trip). How many it still holds.
+    fn release(
+        &self,
+        sent: Instant,
+        id: u64,
+        now: Instant,
+        ended: Ended,
+        prices: &Prices,
+    ) -> usize {
+        let default = prices.default_for(self);
+        let mut load = self.load();
+        load.in_flight.remove(&(sent, id));
+        let rtt = nanos(now.saturating_duration_since(sent));
+        let estimate = match ended {
+            Ended::Answered => load.observe(rtt, now, default, false),
+            Ended::Withdrawn => load.observe(rtt, now, default, true),
+            Ended::Failed => None,
+        };
+        if let Some(estimate) = estimate {
+            self.estimate.store(estimate.to_bits(), Ordering::Relaxed);
         }
+        load.in_flight.len()
     }
 
-    /// Whether the choice prefers this replica to `other`. Costs within
-    /// [`COST_TIE`] of each other are a tie, told apart by the requests
-    /// each holds: what separates equal replicas' latency estimates is
-    /// noise (a descheduled process, a busy core), and a choice that
-    /// followed it would send nearly every request to whichever replica
-    /// last looked a little faster. A real difference (a replica several
-    /// times slower, or holding many more requests) is past the band.
-    fn cheaper_than(&self, other: &Replica) -> bool {
-        let (mine, theirs) = (self.cost(), other.cost());
-        if mine.max(theirs) <= mine.min(theirs) * COST_TIE {
-            self.outstanding.load(Ordering::Relaxed) < other.outstanding.load(Ordering::Relaxed)
-        } else {
-            mine < theirs
-        }
+    fn outstanding(&self) -> usize {
+        self.load().in_flight.len()
     }
+}
 
-    fn done(&self) -> usize {
-        let before = self
-            .outstanding
-            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |n| {
-                Some(n.saturating_sub(1))
-            })
-            .unwrap_or(0);
-        before.saturating_sub(1)
-    }
+/// How a request left a replica ([`Replica::release`]).
+#[derive(Debug, Clone, Copy)]
+enum Ended {
+    Answered,
+    Withdrawn,
+    Failed,
 }
 
 /// A request the pool has sent and not settled.
@@ -207,12 +430,66 @@ struct Pending {
     partial: bool,
     /// When it was sent to `replica` (for its latency).
     sent_at: Instant,
+    /// When the attempt on `replica` gives up for another replica (its
+    /// entry in [`State::attempts`]); `None`: it waits for the guard's
+    /// time.
+    attempt_until: Option<Instant>,
+    /// Whether it already moved because its replica did not answer in
+    /// time: once is all, so a batch is sent to a hung guard twice at
+    /// most.
+    moved_on_timeout: bool,
 }
 
 struct State {
     live: Vec<Arc<Replica>>,
     requests: HashMap<u64, Pending>,
     rng: rand::rngs::SmallRng,
+    /// The requests' attempt deadlines ([`Pending::attempt_until`]),
+    /// earliest first, with each request's id.
+    attempts: BTreeSet<(Instant, u64)>,
+    /// The deadline the attempt timer sleeps until ([`Inner::expire`]).
+    armed: Option<Instant>,
+    budget: Budget,
+}
+
+/// How many requests the pool moved to another replica because theirs did
+/// not answer in time, against how many it sent, in the current window of
+/// [`BUDGET_WINDOW`]: at most [`BUDGET_MIN`] plus [`BUDGET_RATIO`] of
+/// them. Past it a request waits for its replica to the guard's time, so
+/// a guard whose replicas all hang is not sent every batch twice. (Moves
+/// after a replica *failed* are not counted: that replica has dropped the
+/// request, nothing is sent twice to a live one.)
+struct Budget {
+    since: Instant,
+    sent: u32,
+    moved: u32,
+}
+
+impl Budget {
+    fn roll(&mut self, now: Instant) {
+        if now.saturating_duration_since(self.since) >= BUDGET_WINDOW {
+            *self = Budget {
+                since: now,
+                sent: 0,
+                moved: 0,
+            };
+        }
+    }
+
+    fn sent(&mut self, now: Instant) {
+        self.roll(now);
+        self.sent = self.sent.saturating_add(1);
+    }
+
+    fn allows(&mut self, now: Instant) -> bool {
+        self.roll(now);
+        f64::from(self.moved) < f64::from(BUDGET_MIN) + f64::from(self.sent) * BUDGET_RATIO
+    }
+
+    fn spend(&mut self, now: Instant) {
+        self.roll(now);
+        self.moved = self.moved.saturating_add(1);
+    }
 }
 
 struct Inner {
@@ -227,6 +504,42 @@ struct Inner {
     /// The handles that ask a registered name to be resolved again, by
     /// registered endpoint. A leaf lock: nothing else is taken under it.
     resolvers: Mutex<HashMap<String, ResolveHandle>>,
+    /// Wakes the attempt timer ([`attempt_timer`]) for an earlier deadline.
+    wake: Arc<Notify>,
+    /// The attempt timer's task, ended with the pool.
+    timer: Mutex<Option<tokio::task::AbortHandle>>,
+}
+
+impl Drop for Inner {
+    fn drop(&mut self) {
+        let timer = self.timer.get_mut().unwrap_or_else(PoisonError::into_inner);
+        if let Some(timer) = timer.take() {
+            timer.abort();
+        }
+    }
+}
+
+/// Moves the requests whose attempt ran out to another replica
+/// ([`Inner::expire`]), then sleeps until the next attempt deadline or an
+/// earlier one is set. Holds the pool weakly: it ends with it.
+async fn attempt_timer(inner: Weak<Inner>, wake: Arc<Notify>) {
+    loop {
+        let next = {
+            let Some(inner) = inner.upgrade() else {
+                return;
+            };
+            inner.expire(Instant::now())
+        };
+        match next {
+            Some(at) => {
+                tokio::select! {
+                    () = tokio::time::sleep_until(at) => {}
+                    () = wake.notified() => {}
+                }
+            }
+            None => wake.notified().await,
+        }
+    }
 }
 
 /// What a failed request's replica failure means for the pool: whether
@@ -339,11 +652,22 @@ impl GuardPool {
                 live: Vec::new(),
                 requests: HashMap::new(),
                 rng: rand::rngs::SmallRng::from_os_rng(),
+                attempts: BTreeSet::new(),
+                armed: None,
+                budget: Budget {
+                    since: Instant::now(),
+                    sent: 0,
+                    moved: 0,
+                },
             }),
             next_id: AtomicU64::new(1),
             generation: AtomicU64::new(0),
             resolvers: Mutex::new(HashMap::new()),
+            wake: Arc::new(Notify::new()),
+            timer: Mutex::new(None),
         });
+        let timer = tokio::spawn(attempt_timer(Arc::downgrade(&inner), inner.wake.clone()));
+        *inner.timer.lock().unwrap_or_else(PoisonError::into_inner) = Some(timer.abort_handle());
         Self {
             inner,
             follow: Mutex::new(None),
@@ -485,12 +809,7 @@ impl GuardPool {
             .lock()
             .live
             .iter()
-            .map(|r| {
-                (
-                    r.endpoint.to_string(),
-                    r.outstanding.load(Ordering::Relaxed),
-                )
-            })
+            .map(|r| (r.endpoint.to_string(), r.outstanding()))
             .collect()
     }
 
@@ -514,9 +833,16 @@ impl GuardPool {
         let id = self.inner.next_id.fetch_add(1, Ordering::Relaxed);
         let hook = self.inner.hook(id);
         let mut state = self.inner.lock();
-        let (replica, link_id) =
+        let (replica, link_id, sent_at) =
             self.inner
-                .dispatch(&mut state, &batch, &shared, client, stall, &[], &hook)?;
+                .dispatch(&mut state, id, &batch, &shared, client, stall, &[], &hook)?;
+        state.budget.sent(sent_at);
+        let attempt_until = self
+            .inner
+            .attempt_deadline(&mut state, &replica, &[], sent_at, until);
+        if let Some(at) = attempt_until {
+            self.inner.arm(&mut state, id, at);
+        }
         state.requests.insert(
             id,
             Pending {
@@ -531,7 +857,9 @@ impl GuardPool {
                 link_id,
                 tried: Vec::new(),
                 partial: false,
-                sent_at: Instant::now(),
+                sent_at,
+                attempt_until,
+                moved_on_timeout: false,
             },
         );
         Ok(id)
@@ -540,9 +868,23 @@ impl GuardPool {
     /// Withdraws request `id` (R5, a timeout): the replica holding it is
     /// told, and named in the answer (when it was still out).
     pub fn cancel(&self, id: u64) -> Option<Arc<str>> {
-        let pending = self.inner.lock().requests.remove(&id)?;
+        let (pending, prices) = {
+            let mut state = self.inner.lock();
+            let pending = state.requests.remove(&id)?;
+            if let Some(at) = pending.attempt_until {
+                state.attempts.remove(&(at, id));
+            }
+            (pending, Prices::of(&state.live))
+        };
         pending.replica.link.cancel(pending.link_id);
-        let left = pending.replica.done();
+        // Unanswered for this long: its estimate is at least that.
+        let left = pending.replica.release(
+            pending.sent_at,
+            id,
+            Instant::now(),
+            Ended::Withdrawn,
+            &prices,
+        );
         self.inner
             .metrics
             .replica_outstanding(&self.inner.name, &pending.replica.endpoint, left);
@@ -611,10 +953,14 @@ impl Inner {
                         endpoint: Arc::from(target.endpoint.as_str()),
                         registered: target.registered.as_deref().map(Arc::from),
                         link: (self.spawn)(target),
-                        outstanding: AtomicUsize::new(0),
                         ejections: AtomicU32::new(0),
-                        ejected_until: Mutex::new(None),
-                        latency: AtomicU64::new(0f64.to_bits()),
+                        ejection: Mutex::new(Ejection::default()),
+                        load: Mutex::new(Load {
+                            in_flight: BTreeSet::new(),
+                            estimate: None,
+                            updated: Instant::now(),
+                        }),
+                        estimate: AtomicU64::new(0f64.to_bits()),
                     })),
                 }
             }
@@ -630,36 +976,195 @@ impl Inner {
         drop(left);
     }
 
+    /// Sets request `id`'s attempt deadline `at`, waking the timer when it
+    /// is the earliest.
+    fn arm(&self, state: &mut State, id: u64, at: Instant) {
+        state.attempts.insert((at, id));
+        if state.armed.is_none_or(|armed| at < armed) {
+            state.armed = Some(at);
+            self.wake.notify_one();
+        }
+    }
+
+    /// When the attempt just sent to `replica` at `now`, of a request whose
+    /// time ends `until` and which replicas `tried` already failed, gives
+    /// up for another replica: `None` (it waits to `until`) when no other
+    /// replica is available to take it, the budget of such moves is spent,
+    /// or [`ATTEMPT_ESTIMATES`] of the replica's estimate leave no time for
+    /// a second attempt.
+    fn attempt_deadline(
+        &self,
+        state: &mut State,
+        replica: &Replica,
+        tried: &[Arc<str>],
+        now: Instant,
+        until: Instant,
+    ) -> Option<Instant> {
+        let left = until.checked_duration_since(now)?;
+        let another = state.live.iter().any(|r| {
+            !std::ptr::eq(Arc::as_ptr(r), replica)
+                && !tried.contains(&r.endpoint)
+                && r.available(now)
+        });
+        if !another || !state.budget.allows(now) {
+            return None;
+        }
+        let prices = Prices::of(&state.live);
+        let estimate = replica.load().estimate(now, prices.default_for(replica));
+        let attempt = (left / 2).max(Duration::from_nanos((estimate * ATTEMPT_ESTIMATES) as u64));
+        (attempt < left).then(|| now + attempt)
+    }
+
+    /// Moves the requests whose attempt deadline is past at `now` to
+    /// another replica ([`Self::attempt_timed_out`]); the next deadline.
+    fn expire(self: &Arc<Self>, now: Instant) -> Option<Instant> {
+        let mut moved = Vec::new();
+        let mut state = self.lock();
+        while let Some(&(at, id)) = state.attempts.first() {
+            if at > now {
+                break;
+            }
+            state.attempts.pop_first();
+            moved.extend(self.attempt_timed_out(&mut state, id, now));
+        }
+        state.armed = state.attempts.first().map(|(at, _)| *at);
+        let next = state.armed;
+        drop(state);
+        // The replicas they left, outside the lock.
+        drop(moved);
+        next
+    }
+
+    /// Request `id`'s replica has not answered by its attempt deadline
+    /// (R32: "R13 applies only when no replica can judge in time"): it is
+    /// sent to another replica not yet tried, within the budget, and only
+    /// once; then withdrawn from the first, whose estimate rises to the
+    /// time it waited, and which is ejected as a failed one is. A request
+    /// with a partial answer stays (its verdicts are in the batch's fold),
+    /// and so does one that no other replica takes: both wait for the
+    /// guard's time. The replica it left, to be dropped outside the lock.
+    fn attempt_timed_out(
+        self: &Arc<Self>,
+        state: &mut State,
+        id: u64,
+        now: Instant,
+    ) -> Option<Arc<Replica>> {
+        let pending = state.requests.get_mut(&id)?;
+        pending.attempt_until = None;
+        if pending.partial || pending.moved_on_timeout || now >= pending.until {
+            return None;
+        }
+        let failed = pending.replica.clone();
+        let mut tried = pending.tried.clone();
+        tried.push(failed.endpoint.clone());
+        let mut batch = pending.batch.clone();
+        batch.deadline_ms =
+            u32::try_from((pending.until - now).as_millis().max(1)).unwrap_or(u32::MAX);
+        let (shared, client, stall) = (pending.shared.clone(), pending.client, pending.stall);
+        if !state.budget.allows(now) {
+            tracing::debug!(
+                guard = %self.name,
+                replica = %failed.endpoint,
+                "no answer in time; the failover budget is spent: the request waits for the guard's time"
+            );
+            return None;
+        }
+        let hook = self.hook(id);
+        let (next, link_id, sent_at) = self
+            .dispatch(state, id, &batch, &shared, client, stall, &tried, &hook)
+            .ok()?;
+        state.budget.spend(now);
+        let pending = state.requests.get_mut(&id)?;
+        let old_link = std::mem::replace(&mut pending.link_id, link_id);
+        let sent = std::mem::replace(&mut pending.sent_at, sent_at);
+        let old = std::mem::replace(&mut pending.replica, next.clone());
+        pending.tried = tried;
+        pending.moved_on_timeout = true;
+        failed.link.cancel(old_link);
+        let left = failed.release(sent, id, now, Ended::Withdrawn, &Prices::of(&state.live));
+        self.metrics
+            .replica_outstanding(&self.name, &failed.endpoint, left);
+        let waited = now.saturating_duration_since(sent);
+        let failure = GuardFailure::TimedOut(waited);
+        // The replica's circuit hears of it once per outage, as of a
+        // replica that failed; the batch never does.
+        if self.eject(state, &failed, &failure, now) {
+            failed.link.record(Err(&failure));
+        }
+        self.metrics.replica_failover(&self.name, &failed.endpoint);
+        tracing::info!(
+            guard = %self.name,
+            from = %failed.endpoint,
+            to = %next.endpoint,
+            waited = ?waited,
+            "request sent to another replica: no answer in time"
+        );
+        Some(old)
+    }
+
     /// Ejects `replica` after `failure`: it gets no new requests for its
-    /// backoff, unless no other replica can take them.
-    /// True when this is a new ejection (the first failure of an outage).
-    fn eject(&self, replica: &Replica, failure: &GuardFailure, now: Instant) -> bool {
+    /// backoff, unless no other replica can take them; but never more than
+    /// half of the replicas at once (never all: Envoy's
+    /// `max_ejection_percent` of 50), so one outage of several replicas
+    /// leaves the others, and a replica past the cap stays in the choice,
+    /// where the age of its unanswered requests prices it out.
+    /// True when this is the first failure of an outage, which the
+    /// replica's circuit hears of; the others within its backoff are not.
+    fn eject(
+        &self,
+        state: &State,
+        replica: &Replica,
+        failure: &GuardFailure,
+        now: Instant,
+    ) -> bool {
         if matches!(failure, GuardFailure::CircuitOpen { .. }) {
             return false;
         }
-        let mut until = replica
-            .ejected_until
+        let out = state
+            .live
+            .iter()
+            .filter(|r| !std::ptr::eq(Arc::as_ptr(r), replica))
+            .filter(|r| r.ejected_until().is_some_and(|until| until > now))
+            .count();
+        let cap = state.live.len() / 2;
+        let mut ejection = replica
+            .ejection
             .lock()
             .unwrap_or_else(PoisonError::into_inner);
         // One outage is one ejection: the other requests it fails while
         // the replica is out extend nothing.
-        if until.is_some_and(|u| u > now) {
+        if ejection.outage_until.is_some_and(|u| u > now) {
             return false;
         }
         let n = replica.ejections.fetch_add(1, Ordering::Relaxed);
         let period = EJECT_INITIAL
             .saturating_mul(1u32 << n.min(5))
             .min(EJECT_MAX);
-        *until = Some(now + period);
-        drop(until);
-        tracing::warn!(
-            guard = %self.name,
-            replica = %replica.endpoint,
-            error = %failure,
-            ejected_for = ?period,
-            "replica ejected"
-        );
-        self.metrics.replica_ejected(&self.name, &replica.endpoint);
+        ejection.outage_until = Some(now + period);
+        let ejected = out < cap;
+        if ejected {
+            ejection.until = Some(now + period);
+        }
+        drop(ejection);
+        if ejected {
+            tracing::warn!(
+                guard = %self.name,
+                replica = %replica.endpoint,
+                error = %failure,
+                ejected_for = ?period,
+                "replica ejected"
+            );
+            self.metrics.replica_ejected(&self.name, &replica.endpoint);
+        } else {
+            tracing::warn!(
+                guard = %self.name,
+                replica = %replica.endpoint,
+                error = %failure,
+                ejected = out,
+                replicas = state.live.len(),
+                "replica failed; not ejected: at most half the replicas are at once"
+            );
+        }
         // A replica of a name that cannot be reached may have moved: the
         // name is resolved again (at most once a gap) rather than at the
         // next interval.
@@ -704,25 +1209,30 @@ impl Inner {
             .cloned()
             .partition(|r| r.available(now));
         let mut order = Vec::with_capacity(available.len() + out.len());
+        let prices = Prices::of(&state.live);
         if available.len() >= 2 {
             let i = state.rng.random_range(0..available.len());
             let mut j = state.rng.random_range(0..available.len() - 1);
             if j >= i {
                 j += 1;
             }
-            let (first, second) = if available[j].cheaper_than(&available[i]) {
-                (j, i)
-            } else {
-                (i, j)
-            };
+            let (pi, pj) = (
+                available[i].price(now, &prices),
+                available[j].price(now, &prices),
+            );
+            let (first, second) = if pj.cheaper_than(pi) { (j, i) } else { (i, j) };
             order.push(available[first].clone());
             order.push(available[second].clone());
             let (hi, lo) = (first.max(second), first.min(second));
             available.swap_remove(hi);
             available.swap_remove(lo);
         }
-        available.sort_by(|a, b| a.cost().total_cmp(&b.cost()));
-        order.extend(available);
+        let mut rest: Vec<(f64, Arc<Replica>)> = available
+            .into_iter()
+            .map(|r| (r.price(now, &prices).cost, r))
+            .collect();
+        rest.sort_by(|a, b| a.0.total_cmp(&b.0));
+        order.extend(rest.into_iter().map(|(_, r)| r));
         // A draining replica (health NOT_SERVING) only when nothing else
         // can take the request.
         out.sort_by_key(|r| (r.link.draining(), r.ejected_until()));
@@ -737,13 +1247,14 @@ impl Inner {
     fn dispatch(
         &self,
         state: &mut State,
+        id: u64,
         batch: &GuardBatch,
         shared: &Bytes,
         client: u64,
         stall: Duration,
         exclude: &[Arc<str>],
         hook: &Report,
-    ) -> Result<(Arc<Replica>, u64), NotSent> {
+    ) -> Result<(Arc<Replica>, u64, Instant), NotSent> {
         let now = Instant::now();
         let mut busy = None;
         let mut failed = None;
@@ -757,17 +1268,17 @@ impl Inner {
                 stall,
             ) {
                 Ok(link_id) => {
-                    let held = replica.outstanding.fetch_add(1, Ordering::Relaxed) + 1;
+                    let held = replica.hold(now, id);
                     self.metrics
                         .replica_sent(&self.name, &replica.endpoint, held);
-                    return Ok((replica, link_id));
+                    return Ok((replica, link_id, now));
                 }
                 Err(NotSent::Busy(b)) => {
                     busy.get_or_insert(b);
                 }
                 Err(NotSent::Failed(f)) => {
                     if fails_over(&f) {
-                        self.eject(&replica, &f, now);
+                        self.eject(state, &replica, &f, now);
                     }
                     replica.link.record(Err(&f));
                     failed.get_or_insert(f);
@@ -789,7 +1300,8 @@ impl Inner {
     /// a failure moves the request to another replica while its time
     /// lasts, and reaches the batch only when none can take it.
     fn on_event(self: &Arc<Self>, id: u64, event: LinkEvent) {
-        let mut state = self.lock();
+        let mut guard = self.lock();
+        let state = &mut *guard;
         let Some(pending) = state.requests.get_mut(&id) else {
             return;
         };
@@ -799,6 +1311,11 @@ impl Inner {
             } => {
                 if response.partial && response.error.is_empty() {
                     pending.partial = true;
+                    // Not sent again (its verdicts are in the batch's
+                    // fold): it waits for the guard's time.
+                    if let Some(at) = pending.attempt_until.take() {
+                        state.attempts.remove(&(at, id));
+                    }
                     let event = LinkEvent::Answer {
                         tag: pending.tag,
                         response,
@@ -810,9 +1327,18 @@ impl Inner {
                 let Some(pending) = state.requests.remove(&id) else {
                     return;
                 };
-                drop(state);
-                pending.replica.observe(pending.sent_at.elapsed());
-                let left = pending.replica.done();
+                if let Some(at) = pending.attempt_until {
+                    state.attempts.remove(&(at, id));
+                }
+                let prices = Prices::of(&state.live);
+                drop(guard);
+                let left = pending.replica.release(
+                    pending.sent_at,
+                    id,
+                    Instant::now(),
+                    Ended::Answered,
+                    &prices,
+                );
                 self.metrics
                     .replica_outstanding(&self.name, &pending.replica.endpoint, left);
                 (
@@ -827,23 +1353,32 @@ impl Inner {
             LinkEvent::Failed {
                 failure, replica, ..
             } => {
+                let now = Instant::now();
+                if let Some(at) = pending.attempt_until.take() {
+                    state.attempts.remove(&(at, id));
+                }
                 let failed = pending.replica.clone();
-                let left = failed.done();
+                let left =
+                    failed.release(pending.sent_at, id, now, Ended::Failed, &Prices::of(&[]));
                 self.metrics
                     .replica_outstanding(&self.name, &failed.endpoint, left);
-                let now = Instant::now();
                 if fails_over(&failure) && !pending.partial && now < pending.until {
-                    let outage = self.eject(&failed, &failure, now);
                     pending.tried.push(failed.endpoint.clone());
                     let mut batch = pending.batch.clone();
                     batch.deadline_ms =
                         u32::try_from((pending.until - now).as_millis().max(1)).unwrap_or(u32::MAX);
                     let tried = pending.tried.clone();
-                    let (shared, client, stall) =
-                        (pending.shared.clone(), pending.client, pending.stall);
+                    let (shared, client, stall, until, moved) = (
+                        pending.shared.clone(),
+                        pending.client,
+                        pending.stall,
+                        pending.until,
+                        pending.moved_on_timeout,
+                    );
+                    let outage = self.eject(state, &failed, &failure, now);
                     let hook = self.hook(id);
-                    if let Ok((next, link_id)) =
-                        self.dispatch(&mut state, &batch, &shared, client, stall, &tried, &hook)
+                    if let Ok((next, link_id, sent_at)) =
+                        self.dispatch(state, id, &batch, &shared, client, stall, &tried, &hook)
                     {
                         tracing::info!(
                             guard = %self.name,
@@ -860,12 +1395,23 @@ impl Inner {
                         if outage {
                             failed.link.record(Err(&failure));
                         }
+                        // It may still move once more if this replica
+                        // does not answer in time.
+                        let attempt_until = if moved {
+                            None
+                        } else {
+                            self.attempt_deadline(state, &next, &tried, sent_at, until)
+                        };
+                        if let Some(at) = attempt_until {
+                            self.arm(state, id, at);
+                        }
                         let old = state.requests.get_mut(&id).map(|pending| {
                             pending.link_id = link_id;
-                            pending.sent_at = Instant::now();
+                            pending.sent_at = sent_at;
+                            pending.attempt_until = attempt_until;
                             std::mem::replace(&mut pending.replica, next)
                         });
-                        drop(state);
+                        drop(guard);
                         drop(old);
                         return;
                     }
@@ -873,7 +1419,7 @@ impl Inner {
                 let Some(pending) = state.requests.remove(&id) else {
                     return;
                 };
-                drop(state);
+                drop(guard);
                 (
                     pending,
                     LinkEvent::Failed {

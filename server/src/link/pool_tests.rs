@@ -685,3 +685,307 @@ async fn r32_a_draining_replica_gets_no_new_requests_and_finishes_what_it_holds(
         assert!(matches!(event, LinkEvent::Answer { .. }), "{event:?}");
     }
 }
+
+impl Rig {
+    /// Sends a one-call batch tagged `tag` and waits for it as a batch
+    /// does: the answer's replica, or the failure; at the guard's time
+    /// (`within`) the request is withdrawn and it timed out (R14).
+    async fn judge(&mut self, tag: usize, within: Duration) -> Result<Arc<str>, GuardFailure> {
+        let until = Instant::now() + within;
+        let id = match self.send(tag, within) {
+            Ok(id) => id,
+            Err(NotSent::Failed(failure)) => return Err(failure),
+            Err(NotSent::Busy(busy)) => panic!("busy: {busy}"),
+        };
+        loop {
+            tokio::select! {
+                event = self.events.recv() => match event.expect("the rig holds a sender") {
+                    LinkEvent::Answer { tag: t, replica, .. } if t == tag => return Ok(replica),
+                    LinkEvent::Failed { tag: t, failure, .. } if t == tag => return Err(failure),
+                    _ => {}
+                },
+                () = tokio::time::sleep_until(until) => {
+                    self.pool.cancel(id);
+                    return Err(GuardFailure::TimedOut(within));
+                }
+            }
+        }
+    }
+}
+
+/// A replica that answers its `n`-th batch (from 1) after `slow`, the
+/// others after `fast`.
+fn slow_at(
+    n: usize,
+    slow: Duration,
+    fast: Duration,
+) -> impl Fn(&GuardBatch) -> Vec<Step> + Send + Sync + 'static {
+    let read = std::sync::atomic::AtomicUsize::new(0);
+    move |b: &GuardBatch| {
+        let k = read.fetch_add(1, std::sync::atomic::Ordering::Relaxed) + 1;
+        let delay = if k == n { slow } else { fast };
+        vec![Step::answer(b, b.calls.iter().map(|c| proceed(&c.call_id)).collect()).after(delay)]
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn r32_a_replica_that_never_answered_is_priced_at_a_default_not_as_the_cheapest() {
+    // Replica 0 takes its stream and never answers; the two others answer
+    // in 10 ms. A replica with no answer yet used to cost nothing (its
+    // estimate started at zero), so every draw that included it chose it
+    // and the batch waited for the guard's whole time.
+    let mut rig = rig(
+        3,
+        |_| {},
+        |i| {
+            move |b: &GuardBatch| {
+                if i == 0 {
+                    Vec::new()
+                } else {
+                    answer_after(ms(10))(b)
+                }
+            }
+        },
+    );
+    settle().await;
+    let mut timed_out = 0;
+    for tag in 0..60 {
+        if let Err(failure) = rig.judge(tag, Duration::from_secs(1)).await {
+            assert!(
+                matches!(failure, GuardFailure::TimedOut(_)),
+                "{tag}: {failure}"
+            );
+            timed_out += 1;
+        }
+    }
+    let reads = rig.reads();
+    eprintln!("reads {reads:?}, timed out {timed_out}");
+    // Priced like its peers, it may get the first request; once that is
+    // older than the estimate it costs more than either peer.
+    assert!(
+        reads[0] <= 3,
+        "R32: the replica that never answered read {} of 60: {reads:?}",
+        reads[0]
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn r32_a_slow_answer_raises_the_estimate_at_once() {
+    // Three replicas at 10 ms; replica 0 answers its third batch after
+    // 100 ms. One request at a time: each choice compares estimates only.
+    let mut rig = rig(
+        3,
+        |_| {},
+        |i| slow_at(if i == 0 { 3 } else { 0 }, ms(100), ms(10)),
+    );
+    settle().await;
+    let mut tag = 0;
+    while rig.guards[0].answered() < 3 {
+        rig.judge(tag, Duration::from_secs(1)).await.unwrap();
+        tag += 1;
+        assert!(
+            tag < 500,
+            "replica 0 never got three batches: {:?}",
+            rig.reads()
+        );
+    }
+    let before = rig.reads()[0];
+    // The next 30 requests (300 ms): a plain average moved only a tenth of
+    // the way (10 to 19 ms, a tie with 10 ms) and kept sending it a third.
+    for tag in tag..tag + 30 {
+        rig.judge(tag, Duration::from_secs(1)).await.unwrap();
+    }
+    assert_eq!(
+        rig.reads()[0],
+        before,
+        "R32: one slow answer did not raise replica 0's cost at once: {:?}",
+        rig.reads()
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn r32_a_once_slow_replica_is_chosen_again_as_its_estimate_decays() {
+    // Three replicas at 10 ms; replica 0 takes 300 ms more from 1 s to
+    // 2 s, then is fast again. One request at a time for 6 s.
+    let start = Instant::now();
+    let mut rig = rig(
+        3,
+        |_| {},
+        |i| {
+            move |b: &GuardBatch| {
+                let at = start.elapsed();
+                let slow = i == 0 && at >= Duration::from_secs(1) && at < Duration::from_secs(2);
+                answer_after(if slow { ms(310) } else { ms(10) })(b)
+            }
+        },
+    );
+    settle().await;
+    let mut tag = 0;
+    while start.elapsed() < Duration::from_secs(6) {
+        rig.judge(tag, Duration::from_secs(1)).await.unwrap();
+        tag += 1;
+    }
+    let read_at: Vec<Duration> = rig.guards[0]
+        .read_at()
+        .into_iter()
+        .map(|at| at - start)
+        .collect();
+    let slow = read_at
+        .iter()
+        .filter(|at| (ms(1000)..ms(2000)).contains(*at))
+        .count();
+    assert!(slow >= 1, "replica 0 was never slow: {read_at:?}");
+    // Its last slow answer came by 2.31 s: after that it is fast again,
+    // and is tried again once what it cost has decayed.
+    let again = read_at.iter().find(|at| **at >= ms(2310));
+    assert!(
+        again.is_some_and(|at| *at < ms(4500)),
+        "R32: the once-slow replica was not chosen again within 2.2 s of recovering (first at {again:?})"
+    );
+    // And in the last second it takes about its share (a third).
+    let last = read_at.iter().filter(|at| **at >= ms(5000)).count();
+    let total_last = rig
+        .guards
+        .iter()
+        .flat_map(|g| g.read_at())
+        .filter(|at| *at - start >= ms(5000))
+        .count();
+    assert!(
+        last * 5 >= total_last,
+        "R32: {last} of the last second's {total_last} batches on the recovered replica"
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn r32_a_request_that_times_out_on_one_replica_is_answered_by_another() {
+    // Replica 0 answers its first two batches in 10 ms, then takes
+    // batches and never answers; the others answer in 10 ms. The guard's
+    // time is 1 s: a request that waited for it there timed out (R13).
+    let mut rig = rig(
+        3,
+        |_| {},
+        |i| {
+            let read = std::sync::atomic::AtomicUsize::new(0);
+            move |b: &GuardBatch| {
+                let k = read.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                if i == 0 && k >= 2 {
+                    Vec::new()
+                } else {
+                    answer_after(ms(10))(b)
+                }
+            }
+        },
+    );
+    settle().await;
+    let mut took = HashMap::new();
+    let mut tag = 0;
+    let mut last = None;
+    while last != Some(tag) {
+        let started = Instant::now();
+        match rig.judge(tag, Duration::from_secs(1)).await {
+            Ok(replica) => {
+                took.insert(format!("b{tag}"), (replica, started.elapsed()));
+            }
+            Err(failure) => panic!("R32: batch {tag} failed while two replicas judge: {failure}"),
+        }
+        tag += 1;
+        // 20 batches more once replica 0 held one it did not answer.
+        if last.is_none() && rig.reads()[0] > 2 {
+            last = Some(tag + 20);
+        }
+        assert!(
+            tag < 1000,
+            "replica 0 got no third batch: {:?}",
+            rig.reads()
+        );
+    }
+    let hung: Vec<String> = rig.batch_ids(0).into_iter().skip(2).collect();
+    assert!(!hung.is_empty());
+    for id in &hung {
+        let (replica, waited) = &took[id];
+        assert_ne!(&**replica, url(0), "{id}");
+        assert!(
+            rig.batch_ids(1).contains(id) || rig.batch_ids(2).contains(id),
+            "{id} was not sent again"
+        );
+        // Half the guard's time on the hung replica, then 10 ms on another.
+        assert_eq!(*waited, ms(510), "{id}");
+    }
+    assert_eq!(rig.guards[0].cancels().len(), hung.len(), "told to stop");
+    let text = rig.metrics.encode();
+    assert!(
+        text.contains(&format!(
+            r#"guardmesh_guard_replica_ejections_total{{guard="g",replica="{}"}} 1
+"#,
+            url(0)
+        )),
+        "the replica that timed out was ejected: {text}"
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn r13_every_replica_hung_fails_at_the_guard_s_time_and_each_batch_is_sent_at_most_twice() {
+    let mut rig = rig(3, |_| {}, |_| |_: &GuardBatch| Vec::new());
+    settle().await;
+    // 50 batches at once, then 10 one at a time: each times out at the
+    // guard's time (1 s), the batch's failure policy then applies (R13).
+    let ids: Vec<u64> = (0..50)
+        .map(|tag| rig.send(tag, Duration::from_secs(1)).unwrap())
+        .collect();
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    assert!(rig.events.try_recv().is_err(), "nothing answered");
+    for id in ids {
+        rig.pool.cancel(id);
+    }
+    for tag in 50..60 {
+        let started = Instant::now();
+        let failure = rig.judge(tag, Duration::from_secs(1)).await.unwrap_err();
+        assert!(matches!(failure, GuardFailure::TimedOut(_)), "{failure}");
+        assert_eq!(started.elapsed(), Duration::from_secs(1));
+    }
+    // A hung guard is not hammered: a batch goes to two replicas at most,
+    // and the failovers stay within the budget.
+    let mut sent: HashMap<String, usize> = HashMap::new();
+    for i in 0..3 {
+        for id in rig.batch_ids(i) {
+            *sent.entry(id).or_default() += 1;
+        }
+    }
+    assert_eq!(sent.len(), 60);
+    assert!(sent.values().all(|n| *n <= 2), "{sent:?}");
+    // The 50 sent at once, in one window of the budget: 10 moves and a
+    // fifth of the requests.
+    let burst: usize = (0..50).map(|tag| sent[&format!("b{tag}")]).sum();
+    let total: usize = sent.values().sum();
+    eprintln!("{burst} requests for the 50 batches at once, {total} for all 60");
+    assert!(burst <= 50 + 10 + 10, "{burst} requests for 50 batches");
+}
+
+#[tokio::test(start_paused = true)]
+async fn r32_at_most_half_the_replicas_are_ejected_at_once() {
+    // Four replicas whose streams all fail: the request is tried on each
+    // and then fails (R13), but two replicas at most are ejected.
+    let mut rig = rig(
+        4,
+        |c| c.circuit_failures = 0,
+        |_| |_: &GuardBatch| vec![Step::fail(tonic::Status::unavailable("reset"))],
+    );
+    settle().await;
+    let failure = rig.judge(0, Duration::from_secs(1)).await.unwrap_err();
+    assert!(matches!(failure, GuardFailure::Status { .. }), "{failure}");
+    assert_eq!(rig.reads(), [1, 1, 1, 1]);
+    let text = rig.metrics.encode();
+    let ejected = (0..4)
+        .filter(|i| {
+            text.contains(&format!(
+                r#"guardmesh_guard_replica_ejections_total{{guard="g",replica="{}"}} 1"#,
+                url(*i)
+            ))
+        })
+        .count();
+    let lines: Vec<&str> = text
+        .lines()
+        .filter(|l| l.starts_with("guardmesh_guard_replica_ejections_total{"))
+        .collect();
+    assert_eq!(ejected, 2, "R32: never more than half ejected: {lines:?}");
+}
