@@ -11,7 +11,7 @@
 //! | `session_on_etcd` | the same, its memory in a single-member etcd on loopback | the standard batch |
 //! | `remote_session_off` | one zero-latency remote guard that says nothing of session memory (the default: not sent) | the standard batch |
 //! | `remote_session_on` | the same guard with `session_memory = "read"`: sent the session's memory | the standard batch |
-//! | `call_batch` | the `redact-formats` example guard, mutate, calls and results | 4 calls, one holding an AWS access key |
+//! | `call_batch` | the `redact-formats` example guard, mutate, calls and results, asking for the session memory | 4 calls, one holding an AWS access key |
 //! | `result_batch` | the same chain (a mesh of its own) | the 4 results of those calls, one holding the key |
 //! | `result_batch_etcd` | the same, its memory in the etcd | the same |
 //! | `session_on_redis` | as `session_on_etcd`, its memory in a `redis-server` on loopback (no persistence) | the standard batch |
@@ -1071,7 +1071,7 @@ pub(super) async fn run(
     };
     let (redactor, redact_port) = redaction_guard(exe, dir).await?;
     let redact = format!(
-        "\n[[guard]]\nname = \"redact\"\nendpoint = \"http://127.0.0.1:{redact_port}\"\nrole = \"mutate\"\nphases = \"both\"\ngrant = {{ tools = [\"*\"] }}\nresult_grant = {{ tools = [\"*\"] }}\n"
+        "\n[[guard]]\nname = \"redact\"\nendpoint = \"http://127.0.0.1:{redact_port}\"\nrole = \"mutate\"\nphases = \"both\"\ngrant = {{ tools = [\"*\"] }}\nresult_grant = {{ tools = [\"*\"] }}\nsession_memory = \"read\"\n"
     );
     let redaction = Redaction::new(work)?;
     let memory = StoreSpec::Memory;
@@ -1225,8 +1225,9 @@ fn check_store_use(scenario: &Scenario) -> Result<(), Error> {
     let wrong = if ops.failures > 0 {
         Some(format!("{} store operations failed", ops.failures))
     } else if scenario.name == CALL_BATCH {
-        // The redaction guard is sent the memory (the default): one read
-        // and one write per batch.
+        // The redaction guard asks for the memory (`session_memory =
+        // "read"`, as a guard that follows flows would): one read and one
+        // write per batch.
         (ops.loads == 0 || ops.updates == 0)
             .then(|| "the chain's guard is sent the memory but the store was not used".to_owned())
     } else if off {
