@@ -639,3 +639,103 @@ async fn r34_a_session_pushed_out_by_a_flood_of_sessions_still_cannot_send_its_s
     ));
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// A shared store on which another replica writes the session between
+/// every batch's read and its write, `changes` times (`u32::MAX`: always).
+#[derive(Debug)]
+struct ChangedMeanwhile {
+    inner: guardmesh_server::session::LocalStore,
+    changes: std::sync::atomic::AtomicU32,
+    reads: std::sync::atomic::AtomicU32,
+}
+
+#[tonic::async_trait]
+impl SessionStore for ChangedMeanwhile {
+    async fn load(&self, key: &SessionKey) -> Result<Option<Memory>, StoreError> {
+        self.reads.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        self.inner.load(key).await
+    }
+    async fn update(
+        &self,
+        key: &SessionKey,
+        update: &Update,
+        limits: &SessionLimits,
+        now: u64,
+    ) -> Result<Applied, StoreError> {
+        use std::sync::atomic::Ordering::SeqCst;
+        if update.read_at.is_some()
+            && self
+                .changes
+                .fetch_update(SeqCst, SeqCst, |n| n.checked_sub(1))
+                .is_ok()
+        {
+            return Err(StoreError::Changed);
+        }
+        self.inner.update(key, update, limits, now).await
+    }
+    fn kind(&self) -> &'static str {
+        "changed-meanwhile"
+    }
+}
+
+/// R34, R13: a batch whose session memory (shared by replicas) another
+/// replica wrote between its read and its write is judged again on the
+/// memory as it is now, and its calls run once written; a batch that
+/// finds the memory changed at every try fails per the failure policy of
+/// the guard that reads sessions (here `fail_closed`: cancelled as a
+/// failure, naming the change), within its deadline, never "proceed".
+#[tokio::test]
+async fn r13_r34_a_batch_whose_memory_changed_meanwhile_is_judged_again_or_fails_closed() {
+    use std::sync::atomic::Ordering::SeqCst;
+    let mesh = TestMesh::start().await;
+    let store = Arc::new(ChangedMeanwhile {
+        inner: guardmesh_server::session::LocalStore::new(SessionLimits::default()),
+        changes: 2.into(),
+        reads: 0.into(),
+    });
+    let memory = SessionMemory::new(store.clone(), Digester::random(), SessionLimits::default());
+    mesh.mesh.attach_sessions(Arc::new(memory)).unwrap();
+    let c = flows(&mesh).await;
+    let email = r#"{"to":"a@example.com"}"#;
+    // Changed twice: judged three times, then written and run.
+    let o = outcome(&c, "s", 0, "email.send", email).await;
+    assert!(proceeds(&o), "{o:?}");
+    assert_eq!(
+        store.reads.load(SeqCst),
+        3,
+        "not judged again on a fresh read"
+    );
+    assert_eq!(store.changes.load(SeqCst), 0);
+    // Always changed: cancelled as a failure, naming why.
+    store.changes.store(u32::MAX, SeqCst);
+    store.reads.store(0, SeqCst);
+    let started = std::time::Instant::now();
+    let d = c
+        .evaluate_once("s", Batch::new(1).call("c", "email.send", email))
+        .await
+        .unwrap();
+    let call = d.call("c").unwrap();
+    assert!(
+        matches!(&call.outcome, Outcome::Cancel { content } if content.contains("flows")),
+        "a call judged on a memory that kept changing ran: {call:?}"
+    );
+    assert!(call.failure && d.execute.is_empty(), "{d:?}");
+    let error = &d.guard("flows").unwrap().error;
+    assert!(error.contains("changed"), "{error}");
+    assert_eq!(
+        store.reads.load(SeqCst),
+        4,
+        "judged again a bounded number of times"
+    );
+    assert!(started.elapsed() < std::time::Duration::from_secs(5));
+    // What ran is in the memory once: the first email only.
+    store.changes.store(0, SeqCst);
+    let memory = store
+        .inner
+        .load(&SessionKey::new("", "s"))
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(memory.calls_total, 1, "{memory:?}");
+    mesh.shutdown().await;
+}

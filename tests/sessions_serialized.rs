@@ -1,8 +1,8 @@
 //! R34: two batches of one session are judged as if one ran after the
 //! other, and a call's rules see the calls before it in its own batch, so
 //! a count or a flow cannot be raced by sending batches at once, nor by
-//! sending many calls in one batch. (On one mesh; replicas sharing a store
-//! are a later step.)
+//! sending many calls in one batch: on one mesh, and on two `guardmesh
+//! serve` replicas sharing their sessions through etcd or Redis.
 
 use crate::harness::*;
 use guardmesh_client::{Batch, Outcome, Registration};
@@ -169,4 +169,102 @@ async fn r34_one_batch_of_many_calls_cannot_pass_a_count() {
         Outcome::Cancel { .. }
     ));
     mesh.shutdown().await;
+}
+
+/// Six single-email batches of one session sent at once, three to each of
+/// two replicas sharing `store`: `email-rate` lets exactly three run in all,
+/// round after round (R34: a batch judged on a memory another replica
+/// changed before its write is judged again on the new memory).
+async fn six_at_once_on_two_replicas(a: &MeshProcess, b: &MeshProcess) {
+    for round in 0..4 {
+        let session = format!("race-{round}");
+        let mut sent = Vec::new();
+        for turn in 0..6u32 {
+            let url = if turn % 2 == 0 {
+                a.url.clone()
+            } else {
+                b.url.clone()
+            };
+            let session = session.clone();
+            sent.push(tokio::spawn(async move {
+                let c = guardmesh_client::Coordinator::connect(url).await.unwrap();
+                let d = c
+                    .evaluate_once(
+                        &session,
+                        Batch::new(turn).call("e", "email.send", r#"{"to":"a@example.com"}"#),
+                    )
+                    .await
+                    .unwrap();
+                let guard = d
+                    .guard("flows")
+                    .map(|g| g.error.clone())
+                    .unwrap_or_default();
+                (d.call("e").unwrap().outcome.clone(), guard)
+            }));
+        }
+        let mut proceeded = 0;
+        let mut cancelled = 0;
+        for sent in sent {
+            match sent.await.unwrap() {
+                (Outcome::Proceed, _) => proceeded += 1,
+                (Outcome::Cancel { content }, error) => {
+                    assert!(
+                        content.contains("3 emails"),
+                        "round {round}: {content} {error}"
+                    );
+                    cancelled += 1;
+                }
+                (other, _) => panic!("round {round}: {other:?}"),
+            }
+        }
+        assert_eq!((proceeded, cancelled), (3, 3), "round {round}");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn r34_two_replicas_on_etcd_cannot_race_a_count() {
+    use crate::sessions_store::{etcd_registry, mesh_config, secret_file};
+    let cluster = crate::etcd::Cluster::start().await;
+    let urls = cluster.urls();
+    let dir = fresh_dir("race-etcd");
+    let secret = secret_file(&dir, "session.secret");
+    let prefix = "/t/race-etcd";
+    let sessions = format!("secret_file = {:?}", secret.display().to_string());
+    let a = MeshProcess::start(
+        "race-etcd-a",
+        &mesh_config(&dir, &etcd_registry(&urls[..1], prefix), &sessions),
+        None,
+    )
+    .await;
+    let b = MeshProcess::start(
+        "race-etcd-b",
+        &mesh_config(&dir, &etcd_registry(&urls[1..], prefix), &sessions),
+        None,
+    )
+    .await;
+    six_at_once_on_two_replicas(&a, &b).await;
+    drop((a, b));
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn r34_two_replicas_on_redis_cannot_race_a_count() {
+    use crate::sessions_store::{Redis, mesh_config, secret_file};
+    let Some(redis) = Redis::start("r34_two_replicas_on_redis_cannot_race_a_count").await else {
+        return;
+    };
+    let dir = fresh_dir("race-redis");
+    let secret = secret_file(&dir, "session.secret");
+    let registry = "[registry]\nprefix = \"/t/race-redis\"";
+    let sessions = format!(
+        "store = \"redis\"\nredis_url = {:?}\nsecret_file = {:?}",
+        redis.url(),
+        secret.display().to_string()
+    );
+    let config = mesh_config(&dir, registry, &sessions);
+    let a = MeshProcess::start("race-redis-a", &config, None).await;
+    let b = MeshProcess::start("race-redis-b", &config, None).await;
+    six_at_once_on_two_replicas(&a, &b).await;
+    drop((a, b));
+    let _ = std::fs::remove_dir_all(&dir);
 }

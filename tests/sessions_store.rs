@@ -24,13 +24,13 @@ use std::time::{Duration, Instant};
 /// The value a `.env` read returns, and that must not reach sqlite.
 const SECRET: &str = "hunter2-Sup3rS3cretValue";
 
-fn secret_file(dir: &Path, name: &str) -> PathBuf {
+pub(crate) fn secret_file(dir: &Path, name: &str) -> PathBuf {
     session_secret(dir, name)
 }
 
 /// A mesh config: `registry` and `sessions` sections, and the relaybleed
 /// policy as the fail-closed guard `flows`.
-fn mesh_config(dir: &Path, registry: &str, sessions: &str) -> String {
+pub(crate) fn mesh_config(dir: &Path, registry: &str, sessions: &str) -> String {
     let policy = dir.join("relaybleed.toml");
     std::fs::copy(repo_root().join("examples/policy/relaybleed.toml"), &policy).unwrap();
     format!(
@@ -43,7 +43,7 @@ fn mesh_config(dir: &Path, registry: &str, sessions: &str) -> String {
 /// `[registry]` on etcd at `endpoints` under `prefix`, with a staleness
 /// window longer than any test: a lost quorum never refuses the batches
 /// here, so what is asserted is the session rules' own failure.
-fn etcd_registry(endpoints: &[String], prefix: &str) -> String {
+pub(crate) fn etcd_registry(endpoints: &[String], prefix: &str) -> String {
     let endpoints: Vec<String> = endpoints.iter().map(|e| format!("{e:?}")).collect();
     format!(
         "[registry]\nkind = \"etcd\"\nendpoints = [{}]\nprefix = {prefix:?}\n\

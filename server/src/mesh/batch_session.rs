@@ -7,7 +7,9 @@ use super::Mesh;
 use crate::admit::result_batch::{self, ResultBatch};
 use crate::judge::{Chain, Phase, TraceContext};
 use crate::policy::SessionVal;
-use crate::session::{Applied, ResultError, ResultSeen, SessionKey, SessionMemory, Update};
+use crate::session::{
+    Applied, ResultError, ResultSeen, SessionKey, SessionMemory, StoreError, Update,
+};
 use crate::validate;
 use guardmesh_proto::v1::{BatchDecision, EvaluateRequest};
 use std::sync::Arc;
@@ -19,6 +21,10 @@ pub(crate) struct BatchSession {
     pub(crate) value: SessionVal,
     /// The metadata `server` of the batch, if given (the tool's server).
     server: Option<String>,
+    /// The memory's updates when it was read, when the store is shared by
+    /// replicas: the batch's write is applied only if no other replica
+    /// wrote meanwhile (R34, [`Update::read_at`]).
+    read_at: Option<u64>,
 }
 
 /// A request of results in its session (R33, R34): the session its
@@ -30,6 +36,9 @@ pub(crate) struct ResultsSession {
     /// with, or why it is not remembered (a call that did not run in the
     /// session). `Err` with why when the memory could not be read.
     calls: Result<Vec<Result<String, ResultError>>, Arc<str>>,
+    /// As [`BatchSession::read_at`], of the memory the calls were looked
+    /// up in.
+    read_at: Option<u64>,
 }
 
 impl ResultsSession {
@@ -142,7 +151,23 @@ impl Mesh {
                 Err(error) => SessionVal::Unavailable(Arc::from(error.to_string())),
             },
         };
-        Some(BatchSession { key, value, server })
+        let read_at = self.read_at(&value);
+        Some(BatchSession {
+            key,
+            value,
+            server,
+            read_at,
+        })
+    }
+
+    /// What a batch judged on `value` writes with, when the store is
+    /// shared by replicas (a store of one mesh keeps a batch's read and
+    /// write together with the mesh's session turns).
+    fn read_at(&self, value: &SessionVal) -> Option<u64> {
+        match value {
+            SessionVal::Read(view) if self.sessions().store().shared() => Some(view.writes()),
+            _ => None,
+        }
     }
 
     /// The calls the results of `request` answer, looked up in the
@@ -169,6 +194,7 @@ impl Mesh {
                 return Ok(ResultsSession {
                     key,
                     calls: Err(why.clone()),
+                    read_at: None,
                 });
             }
             None => {
@@ -179,11 +205,13 @@ impl Mesh {
                         return Ok(ResultsSession {
                             key,
                             calls: Err(Arc::from(error.to_string())),
+                            read_at: None,
                         });
                     }
                 }
             }
         };
+        let read_at = self.read_at(&SessionVal::Read(view.clone()));
         let mut calls = Vec::with_capacity(request.calls.len());
         for (i, call) in request.calls.iter().enumerate() {
             let sent = results.servers().get(i).map_or("", String::as_str);
@@ -208,6 +236,7 @@ impl Mesh {
         Ok(ResultsSession {
             key,
             calls: Ok(calls),
+            read_at,
         })
     }
 
@@ -221,8 +250,8 @@ impl Mesh {
         session: ResultsSession,
         decision: &BatchDecision,
         labels: Vec<String>,
-    ) -> Result<Option<Applied>, Arc<str>> {
-        let calls = session.calls?;
+    ) -> Result<Option<Applied>, Unremembered> {
+        let calls = session.calls.map_err(Unremembered::Failed)?;
         let reads: Vec<std::borrow::Cow<'_, str>> = decision
             .decisions
             .iter()
@@ -242,9 +271,9 @@ impl Mesh {
             .collect();
         let seen = self
             .sessions()
-            .remember_results(&session.key, &results, calls, labels)
+            .remember_results(&session.key, &results, calls, labels, session.read_at)
             .await
-            .map_err(|error| Arc::from(error.to_string()))?;
+            .map_err(Unremembered::from)?;
         // Counted, not named: a forged result's id is the caller's text,
         // perhaps a secret, and log lines are not masked as records are.
         let forgotten = seen.outcomes.iter().filter(|o| o.is_err()).count();
@@ -273,6 +302,7 @@ impl Mesh {
             key: Self::session_key(request, trace),
             value: SessionVal::Unavailable(Arc::from("not read")),
             server: Self::metadata_server(request),
+            read_at: None,
         }
     }
 
@@ -286,7 +316,7 @@ impl Mesh {
         decision: &BatchDecision,
         labels: Vec<String>,
         calls: bool,
-    ) -> Result<Option<Applied>, Arc<str>> {
+    ) -> Result<Option<Applied>, Unremembered> {
         let sessions = self.sessions();
         let calls = decision
             .execute
@@ -300,8 +330,11 @@ impl Mesh {
         let update = Update {
             calls,
             labels,
+            read_at: session.read_at,
             ..Update::default()
         };
+        // Nothing let run: nothing to serialize (a batch that only
+        // cancelled on an older memory let nothing through).
         if update.is_empty() {
             return Ok(None);
         }
@@ -309,6 +342,35 @@ impl Mesh {
             .record(&session.key, &update)
             .await
             .map(Some)
-            .map_err(|error| Arc::from(error.to_string()))
+            .map_err(Unremembered::from)
+    }
+}
+
+/// Why what a batch let run or read was not remembered.
+#[derive(Debug)]
+pub(crate) enum Unremembered {
+    /// Another replica wrote the session's memory after the batch read it:
+    /// the batch is judged again on the memory as it is now (R34).
+    Changed,
+    /// The memory could not be read or written: why.
+    Failed(Arc<str>),
+}
+
+impl From<StoreError> for Unremembered {
+    fn from(error: StoreError) -> Self {
+        match error {
+            StoreError::Changed => Self::Changed,
+            other => Self::Failed(Arc::from(other.to_string())),
+        }
+    }
+}
+
+impl Unremembered {
+    /// Why, for a batch that is not judged again.
+    pub(crate) fn why(self) -> Arc<str> {
+        match self {
+            Self::Changed => Arc::from(StoreError::Changed.to_string()),
+            Self::Failed(why) => why,
+        }
     }
 }

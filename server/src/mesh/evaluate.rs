@@ -4,7 +4,7 @@
 //! the batch's record ([`super::record`]), which emits what happened once.
 
 use super::Mesh;
-use super::batch_session::BatchSession;
+use super::batch_session::{BatchSession, Unremembered};
 use super::pipeline::{Judges, Pass};
 use super::record::{Guards, Outcome};
 use crate::admit;
@@ -60,7 +60,7 @@ impl Mesh {
         pass: Pass<'_>,
     ) -> Outcome {
         let Pass {
-            mut phase,
+            phase,
             chain,
             judges,
             busy,
@@ -125,86 +125,58 @@ impl Mesh {
             Ok(permit) => permit,
             Err(refusal) => return Outcome::refused(refusal),
         };
-        // R34: the session's memory, read once when a guard reads it.
-        let mut session = self
-            .read_session(&chain, &request, &trace, &phase, busy)
-            .await;
-        // R33: a request of results runs no call; its results are
-        // remembered from the servers of the calls they answer (R34).
-        let runs_calls = !phase.is_results();
-        let remembers = judges.remembers();
-        let mut results_session = None;
-        if let Phase::Results(results) = &mut phase
-            && remembers
-            && Self::chain_uses_session(&chain)
-        {
-            match self
-                .results_session(session.as_ref(), &request, &trace, results)
-                .await
-            {
-                Ok(found) => results_session = Some(found),
-                Err(refusal) => return Outcome::refused(refusal.into()),
-            }
-        }
-        let label_session = (session.is_none() && results_session.is_none() && remembers)
-            .then(|| Self::label_session(&request, &trace));
-        let mut judged = crate::judge::judge_phase(crate::judge::JudgeInput {
+        let how = How {
             chain: &chain,
             limits,
             unguarded,
+            remembers: judges.remembers(),
+            deadline,
+            busy,
+        };
+        // R34: where replicas share the session's memory and another wrote
+        // it between this batch's read and its write, the batch is judged
+        // again on the memory as it is now, a bounded number of times, so
+        // that two batches of one session are judged as if one ran after
+        // the other; then its calls fail per the reading guards' policy
+        // (R13).
+        let may_change =
+            how.remembers && Self::chain_uses_session(&chain) && self.sessions().store().shared();
+        let mut input = Judgeable {
             request,
             members,
-            deadline,
             trace,
-            span,
             phase,
-            // Handed to the judge, not kept: the memory read is let go
-            // when judging ends, so that the write after it updates a
-            // store in this process in place (no copy of the memory).
-            session: session.as_mut().map(BatchSession::take_value),
-        })
-        .await;
-        // R34, R13: what cannot be remembered is not passed.
-        let mut unremembered = None;
-        if let Ok(decision) = &judged.result {
-            // R34: the calls that run (when the memory was read), or what
-            // the model reads of the results, and the labels the guards
-            // set, in one write, before the answer leaves.
-            let labels = judged.labels(&chain);
-            match &session {
-                _ if results_session.is_some() => {
-                    if let Some(results_session) = results_session {
-                        let affected = results_session.affected(decision.decisions.len());
-                        if let Err(why) = self
-                            .remember_results(results_session, decision, labels)
-                            .await
-                        {
-                            unremembered = Some((why, affected));
-                        }
+        };
+        let mut again = 0;
+        let (mut judged, unremembered, runs_calls) = loop {
+            let spare = (may_change && again < JUDGED_AGAIN).then(|| input.clone());
+            let step = match self.judge_remembered(&how, input, span.clone()).await {
+                Ok(step) => step,
+                Err(refused) => return refused,
+            };
+            match step {
+                Step::Changed(judged, affected, runs_calls) => match spare {
+                    Some(spare) if Instant::now() < deadline => {
+                        again += 1;
+                        tracing::debug!(
+                            again,
+                            "the session's memory changed since the batch read it: judged again"
+                        );
+                        input = spare;
                     }
-                }
-                Some(session) if remembers => {
-                    if let Err(why) = self
-                        .remember_session(session, decision, labels, runs_calls)
-                        .await
-                        && runs_calls
-                    {
-                        unremembered = Some((why, vec![true; decision.decisions.len()]));
+                    _ => {
+                        break (
+                            judged,
+                            Some((Unremembered::Changed.why(), affected)),
+                            runs_calls,
+                        );
                     }
-                }
-                _ => {
-                    // Labels alone, in a batch that read no memory: a
-                    // failed write is logged and counted by the store.
-                    if let Some(label_session) = &label_session
-                        && !labels.is_empty()
-                    {
-                        let _ = self
-                            .remember_session(label_session, decision, labels, false)
-                            .await;
-                    }
+                },
+                Step::Done(judged, unremembered, runs_calls) => {
+                    break (judged, unremembered, runs_calls);
                 }
             }
-        }
+        };
         if let Some((why, affected)) = unremembered {
             crate::judge::unremembered(&mut judged, &chain, &affected, &why, !runs_calls);
         }
@@ -220,6 +192,146 @@ impl Mesh {
             started.elapsed(),
         )
     }
+
+    /// Reads the session (when a guard reads it), judges, and remembers
+    /// what runs or is read (R34), once. `Err`: the batch refused.
+    async fn judge_remembered(
+        &self,
+        how: &How<'_>,
+        input: Judgeable,
+        span: tracing::Span,
+    ) -> Result<Step, Outcome> {
+        let Judgeable {
+            request,
+            members,
+            trace,
+            mut phase,
+        } = input;
+        let chain = how.chain;
+        // R34: the session's memory, read once when a guard reads it.
+        let mut session = self
+            .read_session(chain, &request, &trace, &phase, how.busy.clone())
+            .await;
+        // R33: a request of results runs no call; its results are
+        // remembered from the servers of the calls they answer (R34).
+        let runs_calls = !phase.is_results();
+        let remembers = how.remembers;
+        let mut results_session = None;
+        if let Phase::Results(results) = &mut phase
+            && remembers
+            && Self::chain_uses_session(chain)
+        {
+            match self
+                .results_session(session.as_ref(), &request, &trace, results)
+                .await
+            {
+                Ok(found) => results_session = Some(found),
+                Err(refusal) => return Err(Outcome::refused(refusal.into())),
+            }
+        }
+        let label_session = (session.is_none() && results_session.is_none() && remembers)
+            .then(|| Self::label_session(&request, &trace));
+        let judged = crate::judge::judge_phase(crate::judge::JudgeInput {
+            chain,
+            limits: how.limits,
+            unguarded: how.unguarded,
+            request,
+            members,
+            deadline: how.deadline,
+            trace,
+            span,
+            phase,
+            // Handed to the judge, not kept: the memory read is let go
+            // when judging ends, so that the write after it updates a
+            // store in this process in place (no copy of the memory).
+            session: session.as_mut().map(BatchSession::take_value),
+        })
+        .await;
+        let Ok(decision) = &judged.result else {
+            return Ok(Step::Done(judged, None, runs_calls));
+        };
+        // R34, R13: what cannot be remembered is not passed. The calls
+        // that run (when the memory was read), or what the model reads of
+        // the results, and the labels the guards set, in one write, before
+        // the answer leaves.
+        let labels = judged.labels(chain);
+        let (written, affected) = match (&session, results_session) {
+            (_, Some(results_session)) => {
+                let affected = results_session.affected(decision.decisions.len());
+                let written = self
+                    .remember_results(results_session, decision, labels)
+                    .await;
+                (written, affected)
+            }
+            (Some(session), None) if remembers => {
+                let written = self
+                    .remember_session(session, decision, labels, runs_calls)
+                    .await;
+                // A request of results that read no memory: nothing of
+                // its calls to remember, so nothing fails for it.
+                if !runs_calls && !matches!(written, Err(Unremembered::Changed)) {
+                    return Ok(Step::Done(judged, None, runs_calls));
+                }
+                (written, vec![true; decision.decisions.len()])
+            }
+            _ => {
+                // Labels alone, in a batch that read no memory: a failed
+                // write is logged and counted by the store.
+                if let Some(label_session) = &label_session
+                    && !labels.is_empty()
+                {
+                    let _ = self
+                        .remember_session(label_session, decision, labels, false)
+                        .await;
+                }
+                return Ok(Step::Done(judged, None, runs_calls));
+            }
+        };
+        Ok(match written {
+            Ok(_) => Step::Done(judged, None, runs_calls),
+            Err(Unremembered::Changed) => Step::Changed(judged, affected, runs_calls),
+            Err(Unremembered::Failed(why)) => Step::Done(judged, Some((why, affected)), runs_calls),
+        })
+    }
+}
+
+/// Times a batch is judged again when the session's memory replicas share
+/// changed between its read and its write (R34); after that its calls fail
+/// per the reading guards' policy (R13).
+const JUDGED_AGAIN: u32 = 3;
+
+/// How a batch is judged, the same each time it is.
+struct How<'a> {
+    chain: &'a crate::judge::Chain,
+    limits: &'a crate::validate::Limits,
+    unguarded: Unguarded,
+    remembers: bool,
+    deadline: Instant,
+    busy: Option<std::sync::Arc<str>>,
+}
+
+/// What one judging of a batch consumes: kept aside when it may be judged
+/// again.
+#[derive(Clone)]
+struct Judgeable {
+    request: EvaluateRequest,
+    members: crate::validate::ijson::Recorded,
+    trace: TraceContext,
+    phase: Phase,
+}
+
+/// A batch judged and its memory written, or found changed.
+enum Step {
+    /// Judged; `Some` with why and the calls affected when what it let run
+    /// could not be remembered; whether it ran calls (not results).
+    Done(
+        crate::judge::Judged,
+        Option<(std::sync::Arc<str>, Vec<bool>)>,
+        bool,
+    ),
+    /// Judged, but another replica wrote the memory after it was read:
+    /// nothing was written; the calls affected; whether it ran calls.
+    Changed(crate::judge::Judged, Vec<bool>, bool),
 }
 
 #[allow(dead_code)]

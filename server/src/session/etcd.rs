@@ -106,6 +106,7 @@ impl SessionStore for EtcdStore {
         let mut client = self.client.clone();
         for _ in 0..ATTEMPTS {
             let (memory, revision, mut lease) = self.get(&key).await?;
+            super::store::still_as_read(memory.as_ref(), update)?;
             let mut memory = memory.unwrap_or_default();
             let applied = memory.apply(update, limits, now);
             // A lease lives the memory's age from its grant, whatever is

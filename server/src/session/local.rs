@@ -336,6 +336,10 @@ impl SessionStore for LocalStore {
         "memory"
     }
 
+    fn shared(&self) -> bool {
+        false
+    }
+
     fn held(&self) -> Option<(usize, usize)> {
         let state = self.state.lock().unwrap_or_else(PoisonError::into_inner);
         Some((state.sessions.len(), state.bytes + state.dropped.bytes()))

@@ -88,6 +88,11 @@ pub struct Memory {
     /// next, so the oldest entry is the one with the lowest (R34).
     #[serde(default)]
     pub seq: u64,
+    /// Updates applied since the session began: a batch that judged on
+    /// the memory as it was after `writes` updates writes only if no
+    /// other was applied since (R34, [`Update::read_at`]).
+    #[serde(default)]
+    pub writes: u64,
     /// In etcd: when the lease the session's key is on was granted (a
     /// lease lives the memory's age from then, so it is renewed before).
     #[serde(default, skip_serializing_if = "is_zero")]
@@ -131,6 +136,17 @@ pub struct Update {
     pub seen: Vec<Seen>,
     /// Results this update records.
     pub results: u64,
+    /// The memory's [`Memory::writes`] when the batch that makes this
+    /// update read it, when the batch was judged on it: a shared store
+    /// applies the update only if the memory is still as read, else it
+    /// answers [`super::StoreError::Changed`] and the batch is judged again
+    /// on the memory as it is now (R34: two batches of one session on two
+    /// replicas are judged as if one ran after the other). `None`: applied
+    /// whatever was written since. A store of one mesh ignores it: the
+    /// mesh's session turns already keep a batch's read and write
+    /// together.
+    #[serde(skip)]
+    pub read_at: Option<u64>,
 }
 
 impl Update {
@@ -270,6 +286,7 @@ impl Memory {
             evicted: self.expire(limits, now),
             ..Applied::default()
         };
+        self.writes = self.writes.saturating_add(1);
         for call in &update.calls {
             self.charge(call_bytes(call));
             let seq = self.next_seq();
@@ -441,6 +458,7 @@ mod tests {
                 labels: vec![format!("l{}", i % 5), "bad label!".to_owned()],
                 seen: vec![seen(i), seen(i), seen(i + 1)],
                 results: 1,
+                read_at: None,
             };
             let applied = memory.apply(&update, &limits, now);
             assert_eq!(applied.bytes, memory.count_bytes());
@@ -495,6 +513,7 @@ mod tests {
             labels: vec!["secret:fs".to_owned()],
             seen: vec![seen(1)],
             results: 1,
+            read_at: None,
         };
         memory.apply(&update, &limits, 5);
         let stored = serde_json::to_string(&memory).unwrap();

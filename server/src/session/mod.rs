@@ -69,6 +69,9 @@ pub struct Stats {
     pub writes: AtomicU64,
     pub failures: AtomicU64,
     pub evicted_entries: AtomicU64,
+    /// Writes that found the memory changed by another replica since the
+    /// batch read it (the batch was judged again).
+    pub changed: AtomicU64,
 }
 
 /// Why a result was not recorded.
@@ -173,7 +176,14 @@ impl SessionMemory {
             Ok(result) => result,
             Err(_) => Err(StoreError::TimedOut(self.timeout)),
         };
-        if let Err(error) = &result {
+        if let Err(StoreError::Changed) = &result {
+            // Not a failure: the batch is judged again (R34).
+            self.stats.changed.fetch_add(1, Ordering::Relaxed);
+            tracing::debug!(
+                store = self.store.kind(),
+                "session memory changed by another replica since it was read"
+            );
+        } else if let Err(error) = &result {
             self.stats.failures.fetch_add(1, Ordering::Relaxed);
             tracing::warn!(store = self.store.kind(), %error, "session memory unavailable");
         }
@@ -337,7 +347,8 @@ impl SessionMemory {
         // The snapshot is let go before the write: a store in this
         // process then updates the memory in place, without copying it.
         drop(view);
-        self.remember_results(key, results, calls, Vec::new()).await
+        self.remember_results(key, results, calls, Vec::new(), None)
+            .await
     }
 
     /// Remembers a request of results in the session `key`, its calls
@@ -346,16 +357,18 @@ impl SessionMemory {
     /// remembered from it, whatever server the result named), or why the
     /// result is not remembered. `labels` are the batch's (its guards'
     /// verdicts'), added in the same update. At most one update; none when
-    /// nothing is to be remembered.
+    /// nothing is to be remembered. `read_at`: see [`Update::read_at`].
     pub async fn remember_results(
         &self,
         key: &SessionKey,
         results: &[ResultSeen<'_>],
         calls: Vec<Result<String, ResultError>>,
         labels: Vec<String>,
+        read_at: Option<u64>,
     ) -> Result<ResultsSeen, StoreError> {
         let mut update = Update {
             labels,
+            read_at,
             ..Update::default()
         };
         let outcomes: Vec<Result<(), ResultError>> = results

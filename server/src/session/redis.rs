@@ -242,6 +242,7 @@ impl SessionStore for RedisStore {
                     sha1_smol::Sha1::from(value).digest().to_string(),
                 ),
             };
+            super::store::still_as_read(read.is_some().then_some(&memory), update)?;
             let applied = memory.apply(update, limits, now);
             let value =
                 serde_json::to_vec(&memory).map_err(|e| StoreError::Corrupt(e.to_string()))?;

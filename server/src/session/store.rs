@@ -56,6 +56,24 @@ pub enum StoreError {
     Corrupt(String),
     #[error("the session's memory kept changing under {0} attempts to update it")]
     Contended(u32),
+    /// The memory changed between the batch's read and its write: another
+    /// replica judged a batch of the session meanwhile. The batch is
+    /// judged again on the memory as it is now (R34).
+    #[error(
+        "the session's memory changed after this batch read it \
+         (another replica judged a batch of the session at the same time)"
+    )]
+    Changed,
+}
+
+/// [`StoreError::Changed`] when `update` was judged on the memory after
+/// [`Memory::writes`] updates and `memory` (the store's, `None`: no
+/// memory) has had another since (R34).
+pub fn still_as_read(memory: Option<&Memory>, update: &Update) -> Result<(), StoreError> {
+    match update.read_at {
+        Some(read) if read != memory.map_or(0, |m| m.writes) => Err(StoreError::Changed),
+        _ => Ok(()),
+    }
 }
 
 /// A store of session memory.
@@ -94,6 +112,15 @@ pub trait SessionStore: Send + Sync + std::fmt::Debug {
 
     /// Its kind, for logs and metrics: `memory`, `etcd`.
     fn kind(&self) -> &'static str;
+
+    /// Whether other meshes (replicas) share it: their batches' writes
+    /// can come between a batch's read and its write, so a batch judged on
+    /// the memory writes only if it is still as read
+    /// ([`Update::read_at`]). A store of one mesh is serialized by the
+    /// mesh's session turns.
+    fn shared(&self) -> bool {
+        true
+    }
 
     /// Sessions and bytes it holds, where it can tell cheaply.
     fn held(&self) -> Option<(usize, usize)> {

@@ -1079,3 +1079,38 @@ async fn r34_seen_from_cost_of_following_encodings_printed() {
         );
     }
 }
+
+/// R34: a store shared by replicas applies a batch's update only if the
+/// memory is still as the batch read it: every update applied counts, and
+/// an update judged on an older memory (or on none, the session since
+/// begun elsewhere) is `Changed`; one that says nothing of its read is
+/// applied whatever came before.
+#[test]
+fn r34_an_update_judged_on_an_older_memory_is_found_changed() {
+    use super::store::still_as_read;
+    let limits = SessionLimits::default();
+    let mut memory = Memory::default();
+    let read = |at| Update {
+        labels: vec!["l".to_owned()],
+        read_at: Some(at),
+        ..Update::default()
+    };
+    assert!(still_as_read(None, &read(0)).is_ok());
+    assert!(matches!(
+        still_as_read(Some(&memory), &read(1)),
+        Err(StoreError::Changed)
+    ));
+    memory.apply(&read(0), &limits, 1);
+    memory.apply(&read(1), &limits, 2);
+    assert_eq!(memory.writes, 2);
+    assert!(still_as_read(Some(&memory), &read(2)).is_ok());
+    assert!(matches!(
+        still_as_read(Some(&memory), &read(1)),
+        Err(StoreError::Changed)
+    ));
+    assert!(matches!(
+        still_as_read(None, &read(2)),
+        Err(StoreError::Changed)
+    ));
+    assert!(still_as_read(Some(&memory), &Update::default()).is_ok());
+}

@@ -74,6 +74,13 @@ impl SessionView {
     }
 
     /// An empty session (nothing remembered yet).
+    /// The updates applied to the memory when it was read
+    /// ([`Memory::writes`]): what a batch judged on it writes with
+    /// ([`super::Update::read_at`]).
+    pub fn writes(&self) -> u64 {
+        self.memory.writes
+    }
+
     pub fn empty(digester: Digester, now: u64) -> Self {
         Self::new(Arc::default(), digester, now, Duration::ZERO)
     }
