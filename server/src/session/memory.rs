@@ -304,8 +304,12 @@ impl Memory {
                 applied.refused_labels += 1;
                 continue;
             }
-            if self.labels.iter().any(|l| &l.name == label) {
-                continue;
+            // Set again: it moves to the end, with this time, as if set
+            // now (its age and its place in the eviction order start
+            // again).
+            let again = self.labels.iter().position(|l| &l.name == label);
+            if let Some(old) = again.and_then(|i| self.labels.remove(i)) {
+                self.free(label_bytes(&old));
             }
             let label = Label {
                 name: label.clone(),
@@ -313,7 +317,9 @@ impl Memory {
                 seq: self.next_seq(),
             };
             self.charge(label_bytes(&label));
-            applied.labels.push(label.name.clone());
+            if again.is_none() {
+                applied.labels.push(label.name.clone());
+            }
             self.labels.push_back(label);
         }
         if !update.seen.is_empty() {
@@ -337,19 +343,28 @@ impl Memory {
         applied
     }
 
-    /// Adds the values of `seen` not seen yet: values already seen, and
-    /// those earlier in this update (a request of results brings several
-    /// results in one update), are not added twice.
+    /// Adds the values of `seen`, each once (a request of results brings
+    /// several results in one update). A value seen before moves to the
+    /// end with this time, as if seen now: its age and its place in the
+    /// eviction order start again, so a value the model keeps reading is
+    /// not forgotten by the age of its first reading (R34).
     fn add_seen(&mut self, seen: &[Seen], now: u64, applied: &mut Applied) {
-        let mut known: HashSet<(&str, &str)> = self
-            .seen
-            .iter()
-            .map(|s| (s.server.as_str(), s.digest.as_str()))
-            .collect();
+        let mut unique: HashSet<(&str, &str)> = HashSet::with_capacity(seen.len());
         let fresh: Vec<&Seen> = seen
             .iter()
-            .filter(|s| known.insert((s.server.as_str(), s.digest.as_str())))
+            .filter(|s| unique.insert((s.server.as_str(), s.digest.as_str())))
             .collect();
+        let before = self.seen.len();
+        let mut freed = 0;
+        self.seen.retain(|s| {
+            let again = unique.contains(&(s.server.as_str(), s.digest.as_str()));
+            if again {
+                freed += seen_bytes(s);
+            }
+            !again
+        });
+        let again = before - self.seen.len();
+        self.free(freed);
         let first = self.seq;
         let fresh: Vec<Seen> = fresh
             .into_iter()
@@ -361,7 +376,7 @@ impl Memory {
             })
             .collect();
         self.seq = first.saturating_add(fresh.len() as u64);
-        applied.seen = fresh.len();
+        applied.seen = fresh.len().saturating_sub(again);
         self.charge(fresh.iter().map(seen_bytes).sum());
         self.seen.extend(fresh);
     }
@@ -431,6 +446,66 @@ mod tests {
             seq: 0,
             folded: true,
         }
+    }
+
+    /// R34: a value seen again, or a label set again, starts its age and
+    /// its place in the eviction order again: read again just before the
+    /// memory's age, it is still remembered after the first reading's age
+    /// has passed, and a flood of other values evicts the entries older
+    /// than its last reading first. Its bytes are counted once.
+    #[test]
+    fn r34_a_value_seen_again_or_a_label_set_again_is_remembered_from_then() {
+        let limits = SessionLimits {
+            max_age: Duration::from_secs(100),
+            max_entries: 4,
+            ..SessionLimits::default()
+        };
+        let once = |seen: Vec<Seen>, labels: Vec<String>| Update {
+            seen,
+            labels,
+            ..Update::default()
+        };
+        let mut memory = Memory::default();
+        let t0 = 1_000_000;
+        memory.apply(&once(vec![seen(1)], vec!["secret:fs".into()]), &limits, t0);
+        memory.apply(&once(vec![seen(2)], Vec::new()), &limits, t0 + 1);
+        // Seen and set again just before the age.
+        let again = memory.apply(
+            &once(vec![seen(1)], vec!["secret:fs".into()]),
+            &limits,
+            t0 + 99_000,
+        );
+        assert_eq!((again.seen, again.labels.len()), (0, 0), "counted as new");
+        assert_eq!(memory.seen.len(), 1 + 1);
+        assert_eq!(memory.bytes(), memory.count_bytes(), "bytes charged twice");
+        // Past the first reading's age: value 1 and the label remain,
+        // value 2 (seen once, at t0 + 1) is gone.
+        memory.apply(&Update::default(), &limits, t0 + 101_000);
+        let digests: Vec<&str> = memory.seen.iter().map(|s| s.digest.as_str()).collect();
+        assert_eq!(
+            digests,
+            [seen(1).digest.as_str()],
+            "value read again forgotten"
+        );
+        assert_eq!(memory.labels.len(), 1, "label set again forgotten");
+        // A flood: the entries older than value 1's last reading go first.
+        memory.apply(
+            &once(vec![seen(3), seen(4)], Vec::new()),
+            &limits,
+            t0 + 102_000,
+        );
+        memory.apply(&once(vec![seen(1)], Vec::new()), &limits, t0 + 103_000);
+        memory.apply(
+            &once(vec![seen(5), seen(6)], Vec::new()),
+            &limits,
+            t0 + 104_000,
+        );
+        assert!(
+            memory.seen.iter().any(|s| s.digest == seen(1).digest),
+            "a value read again was washed out before older ones: {:?}",
+            memory.seen
+        );
+        assert!(!memory.seen.iter().any(|s| s.digest == seen(3).digest));
     }
 
     /// The bytes kept as the memory changes are those its entries add up
