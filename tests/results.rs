@@ -508,8 +508,9 @@ async fn insert_the_secret(
 /// another ASCII case, its values are followed from the call's server, so
 /// the relaybleed rule cancels the later insert into sqlite; sent naming
 /// another server, the request is refused naming both, and the model never
-/// reads it. R29: a forged result's secret-shaped call id, and the one a
-/// refusal names, are masked in the decision record.
+/// reads it; sent with the id of a call that ran but another tool, it is
+/// refused naming both tools. R29: a forged result's secret-shaped call
+/// id, and the one a refusal names, are masked in the decision record.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn r34_a_result_belongs_to_the_server_of_the_call_it_answers() {
     let dir = folder("results-server-of-call");
@@ -554,6 +555,38 @@ async fn r34_a_result_belongs_to_the_server_of_the_call_it_answers() {
     assert!(
         message.contains("\"sqlite\"") && message.contains("\"fs\""),
         "the refusal names both servers: {message}"
+    );
+
+    // The id of a call that ran, under another tool: refused, naming the
+    // call, the tool sent and the tool recorded; the value is neither
+    // passed unremembered nor lost (R34).
+    let d = within_10s(
+        &c,
+        "tool",
+        Batch::new(1).call("r1", "fs.read_file", r#"{"path":".env"}"#),
+    )
+    .await
+    .unwrap();
+    assert_eq!(
+        d.call("r1").unwrap().outcome,
+        guardmesh_client::Outcome::Proceed
+    );
+    let result = text_result(&format!("DB_PASSWORD={ENV_SECRET}\n"));
+    let refused = within_10s(
+        &c,
+        "tool",
+        Batch::new(2).result("r1", "fs.list_directory", "fs", result),
+    )
+    .await
+    .unwrap_err();
+    let ClientError::Status(status) = refused else {
+        panic!("not a status: {refused}");
+    };
+    assert_eq!(status.code(), Code::InvalidArgument, "{status:?}");
+    let message = status.message();
+    assert!(
+        message.contains("\"fs.list_directory\"") && message.contains("\"fs.read_file\""),
+        "the refusal names both tools: {message}"
     );
 
     // A forged result (no call ran) whose id is a secret: judged, and its

@@ -130,6 +130,28 @@ pub(crate) fn other_server(
     )
 }
 
+/// The refusal of a request of results one of whose results (`index`)
+/// names the id `call_id` of a call the mesh recorded as one of tool
+/// `recorded`, but tool `sent` (R34: a result answers the call recorded
+/// under its id).
+pub(crate) fn other_tool(
+    index: usize,
+    call_id: &str,
+    sent: &str,
+    recorded: &str,
+) -> validate::Refusal {
+    invalid(
+        "result_of_another_tool",
+        format!(
+            "result #{index} names tool {:?}, but the mesh recorded its call {:?} as a call of \
+             tool {:?}: a result answers the call recorded under its id; send it with that tool",
+            shown_id(sent, SHOWN),
+            shown_id(call_id, SHOWN),
+            shown_id(recorded, SHOWN),
+        ),
+    )
+}
+
 fn invalid(reason: &'static str, message: String) -> validate::Refusal {
     validate::Refusal {
         reason,

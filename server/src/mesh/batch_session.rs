@@ -230,6 +230,9 @@ impl Mesh {
                         &recorded,
                     ));
                 }
+                Err(ResultError::OtherTool { sent, recorded, .. }) => {
+                    return Err(result_batch::other_tool(i, &call.call_id, &sent, &recorded));
+                }
                 Err(other) => calls.push(Err(other)),
             }
         }

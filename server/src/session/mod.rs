@@ -95,6 +95,17 @@ pub enum ResultError {
         sent: String,
         recorded: String,
     },
+    /// The result names the id of a call that ran in this session, but
+    /// another tool than the one the call was recorded with.
+    #[error(
+        "the result of call {call_id:?} names tool {sent:?}, but the call was recorded as a \
+         call of tool {recorded:?}"
+    )]
+    OtherTool {
+        call_id: String,
+        sent: String,
+        recorded: String,
+    },
     #[error("the result is not JSON: {0}")]
     NotJson(String),
 }

@@ -114,22 +114,30 @@ impl SessionView {
     /// empty (unknown) or the recorded one in any ASCII case is the
     /// recorded one; another is [`ResultError::OtherServer`]. A call
     /// recorded without a server (a tool name without a `.` and no
-    /// metadata `server`) takes the one its result names. A result whose
-    /// call did not run in this session is [`ResultError::NoSuchCall`].
+    /// metadata `server`) takes the one its result names. A result that
+    /// names the id of a call that ran but another tool is
+    /// [`ResultError::OtherTool`] (its values would otherwise be passed
+    /// unremembered). A result whose call did not run in this session is
+    /// [`ResultError::NoSuchCall`].
     pub fn call_answered<'a>(
         &'a self,
         call_id: &str,
         tool: &str,
         sent: &'a str,
     ) -> Result<&'a str, super::ResultError> {
-        let call = self
-            .live_calls()
-            .filter(|c| c.id == call_id && c.tool == tool)
-            .last()
-            .ok_or_else(|| super::ResultError::NoSuchCall {
+        let Some(call) = self.live_calls().filter(|c| c.id == call_id).last() else {
+            return Err(super::ResultError::NoSuchCall {
                 call_id: call_id.to_owned(),
                 tool: tool.to_owned(),
-            })?;
+            });
+        };
+        if call.tool != tool {
+            return Err(super::ResultError::OtherTool {
+                call_id: call_id.to_owned(),
+                sent: tool.to_owned(),
+                recorded: call.tool.clone(),
+            });
+        }
         if call.server.is_empty() {
             Ok(sent)
         } else if sent.is_empty() || sent.eq_ignore_ascii_case(&call.server) {
