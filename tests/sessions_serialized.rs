@@ -268,3 +268,84 @@ async fn r34_two_replicas_on_redis_cannot_race_a_count() {
     drop((a, b));
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// The race judged by a remote guard that reads the memory, on two
+/// replicas sharing their sessions through Redis: a batch judged on a
+/// memory the other replica changed before its write is judged again,
+/// the guard asked again on the new memory, so six batches at once, three
+/// to each replica, let exactly three run.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn r34_a_remote_guard_that_reads_the_memory_cannot_be_raced_across_replicas() {
+    use crate::sessions_store::{Redis, secret_file};
+    let Some(redis) =
+        Redis::start("r34_a_remote_guard_that_reads_the_memory_cannot_be_raced_across_replicas")
+            .await
+    else {
+        return;
+    };
+    let guard = script_guard(|b| {
+        let sent = b
+            .session
+            .as_ref()
+            .and_then(|m| m.counts.get("email.send").copied())
+            .unwrap_or(0);
+        Script {
+            delay: std::time::Duration::from_millis(20),
+            verdicts: b
+                .calls
+                .iter()
+                .filter(|_| sent >= 3)
+                .map(|c| guardmesh_client::verdict::cancel(&c.call_id, "at most 3 emails"))
+                .collect(),
+            ..Script::default()
+        }
+    })
+    .await;
+    let dir = fresh_dir("race-remote");
+    let secret = secret_file(&dir, "session.secret");
+    let config = format!(
+        "[registry]\nprefix = \"/t/race-remote\"\n\n[sessions]\nstore = \"redis\"\n\
+         redis_url = {:?}\nsecret_file = {:?}\n\n[[guard]]\nname = \"rate\"\n\
+         endpoint = {:?}\nsession_memory = \"read\"\nfailure_policy = \"fail_closed\"\n",
+        redis.url(),
+        secret.display().to_string(),
+        guard.url,
+    );
+    let a = MeshProcess::start("race-remote-a", &config, None).await;
+    let b = MeshProcess::start("race-remote-b", &config, None).await;
+    for round in 0..3 {
+        let mut sent = Vec::new();
+        for turn in 0..6u32 {
+            let url = if turn % 2 == 0 {
+                a.url.clone()
+            } else {
+                b.url.clone()
+            };
+            let session = format!("remote-race-{round}");
+            sent.push(tokio::spawn(async move {
+                let c = guardmesh_client::Coordinator::connect(url).await.unwrap();
+                let d = c
+                    .evaluate_once(
+                        &session,
+                        Batch::new(turn).call("e", "email.send", r#"{"to":"a@example.com"}"#),
+                    )
+                    .await
+                    .unwrap();
+                d.call("e").unwrap().outcome.clone()
+            }));
+        }
+        let mut proceeded = 0;
+        for sent in sent {
+            match sent.await.unwrap() {
+                Outcome::Proceed => proceeded += 1,
+                Outcome::Cancel { content } => {
+                    assert!(content.contains("3 emails"), "round {round}: {content}");
+                }
+                other => panic!("round {round}: {other:?}"),
+            }
+        }
+        assert_eq!(proceeded, 3, "round {round}");
+    }
+    drop((a, b));
+    let _ = std::fs::remove_dir_all(&dir);
+}
