@@ -568,19 +568,15 @@ async fn r25_a_flood_of_sessions_keeps_serve_within_its_bounds() {
 /// with the default session bounds, a session reads a secret, then more
 /// sessions than the mesh keeps (`max_sessions`, past the per-identity
 /// bound too) push it out. Its memory is gone, but it comes back as a
-/// session that lost memory, never as a new one: a rule that keeps such
-/// sessions from sending values out still stops its insert of the secret,
-/// while a session that never was may send anything.
+/// session that lost memory, never as a new one: the shipped relaybleed
+/// rules (nothing leaves fs once values are lost) still stop its insert of
+/// the secret, while a session that never was may send anything.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn r34_a_session_pushed_out_by_a_flood_of_sessions_still_cannot_send_its_secret() {
     let dir = std::env::temp_dir().join(format!("guardmesh-dropped-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     let policy = dir.join("flows.toml");
-    let forgotten = "\n[[rule]]\nname = \"forgotten-sessions-stay-home\"\n\
-         when = '!call.tool.startsWith(\"fs.\") && session.evicted > 0'\n\
-         action = \"cancel\"\n\
-         message = '\"Tool call blocked: this session lost memory, so it may not send values out.\"'\n";
-    std::fs::write(&policy, relaybleed() + forgotten).unwrap();
+    std::fs::write(&policy, relaybleed()).unwrap();
     let config = format!(
         "[[guard]]\nname = \"flows\"\npolicy = {:?}\nfailure_policy = \"fail_closed\"\n",
         policy.display().to_string()
@@ -631,7 +627,7 @@ async fn r34_a_session_pushed_out_by_a_flood_of_sessions_still_cannot_send_its_s
     eprintln!("{flood} sessions sent in {:?}", started.elapsed());
     let o = outcome(&c, "victim", 4, "sqlite.query", &insert).await;
     assert!(
-        matches!(&o, Outcome::Cancel { content } if content.contains("lost memory")),
+        matches!(&o, Outcome::Cancel { content } if content.contains("forgot values")),
         "a session pushed out by other sessions reads as new: {o:?}"
     );
     assert!(proceeds(
@@ -737,5 +733,102 @@ async fn r13_r34_a_batch_whose_memory_changed_meanwhile_is_judged_again_or_fails
         .unwrap()
         .unwrap();
     assert_eq!(memory.calls_total, 1, "{memory:?}");
+    mesh.shutdown().await;
+}
+
+/// R34: one large result cannot wash a secret out of the memory into a
+/// proceed. The `.env` secret is read; then a listing of many distinct
+/// names (more values than the session's bytes hold) comes back from fs,
+/// and pushes the secret's digest out. The shipped relaybleed rules still
+/// cancel the insert of the secret into sqlite: the session lost values,
+/// so nothing leaves fs; a fresh session may insert it.
+#[tokio::test]
+async fn r34_one_large_result_cannot_wash_a_secret_out_into_a_proceed() {
+    let mesh = TestMesh::start().await;
+    let c = flows(&mesh).await;
+    let secret = "hunter2-Sup3rS3cretValue";
+    let result = read_env(&c, "washed", 1, secret).await;
+    let d = c
+        .evaluate_once(
+            "washed",
+            Batch::new(2).result("r1", "fs.read_file", "fs", result),
+        )
+        .await
+        .unwrap();
+    assert_eq!(d.results.len(), 1);
+    // Many results of many distinct names each, until the memory dropped
+    // values: the secret's digest, the oldest, goes first.
+    for turn in 0..8u32 {
+        let id = format!("l{turn}");
+        let d = c
+            .evaluate_once(
+                "washed",
+                Batch::new(10 + 2 * turn).call(&id, "fs.list_directory", r#"{"path":"/srv"}"#),
+            )
+            .await
+            .unwrap();
+        assert!(proceeds(&d.call(&id).unwrap().outcome));
+        let names: Vec<String> = (0..200)
+            .map(|i| format!("file-{turn}-{i:04}-abcdefgh.txt"))
+            .collect();
+        let listing = serde_json::json!({
+            "content": [{"type": "text", "text": names.join("\n")}]
+        })
+        .to_string();
+        c.evaluate_once(
+            "washed",
+            Batch::new(11 + 2 * turn).result(&id, "fs.list_directory", "fs", listing),
+        )
+        .await
+        .unwrap();
+    }
+    let insert = format!(r#"{{"sql":"INSERT INTO notes VALUES ('{secret}')"}}"#);
+    let o = outcome(&c, "washed", 99, "sqlite.query", &insert).await;
+    assert!(
+        matches!(&o, Outcome::Cancel { .. }),
+        "a secret washed out of the memory by large results was sent on: {o:?}"
+    );
+    assert!(proceeds(
+        &outcome(&c, "fresh", 0, "sqlite.query", &insert).await
+    ));
+    mesh.shutdown().await;
+}
+
+/// R34: a rate cannot be washed out by a flood of calls. Three emails run;
+/// then enough `fs` calls to push them out of the session's memory; the
+/// fourth email within the hour is not counted as the first: the count
+/// over a window whose calls the memory dropped fails the rule, and the
+/// relaybleed guard (`fail_closed`) cancels the email as a failure, naming
+/// why. Another session still sends.
+#[tokio::test]
+async fn r34_a_rate_cannot_be_washed_out_by_a_flood_of_calls() {
+    let mesh = TestMesh::start().await;
+    let c = flows(&mesh).await;
+    let email = r#"{"to":"a@example.com"}"#;
+    for turn in 0..3 {
+        assert!(proceeds(
+            &outcome(&c, "flooded", turn, "email.send", email).await
+        ));
+    }
+    for turn in 0..12u32 {
+        let mut batch = Batch::new(10 + turn);
+        for i in 0..25 {
+            batch = batch.call(format!("f{i}"), "fs.read_file", r#"{"path":"notes.txt"}"#);
+        }
+        let d = c.evaluate_once("flooded", batch).await.unwrap();
+        assert_eq!(d.execute.len(), 25, "{d:?}");
+    }
+    let d = c
+        .evaluate_once("flooded", Batch::new(99).call("e", "email.send", email))
+        .await
+        .unwrap();
+    let call = d.call("e").unwrap();
+    assert!(
+        matches!(call.outcome, Outcome::Cancel { .. }) && call.failure,
+        "a fourth email within the hour ran once the first three were pushed out: {call:?}"
+    );
+    let error = &d.guard("flows").unwrap().error;
+    assert!(error.contains("dropped calls"), "{error}");
+    assert!(proceeds(&outcome(&c, "calm", 0, "email.send", email).await));
     mesh.shutdown().await;
 }

@@ -432,7 +432,8 @@ async fn r34_two_serve_replicas_on_a_3_member_etcd_share_session_memory() {
 /// their own (memory): the flow is cancelled across them; a session whose
 /// value in Redis is not JSON, or not a string, fails closed (Corrupt)
 /// without being overwritten; with Redis gone, the session rules fail
-/// closed within the store's deadline; Redis back, they judge again.
+/// closed within the store's deadline; Redis back, they judge again, and a
+/// session Redis lost reads as lost, never as new.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn r34_two_serve_replicas_on_redis_share_session_memory() {
     let Some(mut redis) =
@@ -527,6 +528,24 @@ async fn r34_two_serve_replicas_on_redis_share_session_memory() {
             tokio::time::sleep(Duration::from_millis(200)).await;
         }
     }
+    // Redis came back without the session `s`, which read the secret: on
+    // both replicas (each wrote `s`) it reads as a session that lost its
+    // memory, never as a new one, so relaybleed as shipped still cancels
+    // the secret's insert; the first write begins it again as lost.
+    for c in [&ca, &cb] {
+        let o = outcome(c, "s", 10, "sqlite.query", &insert_secret()).await;
+        assert!(
+            matches!(&o, Outcome::Cancel { content } if content.contains("forgot values")),
+            "a session the store lost reads as new: {o:?}"
+        );
+    }
+    let o = outcome(&ca, "s", 11, "fs.read_file", r#"{"path":"notes.txt"}"#).await;
+    assert_eq!(o, Outcome::Proceed);
+    let value: String = redis.command(&["GET", &key]);
+    let memory: serde_json::Value = serde_json::from_str(&value).unwrap();
+    assert_eq!(memory["dropped"], true, "{value}");
+    let o = outcome(&cb, "s", 12, "sqlite.query", &insert_secret()).await;
+    assert!(matches!(o, Outcome::Cancel { .. }), "{o:?}");
     drop((a, b));
     let _ = std::fs::remove_dir_all(&dir);
 }

@@ -256,6 +256,7 @@ pub(crate) fn describe(error: &cel::ExecutionError, written: impl Fn(&str) -> bo
                     | "seen_from_other"
                     | "labels"
                     | "evicted"
+                    | "values_lost"
                     | "calls_total"
             ) =>
         {

@@ -5,9 +5,13 @@
 //! * `session.evicted`: entries the session's bounds dropped since it
 //!   began (a strict rule may treat a session that lost memory as
 //!   tainted); at least 1 once the whole session was dropped for room;
+//! * `session.values_lost`: values seen that the memory no longer holds
+//!   (dropped by a bound or the age; at least 1 once the whole session
+//!   was lost): a value read then may be sent on unseen, so a flow rule
+//!   treats such a session as tainted;
 //! * `session.dropped`: whether the whole session was dropped to make
-//!   room for other sessions and came back (all it held is lost: it reads
-//!   as lost, never as new);
+//!   room for other sessions, or lost by a store replicas share, and came
+//!   back (all it held is lost: it reads as lost, never as new);
 //! * `session.calls_total`: calls recorded since the session began;
 //! * `session.count(tool_glob, window)`: calls of a tool matching the glob
 //!   (ASCII case ignored) that ran in the session within the window
@@ -152,6 +156,9 @@ impl Indexer for SessionAt {
             "evicted" => Ok(CowVal::owned(CelInt::from(
                 i64::try_from(view.evicted()).unwrap_or(i64::MAX),
             ))),
+            "values_lost" => Ok(CowVal::owned(CelInt::from(
+                i64::try_from(view.values_lost()).unwrap_or(i64::MAX),
+            ))),
             "dropped" => Ok(CowVal::owned(CelBool::from(view.dropped()))),
             "calls_total" => Ok(CowVal::owned(CelInt::from(
                 i64::try_from(view.calls_total()).unwrap_or(i64::MAX),
@@ -203,7 +210,7 @@ fn count<'b, 'v>(args: Vec<CowVal<'b, 'v>>) -> Result<CowVal<'b, 'v>, ExecutionE
     })?;
     let n = view
         .count_with(glob, window, at.earlier())
-        .map_err(|_| ExecutionError::function_error("count", "its tool glob does not compile"))?;
+        .map_err(|e| ExecutionError::function_error("count", e.to_string()))?;
     Ok(CowVal::owned(CelInt::from(
         i64::try_from(n).unwrap_or(i64::MAX),
     )))

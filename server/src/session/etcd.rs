@@ -107,7 +107,7 @@ impl SessionStore for EtcdStore {
         for _ in 0..ATTEMPTS {
             let (memory, revision, mut lease) = self.get(&key).await?;
             super::store::still_as_read(memory.as_ref(), update)?;
-            let mut memory = memory.unwrap_or_default();
+            let mut memory = memory.unwrap_or_else(|| Memory::begun(update));
             let applied = memory.apply(update, limits, now);
             // A lease lives the memory's age from its grant, whatever is
             // written later: past half of it a new one is granted, so an

@@ -77,6 +77,17 @@ pub struct Memory {
     /// once the session was dropped for room, see `dropped`).
     #[serde(default)]
     pub evicted: u64,
+    /// Values seen that the memory no longer holds: dropped by a bound or
+    /// the age (at least 1 once the whole session was lost). A value the
+    /// model read may then be sent on unseen: a flow rule treats a session
+    /// with values lost as tainted (R34: forgetting is never innocence).
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub values_lost: u64,
+    /// When the newest call a bound dropped had run (ms since the epoch),
+    /// or when the session was found lost: a count over a window reaching
+    /// back past it cannot be complete (R34).
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub calls_lost_at: u64,
     /// The session was dropped to make room for others and came back: all
     /// it held before is lost (R34: read as lost, never as new).
     #[serde(default, skip_serializing_if = "is_false")]
@@ -147,6 +158,12 @@ pub struct Update {
     /// together.
     #[serde(skip)]
     pub read_at: Option<u64>,
+    /// Whether a store that holds no memory for the session begins it as
+    /// one that lost its memory ([`Memory::dropped_for_room`]) rather than
+    /// as a new one: the mesh wrote the session within the age, so the
+    /// store lost it (R34).
+    #[serde(skip)]
+    pub lost_if_absent: bool,
 }
 
 impl Update {
@@ -192,9 +209,21 @@ impl Memory {
     /// The memory of a session that was dropped to make room for others
     /// and comes back: nothing of what it held, and marked as having lost
     /// it (how many entries is not kept: at least one).
+    /// The memory a store begins for a session it holds none of: a new
+    /// one, or one that lost its memory when `update` says the session was
+    /// written before ([`Update::lost_if_absent`]).
+    pub fn begun(update: &Update) -> Self {
+        if update.lost_if_absent {
+            Self::dropped_for_room()
+        } else {
+            Self::default()
+        }
+    }
+
     pub fn dropped_for_room() -> Self {
         Self {
             evicted: 1,
+            values_lost: 1,
             dropped: true,
             ..Self::default()
         }
@@ -268,11 +297,13 @@ impl Memory {
             freed += if keep { 0 } else { label_bytes(l) };
             keep
         });
+        let seen = self.seen.len();
         self.seen.retain(|s| {
             let keep = s.at >= cutoff;
             freed += if keep { 0 } else { seen_bytes(s) };
             keep
         });
+        self.values_lost += (seen - self.seen.len()) as u64;
         self.free(freed);
         let dropped = before - self.entries();
         self.evicted += dropped as u64;
@@ -286,6 +317,9 @@ impl Memory {
             evicted: self.expire(limits, now),
             ..Applied::default()
         };
+        if self.dropped && self.calls_lost_at == 0 {
+            self.calls_lost_at = now;
+        }
         self.writes = self.writes.saturating_add(1);
         for call in &update.calls {
             self.charge(call_bytes(call));
@@ -389,6 +423,13 @@ impl Memory {
     /// before it, or its result would be refused). Entries stored without
     /// a sequence number (0) are older than every entry with one, and
     /// among themselves go by time. Returns how many.
+    /// Drops the oldest call for a bound; its bytes.
+    fn pop_call(&mut self) -> Option<usize> {
+        let call = self.calls.pop_front()?;
+        self.calls_lost_at = self.calls_lost_at.max(call.at);
+        Some(call_bytes(&call))
+    }
+
     fn shrink(&mut self, limits: &SessionLimits) -> usize {
         let mut bytes = self.held_bytes();
         let mut dropped = 0;
@@ -396,9 +437,12 @@ impl Memory {
             let call = self.calls.front().map(|c| (c.seq, c.at));
             let seen = self.seen.front().map(|s| (s.seq, s.at));
             let freed = match (call, seen) {
-                (Some(c), Some(s)) if c <= s => self.calls.pop_front().map(|c| call_bytes(&c)),
-                (Some(_), None) => self.calls.pop_front().map(|c| call_bytes(&c)),
-                (_, Some(_)) => self.seen.pop_front().map(|s| seen_bytes(&s)),
+                (Some(c), Some(s)) if c <= s => self.pop_call(),
+                (Some(_), None) => self.pop_call(),
+                (_, Some(_)) => self.seen.pop_front().map(|s| {
+                    self.values_lost += 1;
+                    seen_bytes(&s)
+                }),
                 (None, None) => self.labels.pop_front().map(|l| label_bytes(&l)),
             };
             let Some(freed) = freed else { break };
@@ -534,6 +578,7 @@ mod tests {
                 seen: vec![seen(i), seen(i), seen(i + 1)],
                 results: 1,
                 read_at: None,
+                lost_if_absent: false,
             };
             let applied = memory.apply(&update, &limits, now);
             assert_eq!(applied.bytes, memory.count_bytes());
@@ -589,6 +634,7 @@ mod tests {
             seen: vec![seen(1)],
             results: 1,
             read_at: None,
+            lost_if_absent: false,
         };
         memory.apply(&update, &limits, 5);
         let stored = serde_json::to_string(&memory).unwrap();

@@ -24,6 +24,7 @@
 pub mod digest;
 pub mod encodings;
 pub mod etcd;
+mod filter;
 pub mod key;
 pub mod limits;
 pub mod local;
@@ -44,8 +45,8 @@ pub use memory::{Applied, CallRan, Memory, Seen, Update};
 pub use store::{SessionStore, StoreError};
 pub use view::SessionView;
 
-use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 /// The default deadline of one store operation.
@@ -60,6 +61,9 @@ pub struct SessionMemory {
     limits: SessionLimits,
     timeout: Duration,
     stats: Stats,
+    /// In a store replicas share, the sessions this mesh wrote within the
+    /// age: one the store no longer holds reads as lost (R34).
+    written: Option<Mutex<filter::SessionFilter>>,
 }
 
 /// What session memory did since the mesh began.
@@ -72,6 +76,9 @@ pub struct Stats {
     /// Writes that found the memory changed by another replica since the
     /// batch read it (the batch was judged again).
     pub changed: AtomicU64,
+    /// Reads of a session this mesh wrote that the shared store no longer
+    /// held (read as lost).
+    pub lost_sessions: AtomicU64,
 }
 
 /// Why a result was not recorded.
@@ -143,7 +150,11 @@ pub fn now_ms() -> u64 {
 
 impl SessionMemory {
     pub fn new(store: Arc<dyn SessionStore>, digester: Digester, limits: SessionLimits) -> Self {
+        let written = store
+            .shared()
+            .then(|| Mutex::new(filter::SessionFilter::new(&limits)));
         Self {
+            written,
             store,
             digester,
             limits,
@@ -206,7 +217,19 @@ impl SessionMemory {
     pub async fn read(&self, key: &SessionKey) -> Result<Arc<SessionView>, StoreError> {
         self.stats.reads.fetch_add(1, Ordering::Relaxed);
         let now = now_ms();
-        let memory = self.bounded(self.store.snapshot(key)).await?;
+        let mut memory = self.bounded(self.store.snapshot(key)).await?;
+        if memory.is_none() && self.wrote(key, now) {
+            // R34: the store lost a session this mesh wrote within the age
+            // (a restart without persistence, a flush, an eviction): read
+            // as lost, never as new.
+            self.stats.lost_sessions.fetch_add(1, Ordering::Relaxed);
+            tracing::warn!(
+                store = self.store.kind(),
+                "session memory: the store no longer holds a session this mesh wrote \
+                 within the memory's age; it reads as a session that lost its memory"
+            );
+            memory = Some(Arc::new(Memory::dropped_for_room()));
+        }
         Ok(Arc::new(match memory {
             Some(memory) => {
                 SessionView::new(memory, self.digester.clone(), now, self.limits.max_age)
@@ -215,12 +238,44 @@ impl SessionMemory {
         }))
     }
 
-    /// Adds `update` to the memory of `key`.
+    /// Whether this mesh wrote `key` to a store replicas share within the
+    /// memory's age before `now`.
+    fn wrote(&self, key: &SessionKey, now: u64) -> bool {
+        self.written.as_ref().is_some_and(|written| {
+            written
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner)
+                .contains(key, now, self.max_age_ms())
+        })
+    }
+
+    fn max_age_ms(&self) -> u64 {
+        u64::try_from(self.limits.max_age.as_millis()).unwrap_or(u64::MAX)
+    }
+
+    /// Adds `update` to the memory of `key`. In a store replicas share, a
+    /// session this mesh wrote within the age that the store no longer
+    /// holds begins again as one that lost its memory (R34).
     pub async fn record(&self, key: &SessionKey, update: &Update) -> Result<Applied, StoreError> {
         self.stats.writes.fetch_add(1, Ordering::Relaxed);
+        let now = now_ms();
+        let update = if !update.lost_if_absent && self.wrote(key, now) {
+            std::borrow::Cow::Owned(Update {
+                lost_if_absent: true,
+                ..update.clone()
+            })
+        } else {
+            std::borrow::Cow::Borrowed(update)
+        };
         let applied = self
-            .bounded(self.store.update(key, update, &self.limits, now_ms()))
+            .bounded(self.store.update(key, &update, &self.limits, now))
             .await?;
+        if let Some(written) = &self.written {
+            written
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner)
+                .insert(key, now, self.max_age_ms());
+        }
         if applied.evicted > 0 {
             self.stats
                 .evicted_entries

@@ -236,7 +236,7 @@ impl SessionStore for RedisStore {
         for _ in 0..ATTEMPTS {
             let read = self.get(&key).await?;
             let (mut memory, read_digest) = match &read {
-                None => (Memory::default(), String::new()),
+                None => (Memory::begun(update), String::new()),
                 Some(value) => (
                     parse(value)?,
                     sha1_smol::Sha1::from(value).digest().to_string(),

@@ -1114,3 +1114,58 @@ fn r34_an_update_judged_on_an_older_memory_is_found_changed() {
     ));
     assert!(still_as_read(Some(&memory), &Update::default()).is_ok());
 }
+
+/// R34: a count over a window whose calls the memory dropped for a bound,
+/// or over any window of a session found lost, is refused as incomplete,
+/// never too low; a window that begins after the newest call dropped is
+/// counted.
+#[test]
+fn r34_a_count_over_calls_the_memory_dropped_is_refused_as_incomplete() {
+    use super::view::CountError;
+    let limits = SessionLimits {
+        max_entries: 4,
+        ..SessionLimits::default()
+    };
+    let calls = |tool: &str, n: usize| Update {
+        calls: (0..n)
+            .map(|i| CallRan {
+                id: format!("c{i}"),
+                tool: tool.to_owned(),
+                server: String::new(),
+                args: String::new(),
+                at: 0,
+                seq: 0,
+            })
+            .collect(),
+        ..Update::default()
+    };
+    let t0 = 10_000_000;
+    let mut memory = Memory::default();
+    memory.apply(&calls("email.send", 3), &limits, t0);
+    memory.apply(&calls("fs.read", 4), &limits, t0 + 1_000);
+    assert_eq!(memory.calls_lost_at, t0);
+    let view = |memory: &Memory, now| {
+        SessionView::new(
+            Arc::new(memory.clone()),
+            Digester::random(),
+            now,
+            Duration::from_secs(24 * 3600),
+        )
+    };
+    let later = view(&memory, t0 + 5_000);
+    assert!(matches!(
+        later.count("email.send", Duration::from_secs(3600)),
+        Err(CountError::Forgotten)
+    ));
+    // A window that begins after the last call dropped is complete.
+    assert_eq!(
+        later.count("fs.*", Duration::from_millis(4_500)).unwrap(),
+        4
+    );
+    // A session found lost: every window, until it is written again.
+    let lost = view(&Memory::dropped_for_room(), t0);
+    assert!(matches!(
+        lost.count("*", Duration::from_secs(1)),
+        Err(CountError::Forgotten)
+    ));
+}

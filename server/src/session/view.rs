@@ -47,6 +47,19 @@ struct SeenIndex {
     as_read: bool,
 }
 
+/// Why a count of calls could not be made.
+#[derive(Debug, thiserror::Error)]
+pub enum CountError {
+    #[error("its tool glob does not compile")]
+    Glob(globset::Error),
+    /// The memory dropped calls that ran within the window.
+    #[error(
+        "the session's memory dropped calls that ran within the window (a bound, or the \
+         session lost), so a count over it would be too low"
+    )]
+    Forgotten,
+}
+
 /// A `seen_from` question over more text than it may digest.
 #[derive(Debug, Clone, thiserror::Error)]
 #[error("the value holds more than {MAX_TOKENS_CHECKED} tokens to compare with values seen")]
@@ -160,6 +173,12 @@ impl SessionView {
     /// may treat a session that lost memory as tainted.
     pub fn evicted(&self) -> u64 {
         self.memory.evicted
+    }
+
+    /// Values seen that the memory no longer holds (a bound, the age, or
+    /// the whole session lost): a value read then may be sent on unseen.
+    pub fn values_lost(&self) -> u64 {
+        self.memory.values_lost
     }
 
     /// Whether the session was dropped to make room for others and came
@@ -301,7 +320,10 @@ impl SessionView {
 
     /// Calls of a tool matching `glob` (ASCII case ignored, as guards'
     /// tool patterns, R9) that ran within `window` before now.
-    pub fn count(&self, glob: &str, window: Duration) -> Result<u64, globset::Error> {
+    /// [`CountError::Forgotten`] when the memory dropped calls that ran
+    /// within the window (a bound, or the whole session lost): the count
+    /// would be too low (R34: forgetting is never innocence).
+    pub fn count(&self, glob: &str, window: Duration) -> Result<u64, CountError> {
         self.count_with(glob, window, &[])
     }
 
@@ -313,14 +335,23 @@ impl SessionView {
         glob: &str,
         window: Duration,
         earlier: &[String],
-    ) -> Result<u64, globset::Error> {
+    ) -> Result<u64, CountError> {
         let matcher = globset::GlobBuilder::new(glob)
             .case_insensitive(true)
-            .build()?
+            .build()
+            .map_err(CountError::Glob)?
             .compile_matcher();
         let since = self
             .now
             .saturating_sub(u64::try_from(window.as_millis()).unwrap_or(u64::MAX));
+        let lost_at = match self.memory.calls_lost_at {
+            // Found lost, not yet written again: lost until now.
+            0 if self.memory.dropped => self.now,
+            at => at,
+        };
+        if lost_at != 0 && lost_at >= since {
+            return Err(CountError::Forgotten);
+        }
         let ran = self
             .live_calls()
             .filter(|c| c.at >= since && matcher.is_match(&c.tool))
