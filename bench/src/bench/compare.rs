@@ -15,6 +15,14 @@
 //! | `baseline_no_guard` | the baseline's, no guard |
 //! | `policy20` | this build's `serve`, the 20-rule policy guard |
 //! | `baseline_policy20` | the baseline's, the same policy |
+//! | `session_on` | this build's `serve`, the relaybleed flow rules reading one long session's memory (R34) |
+//! | `baseline_session_on` | the baseline's, the same |
+//! | `session_on_redis` | this build's `serve`, the same with the memory in a `redis-server` on loopback (skipped without one) |
+//! | `baseline_session_on_redis` | the baseline's, the same Redis |
+//!
+//! The session scenarios give a change to session memory (its reads,
+//! writes and the serialization of a session's batches) its before and
+//! after in one run.
 //!
 //! Its ratios name the build: `mesh4_vs_baseline_p50` is this build's p50
 //! over the baseline's; `mesh4_vs_relay_floor4_p50` and
@@ -35,6 +43,25 @@ pub(super) const NO_GUARD: &str = "no_guard";
 pub(super) const BASELINE_NO_GUARD: &str = "baseline_no_guard";
 pub(super) const POLICY20: &str = "policy20";
 pub(super) const BASELINE_POLICY20: &str = "baseline_policy20";
+pub(super) const SESSION_ON: &str = "session_on";
+pub(super) const BASELINE_SESSION_ON: &str = "baseline_session_on";
+pub(super) const SESSION_ON_REDIS: &str = "session_on_redis";
+pub(super) const BASELINE_SESSION_ON_REDIS: &str = "baseline_session_on_redis";
+
+/// A session secret for meshes sharing a store: 32 bytes no caller knows,
+/// readable by its owner only.
+fn write_secret(dir: &Path) -> Result<std::path::PathBuf, Error> {
+    use std::hash::BuildHasher;
+    use std::os::unix::fs::PermissionsExt;
+    let path = dir.join("session.secret");
+    let bytes: Vec<u8> = (0..4u64)
+        .flat_map(|i| std::hash::RandomState::new().hash_one(i).to_le_bytes())
+        .collect();
+    std::fs::write(&path, bytes).map_err(|e| format!("cannot write {}: {e}", path.display()))?;
+    std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o600))
+        .map_err(|e| format!("cannot restrict {}: {e}", path.display()))?;
+    Ok(path)
+}
 
 /// Runs the group: this build's and the baseline's meshes, interleaved.
 pub(super) async fn run(
@@ -55,6 +82,19 @@ pub(super) async fn run(
     let (rules, _, _) = policy::write(dir)?;
     let policy_section = policy::guard_section("policy20", &rules);
     let zero = MeshProcess::guard_sections(guards, &ZERO)?;
+    let flows = dir.join("relaybleed.toml");
+    std::fs::write(&flows, super::sessions::RELAYBLEED)
+        .map_err(|e| format!("cannot write {}: {e}", flows.display()))?;
+    let flows_section = format!(
+        "\n[[guard]]\nname = \"flows\"\npolicy = {:?}\n",
+        flows.display().to_string()
+    );
+    let redis = super::sessions::StoreServer::redis(dir).await?;
+    if redis.is_none() {
+        eprintln!(
+            "no `redis-server` on PATH: {SESSION_ON_REDIS} and {BASELINE_SESSION_ON_REDIS} are skipped"
+        );
+    }
     let mut meshes = vec![
         MeshProcess::start_config(exe, dir, MESH4, &zero, ZERO.len(), None).await?,
         MeshProcess::start_config(baseline, dir, BASELINE_MESH4, &zero, ZERO.len(), None).await?,
@@ -64,8 +104,26 @@ pub(super) async fn run(
         MeshProcess::start_config(exe, dir, POLICY20, &policy_section, 1, None).await?,
         MeshProcess::start_config(baseline, dir, BASELINE_POLICY20, &policy_section, 1, None)
             .await?,
+        MeshProcess::start_config(exe, dir, SESSION_ON, &flows_section, 1, None).await?,
+        MeshProcess::start_config(baseline, dir, BASELINE_SESSION_ON, &flows_section, 1, None)
+            .await?,
     ];
-    let described: [(&'static str, &'static str); 7] = [
+    if let Some(redis) = &redis {
+        let secret = write_secret(dir)?;
+        // `[sessions]` first: the guard's table follows it.
+        let section = format!(
+            "\n[sessions]\nstore = \"redis\"\nredis_url = {:?}\nsecret_file = {:?}\n{flows_section}",
+            redis.url,
+            secret.display().to_string()
+        );
+        meshes
+            .push(MeshProcess::start_config(exe, dir, SESSION_ON_REDIS, &section, 1, None).await?);
+        meshes.push(
+            MeshProcess::start_config(baseline, dir, BASELINE_SESSION_ON_REDIS, &section, 1, None)
+                .await?,
+        );
+    }
+    let described: [(&'static str, &'static str); 11] = [
         (MESH4, "this build, 4 zero-latency guards"),
         (BASELINE_MESH4, "the baseline build, 4 zero-latency guards"),
         (RELAY4, "the relay floor: the hops to 4 zero-latency guards"),
@@ -75,6 +133,22 @@ pub(super) async fn run(
         (
             BASELINE_POLICY20,
             "the baseline build, one policy guard of 20 rules",
+        ),
+        (
+            SESSION_ON,
+            "this build, the relaybleed rules on one session's memory",
+        ),
+        (
+            BASELINE_SESSION_ON,
+            "the baseline build, the relaybleed rules on one session's memory",
+        ),
+        (
+            SESSION_ON_REDIS,
+            "this build, the relaybleed rules, the memory in Redis",
+        ),
+        (
+            BASELINE_SESSION_ON_REDIS,
+            "the baseline build, the relaybleed rules, the memory in Redis",
         ),
     ];
     let mut scenarios = Vec::with_capacity(described.len());
@@ -118,6 +192,12 @@ pub(super) fn ratios(latency: &[Latency]) -> Vec<(String, f64)> {
     pair("mesh4_vs_baseline", MESH4, BASELINE_MESH4);
     pair("no_guard_vs_baseline", NO_GUARD, BASELINE_NO_GUARD);
     pair("policy20_vs_baseline", POLICY20, BASELINE_POLICY20);
+    pair("session_on_vs_baseline", SESSION_ON, BASELINE_SESSION_ON);
+    pair(
+        "session_on_redis_vs_baseline",
+        SESSION_ON_REDIS,
+        BASELINE_SESSION_ON_REDIS,
+    );
     pair("mesh4_vs_relay_floor4", MESH4, RELAY4);
     pair("baseline_mesh4_vs_relay_floor4", BASELINE_MESH4, RELAY4);
     pair("policy20_vs_no_guard", POLICY20, NO_GUARD);

@@ -63,7 +63,7 @@ use tokio::sync::mpsc;
 use tokio::time::Instant;
 
 /// The flow policy the session scenarios run, as shipped.
-const RELAYBLEED: &str = include_str!("../../../examples/policy/relaybleed.toml");
+pub(super) const RELAYBLEED: &str = include_str!("../../../examples/policy/relaybleed.toml");
 
 /// `relaybleed.toml`'s terms on `session`, and what [`rules_off`] puts in
 /// their place: a term of the same rule on the call, the batch or the
@@ -518,9 +518,9 @@ impl SessionMesh {
 }
 
 /// A shared store's server, started by the benchmark on loopback.
-struct StoreServer {
+pub(super) struct StoreServer {
     _child: Child,
-    url: String,
+    pub(super) url: String,
 }
 
 /// An executable on `PATH`.
@@ -545,7 +545,7 @@ impl StoreServer {
 
     /// A `redis-server` on a free loopback port, nothing saved (no RDB
     /// snapshots, no append-only file), its files in `dir`.
-    async fn redis(dir: &Path) -> Result<Option<Self>, Error> {
+    pub(super) async fn redis(dir: &Path) -> Result<Option<Self>, Error> {
         let Some(bin) = executable("redis-server") else {
             return Ok(None);
         };
