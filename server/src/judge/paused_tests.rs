@@ -71,17 +71,18 @@ fn assert_took(transport: Transport, took: Duration, want: Duration, what: &str)
     }
 }
 
-/// A mesh whose guards are scripted guards, in memory or on sockets.
-struct World {
+/// A mesh whose guards are scripted guards, in memory or on sockets (also
+/// the world of the results phase's tests).
+pub(super) struct World {
     transport: Transport,
     net: Arc<ScriptedNet>,
     registry: Arc<MemoryRegistry>,
-    mesh: Arc<Mesh>,
+    pub(super) mesh: Arc<Mesh>,
     next_port: AtomicU16,
 }
 
 impl World {
-    fn new() -> Self {
+    pub(super) fn new() -> Self {
         Self::on(Transport::Scripted)
     }
 
@@ -126,7 +127,7 @@ impl World {
     }
 
     /// A scripted guard at a new endpoint.
-    fn guard(
+    pub(super) fn guard(
         &self,
         script: impl Fn(&GuardBatch) -> Vec<Step> + Send + Sync + 'static,
     ) -> (String, Arc<ScriptedGuard>) {
@@ -176,7 +177,7 @@ impl World {
         self.guard(|b| vec![Step::answer(b, Vec::new())])
     }
 
-    async fn register(&self, spec: GuardSpec) {
+    pub(super) async fn register(&self, spec: GuardSpec) {
         let admission = Admission {
             default_timeout: self.mesh.config.default_guard_timeout,
             endpoint_policy: Arc::default(),
@@ -291,7 +292,7 @@ fn mutate(name: &str, url: &str, grant: &[&str]) -> GuardSpec {
     }
 }
 
-trait SpecExt {
+pub(super) trait SpecExt {
     fn tools(self, tools: &[&str]) -> Self;
     fn policy(self, policy: FailurePolicy) -> Self;
     fn timeout(self, timeout: Duration) -> Self;
@@ -324,7 +325,7 @@ fn entry<'a>(d: &'a BatchDecision, guard: &str) -> &'a GuardTrace {
         .unwrap_or_else(|| panic!("no trace entry for {guard}: {:?}", d.trace))
 }
 
-fn status(d: &BatchDecision, guard: &str) -> TraceStatus {
+pub(super) fn status(d: &BatchDecision, guard: &str) -> TraceStatus {
     TraceStatus::try_from(entry(d, guard).status).unwrap_or(TraceStatus::Unspecified)
 }
 
