@@ -853,18 +853,9 @@ mod writer_tests {
         assert_eq!(witness.lines().count(), sealed.len());
         assert_eq!(witness.lines().last(), sealed.last().map(|l| l.as_str()));
 
-        let schema: Value =
-            serde_json::from_str(include_str!("../../../docs/decision-log.schema.json")).unwrap();
-        let validator = jsonschema::options().build(&schema).unwrap();
+        let validator = crate::decision_log::tests::schema();
         for line in &lines {
-            let value: Value = serde_json::from_str(line).unwrap();
-            let errors: Vec<String> = validator
-                .iter_errors(&value)
-                .map(|e| e.to_string())
-                .collect();
-            assert!(errors.is_empty(), "{line}\n{errors:#?}");
-            let record: LogRecord = serde_json::from_str(line).unwrap();
-            assert_eq!(&serde_json::to_string(&record).unwrap(), line);
+            crate::decision_log::tests::assert_valid_record(&validator, line);
         }
         let mut bad: Value = serde_json::from_str(&lines[0]).unwrap();
         bad["reason"] = Value::from("whenever");

@@ -230,6 +230,27 @@ fn every_kind() -> Vec<Entry> {
     ]
 }
 
+/// The decision log's JSON Schema (`docs/decision-log.schema.json`), its
+/// formats checked.
+pub(super) fn schema() -> jsonschema::Validator {
+    let schema: Value =
+        serde_json::from_str(include_str!("../../../docs/decision-log.schema.json")).unwrap();
+    jsonschema::options()
+        .should_validate_formats(true)
+        .build(&schema)
+        .unwrap()
+}
+
+/// Asserts that `line` is a record the schema accepts, and one the record
+/// type reads back and writes as the same bytes.
+pub(super) fn assert_valid_record(schema: &jsonschema::Validator, line: &str) {
+    let value: Value = serde_json::from_str(line).unwrap();
+    let errors: Vec<String> = schema.iter_errors(&value).map(|e| e.to_string()).collect();
+    assert!(errors.is_empty(), "{line}\n{errors:#?}");
+    let record: LogRecord = serde_json::from_str(line).unwrap();
+    assert_eq!(&serde_json::to_string(&record).unwrap(), line);
+}
+
 /// The lines of every log file of `dir`, in order, with their files.
 fn lines(dir: &Path) -> Vec<(PathBuf, String)> {
     segment::list(dir)
@@ -259,24 +280,11 @@ async fn r29_records_match_the_json_schema() {
     write_all(&log, every_kind()).await;
     log.close().await.unwrap();
 
-    let schema: Value =
-        serde_json::from_str(include_str!("../../../docs/decision-log.schema.json")).unwrap();
-    let validator = jsonschema::options()
-        .should_validate_formats(true)
-        .build(&schema)
-        .unwrap();
+    let validator = schema();
     let lines = lines(dir.path());
     assert_eq!(lines.len(), 7);
     for (_, line) in &lines {
-        let value: Value = serde_json::from_str(line).unwrap();
-        let errors: Vec<String> = validator
-            .iter_errors(&value)
-            .map(|e| e.to_string())
-            .collect();
-        assert!(errors.is_empty(), "{line}\n{errors:#?}");
-        // The record type reads a line back, and writes the same bytes.
-        let record: LogRecord = serde_json::from_str(line).unwrap();
-        assert_eq!(&serde_json::to_string(&record).unwrap(), line);
+        assert_valid_record(&validator, line);
     }
     // A record the schema must refuse: a field the format does not have.
     let mut extra: Value = serde_json::from_str(&lines[0].1).unwrap();
@@ -809,23 +817,11 @@ async fn r29_summaries_and_policy_registrations_match_the_json_schema() {
     ];
     write_all(&log, entries).await;
     log.close().await.unwrap();
-    let schema: Value =
-        serde_json::from_str(include_str!("../../../docs/decision-log.schema.json")).unwrap();
-    let validator = jsonschema::options()
-        .should_validate_formats(true)
-        .build(&schema)
-        .unwrap();
+    let validator = schema();
     let lines = lines(dir.path());
     assert_eq!(lines.len(), 2);
     for (_, line) in &lines {
-        let value: Value = serde_json::from_str(line).unwrap();
-        let errors: Vec<String> = validator
-            .iter_errors(&value)
-            .map(|e| e.to_string())
-            .collect();
-        assert!(errors.is_empty(), "{line}\n{errors:#?}");
-        let record: LogRecord = serde_json::from_str(line).unwrap();
-        assert_eq!(&serde_json::to_string(&record).unwrap(), line);
+        assert_valid_record(&validator, line);
     }
     let change: Value = serde_json::from_str(&lines[1].1).unwrap();
     assert_eq!(
