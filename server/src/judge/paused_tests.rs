@@ -17,7 +17,8 @@
 
 use super::{BatchError, TraceContext};
 use crate::link::scripted::{
-    ScriptedGuard, ScriptedNet, Step, cancel, proceed, rewrite, serve_on_loopback, skip, steer,
+    ScriptedGuard, ScriptedNet, Step, Transport, cancel, on_both_transports, proceed, rewrite,
+    serve_on_loopback, skip, steer,
 };
 use crate::link::transport::GuardTransport;
 use crate::registry::{Admission, MemoryRegistry, Registry, admit_blocking};
@@ -49,26 +50,6 @@ fn fast_config() -> MeshConfig {
 fn restart_config(config: &mut MeshConfig) {
     config.link.circuit_failures = 5;
     config.link.circuit_open_for = ms(300);
-}
-
-/// Which transport a scenario's guards are reached over.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum Transport {
-    /// Scripted guards in memory, in paused time: every duration exact.
-    Scripted,
-    /// The same scripted guards served on loopback sockets
-    /// ([`serve_on_loopback`]), reached by the mesh's own gRPC transport,
-    /// in real time.
-    Socket,
-}
-
-/// Asserts that something took `want`: exactly in paused time; no less on
-/// sockets, whose clock is real (their tests assert outcomes and order).
-fn assert_took(transport: Transport, took: Duration, want: Duration, what: &str) {
-    match transport {
-        Transport::Scripted => assert_eq!(took, want, "{what}"),
-        Transport::Socket => assert!(took >= want, "{what}: {took:?} < {want:?}"),
-    }
 }
 
 /// A mesh whose guards are scripted guards, in memory or on sockets (also
@@ -144,19 +125,16 @@ impl World {
         }
     }
 
-    /// Lets the spawned tasks (links, guards' streams) run: 1 ms of virtual
-    /// time, or 100 ms on sockets.
+    /// Lets the spawned tasks (links, guards' streams) run (see
+    /// [`Transport::settle`]).
     async fn settle(&self) {
-        match self.transport {
-            Transport::Scripted => settle().await,
-            Transport::Socket => tokio::time::sleep(ms(100)).await,
-        }
+        self.transport.settle().await;
     }
 
     /// Asserts that what began at `started` took `want` (see
-    /// [`assert_took`]).
+    /// [`Transport::assert_took`]).
     fn took(&self, started: Instant, want: Duration, what: &str) {
-        assert_took(self.transport, started.elapsed(), want, what);
+        self.transport.assert_took(started.elapsed(), want, what);
     }
 
     /// Asserts the deadline a guard was told (R14): `want` exactly in
@@ -1339,30 +1317,6 @@ async fn r5_early_veto_answers_and_cancels_the_slow_later_guard() {
 // Scenarios on both transports
 // ---------------------------------------------------------------------------
 
-/// Runs each scenario twice: as a paused-time test of its name over scripted
-/// guards, and as `on_a_socket::` that name over the same guards served on
-/// loopback sockets and reached by the mesh's gRPC transport.
-macro_rules! on_both_transports {
-    ($($name:ident),* $(,)?) => {
-        $(
-            #[tokio::test(start_paused = true)]
-            async fn $name() {
-                scenarios::$name(Transport::Scripted).await;
-            }
-        )*
-
-        mod on_a_socket {
-            use super::{Transport, scenarios};
-            $(
-                #[tokio::test]
-                async fn $name() {
-                    scenarios::$name(Transport::Socket).await;
-                }
-            )*
-        }
-    };
-}
-
 on_both_transports!(
     r13_closed_port_blocks_under_fail_closed_and_is_bypassed_under_fail_open,
     r13_endpoint_that_refuses_the_judge_stream_blocks_under_fail_closed,
@@ -1495,8 +1449,7 @@ mod scenarios {
             let (d, took) = partial_then_close_batch(transport, false, policy).await;
             let d = d.unwrap_or_else(|e| panic!("{what}: {e}"));
             assert_partial_then_close(&d, policy, &what);
-            assert_took(
-                transport,
+            transport.assert_took(
                 took,
                 ms(40),
                 &format!("{what}: decided when the stream ended"),
@@ -1506,7 +1459,7 @@ mod scenarios {
         let err = err.expect_err("abort: the whole batch is refused");
         assert_eq!(err.status().code(), tonic::Code::Unavailable, "{err}");
         assert!(err.to_string().contains("\"g\""), "{err}");
-        assert_took(transport, took, ms(40), "abort");
+        transport.assert_took(took, ms(40), "abort");
     }
 
     /// Mirrors
@@ -1519,7 +1472,7 @@ mod scenarios {
             let (d, took) = partial_then_close_batch(transport, true, policy).await;
             let d = d.unwrap_or_else(|e| panic!("{what}: {e}"));
             assert_partial_then_close(&d, policy, &what);
-            assert_took(transport, took, ms(40), &what);
+            transport.assert_took(took, ms(40), &what);
         }
     }
 
@@ -1645,8 +1598,7 @@ mod scenarios {
         assert!(proceeds(&d.decisions[0]), "{:?}", d.decisions[0]);
         world.took(started, ms(300), "decided after");
         // R10: the second is asked once the first has answered.
-        assert_took(
-            transport,
+        transport.assert_took(
             second.read_at()[0] - first.read_at()[0],
             ms(300),
             "R10: the second once the first answered",

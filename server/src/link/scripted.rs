@@ -38,6 +38,67 @@ use tokio::sync::mpsc;
 use tokio::time::Instant;
 use tokio_stream::wrappers::UnboundedReceiverStream;
 
+/// Which transport a scenario's scripted guards are reached over: a
+/// scenario written once runs on both (see [`on_both_transports`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Transport {
+    /// In memory ([`ScriptedNet`]), in paused time: every duration exact.
+    Scripted,
+    /// On loopback sockets ([`serve_on_loopback`]), reached by the mesh's
+    /// own gRPC transport, in real time.
+    Socket,
+}
+
+impl Transport {
+    /// Asserts that something took `want`: exactly in paused time; no less
+    /// on sockets, whose clock is real (there, a scenario asserts outcomes
+    /// and order, not durations).
+    pub fn assert_took(self, took: Duration, want: Duration, what: &str) {
+        match self {
+            Self::Scripted => assert_eq!(took, want, "{what}"),
+            Self::Socket => assert!(took >= want, "{what}: {took:?} < {want:?}"),
+        }
+    }
+
+    /// Lets the spawned tasks (links, guards' streams) run: 1 ms of virtual
+    /// time, or 100 ms on sockets.
+    pub async fn settle(self) {
+        tokio::time::sleep(match self {
+            Self::Scripted => Duration::from_millis(1),
+            Self::Socket => Duration::from_millis(100),
+        })
+        .await;
+    }
+}
+
+/// Runs each named scenario of the module `scenarios` (an `async fn` taking
+/// a [`Transport`]) twice: as a paused-time test of its name over scripted
+/// guards in memory, and as `on_a_socket::` that name over the same guards
+/// on loopback sockets.
+#[cfg(test)]
+macro_rules! on_both_transports {
+    ($($name:ident),* $(,)?) => {
+        $(
+            #[tokio::test(start_paused = true)]
+            async fn $name() {
+                scenarios::$name($crate::link::scripted::Transport::Scripted).await;
+            }
+        )*
+
+        mod on_a_socket {
+            use super::scenarios;
+            $(
+                #[tokio::test]
+                async fn $name() {
+                    scenarios::$name($crate::link::scripted::Transport::Socket).await;
+                }
+            )*
+        }
+    };
+}
+#[cfg(test)]
+pub(crate) use on_both_transports;
+
 /// What a scripted guard does about a batch, `after` it read it.
 #[derive(Debug, Clone)]
 pub enum Step {
