@@ -131,6 +131,15 @@ impl World {
         self.transport.settle().await;
     }
 
+    /// Sleeps `pause`, and on sockets at least 100 ms: time for what is
+    /// sent to reach the guards.
+    async fn sleep_at_least(&self, pause: Duration) {
+        match self.transport {
+            Transport::Scripted => tokio::time::sleep(pause).await,
+            Transport::Socket => tokio::time::sleep(pause.max(ms(100))).await,
+        }
+    }
+
     /// Asserts that what began at `started` took `want` (see
     /// [`Transport::assert_took`]).
     fn took(&self, started: Instant, want: Duration, what: &str) {
@@ -772,69 +781,6 @@ async fn r15_killed_guard_fails_per_policy_while_down_then_judges_again() {
     }
 }
 
-/// Paused-time version of
-/// `faults::restart_guard_process_killed_with_a_batch_in_flight_fails_that_batch_per_policy`.
-#[tokio::test(start_paused = true)]
-async fn r13_guard_killed_with_a_batch_in_flight_fails_that_batch_at_once() {
-    let world = World::new();
-    let (proc_url, process) = world.guard(|b| vec![Step::answer(b, Vec::new()).after(ms(20_000))]);
-    let (probe_url, probe) = world.proceed_guard();
-    world
-        .register(
-            validate("proc", &proc_url)
-                .policy(FailurePolicy::FailClosed)
-                .timeout(Duration::from_secs(30)),
-        )
-        .await;
-    world.register(validate("probe", &probe_url)).await;
-    let started = Instant::now();
-    let batch = world.spawn(
-        Batch::new(0)
-            .call("c1", "t", "{}")
-            .timeout(Duration::from_secs(30)),
-    );
-    tokio::time::sleep(ms(10)).await;
-    assert_eq!((probe.requests(), process.requests()), (1, 1));
-    assert!(!batch.is_finished());
-    process.kill();
-    let d = batch.await.unwrap().expect("a decision, not an error");
-    assert_eq!(started.elapsed(), ms(10), "at once, not at its deadline");
-    assert_failure_cancel(&d.decisions[0], "proc", "killed mid-batch");
-    assert_eq!(status(&d, "proc"), TraceStatus::Failed);
-}
-
-/// Paused-time version of
-/// `rules::r15_a_killed_guard_keeps_failing_until_deregistered`.
-#[tokio::test(start_paused = true)]
-async fn r15_a_killed_guard_keeps_failing_until_deregistered() {
-    let world = World::new();
-    let (url, guard) = world.proceed_guard();
-    world.register(validate("g", &url).timeout(ms(300))).await;
-    let d = world
-        .evaluate(Batch::new(0).call("c", "t", "{}"))
-        .await
-        .unwrap();
-    assert_eq!(status(&d, "g"), TraceStatus::Proceeded);
-    guard.kill();
-    for turn in 1..5 {
-        let d = world
-            .evaluate(Batch::new(turn).call("c", "t", "{}"))
-            .await
-            .unwrap();
-        assert_failure_cancel(&d.decisions[0], "g", &format!("turn {turn}"));
-        assert_eq!(status(&d, "g"), TraceStatus::Failed);
-        tokio::time::sleep(ms(100)).await;
-    }
-    assert_eq!(world.registry.chain().guards.len(), 1, "still in the chain");
-    assert!(world.registry.deregister("g".into()).await.unwrap().removed);
-    let d = world
-        .evaluate(Batch::new(9).call("c", "t", "{}"))
-        .await
-        .unwrap();
-    assert!(proceeds(&d.decisions[0]));
-    assert!(d.trace.is_empty());
-}
-
 // ---------------------------------------------------------------------------
 // R23: a verdict the mesh cannot read is not a proceed
 // ---------------------------------------------------------------------------
@@ -1341,6 +1287,8 @@ on_both_transports!(
     r9_guard_receives_only_the_calls_it_applies_to,
     r12_a_mutate_skip_is_final_and_later_guards_never_see_the_call,
     r17_registration_during_a_batch_applies_from_the_next,
+    r13_guard_killed_with_a_batch_in_flight_fails_that_batch_at_once,
+    r15_a_killed_guard_keeps_failing_until_deregistered,
 );
 
 /// The scenarios run on both transports, each written once.
@@ -2206,5 +2154,69 @@ mod scenarios {
         assert_eq!(next.trace.len(), 2);
         assert!(next.chain_revision > d.chain_revision);
         assert_eq!(veto.requests(), 1);
+    }
+
+    /// Mirrors
+    /// `faults::restart_guard_process_killed_with_a_batch_in_flight_fails_that_batch_per_policy`.
+    pub(super) async fn r13_guard_killed_with_a_batch_in_flight_fails_that_batch_at_once(
+        transport: Transport,
+    ) {
+        let world = World::on(transport);
+        let (proc_url, process) =
+            world.guard(|b| vec![Step::answer(b, Vec::new()).after(ms(20_000))]);
+        let (probe_url, probe) = world.proceed_guard();
+        world
+            .register(
+                validate("proc", &proc_url)
+                    .policy(FailurePolicy::FailClosed)
+                    .timeout(Duration::from_secs(30)),
+            )
+            .await;
+        world.register(validate("probe", &probe_url)).await;
+        let started = Instant::now();
+        let batch = world.spawn(
+            Batch::new(0)
+                .call("c1", "t", "{}")
+                .timeout(Duration::from_secs(30)),
+        );
+        world.sleep_at_least(ms(10)).await;
+        assert_eq!((probe.requests(), process.requests()), (1, 1));
+        assert!(!batch.is_finished());
+        process.kill();
+        let d = batch.await.unwrap().expect("a decision, not an error");
+        world.took(started, ms(10), "at once, not at its deadline");
+        assert_failure_cancel(&d.decisions[0], "proc", "killed mid-batch");
+        assert_eq!(status(&d, "proc"), TraceStatus::Failed);
+    }
+
+    /// Mirrors
+    /// `rules::r15_a_killed_guard_keeps_failing_until_deregistered`.
+    pub(super) async fn r15_a_killed_guard_keeps_failing_until_deregistered(transport: Transport) {
+        let world = World::on(transport);
+        let (url, guard) = world.proceed_guard();
+        world.register(validate("g", &url).timeout(ms(300))).await;
+        let d = world
+            .evaluate(Batch::new(0).call("c", "t", "{}"))
+            .await
+            .unwrap();
+        assert_eq!(status(&d, "g"), TraceStatus::Proceeded);
+        guard.kill();
+        for turn in 1..5 {
+            let d = world
+                .evaluate(Batch::new(turn).call("c", "t", "{}"))
+                .await
+                .unwrap();
+            assert_failure_cancel(&d.decisions[0], "g", &format!("turn {turn}"));
+            assert_eq!(status(&d, "g"), TraceStatus::Failed);
+            tokio::time::sleep(ms(100)).await;
+        }
+        assert_eq!(world.registry.chain().guards.len(), 1, "still in the chain");
+        assert!(world.registry.deregister("g".into()).await.unwrap().removed);
+        let d = world
+            .evaluate(Batch::new(9).call("c", "t", "{}"))
+            .await
+            .unwrap();
+        assert!(proceeds(&d.decisions[0]));
+        assert!(d.trace.is_empty());
     }
 }
