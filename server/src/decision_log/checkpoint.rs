@@ -642,6 +642,20 @@ pub(crate) fn log_holds(dir: &Path, next_seq: u64, seq: u64, hash: &str) -> Resu
 mod tests {
     use super::*;
 
+    /// The checkpoint line `sealer` writes at `seq` after `prev`, sealed
+    /// for a count, in file `decisions-0.jsonl` of mesh `m`.
+    pub(super) fn count_checkpoint(sealer: &Sealer, seq: u64, prev: &str) -> Vec<u8> {
+        sealer
+            .line(
+                seq,
+                prev,
+                "m",
+                "decisions-0.jsonl",
+                SealKind::Checkpoint("count"),
+            )
+            .unwrap()
+    }
+
     #[test]
     fn r29_a_checkpoint_line_verifies_and_any_change_breaks_it() {
         let dir = tempfile::tempdir().unwrap();
@@ -658,15 +672,7 @@ mod tests {
         assert_eq!(key_id(&public), new.key_id);
         let sealer = Sealer::open(&SealConfig::new(&key_path)).unwrap();
         let prev = chain::sha256_hex(b"x");
-        let line = sealer
-            .line(
-                7,
-                &prev,
-                "m",
-                "decisions-0.jsonl",
-                SealKind::Checkpoint("count"),
-            )
-            .unwrap();
+        let line = count_checkpoint(&sealer, 7, &prev);
         let sealed = check_line(&line, &public).unwrap().unwrap();
         assert_eq!((sealed.seq, sealed.reason.as_str()), (7, "count"));
         // Another key refuses it.
@@ -1022,28 +1028,12 @@ mod writer_tests {
         let n = 200u32;
         let (cpu0, wall0) = (cpu(), std::time::Instant::now());
         for seq in 0..u64::from(n) {
-            let line = sealer
-                .line(
-                    seq,
-                    &prev,
-                    "m",
-                    "decisions-0.jsonl",
-                    SealKind::Checkpoint("count"),
-                )
-                .unwrap();
+            let line = super::tests::count_checkpoint(&sealer, seq, &prev);
             std::hint::black_box(&line);
         }
         let sign = (cpu() - cpu0) / n;
         let sign_wall = wall0.elapsed() / n;
-        let line = sealer
-            .line(
-                0,
-                &prev,
-                "m",
-                "decisions-0.jsonl",
-                SealKind::Checkpoint("count"),
-            )
-            .unwrap();
+        let line = super::tests::count_checkpoint(&sealer, 0, &prev);
         let (cpu0, wall0) = (cpu(), std::time::Instant::now());
         for _ in 0..n {
             sealer.publish(&setup.log, &line).unwrap();

@@ -668,16 +668,23 @@ async fn r29_a_log_path_that_is_a_file_is_refused_at_open() {
     assert!(err.to_string().contains("not a directory"), "{err}");
 }
 
-#[tokio::test]
-async fn r29_a_rotation_that_cannot_create_its_file_fails_the_record_then_recovers() {
-    let dir = tempfile::tempdir().unwrap();
+/// A log in `dir` that starts a new file for each record, its first
+/// record (`b0`) written.
+async fn one_record_per_file(dir: &Path) -> DecisionLog {
     let log = DecisionLog::open(LogConfig {
         max_file_bytes: 1,
-        ..config(dir.path())
+        ..config(dir)
     })
     .await
     .unwrap();
     log.append(zero_calls("b0")).await.unwrap();
+    log
+}
+
+#[tokio::test]
+async fn r29_a_rotation_that_cannot_create_its_file_fails_the_record_then_recovers() {
+    let dir = tempfile::tempdir().unwrap();
+    let log = one_record_per_file(dir.path()).await;
     // The next file's name is taken by a directory.
     let blocker = dir.path().join(segment::file_name(1));
     fs::create_dir(&blocker).unwrap();
@@ -694,13 +701,7 @@ async fn r29_a_rotation_that_cannot_create_its_file_fails_the_record_then_recove
 async fn r29_a_directory_that_goes_away_fails_the_record() {
     let dir = tempfile::tempdir().unwrap();
     let logdir = dir.path().join("log");
-    let log = DecisionLog::open(LogConfig {
-        max_file_bytes: 1,
-        ..config(&logdir)
-    })
-    .await
-    .unwrap();
-    log.append(zero_calls("b0")).await.unwrap();
+    let log = one_record_per_file(&logdir).await;
     fs::remove_dir_all(&logdir).unwrap();
     assert!(log.append(zero_calls("b1")).await.is_err());
 }
@@ -715,13 +716,7 @@ async fn r29_a_read_only_directory_fails_the_record() {
         return;
     }
     let dir = tempfile::tempdir().unwrap();
-    let log = DecisionLog::open(LogConfig {
-        max_file_bytes: 1,
-        ..config(dir.path())
-    })
-    .await
-    .unwrap();
-    log.append(zero_calls("b0")).await.unwrap();
+    let log = one_record_per_file(dir.path()).await;
     fs::set_permissions(dir.path(), fs::Permissions::from_mode(0o555)).unwrap();
     let result = log.append(zero_calls("b1")).await;
     fs::set_permissions(dir.path(), fs::Permissions::from_mode(0o755)).unwrap();
