@@ -512,62 +512,6 @@ fn never(_: &GuardBatch) -> Vec<Step> {
     Vec::new()
 }
 
-/// Paused-time version of
-/// `faults::hang_guard_for_some_tools_does_not_delay_batches_that_do_not_need_it`.
-#[tokio::test(start_paused = true)]
-async fn r9_r19_held_guard_for_some_tools_does_not_delay_batches_that_do_not_need_it() {
-    let world = World::new();
-    let (held_url, held) = world.guard(|b| vec![Step::answer(b, Vec::new()).after(ms(50_000))]);
-    let (other_url, _other) = world.proceed_guard();
-    world
-        .register(
-            validate("held", &held_url)
-                .tools(&["slow.*"])
-                .timeout(Duration::from_secs(60)),
-        )
-        .await;
-    world.register(validate("other", &other_url)).await;
-    let started = Instant::now();
-    let slow = world.spawn(
-        Batch::new(0)
-            .call("s1", "slow.op", "{}")
-            .timeout(Duration::from_secs(60)),
-    );
-    settle().await;
-    assert_eq!(held.requests(), 1, "the slow batch reached the held guard");
-    for i in 0..10 {
-        let fast_started = Instant::now();
-        let d = world
-            .evaluate(
-                Batch::new(1 + i)
-                    .call(&format!("f{i}"), "fast.op", "{}")
-                    .client(i % 2),
-            )
-            .await
-            .unwrap();
-        assert_eq!(fast_started.elapsed(), Duration::ZERO, "fast batch {i}");
-        assert!(!slow.is_finished(), "fast batch {i} before the slow one");
-        assert!(proceeds(&d.decisions[0]));
-        assert_eq!(status(&d, "held"), TraceStatus::NotApplicable);
-    }
-    let mixed = world.spawn(
-        Batch::new(50)
-            .call("m1", "fast.op", "{}")
-            .call("m2", "slow.op", "{}")
-            .timeout(Duration::from_secs(60)),
-    );
-    settle().await;
-    assert_eq!(held.requests(), 2);
-    assert!(!mixed.is_finished());
-    let d = slow.await.unwrap().unwrap();
-    assert_eq!(started.elapsed(), ms(50_000), "the held guard's own delay");
-    assert!(proceeds(&d.decisions[0]));
-    assert_eq!(status(&d, "held"), TraceStatus::Proceeded);
-    let d = mixed.await.unwrap().unwrap();
-    assert!(d.decisions.iter().all(proceeds));
-    assert_eq!(status(&d, "held"), TraceStatus::Proceeded);
-}
-
 // ---------------------------------------------------------------------------
 // Spurious answers
 // ---------------------------------------------------------------------------
@@ -1228,37 +1172,6 @@ async fn r13_circuit_open_under_fail_open_is_recorded_as_bypass() {
 // Order and early answers (R1, R3-R5, R8, R9, R12, R17)
 // ---------------------------------------------------------------------------
 
-/// Paused-time version of
-/// `rules::r5_early_veto_answers_and_cancels_the_slow_later_guard`.
-#[tokio::test(start_paused = true)]
-async fn r5_early_veto_answers_and_cancels_the_slow_later_guard() {
-    let world = World::new();
-    let (veto_url, _veto) =
-        world.guard(|b| vec![Step::answer(b, vec![cancel(&b.calls[0].call_id, "denied")])]);
-    let (slow_url, slow) = world.guard(|b| vec![Step::answer(b, Vec::new()).after(ms(10_000))]);
-    world.register(validate("veto", &veto_url)).await;
-    world
-        .register(validate("slow", &slow_url).timeout(Duration::from_secs(20)))
-        .await;
-    let started = Instant::now();
-    let d = world
-        .evaluate(
-            Batch::new(0)
-                .call("c1", "t", "{}")
-                .timeout(Duration::from_secs(30)),
-        )
-        .await
-        .unwrap();
-    assert_eq!(started.elapsed(), Duration::ZERO, "answered at the veto");
-    assert_eq!(d.decisions[0].decided_by, "veto");
-    assert_eq!(status(&d, "slow"), TraceStatus::Superseded);
-    settle().await;
-    assert_eq!(slow.requests(), 1);
-    assert_eq!(slow.cancels(), [slow.batches()[0].request_id]);
-    tokio::time::sleep(Duration::from_secs(20)).await;
-    assert_eq!(slow.answered(), 0, "the cancelled work never answered");
-}
-
 // ---------------------------------------------------------------------------
 // Scenarios on both transports
 // ---------------------------------------------------------------------------
@@ -1289,6 +1202,8 @@ on_both_transports!(
     r17_registration_during_a_batch_applies_from_the_next,
     r13_guard_killed_with_a_batch_in_flight_fails_that_batch_at_once,
     r15_a_killed_guard_keeps_failing_until_deregistered,
+    r9_r19_held_guard_for_some_tools_does_not_delay_batches_that_do_not_need_it,
+    r5_early_veto_answers_and_cancels_the_slow_later_guard,
 );
 
 /// The scenarios run on both transports, each written once.
@@ -2218,5 +2133,94 @@ mod scenarios {
             .unwrap();
         assert!(proceeds(&d.decisions[0]));
         assert!(d.trace.is_empty());
+    }
+
+    /// Mirrors
+    /// `faults::hang_guard_for_some_tools_does_not_delay_batches_that_do_not_need_it`.
+    pub(super) async fn r9_r19_held_guard_for_some_tools_does_not_delay_batches_that_do_not_need_it(
+        transport: Transport,
+    ) {
+        let world = World::on(transport);
+        let (held_url, held) = world.guard(|b| vec![Step::answer(b, Vec::new()).after(ms(2_000))]);
+        let (other_url, _other) = world.proceed_guard();
+        world
+            .register(
+                validate("held", &held_url)
+                    .tools(&["slow.*"])
+                    .timeout(Duration::from_secs(60)),
+            )
+            .await;
+        world.register(validate("other", &other_url)).await;
+        let started = Instant::now();
+        let slow = world.spawn(
+            Batch::new(0)
+                .call("s1", "slow.op", "{}")
+                .timeout(Duration::from_secs(60)),
+        );
+        world.settle().await;
+        assert_eq!(held.requests(), 1, "the slow batch reached the held guard");
+        for i in 0..10 {
+            let fast_started = Instant::now();
+            let d = world
+                .evaluate(
+                    Batch::new(1 + i)
+                        .call(&format!("f{i}"), "fast.op", "{}")
+                        .client(i % 2),
+                )
+                .await
+                .unwrap();
+            world.took(fast_started, Duration::ZERO, &format!("fast batch {i}"));
+            assert!(!slow.is_finished(), "fast batch {i} before the slow one");
+            assert!(proceeds(&d.decisions[0]));
+            assert_eq!(status(&d, "held"), TraceStatus::NotApplicable);
+        }
+        let mixed = world.spawn(
+            Batch::new(50)
+                .call("m1", "fast.op", "{}")
+                .call("m2", "slow.op", "{}")
+                .timeout(Duration::from_secs(60)),
+        );
+        world.settle().await;
+        assert_eq!(held.requests(), 2);
+        assert!(!mixed.is_finished());
+        let d = slow.await.unwrap().unwrap();
+        world.took(started, ms(2_000), "the held guard's own delay");
+        assert!(proceeds(&d.decisions[0]));
+        assert_eq!(status(&d, "held"), TraceStatus::Proceeded);
+        let d = mixed.await.unwrap().unwrap();
+        assert!(d.decisions.iter().all(proceeds));
+        assert_eq!(status(&d, "held"), TraceStatus::Proceeded);
+    }
+
+    /// Mirrors
+    /// `rules::r5_early_veto_answers_and_cancels_the_slow_later_guard`.
+    pub(super) async fn r5_early_veto_answers_and_cancels_the_slow_later_guard(
+        transport: Transport,
+    ) {
+        let world = World::on(transport);
+        let (veto_url, _veto) =
+            world.guard(|b| vec![Step::answer(b, vec![cancel(&b.calls[0].call_id, "denied")])]);
+        let (slow_url, slow) = world.guard(|b| vec![Step::answer(b, Vec::new()).after(ms(1_000))]);
+        world.register(validate("veto", &veto_url)).await;
+        world
+            .register(validate("slow", &slow_url).timeout(Duration::from_secs(20)))
+            .await;
+        let started = Instant::now();
+        let d = world
+            .evaluate(
+                Batch::new(0)
+                    .call("c1", "t", "{}")
+                    .timeout(Duration::from_secs(30)),
+            )
+            .await
+            .unwrap();
+        world.took(started, Duration::ZERO, "answered at the veto");
+        assert_eq!(d.decisions[0].decided_by, "veto");
+        assert_eq!(status(&d, "slow"), TraceStatus::Superseded);
+        world.settle().await;
+        assert_eq!(slow.requests(), 1);
+        assert_eq!(slow.cancels(), [slow.batches()[0].request_id]);
+        tokio::time::sleep(Duration::from_secs(2)).await;
+        assert_eq!(slow.answered(), 0, "the cancelled work never answered");
     }
 }
