@@ -703,9 +703,7 @@ mod writer_tests {
     use serde_json::Value;
 
     use super::*;
-    use crate::decision_log::record::{
-        Action, BatchRecord, CallDecisionRecord, Caller, DecisionRecord, Outcome,
-    };
+    use crate::decision_log::record::{Action, BatchRecord, Caller, DecisionRecord, Outcome};
     use crate::decision_log::{DecisionLog, LogConfig, VerifyOptions, verify_with};
 
     fn decision(batch_id: &str, action: Action) -> Entry {
@@ -721,17 +719,7 @@ mod writer_tests {
                 calls: Vec::new(),
             },
             chain_revision: Some(1),
-            decisions: vec![CallDecisionRecord {
-                call_id: "c1".to_owned(),
-                action,
-                call: None,
-                content: None,
-                decided_by: None,
-                rule: None,
-                failure: false,
-                rewritten_by: Vec::new(),
-                bypassed: Vec::new(),
-            }],
+            decisions: vec![crate::decision_log::tests::call_decision("c1", action)],
             trace: Vec::new(),
             trace_id: None,
             outcome: Outcome::decided(),

@@ -699,6 +699,7 @@ mod tests {
     use crate::decision_log::record::{
         Action, BatchRecord, CallDecisionRecord, GuardRole, GuardTraceRecord, Outcome, TraceStatus,
     };
+    use crate::decision_log::tests::{bare_trace, call_decision};
 
     /// The record of `batch` with one call decision and one guard's trace.
     fn one_call_entry(
@@ -716,39 +717,6 @@ mod tests {
             trace_id: None,
             outcome,
         })
-    }
-
-    /// A decision on `call_id` of `action`, nothing else said.
-    fn decided(call_id: &str, action: Action) -> CallDecisionRecord {
-        CallDecisionRecord {
-            call_id: call_id.into(),
-            action,
-            call: None,
-            content: None,
-            decided_by: None,
-            rule: None,
-            failure: false,
-            rewritten_by: vec![],
-            bypassed: vec![],
-        }
-    }
-
-    /// Validate guard `g`'s trace with `status`, nothing else said.
-    fn traced(status: TraceStatus) -> GuardTraceRecord {
-        GuardTraceRecord {
-            guard: "g".into(),
-            role: GuardRole::Validate,
-            status,
-            latency_us: 1,
-            sent_call_ids: vec![],
-            skipped_call_ids: vec![],
-            rewritten_call_ids: vec![],
-            error: None,
-            dry_run_status: None,
-            replica: None,
-            labels: vec![],
-            refused_labels: 0,
-        }
     }
 
     fn masked(rules: &[&str], mut value: Value) -> (Value, u32) {
@@ -864,13 +832,13 @@ mod tests {
             CallDecisionRecord {
                 content: Some("your pin 4242-77 is wrong".into()),
                 decided_by: Some("g".into()),
-                ..decided("c1", Action::Steer)
+                ..call_decision("c1", Action::Steer)
             },
             GuardTraceRecord {
                 error: Some(
                     "Overflow: Int(9223372036854775807) + 1; saw \"tok\\\"en\" at Key-Name".into(),
                 ),
-                ..traced(TraceStatus::Failed)
+                ..bare_trace("g", TraceStatus::Failed)
             },
             Outcome::refused(3, "duplicate member name \"Key-Name\" at $.auth"),
         );
@@ -911,13 +879,13 @@ mod tests {
                 call: Some(rewritten),
                 content: Some(format!("saw {aws}")),
                 rewritten_by: vec!["g".into()],
-                ..decided("c1", Action::Proceed)
+                ..call_decision("c1", Action::Proceed)
             },
             GuardTraceRecord {
                 role: GuardRole::Mutate,
                 error: Some(format!("bad value {stripe}")),
                 labels: vec![format!("seen:{aws}")],
-                ..traced(TraceStatus::Failed)
+                ..bare_trace("g", TraceStatus::Failed)
             },
             Outcome::refused(3, format!("near {aws}")),
         );
@@ -955,13 +923,13 @@ mod tests {
             batch,
             CallDecisionRecord {
                 call: Some(CallRecord::from_text(aws, "t", "{}")),
-                ..decided(aws, Action::Proceed)
+                ..call_decision(aws, Action::Proceed)
             },
             GuardTraceRecord {
                 sent_call_ids: vec![aws.into()],
                 skipped_call_ids: vec![aws.into()],
                 rewritten_call_ids: vec![github.into()],
-                ..traced(TraceStatus::Proceeded)
+                ..bare_trace("g", TraceStatus::Proceeded)
             },
             Outcome::decided(),
         );

@@ -37,11 +37,20 @@ fn batch(batch_id: &str, calls: Vec<CallRecord>) -> BatchRecord {
 
 fn trace(guard: &str, status: TraceStatus) -> GuardTraceRecord {
     GuardTraceRecord {
+        latency_us: 412,
+        sent_call_ids: vec!["c1".to_owned()],
+        ..bare_trace(guard, status)
+    }
+}
+
+/// Validate guard `guard`'s trace with `status` (1 µs), nothing else said.
+pub(super) fn bare_trace(guard: &str, status: TraceStatus) -> GuardTraceRecord {
+    GuardTraceRecord {
         guard: guard.to_owned(),
         role: GuardRole::Validate,
         status,
-        latency_us: 412,
-        sent_call_ids: vec!["c1".to_owned()],
+        latency_us: 1,
+        sent_call_ids: Vec::new(),
         skipped_call_ids: Vec::new(),
         rewritten_call_ids: Vec::new(),
         error: None,
@@ -49,6 +58,21 @@ fn trace(guard: &str, status: TraceStatus) -> GuardTraceRecord {
         replica: None,
         labels: Vec::new(),
         refused_labels: 0,
+    }
+}
+
+/// A decision on `call_id` of `action`, nothing else said.
+pub(super) fn call_decision(call_id: &str, action: Action) -> CallDecisionRecord {
+    CallDecisionRecord {
+        call_id: call_id.to_owned(),
+        action,
+        call: None,
+        content: None,
+        decided_by: None,
+        rule: None,
+        failure: false,
+        rewritten_by: Vec::new(),
+        bypassed: Vec::new(),
     }
 }
 
