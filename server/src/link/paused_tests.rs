@@ -8,8 +8,8 @@
 
 use super::dial::GuardConnector;
 use super::scripted::{
-    ScriptedGuard, ScriptedNet, Step, Transport, on_both_transports, proceed, serve_on_loopback,
-    steer,
+    ScriptedGuard, ScriptedNet, Step, Transport, on_both_transports, proceed, quick_redials,
+    serve_on_loopback, steer,
 };
 use super::transport::GuardTransport;
 use super::{GuardFailure, GuardLink, LinkConfig, LinkEvent, NotSent, wire};
@@ -49,11 +49,7 @@ fn rig_on(
     script: impl Fn(&GuardBatch) -> Vec<Step> + Send + Sync + 'static,
 ) -> Rig {
     let guard = ScriptedGuard::new(script);
-    let mut config = LinkConfig {
-        backoff_initial: ms(20),
-        backoff_max: ms(200),
-        ..LinkConfig::default()
-    };
+    let mut config = quick_redials();
     change(&mut config);
     let metrics = Arc::new(Metrics::with_max_latency(Duration::from_secs(30)));
     let link = match transport {

@@ -38,6 +38,16 @@ use tokio::sync::mpsc;
 use tokio::time::Instant;
 use tokio_stream::wrappers::UnboundedReceiverStream;
 
+/// A link's settings with the integration harness's quick redials: the
+/// first pause 20 ms, the longest 200 ms.
+pub fn quick_redials() -> LinkConfig {
+    LinkConfig {
+        backoff_initial: Duration::from_millis(20),
+        backoff_max: Duration::from_millis(200),
+        ..LinkConfig::default()
+    }
+}
+
 /// Which transport a scenario's scripted guards are reached over: a
 /// scenario written once runs on both (see [`on_both_transports`]).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
