@@ -11,9 +11,11 @@
 //! transports: in paused time over the scripted guards, and in real time
 //! (`on_a_socket::`) over the same guards served on loopback sockets and
 //! reached by the mesh's own gRPC transport, where they assert outcomes and
-//! order rather than exact durations. The rest need what only the scripted
-//! transport can do (raw answers, a guard that stops reading, a killed
-//! process, minutes of virtual time) and run in paused time only.
+//! order rather than exact durations. The rest run in paused time only:
+//! they send raw answers or stop reading (which only the scripted transport
+//! can do), or depend on the moment a timer fires (a circuit's open
+//! period, a redial's probe, a recovery bound), which a real clock cannot
+//! promise.
 
 use super::{BatchError, TraceContext};
 use crate::link::scripted::{
