@@ -12,10 +12,9 @@
 //! (`on_a_socket::`) over the same guards served on loopback sockets and
 //! reached by the mesh's own gRPC transport, where they assert outcomes and
 //! order rather than exact durations. The rest run in paused time only:
-//! they send raw answers or stop reading (which only the scripted transport
-//! can do), or depend on the moment a timer fires (a circuit's open
-//! period, a redial's probe, a recovery bound), which a real clock cannot
-//! promise.
+//! they stop reading (which only the scripted transport can do), or depend
+//! on the moment a timer fires (a circuit's open period, a redial's probe,
+//! a recovery bound), which a real clock cannot promise.
 
 use super::{BatchError, TraceContext};
 use crate::link::scripted::{
@@ -775,167 +774,6 @@ mod raw_pb {
     }
 }
 
-/// Paused-time version of
-/// `faults::r23_unknown_verdict_outcome_fails_the_guard_per_its_policy`.
-#[tokio::test(start_paused = true)]
-async fn r23_unknown_verdict_outcome_fails_the_guard_per_its_policy() {
-    for variant in ["message", "varint", "partial"] {
-        let world = World::new();
-        let (url, guard) = world.guard(move |b: &GuardBatch| {
-            let verdicts: Vec<Vec<u8>> = b
-                .calls
-                .iter()
-                .map(|c| {
-                    let mut outcome = Vec::new();
-                    match variant {
-                        "message" => {
-                            let mut defer = Vec::new();
-                            raw_pb::bytes_field(&mut defer, 1, b"ask the user first");
-                            raw_pb::bytes_field(&mut outcome, 9, &defer);
-                        }
-                        "varint" => raw_pb::varint_field(&mut outcome, 9, 1),
-                        _ => raw_pb::bytes_field(&mut outcome, 9, b""),
-                    }
-                    raw_pb::verdict(&c.call_id, &outcome)
-                })
-                .collect();
-            let mut extra = Vec::new();
-            if variant == "partial" {
-                raw_pb::varint_field(&mut extra, 3, 1);
-            }
-            vec![Step::raw(raw_pb::judge_response(
-                b.request_id,
-                &verdicts,
-                &extra,
-            ))]
-        });
-        register_each_policy(&world, &url, Duration::from_secs(5)).await;
-        assert_each_policy_fails(
-            &world,
-            variant,
-            2,
-            &[TraceStatus::Failed],
-            "field 9",
-            Duration::ZERO,
-        )
-        .await;
-        assert_eq!(
-            guard.streams(),
-            3,
-            "{variant}: one per link, never reopened"
-        );
-        if variant == "partial" {
-            settle().await;
-            assert_eq!(
-                guard.cancels().len(),
-                guard.requests(),
-                "a partial answer it cannot read withdraws the request"
-            );
-        }
-    }
-}
-
-/// Paused-time version of
-/// `faults::r23_unknown_fields_outside_a_verdict_are_ignored`.
-#[tokio::test(start_paused = true)]
-async fn r23_unknown_fields_outside_a_verdict_are_ignored() {
-    let world = World::new();
-    let (url, _guard) = world.guard(|b: &GuardBatch| {
-        let verdicts: Vec<Vec<u8>> = b
-            .calls
-            .iter()
-            .filter(|c| c.tool == "fs.delete")
-            .map(|c| {
-                let mut inside = Vec::new();
-                raw_pb::bytes_field(&mut inside, 9, b"policy-17");
-                raw_pb::verdict(&c.call_id, &raw_pb::skip_outcome("no deletes", &inside))
-            })
-            .collect();
-        let mut extra = Vec::new();
-        raw_pb::bytes_field(&mut extra, 5, b"guard-version 2");
-        raw_pb::varint_field(&mut extra, 6, 42);
-        raw_pb::bytes_field(&mut extra, 1000, &[1, 2, 3]);
-        vec![Step::raw(raw_pb::judge_response(
-            b.request_id,
-            &verdicts,
-            &extra,
-        ))]
-    });
-    world
-        .register(
-            validate("g", &url)
-                .policy(FailurePolicy::FailOpen)
-                .timeout(Duration::from_secs(5)),
-        )
-        .await;
-    let d = world
-        .evaluate(
-            Batch::new(0)
-                .call("c1", "fs.delete", "{}")
-                .call("c2", "fs.read", "{}"),
-        )
-        .await
-        .unwrap();
-    assert_skip(&d.decisions[0], "g", Action::Steer, "no deletes", "outside");
-    assert!(d.decisions[0].bypassed.is_empty());
-    assert!(proceeds(&d.decisions[1]) && d.decisions[1].bypassed.is_empty());
-    assert_eq!(status(&d, "g"), TraceStatus::Skipped);
-    assert_eq!(entry(&d, "g").error, "");
-}
-
-/// Paused-time version of
-/// `faults::r23_unknown_rewrite_field_fails_a_mutate_guard_and_nothing_is_rewritten`.
-#[tokio::test(start_paused = true)]
-async fn r23_unknown_rewrite_field_fails_a_mutate_guard_and_nothing_is_rewritten() {
-    let world = World::new();
-    let (url, _guard) = world.guard(|b: &GuardBatch| {
-        let verdicts: Vec<Vec<u8>> = b
-            .calls
-            .iter()
-            .map(|c| {
-                let mut rewrite = Vec::new();
-                raw_pb::bytes_field(&mut rewrite, 2, br#"{"path":"/tmp/safe"}"#);
-                raw_pb::bytes_field(&mut rewrite, 3, b"drop: secrets");
-                let mut outcome = Vec::new();
-                raw_pb::bytes_field(&mut outcome, 3, &rewrite);
-                raw_pb::verdict(&c.call_id, &outcome)
-            })
-            .collect();
-        vec![Step::raw(raw_pb::judge_response(
-            b.request_id,
-            &verdicts,
-            &[],
-        ))]
-    });
-    let (later_url, _later) = world.proceed_guard();
-    world
-        .register(
-            mutate("m", &url, &["fs.*"])
-                .tools(&["fs.*"])
-                .policy(FailurePolicy::FailClosed)
-                .timeout(Duration::from_secs(5)),
-        )
-        .await;
-    world.register(validate("v", &later_url)).await;
-    let d = world
-        .evaluate(
-            Batch::new(0)
-                .call("c1", "fs.write", r#"{"path":"/etc/passwd"}"#)
-                .call("c2", "net.get", "{}"),
-        )
-        .await
-        .unwrap();
-    assert_failure_cancel(&d.decisions[0], "m", "unknown rewrite field");
-    assert!(d.decisions[0].rewritten_by.is_empty());
-    assert_eq!(
-        d.decisions[0].call.as_ref().map(|c| c.arguments.as_str()),
-        Some(r#"{"path":"/etc/passwd"}"#)
-    );
-    assert!(proceeds(&d.decisions[1]));
-    assert_eq!(status(&d, "m"), TraceStatus::Failed);
-    assert!(entry(&d, "m").error.contains("Rewrite field 3"));
-}
-
 // ---------------------------------------------------------------------------
 // R25: busy is not failed; not reading is
 // ---------------------------------------------------------------------------
@@ -1206,6 +1044,9 @@ on_both_transports!(
     r15_a_killed_guard_keeps_failing_until_deregistered,
     r9_r19_held_guard_for_some_tools_does_not_delay_batches_that_do_not_need_it,
     r5_early_veto_answers_and_cancels_the_slow_later_guard,
+    r23_unknown_verdict_outcome_fails_the_guard_per_its_policy,
+    r23_unknown_fields_outside_a_verdict_are_ignored,
+    r23_unknown_rewrite_field_fails_a_mutate_guard_and_nothing_is_rewritten,
 );
 
 /// The scenarios run on both transports, each written once.
@@ -2224,5 +2065,167 @@ mod scenarios {
         assert_eq!(slow.cancels(), [slow.batches()[0].request_id]);
         tokio::time::sleep(Duration::from_secs(2)).await;
         assert_eq!(slow.answered(), 0, "the cancelled work never answered");
+    }
+
+    /// Mirrors
+    /// `faults::r23_unknown_verdict_outcome_fails_the_guard_per_its_policy`.
+    pub(super) async fn r23_unknown_verdict_outcome_fails_the_guard_per_its_policy(
+        transport: Transport,
+    ) {
+        for variant in ["message", "varint", "partial"] {
+            let world = World::on(transport);
+            let (url, guard) = world.guard(move |b: &GuardBatch| {
+                let verdicts: Vec<Vec<u8>> = b
+                    .calls
+                    .iter()
+                    .map(|c| {
+                        let mut outcome = Vec::new();
+                        match variant {
+                            "message" => {
+                                let mut defer = Vec::new();
+                                raw_pb::bytes_field(&mut defer, 1, b"ask the user first");
+                                raw_pb::bytes_field(&mut outcome, 9, &defer);
+                            }
+                            "varint" => raw_pb::varint_field(&mut outcome, 9, 1),
+                            _ => raw_pb::bytes_field(&mut outcome, 9, b""),
+                        }
+                        raw_pb::verdict(&c.call_id, &outcome)
+                    })
+                    .collect();
+                let mut extra = Vec::new();
+                if variant == "partial" {
+                    raw_pb::varint_field(&mut extra, 3, 1);
+                }
+                vec![Step::raw(raw_pb::judge_response(
+                    b.request_id,
+                    &verdicts,
+                    &extra,
+                ))]
+            });
+            register_each_policy(&world, &url, Duration::from_secs(5)).await;
+            assert_each_policy_fails(
+                &world,
+                variant,
+                2,
+                &[TraceStatus::Failed],
+                "field 9",
+                Duration::ZERO,
+            )
+            .await;
+            assert_eq!(
+                guard.streams(),
+                3,
+                "{variant}: one per link, never reopened"
+            );
+            if variant == "partial" {
+                world.settle().await;
+                assert_eq!(
+                    guard.cancels().len(),
+                    guard.requests(),
+                    "a partial answer it cannot read withdraws the request"
+                );
+            }
+        }
+    }
+
+    /// Mirrors
+    /// `faults::r23_unknown_fields_outside_a_verdict_are_ignored`.
+    pub(super) async fn r23_unknown_fields_outside_a_verdict_are_ignored(transport: Transport) {
+        let world = World::on(transport);
+        let (url, _guard) = world.guard(|b: &GuardBatch| {
+            let verdicts: Vec<Vec<u8>> = b
+                .calls
+                .iter()
+                .filter(|c| c.tool == "fs.delete")
+                .map(|c| {
+                    let mut inside = Vec::new();
+                    raw_pb::bytes_field(&mut inside, 9, b"policy-17");
+                    raw_pb::verdict(&c.call_id, &raw_pb::skip_outcome("no deletes", &inside))
+                })
+                .collect();
+            let mut extra = Vec::new();
+            raw_pb::bytes_field(&mut extra, 5, b"guard-version 2");
+            raw_pb::varint_field(&mut extra, 6, 42);
+            raw_pb::bytes_field(&mut extra, 1000, &[1, 2, 3]);
+            vec![Step::raw(raw_pb::judge_response(
+                b.request_id,
+                &verdicts,
+                &extra,
+            ))]
+        });
+        world
+            .register(
+                validate("g", &url)
+                    .policy(FailurePolicy::FailOpen)
+                    .timeout(Duration::from_secs(5)),
+            )
+            .await;
+        let d = world
+            .evaluate(
+                Batch::new(0)
+                    .call("c1", "fs.delete", "{}")
+                    .call("c2", "fs.read", "{}"),
+            )
+            .await
+            .unwrap();
+        assert_skip(&d.decisions[0], "g", Action::Steer, "no deletes", "outside");
+        assert!(d.decisions[0].bypassed.is_empty());
+        assert!(proceeds(&d.decisions[1]) && d.decisions[1].bypassed.is_empty());
+        assert_eq!(status(&d, "g"), TraceStatus::Skipped);
+        assert_eq!(entry(&d, "g").error, "");
+    }
+
+    /// Mirrors
+    /// `faults::r23_unknown_rewrite_field_fails_a_mutate_guard_and_nothing_is_rewritten`.
+    pub(super) async fn r23_unknown_rewrite_field_fails_a_mutate_guard_and_nothing_is_rewritten(
+        transport: Transport,
+    ) {
+        let world = World::on(transport);
+        let (url, _guard) = world.guard(|b: &GuardBatch| {
+            let verdicts: Vec<Vec<u8>> = b
+                .calls
+                .iter()
+                .map(|c| {
+                    let mut rewrite = Vec::new();
+                    raw_pb::bytes_field(&mut rewrite, 2, br#"{"path":"/tmp/safe"}"#);
+                    raw_pb::bytes_field(&mut rewrite, 3, b"drop: secrets");
+                    let mut outcome = Vec::new();
+                    raw_pb::bytes_field(&mut outcome, 3, &rewrite);
+                    raw_pb::verdict(&c.call_id, &outcome)
+                })
+                .collect();
+            vec![Step::raw(raw_pb::judge_response(
+                b.request_id,
+                &verdicts,
+                &[],
+            ))]
+        });
+        let (later_url, _later) = world.proceed_guard();
+        world
+            .register(
+                mutate("m", &url, &["fs.*"])
+                    .tools(&["fs.*"])
+                    .policy(FailurePolicy::FailClosed)
+                    .timeout(Duration::from_secs(5)),
+            )
+            .await;
+        world.register(validate("v", &later_url)).await;
+        let d = world
+            .evaluate(
+                Batch::new(0)
+                    .call("c1", "fs.write", r#"{"path":"/etc/passwd"}"#)
+                    .call("c2", "net.get", "{}"),
+            )
+            .await
+            .unwrap();
+        assert_failure_cancel(&d.decisions[0], "m", "unknown rewrite field");
+        assert!(d.decisions[0].rewritten_by.is_empty());
+        assert_eq!(
+            d.decisions[0].call.as_ref().map(|c| c.arguments.as_str()),
+            Some(r#"{"path":"/etc/passwd"}"#)
+        );
+        assert!(proceeds(&d.decisions[1]));
+        assert_eq!(status(&d, "m"), TraceStatus::Failed);
+        assert!(entry(&d, "m").error.contains("Rewrite field 3"));
     }
 }

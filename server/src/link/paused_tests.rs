@@ -299,80 +299,11 @@ async fn r25_full_queue_is_busy_until_the_stall_bound_then_not_reading() {
     send(8, 5).expect("room again");
 }
 
-/// Paused-time version of
-/// `faults::r23_unknown_verdict_outcome_fails_the_guard_per_its_policy`
-/// (its partial answer): the request fails at once, the guard is told to
-/// stop, and the stream stays open for the next request.
-#[tokio::test(start_paused = true)]
-async fn r23_partial_answer_with_an_unknown_verdict_field_fails_and_cancels_the_request() {
-    let mut rig = rig(
-        |_| {},
-        |b| {
-            if b.batch_id == "b0" {
-                // A partial answer whose verdict has a field 9 (unknown).
-                let mut verdict = Vec::new();
-                prost::encoding::encode_key(
-                    1,
-                    prost::encoding::WireType::LengthDelimited,
-                    &mut verdict,
-                );
-                prost::encoding::encode_varint(1, &mut verdict);
-                verdict.push(b'c');
-                prost::encoding::encode_key(9, prost::encoding::WireType::Varint, &mut verdict);
-                prost::encoding::encode_varint(1, &mut verdict);
-                let mut bytes = Vec::new();
-                prost::encoding::encode_key(1, prost::encoding::WireType::Varint, &mut bytes);
-                prost::encoding::encode_varint(b.request_id, &mut bytes);
-                prost::encoding::encode_key(
-                    2,
-                    prost::encoding::WireType::LengthDelimited,
-                    &mut bytes,
-                );
-                prost::encoding::encode_varint(verdict.len() as u64, &mut bytes);
-                bytes.extend_from_slice(&verdict);
-                prost::encoding::encode_key(3, prost::encoding::WireType::Varint, &mut bytes);
-                prost::encoding::encode_varint(1, &mut bytes);
-                vec![
-                    Step::raw(bytes).after(ms(10)),
-                    Step::answer(b, Vec::new()).after(ms(20)),
-                ]
-            } else {
-                answers(b)
-            }
-        },
-    );
-    let id = rig.send(0, &["c"], "{}", 1).unwrap();
-    let (event, took) = rig.next().await;
-    match event {
-        LinkEvent::Failed {
-            tag: 0,
-            failure: GuardFailure::UnknownVerdictField(field),
-            ..
-        } => assert_eq!((field.message, field.number), ("Verdict", 9)),
-        other => panic!("{other:?}"),
-    }
-    assert_eq!(took, ms(10));
-    tokio::time::sleep(ms(1)).await;
-    assert_eq!(rig.guard.cancels(), [id], "told to stop");
-    rig.send(1, &["c"], "{}", 1).unwrap();
-    assert!(matches!(
-        rig.next().await.0,
-        LinkEvent::Answer { tag: 1, .. }
-    ));
-    assert_eq!(rig.guard.streams(), 1, "the stream stayed open");
-    assert!(
-        !GuardFailure::UnknownVerdictField(wire::UnknownField {
-            message: "Verdict",
-            number: 9
-        })
-        .counts_for_circuit()
-    );
-}
-
 on_both_transports!(
     r5_cancel_reaches_the_guard_and_a_late_answer_is_only_counted,
     r13_refused_judge_stream_fails_with_its_status_then_the_link_redials,
     r19_answers_reach_their_batches_by_request_id_in_any_order,
+    r23_partial_answer_with_an_unknown_verdict_field_fails_and_cancels_the_request,
 );
 
 /// The scenarios run on both transports, each written once.
@@ -498,5 +429,77 @@ mod scenarios {
         for ((tag, took), want) in seen.into_iter().zip([100, 200, 300]) {
             transport.assert_took(took, ms(want), &format!("b{tag}"));
         }
+    }
+
+    /// Mirrors
+    /// `faults::r23_unknown_verdict_outcome_fails_the_guard_per_its_policy`
+    /// (its partial answer): the request fails at once, the guard is told to
+    /// stop, and the stream stays open for the next request.
+    pub(super) async fn r23_partial_answer_with_an_unknown_verdict_field_fails_and_cancels_the_request(
+        transport: Transport,
+    ) {
+        let mut rig = rig_on(
+            transport,
+            |_| {},
+            |b| {
+                if b.batch_id == "b0" {
+                    // A partial answer whose verdict has a field 9 (unknown).
+                    let mut verdict = Vec::new();
+                    prost::encoding::encode_key(
+                        1,
+                        prost::encoding::WireType::LengthDelimited,
+                        &mut verdict,
+                    );
+                    prost::encoding::encode_varint(1, &mut verdict);
+                    verdict.push(b'c');
+                    prost::encoding::encode_key(9, prost::encoding::WireType::Varint, &mut verdict);
+                    prost::encoding::encode_varint(1, &mut verdict);
+                    let mut bytes = Vec::new();
+                    prost::encoding::encode_key(1, prost::encoding::WireType::Varint, &mut bytes);
+                    prost::encoding::encode_varint(b.request_id, &mut bytes);
+                    prost::encoding::encode_key(
+                        2,
+                        prost::encoding::WireType::LengthDelimited,
+                        &mut bytes,
+                    );
+                    prost::encoding::encode_varint(verdict.len() as u64, &mut bytes);
+                    bytes.extend_from_slice(&verdict);
+                    prost::encoding::encode_key(3, prost::encoding::WireType::Varint, &mut bytes);
+                    prost::encoding::encode_varint(1, &mut bytes);
+                    vec![
+                        Step::raw(bytes).after(ms(10)),
+                        Step::answer(b, Vec::new()).after(ms(20)),
+                    ]
+                } else {
+                    answers(b)
+                }
+            },
+        );
+        let id = rig.send(0, &["c"], "{}", 1).unwrap();
+        let (event, took) = rig.next().await;
+        match event {
+            LinkEvent::Failed {
+                tag: 0,
+                failure: GuardFailure::UnknownVerdictField(field),
+                ..
+            } => assert_eq!((field.message, field.number), ("Verdict", 9)),
+            other => panic!("{other:?}"),
+        }
+        transport.assert_took(took, ms(10), "failed when the partial answer came");
+        transport.settle().await;
+        assert_eq!(rig.guard.cancels(), [id], "told to stop");
+        rig.send(1, &["c"], "{}", 1).unwrap();
+        assert!(matches!(
+            rig.next().await.0,
+            LinkEvent::Answer { tag: 1, .. }
+        ));
+        assert_eq!(rig.guard.streams(), 1, "the stream stayed open");
+        assert!(
+            !GuardFailure::UnknownVerdictField(wire::UnknownField {
+                message: "Verdict",
+                number: 9
+            })
+            .counts_for_circuit()
+        );
     }
 }

@@ -25,7 +25,6 @@ use super::wire;
 use futures::StreamExt;
 use futures::future::BoxFuture;
 use futures::stream::BoxStream;
-use guardmesh_proto::v1::guard_service_server::{GuardService, GuardServiceServer};
 use guardmesh_proto::v1::{
     GuardBatch, JudgeRequest, JudgeResponse, Rewrite, Skip, SkipKind, Verdict, judge_request,
     verdict,
@@ -535,8 +534,9 @@ enum Out {
         max_answer: usize,
         answers: mpsc::UnboundedSender<Result<wire::Answer, tonic::Status>>,
     },
-    /// To a gRPC stream on a real socket ([`serve_on_loopback`]).
-    Socket(mpsc::UnboundedSender<Result<JudgeResponse, tonic::Status>>),
+    /// To a gRPC stream on a real socket ([`serve_on_loopback`]), written
+    /// byte for byte.
+    Socket(mpsc::UnboundedSender<Result<Vec<u8>, tonic::Status>>),
 }
 
 impl Out {
@@ -569,15 +569,13 @@ impl Out {
                     }
                 }
             }
-            Self::Socket(answers) => match frame {
-                Frame::Message(response) => answers.send(Ok(response)).is_ok(),
-                Frame::Raw(_) => {
-                    self.fail(tonic::Status::unimplemented(
-                        "raw answers are sent on the scripted transport only",
-                    ));
-                    false
-                }
-            },
+            Self::Socket(answers) => {
+                let bytes = match frame {
+                    Frame::Message(response) => response.encode_to_vec(),
+                    Frame::Raw(bytes) => bytes,
+                };
+                answers.send(Ok(bytes)).is_ok()
+            }
         }
     }
 
@@ -667,9 +665,10 @@ async fn serve(
 /// and gives its endpoint: the same scripts over the mesh's own transport
 /// and a real socket. A connection is accepted, then closed at once while
 /// the guard is down or has refusals left; a `Judge` stream is refused as
-/// [`ScriptedGuard::refuse_stream`] says. Raw answers ([`Step::Raw`]) and a
-/// guard that stops reading ([`ScriptedGuard::reading`]) are for the
-/// scripted transport only: a socket buffers what the guard does not take.
+/// [`ScriptedGuard::refuse_stream`] says. Answers, raw ones too, go out
+/// byte for byte. A guard that stops reading ([`ScriptedGuard::reading`])
+/// is for the scripted transport only: a socket buffers what the guard does
+/// not take.
 pub fn serve_on_loopback(guard: Arc<ScriptedGuard>) -> String {
     let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("a loopback port");
     listener
@@ -690,38 +689,120 @@ pub fn serve_on_loopback(guard: Arc<ScriptedGuard>) -> String {
     });
     tokio::spawn(async move {
         let _ = tonic::transport::Server::builder()
-            .add_service(GuardServiceServer::new(OnSocket(guard)))
+            .add_service(OnSocket(guard))
             .serve_with_incoming(UnboundedReceiverStream::new(accepted))
             .await;
     });
     endpoint
 }
 
-/// A scripted guard behind a gRPC `GuardService`.
+/// A scripted guard as a gRPC `GuardService` (its `Judge` method), written
+/// by hand so that its answers go out byte for byte, raw ones too.
+#[derive(Clone)]
 struct OnSocket(Arc<ScriptedGuard>);
 
-#[tonic::async_trait]
-impl GuardService for OnSocket {
-    type JudgeStream = UnboundedReceiverStream<Result<JudgeResponse, tonic::Status>>;
+impl tonic::server::NamedService for OnSocket {
+    const NAME: &'static str = "guardmesh.v1.GuardService";
+}
 
-    async fn judge(
-        &self,
-        request: tonic::Request<tonic::Streaming<JudgeRequest>>,
-    ) -> Result<tonic::Response<Self::JudgeStream>, tonic::Status> {
-        let ctl = self.0.open_stream()?;
-        let (answers_tx, answers) = mpsc::unbounded_channel();
-        let requests = request
-            .into_inner()
-            .take_while(|request| std::future::ready(request.is_ok()))
-            .map(Result::ok)
-            .boxed();
-        tokio::spawn(serve(
-            self.0.clone(),
-            requests,
-            ctl,
-            Out::Socket(answers_tx),
-        ));
-        Ok(tonic::Response::new(UnboundedReceiverStream::new(answers)))
+impl tower::Service<http::Request<tonic::body::Body>> for OnSocket {
+    type Response = http::Response<tonic::body::Body>;
+    type Error = std::convert::Infallible;
+    type Future = BoxFuture<'static, Result<Self::Response, Self::Error>>;
+
+    fn poll_ready(
+        &mut self,
+        _cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Result<(), Self::Error>> {
+        std::task::Poll::Ready(Ok(()))
+    }
+
+    fn call(&mut self, request: http::Request<tonic::body::Body>) -> Self::Future {
+        let judge = Judge(self.0.clone());
+        Box::pin(async move {
+            if request.uri().path() != "/guardmesh.v1.GuardService/Judge" {
+                return Ok(
+                    tonic::Status::unimplemented("a scripted guard serves Judge only").into_http(),
+                );
+            }
+            Ok(tonic::server::Grpc::new(AnswerBytes)
+                .streaming(judge, request)
+                .await)
+        })
+    }
+}
+
+/// The `Judge` method of a scripted guard on a socket: each stream opened
+/// as [`ScriptedGuard::open`] opens one in memory, and served by the same
+/// loop.
+struct Judge(Arc<ScriptedGuard>);
+
+impl tonic::server::StreamingService<JudgeRequest> for Judge {
+    type Response = Vec<u8>;
+    type ResponseStream = UnboundedReceiverStream<Result<Vec<u8>, tonic::Status>>;
+    type Future = BoxFuture<'static, Result<tonic::Response<Self::ResponseStream>, tonic::Status>>;
+
+    fn call(&mut self, request: tonic::Request<tonic::Streaming<JudgeRequest>>) -> Self::Future {
+        let guard = self.0.clone();
+        Box::pin(async move {
+            let ctl = guard.open_stream()?;
+            let (answers_tx, answers) = mpsc::unbounded_channel();
+            let requests = request
+                .into_inner()
+                .take_while(|request| std::future::ready(request.is_ok()))
+                .map(Result::ok)
+                .boxed();
+            tokio::spawn(serve(guard, requests, ctl, Out::Socket(answers_tx)));
+            Ok(tonic::Response::new(UnboundedReceiverStream::new(answers)))
+        })
+    }
+}
+
+/// The codec of a scripted guard on a socket: requests read by prost,
+/// answers written as the bytes they are.
+#[derive(Clone, Copy, Default)]
+struct AnswerBytes;
+
+impl tonic::codec::Codec for AnswerBytes {
+    type Encode = Vec<u8>;
+    type Decode = JudgeRequest;
+    type Encoder = Self;
+    type Decoder = Self;
+
+    fn encoder(&mut self) -> Self::Encoder {
+        *self
+    }
+
+    fn decoder(&mut self) -> Self::Decoder {
+        *self
+    }
+}
+
+impl tonic::codec::Encoder for AnswerBytes {
+    type Item = Vec<u8>;
+    type Error = tonic::Status;
+
+    fn encode(
+        &mut self,
+        item: Vec<u8>,
+        dst: &mut tonic::codec::EncodeBuf<'_>,
+    ) -> Result<(), tonic::Status> {
+        prost::bytes::BufMut::put_slice(dst, &item);
+        Ok(())
+    }
+}
+
+impl tonic::codec::Decoder for AnswerBytes {
+    type Item = JudgeRequest;
+    type Error = tonic::Status;
+
+    fn decode(
+        &mut self,
+        src: &mut tonic::codec::DecodeBuf<'_>,
+    ) -> Result<Option<JudgeRequest>, tonic::Status> {
+        JudgeRequest::decode(src)
+            .map(Some)
+            .map_err(|error| tonic::Status::internal(error.to_string()))
     }
 }
 
