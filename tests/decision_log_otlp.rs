@@ -213,20 +213,7 @@ fn r29_an_unsupported_logs_protocol_refuses_to_start_naming_the_variable() {
         .spawn()
         .expect("start guardmesh serve");
     // Bounded: a mesh that starts anyway is killed and the test fails.
-    let mut exited = None;
-    for _ in 0..400 {
-        if let Some(status) = child.try_wait().unwrap() {
-            exited = Some(status);
-            break;
-        }
-        std::thread::sleep(Duration::from_millis(50));
-    }
-    if exited.is_none() {
-        let _ = child.kill();
-        let _ = child.wait();
-    }
-    let mut stderr = String::new();
-    std::io::Read::read_to_string(&mut child.stderr.take().unwrap(), &mut stderr).unwrap();
+    let (exited, stderr) = exit_within_20s(&mut child);
     let status =
         exited.unwrap_or_else(|| panic!("serve started with an unsupported protocol\n{stderr}"));
     assert!(!status.success(), "{stderr}");

@@ -19,6 +19,18 @@ fn hex(bytes: &[u8]) -> String {
     bytes.iter().map(|b| format!("{b:02x}")).collect()
 }
 
+/// The mesh's telemetry, started as `serve` starts it (human logs at
+/// `level`), from the OTLP variables the test has set: asserted to export.
+pub(crate) fn exporting_telemetry(level: &str) -> guardmesh_server::observe::telemetry::Telemetry {
+    let telemetry = guardmesh_server::observe::telemetry::init(
+        guardmesh_server::observe::telemetry::LogFormat::Human,
+        level,
+    )
+    .unwrap();
+    assert!(telemetry.exporting());
+    telemetry
+}
+
 /// The string attribute `key` of `attributes`; panics naming it when it is
 /// absent or not a string.
 pub(crate) fn string_in(attributes: &[KeyValue], key: &str) -> String {
@@ -99,12 +111,7 @@ async fn r22_otlp_export_joins_coordinator_mesh_and_guard_in_one_trace_in_own_pr
         std::env::set_var("OTEL_EXPORTER_OTLP_ENDPOINT", &endpoint);
         std::env::set_var("OTEL_SERVICE_NAME", "guardmesh-under-test");
     }
-    let telemetry = guardmesh_server::observe::telemetry::init(
-        guardmesh_server::observe::telemetry::LogFormat::Human,
-        "warn",
-    )
-    .unwrap();
-    assert!(telemetry.exporting());
+    let telemetry = exporting_telemetry("warn");
 
     let mesh = TestMesh::start().await;
     let guard = call_guard(Duration::ZERO, |c| {

@@ -5,7 +5,7 @@
 //! stops it at start with a message naming the variable.
 
 use crate::harness::*;
-use crate::otel::{assert_no_internal_fields, int, string};
+use crate::otel::{assert_no_internal_fields, exporting_telemetry, int, string};
 use guardmesh_client::Batch;
 use guardmesh_client::Registration;
 use guardmesh_client::verdict::steer;
@@ -131,12 +131,7 @@ async fn otlp_http_protobuf_exports_current_rpc_names_and_counts_failures_in_own
         std::env::set_var("OTEL_SEMCONV_STABILITY_OPT_IN", "rpc/dup");
         std::env::set_var("OTEL_SERVICE_NAME", "guardmesh-under-test");
     }
-    let telemetry = guardmesh_server::observe::telemetry::init(
-        guardmesh_server::observe::telemetry::LogFormat::Human,
-        "error",
-    )
-    .unwrap();
-    assert!(telemetry.exporting());
+    let telemetry = exporting_telemetry("error");
     let mesh = TestMesh::start().await;
     let guard = call_guard(Duration::ZERO, |c| Some(steer(&c.call_id, "no"))).await;
     mesh.register(Registration::validate("vetoer", &guard.url))
@@ -232,21 +227,10 @@ fn an_unsupported_otlp_protocol_refuses_to_start_naming_the_variable() {
             .stderr(std::process::Stdio::piped())
             .spawn()
             .expect("start guardmesh serve");
-        let mut status = None;
-        for _ in 0..400 {
-            if let Some(done) = child.try_wait().unwrap() {
-                status = Some(done);
-                break;
-            }
-            std::thread::sleep(Duration::from_millis(50));
-        }
+        let (status, stderr) = exit_within_20s(&mut child);
         let Some(status) = status else {
-            let _ = child.kill();
-            let _ = child.wait();
             panic!("serve started with {var}={value}");
         };
-        let mut stderr = String::new();
-        std::io::Read::read_to_string(&mut child.stderr.take().unwrap(), &mut stderr).unwrap();
         assert!(!status.success(), "{stderr}");
         assert!(
             stderr.contains(&format!("{var}={value:?} is not supported")),

@@ -29,6 +29,26 @@ pub enum EtcdTlsError {
     HalfIdentity,
 }
 
+/// `options` with the user and password (both, or neither is used) and,
+/// with the `etcd-tls` feature, the TLS files of an etcd client's settings.
+pub(crate) fn with_credentials(
+    mut options: etcd_client::ConnectOptions,
+    username: Option<&String>,
+    password: Option<&String>,
+    tls: Option<&TlsFiles>,
+) -> Result<etcd_client::ConnectOptions, EtcdTlsError> {
+    if let (Some(user), Some(password)) = (username, password) {
+        options = options.with_user(user.clone(), password.clone());
+    }
+    #[cfg(feature = "etcd-tls")]
+    if let Some(tls) = tls {
+        options = options.with_tls(tls_options(tls)?);
+    }
+    #[cfg(not(feature = "etcd-tls"))]
+    let _ = tls;
+    Ok(options)
+}
+
 /// The etcd client's TLS options for `tls`; the error names the file that
 /// cannot be read or the settings that do not go together.
 #[cfg(feature = "etcd-tls")]

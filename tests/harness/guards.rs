@@ -220,21 +220,30 @@ impl GuardService for RawGuard {
     }
 }
 
-/// Serves a misbehaving raw guard.
-pub(crate) async fn raw_guard(mode: Misbehaviour) -> (String, Arc<AtomicUsize>, JoinHandle<()>) {
+/// Serves a hand-written `GuardService` on a loopback port of its own: its
+/// URL, and the task serving it.
+pub(crate) async fn serve_guard_service<S: GuardService>(
+    service: GuardServiceServer<S>,
+) -> (String, JoinHandle<()>) {
     let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
     let url = format!("http://{}", listener.local_addr().unwrap());
+    let task = tokio::spawn(async move {
+        let _ = tonic::transport::Server::builder()
+            .add_service(service)
+            .serve_with_incoming(TcpListenerStream::new(listener))
+            .await;
+    });
+    (url, task)
+}
+
+/// Serves a misbehaving raw guard.
+pub(crate) async fn raw_guard(mode: Misbehaviour) -> (String, Arc<AtomicUsize>, JoinHandle<()>) {
     let streams = Arc::new(AtomicUsize::new(0));
     let service = RawGuard {
         mode,
         streams: streams.clone(),
     };
-    let task = tokio::spawn(async move {
-        let _ = tonic::transport::Server::builder()
-            .add_service(GuardServiceServer::new(service))
-            .serve_with_incoming(TcpListenerStream::new(listener))
-            .await;
-    });
+    let (url, task) = serve_guard_service(GuardServiceServer::new(service)).await;
     (url, streams, task)
 }
 
@@ -372,8 +381,6 @@ impl Drop for RawScriptHandle {
 pub(crate) async fn raw_script_guard(
     behaviour: impl Fn(&GuardBatch) -> Vec<RawSend> + Send + Sync + 'static,
 ) -> RawScriptHandle {
-    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let url = format!("http://{}", listener.local_addr().unwrap());
     let guard = Arc::new(RawScriptGuard {
         behaviour: Arc::new(behaviour),
         received: Arc::default(),
@@ -382,12 +389,7 @@ pub(crate) async fn raw_script_guard(
         streams: Arc::default(),
     });
     let service = RawScriptService(guard.clone());
-    let task = tokio::spawn(async move {
-        let _ = tonic::transport::Server::builder()
-            .add_service(GuardServiceServer::new(service))
-            .serve_with_incoming(TcpListenerStream::new(listener))
-            .await;
-    });
+    let (url, task) = serve_guard_service(GuardServiceServer::new(service)).await;
     RawScriptHandle { url, guard, task }
 }
 

@@ -115,6 +115,21 @@ pub(crate) fn fast_config() -> MeshConfig {
     config
 }
 
+/// Asserts that a batch was shed (R25), not failed or cancelled:
+/// `RESOURCE_EXHAUSTED`, the refusal naming `guard` and the cause; `what`
+/// names the batch.
+pub(crate) fn assert_shed(error: &guardmesh_client::ClientError, guard: &str, what: &str) {
+    assert_eq!(
+        error.code(),
+        Some(tonic::Code::ResourceExhausted),
+        "{what}: shed, never failed or cancelled: {error}"
+    );
+    assert!(
+        error.to_string().contains(guard) && error.to_string().contains("busy"),
+        "{what}: the refusal names the guard and the cause: {error}"
+    );
+}
+
 /// The value of a counter in the mesh's Prometheus text, for the sample
 /// whose name and labels start with `sample` (e.g.
 /// `guardmesh_guard_spurious_answers_total{guard="g"}`); 0 when absent.

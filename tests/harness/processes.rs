@@ -36,6 +36,29 @@ impl Drop for KillOnDrop {
     }
 }
 
+/// Waits (bounded: 20 s) for `child`, spawned with its stderr piped, to
+/// exit: its exit status (none: it was still running, and is killed) and
+/// what it wrote to stderr.
+pub(crate) fn exit_within_20s(
+    child: &mut std::process::Child,
+) -> (Option<std::process::ExitStatus>, String) {
+    let mut exited = None;
+    for _ in 0..400 {
+        if let Some(status) = child.try_wait().unwrap() {
+            exited = Some(status);
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    if exited.is_none() {
+        let _ = child.kill();
+        let _ = child.wait();
+    }
+    let mut stderr = String::new();
+    std::io::Read::read_to_string(&mut child.stderr.take().unwrap(), &mut stderr).unwrap();
+    (exited, stderr)
+}
+
 /// Waits (bounded: 15 s) until something accepts on loopback `port`;
 /// `what` names it in the failure.
 pub(crate) async fn wait_for_port(port: u16, what: &str) {

@@ -149,13 +149,12 @@ impl AnchorClient {
             .with_connect_timeout(config.request_timeout.min(config.dial_timeout))
             .with_timeout(config.request_timeout)
             .with_require_leader(true);
-        if let (Some(user), Some(password)) = (&config.username, &config.password) {
-            options = options.with_user(user.clone(), password.clone());
-        }
-        #[cfg(feature = "etcd-tls")]
-        if let Some(tls) = &config.tls {
-            options = options.with_tls(crate::etcd_tls::tls_options(tls)?);
-        }
+        options = crate::etcd_tls::with_credentials(
+            options,
+            config.username.as_ref(),
+            config.password.as_ref(),
+            config.tls.as_ref(),
+        )?;
         let endpoints = config.endpoints.join(",");
         let unreachable = |cause: String| AnchorError::Unreachable {
             endpoints: endpoints.clone(),

@@ -642,6 +642,20 @@ pub(crate) fn log_holds(dir: &Path, next_seq: u64, seq: u64, hash: &str) -> Resu
 mod tests {
     use super::*;
 
+    /// The checkpoint line `sealer` writes at `seq` after `prev`, sealed
+    /// for a count, in file `decisions-0.jsonl` of mesh `m`.
+    pub(super) fn count_checkpoint(sealer: &Sealer, seq: u64, prev: &str) -> Vec<u8> {
+        sealer
+            .line(
+                seq,
+                prev,
+                "m",
+                "decisions-0.jsonl",
+                SealKind::Checkpoint("count"),
+            )
+            .unwrap()
+    }
+
     #[test]
     fn r29_a_checkpoint_line_verifies_and_any_change_breaks_it() {
         let dir = tempfile::tempdir().unwrap();
@@ -658,15 +672,7 @@ mod tests {
         assert_eq!(key_id(&public), new.key_id);
         let sealer = Sealer::open(&SealConfig::new(&key_path)).unwrap();
         let prev = chain::sha256_hex(b"x");
-        let line = sealer
-            .line(
-                7,
-                &prev,
-                "m",
-                "decisions-0.jsonl",
-                SealKind::Checkpoint("count"),
-            )
-            .unwrap();
+        let line = count_checkpoint(&sealer, 7, &prev);
         let sealed = check_line(&line, &public).unwrap().unwrap();
         assert_eq!((sealed.seq, sealed.reason.as_str()), (7, "count"));
         // Another key refuses it.
@@ -697,9 +703,7 @@ mod writer_tests {
     use serde_json::Value;
 
     use super::*;
-    use crate::decision_log::record::{
-        Action, BatchRecord, CallDecisionRecord, Caller, DecisionRecord, Outcome,
-    };
+    use crate::decision_log::record::{Action, BatchRecord, Caller, DecisionRecord, Outcome};
     use crate::decision_log::{DecisionLog, LogConfig, VerifyOptions, verify_with};
 
     fn decision(batch_id: &str, action: Action) -> Entry {
@@ -715,17 +719,7 @@ mod writer_tests {
                 calls: Vec::new(),
             },
             chain_revision: Some(1),
-            decisions: vec![CallDecisionRecord {
-                call_id: "c1".to_owned(),
-                action,
-                call: None,
-                content: None,
-                decided_by: None,
-                rule: None,
-                failure: false,
-                rewritten_by: Vec::new(),
-                bypassed: Vec::new(),
-            }],
+            decisions: vec![crate::decision_log::tests::call_decision("c1", action)],
             trace: Vec::new(),
             trace_id: None,
             outcome: Outcome::decided(),
@@ -853,18 +847,9 @@ mod writer_tests {
         assert_eq!(witness.lines().count(), sealed.len());
         assert_eq!(witness.lines().last(), sealed.last().map(|l| l.as_str()));
 
-        let schema: Value =
-            serde_json::from_str(include_str!("../../../docs/decision-log.schema.json")).unwrap();
-        let validator = jsonschema::options().build(&schema).unwrap();
+        let validator = crate::decision_log::tests::schema();
         for line in &lines {
-            let value: Value = serde_json::from_str(line).unwrap();
-            let errors: Vec<String> = validator
-                .iter_errors(&value)
-                .map(|e| e.to_string())
-                .collect();
-            assert!(errors.is_empty(), "{line}\n{errors:#?}");
-            let record: LogRecord = serde_json::from_str(line).unwrap();
-            assert_eq!(&serde_json::to_string(&record).unwrap(), line);
+            crate::decision_log::tests::assert_valid_record(&validator, line);
         }
         let mut bad: Value = serde_json::from_str(&lines[0]).unwrap();
         bad["reason"] = Value::from("whenever");
@@ -1031,28 +1016,12 @@ mod writer_tests {
         let n = 200u32;
         let (cpu0, wall0) = (cpu(), std::time::Instant::now());
         for seq in 0..u64::from(n) {
-            let line = sealer
-                .line(
-                    seq,
-                    &prev,
-                    "m",
-                    "decisions-0.jsonl",
-                    SealKind::Checkpoint("count"),
-                )
-                .unwrap();
+            let line = super::tests::count_checkpoint(&sealer, seq, &prev);
             std::hint::black_box(&line);
         }
         let sign = (cpu() - cpu0) / n;
         let sign_wall = wall0.elapsed() / n;
-        let line = sealer
-            .line(
-                0,
-                &prev,
-                "m",
-                "decisions-0.jsonl",
-                SealKind::Checkpoint("count"),
-            )
-            .unwrap();
+        let line = super::tests::count_checkpoint(&sealer, 0, &prev);
         let (cpu0, wall0) = (cpu(), std::time::Instant::now());
         for _ in 0..n {
             sealer.publish(&setup.log, &line).unwrap();

@@ -696,6 +696,28 @@ mod tests {
     use serde_json::json;
 
     use super::*;
+    use crate::decision_log::record::{
+        Action, BatchRecord, CallDecisionRecord, GuardRole, GuardTraceRecord, Outcome, TraceStatus,
+    };
+    use crate::decision_log::tests::{bare_trace, call_decision};
+
+    /// The record of `batch` with one call decision and one guard's trace.
+    fn one_call_entry(
+        batch: BatchRecord,
+        decision: CallDecisionRecord,
+        trace: GuardTraceRecord,
+        outcome: Outcome,
+    ) -> Entry {
+        Entry::Decision(DecisionRecord {
+            caller: Default::default(),
+            batch,
+            chain_revision: Some(1),
+            decisions: vec![decision],
+            trace: vec![trace],
+            trace_id: None,
+            outcome,
+        })
+    }
 
     fn masked(rules: &[&str], mut value: Value) -> (Value, u32) {
         let count = MaskRules::new(rules).unwrap().mask_value(&mut value);
@@ -794,9 +816,6 @@ mod tests {
 
     #[test]
     fn r29_masked_values_are_scrubbed_from_every_free_text_field() {
-        use crate::decision_log::record::{
-            Action, CallDecisionRecord, GuardRole, GuardTraceRecord, Outcome, TraceStatus,
-        };
         let rules = MaskRules::new(["pin", "auth"]).unwrap();
         let mut batch = crate::decision_log::from_mesh::batch_id_only("b");
         batch.model_text = Some("my pin is 4242-77 ok".into());
@@ -808,40 +827,21 @@ mod tests {
         batch
             .calls
             .push(CallRecord::from_text("c2", "t", r#"{"pin": "4242-77"}"#));
-        let mut entry = Entry::Decision(DecisionRecord {
-            caller: Default::default(),
+        let mut entry = one_call_entry(
             batch,
-            chain_revision: Some(1),
-            decisions: vec![CallDecisionRecord {
-                call_id: "c1".into(),
-                action: Action::Steer,
-                call: None,
+            CallDecisionRecord {
                 content: Some("your pin 4242-77 is wrong".into()),
                 decided_by: Some("g".into()),
-                rule: None,
-                failure: false,
-                rewritten_by: vec![],
-                bypassed: vec![],
-            }],
-            trace: vec![GuardTraceRecord {
-                guard: "g".into(),
-                role: GuardRole::Validate,
-                status: TraceStatus::Failed,
-                latency_us: 1,
-                sent_call_ids: vec![],
-                skipped_call_ids: vec![],
-                rewritten_call_ids: vec![],
+                ..call_decision("c1", Action::Steer)
+            },
+            GuardTraceRecord {
                 error: Some(
                     "Overflow: Int(9223372036854775807) + 1; saw \"tok\\\"en\" at Key-Name".into(),
                 ),
-                dry_run_status: None,
-                replica: None,
-                labels: Vec::new(),
-                refused_labels: 0,
-            }],
-            trace_id: None,
-            outcome: Outcome::refused(3, "duplicate member name \"Key-Name\" at $.auth"),
-        });
+                ..bare_trace("g", TraceStatus::Failed)
+            },
+            Outcome::refused(3, "duplicate member name \"Key-Name\" at $.auth"),
+        );
         rules.mask_entry(&mut entry);
         let text = serde_json::to_string(&entry).unwrap();
         for secret in ["9223372036854775807", "4242-77", "Key-Name", "tok"] {
@@ -858,9 +858,6 @@ mod tests {
     /// field quoting it is scrubbed; other text is kept.
     #[test]
     fn r29_secret_formats_are_masked_in_every_field_whatever_the_key() {
-        use crate::decision_log::record::{
-            Action, CallDecisionRecord, GuardRole, GuardTraceRecord, Outcome, TraceStatus,
-        };
         let aws = "AKIAIOSFODNN7EXAMPLE";
         let stripe = "sk_live_4eC39HqLyjWDarjtT1zdp7dc";
         let rules = MaskRules::new(["pin"])
@@ -876,38 +873,22 @@ mod tests {
         ));
         let mut rewritten = batch.calls[0].clone();
         rewritten.arguments = serde_json::json!({"body": format!("still {aws}")});
-        let mut entry = Entry::Decision(DecisionRecord {
-            caller: Default::default(),
+        let mut entry = one_call_entry(
             batch,
-            chain_revision: Some(1),
-            decisions: vec![CallDecisionRecord {
-                call_id: "c1".into(),
-                action: Action::Proceed,
+            CallDecisionRecord {
                 call: Some(rewritten),
                 content: Some(format!("saw {aws}")),
-                decided_by: None,
-                rule: None,
-                failure: false,
                 rewritten_by: vec!["g".into()],
-                bypassed: vec![],
-            }],
-            trace: vec![GuardTraceRecord {
-                guard: "g".into(),
+                ..call_decision("c1", Action::Proceed)
+            },
+            GuardTraceRecord {
                 role: GuardRole::Mutate,
-                status: TraceStatus::Failed,
-                latency_us: 1,
-                sent_call_ids: vec![],
-                skipped_call_ids: vec![],
-                rewritten_call_ids: vec![],
                 error: Some(format!("bad value {stripe}")),
-                dry_run_status: None,
-                replica: None,
                 labels: vec![format!("seen:{aws}")],
-                refused_labels: 0,
-            }],
-            trace_id: None,
-            outcome: Outcome::refused(3, format!("near {aws}")),
-        });
+                ..bare_trace("g", TraceStatus::Failed)
+            },
+            Outcome::refused(3, format!("near {aws}")),
+        );
         let count = rules.mask_entry(&mut entry);
         let text = serde_json::to_string(&entry).unwrap();
         for secret in [aws, stripe, "1234"] {
@@ -932,47 +913,26 @@ mod tests {
     /// traces' lists of call ids.
     #[test]
     fn r29_r34_secret_formats_are_masked_in_every_id_field() {
-        use crate::decision_log::record::{
-            Action, CallDecisionRecord, GuardRole, GuardTraceRecord, Outcome, TraceStatus,
-        };
         let aws = "AKIAIOSFODNN7EXAMPLE";
         let github = "ghp_16C7e42F292c6912E7710c838347Ae178B4a";
         let rules = MaskRules::none().with_formats(Formats::all());
         let mut batch = crate::decision_log::from_mesh::batch_id_only(&format!("b-{aws}"));
         batch.session_id = format!("s-{github}");
         batch.calls.push(CallRecord::from_text(aws, "t", "{}"));
-        let mut entry = Entry::Decision(DecisionRecord {
-            caller: Default::default(),
+        let mut entry = one_call_entry(
             batch,
-            chain_revision: Some(1),
-            decisions: vec![CallDecisionRecord {
-                call_id: aws.into(),
-                action: Action::Proceed,
+            CallDecisionRecord {
                 call: Some(CallRecord::from_text(aws, "t", "{}")),
-                content: None,
-                decided_by: None,
-                rule: None,
-                failure: false,
-                rewritten_by: vec![],
-                bypassed: vec![],
-            }],
-            trace: vec![GuardTraceRecord {
-                guard: "g".into(),
-                role: GuardRole::Validate,
-                status: TraceStatus::Proceeded,
-                latency_us: 1,
+                ..call_decision(aws, Action::Proceed)
+            },
+            GuardTraceRecord {
                 sent_call_ids: vec![aws.into()],
                 skipped_call_ids: vec![aws.into()],
                 rewritten_call_ids: vec![github.into()],
-                error: None,
-                dry_run_status: None,
-                replica: None,
-                labels: vec![],
-                refused_labels: 0,
-            }],
-            trace_id: None,
-            outcome: Outcome::decided(),
-        });
+                ..bare_trace("g", TraceStatus::Proceeded)
+            },
+            Outcome::decided(),
+        );
         rules.mask_entry(&mut entry);
         let text = serde_json::to_string(&entry).unwrap();
         for secret in [aws, github] {

@@ -37,11 +37,20 @@ fn batch(batch_id: &str, calls: Vec<CallRecord>) -> BatchRecord {
 
 fn trace(guard: &str, status: TraceStatus) -> GuardTraceRecord {
     GuardTraceRecord {
+        latency_us: 412,
+        sent_call_ids: vec!["c1".to_owned()],
+        ..bare_trace(guard, status)
+    }
+}
+
+/// Validate guard `guard`'s trace with `status` (1 µs), nothing else said.
+pub(super) fn bare_trace(guard: &str, status: TraceStatus) -> GuardTraceRecord {
+    GuardTraceRecord {
         guard: guard.to_owned(),
         role: GuardRole::Validate,
         status,
-        latency_us: 412,
-        sent_call_ids: vec!["c1".to_owned()],
+        latency_us: 1,
+        sent_call_ids: Vec::new(),
         skipped_call_ids: Vec::new(),
         rewritten_call_ids: Vec::new(),
         error: None,
@@ -49,6 +58,21 @@ fn trace(guard: &str, status: TraceStatus) -> GuardTraceRecord {
         replica: None,
         labels: Vec::new(),
         refused_labels: 0,
+    }
+}
+
+/// A decision on `call_id` of `action`, nothing else said.
+pub(super) fn call_decision(call_id: &str, action: Action) -> CallDecisionRecord {
+    CallDecisionRecord {
+        call_id: call_id.to_owned(),
+        action,
+        call: None,
+        content: None,
+        decided_by: None,
+        rule: None,
+        failure: false,
+        rewritten_by: Vec::new(),
+        bypassed: Vec::new(),
     }
 }
 
@@ -230,6 +254,27 @@ fn every_kind() -> Vec<Entry> {
     ]
 }
 
+/// The decision log's JSON Schema (`docs/decision-log.schema.json`), its
+/// formats checked.
+pub(super) fn schema() -> jsonschema::Validator {
+    let schema: Value =
+        serde_json::from_str(include_str!("../../../docs/decision-log.schema.json")).unwrap();
+    jsonschema::options()
+        .should_validate_formats(true)
+        .build(&schema)
+        .unwrap()
+}
+
+/// Asserts that `line` is a record the schema accepts, and one the record
+/// type reads back and writes as the same bytes.
+pub(super) fn assert_valid_record(schema: &jsonschema::Validator, line: &str) {
+    let value: Value = serde_json::from_str(line).unwrap();
+    let errors: Vec<String> = schema.iter_errors(&value).map(|e| e.to_string()).collect();
+    assert!(errors.is_empty(), "{line}\n{errors:#?}");
+    let record: LogRecord = serde_json::from_str(line).unwrap();
+    assert_eq!(&serde_json::to_string(&record).unwrap(), line);
+}
+
 /// The lines of every log file of `dir`, in order, with their files.
 fn lines(dir: &Path) -> Vec<(PathBuf, String)> {
     segment::list(dir)
@@ -259,24 +304,11 @@ async fn r29_records_match_the_json_schema() {
     write_all(&log, every_kind()).await;
     log.close().await.unwrap();
 
-    let schema: Value =
-        serde_json::from_str(include_str!("../../../docs/decision-log.schema.json")).unwrap();
-    let validator = jsonschema::options()
-        .should_validate_formats(true)
-        .build(&schema)
-        .unwrap();
+    let validator = schema();
     let lines = lines(dir.path());
     assert_eq!(lines.len(), 7);
     for (_, line) in &lines {
-        let value: Value = serde_json::from_str(line).unwrap();
-        let errors: Vec<String> = validator
-            .iter_errors(&value)
-            .map(|e| e.to_string())
-            .collect();
-        assert!(errors.is_empty(), "{line}\n{errors:#?}");
-        // The record type reads a line back, and writes the same bytes.
-        let record: LogRecord = serde_json::from_str(line).unwrap();
-        assert_eq!(&serde_json::to_string(&record).unwrap(), line);
+        assert_valid_record(&validator, line);
     }
     // A record the schema must refuse: a field the format does not have.
     let mut extra: Value = serde_json::from_str(&lines[0].1).unwrap();
@@ -660,16 +692,23 @@ async fn r29_a_log_path_that_is_a_file_is_refused_at_open() {
     assert!(err.to_string().contains("not a directory"), "{err}");
 }
 
-#[tokio::test]
-async fn r29_a_rotation_that_cannot_create_its_file_fails_the_record_then_recovers() {
-    let dir = tempfile::tempdir().unwrap();
+/// A log in `dir` that starts a new file for each record, its first
+/// record (`b0`) written.
+async fn one_record_per_file(dir: &Path) -> DecisionLog {
     let log = DecisionLog::open(LogConfig {
         max_file_bytes: 1,
-        ..config(dir.path())
+        ..config(dir)
     })
     .await
     .unwrap();
     log.append(zero_calls("b0")).await.unwrap();
+    log
+}
+
+#[tokio::test]
+async fn r29_a_rotation_that_cannot_create_its_file_fails_the_record_then_recovers() {
+    let dir = tempfile::tempdir().unwrap();
+    let log = one_record_per_file(dir.path()).await;
     // The next file's name is taken by a directory.
     let blocker = dir.path().join(segment::file_name(1));
     fs::create_dir(&blocker).unwrap();
@@ -686,13 +725,7 @@ async fn r29_a_rotation_that_cannot_create_its_file_fails_the_record_then_recove
 async fn r29_a_directory_that_goes_away_fails_the_record() {
     let dir = tempfile::tempdir().unwrap();
     let logdir = dir.path().join("log");
-    let log = DecisionLog::open(LogConfig {
-        max_file_bytes: 1,
-        ..config(&logdir)
-    })
-    .await
-    .unwrap();
-    log.append(zero_calls("b0")).await.unwrap();
+    let log = one_record_per_file(&logdir).await;
     fs::remove_dir_all(&logdir).unwrap();
     assert!(log.append(zero_calls("b1")).await.is_err());
 }
@@ -707,13 +740,7 @@ async fn r29_a_read_only_directory_fails_the_record() {
         return;
     }
     let dir = tempfile::tempdir().unwrap();
-    let log = DecisionLog::open(LogConfig {
-        max_file_bytes: 1,
-        ..config(dir.path())
-    })
-    .await
-    .unwrap();
-    log.append(zero_calls("b0")).await.unwrap();
+    let log = one_record_per_file(dir.path()).await;
     fs::set_permissions(dir.path(), fs::Permissions::from_mode(0o555)).unwrap();
     let result = log.append(zero_calls("b1")).await;
     fs::set_permissions(dir.path(), fs::Permissions::from_mode(0o755)).unwrap();
@@ -809,23 +836,11 @@ async fn r29_summaries_and_policy_registrations_match_the_json_schema() {
     ];
     write_all(&log, entries).await;
     log.close().await.unwrap();
-    let schema: Value =
-        serde_json::from_str(include_str!("../../../docs/decision-log.schema.json")).unwrap();
-    let validator = jsonschema::options()
-        .should_validate_formats(true)
-        .build(&schema)
-        .unwrap();
+    let validator = schema();
     let lines = lines(dir.path());
     assert_eq!(lines.len(), 2);
     for (_, line) in &lines {
-        let value: Value = serde_json::from_str(line).unwrap();
-        let errors: Vec<String> = validator
-            .iter_errors(&value)
-            .map(|e| e.to_string())
-            .collect();
-        assert!(errors.is_empty(), "{line}\n{errors:#?}");
-        let record: LogRecord = serde_json::from_str(line).unwrap();
-        assert_eq!(&serde_json::to_string(&record).unwrap(), line);
+        assert_valid_record(&validator, line);
     }
     let change: Value = serde_json::from_str(&lines[1].1).unwrap();
     assert_eq!(

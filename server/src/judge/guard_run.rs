@@ -262,18 +262,9 @@ pub(crate) fn span_failure(failure: &GuardFailure) -> SpanFailure {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::judge::tests::guard;
     use crate::judge::verdicts::Rejection;
-    use guardmesh_proto::v1::{GuardMode, GuardSpec};
-
-    fn guard(mode: GuardMode) -> Guard {
-        let spec = GuardSpec {
-            name: "g".into(),
-            endpoint: "127.0.0.1:9".into(),
-            mode: mode as i32,
-            ..Default::default()
-        };
-        Guard::from_spec(&spec, Duration::from_secs(1)).unwrap()
-    }
+    use guardmesh_proto::v1::GuardMode;
 
     /// A run of a guard that was sent the first of two calls.
     fn run() -> GuardRun {

@@ -6,7 +6,7 @@
 //! outcomes folded as a remote guard's answer is (R3, R4, R13).
 
 use super::fold::Fold;
-use super::{BatchError, Call, ChainGuard, Judging, span_guard};
+use super::{BatchError, Call, Judging, span_guard};
 use crate::link::GuardFailure;
 use crate::policy::{Args, BatchValues, CallRef, ContextRef, Outcome as PolicyOutcome, Recorded};
 use guardmesh_proto::v1::{BatchContext, Skip, SkipKind};
@@ -238,15 +238,7 @@ impl Judging<'_> {
             error = %wait,
             "batch shed: policy evaluation busy"
         );
-        for (run, ChainGuard { link, .. }) in self.runs.iter_mut().zip(&self.chain.guards) {
-            if run.finished.is_some() {
-                continue;
-            }
-            if let (Some(id), Some(link)) = (run.request_id, link) {
-                let _ = link.cancel(id);
-                run.superseded = true;
-            }
-        }
+        self.withdraw_unfinished();
         BatchError::PolicyBusy { guard, wait }
     }
 }

@@ -564,7 +564,8 @@ mod tests {
     use super::*;
     use guardmesh_proto::v1::{GuardMode, GuardSpec};
 
-    fn guard(mode: GuardMode) -> Guard {
+    /// A guard named `g` in `mode`.
+    pub(super) fn guard(mode: GuardMode) -> Guard {
         let spec = GuardSpec {
             name: "g".into(),
             endpoint: "127.0.0.1:9".into(),

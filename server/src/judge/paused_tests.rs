@@ -6,10 +6,20 @@
 //! for 30 s" costs nothing, and every duration a batch takes is exact, so
 //! the tests assert them. Each test names the integration test it mirrors;
 //! those keep the real sockets, end to end.
+//!
+//! Most scenarios are written once (in [`scenarios`]) and run on both
+//! transports: in paused time over the scripted guards, and in real time
+//! (`on_a_socket::`) over the same guards served on loopback sockets and
+//! reached by the mesh's own gRPC transport, where they assert outcomes and
+//! order rather than exact durations. The rest run in paused time only:
+//! they stop reading (which only the scripted transport can do), or depend
+//! on the moment a timer fires (a circuit's open period, a redial's probe,
+//! a recovery bound), which a real clock cannot promise.
 
 use super::{BatchError, TraceContext};
 use crate::link::scripted::{
-    ScriptedGuard, ScriptedNet, Step, cancel, proceed, rewrite, skip, steer,
+    ScriptedGuard, ScriptedNet, Step, Transport, cancel, on_both_transports, proceed, rewrite,
+    serve_on_loopback, skip, steer,
 };
 use crate::link::transport::GuardTransport;
 use crate::registry::{Admission, MemoryRegistry, Registry, admit_blocking};
@@ -43,27 +53,40 @@ fn restart_config(config: &mut MeshConfig) {
     config.link.circuit_open_for = ms(300);
 }
 
-/// A mesh whose guards are scripted guards on an in-memory net.
-struct World {
+/// A mesh whose guards are scripted guards, in memory or on sockets (also
+/// the world of the results phase's tests).
+pub(super) struct World {
+    transport: Transport,
     net: Arc<ScriptedNet>,
     registry: Arc<MemoryRegistry>,
-    mesh: Arc<Mesh>,
+    pub(super) mesh: Arc<Mesh>,
     next_port: AtomicU16,
 }
 
 impl World {
-    fn new() -> Self {
-        Self::with(|_| {})
+    pub(super) fn new() -> Self {
+        Self::on(Transport::Scripted)
+    }
+
+    fn on(transport: Transport) -> Self {
+        Self::on_with(transport, |_| {})
     }
 
     fn with(change: impl FnOnce(&mut MeshConfig)) -> Self {
+        Self::on_with(Transport::Scripted, change)
+    }
+
+    fn on_with(transport: Transport, change: impl FnOnce(&mut MeshConfig)) -> Self {
         let net = ScriptedNet::new();
         let mut config = fast_config();
         change(&mut config);
-        config.link.transport = Some(net.clone() as Arc<dyn GuardTransport>);
+        if transport == Transport::Scripted {
+            config.link.transport = Some(net.clone() as Arc<dyn GuardTransport>);
+        }
         let registry = Arc::new(MemoryRegistry::new(config.default_guard_timeout));
         let mesh = Mesh::new(config, registry.clone());
         Self {
+            transport,
             net,
             registry,
             mesh,
@@ -73,20 +96,68 @@ impl World {
 
     /// An endpoint where nothing listens.
     fn closed_port(&self) -> String {
-        format!(
-            "http://127.0.0.1:{}",
-            self.next_port.fetch_add(1, Ordering::Relaxed)
-        )
+        match self.transport {
+            Transport::Scripted => format!(
+                "http://127.0.0.1:{}",
+                self.next_port.fetch_add(1, Ordering::Relaxed)
+            ),
+            Transport::Socket => {
+                let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("a port");
+                format!("http://{}", listener.local_addr().expect("a bound port"))
+            }
+        }
     }
 
     /// A scripted guard at a new endpoint.
-    fn guard(
+    pub(super) fn guard(
         &self,
         script: impl Fn(&GuardBatch) -> Vec<Step> + Send + Sync + 'static,
     ) -> (String, Arc<ScriptedGuard>) {
-        let url = self.closed_port();
-        let guard = self.net.guard(&url, script);
-        (url, guard)
+        match self.transport {
+            Transport::Scripted => {
+                let url = self.closed_port();
+                let guard = self.net.guard(&url, script);
+                (url, guard)
+            }
+            Transport::Socket => {
+                let guard = ScriptedGuard::new(script);
+                (serve_on_loopback(guard.clone()), guard)
+            }
+        }
+    }
+
+    /// Lets the spawned tasks (links, guards' streams) run (see
+    /// [`Transport::settle`]).
+    async fn settle(&self) {
+        self.transport.settle().await;
+    }
+
+    /// Sleeps `pause`, and on sockets at least 100 ms: time for what is
+    /// sent to reach the guards.
+    async fn sleep_at_least(&self, pause: Duration) {
+        match self.transport {
+            Transport::Scripted => tokio::time::sleep(pause).await,
+            Transport::Socket => tokio::time::sleep(pause.max(ms(100))).await,
+        }
+    }
+
+    /// Asserts that what began at `started` took `want` (see
+    /// [`Transport::assert_took`]).
+    fn took(&self, started: Instant, want: Duration, what: &str) {
+        self.transport.assert_took(started.elapsed(), want, what);
+    }
+
+    /// Asserts the deadline a guard was told (R14): `want` exactly in
+    /// paused time; on sockets, no more than `want` (the real clock has
+    /// moved on by the time the request is written).
+    fn told(&self, deadline_ms: u32, want: u32, what: &str) {
+        match self.transport {
+            Transport::Scripted => assert_eq!(deadline_ms, want, "{what}"),
+            Transport::Socket => assert!(
+                deadline_ms > 0 && deadline_ms <= want,
+                "{what}: {deadline_ms} ms, want at most {want} ms"
+            ),
+        }
     }
 
     /// A guard that proceeds every call at once.
@@ -94,7 +165,7 @@ impl World {
         self.guard(|b| vec![Step::answer(b, Vec::new())])
     }
 
-    async fn register(&self, spec: GuardSpec) {
+    pub(super) async fn register(&self, spec: GuardSpec) {
         let admission = Admission {
             default_timeout: self.mesh.config.default_guard_timeout,
             endpoint_policy: Arc::default(),
@@ -209,7 +280,7 @@ fn mutate(name: &str, url: &str, grant: &[&str]) -> GuardSpec {
     }
 }
 
-trait SpecExt {
+pub(super) trait SpecExt {
     fn tools(self, tools: &[&str]) -> Self;
     fn policy(self, policy: FailurePolicy) -> Self;
     fn timeout(self, timeout: Duration) -> Self;
@@ -242,7 +313,7 @@ fn entry<'a>(d: &'a BatchDecision, guard: &str) -> &'a GuardTrace {
         .unwrap_or_else(|| panic!("no trace entry for {guard}: {:?}", d.trace))
 }
 
-fn status(d: &BatchDecision, guard: &str) -> TraceStatus {
+pub(super) fn status(d: &BatchDecision, guard: &str) -> TraceStatus {
     TraceStatus::try_from(entry(d, guard).status).unwrap_or(TraceStatus::Unspecified)
 }
 
@@ -333,7 +404,7 @@ async fn assert_each_policy_fails(
             )
             .await
             .unwrap_or_else(|e| panic!("{what}: every batch gets a decision: {e}"));
-        assert_eq!(started.elapsed(), waited, "{what}: decided after");
+        world.took(started, waited, &format!("{what}: decided after"));
         assert_eq!(ids(&d), ["a1", "b1", "z1"], "{what}: R2");
         assert_failure_cancel(&d.decisions[0], "fc", &what);
         assert_bypassed(&d.decisions[1], "fo", &what);
@@ -363,7 +434,7 @@ async fn assert_each_policy_fails(
             )
             .await
             .expect_err("abort: no call proceeds");
-        assert_eq!(started.elapsed(), waited, "{what}: aborted after");
+        world.took(started, waited, &format!("{what}: aborted after"));
         assert!(matches!(err, BatchError::Aborted { .. }), "{what}: {err}");
         assert_eq!(err.status().code(), tonic::Code::Unavailable, "{what}");
         assert!(err.to_string().contains("\"ab\""), "{what}: {err}");
@@ -374,97 +445,9 @@ async fn assert_each_policy_fails(
 // Unreachable guards
 // ---------------------------------------------------------------------------
 
-/// Paused-time version of
-/// `faults::unreachable_guard_closed_port_blocks_under_fail_closed_and_is_bypassed_under_fail_open`:
-/// every round fails per policy at once, never at a timeout.
-#[tokio::test(start_paused = true)]
-async fn r13_closed_port_blocks_under_fail_closed_and_is_bypassed_under_fail_open() {
-    let world = World::new();
-    let url = world.closed_port();
-    register_each_policy(&world, &url, Duration::from_secs(2)).await;
-    assert_each_policy_fails(
-        &world,
-        "closed port",
-        4,
-        &[TraceStatus::Failed],
-        "unreachable",
-        Duration::ZERO,
-    )
-    .await;
-}
-
-/// Paused-time version of
-/// `faults::unreachable_guard_endpoint_that_is_not_grpc_blocks_under_fail_closed`:
-/// a peer that accepts the connection but refuses the `Judge` stream.
-#[tokio::test(start_paused = true)]
-async fn r13_endpoint_that_refuses_the_judge_stream_blocks_under_fail_closed() {
-    let world = World::new();
-    let (url, guard) = world.guard(|b| vec![Step::answer(b, Vec::new())]);
-    for _ in 0..100 {
-        guard.refuse_stream(tonic::Status::unimplemented("not a guard"));
-    }
-    register_each_policy(&world, &url, ms(300)).await;
-    assert_each_policy_fails(
-        &world,
-        "not a guard",
-        3,
-        &[TraceStatus::Failed],
-        "not a guard",
-        Duration::ZERO,
-    )
-    .await;
-    assert_eq!(guard.streams(), 0, "no stream was ever opened");
-    assert_eq!(guard.requests(), 0);
-}
-
 // ---------------------------------------------------------------------------
 // Guards that close their stream
 // ---------------------------------------------------------------------------
-
-/// Paused-time version of
-/// `faults::guard_closes_stream_with_ok_without_answering_fails_per_policy`.
-#[tokio::test(start_paused = true)]
-async fn r13_r15_guard_closes_stream_with_ok_without_answering_fails_per_policy() {
-    let world = World::new();
-    let (url, guard) = world.guard(|_| vec![Step::end()]);
-    register_each_policy(&world, &url, Duration::from_secs(5)).await;
-    assert_each_policy_fails(
-        &world,
-        "closed with OK",
-        3,
-        &[TraceStatus::Failed],
-        "closed its stream",
-        Duration::ZERO,
-    )
-    .await;
-    // R15: the mesh keeps redialling a guard that closes on it.
-    let streams = guard.streams();
-    tokio::time::sleep(Duration::from_secs(1)).await;
-    assert!(
-        guard.streams() > streams && streams >= 3,
-        "the mesh reopens the guard's streams: {streams} then {}",
-        guard.streams()
-    );
-}
-
-/// Paused-time version of
-/// `faults::guard_closes_stream_with_an_error_fails_per_policy`.
-#[tokio::test(start_paused = true)]
-async fn r13_guard_closes_stream_with_an_error_fails_per_policy() {
-    let world = World::new();
-    let (url, _guard) =
-        world.guard(|_| vec![Step::fail(tonic::Status::internal("guard exploded"))]);
-    register_each_policy(&world, &url, Duration::from_secs(5)).await;
-    assert_each_policy_fails(
-        &world,
-        "closed with an error",
-        3,
-        &[TraceStatus::Failed],
-        "guard exploded",
-        Duration::ZERO,
-    )
-    .await;
-}
 
 /// A guard that skips the first call in a partial answer `after`, then
 /// ends its stream.
@@ -478,10 +461,11 @@ fn partial_then_close(after: Duration) -> impl Fn(&GuardBatch) -> Vec<Step> + Se
 }
 
 async fn partial_then_close_batch(
+    transport: Transport,
     role_mutate: bool,
     policy: FailurePolicy,
 ) -> (Result<BatchDecision, BatchError>, Duration) {
-    let world = World::new();
+    let world = World::on(transport);
     let (url, _guard) = world.guard(partial_then_close(ms(40)));
     let spec = if role_mutate {
         mutate("g", &url, &["t"])
@@ -521,302 +505,12 @@ fn assert_partial_then_close(d: &BatchDecision, policy: FailurePolicy, what: &st
     assert!(entry(d, "g").error.contains("closed its stream"), "{what}");
 }
 
-/// Paused-time version of
-/// `faults::guard_closes_stream_mid_batch_answered_call_keeps_its_verdict_pending_calls_fail`.
-#[tokio::test(start_paused = true)]
-async fn r13_guard_closes_stream_mid_batch_answered_call_keeps_its_verdict_pending_calls_fail() {
-    for policy in [FailurePolicy::FailClosed, FailurePolicy::FailOpen] {
-        let what = format!("validate guard, {policy:?}");
-        let (d, took) = partial_then_close_batch(false, policy).await;
-        let d = d.unwrap_or_else(|e| panic!("{what}: {e}"));
-        assert_partial_then_close(&d, policy, &what);
-        assert_eq!(took, ms(40), "{what}: decided when the stream ended");
-    }
-    let (err, took) = partial_then_close_batch(false, FailurePolicy::Abort).await;
-    let err = err.expect_err("abort: the whole batch is refused");
-    assert_eq!(err.status().code(), tonic::Code::Unavailable, "{err}");
-    assert!(err.to_string().contains("\"g\""), "{err}");
-    assert_eq!(took, ms(40));
-}
-
-/// Paused-time version of
-/// `faults::guard_closes_stream_mid_batch_mutate_guard_keeps_the_skip_it_sent`.
-#[tokio::test(start_paused = true)]
-async fn r12_r13_guard_closes_stream_mid_batch_mutate_guard_keeps_the_skip_it_sent() {
-    for policy in [FailurePolicy::FailClosed, FailurePolicy::FailOpen] {
-        let what = format!("mutate guard, {policy:?}");
-        let (d, took) = partial_then_close_batch(true, policy).await;
-        let d = d.unwrap_or_else(|e| panic!("{what}: {e}"));
-        assert_partial_then_close(&d, policy, &what);
-        assert_eq!(took, ms(40), "{what}");
-    }
-}
-
 // ---------------------------------------------------------------------------
 // Guards that hang, and deadlines (R14)
 // ---------------------------------------------------------------------------
 
 fn never(_: &GuardBatch) -> Vec<Step> {
     Vec::new()
-}
-
-/// Paused-time version of
-/// `faults::hang_guard_fails_at_its_own_timeout_and_is_told_to_stop`.
-#[tokio::test(start_paused = true)]
-async fn r14_hang_guard_fails_at_its_own_timeout_and_is_told_to_stop() {
-    let world = World::new();
-    let (url, hung) = world.guard(never);
-    register_each_policy(&world, &url, ms(200)).await;
-    assert_each_policy_fails(
-        &world,
-        "hung guard",
-        2,
-        &[TraceStatus::TimedOut],
-        "did not answer",
-        ms(200),
-    )
-    .await;
-    settle().await;
-    let sent = hung.requests();
-    assert_eq!(sent, 2 * 3, "fc and fo once per round, ab once per round");
-    for batch in hung.batches() {
-        assert_eq!(batch.deadline_ms, 200, "R14: the guard is told its timeout");
-    }
-    let mut cancelled = hung.cancels();
-    cancelled.sort_unstable();
-    let mut request_ids: Vec<u64> = hung.batches().iter().map(|b| b.request_id).collect();
-    request_ids.sort_unstable();
-    assert_eq!(cancelled, request_ids, "every request was withdrawn");
-    assert_eq!(hung.answered(), 0);
-}
-
-/// Paused-time version of
-/// `faults::hang_batch_deadline_smaller_than_the_guard_timeout_bounds_the_guard`.
-#[tokio::test(start_paused = true)]
-async fn r14_hang_batch_deadline_smaller_than_the_guard_timeout_bounds_the_guard() {
-    let world = World::new();
-    let (url, hung) = world.guard(never);
-    register_each_policy(&world, &url, Duration::from_secs(20)).await;
-    let started = Instant::now();
-    let d = world
-        .evaluate(
-            Batch::new(0)
-                .call("a1", "a.x", "{}")
-                .call("b1", "b.x", "{}")
-                .timeout(ms(400)),
-        )
-        .await
-        .expect("a decision, not DEADLINE_EXCEEDED");
-    assert_eq!(started.elapsed(), ms(400));
-    assert_failure_cancel(&d.decisions[0], "fc", "batch deadline");
-    assert_bypassed(&d.decisions[1], "fo", "batch deadline");
-    assert_eq!(status(&d, "fc"), TraceStatus::TimedOut);
-    assert_eq!(status(&d, "fo"), TraceStatus::TimedOut);
-    let batches = hung.batches();
-    assert_eq!(batches.len(), 2);
-    for batch in &batches {
-        assert_eq!(
-            batch.deadline_ms, 400,
-            "R14: the smaller of 20 s and 400 ms"
-        );
-    }
-}
-
-/// Paused-time version of
-/// `faults::hang_unary_batch_gets_a_decision_before_its_grpc_deadline`.
-#[tokio::test(start_paused = true)]
-async fn r14_hang_unary_batch_gets_a_decision_at_its_deadline() {
-    let world = World::new();
-    let (url, _hung) = world.guard(never);
-    world
-        .register(
-            validate("fc", &url)
-                .policy(FailurePolicy::FailClosed)
-                .timeout(Duration::from_secs(20)),
-        )
-        .await;
-    for turn in 0..3 {
-        let mut batch = Batch::new(turn).call("a1", "a.x", "{}").timeout(ms(500));
-        batch.unary = true;
-        let started = Instant::now();
-        let d = world
-            .evaluate(batch)
-            .await
-            .unwrap_or_else(|e| panic!("turn {turn}: a decision, not {e}"));
-        assert_eq!(started.elapsed(), ms(500), "turn {turn}");
-        assert_failure_cancel(&d.decisions[0], "fc", "unary");
-        assert_eq!(status(&d, "fc"), TraceStatus::TimedOut);
-    }
-}
-
-/// Paused-time version of
-/// `faults::hang_remaining_batch_budget_shrinks_across_mutate_guards`: the
-/// budgets are exact.
-#[tokio::test(start_paused = true)]
-async fn r10_r14_remaining_batch_budget_shrinks_across_mutate_guards() {
-    let world = World::new();
-    let (first_url, first) = world.guard(|b| vec![Step::answer(b, Vec::new()).after(ms(300))]);
-    let (second_url, second) = world.proceed_guard();
-    let (v_url, v) = world.proceed_guard();
-    world
-        .register(mutate("m1", &first_url, &["t"]).timeout(Duration::from_secs(20)))
-        .await;
-    world
-        .register(mutate("m2", &second_url, &["t"]).timeout(Duration::from_secs(20)))
-        .await;
-    world
-        .register(validate("v", &v_url).timeout(Duration::from_secs(20)))
-        .await;
-    let started = Instant::now();
-    let d = world
-        .evaluate(
-            Batch::new(0)
-                .call("c1", "t", "{}")
-                .timeout(Duration::from_secs(3)),
-        )
-        .await
-        .unwrap();
-    assert!(proceeds(&d.decisions[0]), "{:?}", d.decisions[0]);
-    assert_eq!(started.elapsed(), ms(300));
-    // R10: the second is asked once the first has answered.
-    assert_eq!(second.read_at()[0] - first.read_at()[0], ms(300));
-    assert_eq!(first.batches()[0].deadline_ms, 3000);
-    assert_eq!(second.batches()[0].deadline_ms, 2700);
-    assert_eq!(v.batches()[0].deadline_ms, 2700);
-}
-
-/// Paused-time version of
-/// `faults::hang_exhausted_batch_budget_fails_later_guards_without_contacting_them`.
-#[tokio::test(start_paused = true)]
-async fn r14_exhausted_batch_budget_fails_later_guards_without_contacting_them() {
-    let world = World::new();
-    let (hung_url, hung) = world.guard(never);
-    let (later_url, later) = world.proceed_guard();
-    let (v_url, v) = world.proceed_guard();
-    world
-        .register(
-            mutate("m1", &hung_url, &["t"])
-                .policy(FailurePolicy::FailOpen)
-                .timeout(Duration::from_secs(20)),
-        )
-        .await;
-    world
-        .register(
-            mutate("m2", &later_url, &["t"])
-                .policy(FailurePolicy::FailClosed)
-                .timeout(Duration::from_secs(20)),
-        )
-        .await;
-    world
-        .register(validate("v", &v_url).timeout(Duration::from_secs(20)))
-        .await;
-    let started = Instant::now();
-    let d = world
-        .evaluate(Batch::new(0).call("c1", "t", "{}").timeout(ms(400)))
-        .await
-        .expect("a decision");
-    assert_eq!(started.elapsed(), ms(400));
-    let call = &d.decisions[0];
-    assert_failure_cancel(call, "m2", "exhausted budget");
-    assert_eq!(call.bypassed, ["m1"], "{call:?}");
-    assert_eq!(status(&d, "m1"), TraceStatus::TimedOut);
-    assert_eq!(status(&d, "m2"), TraceStatus::TimedOut);
-    assert_eq!(status(&d, "v"), TraceStatus::NotApplicable);
-    assert_eq!(hung.requests(), 1);
-    assert_eq!(later.requests(), 0, "no budget left: not contacted");
-    assert_eq!(v.requests(), 0);
-}
-
-/// Paused-time version of
-/// `faults::hang_guard_for_some_tools_does_not_delay_batches_that_do_not_need_it`.
-#[tokio::test(start_paused = true)]
-async fn r9_r19_held_guard_for_some_tools_does_not_delay_batches_that_do_not_need_it() {
-    let world = World::new();
-    let (held_url, held) = world.guard(|b| vec![Step::answer(b, Vec::new()).after(ms(50_000))]);
-    let (other_url, _other) = world.proceed_guard();
-    world
-        .register(
-            validate("held", &held_url)
-                .tools(&["slow.*"])
-                .timeout(Duration::from_secs(60)),
-        )
-        .await;
-    world.register(validate("other", &other_url)).await;
-    let started = Instant::now();
-    let slow = world.spawn(
-        Batch::new(0)
-            .call("s1", "slow.op", "{}")
-            .timeout(Duration::from_secs(60)),
-    );
-    settle().await;
-    assert_eq!(held.requests(), 1, "the slow batch reached the held guard");
-    for i in 0..10 {
-        let fast_started = Instant::now();
-        let d = world
-            .evaluate(
-                Batch::new(1 + i)
-                    .call(&format!("f{i}"), "fast.op", "{}")
-                    .client(i % 2),
-            )
-            .await
-            .unwrap();
-        assert_eq!(fast_started.elapsed(), Duration::ZERO, "fast batch {i}");
-        assert!(!slow.is_finished(), "fast batch {i} before the slow one");
-        assert!(proceeds(&d.decisions[0]));
-        assert_eq!(status(&d, "held"), TraceStatus::NotApplicable);
-    }
-    let mixed = world.spawn(
-        Batch::new(50)
-            .call("m1", "fast.op", "{}")
-            .call("m2", "slow.op", "{}")
-            .timeout(Duration::from_secs(60)),
-    );
-    settle().await;
-    assert_eq!(held.requests(), 2);
-    assert!(!mixed.is_finished());
-    let d = slow.await.unwrap().unwrap();
-    assert_eq!(started.elapsed(), ms(50_000), "the held guard's own delay");
-    assert!(proceeds(&d.decisions[0]));
-    assert_eq!(status(&d, "held"), TraceStatus::Proceeded);
-    let d = mixed.await.unwrap().unwrap();
-    assert!(d.decisions.iter().all(proceeds));
-    assert_eq!(status(&d, "held"), TraceStatus::Proceeded);
-}
-
-/// Paused-time version of
-/// `rules::r14_guard_gets_the_smaller_of_its_timeout_and_the_batch_deadline`.
-#[tokio::test(start_paused = true)]
-async fn r14_guard_gets_the_smaller_of_its_timeout_and_the_batch_deadline() {
-    let world = World::new();
-    let (url, slow) = world.guard(|b| vec![Step::answer(b, Vec::new()).after(ms(3000))]);
-    world
-        .register(validate("slow", &url).timeout(Duration::from_secs(20)))
-        .await;
-    let started = Instant::now();
-    let d = world
-        .evaluate(Batch::new(0).call("c1", "t", "{}").timeout(ms(300)))
-        .await
-        .unwrap();
-    assert_eq!(started.elapsed(), ms(300));
-    assert_eq!(status(&d, "slow"), TraceStatus::TimedOut);
-    assert!(d.decisions[0].failure);
-    assert_eq!(slow.batches()[0].deadline_ms, 300);
-
-    world
-        .register(validate("slow", &url).timeout(ms(100)))
-        .await;
-    let started = Instant::now();
-    let d = world
-        .evaluate(
-            Batch::new(1)
-                .call("c1", "t", "{}")
-                .timeout(Duration::from_secs(20)),
-        )
-        .await
-        .unwrap();
-    assert_eq!(started.elapsed(), ms(100));
-    assert_eq!(status(&d, "slow"), TraceStatus::TimedOut);
-    assert_eq!(slow.batches()[1].deadline_ms, 100);
 }
 
 // ---------------------------------------------------------------------------
@@ -827,177 +521,6 @@ fn spurious(world: &World, guard: &str) -> f64 {
     world.metric(&format!(
         "guardmesh_guard_spurious_answers_total{{guard=\"{guard}\"}}"
     ))
-}
-
-/// Paused-time version of
-/// `faults::spurious_late_verdict_for_a_decided_batch_is_ignored_and_counted`.
-#[tokio::test(start_paused = true)]
-async fn r8_spurious_late_verdict_for_a_decided_batch_is_ignored_and_counted() {
-    let world = World::new();
-    let ids: Arc<Mutex<Vec<u64>>> = Arc::default();
-    let (url, guard) = world.guard({
-        let ids = ids.clone();
-        move |b: &GuardBatch| {
-            let mut ids = ids.lock().unwrap();
-            ids.push(b.request_id);
-            let call = b.calls[0].call_id.clone();
-            match b.batch_id.as_str() {
-                "b1" => Vec::new(),
-                "b2" => vec![
-                    Step::answer_to(ids[0], vec![proceed("c1")], false),
-                    Step::answer(b, vec![steer(&call, "b2 skipped")]),
-                ],
-                "b3" => vec![
-                    Step::answer(b, vec![steer(&call, "b3 skipped")]),
-                    Step::answer(b, vec![proceed(&call)]),
-                ],
-                _ => vec![Step::answer(b, Vec::new())],
-            }
-        }
-    });
-    guard.ignore_cancels();
-    world
-        .register(
-            validate("late", &url)
-                .policy(FailurePolicy::FailClosed)
-                .timeout(ms(200)),
-        )
-        .await;
-    let batch = |n: u32| {
-        Batch::new(n)
-            .call("c1", "t", "{}")
-            .timeout(Duration::from_secs(10))
-    };
-    let d1 = world.evaluate(batch(1)).await.unwrap();
-    assert_failure_cancel(&d1.decisions[0], "late", "b1");
-    assert_eq!(status(&d1, "late"), TraceStatus::TimedOut);
-    assert_eq!(spurious(&world, "late"), 0.0);
-
-    let d2 = world.evaluate(batch(2)).await.unwrap();
-    assert_skip(&d2.decisions[0], "late", Action::Steer, "b2 skipped", "b2");
-    assert_eq!(spurious(&world, "late"), 1.0, "b1's late answer is counted");
-
-    let d3 = world.evaluate(batch(3)).await.unwrap();
-    assert_skip(&d3.decisions[0], "late", Action::Steer, "b3 skipped", "b3");
-    settle().await;
-    assert_eq!(
-        spurious(&world, "late"),
-        2.0,
-        "the second answer is counted"
-    );
-    let d4 = world.evaluate(batch(4)).await.unwrap();
-    assert!(proceeds(&d4.decisions[0]), "the stream goes on");
-    assert_eq!(status(&d4, "late"), TraceStatus::Proceeded);
-    assert_eq!(
-        guard.cancels(),
-        [ids.lock().unwrap()[0]],
-        "b1 was withdrawn"
-    );
-}
-
-/// Paused-time version of
-/// `faults::spurious_answers_for_unknown_request_ids_are_ignored_and_counted`.
-#[tokio::test(start_paused = true)]
-async fn r8_spurious_answers_for_unknown_request_ids_are_ignored_and_counted() {
-    let world = World::new();
-    let (url, _guard) = world.guard(|b: &GuardBatch| {
-        let all_proceed: Vec<_> = b.calls.iter().map(|c| proceed(&c.call_id)).collect();
-        let all_skip: Vec<_> = b.calls.iter().map(|c| steer(&c.call_id, "noise")).collect();
-        let mut steps = vec![
-            Step::answer_to(0, all_proceed.clone(), false),
-            Step::answer_to(b.request_id + 1_000_000, all_proceed.clone(), false),
-            Step::answer_to(b.request_id + 2_000_000, all_skip, true),
-            Step::Answer {
-                after: Duration::ZERO,
-                response: guardmesh_proto::v1::JudgeResponse {
-                    request_id: b.request_id + 3_000_000,
-                    error: "noise error".into(),
-                    ..Default::default()
-                },
-            },
-            Step::answer_to(u64::MAX, all_proceed, false),
-        ];
-        let verdicts = b
-            .calls
-            .iter()
-            .filter(|c| c.tool == "deny")
-            .map(|c| steer(&c.call_id, "real skip"))
-            .collect();
-        steps.push(Step::answer(b, verdicts));
-        steps
-    });
-    world
-        .register(validate("g", &url).timeout(Duration::from_secs(5)))
-        .await;
-    for turn in 0..3u32 {
-        let d = world
-            .evaluate(
-                Batch::new(turn)
-                    .call("c1", "deny", "{}")
-                    .call("c2", "ok", "{}"),
-            )
-            .await
-            .unwrap();
-        assert_skip(
-            &d.decisions[0],
-            "g",
-            Action::Steer,
-            "real skip",
-            "unknown ids",
-        );
-        assert!(proceeds(&d.decisions[1]));
-        assert_eq!(status(&d, "g"), TraceStatus::Skipped);
-        assert_eq!(spurious(&world, "g"), f64::from(5 * (turn + 1)));
-    }
-}
-
-/// Paused-time version of
-/// `faults::spurious_unknown_skip_kind_is_still_a_skip_read_as_steer`.
-#[tokio::test(start_paused = true)]
-async fn r7_unknown_skip_kind_is_still_a_skip_read_as_steer() {
-    for mutating in [false, true] {
-        let world = World::new();
-        let (url, _guard) = world.guard(|b: &GuardBatch| {
-            let verdicts = b
-                .calls
-                .iter()
-                .filter_map(|c| {
-                    let kind = match c.tool.as_str() {
-                        "seven" => 7,
-                        "negative" => -3,
-                        "max" => i32::MAX,
-                        _ => return None,
-                    };
-                    Some(skip(&c.call_id, &format!("kind {kind}"), kind))
-                })
-                .collect();
-            vec![Step::answer(b, verdicts)]
-        });
-        let spec = if mutating {
-            mutate("g", &url, &["*"])
-        } else {
-            validate("g", &url)
-        };
-        world.register(spec.policy(FailurePolicy::FailOpen)).await;
-        let d = world
-            .evaluate(
-                Batch::new(0)
-                    .call("c1", "seven", "{}")
-                    .call("c2", "negative", "{}")
-                    .call("c3", "max", "{}")
-                    .call("c4", "fine", "{}"),
-            )
-            .await
-            .unwrap();
-        let what = if mutating { "mutate" } else { "validate" };
-        for (call, kind) in d.decisions.iter().zip([7, -3, i32::MAX]) {
-            assert_skip(call, "g", Action::Steer, &format!("kind {kind}"), what);
-            assert!(call.bypassed.is_empty(), "{what}");
-        }
-        assert!(proceeds(&d.decisions[3]));
-        assert_eq!(status(&d, "g"), TraceStatus::Skipped, "{what}");
-        assert_eq!(executed(&d), ["c4"], "{what}");
-    }
 }
 
 // ---------------------------------------------------------------------------
@@ -1203,69 +726,6 @@ async fn r15_killed_guard_fails_per_policy_while_down_then_judges_again() {
     }
 }
 
-/// Paused-time version of
-/// `faults::restart_guard_process_killed_with_a_batch_in_flight_fails_that_batch_per_policy`.
-#[tokio::test(start_paused = true)]
-async fn r13_guard_killed_with_a_batch_in_flight_fails_that_batch_at_once() {
-    let world = World::new();
-    let (proc_url, process) = world.guard(|b| vec![Step::answer(b, Vec::new()).after(ms(20_000))]);
-    let (probe_url, probe) = world.proceed_guard();
-    world
-        .register(
-            validate("proc", &proc_url)
-                .policy(FailurePolicy::FailClosed)
-                .timeout(Duration::from_secs(30)),
-        )
-        .await;
-    world.register(validate("probe", &probe_url)).await;
-    let started = Instant::now();
-    let batch = world.spawn(
-        Batch::new(0)
-            .call("c1", "t", "{}")
-            .timeout(Duration::from_secs(30)),
-    );
-    tokio::time::sleep(ms(10)).await;
-    assert_eq!((probe.requests(), process.requests()), (1, 1));
-    assert!(!batch.is_finished());
-    process.kill();
-    let d = batch.await.unwrap().expect("a decision, not an error");
-    assert_eq!(started.elapsed(), ms(10), "at once, not at its deadline");
-    assert_failure_cancel(&d.decisions[0], "proc", "killed mid-batch");
-    assert_eq!(status(&d, "proc"), TraceStatus::Failed);
-}
-
-/// Paused-time version of
-/// `rules::r15_a_killed_guard_keeps_failing_until_deregistered`.
-#[tokio::test(start_paused = true)]
-async fn r15_a_killed_guard_keeps_failing_until_deregistered() {
-    let world = World::new();
-    let (url, guard) = world.proceed_guard();
-    world.register(validate("g", &url).timeout(ms(300))).await;
-    let d = world
-        .evaluate(Batch::new(0).call("c", "t", "{}"))
-        .await
-        .unwrap();
-    assert_eq!(status(&d, "g"), TraceStatus::Proceeded);
-    guard.kill();
-    for turn in 1..5 {
-        let d = world
-            .evaluate(Batch::new(turn).call("c", "t", "{}"))
-            .await
-            .unwrap();
-        assert_failure_cancel(&d.decisions[0], "g", &format!("turn {turn}"));
-        assert_eq!(status(&d, "g"), TraceStatus::Failed);
-        tokio::time::sleep(ms(100)).await;
-    }
-    assert_eq!(world.registry.chain().guards.len(), 1, "still in the chain");
-    assert!(world.registry.deregister("g".into()).await.unwrap().removed);
-    let d = world
-        .evaluate(Batch::new(9).call("c", "t", "{}"))
-        .await
-        .unwrap();
-    assert!(proceeds(&d.decisions[0]));
-    assert!(d.trace.is_empty());
-}
-
 // ---------------------------------------------------------------------------
 // R23: a verdict the mesh cannot read is not a proceed
 // ---------------------------------------------------------------------------
@@ -1312,215 +772,6 @@ mod raw_pb {
         out.extend_from_slice(extra);
         out
     }
-}
-
-/// Paused-time version of
-/// `faults::r23_unknown_verdict_outcome_fails_the_guard_per_its_policy`.
-#[tokio::test(start_paused = true)]
-async fn r23_unknown_verdict_outcome_fails_the_guard_per_its_policy() {
-    for variant in ["message", "varint", "partial"] {
-        let world = World::new();
-        let (url, guard) = world.guard(move |b: &GuardBatch| {
-            let verdicts: Vec<Vec<u8>> = b
-                .calls
-                .iter()
-                .map(|c| {
-                    let mut outcome = Vec::new();
-                    match variant {
-                        "message" => {
-                            let mut defer = Vec::new();
-                            raw_pb::bytes_field(&mut defer, 1, b"ask the user first");
-                            raw_pb::bytes_field(&mut outcome, 9, &defer);
-                        }
-                        "varint" => raw_pb::varint_field(&mut outcome, 9, 1),
-                        _ => raw_pb::bytes_field(&mut outcome, 9, b""),
-                    }
-                    raw_pb::verdict(&c.call_id, &outcome)
-                })
-                .collect();
-            let mut extra = Vec::new();
-            if variant == "partial" {
-                raw_pb::varint_field(&mut extra, 3, 1);
-            }
-            vec![Step::raw(raw_pb::judge_response(
-                b.request_id,
-                &verdicts,
-                &extra,
-            ))]
-        });
-        register_each_policy(&world, &url, Duration::from_secs(5)).await;
-        assert_each_policy_fails(
-            &world,
-            variant,
-            2,
-            &[TraceStatus::Failed],
-            "field 9",
-            Duration::ZERO,
-        )
-        .await;
-        assert_eq!(
-            guard.streams(),
-            3,
-            "{variant}: one per link, never reopened"
-        );
-        if variant == "partial" {
-            settle().await;
-            assert_eq!(
-                guard.cancels().len(),
-                guard.requests(),
-                "a partial answer it cannot read withdraws the request"
-            );
-        }
-    }
-}
-
-/// Paused-time version of
-/// `faults::r23_unknown_fields_outside_a_verdict_are_ignored`.
-#[tokio::test(start_paused = true)]
-async fn r23_unknown_fields_outside_a_verdict_are_ignored() {
-    let world = World::new();
-    let (url, _guard) = world.guard(|b: &GuardBatch| {
-        let verdicts: Vec<Vec<u8>> = b
-            .calls
-            .iter()
-            .filter(|c| c.tool == "fs.delete")
-            .map(|c| {
-                let mut inside = Vec::new();
-                raw_pb::bytes_field(&mut inside, 9, b"policy-17");
-                raw_pb::verdict(&c.call_id, &raw_pb::skip_outcome("no deletes", &inside))
-            })
-            .collect();
-        let mut extra = Vec::new();
-        raw_pb::bytes_field(&mut extra, 5, b"guard-version 2");
-        raw_pb::varint_field(&mut extra, 6, 42);
-        raw_pb::bytes_field(&mut extra, 1000, &[1, 2, 3]);
-        vec![Step::raw(raw_pb::judge_response(
-            b.request_id,
-            &verdicts,
-            &extra,
-        ))]
-    });
-    world
-        .register(
-            validate("g", &url)
-                .policy(FailurePolicy::FailOpen)
-                .timeout(Duration::from_secs(5)),
-        )
-        .await;
-    let d = world
-        .evaluate(
-            Batch::new(0)
-                .call("c1", "fs.delete", "{}")
-                .call("c2", "fs.read", "{}"),
-        )
-        .await
-        .unwrap();
-    assert_skip(&d.decisions[0], "g", Action::Steer, "no deletes", "outside");
-    assert!(d.decisions[0].bypassed.is_empty());
-    assert!(proceeds(&d.decisions[1]) && d.decisions[1].bypassed.is_empty());
-    assert_eq!(status(&d, "g"), TraceStatus::Skipped);
-    assert_eq!(entry(&d, "g").error, "");
-}
-
-/// Paused-time version of
-/// `faults::r23_unknown_rewrite_field_fails_a_mutate_guard_and_nothing_is_rewritten`.
-#[tokio::test(start_paused = true)]
-async fn r23_unknown_rewrite_field_fails_a_mutate_guard_and_nothing_is_rewritten() {
-    let world = World::new();
-    let (url, _guard) = world.guard(|b: &GuardBatch| {
-        let verdicts: Vec<Vec<u8>> = b
-            .calls
-            .iter()
-            .map(|c| {
-                let mut rewrite = Vec::new();
-                raw_pb::bytes_field(&mut rewrite, 2, br#"{"path":"/tmp/safe"}"#);
-                raw_pb::bytes_field(&mut rewrite, 3, b"drop: secrets");
-                let mut outcome = Vec::new();
-                raw_pb::bytes_field(&mut outcome, 3, &rewrite);
-                raw_pb::verdict(&c.call_id, &outcome)
-            })
-            .collect();
-        vec![Step::raw(raw_pb::judge_response(
-            b.request_id,
-            &verdicts,
-            &[],
-        ))]
-    });
-    let (later_url, _later) = world.proceed_guard();
-    world
-        .register(
-            mutate("m", &url, &["fs.*"])
-                .tools(&["fs.*"])
-                .policy(FailurePolicy::FailClosed)
-                .timeout(Duration::from_secs(5)),
-        )
-        .await;
-    world.register(validate("v", &later_url)).await;
-    let d = world
-        .evaluate(
-            Batch::new(0)
-                .call("c1", "fs.write", r#"{"path":"/etc/passwd"}"#)
-                .call("c2", "net.get", "{}"),
-        )
-        .await
-        .unwrap();
-    assert_failure_cancel(&d.decisions[0], "m", "unknown rewrite field");
-    assert!(d.decisions[0].rewritten_by.is_empty());
-    assert_eq!(
-        d.decisions[0].call.as_ref().map(|c| c.arguments.as_str()),
-        Some(r#"{"path":"/etc/passwd"}"#)
-    );
-    assert!(proceeds(&d.decisions[1]));
-    assert_eq!(status(&d, "m"), TraceStatus::Failed);
-    assert!(entry(&d, "m").error.contains("Rewrite field 3"));
-}
-
-/// Paused-time version of
-/// `faults::r13_abort_guard_failure_is_counted_in_guard_outcomes`.
-#[tokio::test(start_paused = true)]
-async fn r13_abort_guard_failure_is_counted_in_guard_outcomes() {
-    let world = World::new();
-    let down = world.closed_port();
-    let (fine_url, _fine) = world.proceed_guard();
-    world
-        .register(
-            mutate("mab", &down, &["m.*"])
-                .tools(&["m.*"])
-                .policy(FailurePolicy::Abort),
-        )
-        .await;
-    world.register(validate("fine", &fine_url)).await;
-    world
-        .register(
-            validate("ab", &down)
-                .tools(&["c.*"])
-                .policy(FailurePolicy::Abort),
-        )
-        .await;
-    for (tool, guard) in [("c.x", "ab"), ("m.x", "mab")] {
-        let err = world
-            .evaluate(Batch::new(0).call("c1", tool, "{}"))
-            .await
-            .expect_err("abort");
-        assert!(err.to_string().contains(&format!("{guard:?}")), "{err}");
-        let failed = world.metric(&format!(
-            "guardmesh_guard_outcomes_total{{guard=\"{guard}\",status=\"failed\"}}"
-        ));
-        assert_eq!(failed, 1.0, "{guard}");
-    }
-    let fine: f64 = ["proceeded", "superseded"]
-        .iter()
-        .map(|s| {
-            world.metric(&format!(
-                "guardmesh_guard_outcomes_total{{guard=\"fine\",status=\"{s}\"}}"
-            ))
-        })
-        .sum();
-    assert_eq!(fine, 1.0);
-    assert_eq!(
-        world.metric("guardmesh_batches_total{outcome=\"aborted\"}"),
-        2.0
-    );
 }
 
 // ---------------------------------------------------------------------------
@@ -1757,340 +1008,1224 @@ async fn r13_circuit_open_under_fail_open_is_recorded_as_bypass() {
     assert!(open[2..].iter().all(|o| *o), "{open:?}");
 }
 
-/// Paused-time version of `rules::r13_each_failure_cause_under_each_policy`.
-#[tokio::test(start_paused = true)]
-async fn r13_each_failure_cause_under_each_policy() {
-    type Cause = (&'static str, fn(&GuardBatch) -> Vec<Step>);
-    let causes: [Cause; 5] = [
-        ("unreachable", |_| Vec::new()),
-        ("error answer", |b| vec![Step::error(b, "database down")]),
-        ("stream error", |_| {
-            vec![Step::fail(tonic::Status::internal("guard exploded"))]
-        }),
-        ("stream closed", |_| vec![Step::end()]),
-        ("timeout", never),
-    ];
-    for (cause, script) in causes {
-        for policy in [
-            FailurePolicy::FailClosed,
-            FailurePolicy::FailOpen,
-            FailurePolicy::Abort,
-        ] {
-            let what = format!("{cause} under {policy:?}");
-            let world = World::new();
-            let url = if cause == "unreachable" {
-                world.closed_port()
-            } else {
-                world.guard(script).0
-            };
-            let (ok_url, _ok) = world.proceed_guard();
-            world
-                .register(
-                    validate("flaky", &url)
-                        .policy(policy)
-                        .timeout(ms(200))
-                        .tools(&["db.*"]),
-                )
-                .await;
-            world.register(validate("ok", &ok_url)).await;
-            let started = Instant::now();
-            let result = world
-                .evaluate(
-                    Batch::new(0)
-                        .call("c1", "db.query", "{}")
-                        .call("c2", "fs.read", "{}"),
-                )
-                .await;
-            let waited = if cause == "timeout" {
-                ms(200)
-            } else {
-                Duration::ZERO
-            };
-            assert_eq!(started.elapsed(), waited, "{what}");
-            match policy {
-                FailurePolicy::FailClosed => {
-                    let d = result.unwrap_or_else(|e| panic!("{what}: {e}"));
-                    assert_failure_cancel(&d.decisions[0], "flaky", &what);
-                    assert!(proceeds(&d.decisions[1]), "{what}: R6");
-                    let want = if cause == "timeout" {
-                        TraceStatus::TimedOut
-                    } else {
-                        TraceStatus::Failed
-                    };
-                    assert_eq!(status(&d, "flaky"), want, "{what}");
-                    assert!(!entry(&d, "flaky").error.is_empty(), "{what}");
-                }
-                FailurePolicy::FailOpen => {
-                    let d = result.unwrap_or_else(|e| panic!("{what}: {e}"));
-                    assert_bypassed(&d.decisions[0], "flaky", &what);
-                    assert!(d.decisions[1].bypassed.is_empty(), "{what}");
-                    assert_ne!(status(&d, "flaky"), TraceStatus::Proceeded, "{what}");
-                }
-                FailurePolicy::Abort => {
-                    let err = result.expect_err(&what);
-                    assert_eq!(err.status().code(), tonic::Code::Unavailable, "{what}");
-                    assert!(err.to_string().contains("flaky"), "{what}: {err}");
-                    let d = world
-                        .evaluate(Batch::new(1).call("c3", "fs.read", "{}"))
-                        .await
-                        .unwrap();
-                    assert!(proceeds(&d.decisions[0]), "{what}");
-                }
-            }
-        }
-    }
-}
-
 // ---------------------------------------------------------------------------
 // Order and early answers (R1, R3-R5, R8, R9, R12, R17)
 // ---------------------------------------------------------------------------
 
-/// Paused-time version of `rules::r1_zero_calls_contact_no_guard`.
-#[tokio::test(start_paused = true)]
-async fn r1_zero_calls_contact_no_guard() {
-    let world = World::new();
-    let (url, guard) = world.proceed_guard();
-    world.register(validate("g", &url)).await;
-    let d = world.evaluate(Batch::new(0)).await.unwrap();
-    assert!(d.decisions.is_empty() && d.execute.is_empty());
-    assert_eq!(status(&d, "g"), TraceStatus::NotApplicable);
-    settle().await;
-    assert_eq!(guard.requests(), 0, "zero calls contact no guard");
-    world
-        .evaluate(Batch::new(1).call("c1", "t", "{}"))
-        .await
-        .unwrap();
-    assert_eq!(guard.requests(), 1);
-}
+// ---------------------------------------------------------------------------
+// Scenarios on both transports
+// ---------------------------------------------------------------------------
 
-/// Paused-time version of `rules::r3_r4_slow_early_skip_beats_fast_later_skip`.
-#[tokio::test(start_paused = true)]
-async fn r3_r4_slow_early_skip_beats_fast_later_skip() {
-    let world = World::new();
-    let (early_url, _early) = world.guard(|b| {
-        vec![
-            Step::answer(b, vec![steer(&b.calls[0].call_id, "early guard says no")]).after(ms(300)),
-        ]
-    });
-    let (late_url, _late) = world.guard(|b| {
-        vec![Step::answer(
-            b,
-            vec![cancel(&b.calls[0].call_id, "late guard says no")],
-        )]
-    });
-    world.register(validate("early", &early_url)).await;
-    world.register(validate("late", &late_url)).await;
-    for turn in 0..3 {
+on_both_transports!(
+    r13_closed_port_blocks_under_fail_closed_and_is_bypassed_under_fail_open,
+    r13_endpoint_that_refuses_the_judge_stream_blocks_under_fail_closed,
+    r13_r15_guard_closes_stream_with_ok_without_answering_fails_per_policy,
+    r13_guard_closes_stream_with_an_error_fails_per_policy,
+    r13_guard_closes_stream_mid_batch_answered_call_keeps_its_verdict_pending_calls_fail,
+    r12_r13_guard_closes_stream_mid_batch_mutate_guard_keeps_the_skip_it_sent,
+    r14_hang_guard_fails_at_its_own_timeout_and_is_told_to_stop,
+    r14_hang_batch_deadline_smaller_than_the_guard_timeout_bounds_the_guard,
+    r14_hang_unary_batch_gets_a_decision_at_its_deadline,
+    r10_r14_remaining_batch_budget_shrinks_across_mutate_guards,
+    r14_exhausted_batch_budget_fails_later_guards_without_contacting_them,
+    r14_guard_gets_the_smaller_of_its_timeout_and_the_batch_deadline,
+    r8_spurious_late_verdict_for_a_decided_batch_is_ignored_and_counted,
+    r8_spurious_answers_for_unknown_request_ids_are_ignored_and_counted,
+    r7_unknown_skip_kind_is_still_a_skip_read_as_steer,
+    r13_abort_guard_failure_is_counted_in_guard_outcomes,
+    r13_each_failure_cause_under_each_policy,
+    r1_zero_calls_contact_no_guard,
+    r3_r4_slow_early_skip_beats_fast_later_skip,
+    r8_malformed_verdicts_are_dropped_and_traced,
+    r9_guard_receives_only_the_calls_it_applies_to,
+    r12_a_mutate_skip_is_final_and_later_guards_never_see_the_call,
+    r17_registration_during_a_batch_applies_from_the_next,
+    r13_guard_killed_with_a_batch_in_flight_fails_that_batch_at_once,
+    r15_a_killed_guard_keeps_failing_until_deregistered,
+    r9_r19_held_guard_for_some_tools_does_not_delay_batches_that_do_not_need_it,
+    r5_early_veto_answers_and_cancels_the_slow_later_guard,
+    r23_unknown_verdict_outcome_fails_the_guard_per_its_policy,
+    r23_unknown_fields_outside_a_verdict_are_ignored,
+    r23_unknown_rewrite_field_fails_a_mutate_guard_and_nothing_is_rewritten,
+);
+
+/// The scenarios run on both transports, each written once.
+mod scenarios {
+    use super::*;
+
+    /// Mirrors
+    /// `faults::unreachable_guard_closed_port_blocks_under_fail_closed_and_is_bypassed_under_fail_open`:
+    /// every round fails per policy at once, never at a timeout.
+    pub(super) async fn r13_closed_port_blocks_under_fail_closed_and_is_bypassed_under_fail_open(
+        transport: Transport,
+    ) {
+        let world = World::on(transport);
+        let url = world.closed_port();
+        register_each_policy(&world, &url, Duration::from_secs(2)).await;
+        assert_each_policy_fails(
+            &world,
+            "closed port",
+            4,
+            &[TraceStatus::Failed],
+            "unreachable",
+            Duration::ZERO,
+        )
+        .await;
+    }
+
+    /// Mirrors
+    /// `faults::unreachable_guard_endpoint_that_is_not_grpc_blocks_under_fail_closed`:
+    /// a peer that accepts the connection but refuses the `Judge` stream.
+    pub(super) async fn r13_endpoint_that_refuses_the_judge_stream_blocks_under_fail_closed(
+        transport: Transport,
+    ) {
+        let world = World::on(transport);
+        let (url, guard) = world.guard(|b| vec![Step::answer(b, Vec::new())]);
+        for _ in 0..100 {
+            guard.refuse_stream(tonic::Status::unimplemented("not a guard"));
+        }
+        register_each_policy(&world, &url, ms(300)).await;
+        assert_each_policy_fails(
+            &world,
+            "not a guard",
+            3,
+            &[TraceStatus::Failed],
+            "not a guard",
+            Duration::ZERO,
+        )
+        .await;
+        assert_eq!(guard.streams(), 0, "no stream was ever opened");
+        assert_eq!(guard.requests(), 0);
+    }
+
+    /// Mirrors
+    /// `faults::guard_closes_stream_with_ok_without_answering_fails_per_policy`.
+    pub(super) async fn r13_r15_guard_closes_stream_with_ok_without_answering_fails_per_policy(
+        transport: Transport,
+    ) {
+        let world = World::on(transport);
+        let (url, guard) = world.guard(|_| vec![Step::end()]);
+        register_each_policy(&world, &url, Duration::from_secs(5)).await;
+        assert_each_policy_fails(
+            &world,
+            "closed with OK",
+            3,
+            &[TraceStatus::Failed],
+            "closed its stream",
+            Duration::ZERO,
+        )
+        .await;
+        // R15: the mesh keeps redialling a guard that closes on it.
+        let streams = guard.streams();
+        tokio::time::sleep(Duration::from_secs(1)).await;
+        assert!(
+            guard.streams() > streams && streams >= 3,
+            "the mesh reopens the guard's streams: {streams} then {}",
+            guard.streams()
+        );
+    }
+
+    /// Mirrors
+    /// `faults::guard_closes_stream_with_an_error_fails_per_policy`.
+    pub(super) async fn r13_guard_closes_stream_with_an_error_fails_per_policy(
+        transport: Transport,
+    ) {
+        let world = World::on(transport);
+        let (url, _guard) =
+            world.guard(|_| vec![Step::fail(tonic::Status::internal("guard exploded"))]);
+        register_each_policy(&world, &url, Duration::from_secs(5)).await;
+        assert_each_policy_fails(
+            &world,
+            "closed with an error",
+            3,
+            &[TraceStatus::Failed],
+            "guard exploded",
+            Duration::ZERO,
+        )
+        .await;
+    }
+
+    /// Mirrors
+    /// `faults::guard_closes_stream_mid_batch_answered_call_keeps_its_verdict_pending_calls_fail`.
+    pub(super) async fn r13_guard_closes_stream_mid_batch_answered_call_keeps_its_verdict_pending_calls_fail(
+        transport: Transport,
+    ) {
+        for policy in [FailurePolicy::FailClosed, FailurePolicy::FailOpen] {
+            let what = format!("validate guard, {policy:?}");
+            let (d, took) = partial_then_close_batch(transport, false, policy).await;
+            let d = d.unwrap_or_else(|e| panic!("{what}: {e}"));
+            assert_partial_then_close(&d, policy, &what);
+            transport.assert_took(
+                took,
+                ms(40),
+                &format!("{what}: decided when the stream ended"),
+            );
+        }
+        let (err, took) = partial_then_close_batch(transport, false, FailurePolicy::Abort).await;
+        let err = err.expect_err("abort: the whole batch is refused");
+        assert_eq!(err.status().code(), tonic::Code::Unavailable, "{err}");
+        assert!(err.to_string().contains("\"g\""), "{err}");
+        transport.assert_took(took, ms(40), "abort");
+    }
+
+    /// Mirrors
+    /// `faults::guard_closes_stream_mid_batch_mutate_guard_keeps_the_skip_it_sent`.
+    pub(super) async fn r12_r13_guard_closes_stream_mid_batch_mutate_guard_keeps_the_skip_it_sent(
+        transport: Transport,
+    ) {
+        for policy in [FailurePolicy::FailClosed, FailurePolicy::FailOpen] {
+            let what = format!("mutate guard, {policy:?}");
+            let (d, took) = partial_then_close_batch(transport, true, policy).await;
+            let d = d.unwrap_or_else(|e| panic!("{what}: {e}"));
+            assert_partial_then_close(&d, policy, &what);
+            transport.assert_took(took, ms(40), &what);
+        }
+    }
+
+    /// Mirrors
+    /// `faults::hang_guard_fails_at_its_own_timeout_and_is_told_to_stop`.
+    pub(super) async fn r14_hang_guard_fails_at_its_own_timeout_and_is_told_to_stop(
+        transport: Transport,
+    ) {
+        let world = World::on(transport);
+        let (url, hung) = world.guard(never);
+        register_each_policy(&world, &url, ms(200)).await;
+        assert_each_policy_fails(
+            &world,
+            "hung guard",
+            2,
+            &[TraceStatus::TimedOut],
+            "did not answer",
+            ms(200),
+        )
+        .await;
+        world.settle().await;
+        let sent = hung.requests();
+        assert_eq!(sent, 2 * 3, "fc and fo once per round, ab once per round");
+        for batch in hung.batches() {
+            world.told(batch.deadline_ms, 200, "R14: the guard is told its timeout");
+        }
+        let mut cancelled = hung.cancels();
+        cancelled.sort_unstable();
+        let mut request_ids: Vec<u64> = hung.batches().iter().map(|b| b.request_id).collect();
+        request_ids.sort_unstable();
+        assert_eq!(cancelled, request_ids, "every request was withdrawn");
+        assert_eq!(hung.answered(), 0);
+    }
+
+    /// Mirrors
+    /// `faults::hang_batch_deadline_smaller_than_the_guard_timeout_bounds_the_guard`.
+    pub(super) async fn r14_hang_batch_deadline_smaller_than_the_guard_timeout_bounds_the_guard(
+        transport: Transport,
+    ) {
+        let world = World::on(transport);
+        let (url, hung) = world.guard(never);
+        register_each_policy(&world, &url, Duration::from_secs(20)).await;
         let started = Instant::now();
         let d = world
-            .evaluate(Batch::new(turn).call("c1", "t", "{}"))
+            .evaluate(
+                Batch::new(0)
+                    .call("a1", "a.x", "{}")
+                    .call("b1", "b.x", "{}")
+                    .timeout(ms(400)),
+            )
+            .await
+            .expect("a decision, not DEADLINE_EXCEEDED");
+        world.took(started, ms(400), "decided after");
+        assert_failure_cancel(&d.decisions[0], "fc", "batch deadline");
+        assert_bypassed(&d.decisions[1], "fo", "batch deadline");
+        assert_eq!(status(&d, "fc"), TraceStatus::TimedOut);
+        assert_eq!(status(&d, "fo"), TraceStatus::TimedOut);
+        let batches = hung.batches();
+        assert_eq!(batches.len(), 2);
+        for batch in &batches {
+            world.told(
+                batch.deadline_ms,
+                400,
+                "R14: the smaller of 20 s and 400 ms",
+            );
+        }
+    }
+
+    /// Mirrors
+    /// `faults::hang_unary_batch_gets_a_decision_before_its_grpc_deadline`.
+    pub(super) async fn r14_hang_unary_batch_gets_a_decision_at_its_deadline(transport: Transport) {
+        let world = World::on(transport);
+        let (url, _hung) = world.guard(never);
+        world
+            .register(
+                validate("fc", &url)
+                    .policy(FailurePolicy::FailClosed)
+                    .timeout(Duration::from_secs(20)),
+            )
+            .await;
+        for turn in 0..3 {
+            let mut batch = Batch::new(turn).call("a1", "a.x", "{}").timeout(ms(500));
+            batch.unary = true;
+            let started = Instant::now();
+            let d = world
+                .evaluate(batch)
+                .await
+                .unwrap_or_else(|e| panic!("turn {turn}: a decision, not {e}"));
+            world.took(started, ms(500), &format!("turn {turn}"));
+            assert_failure_cancel(&d.decisions[0], "fc", "unary");
+            assert_eq!(status(&d, "fc"), TraceStatus::TimedOut);
+        }
+    }
+
+    /// Mirrors
+    /// `faults::hang_remaining_batch_budget_shrinks_across_mutate_guards`: the
+    /// budgets are exact.
+    pub(super) async fn r10_r14_remaining_batch_budget_shrinks_across_mutate_guards(
+        transport: Transport,
+    ) {
+        let world = World::on(transport);
+        let (first_url, first) = world.guard(|b| vec![Step::answer(b, Vec::new()).after(ms(300))]);
+        let (second_url, second) = world.proceed_guard();
+        let (v_url, v) = world.proceed_guard();
+        world
+            .register(mutate("m1", &first_url, &["t"]).timeout(Duration::from_secs(20)))
+            .await;
+        world
+            .register(mutate("m2", &second_url, &["t"]).timeout(Duration::from_secs(20)))
+            .await;
+        world
+            .register(validate("v", &v_url).timeout(Duration::from_secs(20)))
+            .await;
+        let started = Instant::now();
+        let d = world
+            .evaluate(
+                Batch::new(0)
+                    .call("c1", "t", "{}")
+                    .timeout(Duration::from_secs(3)),
+            )
             .await
             .unwrap();
-        assert_eq!(started.elapsed(), ms(300), "waits for the earlier guard");
-        assert_skip(
-            &d.decisions[0],
-            "early",
-            Action::Steer,
-            "early guard says no",
-            "chain order decides, not answer order",
+        assert!(proceeds(&d.decisions[0]), "{:?}", d.decisions[0]);
+        world.took(started, ms(300), "decided after");
+        // R10: the second is asked once the first has answered.
+        transport.assert_took(
+            second.read_at()[0] - first.read_at()[0],
+            ms(300),
+            "R10: the second once the first answered",
         );
-        assert_eq!(status(&d, "early"), TraceStatus::Skipped);
-        assert_eq!(status(&d, "late"), TraceStatus::Skipped);
+        world.told(first.batches()[0].deadline_ms, 3000, "R14");
+        world.told(second.batches()[0].deadline_ms, 2700, "R14");
+        world.told(v.batches()[0].deadline_ms, 2700, "R14");
     }
-}
 
-/// Paused-time version of
-/// `rules::r5_early_veto_answers_and_cancels_the_slow_later_guard`.
-#[tokio::test(start_paused = true)]
-async fn r5_early_veto_answers_and_cancels_the_slow_later_guard() {
-    let world = World::new();
-    let (veto_url, _veto) =
-        world.guard(|b| vec![Step::answer(b, vec![cancel(&b.calls[0].call_id, "denied")])]);
-    let (slow_url, slow) = world.guard(|b| vec![Step::answer(b, Vec::new()).after(ms(10_000))]);
-    world.register(validate("veto", &veto_url)).await;
-    world
-        .register(validate("slow", &slow_url).timeout(Duration::from_secs(20)))
-        .await;
-    let started = Instant::now();
-    let d = world
-        .evaluate(
-            Batch::new(0)
-                .call("c1", "t", "{}")
-                .timeout(Duration::from_secs(30)),
-        )
-        .await
-        .unwrap();
-    assert_eq!(started.elapsed(), Duration::ZERO, "answered at the veto");
-    assert_eq!(d.decisions[0].decided_by, "veto");
-    assert_eq!(status(&d, "slow"), TraceStatus::Superseded);
-    settle().await;
-    assert_eq!(slow.requests(), 1);
-    assert_eq!(slow.cancels(), [slow.batches()[0].request_id]);
-    tokio::time::sleep(Duration::from_secs(20)).await;
-    assert_eq!(slow.answered(), 0, "the cancelled work never answered");
-}
+    /// Mirrors
+    /// `faults::hang_exhausted_batch_budget_fails_later_guards_without_contacting_them`.
+    pub(super) async fn r14_exhausted_batch_budget_fails_later_guards_without_contacting_them(
+        transport: Transport,
+    ) {
+        let world = World::on(transport);
+        let (hung_url, hung) = world.guard(never);
+        let (later_url, later) = world.proceed_guard();
+        let (v_url, v) = world.proceed_guard();
+        world
+            .register(
+                mutate("m1", &hung_url, &["t"])
+                    .policy(FailurePolicy::FailOpen)
+                    .timeout(Duration::from_secs(20)),
+            )
+            .await;
+        world
+            .register(
+                mutate("m2", &later_url, &["t"])
+                    .policy(FailurePolicy::FailClosed)
+                    .timeout(Duration::from_secs(20)),
+            )
+            .await;
+        world
+            .register(validate("v", &v_url).timeout(Duration::from_secs(20)))
+            .await;
+        let started = Instant::now();
+        let d = world
+            .evaluate(Batch::new(0).call("c1", "t", "{}").timeout(ms(400)))
+            .await
+            .expect("a decision");
+        world.took(started, ms(400), "decided after");
+        let call = &d.decisions[0];
+        assert_failure_cancel(call, "m2", "exhausted budget");
+        assert_eq!(call.bypassed, ["m1"], "{call:?}");
+        assert_eq!(status(&d, "m1"), TraceStatus::TimedOut);
+        assert_eq!(status(&d, "m2"), TraceStatus::TimedOut);
+        assert_eq!(status(&d, "v"), TraceStatus::NotApplicable);
+        assert_eq!(hung.requests(), 1);
+        assert_eq!(later.requests(), 0, "no budget left: not contacted");
+        assert_eq!(v.requests(), 0);
+    }
 
-/// Paused-time version of `rules::r8_malformed_verdicts_are_dropped_and_traced`.
-#[tokio::test(start_paused = true)]
-async fn r8_malformed_verdicts_are_dropped_and_traced() {
-    let world = World::new();
-    let (url, _buggy) = world.guard(|b: &GuardBatch| {
-        let mut verdicts = Vec::new();
-        for c in &b.calls {
-            match c.call_id.as_str() {
-                "blank" => verdicts.push(steer(&c.call_id, "   ")),
-                "twice" => {
-                    verdicts.push(proceed(&c.call_id));
-                    verdicts.push(cancel(&c.call_id, "second verdict"));
+    /// Mirrors
+    /// `rules::r14_guard_gets_the_smaller_of_its_timeout_and_the_batch_deadline`.
+    pub(super) async fn r14_guard_gets_the_smaller_of_its_timeout_and_the_batch_deadline(
+        transport: Transport,
+    ) {
+        let world = World::on(transport);
+        let (url, slow) = world.guard(|b| vec![Step::answer(b, Vec::new()).after(ms(3000))]);
+        world
+            .register(validate("slow", &url).timeout(Duration::from_secs(20)))
+            .await;
+        let started = Instant::now();
+        let d = world
+            .evaluate(Batch::new(0).call("c1", "t", "{}").timeout(ms(300)))
+            .await
+            .unwrap();
+        world.took(started, ms(300), "decided after");
+        assert_eq!(status(&d, "slow"), TraceStatus::TimedOut);
+        assert!(d.decisions[0].failure);
+        world.told(slow.batches()[0].deadline_ms, 300, "R14");
+
+        world
+            .register(validate("slow", &url).timeout(ms(100)))
+            .await;
+        let started = Instant::now();
+        let d = world
+            .evaluate(
+                Batch::new(1)
+                    .call("c1", "t", "{}")
+                    .timeout(Duration::from_secs(20)),
+            )
+            .await
+            .unwrap();
+        world.took(started, ms(100), "decided after");
+        assert_eq!(status(&d, "slow"), TraceStatus::TimedOut);
+        world.told(slow.batches()[1].deadline_ms, 100, "R14");
+    }
+
+    /// Mirrors
+    /// `faults::spurious_late_verdict_for_a_decided_batch_is_ignored_and_counted`.
+    pub(super) async fn r8_spurious_late_verdict_for_a_decided_batch_is_ignored_and_counted(
+        transport: Transport,
+    ) {
+        let world = World::on(transport);
+        let ids: Arc<Mutex<Vec<u64>>> = Arc::default();
+        let (url, guard) = world.guard({
+            let ids = ids.clone();
+            move |b: &GuardBatch| {
+                let mut ids = ids.lock().unwrap();
+                ids.push(b.request_id);
+                let call = b.calls[0].call_id.clone();
+                match b.batch_id.as_str() {
+                    "b1" => Vec::new(),
+                    "b2" => vec![
+                        Step::answer_to(ids[0], vec![proceed("c1")], false),
+                        Step::answer(b, vec![steer(&call, "b2 skipped")]),
+                    ],
+                    "b3" => vec![
+                        Step::answer(b, vec![steer(&call, "b3 skipped")]),
+                        Step::answer(b, vec![proceed(&call)]),
+                    ],
+                    _ => vec![Step::answer(b, Vec::new())],
                 }
-                _ => {}
+            }
+        });
+        guard.ignore_cancels();
+        world
+            .register(
+                validate("late", &url)
+                    .policy(FailurePolicy::FailClosed)
+                    .timeout(ms(200)),
+            )
+            .await;
+        let batch = |n: u32| {
+            Batch::new(n)
+                .call("c1", "t", "{}")
+                .timeout(Duration::from_secs(10))
+        };
+        let d1 = world.evaluate(batch(1)).await.unwrap();
+        assert_failure_cancel(&d1.decisions[0], "late", "b1");
+        assert_eq!(status(&d1, "late"), TraceStatus::TimedOut);
+        assert_eq!(spurious(&world, "late"), 0.0);
+
+        let d2 = world.evaluate(batch(2)).await.unwrap();
+        assert_skip(&d2.decisions[0], "late", Action::Steer, "b2 skipped", "b2");
+        assert_eq!(spurious(&world, "late"), 1.0, "b1's late answer is counted");
+
+        let d3 = world.evaluate(batch(3)).await.unwrap();
+        assert_skip(&d3.decisions[0], "late", Action::Steer, "b3 skipped", "b3");
+        world.settle().await;
+        assert_eq!(
+            spurious(&world, "late"),
+            2.0,
+            "the second answer is counted"
+        );
+        let d4 = world.evaluate(batch(4)).await.unwrap();
+        assert!(proceeds(&d4.decisions[0]), "the stream goes on");
+        assert_eq!(status(&d4, "late"), TraceStatus::Proceeded);
+        assert_eq!(
+            guard.cancels(),
+            [ids.lock().unwrap()[0]],
+            "b1 was withdrawn"
+        );
+    }
+
+    /// Mirrors
+    /// `faults::spurious_answers_for_unknown_request_ids_are_ignored_and_counted`.
+    pub(super) async fn r8_spurious_answers_for_unknown_request_ids_are_ignored_and_counted(
+        transport: Transport,
+    ) {
+        let world = World::on(transport);
+        let (url, _guard) = world.guard(|b: &GuardBatch| {
+            let all_proceed: Vec<_> = b.calls.iter().map(|c| proceed(&c.call_id)).collect();
+            let all_skip: Vec<_> = b.calls.iter().map(|c| steer(&c.call_id, "noise")).collect();
+            let mut steps = vec![
+                Step::answer_to(0, all_proceed.clone(), false),
+                Step::answer_to(b.request_id + 1_000_000, all_proceed.clone(), false),
+                Step::answer_to(b.request_id + 2_000_000, all_skip, true),
+                Step::Answer {
+                    after: Duration::ZERO,
+                    response: guardmesh_proto::v1::JudgeResponse {
+                        request_id: b.request_id + 3_000_000,
+                        error: "noise error".into(),
+                        ..Default::default()
+                    },
+                },
+                Step::answer_to(u64::MAX, all_proceed, false),
+            ];
+            let verdicts = b
+                .calls
+                .iter()
+                .filter(|c| c.tool == "deny")
+                .map(|c| steer(&c.call_id, "real skip"))
+                .collect();
+            steps.push(Step::answer(b, verdicts));
+            steps
+        });
+        world
+            .register(validate("g", &url).timeout(Duration::from_secs(5)))
+            .await;
+        for turn in 0..3u32 {
+            let d = world
+                .evaluate(
+                    Batch::new(turn)
+                        .call("c1", "deny", "{}")
+                        .call("c2", "ok", "{}"),
+                )
+                .await
+                .unwrap();
+            assert_skip(
+                &d.decisions[0],
+                "g",
+                Action::Steer,
+                "real skip",
+                "unknown ids",
+            );
+            assert!(proceeds(&d.decisions[1]));
+            assert_eq!(status(&d, "g"), TraceStatus::Skipped);
+            assert_eq!(spurious(&world, "g"), f64::from(5 * (turn + 1)));
+        }
+    }
+
+    /// Mirrors
+    /// `faults::spurious_unknown_skip_kind_is_still_a_skip_read_as_steer`.
+    pub(super) async fn r7_unknown_skip_kind_is_still_a_skip_read_as_steer(transport: Transport) {
+        for mutating in [false, true] {
+            let world = World::on(transport);
+            let (url, _guard) = world.guard(|b: &GuardBatch| {
+                let verdicts = b
+                    .calls
+                    .iter()
+                    .filter_map(|c| {
+                        let kind = match c.tool.as_str() {
+                            "seven" => 7,
+                            "negative" => -3,
+                            "max" => i32::MAX,
+                            _ => return None,
+                        };
+                        Some(skip(&c.call_id, &format!("kind {kind}"), kind))
+                    })
+                    .collect();
+                vec![Step::answer(b, verdicts)]
+            });
+            let spec = if mutating {
+                mutate("g", &url, &["*"])
+            } else {
+                validate("g", &url)
+            };
+            world.register(spec.policy(FailurePolicy::FailOpen)).await;
+            let d = world
+                .evaluate(
+                    Batch::new(0)
+                        .call("c1", "seven", "{}")
+                        .call("c2", "negative", "{}")
+                        .call("c3", "max", "{}")
+                        .call("c4", "fine", "{}"),
+                )
+                .await
+                .unwrap();
+            let what = if mutating { "mutate" } else { "validate" };
+            for (call, kind) in d.decisions.iter().zip([7, -3, i32::MAX]) {
+                assert_skip(call, "g", Action::Steer, &format!("kind {kind}"), what);
+                assert!(call.bypassed.is_empty(), "{what}");
+            }
+            assert!(proceeds(&d.decisions[3]));
+            assert_eq!(status(&d, "g"), TraceStatus::Skipped, "{what}");
+            assert_eq!(executed(&d), ["c4"], "{what}");
+        }
+    }
+
+    /// Mirrors
+    /// `faults::r13_abort_guard_failure_is_counted_in_guard_outcomes`.
+    pub(super) async fn r13_abort_guard_failure_is_counted_in_guard_outcomes(transport: Transport) {
+        let world = World::on(transport);
+        let down = world.closed_port();
+        let (fine_url, _fine) = world.proceed_guard();
+        world
+            .register(
+                mutate("mab", &down, &["m.*"])
+                    .tools(&["m.*"])
+                    .policy(FailurePolicy::Abort),
+            )
+            .await;
+        world.register(validate("fine", &fine_url)).await;
+        world
+            .register(
+                validate("ab", &down)
+                    .tools(&["c.*"])
+                    .policy(FailurePolicy::Abort),
+            )
+            .await;
+        for (tool, guard) in [("c.x", "ab"), ("m.x", "mab")] {
+            let err = world
+                .evaluate(Batch::new(0).call("c1", tool, "{}"))
+                .await
+                .expect_err("abort");
+            assert!(err.to_string().contains(&format!("{guard:?}")), "{err}");
+            let failed = world.metric(&format!(
+                "guardmesh_guard_outcomes_total{{guard=\"{guard}\",status=\"failed\"}}"
+            ));
+            assert_eq!(failed, 1.0, "{guard}");
+        }
+        let fine: f64 = ["proceeded", "superseded"]
+            .iter()
+            .map(|s| {
+                world.metric(&format!(
+                    "guardmesh_guard_outcomes_total{{guard=\"fine\",status=\"{s}\"}}"
+                ))
+            })
+            .sum();
+        assert_eq!(fine, 1.0);
+        assert_eq!(
+            world.metric("guardmesh_batches_total{outcome=\"aborted\"}"),
+            2.0
+        );
+    }
+
+    /// Mirrors `rules::r13_each_failure_cause_under_each_policy`.
+    pub(super) async fn r13_each_failure_cause_under_each_policy(transport: Transport) {
+        type Cause = (&'static str, fn(&GuardBatch) -> Vec<Step>);
+        let causes: [Cause; 5] = [
+            ("unreachable", |_| Vec::new()),
+            ("error answer", |b| vec![Step::error(b, "database down")]),
+            ("stream error", |_| {
+                vec![Step::fail(tonic::Status::internal("guard exploded"))]
+            }),
+            ("stream closed", |_| vec![Step::end()]),
+            ("timeout", never),
+        ];
+        for (cause, script) in causes {
+            for policy in [
+                FailurePolicy::FailClosed,
+                FailurePolicy::FailOpen,
+                FailurePolicy::Abort,
+            ] {
+                let what = format!("{cause} under {policy:?}");
+                let world = World::on(transport);
+                let url = if cause == "unreachable" {
+                    world.closed_port()
+                } else {
+                    world.guard(script).0
+                };
+                let (ok_url, _ok) = world.proceed_guard();
+                world
+                    .register(
+                        validate("flaky", &url)
+                            .policy(policy)
+                            .timeout(ms(200))
+                            .tools(&["db.*"]),
+                    )
+                    .await;
+                world.register(validate("ok", &ok_url)).await;
+                let started = Instant::now();
+                let result = world
+                    .evaluate(
+                        Batch::new(0)
+                            .call("c1", "db.query", "{}")
+                            .call("c2", "fs.read", "{}"),
+                    )
+                    .await;
+                let waited = if cause == "timeout" {
+                    ms(200)
+                } else {
+                    Duration::ZERO
+                };
+                world.took(started, waited, &what);
+                match policy {
+                    FailurePolicy::FailClosed => {
+                        let d = result.unwrap_or_else(|e| panic!("{what}: {e}"));
+                        assert_failure_cancel(&d.decisions[0], "flaky", &what);
+                        assert!(proceeds(&d.decisions[1]), "{what}: R6");
+                        let want = if cause == "timeout" {
+                            TraceStatus::TimedOut
+                        } else {
+                            TraceStatus::Failed
+                        };
+                        assert_eq!(status(&d, "flaky"), want, "{what}");
+                        assert!(!entry(&d, "flaky").error.is_empty(), "{what}");
+                    }
+                    FailurePolicy::FailOpen => {
+                        let d = result.unwrap_or_else(|e| panic!("{what}: {e}"));
+                        assert_bypassed(&d.decisions[0], "flaky", &what);
+                        assert!(d.decisions[1].bypassed.is_empty(), "{what}");
+                        assert_ne!(status(&d, "flaky"), TraceStatus::Proceeded, "{what}");
+                    }
+                    FailurePolicy::Abort => {
+                        let err = result.expect_err(&what);
+                        assert_eq!(err.status().code(), tonic::Code::Unavailable, "{what}");
+                        assert!(err.to_string().contains("flaky"), "{what}: {err}");
+                        let d = world
+                            .evaluate(Batch::new(1).call("c3", "fs.read", "{}"))
+                            .await
+                            .unwrap();
+                        assert!(proceeds(&d.decisions[0]), "{what}");
+                    }
+                }
             }
         }
-        verdicts.push(steer("never-sent", "unknown call id"));
-        vec![Step::answer(b, verdicts)]
-    });
-    let (later_url, _later) = world.proceed_guard();
-    world.register(validate("buggy", &url)).await;
-    world.register(validate("later", &later_url)).await;
-    let d = world
-        .evaluate(
-            Batch::new(0)
-                .call("blank", "t", "{}")
-                .call("twice", "t", "{}"),
-        )
-        .await
-        .unwrap();
-    assert!(proceeds(&d.decisions[0]), "a blank skip counts as proceed");
-    assert!(proceeds(&d.decisions[1]), "the second verdict is ignored");
-    assert_eq!(status(&d, "buggy"), TraceStatus::Malformed);
-    assert_eq!(status(&d, "later"), TraceStatus::Proceeded);
-    let error = &entry(&d, "buggy").error;
-    for needle in ["blank", "second verdict", "never-sent"] {
-        assert!(error.contains(needle), "{needle} in {error:?}");
     }
-}
 
-/// Paused-time version of `rules::r9_guard_receives_only_the_calls_it_applies_to`.
-#[tokio::test(start_paused = true)]
-async fn r9_guard_receives_only_the_calls_it_applies_to() {
-    let world = World::new();
-    let (sql_url, sql) = world.proceed_guard();
-    let (files_url, files) = world.proceed_guard();
-    let (none_url, none) = world.proceed_guard();
-    world
-        .register(validate("sql", &sql_url).tools(&["sql.*"]))
-        .await;
-    world
-        .register(validate("files", &files_url).tools(&["fs.read", "fs.write"]))
-        .await;
-    world
-        .register(validate("none", &none_url).tools(&["payments.*"]))
-        .await;
-    let d = world
-        .evaluate(
-            Batch::new(0)
-                .call("q", "sql.query", r#"{"sql":"SELECT 1"}"#)
-                .call("r", "fs.read", "{}")
-                .call("x", "shell", "{}"),
-        )
-        .await
-        .unwrap();
-    let got = |g: &ScriptedGuard| -> Vec<String> {
-        g.batches()[0]
+    /// Mirrors `rules::r1_zero_calls_contact_no_guard`.
+    pub(super) async fn r1_zero_calls_contact_no_guard(transport: Transport) {
+        let world = World::on(transport);
+        let (url, guard) = world.proceed_guard();
+        world.register(validate("g", &url)).await;
+        let d = world.evaluate(Batch::new(0)).await.unwrap();
+        assert!(d.decisions.is_empty() && d.execute.is_empty());
+        assert_eq!(status(&d, "g"), TraceStatus::NotApplicable);
+        world.settle().await;
+        assert_eq!(guard.requests(), 0, "zero calls contact no guard");
+        world
+            .evaluate(Batch::new(1).call("c1", "t", "{}"))
+            .await
+            .unwrap();
+        assert_eq!(guard.requests(), 1);
+    }
+
+    /// Mirrors `rules::r3_r4_slow_early_skip_beats_fast_later_skip`.
+    pub(super) async fn r3_r4_slow_early_skip_beats_fast_later_skip(transport: Transport) {
+        let world = World::on(transport);
+        let (early_url, _early) = world.guard(|b| {
+            vec![
+                Step::answer(b, vec![steer(&b.calls[0].call_id, "early guard says no")])
+                    .after(ms(300)),
+            ]
+        });
+        let (late_url, _late) = world.guard(|b| {
+            vec![Step::answer(
+                b,
+                vec![cancel(&b.calls[0].call_id, "late guard says no")],
+            )]
+        });
+        world.register(validate("early", &early_url)).await;
+        world.register(validate("late", &late_url)).await;
+        for turn in 0..3 {
+            let started = Instant::now();
+            let d = world
+                .evaluate(Batch::new(turn).call("c1", "t", "{}"))
+                .await
+                .unwrap();
+            world.took(started, ms(300), "waits for the earlier guard");
+            assert_skip(
+                &d.decisions[0],
+                "early",
+                Action::Steer,
+                "early guard says no",
+                "chain order decides, not answer order",
+            );
+            assert_eq!(status(&d, "early"), TraceStatus::Skipped);
+            assert_eq!(status(&d, "late"), TraceStatus::Skipped);
+        }
+    }
+
+    /// Mirrors `rules::r8_malformed_verdicts_are_dropped_and_traced`.
+    pub(super) async fn r8_malformed_verdicts_are_dropped_and_traced(transport: Transport) {
+        let world = World::on(transport);
+        let (url, _buggy) = world.guard(|b: &GuardBatch| {
+            let mut verdicts = Vec::new();
+            for c in &b.calls {
+                match c.call_id.as_str() {
+                    "blank" => verdicts.push(steer(&c.call_id, "   ")),
+                    "twice" => {
+                        verdicts.push(proceed(&c.call_id));
+                        verdicts.push(cancel(&c.call_id, "second verdict"));
+                    }
+                    _ => {}
+                }
+            }
+            verdicts.push(steer("never-sent", "unknown call id"));
+            vec![Step::answer(b, verdicts)]
+        });
+        let (later_url, _later) = world.proceed_guard();
+        world.register(validate("buggy", &url)).await;
+        world.register(validate("later", &later_url)).await;
+        let d = world
+            .evaluate(
+                Batch::new(0)
+                    .call("blank", "t", "{}")
+                    .call("twice", "t", "{}"),
+            )
+            .await
+            .unwrap();
+        assert!(proceeds(&d.decisions[0]), "a blank skip counts as proceed");
+        assert!(proceeds(&d.decisions[1]), "the second verdict is ignored");
+        assert_eq!(status(&d, "buggy"), TraceStatus::Malformed);
+        assert_eq!(status(&d, "later"), TraceStatus::Proceeded);
+        let error = &entry(&d, "buggy").error;
+        for needle in ["blank", "second verdict", "never-sent"] {
+            assert!(error.contains(needle), "{needle} in {error:?}");
+        }
+    }
+
+    /// Mirrors `rules::r9_guard_receives_only_the_calls_it_applies_to`.
+    pub(super) async fn r9_guard_receives_only_the_calls_it_applies_to(transport: Transport) {
+        let world = World::on(transport);
+        let (sql_url, sql) = world.proceed_guard();
+        let (files_url, files) = world.proceed_guard();
+        let (none_url, none) = world.proceed_guard();
+        world
+            .register(validate("sql", &sql_url).tools(&["sql.*"]))
+            .await;
+        world
+            .register(validate("files", &files_url).tools(&["fs.read", "fs.write"]))
+            .await;
+        world
+            .register(validate("none", &none_url).tools(&["payments.*"]))
+            .await;
+        let d = world
+            .evaluate(
+                Batch::new(0)
+                    .call("q", "sql.query", r#"{"sql":"SELECT 1"}"#)
+                    .call("r", "fs.read", "{}")
+                    .call("x", "shell", "{}"),
+            )
+            .await
+            .unwrap();
+        let got = |g: &ScriptedGuard| -> Vec<String> {
+            g.batches()[0]
+                .calls
+                .iter()
+                .map(|c| c.call_id.clone())
+                .collect()
+        };
+        assert_eq!(got(&sql), ["q"]);
+        assert_eq!(got(&files), ["r"]);
+        assert_eq!(none.requests(), 0);
+        assert_eq!(status(&d, "none"), TraceStatus::NotApplicable);
+        assert!(d.decisions.iter().all(proceeds));
+    }
+
+    /// Mirrors
+    /// `rewrites::r12_a_mutate_skip_is_final_and_later_guards_never_see_the_call`.
+    pub(super) async fn r12_a_mutate_skip_is_final_and_later_guards_never_see_the_call(
+        transport: Transport,
+    ) {
+        let world = World::on(transport);
+        let (m_url, _m) = world.guard(|b: &GuardBatch| {
+            let verdicts = b
+                .calls
+                .iter()
+                .map(|c| match c.call_id.as_str() {
+                    "c1" => steer("c1", "mutate says no"),
+                    _ => rewrite(&c.call_id, None, Some(r#"{"safe":true}"#)),
+                })
+                .collect();
+            vec![Step::answer(b, verdicts)]
+        });
+        let (v_url, v) = world.proceed_guard();
+        world.register(mutate("m", &m_url, &["t"])).await;
+        world.register(validate("v", &v_url)).await;
+        let d = world
+            .evaluate(Batch::new(0).call("c1", "t", "{}").call("c2", "t", "{}"))
+            .await
+            .unwrap();
+        assert_skip(&d.decisions[0], "m", Action::Steer, "mutate says no", "c1");
+        assert!(proceeds(&d.decisions[1]));
+        assert_eq!(d.decisions[1].rewritten_by, ["m"]);
+        assert_eq!(
+            d.decisions[1].call.as_ref().map(|c| c.arguments.as_str()),
+            Some(r#"{"safe":true}"#)
+        );
+        assert_eq!(
+            d.decisions[1]
+                .original
+                .as_ref()
+                .map(|c| c.arguments.as_str()),
+            Some("{}"),
+            "R12: the original is kept"
+        );
+        let seen: Vec<_> = v.batches()[0]
             .calls
             .iter()
             .map(|c| c.call_id.clone())
-            .collect()
-    };
-    assert_eq!(got(&sql), ["q"]);
-    assert_eq!(got(&files), ["r"]);
-    assert_eq!(none.requests(), 0);
-    assert_eq!(status(&d, "none"), TraceStatus::NotApplicable);
-    assert!(d.decisions.iter().all(proceeds));
-}
-
-/// Paused-time version of
-/// `rewrites::r12_a_mutate_skip_is_final_and_later_guards_never_see_the_call`.
-#[tokio::test(start_paused = true)]
-async fn r12_a_mutate_skip_is_final_and_later_guards_never_see_the_call() {
-    let world = World::new();
-    let (m_url, _m) = world.guard(|b: &GuardBatch| {
-        let verdicts = b
-            .calls
-            .iter()
-            .map(|c| match c.call_id.as_str() {
-                "c1" => steer("c1", "mutate says no"),
-                _ => rewrite(&c.call_id, None, Some(r#"{"safe":true}"#)),
-            })
             .collect();
-        vec![Step::answer(b, verdicts)]
-    });
-    let (v_url, v) = world.proceed_guard();
-    world.register(mutate("m", &m_url, &["t"])).await;
-    world.register(validate("v", &v_url)).await;
-    let d = world
-        .evaluate(Batch::new(0).call("c1", "t", "{}").call("c2", "t", "{}"))
-        .await
-        .unwrap();
-    assert_skip(&d.decisions[0], "m", Action::Steer, "mutate says no", "c1");
-    assert!(proceeds(&d.decisions[1]));
-    assert_eq!(d.decisions[1].rewritten_by, ["m"]);
-    assert_eq!(
-        d.decisions[1].call.as_ref().map(|c| c.arguments.as_str()),
-        Some(r#"{"safe":true}"#)
-    );
-    assert_eq!(
-        d.decisions[1]
-            .original
-            .as_ref()
-            .map(|c| c.arguments.as_str()),
-        Some("{}"),
-        "R12: the original is kept"
-    );
-    let seen: Vec<_> = v.batches()[0]
-        .calls
-        .iter()
-        .map(|c| c.call_id.clone())
-        .collect();
-    assert_eq!(
-        seen,
-        ["c2"],
-        "the validate guard never sees the skipped call"
-    );
-    assert_eq!(v.batches()[0].calls[0].arguments, r#"{"safe":true}"#);
-}
+        assert_eq!(
+            seen,
+            ["c2"],
+            "the validate guard never sees the skipped call"
+        );
+        assert_eq!(v.batches()[0].calls[0].arguments, r#"{"safe":true}"#);
+    }
 
-/// Paused-time version of
-/// `rules::r17_registration_during_a_batch_applies_from_the_next`.
-#[tokio::test(start_paused = true)]
-async fn r17_registration_during_a_batch_applies_from_the_next() {
-    let world = World::new();
-    let (slow_url, slow) = world.guard(|b| vec![Step::answer(b, Vec::new()).after(ms(500))]);
-    let (veto_url, veto) = world.guard(|b| {
-        vec![Step::answer(
-            b,
-            vec![cancel(&b.calls[0].call_id, "new guard")],
-        )]
-    });
-    world.register(validate("slow", &slow_url)).await;
-    let in_flight = world.spawn(Batch::new(0).call("c", "t", "{}"));
-    settle().await;
-    assert_eq!(slow.requests(), 1);
-    world
-        .register(validate("veto", &veto_url).priority(-1))
-        .await;
-    let d = in_flight.await.unwrap().unwrap();
-    assert!(
-        proceeds(&d.decisions[0]),
-        "judged with the chain it started with"
-    );
-    assert_eq!(d.trace.len(), 1);
-    let next = world
-        .evaluate(Batch::new(1).call("c", "t", "{}"))
-        .await
-        .unwrap();
-    assert_eq!(next.decisions[0].decided_by, "veto");
-    assert_eq!(next.trace.len(), 2);
-    assert!(next.chain_revision > d.chain_revision);
-    assert_eq!(veto.requests(), 1);
+    /// Mirrors
+    /// `rules::r17_registration_during_a_batch_applies_from_the_next`.
+    pub(super) async fn r17_registration_during_a_batch_applies_from_the_next(
+        transport: Transport,
+    ) {
+        let world = World::on(transport);
+        let (slow_url, slow) = world.guard(|b| vec![Step::answer(b, Vec::new()).after(ms(500))]);
+        let (veto_url, veto) = world.guard(|b| {
+            vec![Step::answer(
+                b,
+                vec![cancel(&b.calls[0].call_id, "new guard")],
+            )]
+        });
+        world.register(validate("slow", &slow_url)).await;
+        let in_flight = world.spawn(Batch::new(0).call("c", "t", "{}"));
+        world.settle().await;
+        assert_eq!(slow.requests(), 1);
+        world
+            .register(validate("veto", &veto_url).priority(-1))
+            .await;
+        let d = in_flight.await.unwrap().unwrap();
+        assert!(
+            proceeds(&d.decisions[0]),
+            "judged with the chain it started with"
+        );
+        assert_eq!(d.trace.len(), 1);
+        let next = world
+            .evaluate(Batch::new(1).call("c", "t", "{}"))
+            .await
+            .unwrap();
+        assert_eq!(next.decisions[0].decided_by, "veto");
+        assert_eq!(next.trace.len(), 2);
+        assert!(next.chain_revision > d.chain_revision);
+        assert_eq!(veto.requests(), 1);
+    }
+
+    /// Mirrors
+    /// `faults::restart_guard_process_killed_with_a_batch_in_flight_fails_that_batch_per_policy`.
+    pub(super) async fn r13_guard_killed_with_a_batch_in_flight_fails_that_batch_at_once(
+        transport: Transport,
+    ) {
+        let world = World::on(transport);
+        let (proc_url, process) =
+            world.guard(|b| vec![Step::answer(b, Vec::new()).after(ms(20_000))]);
+        let (probe_url, probe) = world.proceed_guard();
+        world
+            .register(
+                validate("proc", &proc_url)
+                    .policy(FailurePolicy::FailClosed)
+                    .timeout(Duration::from_secs(30)),
+            )
+            .await;
+        world.register(validate("probe", &probe_url)).await;
+        let started = Instant::now();
+        let batch = world.spawn(
+            Batch::new(0)
+                .call("c1", "t", "{}")
+                .timeout(Duration::from_secs(30)),
+        );
+        world.sleep_at_least(ms(10)).await;
+        assert_eq!((probe.requests(), process.requests()), (1, 1));
+        assert!(!batch.is_finished());
+        process.kill();
+        let d = batch.await.unwrap().expect("a decision, not an error");
+        world.took(started, ms(10), "at once, not at its deadline");
+        assert_failure_cancel(&d.decisions[0], "proc", "killed mid-batch");
+        assert_eq!(status(&d, "proc"), TraceStatus::Failed);
+    }
+
+    /// Mirrors
+    /// `rules::r15_a_killed_guard_keeps_failing_until_deregistered`.
+    pub(super) async fn r15_a_killed_guard_keeps_failing_until_deregistered(transport: Transport) {
+        let world = World::on(transport);
+        let (url, guard) = world.proceed_guard();
+        world.register(validate("g", &url).timeout(ms(300))).await;
+        let d = world
+            .evaluate(Batch::new(0).call("c", "t", "{}"))
+            .await
+            .unwrap();
+        assert_eq!(status(&d, "g"), TraceStatus::Proceeded);
+        guard.kill();
+        for turn in 1..5 {
+            let d = world
+                .evaluate(Batch::new(turn).call("c", "t", "{}"))
+                .await
+                .unwrap();
+            assert_failure_cancel(&d.decisions[0], "g", &format!("turn {turn}"));
+            assert_eq!(status(&d, "g"), TraceStatus::Failed);
+            tokio::time::sleep(ms(100)).await;
+        }
+        assert_eq!(world.registry.chain().guards.len(), 1, "still in the chain");
+        assert!(world.registry.deregister("g".into()).await.unwrap().removed);
+        let d = world
+            .evaluate(Batch::new(9).call("c", "t", "{}"))
+            .await
+            .unwrap();
+        assert!(proceeds(&d.decisions[0]));
+        assert!(d.trace.is_empty());
+    }
+
+    /// Mirrors
+    /// `faults::hang_guard_for_some_tools_does_not_delay_batches_that_do_not_need_it`.
+    pub(super) async fn r9_r19_held_guard_for_some_tools_does_not_delay_batches_that_do_not_need_it(
+        transport: Transport,
+    ) {
+        let world = World::on(transport);
+        let (held_url, held) = world.guard(|b| vec![Step::answer(b, Vec::new()).after(ms(2_000))]);
+        let (other_url, _other) = world.proceed_guard();
+        world
+            .register(
+                validate("held", &held_url)
+                    .tools(&["slow.*"])
+                    .timeout(Duration::from_secs(60)),
+            )
+            .await;
+        world.register(validate("other", &other_url)).await;
+        let started = Instant::now();
+        let slow = world.spawn(
+            Batch::new(0)
+                .call("s1", "slow.op", "{}")
+                .timeout(Duration::from_secs(60)),
+        );
+        world.settle().await;
+        assert_eq!(held.requests(), 1, "the slow batch reached the held guard");
+        for i in 0..10 {
+            let fast_started = Instant::now();
+            let d = world
+                .evaluate(
+                    Batch::new(1 + i)
+                        .call(&format!("f{i}"), "fast.op", "{}")
+                        .client(i % 2),
+                )
+                .await
+                .unwrap();
+            world.took(fast_started, Duration::ZERO, &format!("fast batch {i}"));
+            assert!(!slow.is_finished(), "fast batch {i} before the slow one");
+            assert!(proceeds(&d.decisions[0]));
+            assert_eq!(status(&d, "held"), TraceStatus::NotApplicable);
+        }
+        let mixed = world.spawn(
+            Batch::new(50)
+                .call("m1", "fast.op", "{}")
+                .call("m2", "slow.op", "{}")
+                .timeout(Duration::from_secs(60)),
+        );
+        world.settle().await;
+        assert_eq!(held.requests(), 2);
+        assert!(!mixed.is_finished());
+        let d = slow.await.unwrap().unwrap();
+        world.took(started, ms(2_000), "the held guard's own delay");
+        assert!(proceeds(&d.decisions[0]));
+        assert_eq!(status(&d, "held"), TraceStatus::Proceeded);
+        let d = mixed.await.unwrap().unwrap();
+        assert!(d.decisions.iter().all(proceeds));
+        assert_eq!(status(&d, "held"), TraceStatus::Proceeded);
+    }
+
+    /// Mirrors
+    /// `rules::r5_early_veto_answers_and_cancels_the_slow_later_guard`.
+    pub(super) async fn r5_early_veto_answers_and_cancels_the_slow_later_guard(
+        transport: Transport,
+    ) {
+        let world = World::on(transport);
+        let (veto_url, _veto) =
+            world.guard(|b| vec![Step::answer(b, vec![cancel(&b.calls[0].call_id, "denied")])]);
+        let (slow_url, slow) = world.guard(|b| vec![Step::answer(b, Vec::new()).after(ms(1_000))]);
+        world.register(validate("veto", &veto_url)).await;
+        world
+            .register(validate("slow", &slow_url).timeout(Duration::from_secs(20)))
+            .await;
+        let started = Instant::now();
+        let d = world
+            .evaluate(
+                Batch::new(0)
+                    .call("c1", "t", "{}")
+                    .timeout(Duration::from_secs(30)),
+            )
+            .await
+            .unwrap();
+        world.took(started, Duration::ZERO, "answered at the veto");
+        assert_eq!(d.decisions[0].decided_by, "veto");
+        assert_eq!(status(&d, "slow"), TraceStatus::Superseded);
+        world.settle().await;
+        assert_eq!(slow.requests(), 1);
+        assert_eq!(slow.cancels(), [slow.batches()[0].request_id]);
+        tokio::time::sleep(Duration::from_secs(2)).await;
+        assert_eq!(slow.answered(), 0, "the cancelled work never answered");
+    }
+
+    /// Mirrors
+    /// `faults::r23_unknown_verdict_outcome_fails_the_guard_per_its_policy`.
+    pub(super) async fn r23_unknown_verdict_outcome_fails_the_guard_per_its_policy(
+        transport: Transport,
+    ) {
+        for variant in ["message", "varint", "partial"] {
+            let world = World::on(transport);
+            let (url, guard) = world.guard(move |b: &GuardBatch| {
+                let verdicts: Vec<Vec<u8>> = b
+                    .calls
+                    .iter()
+                    .map(|c| {
+                        let mut outcome = Vec::new();
+                        match variant {
+                            "message" => {
+                                let mut defer = Vec::new();
+                                raw_pb::bytes_field(&mut defer, 1, b"ask the user first");
+                                raw_pb::bytes_field(&mut outcome, 9, &defer);
+                            }
+                            "varint" => raw_pb::varint_field(&mut outcome, 9, 1),
+                            _ => raw_pb::bytes_field(&mut outcome, 9, b""),
+                        }
+                        raw_pb::verdict(&c.call_id, &outcome)
+                    })
+                    .collect();
+                let mut extra = Vec::new();
+                if variant == "partial" {
+                    raw_pb::varint_field(&mut extra, 3, 1);
+                }
+                vec![Step::raw(raw_pb::judge_response(
+                    b.request_id,
+                    &verdicts,
+                    &extra,
+                ))]
+            });
+            register_each_policy(&world, &url, Duration::from_secs(5)).await;
+            assert_each_policy_fails(
+                &world,
+                variant,
+                2,
+                &[TraceStatus::Failed],
+                "field 9",
+                Duration::ZERO,
+            )
+            .await;
+            assert_eq!(
+                guard.streams(),
+                3,
+                "{variant}: one per link, never reopened"
+            );
+            if variant == "partial" {
+                world.settle().await;
+                assert_eq!(
+                    guard.cancels().len(),
+                    guard.requests(),
+                    "a partial answer it cannot read withdraws the request"
+                );
+            }
+        }
+    }
+
+    /// Mirrors
+    /// `faults::r23_unknown_fields_outside_a_verdict_are_ignored`.
+    pub(super) async fn r23_unknown_fields_outside_a_verdict_are_ignored(transport: Transport) {
+        let world = World::on(transport);
+        let (url, _guard) = world.guard(|b: &GuardBatch| {
+            let verdicts: Vec<Vec<u8>> = b
+                .calls
+                .iter()
+                .filter(|c| c.tool == "fs.delete")
+                .map(|c| {
+                    let mut inside = Vec::new();
+                    raw_pb::bytes_field(&mut inside, 9, b"policy-17");
+                    raw_pb::verdict(&c.call_id, &raw_pb::skip_outcome("no deletes", &inside))
+                })
+                .collect();
+            let mut extra = Vec::new();
+            raw_pb::bytes_field(&mut extra, 5, b"guard-version 2");
+            raw_pb::varint_field(&mut extra, 6, 42);
+            raw_pb::bytes_field(&mut extra, 1000, &[1, 2, 3]);
+            vec![Step::raw(raw_pb::judge_response(
+                b.request_id,
+                &verdicts,
+                &extra,
+            ))]
+        });
+        world
+            .register(
+                validate("g", &url)
+                    .policy(FailurePolicy::FailOpen)
+                    .timeout(Duration::from_secs(5)),
+            )
+            .await;
+        let d = world
+            .evaluate(
+                Batch::new(0)
+                    .call("c1", "fs.delete", "{}")
+                    .call("c2", "fs.read", "{}"),
+            )
+            .await
+            .unwrap();
+        assert_skip(&d.decisions[0], "g", Action::Steer, "no deletes", "outside");
+        assert!(d.decisions[0].bypassed.is_empty());
+        assert!(proceeds(&d.decisions[1]) && d.decisions[1].bypassed.is_empty());
+        assert_eq!(status(&d, "g"), TraceStatus::Skipped);
+        assert_eq!(entry(&d, "g").error, "");
+    }
+
+    /// Mirrors
+    /// `faults::r23_unknown_rewrite_field_fails_a_mutate_guard_and_nothing_is_rewritten`.
+    pub(super) async fn r23_unknown_rewrite_field_fails_a_mutate_guard_and_nothing_is_rewritten(
+        transport: Transport,
+    ) {
+        let world = World::on(transport);
+        let (url, _guard) = world.guard(|b: &GuardBatch| {
+            let verdicts: Vec<Vec<u8>> = b
+                .calls
+                .iter()
+                .map(|c| {
+                    let mut rewrite = Vec::new();
+                    raw_pb::bytes_field(&mut rewrite, 2, br#"{"path":"/tmp/safe"}"#);
+                    raw_pb::bytes_field(&mut rewrite, 3, b"drop: secrets");
+                    let mut outcome = Vec::new();
+                    raw_pb::bytes_field(&mut outcome, 3, &rewrite);
+                    raw_pb::verdict(&c.call_id, &outcome)
+                })
+                .collect();
+            vec![Step::raw(raw_pb::judge_response(
+                b.request_id,
+                &verdicts,
+                &[],
+            ))]
+        });
+        let (later_url, _later) = world.proceed_guard();
+        world
+            .register(
+                mutate("m", &url, &["fs.*"])
+                    .tools(&["fs.*"])
+                    .policy(FailurePolicy::FailClosed)
+                    .timeout(Duration::from_secs(5)),
+            )
+            .await;
+        world.register(validate("v", &later_url)).await;
+        let d = world
+            .evaluate(
+                Batch::new(0)
+                    .call("c1", "fs.write", r#"{"path":"/etc/passwd"}"#)
+                    .call("c2", "net.get", "{}"),
+            )
+            .await
+            .unwrap();
+        assert_failure_cancel(&d.decisions[0], "m", "unknown rewrite field");
+        assert!(d.decisions[0].rewritten_by.is_empty());
+        assert_eq!(
+            d.decisions[0].call.as_ref().map(|c| c.arguments.as_str()),
+            Some(r#"{"path":"/etc/passwd"}"#)
+        );
+        assert!(proceeds(&d.decisions[1]));
+        assert_eq!(status(&d, "m"), TraceStatus::Failed);
+        assert!(entry(&d, "m").error.contains("Rewrite field 3"));
+    }
 }

@@ -6,12 +6,12 @@
 
 use super::fold::Fold;
 use super::results_phase::{self, Phase};
-use super::verdicts::check_verdicts_in;
+use super::verdicts::{Checked, Rejection, check_verdicts_in};
 use super::{BatchError, ChainGuard, Judging, span_guard};
 use crate::link::{GuardFailure, LinkBusy, LinkEvent, NotSent};
 use crate::wire::fields::guard_batch;
 use crate::wire::write;
-use guardmesh_proto::v1::{GuardBatch, GuardRole, JudgeResponse};
+use guardmesh_proto::v1::{GuardBatch, GuardRole, JudgeResponse, Verdict};
 use prost::bytes::Bytes;
 use std::time::Duration;
 use tokio::sync::mpsc;
@@ -170,6 +170,13 @@ impl Judging<'_> {
         };
         // Not sent: neither a failure nor an outcome of that guard.
         self.runs[g].sent_any = false;
+        self.withdraw_unfinished();
+        error
+    }
+
+    /// Withdraws the requests still out to guards that have not finished:
+    /// each is cancelled on its link and its guard marked superseded.
+    pub(super) fn withdraw_unfinished(&mut self) {
         for (run, ChainGuard { link, .. }) in self.runs.iter_mut().zip(&self.chain.guards) {
             if run.finished.is_some() {
                 continue;
@@ -179,7 +186,23 @@ impl Judging<'_> {
                 run.superseded = true;
             }
         }
-        error
+    }
+
+    /// Checks guard `g`'s `verdicts` against the calls it was sent (R8,
+    /// R11), marking the calls they answer.
+    fn check_verdicts(&mut self, g: usize, verdicts: Vec<Verdict>) -> Result<Checked, Rejection> {
+        let guard = &self.chain.guards[g].guard;
+        let run = &mut self.runs[g];
+        check_verdicts_in(
+            self.phase.is_results(),
+            guard,
+            self.limits,
+            |i| self.calls[i].current(),
+            &self.index_of,
+            &run.sent,
+            &mut run.answered,
+            verdicts,
+        )
     }
 
     /// Consults mutate guard `g` and applies what it says (R10, R11, R12).
@@ -234,19 +257,10 @@ impl Judging<'_> {
         if answered && let Some(link) = &self.chain.guards[g].link {
             link.record(self.runs[g].replica.as_deref(), Ok(()));
         }
+        let checked = self.check_verdicts(g, verdicts);
         let chain = self.chain;
         let guard = &chain.guards[g].guard;
         let run = &mut self.runs[g];
-        let checked = check_verdicts_in(
-            self.phase.is_results(),
-            guard,
-            self.limits,
-            |i| self.calls[i].current(),
-            &self.index_of,
-            &run.sent,
-            &mut run.answered,
-            verdicts,
-        );
         let failure = match checked {
             Ok(checked) => {
                 run.add_labels(checked.labels, checked.refused_labels);
@@ -424,8 +438,6 @@ impl Judging<'_> {
         deadlines: &mut [Option<Instant>],
     ) {
         let g = order[k];
-        let chain = self.chain;
-        let guard = &chain.guards[g].guard;
         if !response.error.is_empty() {
             deadlines[k] = None;
             let failure = GuardFailure::Refused(response.error);
@@ -433,17 +445,9 @@ impl Judging<'_> {
             return;
         }
         let final_answer = !response.partial;
+        let checked = self.check_verdicts(g, response.verdicts);
         let run = &mut self.runs[g];
-        match check_verdicts_in(
-            self.phase.is_results(),
-            guard,
-            self.limits,
-            |i| self.calls[i].current(),
-            &self.index_of,
-            &run.sent,
-            &mut run.answered,
-            response.verdicts,
-        ) {
+        match checked {
             Ok(checked) => {
                 run.add_labels(checked.labels, checked.refused_labels);
                 for i in checked.proceeds {

@@ -1,22 +1,19 @@
 //! The results phase (R33) under paused time, with guards scripted in
-//! memory ([`crate::link::scripted`]): the real judging ([`Mesh::evaluate_unrecorded`]
+//! memory ([`crate::link::scripted`]): the real judging ([`crate::Mesh::evaluate_unrecorded`]
 //! over a registry, a chain and its links), as `paused_tests.rs` does for
 //! calls. Order (validate guards on the raw result, then mutate guards),
 //! result grants (R11), failure policies (R13), dry run (R18), traces
 //! (R21) and phases (which guards are sent what).
 
 use super::TraceContext;
-use crate::link::scripted::{ScriptedGuard, ScriptedNet, Step, rewrite, steer};
-use crate::link::transport::GuardTransport;
-use crate::registry::{Admission, MemoryRegistry, Registry, admit_blocking};
-use crate::{Mesh, MeshConfig};
+use super::paused_tests::{SpecExt, World, status};
+use crate::link::scripted::{Step, rewrite, steer};
 use guardmesh_proto::v1::{
     BatchDecision, EvaluateRequest, FailurePolicy, GuardBatch, GuardMode, GuardPhases, GuardRole,
     GuardSpec, ResultAction, ResultDecision, ResultGrant, RewriteGrant, ToolCall, ToolResult,
     TraceStatus,
 };
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU16, Ordering};
 use std::time::Duration;
 use tokio::time::Instant;
 
@@ -26,53 +23,7 @@ fn text_result(text: &str) -> String {
     serde_json::json!({"content": [{"type": "text", "text": text}]}).to_string()
 }
 
-struct World {
-    net: Arc<ScriptedNet>,
-    registry: Arc<MemoryRegistry>,
-    mesh: Arc<Mesh>,
-    next_port: AtomicU16,
-}
-
 impl World {
-    fn new() -> Self {
-        let net = ScriptedNet::new();
-        let mut config = MeshConfig::default();
-        config.link.backoff_initial = Duration::from_millis(20);
-        config.link.transport = Some(net.clone() as Arc<dyn GuardTransport>);
-        let registry = Arc::new(MemoryRegistry::new(config.default_guard_timeout));
-        let mesh = Mesh::new(config, registry.clone());
-        Self {
-            net,
-            registry,
-            mesh,
-            next_port: AtomicU16::new(21_000),
-        }
-    }
-
-    fn guard(
-        &self,
-        script: impl Fn(&GuardBatch) -> Vec<Step> + Send + Sync + 'static,
-    ) -> (String, Arc<ScriptedGuard>) {
-        let url = format!(
-            "http://127.0.0.1:{}",
-            self.next_port.fetch_add(1, Ordering::Relaxed)
-        );
-        let guard = self.net.guard(&url, script);
-        (url, guard)
-    }
-
-    async fn register(&self, spec: GuardSpec) {
-        let admission = Admission {
-            default_timeout: self.mesh.config.default_guard_timeout,
-            endpoint_policy: Arc::default(),
-        };
-        let checked = admit_blocking(spec, &admission).expect("a valid registration");
-        self.registry
-            .register(checked, None)
-            .await
-            .expect("registered");
-    }
-
     async fn results(&self, results: &[(&str, &str, &str)]) -> BatchDecision {
         let request = EvaluateRequest {
             batch_id: "r1".into(),
@@ -87,14 +38,7 @@ impl World {
                 .collect(),
             ..Default::default()
         };
-        self.mesh
-            .evaluate_unrecorded(
-                request,
-                Instant::now() + Duration::from_secs(5),
-                TraceContext::default(),
-            )
-            .await
-            .expect("decided")
+        self.decide(request).await
     }
 
     async fn calls(&self, calls: &[(&str, &str)]) -> BatchDecision {
@@ -110,6 +54,11 @@ impl World {
                 .collect(),
             ..Default::default()
         };
+        self.decide(request).await
+    }
+
+    /// The decision on `request`, given 5 s.
+    async fn decide(&self, request: EvaluateRequest) -> BatchDecision {
         self.mesh
             .evaluate_unrecorded(
                 request,
@@ -154,11 +103,6 @@ fn redactor(batch: &GuardBatch) -> Vec<Step> {
     vec![Step::answer(batch, verdicts)]
 }
 
-fn status(d: &BatchDecision, guard: &str) -> TraceStatus {
-    let entry = d.trace.iter().find(|t| t.guard == guard).expect("traced");
-    TraceStatus::try_from(entry.status).unwrap_or(TraceStatus::Unspecified)
-}
-
 fn action(d: &ResultDecision) -> ResultAction {
     ResultAction::try_from(d.action).unwrap_or(ResultAction::Unspecified)
 }
@@ -171,7 +115,7 @@ async fn r33_validate_guards_see_the_raw_result_then_mutate_guards_rewrite_it() 
     // The mutate guard is first in the chain: in the results phase it still
     // runs after the validate guards (R33), unlike calls (R10).
     world
-        .register(mutate("redact", &m_url, &["fs.*"]).priority_first())
+        .register(mutate("redact", &m_url, &["fs.*"]).priority(-1))
         .await;
     world
         .register(spec("audit", &v_url, GuardPhases::Results))
@@ -198,17 +142,6 @@ async fn r33_validate_guards_see_the_raw_result_then_mutate_guards_rewrite_it() 
     assert_eq!(redacting.batches().len(), 1);
     assert_eq!(status(&d, "redact"), TraceStatus::Rewrote);
     assert_eq!(status(&d, "audit"), TraceStatus::Proceeded);
-}
-
-trait First {
-    fn priority_first(self) -> Self;
-}
-
-impl First for GuardSpec {
-    fn priority_first(mut self) -> Self {
-        self.priority = -1;
-        self
-    }
 }
 
 #[tokio::test(start_paused = true)]
@@ -289,17 +222,6 @@ async fn r11_r33_a_result_rewrite_outside_the_result_grant_is_rejected_whole() {
     // fail_open: the result passes unchanged, and the bypass is recorded.
     assert_eq!(action(&d.results[0]), ResultAction::Pass);
     assert_eq!(d.results[0].bypassed, vec!["redact".to_owned()]);
-}
-
-trait Policy {
-    fn policy(self, policy: FailurePolicy) -> Self;
-}
-
-impl Policy for GuardSpec {
-    fn policy(mut self, policy: FailurePolicy) -> Self {
-        self.failure_policy = policy as i32;
-        self
-    }
 }
 
 #[tokio::test(start_paused = true)]

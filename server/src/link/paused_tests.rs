@@ -2,9 +2,15 @@
 //! redials and their backoff, cancels, the circuit's timing, the queue's
 //! busy and not-reading bounds (R25), unreadable answers (R23) and routing
 //! by request id. Each names the real-socket integration test it mirrors;
-//! here the times are exact.
+//! here the times are exact. The scenarios that need no exact time run on
+//! both transports (see [`on_both_transports`]): the link over a scripted
+//! guard in memory, and over the same guard on a loopback socket.
 
-use super::scripted::{ScriptedGuard, ScriptedNet, Step, proceed, steer};
+use super::dial::GuardConnector;
+use super::scripted::{
+    ScriptedGuard, ScriptedNet, Step, Transport, on_both_transports, proceed, quick_redials,
+    serve_on_loopback, steer,
+};
 use super::transport::GuardTransport;
 use super::{GuardFailure, GuardLink, LinkConfig, LinkEvent, NotSent, wire};
 use crate::observe::metrics::Metrics;
@@ -20,8 +26,8 @@ fn ms(n: u64) -> Duration {
     Duration::from_millis(n)
 }
 
-/// A link to a scripted guard at [`URL`], with the integration harness's
-/// quick redials.
+/// A link to a scripted guard (at [`URL`] in memory, or on a loopback
+/// socket), with the integration harness's quick redials.
 struct Rig {
     guard: Arc<ScriptedGuard>,
     link: GuardLink,
@@ -34,23 +40,43 @@ fn rig(
     change: impl FnOnce(&mut LinkConfig),
     script: impl Fn(&GuardBatch) -> Vec<Step> + Send + Sync + 'static,
 ) -> Rig {
-    let net = ScriptedNet::new();
-    let guard = net.guard(URL, script);
-    let mut config = LinkConfig {
-        backoff_initial: ms(20),
-        backoff_max: ms(200),
-        ..LinkConfig::default()
-    };
+    rig_on(Transport::Scripted, change, script)
+}
+
+fn rig_on(
+    transport: Transport,
+    change: impl FnOnce(&mut LinkConfig),
+    script: impl Fn(&GuardBatch) -> Vec<Step> + Send + Sync + 'static,
+) -> Rig {
+    let guard = ScriptedGuard::new(script);
+    let mut config = quick_redials();
     change(&mut config);
     let metrics = Arc::new(Metrics::with_max_latency(Duration::from_secs(30)));
-    let link = GuardLink::spawn_with(
-        "g",
-        URL,
-        config,
-        net as Arc<dyn GuardTransport>,
-        None,
-        metrics.clone(),
-    );
+    let link = match transport {
+        Transport::Scripted => {
+            let net = ScriptedNet::new();
+            net.serve(URL, guard.clone());
+            GuardLink::spawn_with(
+                "g",
+                URL,
+                config,
+                net as Arc<dyn GuardTransport>,
+                None,
+                metrics.clone(),
+            )
+        }
+        Transport::Socket => {
+            let url = serve_on_loopback(guard.clone());
+            let connector = GuardConnector {
+                policy: Arc::default(),
+                tls: None,
+                pin: None,
+                https: false,
+                connect_timeout: config.connect_timeout,
+            };
+            GuardLink::spawn("g", &url, config, connector, metrics.clone())
+        }
+    };
     let (tx, events) = mpsc::unbounded_channel();
     Rig {
         guard,
@@ -185,37 +211,6 @@ async fn r15_redials_with_bounded_exponential_backoff_and_resets_after_an_answer
 }
 
 /// Paused-time version of
-/// `faults::hang_guard_fails_at_its_own_timeout_and_is_told_to_stop`: a
-/// withdrawn request is cancelled at the guard, and its late answer is
-/// dropped and counted, never delivered.
-#[tokio::test(start_paused = true)]
-async fn r5_cancel_reaches_the_guard_and_a_late_answer_is_only_counted() {
-    let mut rig = rig(
-        |_| {},
-        |b| vec![Step::answer(b, vec![steer(&b.calls[0].call_id, "late")]).after(ms(100))],
-    );
-    rig.guard.ignore_cancels();
-    let id = rig.send(0, &["c"], "{}", 1).unwrap();
-    tokio::time::sleep(ms(50)).await;
-    rig.link.cancel(id);
-    tokio::time::sleep(ms(1)).await;
-    assert_eq!(rig.guard.cancels(), [id]);
-    tokio::time::sleep(ms(100)).await;
-    assert_eq!(rig.guard.answered(), 1, "the guard answered anyway");
-    assert!(rig.events.try_recv().is_err(), "nothing delivered");
-    assert!(rig.spurious(), "{}", rig.metrics.encode());
-    // The stream goes on.
-    let next = rig.send(1, &["c"], "{}", 1).unwrap();
-    assert!(next > id);
-    let (event, took) = rig.next().await;
-    assert!(
-        matches!(event, LinkEvent::Answer { tag: 1, .. }),
-        "{event:?}"
-    );
-    assert_eq!(took, ms(100));
-}
-
-/// Paused-time version of
 /// `overload::circuit_opens_after_repeated_failures_and_fail_closed_still_blocks`:
 /// open for exactly `circuit_open_for`, then one probe, closed by a success.
 #[tokio::test(start_paused = true)]
@@ -304,149 +299,207 @@ async fn r25_full_queue_is_busy_until_the_stall_bound_then_not_reading() {
     send(8, 5).expect("room again");
 }
 
-/// Paused-time version of
-/// `faults::r23_unknown_verdict_outcome_fails_the_guard_per_its_policy`
-/// (its partial answer): the request fails at once, the guard is told to
-/// stop, and the stream stays open for the next request.
-#[tokio::test(start_paused = true)]
-async fn r23_partial_answer_with_an_unknown_verdict_field_fails_and_cancels_the_request() {
-    let mut rig = rig(
-        |_| {},
-        |b| {
-            if b.batch_id == "b0" {
-                // A partial answer whose verdict has a field 9 (unknown).
-                let mut verdict = Vec::new();
-                prost::encoding::encode_key(
-                    1,
-                    prost::encoding::WireType::LengthDelimited,
-                    &mut verdict,
-                );
-                prost::encoding::encode_varint(1, &mut verdict);
-                verdict.push(b'c');
-                prost::encoding::encode_key(9, prost::encoding::WireType::Varint, &mut verdict);
-                prost::encoding::encode_varint(1, &mut verdict);
-                let mut bytes = Vec::new();
-                prost::encoding::encode_key(1, prost::encoding::WireType::Varint, &mut bytes);
-                prost::encoding::encode_varint(b.request_id, &mut bytes);
-                prost::encoding::encode_key(
-                    2,
-                    prost::encoding::WireType::LengthDelimited,
-                    &mut bytes,
-                );
-                prost::encoding::encode_varint(verdict.len() as u64, &mut bytes);
-                bytes.extend_from_slice(&verdict);
-                prost::encoding::encode_key(3, prost::encoding::WireType::Varint, &mut bytes);
-                prost::encoding::encode_varint(1, &mut bytes);
-                vec![
-                    Step::raw(bytes).after(ms(10)),
-                    Step::answer(b, Vec::new()).after(ms(20)),
-                ]
-            } else {
-                answers(b)
+on_both_transports!(
+    r5_cancel_reaches_the_guard_and_a_late_answer_is_only_counted,
+    r13_refused_judge_stream_fails_with_its_status_then_the_link_redials,
+    r19_answers_reach_their_batches_by_request_id_in_any_order,
+    r23_partial_answer_with_an_unknown_verdict_field_fails_and_cancels_the_request,
+);
+
+/// The scenarios run on both transports, each written once.
+mod scenarios {
+    use super::*;
+
+    /// Mirrors
+    /// `faults::hang_guard_fails_at_its_own_timeout_and_is_told_to_stop`: a
+    /// withdrawn request is cancelled at the guard, and its late answer is
+    /// dropped and counted, never delivered.
+    pub(super) async fn r5_cancel_reaches_the_guard_and_a_late_answer_is_only_counted(
+        transport: Transport,
+    ) {
+        let mut rig = rig_on(
+            transport,
+            |_| {},
+            |b| vec![Step::answer(b, vec![steer(&b.calls[0].call_id, "late")]).after(ms(100))],
+        );
+        rig.guard.ignore_cancels();
+        let id = rig.send(0, &["c"], "{}", 1).unwrap();
+        tokio::time::sleep(ms(50)).await;
+        rig.link.cancel(id);
+        transport.settle().await;
+        assert_eq!(rig.guard.cancels(), [id]);
+        tokio::time::sleep(ms(100)).await;
+        assert_eq!(rig.guard.answered(), 1, "the guard answered anyway");
+        assert!(rig.events.try_recv().is_err(), "nothing delivered");
+        assert!(rig.spurious(), "{}", rig.metrics.encode());
+        // The stream goes on.
+        let next = rig.send(1, &["c"], "{}", 1).unwrap();
+        assert!(next > id);
+        let (event, took) = rig.next().await;
+        assert!(
+            matches!(event, LinkEvent::Answer { tag: 1, .. }),
+            "{event:?}"
+        );
+        transport.assert_took(took, ms(100), "the next answer");
+    }
+
+    /// Mirrors
+    /// `faults::unreachable_guard_endpoint_that_is_not_grpc_blocks_under_fail_closed`:
+    /// a refused `Judge` stream fails the waiting request with its status; the
+    /// link is down until it redials, then serves.
+    pub(super) async fn r13_refused_judge_stream_fails_with_its_status_then_the_link_redials(
+        transport: Transport,
+    ) {
+        let mut rig = rig_on(transport, |_| {}, answers);
+        rig.guard
+            .refuse_stream(tonic::Status::unimplemented("not a guard"));
+        rig.send(0, &["c"], "{}", 1).unwrap();
+        let (event, took) = rig.next().await;
+        match event {
+            LinkEvent::Failed {
+                failure: GuardFailure::Status { code, message },
+                ..
+            } => {
+                assert_eq!(code, tonic::Code::Unimplemented);
+                assert_eq!(message, "not a guard");
             }
-        },
-    );
-    let id = rig.send(0, &["c"], "{}", 1).unwrap();
-    let (event, took) = rig.next().await;
-    match event {
-        LinkEvent::Failed {
-            tag: 0,
-            failure: GuardFailure::UnknownVerdictField(field),
-            ..
-        } => assert_eq!((field.message, field.number), ("Verdict", 9)),
-        other => panic!("{other:?}"),
-    }
-    assert_eq!(took, ms(10));
-    tokio::time::sleep(ms(1)).await;
-    assert_eq!(rig.guard.cancels(), [id], "told to stop");
-    rig.send(1, &["c"], "{}", 1).unwrap();
-    assert!(matches!(
-        rig.next().await.0,
-        LinkEvent::Answer { tag: 1, .. }
-    ));
-    assert_eq!(rig.guard.streams(), 1, "the stream stayed open");
-    assert!(
-        !GuardFailure::UnknownVerdictField(wire::UnknownField {
-            message: "Verdict",
-            number: 9
-        })
-        .counts_for_circuit()
-    );
-}
-
-/// Paused-time version of
-/// `faults::unreachable_guard_endpoint_that_is_not_grpc_blocks_under_fail_closed`:
-/// a refused `Judge` stream fails the waiting request with its status; the
-/// link is down until it redials, then serves.
-#[tokio::test(start_paused = true)]
-async fn r13_refused_judge_stream_fails_with_its_status_then_the_link_redials() {
-    let mut rig = rig(|_| {}, answers);
-    rig.guard
-        .refuse_stream(tonic::Status::unimplemented("not a guard"));
-    rig.send(0, &["c"], "{}", 1).unwrap();
-    let (event, took) = rig.next().await;
-    match event {
-        LinkEvent::Failed {
-            failure: GuardFailure::Status { code, message },
-            ..
-        } => {
-            assert_eq!(code, tonic::Code::Unimplemented);
-            assert_eq!(message, "not a guard");
+            other => panic!("{other:?}"),
         }
-        other => panic!("{other:?}"),
+        transport.assert_took(took, Duration::ZERO, "failed at once");
+        let failure = failed(rig.send(1, &["c"], "{}", 1));
+        assert!(
+            failure.to_string().contains("Judge stream refused"),
+            "{failure}"
+        );
+        // The first pause is within the first step, 20 ms (the timer rounds
+        // up to the millisecond, so it may end at 20 ms exactly).
+        tokio::time::sleep(ms(21)).await;
+        transport.settle().await;
+        assert_eq!(rig.guard.connects(), 2);
+        rig.send(2, &["c"], "{}", 1).unwrap();
+        assert!(matches!(
+            rig.next().await.0,
+            LinkEvent::Answer { tag: 2, .. }
+        ));
     }
-    assert_eq!(took, Duration::ZERO);
-    let failure = failed(rig.send(1, &["c"], "{}", 1));
-    assert!(
-        failure.to_string().contains("Judge stream refused"),
-        "{failure}"
-    );
-    // The first pause is within the first step, 20 ms (the timer rounds
-    // up to the millisecond, so it may end at 20 ms exactly).
-    tokio::time::sleep(ms(21)).await;
-    assert_eq!(rig.guard.connects(), 2);
-    rig.send(2, &["c"], "{}", 1).unwrap();
-    assert!(matches!(
-        rig.next().await.0,
-        LinkEvent::Answer { tag: 2, .. }
-    ));
-}
 
-/// Paused-time version of
-/// `rules::r19_batches_in_flight_on_one_stream_and_across_streams`: answers
-/// on one stream reach their batches by request id, in whatever order and
-/// at whatever time the guard sends them.
-#[tokio::test(start_paused = true)]
-async fn r19_answers_reach_their_batches_by_request_id_in_any_order() {
-    let mut rig = rig(
-        |_| {},
-        |b| {
-            // b0 answers last, b2 first.
-            let delay = match b.batch_id.as_str() {
-                "b0" => 30,
-                "b1" => 20,
-                _ => 10,
+    /// Mirrors
+    /// `rules::r19_batches_in_flight_on_one_stream_and_across_streams`: answers
+    /// on one stream reach their batches by request id, in whatever order and
+    /// at whatever time the guard sends them.
+    pub(super) async fn r19_answers_reach_their_batches_by_request_id_in_any_order(
+        transport: Transport,
+    ) {
+        let mut rig = rig_on(
+            transport,
+            |_| {},
+            |b| {
+                // b0 answers last, b2 first.
+                let delay = match b.batch_id.as_str() {
+                    "b0" => 300,
+                    "b1" => 200,
+                    _ => 100,
+                };
+                vec![
+                    Step::answer(b, vec![steer(&b.calls[0].call_id, &b.batch_id)]).after(ms(delay)),
+                ]
+            },
+        );
+        let started = Instant::now();
+        let ids: Vec<u64> = (0..3)
+            .map(|tag| rig.send(tag, &["c"], "{}", tag as u64 + 1).unwrap())
+            .collect();
+        let mut seen = Vec::new();
+        for _ in 0..3 {
+            let (event, _) = rig.next().await;
+            let LinkEvent::Answer { tag, response, .. } = event else {
+                panic!("{event:?}");
             };
-            vec![Step::answer(b, vec![steer(&b.calls[0].call_id, &b.batch_id)]).after(ms(delay))]
-        },
-    );
-    let started = Instant::now();
-    let ids: Vec<u64> = (0..3)
-        .map(|tag| rig.send(tag, &["c"], "{}", tag as u64 + 1).unwrap())
-        .collect();
-    let mut seen = Vec::new();
-    for _ in 0..3 {
-        let (event, _) = rig.next().await;
-        let LinkEvent::Answer { tag, response, .. } = event else {
-            panic!("{event:?}");
-        };
-        assert_eq!(response.request_id, ids[tag]);
-        let Some(guardmesh_proto::v1::verdict::Outcome::Skip(skip)) = &response.verdicts[0].outcome
-        else {
-            panic!("{response:?}");
-        };
-        assert_eq!(skip.content, format!("b{tag}"));
-        seen.push((tag, started.elapsed()));
+            assert_eq!(response.request_id, ids[tag]);
+            let Some(guardmesh_proto::v1::verdict::Outcome::Skip(skip)) =
+                &response.verdicts[0].outcome
+            else {
+                panic!("{response:?}");
+            };
+            assert_eq!(skip.content, format!("b{tag}"));
+            seen.push((tag, started.elapsed()));
+        }
+        let order: Vec<usize> = seen.iter().map(|(tag, _)| *tag).collect();
+        assert_eq!(order, [2, 1, 0]);
+        for ((tag, took), want) in seen.into_iter().zip([100, 200, 300]) {
+            transport.assert_took(took, ms(want), &format!("b{tag}"));
+        }
     }
-    assert_eq!(seen, [(2, ms(10)), (1, ms(20)), (0, ms(30))]);
+
+    /// Mirrors
+    /// `faults::r23_unknown_verdict_outcome_fails_the_guard_per_its_policy`
+    /// (its partial answer): the request fails at once, the guard is told to
+    /// stop, and the stream stays open for the next request.
+    pub(super) async fn r23_partial_answer_with_an_unknown_verdict_field_fails_and_cancels_the_request(
+        transport: Transport,
+    ) {
+        let mut rig = rig_on(
+            transport,
+            |_| {},
+            |b| {
+                if b.batch_id == "b0" {
+                    // A partial answer whose verdict has a field 9 (unknown).
+                    let mut verdict = Vec::new();
+                    prost::encoding::encode_key(
+                        1,
+                        prost::encoding::WireType::LengthDelimited,
+                        &mut verdict,
+                    );
+                    prost::encoding::encode_varint(1, &mut verdict);
+                    verdict.push(b'c');
+                    prost::encoding::encode_key(9, prost::encoding::WireType::Varint, &mut verdict);
+                    prost::encoding::encode_varint(1, &mut verdict);
+                    let mut bytes = Vec::new();
+                    prost::encoding::encode_key(1, prost::encoding::WireType::Varint, &mut bytes);
+                    prost::encoding::encode_varint(b.request_id, &mut bytes);
+                    prost::encoding::encode_key(
+                        2,
+                        prost::encoding::WireType::LengthDelimited,
+                        &mut bytes,
+                    );
+                    prost::encoding::encode_varint(verdict.len() as u64, &mut bytes);
+                    bytes.extend_from_slice(&verdict);
+                    prost::encoding::encode_key(3, prost::encoding::WireType::Varint, &mut bytes);
+                    prost::encoding::encode_varint(1, &mut bytes);
+                    vec![
+                        Step::raw(bytes).after(ms(10)),
+                        Step::answer(b, Vec::new()).after(ms(20)),
+                    ]
+                } else {
+                    answers(b)
+                }
+            },
+        );
+        let id = rig.send(0, &["c"], "{}", 1).unwrap();
+        let (event, took) = rig.next().await;
+        match event {
+            LinkEvent::Failed {
+                tag: 0,
+                failure: GuardFailure::UnknownVerdictField(field),
+                ..
+            } => assert_eq!((field.message, field.number), ("Verdict", 9)),
+            other => panic!("{other:?}"),
+        }
+        transport.assert_took(took, ms(10), "failed when the partial answer came");
+        transport.settle().await;
+        assert_eq!(rig.guard.cancels(), [id], "told to stop");
+        rig.send(1, &["c"], "{}", 1).unwrap();
+        assert!(matches!(
+            rig.next().await.0,
+            LinkEvent::Answer { tag: 1, .. }
+        ));
+        assert_eq!(rig.guard.streams(), 1, "the stream stayed open");
+        assert!(
+            !GuardFailure::UnknownVerdictField(wire::UnknownField {
+                message: "Verdict",
+                number: 9
+            })
+            .counts_for_circuit()
+        );
+    }
 }

@@ -13,12 +13,18 @@
 //! `Judge` stream, be killed and restarted, stop reading its stream, and
 //! ignore cancels. Its answers go through the link's own reader
 //! ([`wire::read_answer`]), as they would off the wire (R23).
+//!
+//! [`serve_on_loopback`] serves the same guard, script and all, as a gRPC
+//! `GuardService` on a loopback socket: a scenario written once runs on
+//! both transports, in paused time here and over the mesh's own
+//! [`GrpcTransport`](super::transport::GrpcTransport) there.
 
 use super::LinkConfig;
 use super::transport::{Answers, GuardTransport, OpenError, Requests};
 use super::wire;
 use futures::StreamExt;
 use futures::future::BoxFuture;
+use futures::stream::BoxStream;
 use guardmesh_proto::v1::{
     GuardBatch, JudgeRequest, JudgeResponse, Rewrite, Skip, SkipKind, Verdict, judge_request,
     verdict,
@@ -30,6 +36,77 @@ use std::time::Duration;
 use tokio::sync::mpsc;
 use tokio::time::Instant;
 use tokio_stream::wrappers::UnboundedReceiverStream;
+
+/// A link's settings with the integration harness's quick redials: the
+/// first pause 20 ms, the longest 200 ms.
+pub fn quick_redials() -> LinkConfig {
+    LinkConfig {
+        backoff_initial: Duration::from_millis(20),
+        backoff_max: Duration::from_millis(200),
+        ..LinkConfig::default()
+    }
+}
+
+/// Which transport a scenario's scripted guards are reached over: a
+/// scenario written once runs on both (see [`on_both_transports`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Transport {
+    /// In memory ([`ScriptedNet`]), in paused time: every duration exact.
+    Scripted,
+    /// On loopback sockets ([`serve_on_loopback`]), reached by the mesh's
+    /// own gRPC transport, in real time.
+    Socket,
+}
+
+impl Transport {
+    /// Asserts that something took `want`: exactly in paused time; no less
+    /// on sockets, whose clock is real (there, a scenario asserts outcomes
+    /// and order, not durations).
+    pub fn assert_took(self, took: Duration, want: Duration, what: &str) {
+        match self {
+            Self::Scripted => assert_eq!(took, want, "{what}"),
+            Self::Socket => assert!(took >= want, "{what}: {took:?} < {want:?}"),
+        }
+    }
+
+    /// Lets the spawned tasks (links, guards' streams) run: 1 ms of virtual
+    /// time, or 100 ms on sockets.
+    pub async fn settle(self) {
+        tokio::time::sleep(match self {
+            Self::Scripted => Duration::from_millis(1),
+            Self::Socket => Duration::from_millis(100),
+        })
+        .await;
+    }
+}
+
+/// Runs each named scenario of the module `scenarios` (an `async fn` taking
+/// a [`Transport`]) twice: as a paused-time test of its name over scripted
+/// guards in memory, and as `on_a_socket::` that name over the same guards
+/// on loopback sockets.
+#[cfg(test)]
+macro_rules! on_both_transports {
+    ($($name:ident),* $(,)?) => {
+        $(
+            #[tokio::test(start_paused = true)]
+            async fn $name() {
+                scenarios::$name($crate::link::scripted::Transport::Scripted).await;
+            }
+        )*
+
+        mod on_a_socket {
+            use super::scenarios;
+            $(
+                #[tokio::test]
+                async fn $name() {
+                    scenarios::$name($crate::link::scripted::Transport::Socket).await;
+                }
+            )*
+        }
+    };
+}
+#[cfg(test)]
+pub(crate) use on_both_transports;
 
 /// What a scripted guard does about a batch, `after` it read it.
 #[derive(Debug, Clone)]
@@ -356,34 +433,54 @@ impl ScriptedGuard {
         max_answer: usize,
         requests: Requests,
     ) -> Result<Answers, OpenError> {
-        let mut state = self.lock();
-        state.connects.push(Instant::now());
-        let refused = |reason: &str| OpenError::Unreachable {
+        self.connect().map_err(|reason| OpenError::Unreachable {
             endpoint: endpoint.to_owned(),
             reason: reason.to_owned(),
-        };
-        if state.down {
-            return Err(refused("connection refused (the guard is down)"));
-        }
-        if state.refuse_connects > 0 {
-            state.refuse_connects -= 1;
-            return Err(refused("connection refused"));
-        }
-        if !state.refuse_streams.is_empty() {
-            return Err(OpenError::Refused(state.refuse_streams.remove(0)));
-        }
-        state.streams += 1;
-        let (ctl_tx, ctl) = mpsc::unbounded_channel();
+        })?;
+        let ctl = self.open_stream().map_err(OpenError::Refused)?;
         let (answers_tx, answers) = mpsc::unbounded_channel();
-        state.open.push(ctl_tx);
-        drop(state);
-        tokio::spawn(serve(self.clone(), max_answer, requests, ctl, answers_tx));
+        let requests = requests
+            .map(|request| JudgeRequest::decode(&request.to_vec()[..]).ok())
+            .boxed();
+        let out = Out::Link {
+            max_answer,
+            answers: answers_tx,
+        };
+        tokio::spawn(serve(self.clone(), requests, ctl, out));
         Ok(Box::pin(UnboundedReceiverStream::new(answers)))
     }
 
+    /// A connection attempt, recorded: refused while the guard is down, or
+    /// while it has refusals left.
+    fn connect(&self) -> Result<(), &'static str> {
+        let mut state = self.lock();
+        state.connects.push(Instant::now());
+        if state.down {
+            return Err("connection refused (the guard is down)");
+        }
+        if state.refuse_connects > 0 {
+            state.refuse_connects -= 1;
+            return Err("connection refused");
+        }
+        Ok(())
+    }
+
+    /// A `Judge` stream on an accepted connection: refused as
+    /// [`Self::refuse_stream`] says, or opened, with its control.
+    fn open_stream(&self) -> Result<mpsc::UnboundedReceiver<Ctl>, tonic::Status> {
+        let mut state = self.lock();
+        if !state.refuse_streams.is_empty() {
+            return Err(state.refuse_streams.remove(0));
+        }
+        state.streams += 1;
+        let (ctl_tx, ctl) = mpsc::unbounded_channel();
+        state.open.push(ctl_tx);
+        Ok(ctl)
+    }
+
     /// Reads one request off the stream.
-    fn read(&self, request: &wire::Encoded) -> Read {
-        let Ok(request) = JudgeRequest::decode(&request.to_vec()[..]) else {
+    fn read(&self, request: Option<JudgeRequest>) -> Read {
+        let Some(request) = request else {
             return Read::Other;
         };
         match request.kind {
@@ -421,14 +518,91 @@ enum Read {
     Other,
 }
 
+/// What a scripted guard sends as an answer.
+enum Frame {
+    /// A well-formed answer.
+    Message(JudgeResponse),
+    /// Bytes as they are ([`Step::Raw`]).
+    Raw(Vec<u8>),
+}
+
+/// Where one stream's answers go.
+enum Out {
+    /// To a link in this process, read as the link's codec reads them off
+    /// the wire.
+    Link {
+        max_answer: usize,
+        answers: mpsc::UnboundedSender<Result<wire::Answer, tonic::Status>>,
+    },
+    /// To a gRPC stream on a real socket ([`serve_on_loopback`]), written
+    /// byte for byte.
+    Socket(mpsc::UnboundedSender<Result<Vec<u8>, tonic::Status>>),
+}
+
+impl Out {
+    /// Sends an answer; `false` once the stream is over.
+    fn answer(&self, frame: Frame) -> bool {
+        match self {
+            Self::Link {
+                max_answer,
+                answers,
+            } => {
+                let bytes = match frame {
+                    Frame::Message(response) => response.encode_to_vec(),
+                    Frame::Raw(bytes) => bytes,
+                };
+                // As the link's codec reads it off the wire: a frame over
+                // the link's bound, or one it cannot read, ends the stream
+                // with that error.
+                if bytes.len() > *max_answer {
+                    self.fail(tonic::Status::out_of_range(format!(
+                        "Error, decoded message length too large: found {} bytes, the limit is: {max_answer} bytes",
+                        bytes.len()
+                    )));
+                    return false;
+                }
+                match wire::read_answer(&bytes) {
+                    Ok(answer) => answers.send(Ok(answer)).is_ok(),
+                    Err(status) => {
+                        self.fail(status);
+                        false
+                    }
+                }
+            }
+            Self::Socket(answers) => {
+                let bytes = match frame {
+                    Frame::Message(response) => response.encode_to_vec(),
+                    Frame::Raw(bytes) => bytes,
+                };
+                answers.send(Ok(bytes)).is_ok()
+            }
+        }
+    }
+
+    /// Ends the stream with `status`.
+    fn fail(&self, status: tonic::Status) {
+        let _ = match self {
+            Self::Link { answers, .. } => answers.send(Err(status)).is_ok(),
+            Self::Socket(answers) => answers.send(Err(status)).is_ok(),
+        };
+    }
+
+    /// Resolves once the other end stopped reading the answers.
+    async fn closed(&self) {
+        match self {
+            Self::Link { answers, .. } => answers.closed().await,
+            Self::Socket(answers) => answers.closed().await,
+        }
+    }
+}
+
 /// One open stream of `guard`: reads requests (while it reads), takes the
 /// steps of its script when due, and obeys its controls.
 async fn serve(
     guard: Arc<ScriptedGuard>,
-    max_answer: usize,
-    mut requests: Requests,
+    mut requests: BoxStream<'static, Option<JudgeRequest>>,
     mut ctl: mpsc::UnboundedReceiver<Ctl>,
-    answers: mpsc::UnboundedSender<Result<wire::Answer, tonic::Status>>,
+    out: Out,
 ) {
     // Due steps by (when, order), with their request id.
     let mut pending: BTreeMap<(Instant, u64), (u64, Step)> = BTreeMap::new();
@@ -446,7 +620,7 @@ async fn serve(
                 Some(Ctl::Wake) => {}
                 Some(Ctl::End) | None => return,
                 Some(Ctl::Fail(status)) => {
-                    let _ = answers.send(Err(status));
+                    out.fail(status);
                     return;
                 }
             },
@@ -454,41 +628,23 @@ async fn serve(
                 let Some((_, (_, step))) = pending.pop_first() else {
                     continue;
                 };
-                let bytes = match step {
-                    Step::Answer { response, .. } => response.encode_to_vec(),
-                    Step::Raw { bytes, .. } => bytes,
+                let frame = match step {
+                    Step::Answer { response, .. } => Frame::Message(response),
+                    Step::Raw { bytes, .. } => Frame::Raw(bytes),
                     Step::End { .. } => return,
                     Step::Fail { status, .. } => {
-                        let _ = answers.send(Err(status));
+                        out.fail(status);
                         return;
                     }
                 };
                 guard.lock().answered += 1;
-                // As the link's codec reads it off the wire: a frame over
-                // the link's bound, or one it cannot read, ends the stream
-                // with that error.
-                if bytes.len() > max_answer {
-                    let _ = answers.send(Err(tonic::Status::out_of_range(format!(
-                        "Error, decoded message length too large: found {} bytes, the limit is: {max_answer} bytes",
-                        bytes.len()
-                    ))));
+                if !out.answer(frame) {
                     return;
-                }
-                match wire::read_answer(&bytes) {
-                    Ok(answer) => {
-                        if answers.send(Ok(answer)).is_err() {
-                            return;
-                        }
-                    }
-                    Err(status) => {
-                        let _ = answers.send(Err(status));
-                        return;
-                    }
                 }
             }
             request = requests.next(), if reading => match request {
                 None => requests_open = false,
-                Some(request) => match guard.read(&request) {
+                Some(request) => match guard.read(request) {
                     Read::Batch(request_id, steps) => {
                         let now = Instant::now();
                         for step in steps {
@@ -500,8 +656,153 @@ async fn serve(
                     Read::Other => {}
                 },
             },
-            () = answers.closed() => return,
+            () = out.closed() => return,
         }
+    }
+}
+
+/// Serves `guard` as a gRPC `GuardService` on a loopback port of its own,
+/// and gives its endpoint: the same scripts over the mesh's own transport
+/// and a real socket. A connection is accepted, then closed at once while
+/// the guard is down or has refusals left; a `Judge` stream is refused as
+/// [`ScriptedGuard::refuse_stream`] says. Answers, raw ones too, go out
+/// byte for byte. A guard that stops reading ([`ScriptedGuard::reading`])
+/// is for the scripted transport only: a socket buffers what the guard does
+/// not take.
+pub fn serve_on_loopback(guard: Arc<ScriptedGuard>) -> String {
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("a loopback port");
+    listener
+        .set_nonblocking(true)
+        .expect("a non-blocking listener");
+    let endpoint = format!("http://{}", listener.local_addr().expect("a bound port"));
+    let listener = tokio::net::TcpListener::from_std(listener).expect("in a tokio runtime");
+    let (accepted_tx, accepted) = mpsc::unbounded_channel();
+    let gate = guard.clone();
+    tokio::spawn(async move {
+        while let Ok((socket, _)) = listener.accept().await {
+            // A refused connection is dropped, closed at once.
+            if gate.connect().is_ok() && accepted_tx.send(Ok::<_, std::io::Error>(socket)).is_err()
+            {
+                return;
+            }
+        }
+    });
+    tokio::spawn(async move {
+        let _ = tonic::transport::Server::builder()
+            .add_service(OnSocket(guard))
+            .serve_with_incoming(UnboundedReceiverStream::new(accepted))
+            .await;
+    });
+    endpoint
+}
+
+/// A scripted guard as a gRPC `GuardService` (its `Judge` method), written
+/// by hand so that its answers go out byte for byte, raw ones too.
+#[derive(Clone)]
+struct OnSocket(Arc<ScriptedGuard>);
+
+impl tonic::server::NamedService for OnSocket {
+    const NAME: &'static str = "guardmesh.v1.GuardService";
+}
+
+impl tower::Service<http::Request<tonic::body::Body>> for OnSocket {
+    type Response = http::Response<tonic::body::Body>;
+    type Error = std::convert::Infallible;
+    type Future = BoxFuture<'static, Result<Self::Response, Self::Error>>;
+
+    fn poll_ready(
+        &mut self,
+        _cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Result<(), Self::Error>> {
+        std::task::Poll::Ready(Ok(()))
+    }
+
+    fn call(&mut self, request: http::Request<tonic::body::Body>) -> Self::Future {
+        let judge = Judge(self.0.clone());
+        Box::pin(async move {
+            if request.uri().path() != "/guardmesh.v1.GuardService/Judge" {
+                return Ok(
+                    tonic::Status::unimplemented("a scripted guard serves Judge only").into_http(),
+                );
+            }
+            Ok(tonic::server::Grpc::new(AnswerBytes)
+                .streaming(judge, request)
+                .await)
+        })
+    }
+}
+
+/// The `Judge` method of a scripted guard on a socket: each stream opened
+/// as [`ScriptedGuard::open`] opens one in memory, and served by the same
+/// loop.
+struct Judge(Arc<ScriptedGuard>);
+
+impl tonic::server::StreamingService<JudgeRequest> for Judge {
+    type Response = Vec<u8>;
+    type ResponseStream = UnboundedReceiverStream<Result<Vec<u8>, tonic::Status>>;
+    type Future = BoxFuture<'static, Result<tonic::Response<Self::ResponseStream>, tonic::Status>>;
+
+    fn call(&mut self, request: tonic::Request<tonic::Streaming<JudgeRequest>>) -> Self::Future {
+        let guard = self.0.clone();
+        Box::pin(async move {
+            let ctl = guard.open_stream()?;
+            let (answers_tx, answers) = mpsc::unbounded_channel();
+            let requests = request
+                .into_inner()
+                .take_while(|request| std::future::ready(request.is_ok()))
+                .map(Result::ok)
+                .boxed();
+            tokio::spawn(serve(guard, requests, ctl, Out::Socket(answers_tx)));
+            Ok(tonic::Response::new(UnboundedReceiverStream::new(answers)))
+        })
+    }
+}
+
+/// The codec of a scripted guard on a socket: requests read by prost,
+/// answers written as the bytes they are.
+#[derive(Clone, Copy, Default)]
+struct AnswerBytes;
+
+impl tonic::codec::Codec for AnswerBytes {
+    type Encode = Vec<u8>;
+    type Decode = JudgeRequest;
+    type Encoder = Self;
+    type Decoder = Self;
+
+    fn encoder(&mut self) -> Self::Encoder {
+        *self
+    }
+
+    fn decoder(&mut self) -> Self::Decoder {
+        *self
+    }
+}
+
+impl tonic::codec::Encoder for AnswerBytes {
+    type Item = Vec<u8>;
+    type Error = tonic::Status;
+
+    fn encode(
+        &mut self,
+        item: Vec<u8>,
+        dst: &mut tonic::codec::EncodeBuf<'_>,
+    ) -> Result<(), tonic::Status> {
+        prost::bytes::BufMut::put_slice(dst, &item);
+        Ok(())
+    }
+}
+
+impl tonic::codec::Decoder for AnswerBytes {
+    type Item = JudgeRequest;
+    type Error = tonic::Status;
+
+    fn decode(
+        &mut self,
+        src: &mut tonic::codec::DecodeBuf<'_>,
+    ) -> Result<Option<JudgeRequest>, tonic::Status> {
+        JudgeRequest::decode(src)
+            .map(Some)
+            .map_err(|error| tonic::Status::internal(error.to_string()))
     }
 }
 

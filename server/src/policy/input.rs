@@ -425,34 +425,38 @@ impl<'a> BatchValues<'a> {
     /// `calls`, `context`, all borrowed from these values.
     #[cfg(test)]
     pub(crate) fn scope(&self, i: usize) -> Scope<'_, 'a> {
-        let cel = self.cel();
-        Scope {
-            call: cel.calls.inner()[i].as_ref(),
-            calls: &cel.calls,
-            context: &cel.context,
-            session: self.session_at(i),
-            meter: None,
-            bytes: [0; 4],
-        }
+        self.scope_of(i, None, [0; 4])
     }
 
     /// [`Self::scope`], each read of a variable charged to `meter`: one
     /// unit and the bytes it holds (see `meter`).
     pub(crate) fn scope_metered<'m>(&'m self, i: usize, meter: &'m Meter) -> Scope<'m, 'a> {
+        let bytes = [
+            self.call_bytes.get(i).copied().unwrap_or(0),
+            self.batch_bytes,
+            self.context_bytes,
+            0,
+        ]
+        .map(|b| u64::try_from(b).unwrap_or(u64::MAX));
+        self.scope_of(i, Some(meter), bytes)
+    }
+
+    /// The scope of call `i`, its reads charged to `meter` (if any) at
+    /// `bytes` for `call`, `calls` and `context`.
+    fn scope_of<'m>(
+        &'m self,
+        i: usize,
+        meter: Option<&'m Meter>,
+        bytes: [u64; 4],
+    ) -> Scope<'m, 'a> {
         let cel = self.cel();
         Scope {
             call: cel.calls.inner()[i].as_ref(),
             calls: &cel.calls,
             context: &cel.context,
             session: self.session_at(i),
-            meter: Some(meter),
-            bytes: [
-                self.call_bytes.get(i).copied().unwrap_or(0),
-                self.batch_bytes,
-                self.context_bytes,
-                0,
-            ]
-            .map(|b| u64::try_from(b).unwrap_or(u64::MAX)),
+            meter,
+            bytes,
         }
     }
 }

@@ -122,13 +122,12 @@ pub(super) async fn connect_client(
         // instead of answering from its old state, and cancels watches once
         // it has lost its leader: requests go to a member that can answer.
         .with_require_leader(true);
-    if let (Some(user), Some(password)) = (&config.username, &config.password) {
-        options = options.with_user(user.clone(), password.clone());
-    }
-    #[cfg(feature = "etcd-tls")]
-    if let Some(tls) = &config.tls {
-        options = options.with_tls(crate::etcd_tls::tls_options(tls)?);
-    }
+    options = crate::etcd_tls::with_credentials(
+        options,
+        config.username.as_ref(),
+        config.password.as_ref(),
+        config.tls.as_ref(),
+    )?;
     let unreachable = |cause: String| ConnectError::Unreachable {
         endpoints: config.endpoints.join(","),
         cause,
