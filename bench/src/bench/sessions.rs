@@ -69,11 +69,12 @@ pub(super) const RELAYBLEED: &str = include_str!("../../../examples/policy/relay
 /// their place: a term of the same rule on the call, the batch or the
 /// context, so that the same rules, scoped to the same tools, are
 /// evaluated on the same calls, with no read of the memory.
-const SESSION_TERMS: [(&str, &str); 3] = [
+const SESSION_TERMS: [(&str, &str); 4] = [
     (
         r#"session.seen_from(call.args, "fs")"#,
         r#""exfil" in call.args"#,
     ),
+    (r#"session.values_lost > 0"#, r#""forgotten" in call.args"#),
     (
         r#"session.count("email.send", "1h") >= 3"#,
         r#"calls.filter(c, c.tool == "email.send").size() >= 3"#,
