@@ -46,6 +46,15 @@ table! {
         /// for its replicas, in milliseconds (at least 1000); a failed
         /// connection asks sooner (R32).
         pub resolve_interval_ms: u64,
+        /// The most requests one replica of a guard is sent at once: the
+        /// ceiling of the limit the mesh adapts from the replica's
+        /// latency (R25).
+        pub max_in_flight: usize,
+        /// Requests that may wait for room at a guard's replicas, all
+        /// clients together; one client holds at most a quarter. Past it,
+        /// or after half the guard's time, batches are shed with
+        /// RESOURCE_EXHAUSTED (R25).
+        pub max_waiting: usize,
     }
 }
 
@@ -65,6 +74,8 @@ impl Default for LinksConfig {
             dead_peer_timeout_ms: millis(l.dead_peer_timeout),
             max_queued_bytes: l.max_queued_bytes,
             resolve_interval_ms: millis(crate::link::discover::dns::DEFAULT_RESOLVE_INTERVAL),
+            max_in_flight: l.max_in_flight,
+            max_waiting: l.max_waiting,
         }
     }
 }
@@ -96,6 +107,16 @@ impl LinksConfig {
         if self.max_queued_bytes == 0 {
             out.push(SettingError::Zero {
                 key: "guard_links.max_queued_bytes",
+            });
+        }
+        if self.max_in_flight == 0 {
+            out.push(SettingError::Zero {
+                key: "guard_links.max_in_flight",
+            });
+        }
+        if self.max_waiting == 0 {
+            out.push(SettingError::Zero {
+                key: "guard_links.max_waiting",
             });
         }
         if self.resolve_interval_ms < millis(crate::link::discover::dns::MIN_RESOLVE_GAP) {

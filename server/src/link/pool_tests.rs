@@ -106,6 +106,7 @@ impl Rig {
             tag,
             &self.tx,
             1,
+            crate::link::fair::Sender::default(),
             Duration::from_secs(1),
             Instant::now() + within,
         )
@@ -184,6 +185,7 @@ async fn r32_a_replica_five_times_slower_gets_a_small_share() {
                 *answered.entry(replica.to_string()).or_default() += 1;
             }
             LinkEvent::Failed { failure, .. } => panic!("failed: {failure}"),
+            LinkEvent::Shed { busy, .. } => panic!("shed: {busy}"),
         }
         rig.send(tag, Duration::from_secs(1)).unwrap();
         tag += 1;
@@ -213,6 +215,7 @@ async fn r32_equal_replicas_share_evenly_at_light_load_despite_latency_noise() {
                 *answered.entry(replica.to_string()).or_default() += 1;
             }
             LinkEvent::Failed { failure, .. } => panic!("failed: {failure}"),
+            LinkEvent::Shed { busy, .. } => panic!("shed: {busy}"),
         }
     }
     // R32: within 25% of even (150-250 of 600; a fair coin stays within
@@ -246,6 +249,7 @@ async fn r32_requests_on_a_replica_that_dies_are_answered_by_another() {
                 by_tag.insert(tag, replica);
             }
             LinkEvent::Failed { failure, .. } => panic!("R32: failed: {failure}"),
+            LinkEvent::Shed { busy, .. } => panic!("shed: {busy}"),
         }
     }
     assert_eq!(by_tag.len(), 30, "every batch answered once");
@@ -388,6 +392,7 @@ async fn r32_a_replica_that_left_gets_no_new_requests_and_finishes_its_own() {
         match rig.next().await {
             LinkEvent::Answer { replica, .. } => from_left += usize::from(*replica == *url(0)),
             LinkEvent::Failed { failure, .. } => panic!("{failure}"),
+            LinkEvent::Shed { busy, .. } => panic!("shed: {busy}"),
         }
     }
     assert_eq!(from_left, held, "its own requests were answered by it");
@@ -458,6 +463,7 @@ async fn r32_one_replica_s_failures_never_open_the_others_circuits() {
         match rig.next().await {
             LinkEvent::Answer { replica, .. } => assert_eq!(&*replica, url(1)),
             LinkEvent::Failed { failure, .. } => panic!("round {round}: {failure}"),
+            LinkEvent::Shed { busy, .. } => panic!("shed: {busy}"),
         }
         // Past any ejection: replica 0 keeps being tried and failing.
         tokio::time::sleep(Duration::from_secs(10)).await;
@@ -600,6 +606,7 @@ async fn r32_a_name_is_its_addresses_and_a_failed_one_asks_for_a_resolution() {
             tag,
             &tx,
             1,
+            crate::link::fair::Sender::default(),
             Duration::from_secs(1),
             Instant::now() + Duration::from_secs(2),
         )
@@ -612,6 +619,7 @@ async fn r32_a_name_is_its_addresses_and_a_failed_one_asks_for_a_resolution() {
         match events.recv().await.unwrap() {
             LinkEvent::Answer { replica, .. } => assert_eq!(&*replica, url(1)),
             LinkEvent::Failed { failure, .. } => panic!("failed: {failure}"),
+            LinkEvent::Shed { busy, .. } => panic!("shed: {busy}"),
         }
     }
     // The failure asked for a resolution long before the hour's interval.
@@ -696,12 +704,14 @@ impl Rig {
             Ok(id) => id,
             Err(NotSent::Failed(failure)) => return Err(failure),
             Err(NotSent::Busy(busy)) => panic!("busy: {busy}"),
+            Err(NotSent::NoRoom(busy)) => panic!("no room: {busy}"),
         };
         loop {
             tokio::select! {
                 event = self.events.recv() => match event.expect("the rig holds a sender") {
                     LinkEvent::Answer { tag: t, replica, .. } if t == tag => return Ok(replica),
                     LinkEvent::Failed { tag: t, failure, .. } if t == tag => return Err(failure),
+                    LinkEvent::Shed { busy, .. } => panic!("shed: {busy}"),
                     _ => {}
                 },
                 () = tokio::time::sleep_until(until) => {
