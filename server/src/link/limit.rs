@@ -12,16 +12,20 @@
 //!   overload every round trip includes the guard's own queue, and taking
 //!   that for the unloaded latency would let the limit creep up.
 //! * Each answer moves the limit towards `limit * gradient + sqrt(limit)`,
-//!   where `gradient = TOLERANCE * unloaded / round trip`, held to
-//!   `[0.5, 1]`: while answers come back within [`TOLERANCE`] times the
-//!   unloaded latency the limit grows (by about its square root, the room
+//!   where `gradient = (TOLERANCE * unloaded + SLACK) / round trip`, held
+//!   to `[0.5, 1]`: while answers come back within [`TOLERANCE`] times the
+//!   unloaded latency (plus [`SLACK`], so that a guard answering in
+//!   microseconds is not held back by a scheduler's jitter) the limit grows (by about its square root, the room
 //!   left for requests that queue at the guard); once they take longer,
 //!   requests are queuing inside the guard, and the limit shrinks towards
 //!   what the guard judges at once. The `sqrt` term keeps it from falling
 //!   below about 4 by the gradient alone.
 //! * The limit grows only while the replica is given about as many
 //!   requests as it allows: an idle replica's limit does not drift up.
-//! * It stays within `[1, max]` (`guard_links.max_in_flight`).
+//! * It starts at [`INITIAL`] (a slow start: a cold burst does not put
+//!   twenty requests in front of the next client's at a guard that judges
+//!   two at a time) and stays within `[1, max]`
+//!   (`guard_links.max_in_flight`).
 //!
 //! A guard that judges 2 batches at a time at 50 ms settles near 4 to 5 in
 //! flight (round trips of 100-150 ms, not the seconds a queue of hundreds
@@ -31,16 +35,18 @@
 use std::time::Duration;
 use tokio::time::Instant;
 
-/// Round trips within this factor of the unloaded latency do not shrink
-/// the limit.
-pub(crate) const TOLERANCE: f64 = 1.5;
+/// Round trips within this factor of the unloaded latency (plus
+/// [`SLACK`]) do not shrink the limit.
+pub(crate) const TOLERANCE: f64 = 1.25;
+
+/// Queueing this short at a guard never shrinks the limit.
+pub(crate) const SLACK: Duration = Duration::from_millis(2);
 
 /// The least round trip is the least of this window and the one before.
 pub(crate) const MIN_RTT_WINDOW: Duration = Duration::from_secs(10);
 
-/// The limit a replica starts with (Netflix's default initial limit),
-/// within `max`.
-pub(crate) const INITIAL: f64 = 20.0;
+/// The limit a replica starts with, within `max`.
+pub(crate) const INITIAL: f64 = 4.0;
 
 /// How far one answer moves the limit towards its new value.
 const SMOOTHING: f64 = 0.2;
@@ -110,7 +116,8 @@ impl Limit {
             return;
         };
         let unloaded = (unloaded.as_nanos() as f64).max(1.0);
-        let gradient = (TOLERANCE * unloaded / rtt).clamp(0.5, 1.0);
+        let slack = SLACK.as_nanos() as f64;
+        let gradient = ((TOLERANCE * unloaded + slack) / rtt).clamp(0.5, 1.0);
         let mut next = self.limit * gradient + self.limit.sqrt();
         // An idle replica proves nothing about a larger limit.
         if (in_flight as f64) * 2.0 < self.limit {
@@ -161,7 +168,7 @@ mod tests {
     #[tokio::test(start_paused = true)]
     async fn r25_a_guard_judging_two_at_a_time_is_held_near_what_it_judges_at_once() {
         let mut limit = Limit::new(128, Instant::now());
-        assert_eq!(limit.get(), 20);
+        assert_eq!(limit.get(), 4);
         let seen = run(&mut limit, 2, ms(50), 400);
         let settled = &seen[200..];
         let (lo, hi) = (
@@ -185,7 +192,7 @@ mod tests {
         for i in 1..=200u32 {
             limit.answered(ms(5), 1, t0 + ms(10) * i);
         }
-        assert_eq!(limit.get(), 20);
+        assert_eq!(limit.get(), 4);
     }
 
     #[tokio::test(start_paused = true)]

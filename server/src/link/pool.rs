@@ -154,6 +154,11 @@ pub const DECAY: Duration = Duration::from_millis(500);
 /// (and a guard whose answers take most of its timeout is not split).
 const ATTEMPT_ESTIMATES: f64 = 3.0;
 
+/// A request that waited for room is sent only with this many of the
+/// quickest replica's latency estimate left of its guard's time; with
+/// less it is shed (R25) rather than sent to time out (R13).
+const NEEDS_ESTIMATES: f64 = 1.5;
+
 /// The budget of requests moved to another replica because theirs did not
 /// answer in time ([`Budget`]): per window of this long, ...
 const BUDGET_WINDOW: Duration = Duration::from_secs(1);
@@ -1294,6 +1299,22 @@ impl Inner {
                 continue;
             };
             state.waits.remove(&(request.wait_until, id));
+            // Less time left than the replicas now take, with a margin
+            // for their queues growing: sent, it would only time out (a
+            // failure for its batch); shed instead.
+            let left = request.until.saturating_duration_since(now);
+            if let Some(takes) = self.least_estimate(state, now)
+                && left < takes.mul_f64(NEEDS_ESTIMATES)
+            {
+                let (in_flight, limit, _) = self.load(state);
+                let busy = NoRoom::Waited {
+                    waited: now.saturating_duration_since(request.since),
+                    in_flight,
+                    limit,
+                };
+                self.shed(request, busy.into());
+                continue;
+            }
             let hook = self.hook(id);
             let sent = self.dispatch(
                 state,
@@ -1342,6 +1363,23 @@ impl Inner {
                 }
             }
         }
+    }
+
+    /// What the quickest available replica with room takes to answer now
+    /// (its latency estimate), if any has answered.
+    fn least_estimate(&self, state: &State, now: Instant) -> Option<Duration> {
+        let prices = Prices::of(&state.live);
+        state
+            .live
+            .iter()
+            .filter(|r| r.available(now) && r.has_room())
+            .filter_map(|r| {
+                let load = r.load();
+                load.estimate?;
+                Some(load.estimate(now, prices.default_for(r)))
+            })
+            .min_by(f64::total_cmp)
+            .map(|nanos| Duration::from_nanos(nanos as u64))
     }
 
     /// The waiting requests whose wait is up at `now`: shed (R25), or
