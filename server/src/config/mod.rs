@@ -449,6 +449,7 @@ impl Config {
                 max_queued_bytes: self.guard_links.max_queued_bytes,
                 resolve_interval: self.guard_links.resolve_interval(),
                 max_in_flight: self.guard_links.max_in_flight.max(1),
+                min_in_flight: self.guard_links.min_in_flight.max(1),
                 max_waiting: self.guard_links.max_waiting.max(1),
                 ..LinkConfig::default()
             },

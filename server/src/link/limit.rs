@@ -24,8 +24,9 @@
 //!   requests as it allows: an idle replica's limit does not drift up.
 //! * It starts at [`INITIAL`] (a slow start: a cold burst does not put
 //!   twenty requests in front of the next client's at a guard that judges
-//!   two at a time) and stays within `[1, max]`
-//!   (`guard_links.max_in_flight`).
+//!   two at a time) and stays within `[min, max]`
+//!   (`guard_links.min_in_flight`, `max_in_flight`; equal, they make a
+//!   fixed limit).
 //!
 //! A guard that judges 2 batches at a time at 50 ms settles near 4 to 5 in
 //! flight (round trips of 100-150 ms, not the seconds a queue of hundreds
@@ -55,6 +56,7 @@ const SMOOTHING: f64 = 0.2;
 #[derive(Debug, Clone)]
 pub(crate) struct Limit {
     limit: f64,
+    min: f64,
     max: f64,
     /// The least round trip of the current window, in nanoseconds.
     current: Option<f64>,
@@ -67,11 +69,14 @@ pub(crate) struct Limit {
 }
 
 impl Limit {
-    /// A limit of at most `max` (at least 1), starting at [`INITIAL`].
-    pub(crate) fn new(max: usize, now: Instant) -> Self {
+    /// A limit within `[min, max]` (at least 1), starting at [`INITIAL`]
+    /// held to them; `min` = `max` is a fixed limit.
+    pub(crate) fn new(min: usize, max: usize, now: Instant) -> Self {
         let max = (max.max(1)) as f64;
+        let min = (min.max(1) as f64).min(max);
         Self {
-            limit: INITIAL.min(max),
+            limit: INITIAL.clamp(min, max),
+            min,
             max,
             current: None,
             previous: None,
@@ -123,7 +128,7 @@ impl Limit {
         if (in_flight as f64) * 2.0 < self.limit {
             next = next.min(self.limit);
         }
-        self.limit = (self.limit + (next - self.limit) * SMOOTHING).clamp(1.0, self.max);
+        self.limit = (self.limit + (next - self.limit) * SMOOTHING).clamp(self.min, self.max);
     }
 }
 
@@ -167,7 +172,7 @@ mod tests {
 
     #[tokio::test(start_paused = true)]
     async fn r25_a_guard_judging_two_at_a_time_is_held_near_what_it_judges_at_once() {
-        let mut limit = Limit::new(128, Instant::now());
+        let mut limit = Limit::new(1, 128, Instant::now());
         assert_eq!(limit.get(), 4);
         let seen = run(&mut limit, 2, ms(50), 400);
         let settled = &seen[200..];
@@ -180,7 +185,7 @@ mod tests {
 
     #[tokio::test(start_paused = true)]
     async fn r25_a_guard_whose_latency_does_not_grow_with_load_gets_its_max() {
-        let mut limit = Limit::new(64, Instant::now());
+        let mut limit = Limit::new(1, 64, Instant::now());
         let seen = run(&mut limit, 1000, ms(5), 200);
         assert_eq!(seen.last().copied(), Some(64));
     }
@@ -188,7 +193,7 @@ mod tests {
     #[tokio::test(start_paused = true)]
     async fn r25_an_idle_replica_s_limit_does_not_drift_up() {
         let t0 = Instant::now();
-        let mut limit = Limit::new(128, t0);
+        let mut limit = Limit::new(1, 128, t0);
         for i in 1..=200u32 {
             limit.answered(ms(5), 1, t0 + ms(10) * i);
         }
@@ -198,13 +203,15 @@ mod tests {
     #[tokio::test(start_paused = true)]
     async fn r25_the_limit_never_leaves_one_to_max() {
         let t0 = Instant::now();
-        let mut limit = Limit::new(0, t0);
+        let mut limit = Limit::new(1, 0, t0);
         assert_eq!(limit.get(), 1);
         limit.answered(ms(1), 1, t0);
         limit.answered(Duration::from_secs(60), 1, t0);
         assert_eq!(limit.get(), 1);
-        let mut limit = Limit::new(3, t0);
+        let mut limit = Limit::new(1, 3, t0);
         assert_eq!(limit.get(), 3);
+        let fixed = Limit::new(50, 50, t0);
+        assert_eq!(fixed.get(), 50, "min = max: a fixed limit");
         for _ in 0..50 {
             limit.answered(ms(1), 3, t0);
         }
@@ -214,7 +221,7 @@ mod tests {
     #[tokio::test(start_paused = true)]
     async fn r25_the_unloaded_latency_is_measured_again_after_two_windows() {
         let t0 = Instant::now();
-        let mut limit = Limit::new(128, t0);
+        let mut limit = Limit::new(1, 128, t0);
         limit.answered(ms(10), 1, t0);
         limit.answered(ms(100), 1, t0 + MIN_RTT_WINDOW);
         assert_eq!(
@@ -229,7 +236,7 @@ mod tests {
     #[tokio::test(start_paused = true)]
     async fn r25_a_window_only_ever_loaded_does_not_raise_the_unloaded_latency() {
         let t0 = Instant::now();
-        let mut limit = Limit::new(128, t0);
+        let mut limit = Limit::new(1, 128, t0);
         limit.answered(ms(10), 20, t0);
         for w in 1..=4u32 {
             limit.answered(ms(100), 20, t0 + MIN_RTT_WINDOW * w);

@@ -161,6 +161,9 @@ pub struct LinkConfig {
     /// (`limit`). Requests past every replica's limit wait, fairly across
     /// clients (`fair`).
     pub max_in_flight: usize,
+    /// The least the adapted limit falls to; equal to `max_in_flight`, a
+    /// fixed limit.
+    pub min_in_flight: usize,
     /// Requests that may wait for room at a guard's replicas, for all
     /// clients together; one client holds at most a quarter
     /// ([`CLIENT_SHARES`]). Past it, or after waiting half the guard's
@@ -199,6 +202,7 @@ impl Default for LinkConfig {
             max_queued_bytes: 16 * 1024 * 1024,
             resolve_interval: crate::link::discover::dns::DEFAULT_RESOLVE_INTERVAL,
             max_in_flight: DEFAULT_MAX_IN_FLIGHT,
+            min_in_flight: 1,
             max_waiting: DEFAULT_MAX_WAITING,
             transport: None,
         }

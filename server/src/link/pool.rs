@@ -436,10 +436,10 @@ impl Replica {
         self.load().limit.get()
     }
 
-    /// Whether it answered a request at or after `since`: it is making
+    /// Whether it answered a request after `since`: it is making
     /// progress.
     fn answered_since(&self, since: Instant) -> bool {
-        self.load().answered.is_some_and(|at| at >= since)
+        self.load().answered.is_some_and(|at| at > since)
     }
 }
 
@@ -1074,7 +1074,8 @@ impl Inner {
                     None => {
                         let link = (self.spawn)(target);
                         let now = Instant::now();
-                        let limit = Limit::new(link.flow().0, now);
+                        let (min, max, _) = link.flow();
+                        let limit = Limit::new(min, max, now);
                         live.push(Arc::new(Replica {
                             endpoint: Arc::from(target.endpoint.as_str()),
                             registered: target.registered.as_deref().map(Arc::from),
@@ -1189,7 +1190,7 @@ impl Inner {
     /// of them since `since`: the stall, when they have not.
     fn stalled(&self, state: &State, since: Instant, now: Instant) -> Option<(usize, Duration)> {
         let (held, _, answered) = self.load(state);
-        if held == 0 || answered.is_some_and(|at| at >= since) {
+        if held == 0 || answered.is_some_and(|at| at > since) {
             return None;
         }
         let from = answered.unwrap_or(since).min(since);
@@ -1206,7 +1207,7 @@ impl Inner {
         let max_waiting = state
             .live
             .first()
-            .map_or(super::DEFAULT_MAX_WAITING, |r| r.link.flow().1);
+            .map_or(super::DEFAULT_MAX_WAITING, |r| r.link.flow().2);
         let bounds = fair::Bounds {
             total: max_waiting,
             share: (max_waiting / super::CLIENT_SHARES).max(1),

@@ -131,6 +131,13 @@ impl Rig {
     }
 }
 
+/// A limit of requests at once that never adapts, and holds every request
+/// a test sends (R25: none waits for room).
+fn fixed_limit(config: &mut LinkConfig) {
+    config.min_in_flight = 256;
+    config.max_in_flight = 256;
+}
+
 /// Lets the links connect and read what is queued.
 async fn settle() {
     tokio::time::sleep(ms(1)).await;
@@ -139,8 +146,9 @@ async fn settle() {
 #[tokio::test(start_paused = true)]
 async fn r32_requests_spread_over_replicas_by_outstanding_requests() {
     // Nothing is answered: each request adds to its replica's load, so
-    // the two choices keep the replicas within a few requests of even.
-    let rig = rig(3, |_| {}, |_| |_: &GuardBatch| Vec::new());
+    // the two choices keep the replicas within a few requests of even
+    // (under a fixed limit that holds them all).
+    let rig = rig(3, fixed_limit, |_| |_: &GuardBatch| Vec::new());
     settle().await;
     for tag in 0..60 {
         rig.send(tag, Duration::from_secs(5)).unwrap();
@@ -935,7 +943,8 @@ async fn r32_a_request_that_times_out_on_one_replica_is_answered_by_another() {
 
 #[tokio::test(start_paused = true)]
 async fn r13_every_replica_hung_fails_at_the_guard_s_time_and_each_batch_is_sent_at_most_twice() {
-    let mut rig = rig(3, |_| {}, |_| |_: &GuardBatch| Vec::new());
+    // A fixed limit that holds them all: no request waits for room.
+    let mut rig = rig(3, fixed_limit, |_| |_: &GuardBatch| Vec::new());
     settle().await;
     // 50 batches at once, then 10 one at a time: each times out at the
     // guard's time (1 s), the batch's failure policy then applies (R13).
