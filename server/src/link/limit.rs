@@ -38,7 +38,7 @@ use tokio::time::Instant;
 
 /// Round trips within this factor of the unloaded latency (plus
 /// [`SLACK`]) do not shrink the limit.
-pub(crate) const TOLERANCE: f64 = 1.25;
+pub(crate) const TOLERANCE: f64 = 1.0;
 
 /// Queueing this short at a guard never shrinks the limit.
 pub(crate) const SLACK: Duration = Duration::from_millis(2);
