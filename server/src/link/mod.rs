@@ -26,10 +26,13 @@
 //! bounded in bytes, R25) and `failure` (how a request fails or is not sent,
 //! and what a guard's circuit hears of it). The bytes on the stream are
 //! written and read in the mesh's `wire` module, re-exported here as
-//! [`wire`]. Two small state machines live in modules of their own, each
-//! with its unit tests: `backoff` (the reconnect pauses) and `breaker` (the
+//! [`wire`]. Small state machines live in modules of their own, each
+//! with its unit tests: `backoff` (the reconnect pauses), `breaker` (the
 //! circuit breaker on consecutive failures, which takes the time as an
-//! argument).
+//! argument), `limit` (a replica's concurrency limit, adapted from its
+//! latency, R25) and [`fair`] (the requests waiting for room at a guard's
+//! replicas, taken in turns across clients, R25); [`pool`] puts a guard's
+//! replicas together (R32).
 
 mod backoff;
 mod breaker;

@@ -99,6 +99,22 @@
 //! the cap stays in the choice, where its unanswered requests' age prices
 //! it out, and its circuit still hears of its outage once.
 //!
+//! **Busy is not failed** (R25). Each replica is sent at most its limit
+//! of requests at once ([`super::limit`]: adapted from its latency, within
+//! `LinkConfig::min_in_flight`..`max_in_flight`); an available replica at
+//! its limit is passed over, and when every one is, the request waits for
+//! room ([`super::fair`]: in turns across clients and their sessions, at
+//! most half the guard's time, one client at most a quarter of
+//! `LinkConfig::max_waiting`). A request past its client's share, or that
+//! waited its time, or that has less than [`NEEDS_ESTIMATES`] of the
+//! quickest replica's estimate left, is shed ([`LinkEvent::Shed`]: the
+//! batch is refused with `RESOURCE_EXHAUSTED`), unless the guard's replicas
+//! answered none of the requests they held meanwhile: then the guard makes
+//! no progress, a failure ([`GuardFailure::NoProgress`], R13). A request
+//! that times out on a replica that answered others meanwhile waited
+//! behind load: the replica's circuit is not told, and a move on its
+//! attempt's timeout does not eject it.
+//!
 //! **Why not tower's `balance::p2c`**: tower's balancer drives
 //! `tower::Service`s, one call per request and readiness polled before
 //! each call. A guard link is a multiplexed stream whose requests answer
@@ -1186,11 +1202,12 @@ impl Inner {
             .guard_flow(&self.name, held, limit, state.waiting.len());
     }
 
-    /// Whether the guard's replicas, holding requests, have answered none
-    /// of them since `since`: the stall, when they have not.
+    /// Whether the guard's replicas have answered nothing since `since`
+    /// (while a request waited for room, or for the guard's timeout): the
+    /// requests they hold and how long they have answered none, when so.
     fn stalled(&self, state: &State, since: Instant, now: Instant) -> Option<(usize, Duration)> {
         let (held, _, answered) = self.load(state);
-        if held == 0 || answered.is_some_and(|at| at > since) {
+        if answered.is_some_and(|at| at > since) {
             return None;
         }
         let from = answered.unwrap_or(since).min(since);
@@ -1307,6 +1324,16 @@ impl Inner {
             if let Some(takes) = self.least_estimate(state, now)
                 && left < takes.mul_f64(NEEDS_ESTIMATES)
             {
+                // Unless nothing was answered while it waited: not load,
+                // a guard making no progress (R13).
+                if let Some((in_flight, stalled)) = self.stalled(state, request.since, now) {
+                    let _ = request.events.send(LinkEvent::Failed {
+                        tag: request.tag,
+                        failure: GuardFailure::NoProgress { in_flight, stalled },
+                        replica: Arc::from(""),
+                    });
+                    continue;
+                }
                 let (in_flight, limit, _) = self.load(state);
                 let busy = NoRoom::Waited {
                     waited: now.saturating_duration_since(request.since),
