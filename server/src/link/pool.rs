@@ -107,7 +107,7 @@
 //! most half the guard's time, one client at most a quarter of
 //! `LinkConfig::max_waiting`). A request past its client's share, or that
 //! waited its time, or that has less than [`NEEDS_ESTIMATES`] of the
-//! quickest replica's estimate left, is shed ([`LinkEvent::Shed`]: the
+//! quickest replica's typical round trip left, is shed ([`LinkEvent::Shed`]: the
 //! batch is refused with `RESOURCE_EXHAUSTED`), unless the guard's replicas
 //! answered none of the requests they held meanwhile: then the guard makes
 //! no progress, a failure ([`GuardFailure::NoProgress`], R13). A request
@@ -171,9 +171,12 @@ pub const DECAY: Duration = Duration::from_millis(500);
 const ATTEMPT_ESTIMATES: f64 = 3.0;
 
 /// A request that waited for room is sent only with this many of the
-/// quickest replica's latency estimate left of its guard's time; with
+/// quickest replica's typical round trip left of its guard's time; with
 /// less it is shed (R25) rather than sent to time out (R13).
 const NEEDS_ESTIMATES: f64 = 1.5;
+
+/// How far a replica's typical round trip moves towards each answer's.
+const TYPICAL_WEIGHT: f64 = 0.2;
 
 /// The budget of requests moved to another replica because theirs did not
 /// answer in time ([`Budget`]): per window of this long, ...
@@ -240,6 +243,14 @@ struct Load {
     updated: Instant,
     /// How many requests it may hold at once ([`Limit`], R25).
     limit: Limit,
+    /// The limit last published as its gauge.
+    published: Option<usize>,
+    /// A plain moving average of its answers' round trips, in nanoseconds
+    /// (withdrawn requests do not count): what a request sent to it now
+    /// typically waits, for the shedding of waiting requests that could
+    /// not be judged in time ([`NEEDS_ESTIMATES`]). The peak-sensitive
+    /// estimate would let one hung request shed every waiting one.
+    typical: Option<f64>,
     /// When it last answered a request: a replica that answers is making
     /// progress, and its requests that time out meanwhile waited behind
     /// load, which never opens its circuit (R25, R13).
@@ -425,6 +436,10 @@ impl Replica {
             load.limit
                 .answered(now.saturating_duration_since(sent), held, now);
             load.answered = Some(now);
+            load.typical = Some(
+                load.typical
+                    .map_or(rtt, |typical| typical + (rtt - typical) * TYPICAL_WEIGHT),
+            );
         }
         let estimate = match ended {
             Ended::Answered => load.observe(rtt, now, default, false),
@@ -445,11 +460,6 @@ impl Replica {
     fn has_room(&self) -> bool {
         let load = self.load();
         load.in_flight.len() < load.limit.get()
-    }
-
-    /// Its limit now.
-    fn limit(&self) -> usize {
-        self.load().limit.get()
     }
 
     /// Whether it answered a request after `since`: it is making
@@ -534,6 +544,8 @@ struct State {
     waiting: Fair<u64>,
     /// Their wait deadlines, earliest first.
     waits: BTreeSet<(Instant, u64)>,
+    /// The guard's gauges as last published: in flight, limit, waiting.
+    published: Option<(usize, usize, usize)>,
     rng: rand::rngs::SmallRng,
     /// The requests' attempt deadlines ([`Pending::attempt_until`]),
     /// earliest first, with each request's id.
@@ -745,6 +757,7 @@ impl GuardPool {
                 queued: HashMap::new(),
                 waiting: Fair::new(),
                 waits: BTreeSet::new(),
+                published: None,
                 rng: rand::rngs::SmallRng::from_os_rng(),
                 attempts: BTreeSet::new(),
                 armed: None,
@@ -948,7 +961,7 @@ impl GuardPool {
         if !state.waiting.is_empty() {
             self.inner.enqueue(&mut state, id, request)?;
             self.inner.drain(&mut state);
-            self.inner.gauges(&state);
+            self.inner.gauges(&mut state);
             return Ok(id);
         }
         let hook = self.inner.hook(id);
@@ -971,7 +984,7 @@ impl GuardPool {
             Err(Undispatched::Full) => self.inner.enqueue(&mut state, id, request).map(|()| id),
             Err(Undispatched::Not(not)) => Err(not),
         };
-        self.inner.gauges(&state);
+        self.inner.gauges(&mut state);
         result
     }
 
@@ -983,7 +996,7 @@ impl GuardPool {
             if let Some(waiting) = state.queued.remove(&id) {
                 state.waiting.remove(waiting.sender, &id);
                 state.waits.remove(&(waiting.wait_until, id));
-                self.inner.gauges(&state);
+                self.inner.gauges(&mut state);
                 return None;
             }
             let pending = state.requests.remove(&id)?;
@@ -1006,7 +1019,7 @@ impl GuardPool {
             .replica_outstanding(&self.inner.name, &pending.replica.endpoint, left);
         let mut state = self.inner.lock();
         self.inner.drain(&mut state);
-        self.inner.gauges(&state);
+        self.inner.gauges(&mut state);
         drop(state);
         Some(pending.replica.endpoint.clone())
     }
@@ -1103,6 +1116,8 @@ impl Inner {
                                 estimate: None,
                                 updated: now,
                                 limit,
+                                published: None,
+                                typical: None,
                                 answered: None,
                             }),
                             estimate: AtomicU64::new(0f64.to_bits()),
@@ -1191,15 +1206,28 @@ impl Inner {
         (held, limit, answered)
     }
 
-    /// Publishes the guard's requests in flight, limit and waiting.
-    fn gauges(&self, state: &State) {
+    /// Publishes the guard's requests in flight, limit and waiting, and
+    /// each replica's limit, when they changed (labels cost allocations).
+    fn gauges(&self, state: &mut State) {
         for replica in &state.live {
+            let limit = {
+                let mut load = replica.load();
+                let limit = load.limit.get();
+                if load.published == Some(limit) {
+                    continue;
+                }
+                load.published = Some(limit);
+                limit
+            };
             self.metrics
-                .replica_limit(&self.name, &replica.endpoint, replica.limit());
+                .replica_limit(&self.name, &replica.endpoint, limit);
         }
         let (held, limit, _) = self.load(state);
-        self.metrics
-            .guard_flow(&self.name, held, limit, state.waiting.len());
+        let flow = (held, limit, state.waiting.len());
+        if state.published != Some(flow) {
+            state.published = Some(flow);
+            self.metrics.guard_flow(&self.name, flow.0, flow.1, flow.2);
+        }
     }
 
     /// Whether the guard's replicas have answered nothing since `since`
@@ -1393,19 +1421,14 @@ impl Inner {
         }
     }
 
-    /// What the quickest available replica with room takes to answer now
-    /// (its latency estimate), if any has answered.
+    /// What the quickest available replica with room typically takes to
+    /// answer now, if any has answered.
     fn least_estimate(&self, state: &State, now: Instant) -> Option<Duration> {
-        let prices = Prices::of(&state.live);
         state
             .live
             .iter()
             .filter(|r| r.available(now) && r.has_room())
-            .filter_map(|r| {
-                let load = r.load();
-                load.estimate?;
-                Some(load.estimate(now, prices.default_for(r)))
-            })
+            .filter_map(|r| r.load().typical)
             .min_by(f64::total_cmp)
             .map(|nanos| Duration::from_nanos(nanos as u64))
     }
@@ -1483,7 +1506,7 @@ impl Inner {
         }
         self.expire_waits(&mut state, now);
         self.drain(&mut state);
-        self.gauges(&state);
+        self.gauges(&mut state);
         let attempt = state.attempts.first().map(|(at, _)| *at);
         let wait = state.waits.first().map(|(at, _)| *at);
         state.armed = match (attempt, wait) {
@@ -1971,7 +1994,7 @@ impl Inner {
         {
             let mut state = self.lock();
             self.drain(&mut state);
-            self.gauges(&state);
+            self.gauges(&mut state);
         }
         // `pending` (and the replica it may hold last) goes here, outside
         // the lock.
