@@ -1531,7 +1531,11 @@ async fn r25_guard_that_never_reads_its_stream_holds_bounded_memory_and_fails_pe
                     matches!(status, TraceStatus::Failed | TraceStatus::TimedOut),
                     "{what}: {status:?}"
                 );
-                if trace_error(&d, "stuck").contains("not reading") {
+                // Not reading its stream, or (R25, R13) not answering the
+                // requests it holds while others wait for room: either way
+                // a failure of the guard, never load.
+                let error = trace_error(&d, "stuck");
+                if error.contains("not reading") || error.contains("makes no progress") {
                     not_reading.fetch_add(1, Ordering::SeqCst);
                 }
             }

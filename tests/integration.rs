@@ -16,7 +16,9 @@
 //!   several replica processes, balancing and failover;
 //!   `guard_replicas_health`: replicas drained through `grpc.health.v1`
 //!   (R32); `guard_replicas_balance`: replicas that hang or slow down, priced
-//!   and failed over (R32, R13).
+//!   and failed over (R32, R13); `guard_busy`: a guard busy under one
+//!   client's burst sheds that client and judges the others, across
+//!   connections, sessions and identities (R25, R13, R32).
 //! * `results`: results through the mesh, from the SDK and the MCP gateway
 //!   (R33).
 //! * `sessions`: session memory through a real mesh, flows, rates and
@@ -96,6 +98,7 @@ mod doors;
 mod etcd;
 mod faults;
 mod gate;
+mod guard_busy;
 mod guard_discovery;
 mod guard_replicas;
 mod guard_replicas_balance;

@@ -108,6 +108,10 @@ enum Command {
         /// Artificial latency per batch.
         #[arg(long, default_value_t = 0)]
         delay_ms: u64,
+        /// Judges at most this many batches at a time; the others wait
+        /// their turn inside the guard (0: no bound).
+        #[arg(long, default_value_t = 0)]
+        workers: usize,
     },
     /// Checks a running guard, of any language, against the Judge protocol
     /// (one PASS/FAIL line per check; exits non-zero on any failure).
@@ -363,7 +367,8 @@ async fn run(cli: Cli) -> Result<ExitCode, Error> {
             kind,
             listen,
             delay_ms,
-        } => example_guard(kind, listen, delay_ms).await,
+            workers,
+        } => example_guard(kind, listen, delay_ms, workers).await,
         Command::Conformance(args) => {
             let report = guardmesh_conformance::run(&args).await;
             out!("{}", report.render(args.json)?);
@@ -452,10 +457,11 @@ async fn example_guard(
     kind: Kind,
     listen: std::net::SocketAddr,
     delay_ms: u64,
+    workers: usize,
 ) -> Result<(), Error> {
     let listener = tokio::net::TcpListener::bind(listen).await?;
     outln!("LISTENING {}", listener.local_addr()?.port());
-    let guard = Example::delayed(kind, Duration::from_millis(delay_ms));
+    let guard = Example::delayed(kind, Duration::from_millis(delay_ms)).with_workers(workers);
     guardmesh_client::serve(guard, listener, shutdown_signal()).await?;
     Ok(())
 }

@@ -36,11 +36,14 @@ pub enum Kind {
     RedactFormats,
 }
 
-/// An example guard with an optional artificial latency.
+/// An example guard with an optional artificial latency, and optionally
+/// judging at most so many batches at a time (the others wait their turn
+/// inside the guard, first come first served, as a busy guard's do).
 #[derive(Debug, Clone)]
 pub struct Example {
     pub kind: Kind,
     pub delay: Duration,
+    workers: Option<std::sync::Arc<tokio::sync::Semaphore>>,
 }
 
 impl Example {
@@ -48,11 +51,23 @@ impl Example {
         Self {
             kind,
             delay: Duration::ZERO,
+            workers: None,
         }
     }
 
     pub fn delayed(kind: Kind, delay: Duration) -> Self {
-        Self { kind, delay }
+        Self {
+            kind,
+            delay,
+            workers: None,
+        }
+    }
+
+    /// Judges at most `workers` batches at a time (0: no bound).
+    pub fn with_workers(mut self, workers: usize) -> Self {
+        self.workers =
+            (workers > 0).then(|| std::sync::Arc::new(tokio::sync::Semaphore::new(workers)));
+        self
     }
 
     fn verdict(&self, call: &ToolCall) -> Option<Verdict> {
@@ -100,6 +115,15 @@ impl Example {
 
 impl Guard for Example {
     async fn judge(&self, batch: &GuardBatch) -> Result<Vec<Verdict>, Status> {
+        let _worker = match &self.workers {
+            Some(workers) => Some(
+                workers
+                    .acquire()
+                    .await
+                    .map_err(|_| Status::unavailable("shutting down"))?,
+            ),
+            None => None,
+        };
         if !self.delay.is_zero() {
             tokio::time::sleep(self.delay).await;
         }

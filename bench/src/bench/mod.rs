@@ -55,6 +55,7 @@
 //! parent-death signal). No timing is asserted anywhere: a run fails only if
 //! something does not work.
 
+mod busy;
 mod child;
 mod compare;
 mod decision_log;
@@ -189,7 +190,9 @@ pub struct BenchArgs {
     /// `mcp`, the MCP gateway's group (the same counts as in a full run);
     /// `replicas`, a CPU-bound guard with 1, 2 and 4 replicas; `sessions`,
     /// session memory on and off, a result batch against a call batch, and
-    /// the etcd and Redis stores against the mesh's own memory.
+    /// the etcd and Redis stores against the mesh's own memory; `busy`, a
+    /// steady client's p99 while another bursts at a busy guard, against
+    /// the same client alone.
     #[arg(long, value_enum)]
     pub only: Option<Only>,
     /// After the run, fails when `cpu_per_batch_mesh4_vs_relay_floor4` or
@@ -213,6 +216,7 @@ pub enum Only {
     Mcp,
     Replicas,
     Sessions,
+    Busy,
 }
 
 /// Logs to stderr, `RUST_LOG` or `default_filter`.
@@ -1545,6 +1549,22 @@ async fn run(args: &BenchArgs) -> Result<(), Error> {
         };
         return report(&results, args, mode, started, guards);
     }
+    if args.only == Some(Only::Busy) {
+        let figures = busy::run(&exe, dir, args.quick).await?;
+        let mut setup = Map::new();
+        setup.insert("only".into(), json!("busy"));
+        setup.extend(figures.setup);
+        setup.insert("elapsed_s".into(), json!(started.elapsed().as_secs_f64()));
+        let results = Results {
+            quick: args.quick,
+            setup,
+            latency: Vec::new(),
+            throughput: Vec::new(),
+            memory: Memory::none(),
+            extra_ratios: figures.ratios,
+        };
+        return report(&results, args, mode, started, guards);
+    }
     if args.only == Some(Only::Sessions) {
         let figures = sessions::run(&exe, dir, &mut guards, &work, &plan, args.quick).await?;
         let mut setup = Map::new();
@@ -1848,6 +1868,8 @@ async fn run(args: &BenchArgs) -> Result<(), Error> {
     // A CPU-bound guard with 1, 2 and 4 replicas (R32).
     let replica_figures = replicas::run(&exe, dir, &work, &plan, args).await?;
     throughput.extend(replica_figures.throughput);
+    // A busy guard shared by a bursting and a steady client (R25).
+    let busy_figures = busy::run(&exe, dir, args.quick).await?;
     let memory = memory(&exe, dir, &guards, &work, &plan, args.idle_connections).await?;
 
     let mut setup = Map::new();
@@ -1907,6 +1929,7 @@ async fn run(args: &BenchArgs) -> Result<(), Error> {
     );
     put("elapsed_s", json!(started.elapsed().as_secs_f64()));
     setup.extend(extra_setup);
+    setup.extend(busy_figures.setup);
     let results = Results {
         quick: args.quick,
         setup,
@@ -1919,6 +1942,7 @@ async fn run(args: &BenchArgs) -> Result<(), Error> {
             .chain(policy_figures)
             .chain(session_figures.ratios)
             .chain(replica_figures.ratios)
+            .chain(busy_figures.ratios)
             .collect(),
     };
     report(&results, args, mode, started, guards)

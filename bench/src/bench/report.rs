@@ -296,7 +296,7 @@ impl Results {
         }
         if matches!(
             self.setup.get("only").and_then(Value::as_str),
-            Some("mcp" | "replicas" | "sessions")
+            Some("mcp" | "replicas" | "sessions" | "busy")
         ) {
             return Ok(self.extra_ratios.clone());
         }

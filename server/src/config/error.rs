@@ -46,6 +46,11 @@ pub enum ConfigError {
 pub enum SettingError {
     #[error("{key} must be greater than 0")]
     Zero { key: &'static str },
+    #[error("{key} must be at most {bound}")]
+    Above {
+        key: &'static str,
+        bound: &'static str,
+    },
     #[error(
         "[[guard]] entry {index} ({name:?}) has both `endpoint` and `policy`: a guard is remote or a policy"
     )]
@@ -109,7 +114,7 @@ impl SettingError {
     /// `guard.name`); with the 1-based `[[guard]]` entry where it is one.
     pub fn key(&self) -> (String, Option<usize>) {
         match self {
-            Self::Zero { key } => ((*key).to_owned(), None),
+            Self::Zero { key } | Self::Above { key, .. } => ((*key).to_owned(), None),
             Self::GuardBoth { index, .. } => ("guard.policy".into(), Some(*index)),
             Self::GuardNeither { index, .. } => ("guard.endpoint".into(), Some(*index)),
             Self::DuplicateGuard { second, .. } => ("guard.name".into(), Some(*second)),
@@ -138,6 +143,10 @@ impl SettingError {
                     }
                     _ => format!("write a number above 0 for {leaf}"),
                 }
+            }
+            Self::Above { key, bound } => {
+                let leaf = key.rsplit_once('.').map_or(*key, |(_, leaf)| leaf);
+                format!("write {leaf} no larger than {bound}")
             }
             Self::GuardBoth { .. } => {
                 "keep `endpoint` for a remote guard or `policy` for a policy guard, not both".into()

@@ -46,6 +46,18 @@ table! {
         /// for its replicas, in milliseconds (at least 1000); a failed
         /// connection asks sooner (R32).
         pub resolve_interval_ms: u64,
+        /// The most requests one replica of a guard is sent at once: the
+        /// ceiling of the limit the mesh adapts from the replica's
+        /// latency (R25).
+        pub max_in_flight: usize,
+        /// The least that limit falls to; set it to max_in_flight for a
+        /// fixed limit (R25).
+        pub min_in_flight: usize,
+        /// Requests that may wait for room at a guard's replicas, all
+        /// clients together; one client holds at most a quarter. Past it,
+        /// or after half the guard's time, batches are shed with
+        /// RESOURCE_EXHAUSTED (R25).
+        pub max_waiting: usize,
     }
 }
 
@@ -65,6 +77,9 @@ impl Default for LinksConfig {
             dead_peer_timeout_ms: millis(l.dead_peer_timeout),
             max_queued_bytes: l.max_queued_bytes,
             resolve_interval_ms: millis(crate::link::discover::dns::DEFAULT_RESOLVE_INTERVAL),
+            max_in_flight: l.max_in_flight,
+            min_in_flight: l.min_in_flight,
+            max_waiting: l.max_waiting,
         }
     }
 }
@@ -96,6 +111,27 @@ impl LinksConfig {
         if self.max_queued_bytes == 0 {
             out.push(SettingError::Zero {
                 key: "guard_links.max_queued_bytes",
+            });
+        }
+        if self.max_in_flight == 0 {
+            out.push(SettingError::Zero {
+                key: "guard_links.max_in_flight",
+            });
+        }
+        if self.min_in_flight == 0 {
+            out.push(SettingError::Zero {
+                key: "guard_links.min_in_flight",
+            });
+        }
+        if self.min_in_flight > self.max_in_flight {
+            out.push(SettingError::Above {
+                key: "guard_links.min_in_flight",
+                bound: "guard_links.max_in_flight",
+            });
+        }
+        if self.max_waiting == 0 {
+            out.push(SettingError::Zero {
+                key: "guard_links.max_waiting",
             });
         }
         if self.resolve_interval_ms < millis(crate::link::discover::dns::MIN_RESOLVE_GAP) {
@@ -164,5 +200,34 @@ mod tests {
                 .to_string()
                 .contains("max_queued_bytes")
         );
+    }
+
+    #[test]
+    fn r25_the_in_flight_limit_and_the_waiting_bound_have_safe_defaults_and_are_checked() {
+        let link = Config::default().mesh_config().link;
+        assert_eq!(
+            (link.min_in_flight, link.max_in_flight, link.max_waiting),
+            (1, 256, 1024)
+        );
+        let config = Config::parse(
+            "[guard_links]\nmin_in_flight = 8\nmax_in_flight = 8\nmax_waiting = 64",
+            "t",
+        )
+        .unwrap();
+        assert!(config.check().is_ok());
+        let link = config.mesh_config().link;
+        assert_eq!(
+            (link.min_in_flight, link.max_in_flight, link.max_waiting),
+            (8, 8, 64)
+        );
+        for (text, key) in [
+            ("max_in_flight = 0", "max_in_flight"),
+            ("max_waiting = 0", "max_waiting"),
+            ("min_in_flight = 9\nmax_in_flight = 8", "min_in_flight"),
+        ] {
+            let config = Config::parse(&format!("[guard_links]\n{text}"), "t").unwrap();
+            let err = config.check().unwrap_err().to_string();
+            assert!(err.contains(key), "{text}: {err}");
+        }
     }
 }

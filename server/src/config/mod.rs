@@ -448,6 +448,9 @@ impl Config {
                 dead_peer_timeout: Duration::from_millis(self.guard_links.dead_peer_timeout_ms),
                 max_queued_bytes: self.guard_links.max_queued_bytes,
                 resolve_interval: self.guard_links.resolve_interval(),
+                max_in_flight: self.guard_links.max_in_flight.max(1),
+                min_in_flight: self.guard_links.min_in_flight.max(1),
+                max_waiting: self.guard_links.max_waiting.max(1),
                 ..LinkConfig::default()
             },
             security: MeshConfig::default().security,

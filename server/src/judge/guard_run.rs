@@ -250,6 +250,7 @@ pub(crate) fn span_failure(failure: &GuardFailure) -> SpanFailure {
         GuardFailure::StreamClosed => ("stream_closed", Some(Code::Unavailable)),
         GuardFailure::CircuitOpen { .. } => ("circuit_open", Some(Code::Unavailable)),
         GuardFailure::NotReading { .. } => ("not_reading", Some(Code::Unavailable)),
+        GuardFailure::NoProgress { .. } => ("no_progress", Some(Code::Unavailable)),
         GuardFailure::RejectedRewrite(_) => ("rejected_rewrite", None),
         GuardFailure::UnknownVerdictField(_) => ("unknown_verdict_field", None),
         GuardFailure::Policy(_) => ("policy_error", None),

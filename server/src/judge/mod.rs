@@ -48,7 +48,7 @@ pub(crate) mod verdicts;
 
 use crate::judge::call_index::CallIndex;
 use crate::judge::fold::{Decided, Fold, FoldGuard};
-use crate::link::{GuardFailure, LinkBusy};
+use crate::link::{Busy, GuardFailure};
 use crate::policy::Recorded;
 use crate::registry::spec::Guard;
 use crate::validate::Limits;
@@ -126,7 +126,7 @@ pub enum BatchError {
     /// progress (R25): the whole batch is shed, nothing was decided, and
     /// the guard did not fail.
     #[error("batch shed: guard {guard:?} {busy}")]
-    Shed { guard: String, busy: LinkBusy },
+    Shed { guard: String, busy: Busy },
     /// The client already had its share of batches waiting for a policy
     /// evaluation thread (R25): shed as [`Self::Shed`] is.
     #[error("batch shed: policy guard {guard:?}: {wait}")]

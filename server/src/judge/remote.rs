@@ -8,7 +8,7 @@ use super::fold::Fold;
 use super::results_phase::{self, Phase};
 use super::verdicts::{Checked, Rejection, check_verdicts_in};
 use super::{BatchError, ChainGuard, Judging, span_guard};
-use crate::link::{GuardFailure, LinkBusy, LinkEvent, NotSent};
+use crate::link::{Busy, GuardFailure, LinkEvent, NotSent};
 use crate::wire::fields::guard_batch;
 use crate::wire::write;
 use guardmesh_proto::v1::{GuardBatch, GuardRole, JudgeResponse, Verdict};
@@ -134,6 +134,14 @@ impl Judging<'_> {
             results: Vec::new(),
         };
         let shared = self.shared_part(g);
+        // Past the replicas' limits a request waits its turn among the
+        // clients (R25): the caller's identity, or its connection, and the
+        // session within it.
+        let sender = crate::link::fair::Sender::of(
+            self.trace.client,
+            &self.trace.identity,
+            self.context.as_ref().map_or("", |c| c.session_id.as_str()),
+        );
         // A guard that takes nothing off its stream for its own timeout is
         // not reading (a failure); one that is slow but takes requests is
         // busy, and the batch is shed (R25).
@@ -143,6 +151,7 @@ impl Judging<'_> {
             tag,
             events,
             self.trace.client,
+            sender,
             guard.timeout,
             now + budget,
         )?;
@@ -155,7 +164,7 @@ impl Judging<'_> {
     /// `RESOURCE_EXHAUSTED` to its own client. No call is decided, so no
     /// load turns into a cancel; the requests already out to other guards
     /// are withdrawn, and no circuit hears of it.
-    fn shed(&mut self, g: usize, busy: LinkBusy) -> BatchError {
+    fn shed(&mut self, g: usize, busy: Busy) -> BatchError {
         let guard = &self.chain.guards[g].guard;
         tracing::warn!(
             guard = %guard.name,
@@ -222,7 +231,8 @@ impl Judging<'_> {
         // that fails after partial answers keeps the skips it sent.
         let mut verdicts = Vec::new();
         let failure = match self.send(g, 0, &events_tx, now) {
-            Err(NotSent::Busy(busy)) => return Err(self.shed(g, busy)),
+            Err(NotSent::Busy(busy)) => return Err(self.shed(g, busy.into())),
+            Err(NotSent::NoRoom(busy)) => return Err(self.shed(g, busy.into())),
             Err(NotSent::Failed(failure)) => Some(failure),
             Ok(guard_deadline) => loop {
                 tokio::select! {
@@ -241,6 +251,12 @@ impl Judging<'_> {
                         Some(LinkEvent::Failed { failure, replica, .. }) => {
                             self.runs[g].replica = Some(replica);
                             break Some(failure);
+                        }
+                        // It waited for room and was shed (R25): the batch
+                        // is refused, nothing decided.
+                        Some(LinkEvent::Shed { busy, .. }) => {
+                            self.runs[g].request_id = None;
+                            return Err(self.shed(g, busy));
                         }
                         None => break Some(GuardFailure::StreamClosed),
                     },
@@ -322,7 +338,8 @@ impl Judging<'_> {
             let (events_tx, _) = channel.get_or_insert_with(mpsc::unbounded_channel);
             match self.send(g, k, events_tx, now) {
                 Ok(at) => deadlines[k] = Some(at),
-                Err(NotSent::Busy(busy)) => return Err(self.shed(g, busy)),
+                Err(NotSent::Busy(busy)) => return Err(self.shed(g, busy.into())),
+                Err(NotSent::NoRoom(busy)) => return Err(self.shed(g, busy.into())),
                 Err(NotSent::Failed(failure)) => {
                     self.guard_failed(g, failure, false, &mut fold, k);
                 }
@@ -345,7 +362,7 @@ impl Judging<'_> {
         if !fold.done() {
             let events = &mut channel.get_or_insert_with(mpsc::unbounded_channel).1;
             self.collect(&order, events, &mut fold, &mut deadlines, now)
-                .await;
+                .await?;
         }
         // R5: what is still out can no longer change a decision.
         for (k, &g) in order.iter().enumerate() {
@@ -371,7 +388,7 @@ impl Judging<'_> {
         fold: &mut Fold,
         deadlines: &mut [Option<Instant>],
         now: Instant,
-    ) {
+    ) -> Result<(), BatchError> {
         // One timer for the batch, moved only when the earliest deadline
         // changes (a guard that answered no longer has one): not a timer
         // registered and dropped per answer.
@@ -411,6 +428,12 @@ impl Judging<'_> {
                     deadlines[k] = None;
                     self.guard_failed(order[k], failure, false, fold, k);
                 }
+                // It waited for room at that guard and was shed (R25): the
+                // whole batch is refused with RESOURCE_EXHAUSTED.
+                Some(LinkEvent::Shed { tag: k, busy, .. }) => {
+                    self.runs[order[k]].request_id = None;
+                    return Err(self.shed(order[k], busy));
+                }
                 None => {
                     let now = Instant::now();
                     for k in 0..order.len() {
@@ -427,6 +450,7 @@ impl Judging<'_> {
                 }
             }
         }
+        Ok(())
     }
 
     fn on_answer(

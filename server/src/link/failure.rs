@@ -47,6 +47,13 @@ pub enum GuardFailure {
         limit: usize,
         stalled: Duration,
     },
+    /// R25, R13: requests waited for room at the guard while its replicas
+    /// held `in_flight` requests and answered none of them for `stalled`:
+    /// the guard makes no progress, a failure (not load).
+    #[error(
+        "makes no progress: its replicas hold {in_flight} requests and have answered none for {stalled:?}"
+    )]
+    NoProgress { in_flight: usize, stalled: Duration },
     /// R27: a policy guard's rule could not be evaluated for a call (a
     /// missing field, a wrong type, a cost bound): a failure, never a
     /// proceed. The text names the rule and the error.
@@ -104,6 +111,45 @@ pub struct LinkBusy {
     pub share: usize,
 }
 
+/// R25: every replica of a guard holds as many requests as its limit
+/// allows, and a request found no room to wait, or waited for as long as
+/// the guard's time allows: load, not a failure, shed as [`LinkBusy`] is.
+#[derive(Debug, Clone, thiserror::Error)]
+pub enum NoRoom {
+    /// The requests waiting for room reach their bound, or this client's
+    /// share of it (`guard_links.max_waiting`, [`super::fair`]).
+    #[error(
+        "is busy: its replicas hold {in_flight} requests (limit {limit}) and {waiting} wait for room (one client may hold {share} of them, this one holds {held}); retry with backoff"
+    )]
+    Full {
+        in_flight: usize,
+        limit: usize,
+        waiting: usize,
+        held: usize,
+        share: usize,
+    },
+    /// The batch waited for room for as long as the guard's time allows
+    /// waiting (half of it), while the guard kept answering others.
+    #[error(
+        "is busy: the batch waited {waited:?} for room while its replicas held {in_flight} requests (limit {limit}) and answered others; retry with backoff"
+    )]
+    Waited {
+        waited: Duration,
+        in_flight: usize,
+        limit: usize,
+    },
+}
+
+/// Why a guard is busy (R25): its link's queue is full ([`LinkBusy`]), or
+/// its replicas have no room ([`NoRoom`]).
+#[derive(Debug, Clone, thiserror::Error)]
+pub enum Busy {
+    #[error(transparent)]
+    Queue(#[from] LinkBusy),
+    #[error(transparent)]
+    NoRoom(#[from] NoRoom),
+}
+
 /// Why a request was not sent to a guard.
 #[derive(Debug, Clone)]
 pub enum NotSent {
@@ -111,6 +157,8 @@ pub enum NotSent {
     Failed(GuardFailure),
     /// The guard is busy (R25): the batch is shed, nothing is decided.
     Busy(LinkBusy),
+    /// The guard's replicas have no room (R25): shed as `Busy` is.
+    NoRoom(NoRoom),
 }
 
 impl From<GuardFailure> for NotSent {
@@ -163,6 +211,10 @@ mod tests {
             GuardFailure::NotReading {
                 queued: 2,
                 limit: 1,
+                stalled: Duration::from_secs(1),
+            },
+            GuardFailure::NoProgress {
+                in_flight: 2,
                 stalled: Duration::from_secs(1),
             },
         ]

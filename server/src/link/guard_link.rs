@@ -46,6 +46,9 @@ pub(super) struct State {
 pub(super) struct Shared {
     pub(super) name: String,
     max_queued_bytes: usize,
+    /// `LinkConfig::min_in_flight`, `max_in_flight` and `max_waiting`,
+    /// read by the pool.
+    flow: (usize, usize, usize),
     circuit_open_for: Duration,
     pub(super) metrics: Arc<crate::observe::metrics::Metrics>,
     pub(super) endpoint: Arc<str>,
@@ -180,6 +183,11 @@ impl GuardLink {
         let shared = Arc::new(Shared {
             name: name.to_owned(),
             max_queued_bytes: config.max_queued_bytes,
+            flow: (
+                config.min_in_flight,
+                config.max_in_flight,
+                config.max_waiting,
+            ),
             circuit_open_for: config.circuit_open_for,
             metrics,
             endpoint: Arc::from(endpoint),
@@ -216,6 +224,13 @@ impl GuardLink {
     /// The identity this link requires of the guard, if pinned.
     pub fn pin(&self) -> Option<&str> {
         self.pin.as_deref()
+    }
+
+    /// The bounds of the replica's limit of requests at once, and the
+    /// most requests that may wait for room at the guard
+    /// (`LinkConfig::min_in_flight`, `max_in_flight`, `max_waiting`).
+    pub(crate) fn flow(&self) -> (usize, usize, usize) {
+        self.shared.flow
     }
 
     /// The endpoint this link dials.

@@ -26,18 +26,23 @@
 //! bounded in bytes, R25) and `failure` (how a request fails or is not sent,
 //! and what a guard's circuit hears of it). The bytes on the stream are
 //! written and read in the mesh's `wire` module, re-exported here as
-//! [`wire`]. Two small state machines live in modules of their own, each
-//! with its unit tests: `backoff` (the reconnect pauses) and `breaker` (the
+//! [`wire`]. Small state machines live in modules of their own, each
+//! with its unit tests: `backoff` (the reconnect pauses), `breaker` (the
 //! circuit breaker on consecutive failures, which takes the time as an
-//! argument).
+//! argument), `limit` (a replica's concurrency limit, adapted from its
+//! latency, R25) and [`fair`] (the requests waiting for room at a guard's
+//! replicas, taken in turns across clients, R25); [`pool`] puts a guard's
+//! replicas together (R32).
 
 mod backoff;
 mod breaker;
 pub mod dial;
 pub mod discover;
 mod failure;
+pub mod fair;
 mod guard_link;
 pub mod health;
+mod limit;
 #[cfg(test)]
 mod paused_tests;
 pub mod pool;
@@ -52,7 +57,7 @@ pub mod transport;
 /// the wire (R23).
 pub use crate::wire::judge_stream as wire;
 
-pub use failure::{CLIENT_SHARES, GuardFailure, LinkBusy, NotSent, client_share};
+pub use failure::{Busy, CLIENT_SHARES, GuardFailure, LinkBusy, NoRoom, NotSent, client_share};
 pub use guard_link::GuardLink;
 use guardmesh_proto::v1::JudgeResponse;
 use std::sync::Arc;
@@ -76,13 +81,24 @@ pub enum LinkEvent {
         failure: GuardFailure,
         replica: Arc<str>,
     },
+    /// The request to the guard at index `tag` waited for room at the
+    /// guard's replicas and was shed (R25): the batch is refused with
+    /// `RESOURCE_EXHAUSTED`; the guard did not fail. `replica` is empty:
+    /// no replica had it.
+    Shed {
+        tag: usize,
+        busy: Busy,
+        replica: Arc<str>,
+    },
 }
 
 impl LinkEvent {
     /// The replica that answered or failed.
     pub fn replica(&self) -> &Arc<str> {
         match self {
-            Self::Answer { replica, .. } | Self::Failed { replica, .. } => replica,
+            Self::Answer { replica, .. }
+            | Self::Failed { replica, .. }
+            | Self::Shed { replica, .. } => replica,
         }
     }
 }
@@ -143,6 +159,19 @@ pub struct LinkConfig {
     /// How often a guard endpoint that is a DNS name is resolved again for
     /// its replicas (R32); a failed connection to one of them asks sooner.
     pub resolve_interval: Duration,
+    /// The most requests one replica of a guard is sent at once (R25): the
+    /// ceiling of the limit the mesh adapts from the replica's latency
+    /// (`limit`). Requests past every replica's limit wait, fairly across
+    /// clients (`fair`).
+    pub max_in_flight: usize,
+    /// The least the adapted limit falls to; equal to `max_in_flight`, a
+    /// fixed limit.
+    pub min_in_flight: usize,
+    /// Requests that may wait for room at a guard's replicas, for all
+    /// clients together; one client holds at most a quarter
+    /// ([`CLIENT_SHARES`]). Past it, or after waiting half the guard's
+    /// time, a batch is shed with `RESOURCE_EXHAUSTED` (R25).
+    pub max_waiting: usize,
     /// How links reach their guards. `None` (the default): each guard's
     /// endpoint over gRPC ([`transport::GrpcTransport`]) with the mesh's connector.
     /// Tests put an in-memory guard here ([`scripted`]).
@@ -154,6 +183,11 @@ pub struct LinkConfig {
 /// `grpc.http2.min_ping_interval_without_data_ms` (300000, two strikes, then
 /// GOAWAY "too_many_pings"). grpc-js servers enforce no lower bound.
 pub const MIN_PEER_PING_INTERVAL: Duration = Duration::from_secs(300);
+
+/// [`LinkConfig::max_in_flight`] by default.
+pub const DEFAULT_MAX_IN_FLIGHT: usize = 256;
+/// [`LinkConfig::max_waiting`] by default.
+pub const DEFAULT_MAX_WAITING: usize = 1024;
 
 impl Default for LinkConfig {
     fn default() -> Self {
@@ -170,6 +204,9 @@ impl Default for LinkConfig {
             dead_peer_timeout: Duration::from_secs(30),
             max_queued_bytes: 16 * 1024 * 1024,
             resolve_interval: crate::link::discover::dns::DEFAULT_RESOLVE_INTERVAL,
+            max_in_flight: DEFAULT_MAX_IN_FLIGHT,
+            min_in_flight: 1,
+            max_waiting: DEFAULT_MAX_WAITING,
             transport: None,
         }
     }

@@ -99,6 +99,22 @@
 //! the cap stays in the choice, where its unanswered requests' age prices
 //! it out, and its circuit still hears of its outage once.
 //!
+//! **Busy is not failed** (R25). Each replica is sent at most its limit
+//! of requests at once ([`super::limit`]: adapted from its latency, within
+//! `LinkConfig::min_in_flight`..`max_in_flight`); an available replica at
+//! its limit is passed over, and when every one is, the request waits for
+//! room ([`super::fair`]: in turns across clients and their sessions, at
+//! most half the guard's time, one client at most a quarter of
+//! `LinkConfig::max_waiting`). A request past its client's share, or that
+//! waited its time, or that has less than [`NEEDS_ESTIMATES`] of the
+//! quickest replica's typical round trip left, is shed ([`LinkEvent::Shed`]: the
+//! batch is refused with `RESOURCE_EXHAUSTED`), unless the guard's replicas
+//! answered none of the requests they held meanwhile: then the guard makes
+//! no progress, a failure ([`GuardFailure::NoProgress`], R13). A request
+//! that times out on a replica that answered others meanwhile waited
+//! behind load: the replica's circuit is not told, and a move on its
+//! attempt's timeout does not eject it.
+//!
 //! **Why not tower's `balance::p2c`**: tower's balancer drives
 //! `tower::Service`s, one call per request and readiness polled before
 //! each call. A guard link is a multiplexed stream whose requests answer
@@ -113,7 +129,9 @@
 use super::discover::dns::ResolveHandle;
 use super::discover::sources::GuardSources;
 use super::discover::{ReplicaTarget, Replicas};
-use super::{GuardFailure, GuardLink, LinkEvent, NotSent, Report};
+use super::fair::{self, Fair, Sender};
+use super::limit::Limit;
+use super::{Busy, GuardFailure, GuardLink, LinkEvent, NoRoom, NotSent, Report};
 use crate::observe::metrics::Metrics;
 use guardmesh_proto::v1::GuardBatch;
 use prost::bytes::Bytes;
@@ -151,6 +169,14 @@ pub const DECAY: Duration = Duration::from_millis(500);
 /// latency estimate: a replica answering at its own pace is not cut off
 /// (and a guard whose answers take most of its timeout is not split).
 const ATTEMPT_ESTIMATES: f64 = 3.0;
+
+/// A request that waited for room is sent only with this many of the
+/// quickest replica's typical round trip left of its guard's time; with
+/// less it is shed (R25) rather than sent to time out (R13).
+const NEEDS_ESTIMATES: f64 = 1.5;
+
+/// How far a replica's typical round trip moves towards each answer's.
+const TYPICAL_WEIGHT: f64 = 0.2;
 
 /// The budget of requests moved to another replica because theirs did not
 /// answer in time ([`Budget`]): per window of this long, ...
@@ -215,6 +241,20 @@ struct Load {
     estimate: Option<f64>,
     /// When `estimate` was last set: its decay runs from then.
     updated: Instant,
+    /// How many requests it may hold at once ([`Limit`], R25).
+    limit: Limit,
+    /// The limit last published as its gauge.
+    published: Option<usize>,
+    /// A plain moving average of its answers' round trips, in nanoseconds
+    /// (withdrawn requests do not count): what a request sent to it now
+    /// typically waits, for the shedding of waiting requests that could
+    /// not be judged in time ([`NEEDS_ESTIMATES`]). The peak-sensitive
+    /// estimate would let one hung request shed every waiting one.
+    typical: Option<f64>,
+    /// When it last answered a request: a replica that answers is making
+    /// progress, and its requests that time out meanwhile waited behind
+    /// load, which never opens its circuit (R25, R13).
+    answered: Option<Instant>,
 }
 
 impl Load {
@@ -389,8 +429,18 @@ impl Replica {
     ) -> usize {
         let default = prices.default_for(self);
         let mut load = self.load();
+        let held = load.in_flight.len();
         load.in_flight.remove(&(sent, id));
         let rtt = nanos(now.saturating_duration_since(sent));
+        if let Ended::Answered = ended {
+            load.limit
+                .answered(now.saturating_duration_since(sent), held, now);
+            load.answered = Some(now);
+            load.typical = Some(
+                load.typical
+                    .map_or(rtt, |typical| typical + (rtt - typical) * TYPICAL_WEIGHT),
+            );
+        }
         let estimate = match ended {
             Ended::Answered => load.observe(rtt, now, default, false),
             Ended::Withdrawn => load.observe(rtt, now, default, true),
@@ -404,6 +454,18 @@ impl Replica {
 
     fn outstanding(&self) -> usize {
         self.load().in_flight.len()
+    }
+
+    /// Whether it holds fewer requests than its limit allows.
+    fn has_room(&self) -> bool {
+        let load = self.load();
+        load.in_flight.len() < load.limit.get()
+    }
+
+    /// Whether it answered a request after `since`: it is making
+    /// progress.
+    fn answered_since(&self, since: Instant) -> bool {
+        self.load().answered.is_some_and(|at| at > since)
     }
 }
 
@@ -422,6 +484,7 @@ struct Pending {
     batch: GuardBatch,
     shared: Bytes,
     client: u64,
+    sender: Sender,
     stall: Duration,
     until: Instant,
     replica: Arc<Replica>,
@@ -440,9 +503,49 @@ struct Pending {
     moved_on_timeout: bool,
 }
 
+/// A request waiting for room at the guard's replicas ([`fair`]): every
+/// replica that could take it holds as many requests as its limit allows.
+struct Waiting {
+    tag: usize,
+    events: mpsc::UnboundedSender<LinkEvent>,
+    batch: GuardBatch,
+    shared: Bytes,
+    client: u64,
+    sender: Sender,
+    stall: Duration,
+    until: Instant,
+    /// Since when it waits.
+    since: Instant,
+    /// Until when it may wait: half the guard's time left when it began
+    /// to (its entry in [`State::waits`]).
+    wait_until: Instant,
+}
+
+/// Why [`Inner::dispatch`] sent nothing.
+enum Undispatched {
+    /// Every available replica holds as many requests as its limit
+    /// allows: the request waits for room.
+    Full,
+    /// Busy or failed at every replica tried.
+    Not(NotSent),
+}
+
+impl From<NotSent> for Undispatched {
+    fn from(not: NotSent) -> Self {
+        Self::Not(not)
+    }
+}
+
 struct State {
     live: Vec<Arc<Replica>>,
     requests: HashMap<u64, Pending>,
+    /// Requests waiting for room, by id, and their turns ([`fair`]).
+    queued: HashMap<u64, Waiting>,
+    waiting: Fair<u64>,
+    /// Their wait deadlines, earliest first.
+    waits: BTreeSet<(Instant, u64)>,
+    /// The guard's gauges as last published: in flight, limit, waiting.
+    published: Option<(usize, usize, usize)>,
     rng: rand::rngs::SmallRng,
     /// The requests' attempt deadlines ([`Pending::attempt_until`]),
     /// earliest first, with each request's id.
@@ -651,6 +754,10 @@ impl GuardPool {
             state: Mutex::new(State {
                 live: Vec::new(),
                 requests: HashMap::new(),
+                queued: HashMap::new(),
+                waiting: Fair::new(),
+                waits: BTreeSet::new(),
+                published: None,
                 rng: rand::rngs::SmallRng::from_os_rng(),
                 attempts: BTreeSet::new(),
                 armed: None,
@@ -817,8 +924,12 @@ impl GuardPool {
     /// `client` and `stall`); the answer or the failure arrives on
     /// `events` tagged `tag`, naming the replica. `until`: when the
     /// guard's time for this batch is up; a request whose replica fails
-    /// before then is sent to another. Returns the pool's id of the
-    /// request, for [`Self::cancel`].
+    /// before then is sent to another. When every replica holds as many
+    /// requests as its limit allows, the request waits for room, in turn
+    /// with the other clients' (`sender`, [`fair`]), for at most half the
+    /// guard's time; a request shed meanwhile is reported as
+    /// [`LinkEvent::Shed`] (R25). Returns the pool's id of the request,
+    /// for [`Self::cancel`].
     #[allow(clippy::too_many_arguments)]
     pub fn send(
         &self,
@@ -827,42 +938,54 @@ impl GuardPool {
         tag: usize,
         events: &mpsc::UnboundedSender<LinkEvent>,
         client: u64,
+        sender: Sender,
         stall: Duration,
         until: Instant,
     ) -> Result<u64, NotSent> {
         let id = self.inner.next_id.fetch_add(1, Ordering::Relaxed);
-        let hook = self.inner.hook(id);
         let mut state = self.inner.lock();
-        let (replica, link_id, sent_at) =
-            self.inner
-                .dispatch(&mut state, id, &batch, &shared, client, stall, &[], &hook)?;
-        state.budget.sent(sent_at);
-        let attempt_until = self
-            .inner
-            .attempt_deadline(&mut state, &replica, &[], sent_at, until);
-        if let Some(at) = attempt_until {
-            self.inner.arm(&mut state, id, at);
+        let now = Instant::now();
+        let request = Waiting {
+            tag,
+            events: events.clone(),
+            batch,
+            shared,
+            client,
+            sender,
+            stall,
+            until,
+            since: now,
+            wait_until: now + until.saturating_duration_since(now) / 2,
+        };
+        // Others wait already: this one takes its turn after them.
+        if !state.waiting.is_empty() {
+            self.inner.enqueue(&mut state, id, request)?;
+            self.inner.drain(&mut state);
+            self.inner.gauges(&mut state);
+            return Ok(id);
         }
-        state.requests.insert(
+        let hook = self.inner.hook(id);
+        let sent = self.inner.dispatch(
+            &mut state,
             id,
-            Pending {
-                tag,
-                events: events.clone(),
-                batch,
-                shared,
-                client,
-                stall,
-                until,
-                replica,
-                link_id,
-                tried: Vec::new(),
-                partial: false,
-                sent_at,
-                attempt_until,
-                moved_on_timeout: false,
-            },
+            &request.batch,
+            &request.shared,
+            client,
+            stall,
+            &[],
+            &hook,
         );
-        Ok(id)
+        let result = match sent {
+            Ok((replica, link_id, sent_at)) => {
+                self.inner
+                    .start(&mut state, id, request, replica, link_id, sent_at);
+                Ok(id)
+            }
+            Err(Undispatched::Full) => self.inner.enqueue(&mut state, id, request).map(|()| id),
+            Err(Undispatched::Not(not)) => Err(not),
+        };
+        self.inner.gauges(&mut state);
+        result
     }
 
     /// Withdraws request `id` (R5, a timeout): the replica holding it is
@@ -870,6 +993,12 @@ impl GuardPool {
     pub fn cancel(&self, id: u64) -> Option<Arc<str>> {
         let (pending, prices) = {
             let mut state = self.inner.lock();
+            if let Some(waiting) = state.queued.remove(&id) {
+                state.waiting.remove(waiting.sender, &id);
+                state.waits.remove(&(waiting.wait_until, id));
+                self.inner.gauges(&mut state);
+                return None;
+            }
             let pending = state.requests.remove(&id)?;
             if let Some(at) = pending.attempt_until {
                 state.attempts.remove(&(at, id));
@@ -888,6 +1017,10 @@ impl GuardPool {
         self.inner
             .metrics
             .replica_outstanding(&self.inner.name, &pending.replica.endpoint, left);
+        let mut state = self.inner.lock();
+        self.inner.drain(&mut state);
+        self.inner.gauges(&mut state);
+        drop(state);
         Some(pending.replica.endpoint.clone())
     }
 
@@ -907,6 +1040,24 @@ impl GuardPool {
         if let Some(found) = found {
             if outcome.is_ok() {
                 found.ejections.store(0, Ordering::Relaxed);
+            }
+            // R25, R13: a request that timed out on a replica that answered
+            // others meanwhile waited behind load; the circuit opens only
+            // on a replica that makes no progress.
+            if let Err(GuardFailure::TimedOut(waited)) = outcome
+                && found.answered_since(
+                    Instant::now()
+                        .checked_sub(*waited)
+                        .unwrap_or_else(Instant::now),
+                )
+            {
+                tracing::debug!(
+                    guard = %self.inner.name,
+                    replica = %found.endpoint,
+                    waited = ?waited,
+                    "request timed out behind load: the replica answers others; its circuit is not told"
+                );
+                return;
             }
             found.link.record(outcome);
         }
@@ -949,19 +1100,29 @@ impl Inner {
                 }
                 match old.iter().position(|r| *r.endpoint == *target.endpoint) {
                     Some(i) => live.push(old.swap_remove(i)),
-                    None => live.push(Arc::new(Replica {
-                        endpoint: Arc::from(target.endpoint.as_str()),
-                        registered: target.registered.as_deref().map(Arc::from),
-                        link: (self.spawn)(target),
-                        ejections: AtomicU32::new(0),
-                        ejection: Mutex::new(Ejection::default()),
-                        load: Mutex::new(Load {
-                            in_flight: BTreeSet::new(),
-                            estimate: None,
-                            updated: Instant::now(),
-                        }),
-                        estimate: AtomicU64::new(0f64.to_bits()),
-                    })),
+                    None => {
+                        let link = (self.spawn)(target);
+                        let now = Instant::now();
+                        let (min, max, _) = link.flow();
+                        let limit = Limit::new(min, max, now);
+                        live.push(Arc::new(Replica {
+                            endpoint: Arc::from(target.endpoint.as_str()),
+                            registered: target.registered.as_deref().map(Arc::from),
+                            link,
+                            ejections: AtomicU32::new(0),
+                            ejection: Mutex::new(Ejection::default()),
+                            load: Mutex::new(Load {
+                                in_flight: BTreeSet::new(),
+                                estimate: None,
+                                updated: now,
+                                limit,
+                                published: None,
+                                typical: None,
+                                answered: None,
+                            }),
+                            estimate: AtomicU64::new(0f64.to_bits()),
+                        }));
+                    }
                 }
             }
             state.live = live;
@@ -980,9 +1141,325 @@ impl Inner {
     /// is the earliest.
     fn arm(&self, state: &mut State, id: u64, at: Instant) {
         state.attempts.insert((at, id));
+        self.wake_at(state, at);
+    }
+
+    /// Wakes the timer for `at` when it is earlier than what it sleeps to.
+    fn wake_at(&self, state: &mut State, at: Instant) {
         if state.armed.is_none_or(|armed| at < armed) {
             state.armed = Some(at);
             self.wake.notify_one();
+        }
+    }
+
+    /// Request `id`, sent to `replica` at `sent_at`, is out: held as
+    /// pending, with its attempt deadline (a move to another replica if
+    /// this one does not answer in time).
+    fn start(
+        &self,
+        state: &mut State,
+        id: u64,
+        request: Waiting,
+        replica: Arc<Replica>,
+        link_id: u64,
+        sent_at: Instant,
+    ) {
+        state.budget.sent(sent_at);
+        let attempt_until = self.attempt_deadline(state, &replica, &[], sent_at, request.until);
+        if let Some(at) = attempt_until {
+            self.arm(state, id, at);
+        }
+        state.requests.insert(
+            id,
+            Pending {
+                tag: request.tag,
+                events: request.events,
+                batch: request.batch,
+                shared: request.shared,
+                client: request.client,
+                sender: request.sender,
+                stall: request.stall,
+                until: request.until,
+                replica,
+                link_id,
+                tried: Vec::new(),
+                partial: false,
+                sent_at,
+                attempt_until,
+                moved_on_timeout: false,
+            },
+        );
+    }
+
+    /// Every replica's requests in flight, their limits together, and the
+    /// latest answer of any.
+    fn load(&self, state: &State) -> (usize, usize, Option<Instant>) {
+        let mut held = 0;
+        let mut limit = 0;
+        let mut answered: Option<Instant> = None;
+        for replica in &state.live {
+            let load = replica.load();
+            held += load.in_flight.len();
+            limit += load.limit.get();
+            answered = answered.max(load.answered);
+        }
+        (held, limit, answered)
+    }
+
+    /// Publishes the guard's requests in flight, limit and waiting, and
+    /// each replica's limit, when they changed (labels cost allocations).
+    fn gauges(&self, state: &mut State) {
+        for replica in &state.live {
+            let limit = {
+                let mut load = replica.load();
+                let limit = load.limit.get();
+                if load.published == Some(limit) {
+                    continue;
+                }
+                load.published = Some(limit);
+                limit
+            };
+            self.metrics
+                .replica_limit(&self.name, &replica.endpoint, limit);
+        }
+        let (held, limit, _) = self.load(state);
+        let flow = (held, limit, state.waiting.len());
+        if state.published != Some(flow) {
+            state.published = Some(flow);
+            self.metrics.guard_flow(&self.name, flow.0, flow.1, flow.2);
+        }
+    }
+
+    /// Whether the guard's replicas have answered nothing since `since`
+    /// (while a request waited for room, or for the guard's timeout): the
+    /// requests they hold and how long they have answered none, when so.
+    fn stalled(&self, state: &State, since: Instant, now: Instant) -> Option<(usize, Duration)> {
+        let (held, _, answered) = self.load(state);
+        if answered.is_some_and(|at| at > since) {
+            return None;
+        }
+        let from = answered.unwrap_or(since).min(since);
+        Some((held, now.saturating_duration_since(from)))
+    }
+
+    /// Request `id` waits for room ([`fair`]): within the bound of
+    /// waiting requests and its client's share, or refused: busy (R25),
+    /// unless the guard has answered nothing for its timeout (`stall`)
+    /// while holding requests, a failure (R13). A request of another
+    /// client that made room is shed.
+    fn enqueue(&self, state: &mut State, id: u64, request: Waiting) -> Result<(), NotSent> {
+        let now = request.since;
+        let max_waiting = state
+            .live
+            .first()
+            .map_or(super::DEFAULT_MAX_WAITING, |r| r.link.flow().2);
+        let bounds = fair::Bounds {
+            total: max_waiting,
+            share: (max_waiting / super::CLIENT_SHARES).max(1),
+        };
+        if request.wait_until <= now {
+            return Err(self.refusal(state, request.stall, now, 0, bounds.share));
+        }
+        match state.waiting.push(request.sender, id, bounds) {
+            Err(refused) => {
+                Err(self.refusal(state, request.stall, now, refused.held, bounds.share))
+            }
+            Ok(evicted) => {
+                state.waits.insert((request.wait_until, id));
+                let at = request.wait_until;
+                state.queued.insert(id, request);
+                self.wake_at(state, at);
+                if let Some((_, evicted)) = evicted
+                    && let Some(shed) = state.queued.remove(&evicted)
+                {
+                    state.waits.remove(&(shed.wait_until, evicted));
+                    let busy = self.full(state, shed.sender, bounds.share);
+                    self.shed(shed, busy.into());
+                }
+                Ok(())
+            }
+        }
+    }
+
+    /// Busy for a request of a client holding `held` waiting, or failed
+    /// when the guard has answered nothing for `stall`.
+    fn refusal(
+        &self,
+        state: &State,
+        stall: Duration,
+        now: Instant,
+        held: usize,
+        share: usize,
+    ) -> NotSent {
+        if let Some(since) = now.checked_sub(stall)
+            && let Some((in_flight, stalled)) = self.stalled(state, since, now)
+        {
+            return NotSent::Failed(GuardFailure::NoProgress { in_flight, stalled });
+        }
+        let (in_flight, limit, _) = self.load(state);
+        NotSent::NoRoom(NoRoom::Full {
+            in_flight,
+            limit,
+            waiting: state.waiting.len(),
+            held,
+            share,
+        })
+    }
+
+    fn full(&self, state: &State, sender: Sender, share: usize) -> NoRoom {
+        let (in_flight, limit, _) = self.load(state);
+        NoRoom::Full {
+            in_flight,
+            limit,
+            waiting: state.waiting.len(),
+            held: state.waiting.held(sender.client),
+            share,
+        }
+    }
+
+    /// Tells a waiting request's batch that it is shed (R25), counted.
+    fn shed(&self, request: Waiting, busy: Busy) {
+        tracing::debug!(guard = %self.name, error = %busy, "request shed: the guard is busy");
+        let _ = request.events.send(LinkEvent::Shed {
+            tag: request.tag,
+            busy,
+            replica: Arc::from(""),
+        });
+    }
+
+    /// Sends waiting requests, in turn, while an available replica has
+    /// room (or none is available: then they go where [`Self::dispatch`]
+    /// sends them, and fail there per the guard's policy if they must).
+    fn drain(self: &Arc<Self>, state: &mut State) {
+        while !state.waiting.is_empty() {
+            let now = Instant::now();
+            let room = state.live.iter().any(|r| r.available(now) && r.has_room())
+                || !state.live.iter().any(|r| r.available(now));
+            if !room {
+                return;
+            }
+            let Some(id) = state.waiting.pop() else {
+                return;
+            };
+            let Some(request) = state.queued.remove(&id) else {
+                continue;
+            };
+            state.waits.remove(&(request.wait_until, id));
+            // Less time left than the replicas now take, with a margin
+            // for their queues growing: sent, it would only time out (a
+            // failure for its batch); shed instead.
+            let left = request.until.saturating_duration_since(now);
+            if let Some(takes) = self.least_estimate(state, now)
+                && left < takes.mul_f64(NEEDS_ESTIMATES)
+            {
+                // Unless nothing was answered while it waited: not load,
+                // a guard making no progress (R13).
+                if let Some((in_flight, stalled)) = self.stalled(state, request.since, now) {
+                    let _ = request.events.send(LinkEvent::Failed {
+                        tag: request.tag,
+                        failure: GuardFailure::NoProgress { in_flight, stalled },
+                        replica: Arc::from(""),
+                    });
+                    continue;
+                }
+                let (in_flight, limit, _) = self.load(state);
+                let busy = NoRoom::Waited {
+                    waited: now.saturating_duration_since(request.since),
+                    in_flight,
+                    limit,
+                };
+                self.shed(request, busy.into());
+                continue;
+            }
+            let hook = self.hook(id);
+            let sent = self.dispatch(
+                state,
+                id,
+                &request.batch,
+                &request.shared,
+                request.client,
+                request.stall,
+                &[],
+                &hook,
+            );
+            match sent {
+                Ok((replica, link_id, sent_at)) => {
+                    self.start(state, id, request, replica, link_id, sent_at);
+                }
+                Err(Undispatched::Full) => {
+                    // Room went between the check and the send: it waits
+                    // again, at the back of its flow.
+                    let sender = request.sender;
+                    let at = request.wait_until;
+                    if state
+                        .waiting
+                        .push(
+                            sender,
+                            id,
+                            fair::Bounds {
+                                total: usize::MAX,
+                                share: usize::MAX,
+                            },
+                        )
+                        .is_ok()
+                    {
+                        state.waits.insert((at, id));
+                        state.queued.insert(id, request);
+                    }
+                    return;
+                }
+                Err(Undispatched::Not(NotSent::Busy(busy))) => self.shed(request, busy.into()),
+                Err(Undispatched::Not(NotSent::NoRoom(busy))) => self.shed(request, busy.into()),
+                Err(Undispatched::Not(NotSent::Failed(failure))) => {
+                    let _ = request.events.send(LinkEvent::Failed {
+                        tag: request.tag,
+                        failure,
+                        replica: Arc::from(""),
+                    });
+                }
+            }
+        }
+    }
+
+    /// What the quickest available replica with room typically takes to
+    /// answer now, if any has answered.
+    fn least_estimate(&self, state: &State, now: Instant) -> Option<Duration> {
+        state
+            .live
+            .iter()
+            .filter(|r| r.available(now) && r.has_room())
+            .filter_map(|r| r.load().typical)
+            .min_by(f64::total_cmp)
+            .map(|nanos| Duration::from_nanos(nanos as u64))
+    }
+
+    /// The waiting requests whose wait is up at `now`: shed (R25), or
+    /// failed when the guard answered nothing while they waited (R13).
+    fn expire_waits(&self, state: &mut State, now: Instant) {
+        while let Some(&(at, id)) = state.waits.first() {
+            if at > now {
+                break;
+            }
+            state.waits.pop_first();
+            let Some(request) = state.queued.remove(&id) else {
+                continue;
+            };
+            state.waiting.remove(request.sender, &id);
+            if let Some((in_flight, stalled)) = self.stalled(state, request.since, now) {
+                let _ = request.events.send(LinkEvent::Failed {
+                    tag: request.tag,
+                    failure: GuardFailure::NoProgress { in_flight, stalled },
+                    replica: Arc::from(""),
+                });
+                continue;
+            }
+            let (in_flight, limit, _) = self.load(state);
+            let busy = NoRoom::Waited {
+                waited: now.saturating_duration_since(request.since),
+                in_flight,
+                limit,
+            };
+            self.shed(request, busy.into());
         }
     }
 
@@ -1027,7 +1504,15 @@ impl Inner {
             state.attempts.pop_first();
             moved.extend(self.attempt_timed_out(&mut state, id, now));
         }
-        state.armed = state.attempts.first().map(|(at, _)| *at);
+        self.expire_waits(&mut state, now);
+        self.drain(&mut state);
+        self.gauges(&mut state);
+        let attempt = state.attempts.first().map(|(at, _)| *at);
+        let wait = state.waits.first().map(|(at, _)| *at);
+        state.armed = match (attempt, wait) {
+            (Some(a), Some(w)) => Some(a.min(w)),
+            (a, w) => a.or(w),
+        };
         let next = state.armed;
         drop(state);
         // The replicas they left, outside the lock.
@@ -1087,8 +1572,10 @@ impl Inner {
         let waited = now.saturating_duration_since(sent);
         let failure = GuardFailure::TimedOut(waited);
         // The replica's circuit hears of it once per outage, as of a
-        // replica that failed; the batch never does.
-        if self.eject(state, &failed, &failure, now) {
+        // replica that failed; the batch never does. A replica that
+        // answered others meanwhile is busy, not hung (R25): neither
+        // ejected nor told.
+        if !failed.answered_since(sent) && self.eject(state, &failed, &failure, now) {
             failed.link.record(Err(&failure));
         }
         self.metrics.replica_failover(&self.name, &failed.endpoint);
@@ -1241,8 +1728,11 @@ impl Inner {
     }
 
     /// Sends to the first replica of [`Self::candidates`] that takes the
-    /// request. Busy everywhere: `Busy` (R25, shed); else the first
-    /// failure, each failing replica ejected and its circuit told.
+    /// request. An available replica at its limit is passed over; when
+    /// every available one is, the request waits for room (`Full`, R25)
+    /// rather than go to an ejected or down one. Busy everywhere: `Busy`
+    /// (R25, shed); else the first failure, each failing replica ejected
+    /// and its circuit told.
     #[allow(clippy::too_many_arguments)]
     fn dispatch(
         &self,
@@ -1254,11 +1744,20 @@ impl Inner {
         stall: Duration,
         exclude: &[Arc<str>],
         hook: &Report,
-    ) -> Result<(Arc<Replica>, u64, Instant), NotSent> {
+    ) -> Result<(Arc<Replica>, u64, Instant), Undispatched> {
         let now = Instant::now();
         let mut busy = None;
         let mut failed = None;
+        let mut full = false;
         for replica in self.candidates(state, exclude, now) {
+            let available = replica.available(now);
+            if available && !replica.has_room() {
+                full = true;
+                continue;
+            }
+            if full && !available {
+                break;
+            }
             match replica.link.send_to(
                 batch.clone(),
                 shared.clone(),
@@ -1276,6 +1775,8 @@ impl Inner {
                 Err(NotSent::Busy(b)) => {
                     busy.get_or_insert(b);
                 }
+                // A link never answers so: only the pool has no room.
+                Err(NotSent::NoRoom(_)) => {}
                 Err(NotSent::Failed(f)) => {
                     if fails_over(&f) {
                         self.eject(state, &replica, &f, now);
@@ -1285,7 +1786,10 @@ impl Inner {
                 }
             }
         }
-        Err(match (busy, failed) {
+        if full && busy.is_none() {
+            return Err(Undispatched::Full);
+        }
+        Err(Undispatched::Not(match (busy, failed) {
             (Some(b), _) => NotSent::Busy(b),
             (None, Some(f)) => NotSent::Failed(f),
             // R15: a guard whose replicas all left stays in the chain and
@@ -1293,7 +1797,7 @@ impl Inner {
             (None, None) => NotSent::Failed(GuardFailure::Unreachable(
                 "the guard has no replicas".into(),
             )),
-        })
+        }))
     }
 
     /// A replica's link reports on request `id`: answers go to the batch;
@@ -1306,6 +1810,8 @@ impl Inner {
             return;
         };
         let forward = match event {
+            // A link never sheds: only the pool does.
+            LinkEvent::Shed { .. } => return,
             LinkEvent::Answer {
                 response, replica, ..
             } => {
@@ -1377,9 +1883,56 @@ impl Inner {
                     );
                     let outage = self.eject(state, &failed, &failure, now);
                     let hook = self.hook(id);
-                    if let Ok((next, link_id, sent_at)) =
-                        self.dispatch(state, id, &batch, &shared, client, stall, &tried, &hook)
-                    {
+                    let sent =
+                        self.dispatch(state, id, &batch, &shared, client, stall, &tried, &hook);
+                    if let Err(Undispatched::Full) = sent {
+                        // The other replicas are at their limits: it waits
+                        // for room as a new request would (R25, R32).
+                        if outage {
+                            failed.link.record(Err(&failure));
+                        }
+                        if let Some(pending) = state.requests.remove(&id) {
+                            let events = pending.events.clone();
+                            let tag = pending.tag;
+                            let request = Waiting {
+                                tag,
+                                events: pending.events,
+                                batch,
+                                shared,
+                                client,
+                                sender: pending.sender,
+                                stall,
+                                until,
+                                since: now,
+                                wait_until: now + until.saturating_duration_since(now) / 2,
+                            };
+                            let event = match self.enqueue(state, id, request) {
+                                Ok(()) => None,
+                                Err(NotSent::Busy(busy)) => Some(LinkEvent::Shed {
+                                    tag,
+                                    busy: busy.into(),
+                                    replica,
+                                }),
+                                Err(NotSent::NoRoom(busy)) => Some(LinkEvent::Shed {
+                                    tag,
+                                    busy: busy.into(),
+                                    replica,
+                                }),
+                                Err(NotSent::Failed(failure)) => Some(LinkEvent::Failed {
+                                    tag,
+                                    failure,
+                                    replica,
+                                }),
+                            };
+                            if let Some(event) = event {
+                                let _ = events.send(event);
+                            }
+                            self.gauges(state);
+                        }
+                        drop(guard);
+                        return;
+                    }
+                    if let Ok((next, link_id, sent_at)) = sent {
                         tracing::info!(
                             guard = %self.name,
                             from = %failed.endpoint,
@@ -1432,9 +1985,17 @@ impl Inner {
         };
         let (pending, mut event) = forward;
         match &mut event {
-            LinkEvent::Answer { tag, .. } | LinkEvent::Failed { tag, .. } => *tag = pending.tag,
+            LinkEvent::Answer { tag, .. }
+            | LinkEvent::Failed { tag, .. }
+            | LinkEvent::Shed { tag, .. } => *tag = pending.tag,
         }
         let _ = pending.events.send(event);
+        // A replica has room again: the next waiting request, in turn.
+        {
+            let mut state = self.lock();
+            self.drain(&mut state);
+            self.gauges(&mut state);
+        }
         // `pending` (and the replica it may hold last) goes here, outside
         // the lock.
     }

@@ -106,6 +106,7 @@ impl Rig {
             tag,
             &self.tx,
             1,
+            crate::link::fair::Sender::default(),
             Duration::from_secs(1),
             Instant::now() + within,
         )
@@ -130,6 +131,13 @@ impl Rig {
     }
 }
 
+/// A limit of requests at once that never adapts, and holds every request
+/// a test sends (R25: none waits for room).
+fn fixed_limit(config: &mut LinkConfig) {
+    config.min_in_flight = 256;
+    config.max_in_flight = 256;
+}
+
 /// Lets the links connect and read what is queued.
 async fn settle() {
     tokio::time::sleep(ms(1)).await;
@@ -138,8 +146,9 @@ async fn settle() {
 #[tokio::test(start_paused = true)]
 async fn r32_requests_spread_over_replicas_by_outstanding_requests() {
     // Nothing is answered: each request adds to its replica's load, so
-    // the two choices keep the replicas within a few requests of even.
-    let rig = rig(3, |_| {}, |_| |_: &GuardBatch| Vec::new());
+    // the two choices keep the replicas within a few requests of even
+    // (under a fixed limit that holds them all).
+    let rig = rig(3, fixed_limit, |_| |_: &GuardBatch| Vec::new());
     settle().await;
     for tag in 0..60 {
         rig.send(tag, Duration::from_secs(5)).unwrap();
@@ -184,6 +193,7 @@ async fn r32_a_replica_five_times_slower_gets_a_small_share() {
                 *answered.entry(replica.to_string()).or_default() += 1;
             }
             LinkEvent::Failed { failure, .. } => panic!("failed: {failure}"),
+            LinkEvent::Shed { busy, .. } => panic!("shed: {busy}"),
         }
         rig.send(tag, Duration::from_secs(1)).unwrap();
         tag += 1;
@@ -213,6 +223,7 @@ async fn r32_equal_replicas_share_evenly_at_light_load_despite_latency_noise() {
                 *answered.entry(replica.to_string()).or_default() += 1;
             }
             LinkEvent::Failed { failure, .. } => panic!("failed: {failure}"),
+            LinkEvent::Shed { busy, .. } => panic!("shed: {busy}"),
         }
     }
     // R32: within 25% of even (150-250 of 600; a fair coin stays within
@@ -246,6 +257,7 @@ async fn r32_requests_on_a_replica_that_dies_are_answered_by_another() {
                 by_tag.insert(tag, replica);
             }
             LinkEvent::Failed { failure, .. } => panic!("R32: failed: {failure}"),
+            LinkEvent::Shed { busy, .. } => panic!("shed: {busy}"),
         }
     }
     assert_eq!(by_tag.len(), 30, "every batch answered once");
@@ -388,6 +400,7 @@ async fn r32_a_replica_that_left_gets_no_new_requests_and_finishes_its_own() {
         match rig.next().await {
             LinkEvent::Answer { replica, .. } => from_left += usize::from(*replica == *url(0)),
             LinkEvent::Failed { failure, .. } => panic!("{failure}"),
+            LinkEvent::Shed { busy, .. } => panic!("shed: {busy}"),
         }
     }
     assert_eq!(from_left, held, "its own requests were answered by it");
@@ -458,6 +471,7 @@ async fn r32_one_replica_s_failures_never_open_the_others_circuits() {
         match rig.next().await {
             LinkEvent::Answer { replica, .. } => assert_eq!(&*replica, url(1)),
             LinkEvent::Failed { failure, .. } => panic!("round {round}: {failure}"),
+            LinkEvent::Shed { busy, .. } => panic!("shed: {busy}"),
         }
         // Past any ejection: replica 0 keeps being tried and failing.
         tokio::time::sleep(Duration::from_secs(10)).await;
@@ -600,6 +614,7 @@ async fn r32_a_name_is_its_addresses_and_a_failed_one_asks_for_a_resolution() {
             tag,
             &tx,
             1,
+            crate::link::fair::Sender::default(),
             Duration::from_secs(1),
             Instant::now() + Duration::from_secs(2),
         )
@@ -612,6 +627,7 @@ async fn r32_a_name_is_its_addresses_and_a_failed_one_asks_for_a_resolution() {
         match events.recv().await.unwrap() {
             LinkEvent::Answer { replica, .. } => assert_eq!(&*replica, url(1)),
             LinkEvent::Failed { failure, .. } => panic!("failed: {failure}"),
+            LinkEvent::Shed { busy, .. } => panic!("shed: {busy}"),
         }
     }
     // The failure asked for a resolution long before the hour's interval.
@@ -696,12 +712,14 @@ impl Rig {
             Ok(id) => id,
             Err(NotSent::Failed(failure)) => return Err(failure),
             Err(NotSent::Busy(busy)) => panic!("busy: {busy}"),
+            Err(NotSent::NoRoom(busy)) => panic!("no room: {busy}"),
         };
         loop {
             tokio::select! {
                 event = self.events.recv() => match event.expect("the rig holds a sender") {
                     LinkEvent::Answer { tag: t, replica, .. } if t == tag => return Ok(replica),
                     LinkEvent::Failed { tag: t, failure, .. } if t == tag => return Err(failure),
+                    LinkEvent::Shed { busy, .. } => panic!("shed: {busy}"),
                     _ => {}
                 },
                 () = tokio::time::sleep_until(until) => {
@@ -925,7 +943,8 @@ async fn r32_a_request_that_times_out_on_one_replica_is_answered_by_another() {
 
 #[tokio::test(start_paused = true)]
 async fn r13_every_replica_hung_fails_at_the_guard_s_time_and_each_batch_is_sent_at_most_twice() {
-    let mut rig = rig(3, |_| {}, |_| |_: &GuardBatch| Vec::new());
+    // A fixed limit that holds them all: no request waits for room.
+    let mut rig = rig(3, fixed_limit, |_| |_: &GuardBatch| Vec::new());
     settle().await;
     // 50 batches at once, then 10 one at a time: each times out at the
     // guard's time (1 s), the batch's failure policy then applies (R13).

@@ -197,8 +197,9 @@ impl BatchLog {
                 self.metrics.batch("refused", 0.0);
                 self.refusal_line(refusal);
             }
-            Err(BatchError::Shed { .. }) => {
+            Err(BatchError::Shed { guard, .. }) => {
                 self.metrics.refused("guard_busy");
+                self.metrics.guard_shed(guard);
                 self.metrics.batch("refused", elapsed);
             }
             Err(BatchError::PolicyBusy { .. }) => {

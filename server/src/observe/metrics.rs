@@ -118,6 +118,11 @@ pub struct Metrics {
     replica_failovers: Family<ReplicaLabel, Counter>,
     replica_draining: Family<ReplicaLabel, Gauge>,
     replica_certificate_refused: Family<ReplicaLabel, Counter>,
+    replica_limit: Family<ReplicaLabel, Gauge>,
+    guard_in_flight: Family<GuardLabel, Gauge>,
+    guard_limit: Family<GuardLabel, Gauge>,
+    guard_waiting: Family<GuardLabel, Gauge>,
+    guard_shed: Family<GuardLabel, Counter>,
     auth_refused: Family<CodeLabel, Counter>,
     connections_refused: Family<ReasonLabel, Counter>,
     connections_open: Gauge,
@@ -269,6 +274,39 @@ impl Metrics {
             "guard_replica_outstanding",
             "Requests a replica of a guard has not answered yet (R32), by guard and replica",
             replica_outstanding.clone(),
+        );
+        let replica_limit = Family::<ReplicaLabel, Gauge>::default();
+        registry.register(
+            "guard_replica_limit",
+            "Requests a replica of a guard may hold at once: the limit the mesh adapts from \
+             its latency (R25, R32), by guard and replica",
+            replica_limit.clone(),
+        );
+        let guard_in_flight = Family::<GuardLabel, Gauge>::default();
+        registry.register(
+            "guard_in_flight",
+            "Requests a guard's replicas hold unanswered, all replicas together (R25), by guard",
+            guard_in_flight.clone(),
+        );
+        let guard_limit = Family::<GuardLabel, Gauge>::default();
+        registry.register(
+            "guard_limit",
+            "Requests a guard's replicas may hold at once, their limits together (R25), by guard",
+            guard_limit.clone(),
+        );
+        let guard_waiting = Family::<GuardLabel, Gauge>::default();
+        registry.register(
+            "guard_waiting",
+            "Requests waiting for room at a guard's replicas, taken in turn across clients \
+             (R25), by guard",
+            guard_waiting.clone(),
+        );
+        let guard_shed = Family::<GuardLabel, Counter>::default();
+        registry.register(
+            "guard_shed",
+            "Requests to a guard shed while they waited for room, or refused room, because \
+             the guard was busy: their batches were answered RESOURCE_EXHAUSTED (R25), by guard",
+            guard_shed.clone(),
         );
         let replica_ejections = Family::<ReplicaLabel, Counter>::default();
         registry.register(
@@ -426,6 +464,11 @@ impl Metrics {
             replica_failovers,
             replica_draining,
             replica_certificate_refused,
+            replica_limit,
+            guard_in_flight,
+            guard_limit,
+            guard_waiting,
+            guard_shed,
             auth_refused,
             connections_refused,
             connections_open,
@@ -616,6 +659,39 @@ impl Metrics {
             .set(i64::try_from(outstanding).unwrap_or(i64::MAX));
     }
 
+    /// R25: the requests `replica` of `guard` may hold at once.
+    pub fn replica_limit(&self, guard: &str, replica: &str, limit: usize) {
+        self.replica_limit
+            .get_or_create(&ReplicaLabel {
+                guard: guard.to_owned(),
+                replica: replica.to_owned(),
+            })
+            .set(i64::try_from(limit).unwrap_or(i64::MAX));
+    }
+
+    /// R25: the requests `guard`'s replicas hold (`in_flight`), may hold
+    /// (`limit`), and that wait for room (`waiting`).
+    pub fn guard_flow(&self, guard: &str, in_flight: usize, limit: usize, waiting: usize) {
+        let label = GuardLabel {
+            guard: guard.to_owned(),
+        };
+        let gauge = |n: usize| i64::try_from(n).unwrap_or(i64::MAX);
+        self.guard_in_flight
+            .get_or_create(&label)
+            .set(gauge(in_flight));
+        self.guard_limit.get_or_create(&label).set(gauge(limit));
+        self.guard_waiting.get_or_create(&label).set(gauge(waiting));
+    }
+
+    /// R25: a request to `guard` was shed for load.
+    pub fn guard_shed(&self, guard: &str) {
+        self.guard_shed
+            .get_or_create(&GuardLabel {
+                guard: guard.to_owned(),
+            })
+            .inc();
+    }
+
     /// R32: `replica` of `guard` was ejected after a failure.
     pub fn replica_ejected(&self, guard: &str, replica: &str) {
         self.replica_ejections
@@ -649,6 +725,7 @@ impl Metrics {
         self.replica_failovers.remove(&label);
         self.replica_draining.remove(&label);
         self.replica_certificate_refused.remove(&label);
+        self.replica_limit.remove(&label);
     }
 
     /// R32: whether `replica` of `guard` reports `NOT_SERVING` (draining).
