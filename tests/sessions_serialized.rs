@@ -11,6 +11,63 @@ fn relaybleed() -> String {
     std::fs::read_to_string(repo_root().join("examples/policy/relaybleed.toml")).unwrap()
 }
 
+/// Six single-email batches of `session` sent at once, each on a
+/// connection of its own, in turn to each of `urls`: how many ran. Every
+/// other one is cancelled by the three-emails rule.
+async fn six_emails_at_once(urls: &[String], session: &str) -> usize {
+    let mut sent = Vec::new();
+    for turn in 0..6u32 {
+        let url = urls[turn as usize % urls.len()].clone();
+        let session = session.to_owned();
+        sent.push(tokio::spawn(async move {
+            let c = guardmesh_client::Coordinator::connect(url).await.unwrap();
+            let d = c
+                .evaluate_once(
+                    &session,
+                    Batch::new(turn).call("e", "email.send", r#"{"to":"a@example.com"}"#),
+                )
+                .await
+                .unwrap();
+            d.call("e").unwrap().outcome.clone()
+        }));
+    }
+    let mut proceeded = 0;
+    for sent in sent {
+        match sent.await.unwrap() {
+            Outcome::Proceed => proceeded += 1,
+            Outcome::Cancel { content } => {
+                assert!(content.contains("3 emails"), "{session}: {content}");
+            }
+            other => panic!("{session}: {other:?}"),
+        }
+    }
+    proceeded
+}
+
+/// A remote guard that reads the session's memory (it asks for it) and
+/// cancels every call once three emails ran; a little time judging, so
+/// that batches overlap.
+async fn email_rate_guard() -> TestGuard {
+    script_guard(|b| {
+        let sent = b
+            .session
+            .as_ref()
+            .and_then(|m| m.counts.get("email.send").copied())
+            .unwrap_or(0);
+        Script {
+            delay: std::time::Duration::from_millis(20),
+            verdicts: b
+                .calls
+                .iter()
+                .filter(|_| sent >= 3)
+                .map(|c| guardmesh_client::verdict::cancel(&c.call_id, "at most 3 emails"))
+                .collect(),
+            ..Script::default()
+        }
+    })
+    .await
+}
+
 /// Six single-email batches of one session sent at once, each on a
 /// connection of its own: `email-rate` lets exactly three run. Another
 /// session is not held up by them.
@@ -20,36 +77,8 @@ async fn r34_concurrent_batches_of_one_session_cannot_race_a_count() {
     mesh.register(Registration::policy("flows", relaybleed()))
         .await;
     for round in 0..3 {
-        let session = format!("race-{round}");
-        let mut sent = Vec::new();
-        for turn in 0..6u32 {
-            let url = mesh.url.clone();
-            let session = session.clone();
-            sent.push(tokio::spawn(async move {
-                let c = guardmesh_client::Coordinator::connect(url).await.unwrap();
-                let d = c
-                    .evaluate_once(
-                        &session,
-                        Batch::new(turn).call("e", "email.send", r#"{"to":"a@example.com"}"#),
-                    )
-                    .await
-                    .unwrap();
-                d.call("e").unwrap().outcome.clone()
-            }));
-        }
-        let mut proceeded = 0;
-        let mut cancelled = 0;
-        for sent in sent {
-            match sent.await.unwrap() {
-                Outcome::Proceed => proceeded += 1,
-                Outcome::Cancel { content } => {
-                    assert!(content.contains("3 emails"), "{content}");
-                    cancelled += 1;
-                }
-                other => panic!("round {round}: {other:?}"),
-            }
-        }
-        assert_eq!((proceeded, cancelled), (3, 3), "round {round}");
+        let proceeded = six_emails_at_once(&[mesh.url.clone()], &format!("race-{round}")).await;
+        assert_eq!(proceeded, 3, "round {round}");
     }
     // Another session still gets its own three.
     let c = mesh.coordinator().await;
@@ -70,51 +99,13 @@ async fn r34_concurrent_batches_of_one_session_cannot_race_a_count() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn r34_a_remote_guard_that_reads_the_memory_cannot_be_raced() {
     let mesh = TestMesh::start().await;
-    let guard = script_guard(|b| {
-        let sent = b
-            .session
-            .as_ref()
-            .and_then(|m| m.counts.get("email.send").copied())
-            .unwrap_or(0);
-        Script {
-            // A little time judging, so that batches overlap.
-            delay: std::time::Duration::from_millis(20),
-            verdicts: b
-                .calls
-                .iter()
-                .filter(|_| sent >= 3)
-                .map(|c| guardmesh_client::verdict::cancel(&c.call_id, "at most 3 emails"))
-                .collect(),
-            ..Script::default()
-        }
-    })
-    .await;
+    let guard = email_rate_guard().await;
     mesh.register(Registration::validate("rate", &guard.url).reads_session_memory())
         .await;
-    let mut sent = Vec::new();
-    for turn in 0..6u32 {
-        let url = mesh.url.clone();
-        sent.push(tokio::spawn(async move {
-            let c = guardmesh_client::Coordinator::connect(url).await.unwrap();
-            let d = c
-                .evaluate_once(
-                    "remote-race",
-                    Batch::new(turn).call("e", "email.send", r#"{"to":"a@example.com"}"#),
-                )
-                .await
-                .unwrap();
-            d.call("e").unwrap().outcome.clone()
-        }));
-    }
-    let mut proceeded = 0;
-    for sent in sent {
-        match sent.await.unwrap() {
-            Outcome::Proceed => proceeded += 1,
-            Outcome::Cancel { content } => assert!(content.contains("3 emails"), "{content}"),
-            other => panic!("{other:?}"),
-        }
-    }
-    assert_eq!(proceeded, 3);
+    assert_eq!(
+        six_emails_at_once(&[mesh.url.clone()], "remote-race").await,
+        3
+    );
     mesh.shutdown().await;
 }
 
@@ -177,47 +168,9 @@ async fn r34_one_batch_of_many_calls_cannot_pass_a_count() {
 /// changed before its write is judged again on the new memory).
 async fn six_at_once_on_two_replicas(a: &MeshProcess, b: &MeshProcess) {
     for round in 0..4 {
-        let session = format!("race-{round}");
-        let mut sent = Vec::new();
-        for turn in 0..6u32 {
-            let url = if turn % 2 == 0 {
-                a.url.clone()
-            } else {
-                b.url.clone()
-            };
-            let session = session.clone();
-            sent.push(tokio::spawn(async move {
-                let c = guardmesh_client::Coordinator::connect(url).await.unwrap();
-                let d = c
-                    .evaluate_once(
-                        &session,
-                        Batch::new(turn).call("e", "email.send", r#"{"to":"a@example.com"}"#),
-                    )
-                    .await
-                    .unwrap();
-                let guard = d
-                    .guard("flows")
-                    .map(|g| g.error.clone())
-                    .unwrap_or_default();
-                (d.call("e").unwrap().outcome.clone(), guard)
-            }));
-        }
-        let mut proceeded = 0;
-        let mut cancelled = 0;
-        for sent in sent {
-            match sent.await.unwrap() {
-                (Outcome::Proceed, _) => proceeded += 1,
-                (Outcome::Cancel { content }, error) => {
-                    assert!(
-                        content.contains("3 emails"),
-                        "round {round}: {content} {error}"
-                    );
-                    cancelled += 1;
-                }
-                (other, _) => panic!("round {round}: {other:?}"),
-            }
-        }
-        assert_eq!((proceeded, cancelled), (3, 3), "round {round}");
+        let urls = [a.url.clone(), b.url.clone()];
+        let proceeded = six_emails_at_once(&urls, &format!("race-{round}")).await;
+        assert_eq!(proceeded, 3, "round {round}");
     }
 }
 
@@ -283,24 +236,7 @@ async fn r34_a_remote_guard_that_reads_the_memory_cannot_be_raced_across_replica
     else {
         return;
     };
-    let guard = script_guard(|b| {
-        let sent = b
-            .session
-            .as_ref()
-            .and_then(|m| m.counts.get("email.send").copied())
-            .unwrap_or(0);
-        Script {
-            delay: std::time::Duration::from_millis(20),
-            verdicts: b
-                .calls
-                .iter()
-                .filter(|_| sent >= 3)
-                .map(|c| guardmesh_client::verdict::cancel(&c.call_id, "at most 3 emails"))
-                .collect(),
-            ..Script::default()
-        }
-    })
-    .await;
+    let guard = email_rate_guard().await;
     let dir = fresh_dir("race-remote");
     let secret = secret_file(&dir, "session.secret");
     let config = format!(
@@ -314,36 +250,8 @@ async fn r34_a_remote_guard_that_reads_the_memory_cannot_be_raced_across_replica
     let a = MeshProcess::start("race-remote-a", &config, None).await;
     let b = MeshProcess::start("race-remote-b", &config, None).await;
     for round in 0..3 {
-        let mut sent = Vec::new();
-        for turn in 0..6u32 {
-            let url = if turn % 2 == 0 {
-                a.url.clone()
-            } else {
-                b.url.clone()
-            };
-            let session = format!("remote-race-{round}");
-            sent.push(tokio::spawn(async move {
-                let c = guardmesh_client::Coordinator::connect(url).await.unwrap();
-                let d = c
-                    .evaluate_once(
-                        &session,
-                        Batch::new(turn).call("e", "email.send", r#"{"to":"a@example.com"}"#),
-                    )
-                    .await
-                    .unwrap();
-                d.call("e").unwrap().outcome.clone()
-            }));
-        }
-        let mut proceeded = 0;
-        for sent in sent {
-            match sent.await.unwrap() {
-                Outcome::Proceed => proceeded += 1,
-                Outcome::Cancel { content } => {
-                    assert!(content.contains("3 emails"), "round {round}: {content}");
-                }
-                other => panic!("round {round}: {other:?}"),
-            }
-        }
+        let urls = [a.url.clone(), b.url.clone()];
+        let proceeded = six_emails_at_once(&urls, &format!("remote-race-{round}")).await;
         assert_eq!(proceeded, 3, "round {round}");
     }
     drop((a, b));
