@@ -77,7 +77,8 @@ async fn r34_concurrent_batches_of_one_session_cannot_race_a_count() {
     mesh.register(Registration::policy("flows", relaybleed()))
         .await;
     for round in 0..3 {
-        let proceeded = six_emails_at_once(&[mesh.url.clone()], &format!("race-{round}")).await;
+        let proceeded =
+            six_emails_at_once(std::slice::from_ref(&mesh.url), &format!("race-{round}")).await;
         assert_eq!(proceeded, 3, "round {round}");
     }
     // Another session still gets its own three.
@@ -103,7 +104,7 @@ async fn r34_a_remote_guard_that_reads_the_memory_cannot_be_raced() {
     mesh.register(Registration::validate("rate", &guard.url).reads_session_memory())
         .await;
     assert_eq!(
-        six_emails_at_once(&[mesh.url.clone()], "remote-race").await,
+        six_emails_at_once(std::slice::from_ref(&mesh.url), "remote-race").await,
         3
     );
     mesh.shutdown().await;
