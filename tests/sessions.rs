@@ -51,6 +51,13 @@ async fn read_env(c: &Coordinator, session: &str, turn: u32, secret: &str) -> St
     .to_string()
 }
 
+/// [`flows`], the mesh's session memory kept in `store`.
+async fn flows_in(mesh: &TestMesh, store: Arc<dyn SessionStore>) -> Coordinator {
+    let memory = SessionMemory::new(store, Digester::random(), SessionLimits::default());
+    mesh.mesh.attach_sessions(Arc::new(memory)).unwrap();
+    flows(mesh).await
+}
+
 /// Registers the relaybleed flow rules as policy guard `flows`: a
 /// coordinator of the mesh.
 async fn flows(mesh: &TestMesh) -> guardmesh_client::Coordinator {
@@ -296,9 +303,7 @@ async fn r13_r34_a_call_or_result_that_cannot_be_remembered_fails_per_the_reader
         inner: guardmesh_server::session::LocalStore::new(SessionLimits::default()),
         failing: false.into(),
     });
-    let memory = SessionMemory::new(store.clone(), Digester::random(), SessionLimits::default());
-    mesh.mesh.attach_sessions(Arc::new(memory)).unwrap();
-    let c = flows(&mesh).await;
+    let c = flows_in(&mesh, store.clone()).await;
     let env = r#"{"path":".env"}"#;
     let secret = "hunter2-Sup3rS3cret";
     let read = |turn: u32, id: &str| Batch::new(turn).call(id, "fs.read_file", env);
@@ -689,9 +694,7 @@ async fn r13_r34_a_batch_whose_memory_changed_meanwhile_is_judged_again_or_fails
         changes: 2.into(),
         reads: 0.into(),
     });
-    let memory = SessionMemory::new(store.clone(), Digester::random(), SessionLimits::default());
-    mesh.mesh.attach_sessions(Arc::new(memory)).unwrap();
-    let c = flows(&mesh).await;
+    let c = flows_in(&mesh, store.clone()).await;
     let email = r#"{"to":"a@example.com"}"#;
     // Changed twice: judged three times, then written and run.
     let o = outcome(&c, "s", 0, "email.send", email).await;

@@ -151,7 +151,10 @@ impl Mesh {
                 Err(error) => SessionVal::Unavailable(Arc::from(error.to_string())),
             },
         };
-        let read_at = self.read_at(&value);
+        let read_at = match &value {
+            SessionVal::Read(view) => self.read_at(view),
+            SessionVal::Unavailable(_) => None,
+        };
         Some(BatchSession {
             key,
             value,
@@ -160,14 +163,11 @@ impl Mesh {
         })
     }
 
-    /// What a batch judged on `value` writes with, when the store is
+    /// What a batch judged on `view` writes with, when the store is
     /// shared by replicas (a store of one mesh keeps a batch's read and
     /// write together with the mesh's session turns).
-    fn read_at(&self, value: &SessionVal) -> Option<u64> {
-        match value {
-            SessionVal::Read(view) if self.sessions().store().shared() => Some(view.writes()),
-            _ => None,
-        }
+    fn read_at(&self, view: &crate::session::SessionView) -> Option<u64> {
+        self.sessions().store().shared().then(|| view.writes())
     }
 
     /// The calls the results of `request` answer, looked up in the
@@ -211,7 +211,7 @@ impl Mesh {
                 }
             }
         };
-        let read_at = self.read_at(&SessionVal::Read(view.clone()));
+        let read_at = self.read_at(view);
         let mut calls = Vec::with_capacity(request.calls.len());
         for (i, call) in request.calls.iter().enumerate() {
             let sent = results.servers().get(i).map_or("", String::as_str);
