@@ -18,7 +18,7 @@
 //! refused. Either way what is shed belongs to the client whose requests
 //! exceed its share of the queue.
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::VecDeque;
 use std::hash::{Hash, Hasher};
 
 /// Who sent a waiting request: its client and its flow within the client.
@@ -69,7 +69,7 @@ pub(crate) struct Refused {
 /// One client's waiting requests, by flow.
 #[derive(Debug)]
 struct Lane<T> {
-    flows: HashMap<u64, VecDeque<T>>,
+    flows: super::IdMap<u64, VecDeque<T>>,
     turn: VecDeque<u64>,
     len: usize,
 }
@@ -77,7 +77,7 @@ struct Lane<T> {
 impl<T> Lane<T> {
     fn new() -> Self {
         Self {
-            flows: HashMap::new(),
+            flows: super::IdMap::default(),
             turn: VecDeque::new(),
             len: 0,
         }
@@ -141,7 +141,7 @@ impl<T> Lane<T> {
 /// Requests waiting, taken in turn across clients, then flows.
 #[derive(Debug)]
 pub(crate) struct Fair<T> {
-    lanes: HashMap<u64, Lane<T>>,
+    lanes: super::IdMap<u64, Lane<T>>,
     turn: VecDeque<u64>,
     len: usize,
 }
@@ -149,7 +149,7 @@ pub(crate) struct Fair<T> {
 impl<T: PartialEq> Fair<T> {
     pub(crate) fn new() -> Self {
         Self {
-            lanes: HashMap::new(),
+            lanes: super::IdMap::default(),
             turn: VecDeque::new(),
             len: 0,
         }

@@ -11,7 +11,6 @@ use super::wire::Encoded;
 use super::{LinkConfig, LinkEvent, MIN_PEER_PING_INTERVAL, Report, health, stream};
 use guardmesh_proto::v1::{CancelBatch, GuardBatch, JudgeRequest, judge_request};
 use prost::bytes::Bytes;
-use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
@@ -31,7 +30,7 @@ pub(super) enum Conn {
 
 pub(super) struct State {
     pub(super) conn: Conn,
-    pub(super) waiting: HashMap<u64, Waiter>,
+    pub(super) waiting: super::IdMap<u64, Waiter>,
     /// The guard's circuit breaker: after `circuit_failures` consecutive
     /// failures the guard's failure policy applies at once, without waiting
     /// for timeouts, until a probe request succeeds. An open circuit is a
@@ -193,7 +192,7 @@ impl GuardLink {
             endpoint: Arc::from(endpoint),
             state: Mutex::new(State {
                 conn: Conn::Open(queue),
-                waiting: HashMap::new(),
+                waiting: super::IdMap::default(),
                 circuit: ConsecutiveFailures::new(config.circuit_failures, config.circuit_open_for),
                 last_failure: None,
             }),

@@ -34,6 +34,12 @@
 //! replicas, taken in turns across clients, R25); [`pool`] puts a guard's
 //! replicas together (R32).
 
+/// A map keyed by the mesh's own request ids and client keys (never by
+/// a peer's bytes): hashed by foldhash, seeded per process, a few
+/// instructions a lookup where the standard SipHash takes over a hundred,
+/// several lookups per guard request.
+pub(crate) type IdMap<K, V> = std::collections::HashMap<K, V, foldhash::fast::RandomState>;
+
 mod backoff;
 mod breaker;
 pub mod dial;

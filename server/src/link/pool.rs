@@ -132,7 +132,7 @@ use super::discover::{ReplicaTarget, Replicas};
 use super::fair::{self, Fair, Sender};
 use super::limit::Limit;
 use super::{Busy, GuardFailure, GuardLink, LinkEvent, NoRoom, NotSent, Report};
-use crate::observe::metrics::Metrics;
+use crate::observe::metrics::{FlowSeries, Metrics, ReplicaSeries};
 use guardmesh_proto::v1::GuardBatch;
 use prost::bytes::Bytes;
 use rand::Rng;
@@ -213,6 +213,8 @@ struct Replica {
     ejection: Mutex<Ejection>,
     /// Its requests in flight and its latency estimate. A leaf lock.
     load: Mutex<Load>,
+    /// Its metric series, looked up once when it joined.
+    series: ReplicaSeries,
     /// [`Load::estimate`] as last set, in nanoseconds (f64 bits; 0 before
     /// its first answer): read without the lock to price the other
     /// replicas ([`Prices`]).
@@ -538,9 +540,9 @@ impl From<NotSent> for Undispatched {
 
 struct State {
     live: Vec<Arc<Replica>>,
-    requests: HashMap<u64, Pending>,
+    requests: super::IdMap<u64, Pending>,
     /// Requests waiting for room, by id, and their turns ([`fair`]).
-    queued: HashMap<u64, Waiting>,
+    queued: super::IdMap<u64, Waiting>,
     waiting: Fair<u64>,
     /// Their wait deadlines, earliest first.
     waits: BTreeSet<(Instant, u64)>,
@@ -599,6 +601,8 @@ struct Inner {
     name: String,
     spawn: SpawnLink,
     metrics: Arc<Metrics>,
+    /// The guard's flow series ([`Inner::gauges`]), looked up once.
+    flow: FlowSeries,
     state: Mutex<State>,
     next_id: AtomicU64,
     /// Which watch of the replica set the pool follows now: a set read
@@ -750,11 +754,12 @@ impl GuardPool {
         let inner = Arc::new(Inner {
             name: name.to_owned(),
             spawn,
+            flow: metrics.flow_series(name),
             metrics,
             state: Mutex::new(State {
                 live: Vec::new(),
-                requests: HashMap::new(),
-                queued: HashMap::new(),
+                requests: super::IdMap::default(),
+                queued: super::IdMap::default(),
                 waiting: Fair::new(),
                 waits: BTreeSet::new(),
                 published: None,
@@ -1014,9 +1019,7 @@ impl GuardPool {
             Ended::Withdrawn,
             &prices,
         );
-        self.inner
-            .metrics
-            .replica_outstanding(&self.inner.name, &pending.replica.endpoint, left);
+        pending.replica.series.outstanding(left);
         let mut state = self.inner.lock();
         self.inner.drain(&mut state);
         self.inner.gauges(&mut state);
@@ -1121,6 +1124,7 @@ impl Inner {
                                 answered: None,
                             }),
                             estimate: AtomicU64::new(0f64.to_bits()),
+                            series: self.metrics.replica_series(&self.name, &target.endpoint),
                         }));
                     }
                 }
@@ -1219,14 +1223,13 @@ impl Inner {
                 load.published = Some(limit);
                 limit
             };
-            self.metrics
-                .replica_limit(&self.name, &replica.endpoint, limit);
+            replica.series.limit(limit);
         }
         let (held, limit, _) = self.load(state);
         let flow = (held, limit, state.waiting.len());
         if state.published != Some(flow) {
             state.published = Some(flow);
-            self.metrics.guard_flow(&self.name, flow.0, flow.1, flow.2);
+            self.flow.set(flow.0, flow.1, flow.2);
         }
     }
 
@@ -1567,8 +1570,7 @@ impl Inner {
         pending.moved_on_timeout = true;
         failed.link.cancel(old_link);
         let left = failed.release(sent, id, now, Ended::Withdrawn, &Prices::of(&state.live));
-        self.metrics
-            .replica_outstanding(&self.name, &failed.endpoint, left);
+        failed.series.outstanding(left);
         let waited = now.saturating_duration_since(sent);
         let failure = GuardFailure::TimedOut(waited);
         // The replica's circuit hears of it once per outage, as of a
@@ -1768,8 +1770,7 @@ impl Inner {
             ) {
                 Ok(link_id) => {
                     let held = replica.hold(now, id);
-                    self.metrics
-                        .replica_sent(&self.name, &replica.endpoint, held);
+                    replica.series.sent(held);
                     return Ok((replica, link_id, now));
                 }
                 Err(NotSent::Busy(b)) => {
@@ -1845,8 +1846,7 @@ impl Inner {
                     Ended::Answered,
                     &prices,
                 );
-                self.metrics
-                    .replica_outstanding(&self.name, &pending.replica.endpoint, left);
+                pending.replica.series.outstanding(left);
                 (
                     pending,
                     LinkEvent::Answer {
@@ -1866,8 +1866,7 @@ impl Inner {
                 let failed = pending.replica.clone();
                 let left =
                     failed.release(pending.sent_at, id, now, Ended::Failed, &Prices::of(&[]));
-                self.metrics
-                    .replica_outstanding(&self.name, &failed.endpoint, left);
+                failed.series.outstanding(left);
                 if fails_over(&failure) && !pending.partial && now < pending.until {
                     pending.tried.push(failed.endpoint.clone());
                     let mut batch = pending.batch.clone();

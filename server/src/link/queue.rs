@@ -21,7 +21,6 @@
 //! are queued and taken.
 
 use super::wire::Encoded;
-use std::collections::HashMap;
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 use tokio::sync::mpsc;
@@ -80,7 +79,7 @@ pub(crate) enum Refusal {
 #[derive(Debug)]
 pub(crate) struct Load {
     bytes: usize,
-    by_client: HashMap<Client, usize>,
+    by_client: super::IdMap<Client, usize>,
     /// The last time the stream took a request, or the queue became
     /// non-empty: the stall is measured from here.
     mark: Instant,
@@ -90,7 +89,7 @@ impl Load {
     pub(crate) fn new(now: Instant) -> Self {
         Self {
             bytes: 0,
-            by_client: HashMap::new(),
+            by_client: super::IdMap::default(),
             mark: now,
         }
     }

@@ -636,51 +636,32 @@ impl Metrics {
             .inc();
     }
 
-    /// R32: a request sent to `replica` of `guard`; `outstanding`: what
-    /// it holds unanswered now.
-    pub fn replica_sent(&self, guard: &str, replica: &str, outstanding: usize) {
+    /// R32, R25: the series of `replica` of `guard`, looked up once when
+    /// it joins (a label lookup hashes and allocates; its requests update
+    /// the series through these handles). [`Metrics::replica_gone`] takes
+    /// them out of the exposition.
+    pub fn replica_series(&self, guard: &str, replica: &str) -> ReplicaSeries {
         let label = ReplicaLabel {
             guard: guard.to_owned(),
             replica: replica.to_owned(),
         };
-        self.replica_requests.get_or_create(&label).inc();
-        self.replica_outstanding
-            .get_or_create(&label)
-            .set(i64::try_from(outstanding).unwrap_or(i64::MAX));
+        ReplicaSeries {
+            requests: self.replica_requests.get_or_create(&label).clone(),
+            outstanding: self.replica_outstanding.get_or_create(&label).clone(),
+            limit: self.replica_limit.get_or_create(&label).clone(),
+        }
     }
 
-    /// R32: what `replica` of `guard` holds unanswered now.
-    pub fn replica_outstanding(&self, guard: &str, replica: &str, outstanding: usize) {
-        self.replica_outstanding
-            .get_or_create(&ReplicaLabel {
-                guard: guard.to_owned(),
-                replica: replica.to_owned(),
-            })
-            .set(i64::try_from(outstanding).unwrap_or(i64::MAX));
-    }
-
-    /// R25: the requests `replica` of `guard` may hold at once.
-    pub fn replica_limit(&self, guard: &str, replica: &str, limit: usize) {
-        self.replica_limit
-            .get_or_create(&ReplicaLabel {
-                guard: guard.to_owned(),
-                replica: replica.to_owned(),
-            })
-            .set(i64::try_from(limit).unwrap_or(i64::MAX));
-    }
-
-    /// R25: the requests `guard`'s replicas hold (`in_flight`), may hold
-    /// (`limit`), and that wait for room (`waiting`).
-    pub fn guard_flow(&self, guard: &str, in_flight: usize, limit: usize, waiting: usize) {
+    /// R25: the flow series of `guard`'s pool, looked up once with it.
+    pub fn flow_series(&self, guard: &str) -> FlowSeries {
         let label = GuardLabel {
             guard: guard.to_owned(),
         };
-        let gauge = |n: usize| i64::try_from(n).unwrap_or(i64::MAX);
-        self.guard_in_flight
-            .get_or_create(&label)
-            .set(gauge(in_flight));
-        self.guard_limit.get_or_create(&label).set(gauge(limit));
-        self.guard_waiting.get_or_create(&label).set(gauge(waiting));
+        FlowSeries {
+            in_flight: self.guard_in_flight.get_or_create(&label).clone(),
+            limit: self.guard_limit.get_or_create(&label).clone(),
+            waiting: self.guard_waiting.get_or_create(&label).clone(),
+        }
     }
 
     /// R25: a request to `guard` was shed for load.
@@ -985,5 +966,55 @@ mod tests {
         );
         assert!(!text.contains("# EOF"), "{text}");
         assert!(!text.contains("_created"), "{text}");
+    }
+}
+
+/// A gauge's value from a count (saturating).
+fn gauge_value(n: usize) -> i64 {
+    i64::try_from(n).unwrap_or(i64::MAX)
+}
+
+/// One replica's series ([`Metrics::replica_series`]).
+#[derive(Clone, Debug)]
+pub struct ReplicaSeries {
+    requests: Counter,
+    outstanding: Gauge,
+    limit: Gauge,
+}
+
+impl ReplicaSeries {
+    /// R32: a request sent to the replica; `outstanding`: what it holds
+    /// unanswered now.
+    pub fn sent(&self, outstanding: usize) {
+        self.requests.inc();
+        self.outstanding(outstanding);
+    }
+
+    /// R32: what the replica holds unanswered now.
+    pub fn outstanding(&self, outstanding: usize) {
+        self.outstanding.set(gauge_value(outstanding));
+    }
+
+    /// R25: the requests the replica may hold at once.
+    pub fn limit(&self, limit: usize) {
+        self.limit.set(gauge_value(limit));
+    }
+}
+
+/// One guard's flow series ([`Metrics::flow_series`]).
+#[derive(Clone, Debug)]
+pub struct FlowSeries {
+    in_flight: Gauge,
+    limit: Gauge,
+    waiting: Gauge,
+}
+
+impl FlowSeries {
+    /// R25: the requests the guard's replicas hold (`in_flight`), may hold
+    /// (`limit`), and that wait for room (`waiting`).
+    pub fn set(&self, in_flight: usize, limit: usize, waiting: usize) {
+        self.in_flight.set(gauge_value(in_flight));
+        self.limit.set(gauge_value(limit));
+        self.waiting.set(gauge_value(waiting));
     }
 }
