@@ -461,28 +461,25 @@ impl Config {
     }
 }
 
+/// The line `check` refuses the config of `toml` with (tests of every
+/// table).
+#[cfg(test)]
+pub(crate) fn check_error(toml: &str) -> String {
+    let config = Config::parse(toml, "t").expect("the test's config parses");
+    config
+        .check()
+        .expect_err("the check refuses it")
+        .to_string()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
 
     #[test]
     fn config_refuses_settings_that_cannot_work() {
-        let config = Config::parse("default_guard_timeout_ms = 0", "t").unwrap();
-        assert!(
-            config
-                .check()
-                .unwrap_err()
-                .to_string()
-                .contains("default_guard_timeout_ms")
-        );
-        let config = Config::parse("[guard_links]\nmax_answer_bytes = 0", "t").unwrap();
-        assert!(
-            config
-                .check()
-                .unwrap_err()
-                .to_string()
-                .contains("max_answer_bytes")
-        );
+        assert!(check_error("default_guard_timeout_ms = 0").contains("default_guard_timeout_ms"));
+        assert!(check_error("[guard_links]\nmax_answer_bytes = 0").contains("max_answer_bytes"));
         assert!(Config::default().check().is_ok());
     }
 

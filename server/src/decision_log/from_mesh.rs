@@ -361,28 +361,13 @@ impl MeshLog {
     pub async fn batch(&self, record: DecisionRecord) -> Result<(), Status> {
         let refused = record.outcome.status == OutcomeStatus::Refused;
         let caller = record.caller.clone();
-        let entry = Entry::Decision(record);
-        if refused && !self.refusal_admitted(&caller, &entry).await {
-            return Ok(());
-        }
-        match self.write(entry, "decision").await {
-            Ok(()) => Ok(()),
-            Err(error) => {
-                self.inner.metrics.decision_log_failure("decision");
-                match self.inner.on_failure {
-                    OnLogFailure::Refuse => {
-                        tracing::error!(%error, "batch refused: its decision record cannot be written");
-                        Err(Status::unavailable(format!(
-                            "the decision could not be recorded, so it is not answered (on_log_failure = \"refuse\"): {error}"
-                        )))
-                    }
-                    OnLogFailure::Answer => {
-                        tracing::error!(%error, "decision record lost; the batch is answered (on_log_failure = \"answer\")");
-                        Ok(())
-                    }
-                }
-            }
-        }
+        let words = Unwritten {
+            refused: "batch refused: its decision record cannot be written",
+            status: "the decision could not be recorded, so it is not answered",
+            answered: "decision record lost; the batch is answered",
+        };
+        self.write_before(refused, &caller, Entry::Decision(record), "decision", words)
+            .await
     }
 
     /// Whether a record that cannot be written refuses what it records
@@ -400,26 +385,46 @@ impl MeshLog {
     pub async fn change_before(&self, record: ChainChangeRecord) -> Result<(), Status> {
         let refused = record.outcome.status == ChangeStatus::Refused;
         let caller = record.caller.clone();
+        let words = Unwritten {
+            refused: "chain change refused: its record cannot be written",
+            status: "the chain change could not be recorded in the decision log, so it is not applied",
+            answered: "chain change record lost",
+        };
         let entry = Entry::ChainChange(record);
-        if refused && !self.refusal_admitted(&caller, &entry).await {
+        self.write_before(refused, &caller, entry, "chain_change", words)
+            .await
+    }
+
+    /// Appends `entry`, a record written before what it records is
+    /// answered: `Err` is the status to answer instead when it cannot be
+    /// written and the policy is `refuse`. A refused one past the bounds
+    /// on refusals is left out and counted in a summary record.
+    async fn write_before(
+        &self,
+        refused: bool,
+        caller: &Caller,
+        entry: Entry,
+        kind: &'static str,
+        words: Unwritten,
+    ) -> Result<(), Status> {
+        if refused && !self.refusal_admitted(caller, &entry).await {
             return Ok(());
         }
-        match self.write(entry, "chain_change").await {
-            Ok(()) => Ok(()),
-            Err(error) => {
-                self.inner.metrics.decision_log_failure("chain_change");
-                match self.inner.on_failure {
-                    OnLogFailure::Refuse => {
-                        tracing::error!(%error, "chain change refused: its record cannot be written");
-                        Err(Status::unavailable(format!(
-                            "the chain change could not be recorded in the decision log, so it is not applied (on_log_failure = \"refuse\"): {error}"
-                        )))
-                    }
-                    OnLogFailure::Answer => {
-                        tracing::error!(%error, "chain change record lost (on_log_failure = \"answer\")");
-                        Ok(())
-                    }
-                }
+        let Err(error) = self.write(entry, kind).await else {
+            return Ok(());
+        };
+        self.inner.metrics.decision_log_failure(kind);
+        match self.inner.on_failure {
+            OnLogFailure::Refuse => {
+                tracing::error!(%error, "{}", words.refused);
+                Err(Status::unavailable(format!(
+                    "{} (on_log_failure = \"refuse\"): {error}",
+                    words.status
+                )))
+            }
+            OnLogFailure::Answer => {
+                tracing::error!(%error, "{} (on_log_failure = \"answer\")", words.answered);
+                Ok(())
             }
         }
     }
@@ -432,6 +437,17 @@ impl MeshLog {
             tracing::error!(%error, "chain change record lost");
         }
     }
+}
+
+/// What the log says of a record that cannot be written before its answer
+/// (see [`MeshLog::write_before`]).
+struct Unwritten {
+    /// Logged when the answer is refused.
+    refused: &'static str,
+    /// The refused answer's status message, before the policy and error.
+    status: &'static str,
+    /// Logged when it is answered all the same, before the policy.
+    answered: &'static str,
 }
 
 /// Writes each interval's summary once it ends; stops with the log.

@@ -1352,23 +1352,7 @@ impl Inner {
             if let Some(takes) = self.least_estimate(state, now)
                 && left < takes.mul_f64(NEEDS_ESTIMATES)
             {
-                // Unless nothing was answered while it waited: not load,
-                // a guard making no progress (R13).
-                if let Some((in_flight, stalled)) = self.stalled(state, request.since, now) {
-                    let _ = request.events.send(LinkEvent::Failed {
-                        tag: request.tag,
-                        failure: GuardFailure::NoProgress { in_flight, stalled },
-                        replica: Arc::from(""),
-                    });
-                    continue;
-                }
-                let (in_flight, limit, _) = self.load(state);
-                let busy = NoRoom::Waited {
-                    waited: now.saturating_duration_since(request.since),
-                    in_flight,
-                    limit,
-                };
-                self.shed(request, busy.into());
+                self.give_up(state, request, now);
                 continue;
             }
             let hook = self.hook(id);
@@ -1445,22 +1429,29 @@ impl Inner {
                 continue;
             };
             state.waiting.remove(request.sender, &id);
-            if let Some((in_flight, stalled)) = self.stalled(state, request.since, now) {
-                let _ = request.events.send(LinkEvent::Failed {
-                    tag: request.tag,
-                    failure: GuardFailure::NoProgress { in_flight, stalled },
-                    replica: Arc::from(""),
-                });
-                continue;
-            }
-            let (in_flight, limit, _) = self.load(state);
-            let busy = NoRoom::Waited {
-                waited: now.saturating_duration_since(request.since),
-                in_flight,
-                limit,
-            };
-            self.shed(request, busy.into());
+            self.give_up(state, request, now);
         }
+    }
+
+    /// Ends a waiting request that will not be sent: shed (R25), or failed
+    /// when nothing was answered while it waited: not load, a guard making
+    /// no progress (R13).
+    fn give_up(&self, state: &State, request: Waiting, now: Instant) {
+        if let Some((in_flight, stalled)) = self.stalled(state, request.since, now) {
+            let _ = request.events.send(LinkEvent::Failed {
+                tag: request.tag,
+                failure: GuardFailure::NoProgress { in_flight, stalled },
+                replica: Arc::from(""),
+            });
+            return;
+        }
+        let (in_flight, limit, _) = self.load(state);
+        let busy = NoRoom::Waited {
+            waited: now.saturating_duration_since(request.since),
+            in_flight,
+            limit,
+        };
+        self.shed(request, busy.into());
     }
 
     /// When the attempt just sent to `replica` at `now`, of a request whose
