@@ -359,14 +359,7 @@ impl MeshLog {
     /// The record of a refused batch past the bounds on refusals is left
     /// out and counted in a summary record.
     pub async fn batch(&self, record: DecisionRecord) -> Result<(), Status> {
-        let refused = record.outcome.status == OutcomeStatus::Refused;
-        let caller = record.caller.clone();
-        let words = Unwritten {
-            refused: "batch refused: its decision record cannot be written",
-            status: "the decision could not be recorded, so it is not answered",
-            answered: "decision record lost; the batch is answered",
-        };
-        self.write_before(refused, &caller, Entry::Decision(record), "decision", words)
+        self.write_before(Entry::Decision(record), "decision", &DECISION_UNWRITTEN)
             .await
     }
 
@@ -383,31 +376,27 @@ impl MeshLog {
     /// before it reached the registry (by authentication) is bounded like
     /// a refused batch's.
     pub async fn change_before(&self, record: ChainChangeRecord) -> Result<(), Status> {
-        let refused = record.outcome.status == ChangeStatus::Refused;
-        let caller = record.caller.clone();
-        let words = Unwritten {
-            refused: "chain change refused: its record cannot be written",
-            status: "the chain change could not be recorded in the decision log, so it is not applied",
-            answered: "chain change record lost",
-        };
-        let entry = Entry::ChainChange(record);
-        self.write_before(refused, &caller, entry, "chain_change", words)
-            .await
+        self.write_before(
+            Entry::ChainChange(record),
+            "chain_change",
+            &CHANGE_UNWRITTEN,
+        )
+        .await
     }
 
     /// Appends `entry`, a record written before what it records is
     /// answered: `Err` is the status to answer instead when it cannot be
-    /// written and the policy is `refuse`. A refused one past the bounds
-    /// on refusals is left out and counted in a summary record.
+    /// written and the policy is `refuse`. The record of a refusal past the
+    /// bounds on refusals is left out and counted in a summary record.
     async fn write_before(
         &self,
-        refused: bool,
-        caller: &Caller,
         entry: Entry,
         kind: &'static str,
-        words: Unwritten,
+        words: &Unwritten,
     ) -> Result<(), Status> {
-        if refused && !self.refusal_admitted(caller, &entry).await {
+        if let Some(caller) = refused_caller(&entry)
+            && !self.refusal_admitted(caller, &entry).await
+        {
             return Ok(());
         }
         let Err(error) = self.write(entry, kind).await else {
@@ -449,6 +438,28 @@ struct Unwritten {
     /// Logged when it is answered all the same, before the policy.
     answered: &'static str,
 }
+
+/// The caller of `entry` when it records a refusal: such records are
+/// bounded per caller.
+fn refused_caller(entry: &Entry) -> Option<&Caller> {
+    match entry {
+        Entry::Decision(r) if r.outcome.status == OutcomeStatus::Refused => Some(&r.caller),
+        Entry::ChainChange(r) if r.outcome.status == ChangeStatus::Refused => Some(&r.caller),
+        _ => None,
+    }
+}
+
+const DECISION_UNWRITTEN: Unwritten = Unwritten {
+    refused: "batch refused: its decision record cannot be written",
+    status: "the decision could not be recorded, so it is not answered",
+    answered: "decision record lost; the batch is answered",
+};
+
+const CHANGE_UNWRITTEN: Unwritten = Unwritten {
+    refused: "chain change refused: its record cannot be written",
+    status: "the chain change could not be recorded in the decision log, so it is not applied",
+    answered: "chain change record lost",
+};
 
 /// Writes each interval's summary once it ends; stops with the log.
 async fn summaries(inner: Weak<Inner>) {
@@ -673,49 +684,46 @@ pub fn spec(spec: &GuardSpec) -> Value {
     })
 }
 
-/// The record of a chain change about to be applied (`on_log_failure =
-/// "refuse"`): written first, so that no change is applied unrecorded.
-pub fn requested(
-    caller: Caller,
-    kind: ChangeKind,
-    guard: &str,
-    spec: Option<Value>,
-    old_revision: u64,
-) -> ChainChangeRecord {
-    ChainChangeRecord {
-        caller,
-        change: kind,
-        guard: some(guard),
-        spec,
-        old_revision: Some(old_revision),
-        new_revision: None,
-        outcome: ChangeOutcome::requested(),
-    }
+/// A registry change (register, deregister) as its records name it.
+#[derive(Debug, Clone)]
+pub struct RegistryChange {
+    pub kind: ChangeKind,
+    /// The guard concerned.
+    pub guard: String,
+    /// Its registration as submitted, masked as records show it ([`spec`]).
+    pub spec: Option<Value>,
+    /// The chain revision before the change.
+    pub old_revision: u64,
 }
 
-/// The record of a chain change.
-pub fn change(
-    caller: Caller,
-    kind: ChangeKind,
-    guard: &str,
-    spec: Option<Value>,
-    old_revision: u64,
-    result: Result<u64, &Status>,
-) -> ChainChangeRecord {
-    let (new_revision, outcome) = match result {
-        Ok(revision) => (Some(revision), ChangeOutcome::applied()),
-        Err(status) => (
-            None,
-            ChangeOutcome::refused(status.code() as i32, status.message()),
-        ),
-    };
-    ChainChangeRecord {
-        caller,
-        change: kind,
-        guard: some(guard),
-        spec,
-        old_revision: Some(old_revision),
-        new_revision,
-        outcome,
+impl RegistryChange {
+    /// The record of the change requested, written before it is applied.
+    pub fn requested(&self, caller: Caller) -> ChainChangeRecord {
+        ChainChangeRecord {
+            caller,
+            change: self.kind,
+            guard: some(&self.guard),
+            spec: self.spec.clone(),
+            old_revision: Some(self.old_revision),
+            new_revision: None,
+            outcome: ChangeOutcome::requested(),
+        }
+    }
+
+    /// The record of the change applied (`Ok`: the new revision) or
+    /// refused.
+    pub fn ended(&self, caller: Caller, result: Result<u64, &Status>) -> ChainChangeRecord {
+        let (new_revision, outcome) = match result {
+            Ok(revision) => (Some(revision), ChangeOutcome::applied()),
+            Err(status) => (
+                None,
+                ChangeOutcome::refused(status.code() as i32, status.message()),
+            ),
+        };
+        ChainChangeRecord {
+            new_revision,
+            outcome,
+            ..self.requested(caller)
+        }
     }
 }
