@@ -230,15 +230,16 @@ impl Config {
     /// Every setting that cannot work, in key order, each naming its key.
     pub fn problems(&self) -> Vec<SettingError> {
         let mut out = self.guard_shapes();
-        // Each setting that must be greater than 0, named by its key.
-        macro_rules! zero {
-            ($($key:ident).+) => {
-                (concat_keys!($($key).+), self.$($key).+ == 0)
-            };
-        }
+        // Each setting that must be greater than 0, named by its key: its
+        // path in the file, `table.key`.
         macro_rules! concat_keys {
             ($first:ident $(. $rest:ident)*) => {
                 concat!(stringify!($first) $(, ".", stringify!($rest))*)
+            };
+        }
+        macro_rules! zero {
+            ($($key:ident).+) => {
+                (concat_keys!($($key).+), self.$($key).+ == 0)
             };
         }
         let zeros = [
