@@ -150,10 +150,16 @@ pub(crate) fn inflight(
     slots: &Arc<Semaphore>,
     limits: &Limits,
 ) -> Result<OwnedSemaphorePermit, Refusal> {
-    slots
-        .clone()
-        .try_acquire_owned()
-        .map_err(|_| Refusal::Overloaded(limits.max_inflight_batches))
+    slot(slots, || Refusal::Overloaded(limits.max_inflight_batches))
+}
+
+/// One permit of `slots`, or at once the refusal `full` when none is
+/// free.
+fn slot(
+    slots: &Arc<Semaphore>,
+    full: impl FnOnce() -> Refusal,
+) -> Result<OwnedSemaphorePermit, Refusal> {
+    slots.clone().try_acquire_owned().map_err(|_| full())
 }
 
 /// The in-flight bytes a batch of `size` encoded bytes weighs (R25), from
@@ -187,10 +193,9 @@ pub(crate) fn stream(
     streams: &Arc<Semaphore>,
     limits: &Limits,
 ) -> Result<OwnedSemaphorePermit, Refusal> {
-    streams
-        .clone()
-        .try_acquire_owned()
-        .map_err(|_| Refusal::TooManyStreams(limits.max_coordinator_streams))
+    slot(streams, || {
+        Refusal::TooManyStreams(limits.max_coordinator_streams)
+    })
 }
 
 /// What one coordinator stream admits: batch ids unique among those in
@@ -283,13 +288,20 @@ mod tests {
         }
     }
 
+    /// The refusal of the one-call batch `id` at `gate`, asserted to give
+    /// `reason` and `code`.
+    fn refused(gate: &Arc<StreamGate>, id: &str, reason: &str, code: Code) -> Refusal {
+        let refusal = StreamGate::enter(gate, &batch(id, 1), id).unwrap_err();
+        assert_eq!(refusal.reason(), reason);
+        assert_eq!(refusal.status().code(), code);
+        refusal
+    }
+
     #[test]
     fn r19_an_id_in_flight_is_refused_until_its_ticket_is_dropped() {
         let gate = StreamGate::new(4);
         let ticket = StreamGate::enter(&gate, &batch("b", 1), "b").unwrap();
-        let refusal = StreamGate::enter(&gate, &batch("b", 1), "b").unwrap_err();
-        assert_eq!(refusal.reason(), "duplicate_batch_id");
-        assert_eq!(refusal.status().code(), Code::InvalidArgument);
+        let refusal = refused(&gate, "b", "duplicate_batch_id", Code::InvalidArgument);
         assert!(refusal.status().message().contains("\"b\""));
         drop(ticket);
         StreamGate::enter(&gate, &batch("b", 1), "b").unwrap();
@@ -299,9 +311,7 @@ mod tests {
     fn r25_a_stream_judges_at_most_its_batches_and_r1_zero_call_batches_take_no_slot() {
         let gate = StreamGate::new(1);
         let first = StreamGate::enter(&gate, &batch("a", 1), "a").unwrap();
-        let refusal = StreamGate::enter(&gate, &batch("b", 1), "b").unwrap_err();
-        assert_eq!(refusal.reason(), "stream_overloaded");
-        assert_eq!(refusal.status().code(), Code::ResourceExhausted);
+        refused(&gate, "b", "stream_overloaded", Code::ResourceExhausted);
         // R1: a batch without calls is admitted on a full stream.
         let empty = StreamGate::enter(&gate, &batch("e", 0), "e").unwrap();
         drop(empty);

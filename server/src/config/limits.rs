@@ -92,11 +92,7 @@ mod tests {
             "[limits]\nmax_tool_name_chars = 0\n",
             "[limits]\nmax_tool_name_chars = 5000\n",
         ] {
-            let error = Config::parse(bad, "test")
-                .unwrap()
-                .check()
-                .unwrap_err()
-                .to_string();
+            let error = crate::config::check_error(bad);
             assert!(
                 error.contains("limits.") && error.contains("tool_name"),
                 "{error}"

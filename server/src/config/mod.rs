@@ -230,72 +230,42 @@ impl Config {
     /// Every setting that cannot work, in key order, each naming its key.
     pub fn problems(&self) -> Vec<SettingError> {
         let mut out = self.guard_shapes();
-        let positive = [
-            ("default_guard_timeout_ms", self.default_guard_timeout_ms),
-            ("default_batch_timeout_ms", self.default_batch_timeout_ms),
-            ("max_batch_timeout_ms", self.max_batch_timeout_ms),
-            (
-                "limits.max_calls_per_batch",
-                self.limits.max_calls_per_batch as u64,
-            ),
-            ("limits.max_batch_bytes", self.limits.max_batch_bytes as u64),
-            (
-                "limits.max_result_bytes",
-                self.limits.max_result_bytes as u64,
-            ),
-            (
-                "limits.max_argument_bytes",
-                self.limits.max_argument_bytes as u64,
-            ),
-            (
-                "limits.max_inflight_batches",
-                self.limits.max_inflight_batches as u64,
-            ),
-            (
-                "limits.max_batches_per_stream",
-                self.limits.max_batches_per_stream as u64,
-            ),
-            ("limits.max_id_bytes", self.limits.max_id_bytes as u64),
-            (
-                "limits.max_metadata_entries",
-                self.limits.max_metadata_entries as u64,
-            ),
-            (
-                "limits.max_inflight_bytes",
-                self.limits.max_inflight_bytes as u64,
-            ),
-            (
-                "limits.max_stream_bytes",
-                self.limits.max_stream_bytes as u64,
-            ),
-            (
-                "limits.max_coordinator_streams",
-                self.limits.max_coordinator_streams as u64,
-            ),
-            (
-                "guard_links.connect_timeout_ms",
-                self.guard_links.connect_timeout_ms,
-            ),
-            (
-                "guard_links.max_answer_bytes",
-                self.guard_links.max_answer_bytes as u64,
-            ),
-            (
-                "server.handshake_timeout_ms",
-                self.server.handshake_timeout_ms,
-            ),
-            (
-                "server.keepalive_timeout_ms",
-                self.server.keepalive_timeout_ms,
-            ),
-            (
-                "registry.max_policy_bytes_per_identity",
-                self.registry.max_policy_bytes_per_identity as u64,
-            ),
-            ("sessions.store_timeout_ms", self.sessions.store_timeout_ms),
+        // Each setting that must be greater than 0, named by its key: its
+        // path in the file, `table.key`.
+        macro_rules! concat_keys {
+            ($first:ident $(. $rest:ident)*) => {
+                concat!(stringify!($first) $(, ".", stringify!($rest))*)
+            };
+        }
+        macro_rules! zero {
+            ($($key:ident).+) => {
+                (concat_keys!($($key).+), self.$($key).+ == 0)
+            };
+        }
+        let zeros = [
+            zero!(default_guard_timeout_ms),
+            zero!(default_batch_timeout_ms),
+            zero!(max_batch_timeout_ms),
+            zero!(limits.max_calls_per_batch),
+            zero!(limits.max_batch_bytes),
+            zero!(limits.max_result_bytes),
+            zero!(limits.max_argument_bytes),
+            zero!(limits.max_inflight_batches),
+            zero!(limits.max_batches_per_stream),
+            zero!(limits.max_id_bytes),
+            zero!(limits.max_metadata_entries),
+            zero!(limits.max_inflight_bytes),
+            zero!(limits.max_stream_bytes),
+            zero!(limits.max_coordinator_streams),
+            zero!(guard_links.connect_timeout_ms),
+            zero!(guard_links.max_answer_bytes),
+            zero!(server.handshake_timeout_ms),
+            zero!(server.keepalive_timeout_ms),
+            zero!(registry.max_policy_bytes_per_identity),
+            zero!(sessions.store_timeout_ms),
         ];
-        for (key, value) in positive {
-            if value == 0 {
+        for (key, zero) in zeros {
+            if zero {
                 out.push(SettingError::Zero { key });
             }
         }
@@ -461,28 +431,25 @@ impl Config {
     }
 }
 
+/// The line `check` refuses the config of `toml` with (tests of every
+/// table).
+#[cfg(test)]
+pub(crate) fn check_error(toml: &str) -> String {
+    let config = Config::parse(toml, "t").expect("the test's config parses");
+    config
+        .check()
+        .expect_err("the check refuses it")
+        .to_string()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
 
     #[test]
     fn config_refuses_settings_that_cannot_work() {
-        let config = Config::parse("default_guard_timeout_ms = 0", "t").unwrap();
-        assert!(
-            config
-                .check()
-                .unwrap_err()
-                .to_string()
-                .contains("default_guard_timeout_ms")
-        );
-        let config = Config::parse("[guard_links]\nmax_answer_bytes = 0", "t").unwrap();
-        assert!(
-            config
-                .check()
-                .unwrap_err()
-                .to_string()
-                .contains("max_answer_bytes")
-        );
+        assert!(check_error("default_guard_timeout_ms = 0").contains("default_guard_timeout_ms"));
+        assert!(check_error("[guard_links]\nmax_answer_bytes = 0").contains("max_answer_bytes"));
         assert!(Config::default().check().is_ok());
     }
 

@@ -359,30 +359,8 @@ impl MeshLog {
     /// The record of a refused batch past the bounds on refusals is left
     /// out and counted in a summary record.
     pub async fn batch(&self, record: DecisionRecord) -> Result<(), Status> {
-        let refused = record.outcome.status == OutcomeStatus::Refused;
-        let caller = record.caller.clone();
-        let entry = Entry::Decision(record);
-        if refused && !self.refusal_admitted(&caller, &entry).await {
-            return Ok(());
-        }
-        match self.write(entry, "decision").await {
-            Ok(()) => Ok(()),
-            Err(error) => {
-                self.inner.metrics.decision_log_failure("decision");
-                match self.inner.on_failure {
-                    OnLogFailure::Refuse => {
-                        tracing::error!(%error, "batch refused: its decision record cannot be written");
-                        Err(Status::unavailable(format!(
-                            "the decision could not be recorded, so it is not answered (on_log_failure = \"refuse\"): {error}"
-                        )))
-                    }
-                    OnLogFailure::Answer => {
-                        tracing::error!(%error, "decision record lost; the batch is answered (on_log_failure = \"answer\")");
-                        Ok(())
-                    }
-                }
-            }
-        }
+        self.write_before(Entry::Decision(record), "decision", &DECISION_UNWRITTEN)
+            .await
     }
 
     /// Whether a record that cannot be written refuses what it records
@@ -398,28 +376,44 @@ impl MeshLog {
     /// before it reached the registry (by authentication) is bounded like
     /// a refused batch's.
     pub async fn change_before(&self, record: ChainChangeRecord) -> Result<(), Status> {
-        let refused = record.outcome.status == ChangeStatus::Refused;
-        let caller = record.caller.clone();
-        let entry = Entry::ChainChange(record);
-        if refused && !self.refusal_admitted(&caller, &entry).await {
+        self.write_before(
+            Entry::ChainChange(record),
+            "chain_change",
+            &CHANGE_UNWRITTEN,
+        )
+        .await
+    }
+
+    /// Appends `entry`, a record written before what it records is
+    /// answered: `Err` is the status to answer instead when it cannot be
+    /// written and the policy is `refuse`. The record of a refusal past the
+    /// bounds on refusals is left out and counted in a summary record.
+    async fn write_before(
+        &self,
+        entry: Entry,
+        kind: &'static str,
+        words: &Unwritten,
+    ) -> Result<(), Status> {
+        if let Some(caller) = refused_caller(&entry)
+            && !self.refusal_admitted(caller, &entry).await
+        {
             return Ok(());
         }
-        match self.write(entry, "chain_change").await {
-            Ok(()) => Ok(()),
-            Err(error) => {
-                self.inner.metrics.decision_log_failure("chain_change");
-                match self.inner.on_failure {
-                    OnLogFailure::Refuse => {
-                        tracing::error!(%error, "chain change refused: its record cannot be written");
-                        Err(Status::unavailable(format!(
-                            "the chain change could not be recorded in the decision log, so it is not applied (on_log_failure = \"refuse\"): {error}"
-                        )))
-                    }
-                    OnLogFailure::Answer => {
-                        tracing::error!(%error, "chain change record lost (on_log_failure = \"answer\")");
-                        Ok(())
-                    }
-                }
+        let Err(error) = self.write(entry, kind).await else {
+            return Ok(());
+        };
+        self.inner.metrics.decision_log_failure(kind);
+        match self.inner.on_failure {
+            OnLogFailure::Refuse => {
+                tracing::error!(%error, "{}", words.refused);
+                Err(Status::unavailable(format!(
+                    "{} (on_log_failure = \"refuse\"): {error}",
+                    words.status
+                )))
+            }
+            OnLogFailure::Answer => {
+                tracing::error!(%error, "{} (on_log_failure = \"answer\")", words.answered);
+                Ok(())
             }
         }
     }
@@ -433,6 +427,39 @@ impl MeshLog {
         }
     }
 }
+
+/// What the log says of a record that cannot be written before its answer
+/// (see [`MeshLog::write_before`]).
+struct Unwritten {
+    /// Logged when the answer is refused.
+    refused: &'static str,
+    /// The refused answer's status message, before the policy and error.
+    status: &'static str,
+    /// Logged when it is answered all the same, before the policy.
+    answered: &'static str,
+}
+
+/// The caller of `entry` when it records a refusal: such records are
+/// bounded per caller.
+fn refused_caller(entry: &Entry) -> Option<&Caller> {
+    match entry {
+        Entry::Decision(r) if r.outcome.status == OutcomeStatus::Refused => Some(&r.caller),
+        Entry::ChainChange(r) if r.outcome.status == ChangeStatus::Refused => Some(&r.caller),
+        _ => None,
+    }
+}
+
+const DECISION_UNWRITTEN: Unwritten = Unwritten {
+    refused: "batch refused: its decision record cannot be written",
+    status: "the decision could not be recorded, so it is not answered",
+    answered: "decision record lost; the batch is answered",
+};
+
+const CHANGE_UNWRITTEN: Unwritten = Unwritten {
+    refused: "chain change refused: its record cannot be written",
+    status: "the chain change could not be recorded in the decision log, so it is not applied",
+    answered: "chain change record lost",
+};
 
 /// Writes each interval's summary once it ends; stops with the log.
 async fn summaries(inner: Weak<Inner>) {
@@ -657,49 +684,46 @@ pub fn spec(spec: &GuardSpec) -> Value {
     })
 }
 
-/// The record of a chain change about to be applied (`on_log_failure =
-/// "refuse"`): written first, so that no change is applied unrecorded.
-pub fn requested(
-    caller: Caller,
-    kind: ChangeKind,
-    guard: &str,
-    spec: Option<Value>,
-    old_revision: u64,
-) -> ChainChangeRecord {
-    ChainChangeRecord {
-        caller,
-        change: kind,
-        guard: some(guard),
-        spec,
-        old_revision: Some(old_revision),
-        new_revision: None,
-        outcome: ChangeOutcome::requested(),
-    }
+/// A registry change (register, deregister) as its records name it.
+#[derive(Debug, Clone)]
+pub struct RegistryChange {
+    pub kind: ChangeKind,
+    /// The guard concerned.
+    pub guard: String,
+    /// Its registration as submitted, masked as records show it ([`spec`]).
+    pub spec: Option<Value>,
+    /// The chain revision before the change.
+    pub old_revision: u64,
 }
 
-/// The record of a chain change.
-pub fn change(
-    caller: Caller,
-    kind: ChangeKind,
-    guard: &str,
-    spec: Option<Value>,
-    old_revision: u64,
-    result: Result<u64, &Status>,
-) -> ChainChangeRecord {
-    let (new_revision, outcome) = match result {
-        Ok(revision) => (Some(revision), ChangeOutcome::applied()),
-        Err(status) => (
-            None,
-            ChangeOutcome::refused(status.code() as i32, status.message()),
-        ),
-    };
-    ChainChangeRecord {
-        caller,
-        change: kind,
-        guard: some(guard),
-        spec,
-        old_revision: Some(old_revision),
-        new_revision,
-        outcome,
+impl RegistryChange {
+    /// The record of the change requested, written before it is applied.
+    pub fn requested(&self, caller: Caller) -> ChainChangeRecord {
+        ChainChangeRecord {
+            caller,
+            change: self.kind,
+            guard: some(&self.guard),
+            spec: self.spec.clone(),
+            old_revision: Some(self.old_revision),
+            new_revision: None,
+            outcome: ChangeOutcome::requested(),
+        }
+    }
+
+    /// The record of the change applied (`Ok`: the new revision) or
+    /// refused.
+    pub fn ended(&self, caller: Caller, result: Result<u64, &Status>) -> ChainChangeRecord {
+        let (new_revision, outcome) = match result {
+            Ok(revision) => (Some(revision), ChangeOutcome::applied()),
+            Err(status) => (
+                None,
+                ChangeOutcome::refused(status.code() as i32, status.message()),
+            ),
+        };
+        ChainChangeRecord {
+            new_revision,
+            outcome,
+            ..self.requested(caller)
+        }
     }
 }

@@ -275,6 +275,15 @@ pub(super) fn assert_valid_record(schema: &jsonschema::Validator, line: &str) {
     assert_eq!(&serde_json::to_string(&record).unwrap(), line);
 }
 
+/// [`lines`] of `dir`, each asserted to match the schema.
+fn valid_lines(schema: &jsonschema::Validator, dir: &Path) -> Vec<(PathBuf, String)> {
+    let lines = lines(dir);
+    for (_, line) in &lines {
+        assert_valid_record(schema, line);
+    }
+    lines
+}
+
 /// The lines of every log file of `dir`, in order, with their files.
 fn lines(dir: &Path) -> Vec<(PathBuf, String)> {
     segment::list(dir)
@@ -305,11 +314,8 @@ async fn r29_records_match_the_json_schema() {
     log.close().await.unwrap();
 
     let validator = schema();
-    let lines = lines(dir.path());
+    let lines = valid_lines(&validator, dir.path());
     assert_eq!(lines.len(), 7);
-    for (_, line) in &lines {
-        assert_valid_record(&validator, line);
-    }
     // A record the schema must refuse: a field the format does not have.
     let mut extra: Value = serde_json::from_str(&lines[0].1).unwrap();
     extra["unknown"] = json!(1);
@@ -837,11 +843,8 @@ async fn r29_summaries_and_policy_registrations_match_the_json_schema() {
     write_all(&log, entries).await;
     log.close().await.unwrap();
     let validator = schema();
-    let lines = lines(dir.path());
+    let lines = valid_lines(&validator, dir.path());
     assert_eq!(lines.len(), 2);
-    for (_, line) in &lines {
-        assert_valid_record(&validator, line);
-    }
     let change: Value = serde_json::from_str(&lines[1].1).unwrap();
     assert_eq!(
         change["spec"]["policy"]["sha256"],

@@ -11,7 +11,8 @@
 //! queued. Nothing below calls back up here.
 
 use crate::admit::{self, StreamGate};
-use crate::decision_log::{MeshLog, from_mesh};
+use crate::decision_log::MeshLog;
+use crate::decision_log::from_mesh::{self, RegistryChange};
 use crate::grpc::inbound::InboundCodec;
 use crate::judge::TraceContext;
 use crate::mesh::Mesh;
@@ -763,31 +764,17 @@ impl GuardRegistry for Registrar {
         let Some(caller) = log_caller(&self.mesh, &request) else {
             return self.register_in(request, None).await.map(Response::new);
         };
-        let old = self.mesh.registry().chain().revision;
         let spec = request.get_ref().guard.as_ref();
-        let name = spec.map(|g| g.name.clone()).unwrap_or_default();
-        let shown = spec.map(from_mesh::spec);
-        let ahead = self.ahead(&caller, |caller| {
-            from_mesh::requested(
-                caller,
-                crate::decision_log::ChangeKind::Register,
-                &name,
-                shown.clone(),
-                old,
-            )
-        });
+        let change = RegistryChange {
+            kind: crate::decision_log::ChangeKind::Register,
+            guard: spec.map(|g| g.name.clone()).unwrap_or_default(),
+            spec: spec.map(from_mesh::spec),
+            old_revision: self.mesh.registry().chain().revision,
+        };
+        let ahead = self.ahead(&caller, &change);
         let result = self.register_in(request, ahead).await;
-        if let Some(log) = self.mesh.decision_log() {
-            let record = from_mesh::change(
-                Arc::unwrap_or_clone(caller),
-                crate::decision_log::ChangeKind::Register,
-                &name,
-                shown,
-                old,
-                result.as_ref().map(|r| r.revision),
-            );
-            log.change(record).await;
-        }
+        self.record(caller, change, result.as_ref().map(|r| r.revision))
+            .await;
         result.map(Response::new)
     }
 
@@ -798,29 +785,16 @@ impl GuardRegistry for Registrar {
         let Some(caller) = log_caller(&self.mesh, &request) else {
             return self.deregister_in(request, None).await.map(Response::new);
         };
-        let old = self.mesh.registry().chain().revision;
-        let name = request.get_ref().name.clone();
-        let ahead = self.ahead(&caller, |caller| {
-            from_mesh::requested(
-                caller,
-                crate::decision_log::ChangeKind::Deregister,
-                &name,
-                None,
-                old,
-            )
-        });
+        let change = RegistryChange {
+            kind: crate::decision_log::ChangeKind::Deregister,
+            guard: request.get_ref().name.clone(),
+            spec: None,
+            old_revision: self.mesh.registry().chain().revision,
+        };
+        let ahead = self.ahead(&caller, &change);
         let result = self.deregister_in(request, ahead).await;
-        if let Some(log) = self.mesh.decision_log() {
-            let record = from_mesh::change(
-                Arc::unwrap_or_clone(caller),
-                crate::decision_log::ChangeKind::Deregister,
-                &name,
-                None,
-                old,
-                result.as_ref().map(|r| r.revision),
-            );
-            log.change(record).await;
-        }
+        self.record(caller, change, result.as_ref().map(|r| r.revision))
+            .await;
         result.map(Response::new)
     }
 
@@ -848,17 +822,27 @@ impl Ahead {
 }
 
 impl Registrar {
+    /// Records `change` once applied (`Ok`: the new revision) or refused
+    /// (R29).
+    async fn record(
+        &self,
+        caller: LogCaller,
+        change: RegistryChange,
+        result: Result<u64, &Status>,
+    ) {
+        if let Some(log) = self.mesh.decision_log() {
+            let record = change.ended(Arc::unwrap_or_clone(caller), result);
+            log.change(record).await;
+        }
+    }
+
     /// The record to write before applying a change, when the log refuses
     /// what it cannot record.
-    fn ahead(
-        &self,
-        caller: &LogCaller,
-        record: impl FnOnce(crate::decision_log::Caller) -> crate::decision_log::ChainChangeRecord,
-    ) -> Option<Ahead> {
+    fn ahead(&self, caller: &LogCaller, change: &RegistryChange) -> Option<Ahead> {
         let log = self.mesh.decision_log()?;
         log.refuses().then(|| Ahead {
             log: log.clone(),
-            record: record(caller.as_ref().clone()),
+            record: change.requested(caller.as_ref().clone()),
         })
     }
 

@@ -261,7 +261,8 @@ impl Batch {
     }
 }
 
-fn validate(name: &str, url: &str) -> GuardSpec {
+/// A validate guard `name` at `url` (also for the results phase tests).
+pub(super) fn validate(name: &str, url: &str) -> GuardSpec {
     GuardSpec {
         name: name.into(),
         endpoint: url.into(),

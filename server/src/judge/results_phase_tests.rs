@@ -6,12 +6,12 @@
 //! (R21) and phases (which guards are sent what).
 
 use super::TraceContext;
-use super::paused_tests::{SpecExt, World, status};
+use super::paused_tests::{SpecExt, World, status, validate};
 use crate::link::scripted::{Step, rewrite, steer};
 use guardmesh_proto::v1::{
     BatchDecision, EvaluateRequest, FailurePolicy, GuardBatch, GuardMode, GuardPhases, GuardRole,
     GuardSpec, ResultAction, ResultDecision, ResultGrant, RewriteGrant, ToolCall, ToolResult,
-    TraceStatus,
+    TraceStatus, Verdict,
 };
 use std::sync::Arc;
 use std::time::Duration;
@@ -72,10 +72,8 @@ impl World {
 
 fn spec(name: &str, url: &str, phases: GuardPhases) -> GuardSpec {
     GuardSpec {
-        name: name.into(),
-        endpoint: url.into(),
         phases: phases as i32,
-        ..Default::default()
+        ..validate(name, url)
     }
 }
 
@@ -101,6 +99,19 @@ fn redactor(batch: &GuardBatch) -> Vec<Step> {
         })
         .collect();
     vec![Step::answer(batch, verdicts)]
+}
+
+/// A steer, with `content`, of each result of `b` that `which` picks.
+fn steer_results(
+    b: &GuardBatch,
+    which: impl Fn(&ToolResult) -> bool,
+    content: &str,
+) -> Vec<Verdict> {
+    b.results
+        .iter()
+        .filter(|r| which(r))
+        .map(|r| steer(&r.call_id, content))
+        .collect()
 }
 
 fn action(d: &ResultDecision) -> ResultAction {
@@ -148,12 +159,11 @@ async fn r33_validate_guards_see_the_raw_result_then_mutate_guards_rewrite_it() 
 async fn r33_a_blocked_result_is_an_error_result_and_mutate_guards_are_not_sent_it() {
     let world = World::new();
     let (v_url, _) = world.guard(|b| {
-        let verdicts = b
-            .results
-            .iter()
-            .filter(|r| r.result.contains("ignore previous"))
-            .map(|r| steer(&r.call_id, "The result held an injected instruction."))
-            .collect();
+        let verdicts = steer_results(
+            b,
+            |r| r.result.contains("ignore previous"),
+            "The result held an injected instruction.",
+        );
         vec![Step::answer(b, verdicts)]
     });
     let (m_url, redacting) = world.guard(redactor);
@@ -339,19 +349,11 @@ async fn r3_r4_r33_the_first_validate_guard_in_chain_order_decides_a_result() {
     // The later guard answers at once, the earlier after 50 ms: the
     // decision is the earlier one's, whichever answers first (R4).
     let (slow_url, _) = world.guard(|b| {
-        let verdicts = b
-            .results
-            .iter()
-            .map(|r| steer(&r.call_id, "first"))
-            .collect();
+        let verdicts = steer_results(b, |_| true, "first");
         vec![Step::answer(b, verdicts).after(Duration::from_millis(50))]
     });
     let (fast_url, _) = world.guard(|b| {
-        let verdicts = b
-            .results
-            .iter()
-            .map(|r| steer(&r.call_id, "second"))
-            .collect();
+        let verdicts = steer_results(b, |_| true, "second");
         vec![Step::answer(b, verdicts)]
     });
     world
@@ -405,12 +407,7 @@ async fn r33_each_result_decision_is_handed_on_with_its_session_and_caller() {
         "the first hook stays"
     );
     let (url, _) = world.guard(|b| {
-        let verdicts = b
-            .results
-            .iter()
-            .filter(|r| r.call_id == "b")
-            .map(|r| steer(&r.call_id, "no"))
-            .collect();
+        let verdicts = steer_results(b, |r| r.call_id == "b", "no");
         vec![Step::answer(b, verdicts)]
     });
     world.register(spec("g", &url, GuardPhases::Results)).await;

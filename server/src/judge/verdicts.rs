@@ -203,11 +203,7 @@ pub(crate) fn check_verdicts_in<'c>(
             (Some(Outcome::Rewrite(rewrite)), Some(i)) => {
                 answered[i] = true;
                 let call = current(i);
-                let next = if results {
-                    check_result_rewrite(guard, limits, call, rewrite)?
-                } else {
-                    check_rewrite(guard, limits, call, rewrite)?
-                };
+                let next = check_rewrite(guard, limits, call, rewrite, results)?;
                 if next == *call {
                     checked.proceeds.push(i);
                 } else {
@@ -219,26 +215,48 @@ pub(crate) fn check_verdicts_in<'c>(
     Ok(checked)
 }
 
-/// A result (`call`: the result as a call) as `guard`'s rewrite leaves it,
-/// if its result grant allows it (R11, R33): no rename, the tool within
-/// the result grant, the new result an I-JSON `CallToolResult` object.
-fn check_result_rewrite(
+/// `call` as `guard`'s rewrite leaves it, in the phase of calls or, with
+/// `results`, of results (`call`: the result as a call), if the guard is a
+/// mutate guard whose grant for that phase holds the tool (R11, R33).
+fn check_rewrite(
     guard: &Guard,
     limits: &validate::Limits,
     call: &ToolCall,
     rewrite: guardmesh_proto::v1::Rewrite,
+    results: bool,
 ) -> Result<ToolCall, Rejection> {
     if guard.role != GuardRole::Mutate {
         return Err(Rejection::NotMutate {
             call_id: call.call_id.clone(),
         });
     }
-    if !guard.result_grant_tools.matches(&call.tool) {
-        return Err(Rejection::ResultNotGranted {
-            call_id: call.call_id.clone(),
-            tool: call.tool.clone(),
+    let grant = if results {
+        &guard.result_grant_tools
+    } else {
+        &guard.grant_tools
+    };
+    if !grant.matches(&call.tool) {
+        let (call_id, tool) = (call.call_id.clone(), call.tool.clone());
+        return Err(if results {
+            Rejection::ResultNotGranted { call_id, tool }
+        } else {
+            Rejection::ToolNotGranted { call_id, tool }
         });
     }
+    if results {
+        rewritten_result(limits, call, rewrite)
+    } else {
+        rewritten_call(guard, limits, call, rewrite)
+    }
+}
+
+/// A result as a granted rewrite leaves it: no rename, the new result an
+/// I-JSON `CallToolResult` object.
+fn rewritten_result(
+    limits: &validate::Limits,
+    call: &ToolCall,
+    rewrite: guardmesh_proto::v1::Rewrite,
+) -> Result<ToolCall, Rejection> {
     if let Some(tool) = &rewrite.tool
         && *tool != call.tool
     {
@@ -278,24 +296,15 @@ fn check_result_rewrite(
     Ok(next)
 }
 
-/// `call` as `guard`'s rewrite leaves it, if the grant allows it (R11).
-fn check_rewrite(
+/// A call as a granted rewrite leaves it (R11): a rename only when the
+/// guard may rename, to a tool within its grant and the tool-name grammar;
+/// new arguments an I-JSON object.
+fn rewritten_call(
     guard: &Guard,
     limits: &validate::Limits,
     call: &ToolCall,
     rewrite: guardmesh_proto::v1::Rewrite,
 ) -> Result<ToolCall, Rejection> {
-    if guard.role != GuardRole::Mutate {
-        return Err(Rejection::NotMutate {
-            call_id: call.call_id.clone(),
-        });
-    }
-    if !guard.grant_tools.matches(&call.tool) {
-        return Err(Rejection::ToolNotGranted {
-            call_id: call.call_id.clone(),
-            tool: call.tool.clone(),
-        });
-    }
     let mut next = call.clone();
     if let Some(tool) = rewrite.tool
         && tool != call.tool

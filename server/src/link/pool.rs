@@ -479,8 +479,9 @@ enum Ended {
     Failed,
 }
 
-/// A request the pool has sent and not settled.
-struct Pending {
+/// A request as [`GuardPool::send`] was asked to send it: the batch, its
+/// sender, and when the guard's time for it is up.
+struct Asked {
     tag: usize,
     events: mpsc::UnboundedSender<LinkEvent>,
     batch: GuardBatch,
@@ -489,6 +490,11 @@ struct Pending {
     sender: Sender,
     stall: Duration,
     until: Instant,
+}
+
+/// A request the pool has sent and not settled.
+struct Pending {
+    asked: Asked,
     replica: Arc<Replica>,
     link_id: u64,
     tried: Vec<Arc<str>>,
@@ -508,19 +514,24 @@ struct Pending {
 /// A request waiting for room at the guard's replicas ([`fair`]): every
 /// replica that could take it holds as many requests as its limit allows.
 struct Waiting {
-    tag: usize,
-    events: mpsc::UnboundedSender<LinkEvent>,
-    batch: GuardBatch,
-    shared: Bytes,
-    client: u64,
-    sender: Sender,
-    stall: Duration,
-    until: Instant,
+    asked: Asked,
     /// Since when it waits.
     since: Instant,
     /// Until when it may wait: half the guard's time left when it began
     /// to (its entry in [`State::waits`]).
     wait_until: Instant,
+}
+
+impl Waiting {
+    /// `asked`, waiting from `now` for at most half the guard's time left.
+    fn new(asked: Asked, now: Instant) -> Self {
+        let wait_until = now + asked.until.saturating_duration_since(now) / 2;
+        Waiting {
+            asked,
+            since: now,
+            wait_until,
+        }
+    }
 }
 
 /// Why [`Inner::dispatch`] sent nothing.
@@ -950,7 +961,7 @@ impl GuardPool {
         let id = self.inner.next_id.fetch_add(1, Ordering::Relaxed);
         let mut state = self.inner.lock();
         let now = Instant::now();
-        let request = Waiting {
+        let asked = Asked {
             tag,
             events: events.clone(),
             batch,
@@ -959,9 +970,8 @@ impl GuardPool {
             sender,
             stall,
             until,
-            since: now,
-            wait_until: now + until.saturating_duration_since(now) / 2,
         };
+        let request = Waiting::new(asked, now);
         // Others wait already: this one takes its turn after them.
         if !state.waiting.is_empty() {
             self.inner.enqueue(&mut state, id, request)?;
@@ -973,8 +983,8 @@ impl GuardPool {
         let sent = self.inner.dispatch(
             &mut state,
             id,
-            &request.batch,
-            &request.shared,
+            &request.asked.batch,
+            &request.asked.shared,
             client,
             stall,
             &[],
@@ -999,7 +1009,7 @@ impl GuardPool {
         let (pending, prices) = {
             let mut state = self.inner.lock();
             if let Some(waiting) = state.queued.remove(&id) {
-                state.waiting.remove(waiting.sender, &id);
+                state.waiting.remove(waiting.asked.sender, &id);
                 state.waits.remove(&(waiting.wait_until, id));
                 self.inner.gauges(&mut state);
                 return None;
@@ -1169,21 +1179,15 @@ impl Inner {
         sent_at: Instant,
     ) {
         state.budget.sent(sent_at);
-        let attempt_until = self.attempt_deadline(state, &replica, &[], sent_at, request.until);
+        let attempt_until =
+            self.attempt_deadline(state, &replica, &[], sent_at, request.asked.until);
         if let Some(at) = attempt_until {
             self.arm(state, id, at);
         }
         state.requests.insert(
             id,
             Pending {
-                tag: request.tag,
-                events: request.events,
-                batch: request.batch,
-                shared: request.shared,
-                client: request.client,
-                sender: request.sender,
-                stall: request.stall,
-                until: request.until,
+                asked: request.asked,
                 replica,
                 link_id,
                 tried: Vec::new(),
@@ -1261,11 +1265,11 @@ impl Inner {
             share: (max_waiting / super::CLIENT_SHARES).max(1),
         };
         if request.wait_until <= now {
-            return Err(self.refusal(state, request.stall, now, 0, bounds.share));
+            return Err(self.refusal(state, request.asked.stall, now, 0, bounds.share));
         }
-        match state.waiting.push(request.sender, id, bounds) {
+        match state.waiting.push(request.asked.sender, id, bounds) {
             Err(refused) => {
-                Err(self.refusal(state, request.stall, now, refused.held, bounds.share))
+                Err(self.refusal(state, request.asked.stall, now, refused.held, bounds.share))
             }
             Ok(evicted) => {
                 state.waits.insert((request.wait_until, id));
@@ -1276,7 +1280,7 @@ impl Inner {
                     && let Some(shed) = state.queued.remove(&evicted)
                 {
                     state.waits.remove(&(shed.wait_until, evicted));
-                    let busy = self.full(state, shed.sender, bounds.share);
+                    let busy = self.full(state, shed.asked.sender, bounds.share);
                     self.shed(shed, busy.into());
                 }
                 Ok(())
@@ -1323,8 +1327,8 @@ impl Inner {
     /// Tells a waiting request's batch that it is shed (R25), counted.
     fn shed(&self, request: Waiting, busy: Busy) {
         tracing::debug!(guard = %self.name, error = %busy, "request shed: the guard is busy");
-        let _ = request.events.send(LinkEvent::Shed {
-            tag: request.tag,
+        let _ = request.asked.events.send(LinkEvent::Shed {
+            tag: request.asked.tag,
             busy,
             replica: Arc::from(""),
         });
@@ -1351,37 +1355,21 @@ impl Inner {
             // Less time left than the replicas now take, with a margin
             // for their queues growing: sent, it would only time out (a
             // failure for its batch); shed instead.
-            let left = request.until.saturating_duration_since(now);
+            let left = request.asked.until.saturating_duration_since(now);
             if let Some(takes) = self.least_estimate(state, now)
                 && left < takes.mul_f64(NEEDS_ESTIMATES)
             {
-                // Unless nothing was answered while it waited: not load,
-                // a guard making no progress (R13).
-                if let Some((in_flight, stalled)) = self.stalled(state, request.since, now) {
-                    let _ = request.events.send(LinkEvent::Failed {
-                        tag: request.tag,
-                        failure: GuardFailure::NoProgress { in_flight, stalled },
-                        replica: Arc::from(""),
-                    });
-                    continue;
-                }
-                let (in_flight, limit, _) = self.load(state);
-                let busy = NoRoom::Waited {
-                    waited: now.saturating_duration_since(request.since),
-                    in_flight,
-                    limit,
-                };
-                self.shed(request, busy.into());
+                self.give_up(state, request, now);
                 continue;
             }
             let hook = self.hook(id);
             let sent = self.dispatch(
                 state,
                 id,
-                &request.batch,
-                &request.shared,
-                request.client,
-                request.stall,
+                &request.asked.batch,
+                &request.asked.shared,
+                request.asked.client,
+                request.asked.stall,
                 &[],
                 &hook,
             );
@@ -1392,7 +1380,7 @@ impl Inner {
                 Err(Undispatched::Full) => {
                     // Room went between the check and the send: it waits
                     // again, at the back of its flow.
-                    let sender = request.sender;
+                    let sender = request.asked.sender;
                     let at = request.wait_until;
                     if state
                         .waiting
@@ -1414,8 +1402,8 @@ impl Inner {
                 Err(Undispatched::Not(NotSent::Busy(busy))) => self.shed(request, busy.into()),
                 Err(Undispatched::Not(NotSent::NoRoom(busy))) => self.shed(request, busy.into()),
                 Err(Undispatched::Not(NotSent::Failed(failure))) => {
-                    let _ = request.events.send(LinkEvent::Failed {
-                        tag: request.tag,
+                    let _ = request.asked.events.send(LinkEvent::Failed {
+                        tag: request.asked.tag,
                         failure,
                         replica: Arc::from(""),
                     });
@@ -1447,23 +1435,30 @@ impl Inner {
             let Some(request) = state.queued.remove(&id) else {
                 continue;
             };
-            state.waiting.remove(request.sender, &id);
-            if let Some((in_flight, stalled)) = self.stalled(state, request.since, now) {
-                let _ = request.events.send(LinkEvent::Failed {
-                    tag: request.tag,
-                    failure: GuardFailure::NoProgress { in_flight, stalled },
-                    replica: Arc::from(""),
-                });
-                continue;
-            }
-            let (in_flight, limit, _) = self.load(state);
-            let busy = NoRoom::Waited {
-                waited: now.saturating_duration_since(request.since),
-                in_flight,
-                limit,
-            };
-            self.shed(request, busy.into());
+            state.waiting.remove(request.asked.sender, &id);
+            self.give_up(state, request, now);
         }
+    }
+
+    /// Ends a waiting request that will not be sent: shed (R25), or failed
+    /// when nothing was answered while it waited: not load, a guard making
+    /// no progress (R13).
+    fn give_up(&self, state: &State, request: Waiting, now: Instant) {
+        if let Some((in_flight, stalled)) = self.stalled(state, request.since, now) {
+            let _ = request.asked.events.send(LinkEvent::Failed {
+                tag: request.asked.tag,
+                failure: GuardFailure::NoProgress { in_flight, stalled },
+                replica: Arc::from(""),
+            });
+            return;
+        }
+        let (in_flight, limit, _) = self.load(state);
+        let busy = NoRoom::Waited {
+            waited: now.saturating_duration_since(request.since),
+            in_flight,
+            limit,
+        };
+        self.shed(request, busy.into());
     }
 
     /// When the attempt just sent to `replica` at `now`, of a request whose
@@ -1539,16 +1534,20 @@ impl Inner {
     ) -> Option<Arc<Replica>> {
         let pending = state.requests.get_mut(&id)?;
         pending.attempt_until = None;
-        if pending.partial || pending.moved_on_timeout || now >= pending.until {
+        if pending.partial || pending.moved_on_timeout || now >= pending.asked.until {
             return None;
         }
         let failed = pending.replica.clone();
         let mut tried = pending.tried.clone();
         tried.push(failed.endpoint.clone());
-        let mut batch = pending.batch.clone();
+        let mut batch = pending.asked.batch.clone();
         batch.deadline_ms =
-            u32::try_from((pending.until - now).as_millis().max(1)).unwrap_or(u32::MAX);
-        let (shared, client, stall) = (pending.shared.clone(), pending.client, pending.stall);
+            u32::try_from((pending.asked.until - now).as_millis().max(1)).unwrap_or(u32::MAX);
+        let (shared, client, stall) = (
+            pending.asked.shared.clone(),
+            pending.asked.client,
+            pending.asked.stall,
+        );
         if !state.budget.allows(now) {
             tracing::debug!(
                 guard = %self.name,
@@ -1824,11 +1823,11 @@ impl Inner {
                         state.attempts.remove(&(at, id));
                     }
                     let event = LinkEvent::Answer {
-                        tag: pending.tag,
+                        tag: pending.asked.tag,
                         response,
                         replica,
                     };
-                    let _ = pending.events.send(event);
+                    let _ = pending.asked.events.send(event);
                     return;
                 }
                 let Some(pending) = state.requests.remove(&id) else {
@@ -1867,17 +1866,18 @@ impl Inner {
                 let left =
                     failed.release(pending.sent_at, id, now, Ended::Failed, &Prices::of(&[]));
                 failed.series.outstanding(left);
-                if fails_over(&failure) && !pending.partial && now < pending.until {
+                if fails_over(&failure) && !pending.partial && now < pending.asked.until {
                     pending.tried.push(failed.endpoint.clone());
-                    let mut batch = pending.batch.clone();
+                    let mut batch = pending.asked.batch.clone();
                     batch.deadline_ms =
-                        u32::try_from((pending.until - now).as_millis().max(1)).unwrap_or(u32::MAX);
+                        u32::try_from((pending.asked.until - now).as_millis().max(1))
+                            .unwrap_or(u32::MAX);
                     let tried = pending.tried.clone();
                     let (shared, client, stall, until, moved) = (
-                        pending.shared.clone(),
-                        pending.client,
-                        pending.stall,
-                        pending.until,
+                        pending.asked.shared.clone(),
+                        pending.asked.client,
+                        pending.asked.stall,
+                        pending.asked.until,
                         pending.moved_on_timeout,
                     );
                     let outage = self.eject(state, &failed, &failure, now);
@@ -1891,20 +1891,13 @@ impl Inner {
                             failed.link.record(Err(&failure));
                         }
                         if let Some(pending) = state.requests.remove(&id) {
-                            let events = pending.events.clone();
-                            let tag = pending.tag;
-                            let request = Waiting {
-                                tag,
-                                events: pending.events,
+                            let events = pending.asked.events.clone();
+                            let tag = pending.asked.tag;
+                            let asked = Asked {
                                 batch,
-                                shared,
-                                client,
-                                sender: pending.sender,
-                                stall,
-                                until,
-                                since: now,
-                                wait_until: now + until.saturating_duration_since(now) / 2,
+                                ..pending.asked
                             };
+                            let request = Waiting::new(asked, now);
                             let event = match self.enqueue(state, id, request) {
                                 Ok(()) => None,
                                 Err(NotSent::Busy(busy)) => Some(LinkEvent::Shed {
@@ -1986,9 +1979,9 @@ impl Inner {
         match &mut event {
             LinkEvent::Answer { tag, .. }
             | LinkEvent::Failed { tag, .. }
-            | LinkEvent::Shed { tag, .. } => *tag = pending.tag,
+            | LinkEvent::Shed { tag, .. } => *tag = pending.asked.tag,
         }
-        let _ = pending.events.send(event);
+        let _ = pending.asked.events.send(event);
         // A replica has room again: the next waiting request, in turn.
         {
             let mut state = self.lock();

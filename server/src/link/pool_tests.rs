@@ -5,7 +5,7 @@
 //! versions are in the integration module `guard_replicas`.
 
 use super::discover::ReplicaTarget;
-use super::pool::{EJECT_INITIAL, GuardPool};
+use super::pool::{EJECT_INITIAL, GuardPool, SpawnLink};
 use super::scripted::{ScriptedGuard, ScriptedNet, Step, proceed};
 use super::transport::GuardTransport;
 use super::{GuardFailure, GuardLink, LinkConfig, LinkEvent, NotSent, wire};
@@ -40,6 +40,53 @@ fn answer_after(delay: Duration) -> impl Fn(&GuardBatch) -> Vec<Step> + Send + S
     }
 }
 
+/// Links of the guard "g" to its replicas on `net`.
+fn spawn_links(config: LinkConfig, net: &Arc<ScriptedNet>, metrics: &Arc<Metrics>) -> SpawnLink {
+    let transport = net.clone() as Arc<dyn GuardTransport>;
+    let metrics = metrics.clone();
+    Box::new(move |target| {
+        GuardLink::spawn_with(
+            "g",
+            &target.endpoint,
+            config.clone(),
+            transport.clone(),
+            None,
+            metrics.clone(),
+        )
+    })
+}
+
+/// Sends `pool` a one-call batch tagged `tag`, the guard's time `within`.
+fn send(
+    pool: &GuardPool,
+    tx: &mpsc::UnboundedSender<LinkEvent>,
+    tag: usize,
+    within: Duration,
+) -> Result<u64, NotSent> {
+    let calls = [ToolCall {
+        call_id: format!("c{tag}"),
+        tool: "t".into(),
+        arguments: "{}".into(),
+    }];
+    let shared = wire::shared_part(None, calls.iter());
+    let batch = GuardBatch {
+        batch_id: format!("b{tag}"),
+        guard: "g".into(),
+        deadline_ms: u32::try_from(within.as_millis()).unwrap_or(u32::MAX),
+        ..Default::default()
+    };
+    pool.send(
+        batch,
+        shared,
+        tag,
+        tx,
+        1,
+        crate::link::fair::Sender::default(),
+        Duration::from_secs(1),
+        Instant::now() + within,
+    )
+}
+
 /// A pool over `n` scripted replicas each running `script(i)`, following
 /// a watch the test holds (`rig.set`).
 fn rig<S>(n: usize, change: impl FnOnce(&mut LinkConfig), script: impl Fn(usize) -> S) -> Rig
@@ -57,21 +104,10 @@ where
     let metrics = Arc::new(Metrics::with_max_latency(Duration::from_secs(30)));
     let targets: Arc<[ReplicaTarget]> = (0..n).map(|i| ReplicaTarget::new(url(i))).collect();
     let (set, replicas) = watch::channel(targets);
-    let transport = net.clone() as Arc<dyn GuardTransport>;
-    let link_metrics = metrics.clone();
     let pool = GuardPool::new(
         "g",
         replicas,
-        Box::new(move |target| {
-            GuardLink::spawn_with(
-                "g",
-                &target.endpoint,
-                config.clone(),
-                transport.clone(),
-                None,
-                link_metrics.clone(),
-            )
-        }),
+        spawn_links(config, &net, &metrics),
         metrics.clone(),
     );
     let (tx, events) = mpsc::unbounded_channel();
@@ -88,28 +124,7 @@ where
 impl Rig {
     /// Sends a one-call batch tagged `tag`, the guard's time `within`.
     fn send(&self, tag: usize, within: Duration) -> Result<u64, NotSent> {
-        let calls = [ToolCall {
-            call_id: format!("c{tag}"),
-            tool: "t".into(),
-            arguments: "{}".into(),
-        }];
-        let shared = wire::shared_part(None, calls.iter());
-        let batch = GuardBatch {
-            batch_id: format!("b{tag}"),
-            guard: "g".into(),
-            deadline_ms: u32::try_from(within.as_millis()).unwrap_or(u32::MAX),
-            ..Default::default()
-        };
-        self.pool.send(
-            batch,
-            shared,
-            tag,
-            &self.tx,
-            1,
-            crate::link::fair::Sender::default(),
-            Duration::from_secs(1),
-            Instant::now() + within,
-        )
+        send(&self.pool, &self.tx, tag, within)
     }
 
     async fn next(&mut self) -> LinkEvent {
@@ -567,23 +582,12 @@ async fn r32_a_name_is_its_addresses_and_a_failed_one_asks_for_a_resolution() {
         }),
         None,
     );
-    let transport = net.clone() as Arc<dyn GuardTransport>;
-    let link_metrics = metrics.clone();
     let pool = GuardPool::registered(
         "g",
         ["http://guard.test:30000".to_string()],
         sources,
         None,
-        Box::new(move |target| {
-            GuardLink::spawn_with(
-                "g",
-                &target.endpoint,
-                config.clone(),
-                transport.clone(),
-                None,
-                link_metrics.clone(),
-            )
-        }),
+        spawn_links(config, &net, &metrics),
         metrics.clone(),
     );
     assert_eq!(pool.registered_targets(), ["http://guard.test:30000"]);
@@ -596,29 +600,8 @@ async fn r32_a_name_is_its_addresses_and_a_failed_one_asks_for_a_resolution() {
     assert_eq!(pool.endpoints(), [url(0), url(1)], "the name's addresses");
     assert_eq!(resolver.0.load(Ordering::Relaxed), 1);
     let (tx, mut events) = mpsc::unbounded_channel();
-    let calls = [ToolCall {
-        call_id: "c".into(),
-        tool: "t".into(),
-        arguments: "{}".into(),
-    }];
     for tag in 0..10 {
-        let batch = GuardBatch {
-            batch_id: format!("b{tag}"),
-            guard: "g".into(),
-            deadline_ms: 2000,
-            ..Default::default()
-        };
-        pool.send(
-            batch,
-            wire::shared_part(None, calls.iter()),
-            tag,
-            &tx,
-            1,
-            crate::link::fair::Sender::default(),
-            Duration::from_secs(1),
-            Instant::now() + Duration::from_secs(2),
-        )
-        .unwrap();
+        send(&pool, &tx, tag, ms(2000)).unwrap();
     }
     settle().await;
     assert!(guards[0].requests() > 0);

@@ -129,17 +129,21 @@ pub fn export_failed(signal: &'static str, error: &dyn std::fmt::Display) {
     }
 }
 
+/// `result` of an export of `signal`, a failure counted and logged.
+fn counted(signal: &'static str, result: OTelSdkResult) -> OTelSdkResult {
+    if let Err(error) = &result {
+        export_failed(signal, error);
+    }
+    result
+}
+
 /// A span exporter whose failures are counted and logged.
 #[derive(Debug)]
 pub(crate) struct Counted<E>(pub(crate) E);
 
 impl<E: SpanExporter> SpanExporter for Counted<E> {
     async fn export(&self, batch: Vec<SpanData>) -> OTelSdkResult {
-        let result = self.0.export(batch).await;
-        if let Err(error) = &result {
-            export_failed("traces", error);
-        }
-        result
+        counted("traces", self.0.export(batch).await)
     }
 
     fn shutdown_with_timeout(&self, timeout: Duration) -> OTelSdkResult {
@@ -163,11 +167,7 @@ impl<E: opentelemetry_sdk::logs::LogExporter> opentelemetry_sdk::logs::LogExport
     for CountedLogs<E>
 {
     async fn export(&self, batch: opentelemetry_sdk::logs::LogBatch<'_>) -> OTelSdkResult {
-        let result = self.0.export(batch).await;
-        if let Err(error) = &result {
-            export_failed("logs", error);
-        }
-        result
+        counted("logs", self.0.export(batch).await)
     }
 
     fn shutdown_with_timeout(&self, timeout: Duration) -> OTelSdkResult {

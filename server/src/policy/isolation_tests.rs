@@ -5,22 +5,8 @@
 use proptest::prelude::*;
 use serde_json::json;
 
+use super::tests::{batch, call};
 use super::*;
-
-fn call(id: &str, tool: &str, args: serde_json::Value) -> CallInput {
-    CallInput {
-        call_id: id.into(),
-        tool: tool.into(),
-        args,
-    }
-}
-
-fn batch(calls: Vec<CallInput>) -> BatchInput {
-    BatchInput {
-        calls,
-        ..BatchInput::default()
-    }
-}
 
 fn rule(name: &str, tools: Option<&str>, when: &str, message: &str) -> String {
     let tools = tools.map_or_else(String::new, |t| format!("tools = [{t:?}]\n"));

@@ -7,7 +7,8 @@ use serde_json::json;
 use super::engine;
 use super::*;
 
-fn call(id: &str, tool: &str, args: serde_json::Value) -> CallInput {
+/// The call `id` of `tool` with `args` (also for the lane tests).
+pub(super) fn call(id: &str, tool: &str, args: serde_json::Value) -> CallInput {
     CallInput {
         call_id: id.to_owned(),
         tool: tool.to_owned(),
@@ -15,7 +16,8 @@ fn call(id: &str, tool: &str, args: serde_json::Value) -> CallInput {
     }
 }
 
-fn batch(calls: Vec<CallInput>) -> BatchInput {
+/// A batch of `calls` and nothing else.
+pub(super) fn batch(calls: Vec<CallInput>) -> BatchInput {
     BatchInput {
         calls,
         ..BatchInput::default()
@@ -751,33 +753,7 @@ expect_rule = "first"
 fn measure_the_example_policy() {
     print!("{}", check(EXAMPLE_POLICY).unwrap());
     let policy = Policy::compile(EXAMPLE_POLICY).unwrap();
-    let mut calls: Vec<CallInput> = Vec::new();
-    for i in 0..2 {
-        calls.push(call(
-            &format!("s{i}"),
-            "sql.query",
-            json!({"query": "SELECT * FROM t WHERE id = 1"}),
-        ));
-        calls.push(call(
-            &format!("p{i}"),
-            "payments.send",
-            json!({"amount": 120 + i, "to": "ACME"}),
-        ));
-        calls.push(call(
-            &format!("e{i}"),
-            "email.send",
-            json!({"to": "a@b", "body": "hello"}),
-        ));
-        calls.push(call(
-            &format!("w{i}"),
-            "web.search",
-            json!({"q": "weather"}),
-        ));
-    }
-    calls.push(call("x", "shell.exec", json!({"cmd": "ls"})));
-    let mut input = batch(calls);
-    input.metadata.insert("tenant".into(), "acme".into());
-    input.metadata.insert("env".into(), "staging".into());
+    let input = example_batch();
     let rounds = 2000;
     let start = std::time::Instant::now();
     for _ in 0..rounds {

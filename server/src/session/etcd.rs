@@ -157,12 +157,7 @@ impl SessionStore for EtcdStore {
             etcd_client::TxnOpResponse::Get(get) => get.kvs().first().map(|kv| kv.value().to_vec()),
             _ => None,
         });
-        Ok(match there {
-            Some(value) if value == check.as_bytes() => SecretAgreement::Same,
-            Some(_) => SecretAgreement::Differs,
-            // Deleted in between: the next start writes it.
-            None => SecretAgreement::First,
-        })
+        Ok(SecretAgreement::with(there.as_deref(), check))
     }
 
     fn kind(&self) -> &'static str {

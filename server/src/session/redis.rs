@@ -275,11 +275,8 @@ impl SessionStore for RedisStore {
         if written {
             return Ok(SecretAgreement::First);
         }
-        Ok(match self.get(&key).await? {
-            Some(value) if value == check.as_bytes() => SecretAgreement::Same,
-            Some(_) => SecretAgreement::Differs,
-            None => SecretAgreement::First,
-        })
+        let there = self.get(&key).await?;
+        Ok(SecretAgreement::with(there.as_deref(), check))
     }
 
     fn kind(&self) -> &'static str {

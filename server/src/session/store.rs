@@ -43,6 +43,19 @@ pub enum SecretAgreement {
     Differs,
 }
 
+impl SecretAgreement {
+    /// How this replica's `check` agrees with the one a store holds
+    /// (`there`) when it could not write its own first; `None`: deleted in
+    /// between, so the next start writes it.
+    pub(crate) fn with(there: Option<&[u8]>, check: &str) -> Self {
+        match there {
+            Some(value) if value == check.as_bytes() => Self::Same,
+            Some(_) => Self::Differs,
+            None => Self::First,
+        }
+    }
+}
+
 /// Why session memory could not be read or written. Rules that need the
 /// memory then fail per their guard's failure policy (R13): never "no
 /// history, so proceed".

@@ -613,15 +613,8 @@ async fn r34_a_read_shares_the_memory_and_a_later_write_never_changes_what_it_re
     let mem = SessionMemory::in_memory(limits());
     let key = SessionKey::new("alice", "s-1");
     let now = now_ms();
-    store
-        .update(
-            &key,
-            &update_with_call(&mem, "c1", "fs.read"),
-            &limits(),
-            now,
-        )
-        .await
-        .unwrap();
+    let call = update_with_call(&mem, "c1", "fs.read");
+    store.update(&key, &call, &limits(), now).await.unwrap();
     // Two reads hand out one memory, not two copies.
     let a = store.snapshot(&key).await.unwrap().unwrap();
     let b = store.snapshot(&key).await.unwrap().unwrap();
@@ -641,15 +634,8 @@ async fn r34_a_read_shares_the_memory_and_a_later_write_never_changes_what_it_re
     drop(a);
     let before = Arc::as_ptr(&c);
     drop(c);
-    store
-        .update(
-            &key,
-            &update_with_call(&mem, "c3", "fs.read"),
-            &limits(),
-            now,
-        )
-        .await
-        .unwrap();
+    let call = update_with_call(&mem, "c3", "fs.read");
+    store.update(&key, &call, &limits(), now).await.unwrap();
     let d = store.snapshot(&key).await.unwrap().unwrap();
     assert_eq!(Arc::as_ptr(&d), before);
     assert_eq!(d.calls.len(), 3);

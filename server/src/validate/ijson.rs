@@ -535,17 +535,8 @@ impl<'a> Scanner<'a, '_> {
                 });
             }
             self.names.push(name);
-            self.skip_ws();
-            match self.peek() {
-                Some(b',') => {
-                    self.pos += 1;
-                    self.skip_ws();
-                }
-                Some(b'}') => {
-                    self.pos += 1;
-                    break;
-                }
-                _ => return Err(self.syntax("',' or '}'")),
+            if !self.another(b'}', "',' or '}'")? {
+                break;
             }
         }
         let names = &mut self.names[start..];
@@ -584,19 +575,29 @@ impl<'a> Scanner<'a, '_> {
                 return Err(error);
             }
             index += 1;
-            self.skip_ws();
-            match self.peek() {
-                Some(b',') => {
-                    self.pos += 1;
-                    self.skip_ws();
-                }
-                Some(b']') => {
-                    self.pos += 1;
-                    self.largest = self.largest.max(index);
-                    return Ok(());
-                }
-                _ => return Err(self.syntax("',' or ']'")),
+            if !self.another(b']', "',' or ']'")? {
+                self.largest = self.largest.max(index);
+                return Ok(());
             }
+        }
+    }
+
+    /// After a member or an element: `true` past a `,` (another follows),
+    /// `false` past `close` (the last one); anything else is a syntax
+    /// error, `expected` naming what was not found.
+    fn another(&mut self, close: u8, expected: &'static str) -> Result<bool, JsonError> {
+        self.skip_ws();
+        match self.peek() {
+            Some(b',') => {
+                self.pos += 1;
+                self.skip_ws();
+                Ok(true)
+            }
+            Some(byte) if byte == close => {
+                self.pos += 1;
+                Ok(false)
+            }
+            _ => Err(self.syntax(expected)),
         }
     }
 

@@ -421,6 +421,19 @@ mod tests {
         }
     }
 
+    /// The message of `request`'s refusal, asserted INVALID_ARGUMENT for
+    /// `reason` (`case`: what the test tried, shown when it fails).
+    fn invalid(request: &EvaluateRequest, reason: &str, case: &str) -> String {
+        let refusal = check(request, &Limits::default()).unwrap_err();
+        assert_eq!(
+            refusal.status.code(),
+            tonic::Code::InvalidArgument,
+            "{case}"
+        );
+        assert_eq!(refusal.reason, reason, "{case}");
+        refusal.status.message().to_owned()
+    }
+
     fn one_call(batch_id: &str, tool: &str, args: &str) -> EvaluateRequest {
         EvaluateRequest {
             batch_id: batch_id.into(),
@@ -451,14 +464,8 @@ mod tests {
             (r#"{"µ":1,"μ":2}"#, "µ", "μ", "$"),
         ];
         for (args, first, second, at) in cases {
-            let refusal = check(&one_call("b", "t", args), &Limits::default()).unwrap_err();
-            assert_eq!(
-                refusal.status.code(),
-                tonic::Code::InvalidArgument,
-                "{args}"
-            );
-            assert_eq!(refusal.reason, "arguments_case_collision", "{args}");
-            let message = refusal.status.message();
+            let batch = one_call("b", "t", args);
+            let message = invalid(&batch, "arguments_case_collision", args);
             assert!(message.starts_with("call #0 (\"c1\")"), "{message}");
             assert!(
                 message.contains(&format!("member names {first:?} and {second:?}")),
@@ -504,14 +511,8 @@ mod tests {
             "shell\u{7f}",
             long.as_str(),
         ] {
-            let refusal = check(&one_call("b", tool, "{}"), &Limits::default()).unwrap_err();
-            assert_eq!(
-                refusal.status.code(),
-                tonic::Code::InvalidArgument,
-                "{tool:?}"
-            );
-            assert_eq!(refusal.reason, "tool_name_outside_grammar", "{tool:?}");
-            let message = refusal.status.message();
+            let batch = one_call("b", tool, "{}");
+            let message = invalid(&batch, "tool_name_outside_grammar", &format!("{tool:?}"));
             assert!(
                 message.starts_with("call #0 (\"c1\") has tool name"),
                 "{message}"
@@ -763,10 +764,7 @@ mod tests {
             ],
             ..Default::default()
         };
-        let refusal = check(&request, &Limits::default()).unwrap_err();
-        assert_eq!(refusal.status.code(), tonic::Code::InvalidArgument);
-        assert_eq!(refusal.reason, "arguments_not_i_json");
-        let message = refusal.status.message();
+        let message = invalid(&request, "arguments_not_i_json", "");
         assert!(message.starts_with("call #1 (\"xxxx"), "{message}");
         assert!(
             message.ends_with(r#"duplicate member name "sql" at $"#),

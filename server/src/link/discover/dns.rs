@@ -408,6 +408,19 @@ mod tests {
         Arc::new(EndpointPolicy::default())
     }
 
+    /// The watch of the guard "g" at `endpoint`, names resolved by
+    /// `resolver`.
+    async fn watch(
+        endpoint: &str,
+        policy: Arc<EndpointPolicy>,
+        interval: Duration,
+        resolver: &Arc<Scripted>,
+    ) -> (Replicas, ResolveHandle) {
+        watch_endpoint("g", endpoint, policy, interval, resolver.clone())
+            .await
+            .unwrap()
+    }
+
     #[test]
     fn r32_endpoints_parse_as_links_dial_them() {
         let p = parse_endpoint("http://guard.ns.svc:7001").unwrap();
@@ -442,15 +455,13 @@ mod tests {
     #[tokio::test(start_paused = true)]
     async fn r32_an_address_endpoint_is_one_fixed_replica() {
         let resolver = Scripted::new(&["127.0.0.9"]);
-        let (rx, handle) = watch_endpoint(
-            "g",
+        let (rx, handle) = watch(
             "http://127.0.0.2:7001",
             policy(),
             DEFAULT_RESOLVE_INTERVAL,
-            resolver.clone(),
+            &resolver,
         )
-        .await
-        .unwrap();
+        .await;
         assert_eq!(endpoints(&rx), ["http://127.0.0.2:7001"]);
         handle.resolve_now();
         assert_eq!(
@@ -463,15 +474,13 @@ mod tests {
     #[tokio::test(start_paused = true)]
     async fn r32_a_name_is_every_address_it_resolves_to_and_follows_changes() {
         let resolver = Scripted::new(&["127.0.0.3", "127.0.0.2", "127.0.0.4", "127.0.0.2"]);
-        let (mut rx, _handle) = watch_endpoint(
-            "g",
+        let (mut rx, _handle) = watch(
             "https://guard.test:7001",
             policy(),
             Duration::from_secs(30),
-            resolver.clone(),
+            &resolver,
         )
-        .await
-        .unwrap();
+        .await;
         assert_eq!(
             endpoints(&rx),
             [
@@ -509,15 +518,13 @@ mod tests {
     #[tokio::test(start_paused = true)]
     async fn ssrf_a_name_that_re_resolves_to_metadata_loses_that_address() {
         let resolver = Scripted::new(&["127.0.0.2", "127.0.0.3"]);
-        let (mut rx, handle) = watch_endpoint(
-            "g",
+        let (mut rx, handle) = watch(
             "http://guard.test:7001",
             policy(),
             Duration::from_secs(30),
-            resolver.clone(),
+            &resolver,
         )
-        .await
-        .unwrap();
+        .await;
         assert_eq!(handle.refused(), 0);
         resolver.set(&["127.0.0.2", "169.254.169.254", "fe80::1", "0.0.0.0"]);
         tokio::time::timeout(Duration::from_secs(31), rx.changed())
@@ -539,29 +546,25 @@ mod tests {
     async fn ssrf_an_allow_list_applies_to_every_resolved_address() {
         let allow = Arc::new(EndpointPolicy::new(&["127.0.0.0/30".into()], true).unwrap());
         let resolver = Scripted::new(&["127.0.0.2", "10.0.0.7", "127.0.0.9"]);
-        let (rx, handle) = watch_endpoint(
-            "g",
+        let (rx, handle) = watch(
             "http://guard.test:1",
             allow,
             DEFAULT_RESOLVE_INTERVAL,
-            resolver,
+            &resolver,
         )
-        .await
-        .unwrap();
+        .await;
         assert_eq!(endpoints(&rx), ["http://127.0.0.2:1"]);
         assert_eq!(handle.refused(), 2);
         // A name on the allow-list may resolve to any address not denied.
         let by_name = Arc::new(EndpointPolicy::new(&["*.guards.svc".into()], true).unwrap());
         let resolver = Scripted::new(&["10.0.0.7", "169.254.169.254"]);
-        let (rx, _) = watch_endpoint(
-            "g",
+        let (rx, _) = watch(
             "http://a.guards.svc:1",
             by_name,
             DEFAULT_RESOLVE_INTERVAL,
-            resolver,
+            &resolver,
         )
-        .await
-        .unwrap();
+        .await;
         assert_eq!(endpoints(&rx), ["http://10.0.0.7:1"]);
     }
 
@@ -572,15 +575,13 @@ mod tests {
             .collect();
         let many: Vec<&str> = many.iter().map(String::as_str).collect();
         let resolver = Scripted::new(&many);
-        let (rx, _) = watch_endpoint(
-            "g",
+        let (rx, _) = watch(
             "http://guard.test:1",
             policy(),
             DEFAULT_RESOLVE_INTERVAL,
-            resolver,
+            &resolver,
         )
-        .await
-        .unwrap();
+        .await;
         assert_eq!(rx.borrow().len(), MAX_ADDRESSES_PER_NAME);
         assert_eq!(rx.borrow()[0].endpoint, "http://10.0.0.1:1");
     }
@@ -588,15 +589,13 @@ mod tests {
     #[tokio::test(start_paused = true)]
     async fn r32_a_link_can_ask_for_a_new_resolution_no_more_than_once_a_gap() {
         let resolver = Scripted::new(&["127.0.0.2"]);
-        let (mut rx, handle) = watch_endpoint(
-            "g",
+        let (mut rx, handle) = watch(
             "http://guard.test:1",
             policy(),
             Duration::from_secs(3600),
-            resolver.clone(),
+            &resolver,
         )
-        .await
-        .unwrap();
+        .await;
         assert_eq!(handle.resolutions(), 1);
         resolver.set(&["127.0.0.3"]);
         handle.resolve_now();
@@ -617,15 +616,13 @@ mod tests {
     #[tokio::test(start_paused = true)]
     async fn r32_the_task_ends_with_its_last_reader() {
         let resolver = Scripted::new(&["127.0.0.2"]);
-        let (rx, handle) = watch_endpoint(
-            "g",
+        let (rx, handle) = watch(
             "http://guard.test:1",
             policy(),
             Duration::from_secs(1),
-            resolver,
+            &resolver,
         )
-        .await
-        .unwrap();
+        .await;
         drop(rx);
         tokio::time::sleep(Duration::from_secs(10)).await;
         assert_eq!(

@@ -312,22 +312,15 @@ mod tests {
         let w = Duration::from_secs(10);
         let refuse = AfterWindow::Refuse;
         let stale = AfterWindow::ServeStale;
-        assert_eq!(
-            freshness(true, Duration::from_secs(99), w, refuse),
-            Freshness::Fresh
-        );
-        assert_eq!(
-            freshness(false, Duration::from_secs(3), w, refuse),
-            Freshness::Stale
-        );
-        assert_eq!(freshness(false, w, w, refuse), Freshness::Stale);
-        assert_eq!(
-            freshness(false, Duration::from_secs(11), w, refuse),
-            Freshness::Refuse
-        );
-        assert_eq!(
-            freshness(false, Duration::from_secs(11), w, stale),
-            Freshness::ServeStale
-        );
+        let secs = Duration::from_secs;
+        for (current, since, after, want) in [
+            (true, secs(99), refuse, Freshness::Fresh),
+            (false, secs(3), refuse, Freshness::Stale),
+            (false, w, refuse, Freshness::Stale),
+            (false, secs(11), refuse, Freshness::Refuse),
+            (false, secs(11), stale, Freshness::ServeStale),
+        ] {
+            assert_eq!(freshness(current, since, w, after), want, "{since:?}");
+        }
     }
 }
