@@ -43,7 +43,7 @@ use crate::observe::metrics::Metrics;
 /// How the anchor reaches etcd: the registry's endpoints, prefix,
 /// credentials and timeouts (`[registry]`, see `config.rs`), without the
 /// registry's own settings.
-#[derive(Debug, Clone)]
+#[derive(Clone)]
 pub struct EtcdConfig {
     pub endpoints: Vec<String>,
     /// Key prefix of the chain; anchors go under `<prefix>/decision-log/`.
@@ -58,6 +58,21 @@ pub struct EtcdConfig {
 }
 
 pub use crate::etcd_tls::TlsFiles as EtcdTls;
+
+/// The password never reaches a log line or an error message.
+impl std::fmt::Debug for EtcdConfig {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("EtcdConfig")
+            .field("endpoints", &self.endpoints)
+            .field("prefix", &self.prefix)
+            .field("username", &self.username)
+            .field("password", &self.password.as_ref().map(|_| "<redacted>"))
+            .field("tls", &self.tls)
+            .field("dial_timeout", &self.dial_timeout)
+            .field("request_timeout", &self.request_timeout)
+            .finish()
+    }
+}
 
 impl EtcdConfig {
     /// Plain `http://` endpoints under `prefix`, without credentials, with
@@ -378,4 +393,24 @@ async fn put_latest(
 /// The `seq` of a checkpoint line, for log lines.
 fn seq_of(line: &[u8]) -> u64 {
     super::chain::Header::parse(line).map_or(0, |h| h.seq)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::EtcdConfig;
+
+    /// A printed anchor configuration (a `{:?}` in a log line or an
+    /// error) shows who connects, never the password.
+    #[test]
+    fn debug_redacts_the_password() {
+        let mut config = EtcdConfig::plain(vec!["http://127.0.0.1:2379".into()], "/gm");
+        config.username = Some("anchor".into());
+        config.password = Some("s3cret-anchor-password".into());
+        let printed = format!("{config:?}");
+        assert!(!printed.contains("s3cret-anchor-password"), "{printed}");
+        assert!(
+            printed.contains("anchor") && printed.contains("<redacted>"),
+            "{printed}"
+        );
+    }
 }
