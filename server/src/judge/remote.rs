@@ -134,14 +134,6 @@ impl Judging<'_> {
             results: Vec::new(),
         };
         let shared = self.shared_part(g);
-        // Past the replicas' limits a request waits its turn among the
-        // clients (R25): the caller's identity, or its connection, and the
-        // session within it.
-        let sender = crate::link::fair::Sender::of(
-            self.trace.client,
-            &self.trace.identity,
-            self.context.as_ref().map_or("", |c| c.session_id.as_str()),
-        );
         // A guard that takes nothing off its stream for its own timeout is
         // not reading (a failure); one that is slow but takes requests is
         // busy, and the batch is shed (R25).
@@ -151,7 +143,7 @@ impl Judging<'_> {
             tag,
             events,
             self.trace.client,
-            sender,
+            self.sender,
             guard.timeout,
             now + budget,
         )?;
