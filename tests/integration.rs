@@ -92,6 +92,7 @@ mod decision_log_hardening;
 mod decision_log_otlp;
 mod decision_log_refusals;
 mod decision_log_replay;
+mod decision_log_show;
 mod decision_log_tamper;
 mod docs;
 mod doors;

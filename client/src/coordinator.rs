@@ -189,6 +189,10 @@ pub struct CallDecision {
     pub final_call: ToolCall,
     /// The guard whose skip decided, for steer and cancel.
     pub decided_by: Option<String>,
+    /// For a skip by a policy guard (R27): the rule that decided, as the
+    /// decision log records it; for a policy guard's failure, the rule
+    /// that failed to evaluate. `None` for other guards.
+    pub rule: Option<String>,
     /// True when the skip comes from a guard's failure (R13).
     pub failure: bool,
     /// Mutate guards that rewrote the call, in order.
@@ -316,6 +320,15 @@ impl BatchDecision {
 
     /// Reads a wire decision.
     pub fn from_wire(batch_id: String, wire: proto::BatchDecision) -> Result<Self, ClientError> {
+        // The rule that decided: the deciding guard's trace says it, by
+        // call id (R21, R27).
+        let rule = |guard: &str, call_id: &str| {
+            wire.trace
+                .iter()
+                .find(|t| !guard.is_empty() && t.guard == guard)
+                .and_then(|t| t.rules.get(call_id))
+                .cloned()
+        };
         let calls = wire
             .decisions
             .into_iter()
@@ -333,6 +346,7 @@ impl BatchDecision {
                 };
                 let original = d.original.unwrap_or_default();
                 Ok(CallDecision {
+                    rule: rule(&d.decided_by, &d.call_id),
                     call_id: d.call_id,
                     outcome,
                     final_call: d.call.unwrap_or_else(|| original.clone()),
