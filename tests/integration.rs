@@ -133,6 +133,7 @@ mod registration;
 mod results;
 mod rewrites;
 mod rules;
+mod sdk;
 mod security;
 mod sessions;
 mod sessions_guards;
