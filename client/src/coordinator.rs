@@ -575,8 +575,7 @@ impl Coordinator {
         let stream = Stream::open(&self.client, &metadata).await?;
         Ok(Session {
             session_id: session_id.into(),
-            client: self.client.clone(),
-            metadata,
+            opens: Arc::new((self.client.clone(), metadata)),
             stream: tokio::sync::Mutex::new(Arc::new(stream)),
             next: AtomicU64::new(1),
         })
@@ -713,8 +712,11 @@ fn unanswered(batch_id: String, end: Option<&tonic::Status>) -> ClientError {
 #[derive(Debug)]
 pub struct Session {
     session_id: String,
-    client: PreToolServiceClient<Authorized>,
-    metadata: tonic::metadata::MetadataMap,
+    /// What a new stream is opened with: the client and the metadata.
+    opens: Arc<(
+        PreToolServiceClient<Authorized>,
+        tonic::metadata::MetadataMap,
+    )>,
     stream: tokio::sync::Mutex<Arc<Stream>>,
     next: AtomicU64,
 }
@@ -798,7 +800,7 @@ impl Session {
             let stream = {
                 let mut current = self.stream.lock().await;
                 if current.closed() {
-                    match Stream::open(&self.client, &self.metadata).await {
+                    match Stream::open(&self.opens.0, &self.opens.1).await {
                         Ok(stream) => *current = Arc::new(stream),
                         Err(error) => {
                             tracing::debug!(%error, "the session's stream cannot be opened again");
