@@ -43,6 +43,25 @@ fn check(config: &Path) -> (Option<i32>, String) {
     (output.status.code(), stdout(&output))
 }
 
+/// `config check`'s output `out` for the file `shown` holds an error at
+/// `line` on `key` whose message says `says`, followed by its fix line
+/// holding `fix`.
+#[track_caller]
+fn assert_finding(out: &str, shown: &str, line: usize, key: &str, says: &str, fix: &str) {
+    let head = format!("{shown}:{line}: error: {key}: ");
+    let at = out
+        .find(&head)
+        .unwrap_or_else(|| panic!("no `{head}` in:\n{out}"));
+    let mut lines = out[at..].lines();
+    let first = lines.next().unwrap_or_default();
+    assert!(first.contains(says), "{key}: {first:?} in:\n{out}");
+    let next = lines.next().unwrap_or_default();
+    assert!(
+        next.starts_with("    fix: ") && next.contains(fix),
+        "{key}: fix line {next:?} in:\n{out}"
+    );
+}
+
 /// Every error of the file at once, each on its line with its key and what
 /// to write instead.
 #[test]
@@ -89,12 +108,7 @@ fn config_check_names_line_key_and_fix_of_every_error() {
             "fix: write `tools`",
         ),
     ] {
-        let head = format!("{shown}:{line}: error: {key}: {says}");
-        let at = out
-            .find(&head)
-            .unwrap_or_else(|| panic!("no `{head}` in:\n{out}"));
-        let next = out[at..].lines().nth(1).unwrap_or_default();
-        assert!(next.contains(fix), "{key}: fix line {next:?} in:\n{out}");
+        assert_finding(&out, &shown, line, key, says, fix);
     }
     assert!(out.contains("invalid (4 errors"), "{out}");
     // Settings that parse but cannot work are all reported too.
@@ -434,18 +448,7 @@ fn config_check_reports_errors_of_every_kind_in_one_run() {
             "point it at",
         ),
     ] {
-        let head = format!("{shown}:{line}: error: {key}: ");
-        let at = out
-            .find(&head)
-            .unwrap_or_else(|| panic!("no `{head}` in:\n{out}"));
-        let mut lines = out[at..].lines();
-        let first = lines.next().unwrap_or_default();
-        assert!(first.contains(says), "{key}: {first:?} in:\n{out}");
-        let next = lines.next().unwrap_or_default();
-        assert!(
-            next.starts_with("    fix: ") && next.contains(fix),
-            "{key}: fix line {next:?} in:\n{out}"
-        );
+        assert_finding(&out, &shown, line, key, says, fix);
     }
     assert!(out.contains("invalid (6 errors"), "{out}");
     assert!(

@@ -25,6 +25,42 @@ fn config(dir: &Path) -> String {
     )
 }
 
+/// A mesh writing a signed log in a fresh folder `name`, after `n`
+/// batches of [`log_batches`] (`b0`, `b1`, ...): the folder and the mesh.
+async fn signed_mesh(name: &str, n: usize) -> (PathBuf, MeshProcess) {
+    let dir = folder(name);
+    log_keygen(&dir);
+    let mesh = MeshProcess::start(name, &config(&dir), None).await;
+    log_batches(&mesh.url, "b", n, None).await;
+    (dir, mesh)
+}
+
+/// `guardmesh ARGS` left running (killed when dropped), and the lines it
+/// prints, as they come.
+fn running(args: &[&str]) -> (KillOnDrop, std::sync::mpsc::Receiver<String>) {
+    let mut child = KillOnDrop(
+        std::process::Command::new(env!("CARGO_BIN_EXE_guardmesh"))
+            .args(args)
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::null())
+            .spawn()
+            .unwrap(),
+    );
+    let (tx, rx) = std::sync::mpsc::channel();
+    let stdout = child.0.stdout.take().unwrap();
+    std::thread::spawn(move || {
+        for line in std::io::BufReader::new(stdout)
+            .lines()
+            .map_while(Result::ok)
+        {
+            if tx.send(line).is_err() {
+                return;
+            }
+        }
+    });
+    (child, rx)
+}
+
 fn show(args: &[&str]) -> std::process::Output {
     let mut all = vec!["log", "show"];
     all.extend_from_slice(args);
@@ -57,10 +93,7 @@ fn names(prefix: &str, range: impl Iterator<Item = usize>) -> Vec<String> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn r29_log_show_reads_a_rotated_signed_log_with_filters() {
-    let dir = folder("show-filters");
-    log_keygen(&dir);
-    let mut mesh = MeshProcess::start("show-filters", &config(&dir), None).await;
-    log_batches(&mesh.url, "b", 12, None).await;
+    let (dir, mut mesh) = signed_mesh("show-filters", 12).await;
 
     // R27: the rule that decided, in `evaluate --json` and in the SDK.
     let batch = dir.join("batch.json");
@@ -195,10 +228,7 @@ fn tampered_copy(from: &Path, to: &Path, batch: &str, edit: impl Fn(&str) -> Str
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn r29_log_show_prints_only_what_verified_and_names_the_record_that_breaks() {
-    let dir = folder("show-tamper");
-    log_keygen(&dir);
-    let mut mesh = MeshProcess::start("show-tamper", &config(&dir), None).await;
-    log_batches(&mesh.url, "b", 10, None).await;
+    let (dir, mut mesh) = signed_mesh("show-tamper", 10).await;
     mesh.signal("TERM");
     assert!(mesh.exit_status().await.success(), "{}", mesh.log());
 
@@ -260,56 +290,37 @@ async fn r29_log_show_prints_only_what_verified_and_names_the_record_that_breaks
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn r29_log_show_follow_reads_on_across_growth_and_rotation() {
-    let dir = folder("show-follow");
-    log_keygen(&dir);
-    let mesh = MeshProcess::start("show-follow", &config(&dir), None).await;
-    log_batches(&mesh.url, "a", 2, None).await;
+    let (dir, mesh) = signed_mesh("show-follow", 2).await;
     let log = dir.join("log");
     let files_before = segment::list(&log).unwrap().len();
 
-    let mut child = KillOnDrop(
-        std::process::Command::new(env!("CARGO_BIN_EXE_guardmesh"))
-            .args([
-                "log",
-                "show",
-                path(&log),
-                "--follow",
-                "--jsonl",
-                "--poll-ms",
-                "20",
-                "--session",
-                "",
-            ])
-            .stdout(std::process::Stdio::piped())
-            .stderr(std::process::Stdio::null())
-            .spawn()
-            .unwrap(),
-    );
-    let (lines, received) = std::sync::mpsc::channel::<Value>();
-    let stdout = child.0.stdout.take().unwrap();
-    std::thread::spawn(move || {
-        for line in std::io::BufReader::new(stdout).lines() {
-            let Ok(line) = line else { return };
-            if lines.send(serde_json::from_str(&line).unwrap()).is_err() {
-                return;
-            }
-        }
-    });
+    let (mut child, received) = running(&[
+        "log",
+        "show",
+        path(&log),
+        "--follow",
+        "--jsonl",
+        "--poll-ms",
+        "20",
+        "--session",
+        "",
+    ]);
     let mut seen = Vec::new();
     let take = |n: usize, seen: &mut Vec<String>| {
         for _ in 0..n {
-            let d = received
+            let line = received
                 .recv_timeout(Duration::from_secs(20))
                 .unwrap_or_else(|_| panic!("follow printed only {seen:?}"));
+            let d: Value = serde_json::from_str(&line).unwrap();
             seen.push(d["batch_id"].as_str().unwrap().to_owned());
         }
     };
     take(2, &mut seen);
     // The log grows past several rotations while it is followed.
-    log_batches(&mesh.url, "b", 20, None).await;
+    log_batches(&mesh.url, "c", 20, None).await;
     take(20, &mut seen);
-    let mut expected = names("a", 0..2);
-    expected.extend(names("b", 0..20));
+    let mut expected = names("b", 0..2);
+    expected.extend(names("c", 0..20));
     assert_eq!(seen, expected);
     let files_after = segment::list(&log).unwrap().len();
     assert!(
@@ -354,10 +365,7 @@ fn documented_commands(file: &str) -> Vec<Vec<String>> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn r29_the_log_reader_in_the_readme_and_docs_runs_as_written() {
-    let dir = folder("show-docs");
-    log_keygen(&dir);
-    let mut mesh = MeshProcess::start("show-docs", &config(&dir), None).await;
-    log_batches(&mesh.url, "b", 6, None).await;
+    let (dir, mut mesh) = signed_mesh("show-docs", 6).await;
     let log = dir.join("log");
     let key = dir.join("log.key.pub");
     let mut ran = 0;
@@ -375,24 +383,8 @@ async fn r29_the_log_reader_in_the_readme_and_docs_runs_as_written() {
             if args.iter().any(|a| a == "--follow") {
                 // Runs until stopped: it prints what is there, then a
                 // record written after it started.
-                let mut child = KillOnDrop(
-                    std::process::Command::new(env!("CARGO_BIN_EXE_guardmesh"))
-                        .args(&args)
-                        .stdout(std::process::Stdio::piped())
-                        .stderr(std::process::Stdio::null())
-                        .spawn()
-                        .unwrap(),
-                );
-                let (tx, rx) = std::sync::mpsc::channel::<String>();
-                let stdout = child.0.stdout.take().unwrap();
-                std::thread::spawn(move || {
-                    for line in std::io::BufReader::new(stdout)
-                        .lines()
-                        .map_while(Result::ok)
-                    {
-                        let _ = tx.send(line);
-                    }
-                });
+                let args: Vec<&str> = args.iter().map(String::as_str).collect();
+                let (mut child, rx) = running(&args);
                 let first = rx.recv_timeout(Duration::from_secs(20)).expect(&shown);
                 assert!(first.contains(" cancel "), "{shown}: {first}");
                 log_batches(&mesh.url, "late", 1, None).await;
