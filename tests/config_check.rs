@@ -43,6 +43,25 @@ fn check(config: &Path) -> (Option<i32>, String) {
     (output.status.code(), stdout(&output))
 }
 
+/// `config check`'s output `out` for the file `shown` holds an error at
+/// `line` on `key` whose message says `says`, followed by its fix line
+/// holding `fix`.
+#[track_caller]
+fn assert_finding(out: &str, shown: &str, line: usize, key: &str, says: &str, fix: &str) {
+    let head = format!("{shown}:{line}: error: {key}: ");
+    let at = out
+        .find(&head)
+        .unwrap_or_else(|| panic!("no `{head}` in:\n{out}"));
+    let mut lines = out[at..].lines();
+    let first = lines.next().unwrap_or_default();
+    assert!(first.contains(says), "{key}: {first:?} in:\n{out}");
+    let next = lines.next().unwrap_or_default();
+    assert!(
+        next.starts_with("    fix: ") && next.contains(fix),
+        "{key}: fix line {next:?} in:\n{out}"
+    );
+}
+
 /// Every error of the file at once, each on its line with its key and what
 /// to write instead.
 #[test]
@@ -89,12 +108,7 @@ fn config_check_names_line_key_and_fix_of_every_error() {
             "fix: write `tools`",
         ),
     ] {
-        let head = format!("{shown}:{line}: error: {key}: {says}");
-        let at = out
-            .find(&head)
-            .unwrap_or_else(|| panic!("no `{head}` in:\n{out}"));
-        let next = out[at..].lines().nth(1).unwrap_or_default();
-        assert!(next.contains(fix), "{key}: fix line {next:?} in:\n{out}");
+        assert_finding(&out, &shown, line, key, says, fix);
     }
     assert!(out.contains("invalid (4 errors"), "{out}");
     // Settings that parse but cannot work are all reported too.
@@ -375,4 +389,210 @@ fn r25_a_fifo_or_a_sparse_gigabyte_named_by_a_config_is_refused_not_read() {
     assert_eq!(code, Some(2), "{err}");
     assert!(err.contains("more than the 4194304 allowed"), "{err}");
     let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// One run reports every error of five kinds, each with its line, its
+/// key and its fix: a key that is not one, a value not allowed, an
+/// address that is not one, a setting that cannot work, a value out of
+/// its type's range (named by its key) and a file that is not there.
+#[test]
+fn config_check_reports_errors_of_every_kind_in_one_run() {
+    let dir = folder("every-kind");
+    let config = write(
+        &dir,
+        "mesh.toml",
+        "lisen = \"127.0.0.1:0\"\n\
+         unguarded = \"maybe\"\n\
+         listen = \"localhost\"\n\
+         default_guard_timeout_ms = 0\n\
+         [limits]\n\
+         max_calls_per_batch = -1\n\
+         [[guard]]\n\
+         name = \"p\"\n\
+         policy = \"missing-policy.toml\"\n",
+    );
+    let (code, out) = check(&config);
+    assert_eq!(code, Some(1), "{out}");
+    let shown = config.display().to_string();
+    for (line, key, says, fix) in [
+        (1, "lisen", "unknown key", "write `listen`"),
+        (
+            2,
+            "unguarded",
+            "\"maybe\" is not one of",
+            "unguarded = \"proceed\"",
+        ),
+        // The listener's own default, not the metrics port.
+        (
+            3,
+            "listen",
+            "is not an address",
+            "listen = \"127.0.0.1:50051\"",
+        ),
+        (
+            4,
+            "default_guard_timeout_ms",
+            "must be greater than 0",
+            "e.g.",
+        ),
+        (
+            6,
+            "limits.max_calls_per_batch",
+            "-1",
+            "a whole number, 0 or more, e.g. max_calls_per_batch = ",
+        ),
+        (
+            9,
+            "guard[1].policy",
+            "cannot read policy file",
+            "point it at",
+        ),
+    ] {
+        assert_finding(&out, &shown, line, key, says, fix);
+    }
+    assert!(out.contains("invalid (6 errors"), "{out}");
+    assert!(
+        !out.contains("9090"),
+        "no hint names the metrics port:\n{out}"
+    );
+}
+
+/// A config whose files live elsewhere (a ConfigMap checked in CI):
+/// `--root DIR` reads its absolute paths under DIR, `--no-files` reads
+/// none; relative paths stay relative to the config's folder.
+#[test]
+fn config_check_reads_named_files_under_a_root_or_not_at_all() {
+    let dir = folder("root");
+    let root = dir.join("rootfs");
+    std::fs::create_dir_all(root.join("etc/guardmesh")).unwrap();
+    let policy =
+        "[[rule]]\nname = \"x\"\nwhen = \"true\"\naction = \"cancel\"\nmessage = '\"m\"'\n";
+    write(&root.join("etc/guardmesh"), "policy.toml", policy);
+    write(&dir, "local.toml", policy);
+    let config = write(
+        &dir,
+        "mesh.toml",
+        "[[guard]]\nname = \"p\"\npolicy = \"/etc/guardmesh/policy.toml\"\n\
+         [[guard]]\nname = \"q\"\npolicy = \"local.toml\"\n",
+    );
+    // Where the mesh would read them: not on this machine.
+    let (code, out) = check(&config);
+    assert_eq!(code, Some(1), "{out}");
+    assert!(
+        out.contains(
+            ":3: error: guard[1].policy: cannot read policy file /etc/guardmesh/policy.toml"
+        ),
+        "{out}"
+    );
+    let run = |extra: &[&str]| {
+        let mut args = vec!["config", "check", config.to_str().unwrap()];
+        args.extend_from_slice(extra);
+        let output = guardmesh(&args, None);
+        (output.status.code(), stdout(&output))
+    };
+    let (code, out) = run(&["--root", root.to_str().unwrap()]);
+    assert_eq!(code, Some(0), "{out}");
+    let (code, out) = run(&["--no-files"]);
+    assert_eq!(code, Some(0), "{out}");
+    // Under the root, a broken file is still found, named as written.
+    write(
+        &root.join("etc/guardmesh"),
+        "policy.toml",
+        "[[rule]]\nname = 1\n",
+    );
+    let (code, out) = run(&["--root", root.to_str().unwrap()]);
+    assert_eq!(code, Some(1), "{out}");
+    assert!(out.contains("guard[1].policy"), "{out}");
+    // And an error in the config itself is found without its files.
+    std::fs::write(&config, "unguarded = \"maybe\"\n").unwrap();
+    let (code, out) = run(&["--no-files"]);
+    assert_eq!(code, Some(1), "{out}");
+}
+
+/// The environment variables named in the source of `file`: string
+/// literals of `RUST_`, `GUARDMESH_` and `OTEL_` names outside comments,
+/// and `RUST_LOG` where a log filter is read from the environment.
+fn variables_read(code: &str) -> Vec<String> {
+    let mut names = Vec::new();
+    for line in code.lines() {
+        let line = line.trim_start();
+        if line.starts_with("//") {
+            continue;
+        }
+        if line.contains("from_default_env") {
+            names.push("RUST_LOG".to_owned());
+        }
+        for (i, literal) in line.split('"').enumerate() {
+            let is_name = ["RUST_", "GUARDMESH_", "OTEL_"]
+                .iter()
+                .any(|p| literal.starts_with(p))
+                && !literal.ends_with('_')
+                && literal
+                    .chars()
+                    .all(|c| c.is_ascii_uppercase() || c.is_ascii_digit() || c == '_');
+            if i % 2 == 1 && is_name {
+                names.push(literal.to_owned());
+            }
+        }
+    }
+    names
+}
+
+/// Every environment variable the code reads is on the reference page
+/// (`guardmesh config reference`, docs/configuration.md), whose text
+/// `config_reference_docs_match_the_command` checks.
+#[test]
+fn config_reference_lists_every_environment_variable_the_code_reads() {
+    use guardmesh_server::config::environment::listed;
+    fn rust_files(dir: &Path, out: &mut Vec<PathBuf>) {
+        for entry in std::fs::read_dir(dir).unwrap() {
+            let path = entry.unwrap().path();
+            if path.is_dir() {
+                rust_files(&path, out);
+            } else if path.extension().is_some_and(|e| e == "rs")
+                // Test files read variables of their own.
+                && !path.file_name().is_some_and(|n| n == "tests.rs" || n.to_string_lossy().ends_with("_tests.rs"))
+            {
+                out.push(path);
+            }
+        }
+    }
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+    let mut files = Vec::new();
+    for krate in ["server", "cli", "client", "gateway"] {
+        rust_files(&root.join(krate).join("src"), &mut files);
+    }
+    let mut found = std::collections::BTreeSet::new();
+    for file in &files {
+        found.extend(variables_read(&std::fs::read_to_string(file).unwrap()));
+    }
+    for expected in [
+        "RUST_LOG",
+        "GUARDMESH_WORKER_THREADS",
+        "GUARDMESH_TOKEN",
+        "GUARDMESH_MESH",
+        "OTEL_EXPORTER_OTLP_ENDPOINT",
+    ] {
+        assert!(
+            found.contains(expected),
+            "{expected} not found in {found:?}"
+        );
+    }
+    let missing: Vec<&String> = found.iter().filter(|name| !listed(name)).collect();
+    assert!(
+        missing.is_empty(),
+        "read by the code, missing from config::environment: {missing:?}"
+    );
+    assert!(!listed("GUARDMESH_NOT_A_VARIABLE"));
+    let reference = stdout(&guardmesh(&["config", "reference", "--markdown"], None));
+    for name in &found {
+        assert!(
+            reference.contains(&format!("`{name}`")),
+            "{name} is not on the reference page"
+        );
+    }
+    assert_eq!(
+        variables_read("let x = std::env::var(\"OTEL_X\");\n// \"GUARDMESH_Y\"\n"),
+        ["OTEL_X"]
+    );
 }

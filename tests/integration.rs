@@ -48,6 +48,8 @@
 //!   Python and TypeScript SDKs; `mcp_embedded`: the gateway with the mesh in
 //!   its own process (`--config`); `interceptors_conformance`: the MCP
 //!   interceptor conformance fixtures (SEP-2624).
+//! * `sdk`: the Rust SDK's coordinator example run against a real mesh,
+//!   and a session that outlives a restart of the mesh (R19).
 //! * `cli`, `shutdown`: the `guardmesh` command as users run it;
 //!   `mesh_args`: the flags that say how a command reaches a mesh (R24);
 //!   `probes`: `/healthz`, `/readyz` and the drain on SIGTERM.
@@ -55,8 +57,9 @@
 //!   contract's rule numbers, no page calling a tested rule untested, one
 //!   version number, no exact pins in the SDK, and the proto against the
 //!   last release.
-//! * `config_check`: `guardmesh config check|reference`, and relative paths
-//!   in a config file resolved against its folder.
+//! * `config_check`: `guardmesh config check|reference` (every error in one
+//!   run, `--root`, the environment variables), and relative paths in a
+//!   config file resolved against its folder.
 //! * `decision_log`: the decision log in the mesh, `guardmesh log verify`
 //!   and `guardmesh replay` (R29, R30); `decision_log_replay`: replay
 //!   against a running mesh with a dry-run candidate;
@@ -67,7 +70,8 @@
 //!   disk, replay of final calls and of logs that verify only, policy
 //!   digests in chain changes; `decision_log_tamper`: logs tampered with
 //!   in every way and verified; `decision_log_anchor`: the etcd anchor of
-//!   checkpoints.
+//!   checkpoints; `decision_log_show`: `guardmesh log show|tail`, filtered,
+//!   verified as read, followed across rotation.
 //! * `policy`: policy guards and unguarded calls (R27, R28), and
 //!   `guardmesh policy check|test`; `policy_order`: R3/R4 across policy,
 //!   Rust and Python guards with random verdicts; `policy_watch`: policy
@@ -92,6 +96,7 @@ mod decision_log_hardening;
 mod decision_log_otlp;
 mod decision_log_refusals;
 mod decision_log_replay;
+mod decision_log_show;
 mod decision_log_tamper;
 mod docs;
 mod doors;
@@ -132,6 +137,7 @@ mod registration;
 mod results;
 mod rewrites;
 mod rules;
+mod sdk;
 mod security;
 mod sessions;
 mod sessions_guards;

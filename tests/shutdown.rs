@@ -92,7 +92,7 @@ failure_policy = "fail_closed"
     assert_complete(&d, "in-flight batch");
     match late.await {
         Ok(d) => assert_complete(&d, "batch sent while draining"),
-        Err(ClientError::SessionClosed(_)) => {}
+        Err(ClientError::SessionClosed(_) | ClientError::NotJudged { .. }) => {}
         Err(ClientError::Status(status)) if status.code() == tonic::Code::Unavailable => {}
         Err(e) => panic!("a batch sent while draining: {e:?}\n{}", mesh.log()),
     }
@@ -171,7 +171,9 @@ async fn r25_a_draining_stream_answers_every_batch_it_read() {
         .evaluate(Batch::new(9).call("c", "t", "{}"))
         .await
         .expect_err("the stream has ended");
-    assert!(matches!(next, ClientError::SessionClosed(_)), "{next:?}");
+    // Refused as not judged: the session could not reopen its stream, or
+    // reopened it on the draining mesh, which ended it unanswered.
+    assert!(next.not_judged(), "{next:?}");
     let status = mesh.exit_status().await;
     assert!(status.success(), "exit status {status}:\n{}", mesh.log());
 }

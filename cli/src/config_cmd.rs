@@ -3,7 +3,7 @@
 //! come from the server's key table (`guardmesh_server::config::keys`),
 //! the one the loader checks files against.
 
-use guardmesh_server::config::check::{self, Finding, Severity};
+use guardmesh_server::config::check::{self, Files, Finding, Severity};
 use guardmesh_server::config::keys;
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -27,7 +27,19 @@ enum ConfigAction {
     /// policy files, certificates, keys and tokens it names. Relative paths
     /// are relative to the config file's folder.
     #[command(after_help = EXIT_CODES_HELP)]
-    Check { file: PathBuf },
+    Check {
+        file: PathBuf,
+        /// Reads the files the config names under DIR, as if DIR were the
+        /// root of the file system the mesh runs on: `/etc/guardmesh/x`
+        /// is read as `DIR/etc/guardmesh/x` (a ConfigMap's files checked
+        /// in CI). Relative paths stay relative to the config's folder.
+        #[arg(long, value_name = "DIR", conflicts_with = "no_files")]
+        root: Option<PathBuf>,
+        /// Does not read the files the config names: checks the keys and
+        /// values, not the files nor what needs their contents.
+        #[arg(long)]
+        no_files: bool,
+    },
     /// Prints every key of the config file with its type, default and
     /// meaning.
     Reference {
@@ -49,13 +61,25 @@ pub(crate) fn main(args: ConfigArgs) -> ExitCode {
             out!("{text}");
             ExitCode::SUCCESS
         }
-        ConfigAction::Check { file } => match check::check_file(&file) {
+        ConfigAction::Check {
+            file,
+            root,
+            no_files,
+        } => match check::check_file_with(&file, &files(root, no_files)) {
             Err(error) => {
                 eprintln!("error: {error}");
                 ExitCode::from(2)
             }
             Ok(findings) => report(&file.display().to_string(), &findings),
         },
+    }
+}
+
+fn files(root: Option<PathBuf>, no_files: bool) -> Files {
+    match (root, no_files) {
+        (_, true) => Files::Skip,
+        (Some(root), false) => Files::Root(root),
+        (None, false) => Files::AsWritten,
     }
 }
 

@@ -117,6 +117,7 @@ pub(crate) fn decision_json(session: &str, decision: &BatchDecision) -> Value {
                 "action": action.name(),
                 "content": content,
                 "decided_by": c.decided_by,
+                "rule": c.rule,
                 "failure": c.failure,
                 "bypassed": c.bypassed,
                 "rewritten_by": c.rewritten_by,

@@ -11,6 +11,7 @@
 //!   evaluate`; `config_cmd`: `guardmesh config check` and `guardmesh config
 //!   reference`.
 //! * `log`: `guardmesh log verify` and `guardmesh log keygen` (R29);
+//!   `log_show`: `guardmesh log show` and `guardmesh log tail`;
 //!   `replay`: `guardmesh replay` (R30).
 //! * [`heartbeat`]: `guardmesh heartbeat`, a liveness sidecar for guards of
 //!   any language on the etcd registry, and the lease it keeps
@@ -36,6 +37,7 @@ mod evaluate;
 pub mod examples;
 pub mod heartbeat;
 mod log;
+mod log_show;
 pub mod redact;
 mod replay;
 mod runtime;

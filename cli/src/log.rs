@@ -5,6 +5,8 @@
 //!   the writer's public key, the signed checkpoints, and with an outside
 //!   checkpoint (a witness, a file, or the etcd anchor) that the log was
 //!   not cut before it or rewritten after it;
+//! * `show PATH [filters] [--json | --jsonl] [--follow]` and `tail`: the
+//!   decisions, verified as read (see `log_show`);
 //! * `keygen --out FILE` writes a signing key for `[decision_log]
 //!   signing_key` and its public key.
 
@@ -63,6 +65,21 @@ pub(crate) enum LogAction {
         #[arg(long)]
         allow_gap: bool,
     },
+    /// Prints the decisions of a decision log, one line each (or JSON),
+    /// verifying the chain as it reads; filters by time, batch, session,
+    /// tool, guard, rule, action, failure and caller; --follow reads on as
+    /// the log grows and rotates. Exits 1, naming the record, when the log
+    /// does not verify.
+    Show(crate::log_show::ShowArgs),
+    /// Prints the last decisions of a decision log (as `show`), then with
+    /// --follow the new ones as they are written.
+    Tail {
+        /// How many of the last decisions to print.
+        #[arg(long, short = 'n', default_value_t = 10)]
+        lines: usize,
+        #[command(flatten)]
+        show: crate::log_show::ShowArgs,
+    },
     /// Writes a new Ed25519 signing key for `[decision_log] signing_key`
     /// (PKCS#8 PEM, mode 0600, never overwriting a file) and its public key
     /// to FILE.pub, and prints the public key.
@@ -76,6 +93,8 @@ pub(crate) enum LogAction {
 /// not verify, 2 when the command cannot run.
 pub(crate) fn run(action: LogAction) -> ExitCode {
     match action {
+        LogAction::Show(show) => crate::log_show::run(&show, None),
+        LogAction::Tail { lines, show } => crate::log_show::run(&show, Some(lines)),
         LogAction::Keygen { out } => match checkpoint::generate(&out) {
             Ok(key) => {
                 out!("{}", key.public_pem);

@@ -29,6 +29,12 @@ pub(crate) fn write(args: fmt::Arguments<'_>) {
     }
 }
 
+/// Whether stdout's reader has gone: a command that would go on writing
+/// (`guardmesh log show --follow | head`) can stop.
+pub(crate) fn gone() -> bool {
+    GONE.load(Ordering::Relaxed)
+}
+
 /// `println!` for reports (see the module's documentation).
 macro_rules! outln {
     () => {

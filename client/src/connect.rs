@@ -33,6 +33,64 @@ pub fn url(address: &str, tls: bool) -> String {
     }
 }
 
+/// The URL for `address` (as [`url`]), refused unless it is a mesh's
+/// address: `http://` or `https://`, a host, an optional port, and
+/// nothing after it (no path, query or user). A mistyped scheme
+/// (`http//mesh:50051`, `http:/mesh`) is refused here rather than dialed
+/// as a host named `http`.
+///
+/// ```
+/// use guardmesh_client::connect::validate;
+/// assert_eq!(validate("mesh:50051", false).unwrap(), "http://mesh:50051");
+/// assert!(validate("http//bad", false).is_err());
+/// assert!(validate("ftp://mesh:21", false).is_err());
+/// ```
+pub fn validate(address: &str, tls: bool) -> Result<String, ClientError> {
+    let refuse = |reason: &str| ClientError::Address {
+        address: address.trim().to_owned(),
+        reason: reason.to_owned(),
+    };
+    let trimmed = address.trim();
+    if trimmed.is_empty() {
+        return Err(refuse("empty: give host:port or http(s)://host:port"));
+    }
+    if !trimmed.contains("://") && trimmed.contains('/') {
+        return Err(refuse(
+            "a `/` without `scheme://`: write host:port or http(s)://host:port (a mistyped scheme?)",
+        ));
+    }
+    let url = url(trimmed, tls);
+    let uri: tonic::codegen::http::Uri = url
+        .parse()
+        .map_err(|e: tonic::codegen::http::uri::InvalidUri| refuse(&e.to_string()))?;
+    match uri.scheme_str() {
+        Some("http" | "https") => {}
+        Some(other) => {
+            return Err(refuse(&format!(
+                "scheme {other:?}: the mesh is reached over http:// or https://"
+            )));
+        }
+        None => return Err(refuse("no scheme")),
+    }
+    let Some(authority) = uri.authority() else {
+        return Err(refuse("no host"));
+    };
+    if authority.host().is_empty() {
+        return Err(refuse("no host"));
+    }
+    if authority.as_str().contains('@') {
+        return Err(refuse(
+            "a user in the address: credentials go in the token, never in the address",
+        ));
+    }
+    if !matches!(uri.path(), "" | "/") || uri.query().is_some() {
+        return Err(refuse(
+            "a path or query after the host: give only the host and port",
+        ));
+    }
+    Ok(url)
+}
+
 /// TLS settings for connecting to a mesh (feature `tls`).
 #[derive(Debug, Clone, Default)]
 pub struct Tls {
@@ -66,7 +124,17 @@ impl Connection {
     /// TLS when configured. The token is not part of the channel: it goes on
     /// each call, through [`Credentials`].
     pub async fn channel(&self, address: &str) -> Result<Channel, ClientError> {
-        let address = self.url(address);
+        let (endpoint, address) = self.endpoint(address)?;
+        endpoint
+            .connect()
+            .await
+            .map_err(|source| ClientError::Connect { address, source })
+    }
+
+    /// The endpoint for `address` (validated, see [`validate`]) with these
+    /// settings, and the URL it dials.
+    pub(crate) fn endpoint(&self, address: &str) -> Result<(Endpoint, String), ClientError> {
+        let address = validate(address, self.tls.is_some())?;
         let endpoint = Endpoint::from_shared(address.clone())
             .map_err(|error| ClientError::Address {
                 address: address.clone(),
@@ -74,10 +142,7 @@ impl Connection {
             })?
             .tcp_nodelay(true);
         let endpoint = self.with_tls(endpoint, &address)?;
-        endpoint
-            .connect()
-            .await
-            .map_err(|source| ClientError::Connect { address, source })
+        Ok((endpoint, address))
     }
 
     /// A channel to `address` whose every call carries this connection's
@@ -225,17 +290,57 @@ mod tests {
     }
 
     #[test]
+    fn a_mistyped_address_is_refused_not_dialed() {
+        for bad in [
+            "http//bad",
+            "http:/mesh:1",
+            "mesh:1/path",
+            "ftp://mesh:21",
+            "http://",
+            "",
+            "http://user:pw@mesh:1",
+            "http://mesh:1/x?y",
+        ] {
+            let error =
+                futures::executor::block_on(Connection::default().channel(bad)).expect_err(bad);
+            assert!(
+                matches!(&error, ClientError::Address { .. }),
+                "{bad}: {error:?}"
+            );
+            assert!(
+                error.to_string().contains("invalid mesh address"),
+                "{error}"
+            );
+        }
+        let error = validate("http//bad", false).unwrap_err();
+        assert_eq!(
+            error.to_string(),
+            "invalid mesh address \"http//bad\": a `/` without `scheme://`: write host:port or \
+             http(s)://host:port (a mistyped scheme?)"
+        );
+        for good in [
+            "127.0.0.1:1",
+            "http://mesh:1",
+            "https://mesh:443/",
+            "[::1]:50051",
+            "mesh",
+        ] {
+            assert!(validate(good, false).is_ok(), "{good}");
+        }
+    }
+
+    #[test]
     fn a_bad_address_is_named() {
         let error =
             futures::executor::block_on(Connection::default().channel("not a url")).unwrap_err();
         assert!(
-            matches!(&error, ClientError::Address { address, .. } if address == "http://not a url"),
+            matches!(&error, ClientError::Address { address, .. } if address == "not a url"),
             "{error:?}"
         );
         assert!(
             error
                 .to_string()
-                .starts_with("invalid mesh address \"http://not a url\"")
+                .starts_with("invalid mesh address \"not a url\"")
         );
     }
 }

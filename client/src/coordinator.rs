@@ -6,7 +6,7 @@
 //! let mesh = Coordinator::connect("127.0.0.1:50051").await?;
 //! let session = mesh.session("session-1").await?;
 //! let decision = session
-//!     .evaluate(Batch::new(0).call("c1", "sql.query", r#"{"sql":"DELETE FROM t"}"#))
+//!     .evaluate(Batch::turn(0).call("c1", "sql.query", r#"{"sql":"DELETE FROM t"}"#))
 //!     .await?;
 //! for call in &decision.calls {
 //!     match &call.outcome {
@@ -56,15 +56,60 @@ pub struct Batch {
 }
 
 impl Batch {
-    /// An empty batch for turn `turn_index`.
-    pub fn new(turn_index: u32) -> Self {
+    /// An empty batch for turn `turn_index` of the session: the index of
+    /// the model's round the calls come from (0, 1, 2, ...), which guards
+    /// and the decision log see. Same as [`Batch::new`].
+    ///
+    /// ```
+    /// use guardmesh_client::Batch;
+    /// let batch = Batch::turn(3).call("c1", "sql.query", r#"{"sql":"SELECT 1"}"#);
+    /// assert_eq!(batch.turn_index, 3);
+    /// ```
+    pub fn turn(turn_index: u32) -> Self {
         Self {
             turn_index,
             ..Self::default()
         }
     }
 
-    /// Adds a call; `arguments` is a JSON object as text.
+    /// An empty batch for turn `turn_index` (see [`Batch::turn`]).
+    pub fn new(turn_index: u32) -> Self {
+        Self::turn(turn_index)
+    }
+
+    /// Adds a call whose arguments are any value that serializes to a JSON
+    /// object (a `serde_json::Value`, a struct deriving `Serialize`, a
+    /// map). Refused, naming the call, when it does not serialize or is
+    /// not an object.
+    ///
+    /// ```
+    /// use guardmesh_client::Batch;
+    /// let batch = Batch::turn(0)
+    ///     .call_args("c1", "email.send", &serde_json::json!({"to": "a@example.com"}))?;
+    /// assert_eq!(batch.calls[0].arguments, r#"{"to":"a@example.com"}"#);
+    /// assert!(Batch::turn(0).call_args("c2", "t", &[1, 2]).is_err());
+    /// # Ok::<(), guardmesh_client::ClientError>(())
+    /// ```
+    pub fn call_args(
+        self,
+        call_id: impl Into<String>,
+        tool: impl Into<String>,
+        arguments: &impl serde::Serialize,
+    ) -> Result<Self, ClientError> {
+        let call_id = call_id.into();
+        let value = serde_json::to_value(arguments)?;
+        if !value.is_object() {
+            return Err(ClientError::Arguments {
+                call_id,
+                reason: format!("a JSON object is expected, not {}", json_kind(&value)),
+            });
+        }
+        let text = serde_json::to_string(&value)?;
+        Ok(self.call(call_id, tool, text))
+    }
+
+    /// Adds a call; `arguments` is a JSON object as text (see
+    /// [`Batch::call_args`] for values).
     pub fn call(
         mut self,
         call_id: impl Into<String>,
@@ -189,6 +234,10 @@ pub struct CallDecision {
     pub final_call: ToolCall,
     /// The guard whose skip decided, for steer and cancel.
     pub decided_by: Option<String>,
+    /// For a skip by a policy guard (R27): the rule that decided, as the
+    /// decision log records it; for a policy guard's failure, the rule
+    /// that failed to evaluate. `None` for other guards.
+    pub rule: Option<String>,
     /// True when the skip comes from a guard's failure (R13).
     pub failure: bool,
     /// Mutate guards that rewrote the call, in order.
@@ -197,7 +246,52 @@ pub struct CallDecision {
     pub bypassed: Vec<String>,
 }
 
+/// `an array`, `a string`, ...: what a JSON value is.
+fn json_kind(value: &serde_json::Value) -> &'static str {
+    match value {
+        serde_json::Value::Null => "null",
+        serde_json::Value::Bool(_) => "a boolean",
+        serde_json::Value::Number(_) => "a number",
+        serde_json::Value::String(_) => "a string",
+        serde_json::Value::Array(_) => "an array",
+        serde_json::Value::Object(_) => "an object",
+    }
+}
+
 impl CallDecision {
+    /// The arguments of the call as it must run (after rewrites), as a
+    /// JSON value; `{}` when they are empty.
+    pub fn arguments(&self) -> Result<serde_json::Value, ClientError> {
+        let text = self.final_call.arguments.trim();
+        if text.is_empty() {
+            return Ok(serde_json::Value::Object(serde_json::Map::new()));
+        }
+        serde_json::from_str(text).map_err(|error| ClientError::Arguments {
+            call_id: self.call_id.clone(),
+            reason: format!("the mesh's arguments are not JSON: {error}"),
+        })
+    }
+
+    /// The arguments of the call as it must run, read into `T` (the type
+    /// the tool takes).
+    ///
+    /// ```
+    /// # use guardmesh_client::{CallDecision, Outcome, proto::ToolCall};
+    /// #[derive(serde::Deserialize)]
+    /// struct Query { sql: String }
+    /// # let call = ToolCall { call_id: "c1".into(), tool: "sql.query".into(), arguments: r#"{"sql":"SELECT 1"}"#.into() };
+    /// # let decision = CallDecision { call_id: "c1".into(), outcome: Outcome::Proceed, original: call.clone(), final_call: call, decided_by: None, rule: None, failure: false, rewritten_by: vec![], bypassed: vec![] };
+    /// let query: Query = decision.arguments_as()?;
+    /// assert_eq!(query.sql, "SELECT 1");
+    /// # Ok::<(), guardmesh_client::ClientError>(())
+    /// ```
+    pub fn arguments_as<T: serde::de::DeserializeOwned>(&self) -> Result<T, ClientError> {
+        serde_json::from_value(self.arguments()?).map_err(|error| ClientError::Arguments {
+            call_id: self.call_id.clone(),
+            reason: format!("the arguments do not read as the type asked for: {error}"),
+        })
+    }
+
     /// Whether the call may run.
     pub fn proceeds(&self) -> bool {
         self.outcome == Outcome::Proceed
@@ -316,6 +410,15 @@ impl BatchDecision {
 
     /// Reads a wire decision.
     pub fn from_wire(batch_id: String, wire: proto::BatchDecision) -> Result<Self, ClientError> {
+        // The rule that decided: the deciding guard's trace says it, by
+        // call id (R21, R27).
+        let rule = |guard: &str, call_id: &str| {
+            wire.trace
+                .iter()
+                .find(|t| !guard.is_empty() && t.guard == guard)
+                .and_then(|t| t.rules.get(call_id))
+                .cloned()
+        };
         let calls = wire
             .decisions
             .into_iter()
@@ -333,6 +436,7 @@ impl BatchDecision {
                 };
                 let original = d.original.unwrap_or_default();
                 Ok(CallDecision {
+                    rule: rule(&d.decided_by, &d.call_id),
                     call_id: d.call_id,
                     outcome,
                     final_call: d.call.unwrap_or_else(|| original.clone()),
@@ -421,6 +525,12 @@ impl Coordinator {
         Self::connect_with(address, &Connection::default()).await
     }
 
+    /// How to connect to the mesh at `address`, spelled out: TLS, token,
+    /// connect timeout, retries (see [`CoordinatorBuilder`](crate::CoordinatorBuilder)).
+    pub fn builder(address: impl Into<String>) -> crate::builder::CoordinatorBuilder {
+        crate::builder::CoordinatorBuilder::new(address)
+    }
+
     /// Connects with TLS, mTLS and/or a bearer token.
     pub async fn connect_with(
         address: impl AsRef<str>,
@@ -462,51 +572,12 @@ impl Coordinator {
         session_id: impl Into<String>,
         metadata: tonic::metadata::MetadataMap,
     ) -> Result<Session, ClientError> {
-        let (tx, rx) = mpsc::channel(64);
-        let mut request = tonic::Request::new(ReceiverStream::new(rx));
-        *request.metadata_mut() = metadata;
-        let mut client = self.client.clone();
-        let mut answers = client.evaluate(request).await?.into_inner();
-        let waiting: Waiting = Arc::default();
-        let reader_waiting = waiting.clone();
-        let reader = tokio::spawn(async move {
-            let end = loop {
-                match answers.message().await {
-                    Ok(Some(answer)) => {
-                        let waiter = reader_waiting
-                            .lock()
-                            .unwrap_or_else(PoisonError::into_inner)
-                            .remove(&answer.batch_id);
-                        if let Some(waiter) = waiter {
-                            let _ = waiter.send(Ok(answer));
-                        }
-                    }
-                    Ok(None) => break None,
-                    Err(status) => break Some(status),
-                }
-            };
-            let waiters = std::mem::take(
-                &mut *reader_waiting
-                    .lock()
-                    .unwrap_or_else(PoisonError::into_inner),
-            );
-            for (batch_id, waiter) in waiters {
-                let _ = waiter.send(Err(match &end {
-                    Some(status) => ClientError::Status(status.clone()),
-                    None => ClientError::SessionClosed(batch_id),
-                }));
-            }
-            reader_waiting
-                .lock()
-                .unwrap_or_else(PoisonError::into_inner)
-                .insert(CLOSED.to_owned(), oneshot::channel().0);
-        });
+        let stream = Stream::open(&self.client, &metadata).await?;
         Ok(Session {
             session_id: session_id.into(),
-            tx,
-            waiting,
+            opens: Arc::new((self.client.clone(), metadata)),
+            stream: tokio::sync::Mutex::new(Arc::new(stream)),
             next: AtomicU64::new(1),
-            reader,
         })
     }
 
@@ -531,26 +602,123 @@ impl Coordinator {
     }
 }
 
-/// Marks a session whose stream has ended.
+/// Marks a stream that has ended.
 const CLOSED: &str = "\0closed";
 
 type Waiting = Arc<Mutex<HashMap<String, oneshot::Sender<Result<EvaluateResponse, ClientError>>>>>;
 
-/// One agent session: a stream on which batches are evaluated. Several
-/// batches may be in flight at once; each is answered exactly once (R19).
+/// One open `Evaluate` stream: where batches are sent, who waits for
+/// which answer, and the task that reads the answers.
 #[derive(Debug)]
-pub struct Session {
-    session_id: String,
+struct Stream {
     tx: mpsc::Sender<EvaluateRequest>,
     waiting: Waiting,
-    next: AtomicU64,
     reader: tokio::task::JoinHandle<()>,
 }
 
-impl Drop for Session {
+impl Drop for Stream {
     fn drop(&mut self) {
         self.reader.abort();
     }
+}
+
+impl Stream {
+    async fn open(
+        client: &PreToolServiceClient<Authorized>,
+        metadata: &tonic::metadata::MetadataMap,
+    ) -> Result<Self, ClientError> {
+        let (tx, rx) = mpsc::channel(64);
+        let mut request = tonic::Request::new(ReceiverStream::new(rx));
+        *request.metadata_mut() = metadata.clone();
+        let mut client = client.clone();
+        let mut answers = client.evaluate(request).await?.into_inner();
+        let waiting: Waiting = Arc::default();
+        let reader_waiting = waiting.clone();
+        let reader = tokio::spawn(async move {
+            let end = loop {
+                match answers.message().await {
+                    Ok(Some(answer)) => {
+                        let waiter = reader_waiting
+                            .lock()
+                            .unwrap_or_else(PoisonError::into_inner)
+                            .remove(&answer.batch_id);
+                        if let Some(waiter) = waiter {
+                            let _ = waiter.send(Ok(answer));
+                        }
+                    }
+                    Ok(None) => break None,
+                    Err(status) => break Some(status),
+                }
+            };
+            // Marked closed first, under the same lock: no batch is queued
+            // on this stream once its waiters are told.
+            let waiters = {
+                let mut waiting = reader_waiting
+                    .lock()
+                    .unwrap_or_else(PoisonError::into_inner);
+                let waiters = std::mem::take(&mut *waiting);
+                waiting.insert(CLOSED.to_owned(), oneshot::channel().0);
+                waiters
+            };
+            for (batch_id, waiter) in waiters {
+                let _ = waiter.send(Err(unanswered(batch_id, end.as_ref())));
+            }
+        });
+        Ok(Stream {
+            tx,
+            waiting,
+            reader,
+        })
+    }
+
+    fn closed(&self) -> bool {
+        self.waiting
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .contains_key(CLOSED)
+    }
+}
+
+/// What a batch still waiting when its stream ended gets: a status the
+/// mesh chose for the stream (a refusal of the caller: `UNAUTHENTICATED`,
+/// `RESOURCE_EXHAUSTED`, ...) as it is; a stream that ended cleanly or
+/// with a transport failure (a restart, a cut connection) as
+/// [`ClientError::NotJudged`].
+fn unanswered(batch_id: String, end: Option<&tonic::Status>) -> ClientError {
+    match end {
+        Some(status)
+            if !matches!(
+                status.code(),
+                tonic::Code::Unavailable | tonic::Code::Unknown | tonic::Code::Cancelled
+            ) =>
+        {
+            ClientError::Status(status.clone())
+        }
+        status => ClientError::NotJudged {
+            batch_id,
+            status: status.cloned(),
+        },
+    }
+}
+
+/// One agent session: a stream on which batches are evaluated. Several
+/// batches may be in flight at once; each is answered exactly once (R19).
+///
+/// When the stream ends (the mesh restarted, the connection was cut),
+/// the batches in flight fail with [`ClientError::NotJudged`]: none of
+/// their calls may run. The next batch opens a new stream to the mesh
+/// and goes through once the mesh is back; while it cannot be opened,
+/// batches fail with [`ClientError::SessionClosed`].
+#[derive(Debug)]
+pub struct Session {
+    session_id: String,
+    /// What a new stream is opened with: the client and the metadata.
+    opens: Arc<(
+        PreToolServiceClient<Authorized>,
+        tonic::metadata::MetadataMap,
+    )>,
+    stream: tokio::sync::Mutex<Arc<Stream>>,
+    next: AtomicU64,
 }
 
 impl Session {
@@ -595,11 +763,15 @@ impl Session {
         &self,
         request: EvaluateRequest,
     ) -> Result<BatchDecision, ClientError> {
-        let answer = self
-            .send_raw(request)
-            .await?
-            .await
-            .map_err(|_| ClientError::SessionClosed(String::new()))??;
+        let batch_id = request.batch_id.clone();
+        let answer =
+            self.send_raw(request)
+                .await?
+                .await
+                .map_err(|_| ClientError::NotJudged {
+                    batch_id: batch_id.clone(),
+                    status: None,
+                })??;
         let batch_id = answer.batch_id;
         match answer.result {
             Some(evaluate_response::Result::Decision(decision)) => {
@@ -614,22 +786,49 @@ impl Session {
         }
     }
 
-    /// Queues a batch; the returned receiver yields its answer.
+    /// Queues a batch; the returned receiver yields its answer. On a
+    /// stream that has ended, a new one is opened first.
     async fn send_raw(
         &self,
         request: EvaluateRequest,
     ) -> Result<oneshot::Receiver<Result<EvaluateResponse, ClientError>>, ClientError> {
         let batch_id = request.batch_id.clone();
-        let (tx, rx) = oneshot::channel();
-        {
-            let mut waiting = self.waiting.lock().unwrap_or_else(PoisonError::into_inner);
+        // Twice at most: a stream that ends between the check and the
+        // queueing is replaced once.
+        let mut queued = None;
+        for _ in 0..2 {
+            let stream = {
+                let mut current = self.stream.lock().await;
+                if current.closed() {
+                    match Stream::open(&self.opens.0, &self.opens.1).await {
+                        Ok(stream) => *current = Arc::new(stream),
+                        Err(error) => {
+                            tracing::debug!(%error, "the session's stream cannot be opened again");
+                            return Err(ClientError::SessionClosed(batch_id));
+                        }
+                    }
+                }
+                current.clone()
+            };
+            let mut waiting = stream
+                .waiting
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner);
             if waiting.contains_key(CLOSED) {
-                return Err(ClientError::SessionClosed(batch_id));
+                continue;
             }
+            let (tx, rx) = oneshot::channel();
             waiting.insert(batch_id.clone(), tx);
+            drop(waiting);
+            queued = Some((stream, rx));
+            break;
         }
-        if self.tx.send(request).await.is_err() {
-            self.waiting
+        let Some((stream, rx)) = queued else {
+            return Err(ClientError::SessionClosed(batch_id));
+        };
+        if stream.tx.send(request).await.is_err() {
+            stream
+                .waiting
                 .lock()
                 .unwrap_or_else(PoisonError::into_inner)
                 .remove(&batch_id);

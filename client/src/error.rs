@@ -27,12 +27,37 @@ pub enum ClientError {
     /// The mesh refused the batch or the call (R20), or aborted it (R13).
     #[error("mesh answered {:?}: {}", .0.code(), .0.message())]
     Status(#[from] tonic::Status),
-    /// The session's stream ended before the batch was answered.
+    /// The session's stream ended, and could not be opened again, before
+    /// the batch was sent.
     #[error("the session stream ended before batch {0:?} was answered")]
     SessionClosed(String),
+    /// The batch was in flight when the session's stream to the mesh
+    /// ended (the mesh restarted or the connection was cut): no decision
+    /// came back, so none of its calls may run. Evaluate it again: the
+    /// [`Session`](crate::Session) opens a new stream for the next batch.
+    #[error(
+        "batch {batch_id:?} was not judged: the session's stream to the mesh ended{} before its \
+         decision came; run none of its calls and evaluate it again (the session reopens its stream)",
+        status.as_ref().map(|s| format!(" ({:?}: {})", s.code(), s.message())).unwrap_or_default()
+    )]
+    NotJudged {
+        /// The batch's id.
+        batch_id: String,
+        /// How the stream ended, when the mesh or the transport said.
+        status: Option<tonic::Status>,
+    },
     /// The mesh sent something this SDK cannot read.
     #[error("malformed answer from the mesh: {0}")]
     Protocol(String),
+    /// A call's arguments are not what a call carries (a JSON object), or
+    /// do not read as the type asked for.
+    #[error("call {call_id:?}: arguments: {reason}")]
+    Arguments {
+        /// The call's id.
+        call_id: String,
+        /// What is wrong with them.
+        reason: String,
+    },
     /// Arguments given as JSON could not be encoded.
     #[error("arguments are not valid JSON: {0}")]
     Json(#[from] serde_json::Error),
@@ -43,8 +68,16 @@ impl ClientError {
     pub fn code(&self) -> Option<tonic::Code> {
         match self {
             Self::Status(status) => Some(status.code()),
+            Self::NotJudged { status, .. } => status.as_ref().map(tonic::Status::code),
             _ => None,
         }
+    }
+
+    /// Whether the batch went unjudged because its stream ended
+    /// ([`ClientError::NotJudged`], [`ClientError::SessionClosed`]): none
+    /// of its calls may run, and evaluating it again may succeed.
+    pub fn not_judged(&self) -> bool {
+        matches!(self, Self::NotJudged { .. } | Self::SessionClosed(_))
     }
 
     /// Whether the mesh could not be reached at all (as opposed to answering

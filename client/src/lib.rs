@@ -8,7 +8,12 @@
 //!   [`BatchDecision`], one [`CallDecision`] per call. A round with no calls
 //!   is answered locally, without any RPC (R1). A [`Registrar`] registers
 //!   guards with a mesh. Both connect through one [`Connection`] (TLS, mTLS,
-//!   token), to an address given as `host:port` or as a URL.
+//!   token), to an address given as `host:port` or as a URL, checked
+//!   before it is dialed; [`Coordinator::builder`] adds a connect timeout
+//!   and retries. A [`Session`] opens a new stream after the mesh
+//!   restarts; batches in flight then fail with
+//!   [`ClientError::NotJudged`]. `client/examples/coordinator.rs` is a
+//!   whole agent loop.
 //! * **Guard authors** (feature `guard`): implement [`Guard`] (a guard only
 //!   says what it objects to: proceeding is the default), then either add
 //!   [`GuardServer::into_service`] to your own tonic server or run it alone
@@ -35,8 +40,12 @@
 //! open-file limit) that the mesh and the MCP gateway share
 //! (`listener`).
 
+#![deny(missing_docs)]
+
 #[cfg(feature = "args")]
 pub mod args;
+#[cfg(feature = "coordinator")]
+pub mod builder;
 pub mod casefold;
 #[cfg(feature = "coordinator")]
 pub mod connect;
@@ -55,6 +64,8 @@ pub mod verdict;
 
 #[cfg(feature = "args")]
 pub use args::{MeshArgs, MeshArgsError};
+#[cfg(feature = "coordinator")]
+pub use builder::CoordinatorBuilder;
 #[cfg(feature = "coordinator")]
 pub use connect::{Connection, Credentials, Tls};
 #[cfg(feature = "coordinator")]

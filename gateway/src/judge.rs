@@ -404,7 +404,10 @@ impl Judge {
         // One retry, on a fresh stream, when the stream had ended: the
         // mesh restarted, or the connection was cut between two batches.
         let mut answer = self.on_stream(session, batch.clone(), coordinator).await;
-        if matches!(answer, Err(ClientError::SessionClosed(_))) {
+        if matches!(
+            answer,
+            Err(ClientError::SessionClosed(_) | ClientError::NotJudged { status: None, .. })
+        ) {
             answer = self.on_stream(session, batch, coordinator).await;
         }
         answer.map_err(|e| match e {

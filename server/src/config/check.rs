@@ -5,6 +5,7 @@
 
 use super::keys::{self, KeyError};
 use super::{Config, SettingError};
+use std::ops::Range;
 use std::path::{Path, PathBuf};
 use toml::de::{DeTable, DeValue};
 
@@ -39,41 +40,117 @@ pub struct Unreadable {
     pub source: std::io::Error,
 }
 
+/// Where `config check` reads the files a config names.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub enum Files {
+    /// Where the mesh would: relative paths from the config's folder.
+    #[default]
+    AsWritten,
+    /// Under this folder, as if it were the root of the file system the
+    /// mesh runs on: `/etc/guardmesh/policy.toml` is read as
+    /// `ROOT/etc/guardmesh/policy.toml` (a ConfigMap's files checked in
+    /// CI). Relative paths stay relative to the config's folder.
+    Root(PathBuf),
+    /// Not read: the keys and values are checked, not the files nor what
+    /// needs their contents (a certificate matching its key, a policy
+    /// guard's rules).
+    Skip,
+}
+
 /// Checks the config file at `path`; relative paths in it are relative to
 /// its folder, as when the mesh loads it.
 pub fn check_file(path: &Path) -> Result<Vec<Finding>, Unreadable> {
+    check_file_with(path, &Files::AsWritten)
+}
+
+/// [`check_file`], reading the files the config names as `files` says.
+pub fn check_file_with(path: &Path, files: &Files) -> Result<Vec<Finding>, Unreadable> {
     let text = crate::files::read_to_string(path, crate::files::MAX_CONFIG_FILE_BYTES).map_err(
         |source| Unreadable {
             path: path.to_owned(),
             source,
         },
     )?;
-    Ok(check_text(&text, Config::folder_of(path)))
+    Ok(check_text_with(&text, Config::folder_of(path), files))
 }
 
 /// Every finding of a config's `text`, whose relative paths are relative to
-/// `folder`: syntax errors (as many as the parser recovers from), then
-/// unknown keys and wrong types, then settings that cannot work, then the
-/// files it names; errors first, each group in line order.
+/// `folder`.
 pub fn check_text(text: &str, folder: &Path) -> Vec<Finding> {
+    check_text_with(text, folder, &Files::AsWritten)
+}
+
+/// The most values that do not read that one check reports one by one
+/// (each costs a parse of the file).
+const MAX_VALUE_ERRORS: usize = 64;
+
+/// Every finding of a config's `text`, in one run: syntax errors (as many
+/// as the parser recovers from), unknown keys and wrong types, values out
+/// of range, settings that cannot work, and the files it names; errors
+/// first, each group in line order. A key found wrong is left out of the
+/// later checks (as if not written), so that one mistake does not hide
+/// the others.
+pub fn check_text_with(text: &str, folder: &Path, files: &Files) -> Vec<Finding> {
     let key_errors = keys::walk(text);
-    if !key_errors.is_empty() {
-        return key_errors.iter().map(from_key_error).collect();
+    let mut findings: Vec<Finding> = key_errors.iter().map(from_key_error).collect();
+    if key_errors
+        .iter()
+        .any(|e| matches!(e, KeyError::Syntax { .. }))
+    {
+        return findings;
     }
-    let mut config: Config = match toml::from_str(text) {
-        Ok(config) => config,
-        Err(error) => {
-            // Not expected once the walk passes (the walk and serde read
-            // the same keys); a value out of range (a negative size) is
-            // one way.
-            return vec![Finding {
-                severity: Severity::Error,
-                line: error.span().map(|s| keys::line_of(text, s.start)),
-                key: String::new(),
-                message: error.message().trim().to_owned(),
-                fix: "write a value of the type the reference gives for this key".into(),
-            }];
+    // The text without the entries found wrong, lines kept in place.
+    let mut rest = text.to_owned();
+    for error in &key_errors {
+        if let Some(span) = entry_span(&rest, &error.at().key) {
+            blank(&mut rest, span);
         }
+    }
+    let mut config = None;
+    for _ in 0..MAX_VALUE_ERRORS {
+        match toml::from_str::<Config>(&rest) {
+            Ok(parsed) => {
+                config = Some(parsed);
+                break;
+            }
+            Err(error) => {
+                let entry = error.span().and_then(|span| entry_at(&rest, span.start));
+                let Some((key, span)) = entry else {
+                    // Nothing to point at: said once, unless the errors
+                    // already found explain it (a required key left out).
+                    if findings.is_empty() {
+                        findings.push(Finding {
+                            severity: Severity::Error,
+                            line: error.span().map(|s| keys::line_of(text, s.start)),
+                            key: String::new(),
+                            message: error.message().trim().to_owned(),
+                            fix: "write a value of the type the reference gives for this key"
+                                .into(),
+                        });
+                    }
+                    break;
+                };
+                if !findings.iter().any(|f| f.key == key) {
+                    findings.push(Finding {
+                        severity: Severity::Error,
+                        line: Some(keys::line_of(text, span.start)),
+                        fix: keys::fix_for(&key).unwrap_or_else(|| {
+                            "write a value of the type the reference gives for this key".into()
+                        }),
+                        key,
+                        message: error.message().trim().to_owned(),
+                    });
+                }
+                let before = rest.clone();
+                blank(&mut rest, span);
+                if rest == before {
+                    break;
+                }
+            }
+        }
+    }
+    let Some(mut config) = config else {
+        return sorted(findings);
     };
     let document = DeTable::parse(text).ok();
     let locate = |key: &str, index: Option<usize>| {
@@ -81,14 +158,29 @@ pub fn check_text(text: &str, folder: &Path) -> Vec<Finding> {
             .as_ref()
             .and_then(|d| locate(text, d.get_ref(), key, index))
     };
-    let mut findings: Vec<Finding> = config
-        .problems()
-        .iter()
-        .map(|problem| from_setting(problem, &locate))
-        .collect();
+    let reported = findings.len();
+    findings.extend(
+        config
+            .problems()
+            .iter()
+            .map(|problem| from_setting(problem, &locate)),
+    );
+    // Absolute paths under the root first: relative ones are the config
+    // folder's wherever it is.
+    if let Files::Root(root) = files {
+        config.map_paths(|path| {
+            if path.is_absolute() {
+                *path = root.join(path.strip_prefix("/").unwrap_or(path));
+            }
+        });
+    }
     config.resolve_paths(folder);
-    findings.extend(check_files(&mut config, &locate));
-    if findings.is_empty() {
+    if *files != Files::Skip {
+        findings.extend(check_files(&mut config, &locate));
+    }
+    // The assembly reads what the files hold (a policy's rules, a key
+    // pair): not without them.
+    if findings.len() == reported && reported == 0 && *files != Files::Skip {
         findings.extend(check_assembly(&config, &locate));
     }
     if findings.is_empty() {
@@ -104,6 +196,10 @@ pub fn check_text(text: &str, folder: &Path) -> Vec<Finding> {
             fix: String::new(),
         }));
     }
+    sorted(findings)
+}
+
+fn sorted(mut findings: Vec<Finding>) -> Vec<Finding> {
     findings.sort_by_key(|f| {
         (
             f.severity == Severity::Warning,
@@ -111,6 +207,99 @@ pub fn check_text(text: &str, folder: &Path) -> Vec<Finding> {
         )
     });
     findings
+}
+
+/// Replaces the bytes of `span` with spaces, newlines kept: the entry is
+/// gone and every line stays where it was.
+fn blank(text: &mut String, span: Range<usize>) {
+    let Some(part) = text.get(span.clone()) else {
+        return;
+    };
+    let spaces: String = part
+        .chars()
+        .map(|c| if c == '\n' { '\n' } else { ' ' })
+        .collect();
+    // Spaces for every char, not byte: keep the length in bytes too.
+    let pad = part.len() - spaces.len();
+    text.replace_range(span, &format!("{spaces}{}", " ".repeat(pad)));
+}
+
+/// The span (from its key to the end of its value) of the entry
+/// `numbered` (`limits.max_calls_per_batch`, `guard[2].tools`) in `text`.
+fn entry_span(text: &str, numbered: &str) -> Option<Range<usize>> {
+    if numbered.is_empty() {
+        return None;
+    }
+    let document = DeTable::parse(text).ok()?;
+    let mut table = document.get_ref();
+    let mut segments = numbered.split('.').peekable();
+    while let Some(segment) = segments.next() {
+        let (name, index) = match segment.split_once('[') {
+            Some((name, index)) => (name, index.trim_end_matches(']').parse::<usize>().ok()),
+            None => (segment, None),
+        };
+        let (key, value) = table.iter().find(|(k, _)| k.get_ref() == name)?;
+        let value = match (value.get_ref(), index) {
+            (DeValue::Array(items), Some(i)) => items.get(i.checked_sub(1)?)?,
+            _ => value,
+        };
+        if segments.peek().is_none() {
+            // Only a `key = value` entry on its own lines: a table header
+            // blanked alone would leave its keys to the table above.
+            if matches!(value.get_ref(), DeValue::Table(_)) || index.is_some() {
+                return None;
+            }
+            return Some(key.span().start..value.span().end);
+        }
+        table = match value.get_ref() {
+            DeValue::Table(inner) => inner,
+            _ => return None,
+        };
+    }
+    None
+}
+
+/// The innermost `key = value` entry of `text` whose value holds byte
+/// `at`: its numbered key and its span.
+fn entry_at(text: &str, at: usize) -> Option<(String, Range<usize>)> {
+    let document = DeTable::parse(text).ok()?;
+    fn search(table: &DeTable<'_>, prefix: &str, at: usize) -> Option<(String, Range<usize>)> {
+        for (key, value) in table.iter() {
+            let name = if prefix.is_empty() {
+                key.get_ref().to_string()
+            } else {
+                format!("{prefix}.{}", key.get_ref())
+            };
+            match value.get_ref() {
+                DeValue::Table(inner) => {
+                    if let Some(found) = search(inner, &name, at) {
+                        return Some(found);
+                    }
+                }
+                DeValue::Array(items)
+                    if items
+                        .iter()
+                        .all(|item| matches!(item.get_ref(), DeValue::Table(_)))
+                        && !items.is_empty() =>
+                {
+                    for (i, item) in items.iter().enumerate() {
+                        if let DeValue::Table(inner) = item.get_ref()
+                            && let Some(found) = search(inner, &format!("{name}[{}]", i + 1), at)
+                        {
+                            return Some(found);
+                        }
+                    }
+                }
+                _ => {
+                    if value.span().contains(&at) || key.span().contains(&at) {
+                        return Some((name, key.span().start..value.span().end));
+                    }
+                }
+            }
+        }
+        None
+    }
+    search(document.get_ref(), "", at)
 }
 
 fn from_key_error(error: &KeyError) -> Finding {

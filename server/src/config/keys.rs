@@ -259,13 +259,28 @@ impl KeyError {
             Self::Value { at, allowed, .. } => {
                 format!("write {} = \"{}\"", leaf(&at.key), allowed.join("\" or \""))
             }
-            Self::Address { at, .. } => format!("write {} = \"127.0.0.1:9090\"", leaf(&at.key)),
+            // The key's own default or example: the listener's fix is not
+            // the metrics port.
+            Self::Address { at, .. } => find(&path(at))
+                .map(|key| format!("write an address{}", example(key)))
+                .unwrap_or_else(|| format!("write {} = \"127.0.0.1:50051\"", leaf(&at.key))),
             Self::Missing { at } => {
                 let example = find(&path(at)).map(example).unwrap_or_default();
                 format!("add {}{example}", leaf(&at.key))
             }
         }
     }
+}
+
+/// What to write for `key` when its value does not read: its type and
+/// an example (`write an integer, e.g. max_calls_per_batch = 256`).
+pub(crate) fn fix_for(numbered: &str) -> Option<String> {
+    let key = find(&reference_path(numbered))?;
+    let what = match key.kind {
+        Kind::Int => "a whole number, 0 or more".to_owned(),
+        kind => article(&kind.describe()),
+    };
+    Some(format!("write {what}{}", example(key)))
 }
 
 /// `, e.g. key = value` for a key, from its default or its type.

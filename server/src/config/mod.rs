@@ -73,6 +73,7 @@ use std::time::Duration;
 pub mod check;
 mod decision_log;
 mod describe;
+pub mod environment;
 mod error;
 mod guards;
 pub mod keys;
@@ -300,11 +301,16 @@ impl Config {
     /// Makes every relative path of the config (each key of type path in
     /// the reference) relative to `folder`, the config file's folder.
     pub fn resolve_paths(&mut self, folder: &Path) {
-        let resolve = |path: &mut PathBuf| {
+        self.map_paths(|path| {
             if path.is_relative() {
                 *path = folder.join(&*path);
             }
-        };
+        });
+    }
+
+    /// Applies `resolve` to every file and folder the config names.
+    pub fn map_paths(&mut self, resolve: impl Fn(&mut PathBuf)) {
+        let resolve = &resolve;
         let resolve_opt = |path: &mut Option<PathBuf>| {
             if let Some(path) = path {
                 resolve(path);

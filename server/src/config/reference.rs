@@ -2,6 +2,7 @@
 //! key of [`KEYS`] with its type, default and meaning, as plain text or as
 //! the Markdown of `docs/configuration.md`.
 
+use super::environment::ENVIRONMENT;
 use super::keys::{KEYS, Key, Kind, find};
 use std::fmt::Write as _;
 
@@ -23,7 +24,13 @@ const EXIT_CODES: &str = "`guardmesh config check FILE` reports every error it f
                           valid (warnings are printed), 1 when it is not (a syntax, key or \
                           value error, or a policy, certificate, key or token file it names \
                           that is missing, unreadable or does not parse), and 2 when the \
-                          check cannot run (the config file cannot be read, or a usage error).";
+                          check cannot run (the config file cannot be read, or a usage error). \
+                          A key found wrong is left out of the later checks, so that one \
+                          mistake does not hide another. To check a config whose files live \
+                          elsewhere (a ConfigMap in CI), `--root DIR` reads its absolute paths \
+                          under DIR (`/etc/guardmesh/policy.toml` as \
+                          `DIR/etc/guardmesh/policy.toml`), and `--no-files` reads none (and checks only \
+                          the keys and values).";
 
 /// The reference as plain text: every key with its type, default and
 /// meaning.
@@ -47,6 +54,14 @@ pub fn reference_text() -> String {
             );
         }
         let _ = writeln!(out, "    {}", key.meaning);
+    }
+    let _ = writeln!(out, "\nEnvironment variables\n");
+    for var in ENVIRONMENT {
+        let _ = writeln!(
+            out,
+            "{}\n    read by: {}\n    {}",
+            var.name, var.read_by, var.meaning
+        );
     }
     out
 }
@@ -116,6 +131,23 @@ pub fn reference_markdown() -> String {
             "| {name} | {} | {default} | {} |",
             key.kind.describe().replace('|', "\\|"),
             key.meaning.replace('|', "\\|")
+        );
+    }
+    let _ = writeln!(out, "\n## Environment variables\n");
+    let _ = writeln!(
+        out,
+        "What guardmesh reads from its environment, beside the config file. \
+         `registry.password_env` stands for the variable that key names.\n"
+    );
+    let _ = writeln!(out, "| Variable | Read by | Meaning |");
+    let _ = writeln!(out, "|---|---|---|");
+    for var in ENVIRONMENT {
+        let _ = writeln!(
+            out,
+            "| `{}` | {} | {} |",
+            var.name,
+            var.read_by.replace('|', "\\|"),
+            var.meaning.replace('|', "\\|")
         );
     }
     out

@@ -12,6 +12,8 @@
 //! * [`segment`]: the log's files and their names;
 //! * [`writer`]: [`DecisionLog`], the append-only writer (group commit,
 //!   rotation by size, fsync per record or per interval, resuming);
+//! * [`read`]: [`LogReader`], which reads the log's files in order,
+//!   verifying each line as it reads it, and reads on as the log grows;
 //! * [`verify`](mod@verify): [`verify()`](verify::verify), which names the first
 //!   record that breaks the chain;
 //! * [`from_mesh`]: the mesh's batches, answers and registrations as
@@ -34,6 +36,7 @@ pub mod error;
 pub mod from_mesh;
 pub mod mask;
 pub mod otlp;
+pub mod read;
 pub mod record;
 pub mod segment;
 pub mod verify;
@@ -48,6 +51,7 @@ pub use checkpoint::{KeyError, SealConfig};
 pub use error::LogError;
 pub use from_mesh::{LogLimits, MeshLog, OnLogFailure, RefusalLimits};
 pub use mask::{Held, MASKED, MaskError, MaskRules, OMITTED, Secrets, scrub_live};
+pub use read::{LogReader, ReadLine};
 pub use record::{
     Action, BatchRecord, CallDecisionRecord, CallRecord, Caller, ChainChangeRecord, ChangeKind,
     ChangeOutcome, ChangeStatus, CheckpointRecord, DecisionRecord, Entry, FORMAT_VERSION,

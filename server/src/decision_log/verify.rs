@@ -36,16 +36,14 @@
 //! file before it can confirm).
 
 use std::fmt;
-use std::fs::File;
-use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
 
 use ed25519_dalek::VerifyingKey;
 
 use super::chain::{self, GENESIS, Header, SealError};
 use super::checkpoint::{self, Sealed};
+use super::read::LogReader;
 use super::record::FORMAT_VERSION;
-use super::segment;
 
 /// A log that verified.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -200,275 +198,279 @@ pub fn verify(path: &Path) -> Result<VerifyReport, VerifyError> {
 /// Verifies the log at `path` with `options`: its hash chain, and with a
 /// key its checkpoints, and with an anchor that it holds the latest
 /// checkpoint kept outside it.
+///
+/// It reads the log with [`LogReader`], as `guardmesh log show` does.
 pub fn verify_with(path: &Path, options: &VerifyOptions) -> Result<VerifyReport, VerifyError> {
-    let anchor = match (&options.anchor, &options.anchor_line, &options.key) {
-        (Some(anchor), _, Some(key)) => Some(read_anchor(anchor, key)?),
-        (None, Some(line), Some(key)) => match checkpoint::check_line(line, key) {
-            Ok(Some(sealed)) => Some(sealed),
-            Ok(None) => {
+    let mut reader = LogReader::open(path, Some(options))?;
+    reader.read(|_| Ok::<(), VerifyError>(()))?;
+    reader
+        .finish()?
+        .ok_or_else(|| VerifyError::Empty(path.to_path_buf()))
+}
+
+/// The chain and checkpoint rules, applied line by line as a log is read
+/// (by [`LogReader`]), so that a reader that prints records only prints
+/// records that verified.
+pub(crate) struct Verifier {
+    options: VerifyOptions,
+    /// The outside checkpoint, read and checked against the key.
+    anchor: Option<Sealed>,
+    /// Whether the log held the anchor's record, and whether it matched.
+    anchor_found: Option<bool>,
+    seals: Seals,
+    chain: Chain,
+    /// A whole log directory (not one of its files).
+    dir: bool,
+    report: VerifyReport,
+}
+
+impl Verifier {
+    /// A verifier for a log directory (`dir`) or one of its files whose
+    /// first record must carry `chain`.
+    pub(crate) fn new(
+        options: &VerifyOptions,
+        dir: bool,
+        chain: Chain,
+    ) -> Result<Self, VerifyError> {
+        let anchor = match (&options.anchor, &options.anchor_line, &options.key) {
+            (Some(anchor), _, Some(key)) => Some(read_anchor(anchor, key)?),
+            (None, Some(line), Some(key)) => match checkpoint::check_line(line, key) {
+                Ok(Some(sealed)) => Some(sealed),
+                Ok(None) => {
+                    return Err(VerifyError::Anchor(
+                        "the outside checkpoint given is not a checkpoint".to_owned(),
+                    ));
+                }
+                Err(reason) => {
+                    return Err(VerifyError::Anchor(format!(
+                        "the outside checkpoint given {reason}"
+                    )));
+                }
+            },
+            (Some(_), _, None) | (None, Some(_), None) => {
                 return Err(VerifyError::Anchor(
-                    "the outside checkpoint given is not a checkpoint".to_owned(),
+                    "an outside checkpoint is checked with the key: give --key".to_owned(),
                 ));
             }
-            Err(reason) => {
-                return Err(VerifyError::Anchor(format!(
-                    "the outside checkpoint given {reason}"
-                )));
-            }
-        },
-        (Some(_), _, None) | (None, Some(_), None) => {
-            return Err(VerifyError::Anchor(
-                "an outside checkpoint is checked with the key: give --key".to_owned(),
-            ));
-        }
-        _ => None,
-    };
-    let mut anchor_found: Option<bool> = None;
-    let mut seals = Seals::default();
-    let io_error = |path: &Path, err: std::io::Error| VerifyError::Io {
-        path: path.to_path_buf(),
-        message: err.to_string(),
-    };
-    let metadata = std::fs::metadata(path).map_err(|err| io_error(path, err))?;
-    let (files, mut chain) = if metadata.is_dir() {
-        let files = segment::list(path).map_err(|err| io_error(path, err))?;
-        if files.is_empty() {
-            return Err(VerifyError::Empty(path.to_path_buf()));
-        }
-        (files, Chain::genesis())
-    } else {
-        let named = path
-            .file_name()
-            .and_then(|name| name.to_str())
-            .and_then(segment::parse_file_name);
-        let chain = match named {
-            Some(0) => Chain::genesis(),
-            // Not the first file, or not named as a log file: the record
-            // before its first one is not at hand.
-            seq => Chain { seq, prev: None },
+            _ => None,
         };
-        (vec![(named.unwrap_or(0), path.to_path_buf())], chain)
-    };
+        Ok(Verifier {
+            options: options.clone(),
+            anchor,
+            anchor_found: None,
+            seals: Seals::default(),
+            chain,
+            dir,
+            report: VerifyReport {
+                files: Vec::new(),
+                records: 0,
+                masked_records: 0,
+                last: None,
+                signatures_checked: options.key.is_some(),
+                checkpoints: 0,
+                unsealed: 0,
+                closed: false,
+                gaps: Vec::new(),
+                anchored_at: None,
+            },
+        })
+    }
 
-    let mut report = VerifyReport {
-        files: Vec::new(),
-        records: 0,
-        masked_records: 0,
-        last: None,
-        signatures_checked: options.key.is_some(),
-        checkpoints: 0,
-        unsealed: 0,
-        closed: false,
-        gaps: Vec::new(),
-        anchored_at: None,
-    };
-    for (file_index, (named_seq, file)) in files.iter().enumerate() {
-        seals.rotated = false;
-        let reader = File::open(file).map_err(|err| io_error(file, err))?;
-        let mut reader = BufReader::new(reader);
-        let mut buf = Vec::new();
-        let mut line_no = 0u64;
-        loop {
-            buf.clear();
-            let read = reader
-                .read_until(b'\n', &mut buf)
-                .map_err(|err| io_error(file, err))?;
-            if read == 0 {
-                break;
-            }
-            line_no += 1;
-            let first_of_file = line_no == 1;
-            let bad = |header: Option<&Header>, reason: String| {
-                VerifyError::Bad(BadRecord {
-                    file: file.clone(),
-                    line: line_no,
-                    seq: header.map(|h| h.seq),
-                    id: header.map(|h| h.id.clone()),
-                    reason,
-                })
-            };
-            let complete = buf.last() == Some(&b'\n');
-            let line = if complete {
-                &buf[..buf.len() - 1]
-            } else {
-                &buf[..]
-            };
-            let header = Header::parse(line).ok();
-            if !complete {
+    /// Checks one complete line (without its newline), line `line_no` of
+    /// `file`, the file named for seq `named_seq`.
+    pub(crate) fn line(
+        &mut self,
+        file: &Path,
+        named_seq: u64,
+        line_no: u64,
+        line: &[u8],
+    ) -> Result<Header, VerifyError> {
+        let first_of_file = line_no == 1;
+        let bad = |header: Option<&Header>, reason: String| {
+            VerifyError::Bad(BadRecord {
+                file: file.to_path_buf(),
+                line: line_no,
+                seq: header.map(|h| h.seq),
+                id: header.map(|h| h.id.clone()),
+                reason,
+            })
+        };
+        if line.is_empty() {
+            return Err(bad(None, "empty line".to_owned()));
+        }
+        match chain::check_seal(line) {
+            Ok(()) => {}
+            Err(SealError::Missing) => {
                 return Err(bad(
-                    header.as_ref(),
-                    "the last line is incomplete (no newline): the file was truncated or is still being written"
+                    Header::parse(line).ok().as_ref(),
+                    "the line does not end with its hash: edited or not a decision log record"
                         .to_owned(),
                 ));
             }
-            if line.is_empty() {
-                return Err(bad(None, "empty line".to_owned()));
-            }
-            match chain::check_seal(line) {
-                Ok(()) => {}
-                Err(SealError::Missing) => {
-                    return Err(bad(
-                        header.as_ref(),
-                        "the line does not end with its hash: edited or not a decision log record"
-                            .to_owned(),
-                    ));
-                }
-                Err(SealError::Mismatch) => {
-                    return Err(bad(
-                        header.as_ref(),
-                        "its hash does not match its bytes: the record was edited".to_owned(),
-                    ));
-                }
-            }
-            let header = match Header::parse(line) {
-                Ok(header) => header,
-                Err(reason) => return Err(bad(None, format!("the line {reason}"))),
-            };
-            if header.v != FORMAT_VERSION {
+            Err(SealError::Mismatch) => {
                 return Err(bad(
-                    Some(&header),
-                    format!(
-                        "unknown format version {} (this build reads {FORMAT_VERSION})",
-                        header.v
-                    ),
+                    Header::parse(line).ok().as_ref(),
+                    "its hash does not match its bytes: the record was edited".to_owned(),
                 ));
             }
-            if let Some(expected) = chain.seq
-                && header.seq != expected
-            {
-                let what = if header.seq > expected {
-                    format!(
-                        "out of place, expected seq {expected}: records removed or reordered before it"
-                    )
-                } else {
-                    format!(
-                        "out of order, expected seq {expected}: a record repeated or moved back"
-                    )
-                };
-                return Err(bad(Some(&header), what));
-            }
-            if let Some(expected) = &chain.prev
-                && &header.prev != expected
-            {
-                let reason = if expected == GENESIS {
-                    "the first record of the log does not carry the genesis value: earlier records or files were removed"
-                        .to_owned()
-                } else {
-                    "its prev does not match the hash of the line before it: a record before it was changed, removed or inserted"
-                        .to_owned()
-                };
-                return Err(bad(Some(&header), reason));
-            }
-            if first_of_file && header.seq != *named_seq && metadata.is_dir() {
-                return Err(bad(
-                    Some(&header),
-                    format!(
-                        "the file is named for seq {named_seq}: files renamed or records moved"
-                    ),
-                ));
-            }
-            let hash = chain::sha256_hex(line);
-            if let Some(key) = &options.key {
-                let name = file
-                    .file_name()
-                    .map(|n| n.to_string_lossy().into_owned())
-                    .unwrap_or_default();
-                seal_rules(key, line, &header, &name, &mut seals, &mut report)
-                    .map_err(|reason| bad(Some(&header), reason.to_string()))?;
-            }
-            if let Some(anchor) = &anchor
-                && anchor.seq == header.seq
-            {
-                anchor_found = Some(anchor.hash == hash);
-            }
-            report.records += 1;
-            if header.masked > 0 {
-                report.masked_records += 1;
-            }
-            chain = Chain {
-                seq: Some(header.seq + 1),
-                prev: Some(hash),
-            };
-            report.last = Some(RecordRef {
-                file: file.clone(),
-                line: line_no,
-                seq: header.seq,
-                id: header.id,
-                hash: std::str::from_utf8(&line[line.len() - 66..line.len() - 2])
-                    .unwrap_or_default()
-                    .to_owned(),
-            });
         }
-        // Every file but the last ends with its `rotate` checkpoint, once
-        // the log is signed.
-        if options.key.is_some()
-            && metadata.is_dir()
-            && seals.last.is_some()
-            && file_index + 1 < files.len()
-            && !seals.rotated
+        let header = match Header::parse(line) {
+            Ok(header) => header,
+            Err(reason) => return Err(bad(None, format!("the line {reason}"))),
+        };
+        if header.v != FORMAT_VERSION {
+            return Err(bad(
+                Some(&header),
+                format!(
+                    "unknown format version {} (this build reads {FORMAT_VERSION})",
+                    header.v
+                ),
+            ));
+        }
+        if let Some(expected) = self.chain.seq
+            && header.seq != expected
+        {
+            let what = if header.seq > expected {
+                format!(
+                    "out of place, expected seq {expected}: records removed or reordered before it"
+                )
+            } else {
+                format!("out of order, expected seq {expected}: a record repeated or moved back")
+            };
+            return Err(bad(Some(&header), what));
+        }
+        if let Some(expected) = &self.chain.prev
+            && &header.prev != expected
+        {
+            let reason = if expected == GENESIS {
+                "the first record of the log does not carry the genesis value: earlier records or files were removed"
+                    .to_owned()
+            } else {
+                "its prev does not match the hash of the line before it: a record before it was changed, removed or inserted"
+                    .to_owned()
+            };
+            return Err(bad(Some(&header), reason));
+        }
+        if first_of_file && header.seq != named_seq && self.dir {
+            return Err(bad(
+                Some(&header),
+                format!("the file is named for seq {named_seq}: files renamed or records moved"),
+            ));
+        }
+        let hash = chain::sha256_hex(line);
+        if let Some(key) = &self.options.key {
+            let name = file
+                .file_name()
+                .map(|n| n.to_string_lossy().into_owned())
+                .unwrap_or_default();
+            seal_rules(key, line, &header, &name, &mut self.seals, &mut self.report)
+                .map_err(|reason| bad(Some(&header), reason.to_string()))?;
+        }
+        if let Some(anchor) = &self.anchor
+            && anchor.seq == header.seq
+        {
+            self.anchor_found = Some(anchor.hash == hash);
+        }
+        self.report.records += 1;
+        if header.masked > 0 {
+            self.report.masked_records += 1;
+        }
+        self.chain = Chain {
+            seq: Some(header.seq + 1),
+            prev: Some(hash),
+        };
+        self.report.last = Some(RecordRef {
+            file: file.to_path_buf(),
+            line: line_no,
+            seq: header.seq,
+            id: header.id.clone(),
+            hash: std::str::from_utf8(&line[line.len() - 66..line.len() - 2])
+                .unwrap_or_default()
+                .to_owned(),
+        });
+        Ok(header)
+    }
+
+    /// `file`, which held `lines` lines, ended and another file follows
+    /// it: once the log is signed, it must end with its `rotate`
+    /// checkpoint.
+    pub(crate) fn file_ended(&mut self, file: &Path, lines: u64) -> Result<(), VerifyError> {
+        if self.options.key.is_some()
+            && self.dir
+            && self.seals.last.is_some()
+            && !self.seals.rotated
         {
             return Err(VerifyError::Bad(BadRecord {
-                file: file.clone(),
-                line: line_no,
+                file: file.to_path_buf(),
+                line: lines,
                 seq: None,
                 id: None,
                 reason: "the file does not end with its rotate checkpoint: records were cut from its end"
                     .to_owned(),
             }));
         }
-        report.files.push(file.clone());
+        self.seals.rotated = false;
+        self.report.files.push(file.to_path_buf());
+        Ok(())
     }
-    if options.key.is_some() {
-        let Some((last_seal, _)) = seals.last else {
-            return Err(VerifyError::Sealing(
-                "no signed checkpoint in the log: it was written without a key, or rewritten"
-                    .to_owned(),
-            ));
-        };
-        if seals.rotated && metadata.is_dir() {
+
+    /// The log ended with `last` (its last file): the rules about the
+    /// whole log, and the report.
+    pub(crate) fn finish(mut self, last: &Path) -> Result<VerifyReport, VerifyError> {
+        self.report.files.push(last.to_path_buf());
+        let mut report = self.report;
+        if self.options.key.is_some() {
+            let Some((last_seal, _)) = self.seals.last else {
+                return Err(VerifyError::Sealing(
+                    "no signed checkpoint in the log: it was written without a key, or rewritten"
+                        .to_owned(),
+                ));
+            };
+            if self.seals.rotated && self.dir {
+                return Err(VerifyError::Sealing(format!(
+                    "the log ends with the rotate checkpoint at seq {last_seal}: the file after it (decisions-{:020}.jsonl) is missing",
+                    last_seal + 1
+                )));
+            }
+            report.unsealed = self.seals.since;
+            report.closed = self.seals.closed;
+        }
+        if let Some(anchor) = &self.anchor {
+            let head = report.last.as_ref().map(|last| last.seq);
+            match self.anchor_found {
+                Some(true) => report.anchored_at = Some(anchor.seq),
+                Some(false) => {
+                    return Err(VerifyError::Sealing(format!(
+                        "the record at seq {} is not the checkpoint kept outside the log (written {}): the log was rewritten",
+                        anchor.seq, anchor.time
+                    )));
+                }
+                None => {
+                    let missing = (anchor.seq + 1).saturating_sub(head.map_or(0, |seq| seq + 1));
+                    return Err(VerifyError::Sealing(format!(
+                        "the log ends at seq {} but the checkpoint kept outside it vouches for seq {} (written {}): \
+                         {missing} records missing: records were cut from its end or its last files removed",
+                        head.map_or_else(|| "-".to_owned(), |seq| seq.to_string()),
+                        anchor.seq,
+                        anchor.time
+                    )));
+                }
+            }
+        }
+        if !report.gaps.is_empty() && !self.options.allow_gap {
+            let list: Vec<String> = report
+                .gaps
+                .iter()
+                .map(|(seq, missing)| format!("at seq {seq} (checkpoint seq {missing} missing)"))
+                .collect();
             return Err(VerifyError::Sealing(format!(
-                "the log ends with the rotate checkpoint at seq {last_seal}: the file after it (decisions-{:020}.jsonl) is missing",
-                last_seal + 1
+                "the log has gap records, where the mesh was restarted on a log missing records: {}; \
+                 pass --allow-gap to accept them",
+                list.join(", ")
             )));
         }
-        report.unsealed = seals.since;
-        report.closed = seals.closed;
+        Ok(report)
     }
-    if let Some(anchor) = &anchor {
-        let head = report.last.as_ref().map(|last| last.seq);
-        match anchor_found {
-            Some(true) => report.anchored_at = Some(anchor.seq),
-            Some(false) => {
-                return Err(VerifyError::Sealing(format!(
-                    "the record at seq {} is not the checkpoint kept outside the log (written {}): the log was rewritten",
-                    anchor.seq, anchor.time
-                )));
-            }
-            None => {
-                let missing = (anchor.seq + 1).saturating_sub(head.map_or(0, |seq| seq + 1));
-                return Err(VerifyError::Sealing(format!(
-                    "the log ends at seq {} but the checkpoint kept outside it vouches for seq {} (written {}): \
-                     {missing} records missing: records were cut from its end or its last files removed",
-                    head.map_or_else(|| "-".to_owned(), |seq| seq.to_string()),
-                    anchor.seq,
-                    anchor.time
-                )));
-            }
-        }
-    }
-    if !report.gaps.is_empty() && !options.allow_gap {
-        let list: Vec<String> = report
-            .gaps
-            .iter()
-            .map(|(seq, missing)| format!("at seq {seq} (checkpoint seq {missing} missing)"))
-            .collect();
-        return Err(VerifyError::Sealing(format!(
-            "the log has gap records, where the mesh was restarted on a log missing records: {}; \
-             pass --allow-gap to accept them",
-            list.join(", ")
-        )));
-    }
-    Ok(report)
 }
 
 /// Which checkpoint rule a line breaks; each message completes "the
@@ -566,16 +568,27 @@ fn seal_rules(
 }
 
 /// What the next record must carry; `None` where it cannot be known.
-struct Chain {
+pub(crate) struct Chain {
     seq: Option<u64>,
     prev: Option<String>,
 }
 
 impl Chain {
-    fn genesis() -> Self {
+    pub(crate) fn genesis() -> Self {
         Chain {
             seq: Some(0),
             prev: Some(GENESIS.to_owned()),
+        }
+    }
+    /// The chain a file holding the records from `seq` on starts with:
+    /// from the genesis record for the log's first file, otherwise from
+    /// whatever its first record links to (which only the file before it
+    /// can confirm). `seq` is `None` when the file is not named as a log
+    /// file.
+    pub(crate) fn from_file(seq: Option<u64>) -> Self {
+        match seq {
+            Some(0) => Chain::genesis(),
+            seq => Chain { seq, prev: None },
         }
     }
 }

@@ -50,6 +50,20 @@ pub(crate) struct Refused {
 }
 
 /// Compiles `source`, the `field` of a rule, within `limits`.
+/// For a `message` that does not compile and reads as plain text (it
+/// starts with no quote): how to write text in a CEL expression.
+fn plain_text_hint(field: Field, source: &str) -> String {
+    let text = source.trim();
+    if field != Field::Message || text.starts_with(['"', '\'']) {
+        return String::new();
+    }
+    let quoted = text.replace('\\', "\\\\").replace('"', "\\\"");
+    format!(
+        "; `message` is a CEL expression: plain text must be a CEL string, quoted inside \
+         the TOML one: message = '\"{quoted}\"'"
+    )
+}
+
 pub(crate) fn compile(
     env: &Env,
     functions: &mut Functions,
@@ -73,7 +87,11 @@ pub(crate) fn compile(
             line: first.map_or(1, |e| usize::try_from(e.pos.0).unwrap_or(1).max(1)),
             kind: CompileErrorKind::Syntax {
                 field,
-                reason: first.map_or_else(|| errors.to_string(), |e| e.msg.clone()),
+                reason: format!(
+                    "{}{}",
+                    first.map_or_else(|| errors.to_string(), |e| e.msg.clone()),
+                    plain_text_hint(field, source)
+                ),
             },
         }
     })?;

@@ -349,6 +349,27 @@ message = "'too many emails'"
     assert_eq!(matched(&outcomes[3]).rule, "at-most-2");
 }
 
+/// R27: a `message` written as plain text (the first draft of every rule)
+/// is refused with the fix: quote it as a CEL string.
+#[test]
+fn r27_a_plain_text_message_is_refused_with_the_hint_to_quote_it() {
+    let error = refused(
+        "[[rule]]\nname = \"no-rm\"\nwhen = \"true\"\naction = \"cancel\"\n\
+         message = \"rm -rf is not allowed here\"\n",
+    );
+    let text = error.to_string();
+    assert!(text.contains("`message` does not compile"), "{text}");
+    assert!(
+        text.contains(r#"quoted inside the TOML one: message = '"rm -rf is not allowed here"'"#),
+        "{text}"
+    );
+    // A message that is a CEL string already gets no such hint.
+    let error = refused(
+        "[[rule]]\nname = \"x\"\nwhen = \"true\"\naction = \"cancel\"\nmessage = \"'a' + \"\n",
+    );
+    assert!(!error.to_string().contains("plain text"), "{error}");
+}
+
 /// R27: a file that does not compile is refused whole, with the line of the
 /// file and the reason.
 #[test]
