@@ -15,10 +15,19 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 use std::time::Duration;
 
+/// `guardmesh --version`: the crate's version and the commit it was built
+/// from, `-dirty` when tracked files differed from it (cli/build.rs).
+const VERSION: &str = concat!(
+    env!("CARGO_PKG_VERSION"),
+    " (commit ",
+    env!("GUARDMESH_COMMIT"),
+    ")"
+);
+
 #[derive(Parser)]
 #[command(
     name = "guardmesh",
-    version,
+    version = VERSION,
     about = "A gRPC guard mesh for AI agent tool calls"
 )]
 struct Cli {
