@@ -483,3 +483,153 @@ fn systemd_unit_verifies_and_its_sandbox_exposure_stays_low() {
     );
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// Frames of one HTTP/2 connection read raw until the server closes it,
+/// answering its SETTINGS and PINGs as a client must: the GOAWAY frames'
+/// error codes, in order (bounded: 15 s).
+async fn goaways_until_closed(port: u16) -> Vec<u32> {
+    let mut tcp = tokio::net::TcpStream::connect(("127.0.0.1", port))
+        .await
+        .unwrap();
+    tcp.write_all(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n\0\0\0\x04\0\0\0\0\0")
+        .await
+        .unwrap();
+    let mut goaways = Vec::new();
+    let read = async {
+        loop {
+            let mut head = [0u8; 9];
+            if tcp.read_exact(&mut head).await.is_err() {
+                return;
+            }
+            let length =
+                usize::from(head[0]) << 16 | usize::from(head[1]) << 8 | usize::from(head[2]);
+            let mut payload = vec![0u8; length];
+            if tcp.read_exact(&mut payload).await.is_err() {
+                return;
+            }
+            match (head[3], head[4] & 1) {
+                // SETTINGS, not an ACK: acknowledged.
+                (4, 0) => tcp.write_all(b"\0\0\0\x04\x01\0\0\0\0").await.unwrap(),
+                // PING, not an ACK: answered with its payload.
+                (6, 0) => {
+                    tcp.write_all(b"\0\0\x08\x06\x01\0\0\0\0").await.unwrap();
+                    tcp.write_all(&payload).await.unwrap();
+                }
+                (7, _) => goaways.push(u32::from_be_bytes([
+                    payload[4], payload[5], payload[6], payload[7],
+                ])),
+                _ => {}
+            }
+        }
+    };
+    tokio::time::timeout(Duration::from_secs(15), read)
+        .await
+        .expect("the connection was not closed within 15 s");
+    goaways
+}
+
+/// `[server] max_connection_age_ms`: a connection past its age is sent
+/// GOAWAY (NO_ERROR) and closed, so that long-lived coordinators and guards
+/// spread over replicas added after they connected (docs/operations.md);
+/// a coordinator's next batch goes over a new connection and no batch is
+/// lost (R19: each answered exactly once); a stream still open when the
+/// grace after the GOAWAY ends is cut, and a new one works.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn r25_connections_past_their_age_get_goaway_and_clients_reconnect() {
+    let policy = repo_root().join("examples/policy/policy.toml");
+    let serve = Serve::start(
+        "connection-age",
+        &format!(
+            "[server]\nmax_connection_age_ms = 300\nmax_connection_age_grace_ms = 1500\n\
+             [decision_log]\ndir = \"log\"\n\
+             [[guard]]\nname = \"sql-policy\"\npolicy = {:?}\ntools = [\"sql.*\"]\n",
+            policy.display().to_string()
+        ),
+    )
+    .await;
+    let port: u16 = serve.url.rsplit(':').next().unwrap().parse().unwrap();
+
+    // An idle connection: GOAWAY with NO_ERROR, then closed.
+    let mut coordinator = None;
+    for _ in 0..200 {
+        if let Ok(c) = Coordinator::connect(serve.url.clone()).await {
+            coordinator = Some(c);
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(25)).await;
+    }
+    let coordinator = coordinator.expect("the mesh's listener came up");
+    let goaways = goaways_until_closed(port).await;
+    assert!(
+        !goaways.is_empty() && goaways.iter().all(|code| *code == 0),
+        "GOAWAY frames before the close: {goaways:?}\n{}",
+        serve.log()
+    );
+
+    // Unary batches spread over several ages: every one answered.
+    let batches = 8u32;
+    for turn in 0..batches {
+        let decision = coordinator
+            .evaluate_once(
+                "aged",
+                Batch::new(turn).call("c1", "sql.query", r#"{"query": "SELECT 1"}"#),
+            )
+            .await
+            .unwrap_or_else(|e| panic!("batch {turn} lost: {e:?}\n{}", serve.log()));
+        assert_eq!(decision.execute.len(), 1, "{decision:?}");
+        tokio::time::sleep(Duration::from_millis(150)).await;
+    }
+    let records = records(&serve.dir.join("log"));
+    let peers: std::collections::BTreeSet<String> = records
+        .iter()
+        .filter(|r| r["kind"] == "decision")
+        .map(|r| r["caller"]["peer"].as_str().unwrap_or_default().to_owned())
+        .collect();
+    let decided = records.iter().filter(|r| r["kind"] == "decision").count();
+    assert_eq!(decided, batches as usize, "each batch judged once");
+    assert!(
+        peers.len() >= 2,
+        "the coordinator never reconnected: peers {peers:?}"
+    );
+
+    // A stream kept open past the age and its grace is cut; a new one works.
+    let session = coordinator.session("long").await.unwrap();
+    let first = session
+        .evaluate(Batch::new(0).call("c1", "sql.query", r#"{"query": "SELECT 1"}"#))
+        .await;
+    assert!(first.is_ok_and(|d| d.execute.len() == 1));
+    let mut cut = None;
+    for turn in 1..100 {
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        match session
+            .evaluate(Batch::new(turn).call("c1", "sql.query", r#"{"query": "SELECT 1"}"#))
+            .await
+        {
+            Ok(_) => {}
+            Err(error) => {
+                cut = Some(error);
+                break;
+            }
+        }
+    }
+    match cut {
+        // The connection is gone under the stream: tonic reports it as
+        // UNAVAILABLE, or UNKNOWN when the reset came while reading a body.
+        Some(ClientError::Status(status)) => assert!(
+            matches!(
+                status.code(),
+                tonic::Code::Unavailable | tonic::Code::Unknown
+            ),
+            "{status:?}"
+        ),
+        Some(ClientError::SessionClosed(_)) => {}
+        other => panic!("a stream past the age and its grace: {other:?}"),
+    }
+    let again = coordinator.session("long").await.unwrap();
+    assert!(
+        again
+            .evaluate(Batch::new(100).call("c1", "sql.query", r#"{"query": "SELECT 1"}"#))
+            .await
+            .is_ok_and(|d| d.execute.len() == 1)
+    );
+}
