@@ -448,8 +448,30 @@ fn systemd_unit_verifies_and_its_sandbox_exposure_stays_low() {
         "CapabilityBoundingSet=\n",
         "StateDirectory=guardmesh",
         "KillSignal=SIGTERM",
+        "Type=notify\n",
+        "WatchdogSec=",
     ] {
         assert!(unit.contains(directive), "the unit lacks {directive:?}");
+    }
+    // docs/operations.md installs every credential the unit loads, root's
+    // and mode 0600 (systemd reads it as root; the service reads the copy).
+    let docs = std::fs::read_to_string(repo_root().join("docs/operations.md")).unwrap();
+    let loaded: Vec<&str> = unit
+        .lines()
+        .filter_map(|l| l.strip_prefix("LoadCredential="))
+        .collect();
+    assert!(!loaded.is_empty(), "the unit loads no credentials");
+    for credential in loaded {
+        let (name, source) = credential.split_once(':').unwrap();
+        assert!(
+            docs.lines()
+                .any(|l| l.starts_with("install -m 0600 ") && l.ends_with(source)),
+            "docs/operations.md does not install {source} with mode 0600"
+        );
+        assert!(
+            docs.contains(&format!("$CREDENTIALS_DIRECTORY/{name}")),
+            "docs/operations.md's config does not read {name} from $CREDENTIALS_DIRECTORY"
+        );
     }
     // verify checks that ExecStart names an executable: the one built here.
     let dir = fresh_dir("probes-systemd");
@@ -632,4 +654,107 @@ async fn r25_connections_past_their_age_get_goaway_and_clients_reconnect() {
             .await
             .is_ok_and(|d| d.execute.len() == 1)
     );
+}
+
+/// Reads datagrams from the NOTIFY_SOCKET stand-in until one holds `line`
+/// (bounded: 30 s); every datagram read, in order.
+async fn notified_until(socket: &tokio::net::UnixDatagram, line: &str, log: &str) -> Vec<String> {
+    let mut seen = Vec::new();
+    let read = async {
+        let mut buf = vec![0u8; 4096];
+        loop {
+            let n = socket.recv(&mut buf).await.unwrap();
+            let message = String::from_utf8_lossy(&buf[..n]).into_owned();
+            let done = message.lines().any(|l| l == line);
+            seen.push(message);
+            if done {
+                return;
+            }
+        }
+    };
+    if tokio::time::timeout(Duration::from_secs(30), read)
+        .await
+        .is_err()
+    {
+        panic!("no {line} within 30 s; got {seen:?}\n{log}");
+    }
+    seen
+}
+
+/// systemd `Type=notify` (deploy/systemd/guardmesh.service): `READY=1` is
+/// sent only once the gRPC listener accepts connections (a batch sent the
+/// moment it arrives is judged), `WATCHDOG=1` keeps coming at half of
+/// `WATCHDOG_USEC`, `STOPPING=1` when SIGTERM starts the drain; the signing
+/// key is read from `$CREDENTIALS_DIRECTORY` (`LoadCredential=`), as the
+/// unit passes it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn systemd_ready_after_the_listener_watchdog_stopping_and_credentials() {
+    let dir = fresh_dir("systemd-notify");
+    let credentials = dir.join("credentials");
+    std::fs::create_dir_all(&credentials).unwrap();
+    let keygen = Command::new(env!("CARGO_BIN_EXE_guardmesh"))
+        .args(["log", "keygen", "--out"])
+        .arg(credentials.join("log-signing.key"))
+        .output()
+        .unwrap();
+    assert!(keygen.status.success(), "{keygen:?}");
+    let socket = tokio::net::UnixDatagram::bind(dir.join("notify.sock")).unwrap();
+    let policy = repo_root().join("examples/policy/policy.toml");
+    let config = dir.join("mesh.toml");
+    std::fs::write(
+        &config,
+        format!(
+            "[decision_log]\ndir = \"log\"\nsigning_key = \"$CREDENTIALS_DIRECTORY/log-signing.key\"\n\
+             [[guard]]\nname = \"sql-policy\"\npolicy = {:?}\ntools = [\"sql.*\"]\n",
+            policy.display().to_string()
+        ),
+    )
+    .unwrap();
+    let port = free_port();
+    let log_file = dir.join("mesh.log");
+    let mut child = serve_command(&config, port)
+        .env("NOTIFY_SOCKET", dir.join("notify.sock"))
+        .env("WATCHDOG_USEC", "200000")
+        .env("CREDENTIALS_DIRECTORY", &credentials)
+        .stdout(Stdio::null())
+        .stderr(std::fs::File::create(&log_file).unwrap())
+        .spawn()
+        .unwrap();
+    let log = || std::fs::read_to_string(&log_file).unwrap_or_default();
+
+    let first = notified_until(&socket, "READY=1", &log()).await;
+    assert!(first.iter().all(|m| !m.contains("STOPPING=1")), "{first:?}");
+    // Ready means listening: no retry.
+    let coordinator = Coordinator::connect(format!("http://127.0.0.1:{port}"))
+        .await
+        .unwrap_or_else(|e| panic!("READY=1 before the listener was up: {e}\n{}", log()));
+    let decision = coordinator
+        .evaluate_once(
+            "s",
+            Batch::new(0).call("c1", "sql.query", r#"{"query": "DELETE FROM users"}"#),
+        )
+        .await
+        .unwrap();
+    assert!(decision.execute.is_empty(), "{decision:?}");
+    // The watchdog keeps being fed while the mesh runs.
+    for _ in 0..3 {
+        notified_until(&socket, "WATCHDOG=1", &log()).await;
+    }
+    send_signal(&child, "TERM");
+    notified_until(&socket, "STOPPING=1", &log()).await;
+    let status = tokio::task::spawn_blocking(move || child.wait().unwrap())
+        .await
+        .unwrap();
+    assert!(status.success(), "{status}\n{}", log());
+    // The log was signed with the key from the credentials folder.
+    assert!(
+        std::fs::read_dir(dir.join("log"))
+            .unwrap()
+            .flatten()
+            .any(|f| f.file_name().to_string_lossy().contains("checkpoint")
+                || std::fs::read_to_string(f.path()).is_ok_and(|t| t.contains("\"checkpoint\""))),
+        "no checkpoint signed\n{}",
+        log()
+    );
+    let _ = std::fs::remove_dir_all(&dir);
 }

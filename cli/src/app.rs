@@ -501,6 +501,7 @@ async fn serve(config: Option<PathBuf>, listen: Option<std::net::SocketAddr>) ->
         None => Server::from_config(Config::default()).await?,
     };
     let addr = listen.unwrap_or_else(|| server.listen_addr());
+    crate::systemd::spawn(server.probes().clone());
     server
         .second_signal_cuts_drain()
         .serve(addr, shutdown_signal())

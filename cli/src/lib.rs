@@ -39,5 +39,6 @@ mod log;
 pub mod redact;
 mod replay;
 mod runtime;
+mod systemd;
 
 pub use app::main;
