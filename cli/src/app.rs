@@ -107,6 +107,13 @@ enum Command {
         /// Folder to write into.
         #[arg(default_value = "certs")]
         dir: PathBuf,
+        /// Also names the mesh's certificate for the Service `guardmesh`
+        /// in this namespace, and writes `secrets.yaml`: the Secrets the
+        /// production overlay mounts (guardmesh-tls) and its clients use
+        /// (guardmesh-coordinator, -registrar, -admin), for clusters
+        /// without cert-manager (`kubectl apply -f DIR/secrets.yaml`).
+        #[arg(long, value_name = "NAMESPACE")]
+        kubernetes: Option<String>,
     },
     /// Serves one of the example guards (prints `LISTENING <port>`).
     ExampleGuard {
@@ -371,7 +378,7 @@ async fn run(cli: Cli) -> Result<ExitCode, Error> {
         Command::Heartbeat(args) => crate::heartbeat::run(args, shutdown_signal()).await,
         Command::Evaluate { .. } => Err("evaluate is handled above".into()),
         Command::Demo { mtls } => crate::demo::run(mtls).await,
-        Command::Certs { dir } => certs(&dir),
+        Command::Certs { dir, kubernetes } => certs(&dir, kubernetes.as_deref()),
         Command::ExampleGuard {
             kind,
             listen,
@@ -475,8 +482,8 @@ async fn example_guard(
     Ok(())
 }
 
-fn certs(dir: &std::path::Path) -> Result<(), Error> {
-    let files = crate::certs::generate(dir)?;
+fn certs(dir: &std::path::Path, namespace: Option<&str>) -> Result<(), Error> {
+    let files = crate::certs::generate_for(dir, namespace)?;
     outln!("wrote {} files to {}:", files.len(), dir.display());
     for file in files {
         outln!("  {}", file.display());
