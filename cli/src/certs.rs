@@ -134,9 +134,9 @@ fn write_mode(path: &Path, text: &str, mode: u32) -> Result<(), CertsError> {
         .open(path)
         .and_then(|mut file| file.write_all(text.as_bytes()))
         .map_err(|source| CertsError::Write {
-        path: path.display().to_string(),
-        source,
-    })
+            path: path.display().to_string(),
+            source,
+        })
 }
 
 impl Issued {
