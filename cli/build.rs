@@ -47,6 +47,8 @@ fn main() {
         .or_else(|| from_vcs_info(&dir))
         .unwrap_or_else(|| "unknown".to_owned());
     println!("cargo:rustc-env=GUARDMESH_COMMIT={commit}");
+    // For tests/cli.rs, which checks `-dirty` against the same paths.
+    println!("cargo:rustc-env=GUARDMESH_SOURCES={}", SOURCES.join(" "));
 }
 
 fn git(dir: &Path, args: &[&str]) -> Option<String> {

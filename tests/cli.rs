@@ -732,22 +732,8 @@ fn version_names_the_commit_it_was_built_from() {
         return;
     };
     // cli/build.rs's SOURCES: what the binary is built from.
-    let sources = [
-        "Cargo.toml",
-        "Cargo.lock",
-        "build.rs",
-        "src",
-        "proto",
-        "server",
-        "client",
-        "cli/src",
-        "cli/build.rs",
-        "cli/Cargo.toml",
-        "gateway",
-        "bench",
-        "conformance",
-    ];
-    let pathspecs: Vec<String> = sources.iter().map(|s| format!(":/{s}")).collect();
+    let sources = env!("GUARDMESH_SOURCES").split(' ');
+    let pathspecs: Vec<String> = sources.map(|s| format!(":/{s}")).collect();
     let mut status = vec!["status", "--porcelain", "--untracked-files=no", "--"];
     status.extend(pathspecs.iter().map(String::as_str));
     let dirty = git(&status).is_some_and(|s| !s.is_empty());
