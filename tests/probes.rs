@@ -658,7 +658,11 @@ async fn r25_connections_past_their_age_get_goaway_and_clients_reconnect() {
 
 /// Reads datagrams from the NOTIFY_SOCKET stand-in until one holds `line`
 /// (bounded: 30 s); every datagram read, in order.
-async fn notified_until(socket: &tokio::net::UnixDatagram, line: &str, log: &str) -> Vec<String> {
+async fn notified_until(
+    socket: &tokio::net::UnixDatagram,
+    line: &str,
+    log: &dyn Fn() -> String,
+) -> Vec<String> {
     let mut seen = Vec::new();
     let read = async {
         let mut buf = vec![0u8; 4096];
@@ -676,7 +680,7 @@ async fn notified_until(socket: &tokio::net::UnixDatagram, line: &str, log: &str
         .await
         .is_err()
     {
-        panic!("no {line} within 30 s; got {seen:?}\n{log}");
+        panic!("no {line} within 30 s; got {seen:?}\n{}", log());
     }
     seen
 }
@@ -722,7 +726,7 @@ async fn systemd_ready_after_the_listener_watchdog_stopping_and_credentials() {
         .unwrap();
     let log = || std::fs::read_to_string(&log_file).unwrap_or_default();
 
-    let first = notified_until(&socket, "READY=1", &log()).await;
+    let first = notified_until(&socket, "READY=1", &log).await;
     assert!(first.iter().all(|m| !m.contains("STOPPING=1")), "{first:?}");
     // Ready means listening: no retry.
     let coordinator = Coordinator::connect(format!("http://127.0.0.1:{port}"))
@@ -738,10 +742,10 @@ async fn systemd_ready_after_the_listener_watchdog_stopping_and_credentials() {
     assert!(decision.execute.is_empty(), "{decision:?}");
     // The watchdog keeps being fed while the mesh runs.
     for _ in 0..3 {
-        notified_until(&socket, "WATCHDOG=1", &log()).await;
+        notified_until(&socket, "WATCHDOG=1", &log).await;
     }
     send_signal(&child, "TERM");
-    notified_until(&socket, "STOPPING=1", &log()).await;
+    notified_until(&socket, "STOPPING=1", &log).await;
     let status = tokio::task::spawn_blocking(move || child.wait().unwrap())
         .await
         .unwrap();

@@ -509,9 +509,13 @@ async fn serve(config: Option<PathBuf>, listen: Option<std::net::SocketAddr>) ->
     };
     let addr = listen.unwrap_or_else(|| server.listen_addr());
     crate::systemd::spawn(server.probes().clone());
+    let shutdown = async {
+        shutdown_signal().await;
+        crate::systemd::stopping();
+    };
     server
         .second_signal_cuts_drain()
-        .serve(addr, shutdown_signal())
+        .serve(addr, shutdown)
         .await?;
     Ok(())
 }

@@ -10,10 +10,11 @@ use sd_notify::NotifyState;
 use std::sync::Arc;
 use std::time::Duration;
 
-/// How often the listener and the drain are looked at.
+/// How often the listener is looked at until it is up.
 const POLL: Duration = Duration::from_millis(20);
 
-/// Spawns the task that tells systemd about `probes`' listener and drain.
+/// Spawns the task that tells systemd the listener of `probes` is up, then
+/// feeds the watchdog.
 /// Returns at once; does nothing when not started by a service manager.
 pub(crate) fn spawn(probes: Arc<Probes>) {
     if std::env::var_os("NOTIFY_SOCKET").is_none() {
@@ -25,34 +26,27 @@ pub(crate) fn spawn(probes: Arc<Probes>) {
             tokio::time::sleep(POLL).await;
         }
         send(&[NotifyState::Ready, NotifyState::Status("serving")]);
-        let mut pinged = tokio::time::Instant::now();
-        if watchdog.is_some() {
-            send(&[NotifyState::Watchdog]);
-        }
-        while !probes.draining() {
-            tokio::time::sleep(POLL).await;
-            // Sent from the runtime: a runtime that no longer runs its
-            // tasks stops the pings, and systemd restarts the service.
-            if let Some(every) = watchdog
-                && pinged.elapsed() >= every
-            {
+        // Fed from the runtime, through the drain too (bounded by
+        // shutdown_grace_ms): a runtime that no longer runs its tasks stops
+        // the pings, and systemd restarts the service.
+        if let Some(every) = watchdog {
+            loop {
                 send(&[NotifyState::Watchdog]);
-                pinged = tokio::time::Instant::now();
+                tokio::time::sleep(every).await;
             }
         }
+    });
+}
+
+/// Tells systemd the drain begins; called from the shutdown signal itself,
+/// before the drain can end the process.
+pub(crate) fn stopping() {
+    if std::env::var_os("NOTIFY_SOCKET").is_some() {
         send(&[
             NotifyState::Stopping,
             NotifyState::Status("draining batches in flight"),
         ]);
-        // The drain is bounded by shutdown_grace_ms; systemd's watchdog
-        // still runs meanwhile.
-        if let Some(every) = watchdog {
-            loop {
-                tokio::time::sleep(every).await;
-                send(&[NotifyState::Watchdog]);
-            }
-        }
-    });
+    }
 }
 
 fn send(state: &[NotifyState<'_>]) {
