@@ -702,3 +702,45 @@ fn report_commands_end_quietly_when_their_reader_stops() {
         out.status
     );
 }
+
+/// `guardmesh --version` names the commit it was built from (cli/build.rs),
+/// so a binary in the field can be traced to its source: in a clone, the
+/// first 12 hex digits of HEAD, and `-dirty` exactly when the binary's
+/// tracked sources differ from HEAD.
+#[test]
+fn version_names_the_commit_it_was_built_from() {
+    let out = guardmesh(&["--version"]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let printed = stdout(&out);
+    assert!(
+        printed.starts_with(&format!("guardmesh {} (commit ", env!("CARGO_PKG_VERSION"))),
+        "{printed}"
+    );
+    let git = |args: &[&str]| {
+        Command::new("git")
+            .arg("-C")
+            .arg(env!("CARGO_MANIFEST_DIR"))
+            .args(args)
+            .output()
+            .ok()
+            .filter(|o| o.status.success())
+            .map(|o| stdout(&o).trim().to_owned())
+    };
+    let Some(head) = git(&["rev-parse", "HEAD"]) else {
+        // A build from a packed crate: the commit cargo package recorded.
+        assert!(!printed.contains("(commit )"), "{printed}");
+        return;
+    };
+    // cli/build.rs's SOURCES: what the binary is built from.
+    let sources = env!("GUARDMESH_SOURCES").split(' ');
+    let pathspecs: Vec<String> = sources.map(|s| format!(":/{s}")).collect();
+    let mut status = vec!["status", "--porcelain", "--untracked-files=no", "--"];
+    status.extend(pathspecs.iter().map(String::as_str));
+    let dirty = git(&status).is_some_and(|s| !s.is_empty());
+    let expected = format!(
+        "(commit {}{})",
+        &head[..12],
+        if dirty { "-dirty" } else { "" }
+    );
+    assert!(printed.contains(&expected), "{printed} lacks {expected}");
+}

@@ -743,3 +743,45 @@ async fn r31_r25_stdio_unread_stderr_never_blocks_the_relay() {
     eprintln!("{report}");
     assert_eq!(scratch.executed().len(), 5);
 }
+
+/// `--max-connection-age-ms`: a kept-alive client connection past its age
+/// is closed once its request is answered (the answer arrives whole), so
+/// that clients behind a load balancer spread over gateways added later;
+/// the client's next connection is served. Without the age the connection
+/// would stay open until the (here one-minute) idle timeout.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn r25_http_connections_past_their_age_are_closed_between_requests() {
+    let (mesh, _guard) = mesh_with_policy("bounds-age").await;
+    let scratch = Scratch::new("bounds-age");
+    let gw = HttpGateway::start(
+        &mesh.url,
+        &scratch,
+        None,
+        &[
+            "--max-connection-age-ms",
+            "300",
+            "--header-timeout-ms",
+            "60000",
+        ],
+    )
+    .await;
+    let session = gw.session().await;
+    let host = format!("127.0.0.1:{}", gw.port);
+    let mut tcp = TcpStream::connect(("127.0.0.1", gw.port)).await.unwrap();
+    // Kept alive: no `Connection: close`; answered 405 by the gateway.
+    let put = format!(
+        "PUT /mcp HTTP/1.1\r\nHost: {host}\r\nMcp-Session-Id: {session}\r\n\
+         Content-Type: application/json\r\nContent-Length: 2\r\n\r\n{{}}"
+    );
+    tcp.write_all(put.as_bytes()).await.unwrap();
+    let mut answer = Vec::new();
+    let closed = tokio::time::timeout(Duration::from_secs(20), tcp.read_to_end(&mut answer)).await;
+    let answer = String::from_utf8_lossy(&answer);
+    assert!(
+        closed.is_ok(),
+        "the connection outlived its age: {answer}\n{}",
+        gw.stderr()
+    );
+    assert!(answer.starts_with("HTTP/1.1 405"), "{answer}");
+    gw.canary(&session, 1).await;
+}

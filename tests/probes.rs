@@ -452,8 +452,30 @@ fn systemd_unit_verifies_and_its_sandbox_exposure_stays_low() {
         "CapabilityBoundingSet=\n",
         "StateDirectory=guardmesh",
         "KillSignal=SIGTERM",
+        "Type=notify\n",
+        "WatchdogSec=",
     ] {
         assert!(unit.contains(directive), "the unit lacks {directive:?}");
+    }
+    // docs/operations.md installs every credential the unit loads, root's
+    // and mode 0600 (systemd reads it as root; the service reads the copy).
+    let docs = std::fs::read_to_string(repo_root().join("docs/operations.md")).unwrap();
+    let loaded: Vec<&str> = unit
+        .lines()
+        .filter_map(|l| l.strip_prefix("LoadCredential="))
+        .collect();
+    assert!(!loaded.is_empty(), "the unit loads no credentials");
+    for credential in loaded {
+        let (name, source) = credential.split_once(':').unwrap();
+        assert!(
+            docs.lines()
+                .any(|l| l.starts_with("install -m 0600 ") && l.ends_with(source)),
+            "docs/operations.md does not install {source} with mode 0600"
+        );
+        assert!(
+            docs.contains(&format!("$CREDENTIALS_DIRECTORY/{name}")),
+            "docs/operations.md's config does not read {name} from $CREDENTIALS_DIRECTORY"
+        );
     }
     // verify checks that ExecStart names an executable: the one built here.
     let dir = fresh_dir("probes-systemd");
@@ -484,6 +506,263 @@ fn systemd_unit_verifies_and_its_sandbox_exposure_stays_low() {
         security.status.success(),
         "systemd-analyze security: exposure above 2.0:\n{}",
         String::from_utf8_lossy(&security.stdout)
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// Frames of one HTTP/2 connection read raw until the server closes it,
+/// answering its SETTINGS and PINGs as a client must: the GOAWAY frames'
+/// error codes, in order (bounded: 15 s).
+async fn goaways_until_closed(port: u16) -> Vec<u32> {
+    let mut tcp = tokio::net::TcpStream::connect(("127.0.0.1", port))
+        .await
+        .unwrap();
+    tcp.write_all(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n\0\0\0\x04\0\0\0\0\0")
+        .await
+        .unwrap();
+    let mut goaways = Vec::new();
+    let read = async {
+        loop {
+            let mut head = [0u8; 9];
+            if tcp.read_exact(&mut head).await.is_err() {
+                return;
+            }
+            let length =
+                usize::from(head[0]) << 16 | usize::from(head[1]) << 8 | usize::from(head[2]);
+            let mut payload = vec![0u8; length];
+            if tcp.read_exact(&mut payload).await.is_err() {
+                return;
+            }
+            match (head[3], head[4] & 1) {
+                // SETTINGS, not an ACK: acknowledged.
+                (4, 0) => tcp.write_all(b"\0\0\0\x04\x01\0\0\0\0").await.unwrap(),
+                // PING, not an ACK: answered with its payload.
+                (6, 0) => {
+                    tcp.write_all(b"\0\0\x08\x06\x01\0\0\0\0").await.unwrap();
+                    tcp.write_all(&payload).await.unwrap();
+                }
+                (7, _) => goaways.push(u32::from_be_bytes([
+                    payload[4], payload[5], payload[6], payload[7],
+                ])),
+                _ => {}
+            }
+        }
+    };
+    tokio::time::timeout(Duration::from_secs(15), read)
+        .await
+        .expect("the connection was not closed within 15 s");
+    goaways
+}
+
+/// `[server] max_connection_age_ms`: a connection past its age is sent
+/// GOAWAY (NO_ERROR) and closed, so that long-lived coordinators and guards
+/// spread over replicas added after they connected (docs/operations.md);
+/// a coordinator's next batch goes over a new connection and no batch is
+/// lost (R19: each answered exactly once); a stream still open when the
+/// grace after the GOAWAY ends is cut, and a new one works.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn r25_connections_past_their_age_get_goaway_and_clients_reconnect() {
+    let policy = repo_root().join("examples/policy/policy.toml");
+    let serve = Serve::start(
+        "connection-age",
+        &format!(
+            "[server]\nmax_connection_age_ms = 300\nmax_connection_age_grace_ms = 1500\n\
+             [decision_log]\ndir = \"log\"\n\
+             [[guard]]\nname = \"sql-policy\"\npolicy = {:?}\ntools = [\"sql.*\"]\n",
+            policy.display().to_string()
+        ),
+    )
+    .await;
+    let port: u16 = serve.url.rsplit(':').next().unwrap().parse().unwrap();
+
+    // An idle connection: GOAWAY with NO_ERROR, then closed.
+    let mut coordinator = None;
+    for _ in 0..200 {
+        if let Ok(c) = Coordinator::connect(serve.url.clone()).await {
+            coordinator = Some(c);
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(25)).await;
+    }
+    let coordinator = coordinator.expect("the mesh's listener came up");
+    let goaways = goaways_until_closed(port).await;
+    assert!(
+        !goaways.is_empty() && goaways.iter().all(|code| *code == 0),
+        "GOAWAY frames before the close: {goaways:?}\n{}",
+        serve.log()
+    );
+
+    // Unary batches spread over several ages: every one answered.
+    let batches = 8u32;
+    for turn in 0..batches {
+        let decision = coordinator
+            .evaluate_once(
+                "aged",
+                Batch::new(turn).call("c1", "sql.query", r#"{"query": "SELECT 1"}"#),
+            )
+            .await
+            .unwrap_or_else(|e| panic!("batch {turn} lost: {e:?}\n{}", serve.log()));
+        assert_eq!(decision.execute.len(), 1, "{decision:?}");
+        tokio::time::sleep(Duration::from_millis(150)).await;
+    }
+    let records = records(&serve.dir.join("log"));
+    let peers: std::collections::BTreeSet<String> = records
+        .iter()
+        .filter(|r| r["kind"] == "decision")
+        .map(|r| r["caller"]["peer"].as_str().unwrap_or_default().to_owned())
+        .collect();
+    let decided = records.iter().filter(|r| r["kind"] == "decision").count();
+    assert_eq!(decided, batches as usize, "each batch judged once");
+    assert!(
+        peers.len() >= 2,
+        "the coordinator never reconnected: peers {peers:?}"
+    );
+
+    // A stream kept open past the age and its grace is cut; a new one works.
+    let session = coordinator.session("long").await.unwrap();
+    let first = session
+        .evaluate(Batch::new(0).call("c1", "sql.query", r#"{"query": "SELECT 1"}"#))
+        .await;
+    assert!(first.is_ok_and(|d| d.execute.len() == 1));
+    let mut cut = None;
+    for turn in 1..100 {
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        match session
+            .evaluate(Batch::new(turn).call("c1", "sql.query", r#"{"query": "SELECT 1"}"#))
+            .await
+        {
+            Ok(_) => {}
+            Err(error) => {
+                cut = Some(error);
+                break;
+            }
+        }
+    }
+    match cut {
+        // The connection is gone under the stream: tonic reports it as
+        // UNAVAILABLE, or UNKNOWN when the reset came while reading a body.
+        Some(ClientError::Status(status)) => assert!(
+            matches!(
+                status.code(),
+                tonic::Code::Unavailable | tonic::Code::Unknown
+            ),
+            "{status:?}"
+        ),
+        Some(ClientError::SessionClosed(_)) => {}
+        other => panic!("a stream past the age and its grace: {other:?}"),
+    }
+    let again = coordinator.session("long").await.unwrap();
+    assert!(
+        again
+            .evaluate(Batch::new(100).call("c1", "sql.query", r#"{"query": "SELECT 1"}"#))
+            .await
+            .is_ok_and(|d| d.execute.len() == 1)
+    );
+}
+
+/// Reads datagrams from the NOTIFY_SOCKET stand-in until one holds `line`
+/// (bounded: 30 s); every datagram read, in order.
+async fn notified_until(
+    socket: &tokio::net::UnixDatagram,
+    line: &str,
+    log: &dyn Fn() -> String,
+) -> Vec<String> {
+    let mut seen = Vec::new();
+    let read = async {
+        let mut buf = vec![0u8; 4096];
+        loop {
+            let n = socket.recv(&mut buf).await.unwrap();
+            let message = String::from_utf8_lossy(&buf[..n]).into_owned();
+            let done = message.lines().any(|l| l == line);
+            seen.push(message);
+            if done {
+                return;
+            }
+        }
+    };
+    if tokio::time::timeout(Duration::from_secs(30), read)
+        .await
+        .is_err()
+    {
+        panic!("no {line} within 30 s; got {seen:?}\n{}", log());
+    }
+    seen
+}
+
+/// systemd `Type=notify` (deploy/systemd/guardmesh.service): `READY=1` is
+/// sent only once the gRPC listener accepts connections (a batch sent the
+/// moment it arrives is judged), `WATCHDOG=1` keeps coming at half of
+/// `WATCHDOG_USEC`, `STOPPING=1` when SIGTERM starts the drain; the signing
+/// key is read from `$CREDENTIALS_DIRECTORY` (`LoadCredential=`), as the
+/// unit passes it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn systemd_ready_after_the_listener_watchdog_stopping_and_credentials() {
+    let dir = fresh_dir("systemd-notify");
+    let credentials = dir.join("credentials");
+    std::fs::create_dir_all(&credentials).unwrap();
+    let keygen = Command::new(env!("CARGO_BIN_EXE_guardmesh"))
+        .args(["log", "keygen", "--out"])
+        .arg(credentials.join("log-signing.key"))
+        .output()
+        .unwrap();
+    assert!(keygen.status.success(), "{keygen:?}");
+    let socket = tokio::net::UnixDatagram::bind(dir.join("notify.sock")).unwrap();
+    let policy = repo_root().join("examples/policy/policy.toml");
+    let config = dir.join("mesh.toml");
+    std::fs::write(
+        &config,
+        format!(
+            "[decision_log]\ndir = \"log\"\nsigning_key = \"$CREDENTIALS_DIRECTORY/log-signing.key\"\n\
+             [[guard]]\nname = \"sql-policy\"\npolicy = {:?}\ntools = [\"sql.*\"]\n",
+            policy.display().to_string()
+        ),
+    )
+    .unwrap();
+    let port = free_port();
+    let log_file = dir.join("mesh.log");
+    let mut child = serve_command(&config, port)
+        .env("NOTIFY_SOCKET", dir.join("notify.sock"))
+        .env("WATCHDOG_USEC", "200000")
+        .env("CREDENTIALS_DIRECTORY", &credentials)
+        .stdout(Stdio::null())
+        .stderr(std::fs::File::create(&log_file).unwrap())
+        .spawn()
+        .unwrap();
+    let log = || std::fs::read_to_string(&log_file).unwrap_or_default();
+
+    let first = notified_until(&socket, "READY=1", &log).await;
+    assert!(first.iter().all(|m| !m.contains("STOPPING=1")), "{first:?}");
+    // Ready means listening: no retry.
+    let coordinator = Coordinator::connect(format!("http://127.0.0.1:{port}"))
+        .await
+        .unwrap_or_else(|e| panic!("READY=1 before the listener was up: {e}\n{}", log()));
+    let decision = coordinator
+        .evaluate_once(
+            "s",
+            Batch::new(0).call("c1", "sql.query", r#"{"query": "DELETE FROM users"}"#),
+        )
+        .await
+        .unwrap();
+    assert!(decision.execute.is_empty(), "{decision:?}");
+    // The watchdog keeps being fed while the mesh runs.
+    for _ in 0..3 {
+        notified_until(&socket, "WATCHDOG=1", &log).await;
+    }
+    send_signal(&child, "TERM");
+    notified_until(&socket, "STOPPING=1", &log).await;
+    let status = tokio::task::spawn_blocking(move || child.wait().unwrap())
+        .await
+        .unwrap();
+    assert!(status.success(), "{status}\n{}", log());
+    // The log was signed with the key from the credentials folder.
+    assert!(
+        std::fs::read_dir(dir.join("log"))
+            .unwrap()
+            .flatten()
+            .any(|f| f.file_name().to_string_lossy().contains("checkpoint")
+                || std::fs::read_to_string(f.path()).is_ok_and(|t| t.contains("\"checkpoint\""))),
+        "no checkpoint signed\n{}",
+        log()
     );
     let _ = std::fs::remove_dir_all(&dir);
 }

@@ -15,10 +15,19 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 use std::time::Duration;
 
+/// `guardmesh --version`: the crate's version and the commit it was built
+/// from, `-dirty` when tracked files differed from it (cli/build.rs).
+const VERSION: &str = concat!(
+    env!("CARGO_PKG_VERSION"),
+    " (commit ",
+    env!("GUARDMESH_COMMIT"),
+    ")"
+);
+
 #[derive(Parser)]
 #[command(
     name = "guardmesh",
-    version,
+    version = VERSION,
     about = "A gRPC guard mesh for AI agent tool calls"
 )]
 struct Cli {
@@ -98,6 +107,13 @@ enum Command {
         /// Folder to write into.
         #[arg(default_value = "certs")]
         dir: PathBuf,
+        /// Also names the mesh's certificate for the Service `guardmesh`
+        /// in this namespace, and writes `secrets.yaml`: the Secrets the
+        /// production overlay mounts (guardmesh-tls) and its clients use
+        /// (guardmesh-coordinator, -registrar, -admin), for clusters
+        /// without cert-manager (`kubectl apply -f DIR/secrets.yaml`).
+        #[arg(long, value_name = "NAMESPACE")]
+        kubernetes: Option<String>,
     },
     /// Serves one of the example guards (prints `LISTENING <port>`).
     ExampleGuard {
@@ -362,7 +378,7 @@ async fn run(cli: Cli) -> Result<ExitCode, Error> {
         Command::Heartbeat(args) => crate::heartbeat::run(args, shutdown_signal()).await,
         Command::Evaluate { .. } => Err("evaluate is handled above".into()),
         Command::Demo { mtls } => crate::demo::run(mtls).await,
-        Command::Certs { dir } => certs(&dir),
+        Command::Certs { dir, kubernetes } => certs(&dir, kubernetes.as_deref()),
         Command::ExampleGuard {
             kind,
             listen,
@@ -466,8 +482,8 @@ async fn example_guard(
     Ok(())
 }
 
-fn certs(dir: &std::path::Path) -> Result<(), Error> {
-    let files = crate::certs::generate(dir)?;
+fn certs(dir: &std::path::Path, namespace: Option<&str>) -> Result<(), Error> {
+    let files = crate::certs::generate_for(dir, namespace)?;
     outln!("wrote {} files to {}:", files.len(), dir.display());
     for file in files {
         outln!("  {}", file.display());
@@ -492,9 +508,14 @@ async fn serve(config: Option<PathBuf>, listen: Option<std::net::SocketAddr>) ->
         None => Server::from_config(Config::default()).await?,
     };
     let addr = listen.unwrap_or_else(|| server.listen_addr());
+    crate::systemd::spawn(server.probes().clone());
+    let shutdown = async {
+        shutdown_signal().await;
+        crate::systemd::stopping();
+    };
     server
         .second_signal_cuts_drain()
-        .serve(addr, shutdown_signal())
+        .serve(addr, shutdown)
         .await?;
     Ok(())
 }

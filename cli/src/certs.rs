@@ -115,10 +115,28 @@ impl Authority {
 }
 
 fn write(path: &Path, text: &str) -> Result<(), CertsError> {
-    std::fs::write(path, text).map_err(|source| CertsError::Write {
-        path: path.display().to_string(),
-        source,
-    })
+    write_mode(path, text, 0o644)
+}
+
+/// Writes a private key (or a file holding one) readable by its owner only.
+fn write_secret(path: &Path, text: &str) -> Result<(), CertsError> {
+    write_mode(path, text, 0o600)
+}
+
+fn write_mode(path: &Path, text: &str, mode: u32) -> Result<(), CertsError> {
+    use std::io::Write;
+    use std::os::unix::fs::OpenOptionsExt;
+    std::fs::OpenOptions::new()
+        .write(true)
+        .create(true)
+        .truncate(true)
+        .mode(mode)
+        .open(path)
+        .and_then(|mut file| file.write_all(text.as_bytes()))
+        .map_err(|source| CertsError::Write {
+            path: path.display().to_string(),
+            source,
+        })
 }
 
 impl Issued {
@@ -127,7 +145,7 @@ impl Issued {
         let cert = dir.join(format!("{name}.pem"));
         let key = dir.join(format!("{name}-key.pem"));
         write(&cert, &self.cert_pem)?;
-        write(&key, &self.key_pem)?;
+        write_secret(&key, &self.key_pem)?;
         Ok((cert, key))
     }
 }
@@ -138,6 +156,15 @@ pub const TRUST_DOMAIN: &str = "guardmesh.local";
 /// Creates `ca.pem` and certificates for the mesh, a coordinator, a
 /// registrar, an admin and a guard in `dir`. Returns the files written.
 pub fn generate(dir: &Path) -> Result<Vec<PathBuf>, CertsError> {
+    generate_for(dir, None)
+}
+
+/// [`generate`]; with a Kubernetes `namespace`, the mesh's certificate also
+/// names the Service `guardmesh` there, and `secrets.yaml` holds the
+/// Secrets of the production overlay: `guardmesh-tls` for the mesh and
+/// `guardmesh-coordinator`, `-registrar` and `-admin` for its clients, each
+/// `kubernetes.io/tls` with `ca.crt`.
+pub fn generate_for(dir: &Path, namespace: Option<&str>) -> Result<Vec<PathBuf>, CertsError> {
     std::fs::create_dir_all(dir).map_err(|source| CertsError::Write {
         path: dir.display().to_string(),
         source,
@@ -146,10 +173,50 @@ pub fn generate(dir: &Path) -> Result<Vec<PathBuf>, CertsError> {
     let ca_file = dir.join("ca.pem");
     write(&ca_file, &ca.cert_pem())?;
     let mut files = vec![ca_file];
+    let mut secrets = String::new();
     for name in ["mesh", "coordinator", "registrar", "admin", "guard"] {
-        let (cert, key) = ca.issue(&Subject::loopback(name))?.write(dir, name)?;
+        let mut subject = Subject::loopback(name);
+        if let (Some(namespace), "mesh") = (namespace, name) {
+            for dns in [
+                "guardmesh".to_owned(),
+                format!("guardmesh.{namespace}.svc"),
+                format!("guardmesh.{namespace}.svc.cluster.local"),
+            ] {
+                subject.dns.push(dns);
+            }
+        }
+        let issued = ca.issue(&subject)?;
+        let (cert, key) = issued.write(dir, name)?;
         files.push(cert);
         files.push(key);
+        if let Some(namespace) = namespace
+            && name != "guard"
+        {
+            let secret = if name == "mesh" {
+                "guardmesh-tls".to_owned()
+            } else {
+                format!("guardmesh-{name}")
+            };
+            secrets.push_str(&tls_secret(&secret, namespace, &issued, &ca.cert_pem()));
+        }
+    }
+    if namespace.is_some() {
+        let path = dir.join("secrets.yaml");
+        write_secret(&path, &secrets)?;
+        files.push(path);
     }
     Ok(files)
+}
+
+/// A `kubernetes.io/tls` Secret holding `issued` and the CA, as YAML.
+fn tls_secret(name: &str, namespace: &str, issued: &Issued, ca_pem: &str) -> String {
+    use base64::Engine;
+    let b64 = |text: &str| base64::engine::general_purpose::STANDARD.encode(text);
+    format!(
+        "---\napiVersion: v1\nkind: Secret\nmetadata:\n  name: {name}\n  namespace: {namespace}\n\
+         type: kubernetes.io/tls\ndata:\n  tls.crt: {}\n  tls.key: {}\n  ca.crt: {}\n",
+        b64(&issued.cert_pem),
+        b64(&issued.key_pem),
+        b64(ca_pem)
+    )
 }

@@ -41,5 +41,6 @@ mod log_show;
 pub mod redact;
 mod replay;
 mod runtime;
+mod systemd;
 
 pub use app::main;

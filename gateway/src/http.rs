@@ -129,6 +129,12 @@ pub struct HttpArgs {
     /// milliseconds; past it the request is answered 408.
     #[arg(long, default_value_t = 10_000, value_parser = clap::value_parser!(u64).range(1..))]
     pub body_timeout_ms: u64,
+    /// A client connection older than this is closed once its request in
+    /// progress is answered (`Connection: close`), so that clients behind
+    /// a load balancer spread over gateways added later, in milliseconds;
+    /// 0: no age.
+    #[arg(long, default_value_t = 30 * 60 * 1000)]
+    pub max_connection_age_ms: u64,
     /// Most client connections open at once; 0: automatic (half of the
     /// open-file limit less a reserve, leaving descriptors for the
     /// upstream and the mesh).
@@ -1263,7 +1269,7 @@ async fn serve_connection<IO>(
     proxy: Arc<Proxy>,
     slot: &Slot,
     local: SocketAddr,
-    header_timeout: Duration,
+    timeouts: ConnectionTimeouts,
 ) where
     IO: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
 {
@@ -1295,13 +1301,38 @@ async fn serve_connection<IO>(
     });
     let connection = hyper::server::conn::http1::Builder::new()
         .timer(hyper_util::rt::TokioTimer::new())
-        .header_read_timeout(header_timeout)
+        .header_read_timeout(timeouts.header)
         .max_buf_size(READ_BUFFER_BYTES)
         .serve_connection(TokioIo::new(io), service);
-    tokio::select! {
-        _ = connection => {}
-        () = slot.conn.close.notified() => {}
+    tokio::pin!(connection);
+    let aged = async {
+        match timeouts.max_age {
+            Some(age) => tokio::time::sleep(age).await,
+            None => std::future::pending().await,
+        }
+    };
+    tokio::pin!(aged);
+    let mut aging = true;
+    loop {
+        tokio::select! {
+            _ = connection.as_mut() => break,
+            () = slot.conn.close.notified() => break,
+            // The request in progress, if any, is answered; then closed.
+            () = aged.as_mut(), if aging => {
+                aging = false;
+                connection.as_mut().graceful_shutdown();
+            }
+        }
     }
+}
+
+/// A client connection's bounds in time.
+#[derive(Debug, Clone, Copy)]
+struct ConnectionTimeouts {
+    /// Time to send a request's headers (and to sit idle between requests).
+    header: Duration,
+    /// Age after which the connection is closed between requests.
+    max_age: Option<Duration>,
 }
 
 async fn serve(
@@ -1349,7 +1380,11 @@ async fn serve(
         cap,
         state: Mutex::default(),
     });
-    let header_timeout = Duration::from_millis(args.header_timeout_ms);
+    let timeouts = ConnectionTimeouts {
+        header: Duration::from_millis(args.header_timeout_ms),
+        max_age: (args.max_connection_age_ms > 0)
+            .then(|| Duration::from_millis(args.max_connection_age_ms)),
+    };
     let mut backoff = AcceptBackoff::new();
     loop {
         let stream = match listener.accept().await {
@@ -1386,14 +1421,14 @@ async fn serve(
         let tls = tls.clone();
         tokio::spawn(async move {
             match tls {
-                None => serve_connection(stream, proxy, &slot, local, header_timeout).await,
+                None => serve_connection(stream, proxy, &slot, local, timeouts).await,
                 Some(acceptor) => {
                     let handshake =
                         tokio::time::timeout(HANDSHAKE_TIMEOUT, acceptor.accept(stream));
                     tokio::select! {
                         accepted = handshake => match accepted {
                             Ok(Ok(stream)) => {
-                                serve_connection(stream, proxy, &slot, local, header_timeout).await;
+                                serve_connection(stream, proxy, &slot, local, timeouts).await;
                             }
                             Ok(Err(error)) => tracing::debug!(%error, "TLS handshake failed"),
                             Err(_) => tracing::debug!("TLS handshake timed out"),

@@ -299,10 +299,21 @@ impl Config {
     }
 
     /// Makes every relative path of the config (each key of type path in
-    /// the reference) relative to `folder`, the config file's folder.
+    /// the reference) relative to `folder`, the config file's folder; a
+    /// path that starts with `$CREDENTIALS_DIRECTORY/` is read from the
+    /// folder systemd passes a unit's `LoadCredential=` files in (the
+    /// environment variable of that name).
     pub fn resolve_paths(&mut self, folder: &Path) {
+        let credentials = std::env::var_os(CREDENTIALS_DIRECTORY).map(PathBuf::from);
+        self.resolve_paths_with(folder, credentials.as_deref());
+    }
+
+    /// [`Config::resolve_paths`] with the credentials folder given.
+    pub fn resolve_paths_with(&mut self, folder: &Path, credentials: Option<&Path>) {
         self.map_paths(|path| {
-            if path.is_relative() {
+            if let (Some(dir), Ok(rest)) = (credentials, path.strip_prefix(CREDENTIALS_PREFIX)) {
+                *path = dir.join(rest);
+            } else if path.is_relative() {
                 *path = folder.join(&*path);
             }
         });
@@ -448,8 +459,47 @@ pub(crate) fn check_error(toml: &str) -> String {
         .to_string()
 }
 
+/// The environment variable naming the folder of a systemd unit's
+/// credentials (`LoadCredential=`).
+pub const CREDENTIALS_DIRECTORY: &str = "CREDENTIALS_DIRECTORY";
+
+/// A config path under a systemd unit's credentials folder starts with this.
+const CREDENTIALS_PREFIX: &str = "$CREDENTIALS_DIRECTORY";
+
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn paths_under_the_credentials_folder_are_read_from_it() {
+        let mut config = super::Config::parse(
+            "[sessions]\nsecret_file = \"$CREDENTIALS_DIRECTORY/session.secret\"\n\
+             [decision_log]\ndir = \"log\"\nsigning_key = \"$CREDENTIALS_DIRECTORY/log.key\"\n",
+            "t",
+        )
+        .unwrap();
+        let folder = std::path::Path::new("/etc/guardmesh");
+        let mut unset = config.clone();
+        config.resolve_paths_with(folder, Some(std::path::Path::new("/run/credentials/g")));
+        assert_eq!(
+            config.sessions.secret_file.as_deref(),
+            Some(std::path::Path::new("/run/credentials/g/session.secret"))
+        );
+        let log = config.decision_log.as_ref().unwrap();
+        assert_eq!(log.dir, folder.join("log"));
+        assert_eq!(
+            log.signing_key.as_deref(),
+            Some(std::path::Path::new("/run/credentials/g/log.key"))
+        );
+        // Without the variable the name stays in the path: the error that
+        // the file is missing says where it was looked for.
+        unset.resolve_paths_with(folder, None);
+        assert_eq!(
+            unset.sessions.secret_file.as_deref(),
+            Some(std::path::Path::new(
+                "/etc/guardmesh/$CREDENTIALS_DIRECTORY/session.secret"
+            ))
+        );
+    }
+
     use super::*;
 
     #[test]

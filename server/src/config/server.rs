@@ -30,6 +30,15 @@ table! {
         /// Kubernetes' 30 s terminationGracePeriodSeconds with room for a 5 s
         /// preStop delay); 0: exit at once.
         pub shutdown_grace_ms: u64,
+        // Also what spreads long-lived clients over replicas added later.
+        /// A client connection older than this is sent an HTTP/2 GOAWAY:
+        /// calls in progress finish, new ones go over a new connection (to
+        /// any replica behind the Service), in milliseconds; 0: no age.
+        pub max_connection_age_ms: u64,
+        /// After the GOAWAY of max_connection_age_ms, how long calls and
+        /// streams still open on the old connection have before it is
+        /// closed, in milliseconds.
+        pub max_connection_age_grace_ms: u64,
     }
 }
 
@@ -42,6 +51,8 @@ impl Default for ServerConfig {
             keepalive_timeout_ms: millis(l.keepalive_timeout),
             max_connections: l.max_connections,
             shutdown_grace_ms: DEFAULT_SHUTDOWN_GRACE_MS,
+            max_connection_age_ms: 30 * 60 * 1000,
+            max_connection_age_grace_ms: 5 * 60 * 1000,
         }
     }
 }
@@ -55,6 +66,16 @@ impl ServerConfig {
         Duration::from_millis(self.shutdown_grace_ms)
     }
 
+    /// `max_connection_age_ms` and its grace, or None without an age.
+    pub fn max_connection_age(&self) -> Option<(Duration, Duration)> {
+        (self.max_connection_age_ms > 0).then(|| {
+            (
+                Duration::from_millis(self.max_connection_age_ms),
+                Duration::from_millis(self.max_connection_age_grace_ms),
+            )
+        })
+    }
+
     pub fn listener_limits(&self) -> crate::security::tls::ListenerLimits {
         crate::security::tls::ListenerLimits {
             handshake_timeout: Duration::from_millis(self.handshake_timeout_ms),
@@ -62,6 +83,7 @@ impl ServerConfig {
                 .then(|| Duration::from_millis(self.keepalive_interval_ms)),
             keepalive_timeout: Duration::from_millis(self.keepalive_timeout_ms),
             max_connections: self.max_connections,
+            max_connection_age: self.max_connection_age(),
         }
     }
 }

@@ -123,7 +123,16 @@ pub async fn run(
         limits,
         mesh.metrics.clone(),
     );
-    let result = tonic::transport::Server::builder()
+    // A connection past its age is sent GOAWAY, so that clients of a
+    // Service spread over replicas added since (docs/operations.md).
+    // Only the age: tonic 0.14's max_connection_age_grace closes the
+    // connection at age + grace without a GOAWAY first; the connection is
+    // cut after the grace by the listener's stream (security::tls).
+    let mut builder = tonic::transport::Server::builder();
+    if let Some((age, _grace)) = limits.max_connection_age {
+        builder = builder.max_connection_age(age);
+    }
+    let result = builder
         .max_concurrent_streams(security.max_concurrent_streams)
         .http2_keepalive_interval(limits.keepalive_interval)
         .http2_keepalive_timeout(Some(limits.keepalive_timeout))

@@ -88,6 +88,11 @@ impl Probes {
         let _ = self.mesh.set(mesh);
     }
 
+    /// Whether the gRPC listener accepts connections.
+    pub fn listening(&self) -> bool {
+        self.listening.load(Ordering::SeqCst)
+    }
+
     /// The gRPC listener accepts connections.
     pub fn set_listening(&self) {
         self.listening.store(true, Ordering::SeqCst);

@@ -18,6 +18,7 @@ use rustls::server::danger::{ClientCertVerified, ClientCertVerifier};
 use rustls::server::{ClientHello, ResolvesServerCert, WebPkiClientVerifier};
 use rustls::sign::CertifiedKey;
 use rustls::{DigitallySignedStruct, DistinguishedName, RootCertStore, SignatureScheme};
+use std::future::Future;
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::pin::Pin;
@@ -386,6 +387,7 @@ impl ServerTls {
             replay: Vec::new(),
             replayed: 0,
             _slot: None,
+            cut_at: None,
         })
     }
 
@@ -433,6 +435,9 @@ pub struct MeshStream {
     /// This connection's place under the connection cap, and in the open
     /// connections gauge; freed when the connection closes.
     _slot: Option<Slot>,
+    /// When the connection is cut, reads and writes failing from then on:
+    /// its maximum age and the grace after its GOAWAY have passed.
+    cut_at: Option<Pin<Box<tokio::time::Sleep>>>,
 }
 
 impl MeshStream {
@@ -449,7 +454,20 @@ impl MeshStream {
             replay: Vec::new(),
             replayed: 0,
             _slot: None,
+            cut_at: None,
         }
+    }
+
+    /// Fails reads and writes once `cut_at`, if set, has passed: the
+    /// connection is then closed under its calls.
+    fn past_age(&mut self, cx: &mut Context<'_>) -> Option<std::io::Error> {
+        let cut_at = self.cut_at.as_mut()?;
+        cut_at.as_mut().poll(cx).is_ready().then(|| {
+            std::io::Error::new(
+                std::io::ErrorKind::ConnectionAborted,
+                "past server.max_connection_age_ms and its grace",
+            )
+        })
     }
 
     /// Reads the HTTP/2 client preface and the client's first frame, which
@@ -577,6 +595,9 @@ impl AsyncRead for MeshStream {
         buf: &mut ReadBuf<'_>,
     ) -> Poll<std::io::Result<()>> {
         let this = self.get_mut();
+        if let Some(cut) = this.past_age(cx) {
+            return Poll::Ready(Err(cut));
+        }
         if this.replayed < this.replay.len() {
             let rest = &this.replay[this.replayed..];
             let n = rest.len().min(buf.remaining());
@@ -601,7 +622,11 @@ impl AsyncWrite for MeshStream {
         cx: &mut Context<'_>,
         buf: &[u8],
     ) -> Poll<std::io::Result<usize>> {
-        match &mut self.get_mut().inner {
+        let this = self.get_mut();
+        if let Some(cut) = this.past_age(cx) {
+            return Poll::Ready(Err(cut));
+        }
+        match &mut this.inner {
             Inner::Plain(s) => Pin::new(s).poll_write(cx, buf),
             Inner::Tls(s) => Pin::new(s.as_mut()).poll_write(cx, buf),
         }
@@ -612,7 +637,11 @@ impl AsyncWrite for MeshStream {
         cx: &mut Context<'_>,
         bufs: &[std::io::IoSlice<'_>],
     ) -> Poll<std::io::Result<usize>> {
-        match &mut self.get_mut().inner {
+        let this = self.get_mut();
+        if let Some(cut) = this.past_age(cx) {
+            return Poll::Ready(Err(cut));
+        }
+        match &mut this.inner {
             Inner::Plain(s) => Pin::new(s).poll_write_vectored(cx, bufs),
             Inner::Tls(s) => Pin::new(s.as_mut()).poll_write_vectored(cx, bufs),
         }
@@ -659,6 +688,10 @@ pub struct ListenerLimits {
     /// it a new connection is closed at once and counted. 0: automatic
     /// ([`automatic_connection_cap`]).
     pub max_connections: usize,
+    /// A connection older than the first is sent GOAWAY, and closed when
+    /// the second has passed since; `None`: connections live as long as
+    /// their clients keep them.
+    pub max_connection_age: Option<(Duration, Duration)>,
 }
 
 impl Default for ListenerLimits {
@@ -668,6 +701,7 @@ impl Default for ListenerLimits {
             keepalive_interval: Some(Duration::from_secs(60)),
             keepalive_timeout: Duration::from_secs(20),
             max_connections: 0,
+            max_connection_age: None,
         }
     }
 }
@@ -706,6 +740,7 @@ pub fn incoming(
 ) -> tokio_stream::wrappers::ReceiverStream<std::io::Result<MeshStream>> {
     let (tx, rx) = tokio::sync::mpsc::channel(64);
     let handshake_timeout = limits.handshake_timeout;
+    let max_age = limits.max_connection_age;
     let cap = limits.connection_cap();
     let slots = cap.map(|n| Arc::new(tokio::sync::Semaphore::new(n.max(1))));
     tokio::spawn(async move {
@@ -751,6 +786,11 @@ pub fn incoming(
                 },
             };
             let slot = Slot::new(permit, metrics.clone());
+            // The server sends GOAWAY at the age (tonic's
+            // max_connection_age); the cut after the grace is this
+            // stream's, since tonic's own grace replaces the GOAWAY.
+            let cut_at =
+                max_age.map(|(age, grace)| Box::pin(tokio::time::sleep(age.saturating_add(grace))));
             let _ = tcp.set_nodelay(true);
             let tls = tls.clone();
             let tx = tx.clone();
@@ -771,6 +811,7 @@ pub fn incoming(
                 match ready {
                     Ok(mut stream) => {
                         stream._slot = Some(slot);
+                        stream.cut_at = cut_at;
                         let _ = tx.send(Ok(stream)).await;
                     }
                     Err(refused) => {
