@@ -314,3 +314,26 @@ async fn r31_the_2026_07_28_sdk_client_accepts_judged_results() {
         "{lines:?}"
     );
 }
+
+/// R31: the official TypeScript SDK v2 client at 2026-07-28 accepts the
+/// results a results guard judged, against the SDK v2 server.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn r31_the_2026_07_28_typescript_client_accepts_judged_results() {
+    let (mesh, guard) = mesh_judging_results("returns-modern-ts2").await;
+    let scratch = Scratch::new("returns-modern-ts2");
+    let (url, _upstream, _gateway) =
+        crate::mcp_revision_ts::gateway_before_ts2_upstream(&mesh.url, &scratch).await;
+    let scenario = json!({"steps": [
+        {"op": "call", "name": "pay", "arguments": {"amount": 5, "to": "bob"}},
+        {"op": "call", "name": "read_file", "arguments": {"path": "/home/a"}},
+    ]});
+    let lines =
+        tokio::task::spawn_blocking(move || crate::mcp_revision_ts::run_ts2_client(scenario, url))
+            .await
+            .unwrap();
+    assert_eq!(lines[0]["protocol"], "2026-07-28", "{lines:?}");
+    let results = calls(&lines);
+    assert_eq!(results[0]["text"][0], "paid 5 to bob", "{lines:?}");
+    assert_eq!(results[1]["text"][0], "contents of /home/a", "{lines:?}");
+    assert_eq!(guard.guard.batches().len(), 2, "both results judged");
+}
