@@ -337,3 +337,46 @@ async fn r31_the_2026_07_28_typescript_client_accepts_judged_results() {
     assert_eq!(results[1]["text"][0], "contents of /home/a", "{lines:?}");
     assert_eq!(guard.guard.batches().len(), 2, "both results judged");
 }
+
+/// A JSON-RPC batch holding an `interceptors/list` request (SEP-2624) and
+/// a ping.
+fn batch_with_an_interceptor_request() -> String {
+    json!([
+        {"jsonrpc": "2.0", "id": "list", "method": "interceptors/list"},
+        {"jsonrpc": "2.0", "id": "p", "method": "ping"},
+    ])
+    .to_string()
+}
+
+/// The answer to the `interceptors/list` request in a batch's answers:
+/// the gateway's (a list of interceptors), never the upstream's.
+fn assert_answered_by_the_gateway(answers: &Value) {
+    let list = answers
+        .as_array()
+        .and_then(|a| a.iter().find(|m| m["id"] == "list"))
+        .unwrap_or_else(|| panic!("{answers}"));
+    assert!(list["result"]["interceptors"].is_array(), "{list}");
+}
+
+/// R31, SEP-2624: interceptor requests inside a JSON-RPC batch are
+/// answered by the gateway, as they are alone, never forwarded upstream.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sep2624_interceptor_requests_inside_a_batch_are_answered_by_the_gateway() {
+    let (mesh, _guard) = mesh_judging_results("returns-batch-interceptors").await;
+    let url = mesh.url.clone();
+    let answers = tokio::task::spawn_blocking(move || {
+        let mut gateway = raw_gateway(&url);
+        gateway.send(&batch_with_an_interceptor_request());
+        let answers = gateway.recv();
+        gateway.end();
+        answers
+    })
+    .await
+    .unwrap();
+    assert_answered_by_the_gateway(&answers);
+    let (port, _upstream) = odd_http().await;
+    let (url, _gateway) = gateway_before(&mesh.url, "127.0.0.1", port, &[]).await;
+    let (status, _head, body) = post(&url, Some("s"), &batch_with_an_interceptor_request()).await;
+    assert_eq!(status, 200, "{body}");
+    assert_answered_by_the_gateway(&serde_json::from_str(&body).unwrap_or(json!(body)));
+}

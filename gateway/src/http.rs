@@ -668,7 +668,12 @@ impl Proxy {
                 }
             }
             Incoming::Batch(items) => {
-                if !items.iter().any(|i| matches!(i, Item::ToolCall(_))) {
+                let ours = |item: &Item| match item {
+                    Item::ToolCall(_) => true,
+                    Item::Forward { text, .. } => crate::interceptors::may_be_ours(text),
+                    _ => false,
+                };
+                if !items.iter().any(ours) {
                     // Every element read and forwardable: the gateway's
                     // serialization of each, as one batch.
                     let listing = listing_keys(&items);
@@ -727,6 +732,16 @@ impl Proxy {
                     }
                     Err(error) => answers.push(jsonrpc::error(Some(&call.id), &error)),
                 },
+                Item::Forward {
+                    text,
+                    request: Some(_),
+                    ..
+                } if crate::interceptors::may_be_ours(&text)
+                    && let Some(answer) = self.interceptors.take(&text, session) =>
+                {
+                    // SEP-2624: answered by the gateway, never forwarded.
+                    answers.push(answer.await);
+                }
                 Item::Forward {
                     text,
                     request: Some(key),

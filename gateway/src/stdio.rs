@@ -610,12 +610,14 @@ where
                 let (judge, session) = (judge.clone(), session.clone());
                 let (to_client, to_upstream) = (to_client.clone(), to_upstream.clone());
                 let (collector, flight) = (collector.clone(), flight.clone());
+                let interceptors = interceptors.clone();
                 tasks.spawn(async move {
                     let _permit = permit;
                     relay_batch(
                         items,
                         &judge,
                         &flight,
+                        &interceptors,
                         &session,
                         &collector,
                         &to_client,
@@ -704,6 +706,7 @@ async fn relay_batch(
     items: Vec<Item>,
     judge: &Judge,
     flight: &crate::upstream::InFlight,
+    interceptors: &Arc<crate::interceptors::Interceptors>,
     session: &str,
     collector: &Shared,
     to_client: &Lines,
@@ -739,6 +742,11 @@ async fn relay_batch(
                 request: Some(key),
                 lists_tools,
             } => {
+                // SEP-2624: answered by the gateway, never forwarded.
+                if let Some(answer) = interceptors.take(&text, session) {
+                    answers.push(answer.await);
+                    continue;
+                }
                 if let Err(error) = flight.reserve(session, &key) {
                     answers.push(crate::upstream::refuse(&text, &error));
                     continue;
