@@ -620,8 +620,7 @@ where
                         &interceptors,
                         &session,
                         &collector,
-                        &to_client,
-                        &to_upstream,
+                        (&to_client, &to_upstream),
                     )
                     .await;
                 });
@@ -709,8 +708,7 @@ async fn relay_batch(
     interceptors: &Arc<crate::interceptors::Interceptors>,
     session: &str,
     collector: &Shared,
-    to_client: &Lines,
-    to_upstream: &Lines,
+    (to_client, to_upstream): (&Lines, &Lines),
 ) {
     let mut calls = Vec::new();
     let mut answers = Vec::new();
