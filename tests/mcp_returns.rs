@@ -335,7 +335,21 @@ async fn r31_the_2026_07_28_typescript_client_accepts_judged_results() {
     let results = calls(&lines);
     assert_eq!(results[0]["text"][0], "paid 5 to bob", "{lines:?}");
     assert_eq!(results[1]["text"][0], "contents of /home/a", "{lines:?}");
-    assert_eq!(guard.guard.batches().len(), 2, "both results judged");
+    let judged: Vec<String> = guard
+        .guard
+        .batches()
+        .iter()
+        .flat_map(|b| b.results.iter().map(|r| format!("{} {}", r.tool, r.result)))
+        .collect();
+    // Both results judged (and the upstream's error answering the client's
+    // first read_file, sent before it had listed the tools' headers: the
+    // SDK lists them and sends the call again).
+    for text in ["paid 5 to bob", "contents of /home/a"] {
+        assert!(
+            judged.iter().any(|j| j.contains(text)),
+            "{text}: {judged:?}"
+        );
+    }
 }
 
 /// A JSON-RPC batch holding an `interceptors/list` request (SEP-2624) and
@@ -379,4 +393,34 @@ async fn sep2624_interceptor_requests_inside_a_batch_are_answered_by_the_gateway
     let (status, _head, body) = post(&url, Some("s"), &batch_with_an_interceptor_request()).await;
     assert_eq!(status, 200, "{body}");
     assert_answered_by_the_gateway(&serde_json::from_str(&body).unwrap_or(json!(body)));
+}
+
+/// R31, R33: a JSON-RPC error answering a call whose result the chain
+/// judges goes through the results phase as an error result: one holding
+/// the secret is blocked; a clean one reaches the client as the error it
+/// was.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn r31_r33_a_json_rpc_error_answering_a_call_is_judged() {
+    let (mesh, guard) = mesh_judging_results("returns-errors").await;
+    let url = mesh.url.clone();
+    let answers = tokio::task::spawn_blocking(move || {
+        let mut gateway = raw_gateway(&url);
+        gateway.send(&RawGateway::call(json!(1), "error_secret", json!({})).to_string());
+        let secret = gateway.recv();
+        gateway.send(&RawGateway::call(json!(2), "nope", json!({})).to_string());
+        let clean = gateway.recv();
+        gateway.end();
+        [secret, clean]
+    })
+    .await
+    .unwrap();
+    no_secret(&answers);
+    let [secret, clean] = answers;
+    assert_eq!(secret["id"], 1, "{secret}");
+    assert_eq!(secret["result"]["isError"], true, "{secret}");
+    assert_eq!(secret["result"]["content"][0]["text"], WITHHELD, "{secret}");
+    assert_eq!(clean["id"], 2, "{clean}");
+    assert_eq!(clean["error"]["code"], -32602, "{clean}");
+    assert_eq!(clean["error"]["message"], "unknown tool", "{clean}");
+    assert_eq!(guard.guard.requests(), 2, "both errors judged");
 }

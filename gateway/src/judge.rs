@@ -238,27 +238,90 @@ impl Judge {
             .filter(|(k, _)| JUDGED.contains(&k.as_str()) || keep.contains(&k.as_str()))
             .cloned()
             .partition(|(k, _)| JUDGED.contains(&k.as_str()));
-        let id = serde_json::value::RawValue::from_string(client_id.to_text()).ok();
-        let id = id.as_deref();
         match self
-            .evaluate_result(session, pending, Json::Object(judged).to_text())
+            .judged(session, pending, client_id, Json::Object(judged).to_text())
             .await
         {
-            Ok(decision) => match decision
+            Ok(mut decided) => {
+                for (key, value) in kept {
+                    if decided.get(&key).is_none() {
+                        decided.set(&key, value);
+                    }
+                }
+                message(decided)
+            }
+            Err(answer) => answer,
+        }
+    }
+
+    /// Judges a JSON-RPC error answering a forwarded call (`response`: the
+    /// upstream's error response, its id the client's) through the results
+    /// phase (R33), as an error result whose text is the error's message
+    /// (and its `data`, as JSON text): passed unchanged, the client gets
+    /// the error as read; rewritten or blocked, the judged result.
+    pub async fn judge_error(
+        &self,
+        session: &str,
+        pending: &PendingResult,
+        response: &crate::json::Json,
+    ) -> String {
+        use crate::json::Json;
+        let Some(client_id) = response.get("id") else {
+            return response.to_text();
+        };
+        let error = response.get("error");
+        let text = |s: String| {
+            Json::Object(vec![
+                ("type".into(), Json::String("text".into())),
+                ("text".into(), Json::String(s)),
+            ])
+        };
+        let mut content = vec![text(
+            error
+                .and_then(|e| e.get("message"))
+                .map(|m| m.as_str().map_or_else(|| m.to_text(), str::to_owned))
+                .unwrap_or_default(),
+        )];
+        if let Some(data) = error.and_then(|e| e.get("data")) {
+            content.push(text(data.to_text()));
+        }
+        let result = Json::Object(vec![
+            ("content".into(), Json::Array(content)),
+            ("isError".into(), Json::Bool(true)),
+        ]);
+        match self
+            .judged(session, pending, client_id, result.to_text())
+            .await
+        {
+            Ok(decided) if decided == result => response.to_text(),
+            Ok(decided) => Json::Object(vec![
+                ("jsonrpc".into(), Json::String("2.0".into())),
+                ("id".into(), client_id.clone()),
+                ("result".into(), decided),
+            ])
+            .to_text(),
+            Err(answer) => answer,
+        }
+    }
+
+    /// The result the mesh decided for `result` (a tool result's JSON
+    /// text), or the JSON-RPC error answering `client_id` when it did not
+    /// judge it: withheld, never forwarded unjudged.
+    async fn judged(
+        &self,
+        session: &str,
+        pending: &PendingResult,
+        client_id: &crate::json::Json,
+        result: String,
+    ) -> Result<crate::json::Json, String> {
+        let id = serde_json::value::RawValue::from_string(client_id.to_text()).ok();
+        let id = id.as_deref();
+        match self.evaluate_result(session, pending, result).await {
+            Ok(decision) => decision
                 .result(&pending.call_id)
                 .and_then(|decided| crate::json::read(&decided.result).ok())
-            {
-                Some(decided) => {
-                    let mut decided = decided.value;
-                    for (key, value) in kept {
-                        if decided.get(&key).is_none() {
-                            decided.set(&key, value);
-                        }
-                    }
-                    message(decided)
-                }
-                None => no_result_decision(id),
-            },
+                .map(|decided| decided.value)
+                .ok_or_else(|| no_result_decision(id)),
             Err(error) => {
                 tracing::warn!(%error, "a tool's result was withheld: the mesh did not judge it");
                 let data = match &error {
@@ -279,7 +342,7 @@ impl Judge {
                         Some(serde_json::json!({ "mesh": mesh })),
                     ),
                 };
-                jsonrpc::error(id, &data)
+                Err(jsonrpc::error(id, &data))
             }
         }
     }

@@ -516,8 +516,8 @@ pub async fn answer(
         return message.to_text();
     };
     let Some(result) = message.get("result") else {
-        // An error answering the call: no result to judge.
-        return message.to_text();
+        // An error answering the call: judged as an error result.
+        return judge.judge_error(&sent.session, pending, &message).await;
     };
     let is_task = matches!(sent.purpose, Purpose::Task(_));
     if !is_task && let Some(task) = created_task(result) {

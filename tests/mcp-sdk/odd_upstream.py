@@ -14,6 +14,7 @@ Tools (every text holding SECRET is what a results guard must see first):
   retyped      an answer whose id is the request's as a string (or number)
                holding SECRET, then a clean one
   slow         waits, then answers holding SECRET
+  error_secret a JSON-RPC error whose message holds SECRET
   ask          `input_required` (2026-07-28) until the call carries
                `requestState`, then a clean answer
   any tool with `params.task`: a task is created; `tasks/result` answers
@@ -26,7 +27,7 @@ import threading
 import time
 
 SECRET = "AKIA" + "IOSFODNN7EXAMPLE"
-TOOLS = ["clean", "dup_result", "dup_id", "retyped", "slow", "ask"]
+TOOLS = ["clean", "dup_result", "dup_id", "retyped", "slow", "ask", "error_secret"]
 tasks = {}
 
 
@@ -76,6 +77,9 @@ def handle(msg):
         if name == "retyped":
             other = str(id_) if isinstance(id_, int) else (int(id_) if id_.isdigit() else id_ + " ")
             return [answer(other, text("leaked " + SECRET)), answer(id_, text("clean"))]
+        if name == "error_secret":
+            return [json.dumps({"jsonrpc": "2.0", "id": id_, "error": {
+                "code": -32603, "message": "failed reading " + SECRET}})]
         if name == "slow":
             time.sleep(0.5)
             return [answer(id_, text("slow " + SECRET))]
