@@ -424,3 +424,49 @@ async fn r31_r33_a_json_rpc_error_answering_a_call_is_judged() {
     assert_eq!(clean["error"]["message"], "unknown tool", "{clean}");
     assert_eq!(guard.guard.requests(), 2, "both errors judged");
 }
+
+/// R31, R33 over stdio: while a call whose result is judged runs, the
+/// upstream's log messages are dropped, its progress notifications lose
+/// their `message`, and its sampling request is answered by the gateway
+/// with an error instead of reaching the client.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn r31_r33_messages_sent_while_a_judged_call_runs_leak_nothing() {
+    let (mesh, _guard) = mesh_judging_results("returns-chatty").await;
+    let url = mesh.url.clone();
+    let lines = tokio::task::spawn_blocking(move || {
+        let mut gateway = raw_gateway(&url);
+        let mut call = RawGateway::call(json!(1), "chatty", json!({}));
+        call["params"]["_meta"] = json!({"progressToken": "p1"});
+        gateway.send(&call.to_string());
+        let mut lines = Vec::new();
+        loop {
+            let line = gateway.recv();
+            let done = line["id"] == 1;
+            lines.push(line);
+            if done {
+                break;
+            }
+        }
+        gateway.end();
+        lines
+    })
+    .await
+    .unwrap();
+    no_secret(&lines);
+    let progress: Vec<&Value> = lines
+        .iter()
+        .filter(|l| l["method"] == "notifications/progress")
+        .collect();
+    assert_eq!(progress.len(), 1, "{lines:?}");
+    assert_eq!(progress[0]["params"]["progressToken"], "p1");
+    assert!(
+        !lines
+            .iter()
+            .any(|l| l["method"] == "sampling/createMessage"),
+        "{lines:?}"
+    );
+    assert_eq!(
+        lines.last().unwrap()["result"]["content"][0]["text"],
+        "chatty done"
+    );
+}

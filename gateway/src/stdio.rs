@@ -392,6 +392,7 @@ where
         let to_client = to_client.clone();
         let collector = collector.clone();
         let (judge, flight) = (judge.clone(), flight.clone());
+        let to_upstream = to_upstream.clone();
         let mut results = tokio::task::JoinSet::new();
         let max = args.max_upstream_message_bytes;
         async move {
@@ -416,6 +417,21 @@ where
                 // ids; what the client gets is the gateway's serialization.
                 let (sent, message) = match crate::upstream::read(message.get()) {
                     Ok(crate::upstream::Message::Other(message)) => {
+                        // While a judged call runs, nothing of the
+                        // upstream's own text reaches the client unjudged.
+                        let message = if flight.judging() {
+                            match crate::upstream::while_judging(message) {
+                                Ok(message) => message,
+                                Err(answer) => {
+                                    if !answer.is_empty() {
+                                        let _ = to_upstream.send(answer).await;
+                                    }
+                                    continue;
+                                }
+                            }
+                        } else {
+                            message
+                        };
                         if !deliver(&collector, &to_client, &message.to_text()).await {
                             break;
                         }

@@ -229,6 +229,14 @@ impl InFlight {
         Some(sent)
     }
 
+    /// Whether a request whose result the mesh judges is in flight.
+    pub fn judging(&self) -> bool {
+        self.state()
+            .by_upstream
+            .values()
+            .any(|(_, _, sent)| sent.purpose.judged().is_some())
+    }
+
     /// [`Self::answered`], only when `id` is the gateway's id `expected`.
     pub fn answered_as(&self, id: &Json, expected: u64) -> Option<Sent> {
         (self.upstream_id(id) == Some(expected))
@@ -487,6 +495,53 @@ pub fn id_of(text: &str) -> Option<Json> {
 pub fn refuse(text: &str, error: &ErrorData) -> String {
     let id = id_of(text).and_then(|id| serde_json::value::RawValue::from_string(id.to_text()).ok());
     crate::jsonrpc::error(id.as_deref(), error)
+}
+
+/// The upstream asked the client something (sampling, elicitation) while
+/// a call whose result the mesh judges was running: the gateway answers
+/// the upstream with this error and does not relay the request.
+pub const WITHHELD_WHILE_JUDGING: ErrorCode = ErrorCode(-32076);
+
+/// What becomes of a message the upstream sends on its own (a
+/// notification or a request of the server) while a call whose result
+/// the mesh judges runs: `Ok` the message for the client (a progress
+/// notification without its `message`, other notifications and `ping`
+/// and `roots/list` as read), `Err` the answer to send the upstream
+/// instead (its text would reach the model unjudged: sampling,
+/// elicitation and any other request), or `Err` empty: dropped (a log
+/// message).
+pub fn while_judging(mut message: Json) -> Result<Json, String> {
+    let method = message.get("method").and_then(Json::as_str).unwrap_or("");
+    if message.get("id").is_none() {
+        return match method {
+            "notifications/message" => Err(String::new()),
+            "notifications/progress" => {
+                if let Json::Object(members) = &mut message
+                    && let Some((_, Json::Object(params))) =
+                        members.iter_mut().find(|(k, _)| k == "params")
+                {
+                    params.retain(|(k, _)| k != "message");
+                }
+                Ok(message)
+            }
+            _ => Ok(message),
+        };
+    }
+    if matches!(method, "ping" | "roots/list") {
+        return Ok(message);
+    }
+    let data = ErrorData::new(
+        WITHHELD_WHILE_JUDGING,
+        format!(
+            "guardmesh: {method} is not relayed to the client while a tool call whose result \
+             the mesh judges is running (its text would reach the model unjudged)"
+        ),
+        None,
+    );
+    let id = message
+        .get("id")
+        .and_then(|id| serde_json::value::RawValue::from_string(id.to_text()).ok());
+    Err(crate::jsonrpc::error(id.as_deref(), &data))
 }
 
 /// The members of a task (`tasks/get`) kept beside a judged result.

@@ -15,6 +15,9 @@ Tools (every text holding SECRET is what a results guard must see first):
                holding SECRET, then a clean one
   slow         waits, then answers holding SECRET
   error_secret a JSON-RPC error whose message holds SECRET
+  chatty       a log message, a progress notification and a sampling
+               request holding SECRET while the call runs, then a clean
+               answer
   ask          `input_required` (2026-07-28) until the call carries
                `requestState`, then a clean answer
   any tool with `params.task`: a task is created; `tasks/result` answers
@@ -27,7 +30,7 @@ import threading
 import time
 
 SECRET = "AKIA" + "IOSFODNN7EXAMPLE"
-TOOLS = ["clean", "dup_result", "dup_id", "retyped", "slow", "ask", "error_secret"]
+TOOLS = ["clean", "dup_result", "dup_id", "retyped", "slow", "ask", "error_secret", "chatty"]
 tasks = {}
 
 
@@ -80,6 +83,16 @@ def handle(msg):
         if name == "error_secret":
             return [json.dumps({"jsonrpc": "2.0", "id": id_, "error": {
                 "code": -32603, "message": "failed reading " + SECRET}})]
+        if name == "chatty":
+            token = (params.get("_meta") or {}).get("progressToken", "t")
+            note = lambda method, p: json.dumps({"jsonrpc": "2.0", "method": method, "params": p})
+            return [note("notifications/message", {"level": "info", "data": "read " + SECRET}),
+                    note("notifications/progress", {"progressToken": token, "progress": 1,
+                                                    "message": "found " + SECRET}),
+                    json.dumps({"jsonrpc": "2.0", "id": "s1", "method": "sampling/createMessage",
+                                "params": {"maxTokens": 10, "messages": [{"role": "user", "content": {
+                                    "type": "text", "text": "summarise " + SECRET}}]}}),
+                    answer(id_, text("chatty done"))]
         if name == "slow":
             time.sleep(0.5)
             return [answer(id_, text("slow " + SECRET))]
