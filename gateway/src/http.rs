@@ -636,19 +636,14 @@ impl Proxy {
                 };
                 match self.grouper.judge_one(&session, call).await {
                     Disposition::Forward(text) => {
-                        let rewritten;
-                        let headers = match &original {
-                            Some(original) => {
-                                rewritten = crate::routing::for_final_call(
-                                    &parts.headers,
-                                    original,
-                                    &text,
-                                    &self.params,
-                                );
-                                &rewritten
-                            }
-                            None => &parts.headers,
-                        };
+                        let original = original.unwrap_or_else(|| text.clone());
+                        let rewritten = crate::routing::for_final_call(
+                            &parts.headers,
+                            &original,
+                            &text,
+                            &self.params,
+                        );
+                        let headers = &rewritten;
                         // R33: a result the chain judges is read whole and
                         // judged before the client sees it.
                         match self.judge.take_pending(&session, &key) {
