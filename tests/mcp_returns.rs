@@ -143,6 +143,17 @@ async fn r31_r20_odd_upstream_answers_reach_the_sdk_only_as_judged_http() {
     odd_answers_reach_the_sdk_only_as_judged(vec!["http".into(), url]).await;
 }
 
+/// Initializes a session through the gateway at `url`: its
+/// `Mcp-Session-Id`.
+async fn http_session(url: &str) -> String {
+    let init = json!({"jsonrpc": "2.0", "id": 0, "method": "initialize", "params": {
+        "protocolVersion": "2025-11-25", "capabilities": {},
+        "clientInfo": {"name": "raw", "version": "0"}}});
+    let (status, head, body) = post(url, None, &init.to_string()).await;
+    assert_eq!(status, 200, "{head}{body}");
+    header_value(&head, "mcp-session-id").expect("Mcp-Session-Id")
+}
+
 /// `guardmesh mcp stdio --mesh MESH -- odd_upstream.py stdio`, initialized.
 fn raw_gateway(mesh: &str) -> RawGateway {
     RawGateway::start(mesh, &[], odd_stdio())
@@ -189,9 +200,10 @@ async fn r31_a_request_reusing_an_id_in_flight_is_refused_http() {
     let (mesh, _guard) = mesh_judging_results("returns-reuse-http").await;
     let (port, _upstream) = odd_http().await;
     let (url, _gateway) = gateway_before(&mesh.url, "127.0.0.1", port, &[]).await;
+    let session = http_session(&url).await;
     let call = RawGateway::call(json!(122), "slow", json!({})).to_string();
     let answers = futures::future::join_all(
-        (0..8).map(|_| async { post(&url, Some("shared-session"), &call).await }),
+        (0..8).map(|_| async { post(&url, Some(&session), &call).await }),
     )
     .await;
     let mut judged = 0;
@@ -390,7 +402,9 @@ async fn sep2624_interceptor_requests_inside_a_batch_are_answered_by_the_gateway
     assert_answered_by_the_gateway(&answers);
     let (port, _upstream) = odd_http().await;
     let (url, _gateway) = gateway_before(&mesh.url, "127.0.0.1", port, &[]).await;
-    let (status, _head, body) = post(&url, Some("s"), &batch_with_an_interceptor_request()).await;
+    let session = http_session(&url).await;
+    let (status, _head, body) =
+        post(&url, Some(&session), &batch_with_an_interceptor_request()).await;
     assert_eq!(status, 200, "{body}");
     assert_answered_by_the_gateway(&serde_json::from_str(&body).unwrap_or(json!(body)));
 }
@@ -469,4 +483,42 @@ async fn r31_r33_messages_sent_while_a_judged_call_runs_leak_nothing() {
         lines.last().unwrap()["result"]["content"][0]["text"],
         "chatty done"
     );
+}
+
+/// R31: a gateway session belongs to the client that opened it. The
+/// gateway issues its own unguessable session id; the upstream's id, or
+/// any id the gateway did not issue, is answered 404 with nothing judged
+/// or forwarded (a tool call, an `interceptor/invoke` reading the session's
+/// memory); the id the gateway issued works, until the session is ended.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn r31_a_session_id_is_honoured_only_as_the_gateway_issued_it() {
+    let (mesh, guard) = mesh_judging_results("returns-sessions").await;
+    let (port, _upstream) = odd_http().await;
+    let (url, _gateway) = gateway_before(&mesh.url, "127.0.0.1", port, &[]).await;
+    let session = http_session(&url).await;
+    assert_ne!(session, "odd-session", "the upstream's id is not shown");
+    let call = RawGateway::call(json!(1), "clean", json!({})).to_string();
+    let invoke = json!({"jsonrpc": "2.0", "id": 2, "method": "interceptor/invoke",
+        "params": {"name": "secrets", "phase": "response",
+                   "payload": {"content": [{"type": "text", "text": "x"}]}}})
+    .to_string();
+    for foreign in [
+        "odd-session",
+        "gm-00000000000000000000000000000001",
+        "guessed",
+    ] {
+        for body in [&call, &invoke] {
+            let (status, _, answer) = post(&url, Some(foreign), body).await;
+            assert_eq!(status, 404, "{foreign}: {answer}");
+            assert!(answer.contains("unknown session"), "{answer}");
+        }
+    }
+    assert_eq!(
+        guard.guard.requests(),
+        0,
+        "nothing of a foreign session judged"
+    );
+    let (status, _, answer) = post(&url, Some(&session), &call).await;
+    assert_eq!(status, 200, "{answer}");
+    assert!(answer.contains(WITHHELD), "{answer}");
 }

@@ -85,6 +85,9 @@ use std::time::Duration;
 /// client may send it again later. Nothing was forwarded.
 pub const BUSY: ErrorCode = ErrorCode(-32074);
 
+/// The session header of Streamable HTTP.
+const SESSION: &str = "mcp-session-id";
+
 /// The first bytes of each request body, which do not count against
 /// `--max-buffered-bytes` (so a small request is never refused for lack
 /// of budget); bounded by the connection cap.
@@ -169,6 +172,8 @@ struct Proxy {
     judge: Arc<Judge>,
     /// SEP-2624: `interceptors/list` and `interceptor/invoke`.
     interceptors: Arc<crate::interceptors::Interceptors>,
+    /// The gateway's session ids and the upstream's ([`crate::sessions`]).
+    sessions: crate::sessions::Sessions,
     /// Requests in flight under the gateway's own ids ([`crate::upstream`]).
     flight: crate::upstream::InFlight,
     grouper: crate::group::Grouper,
@@ -242,10 +247,29 @@ impl Proxy {
         *request.method_mut() = method;
         *request.uri_mut() = self.upstream.clone();
         copy_headers(headers, request.headers_mut());
-        self.client
+        // The upstream's session behind the gateway's (checked by
+        // `handle`; one ended since is sent without).
+        if let Some(client) = request.headers_mut().remove(SESSION)
+            && let Some(upstream) = client
+                .to_str()
+                .ok()
+                .and_then(|c| self.sessions.upstream(c))
+                .and_then(|u| HeaderValue::from_str(&u).ok())
+        {
+            request.headers_mut().insert(SESSION, upstream);
+        }
+        let mut response = self
+            .client
             .request(request)
             .await
-            .map_err(|e| crate::judge::error_chain(&e))
+            .map_err(|e| crate::judge::error_chain(&e))?;
+        if let Some(upstream) = response.headers_mut().remove(SESSION)
+            && let Ok(upstream) = upstream.to_str()
+            && let Ok(client) = HeaderValue::from_str(&self.sessions.client(upstream))
+        {
+            response.headers_mut().insert(SESSION, client);
+        }
+        Ok(response)
     }
 
     fn bad_gateway(why: String) -> Response<Out> {
@@ -513,6 +537,28 @@ impl Proxy {
 
     async fn handle(&self, request: Request<Body>) -> Response<Out> {
         let (parts, body) = request.into_parts();
+        // R31: a session belongs to the client that opened it.
+        if let Some(client) = parts.headers.get(SESSION) {
+            let known = client.to_str().ok().and_then(|c| self.sessions.upstream(c));
+            if known.is_none() {
+                let data = ErrorData::new(
+                    codes::INVALID_REQUEST,
+                    "guardmesh: unknown session (Mcp-Session-Id not issued by this gateway, \
+                     ended or forgotten); initialize a new session",
+                    None,
+                );
+                return error_response(StatusCode::NOT_FOUND, None, &data);
+            }
+            if parts.method == Method::DELETE {
+                let response = self
+                    .forward(parts.method.clone(), &parts.headers, body.boxed(), None)
+                    .await;
+                if let Ok(client) = client.to_str() {
+                    self.sessions.end(client);
+                }
+                return response;
+            }
+        }
         if parts.method != Method::POST {
             return self
                 .forward(parts.method, &parts.headers, body.boxed(), None)
@@ -1468,6 +1514,7 @@ async fn serve(
             .pool_idle_timeout(UPSTREAM_IDLE)
             .build_http(),
         flight: crate::upstream::InFlight::default(),
+        sessions: crate::sessions::Sessions::default(),
         grouper: crate::group::Grouper::new(
             judge.clone(),
             Duration::from_millis(args.batch_window_ms),

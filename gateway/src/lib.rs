@@ -71,6 +71,7 @@ pub mod judge;
 mod pipes;
 pub mod routing;
 pub mod schemas;
+pub mod sessions;
 pub mod stdio;
 mod stream;
 pub mod upstream;
