@@ -14,6 +14,7 @@ use crate::mcp::{
     RawGateway, Scratch, calls, gateway_before, gateway_command, listening, mcp_python, post,
     run_client_off_thread, sdk_dir, via_gateway_judging,
 };
+use crate::mcp_relay::http_session;
 use guardmesh_client::proto::{GuardBatch, GuardPhases};
 use guardmesh_client::verdict::block_result;
 use guardmesh_client::{Registrar, Registration};
@@ -141,17 +142,6 @@ async fn r31_r20_odd_upstream_answers_reach_the_sdk_only_as_judged_http() {
     let (port, _upstream) = odd_http().await;
     let (url, _gateway) = gateway_before(&mesh.url, "127.0.0.1", port, &[]).await;
     odd_answers_reach_the_sdk_only_as_judged(vec!["http".into(), url]).await;
-}
-
-/// Initializes a session through the gateway at `url`: its
-/// `Mcp-Session-Id`.
-async fn http_session(url: &str) -> String {
-    let init = json!({"jsonrpc": "2.0", "id": 0, "method": "initialize", "params": {
-        "protocolVersion": "2025-11-25", "capabilities": {},
-        "clientInfo": {"name": "raw", "version": "0"}}});
-    let (status, head, body) = post(url, None, &init.to_string()).await;
-    assert_eq!(status, 200, "{head}{body}");
-    header_value(&head, "mcp-session-id").expect("Mcp-Session-Id")
 }
 
 /// `guardmesh mcp stdio --mesh MESH -- odd_upstream.py stdio`, initialized.

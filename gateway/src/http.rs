@@ -750,21 +750,9 @@ impl Proxy {
         let mut held = Vec::new();
         // (message, its id's key when it is a request, its purpose, lists tools)
         let mut forwards: Vec<(String, Option<String>, Purpose, bool)> = Vec::new();
-        let repeated = crate::upstream::repeated_ids(&items);
+        let items = crate::upstream::without_repeated_ids(items, &mut answers);
         for item in items {
             match item {
-                Item::ToolCall(call) if repeated.contains(&jsonrpc::id_key(&call.id)) => {
-                    let error = crate::upstream::repeated_in_batch(&jsonrpc::id_key(&call.id));
-                    answers.push(jsonrpc::error(Some(&call.id), &error));
-                }
-                Item::Forward {
-                    text,
-                    request: Some(key),
-                    ..
-                } if repeated.contains(&key) => {
-                    let error = crate::upstream::repeated_in_batch(&key);
-                    answers.push(crate::upstream::refuse(&text, &error));
-                }
                 Item::ToolCall(call) => match self.flight.hold(session, &jsonrpc::id_key(&call.id))
                 {
                     Ok(h) => {

@@ -730,23 +730,9 @@ async fn relay_batch(
     let mut answers = Vec::new();
     // (message, its id's key when it is a request that expects a response)
     let mut forwards: Vec<(String, Option<String>)> = Vec::new();
-    let repeated = crate::upstream::repeated_ids(&items);
+    let items = crate::upstream::without_repeated_ids(items, &mut answers);
     for item in items {
         match item {
-            Item::ToolCall(call) if repeated.contains(&jsonrpc::id_key(&call.id)) => {
-                let error = crate::upstream::repeated_in_batch(&jsonrpc::id_key(&call.id));
-                answers.push(jsonrpc::error(Some(&call.id), &error));
-            }
-            Item::Forward {
-                text,
-                request: Some(key),
-                ..
-            } if repeated.contains(&key) => {
-                answers.push(crate::upstream::refuse(
-                    &text,
-                    &crate::upstream::repeated_in_batch(&key),
-                ));
-            }
             Item::ToolCall(call) => match flight.reserve(session, &jsonrpc::id_key(&call.id)) {
                 Ok(()) => calls.push(*call),
                 Err(error) => answers.push(jsonrpc::error(Some(&call.id), &error)),

@@ -452,7 +452,7 @@ pub fn forward_call(
 
 /// The id keys that more than one request of a JSON-RPC batch uses: each
 /// of those requests is refused ([`repeated_in_batch`]), none forwarded.
-pub fn repeated_ids(items: &[crate::jsonrpc::Item]) -> std::collections::HashSet<String> {
+fn repeated_ids(items: &[crate::jsonrpc::Item]) -> std::collections::HashSet<String> {
     use crate::jsonrpc::Item;
     let mut seen = std::collections::HashSet::new();
     let mut repeated = std::collections::HashSet::new();
@@ -471,9 +471,41 @@ pub fn repeated_ids(items: &[crate::jsonrpc::Item]) -> std::collections::HashSet
     repeated
 }
 
+/// The elements of a JSON-RPC batch but the requests whose id another
+/// request of the batch uses: each of those is answered in `answers`
+/// with [`repeated_in_batch`], none forwarded.
+pub fn without_repeated_ids(
+    items: Vec<crate::jsonrpc::Item>,
+    answers: &mut Vec<String>,
+) -> Vec<crate::jsonrpc::Item> {
+    use crate::jsonrpc::{Item, error, id_key};
+    let repeated = repeated_ids(&items);
+    if repeated.is_empty() {
+        return items;
+    }
+    items
+        .into_iter()
+        .filter(|item| match item {
+            Item::ToolCall(call) if repeated.contains(&id_key(&call.id)) => {
+                answers.push(error(Some(&call.id), &repeated_in_batch(&id_key(&call.id))));
+                false
+            }
+            Item::Forward {
+                text,
+                request: Some(key),
+                ..
+            } if repeated.contains(key) => {
+                answers.push(refuse(text, &repeated_in_batch(key)));
+                false
+            }
+            _ => true,
+        })
+        .collect()
+}
+
 /// The JSON-RPC error refusing a request whose id another request of its
 /// batch uses.
-pub fn repeated_in_batch(key: &str) -> ErrorData {
+fn repeated_in_batch(key: &str) -> ErrorData {
     ErrorData::new(
         ErrorCode::INVALID_REQUEST,
         format!(
