@@ -116,6 +116,7 @@ mod mcp_bounds;
 mod mcp_embedded;
 mod mcp_readme;
 mod mcp_relay;
+mod mcp_returns;
 mod mcp_revision;
 mod mcp_revision_ts;
 mod mcp_smuggling;

@@ -584,8 +584,8 @@ async fn r31_r20_hostile_input_is_never_forwarded_unjudged() {
         assert_eq!(gateway.recv()["error"]["code"], -32600);
         // A tools/call as a notification (no id) is dropped, not forwarded.
         gateway.send(r#"{"jsonrpc":"2.0","method":"tools/call","params":{"name":"delete_file","arguments":{"path":"/n"}}}"#);
-        // Colliding ids in one batch: the mesh refuses the batch (R20), every
-        // call gets an error, none runs.
+        // Colliding ids in one batch: the gateway refuses each request
+        // using the id (R31: one id, one request in flight), none runs.
         let batch = json!([
             RawGateway::call(json!(20), "pay", json!({"amount": 1, "to": "a"})),
             RawGateway::call(json!(20), "delete_file", json!({"path": "/y"})),
@@ -594,7 +594,8 @@ async fn r31_r20_hostile_input_is_never_forwarded_unjudged() {
         let answers = gateway.recv();
         let answers = answers.as_array().unwrap();
         assert_eq!(answers.len(), 2);
-        assert!(answers.iter().all(|a| a["error"]["code"] == -32070), "{answers:?}");
+        assert!(answers.iter().all(|a| a["error"]["code"] == -32600
+            && a["error"]["message"].as_str().unwrap().contains("request id 20")), "{answers:?}");
         // The session still works, and the first call to run is this one.
         gateway.send(&RawGateway::call(json!(30), "read_file", json!({"path": "/ok"})).to_string());
         let answer = gateway.recv();

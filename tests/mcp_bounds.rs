@@ -369,16 +369,20 @@ async fn r31_r25_http_one_session_cannot_starve_the_mesh_link() {
     let gw = HttpGateway::start(&mesh.url, &scratch, None, &["--batch-window-ms", "0"]).await;
     let session = gw.session().await;
     gw.canary(&session, 1).await;
+    // The attacker's own session (R31: a session id the gateway did not
+    // issue is answered 404, not judged).
+    let attacker = std::sync::Arc::new(gw.session().await);
     let start = Instant::now();
     let mut attack = tokio::task::JoinSet::new();
     for i in 0..1100 {
         let url = gw.url.clone();
+        let attacker = attacker.clone();
         attack.spawn(async move {
             let call = json!({"jsonrpc": "2.0", "id": i, "method": "tools/call",
                 "params": {"name": "delete_file", "arguments": {"path": format!("/{i}")}}});
             let answer = tokio::time::timeout(
                 Duration::from_secs(20),
-                post(&url, Some("attacker"), &call.to_string()),
+                post(&url, Some(&attacker), &call.to_string()),
             )
             .await;
             (answer.ok(), Instant::now())

@@ -11,7 +11,7 @@ use std::process::{Command, Stdio};
 
 /// Initializes a Streamable HTTP session (2025-11-25); returns its
 /// `Mcp-Session-Id`.
-async fn http_session(url: &str) -> String {
+pub(crate) async fn http_session(url: &str) -> String {
     let init = json!({"jsonrpc": "2.0", "id": 0, "method": "initialize", "params": {
         "protocolVersion": "2025-11-25", "capabilities": {},
         "clientInfo": {"name": "raw", "version": "0"}}});

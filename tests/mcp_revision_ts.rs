@@ -17,7 +17,7 @@ use std::process::Command;
 
 /// The SDK v2 upstream (tests/mcp-sdk/ts2/server.mjs) and `guardmesh mcp
 /// http` in front of it: (gateway URL, upstream, gateway).
-async fn gateway_before_ts2_upstream(
+pub(crate) async fn gateway_before_ts2_upstream(
     mesh: &str,
     scratch: &Scratch,
 ) -> (String, KillOnDrop, KillOnDrop) {
@@ -36,7 +36,7 @@ async fn gateway_before_ts2_upstream(
 }
 
 /// Runs the SDK v2 client (tests/mcp-sdk/ts2/client.mjs) with `scenario`.
-fn run_ts2_client(scenario: Value, url: String) -> Vec<Value> {
+pub(crate) fn run_ts2_client(scenario: Value, url: String) -> Vec<Value> {
     run_sdk_client(
         &node(),
         &sdk_dir().join("ts2/client.mjs"),

@@ -5,7 +5,9 @@
 //! * A POST whose body holds no `tools/call` is forwarded in the gateway's
 //!   serialization of what it read ([`crate::json`]; a body it cannot read
 //!   alike to every peer is refused, R31), and the upstream's answer (JSON
-//!   or an SSE stream) streams back unchanged.
+//!   or an SSE stream) is relayed message by message as it streams, each
+//!   message read once and written as the gateway writes it
+//!   ([`crate::stream`]).
 //!   GET (the server's SSE stream), DELETE (session end) and any other
 //!   method are forwarded the same way.
 //! * A POST with one `tools/call`: judged (R31) with the request's
@@ -56,6 +58,7 @@
 //!   message is answered at once with HTTP 429 and the JSON-RPC error
 //!   [`BUSY`], so no session can fill the shared link to the mesh.
 
+use crate::json::Json;
 use crate::jsonrpc::{self, Incoming, Item, ToolCallRequest, codes};
 use crate::judge::{Disposition, Judge, JudgeArgs};
 use crate::stdio::fresh_session_id;
@@ -81,6 +84,9 @@ use std::time::Duration;
 /// (or the gateway) has as many being judged as it may (HTTP 429); the
 /// client may send it again later. Nothing was forwarded.
 pub const BUSY: ErrorCode = ErrorCode(-32074);
+
+/// The session header of Streamable HTTP.
+const SESSION: &str = "mcp-session-id";
 
 /// The first bytes of each request body, which do not count against
 /// `--max-buffered-bytes` (so a small request is never refused for lack
@@ -172,6 +178,10 @@ struct Proxy {
     judge: Arc<Judge>,
     /// SEP-2624: `interceptors/list` and `interceptor/invoke`.
     interceptors: Arc<crate::interceptors::Interceptors>,
+    /// The gateway's session ids and the upstream's ([`crate::sessions`]).
+    sessions: crate::sessions::Sessions,
+    /// Requests in flight under the gateway's own ids ([`crate::upstream`]).
+    flight: crate::upstream::InFlight,
     grouper: crate::group::Grouper,
     max: usize,
     body_timeout: Duration,
@@ -243,23 +253,29 @@ impl Proxy {
         *request.method_mut() = method;
         *request.uri_mut() = self.upstream.clone();
         copy_headers(headers, request.headers_mut());
-        self.client
+        // The upstream's session behind the gateway's (checked by
+        // `handle`; one ended since is sent without).
+        if let Some(client) = request.headers_mut().remove(SESSION)
+            && let Some(upstream) = client
+                .to_str()
+                .ok()
+                .and_then(|c| self.sessions.upstream(c))
+                .and_then(|u| HeaderValue::from_str(&u).ok())
+        {
+            request.headers_mut().insert(SESSION, upstream);
+        }
+        let mut response = self
+            .client
             .request(request)
             .await
-            .map_err(|e| crate::judge::error_chain(&e))
-    }
-
-    /// Relays the upstream's answer as it streams.
-    fn relay(response: Response<Body>) -> Response<Out> {
-        let (parts, body) = response.into_parts();
-        let mut out = Response::new(body.boxed());
-        *out.status_mut() = parts.status;
-        copy_headers(&parts.headers, out.headers_mut());
-        if let Some(length) = parts.headers.get(header::CONTENT_LENGTH) {
-            out.headers_mut()
-                .insert(header::CONTENT_LENGTH, length.clone());
+            .map_err(|e| crate::judge::error_chain(&e))?;
+        if let Some(upstream) = response.headers_mut().remove(SESSION)
+            && let Ok(upstream) = upstream.to_str()
+            && let Ok(client) = HeaderValue::from_str(&self.sessions.client(upstream))
+        {
+            response.headers_mut().insert(SESSION, client);
         }
-        out
+        Ok(response)
     }
 
     fn bad_gateway(why: String) -> Response<Out> {
@@ -271,42 +287,102 @@ impl Proxy {
         error_response(StatusCode::BAD_GATEWAY, None, &data)
     }
 
-    /// Forwards a call whose result the mesh judges (R33): the upstream's
-    /// answer is read whole, the response to the call (JSON-RPC id key
-    /// `key`) is judged, and the client gets it as the mesh decided, as
-    /// JSON. An answer without that response is a bad gateway, with
-    /// nothing of it forwarded.
+    /// Forwards a request whose answer the gateway reads whole (a call
+    /// whose result the mesh judges, R33; an element of a JSON-RPC batch):
+    /// `text` (of `session`, id key `key`, reserved) goes upstream under
+    /// the gateway's own id, the upstream's answer (JSON or SSE) is read
+    /// whole, and the client gets the response with exactly that id
+    /// ([`crate::upstream::answer`]: judged when `purpose` says so), in
+    /// the gateway's serialization, and the upstream's `Mcp-Session-Id`.
+    /// Other messages of the answer are dropped (logged). An answer
+    /// without that response is a bad gateway, nothing of it forwarded.
+    async fn exchange(
+        &self,
+        headers: &HeaderMap,
+        session: &str,
+        key: &str,
+        purpose: crate::upstream::Purpose,
+        text: &str,
+    ) -> Result<(String, Option<HeaderValue>), Response<Out>> {
+        use crate::upstream::{self, Message};
+        let Some((id, text)) = self.flight.send_as(session, key, purpose, text) else {
+            return Err(Self::bad_gateway("the request could not be written".into()));
+        };
+        let response = match self.send(Method::POST, headers, full(text)).await {
+            Ok(response) => response,
+            Err(why) => return Err(Self::bad_gateway(why)),
+        };
+        let session_header = response.headers().get("mcp-session-id").cloned();
+        for answer in responses_of(response).await {
+            match upstream::read(&answer) {
+                Ok(Message::Response { id: got, message }) => {
+                    match self.flight.answered_as(&got, id) {
+                        Some(sent) => {
+                            let answer =
+                                upstream::answer(&self.judge, &self.flight, sent, message).await;
+                            return Ok((answer, session_header));
+                        }
+                        None => tracing::warn!(
+                            id = %got.to_text(),
+                            "dropped an upstream response that answers no request in flight"
+                        ),
+                    }
+                }
+                Ok(Message::Other(message)) => tracing::warn!(
+                    method = ?message.get("method").map(crate::json::Json::to_text),
+                    "dropped a message the upstream sent while a judged request ran"
+                ),
+                Err(unreadable) => {
+                    let sent = unreadable
+                        .id
+                        .as_ref()
+                        .and_then(|got| self.flight.answered_as(got, id));
+                    tracing::warn!(why = %unreadable.why, "refused an upstream message");
+                    if let Some(sent) = sent {
+                        let answer = upstream::unreadable_answer(&sent.client_id, &unreadable.why);
+                        return Ok((answer, session_header));
+                    }
+                }
+            }
+        }
+        Err(Self::bad_gateway(
+            "the upstream's answer holds no response to the request".into(),
+        ))
+    }
+
+    /// [`Self::exchange`] answered as one JSON message.
     async fn forward_judged(
         &self,
         headers: &HeaderMap,
-        body: Out,
         session: &str,
         key: &str,
-        pending: &crate::judge::PendingResult,
+        purpose: crate::upstream::Purpose,
+        text: &str,
     ) -> Response<Out> {
-        let response = match self.send(Method::POST, headers, body).await {
-            Ok(response) => response,
-            Err(why) => return Self::bad_gateway(why),
-        };
-        let session_header = response.headers().get("mcp-session-id").cloned();
-        let answer = responses_of(response)
-            .await
-            .into_iter()
-            .find(|text| jsonrpc::response_key(text.as_bytes()).as_deref() == Some(key));
-        let Some(answer) = answer else {
-            return Self::bad_gateway("the upstream's answer holds no response to the call".into());
-        };
-        let judged = self.judge.judge_response(session, pending, &answer).await;
-        let mut out = json_response(StatusCode::OK, judged);
-        if let Some(value) = session_header {
-            out.headers_mut().insert("mcp-session-id", value);
+        match self.exchange(headers, session, key, purpose, text).await {
+            Ok((answer, session_header)) => {
+                let mut out = json_response(StatusCode::OK, answer);
+                if let Some(value) = session_header {
+                    out.headers_mut().insert("mcp-session-id", value);
+                }
+                out
+            }
+            Err(response) => response,
         }
-        out
     }
 
-    async fn forward(&self, method: Method, headers: &HeaderMap, body: Out) -> Response<Out> {
+    /// Forwards a request and relays the upstream's answer message by
+    /// message as it streams ([`crate::stream`]); `expected`: the id of the
+    /// request the answer is for, when it is one.
+    async fn forward(
+        &self,
+        method: Method,
+        headers: &HeaderMap,
+        body: Out,
+        expected: Option<Json>,
+    ) -> Response<Out> {
         match self.send(method, headers, body).await {
-            Ok(response) => Self::relay(response),
+            Ok(response) => crate::stream::relay(response, expected).await,
             Err(why) => Self::bad_gateway(why),
         }
     }
@@ -321,13 +397,14 @@ impl Proxy {
         headers: &HeaderMap,
         body: Out,
         listing: &[String],
+        expected: Option<Json>,
     ) -> Response<Out> {
         let response = match self.send(method, headers, body).await {
             Ok(response) => response,
             Err(why) => return Self::bad_gateway(why),
         };
         if listing.is_empty() {
-            return Self::relay(response);
+            return crate::stream::relay(response, expected).await;
         }
         let (parts, body) = response.into_parts();
         let body = match http_body_util::Limited::new(body, MAX_LISTING_BYTES)
@@ -349,9 +426,9 @@ impl Proxy {
             .is_some_and(|v| v.starts_with("text/event-stream"));
         let text = String::from_utf8_lossy(&body);
         let out = if sse {
-            sse_without_schemas(&text, listing)
+            sse_without_schemas(&crate::stream::sse_body(&text, expected.as_ref()), listing)
         } else {
-            json_without_schemas(&text, listing)
+            json_without_schemas(&crate::stream::json_body(&text, expected.as_ref()), listing)
         };
         if sse {
             for event in out.split("\n\n") {
@@ -466,9 +543,31 @@ impl Proxy {
 
     async fn handle(&self, request: Request<Body>) -> Response<Out> {
         let (parts, body) = request.into_parts();
+        // R31: a session belongs to the client that opened it.
+        if let Some(client) = parts.headers.get(SESSION) {
+            let known = client.to_str().ok().and_then(|c| self.sessions.upstream(c));
+            if known.is_none() {
+                let data = ErrorData::new(
+                    codes::INVALID_REQUEST,
+                    "guardmesh: unknown session (Mcp-Session-Id not issued by this gateway, \
+                     ended or forgotten); initialize a new session",
+                    None,
+                );
+                return error_response(StatusCode::NOT_FOUND, None, &data);
+            }
+            if parts.method == Method::DELETE {
+                let response = self
+                    .forward(parts.method.clone(), &parts.headers, body.boxed(), None)
+                    .await;
+                if let Ok(client) = client.to_str() {
+                    self.sessions.end(client);
+                }
+                return response;
+            }
+        }
         if parts.method != Method::POST {
             return self
-                .forward(parts.method, &parts.headers, body.boxed())
+                .forward(parts.method, &parts.headers, body.boxed(), None)
                 .await;
         }
         let (bytes, _budget) = match self.read_body(body).await {
@@ -527,8 +626,38 @@ impl Proxy {
                 {
                     return json_response(StatusCode::OK, answer.await);
                 }
+                let _held = match &request {
+                    Some(key) => match self.flight.hold(&session, key) {
+                        Ok(held) => Some(held),
+                        Err(error) => {
+                            return json_response(
+                                StatusCode::OK,
+                                crate::upstream::refuse(&text, &error),
+                            );
+                        }
+                    },
+                    None => None,
+                };
+                // R33: a task's result is judged like a call's.
+                if let Some(key) = &request
+                    && let purpose @ crate::upstream::Purpose::Task(_) =
+                        self.flight.purpose_of(&text)
+                {
+                    return self
+                        .forward_judged(&parts.headers, &session, key, purpose, &text)
+                        .await;
+                }
+                let Some(text) = self.flight.outgoing_notification(&session, text) else {
+                    let mut response = Response::new(full(Bytes::new()));
+                    *response.status_mut() = StatusCode::ACCEPTED;
+                    return response;
+                };
+                let expected = request
+                    .is_some()
+                    .then(|| crate::upstream::id_of(&text))
+                    .flatten();
                 let listing: Vec<String> = request.filter(|_| lists_tools).into_iter().collect();
-                self.forward_listing(parts.method, &parts.headers, full(text), &listing)
+                self.forward_listing(parts.method, &parts.headers, full(text), &listing, expected)
                     .await
             }
             Incoming::Single(Item::Reject { id, error }) => {
@@ -548,36 +677,50 @@ impl Proxy {
                 };
                 let original = modern.then(|| call.message.to_text());
                 let key = jsonrpc::id_key(&call.id);
+                let _held = match self.flight.hold(&session, &key) {
+                    Ok(held) => held,
+                    Err(error) => {
+                        return json_response(
+                            StatusCode::OK,
+                            jsonrpc::error(Some(&call.id), &error),
+                        );
+                    }
+                };
                 match self.grouper.judge_one(&session, call).await {
                     Disposition::Forward(text) => {
-                        let rewritten;
-                        let headers = match &original {
-                            Some(original) => {
-                                rewritten = crate::routing::for_final_call(
-                                    &parts.headers,
-                                    original,
-                                    &text,
-                                    &self.params,
-                                );
-                                &rewritten
-                            }
-                            None => &parts.headers,
-                        };
+                        let original = original.unwrap_or_else(|| text.clone());
+                        let rewritten = crate::routing::for_final_call(
+                            &parts.headers,
+                            &original,
+                            &text,
+                            &self.params,
+                        );
+                        let headers = &rewritten;
                         // R33: a result the chain judges is read whole and
                         // judged before the client sees it.
                         match self.judge.take_pending(&session, &key) {
                             Some(pending) => {
-                                self.forward_judged(headers, full(text), &session, &key, &pending)
+                                let purpose = crate::upstream::Purpose::Call(Some(pending));
+                                self.forward_judged(headers, &session, &key, purpose, &text)
                                     .await
                             }
-                            None => self.forward(parts.method, headers, full(text)).await,
+                            None => {
+                                let expected = crate::upstream::id_of(&text);
+                                self.forward(parts.method, headers, full(text), expected)
+                                    .await
+                            }
                         }
                     }
                     Disposition::Answer(text) => json_response(StatusCode::OK, text),
                 }
             }
             Incoming::Batch(items) => {
-                if !items.iter().any(|i| matches!(i, Item::ToolCall(_))) {
+                let ours = |item: &Item| match item {
+                    Item::ToolCall(_) => true,
+                    Item::Forward { text, .. } => crate::interceptors::may_be_ours(text),
+                    _ => false,
+                };
+                if !items.iter().any(ours) {
                     // Every element read and forwardable: the gateway's
                     // serialization of each, as one batch.
                     let listing = listing_keys(&items);
@@ -590,7 +733,7 @@ impl Proxy {
                         .collect();
                     let body = format!("[{}]", texts.join(","));
                     return self
-                        .forward_listing(parts.method, &parts.headers, full(body), &listing)
+                        .forward_listing(parts.method, &parts.headers, full(body), &listing, None)
                         .await;
                 }
                 let _slot = match self.calls.enter(&session) {
@@ -603,58 +746,92 @@ impl Proxy {
     }
 
     /// A JSON-RPC batch holding tool calls: one guard batch, one array.
+    /// Each request is posted on its own under the gateway's id and its
+    /// answer read whole ([`Self::exchange`]); one reusing an id in flight
+    /// (of the session, or earlier in the batch) is refused.
     async fn batch(&self, items: Vec<Item>, session: &str, headers: &HeaderMap) -> Response<Out> {
-        let listing = listing_keys(&items);
+        use crate::upstream::Purpose;
         let mut calls: Vec<ToolCallRequest> = Vec::new();
         let mut answers = Vec::new();
-        let mut forwards = Vec::new();
+        let mut held = Vec::new();
+        // (message, its id's key when it is a request, its purpose, lists tools)
+        let mut forwards: Vec<(String, Option<String>, Purpose, bool)> = Vec::new();
+        let items = crate::upstream::without_repeated_ids(items, &mut answers);
         for item in items {
             match item {
-                Item::ToolCall(call) => calls.push(*call),
-                Item::Forward { text, request, .. } => {
-                    if let Some(key) = &request {
-                        self.judge.id_reused(session, key);
+                Item::ToolCall(call) => match self.flight.hold(session, &jsonrpc::id_key(&call.id))
+                {
+                    Ok(h) => {
+                        held.push(h);
+                        calls.push(*call);
                     }
-                    forwards.push(text);
+                    Err(error) => answers.push(jsonrpc::error(Some(&call.id), &error)),
+                },
+                Item::Forward {
+                    text,
+                    request: Some(_),
+                    ..
+                } if crate::interceptors::may_be_ours(&text)
+                    && let Some(answer) = self.interceptors.take(&text, session) =>
+                {
+                    // SEP-2624: answered by the gateway, never forwarded.
+                    answers.push(answer.await);
+                }
+                Item::Forward {
+                    text,
+                    request: Some(key),
+                    lists_tools,
+                } => match self.flight.hold(session, &key) {
+                    Ok(h) => {
+                        held.push(h);
+                        let purpose = self.flight.purpose_of(&text);
+                        forwards.push((text, Some(key), purpose, lists_tools));
+                    }
+                    Err(error) => answers.push(crate::upstream::refuse(&text, &error)),
+                },
+                Item::Forward {
+                    text,
+                    request: None,
+                    ..
+                } => {
+                    if let Some(text) = self.flight.outgoing_notification(session, text) {
+                        forwards.push((text, None, Purpose::Plain, false));
+                    }
                 }
                 Item::Reject { id, error } => answers.push(jsonrpc::error(id.as_deref(), &error)),
                 Item::Drop(why) => tracing::warn!("{why}"),
             }
         }
-        for disposition in self.judge.judge(session, &calls).await {
+        for (call, disposition) in calls.iter().zip(self.judge.judge(session, &calls).await) {
             match disposition {
-                Disposition::Forward(text) => forwards.push(text),
+                Disposition::Forward(text) => {
+                    let key = jsonrpc::id_key(&call.id);
+                    let pending = self.judge.take_pending(session, &key);
+                    forwards.push((text, Some(key), Purpose::Call(pending), false));
+                }
                 Disposition::Answer(text) => answers.push(text),
             }
         }
-        for message in forwards {
-            match self.send(Method::POST, headers, full(message)).await {
-                Ok(response) => {
-                    for answer in responses_of(response).await {
-                        // R33: the result of a call the chain judges
-                        // results of goes through the mesh first.
-                        let key = jsonrpc::response_key(answer.as_bytes());
-                        let pending = key
-                            .as_ref()
-                            .and_then(|key| self.judge.take_pending(session, key));
-                        answers.push(match pending {
-                            Some(pending) => {
-                                self.judge.judge_response(session, &pending, &answer).await
-                            }
-                            // A second response to a judged call: dropped.
-                            None if key
-                                .as_ref()
-                                .is_some_and(|key| self.judge.judged_before(session, key)) =>
-                            {
-                                continue;
-                            }
-                            None => without_schemas_if_listed(answer, &listing),
-                        });
-                    }
+        for (message, key, purpose, lists_tools) in forwards {
+            let Some(key) = key else {
+                // A notification: nothing to answer.
+                if let Err(why) = self.send(Method::POST, headers, full(message)).await {
+                    return Self::bad_gateway(why);
                 }
-                Err(why) => return Self::bad_gateway(why),
+                continue;
+            };
+            match self
+                .exchange(headers, session, &key, purpose, &message)
+                .await
+            {
+                Ok((answer, _)) if lists_tools => {
+                    answers.push(crate::schemas::without_output_schemas(&answer).unwrap_or(answer))
+                }
+                Ok((answer, _)) => answers.push(answer),
+                Err(response) => return response,
             }
         }
+        drop(held);
         if answers.is_empty() {
             let mut response = Response::new(full(Bytes::new()));
             *response.status_mut() = StatusCode::ACCEPTED;
@@ -1355,6 +1532,8 @@ async fn serve(
         client: Client::builder(TokioExecutor::new())
             .pool_idle_timeout(UPSTREAM_IDLE)
             .build_http(),
+        flight: crate::upstream::InFlight::default(),
+        sessions: crate::sessions::Sessions::default(),
         grouper: crate::group::Grouper::new(
             judge.clone(),
             Duration::from_millis(args.batch_window_ms),

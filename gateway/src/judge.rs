@@ -143,18 +143,10 @@ pub struct Judge {
     /// Forwarded calls whose results the mesh must judge (R33), by
     /// session and JSON-RPC id, until the upstream answers them.
     pending: std::sync::Mutex<HashMap<(String, String), PendingResult>>,
-    /// The calls whose results were judged, by session and JSON-RPC id
-    /// (the latest [`MAX_PENDING_RESULTS`]): a second response to one of
-    /// them is dropped, never relayed unjudged.
-    judged: std::sync::Mutex<Judged>,
 }
 
-/// Keys of calls whose results were judged, oldest first.
-#[derive(Default)]
-struct Judged {
-    order: std::collections::VecDeque<(String, String)>,
-    keys: std::collections::HashSet<(String, String)>,
-}
+/// The members of a tool result the results phase judges (R33).
+const JUDGED: [&str; 4] = ["content", "structuredContent", "isError", "_meta"];
 
 /// A forwarded call whose result the mesh judges before the client sees
 /// it (R33).
@@ -183,7 +175,6 @@ impl Judge {
             metadata: HashMap::from([("gateway".to_owned(), source.to_owned())]),
             server: String::new(),
             pending: std::sync::Mutex::default(),
-            judged: std::sync::Mutex::default(),
         }
     }
 
@@ -199,34 +190,6 @@ impl Judge {
             .unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 
-    /// Whether any forwarded call of any session awaits a judged result,
-    /// or had one judged: responses must then be looked at.
-    pub fn awaits_results(&self) -> bool {
-        !self.pending().is_empty() || !self.judged().keys.is_empty()
-    }
-
-    fn judged(&self) -> std::sync::MutexGuard<'_, Judged> {
-        self.judged
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
-    }
-
-    /// Whether the response to request `key` of `session` is a second
-    /// response to a call whose result was judged (R33): dropped.
-    pub fn judged_before(&self, session: &str, key: &str) -> bool {
-        let judged = self.judged();
-        !judged.keys.is_empty() && judged.keys.contains(&(session.to_owned(), key.to_owned()))
-    }
-
-    /// The client sent a new request with id key `key`: a response to it
-    /// is its own, not a second one to an earlier call.
-    pub fn id_reused(&self, session: &str, key: &str) {
-        let mut judged = self.judged();
-        if !judged.keys.is_empty() {
-            judged.keys.remove(&(session.to_owned(), key.to_owned()));
-        }
-    }
-
     /// The forwarded call of `session` whose response has JSON-RPC id key
     /// `key` ([`jsonrpc::id_key`]), if its result must be judged; taken.
     pub fn take_pending(&self, session: &str, key: &str) -> Option<PendingResult> {
@@ -234,76 +197,131 @@ impl Judge {
         if pending.is_empty() {
             return None;
         }
-        let taken = pending.remove(&(session.to_owned(), key.to_owned()));
-        drop(pending);
-        if taken.is_some() {
-            let mut judged = self.judged();
-            let entry = (session.to_owned(), key.to_owned());
-            if judged.keys.insert(entry.clone()) {
-                judged.order.push_back(entry);
-            }
-            while judged.order.len() > MAX_PENDING_RESULTS {
-                if let Some(old) = judged.order.pop_front() {
-                    judged.keys.remove(&old);
-                }
-            }
-        }
-        taken
+        pending.remove(&(session.to_owned(), key.to_owned()))
     }
 
-    /// Judges an upstream response to a forwarded call (`response`: a
-    /// JSON-RPC message) through the results phase (R33); the message the
-    /// client gets. An error response carries no result and is relayed as
-    /// read.
+    /// Judges the result of a forwarded call (`result`: the `result` of
+    /// the upstream's response, read by [`crate::upstream::read`]) through
+    /// the results phase (R33); the message the client gets, under
+    /// `client_id`. What the mesh judges is the tool result's own members
+    /// (`content`, `structuredContent`, `isError`, `_meta`); of the rest,
+    /// only the members in `keep` that the revision requires
+    /// (`resultType`, a task's own fields) are written back, so nothing
+    /// the mesh did not see reaches the client. An `input_required`
+    /// result (2026-07-28) is no tool result yet: relayed as read; the call
+    /// sent again with its answers is judged, and its result.
     pub async fn judge_response(
         &self,
         session: &str,
         pending: &PendingResult,
-        response: &str,
+        client_id: &crate::json::Json,
+        result: &crate::json::Json,
+        keep: &[&str],
     ) -> String {
-        #[derive(serde::Deserialize)]
-        struct Envelope<'a> {
-            #[serde(borrow)]
-            id: &'a serde_json::value::RawValue,
-            #[serde(default, borrow)]
-            result: Option<&'a serde_json::value::RawValue>,
+        use crate::json::Json;
+        let message = |result: Json| {
+            Json::Object(vec![
+                ("jsonrpc".into(), Json::String("2.0".into())),
+                ("id".into(), client_id.clone()),
+                ("result".into(), result),
+            ])
+            .to_text()
+        };
+        if result.get("resultType").and_then(Json::as_str) == Some("input_required") {
+            return message(result.clone());
         }
-        let Ok(envelope) = serde_json::from_str::<Envelope<'_>>(response) else {
-            return response.to_owned();
+        let Json::Object(members) = result else {
+            return message(result.clone());
         };
-        let id = envelope.id;
-        let Some(result) = envelope.result else {
-            return response.to_owned();
-        };
-        let judged = match serde_json::from_str::<serde_json::Value>(result.get()) {
-            // What is judged is the CallToolResult's own members; anything
-            // else the upstream added is not forwarded.
-            Ok(serde_json::Value::Object(mut members)) => {
-                members.retain(|k, _| {
-                    matches!(
-                        k.as_str(),
-                        "content" | "structuredContent" | "isError" | "_meta"
-                    )
-                });
-                serde_json::Value::Object(members).to_string()
-            }
-            _ => result.get().to_owned(),
-        };
-        match self.evaluate_result(session, pending, judged).await {
-            Ok(decision) => match decision.result(&pending.call_id) {
-                Some(decided) => {
-                    match serde_json::value::RawValue::from_string(decided.result.clone()) {
-                        Ok(result) => serde_json::json!({
-                            "jsonrpc": "2.0",
-                            "id": id,
-                            "result": result,
-                        })
-                        .to_string(),
-                        Err(_) => no_result_decision(id),
+        let (judged, kept): (Vec<_>, Vec<_>) = members
+            .iter()
+            .filter(|(k, _)| JUDGED.contains(&k.as_str()) || keep.contains(&k.as_str()))
+            .cloned()
+            .partition(|(k, _)| JUDGED.contains(&k.as_str()));
+        match self
+            .judged(session, pending, client_id, Json::Object(judged).to_text())
+            .await
+        {
+            Ok(mut decided) => {
+                for (key, value) in kept {
+                    if decided.get(&key).is_none() {
+                        decided.set(&key, value);
                     }
                 }
-                None => no_result_decision(id),
-            },
+                message(decided)
+            }
+            Err(answer) => answer,
+        }
+    }
+
+    /// Judges a JSON-RPC error answering a forwarded call (`response`: the
+    /// upstream's error response, its id the client's) through the results
+    /// phase (R33), as an error result whose text is the error's message
+    /// (and its `data`, as JSON text): passed unchanged, the client gets
+    /// the error as read; rewritten or blocked, the judged result.
+    pub async fn judge_error(
+        &self,
+        session: &str,
+        pending: &PendingResult,
+        response: &crate::json::Json,
+    ) -> String {
+        use crate::json::Json;
+        let Some(client_id) = response.get("id") else {
+            return response.to_text();
+        };
+        let error = response.get("error");
+        let text = |s: String| {
+            Json::Object(vec![
+                ("type".into(), Json::String("text".into())),
+                ("text".into(), Json::String(s)),
+            ])
+        };
+        let mut content = vec![text(
+            error
+                .and_then(|e| e.get("message"))
+                .map(|m| m.as_str().map_or_else(|| m.to_text(), str::to_owned))
+                .unwrap_or_default(),
+        )];
+        if let Some(data) = error.and_then(|e| e.get("data")) {
+            content.push(text(data.to_text()));
+        }
+        let result = Json::Object(vec![
+            ("content".into(), Json::Array(content)),
+            ("isError".into(), Json::Bool(true)),
+        ]);
+        match self
+            .judged(session, pending, client_id, result.to_text())
+            .await
+        {
+            Ok(decided) if decided == result => response.to_text(),
+            Ok(decided) => Json::Object(vec![
+                ("jsonrpc".into(), Json::String("2.0".into())),
+                ("id".into(), client_id.clone()),
+                ("result".into(), decided),
+            ])
+            .to_text(),
+            Err(answer) => answer,
+        }
+    }
+
+    /// The result the mesh decided for `result` (a tool result's JSON
+    /// text), or the JSON-RPC error answering `client_id` when it did not
+    /// judge it: withheld, never forwarded unjudged.
+    async fn judged(
+        &self,
+        session: &str,
+        pending: &PendingResult,
+        client_id: &crate::json::Json,
+        result: String,
+    ) -> Result<crate::json::Json, String> {
+        let id = serde_json::value::RawValue::from_string(client_id.to_text()).ok();
+        let id = id.as_deref();
+        match self.evaluate_result(session, pending, result).await {
+            Ok(decision) => decision
+                .result(&pending.call_id)
+                .and_then(|decided| crate::json::read(&decided.result).ok())
+                .map(|decided| decided.value)
+                .ok_or_else(|| no_result_decision(id)),
             Err(error) => {
                 tracing::warn!(%error, "a tool's result was withheld: the mesh did not judge it");
                 let data = match &error {
@@ -324,7 +342,7 @@ impl Judge {
                         Some(serde_json::json!({ "mesh": mesh })),
                     ),
                 };
-                jsonrpc::error(Some(id), &data)
+                Err(jsonrpc::error(id, &data))
             }
         }
     }
@@ -568,7 +586,6 @@ impl Judge {
             );
             return Disposition::Answer(jsonrpc::error(Some(&call.id), &data));
         }
-        self.id_reused(session, &jsonrpc::id_key(&call.id));
         pending.insert(
             (session.to_owned(), jsonrpc::id_key(&call.id)),
             PendingResult {
@@ -660,13 +677,13 @@ fn dispose(call: &ToolCallRequest, decision: &BatchDecision) -> Disposition {
 }
 
 /// The answer to a result the mesh returned no decision for: withheld.
-fn no_result_decision(id: &serde_json::value::RawValue) -> String {
+fn no_result_decision(id: Option<&serde_json::value::RawValue>) -> String {
     let data = ErrorData::new(
         codes::MESH_REFUSED,
         "guardmesh: the mesh returned no decision for this tool's result; it is withheld",
         None,
     );
-    jsonrpc::error(Some(id), &data)
+    jsonrpc::error(id, &data)
 }
 
 /// An error with its sources, `: `-separated.

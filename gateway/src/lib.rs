@@ -20,6 +20,9 @@
 //! * [`interceptors`]: `interceptors/list` and `interceptor/invoke` (the
 //!   MCP interceptor extension, SEP-2624) answered through the mesh.
 //! * [`routing`]: the routing headers of the 2026-07-28 revision over HTTP.
+//! * [`upstream`]: what comes back from the upstream, read once and
+//!   matched to its request by the gateway's own ids; `stream`: the
+//!   upstream's HTTP answers relayed message by message.
 //! * [`schemas`]: the tools' output schemas, so that every answer the
 //!   gateway writes is one the official SDK clients accept.
 //! * `pipes`: the process's stdin and stdout on the runtime's reactor, when
@@ -68,7 +71,10 @@ pub mod judge;
 mod pipes;
 pub mod routing;
 pub mod schemas;
+pub mod sessions;
 pub mod stdio;
+mod stream;
+pub mod upstream;
 
 pub use guardmesh_client::MeshArgs;
 pub use hook::PreToolUseArgs;

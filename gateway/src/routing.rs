@@ -19,10 +19,11 @@
 //!   is left out, as the revision's clients leave it out; the gateway adds no
 //!   header the client did not send. When the final tool's declarations are
 //!   unknown (no `tools/list` answer seen since the gateway started), the
-//!   client's `Mcp-Param-*` headers are forwarded as sent when the call is
-//!   unchanged and left out when a guard rewrote it, so an upstream that
-//!   requires them refuses the rewritten call rather than run it under
-//!   stale headers.
+//!   client's `Mcp-Param-*` headers are left out, whether or not a guard
+//!   changed the call (and on requests without the revision's routing
+//!   headers too): what an upstream reads from them is never what the
+//!   client wrote unjudged. An upstream that requires them refuses the call;
+//!   the official SDK clients then list the tools and send it again.
 
 use crate::json::{self, Json};
 use base64::Engine;
@@ -258,9 +259,6 @@ pub fn for_final_call(
     declared: &ParamHeaders,
 ) -> HeaderMap {
     let mut headers = headers.clone();
-    if !present(&headers) {
-        return headers;
-    }
     let call = serde_json::from_str::<serde_json::Value>(forwarded).ok();
     let tool = call
         .as_ref()
@@ -287,7 +285,8 @@ pub fn for_final_call(
                 headers.insert(name, value);
             }
         }
-    } else if original != forwarded {
+    } else {
+        // Nothing to write them from: never forwarded as sent.
         for name in sent {
             headers.remove(name);
         }
@@ -374,8 +373,19 @@ mod tests {
         assert_eq!(out.get("mcp-name").unwrap(), "read_redacted");
         assert!(out.get("mcp-param-path").is_none());
         assert_eq!(out.get("authorization").unwrap(), "Bearer t");
-        // Unchanged: as sent.
-        assert_eq!(for_final_call(&h, original, original, &unknown), h);
+        // Unchanged, but the tool's declarations are unknown: the client's
+        // Mcp-Param-* headers are never forwarded as sent (R31).
+        let out = for_final_call(&h, original, original, &unknown);
+        assert!(out.get("mcp-param-path").is_none(), "{out:?}");
+        assert_eq!(out.get("mcp-name").unwrap(), "read_file");
+        // Without the revision's routing headers (2025-11-25) too.
+        let old = headers(&[
+            ("mcp-param-path", "/etc/shadow"),
+            ("authorization", "Bearer t"),
+        ]);
+        let out = for_final_call(&old, original, original, &unknown);
+        assert!(out.get("mcp-param-path").is_none(), "{out:?}");
+        assert_eq!(out.get("authorization").unwrap(), "Bearer t");
     }
 
     #[test]

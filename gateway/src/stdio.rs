@@ -20,7 +20,11 @@
 //!   forwarded one by one (servers of the current MCP revision do not accept
 //!   batches), and the answer to the client is one array: the gateway's own
 //!   answers followed by the upstream's responses to the forwarded requests.
-//! * Upstream to client: each line is passed on unchanged. A line longer
+//! * Upstream to client: each line is read once as I-JSON and matched to
+//!   its request by the gateway's own ids ([`crate::upstream`]); what the
+//!   client gets is the gateway's serialization of it, or of what the mesh
+//!   judged of a result (R31, R33). A request reusing an id in flight is
+//!   refused. A line longer
 //!   than `--max-upstream-message-bytes` (default 32 MiB) ends the session:
 //!   the gateway holds no more than that of it, stops the upstream, and
 //!   exits with an error naming the limit (the client sees the server
@@ -376,6 +380,7 @@ where
         None => Grouper::until_idle(judge.clone()),
     };
     let collector: Shared = Arc::default();
+    let flight = Arc::new(crate::upstream::InFlight::default());
 
     // One writer per direction, written by whoever has a message, one
     // message at a time, so that messages are never interleaved.
@@ -386,7 +391,8 @@ where
     let mut upstream_reader = tokio::spawn({
         let to_client = to_client.clone();
         let collector = collector.clone();
-        let (judge, session) = (judge.clone(), session.clone());
+        let (judge, flight) = (judge.clone(), flight.clone());
+        let to_upstream = to_upstream.clone();
         let mut results = tokio::task::JoinSet::new();
         let max = args.max_upstream_message_bytes;
         async move {
@@ -407,36 +413,79 @@ where
                         continue;
                     }
                 };
-                let text = message.get();
-                // R33: the result of a call forwarded under a chain that
-                // judges results goes through the mesh first, in a task of
-                // its own (a slow guard holds up no other response).
-                if judge.awaits_results()
-                    && let Some(key) = jsonrpc::response_key(text.as_bytes())
-                    && let Some(pending) = judge.take_pending(&session, &key)
-                {
-                    let (judge, session) = (judge.clone(), session.clone());
-                    let (to_client, collector) = (to_client.clone(), collector.clone());
-                    let text = text.to_owned();
-                    results.spawn(async move {
-                        let judged = judge.judge_response(&session, &pending, &text).await;
-                        deliver(&collector, &to_client, &judged).await
-                    });
-                    while results.try_join_next().is_some() {}
+                // R31: read once, as I-JSON; matched by the gateway's own
+                // ids; what the client gets is the gateway's serialization.
+                let (sent, message) = match crate::upstream::read(message.get()) {
+                    Ok(crate::upstream::Message::Other(message)) => {
+                        // While a judged call runs, nothing of the
+                        // upstream's own text reaches the client unjudged.
+                        let message = if flight.judging() {
+                            match crate::upstream::while_judging(message) {
+                                Ok(message) => message,
+                                Err(answer) => {
+                                    if !answer.is_empty() {
+                                        let _ = to_upstream.send(answer).await;
+                                    }
+                                    continue;
+                                }
+                            }
+                        } else {
+                            message
+                        };
+                        if !deliver(&collector, &to_client, &message.to_text()).await {
+                            break;
+                        }
+                        continue;
+                    }
+                    Ok(crate::upstream::Message::Response { id, message }) => {
+                        match flight.answered(&id) {
+                            Some(sent) => (sent, message),
+                            None => {
+                                tracing::warn!(
+                                    id = %id.to_text(),
+                                    "dropped an upstream response that answers no request in flight"
+                                );
+                                continue;
+                            }
+                        }
+                    }
+                    Err(unreadable) => {
+                        match unreadable.id.as_ref().and_then(|id| flight.answered(id)) {
+                            Some(sent) => {
+                                tracing::warn!(why = %unreadable.why, "refused an upstream response");
+                                let answer = crate::upstream::unreadable_answer(
+                                    &sent.client_id,
+                                    &unreadable.why,
+                                );
+                                if !deliver(&collector, &to_client, &answer).await {
+                                    break;
+                                }
+                            }
+                            None => tracing::warn!(
+                                why = %unreadable.why,
+                                "dropped an upstream message the gateway cannot read alike to every peer"
+                            ),
+                        }
+                        continue;
+                    }
+                };
+                if sent.purpose.judged().is_none() {
+                    let answer = crate::upstream::answer(&judge, &flight, sent, message).await;
+                    if !deliver(&collector, &to_client, &answer).await {
+                        break;
+                    }
                     continue;
                 }
-                // A second response to a call whose result was judged is
-                // dropped: only what the mesh judged reaches the client.
-                if judge.awaits_results()
-                    && let Some(key) = jsonrpc::response_key(text.as_bytes())
-                    && judge.judged_before(&session, &key)
-                {
-                    tracing::warn!(id = %key, "dropped a second upstream response to a judged call");
-                    continue;
-                }
-                if !deliver(&collector, &to_client, text).await {
-                    break;
-                }
+                // R33: a result the chain judges goes through the mesh
+                // first, in a task of its own (a slow guard holds up no
+                // other response).
+                let (judge, flight) = (judge.clone(), flight.clone());
+                let (to_client, collector) = (to_client.clone(), collector.clone());
+                results.spawn(async move {
+                    let answer = crate::upstream::answer(&judge, &flight, sent, message).await;
+                    deliver(&collector, &to_client, &answer).await
+                });
+                while results.try_join_next().is_some() {}
             }
             // Results being judged are answered before the session ends.
             while results.join_next().await.is_some() {}
@@ -509,13 +558,23 @@ where
                     tasks.spawn(async move { drop(to_client.send(answer.await).await) });
                     continue;
                 }
-                if lists_tools {
-                    lock(&collector).lists_tools(request.as_ref());
+                let text = match &request {
+                    Some(key) => {
+                        if let Err(error) = flight.reserve(&session, key) {
+                            let _ = to_client.send(crate::upstream::refuse(&text, &error)).await;
+                            continue;
+                        }
+                        if lists_tools {
+                            lock(&collector).lists_tools(request.as_ref());
+                        }
+                        let purpose = flight.purpose_of(&text);
+                        flight.send(&session, key, purpose, &text)
+                    }
+                    None => flight.outgoing_notification(&session, text),
+                };
+                if let Some(text) = text {
+                    let _ = to_upstream.send(text).await;
                 }
-                if let Some(key) = &request {
-                    judge.id_reused(&session, key);
-                }
-                let _ = to_upstream.send(text).await;
             }
             Incoming::Single(Item::Reject { id, error }) => {
                 let _ = to_client.send(jsonrpc::error(id.as_deref(), &error)).await;
@@ -527,19 +586,31 @@ where
                 if in_flight.available_permits() == 0 {
                     grouper.flush();
                 }
+                let key = jsonrpc::id_key(&call.id);
+                if let Err(error) = flight.reserve(&session, &key) {
+                    let _ = to_client.send(jsonrpc::error(Some(&call.id), &error)).await;
+                    continue;
+                }
                 let Ok(permit) = in_flight.clone().acquire_owned().await else {
                     break;
                 };
                 // In its group now, before the reader flushes the groups.
                 let disposition = grouper.enqueue(&session, *call);
                 let (to_client, to_upstream) = (to_client.clone(), to_upstream.clone());
+                let (judge, flight, session) = (judge.clone(), flight.clone(), session.clone());
                 tasks.spawn(async move {
                     let _permit = permit;
                     match disposition.await {
                         Disposition::Forward(text) => {
-                            let _ = to_upstream.send(text).await;
+                            let text = crate::upstream::forward_call(
+                                &judge, &flight, &session, &key, &text,
+                            );
+                            if let Some(text) = text {
+                                let _ = to_upstream.send(text).await;
+                            }
                         }
                         Disposition::Answer(text) => {
+                            flight.release(&session, &key);
                             let _ = to_client.send(text).await;
                         }
                     }
@@ -554,16 +625,18 @@ where
                 };
                 let (judge, session) = (judge.clone(), session.clone());
                 let (to_client, to_upstream) = (to_client.clone(), to_upstream.clone());
-                let collector = collector.clone();
+                let (collector, flight) = (collector.clone(), flight.clone());
+                let interceptors = interceptors.clone();
                 tasks.spawn(async move {
                     let _permit = permit;
                     relay_batch(
                         items,
                         &judge,
+                        &flight,
+                        &interceptors,
                         &session,
                         &collector,
-                        &to_client,
-                        &to_upstream,
+                        (&to_client, &to_upstream),
                     )
                     .await;
                 });
@@ -642,56 +715,80 @@ where
 }
 
 /// Relays one JSON-RPC batch: its tool calls judged as one guard batch.
+/// Each request goes upstream under the gateway's own id; one reusing an
+/// id in flight (of the session, or earlier in the batch) is refused.
 async fn relay_batch(
     items: Vec<Item>,
     judge: &Judge,
+    flight: &crate::upstream::InFlight,
+    interceptors: &Arc<crate::interceptors::Interceptors>,
     session: &str,
     collector: &Shared,
-    to_client: &Lines,
-    to_upstream: &Lines,
+    (to_client, to_upstream): (&Lines, &Lines),
 ) {
     let mut calls = Vec::new();
-    let mut rest = Vec::new();
-    for item in items {
-        match item {
-            Item::ToolCall(call) => calls.push(*call),
-            other => rest.push(other),
-        }
-    }
     let mut answers = Vec::new();
     // (message, its id's key when it is a request that expects a response)
     let mut forwards: Vec<(String, Option<String>)> = Vec::new();
-    for item in rest {
+    let items = crate::upstream::without_repeated_ids(items, &mut answers);
+    for item in items {
         match item {
+            Item::ToolCall(call) => match flight.reserve(session, &jsonrpc::id_key(&call.id)) {
+                Ok(()) => calls.push(*call),
+                Err(error) => answers.push(jsonrpc::error(Some(&call.id), &error)),
+            },
             Item::Forward {
                 text,
-                request,
+                request: Some(key),
                 lists_tools,
             } => {
+                // SEP-2624: answered by the gateway, never forwarded.
+                if let Some(answer) = interceptors.take(&text, session) {
+                    answers.push(answer.await);
+                    continue;
+                }
+                if let Err(error) = flight.reserve(session, &key) {
+                    answers.push(crate::upstream::refuse(&text, &error));
+                    continue;
+                }
                 if lists_tools {
-                    lock(collector).lists_tools(request.as_ref());
+                    lock(collector).lists_tools(Some(&key));
                 }
-                if let Some(key) = &request {
-                    judge.id_reused(session, key);
+                let purpose = flight.purpose_of(&text);
+                if let Some(text) = flight.send(session, &key, purpose, &text) {
+                    forwards.push((text, Some(key)));
                 }
-                forwards.push((text, request));
+            }
+            Item::Forward {
+                text,
+                request: None,
+                ..
+            } => {
+                if let Some(text) = flight.outgoing_notification(session, text) {
+                    forwards.push((text, None));
+                }
             }
             Item::Reject { id, error } => answers.push(jsonrpc::error(id.as_deref(), &error)),
             Item::Drop(why) => tracing::warn!("{why}"),
-            Item::ToolCall(_) => {}
         }
     }
     for (call, disposition) in calls.iter().zip(judge.judge(session, &calls).await) {
+        let key = jsonrpc::id_key(&call.id);
         match disposition {
-            Disposition::Forward(text) => forwards.push((text, Some(jsonrpc::id_key(&call.id)))),
-            Disposition::Answer(text) => answers.push(text),
+            Disposition::Forward(text) => {
+                if let Some(text) =
+                    crate::upstream::forward_call(judge, flight, session, &key, &text)
+                {
+                    forwards.push((text, Some(key)));
+                }
+            }
+            Disposition::Answer(text) => {
+                flight.release(session, &key);
+                answers.push(text);
+            }
         }
     }
-    // Each id once: a client that repeats an id in a batch gets the first
-    // response in the array and the next one on its own line.
-    let mut expected: Vec<String> = forwards.iter().filter_map(|(_, k)| k.clone()).collect();
-    expected.sort();
-    expected.dedup();
+    let expected: Vec<String> = forwards.iter().filter_map(|(_, k)| k.clone()).collect();
     if expected.is_empty() {
         if !answers.is_empty() {
             let _ = to_client.send(array(&answers)).await;

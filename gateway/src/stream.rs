@@ -1,0 +1,261 @@
+//! The upstream's HTTP answers relayed message by message (`mcp http`,
+//! R31): a JSON body (one message or an array) is read whole, an SSE stream
+//! event by event as it arrives, and each JSON-RPC message in them is read
+//! once ([`crate::upstream::read`]) and written as the gateway writes it,
+//! never as the upstream's bytes. A message no peer may read alike (a
+//! member twice, an unknown envelope member) is dropped, and a response
+//! whose id is not the request's (`"114"` answering `114`) is dropped: when
+//! the dropped one was the answer the client waits for, it gets the error
+//! [`crate::upstream::UPSTREAM_UNREADABLE`] instead. An SSE event's other
+//! fields (`event:`, `id:`, `retry:`) are kept; comments are dropped.
+
+use crate::json::Json;
+use crate::upstream::{self, Message};
+use bytes::{Bytes, BytesMut};
+use http::{Response, header};
+use http_body_util::BodyExt;
+use hyper::body::{Frame, Incoming as Body};
+
+type Out = http_body_util::combinators::BoxBody<Bytes, hyper::Error>;
+
+/// Longest SSE event (or JSON body) read, in bytes; past it the answer
+/// ends there.
+pub const MAX_EVENT_BYTES: usize = 32 << 20;
+
+/// One message as the client gets it (see the module's documentation);
+/// `expected`: the id of the request the answer is for, when one.
+pub fn message(text: &str, expected: Option<&Json>) -> Option<String> {
+    match upstream::read(text) {
+        Ok(Message::Other(message)) => Some(message.to_text()),
+        Ok(Message::Response { id, message }) => match expected {
+            Some(expected) if *expected != id => {
+                tracing::warn!(id = %id.to_text(), "dropped an upstream response that answers another request");
+                None
+            }
+            _ => Some(message.to_text()),
+        },
+        Err(unreadable) => {
+            tracing::warn!(why = %unreadable.why, "refused an upstream message");
+            match (expected, &unreadable.id) {
+                (Some(expected), Some(id)) if id == expected => {
+                    Some(upstream::unreadable_answer(expected, &unreadable.why))
+                }
+                _ => None,
+            }
+        }
+    }
+}
+
+/// A JSON body: one message, or an array of them.
+pub fn json_body(text: &str, expected: Option<&Json>) -> String {
+    match serde_json::from_str::<Vec<Box<serde_json::value::RawValue>>>(text) {
+        Ok(many) => {
+            let kept: Vec<String> = many
+                .iter()
+                .filter_map(|m| message(m.get(), expected))
+                .collect();
+            format!("[{}]", kept.join(","))
+        }
+        Err(_) => message(text, expected).unwrap_or_default(),
+    }
+}
+
+/// One SSE event (its lines, LF-ended, without the blank line ending it)
+/// as the client gets it, with its blank line; `None` when nothing of it
+/// is relayed.
+pub fn sse_event(event: &str, expected: Option<&Json>) -> Option<String> {
+    let mut data: Vec<&str> = Vec::new();
+    let mut fields = String::new();
+    for line in event.lines() {
+        if let Some(d) = line.strip_prefix("data:") {
+            data.push(d.strip_prefix(' ').unwrap_or(d));
+        } else if !line.is_empty() && !line.starts_with(':') {
+            fields.push_str(line);
+            fields.push('\n');
+        }
+    }
+    if data.is_empty() {
+        // A retry or id alone: no message in it.
+        return (!fields.is_empty()).then(|| fields + "\n");
+    }
+    let body = json_body(&data.join("\n"), expected);
+    if body.is_empty() || body == "[]" {
+        return None;
+    }
+    Some(format!("{fields}data: {body}\n\n"))
+}
+
+/// A whole SSE body, event by event.
+pub fn sse_body(text: &str, expected: Option<&Json>) -> String {
+    let text = text.replace("\r\n", "\n").replace('\r', "\n");
+    text.split("\n\n")
+        .filter_map(|event| sse_event(event, expected))
+        .collect()
+}
+
+/// Whether a response is an SSE stream.
+pub fn is_sse(headers: &http::HeaderMap) -> bool {
+    headers
+        .get(header::CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+        .is_some_and(|v| v.starts_with("text/event-stream"))
+}
+
+fn is_json(headers: &http::HeaderMap) -> bool {
+    headers
+        .get(header::CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+        .is_some_and(|v| v.starts_with("application/json"))
+}
+
+/// The end of the first event in `buf` (LF, CR LF or CR line ends): where
+/// its blank line starts and ends.
+fn event_end(buf: &[u8]) -> Option<(usize, usize)> {
+    let mut i = 0;
+    while i < buf.len() {
+        let nl = |at: usize| -> Option<usize> {
+            match buf.get(at) {
+                Some(b'\n') => Some(at + 1),
+                Some(b'\r') if buf.get(at + 1) == Some(&b'\n') => Some(at + 2),
+                Some(b'\r') if at + 1 < buf.len() => Some(at + 1),
+                _ => None,
+            }
+        };
+        if let Some(after) = nl(i)
+            && let Some(end) = nl(after)
+        {
+            return Some((i, end));
+        }
+        i += 1;
+    }
+    None
+}
+
+/// The upstream's answer relayed message by message as it streams (see
+/// the module's documentation); any other content type as it came.
+pub async fn relay(response: Response<Body>, expected: Option<Json>) -> Response<Out> {
+    let (mut parts, body) = response.into_parts();
+    let out: Out = if is_sse(&parts.headers) {
+        parts.headers.remove(header::CONTENT_LENGTH);
+        sse_stream(body, expected)
+    } else if is_json(&parts.headers) {
+        parts.headers.remove(header::CONTENT_LENGTH);
+        let bytes = match http_body_util::Limited::new(body, MAX_EVENT_BYTES)
+            .collect()
+            .await
+        {
+            Ok(body) => body.to_bytes(),
+            Err(why) => {
+                tracing::warn!(%why, "the upstream's answer could not be read whole");
+                Bytes::new()
+            }
+        };
+        let text = json_body(&String::from_utf8_lossy(&bytes), expected.as_ref());
+        http_body_util::Full::new(Bytes::from(text))
+            .map_err(|never| match never {})
+            .boxed()
+    } else {
+        body.boxed()
+    };
+    Response::from_parts(parts, out)
+}
+
+fn sse_stream(body: Body, expected: Option<Json>) -> Out {
+    struct State {
+        body: Body,
+        buf: BytesMut,
+        done: bool,
+        expected: Option<Json>,
+    }
+    let state = State {
+        body,
+        buf: BytesMut::new(),
+        done: false,
+        expected,
+    };
+    let stream = futures::stream::unfold(state, |mut state| async move {
+        loop {
+            if let Some((start, end)) = event_end(&state.buf) {
+                let event = state.buf.split_to(end);
+                let text = String::from_utf8_lossy(&event[..start])
+                    .replace("\r\n", "\n")
+                    .replace('\r', "\n");
+                if let Some(out) = sse_event(&text, state.expected.as_ref()) {
+                    return Some((Ok(Frame::data(Bytes::from(out))), state));
+                }
+                continue;
+            }
+            if state.done {
+                if state.buf.is_empty() {
+                    return None;
+                }
+                let rest = std::mem::take(&mut state.buf);
+                let text = String::from_utf8_lossy(&rest)
+                    .replace("\r\n", "\n")
+                    .replace('\r', "\n");
+                return sse_event(&text, state.expected.as_ref())
+                    .map(|out| (Ok(Frame::data(Bytes::from(out))), state));
+            }
+            if state.buf.len() > MAX_EVENT_BYTES {
+                tracing::warn!(
+                    "an SSE event from the upstream is longer than {MAX_EVENT_BYTES} bytes; the stream is ended"
+                );
+                return None;
+            }
+            match state.body.frame().await {
+                Some(Ok(frame)) => {
+                    if let Ok(data) = frame.into_data() {
+                        state.buf.extend_from_slice(&data);
+                    }
+                }
+                Some(Err(error)) => {
+                    return Some((
+                        Err(error),
+                        State {
+                            done: true,
+                            ..state
+                        },
+                    ));
+                }
+                None => state.done = true,
+            }
+        }
+    });
+    http_body_util::StreamBody::new(stream).boxed()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn r31_sse_events_are_rewritten_and_odd_ones_dropped() {
+        let id = Json::Number("3".into());
+        let body = "event: message\r\nid: e1\r\ndata: {\"jsonrpc\":\"2.0\",\"method\":\"notifications/progress\",  \"params\":{}}\r\n\r\n\
+                    : a comment\n\n\
+                    data: {\"jsonrpc\":\"2.0\",\"id\":\"3\",\"result\":{\"leak\":1}}\n\n\
+                    data: {\"jsonrpc\":\"2.0\",\"id\":3,\"result\":{},\"result\":{\"leak\":1}}\n\n";
+        let out = sse_body(body, Some(&id));
+        let events: Vec<&str> = out.split_terminator("\n\n").collect();
+        assert_eq!(events.len(), 2, "{out}");
+        assert_eq!(
+            events[0],
+            "event: message\nid: e1\ndata: {\"jsonrpc\":\"2.0\",\"method\":\"notifications/progress\",\"params\":{}}"
+        );
+        assert!(
+            events[1]
+                .starts_with("data: {\"jsonrpc\":\"2.0\",\"id\":3,\"error\":{\"code\":-32075,"),
+            "{out}"
+        );
+        assert!(events[1].contains("appears twice"), "{out}");
+        assert!(!out.contains("leak"));
+    }
+
+    #[test]
+    fn r31_event_ends_are_found_whatever_the_line_ends() {
+        assert_eq!(event_end(b"data: 1\n\nrest"), Some((7, 9)));
+        assert_eq!(event_end(b"data: 1\r\n\r\nrest"), Some((7, 11)));
+        assert_eq!(event_end(b"data: 1\r\rrest"), Some((7, 9)));
+        assert_eq!(event_end(b"data: 1\n"), None);
+    }
+}
