@@ -98,6 +98,25 @@ pub static ENVIRONMENT: &[EnvVar] = &[
                   its argument.",
     },
     EnvVar {
+        name: "CREDENTIALS_DIRECTORY",
+        read_by: "`serve`, `config check`",
+        meaning: "The folder systemd passes a unit's `LoadCredential=` files in: a config \
+                  path starting with `$CREDENTIALS_DIRECTORY/` is read from it.",
+    },
+    EnvVar {
+        name: "NOTIFY_SOCKET",
+        read_by: "`serve` (under systemd, `Type=notify`)",
+        meaning: "Where readiness (`READY=1` once the listener is up), stopping and the \
+                  watchdog's keep-alives are sent; `WATCHDOG_USEC` sets the watchdog's \
+                  period. Unset: nothing is sent.",
+    },
+    EnvVar {
+        name: "GUARDMESH_COMMIT",
+        read_by: "the build (`cargo build`), not the binary",
+        meaning: "The commit `guardmesh --version` names, for a build from sources without \
+                  git history (a packager's tarball); otherwise read from git.",
+    },
+    EnvVar {
         name: "OTEL_SEMCONV_STABILITY_OPT_IN",
         read_by: "`serve`",
         meaning: "`rpc`: spans carry the current RPC semantic conventions instead of the \
