@@ -605,70 +605,77 @@ async fn r25_connections_past_their_age_get_goaway_and_clients_reconnect() {
         assert_eq!(decision.execute.len(), 1, "{decision:?}");
         tokio::time::sleep(Duration::from_millis(150)).await;
     }
-    let records = records(&serve.dir.join("log"));
-    let peers: std::collections::BTreeSet<String> = records
+    let aged = records(&serve.dir.join("log"));
+    let peers: std::collections::BTreeSet<String> = aged
         .iter()
         .filter(|r| r["kind"] == "decision")
         .map(|r| r["caller"]["peer"].as_str().unwrap_or_default().to_owned())
         .collect();
-    let decided = records.iter().filter(|r| r["kind"] == "decision").count();
+    let decided = aged.iter().filter(|r| r["kind"] == "decision").count();
     assert_eq!(decided, batches as usize, "each batch judged once");
     assert!(
         peers.len() >= 2,
         "the coordinator never reconnected: peers {peers:?}"
     );
 
-    // A stream kept open past the age and its grace is cut; a new one works.
+    // A stream kept open past the age and its grace is cut. The SDK's
+    // session opens a new stream on the next batch: a batch in flight at
+    // the cut fails as not judged (none of its calls runs), every other
+    // one is judged, and the session's batches came over more than one
+    // connection.
     let session = coordinator.session("long").await.unwrap();
-    let first = session
-        .evaluate(Batch::new(0).call("c1", "sql.query", r#"{"query": "SELECT 1"}"#))
-        .await;
-    assert!(first.is_ok_and(|d| d.execute.len() == 1));
-    let mut cut = None;
-    for turn in 1..100 {
+    let mut judged = 0;
+    let mut cut = Vec::new();
+    for turn in 0..40 {
         tokio::time::sleep(Duration::from_millis(100)).await;
         match session
             .evaluate(Batch::new(turn).call("c1", "sql.query", r#"{"query": "SELECT 1"}"#))
             .await
         {
-            Ok(_) => {}
-            Err(error) => {
-                cut = Some(error);
-                break;
+            Ok(decision) => {
+                assert_eq!(decision.execute.len(), 1, "{decision:?}");
+                judged += 1;
             }
+            // The connection went under the batch: tonic reports it as
+            // UNAVAILABLE, or UNKNOWN when the reset came while reading a
+            // body.
+            Err(ClientError::Status(status))
+            | Err(ClientError::NotJudged {
+                status: Some(status),
+                ..
+            }) => {
+                assert!(
+                    matches!(
+                        status.code(),
+                        tonic::Code::Unavailable | tonic::Code::Unknown
+                    ),
+                    "{status:?}"
+                );
+                cut.push(turn);
+            }
+            Err(ClientError::SessionClosed(_))
+            | Err(ClientError::NotJudged { status: None, .. }) => cut.push(turn),
+            Err(other) => panic!("batch {turn} of a stream past its age: {other:?}"),
         }
     }
-    match cut {
-        // The connection is gone under the stream: tonic reports it as
-        // UNAVAILABLE, or UNKNOWN when the reset came while reading a body.
-        Some(ClientError::Status(status)) => assert!(
-            matches!(
-                status.code(),
-                tonic::Code::Unavailable | tonic::Code::Unknown
-            ),
-            "{status:?}"
-        ),
-        Some(ClientError::SessionClosed(_)) => {}
-        // The batch in flight when the stream was cut: none of its calls
-        // was judged, so none runs (the SDK's typed error for it).
-        Some(ClientError::NotJudged {
-            status: Some(status),
-            ..
-        }) => assert!(
-            matches!(
-                status.code(),
-                tonic::Code::Unavailable | tonic::Code::Unknown
-            ),
-            "{status:?}"
-        ),
-        other => panic!("a stream past the age and its grace: {other:?}"),
-    }
-    let again = coordinator.session("long").await.unwrap();
     assert!(
-        again
-            .evaluate(Batch::new(100).call("c1", "sql.query", r#"{"query": "SELECT 1"}"#))
-            .await
-            .is_ok_and(|d| d.execute.len() == 1)
+        cut.len() <= 4,
+        "a cut fails at most the batch in flight: {cut:?}"
+    );
+    let written = records(&serve.dir.join("log"));
+    let long: Vec<&serde_json::Value> = written
+        .iter()
+        .filter(|r| r["kind"] == "decision" && r["batch"]["session_id"] == "long")
+        .collect();
+    assert_eq!(long.len(), judged, "each judged batch recorded once");
+    let peers: std::collections::BTreeSet<&str> = long
+        .iter()
+        .map(|r| r["caller"]["peer"].as_str().unwrap_or_default())
+        .collect();
+    assert!(
+        peers.len() >= 2,
+        "the long stream was never cut past its age and grace: peers {peers:?}\n{}",
+        serve.log()
     );
 }
 
