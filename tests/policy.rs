@@ -41,7 +41,7 @@ fn r27_policy_check_accepts_the_example_and_lists_its_rules() {
         "sql-one-statement-no-comments",
         "sql-delete-needs-where",
         "payment-over-10000-needs-a-human",
-        "no-shell-in-production",
+        "no-rm-rf-in-production",
         "at-most-3-emails-per-round",
     ] {
         assert!(stdout.contains(rule), "{rule} listed: {stdout}");
