@@ -407,6 +407,11 @@ mod tests {
             ]
         );
         assert_eq!(words("a 2>&1 >out <in b >>log"), [["a", "b"]]);
+        // As docs/policies.md shows it.
+        assert_eq!(
+            words("ls; sudo rm -r x"),
+            [vec!["ls"], vec!["sudo", "rm", "-r", "x"]]
+        );
         assert!(words("").is_empty());
         assert!(words(" ;; && ").is_empty());
     }
