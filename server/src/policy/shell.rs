@@ -8,13 +8,15 @@
 //!   `cmd` runs `program` with every flag of `flags`, in any grouping and
 //!   order (`-rf`, `-fr`, `-r -f`, `--recursive --force`).
 //!
-//! Both read text, not a shell: variables, globs, aliases and `eval` are
-//! not expanded, and what `sh -c '...'` runs is one quoted word. They read
+//! `shell.has_flags` also reads the command line of `sh -c '...'` and the
+//! words of `eval`, up to [`MAX_NESTING`] deep (deeper is an error).
+//! Both read text, not a shell: variables, globs and aliases are not
+//! expanded. They read
 //! to catch a command, not to run one, so where a shell would refuse the
 //! text they still read it: an unterminated quote runs to the end, and a
 //! `$(` or backquote inside double quotes starts a command of its own.
 //!
-//! Their work is linear in the bytes of `cmd`, which the meter charged when
+//! Their work is linear in the bytes of `cmd` (times the nesting), which the meter charged when
 //! the rule read it, and no recursion follows the nesting of quotes. The
 //! lists `shell.commands` builds are bounded: a command over
 //! [`MAX_SPLIT_BYTES`] is an error of the rule (R13 then applies, never a
@@ -223,6 +225,43 @@ fn runs<'w>(words: &'w [String], program: &str) -> Vec<&'w [String]> {
         .collect()
 }
 
+/// Whether `words` run `program` with a flag of each of `spellings`.
+/// Behind a wrapper, any later word naming the program counts, with the
+/// flags after it up to a `--`: read in one pass from the end, so that a
+/// command naming the program many times is still read once.
+fn runs_with(words: &[String], program: &str, spellings: &[Vec<&str>]) -> bool {
+    let mut at = 0;
+    while words
+        .get(at)
+        .is_some_and(|w| KEYWORDS.contains(&w.as_str()) || is_assignment(w))
+    {
+        at += 1;
+    }
+    let Some(first) = words.get(at) else {
+        return false;
+    };
+    if base(first) == program {
+        return spellings.iter().all(|s| has_flag(&words[at + 1..], s));
+    }
+    if !WRAPPERS.contains(&base(first)) {
+        return false;
+    }
+    let mut seen = vec![false; spellings.len()];
+    for word in words[at + 1..].iter().rev() {
+        if word == "--" {
+            seen.fill(false);
+            continue;
+        }
+        if base(word) == program && seen.iter().all(|s| *s) {
+            return true;
+        }
+        for (seen, s) in seen.iter_mut().zip(spellings) {
+            *seen |= has_flag(std::slice::from_ref(word), s);
+        }
+    }
+    false
+}
+
 /// One flag asked for: its spellings, short (one character) or long,
 /// with the others the program takes for it (`-R`, `--recursive` for `rm`'s
 /// `-r`, and `-r` for its `--recursive`).
@@ -266,16 +305,75 @@ fn has_flag(args: &[String], spellings: &[&str]) -> bool {
     false
 }
 
+/// How deeply `sh -c '...'` and `eval` are read into.
+pub(crate) const MAX_NESTING: usize = 8;
+
+/// Shells whose `-c` runs their next word as a command line.
+const SHELLS: [&str; 6] = ["sh", "bash", "dash", "zsh", "ksh", "ash"];
+
 /// Whether some simple command of `text` runs `program` (compared by the
-/// last part of its path) with every one of `flags`.
-pub(crate) fn has_flags(text: &str, program: &str, flags: &[&str]) -> bool {
+/// last part of its path) with every one of `flags`, also inside the
+/// command line of `sh -c '...'` or `eval`. Commands nested deeper than
+/// [`MAX_NESTING`] are an error, not a guess.
+pub(crate) fn has_flags(text: &str, program: &str, flags: &[&str]) -> Result<bool, String> {
     let program = base(program);
     let spellings: Vec<Vec<&str>> = flags.iter().map(|f| spellings(program, f)).collect();
-    split(text).iter().any(|words| {
-        runs(words, program)
-            .into_iter()
-            .any(|args| spellings.iter().all(|s| has_flag(args, s)))
-    })
+    has_flags_within(text, program, &spellings, 0)
+}
+
+fn has_flags_within(
+    text: &str,
+    program: &str,
+    spellings: &[Vec<&str>],
+    depth: usize,
+) -> Result<bool, String> {
+    for words in split(text) {
+        if runs_with(&words, program, spellings) {
+            return Ok(true);
+        }
+        for inner in nested(&words) {
+            if depth + 1 > MAX_NESTING {
+                return Err(format!(
+                    "the command nests `sh -c` or `eval` more than {MAX_NESTING} deep"
+                ));
+            }
+            if has_flags_within(&inner, program, spellings, depth + 1)? {
+                return Ok(true);
+            }
+        }
+    }
+    Ok(false)
+}
+
+/// The command lines a simple command runs in turn: the word after `-c`
+/// of a shell (`bash -c '...'`, `sh -ec '...'`), the words of `eval`.
+fn nested(words: &[String]) -> Vec<String> {
+    let mut found = Vec::new();
+    for shell in SHELLS {
+        for args in runs(words, shell) {
+            let mut after_c = false;
+            for arg in args {
+                if arg == "--" {
+                    continue;
+                }
+                if let Some(short) = arg.strip_prefix('-')
+                    && !short.starts_with('-')
+                {
+                    after_c |= short.contains('c');
+                    continue;
+                }
+                if after_c {
+                    found.push(arg.clone());
+                }
+                break;
+            }
+        }
+    }
+    // The first `eval` only: its words hold any later one.
+    if let Some(args) = runs(words, "eval").first() {
+        found.push(args.join(" "));
+    }
+    found
 }
 
 /// The string argument `i` of a call of `name`.
@@ -347,9 +445,9 @@ fn has_flags_fn<'b, 'v>(args: Vec<CowVal<'b, 'v>>) -> Result<CowVal<'b, 'v>, Exe
             }
         }
     }
-    Ok(CowVal::owned(CelBool::from(has_flags(
-        text, program, &flags,
-    ))))
+    let found =
+        has_flags(text, program, &flags).map_err(|e| ExecutionError::function_error(NAME, e))?;
+    Ok(CowVal::owned(CelBool::from(found)))
 }
 
 /// Declares `shell.commands(cmd)` and `shell.has_flags(cmd, program, flags)`.
@@ -379,6 +477,32 @@ mod tests {
     }
 
     const RF: [&str; 2] = ["r", "f"];
+
+    fn flags_of(text: &str, program: &str, flags: &[&str]) -> bool {
+        has_flags(text, program, flags).expect("no error")
+    }
+
+    #[test]
+    fn sh_c_and_eval_are_read_into_to_a_bound() {
+        for cmd in [
+            "bash -c 'rm -rf /'",
+            "sh -ec \"sudo rm -fr /\"",
+            "sudo bash -c 'cd / && rm -r -f x'",
+            "eval rm -rf /",
+            "eval 'rm -rf /'",
+            "sh -c \"sh -c 'rm -rf /'\"",
+        ] {
+            assert!(flags_of(cmd, "rm", &RF), "{cmd:?} runs rm -rf");
+        }
+        for cmd in ["bash -c 'rm x'", "bash script.sh -rf", "sh -x 'rm -rf /'"] {
+            assert!(!flags_of(cmd, "rm", &RF), "{cmd:?}");
+        }
+        // Each level is read as the shell reads it: one `eval` per level.
+        let deep = |levels: usize| format!("{}rm -rf /", "eval ".repeat(levels));
+        assert!(flags_of(&deep(MAX_NESTING), "rm", &RF));
+        let error = has_flags(&deep(MAX_NESTING + 1), "rm", &RF).unwrap_err();
+        assert!(error.contains("more than 8 deep"), "{error}");
+    }
 
     #[test]
     fn words_are_split_as_a_posix_shell_splits_them() {
@@ -454,8 +578,12 @@ mod tests {
             "rm -rf / \"",
             "rm -rf /\\",
             "busybox rm -rf /",
+            "sudo -u rm -- rm -rf /",
+            // Behind a wrapper any later `rm` counts: this runs none, and
+            // is flagged all the same (a user named `rm` is not missed).
+            "sudo rm -- rm -rf",
         ] {
-            assert!(has_flags(cmd, "rm", &RF), "{cmd:?} runs rm -rf");
+            assert!(flags_of(cmd, "rm", &RF), "{cmd:?} runs rm -rf");
         }
     }
 
@@ -470,29 +598,30 @@ mod tests {
             "echo 'rm -rf /'",
             "rm -- -rf",
             "rm -r -- -f",
+            "sudo rm -r -- -f",
             "grep -r 'rm -rf' .",
             "rmdir -rf x",
             "# rm -rf /",
             "",
             "rm --dir -f x",
         ] {
-            assert!(!has_flags(cmd, "rm", &RF), "{cmd:?} does not run rm -rf");
+            assert!(!flags_of(cmd, "rm", &RF), "{cmd:?} does not run rm -rf");
         }
     }
 
     #[test]
     fn flags_may_be_named_with_dashes_and_long_names_and_programs_by_path() {
-        assert!(has_flags("rm --recursive -f x", "rm", &["-r", "--force"]));
-        assert!(has_flags("/bin/rm -rf x", "/usr/bin/rm", &RF));
-        assert!(has_flags("git push --force", "git", &["force"]));
-        assert!(has_flags("git push -f", "git", &["f"]));
+        assert!(flags_of("rm --recursive -f x", "rm", &["-r", "--force"]));
+        assert!(flags_of("/bin/rm -rf x", "/usr/bin/rm", &RF));
+        assert!(flags_of("git push --force", "git", &["force"]));
+        assert!(flags_of("git push -f", "git", &["f"]));
         assert!(
-            !has_flags("git push -F", "git", &["f"]),
+            !flags_of("git push -F", "git", &["f"]),
             "case is the program's"
         );
-        assert!(has_flags("chmod -R 777 /", "chmod", &["recursive"]));
-        assert!(has_flags("rm x", "rm", &[]), "no flags: runs the program");
-        assert!(!has_flags("ls x", "rm", &[]));
+        assert!(flags_of("chmod -R 777 /", "chmod", &["recursive"]));
+        assert!(flags_of("rm x", "rm", &[]), "no flags: runs the program");
+        assert!(!flags_of("ls x", "rm", &[]));
     }
 
     /// Hostile inputs are read in time linear in their bytes, with no
@@ -501,19 +630,28 @@ mod tests {
     fn hostile_commands_are_bounded() {
         let mib = 1 << 20;
         let padded = format!("{}rm -rf /", " ".repeat(mib));
-        assert!(has_flags(&padded, "rm", &RF));
+        assert!(flags_of(&padded, "rm", &RF));
         let words = "a ".repeat(mib / 2);
-        assert!(!has_flags(&words, "rm", &RF));
+        assert!(!flags_of(&words, "rm", &RF));
         let quotes = "\"'".repeat(mib / 2);
-        assert!(!has_flags(&quotes, "rm", &RF));
+        assert!(!flags_of(&quotes, "rm", &RF));
         let subs = "$(\"".repeat(mib / 3);
-        assert!(!has_flags(&subs, "rm", &RF));
+        assert!(!flags_of(&subs, "rm", &RF));
         let nested = format!("{}rm -rf /", "$(\"`".repeat(mib / 4));
-        assert!(has_flags(&nested, "rm", &RF));
+        assert!(flags_of(&nested, "rm", &RF));
+        // A program named many times behind a wrapper is read once, not
+        // once per name (that was quadratic).
+        let names = format!("sudo {}", "rm ".repeat(mib / 3));
+        assert!(!flags_of(&names, "rm", &RF));
+        assert!(flags_of(&format!("{names} -rf"), "rm", &RF));
+        let evals = format!("sudo {}", "eval ".repeat(mib / 5));
+        assert!(has_flags(&evals, "rm", &RF).is_err(), "nested too deep");
+        let shells = format!("sudo {}", "sh -c x ".repeat(mib / 8));
+        assert!(!flags_of(&shells, "rm", &RF));
         let backslashes = "\\".repeat(mib + 1);
-        assert!(!has_flags(&backslashes, "rm", &RF));
-        assert!(!has_flags("'unterminated", "rm", &RF));
-        assert!(has_flags("rm -rf '/unterminated", "rm", &RF));
-        assert!(!has_flags("\u{0}\u{fffd}\u{202e}rm -rf", "rm", &RF));
+        assert!(!flags_of(&backslashes, "rm", &RF));
+        assert!(!flags_of("'unterminated", "rm", &RF));
+        assert!(flags_of("rm -rf '/unterminated", "rm", &RF));
+        assert!(!flags_of("\u{0}\u{fffd}\u{202e}rm -rf", "rm", &RF));
     }
 }
