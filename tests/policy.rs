@@ -41,7 +41,7 @@ fn r27_policy_check_accepts_the_example_and_lists_its_rules() {
         "sql-one-statement-no-comments",
         "sql-delete-needs-where",
         "payment-over-10000-needs-a-human",
-        "no-shell-in-production",
+        "no-rm-rf-in-production",
         "at-most-3-emails-per-round",
     ] {
         assert!(stdout.contains(rule), "{rule} listed: {stdout}");
@@ -76,6 +76,70 @@ fn r27_policy_test_passes_the_example_cases() {
     ]);
     assert!(out.status.success(), "{out:?}");
     assert!(text(&out.stdout).contains("PASS"), "{out:?}");
+}
+
+/// Issue 53: the example's cases for the shell rule can fail. The same
+/// rule written as the obvious text match on `rm -rf` lets the other
+/// spellings through (`rm -fr /`, `rm -r -f /`, `sudo rm -Rf /`, quoted
+/// words...) and cancels `echo rm -rf /`, which runs no rm; `policy test`
+/// names each of those calls.
+#[test]
+fn r27_policy_test_the_shell_cases_fail_a_text_match_on_rm_rf() {
+    let example_policy = std::fs::read_to_string(example("policy.toml")).unwrap();
+    let helper = r#"shell.has_flags(call.args.cmd, "rm", ["r", "f"])"#;
+    assert!(
+        example_policy.contains(helper),
+        "the example uses the helper"
+    );
+    let text_match = file(
+        "text-match.toml",
+        &example_policy.replace(helper, "call.args.cmd.matches(r'rm -rf')"),
+    );
+    let out = guardmesh(&[
+        "policy",
+        "test",
+        &text_match.display().to_string(),
+        &example("cases.toml"),
+    ]);
+    assert_eq!(out.status.code(), Some(1), "{out:?}");
+    let stderr = text(&out.stderr);
+    for spelt in [
+        "rm -fr /",
+        "rm -r -f /",
+        "rm -R -f /",
+        "rm --recursive --force /",
+        "sudo rm -Rf /",
+        "'rm' '-rf' /",
+        "command rm -r -f /",
+    ] {
+        let line = shell_case_line(spelt);
+        assert!(
+            stderr.contains(&format!("FAIL line {line}:")),
+            "{spelt:?} (line {line}) gets past a text match: {stderr}"
+        );
+    }
+    let line = shell_case_line("echo rm -rf /");
+    assert!(
+        stderr.contains(&format!("FAIL line {line}:")),
+        "a text match cancels echo: {stderr}"
+    );
+}
+
+/// The line `policy test` names for the example's call whose `cmd` is
+/// `cmd`: that of its first key, `tool`.
+fn shell_case_line(cmd: &str) -> usize {
+    let cases = std::fs::read_to_string(example("cases.toml")).unwrap();
+    let quoted = format!("{cmd:?}");
+    let lines: Vec<&str> = cases.lines().collect();
+    let at = lines
+        .iter()
+        .position(|l| l.contains(&format!("cmd = {quoted} }}")))
+        .unwrap_or_else(|| panic!("no case runs {quoted}"));
+    let tool = lines[..at]
+        .iter()
+        .rposition(|l| l.starts_with("tool = "))
+        .expect("a call names its tool first");
+    tool + 1
 }
 
 #[test]

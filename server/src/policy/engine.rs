@@ -190,6 +190,7 @@ impl Policy {
         let mut env = Env::stdlib();
         super::patterns::declare(&mut env);
         super::strings::declare(&mut env);
+        super::shell::declare(&mut env);
         super::session_cel::declare(&mut env);
         let env = Arc::new(env);
         let mut functions = Functions::new(Arc::clone(&env));

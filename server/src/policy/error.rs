@@ -246,7 +246,8 @@ pub(crate) fn describe(error: &cel::ExecutionError, written: impl Fn(&str) -> bo
         }
         // `matches` is the mesh's own, and its messages quote no value.
         // So are the session functions' (R34: they name the memory's state
-        // and the bound, never an argument).
+        // and the bound, never an argument) and the shell helpers' (sizes
+        // and types, never the command).
         E::FunctionError { function, message }
             if matches!(
                 function.as_str(),
@@ -258,6 +259,8 @@ pub(crate) fn describe(error: &cel::ExecutionError, written: impl Fn(&str) -> bo
                     | "evicted"
                     | "values_lost"
                     | "calls_total"
+                    | "shell.commands"
+                    | "shell.has_flags"
             ) =>
         {
             format!("function {function} failed: {message}")

@@ -12,7 +12,7 @@ use super::functions::{Form, Functions};
 pub(crate) const VARIABLES: [&str; 4] = ["call", "calls", "context", "session"];
 
 /// Identifiers that name CEL types or namespaces, not variables.
-const TYPE_NAMES: [&str; 12] = [
+const TYPE_NAMES: [&str; 13] = [
     "bool",
     "bytes",
     "double",
@@ -22,6 +22,7 @@ const TYPE_NAMES: [&str; 12] = [
     "map",
     "null_type",
     "optional",
+    "shell",
     "string",
     "type",
     "uint",

@@ -44,7 +44,7 @@ pub(crate) const MACROS: [&str; 6] = ["has", "all", "exists", "exists_one", "map
 /// so the count is checked when the policy compiles too. A test evaluates
 /// every entry with its count and with one more, against the environment.
 /// Names not listed are not counted.
-const ARITIES: [(&str, Form<'static>, &[usize]); 25] = [
+const ARITIES: [(&str, Form<'static>, &[usize]); 27] = [
     ("size", Form::Global, &[1]),
     ("int", Form::Global, &[1]),
     ("uint", Form::Global, &[1]),
@@ -70,6 +70,8 @@ const ARITIES: [(&str, Form<'static>, &[usize]); 25] = [
     ("of", Form::Namespaced("optional"), &[1]),
     ("none", Form::Namespaced("optional"), &[0]),
     ("ofNonZeroValue", Form::Namespaced("optional"), &[1]),
+    ("commands", Form::Namespaced("shell"), &[1]),
+    ("has_flags", Form::Namespaced("shell"), &[3]),
 ];
 
 /// The argument counts a standard function takes in `form`, if listed.
@@ -185,6 +187,7 @@ mod tests {
         let mut env = Env::stdlib();
         super::super::patterns::declare(&mut env);
         super::super::strings::declare(&mut env);
+        super::super::shell::declare(&mut env);
         Arc::new(env)
     }
 
@@ -254,6 +257,10 @@ mod tests {
         let mut f = functions();
         assert!(f.declares("of", Form::Namespaced("optional")));
         assert!(!f.declares("off", Form::Namespaced("optional")));
+        assert!(f.declares("has_flags", Form::Namespaced("shell")));
+        assert!(f.declares("commands", Form::Namespaced("shell")));
+        assert!(!f.declares("hasFlags", Form::Namespaced("shell")));
+        assert!(!f.declares("has_flags", Form::Namespaced("optional")));
     }
 
     /// The table of argument counts is the environment's: each entry
@@ -274,7 +281,10 @@ mod tests {
                 "or" => "optional.of(2)",
                 _ => "'a'",
             };
-            let args = vec![arg; count].join(", ");
+            let args = match name {
+                "has_flags" => ["'rm -rf'", "'rm'", "['r']"][..count].join(", "),
+                _ => vec![arg; count].join(", "),
+            };
             match form {
                 Form::Global => format!("{name}({args})"),
                 Form::Member => format!("{receiver}.{name}({args})"),

@@ -14,6 +14,8 @@
 //! * `patterns`: `matches`, with the patterns compiled once;
 //! * `strings`: `lowerAscii`, `upperAscii`, `trim` (results no longer than
 //!   their input);
+//! * `shell`: `shell.commands` and `shell.has_flags`, a command line read
+//!   as a POSIX shell splits it (linear in its bytes);
 //! * `cost`: the bounds on size and work ([`Limits`], [`Cost`]);
 //! * `meter`: the work budget of one call's evaluation, counted as it runs;
 //! * `pool`: the bounded threads policies are judged on, off the runtime's
@@ -42,6 +44,7 @@ mod plan;
 pub mod pool;
 mod reach;
 mod session_cel;
+mod shell;
 mod strings;
 mod verdict;
 

@@ -710,7 +710,7 @@ fn r27_the_example_policy_passes_its_cases() {
     let policy = Policy::compile(EXAMPLE_POLICY).unwrap();
     let report = test(&policy, EXAMPLE_CASES).unwrap();
     assert!(report.passed(), "{report}");
-    assert_eq!(report.cases, 15, "{report}");
+    assert_eq!(report.cases, 22, "{report}");
     // Every rule of the example runs on the fast path (`plan`); the
     // interpreter evaluates only the two cases whose rule errors (a query
     // that is a number, a payment with no amount): errors are its own; and
@@ -1290,5 +1290,128 @@ fn r27_values_without_arguments_judge_as_values_with_them() {
             matched(&reading.evaluate_values(&without, None)[0]).message,
             "big: rm -rf /"
         );
+    }
+}
+
+/// The example's shell rule, with the flags either written in the policy
+/// (the fast path) or read from the call (the interpreter).
+fn rm_rf_policy(flags: &str) -> Policy {
+    Policy::compile(&rule_with_when(&format!(
+        "has(call.args.cmd) && shell.has_flags(call.args.cmd, 'rm', {flags})"
+    )))
+    .unwrap()
+}
+
+/// Issue 53: the bypasses of a text match on `rm -rf` are judged as
+/// `rm -rf`, on the fast path and by the interpreter alike; other commands
+/// proceed.
+#[test]
+fn r27_shell_has_flags_sees_rm_rf_however_it_is_spelt() {
+    let planned = rm_rf_policy("['r', 'f']");
+    assert!(planned.rules()[0].planned());
+    let interpreted = rm_rf_policy("call.args.flags");
+    assert!(!interpreted.rules()[0].planned());
+    for policy in [&planned, &interpreted] {
+        for cmd in [
+            "rm -fr /",
+            "rm -r -f /",
+            "sudo rm -Rf /",
+            "/bin/rm -rf /",
+            "echo ok && rm -rf /",
+            "rm --recursive --force /",
+        ] {
+            let outcome = one(policy, "bash", json!({"cmd": cmd, "flags": ["r", "f"]}));
+            assert_eq!(matched(&outcome).action, Action::Cancel, "{cmd}");
+        }
+        for cmd in ["rm file.txt", "ls -rf", "echo rm -rf /"] {
+            let outcome = one(policy, "bash", json!({"cmd": cmd, "flags": ["r", "f"]}));
+            assert_eq!(outcome, Outcome::Proceed, "{cmd}");
+        }
+    }
+}
+
+/// Hostile commands: a 1 MiB command, 1 MiB of nested quotes and command
+/// substitutions, an unterminated quote. Each is judged (no hang, no
+/// panic, no stack overflow) with a clear outcome; `rm -rf` padded or
+/// hidden behind them is still seen.
+#[test]
+fn r27_hostile_commands_are_judged_in_bounds() {
+    let policy = rm_rf_policy("['r', 'f']");
+    let mib = 1 << 20;
+    let padded = format!("{}rm -rf /", "true; ".repeat(mib / 6));
+    // `"$("$(...rm -rf /...)")"`: substitutions nested as deep as the
+    // bytes allow, the innermost running rm.
+    let depth = mib / 6;
+    let nested = format!("{}rm -rf /{}", "\"$(".repeat(depth), ")\"".repeat(depth));
+    for cmd in [padded, nested, "rm -rf / 'unterminated".to_owned()] {
+        let outcome = one(&policy, "bash", json!({ "cmd": cmd }));
+        assert_eq!(
+            outcome_action(&outcome),
+            Some(Action::Cancel),
+            "{}",
+            &cmd[..40]
+        );
+    }
+    for cmd in [
+        "\"'".repeat(mib / 2),
+        "'unterminated".to_owned(),
+        "\\".repeat(mib),
+    ] {
+        let outcome = one(&policy, "bash", json!({ "cmd": cmd }));
+        assert_eq!(outcome, Outcome::Proceed);
+    }
+}
+
+/// R13, R27: an error inside a helper (a command too long to split into
+/// lists, flags that are not strings, a command that is not a string) is
+/// an error of the rule, a failure of the guard, never a proceed.
+#[test]
+fn r13_r27_an_error_in_a_shell_helper_is_never_a_proceed() {
+    let split = Policy::compile(&rule_with_when(
+        "shell.commands(call.args.cmd).exists(c, c[0] == 'rm')",
+    ))
+    .unwrap();
+    let outcome = one(&split, "bash", json!({"cmd": "ls; rm x"}));
+    assert_eq!(matched(&outcome).action, Action::Cancel);
+    let long = format!("{}; rm x", "a".repeat(super::shell::MAX_SPLIT_BYTES));
+    let outcome = one(&split, "bash", json!({ "cmd": long }));
+    let text = error(&outcome).to_string();
+    assert!(
+        text.contains("shell.commands") && text.contains("65536"),
+        "{text}"
+    );
+
+    let policy = rm_rf_policy("call.args.flags");
+    let outcome = one(&policy, "bash", json!({"cmd": "rm -rf /", "flags": [1]}));
+    let text = error(&outcome).to_string();
+    assert!(text.contains("flags must be strings"), "{text}");
+    for policy in [&policy, &rm_rf_policy("['r', 'f']")] {
+        let outcome = one(policy, "bash", json!({"cmd": 7, "flags": ["r"]}));
+        error(&outcome);
+    }
+}
+
+/// R27: a misspelt helper or a wrong argument count is refused when the
+/// policy compiles, not failed on every call.
+#[test]
+fn r27_shell_helpers_are_checked_when_the_policy_compiles() {
+    let error = refused(&rule_with_when(
+        "shell.hasFlags(call.args.cmd, 'rm', ['r'])",
+    ));
+    assert!(
+        matches!(error.kind, CompileErrorKind::UnknownFunction { .. }),
+        "{error}"
+    );
+    let error = refused(&rule_with_when("shell.has_flags(call.args.cmd, 'rm')"));
+    assert!(
+        matches!(error.kind, CompileErrorKind::ArgumentCount { .. }),
+        "{error}"
+    );
+}
+
+fn outcome_action(outcome: &Outcome) -> Option<Action> {
+    match outcome {
+        Outcome::Matched(verdict) => Some(verdict.action),
+        _ => None,
     }
 }

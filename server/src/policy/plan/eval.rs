@@ -106,6 +106,14 @@ pub(super) fn eval<'r>(node: &'r Node, input: &Input<'r, 'r>, slots: &mut [V<'r>
             }
             _ => return Err(Unsure),
         },
+        Node::HasFlags(a, asked) => {
+            let value = eval(a, input, slots)?;
+            let text = value.as_str().ok_or(Unsure)?;
+            input.charge(text.len())?;
+            let flags: Vec<&str> = asked.1.iter().map(String::as_str).collect();
+            // An error is the interpreter's to report.
+            V::Bool(crate::policy::shell::has_flags(text, &asked.0, &flags).map_err(|_| Unsure)?)
+        }
         Node::List(items) => V::List(Box::new(
             items
                 .iter()

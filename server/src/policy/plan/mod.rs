@@ -133,6 +133,9 @@ enum Node {
     ToString(Box<Node>),
     /// `x.lowerAscii()`, `x.upperAscii()`, `x.trim()`.
     Transform(Transform, Box<Node>),
+    /// `shell.has_flags(x, 'program', ['flag', ...])`, program and flags
+    /// written in the policy.
+    HasFlags(Box<Node>, Box<(String, Vec<String>)>),
     List(Vec<Node>),
     Fold(Box<Fold>),
     /// `range.exists(iter, pred)` (`any: true`) or `range.all(iter, pred)`:
@@ -334,6 +337,7 @@ fn any_node(node: &Node, test: &dyn Fn(&Node) -> bool) -> bool {
         | Node::Size(a)
         | Node::ToString(a)
         | Node::Transform(_, a)
+        | Node::HasFlags(a, _)
         | Node::Append { element: a, .. } => any(&[a]),
         Node::And(a, b)
         | Node::Or(a, b)

@@ -201,8 +201,48 @@ impl Planner {
         }
     }
 
+    /// `shell.has_flags(x, 'program', ['flag', ...])` with the program and
+    /// flags written as literals (the interpreter judges the other forms,
+    /// and reports their errors).
+    fn shell(&mut self, name: &str, args: &[IdedExpr]) -> Option<Node> {
+        let ("has_flags", [text, program, flags]) = (name, args) else {
+            return None;
+        };
+        let literal = |e: &IdedExpr| match &e.expr {
+            Expr::Literal(LiteralValue::String(s))
+                if !s.inner().trim_start_matches('-').is_empty() =>
+            {
+                Some(s.inner().to_owned())
+            }
+            _ => None,
+        };
+        let program = literal(program)?;
+        let Expr::List(list) = &flags.expr else {
+            return None;
+        };
+        if !list.optional_indices.is_empty() {
+            return None;
+        }
+        let flags = list
+            .elements
+            .iter()
+            .map(literal)
+            .collect::<Option<Vec<_>>>()?;
+        let text = self.node(text)?;
+        Some(Node::HasFlags(Box::new(text), Box::new((program, flags))))
+    }
+
     fn call(&mut self, name: &str, target: Option<&IdedExpr>, args: &[IdedExpr]) -> Option<Node> {
         use operators as op;
+        if let Some(IdedExpr {
+            expr: Expr::Ident(ns),
+            ..
+        }) = target
+            && ns == "shell"
+            && self.scope.iter().all(|(n, _)| n != ns)
+        {
+            return self.shell(name, args);
+        }
         if let Some(target) = target {
             let target = Box::new(self.node(target)?);
             return match (name, args) {

@@ -162,6 +162,7 @@ fn env() -> Arc<Env> {
     let mut env = Env::stdlib();
     crate::policy::patterns::declare(&mut env);
     crate::policy::strings::declare(&mut env);
+    crate::policy::shell::declare(&mut env);
     Arc::new(env)
 }
 
