@@ -276,8 +276,9 @@ struct Judging<'a> {
     session: Option<crate::policy::SessionVal>,
     /// The session's memory as remote guards are sent it, encoded once.
     memory: Option<Bytes>,
-    /// Who sent the batch, as the guards' fair queues know it (R25).
-    sender: crate::link::fair::Sender,
+    /// Who sent the batch, as the guards' fair queues know it (R25):
+    /// worked out at the first request to a remote guard, then reused.
+    sender: Option<crate::link::fair::Sender>,
 }
 
 impl<'a> Judging<'a> {
@@ -306,15 +307,6 @@ impl<'a> Judging<'a> {
             .collect();
         let n = calls.len();
         let index_of = CallIndex::new(n, |i| calls[i].original.call_id.as_str());
-        let context = request.context.take();
-        // Past the replicas' limits a request waits its turn among the
-        // clients (R25): the caller's identity, or its connection, and the
-        // session within it.
-        let sender = crate::link::fair::Sender::of(
-            trace.client,
-            &trace.identity,
-            context.as_ref().map_or("", |c| c.session_id.as_str()),
-        );
         Self {
             index_of,
             members,
@@ -322,7 +314,7 @@ impl<'a> Judging<'a> {
             unguarded,
             unguarded_calls: 0,
             chain,
-            context,
+            context: request.context.take(),
             request,
             calls,
             runs: (0..chain.guards.len()).map(|_| GuardRun::new(n)).collect(),
@@ -333,7 +325,7 @@ impl<'a> Judging<'a> {
             phase,
             session,
             memory: None,
-            sender,
+            sender: None,
         }
     }
 

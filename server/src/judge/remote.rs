@@ -121,6 +121,16 @@ impl Judging<'_> {
         if budget.is_zero() {
             return Err(GuardFailure::TimedOut(Duration::ZERO).into());
         }
+        // Past the replicas' limits a request waits its turn among the
+        // clients (R25): the caller's identity, or its connection, and the
+        // session within it.
+        let sender = *self.sender.get_or_insert_with(|| {
+            crate::link::fair::Sender::of(
+                self.trace.client,
+                &self.trace.identity,
+                self.context.as_ref().map_or("", |c| c.session_id.as_str()),
+            )
+        });
         let batch = GuardBatch {
             session: None,
             request_id: 0,
@@ -143,7 +153,7 @@ impl Judging<'_> {
             tag,
             events,
             self.trace.client,
-            self.sender,
+            sender,
             guard.timeout,
             now + budget,
         )?;
