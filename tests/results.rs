@@ -547,15 +547,7 @@ async fn r34_a_result_belongs_to_the_server_of_the_call_it_answers() {
     let refused = read_env_then_send_result(&c, "other", &github, "sqlite")
         .await
         .unwrap_err();
-    let ClientError::Status(status) = refused else {
-        panic!("not a status: {refused}");
-    };
-    assert_eq!(status.code(), Code::InvalidArgument, "{status:?}");
-    let message = status.message();
-    assert!(
-        message.contains("\"sqlite\"") && message.contains("\"fs\""),
-        "the refusal names both servers: {message}"
-    );
+    refused_naming(refused, "sqlite", "fs", "servers");
 
     // The id of a call that ran, under another tool: refused, naming the
     // call, the tool sent and the tool recorded; the value is neither
@@ -579,15 +571,7 @@ async fn r34_a_result_belongs_to_the_server_of_the_call_it_answers() {
     )
     .await
     .unwrap_err();
-    let ClientError::Status(status) = refused else {
-        panic!("not a status: {refused}");
-    };
-    assert_eq!(status.code(), Code::InvalidArgument, "{status:?}");
-    let message = status.message();
-    assert!(
-        message.contains("\"fs.list_directory\"") && message.contains("\"fs.read_file\""),
-        "the refusal names both tools: {message}"
-    );
+    refused_naming(refused, "fs.list_directory", "fs.read_file", "tools");
 
     // A forged result (no call ran) whose id is a secret: judged, and its
     // id masked in the record.
@@ -620,4 +604,18 @@ async fn r34_a_result_belongs_to_the_server_of_the_call_it_answers() {
     );
     drop(mesh);
     let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// `refused` is an `INVALID_ARGUMENT` whose message names `sent` and
+/// `recorded` (the two `what`: servers or tools).
+fn refused_naming(refused: ClientError, sent: &str, recorded: &str, what: &str) {
+    let ClientError::Status(status) = refused else {
+        panic!("not a status: {refused}");
+    };
+    assert_eq!(status.code(), Code::InvalidArgument, "{status:?}");
+    let message = status.message();
+    assert!(
+        message.contains(&format!("\"{sent}\"")) && message.contains(&format!("\"{recorded}\"")),
+        "the refusal names both {what}: {message}"
+    );
 }
