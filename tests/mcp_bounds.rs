@@ -353,16 +353,23 @@ async fn r31_r25_http_slow_bodies_are_bounded_in_bytes_and_time() {
 /// own request, judged on its own): past its bound the session's calls are
 /// answered at once with a JSON-RPC error (HTTP 429), so the shared link to
 /// the mesh is never full and another session's call is answered within the
-/// canary's bound, well before the slow guard's 6 s.
+/// canary's bound, well before the slow guard's deadline.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn r31_r25_http_one_session_cannot_starve_the_mesh_link() {
+    // How long the slow guard holds each of the flood's calls: its
+    // deadline (it would answer after 6 s), then its failure policy.
+    const HOLD: Duration = Duration::from_secs(3);
     let _heavy = HEAVY.lock().await;
     let (mesh, _guard) = mesh_with_policy("bounds-fair").await;
     let slow = call_guard(Duration::from_secs(6), |_| None).await;
     Registrar::connect(mesh.url.clone())
         .await
         .unwrap()
-        .register(Registration::validate("slow", &slow.url).tools(["delete_file"]))
+        .register(
+            Registration::validate("slow", &slow.url)
+                .tools(["read_file"])
+                .timeout(HOLD),
+        )
         .await
         .unwrap();
     let scratch = Scratch::new("bounds-fair");
@@ -378,8 +385,9 @@ async fn r31_r25_http_one_session_cannot_starve_the_mesh_link() {
         let url = gw.url.clone();
         let attacker = attacker.clone();
         attack.spawn(async move {
+            // A read the policy guard lets pass, so the slow guard holds it.
             let call = json!({"jsonrpc": "2.0", "id": i, "method": "tools/call",
-                "params": {"name": "delete_file", "arguments": {"path": format!("/{i}")}}});
+                "params": {"name": "read_file", "arguments": {"path": format!("/{i}")}}});
             let answer = tokio::time::timeout(
                 Duration::from_secs(20),
                 post(&url, Some(&attacker), &call.to_string()),
@@ -393,26 +401,39 @@ async fn r31_r25_http_one_session_cannot_starve_the_mesh_link() {
         gw.canary(&session, n).await;
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
-    let mut busy = 0;
-    let mut judged = 0;
+    let mut busy = 0u32;
+    let mut judged = 0u32;
+    let mut lost = 0u32;
+    let mut last_busy = start;
     while let Some(answer) = attack.join_next().await {
-        let (answer, _) = answer.unwrap();
+        let (answer, at) = answer.unwrap();
         let Some((status, _, body)) = answer else {
+            lost += 1;
             continue;
         };
         if status == 429 {
             let error: Value = serde_json::from_str(&body).unwrap();
             assert_eq!(error["error"]["code"], -32074, "{body}");
             busy += 1;
+            last_busy = last_busy.max(at);
         } else {
             judged += 1;
         }
     }
-    eprintln!(
-        "one session's flood: {busy} answered busy, {judged} judged, in {:?}",
-        start.elapsed()
+    let flood = last_busy - start;
+    eprintln!("one session's flood: {busy} answered busy, {judged} judged, over {flood:?}");
+    // Nothing lost: every call of the flood has an answer.
+    assert_eq!(lost, 0, "{lost} calls of the flood never answered");
+    // The bound, not the machine's speed: at most 16 of the session's
+    // calls are judged at once, and each holds its place for HOLD. So while
+    // the flood lasts, at most 16 more are let through per HOLD (plus the
+    // first 16); the rest are answered busy at once.
+    let windows = u32::try_from(flood.as_millis().div_ceil(HOLD.as_millis())).unwrap() + 1;
+    assert!(
+        judged <= 16 * windows,
+        "{judged} judged over {flood:?}: more than 16 at once ({busy} busy)"
     );
-    assert!(busy > 1000, "{busy} busy, {judged} judged");
+    assert!(busy >= 1100 - 16 * windows, "{busy} busy, {judged} judged");
 }
 
 // ---------------------------------------------------------------------------
