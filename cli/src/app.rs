@@ -1,5 +1,6 @@
 //! The `guardmesh` command line: parsing, the runtime, and the commands that
-//! talk to a mesh (`serve`, `guards`, `evaluate`, `certs`, `example-guard`).
+//! talk to a mesh (`serve`, `guards`, `evaluate`, `certs`, `example-guard`;
+//! `approvals` is in `approvals.rs`).
 
 use crate::examples::{Example, Kind};
 use crate::runtime::default_worker_threads;
@@ -71,6 +72,9 @@ enum Command {
         #[command(subcommand)]
         action: GuardsAction,
     },
+    /// Lists, approves or denies the approval requests guards' asks made
+    /// (R35). Needs the approver (or admin) role on a mesh with principals.
+    Approvals(crate::approvals::ApprovalsArgs),
     /// Evaluates batches from a JSON file (or stdin) and prints the
     /// decisions; the exit code says whether every call may proceed.
     ///
@@ -375,6 +379,7 @@ async fn run(cli: Cli) -> Result<ExitCode, Error> {
     let result = match cli.command {
         Command::Serve { config, listen } => serve(config, listen).await,
         Command::Guards { mesh, action } => guards(&mesh, action).await,
+        Command::Approvals(args) => crate::approvals::run(args).await,
         Command::Heartbeat(args) => crate::heartbeat::run(args, shutdown_signal()).await,
         Command::Evaluate { .. } => Err("evaluate is handled above".into()),
         Command::Demo { mtls } => crate::demo::run(mtls).await,

@@ -7,6 +7,8 @@
 //!   `example-guard`; `mcp` and `hook` delegate to the `guardmesh-gateway`
 //!   crate, and `embedded` builds the mesh a gateway started with
 //!   `--config` judges with in its own process.
+//! * `approvals`: `guardmesh approvals list|approve|deny`, answering
+//!   guards' asks (R35).
 //! * `evaluate`: the input, `--json` output and exit codes of `guardmesh
 //!   evaluate`; `config_cmd`: `guardmesh config check` and `guardmesh config
 //!   reference`.
@@ -29,6 +31,7 @@
 #[macro_use]
 mod out;
 mod app;
+mod approvals;
 pub mod certs;
 mod config_cmd;
 pub mod demo;
