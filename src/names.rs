@@ -5,8 +5,8 @@
 //! spells them.
 
 use crate::v1::{
-    Action, FailurePolicy, GuardMode, GuardPhases, GuardRole, ResultAction, SessionMemoryUse,
-    SkipKind, TraceStatus,
+    Action, ApprovalState, FailurePolicy, GuardMode, GuardPhases, GuardRole, ResultAction,
+    SessionMemoryUse, SkipKind, TraceStatus,
 };
 use std::fmt;
 use std::str::FromStr;
@@ -111,6 +111,7 @@ names!(Action, "action", [
     Proceed => "proceed",
     Steer => "steer",
     Cancel => "cancel",
+    Ask => "ask",
 ]);
 names!(TraceStatus, "trace status", [
     Unspecified => "unspecified",
@@ -124,6 +125,15 @@ names!(TraceStatus, "trace status", [
     Malformed => "malformed",
     RejectedRewrite => "rejected_rewrite",
     DryRun => "dry_run",
+    Asked => "asked",
+]);
+names!(ApprovalState, "approval state", [
+    Unspecified => "unspecified",
+    Pending => "pending",
+    Approved => "approved",
+    Denied => "denied",
+    Used => "used",
+    Expired => "expired",
 ]);
 
 #[cfg(test)]

@@ -34,7 +34,9 @@ fn trace_error(decision: &BatchDecision, guard: &str) -> String {
 
 fn content(outcome: &Outcome) -> &str {
     match outcome {
-        Outcome::Steer { content } | Outcome::Cancel { content } => content,
+        Outcome::Steer { content } | Outcome::Cancel { content } | Outcome::Ask { content, .. } => {
+            content
+        }
         Outcome::Proceed => "",
     }
 }

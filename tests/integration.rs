@@ -4,6 +4,7 @@
 //! `harness/`; the tests by area:
 //!
 //! * `rules`, `rewrites`: the decision rules and checked rewrites (R1..R22).
+//! * `approvals`: a guard's ask, its approval and one use (R35).
 //! * `faults`: unreachable, closing, hanging, spurious, oversized and
 //!   restarted guards (R12..R16, R23, R26).
 //! * `overload`, `soak`: bounds under load, and a bounded soak under faults;
@@ -86,6 +87,7 @@
 
 mod harness;
 
+mod approvals;
 mod busy;
 mod cli;
 mod config_check;

@@ -228,7 +228,9 @@ const POLICY: &str = concat!(
 
 fn skip_content(outcome: &Outcome) -> &str {
     match outcome {
-        Outcome::Steer { content } | Outcome::Cancel { content } => content,
+        Outcome::Steer { content } | Outcome::Cancel { content } | Outcome::Ask { content, .. } => {
+            content
+        }
         Outcome::Proceed => "",
     }
 }

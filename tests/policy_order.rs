@@ -98,6 +98,7 @@ fn got(decision: &BatchDecision, call_id: &str) -> Expected {
         Outcome::Proceed => Expected::Proceed,
         Outcome::Steer { content } => Expected::Steer(by, content.clone()),
         Outcome::Cancel { content } => Expected::Cancel(by, content.clone()),
+        Outcome::Ask { .. } => panic!("{call_id}: no policy guard here asks"),
     }
 }
 

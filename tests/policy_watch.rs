@@ -19,7 +19,9 @@ pub(crate) fn rule(name: &str, tools: &str, message: &str) -> String {
 /// The content of the first call's skip ("" when it proceeds).
 pub(crate) fn content(d: &BatchDecision) -> String {
     match &d.calls[0].outcome {
-        Outcome::Cancel { content } | Outcome::Steer { content } => content.clone(),
+        Outcome::Cancel { content } | Outcome::Steer { content } | Outcome::Ask { content, .. } => {
+            content.clone()
+        }
         Outcome::Proceed => String::new(),
     }
 }

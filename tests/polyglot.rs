@@ -25,7 +25,9 @@ fn latency_of(decision: &BatchDecision, guard: &str) -> Duration {
 
 fn content(outcome: &Outcome) -> &str {
     match outcome {
-        Outcome::Steer { content } | Outcome::Cancel { content } => content,
+        Outcome::Steer { content } | Outcome::Cancel { content } | Outcome::Ask { content, .. } => {
+            content
+        }
         Outcome::Proceed => "",
     }
 }

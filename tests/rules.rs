@@ -10,7 +10,9 @@ use std::time::Duration;
 
 fn content(outcome: &Outcome) -> &str {
     match outcome {
-        Outcome::Steer { content } | Outcome::Cancel { content } => content,
+        Outcome::Steer { content } | Outcome::Cancel { content } | Outcome::Ask { content, .. } => {
+            content
+        }
         Outcome::Proceed => "",
     }
 }

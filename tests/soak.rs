@@ -433,6 +433,7 @@ fn skip_of(verdict: Option<&Verdict>) -> Option<(String, Action)> {
                 Action::Steer
             },
         )),
+        verdict::Outcome::Ask(ask) => Some((ask.content.clone(), Action::Ask)),
         verdict::Outcome::Rewrite(_) => None,
     }
 }
@@ -464,6 +465,7 @@ fn check_call(
         (Action::Steer, false) => format!("steer by {}", d.decided_by),
         (Action::Cancel, false) => format!("cancel by {}", d.decided_by),
         (Action::Unspecified, _) => "UNSPECIFIED".to_owned(),
+        (Action::Ask, _) => format!("ask by {}", d.decided_by),
     };
     *figures.outcomes.entry(label.clone()).or_default() += 1;
 
@@ -486,7 +488,7 @@ fn check_call(
     } else {
         let rewrite = stamp.and_then(|(_, v)| match v?.outcome.as_ref()? {
             verdict::Outcome::Rewrite(r) => r.arguments.clone(),
-            verdict::Outcome::Skip(_) => None,
+            verdict::Outcome::Skip(_) | verdict::Outcome::Ask(_) => None,
         });
         if d.rewritten_by != ["stamp"] || rewrite.as_deref() != Some(final_call.arguments.as_str())
         {
@@ -528,7 +530,9 @@ fn check_call(
     let flaky_proceeded = flaky.is_some_and(|(e, v)| is_proceed(e, v));
     let marked = final_call.arguments.contains("veto");
     match action {
-        Action::Unspecified => figures.violation(format!("{at}: no action")),
+        Action::Unspecified | Action::Ask => {
+            figures.violation(format!("{at}: no guard of the soak asks, yet {action:?}"));
+        }
         Action::Proceed => {
             // Never a proceed for a call a guard skipped, or past a
             // fail_closed guard that failed.

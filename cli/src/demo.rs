@@ -253,6 +253,7 @@ fn outcome_label(outcome: &Outcome) -> &'static str {
         Outcome::Proceed => "PROCEED",
         Outcome::Steer { .. } => "STEER",
         Outcome::Cancel { .. } => "CANCEL",
+        Outcome::Ask { .. } => "ASK",
     }
 }
 
@@ -353,6 +354,13 @@ pub fn render(decision: &BatchDecision) -> String {
             Outcome::Steer { content } | Outcome::Cancel { content } => {
                 let failure = if call.failure { "[guard failure] " } else { "" };
                 format!("{failure}model reads: {}", clip(content, 70))
+            }
+            Outcome::Ask { approval, .. } => {
+                format!(
+                    "waits for approval {}: {}",
+                    approval.id,
+                    clip(&approval.reason, 50)
+                )
             }
         };
         let _ = writeln!(

@@ -111,6 +111,7 @@ pub(crate) fn decision_json(session: &str, decision: &BatchDecision) -> Value {
                 Outcome::Proceed => (Action::Proceed, None),
                 Outcome::Steer { content } => (Action::Steer, Some(content.as_str())),
                 Outcome::Cancel { content } => (Action::Cancel, Some(content.as_str())),
+                Outcome::Ask { content, .. } => (Action::Ask, Some(content.as_str())),
             };
             let mut d = json!({
                 "call_id": c.call_id,
@@ -125,6 +126,18 @@ pub(crate) fn decision_json(session: &str, decision: &BatchDecision) -> Value {
             });
             if c.proceeds() {
                 d["call"] = call_json(&c.final_call);
+            }
+            if let Some(approval) = c.ask() {
+                d["approval"] = json!({
+                    "id": approval.id,
+                    "guard": approval.guard,
+                    "reason": approval.reason,
+                    "digest": approval.digest,
+                    "expires_at_ms": approval.expires_at_ms,
+                });
+            }
+            if let Some(why) = &c.approval_refused {
+                d["approval_refused"] = json!(why);
             }
             d
         })

@@ -288,7 +288,7 @@ mod tests {
     fn rewritten(v: Option<Verdict>) -> Option<Value> {
         match v?.outcome? {
             Outcome::Rewrite(r) => serde_json::from_str(&r.arguments?).ok(),
-            Outcome::Skip(_) => None,
+            Outcome::Skip(_) | Outcome::Ask(_) => None,
         }
     }
 

@@ -93,6 +93,7 @@ enum ShownAction {
     Proceed,
     Steer,
     Cancel,
+    Ask,
     Refused,
     Aborted,
 }
@@ -103,6 +104,7 @@ impl ShownAction {
             ShownAction::Proceed => "proceed",
             ShownAction::Steer => "steer",
             ShownAction::Cancel => "cancel",
+            ShownAction::Ask => "ask",
             ShownAction::Refused => "refused",
             ShownAction::Aborted => "aborted",
         }
@@ -175,6 +177,7 @@ fn decisions(record: &LogRecord) -> Vec<Shown<'_>> {
                     decision_log::Action::Proceed => ShownAction::Proceed,
                     decision_log::Action::Steer => ShownAction::Steer,
                     decision_log::Action::Cancel => ShownAction::Cancel,
+                    decision_log::Action::Ask => ShownAction::Ask,
                 }),
                 call_id: Some(&d.call_id),
                 tool: call.map(|c| c.tool.as_str()),

@@ -363,6 +363,7 @@ impl Judge {
                             guardmesh_client::Outcome::Proceed => pb::Action::Proceed,
                             guardmesh_client::Outcome::Steer { .. } => pb::Action::Steer,
                             guardmesh_client::Outcome::Cancel { .. } => pb::Action::Cancel,
+                            guardmesh_client::Outcome::Ask { .. } => pb::Action::Ask,
                         };
                         let by = d.decided_by.clone().unwrap_or_default();
                         (
@@ -400,6 +401,7 @@ fn decided(
     let action = match action {
         pb::Action::Steer => "steer",
         pb::Action::Cancel => "cancel",
+        pb::Action::Ask => "ask",
         pb::Action::Proceed => {
             let would = trace.iter().find(|t| {
                 t.status == pb::TraceStatus::DryRun as i32
@@ -492,6 +494,7 @@ fn action_name(action: Action) -> &'static str {
         Action::Proceed => "proceed",
         Action::Steer => "steer",
         Action::Cancel => "cancel",
+        Action::Ask => "ask",
     }
 }
 

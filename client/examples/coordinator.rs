@@ -65,6 +65,15 @@ async fn main() -> Result<(), ClientError> {
                             .unwrap_or_default(),
                     );
                 }
+                Outcome::Ask { content, approval } => {
+                    // A person decides (R35): `guardmesh approvals approve
+                    // ID`, then this same call again with
+                    // `Batch::approval(call_id, ID)`.
+                    println!(
+                        "turn {turn}: {} waits for approval {} ({}): {content}",
+                        call.call_id, approval.id, approval.reason
+                    );
+                }
             }
         }
     }

@@ -14,6 +14,11 @@
 //!         Outcome::Steer { content } | Outcome::Cancel { content } => {
 //!             /* give `content` to the model instead of the tool's result */
 //!         }
+//!         Outcome::Ask { content, approval } => {
+//!             /* give `content` to the model; once a person approves
+//!                `approval.id`, submit the same call again with
+//!                `Batch::approval(&call.call_id, &approval.id)` (R35) */
+//!         }
 //!     }
 //! }
 //! # Ok(()) }
@@ -53,6 +58,8 @@ pub struct Batch {
     /// (R33). A batch carries calls or results, not both: the mesh refuses
     /// one with both (INVALID_ARGUMENT).
     pub results: Vec<ToolResult>,
+    /// Approvals the batch uses, by call id (R35): see [`Batch::approval`].
+    pub approvals: HashMap<String, String>,
 }
 
 impl Batch {
@@ -144,6 +151,26 @@ impl Batch {
         self
     }
 
+    /// Uses the approval request `request_id` (from an earlier
+    /// [`Outcome::Ask`] of this same call, now approved by a person) for
+    /// the call `call_id` of this batch (R35). The mesh then does not ask
+    /// that guard again for it; the guards after it still judge it. The
+    /// call must be the same (tool and arguments) and the approval unused;
+    /// otherwise the decision says why in
+    /// [`CallDecision::approval_refused`].
+    ///
+    /// ```
+    /// use guardmesh_client::Batch;
+    /// let batch = Batch::turn(1)
+    ///     .call("c1", "refund", r#"{"amount":1500}"#)
+    ///     .approval("c1", "9f2c...");
+    /// assert_eq!(batch.approvals["c1"], "9f2c...");
+    /// ```
+    pub fn approval(mut self, call_id: impl Into<String>, request_id: impl Into<String>) -> Self {
+        self.approvals.insert(call_id.into(), request_id.into());
+        self
+    }
+
     /// Whether the batch has nothing to judge (R1): no call and no result.
     pub fn is_empty(&self) -> bool {
         self.calls.is_empty() && self.results.is_empty()
@@ -195,6 +222,7 @@ impl Batch {
             }),
             calls: self.calls,
             results: self.results,
+            approvals: self.approvals,
             timeout_ms: self.timeout.map_or(0, |t| {
                 u32::try_from(t.as_millis()).unwrap_or(u32::MAX).max(1)
             }),
@@ -218,6 +246,17 @@ pub enum Outcome {
     Cancel {
         /// What the model reads instead of the tool's result.
         content: String,
+    },
+    /// Do not run it yet: a guard asks a person to approve it (R35). Give
+    /// the model `content`; once `approval` is approved (by an approver,
+    /// through [`crate::Approver`] or `guardmesh approvals approve`),
+    /// submit the same call again with [`Batch::approval`].
+    Ask {
+        /// What the model reads meanwhile.
+        content: String,
+        /// The approval request: its id, the guard that asked, its reason,
+        /// the call's digest, the expiry.
+        approval: Box<proto::ApprovalRequest>,
     },
 }
 
@@ -244,6 +283,12 @@ pub struct CallDecision {
     pub rewritten_by: Vec<String>,
     /// `fail_open` guards that failed and were bypassed.
     pub bypassed: Vec<String>,
+    /// When the batch named an approval for this call that did not hold:
+    /// why (R35). The approval was not used.
+    pub approval_refused: Option<String>,
+    /// When an approval stood in for a guard's ask and the call proceeds:
+    /// the approval request's id, now used (R35).
+    pub approved_by_request: Option<String>,
 }
 
 /// `an array`, `a string`, ...: what a JSON value is.
@@ -280,7 +325,7 @@ impl CallDecision {
     /// #[derive(serde::Deserialize)]
     /// struct Query { sql: String }
     /// # let call = ToolCall { call_id: "c1".into(), tool: "sql.query".into(), arguments: r#"{"sql":"SELECT 1"}"#.into() };
-    /// # let decision = CallDecision { call_id: "c1".into(), outcome: Outcome::Proceed, original: call.clone(), final_call: call, decided_by: None, rule: None, failure: false, rewritten_by: vec![], bypassed: vec![] };
+    /// # let decision = CallDecision { call_id: "c1".into(), outcome: Outcome::Proceed, original: call.clone(), final_call: call, decided_by: None, rule: None, failure: false, rewritten_by: vec![], bypassed: vec![], approval_refused: None, approved_by_request: None };
     /// let query: Query = decision.arguments_as()?;
     /// assert_eq!(query.sql, "SELECT 1");
     /// # Ok::<(), guardmesh_client::ClientError>(())
@@ -295,6 +340,14 @@ impl CallDecision {
     /// Whether the call may run.
     pub fn proceeds(&self) -> bool {
         self.outcome == Outcome::Proceed
+    }
+
+    /// The approval request, when a guard asks a person first (R35).
+    pub fn ask(&self) -> Option<&proto::ApprovalRequest> {
+        match &self.outcome {
+            Outcome::Ask { approval, .. } => Some(approval),
+            _ => None,
+        }
     }
 
     /// Whether a guard rewrote the call.
@@ -427,6 +480,18 @@ impl BatchDecision {
                     Ok(Action::Proceed) => Outcome::Proceed,
                     Ok(Action::Steer) => Outcome::Steer { content: d.content },
                     Ok(Action::Cancel) => Outcome::Cancel { content: d.content },
+                    Ok(Action::Ask) => match d.approval {
+                        Some(approval) if !approval.id.is_empty() => Outcome::Ask {
+                            content: d.content,
+                            approval: Box::new(approval),
+                        },
+                        _ => {
+                            return Err(ClientError::Protocol(format!(
+                                "call {:?} is asked about without an approval request",
+                                d.call_id
+                            )));
+                        }
+                    },
                     _ => {
                         return Err(ClientError::Protocol(format!(
                             "call {:?} has no action ({})",
@@ -445,6 +510,10 @@ impl BatchDecision {
                     failure: d.failure,
                     rewritten_by: d.rewritten_by,
                     bypassed: d.bypassed,
+                    approval_refused: (!d.approval_refused.is_empty())
+                        .then_some(d.approval_refused),
+                    approved_by_request: (!d.approved_by_request.is_empty())
+                        .then_some(d.approved_by_request),
                 })
             })
             .collect::<Result<_, _>>()?;

@@ -42,6 +42,8 @@
 
 #![deny(missing_docs)]
 
+#[cfg(feature = "coordinator")]
+pub mod approver;
 #[cfg(feature = "args")]
 pub mod args;
 #[cfg(feature = "coordinator")]
@@ -62,6 +64,8 @@ pub mod registry;
 pub mod trace;
 pub mod verdict;
 
+#[cfg(feature = "coordinator")]
+pub use approver::Approver;
 #[cfg(feature = "args")]
 pub use args::{MeshArgs, MeshArgsError};
 #[cfg(feature = "coordinator")]

@@ -3,7 +3,7 @@
 //! A guard returns verdicts only for the calls it objects to or rewrites;
 //! every call without a verdict proceeds.
 
-use crate::proto::{Rewrite, Skip, SkipKind, Verdict, verdict::Outcome};
+use crate::proto::{Ask, Rewrite, Skip, SkipKind, Verdict, verdict::Outcome};
 
 /// Skips the call as *steer*: the model reads `content` as an error result
 /// and is expected to fix the call and retry.
@@ -15,6 +15,30 @@ pub fn steer(call_id: impl Into<String>, content: impl Into<String>) -> Verdict 
 /// ("not allowed") and is expected to move on.
 pub fn cancel(call_id: impl Into<String>, content: impl Into<String>) -> Verdict {
     skip(call_id, content, SkipKind::Cancel)
+}
+
+/// Asks a person first (R35): the call does not run now; the mesh makes an
+/// approval request carrying `reason` for the approver, and the call runs
+/// only when the same call comes back with that request approved. The
+/// model reads the mesh's own text meanwhile (see [`ask_with_content`]).
+pub fn ask(call_id: impl Into<String>, reason: impl Into<String>) -> Verdict {
+    ask_with_content(call_id, reason, "")
+}
+
+/// [`ask`], with `content` as what the model reads while the call waits.
+pub fn ask_with_content(
+    call_id: impl Into<String>,
+    reason: impl Into<String>,
+    content: impl Into<String>,
+) -> Verdict {
+    Verdict {
+        labels: Vec::new(),
+        call_id: call_id.into(),
+        outcome: Some(Outcome::Ask(Ask {
+            reason: reason.into(),
+            content: content.into(),
+        })),
+    }
 }
 
 fn skip(call_id: impl Into<String>, content: impl Into<String>, kind: SkipKind) -> Verdict {

@@ -291,6 +291,19 @@ pub async fn answer(args: &PreToolUseArgs, input: &[u8], deadline: Instant) -> H
     };
     match &call.outcome {
         Outcome::Steer { content } | Outcome::Cancel { content } => deny(content),
+        // R35: the host's own prompt asks the person (Claude Code's
+        // `permissionDecision: "ask"`); a host without one is denied, with
+        // the request to approve named.
+        Outcome::Ask { approval, .. } => {
+            let reason = format!(
+                "guardmesh: the guard {} asks a person to approve this call: {}                  (approval request {})",
+                approval.guard, approval.reason, approval.id
+            );
+            match args.format {
+                Format::Claude => decision("ask", &reason, None),
+                Format::Codex => deny(&reason),
+            }
+        }
         Outcome::Proceed if call.final_call.tool != input.tool_name => deny(&format!(
             "guardmesh: a guard renamed the call to {:?}, which a hook cannot do",
             call.final_call.tool

@@ -673,6 +673,16 @@ fn dispose(call: &ToolCallRequest, decision: &BatchDecision) -> Disposition {
         Outcome::Cancel { content } => {
             Disposition::Answer(jsonrpc::tool_result(&call.id, content, false))
         }
+        // R35: the call does not run; the model reads that a person must
+        // approve it, and which request to approve.
+        Outcome::Ask { content, approval } => Disposition::Answer(jsonrpc::tool_result(
+            &call.id,
+            &format!(
+                "{content} (approval request {}: an approver runs `guardmesh approvals                  approve {}`, then the same call may be made again)",
+                approval.id, approval.id
+            ),
+            false,
+        )),
     }
 }
 

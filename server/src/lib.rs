@@ -96,6 +96,7 @@
 
 mod accept;
 mod admit;
+pub mod approval;
 pub mod config;
 pub mod decision_log;
 pub mod etcd_tls;

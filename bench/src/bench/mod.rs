@@ -847,7 +847,7 @@ fn check_decision(
         let ok = match &call.outcome {
             Outcome::Proceed => !veto,
             Outcome::Steer { .. } => veto,
-            Outcome::Cancel { .. } => false,
+            Outcome::Cancel { .. } | Outcome::Ask { .. } => false,
         };
         if !ok {
             return Err(format!(

@@ -664,7 +664,8 @@ impl StoreServer {
     }
 }
 
-/// What a scenario sends.
+/// What a scenario sends. Built once per scenario, not per batch.
+#[allow(clippy::large_enum_variant)]
 enum Op {
     /// One batch of calls, timed.
     Calls(Batch),

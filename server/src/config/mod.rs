@@ -70,6 +70,7 @@ use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
+mod approvals;
 pub mod check;
 mod decision_log;
 mod describe;
@@ -84,6 +85,7 @@ mod registry;
 mod security;
 mod server;
 mod sessions;
+pub use approvals::ApprovalsConfig;
 pub use decision_log::{DecisionLogConfig, DurabilityConfig};
 use describe::table;
 pub use error::{ConfigError, DecisionLogError, LogSettingError, PolicyFileError, SettingError};
@@ -147,6 +149,9 @@ table! {
         /// Where the memory kept per session for rules that read `session`
         /// lives, and its bounds (R34).
         pub sessions: SessionsConfig,
+        /// How long an approval request lives, and how many one session
+        /// may have waiting (R35).
+        pub approvals: ApprovalsConfig,
         // Absent, it costs nothing.
         /// One record per batch answered and per chain change (R29); absent:
         /// no log.
@@ -176,6 +181,7 @@ impl Default for Config {
             watch_policies: true,
             decision_log: None,
             sessions: SessionsConfig::default(),
+            approvals: ApprovalsConfig::default(),
         }
     }
 }
@@ -264,6 +270,8 @@ impl Config {
             zero!(server.keepalive_timeout_ms),
             zero!(registry.max_policy_bytes_per_identity),
             zero!(sessions.store_timeout_ms),
+            zero!(approvals.ttl_ms),
+            zero!(approvals.max_open_per_session),
         ];
         for (key, zero) in zeros {
             if zero {
@@ -442,6 +450,7 @@ impl Config {
             },
             security: MeshConfig::default().security,
             sessions: self.sessions.limits(),
+            approvals: self.approvals.settings(),
             unguarded: self.unguarded,
             max_policy_bytes_per_identity: self.registry.max_policy_bytes_per_identity,
         }

@@ -21,9 +21,10 @@ use tonic::Status;
 use super::budget::{self, BudgetReached, DirBudget};
 use super::mask::{self, Held, Secrets};
 use super::record::{
-    Action, BatchRecord, CallDecisionRecord, CallRecord, Caller, ChainChangeRecord, ChangeKind,
-    ChangeOutcome, ChangeStatus, DecisionRecord, Entry, GuardRole, GuardTraceRecord, Outcome,
-    OutcomeStatus, PeerCount, RefusalSummaryRecord, SUMMARY_PEERS, TraceStatus,
+    Action, ApprovalAnswerRecord, ApprovalAsked, BatchRecord, CallDecisionRecord, CallRecord,
+    Caller, ChainChangeRecord, ChangeKind, ChangeOutcome, ChangeStatus, DecisionRecord, Entry,
+    GuardRole, GuardTraceRecord, Outcome, OutcomeStatus, PeerCount, RefusalSummaryRecord,
+    SUMMARY_PEERS, TraceStatus,
 };
 use super::writer::DecisionLog;
 use crate::observe::metrics::Metrics;
@@ -384,6 +385,14 @@ impl MeshLog {
         .await
     }
 
+    /// Appends the record of an approver's answer before it is applied
+    /// (R35): `Err` is the status to answer instead when it cannot be
+    /// written and the policy is `refuse`.
+    pub async fn approval_before(&self, record: ApprovalAnswerRecord) -> Result<(), Status> {
+        self.write_before(Entry::Approval(record), "approval", &APPROVAL_UNWRITTEN)
+            .await
+    }
+
     /// Appends `entry`, a record written before what it records is
     /// answered: `Err` is the status to answer instead when it cannot be
     /// written and the policy is `refuse`. The record of a refusal past the
@@ -453,6 +462,12 @@ const DECISION_UNWRITTEN: Unwritten = Unwritten {
     refused: "batch refused: its decision record cannot be written",
     status: "the decision could not be recorded, so it is not answered",
     answered: "decision record lost; the batch is answered",
+};
+
+const APPROVAL_UNWRITTEN: Unwritten = Unwritten {
+    refused: "approval refused: its record cannot be written",
+    status: "the approval's decision record cannot be written",
+    answered: "an approval's record lost",
 };
 
 const CHANGE_UNWRITTEN: Unwritten = Unwritten {
@@ -548,6 +563,7 @@ fn action(value: i32) -> Action {
     match pb::Action::try_from(value) {
         Ok(pb::Action::Steer) => Action::Steer,
         Ok(pb::Action::Cancel) => Action::Cancel,
+        Ok(pb::Action::Ask) => Action::Ask,
         _ => Action::Proceed,
     }
 }
@@ -565,6 +581,7 @@ fn trace_status(value: i32) -> TraceStatus {
         S::Malformed => TraceStatus::Malformed,
         S::RejectedRewrite => TraceStatus::RejectedRewrite,
         S::DryRun => TraceStatus::DryRun,
+        S::Asked => TraceStatus::Asked,
     }
 }
 
@@ -614,6 +631,15 @@ fn call_decision(decision: &CallDecision, traces: &[GuardTrace]) -> CallDecision
         failure: decision.failure,
         rewritten_by: decision.rewritten_by.clone(),
         bypassed: decision.bypassed.clone(),
+        approval: decision.approval.as_ref().map(|a| ApprovalAsked {
+            id: a.id.clone(),
+            guard: a.guard.clone(),
+            reason: a.reason.clone(),
+            digest: a.digest.clone(),
+            expires_at_ms: a.expires_at_ms,
+        }),
+        approval_refused: some(&decision.approval_refused),
+        approved_by_request: some(&decision.approved_by_request),
     }
 }
 

@@ -229,6 +229,10 @@ impl MaskRules {
             // The writer's own seals hold no caller data.
             Entry::Checkpoint(_) | Entry::Gap(_) => 0,
             Entry::RefusalSummary(_) => 0,
+            Entry::Approval(answer) => {
+                self.mask_text(&mut answer.note);
+                0
+            }
         }
     }
 

@@ -83,6 +83,29 @@ pub enum Entry {
     RefusalSummary(RefusalSummaryRecord),
     Checkpoint(CheckpointRecord),
     Gap(GapRecord),
+    /// R35: an approver's answer to an approval request.
+    Approval(ApprovalAnswerRecord),
+}
+
+/// An approver's answer to an approval request (R35), attributed to its
+/// caller. (The ask and the use are in the decision records of the
+/// batches that made and used the request.)
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ApprovalAnswerRecord {
+    pub caller: Caller,
+    /// The request answered.
+    pub id: String,
+    /// `approve` or `deny`.
+    pub answer: String,
+    /// The approver's note. Free text: masked by the text formats.
+    pub note: String,
+    /// The guard that asked, the call's tool and digest, the session.
+    pub guard: String,
+    pub tool: String,
+    pub digest: String,
+    pub session_id: String,
+    /// `answered`, or why it was refused.
+    pub outcome: String,
 }
 
 /// A signed checkpoint (R29): the writer vouches, with its Ed25519 key,
@@ -234,6 +257,26 @@ pub struct CallDecisionRecord {
     /// `fail_open` guards that failed on this call and were bypassed (R13).
     #[serde(default)]
     pub bypassed: Vec<String>,
+    /// R35: for ask, the approval request made (its id, guard, reason,
+    /// digest, expiry).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub approval: Option<ApprovalAsked>,
+    /// R35: why the approval the batch named for this call did not hold.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub approval_refused: Option<String>,
+    /// R35: the approval request this call ran on (now used).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub approved_by_request: Option<String>,
+}
+
+/// The approval request an ask made (R35).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ApprovalAsked {
+    pub id: String,
+    pub guard: String,
+    pub reason: String,
+    pub digest: String,
+    pub expires_at_ms: u64,
 }
 
 /// A decision's action.
@@ -243,6 +286,8 @@ pub enum Action {
     Proceed,
     Steer,
     Cancel,
+    /// R35: the call waits for a person's approval.
+    Ask,
 }
 
 /// A guard's role.
@@ -267,6 +312,7 @@ pub enum TraceStatus {
     Malformed,
     RejectedRewrite,
     DryRun,
+    Asked,
 }
 
 /// One guard's part in the batch (R21).

@@ -73,6 +73,9 @@ pub(super) fn call_decision(call_id: &str, action: Action) -> CallDecisionRecord
         failure: false,
         rewritten_by: Vec::new(),
         bypassed: Vec::new(),
+        approval: None,
+        approval_refused: None,
+        approved_by_request: None,
     }
 }
 
@@ -108,6 +111,9 @@ fn decided(batch_id: &str) -> Entry {
                 failure: false,
                 rewritten_by: vec!["rewriter".to_owned()],
                 bypassed: vec!["flaky".to_owned()],
+                approval: None,
+                approval_refused: None,
+                approved_by_request: None,
             },
             CallDecisionRecord {
                 call_id: "c2".to_owned(),
@@ -119,6 +125,9 @@ fn decided(batch_id: &str) -> Entry {
                 failure: false,
                 rewritten_by: Vec::new(),
                 bypassed: Vec::new(),
+                approval: None,
+                approval_refused: None,
+                approved_by_request: None,
             },
         ],
         trace: vec![

@@ -1,6 +1,7 @@
 //! The mesh's gRPC server: `PreToolService`, `GuardRegistry`, health and
 //! reflection, composed in one place.
 
+mod approval_service;
 mod inbound;
 mod interceptor_service;
 pub(crate) mod service;
@@ -154,6 +155,11 @@ pub async fn run(
         .add_service(
             guardmesh_proto::v1::interceptor_service_server::InterceptorServiceServer::new(
                 interceptor_service::Interceptors::new(mesh.clone()),
+            ),
+        )
+        .add_service(
+            guardmesh_proto::v1::approval_service_server::ApprovalServiceServer::new(
+                approval_service::Approvals::new(mesh.clone()),
             ),
         )
         .serve_with_incoming_shutdown(incoming, signal)

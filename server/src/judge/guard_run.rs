@@ -42,6 +42,11 @@ pub(crate) struct GuardRun {
     pub(crate) labels: Vec<String>,
     /// Labels refused: outside the grammar or past a bound.
     pub(crate) refused_labels: usize,
+    /// R35: the calls among `skipped` it asked about, with its reasons.
+    pub(crate) asked: Vec<(usize, String)>,
+    /// R35: the calls it was not sent because an approval of its earlier
+    /// ask stood in for it.
+    pub(crate) approved: Vec<usize>,
 }
 
 /// Labels one guard may add to a session in one batch (R34).
@@ -68,7 +73,17 @@ impl GuardRun {
             rules: Vec::new(),
             labels: Vec::new(),
             refused_labels: 0,
+            asked: Vec::new(),
+            approved: Vec::new(),
         }
+    }
+
+    /// The reason of its ask about call `i`, if it asked (R35).
+    pub(crate) fn ask_of(&self, i: usize) -> Option<&str> {
+        self.asked
+            .iter()
+            .find(|(c, _)| *c == i)
+            .map(|(_, reason)| reason.as_str())
     }
 
     /// Adds labels a verdict set, within [`MAX_LABELS_PER_GUARD`].
@@ -111,6 +126,9 @@ impl GuardRun {
         if self.sent.get(i) != Some(&true) {
             return None;
         }
+        if self.ask_of(i).is_some() {
+            return Some("ask");
+        }
         if let Some(k) = self.skipped.iter().position(|&s| s == i) {
             return Some(
                 match self.skip_kinds.get(k).map(|&k| SkipKind::try_from(k)) {
@@ -142,6 +160,11 @@ impl GuardRun {
             Some(_) => TraceStatus::Failed,
             None if self.superseded => TraceStatus::Superseded,
             None if !self.malformed.is_empty() => TraceStatus::Malformed,
+            None if !self.skipped.is_empty()
+                && self.skipped.iter().all(|&i| self.ask_of(i).is_some()) =>
+            {
+                TraceStatus::Asked
+            }
             None if !self.skipped.is_empty() => TraceStatus::Skipped,
             None if !self.rewritten.is_empty() => TraceStatus::Rewrote,
             None => TraceStatus::Proceeded,
@@ -190,6 +213,8 @@ pub(super) fn trace_entry(guard: &Guard, run: &GuardRun, ids: &[&str]) -> GuardT
             run.labels.clone()
         },
         refused_labels: u32::try_from(run.refused_labels).unwrap_or(u32::MAX),
+        asked_call_ids: pick(&mut run.asked.iter().map(|(i, _)| *i)),
+        approved_call_ids: pick(&mut run.approved.iter().copied()),
     }
 }
 

@@ -56,8 +56,8 @@ pub use chain::{Chain, ChainGuard, Unguarded};
 use guard_run::trace_entry;
 pub(crate) use guard_run::{GuardRun, error_text, reported_status, span_failure, span_guard};
 use guardmesh_proto::v1::{
-    Action, BatchContext, BatchDecision, CallDecision, EvaluateRequest, GuardRole, SkipKind,
-    ToolCall,
+    Action, ApprovalRequest, BatchContext, BatchDecision, CallDecision, EvaluateRequest, GuardRole,
+    SkipKind, ToolCall,
 };
 use prost::bytes::Bytes;
 pub(crate) use results_phase::Phase;
@@ -157,6 +157,13 @@ struct Call {
     fixed: Option<Fixed>,
     rewritten_by: Vec<String>,
     bypassed: Vec<String>,
+    /// R35: the approval the batch named for it, resolved: an approved one
+    /// stands in for its guard until [`Judging::stand_in`] uses it.
+    stand_in: Option<crate::approval::StandIn>,
+    /// R35: why the approval named for it did not hold.
+    approval_refused: Option<String>,
+    /// R35: the approval request that stood in for its guard.
+    approved: Option<String>,
 }
 
 impl Call {
@@ -172,6 +179,16 @@ struct Fixed {
     kind: SkipKind,
     by: String,
     failure: bool,
+    /// R35: an ask, not a skip: the reason, or the request still pending.
+    ask: Option<Ask>,
+}
+
+/// An ask that fixed a call (R35).
+enum Ask {
+    /// A guard asked in this batch: the request is made after judging.
+    New(String),
+    /// The request the batch named is still waiting for its answer.
+    Pending(Box<ApprovalRequest>),
 }
 
 fn unavailable(guard: &Guard) -> Fixed {
@@ -183,6 +200,7 @@ fn unavailable(guard: &Guard) -> Fixed {
         kind: SkipKind::Cancel,
         by: guard.name.clone(),
         failure: true,
+        ask: None,
     }
 }
 
@@ -233,6 +251,9 @@ pub(crate) struct JudgeInput<'a> {
     pub(crate) phase: Phase,
     /// The session's memory for the guards that read it (R34).
     pub(crate) session: Option<crate::policy::SessionVal>,
+    /// R35: the approvals the batch named, resolved, one per call (empty:
+    /// none named).
+    pub(crate) approvals: Vec<crate::approval::Resolved>,
 }
 
 /// Judges one admitted batch against its chain: consults the guards, folds
@@ -294,15 +315,42 @@ impl<'a> Judging<'a> {
             span,
             phase,
             session,
+            approvals,
         } = input;
+        let mut approvals = approvals.into_iter();
         let calls: Vec<Call> = std::mem::take(&mut request.calls)
             .into_iter()
-            .map(|call| Call {
-                original: call,
-                rewritten: None,
-                fixed: None,
-                rewritten_by: Vec::new(),
-                bypassed: Vec::new(),
+            .map(|call| {
+                let resolved = approvals.next().unwrap_or_default();
+                let mut call = Call {
+                    original: call,
+                    rewritten: None,
+                    fixed: None,
+                    rewritten_by: Vec::new(),
+                    bypassed: Vec::new(),
+                    stand_in: resolved.stand_in,
+                    approval_refused: resolved.refused,
+                    approved: None,
+                };
+                // R35: denied, expired or still pending: decided before
+                // any guard is consulted.
+                if matches!(call.stand_in, Some(crate::approval::StandIn::Fixed { .. }))
+                    && let Some(crate::approval::StandIn::Fixed {
+                        guard,
+                        content,
+                        kind,
+                        pending,
+                    }) = call.stand_in.take()
+                {
+                    call.fixed = Some(Fixed {
+                        content,
+                        kind,
+                        by: guard,
+                        failure: false,
+                        ask: pending.map(Ask::Pending),
+                    });
+                }
+                call
             })
             .collect();
         let n = calls.len();
@@ -364,6 +412,36 @@ impl<'a> Judging<'a> {
             .collect()
     }
 
+    /// R35: an approval stands in for guard `g` on a call it asked about:
+    /// the call is not sent to it when the call it would see has the
+    /// approved digest; otherwise it is sent, and the approval is refused
+    /// (a renamed or rewritten call is another call).
+    fn stand_in(&mut self, g: usize, sent: &mut [bool]) {
+        let name = &self.chain.guards[g].guard.name;
+        for (i, call) in self.calls.iter_mut().enumerate() {
+            let Some(crate::approval::StandIn::Approved { guard, digest, id }) = &call.stand_in
+            else {
+                continue;
+            };
+            if guard != name {
+                continue;
+            }
+            let current = call.current();
+            if crate::approval::record::digest(&current.tool, &current.arguments) == *digest {
+                if sent[i] {
+                    sent[i] = false;
+                    self.runs[g].approved.push(i);
+                }
+                call.approved = Some(id.clone());
+            } else {
+                call.approval_refused = Some(
+                    "the call is not the one approved (its digest differs): asked again".into(),
+                );
+            }
+            call.stand_in = None;
+        }
+    }
+
     /// The time guard `g` gets: its timeout within what is left of the
     /// batch's deadline (R14).
     fn budget(&self, guard: &Guard, now: Instant) -> Duration {
@@ -405,8 +483,9 @@ impl<'a> Judging<'a> {
             }
         };
         let chain = self.chain;
+        let runs = &self.runs;
         let guard = |k: usize| &chain.guards[order[k]].guard;
-        for (call, outcome) in self.calls.iter_mut().zip(outcomes) {
+        for (c, (call, outcome)) in self.calls.iter_mut().zip(outcomes).enumerate() {
             if call.fixed.is_some() {
                 continue;
             }
@@ -419,6 +498,9 @@ impl<'a> Judging<'a> {
                     kind: SkipKind::try_from(skip.kind).unwrap_or(SkipKind::Steer),
                     by: guard(k).name.clone(),
                     failure: false,
+                    ask: runs[order[k]]
+                        .ask_of(c)
+                        .map(|reason| Ask::New(reason.to_owned())),
                 },
                 Decided::Unavailable { guard: k } => unavailable(guard(k)),
             });
@@ -488,7 +570,9 @@ impl<'a> Judging<'a> {
                 .guards
                 .iter()
                 .zip(runs)
-                .any(|(cg, run)| cg.guard.enforced() && run.sent.get(i) == Some(&true));
+                .any(|(cg, run)| cg.guard.enforced() && run.sent.get(i) == Some(&true))
+                // R35: an approval stood in for a guard that applies.
+                || call.approved.is_some();
             if guarded {
                 continue;
             }
@@ -505,6 +589,7 @@ impl<'a> Judging<'a> {
                         kind: SkipKind::Cancel,
                         by: String::new(),
                         failure: false,
+                        ask: None,
                     });
                 }
             }
@@ -527,14 +612,37 @@ impl<'a> Judging<'a> {
                 failure: false,
                 rewritten_by: call.rewritten_by,
                 bypassed: call.bypassed,
+                approval: None,
+                approval_refused: call.approval_refused.unwrap_or_default(),
+                approved_by_request: String::new(),
             };
             match call.fixed {
-                None => execute.push(current.clone()),
+                None => {
+                    decision.approved_by_request = call.approved.unwrap_or_default();
+                    execute.push(current.clone());
+                }
                 Some(fixed) => {
-                    decision.action = match fixed.kind {
-                        SkipKind::Steer => Action::Steer,
-                        SkipKind::Cancel => Action::Cancel,
+                    decision.action = match (&fixed.ask, fixed.kind) {
+                        (Some(_), _) => Action::Ask,
+                        (None, SkipKind::Steer) => Action::Steer,
+                        (None, SkipKind::Cancel) => Action::Cancel,
                     } as i32;
+                    // R35: the request is made after judging (its id
+                    // empty until then), bound to the call as judged.
+                    decision.approval = match fixed.ask {
+                        None => None,
+                        Some(Ask::Pending(request)) => Some(*request),
+                        Some(Ask::New(reason)) => Some(ApprovalRequest {
+                            guard: fixed.by.clone(),
+                            reason,
+                            digest: crate::approval::record::digest(
+                                &current.tool,
+                                &current.arguments,
+                            ),
+                            chain_revision: self.chain.revision,
+                            ..Default::default()
+                        }),
+                    };
                     decision.content = fixed.content;
                     decision.decided_by = fixed.by;
                     decision.failure = fixed.failure;

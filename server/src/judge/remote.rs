@@ -220,7 +220,8 @@ impl Judging<'_> {
     /// Its verdicts and its failure go through a one-guard [`Fold`], so the
     /// failure policy (R13) is applied exactly as for validate guards.
     pub(super) async fn mutate(&mut self, g: usize) -> Result<(), BatchError> {
-        let sent = self.select(g);
+        let mut sent = self.select(g);
+        self.stand_in(g, &mut sent);
         if !sent.contains(&true) {
             return Ok(());
         }
@@ -285,6 +286,7 @@ impl Judging<'_> {
                 run.malformed = checked.malformed;
                 run.skipped = checked.skips.iter().map(|(i, _)| *i).collect();
                 run.skip_kinds = checked.skips.iter().map(|(_, s)| s.kind).collect();
+                run.asked = checked.asks;
                 for (i, skip) in checked.skips {
                     fold.answer(0, i, Some(skip));
                 }
@@ -324,7 +326,8 @@ impl Judging<'_> {
             return Ok(());
         }
         for &g in &order {
-            let sent = self.select(g);
+            let mut sent = self.select(g);
+            self.stand_in(g, &mut sent);
             self.runs[g].sent_any = sent.contains(&true);
             self.runs[g].sent = sent;
         }
@@ -485,6 +488,7 @@ impl Judging<'_> {
                     fold.answer(k, i, Some(skip));
                 }
                 run.malformed.extend(checked.malformed);
+                run.asked.extend(checked.asks);
                 if final_answer {
                     deadlines[k] = None;
                     run.finished = Some(Instant::now());

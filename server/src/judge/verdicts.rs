@@ -86,7 +86,10 @@ pub(crate) enum Malformed {
 #[derive(Debug, Default, PartialEq)]
 pub(crate) struct Checked {
     /// (call index, skip); blank skips already dropped, unknown kinds steered.
+    /// An ask (R35) is here too, as a cancel: it fixes its call as a skip.
     pub skips: Vec<(usize, Skip)>,
+    /// (call index, reason) of the asks among `skips` (R35), on calls.
+    pub asks: Vec<(usize, String)>,
     /// (call index, the call as rewritten).
     pub rewrites: Vec<(usize, ToolCall)>,
     /// Call indices answered with a plain proceed (or a rewrite that changes
@@ -199,6 +202,28 @@ pub(crate) fn check_verdicts_in<'c>(
                 } else {
                     checked.skips.push((i, skip));
                 }
+            }
+            (Some(Outcome::Ask(ask)), Some(i)) => {
+                answered[i] = true;
+                // R35: never a proceed. It orders as a skip (R3); on a
+                // result it blocks it (R33).
+                let content = if ask.content.trim().is_empty() {
+                    crate::approval::waiting_content(&guard.name)
+                } else {
+                    ask.content
+                };
+                if !results {
+                    checked
+                        .asks
+                        .push((i, crate::approval::record::clip(&ask.reason)));
+                }
+                checked.skips.push((
+                    i,
+                    Skip {
+                        content,
+                        kind: SkipKind::Cancel as i32,
+                    },
+                ));
             }
             (Some(Outcome::Rewrite(rewrite)), Some(i)) => {
                 answered[i] = true;

@@ -64,6 +64,7 @@ impl Mesh {
             chain,
             judges,
             busy,
+            approvals,
         } = pass;
         let started = Instant::now();
         let unguarded = match judges {
@@ -146,6 +147,7 @@ impl Mesh {
             members,
             trace,
             phase,
+            approvals,
         };
         let mut again = 0;
         let (mut judged, unremembered, runs_calls) = loop {
@@ -206,6 +208,7 @@ impl Mesh {
             members,
             trace,
             mut phase,
+            approvals,
         } = input;
         let chain = how.chain;
         // R34: the session's memory, read once when a guard reads it.
@@ -245,6 +248,7 @@ impl Mesh {
             // when judging ends, so that the write after it updates a
             // store in this process in place (no copy of the memory).
             session: session.as_mut().map(BatchSession::take_value),
+            approvals,
         })
         .await;
         let Ok(decision) = &judged.result else {
@@ -318,6 +322,7 @@ struct Judgeable {
     members: crate::validate::ijson::Recorded,
     trace: TraceContext,
     phase: Phase,
+    approvals: Vec<crate::approval::Resolved>,
 }
 
 /// A batch judged and its memory written, or found changed.

@@ -57,6 +57,9 @@ pub struct MeshConfig {
     pub max_policy_bytes_per_identity: usize,
     /// The bounds of session memory (R34).
     pub sessions: crate::session::SessionLimits,
+    /// Approvals (R35): how long a request lives, how many a session may
+    /// have waiting.
+    pub approvals: crate::approval::Settings,
 }
 
 /// Who may talk to the mesh, and whom the mesh may talk to.
@@ -116,6 +119,7 @@ impl Default for MeshConfig {
             max_policy_bytes_per_identity:
                 crate::registry::registration::DEFAULT_MAX_POLICY_BYTES_PER_IDENTITY,
             sessions: crate::session::SessionLimits::default(),
+            approvals: crate::approval::Settings::default(),
         }
     }
 }
@@ -155,6 +159,8 @@ pub struct Mesh {
     sessions: std::sync::OnceLock<Arc<crate::session::SessionMemory>>,
     /// A session's batches judged one after another on this mesh (R34).
     session_turns: Arc<session_turns::SessionTurns>,
+    /// Approvals (R35): settings and counters.
+    pub approvals: crate::approval::Approvals,
 }
 
 impl std::fmt::Debug for Mesh {
@@ -189,6 +195,7 @@ impl Mesh {
             result_reads: std::sync::OnceLock::new(),
             sessions: std::sync::OnceLock::new(),
             session_turns: Arc::default(),
+            approvals: crate::approval::Approvals::new(config.approvals),
         })
     }
 

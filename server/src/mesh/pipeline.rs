@@ -38,6 +38,9 @@ use tonic::Status;
 
 /// One message as a door read it: a batch within the size and count
 /// limits, or one refused before it was built.
+// Moved once from the door into the pipeline: not boxed (no allocation
+// per batch), as `Arrival`.
+#[allow(clippy::large_enum_variant)]
 #[derive(Debug)]
 pub(crate) enum Inbound {
     /// A batch within the size and count limits; `size` is its encoded size.
@@ -110,6 +113,8 @@ pub(crate) struct Pass<'a> {
     pub(crate) chain: Arc<Chain>,
     pub(crate) judges: &'a Judges,
     pub(crate) busy: Option<Arc<str>>,
+    /// R35: the approvals the batch named, resolved, one per call.
+    pub(crate) approvals: Vec<crate::approval::Resolved>,
 }
 
 /// What a door hands the pipeline for one batch: what its transport knows.
@@ -339,7 +344,7 @@ impl Admitted {
             Err(why) => (None, Some(why)),
         };
         let Self {
-            batch,
+            mut batch,
             phase,
             record,
             answer,
@@ -350,7 +355,36 @@ impl Admitted {
             bytes,
             size: _,
         } = self;
-        let outcome = mesh
+        // R35: the approvals the batch names, checked against its session
+        // and this chain snapshot before judging; a name of no call of the
+        // batch refuses it.
+        let named = std::mem::take(&mut batch.approvals);
+        let key = Mesh::session_key(&batch, &trace);
+        let approvals = {
+            let ids: Vec<&str> = batch.calls.iter().map(|c| c.call_id.as_str()).collect();
+            if let Err(refusal) = crate::approval::check_map(&named, &ids) {
+                drop(bytes);
+                drop(ticket);
+                return (
+                    super::record::Outcome::refused(refusal),
+                    record,
+                    answer,
+                    turn,
+                );
+            }
+            crate::approval::resolve(
+                mesh.sessions(),
+                &mesh.approvals,
+                &key,
+                &named,
+                &ids,
+                chain.revision,
+            )
+            .await
+        };
+        let asked_by = trace.identity.clone();
+        let remembers = judges.remembers();
+        let mut outcome = mesh
             .pass_phase(
                 batch,
                 deadline,
@@ -360,9 +394,19 @@ impl Admitted {
                     chain,
                     judges: &judges,
                     busy,
+                    approvals,
                 },
             )
             .await;
+        // R35: uses recorded and asks made before the record and the
+        // answer. An interceptor's invoke (one guard alone) runs nothing,
+        // so it makes no request and uses no approval.
+        if let Ok(decision) = &mut outcome.result
+            && remembers
+        {
+            crate::approval::settle(mesh.sessions(), &mesh.approvals, &key, &asked_by, decision)
+                .await;
+        }
         drop(bytes);
         drop(ticket);
         (outcome, record, answer, turn)

@@ -36,6 +36,7 @@ pub(crate) fn caller(
                         Role::Evaluate => "evaluate",
                         Role::Register => "register",
                         Role::Admin => "admin",
+                        Role::Approver => "approver",
                     }
                     .to_owned()
                 })

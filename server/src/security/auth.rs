@@ -41,6 +41,8 @@ pub enum Role {
     Evaluate,
     Register,
     Admin,
+    /// R35: answers approval requests (`ApprovalService`).
+    Approver,
 }
 
 /// An authenticated caller and what it may do; handed to the services in
@@ -176,6 +178,8 @@ pub fn required_role(path: &str) -> Option<Role> {
             Some(Role::Register)
         }
         p if p.starts_with("/guardmesh.v1.GuardRegistry/") => Some(Role::Admin),
+        // R35: approvers answer and list approval requests.
+        p if p.starts_with("/guardmesh.v1.ApprovalService/") => Some(Role::Approver),
         p if p.starts_with("/grpc.health.v1.Health/") || p.starts_with("/grpc.reflection.") => None,
         // Anything else is unknown to the mesh: admin only, so that a new
         // service never starts out open by accident.
@@ -516,6 +520,10 @@ mod tests {
         assert_eq!(
             required_role("/guardmesh.v1.GuardRegistry/List"),
             Some(Role::Admin)
+        );
+        assert_eq!(
+            required_role("/guardmesh.v1.ApprovalService/Approve"),
+            Some(Role::Approver)
         );
         assert_eq!(required_role("/grpc.health.v1.Health/Check"), None);
         assert_eq!(required_role("/other.Service/Call"), Some(Role::Admin));

@@ -18,8 +18,8 @@
 use super::key::SessionKey;
 use super::limits::SessionLimits;
 use super::memory::{Applied, Memory, Update};
-use super::store::{SECRET_CHECK, SecretAgreement, SessionStore, StoreError};
-use etcd_client::{Client, Compare, CompareOp, PutOptions, Txn, TxnOp};
+use super::store::{Record, SECRET_CHECK, SecretAgreement, SessionStore, StoreError};
+use etcd_client::{Client, Compare, CompareOp, GetOptions, PutOptions, Txn, TxnOp};
 
 /// Attempts of one update that meets concurrent updates of its session.
 const ATTEMPTS: u32 = 8;
@@ -158,6 +158,68 @@ impl SessionStore for EtcdStore {
             _ => None,
         });
         Ok(SecretAgreement::with(there.as_deref(), check))
+    }
+
+    async fn record(&self, name: &str) -> Result<Option<Record>, StoreError> {
+        let mut client = self.client.clone();
+        let key = format!("{}{name}", self.prefix);
+        let response = client.get(key, None).await.map_err(unavailable)?;
+        Ok(response.kvs().first().map(|kv| Record {
+            value: kv.value().to_vec(),
+            version: kv.mod_revision().to_string(),
+        }))
+    }
+
+    async fn put_record(
+        &self,
+        name: &str,
+        version: Option<&str>,
+        value: Vec<u8>,
+        ttl: std::time::Duration,
+    ) -> Result<bool, StoreError> {
+        let mut client = self.client.clone();
+        let key = format!("{}{name}", self.prefix);
+        let unchanged = match version {
+            None => Compare::version(key.clone(), CompareOp::Equal, 0),
+            Some(version) => {
+                let revision: i64 = version
+                    .parse()
+                    .map_err(|_| StoreError::Corrupt(format!("a record version {version:?}")))?;
+                Compare::mod_revision(key.clone(), CompareOp::Equal, revision)
+            }
+        };
+        let seconds = i64::try_from(ttl.as_millis().div_ceil(1000))
+            .unwrap_or(i64::MAX)
+            .max(1);
+        let lease = client
+            .lease_grant(seconds, None)
+            .await
+            .map_err(unavailable)?
+            .id();
+        let txn = Txn::new().when([unchanged]).and_then([TxnOp::put(
+            key,
+            value,
+            Some(PutOptions::new().with_lease(lease)),
+        )]);
+        let response = client.txn(txn).await.map_err(unavailable)?;
+        Ok(response.succeeded())
+    }
+
+    async fn records(&self, prefix: &str, limit: usize) -> Result<Vec<Record>, StoreError> {
+        let mut client = self.client.clone();
+        let key = format!("{}{prefix}", self.prefix);
+        let options = GetOptions::new()
+            .with_prefix()
+            .with_limit(i64::try_from(limit).unwrap_or(i64::MAX));
+        let response = client.get(key, Some(options)).await.map_err(unavailable)?;
+        Ok(response
+            .kvs()
+            .iter()
+            .map(|kv| Record {
+                value: kv.value().to_vec(),
+                version: kv.mod_revision().to_string(),
+            })
+            .collect())
     }
 
     fn kind(&self) -> &'static str {

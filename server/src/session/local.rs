@@ -8,7 +8,7 @@ use super::filter::SessionFilter;
 use super::key::SessionKey;
 use super::limits::SessionLimits;
 use super::memory::{Applied, Memory, Update};
-use super::store::{SessionStore, StoreError};
+use super::store::{Record, SessionStore, StoreError};
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
@@ -19,6 +19,35 @@ pub struct LocalStore {
     limits: SessionLimits,
     state: Mutex<State>,
     evicted_sessions: AtomicU64,
+    /// Records beside the sessions (approval requests, R35).
+    records: Mutex<Records>,
+}
+
+/// The most records a store in the mesh's memory holds: past it a new one
+/// is refused (an error, never a silent drop). Asks are bounded per
+/// session before they get here (R35).
+pub const MAX_RECORDS: usize = 100_000;
+
+/// Records by name, each with its version and the time it expires
+/// (milliseconds since the Unix epoch); the expiry order finds the expired
+/// without a walk over them all.
+#[derive(Debug, Default)]
+struct Records {
+    by_name: BTreeMap<String, (Record, u64)>,
+    expiry: BTreeSet<(u64, String)>,
+    version: u64,
+}
+
+impl Records {
+    fn purge(&mut self, now: u64) {
+        while let Some((at, name)) = self.expiry.first().cloned() {
+            if at > now {
+                break;
+            }
+            self.expiry.pop_first();
+            self.by_name.remove(&name);
+        }
+    }
 }
 
 /// One session the store holds.
@@ -86,6 +115,7 @@ impl LocalStore {
                 ..State::default()
             }),
             evicted_sessions: AtomicU64::new(0),
+            records: Mutex::default(),
         }
     }
 
@@ -199,6 +229,60 @@ impl SessionStore for LocalStore {
         let applied = memory.apply(update, limits, now);
         *bytes = bytes.saturating_sub(before) + applied.bytes;
         Ok(applied)
+    }
+
+    async fn record(&self, name: &str) -> Result<Option<Record>, StoreError> {
+        let mut records = self.records.lock().unwrap_or_else(PoisonError::into_inner);
+        records.purge(super::now_ms());
+        Ok(records.by_name.get(name).map(|(record, _)| record.clone()))
+    }
+
+    async fn put_record(
+        &self,
+        name: &str,
+        version: Option<&str>,
+        value: Vec<u8>,
+        ttl: std::time::Duration,
+    ) -> Result<bool, StoreError> {
+        let now = super::now_ms();
+        let mut records = self.records.lock().unwrap_or_else(PoisonError::into_inner);
+        records.purge(now);
+        let there = records
+            .by_name
+            .get(name)
+            .map(|(r, at)| (r.version.clone(), *at));
+        if there.as_ref().map(|(v, _)| v.as_str()) != version {
+            return Ok(false);
+        }
+        if there.is_none() && records.by_name.len() >= MAX_RECORDS {
+            return Err(StoreError::Unavailable(format!(
+                "the store in the mesh's memory holds {MAX_RECORDS} records, its most"
+            )));
+        }
+        if let Some((_, at)) = there {
+            records.expiry.remove(&(at, name.to_owned()));
+        }
+        records.version += 1;
+        let expires = now.saturating_add(u64::try_from(ttl.as_millis()).unwrap_or(u64::MAX));
+        let record = Record {
+            value,
+            version: records.version.to_string(),
+        };
+        records.expiry.insert((expires, name.to_owned()));
+        records.by_name.insert(name.to_owned(), (record, expires));
+        Ok(true)
+    }
+
+    async fn records(&self, prefix: &str, limit: usize) -> Result<Vec<Record>, StoreError> {
+        let mut records = self.records.lock().unwrap_or_else(PoisonError::into_inner);
+        records.purge(super::now_ms());
+        Ok(records
+            .by_name
+            .range(prefix.to_owned()..)
+            .take_while(|(name, _)| name.starts_with(prefix))
+            .take(limit)
+            .map(|(_, (record, _))| record.clone())
+            .collect())
     }
 
     fn kind(&self) -> &'static str {

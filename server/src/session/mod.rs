@@ -182,6 +182,12 @@ impl SessionMemory {
         &self.limits
     }
 
+    /// The name a shared store knows `key` by: a keyed digest of the
+    /// identity and the session id (64 hex digits).
+    pub fn stored_name(&self, key: &SessionKey) -> String {
+        key.stored_name(&self.digester)
+    }
+
     pub fn store(&self) -> &dyn SessionStore {
         self.store.as_ref()
     }
@@ -190,7 +196,7 @@ impl SessionMemory {
         &self.stats
     }
 
-    async fn bounded<T>(
+    pub(crate) async fn bounded<T>(
         &self,
         op: impl Future<Output = Result<T, StoreError>>,
     ) -> Result<T, StoreError> {

@@ -25,7 +25,7 @@
 use super::key::SessionKey;
 use super::limits::SessionLimits;
 use super::memory::{Applied, Memory, Update};
-use super::store::{SECRET_CHECK, SecretAgreement, SessionStore, StoreError};
+use super::store::{Record, SECRET_CHECK, SecretAgreement, SessionStore, StoreError};
 use redis::aio::{ConnectionManager, ConnectionManagerConfig};
 use std::time::Duration;
 
@@ -277,6 +277,71 @@ impl SessionStore for RedisStore {
         }
         let there = self.get(&key).await?;
         Ok(SecretAgreement::with(there.as_deref(), check))
+    }
+
+    async fn record(&self, name: &str) -> Result<Option<Record>, StoreError> {
+        let key = format!("{}{name}", self.prefix);
+        Ok(self.get(&key).await?.map(|value| Record {
+            version: sha1_smol::Sha1::from(&value).digest().to_string(),
+            value,
+        }))
+    }
+
+    async fn put_record(
+        &self,
+        name: &str,
+        version: Option<&str>,
+        value: Vec<u8>,
+        ttl: Duration,
+    ) -> Result<bool, StoreError> {
+        let key = format!("{}{name}", self.prefix);
+        let ttl_ms = u64::try_from(ttl.as_millis()).unwrap_or(u64::MAX).max(1);
+        let mut connection = self.connection.clone();
+        let written: i64 = self
+            .script
+            .key(&key)
+            .arg(version.unwrap_or(""))
+            .arg(value)
+            .arg(ttl_ms)
+            .invoke_async(&mut connection)
+            .await
+            .map_err(|e| self.error(&e))?;
+        Ok(written == 1)
+    }
+
+    async fn records(&self, prefix: &str, limit: usize) -> Result<Vec<Record>, StoreError> {
+        let pattern = format!("{}{prefix}*", self.prefix);
+        let mut connection = self.connection.clone();
+        let mut cursor = 0u64;
+        let mut keys: Vec<String> = Vec::new();
+        // Bounded: at most 64 rounds of SCAN, and `limit` keys.
+        for _ in 0..64 {
+            let (next, found): (u64, Vec<String>) = redis::cmd("SCAN")
+                .arg(cursor)
+                .arg("MATCH")
+                .arg(&pattern)
+                .arg("COUNT")
+                .arg(1000)
+                .query_async(&mut connection)
+                .await
+                .map_err(|e| self.error(&e))?;
+            keys.extend(found);
+            cursor = next;
+            if cursor == 0 || keys.len() >= limit {
+                break;
+            }
+        }
+        keys.truncate(limit);
+        let mut out = Vec::with_capacity(keys.len());
+        for key in keys {
+            if let Some(value) = self.get(&key).await? {
+                out.push(Record {
+                    version: sha1_smol::Sha1::from(&value).digest().to_string(),
+                    value,
+                });
+            }
+        }
+        Ok(out)
     }
 
     fn kind(&self) -> &'static str {

@@ -89,6 +89,19 @@ pub fn still_as_read(memory: Option<&Memory>, update: &Update) -> Result<(), Sto
     }
 }
 
+/// A record beside the sessions, as read: its value and its version (an
+/// opaque token that changes with every write).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Record {
+    pub value: Vec<u8>,
+    pub version: String,
+}
+
+/// What a store that keeps no records answers.
+fn no_records(kind: &str) -> StoreError {
+    StoreError::Unavailable(format!("the {kind} store keeps no records"))
+}
+
 /// A store of session memory.
 #[tonic::async_trait]
 pub trait SessionStore: Send + Sync + std::fmt::Debug {
@@ -121,6 +134,34 @@ pub trait SessionStore: Send + Sync + std::fmt::Debug {
     async fn agree_on_secret(&self, check: &str) -> Result<SecretAgreement, StoreError> {
         let _ = check;
         Ok(SecretAgreement::First)
+    }
+
+    /// A small record beside the sessions (an approval request, R35) at
+    /// `name` (under the store's prefix), with its version.
+    async fn record(&self, name: &str) -> Result<Option<Record>, StoreError> {
+        let _ = name;
+        Err(no_records(self.kind()))
+    }
+
+    /// Writes `value` at `name` to live `ttl`, when the record there is
+    /// still at `version` (`None`: when there is none): the atomic
+    /// check-and-record that makes an approval single use across replicas
+    /// (R35). `Ok(false)`: it changed since it was read; nothing written.
+    async fn put_record(
+        &self,
+        name: &str,
+        version: Option<&str>,
+        value: Vec<u8>,
+        ttl: Duration,
+    ) -> Result<bool, StoreError> {
+        let _ = (name, version, value, ttl);
+        Err(no_records(self.kind()))
+    }
+
+    /// The records whose names begin with `prefix`, at most `limit`.
+    async fn records(&self, prefix: &str, limit: usize) -> Result<Vec<Record>, StoreError> {
+        let _ = (prefix, limit);
+        Err(no_records(self.kind()))
     }
 
     /// Its kind, for logs and metrics: `memory`, `etcd`.

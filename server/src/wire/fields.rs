@@ -47,6 +47,8 @@ pub(crate) mod verdict {
     /// The `rewrite` of the `outcome` oneof.
     pub(crate) const REWRITE: u32 = 3;
     pub(crate) const LABELS: u32 = 4;
+    /// The `ask` of the `outcome` oneof (R35).
+    pub(crate) const ASK: u32 = 5;
 }
 
 /// `Rewrite`.
@@ -188,6 +190,10 @@ mod tests {
         assert_eq!(
             only(|m| m.labels = vec!["l".into()]),
             (verdict::LABELS, LEN)
+        );
+        assert_eq!(
+            only(|m| m.outcome = Some(Outcome::Ask(Default::default()))),
+            (verdict::ASK, LEN)
         );
         let tool = Rewrite {
             tool: Some(String::new()),

@@ -118,14 +118,19 @@ pub struct Answer {
 }
 
 /// The fields of a `Verdict` that this mesh knows, `rewrite` aside.
-const VERDICT_FIELDS: [u32; 3] = [verdict::CALL_ID, verdict::SKIP, verdict::LABELS];
+const VERDICT_FIELDS: [u32; 4] = [
+    verdict::CALL_ID,
+    verdict::SKIP,
+    verdict::LABELS,
+    verdict::ASK,
+];
 
 /// The fields of a `Rewrite`.
 const REWRITE_FIELDS: [u32; 2] = [rewrite::TOOL, rewrite::ARGUMENTS];
 
 /// Finds the first field of a verdict in a `JudgeResponse`'s bytes that
 /// this mesh does not know: a `Verdict` field other than `call_id`,
-/// `skip`, `rewrite` and `labels` (such as a new outcome), or a `Rewrite` field
+/// `skip`, `rewrite`, `labels` and `ask` (such as a new outcome), or a `Rewrite` field
 /// other than `tool` and `arguments` (a rewrite is applied whole or not
 /// at all). Unknown fields elsewhere, inside a `Skip` included, do not
 /// change what the verdict means for the call and are ignored: a skip

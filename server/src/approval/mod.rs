@@ -1,0 +1,564 @@
+//! Approvals (R35): a guard's *ask*, the request a person answers, and the
+//! one use of its approval.
+//!
+//! * An ask fixes its call as a skip does in the chain's order (R3: an
+//!   earlier skip wins over a later ask, an earlier ask over a later skip);
+//!   its decision is `ask`, never proceed. After judging, [`settle`] makes
+//!   the request: an id, and what it is bound to (the call's digest as the
+//!   guard judged it, the session, the chain revision, the guard, an
+//!   expiry), written to the session store.
+//! * An approver answers it ([`answer`]): pending to approved or denied,
+//!   by a compare-and-swap on the record, so two answers cannot both win.
+//! * A batch that names the approval for a call ([`resolve`], before
+//!   judging) has it checked: its session, its chain revision, its state
+//!   and expiry. A valid approval stands in for the guard that asked
+//!   (which is not consulted again for that call, when the call it would
+//!   see has the approved digest); the guards after it judge as usual. A
+//!   denied or expired request cancels the call; a pending one asks again
+//!   with the same request. Anything else is refused with its reason and
+//!   the call is judged as if no approval were named.
+//! * When a call proceeds on an approval, [`settle`] records the use by a
+//!   compare-and-swap from approved to used before the answer leaves: of
+//!   two replicas racing one approval, one writes and the other's call is
+//!   cancelled. A store that cannot be read or written never lets a call
+//!   through on an approval (R13: could not judge is not proceed).
+
+pub mod record;
+
+use crate::session::{SessionKey, SessionMemory, StoreError};
+use guardmesh_proto::v1::{
+    Action, ApprovalRequest, ApprovalState, BatchDecision, CallDecision, SkipKind,
+};
+use record::{Standing, Stored};
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+use tonic::Status;
+
+/// What the mesh holds of approvals: the settings, and counters.
+#[derive(Debug)]
+pub struct Approvals {
+    pub settings: Settings,
+    pub stats: Stats,
+}
+
+/// The `[approvals]` settings.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Settings {
+    /// How long a request may wait for its answer and its use.
+    pub ttl: Duration,
+    /// Requests one session may have waiting at once; past it an ask
+    /// cancels its call (R25: a flood of asks is bounded).
+    pub max_open_per_session: usize,
+}
+
+impl Default for Settings {
+    fn default() -> Self {
+        Self {
+            ttl: Duration::from_secs(600),
+            max_open_per_session: 16,
+        }
+    }
+}
+
+/// How long a record is kept past its expiry, so that a late or replayed
+/// use is refused as used or expired rather than unknown.
+const RETENTION: Duration = Duration::from_secs(3600);
+
+/// Counters, read by the metrics.
+#[derive(Debug, Default)]
+pub struct Stats {
+    pub asked: AtomicU64,
+    pub approved: AtomicU64,
+    pub denied: AtomicU64,
+    pub used: AtomicU64,
+    pub refused: AtomicU64,
+    pub expired: AtomicU64,
+    /// Asks turned into cancels: the session's bound, or a store that
+    /// could not record them.
+    pub unrecorded: AtomicU64,
+}
+
+impl Approvals {
+    pub fn new(settings: Settings) -> Self {
+        Self {
+            settings,
+            stats: Stats::default(),
+        }
+    }
+}
+
+/// What an approval named by a batch comes to for its call, before judging.
+#[derive(Debug, Clone)]
+pub enum StandIn {
+    /// Valid: guard `guard` is not consulted for the call when the call it
+    /// would see has `digest`.
+    Approved {
+        guard: String,
+        digest: String,
+        id: String,
+    },
+    /// The call is decided before any guard: denied or expired (a cancel
+    /// by `guard`), or still pending (asked again, same request).
+    Fixed {
+        guard: String,
+        content: String,
+        kind: SkipKind,
+        pending: Option<Box<ApprovalRequest>>,
+    },
+}
+
+/// One call's approval, resolved: what stands in, or why it does not.
+#[derive(Debug, Clone, Default)]
+pub struct Resolved {
+    pub stand_in: Option<StandIn>,
+    pub refused: Option<String>,
+}
+
+/// Why a batch's approvals map is refused whole (INVALID_ARGUMENT).
+pub fn check_map(
+    approvals: &HashMap<String, String>,
+    call_ids: &[&str],
+) -> Result<(), crate::admit::Refusal> {
+    for call_id in approvals.keys() {
+        if !call_ids.contains(&call_id.as_str()) {
+            let shown: String = call_id.chars().take(64).collect();
+            return Err(crate::admit::Refusal::Invalid(crate::validate::Refusal {
+                reason: "approval_unknown_call",
+                status: Status::invalid_argument(format!(
+                    "approvals names call {shown:?}, which is not in the batch"
+                )),
+            }));
+        }
+    }
+    Ok(())
+}
+
+/// Resolves the approvals a batch names (R35), one per call in call order,
+/// against its session and the chain revision it will be judged under.
+pub async fn resolve(
+    sessions: &SessionMemory,
+    approvals: &Approvals,
+    key: &SessionKey,
+    named: &HashMap<String, String>,
+    call_ids: &[&str],
+    revision: u64,
+) -> Vec<Resolved> {
+    let mut out = vec![Resolved::default(); call_ids.len()];
+    if named.is_empty() {
+        return out;
+    }
+    let session_name = sessions.stored_name(key);
+    let now = crate::session::now_ms();
+    for (i, call_id) in call_ids.iter().enumerate() {
+        let Some(id) = named.get(*call_id) else {
+            continue;
+        };
+        let resolved = resolve_one(sessions, id, &session_name, revision, now).await;
+        if resolved.refused.is_some() {
+            approvals.stats.refused.fetch_add(1, Ordering::Relaxed);
+        }
+        out[i] = resolved;
+    }
+    out
+}
+
+fn refused(why: impl Into<String>) -> Resolved {
+    Resolved {
+        stand_in: None,
+        refused: Some(why.into()),
+    }
+}
+
+async fn resolve_one(
+    sessions: &SessionMemory,
+    id: &str,
+    session_name: &str,
+    revision: u64,
+    now: u64,
+) -> Resolved {
+    if !record::well_formed(id) {
+        return refused("not an approval request id (64 lowercase hex digits)");
+    }
+    // The id carries its session: one of another session (or identity)
+    // is refused without a read.
+    if !session_name.starts_with(&id[..32]) {
+        return refused("the approval request belongs to another session");
+    }
+    let read = sessions
+        .bounded(sessions.store().record(&record::name(id)))
+        .await;
+    let stored = match read {
+        Ok(Some(found)) => match Stored::from_json(&found.value) {
+            Ok(stored) => stored,
+            Err(why) => return refused(format!("the approval cannot be read: {why}")),
+        },
+        Ok(None) => return refused("no such approval request (never made, or long expired)"),
+        Err(error) => return refused(format!("the approval could not be checked: {error}")),
+    };
+    if stored.id != id || stored.session_name != session_name {
+        return refused("the approval request belongs to another session");
+    }
+    let expired = || {
+        format!(
+            "Tool call blocked: approval request {} expired before anyone approved it, \
+             so the guard {} falls back to cancel. Ask again if it is still needed.",
+            stored.id, stored.guard
+        )
+    };
+    match stored.state(now) {
+        ApprovalState::Denied => Resolved {
+            stand_in: Some(StandIn::Fixed {
+                guard: stored.guard.clone(),
+                content: if stored.note.is_empty() {
+                    "Tool call blocked: an approver denied it. Do not retry it.".to_owned()
+                } else {
+                    format!(
+                        "Tool call blocked: an approver denied it ({}). Do not retry it.",
+                        stored.note
+                    )
+                },
+                kind: SkipKind::Cancel,
+                pending: None,
+            }),
+            refused: None,
+        },
+        ApprovalState::Expired if stored.standing == Standing::Pending => Resolved {
+            stand_in: Some(StandIn::Fixed {
+                guard: stored.guard.clone(),
+                content: expired(),
+                kind: SkipKind::Cancel,
+                pending: None,
+            }),
+            refused: Some("the approval request expired unanswered".into()),
+        },
+        ApprovalState::Expired => refused("the approval expired before it was used"),
+        ApprovalState::Used => refused("the approval was already used"),
+        _ if stored.chain_revision != revision => refused(format!(
+            "the chain changed since the request (revision {}, now {revision}): asked again",
+            stored.chain_revision
+        )),
+        ApprovalState::Pending => Resolved {
+            stand_in: Some(StandIn::Fixed {
+                guard: stored.guard.clone(),
+                content: waiting_content(&stored.guard),
+                kind: SkipKind::Cancel,
+                pending: Some(Box::new(stored.to_wire(now))),
+            }),
+            refused: Some("the approval request is not answered yet".into()),
+        },
+        ApprovalState::Approved => Resolved {
+            stand_in: Some(StandIn::Approved {
+                guard: stored.guard,
+                digest: stored.digest,
+                id: stored.id,
+            }),
+            refused: None,
+        },
+        ApprovalState::Unspecified => refused("the approval request is in no known state"),
+    }
+}
+
+/// What the model reads while a call waits for a person.
+pub fn waiting_content(guard: &str) -> String {
+    format!(
+        "Tool call paused: the guard {guard} asks a person to approve it first. \
+         It has not run. Wait for the approval, then make the same call again."
+    )
+}
+
+/// After judging, before the record and the answer (R35, R29): records the
+/// use of each approval a proceeding call ran on (a call whose use cannot
+/// be recorded is cancelled), then makes the request of each new ask (an
+/// ask that cannot be recorded, or past the session's bound, is
+/// cancelled).
+pub async fn settle(
+    sessions: &SessionMemory,
+    approvals: &Approvals,
+    key: &SessionKey,
+    asked_by: &str,
+    decision: &mut BatchDecision,
+) {
+    let now = crate::session::now_ms();
+    let mut cancelled = false;
+    for d in &mut decision.decisions {
+        if d.action == Action::Proceed as i32 && !d.approved_by_request.is_empty() {
+            match use_approval(sessions, &d.approved_by_request, now).await {
+                Ok(()) => {
+                    approvals.stats.used.fetch_add(1, Ordering::Relaxed);
+                }
+                Err(why) => {
+                    approvals.stats.refused.fetch_add(1, Ordering::Relaxed);
+                    tracing::warn!(call_id = %d.call_id, why = %why, "an approval could not be used");
+                    d.action = Action::Cancel as i32;
+                    d.content = format!(
+                        "Tool call blocked: its approval could not be used ({why}). It did not run."
+                    );
+                    d.approval_refused = why;
+                    d.approved_by_request.clear();
+                    d.failure = true;
+                    cancelled = true;
+                }
+            }
+        }
+    }
+    if cancelled {
+        let runs: Vec<&CallDecision> = decision
+            .decisions
+            .iter()
+            .filter(|d| d.action == Action::Proceed as i32)
+            .collect();
+        decision.execute = runs.iter().filter_map(|d| d.call.clone()).collect();
+    }
+    if !decision.decisions.iter().any(|d| {
+        d.action == Action::Ask as i32 && d.approval.as_ref().is_some_and(|a| a.id.is_empty())
+    }) {
+        return;
+    }
+    let session_name = sessions.stored_name(key);
+    let prefix = format!(
+        "{}{}/",
+        record::PREFIX,
+        &session_name[..32.min(session_name.len())]
+    );
+    let max = approvals.settings.max_open_per_session;
+    let mut open = match sessions
+        .bounded(
+            sessions
+                .store()
+                .records(&prefix, max.saturating_mul(4).max(64)),
+        )
+        .await
+    {
+        Ok(records) => Ok(records
+            .iter()
+            .filter_map(|r| Stored::from_json(&r.value).ok())
+            .filter(|s| s.session_name == session_name && s.state(now) == ApprovalState::Pending)
+            .count()),
+        Err(error) => Err(error),
+    };
+    let session_id = key.session_id.clone();
+    for d in &mut decision.decisions {
+        let Some(approval) = d.approval.as_mut() else {
+            continue;
+        };
+        if d.action != Action::Ask as i32 || !approval.id.is_empty() {
+            continue;
+        }
+        let unrecorded = |d: &mut CallDecision, why: String| {
+            d.action = Action::Cancel as i32;
+            d.content = format!(
+                "Tool call blocked: the guard {} asks a person to approve it, but {why}. \
+                 It did not run.",
+                d.decided_by
+            );
+            d.approval = None;
+            d.failure = true;
+        };
+        let count = match &open {
+            Ok(count) => *count,
+            Err(error) => {
+                approvals.stats.unrecorded.fetch_add(1, Ordering::Relaxed);
+                unrecorded(d, format!("the request could not be recorded ({error})"));
+                continue;
+            }
+        };
+        if count >= max {
+            approvals.stats.unrecorded.fetch_add(1, Ordering::Relaxed);
+            unrecorded(
+                d,
+                format!(
+                    "this session already has {max} approval requests waiting \
+                     (approvals.max_open_per_session)"
+                ),
+            );
+            continue;
+        }
+        let call = d.call.clone().unwrap_or_default();
+        let stored = Stored {
+            id: record::new_id(&session_name),
+            guard: approval.guard.clone(),
+            reason: record::clip(&approval.reason),
+            digest: approval.digest.clone(),
+            session_id: session_id.clone(),
+            session_name: session_name.clone(),
+            chain_revision: decision.chain_revision,
+            asked_at_ms: now,
+            expires_at_ms: now.saturating_add(
+                u64::try_from(approvals.settings.ttl.as_millis()).unwrap_or(u64::MAX),
+            ),
+            asked_by: asked_by.to_owned(),
+            tool: call.tool,
+            arguments: call.arguments,
+            standing: Standing::Pending,
+            answered_by: String::new(),
+            note: String::new(),
+            answered_at_ms: 0,
+            used_at_ms: 0,
+        };
+        let written = sessions
+            .bounded(sessions.store().put_record(
+                &record::name(&stored.id),
+                None,
+                stored.to_json(),
+                approvals.settings.ttl + RETENTION,
+            ))
+            .await;
+        match written {
+            Ok(true) => {
+                approvals.stats.asked.fetch_add(1, Ordering::Relaxed);
+                *approval = stored.to_wire(now);
+                if let Ok(count) = &mut open {
+                    *count += 1;
+                }
+            }
+            Ok(false) => {
+                approvals.stats.unrecorded.fetch_add(1, Ordering::Relaxed);
+                unrecorded(d, "a request with its id already exists".into());
+            }
+            Err(error) => {
+                approvals.stats.unrecorded.fetch_add(1, Ordering::Relaxed);
+                unrecorded(d, format!("the request could not be recorded ({error})"));
+            }
+        }
+    }
+}
+
+/// Approved to used, by compare-and-swap; `Err` with why not.
+async fn use_approval(sessions: &SessionMemory, id: &str, now: u64) -> Result<(), String> {
+    let name = record::name(id);
+    let found = sessions
+        .bounded(sessions.store().record(&name))
+        .await
+        .map_err(|e| format!("the store could not be read: {e}"))?
+        .ok_or_else(|| "the approval request is gone".to_owned())?;
+    let mut stored = Stored::from_json(&found.value)?;
+    match stored.state(now) {
+        ApprovalState::Approved => {}
+        ApprovalState::Used => return Err("the approval was already used".into()),
+        ApprovalState::Expired => return Err("the approval expired before it was used".into()),
+        other => return Err(format!("the approval request is {other}")),
+    }
+    stored.standing = Standing::Used;
+    stored.used_at_ms = now;
+    let ttl = Duration::from_millis(stored.expires_at_ms.saturating_sub(now)) + RETENTION;
+    match sessions
+        .bounded(
+            sessions
+                .store()
+                .put_record(&name, Some(&found.version), stored.to_json(), ttl),
+        )
+        .await
+    {
+        Ok(true) => Ok(()),
+        Ok(false) => Err("the approval was already used".into()),
+        Err(e) => Err(format!("its use could not be recorded: {e}")),
+    }
+}
+
+/// An approver's answer to request `id` (R35): pending to approved or
+/// denied. `approver` is the caller's identity (empty on a mesh without
+/// identities).
+pub async fn answer(
+    sessions: &SessionMemory,
+    approvals: &Approvals,
+    id: &str,
+    approve: bool,
+    note: &str,
+    approver: &str,
+) -> Result<ApprovalRequest, Status> {
+    if !record::well_formed(id) {
+        return Err(Status::invalid_argument(
+            "id: not an approval request id (64 lowercase hex digits)",
+        ));
+    }
+    let name = record::name(id);
+    let now = crate::session::now_ms();
+    let found = sessions
+        .bounded(sessions.store().record(&name))
+        .await
+        .map_err(store_status)?
+        .ok_or_else(|| Status::not_found(format!("no approval request {id}")))?;
+    let mut stored = Stored::from_json(&found.value).map_err(Status::data_loss)?;
+    match stored.state(now) {
+        ApprovalState::Pending => {}
+        ApprovalState::Expired => {
+            approvals.stats.expired.fetch_add(1, Ordering::Relaxed);
+            return Err(Status::failed_precondition(format!(
+                "approval request {id} expired unanswered"
+            )));
+        }
+        other => {
+            return Err(Status::failed_precondition(format!(
+                "approval request {id} is already answered: {other}"
+            )));
+        }
+    }
+    if !approver.is_empty() && approver == stored.asked_by {
+        return Err(Status::permission_denied(format!(
+            "{approver} asked for this call and may not approve it too"
+        )));
+    }
+    stored.standing = if approve {
+        Standing::Approved
+    } else {
+        Standing::Denied
+    };
+    stored.answered_by = approver.to_owned();
+    stored.note = record::clip(note);
+    stored.answered_at_ms = now;
+    let ttl = Duration::from_millis(stored.expires_at_ms.saturating_sub(now)) + RETENTION;
+    let written = sessions
+        .bounded(
+            sessions
+                .store()
+                .put_record(&name, Some(&found.version), stored.to_json(), ttl),
+        )
+        .await
+        .map_err(store_status)?;
+    if !written {
+        return Err(Status::aborted(format!(
+            "approval request {id} changed while it was answered; read it again"
+        )));
+    }
+    let counter = if approve {
+        &approvals.stats.approved
+    } else {
+        &approvals.stats.denied
+    };
+    counter.fetch_add(1, Ordering::Relaxed);
+    Ok(stored.to_wire(now))
+}
+
+/// The requests the store holds, filtered, pending first then newest
+/// first, at most `limit`.
+pub async fn list(
+    sessions: &SessionMemory,
+    state: ApprovalState,
+    session_id: &str,
+    limit: usize,
+) -> Result<Vec<ApprovalRequest>, Status> {
+    let now = crate::session::now_ms();
+    let records = sessions
+        .bounded(sessions.store().records(record::PREFIX, 10_000))
+        .await
+        .map_err(store_status)?;
+    let mut found: Vec<Stored> = records
+        .iter()
+        .filter_map(|r| Stored::from_json(&r.value).ok())
+        .filter(|s| state == ApprovalState::Unspecified || s.state(now) == state)
+        .filter(|s| session_id.is_empty() || s.session_id == session_id)
+        .collect();
+    found.sort_by_key(|s| {
+        (
+            s.state(now) != ApprovalState::Pending,
+            std::cmp::Reverse(s.asked_at_ms),
+        )
+    });
+    found.truncate(limit);
+    Ok(found.iter().map(|s| s.to_wire(now)).collect())
+}
+
+fn store_status(error: StoreError) -> Status {
+    Status::unavailable(format!("approvals: {error}"))
+}

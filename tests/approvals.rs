@@ -1,0 +1,512 @@
+//! Approvals (R35) through a real mesh and real guards on loopback, from
+//! the Rust SDK: a guard asks, an approver answers, the coordinator sends
+//! the same call again with the approval. Each test names the rule.
+
+use crate::harness::*;
+use guardmesh_client::proto::{ApprovalState, TraceStatus};
+use guardmesh_client::verdict::{ask, steer};
+use guardmesh_client::{Approver, Batch, BatchDecision, Outcome, Registration, Session};
+use std::time::Duration;
+
+/// A guard that asks about refunds over 1,000 and proceeds otherwise.
+async fn refund_guard() -> TestGuard {
+    call_guard(Duration::ZERO, |call| {
+        let args: serde_json::Value = serde_json::from_str(&call.arguments).ok()?;
+        (call.tool == "refund" && args["amount"].as_f64().unwrap_or(0.0) > 1000.0)
+            .then(|| ask(&call.call_id, "refund over 1,000"))
+    })
+    .await
+}
+
+const REFUND: &str = r#"{"amount":1500,"to":"acct-1"}"#;
+
+async fn decide(session: &Session, batch: Batch) -> BatchDecision {
+    tokio::time::timeout(Duration::from_secs(10), session.evaluate(batch))
+        .await
+        .expect("answered within 10 s")
+        .expect("judged")
+}
+
+/// The id of the approval request the one call of `d` waits for.
+fn asked(d: &BatchDecision) -> String {
+    let call = &d.calls[0];
+    let approval = call
+        .ask()
+        .unwrap_or_else(|| panic!("an ask, not {:?}", call.outcome));
+    assert!(!call.proceeds());
+    assert!(d.execute.is_empty(), "an ask runs nothing");
+    assert_eq!(approval.state, ApprovalState::Pending as i32);
+    approval.id.clone()
+}
+
+/// R35: the ask, its approval and one run of the same call; a second use
+/// of the approval is refused (the guard asks again); the decision says
+/// why and the trace names what the approval stood in for.
+#[tokio::test]
+async fn r35_approved_call_runs_once_and_a_second_use_asks_again() {
+    let mesh = TestMesh::start().await;
+    let guard = refund_guard().await;
+    mesh.register(Registration::validate("refunds", &guard.url))
+        .await;
+    let session = mesh.coordinator().await.session("s1").await.unwrap();
+    let d = decide(&session, Batch::turn(0).call("c1", "refund", REFUND)).await;
+    let id = asked(&d);
+    let approval = d.calls[0].ask().unwrap();
+    assert_eq!(approval.guard, "refunds");
+    assert_eq!(approval.reason, "refund over 1,000");
+    assert_eq!(approval.session_id, "s1");
+    assert_eq!(approval.chain_revision, d.chain_revision);
+    assert_eq!(approval.digest.len(), 64);
+    assert!(
+        matches!(&d.calls[0].outcome, Outcome::Ask { content, .. } if content.contains("approve"))
+    );
+    assert_eq!(status_of(&d, "refunds"), TraceStatus::Asked);
+    assert_eq!(d.guard("refunds").unwrap().asked_call_ids, ["c1"]);
+
+    // Sent again before anyone answered: still waiting, same request.
+    let d = decide(
+        &session,
+        Batch::turn(1)
+            .call("c1", "refund", REFUND)
+            .approval("c1", &id),
+    )
+    .await;
+    assert_eq!(asked(&d), id);
+
+    let approver = Approver::connect(&mesh.url).await.unwrap();
+    let pending = approver.pending().await.unwrap();
+    assert!(pending.iter().any(|r| r.id == id), "{pending:?}");
+    let answered = approver.approve(&id, "checked").await.unwrap();
+    assert_eq!(answered.state, ApprovalState::Approved as i32);
+    let requests_before = guard.guard.requests();
+
+    let d = decide(
+        &session,
+        Batch::turn(2)
+            .call("c2", "refund", r#"{"to":"acct-1","amount":1500}"#)
+            .approval("c2", &id),
+    )
+    .await;
+    assert!(d.calls[0].proceeds(), "{:?}", d.calls[0]);
+    assert_eq!(d.execute.len(), 1);
+    assert_eq!(d.calls[0].approved_by_request.as_deref(), Some(id.as_str()));
+    assert_eq!(
+        guard.guard.requests(),
+        requests_before,
+        "the guard that asked is not consulted again"
+    );
+    assert_eq!(d.guard("refunds").unwrap().approved_call_ids, ["c2"]);
+
+    // The second use: refused, and the guard asks again (a new request).
+    let d = decide(
+        &session,
+        Batch::turn(3)
+            .call("c3", "refund", REFUND)
+            .approval("c3", &id),
+    )
+    .await;
+    let again = asked(&d);
+    assert_ne!(again, id);
+    assert_eq!(
+        d.calls[0].approval_refused.as_deref(),
+        Some("the approval was already used")
+    );
+    let used = approver.list(ApprovalState::Used, "s1", 0).await.unwrap();
+    assert_eq!(used.len(), 1);
+    assert_eq!(used[0].id, id);
+}
+
+/// R35: an approval is bound to the call's digest: other arguments or
+/// another tool is another call, asked about again; its session: another
+/// session's approval is refused; never a proceed without a valid approval.
+#[tokio::test]
+async fn r35_an_approval_holds_only_for_the_same_call_in_the_same_session() {
+    let mesh = TestMesh::start().await;
+    let guard = call_guard(Duration::ZERO, |call| {
+        call.tool
+            .starts_with("refund")
+            .then(|| ask(&call.call_id, "refunds need a person"))
+    })
+    .await;
+    mesh.register(Registration::validate("refunds", &guard.url))
+        .await;
+    let coordinator = mesh.coordinator().await;
+    let session = coordinator.session("s1").await.unwrap();
+    let id = asked(&decide(&session, Batch::turn(0).call("c1", "refund", REFUND)).await);
+    Approver::connect(&mesh.url)
+        .await
+        .unwrap()
+        .approve(&id, "")
+        .await
+        .unwrap();
+
+    for (tool, args, why) in [
+        (
+            "refund",
+            r#"{"amount":1501,"to":"acct-1"}"#,
+            "digest differs",
+        ),
+        ("refund_all", REFUND, "digest differs"),
+    ] {
+        let d = decide(
+            &session,
+            Batch::turn(1).call("c", tool, args).approval("c", &id),
+        )
+        .await;
+        asked(&d);
+        let refused = d.calls[0].approval_refused.clone().unwrap_or_default();
+        assert!(refused.contains(why), "{tool} {args}: {refused}");
+    }
+    let other = coordinator.session("s2").await.unwrap();
+    let d = decide(
+        &other,
+        Batch::turn(0)
+            .call("c1", "refund", REFUND)
+            .approval("c1", &id),
+    )
+    .await;
+    asked(&d);
+    assert!(
+        d.calls[0]
+            .approval_refused
+            .as_deref()
+            .unwrap_or_default()
+            .contains("another session"),
+        "{:?}",
+        d.calls[0]
+    );
+    // Forged ids: not of the form, or of nobody.
+    for forged in [
+        "../../x",
+        &"0".repeat(64),
+        &format!("{}{}", &id[..32], "f".repeat(32)),
+    ] {
+        let d = decide(
+            &session,
+            Batch::turn(2)
+                .call("c1", "refund", REFUND)
+                .approval("c1", forged),
+        )
+        .await;
+        asked(&d);
+        assert!(d.calls[0].approval_refused.is_some(), "{forged}");
+    }
+    // Still unused: the same call runs on it once.
+    let d = decide(
+        &session,
+        Batch::turn(3)
+            .call("c1", "refund", REFUND)
+            .approval("c1", &id),
+    )
+    .await;
+    assert!(d.calls[0].proceeds(), "{:?}", d.calls[0]);
+}
+
+/// R35: the guards after the one that asked still judge the approved
+/// call; an earlier skip wins over a later ask, an earlier ask over a
+/// later skip (R3); a denied request cancels its call.
+#[tokio::test]
+async fn r35_r3_asks_order_as_skips_and_later_guards_still_judge() {
+    let mesh = TestMesh::start().await;
+    let asker = refund_guard().await;
+    let later = call_guard(Duration::ZERO, |call| {
+        call.arguments
+            .contains("acct-9")
+            .then(|| steer(&call.call_id, "acct-9 is closed"))
+    })
+    .await;
+    mesh.register(Registration::validate("refunds", &asker.url))
+        .await;
+    mesh.register(Registration::validate("accounts", &later.url))
+        .await;
+    let session = mesh.coordinator().await.session("s").await.unwrap();
+    let closed = r#"{"amount":1500,"to":"acct-9"}"#;
+    // The earlier guard asks, the later one would steer: the ask decides.
+    let d = decide(&session, Batch::turn(0).call("c1", "refund", closed)).await;
+    let id = asked(&d);
+    let approver = Approver::connect(&mesh.url).await.unwrap();
+    approver.approve(&id, "fine by me").await.unwrap();
+    // Approved: the later guard still judges it, and steers.
+    let d = decide(
+        &session,
+        Batch::turn(1)
+            .call("c1", "refund", closed)
+            .approval("c1", &id),
+    )
+    .await;
+    assert!(
+        matches!(&d.calls[0].outcome, Outcome::Steer { content } if content == "acct-9 is closed"),
+        "{:?}",
+        d.calls[0]
+    );
+    assert_eq!(d.calls[0].decided_by.as_deref(), Some("accounts"));
+
+    // Denied: cancelled, no guard consulted.
+    let d = decide(&session, Batch::turn(2).call("c2", "refund", REFUND)).await;
+    let denied = asked(&d);
+    let answered = approver.deny(&denied, "not this month").await.unwrap();
+    assert_eq!(answered.state, ApprovalState::Denied as i32);
+    let requests = asker.guard.requests();
+    let d = decide(
+        &session,
+        Batch::turn(3)
+            .call("c2", "refund", REFUND)
+            .approval("c2", &denied),
+    )
+    .await;
+    match &d.calls[0].outcome {
+        Outcome::Cancel { content } => assert!(content.contains("not this month"), "{content}"),
+        other => panic!("denied must cancel, not {other:?}"),
+    }
+    assert_eq!(asker.guard.requests(), requests);
+    // A second answer is refused, naming the state.
+    let again = approver.approve(&denied, "").await.unwrap_err().to_string();
+    assert!(again.contains("already answered"), "{again}");
+    let unknown = approver
+        .approve("0".repeat(64), "")
+        .await
+        .unwrap_err()
+        .to_string();
+    assert!(unknown.contains("no approval request"), "{unknown}");
+}
+
+/// R35: a changed chain means ask again; an approval past its expiry is
+/// refused, and a request nobody answered expires into a cancel; a flood
+/// of asks is bounded per session (`max_open_per_session`).
+#[tokio::test]
+async fn r35_a_changed_chain_or_an_expiry_asks_again_and_asks_are_bounded() {
+    let mut config = fast_config();
+    config.approvals.ttl = Duration::from_millis(1500);
+    config.approvals.max_open_per_session = 3;
+    let mesh = TestMesh::with_config(config).await;
+    let guard = refund_guard().await;
+    mesh.register(Registration::validate("refunds", &guard.url))
+        .await;
+    let session = mesh.coordinator().await.session("s").await.unwrap();
+    let approver = Approver::connect(&mesh.url).await.unwrap();
+
+    // The chain changes between the approval and its use.
+    let id = asked(&decide(&session, Batch::turn(0).call("c1", "refund", REFUND)).await);
+    approver.approve(&id, "").await.unwrap();
+    let other = proceed_guard().await;
+    mesh.register(Registration::validate("audit", &other.url))
+        .await;
+    let d = decide(
+        &session,
+        Batch::turn(1)
+            .call("c1", "refund", REFUND)
+            .approval("c1", &id),
+    )
+    .await;
+    let again = asked(&d);
+    assert!(
+        d.calls[0]
+            .approval_refused
+            .as_deref()
+            .unwrap_or_default()
+            .contains("chain changed"),
+        "{:?}",
+        d.calls[0]
+    );
+
+    // Nobody answers: past the expiry the request cancels its call, and
+    // an approver can no longer answer it.
+    let approved = asked(&decide(&session, Batch::turn(2).call("c2", "refund", REFUND)).await);
+    approver.approve(&approved, "").await.unwrap();
+    tokio::time::sleep(Duration::from_millis(1700)).await;
+    let d = decide(
+        &session,
+        Batch::turn(3)
+            .call("c1", "refund", REFUND)
+            .approval("c1", &again),
+    )
+    .await;
+    assert!(
+        matches!(&d.calls[0].outcome, Outcome::Cancel { content } if content.contains("expired")),
+        "{:?}",
+        d.calls[0]
+    );
+    let late = approver.approve(&again, "").await.unwrap_err().to_string();
+    assert!(late.contains("expired"), "{late}");
+    // Approved, but used after the expiry: refused, asked again.
+    let d = decide(
+        &session,
+        Batch::turn(4)
+            .call("c2", "refund", REFUND)
+            .approval("c2", &approved),
+    )
+    .await;
+    asked(&d);
+    assert!(
+        d.calls[0]
+            .approval_refused
+            .as_deref()
+            .unwrap_or_default()
+            .contains("expired"),
+        "{:?}",
+        d.calls[0]
+    );
+
+    // A flood of asks in a fresh session: three wait, the rest cancel,
+    // saying why.
+    let flood = mesh.coordinator().await.session("flood").await.unwrap();
+    let mut batch = Batch::turn(0);
+    for i in 0..6 {
+        batch = batch.call(format!("c{i}"), "refund", REFUND);
+    }
+    let d = decide(&flood, batch).await;
+    let asks = d.calls.iter().filter(|c| c.ask().is_some()).count();
+    assert_eq!(asks, 3, "{:?}", d.calls);
+    for call in d.calls.iter().filter(|c| c.ask().is_none()) {
+        match &call.outcome {
+            Outcome::Cancel { content } => {
+                assert!(content.contains("max_open_per_session"), "{content}");
+            }
+            other => panic!("past the bound an ask cancels, not {other:?}"),
+        }
+    }
+    assert!(d.execute.is_empty());
+}
+
+/// R35: one approval raced by many batches at once: exactly one runs.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn r35_one_approval_raced_runs_exactly_once() {
+    let mesh = TestMesh::start().await;
+    let guard = refund_guard().await;
+    mesh.register(Registration::validate("refunds", &guard.url))
+        .await;
+    let coordinator = mesh.coordinator().await;
+    let approver = Approver::connect(&mesh.url).await.unwrap();
+    for round in 0..5u32 {
+        // A session per round: the racers that lose ask again, and a
+        // session holds at most 16 requests waiting.
+        let name = format!("s{round}");
+        let session = coordinator.session(&name).await.unwrap();
+        let id = asked(&decide(&session, Batch::turn(0).call("c", "refund", REFUND)).await);
+        approver.approve(&id, "").await.unwrap();
+        let mut racers = tokio::task::JoinSet::new();
+        for n in 0..20u32 {
+            let coordinator = coordinator.clone();
+            let id = id.clone();
+            let name = name.clone();
+            racers.spawn(async move {
+                coordinator
+                    .evaluate_once(
+                        &name,
+                        Batch::turn(n)
+                            .call("c", "refund", REFUND)
+                            .approval("c", &id),
+                    )
+                    .await
+                    .unwrap()
+            });
+        }
+        let mut ran = 0;
+        while let Some(d) = racers.join_next().await {
+            let d = d.unwrap();
+            if d.calls[0].proceeds() {
+                ran += 1;
+            } else {
+                assert!(d.execute.is_empty());
+            }
+        }
+        assert_eq!(ran, 1, "round {round}: one approval, {ran} runs");
+    }
+}
+
+/// R35, R24: on a mesh with principals, only the approver role answers;
+/// an identity may not approve its own ask.
+#[tokio::test]
+async fn r35_r24_only_approvers_answer_and_not_their_own_asks() {
+    let pki = TestPki::new();
+    let (mesh, url) = TestMesh::with_tokens(
+        &pki,
+        &[
+            ("agent", "agent-token", &["evaluate"]),
+            ("boss", "boss-token", &["approver"]),
+            ("solo", "solo-token", &["evaluate", "approver"]),
+            ("ops", "ops-token", &["register"]),
+        ],
+        "",
+    )
+    .await;
+    let guard = refund_guard().await;
+    let connect = |token: &str| pki.connection(None, Some(token));
+    guardmesh_client::Registrar::connect_with(&url, &connect("ops-token"))
+        .await
+        .unwrap()
+        .register(Registration::validate("refunds", &guard.url))
+        .await
+        .unwrap();
+    let agent = guardmesh_client::Coordinator::connect_with(&url, &connect("agent-token"))
+        .await
+        .unwrap();
+    let session = agent.session("s").await.unwrap();
+    let id = asked(&decide(&session, Batch::turn(0).call("c", "refund", REFUND)).await);
+    let as_agent = Approver::connect_with(&url, &connect("agent-token"))
+        .await
+        .unwrap();
+    let refused = as_agent.approve(&id, "").await.unwrap_err().to_string();
+    assert!(refused.contains("Approver role"), "{refused}");
+    let pending = Approver::connect_with(&url, &connect("boss-token"))
+        .await
+        .unwrap()
+        .pending()
+        .await
+        .unwrap();
+    assert!(pending.iter().any(|r| r.id == id && r.asked_by == "agent"));
+
+    // Asked by `solo`, which holds the approver role too: not its own.
+    let solo = guardmesh_client::Coordinator::connect_with(&url, &connect("solo-token"))
+        .await
+        .unwrap();
+    let solo_session = solo.session("t").await.unwrap();
+    let own = asked(&decide(&solo_session, Batch::turn(0).call("c", "refund", REFUND)).await);
+    let self_approval = Approver::connect_with(&url, &connect("solo-token"))
+        .await
+        .unwrap()
+        .approve(&own, "")
+        .await
+        .unwrap_err()
+        .to_string();
+    assert!(self_approval.contains("may not approve"), "{self_approval}");
+
+    let boss = Approver::connect_with(&url, &connect("boss-token"))
+        .await
+        .unwrap();
+    let answered = boss.approve(&id, "ok").await.unwrap();
+    assert_eq!(answered.answered_by, "boss");
+    let d = decide(
+        &session,
+        Batch::turn(1)
+            .call("c", "refund", REFUND)
+            .approval("c", &id),
+    )
+    .await;
+    assert!(d.calls[0].proceeds(), "{:?}", d.calls[0]);
+    drop(mesh);
+}
+
+/// R35, R20: an approval for a call the batch does not hold refuses the
+/// batch, naming the call.
+#[tokio::test]
+async fn r35_r20_an_approval_for_no_call_of_the_batch_is_refused() {
+    let mesh = TestMesh::start().await;
+    let guard = refund_guard().await;
+    mesh.register(Registration::validate("refunds", &guard.url))
+        .await;
+    let session = mesh.coordinator().await.session("s").await.unwrap();
+    let error = session
+        .evaluate(
+            Batch::turn(0)
+                .call("c1", "refund", REFUND)
+                .approval("nope", "0".repeat(64)),
+        )
+        .await
+        .unwrap_err()
+        .to_string();
+    assert!(
+        error.contains("\"nope\"") && error.contains("not in the batch"),
+        "{error}"
+    );
+}
