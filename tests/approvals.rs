@@ -510,3 +510,104 @@ async fn r35_r20_an_approval_for_no_call_of_the_batch_is_refused() {
         "{error}"
     );
 }
+
+/// R35 on two `guardmesh serve` replicas sharing a 3-member etcd (chain
+/// and sessions): asked on one, approved on the other; the same approval
+/// sent to both replicas at once, 20 times: exactly one use each time;
+/// a use on one is refused on the other.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn r35_two_replicas_on_etcd_let_one_approval_run_once() {
+    use crate::sessions_store::{etcd_registry, mesh_config, secret_file};
+    let cluster = crate::etcd::Cluster::start().await;
+    let urls = cluster.urls();
+    let dir = fresh_dir("approvals-etcd");
+    let secret = secret_file(&dir, "session.secret");
+    let prefix = "/t/approvals-etcd";
+    let sessions = format!(
+        "secret_file = {:?}\nstore_timeout_ms = 2000",
+        secret.display().to_string()
+    );
+    let a = MeshProcess::start(
+        "approvals-etcd-a",
+        &mesh_config(&dir, &etcd_registry(&urls[..1], prefix), &sessions),
+        None,
+    )
+    .await;
+    let b = MeshProcess::start(
+        "approvals-etcd-b",
+        &mesh_config(&dir, &etcd_registry(&urls[1..], prefix), &sessions),
+        None,
+    )
+    .await;
+    let guard = refund_guard().await;
+    guardmesh_client::Registrar::connect(a.url.clone())
+        .await
+        .unwrap()
+        .register(Registration::validate("refunds", &guard.url))
+        .await
+        .unwrap();
+    let (ca, cb) = (
+        guardmesh_client::Coordinator::connect(a.url.clone())
+            .await
+            .unwrap(),
+        guardmesh_client::Coordinator::connect(b.url.clone())
+            .await
+            .unwrap(),
+    );
+    // Both replicas judge under the same chain before the race starts.
+    let mut same = false;
+    for _ in 0..100 {
+        let (da, db) = (
+            ca.evaluate_once("warm", Batch::turn(0).call("c", "noop", "{}"))
+                .await
+                .unwrap(),
+            cb.evaluate_once("warm", Batch::turn(0).call("c", "noop", "{}"))
+                .await
+                .unwrap(),
+        );
+        if da.chain_revision == db.chain_revision && da.guard("refunds").is_some() {
+            same = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert!(same, "the replicas never judged under one chain");
+    let approver_b = Approver::connect(b.url.clone()).await.unwrap();
+    for round in 0..20u32 {
+        let name = format!("race-{round}");
+        let d = ca
+            .evaluate_once(&name, Batch::turn(0).call("c", "refund", REFUND))
+            .await
+            .unwrap();
+        let id = asked(&d);
+        approver_b.approve(&id, "race").await.unwrap();
+        let use_on = |c: &guardmesh_client::Coordinator| {
+            let (c, name, id) = (c.clone(), name.clone(), id.clone());
+            async move {
+                c.evaluate_once(
+                    &name,
+                    Batch::turn(1)
+                        .call("c", "refund", REFUND)
+                        .approval("c", &id),
+                )
+                .await
+                .unwrap()
+            }
+        };
+        let (da, db) = tokio::join!(use_on(&ca), use_on(&cb));
+        let ran = [&da, &db].iter().filter(|d| d.calls[0].proceeds()).count();
+        assert_eq!(
+            ran, 1,
+            "round {round}: {:?} / {:?}",
+            da.calls[0], db.calls[0]
+        );
+        for d in [&da, &db] {
+            if !d.calls[0].proceeds() {
+                assert!(d.execute.is_empty());
+                assert!(d.calls[0].approval_refused.is_some(), "{:?}", d.calls[0]);
+            }
+        }
+    }
+    drop((a, b, cluster));
+    let _ = std::fs::remove_dir_all(&dir);
+}
