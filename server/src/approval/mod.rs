@@ -267,6 +267,16 @@ pub fn waiting_content(guard: &str) -> String {
     )
 }
 
+/// Whether [`settle`] has anything to do: a call ran on an approval, or a
+/// guard asked.
+pub fn settles(decision: &BatchDecision) -> bool {
+    decision.decisions.iter().any(|d| {
+        !d.approved_by_request.is_empty()
+            || (d.action == Action::Ask as i32
+                && d.approval.as_ref().is_some_and(|a| a.id.is_empty()))
+    })
+}
+
 /// After judging, before the record and the answer (R35, R29): records the
 /// use of each approval a proceeding call ran on (a call whose use cannot
 /// be recorded is cancelled), then makes the request of each new ask (an

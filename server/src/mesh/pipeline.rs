@@ -359,8 +359,17 @@ impl Admitted {
         // and this chain snapshot before judging; a name of no call of the
         // batch refuses it.
         let named = std::mem::take(&mut batch.approvals);
-        let key = Mesh::session_key(&batch, &trace);
-        let approvals = {
+        // Who asks, in which session: the key is made only when a request
+        // is made or used (most batches do neither).
+        let asked_by = trace.identity.clone();
+        let session_id = batch
+            .context
+            .as_ref()
+            .map_or_else(String::new, |c| c.session_id.clone());
+        let approvals = if named.is_empty() {
+            Vec::new()
+        } else {
+            let key = Mesh::session_key(&batch, &trace);
             let ids: Vec<&str> = batch.calls.iter().map(|c| c.call_id.as_str()).collect();
             if let Err(refusal) = crate::approval::check_map(&named, &ids) {
                 drop(bytes);
@@ -382,7 +391,6 @@ impl Admitted {
             )
             .await
         };
-        let asked_by = trace.identity.clone();
         let remembers = judges.remembers();
         let mut outcome = mesh
             .pass_phase(
@@ -403,7 +411,9 @@ impl Admitted {
         // so it makes no request and uses no approval.
         if let Ok(decision) = &mut outcome.result
             && remembers
+            && crate::approval::settles(decision)
         {
+            let key = crate::session::SessionKey::new(asked_by.as_ref(), session_id.as_str());
             crate::approval::settle(mesh.sessions(), &mesh.approvals, &key, &asked_by, decision)
                 .await;
         }

@@ -3,7 +3,7 @@
 isort:skip_file
 guardmesh: a gRPC guard mesh for AI agent tool calls.
 
-Four services live here:
+Five services live here:
 
 * `PreToolService`: what a coordinator (an agent loop) calls with each round
   of tool calls (a *batch*) before it runs any of them. The mesh answers with
@@ -14,6 +14,7 @@ Four services live here:
   the batches it applies to; the guard answers with *verdicts*.
 * `GuardRegistry`: how guards enter and leave the *chain*.
 * `InterceptorService`: the chain seen as MCP interceptors (SEP-2624).
+* `ApprovalService`: where a person answers a guard's *ask* (R35).
 
 The behaviour behind these messages is specified in docs/behaviour.md of the
 guardmesh repository; rule numbers (R1..R35) in the comments refer to it.
@@ -111,6 +112,13 @@ class _ActionEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_Action.ValueTy
     """Do not run the call; give the model `content` as an error result."""
     ACTION_CANCEL: _Action.ValueType  # 3
     """Do not run the call; give the model `content` as a benign result."""
+    ACTION_ASK: _Action.ValueType  # 4
+    """Do not run the call yet: a guard asks a person to approve it (R35).
+    `approval` names the request; once it is approved, submit the same call
+    again with the request's id in `EvaluateRequest.approvals`. Meanwhile
+    the model reads `content`. A client that does not know this value must
+    not run the call.
+    """
 
 class Action(_Action, metaclass=_ActionEnumTypeWrapper):
     """What the mesh decided for one call (R2)."""
@@ -123,7 +131,48 @@ ACTION_STEER: Action.ValueType  # 2
 """Do not run the call; give the model `content` as an error result."""
 ACTION_CANCEL: Action.ValueType  # 3
 """Do not run the call; give the model `content` as a benign result."""
+ACTION_ASK: Action.ValueType  # 4
+"""Do not run the call yet: a guard asks a person to approve it (R35).
+`approval` names the request; once it is approved, submit the same call
+again with the request's id in `EvaluateRequest.approvals`. Meanwhile
+the model reads `content`. A client that does not know this value must
+not run the call.
+"""
 Global___Action: _TypeAlias = Action  # noqa: Y015
+
+class _ApprovalState:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _ApprovalStateEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_ApprovalState.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    APPROVAL_STATE_UNSPECIFIED: _ApprovalState.ValueType  # 0
+    APPROVAL_STATE_PENDING: _ApprovalState.ValueType  # 1
+    """Waiting for a person."""
+    APPROVAL_STATE_APPROVED: _ApprovalState.ValueType  # 2
+    """Approved and not used yet: the call may run once."""
+    APPROVAL_STATE_DENIED: _ApprovalState.ValueType  # 3
+    """Denied: the call is cancelled when submitted with it."""
+    APPROVAL_STATE_USED: _ApprovalState.ValueType  # 4
+    """Approved and used: the call ran once and may not run again with it."""
+    APPROVAL_STATE_EXPIRED: _ApprovalState.ValueType  # 5
+    """Nobody answered in time: the guard's fallback (cancel) applies."""
+
+class ApprovalState(_ApprovalState, metaclass=_ApprovalStateEnumTypeWrapper):
+    """Where an approval request stands (R35)."""
+
+APPROVAL_STATE_UNSPECIFIED: ApprovalState.ValueType  # 0
+APPROVAL_STATE_PENDING: ApprovalState.ValueType  # 1
+"""Waiting for a person."""
+APPROVAL_STATE_APPROVED: ApprovalState.ValueType  # 2
+"""Approved and not used yet: the call may run once."""
+APPROVAL_STATE_DENIED: ApprovalState.ValueType  # 3
+"""Denied: the call is cancelled when submitted with it."""
+APPROVAL_STATE_USED: ApprovalState.ValueType  # 4
+"""Approved and used: the call ran once and may not run again with it."""
+APPROVAL_STATE_EXPIRED: ApprovalState.ValueType  # 5
+"""Nobody answered in time: the guard's fallback (cancel) applies."""
+Global___ApprovalState: _TypeAlias = ApprovalState  # noqa: Y015
 
 class _TraceStatus:
     ValueType = _typing.NewType("ValueType", _builtins.int)
@@ -162,6 +211,8 @@ class _TraceStatusEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_TraceStat
     """Registered in mode DRY_RUN: consulted, nothing applied (R18). What it
     would have done is in `dry_run_status` and the call id lists.
     """
+    TRACE_STATUS_ASKED: _TraceStatus.ValueType  # 11
+    """Answered with at least one ask (R35) and no skip."""
 
 class TraceStatus(_TraceStatus, metaclass=_TraceStatusEnumTypeWrapper):
     """What happened at one guard for one batch (R21)."""
@@ -197,6 +248,8 @@ TRACE_STATUS_DRY_RUN: TraceStatus.ValueType  # 10
 """Registered in mode DRY_RUN: consulted, nothing applied (R18). What it
 would have done is in `dry_run_status` and the call id lists.
 """
+TRACE_STATUS_ASKED: TraceStatus.ValueType  # 11
+"""Answered with at least one ask (R35) and no skip."""
 Global___TraceStatus: _TypeAlias = TraceStatus  # noqa: Y015
 
 class _GuardRole:
@@ -453,6 +506,37 @@ class Skip(_message.Message):
 Global___Skip: _TypeAlias = Skip  # noqa: Y015
 
 @_typing.final
+class Ask(_message.Message):
+    """A guard's ask: the call may run only once a person approves it (R35)."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    REASON_FIELD_NUMBER: _builtins.int
+    CONTENT_FIELD_NUMBER: _builtins.int
+    reason: _builtins.str
+    """Why the guard asks, for the approver (shown by `guardmesh approvals
+    list` and carried by the approval request). At most 1,024 bytes; a
+    longer reason is cut.
+    """
+    content: _builtins.str
+    """What the model reads while the call waits for its approval. Empty: the
+    mesh's own text, saying that the call needs a person's approval.
+    """
+    def __init__(
+        self,
+        *,
+        reason: _builtins.str = ...,
+        content: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["content", b"content", "reason", b"reason"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___Ask: _TypeAlias = Ask  # noqa: Y015
+
+@_typing.final
 class Rewrite(_message.Message):
     """A mutate guard's rewrite of one call (R10, R11). Fields left unset keep the
     call's current value. A rewrite is applied only within the guard's grant;
@@ -494,6 +578,26 @@ class EvaluateRequest(_message.Message):
 
     DESCRIPTOR: _descriptor.Descriptor
 
+    @_typing.final
+    class ApprovalsEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.str
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.str = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
     BATCH_ID_FIELD_NUMBER: _builtins.int
     CONTEXT_FIELD_NUMBER: _builtins.int
     CALLS_FIELD_NUMBER: _builtins.int
@@ -501,6 +605,7 @@ class EvaluateRequest(_message.Message):
     TRACEPARENT_FIELD_NUMBER: _builtins.int
     TRACESTATE_FIELD_NUMBER: _builtins.int
     RESULTS_FIELD_NUMBER: _builtins.int
+    APPROVALS_FIELD_NUMBER: _builtins.int
     batch_id: _builtins.str
     """Chosen by the coordinator; echoed on the answer. Must be unique among the
     batches in flight on one stream, and at most the mesh's `max_id_bytes`
@@ -540,6 +645,19 @@ class EvaluateRequest(_message.Message):
         calls. Only guards that registered the results phase are sent results.
         """
 
+    @_builtins.property
+    def approvals(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]:
+        """R35: approvals this batch uses, by call id: the `ApprovalRequest.id` a
+        call's earlier `ask` decision carried, once a person answered it. The
+        call must be the same call (tool and arguments, compared by digest),
+        in the same session, judged under the same chain revision, before the
+        request expires, and the approval unused: then the guard that asked is
+        not consulted again for it and the guards after it judge it as usual.
+        An approval that does not hold is not used, and the call's decision
+        says why in `approval_refused`. A key that names no call of the batch
+        is refused with INVALID_ARGUMENT. At most one per call.
+        """
+
     def __init__(
         self,
         *,
@@ -550,10 +668,11 @@ class EvaluateRequest(_message.Message):
         traceparent: _builtins.str = ...,
         tracestate: _builtins.str = ...,
         results: _abc.Iterable[Global___ToolResult] | None = ...,
+        approvals: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["context", b"context"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["batch_id", b"batch_id", "calls", b"calls", "context", b"context", "results", b"results", "timeout_ms", b"timeout_ms", "traceparent", b"traceparent", "tracestate", b"tracestate"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["approvals", b"approvals", "batch_id", b"batch_id", "calls", b"calls", "context", b"context", "results", b"results", "timeout_ms", b"timeout_ms", "traceparent", b"traceparent", "tracestate", b"tracestate"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -745,6 +864,89 @@ class BatchError(_message.Message):
 Global___BatchError: _TypeAlias = BatchError  # noqa: Y015
 
 @_typing.final
+class ApprovalRequest(_message.Message):
+    """An approval request: what a person is asked to approve (R35). Everything
+    the approval is bound to is here.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ID_FIELD_NUMBER: _builtins.int
+    GUARD_FIELD_NUMBER: _builtins.int
+    REASON_FIELD_NUMBER: _builtins.int
+    DIGEST_FIELD_NUMBER: _builtins.int
+    SESSION_ID_FIELD_NUMBER: _builtins.int
+    CHAIN_REVISION_FIELD_NUMBER: _builtins.int
+    EXPIRES_AT_MS_FIELD_NUMBER: _builtins.int
+    STATE_FIELD_NUMBER: _builtins.int
+    CALL_FIELD_NUMBER: _builtins.int
+    ASKED_AT_MS_FIELD_NUMBER: _builtins.int
+    ASKED_BY_FIELD_NUMBER: _builtins.int
+    ANSWERED_BY_FIELD_NUMBER: _builtins.int
+    NOTE_FIELD_NUMBER: _builtins.int
+    id: _builtins.str
+    """The request's id: what an approver answers and what the coordinator
+    sends back in `EvaluateRequest.approvals`. 64 lowercase hex digits.
+    """
+    guard: _builtins.str
+    """The name of the guard that asked."""
+    reason: _builtins.str
+    """The guard's reason, for the approver."""
+    digest: _builtins.str
+    """SHA-256 (lowercase hex) of the call as the guard judged it: its tool
+    and its arguments in canonical JSON (RFC 8785), as
+    `{"arguments":...,"tool":...}` canonicalized. A renamed or rewritten
+    call has another digest.
+    """
+    session_id: _builtins.str
+    """The session the call was asked in (`BatchContext.session_id`)."""
+    chain_revision: _builtins.int
+    """The chain revision the call was judged under: an approval holds only
+    under it (a changed chain asks again).
+    """
+    expires_at_ms: _builtins.int
+    """When the request expires, in milliseconds since the Unix epoch."""
+    state: Global___ApprovalState.ValueType
+    """Where the request stands."""
+    asked_at_ms: _builtins.int
+    """When it was asked, in milliseconds since the Unix epoch."""
+    asked_by: _builtins.str
+    """The identity that asked (the coordinator's caller), empty on a mesh
+    without identities.
+    """
+    answered_by: _builtins.str
+    """For APPROVED, DENIED and USED: the approver's identity and note."""
+    note: _builtins.str
+    @_builtins.property
+    def call(self) -> Global___ToolCall:
+        """The call as the guard judged it."""
+
+    def __init__(
+        self,
+        *,
+        id: _builtins.str = ...,
+        guard: _builtins.str = ...,
+        reason: _builtins.str = ...,
+        digest: _builtins.str = ...,
+        session_id: _builtins.str = ...,
+        chain_revision: _builtins.int = ...,
+        expires_at_ms: _builtins.int = ...,
+        state: Global___ApprovalState.ValueType = ...,
+        call: Global___ToolCall | None = ...,
+        asked_at_ms: _builtins.int = ...,
+        asked_by: _builtins.str = ...,
+        answered_by: _builtins.str = ...,
+        note: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["call", b"call"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["answered_by", b"answered_by", "asked_at_ms", b"asked_at_ms", "asked_by", b"asked_by", "call", b"call", "chain_revision", b"chain_revision", "digest", b"digest", "expires_at_ms", b"expires_at_ms", "guard", b"guard", "id", b"id", "note", b"note", "reason", b"reason", "session_id", b"session_id", "state", b"state"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ApprovalRequest: _TypeAlias = ApprovalRequest  # noqa: Y015
+
+@_typing.final
 class CallDecision(_message.Message):
     """The mesh's final answer for one call."""
 
@@ -759,6 +961,9 @@ class CallDecision(_message.Message):
     FAILURE_FIELD_NUMBER: _builtins.int
     REWRITTEN_BY_FIELD_NUMBER: _builtins.int
     BYPASSED_FIELD_NUMBER: _builtins.int
+    APPROVAL_FIELD_NUMBER: _builtins.int
+    APPROVAL_REFUSED_FIELD_NUMBER: _builtins.int
+    APPROVED_BY_REQUEST_FIELD_NUMBER: _builtins.int
     call_id: _builtins.str
     """The call's id, as sent."""
     action: Global___Action.ValueType
@@ -770,6 +975,16 @@ class CallDecision(_message.Message):
     failure: _builtins.bool
     """True when the skip comes from a guard's failure under `fail_closed`
     rather than from a verdict it sent (R13).
+    """
+    approval_refused: _builtins.str
+    """When the batch named an approval for this call that did not hold
+    (unknown, of another session, another call, another chain revision,
+    expired, denied, used, or not answered yet): why, and the approval was
+    not used. Empty otherwise.
+    """
+    approved_by_request: _builtins.str
+    """When an approval stood in for a guard's ask and the call proceeds: the
+    approval request's id (now used). Empty otherwise.
     """
     @_builtins.property
     def call(self) -> Global___ToolCall:
@@ -789,6 +1004,10 @@ class CallDecision(_message.Message):
     def bypassed(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
         """`fail_open` guards that failed on this call and were bypassed (R13)."""
 
+    @_builtins.property
+    def approval(self) -> Global___ApprovalRequest:
+        """For ASK: the approval request the call waits for (R35)."""
+
     def __init__(
         self,
         *,
@@ -801,10 +1020,13 @@ class CallDecision(_message.Message):
         failure: _builtins.bool = ...,
         rewritten_by: _abc.Iterable[_builtins.str] | None = ...,
         bypassed: _abc.Iterable[_builtins.str] | None = ...,
+        approval: Global___ApprovalRequest | None = ...,
+        approval_refused: _builtins.str = ...,
+        approved_by_request: _builtins.str = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["call", b"call", "original", b"original"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["approval", b"approval", "call", b"call", "original", b"original"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["action", b"action", "bypassed", b"bypassed", "call", b"call", "call_id", b"call_id", "content", b"content", "decided_by", b"decided_by", "failure", b"failure", "original", b"original", "rewritten_by", b"rewritten_by"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["action", b"action", "approval", b"approval", "approval_refused", b"approval_refused", "approved_by_request", b"approved_by_request", "bypassed", b"bypassed", "call", b"call", "call_id", b"call_id", "content", b"content", "decided_by", b"decided_by", "failure", b"failure", "original", b"original", "rewritten_by", b"rewritten_by"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -915,6 +1137,8 @@ class GuardTrace(_message.Message):
     REPLICA_FIELD_NUMBER: _builtins.int
     LABELS_FIELD_NUMBER: _builtins.int
     REFUSED_LABELS_FIELD_NUMBER: _builtins.int
+    ASKED_CALL_IDS_FIELD_NUMBER: _builtins.int
+    APPROVED_CALL_IDS_FIELD_NUMBER: _builtins.int
     guard: _builtins.str
     """The guard's registered name."""
     role: Global___GuardRole.ValueType
@@ -967,6 +1191,19 @@ class GuardTrace(_message.Message):
         are listed too.
         """
 
+    @_builtins.property
+    def asked_call_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """R35: ids of the calls it asked about (for DRY_RUN: would have asked
+        about). Also listed in `skipped_call_ids`: an ask fixes the call as a
+        skip does.
+        """
+
+    @_builtins.property
+    def approved_call_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """R35: ids of the calls it was not sent because an approval of its
+        earlier ask stood in for it.
+        """
+
     def __init__(
         self,
         *,
@@ -983,10 +1220,12 @@ class GuardTrace(_message.Message):
         replica: _builtins.str = ...,
         labels: _abc.Iterable[_builtins.str] | None = ...,
         refused_labels: _builtins.int = ...,
+        asked_call_ids: _abc.Iterable[_builtins.str] | None = ...,
+        approved_call_ids: _abc.Iterable[_builtins.str] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["dry_run_status", b"dry_run_status", "error", b"error", "guard", b"guard", "labels", b"labels", "latency_us", b"latency_us", "refused_labels", b"refused_labels", "replica", b"replica", "rewritten_call_ids", b"rewritten_call_ids", "role", b"role", "rules", b"rules", "sent_call_ids", b"sent_call_ids", "skipped_call_ids", b"skipped_call_ids", "status", b"status"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["approved_call_ids", b"approved_call_ids", "asked_call_ids", b"asked_call_ids", "dry_run_status", b"dry_run_status", "error", b"error", "guard", b"guard", "labels", b"labels", "latency_us", b"latency_us", "refused_labels", b"refused_labels", "replica", b"replica", "rewritten_call_ids", b"rewritten_call_ids", "role", b"role", "rules", b"rules", "sent_call_ids", b"sent_call_ids", "skipped_call_ids", b"skipped_call_ids", "status", b"status"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1337,6 +1576,7 @@ class Verdict(_message.Message):
     CALL_ID_FIELD_NUMBER: _builtins.int
     SKIP_FIELD_NUMBER: _builtins.int
     REWRITE_FIELD_NUMBER: _builtins.int
+    ASK_FIELD_NUMBER: _builtins.int
     LABELS_FIELD_NUMBER: _builtins.int
     call_id: _builtins.str
     """The call judged; must be one the guard was sent (R8)."""
@@ -1347,6 +1587,13 @@ class Verdict(_message.Message):
     @_builtins.property
     def rewrite(self) -> Global___Rewrite:
         """Run it like this instead (mutate guards only, within their grant: R11)."""
+
+    @_builtins.property
+    def ask(self) -> Global___Ask:
+        """Ask a person first (R35): the call does not run now; it counts as a
+        skip in the chain's order (R3), and its decision is ACTION_ASK. On
+        results (R33) an ask blocks the result.
+        """
 
     @_builtins.property
     def labels(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
@@ -1365,13 +1612,14 @@ class Verdict(_message.Message):
         call_id: _builtins.str = ...,
         skip: Global___Skip | None = ...,
         rewrite: Global___Rewrite | None = ...,
+        ask: Global___Ask | None = ...,
         labels: _abc.Iterable[_builtins.str] | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["outcome", b"outcome", "rewrite", b"rewrite", "skip", b"skip"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["ask", b"ask", "outcome", b"outcome", "rewrite", b"rewrite", "skip", b"skip"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["call_id", b"call_id", "labels", b"labels", "outcome", b"outcome", "rewrite", b"rewrite", "skip", b"skip"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["ask", b"ask", "call_id", b"call_id", "labels", b"labels", "outcome", b"outcome", "rewrite", b"rewrite", "skip", b"skip"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_outcome: _TypeAlias = _typing.Literal["skip", "rewrite"]  # noqa: Y015
+    _WhichOneofReturnType_outcome: _TypeAlias = _typing.Literal["skip", "rewrite", "ask"]  # noqa: Y015
     _WhichOneofArgType_outcome: _TypeAlias = _typing.Literal["outcome", b"outcome"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_outcome) -> _WhichOneofReturnType_outcome | None: ...
 
@@ -1858,3 +2106,103 @@ class InterceptorInvokeResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___InterceptorInvokeResponse: _TypeAlias = InterceptorInvokeResponse  # noqa: Y015
+
+@_typing.final
+class ApproveRequest(_message.Message):
+    """An approver's answer."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ID_FIELD_NUMBER: _builtins.int
+    APPROVE_FIELD_NUMBER: _builtins.int
+    NOTE_FIELD_NUMBER: _builtins.int
+    id: _builtins.str
+    """The `ApprovalRequest.id` being answered."""
+    approve: _builtins.bool
+    """True to approve, false to deny."""
+    note: _builtins.str
+    """Why, for the record (R29). At most 1,024 bytes."""
+    def __init__(
+        self,
+        *,
+        id: _builtins.str = ...,
+        approve: _builtins.bool = ...,
+        note: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["approve", b"approve", "id", b"id", "note", b"note"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ApproveRequest: _TypeAlias = ApproveRequest  # noqa: Y015
+
+@_typing.final
+class ApproveResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    REQUEST_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def request(self) -> Global___ApprovalRequest:
+        """The request as it now stands."""
+
+    def __init__(
+        self,
+        *,
+        request: Global___ApprovalRequest | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["request", b"request"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["request", b"request"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ApproveResponse: _TypeAlias = ApproveResponse  # noqa: Y015
+
+@_typing.final
+class ApprovalListRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    STATE_FIELD_NUMBER: _builtins.int
+    SESSION_ID_FIELD_NUMBER: _builtins.int
+    LIMIT_FIELD_NUMBER: _builtins.int
+    state: Global___ApprovalState.ValueType
+    """Only requests in this state; UNSPECIFIED: every state."""
+    session_id: _builtins.str
+    """Only requests of this session; empty: every session."""
+    limit: _builtins.int
+    """At most this many; 0: 100. At most 1,000."""
+    def __init__(
+        self,
+        *,
+        state: Global___ApprovalState.ValueType = ...,
+        session_id: _builtins.str = ...,
+        limit: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["limit", b"limit", "session_id", b"session_id", "state", b"state"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ApprovalListRequest: _TypeAlias = ApprovalListRequest  # noqa: Y015
+
+@_typing.final
+class ApprovalListResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    REQUESTS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def requests(self) -> _containers.RepeatedCompositeFieldContainer[Global___ApprovalRequest]: ...
+    def __init__(
+        self,
+        *,
+        requests: _abc.Iterable[Global___ApprovalRequest] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["requests", b"requests"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ApprovalListResponse: _TypeAlias = ApprovalListResponse  # noqa: Y015

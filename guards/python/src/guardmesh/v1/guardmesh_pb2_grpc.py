@@ -580,3 +580,143 @@ class InterceptorService:
             timeout,
             metadata,
             _registered_method=True)
+
+
+class ApprovalServiceStub:
+    """---------------------------------------------------------------------------
+    ApprovalService: people answering guards' asks (R35)
+    ---------------------------------------------------------------------------
+
+    Where approvers answer the approval requests guards' asks made. Needs the
+    `approver` role (or `admin`) on a mesh with principals.
+    """
+
+    def __init__(self, channel):
+        """Constructor.
+
+        Args:
+            channel: A grpc.Channel.
+        """
+        self.Approve = channel.unary_unary(
+                '/guardmesh.v1.ApprovalService/Approve',
+                request_serializer=guardmesh_dot_v1_dot_guardmesh__pb2.ApproveRequest.SerializeToString,
+                response_deserializer=guardmesh_dot_v1_dot_guardmesh__pb2.ApproveResponse.FromString,
+                _registered_method=True)
+        self.List = channel.unary_unary(
+                '/guardmesh.v1.ApprovalService/List',
+                request_serializer=guardmesh_dot_v1_dot_guardmesh__pb2.ApprovalListRequest.SerializeToString,
+                response_deserializer=guardmesh_dot_v1_dot_guardmesh__pb2.ApprovalListResponse.FromString,
+                _registered_method=True)
+
+
+class ApprovalServiceServicer:
+    """---------------------------------------------------------------------------
+    ApprovalService: people answering guards' asks (R35)
+    ---------------------------------------------------------------------------
+
+    Where approvers answer the approval requests guards' asks made. Needs the
+    `approver` role (or `admin`) on a mesh with principals.
+    """
+
+    def Approve(self, request, context):
+        """Approves or denies one pending request. Refused with NOT_FOUND for an
+        unknown (or long expired) id, FAILED_PRECONDITION for one already
+        answered or expired, PERMISSION_DENIED when the approver is the
+        identity that asked, and UNAVAILABLE when the store cannot be reached
+        (nothing is approved then).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def List(self, request, context):
+        """The requests the store holds (pending first, newest first), at most
+        `limit`.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+
+def add_ApprovalServiceServicer_to_server(servicer, server):
+    rpc_method_handlers = {
+            'Approve': grpc.unary_unary_rpc_method_handler(
+                    servicer.Approve,
+                    request_deserializer=guardmesh_dot_v1_dot_guardmesh__pb2.ApproveRequest.FromString,
+                    response_serializer=guardmesh_dot_v1_dot_guardmesh__pb2.ApproveResponse.SerializeToString,
+            ),
+            'List': grpc.unary_unary_rpc_method_handler(
+                    servicer.List,
+                    request_deserializer=guardmesh_dot_v1_dot_guardmesh__pb2.ApprovalListRequest.FromString,
+                    response_serializer=guardmesh_dot_v1_dot_guardmesh__pb2.ApprovalListResponse.SerializeToString,
+            ),
+    }
+    generic_handler = grpc.method_handlers_generic_handler(
+            'guardmesh.v1.ApprovalService', rpc_method_handlers)
+    server.add_generic_rpc_handlers((generic_handler,))
+    server.add_registered_method_handlers('guardmesh.v1.ApprovalService', rpc_method_handlers)
+
+
+ # This class is part of an EXPERIMENTAL API.
+class ApprovalService:
+    """---------------------------------------------------------------------------
+    ApprovalService: people answering guards' asks (R35)
+    ---------------------------------------------------------------------------
+
+    Where approvers answer the approval requests guards' asks made. Needs the
+    `approver` role (or `admin`) on a mesh with principals.
+    """
+
+    @staticmethod
+    def Approve(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/guardmesh.v1.ApprovalService/Approve',
+            guardmesh_dot_v1_dot_guardmesh__pb2.ApproveRequest.SerializeToString,
+            guardmesh_dot_v1_dot_guardmesh__pb2.ApproveResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def List(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/guardmesh.v1.ApprovalService/List',
+            guardmesh_dot_v1_dot_guardmesh__pb2.ApprovalListRequest.SerializeToString,
+            guardmesh_dot_v1_dot_guardmesh__pb2.ApprovalListResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)

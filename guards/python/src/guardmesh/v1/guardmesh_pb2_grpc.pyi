@@ -3,7 +3,7 @@
 isort:skip_file
 guardmesh: a gRPC guard mesh for AI agent tool calls.
 
-Four services live here:
+Five services live here:
 
 * `PreToolService`: what a coordinator (an agent loop) calls with each round
   of tool calls (a *batch*) before it runs any of them. The mesh answers with
@@ -14,6 +14,7 @@ Four services live here:
   the batches it applies to; the guard answers with *verdicts*.
 * `GuardRegistry`: how guards enter and leave the *chain*.
 * `InterceptorService`: the chain seen as MCP interceptors (SEP-2624).
+* `ApprovalService`: where a person answers a guard's *ask* (R35).
 
 The behaviour behind these messages is specified in docs/behaviour.md of the
 guardmesh repository; rule numbers (R1..R35) in the comments refer to it.
@@ -345,3 +346,85 @@ class InterceptorServiceServicer(metaclass=_abc_1.ABCMeta):
         """
 
 def add_InterceptorServiceServicer_to_server(servicer: InterceptorServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...
+
+class ApprovalServiceStub:
+    """---------------------------------------------------------------------------
+    ApprovalService: people answering guards' asks (R35)
+    ---------------------------------------------------------------------------
+
+    Where approvers answer the approval requests guards' asks made. Needs the
+    `approver` role (or `admin`) on a mesh with principals.
+    """
+
+    @_typing.overload
+    def __new__(cls, channel: _grpc.Channel) -> _Self: ...
+    @_typing.overload
+    def __new__(cls, channel: _aio.Channel) -> ApprovalServiceAsyncStub: ...
+    Approve: _grpc.UnaryUnaryMultiCallable[_guardmesh_pb2.ApproveRequest, _guardmesh_pb2.ApproveResponse]
+    """Approves or denies one pending request. Refused with NOT_FOUND for an
+    unknown (or long expired) id, FAILED_PRECONDITION for one already
+    answered or expired, PERMISSION_DENIED when the approver is the
+    identity that asked, and UNAVAILABLE when the store cannot be reached
+    (nothing is approved then).
+    """
+    List: _grpc.UnaryUnaryMultiCallable[_guardmesh_pb2.ApprovalListRequest, _guardmesh_pb2.ApprovalListResponse]
+    """The requests the store holds (pending first, newest first), at most
+    `limit`.
+    """
+
+@_typing.type_check_only
+class ApprovalServiceAsyncStub(ApprovalServiceStub):
+    """---------------------------------------------------------------------------
+    ApprovalService: people answering guards' asks (R35)
+    ---------------------------------------------------------------------------
+
+    Where approvers answer the approval requests guards' asks made. Needs the
+    `approver` role (or `admin`) on a mesh with principals.
+    """
+
+    def __init__(self, channel: _aio.Channel) -> None: ...
+    Approve: _aio.UnaryUnaryMultiCallable[_guardmesh_pb2.ApproveRequest, _guardmesh_pb2.ApproveResponse]  # type: ignore[assignment]
+    """Approves or denies one pending request. Refused with NOT_FOUND for an
+    unknown (or long expired) id, FAILED_PRECONDITION for one already
+    answered or expired, PERMISSION_DENIED when the approver is the
+    identity that asked, and UNAVAILABLE when the store cannot be reached
+    (nothing is approved then).
+    """
+    List: _aio.UnaryUnaryMultiCallable[_guardmesh_pb2.ApprovalListRequest, _guardmesh_pb2.ApprovalListResponse]  # type: ignore[assignment]
+    """The requests the store holds (pending first, newest first), at most
+    `limit`.
+    """
+
+class ApprovalServiceServicer(metaclass=_abc_1.ABCMeta):
+    """---------------------------------------------------------------------------
+    ApprovalService: people answering guards' asks (R35)
+    ---------------------------------------------------------------------------
+
+    Where approvers answer the approval requests guards' asks made. Needs the
+    `approver` role (or `admin`) on a mesh with principals.
+    """
+
+    @_abc_1.abstractmethod
+    def Approve(
+        self,
+        request: _guardmesh_pb2.ApproveRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_guardmesh_pb2.ApproveResponse, _abc.Awaitable[_guardmesh_pb2.ApproveResponse]]:
+        """Approves or denies one pending request. Refused with NOT_FOUND for an
+        unknown (or long expired) id, FAILED_PRECONDITION for one already
+        answered or expired, PERMISSION_DENIED when the approver is the
+        identity that asked, and UNAVAILABLE when the store cannot be reached
+        (nothing is approved then).
+        """
+
+    @_abc_1.abstractmethod
+    def List(
+        self,
+        request: _guardmesh_pb2.ApprovalListRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_guardmesh_pb2.ApprovalListResponse, _abc.Awaitable[_guardmesh_pb2.ApprovalListResponse]]:
+        """The requests the store holds (pending first, newest first), at most
+        `limit`.
+        """
+
+def add_ApprovalServiceServicer_to_server(servicer: ApprovalServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...
