@@ -3,13 +3,19 @@
 * :mod:`guardmesh.guard`: write a guard, a gRPC service that judges an AI
   agent's tool calls (:mod:`guardmesh.guard_aio` for asyncio guards).
 * :mod:`guardmesh.coordinator`: ask the mesh about a round of tool calls
-  before running them (:class:`Coordinator`, :class:`AsyncCoordinator`).
+  before running them (:class:`Coordinator`, :class:`AsyncCoordinator`),
+  and answer guards' asks (:class:`Approver`, :class:`AsyncApprover`, R35).
 * :mod:`guardmesh.v1`: the wire types, generated from the
   ``guardmesh/v1/guardmesh.proto`` shipped beside them.
 """
 
 from guardmesh._common import ArgumentsError, MeshCredentials, parse_arguments
 from guardmesh.coordinator import (
+    ApprovalRefused,
+    ApprovalRequest,
+    Approver,
+    Ask,
+    AsyncApprover,
     AsyncCoordinator,
     AsyncSession,
     BatchRefused,
@@ -29,7 +35,12 @@ from guardmesh.coordinator import (
 __version__ = "0.1.0"
 
 __all__ = [
+    "ApprovalRefused",
+    "ApprovalRequest",
+    "Approver",
     "ArgumentsError",
+    "Ask",
+    "AsyncApprover",
     "AsyncCoordinator",
     "AsyncSession",
     "BatchRefused",

@@ -10,7 +10,8 @@ stream: a guard author writes one function ::
 (``Verdict`` is exported here, as are :class:`Batch` and :class:`Call`)
 and returns (or yields) a verdict for the calls it does not want to run as
 they are. A call without a verdict proceeds. Verdicts are built with the
-helpers :func:`steer`, :func:`cancel`, :func:`rewrite` and :func:`proceed`.
+helpers :func:`steer`, :func:`cancel`, :func:`rewrite`, :func:`proceed` and
+:func:`ask` (a person approves the call first, R35).
 
 A judge that reads the session's memory (R34: what earlier batches of the
 session did, as labels, counts and digests) says so by taking it as a
@@ -139,6 +140,7 @@ __all__ = [
     "Verdict",
     "Verdicts",
     "argument_parser",
+    "ask",
     "cancel",
     "deregister",
     "install_file_tracing",
@@ -392,6 +394,15 @@ def cancel(call_id: str, content: str) -> Verdict:
     return _skip(call_id, content, pb.SKIP_KIND_CANCEL)
 
 
+def ask(call_id: str, reason: str, content: str = "") -> Verdict:
+    """Ask a person first (R35): the call does not run now. The mesh makes
+    an approval request carrying ``reason`` for the approver; the call runs
+    only when the same call comes back with that request approved (and the
+    guards after this one let it). The model reads ``content`` meanwhile
+    (empty: the mesh's own text saying the call waits for an approval)."""
+    return pb.Verdict(call_id=call_id, ask=pb.Ask(reason=reason, content=content))
+
+
 def rewrite(
     call_id: str,
     arguments: Union[Mapping[str, Any], str, None] = None,
@@ -466,7 +477,7 @@ def conforming(batch: Batch, result: Verdicts) -> list[Verdict]:
         if not isinstance(verdict, pb.Verdict):
             raise TypeError(
                 f"judge produced {type(verdict).__name__}, expected a Verdict "
-                "(build verdicts with steer, cancel, rewrite or proceed)"
+                "(build verdicts with steer, cancel, rewrite, ask or proceed)"
             )
         where = f"batch {batch.batch_id!r} (request {batch.request_id})"
         if verdict.call_id not in sent:
@@ -694,6 +705,7 @@ def _span_outcome(span: Any, batch: Batch, verdicts: list[pb.Verdict]) -> None:
     outcomes = [v.WhichOneof("outcome") for v in verdicts]
     span.set_attribute("guardmesh.skipped", outcomes.count("skip"))
     span.set_attribute("guardmesh.rewritten", outcomes.count("rewrite"))
+    span.set_attribute("guardmesh.asked", outcomes.count("ask"))
     span.set_attribute("guardmesh.cancelled", batch.cancelled)
 
 
