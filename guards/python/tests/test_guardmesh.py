@@ -21,8 +21,13 @@ import pytest
 
 from conftest import Mesh, wait_until
 from guardmesh import (
+    ApprovalRefused,
+    Approver,
+    Ask,
+    AsyncApprover,
     AsyncCoordinator,
     BatchRefused,
+    BatchResult,
     Cancel,
     Coordinator,
     MeshCredentials,
@@ -785,3 +790,176 @@ def test_r34_main_registers_a_judge_taking_session_as_reading_it(
     finally:
         process.terminate()
         process.wait(30)
+
+
+# ---------------------------------------------------------------------------
+# R35: approvals
+# ---------------------------------------------------------------------------
+
+REFUND = {"call_id": "c1", "tool": "refund", "arguments": {"amount": 1500, "to": "acct-1"}}
+
+
+def refunds(batch: gg.Batch) -> Iterator[gg.Verdict]:
+    """Asks a person about refunds over 1,000; lets everything else run."""
+    for call in batch.calls:
+        if call.tool == "refund" and (call.args or {}).get("amount", 0) > 1000:
+            yield gg.ask(call.call_id, "refund over 1,000")
+
+
+@pytest.fixture
+def refund_guard(mesh: Mesh) -> Iterator[gg.GuardServer]:
+    server, port = gg.serve(refunds, name="refunds")
+    gg.register(mesh.addr, "refunds", port, timeout_ms=5000)
+    yield server
+    server.stop(0).wait(5)
+
+
+def asked(result: BatchResult, session_id: str, call_id: str = "c1") -> Ask:
+    """The decision of call ``call_id``: an Ask by the refund guard."""
+    decision = result[call_id]
+    assert isinstance(decision, Ask), decision
+    assert decision.decided_by == "refunds" and decision.content, decision
+    request = decision.approval
+    assert request.guard == "refunds" and request.reason == "refund over 1,000", request
+    assert request.session_id == session_id and request.state == "pending", request
+    assert len(request.id) == 64 and len(request.digest) == 64, request
+    assert request.chain_revision == result.chain_revision, request
+    assert request.call is not None and request.call.tool == "refund", request
+    assert call_id not in [c.call_id for c in result.execute], "an ask is never a proceed"
+    return decision
+
+
+def test_r35_guard_ask_helper_builds_an_ask_verdict() -> None:
+    """``gg.ask`` is ``Verdict.ask``: the reason for the approver, and what
+    the model reads meanwhile (empty: the mesh's own text)."""
+    verdict = gg.ask("c1", "refund over 1,000")
+    assert verdict.WhichOneof("outcome") == "ask"
+    assert (verdict.call_id, verdict.ask.reason, verdict.ask.content) == (
+        "c1", "refund over 1,000", "")
+    verdict = gg.ask("c2", "why", content="Waiting for a person.")
+    assert verdict.ask.content == "Waiting for a person."
+    assert "ask" in gg.__all__
+
+
+def test_r35_an_ask_without_its_request_is_never_a_proceed() -> None:
+    """ACTION_ASK with no approval request (never sent by the mesh) is a
+    failed Cancel, as an unknown action is; with one, an Ask."""
+    from guardmesh.coordinator import _decision
+
+    call = gg.pb.ToolCall(call_id="c1", tool="refund", arguments="{}")
+    bare = _decision(gg.pb.CallDecision(call_id="c1", action=gg.pb.ACTION_ASK, call=call))
+    assert isinstance(bare, Cancel) and bare.failure and bare.content, bare
+    full = _decision(gg.pb.CallDecision(
+        call_id="c1", action=gg.pb.ACTION_ASK, call=call, content="wait",
+        decided_by="refunds", approval_refused="the approval was already used",
+        approval=gg.pb.ApprovalRequest(id="a" * 64, guard="refunds",
+                                       state=gg.pb.APPROVAL_STATE_PENDING)))
+    assert isinstance(full, Ask) and full.approval.id == "a" * 64, full
+    assert full.approval.state == "pending" and full.approval.call is None
+    assert full.approval_refused == "the approval was already used"
+    unknown = _decision(gg.pb.CallDecision(call_id="c1", action=99, call=call))  # type: ignore[arg-type]
+    assert isinstance(unknown, Cancel) and unknown.failure
+
+
+def test_r35_an_approved_ask_resubmitted_proceeds_once_and_a_second_use_asks_again(
+        mesh: Mesh, refund_guard: gg.GuardServer) -> None:
+    """The guard asks; the coordinator gets an Ask with a pending request;
+    the Approver approves it; ``resubmit`` proceeds on it
+    (``approved_by_request``); a second resubmit is refused ("already
+    used") and the guard asks again, with a new request."""
+    with Coordinator(mesh.addr) as coordinator, Approver(mesh.addr) as approver:
+        session = coordinator.session("s35")
+        result = session.evaluate([{"call_id": "c0", "tool": "refund",
+                                    "arguments": {"amount": 5}}, REFUND])
+        small = result["c0"]
+        assert isinstance(small, Proceed) and small.approved_by_request == ""
+        assert [c.call_id for c in result.execute] == ["c0"]
+        ask = asked(result, "s35")
+        (trace,) = result.trace
+        assert (trace.guard, trace.status, trace.asked_call_ids) == ("refunds", "asked", ("c1",))
+        request_id = ask.approval.id
+
+        # Before anyone answered: asked again, with the same request.
+        again = asked(session.resubmit(ask), "s35")
+        assert again.approval.id == request_id
+        assert "not answered yet" in again.approval_refused
+
+        assert request_id in [r.id for r in approver.pending()]
+        assert [r.id for r in approver.list("pending", session_id="s35")] == [request_id]
+        answered = approver.approve(request_id, note="checked with the customer")
+        assert (answered.id, answered.state, answered.note) == (
+            request_id, "approved", "checked with the customer")
+        assert approver.pending() == []
+
+        ran = session.resubmit(ask)
+        (decision,) = ran.decisions
+        assert isinstance(decision, Proceed), decision
+        assert decision.approved_by_request == request_id and decision.approval_refused == ""
+        assert decision.call.args == {"amount": 1500, "to": "acct-1"}
+        assert [c.call_id for c in ran.execute] == ["c1"]
+        assert ran.trace[0].approved_call_ids == ("c1",)
+
+        second = session.resubmit(ask)
+        repeat = asked(second, "s35")
+        assert repeat.approval_refused == "the approval was already used"
+        assert repeat.approval.id != request_id
+
+        used = approver.list("used", session_id="s35")
+        assert [(r.id, r.state) for r in used] == [(request_id, "used")]
+        with pytest.raises(ApprovalRefused) as refused:
+            approver.approve(request_id)
+        assert refused.value.code == grpc.StatusCode.FAILED_PRECONDITION
+
+
+def test_r35_a_denied_ask_resubmitted_is_cancelled(
+        mesh: Mesh, refund_guard: gg.GuardServer) -> None:
+    """``Approver.deny`` on a fresh ask: the call resubmitted is cancelled.
+    Answering an unknown id is NOT_FOUND, a bad state name a ValueError."""
+    with Coordinator(mesh.addr) as coordinator, Approver(mesh.addr) as approver:
+        session = coordinator.session("s35-deny")
+        ask = asked(session.evaluate([REFUND]), "s35-deny")
+        denied = approver.deny(ask.approval.id, note="not this customer")
+        assert (denied.state, denied.note) == ("denied", "not this customer")
+
+        result = session.resubmit(ask)
+        (decision,) = result.decisions
+        assert isinstance(decision, Cancel), decision
+        assert decision.content and result.execute == ()
+
+        with pytest.raises(ApprovalRefused) as refused:
+            approver.approve("0" * 64)
+        assert refused.value.code == grpc.StatusCode.NOT_FOUND
+        with pytest.raises(ValueError):
+            approver.list("waiting")
+        with pytest.raises(TypeError):
+            session.resubmit(decision)  # type: ignore[arg-type]
+
+
+def test_r35_the_asyncio_coordinator_and_approver(mesh: Mesh) -> None:
+    """The same round trip through guard_aio, AsyncCoordinator and
+    AsyncApprover."""
+    async def judge(batch: guard_aio.Batch) -> list[guard_aio.Verdict]:
+        return list(refunds(batch))
+
+    async def scenario() -> None:
+        server, port = await guard_aio.serve(judge, name="refunds")
+        try:
+            await guard_aio.register(mesh.addr, "refunds", port)
+            async with AsyncCoordinator(mesh.addr) as coordinator, \
+                    AsyncApprover(mesh.addr) as approver:
+                session = coordinator.session("s35-aio")
+                ask = asked(await session.evaluate([REFUND]), "s35-aio")
+                assert [r.id for r in await approver.pending()] == [ask.approval.id]
+                answered = await approver.approve(ask.approval.id)
+                assert answered.state == "approved"
+                ran = await session.resubmit(ask)
+                (decision,) = ran.decisions
+                assert isinstance(decision, Proceed), decision
+                assert decision.approved_by_request == ask.approval.id
+                with pytest.raises(ApprovalRefused) as refused:
+                    await approver.deny(ask.approval.id)
+                assert refused.value.code == grpc.StatusCode.FAILED_PRECONDITION
+        finally:
+            await server.stop(0)
+
+    asyncio.run(scenario())
