@@ -122,11 +122,13 @@ export class Batch {
   result(callId: string): Result | undefined;
 }
 
-/** A verdict on one call (wire shape); build it with steer, cancel, rewrite, proceed. */
+/** A verdict on one call (wire shape); build it with steer, cancel, rewrite, ask, proceed. */
 export interface Verdict {
   call_id: string;
   skip?: { content: string; kind: 'SKIP_KIND_STEER' | 'SKIP_KIND_CANCEL' };
   rewrite?: { tool?: string; arguments?: string };
+  /** R35: ask a person first; `reason` is for the approver, `content` for the model meanwhile. */
+  ask?: { reason: string; content: string };
 }
 
 /** What a judge returns: verdicts (any iterable), one verdict, or nothing (all proceed). */
@@ -148,6 +150,12 @@ export function cancel(callId: string, content: string): Verdict;
 export function rewrite(callId: string, args?: { [key: string]: Json } | string | null, tool?: string | null): Verdict;
 /** An explicit "run it". */
 export function proceed(callId: string): Verdict;
+/**
+ * Ask a person first (R35): the call runs only once the same call comes back
+ * with its approval request approved. `content` is what the model reads
+ * meanwhile (empty: the mesh's own text).
+ */
+export function ask(callId: string, reason: string, content?: string): Verdict;
 /** Block a result (R33): the model reads `content` as an error result. */
 export function blockResult(callId: string, content: string): Verdict;
 /** Replace a result (R33; mutate guards within their result grant): a whole CallToolResult. */

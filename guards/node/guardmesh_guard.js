@@ -11,7 +11,8 @@
  *
  * returning (an array or iterable of) verdicts for the calls it does not want
  * to run as they are; a call without a verdict proceeds. Verdicts are built
- * with `steer`, `cancel`, `rewrite` and `proceed`.
+ * with `steer`, `cancel`, `rewrite`, `proceed` and `ask` (a person approves
+ * the call first, R35).
  *
  * A complete guard:
  *
@@ -387,6 +388,23 @@ function rewrite(callId, args = null, tool = null) {
 function proceed(callId) { return { call_id: callId }; }
 
 /**
+ * Ask a person first (R35): the call does not run now. The mesh makes an
+ * approval request carrying `reason` for the approver; the call runs only
+ * when the same call comes back with that request approved (and the guards
+ * after this one let it). The model reads `content` meanwhile (empty: the
+ * mesh's own text saying the call waits for an approval).
+ */
+function ask(callId, reason, content = '') {
+  if (typeof reason !== 'string') {
+    throw new TypeError(`ask of call ${JSON.stringify(callId)}: reason must be a string`);
+  }
+  if (typeof content !== 'string') {
+    throw new TypeError(`ask of call ${JSON.stringify(callId)}: content must be a string`);
+  }
+  return { call_id: callId, ask: { reason, content } };
+}
+
+/**
  * Block a result (R33): the model reads `content` as an error result instead
  * of what the tool returned.
  */
@@ -424,7 +442,7 @@ function conforming(batch, result) {
   for (const verdict of items) {
     if (!verdict || typeof verdict !== 'object' || typeof verdict.call_id !== 'string') {
       throw new TypeError(`judge produced ${JSON.stringify(verdict)}, expected a verdict `
-        + '(build verdicts with steer, cancel, rewrite or proceed)');
+        + '(build verdicts with steer, cancel, rewrite, ask or proceed)');
     }
     if (!sent.has(verdict.call_id)) {
       log.warn(`${where}: dropping a verdict for call ${JSON.stringify(verdict.call_id)}, which was not sent`);
@@ -485,6 +503,7 @@ async function judgeTraced(judgeFn, batch) {
     const verdicts = conforming(batch, result);
     span.setAttribute('guardmesh.skipped', verdicts.filter((v) => v.skip).length);
     span.setAttribute('guardmesh.rewritten', verdicts.filter((v) => v.rewrite).length);
+    span.setAttribute('guardmesh.asked', verdicts.filter((v) => v.ask).length);
     span.setAttribute('guardmesh.cancelled', batch.cancelled);
     return verdicts;
   } catch (err) {
@@ -1232,6 +1251,7 @@ module.exports = {
   Batch,
   Call,
   Result,
+  ask,
   blockResult,
   cancel,
   deregister,

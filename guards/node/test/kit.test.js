@@ -133,6 +133,54 @@ action = "cancel"
 message = "'no deletes: ' + call.args.path"
 `;
 
+test('ask builds Verdict.ask: the reason for the approver, the content for the model (R35)', () => {
+  assert.deepEqual(gg.ask('c1', 'refund over 1,000'),
+    { call_id: 'c1', ask: { reason: 'refund over 1,000', content: '' } });
+  assert.deepEqual(gg.ask('c2', 'why', 'Waiting for a person.'),
+    { call_id: 'c2', ask: { reason: 'why', content: 'Waiting for a person.' } });
+  assert.throws(() => gg.ask('c3', undefined), TypeError);
+  // The wire shape encodes as the proto's Verdict.ask (field 5).
+  const judge = gg.pb.GuardService.service.Judge;
+  const [decoded] = judge.responseDeserialize(
+    judge.responseSerialize({ request_id: 1, verdicts: [gg.ask('c1', 'r', 'c')] })).verdicts;
+  assert.equal(decoded.outcome, 'ask');
+  assert.deepEqual(decoded.ask, { reason: 'r', content: 'c' });
+});
+
+test('a guard\'s ask is approved and the same call runs once on it (R35)', async () => {
+  const { addr } = await startMesh();
+  const refunds = (batch) => batch.calls.filter((c) => c.tool === 'refund')
+    .map((c) => gg.ask(c.callId, 'refund over 1,000'));
+  const { server, port } = await gg.serve(refunds, { name: 'js-refunds' });
+  cleanup.push(() => server.stop(100));
+  await gg.register(addr, 'js-refunds', port, { timeoutMs: 5000 });
+  const call = { call_id: 'c1', tool: 'refund', arguments: '{"amount":1500}' };
+  const batch = (approvals = {}) => new Promise((resolve, reject) => {
+    const client = new gg.pb.PreToolService(addr, grpc.credentials.createInsecure());
+    client.EvaluateBatch({ batch_id: 'b', context: { session_id: 's35' }, calls: [call], approvals },
+      { deadline: Date.now() + 10000 }, (err, answer) => { client.close(); if (err) reject(err); else resolve(answer); });
+  });
+  const asked = (await batch()).decisions[0];
+  assert.equal(asked.action, 'ACTION_ASK');
+  assert.equal(asked.decided_by, 'js-refunds');
+  assert.equal(asked.approval.reason, 'refund over 1,000');
+  assert.equal(asked.approval.state, 'APPROVAL_STATE_PENDING');
+  const id = asked.approval.id;
+  assert.match(id, /^[0-9a-f]{64}$/);
+  const approver = new gg.pb.ApprovalService(addr, grpc.credentials.createInsecure());
+  cleanup.push(() => approver.close());
+  const approved = await new Promise((resolve, reject) => approver.Approve({ id, approve: true, note: 'ok' },
+    (err, answer) => (err ? reject(err) : resolve(answer))));
+  assert.equal(approved.request.state, 'APPROVAL_STATE_APPROVED');
+  const ran = await batch({ c1: id });
+  assert.equal(ran.decisions[0].action, 'ACTION_PROCEED');
+  assert.equal(ran.decisions[0].approved_by_request, id);
+  const again = (await batch({ c1: id })).decisions[0];
+  assert.equal(again.action, 'ACTION_ASK');
+  assert.equal(again.approval_refused, 'the approval was already used');
+  assert.notEqual(again.approval.id, id);
+});
+
 test('a policy guard registered from Node judges in the mesh; a broken one is refused (R27)', async () => {
   const { addr } = await startMesh();
   const registered = await gg.registerPolicy(addr, 'js-policy', POLICY, { tools: 'fs.*' });
@@ -372,6 +420,9 @@ export function reads(batch: gg.Batch, session: gg.SessionMemory | null): gg.Ver
   const last: gg.SessionCall | undefined = session.recent[session.recent.length - 1];
   return tainted && last !== undefined && BigInt(session.calls_total) > 0n
     ? batch.calls.map((c) => gg.cancel(c.callId, \`not after \${last.tool}\`)) : [];
+}
+export function asks(batch: gg.Batch): gg.Verdict[] {
+  return batch.calls.map((c) => c.tool === 'refund' ? gg.ask(c.callId, 'refund', 'Waiting.') : gg.ask(c.callId, 'why'));
 }
 export function one(batch: gg.Batch): gg.Verdict[] {
   return batch.session === null ? [] : batch.calls.map((c) => gg.proceed(c.callId));
