@@ -712,6 +712,7 @@ impl Proxy {
                         }
                     }
                     Disposition::Answer(text) => json_response(StatusCode::OK, text),
+                    Disposition::Ask(asked) => json_response(StatusCode::OK, asked.answer),
                 }
             }
             Incoming::Batch(items) => {
@@ -810,6 +811,7 @@ impl Proxy {
                     forwards.push((text, Some(key), Purpose::Call(pending), false));
                 }
                 Disposition::Answer(text) => answers.push(text),
+                Disposition::Ask(asked) => answers.push(asked.answer),
             }
         }
         for (message, key, purpose, lists_tools) in forwards {

@@ -132,7 +132,7 @@ impl<'de> Deserialize<'de> for Members {
 const ENVELOPE: [&str; 6] = ["jsonrpc", "id", "method", "params", "result", "error"];
 
 /// A `tools/call` request, read for judging.
-#[derive(Debug)]
+#[derive(Debug, Clone)]
 pub struct ToolCallRequest {
     /// The request id, as the gateway writes it (a string or a number).
     pub id: Box<RawValue>,

@@ -86,12 +86,42 @@ impl std::fmt::Debug for InProcessMesh {
 pub const IN_PROCESS: &str = "the mesh in this process (--config)";
 
 /// What to do with one judged call.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone)]
 pub enum Disposition {
     /// Forward this message to the upstream server.
     Forward(String),
     /// Answer the client with this message; forward nothing.
     Answer(String),
+    /// A guard asks a person first (R35): the call does not run now. The
+    /// transport asks the MCP client's user when it can
+    /// ([`crate::approval`]), else answers [`Asked::answer`].
+    Ask(Box<Asked>),
+}
+
+/// A call a guard asked a person about (R35).
+#[derive(Debug, Clone)]
+pub struct Asked {
+    /// The answer when nobody is asked through the client: a tool result
+    /// saying an approval is needed, naming the request and how to approve
+    /// it.
+    pub answer: String,
+    /// The guard's content for the model.
+    pub content: String,
+    /// The mesh's approval request.
+    pub approval: guardmesh_client::proto::ApprovalRequest,
+    /// The call, judged again with the approval once approved.
+    pub call: ToolCallRequest,
+}
+
+impl Disposition {
+    /// This disposition with an ask answered as nobody asked the client's
+    /// user ([`Asked::answer`]).
+    pub fn unasked(self) -> Self {
+        match self {
+            Self::Ask(asked) => Self::Answer(asked.answer),
+            other => other,
+        }
+    }
 }
 
 /// Why a batch got no decisions.
@@ -556,6 +586,53 @@ impl Judge {
             .collect())
     }
 
+    /// Judges `call` again with the approval `approval` (R35: approved by
+    /// a person since its ask), as a batch of its own: what to do with it
+    /// now. A batch the mesh did not decide is answered with its error;
+    /// nothing is forwarded.
+    pub async fn judge_approved(
+        &self,
+        session: &str,
+        call: &ToolCallRequest,
+        approval: &str,
+    ) -> Disposition {
+        let mut batch = Batch::new(self.turn.fetch_add(1, Ordering::Relaxed));
+        batch.metadata = self.metadata.clone();
+        batch = batch
+            .call(call.call_id(), call.name.clone(), call.arguments.clone())
+            .approval(call.call_id(), approval);
+        if let Some(tp) = &call.traceparent {
+            batch = batch.traceparent(tp.clone());
+        }
+        match self.evaluate_batch(session, batch).await {
+            Ok(decision) => {
+                if let Some(why) = decision
+                    .call(call.call_id())
+                    .and_then(|d| d.approval_refused.as_deref())
+                {
+                    tracing::warn!(approval, why, "the mesh refused the approval");
+                }
+                let disposition = dispose(call, &decision);
+                self.await_result(session, call, &decision, disposition)
+            }
+            Err(error) => self
+                .answer_errors(std::slice::from_ref(call), &error)
+                .pop()
+                .unwrap_or_else(|| Disposition::Answer(String::new())),
+        }
+    }
+
+    /// Whether the gateway judges with a mesh in its own process
+    /// (`--config`).
+    pub fn judges_in_process(&self) -> bool {
+        self.args.local.is_some()
+    }
+
+    /// How the gateway reaches the mesh (`--mesh` and its TLS and token).
+    pub fn connect_args(&self) -> &MeshArgs {
+        &self.args.connect
+    }
+
     /// R33: a call forwarded under a chain that judges results is
     /// remembered, so that its response is judged before the client sees
     /// it; past [`MAX_PENDING_RESULTS`] it is not forwarded.
@@ -673,17 +750,25 @@ fn dispose(call: &ToolCallRequest, decision: &BatchDecision) -> Disposition {
         Outcome::Cancel { content } => {
             Disposition::Answer(jsonrpc::tool_result(&call.id, content, false))
         }
-        // R35: the call does not run; the model reads that a person must
-        // approve it, and which request to approve.
-        Outcome::Ask { content, approval } => Disposition::Answer(jsonrpc::tool_result(
-            &call.id,
-            &format!(
-                "{content} (approval request {}: an approver runs `guardmesh approvals                  approve {}`, then the same call may be made again)",
-                approval.id, approval.id
-            ),
-            false,
-        )),
+        // R35: the call does not run; the transport may ask the client's
+        // user; if not, the model reads that a person must approve it, and
+        // which request to approve.
+        Outcome::Ask { content, approval } => Disposition::Ask(Box::new(Asked {
+            answer: jsonrpc::tool_result(&call.id, &approval_needed(content, &approval.id), false),
+            content: content.clone(),
+            approval: (**approval).clone(),
+            call: call.clone(),
+        })),
     }
+}
+
+/// The text of a call a guard asked about when nobody was asked through
+/// the client: the guard's content, the request, and how to approve it.
+pub fn approval_needed(content: &str, id: &str) -> String {
+    format!(
+        "{content} (approval needed: approval request {id}; an approver runs \
+         `guardmesh approvals approve {id}`, then the same call may be made again)"
+    )
 }
 
 /// The answer to a result the mesh returned no decision for: withheld.

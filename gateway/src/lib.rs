@@ -9,6 +9,9 @@
 //! * [`judge`]: a set of `tools/call` requests as one mesh batch, and each
 //!   decision as forward / tool result / JSON-RPC error; the mesh reached
 //!   over gRPC (`--mesh`) or run in the gateway's process (`--config`).
+//! * [`approval`]: a guard's ask put to the MCP client's user through
+//!   elicitation, approved or denied with the gateway's approver token
+//!   (R35).
 //! * [`group`]: single `tools/call` requests arriving together judged as
 //!   one batch.
 //! * [`jsonrpc`]: strict reading of client messages, and the answers the
@@ -61,6 +64,7 @@
 //! `f64`, and its `arbitrary_precision` feature would change number
 //! handling for every crate of the build).
 
+pub mod approval;
 pub mod group;
 pub mod hook;
 pub mod http;

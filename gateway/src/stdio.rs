@@ -61,6 +61,8 @@ use tokio_util::codec::{AnyDelimiterCodec, AnyDelimiterCodecError, Decoder};
 pub struct StdioArgs {
     #[command(flatten)]
     pub mesh: JudgeArgs,
+    #[command(flatten)]
+    pub approval: crate::approval::ApprovalArgs,
     /// The session id of every batch (R31); default: one made for this run.
     #[arg(long)]
     pub session: Option<String>,
@@ -104,6 +106,8 @@ pub enum StdioError {
          (--max-upstream-message-bytes); the session is ended"
     )]
     UpstreamTooLong(usize),
+    #[error("{0}")]
+    Approver(String),
 }
 
 /// How the upstream's stdout ended.
@@ -330,6 +334,11 @@ async fn deliver(collector: &Shared, to_client: &Lines, text: &str) -> bool {
     to_client.send(out).await.is_ok()
 }
 
+/// Writes `message` to the client; false when it is gone.
+async fn client_send(to_client: &Lines, message: String) -> bool {
+    to_client.send(message).await.is_ok()
+}
+
 /// Runs the relay on the given client streams.
 pub async fn run_with<R, W>(args: StdioArgs, input: R, output: W) -> Result<i32, StdioError>
 where
@@ -345,6 +354,8 @@ where
             });
         }
     };
+    let approver =
+        crate::approval::link(&args.mesh, &args.approval).map_err(StdioError::Approver)?;
     let mut child = tokio::process::Command::new(program)
         .args(rest)
         .stdin(Stdio::piped())
@@ -381,6 +392,11 @@ where
     };
     let collector: Shared = Arc::default();
     let flight = Arc::new(crate::upstream::InFlight::default());
+    // R35: asks put to the client's user through elicitation.
+    let approvals = Arc::new(crate::approval::Approvals::new(
+        approver,
+        Duration::from_millis(args.approval.elicitation_timeout_ms),
+    ));
 
     // One writer per direction, written by whoever has a message, one
     // message at a time, so that messages are never interleaved.
@@ -558,12 +574,18 @@ where
                     tasks.spawn(async move { drop(to_client.send(answer.await).await) });
                     continue;
                 }
+                // R35: the client's answer to an elicitation of the
+                // gateway's is the gateway's, never forwarded.
+                if request.is_none() && approvals.take_answer(&text) {
+                    continue;
+                }
                 let text = match &request {
                     Some(key) => {
                         if let Err(error) = flight.reserve(&session, key) {
                             let _ = to_client.send(crate::upstream::refuse(&text, &error)).await;
                             continue;
                         }
+                        approvals.learn(&text);
                         if lists_tools {
                             lock(&collector).lists_tools(request.as_ref());
                         }
@@ -598,9 +620,21 @@ where
                 let disposition = grouper.enqueue(&session, *call);
                 let (to_client, to_upstream) = (to_client.clone(), to_upstream.clone());
                 let (judge, flight, session) = (judge.clone(), flight.clone(), session.clone());
+                let approvals = approvals.clone();
                 tasks.spawn(async move {
-                    let _permit = permit;
-                    match disposition.await {
+                    let disposition = disposition.await;
+                    // Judged: an ask waiting for the user holds no permit
+                    // (the client's answer must be read).
+                    drop(permit);
+                    let disposition = match disposition {
+                        Disposition::Ask(asked) => {
+                            approvals
+                                .settle(&judge, &session, *asked, |m| client_send(&to_client, m))
+                                .await
+                        }
+                        decided => decided,
+                    };
+                    match disposition {
                         Disposition::Forward(text) => {
                             let text = crate::upstream::forward_call(
                                 &judge, &flight, &session, &key, &text,
@@ -612,6 +646,11 @@ where
                         Disposition::Answer(text) => {
                             flight.release(&session, &key);
                             let _ = to_client.send(text).await;
+                        }
+                        // Settled above.
+                        Disposition::Ask(asked) => {
+                            flight.release(&session, &key);
+                            let _ = to_client.send(asked.answer).await;
                         }
                     }
                 });
@@ -626,17 +665,17 @@ where
                 let (judge, session) = (judge.clone(), session.clone());
                 let (to_client, to_upstream) = (to_client.clone(), to_upstream.clone());
                 let (collector, flight) = (collector.clone(), flight.clone());
-                let interceptors = interceptors.clone();
+                let (interceptors, approvals) = (interceptors.clone(), approvals.clone());
                 tasks.spawn(async move {
-                    let _permit = permit;
                     relay_batch(
                         items,
                         &judge,
                         &flight,
-                        &interceptors,
+                        (&interceptors, &approvals),
                         &session,
                         &collector,
                         (&to_client, &to_upstream),
+                        permit,
                     )
                     .await;
                 });
@@ -648,7 +687,9 @@ where
 
     if !upstream_done {
         // The client is done: let the calls in flight finish, then close the
-        // upstream's stdin and give it a moment to exit.
+        // upstream's stdin and give it a moment to exit. Asks waiting for
+        // the client's user can no longer be answered.
+        approvals.close();
         while tasks.join_next().await.is_some() {}
         // Closing its stdin tells the upstream the session is over.
         to_upstream.close().await;
@@ -659,6 +700,7 @@ where
             upstream_reader.abort();
         }
     } else {
+        approvals.close();
         tasks.abort_all();
         to_upstream.close_now();
     }
@@ -717,14 +759,19 @@ where
 /// Relays one JSON-RPC batch: its tool calls judged as one guard batch.
 /// Each request goes upstream under the gateway's own id; one reusing an
 /// id in flight (of the session, or earlier in the batch) is refused.
+#[allow(clippy::too_many_arguments)]
 async fn relay_batch(
     items: Vec<Item>,
     judge: &Judge,
     flight: &crate::upstream::InFlight,
-    interceptors: &Arc<crate::interceptors::Interceptors>,
+    (interceptors, approvals): (
+        &Arc<crate::interceptors::Interceptors>,
+        &crate::approval::Approvals,
+    ),
     session: &str,
     collector: &Shared,
     (to_client, to_upstream): (&Lines, &Lines),
+    permit: tokio::sync::OwnedSemaphorePermit,
 ) {
     let mut calls = Vec::new();
     let mut answers = Vec::new();
@@ -764,6 +811,10 @@ async fn relay_batch(
                 request: None,
                 ..
             } => {
+                // R35: an answer to an elicitation of the gateway's.
+                if approvals.take_answer(&text) {
+                    continue;
+                }
                 if let Some(text) = flight.outgoing_notification(session, text) {
                     forwards.push((text, None));
                 }
@@ -772,8 +823,19 @@ async fn relay_batch(
             Item::Drop(why) => tracing::warn!("{why}"),
         }
     }
-    for (call, disposition) in calls.iter().zip(judge.judge(session, &calls).await) {
+    let judged = judge.judge(session, &calls).await;
+    // Judged: asks waiting for the user hold no permit.
+    drop(permit);
+    for (call, disposition) in calls.iter().zip(judged) {
         let key = jsonrpc::id_key(&call.id);
+        let disposition = match disposition {
+            Disposition::Ask(asked) => {
+                approvals
+                    .settle(judge, session, *asked, |m| client_send(to_client, m))
+                    .await
+            }
+            decided => decided,
+        };
         match disposition {
             Disposition::Forward(text) => {
                 if let Some(text) =
@@ -785,6 +847,10 @@ async fn relay_batch(
             Disposition::Answer(text) => {
                 flight.release(session, &key);
                 answers.push(text);
+            }
+            Disposition::Ask(asked) => {
+                flight.release(session, &key);
+                answers.push(asked.answer);
             }
         }
     }
