@@ -611,3 +611,295 @@ async fn r35_two_replicas_on_etcd_let_one_approval_run_once() {
     drop((a, b, cluster));
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// A session store that can be made to fail: every operation, or only
+/// writes of records (a store paused between a read and a write).
+#[derive(Debug)]
+struct Flaky {
+    inner: guardmesh_server::session::LocalStore,
+    down: std::sync::atomic::AtomicBool,
+    writes_fail: std::sync::atomic::AtomicBool,
+}
+
+impl Flaky {
+    fn err() -> guardmesh_server::session::StoreError {
+        guardmesh_server::session::StoreError::Unavailable("the test took it down".into())
+    }
+    fn down(&self) -> bool {
+        self.down.load(std::sync::atomic::Ordering::SeqCst)
+    }
+}
+
+#[tonic::async_trait]
+impl guardmesh_server::session::SessionStore for Flaky {
+    async fn load(
+        &self,
+        key: &guardmesh_server::session::SessionKey,
+    ) -> Result<Option<guardmesh_server::session::Memory>, guardmesh_server::session::StoreError>
+    {
+        if self.down() {
+            return Err(Self::err());
+        }
+        self.inner.load(key).await
+    }
+    async fn update(
+        &self,
+        key: &guardmesh_server::session::SessionKey,
+        update: &guardmesh_server::session::Update,
+        limits: &guardmesh_server::session::SessionLimits,
+        now: u64,
+    ) -> Result<guardmesh_server::session::Applied, guardmesh_server::session::StoreError> {
+        if self.down() {
+            return Err(Self::err());
+        }
+        self.inner.update(key, update, limits, now).await
+    }
+    async fn record(
+        &self,
+        name: &str,
+    ) -> Result<
+        Option<guardmesh_server::session::store::Record>,
+        guardmesh_server::session::StoreError,
+    > {
+        if self.down() {
+            return Err(Self::err());
+        }
+        self.inner.record(name).await
+    }
+    async fn put_record(
+        &self,
+        name: &str,
+        version: Option<&str>,
+        value: Vec<u8>,
+        ttl: Duration,
+    ) -> Result<bool, guardmesh_server::session::StoreError> {
+        if self.down() || self.writes_fail.load(std::sync::atomic::Ordering::SeqCst) {
+            return Err(Self::err());
+        }
+        self.inner.put_record(name, version, value, ttl).await
+    }
+    async fn records(
+        &self,
+        prefix: &str,
+        limit: usize,
+    ) -> Result<Vec<guardmesh_server::session::store::Record>, guardmesh_server::session::StoreError>
+    {
+        if self.down() {
+            return Err(Self::err());
+        }
+        self.inner.records(prefix, limit).await
+    }
+    fn kind(&self) -> &'static str {
+        "flaky"
+    }
+}
+
+/// R35, R13: a store that cannot be reached never lets a call through on
+/// an approval and makes no request it cannot keep: asking cancels (a
+/// failure), approving is UNAVAILABLE, using is refused and the approval
+/// stays unused; a store that reads but cannot write (paused between the
+/// read and the write of the use) cancels the call, and the approval is
+/// still there once the store is back.
+#[tokio::test]
+async fn r35_r13_a_store_down_or_paused_fails_closed_for_asks_approvals_and_uses() {
+    use std::sync::atomic::Ordering::SeqCst;
+    let mesh = TestMesh::start().await;
+    let store = std::sync::Arc::new(Flaky {
+        inner: guardmesh_server::session::LocalStore::new(Default::default()),
+        down: Default::default(),
+        writes_fail: Default::default(),
+    });
+    mesh.mesh
+        .attach_sessions(std::sync::Arc::new(
+            guardmesh_server::session::SessionMemory::new(
+                store.clone(),
+                guardmesh_server::session::Digester::random(),
+                Default::default(),
+            ),
+        ))
+        .expect("attached before the first batch");
+    let guard = refund_guard().await;
+    mesh.register(Registration::validate("refunds", &guard.url))
+        .await;
+    let session = mesh.coordinator().await.session("s").await.unwrap();
+    let approver = Approver::connect(&mesh.url).await.unwrap();
+
+    // Down while asking: the ask cannot be recorded, so it cancels.
+    store.down.store(true, SeqCst);
+    let d = decide(&session, Batch::turn(0).call("c", "refund", REFUND)).await;
+    match &d.calls[0].outcome {
+        Outcome::Cancel { content } => {
+            assert!(content.contains("could not be recorded"), "{content}")
+        }
+        other => panic!("an ask the store cannot hold must cancel, not {other:?}"),
+    }
+    assert!(d.calls[0].failure && d.execute.is_empty());
+    store.down.store(false, SeqCst);
+    let id = asked(&decide(&session, Batch::turn(1).call("c", "refund", REFUND)).await);
+
+    // Down while approving: UNAVAILABLE, nothing approved.
+    store.down.store(true, SeqCst);
+    let error = approver.approve(&id, "").await.unwrap_err().to_string();
+    assert!(
+        error.contains("Unavailable") || error.contains("unavailable"),
+        "{error}"
+    );
+    store.down.store(false, SeqCst);
+    let d = decide(
+        &session,
+        Batch::turn(2)
+            .call("c", "refund", REFUND)
+            .approval("c", &id),
+    )
+    .await;
+    assert_eq!(asked(&d), id, "still pending: the approval was not given");
+    approver.approve(&id, "").await.unwrap();
+
+    // Down while using: refused, never a proceed.
+    store.down.store(true, SeqCst);
+    let d = decide(
+        &session,
+        Batch::turn(3)
+            .call("c", "refund", REFUND)
+            .approval("c", &id),
+    )
+    .await;
+    assert!(
+        !d.calls[0].proceeds() && d.execute.is_empty(),
+        "{:?}",
+        d.calls[0]
+    );
+    assert!(
+        d.calls[0]
+            .approval_refused
+            .as_deref()
+            .unwrap_or_default()
+            .contains("could not be checked"),
+        "{:?}",
+        d.calls[0]
+    );
+    // Paused between the read and the write of the use: cancelled.
+    store.down.store(false, SeqCst);
+    store.writes_fail.store(true, SeqCst);
+    let d = decide(
+        &session,
+        Batch::turn(4)
+            .call("c", "refund", REFUND)
+            .approval("c", &id),
+    )
+    .await;
+    match &d.calls[0].outcome {
+        Outcome::Cancel { content } => assert!(content.contains("could not be used"), "{content}"),
+        other => panic!("a use the store cannot record must cancel, not {other:?}"),
+    }
+    assert!(d.execute.is_empty());
+    // Back: the approval was never used, and runs once now.
+    store.writes_fail.store(false, SeqCst);
+    let d = decide(
+        &session,
+        Batch::turn(5)
+            .call("c", "refund", REFUND)
+            .approval("c", &id),
+    )
+    .await;
+    assert!(d.calls[0].proceeds(), "{:?}", d.calls[0]);
+}
+
+/// R35, R27: a policy rule's `action = "ask"` asks as a remote guard does:
+/// its message is the approver's reason, and the approved call runs once.
+#[tokio::test]
+async fn r35_r27_a_policy_rule_asks() {
+    let mesh = TestMesh::start().await;
+    let policy = r#"
+[[rule]]
+name = "big-refunds-need-a-person"
+tools = ["refund"]
+when = "call.args.amount > 1000"
+action = "ask"
+message = '"refund of " + string(call.args.amount) + " to " + call.args.to'
+"#;
+    mesh.register(Registration::policy("refund-policy", policy))
+        .await;
+    let session = mesh.coordinator().await.session("s").await.unwrap();
+    let d = decide(&session, Batch::turn(0).call("c", "refund", REFUND)).await;
+    let id = asked(&d);
+    let approval = d.calls[0].ask().unwrap();
+    assert_eq!(approval.reason, "refund of 1500 to acct-1");
+    assert_eq!(
+        d.calls[0].rule.as_deref(),
+        Some("big-refunds-need-a-person")
+    );
+    Approver::connect(&mesh.url)
+        .await
+        .unwrap()
+        .approve(&id, "")
+        .await
+        .unwrap();
+    let d = decide(
+        &session,
+        Batch::turn(1)
+            .call("c", "refund", REFUND)
+            .approval("c", &id),
+    )
+    .await;
+    assert!(d.calls[0].proceeds(), "{:?}", d.calls[0]);
+    // A small refund never asks.
+    let d = decide(
+        &session,
+        Batch::turn(2).call("c", "refund", r#"{"amount":5,"to":"acct-1"}"#),
+    )
+    .await;
+    assert!(d.calls[0].proceeds());
+}
+
+/// R35, R10: a mutate guard before the one that asked rewrites the call
+/// otherwise on its second pass: the call the asker would see is another
+/// digest, so the approval is refused and the guard asks again.
+#[tokio::test]
+async fn r35_r10_a_call_rewritten_otherwise_after_its_approval_is_asked_again() {
+    let mesh = TestMesh::start().await;
+    let passes = std::sync::Arc::new(std::sync::atomic::AtomicU32::new(0));
+    let seen = passes.clone();
+    let stamp = call_guard(Duration::ZERO, move |call| {
+        let n = seen.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        let mut args: serde_json::Value = serde_json::from_str(&call.arguments).ok()?;
+        args["note"] = serde_json::json!(format!("pass {n}"));
+        Some(guardmesh_client::verdict::rewrite_arguments(
+            &call.call_id,
+            &args,
+        ))
+    })
+    .await;
+    mesh.register(Registration::mutate("stamp", &stamp.url, ["refund"]))
+        .await;
+    let asker = refund_guard().await;
+    mesh.register(Registration::validate("refunds", &asker.url))
+        .await;
+    let session = mesh.coordinator().await.session("s").await.unwrap();
+    let id = asked(&decide(&session, Batch::turn(0).call("c", "refund", REFUND)).await);
+    Approver::connect(&mesh.url)
+        .await
+        .unwrap()
+        .approve(&id, "")
+        .await
+        .unwrap();
+    let d = decide(
+        &session,
+        Batch::turn(1)
+            .call("c", "refund", REFUND)
+            .approval("c", &id),
+    )
+    .await;
+    let again = asked(&d);
+    assert_ne!(again, id);
+    assert!(
+        d.calls[0]
+            .approval_refused
+            .as_deref()
+            .unwrap_or_default()
+            .contains("digest differs"),
+        "{:?}",
+        d.calls[0]
+    );
+    assert_eq!(passes.load(std::sync::atomic::Ordering::SeqCst), 2);
+}

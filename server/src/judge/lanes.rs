@@ -31,6 +31,7 @@ impl Judging<'_> {
         deadlines: &mut [Option<Instant>],
     ) {
         let g = order[k];
+        let guard_name = &self.chain.guards[g].guard.name;
         let run = &mut self.runs[g];
         run.started = Some(started);
         run.guardrail = Some(crate::observe::spans::guardrail_span(
@@ -76,7 +77,7 @@ impl Judging<'_> {
                 Some(matched) => {
                     // A blank message would read as a malformed skip (R8),
                     // that is a proceed: the rule's name stands in for it.
-                    let content = if matched.message.trim().is_empty() {
+                    let mut content = if matched.message.trim().is_empty() {
                         format!("Tool call blocked by policy rule {:?}.", matched.rule)
                     } else {
                         matched.message
@@ -84,6 +85,16 @@ impl Judging<'_> {
                     let kind = match matched.action {
                         crate::policy::Action::Steer => SkipKind::Steer,
                         crate::policy::Action::Cancel => SkipKind::Cancel,
+                        // R35: the message is the approver's reason; the
+                        // model reads that the call waits.
+                        crate::policy::Action::Ask => {
+                            let reason = std::mem::replace(
+                                &mut content,
+                                crate::approval::waiting_content(&guard_name),
+                            );
+                            run.asked.push((i, crate::approval::record::clip(&reason)));
+                            SkipKind::Cancel
+                        }
                     } as i32;
                     run.answered[i] = true;
                     run.add_labels(matched.labels.to_vec(), 0);

@@ -32,6 +32,8 @@
 //!   could not record, failed per the policy of the guards that read
 //!   sessions (R34, R13).
 
+#[cfg(test)]
+mod ask_properties;
 mod call_index;
 mod chain;
 pub(crate) mod fold;

@@ -309,6 +309,7 @@ impl BatchLog {
                     metrics.call(match Action::try_from(d.action) {
                         Ok(Action::Steer) => "steer",
                         Ok(Action::Cancel) => "cancel",
+                        Ok(Action::Ask) => "ask",
                         _ => "proceed",
                     });
                 }

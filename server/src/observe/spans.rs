@@ -177,6 +177,7 @@ pub(crate) fn batch_span(
         guardmesh.calls.proceed = Empty,
         guardmesh.calls.steer = Empty,
         guardmesh.calls.cancel = Empty,
+        guardmesh.calls.ask = Empty,
     )
 }
 
@@ -230,6 +231,7 @@ pub(crate) fn batch_done(span: &Span, result: Result<&BatchDecision, &tonic::Sta
             span.record("guardmesh.calls.proceed", count_of(Action::Proceed));
             span.record("guardmesh.calls.steer", count_of(Action::Steer));
             span.record("guardmesh.calls.cancel", count_of(Action::Cancel));
+            span.record("guardmesh.calls.ask", count_of(Action::Ask));
         }
         Err(status) => {
             record_status(

@@ -13,7 +13,7 @@
 //! call_id = "q1"                            # optional: c1, c2... by position
 //! tool = "sql.query"
 //! args = { query = "DELETE FROM users" }    # or args_json = '{"query": null}'
-//! expect = "cancel"                         # proceed | steer | cancel | error
+//! expect = "cancel"                         # proceed | steer | cancel | ask | error
 //! expect_rule = "sql-delete-needs-where"    # optional: the rule that decides
 //! expect_message = "DELETE"                 # optional: a part of the message
 //! ```
@@ -114,6 +114,8 @@ enum Expected {
     Proceed,
     Steer,
     Cancel,
+    /// R35: the rule asks a person first.
+    Ask,
     Error,
 }
 
@@ -123,6 +125,7 @@ impl fmt::Display for Expected {
             Expected::Proceed => "proceed",
             Expected::Steer => "steer",
             Expected::Cancel => "cancel",
+            Expected::Ask => "ask",
             Expected::Error => "error",
         })
     }
@@ -331,11 +334,12 @@ fn holds(outcome: &Outcome, expected: Expected, rule: Option<&str>, message: Opt
         (Outcome::Proceed, Expected::Proceed) => true,
         (
             Outcome::Matched(verdict) | Outcome::Bounded(verdict),
-            Expected::Steer | Expected::Cancel,
+            Expected::Steer | Expected::Cancel | Expected::Ask,
         ) => {
             let action = match verdict.action {
                 Action::Steer => Expected::Steer,
                 Action::Cancel => Expected::Cancel,
+                Action::Ask => Expected::Ask,
             };
             action == expected
                 && rule.is_none_or(|rule| rule == verdict.rule)

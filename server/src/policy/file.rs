@@ -9,7 +9,7 @@
 //!   call.args.query.matches("(?i)^\\s*delete\\s") &&
 //!   !call.args.query.matches("(?i)\\swhere\\s")
 //! '''
-//! action = "cancel"                        # or "steer"
+//! action = "cancel"                        # or "steer", or "ask" (R35)
 //! message = '"DELETE without WHERE refused: " + call.args.query'
 //! labels = ["sql:unbounded-delete"]        # optional: session labels (R34)
 //! ```

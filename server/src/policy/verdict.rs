@@ -12,6 +12,9 @@ pub enum Action {
     Steer,
     /// Skip the call with a result that is not an error: do not retry (R7).
     Cancel,
+    /// Ask a person first (R35): the call waits for an approval; the
+    /// rule's message is the reason the approver reads.
+    Ask,
 }
 
 impl std::fmt::Display for Action {
@@ -19,6 +22,7 @@ impl std::fmt::Display for Action {
         f.write_str(match self {
             Action::Steer => "steer",
             Action::Cancel => "cancel",
+            Action::Ask => "ask",
         })
     }
 }
