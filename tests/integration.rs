@@ -88,6 +88,7 @@
 mod harness;
 
 mod approvals;
+mod approvals_cli;
 mod busy;
 mod cli;
 mod config_check;
