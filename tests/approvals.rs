@@ -114,6 +114,22 @@ async fn r35_approved_call_runs_once_and_a_second_use_asks_again() {
     let used = approver.list(ApprovalState::Used, "s1", 0).await.unwrap();
     assert_eq!(used.len(), 1);
     assert_eq!(used[0].id, id);
+    // Counted: two requests made, one approved and used, and two
+    // approvals named that did not hold (pending, used).
+    for (event, count) in [
+        ("asked", 2.0),
+        ("approved", 1.0),
+        ("used", 1.0),
+        ("refused", 2.0),
+    ] {
+        let sample = format!("guardmesh_approvals_total{{event=\"{event}\"}}");
+        assert_eq!(metric(&mesh, &sample), count, "{sample}");
+    }
+    assert_eq!(
+        metric(&mesh, "guardmesh_calls_total{decision=\"ask\"}"),
+        3.0,
+        "three decisions were asks"
+    );
 }
 
 /// R35: an approval is bound to the call's digest: other arguments or

@@ -40,6 +40,7 @@ use tonic::Status;
 pub struct Approvals {
     pub settings: Settings,
     pub stats: Stats,
+    metrics: Option<std::sync::Arc<crate::observe::metrics::Metrics>>,
 }
 
 /// The `[approvals]` settings.
@@ -84,6 +85,32 @@ impl Approvals {
         Self {
             settings,
             stats: Stats::default(),
+            metrics: None,
+        }
+    }
+
+    /// Counted in `metrics` too (`approvals{event}`).
+    pub fn with_metrics(
+        mut self,
+        metrics: std::sync::Arc<crate::observe::metrics::Metrics>,
+    ) -> Self {
+        self.metrics = Some(metrics);
+        self
+    }
+
+    fn count(&self, event: &'static str) {
+        let counter = match event {
+            "asked" => &self.stats.asked,
+            "approved" => &self.stats.approved,
+            "denied" => &self.stats.denied,
+            "used" => &self.stats.used,
+            "refused" => &self.stats.refused,
+            "expired" => &self.stats.expired,
+            _ => &self.stats.unrecorded,
+        };
+        counter.fetch_add(1, Ordering::Relaxed);
+        if let Some(metrics) = &self.metrics {
+            metrics.approval(event);
         }
     }
 }
@@ -155,8 +182,19 @@ pub async fn resolve(
             continue;
         };
         let resolved = resolve_one(sessions, id, &session_name, revision, now).await;
-        if resolved.refused.is_some() {
-            approvals.stats.refused.fetch_add(1, Ordering::Relaxed);
+        if matches!(
+            &resolved.stand_in,
+            Some(StandIn::Fixed {
+                pending: None,
+                kind: SkipKind::Cancel,
+                ..
+            })
+        ) && resolved.refused.is_some()
+        {
+            // A request nobody answered in time: its call cancelled.
+            approvals.count("expired");
+        } else if resolved.refused.is_some() {
+            approvals.count("refused");
         }
         out[i] = resolved;
     }
@@ -295,10 +333,10 @@ pub async fn settle(
         if d.action == Action::Proceed as i32 && !d.approved_by_request.is_empty() {
             match use_approval(sessions, &d.approved_by_request, now).await {
                 Ok(()) => {
-                    approvals.stats.used.fetch_add(1, Ordering::Relaxed);
+                    approvals.count("used");
                 }
                 Err(why) => {
-                    approvals.stats.refused.fetch_add(1, Ordering::Relaxed);
+                    approvals.count("refused");
                     tracing::warn!(call_id = %d.call_id, why = %why, "an approval could not be used");
                     d.action = Action::Cancel as i32;
                     d.content = format!(
@@ -368,13 +406,13 @@ pub async fn settle(
         let count = match &open {
             Ok(count) => *count,
             Err(error) => {
-                approvals.stats.unrecorded.fetch_add(1, Ordering::Relaxed);
+                approvals.count("unrecorded");
                 unrecorded(d, format!("the request could not be recorded ({error})"));
                 continue;
             }
         };
         if count >= max {
-            approvals.stats.unrecorded.fetch_add(1, Ordering::Relaxed);
+            approvals.count("unrecorded");
             unrecorded(
                 d,
                 format!(
@@ -416,18 +454,18 @@ pub async fn settle(
             .await;
         match written {
             Ok(true) => {
-                approvals.stats.asked.fetch_add(1, Ordering::Relaxed);
+                approvals.count("asked");
                 *approval = stored.to_wire(now);
                 if let Ok(count) = &mut open {
                     *count += 1;
                 }
             }
             Ok(false) => {
-                approvals.stats.unrecorded.fetch_add(1, Ordering::Relaxed);
+                approvals.count("unrecorded");
                 unrecorded(d, "a request with its id already exists".into());
             }
             Err(error) => {
-                approvals.stats.unrecorded.fetch_add(1, Ordering::Relaxed);
+                approvals.count("unrecorded");
                 unrecorded(d, format!("the request could not be recorded ({error})"));
             }
         }
@@ -493,7 +531,7 @@ pub async fn answer(
     match stored.state(now) {
         ApprovalState::Pending => {}
         ApprovalState::Expired => {
-            approvals.stats.expired.fetch_add(1, Ordering::Relaxed);
+            approvals.count("expired");
             return Err(Status::failed_precondition(format!(
                 "approval request {id} expired unanswered"
             )));
@@ -531,12 +569,7 @@ pub async fn answer(
             "approval request {id} changed while it was answered; read it again"
         )));
     }
-    let counter = if approve {
-        &approvals.stats.approved
-    } else {
-        &approvals.stats.denied
-    };
-    counter.fetch_add(1, Ordering::Relaxed);
+    approvals.count(if approve { "approved" } else { "denied" });
     Ok(stored.to_wire(now))
 }
 

@@ -173,9 +173,10 @@ impl std::fmt::Debug for Mesh {
 
 impl Mesh {
     pub fn new(config: MeshConfig, registry: Arc<dyn Registry>) -> Arc<Self> {
+        let metrics = Arc::new(Metrics::with_max_latency(config.max_batch_timeout));
         Arc::new(Self {
             config: config.clone(),
-            metrics: Arc::new(Metrics::with_max_latency(config.max_batch_timeout)),
+            metrics: metrics.clone(),
             registry,
             chain: ArcSwap::from_pointee(Chain {
                 revision: 0,
@@ -195,7 +196,7 @@ impl Mesh {
             result_reads: std::sync::OnceLock::new(),
             sessions: std::sync::OnceLock::new(),
             session_turns: Arc::default(),
-            approvals: crate::approval::Approvals::new(config.approvals),
+            approvals: crate::approval::Approvals::new(config.approvals).with_metrics(metrics),
         })
     }
 

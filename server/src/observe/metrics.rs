@@ -28,6 +28,23 @@ struct DecisionLabel {
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct ApprovalLabel {
+    event: &'static str,
+}
+
+/// What happens to approval requests (R35), the `event` label of
+/// `approvals`.
+pub(crate) const APPROVAL_EVENTS: [&str; 7] = [
+    "asked",
+    "approved",
+    "denied",
+    "used",
+    "refused",
+    "expired",
+    "unrecorded",
+];
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct GuardStatusLabel {
     guard: String,
     status: &'static str,
@@ -105,6 +122,7 @@ pub struct Metrics {
     registry: Registry,
     batches: FixedCounters<OutcomeLabel>,
     calls: FixedCounters<DecisionLabel>,
+    approvals: FixedCounters<ApprovalLabel>,
     guard_outcomes: Family<GuardStatusLabel, Counter>,
     bypassed: Family<GuardLabel, Counter>,
     unguarded: FixedCounters<DecisionLabel>,
@@ -224,8 +242,16 @@ impl Metrics {
         let calls = Family::<DecisionLabel, Counter>::default();
         registry.register(
             "calls",
-            "Call decisions, by decision (proceed, steer, cancel)",
+            "Call decisions, by decision (proceed, steer, cancel, ask)",
             calls.clone(),
+        );
+        let approvals = Family::<ApprovalLabel, Counter>::default();
+        registry.register(
+            "approvals",
+            "Approval requests (R35), by event: asked (a request made), approved, denied, \
+             used (a call ran on it), refused (an approval named that did not hold), expired \
+             (answered too late), unrecorded (an ask cancelled: the session's bound or the store)",
+            approvals.clone(),
         );
         let guard_outcomes = Family::<GuardStatusLabel, Counter>::default();
         registry.register(
@@ -445,7 +471,12 @@ impl Metrics {
             calls: FixedCounters::new(
                 calls,
                 |decision| DecisionLabel { decision },
-                &["proceed", "steer", "cancel"],
+                &["proceed", "steer", "cancel", "ask"],
+            ),
+            approvals: FixedCounters::new(
+                approvals,
+                |event| ApprovalLabel { event },
+                &APPROVAL_EVENTS,
             ),
             guard_outcomes,
             bypassed,
@@ -495,6 +526,11 @@ impl Metrics {
 
     pub fn call(&self, decision: &'static str) {
         self.calls.inc(decision);
+    }
+
+    /// One approval event (R35), one of [`APPROVAL_EVENTS`].
+    pub fn approval(&self, event: &'static str) {
+        self.approvals.inc(event);
     }
 
     pub fn guard_outcome(&self, guard: &str, status: &'static str, seconds: Option<f64>) {
