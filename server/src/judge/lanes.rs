@@ -90,7 +90,7 @@ impl Judging<'_> {
                         crate::policy::Action::Ask => {
                             let reason = std::mem::replace(
                                 &mut content,
-                                crate::approval::waiting_content(&guard_name),
+                                crate::approval::waiting_content(guard_name),
                             );
                             run.asked.push((i, crate::approval::record::clip(&reason)));
                             SkipKind::Cancel
