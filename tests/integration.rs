@@ -115,6 +115,7 @@ mod hook;
 mod interceptors_conformance;
 mod mcp;
 mod mcp_answers;
+mod mcp_approvals;
 mod mcp_bounds;
 mod mcp_embedded;
 mod mcp_readme;

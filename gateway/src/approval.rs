@@ -544,9 +544,9 @@ fn declined(asked: &Asked, decline: bool) -> String {
         "dismissed without approving"
     };
     format!(
-        "Tool call not run: the person at the MCP client {how} it when asked for approval \
-         (guard {}: {}). Do not retry {tool} with these arguments.",
-        asked.approval.guard, asked.approval.reason
+        "Tool call not run: the person at the MCP client {how} it when guard {} asked for \
+         approval. Do not retry {tool} with these arguments.",
+        asked.approval.guard
     )
 }
 

@@ -5,7 +5,11 @@ Usage: client.py SCENARIO_JSON stdio COMMAND [ARGS...]
        client.py SCENARIO_JSON http URL
 
 SCENARIO_JSON: {"mode": "legacy" | "auto", "ca": CA_PEM_FILE (https only),
-                "env": {...} (stdio only: the server's extra environment), "steps": [
+                "env": {...} (stdio only: the server's extra environment),
+                "elicit": ["accept" | "decline" | "cancel" | "error" | "hang", ...]
+                  (declares elicitation; each elicitation request is printed
+                  as {"op": "elicited", ...} and answered with the next
+                  action in turn: "hang" never answers), "steps": [
   {"op": "list_tools"},
   {"op": "call", "name": "pay", "arguments": {...}, "meta": {...}}]}
 """
@@ -16,7 +20,9 @@ import json
 import ssl
 import sys
 
+import anyio
 import httpx2
+import mcp_types as types
 from mcp import Client
 from mcp.client.streamable_http import streamable_http_client
 from mcp.client.stdio import StdioServerParameters
@@ -45,8 +51,33 @@ async def main():
         await run(scenario, server)
 
 
+def elicitation_callback(actions):
+    """Answers each elicitation with the next of `actions`, printing it."""
+    actions = list(actions)
+
+    async def callback(context, params):
+        action = actions.pop(0) if actions else "decline"
+        out({
+            "op": "elicited",
+            "message": params.message,
+            "schema": schema if isinstance(schema := params.requested_schema, dict)
+            else schema.model_dump(mode="json", by_alias=True, exclude_none=True),
+            "answer": action,
+        })
+        if action == "hang":
+            await anyio.sleep(3600)
+        if action == "error":
+            return types.ErrorData(code=types.INVALID_REQUEST, message="the user cannot be asked now")
+        return types.ElicitResult(action=action, content={} if action == "accept" else None)
+
+    return callback
+
+
 async def run(scenario, server):
-    async with Client(server, mode=scenario.get("mode", "legacy")) as client:
+    options = {}
+    if "elicit" in scenario:
+        options["elicitation_callback"] = elicitation_callback(scenario["elicit"])
+    async with Client(server, mode=scenario.get("mode", "legacy"), **options) as client:
         out({"op": "connected", "protocol": client.protocol_version})
         for step in scenario["steps"]:
             if step["op"] == "list_tools":

@@ -1,0 +1,515 @@
+//! A guard's ask (R35) through the MCP gateway (R31): put to the MCP
+//! client's user through elicitation when the client declares it and the
+//! gateway has approver credentials (`--approver-token-file`), else
+//! answered as "approval needed". A real mesh with token principals (the
+//! gateway's `evaluate` token, its `approver` token), a scripted guard that
+//! asks about payments over 100, `guardmesh mcp stdio`, the official Python
+//! MCP SDK as client (tests/mcp-sdk/client.py) and as upstream, whose log
+//! says what ran; and raw JSON-RPC clients that answer the elicitation
+//! badly, late, twice, or never.
+
+use crate::harness::*;
+use crate::mcp::{Scratch, calls, mcp_python, run_client_off_thread, via_gateway};
+use guardmesh_client::proto::ApprovalState;
+use guardmesh_client::verdict::ask;
+use guardmesh_client::{Approver, Registration};
+use serde_json::{Value, json};
+use std::io::{BufRead, Write};
+use std::process::{Command, Stdio};
+use std::sync::mpsc;
+use std::time::Duration;
+
+const REASON: &str = "payments over 100 need a person";
+
+/// A TLS mesh with token principals: the gateway (`evaluate`), its
+/// approver (`approver`), a person with the approver role, and an operator
+/// who registers; approval requests live `ttl`. The guard `payments` asks
+/// about `pay` over 100 and lets everything else through.
+struct Setup {
+    pki: TestPki,
+    mesh: TestMesh,
+    url: String,
+    _guard: TestGuard,
+}
+
+impl Setup {
+    async fn start(ttl: Duration) -> Self {
+        let pki = TestPki::new();
+        let (cert, key) = pki.issue_files("mesh");
+        let mut text = format!(
+            "[tls]\ncert_file = {:?}\nkey_file = {:?}\n",
+            cert.display().to_string(),
+            key.display().to_string()
+        );
+        for (id, roles) in [
+            ("gateway", &["evaluate"][..]),
+            ("gateway-approver", &["approver"][..]),
+            ("person", &["approver"][..]),
+            ("ops", &["register"][..]),
+        ] {
+            let token_file = pki.file(&format!("{id}.token"), &format!("{id}-token\n"));
+            text.push_str(&format!(
+                "[[auth.principal]]\nid = {id:?}\nroles = {roles:?}\ntoken_file = {:?}\n",
+                token_file.display().to_string()
+            ));
+        }
+        let built = guardmesh_server::config::Config::parse(&text, "test")
+            .unwrap()
+            .build()
+            .unwrap();
+        let mut config = fast_config();
+        config.security = built.security;
+        config.approvals.ttl = ttl;
+        let mesh = TestMesh::with_config(config).await;
+        let url = mesh.url.replace("http://127.0.0.1", "https://localhost");
+        let guard = call_guard(Duration::ZERO, |call| {
+            let args: Value = serde_json::from_str(&call.arguments).ok()?;
+            (call.tool == "pay" && args["amount"].as_f64().unwrap_or(0.0) > 100.0)
+                .then(|| ask(&call.call_id, REASON))
+        })
+        .await;
+        pki.registrar(&url, "ops-token")
+            .await
+            .register(Registration::validate("payments", &guard.url))
+            .await
+            .unwrap();
+        Self {
+            pki,
+            mesh,
+            url,
+            _guard: guard,
+        }
+    }
+
+    /// The gateway's flags: its mesh over TLS with its own token, and
+    /// (`approver`) its approver token; then `extra`.
+    fn gateway_args(&self, approver: bool, extra: &[&str]) -> Vec<String> {
+        let mut args = vec![
+            "--ca-file".to_owned(),
+            self.pki.ca_file().display().to_string(),
+            "--token-file".to_owned(),
+            self.pki.dir.join("gateway.token").display().to_string(),
+        ];
+        if approver {
+            args.push("--approver-token-file".into());
+            args.push(
+                self.pki
+                    .dir
+                    .join("gateway-approver.token")
+                    .display()
+                    .to_string(),
+            );
+        }
+        args.extend(extra.iter().map(|s| s.to_string()));
+        args
+    }
+
+    /// `stdio guardmesh mcp stdio --mesh URL ... -- upstream.py LOG stdio`.
+    fn target(&self, scratch: &Scratch, approver: bool, extra: &[&str]) -> Vec<String> {
+        let args = self.gateway_args(approver, extra);
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        via_gateway(&self.url, &args, scratch.upstream(&["stdio"]))
+    }
+
+    /// The approval requests of every session in `state`, as the person
+    /// with the approver role lists them.
+    async fn requests(
+        &self,
+        state: ApprovalState,
+    ) -> Vec<guardmesh_client::proto::ApprovalRequest> {
+        Approver::connect_with(&self.url, &self.pki.connection(None, Some("person-token")))
+            .await
+            .unwrap()
+            .list(state, "", 0)
+            .await
+            .unwrap()
+    }
+}
+
+fn elicited(lines: &[Value]) -> Vec<&Value> {
+    lines.iter().filter(|l| l["op"] == "elicited").collect()
+}
+
+fn text_of(result: &Value) -> String {
+    result["text"][0].as_str().unwrap_or_default().to_owned()
+}
+
+/// R35, R31: the client's user accepts: the gateway approves with its
+/// approver token and the same call runs once, upstream; the elicitation
+/// named the guard, its reason, the tool and the arguments, with an empty
+/// form; the request is used, answered by the gateway's approver with the
+/// elicitation note.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn r35_r31_accepted_through_elicitation_the_call_runs_once() {
+    mcp_python();
+    let setup = Setup::start(Duration::from_secs(600)).await;
+    let scratch = Scratch::new("approvals-accept");
+    let scenario = json!({"mode": "legacy", "elicit": ["accept"], "steps": [
+        {"op": "call", "name": "pay", "arguments": {"amount": 500, "to": "bob"}},
+        {"op": "call", "name": "pay", "arguments": {"amount": 5, "to": "carol"}},
+    ]});
+    let lines = run_client_off_thread(scenario, setup.target(&scratch, true, &[])).await;
+    let asks = elicited(&lines);
+    assert_eq!(asks.len(), 1, "{lines:?}");
+    let message = asks[0]["message"].as_str().unwrap();
+    for part in ["payments", REASON, "pay", "500", "bob"] {
+        assert!(message.contains(part), "{part:?} in {message}");
+    }
+    assert_eq!(
+        asks[0]["schema"],
+        json!({"type": "object", "properties": {}})
+    );
+    let results = calls(&lines);
+    assert_eq!(results.len(), 2, "{lines:?}");
+    assert_eq!(results[0]["isError"], false, "{lines:?}");
+    assert!(text_of(results[0]).contains("paid 500"), "{lines:?}");
+    assert!(text_of(results[1]).contains("paid 5"), "{lines:?}");
+    assert_eq!(
+        scratch.executed(),
+        [
+            json!({"tool": "pay", "arguments": {"amount": 500.0, "to": "bob"}}),
+            json!({"tool": "pay", "arguments": {"amount": 5.0, "to": "carol"}}),
+        ]
+    );
+    let used = setup.requests(ApprovalState::Used).await;
+    assert_eq!(used.len(), 1, "{used:?}");
+    assert_eq!(used[0].answered_by, "gateway-approver");
+    assert_eq!(used[0].asked_by, "gateway");
+    assert_eq!(
+        used[0].note,
+        "approved by the MCP client's user through elicitation"
+    );
+    setup.mesh.shutdown().await;
+}
+
+/// R35, R31: the user declines (or dismisses): the request is denied with a
+/// note saying so, the call is answered as a cancel (not an error) saying
+/// the person declined, and nothing runs.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn r35_r31_declined_or_dismissed_through_elicitation_nothing_runs() {
+    mcp_python();
+    let setup = Setup::start(Duration::from_secs(600)).await;
+    let scratch = Scratch::new("approvals-decline");
+    let scenario = json!({"mode": "legacy", "elicit": ["decline", "cancel"], "steps": [
+        {"op": "call", "name": "pay", "arguments": {"amount": 500, "to": "bob"}},
+        {"op": "call", "name": "pay", "arguments": {"amount": 600, "to": "bob"}},
+    ]});
+    let lines = run_client_off_thread(scenario, setup.target(&scratch, true, &[])).await;
+    assert_eq!(elicited(&lines).len(), 2, "{lines:?}");
+    let results = calls(&lines);
+    assert_eq!(results.len(), 2, "{lines:?}");
+    for (result, how) in results.iter().zip(["declined", "dismissed"]) {
+        assert_eq!(result["isError"], false, "{lines:?}");
+        let text = text_of(result);
+        assert!(text.contains(how) && text.contains("not run"), "{text}");
+    }
+    assert!(scratch.executed().is_empty(), "{:?}", scratch.executed());
+    let denied = setup.requests(ApprovalState::Denied).await;
+    assert_eq!(denied.len(), 2, "{denied:?}");
+    let mut notes: Vec<&str> = denied.iter().map(|r| r.note.as_str()).collect();
+    notes.sort();
+    assert!(
+        notes[0].starts_with("declined by the MCP client's user"),
+        "{notes:?}"
+    );
+    assert!(notes[1].starts_with("dismissed (cancelled)"), "{notes:?}");
+    setup.mesh.shutdown().await;
+}
+
+/// R35, R31: a client without the elicitation capability, or a gateway
+/// without approver credentials: no elicitation; the call is answered with
+/// a tool result saying an approval is needed, naming the request and
+/// `guardmesh approvals approve ID`; nothing runs, the request waits.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn r35_r31_without_elicitation_or_approver_the_answer_names_the_request() {
+    mcp_python();
+    let setup = Setup::start(Duration::from_secs(600)).await;
+    let scratch = Scratch::new("approvals-none");
+    let call = json!({"op": "call", "name": "pay", "arguments": {"amount": 500, "to": "bob"}});
+    for (scenario, approver) in [
+        (json!({"mode": "legacy", "steps": [call.clone()]}), true),
+        (
+            json!({"mode": "legacy", "elicit": ["accept"], "steps": [call.clone()]}),
+            false,
+        ),
+    ] {
+        let lines = run_client_off_thread(scenario, setup.target(&scratch, approver, &[])).await;
+        assert!(elicited(&lines).is_empty(), "{lines:?}");
+        let results = calls(&lines);
+        assert_eq!(results.len(), 1, "{lines:?}");
+        assert_eq!(results[0]["isError"], false, "{lines:?}");
+        let text = text_of(results[0]);
+        assert!(text.contains("payments"), "{text}");
+        assert!(
+            !text.contains(REASON),
+            "the reason is the approver's: {text}"
+        );
+        assert!(text.contains("approval needed"), "{text}");
+        let pending = setup.requests(ApprovalState::Pending).await;
+        assert!(
+            pending
+                .iter()
+                .any(|r| text.contains(&format!("guardmesh approvals approve {}", r.id))),
+            "{text} names a pending request: {pending:?}"
+        );
+    }
+    assert!(scratch.executed().is_empty());
+    setup.mesh.shutdown().await;
+}
+
+// ---------------------------------------------------------------------------
+// Raw JSON-RPC clients: elicitation answers that must not run anything.
+// ---------------------------------------------------------------------------
+
+/// `guardmesh mcp stdio` driven line by line by a client that declares
+/// elicitation; its output read on a thread, so that waits are bounded.
+struct Raw {
+    child: std::process::Child,
+    stdin: std::process::ChildStdin,
+    lines: mpsc::Receiver<Value>,
+}
+
+impl Raw {
+    fn start(setup: &Setup, scratch: &Scratch, extra: &[&str]) -> Self {
+        let mut target = setup.target(scratch, true, extra);
+        target.remove(0); // "stdio"
+        let mut child = Command::new(target.remove(0))
+            .args(target)
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let stdin = child.stdin.take().unwrap();
+        let stdout = std::io::BufReader::new(child.stdout.take().unwrap());
+        let (tx, lines) = mpsc::channel();
+        std::thread::spawn(move || {
+            for line in stdout.lines() {
+                let Ok(line) = line else { break };
+                if tx.send(serde_json::from_str(&line).unwrap()).is_err() {
+                    break;
+                }
+            }
+        });
+        let mut raw = Self {
+            child,
+            stdin,
+            lines,
+        };
+        raw.send(
+            &json!({"jsonrpc": "2.0", "id": "init", "method": "initialize", "params": {
+            "protocolVersion": "2025-11-25", "capabilities": {"elicitation": {}},
+            "clientInfo": {"name": "raw", "version": "0"}}}),
+        );
+        assert_eq!(raw.recv()["id"], "init");
+        raw.send(&json!({"jsonrpc": "2.0", "method": "notifications/initialized"}));
+        raw
+    }
+
+    fn send(&mut self, message: &Value) {
+        self.send_line(&message.to_string());
+    }
+
+    fn send_line(&mut self, line: &str) {
+        self.stdin.write_all(line.as_bytes()).unwrap();
+        self.stdin.write_all(b"\n").unwrap();
+        self.stdin.flush().unwrap();
+    }
+
+    /// The next message within 20 s.
+    fn recv(&mut self) -> Value {
+        self.lines
+            .recv_timeout(Duration::from_secs(20))
+            .expect("a message from the gateway within 20 s")
+    }
+
+    /// The next message within `wait`, if any.
+    fn try_recv(&mut self, wait: Duration) -> Option<Value> {
+        self.lines.recv_timeout(wait).ok()
+    }
+
+    fn call(&mut self, id: i64, amount: i64) {
+        self.send(&json!({"jsonrpc": "2.0", "id": id, "method": "tools/call",
+            "params": {"name": "pay", "arguments": {"amount": amount, "to": "bob"}}}));
+    }
+
+    /// The next message, which must be an elicitation: its id and message.
+    fn elicitation(&mut self) -> (String, String) {
+        let m = self.recv();
+        assert_eq!(m["method"], "elicitation/create", "{m}");
+        (
+            m["id"].as_str().unwrap().to_owned(),
+            m["params"]["message"].as_str().unwrap().to_owned(),
+        )
+    }
+
+    fn answer(&mut self, id: &str, result: Value) {
+        self.send(&json!({"jsonrpc": "2.0", "id": id, "result": result}));
+    }
+
+    /// The gateway still serves: a ping is answered.
+    fn still_serves(&mut self, id: &str) {
+        self.send(&json!({"jsonrpc": "2.0", "id": id, "method": "ping"}));
+        let pong = self.recv();
+        assert_eq!(pong["id"], id, "{pong}");
+        assert!(pong.get("result").is_some(), "{pong}");
+    }
+}
+
+impl Drop for Raw {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// The text of a tool result answering request `id`.
+fn result_text(m: &Value, id: i64) -> String {
+    assert_eq!(m["id"], id, "{m}");
+    assert_eq!(m["result"]["isError"], false, "{m}");
+    m["result"]["content"][0]["text"]
+        .as_str()
+        .unwrap()
+        .to_owned()
+}
+
+/// R35 attacks: garbage lines, answers with made-up or foreign ids, an
+/// answer the gateway cannot read, then a second (accepting) answer: the
+/// call never runs, the gateway keeps serving, and nothing of the answers
+/// reaches the upstream.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn r35_garbage_wrong_ids_and_second_answers_never_run_the_call() {
+    mcp_python();
+    let setup = Setup::start(Duration::from_secs(600)).await;
+    let scratch = Scratch::new("approvals-garbage");
+    let mut raw = Raw::start(&setup, &scratch, &[]);
+    raw.call(1, 500);
+    let (id, _) = raw.elicitation();
+    assert!(
+        id.starts_with("guardmesh-approval-") && id.len() > 40,
+        "{id}"
+    );
+    // Not JSON: a parse error, and the ask still waits.
+    raw.send_line("{not json at all");
+    let refused = raw.recv();
+    assert!(refused.get("error").is_some(), "{refused}");
+    // An id of the gateway's form that it never sent, a numeric id, the
+    // id in another type: none answers the elicitation.
+    raw.answer(
+        &format!("guardmesh-approval-{:032x}", 7),
+        json!({"action": "accept"}),
+    );
+    raw.send(&json!({"jsonrpc": "2.0", "id": 7, "result": {"action": "accept"}}));
+    raw.send(&json!({"jsonrpc": "2.0", "id": [id.clone()], "result": {"action": "accept"}}));
+    let _ = raw.try_recv(Duration::from_millis(200));
+    raw.still_serves("p1");
+    assert!(scratch.executed().is_empty());
+    // The real id with an action that is none of accept/decline/cancel.
+    raw.answer(&id, json!({"action": "Accept", "content": {}}));
+    let text = result_text(&raw.recv(), 1);
+    assert!(
+        text.contains("not approved") && text.contains("not run"),
+        "{text}"
+    );
+    // A second answer, accepting: dropped.
+    raw.answer(&id, json!({"action": "accept"}));
+    raw.still_serves("p2");
+    assert!(scratch.executed().is_empty(), "{:?}", scratch.executed());
+    assert!(
+        setup.requests(ApprovalState::Approved).await.is_empty()
+            && setup.requests(ApprovalState::Used).await.is_empty(),
+        "nothing was approved"
+    );
+    setup.mesh.shutdown().await;
+}
+
+/// R35 attack: a client that never answers: past the bound the elicitation
+/// is cancelled at the client and the call answered as not approved; other
+/// requests are served meanwhile; an accept after that is dropped and the
+/// call never runs.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn r35_an_elicitation_never_answered_is_not_approved_and_blocks_nothing() {
+    mcp_python();
+    let setup = Setup::start(Duration::from_secs(600)).await;
+    let scratch = Scratch::new("approvals-hang");
+    let mut raw = Raw::start(&setup, &scratch, &["--elicitation-timeout-ms", "1500"]);
+    raw.call(1, 500);
+    let (id, _) = raw.elicitation();
+    // Meanwhile: a ping and a call that needs no approval.
+    raw.still_serves("p1");
+    raw.call(2, 5);
+    let paid = raw.recv();
+    assert!(result_text(&paid, 2).contains("paid 5"), "{paid}");
+    let mut got = vec![raw.recv(), raw.recv()];
+    got.sort_by_key(|m| m.get("method").is_none());
+    assert_eq!(got[0]["method"], "notifications/cancelled", "{got:?}");
+    assert_eq!(got[0]["params"]["requestId"], id.as_str());
+    let text = result_text(&got[1], 1);
+    assert!(text.contains("nobody answered"), "{text}");
+    raw.answer(&id, json!({"action": "accept"}));
+    raw.still_serves("p2");
+    assert_eq!(
+        scratch.executed(),
+        [json!({"tool": "pay", "arguments": {"amount": 5.0, "to": "bob"}})]
+    );
+    setup.mesh.shutdown().await;
+}
+
+/// R35 attack: an accept that arrives after the approval request expired
+/// does not run the call.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn r35_an_accept_after_the_request_expired_runs_nothing() {
+    mcp_python();
+    let setup = Setup::start(Duration::from_millis(1500)).await;
+    let scratch = Scratch::new("approvals-expired");
+    let mut raw = Raw::start(&setup, &scratch, &[]);
+    raw.call(1, 500);
+    let (id, _) = raw.elicitation();
+    std::thread::sleep(Duration::from_millis(2500));
+    raw.answer(&id, json!({"action": "accept"}));
+    let mut answer = raw.recv();
+    if answer.get("method").is_some() {
+        answer = raw.recv();
+    }
+    let text = result_text(&answer, 1);
+    assert!(text.contains("not run"), "{text}");
+    raw.still_serves("p1");
+    assert!(scratch.executed().is_empty(), "{:?}", scratch.executed());
+    assert!(setup.requests(ApprovalState::Used).await.is_empty());
+    setup.mesh.shutdown().await;
+}
+
+/// R35 attack: two calls asked about at once; the user accepts one (its
+/// answer's content naming the other) and declines the other: only the
+/// accepted call runs, once, even when the accept is sent twice.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn r35_an_accept_approves_only_the_call_it_was_asked_about() {
+    mcp_python();
+    let setup = Setup::start(Duration::from_secs(600)).await;
+    let scratch = Scratch::new("approvals-other");
+    let mut raw = Raw::start(&setup, &scratch, &[]);
+    raw.call(1, 500);
+    raw.call(2, 700);
+    let asks = [raw.elicitation(), raw.elicitation()];
+    let (small, large) = if asks[0].1.contains("500") {
+        (&asks[0].0, &asks[1].0)
+    } else {
+        (&asks[1].0, &asks[0].0)
+    };
+    assert_ne!(small, large);
+    raw.answer(
+        small,
+        json!({"action": "accept", "content": {"approve": large}}),
+    );
+    raw.answer(small, json!({"action": "accept"}));
+    let text = result_text(&raw.recv(), 1);
+    assert!(text.contains("paid 500"), "{text}");
+    raw.answer(large, json!({"action": "decline"}));
+    let text = result_text(&raw.recv(), 2);
+    assert!(text.contains("declined"), "{text}");
+    raw.still_serves("p1");
+    assert_eq!(
+        scratch.executed(),
+        [json!({"tool": "pay", "arguments": {"amount": 500.0, "to": "bob"}})]
+    );
+    setup.mesh.shutdown().await;
+}
