@@ -321,3 +321,49 @@ async fn r31b_hook_refuses_events_other_than_pre_tool_use() {
     .unwrap();
     assert!(guard.guard.batches().is_empty());
 }
+
+/// R31b, R35: a guard's ask reaches the host as Claude Code's
+/// `permissionDecision: "ask"`, whose reason names the guard, its reason
+/// and the approval request, so the host's own prompt asks the person; in
+/// Codex's format (which has no ask) it is a deny naming the same.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn r31b_r35_hook_answers_a_guards_ask_with_the_hosts_ask() {
+    let (mesh, _policy) = mesh_with_policy("hook-approval").await;
+    let asker = call_guard(Duration::ZERO, |call| {
+        (call.tool == "refund")
+            .then(|| guardmesh_client::verdict::ask(&call.call_id, "refunds need a person"))
+    })
+    .await;
+    guardmesh_client::Registrar::connect(mesh.url.clone())
+        .await
+        .unwrap()
+        .register(guardmesh_client::Registration::validate(
+            "refunds", &asker.url,
+        ))
+        .await
+        .unwrap();
+    let url = mesh.url.clone();
+    tokio::task::spawn_blocking(move || {
+        let input = payload("refund", json!({"amount": 1500}));
+        let (code, out, err) = hook(&url, &["--format", "claude"], &input);
+        assert_eq!(code, 0, "{err}");
+        let out = specific(&out);
+        assert_eq!(out["permissionDecision"], "ask", "{out}");
+        assert!(out.get("updatedInput").is_none(), "{out}");
+        let reason = out["permissionDecisionReason"].as_str().unwrap();
+        for part in ["refunds", "refunds need a person", "approval request "] {
+            assert!(reason.contains(part), "{part:?} in {reason}");
+        }
+        let (code, out, _) = hook(&url, &["--format", "codex"], &input);
+        assert_eq!(code, 0);
+        let out = specific(&out);
+        assert_eq!(out["permissionDecision"], "deny", "{out}");
+        let reason = out["permissionDecisionReason"].as_str().unwrap();
+        assert!(reason.contains("approval request "), "{reason}");
+        // Nothing else asks.
+        let (code, out, _) = hook(&url, &[], &payload("pay", json!({"amount": 5})));
+        assert_eq!((code, out.as_str()), (0, ""));
+    })
+    .await
+    .unwrap();
+}
