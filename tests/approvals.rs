@@ -919,3 +919,80 @@ async fn r35_r10_a_call_rewritten_otherwise_after_its_approval_is_asked_again() 
     );
     assert_eq!(passes.load(std::sync::atomic::Ordering::SeqCst), 2);
 }
+
+/// R35: a call two guards ask about runs once both asks are approved: the
+/// batch names one approval per guard; each stands in for its own guard,
+/// and both are used.
+#[tokio::test]
+async fn r35_a_call_two_guards_ask_about_needs_both_approvals() {
+    let mesh = TestMesh::start().await;
+    let first = refund_guard().await;
+    let second = call_guard(Duration::ZERO, |call| {
+        (call.tool == "refund").then(|| ask(&call.call_id, "every refund is audited"))
+    })
+    .await;
+    mesh.register(Registration::validate("refunds", &first.url))
+        .await;
+    mesh.register(Registration::validate("audit", &second.url))
+        .await;
+    let session = mesh.coordinator().await.session("s").await.unwrap();
+    let approver = Approver::connect(&mesh.url).await.unwrap();
+    let d = decide(&session, Batch::turn(0).call("c", "refund", REFUND)).await;
+    let a1 = asked(&d);
+    assert_eq!(d.calls[0].ask().unwrap().guard, "refunds");
+    approver.approve(&a1, "").await.unwrap();
+    // The first guard's approval stands in; the second guard asks.
+    let d = decide(
+        &session,
+        Batch::turn(1)
+            .call("c", "refund", REFUND)
+            .approval("c", &a1),
+    )
+    .await;
+    let a2 = asked(&d);
+    assert_eq!(d.calls[0].ask().unwrap().guard, "audit");
+    assert_eq!(d.calls[0].approval_refused, None, "{:?}", d.calls[0]);
+    approver.approve(&a2, "").await.unwrap();
+    let d = decide(
+        &session,
+        Batch::turn(2)
+            .call("c", "refund", REFUND)
+            .approval("c", &a2)
+            .approval("c", &a1),
+    )
+    .await;
+    assert!(d.calls[0].proceeds(), "{:?}", d.calls[0]);
+    let mut used: Vec<&str> = d.calls[0]
+        .approved_by_request
+        .as_deref()
+        .unwrap_or_default()
+        .split(',')
+        .collect();
+    used.sort_unstable();
+    let mut want = [a1.as_str(), a2.as_str()];
+    want.sort_unstable();
+    assert_eq!(used, want);
+    // Both used: either one again is refused.
+    let d = decide(
+        &session,
+        Batch::turn(3)
+            .call("c", "refund", REFUND)
+            .approval("c", &a1),
+    )
+    .await;
+    asked(&d);
+    assert!(
+        d.calls[0]
+            .approval_refused
+            .as_deref()
+            .unwrap_or_default()
+            .contains("already used")
+    );
+    // More than eight for one call refuses the batch.
+    let mut batch = Batch::turn(4).call("c", "refund", REFUND);
+    for _ in 0..9 {
+        batch = batch.approval("c", &a1);
+    }
+    let error = session.evaluate(batch).await.unwrap_err().to_string();
+    assert!(error.contains("more than 8"), "{error}");
+}

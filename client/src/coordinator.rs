@@ -157,7 +157,8 @@ impl Batch {
     /// that guard again for it; the guards after it still judge it. The
     /// call must be the same (tool and arguments) and the approval unused;
     /// otherwise the decision says why in
-    /// [`CallDecision::approval_refused`].
+    /// [`CallDecision::approval_refused`]. A call several guards asked
+    /// about takes one approval per guard: call this once for each.
     ///
     /// ```
     /// use guardmesh_client::Batch;
@@ -167,7 +168,15 @@ impl Batch {
     /// assert_eq!(batch.approvals["c1"], "9f2c...");
     /// ```
     pub fn approval(mut self, call_id: impl Into<String>, request_id: impl Into<String>) -> Self {
-        self.approvals.insert(call_id.into(), request_id.into());
+        // A call two guards asked about names both requests.
+        let request_id = request_id.into();
+        self.approvals
+            .entry(call_id.into())
+            .and_modify(|ids| {
+                ids.push(',');
+                ids.push_str(&request_id);
+            })
+            .or_insert(request_id);
         self
     }
 

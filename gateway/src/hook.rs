@@ -296,7 +296,7 @@ pub async fn answer(args: &PreToolUseArgs, input: &[u8], deadline: Instant) -> H
         // the request to approve named.
         Outcome::Ask { approval, .. } => {
             let reason = format!(
-                "guardmesh: the guard {} asks a person to approve this call: {}                  (approval request {})",
+                "guardmesh: the guard {} asks a person to approve this call: {} (approval request {})",
                 approval.guard, approval.reason, approval.id
             );
             match args.format {

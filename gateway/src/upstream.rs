@@ -509,7 +509,7 @@ fn repeated_in_batch(key: &str) -> ErrorData {
     ErrorData::new(
         ErrorCode::INVALID_REQUEST,
         format!(
-            "guardmesh: request id {} is used by more than one request of the JSON-RPC batch;              none of them was forwarded",
+            "guardmesh: request id {} is used by more than one request of the JSON-RPC batch; none of them was forwarded",
             shown_key(key)
         ),
         None,

@@ -138,18 +138,33 @@ pub enum StandIn {
 /// One call's approval, resolved: what stands in, or why it does not.
 #[derive(Debug, Clone, Default)]
 pub struct Resolved {
-    pub stand_in: Option<StandIn>,
+    /// One per approval that holds (or decides the call), in the order
+    /// named.
+    pub stand_in: Vec<StandIn>,
+    /// Why the others did not hold, `; `-separated.
     pub refused: Option<String>,
 }
+
+/// The most approvals one call may name: one per guard that asked about
+/// it, comma-separated.
+pub const MAX_PER_CALL: usize = 8;
 
 /// Why a batch's approvals map is refused whole (INVALID_ARGUMENT).
 pub fn check_map(
     approvals: &HashMap<String, String>,
     call_ids: &[&str],
 ) -> Result<(), crate::admit::Refusal> {
-    for call_id in approvals.keys() {
+    for (call_id, ids) in approvals {
+        let shown: String = call_id.chars().take(64).collect();
+        if ids.split(',').count() > MAX_PER_CALL {
+            return Err(crate::admit::Refusal::Invalid(crate::validate::Refusal {
+                reason: "approval_too_many",
+                status: Status::invalid_argument(format!(
+                    "approvals names more than {MAX_PER_CALL} requests for call {shown:?}"
+                )),
+            }));
+        }
         if !call_ids.contains(&call_id.as_str()) {
-            let shown: String = call_id.chars().take(64).collect();
             return Err(crate::admit::Refusal::Invalid(crate::validate::Refusal {
                 reason: "approval_unknown_call",
                 status: Status::invalid_argument(format!(
@@ -178,31 +193,44 @@ pub async fn resolve(
     let session_name = sessions.stored_name(key);
     let now = crate::session::now_ms();
     for (i, call_id) in call_ids.iter().enumerate() {
-        let Some(id) = named.get(*call_id) else {
+        let Some(ids) = named.get(*call_id) else {
             continue;
         };
-        let resolved = resolve_one(sessions, id, &session_name, revision, now).await;
-        if matches!(
-            &resolved.stand_in,
-            Some(StandIn::Fixed {
-                pending: None,
-                kind: SkipKind::Cancel,
-                ..
-            })
-        ) && resolved.refused.is_some()
-        {
-            // A request nobody answered in time: its call cancelled.
-            approvals.count("expired");
-        } else if resolved.refused.is_some() {
-            approvals.count("refused");
+        let mut refusals: Vec<String> = Vec::new();
+        for id in ids.split(',').map(str::trim) {
+            let one = resolve_one(sessions, id, &session_name, revision, now).await;
+            if matches!(
+                &one.stand_in,
+                Some(StandIn::Fixed {
+                    pending: None,
+                    kind: SkipKind::Cancel,
+                    ..
+                })
+            ) && one.refused.is_some()
+            {
+                // A request nobody answered in time: its call cancelled.
+                approvals.count("expired");
+            } else if one.refused.is_some() {
+                approvals.count("refused");
+            }
+            out[i].stand_in.extend(one.stand_in);
+            refusals.extend(one.refused);
         }
-        out[i] = resolved;
+        if !refusals.is_empty() {
+            out[i].refused = Some(refusals.join("; "));
+        }
     }
     out
 }
 
-fn refused(why: impl Into<String>) -> Resolved {
-    Resolved {
+/// What one approval named comes to.
+struct One {
+    stand_in: Option<StandIn>,
+    refused: Option<String>,
+}
+
+fn refused(why: impl Into<String>) -> One {
+    One {
         stand_in: None,
         refused: Some(why.into()),
     }
@@ -214,7 +242,7 @@ async fn resolve_one(
     session_name: &str,
     revision: u64,
     now: u64,
-) -> Resolved {
+) -> One {
     if !record::well_formed(id) {
         return refused("not an approval request id (64 lowercase hex digits)");
     }
@@ -245,7 +273,7 @@ async fn resolve_one(
         )
     };
     match stored.state(now) {
-        ApprovalState::Denied => Resolved {
+        ApprovalState::Denied => One {
             stand_in: Some(StandIn::Fixed {
                 guard: stored.guard.clone(),
                 content: if stored.note.is_empty() {
@@ -261,7 +289,7 @@ async fn resolve_one(
             }),
             refused: None,
         },
-        ApprovalState::Expired if stored.standing == Standing::Pending => Resolved {
+        ApprovalState::Expired if stored.standing == Standing::Pending => One {
             stand_in: Some(StandIn::Fixed {
                 guard: stored.guard.clone(),
                 content: expired(),
@@ -276,7 +304,7 @@ async fn resolve_one(
             "the chain changed since the request (revision {}, now {revision}): asked again",
             stored.chain_revision
         )),
-        ApprovalState::Pending => Resolved {
+        ApprovalState::Pending => One {
             stand_in: Some(StandIn::Fixed {
                 guard: stored.guard.clone(),
                 content: waiting_content(&stored.guard),
@@ -285,7 +313,7 @@ async fn resolve_one(
             }),
             refused: Some("the approval request is not answered yet".into()),
         },
-        ApprovalState::Approved => Resolved {
+        ApprovalState::Approved => One {
             stand_in: Some(StandIn::Approved {
                 guard: stored.guard,
                 digest: stored.digest,
@@ -331,7 +359,17 @@ pub async fn settle(
     let mut cancelled = false;
     for d in &mut decision.decisions {
         if d.action == Action::Proceed as i32 && !d.approved_by_request.is_empty() {
-            match use_approval(sessions, &d.approved_by_request, now).await {
+            // One per guard that asked; all used, or the call does not
+            // run (an approval used before one that fails stays used:
+            // fail closed).
+            let mut used = Ok(());
+            for id in d.approved_by_request.split(',') {
+                used = use_approval(sessions, id, now).await;
+                if used.is_err() {
+                    break;
+                }
+            }
+            match used {
                 Ok(()) => {
                     approvals.count("used");
                 }
@@ -504,30 +542,44 @@ async fn use_approval(sessions: &SessionMemory, id: &str, now: u64) -> Result<()
     }
 }
 
-/// An approver's answer to request `id` (R35): pending to approved or
-/// denied. `approver` is the caller's identity (empty on a mesh without
-/// identities).
-pub async fn answer(
+/// A request an approver may answer, as read: checked, not yet written
+/// ([`Answerable::apply`]), so that its decision record can be written
+/// first (R29).
+#[derive(Debug)]
+pub struct Answerable {
+    stored: Stored,
+    version: String,
+    now: u64,
+}
+
+impl Answerable {
+    /// The request as it stands.
+    pub fn request(&self) -> ApprovalRequest {
+        self.stored.to_wire(self.now)
+    }
+}
+
+/// Reads request `id` and checks that `approver` (the caller's identity,
+/// empty on a mesh without identities) may answer it now (R35): well
+/// formed, known, pending, not expired, not asked by the approver.
+pub async fn answerable(
     sessions: &SessionMemory,
     approvals: &Approvals,
     id: &str,
-    approve: bool,
-    note: &str,
     approver: &str,
-) -> Result<ApprovalRequest, Status> {
+) -> Result<Answerable, Status> {
     if !record::well_formed(id) {
         return Err(Status::invalid_argument(
             "id: not an approval request id (64 lowercase hex digits)",
         ));
     }
-    let name = record::name(id);
     let now = crate::session::now_ms();
     let found = sessions
-        .bounded(sessions.store().record(&name))
+        .bounded(sessions.store().record(&record::name(id)))
         .await
         .map_err(store_status)?
         .ok_or_else(|| Status::not_found(format!("no approval request {id}")))?;
-    let mut stored = Stored::from_json(&found.value).map_err(Status::data_loss)?;
+    let stored = Stored::from_json(&found.value).map_err(Status::data_loss)?;
     match stored.state(now) {
         ApprovalState::Pending => {}
         ApprovalState::Expired => {
@@ -547,30 +599,71 @@ pub async fn answer(
             "{approver} asked for this call and may not approve it too"
         )));
     }
-    stored.standing = if approve {
-        Standing::Approved
-    } else {
-        Standing::Denied
-    };
-    stored.answered_by = approver.to_owned();
-    stored.note = record::clip(note);
-    stored.answered_at_ms = now;
-    let ttl = Duration::from_millis(stored.expires_at_ms.saturating_sub(now)) + RETENTION;
-    let written = sessions
-        .bounded(
-            sessions
-                .store()
-                .put_record(&name, Some(&found.version), stored.to_json(), ttl),
-        )
-        .await
-        .map_err(store_status)?;
-    if !written {
-        return Err(Status::aborted(format!(
-            "approval request {id} changed while it was answered; read it again"
-        )));
+    Ok(Answerable {
+        stored,
+        version: found.version,
+        now,
+    })
+}
+
+impl Answerable {
+    /// Writes the answer: pending to approved or denied, by
+    /// compare-and-swap (ABORTED when another answer came first).
+    pub async fn apply(
+        mut self,
+        sessions: &SessionMemory,
+        approvals: &Approvals,
+        approve: bool,
+        note: &str,
+        approver: &str,
+    ) -> Result<ApprovalRequest, Status> {
+        let Self {
+            ref mut stored,
+            ref version,
+            now,
+        } = self;
+        stored.standing = if approve {
+            Standing::Approved
+        } else {
+            Standing::Denied
+        };
+        stored.answered_by = approver.to_owned();
+        stored.note = record::clip(note);
+        stored.answered_at_ms = now;
+        let ttl = Duration::from_millis(stored.expires_at_ms.saturating_sub(now)) + RETENTION;
+        let written = sessions
+            .bounded(sessions.store().put_record(
+                &record::name(&stored.id),
+                Some(version),
+                stored.to_json(),
+                ttl,
+            ))
+            .await
+            .map_err(store_status)?;
+        if !written {
+            return Err(Status::aborted(format!(
+                "approval request {} changed while it was answered; read it again",
+                stored.id
+            )));
+        }
+        approvals.count(if approve { "approved" } else { "denied" });
+        Ok(stored.to_wire(now))
     }
-    approvals.count(if approve { "approved" } else { "denied" });
-    Ok(stored.to_wire(now))
+}
+
+/// [`answerable`], then [`Answerable::apply`].
+pub async fn answer(
+    sessions: &SessionMemory,
+    approvals: &Approvals,
+    id: &str,
+    approve: bool,
+    note: &str,
+    approver: &str,
+) -> Result<ApprovalRequest, Status> {
+    answerable(sessions, approvals, id, approver)
+        .await?
+        .apply(sessions, approvals, approve, note, approver)
+        .await
 }
 
 /// The requests the store holds, filtered, pending first then newest

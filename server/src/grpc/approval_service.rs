@@ -41,42 +41,48 @@ impl ApprovalService for Approvals {
                 crate::approval::record::MAX_TEXT_BYTES
             )));
         }
-        let answered = crate::approval::answer(
-            self.mesh.sessions(),
-            &self.mesh.approvals,
-            &id,
-            approve,
-            &note,
-            &approver,
-        )
-        .await;
+        // R29: the answer's record is written before the answer is
+        // applied; a record that cannot be written (with `on_log_failure
+        // = "refuse"`) leaves the request unanswered.
+        let sessions = self.mesh.sessions();
+        let approvals = &self.mesh.approvals;
+        let answerable = crate::approval::answerable(sessions, approvals, &id, &approver).await;
         if let (Some(log), Some(caller)) = (self.mesh.decision_log(), caller) {
-            let call = answered.as_ref().ok().and_then(|r| r.call.clone());
+            let request = answerable.as_ref().ok().map(|a| a.request());
+            let call = request.as_ref().and_then(|r| r.call.clone());
             let record = ApprovalAnswerRecord {
                 caller: (*caller).clone(),
                 id: id.chars().take(64).collect(),
                 answer: if approve { "approve" } else { "deny" }.to_owned(),
                 note: note.clone(),
-                guard: answered
+                guard: request
                     .as_ref()
                     .map(|r| r.guard.clone())
                     .unwrap_or_default(),
                 tool: call.map(|c| c.tool).unwrap_or_default(),
-                digest: answered
+                digest: request
                     .as_ref()
                     .map(|r| r.digest.clone())
                     .unwrap_or_default(),
-                session_id: answered
+                session_id: request
                     .as_ref()
                     .map(|r| r.session_id.clone())
                     .unwrap_or_default(),
-                outcome: match &answered {
+                outcome: match &answerable {
                     Ok(_) => "answered".to_owned(),
                     Err(status) => status.message().to_owned(),
                 },
             };
             log.approval_before(record).await?;
         }
+        let answered = match answerable {
+            Ok(answerable) => {
+                answerable
+                    .apply(sessions, approvals, approve, &note, &approver)
+                    .await
+            }
+            Err(status) => Err(status),
+        };
         let request = answered?;
         tracing::info!(
             id = %request.id,

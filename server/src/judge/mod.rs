@@ -159,13 +159,14 @@ struct Call {
     fixed: Option<Fixed>,
     rewritten_by: Vec<String>,
     bypassed: Vec<String>,
-    /// R35: the approval the batch named for it, resolved: an approved one
-    /// stands in for its guard until [`Judging::stand_in`] uses it.
-    stand_in: Option<crate::approval::StandIn>,
+    /// R35: the approvals the batch named for it, resolved (one per guard
+    /// that asked): an approved one stands in for its guard until
+    /// [`Judging::stand_in`] uses it.
+    stand_in: Vec<crate::approval::StandIn>,
     /// R35: why the approval named for it did not hold.
     approval_refused: Option<String>,
-    /// R35: the approval request that stood in for its guard.
-    approved: Option<String>,
+    /// R35: the approval requests that stood in for their guards.
+    approved: Vec<String>,
 }
 
 impl Call {
@@ -332,17 +333,20 @@ impl<'a> Judging<'a> {
                     bypassed: Vec::new(),
                     stand_in: resolved.stand_in,
                     approval_refused: resolved.refused,
-                    approved: None,
+                    approved: Vec::new(),
                 };
                 // R35: denied, expired or still pending: decided before
                 // any guard is consulted.
-                if matches!(call.stand_in, Some(crate::approval::StandIn::Fixed { .. }))
-                    && let Some(crate::approval::StandIn::Fixed {
+                if let Some(at) = call
+                    .stand_in
+                    .iter()
+                    .position(|s| matches!(s, crate::approval::StandIn::Fixed { .. }))
+                    && let crate::approval::StandIn::Fixed {
                         guard,
                         content,
                         kind,
                         pending,
-                    }) = call.stand_in.take()
+                    } = call.stand_in.swap_remove(at)
                 {
                     call.fixed = Some(Fixed {
                         content,
@@ -421,26 +425,30 @@ impl<'a> Judging<'a> {
     fn stand_in(&mut self, g: usize, sent: &mut [bool]) {
         let name = &self.chain.guards[g].guard.name;
         for (i, call) in self.calls.iter_mut().enumerate() {
-            let Some(crate::approval::StandIn::Approved { guard, digest, id }) = &call.stand_in
+            let Some(at) = call.stand_in.iter().position(
+                |s| matches!(s, crate::approval::StandIn::Approved { guard, .. } if guard == name),
+            ) else {
+                continue;
+            };
+            let crate::approval::StandIn::Approved { digest, id, .. } =
+                call.stand_in.swap_remove(at)
             else {
                 continue;
             };
-            if guard != name {
-                continue;
-            }
             let current = call.current();
-            if crate::approval::record::digest(&current.tool, &current.arguments) == *digest {
+            if crate::approval::record::digest(&current.tool, &current.arguments) == digest {
                 if sent[i] {
                     sent[i] = false;
                     self.runs[g].approved.push(i);
                 }
-                call.approved = Some(id.clone());
+                call.approved.push(id);
             } else {
-                call.approval_refused = Some(
-                    "the call is not the one approved (its digest differs): asked again".into(),
-                );
+                let why = "the call is not the one approved (its digest differs): asked again";
+                call.approval_refused = Some(match call.approval_refused.take() {
+                    Some(before) => format!("{before}; {why}"),
+                    None => why.to_owned(),
+                });
             }
-            call.stand_in = None;
         }
     }
 
@@ -574,7 +582,7 @@ impl<'a> Judging<'a> {
                 .zip(runs)
                 .any(|(cg, run)| cg.guard.enforced() && run.sent.get(i) == Some(&true))
                 // R35: an approval stood in for a guard that applies.
-                || call.approved.is_some();
+                || !call.approved.is_empty();
             if guarded {
                 continue;
             }
@@ -620,7 +628,7 @@ impl<'a> Judging<'a> {
             };
             match call.fixed {
                 None => {
-                    decision.approved_by_request = call.approved.unwrap_or_default();
+                    decision.approved_by_request = call.approved.join(",");
                     execute.push(current.clone());
                 }
                 Some(fixed) => {

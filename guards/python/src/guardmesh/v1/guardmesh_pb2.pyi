@@ -654,8 +654,10 @@ class EvaluateRequest(_message.Message):
         request expires, and the approval unused: then the guard that asked is
         not consulted again for it and the guards after it judge it as usual.
         An approval that does not hold is not used, and the call's decision
-        says why in `approval_refused`. A key that names no call of the batch
-        is refused with INVALID_ARGUMENT. At most one per call.
+        says why in `approval_refused`. A call that several guards asked about
+        names one request per guard, comma-separated (at most 8). A key that
+        names no call of the batch, or a call with more than 8, is refused
+        with INVALID_ARGUMENT.
         """
 
     def __init__(
@@ -983,8 +985,8 @@ class CallDecision(_message.Message):
     not used. Empty otherwise.
     """
     approved_by_request: _builtins.str
-    """When an approval stood in for a guard's ask and the call proceeds: the
-    approval request's id (now used). Empty otherwise.
+    """When approvals stood in for guards' asks and the call proceeds: the
+    approval requests' ids (now used), comma-separated. Empty otherwise.
     """
     @_builtins.property
     def call(self) -> Global___ToolCall:
