@@ -9,7 +9,9 @@
 //! badly, late, twice, or never.
 
 use crate::harness::*;
-use crate::mcp::{Scratch, calls, mcp_python, run_client_off_thread, via_gateway};
+use crate::mcp::{
+    Scratch, calls, http_gateway_with, mcp_python, run_client_off_thread, via_gateway,
+};
 use guardmesh_client::proto::ApprovalState;
 use guardmesh_client::verdict::ask;
 use guardmesh_client::{Approver, Registration};
@@ -254,6 +256,53 @@ async fn r35_r31_without_elicitation_or_approver_the_answer_names_the_request() 
         );
     }
     assert!(scratch.executed().is_empty());
+    setup.mesh.shutdown().await;
+}
+
+/// R35, R31 over Streamable HTTP: the elicitation goes out on the SSE
+/// stream answering the call's POST, the client POSTs its answer, and the
+/// same stream carries the call's answer: accepted, the call runs once;
+/// declined, nothing runs; a client without elicitation gets the
+/// approval-needed answer.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn r35_r31_elicitation_over_streamable_http() {
+    mcp_python();
+    let setup = Setup::start(Duration::from_secs(600)).await;
+    let scratch = Scratch::new("approvals-http");
+    let args = setup.gateway_args(true, &[]);
+    let args: Vec<&std::ffi::OsStr> = args.iter().map(std::ffi::OsStr::new).collect();
+    let (url, _upstream, _gateway) =
+        http_gateway_with(&setup.url, &scratch, "127.0.0.1", &args).await;
+    let target = vec!["http".to_owned(), url];
+    let pay = |amount: i64| json!({"op": "call", "name": "pay", "arguments": {"amount": amount, "to": "bob"}});
+    let lines = run_client_off_thread(
+        json!({"mode": "legacy", "elicit": ["accept", "decline"], "steps": [pay(500), pay(600), pay(5)]}),
+        target.clone(),
+    )
+    .await;
+    let asks = elicited(&lines);
+    assert_eq!(asks.len(), 2, "{lines:?}");
+    assert!(asks[0]["message"].as_str().unwrap().contains("500"));
+    let results = calls(&lines);
+    assert_eq!(results.len(), 3, "{lines:?}");
+    assert!(text_of(results[0]).contains("paid 500"), "{lines:?}");
+    assert!(text_of(results[1]).contains("declined"), "{lines:?}");
+    assert!(text_of(results[2]).contains("paid 5"), "{lines:?}");
+    let lines = run_client_off_thread(json!({"mode": "legacy", "steps": [pay(700)]}), target).await;
+    assert!(elicited(&lines).is_empty(), "{lines:?}");
+    assert!(
+        text_of(calls(&lines)[0]).contains("approval needed"),
+        "{lines:?}"
+    );
+    assert_eq!(
+        scratch.executed(),
+        [
+            json!({"tool": "pay", "arguments": {"amount": 500.0, "to": "bob"}}),
+            json!({"tool": "pay", "arguments": {"amount": 5.0, "to": "bob"}}),
+        ]
+    );
+    assert_eq!(setup.requests(ApprovalState::Used).await.len(), 1);
+    assert_eq!(setup.requests(ApprovalState::Denied).await.len(), 1);
     setup.mesh.shutdown().await;
 }
 

@@ -102,6 +102,8 @@ const READ_BUFFER_BYTES: usize = 64 << 10;
 pub struct HttpArgs {
     #[command(flatten)]
     pub mesh: JudgeArgs,
+    #[command(flatten)]
+    pub approval: crate::approval::ApprovalArgs,
     /// Address to serve on. A non-loopback address needs `--tls-cert` and
     /// `--tls-key`.
     #[arg(long, default_value = "127.0.0.1:8808")]
@@ -191,6 +193,13 @@ struct Proxy {
     access: Access,
     /// The upstream's `x-mcp-header` declarations ([`crate::routing`]).
     params: crate::routing::ParamHeaders,
+    /// R35: the gateway's approver (`--approver-token-file`), and how long
+    /// an elicitation waits.
+    approver: Option<Arc<crate::approval::ApproverLink>>,
+    elicitation_timeout: Duration,
+    /// R35: the sessions whose client declared form elicitation, by the
+    /// gateway's session id.
+    elicits: Mutex<HashMap<String, Arc<crate::approval::Approvals>>>,
 }
 
 fn full(bytes: impl Into<Bytes>) -> Out {
@@ -449,7 +458,7 @@ impl Proxy {
 
     /// A request as it arrives on a connection whose local address is
     /// `local`: checked ([`Access`], methods with bodies), then handled.
-    async fn serve(&self, request: Request<Body>, local: SocketAddr) -> Response<Out> {
+    async fn serve(self: &Arc<Self>, request: Request<Body>, local: SocketAddr) -> Response<Out> {
         if let Err(refused) = self.access.check(request.headers(), local) {
             return refused.response();
         }
@@ -541,7 +550,7 @@ impl Proxy {
         Ok((bytes.freeze(), permit))
     }
 
-    async fn handle(&self, request: Request<Body>) -> Response<Out> {
+    async fn handle(self: &Arc<Self>, request: Request<Body>) -> Response<Out> {
         let (parts, body) = request.into_parts();
         // R31: a session belongs to the client that opened it.
         if let Some(client) = parts.headers.get(SESSION) {
@@ -561,6 +570,9 @@ impl Proxy {
                     .await;
                 if let Ok(client) = client.to_str() {
                     self.sessions.end(client);
+                    if let Some(approvals) = self.elicits().remove(client) {
+                        approvals.close();
+                    }
                 }
                 return response;
             }
@@ -626,6 +638,22 @@ impl Proxy {
                 {
                     return json_response(StatusCode::OK, answer.await);
                 }
+                // R35: the client's answer to an elicitation of the
+                // gateway's is the gateway's, never forwarded.
+                if request.is_none()
+                    && text.contains(crate::approval::ID_PREFIX)
+                    && let Some(approvals) = self.elicits().get(&session).cloned()
+                    && approvals.take_answer(&text)
+                {
+                    let mut response = Response::new(full(Bytes::new()));
+                    *response.status_mut() = StatusCode::ACCEPTED;
+                    return response;
+                }
+                // R35: what the client declares at initialize.
+                let initialize = (self.approver.is_some()
+                    && request.is_some()
+                    && text.contains("\"initialize\""))
+                .then(|| text.clone());
                 let _held = match &request {
                     Some(key) => match self.flight.hold(&session, key) {
                         Ok(held) => Some(held),
@@ -657,8 +685,13 @@ impl Proxy {
                     .then(|| crate::upstream::id_of(&text))
                     .flatten();
                 let listing: Vec<String> = request.filter(|_| lists_tools).into_iter().collect();
-                self.forward_listing(parts.method, &parts.headers, full(text), &listing, expected)
-                    .await
+                let response = self
+                    .forward_listing(parts.method, &parts.headers, full(text), &listing, expected)
+                    .await;
+                if let Some(initialize) = initialize {
+                    self.learn(&initialize, &response);
+                }
+                response
             }
             Incoming::Single(Item::Reject { id, error }) => {
                 error_response(StatusCode::OK, id.as_deref(), &error)
@@ -677,7 +710,7 @@ impl Proxy {
                 };
                 let original = modern.then(|| call.message.to_text());
                 let key = jsonrpc::id_key(&call.id);
-                let _held = match self.flight.hold(&session, &key) {
+                let held = match self.flight.hold(&session, &key) {
                     Ok(held) => held,
                     Err(error) => {
                         return json_response(
@@ -712,12 +745,29 @@ impl Proxy {
                         }
                     }
                     Disposition::Answer(text) => json_response(StatusCode::OK, text),
-                    Disposition::Ask(asked) => json_response(StatusCode::OK, asked.answer),
+                    Disposition::Ask(asked) => {
+                        let approvals = self.elicits().get(&session).cloned();
+                        match approvals.filter(|a| a.client_elicits()) {
+                            Some(approvals) => {
+                                // The reservation of the call's id passes
+                                // to the task that answers it (released
+                                // there).
+                                std::mem::forget(held);
+                                self.ask_over_sse(approvals, *asked, parts.headers, session, key)
+                            }
+                            None => json_response(StatusCode::OK, asked.answer),
+                        }
+                    }
                 }
             }
             Incoming::Batch(items) => {
                 let ours = |item: &Item| match item {
                     Item::ToolCall(_) => true,
+                    Item::Forward {
+                        text,
+                        request: None,
+                        ..
+                    } => text.contains(crate::approval::ID_PREFIX),
                     Item::Forward { text, .. } => crate::interceptors::may_be_ours(text),
                     _ => false,
                 };
@@ -744,6 +794,106 @@ impl Proxy {
                 self.batch(items, &session, &parts.headers).await
             }
         }
+    }
+
+    fn elicits(
+        &self,
+    ) -> std::sync::MutexGuard<'_, HashMap<String, Arc<crate::approval::Approvals>>> {
+        self.elicits.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// R35: notes the session the upstream's `response` to the client's
+    /// `initialize` request opened, when the client declares form
+    /// elicitation.
+    fn learn(&self, initialize: &str, response: &Response<Out>) {
+        let approvals =
+            crate::approval::Approvals::new(self.approver.clone(), self.elicitation_timeout);
+        approvals.learn(initialize);
+        if !approvals.client_elicits() {
+            return;
+        }
+        let Some(session) = response
+            .headers()
+            .get(SESSION)
+            .and_then(|v| v.to_str().ok())
+        else {
+            return;
+        };
+        let mut elicits = self.elicits();
+        if elicits.len() >= crate::sessions::MAX_SESSIONS {
+            // Sessions ended or forgotten since.
+            elicits.retain(|client, _| self.sessions.upstream(client).is_some());
+        }
+        if elicits.len() < crate::sessions::MAX_SESSIONS {
+            elicits.insert(session.to_owned(), Arc::new(approvals));
+        }
+    }
+
+    /// R35: a call a guard asked about, put to the client's user: the
+    /// answer to its POST is an SSE stream carrying the gateway's
+    /// `elicitation/create` (answered by the client's POST of its
+    /// response) and then the call's answer: the upstream's response when
+    /// approved and the mesh proceeds, else the gateway's. The call's id
+    /// stays reserved until then.
+    fn ask_over_sse(
+        self: &Arc<Self>,
+        approvals: Arc<crate::approval::Approvals>,
+        asked: crate::judge::Asked,
+        headers: HeaderMap,
+        session: String,
+        key: String,
+    ) -> Response<Out> {
+        let (tx, rx) = tokio::sync::mpsc::channel::<String>(4);
+        let this = self.clone();
+        tokio::spawn(async move {
+            let call_id = asked.call.id.clone();
+            let send = |message: String| {
+                let tx = tx.clone();
+                async move { tx.send(message).await.is_ok() }
+            };
+            let decided = approvals.settle(&this.judge, &session, asked, send).await;
+            let answer = match decided {
+                Disposition::Forward(text) => {
+                    let pending = this.judge.take_pending(&session, &key);
+                    let purpose = crate::upstream::Purpose::Call(pending);
+                    match this
+                        .exchange(&headers, &session, &key, purpose, &text)
+                        .await
+                    {
+                        Ok((answer, _)) => answer,
+                        Err(_) => {
+                            let data = ErrorData::new(
+                                codes::INTERNAL_ERROR_UPSTREAM,
+                                "guardmesh: the upstream MCP server did not answer the approved call",
+                                None,
+                            );
+                            jsonrpc::error(Some(&call_id), &data)
+                        }
+                    }
+                }
+                Disposition::Answer(text) => text,
+                Disposition::Ask(asked) => asked.answer,
+            };
+            this.flight.release(&session, &key);
+            let _ = tx.send(answer).await;
+        });
+        let events = futures::stream::unfold(rx, |mut rx| async move {
+            let message = rx.recv().await?;
+            let event = format!("event: message\ndata: {message}\n\n");
+            Some((
+                Ok::<_, hyper::Error>(hyper::body::Frame::data(Bytes::from(event))),
+                rx,
+            ))
+        });
+        let mut response = Response::new(http_body_util::StreamBody::new(events).boxed());
+        response.headers_mut().insert(
+            header::CONTENT_TYPE,
+            HeaderValue::from_static("text/event-stream"),
+        );
+        response
+            .headers_mut()
+            .insert(header::CACHE_CONTROL, HeaderValue::from_static("no-cache"));
+        response
     }
 
     /// A JSON-RPC batch holding tool calls: one guard batch, one array.
@@ -795,6 +945,13 @@ impl Proxy {
                     request: None,
                     ..
                 } => {
+                    // R35: an answer to an elicitation of the gateway's.
+                    if text.contains(crate::approval::ID_PREFIX)
+                        && let Some(approvals) = self.elicits().get(session).cloned()
+                        && approvals.take_answer(&text)
+                    {
+                        continue;
+                    }
                     if let Some(text) = self.flight.outgoing_notification(session, text) {
                         forwards.push((text, None, Purpose::Plain, false));
                     }
@@ -975,6 +1132,8 @@ pub enum HttpError {
     Upstream(String),
     #[error("cannot listen on {0}: {1}")]
     Listen(std::net::SocketAddr, std::io::Error),
+    #[error("{0}")]
+    Approver(String),
 }
 
 /// Serves the proxy until the process is stopped.
@@ -986,6 +1145,7 @@ pub async fn run(args: HttpArgs) -> Result<(), HttpError> {
     if tls.is_none() && !args.listen.ip().is_loopback() {
         return Err(HttpError::NotLoopback(args.listen));
     }
+    crate::approval::link(&args.mesh, &args.approval).map_err(HttpError::Approver)?;
     let upstream: Uri = args
         .upstream
         .parse()
@@ -1526,6 +1686,10 @@ async fn serve(
             .map_or_else(String::new, |a| a.as_str().to_owned())
     });
     let judge = Arc::new(Judge::new(args.mesh.clone(), "mcp-http").with_server(server));
+    let approver = crate::approval::link(&args.mesh, &args.approval).unwrap_or_else(|error| {
+        tracing::warn!(%error, "asks are not put to the client's user");
+        None
+    });
     let proxy = Arc::new(Proxy {
         upstream,
         // An idle connection is dropped before common servers drop it (5 s
@@ -1551,6 +1715,9 @@ async fn serve(
         calls: CallLimits::new(args.max_calls_per_session, args.max_calls_in_flight),
         access: Access::new(&args, tls.is_some()),
         params: Default::default(),
+        approver,
+        elicitation_timeout: Duration::from_millis(args.approval.elicitation_timeout_ms),
+        elicits: Mutex::default(),
     });
     let cap = match args.max_connections {
         0 => automatic_connection_cap(),
