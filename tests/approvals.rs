@@ -996,3 +996,73 @@ async fn r35_a_call_two_guards_ask_about_needs_both_approvals() {
     let error = session.evaluate(batch).await.unwrap_err().to_string();
     assert!(error.contains("more than 8"), "{error}");
 }
+
+/// R35, R29: the ask, the approver's answer and the use are decision
+/// records: the ask names its request, the answer its approver and note,
+/// the use the request it ran on; the log verifies.
+#[tokio::test]
+async fn r35_r29_asks_answers_and_uses_are_decision_records() {
+    use guardmesh_server::decision_log::{LogConfig, OnLogFailure};
+    let dir = folder("approvals");
+    let mesh = TestMesh::start().await;
+    mesh.attach_log(
+        LogConfig::new(dir.join("log"), "test"),
+        OnLogFailure::Refuse,
+    )
+    .await;
+    let guard = refund_guard().await;
+    mesh.register(Registration::validate("refunds", &guard.url))
+        .await;
+    let session = mesh.coordinator().await.session("s").await.unwrap();
+    let id = asked(&decide(&session, Batch::turn(0).call("c", "refund", REFUND)).await);
+    let approver = Approver::connect(&mesh.url).await.unwrap();
+    approver.approve(&id, "checked the invoice").await.unwrap();
+    // A refused answer is recorded too, with why.
+    approver.deny(&id, "").await.unwrap_err();
+    let d = decide(
+        &session,
+        Batch::turn(1)
+            .call("c", "refund", REFUND)
+            .approval("c", &id),
+    )
+    .await;
+    assert!(d.calls[0].proceeds());
+    let all = records(&dir.join("log"));
+    let decisions: Vec<&serde_json::Value> =
+        all.iter().filter(|r| r["kind"] == "decision").collect();
+    let answers: Vec<&serde_json::Value> = all.iter().filter(|r| r["kind"] == "approval").collect();
+    assert_eq!(decisions.len(), 2, "{all:?}");
+    let asked = &decisions[0]["decisions"][0];
+    assert_eq!(asked["action"], "ask", "{asked}");
+    assert_eq!(asked["approval"]["id"], id.as_str());
+    assert_eq!(asked["approval"]["guard"], "refunds");
+    assert_eq!(asked["approval"]["reason"], "refund over 1,000");
+    let used = &decisions[1]["decisions"][0];
+    assert_eq!(used["action"], "proceed");
+    assert_eq!(used["approved_by_request"], id.as_str());
+    assert_eq!(answers.len(), 2, "{all:?}");
+    assert_eq!(answers[0]["request"], id.as_str());
+    assert_eq!(answers[0]["answer"], "approve");
+    assert_eq!(answers[0]["note"], "checked the invoice");
+    assert_eq!(answers[0]["outcome"], "answered");
+    assert_eq!(answers[0]["tool"], "refund");
+    assert_eq!(answers[1]["answer"], "deny");
+    assert!(
+        answers[1]["outcome"]
+            .as_str()
+            .unwrap()
+            .contains("already answered"),
+        "{}",
+        answers[1]
+    );
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_guardmesh"))
+        .args(["log", "verify", &dir.join("log").display().to_string()])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -93,8 +93,8 @@ pub enum Entry {
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct ApprovalAnswerRecord {
     pub caller: Caller,
-    /// The request answered.
-    pub id: String,
+    /// The request answered (its id; not `id`, which is the record's own).
+    pub request: String,
     /// `approve` or `deny`.
     pub answer: String,
     /// The approver's note. Free text: masked by the text formats.

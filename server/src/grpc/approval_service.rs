@@ -52,7 +52,7 @@ impl ApprovalService for Approvals {
             let call = request.as_ref().and_then(|r| r.call.clone());
             let record = ApprovalAnswerRecord {
                 caller: (*caller).clone(),
-                id: id.chars().take(64).collect(),
+                request: id.chars().take(64).collect(),
                 answer: if approve { "approve" } else { "deny" }.to_owned(),
                 note: note.clone(),
                 guard: request
