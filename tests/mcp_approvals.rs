@@ -31,11 +31,17 @@ struct Setup {
     pki: TestPki,
     mesh: TestMesh,
     url: String,
-    _guard: TestGuard,
+    _guards: Vec<TestGuard>,
 }
 
 impl Setup {
     async fn start(ttl: Duration) -> Self {
+        Self::start_with(ttl, false).await
+    }
+
+    /// [`Setup::start`]; with `treasury`, a second guard, `treasury`, asks
+    /// about `pay` over 1,000 as well.
+    async fn start_with(ttl: Duration, treasury: bool) -> Self {
         let pki = TestPki::new();
         let (cert, key) = pki.issue_files("mesh");
         let mut text = format!(
@@ -70,16 +76,30 @@ impl Setup {
                 .then(|| ask(&call.call_id, REASON))
         })
         .await;
-        pki.registrar(&url, "ops-token")
-            .await
+        let registrar = pki.registrar(&url, "ops-token").await;
+        registrar
             .register(Registration::validate("payments", &guard.url))
             .await
             .unwrap();
+        let mut guards = vec![guard];
+        if treasury {
+            let second = call_guard(Duration::ZERO, |call| {
+                let args: Value = serde_json::from_str(&call.arguments).ok()?;
+                (call.tool == "pay" && args["amount"].as_f64().unwrap_or(0.0) > 1000.0)
+                    .then(|| ask(&call.call_id, "the treasury signs off large payments"))
+            })
+            .await;
+            registrar
+                .register(Registration::validate("treasury", &second.url))
+                .await
+                .unwrap();
+            guards.push(second);
+        }
         Self {
             pki,
             mesh,
             url,
-            _guard: guard,
+            _guards: guards,
         }
     }
 
@@ -181,6 +201,39 @@ async fn r35_r31_accepted_through_elicitation_the_call_runs_once() {
         used[0].note,
         "approved by the MCP client's user through elicitation"
     );
+    setup.mesh.shutdown().await;
+}
+
+/// R35: two guards ask about one call: the user is asked once per guard,
+/// and the call runs once with both approvals, each used.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn r35_r31_two_guards_ask_each_is_put_to_the_user_and_the_call_runs_once() {
+    mcp_python();
+    let setup = Setup::start_with(Duration::from_secs(600), true).await;
+    let scratch = Scratch::new("approvals-two");
+    let scenario = json!({"mode": "legacy", "elicit": ["accept", "accept"], "steps": [
+        {"op": "call", "name": "pay", "arguments": {"amount": 5000, "to": "bob"}},
+    ]});
+    let lines = run_client_off_thread(scenario, setup.target(&scratch, true, &[])).await;
+    let asks = elicited(&lines);
+    assert_eq!(asks.len(), 2, "{lines:?}");
+    let mut guards: Vec<&str> = asks
+        .iter()
+        .map(|a| {
+            let m = a["message"].as_str().unwrap();
+            if m.contains("Guard: treasury") {
+                "treasury"
+            } else {
+                "payments"
+            }
+        })
+        .collect();
+    guards.sort();
+    assert_eq!(guards, ["payments", "treasury"], "{lines:?}");
+    let results = calls(&lines);
+    assert!(text_of(results[0]).contains("paid 5000"), "{lines:?}");
+    assert_eq!(scratch.executed().len(), 1);
+    assert_eq!(setup.requests(ApprovalState::Used).await.len(), 2);
     setup.mesh.shutdown().await;
 }
 

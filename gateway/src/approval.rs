@@ -330,6 +330,8 @@ impl Approvals {
             return Disposition::Answer(asked.answer);
         };
         let mut asked = asked;
+        // The requests approved so far, one per guard that asked.
+        let mut approved: Vec<String> = Vec::new();
         for _ in 0..MAX_ROUNDS {
             let Some(bound) = self.bound(&asked) else {
                 return not_approved(&asked, "the approval request has expired");
@@ -365,9 +367,13 @@ impl Approvals {
                             &format!("the approval could not be recorded: {why}"),
                         );
                     }
-                    match judge.judge_approved(session, &asked.call, approval).await {
-                        Disposition::Ask(next) if next.approval.id != *approval => asked = *next,
-                        // Still asked under the same request: not run.
+                    approved.push(approval.clone());
+                    match judge.judge_approved(session, &asked.call, &approved).await {
+                        // Another guard asks: asked about in turn.
+                        Disposition::Ask(next) if !approved.contains(&next.approval.id) => {
+                            asked = *next;
+                        }
+                        // Still asked under a request approved: not run.
                         Disposition::Ask(next) => return Disposition::Answer(next.answer),
                         decided => return decided,
                     }

@@ -586,21 +586,22 @@ impl Judge {
             .collect())
     }
 
-    /// Judges `call` again with the approval `approval` (R35: approved by
-    /// a person since its ask), as a batch of its own: what to do with it
-    /// now. A batch the mesh did not decide is answered with its error;
-    /// nothing is forwarded.
+    /// Judges `call` again with the approvals `approvals` (R35: approved
+    /// by a person since their asks, one per guard that asked), as a batch
+    /// of its own: what to do with it now. A batch the mesh did not decide
+    /// is answered with its error; nothing is forwarded.
     pub async fn judge_approved(
         &self,
         session: &str,
         call: &ToolCallRequest,
-        approval: &str,
+        approvals: &[String],
     ) -> Disposition {
         let mut batch = Batch::new(self.turn.fetch_add(1, Ordering::Relaxed));
         batch.metadata = self.metadata.clone();
-        batch = batch
-            .call(call.call_id(), call.name.clone(), call.arguments.clone())
-            .approval(call.call_id(), approval);
+        batch = batch.call(call.call_id(), call.name.clone(), call.arguments.clone());
+        for approval in approvals {
+            batch = batch.approval(call.call_id(), approval);
+        }
         if let Some(tp) = &call.traceparent {
             batch = batch.traceparent(tp.clone());
         }
@@ -610,7 +611,7 @@ impl Judge {
                     .call(call.call_id())
                     .and_then(|d| d.approval_refused.as_deref())
                 {
-                    tracing::warn!(approval, why, "the mesh refused the approval");
+                    tracing::warn!(?approvals, why, "the mesh refused an approval");
                 }
                 let disposition = dispose(call, &decision);
                 self.await_result(session, call, &decision, disposition)
