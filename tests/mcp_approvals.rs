@@ -367,7 +367,7 @@ async fn r35_r31_elicitation_over_streamable_http() {
 /// elicitation; its output read on a thread, so that waits are bounded.
 struct Raw {
     child: std::process::Child,
-    stdin: std::process::ChildStdin,
+    stdin: Option<std::process::ChildStdin>,
     lines: mpsc::Receiver<Value>,
 }
 
@@ -394,7 +394,7 @@ impl Raw {
         });
         let mut raw = Self {
             child,
-            stdin,
+            stdin: Some(stdin),
             lines,
         };
         raw.send(
@@ -412,9 +412,24 @@ impl Raw {
     }
 
     fn send_line(&mut self, line: &str) {
-        self.stdin.write_all(line.as_bytes()).unwrap();
-        self.stdin.write_all(b"\n").unwrap();
-        self.stdin.flush().unwrap();
+        let stdin = self.stdin.as_mut().unwrap();
+        stdin.write_all(line.as_bytes()).unwrap();
+        stdin.write_all(b"\n").unwrap();
+        stdin.flush().unwrap();
+    }
+
+    /// The client leaves (stdin closed): the gateway's exit, if within
+    /// `bound`, and what it wrote before.
+    fn leave(&mut self, bound: Duration) -> (Option<std::process::ExitStatus>, Vec<Value>) {
+        drop(self.stdin.take());
+        let start = std::time::Instant::now();
+        while start.elapsed() < bound {
+            if let Some(status) = self.child.try_wait().unwrap() {
+                return (Some(status), self.lines.try_iter().collect());
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        (None, self.lines.try_iter().collect())
     }
 
     /// The next message within 20 s.
@@ -553,6 +568,26 @@ async fn r35_an_elicitation_never_answered_is_not_approved_and_blocks_nothing() 
         scratch.executed(),
         [json!({"tool": "pay", "arguments": {"amount": 5.0, "to": "bob"}})]
     );
+    setup.mesh.shutdown().await;
+}
+
+/// R35: a client that leaves while its user is asked: the ask ends
+/// unanswered at once (not at the bound), the call is not run, and the
+/// gateway exits.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn r35_a_client_that_leaves_while_asked_runs_nothing_and_the_gateway_exits() {
+    mcp_python();
+    let setup = Setup::start(Duration::from_secs(600)).await;
+    let scratch = Scratch::new("approvals-leave");
+    let mut raw = Raw::start(&setup, &scratch, &[]);
+    raw.call(1, 500);
+    let _ = raw.elicitation();
+    let (status, _) = raw.leave(Duration::from_secs(15));
+    assert!(
+        status.is_some(),
+        "the gateway exits within 15 s, not at the 300 s bound"
+    );
+    assert!(scratch.executed().is_empty());
     setup.mesh.shutdown().await;
 }
 
