@@ -35,12 +35,23 @@
 //! only for the same call (tool and arguments), in the same session, under
 //! the same chain revision, before its expiry, and once.
 //!
+//! Transports: `mcp stdio` asks for single calls and for the calls of a
+//! JSON-RPC batch (one after the other; the batch's array waits for them);
+//! `mcp http` asks for a single call's POST, whose answer becomes an SSE
+//! stream (the `elicitation/create`, then the call's answer), the client
+//! POSTing its answer in the same session; a JSON-RPC batch over HTTP gets
+//! the approval-needed answer. An ask waiting for the user holds none of
+//! the permits that bound the calls being judged, so the client's other
+//! requests (and its answer) are read and served meanwhile. A client that
+//! leaves (stdin closed, session deleted) ends its asks unanswered.
+//!
 //! Otherwise (no elicitation capability, no approver credentials, a mesh
 //! in the gateway's process, or [`MAX_WAITING`] elicitations already
 //! waiting) the call is answered as before: a tool result saying an
 //! approval is needed, naming the request and `guardmesh approvals approve
 //! ID`. The 2026-07-28 revision's `input_required` result is not produced
-//! by the gateway (only relayed from upstreams).
+//! by the gateway (only relayed from upstreams); a client of that revision
+//! gets the approval-needed answer.
 
 use crate::json::{self, Json};
 use crate::judge::{Asked, Disposition, Judge};
