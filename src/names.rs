@@ -5,8 +5,8 @@
 //! spells them.
 
 use crate::v1::{
-    Action, ApprovalState, FailurePolicy, GuardMode, GuardPhases, GuardRole, ResultAction,
-    SessionMemoryUse, SkipKind, TraceStatus,
+    Action, ApprovalState, AskFallback, FailurePolicy, GuardMode, GuardPhases, GuardRole,
+    ResultAction, SessionMemoryUse, SkipKind, TraceStatus,
 };
 use std::fmt;
 use std::str::FromStr;
@@ -127,6 +127,7 @@ names!(TraceStatus, "trace status", [
     DryRun => "dry_run",
     Asked => "asked",
 ]);
+names!(AskFallback, "ask fallback", [Cancel => "cancel", Steer => "steer"]);
 names!(ApprovalState, "approval state", [
     Unspecified => "unspecified",
     Pending => "pending",

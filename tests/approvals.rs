@@ -1066,3 +1066,39 @@ async fn r35_r29_asks_answers_and_uses_are_decision_records() {
     );
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// R35: a request nobody answers expires into the asking guard's
+/// configured fallback: cancel by default, steer when it registered
+/// `ask_fallback` steer; never a proceed.
+#[tokio::test]
+async fn r35_an_unanswered_request_expires_into_the_guards_fallback() {
+    let mut config = fast_config();
+    config.approvals.ttl = Duration::from_millis(300);
+    let mesh = TestMesh::with_config(config).await;
+    let guard = refund_guard().await;
+    mesh.register(
+        Registration::validate("refunds", &guard.url)
+            .ask_fallback(guardmesh_client::proto::AskFallback::Steer),
+    )
+    .await;
+    let session = mesh.coordinator().await.session("s").await.unwrap();
+    let d = decide(&session, Batch::turn(0).call("c", "refund", REFUND)).await;
+    let id = asked(&d);
+    assert_eq!(
+        d.calls[0].ask().unwrap().fallback,
+        guardmesh_client::proto::AskFallback::Steer as i32
+    );
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let d = decide(
+        &session,
+        Batch::turn(1)
+            .call("c", "refund", REFUND)
+            .approval("c", &id),
+    )
+    .await;
+    match &d.calls[0].outcome {
+        Outcome::Steer { content } => assert!(content.contains("expired"), "{content}"),
+        other => panic!("the guard's fallback is steer, not {other:?}"),
+    }
+    assert!(d.execute.is_empty());
+}

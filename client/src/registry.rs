@@ -87,6 +87,13 @@ impl Registration {
         self
     }
 
+    /// What a call it asked about gets when nobody answers the approval
+    /// request in time (R35): cancel (the default) or steer.
+    pub fn ask_fallback(mut self, fallback: crate::proto::AskFallback) -> Self {
+        self.0.ask_fallback = fallback as i32;
+        self
+    }
+
     /// Its failure policy (R13).
     pub fn failure_policy(mut self, policy: FailurePolicy) -> Self {
         self.0.failure_policy = policy as i32;

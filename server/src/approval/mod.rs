@@ -268,7 +268,7 @@ async fn resolve_one(
     let expired = || {
         format!(
             "Tool call blocked: approval request {} expired before anyone approved it, \
-             so the guard {} falls back to cancel. Ask again if it is still needed.",
+             so the guard {} falls back to its fallback. Ask again if it is still needed.",
             stored.id, stored.guard
         )
     };
@@ -293,7 +293,12 @@ async fn resolve_one(
             stand_in: Some(StandIn::Fixed {
                 guard: stored.guard.clone(),
                 content: expired(),
-                kind: SkipKind::Cancel,
+                // The guard's fallback (R35): cancel unless it said steer.
+                kind: if stored.steer_on_expiry {
+                    SkipKind::Steer
+                } else {
+                    SkipKind::Cancel
+                },
                 pending: None,
             }),
             refused: Some("the approval request expired unanswered".into()),
@@ -481,6 +486,7 @@ pub async fn settle(
             note: String::new(),
             answered_at_ms: 0,
             used_at_ms: 0,
+            steer_on_expiry: approval.fallback == guardmesh_proto::v1::AskFallback::Steer as i32,
         };
         let written = sessions
             .bounded(sessions.store().put_record(

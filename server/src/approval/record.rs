@@ -44,6 +44,9 @@ pub struct Stored {
     pub answered_at_ms: u64,
     #[serde(default)]
     pub used_at_ms: u64,
+    /// What the call gets if the request expires unanswered (R35).
+    #[serde(default)]
+    pub steer_on_expiry: bool,
 }
 
 impl Stored {
@@ -81,6 +84,11 @@ impl Stored {
             asked_by: self.asked_by.clone(),
             answered_by: self.answered_by.clone(),
             note: self.note.clone(),
+            fallback: if self.steer_on_expiry {
+                guardmesh_proto::v1::AskFallback::Steer
+            } else {
+                guardmesh_proto::v1::AskFallback::Cancel
+            } as i32,
         }
     }
 
@@ -210,6 +218,7 @@ mod tests {
             note: String::new(),
             answered_at_ms: 0,
             used_at_ms: 0,
+            steer_on_expiry: false,
         };
         assert_eq!(stored.state(99), ApprovalState::Pending);
         assert_eq!(stored.state(100), ApprovalState::Expired);

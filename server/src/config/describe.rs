@@ -340,6 +340,7 @@ macro_rules! named {
 named!(
     guardmesh_proto::v1::GuardRole,
     guardmesh_proto::v1::FailurePolicy,
+    guardmesh_proto::v1::AskFallback,
     guardmesh_proto::v1::GuardMode,
     guardmesh_proto::v1::GuardPhases,
     guardmesh_proto::v1::SessionMemoryUse

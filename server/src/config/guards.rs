@@ -46,6 +46,10 @@ table! {
         /// What a failure of the guard means for its calls (R13).
         #[serde(default, deserialize_with = "by_name")]
         pub failure_policy: FailurePolicy,
+        /// What a call the guard asked about gets when its approval request
+        /// expires unanswered (R35): `cancel` (the default) or `steer`.
+        #[serde(default, deserialize_with = "by_name")]
+        pub ask_fallback: guardmesh_proto::v1::AskFallback,
         /// Place in the chain: lower first; equal priorities keep
         /// registration order.
         #[serde(default)]
@@ -123,6 +127,7 @@ impl GuardConfig {
             tools: self.tools.clone(),
             timeout_ms: self.timeout_ms,
             failure_policy: self.failure_policy as i32,
+            ask_fallback: self.ask_fallback as i32,
             priority: self.priority,
             mode: self.mode as i32,
             grant: self.grant.as_ref().map(|g| RewriteGrant {

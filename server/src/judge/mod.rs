@@ -644,6 +644,12 @@ impl<'a> Judging<'a> {
                         Some(Ask::Pending(request)) => Some(*request),
                         Some(Ask::New(reason)) => Some(ApprovalRequest {
                             guard: fixed.by.clone(),
+                            fallback: self
+                                .chain
+                                .guards
+                                .iter()
+                                .find(|g| g.guard.name == fixed.by)
+                                .map_or(0, |g| g.guard.ask_fallback as i32),
                             reason,
                             digest: crate::approval::record::digest(
                                 &current.tool,

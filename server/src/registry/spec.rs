@@ -189,6 +189,8 @@ pub struct Guard {
     pub tools: ToolSet,
     pub timeout: Duration,
     pub failure_policy: FailurePolicy,
+    /// R35: what a call it asked about gets when nobody answers in time.
+    pub ask_fallback: guardmesh_proto::v1::AskFallback,
     pub priority: i32,
     pub mode: GuardMode,
     /// What a mutate guard may rewrite; always empty for validate guards.
@@ -320,6 +322,14 @@ impl Guard {
                 field: "failure_policy",
                 value: spec.failure_policy,
             })?;
+        let ask_fallback =
+            guardmesh_proto::v1::AskFallback::try_from(spec.ask_fallback).map_err(|_| {
+                SpecError::UnknownEnum {
+                    name: name.clone(),
+                    field: "ask_fallback",
+                    value: spec.ask_fallback,
+                }
+            })?;
         let mode = GuardMode::try_from(spec.mode).map_err(|_| SpecError::UnknownEnum {
             name: name.clone(),
             field: "mode",
@@ -367,6 +377,7 @@ impl Guard {
             tools,
             timeout,
             failure_policy,
+            ask_fallback,
             priority: spec.priority,
             mode,
             grant_tools,
@@ -414,6 +425,7 @@ impl Guard {
             tools: self.tools.patterns().to_vec(),
             timeout_ms: u32::try_from(self.timeout.as_millis()).unwrap_or(u32::MAX),
             failure_policy: self.failure_policy as i32,
+            ask_fallback: self.ask_fallback as i32,
             priority: self.priority,
             mode: self.mode as i32,
             grant: (self.role == GuardRole::Mutate).then(|| RewriteGrant {

@@ -324,6 +324,28 @@ GUARD_MODE_DRY_RUN: GuardMode.ValueType  # 1
 """Consulted and traced, never applied (R18)."""
 Global___GuardMode: _TypeAlias = GuardMode  # noqa: Y015
 
+class _AskFallback:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _AskFallbackEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_AskFallback.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    ASK_FALLBACK_CANCEL: _AskFallback.ValueType  # 0
+    """A benign result: not approved in time; the model moves on."""
+    ASK_FALLBACK_STEER: _AskFallback.ValueType  # 1
+    """An error result: the model may try another way."""
+
+class AskFallback(_AskFallback, metaclass=_AskFallbackEnumTypeWrapper):
+    """What a call gets when its approval request expires unanswered (R35).
+    The zero value is CANCEL.
+    """
+
+ASK_FALLBACK_CANCEL: AskFallback.ValueType  # 0
+"""A benign result: not approved in time; the model moves on."""
+ASK_FALLBACK_STEER: AskFallback.ValueType  # 1
+"""An error result: the model may try another way."""
+Global___AskFallback: _TypeAlias = AskFallback  # noqa: Y015
+
 class _SessionMemoryUse:
     ValueType = _typing.NewType("ValueType", _builtins.int)
     V: _TypeAlias = ValueType  # noqa: Y015
@@ -886,6 +908,7 @@ class ApprovalRequest(_message.Message):
     ASKED_BY_FIELD_NUMBER: _builtins.int
     ANSWERED_BY_FIELD_NUMBER: _builtins.int
     NOTE_FIELD_NUMBER: _builtins.int
+    FALLBACK_FIELD_NUMBER: _builtins.int
     id: _builtins.str
     """The request's id: what an approver answers and what the coordinator
     sends back in `EvaluateRequest.approvals`. 64 lowercase hex digits.
@@ -919,6 +942,10 @@ class ApprovalRequest(_message.Message):
     answered_by: _builtins.str
     """For APPROVED, DENIED and USED: the approver's identity and note."""
     note: _builtins.str
+    fallback: Global___AskFallback.ValueType
+    """What the call gets if the request expires unanswered: the asking
+    guard's `ask_fallback` when it asked.
+    """
     @_builtins.property
     def call(self) -> Global___ToolCall:
         """The call as the guard judged it."""
@@ -939,10 +966,11 @@ class ApprovalRequest(_message.Message):
         asked_by: _builtins.str = ...,
         answered_by: _builtins.str = ...,
         note: _builtins.str = ...,
+        fallback: Global___AskFallback.ValueType = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["call", b"call"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["answered_by", b"answered_by", "asked_at_ms", b"asked_at_ms", "asked_by", b"asked_by", "call", b"call", "chain_revision", b"chain_revision", "digest", b"digest", "expires_at_ms", b"expires_at_ms", "guard", b"guard", "id", b"id", "note", b"note", "reason", b"reason", "session_id", b"session_id", "state", b"state"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["answered_by", b"answered_by", "asked_at_ms", b"asked_at_ms", "asked_by", b"asked_by", "call", b"call", "chain_revision", b"chain_revision", "digest", b"digest", "expires_at_ms", b"expires_at_ms", "fallback", b"fallback", "guard", b"guard", "id", b"id", "note", b"note", "reason", b"reason", "session_id", b"session_id", "state", b"state"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1679,6 +1707,7 @@ class GuardSpec(_message.Message):
     RESULT_GRANT_FIELD_NUMBER: _builtins.int
     SESSION_MEMORY_FIELD_NUMBER: _builtins.int
     INTERCEPTOR_EVENTS_FIELD_NUMBER: _builtins.int
+    ASK_FALLBACK_FIELD_NUMBER: _builtins.int
     name: _builtins.str
     """Unique name of the guard in the chain."""
     endpoint: _builtins.str
@@ -1726,6 +1755,11 @@ class GuardSpec(_message.Message):
     none of whose guards read memory (and none of whose policy rules read
     `session`) costs no read of the session store. The kits set READ when
     the guard's handler takes the memory.
+    """
+    ask_fallback: Global___AskFallback.ValueType
+    """R35: what a call gets when the guard asked about it and nobody
+    answered the approval request before it expired. Cancel (the default)
+    or steer; never a proceed.
     """
     @_builtins.property
     def tools(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
@@ -1789,10 +1823,11 @@ class GuardSpec(_message.Message):
         result_grant: Global___ResultGrant | None = ...,
         session_memory: Global___SessionMemoryUse.ValueType = ...,
         interceptor_events: _abc.Iterable[_builtins.str] | None = ...,
+        ask_fallback: Global___AskFallback.ValueType = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["grant", b"grant", "result_grant", b"result_grant"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["endpoint", b"endpoint", "failure_policy", b"failure_policy", "grant", b"grant", "interceptor_events", b"interceptor_events", "mode", b"mode", "name", b"name", "phases", b"phases", "policy", b"policy", "priority", b"priority", "replicas", b"replicas", "result_grant", b"result_grant", "role", b"role", "server_identity", b"server_identity", "session_memory", b"session_memory", "timeout_ms", b"timeout_ms", "tools", b"tools"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["ask_fallback", b"ask_fallback", "endpoint", b"endpoint", "failure_policy", b"failure_policy", "grant", b"grant", "interceptor_events", b"interceptor_events", "mode", b"mode", "name", b"name", "phases", b"phases", "policy", b"policy", "priority", b"priority", "replicas", b"replicas", "result_grant", b"result_grant", "role", b"role", "server_identity", b"server_identity", "session_memory", b"session_memory", "timeout_ms", b"timeout_ms", "tools", b"tools"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
