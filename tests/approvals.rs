@@ -1102,3 +1102,66 @@ async fn r35_an_unanswered_request_expires_into_the_guards_fallback() {
     }
     assert!(d.execute.is_empty());
 }
+
+/// R35: the README's "Approvals" example, run as written: its Rust block is
+/// a part of `client/examples/approvals.rs` as it is, the example runs
+/// against `guardmesh serve` with the README's config, and prints the
+/// README's output block.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn r35_the_readme_approvals_example_runs_as_written() {
+    let readme = std::fs::read_to_string(repo_root().join("README.md")).unwrap();
+    let section: String = readme
+        .lines()
+        .skip_while(|l| !l.starts_with("## Approvals"))
+        .skip(1)
+        .take_while(|l| !l.starts_with("## "))
+        .map(|l| format!("{l}\n"))
+        .collect();
+    let block = |info: &str| -> String {
+        let open = format!("```{info}\n");
+        let start = section
+            .find(&open)
+            .unwrap_or_else(|| panic!("no {info} block"))
+            + open.len();
+        let end = start + section[start..].find("```\n").expect("a closed block");
+        section[start..end].to_owned()
+    };
+    let example =
+        std::fs::read_to_string(repo_root().join("client/examples/approvals.rs")).unwrap();
+    assert!(
+        example.contains(&block("rust")),
+        "the README's Rust block is not client/examples/approvals.rs as it is"
+    );
+    let sh = block("sh");
+    let config = sh
+        .split_whitespace()
+        .skip_while(|w| *w != "--config")
+        .nth(1)
+        .expect("serve --config FILE");
+    assert!(sh.contains("--example approvals"), "{sh}");
+    let mesh = MeshProcess::start_file(
+        folder("readme-approvals"),
+        &repo_root().join(config),
+        None,
+        free_port(),
+    )
+    .await;
+    let binary = tokio::task::spawn_blocking(|| crate::sdk::example("approvals"))
+        .await
+        .unwrap();
+    let url = mesh.url.clone();
+    let out = tokio::task::spawn_blocking(move || {
+        std::process::Command::new(binary)
+            .arg(url)
+            .output()
+            .unwrap()
+    })
+    .await
+    .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert_eq!(String::from_utf8_lossy(&out.stdout), block("text"));
+}

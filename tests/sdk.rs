@@ -15,7 +15,7 @@ const NO_RM: &str = policy_rule!(name: "no-rm", tools: ["shell.*"], action: "can
 
 /// Builds `client/examples/NAME` with the cargo that runs the suite: the
 /// executable's path.
-fn example(name: &str) -> PathBuf {
+pub(crate) fn example(name: &str) -> PathBuf {
     let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".to_owned());
     let out = std::process::Command::new(cargo)
         .args(["build", "-q", "-p", "guardmesh-client", "--example", name])
