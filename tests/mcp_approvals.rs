@@ -650,3 +650,152 @@ async fn r35_an_accept_approves_only_the_call_it_was_asked_about() {
     );
     setup.mesh.shutdown().await;
 }
+
+// ---------------------------------------------------------------------------
+// Raw Streamable HTTP: answers from another session, none, or twice.
+// ---------------------------------------------------------------------------
+
+/// A POST of `body` to the gateway at `url` (`http://HOST:PORT/mcp`) with
+/// `headers`, its answer read as it streams: (status, head, the rest).
+async fn post_streaming(
+    url: &str,
+    headers: &[(&str, &str)],
+    body: &Value,
+) -> (u16, String, tokio::io::BufReader<tokio::net::TcpStream>) {
+    use tokio::io::{AsyncBufReadExt, AsyncWriteExt};
+    let authority = url.trim_start_matches("http://").split('/').next().unwrap();
+    let mut stream = tokio::net::TcpStream::connect(authority).await.unwrap();
+    let body = body.to_string();
+    let extra: String = headers
+        .iter()
+        .map(|(k, v)| format!("{k}: {v}\r\n"))
+        .collect();
+    let request = format!(
+        "POST /mcp HTTP/1.1\r\nHost: {authority}\r\nContent-Type: application/json\r\n\
+         Accept: application/json, text/event-stream\r\nMCP-Protocol-Version: 2025-11-25\r\n\
+         {extra}Content-Length: {}\r\nConnection: close\r\n\r\n{body}",
+        body.len()
+    );
+    stream.write_all(request.as_bytes()).await.unwrap();
+    let mut reader = tokio::io::BufReader::new(stream);
+    let mut head = String::new();
+    loop {
+        let mut line = String::new();
+        reader.read_line(&mut line).await.unwrap();
+        if line == "\r\n" || line.is_empty() {
+            break;
+        }
+        head.push_str(&line);
+    }
+    let status = head.split(' ').nth(1).unwrap().parse().unwrap();
+    (status, head, reader)
+}
+
+/// The value of header `name` in `head`.
+fn header(head: &str, name: &str) -> Option<String> {
+    head.lines().find_map(|l| {
+        let (k, v) = l.split_once(':')?;
+        k.eq_ignore_ascii_case(name).then(|| v.trim().to_owned())
+    })
+}
+
+/// The next SSE event's data of a chunked answer, within 20 s.
+async fn next_event(reader: &mut tokio::io::BufReader<tokio::net::TcpStream>) -> Value {
+    use tokio::io::AsyncBufReadExt;
+    let read = async {
+        loop {
+            let mut line = String::new();
+            if reader.read_line(&mut line).await.unwrap() == 0 {
+                panic!("the stream ended");
+            }
+            if let Some(data) = line.trim_end().strip_prefix("data: ") {
+                return serde_json::from_str::<Value>(data).unwrap();
+            }
+        }
+    };
+    tokio::time::timeout(Duration::from_secs(20), read)
+        .await
+        .expect("an event within 20 s")
+}
+
+/// Opens a session (`initialize`, with `capabilities`); its id.
+async fn open_session(url: &str, capabilities: Value) -> String {
+    let (status, head, _) = post_streaming(
+        url,
+        &[],
+        &json!({"jsonrpc": "2.0", "id": 0, "method": "initialize", "params": {
+            "protocolVersion": "2025-11-25", "capabilities": capabilities,
+            "clientInfo": {"name": "raw", "version": "0"}}}),
+    )
+    .await;
+    assert_eq!(status, 200, "{head}");
+    let session = header(&head, "mcp-session-id").expect("a session id");
+    let (status, head, _) = post_streaming(
+        url,
+        &[("Mcp-Session-Id", &session)],
+        &json!({"jsonrpc": "2.0", "method": "notifications/initialized"}),
+    )
+    .await;
+    assert_eq!(status, 202, "{head}");
+    session
+}
+
+/// R35 attack over HTTP: an accept POSTed in another session (or in none)
+/// for this session's elicitation approves nothing; an answer the gateway
+/// cannot read ends the ask as not approved; a second answer is dropped;
+/// the call never runs.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn r35_over_http_an_answer_from_another_session_approves_nothing() {
+    mcp_python();
+    let setup = Setup::start(Duration::from_secs(600)).await;
+    let scratch = Scratch::new("approvals-http-raw");
+    let args = setup.gateway_args(true, &[]);
+    let args: Vec<&std::ffi::OsStr> = args.iter().map(std::ffi::OsStr::new).collect();
+    let (url, _upstream, _gateway) =
+        http_gateway_with(&setup.url, &scratch, "127.0.0.1", &args).await;
+    let mine = open_session(&url, json!({"elicitation": {}})).await;
+    let other = open_session(&url, json!({"elicitation": {}})).await;
+    let (status, head, mut call) = post_streaming(
+        &url,
+        &[("Mcp-Session-Id", &mine)],
+        &json!({"jsonrpc": "2.0", "id": 1, "method": "tools/call",
+                "params": {"name": "pay", "arguments": {"amount": 500, "to": "bob"}}}),
+    )
+    .await;
+    assert_eq!(status, 200, "{head}");
+    assert!(head.contains("text/event-stream"), "{head}");
+    let elicitation = next_event(&mut call).await;
+    assert_eq!(elicitation["method"], "elicitation/create", "{elicitation}");
+    let id = elicitation["id"].as_str().unwrap().to_owned();
+    let accept = json!({"jsonrpc": "2.0", "id": id, "result": {"action": "accept"}});
+    for session in [Some(other.as_str()), None] {
+        let headers: Vec<(&str, &str)> =
+            session.map(|s| ("Mcp-Session-Id", s)).into_iter().collect();
+        let (status, head, _) = post_streaming(&url, &headers, &accept).await;
+        // Another session's: dropped by the gateway (202); no session: the
+        // upstream's refusal.
+        assert!(status == 202 || session.is_none(), "{head}");
+    }
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert!(setup.requests(ApprovalState::Approved).await.is_empty());
+    assert!(setup.requests(ApprovalState::Used).await.is_empty());
+    // The session's own answer, unreadable: not approved.
+    let (status, head, _) = post_streaming(
+        &url,
+        &[("Mcp-Session-Id", &mine)],
+        &json!({"jsonrpc": "2.0", "id": id, "result": {"action": "yes"}}),
+    )
+    .await;
+    assert_eq!(status, 202, "{head}");
+    let answer = next_event(&mut call).await;
+    assert_eq!(answer["id"], 1, "{answer}");
+    let text = answer["result"]["content"][0]["text"].as_str().unwrap();
+    assert!(text.contains("not approved"), "{text}");
+    // A second answer, accepting: dropped.
+    let (status, head, _) = post_streaming(&url, &[("Mcp-Session-Id", &mine)], &accept).await;
+    assert_eq!(status, 202, "{head}");
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert!(scratch.executed().is_empty(), "{:?}", scratch.executed());
+    assert!(setup.requests(ApprovalState::Used).await.is_empty());
+    setup.mesh.shutdown().await;
+}
