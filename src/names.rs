@@ -182,11 +182,24 @@ mod tests {
             |v| v.as_str_name(),
             "SKIP_KIND_",
         );
-        let statuses: Vec<TraceStatus> = (0..=10)
+        let statuses: Vec<TraceStatus> = (0..=11)
             .filter_map(|n| TraceStatus::try_from(n).ok())
             .collect();
         assert_eq!(statuses.len(), TraceStatus::NAMES.len());
         check(&statuses, |v| v.as_str_name(), "TRACE_STATUS_");
+        let actions: Vec<Action> = (0..=4).filter_map(|n| Action::try_from(n).ok()).collect();
+        assert_eq!(actions.len(), Action::NAMES.len());
+        check(&actions, |v| v.as_str_name(), "ACTION_");
+        let states: Vec<ApprovalState> = (0..=5)
+            .filter_map(|n| ApprovalState::try_from(n).ok())
+            .collect();
+        assert_eq!(states.len(), ApprovalState::NAMES.len());
+        check(&states, |v| v.as_str_name(), "APPROVAL_STATE_");
+        check(
+            &[AskFallback::Cancel, AskFallback::Steer],
+            |v| v.as_str_name(),
+            "ASK_FALLBACK_",
+        );
     }
 
     #[test]

@@ -162,10 +162,12 @@ fn r25_policy_size_and_patterns_are_bounded() {
         text.contains("distinct patterns") || text.contains("the policy's patterns would take"),
         "{error}"
     );
-    let before = pattern_bytes();
     let policy = Policy::compile(&rule("one", None, "call.args.s.matches('^a+$')", "'m'")).unwrap();
     assert!(policy.pattern_bytes() > 0);
-    assert!(pattern_bytes() >= before + policy.pattern_bytes());
+    // The process-wide charge holds this policy's patterns while it lives
+    // (other tests compile and drop policies concurrently, so no
+    // difference of two readings is asserted).
+    assert!(pattern_bytes() >= policy.pattern_bytes());
 }
 
 /// One `when` of the property test, reading the call alone.
