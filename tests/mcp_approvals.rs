@@ -237,6 +237,64 @@ async fn r35_r31_two_guards_ask_each_is_put_to_the_user_and_the_call_runs_once()
     setup.mesh.shutdown().await;
 }
 
+/// R35, R31: without elicitation, the request is approved out of band
+/// (`guardmesh approvals approve ID`, here the SDK's Approver): the same
+/// call made again in the session runs once, the gateway naming the
+/// request it was asked under; made a third time, it is asked about anew.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn r35_r31_approved_out_of_band_the_same_call_made_again_runs_once() {
+    mcp_python();
+    let setup = Setup::start(Duration::from_secs(600)).await;
+    let scratch = Scratch::new("approvals-oob");
+    let approved = scratch.dir.join("approved");
+    let call = json!({"op": "call", "name": "pay", "arguments": {"amount": 500, "to": "bob"}});
+    let scenario = json!({"mode": "legacy", "steps": [
+        call.clone(),
+        {"op": "wait", "path": approved.display().to_string()},
+        call.clone(),
+        call.clone(),
+    ]});
+    let client = tokio::spawn(run_client_off_thread(
+        scenario,
+        setup.target(&scratch, false, &[]),
+    ));
+    let mut pending = Vec::new();
+    for _ in 0..200 {
+        pending = setup.requests(ApprovalState::Pending).await;
+        if !pending.is_empty() {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert_eq!(pending.len(), 1, "{pending:?}");
+    let first = pending[0].id.clone();
+    Approver::connect_with(
+        &setup.url,
+        &setup.pki.connection(None, Some("person-token")),
+    )
+    .await
+    .unwrap()
+    .approve(&first, "checked")
+    .await
+    .unwrap();
+    std::fs::write(&approved, "").unwrap();
+    let lines = client.await.unwrap();
+    let results = calls(&lines);
+    assert_eq!(results.len(), 3, "{lines:?}");
+    assert!(text_of(results[0]).contains(&first), "{lines:?}");
+    assert!(text_of(results[1]).contains("paid 500"), "{lines:?}");
+    let third = text_of(results[2]);
+    assert!(
+        third.contains("approval needed") && !third.contains(&first),
+        "{third}"
+    );
+    assert_eq!(scratch.executed().len(), 1, "{:?}", scratch.executed());
+    let used = setup.requests(ApprovalState::Used).await;
+    assert_eq!(used.len(), 1);
+    assert_eq!(used[0].id, first);
+    setup.mesh.shutdown().await;
+}
+
 /// R35, R31: the user declines (or dismisses): the request is denied with a
 /// note saying so, the call is answered as a cancel (not an error) saying
 /// the person declined, and nothing runs.

@@ -24,7 +24,7 @@
 
 use crate::jsonrpc::{self, ToolCallRequest, codes};
 use guardmesh_client::{
-    Batch, BatchDecision, ClientError, Coordinator, MeshArgs, Outcome, Session,
+    Batch, BatchDecision, CallDecision, ClientError, Coordinator, MeshArgs, Outcome, Session,
 };
 use rmcp::model::ErrorData;
 use std::collections::HashMap;
@@ -173,6 +173,64 @@ pub struct Judge {
     /// Forwarded calls whose results the mesh must judge (R33), by
     /// session and JSON-RPC id, until the upstream answers them.
     pending: std::sync::Mutex<HashMap<(String, String), PendingResult>>,
+    /// R35: the approval requests of calls a guard asked about, by session,
+    /// tool and arguments: named again when the same call comes again.
+    asked: std::sync::Mutex<AskedCalls>,
+}
+
+/// Calls a guard asked about whose approval requests the gateway names
+/// when the same call (session, tool, arguments as the gateway writes
+/// them) comes again (R35): an approval given out of band (`guardmesh
+/// approvals approve ID`) then lets that call run once; a request still
+/// pending asks again under the same id (no new request); a denied or
+/// expired one cancels the call. Forgotten once a decision settles it;
+/// at most [`MAX_ASKED_CALLS`], the oldest going first.
+#[derive(Default)]
+struct AskedCalls {
+    by_call: HashMap<(String, String, String), Vec<String>>,
+    order: std::collections::VecDeque<(String, String, String)>,
+}
+
+/// Calls whose approval requests are remembered at once, at most.
+pub const MAX_ASKED_CALLS: usize = 4096;
+
+/// Approval requests named for one call, at most (one per guard that
+/// asked; the mesh takes 8).
+const MAX_NAMED_APPROVALS: usize = 8;
+
+impl AskedCalls {
+    /// What the decision `decided` of `call` (named `named`) leaves to
+    /// name the next time.
+    fn note(&mut self, key: (String, String, String), named: &[String], decided: &CallDecision) {
+        let Outcome::Ask { approval, .. } = &decided.outcome else {
+            self.by_call.remove(&key);
+            return;
+        };
+        let mut ids: Vec<String> = if decided.approval_refused.is_some() {
+            Vec::new()
+        } else {
+            named.to_vec()
+        };
+        if !ids.contains(&approval.id) {
+            ids.push(approval.id.clone());
+        }
+        ids.truncate(MAX_NAMED_APPROVALS);
+        if self.by_call.insert(key.clone(), ids).is_none() {
+            self.order.push_back(key);
+        }
+        while self.by_call.len() > MAX_ASKED_CALLS {
+            match self.order.pop_front() {
+                Some(old) => {
+                    self.by_call.remove(&old);
+                }
+                None => break,
+            }
+        }
+        if self.order.len() > 2 * MAX_ASKED_CALLS {
+            let by_call = &self.by_call;
+            self.order.retain(|k| by_call.contains_key(k));
+        }
+    }
 }
 
 /// The members of a tool result the results phase judges (R33).
@@ -205,6 +263,7 @@ impl Judge {
             metadata: HashMap::from([("gateway".to_owned(), source.to_owned())]),
             server: String::new(),
             pending: std::sync::Mutex::default(),
+            asked: std::sync::Mutex::default(),
         }
     }
 
@@ -572,18 +631,69 @@ impl Judge {
             return Ok(Vec::new());
         }
         let traceparent = calls.iter().find_map(|c| c.traceparent.as_deref());
-        let wire = calls
-            .iter()
-            .map(|c| (c.call_id().to_owned(), c.name.clone(), c.arguments.clone()))
-            .collect();
-        let decision = self.evaluate(session, wire, traceparent).await?;
+        let mut batch = Batch::new(self.turn.fetch_add(1, Ordering::Relaxed));
+        batch.metadata = self.metadata.clone();
+        // R35: the requests of an earlier ask of the same call, named for
+        // its first occurrence in the batch only.
+        let mut named: Vec<Vec<String>> = Vec::with_capacity(calls.len());
+        {
+            let asked = self.asked();
+            let mut seen = std::collections::HashSet::new();
+            for c in calls {
+                let key = asked_key(session, c);
+                let ids = match asked.by_call.get(&key) {
+                    Some(ids) if seen.insert(key) => ids.clone(),
+                    _ => Vec::new(),
+                };
+                batch = batch.call(c.call_id(), c.name.clone(), c.arguments.clone());
+                for id in &ids {
+                    batch = batch.approval(c.call_id(), id);
+                }
+                named.push(ids);
+            }
+        }
+        if let Some(tp) = traceparent {
+            batch = batch.traceparent(tp);
+        }
+        let decision = self.evaluate_batch(session, batch).await?;
         Ok(calls
             .iter()
-            .map(|c| {
+            .zip(named)
+            .map(|(c, named)| {
+                self.note_asked(session, c, &named, &decision);
                 let disposition = dispose(c, &decision);
                 self.await_result(session, c, &decision, disposition)
             })
             .collect())
+    }
+
+    fn asked(&self) -> std::sync::MutexGuard<'_, AskedCalls> {
+        self.asked
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// R35: what `decision` leaves to name when `call` (named `named`)
+    /// comes again.
+    fn note_asked(
+        &self,
+        session: &str,
+        call: &ToolCallRequest,
+        named: &[String],
+        decision: &BatchDecision,
+    ) {
+        let Some(decided) = decision.call(call.call_id()) else {
+            return;
+        };
+        let key = asked_key(session, call);
+        let mut asked = self.asked();
+        if named.is_empty()
+            && !matches!(decided.outcome, Outcome::Ask { .. })
+            && !asked.by_call.contains_key(&key)
+        {
+            return;
+        }
+        asked.note(key, named, decided);
     }
 
     /// Judges `call` again with the approvals `approvals` (R35: approved
@@ -607,6 +717,7 @@ impl Judge {
         }
         match self.evaluate_batch(session, batch).await {
             Ok(decision) => {
+                self.note_asked(session, call, approvals, &decision);
                 if let Some(why) = decision
                     .call(call.call_id())
                     .and_then(|d| d.approval_refused.as_deref())
@@ -718,6 +829,15 @@ fn stream_ended(error: &ClientError) -> bool {
 /// by the peer's end arrives as `Cancelled`.
 fn from_transport(status: &tonic::Status) -> bool {
     std::error::Error::source(status).is_some() || status.code() == tonic::Code::Cancelled
+}
+
+/// The key of `call` of `session` among the calls asked about (R35).
+fn asked_key(session: &str, call: &ToolCallRequest) -> (String, String, String) {
+    (
+        session.to_owned(),
+        call.name.clone(),
+        call.arguments.clone(),
+    )
 }
 
 /// What the decision says to do with `call`.

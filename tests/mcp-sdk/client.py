@@ -11,12 +11,14 @@ SCENARIO_JSON: {"mode": "legacy" | "auto", "ca": CA_PEM_FILE (https only),
                   as {"op": "elicited", ...} and answered with the next
                   action in turn: "hang" never answers), "steps": [
   {"op": "list_tools"},
-  {"op": "call", "name": "pay", "arguments": {...}, "meta": {...}}]}
+  {"op": "call", "name": "pay", "arguments": {...}, "meta": {...}},
+  {"op": "wait", "path": FILE} (until FILE exists, at most 60 s)]}
 """
 
 import asyncio
 import contextlib
 import json
+import os
 import ssl
 import sys
 
@@ -83,6 +85,12 @@ async def run(scenario, server):
             if step["op"] == "list_tools":
                 tools = await client.list_tools()
                 out({"op": "list_tools", "tools": [t.model_dump(mode="json", by_alias=True, exclude_none=True) for t in tools.tools]})
+            elif step["op"] == "wait":
+                for _ in range(600):
+                    if os.path.exists(step["path"]):
+                        break
+                    await anyio.sleep(0.1)
+                out({"op": "waited"})
             elif step["op"] == "call":
                 try:
                     result = await client.call_tool(step["name"], step.get("arguments"), meta=step.get("meta"))
