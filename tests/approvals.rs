@@ -1165,3 +1165,37 @@ async fn r35_the_readme_approvals_example_runs_as_written() {
     );
     assert_eq!(String::from_utf8_lossy(&out.stdout), block("text"));
 }
+
+/// R35, R25: a flood of asks spread over many sessions of one caller is
+/// bounded too (`max_open_per_identity`); another caller's asks are not
+/// counted against it.
+#[tokio::test]
+async fn r35_r25_asks_are_bounded_per_identity_over_its_sessions() {
+    let mut config = fast_config();
+    config.approvals.max_open_per_session = 3;
+    config.approvals.max_open_per_identity = 4;
+    let mesh = TestMesh::with_config(config).await;
+    let guard = refund_guard().await;
+    mesh.register(Registration::validate("refunds", &guard.url))
+        .await;
+    let coordinator = mesh.coordinator().await;
+    let mut asks = 0;
+    let mut bounded = 0;
+    for s in 0..3 {
+        let session = coordinator.session(&format!("flood-{s}")).await.unwrap();
+        let mut batch = Batch::turn(0);
+        for i in 0..3 {
+            batch = batch.call(format!("c{i}"), "refund", REFUND);
+        }
+        for call in decide(&session, batch).await.calls {
+            match &call.outcome {
+                Outcome::Ask { .. } => asks += 1,
+                Outcome::Cancel { content } if content.contains("max_open_per_identity") => {
+                    bounded += 1;
+                }
+                other => panic!("an ask or the identity's bound, not {other:?}"),
+            }
+        }
+    }
+    assert_eq!((asks, bounded), (4, 5));
+}

@@ -51,6 +51,9 @@ pub struct Settings {
     /// Requests one session may have waiting at once; past it an ask
     /// cancels its call (R25: a flood of asks is bounded).
     pub max_open_per_session: usize,
+    /// Requests one identity may have waiting at once over all its
+    /// sessions (a flood spread over many sessions is bounded too).
+    pub max_open_per_identity: usize,
 }
 
 impl Default for Settings {
@@ -58,6 +61,7 @@ impl Default for Settings {
         Self {
             ttl: Duration::from_secs(600),
             max_open_per_session: 16,
+            max_open_per_identity: 256,
         }
     }
 }
@@ -191,6 +195,7 @@ pub async fn resolve(
         return out;
     }
     let session_name = sessions.stored_name(key);
+    let prefix = sessions.approval_prefix(key);
     let now = crate::session::now_ms();
     for (i, call_id) in call_ids.iter().enumerate() {
         let Some(ids) = named.get(*call_id) else {
@@ -198,7 +203,7 @@ pub async fn resolve(
         };
         let mut refusals: Vec<String> = Vec::new();
         for id in ids.split(',').map(str::trim) {
-            let one = resolve_one(sessions, id, &session_name, revision, now).await;
+            let one = resolve_one(sessions, id, &session_name, &prefix, revision, now).await;
             if matches!(
                 &one.stand_in,
                 Some(StandIn::Fixed {
@@ -240,6 +245,7 @@ async fn resolve_one(
     sessions: &SessionMemory,
     id: &str,
     session_name: &str,
+    prefix: &str,
     revision: u64,
     now: u64,
 ) -> One {
@@ -248,7 +254,7 @@ async fn resolve_one(
     }
     // The id carries its session: one of another session (or identity)
     // is refused without a read.
-    if !session_name.starts_with(&id[..32]) {
+    if id[..32] != *prefix {
         return refused("the approval request belongs to another session");
     }
     let read = sessions
@@ -407,25 +413,32 @@ pub async fn settle(
         return;
     }
     let session_name = sessions.stored_name(key);
-    let prefix = format!(
-        "{}{}/",
-        record::PREFIX,
-        &session_name[..32.min(session_name.len())]
+    let prefix = sessions.approval_prefix(key);
+    // The requests waiting, of this session and of its identity (every
+    // session of it): both bounded (R25).
+    let (per_session, per_identity) = (
+        approvals.settings.max_open_per_session,
+        approvals.settings.max_open_per_identity,
     );
-    let max = approvals.settings.max_open_per_session;
-    let mut open = match sessions
-        .bounded(
-            sessions
-                .store()
-                .records(&prefix, max.saturating_mul(4).max(64)),
-        )
-        .await
-    {
-        Ok(records) => Ok(records
+    let waiting = |records: Vec<crate::session::store::Record>| {
+        records
             .iter()
             .filter_map(|r| Stored::from_json(&r.value).ok())
-            .filter(|s| s.session_name == session_name && s.state(now) == ApprovalState::Pending)
-            .count()),
+            .filter(|s| s.state(now) == ApprovalState::Pending)
+            .map(|s| s.session_name == session_name)
+            .collect::<Vec<bool>>()
+    };
+    let mut open = match sessions
+        .bounded(sessions.store().records(
+            &format!("{}{}", record::PREFIX, &prefix[..16]),
+            per_identity.saturating_mul(4).max(64),
+        ))
+        .await
+    {
+        Ok(records) => {
+            let waiting = waiting(records);
+            Ok((waiting.iter().filter(|mine| **mine).count(), waiting.len()))
+        }
         Err(error) => Err(error),
     };
     let session_id = key.session_id.clone();
@@ -446,28 +459,39 @@ pub async fn settle(
             d.approval = None;
             d.failure = true;
         };
-        let count = match &open {
-            Ok(count) => *count,
+        let (session_count, identity_count) = match &open {
+            Ok(counts) => *counts,
             Err(error) => {
                 approvals.count("unrecorded");
                 unrecorded(d, format!("the request could not be recorded ({error})"));
                 continue;
             }
         };
-        if count >= max {
+        if session_count >= per_session {
             approvals.count("unrecorded");
             unrecorded(
                 d,
                 format!(
-                    "this session already has {max} approval requests waiting \
+                    "this session already has {per_session} approval requests waiting \
                      (approvals.max_open_per_session)"
+                ),
+            );
+            continue;
+        }
+        if identity_count >= per_identity {
+            approvals.count("unrecorded");
+            unrecorded(
+                d,
+                format!(
+                    "this caller already has {per_identity} approval requests waiting \
+                     over its sessions (approvals.max_open_per_identity)"
                 ),
             );
             continue;
         }
         let call = d.call.clone().unwrap_or_default();
         let stored = Stored {
-            id: record::new_id(&session_name),
+            id: record::new_id(&prefix),
             guard: approval.guard.clone(),
             reason: record::clip(&approval.reason),
             digest: approval.digest.clone(),
@@ -500,8 +524,9 @@ pub async fn settle(
             Ok(true) => {
                 approvals.count("asked");
                 *approval = stored.to_wire(now);
-                if let Ok(count) = &mut open {
-                    *count += 1;
+                if let Ok((session_count, identity_count)) = &mut open {
+                    *session_count += 1;
+                    *identity_count += 1;
                 }
             }
             Ok(false) => {

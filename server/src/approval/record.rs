@@ -124,12 +124,13 @@ pub fn digest(tool: &str, arguments: &str) -> String {
     out
 }
 
-/// A new request id for the session stored as `session_name`: its first
-/// 32 hex digits (so a session's requests share a prefix in the store, and
+/// A new request id for the session whose approval prefix is `prefix`
+/// (32 hex digits: its identity's 16, then its session's; so an
+/// identity's and a session's requests share a prefix in the store, and
 /// an id of another session is told at once), then 32 random ones.
-pub fn new_id(session_name: &str) -> String {
+pub fn new_id(prefix: &str) -> String {
     let random: [u8; 16] = rand::random();
-    let mut id = session_name.chars().take(32).collect::<String>();
+    let mut id = prefix.chars().take(32).collect::<String>();
     for byte in random {
         id.push_str(&format!("{byte:02x}"));
     }

@@ -17,6 +17,10 @@ table! {
         /// a guard's ask cancels its call, saying so (a flood of asks is
         /// bounded).
         pub max_open_per_session: usize,
+        /// Approval requests one caller identity may have waiting at once
+        /// over all its sessions; past it a guard's ask cancels its call,
+        /// saying so.
+        pub max_open_per_identity: usize,
     }
 }
 
@@ -26,6 +30,7 @@ impl Default for ApprovalsConfig {
         Self {
             ttl_ms: u64::try_from(settings.ttl.as_millis()).unwrap_or(u64::MAX),
             max_open_per_session: settings.max_open_per_session,
+            max_open_per_identity: settings.max_open_per_identity,
         }
     }
 }
@@ -36,6 +41,7 @@ impl ApprovalsConfig {
         crate::approval::Settings {
             ttl: std::time::Duration::from_millis(self.ttl_ms.max(1)),
             max_open_per_session: self.max_open_per_session.max(1),
+            max_open_per_identity: self.max_open_per_identity.max(1),
         }
     }
 }

@@ -272,6 +272,7 @@ impl Config {
             zero!(sessions.store_timeout_ms),
             zero!(approvals.ttl_ms),
             zero!(approvals.max_open_per_session),
+            zero!(approvals.max_open_per_identity),
         ];
         for (key, zero) in zeros {
             if zero {

@@ -188,6 +188,18 @@ impl SessionMemory {
         key.stored_name(&self.digester)
     }
 
+    /// The prefix approval requests (R35) of `key` are stored under: 16 hex
+    /// digits naming its identity alone (keyed), then 16 of its session's
+    /// stored name. An identity's requests share the first half, a
+    /// session's the whole.
+    pub fn approval_prefix(&self, key: &SessionKey) -> String {
+        let identity = self
+            .digester
+            .session_name(&format!("approvals-identity\0{}", key.identity));
+        let session = self.stored_name(key);
+        format!("{}{}", &identity[..16], &session[..16])
+    }
+
     pub fn store(&self) -> &dyn SessionStore {
         self.store.as_ref()
     }
