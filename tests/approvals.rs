@@ -635,6 +635,8 @@ struct Flaky {
     inner: guardmesh_server::session::LocalStore,
     down: std::sync::atomic::AtomicBool,
     writes_fail: std::sync::atomic::AtomicBool,
+    /// Reads of records never answer.
+    hung: std::sync::atomic::AtomicBool,
 }
 
 impl Flaky {
@@ -680,6 +682,9 @@ impl guardmesh_server::session::SessionStore for Flaky {
         if self.down() {
             return Err(Self::err());
         }
+        if self.hung.load(std::sync::atomic::Ordering::SeqCst) {
+            std::future::pending::<()>().await;
+        }
         self.inner.record(name).await
     }
     async fn put_record(
@@ -724,6 +729,7 @@ async fn r35_r13_a_store_down_or_paused_fails_closed_for_asks_approvals_and_uses
         inner: guardmesh_server::session::LocalStore::new(Default::default()),
         down: Default::default(),
         writes_fail: Default::default(),
+        hung: Default::default(),
     });
     mesh.mesh
         .attach_sessions(std::sync::Arc::new(
@@ -1198,4 +1204,55 @@ async fn r35_r25_asks_are_bounded_per_identity_over_its_sessions() {
         }
     }
     assert_eq!((asks, bounded), (4, 5));
+}
+
+/// R35, R14, R25: a store that hangs while many approvals are checked
+/// cannot hold the batch past its deadline: the approvals are refused and
+/// nothing proceeds on them.
+#[tokio::test]
+async fn r35_r14_a_hung_store_cannot_hold_a_batch_that_names_many_approvals() {
+    use std::sync::atomic::Ordering::SeqCst;
+    let mesh = TestMesh::start().await;
+    let store = std::sync::Arc::new(Flaky {
+        inner: guardmesh_server::session::LocalStore::new(Default::default()),
+        down: Default::default(),
+        writes_fail: Default::default(),
+        hung: Default::default(),
+    });
+    mesh.mesh
+        .attach_sessions(std::sync::Arc::new(
+            guardmesh_server::session::SessionMemory::new(
+                store.clone(),
+                guardmesh_server::session::Digester::random(),
+                Default::default(),
+            ),
+        ))
+        .expect("attached before the first batch");
+    let guard = refund_guard().await;
+    mesh.register(Registration::validate("refunds", &guard.url))
+        .await;
+    let session = mesh.coordinator().await.session("s").await.unwrap();
+    let id = asked(&decide(&session, Batch::turn(0).call("c", "refund", REFUND)).await);
+    store.hung.store(true, SeqCst);
+    // 3 calls x 8 approvals: 24 reads of 500 ms each, were they not bounded
+    // by the batch's 1 s.
+    let mut batch = Batch::turn(1).timeout(Duration::from_secs(1));
+    for c in 0..3 {
+        batch = batch.call(format!("c{c}"), "refund", REFUND);
+        for _ in 0..8 {
+            batch = batch.approval(format!("c{c}"), &id);
+        }
+    }
+    let started = std::time::Instant::now();
+    let d = decide(&session, batch).await;
+    assert!(
+        started.elapsed() < Duration::from_secs(4),
+        "answered in {:?}",
+        started.elapsed()
+    );
+    for call in &d.calls {
+        assert!(!call.proceeds(), "{call:?}");
+        assert!(call.approval_refused.is_some(), "{call:?}");
+    }
+    assert!(d.execute.is_empty());
 }

@@ -189,6 +189,7 @@ pub async fn resolve(
     named: &HashMap<String, String>,
     call_ids: &[&str],
     revision: u64,
+    deadline: tokio::time::Instant,
 ) -> Vec<Resolved> {
     let mut out = vec![Resolved::default(); call_ids.len()];
     if named.is_empty() {
@@ -203,7 +204,19 @@ pub async fn resolve(
         };
         let mut refusals: Vec<String> = Vec::new();
         for id in ids.split(',').map(str::trim) {
-            let one = resolve_one(sessions, id, &session_name, &prefix, revision, now).await;
+            // Within the batch's deadline: a slow store makes approvals
+            // refused, never a batch held past its time.
+            let one = tokio::time::timeout_at(
+                deadline,
+                resolve_one(sessions, id, &session_name, &prefix, revision, now),
+            )
+            .await
+            .unwrap_or_else(|_| One {
+                stand_in: None,
+                refused: Some(
+                    "the approval could not be checked before the batch's deadline".into(),
+                ),
+            });
             if matches!(
                 &one.stand_in,
                 Some(StandIn::Fixed {
@@ -365,8 +378,14 @@ pub async fn settle(
     key: &SessionKey,
     asked_by: &str,
     decision: &mut BatchDecision,
+    deadline: tokio::time::Instant,
 ) {
     let now = crate::session::now_ms();
+    // The store's work after judging is bounded by the batch's deadline
+    // (at least a moment after judging ends): what cannot be done by then
+    // fails closed (a use cancels its call, an ask cancels its call).
+    let deadline = deadline.max(tokio::time::Instant::now() + Duration::from_millis(50));
+    let late = || "not done before the batch's deadline".to_owned();
     let mut cancelled = false;
     for d in &mut decision.decisions {
         if d.action == Action::Proceed as i32 && !d.approved_by_request.is_empty() {
@@ -375,7 +394,9 @@ pub async fn settle(
             // fail closed).
             let mut used = Ok(());
             for id in d.approved_by_request.split(',') {
-                used = use_approval(sessions, id, now).await;
+                used = tokio::time::timeout_at(deadline, use_approval(sessions, id, now))
+                    .await
+                    .unwrap_or_else(|_| Err(late()));
                 if used.is_err() {
                     break;
                 }
@@ -428,13 +449,16 @@ pub async fn settle(
             .map(|s| s.session_name == session_name)
             .collect::<Vec<bool>>()
     };
-    let mut open = match sessions
-        .bounded(sessions.store().records(
+    let listed = tokio::time::timeout_at(
+        deadline,
+        sessions.bounded(sessions.store().records(
             &format!("{}{}", record::PREFIX, &prefix[..16]),
             per_identity.saturating_mul(4).max(64),
-        ))
-        .await
-    {
+        )),
+    )
+    .await
+    .unwrap_or_else(|_| Err(StoreError::Unavailable(late())));
+    let mut open = match listed {
         Ok(records) => {
             let waiting = waiting(records);
             Ok((waiting.iter().filter(|mine| **mine).count(), waiting.len()))
@@ -512,14 +536,17 @@ pub async fn settle(
             used_at_ms: 0,
             steer_on_expiry: approval.fallback == guardmesh_proto::v1::AskFallback::Steer as i32,
         };
-        let written = sessions
-            .bounded(sessions.store().put_record(
+        let written = tokio::time::timeout_at(
+            deadline,
+            sessions.bounded(sessions.store().put_record(
                 &record::name(&stored.id),
                 None,
                 stored.to_json(),
                 approvals.settings.ttl + RETENTION,
-            ))
-            .await;
+            )),
+        )
+        .await
+        .unwrap_or_else(|_| Err(StoreError::Unavailable(late())));
         match written {
             Ok(true) => {
                 approvals.count("asked");

@@ -388,6 +388,7 @@ impl Admitted {
                 &named,
                 &ids,
                 chain.revision,
+                deadline,
             )
             .await
         };
@@ -414,8 +415,15 @@ impl Admitted {
             && crate::approval::settles(decision)
         {
             let key = crate::session::SessionKey::new(asked_by.as_ref(), session_id.as_str());
-            crate::approval::settle(mesh.sessions(), &mesh.approvals, &key, &asked_by, decision)
-                .await;
+            crate::approval::settle(
+                mesh.sessions(),
+                &mesh.approvals,
+                &key,
+                &asked_by,
+                decision,
+                deadline,
+            )
+            .await;
         }
         drop(bytes);
         drop(ticket);
