@@ -1256,3 +1256,81 @@ async fn r35_r14_a_hung_store_cannot_hold_a_batch_that_names_many_approvals() {
     }
     assert!(d.execute.is_empty());
 }
+
+/// R35 on two `guardmesh serve` replicas sharing sessions through a real
+/// Redis (each with its own registry, the same chain registered on both):
+/// asked on one, approved and listed on the other, used on both at once
+/// 10 times: exactly one use each time.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn r35_two_replicas_on_redis_let_one_approval_run_once() {
+    use crate::sessions_store::{Redis, mesh_config, secret_file};
+    let Some(redis) = Redis::start("r35_two_replicas_on_redis_let_one_approval_run_once").await
+    else {
+        return;
+    };
+    let dir = fresh_dir("approvals-redis");
+    let secret = secret_file(&dir, "session.secret");
+    let registry = "[registry]\nprefix = \"/t/approvals-redis\"";
+    let sessions = format!(
+        "store = \"redis\"\nredis_url = {:?}\nsecret_file = {:?}\nstore_timeout_ms = 2000",
+        redis.url(),
+        secret.display().to_string()
+    );
+    let config = mesh_config(&dir, registry, &sessions);
+    let a = MeshProcess::start("approvals-redis-a", &config, None).await;
+    let b = MeshProcess::start("approvals-redis-b", &config, None).await;
+    let guard = refund_guard().await;
+    for mesh in [&a, &b] {
+        guardmesh_client::Registrar::connect(mesh.url.clone())
+            .await
+            .unwrap()
+            .register(Registration::validate("refunds", &guard.url))
+            .await
+            .unwrap();
+    }
+    let (ca, cb) = (
+        guardmesh_client::Coordinator::connect(a.url.clone())
+            .await
+            .unwrap(),
+        guardmesh_client::Coordinator::connect(b.url.clone())
+            .await
+            .unwrap(),
+    );
+    let approver_b = Approver::connect(b.url.clone()).await.unwrap();
+    for round in 0..10u32 {
+        let name = format!("race-{round}");
+        let d = ca
+            .evaluate_once(&name, Batch::turn(0).call("c", "refund", REFUND))
+            .await
+            .unwrap();
+        let id = asked(&d);
+        let pending = approver_b
+            .list(ApprovalState::Pending, &name, 0)
+            .await
+            .unwrap();
+        assert_eq!(pending.len(), 1, "{pending:?}");
+        approver_b.approve(&id, "race").await.unwrap();
+        let use_on = |c: &guardmesh_client::Coordinator| {
+            let (c, name, id) = (c.clone(), name.clone(), id.clone());
+            async move {
+                c.evaluate_once(
+                    &name,
+                    Batch::turn(1)
+                        .call("c", "refund", REFUND)
+                        .approval("c", &id),
+                )
+                .await
+                .unwrap()
+            }
+        };
+        let (da, db) = tokio::join!(use_on(&ca), use_on(&cb));
+        let ran = [&da, &db].iter().filter(|d| d.calls[0].proceeds()).count();
+        assert_eq!(
+            ran, 1,
+            "round {round}: {:?} / {:?}",
+            da.calls[0], db.calls[0]
+        );
+    }
+    drop((a, b, redis));
+    let _ = std::fs::remove_dir_all(&dir);
+}
