@@ -68,6 +68,7 @@ impl Setup {
         let mut config = fast_config();
         config.security = built.security;
         config.approvals.ttl = ttl;
+        config.approvals.max_open_per_session = 64;
         let mesh = TestMesh::with_config(config).await;
         let url = mesh.url.replace("http://127.0.0.1", "https://localhost");
         let guard = call_guard(Duration::ZERO, |call| {
@@ -856,4 +857,71 @@ async fn r35_over_http_an_answer_from_another_session_approves_nothing() {
     assert!(scratch.executed().is_empty(), "{:?}", scratch.executed());
     assert!(setup.requests(ApprovalState::Used).await.is_empty());
     setup.mesh.shutdown().await;
+}
+
+/// R35 bound over HTTP: a client that drops the stream of each call it is
+/// asked about, more times than a session may have asks waiting: each ask
+/// ends with its stream, none runs, and the session's next call is still
+/// put to its user.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn r35_over_http_asks_whose_streams_are_dropped_end_with_them() {
+    mcp_python();
+    let setup = Setup::start(Duration::from_secs(600)).await;
+    let scratch = Scratch::new("approvals-http-drop");
+    let args = setup.gateway_args(true, &[]);
+    let args: Vec<&std::ffi::OsStr> = args.iter().map(std::ffi::OsStr::new).collect();
+    let (url, _upstream, _gateway) =
+        http_gateway_with(&setup.url, &scratch, "127.0.0.1", &args).await;
+    let session = open_session(&url, json!({"elicitation": {}})).await;
+    let call = |id: i64| {
+        json!({"jsonrpc": "2.0", "id": id, "method": "tools/call",
+               "params": {"name": "pay", "arguments": {"amount": 200 + id, "to": "bob"}}})
+    };
+    for id in 0..20 {
+        let (status, head, mut stream) =
+            post_streaming(&url, &[("Mcp-Session-Id", &session)], &call(id)).await;
+        assert_eq!(status, 200, "{head}");
+        assert!(head.contains("text/event-stream"), "ask {id}: {head}");
+        let event = next_event(&mut stream).await;
+        assert_eq!(event["method"], "elicitation/create", "ask {id}: {event}");
+        drop(stream);
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert!(scratch.executed().is_empty());
+    setup.mesh.shutdown().await;
+}
+
+/// R35: approver credentials the gateway cannot read stop it at start,
+/// naming the flag, for both transports (never a gateway that would fail
+/// at the first accept).
+#[test]
+fn r35_an_unreadable_approver_token_file_stops_the_gateway_at_start() {
+    for transport in [
+        &["stdio"][..],
+        &[
+            "http",
+            "--listen",
+            "127.0.0.1:0",
+            "--upstream",
+            "http://127.0.0.1:9/mcp",
+        ][..],
+    ] {
+        let mut command = Command::new(env!("CARGO_BIN_EXE_guardmesh"));
+        command.arg("mcp").args(transport).args([
+            "--mesh",
+            "http://127.0.0.1:9",
+            "--approver-token-file",
+            "/nonexistent/approver.token",
+        ]);
+        if transport[0] == "stdio" {
+            command.args(["--", "true"]);
+        }
+        let output = command.stdin(Stdio::null()).output().unwrap();
+        let stderr = String::from_utf8_lossy(&output.stderr);
+        assert!(!output.status.success(), "{transport:?}: {stderr}");
+        assert!(
+            stderr.contains("--approver-token-file"),
+            "{transport:?}: {stderr}"
+        );
+    }
 }

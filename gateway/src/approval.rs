@@ -350,8 +350,10 @@ impl Approvals {
             let Some((id, answer)) = self.open() else {
                 return Disposition::Answer(asked.answer);
             };
+            // Not waited for once this round ends, however it ends (its
+            // future dropped too: the client's stream is gone).
+            let _forget = Forget(self, &id);
             if !send(elicitation(&id, &asked)).await {
-                self.forget(&id);
                 return not_approved(&asked, "the MCP client is gone");
             }
             let answer = match tokio::time::timeout(bound, answer).await {
@@ -428,6 +430,15 @@ impl Approvals {
             .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX));
         let left = expires.checked_sub(now).filter(|left| *left > 0)?;
         Some(self.timeout.min(Duration::from_millis(left)))
+    }
+}
+
+/// Forgets an elicitation when dropped.
+struct Forget<'a>(&'a Approvals, &'a str);
+
+impl Drop for Forget<'_> {
+    fn drop(&mut self) {
+        self.0.forget(self.1);
     }
 }
 

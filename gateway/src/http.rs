@@ -851,7 +851,16 @@ impl Proxy {
                 let tx = tx.clone();
                 async move { tx.send(message).await.is_ok() }
             };
-            let decided = approvals.settle(&this.judge, &session, asked, send).await;
+            let answered = approvals.settle(&this.judge, &session, asked, send);
+            let decided = tokio::select! {
+                decided = answered => decided,
+                // The client closed the stream: nobody will read the
+                // answer; the ask ends (nothing runs).
+                () = tx.closed() => {
+                    this.flight.release(&session, &key);
+                    return;
+                }
+            };
             let answer = match decided {
                 Disposition::Forward(text) => {
                     let pending = this.judge.take_pending(&session, &key);
