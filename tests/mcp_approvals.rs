@@ -650,6 +650,39 @@ async fn r35_a_client_that_leaves_while_asked_runs_nothing_and_the_gateway_exits
     setup.mesh.shutdown().await;
 }
 
+/// R35: the client cancels a call while its user is asked about it: the
+/// elicitation is cancelled at the client at once, the call is not run,
+/// and a later accept of it is dropped.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn r35_a_call_cancelled_while_asked_ends_its_elicitation() {
+    mcp_python();
+    let setup = Setup::start(Duration::from_secs(600)).await;
+    let scratch = Scratch::new("approvals-cancelled");
+    let mut raw = Raw::start(&setup, &scratch, &[]);
+    raw.call(1, 500);
+    let (id, _) = raw.elicitation();
+    raw.send(
+        &json!({"jsonrpc": "2.0", "method": "notifications/cancelled",
+                     "params": {"requestId": 1, "reason": "the user gave up"}}),
+    );
+    let cancelled = raw.recv();
+    assert_eq!(
+        cancelled["method"], "notifications/cancelled",
+        "{cancelled}"
+    );
+    assert_eq!(cancelled["params"]["requestId"], id.as_str());
+    let text = result_text(&raw.recv(), 1);
+    assert!(
+        text.contains("cancelled") && text.contains("not run"),
+        "{text}"
+    );
+    raw.answer(&id, json!({"action": "accept"}));
+    raw.still_serves("p1");
+    assert!(scratch.executed().is_empty(), "{:?}", scratch.executed());
+    assert!(setup.requests(ApprovalState::Approved).await.is_empty());
+    setup.mesh.shutdown().await;
+}
+
 /// R35 attack: an accept that arrives after the approval request expired
 /// does not run the call.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

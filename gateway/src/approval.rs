@@ -207,8 +207,14 @@ pub fn declares_form_elicitation(message: &Json) -> bool {
 #[derive(Default)]
 struct Waiting {
     closed: bool,
-    by_id: HashMap<String, oneshot::Sender<Json>>,
+    /// The waiter of each elicitation, and the id key of the call it asks
+    /// about.
+    by_id: HashMap<String, (oneshot::Sender<Json>, String)>,
 }
+
+/// What a waiter is sent when the client cancels the call it asks about
+/// (never a JSON-RPC message: those are objects).
+const CALL_CANCELLED: &str = "the call was cancelled by the client";
 
 /// One client session's approvals through elicitation.
 pub struct Approvals {
@@ -287,7 +293,7 @@ impl Approvals {
         }
         let waiter = self.waiting().by_id.remove(id);
         match waiter {
-            Some(waiter) => {
+            Some((waiter, _)) => {
                 let _ = waiter.send(message);
             }
             None => tracing::warn!(
@@ -306,15 +312,53 @@ impl Approvals {
         waiting.by_id.clear();
     }
 
-    fn open(&self) -> Option<(String, oneshot::Receiver<Json>)> {
+    fn open(&self, call: &str) -> Option<(String, oneshot::Receiver<Json>)> {
         let mut waiting = self.waiting();
         if waiting.closed || waiting.by_id.len() >= MAX_WAITING {
             return None;
         }
         let id = format!("{ID_PREFIX}{:032x}", rand::random::<u128>());
         let (tx, rx) = oneshot::channel();
-        waiting.by_id.insert(id.clone(), tx);
+        waiting.by_id.insert(id.clone(), (tx, call.to_owned()));
         Some((id, rx))
+    }
+
+    /// The client's `notifications/cancelled` (the gateway's serialization
+    /// of a client message): the ask about the call it cancels, if any,
+    /// ends (its elicitation cancelled at the client, nothing run). True
+    /// when it ended one.
+    pub fn cancel_call(&self, text: &str) -> bool {
+        if !text.contains("notifications/cancelled") {
+            return false;
+        }
+        let Ok(read) = json::read(text) else {
+            return false;
+        };
+        let message = read.value;
+        if message.get("method").and_then(Json::as_str) != Some("notifications/cancelled") {
+            return false;
+        }
+        let Some(request) = message
+            .get("params")
+            .and_then(|p| p.get("requestId"))
+            .and_then(|id| serde_json::value::RawValue::from_string(id.to_text()).ok())
+        else {
+            return false;
+        };
+        let key = crate::jsonrpc::id_key(&request);
+        let mut waiting = self.waiting();
+        let Some(id) = waiting
+            .by_id
+            .iter()
+            .find(|(_, (_, call))| *call == key)
+            .map(|(id, _)| id.clone())
+        else {
+            return false;
+        };
+        if let Some((waiter, _)) = waiting.by_id.remove(&id) {
+            let _ = waiter.send(Json::String(CALL_CANCELLED.to_owned()));
+        }
+        true
     }
 
     fn forget(&self, id: &str) {
@@ -347,7 +391,8 @@ impl Approvals {
             let Some(bound) = self.bound(&asked) else {
                 return not_approved(&asked, "the approval request has expired");
             };
-            let Some((id, answer)) = self.open() else {
+            let call = crate::jsonrpc::id_key(&asked.call.id);
+            let Some((id, answer)) = self.open(&call) else {
                 return Disposition::Answer(asked.answer);
             };
             // Not waited for once this round ends, however it ends (its
@@ -357,13 +402,21 @@ impl Approvals {
                 return not_approved(&asked, "the MCP client is gone");
             }
             let answer = match tokio::time::timeout(bound, answer).await {
+                Ok(Ok(Json::String(cancelled))) if cancelled == CALL_CANCELLED => {
+                    let _ = send(self::cancelled(&id, "the tool call was cancelled")).await;
+                    return not_approved(&asked, CALL_CANCELLED);
+                }
                 Ok(Ok(message)) => read_answer(&message),
                 Ok(Err(_)) => {
                     return not_approved(&asked, "the MCP client is gone");
                 }
                 Err(_) => {
                     self.forget(&id);
-                    let _ = send(cancelled(&id)).await;
+                    let _ = send(cancelled(
+                        &id,
+                        "the approval request was not answered in time",
+                    ))
+                    .await;
                     return not_approved(
                         &asked,
                         &format!("nobody answered within {} ms", bound.as_millis()),
@@ -509,8 +562,9 @@ fn elicitation(id: &str, asked: &Asked) -> String {
     .to_text()
 }
 
-/// The notification cancelling elicitation `id` at the client.
-fn cancelled(id: &str) -> String {
+/// The notification cancelling elicitation `id` at the client, saying
+/// `why`.
+fn cancelled(id: &str, why: &str) -> String {
     let string = |s: &str| Json::String(s.to_owned());
     Json::Object(vec![
         ("jsonrpc".into(), string("2.0")),
@@ -519,10 +573,7 @@ fn cancelled(id: &str) -> String {
             "params".into(),
             Json::Object(vec![
                 ("requestId".into(), string(id)),
-                (
-                    "reason".into(),
-                    string("guardmesh: the approval request was not answered in time"),
-                ),
+                ("reason".into(), Json::String(format!("guardmesh: {why}"))),
             ]),
         ),
     ])
@@ -644,8 +695,8 @@ mod tests {
     #[tokio::test]
     async fn r35_an_answer_reaches_only_its_own_waiter_once() {
         let approvals = Approvals::new(None, Duration::from_secs(1));
-        let (a, mut rx_a) = approvals.open().unwrap();
-        let (b, mut rx_b) = approvals.open().unwrap();
+        let (a, mut rx_a) = approvals.open("1").unwrap();
+        let (b, mut rx_b) = approvals.open("2").unwrap();
         assert_ne!(a, b);
         let answer =
             |id: &str| format!(r#"{{"jsonrpc":"2.0","id":"{id}","result":{{"action":"accept"}}}}"#);
@@ -666,17 +717,41 @@ mod tests {
         )));
         approvals.close();
         assert!(rx_b.await.is_err(), "closed: b ends unanswered");
-        assert!(approvals.open().is_none(), "closed: no more asks");
+        assert!(approvals.open("3").is_none(), "closed: no more asks");
+    }
+
+    #[tokio::test]
+    async fn r35_a_cancelled_call_ends_only_its_own_ask() {
+        let approvals = Approvals::new(None, Duration::from_secs(1));
+        let (_, mut rx_a) = approvals.open("1").unwrap();
+        let (_, mut rx_b) = approvals.open("s:1").unwrap();
+        let cancel = |id: &str| {
+            format!(
+                r#"{{"jsonrpc":"2.0","method":"notifications/cancelled","params":{{"requestId":{id}}}}}"#
+            )
+        };
+        assert!(!approvals.cancel_call(&cancel("7")), "no ask about call 7");
+        assert!(approvals.cancel_call(&cancel("\"1\"")));
+        assert!(
+            rx_a.try_recv().is_err(),
+            "call 1 (a number) is not call \"1\""
+        );
+        assert_eq!(
+            rx_b.try_recv().unwrap(),
+            Json::String(CALL_CANCELLED.to_owned())
+        );
+        assert!(approvals.cancel_call(&cancel("1")));
+        assert!(rx_a.try_recv().is_ok());
     }
 
     #[test]
     fn r35_waiting_elicitations_are_bounded() {
         let approvals = Approvals::new(None, Duration::from_secs(1));
         let held: Vec<_> = (0..MAX_WAITING)
-            .map(|_| approvals.open().unwrap())
+            .map(|_| approvals.open("1").unwrap())
             .collect();
-        assert!(approvals.open().is_none());
+        assert!(approvals.open("3").is_none());
         approvals.forget(&held[0].0);
-        assert!(approvals.open().is_some());
+        assert!(approvals.open("1").is_some());
     }
 }

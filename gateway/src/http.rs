@@ -649,6 +649,13 @@ impl Proxy {
                     *response.status_mut() = StatusCode::ACCEPTED;
                     return response;
                 }
+                // A call cancelled while its user is asked: the ask ends.
+                if request.is_none()
+                    && text.contains("notifications/cancelled")
+                    && let Some(approvals) = self.elicits().get(&session).cloned()
+                {
+                    approvals.cancel_call(&text);
+                }
                 // R35: what the client declares at initialize.
                 let initialize = (self.approver.is_some()
                     && request.is_some()

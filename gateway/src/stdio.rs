@@ -579,6 +579,10 @@ where
                 if request.is_none() && approvals.take_answer(&text) {
                     continue;
                 }
+                // A call cancelled while its user is asked: the ask ends.
+                if request.is_none() {
+                    approvals.cancel_call(&text);
+                }
                 let text = match &request {
                     Some(key) => {
                         if let Err(error) = flight.reserve(&session, key) {
@@ -815,6 +819,7 @@ async fn relay_batch(
                 if approvals.take_answer(&text) {
                     continue;
                 }
+                approvals.cancel_call(&text);
                 if let Some(text) = flight.outgoing_notification(session, text) {
                     forwards.push((text, None));
                 }
