@@ -22,11 +22,17 @@
 //!   the request's expiry), an error answer, or an answer the gateway cannot
 //!   read: the call is answered as not approved, with the request's id and
 //!   how to approve it out of band; nothing runs. A timed-out elicitation is
-//!   cancelled at the client (`notifications/cancelled`).
+//!   cancelled at the client (`notifications/cancelled`), and so is one
+//!   whose call the client cancels.
+//!
+//! An approval given out of band is used when the same call comes again in
+//! the session: the gateway names the requests it was asked under
+//! ([`crate::judge::Judge`] remembers them), so the approval-needed answer's
+//! "then the same call may be made again" holds.
 //!
 //! What binds an answer to its call: each elicitation has an id of the
 //! gateway's own, `guardmesh-approval-` and 128 random bits, sent to this
-//! client only and waited for once ([`Waiting`]); the approval request the
+//! client only and waited for once; the approval request the
 //! gateway approves is the one it holds for that elicitation, never anything
 //! the client's answer says (its `content` is ignored). A client message
 //! answering an id of that form is never forwarded upstream: an answer to

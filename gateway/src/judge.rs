@@ -6,6 +6,7 @@
 //! | proceed | forward, with the final tool name and arguments (rewrites applied, R10-R12), in the gateway's serialization of the message it judged |
 //! | steer | answer `CallToolResult { isError: true }` with the content |
 //! | cancel | answer `CallToolResult { isError: false }` with the content |
+//! | ask (R35) | [`Disposition::Ask`]: put to the client's user through elicitation ([`crate::approval`]), else answered `CallToolResult { isError: false }` saying an approval is needed, naming the request; the same call made again in the session names that request |
 //! | batch refused (R20) or aborted (R13, R17) | JSON-RPC error [`codes::MESH_REFUSED`] |
 //! | mesh unreachable | JSON-RPC error [`codes::MESH_UNREACHABLE`] |
 //!
