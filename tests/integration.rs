@@ -4,7 +4,10 @@
 //! `harness/`; the tests by area:
 //!
 //! * `rules`, `rewrites`: the decision rules and checked rewrites (R1..R22).
-//! * `approvals`: a guard's ask, its approval and one use (R35).
+//! * `approvals`: a guard's ask, its approval and one use (R35), on one
+//!   mesh and on replicas sharing etcd or Redis; `approvals_cli`:
+//!   `guardmesh approvals`; `mcp_approvals`: asks put to the MCP client's
+//!   user through elicitation by the gateway.
 //! * `faults`: unreachable, closing, hanging, spurious, oversized and
 //!   restarted guards (R12..R16, R23, R26).
 //! * `overload`, `soak`: bounds under load, and a bounded soak under faults;
