@@ -715,15 +715,8 @@ impl guardmesh_server::session::SessionStore for Flaky {
     }
 }
 
-/// R35, R13: a store that cannot be reached never lets a call through on
-/// an approval and makes no request it cannot keep: asking cancels (a
-/// failure), approving is UNAVAILABLE, using is refused and the approval
-/// stays unused; a store that reads but cannot write (paused between the
-/// read and the write of the use) cancels the call, and the approval is
-/// still there once the store is back.
-#[tokio::test]
-async fn r35_r13_a_store_down_or_paused_fails_closed_for_asks_approvals_and_uses() {
-    use std::sync::atomic::Ordering::SeqCst;
+/// A mesh whose session store is a [`Flaky`] one, with the refund guard.
+async fn flaky_mesh() -> (TestMesh, std::sync::Arc<Flaky>, TestGuard) {
     let mesh = TestMesh::start().await;
     let store = std::sync::Arc::new(Flaky {
         inner: guardmesh_server::session::LocalStore::new(Default::default()),
@@ -743,6 +736,19 @@ async fn r35_r13_a_store_down_or_paused_fails_closed_for_asks_approvals_and_uses
     let guard = refund_guard().await;
     mesh.register(Registration::validate("refunds", &guard.url))
         .await;
+    (mesh, store, guard)
+}
+
+/// R35, R13: a store that cannot be reached never lets a call through on
+/// an approval and makes no request it cannot keep: asking cancels (a
+/// failure), approving is UNAVAILABLE, using is refused and the approval
+/// stays unused; a store that reads but cannot write (paused between the
+/// read and the write of the use) cancels the call, and the approval is
+/// still there once the store is back.
+#[tokio::test]
+async fn r35_r13_a_store_down_or_paused_fails_closed_for_asks_approvals_and_uses() {
+    use std::sync::atomic::Ordering::SeqCst;
+    let (mesh, store, _guard) = flaky_mesh().await;
     let session = mesh.coordinator().await.session("s").await.unwrap();
     let approver = Approver::connect(&mesh.url).await.unwrap();
 
@@ -1152,18 +1158,7 @@ async fn r35_the_readme_approvals_example_runs_as_written() {
         free_port(),
     )
     .await;
-    let binary = tokio::task::spawn_blocking(|| crate::sdk::example("approvals"))
-        .await
-        .unwrap();
-    let url = mesh.url.clone();
-    let out = tokio::task::spawn_blocking(move || {
-        std::process::Command::new(binary)
-            .arg(url)
-            .output()
-            .unwrap()
-    })
-    .await
-    .unwrap();
+    let out = crate::sdk::run_example("approvals", &mesh.url).await;
     assert!(
         out.status.success(),
         "{}",
@@ -1212,25 +1207,7 @@ async fn r35_r25_asks_are_bounded_per_identity_over_its_sessions() {
 #[tokio::test]
 async fn r35_r14_a_hung_store_cannot_hold_a_batch_that_names_many_approvals() {
     use std::sync::atomic::Ordering::SeqCst;
-    let mesh = TestMesh::start().await;
-    let store = std::sync::Arc::new(Flaky {
-        inner: guardmesh_server::session::LocalStore::new(Default::default()),
-        down: Default::default(),
-        writes_fail: Default::default(),
-        hung: Default::default(),
-    });
-    mesh.mesh
-        .attach_sessions(std::sync::Arc::new(
-            guardmesh_server::session::SessionMemory::new(
-                store.clone(),
-                guardmesh_server::session::Digester::random(),
-                Default::default(),
-            ),
-        ))
-        .expect("attached before the first batch");
-    let guard = refund_guard().await;
-    mesh.register(Registration::validate("refunds", &guard.url))
-        .await;
+    let (mesh, store, _guard) = flaky_mesh().await;
     let session = mesh.coordinator().await.session("s").await.unwrap();
     let id = asked(&decide(&session, Batch::turn(0).call("c", "refund", REFUND)).await);
     store.hung.store(true, SeqCst);

@@ -15,7 +15,7 @@ const NO_RM: &str = policy_rule!(name: "no-rm", tools: ["shell.*"], action: "can
 
 /// Builds `client/examples/NAME` with the cargo that runs the suite: the
 /// executable's path.
-pub(crate) fn example(name: &str) -> PathBuf {
+fn example(name: &str) -> PathBuf {
     let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".to_owned());
     let out = std::process::Command::new(cargo)
         .args(["build", "-q", "-p", "guardmesh-client", "--example", name])
@@ -29,6 +29,23 @@ pub(crate) fn example(name: &str) -> PathBuf {
     target.join("debug/examples").join(name)
 }
 
+/// Builds `client/examples/NAME` and runs it with the mesh's `url` as its
+/// argument: what it printed and how it exited.
+pub(crate) async fn run_example(name: &'static str, url: &str) -> std::process::Output {
+    let binary = tokio::task::spawn_blocking(move || example(name))
+        .await
+        .unwrap();
+    let url = url.to_owned();
+    tokio::task::spawn_blocking(move || {
+        std::process::Command::new(binary)
+            .arg(url)
+            .output()
+            .unwrap()
+    })
+    .await
+    .unwrap()
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_coordinator_example_runs_against_a_real_mesh() {
     let dir = folder("sdk-example");
@@ -39,18 +56,7 @@ async fn the_coordinator_example_runs_against_a_real_mesh() {
         path(&policy)
     );
     let mesh = MeshProcess::start("sdk-example", &config, None).await;
-    let binary = tokio::task::spawn_blocking(|| example("coordinator"))
-        .await
-        .unwrap();
-    let url = mesh.url.clone();
-    let out = tokio::task::spawn_blocking(move || {
-        std::process::Command::new(binary)
-            .arg(url)
-            .output()
-            .unwrap()
-    })
-    .await
-    .unwrap();
+    let out = run_example("coordinator", &mesh.url).await;
     assert_succeeded(&out);
     assert_eq!(
         text(&out.stdout),
