@@ -162,7 +162,8 @@ pub fn generate(dir: &Path) -> Result<Vec<PathBuf>, CertsError> {
 /// [`generate`]; with a Kubernetes `namespace`, the mesh's certificate also
 /// names the Service `guardmesh` there, and `secrets.yaml` holds the
 /// Secrets of the production overlay: `guardmesh-tls` for the mesh and
-/// `guardmesh-coordinator`, `-registrar` and `-admin` for its clients, each
+/// `guardmesh-coordinator`, `-registrar`, `-admin` and `-approver` for its
+/// clients, each
 /// `kubernetes.io/tls` with `ca.crt`.
 pub fn generate_for(dir: &Path, namespace: Option<&str>) -> Result<Vec<PathBuf>, CertsError> {
     std::fs::create_dir_all(dir).map_err(|source| CertsError::Write {
@@ -174,7 +175,14 @@ pub fn generate_for(dir: &Path, namespace: Option<&str>) -> Result<Vec<PathBuf>,
     write(&ca_file, &ca.cert_pem())?;
     let mut files = vec![ca_file];
     let mut secrets = String::new();
-    for name in ["mesh", "coordinator", "registrar", "admin", "guard"] {
+    for name in [
+        "mesh",
+        "coordinator",
+        "registrar",
+        "admin",
+        "approver",
+        "guard",
+    ] {
         let mut subject = Subject::loopback(name);
         if let (Some(namespace), "mesh") = (namespace, name) {
             for dns in [
