@@ -259,7 +259,7 @@ impl Config {
                     .into(),
             ),
             None => out.push(
-                "no [auth]: any caller may evaluate, register and deregister guards".into(),
+                "no [auth]: any caller may evaluate, register and deregister guards, and answer approvals".into(),
             ),
             Some(auth) if client_ca && auth.tokens_without_client_cert => out.push(
                 "[auth] tokens_without_client_cert: callers without a client certificate are \
