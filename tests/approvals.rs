@@ -597,20 +597,7 @@ async fn r35_two_replicas_on_etcd_let_one_approval_run_once() {
             .unwrap();
         let id = asked(&d);
         approver_b.approve(&id, "race").await.unwrap();
-        let use_on = |c: &guardmesh_client::Coordinator| {
-            let (c, name, id) = (c.clone(), name.clone(), id.clone());
-            async move {
-                c.evaluate_once(
-                    &name,
-                    Batch::turn(1)
-                        .call("c", "refund", REFUND)
-                        .approval("c", &id),
-                )
-                .await
-                .unwrap()
-            }
-        };
-        let (da, db) = tokio::join!(use_on(&ca), use_on(&cb));
+        let (da, db) = use_on_both(&ca, &cb, &name, &id).await;
         let ran = [&da, &db].iter().filter(|d| d.calls[0].proceeds()).count();
         assert_eq!(
             ran, 1,
@@ -1287,20 +1274,7 @@ async fn r35_two_replicas_on_redis_let_one_approval_run_once() {
             .unwrap();
         assert_eq!(pending.len(), 1, "{pending:?}");
         approver_b.approve(&id, "race").await.unwrap();
-        let use_on = |c: &guardmesh_client::Coordinator| {
-            let (c, name, id) = (c.clone(), name.clone(), id.clone());
-            async move {
-                c.evaluate_once(
-                    &name,
-                    Batch::turn(1)
-                        .call("c", "refund", REFUND)
-                        .approval("c", &id),
-                )
-                .await
-                .unwrap()
-            }
-        };
-        let (da, db) = tokio::join!(use_on(&ca), use_on(&cb));
+        let (da, db) = use_on_both(&ca, &cb, &name, &id).await;
         let ran = [&da, &db].iter().filter(|d| d.calls[0].proceeds()).count();
         assert_eq!(
             ran, 1,
@@ -1310,4 +1284,26 @@ async fn r35_two_replicas_on_redis_let_one_approval_run_once() {
     }
     drop((a, b, redis));
     let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// The same call of session `name`, naming approval `id`, sent to both
+/// replicas at once: their two decisions.
+async fn use_on_both(
+    ca: &guardmesh_client::Coordinator,
+    cb: &guardmesh_client::Coordinator,
+    name: &str,
+    id: &str,
+) -> (BatchDecision, BatchDecision) {
+    let use_on = |c: &guardmesh_client::Coordinator| {
+        let c = c.clone();
+        async move {
+            c.evaluate_once(
+                name,
+                Batch::turn(1).call("c", "refund", REFUND).approval("c", id),
+            )
+            .await
+            .unwrap()
+        }
+    };
+    tokio::join!(use_on(ca), use_on(cb))
 }
