@@ -650,14 +650,12 @@ impl guardmesh_server::session::SessionStore for Flaky {
     async fn update(
         &self,
         key: &guardmesh_server::session::SessionKey,
-        update: &guardmesh_server::session::Update,
-        limits: &guardmesh_server::session::SessionLimits,
-        now: u64,
+        write: guardmesh_server::session::Write<'_>,
     ) -> Result<guardmesh_server::session::Applied, guardmesh_server::session::StoreError> {
         if self.down() {
             return Err(Self::err());
         }
-        self.inner.update(key, update, limits, now).await
+        self.inner.update(key, write).await
     }
     async fn record(
         &self,
@@ -676,15 +674,12 @@ impl guardmesh_server::session::SessionStore for Flaky {
     }
     async fn put_record(
         &self,
-        name: &str,
-        version: Option<&str>,
-        value: Vec<u8>,
-        ttl: Duration,
+        put: guardmesh_server::session::Put<'_>,
     ) -> Result<bool, guardmesh_server::session::StoreError> {
         if self.down() || self.writes_fail.load(std::sync::atomic::Ordering::SeqCst) {
             return Err(Self::err());
         }
-        self.inner.put_record(name, version, value, ttl).await
+        self.inner.put_record(put).await
     }
     async fn records(
         &self,

@@ -14,7 +14,7 @@ use guardmesh_client::proto::FailurePolicy;
 use guardmesh_client::{Batch, Coordinator, Outcome, Registration};
 use guardmesh_server::session::{
     Applied, Digester, Memory, SessionKey, SessionLimits, SessionMemory, SessionStore, StoreError,
-    Update,
+    Update, Write,
 };
 use std::sync::Arc;
 
@@ -204,13 +204,7 @@ impl SessionStore for Down {
     async fn load(&self, _: &SessionKey) -> Result<Option<Memory>, StoreError> {
         Err(StoreError::Unavailable("connection refused".into()))
     }
-    async fn update(
-        &self,
-        _: &SessionKey,
-        _: &Update,
-        _: &SessionLimits,
-        _: u64,
-    ) -> Result<Applied, StoreError> {
+    async fn update(&self, _: &SessionKey, _: Write<'_>) -> Result<Applied, StoreError> {
         Err(StoreError::Unavailable("connection refused".into()))
     }
     fn kind(&self) -> &'static str {
@@ -271,17 +265,11 @@ impl SessionStore for WritesFail {
     async fn load(&self, key: &SessionKey) -> Result<Option<Memory>, StoreError> {
         self.inner.load(key).await
     }
-    async fn update(
-        &self,
-        key: &SessionKey,
-        update: &Update,
-        limits: &SessionLimits,
-        now: u64,
-    ) -> Result<Applied, StoreError> {
+    async fn update(&self, key: &SessionKey, write: Write<'_>) -> Result<Applied, StoreError> {
         if self.failing.load(std::sync::atomic::Ordering::SeqCst) {
             return Err(StoreError::TimedOut(std::time::Duration::from_millis(300)));
         }
-        self.inner.update(key, update, limits, now).await
+        self.inner.update(key, write).await
     }
     fn kind(&self) -> &'static str {
         "writes-fail"
@@ -656,15 +644,9 @@ impl SessionStore for ChangedMeanwhile {
         self.reads.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
         self.inner.load(key).await
     }
-    async fn update(
-        &self,
-        key: &SessionKey,
-        update: &Update,
-        limits: &SessionLimits,
-        now: u64,
-    ) -> Result<Applied, StoreError> {
+    async fn update(&self, key: &SessionKey, write: Write<'_>) -> Result<Applied, StoreError> {
         use std::sync::atomic::Ordering::SeqCst;
-        if update.read_at.is_some()
+        if write.update.read_at.is_some()
             && self
                 .changes
                 .fetch_update(SeqCst, SeqCst, |n| n.checked_sub(1))
@@ -672,7 +654,7 @@ impl SessionStore for ChangedMeanwhile {
         {
             return Err(StoreError::Changed);
         }
-        self.inner.update(key, update, limits, now).await
+        self.inner.update(key, write).await
     }
     fn kind(&self) -> &'static str {
         "changed-meanwhile"

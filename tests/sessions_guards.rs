@@ -10,7 +10,7 @@ use guardmesh_client::verdict::{self, labelled};
 use guardmesh_client::{Batch, Outcome, Registration};
 use guardmesh_server::session::{
     Applied, Digester, Memory, SessionKey, SessionLimits, SessionMemory, SessionStore, StoreError,
-    Update,
+    Write,
 };
 use prost::Message;
 use std::sync::Arc;
@@ -28,13 +28,7 @@ impl SessionStore for Down {
     async fn load(&self, _: &SessionKey) -> Result<Option<Memory>, StoreError> {
         Err(StoreError::Unavailable("connection refused".into()))
     }
-    async fn update(
-        &self,
-        _: &SessionKey,
-        _: &Update,
-        _: &SessionLimits,
-        _: u64,
-    ) -> Result<Applied, StoreError> {
+    async fn update(&self, _: &SessionKey, _: Write<'_>) -> Result<Applied, StoreError> {
         Err(StoreError::Unavailable("connection refused".into()))
     }
     fn kind(&self) -> &'static str {

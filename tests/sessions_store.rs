@@ -831,7 +831,7 @@ async fn no_update_is_lost(
     a: std::sync::Arc<dyn guardmesh_server::session::SessionStore>,
     b: std::sync::Arc<dyn guardmesh_server::session::SessionStore>,
 ) {
-    use guardmesh_server::session::{CallRan, SessionLimits, StoreError, Update, now_ms};
+    use guardmesh_server::session::{CallRan, SessionLimits, StoreError, Update, Write, now_ms};
     let key = SessionKey::new("", "contended");
     let limits = SessionLimits::default();
     let mut tasks = Vec::new();
@@ -852,7 +852,17 @@ async fn no_update_is_lost(
                         }],
                         ..Update::default()
                     };
-                    match store.update(&key, &update, &limits, now_ms()).await {
+                    match store
+                        .update(
+                            &key,
+                            Write {
+                                update: &update,
+                                limits: &limits,
+                                now: now_ms(),
+                            },
+                        )
+                        .await
+                    {
                         Ok(_) => ok += 1,
                         Err(StoreError::Contended(_)) => {}
                         Err(e) => panic!("{replica}: {e}"),
@@ -961,7 +971,9 @@ async fn r34_a_replica_with_another_secret_does_not_start() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn r34_an_active_session_outlives_its_first_etcd_lease() {
     use guardmesh_server::session::etcd::EtcdStore;
-    use guardmesh_server::session::{CallRan, SessionLimits, SessionStore as _, Update, now_ms};
+    use guardmesh_server::session::{
+        CallRan, SessionLimits, SessionStore as _, Update, Write, now_ms,
+    };
     let cluster = Cluster::start().await;
     let client = etcd_client::Client::connect(cluster.urls(), None)
         .await
@@ -985,12 +997,26 @@ async fn r34_an_active_session_outlives_its_first_etcd_lease() {
         ..Update::default()
     };
     store
-        .update(&key, &call("first"), &limits, now_ms())
+        .update(
+            &key,
+            Write {
+                update: &call("first"),
+                limits: &limits,
+                now: now_ms(),
+            },
+        )
         .await
         .unwrap();
     tokio::time::sleep(Duration::from_millis(2500)).await;
     store
-        .update(&key, &call("second"), &limits, now_ms())
+        .update(
+            &key,
+            Write {
+                update: &call("second"),
+                limits: &limits,
+                now: now_ms(),
+            },
+        )
         .await
         .unwrap();
     tokio::time::sleep(Duration::from_millis(2500)).await;

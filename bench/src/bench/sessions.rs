@@ -50,7 +50,7 @@ use guardmesh_server::session::etcd::EtcdStore;
 use guardmesh_server::session::redis::{RedisSettings, RedisStore};
 use guardmesh_server::session::{
     Applied, Digester, LocalStore, Memory, SessionKey, SessionLimits, SessionMemory, SessionStore,
-    StoreError, Update,
+    StoreError,
 };
 use hdrhistogram::Histogram;
 use std::io::{BufRead, Write};
@@ -285,12 +285,10 @@ impl SessionStore for Counted {
     async fn update(
         &self,
         key: &SessionKey,
-        update: &Update,
-        limits: &SessionLimits,
-        now: u64,
+        write: guardmesh_server::session::Write<'_>,
     ) -> Result<Applied, StoreError> {
         self.updates.fetch_add(1, Ordering::Relaxed);
-        let applied = self.inner.update(key, update, limits, now).await;
+        let applied = self.inner.update(key, write).await;
         match &applied {
             Ok(applied) => {
                 self.bytes.fetch_max(applied.bytes, Ordering::Relaxed);

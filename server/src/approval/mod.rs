@@ -25,7 +25,7 @@
 
 pub mod record;
 
-use crate::session::{SessionKey, SessionMemory, StoreError};
+use crate::session::{Put, SessionKey, SessionMemory, StoreError};
 use guardmesh_proto::v1::{
     Action, ApprovalRequest, ApprovalState, BatchDecision, CallDecision, SkipKind,
 };
@@ -491,26 +491,22 @@ pub async fn settle(
                 continue;
             }
         };
-        if session_count >= per_session {
+        let full = if session_count >= per_session {
+            Some(format!(
+                "this session already has {per_session} approval requests waiting \
+                 (approvals.max_open_per_session)"
+            ))
+        } else if identity_count >= per_identity {
+            Some(format!(
+                "this caller already has {per_identity} approval requests waiting \
+                 over its sessions (approvals.max_open_per_identity)"
+            ))
+        } else {
+            None
+        };
+        if let Some(why) = full {
             approvals.count("unrecorded");
-            unrecorded(
-                d,
-                format!(
-                    "this session already has {per_session} approval requests waiting \
-                     (approvals.max_open_per_session)"
-                ),
-            );
-            continue;
-        }
-        if identity_count >= per_identity {
-            approvals.count("unrecorded");
-            unrecorded(
-                d,
-                format!(
-                    "this caller already has {per_identity} approval requests waiting \
-                     over its sessions (approvals.max_open_per_identity)"
-                ),
-            );
+            unrecorded(d, why);
             continue;
         }
         let call = d.call.clone().unwrap_or_default();
@@ -538,12 +534,12 @@ pub async fn settle(
         };
         let written = tokio::time::timeout_at(
             deadline,
-            sessions.bounded(sessions.store().put_record(
-                &record::name(&stored.id),
-                None,
-                stored.to_json(),
-                approvals.settings.ttl + RETENTION,
-            )),
+            sessions.bounded(sessions.store().put_record(Put {
+                name: &record::name(&stored.id),
+                version: None,
+                value: stored.to_json(),
+                ttl: approvals.settings.ttl + RETENTION,
+            })),
         )
         .await
         .unwrap_or_else(|_| Err(StoreError::Unavailable(late())));
@@ -587,11 +583,12 @@ async fn use_approval(sessions: &SessionMemory, id: &str, now: u64) -> Result<()
     stored.used_at_ms = now;
     let ttl = Duration::from_millis(stored.expires_at_ms.saturating_sub(now)) + RETENTION;
     match sessions
-        .bounded(
-            sessions
-                .store()
-                .put_record(&name, Some(&found.version), stored.to_json(), ttl),
-        )
+        .bounded(sessions.store().put_record(Put {
+            name: &name,
+            version: Some(&found.version),
+            value: stored.to_json(),
+            ttl,
+        }))
         .await
     {
         Ok(true) => Ok(()),
@@ -690,12 +687,12 @@ impl Answerable {
         stored.answered_at_ms = now;
         let ttl = Duration::from_millis(stored.expires_at_ms.saturating_sub(now)) + RETENTION;
         let written = sessions
-            .bounded(sessions.store().put_record(
-                &record::name(&stored.id),
-                Some(version),
-                stored.to_json(),
+            .bounded(sessions.store().put_record(Put {
+                name: &record::name(&stored.id),
+                version: Some(version),
+                value: stored.to_json(),
                 ttl,
-            ))
+            }))
             .await
             .map_err(store_status)?;
         if !written {

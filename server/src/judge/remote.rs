@@ -8,6 +8,7 @@ use super::fold::Fold;
 use super::results_phase::{self, Phase};
 use super::verdicts::{Checked, Rejection, check_verdicts_in};
 use super::{BatchError, ChainGuard, Judging, span_guard};
+use crate::link::pool::Request;
 use crate::link::{Busy, GuardFailure, LinkEvent, NotSent};
 use crate::wire::fields::guard_batch;
 use crate::wire::write;
@@ -147,16 +148,16 @@ impl Judging<'_> {
         // A guard that takes nothing off its stream for its own timeout is
         // not reading (a failure); one that is slow but takes requests is
         // busy, and the batch is shed (R25).
-        let id = link.send(
+        let id = link.send(Request {
             batch,
             shared,
             tag,
-            events,
-            self.trace.client,
+            events: events.clone(),
+            client: self.trace.client,
             sender,
-            guard.timeout,
-            now + budget,
-        )?;
+            stall: guard.timeout,
+            until: now + budget,
+        })?;
         self.runs[g].request_id = Some(id);
         Ok(now + budget)
     }

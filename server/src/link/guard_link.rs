@@ -14,7 +14,6 @@ use prost::bytes::Bytes;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
-use tokio::sync::mpsc;
 
 pub(super) struct Waiter {
     pub(super) tag: usize,
@@ -237,35 +236,6 @@ impl GuardLink {
         &self.shared.endpoint
     }
 
-    /// Sends `batch` (its `request_id` is assigned here) with `shared`, its
-    /// context and calls as [`super::wire::shared_part`] encoded them: `batch`'s
-    /// own `context` and `calls` are left empty. The answer or the failure
-    /// arrives on `events`, tagged with `tag`. Fails at once when the guard
-    /// is known to be down.
-    ///
-    /// `client` is the sending coordinator connection's key: it holds at
-    /// most its [`client_share`] of the queue. When the queue has no room,
-    /// the guard is busy ([`NotSent::Busy`]) unless its stream has taken
-    /// nothing for `stall` (its timeout): then it is not reading, a failure.
-    pub fn send(
-        &self,
-        batch: GuardBatch,
-        shared: Bytes,
-        tag: usize,
-        events: &mpsc::UnboundedSender<LinkEvent>,
-        client: u64,
-        stall: Duration,
-    ) -> Result<u64, NotSent> {
-        self.send_to(
-            batch,
-            shared,
-            tag,
-            Report::Channel(events.clone()),
-            client,
-            stall,
-        )
-    }
-
     /// Whether the link's last connection attempt failed and it waits to
     /// try again: a request sent now fails at once.
     pub fn is_down(&self) -> bool {
@@ -279,8 +249,17 @@ impl GuardLink {
         self.shared.lock().last_failure.clone()
     }
 
-    /// [`Self::send`], reporting to `events`.
-    pub(crate) fn send_to(
+    /// Sends `batch` (its `request_id` is assigned here) with `shared`, its
+    /// context and calls as [`super::wire::shared_part`] encoded them: `batch`'s
+    /// own `context` and `calls` are left empty. The answer or the failure
+    /// is reported to `events`, tagged with `tag`. Fails at once when the guard
+    /// is known to be down.
+    ///
+    /// `client` is the sending coordinator connection's key: it holds at
+    /// most its [`client_share`] of the queue. When the queue has no room,
+    /// the guard is busy ([`NotSent::Busy`]) unless its stream has taken
+    /// nothing for `stall` (its timeout): then it is not reading, a failure.
+    pub(crate) fn send(
         &self,
         mut batch: GuardBatch,
         shared: Bytes,

@@ -68,7 +68,6 @@ pub use guard_link::GuardLink;
 use guardmesh_proto::v1::JudgeResponse;
 use std::sync::Arc;
 use std::time::Duration;
-use tokio::sync::mpsc;
 use transport::GuardTransport;
 
 /// What a link reports to the batch that sent a request. `replica`: the
@@ -109,24 +108,16 @@ impl LinkEvent {
     }
 }
 
-/// Where a link reports how a request ended: the sending batch's channel,
-/// or a hook (the replica pool's, which may send the request again to
-/// another replica before the batch hears of a failure). A hook is called
-/// on the link's reader task with none of the link's locks held.
+/// Where a link reports how a request ended: a hook (the replica pool's,
+/// which may send the request again to another replica before the batch
+/// hears of a failure), called on the link's reader task with none of the
+/// link's locks held.
 #[derive(Clone)]
-pub(crate) enum Report {
-    Channel(mpsc::UnboundedSender<LinkEvent>),
-    Hook(Arc<dyn Fn(LinkEvent) + Send + Sync>),
-}
+pub(crate) struct Report(pub(crate) Arc<dyn Fn(LinkEvent) + Send + Sync>);
 
 impl Report {
     fn send(&self, event: LinkEvent) {
-        match self {
-            Self::Channel(events) => {
-                let _ = events.send(event);
-            }
-            Self::Hook(hook) => hook(event),
-        }
+        (self.0)(event)
     }
 }
 

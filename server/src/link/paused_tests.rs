@@ -12,7 +12,7 @@ use super::scripted::{
     serve_on_loopback, steer,
 };
 use super::transport::GuardTransport;
-use super::{GuardFailure, GuardLink, LinkConfig, LinkEvent, NotSent, wire};
+use super::{GuardFailure, GuardLink, LinkConfig, LinkEvent, NotSent, Report, wire};
 use crate::observe::metrics::Metrics;
 use guardmesh_proto::v1::{GuardBatch, ToolCall};
 use std::sync::Arc;
@@ -123,7 +123,11 @@ impl Rig {
             deadline_ms: 1000,
             ..Default::default()
         };
-        self.link.send(batch, shared, tag, &self.tx, client, stall)
+        let tx = self.tx.clone();
+        let report = Report(Arc::new(move |event| {
+            let _ = tx.send(event);
+        }));
+        self.link.send(batch, shared, tag, report, client, stall)
     }
 
     /// The next event, and how long it took.

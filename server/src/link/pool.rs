@@ -481,20 +481,29 @@ enum Ended {
 
 /// A request as [`GuardPool::send`] was asked to send it: the batch, its
 /// sender, and when the guard's time for it is up.
-struct Asked {
-    tag: usize,
-    events: mpsc::UnboundedSender<LinkEvent>,
-    batch: GuardBatch,
-    shared: Bytes,
-    client: u64,
-    sender: Sender,
-    stall: Duration,
-    until: Instant,
+pub struct Request {
+    /// The batch for the guard, without its context and calls.
+    pub batch: GuardBatch,
+    /// Its context and calls, as [`super::wire::shared_part`] encoded them.
+    pub shared: Bytes,
+    /// Names the request in the events it causes.
+    pub tag: usize,
+    /// Where the answer or the failure is reported.
+    pub events: mpsc::UnboundedSender<LinkEvent>,
+    /// The sending coordinator connection's key.
+    pub client: u64,
+    /// Its place in the fair queue.
+    pub sender: Sender,
+    /// How long the guard may take nothing off its stream before it is not
+    /// reading (its timeout).
+    pub stall: Duration,
+    /// When the guard's time for this batch is up.
+    pub until: Instant,
 }
 
 /// A request the pool has sent and not settled.
 struct Pending {
-    asked: Asked,
+    asked: Request,
     replica: Arc<Replica>,
     link_id: u64,
     tried: Vec<Arc<str>>,
@@ -514,7 +523,7 @@ struct Pending {
 /// A request waiting for room at the guard's replicas ([`fair`]): every
 /// replica that could take it holds as many requests as its limit allows.
 struct Waiting {
-    asked: Asked,
+    asked: Request,
     /// Since when it waits.
     since: Instant,
     /// Until when it may wait: half the guard's time left when it began
@@ -524,7 +533,7 @@ struct Waiting {
 
 impl Waiting {
     /// `asked`, waiting from `now` for at most half the guard's time left.
-    fn new(asked: Asked, now: Instant) -> Self {
+    fn new(asked: Request, now: Instant) -> Self {
         let wait_until = now + asked.until.saturating_duration_since(now) / 2;
         Waiting {
             asked,
@@ -936,7 +945,7 @@ impl GuardPool {
             .collect()
     }
 
-    /// Sends `batch` to one replica (see [`GuardLink::send`] for `shared`,
+    /// Sends the request's `batch` to one replica (see [`GuardLink::send`] for `shared`,
     /// `client` and `stall`); the answer or the failure arrives on
     /// `events` tagged `tag`, naming the replica. `until`: when the
     /// guard's time for this batch is up; a request whose replica fails
@@ -946,31 +955,10 @@ impl GuardPool {
     /// guard's time; a request shed meanwhile is reported as
     /// [`LinkEvent::Shed`] (R25). Returns the pool's id of the request,
     /// for [`Self::cancel`].
-    #[allow(clippy::too_many_arguments)]
-    pub fn send(
-        &self,
-        batch: GuardBatch,
-        shared: Bytes,
-        tag: usize,
-        events: &mpsc::UnboundedSender<LinkEvent>,
-        client: u64,
-        sender: Sender,
-        stall: Duration,
-        until: Instant,
-    ) -> Result<u64, NotSent> {
+    pub fn send(&self, asked: Request) -> Result<u64, NotSent> {
         let id = self.inner.next_id.fetch_add(1, Ordering::Relaxed);
         let mut state = self.inner.lock();
         let now = Instant::now();
-        let asked = Asked {
-            tag,
-            events: events.clone(),
-            batch,
-            shared,
-            client,
-            sender,
-            stall,
-            until,
-        };
         let request = Waiting::new(asked, now);
         // Others wait already: this one takes its turn after them.
         if !state.waiting.is_empty() {
@@ -980,16 +968,9 @@ impl GuardPool {
             return Ok(id);
         }
         let hook = self.inner.hook(id);
-        let sent = self.inner.dispatch(
-            &mut state,
-            id,
-            &request.asked.batch,
-            &request.asked.shared,
-            client,
-            stall,
-            &[],
-            &hook,
-        );
+        let sent = self
+            .inner
+            .dispatch_new(&mut state, id, &request.asked, &hook);
         let result = match sent {
             Ok((replica, link_id, sent_at)) => {
                 self.inner
@@ -1085,7 +1066,7 @@ impl Inner {
     /// Where replica links report request `id`.
     fn hook(self: &Arc<Self>, id: u64) -> Report {
         let weak: Weak<Inner> = Arc::downgrade(self);
-        Report::Hook(Arc::new(move |event| {
+        Report(Arc::new(move |event| {
             if let Some(inner) = weak.upgrade() {
                 inner.on_event(id, event);
             }
@@ -1363,16 +1344,7 @@ impl Inner {
                 continue;
             }
             let hook = self.hook(id);
-            let sent = self.dispatch(
-                state,
-                id,
-                &request.asked.batch,
-                &request.asked.shared,
-                request.asked.client,
-                request.asked.stall,
-                &[],
-                &hook,
-            );
+            let sent = self.dispatch_new(state, id, &request.asked, &hook);
             match sent {
                 Ok((replica, link_id, sent_at)) => {
                     self.start(state, id, request, replica, link_id, sent_at);
@@ -1728,6 +1700,24 @@ impl Inner {
         order
     }
 
+    /// [`Self::dispatch`] of a request as it was asked, to any replica.
+    fn dispatch_new(
+        &self,
+        state: &mut State,
+        id: u64,
+        asked: &Request,
+        hook: &Report,
+    ) -> Result<(Arc<Replica>, u64, Instant), Undispatched> {
+        let Request {
+            batch,
+            shared,
+            client,
+            stall,
+            ..
+        } = asked;
+        self.dispatch(state, id, batch, shared, *client, *stall, &[], hook)
+    }
+
     /// Sends to the first replica of [`Self::candidates`] that takes the
     /// request. An available replica at its limit is passed over; when
     /// every available one is, the request waits for room (`Full`, R25)
@@ -1759,7 +1749,7 @@ impl Inner {
             if full && !available {
                 break;
             }
-            match replica.link.send_to(
+            match replica.link.send(
                 batch.clone(),
                 shared.clone(),
                 0,
@@ -1893,7 +1883,7 @@ impl Inner {
                         if let Some(pending) = state.requests.remove(&id) {
                             let events = pending.asked.events.clone();
                             let tag = pending.asked.tag;
-                            let asked = Asked {
+                            let asked = Request {
                                 batch,
                                 ..pending.asked
                             };

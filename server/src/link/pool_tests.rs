@@ -5,7 +5,7 @@
 //! versions are in the integration module `guard_replicas`.
 
 use super::discover::ReplicaTarget;
-use super::pool::{EJECT_INITIAL, GuardPool, SpawnLink};
+use super::pool::{EJECT_INITIAL, GuardPool, Request, SpawnLink};
 use super::scripted::{ScriptedGuard, ScriptedNet, Step, proceed};
 use super::transport::GuardTransport;
 use super::{GuardFailure, GuardLink, LinkConfig, LinkEvent, NotSent, wire};
@@ -75,16 +75,16 @@ fn send(
         deadline_ms: u32::try_from(within.as_millis()).unwrap_or(u32::MAX),
         ..Default::default()
     };
-    pool.send(
+    pool.send(Request {
         batch,
         shared,
         tag,
-        tx,
-        1,
-        crate::link::fair::Sender::default(),
-        Duration::from_secs(1),
-        Instant::now() + within,
-    )
+        events: tx.clone(),
+        client: 1,
+        sender: crate::link::fair::Sender::default(),
+        stall: Duration::from_secs(1),
+        until: Instant::now() + within,
+    })
 }
 
 /// A pool over `n` scripted replicas each running `script(i)`, following

@@ -20,7 +20,7 @@
 //! [`GrpcTransport`](super::transport::GrpcTransport) there.
 
 use super::LinkConfig;
-use super::transport::{Answers, GuardTransport, OpenError, Requests};
+use super::transport::{Answers, GuardTransport, OpenError, Opening, Requests};
 use super::wire;
 use futures::StreamExt;
 use futures::future::BoxFuture;
@@ -839,23 +839,18 @@ impl ScriptedNet {
 }
 
 impl GuardTransport for ScriptedNet {
-    fn open<'a>(
-        &'a self,
-        endpoint: &'a str,
-        config: &'a LinkConfig,
-        requests: Requests,
-    ) -> BoxFuture<'a, Result<Answers, OpenError>> {
+    fn open<'a>(&'a self, url: &'a str, config: &'a LinkConfig, requests: Requests) -> Opening<'a> {
         let guard = self
             .guards
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
-            .get(endpoint)
+            .get(url)
             .cloned();
         Box::pin(async move {
             match guard {
-                Some(guard) => guard.open(endpoint, config.max_decoding_message_size, requests),
+                Some(guard) => guard.open(url, config.max_decoding_message_size, requests),
                 None => Err(OpenError::Unreachable {
-                    endpoint: endpoint.to_owned(),
+                    endpoint: url.to_owned(),
                     reason: "connection refused".into(),
                 }),
             }

@@ -43,17 +43,16 @@ pub enum OpenError {
     Refused(tonic::Status),
 }
 
+/// A `Judge` stream being opened: the guard's answers, or why it could
+/// not be opened.
+pub type Opening<'a> = BoxFuture<'a, Result<Answers, OpenError>>;
+
 /// How a guard link reaches its guard: opens one `Judge` stream.
 pub trait GuardTransport: Send + Sync + std::fmt::Debug + 'static {
-    /// Opens a stream to the guard at `endpoint` that writes `requests`
+    /// Opens a stream to the guard at `url` that writes `requests`
     /// (the first may already be queued: some gRPC stacks send no response
     /// headers until they answer) and yields the guard's answers.
-    fn open<'a>(
-        &'a self,
-        endpoint: &'a str,
-        config: &'a LinkConfig,
-        requests: Requests,
-    ) -> BoxFuture<'a, Result<Answers, OpenError>>;
+    fn open<'a>(&'a self, url: &'a str, config: &'a LinkConfig, requests: Requests) -> Opening<'a>;
 }
 
 /// The mesh's transport: a `GuardService/Judge` call on a tonic channel
@@ -107,22 +106,17 @@ impl GrpcTransport {
 }
 
 impl GuardTransport for GrpcTransport {
-    fn open<'a>(
-        &'a self,
-        endpoint: &'a str,
-        config: &'a LinkConfig,
-        requests: Requests,
-    ) -> BoxFuture<'a, Result<Answers, OpenError>> {
+    fn open<'a>(&'a self, url: &'a str, config: &'a LinkConfig, requests: Requests) -> Opening<'a> {
         Box::pin(async move {
             // The connector resolves, applies the endpoint policy, connects
             // and speaks TLS for https:// guards (see dial.rs).
-            let dial = match endpoint.strip_prefix("https://") {
+            let dial = match url.strip_prefix("https://") {
                 Some(rest) => format!("http://{rest}"),
-                None => endpoint.to_owned(),
+                None => url.to_owned(),
             };
             let mut dial = tonic::transport::Endpoint::from_shared(dial)
                 .map_err(|error| OpenError::BadEndpoint {
-                    endpoint: endpoint.to_owned(),
+                    endpoint: url.to_owned(),
                     reason: error.to_string(),
                 })?
                 .connect_timeout(config.connect_timeout);
@@ -144,10 +138,10 @@ impl GuardTransport for GrpcTransport {
                         super::dial::CertificateRefused::in_chain(&error),
                         &self.metrics,
                     ) {
-                        metrics.replica_certificate_refused(&self.guard, endpoint);
+                        metrics.replica_certificate_refused(&self.guard, url);
                     }
                     OpenError::Unreachable {
-                        endpoint: endpoint.to_owned(),
+                        endpoint: url.to_owned(),
                         reason: error_chain(&error),
                     }
                 })?;
@@ -158,7 +152,7 @@ impl GuardTransport for GrpcTransport {
                 channel.clone(),
                 self.health.clone(),
                 self.guard.clone(),
-                Arc::from(endpoint),
+                Arc::from(url),
                 self.metrics.clone(),
             ))
             .abort_handle();

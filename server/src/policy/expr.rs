@@ -125,25 +125,23 @@ pub(crate) fn compile(
                     + 1
             })
     };
-    if walk.nodes > limits.max_expression_nodes {
-        return Err(Refused {
-            line: 1,
-            kind: CompileErrorKind::TooBig {
-                field,
-                nodes: walk.nodes,
-                limit: limits.max_expression_nodes,
-            },
-        });
-    }
-    if walk.deepest > limits.max_nesting {
-        return Err(Refused {
-            line: 1,
-            kind: CompileErrorKind::TooDeep {
-                field,
-                depth: walk.deepest,
-                limit: limits.max_nesting,
-            },
-        });
+    let too_large = if walk.nodes > limits.max_expression_nodes {
+        Some(CompileErrorKind::TooBig {
+            field,
+            nodes: walk.nodes,
+            limit: limits.max_expression_nodes,
+        })
+    } else if walk.deepest > limits.max_nesting {
+        Some(CompileErrorKind::TooDeep {
+            field,
+            depth: walk.deepest,
+            limit: limits.max_nesting,
+        })
+    } else {
+        None
+    };
+    if let Some(kind) = too_large {
+        return Err(Refused { line: 1, kind });
     }
     if let Some((id, kind)) = walk.bad_regex {
         return Err(Refused {

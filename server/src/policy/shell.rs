@@ -200,16 +200,19 @@ fn is_assignment(word: &str) -> bool {
     })
 }
 
+/// Where the command itself begins in `words`: after the shell's keywords
+/// and the variable assignments before it.
+fn command_word(words: &[String]) -> usize {
+    words
+        .iter()
+        .take_while(|w| KEYWORDS.contains(&w.as_str()) || is_assignment(w))
+        .count()
+}
+
 /// The arguments each run of `program` in `words` has (a simple command
 /// may name it after a wrapper: `sudo -u root rm`).
 fn runs<'w>(words: &'w [String], program: &str) -> Vec<&'w [String]> {
-    let mut at = 0;
-    while words
-        .get(at)
-        .is_some_and(|w| KEYWORDS.contains(&w.as_str()) || is_assignment(w))
-    {
-        at += 1;
-    }
+    let at = command_word(words);
     let Some(first) = words.get(at) else {
         return Vec::new();
     };
@@ -230,13 +233,7 @@ fn runs<'w>(words: &'w [String], program: &str) -> Vec<&'w [String]> {
 /// flags after it up to a `--`: read in one pass from the end, so that a
 /// command naming the program many times is still read once.
 fn runs_with(words: &[String], program: &str, spellings: &[Vec<&str>]) -> bool {
-    let mut at = 0;
-    while words
-        .get(at)
-        .is_some_and(|w| KEYWORDS.contains(&w.as_str()) || is_assignment(w))
-    {
-        at += 1;
-    }
+    let at = command_word(words);
     let Some(first) = words.get(at) else {
         return false;
     };

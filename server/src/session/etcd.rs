@@ -16,9 +16,8 @@
 //! store's keys do not list who has sessions.
 
 use super::key::SessionKey;
-use super::limits::SessionLimits;
-use super::memory::{Applied, Memory, Update};
-use super::store::{Record, SECRET_CHECK, SecretAgreement, SessionStore, StoreError};
+use super::memory::{Applied, Memory};
+use super::store::{Put, Record, SECRET_CHECK, SecretAgreement, SessionStore, StoreError, Write};
 use etcd_client::{Client, Compare, CompareOp, GetOptions, PutOptions, Txn, TxnOp};
 
 /// Attempts of one update that meets concurrent updates of its session.
@@ -95,13 +94,12 @@ impl SessionStore for EtcdStore {
         Ok(self.get(&self.key(key)).await?.0)
     }
 
-    async fn update(
-        &self,
-        key: &SessionKey,
-        update: &Update,
-        limits: &SessionLimits,
-        now: u64,
-    ) -> Result<Applied, StoreError> {
+    async fn update(&self, key: &SessionKey, write: Write<'_>) -> Result<Applied, StoreError> {
+        let Write {
+            update,
+            limits,
+            now,
+        } = write;
         let key = self.key(key);
         let mut client = self.client.clone();
         for _ in 0..ATTEMPTS {
@@ -170,13 +168,8 @@ impl SessionStore for EtcdStore {
         }))
     }
 
-    async fn put_record(
-        &self,
-        name: &str,
-        version: Option<&str>,
-        value: Vec<u8>,
-        ttl: std::time::Duration,
-    ) -> Result<bool, StoreError> {
+    async fn put_record(&self, put: Put<'_>) -> Result<bool, StoreError> {
+        let Put { name, version, .. } = put;
         let mut client = self.client.clone();
         let key = format!("{}{name}", self.prefix);
         let unchanged = match version {
@@ -188,7 +181,7 @@ impl SessionStore for EtcdStore {
                 Compare::mod_revision(key.clone(), CompareOp::Equal, revision)
             }
         };
-        let seconds = i64::try_from(ttl.as_millis().div_ceil(1000))
+        let seconds = i64::try_from(put.ttl.as_millis().div_ceil(1000))
             .unwrap_or(i64::MAX)
             .max(1);
         let lease = client
@@ -198,7 +191,7 @@ impl SessionStore for EtcdStore {
             .id();
         let txn = Txn::new().when([unchanged]).and_then([TxnOp::put(
             key,
-            value,
+            put.value,
             Some(PutOptions::new().with_lease(lease)),
         )]);
         let response = client.txn(txn).await.map_err(unavailable)?;

@@ -7,8 +7,8 @@
 use super::filter::SessionFilter;
 use super::key::SessionKey;
 use super::limits::SessionLimits;
-use super::memory::{Applied, Memory, Update};
-use super::store::{Record, SessionStore, StoreError};
+use super::memory::{Applied, Memory};
+use super::store::{Put, Record, SessionStore, StoreError, Write};
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
@@ -164,13 +164,12 @@ impl SessionStore for LocalStore {
         }
     }
 
-    async fn update(
-        &self,
-        key: &SessionKey,
-        update: &Update,
-        limits: &SessionLimits,
-        now: u64,
-    ) -> Result<Applied, StoreError> {
+    async fn update(&self, key: &SessionKey, write: Write<'_>) -> Result<Applied, StoreError> {
+        let Write {
+            update,
+            limits,
+            now,
+        } = write;
         let mut state = self.state.lock().unwrap_or_else(PoisonError::into_inner);
         let tick = state.next_tick();
         let key = match state.sessions.get_key_value(key) {
@@ -237,13 +236,8 @@ impl SessionStore for LocalStore {
         Ok(records.by_name.get(name).map(|(record, _)| record.clone()))
     }
 
-    async fn put_record(
-        &self,
-        name: &str,
-        version: Option<&str>,
-        value: Vec<u8>,
-        ttl: std::time::Duration,
-    ) -> Result<bool, StoreError> {
+    async fn put_record(&self, put: Put<'_>) -> Result<bool, StoreError> {
+        let Put { name, version, .. } = put;
         let now = super::now_ms();
         let mut records = self.records.lock().unwrap_or_else(PoisonError::into_inner);
         records.purge(now);
@@ -263,9 +257,9 @@ impl SessionStore for LocalStore {
             records.expiry.remove(&(at, name.to_owned()));
         }
         records.version += 1;
-        let expires = now.saturating_add(u64::try_from(ttl.as_millis()).unwrap_or(u64::MAX));
+        let expires = now.saturating_add(u64::try_from(put.ttl.as_millis()).unwrap_or(u64::MAX));
         let record = Record {
-            value,
+            value: put.value,
             version: records.version.to_string(),
         };
         records.expiry.insert((expires, name.to_owned()));

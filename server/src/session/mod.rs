@@ -42,7 +42,7 @@ pub use key::SessionKey;
 pub use limits::SessionLimits;
 pub use local::LocalStore;
 pub use memory::{Applied, CallRan, Memory, Seen, Update};
-pub use store::{SessionStore, StoreError};
+pub use store::{Put, SessionStore, StoreError, Write};
 pub use view::SessionView;
 
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -286,7 +286,14 @@ impl SessionMemory {
             std::borrow::Cow::Borrowed(update)
         };
         let applied = self
-            .bounded(self.store.update(key, &update, &self.limits, now))
+            .bounded(self.store.update(
+                key,
+                Write {
+                    update: &update,
+                    limits: &self.limits,
+                    now,
+                },
+            ))
             .await?;
         if let Some(written) = &self.written {
             written

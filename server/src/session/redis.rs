@@ -23,9 +23,8 @@
 //! background after it broke.
 
 use super::key::SessionKey;
-use super::limits::SessionLimits;
-use super::memory::{Applied, Memory, Update};
-use super::store::{Record, SECRET_CHECK, SecretAgreement, SessionStore, StoreError};
+use super::memory::{Applied, Memory};
+use super::store::{Put, Record, SECRET_CHECK, SecretAgreement, SessionStore, StoreError, Write};
 use redis::aio::{ConnectionManager, ConnectionManagerConfig};
 use std::time::Duration;
 
@@ -222,13 +221,12 @@ impl SessionStore for RedisStore {
             .transpose()
     }
 
-    async fn update(
-        &self,
-        key: &SessionKey,
-        update: &Update,
-        limits: &SessionLimits,
-        now: u64,
-    ) -> Result<Applied, StoreError> {
+    async fn update(&self, key: &SessionKey, write: Write<'_>) -> Result<Applied, StoreError> {
+        let Write {
+            update,
+            limits,
+            now,
+        } = write;
         let key = self.key(key);
         let ttl_ms = u64::try_from(limits.max_age.as_millis())
             .unwrap_or(u64::MAX)
@@ -287,21 +285,18 @@ impl SessionStore for RedisStore {
         }))
     }
 
-    async fn put_record(
-        &self,
-        name: &str,
-        version: Option<&str>,
-        value: Vec<u8>,
-        ttl: Duration,
-    ) -> Result<bool, StoreError> {
+    async fn put_record(&self, put: Put<'_>) -> Result<bool, StoreError> {
+        let Put { name, version, .. } = put;
         let key = format!("{}{name}", self.prefix);
-        let ttl_ms = u64::try_from(ttl.as_millis()).unwrap_or(u64::MAX).max(1);
+        let ttl_ms = u64::try_from(put.ttl.as_millis())
+            .unwrap_or(u64::MAX)
+            .max(1);
         let mut connection = self.connection.clone();
         let written: i64 = self
             .script
             .key(&key)
             .arg(version.unwrap_or(""))
-            .arg(value)
+            .arg(put.value)
             .arg(ttl_ms)
             .invoke_async(&mut connection)
             .await

@@ -97,6 +97,28 @@ pub struct Record {
     pub version: String,
 }
 
+/// One update of a session's memory, as [`SessionStore::update`] applies
+/// it: the change, the bounds it is applied within and the time it is
+/// applied at (milliseconds since the Unix epoch).
+#[derive(Debug, Clone, Copy)]
+pub struct Write<'a> {
+    pub update: &'a Update,
+    pub limits: &'a SessionLimits,
+    pub now: u64,
+}
+
+/// One write of a record beside the sessions, as
+/// [`SessionStore::put_record`] makes it: `value` at `name`, to live
+/// `ttl`, when the record there is still at `version` (`None`: when there
+/// is none).
+#[derive(Debug, Clone)]
+pub struct Put<'a> {
+    pub name: &'a str,
+    pub version: Option<&'a str>,
+    pub value: Vec<u8>,
+    pub ttl: Duration,
+}
+
 /// What a store that keeps no records answers.
 fn no_records(kind: &str) -> StoreError {
     StoreError::Unavailable(format!("the {kind} store keeps no records"))
@@ -118,13 +140,7 @@ pub trait SessionStore: Send + Sync + std::fmt::Debug {
     /// Applies `update` to the memory of `key` at `now` (milliseconds since
     /// the Unix epoch), within `limits`, atomically with respect to other
     /// updates of the same session.
-    async fn update(
-        &self,
-        key: &SessionKey,
-        update: &Update,
-        limits: &SessionLimits,
-        now: u64,
-    ) -> Result<Applied, StoreError>;
+    async fn update(&self, key: &SessionKey, write: Write<'_>) -> Result<Applied, StoreError>;
 
     /// Makes sure the replicas sharing the store key their digests with one
     /// secret: `check` (a digest of a fixed text under this replica's
@@ -147,14 +163,8 @@ pub trait SessionStore: Send + Sync + std::fmt::Debug {
     /// still at `version` (`None`: when there is none): the atomic
     /// check-and-record that makes an approval single use across replicas
     /// (R35). `Ok(false)`: it changed since it was read; nothing written.
-    async fn put_record(
-        &self,
-        name: &str,
-        version: Option<&str>,
-        value: Vec<u8>,
-        ttl: Duration,
-    ) -> Result<bool, StoreError> {
-        let _ = (name, version, value, ttl);
+    async fn put_record(&self, put: Put<'_>) -> Result<bool, StoreError> {
+        let _ = put;
         Err(no_records(self.kind()))
     }
 

@@ -401,13 +401,7 @@ impl SessionStore for Down {
     async fn load(&self, _: &SessionKey) -> Result<Option<Memory>, StoreError> {
         Err(StoreError::Unavailable("connection refused".into()))
     }
-    async fn update(
-        &self,
-        _: &SessionKey,
-        _: &Update,
-        _: &SessionLimits,
-        _: u64,
-    ) -> Result<Applied, StoreError> {
+    async fn update(&self, _: &SessionKey, _: Write<'_>) -> Result<Applied, StoreError> {
         Err(StoreError::Unavailable("connection refused".into()))
     }
     fn kind(&self) -> &'static str {
@@ -424,13 +418,7 @@ impl SessionStore for Hung {
     async fn load(&self, _: &SessionKey) -> Result<Option<Memory>, StoreError> {
         std::future::pending().await
     }
-    async fn update(
-        &self,
-        _: &SessionKey,
-        _: &Update,
-        _: &SessionLimits,
-        _: u64,
-    ) -> Result<Applied, StoreError> {
+    async fn update(&self, _: &SessionKey, _: Write<'_>) -> Result<Applied, StoreError> {
         std::future::pending().await
     }
     fn kind(&self) -> &'static str {
@@ -496,15 +484,9 @@ impl SessionStore for Counting {
         self.inner.load(key).await
     }
 
-    async fn update(
-        &self,
-        key: &SessionKey,
-        update: &Update,
-        limits: &SessionLimits,
-        now: u64,
-    ) -> Result<Applied, StoreError> {
+    async fn update(&self, key: &SessionKey, write: Write<'_>) -> Result<Applied, StoreError> {
         self.updates.fetch_add(1, Ordering::Relaxed);
-        self.inner.update(key, update, limits, now).await
+        self.inner.update(key, write).await
     }
 
     fn kind(&self) -> &'static str {
@@ -607,6 +589,16 @@ async fn r33_r34_a_request_of_results_costs_one_load_and_one_update_of_its_sessi
     assert_eq!(store.updates.load(Ordering::Relaxed) - updates, 0);
 }
 
+/// Applies `update` to `key`'s memory in `store` at `now`.
+async fn write(store: &LocalStore, key: &SessionKey, update: &Update, now: u64) {
+    let write = Write {
+        update,
+        limits: &limits(),
+        now,
+    };
+    store.update(key, write).await.unwrap();
+}
+
 #[tokio::test]
 async fn r34_a_read_shares_the_memory_and_a_later_write_never_changes_what_it_read() {
     let store = LocalStore::new(limits());
@@ -614,7 +606,7 @@ async fn r34_a_read_shares_the_memory_and_a_later_write_never_changes_what_it_re
     let key = SessionKey::new("alice", "s-1");
     let now = now_ms();
     let call = update_with_call(&mem, "c1", "fs.read");
-    store.update(&key, &call, &limits(), now).await.unwrap();
+    write(&store, &key, &call, now).await;
     // Two reads hand out one memory, not two copies.
     let a = store.snapshot(&key).await.unwrap().unwrap();
     let b = store.snapshot(&key).await.unwrap().unwrap();
@@ -624,7 +616,7 @@ async fn r34_a_read_shares_the_memory_and_a_later_write_never_changes_what_it_re
     // next read sees the write.
     let mut taint = update_with_call(&mem, "c2", "email.send");
     taint.labels = vec!["secret:fs".into()];
-    store.update(&key, &taint, &limits(), now).await.unwrap();
+    write(&store, &key, &taint, now).await;
     assert_eq!(a.calls.len(), 1);
     assert!(a.labels.is_empty());
     let c = store.snapshot(&key).await.unwrap().unwrap();
@@ -635,7 +627,7 @@ async fn r34_a_read_shares_the_memory_and_a_later_write_never_changes_what_it_re
     let before = Arc::as_ptr(&c);
     drop(c);
     let call = update_with_call(&mem, "c3", "fs.read");
-    store.update(&key, &call, &limits(), now).await.unwrap();
+    write(&store, &key, &call, now).await;
     let d = store.snapshot(&key).await.unwrap().unwrap();
     assert_eq!(Arc::as_ptr(&d), before);
     assert_eq!(d.calls.len(), 3);
