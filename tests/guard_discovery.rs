@@ -13,6 +13,7 @@ use crate::harness::*;
 use guardmesh_client::{Batch, Registration};
 use guardmesh_server::link::dial::EndpointPolicy;
 use guardmesh_server::link::discover::dns::{SystemResolver, watch_endpoint};
+use guardmesh_server::link::discover::sources::NameSettings;
 use guardmesh_server::link::discover::{Replicas, union};
 use std::process::{Child, Command, Stdio};
 use std::sync::Arc;
@@ -443,15 +444,12 @@ async fn dns_child() {
     };
     write_hosts(&hosts, &["127.0.0.3", "127.0.0.2", "127.0.0.4"]);
     let endpoint = format!("http://{NAME}:7001");
-    let (mut rx, handle) = watch_endpoint(
-        "g",
-        &endpoint,
-        Arc::new(EndpointPolicy::default()),
-        Duration::from_secs(1),
-        Arc::new(SystemResolver),
-    )
-    .await
-    .unwrap();
+    let names = NameSettings {
+        policy: Arc::new(EndpointPolicy::default()),
+        interval: Duration::from_secs(1),
+        resolver: Arc::new(SystemResolver),
+    };
+    let (mut rx, handle) = watch_endpoint("g", &endpoint, &names).await.unwrap();
     assert_eq!(
         endpoints(&rx),
         [

@@ -220,15 +220,7 @@ fn anchor_from_config(path: &Path, instance: Option<String>) -> Result<AnchorCon
         }
     };
     Ok(AnchorConfig {
-        etcd: EtcdConfig {
-            endpoints: registry.endpoints,
-            prefix: registry.prefix,
-            username: registry.username,
-            password: registry.password,
-            tls: registry.tls,
-            dial_timeout: registry.dial_timeout,
-            request_timeout: registry.request_timeout,
-        },
+        etcd: registry,
         instance,
     })
 }

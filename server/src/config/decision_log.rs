@@ -246,16 +246,7 @@ impl Config {
     ) -> Result<crate::decision_log::LogConfig, DecisionLogError> {
         let mut settings = section.log_config(instance)?;
         if self.registry.kind == RegistryKind::Etcd && settings.seal.is_some() {
-            let registry = self.registry.etcd()?;
-            let etcd = crate::decision_log::anchor::EtcdConfig {
-                endpoints: registry.endpoints,
-                prefix: registry.prefix,
-                username: registry.username,
-                password: registry.password,
-                tls: registry.tls,
-                dial_timeout: registry.dial_timeout,
-                request_timeout: registry.request_timeout,
-            };
+            let etcd = self.registry.etcd()?;
             let instance = section
                 .instance
                 .clone()

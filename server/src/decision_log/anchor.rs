@@ -34,61 +34,18 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
-use etcd_client::{Client, ConnectOptions};
+use etcd_client::Client;
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
 
 use crate::observe::metrics::Metrics;
 
-/// How the anchor reaches etcd: the registry's endpoints, prefix,
-/// credentials and timeouts (`[registry]`, see `config.rs`), without the
-/// registry's own settings.
-#[derive(Clone)]
-pub struct EtcdConfig {
-    pub endpoints: Vec<String>,
-    /// Key prefix of the chain; anchors go under `<prefix>/decision-log/`.
-    pub prefix: String,
-    pub username: Option<String>,
-    pub password: Option<String>,
-    /// PEM files for `https://` endpoints: (CA, client certificate, key,
-    /// name to verify).
-    pub tls: Option<EtcdTls>,
-    pub dial_timeout: Duration,
-    pub request_timeout: Duration,
-}
+/// How the anchor reaches etcd: the registry's settings (`[registry]`,
+/// see `config.rs`), of which it uses the endpoints, prefix, credentials
+/// and timeouts.
+pub use crate::registry::etcd::EtcdConfig;
 
 pub use crate::etcd_tls::TlsFiles as EtcdTls;
-
-/// The password never reaches a log line or an error message.
-impl std::fmt::Debug for EtcdConfig {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("EtcdConfig")
-            .field("endpoints", &self.endpoints)
-            .field("prefix", &self.prefix)
-            .field("username", &self.username)
-            .field("password", &self.password.as_ref().map(|_| "<redacted>"))
-            .field("tls", &self.tls)
-            .field("dial_timeout", &self.dial_timeout)
-            .field("request_timeout", &self.request_timeout)
-            .finish()
-    }
-}
-
-impl EtcdConfig {
-    /// Plain `http://` endpoints under `prefix`, without credentials, with
-    /// the registry's default timeouts.
-    pub fn plain(endpoints: Vec<String>, prefix: &str) -> Self {
-        Self {
-            endpoints,
-            prefix: prefix.to_owned(),
-            username: None,
-            password: None,
-            tls: None,
-            dial_timeout: Duration::from_secs(5),
-            request_timeout: Duration::from_secs(2),
-        }
-    }
-}
 
 /// The pause after a failed put before the next try, doubled up to
 /// [`MAX_RETRY`].
@@ -160,16 +117,8 @@ impl AnchorClient {
         if config.endpoints.is_empty() {
             return Err(AnchorError::Config("no etcd endpoints".to_owned()));
         }
-        let mut options = ConnectOptions::new()
-            .with_connect_timeout(config.request_timeout.min(config.dial_timeout))
-            .with_timeout(config.request_timeout)
-            .with_require_leader(true);
-        options = crate::etcd_tls::with_credentials(
-            options,
-            config.username.as_ref(),
-            config.password.as_ref(),
-            config.tls.as_ref(),
-        )?;
+        let options =
+            crate::registry::etcd::connect_options(config)?.with_timeout(config.request_timeout);
         let endpoints = config.endpoints.join(",");
         let unreachable = |cause: String| AnchorError::Unreachable {
             endpoints: endpoints.clone(),

@@ -95,11 +95,7 @@ impl SessionStore for EtcdStore {
     }
 
     async fn update(&self, key: &SessionKey, write: Write<'_>) -> Result<Applied, StoreError> {
-        let Write {
-            update,
-            limits,
-            now,
-        } = write;
+        let (update, limits, now) = (write.update, write.limits, write.now);
         let key = self.key(key);
         let mut client = self.client.clone();
         for _ in 0..ATTEMPTS {

@@ -165,11 +165,7 @@ impl SessionStore for LocalStore {
     }
 
     async fn update(&self, key: &SessionKey, write: Write<'_>) -> Result<Applied, StoreError> {
-        let Write {
-            update,
-            limits,
-            now,
-        } = write;
+        let (update, limits, now) = (write.update, write.limits, write.now);
         let mut state = self.state.lock().unwrap_or_else(PoisonError::into_inner);
         let tick = state.next_tick();
         let key = match state.sessions.get_key_value(key) {

@@ -222,11 +222,7 @@ impl SessionStore for RedisStore {
     }
 
     async fn update(&self, key: &SessionKey, write: Write<'_>) -> Result<Applied, StoreError> {
-        let Write {
-            update,
-            limits,
-            now,
-        } = write;
+        let (update, limits, now) = (write.update, write.limits, write.now);
         let key = self.key(key);
         let ttl_ms = u64::try_from(limits.max_age.as_millis())
             .unwrap_or(u64::MAX)

@@ -23,6 +23,7 @@
 //! An endpoint whose host is an IP address is one replica that never
 //! changes, exactly as before R32.
 
+use super::sources::NameSettings;
 use super::{ReplicaTarget, Replicas, fixed};
 use crate::link::dial::{EndpointPolicy, ambiguous_host};
 use futures::future::BoxFuture;
@@ -184,8 +185,7 @@ impl ResolveHandle {
 fn name_watch(
     guard: &str,
     endpoint: &str,
-    policy: Arc<EndpointPolicy>,
-    resolver: Arc<dyn Resolve>,
+    names: &NameSettings,
     handle: &ResolveHandle,
 ) -> Result<Option<NameWatch>, EndpointError> {
     let parsed = parse_endpoint(endpoint)?;
@@ -196,33 +196,32 @@ fn name_watch(
         guard: guard.to_owned(),
         endpoint: endpoint.to_owned(),
         parsed,
-        policy,
-        resolver,
+        policy: names.policy.clone(),
+        resolver: names.resolver.clone(),
         handle: handle.clone(),
     }))
 }
 
-/// The replica set of the guard `guard` registered at `endpoint`, and the
-/// handle that asks for a new resolution.
+/// A guard's replica set and the handle that asks for a new resolution,
+/// or why its endpoint cannot be watched.
+pub type Watched = Result<(Replicas, ResolveHandle), EndpointError>;
+
+/// The replica set of the guard `guard` registered at `endpoint`, its
+/// names resolved with `names`, and the handle that asks for a new
+/// resolution.
 ///
 /// An address endpoint gives a fixed set of that one endpoint. A name is
 /// resolved once before this returns (so the set starts as the name's
 /// addresses, or empty when it resolves to none), then by a task that
 /// lives as long as a receiver of the watch does.
-pub async fn watch_endpoint(
-    guard: &str,
-    endpoint: &str,
-    policy: Arc<EndpointPolicy>,
-    interval: Duration,
-    resolver: Arc<dyn Resolve>,
-) -> Result<(Replicas, ResolveHandle), EndpointError> {
+pub async fn watch_endpoint(guard: &str, endpoint: &str, names: &NameSettings) -> Watched {
     let handle = ResolveHandle::default();
-    let Some(mut name) = name_watch(guard, endpoint, policy, resolver, &handle)? else {
+    let Some(mut name) = name_watch(guard, endpoint, names, &handle)? else {
         return Ok((fixed([endpoint.to_owned()]), handle));
     };
     let first = name.resolve().await.unwrap_or_default();
     let (tx, rx) = watch::channel(first);
-    tokio::spawn(name.run(tx, interval.max(MIN_RESOLVE_GAP)));
+    tokio::spawn(name.run(tx, names.interval.max(MIN_RESOLVE_GAP)));
     Ok((rx, handle))
 }
 
@@ -235,19 +234,14 @@ pub async fn watch_endpoint(
 /// fails keeps the name's endpoint, as any failed resolution keeps the
 /// last set; one that finds no allowed address publishes an empty set.
 /// Must be called within a tokio runtime.
-pub fn watch_name(
-    guard: &str,
-    endpoint: &str,
-    policy: Arc<EndpointPolicy>,
-    interval: Duration,
-    resolver: Arc<dyn Resolve>,
-) -> Result<(Replicas, ResolveHandle), EndpointError> {
+pub fn watch_name(guard: &str, endpoint: &str, names: &NameSettings) -> Watched {
     let handle = ResolveHandle::default();
-    let Some(mut name) = name_watch(guard, endpoint, policy, resolver, &handle)? else {
+    let Some(mut name) = name_watch(guard, endpoint, names, &handle)? else {
         return Ok((fixed([endpoint.to_owned()]), handle));
     };
     let itself: Arc<[ReplicaTarget]> = Arc::from(vec![ReplicaTarget::of_name(endpoint, endpoint)]);
     let (tx, rx) = watch::channel(itself);
+    let interval = names.interval.max(MIN_RESOLVE_GAP);
     tokio::spawn(async move {
         tokio::select! {
             first = name.resolve() => {
@@ -257,7 +251,7 @@ pub fn watch_name(
             }
             () = tx.closed() => return,
         }
-        name.run(tx, interval.max(MIN_RESOLVE_GAP)).await;
+        name.run(tx, interval).await;
     });
     Ok((rx, handle))
 }
@@ -416,9 +410,12 @@ mod tests {
         interval: Duration,
         resolver: &Arc<Scripted>,
     ) -> (Replicas, ResolveHandle) {
-        watch_endpoint("g", endpoint, policy, interval, resolver.clone())
-            .await
-            .unwrap()
+        let names = NameSettings {
+            policy,
+            interval,
+            resolver: resolver.clone(),
+        };
+        watch_endpoint("g", endpoint, &names).await.unwrap()
     }
 
     #[test]

@@ -130,13 +130,7 @@ impl GuardSources {
             // read: dialed as written, as before R32.
             _ => return as_written(),
         }
-        match dns::watch_name(
-            &self.guard,
-            endpoint,
-            names.policy.clone(),
-            names.interval,
-            names.resolver.clone(),
-        ) {
+        match dns::watch_name(&self.guard, endpoint, names) {
             Ok((replicas, handle)) => TargetWatch {
                 replicas,
                 resolve: Some(handle),

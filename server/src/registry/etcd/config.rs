@@ -88,6 +88,16 @@ impl std::fmt::Debug for EtcdConfig {
 }
 
 impl EtcdConfig {
+    /// Plain `http://` endpoints under `prefix`, without credentials, with
+    /// the default timeouts.
+    pub fn plain(endpoints: Vec<String>, prefix: &str) -> Self {
+        Self {
+            endpoints,
+            prefix: prefix.to_owned(),
+            ..Self::default()
+        }
+    }
+
     /// Refuses settings that could only fail later, with the key to fix.
     pub(super) fn validate(&self) -> Result<(), ConnectError> {
         let bad = |what: String| Err(ConnectError::Config(format!("[registry] {what}")));

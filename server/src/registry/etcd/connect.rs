@@ -5,6 +5,7 @@
 use super::Shared;
 use super::config::EtcdConfig;
 use super::error::{Attempt, ConnectError, RequestError};
+use crate::etcd_tls::EtcdTlsError;
 use etcd_client::{Client, ConnectOptions};
 use std::future::Future;
 use std::time::{Duration, Instant};
@@ -99,6 +100,24 @@ pub async fn client(config: &EtcdConfig) -> Result<Client, ConnectError> {
     connect_client(config, true).await
 }
 
+/// What every client of the mesh's etcd connects with: the configured
+/// credentials and TLS, the dial and request timeouts, and a leader
+/// required: a member cut off from the quorum refuses at once ("no
+/// leader") instead of answering from its old state, and cancels watches
+/// once it has lost its leader, so requests go to a member that can
+/// answer.
+pub(crate) fn options(config: &EtcdConfig) -> Result<ConnectOptions, EtcdTlsError> {
+    let options = ConnectOptions::new()
+        .with_connect_timeout(config.request_timeout.min(config.dial_timeout))
+        .with_require_leader(true);
+    crate::etcd_tls::with_credentials(
+        options,
+        config.username.as_ref(),
+        config.password.as_ref(),
+        config.tls.as_ref(),
+    )
+}
+
 /// Connects a client with the configured credentials and TLS.
 ///
 /// `refresh_in_calls`: whether a request refused for a stale auth token
@@ -111,23 +130,12 @@ pub(super) async fn connect_client(
     refresh_in_calls: bool,
 ) -> Result<Client, ConnectError> {
     config.validate()?;
-    let mut options = ConnectOptions::new()
-        .with_connect_timeout(config.request_timeout.min(config.dial_timeout))
+    let options = options(config)?
         // HTTP/2 pings notice a dead connection even when no request is out.
         .with_keep_alive(config.heartbeat_interval, config.request_timeout)
         // etcd's simple tokens do not survive an etcd restart; without this
         // a replica would stay unauthenticated after etcd comes back.
-        .with_auto_token_refresh(refresh_in_calls)
-        // A member cut off from the quorum refuses at once ("no leader")
-        // instead of answering from its old state, and cancels watches once
-        // it has lost its leader: requests go to a member that can answer.
-        .with_require_leader(true);
-    options = crate::etcd_tls::with_credentials(
-        options,
-        config.username.as_ref(),
-        config.password.as_ref(),
-        config.tls.as_ref(),
-    )?;
+        .with_auto_token_refresh(refresh_in_calls);
     let unreachable = |cause: String| ConnectError::Unreachable {
         endpoints: config.endpoints.join(","),
         cause,

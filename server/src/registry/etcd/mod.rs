@@ -119,6 +119,7 @@ mod write;
 pub use crate::etcd_tls::TlsFiles;
 pub use config::{AfterWindow, EtcdConfig};
 pub use connect::client;
+pub(crate) use connect::options as connect_options;
 pub use error::ConnectError;
 pub use health::{Liveness, RegistryStatus};
 
