@@ -656,6 +656,20 @@ impl Proxy {
                 {
                     approvals.cancel_call(&text);
                 }
+                // R31: the tool calls a model asks for through sampling are
+                // judged before the upstream receives the answer.
+                let text = if request.is_none() && crate::sampling::may_use_tools(&text) {
+                    match crate::sampling::judged_answer(&self.judge, &session, text).await {
+                        Some(text) => text,
+                        None => {
+                            let mut response = Response::new(full(Bytes::new()));
+                            *response.status_mut() = StatusCode::ACCEPTED;
+                            return response;
+                        }
+                    }
+                } else {
+                    text
+                };
                 // R35: what the client declares at initialize.
                 let initialize = (self.approver.is_some()
                     && request.is_some()
@@ -774,7 +788,10 @@ impl Proxy {
                         text,
                         request: None,
                         ..
-                    } => text.contains(crate::approval::ID_PREFIX),
+                    } => {
+                        text.contains(crate::approval::ID_PREFIX)
+                            || crate::sampling::may_use_tools(text)
+                    }
                     Item::Forward { text, .. } => crate::interceptors::may_be_ours(text),
                     _ => false,
                 };
@@ -968,6 +985,12 @@ impl Proxy {
                     {
                         continue;
                     }
+                    // R31: tool calls asked for through sampling, judged.
+                    let Some(text) =
+                        crate::sampling::judged_answer(&self.judge, session, text).await
+                    else {
+                        continue;
+                    };
                     if let Some(text) = self.flight.outgoing_notification(session, text) {
                         forwards.push((text, None, Purpose::Plain, false));
                     }

@@ -583,6 +583,20 @@ where
                 if request.is_none() {
                     approvals.cancel_call(&text);
                 }
+                // R31: the tool calls a model asks for through sampling are
+                // judged before the upstream receives the answer.
+                if request.is_none() && crate::sampling::may_use_tools(&text) {
+                    let (judge, session) = (judge.clone(), session.clone());
+                    let to_upstream = to_upstream.clone();
+                    tasks.spawn(async move {
+                        if let Some(text) =
+                            crate::sampling::judged_answer(&judge, &session, text).await
+                        {
+                            let _ = to_upstream.send(text).await;
+                        }
+                    });
+                    continue;
+                }
                 let text = match &request {
                     Some(key) => {
                         if let Err(error) = flight.reserve(&session, key) {
@@ -820,6 +834,10 @@ async fn relay_batch(
                     continue;
                 }
                 approvals.cancel_call(&text);
+                // R31: tool calls asked for through sampling, judged.
+                let Some(text) = crate::sampling::judged_answer(judge, session, text).await else {
+                    continue;
+                };
                 if let Some(text) = flight.outgoing_notification(session, text) {
                     forwards.push((text, None));
                 }
