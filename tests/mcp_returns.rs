@@ -512,3 +512,28 @@ async fn r31_a_session_id_is_honoured_only_as_the_gateway_issued_it() {
     assert_eq!(status, 200, "{answer}");
     assert!(answer.contains(WITHHELD), "{answer}");
 }
+
+/// R31, R33 over HTTP: a sampling request the upstream sends in its answer
+/// to a call whose result the mesh judges (an answer the gateway reads
+/// whole, alone or in a JSON-RPC batch) cannot be sent to the client
+/// there: the gateway answers it with `-32076`, so the upstream does not
+/// wait for it, and the call's result is judged and relayed. The scripted
+/// upstream says in the call's result what answer its request got.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn r31_r33_a_request_inside_a_judged_answer_is_answered_http() {
+    let (mesh, guard) = mesh_judging_results("returns-sampler-http").await;
+    let (port, _upstream) = odd_http().await;
+    let (url, _gateway) = gateway_before(&mesh.url, "127.0.0.1", port, &[]).await;
+    let session = http_session(&url).await;
+    let call = RawGateway::call(json!(1), "sampler", json!({}));
+    for body in [call.to_string(), json!([call]).to_string()] {
+        let (status, _, answer) = post(&url, Some(&session), &body).await;
+        assert_eq!(status, 200, "{answer}");
+        assert!(
+            answer.contains("sampling answered with -32076"),
+            "the upstream got the gateway's answer: {answer}"
+        );
+        assert!(!answer.contains("sampling/createMessage"), "{answer}");
+    }
+    assert_eq!(guard.guard.requests(), 2, "both results judged");
+}

@@ -303,7 +303,11 @@ impl Proxy {
     /// whole, and the client gets the response with exactly that id
     /// ([`crate::upstream::answer`]: judged when `purpose` says so), in
     /// the gateway's serialization, and the upstream's `Mcp-Session-Id`.
-    /// Other messages of the answer are dropped (logged). An answer
+    /// The answer is read message by message as it streams: a request
+    /// the upstream sends in it (sampling, elicitation, ...) cannot reach
+    /// the client here and is answered by the gateway at once with
+    /// [`crate::upstream::WITHHELD_WHILE_JUDGING`], so the upstream does
+    /// not wait for it; other messages are dropped (logged). An answer
     /// without that response is a bad gateway, nothing of it forwarded.
     async fn exchange(
         &self,
@@ -322,7 +326,10 @@ impl Proxy {
             Err(why) => return Err(Self::bad_gateway(why)),
         };
         let session_header = response.headers().get("mcp-session-id").cloned();
-        for answer in responses_of(response).await {
+        // Message by message as the answer streams: a request the upstream
+        // sends before its response waits for an answer.
+        let mut messages = crate::stream::Messages::new(response);
+        while let Some(answer) = messages.next().await {
             match upstream::read(&answer) {
                 Ok(Message::Response { id: got, message }) => {
                     match self.flight.answered_as(&got, id) {
@@ -336,6 +343,21 @@ impl Proxy {
                             "dropped an upstream response that answers no request in flight"
                         ),
                     }
+                }
+                Ok(Message::Other(message)) if message.get("id").is_some() => {
+                    // A request (sampling, elicitation, ...) the client
+                    // cannot be sent here: answered, so the upstream does
+                    // not wait for it.
+                    tracing::warn!(
+                        method = ?message.get("method").map(crate::json::Json::to_text),
+                        "answered a request the upstream sent in an answer the gateway reads whole"
+                    );
+                    let answer = upstream::withheld(
+                        &message,
+                        "in the answer to a request the gateway reads whole (a tool call \
+                         whose result the mesh judges, or an element of a JSON-RPC batch)",
+                    );
+                    self.answer_upstream(headers, answer).await;
                 }
                 Ok(Message::Other(message)) => tracing::warn!(
                     method = ?message.get("method").map(crate::json::Json::to_text),
@@ -357,6 +379,30 @@ impl Proxy {
         Err(Self::bad_gateway(
             "the upstream's answer holds no response to the request".into(),
         ))
+    }
+
+    /// Sends the upstream the gateway's own answer `text` to one of its
+    /// requests, in the session of `headers` (the client's request's);
+    /// bounded in time: an upstream that does not take it is logged.
+    async fn answer_upstream(&self, headers: &HeaderMap, text: String) {
+        let headers = crate::routing::without(headers);
+        let sent = tokio::time::timeout(
+            ANSWER_UPSTREAM_TIMEOUT,
+            self.send(Method::POST, &headers, full(text)),
+        )
+        .await;
+        match sent {
+            Ok(Ok(response)) => {
+                // Read to its end (bounded), so the connection is reused.
+                let _ = tokio::time::timeout(
+                    ANSWER_UPSTREAM_TIMEOUT,
+                    http_body_util::Limited::new(response.into_body(), 64 << 10).collect(),
+                )
+                .await;
+            }
+            Ok(Err(why)) => tracing::warn!(%why, "the upstream did not take the gateway's answer"),
+            Err(_) => tracing::warn!("the upstream did not take the gateway's answer in time"),
+        }
     }
 
     /// [`Self::exchange`] answered as one JSON message.
@@ -1039,6 +1085,10 @@ impl Proxy {
     }
 }
 
+/// How long the gateway's own answer to an upstream's request may take
+/// to send.
+const ANSWER_UPSTREAM_TIMEOUT: Duration = Duration::from_secs(10);
+
 /// How long a connection to the upstream is kept idle for reuse.
 const UPSTREAM_IDLE: Duration = Duration::from_secs(2);
 
@@ -1112,47 +1162,6 @@ fn sse_without_schemas(text: &str, listing: &[String]) -> String {
             out.push('\n');
         }
         out.push('\n');
-    }
-    out
-}
-
-/// The JSON-RPC responses in an upstream answer: a JSON body (one message
-/// or an array) or an SSE stream's `data:` events.
-async fn responses_of(response: Response<Body>) -> Vec<String> {
-    let sse = response
-        .headers()
-        .get(header::CONTENT_TYPE)
-        .and_then(|v| v.to_str().ok())
-        .is_some_and(|v| v.starts_with("text/event-stream"));
-    let Ok(body) = response.into_body().collect().await else {
-        return Vec::new();
-    };
-    let body = body.to_bytes();
-    let texts: Vec<String> = if sse {
-        String::from_utf8_lossy(&body)
-            .split("\n\n")
-            .filter_map(|event| {
-                let data: Vec<&str> = event
-                    .lines()
-                    .filter_map(|l| l.strip_prefix("data:"))
-                    .map(str::trim_start)
-                    .collect();
-                (!data.is_empty()).then(|| data.join("\n"))
-            })
-            .collect()
-    } else {
-        vec![String::from_utf8_lossy(&body).into_owned()]
-    };
-    let mut out = Vec::new();
-    for text in texts {
-        match serde_json::from_str::<Vec<Box<serde_json::value::RawValue>>>(&text) {
-            Ok(many) => out.extend(many.into_iter().map(|m| m.get().to_owned())),
-            Err(_) => {
-                if jsonrpc::response_key(text.as_bytes()).is_some() {
-                    out.push(text);
-                }
-            }
-        }
     }
     out
 }

@@ -562,18 +562,29 @@ pub fn while_judging(mut message: Json) -> Result<Json, String> {
     if matches!(method, "ping" | "roots/list") {
         return Ok(message);
     }
+    Err(withheld(
+        &message,
+        "while a tool call whose result the mesh judges is running",
+    ))
+}
+
+/// The gateway's answer to the upstream's request `message`, not relayed
+/// to the client `when` (what was going on): the error
+/// [`WITHHELD_WHILE_JUDGING`], under the request's id.
+pub fn withheld(message: &Json, when: &str) -> String {
+    let method = message.get("method").and_then(Json::as_str).unwrap_or("");
     let data = ErrorData::new(
         WITHHELD_WHILE_JUDGING,
         format!(
-            "guardmesh: {method} is not relayed to the client while a tool call whose result \
-             the mesh judges is running (its text would reach the model unjudged)"
+            "guardmesh: {method} is not relayed to the client {when} (its text would reach \
+             the model unjudged)"
         ),
         None,
     );
     let id = message
         .get("id")
         .and_then(|id| serde_json::value::RawValue::from_string(id.to_text()).ok());
-    Err(crate::jsonrpc::error(id.as_deref(), &data))
+    crate::jsonrpc::error(id.as_deref(), &data)
 }
 
 /// The members of a task (`tasks/get`) kept beside a judged result.
