@@ -733,14 +733,24 @@ impl Proxy {
                     },
                     None => None,
                 };
-                // R33: a task's result is judged like a call's.
-                if let Some(key) = &request
-                    && let purpose @ crate::upstream::Purpose::Task(_) =
-                        self.flight.purpose_of(&text)
-                {
-                    return self
-                        .forward_judged(&parts.headers, &session, key, purpose, &text)
-                        .await;
+                // R33: a task's result is judged like a call's; one that
+                // cannot be judged is not fetched.
+                if let Some(key) = &request {
+                    use crate::upstream::Purpose;
+                    match self.flight.purpose_of(&text) {
+                        Ok(purpose @ (Purpose::Task(_) | Purpose::UnseenTask)) => {
+                            return self
+                                .forward_judged(&parts.headers, &session, key, purpose, &text)
+                                .await;
+                        }
+                        Ok(_) => {}
+                        Err(error) => {
+                            return json_response(
+                                StatusCode::OK,
+                                crate::upstream::refuse(&text, &error),
+                            );
+                        }
+                    }
                 }
                 let Some(text) = self.flight.outgoing_notification(&session, text) else {
                     let mut response = Response::new(full(Bytes::new()));
@@ -797,18 +807,17 @@ impl Proxy {
                         );
                         let headers = &rewritten;
                         // R33: a result the chain judges is read whole and
-                        // judged before the client sees it.
-                        match self.judge.take_pending(&session, &key) {
-                            Some(pending) => {
-                                let purpose = crate::upstream::Purpose::Call(Some(pending));
-                                self.forward_judged(headers, &session, &key, purpose, &text)
-                                    .await
-                            }
-                            None => {
-                                let expected = crate::upstream::id_of(&text);
-                                self.forward(parts.method, headers, full(text), expected)
-                                    .await
-                            }
+                        // judged before the client sees it; so is a task's
+                        // creation, so that its result is known when fetched.
+                        let pending = self.judge.take_pending(&session, &key);
+                        if pending.is_some() || crate::upstream::creates_task(&text) {
+                            let purpose = crate::upstream::Purpose::Call(pending);
+                            self.forward_judged(headers, &session, &key, purpose, &text)
+                                .await
+                        } else {
+                            let expected = crate::upstream::id_of(&text);
+                            self.forward(parts.method, headers, full(text), expected)
+                                .await
                         }
                     }
                     Disposition::Answer(text) => json_response(StatusCode::OK, text),
@@ -1014,8 +1023,10 @@ impl Proxy {
                 } => match self.flight.hold(session, &key) {
                     Ok(h) => {
                         held.push(h);
-                        let purpose = self.flight.purpose_of(&text);
-                        forwards.push((text, Some(key), purpose, lists_tools));
+                        match self.flight.purpose_of(&text) {
+                            Ok(purpose) => forwards.push((text, Some(key), purpose, lists_tools)),
+                            Err(error) => answers.push(crate::upstream::refuse(&text, &error)),
+                        }
                     }
                     Err(error) => answers.push(crate::upstream::refuse(&text, &error)),
                 },

@@ -607,8 +607,17 @@ where
                         if lists_tools {
                             lock(&collector).lists_tools(request.as_ref());
                         }
-                        let purpose = flight.purpose_of(&text);
-                        flight.send(&session, key, purpose, &text)
+                        // R33: a task's result is fetched only when it can
+                        // be judged.
+                        match flight.purpose_of(&text) {
+                            Ok(purpose) => flight.send(&session, key, purpose, &text),
+                            Err(error) => {
+                                flight.release(&session, key);
+                                let _ =
+                                    to_client.send(crate::upstream::refuse(&text, &error)).await;
+                                continue;
+                            }
+                        }
                     }
                     None => flight.outgoing_notification(&session, text),
                 };
@@ -819,7 +828,14 @@ async fn relay_batch(
                 if lists_tools {
                     lock(collector).lists_tools(Some(&key));
                 }
-                let purpose = flight.purpose_of(&text);
+                let purpose = match flight.purpose_of(&text) {
+                    Ok(purpose) => purpose,
+                    Err(error) => {
+                        flight.release(session, &key);
+                        answers.push(crate::upstream::refuse(&text, &error));
+                        continue;
+                    }
+                };
                 if let Some(text) = flight.send(session, &key, purpose, &text) {
                     forwards.push((text, Some(key)));
                 }

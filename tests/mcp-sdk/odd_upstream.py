@@ -25,7 +25,9 @@ Tools (every text holding SECRET is what a results guard must see first):
   ask          `input_required` (2026-07-28) until the call carries
                `requestState`, then a clean answer
   any tool with `params.task`: a task is created; `tasks/result` answers
-               the tool's result holding SECRET, `tasks/get` the task
+               the tool's result holding SECRET (for any task id, created
+               or not), `tasks/get` the task (with a result holding SECRET
+               too for a task id starting with `full-`)
 """
 
 import json
@@ -113,7 +115,11 @@ def handle(msg):
     if method == "tasks/result":
         return [answer(id_, text("task result " + SECRET))]
     if method == "tasks/get":
-        return [answer(id_, task(params.get("taskId", "?"), "completed"))]
+        task_id = params.get("taskId", "?")
+        if task_id.startswith("full-"):
+            # A status that carries a result too.
+            return [answer(id_, {**task(task_id, "completed"), **text("task result " + SECRET)})]
+        return [answer(id_, task(task_id, "completed"))]
     return [answer(id_, {})]
 
 
