@@ -44,7 +44,8 @@
 //!   SDK (R31); `mcp_readme`: the client and hook snippets of
 //!   `docs/mcp-and-hooks.md` as written; `mcp_relay`: grouping over HTTP and the stderr relay;
 //!   `mcp_smuggling`: calls smuggled past the gateway to Python, Go and
-//!   TypeScript peers.
+//!   TypeScript peers; `mcp_returns`: what comes back from the upstream;
+//!   `mcp_sampling`: tool calls a model asks for through sampling.
 //!   `mcp_bounds`: slow, idle and flooding clients, Origin and Host, and a
 //!   chatty upstream (R25 through the gateway); `mcp_answers`: every answer
 //!   accepted by the official SDK clients; `mcp_revision`,
@@ -126,6 +127,7 @@ mod mcp_relay;
 mod mcp_returns;
 mod mcp_revision;
 mod mcp_revision_ts;
+mod mcp_sampling;
 mod mcp_smuggling;
 mod mesh_args;
 mod observability;

@@ -437,7 +437,12 @@ impl RawGateway {
 
     /// Starts `command` (a `guardmesh mcp stdio ...` line, its stderr set)
     /// and initializes the session.
-    pub(crate) fn spawn(mut command: Command) -> Self {
+    pub(crate) fn spawn(command: Command) -> Self {
+        Self::spawn_declaring(command, json!({}))
+    }
+
+    /// [`RawGateway::spawn`], the client declaring `capabilities`.
+    pub(crate) fn spawn_declaring(mut command: Command, capabilities: Value) -> Self {
         let mut child = command
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
@@ -452,7 +457,7 @@ impl RawGateway {
         };
         gateway.send(
             &json!({"jsonrpc": "2.0", "id": "init", "method": "initialize", "params": {
-            "protocolVersion": "2025-11-25", "capabilities": {},
+            "protocolVersion": "2025-11-25", "capabilities": capabilities,
             "clientInfo": {"name": "raw", "version": "0"}}})
             .to_string(),
         );

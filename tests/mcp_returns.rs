@@ -512,3 +512,123 @@ async fn r31_a_session_id_is_honoured_only_as_the_gateway_issued_it() {
     assert_eq!(status, 200, "{answer}");
     assert!(answer.contains(WITHHELD), "{answer}");
 }
+
+/// R31, R33 over HTTP: a sampling request the upstream sends in its answer
+/// to a call whose result the mesh judges (an answer the gateway reads
+/// whole, alone or in a JSON-RPC batch) cannot be sent to the client
+/// there: the gateway answers it with `-32076`, so the upstream does not
+/// wait for it, and the call's result is judged and relayed. The scripted
+/// upstream says in the call's result what answer its request got.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn r31_r33_a_request_inside_a_judged_answer_is_answered_http() {
+    let (mesh, guard) = mesh_judging_results("returns-sampler-http").await;
+    let (port, _upstream) = odd_http().await;
+    let (url, _gateway) = gateway_before(&mesh.url, "127.0.0.1", port, &[]).await;
+    let session = http_session(&url).await;
+    let call = RawGateway::call(json!(1), "sampler", json!({}));
+    for body in [call.to_string(), json!([call]).to_string()] {
+        let (status, _, answer) = post(&url, Some(&session), &body).await;
+        assert_eq!(status, 200, "{answer}");
+        assert!(
+            answer.contains("sampling answered with -32076"),
+            "the upstream got the gateway's answer: {answer}"
+        );
+        assert!(!answer.contains("sampling/createMessage"), "{answer}");
+    }
+    assert_eq!(guard.guard.requests(), 2, "both results judged");
+}
+
+/// The requests of a client fetching tasks the gateway did not see
+/// created (by the upstream behind its back, or before it started): a
+/// result (`taskId`, and `TASKID` as Go's `encoding/json` reads it) and a
+/// status that carries a result.
+fn unseen_task_requests() -> [String; 3] {
+    [
+        r#"{"jsonrpc":"2.0","id":"r","method":"tasks/result","params":{"taskId":"task-9"}}"#,
+        r#"{"jsonrpc":"2.0","id":"R","method":"tasks/result","params":{"TASKID":"task-9"}}"#,
+        r#"{"jsonrpc":"2.0","id":"g","method":"tasks/get","params":{"taskId":"full-9"}}"#,
+    ]
+    .map(str::to_owned)
+}
+
+/// The answers to [`unseen_task_requests`]: both results refused with
+/// `-32077` (not judged, so not fetched), the status relayed without the
+/// result it carried.
+fn assert_unseen_tasks_refused(answers: &[Value]) {
+    no_secret(answers);
+    for answer in &answers[..2] {
+        assert_eq!(answer["error"]["code"], -32077, "{answer}");
+        assert!(
+            answer["error"]["message"]
+                .as_str()
+                .unwrap()
+                .contains("was not created through this gateway"),
+            "{answer}"
+        );
+    }
+    assert_eq!(answers[2]["id"], "g", "{}", answers[2]);
+    assert_eq!(
+        answers[2]["result"]["status"], "completed",
+        "{}",
+        answers[2]
+    );
+    assert!(
+        answers[2]["result"].get("content").is_none(),
+        "{}",
+        answers[2]
+    );
+}
+
+/// R31, R33: the result of a task the gateway did not see created cannot
+/// be judged: `tasks/result` of it is refused, never fetched and relayed
+/// unjudged; `tasks/get` of it relays the task's status only. A task
+/// created through the gateway under a chain that does not judge results
+/// is fetched as before.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn r31_r33_a_task_not_seen_created_is_never_relayed_unjudged() {
+    let (mesh, guard) = mesh_judging_results("returns-unseen-task").await;
+    let url = mesh.url.clone();
+    let answers = tokio::task::spawn_blocking(move || {
+        let mut gateway = raw_gateway(&url);
+        let answers: Vec<Value> = unseen_task_requests()
+            .iter()
+            .map(|request| {
+                gateway.send(request);
+                gateway.recv()
+            })
+            .collect();
+        gateway.end();
+        answers
+    })
+    .await
+    .unwrap();
+    assert_unseen_tasks_refused(&answers);
+    let (port, _upstream) = odd_http().await;
+    let (url, _gateway) = gateway_before(&mesh.url, "127.0.0.1", port, &[]).await;
+    let session = http_session(&url).await;
+    let mut answers = Vec::new();
+    for request in unseen_task_requests() {
+        let (status, _, answer) = post(&url, Some(&session), &request).await;
+        assert_eq!(status, 200, "{answer}");
+        answers.push(serde_json::from_str(&answer).unwrap_or(json!(answer)));
+    }
+    assert_unseen_tasks_refused(&answers);
+    assert_eq!(guard.guard.requests(), 0, "nothing to judge");
+
+    // Without a results guard, a task created through the gateway is
+    // fetched as before (its result is the plain call's, unjudged).
+    let plain = MeshProcess::start("returns-seen-task", "", None).await;
+    let (url, _plain_gateway) = gateway_before(&plain.url, "127.0.0.1", port, &[]).await;
+    let session = http_session(&url).await;
+    let mut call = RawGateway::call(json!(5), "clean", json!({}));
+    call["params"]["task"] = json!({"ttl": 60000});
+    let (_, _, created) = post(&url, Some(&session), &call.to_string()).await;
+    let created: Value = serde_json::from_str(&created).unwrap_or(json!(created));
+    let task = created["result"]["task"]["taskId"]
+        .as_str()
+        .unwrap_or_else(|| panic!("{created}"));
+    let fetch = json!({"jsonrpc": "2.0", "id": 6, "method": "tasks/result",
+        "params": {"taskId": task}});
+    let (_, _, result) = post(&url, Some(&session), &fetch.to_string()).await;
+    assert!(result.contains("task result"), "{result}");
+}

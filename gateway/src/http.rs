@@ -303,7 +303,11 @@ impl Proxy {
     /// whole, and the client gets the response with exactly that id
     /// ([`crate::upstream::answer`]: judged when `purpose` says so), in
     /// the gateway's serialization, and the upstream's `Mcp-Session-Id`.
-    /// Other messages of the answer are dropped (logged). An answer
+    /// The answer is read message by message as it streams: a request
+    /// the upstream sends in it (sampling, elicitation, ...) cannot reach
+    /// the client here and is answered by the gateway at once with
+    /// [`crate::upstream::WITHHELD_WHILE_JUDGING`], so the upstream does
+    /// not wait for it; other messages are dropped (logged). An answer
     /// without that response is a bad gateway, nothing of it forwarded.
     async fn exchange(
         &self,
@@ -322,7 +326,10 @@ impl Proxy {
             Err(why) => return Err(Self::bad_gateway(why)),
         };
         let session_header = response.headers().get("mcp-session-id").cloned();
-        for answer in responses_of(response).await {
+        // Message by message as the answer streams: a request the upstream
+        // sends before its response waits for an answer.
+        let mut messages = crate::stream::Messages::new(response);
+        while let Some(answer) = messages.next().await {
             match upstream::read(&answer) {
                 Ok(Message::Response { id: got, message }) => {
                     match self.flight.answered_as(&got, id) {
@@ -336,6 +343,21 @@ impl Proxy {
                             "dropped an upstream response that answers no request in flight"
                         ),
                     }
+                }
+                Ok(Message::Other(message)) if message.get("id").is_some() => {
+                    // A request (sampling, elicitation, ...) the client
+                    // cannot be sent here: answered, so the upstream does
+                    // not wait for it.
+                    tracing::warn!(
+                        method = ?message.get("method").map(crate::json::Json::to_text),
+                        "answered a request the upstream sent in an answer the gateway reads whole"
+                    );
+                    let answer = upstream::withheld(
+                        &message,
+                        "in the answer to a request the gateway reads whole (a tool call \
+                         whose result the mesh judges, or an element of a JSON-RPC batch)",
+                    );
+                    self.answer_upstream(headers, answer).await;
                 }
                 Ok(Message::Other(message)) => tracing::warn!(
                     method = ?message.get("method").map(crate::json::Json::to_text),
@@ -357,6 +379,30 @@ impl Proxy {
         Err(Self::bad_gateway(
             "the upstream's answer holds no response to the request".into(),
         ))
+    }
+
+    /// Sends the upstream the gateway's own answer `text` to one of its
+    /// requests, in the session of `headers` (the client's request's);
+    /// bounded in time: an upstream that does not take it is logged.
+    async fn answer_upstream(&self, headers: &HeaderMap, text: String) {
+        let headers = crate::routing::without(headers);
+        let sent = tokio::time::timeout(
+            ANSWER_UPSTREAM_TIMEOUT,
+            self.send(Method::POST, &headers, full(text)),
+        )
+        .await;
+        match sent {
+            Ok(Ok(response)) => {
+                // Read to its end (bounded), so the connection is reused.
+                let _ = tokio::time::timeout(
+                    ANSWER_UPSTREAM_TIMEOUT,
+                    http_body_util::Limited::new(response.into_body(), 64 << 10).collect(),
+                )
+                .await;
+            }
+            Ok(Err(why)) => tracing::warn!(%why, "the upstream did not take the gateway's answer"),
+            Err(_) => tracing::warn!("the upstream did not take the gateway's answer in time"),
+        }
     }
 
     /// [`Self::exchange`] answered as one JSON message.
@@ -656,6 +702,20 @@ impl Proxy {
                 {
                     approvals.cancel_call(&text);
                 }
+                // R31: the tool calls a model asks for through sampling are
+                // judged before the upstream receives the answer.
+                let text = if request.is_none() && crate::sampling::may_use_tools(&text) {
+                    match crate::sampling::judged_answer(&self.judge, &session, text).await {
+                        Some(text) => text,
+                        None => {
+                            let mut response = Response::new(full(Bytes::new()));
+                            *response.status_mut() = StatusCode::ACCEPTED;
+                            return response;
+                        }
+                    }
+                } else {
+                    text
+                };
                 // R35: what the client declares at initialize.
                 let initialize = (self.approver.is_some()
                     && request.is_some()
@@ -673,14 +733,24 @@ impl Proxy {
                     },
                     None => None,
                 };
-                // R33: a task's result is judged like a call's.
-                if let Some(key) = &request
-                    && let purpose @ crate::upstream::Purpose::Task(_) =
-                        self.flight.purpose_of(&text)
-                {
-                    return self
-                        .forward_judged(&parts.headers, &session, key, purpose, &text)
-                        .await;
+                // R33: a task's result is judged like a call's; one that
+                // cannot be judged is not fetched.
+                if let Some(key) = &request {
+                    use crate::upstream::Purpose;
+                    match self.flight.purpose_of(&text) {
+                        Ok(purpose @ (Purpose::Task(_) | Purpose::UnseenTask)) => {
+                            return self
+                                .forward_judged(&parts.headers, &session, key, purpose, &text)
+                                .await;
+                        }
+                        Ok(_) => {}
+                        Err(error) => {
+                            return json_response(
+                                StatusCode::OK,
+                                crate::upstream::refuse(&text, &error),
+                            );
+                        }
+                    }
                 }
                 let Some(text) = self.flight.outgoing_notification(&session, text) else {
                     let mut response = Response::new(full(Bytes::new()));
@@ -737,18 +807,17 @@ impl Proxy {
                         );
                         let headers = &rewritten;
                         // R33: a result the chain judges is read whole and
-                        // judged before the client sees it.
-                        match self.judge.take_pending(&session, &key) {
-                            Some(pending) => {
-                                let purpose = crate::upstream::Purpose::Call(Some(pending));
-                                self.forward_judged(headers, &session, &key, purpose, &text)
-                                    .await
-                            }
-                            None => {
-                                let expected = crate::upstream::id_of(&text);
-                                self.forward(parts.method, headers, full(text), expected)
-                                    .await
-                            }
+                        // judged before the client sees it; so is a task's
+                        // creation, so that its result is known when fetched.
+                        let pending = self.judge.take_pending(&session, &key);
+                        if pending.is_some() || crate::upstream::creates_task(&text) {
+                            let purpose = crate::upstream::Purpose::Call(pending);
+                            self.forward_judged(headers, &session, &key, purpose, &text)
+                                .await
+                        } else {
+                            let expected = crate::upstream::id_of(&text);
+                            self.forward(parts.method, headers, full(text), expected)
+                                .await
                         }
                     }
                     Disposition::Answer(text) => json_response(StatusCode::OK, text),
@@ -774,7 +843,10 @@ impl Proxy {
                         text,
                         request: None,
                         ..
-                    } => text.contains(crate::approval::ID_PREFIX),
+                    } => {
+                        text.contains(crate::approval::ID_PREFIX)
+                            || crate::sampling::may_use_tools(text)
+                    }
                     Item::Forward { text, .. } => crate::interceptors::may_be_ours(text),
                     _ => false,
                 };
@@ -951,8 +1023,10 @@ impl Proxy {
                 } => match self.flight.hold(session, &key) {
                     Ok(h) => {
                         held.push(h);
-                        let purpose = self.flight.purpose_of(&text);
-                        forwards.push((text, Some(key), purpose, lists_tools));
+                        match self.flight.purpose_of(&text) {
+                            Ok(purpose) => forwards.push((text, Some(key), purpose, lists_tools)),
+                            Err(error) => answers.push(crate::upstream::refuse(&text, &error)),
+                        }
                     }
                     Err(error) => answers.push(crate::upstream::refuse(&text, &error)),
                 },
@@ -968,6 +1042,12 @@ impl Proxy {
                     {
                         continue;
                     }
+                    // R31: tool calls asked for through sampling, judged.
+                    let Some(text) =
+                        crate::sampling::judged_answer(&self.judge, session, text).await
+                    else {
+                        continue;
+                    };
                     if let Some(text) = self.flight.outgoing_notification(session, text) {
                         forwards.push((text, None, Purpose::Plain, false));
                     }
@@ -1015,6 +1095,10 @@ impl Proxy {
         json_response(StatusCode::OK, format!("[{}]", answers.join(",")))
     }
 }
+
+/// How long the gateway's own answer to an upstream's request may take
+/// to send.
+const ANSWER_UPSTREAM_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// How long a connection to the upstream is kept idle for reuse.
 const UPSTREAM_IDLE: Duration = Duration::from_secs(2);
@@ -1089,47 +1173,6 @@ fn sse_without_schemas(text: &str, listing: &[String]) -> String {
             out.push('\n');
         }
         out.push('\n');
-    }
-    out
-}
-
-/// The JSON-RPC responses in an upstream answer: a JSON body (one message
-/// or an array) or an SSE stream's `data:` events.
-async fn responses_of(response: Response<Body>) -> Vec<String> {
-    let sse = response
-        .headers()
-        .get(header::CONTENT_TYPE)
-        .and_then(|v| v.to_str().ok())
-        .is_some_and(|v| v.starts_with("text/event-stream"));
-    let Ok(body) = response.into_body().collect().await else {
-        return Vec::new();
-    };
-    let body = body.to_bytes();
-    let texts: Vec<String> = if sse {
-        String::from_utf8_lossy(&body)
-            .split("\n\n")
-            .filter_map(|event| {
-                let data: Vec<&str> = event
-                    .lines()
-                    .filter_map(|l| l.strip_prefix("data:"))
-                    .map(str::trim_start)
-                    .collect();
-                (!data.is_empty()).then(|| data.join("\n"))
-            })
-            .collect()
-    } else {
-        vec![String::from_utf8_lossy(&body).into_owned()]
-    };
-    let mut out = Vec::new();
-    for text in texts {
-        match serde_json::from_str::<Vec<Box<serde_json::value::RawValue>>>(&text) {
-            Ok(many) => out.extend(many.into_iter().map(|m| m.get().to_owned())),
-            Err(_) => {
-                if jsonrpc::response_key(text.as_bytes()).is_some() {
-                    out.push(text);
-                }
-            }
-        }
     }
     out
 }

@@ -23,6 +23,8 @@
 //! * [`interceptors`]: `interceptors/list` and `interceptor/invoke` (the
 //!   MCP interceptor extension, SEP-2624) answered through the mesh.
 //! * [`routing`]: the routing headers of the 2026-07-28 revision over HTTP.
+//! * [`sampling`]: the `tool_use` blocks of a client's sampling answer
+//!   judged as calls before the upstream receives them.
 //! * [`upstream`]: what comes back from the upstream, read once and
 //!   matched to its request by the gateway's own ids; `stream`: the
 //!   upstream's HTTP answers relayed message by message.
@@ -74,6 +76,7 @@ pub mod jsonrpc;
 pub mod judge;
 mod pipes;
 pub mod routing;
+pub mod sampling;
 pub mod schemas;
 pub mod sessions;
 pub mod stdio;

@@ -44,6 +44,25 @@ pub fn present(headers: &HeaderMap) -> bool {
         || headers.keys().any(|k| k.as_str().starts_with(PARAM_PREFIX))
 }
 
+/// `headers` without the routing headers: those of a message the gateway
+/// sends the upstream itself (its answer to a server request), which
+/// name no method of the client's.
+pub fn without(headers: &HeaderMap) -> HeaderMap {
+    let mut headers = headers.clone();
+    let routing: Vec<_> = headers
+        .keys()
+        .filter(|k| {
+            let k = k.as_str();
+            k == METHOD || k == NAME || k.starts_with(PARAM_PREFIX)
+        })
+        .cloned()
+        .collect();
+    for name in routing {
+        headers.remove(name);
+    }
+    headers
+}
+
 /// The parameter `method` names in `Mcp-Name`, if any.
 fn named_param(method: &str) -> Option<&'static str> {
     match method {

@@ -583,6 +583,20 @@ where
                 if request.is_none() {
                     approvals.cancel_call(&text);
                 }
+                // R31: the tool calls a model asks for through sampling are
+                // judged before the upstream receives the answer.
+                if request.is_none() && crate::sampling::may_use_tools(&text) {
+                    let (judge, session) = (judge.clone(), session.clone());
+                    let to_upstream = to_upstream.clone();
+                    tasks.spawn(async move {
+                        if let Some(text) =
+                            crate::sampling::judged_answer(&judge, &session, text).await
+                        {
+                            let _ = to_upstream.send(text).await;
+                        }
+                    });
+                    continue;
+                }
                 let text = match &request {
                     Some(key) => {
                         if let Err(error) = flight.reserve(&session, key) {
@@ -593,8 +607,17 @@ where
                         if lists_tools {
                             lock(&collector).lists_tools(request.as_ref());
                         }
-                        let purpose = flight.purpose_of(&text);
-                        flight.send(&session, key, purpose, &text)
+                        // R33: a task's result is fetched only when it can
+                        // be judged.
+                        match flight.purpose_of(&text) {
+                            Ok(purpose) => flight.send(&session, key, purpose, &text),
+                            Err(error) => {
+                                flight.release(&session, key);
+                                let _ =
+                                    to_client.send(crate::upstream::refuse(&text, &error)).await;
+                                continue;
+                            }
+                        }
                     }
                     None => flight.outgoing_notification(&session, text),
                 };
@@ -805,7 +828,14 @@ async fn relay_batch(
                 if lists_tools {
                     lock(collector).lists_tools(Some(&key));
                 }
-                let purpose = flight.purpose_of(&text);
+                let purpose = match flight.purpose_of(&text) {
+                    Ok(purpose) => purpose,
+                    Err(error) => {
+                        flight.release(session, &key);
+                        answers.push(crate::upstream::refuse(&text, &error));
+                        continue;
+                    }
+                };
                 if let Some(text) = flight.send(session, &key, purpose, &text) {
                     forwards.push((text, Some(key)));
                 }
@@ -820,6 +850,10 @@ async fn relay_batch(
                     continue;
                 }
                 approvals.cancel_call(&text);
+                // R31: tool calls asked for through sampling, judged.
+                let Some(text) = crate::sampling::judged_answer(judge, session, text).await else {
+                    continue;
+                };
                 if let Some(text) = flight.outgoing_notification(session, text) {
                     forwards.push((text, None));
                 }

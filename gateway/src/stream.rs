@@ -224,6 +224,117 @@ fn sse_stream(body: Body, expected: Option<Json>) -> Out {
     http_body_util::StreamBody::new(stream).boxed()
 }
 
+/// The JSON-RPC messages of an upstream answer, each as its text, as they
+/// arrive: a JSON body (one message or an array) read whole, an SSE
+/// stream event by event (an event holding an array gives each of its
+/// elements), so that a request the upstream sends mid-answer is seen
+/// before the answer ends. Any other content type holds none.
+pub struct Messages {
+    body: Option<Body>,
+    buf: BytesMut,
+    json: bool,
+    done: bool,
+    queue: std::collections::VecDeque<String>,
+}
+
+impl Messages {
+    pub fn new(response: Response<Body>) -> Self {
+        let sse = is_sse(response.headers());
+        let json = is_json(response.headers());
+        Self {
+            body: Some(response.into_body()),
+            buf: BytesMut::new(),
+            json,
+            done: !(sse || json),
+            queue: std::collections::VecDeque::new(),
+        }
+    }
+
+    /// The data of one event (or a JSON body): its messages queued.
+    fn push(&mut self, data: &str) {
+        if data.trim().is_empty() {
+            return;
+        }
+        match serde_json::from_str::<Vec<Box<serde_json::value::RawValue>>>(data) {
+            Ok(many) => self
+                .queue
+                .extend(many.into_iter().map(|m| m.get().to_owned())),
+            Err(_) => self.queue.push_back(data.to_owned()),
+        }
+    }
+
+    /// An SSE event's lines: its `data:` lines joined, queued.
+    fn push_event(&mut self, event: &[u8]) {
+        let text = String::from_utf8_lossy(event)
+            .replace("\r\n", "\n")
+            .replace('\r', "\n");
+        let data: Vec<&str> = text
+            .lines()
+            .filter_map(|l| l.strip_prefix("data:"))
+            .map(|d| d.strip_prefix(' ').unwrap_or(d))
+            .collect();
+        if !data.is_empty() {
+            self.push(&data.join("\n"));
+        }
+    }
+
+    /// The next message, `None` once the answer has ended.
+    pub async fn next(&mut self) -> Option<String> {
+        loop {
+            if let Some(message) = self.queue.pop_front() {
+                return Some(message);
+            }
+            if self.done {
+                return None;
+            }
+            if self.json {
+                self.done = true;
+                let Some(body) = self.body.take() else {
+                    continue;
+                };
+                match http_body_util::Limited::new(body, MAX_EVENT_BYTES)
+                    .collect()
+                    .await
+                {
+                    Ok(body) => self.push(&String::from_utf8_lossy(&body.to_bytes())),
+                    Err(why) => {
+                        tracing::warn!(%why, "the upstream's answer could not be read whole");
+                    }
+                }
+                continue;
+            }
+            if let Some((start, end)) = event_end(&self.buf) {
+                let event = self.buf.split_to(end);
+                self.push_event(&event[..start]);
+                continue;
+            }
+            if self.buf.len() > MAX_EVENT_BYTES {
+                tracing::warn!(
+                    "an SSE event from the upstream is longer than {MAX_EVENT_BYTES} bytes; the answer is ended"
+                );
+                self.done = true;
+                continue;
+            }
+            let Some(body) = self.body.as_mut() else {
+                self.done = true;
+                continue;
+            };
+            match body.frame().await {
+                Some(Ok(frame)) => {
+                    if let Ok(data) = frame.into_data() {
+                        self.buf.extend_from_slice(&data);
+                    }
+                }
+                Some(Err(_)) | None => {
+                    self.done = true;
+                    let rest = std::mem::take(&mut self.buf);
+                    self.push_event(&rest);
+                }
+            }
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

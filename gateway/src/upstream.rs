@@ -21,10 +21,13 @@
 //!   read, or of what the mesh judged ([`crate::judge::Judge::judge_response`]),
 //!   never the upstream's bytes.
 //! * Tasks: a `tools/call` with `params.task` is answered by a task-created
-//!   result, relayed as read; the call's result, awaited for judging,
-//!   moves to the task's id, and each `tasks/result` (and a `tasks/get`
-//!   whose result carries content) of that task is judged like a plain
-//!   call's result.
+//!   result, relayed as read; the task is remembered, and the call's
+//!   result, when awaited for judging, moves to the task's id: each
+//!   `tasks/result` (and a `tasks/get` whose result carries content) of
+//!   that task is judged like a plain call's result. A task the gateway
+//!   did not see created cannot have its result judged: `tasks/result` of
+//!   it is refused ([`TASK_UNSEEN`]) and `tasks/get` of it relays the
+//!   task's own fields only.
 
 use crate::json::{self, Json};
 use crate::judge::PendingResult;
@@ -33,6 +36,25 @@ use rmcp::model::{ErrorCode, ErrorData};
 use std::collections::{HashMap, VecDeque};
 use std::sync::Mutex;
 use std::sync::atomic::{AtomicU64, Ordering};
+
+/// `tasks/result` of a task the gateway did not see created (before it
+/// started, behind its back, or forgotten past [`MAX_TASKS`]): its result
+/// could not be judged, so it is not fetched.
+pub const TASK_UNSEEN: ErrorCode = ErrorCode(-32077);
+
+/// The error refusing `tasks/result` of the task `task`, not seen created.
+pub fn task_unseen(task: Option<&str>) -> ErrorData {
+    let task = task.map_or_else(|| "without a taskId".to_owned(), |t| format!("{t:?}"));
+    ErrorData::new(
+        TASK_UNSEEN,
+        format!(
+            "guardmesh: task {task} was not created through this gateway (or is no longer \
+             remembered: the latest {MAX_TASKS} are), so its result cannot be judged; it was \
+             not fetched"
+        ),
+        None,
+    )
+}
 
 /// The upstream answered a request with a message the gateway cannot read
 /// alike to every peer (a member twice, an unknown envelope member): the
@@ -60,13 +82,16 @@ pub enum Purpose {
     Call(Option<PendingResult>),
     /// `tasks/result` or `tasks/get` of a task whose result is judged.
     Task(PendingResult),
+    /// `tasks/get` of a task the gateway did not see created: its status
+    /// is relayed, never a result it holds ([`TASK_UNSEEN`]).
+    UnseenTask,
 }
 
 impl Purpose {
     /// The result the mesh judges, if any.
     pub fn judged(&self) -> Option<&PendingResult> {
         match self {
-            Self::Plain | Self::Call(None) => None,
+            Self::Plain | Self::Call(None) | Self::UnseenTask => None,
             Self::Call(Some(pending)) | Self::Task(pending) => Some(pending),
         }
     }
@@ -87,8 +112,9 @@ struct State {
     /// (session, client id key) of requests being judged or in flight:
     /// the upstream id once sent, 0 before.
     by_client: HashMap<(String, String), u64>,
-    /// The judged results tasks hold, by task id.
-    tasks: HashMap<String, PendingResult>,
+    /// The tasks created through the gateway, by task id: the result
+    /// the mesh judges, when it judges the call's.
+    tasks: HashMap<String, Option<PendingResult>>,
     task_order: VecDeque<String>,
 }
 
@@ -283,31 +309,43 @@ impl InFlight {
 
     /// The purpose of a client request other than `tools/call` (`text`:
     /// the gateway's serialization): `tasks/result` and `tasks/get` of a
-    /// task whose result is judged are [`Purpose::Task`].
-    pub fn purpose_of(&self, text: &str) -> Purpose {
+    /// task whose result is judged are [`Purpose::Task`]; `tasks/get` of a
+    /// task the gateway did not see created is [`Purpose::UnseenTask`],
+    /// and `tasks/result` of one is refused ([`TASK_UNSEEN`]): its result
+    /// could not be judged. `params.taskId` is read under any spelling
+    /// Go's `encoding/json` reads as that name.
+    pub fn purpose_of(&self, text: &str) -> Result<Purpose, ErrorData> {
         if !text.contains("\"tasks/") {
-            return Purpose::Plain;
+            return Ok(Purpose::Plain);
         }
         let Ok(read) = json::read(text) else {
-            return Purpose::Plain;
+            return Ok(Purpose::Plain);
         };
         let method = read.value.get("method").and_then(Json::as_str);
-        if !matches!(method, Some("tasks/result" | "tasks/get")) {
-            return Purpose::Plain;
-        }
-        let task = read
-            .value
-            .get("params")
-            .and_then(|p| p.get("taskId"))
-            .and_then(Json::as_str);
-        match task.and_then(|t| self.state().tasks.get(t).cloned()) {
-            Some(pending) => Purpose::Task(pending),
-            None => Purpose::Plain,
+        let fetches = match method {
+            Some("tasks/result") => true,
+            Some("tasks/get") => false,
+            _ => return Ok(Purpose::Plain),
+        };
+        let task = match read.value.get("params") {
+            Some(Json::Object(members)) => members
+                .iter()
+                .find(|(k, _)| casefold::equal_fold(k, "taskId"))
+                .and_then(|(_, v)| v.as_str()),
+            _ => None,
+        };
+        let known = task.and_then(|t| self.state().tasks.get(t).cloned());
+        match known {
+            Some(Some(pending)) => Ok(Purpose::Task(pending)),
+            Some(None) => Ok(Purpose::Plain),
+            None if fetches => Err(task_unseen(task)),
+            None => Ok(Purpose::UnseenTask),
         }
     }
 
-    /// A task was created for a call whose result the mesh judges.
-    pub fn task_created(&self, task: &str, pending: PendingResult) {
+    /// A task was created through the gateway for a call (whose result
+    /// the mesh judges, when `pending`).
+    pub fn task_created(&self, task: &str, pending: Option<PendingResult>) {
         let mut state = self.state();
         if state.tasks.insert(task.to_owned(), pending).is_none() {
             state.task_order.push_back(task.to_owned());
@@ -414,6 +452,19 @@ pub fn read(text: &str) -> Result<Message, Unreadable> {
         id,
         message: read.value,
     })
+}
+
+/// Whether the `tools/call` `text` (the gateway's serialization) asks for
+/// a task (`params.task`, under any spelling Go's `encoding/json` reads
+/// as that name).
+pub fn creates_task(text: &str) -> bool {
+    let Ok(read) = json::read(text) else {
+        return false;
+    };
+    matches!(
+        read.value.get("params"),
+        Some(Json::Object(members)) if members.iter().any(|(k, _)| casefold::equal_fold(k, "task"))
+    )
 }
 
 /// The task id of a task-created result (`{"task": {"taskId": ...}}`).
@@ -562,18 +613,29 @@ pub fn while_judging(mut message: Json) -> Result<Json, String> {
     if matches!(method, "ping" | "roots/list") {
         return Ok(message);
     }
+    Err(withheld(
+        &message,
+        "while a tool call whose result the mesh judges is running",
+    ))
+}
+
+/// The gateway's answer to the upstream's request `message`, not relayed
+/// to the client `when` (what was going on): the error
+/// [`WITHHELD_WHILE_JUDGING`], under the request's id.
+pub fn withheld(message: &Json, when: &str) -> String {
+    let method = message.get("method").and_then(Json::as_str).unwrap_or("");
     let data = ErrorData::new(
         WITHHELD_WHILE_JUDGING,
         format!(
-            "guardmesh: {method} is not relayed to the client while a tool call whose result \
-             the mesh judges is running (its text would reach the model unjudged)"
+            "guardmesh: {method} is not relayed to the client {when} (its text would reach \
+             the model unjudged)"
         ),
         None,
     );
     let id = message
         .get("id")
         .and_then(|id| serde_json::value::RawValue::from_string(id.to_text()).ok());
-    Err(crate::jsonrpc::error(id.as_deref(), &data))
+    crate::jsonrpc::error(id.as_deref(), &data)
 }
 
 /// The members of a task (`tasks/get`) kept beside a judged result.
@@ -599,6 +661,22 @@ pub async fn answer(
     mut message: Json,
 ) -> String {
     message.set("id", sent.client_id.clone());
+    if let Purpose::Call(pending) = &sent.purpose
+        && let Some(task) = message.get("result").and_then(created_task)
+    {
+        // The call's result is the task's, judged when it is fetched.
+        flight.task_created(task, pending.clone());
+        return message.to_text();
+    }
+    if sent.purpose == Purpose::UnseenTask {
+        // A task not seen created: its status only, never a result.
+        if let Some(Json::Object(members)) = message.get("result") {
+            let mut members = members.clone();
+            members.retain(|(k, _)| TASK_FIELDS.contains(&k.as_str()));
+            message.set("result", Json::Object(members));
+        }
+        return message.to_text();
+    }
     let Some(pending) = sent.purpose.judged() else {
         return message.to_text();
     };
@@ -607,11 +685,6 @@ pub async fn answer(
         return judge.judge_error(&sent.session, pending, &message).await;
     };
     let is_task = matches!(sent.purpose, Purpose::Task(_));
-    if !is_task && let Some(task) = created_task(result) {
-        // The call's result is the task's, judged when it is fetched.
-        flight.task_created(task, pending.clone());
-        return message.to_text();
-    }
     if is_task && result.get("content").is_none() && result.get("structuredContent").is_none() {
         // A task's status: its own fields only.
         let mut status = result.clone();

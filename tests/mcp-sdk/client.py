@@ -9,7 +9,12 @@ SCENARIO_JSON: {"mode": "legacy" | "auto", "ca": CA_PEM_FILE (https only),
                 "elicit": ["accept" | "decline" | "cancel" | "error" | "hang", ...]
                   (declares elicitation; each elicitation request is printed
                   as {"op": "elicited", ...} and answered with the next
-                  action in turn: "hang" never answers), "steps": [
+                  action in turn: "hang" never answers),
+                "sample": [[BLOCK, ...], ...]
+                  (declares sampling with tools; each sampling request is
+                  printed as {"op": "sampled", ...} and answered with the
+                  next list of content blocks, as the model's answer),
+                "steps": [
   {"op": "list_tools"},
   {"op": "call", "name": "pay", "arguments": {...}, "meta": {...}},
   {"op": "wait", "path": FILE} (until FILE exists, at most 60 s)]}
@@ -75,10 +80,29 @@ def elicitation_callback(actions):
     return callback
 
 
+def sampling_callback(answers):
+    """Answers each sampling request with the next of `answers` (lists of
+    content blocks, as JSON), printing the request."""
+    answers = list(answers)
+
+    async def callback(context, params):
+        blocks = answers.pop(0) if answers else [{"type": "text", "text": "nothing more"}]
+        out({"op": "sampled", "tools": [t.name for t in params.tools or []]})
+        uses = any(b.get("type") == "tool_use" for b in blocks)
+        return types.CreateMessageResultWithTools.model_validate({
+            "role": "assistant", "content": blocks, "model": "scripted",
+            "stopReason": "toolUse" if uses else "endTurn"})
+
+    return callback
+
+
 async def run(scenario, server):
     options = {}
     if "elicit" in scenario:
         options["elicitation_callback"] = elicitation_callback(scenario["elicit"])
+    if "sample" in scenario:
+        options["sampling_callback"] = sampling_callback(scenario["sample"])
+        options["sampling_capabilities"] = types.SamplingCapability(tools=types.SamplingToolsCapability())
     async with Client(server, mode=scenario.get("mode", "legacy"), **options) as client:
         out({"op": "connected", "protocol": client.protocol_version})
         for step in scenario["steps"]:

@@ -18,10 +18,16 @@ Tools (every text holding SECRET is what a results guard must see first):
   chatty       a log message, a progress notification and a sampling
                request holding SECRET while the call runs, then a clean
                answer
+  sampler      (http only) a sampling request on the answer's SSE stream,
+               then waits (at most 5 s) for its answer before answering
+               the call with what it got: "sampling answered with CODE",
+               or "sampling unanswered"
   ask          `input_required` (2026-07-28) until the call carries
                `requestState`, then a clean answer
   any tool with `params.task`: a task is created; `tasks/result` answers
-               the tool's result holding SECRET, `tasks/get` the task
+               the tool's result holding SECRET (for any task id, created
+               or not), `tasks/get` the task (with a result holding SECRET
+               too for a task id starting with `full-`)
 """
 
 import json
@@ -30,8 +36,11 @@ import threading
 import time
 
 SECRET = "AKIA" + "IOSFODNN7EXAMPLE"
-TOOLS = ["clean", "dup_result", "dup_id", "retyped", "slow", "ask", "error_secret", "chatty"]
+TOOLS = ["clean", "dup_result", "dup_id", "retyped", "slow", "ask", "error_secret", "chatty", "sampler"]
 tasks = {}
+# The answers the client side posted to the upstream's own requests, by id.
+answers = {}
+answered = threading.Condition()
 
 
 def text(t, result_type=None):
@@ -106,7 +115,11 @@ def handle(msg):
     if method == "tasks/result":
         return [answer(id_, text("task result " + SECRET))]
     if method == "tasks/get":
-        return [answer(id_, task(params.get("taskId", "?"), "completed"))]
+        task_id = params.get("taskId", "?")
+        if task_id.startswith("full-"):
+            # A status that carries a result too.
+            return [answer(id_, {**task(task_id, "completed"), **text("task result " + SECRET)})]
+        return [answer(id_, task(task_id, "completed"))]
     return [answer(id_, {})]
 
 
@@ -150,9 +163,49 @@ def http(port):
         def do_DELETE(self):
             self.reply(200)
 
+        def sampler(self, msg):
+            """The sampling request first, the call's answer once the
+            request is answered (or 5 s have passed)."""
+            self.send_response(200)
+            self.send_header("Content-Type", "text/event-stream")
+            self.send_header("Mcp-Session-Id", "odd-session")
+            self.send_header("Transfer-Encoding", "chunked")
+            self.end_headers()
+
+            def event(line):
+                data = f"event: message\ndata: {line}\n\n".encode()
+                self.wfile.write(b"%x\r\n%s\r\n" % (len(data), data))
+                self.wfile.flush()
+
+            event(json.dumps({"jsonrpc": "2.0", "id": "s-wait", "method": "sampling/createMessage",
+                              "params": {"maxTokens": 10, "messages": [{"role": "user", "content": {
+                                  "type": "text", "text": "summarise"}}]}}))
+            with answered:
+                answered.wait_for(lambda: "s-wait" in answers, timeout=5)
+                got = answers.pop("s-wait", None)
+            if got is None:
+                text_ = "sampling unanswered"
+            elif "error" in got:
+                text_ = f"sampling answered with {got['error'].get('code')}"
+            else:
+                text_ = "sampling answered with a result"
+            event(answer(msg["id"], text(text_)))
+            self.wfile.write(b"0\r\n\r\n")
+            self.wfile.flush()
+
         def do_POST(self):
             body = self.rfile.read(int(self.headers.get("Content-Length", "0")))
             msg = json.loads(body)
+            if isinstance(msg, dict) and "method" not in msg and "id" in msg:
+                with answered:
+                    answers[msg["id"]] = msg
+                    answered.notify_all()
+                self.reply(202)
+                return
+            if isinstance(msg, dict) and msg.get("method") == "tools/call" and \
+                    (msg.get("params") or {}).get("name") == "sampler":
+                self.sampler(msg)
+                return
             lines = handle(msg) if isinstance(msg, dict) else []
             if not lines:
                 self.reply(202)

@@ -1,0 +1,231 @@
+//! Tool calls a model asks for through sampling (R31): the client's answer
+//! to an upstream's `sampling/createMessage` holds `tool_use` blocks, which
+//! the upstream runs. Each is judged by the mesh as a call of the session
+//! before the upstream receives the answer; a call the chain skips reaches
+//! the upstream as a text block saying why, never as a `tool_use`. The
+//! upstream (tests/mcp-sdk/sampling_upstream.py) and the client are the
+//! official Python MCP SDK's; the mesh is remote (`--mesh`, over stdio and
+//! Streamable HTTP) or in the gateway's process (`--config`).
+//!
+//! Needs `scripts/setup-polyglot` (the SDK in build/venv).
+
+use crate::harness::*;
+use crate::mcp::{
+    RawGateway, Scratch, calls, gateway_before, listening, mcp_python, run_client_off_thread,
+    sdk_dir, via_gateway_judging,
+};
+use guardmesh_client::proto::{GuardBatch, ToolCall, Verdict};
+use guardmesh_client::verdict::{cancel, rewrite_arguments};
+use guardmesh_client::{Registrar, Registration};
+use serde_json::{Value, json};
+use std::process::{Command, Stdio};
+use std::time::Duration;
+
+/// What the guard says of `delete_db`.
+const NOT_ALLOWED: &str = "deleting the database is not allowed";
+
+/// The guard: `delete_db` cancelled, whatever its arguments; `read_db` of
+/// the `secrets` table rewritten to the `public` one.
+fn guard_policy(call: &ToolCall) -> Option<Verdict> {
+    let args: Value = serde_json::from_str(&call.arguments).unwrap_or(json!({}));
+    match call.tool.as_str() {
+        "delete_db" => Some(cancel(&call.call_id, NOT_ALLOWED)),
+        "read_db" if args["table"] == "secrets" => Some(rewrite_arguments(
+            &call.call_id,
+            &json!({"table": "public"}),
+        )),
+        _ => None,
+    }
+}
+
+/// A mesh process with the guard registered (a mutate grant on `read_db`).
+async fn mesh_with_guard(name: &str) -> (MeshProcess, TestGuard) {
+    let mesh = MeshProcess::start(name, "", None).await;
+    let guard = call_guard(Duration::ZERO, guard_policy).await;
+    Registrar::connect(mesh.url.clone())
+        .await
+        .unwrap()
+        .register(Registration::mutate("db", &guard.url, ["read_db"]))
+        .await
+        .unwrap();
+    (mesh, guard)
+}
+
+/// The upstream's command line (stdio), logging to the scratch folder.
+fn upstream(scratch: &Scratch, mode: &[&str]) -> Vec<String> {
+    let mut command = vec![
+        mcp_python().display().to_string(),
+        sdk_dir().join("sampling_upstream.py").display().to_string(),
+        scratch.log().display().to_string(),
+    ];
+    command.extend(mode.iter().map(|s| s.to_string()));
+    command
+}
+
+/// The model's answer: some text, a `tool_use` of `delete_db` and one of
+/// `read_db` on the secrets table.
+fn answer() -> Value {
+    json!([
+        {"type": "text", "text": "cleaning up"},
+        {"type": "tool_use", "id": "u1", "name": "delete_db", "input": {"name": "prod"}},
+        {"type": "tool_use", "id": "u2", "name": "read_db", "input": {"table": "secrets"}},
+    ])
+}
+
+/// The client asks the upstream to `plan`; the upstream samples, the
+/// client's model answers [`answer`]. The upstream must run only `read_db`,
+/// as rewritten, and read what the guard said of `delete_db`.
+async fn sampled_tool_use_is_judged(target: Vec<String>, scratch: &Scratch, guard: &TestGuard) {
+    let scenario = json!({"mode": "legacy", "sample": [answer()], "steps": [
+        {"op": "call", "name": "plan", "arguments": {"task": "clean up"}},
+    ]});
+    let lines = run_client_off_thread(scenario, target).await;
+    let results = calls(&lines);
+    assert_eq!(results.len(), 1, "{lines:?}");
+    assert!(
+        lines.iter().any(|l| l["op"] == "sampled"),
+        "the client was asked to sample: {lines:?}"
+    );
+    let executed = scratch.executed();
+    let ran: Vec<&Value> = executed
+        .iter()
+        .filter(|e| e.get("tool").is_some())
+        .collect();
+    assert_eq!(
+        ran,
+        vec![&json!({"tool": "read_db", "arguments": {"table": "public"}})],
+        "the upstream ran only what the mesh let proceed, as rewritten: {executed:?}"
+    );
+    let received = executed
+        .iter()
+        .find_map(|e| e.get("answer"))
+        .unwrap_or_else(|| panic!("{executed:?}"));
+    let texts: Vec<&str> = received
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|b| b["type"] == "text")
+        .filter_map(|b| b["text"].as_str())
+        .collect();
+    assert_eq!(texts[0], "cleaning up", "{received}");
+    assert!(
+        texts[1].contains("the tool call delete_db was not run") && texts[1].contains(NOT_ALLOWED),
+        "the guard's content in the tool_use's place: {received}"
+    );
+    assert!(
+        !received
+            .to_string()
+            .contains("delete_db\",\"type\":\"tool_use")
+            && received
+                .as_array()
+                .unwrap()
+                .iter()
+                .all(|b| b["type"] != "tool_use" || b["name"] == "read_db"),
+        "{received}"
+    );
+    // The mesh judged both as calls of the session.
+    let judged: Vec<String> = guard
+        .guard
+        .batches()
+        .iter()
+        .flat_map(|b: &GuardBatch| b.calls.iter().map(|c| c.tool.clone()))
+        .collect();
+    assert!(
+        judged.iter().any(|t| t == "delete_db") && judged.iter().any(|t| t == "read_db"),
+        "{judged:?}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn r31_a_tool_use_through_sampling_is_judged_as_a_call_stdio() {
+    let (mesh, guard) = mesh_with_guard("sampling-stdio").await;
+    let scratch = Scratch::new("sampling-stdio");
+    let target = via_gateway_judging(["--mesh", &mesh.url], &[], upstream(&scratch, &["stdio"]));
+    sampled_tool_use_is_judged(target, &scratch, &guard).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn r31_a_tool_use_through_sampling_is_judged_as_a_call_embedded() {
+    let guard = call_guard(Duration::ZERO, guard_policy).await;
+    let scratch = Scratch::new("sampling-embedded");
+    let config = scratch.dir.join("mesh.toml");
+    std::fs::write(
+        &config,
+        format!(
+            "[[guard]]\nname = \"db\"\nendpoint = {:?}\nrole = \"mutate\"\n\
+             grant = {{ tools = [\"read_db\"] }}\n",
+            guard.url
+        ),
+    )
+    .unwrap();
+    let target = via_gateway_judging(
+        ["--config", &config.display().to_string()],
+        &[],
+        upstream(&scratch, &["stdio"]),
+    );
+    sampled_tool_use_is_judged(target, &scratch, &guard).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn r31_a_tool_use_through_sampling_is_judged_as_a_call_http() {
+    let (mesh, guard) = mesh_with_guard("sampling-http").await;
+    let scratch = Scratch::new("sampling-http");
+    let port = free_port();
+    let mut command = upstream(&scratch, &["http", &port.to_string()]);
+    let mut command_line = Command::new(command.remove(0));
+    command_line.args(command).stderr(Stdio::null());
+    let _upstream = listening(&mut command_line, port, "the sampling upstream").await;
+    let (url, _gateway) = gateway_before(&mesh.url, "127.0.0.1", port, &[]).await;
+    sampled_tool_use_is_judged(vec!["http".into(), url], &scratch, &guard).await;
+}
+
+/// R31 over stdio: a sampling answer sent inside a JSON-RPC batch is
+/// judged as one sent alone; with every `tool_use` replaced, the upstream
+/// reads a finished turn (`endTurn`).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn r31_a_tool_use_through_sampling_in_a_batch_is_judged() {
+    let (mesh, _guard) = mesh_with_guard("sampling-batch").await;
+    let scratch = Scratch::new("sampling-batch");
+    let mut command = Command::new(env!("CARGO_BIN_EXE_guardmesh"));
+    command
+        .args(["mcp", "stdio", "--mesh", &mesh.url, "--"])
+        .args(upstream(&scratch, &["stdio"]));
+    let result = tokio::task::spawn_blocking(move || {
+        let mut gateway = RawGateway::spawn_declaring(command, json!({"sampling": {"tools": {}}}));
+        gateway.send(&RawGateway::call(json!(1), "plan", json!({"task": "clean up"})).to_string());
+        let asked = gateway.recv();
+        assert_eq!(asked["method"], "sampling/createMessage", "{asked}");
+        let blocks = json!([
+            {"type": "tool_use", "id": "u1", "name": "delete_db", "input": {}},
+            {"type": "tool_use", "id": "u2", "name": "delete_db", "input": {"name": "prod"}},
+        ]);
+        let answer = json!({"jsonrpc": "2.0", "id": asked["id"], "result": {
+            "role": "assistant", "content": blocks, "model": "m", "stopReason": "toolUse"}});
+        gateway.send(&json!([answer]).to_string());
+        let result = gateway.recv();
+        gateway.end();
+        result
+    })
+    .await
+    .unwrap();
+    assert_eq!(result["id"], 1, "{result}");
+    let executed = scratch.executed();
+    assert!(
+        executed.iter().all(|e| e.get("tool").is_none()),
+        "nothing ran: {executed:?}"
+    );
+    let received = executed
+        .iter()
+        .find(|e| e.get("answer").is_some())
+        .unwrap_or_else(|| panic!("{executed:?}"));
+    assert_eq!(received["stopReason"], "endTurn", "{received}");
+    let blocks = received["answer"].as_array().unwrap();
+    assert_eq!(blocks.len(), 2, "{received}");
+    for block in blocks {
+        assert_eq!(block["type"], "text", "{received}");
+        assert!(
+            block["text"].as_str().unwrap().contains(NOT_ALLOWED),
+            "{received}"
+        );
+    }
+}
