@@ -165,6 +165,63 @@ fn config_check_exit_codes_for_scripts() {
     assert!(help.contains("Exit codes: 0"), "{help}");
 }
 
+/// `config check` refuses the `[registry]` settings of an etcd mesh that
+/// `serve` refuses before it connects (R17), each naming its key, and
+/// `https://` endpoints in a build without etcd TLS: a config it calls
+/// valid must not keep every replica from starting.
+#[test]
+fn r17_config_check_refuses_the_etcd_settings_serve_refuses() {
+    let dir = folder("etcd-settings");
+    std::fs::write(dir.join("session.secret"), (0u8..32).collect::<Vec<_>>()).unwrap();
+    let config = |registry: &str| {
+        format!(
+            "listen = \"127.0.0.1:0\"\n\n[registry]\nkind = \"etcd\"\n{registry}\n\n\
+             [sessions]\nsecret_file = \"session.secret\"\n"
+        )
+    };
+    let valid = write(&dir, "valid.toml", &config("prefix = \"/mesh\""));
+    let (code, out) = check(&valid);
+    assert_eq!(code, Some(0), "{out}");
+    for (name, registry, says) in [
+        (
+            "empty-endpoints",
+            "endpoints = []",
+            "endpoints must not be empty",
+        ),
+        (
+            "user-without-password",
+            "username = \"mesh\"",
+            "username and password (or password_env) go together",
+        ),
+        ("root-prefix", "prefix = \"/\"", "prefix \"/\" is empty"),
+        (
+            "lease-shorter-than-heartbeat",
+            "lease_ttl_s = 1\nheartbeat_interval_ms = 2000",
+            "lease_ttl_s",
+        ),
+    ] {
+        let file = write(&dir, &format!("{name}.toml"), &config(registry));
+        let (code, out) = check(&file);
+        assert_eq!(code, Some(1), "{name}: {out}");
+        assert!(
+            out.contains("error: registry:") && out.contains(says),
+            "{name}: {out}"
+        );
+    }
+    let https = write(
+        &dir,
+        "https.toml",
+        &config("endpoints = [\"https://127.0.0.1:2379\"]"),
+    );
+    let (code, out) = check(&https);
+    if cfg!(feature = "etcd-tls") {
+        assert_eq!(code, Some(0), "{out}");
+    } else {
+        assert_eq!(code, Some(1), "{out}");
+        assert!(out.contains("--features etcd-tls"), "{out}");
+    }
+}
+
 /// The files a config names are read as at start: a missing certificate
 /// and a policy file that does not compile are both reported, with the
 /// policy's own line (R27).

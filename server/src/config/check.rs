@@ -582,15 +582,26 @@ fn check_assembly(
             ),
         });
     }
-    if config.registry.kind == super::RegistryKind::Etcd
-        && let Err(error) = config.registry.etcd()
-    {
-        out.push(finding(
-            "registry.password_env",
-            None,
-            error.to_string(),
-            "set the variable, or write only one of password and password_env",
-        ));
+    if config.registry.kind == super::RegistryKind::Etcd {
+        match config.registry.etcd() {
+            Err(error) => out.push(finding(
+                "registry.password_env",
+                None,
+                error.to_string(),
+                "set the variable, or write only one of password and password_env",
+            )),
+            // What the mesh refuses before it connects (R17).
+            Ok(etcd) => {
+                if let Err(error) = etcd.validate() {
+                    out.push(finding(
+                        "registry",
+                        None,
+                        error.to_string(),
+                        "do as the message says: change the key it names, or use a build with the feature it names",
+                    ));
+                }
+            }
+        }
     }
     out
 }

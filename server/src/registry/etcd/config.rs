@@ -98,8 +98,9 @@ impl EtcdConfig {
         }
     }
 
-    /// Refuses settings that could only fail later, with the key to fix.
-    pub(super) fn validate(&self) -> Result<(), ConnectError> {
+    /// Refuses settings that could only fail later, with the key to fix
+    /// (what `config check` reports, and a mesh refuses before it connects).
+    pub fn validate(&self) -> Result<(), ConnectError> {
         let bad = |what: String| Err(ConnectError::Config(format!("[registry] {what}")));
         if self.endpoints.is_empty() {
             return bad("endpoints must not be empty".into());
