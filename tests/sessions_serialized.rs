@@ -177,25 +177,9 @@ async fn six_at_once_on_two_replicas(a: &MeshProcess, b: &MeshProcess) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn r34_two_replicas_on_etcd_cannot_race_a_count() {
-    use crate::sessions_store::{etcd_registry, mesh_config, secret_file};
     let cluster = crate::etcd::Cluster::start().await;
-    let urls = cluster.urls();
     let dir = fresh_dir("race-etcd");
-    let secret = secret_file(&dir, "session.secret");
-    let prefix = "/t/race-etcd";
-    let sessions = format!("secret_file = {:?}", secret.display().to_string());
-    let a = MeshProcess::start(
-        "race-etcd-a",
-        &mesh_config(&dir, &etcd_registry(&urls[..1], prefix), &sessions),
-        None,
-    )
-    .await;
-    let b = MeshProcess::start(
-        "race-etcd-b",
-        &mesh_config(&dir, &etcd_registry(&urls[1..], prefix), &sessions),
-        None,
-    )
-    .await;
+    let (a, b) = crate::sessions_store::etcd_replicas(&cluster, &dir, "race-etcd", "").await;
     six_at_once_on_two_replicas(&a, &b).await;
     drop((a, b));
     let _ = std::fs::remove_dir_all(&dir);
@@ -203,21 +187,12 @@ async fn r34_two_replicas_on_etcd_cannot_race_a_count() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn r34_two_replicas_on_redis_cannot_race_a_count() {
-    use crate::sessions_store::{Redis, mesh_config, secret_file};
+    use crate::sessions_store::{Redis, redis_replicas};
     let Some(redis) = Redis::start("r34_two_replicas_on_redis_cannot_race_a_count").await else {
         return;
     };
     let dir = fresh_dir("race-redis");
-    let secret = secret_file(&dir, "session.secret");
-    let registry = "[registry]\nprefix = \"/t/race-redis\"";
-    let sessions = format!(
-        "store = \"redis\"\nredis_url = {:?}\nsecret_file = {:?}",
-        redis.url(),
-        secret.display().to_string()
-    );
-    let config = mesh_config(&dir, registry, &sessions);
-    let a = MeshProcess::start("race-redis-a", &config, None).await;
-    let b = MeshProcess::start("race-redis-b", &config, None).await;
+    let (a, b) = redis_replicas(&redis, &dir, "race-redis", "").await;
     six_at_once_on_two_replicas(&a, &b).await;
     drop((a, b));
     let _ = std::fs::remove_dir_all(&dir);
