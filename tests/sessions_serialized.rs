@@ -11,6 +11,13 @@ fn relaybleed() -> String {
     std::fs::read_to_string(repo_root().join("examples/policy/relaybleed.toml")).unwrap()
 }
 
+/// What becomes of a single-email batch of turn `turn` of `session`.
+async fn one_email(c: &guardmesh_client::Coordinator, session: &str, turn: u32) -> Outcome {
+    let batch = Batch::new(turn).call("e", "email.send", r#"{"to":"a@example.com"}"#);
+    let d = c.evaluate_once(session, batch).await.unwrap();
+    d.call("e").unwrap().outcome.clone()
+}
+
 /// Six single-email batches of `session` sent at once, each on a
 /// connection of its own, in turn to each of `urls`: how many ran. Every
 /// other one is cancelled by the three-emails rule.
@@ -21,14 +28,7 @@ async fn six_emails_at_once(urls: &[String], session: &str) -> usize {
         let session = session.to_owned();
         sent.push(tokio::spawn(async move {
             let c = guardmesh_client::Coordinator::connect(url).await.unwrap();
-            let d = c
-                .evaluate_once(
-                    &session,
-                    Batch::new(turn).call("e", "email.send", r#"{"to":"a@example.com"}"#),
-                )
-                .await
-                .unwrap();
-            d.call("e").unwrap().outcome.clone()
+            one_email(&c, &session, turn).await
         }));
     }
     let mut proceeded = 0;
@@ -83,14 +83,7 @@ async fn r34_concurrent_batches_of_one_session_cannot_race_a_count() {
     }
     // Another session still gets its own three.
     let c = mesh.coordinator().await;
-    let d = c
-        .evaluate_once(
-            "other",
-            Batch::new(0).call("e", "email.send", r#"{"to":"a@example.com"}"#),
-        )
-        .await
-        .unwrap();
-    assert!(matches!(d.call("e").unwrap().outcome, Outcome::Proceed));
+    assert_eq!(one_email(&c, "other", 0).await, Outcome::Proceed);
     mesh.shutdown().await;
 }
 
@@ -149,17 +142,8 @@ async fn r34_one_batch_of_many_calls_cannot_pass_a_count() {
             "{call:?}"
         );
     }
-    let d = c
-        .evaluate_once(
-            "burst",
-            Batch::new(1).call("e", "email.send", r#"{"to":"a@example.com"}"#),
-        )
-        .await
-        .unwrap();
-    assert!(matches!(
-        d.call("e").unwrap().outcome,
-        Outcome::Cancel { .. }
-    ));
+    let o = one_email(&c, "burst", 1).await;
+    assert!(matches!(o, Outcome::Cancel { .. }), "{o:?}");
     mesh.shutdown().await;
 }
 
