@@ -533,28 +533,10 @@ async fn r35_r20_an_approval_for_no_call_of_the_batch_is_refused() {
 /// a use on one is refused on the other.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn r35_two_replicas_on_etcd_let_one_approval_run_once() {
-    use crate::sessions_store::{etcd_registry, mesh_config, secret_file};
     let cluster = crate::etcd::Cluster::start().await;
-    let urls = cluster.urls();
     let dir = fresh_dir("approvals-etcd");
-    let secret = secret_file(&dir, "session.secret");
-    let prefix = "/t/approvals-etcd";
-    let sessions = format!(
-        "secret_file = {:?}\nstore_timeout_ms = 2000",
-        secret.display().to_string()
-    );
-    let a = MeshProcess::start(
-        "approvals-etcd-a",
-        &mesh_config(&dir, &etcd_registry(&urls[..1], prefix), &sessions),
-        None,
-    )
-    .await;
-    let b = MeshProcess::start(
-        "approvals-etcd-b",
-        &mesh_config(&dir, &etcd_registry(&urls[1..], prefix), &sessions),
-        None,
-    )
-    .await;
+    let more = "store_timeout_ms = 2000";
+    let (a, b) = crate::sessions_store::etcd_replicas(&cluster, &dir, "approvals-etcd", more).await;
     let guard = refund_guard().await;
     guardmesh_client::Registrar::connect(a.url.clone())
         .await
@@ -1222,22 +1204,14 @@ async fn r35_r14_a_hung_store_cannot_hold_a_batch_that_names_many_approvals() {
 /// 10 times: exactly one use each time.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn r35_two_replicas_on_redis_let_one_approval_run_once() {
-    use crate::sessions_store::{Redis, mesh_config, secret_file};
+    use crate::sessions_store::{Redis, redis_replicas};
     let Some(redis) = Redis::start("r35_two_replicas_on_redis_let_one_approval_run_once").await
     else {
         return;
     };
     let dir = fresh_dir("approvals-redis");
-    let secret = secret_file(&dir, "session.secret");
-    let registry = "[registry]\nprefix = \"/t/approvals-redis\"";
-    let sessions = format!(
-        "store = \"redis\"\nredis_url = {:?}\nsecret_file = {:?}\nstore_timeout_ms = 2000",
-        redis.url(),
-        secret.display().to_string()
-    );
-    let config = mesh_config(&dir, registry, &sessions);
-    let a = MeshProcess::start("approvals-redis-a", &config, None).await;
-    let b = MeshProcess::start("approvals-redis-b", &config, None).await;
+    let more = "store_timeout_ms = 2000";
+    let (a, b) = redis_replicas(&redis, &dir, "approvals-redis", more).await;
     let guard = refund_guard().await;
     for mesh in [&a, &b] {
         guardmesh_client::Registrar::connect(mesh.url.clone())

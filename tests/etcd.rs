@@ -64,14 +64,20 @@ fn loopback_port() -> u16 {
 }
 
 impl Etcd {
-    pub(crate) async fn start() -> Self {
-        let mut etcd = Self {
+    /// An etcd not started yet, on ports chosen now (a mesh can be pointed
+    /// at it first): [`Etcd::spawn`] starts it.
+    pub(crate) fn unstarted() -> Self {
+        Self {
             bin: etcd_binary(),
             dir: fresh_dir("etcd"),
             client_port: loopback_port(),
             peer_port: loopback_port(),
             child: None,
-        };
+        }
+    }
+
+    pub(crate) async fn start() -> Self {
+        let mut etcd = Self::unstarted();
         // A port chosen free can be taken by another process before etcd
         // binds it: then new ports, at most 3 times.
         for attempt in 1.. {
@@ -101,9 +107,14 @@ impl Etcd {
         std::net::SocketAddr::from(([127, 0, 0, 1], self.client_port))
     }
 
+    /// Its data directory.
+    pub(crate) fn dir(&self) -> &std::path::Path {
+        &self.dir
+    }
+
     /// Starts the process (again) on the same ports and data, and waits
     /// until it answers.
-    async fn spawn(&mut self) {
+    pub(crate) async fn spawn(&mut self) {
         if let Err(log) = self.try_spawn().await {
             panic!("etcd exited; its log: {log}");
         }
@@ -153,7 +164,7 @@ impl Etcd {
     }
 
     /// Kills the process (like a crash); the data stays.
-    fn stop(&mut self) {
+    pub(crate) fn stop(&mut self) {
         if let Some(mut child) = self.child.take() {
             let _ = child.kill();
             let _ = child.wait();

@@ -10,7 +10,7 @@
 //! failure-cancel.
 
 use crate::harness::*;
-use guardmesh_client::{Batch, BatchDecision, ClientError, Coordinator, Outcome};
+use guardmesh_client::{Batch, BatchDecision, ClientError, Coordinator};
 use std::time::{Duration, Instant};
 
 /// The burst: batches sent at once by the bursting client.
@@ -47,18 +47,6 @@ fn batch(round: usize) -> Batch {
         .timeout(Duration::from_secs(10))
 }
 
-/// Whether `d` is the guard's own decision on [`batch`].
-fn judged(d: &BatchDecision) -> bool {
-    let [del, read] = d.calls.as_slice() else {
-        return false;
-    };
-    matches!(del.outcome, Outcome::Cancel { .. })
-        && !del.failure
-        && del.decided_by.as_deref() == Some("busy")
-        && read.proceeds()
-        && !read.failure
-}
-
 /// What became of one client's batches.
 #[derive(Debug, Default)]
 struct Tally {
@@ -77,7 +65,7 @@ struct Tally {
 impl Tally {
     fn add(&mut self, outcome: Result<BatchDecision, ClientError>, took: Duration) {
         match outcome {
-            Ok(d) if judged(&d) => {
+            Ok(d) if deny_list_decided(&d, "busy") => {
                 self.judged += 1;
                 self.took.push(took);
             }
@@ -219,7 +207,7 @@ async fn assert_busy_is_not_failed(
     for (who, client) in [("burst", burst), ("steady", steady)] {
         let d = client.evaluate_once("after", batch(9999)).await.unwrap();
         assert!(
-            judged(&d),
+            deny_list_decided(&d, "busy"),
             "{what}: {who} client after the burst: {:?}",
             d.trace
         );

@@ -10,7 +10,7 @@
 //! writes, so the test owns the name without touching the machine's.
 
 use crate::harness::*;
-use guardmesh_client::{Batch, Registration};
+use guardmesh_client::Registration;
 use guardmesh_server::link::dial::EndpointPolicy;
 use guardmesh_server::link::discover::dns::{SystemResolver, watch_endpoint};
 use guardmesh_server::link::discover::sources::NameSettings;
@@ -101,12 +101,7 @@ async fn judged_by(
     let next = Arc::new(std::sync::atomic::AtomicUsize::new(0));
     let mut tasks = Vec::new();
     for worker in 0..workers {
-        let session = mesh
-            .coordinator()
-            .await
-            .session(format!("w{worker}"))
-            .await
-            .unwrap();
+        let session = mesh.session(format!("w{worker}")).await;
         let next = next.clone();
         let guard = guard.to_owned();
         tasks.push(tokio::spawn(async move {
@@ -116,34 +111,17 @@ async fn judged_by(
                 if round >= total {
                     return seen;
                 }
-                let d = session
-                    .evaluate(
-                        Batch::new(u32::try_from(round).unwrap())
-                            .call("c", "t", "{}")
-                            .timeout(Duration::from_secs(10)),
-                    )
-                    .await
-                    .expect("a decision");
-                let ok = d.calls.len() == 1 && d.calls[0].proceeds() && !d.calls[0].failure;
-                let replica = d
-                    .trace
-                    .iter()
-                    .find(|t| t.guard == guard)
-                    .map(|t| t.replica.clone())
-                    .unwrap_or_default();
-                seen.push((replica, ok));
+                let d = session.evaluate(one_call(round)).await.expect("a decision");
+                seen.push((replica_of(&d, &guard), proceeded(&d)));
             }
         }));
     }
-    let mut counts = std::collections::HashMap::new();
-    let mut wrong = 0;
-    for task in tasks {
-        for (replica, ok) in task.await.unwrap() {
-            *counts.entry(replica).or_default() += 1;
-            wrong += usize::from(!ok);
-        }
-    }
-    (counts, wrong)
+    count_replicas(tasks).await
+}
+
+/// Whether `d` is a plain proceed of its one call (no failure).
+fn proceeded(d: &guardmesh_client::BatchDecision) -> bool {
+    d.calls.len() == 1 && d.calls[0].proceeds() && !d.calls[0].failure
 }
 
 /// One-call batches from `workers` sessions until `stop`; each task
@@ -156,37 +134,17 @@ async fn flowing(
 ) -> Vec<tokio::task::JoinHandle<Vec<(String, bool)>>> {
     let mut tasks = Vec::new();
     for worker in 0..workers {
-        let session = mesh
-            .coordinator()
-            .await
-            .session(format!("f{worker}"))
-            .await
-            .unwrap();
+        let session = mesh.session(format!("f{worker}")).await;
         let (guard, stop) = (guard.to_owned(), stop.clone());
         tasks.push(tokio::spawn(async move {
             let mut seen = Vec::new();
             let mut round = worker * 1_000_000;
             while !stop.load(std::sync::atomic::Ordering::Relaxed) {
                 round += 1;
-                let d = session
-                    .evaluate(
-                        Batch::new(u32::try_from(round).unwrap())
-                            .call("c", "t", "{}")
-                            .timeout(Duration::from_secs(10)),
-                    )
-                    .await;
-                let Ok(d) = d else {
-                    seen.push((String::new(), false));
-                    continue;
-                };
-                let ok = d.calls.len() == 1 && d.calls[0].proceeds() && !d.calls[0].failure;
-                let replica = d
-                    .trace
-                    .iter()
-                    .find(|t| t.guard == guard)
-                    .map(|t| t.replica.clone())
-                    .unwrap_or_default();
-                seen.push((replica, ok));
+                match session.evaluate(one_call(round)).await {
+                    Ok(d) => seen.push((replica_of(&d, &guard), proceeded(&d))),
+                    Err(_) => seen.push((String::new(), false)),
+                }
             }
             seen
         }));
@@ -331,18 +289,7 @@ async fn dns_mesh_child() {
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
     stop.store(true, std::sync::atomic::Ordering::Relaxed);
-    let mut during = std::collections::HashMap::<String, usize>::new();
-    let mut wrong = 0;
-    for task in flowing {
-        for (replica, ok) in tokio::time::timeout(Duration::from_secs(30), task)
-            .await
-            .expect("every batch answered")
-            .unwrap()
-        {
-            *during.entry(replica).or_default() += 1;
-            wrong += usize::from(!ok);
-        }
-    }
+    let (during, wrong) = count_replicas(flowing).await;
     eprintln!(
         "MEASURED added, removed, metadata refused while batches flowed: {during:?}; \
          127.0.0.4 judged {joined} within 1 s of joining"
@@ -409,29 +356,7 @@ async fn dns_mesh_child() {
 /// that address and never publishes it (R32, endpoint policy).
 #[test]
 fn r32_a_dns_name_is_every_address_it_resolves_to_and_never_metadata() {
-    let dir = fresh_dir("discovery");
-    let hosts = dir.join("hosts");
-    std::fs::write(&hosts, "").unwrap();
-    let exe = std::env::current_exe().unwrap();
-    let script = format!(
-        "mount --bind '{}' /etc/hosts && exec '{}' guard_discovery::dns_child --exact \
-         --include-ignored --test-threads=1 --nocapture",
-        hosts.display(),
-        exe.display()
-    );
-    let output = Command::new("unshare")
-        .args(["-m", "sh", "-c", &script])
-        .env(CHILD_HOSTS, &hosts)
-        .output()
-        .expect("unshare");
-    let _ = std::fs::remove_dir_all(&dir);
-    let stdout = String::from_utf8_lossy(&output.stdout);
-    let stderr = String::from_utf8_lossy(&output.stderr);
-    assert!(
-        output.status.success() && stdout.contains("DNS-CHILD-PASSED"),
-        "the child in its own mount namespace failed: {}\n{stdout}\n{stderr}",
-        output.status
-    );
+    run_in_namespace("guard_discovery::dns_child", "DNS-CHILD-PASSED");
 }
 
 /// The body of the DNS test, run only as the child above (in a mount
@@ -685,18 +610,7 @@ async fn r32_a_mesh_sends_to_heartbeat_replicas_and_stops_with_their_lease() {
     .await;
     tokio::time::sleep(Duration::from_millis(500)).await;
     stop.store(true, std::sync::atomic::Ordering::Relaxed);
-    let mut during = std::collections::HashMap::<String, usize>::new();
-    let mut failed = 0;
-    for task in load {
-        for (replica, ok) in tokio::time::timeout(Duration::from_secs(30), task)
-            .await
-            .expect("every batch answered")
-            .unwrap()
-        {
-            *during.entry(replica).or_default() += 1;
-            failed += usize::from(!ok);
-        }
-    }
+    let (during, failed) = count_replicas(load).await;
     eprintln!("while the heartbeat was killed and its lease lapsed: {during:?}");
     assert_eq!(failed, 0, "R32: no call failed: {during:?}");
     for url in &kept {

@@ -8,7 +8,7 @@
 
 use crate::harness::*;
 use guardmesh_client::proto::GuardSpec;
-use guardmesh_client::{Batch, BatchDecision, Outcome, Registration};
+use guardmesh_client::{Batch, Outcome, Registration};
 use std::collections::HashMap;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
@@ -31,39 +31,8 @@ pub(crate) fn batch(round: usize) -> Batch {
         .timeout(Duration::from_secs(20))
 }
 
-/// Whether `d` is what a live replica decides for [`batch`]: the delete
-/// cancelled by the guard itself (not by its failure), the read run.
-fn correct(d: &BatchDecision, guard: &str) -> bool {
-    let [del, read] = d.calls.as_slice() else {
-        return false;
-    };
-    matches!(del.outcome, Outcome::Cancel { .. })
-        && !del.failure
-        && del.decided_by.as_deref() == Some(guard)
-        && read.proceeds()
-        && !read.failure
-}
-
-/// The replica that judged `d`, from its trace entry (R32).
-fn replica(d: &BatchDecision, guard: &str) -> String {
-    d.trace
-        .iter()
-        .find(|t| t.guard == guard)
-        .map(|t| t.replica.clone())
-        .unwrap_or_default()
-}
-
 async fn register(mesh: &TestMesh, spec: GuardSpec) {
     mesh.registrar().await.register(spec).await.unwrap();
-}
-
-/// A coordinator session of its own for worker `worker`.
-async fn session(mesh: &TestMesh, worker: usize) -> guardmesh_client::Session {
-    mesh.coordinator()
-        .await
-        .session(format!("w{worker}"))
-        .await
-        .unwrap()
 }
 
 async fn rust_replica(port: u16, delay_ms: u64) -> GuardProcess {
@@ -99,7 +68,7 @@ async fn steady_load(
     let next = Arc::new(AtomicUsize::new(0));
     let mut tasks = Vec::new();
     for worker in 0..workers {
-        let coordinator = session(mesh, worker).await;
+        let coordinator = mesh.session(format!("w{worker}")).await;
         let next = next.clone();
         tasks.push(tokio::spawn(async move {
             let mut seen: Vec<(String, bool)> = Vec::new();
@@ -120,19 +89,11 @@ async fn steady_load(
                     .evaluate(batch(round))
                     .await
                     .expect("a decision");
-                seen.push((replica(&d, guard), correct(&d, guard)));
+                seen.push((replica_of(&d, guard), deny_list_decided(&d, guard)));
             }
         }));
     }
-    let mut counts = HashMap::new();
-    let mut wrong = 0;
-    for task in tasks {
-        for (replica, ok) in task.await.unwrap() {
-            *counts.entry(replica).or_default() += 1;
-            wrong += usize::from(!ok);
-        }
-    }
-    (counts, wrong)
+    count_replicas(tasks).await
 }
 
 /// A Python kit guard (grpcio, default server options) that cancels
@@ -253,7 +214,7 @@ async fn r32_kill_9_one_replica_every_half_second_loses_no_call() {
     let stop = Arc::new(AtomicBool::new(false));
     let mut tasks = Vec::new();
     for worker in 0..20 {
-        let coordinator = session(&mesh, worker).await;
+        let coordinator = mesh.session(format!("w{worker}")).await;
         let stop = stop.clone();
         tasks.push(tokio::spawn(async move {
             let (mut decided, mut failed, mut wrong) = (0usize, Vec::new(), 0usize);
@@ -266,7 +227,7 @@ async fn r32_kill_9_one_replica_every_half_second_loses_no_call() {
                         if d.calls.iter().any(|c| c.failure) {
                             let error = d.trace.iter().map(|t| t.error.clone()).collect::<Vec<_>>();
                             failed.push(format!("{error:?}"));
-                        } else if !correct(&d, "deny") {
+                        } else if !deny_list_decided(&d, "deny") {
                             wrong += 1;
                         }
                     }
@@ -332,9 +293,9 @@ async fn r13_all_replicas_dead_fails_per_policy_within_the_guard_s_timeout() {
     let mesh = TestMesh::start().await;
     let (mut replicas, urls) = three_replicas(0).await;
     register(&mesh, replicated("deny", &urls, Duration::from_secs(2))).await;
-    let coordinator = session(&mesh, 0).await;
+    let coordinator = mesh.session("w0").await;
     let d = coordinator.evaluate(batch(0)).await.unwrap();
-    assert!(correct(&d, "deny"), "{d:?}");
+    assert!(deny_list_decided(&d, "deny"), "{d:?}");
     for replica in &mut replicas {
         replica.kill();
     }

@@ -8,7 +8,6 @@ use crate::guard_replicas::{batch, replicated};
 use crate::harness::*;
 use guardmesh_client::proto::{GuardBatch, Verdict};
 use guardmesh_client::verdict::cancel;
-use guardmesh_client::{BatchDecision, Outcome};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -43,18 +42,6 @@ async fn replica(
     })
     .await;
     (guard, read)
-}
-
-/// Whether `d` is the guard's own decision on [`batch`] (not a failure).
-fn judged(d: &BatchDecision) -> bool {
-    let [del, read] = d.calls.as_slice() else {
-        return false;
-    };
-    matches!(del.outcome, Outcome::Cancel { .. })
-        && !del.failure
-        && del.decided_by.as_deref() == Some("deny")
-        && read.proceeds()
-        && !read.failure
 }
 
 /// One batch's fate: when it was sent, how long it took, the replica that
@@ -96,13 +83,8 @@ async fn load(mesh: &TestMesh, sessions: usize, total: usize, pace: Duration) ->
                     Ok(d) => Fate {
                         sent,
                         took,
-                        replica: d
-                            .trace
-                            .iter()
-                            .find(|t| t.guard == "deny")
-                            .map(|t| t.replica.clone())
-                            .unwrap_or_default(),
-                        failed: (!judged(&d)).then(|| format!("{:?}", d.trace)),
+                        replica: replica_of(&d, "deny"),
+                        failed: (!deny_list_decided(&d, "deny")).then(|| format!("{:?}", d.trace)),
                     },
                     Err(e) => Fate {
                         sent,
@@ -134,8 +116,59 @@ async fn register(mesh: &TestMesh, urls: &[String], timeout: Duration) {
         .unwrap();
 }
 
+/// Registers `first` and two replicas that judge at once as the guard
+/// `deny` with `timeout`: the two, which judge as long as they are held.
+async fn beside_two_judging(
+    mesh: &TestMesh,
+    first: &TestGuard,
+    timeout: Duration,
+) -> [TestGuard; 2] {
+    let (a, _) = replica(|| Duration::ZERO).await;
+    let (b, _) = replica(|| Duration::ZERO).await;
+    register(
+        mesh,
+        &[first.url.clone(), a.url.clone(), b.url.clone()],
+        timeout,
+    )
+    .await;
+    [a, b]
+}
+
+/// `total` batches from 4 sessions, every 10 ms: none fails, and `first`
+/// judges some of them.
+async fn warm_up(mesh: &TestMesh, total: usize, first: &TestGuard) {
+    let warm = load(mesh, 4, total, Duration::from_millis(10)).await;
+    assert!(failures(&warm).is_empty());
+    assert!(
+        warm.iter().any(|f| f.replica == first.url),
+        "the first replica judged while it was fast"
+    );
+}
+
 fn failures(fates: &[Fate]) -> Vec<&str> {
     fates.iter().filter_map(|f| f.failed.as_deref()).collect()
+}
+
+/// Fails unless every batch of `fates` was judged while two replicas
+/// judged (R32).
+fn assert_none_failed(fates: &[Fate]) {
+    let failed = failures(fates);
+    assert!(
+        failed.is_empty(),
+        "R32: {} of {} batches failed while two replicas judged; first: {:?}",
+        failed.len(),
+        fates.len(),
+        failed.first()
+    );
+}
+
+/// How many batches of `fates` waited for a replica that held them (took
+/// 400 ms or more).
+fn waited(fates: &[Fate]) -> usize {
+    fates
+        .iter()
+        .filter(|f| f.took >= Duration::from_millis(400))
+        .count()
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -143,29 +176,18 @@ async fn r32_a_replica_hung_from_the_start_costs_no_call_while_two_judge() {
     let mesh = TestMesh::start().await;
     // It takes its stream and every batch, and never answers.
     let (hung, hung_read) = replica(|| HANG).await;
-    let (a, _) = replica(|| Duration::ZERO).await;
-    let (b, _) = replica(|| Duration::ZERO).await;
-    let urls = vec![hung.url.clone(), a.url.clone(), b.url.clone()];
-    register(&mesh, &urls, Duration::from_secs(1)).await;
+    let _judging = beside_two_judging(&mesh, &hung, Duration::from_secs(1)).await;
     let started = Instant::now();
     let fates = load(&mesh, 4, 100, Duration::from_millis(10)).await;
     let elapsed = started.elapsed();
     let failed = failures(&fates);
-    let waited = fates
-        .iter()
-        .filter(|f| f.took >= Duration::from_millis(400))
-        .count();
+    let waited = waited(&fates);
     let to_hung = hung_read.lock().unwrap().len();
     eprintln!(
         "hung from the start: 100 batches in {elapsed:?}, {} failed, {to_hung} sent to the hung replica, {waited} waited for it",
         failed.len()
     );
-    assert!(
-        failed.is_empty(),
-        "R32: {} of 100 batches failed while two replicas judged; first: {:?}",
-        failed.len(),
-        failed.first()
-    );
+    assert_none_failed(&fates);
     assert!(
         fates.iter().all(|f| f.replica != hung.url),
         "the hung replica never judges"
@@ -185,17 +207,9 @@ async fn r32_a_replica_that_hangs_after_working_costs_no_call_while_two_judge() 
         }
     })
     .await;
-    let (a, _) = replica(|| Duration::ZERO).await;
-    let (b, _) = replica(|| Duration::ZERO).await;
-    let urls = vec![flaky.url.clone(), a.url.clone(), b.url.clone()];
-    register(&mesh, &urls, Duration::from_secs(1)).await;
+    let _judging = beside_two_judging(&mesh, &flaky, Duration::from_secs(1)).await;
     // All three judge.
-    let warm = load(&mesh, 4, 60, Duration::from_millis(10)).await;
-    assert!(failures(&warm).is_empty());
-    assert!(
-        warm.iter().any(|f| f.replica == flaky.url),
-        "the first replica judged before it hung"
-    );
+    warm_up(&mesh, 60, &flaky).await;
     // It hangs: it takes batches and never answers them.
     hang.store(true, Ordering::Relaxed);
     let hung_at = Instant::now();
@@ -207,20 +221,12 @@ async fn r32_a_replica_that_hangs_after_working_costs_no_call_while_two_judge() 
         .iter()
         .filter(|at| **at >= hung_at)
         .count();
-    let waited = fates
-        .iter()
-        .filter(|f| f.took >= Duration::from_millis(400))
-        .count();
+    let waited = waited(&fates);
     eprintln!(
         "hung after working: 100 batches, {} failed, {to_hung} sent to the hung replica, {waited} waited for it",
         failed.len()
     );
-    assert!(
-        failed.is_empty(),
-        "R32: {} of 100 batches failed while two replicas judged; first: {:?}",
-        failed.len(),
-        failed.first()
-    );
+    assert_none_failed(&fates);
     // The batches it held moved to another replica, each after half the
     // guard's time; the others never went to it.
     assert!(waited <= 10, "{waited} batches waited for the hung replica");
@@ -248,13 +254,8 @@ async fn r32_a_replica_slow_for_a_second_is_chosen_again_once_fast() {
         }
     })
     .await;
-    let (a, _) = replica(|| Duration::ZERO).await;
-    let (b, _) = replica(|| Duration::ZERO).await;
-    let urls = vec![slow.url.clone(), a.url.clone(), b.url.clone()];
-    register(&mesh, &urls, Duration::from_secs(2)).await;
-    let warm = load(&mesh, 4, 100, Duration::from_millis(10)).await;
-    assert!(failures(&warm).is_empty());
-    assert!(warm.iter().any(|f| f.replica == slow.url));
+    let _judging = beside_two_judging(&mesh, &slow, Duration::from_secs(2)).await;
+    warm_up(&mesh, 100, &slow).await;
     // Slow for one second, under load (4 sessions, a batch each every
     // 10 ms, about 7 s in all).
     let slowed = Instant::now();

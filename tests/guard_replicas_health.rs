@@ -9,8 +9,8 @@
 
 use crate::guard_replicas::batch;
 use crate::harness::*;
+use guardmesh_client::Outcome;
 use guardmesh_client::proto::GuardSpec;
-use guardmesh_client::{Batch, BatchDecision, Outcome};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -72,17 +72,6 @@ fn replicated(name: &str, urls: &[String]) -> GuardSpec {
     crate::guard_replicas::replicated(name, urls, Duration::from_secs(5))
 }
 
-fn correct(d: &BatchDecision) -> bool {
-    let [del, read] = d.calls.as_slice() else {
-        return false;
-    };
-    matches!(del.outcome, Outcome::Cancel { .. })
-        && !del.failure
-        && del.decided_by.as_deref() == Some("hg")
-        && read.proceeds()
-        && !read.failure
-}
-
 /// What a load run saw: each decision's send time, its replica, and
 /// whether it was right; and every failure.
 #[derive(Default)]
@@ -100,12 +89,7 @@ async fn load(
 ) -> Vec<tokio::task::JoinHandle<()>> {
     let mut tasks = Vec::new();
     for worker in 0..workers {
-        let session = mesh
-            .coordinator()
-            .await
-            .session(format!("w{worker}"))
-            .await
-            .unwrap();
+        let session = mesh.session(format!("w{worker}")).await;
         let (stop, seen) = (stop.clone(), seen.clone());
         tasks.push(tokio::spawn(async move {
             let mut round = worker * 1_000_000;
@@ -115,14 +99,8 @@ async fn load(
                 let outcome = session.evaluate(batch(round)).await;
                 let mut seen = seen.lock().unwrap();
                 match outcome {
-                    Ok(d) if correct(&d) => {
-                        let replica = d
-                            .trace
-                            .iter()
-                            .find(|t| t.guard == "hg")
-                            .map(|t| t.replica.clone())
-                            .unwrap_or_default();
-                        seen.judged.push((sent, replica));
+                    Ok(d) if deny_list_decided(&d, "hg") => {
+                        seen.judged.push((sent, replica_of(&d, "hg")));
                     }
                     Ok(d) => seen.failed.push(format!("{:?}", d.trace)),
                     Err(e) => seen.failed.push(e.to_string()),
@@ -131,6 +109,75 @@ async fn load(
         }));
     }
     tasks
+}
+
+/// Three replicas of [`SCRIPT`] as the guard `hg` of a mesh, under load
+/// from 8 sessions (started 1.5 s before [`Draining::start`] returns).
+struct Draining {
+    mesh: TestMesh,
+    dir: std::path::PathBuf,
+    guards: Vec<ScriptedReplica>,
+    urls: Vec<String>,
+    stop: Arc<AtomicBool>,
+    seen: Arc<Mutex<Seen>>,
+    tasks: Vec<tokio::task::JoinHandle<()>>,
+}
+
+impl Draining {
+    async fn start() -> Self {
+        let mesh = TestMesh::start().await;
+        let (dir, guards) = replicas(3).await;
+        let urls: Vec<String> = guards.iter().map(|g| g.url.clone()).collect();
+        mesh.registrar()
+            .await
+            .register(replicated("hg", &urls))
+            .await
+            .unwrap();
+        let stop = Arc::new(AtomicBool::new(false));
+        let seen = Arc::new(Mutex::new(Seen::default()));
+        let tasks = load(&mesh, 8, stop.clone(), seen.clone()).await;
+        tokio::time::sleep(Duration::from_millis(1500)).await;
+        Self {
+            mesh,
+            dir,
+            guards,
+            urls,
+            stop,
+            seen,
+            tasks,
+        }
+    }
+
+    /// Stops the load once every batch is answered (R32): what it saw.
+    async fn stop(&mut self) -> Seen {
+        self.stop.store(true, Ordering::Relaxed);
+        for task in self.tasks.drain(..) {
+            tokio::time::timeout(Duration::from_secs(30), task)
+                .await
+                .expect("R32: every batch is answered")
+                .unwrap();
+        }
+        std::mem::take(&mut *self.seen.lock().unwrap())
+    }
+}
+
+impl Drop for Draining {
+    fn drop(&mut self) {
+        self.guards.clear();
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+impl Seen {
+    /// Fails unless no batch failed (R32).
+    fn assert_none_failed(&self) {
+        assert!(
+            self.failed.is_empty(),
+            "R32: {} batches failed; first: {:?}",
+            self.failed.len(),
+            self.failed.first()
+        );
+    }
 }
 
 /// Batches sent within `[from, to)` that `replica` judged, and all sent then.
@@ -148,30 +195,20 @@ fn judged_between(seen: &Seen, replica: &str, from: Instant, to: Instant) -> (us
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn r32_a_not_serving_replica_gets_no_new_requests_then_serves_again() {
-    let mesh = TestMesh::start().await;
-    let (dir, mut guards) = replicas(3).await;
-    let urls: Vec<String> = guards.iter().map(|g| g.url.clone()).collect();
-    mesh.registrar()
-        .await
-        .register(replicated("hg", &urls))
-        .await
-        .unwrap();
-    let stop = Arc::new(AtomicBool::new(false));
-    let seen = Arc::new(Mutex::new(Seen::default()));
-    let tasks = load(&mesh, 8, stop.clone(), seen.clone()).await;
+    let mut run = Draining::start().await;
+    let urls = run.urls.clone();
     let settle = Duration::from_millis(500);
-    tokio::time::sleep(Duration::from_millis(1500)).await;
 
     // The first replica says NOT_SERVING: after a settling time (the watch
     // message, and the batches it already held), it judges nothing new.
     // The draining gauge names the replica that drains, and only it.
     let draining = |url: &str| {
         metric(
-            &mesh,
+            &run.mesh,
             &format!(r#"guardmesh_guard_replica_draining{{guard="hg",replica="{url}"}}"#),
         )
     };
-    command(&mut guards[0], "down");
+    command(&mut run.guards[0], "down");
     // Measured from when the mesh has heard it (its gauge says so): on a
     // loaded machine the health message itself can take a while.
     let heard = Instant::now() + Duration::from_secs(10);
@@ -185,27 +222,20 @@ async fn r32_a_not_serving_replica_gets_no_new_requests_then_serves_again() {
     // Taken before the command: the replica says SERVING before it
     // answers it, and batches sent from then on may rightly go to it.
     let up = Instant::now();
-    command(&mut guards[0], "up");
+    command(&mut run.guards[0], "up");
     tokio::time::sleep(Duration::from_secs(3)).await;
     assert_eq!(draining(&urls[0]), 0.0, "R32: serving again");
     // Every replica NOT_SERVING: they still judge (R15: a guard is never
     // left without replicas by their health; none fails).
     let all_down = Instant::now();
-    for guard in &mut guards {
+    for guard in &mut run.guards {
         command(guard, "down");
     }
     tokio::time::sleep(Duration::from_secs(2)).await;
     for url in &urls {
         assert_eq!(draining(url), 1.0, "R32: {url} drains");
     }
-    stop.store(true, Ordering::Relaxed);
-    for task in tasks {
-        tokio::time::timeout(Duration::from_secs(30), task)
-            .await
-            .expect("R32: every batch is answered")
-            .unwrap();
-    }
-    let seen = seen.lock().unwrap();
+    let seen = run.stop().await;
     let (drained, total) = judged_between(&seen, &urls[0], down + settle, up);
     eprintln!("NOT_SERVING for 3 s: the replica judged {drained} of {total}");
     assert!(total >= 30, "load flowed while it drained: {total}");
@@ -214,7 +244,8 @@ async fn r32_a_not_serving_replica_gets_no_new_requests_then_serves_again() {
     // as the last resort, and a reconnected stream (streams opened) starts
     // a new health watch.
     let replica_metrics = || {
-        mesh.mesh
+        run.mesh
+            .mesh
             .metrics
             .encode()
             .lines()
@@ -242,44 +273,19 @@ async fn r32_a_not_serving_replica_gets_no_new_requests_then_serves_again() {
         total >= 10,
         "every replica NOT_SERVING still judges: {total}"
     );
-    assert!(
-        seen.failed.is_empty(),
-        "R32: {} batches failed; first: {:?}",
-        seen.failed.len(),
-        seen.failed.first()
-    );
-    drop(seen);
-    drop(guards);
-    let _ = std::fs::remove_dir_all(dir);
+    seen.assert_none_failed();
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn r32_a_replica_shutting_down_gracefully_finishes_its_requests_and_gets_no_more() {
-    let mesh = TestMesh::start().await;
-    let (dir, mut guards) = replicas(3).await;
-    let urls: Vec<String> = guards.iter().map(|g| g.url.clone()).collect();
-    mesh.registrar()
-        .await
-        .register(replicated("hg", &urls))
-        .await
-        .unwrap();
-    let stop = Arc::new(AtomicBool::new(false));
-    let seen = Arc::new(Mutex::new(Seen::default()));
-    let tasks = load(&mesh, 8, stop.clone(), seen.clone()).await;
-    tokio::time::sleep(Duration::from_millis(1500)).await;
+    let mut run = Draining::start().await;
+    let urls = run.urls.clone();
     // The kit's graceful stop: NOT_SERVING, new RPCs refused (GOAWAY), each
     // Judge stream ended once it has no request outstanding, 5 s grace.
-    command(&mut guards[0], "stop");
+    command(&mut run.guards[0], "stop");
     let stopped = Instant::now();
     tokio::time::sleep(Duration::from_secs(4)).await;
-    stop.store(true, Ordering::Relaxed);
-    for task in tasks {
-        tokio::time::timeout(Duration::from_secs(30), task)
-            .await
-            .expect("R32: every batch is answered")
-            .unwrap();
-    }
-    let seen = seen.lock().unwrap();
+    let seen = run.stop().await;
     let (after, total) = judged_between(
         &seen,
         &urls[0],
@@ -289,15 +295,7 @@ async fn r32_a_replica_shutting_down_gracefully_finishes_its_requests_and_gets_n
     eprintln!("after a graceful stop: the replica judged {after} of {total}");
     assert!(total >= 30, "load flowed: {total}");
     assert_eq!(after, 0, "R32: a stopping replica got new requests");
-    assert!(
-        seen.failed.is_empty(),
-        "R32: {} batches failed; first: {:?}",
-        seen.failed.len(),
-        seen.failed.first()
-    );
-    drop(seen);
-    drop(guards);
-    let _ = std::fs::remove_dir_all(dir);
+    seen.assert_none_failed();
 }
 
 /// A TLS script guard on 127.0.0.1 whose certificate names `id`
@@ -331,43 +329,23 @@ async fn r32_an_impostor_replica_gets_no_request_and_is_named() {
     let total = 120;
     let mut tasks = Vec::new();
     for worker in 0..6 {
-        let session = mesh
-            .coordinator()
-            .await
-            .session(format!("w{worker}"))
-            .await
-            .unwrap();
+        let session = mesh.session(format!("w{worker}")).await;
         tasks.push(tokio::spawn(async move {
             let mut seen = Vec::new();
             for round in 0..total / 6 {
                 let d = session
-                    .evaluate(
-                        Batch::new(u32::try_from(worker * 1000 + round).unwrap())
-                            .call("c", "t", "{}")
-                            .timeout(Duration::from_secs(10)),
-                    )
+                    .evaluate(one_call(worker * 1000 + round))
                     .await
                     .expect("a decision");
                 let steered =
                     matches!(d.calls[0].outcome, Outcome::Steer { .. }) && !d.calls[0].failure;
-                let replica = d
-                    .trace
-                    .iter()
-                    .find(|t| t.guard == "tg")
-                    .map(|t| t.replica.clone())
-                    .unwrap_or_default();
-                seen.push((replica, steered));
+                seen.push((replica_of(&d, "tg"), steered));
             }
             seen
         }));
     }
-    let mut counts = std::collections::HashMap::<String, usize>::new();
-    for task in tasks {
-        for (replica, steered) in task.await.unwrap() {
-            assert!(steered, "R32: every batch judged by a real replica");
-            *counts.entry(replica).or_default() += 1;
-        }
-    }
+    let (counts, wrong) = count_replicas(tasks).await;
+    assert_eq!(wrong, 0, "R32: every batch judged by a real replica");
     eprintln!("pinned replicas with an impostor: {counts:?}");
     assert_eq!(
         impostor_guard.requests(),

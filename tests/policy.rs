@@ -31,6 +31,15 @@ fn file(name: &str, text: &str) -> PathBuf {
     path
 }
 
+/// `guardmesh policy test POLICY CASES`: its output.
+fn policy_test(
+    policy: impl AsRef<std::path::Path>,
+    cases: impl AsRef<std::path::Path>,
+) -> std::process::Output {
+    let (policy, cases) = (policy.as_ref().display(), cases.as_ref().display());
+    guardmesh(&["policy", "test", &policy.to_string(), &cases.to_string()])
+}
+
 #[test]
 fn r27_policy_check_accepts_the_example_and_lists_its_rules() {
     let out = guardmesh(&["policy", "check", &example("policy.toml")]);
@@ -68,12 +77,7 @@ fn r27_policy_check_into_a_closed_pipe_exits_quietly() {
 
 #[test]
 fn r27_policy_test_passes_the_example_cases() {
-    let out = guardmesh(&[
-        "policy",
-        "test",
-        &example("policy.toml"),
-        &example("cases.toml"),
-    ]);
+    let out = policy_test(example("policy.toml"), example("cases.toml"));
     assert!(out.status.success(), "{out:?}");
     assert!(text(&out.stdout).contains("PASS"), "{out:?}");
 }
@@ -95,12 +99,7 @@ fn r27_policy_test_the_shell_cases_fail_a_text_match_on_rm_rf() {
         "text-match.toml",
         &example_policy.replace(helper, "call.args.cmd.matches(r'rm -rf')"),
     );
-    let out = guardmesh(&[
-        "policy",
-        "test",
-        &text_match.display().to_string(),
-        &example("cases.toml"),
-    ]);
+    let out = policy_test(&text_match, example("cases.toml"));
     assert_eq!(out.status.code(), Some(1), "{out:?}");
     let stderr = text(&out.stderr);
     for spelt in [
@@ -156,12 +155,7 @@ fn r27_policy_check_refuses_a_broken_file_naming_the_line() {
     assert!(stderr.contains("\"bad\""), "names the rule: {stderr}");
     assert!(stderr.contains("does not compile"), "says why: {stderr}");
     // `test` refuses the same file before any case runs.
-    let out = guardmesh(&[
-        "policy",
-        "test",
-        &broken.display().to_string(),
-        &example("cases.toml"),
-    ]);
+    let out = policy_test(&broken, example("cases.toml"));
     assert_eq!(out.status.code(), Some(1), "{out:?}");
     assert!(text(&out.stderr).contains("line 9"), "{out:?}");
 }
@@ -175,12 +169,7 @@ fn r27_policy_test_fails_on_a_wrong_case_naming_it() {
          [[case]]\nname = \"a DELETE proceeds (wrong)\"\n[[case.calls]]\ntool = \"sql.query\"\n\
          args = { query = \"DELETE FROM users\" }\nexpect = \"proceed\"\n",
     );
-    let out = guardmesh(&[
-        "policy",
-        "test",
-        &example("policy.toml"),
-        &cases.display().to_string(),
-    ]);
+    let out = policy_test(example("policy.toml"), &cases);
     assert_eq!(out.status.code(), Some(1), "{out:?}");
     let stderr = text(&out.stderr);
     assert!(

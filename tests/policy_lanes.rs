@@ -37,6 +37,28 @@ fn costly_calls(turn: u32, calls: usize) -> Batch {
         .timeout(Duration::from_secs(60))
 }
 
+/// Two coordinators of `mesh`, each on a connection of its own: one
+/// floods, the other is its victim.
+async fn flooder_and_victim(mesh: &MeshProcess) -> (Coordinator, Coordinator) {
+    (
+        Coordinator::connect(&mesh.url).await.unwrap(),
+        Coordinator::connect(&mesh.url).await.unwrap(),
+    )
+}
+
+/// How long a costly batch of turn `turn` takes alone, judged (as
+/// [`assert_judged`] says).
+async fn judged_alone(victim: &Coordinator, turn: u32) -> Duration {
+    let started = Instant::now();
+    let d = victim
+        .evaluate_once("victim", costly_batch(turn))
+        .await
+        .unwrap();
+    let alone = started.elapsed();
+    assert_judged(&d, "alone");
+    alone
+}
+
 /// The batch was judged by the guard and let through: not failed, not
 /// bounded, not shed.
 fn assert_judged(d: &BatchDecision, what: &str) {
@@ -64,16 +86,9 @@ async fn r25_a_flooding_client_is_shed_and_another_clients_costly_batch_keeps_it
         )
         .await
         .unwrap();
-    let flooder = Coordinator::connect(&mesh.url).await.unwrap();
-    let victim = Coordinator::connect(&mesh.url).await.unwrap();
+    let (flooder, victim) = flooder_and_victim(&mesh).await;
     // One costly batch alone: what the bound below is made of.
-    let started = Instant::now();
-    let d = victim
-        .evaluate_once("victim", costly_batch(0))
-        .await
-        .unwrap();
-    let alone = started.elapsed();
-    assert_judged(&d, "alone");
+    let alone = judged_alone(&victim, 0).await;
 
     let flood = {
         let flooder = flooder.clone();
@@ -160,8 +175,7 @@ async fn r25_a_batch_that_waits_past_its_guards_time_is_shed_not_cancelled() {
         )
         .await
         .unwrap();
-    let flooder = Coordinator::connect(&mesh.url).await.unwrap();
-    let victim = Coordinator::connect(&mesh.url).await.unwrap();
+    let (flooder, victim) = flooder_and_victim(&mesh).await;
     // Over the inline bound in bytes, cheap to judge: it needs a thread.
     let other = |turn: u32| {
         let args = serde_json::json!({ "s": "b".repeat(20_000) }).to_string();
@@ -172,13 +186,7 @@ async fn r25_a_batch_that_waits_past_its_guards_time_is_shed_not_cancelled() {
     // Alone, it is judged well within the guard's time.
     let d = victim.evaluate_once("victim", other(0)).await.unwrap();
     assert!(d.call("o").unwrap().proceeds(), "{d:?}");
-    let started = Instant::now();
-    let d = victim
-        .evaluate_once("victim", costly_batch(1))
-        .await
-        .unwrap();
-    let alone = started.elapsed();
-    assert_judged(&d, "alone");
+    let alone = judged_alone(&victim, 1).await;
 
     // The flood takes every thread, each for about 3 s.
     let calls = (3000 / alone.as_millis().max(1)).clamp(4, 256) as usize;

@@ -81,6 +81,27 @@ impl Serve {
         );
     }
 
+    /// Once the mesh is ready, a coordinator and a batch of its session
+    /// `s`, which `held` has (and holds): the batch's answer comes with the
+    /// session, open until then.
+    async fn held_batch(&self, held: &HeldHandle) -> (Coordinator, HeldBatch) {
+        self.readyz_until(200, 200).await;
+        let coordinator = Coordinator::connect(self.url.clone()).await.unwrap();
+        let session = coordinator.session("s").await.unwrap();
+        let mut in_flight: HeldBatch = Box::pin(async move {
+            let answer = session.evaluate(Batch::new(0).call("c1", "t", "{}")).await;
+            (answer, session)
+        });
+        until_held(&mut in_flight, &held.guard).await;
+        (coordinator, in_flight)
+    }
+
+    /// Fails unless `status` is a success and the log says `text`.
+    fn assert_exited_saying(&self, status: std::process::ExitStatus, text: &str) {
+        assert!(status.success(), "exit status {status}:\n{}", self.log());
+        assert!(self.log().contains(text), "{}", self.log());
+    }
+
     fn signal(&self, signal: &str) {
         send_signal(&self.child, signal);
     }
@@ -138,67 +159,6 @@ async fn get(port: u16, path: &str) -> Option<(u16, String)> {
         .flatten()
 }
 
-/// An `etcd` on loopback ports chosen up front (so a mesh can be pointed
-/// at it before it starts); killed and its data removed on drop.
-struct Etcd {
-    dir: PathBuf,
-    client_port: u16,
-    peer_port: u16,
-    child: Option<Child>,
-}
-
-impl Etcd {
-    fn new() -> Self {
-        Self {
-            dir: fresh_dir("probes-etcd"),
-            client_port: free_port(),
-            peer_port: free_port(),
-            child: None,
-        }
-    }
-
-    fn url(&self) -> String {
-        format!("http://127.0.0.1:{}", self.client_port)
-    }
-
-    fn spawn(&mut self) {
-        let log = std::fs::File::create(self.dir.join("etcd.log")).unwrap();
-        let peer = format!("http://127.0.0.1:{}", self.peer_port);
-        let child = Command::new("etcd")
-            .arg("--name=probes")
-            .arg(format!("--data-dir={}", self.dir.join("data").display()))
-            .arg(format!("--listen-client-urls={}", self.url()))
-            .arg(format!("--advertise-client-urls={}", self.url()))
-            .arg(format!("--listen-peer-urls={peer}"))
-            .arg(format!("--initial-advertise-peer-urls={peer}"))
-            .arg(format!("--initial-cluster=probes={peer}"))
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(Stdio::from(log))
-            .spawn()
-            .unwrap_or_else(|e| {
-                panic!(
-                    "cannot start etcd ({e}): run scripts/setup-etcd (apt-get install etcd-server)"
-                )
-            });
-        self.child = Some(child);
-    }
-
-    fn kill(&mut self) {
-        if let Some(mut child) = self.child.take() {
-            let _ = child.kill();
-            let _ = child.wait();
-        }
-    }
-}
-
-impl Drop for Etcd {
-    fn drop(&mut self) {
-        self.kill();
-        let _ = std::fs::remove_dir_all(&self.dir);
-    }
-}
-
 #[tokio::test]
 async fn healthz_and_readyz_answer_plain_text_on_the_metrics_port() {
     let serve = Serve::start("plain", "").await;
@@ -218,8 +178,8 @@ async fn healthz_and_readyz_answer_plain_text_on_the_metrics_port() {
 
 #[tokio::test]
 async fn readyz_is_503_until_etcd_confirms_the_chain_and_again_once_etcd_is_gone() {
-    let mut etcd = Etcd::new();
-    let secret = session_secret(&etcd.dir, "session.secret");
+    let mut etcd = crate::etcd::Etcd::unstarted();
+    let secret = session_secret(etcd.dir(), "session.secret");
     let config = format!(
         r#"
 [registry]
@@ -246,14 +206,14 @@ secret_file = {:?}
     let (status, _) = serve.probe("/metrics").await;
     assert_eq!(status, 503, "no metrics before the mesh exists");
 
-    etcd.spawn();
+    etcd.spawn().await;
     let (_, body) = serve.readyz_until(200, 600).await;
     assert!(body.starts_with("ready\n"), "{body}");
     assert!(Coordinator::connect(serve.url.clone()).await.is_ok());
 
     // etcd goes away: past the staleness window the replica refuses to
     // judge, and /readyz says so while /healthz still answers.
-    etcd.kill();
+    etcd.stop();
     let (_, body) = serve.readyz_until(503, 600).await;
     assert!(body.contains("registry:"), "{body}");
     assert!(body.contains("staleness window"), "{body}");
@@ -290,12 +250,7 @@ async fn sigterm_drains_readyz_turns_503_in_flight_batch_answered_new_streams_re
         20000,
     );
     let mut serve = Serve::start("drain", &config).await;
-    serve.readyz_until(200, 200).await;
-    let coordinator = Coordinator::connect(serve.url.clone()).await.unwrap();
-    let session = coordinator.session("s").await.unwrap();
-    let in_flight = session.evaluate(Batch::new(0).call("c1", "t", "{}"));
-    tokio::pin!(in_flight);
-    until_held(&mut in_flight, &held.guard).await;
+    let (coordinator, mut in_flight) = serve.held_batch(&held).await;
 
     serve.signal("TERM");
     let (_, body) = while_held(
@@ -327,19 +282,55 @@ async fn sigterm_drains_readyz_turns_503_in_flight_batch_answered_new_streams_re
     held.guard.release();
     let d = in_flight
         .await
+        .0
         .unwrap_or_else(|e| panic!("the in-flight batch: {e}\n{}", serve.log()));
     assert!(d.calls[0].proceeds(), "{d:?}");
     let status = serve.exit_within(Duration::from_secs(20)).await;
     assert!(status.success(), "exit status {status}:\n{}", serve.log());
 }
 
+/// A batch in flight: its answer, and its session.
+type HeldBatch = std::pin::Pin<
+    Box<
+        dyn std::future::Future<
+                Output = (
+                    Result<guardmesh_client::BatchDecision, ClientError>,
+                    guardmesh_client::Session,
+                ),
+            > + Send,
+    >,
+>;
+
+/// Fails unless the held batch `in_flight` ends within 10 s with its
+/// stream cut (an error), not a decision; `what` names the cut.
+async fn assert_cut(in_flight: HeldBatch, what: &str) {
+    match tokio::time::timeout(Duration::from_secs(10), in_flight).await {
+        Ok((
+            Err(
+                ClientError::Status(_)
+                | ClientError::SessionClosed(_)
+                | ClientError::NotJudged { .. },
+            ),
+            _,
+        )) => {}
+        other => panic!("{what}: {other:?}"),
+    }
+}
+
 /// A mesh whose one guard, `held`, never answers, with batch timeouts of
-/// 60 s and `grace_ms` of shutdown grace.
-async fn serve_held(name: &str, held: &HeldHandle, grace_ms: u64) -> Serve {
+/// 60 s and `grace_ms` of shutdown grace, and a batch `held` holds
+/// ([`Serve::held_batch`]).
+async fn serve_held(
+    name: &str,
+    held: &HeldHandle,
+    grace_ms: u64,
+) -> (Serve, Coordinator, HeldBatch) {
     let more =
         format!("max_batch_timeout_ms = 60000\n\n[server]\nshutdown_grace_ms = {grace_ms}\n");
     let config = held_guard_config(&held.url, 60000, &more, 60000);
-    Serve::start(name, &config).await
+    let serve = Serve::start(name, &config).await;
+    let (coordinator, in_flight) = serve.held_batch(held).await;
+    (serve, coordinator, in_flight)
 }
 
 #[tokio::test]
@@ -347,30 +338,14 @@ async fn sigterm_exits_within_the_grace_period_while_a_batch_is_still_held() {
     // The guard holds its batch for good; the mesh would wait up to the
     // batch's 60 s timeout without a grace period.
     let held = held_guard().await;
-    let mut serve = serve_held("grace", &held, 1000).await;
-    serve.readyz_until(200, 200).await;
-    let coordinator = Coordinator::connect(serve.url.clone()).await.unwrap();
-    let session = coordinator.session("s").await.unwrap();
-    let in_flight = session.evaluate(Batch::new(0).call("c1", "t", "{}"));
-    tokio::pin!(in_flight);
-    until_held(&mut in_flight, &held.guard).await;
+    let (mut serve, _coordinator, in_flight) = serve_held("grace", &held, 1000).await;
 
     serve.signal("TERM");
     // 1 s of grace; 20 s is the wide bound (the batch's timeout is 60 s).
     let status = serve.exit_within(Duration::from_secs(20)).await;
-    assert!(status.success(), "exit status {status}:\n{}", serve.log());
-    assert!(
-        serve.log().contains("shutdown grace period over"),
-        "{}",
-        serve.log()
-    );
+    serve.assert_exited_saying(status, "shutdown grace period over");
     // The coordinator sees its stream end with an error, not a decision.
-    match tokio::time::timeout(Duration::from_secs(10), in_flight).await {
-        Ok(Err(
-            ClientError::Status(_) | ClientError::SessionClosed(_) | ClientError::NotJudged { .. },
-        )) => {}
-        other => panic!("a batch cut by the grace period: {other:?}"),
-    }
+    assert_cut(in_flight, "a batch cut by the grace period").await;
 }
 
 #[tokio::test]
@@ -378,13 +353,7 @@ async fn a_second_sigterm_cuts_the_drain_short() {
     // A 60 s grace and a batch held for good: only the second signal can
     // end the drain early (what an operator pressing Ctrl-C twice expects).
     let held = held_guard().await;
-    let mut serve = serve_held("second-signal", &held, 60000).await;
-    serve.readyz_until(200, 200).await;
-    let coordinator = Coordinator::connect(serve.url.clone()).await.unwrap();
-    let session = coordinator.session("s").await.unwrap();
-    let in_flight = session.evaluate(Batch::new(0).call("c1", "t", "{}"));
-    tokio::pin!(in_flight);
-    until_held(&mut in_flight, &held.guard).await;
+    let (mut serve, _coordinator, in_flight) = serve_held("second-signal", &held, 60000).await;
 
     serve.signal("TERM");
     let (status, _) = serve.readyz_until(503, 200).await;
@@ -407,18 +376,8 @@ async fn a_second_sigterm_cuts_the_drain_short() {
         }
     }
     let status = exited.unwrap_or_else(|| panic!("still draining:\n{}", serve.log()));
-    assert!(status.success(), "exit status {status}:\n{}", serve.log());
-    assert!(
-        serve.log().contains("second shutdown signal"),
-        "{}",
-        serve.log()
-    );
-    match tokio::time::timeout(Duration::from_secs(10), in_flight).await {
-        Ok(Err(
-            ClientError::Status(_) | ClientError::SessionClosed(_) | ClientError::NotJudged { .. },
-        )) => {}
-        other => panic!("a batch cut by the second signal: {other:?}"),
-    }
+    serve.assert_exited_saying(status, "second shutdown signal");
+    assert_cut(in_flight, "a batch cut by the second signal").await;
 }
 
 /// `systemd-analyze`, or None (with a message) where it is not installed.

@@ -303,23 +303,35 @@ fn assert_blocked_through_the_sdk(lines: &[Value], guard: &TestGuard, server: &s
     );
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn r31_r33_a_blocked_result_reaches_the_official_sdk_as_an_error_result_stdio() {
-    let (mesh, guard) = mesh_with_results_guard("results-stdio").await;
-    let scratch = Scratch::new("results-stdio");
+/// The official SDK client reads `/secret/key`, then `/home/notes`, through
+/// `target`: the secret's result is blocked and the notes' passes
+/// ([`assert_blocked_through_the_sdk`], the guard seeing `server`); both
+/// calls ran: the result, not the call, was blocked.
+async fn reads_through_the_sdk(
+    target: Vec<String>,
+    guard: &TestGuard,
+    scratch: &Scratch,
+    server: &str,
+) {
     let scenario = json!({"mode": "legacy", "steps": [
         {"op": "call", "name": "read_file", "arguments": {"path": "/secret/key"}},
         {"op": "call", "name": "read_file", "arguments": {"path": "/home/notes"}},
     ]});
+    let lines = run_client_off_thread(scenario, target).await;
+    assert_blocked_through_the_sdk(&lines, guard, server);
+    assert_eq!(scratch.executed().len(), 2);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn r31_r33_a_blocked_result_reaches_the_official_sdk_as_an_error_result_stdio() {
+    let (mesh, guard) = mesh_with_results_guard("results-stdio").await;
+    let scratch = Scratch::new("results-stdio");
     let target = via_gateway(
         &mesh.url,
         &["--server-name", "notes-server"],
         scratch.upstream(&["stdio"]),
     );
-    let lines = run_client_off_thread(scenario, target).await;
-    assert_blocked_through_the_sdk(&lines, &guard, "notes-server");
-    // Both calls ran: the result, not the call, was blocked.
-    assert_eq!(scratch.executed().len(), 2);
+    reads_through_the_sdk(target, &guard, &scratch, "notes-server").await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -327,14 +339,8 @@ async fn r31_r33_a_blocked_result_reaches_the_official_sdk_as_an_error_result_ht
     let (mesh, guard) = mesh_with_results_guard("results-http").await;
     let scratch = Scratch::new("results-http");
     let (url, _upstream, _gateway) = http_gateway(&mesh.url, &scratch).await;
-    let scenario = json!({"mode": "legacy", "steps": [
-        {"op": "call", "name": "read_file", "arguments": {"path": "/secret/key"}},
-        {"op": "call", "name": "read_file", "arguments": {"path": "/home/notes"}},
-    ]});
     let target = vec!["http".to_owned(), url];
-    let lines = run_client_off_thread(scenario, target).await;
-    assert_blocked_through_the_sdk(&lines, &guard, "127.0.0.1");
-    assert_eq!(scratch.executed().len(), 2);
+    reads_through_the_sdk(target, &guard, &scratch, "127.0.0.1").await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -503,6 +509,20 @@ async fn insert_the_secret(
     d.call("q").unwrap().outcome.clone()
 }
 
+/// The `.env` read of `session` with its result `r1` sent naming `server`
+/// (which passes), then the insert of [`ENV_SECRET`]: its outcome.
+async fn insert_after_a_passed_result(
+    c: &guardmesh_client::Coordinator,
+    session: &str,
+    server: &str,
+) -> guardmesh_client::Outcome {
+    let d = read_env_then_send_result(c, session, "r1", server)
+        .await
+        .unwrap();
+    assert_eq!(d.result("r1").unwrap().outcome, ResultOutcome::Pass);
+    insert_the_secret(c, session).await
+}
+
 /// R34: a result belongs to the server of the call it answers, as the mesh
 /// recorded it. Sent with its server empty (the proto's "unknown") or in
 /// another ASCII case, its values are followed from the call's server, so
@@ -520,22 +540,14 @@ async fn r34_a_result_belongs_to_the_server_of_the_call_it_answers() {
     let c = mesh.coordinator().await;
 
     // The server left empty: the result is the fs read's.
-    let d = read_env_then_send_result(&c, "empty", "r1", "")
-        .await
-        .unwrap();
-    assert_eq!(d.result("r1").unwrap().outcome, ResultOutcome::Pass);
-    let o = insert_the_secret(&c, "empty").await;
+    let o = insert_after_a_passed_result(&c, "empty", "").await;
     assert!(
         matches!(&o, guardmesh_client::Outcome::Cancel { content } if content.contains("fs server")),
         "a value read from fs, its result sent with no server, reached sqlite: {o:?}"
     );
 
     // The server in another ASCII case: the same server.
-    let d = read_env_then_send_result(&c, "case", "r1", "FS")
-        .await
-        .unwrap();
-    assert_eq!(d.result("r1").unwrap().outcome, ResultOutcome::Pass);
-    let o = insert_the_secret(&c, "case").await;
+    let o = insert_after_a_passed_result(&c, "case", "FS").await;
     assert!(
         matches!(o, guardmesh_client::Outcome::Cancel { .. }),
         "{o:?}"

@@ -11,6 +11,13 @@ fn relaybleed() -> String {
     std::fs::read_to_string(repo_root().join("examples/policy/relaybleed.toml")).unwrap()
 }
 
+/// What becomes of a single-email batch of turn `turn` of `session`.
+async fn one_email(c: &guardmesh_client::Coordinator, session: &str, turn: u32) -> Outcome {
+    let batch = Batch::new(turn).call("e", "email.send", r#"{"to":"a@example.com"}"#);
+    let d = c.evaluate_once(session, batch).await.unwrap();
+    d.call("e").unwrap().outcome.clone()
+}
+
 /// Six single-email batches of `session` sent at once, each on a
 /// connection of its own, in turn to each of `urls`: how many ran. Every
 /// other one is cancelled by the three-emails rule.
@@ -21,14 +28,7 @@ async fn six_emails_at_once(urls: &[String], session: &str) -> usize {
         let session = session.to_owned();
         sent.push(tokio::spawn(async move {
             let c = guardmesh_client::Coordinator::connect(url).await.unwrap();
-            let d = c
-                .evaluate_once(
-                    &session,
-                    Batch::new(turn).call("e", "email.send", r#"{"to":"a@example.com"}"#),
-                )
-                .await
-                .unwrap();
-            d.call("e").unwrap().outcome.clone()
+            one_email(&c, &session, turn).await
         }));
     }
     let mut proceeded = 0;
@@ -83,14 +83,7 @@ async fn r34_concurrent_batches_of_one_session_cannot_race_a_count() {
     }
     // Another session still gets its own three.
     let c = mesh.coordinator().await;
-    let d = c
-        .evaluate_once(
-            "other",
-            Batch::new(0).call("e", "email.send", r#"{"to":"a@example.com"}"#),
-        )
-        .await
-        .unwrap();
-    assert!(matches!(d.call("e").unwrap().outcome, Outcome::Proceed));
+    assert_eq!(one_email(&c, "other", 0).await, Outcome::Proceed);
     mesh.shutdown().await;
 }
 
@@ -149,17 +142,8 @@ async fn r34_one_batch_of_many_calls_cannot_pass_a_count() {
             "{call:?}"
         );
     }
-    let d = c
-        .evaluate_once(
-            "burst",
-            Batch::new(1).call("e", "email.send", r#"{"to":"a@example.com"}"#),
-        )
-        .await
-        .unwrap();
-    assert!(matches!(
-        d.call("e").unwrap().outcome,
-        Outcome::Cancel { .. }
-    ));
+    let o = one_email(&c, "burst", 1).await;
+    assert!(matches!(o, Outcome::Cancel { .. }), "{o:?}");
     mesh.shutdown().await;
 }
 
@@ -177,25 +161,9 @@ async fn six_at_once_on_two_replicas(a: &MeshProcess, b: &MeshProcess) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn r34_two_replicas_on_etcd_cannot_race_a_count() {
-    use crate::sessions_store::{etcd_registry, mesh_config, secret_file};
     let cluster = crate::etcd::Cluster::start().await;
-    let urls = cluster.urls();
     let dir = fresh_dir("race-etcd");
-    let secret = secret_file(&dir, "session.secret");
-    let prefix = "/t/race-etcd";
-    let sessions = format!("secret_file = {:?}", secret.display().to_string());
-    let a = MeshProcess::start(
-        "race-etcd-a",
-        &mesh_config(&dir, &etcd_registry(&urls[..1], prefix), &sessions),
-        None,
-    )
-    .await;
-    let b = MeshProcess::start(
-        "race-etcd-b",
-        &mesh_config(&dir, &etcd_registry(&urls[1..], prefix), &sessions),
-        None,
-    )
-    .await;
+    let (a, b) = crate::sessions_store::etcd_replicas(&cluster, &dir, "race-etcd", "").await;
     six_at_once_on_two_replicas(&a, &b).await;
     drop((a, b));
     let _ = std::fs::remove_dir_all(&dir);
@@ -203,21 +171,12 @@ async fn r34_two_replicas_on_etcd_cannot_race_a_count() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn r34_two_replicas_on_redis_cannot_race_a_count() {
-    use crate::sessions_store::{Redis, mesh_config, secret_file};
+    use crate::sessions_store::{Redis, redis_replicas};
     let Some(redis) = Redis::start("r34_two_replicas_on_redis_cannot_race_a_count").await else {
         return;
     };
     let dir = fresh_dir("race-redis");
-    let secret = secret_file(&dir, "session.secret");
-    let registry = "[registry]\nprefix = \"/t/race-redis\"";
-    let sessions = format!(
-        "store = \"redis\"\nredis_url = {:?}\nsecret_file = {:?}",
-        redis.url(),
-        secret.display().to_string()
-    );
-    let config = mesh_config(&dir, registry, &sessions);
-    let a = MeshProcess::start("race-redis-a", &config, None).await;
-    let b = MeshProcess::start("race-redis-b", &config, None).await;
+    let (a, b) = redis_replicas(&redis, &dir, "race-redis", "").await;
     six_at_once_on_two_replicas(&a, &b).await;
     drop((a, b));
     let _ = std::fs::remove_dir_all(&dir);

@@ -52,6 +52,52 @@ pub(crate) fn etcd_registry(endpoints: &[String], prefix: &str) -> String {
     )
 }
 
+/// Two `guardmesh serve` replicas, `NAME-a` on the first member of
+/// `cluster` and `NAME-b` on the others, their chain and session memory
+/// in etcd under `/t/NAME`, one secret file in `dir`; `[sessions]` has
+/// `more` lines besides.
+pub(crate) async fn etcd_replicas(
+    cluster: &Cluster,
+    dir: &Path,
+    name: &str,
+    more: &str,
+) -> (MeshProcess, MeshProcess) {
+    let urls = cluster.urls();
+    let secret = secret_file(dir, "session.secret");
+    let prefix = format!("/t/{name}");
+    let sessions = format!("secret_file = {:?}\n{more}", secret.display().to_string());
+    let mut replicas = Vec::new();
+    for (replica, urls) in [("a", &urls[..1]), ("b", &urls[1..])] {
+        let config = mesh_config(dir, &etcd_registry(urls, &prefix), &sessions);
+        replicas.push(MeshProcess::start(&format!("{name}-{replica}"), &config, None).await);
+    }
+    let b = replicas.pop().unwrap();
+    (replicas.pop().unwrap(), b)
+}
+
+/// Two `guardmesh serve` replicas `NAME-a` and `NAME-b` of one config,
+/// their session memory in `redis` and their registries (each its own, in
+/// memory) under `/t/NAME`, one secret file in `dir`; `[sessions]` has
+/// `more` lines besides.
+pub(crate) async fn redis_replicas(
+    redis: &Redis,
+    dir: &Path,
+    name: &str,
+    more: &str,
+) -> (MeshProcess, MeshProcess) {
+    let secret = secret_file(dir, "session.secret");
+    let registry = format!("[registry]\nprefix = \"/t/{name}\"");
+    let sessions = format!(
+        "store = \"redis\"\nredis_url = {:?}\nsecret_file = {:?}\n{more}",
+        redis.url(),
+        secret.display().to_string()
+    );
+    let config = mesh_config(dir, &registry, &sessions);
+    let a = MeshProcess::start(&format!("{name}-a"), &config, None).await;
+    let b = MeshProcess::start(&format!("{name}-b"), &config, None).await;
+    (a, b)
+}
+
 /// The batch outcome of the one call `c` of `tool`.
 async fn outcome(c: &Coordinator, session: &str, turn: u32, tool: &str, args: &str) -> Outcome {
     decide(c, session, Batch::new(turn).call("c", tool, args))
@@ -351,24 +397,8 @@ async fn r34_two_serve_replicas_on_a_3_member_etcd_share_session_memory() {
     let mut cluster = Cluster::start().await;
     let urls = cluster.urls();
     let dir = fresh_dir("store-etcd");
-    let secret = secret_file(&dir, "session.secret");
-    let prefix = "/t/store-etcd";
-    let sessions = format!(
-        "secret_file = {:?}\nstore_timeout_ms = 300",
-        secret.display().to_string()
-    );
-    let a = MeshProcess::start(
-        "store-etcd-a",
-        &mesh_config(&dir, &etcd_registry(&urls[..1], prefix), &sessions),
-        None,
-    )
-    .await;
-    let b = MeshProcess::start(
-        "store-etcd-b",
-        &mesh_config(&dir, &etcd_registry(&urls[1..], prefix), &sessions),
-        None,
-    )
-    .await;
+    let (a, b) = etcd_replicas(&cluster, &dir, "store-etcd", "store_timeout_ms = 300").await;
+    let (prefix, secret) = ("/t/store-etcd", secret_file(&dir, "session.secret"));
     let (ca, cb) = (
         Coordinator::connect(a.url.clone()).await.unwrap(),
         Coordinator::connect(b.url.clone()).await.unwrap(),
@@ -442,17 +472,8 @@ async fn r34_two_serve_replicas_on_redis_share_session_memory() {
         return;
     };
     let dir = fresh_dir("store-redis");
-    let secret = secret_file(&dir, "session.secret");
-    let prefix = "/t/store-redis";
-    let registry = format!("[registry]\nprefix = {prefix:?}");
-    let sessions = format!(
-        "store = \"redis\"\nredis_url = {:?}\nsecret_file = {:?}\nstore_timeout_ms = 300",
-        redis.url(),
-        secret.display().to_string()
-    );
-    let config = mesh_config(&dir, &registry, &sessions);
-    let a = MeshProcess::start("store-redis-a", &config, None).await;
-    let b = MeshProcess::start("store-redis-b", &config, None).await;
+    let (a, b) = redis_replicas(&redis, &dir, "store-redis", "store_timeout_ms = 300").await;
+    let (prefix, secret) = ("/t/store-redis", secret_file(&dir, "session.secret"));
     let (ca, cb) = (
         Coordinator::connect(a.url.clone()).await.unwrap(),
         Coordinator::connect(b.url.clone()).await.unwrap(),

@@ -48,6 +48,11 @@ impl TestMesh {
         Coordinator::connect(self.url.clone()).await.unwrap()
     }
 
+    /// Session `id` on a coordinator (and a connection) of its own.
+    pub(crate) async fn session(&self, id: impl Into<String>) -> guardmesh_client::Session {
+        self.coordinator().await.session(id).await.unwrap()
+    }
+
     pub(crate) async fn registrar(&self) -> Registrar {
         Registrar::connect(self.url.clone()).await.unwrap()
     }

@@ -11,6 +11,8 @@
 //! * [`pki`]: certificates for secured meshes.
 //! * [`measure`]: memory measurements.
 //! * [`otlp`]: an OTLP/gRPC collector for exported spans and log records.
+//! * [`replicas`]: what a guard run as replicas decides, and which replica
+//!   judged each batch.
 
 use guardmesh_client::proto::guard_service_server::{GuardService, GuardServiceServer};
 use guardmesh_client::proto::{GuardBatch, JudgeRequest, JudgeResponse, Verdict};
@@ -62,6 +64,7 @@ mod otlp;
 mod pki;
 mod processes;
 mod records;
+mod replicas;
 
 pub(crate) use coordinator::*;
 pub(crate) use guards::*;
@@ -71,6 +74,7 @@ pub(crate) use otlp::*;
 pub(crate) use pki::*;
 pub(crate) use processes::*;
 pub(crate) use records::*;
+pub(crate) use replicas::*;
 
 /// Polls `check` every 20 ms, at most `tries` times.
 pub(crate) async fn eventually_within(tries: usize, mut check: impl FnMut() -> bool) -> bool {

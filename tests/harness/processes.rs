@@ -29,10 +29,17 @@ pub(crate) async fn guardmesh_off_thread(
 /// A child process, killed (and reaped) when dropped.
 pub(crate) struct KillOnDrop(pub std::process::Child);
 
-impl Drop for KillOnDrop {
-    fn drop(&mut self) {
+impl KillOnDrop {
+    /// Kills the process (SIGKILL) and reaps it.
+    pub(crate) fn kill(&mut self) {
         let _ = self.0.kill();
         let _ = self.0.wait();
+    }
+}
+
+impl Drop for KillOnDrop {
+    fn drop(&mut self) {
+        self.kill();
     }
 }
 
@@ -96,7 +103,7 @@ pub(crate) fn run_with_input(
 pub(crate) struct GuardProcess {
     pub url: String,
     pub port: u16,
-    child: std::process::Child,
+    child: KillOnDrop,
 }
 
 impl GuardProcess {
@@ -125,20 +132,13 @@ impl GuardProcess {
         Self {
             url: format!("http://127.0.0.1:{port}"),
             port,
-            child,
+            child: KillOnDrop(child),
         }
     }
 
     /// Kills the process (SIGKILL) and reaps it.
     pub(crate) fn kill(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-impl Drop for GuardProcess {
-    fn drop(&mut self) {
-        self.kill();
+        self.child.kill();
     }
 }
 
@@ -200,7 +200,7 @@ pub(crate) struct KitGuard {
     /// `127.0.0.1:PORT`, for `guardmesh conformance --guard`.
     pub addr: String,
     pub port: u16,
-    child: std::process::Child,
+    child: KillOnDrop,
 }
 
 impl KitGuard {
@@ -254,20 +254,13 @@ impl KitGuard {
             url: format!("http://127.0.0.1:{port}"),
             addr: format!("127.0.0.1:{port}"),
             port,
-            child,
+            child: KillOnDrop(child),
         }
     }
 
     /// Kills the process (SIGKILL) and reaps it.
     pub(crate) fn kill(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-impl Drop for KitGuard {
-    fn drop(&mut self) {
-        self.kill();
+        self.child.kill();
     }
 }
 
@@ -313,7 +306,7 @@ pub(crate) fn listening_port(line: &str, what: &str) -> u16 {
 /// stdin with one line ([`ScriptedReplica::ask`]). Killed when dropped.
 pub(crate) struct ScriptedReplica {
     pub url: String,
-    child: std::process::Child,
+    _child: KillOnDrop,
     stdin: std::process::ChildStdin,
     lines: std::sync::mpsc::Receiver<String>,
 }
@@ -349,7 +342,7 @@ impl ScriptedReplica {
         let port = listening_port(&first, what);
         Self {
             url: format!("http://127.0.0.1:{port}"),
-            child,
+            _child: KillOnDrop(child),
             stdin,
             lines,
         }
@@ -364,12 +357,5 @@ impl ScriptedReplica {
         self.lines
             .recv_timeout(Duration::from_secs(10))
             .unwrap_or_else(|_| panic!("the replica answers {command:?}"))
-    }
-}
-
-impl Drop for ScriptedReplica {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
     }
 }
