@@ -271,7 +271,12 @@ async fn r9_r20_a_hostile_listing_is_asked_about_within_bounds_and_the_rest_show
     // about; delete_file and the name differing from it only in case are
     // hidden (R9: both would be cancelled); the 300-byte name and the
     // names past the bound cannot be asked about, and are shown.
-    assert_eq!(names.len(), 100_001, "{:?}", names.iter().take(3).collect::<Vec<_>>());
+    assert_eq!(
+        names.len(),
+        100_001,
+        "{:?}",
+        names.iter().take(3).collect::<Vec<_>>()
+    );
     assert_eq!(names[0], "h".repeat(300));
     assert!(!names.contains(&"delete_file") && !names.contains(&"DELETE_FILE"));
     assert_eq!((names[1], names[100_000]), ("t0", "t99999"));
