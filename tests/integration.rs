@@ -129,6 +129,7 @@ mod mcp_revision;
 mod mcp_revision_ts;
 mod mcp_sampling;
 mod mcp_smuggling;
+mod mcp_visibility;
 mod mesh_args;
 mod observability;
 mod otel;

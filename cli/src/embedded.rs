@@ -2,7 +2,7 @@
 //! mesh built in its own process from the config `guardmesh serve` reads,
 //! instead of reaching one over gRPC (see docs/mcp-and-hooks.md).
 
-use guardmesh_client::proto::{BatchDecision, EvaluateRequest};
+use guardmesh_client::proto::{AlwaysSkippedResponse, BatchDecision, EvaluateRequest};
 use guardmesh_gateway::{LocalMesh, MeshLoader};
 use guardmesh_server::run::{InProcess, Server};
 use std::future::Future;
@@ -40,6 +40,13 @@ impl LocalMesh for Embedded {
         request: EvaluateRequest,
     ) -> Boxed<'_, Result<BatchDecision, tonic::Status>> {
         Box::pin(self.0.evaluate(request))
+    }
+
+    fn always_skipped(
+        &self,
+        tools: Vec<String>,
+    ) -> Boxed<'_, Result<AlwaysSkippedResponse, tonic::Status>> {
+        Box::pin(std::future::ready(self.0.always_skipped(&tools)))
     }
 
     fn close(&self) -> Boxed<'_, ()> {

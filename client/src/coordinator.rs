@@ -680,6 +680,27 @@ impl Coordinator {
     }
 }
 
+impl Coordinator {
+    /// Tool visibility: which of `tools` the mesh's chain skips whatever a
+    /// call's arguments (`PreToolService.AlwaysSkipped`), so that they may
+    /// be left out of what a model is offered. Advisory: every call is
+    /// still judged. At most [`guardmesh_proto::ALWAYS_SKIPPED_MAX_TOOLS`]
+    /// names of at most [`guardmesh_proto::ALWAYS_SKIPPED_MAX_NAME_BYTES`]
+    /// bytes each; the mesh refuses more with INVALID_ARGUMENT.
+    pub async fn always_skipped(
+        &self,
+        tools: Vec<String>,
+        timeout: Option<Duration>,
+    ) -> Result<proto::AlwaysSkippedResponse, ClientError> {
+        let mut client = self.client.clone();
+        let mut request = tonic::Request::new(proto::AlwaysSkippedRequest { tools });
+        if let Some(timeout) = timeout {
+            request.set_timeout(timeout);
+        }
+        Ok(client.always_skipped(request).await?.into_inner())
+    }
+}
+
 /// Marks a stream that has ended.
 const CLOSED: &str = "\0closed";
 

@@ -82,6 +82,8 @@ pub use error::ClientError;
 #[cfg(feature = "guard")]
 pub use guard::{Guard, GuardServer, ServeError, ServerTls, serve};
 pub use guardmesh_proto::v1 as proto;
+/// The bounds of a `PreToolService.AlwaysSkipped` request (tool visibility).
+pub use guardmesh_proto::{ALWAYS_SKIPPED_MAX_NAME_BYTES, ALWAYS_SKIPPED_MAX_TOOLS};
 pub use proto::TraceStatus;
 #[cfg(feature = "coordinator")]
 pub use registry::{Registrar, Registration};

@@ -104,6 +104,8 @@ pub struct HttpArgs {
     pub mesh: JudgeArgs,
     #[command(flatten)]
     pub approval: crate::approval::ApprovalArgs,
+    #[command(flatten)]
+    pub visibility: crate::visibility::VisibilityArgs,
     /// Address to serve on. A non-loopback address needs `--tls-cert` and
     /// `--tls-key`.
     #[arg(long, default_value = "127.0.0.1:8808")]
@@ -480,10 +482,23 @@ impl Proxy {
             .and_then(|v| v.to_str().ok())
             .is_some_and(|v| v.starts_with("text/event-stream"));
         let text = String::from_utf8_lossy(&body);
-        let out = if sse {
-            sse_without_schemas(&crate::stream::sse_body(&text, expected.as_ref()), listing)
+        let body = if sse {
+            crate::stream::sse_body(&text, expected.as_ref())
         } else {
-            json_without_schemas(&crate::stream::json_body(&text, expected.as_ref()), listing)
+            crate::stream::json_body(&text, expected.as_ref())
+        };
+        // Tool visibility: the answers to `listing` without the tools the
+        // chain always skips (when hidden), by id key.
+        let mut visible = HashMap::new();
+        if self.judge.hides_skipped_tools() {
+            for (key, message) in listed_messages(&body, sse, listing) {
+                visible.insert(key, self.judge.visible_tools(message).await);
+            }
+        }
+        let out = if sse {
+            sse_without_schemas(&body, listing, &visible)
+        } else {
+            json_without_schemas(&body, listing, &visible)
         };
         if sse {
             for event in out.split("\n\n") {
@@ -1080,6 +1095,7 @@ impl Proxy {
                 .await
             {
                 Ok((answer, _)) if lists_tools => {
+                    let answer = self.judge.visible_tools(answer).await;
                     answers.push(crate::schemas::without_output_schemas(&answer).unwrap_or(answer))
                 }
                 Ok((answer, _)) => answers.push(answer),
@@ -1121,33 +1137,82 @@ fn listing_keys(items: &[Item]) -> Vec<String> {
         .collect()
 }
 
-/// `message` without output schemas when it answers one of `listing`.
-fn without_schemas_if_listed(message: String, listing: &[String]) -> String {
-    let listed = jsonrpc::response_key(message.as_bytes()).is_some_and(|k| listing.contains(&k));
-    match listed.then(|| crate::schemas::without_output_schemas(&message)) {
-        Some(Some(without)) => without,
-        _ => message,
-    }
+/// `message` without output schemas when it answers one of `listing`,
+/// and as `visible` has it (tool visibility) when it holds its id key.
+fn without_schemas_if_listed(
+    message: String,
+    listing: &[String],
+    visible: &HashMap<String, String>,
+) -> String {
+    let Some(key) = jsonrpc::response_key(message.as_bytes()).filter(|k| listing.contains(k))
+    else {
+        return message;
+    };
+    let message = visible.get(&key).cloned().unwrap_or(message);
+    crate::schemas::without_output_schemas(&message).unwrap_or(message)
+}
+
+/// The messages of a body (JSON, or SSE when `sse`: each event's data)
+/// that answer one of `listing`, with their id keys.
+fn listed_messages(body: &str, sse: bool, listing: &[String]) -> Vec<(String, String)> {
+    let json_messages = |text: &str| -> Vec<String> {
+        match serde_json::from_str::<Vec<Box<serde_json::value::RawValue>>>(text) {
+            Ok(many) => many.into_iter().map(|m| m.get().to_owned()).collect(),
+            Err(_) => vec![text.to_owned()],
+        }
+    };
+    let messages: Vec<String> = if sse {
+        body.replace("\r\n", "\n")
+            .split("\n\n")
+            .map(|event| {
+                event
+                    .lines()
+                    .filter_map(|l| l.strip_prefix("data:"))
+                    .map(|d| d.strip_prefix(' ').unwrap_or(d))
+                    .collect::<Vec<_>>()
+                    .join("\n")
+            })
+            .filter(|data| !data.is_empty())
+            .flat_map(|data| json_messages(&data))
+            .collect()
+    } else {
+        json_messages(body)
+    };
+    messages
+        .into_iter()
+        .filter_map(|m| {
+            let key = jsonrpc::response_key(m.as_bytes()).filter(|k| listing.contains(k))?;
+            Some((key, m))
+        })
+        .collect()
 }
 
 /// A JSON body (one message or a batch's array) with the answers to
-/// `listing` relayed without output schemas.
-fn json_without_schemas(text: &str, listing: &[String]) -> String {
+/// `listing` relayed without output schemas (and as `visible` has them).
+fn json_without_schemas(
+    text: &str,
+    listing: &[String],
+    visible: &HashMap<String, String>,
+) -> String {
     match serde_json::from_str::<Vec<Box<serde_json::value::RawValue>>>(text) {
         Ok(many) => {
             let answers: Vec<String> = many
                 .into_iter()
-                .map(|m| without_schemas_if_listed(m.get().to_owned(), listing))
+                .map(|m| without_schemas_if_listed(m.get().to_owned(), listing, visible))
                 .collect();
             format!("[{}]", answers.join(","))
         }
-        Err(_) => without_schemas_if_listed(text.to_owned(), listing),
+        Err(_) => without_schemas_if_listed(text.to_owned(), listing, visible),
     }
 }
 
 /// An SSE body whose events' data are relayed as [`json_without_schemas`];
 /// each event's other fields (`id:`, `event:`, `retry:`) are kept.
-fn sse_without_schemas(text: &str, listing: &[String]) -> String {
+fn sse_without_schemas(
+    text: &str,
+    listing: &[String],
+    visible: &HashMap<String, String>,
+) -> String {
     let text = text.replace("\r\n", "\n");
     let mut out = String::with_capacity(text.len());
     for event in text.split_inclusive("\n\n") {
@@ -1167,7 +1232,7 @@ fn sse_without_schemas(text: &str, listing: &[String]) -> String {
             out.push_str(line);
             out.push('\n');
         }
-        for line in json_without_schemas(&data.join("\n"), listing).lines() {
+        for line in json_without_schemas(&data.join("\n"), listing, visible).lines() {
             out.push_str("data: ");
             out.push_str(line);
             out.push('\n');
@@ -1744,7 +1809,11 @@ async fn serve(
             .authority()
             .map_or_else(String::new, |a| a.as_str().to_owned())
     });
-    let judge = Arc::new(Judge::new(args.mesh.clone(), "mcp-http").with_server(server));
+    let judge = Arc::new(
+        Judge::new(args.mesh.clone(), "mcp-http")
+            .with_server(server)
+            .with_visibility(args.visibility.hide_skipped_tools),
+    );
     let approver = crate::approval::link(&args.mesh, &args.approval).unwrap_or_else(|error| {
         tracing::warn!(%error, "asks are not put to the client's user");
         None
@@ -1877,13 +1946,46 @@ mod tests {
     }
 
     #[test]
+    fn r31_tool_visibility_finds_and_replaces_listing_answers_in_json_and_sse_alike() {
+        let listed =
+            r#"{"jsonrpc":"2.0","id":7,"result":{"tools":[{"name":"delete_db"},{"name":"w"}]}}"#;
+        let other = r#"{"jsonrpc":"2.0","id":8,"result":{"tools":[{"name":"delete_db"}]}}"#;
+        let keys = vec!["7".to_owned()];
+        let visible = HashMap::from([(
+            "7".to_owned(),
+            r#"{"jsonrpc":"2.0","id":7,"result":{"tools":[{"name":"w"}]}}"#.to_owned(),
+        )]);
+        // A batch's array: only the answer to the tools/list request.
+        let body = format!("[{listed},{other}]");
+        let found = listed_messages(&body, false, &keys);
+        assert_eq!(found, [("7".to_owned(), listed.to_owned())]);
+        let out: serde_json::Value =
+            serde_json::from_str(&json_without_schemas(&body, &keys, &visible)).unwrap();
+        assert_eq!(out[0]["result"]["tools"].as_array().unwrap().len(), 1);
+        assert_eq!(out[1]["result"]["tools"][0]["name"], "delete_db");
+        // SSE, the data over several lines.
+        let pretty = serde_json::to_string_pretty(
+            &serde_json::from_str::<serde_json::Value>(listed).unwrap(),
+        )
+        .unwrap();
+        let data: String = pretty.lines().map(|l| format!("data: {l}\n")).collect();
+        let sse = format!("event: message\n{data}\n");
+        let found = listed_messages(&sse, true, &keys);
+        assert_eq!(found.len(), 1);
+        assert_eq!(found[0].0, "7");
+        let out = sse_without_schemas(&sse, &keys, &visible);
+        assert!(!out.contains("delete_db"), "{out}");
+        assert!(out.contains(r#""name":"w""#), "{out}");
+    }
+
+    #[test]
     fn r31_output_schemas_leave_tools_list_answers_in_json_and_sse_alike() {
         let listed = r#"{"jsonrpc":"2.0","id":7,"result":{"tools":[{"name":"w","inputSchema":{},"outputSchema":{"type":"object"}}]}}"#;
         let other =
             r#"{"jsonrpc":"2.0","id":8,"result":{"tools":[{"name":"w","outputSchema":{}}]}}"#;
         let keys = vec!["7".to_owned()];
         // Only the answer to the tools/list request is changed.
-        let json = json_without_schemas(&format!("[{listed},{other}]"), &keys);
+        let json = json_without_schemas(&format!("[{listed},{other}]"), &keys, &HashMap::new());
         let value: serde_json::Value = serde_json::from_str(&json).unwrap();
         assert!(
             value[0]["result"]["tools"][0].get("outputSchema").is_none(),
@@ -1901,7 +2003,7 @@ mod tests {
         .unwrap();
         let data: String = pretty.lines().map(|l| format!("data: {l}\r\n")).collect();
         let sse = format!("event: message\r\nid: e1\r\n{data}\r\n: comment\n\n");
-        let out = sse_without_schemas(&sse, &keys);
+        let out = sse_without_schemas(&sse, &keys, &HashMap::new());
         assert!(out.starts_with("event: message\nid: e1\ndata: {"), "{out}");
         assert!(!out.contains("outputSchema"), "{out}");
         assert!(out.contains(": comment\n\n"), "{out}");

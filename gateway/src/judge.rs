@@ -69,6 +69,16 @@ pub trait LocalMesh: Send + Sync {
         &self,
         request: guardmesh_client::proto::EvaluateRequest,
     ) -> futures::future::BoxFuture<'_, Result<guardmesh_client::proto::BatchDecision, tonic::Status>>;
+    /// Tool visibility: which of `tools` the chain skips whatever a call's
+    /// arguments, or the status `PreToolService.AlwaysSkipped` would have
+    /// been answered with.
+    fn always_skipped(
+        &self,
+        tools: Vec<String>,
+    ) -> futures::future::BoxFuture<
+        '_,
+        Result<guardmesh_client::proto::AlwaysSkippedResponse, tonic::Status>,
+    >;
     /// Called once when the gateway is done: the decision log is closed.
     fn close(&self) -> futures::future::BoxFuture<'_, ()>;
 }
@@ -177,6 +187,8 @@ pub struct Judge {
     /// R35: the approval requests of calls a guard asked about, by session,
     /// tool and arguments: named again when the same call comes again.
     asked: std::sync::Mutex<AskedCalls>,
+    /// Tool visibility (`--hide-skipped-tools`, [`crate::visibility`]).
+    hide_skipped_tools: bool,
 }
 
 /// Calls a guard asked about whose approval requests the gateway names
@@ -265,7 +277,32 @@ impl Judge {
             server: String::new(),
             pending: std::sync::Mutex::default(),
             asked: std::sync::Mutex::default(),
+            hide_skipped_tools: false,
         }
+    }
+
+    /// Hides the tools the chain always skips from `tools/list` answers
+    /// when `hide` ([`crate::visibility`]).
+    pub fn with_visibility(mut self, hide: bool) -> Self {
+        self.hide_skipped_tools = hide;
+        self
+    }
+
+    /// Whether `tools/list` answers go without the tools the chain always
+    /// skips ([`crate::visibility`]).
+    pub fn hides_skipped_tools(&self) -> bool {
+        self.hide_skipped_tools
+    }
+
+    /// The mesh in this process (`--config`), if the gateway judges with
+    /// one.
+    pub(crate) fn local_mesh(&self) -> Option<&InProcessMesh> {
+        self.args.local.as_ref()
+    }
+
+    /// The connection to the mesh (`--mesh`), made on first need.
+    pub(crate) async fn connected(&self) -> Result<&Coordinator, JudgeError> {
+        self.coordinator().await
     }
 
     /// Names the upstream server the results come from (R33).

@@ -30,6 +30,8 @@
 //!   upstream's HTTP answers relayed message by message.
 //! * [`schemas`]: the tools' output schemas, so that every answer the
 //!   gateway writes is one the official SDK clients accept.
+//! * [`visibility`]: `tools/list` answers without the tools the chain
+//!   skips whatever the arguments (`--hide-skipped-tools`).
 //! * `pipes`: the process's stdin and stdout on the runtime's reactor, when
 //!   they are pipes or sockets.
 //!
@@ -82,6 +84,7 @@ pub mod sessions;
 pub mod stdio;
 mod stream;
 pub mod upstream;
+pub mod visibility;
 
 pub use guardmesh_client::MeshArgs;
 pub use hook::PreToolUseArgs;

@@ -63,6 +63,8 @@ pub struct StdioArgs {
     pub mesh: JudgeArgs,
     #[command(flatten)]
     pub approval: crate::approval::ApprovalArgs,
+    #[command(flatten)]
+    pub visibility: crate::visibility::VisibilityArgs,
     /// The session id of every batch (R31); default: one made for this run.
     #[arg(long)]
     pub session: Option<String>,
@@ -289,6 +291,14 @@ fn array(items: &[String]) -> String {
     format!("[{}]", items.join(","))
 }
 
+/// Whether `text` (a response, under the client's id) answers one of the
+/// client's `tools/list` requests.
+fn lists_tools(collector: &Shared, text: &str) -> bool {
+    let c = lock(collector);
+    !c.listing.is_empty()
+        && jsonrpc::response_key(text.as_bytes()).is_some_and(|key| c.listing.contains(&key))
+}
+
 /// Passes one upstream message on to the client: a `tools/list` answer
 /// without output schemas, a response a JSON-RPC batch waits for into its
 /// array (sent once complete), anything else as it is. False when the
@@ -384,7 +394,11 @@ where
             .file_name()
             .map_or_else(String::new, |n| n.to_string_lossy().into_owned())
     });
-    let judge = Arc::new(Judge::new(args.mesh.clone(), "mcp-stdio").with_server(server));
+    let judge = Arc::new(
+        Judge::new(args.mesh.clone(), "mcp-stdio")
+            .with_server(server)
+            .with_visibility(args.visibility.hide_skipped_tools),
+    );
     let interceptors = crate::interceptors::Interceptors::from_judge_args(&args.mesh);
     let grouper = match args.batch_window_ms {
         Some(ms) => Grouper::new(judge.clone(), Duration::from_millis(ms)),
@@ -487,6 +501,19 @@ where
                 };
                 if sent.purpose.judged().is_none() {
                     let answer = crate::upstream::answer(&judge, &flight, sent, message).await;
+                    if judge.hides_skipped_tools() && lists_tools(&collector, &answer) {
+                        // Tool visibility: the mesh is asked in a task of
+                        // its own (a slow or unreachable mesh holds up no
+                        // other message).
+                        let judge = judge.clone();
+                        let (to_client, collector) = (to_client.clone(), collector.clone());
+                        results.spawn(async move {
+                            let answer = judge.visible_tools(answer).await;
+                            deliver(&collector, &to_client, &answer).await
+                        });
+                        while results.try_join_next().is_some() {}
+                        continue;
+                    }
                     if !deliver(&collector, &to_client, &answer).await {
                         break;
                     }

@@ -269,6 +269,16 @@ struct RelayService(Arc<Relay>);
 impl PreToolService for RelayService {
     type EvaluateStream = ReceiverStream<Result<EvaluateResponse, Status>>;
 
+    /// The relay judges nothing but batches.
+    async fn always_skipped(
+        &self,
+        _request: Request<guardmesh_proto::v1::AlwaysSkippedRequest>,
+    ) -> Result<Response<guardmesh_proto::v1::AlwaysSkippedResponse>, Status> {
+        Err(Status::unimplemented(
+            "the benchmark's relay answers batches only",
+        ))
+    }
+
     async fn evaluate(
         &self,
         request: Request<Streaming<EvaluateRequest>>,

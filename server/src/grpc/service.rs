@@ -24,8 +24,9 @@ use futures::{Stream, StreamExt};
 use guardmesh_proto::v1::guard_registry_server::GuardRegistry;
 use guardmesh_proto::v1::pre_tool_service_server::PreToolService;
 use guardmesh_proto::v1::{
-    BatchDecision, DeregisterRequest, DeregisterResponse, EvaluateRequest, EvaluateResponse,
-    ListRequest, ListResponse, RegisterRequest, RegisterResponse, evaluate_response,
+    AlwaysSkippedRequest, AlwaysSkippedResponse, BatchDecision, DeregisterRequest,
+    DeregisterResponse, EvaluateRequest, EvaluateResponse, ListRequest, ListResponse,
+    RegisterRequest, RegisterResponse, evaluate_response,
 };
 use prost::Message;
 use std::future::Future;
@@ -534,6 +535,16 @@ impl PreToolService for PreTool {
         ))
     }
 
+    /// Tool visibility: see [`Mesh::always_skipped`]. Nothing is judged
+    /// or recorded.
+    async fn always_skipped(
+        &self,
+        request: Request<AlwaysSkippedRequest>,
+    ) -> Result<Response<AlwaysSkippedResponse>, Status> {
+        let tools = request.into_inner().tools;
+        Ok(Response::new(self.mesh.always_skipped(&tools)?))
+    }
+
     async fn evaluate_batch(
         &self,
         request: Request<EvaluateRequest>,
@@ -658,6 +669,22 @@ where
             let mut grpc = self.grpc::<BatchDecision>();
             let method = EvaluateBatchMethod(self.tool.clone());
             Box::pin(async move { Ok(grpc.client_streaming(method, request).await) })
+        } else if path == "/guardmesh.v1.PreToolService/AlwaysSkipped" {
+            // Tool visibility: a unary request of names, read within the
+            // most its bounds allow (R20, R25); counts and lengths are
+            // then checked with INVALID_ARGUMENT naming the limit.
+            let mut server =
+                guardmesh_proto::v1::pre_tool_service_server::PreToolServiceServer::new(
+                    self.tool.clone(),
+                )
+                .max_decoding_message_size(ALWAYS_SKIPPED_MAX_REQUEST_BYTES)
+                .max_encoding_message_size(self.max_encoding);
+            Box::pin(async move {
+                Ok(server
+                    .call(request)
+                    .await
+                    .unwrap_or_else(|never| match never {}))
+            })
         } else {
             Box::pin(async move {
                 Ok(
@@ -668,6 +695,12 @@ where
         }
     }
 }
+
+/// The largest `AlwaysSkippedRequest` read: its most names, each at its
+/// longest with the bytes of its field's key and length, and some room.
+const ALWAYS_SKIPPED_MAX_REQUEST_BYTES: usize = guardmesh_proto::ALWAYS_SKIPPED_MAX_TOOLS
+    * (guardmesh_proto::ALWAYS_SKIPPED_MAX_NAME_BYTES + 4)
+    + 1024;
 
 /// The status to end a stream with after a read error. The transport
 /// reports an over-limit message as OUT_OF_RANGE; to the coordinator it is

@@ -18,6 +18,7 @@ pub(crate) mod pipeline;
 pub(crate) mod record;
 pub mod result_reads;
 mod session_turns;
+pub mod visibility;
 
 use crate::decision_log::MeshLog;
 pub use crate::judge::BatchError;

@@ -7,6 +7,7 @@ use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, PoisonError, RwLock};
 
+use cel::common::ast::{Expr, LiteralValue};
 use cel::common::types::{CelBool, CelString};
 use cel::{Context, Env, Value};
 use globset::{Glob, GlobBuilder, GlobSet, GlobSetBuilder};
@@ -111,6 +112,24 @@ impl Rule {
     /// to ASCII case, R9).
     pub fn applies_to(&self, tool: &str) -> bool {
         self.tools.as_ref().is_none_or(|set| set.is_match(tool))
+    }
+
+    /// Whether its `when` is the constant `true`: written as the literal,
+    /// so that no call, context or session can make it false or fail.
+    pub fn always_holds(&self) -> bool {
+        matches!(
+            &self.when.program.expression().expr,
+            Expr::Literal(LiteralValue::Boolean(held)) if *held.inner()
+        )
+    }
+
+    /// Whether its `message` is a constant string (a literal), which
+    /// cannot fail whatever the call.
+    pub fn constant_message(&self) -> bool {
+        matches!(
+            &self.message.program.expression().expr,
+            Expr::Literal(LiteralValue::String(_))
+        )
     }
 
     /// Its estimated cost for a call whose own `n` is `n`, in a batch whose
@@ -248,6 +267,27 @@ impl Policy {
     /// The rules, in file order.
     pub fn rules(&self) -> &[Rule] {
         &self.rules
+    }
+
+    /// Tool visibility: the rule that decides every call of `tool` this
+    /// policy judges to a skip, when that is certain from the rules alone:
+    /// every rule that applies to `tool` (R9), up to and including the
+    /// first whose `when` is the constant `true`, steers or cancels (an
+    /// earlier one may decide first, or fail and leave the decision to
+    /// that one, R27: a skip either way; an ask is not a skip, an approval
+    /// lets the call run), and that rule's `message` cannot fail. `None`
+    /// when no such rule exists: the policy may let a call of `tool` run,
+    /// or only its guard's failure policy would skip it.
+    pub fn always_skips(&self, tool: &str) -> Option<&Rule> {
+        for rule in self.rules.iter().filter(|rule| rule.applies_to(tool)) {
+            if rule.action == Action::Ask {
+                return None;
+            }
+            if rule.always_holds() {
+                return rule.constant_message().then_some(rule);
+            }
+        }
+        None
     }
 
     /// How many evaluations of a rule's `when` the CEL interpreter did

@@ -503,6 +503,16 @@ impl InProcess {
         self.tool.local(request, &self.caller).await
     }
 
+    /// Tool visibility: the tools of `tools` the current chain skips
+    /// whatever a call's arguments, as `PreToolService.AlwaysSkipped`
+    /// answers ([`Mesh::always_skipped`]).
+    pub fn always_skipped(
+        &self,
+        tools: &[String],
+    ) -> Result<guardmesh_proto::v1::AlwaysSkippedResponse, tonic::Status> {
+        self.running.mesh.always_skipped(tools)
+    }
+
     /// The mesh itself (metrics, registry, chain).
     pub fn mesh(&self) -> &Arc<Mesh> {
         &self.running.mesh

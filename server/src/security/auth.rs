@@ -513,6 +513,11 @@ mod tests {
             required_role("/guardmesh.v1.PreToolService/Evaluate"),
             Some(Role::Evaluate)
         );
+        // Tool visibility: whoever may evaluate may ask.
+        assert_eq!(
+            required_role("/guardmesh.v1.PreToolService/AlwaysSkipped"),
+            Some(Role::Evaluate)
+        );
         assert_eq!(
             required_role("/guardmesh.v1.GuardRegistry/Register"),
             Some(Role::Register)

@@ -595,6 +595,102 @@ class Rewrite(_message.Message):
 Global___Rewrite: _TypeAlias = Rewrite  # noqa: Y015
 
 @_typing.final
+class AlwaysSkippedRequest(_message.Message):
+    """The tools to ask `AlwaysSkipped` about."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TOOLS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def tools(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """Tool names, as a server lists them: at most 4,096, each at most 256
+        bytes; more names, or a longer one, are refused with INVALID_ARGUMENT
+        naming the limit (R20). Names are matched as calls are (R9: patterns
+        without regard to ASCII case). A name outside the mesh's tool-name
+        grammar is never listed: a call of it is refused (R20), not skipped. A
+        name given twice is answered once.
+        """
+
+    def __init__(
+        self,
+        *,
+        tools: _abc.Iterable[_builtins.str] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["tools", b"tools"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___AlwaysSkippedRequest: _TypeAlias = AlwaysSkippedRequest  # noqa: Y015
+
+@_typing.final
+class AlwaysSkippedResponse(_message.Message):
+    """The tools of an `AlwaysSkippedRequest` that the chain skips whatever a
+    call's arguments.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    CHAIN_REVISION_FIELD_NUMBER: _builtins.int
+    TOOLS_FIELD_NUMBER: _builtins.int
+    chain_revision: _builtins.int
+    """Revision of the chain snapshot the answer holds for (R17)."""
+    @_builtins.property
+    def tools(self) -> _containers.RepeatedCompositeFieldContainer[Global___SkippedTool]:
+        """The tools skipped whatever the arguments, in request order."""
+
+    def __init__(
+        self,
+        *,
+        chain_revision: _builtins.int = ...,
+        tools: _abc.Iterable[Global___SkippedTool] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["chain_revision", b"chain_revision", "tools", b"tools"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___AlwaysSkippedResponse: _TypeAlias = AlwaysSkippedResponse  # noqa: Y015
+
+@_typing.final
+class SkippedTool(_message.Message):
+    """A tool every call of which the chain skips, and why."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TOOL_FIELD_NUMBER: _builtins.int
+    GUARD_FIELD_NUMBER: _builtins.int
+    RULE_FIELD_NUMBER: _builtins.int
+    tool: _builtins.str
+    """The tool's name, as asked."""
+    guard: _builtins.str
+    """The policy guard whose rule skips every call of it (R27); empty when
+    no enforced guard applies to it and the mesh cancels unguarded calls
+    (R28).
+    """
+    rule: _builtins.str
+    """The guard's first rule for the tool whose `when` is the constant
+    `true` (earlier rules for it may skip a call first, never let one
+    run); empty for an unguarded tool.
+    """
+    def __init__(
+        self,
+        *,
+        tool: _builtins.str = ...,
+        guard: _builtins.str = ...,
+        rule: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["guard", b"guard", "rule", b"rule", "tool", b"tool"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___SkippedTool: _TypeAlias = SkippedTool  # noqa: Y015
+
+@_typing.final
 class EvaluateRequest(_message.Message):
     """One round of tool calls to judge."""
 

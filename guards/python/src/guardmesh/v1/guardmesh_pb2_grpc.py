@@ -49,6 +49,11 @@ class PreToolServiceStub:
                 request_serializer=guardmesh_dot_v1_dot_guardmesh__pb2.EvaluateRequest.SerializeToString,
                 response_deserializer=guardmesh_dot_v1_dot_guardmesh__pb2.BatchDecision.FromString,
                 _registered_method=True)
+        self.AlwaysSkipped = channel.unary_unary(
+                '/guardmesh.v1.PreToolService/AlwaysSkipped',
+                request_serializer=guardmesh_dot_v1_dot_guardmesh__pb2.AlwaysSkippedRequest.SerializeToString,
+                response_deserializer=guardmesh_dot_v1_dot_guardmesh__pb2.AlwaysSkippedResponse.FromString,
+                _registered_method=True)
 
 
 class PreToolServiceServicer:
@@ -78,6 +83,26 @@ class PreToolServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def AlwaysSkipped(self, request, context):
+        """Tool visibility: which of the named tools the chain skips whatever a
+        call's arguments, so that an MCP gateway may leave them out of the
+        `tools/list` answers it relays and a model is not offered what it may
+        never call. Answered from the current chain snapshot (R17); nothing is
+        judged, recorded or remembered, and every call is still judged when it
+        comes (the answer is advisory). A tool is listed only when skipping it
+        is certain from the chain alone: no enforced guard applies to it and
+        the mesh cancels unguarded calls (R28), or an enforced policy guard
+        (R27) that is not `fail_open` applies to it, every rule of it for the
+        tool up to the first whose `when` is the constant `true` steers or
+        cancels (an ask does not count: an approval lets the call run), that
+        rule's `message` is a constant, and no mutate guard that may rename
+        tools applies to it (R10). Anything else is not listed. Needs the same
+        role as `Evaluate`.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_PreToolServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -90,6 +115,11 @@ def add_PreToolServiceServicer_to_server(servicer, server):
                     servicer.EvaluateBatch,
                     request_deserializer=guardmesh_dot_v1_dot_guardmesh__pb2.EvaluateRequest.FromString,
                     response_serializer=guardmesh_dot_v1_dot_guardmesh__pb2.BatchDecision.SerializeToString,
+            ),
+            'AlwaysSkipped': grpc.unary_unary_rpc_method_handler(
+                    servicer.AlwaysSkipped,
+                    request_deserializer=guardmesh_dot_v1_dot_guardmesh__pb2.AlwaysSkippedRequest.FromString,
+                    response_serializer=guardmesh_dot_v1_dot_guardmesh__pb2.AlwaysSkippedResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -151,6 +181,33 @@ class PreToolService:
             '/guardmesh.v1.PreToolService/EvaluateBatch',
             guardmesh_dot_v1_dot_guardmesh__pb2.EvaluateRequest.SerializeToString,
             guardmesh_dot_v1_dot_guardmesh__pb2.BatchDecision.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def AlwaysSkipped(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/guardmesh.v1.PreToolService/AlwaysSkipped',
+            guardmesh_dot_v1_dot_guardmesh__pb2.AlwaysSkippedRequest.SerializeToString,
+            guardmesh_dot_v1_dot_guardmesh__pb2.AlwaysSkippedResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -66,6 +66,22 @@ class PreToolServiceStub:
     """One batch, one answer, for simple clients. Refusals and `abort` failures
     are returned as the call's gRPC status.
     """
+    AlwaysSkipped: _grpc.UnaryUnaryMultiCallable[_guardmesh_pb2.AlwaysSkippedRequest, _guardmesh_pb2.AlwaysSkippedResponse]
+    """Tool visibility: which of the named tools the chain skips whatever a
+    call's arguments, so that an MCP gateway may leave them out of the
+    `tools/list` answers it relays and a model is not offered what it may
+    never call. Answered from the current chain snapshot (R17); nothing is
+    judged, recorded or remembered, and every call is still judged when it
+    comes (the answer is advisory). A tool is listed only when skipping it
+    is certain from the chain alone: no enforced guard applies to it and
+    the mesh cancels unguarded calls (R28), or an enforced policy guard
+    (R27) that is not `fail_open` applies to it, every rule of it for the
+    tool up to the first whose `when` is the constant `true` steers or
+    cancels (an ask does not count: an approval lets the call run), that
+    rule's `message` is a constant, and no mutate guard that may rename
+    tools applies to it (R10). Anything else is not listed. Needs the same
+    role as `Evaluate`.
+    """
 
 @_typing.type_check_only
 class PreToolServiceAsyncStub(PreToolServiceStub):
@@ -87,6 +103,22 @@ class PreToolServiceAsyncStub(PreToolServiceStub):
     EvaluateBatch: _aio.UnaryUnaryMultiCallable[_guardmesh_pb2.EvaluateRequest, _guardmesh_pb2.BatchDecision]  # type: ignore[assignment]
     """One batch, one answer, for simple clients. Refusals and `abort` failures
     are returned as the call's gRPC status.
+    """
+    AlwaysSkipped: _aio.UnaryUnaryMultiCallable[_guardmesh_pb2.AlwaysSkippedRequest, _guardmesh_pb2.AlwaysSkippedResponse]  # type: ignore[assignment]
+    """Tool visibility: which of the named tools the chain skips whatever a
+    call's arguments, so that an MCP gateway may leave them out of the
+    `tools/list` answers it relays and a model is not offered what it may
+    never call. Answered from the current chain snapshot (R17); nothing is
+    judged, recorded or remembered, and every call is still judged when it
+    comes (the answer is advisory). A tool is listed only when skipping it
+    is certain from the chain alone: no enforced guard applies to it and
+    the mesh cancels unguarded calls (R28), or an enforced policy guard
+    (R27) that is not `fail_open` applies to it, every rule of it for the
+    tool up to the first whose `when` is the constant `true` steers or
+    cancels (an ask does not count: an approval lets the call run), that
+    rule's `message` is a constant, and no mutate guard that may rename
+    tools applies to it (R10). Anything else is not listed. Needs the same
+    role as `Evaluate`.
     """
 
 class PreToolServiceServicer(metaclass=_abc_1.ABCMeta):
@@ -118,6 +150,28 @@ class PreToolServiceServicer(metaclass=_abc_1.ABCMeta):
     ) -> _typing.Union[_guardmesh_pb2.BatchDecision, _abc.Awaitable[_guardmesh_pb2.BatchDecision]]:
         """One batch, one answer, for simple clients. Refusals and `abort` failures
         are returned as the call's gRPC status.
+        """
+
+    @_abc_1.abstractmethod
+    def AlwaysSkipped(
+        self,
+        request: _guardmesh_pb2.AlwaysSkippedRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_guardmesh_pb2.AlwaysSkippedResponse, _abc.Awaitable[_guardmesh_pb2.AlwaysSkippedResponse]]:
+        """Tool visibility: which of the named tools the chain skips whatever a
+        call's arguments, so that an MCP gateway may leave them out of the
+        `tools/list` answers it relays and a model is not offered what it may
+        never call. Answered from the current chain snapshot (R17); nothing is
+        judged, recorded or remembered, and every call is still judged when it
+        comes (the answer is advisory). A tool is listed only when skipping it
+        is certain from the chain alone: no enforced guard applies to it and
+        the mesh cancels unguarded calls (R28), or an enforced policy guard
+        (R27) that is not `fail_open` applies to it, every rule of it for the
+        tool up to the first whose `when` is the constant `true` steers or
+        cancels (an ask does not count: an approval lets the call run), that
+        rule's `message` is a constant, and no mutate guard that may rename
+        tools applies to it (R10). Anything else is not listed. Needs the same
+        role as `Evaluate`.
         """
 
 def add_PreToolServiceServicer_to_server(servicer: PreToolServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...
