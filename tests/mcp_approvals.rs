@@ -43,34 +43,17 @@ impl Setup {
     /// about `pay` over 1,000 as well.
     async fn start_with(ttl: Duration, treasury: bool) -> Self {
         let pki = TestPki::new();
-        let (cert, key) = pki.issue_files("mesh");
-        let mut text = format!(
-            "[tls]\ncert_file = {:?}\nkey_file = {:?}\n",
-            cert.display().to_string(),
-            key.display().to_string()
-        );
-        for (id, roles) in [
-            ("gateway", &["evaluate"][..]),
-            ("gateway-approver", &["approver"][..]),
-            ("person", &["approver"][..]),
-            ("ops", &["register"][..]),
-        ] {
-            let token_file = pki.file(&format!("{id}.token"), &format!("{id}-token\n"));
-            text.push_str(&format!(
-                "[[auth.principal]]\nid = {id:?}\nroles = {roles:?}\ntoken_file = {:?}\n",
-                token_file.display().to_string()
-            ));
-        }
-        let built = guardmesh_server::config::Config::parse(&text, "test")
-            .unwrap()
-            .build()
-            .unwrap();
-        let mut config = fast_config();
-        config.security = built.security;
-        config.approvals.ttl = ttl;
-        config.approvals.max_open_per_session = 64;
-        let mesh = TestMesh::with_config(config).await;
-        let url = mesh.url.replace("http://127.0.0.1", "https://localhost");
+        let principals: [(&str, &str, &[&str]); 4] = [
+            ("gateway", "gateway-token", &["evaluate"]),
+            ("gateway-approver", "gateway-approver-token", &["approver"]),
+            ("person", "person-token", &["approver"]),
+            ("ops", "ops-token", &["register"]),
+        ];
+        let (mesh, url) = TestMesh::with_tokens_and(&pki, &principals, "", |config| {
+            config.approvals.ttl = ttl;
+            config.approvals.max_open_per_session = 64;
+        })
+        .await;
         let guard = call_guard(Duration::ZERO, |call| {
             let args: Value = serde_json::from_str(&call.arguments).ok()?;
             (call.tool == "pay" && args["amount"].as_f64().unwrap_or(0.0) > 100.0)
@@ -754,21 +737,8 @@ async fn post_streaming(
     headers: &[(&str, &str)],
     body: &Value,
 ) -> (u16, String, tokio::io::BufReader<tokio::net::TcpStream>) {
-    use tokio::io::{AsyncBufReadExt, AsyncWriteExt};
-    let authority = url.trim_start_matches("http://").split('/').next().unwrap();
-    let mut stream = tokio::net::TcpStream::connect(authority).await.unwrap();
-    let body = body.to_string();
-    let extra: String = headers
-        .iter()
-        .map(|(k, v)| format!("{k}: {v}\r\n"))
-        .collect();
-    let request = format!(
-        "POST /mcp HTTP/1.1\r\nHost: {authority}\r\nContent-Type: application/json\r\n\
-         Accept: application/json, text/event-stream\r\nMCP-Protocol-Version: 2025-11-25\r\n\
-         {extra}Content-Length: {}\r\nConnection: close\r\n\r\n{body}",
-        body.len()
-    );
-    stream.write_all(request.as_bytes()).await.unwrap();
+    use tokio::io::AsyncBufReadExt;
+    let stream = mcp_post_sent(url, "2025-11-25", headers, &body.to_string()).await;
     let mut reader = tokio::io::BufReader::new(stream);
     let mut head = String::new();
     loop {
@@ -781,14 +751,6 @@ async fn post_streaming(
     }
     let status = head.split(' ').nth(1).unwrap().parse().unwrap();
     (status, head, reader)
-}
-
-/// The value of header `name` in `head`.
-fn header(head: &str, name: &str) -> Option<String> {
-    head.lines().find_map(|l| {
-        let (k, v) = l.split_once(':')?;
-        k.eq_ignore_ascii_case(name).then(|| v.trim().to_owned())
-    })
 }
 
 /// The next SSE event's data of a chunked answer, within 20 s.
@@ -821,7 +783,7 @@ async fn open_session(url: &str, capabilities: Value) -> String {
     )
     .await;
     assert_eq!(status, 200, "{head}");
-    let session = header(&head, "mcp-session-id").expect("a session id");
+    let session = header_value(&head, "mcp-session-id").expect("a session id");
     let (status, head, _) = post_streaming(
         url,
         &[("Mcp-Session-Id", &session)],

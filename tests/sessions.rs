@@ -197,7 +197,7 @@ async fn r34_rate_limit_per_session_never_shared_with_another_identity() {
 
 /// A store that cannot be reached.
 #[derive(Debug)]
-struct Down;
+pub(crate) struct Down;
 
 #[tonic::async_trait]
 impl SessionStore for Down {

@@ -5,36 +5,17 @@
 //! guard on calls and results (R29, R33).
 
 use crate::harness::*;
+use crate::sessions::Down;
 use guardmesh_client::proto::{GuardPhases, SessionMemory as WireMemory};
 use guardmesh_client::verdict::{self, labelled};
 use guardmesh_client::{Batch, Outcome, Registration};
-use guardmesh_server::session::{
-    Applied, Digester, Memory, SessionKey, SessionLimits, SessionMemory, SessionStore, StoreError,
-    Write,
-};
+use guardmesh_server::session::{Digester, SessionKey, SessionLimits, SessionMemory};
 use prost::Message;
 use std::sync::Arc;
 use std::sync::atomic::Ordering as AtomicOrdering;
 use std::time::Duration;
 
 const SECRET: &str = "hunter2-Sup3rS3cret-value";
-
-/// A store that cannot be reached.
-#[derive(Debug)]
-struct Down;
-
-#[tonic::async_trait]
-impl SessionStore for Down {
-    async fn load(&self, _: &SessionKey) -> Result<Option<Memory>, StoreError> {
-        Err(StoreError::Unavailable("connection refused".into()))
-    }
-    async fn update(&self, _: &SessionKey, _: Write<'_>) -> Result<Applied, StoreError> {
-        Err(StoreError::Unavailable("connection refused".into()))
-    }
-    fn kind(&self) -> &'static str {
-        "down"
-    }
-}
 
 async fn labels_of(mesh: &TestMesh, session: &str) -> Vec<String> {
     mesh.mesh

@@ -161,6 +161,31 @@ pub(crate) fn batch_bytes(
     request.encode_to_vec().into()
 }
 
+/// A fresh connection to the MCP gateway at `url` on which the request of
+/// [`mcp_post`] has been written, for the caller to read the answer.
+pub(crate) async fn mcp_post_sent(
+    url: &str,
+    version: &str,
+    headers: &[(&str, &str)],
+    body: &str,
+) -> tokio::net::TcpStream {
+    use tokio::io::AsyncWriteExt;
+    let authority = url.trim_start_matches("http://").split('/').next().unwrap();
+    let mut stream = tokio::net::TcpStream::connect(authority).await.unwrap();
+    let extra: String = headers
+        .iter()
+        .map(|(k, v)| format!("{k}: {v}\r\n"))
+        .collect();
+    let request = format!(
+        "POST /mcp HTTP/1.1\r\nHost: {authority}\r\nContent-Type: application/json\r\n\
+         Accept: application/json, text/event-stream\r\nMCP-Protocol-Version: {version}\r\n\
+         {extra}Content-Length: {}\r\nConnection: close\r\n\r\n{body}",
+        body.len()
+    );
+    stream.write_all(request.as_bytes()).await.unwrap();
+    stream
+}
+
 /// The value of header `name` (any case) in an HTTP/1 head.
 pub(crate) fn header_value(head: &str, name: &str) -> Option<String> {
     head.lines().find_map(|line| {
@@ -180,20 +205,8 @@ pub(crate) async fn mcp_post(
     headers: &[(&str, &str)],
     body: &str,
 ) -> (u16, String, String) {
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
-    let authority = url.trim_start_matches("http://").split('/').next().unwrap();
-    let mut stream = tokio::net::TcpStream::connect(authority).await.unwrap();
-    let extra: String = headers
-        .iter()
-        .map(|(k, v)| format!("{k}: {v}\r\n"))
-        .collect();
-    let request = format!(
-        "POST /mcp HTTP/1.1\r\nHost: {authority}\r\nContent-Type: application/json\r\n\
-         Accept: application/json, text/event-stream\r\nMCP-Protocol-Version: {version}\r\n\
-         {extra}Content-Length: {}\r\nConnection: close\r\n\r\n{body}",
-        body.len()
-    );
-    stream.write_all(request.as_bytes()).await.unwrap();
+    use tokio::io::AsyncReadExt;
+    let mut stream = mcp_post_sent(url, version, headers, body).await;
     let mut answer = Vec::new();
     stream.read_to_end(&mut answer).await.unwrap();
     let answer = String::from_utf8_lossy(&answer).into_owned();

@@ -200,6 +200,16 @@ impl TestMesh {
         principals: &[(&str, &str, &[&str])],
         extra: &str,
     ) -> (Self, String) {
+        Self::with_tokens_and(pki, principals, extra, |_| {}).await
+    }
+
+    /// [`Self::with_tokens`], its config then changed by `adjust`.
+    pub(crate) async fn with_tokens_and(
+        pki: &TestPki,
+        principals: &[(&str, &str, &[&str])],
+        extra: &str,
+        adjust: impl FnOnce(&mut MeshConfig),
+    ) -> (Self, String) {
         let (cert, key) = pki.issue_files("mesh");
         let mut text = format!(
             "[tls]\ncert_file = {:?}\nkey_file = {:?}\n{extra}\n",
@@ -219,6 +229,7 @@ impl TestMesh {
             .unwrap();
         let mut config = fast_config();
         config.security = built.security;
+        adjust(&mut config);
         let mesh = Self::with_config(config).await;
         let url = mesh.url.replace("http://127.0.0.1", "https://localhost");
         (mesh, url)
