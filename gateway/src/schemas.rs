@@ -29,33 +29,41 @@
 use crate::json::{self, Json};
 use guardmesh_client::casefold;
 
+/// The `tools` arrays of `message`, a response to a `tools/list` request,
+/// under any spelling Go's `encoding/json` takes for `result` and `tools`.
+pub(crate) fn tool_lists(message: &mut Json) -> impl Iterator<Item = &mut Vec<Json>> {
+    let members = match message {
+        Json::Object(members) => Some(members),
+        _ => None,
+    };
+    members
+        .into_iter()
+        .flatten()
+        .filter(|(key, _)| casefold::equal_fold(key, "result"))
+        .filter_map(|(_, result)| match result {
+            Json::Object(result) => Some(result),
+            _ => None,
+        })
+        .flatten()
+        .filter(|(key, _)| casefold::equal_fold(key, "tools"))
+        .filter_map(|(_, tools)| match tools {
+            Json::Array(tools) => Some(tools),
+            _ => None,
+        })
+}
+
 /// `message` (a response to a `tools/list` request) without the output
 /// schemas of its tools; `None` when it holds none (forward it unchanged)
 /// or cannot be read (the client's SDK will refuse it as it would have).
 pub fn without_output_schemas(message: &str) -> Option<String> {
     let mut value = json::read(message).ok()?.value;
-    let Json::Object(members) = &mut value else {
-        return None;
-    };
     let mut removed = 0;
-    for (key, result) in members.iter_mut() {
-        if !casefold::equal_fold(key, "result") {
-            continue;
-        }
-        let Json::Object(result) = result else {
-            continue;
-        };
-        for (key, tools) in result.iter_mut() {
-            if !casefold::equal_fold(key, "tools") {
-                continue;
-            }
-            let Json::Array(tools) = tools else { continue };
-            for tool in tools {
-                if let Json::Object(fields) = tool {
-                    let before = fields.len();
-                    fields.retain(|(name, _)| !casefold::equal_fold(name, "outputSchema"));
-                    removed += before - fields.len();
-                }
+    for tools in tool_lists(&mut value) {
+        for tool in tools {
+            if let Json::Object(fields) = tool {
+                let before = fields.len();
+                fields.retain(|(name, _)| !casefold::equal_fold(name, "outputSchema"));
+                removed += before - fields.len();
             }
         }
     }

@@ -96,26 +96,11 @@ fn name(tool: &Json) -> Option<&str> {
 
 /// `message` without the tools named in `hidden`; how many were left out.
 pub fn without(message: &mut Json, hidden: &HashSet<String>) -> usize {
-    let Json::Object(members) = message else {
-        return 0;
-    };
     let mut removed = 0;
-    for (key, result) in members.iter_mut() {
-        if !casefold::equal_fold(key, "result") {
-            continue;
-        }
-        let Json::Object(result) = result else {
-            continue;
-        };
-        for (key, tools) in result.iter_mut() {
-            if !casefold::equal_fold(key, "tools") {
-                continue;
-            }
-            let Json::Array(tools) = tools else { continue };
-            let before = tools.len();
-            tools.retain(|tool| name(tool).is_none_or(|n| !hidden.contains(n)));
-            removed += before - tools.len();
-        }
+    for tools in crate::schemas::tool_lists(message) {
+        let before = tools.len();
+        tools.retain(|tool| name(tool).is_none_or(|n| !hidden.contains(n)));
+        removed += before - tools.len();
     }
     removed
 }
