@@ -42,6 +42,13 @@ pub static ENVIRONMENT: &[EnvVar] = &[
                   Never shown in `--help`.",
     },
     EnvVar {
+        name: "GUARDMESH_HIDE_SKIPPED_TOOLS",
+        read_by: "`mcp` (`--hide-skipped-tools`)",
+        meaning: "`true`: `tools/list` answers leave out the tools the chain skips whatever \
+                  the arguments (asked of the mesh; a mesh that cannot be asked shows every \
+                  tool). Calls are judged either way; default off.",
+    },
+    EnvVar {
         name: "registry.password_env",
         read_by: "`serve`, `log verify --config`",
         meaning: "The variable `[registry] password_env` names holds etcd's password (for \
