@@ -91,6 +91,21 @@ mod tests {
         );
     }
 
+    /// R34, R20: an identity's memory is under a session id that no
+    /// coordinator may send, and one identity's never spells another's.
+    #[test]
+    fn r34_an_identity_memory_key_is_no_session_a_coordinator_can_name() {
+        let key = SessionKey::identity("alice");
+        assert!(is_reserved_session_id(&key.session_id));
+        assert!(!is_reserved_session_id("identity"));
+        assert!(!is_reserved_session_id(""));
+        assert_ne!(key, SessionKey::new("alice", "identity"));
+        assert_ne!(
+            SessionKey::identity("alice").store_key(),
+            SessionKey::identity("bob").store_key()
+        );
+    }
+
     #[test]
     fn r34_a_stored_name_cannot_be_confirmed_without_the_secret() {
         use sha2::Digest as _;
