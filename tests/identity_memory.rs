@@ -237,3 +237,66 @@ async fn r20_r34_the_identity_memory_session_id_is_refused_from_coordinators() {
     assert!(refused.to_string().contains("reserved"), "{refused}");
     mesh.shutdown().await;
 }
+
+/// Six single-email batches of one identity, each in a session of its own,
+/// three to each of two `guardmesh serve` replicas sharing their memory
+/// through Redis, sent at once: exactly three run, round after round (a
+/// batch judged on an identity memory the other replica changed before
+/// its write is judged again on the new memory).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn r34_two_replicas_on_redis_cannot_race_an_identity_count() {
+    use crate::sessions_store::{Redis, secret_file};
+    let Some(redis) = Redis::start("r34_two_replicas_on_redis_cannot_race_an_identity_count").await
+    else {
+        return;
+    };
+    let dir = fresh_dir("identity-race-redis");
+    let secret = secret_file(&dir, "session.secret");
+    // A budget per tool, so that each round counts afresh.
+    let policy = dir.join("identity.toml");
+    std::fs::write(
+        &policy,
+        "[[rule]]\nname = \"budget\"\ntools = [\"email.*\"]\n\
+         when = 'identity.count(call.tool, \"1h\") >= 3'\naction = \"cancel\"\n\
+         message = '\"Tool call blocked: no more than 3, whatever the session.\"'\n",
+    )
+    .unwrap();
+    let config = format!(
+        "[registry]\nprefix = \"/t/identity-race\"\n\n[sessions]\nstore = \"redis\"\n\
+         redis_url = {:?}\nsecret_file = {:?}\n\n[[guard]]\nname = \"caller\"\n\
+         policy = {:?}\nfailure_policy = \"fail_closed\"\n",
+        redis.url(),
+        secret.display().to_string(),
+        policy.display().to_string(),
+    );
+    let a = MeshProcess::start("identity-race-a", &config, None).await;
+    let b = MeshProcess::start("identity-race-b", &config, None).await;
+    for round in 0..3u32 {
+        let mut sent = Vec::new();
+        for turn in 0..6u32 {
+            let url = if turn % 2 == 0 { &a.url } else { &b.url }.clone();
+            sent.push(tokio::spawn(async move {
+                let c = Coordinator::connect(url).await.unwrap();
+                let d = c
+                    .evaluate_once(
+                        &format!("r{round}-s{turn}"),
+                        Batch::new(turn).call("e", format!("email.r{round}"), "{}"),
+                    )
+                    .await
+                    .unwrap();
+                d.call("e").unwrap().outcome.clone()
+            }));
+        }
+        let mut proceeded = 0;
+        for sent in sent {
+            match sent.await.unwrap() {
+                Outcome::Proceed => proceeded += 1,
+                Outcome::Cancel { .. } => {}
+                other => panic!("{other:?}"),
+            }
+        }
+        assert_eq!(proceeded, 3, "round {round}");
+    }
+    drop((a, b));
+    let _ = std::fs::remove_dir_all(&dir);
+}
