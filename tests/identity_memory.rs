@@ -300,3 +300,109 @@ async fn r34_two_replicas_on_redis_cannot_race_an_identity_count() {
     drop((a, b));
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// R34, R25: only a chain with a rule that names `identity` reads or
+/// writes the identity's memory: a session rule's batch costs one read and
+/// one write (its session's), an identity rule's two of each.
+#[tokio::test]
+async fn r34_only_a_chain_that_reads_identity_pays_for_it() {
+    use std::sync::atomic::Ordering::Relaxed;
+    let session_only = "[[rule]]\nname='s'\ntools=['email.send']\n\
+        when='session.count(\"email.send\", \"1h\") >= 3'\naction='cancel'\nmessage='\"over\"'\n";
+    for (policy, per_batch) in [(session_only.to_owned(), 1), (identity_policy(), 2)] {
+        let mesh = TestMesh::start().await;
+        mesh.register(Registration::policy("p", policy)).await;
+        let c = mesh.coordinator().await;
+        assert!(proceeds(&outcome(&c, "s", 0, "email.send", "{}").await));
+        let stats = mesh.mesh.sessions().stats();
+        assert_eq!(stats.reads.load(Relaxed), per_batch);
+        assert_eq!(stats.writes.load(Relaxed), per_batch);
+        mesh.shutdown().await;
+    }
+}
+
+/// The mesh's own store whose writes of identities' memory fail while
+/// `.1` is set: sessions read and write as usual.
+#[derive(Debug)]
+struct IdentityWritesFail(
+    guardmesh_server::session::LocalStore,
+    std::sync::atomic::AtomicBool,
+);
+
+#[tonic::async_trait]
+impl SessionStore for IdentityWritesFail {
+    async fn load(&self, key: &SessionKey) -> Result<Option<Memory>, StoreError> {
+        self.0.load(key).await
+    }
+    async fn update(&self, key: &SessionKey, write: Write<'_>) -> Result<Applied, StoreError> {
+        if self.1.load(std::sync::atomic::Ordering::SeqCst)
+            && guardmesh_server::session::is_reserved_session_id(&key.session_id)
+        {
+            return Err(StoreError::TimedOut(std::time::Duration::from_millis(300)));
+        }
+        self.0.update(key, write).await
+    }
+    fn kind(&self) -> &'static str {
+        "identity-writes-fail"
+    }
+}
+
+/// R13, R34: what cannot be remembered is not passed. A call the identity
+/// rules let run whose identity memory cannot be written does not run
+/// (the guard is `fail_closed`), and neither is the result of a call that
+/// ran: a budget cannot be spent, nor a value read, unrecorded.
+#[tokio::test]
+async fn r13_r34_a_call_or_result_the_identity_memory_cannot_record_is_not_passed() {
+    let mesh = TestMesh::start().await;
+    let store = Arc::new(IdentityWritesFail(
+        guardmesh_server::session::LocalStore::new(SessionLimits::default()),
+        true.into(),
+    ));
+    let memory = SessionMemory::new(store.clone(), Digester::random(), SessionLimits::default());
+    mesh.mesh.attach_sessions(Arc::new(memory)).unwrap();
+    mesh.register(Registration::policy("caller", identity_policy()))
+        .await;
+    let c = mesh.coordinator().await;
+    for turn in 0..4 {
+        let d = c
+            .evaluate_once(
+                &format!("s-{turn}"),
+                Batch::new(turn).call("c", "email.send", "{}"),
+            )
+            .await
+            .unwrap();
+        let call = d.call("c").unwrap();
+        assert!(
+            matches!(&call.outcome, Outcome::Cancel { .. }) && call.failure,
+            "a call the identity memory cannot record ran: {call:?}"
+        );
+        assert!(d.execute.is_empty(), "{d:?}");
+    }
+    store.1.store(false, std::sync::atomic::Ordering::SeqCst);
+    let d = c
+        .evaluate_once(
+            "r",
+            Batch::new(0).call("r1", "fs.read_file", r#"{"path":".env"}"#),
+        )
+        .await
+        .unwrap();
+    assert!(proceeds(&d.call("r1").unwrap().outcome));
+    store.1.store(true, std::sync::atomic::Ordering::SeqCst);
+    let result = serde_json::json!({
+        "content": [{"type": "text", "text": "DB_PASSWORD=hunter2-Sup3rS3cret"}]
+    })
+    .to_string();
+    let d = c
+        .evaluate_once(
+            "r",
+            Batch::new(1).result("r1", "fs.read_file", "fs", result),
+        )
+        .await
+        .unwrap();
+    let r = d.result("r1").unwrap();
+    assert!(
+        r.blocked() && r.failure && !r.result.contains("hunter2"),
+        "a result the identity memory cannot record was passed: {r:?}"
+    );
+    mesh.shutdown().await;
+}
