@@ -116,6 +116,7 @@ mod guard_replicas;
 mod guard_replicas_balance;
 mod guard_replicas_health;
 mod hook;
+mod identity_memory;
 mod interceptors_conformance;
 mod mcp;
 mod mcp_answers;

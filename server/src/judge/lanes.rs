@@ -162,6 +162,7 @@ impl Judging<'_> {
                 self.context.as_ref(),
                 &jobs,
                 self.session.as_ref(),
+                self.identity.as_ref(),
             );
             let judged = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
                 evaluate_jobs(&values, &jobs, Some(&mut inline))
@@ -192,6 +193,7 @@ impl Judging<'_> {
             context: self.context.take(),
             jobs,
             session: self.session.clone(),
+            identity: self.identity.clone(),
         };
         let first = work.jobs.first().map(|job| job.k);
         match lane.run(move || work.evaluate()).await {
@@ -273,6 +275,7 @@ struct PolicyWork {
     context: Option<BatchContext>,
     jobs: Vec<PolicyJob>,
     session: Option<crate::policy::SessionVal>,
+    identity: Option<crate::policy::SessionVal>,
 }
 
 type PolicyOutcomes = Vec<(usize, Instant, Vec<PolicyOutcome>)>;
@@ -295,6 +298,7 @@ impl PolicyWork {
             self.context.as_ref(),
             &self.jobs,
             self.session.as_ref(),
+            self.identity.as_ref(),
         );
         evaluate_jobs(&values, &self.jobs, None)
             .unwrap_or_else(|crate::policy::OverInline| panicked(&self.jobs, Instant::now()))
@@ -309,6 +313,7 @@ fn batch_values<'a>(
     context: Option<&'a BatchContext>,
     jobs: &[PolicyJob],
     session: Option<&crate::policy::SessionVal>,
+    identity: Option<&crate::policy::SessionVal>,
 ) -> BatchValues<'a> {
     // The calls' arguments are read for the fast path only if one of
     // these policies may read them.
@@ -348,6 +353,9 @@ fn batch_values<'a>(
     );
     if let Some(session) = session {
         values.set_session(session.clone());
+    }
+    if let Some(identity) = identity {
+        values.set_identity(identity.clone());
     }
     values
 }

@@ -254,6 +254,9 @@ pub(crate) struct JudgeInput<'a> {
     pub(crate) phase: Phase,
     /// The session's memory for the guards that read it (R34).
     pub(crate) session: Option<crate::policy::SessionVal>,
+    /// The memory of the caller's identity for the policy rules that read
+    /// it (R34).
+    pub(crate) identity: Option<crate::policy::SessionVal>,
     /// R35: the approvals the batch named, resolved, one per call (empty:
     /// none named).
     pub(crate) approvals: Vec<crate::approval::Resolved>,
@@ -298,6 +301,8 @@ struct Judging<'a> {
     phase: Phase,
     /// The session's memory for the guards that read it (R34).
     session: Option<crate::policy::SessionVal>,
+    /// The identity's memory for the policy rules that read it (R34).
+    identity: Option<crate::policy::SessionVal>,
     /// The session's memory as remote guards are sent it, encoded once.
     memory: Option<Bytes>,
     /// Who sent the batch, as the guards' fair queues know it (R25):
@@ -318,6 +323,7 @@ impl<'a> Judging<'a> {
             span,
             phase,
             session,
+            identity,
             approvals,
         } = input;
         let mut approvals = approvals.into_iter();
@@ -378,6 +384,7 @@ impl<'a> Judging<'a> {
             span,
             phase,
             session,
+            identity,
             memory: None,
             sender: None,
         }

@@ -25,6 +25,21 @@ pub(crate) struct BatchSession {
     /// replicas: the batch's write is applied only if no other replica
     /// wrote meanwhile (R34, [`Update::read_at`]).
     read_at: Option<u64>,
+    /// The memory of the caller's identity across its sessions, when a
+    /// policy rule of the chain reads `identity` (R34).
+    pub(crate) identity: Option<IdentityMemory>,
+}
+
+/// The memory of a batch's caller across its sessions (R34), kept in the
+/// same store as sessions under [`SessionKey::identity`]: read with the
+/// session's, and written before it with the same calls, labels and
+/// values seen.
+pub(crate) struct IdentityMemory {
+    key: SessionKey,
+    /// What the policy rules read as `identity`.
+    value: SessionVal,
+    /// As [`BatchSession::read_at`], of the identity's memory.
+    read_at: Option<u64>,
 }
 
 /// A request of results in its session (R33, R34): the session its
@@ -39,6 +54,9 @@ pub(crate) struct ResultsSession {
     /// As [`BatchSession::read_at`], of the memory the calls were looked
     /// up in.
     read_at: Option<u64>,
+    /// The identity's memory the results are remembered in too, and its
+    /// `read_at` (R34).
+    identity: Option<(SessionKey, Option<u64>)>,
 }
 
 impl ResultsSession {
@@ -61,6 +79,17 @@ impl BatchSession {
             &mut self.value,
             SessionVal::Unavailable(Arc::from("handed to the judge")),
         )
+    }
+
+    /// What the policy rules read as `identity`, taken out as
+    /// [`Self::take_value`].
+    pub(crate) fn take_identity(&mut self) -> Option<SessionVal> {
+        self.identity.as_mut().map(|identity| {
+            std::mem::replace(
+                &mut identity.value,
+                SessionVal::Unavailable(Arc::from("handed to the judge")),
+            )
+        })
     }
 }
 
@@ -87,6 +116,16 @@ impl Mesh {
             .iter()
             .filter_map(|g| g.guard.policy.as_ref())
             .any(|p| p.compiled.reads_session())
+    }
+
+    /// Whether a guard of `chain` reads the memory of the caller's
+    /// identity: a policy guard one of whose rules names `identity` (R34).
+    pub(crate) fn chain_reads_identity(chain: &Chain) -> bool {
+        chain
+            .guards
+            .iter()
+            .filter_map(|g| g.guard.policy.as_ref())
+            .any(|p| p.compiled.reads_identity())
     }
 
     /// Whether a guard of `chain` uses session memory at all: a policy
@@ -144,7 +183,7 @@ impl Mesh {
         let server = Self::metadata_server(request);
         // R34: without its turn the memory is not read; the rules that need
         // it fail per their guard's policy.
-        let value = match busy {
+        let value = match busy.clone() {
             Some(why) => SessionVal::Unavailable(why),
             None => match self.sessions().read(&key).await {
                 Ok(view) => SessionVal::Read(view),
@@ -155,12 +194,45 @@ impl Mesh {
             SessionVal::Read(view) => self.read_at(view),
             SessionVal::Unavailable(_) => None,
         };
+        let identity = if Self::chain_reads_identity(chain) {
+            Some(self.read_identity(trace, busy).await)
+        } else {
+            None
+        };
         Some(BatchSession {
             key,
             value,
             server,
             read_at,
+            identity,
         })
+    }
+
+    /// Reads the memory of the batch's caller across its sessions (R34):
+    /// keyed by the identity the mesh authenticated (on a mesh without
+    /// principals every caller is the identity `""`, R24). Never an empty
+    /// memory in place of one that cannot be read: the rules that read it
+    /// fail (R13).
+    async fn read_identity(&self, trace: &TraceContext, busy: Option<Arc<str>>) -> IdentityMemory {
+        let key = SessionKey::identity(trace.identity.as_ref());
+        let value = match busy {
+            Some(why) => SessionVal::Unavailable(why),
+            None => match self.sessions().read(&key).await {
+                Ok(view) => SessionVal::Read(view),
+                Err(error) => {
+                    SessionVal::Unavailable(Arc::from(format!("the identity's memory: {error}")))
+                }
+            },
+        };
+        let read_at = match &value {
+            SessionVal::Read(view) => self.read_at(view),
+            SessionVal::Unavailable(_) => None,
+        };
+        IdentityMemory {
+            key,
+            value,
+            read_at,
+        }
     }
 
     /// What a batch judged on `view` writes with, when the store is
@@ -187,6 +259,9 @@ impl Mesh {
         results: &mut ResultBatch,
     ) -> Result<ResultsSession, validate::Refusal> {
         let key = session.map_or_else(|| Self::session_key(request, trace), |s| s.key.clone());
+        let identity = session
+            .and_then(|s| s.identity.as_ref())
+            .map(|i| (i.key.clone(), i.read_at));
         let read;
         let view = match session.map(|s| &s.value) {
             Some(SessionVal::Read(view)) => view,
@@ -195,6 +270,7 @@ impl Mesh {
                     key,
                     calls: Err(why.clone()),
                     read_at: None,
+                    identity,
                 });
             }
             None => {
@@ -206,6 +282,7 @@ impl Mesh {
                             key,
                             calls: Err(Arc::from(error.to_string())),
                             read_at: None,
+                            identity,
                         });
                     }
                 }
@@ -240,6 +317,7 @@ impl Mesh {
             key,
             calls: Ok(calls),
             read_at,
+            identity,
         })
     }
 
@@ -272,6 +350,14 @@ impl Mesh {
                 labels: &[],
             })
             .collect();
+        // R34: the identity's memory first (one order of writes), with the
+        // same values seen and labels.
+        if let Some((key, read_at)) = &session.identity {
+            self.sessions()
+                .remember_results(key, &results, calls.clone(), labels.clone(), *read_at)
+                .await
+                .map_err(Unremembered::from)?;
+        }
         let seen = self
             .sessions()
             .remember_results(&session.key, &results, calls, labels, session.read_at)
@@ -306,6 +392,7 @@ impl Mesh {
             value: SessionVal::Unavailable(Arc::from("not read")),
             server: Self::metadata_server(request),
             read_at: None,
+            identity: None,
         }
     }
 
@@ -340,6 +427,22 @@ impl Mesh {
         // cancelled on an older memory let nothing through).
         if update.is_empty() {
             return Ok(None);
+        }
+        // R34: the identity's memory first, with the same calls and
+        // labels: a failure leaves the session unwritten, and the calls
+        // fail per the readers' policy. Should the session's write then
+        // find its memory changed by another replica, the batch is judged
+        // again with its calls already in the identity's memory: counted
+        // twice there, the safe side.
+        if let Some(identity) = &session.identity {
+            let update = Update {
+                read_at: identity.read_at,
+                ..update.clone()
+            };
+            sessions
+                .record(&identity.key, &update)
+                .await
+                .map_err(Unremembered::from)?;
         }
         sessions
             .record(&session.key, &update)

@@ -248,6 +248,7 @@ impl Mesh {
             // when judging ends, so that the write after it updates a
             // store in this process in place (no copy of the memory).
             session: session.as_mut().map(BatchSession::take_value),
+            identity: session.as_mut().and_then(BatchSession::take_identity),
             approvals,
         })
         .await;

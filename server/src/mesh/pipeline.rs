@@ -311,13 +311,33 @@ impl Admitted {
         &self,
         mesh: &Mesh,
         chain: &Chain,
-    ) -> Result<Option<super::session_turns::Turn>, std::sync::Arc<str>> {
+    ) -> Result<Vec<super::session_turns::Turn>, std::sync::Arc<str>> {
+        let mut turns = Vec::new();
         if !Mesh::chain_uses_session(chain) {
-            return Ok(None);
+            return Ok(turns);
+        }
+        // R34: the identity's turn first, then the session's (one order,
+        // so no two batches wait on each other): the batches of one
+        // identity are judged one after another when a rule reads its
+        // memory, whatever their sessions.
+        if Mesh::chain_reads_identity(chain) {
+            let key = crate::session::SessionKey::identity(self.trace.identity.as_ref());
+            match mesh.session_turns.take(key, self.deadline).await {
+                Ok(turn) => turns.push(turn),
+                Err(super::session_turns::Busy) => {
+                    return Err(std::sync::Arc::from(
+                        "another batch of this identity was still being judged at this batch's \
+                         deadline",
+                    ));
+                }
+            }
         }
         let key = Mesh::session_key(&self.batch, &self.trace);
         match mesh.session_turns.take(key, self.deadline).await {
-            Ok(turn) => Ok(Some(turn)),
+            Ok(turn) => {
+                turns.push(turn);
+                Ok(turns)
+            }
             Err(super::session_turns::Busy) => Err(std::sync::Arc::from(
                 "another batch of this session was still being judged at this batch's deadline",
             )),
@@ -331,7 +351,7 @@ impl Admitted {
         super::record::Outcome,
         BatchLog,
         AnswerPhase,
-        Option<super::session_turns::Turn>,
+        Vec<super::session_turns::Turn>,
     ) {
         // R17: one snapshot of the chain for the whole batch, the session
         // turn's check included.
@@ -341,7 +361,7 @@ impl Admitted {
         };
         let (turn, busy) = match self.session_turn(mesh, &chain).await {
             Ok(turn) => (turn, None),
-            Err(why) => (None, Some(why)),
+            Err(why) => (Vec::new(), Some(why)),
         };
         let Self {
             mut batch,

@@ -45,6 +45,8 @@ pub struct Policy {
     patterns: Arc<PatternSet>,
     /// Whether a rule names `session` (R34).
     reads_session: bool,
+    /// Whether a rule names `identity` (R34).
+    reads_identity: bool,
 }
 
 /// One compiled rule.
@@ -249,11 +251,19 @@ impl Policy {
                 .flatten()
                 .any(Plan::reads_args)
         });
-        let reads_session = rules
+        let reads_identity = rules
             .iter()
-            .any(|rule| rule.when.reads_session || rule.message.reads_session);
+            .any(|rule| rule.when.reads_identity || rule.message.reads_identity);
+        // R34: the identity's memory is kept with the session's (the calls
+        // of the batch are recorded in both), so a policy that reads the
+        // identity uses the session's memory too.
+        let reads_session = reads_identity
+            || rules
+                .iter()
+                .any(|rule| rule.when.reads_session || rule.message.reads_session);
         Ok(Policy {
             reads_session,
+            reads_identity,
             patterns,
             interpreted: AtomicU64::new(0),
             reads_args,
@@ -314,6 +324,13 @@ impl Policy {
     /// session's memory (R34); a policy that does not pays nothing.
     pub fn reads_session(&self) -> bool {
         self.reads_session
+    }
+
+    /// Whether a rule names `identity`: only then do its batches read (and
+    /// write) the memory of the caller's identity across its sessions
+    /// (R34). Such a policy also [`reads_session`](Self::reads_session).
+    pub fn reads_identity(&self) -> bool {
+        self.reads_identity
     }
 
     /// Bytes its compiled `matches` patterns are charged (see `patterns`).

@@ -56,7 +56,7 @@ pub enum CompileErrorKind {
     Syntax { field: Field, reason: String },
     /// An expression naming a variable that does not exist.
     #[error(
-        "`{field}` uses the unknown variable {name:?} (known: call, calls, context, and the variables of its macros)"
+        "`{field}` uses the unknown variable {name:?} (known: call, calls, context, session, identity, and the variables of its macros)"
     )]
     UnknownVariable { field: Field, name: String },
     /// An expression calling a function the environment does not declare

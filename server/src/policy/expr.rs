@@ -9,7 +9,7 @@ use super::error::{CompileErrorKind, Field};
 use super::functions::{Form, Functions};
 
 /// The variables every expression may use (see `input`).
-pub(crate) const VARIABLES: [&str; 4] = ["call", "calls", "context", "session"];
+pub(crate) const VARIABLES: [&str; 5] = ["call", "calls", "context", "session", "identity"];
 
 /// Identifiers that name CEL types or namespaces, not variables.
 const TYPE_NAMES: [&str; 13] = [
@@ -41,6 +41,9 @@ pub(crate) struct Compiled {
     pub(crate) reads_calls: bool,
     /// Whether it names `session` (R34): its batches read session memory.
     pub(crate) reads_session: bool,
+    /// Whether it names `identity` (R34): its batches read the memory of
+    /// the caller's identity too.
+    pub(crate) reads_identity: bool,
 }
 
 /// A refused expression: why, and on which line of the expression (from 1).
@@ -110,6 +113,7 @@ pub(crate) fn compile(
         bad_regex: None,
         reads_calls: false,
         reads_session: false,
+        reads_identity: false,
     };
     walk.expr(program.expression(), 0);
     let line_of = |id: u64| {
@@ -190,6 +194,7 @@ pub(crate) fn compile(
         cost: walk.cost,
         reads_calls: walk.reads_calls,
         reads_session: walk.reads_session,
+        reads_identity: walk.reads_identity,
         program,
     })
 }
@@ -220,6 +225,8 @@ struct Walk<'a, 'f> {
     reads_calls: bool,
     /// Whether it names `session`.
     reads_session: bool,
+    /// Whether it names `identity`.
+    reads_identity: bool,
 }
 
 impl Walk<'_, '_> {
@@ -356,6 +363,9 @@ impl Walk<'_, '_> {
         }
         if name == "session" {
             self.reads_session = true;
+        }
+        if name == "identity" {
+            self.reads_identity = true;
         }
         if !VARIABLES.contains(&name) && !TYPE_NAMES.contains(&name) && self.unknown.is_none() {
             self.unknown = Some((id, name.to_owned()));

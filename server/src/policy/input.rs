@@ -168,6 +168,9 @@ pub struct BatchValues<'a> {
     /// of the batch's calls in order: call `i`'s rules see the calls before
     /// it ([`super::session_cel::SessionAt`]).
     session: Option<(super::session_cel::SessionVal, Arc<[String]>)>,
+    /// `identity`, when the batch's policies read it (R34): the memory of
+    /// the caller's identity across its sessions, read as `session` is.
+    identity: Option<super::session_cel::SessionVal>,
 }
 
 /// The CEL interpreter's values of a batch.
@@ -279,6 +282,7 @@ impl<'a> BatchValues<'a> {
             batch_bytes,
             context_bytes,
             session: None,
+            identity: None,
         }
     }
 
@@ -287,6 +291,28 @@ impl<'a> BatchValues<'a> {
     pub fn set_session(&mut self, session: super::session_cel::SessionVal) {
         let tools = self.sources.iter().map(|c| c.tool.to_owned()).collect();
         self.session = Some((session, tools));
+    }
+
+    /// Sets `identity`: the memory of the caller's identity across its
+    /// sessions, or why it cannot be read (R34). Without it a rule naming
+    /// `identity` fails (R13).
+    pub fn set_identity(&mut self, identity: super::session_cel::SessionVal) {
+        self.identity = Some(identity);
+    }
+
+    /// `identity` as call `i`'s rules read it: the calls before it in its
+    /// batch are the identity's too.
+    fn identity_at(&self, i: usize) -> Option<super::session_cel::SessionAt> {
+        let identity = self.identity.as_ref()?;
+        let tools = match &self.session {
+            Some((_, tools)) => Arc::clone(tools),
+            None => self.sources.iter().map(|c| c.tool.to_owned()).collect(),
+        };
+        Some(super::session_cel::SessionAt::new(
+            identity.clone(),
+            tools,
+            i,
+        ))
     }
 
     /// `session` as call `i`'s rules read it.
@@ -455,6 +481,7 @@ impl<'a> BatchValues<'a> {
             calls: &cel.calls,
             context: &cel.context,
             session: self.session_at(i),
+            identity: self.identity_at(i),
             meter,
             bytes,
         }
@@ -468,6 +495,7 @@ pub(crate) struct Scope<'s, 'a> {
     calls: &'s CelList<'a>,
     context: &'s CelMap<'a>,
     session: Option<super::session_cel::SessionAt>,
+    identity: Option<super::session_cel::SessionAt>,
     meter: Option<&'s Meter>,
     /// The bytes of `call`, `calls` and `context` (`session`'s are its own).
     bytes: [u64; 4],
@@ -482,6 +510,10 @@ impl VariableResolver for Scope<'_, '_> {
             "session" => {
                 let session = self.session.as_ref()?;
                 (session as &dyn Val, session.bytes())
+            }
+            "identity" => {
+                let identity = self.identity.as_ref()?;
+                (identity as &dyn Val, identity.bytes())
             }
             _ => return None,
         };

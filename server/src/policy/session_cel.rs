@@ -594,6 +594,97 @@ message = '"Tool call blocked: this session read a secret"'
 }
 
 #[cfg(test)]
+mod identity_tests {
+    use super::*;
+    use crate::policy::{Args, BatchValues, CallRef, ContextRef, Outcome, Policy};
+    use crate::session::{SessionKey, SessionLimits, SessionMemory, Update};
+
+    const BUDGET: &str = r#"
+[[rule]]
+name = "email-budget"
+tools = ["email.send"]
+when = 'identity.count("email.send", "1h") >= 3'
+action = "cancel"
+message = '"over budget"'
+"#;
+
+    /// The calls' rules of a batch of `tools` in session `session_id`,
+    /// reading `identity` (and no session): whether each proceeds.
+    fn judge_batch(policy: &Policy, identity: Option<SessionVal>, tools: &[&str]) -> Vec<Outcome> {
+        let ids: Vec<String> = (0..tools.len()).map(|i| format!("c{i}")).collect();
+        let mut values = BatchValues::new(
+            ContextRef {
+                session_id: "any",
+                ..ContextRef::default()
+            },
+            [],
+            tools.iter().zip(&ids).map(|(tool, id)| CallRef {
+                call_id: id,
+                tool,
+                args: Args::Text("{}"),
+            }),
+        );
+        if let Some(identity) = identity {
+            values.set_identity(identity);
+        }
+        policy.evaluate_values(&values, None)
+    }
+
+    /// R34: a policy naming `identity` reads the identity's memory and the
+    /// session's; one naming only `session` does not read the identity's.
+    #[test]
+    fn r34_only_policies_naming_identity_read_the_identity_memory() {
+        let budget = Policy::compile(BUDGET).unwrap();
+        assert!(budget.reads_identity() && budget.reads_session());
+        let session_only = Policy::compile(
+            "[[rule]]\nname='a'\nwhen='session.count(\"x\", \"1h\") > 1'\naction='cancel'\nmessage='\"no\"'\n",
+        )
+        .unwrap();
+        assert!(session_only.reads_session() && !session_only.reads_identity());
+        let typo = Policy::compile(
+            "[[rule]]\nname='a'\nwhen='identity.cuont(\"x\", \"1h\") > 1'\naction='cancel'\nmessage='\"no\"'\n",
+        );
+        assert!(typo.is_err(), "{typo:?}");
+    }
+
+    /// R34: `identity.count` counts the identity's calls in its memory
+    /// (whatever their session) and the calls before this one in its
+    /// batch; memory that cannot be read, or was not given, fails the
+    /// rule, never proceeds.
+    #[tokio::test]
+    async fn r34_identity_count_sees_its_memory_and_its_batch_and_fails_when_unread() {
+        let policy = Policy::compile(BUDGET).unwrap();
+        let mem = SessionMemory::in_memory(SessionLimits::default());
+        let key = SessionKey::identity("alice");
+        let view = SessionVal::Read(mem.read(&key).await.unwrap());
+        let outcomes = judge_batch(&policy, Some(view), &["email.send"; 5]);
+        let proceeded: Vec<bool> = outcomes.iter().map(|o| *o == Outcome::Proceed).collect();
+        assert_eq!(proceeded, [true, true, true, false, false]);
+        mem.record(
+            &key,
+            &Update {
+                calls: vec![
+                    mem.call("e0", "email.send", "email", "{}"),
+                    mem.call("e1", "email.send", "email", "{}"),
+                ],
+                ..Update::default()
+            },
+        )
+        .await
+        .unwrap();
+        let view = SessionVal::Read(mem.read(&key).await.unwrap());
+        let outcomes = judge_batch(&policy, Some(view), &["email.send"; 2]);
+        assert_eq!(outcomes[0], Outcome::Proceed);
+        assert!(matches!(outcomes[1], Outcome::Matched(_)), "{outcomes:?}");
+        let down = SessionVal::Unavailable("the session store is unavailable".into());
+        for identity in [Some(down), None] {
+            let outcomes = judge_batch(&policy, identity, &["email.send"]);
+            assert!(matches!(outcomes[0], Outcome::Error(_)), "{outcomes:?}");
+        }
+    }
+}
+
+#[cfg(test)]
 mod secrets_tests {
     use crate::policy::{Args, BatchValues, CallRef, ContextRef, Outcome, Policy};
 

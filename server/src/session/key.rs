@@ -5,6 +5,16 @@
 
 use serde::{Deserialize, Serialize};
 
+/// The session id an identity's memory is kept under (R34): it begins
+/// with a NUL, as no session id a coordinator may send does (R20).
+pub const IDENTITY_SESSION_ID: &str = "\0identity";
+
+/// Whether `session_id` is one the mesh keeps for itself (it begins with a
+/// NUL): refused from coordinators (R20).
+pub fn is_reserved_session_id(session_id: &str) -> bool {
+    session_id.starts_with('\0')
+}
+
 /// The key of one session's memory.
 #[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
 pub struct SessionKey {
@@ -22,6 +32,14 @@ impl SessionKey {
             identity: identity.into(),
             session_id: session_id.into(),
         }
+    }
+
+    /// The key of the memory of `identity` across all its sessions (R34):
+    /// the identity with [`IDENTITY_SESSION_ID`], a session id no
+    /// coordinator may send (R20, [`is_reserved_session_id`]), so no batch
+    /// reads or writes it as a session.
+    pub fn identity(identity: impl Into<String>) -> Self {
+        Self::new(identity, IDENTITY_SESSION_ID)
     }
 
     /// Whether the batch named a session at all: a batch without a session
@@ -70,6 +88,21 @@ mod tests {
         assert_ne!(
             SessionKey::new("", "3:abc").store_key(),
             SessionKey::new("3:abc", "").store_key()
+        );
+    }
+
+    /// R34, R20: an identity's memory is under a session id that no
+    /// coordinator may send, and one identity's never spells another's.
+    #[test]
+    fn r34_an_identity_memory_key_is_no_session_a_coordinator_can_name() {
+        let key = SessionKey::identity("alice");
+        assert!(is_reserved_session_id(&key.session_id));
+        assert!(!is_reserved_session_id("identity"));
+        assert!(!is_reserved_session_id(""));
+        assert_ne!(key, SessionKey::new("alice", "identity"));
+        assert_ne!(
+            SessionKey::identity("alice").store_key(),
+            SessionKey::identity("bob").store_key()
         );
     }
 

@@ -38,7 +38,7 @@ pub mod view;
 mod tests;
 
 pub use digest::{Digester, MIN_VALUE_CHARS};
-pub use key::SessionKey;
+pub use key::{IDENTITY_SESSION_ID, SessionKey, is_reserved_session_id};
 pub use limits::SessionLimits;
 pub use local::LocalStore;
 pub use memory::{Applied, CallRan, Memory, Seen, Update};

@@ -294,7 +294,9 @@ pub fn check_reserved(batch_id: &str) -> Result<(), Refusal> {
 
 /// R34, R20: a session id is bounded like batch and call ids
 /// (`limits.max_id_bytes`), so that no session of unbounded name is ever
-/// kept in session memory, a record or a log line.
+/// kept in session memory, a record or a log line; and one the mesh
+/// reserves for itself (it begins with a NUL: an identity's memory) is
+/// refused.
 pub fn check_session_id(request: &EvaluateRequest, limits: &Limits) -> Result<(), Refusal> {
     let Some(context) = &request.context else {
         return Ok(());
@@ -307,6 +309,15 @@ pub fn check_session_id(request: &EvaluateRequest, limits: &Limits) -> Result<()
                 "session_id is {bytes} bytes; the limit is {} bytes (limits.max_id_bytes)",
                 limits.max_id_bytes
             ),
+        ));
+    }
+    // R34: the session ids the mesh keeps for itself (an identity's memory
+    // across its sessions) are not a coordinator's to name.
+    if crate::session::is_reserved_session_id(&context.session_id) {
+        return Err(invalid(
+            "session_id_reserved",
+            "session_id begins with a NUL character: session ids that do are reserved by the mesh"
+                .to_owned(),
         ));
     }
     Ok(())
