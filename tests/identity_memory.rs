@@ -7,6 +7,7 @@
 //! keeps the identity's memory under is refused from coordinators (R20).
 
 use crate::harness::*;
+use crate::sessions::Down;
 use guardmesh_client::{Batch, Coordinator, Outcome, Registration};
 use guardmesh_server::session::{
     Applied, Digester, Memory, SessionKey, SessionLimits, SessionMemory, SessionStore, StoreError,
@@ -176,23 +177,6 @@ async fn r34_concurrent_batches_of_one_identity_in_different_sessions_cannot_rac
     }
     assert_eq!(proceeded, 3);
     mesh.shutdown().await;
-}
-
-/// A store that cannot be reached.
-#[derive(Debug)]
-struct Down;
-
-#[tonic::async_trait]
-impl SessionStore for Down {
-    async fn load(&self, _: &SessionKey) -> Result<Option<Memory>, StoreError> {
-        Err(StoreError::Unavailable("connection refused".into()))
-    }
-    async fn update(&self, _: &SessionKey, _: Write<'_>) -> Result<Applied, StoreError> {
-        Err(StoreError::Unavailable("connection refused".into()))
-    }
-    fn kind(&self) -> &'static str {
-        "down"
-    }
 }
 
 /// The store down: the identity rule fails, and with it the guard per its
