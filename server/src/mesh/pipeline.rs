@@ -301,49 +301,6 @@ impl Admitted {
         Ok(decision)
     }
 
-    /// The session's turn (R34), when the chain uses session memory (a
-    /// policy rule reads `session`, or a remote guard asked for the
-    /// memory): held from before the memory is read until the answer is
-    /// ready. `Err` with why the memory is not read when the turn did not
-    /// come before the batch's deadline. A chain that uses no memory is not
-    /// serialized: its batches stay concurrent (R19, R25).
-    async fn session_turn(
-        &self,
-        mesh: &Mesh,
-        chain: &Chain,
-    ) -> Result<Vec<super::session_turns::Turn>, std::sync::Arc<str>> {
-        let mut turns = Vec::new();
-        if !Mesh::chain_uses_session(chain) {
-            return Ok(turns);
-        }
-        // R34: the identity's turn first, then the session's (one order,
-        // so no two batches wait on each other): the batches of one
-        // identity are judged one after another when a rule reads its
-        // memory, whatever their sessions.
-        if Mesh::chain_reads_identity(chain) {
-            let key = crate::session::SessionKey::identity(self.trace.identity.as_ref());
-            match mesh.session_turns.take(key, self.deadline).await {
-                Ok(turn) => turns.push(turn),
-                Err(super::session_turns::Busy) => {
-                    return Err(std::sync::Arc::from(
-                        "another batch of this identity was still being judged at this batch's \
-                         deadline",
-                    ));
-                }
-            }
-        }
-        let key = Mesh::session_key(&self.batch, &self.trace);
-        match mesh.session_turns.take(key, self.deadline).await {
-            Ok(turn) => {
-                turns.push(turn);
-                Ok(turns)
-            }
-            Err(super::session_turns::Busy) => Err(std::sync::Arc::from(
-                "another batch of this session was still being judged at this batch's deadline",
-            )),
-        }
-    }
-
     async fn judge(
         self,
         mesh: &Mesh,
@@ -353,16 +310,8 @@ impl Admitted {
         AnswerPhase,
         Vec<super::session_turns::Turn>,
     ) {
-        // R17: one snapshot of the chain for the whole batch, the session
-        // turn's check included.
-        let chain = match &self.judges {
-            Judges::Chain => mesh.chain(),
-            Judges::Alone(chain) => chain.clone(),
-        };
-        let (turn, busy) = match self.session_turn(mesh, &chain).await {
-            Ok(turn) => (turn, None),
-            Err(why) => (Vec::new(), Some(why)),
-        };
+        // Taken apart before the first await: the judging future holds
+        // each part once, not the whole batch beside its parts.
         let Self {
             mut batch,
             phase,
@@ -375,6 +324,16 @@ impl Admitted {
             bytes,
             size: _,
         } = self;
+        // R17: one snapshot of the chain for the whole batch, the session
+        // turn's check included.
+        let chain = match &judges {
+            Judges::Chain => mesh.chain(),
+            Judges::Alone(chain) => chain.clone(),
+        };
+        let (turn, busy) = match session_turn(mesh, &chain, &batch, &trace, deadline).await {
+            Ok(turn) => (turn, None),
+            Err(why) => (Vec::new(), Some(why)),
+        };
         // R35: the approvals the batch names, checked against its session
         // and this chain snapshot before judging; a name of no call of the
         // batch refuses it.
@@ -448,6 +407,51 @@ impl Admitted {
         drop(bytes);
         drop(ticket);
         (outcome, record, answer, turn)
+    }
+}
+
+/// The session's turn (R34), when the chain uses session memory (a policy
+/// rule reads `session`, or a remote guard asked for the memory): held from
+/// before the memory is read until the answer is ready. `Err` with why the
+/// memory is not read when the turn did not come before the batch's
+/// deadline. A chain that uses no memory is not serialized: its batches
+/// stay concurrent (R19, R25).
+async fn session_turn(
+    mesh: &Mesh,
+    chain: &Chain,
+    batch: &EvaluateRequest,
+    trace: &TraceContext,
+    deadline: Instant,
+) -> Result<Vec<super::session_turns::Turn>, Arc<str>> {
+    let mut turns = Vec::new();
+    if !Mesh::chain_uses_session(chain) {
+        return Ok(turns);
+    }
+    // R34: the identity's turn first, then the session's (one order, so no
+    // two batches wait on each other): the batches of one identity are
+    // judged one after another when a rule reads its memory, whatever
+    // their sessions.
+    if Mesh::chain_reads_identity(chain) {
+        let key = crate::session::SessionKey::identity(trace.identity.as_ref());
+        match mesh.session_turns.take(key, deadline).await {
+            Ok(turn) => turns.push(turn),
+            Err(super::session_turns::Busy) => {
+                return Err(Arc::from(
+                    "another batch of this identity was still being judged at this batch's \
+                     deadline",
+                ));
+            }
+        }
+    }
+    let key = Mesh::session_key(batch, trace);
+    match mesh.session_turns.take(key, deadline).await {
+        Ok(turn) => {
+            turns.push(turn);
+            Ok(turns)
+        }
+        Err(super::session_turns::Busy) => Err(Arc::from(
+            "another batch of this session was still being judged at this batch's deadline",
+        )),
     }
 }
 
