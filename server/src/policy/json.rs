@@ -480,7 +480,9 @@ impl<'de> Visitor<'de> for Seed<'_> {
     }
 }
 
-struct KeySeed;
+/// An object's key, borrowed from the text when it has no escapes (also
+/// the keys of the interpreter's input).
+pub(super) struct KeySeed;
 
 impl<'de> DeserializeSeed<'de> for KeySeed {
     type Value = Cow<'de, str>;
