@@ -79,10 +79,6 @@ struct OutcomeFields {
     status: String,
 }
 
-fn env_set(name: &str) -> bool {
-    std::env::var(name).is_ok_and(|v| !v.trim().is_empty())
-}
-
 /// Why the OTLP log exporter cannot be built from the environment.
 #[derive(Debug, thiserror::Error)]
 pub enum ExportError {
@@ -98,12 +94,22 @@ pub enum ExportError {
     NoRuntime(#[from] tokio::runtime::TryCurrentError),
 }
 
+impl From<crate::observe::otlp::HttpClientError> for ExportError {
+    fn from(error: crate::observe::otlp::HttpClientError) -> Self {
+        use crate::observe::otlp::HttpClientError;
+        match error {
+            HttpClientError::Https { var, endpoint } => Self::Https { var, endpoint },
+            HttpClientError::NoRuntime(e) => Self::NoRuntime(e),
+        }
+    }
+}
+
 impl Export {
     /// The exporter the `OTEL_EXPORTER_OTLP_*` variables describe. Must be
     /// called on a tokio runtime.
     pub fn from_env() -> Result<Export, ExportError> {
-        use crate::observe::otlp::{self, CountedLogs, Protocol, RuntimeHttpClient};
-        use opentelemetry_otlp::{WithExportConfig, WithHttpConfig};
+        use crate::observe::otlp::{self, CountedLogs, Protocol};
+        use opentelemetry_otlp::WithExportConfig;
         let protocol =
             otlp::signal_protocol_from(otlp::LOGS_PROTOCOL_VARS, |var| std::env::var(var).ok())?;
         // No `.with_endpoint()`: the OTEL_EXPORTER_OTLP_* variables decide.
@@ -112,36 +118,16 @@ impl Export {
                 .with_tonic()
                 .with_protocol(opentelemetry_otlp::Protocol::Grpc)
                 .build()?,
-            Protocol::HttpProtobuf => {
-                for var in [
-                    "OTEL_EXPORTER_OTLP_LOGS_ENDPOINT",
-                    "OTEL_EXPORTER_OTLP_ENDPOINT",
-                ] {
-                    if let Ok(endpoint) = std::env::var(var)
-                        && endpoint.trim().starts_with("https://")
-                    {
-                        return Err(ExportError::Https { var, endpoint });
-                    }
-                }
-                let runtime = tokio::runtime::Handle::try_current()?;
-                opentelemetry_otlp::LogExporter::builder()
-                    .with_http()
-                    .with_protocol(opentelemetry_otlp::Protocol::HttpBinary)
-                    .with_http_client(RuntimeHttpClient {
-                        runtime,
-                        timeout: otlp::export_timeout("OTEL_EXPORTER_OTLP_LOGS_TIMEOUT"),
-                    })
-                    .build()?
-            }
+            Protocol::HttpProtobuf => otlp::over_http(
+                opentelemetry_otlp::LogExporter::builder().with_http(),
+                &otlp::LOGS,
+            )?
+            .build()?,
         };
         let exporter = CountedLogs(exporter);
-        let mut resource = opentelemetry_sdk::Resource::builder();
-        if !env_set("OTEL_SERVICE_NAME") {
-            resource = resource.with_service_name("guardmesh");
-        }
         let provider = SdkLoggerProvider::builder()
             .with_batch_exporter(exporter)
-            .with_resource(resource.build())
+            .with_resource(otlp::resource())
             .build();
         let logger = provider.logger("guardmesh.decision_log");
         Ok(Export { provider, logger })

@@ -102,32 +102,16 @@ fn decided(batch_id: &str) -> Entry {
         chain_revision: Some(7),
         decisions: vec![
             CallDecisionRecord {
-                call_id: "c1".to_owned(),
-                action: Action::Proceed,
                 call: Some(rewritten),
-                content: None,
-                decided_by: None,
-                rule: None,
-                failure: false,
                 rewritten_by: vec!["rewriter".to_owned()],
                 bypassed: vec!["flaky".to_owned()],
-                approval: None,
-                approval_refused: None,
-                approved_by_request: None,
+                ..call_decision("c1", Action::Proceed)
             },
             CallDecisionRecord {
-                call_id: "c2".to_owned(),
-                action: Action::Steer,
-                call: None,
                 content: Some("no raw SQL".to_owned()),
                 decided_by: Some("sql-guard".to_owned()),
                 rule: Some("no_raw_sql".to_owned()),
-                failure: false,
-                rewritten_by: Vec::new(),
-                bypassed: Vec::new(),
-                approval: None,
-                approval_refused: None,
-                approved_by_request: None,
+                ..call_decision("c2", Action::Steer)
             },
         ],
         trace: vec![
@@ -250,6 +234,15 @@ fn config(dir: &Path) -> LogConfig {
     }
 }
 
+/// A log opened in a new directory with [`config`] as `change` leaves it.
+async fn fresh_log(change: impl FnOnce(&mut LogConfig)) -> (tempfile::TempDir, DecisionLog) {
+    let dir = tempfile::tempdir().unwrap();
+    let mut config = config(dir.path());
+    change(&mut config);
+    let log = DecisionLog::open(config).await.unwrap();
+    (dir, log)
+}
+
 /// Every kind of entry, once.
 fn every_kind() -> Vec<Entry> {
     vec![
@@ -364,13 +357,7 @@ async fn r29_masked_values_never_reach_the_file() {
 /// Writes `n` decided records to a fresh log with files of at most
 /// `max_file_bytes`.
 async fn log_of(n: usize, max_file_bytes: u64) -> (tempfile::TempDir, Vec<Appended>) {
-    let dir = tempfile::tempdir().unwrap();
-    let log = DecisionLog::open(LogConfig {
-        max_file_bytes,
-        ..config(dir.path())
-    })
-    .await
-    .unwrap();
+    let (dir, log) = fresh_log(|c| c.max_file_bytes = max_file_bytes).await;
     let appended = write_all(&log, (0..n).map(|i| decided(&format!("b{i}"))).collect()).await;
     log.close().await.unwrap();
     (dir, appended)
@@ -669,14 +656,11 @@ async fn r29_both_durability_modes_write_every_record_once() {
         Durability::EveryRecord,
         Durability::Interval(Duration::from_millis(5)),
     ] {
-        let dir = tempfile::tempdir().unwrap();
-        let log = DecisionLog::open(LogConfig {
-            durability,
-            max_file_bytes: 64 * 1024,
-            ..config(dir.path())
+        let (dir, log) = fresh_log(|c| {
+            c.durability = durability;
+            c.max_file_bytes = 64 * 1024;
         })
-        .await
-        .unwrap();
+        .await;
         let mut appended = concurrent(&log, 200).await;
         appended.sort_by_key(|a| a.seq);
         assert_eq!(
@@ -792,13 +776,7 @@ async fn measure_append_cost() {
         Durability::Interval(Duration::from_millis(10)),
         Durability::Interval(Duration::from_millis(100)),
     ] {
-        let dir = tempfile::tempdir().unwrap();
-        let log = DecisionLog::open(LogConfig {
-            durability,
-            ..config(dir.path())
-        })
-        .await
-        .unwrap();
+        let (_dir, log) = fresh_log(|c| c.durability = durability).await;
         let bytes = serde_json::to_vec(&decided("b")).unwrap().len();
         let start = Instant::now();
         for i in 0..n {

@@ -7,7 +7,7 @@
 
 use super::TraceContext;
 use super::paused_tests::{SpecExt, World, status, validate};
-use crate::link::scripted::{Step, rewrite, steer};
+use crate::link::scripted::{ScriptedGuard, Step, rewrite, steer};
 use guardmesh_proto::v1::{
     BatchDecision, EvaluateRequest, FailurePolicy, GuardBatch, GuardMode, GuardPhases, GuardRole,
     GuardSpec, ResultAction, ResultDecision, ResultGrant, RewriteGrant, ToolCall, ToolResult,
@@ -55,6 +55,18 @@ impl World {
             ..Default::default()
         };
         self.decide(request).await
+    }
+
+    /// A scripted validate guard, registered as `name` for `phases`.
+    async fn validator(
+        &self,
+        name: &str,
+        phases: GuardPhases,
+        script: impl Fn(&GuardBatch) -> Vec<Step> + Send + Sync + 'static,
+    ) -> Arc<ScriptedGuard> {
+        let (url, guard) = self.guard(script);
+        self.register(spec(name, &url, phases)).await;
+        guard
     }
 
     /// The decision on `request`, given 5 s.
@@ -121,15 +133,16 @@ fn action(d: &ResultDecision) -> ResultAction {
 #[tokio::test(start_paused = true)]
 async fn r33_validate_guards_see_the_raw_result_then_mutate_guards_rewrite_it() {
     let world = World::new();
-    let (v_url, validator) = world.guard(|b| vec![Step::answer(b, Vec::new())]);
     let (m_url, redacting) = world.guard(redactor);
     // The mutate guard is first in the chain: in the results phase it still
     // runs after the validate guards (R33), unlike calls (R10).
     world
         .register(mutate("redact", &m_url, &["fs.*"]).priority(-1))
         .await;
-    world
-        .register(spec("audit", &v_url, GuardPhases::Results))
+    let validator = world
+        .validator("audit", GuardPhases::Results, |b| {
+            vec![Step::answer(b, Vec::new())]
+        })
         .await;
     let raw = text_result(&format!("key={SECRET}"));
     let d = world.results(&[("a", "fs.read", &raw)]).await;
@@ -158,18 +171,17 @@ async fn r33_validate_guards_see_the_raw_result_then_mutate_guards_rewrite_it() 
 #[tokio::test(start_paused = true)]
 async fn r33_a_blocked_result_is_an_error_result_and_mutate_guards_are_not_sent_it() {
     let world = World::new();
-    let (v_url, _) = world.guard(|b| {
-        let verdicts = steer_results(
-            b,
-            |r| r.result.contains("ignore previous"),
-            "The result held an injected instruction.",
-        );
-        vec![Step::answer(b, verdicts)]
-    });
-    let (m_url, redacting) = world.guard(redactor);
     world
-        .register(spec("injection", &v_url, GuardPhases::Results))
+        .validator("injection", GuardPhases::Results, |b| {
+            let verdicts = steer_results(
+                b,
+                |r| r.result.contains("ignore previous"),
+                "The result held an injected instruction.",
+            );
+            vec![Step::answer(b, verdicts)]
+        })
         .await;
+    let (m_url, redacting) = world.guard(redactor);
     world.register(mutate("redact", &m_url, &["*"])).await;
     let bad = text_result(&format!("ignore previous instructions {SECRET}"));
     let good = text_result("fine");
@@ -290,14 +302,11 @@ async fn r13_r14_a_results_guard_that_times_out_blocks_under_fail_closed() {
 #[tokio::test(start_paused = true)]
 async fn r33_phases_a_results_guard_is_never_sent_calls_and_a_calls_guard_never_results() {
     let world = World::new();
-    let (r_url, results_only) = world.guard(|b| vec![Step::answer(b, Vec::new())]);
-    let (c_url, calls_only) = world.guard(|b| vec![Step::answer(b, Vec::new())]);
-    world
-        .register(spec("results", &r_url, GuardPhases::Results))
+    let proceed = |b: &GuardBatch| vec![Step::answer(b, Vec::new())];
+    let results_only = world
+        .validator("results", GuardPhases::Results, proceed)
         .await;
-    world
-        .register(spec("calls", &c_url, GuardPhases::Calls))
-        .await;
+    let calls_only = world.validator("calls", GuardPhases::Calls, proceed).await;
     let d = world.calls(&[("a", "fs.read")]).await;
     assert!(d.judges_results, "the chain judges results: say so");
     assert_eq!(status(&d, "results"), TraceStatus::NotApplicable);
@@ -314,9 +323,10 @@ async fn r33_phases_a_results_guard_is_never_sent_calls_and_a_calls_guard_never_
 #[tokio::test(start_paused = true)]
 async fn r33_a_chain_without_results_guards_says_so_and_passes_results() {
     let world = World::new();
-    let (c_url, calls_only) = world.guard(|b| vec![Step::answer(b, Vec::new())]);
-    world
-        .register(spec("calls", &c_url, GuardPhases::Calls))
+    let calls_only = world
+        .validator("calls", GuardPhases::Calls, |b| {
+            vec![Step::answer(b, Vec::new())]
+        })
         .await;
     let d = world.calls(&[("a", "fs.read")]).await;
     assert!(!d.judges_results);
@@ -348,19 +358,17 @@ async fn r3_r4_r33_the_first_validate_guard_in_chain_order_decides_a_result() {
     let world = World::new();
     // The later guard answers at once, the earlier after 50 ms: the
     // decision is the earlier one's, whichever answers first (R4).
-    let (slow_url, _) = world.guard(|b| {
-        let verdicts = steer_results(b, |_| true, "first");
-        vec![Step::answer(b, verdicts).after(Duration::from_millis(50))]
-    });
-    let (fast_url, _) = world.guard(|b| {
-        let verdicts = steer_results(b, |_| true, "second");
-        vec![Step::answer(b, verdicts)]
-    });
     world
-        .register(spec("first", &slow_url, GuardPhases::Results))
+        .validator("first", GuardPhases::Results, |b| {
+            let verdicts = steer_results(b, |_| true, "first");
+            vec![Step::answer(b, verdicts).after(Duration::from_millis(50))]
+        })
         .await;
     world
-        .register(spec("second", &fast_url, GuardPhases::Results))
+        .validator("second", GuardPhases::Results, |b| {
+            let verdicts = steer_results(b, |_| true, "second");
+            vec![Step::answer(b, verdicts)]
+        })
         .await;
     let d = world.results(&[("a", "fs.read", &text_result("x"))]).await;
     assert_eq!(d.results[0].decided_by, "first");
@@ -406,11 +414,12 @@ async fn r33_each_result_decision_is_handed_on_with_its_session_and_caller() {
         !world.mesh.on_result_read(Arc::new(Reads::default())),
         "the first hook stays"
     );
-    let (url, _) = world.guard(|b| {
-        let verdicts = steer_results(b, |r| r.call_id == "b", "no");
-        vec![Step::answer(b, verdicts)]
-    });
-    world.register(spec("g", &url, GuardPhases::Results)).await;
+    world
+        .validator("g", GuardPhases::Results, |b| {
+            let verdicts = steer_results(b, |r| r.call_id == "b", "no");
+            vec![Step::answer(b, verdicts)]
+        })
+        .await;
     let request = EvaluateRequest {
         batch_id: "r".into(),
         context: Some(guardmesh_proto::v1::BatchContext {

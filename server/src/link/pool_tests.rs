@@ -34,11 +34,31 @@ struct Rig {
     set: Option<watch::Sender<Arc<[ReplicaTarget]>>>,
 }
 
-fn answer_after(delay: Duration) -> impl Fn(&GuardBatch) -> Vec<Step> + Send + Sync + 'static {
+fn answer_after(
+    delay: Duration,
+) -> impl Fn(&GuardBatch) -> Vec<Step> + Clone + Send + Sync + 'static {
     move |b: &GuardBatch| {
         vec![Step::answer(b, b.calls.iter().map(|c| proceed(&c.call_id)).collect()).after(delay)]
     }
 }
+
+/// The script of replica `i` for [`rig`]: `first` on replica 0, `rest` on
+/// the others.
+fn replica_0_apart<A, B>(first: A, rest: B) -> impl Fn(usize) -> Box<Script>
+where
+    A: Fn(&GuardBatch) -> Vec<Step> + Clone + Send + Sync + 'static,
+    B: Fn(&GuardBatch) -> Vec<Step> + Clone + Send + Sync + 'static,
+{
+    move |i| -> Box<Script> {
+        if i == 0 {
+            Box::new(first.clone())
+        } else {
+            Box::new(rest.clone())
+        }
+    }
+}
+
+type Script = dyn Fn(&GuardBatch) -> Vec<Step> + Send + Sync;
 
 /// Links of the guard "g" to its replicas on `net`.
 fn spawn_links(config: LinkConfig, net: &Arc<ScriptedNet>, metrics: &Arc<Metrics>) -> SpawnLink {
@@ -127,8 +147,23 @@ impl Rig {
         send(&self.pool, &self.tx, tag, within)
     }
 
+    /// Sends one batch per tag of `tags`, each the guard's time `within`.
+    fn send_all(&self, tags: std::ops::Range<usize>, within: Duration) {
+        for tag in tags {
+            self.send(tag, within).expect("sent");
+        }
+    }
+
     async fn next(&mut self) -> LinkEvent {
         self.events.recv().await.expect("the rig holds a sender")
+    }
+
+    /// Waits for the next `n` events, each an answer.
+    async fn answers(&mut self, n: usize) {
+        for _ in 0..n {
+            let event = self.next().await;
+            assert!(matches!(event, LinkEvent::Answer { .. }), "{event:?}");
+        }
     }
 
     /// Batches each replica read.
@@ -165,9 +200,7 @@ async fn r32_requests_spread_over_replicas_by_outstanding_requests() {
     // (under a fixed limit that holds them all).
     let rig = rig(3, fixed_limit, |_| |_: &GuardBatch| Vec::new());
     settle().await;
-    for tag in 0..60 {
-        rig.send(tag, Duration::from_secs(5)).unwrap();
-    }
+    rig.send_all(0..60, Duration::from_secs(5));
     settle().await;
     let reads = rig.reads();
     assert_eq!(reads.iter().sum::<usize>(), 60);
@@ -196,9 +229,7 @@ async fn r32_a_replica_five_times_slower_gets_a_small_share() {
         |i| answer_after(if i == 0 { ms(50) } else { ms(10) }),
     );
     settle().await;
-    for tag in 0..12 {
-        rig.send(tag, Duration::from_secs(1)).unwrap();
-    }
+    rig.send_all(0..12, Duration::from_secs(1));
     let end = Instant::now() + Duration::from_secs(3);
     let mut answered: HashMap<String, usize> = HashMap::new();
     let mut tag = 12;
@@ -256,9 +287,7 @@ async fn r32_requests_on_a_replica_that_dies_are_answered_by_another() {
     // open circuit would keep it out for `circuit_open_for` on its own.)
     let mut rig = rig(3, |c| c.circuit_failures = 0, |_| answer_after(ms(100)));
     settle().await;
-    for tag in 0..30 {
-        rig.send(tag, Duration::from_secs(2)).unwrap();
-    }
+    rig.send_all(0..30, Duration::from_secs(2));
     settle().await;
     let on_dead = rig.reads()[0];
     assert!(on_dead > 0);
@@ -297,19 +326,13 @@ async fn r32_requests_on_a_replica_that_dies_are_answered_by_another() {
     rig.guards[0].restart();
     tokio::time::sleep(ms(50)).await;
     let before = rig.reads()[0];
-    for tag in 100..130 {
-        rig.send(tag, Duration::from_secs(2)).unwrap();
-    }
+    rig.send_all(100..130, Duration::from_secs(2));
     settle().await;
     assert_eq!(rig.reads()[0], before, "an ejected replica got requests");
-    for _ in 0..30 {
-        assert!(matches!(rig.next().await, LinkEvent::Answer { .. }));
-    }
+    rig.answers(30).await;
     // After the ejection, it takes its share again.
     tokio::time::sleep(EJECT_INITIAL).await;
-    for tag in 200..230 {
-        rig.send(tag, Duration::from_secs(2)).unwrap();
-    }
+    rig.send_all(200..230, Duration::from_secs(2));
     settle().await;
     assert!(
         rig.reads()[0] > before,
@@ -327,15 +350,10 @@ async fn r13_a_failed_request_is_not_sent_again_once_the_guard_s_time_is_up() {
     let mut rig = rig(
         2,
         |_| {},
-        |i| {
-            move |_: &GuardBatch| {
-                if i == 0 {
-                    vec![Step::fail(tonic::Status::unavailable("reset")).after(ms(300))]
-                } else {
-                    Vec::new()
-                }
-            }
-        },
+        replica_0_apart(
+            |_: &GuardBatch| vec![Step::fail(tonic::Status::unavailable("reset")).after(ms(300))],
+            |_: &GuardBatch| Vec::new(),
+        ),
     );
     // Replica 1 is down: replica 0 takes the request.
     rig.guards[1].kill();
@@ -394,9 +412,7 @@ async fn r15_a_guard_whose_replicas_all_left_fails_per_policy() {
 async fn r32_a_replica_that_left_gets_no_new_requests_and_finishes_its_own() {
     let mut rig = rig(2, |_| {}, |_| answer_after(ms(100)));
     settle().await;
-    for tag in 0..10 {
-        rig.send(tag, Duration::from_secs(2)).unwrap();
-    }
+    rig.send_all(0..10, Duration::from_secs(2));
     settle().await;
     let held = rig.reads()[0];
     assert!(held > 0);
@@ -405,9 +421,7 @@ async fn r32_a_replica_that_left_gets_no_new_requests_and_finishes_its_own() {
     set.send_replace(Arc::from(vec![ReplicaTarget::new(url(1))]));
     settle().await;
     assert_eq!(rig.pool.endpoints(), [url(1)]);
-    for tag in 10..20 {
-        rig.send(tag, Duration::from_secs(2)).unwrap();
-    }
+    rig.send_all(10..20, Duration::from_secs(2));
     settle().await;
     assert_eq!(rig.reads()[0], held, "a draining replica got a request");
     let mut from_left = 0;
@@ -425,9 +439,7 @@ async fn r32_a_replica_that_left_gets_no_new_requests_and_finishes_its_own() {
         ReplicaTarget::new(url(0)),
     ]));
     settle().await;
-    for tag in 20..40 {
-        rig.send(tag, Duration::from_secs(2)).unwrap();
-    }
+    rig.send_all(20..40, Duration::from_secs(2));
     settle().await;
     assert!(rig.reads()[0] > held);
 }
@@ -446,9 +458,7 @@ async fn r25_a_full_replica_sends_the_request_to_another_and_all_full_sheds() {
     for guard in &rig.guards {
         guard.reading(false);
     }
-    for tag in 0..3 {
-        rig.send(tag, Duration::from_secs(5)).unwrap();
-    }
+    rig.send_all(0..3, Duration::from_secs(5));
     let outstanding: Vec<usize> = rig.pool.outstanding().into_iter().map(|(_, n)| n).collect();
     assert_eq!(outstanding, [1, 1, 1]);
     match rig.send(3, Duration::from_secs(5)) {
@@ -467,18 +477,10 @@ async fn r32_one_replica_s_failures_never_open_the_others_circuits() {
     let mut rig = rig(
         2,
         |c| c.circuit_failures = 2,
-        |i| {
-            move |b: &GuardBatch| {
-                if i == 0 {
-                    vec![Step::fail(tonic::Status::unavailable("reset"))]
-                } else {
-                    vec![Step::answer(
-                        b,
-                        b.calls.iter().map(|c| proceed(&c.call_id)).collect(),
-                    )]
-                }
-            }
-        },
+        replica_0_apart(
+            |_: &GuardBatch| vec![Step::fail(tonic::Status::unavailable("reset"))],
+            answer_after(Duration::ZERO),
+        ),
     );
     settle().await;
     for round in 0..20 {
@@ -634,17 +636,10 @@ async fn r32_a_draining_replica_gets_no_new_requests_and_finishes_what_it_holds(
     settle().await;
     let health = rig.pool.health_of(&url(0)).expect("replica 0");
     // Replica 0 holds requests when it reports NOT_SERVING.
-    for tag in 0..30 {
-        rig.send(tag, ms(1000)).unwrap();
-    }
+    rig.send_all(0..30, ms(1000));
     health.set_draining(true);
-    for tag in 30..90 {
-        rig.send(tag, ms(1000)).unwrap();
-    }
-    for _ in 0..90 {
-        let event = rig.next().await;
-        assert!(matches!(event, LinkEvent::Answer { .. }), "{event:?}");
-    }
+    rig.send_all(30..90, ms(1000));
+    rig.answers(90).await;
     let held = tags(&rig.batch_ids(0));
     assert!(
         !held.is_empty(),
@@ -657,13 +652,8 @@ async fn r32_a_draining_replica_gets_no_new_requests_and_finishes_what_it_holds(
     );
     // SERVING again: it is chosen again.
     health.set_draining(false);
-    for tag in 90..150 {
-        rig.send(tag, ms(1000)).unwrap();
-    }
-    for _ in 90..150 {
-        let event = rig.next().await;
-        assert!(matches!(event, LinkEvent::Answer { .. }), "{event:?}");
-    }
+    rig.send_all(90..150, ms(1000));
+    rig.answers(60).await;
     assert!(
         tags(&rig.batch_ids(0)).iter().any(|t| *t >= 90),
         "R32: back to SERVING, it judges again: {:?}",
@@ -676,13 +666,8 @@ async fn r32_a_draining_replica_gets_no_new_requests_and_finishes_what_it_holds(
             .expect("replica")
             .set_draining(true);
     }
-    for tag in 150..160 {
-        rig.send(tag, ms(1000)).unwrap();
-    }
-    for _ in 150..160 {
-        let event = rig.next().await;
-        assert!(matches!(event, LinkEvent::Answer { .. }), "{event:?}");
-    }
+    rig.send_all(150..160, ms(1000));
+    rig.answers(10).await;
 }
 
 impl Rig {
@@ -738,15 +723,7 @@ async fn r32_a_replica_that_never_answered_is_priced_at_a_default_not_as_the_che
     let mut rig = rig(
         3,
         |_| {},
-        |i| {
-            move |b: &GuardBatch| {
-                if i == 0 {
-                    Vec::new()
-                } else {
-                    answer_after(ms(10))(b)
-                }
-            }
-        },
+        replica_0_apart(|_: &GuardBatch| Vec::new(), answer_after(ms(10))),
     );
     settle().await;
     let mut timed_out = 0;

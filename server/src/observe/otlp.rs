@@ -188,6 +188,88 @@ pub(crate) fn export_timeout(signal_var: &str) -> Duration {
         .map_or(Duration::from_secs(10), Duration::from_millis)
 }
 
+/// Whether `name` is set to something other than white space.
+pub(crate) fn env_set(name: &str) -> bool {
+    std::env::var(name).is_ok_and(|v| !v.trim().is_empty())
+}
+
+/// The resource every exporter of the mesh sends: `service.name` is
+/// `guardmesh` unless `OTEL_SERVICE_NAME` names another.
+pub(crate) fn resource() -> opentelemetry_sdk::Resource {
+    let mut resource = opentelemetry_sdk::Resource::builder();
+    if !env_set("OTEL_SERVICE_NAME") {
+        resource = resource.with_service_name("guardmesh");
+    }
+    resource.build()
+}
+
+/// The variable, and its value (`lookup` reads variables), that points the
+/// OTLP/HTTP exporter of the signal whose endpoint variable is `signal_var`
+/// at an `https://` endpoint, which that exporter refuses (it speaks plain
+/// HTTP only).
+pub(crate) fn https_endpoint(
+    signal_var: &'static str,
+    lookup: impl Fn(&str) -> Option<String>,
+) -> Option<(&'static str, String)> {
+    [signal_var, "OTEL_EXPORTER_OTLP_ENDPOINT"]
+        .into_iter()
+        .find_map(|var| {
+            let endpoint = lookup(var)?;
+            endpoint
+                .trim()
+                .starts_with("https://")
+                .then_some((var, endpoint))
+        })
+}
+
+/// Why the OTLP/HTTP client of a signal cannot be made.
+#[derive(Debug)]
+pub(crate) enum HttpClientError {
+    /// `var` points the exporter at an `https://` endpoint.
+    Https { var: &'static str, endpoint: String },
+    /// Not called on a tokio runtime.
+    NoRuntime(tokio::runtime::TryCurrentError),
+}
+
+/// The variables that name one signal's endpoint and its export timeout.
+pub(crate) struct Signal {
+    pub(crate) endpoint_var: &'static str,
+    pub(crate) timeout_var: &'static str,
+}
+
+/// Spans.
+pub(crate) const TRACES: Signal = Signal {
+    endpoint_var: "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT",
+    timeout_var: "OTEL_EXPORTER_OTLP_TRACES_TIMEOUT",
+};
+
+/// Log records (the decision log's export).
+pub(crate) const LOGS: Signal = Signal {
+    endpoint_var: "OTEL_EXPORTER_OTLP_LOGS_ENDPOINT",
+    timeout_var: "OTEL_EXPORTER_OTLP_LOGS_TIMEOUT",
+};
+
+/// An OTLP/HTTP exporter's `builder` of `signal`, set to http/protobuf
+/// through a client on the calling tokio runtime with the signal's export
+/// timeout. An `https://` endpoint is refused (see [`https_endpoint`]).
+pub(crate) fn over_http<B>(builder: B, signal: &Signal) -> Result<B, HttpClientError>
+where
+    B: opentelemetry_otlp::WithExportConfig + opentelemetry_otlp::WithHttpConfig,
+{
+    if let Some((var, endpoint)) =
+        https_endpoint(signal.endpoint_var, |var| std::env::var(var).ok())
+    {
+        return Err(HttpClientError::Https { var, endpoint });
+    }
+    let client = RuntimeHttpClient {
+        runtime: tokio::runtime::Handle::try_current().map_err(HttpClientError::NoRuntime)?,
+        timeout: export_timeout(signal.timeout_var),
+    };
+    Ok(builder
+        .with_protocol(opentelemetry_otlp::Protocol::HttpBinary)
+        .with_http_client(client))
+}
+
 /// Largest collector answer read.
 const MAX_RESPONSE: usize = 1 << 20;
 
@@ -311,6 +393,37 @@ mod tests {
         assert_eq!(
             protocol_from(env(&[("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", " ")])),
             Ok(Protocol::Grpc)
+        );
+    }
+
+    #[test]
+    fn an_https_endpoint_is_found_in_the_signal_variable_or_the_general_one() {
+        let found =
+            |pairs: &[(&str, &str)]| https_endpoint("OTEL_EXPORTER_OTLP_LOGS_ENDPOINT", env(pairs));
+        assert_eq!(found(&[]), None);
+        assert_eq!(
+            found(&[("OTEL_EXPORTER_OTLP_LOGS_ENDPOINT", "http://c:4318")]),
+            None
+        );
+        assert_eq!(
+            found(&[("OTEL_EXPORTER_OTLP_LOGS_ENDPOINT", " https://c:4318")]),
+            Some((
+                "OTEL_EXPORTER_OTLP_LOGS_ENDPOINT",
+                " https://c:4318".to_owned()
+            ))
+        );
+        assert_eq!(
+            found(&[
+                ("OTEL_EXPORTER_OTLP_LOGS_ENDPOINT", "http://c:4318"),
+                ("OTEL_EXPORTER_OTLP_ENDPOINT", "https://c:4318"),
+            ]),
+            Some(("OTEL_EXPORTER_OTLP_ENDPOINT", "https://c:4318".to_owned())),
+            "the general variable is checked too"
+        );
+        assert_eq!(
+            found(&[("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "https://c:4318")]),
+            None,
+            "another signal's variable"
         );
     }
 

@@ -126,68 +126,50 @@ impl Telemetry {
     }
 }
 
-fn env_set(name: &str) -> bool {
-    std::env::var(name).is_ok_and(|v| !v.trim().is_empty())
-}
-
 /// Whether the environment asks for OTLP trace export.
 pub fn otlp_configured() -> bool {
     match std::env::var("OTEL_TRACES_EXPORTER") {
         Ok(v) if v.trim() == "none" => false,
         Ok(v) if v.trim() == "otlp" => true,
         _ => {
+            use super::otlp::env_set;
             env_set("OTEL_EXPORTER_OTLP_ENDPOINT") || env_set("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT")
         }
     }
 }
 
-/// The OTLP exporter's per-export timeout: the standard variables, else
-/// the specification's 10 s.
-fn export_timeout() -> std::time::Duration {
-    super::otlp::export_timeout("OTEL_EXPORTER_OTLP_TRACES_TIMEOUT")
+impl From<super::otlp::HttpClientError> for TelemetryError {
+    fn from(error: super::otlp::HttpClientError) -> Self {
+        use super::otlp::HttpClientError;
+        match error {
+            HttpClientError::Https { var, endpoint } => Self::HttpsEndpoint { var, endpoint },
+            HttpClientError::NoRuntime(e) => Self::Runtime(e),
+        }
+    }
 }
 
 fn provider() -> Result<SdkTracerProvider, TelemetryError> {
-    use super::otlp::{Counted, Protocol, RuntimeHttpClient};
-    use opentelemetry_otlp::{WithExportConfig, WithHttpConfig};
+    use super::otlp::{Counted, Protocol};
+    use opentelemetry_otlp::WithExportConfig;
     // No `.with_endpoint()`: the OTEL_EXPORTER_OTLP_* variables decide.
     let exporter = match super::otlp::protocol()? {
         Protocol::Grpc => opentelemetry_otlp::SpanExporter::builder()
             .with_tonic()
             .with_protocol(opentelemetry_otlp::Protocol::Grpc)
             .build()?,
-        Protocol::HttpProtobuf => {
-            for var in [
-                "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT",
-                "OTEL_EXPORTER_OTLP_ENDPOINT",
-            ] {
-                if let Ok(endpoint) = std::env::var(var)
-                    && endpoint.trim().starts_with("https://")
-                {
-                    return Err(TelemetryError::HttpsEndpoint { var, endpoint });
-                }
-            }
-            opentelemetry_otlp::SpanExporter::builder()
-                .with_http()
-                .with_protocol(opentelemetry_otlp::Protocol::HttpBinary)
-                .with_http_client(RuntimeHttpClient {
-                    runtime: tokio::runtime::Handle::try_current()?,
-                    timeout: export_timeout(),
-                })
-                .build()?
-        }
+        Protocol::HttpProtobuf => super::otlp::over_http(
+            opentelemetry_otlp::SpanExporter::builder().with_http(),
+            &super::otlp::TRACES,
+        )?
+        .build()?,
     };
     let exporter = Counted(exporter);
-    let mut resource = opentelemetry_sdk::Resource::builder();
-    if !env_set("OTEL_SERVICE_NAME") {
-        resource = resource.with_service_name("guardmesh");
-    }
     Ok(SdkTracerProvider::builder()
         // Masked values are scrubbed from a span as it ends (R29).
         .with_span_processor(super::scrub::ScrubSpans(
             opentelemetry_sdk::trace::BatchSpanProcessor::builder(exporter).build(),
         ))
-        .with_resource(resource.build())
+        .with_resource(super::otlp::resource())
         .build())
 }
 

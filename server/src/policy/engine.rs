@@ -150,6 +150,18 @@ impl std::fmt::Debug for Policy {
     }
 }
 
+/// The CEL environment every rule compiles and runs in: the standard
+/// library and the mesh's functions (patterns, strings, shell words, session
+/// and identity memory).
+pub(crate) fn environment() -> Arc<Env> {
+    let mut env = Env::stdlib();
+    super::patterns::declare(&mut env);
+    super::strings::declare(&mut env);
+    super::shell::declare(&mut env);
+    super::session_cel::declare(&mut env);
+    Arc::new(env)
+}
+
 impl Policy {
     /// Compiles a policy file with the default [`Limits`].
     pub fn compile(source: &str) -> Result<Policy, CompileError> {
@@ -208,12 +220,7 @@ impl Policy {
                 },
             });
         }
-        let mut env = Env::stdlib();
-        super::patterns::declare(&mut env);
-        super::strings::declare(&mut env);
-        super::shell::declare(&mut env);
-        super::session_cel::declare(&mut env);
-        let env = Arc::new(env);
+        let env = environment();
         let mut functions = Functions::new(Arc::clone(&env));
         let mut lines: HashMap<String, usize> = HashMap::new();
         let mut rules = Vec::with_capacity(parsed.rule.len());

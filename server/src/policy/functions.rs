@@ -181,18 +181,10 @@ fn is_identifier(name: &str) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    /// The environment of a policy.
-    fn env() -> Arc<Env> {
-        let mut env = Env::stdlib();
-        super::super::patterns::declare(&mut env);
-        super::super::strings::declare(&mut env);
-        super::super::shell::declare(&mut env);
-        Arc::new(env)
-    }
+    use crate::policy::engine::environment;
 
     fn functions() -> Functions {
-        Functions::new(env())
+        Functions::new(environment())
     }
 
     #[test]
@@ -267,7 +259,7 @@ mod tests {
     /// evaluates with its count and fails with one more.
     #[test]
     fn r27_every_listed_argument_count_is_the_interpreters() {
-        let env = env();
+        let env = environment();
         // A receiver and arguments of the types each function takes.
         let sample = |name: &str, form: Form<'_>, count: usize| -> String {
             let receiver = match name {

@@ -662,45 +662,14 @@ impl<'de> Visitor<'de> for JsonSeed<'_> {
     fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Self::Value, A::Error> {
         let mut fields: HashMap<CelMapKey<'de>, Box<dyn Val + 'de>> =
             HashMap::with_capacity(map.size_hint().unwrap_or(0));
-        while let Some(key) = map.next_key_seed(KeySeed)? {
+        while let Some(key) = map.next_key_seed(super::json::KeySeed)? {
             let value = map.next_value_seed(JsonSeed {
                 largest: &mut *self.largest,
             })?;
-            fields.insert(key, value);
+            fields.insert(CelMapKey::String(CelString::from(key)), value);
         }
         *self.largest = (*self.largest).max(fields.len());
         Ok(Box::new(CelMap::from(fields)))
-    }
-}
-
-/// An object's key, borrowed from the text when it has no escapes.
-struct KeySeed;
-
-impl<'de> DeserializeSeed<'de> for KeySeed {
-    type Value = CelMapKey<'de>;
-
-    fn deserialize<D: Deserializer<'de>>(self, deserializer: D) -> Result<Self::Value, D::Error> {
-        deserializer.deserialize_str(self)
-    }
-}
-
-impl<'de> Visitor<'de> for KeySeed {
-    type Value = CelMapKey<'de>;
-
-    fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str("a string key")
-    }
-
-    fn visit_borrowed_str<E>(self, v: &'de str) -> Result<Self::Value, E> {
-        Ok(CelMapKey::from(v))
-    }
-
-    fn visit_str<E>(self, v: &str) -> Result<Self::Value, E> {
-        Ok(CelMapKey::from(v.to_owned()))
-    }
-
-    fn visit_string<E>(self, v: String) -> Result<Self::Value, E> {
-        Ok(CelMapKey::from(v))
     }
 }
 

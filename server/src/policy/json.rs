@@ -480,7 +480,9 @@ impl<'de> Visitor<'de> for Seed<'_> {
     }
 }
 
-struct KeySeed;
+/// An object's key, borrowed from the text when it has no escapes (also
+/// the keys of the interpreter's input).
+pub(super) struct KeySeed;
 
 impl<'de> DeserializeSeed<'de> for KeySeed {
     type Value = Cow<'de, str>;
@@ -783,6 +785,27 @@ mod tests {
         ]
     }
 
+    /// `members` between `open` and `close`, separated by commas, each written
+    /// by `write`, with whitespace drawn from `seed` around every token.
+    fn enclosed<T>(
+        [open, close]: [char; 2],
+        members: &[T],
+        seed: &mut u64,
+        write: impl Fn(&mut String, &T, &mut u64),
+    ) -> String {
+        let mut out = format!("{open}{}", ws(seed));
+        for (i, member) in members.iter().enumerate() {
+            if i > 0 {
+                out.push(',');
+                out.push_str(ws(seed));
+            }
+            write(&mut out, member, seed);
+            out.push_str(ws(seed));
+        }
+        out.push(close);
+        out
+    }
+
     /// JSON texts, nested, with whitespace between tokens.
     fn text() -> impl Strategy<Value = String> {
         let leaf = prop_oneof![
@@ -796,36 +819,20 @@ mod tests {
             prop_oneof![
                 (prop::collection::vec(inner.clone(), 0..8), any::<u64>()).prop_map(
                     |(items, mut seed)| {
-                        let mut out = format!("[{}", ws(&mut seed));
-                        for (i, item) in items.iter().enumerate() {
-                            if i > 0 {
-                                out.push(',');
-                                out.push_str(ws(&mut seed));
-                            }
+                        enclosed(['[', ']'], &items, &mut seed, |out, item, _| {
                             out.push_str(item);
-                            out.push_str(ws(&mut seed));
-                        }
-                        out.push(']');
-                        out
+                        })
                     }
                 ),
                 (prop::collection::vec((key(), inner), 0..8), any::<u64>()).prop_map(
                     |(fields, mut seed)| {
-                        let mut out = format!("{{{}", ws(&mut seed));
-                        for (i, (k, v)) in fields.iter().enumerate() {
-                            if i > 0 {
-                                out.push(',');
-                                out.push_str(ws(&mut seed));
-                            }
+                        enclosed(['{', '}'], &fields, &mut seed, |out, (k, v), seed| {
                             out.push_str(k);
-                            out.push_str(ws(&mut seed));
+                            out.push_str(ws(seed));
                             out.push(':');
-                            out.push_str(ws(&mut seed));
+                            out.push_str(ws(seed));
                             out.push_str(v);
-                            out.push_str(ws(&mut seed));
-                        }
-                        out.push('}');
-                        out
+                        })
                     }
                 ),
             ]

@@ -336,6 +336,15 @@ mod tests {
         Instant::now() + Duration::from_secs(30)
     }
 
+    type Asked = std::pin::Pin<Box<dyn std::future::Future<Output = Result<Lane, Wait>>>>;
+
+    /// A thread asked for in `client`'s queue, still waiting for one.
+    async fn waiting(pool: &'static Pool, client: Client) -> Asked {
+        let mut asked: Asked = Box::pin(pool.lane(client, later()));
+        assert!(got(&mut asked).await.is_none(), "client {client} waits");
+        asked
+    }
+
     /// Whether a wait has got its thread, without waiting.
     async fn got<F: std::future::Future<Output = Result<Lane, Wait>> + Unpin>(
         wait: &mut F,
@@ -352,14 +361,10 @@ mod tests {
     async fn r25_threads_go_to_the_clients_in_turn() {
         let pool = pool(1, 8);
         let running = pool.lane(1, later()).await.unwrap();
-        let mut a1 = Box::pin(pool.lane(1, later()));
-        let mut a2 = Box::pin(pool.lane(1, later()));
-        let mut a3 = Box::pin(pool.lane(1, later()));
-        assert!(got(&mut a1).await.is_none());
-        assert!(got(&mut a2).await.is_none());
-        assert!(got(&mut a3).await.is_none());
-        let mut b1 = Box::pin(pool.lane(2, later()));
-        assert!(got(&mut b1).await.is_none());
+        let mut a1 = waiting(pool, 1).await;
+        let mut a2 = waiting(pool, 1).await;
+        let mut a3 = waiting(pool, 1).await;
+        let mut b1 = waiting(pool, 2).await;
         drop(running);
         let a1 = got(&mut a1).await.unwrap().unwrap();
         assert!(got(&mut b1).await.is_none(), "one thread, taken by a1");
@@ -380,10 +385,8 @@ mod tests {
     async fn r25_a_client_past_its_share_is_shed_others_queue() {
         let pool = pool(1, 2);
         let _running = pool.lane(1, later()).await.unwrap();
-        let mut a1 = Box::pin(pool.lane(1, later()));
-        let mut a2 = Box::pin(pool.lane(1, later()));
-        assert!(got(&mut a1).await.is_none());
-        assert!(got(&mut a2).await.is_none());
+        let _a1 = waiting(pool, 1).await;
+        let _a2 = waiting(pool, 1).await;
         assert_eq!(
             pool.lane(1, later()).await.unwrap_err(),
             Wait::Shed {
@@ -391,8 +394,8 @@ mod tests {
                 limit: 2
             }
         );
-        let mut b1 = Box::pin(pool.lane(2, later()));
-        assert!(got(&mut b1).await.is_none(), "B waits, not shed");
+        // B waits, not shed.
+        let _b1 = waiting(pool, 2).await;
     }
 
     /// A wait that times out, or is dropped, leaves its queue and never
@@ -403,13 +406,10 @@ mod tests {
         let running = pool.lane(1, later()).await.unwrap();
         let soon = Instant::now() + Duration::from_millis(30);
         assert_eq!(pool.lane(2, soon).await.unwrap_err(), Wait::Busy);
-        let mut dropped = Box::pin(pool.lane(3, later()));
-        assert!(got(&mut dropped).await.is_none());
-        drop(dropped);
-        let mut waiting = Box::pin(pool.lane(4, later()));
-        assert!(got(&mut waiting).await.is_none());
+        drop(waiting(pool, 3).await);
+        let mut queued = waiting(pool, 4).await;
         drop(running);
-        drop(got(&mut waiting).await.unwrap().unwrap());
+        drop(got(&mut queued).await.unwrap().unwrap());
         let lanes = pool.lock();
         assert_eq!(lanes.free, 1);
         assert!(lanes.turn.is_empty() && lanes.queues.is_empty());

@@ -340,6 +340,32 @@ message = '"Tool call blocked: this session read a secret"'
         policy.evaluate_values(&values, None).remove(0)
     }
 
+    /// The outcomes of `policy` over a batch of one `{}` call per tool of
+    /// `tools` (ids `c0`, `c1`, ...) in session `session_id`, with what
+    /// `give` adds to its values (session or identity memory).
+    pub(super) fn judge_tools(
+        policy: &Policy,
+        session_id: &str,
+        tools: &[&str],
+        give: impl FnOnce(&mut BatchValues<'_>),
+    ) -> Vec<Outcome> {
+        let ids: Vec<String> = (0..tools.len()).map(|i| format!("c{i}")).collect();
+        let mut values = BatchValues::new(
+            ContextRef {
+                session_id,
+                ..ContextRef::default()
+            },
+            [],
+            tools.iter().zip(&ids).map(|(tool, id)| CallRef {
+                call_id: id,
+                tool,
+                args: Args::Text("{}"),
+            }),
+        );
+        give(&mut values);
+        policy.evaluate_values(&values, None)
+    }
+
     fn blocked_by(outcome: &Outcome) -> Option<&str> {
         match outcome {
             Outcome::Matched(v) => Some(&v.rule),
@@ -473,22 +499,7 @@ message = '"Tool call blocked: this session read a secret"'
         let mem = SessionMemory::in_memory(SessionLimits::default());
         let key = SessionKey::new("agent", "s1");
         let judge_batch = |session: SessionVal, tools: &[&str]| {
-            let ids: Vec<String> = (0..tools.len()).map(|i| format!("c{i}")).collect();
-            let mut values = BatchValues::new(
-                ContextRef {
-                    session_id: "s1",
-                    ..ContextRef::default()
-                },
-                [],
-                tools.iter().zip(&ids).map(|(tool, id)| CallRef {
-                    call_id: id,
-                    tool,
-                    args: Args::Text("{}"),
-                }),
-            );
-            values.set_session(session);
-            policy
-                .evaluate_values(&values, None)
+            judge_tools(&policy, "s1", tools, |v| v.set_session(session))
                 .iter()
                 .map(|o| blocked_by(o).is_none())
                 .collect::<Vec<bool>>()
@@ -596,7 +607,7 @@ message = '"Tool call blocked: this session read a secret"'
 #[cfg(test)]
 mod identity_tests {
     use super::*;
-    use crate::policy::{Args, BatchValues, CallRef, ContextRef, Outcome, Policy};
+    use crate::policy::{Outcome, Policy};
     use crate::session::{SessionKey, SessionLimits, SessionMemory, Update};
 
     const BUDGET: &str = r#"
@@ -611,23 +622,11 @@ message = '"over budget"'
     /// The calls' rules of a batch of `tools` in session `session_id`,
     /// reading `identity` (and no session): whether each proceeds.
     fn judge_batch(policy: &Policy, identity: Option<SessionVal>, tools: &[&str]) -> Vec<Outcome> {
-        let ids: Vec<String> = (0..tools.len()).map(|i| format!("c{i}")).collect();
-        let mut values = BatchValues::new(
-            ContextRef {
-                session_id: "any",
-                ..ContextRef::default()
-            },
-            [],
-            tools.iter().zip(&ids).map(|(tool, id)| CallRef {
-                call_id: id,
-                tool,
-                args: Args::Text("{}"),
-            }),
-        );
-        if let Some(identity) = identity {
-            values.set_identity(identity);
-        }
-        policy.evaluate_values(&values, None)
+        super::tests::judge_tools(policy, "any", tools, |values| {
+            if let Some(identity) = identity {
+                values.set_identity(identity);
+            }
+        })
     }
 
     /// R34: a policy naming `identity` reads the identity's memory and the

@@ -419,10 +419,7 @@ impl ServerTls {
     }
 }
 
-enum Inner {
-    Plain(TcpStream),
-    Tls(Box<tokio_rustls::server::TlsStream<TcpStream>>),
-}
+type Inner = PlainOrTls<tokio_rustls::server::TlsStream<TcpStream>>;
 
 /// A connection to the mesh, plain or TLS, with what is known of its peer.
 pub struct MeshStream {
@@ -609,10 +606,7 @@ impl AsyncRead for MeshStream {
             }
             return Poll::Ready(Ok(()));
         }
-        match &mut this.inner {
-            Inner::Plain(s) => Pin::new(s).poll_read(cx, buf),
-            Inner::Tls(s) => Pin::new(s.as_mut()).poll_read(cx, buf),
-        }
+        Pin::new(&mut this.inner).poll_read(cx, buf)
     }
 }
 
@@ -623,12 +617,9 @@ impl AsyncWrite for MeshStream {
         buf: &[u8],
     ) -> Poll<std::io::Result<usize>> {
         let this = self.get_mut();
-        if let Some(cut) = this.past_age(cx) {
-            return Poll::Ready(Err(cut));
-        }
-        match &mut this.inner {
-            Inner::Plain(s) => Pin::new(s).poll_write(cx, buf),
-            Inner::Tls(s) => Pin::new(s.as_mut()).poll_write(cx, buf),
+        match this.past_age(cx) {
+            Some(cut) => Poll::Ready(Err(cut)),
+            None => Pin::new(&mut this.inner).poll_write(cx, buf),
         }
     }
 
@@ -638,35 +629,88 @@ impl AsyncWrite for MeshStream {
         bufs: &[std::io::IoSlice<'_>],
     ) -> Poll<std::io::Result<usize>> {
         let this = self.get_mut();
-        if let Some(cut) = this.past_age(cx) {
-            return Poll::Ready(Err(cut));
-        }
-        match &mut this.inner {
-            Inner::Plain(s) => Pin::new(s).poll_write_vectored(cx, bufs),
-            Inner::Tls(s) => Pin::new(s.as_mut()).poll_write_vectored(cx, bufs),
+        match this.past_age(cx) {
+            Some(cut) => Poll::Ready(Err(cut)),
+            None => Pin::new(&mut this.inner).poll_write_vectored(cx, bufs),
         }
     }
 
     /// h2 writes a frame's header and body with one call when the stream
     /// says it can (half the syscalls per message).
     fn is_write_vectored(&self) -> bool {
-        match &self.inner {
-            Inner::Plain(s) => s.is_write_vectored(),
-            Inner::Tls(s) => s.is_write_vectored(),
+        self.inner.is_write_vectored()
+    }
+
+    fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        Pin::new(&mut self.get_mut().inner).poll_flush(cx)
+    }
+
+    fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        Pin::new(&mut self.get_mut().inner).poll_shutdown(cx)
+    }
+}
+
+/// A TCP connection, plain or under TLS (`T`: the client or the server side
+/// of a TLS stream): the guard links' connections and the listener's.
+pub enum PlainOrTls<T> {
+    Plain(TcpStream),
+    Tls(Box<T>),
+}
+
+impl<T: AsyncRead + Unpin> AsyncRead for PlainOrTls<T> {
+    fn poll_read(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<std::io::Result<()>> {
+        match self.get_mut() {
+            Self::Plain(s) => Pin::new(s).poll_read(cx, buf),
+            Self::Tls(s) => Pin::new(s.as_mut()).poll_read(cx, buf),
+        }
+    }
+}
+
+impl<T: AsyncWrite + Unpin> AsyncWrite for PlainOrTls<T> {
+    fn poll_write(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<std::io::Result<usize>> {
+        match self.get_mut() {
+            Self::Plain(s) => Pin::new(s).poll_write(cx, buf),
+            Self::Tls(s) => Pin::new(s.as_mut()).poll_write(cx, buf),
+        }
+    }
+
+    fn poll_write_vectored(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        bufs: &[std::io::IoSlice<'_>],
+    ) -> Poll<std::io::Result<usize>> {
+        match self.get_mut() {
+            Self::Plain(s) => Pin::new(s).poll_write_vectored(cx, bufs),
+            Self::Tls(s) => Pin::new(s.as_mut()).poll_write_vectored(cx, bufs),
+        }
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        match self {
+            Self::Plain(s) => s.is_write_vectored(),
+            Self::Tls(s) => s.is_write_vectored(),
         }
     }
 
     fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
-        match &mut self.get_mut().inner {
-            Inner::Plain(s) => Pin::new(s).poll_flush(cx),
-            Inner::Tls(s) => Pin::new(s.as_mut()).poll_flush(cx),
+        match self.get_mut() {
+            Self::Plain(s) => Pin::new(s).poll_flush(cx),
+            Self::Tls(s) => Pin::new(s.as_mut()).poll_flush(cx),
         }
     }
 
     fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
-        match &mut self.get_mut().inner {
-            Inner::Plain(s) => Pin::new(s).poll_shutdown(cx),
-            Inner::Tls(s) => Pin::new(s.as_mut()).poll_shutdown(cx),
+        match self.get_mut() {
+            Self::Plain(s) => Pin::new(s).poll_shutdown(cx),
+            Self::Tls(s) => Pin::new(s.as_mut()).poll_shutdown(cx),
         }
     }
 }

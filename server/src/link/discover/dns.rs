@@ -402,20 +402,40 @@ mod tests {
         Arc::new(EndpointPolicy::default())
     }
 
-    /// The watch of the guard "g" at `endpoint`, names resolved by
-    /// `resolver`.
+    /// The watch of the guard "g" at `endpoint` under the default policy,
+    /// names resolved every `interval` by a resolver that first answers
+    /// `ips`.
     async fn watch(
         endpoint: &str,
-        policy: Arc<EndpointPolicy>,
+        ips: &[&str],
         interval: Duration,
-        resolver: &Arc<Scripted>,
-    ) -> (Replicas, ResolveHandle) {
+    ) -> (Arc<Scripted>, Replicas, ResolveHandle) {
+        watch_under(policy(), endpoint, ips, interval).await
+    }
+
+    /// [`watch`] under `policy`.
+    async fn watch_under(
+        policy: Arc<EndpointPolicy>,
+        endpoint: &str,
+        ips: &[&str],
+        interval: Duration,
+    ) -> (Arc<Scripted>, Replicas, ResolveHandle) {
+        let resolver = Scripted::new(ips);
         let names = NameSettings {
             policy,
             interval,
             resolver: resolver.clone(),
         };
-        watch_endpoint("g", endpoint, &names).await.unwrap()
+        let (rx, handle) = watch_endpoint("g", endpoint, &names).await.unwrap();
+        (resolver, rx, handle)
+    }
+
+    /// Waits until the set changes, at most `within`.
+    async fn changed_within(rx: &mut Replicas, within: Duration) {
+        tokio::time::timeout(within, rx.changed())
+            .await
+            .expect("changed in time")
+            .expect("the watch is open");
     }
 
     #[test]
@@ -451,12 +471,10 @@ mod tests {
 
     #[tokio::test(start_paused = true)]
     async fn r32_an_address_endpoint_is_one_fixed_replica() {
-        let resolver = Scripted::new(&["127.0.0.9"]);
-        let (rx, handle) = watch(
+        let (resolver, rx, handle) = watch(
             "http://127.0.0.2:7001",
-            policy(),
+            &["127.0.0.9"],
             DEFAULT_RESOLVE_INTERVAL,
-            &resolver,
         )
         .await;
         assert_eq!(endpoints(&rx), ["http://127.0.0.2:7001"]);
@@ -470,12 +488,10 @@ mod tests {
 
     #[tokio::test(start_paused = true)]
     async fn r32_a_name_is_every_address_it_resolves_to_and_follows_changes() {
-        let resolver = Scripted::new(&["127.0.0.3", "127.0.0.2", "127.0.0.4", "127.0.0.2"]);
-        let (mut rx, _handle) = watch(
+        let (resolver, mut rx, _handle) = watch(
             "https://guard.test:7001",
-            policy(),
+            &["127.0.0.3", "127.0.0.2", "127.0.0.4", "127.0.0.2"],
             Duration::from_secs(30),
-            &resolver,
         )
         .await;
         assert_eq!(
@@ -489,10 +505,7 @@ mod tests {
         rx.mark_unchanged();
         // One added, one removed: seen at the next interval.
         resolver.set(&["127.0.0.3", "127.0.0.4", "127.0.0.5"]);
-        tokio::time::timeout(Duration::from_secs(31), rx.changed())
-            .await
-            .expect("re-resolved within the interval")
-            .unwrap();
+        changed_within(&mut rx, Duration::from_secs(31)).await;
         assert_eq!(
             endpoints(&rx),
             [
@@ -514,52 +527,42 @@ mod tests {
 
     #[tokio::test(start_paused = true)]
     async fn ssrf_a_name_that_re_resolves_to_metadata_loses_that_address() {
-        let resolver = Scripted::new(&["127.0.0.2", "127.0.0.3"]);
-        let (mut rx, handle) = watch(
+        let (resolver, mut rx, handle) = watch(
             "http://guard.test:7001",
-            policy(),
+            &["127.0.0.2", "127.0.0.3"],
             Duration::from_secs(30),
-            &resolver,
         )
         .await;
         assert_eq!(handle.refused(), 0);
         resolver.set(&["127.0.0.2", "169.254.169.254", "fe80::1", "0.0.0.0"]);
-        tokio::time::timeout(Duration::from_secs(31), rx.changed())
-            .await
-            .unwrap()
-            .unwrap();
+        changed_within(&mut rx, Duration::from_secs(31)).await;
         assert_eq!(endpoints(&rx), ["http://127.0.0.2:7001"]);
         assert_eq!(handle.refused(), 3, "each refused address is counted");
         // Only metadata left: the set is empty, never the metadata address.
         resolver.set(&["169.254.169.254"]);
-        tokio::time::timeout(Duration::from_secs(31), rx.changed())
-            .await
-            .unwrap()
-            .unwrap();
+        changed_within(&mut rx, Duration::from_secs(31)).await;
         assert!(endpoints(&rx).is_empty());
     }
 
     #[tokio::test(start_paused = true)]
     async fn ssrf_an_allow_list_applies_to_every_resolved_address() {
         let allow = Arc::new(EndpointPolicy::new(&["127.0.0.0/30".into()], true).unwrap());
-        let resolver = Scripted::new(&["127.0.0.2", "10.0.0.7", "127.0.0.9"]);
-        let (rx, handle) = watch(
-            "http://guard.test:1",
+        let (_, rx, handle) = watch_under(
             allow,
+            "http://guard.test:1",
+            &["127.0.0.2", "10.0.0.7", "127.0.0.9"],
             DEFAULT_RESOLVE_INTERVAL,
-            &resolver,
         )
         .await;
         assert_eq!(endpoints(&rx), ["http://127.0.0.2:1"]);
         assert_eq!(handle.refused(), 2);
         // A name on the allow-list may resolve to any address not denied.
         let by_name = Arc::new(EndpointPolicy::new(&["*.guards.svc".into()], true).unwrap());
-        let resolver = Scripted::new(&["10.0.0.7", "169.254.169.254"]);
-        let (rx, _) = watch(
-            "http://a.guards.svc:1",
+        let (_, rx, _) = watch_under(
             by_name,
+            "http://a.guards.svc:1",
+            &["10.0.0.7", "169.254.169.254"],
             DEFAULT_RESOLVE_INTERVAL,
-            &resolver,
         )
         .await;
         assert_eq!(endpoints(&rx), ["http://10.0.0.7:1"]);
@@ -571,35 +574,24 @@ mod tests {
             .map(|i| format!("10.0.{}.{}", i / 250, i % 250 + 1))
             .collect();
         let many: Vec<&str> = many.iter().map(String::as_str).collect();
-        let resolver = Scripted::new(&many);
-        let (rx, _) = watch(
-            "http://guard.test:1",
-            policy(),
-            DEFAULT_RESOLVE_INTERVAL,
-            &resolver,
-        )
-        .await;
+        let (_, rx, _) = watch("http://guard.test:1", &many, DEFAULT_RESOLVE_INTERVAL).await;
         assert_eq!(rx.borrow().len(), MAX_ADDRESSES_PER_NAME);
         assert_eq!(rx.borrow()[0].endpoint, "http://10.0.0.1:1");
     }
 
     #[tokio::test(start_paused = true)]
     async fn r32_a_link_can_ask_for_a_new_resolution_no_more_than_once_a_gap() {
-        let resolver = Scripted::new(&["127.0.0.2"]);
-        let (mut rx, handle) = watch(
+        let (resolver, mut rx, handle) = watch(
             "http://guard.test:1",
-            policy(),
+            &["127.0.0.2"],
             Duration::from_secs(3600),
-            &resolver,
         )
         .await;
         assert_eq!(handle.resolutions(), 1);
         resolver.set(&["127.0.0.3"]);
         handle.resolve_now();
-        tokio::time::timeout(Duration::from_secs(2), rx.changed())
-            .await
-            .expect("resolved again on request, long before the interval")
-            .unwrap();
+        // Resolved again on request, long before the interval.
+        changed_within(&mut rx, Duration::from_secs(2)).await;
         assert_eq!(endpoints(&rx), ["http://127.0.0.3:1"]);
         // A storm of requests: at most one resolution per gap.
         for _ in 0..100 {
@@ -612,12 +604,10 @@ mod tests {
 
     #[tokio::test(start_paused = true)]
     async fn r32_the_task_ends_with_its_last_reader() {
-        let resolver = Scripted::new(&["127.0.0.2"]);
-        let (rx, handle) = watch(
+        let (_, rx, handle) = watch(
             "http://guard.test:1",
-            policy(),
+            &["127.0.0.2"],
             Duration::from_secs(1),
-            &resolver,
         )
         .await;
         drop(rx);
