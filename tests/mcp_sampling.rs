@@ -62,6 +62,37 @@ fn upstream(scratch: &Scratch, mode: &[&str]) -> Vec<String> {
     command
 }
 
+/// A config for `--config` (the embedded mesh): the guard as
+/// [`mesh_with_guard`] registers it, then `more` (TOML).
+fn embedded_config(scratch: &Scratch, guard: &TestGuard, more: &str) -> String {
+    let config = scratch.dir.join("mesh.toml");
+    std::fs::write(
+        &config,
+        format!(
+            "[[guard]]\nname = \"db\"\nendpoint = {:?}\nrole = \"mutate\"\n\
+             grant = {{ tools = [\"read_db\"] }}\n{more}",
+            guard.url
+        ),
+    )
+    .unwrap();
+    config.display().to_string()
+}
+
+/// The upstream on Streamable HTTP and `guardmesh mcp http --mesh MESH`
+/// before it: (the gateway's URL, the upstream, the gateway).
+async fn http_gateway_to_upstream(
+    mesh: &str,
+    scratch: &Scratch,
+) -> (String, KillOnDrop, KillOnDrop) {
+    let port = free_port();
+    let mut command = upstream(scratch, &["http", &port.to_string()]);
+    let mut command_line = Command::new(command.remove(0));
+    command_line.args(command).stderr(Stdio::null());
+    let upstream = listening(&mut command_line, port, "the sampling upstream").await;
+    let (url, gateway) = gateway_before(mesh, "127.0.0.1", port, &[]).await;
+    (url, upstream, gateway)
+}
+
 /// The model's answer: some text, a `tool_use` of `delete_db` and one of
 /// `read_db` on the secrets table.
 fn answer() -> Value {
@@ -72,16 +103,54 @@ fn answer() -> Value {
     ])
 }
 
+/// How the sampling request and its answer travel.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+enum Revision {
+    /// A `sampling/createMessage` request of the server's, answered by the
+    /// client (2025-11-25; the upstream's tool `plan`).
+    Legacy,
+    /// An `input_required` result holding the request; the answer comes
+    /// back in the retried call's `inputResponses` (2026-07-28; the
+    /// upstream's tool `plan_later`).
+    InputRequired,
+}
+
+impl Revision {
+    /// The client's mode and the upstream's tool.
+    fn mode_and_tool(self) -> (&'static str, &'static str) {
+        match self {
+            Self::Legacy => ("legacy", "plan"),
+            Self::InputRequired => ("auto", "plan_later"),
+        }
+    }
+}
+
 /// The client asks the upstream to `plan`; the upstream samples, the
 /// client's model answers [`answer`]. The upstream must run only `read_db`,
 /// as rewritten, and read what the guard said of `delete_db`.
 async fn sampled_tool_use_is_judged(target: Vec<String>, scratch: &Scratch, guard: &TestGuard) {
-    let scenario = json!({"mode": "legacy", "sample": [answer()], "steps": [
-        {"op": "call", "name": "plan", "arguments": {"task": "clean up"}},
+    sampled_tool_use_is_judged_at(Revision::Legacy, target, scratch, guard).await;
+}
+
+/// [`sampled_tool_use_is_judged`], the sampling travelling as `revision`
+/// says.
+async fn sampled_tool_use_is_judged_at(
+    revision: Revision,
+    target: Vec<String>,
+    scratch: &Scratch,
+    guard: &TestGuard,
+) {
+    let (mode, tool) = revision.mode_and_tool();
+    let scenario = json!({"mode": mode, "sample": [answer()], "steps": [
+        {"op": "call", "name": tool, "arguments": {"task": "clean up"}},
     ]});
     let lines = run_client_off_thread(scenario, target).await;
+    if revision == Revision::InputRequired {
+        assert_eq!(lines[0]["protocol"], "2026-07-28", "{lines:?}");
+    }
     let results = calls(&lines);
     assert_eq!(results.len(), 1, "{lines:?}");
+    assert!(results[0].get("error").is_none(), "{lines:?}");
     assert!(
         lines.iter().any(|l| l["op"] == "sampled"),
         "the client was asked to sample: {lines:?}"
@@ -148,21 +217,8 @@ async fn r31_a_tool_use_through_sampling_is_judged_as_a_call_stdio() {
 async fn r31_a_tool_use_through_sampling_is_judged_as_a_call_embedded() {
     let guard = call_guard(Duration::ZERO, guard_policy).await;
     let scratch = Scratch::new("sampling-embedded");
-    let config = scratch.dir.join("mesh.toml");
-    std::fs::write(
-        &config,
-        format!(
-            "[[guard]]\nname = \"db\"\nendpoint = {:?}\nrole = \"mutate\"\n\
-             grant = {{ tools = [\"read_db\"] }}\n",
-            guard.url
-        ),
-    )
-    .unwrap();
-    let target = via_gateway_judging(
-        ["--config", &config.display().to_string()],
-        &[],
-        upstream(&scratch, &["stdio"]),
-    );
+    let config = embedded_config(&scratch, &guard, "");
+    let target = via_gateway_judging(["--config", &config], &[], upstream(&scratch, &["stdio"]));
     sampled_tool_use_is_judged(target, &scratch, &guard).await;
 }
 
@@ -170,12 +226,7 @@ async fn r31_a_tool_use_through_sampling_is_judged_as_a_call_embedded() {
 async fn r31_a_tool_use_through_sampling_is_judged_as_a_call_http() {
     let (mesh, guard) = mesh_with_guard("sampling-http").await;
     let scratch = Scratch::new("sampling-http");
-    let port = free_port();
-    let mut command = upstream(&scratch, &["http", &port.to_string()]);
-    let mut command_line = Command::new(command.remove(0));
-    command_line.args(command).stderr(Stdio::null());
-    let _upstream = listening(&mut command_line, port, "the sampling upstream").await;
-    let (url, _gateway) = gateway_before(&mesh.url, "127.0.0.1", port, &[]).await;
+    let (url, _upstream, _gateway) = http_gateway_to_upstream(&mesh.url, &scratch).await;
     sampled_tool_use_is_judged(vec!["http".into(), url], &scratch, &guard).await;
 }
 
@@ -228,4 +279,40 @@ async fn r31_a_tool_use_through_sampling_in_a_batch_is_judged() {
             "{received}"
         );
     }
+}
+
+// ---------------------------------------------------------------------------
+// 2026-07-28: the sampling answer comes back in a retried call's
+// `inputResponses` (R31): its `tool_use` blocks are judged alike.
+// ---------------------------------------------------------------------------
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn r31_a_tool_use_in_input_responses_is_judged_as_a_call_stdio() {
+    let (mesh, guard) = mesh_with_guard("sampling-mrtr-stdio").await;
+    let scratch = Scratch::new("sampling-mrtr-stdio");
+    let target = via_gateway_judging(["--mesh", &mesh.url], &[], upstream(&scratch, &["stdio"]));
+    sampled_tool_use_is_judged_at(Revision::InputRequired, target, &scratch, &guard).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn r31_a_tool_use_in_input_responses_is_judged_as_a_call_embedded() {
+    let guard = call_guard(Duration::ZERO, guard_policy).await;
+    let scratch = Scratch::new("sampling-mrtr-embedded");
+    let config = embedded_config(&scratch, &guard, "");
+    let target = via_gateway_judging(["--config", &config], &[], upstream(&scratch, &["stdio"]));
+    sampled_tool_use_is_judged_at(Revision::InputRequired, target, &scratch, &guard).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn r31_a_tool_use_in_input_responses_is_judged_as_a_call_http() {
+    let (mesh, guard) = mesh_with_guard("sampling-mrtr-http").await;
+    let scratch = Scratch::new("sampling-mrtr-http");
+    let (url, _upstream, _gateway) = http_gateway_to_upstream(&mesh.url, &scratch).await;
+    sampled_tool_use_is_judged_at(
+        Revision::InputRequired,
+        vec!["http".into(), url],
+        &scratch,
+        &guard,
+    )
+    .await;
 }

@@ -12,8 +12,9 @@ SCENARIO_JSON: {"mode": "legacy" | "auto", "ca": CA_PEM_FILE (https only),
                   action in turn: "hang" never answers),
                 "sample": [[BLOCK, ...], ...]
                   (declares sampling with tools; each sampling request is
-                  printed as {"op": "sampled", ...} and answered with the
-                  next list of content blocks, as the model's answer),
+                  printed as {"op": "sampled", "tools": [...], "messages":
+                  [...]} and answered with the next list of content
+                  blocks, as the model's answer),
                 "steps": [
   {"op": "list_tools"},
   {"op": "call", "name": "pay", "arguments": {...}, "meta": {...}},
@@ -87,7 +88,9 @@ def sampling_callback(answers):
 
     async def callback(context, params):
         blocks = answers.pop(0) if answers else [{"type": "text", "text": "nothing more"}]
-        out({"op": "sampled", "tools": [t.name for t in params.tools or []]})
+        out({"op": "sampled", "tools": [t.name for t in params.tools or []],
+             "messages": [m.model_dump(mode="json", by_alias=True, exclude_none=True)
+                          for m in params.messages]})
         uses = any(b.get("type") == "tool_use" for b in blocks)
         return types.CreateMessageResultWithTools.model_validate({
             "role": "assistant", "content": blocks, "model": "scripted",
