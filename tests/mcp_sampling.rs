@@ -14,7 +14,8 @@ use crate::mcp::{
     RawGateway, Scratch, calls, gateway_before, listening, mcp_python, run_client_off_thread,
     sdk_dir, via_gateway_judging,
 };
-use guardmesh_client::proto::{GuardBatch, ToolCall, Verdict};
+use crate::mcp_returns::{WITHHELD, block_secrets};
+use guardmesh_client::proto::{GuardBatch, GuardPhases, ToolCall, Verdict};
 use guardmesh_client::verdict::{cancel, rewrite_arguments};
 use guardmesh_client::{Registrar, Registration};
 use serde_json::{Value, json};
@@ -313,6 +314,154 @@ async fn r31_a_tool_use_in_input_responses_is_judged_as_a_call_http() {
         vec!["http".into(), url],
         &scratch,
         &guard,
+    )
+    .await;
+}
+
+// ---------------------------------------------------------------------------
+// The tools' results go back to the client's model in the upstream's next
+// sampling request (`tool_result` blocks, R33): judged as the results of
+// the calls the mesh let proceed, before the client sees them.
+// ---------------------------------------------------------------------------
+
+/// A mesh process with the guard of [`mesh_with_guard`] and a results
+/// guard blocking every result holding an AWS key id: (mesh, the call
+/// guard, the results guard).
+async fn mesh_judging_results(name: &str) -> (MeshProcess, TestGuard, TestGuard) {
+    let (mesh, guard) = mesh_with_guard(name).await;
+    let results = script_guard(block_secrets).await;
+    Registrar::connect(mesh.url.clone())
+        .await
+        .unwrap()
+        .register(Registration::validate("secrets", &results.url).phases(GuardPhases::Results))
+        .await
+        .unwrap();
+    (mesh, guard, results)
+}
+
+/// The results guard of [`mesh_judging_results`] in a config (TOML).
+fn results_guard_toml(results: &TestGuard) -> String {
+    format!(
+        "[[guard]]\nname = \"secrets\"\nendpoint = {:?}\nrole = \"validate\"\n\
+         phases = \"results\"\n",
+        results.url
+    )
+}
+
+/// The client's model asks for `read_db` of the secrets table (run on the
+/// public one, as rewritten); the upstream sends its result, rows holding
+/// an AWS key id, back to the model in its next sampling request. The
+/// client must read the results guard's content in its place, never the
+/// key; the results guard judged it as the result of the call the mesh
+/// let proceed. Legacy: through the upstream's prompt `report` (no tool
+/// call runs: sampling requests during a call whose result is judged are
+/// withheld); 2026-07-28: through the tool `plan_later`'s `input_required`
+/// rounds.
+async fn sampled_tool_result_is_judged(
+    revision: Revision,
+    target: Vec<String>,
+    scratch: &Scratch,
+    results: &TestGuard,
+) {
+    let step = match revision {
+        Revision::Legacy => {
+            json!({"op": "prompt", "name": "report", "arguments": {"task": "report"}})
+        }
+        Revision::InputRequired => {
+            json!({"op": "call", "name": "plan_later", "arguments": {"task": "report"}})
+        }
+    };
+    let (mode, _) = revision.mode_and_tool();
+    let read =
+        json!([{"type": "tool_use", "id": "u2", "name": "read_db", "input": {"table": "secrets"}}]);
+    let scenario = json!({"mode": mode, "sample": [read], "steps": [step]});
+    let lines = run_client_off_thread(scenario, target).await;
+    let done = lines.last().unwrap_or_else(|| panic!("{lines:?}"));
+    assert!(done.get("error").is_none(), "{lines:?}");
+    assert_eq!(done["op"], step["op"], "{lines:?}");
+    assert_eq!(
+        scratch.executed().last(),
+        Some(&json!({"tool": "read_db", "arguments": {"table": "public"}})),
+        "the tool ran"
+    );
+    let sampled: Vec<&Value> = lines.iter().filter(|l| l["op"] == "sampled").collect();
+    assert_eq!(sampled.len(), 2, "{lines:?}");
+    let messages = &sampled[1]["messages"];
+    assert!(
+        !messages.to_string().contains("AKIA"),
+        "the key reached the client's model: {messages}"
+    );
+    let block = &messages[2]["content"][0];
+    assert_eq!(block["type"], "tool_result", "{messages}");
+    assert_eq!(block["toolUseId"], "u2", "{messages}");
+    assert_eq!(block["isError"], true, "{messages}");
+    assert_eq!(block["content"][0]["text"], WITHHELD, "{messages}");
+    // Judged as the result of the call the mesh let proceed.
+    let judged: Vec<(String, String)> = results
+        .guard
+        .batches()
+        .iter()
+        .flat_map(|b| {
+            b.results
+                .iter()
+                .map(|r| (r.call_id.clone(), r.tool.clone()))
+        })
+        .filter(|(_, tool)| tool == "read_db")
+        .collect();
+    assert_eq!(judged.len(), 1, "{judged:?}");
+    assert!(judged[0].0.starts_with("sampling-"), "{judged:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn r33_a_tool_result_sent_to_the_model_through_sampling_is_judged_stdio() {
+    let (mesh, _guard, results) = mesh_judging_results("sampling-result-stdio").await;
+    let scratch = Scratch::new("sampling-result-stdio");
+    let target = via_gateway_judging(["--mesh", &mesh.url], &[], upstream(&scratch, &["stdio"]));
+    sampled_tool_result_is_judged(Revision::Legacy, target, &scratch, &results).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn r33_a_tool_result_sent_to_the_model_through_sampling_is_judged_http() {
+    let (mesh, _guard, results) = mesh_judging_results("sampling-result-http").await;
+    let scratch = Scratch::new("sampling-result-http");
+    let (url, _upstream, _gateway) = http_gateway_to_upstream(&mesh.url, &scratch).await;
+    sampled_tool_result_is_judged(
+        Revision::Legacy,
+        vec!["http".into(), url],
+        &scratch,
+        &results,
+    )
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn r33_a_tool_result_sent_to_the_model_through_sampling_is_judged_embedded() {
+    let guard = call_guard(Duration::ZERO, guard_policy).await;
+    let results = script_guard(block_secrets).await;
+    let scratch = Scratch::new("sampling-result-embedded");
+    let config = embedded_config(&scratch, &guard, &results_guard_toml(&results));
+    let target = via_gateway_judging(["--config", &config], &[], upstream(&scratch, &["stdio"]));
+    sampled_tool_result_is_judged(Revision::Legacy, target, &scratch, &results).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn r33_a_tool_result_in_an_input_required_sampling_request_is_judged_stdio() {
+    let (mesh, _guard, results) = mesh_judging_results("sampling-mrtr-result-stdio").await;
+    let scratch = Scratch::new("sampling-mrtr-result-stdio");
+    let target = via_gateway_judging(["--mesh", &mesh.url], &[], upstream(&scratch, &["stdio"]));
+    sampled_tool_result_is_judged(Revision::InputRequired, target, &scratch, &results).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn r33_a_tool_result_in_an_input_required_sampling_request_is_judged_http() {
+    let (mesh, _guard, results) = mesh_judging_results("sampling-mrtr-result-http").await;
+    let scratch = Scratch::new("sampling-mrtr-result-http");
+    let (url, _upstream, _gateway) = http_gateway_to_upstream(&mesh.url, &scratch).await;
+    sampled_tool_result_is_judged(
+        Revision::InputRequired,
+        vec!["http".into(), url],
+        &scratch,
+        &results,
     )
     .await;
 }

@@ -438,9 +438,24 @@ impl Proxy {
         body: Out,
         expected: Option<Json>,
     ) -> Response<Out> {
+        let judging = self.judging(headers);
         match self.send(method, headers, body).await {
-            Ok(response) => crate::stream::relay(response, expected).await,
+            Ok(response) => crate::stream::relay(response, expected, Some(judging)).await,
             Err(why) => Self::bad_gateway(why),
+        }
+    }
+
+    /// R33: the session the tool results in the upstream's answer to a
+    /// request with `headers` are judged in: the request's gateway
+    /// session, or one of their own.
+    fn judging(&self, headers: &HeaderMap) -> crate::stream::Judging {
+        let session = headers
+            .get(SESSION)
+            .and_then(|v| v.to_str().ok())
+            .map_or_else(|| fresh_session_id("mcp-http"), str::to_owned);
+        crate::stream::Judging {
+            judge: self.judge.clone(),
+            session,
         }
     }
 
@@ -460,8 +475,9 @@ impl Proxy {
             Ok(response) => response,
             Err(why) => return Self::bad_gateway(why),
         };
+        let judging = self.judging(headers);
         if listing.is_empty() {
-            return crate::stream::relay(response, expected).await;
+            return crate::stream::relay(response, expected, Some(judging)).await;
         }
         let (parts, body) = response.into_parts();
         let body = match http_body_util::Limited::new(body, MAX_LISTING_BYTES)
@@ -483,9 +499,9 @@ impl Proxy {
             .is_some_and(|v| v.starts_with("text/event-stream"));
         let text = String::from_utf8_lossy(&body);
         let body = if sse {
-            crate::stream::sse_body(&text, expected.as_ref())
+            crate::stream::sse_body(&text, expected.as_ref(), Some(&judging)).await
         } else {
-            crate::stream::json_body(&text, expected.as_ref())
+            crate::stream::json_body(&text, expected.as_ref(), Some(&judging)).await
         };
         // Tool visibility: the answers to `listing` without the tools the
         // chain always skips (when hidden), by id key.

@@ -423,6 +423,7 @@ where
         let collector = collector.clone();
         let (judge, flight) = (judge.clone(), flight.clone());
         let to_upstream = to_upstream.clone();
+        let session = session.clone();
         let mut results = tokio::task::JoinSet::new();
         let max = args.max_upstream_message_bytes;
         async move {
@@ -462,6 +463,20 @@ where
                         } else {
                             message
                         };
+                        // R33: tool results it sends the client's model,
+                        // judged in a task of its own.
+                        if crate::sampling::carries_tool_results(&message) {
+                            let (judge, session) = (judge.clone(), session.clone());
+                            let (to_client, collector) = (to_client.clone(), collector.clone());
+                            results.spawn(async move {
+                                let message =
+                                    crate::sampling::judged_for_client(&judge, &session, message)
+                                        .await;
+                                deliver(&collector, &to_client, &message.to_text()).await
+                            });
+                            while results.try_join_next().is_some() {}
+                            continue;
+                        }
                         if !deliver(&collector, &to_client, &message.to_text()).await {
                             break;
                         }
@@ -499,7 +514,9 @@ where
                         continue;
                     }
                 };
-                if sent.purpose.judged().is_none() {
+                if sent.purpose.judged().is_none()
+                    && !crate::sampling::carries_tool_results(&message)
+                {
                     let answer = crate::upstream::answer(&judge, &flight, sent, message).await;
                     if judge.hides_skipped_tools() && lists_tools(&collector, &answer) {
                         // Tool visibility: the mesh is asked in a task of

@@ -18,6 +18,7 @@ SCENARIO_JSON: {"mode": "legacy" | "auto", "ca": CA_PEM_FILE (https only),
                 "steps": [
   {"op": "list_tools"},
   {"op": "call", "name": "pay", "arguments": {...}, "meta": {...}},
+  {"op": "prompt", "name": "report", "arguments": {...}},
   {"op": "wait", "path": FILE} (until FILE exists, at most 60 s)]}
 """
 
@@ -118,6 +119,13 @@ async def run(scenario, server):
                         break
                     await anyio.sleep(0.1)
                 out({"op": "waited"})
+            elif step["op"] == "prompt":
+                try:
+                    result = await client.get_prompt(step["name"], step.get("arguments"))
+                    out({"op": "prompt", "messages": [m.model_dump(mode="json", by_alias=True, exclude_none=True)
+                                                      for m in result.messages]})
+                except MCPError as e:
+                    out({"op": "prompt", "error": {"code": e.code, "message": e.message}})
             elif step["op"] == "call":
                 try:
                     result = await client.call_tool(step["name"], step.get("arguments"), meta=step.get("meta"))

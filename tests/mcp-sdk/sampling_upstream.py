@@ -6,12 +6,13 @@ offered) what to do, then runs every tool the model's answer asks for
 tool it runs is appended to LOG as one JSON line, and so is each answer's
 content as it arrived, so a test can assert what reached the server.
 
-`plan_report` does the same, then samples once more with the tools' results
-(`tool_result` blocks) for the model to read, as the next turn of a sampling
-tool loop does: `read_db` answers rows holding an AWS key id (SECRET).
-`plan_later` is `plan_report` at the 2026-07-28 revision: each sampling
-request travels in an `input_required` result, and the model's answer comes
-back in the retried call's `inputResponses`.
+The prompt `report` does the same (outside any tool call), then samples
+once more with the tools' results (`tool_result` blocks) for the model to
+read, as the next turn of a sampling tool loop does: `read_db` answers rows
+holding an AWS key id (SECRET). The tool `plan_later` is `report` at the
+2026-07-28 revision: each sampling request travels in an `input_required`
+result, and the model's answer comes back in the retried call's
+`inputResponses`.
 
 Usage: sampling_upstream.py LOG stdio
        sampling_upstream.py LOG http PORT   (Streamable HTTP on 127.0.0.1:PORT/mcp)
@@ -88,8 +89,8 @@ def conversation(task, blocks, results):
             types.SamplingMessage(role="user", content=results)]
 
 
-@server.tool(structured_output=False)
-async def plan_report(task: str, ctx: Context) -> str:
+@server.prompt()
+async def report(task: str, ctx: Context) -> str:
     """`plan`, then the tools' results sent to the model in the next sampling request."""
     answer = await ctx.session.create_message(
         messages=[types.SamplingMessage(role="user", content=types.TextContent(type="text", text=task))],
@@ -102,7 +103,7 @@ async def plan_report(task: str, ctx: Context) -> str:
     if results:
         await ctx.session.create_message(messages=conversation(task, blocks, results), max_tokens=100,
                                          tools=TOOLS)
-    return json.dumps({"ran": len(results)})
+    return f"ran {len(results)}"
 
 
 def sampling(messages):
@@ -112,7 +113,7 @@ def sampling(messages):
 
 @server.tool(structured_output=False)
 async def plan_later(task: str, ctx: Context) -> str | types.InputRequiredResult:
-    """`plan_report` through `input_required` rounds (2026-07-28)."""
+    """`report` as a tool, through `input_required` rounds (2026-07-28)."""
     first = [types.SamplingMessage(role="user", content=types.TextContent(type="text", text=task))]
     if ctx.request_state is None:
         return types.InputRequiredResult(input_requests={"model": sampling(first)}, request_state="asked")
