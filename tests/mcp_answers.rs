@@ -20,7 +20,7 @@ use serde_json::{Value, json};
 
 /// Runs the TypeScript SDK client (tests/mcp-sdk/ts/client.mjs) with
 /// `scenario` against `target`; returns its output lines.
-fn run_ts_client(scenario: &Value, target: &[String]) -> Vec<Value> {
+pub(crate) fn run_ts_client(scenario: &Value, target: &[String]) -> Vec<Value> {
     run_sdk_client(&node(), &sdk_dir().join("ts/client.mjs"), scenario, target)
 }
 

@@ -22,10 +22,10 @@ use serde_json::{Value, json};
 use std::process::Command;
 
 /// What the results guard says instead of a result holding the secret.
-const WITHHELD: &str = "the result held a secret and is withheld";
+pub(crate) const WITHHELD: &str = "the result held a secret and is withheld";
 
 /// The results guard: blocks every result holding an AWS key id.
-fn block_secrets(batch: &GuardBatch) -> Script {
+pub(crate) fn block_secrets(batch: &GuardBatch) -> Script {
     Script {
         verdicts: batch
             .results

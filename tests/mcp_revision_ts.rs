@@ -21,6 +21,15 @@ pub(crate) async fn gateway_before_ts2_upstream(
     mesh: &str,
     scratch: &Scratch,
 ) -> (String, KillOnDrop, KillOnDrop) {
+    gateway_before_ts2_upstream_with(mesh, scratch, &[]).await
+}
+
+/// [`gateway_before_ts2_upstream`], the gateway given `extra` arguments.
+pub(crate) async fn gateway_before_ts2_upstream_with(
+    mesh: &str,
+    scratch: &Scratch,
+    extra: &[&std::ffi::OsStr],
+) -> (String, KillOnDrop, KillOnDrop) {
     let upstream_port = free_port();
     let upstream = listening(
         Command::new(node())
@@ -31,7 +40,7 @@ pub(crate) async fn gateway_before_ts2_upstream(
         "the SDK v2 upstream",
     )
     .await;
-    let (url, gateway) = gateway_before(mesh, "127.0.0.1", upstream_port, &[]).await;
+    let (url, gateway) = gateway_before(mesh, "127.0.0.1", upstream_port, extra).await;
     (url, upstream, gateway)
 }
 

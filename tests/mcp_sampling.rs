@@ -14,7 +14,8 @@ use crate::mcp::{
     RawGateway, Scratch, calls, gateway_before, listening, mcp_python, run_client_off_thread,
     sdk_dir, via_gateway_judging,
 };
-use guardmesh_client::proto::{GuardBatch, ToolCall, Verdict};
+use crate::mcp_returns::{WITHHELD, block_secrets};
+use guardmesh_client::proto::{GuardBatch, GuardPhases, ToolCall, Verdict};
 use guardmesh_client::verdict::{cancel, rewrite_arguments};
 use guardmesh_client::{Registrar, Registration};
 use serde_json::{Value, json};
@@ -62,6 +63,37 @@ fn upstream(scratch: &Scratch, mode: &[&str]) -> Vec<String> {
     command
 }
 
+/// A config for `--config` (the embedded mesh): the guard as
+/// [`mesh_with_guard`] registers it, then `more` (TOML).
+fn embedded_config(scratch: &Scratch, guard: &TestGuard, more: &str) -> String {
+    let config = scratch.dir.join("mesh.toml");
+    std::fs::write(
+        &config,
+        format!(
+            "[[guard]]\nname = \"db\"\nendpoint = {:?}\nrole = \"mutate\"\n\
+             grant = {{ tools = [\"read_db\"] }}\n{more}",
+            guard.url
+        ),
+    )
+    .unwrap();
+    config.display().to_string()
+}
+
+/// The upstream on Streamable HTTP and `guardmesh mcp http --mesh MESH`
+/// before it: (the gateway's URL, the upstream, the gateway).
+async fn http_gateway_to_upstream(
+    mesh: &str,
+    scratch: &Scratch,
+) -> (String, KillOnDrop, KillOnDrop) {
+    let port = free_port();
+    let mut command = upstream(scratch, &["http", &port.to_string()]);
+    let mut command_line = Command::new(command.remove(0));
+    command_line.args(command).stderr(Stdio::null());
+    let upstream = listening(&mut command_line, port, "the sampling upstream").await;
+    let (url, gateway) = gateway_before(mesh, "127.0.0.1", port, &[]).await;
+    (url, upstream, gateway)
+}
+
 /// The model's answer: some text, a `tool_use` of `delete_db` and one of
 /// `read_db` on the secrets table.
 fn answer() -> Value {
@@ -72,16 +104,54 @@ fn answer() -> Value {
     ])
 }
 
+/// How the sampling request and its answer travel.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+enum Revision {
+    /// A `sampling/createMessage` request of the server's, answered by the
+    /// client (2025-11-25; the upstream's tool `plan`).
+    Legacy,
+    /// An `input_required` result holding the request; the answer comes
+    /// back in the retried call's `inputResponses` (2026-07-28; the
+    /// upstream's tool `plan_later`).
+    InputRequired,
+}
+
+impl Revision {
+    /// The client's mode and the upstream's tool.
+    fn mode_and_tool(self) -> (&'static str, &'static str) {
+        match self {
+            Self::Legacy => ("legacy", "plan"),
+            Self::InputRequired => ("auto", "plan_later"),
+        }
+    }
+}
+
 /// The client asks the upstream to `plan`; the upstream samples, the
 /// client's model answers [`answer`]. The upstream must run only `read_db`,
 /// as rewritten, and read what the guard said of `delete_db`.
 async fn sampled_tool_use_is_judged(target: Vec<String>, scratch: &Scratch, guard: &TestGuard) {
-    let scenario = json!({"mode": "legacy", "sample": [answer()], "steps": [
-        {"op": "call", "name": "plan", "arguments": {"task": "clean up"}},
+    sampled_tool_use_is_judged_at(Revision::Legacy, target, scratch, guard).await;
+}
+
+/// [`sampled_tool_use_is_judged`], the sampling travelling as `revision`
+/// says.
+async fn sampled_tool_use_is_judged_at(
+    revision: Revision,
+    target: Vec<String>,
+    scratch: &Scratch,
+    guard: &TestGuard,
+) {
+    let (mode, tool) = revision.mode_and_tool();
+    let scenario = json!({"mode": mode, "sample": [answer()], "steps": [
+        {"op": "call", "name": tool, "arguments": {"task": "clean up"}},
     ]});
     let lines = run_client_off_thread(scenario, target).await;
+    if revision == Revision::InputRequired {
+        assert_eq!(lines[0]["protocol"], "2026-07-28", "{lines:?}");
+    }
     let results = calls(&lines);
     assert_eq!(results.len(), 1, "{lines:?}");
+    assert!(results[0].get("error").is_none(), "{lines:?}");
     assert!(
         lines.iter().any(|l| l["op"] == "sampled"),
         "the client was asked to sample: {lines:?}"
@@ -148,21 +218,8 @@ async fn r31_a_tool_use_through_sampling_is_judged_as_a_call_stdio() {
 async fn r31_a_tool_use_through_sampling_is_judged_as_a_call_embedded() {
     let guard = call_guard(Duration::ZERO, guard_policy).await;
     let scratch = Scratch::new("sampling-embedded");
-    let config = scratch.dir.join("mesh.toml");
-    std::fs::write(
-        &config,
-        format!(
-            "[[guard]]\nname = \"db\"\nendpoint = {:?}\nrole = \"mutate\"\n\
-             grant = {{ tools = [\"read_db\"] }}\n",
-            guard.url
-        ),
-    )
-    .unwrap();
-    let target = via_gateway_judging(
-        ["--config", &config.display().to_string()],
-        &[],
-        upstream(&scratch, &["stdio"]),
-    );
+    let config = embedded_config(&scratch, &guard, "");
+    let target = via_gateway_judging(["--config", &config], &[], upstream(&scratch, &["stdio"]));
     sampled_tool_use_is_judged(target, &scratch, &guard).await;
 }
 
@@ -170,12 +227,7 @@ async fn r31_a_tool_use_through_sampling_is_judged_as_a_call_embedded() {
 async fn r31_a_tool_use_through_sampling_is_judged_as_a_call_http() {
     let (mesh, guard) = mesh_with_guard("sampling-http").await;
     let scratch = Scratch::new("sampling-http");
-    let port = free_port();
-    let mut command = upstream(&scratch, &["http", &port.to_string()]);
-    let mut command_line = Command::new(command.remove(0));
-    command_line.args(command).stderr(Stdio::null());
-    let _upstream = listening(&mut command_line, port, "the sampling upstream").await;
-    let (url, _gateway) = gateway_before(&mesh.url, "127.0.0.1", port, &[]).await;
+    let (url, _upstream, _gateway) = http_gateway_to_upstream(&mesh.url, &scratch).await;
     sampled_tool_use_is_judged(vec!["http".into(), url], &scratch, &guard).await;
 }
 
@@ -228,4 +280,188 @@ async fn r31_a_tool_use_through_sampling_in_a_batch_is_judged() {
             "{received}"
         );
     }
+}
+
+// ---------------------------------------------------------------------------
+// 2026-07-28: the sampling answer comes back in a retried call's
+// `inputResponses` (R31): its `tool_use` blocks are judged alike.
+// ---------------------------------------------------------------------------
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn r31_a_tool_use_in_input_responses_is_judged_as_a_call_stdio() {
+    let (mesh, guard) = mesh_with_guard("sampling-mrtr-stdio").await;
+    let scratch = Scratch::new("sampling-mrtr-stdio");
+    let target = via_gateway_judging(["--mesh", &mesh.url], &[], upstream(&scratch, &["stdio"]));
+    sampled_tool_use_is_judged_at(Revision::InputRequired, target, &scratch, &guard).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn r31_a_tool_use_in_input_responses_is_judged_as_a_call_embedded() {
+    let guard = call_guard(Duration::ZERO, guard_policy).await;
+    let scratch = Scratch::new("sampling-mrtr-embedded");
+    let config = embedded_config(&scratch, &guard, "");
+    let target = via_gateway_judging(["--config", &config], &[], upstream(&scratch, &["stdio"]));
+    sampled_tool_use_is_judged_at(Revision::InputRequired, target, &scratch, &guard).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn r31_a_tool_use_in_input_responses_is_judged_as_a_call_http() {
+    let (mesh, guard) = mesh_with_guard("sampling-mrtr-http").await;
+    let scratch = Scratch::new("sampling-mrtr-http");
+    let (url, _upstream, _gateway) = http_gateway_to_upstream(&mesh.url, &scratch).await;
+    sampled_tool_use_is_judged_at(
+        Revision::InputRequired,
+        vec!["http".into(), url],
+        &scratch,
+        &guard,
+    )
+    .await;
+}
+
+// ---------------------------------------------------------------------------
+// The tools' results go back to the client's model in the upstream's next
+// sampling request (`tool_result` blocks, R33): judged as the results of
+// the calls the mesh let proceed, before the client sees them.
+// ---------------------------------------------------------------------------
+
+/// A mesh process with the guard of [`mesh_with_guard`] and a results
+/// guard blocking every result holding an AWS key id: (mesh, the call
+/// guard, the results guard).
+async fn mesh_judging_results(name: &str) -> (MeshProcess, TestGuard, TestGuard) {
+    let (mesh, guard) = mesh_with_guard(name).await;
+    let results = script_guard(block_secrets).await;
+    Registrar::connect(mesh.url.clone())
+        .await
+        .unwrap()
+        .register(Registration::validate("secrets", &results.url).phases(GuardPhases::Results))
+        .await
+        .unwrap();
+    (mesh, guard, results)
+}
+
+/// The results guard of [`mesh_judging_results`] in a config (TOML).
+fn results_guard_toml(results: &TestGuard) -> String {
+    format!(
+        "[[guard]]\nname = \"secrets\"\nendpoint = {:?}\nrole = \"validate\"\n\
+         phases = \"results\"\n",
+        results.url
+    )
+}
+
+/// The client's model asks for `read_db` of the secrets table (run on the
+/// public one, as rewritten); the upstream sends its result, rows holding
+/// an AWS key id, back to the model in its next sampling request. The
+/// client must read the results guard's content in its place, never the
+/// key; the results guard judged it as the result of the call the mesh
+/// let proceed. Legacy: through the upstream's prompt `report` (no tool
+/// call runs: sampling requests during a call whose result is judged are
+/// withheld); 2026-07-28: through the tool `plan_later`'s `input_required`
+/// rounds.
+async fn sampled_tool_result_is_judged(
+    revision: Revision,
+    target: Vec<String>,
+    scratch: &Scratch,
+    results: &TestGuard,
+) {
+    let step = match revision {
+        Revision::Legacy => {
+            json!({"op": "prompt", "name": "report", "arguments": {"task": "report"}})
+        }
+        Revision::InputRequired => {
+            json!({"op": "call", "name": "plan_later", "arguments": {"task": "report"}})
+        }
+    };
+    let (mode, _) = revision.mode_and_tool();
+    let read =
+        json!([{"type": "tool_use", "id": "u2", "name": "read_db", "input": {"table": "secrets"}}]);
+    let scenario = json!({"mode": mode, "sample": [read], "steps": [step]});
+    let lines = run_client_off_thread(scenario, target).await;
+    let done = lines.last().unwrap_or_else(|| panic!("{lines:?}"));
+    assert!(done.get("error").is_none(), "{lines:?}");
+    assert_eq!(done["op"], step["op"], "{lines:?}");
+    assert_eq!(
+        scratch.executed().last(),
+        Some(&json!({"tool": "read_db", "arguments": {"table": "public"}})),
+        "the tool ran"
+    );
+    let sampled: Vec<&Value> = lines.iter().filter(|l| l["op"] == "sampled").collect();
+    assert_eq!(sampled.len(), 2, "{lines:?}");
+    let messages = &sampled[1]["messages"];
+    assert!(
+        !messages.to_string().contains("AKIA"),
+        "the key reached the client's model: {messages}"
+    );
+    let block = &messages[2]["content"][0];
+    assert_eq!(block["type"], "tool_result", "{messages}");
+    assert_eq!(block["toolUseId"], "u2", "{messages}");
+    assert_eq!(block["isError"], true, "{messages}");
+    assert_eq!(block["content"][0]["text"], WITHHELD, "{messages}");
+    // Judged as the result of the call the mesh let proceed.
+    let judged: Vec<(String, String)> = results
+        .guard
+        .batches()
+        .iter()
+        .flat_map(|b| {
+            b.results
+                .iter()
+                .map(|r| (r.call_id.clone(), r.tool.clone()))
+        })
+        .filter(|(_, tool)| tool == "read_db")
+        .collect();
+    assert_eq!(judged.len(), 1, "{judged:?}");
+    assert!(judged[0].0.starts_with("sampling-"), "{judged:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn r33_a_tool_result_sent_to_the_model_through_sampling_is_judged_stdio() {
+    let (mesh, _guard, results) = mesh_judging_results("sampling-result-stdio").await;
+    let scratch = Scratch::new("sampling-result-stdio");
+    let target = via_gateway_judging(["--mesh", &mesh.url], &[], upstream(&scratch, &["stdio"]));
+    sampled_tool_result_is_judged(Revision::Legacy, target, &scratch, &results).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn r33_a_tool_result_sent_to_the_model_through_sampling_is_judged_http() {
+    let (mesh, _guard, results) = mesh_judging_results("sampling-result-http").await;
+    let scratch = Scratch::new("sampling-result-http");
+    let (url, _upstream, _gateway) = http_gateway_to_upstream(&mesh.url, &scratch).await;
+    sampled_tool_result_is_judged(
+        Revision::Legacy,
+        vec!["http".into(), url],
+        &scratch,
+        &results,
+    )
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn r33_a_tool_result_sent_to_the_model_through_sampling_is_judged_embedded() {
+    let guard = call_guard(Duration::ZERO, guard_policy).await;
+    let results = script_guard(block_secrets).await;
+    let scratch = Scratch::new("sampling-result-embedded");
+    let config = embedded_config(&scratch, &guard, &results_guard_toml(&results));
+    let target = via_gateway_judging(["--config", &config], &[], upstream(&scratch, &["stdio"]));
+    sampled_tool_result_is_judged(Revision::Legacy, target, &scratch, &results).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn r33_a_tool_result_in_an_input_required_sampling_request_is_judged_stdio() {
+    let (mesh, _guard, results) = mesh_judging_results("sampling-mrtr-result-stdio").await;
+    let scratch = Scratch::new("sampling-mrtr-result-stdio");
+    let target = via_gateway_judging(["--mesh", &mesh.url], &[], upstream(&scratch, &["stdio"]));
+    sampled_tool_result_is_judged(Revision::InputRequired, target, &scratch, &results).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn r33_a_tool_result_in_an_input_required_sampling_request_is_judged_http() {
+    let (mesh, _guard, results) = mesh_judging_results("sampling-mrtr-result-http").await;
+    let scratch = Scratch::new("sampling-mrtr-result-http");
+    let (url, _upstream, _gateway) = http_gateway_to_upstream(&mesh.url, &scratch).await;
+    sampled_tool_result_is_judged(
+        Revision::InputRequired,
+        vec!["http".into(), url],
+        &scratch,
+        &results,
+    )
+    .await;
 }

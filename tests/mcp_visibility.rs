@@ -3,8 +3,9 @@
 //! whatever a call's arguments (a policy rule whose `when` is `true`, R27;
 //! `unguarded = "cancel"` for a tool no guard applies to, R28), on stdio,
 //! over HTTP, inside JSON-RPC batches and with the mesh in the gateway's
-//! process; through the official Python MCP SDK client, and a scripted
-//! upstream for the hostile listings. Hiding is advisory: a hidden tool
+//! process; through the official Python MCP SDK client and the official
+//! TypeScript SDK clients (1.x at 2025-11-25 over stdio, v2 at 2026-07-28
+//! over HTTP), and a scripted upstream for the hostile listings. Hiding is advisory: a hidden tool
 //! called anyway is judged (and skipped); anything the gateway cannot ask
 //! the mesh about is shown.
 //!
@@ -287,4 +288,64 @@ async fn r9_r20_a_hostile_listing_is_asked_about_within_bounds_and_the_rest_show
             .unwrap_or_default()
             .is_empty()
     );
+}
+
+/// The official TypeScript SDK client (1.x, 2025-11-25) over `mcp stdio`:
+/// its `listTools()` does not see the tool a constant cancel rule names,
+/// sees the others; the hidden tool called anyway is cancelled, never run.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn r27_r31_the_typescript_sdk_client_does_not_see_a_tool_the_chain_always_cancels() {
+    let mesh = mesh_without_delete("visibility-ts").await;
+    let scratch = Scratch::new("visibility-ts");
+    let target = via_gateway(&mesh.url, &[HIDE], scratch.upstream(&["stdio"]));
+    let lines = tokio::task::spawn_blocking(move || {
+        crate::mcp_answers::run_ts_client(&list_then_delete(), &target)
+    })
+    .await
+    .unwrap();
+    assert_hidden_and_still_judged(&lines, &scratch, "deleting files is never allowed here");
+}
+
+/// Paying is never allowed: a constant cancel rule.
+const NO_PAY: &str = policy_rule!(name: "no-pay", tools: ["pay"], action: "cancel",
+    when: r#""true""#, message: r#"'"paying is never allowed here"'"#);
+
+/// The official TypeScript SDK v2 client, stateless at 2026-07-28, over
+/// `mcp http` before the SDK v2 upstream: `listTools()` does not see the
+/// tool a constant cancel rule names, sees the other; calling it anyway is
+/// cancelled and never runs.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn r27_r31_the_typescript_sdk_v2_client_does_not_see_a_tool_the_chain_always_cancels() {
+    let mesh = MeshProcess::start("visibility-ts2", "", None).await;
+    Registrar::connect(mesh.url.clone())
+        .await
+        .unwrap()
+        .register(Registration::policy("never-pay", NO_PAY))
+        .await
+        .unwrap();
+    let scratch = Scratch::new("visibility-ts2");
+    let (url, _upstream, _gateway) = crate::mcp_revision_ts::gateway_before_ts2_upstream_with(
+        &mesh.url,
+        &scratch,
+        &[HIDE.as_ref()],
+    )
+    .await;
+    let scenario = json!({"steps": [
+        {"op": "list_tools"},
+        {"op": "call", "name": "pay", "arguments": {"amount": 5, "to": "bob"}},
+    ]});
+    let lines =
+        tokio::task::spawn_blocking(move || crate::mcp_revision_ts::run_ts2_client(scenario, url))
+            .await
+            .unwrap();
+    assert_eq!(lines[0]["protocol"], "2026-07-28", "{lines:?}");
+    assert_eq!(listed(&lines), ["read_file"], "{lines:?}");
+    let results = calls(&lines);
+    assert_eq!(results.len(), 1, "{lines:?}");
+    assert_eq!(results[0]["isError"], false, "{lines:?}");
+    assert_eq!(
+        results[0]["text"][0], "paying is never allowed here",
+        "{lines:?}"
+    );
+    assert!(scratch.executed().is_empty(), "the hidden tool never ran");
 }

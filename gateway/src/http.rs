@@ -438,9 +438,24 @@ impl Proxy {
         body: Out,
         expected: Option<Json>,
     ) -> Response<Out> {
+        let judging = self.judging(headers);
         match self.send(method, headers, body).await {
-            Ok(response) => crate::stream::relay(response, expected).await,
+            Ok(response) => crate::stream::relay(response, expected, Some(judging)).await,
             Err(why) => Self::bad_gateway(why),
+        }
+    }
+
+    /// R33: the session the tool results in the upstream's answer to a
+    /// request with `headers` are judged in: the request's gateway
+    /// session, or one of their own.
+    fn judging(&self, headers: &HeaderMap) -> crate::stream::Judging {
+        let session = headers
+            .get(SESSION)
+            .and_then(|v| v.to_str().ok())
+            .map_or_else(|| fresh_session_id("mcp-http"), str::to_owned);
+        crate::stream::Judging {
+            judge: self.judge.clone(),
+            session,
         }
     }
 
@@ -460,8 +475,9 @@ impl Proxy {
             Ok(response) => response,
             Err(why) => return Self::bad_gateway(why),
         };
+        let judging = self.judging(headers);
         if listing.is_empty() {
-            return crate::stream::relay(response, expected).await;
+            return crate::stream::relay(response, expected, Some(judging)).await;
         }
         let (parts, body) = response.into_parts();
         let body = match http_body_util::Limited::new(body, MAX_LISTING_BYTES)
@@ -483,9 +499,9 @@ impl Proxy {
             .is_some_and(|v| v.starts_with("text/event-stream"));
         let text = String::from_utf8_lossy(&body);
         let body = if sse {
-            crate::stream::sse_body(&text, expected.as_ref())
+            crate::stream::sse_body(&text, expected.as_ref(), Some(&judging)).await
         } else {
-            crate::stream::json_body(&text, expected.as_ref())
+            crate::stream::json_body(&text, expected.as_ref(), Some(&judging)).await
         };
         // Tool visibility: the answers to `listing` without the tools the
         // chain always skips (when hidden), by id key.
@@ -748,6 +764,16 @@ impl Proxy {
                     },
                     None => None,
                 };
+                // R31: the tool calls of sampling answers in its
+                // `inputResponses` (2026-07-28), judged first.
+                let text = if request.is_some() {
+                    match crate::sampling::judged_request(&self.judge, &session, text).await {
+                        Ok(text) => text,
+                        Err(answer) => return json_response(StatusCode::OK, answer),
+                    }
+                } else {
+                    text
+                };
                 // R33: a task's result is judged like a call's; one that
                 // cannot be judged is not fetched.
                 if let Some(key) = &request {
@@ -813,6 +839,20 @@ impl Proxy {
                 };
                 match self.grouper.judge_one(&session, call).await {
                     Disposition::Forward(text) => {
+                        // R31: tool calls in its `inputResponses`.
+                        let text = match crate::sampling::judged_request(
+                            &self.judge,
+                            &session,
+                            text,
+                        )
+                        .await
+                        {
+                            Ok(text) => text,
+                            Err(answer) => {
+                                self.judge.take_pending(&session, &key);
+                                return json_response(StatusCode::OK, answer);
+                            }
+                        };
                         let original = original.unwrap_or_else(|| text.clone());
                         let rewritten = crate::routing::for_final_call(
                             &parts.headers,
@@ -862,7 +902,10 @@ impl Proxy {
                         text.contains(crate::approval::ID_PREFIX)
                             || crate::sampling::may_use_tools(text)
                     }
-                    Item::Forward { text, .. } => crate::interceptors::may_be_ours(text),
+                    Item::Forward { text, .. } => {
+                        crate::interceptors::may_be_ours(text)
+                            || crate::sampling::may_use_tools(text)
+                    }
                     _ => false,
                 };
                 if !items.iter().any(ours) {
@@ -959,10 +1002,16 @@ impl Proxy {
                 Disposition::Forward(text) => {
                     let pending = this.judge.take_pending(&session, &key);
                     let purpose = crate::upstream::Purpose::Call(pending);
-                    match this
-                        .exchange(&headers, &session, &key, purpose, &text)
-                        .await
-                    {
+                    // R31: tool calls in its `inputResponses`.
+                    let judged = crate::sampling::judged_request(&this.judge, &session, text).await;
+                    let exchanged = match judged {
+                        Ok(text) => {
+                            this.exchange(&headers, &session, &key, purpose, &text)
+                                .await
+                        }
+                        Err(answer) => Ok((answer, None)),
+                    };
+                    match exchanged {
                         Ok((answer, _)) => answer,
                         Err(_) => {
                             let data = ErrorData::new(
@@ -1038,6 +1087,16 @@ impl Proxy {
                 } => match self.flight.hold(session, &key) {
                     Ok(h) => {
                         held.push(h);
+                        // R31: tool calls in its `inputResponses`.
+                        let text = match crate::sampling::judged_request(&self.judge, session, text)
+                            .await
+                        {
+                            Ok(text) => text,
+                            Err(answer) => {
+                                answers.push(answer);
+                                continue;
+                            }
+                        };
                         match self.flight.purpose_of(&text) {
                             Ok(purpose) => forwards.push((text, Some(key), purpose, lists_tools)),
                             Err(error) => answers.push(crate::upstream::refuse(&text, &error)),
@@ -1076,7 +1135,11 @@ impl Proxy {
                 Disposition::Forward(text) => {
                     let key = jsonrpc::id_key(&call.id);
                     let pending = self.judge.take_pending(session, &key);
-                    forwards.push((text, Some(key), Purpose::Call(pending), false));
+                    // R31: tool calls in its `inputResponses`.
+                    match crate::sampling::judged_request(&self.judge, session, text).await {
+                        Ok(text) => forwards.push((text, Some(key), Purpose::Call(pending), false)),
+                        Err(answer) => answers.push(answer),
+                    }
                 }
                 Disposition::Answer(text) => answers.push(text),
                 Disposition::Ask(asked) => answers.push(asked.answer),

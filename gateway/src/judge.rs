@@ -189,7 +189,33 @@ pub struct Judge {
     asked: std::sync::Mutex<AskedCalls>,
     /// Tool visibility (`--hide-skipped-tools`, [`crate::visibility`]).
     hide_skipped_tools: bool,
+    /// R31, R33: the `tool_use` blocks of sampling answers the mesh let
+    /// proceed, by session and block id: the result the mesh judges when
+    /// the upstream sends the tool's result to the client's model
+    /// ([`crate::sampling`]).
+    sampled: std::sync::Mutex<SampledCalls>,
+    /// Whether the chain judges results, as the latest decision said:
+    /// [`UNKNOWN`] before any.
+    results_judged: std::sync::atomic::AtomicU8,
 }
+
+/// [`Judge::results_judged`] before any decision said.
+const UNKNOWN: u8 = 0;
+const RESULTS_NOT_JUDGED: u8 = 1;
+const RESULTS_JUDGED: u8 = 2;
+
+/// Tool calls asked for through sampling that the mesh let proceed, by
+/// session and `tool_use` id: the result the mesh judges (`None`: the chain
+/// judged no results then). At most [`MAX_SAMPLED_CALLS`], the oldest going
+/// first.
+#[derive(Default)]
+struct SampledCalls {
+    by_id: HashMap<(String, String), Option<PendingResult>>,
+    order: std::collections::VecDeque<(String, String)>,
+}
+
+/// Tool calls asked for through sampling remembered at once, at most.
+pub const MAX_SAMPLED_CALLS: usize = 4096;
 
 /// Calls a guard asked about whose approval requests the gateway names
 /// when the same call (session, tool, arguments as the gateway writes
@@ -278,7 +304,73 @@ impl Judge {
             pending: std::sync::Mutex::default(),
             asked: std::sync::Mutex::default(),
             hide_skipped_tools: false,
+            sampled: std::sync::Mutex::default(),
+            results_judged: std::sync::atomic::AtomicU8::new(UNKNOWN),
         }
+    }
+
+    fn sampled(&self) -> std::sync::MutexGuard<'_, SampledCalls> {
+        self.sampled
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// R33: the `tool_use` block `id` of a sampling answer in `session`
+    /// proceeded; its result is judged as `pending` says when the upstream
+    /// sends it to the client's model (`None`: not judged).
+    pub fn remember_sampled(&self, session: &str, id: &str, pending: Option<PendingResult>) {
+        let mut sampled = self.sampled();
+        let key = (session.to_owned(), id.to_owned());
+        if sampled.by_id.insert(key.clone(), pending).is_none() {
+            sampled.order.push_back(key);
+        }
+        while sampled.by_id.len() > MAX_SAMPLED_CALLS {
+            match sampled.order.pop_front() {
+                Some(old) => {
+                    sampled.by_id.remove(&old);
+                }
+                None => break,
+            }
+        }
+    }
+
+    /// What [`Self::remember_sampled`] noted of the `tool_use` block `id`
+    /// in `session`: `None` when nothing (never seen, or forgotten).
+    pub fn sampled_call(&self, session: &str, id: &str) -> Option<Option<PendingResult>> {
+        let sampled = self.sampled();
+        if sampled.by_id.is_empty() {
+            return None;
+        }
+        sampled
+            .by_id
+            .get(&(session.to_owned(), id.to_owned()))
+            .cloned()
+    }
+
+    /// Whether the latest decision of the mesh said the chain judges no
+    /// results (false before any decision, and when it judges them).
+    pub fn judges_no_results(&self) -> bool {
+        self.results_judged.load(Ordering::Relaxed) == RESULTS_NOT_JUDGED
+    }
+
+    /// The upstream's server name, sent with each result (R33).
+    pub fn server(&self) -> &str {
+        &self.server
+    }
+
+    /// Evaluates `results` (each the result judged for a call, and the
+    /// result's JSON text) as one batch of results (R33).
+    pub async fn evaluate_results(
+        &self,
+        session: &str,
+        results: Vec<(PendingResult, String)>,
+    ) -> Result<BatchDecision, JudgeError> {
+        let mut batch = Batch::new(self.turn.fetch_add(1, Ordering::Relaxed));
+        batch.metadata = self.metadata.clone();
+        for (pending, result) in results {
+            batch = batch.result(pending.call_id, pending.tool, self.server.clone(), result);
+        }
+        self.evaluate_batch(session, batch).await
     }
 
     /// Hides the tools the chain always skips from `tools/list` answers
@@ -535,6 +627,27 @@ impl Judge {
     /// Evaluates a batch of calls or results on the gateway's stream, or
     /// by the mesh in this process.
     async fn evaluate_batch(
+        &self,
+        session: &str,
+        batch: Batch,
+    ) -> Result<BatchDecision, JudgeError> {
+        let empty = batch.is_empty();
+        let decision = self.evaluate_any(session, batch).await;
+        if let Ok(decision) = &decision
+            && !empty
+        {
+            let judged = if decision.judges_results {
+                RESULTS_JUDGED
+            } else {
+                RESULTS_NOT_JUDGED
+            };
+            self.results_judged.store(judged, Ordering::Relaxed);
+        }
+        decision
+    }
+
+    /// [`Self::evaluate_batch`], without noting what the decision says.
+    async fn evaluate_any(
         &self,
         session: &str,
         mut batch: Batch,

@@ -18,9 +18,21 @@
 //! loop reads a finished turn. Member names inside the result are matched
 //! as Go's `encoding/json` matches them (case-insensitively), so an
 //! upstream that reads `"Type"` as `type` is judged alike.
+//!
+//! At the 2026-07-28 revision a sampling request travels inside an
+//! `input_required` result, and the client's answer inside the retried
+//! request's `params.inputResponses` ([`judged_request`]): every value there
+//! holding `tool_use` blocks is judged exactly so, all of one request in one
+//! batch, once the request itself may go upstream.
+//!
+//! The tools' results go back to the client's model in the upstream's next
+//! sampling request, as `tool_result` blocks of its `messages`
+//! ([`judged_for_client`]): each goes through the results phase (R33) in
+//! the session, as the result of the call its `toolUseId` names, before
+//! the client sees it; see [`judged_for_client`] for which are judged.
 
 use crate::json::{self, Json};
-use crate::judge::{Judge, approval_needed};
+use crate::judge::{Judge, PendingResult, approval_needed};
 use guardmesh_client::casefold::equal_fold;
 use guardmesh_client::{BatchDecision, Outcome};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -142,26 +154,82 @@ pub async fn judged_answer(judge: &Judge, session: &str, text: String) -> Option
     if message.get("method").is_some() || message.get("result").is_none() {
         return Some(text);
     }
-    let n = ANSWERS.fetch_add(1, Ordering::Relaxed);
     let Some(result) = member_mut(&mut message, "result") else {
         return Some(text);
     };
-    let Some(content) = member_mut(result, "content") else {
-        return Some(text);
-    };
-    let mut blocks: Vec<&mut Json> = match &mut *content {
-        Json::Array(items) => items.iter_mut().filter(|b| is_tool_use(b)).collect(),
-        block if is_tool_use(block) => vec![block],
-        _ => Vec::new(),
-    };
-    if blocks.is_empty() {
+    if !judge_tool_uses(judge, session, &mut [result]).await {
         return Some(text);
     }
-    // One batch for the answer's calls; a block that cannot be judged is
+    Some(message.to_text())
+}
+
+/// What goes upstream for the client's request `text` (the gateway's
+/// serialization, a request the gateway lets go upstream) in `session`:
+/// unchanged unless a value of its `params.inputResponses` (2026-07-28: the
+/// client's answers to an `input_required` result) holds `tool_use`
+/// blocks; then each block judged as in a sampling answer, all of the
+/// request in one batch. Any value holding them is judged, whatever the
+/// request it answers (a sampling answer, or anything written like one).
+/// `Err`: nothing is forwarded, and the client gets this answer (the
+/// request could not be read again; never the case for what the gateway
+/// wrote).
+pub async fn judged_request(judge: &Judge, session: &str, text: String) -> Result<String, String> {
+    if !may_use_tools(&text) {
+        return Ok(text);
+    }
+    let Ok(read) = json::read(&text) else {
+        tracing::warn!("a client request the gateway cannot read again was not forwarded");
+        let data = rmcp::model::ErrorData::new(
+            rmcp::model::ErrorCode::INVALID_REQUEST,
+            "guardmesh: the request could not be read again to judge its tool calls; it was \
+             not forwarded",
+            None,
+        );
+        return Err(crate::upstream::refuse(&text, &data));
+    };
+    let mut message = read.value;
+    let Some(Json::Object(responses)) =
+        member_mut(&mut message, "params").and_then(|p| member_mut(p, "inputResponses"))
+    else {
+        return Ok(text);
+    };
+    let mut answers: Vec<&mut Json> = responses.iter_mut().map(|(_, v)| v).collect();
+    if !judge_tool_uses(judge, session, &mut answers).await {
+        return Ok(text);
+    }
+    Ok(message.to_text())
+}
+
+/// The `tool_use` blocks of the sampling answer `answer` (its `content`: an
+/// array of blocks, or one block).
+fn tool_uses(answer: &Json) -> Vec<&Json> {
+    match member(answer, "content") {
+        Some(Json::Array(items)) => items.iter().filter(|b| is_tool_use(b)).collect(),
+        Some(block) if is_tool_use(block) => vec![block],
+        _ => Vec::new(),
+    }
+}
+
+/// [`tool_uses`], to be changed.
+fn tool_uses_mut(answer: &mut Json) -> Vec<&mut Json> {
+    match member_mut(answer, "content") {
+        Some(Json::Array(items)) => items.iter_mut().filter(|b| is_tool_use(b)).collect(),
+        Some(block) if is_tool_use(block) => vec![block],
+        _ => Vec::new(),
+    }
+}
+
+/// Judges the `tool_use` blocks of the sampling answers `answers` as one
+/// batch of calls of `session`, each block changed in place as the
+/// module's documentation says; false when there were none.
+async fn judge_tool_uses(judge: &Judge, session: &str, answers: &mut [&mut Json]) -> bool {
+    let n = ANSWERS.fetch_add(1, Ordering::Relaxed);
+    // One batch for the answers' calls; a block that cannot be judged is
     // not sent (it is replaced below).
     let mut calls = Vec::new();
-    let mut ids = Vec::with_capacity(blocks.len());
-    for (i, block) in blocks.iter().enumerate() {
+    let mut ids = Vec::new();
+    let blocks = answers.iter().flat_map(|answer| tool_uses(answer));
+    for (i, block) in blocks.enumerate() {
         let call_id = format!("sampling-{n}-{i}");
         let name = member(block, "name").and_then(Json::as_str);
         let input = member(block, "input");
@@ -173,6 +241,9 @@ pub async fn judged_answer(judge: &Judge, session: &str, text: String) -> Option
             _ => ids.push(None),
         }
     }
+    if ids.is_empty() {
+        return false;
+    }
     let judged = if calls.is_empty() {
         Ok(BatchDecision::empty(String::new()))
     } else {
@@ -181,32 +252,285 @@ pub async fn judged_answer(judge: &Judge, session: &str, text: String) -> Option
             format!("the mesh did not judge it: {error}")
         })
     };
-    for (block, id) in blocks.iter_mut().zip(&ids) {
-        match id {
-            Some(id) => decide(block, id, &judged),
-            None => {
-                let name = member(block, "name")
-                    .and_then(Json::as_str)
-                    .unwrap_or_default()
-                    .to_owned();
-                **block = text_block(format!(
-                    "guardmesh: the tool call {name} was not run: it cannot be judged \
-                     (a tool_use needs a string `name` and an object `input`)"
-                ));
+    let mut ids = ids.iter();
+    for answer in answers.iter_mut() {
+        for block in tool_uses_mut(answer) {
+            match ids.next().and_then(Option::as_ref) {
+                Some(id) => {
+                    decide(block, id, &judged);
+                    remember(judge, session, block, id, &judged);
+                }
+                None => {
+                    let name = member(block, "name")
+                        .and_then(Json::as_str)
+                        .unwrap_or_default()
+                        .to_owned();
+                    *block = text_block(format!(
+                        "guardmesh: the tool call {name} was not run: it cannot be judged \
+                         (a tool_use needs a string `name` and an object `input`)"
+                    ));
+                }
+            }
+        }
+        if tool_uses(answer).is_empty()
+            && let Some(stop) = member_mut(answer, "stopReason")
+            && stop.as_str() == Some("toolUse")
+        {
+            *stop = Json::String("endTurn".into());
+        }
+    }
+    true
+}
+
+/// R33: a `tool_use` block the mesh let proceed (still one after
+/// [`decide`]) is remembered by its `id`, with the result the mesh judges
+/// when the chain judges results.
+fn remember(
+    judge: &Judge,
+    session: &str,
+    block: &Json,
+    call_id: &str,
+    judged: &Result<BatchDecision, String>,
+) {
+    let (Ok(decision), true) = (judged, is_tool_use(block)) else {
+        return;
+    };
+    let Some(id) = member(block, "id").and_then(Json::as_str) else {
+        return;
+    };
+    let pending = decision.judges_results.then(|| PendingResult {
+        call_id: call_id.to_owned(),
+        tool: member(block, "name")
+            .and_then(Json::as_str)
+            .unwrap_or_default()
+            .to_owned(),
+    });
+    judge.remember_sampled(session, id, pending);
+}
+
+/// Results judged in sampling requests, counted for their call ids.
+static TOOL_RESULTS: AtomicU64 = AtomicU64::new(1);
+
+/// The members of a `tool_result` block the results phase judges (those
+/// of a tool result, R33).
+const JUDGED: [&str; 4] = ["content", "structuredContent", "isError", "_meta"];
+
+fn is_tool_result(block: &Json) -> bool {
+    member(block, "type").and_then(Json::as_str) == Some("tool_result")
+}
+
+/// The `tool_use` and `tool_result` blocks of the sampling requests the
+/// upstream's message carries to the client's model: the `messages` of its
+/// `params` when it is a request or a notification, and those of each
+/// request of `result.inputRequests` (2026-07-28: an `input_required`
+/// result). Names are matched as Go's `encoding/json` matches them.
+fn sampling_blocks(message: &mut Json) -> Vec<&mut Json> {
+    let is_request = message.get("method").is_some();
+    let Json::Object(members) = message else {
+        return Vec::new();
+    };
+    let mut params: Vec<&mut Json> = Vec::new();
+    for (name, value) in members.iter_mut() {
+        if is_request && equal_fold(name, "params") {
+            params.push(value);
+        } else if !is_request
+            && equal_fold(name, "result")
+            && let Some(Json::Object(requests)) = member_mut(value, "inputRequests")
+        {
+            params.extend(
+                requests
+                    .iter_mut()
+                    .filter_map(|(_, request)| member_mut(request, "params")),
+            );
+        }
+    }
+    let mut blocks = Vec::new();
+    for params in params {
+        let Some(Json::Array(messages)) = member_mut(params, "messages") else {
+            continue;
+        };
+        for message in messages.iter_mut() {
+            match member_mut(message, "content") {
+                Some(Json::Array(items)) => blocks.extend(
+                    items
+                        .iter_mut()
+                        .filter(|b| is_tool_use(b) || is_tool_result(b)),
+                ),
+                Some(block) if is_tool_use(block) || is_tool_result(block) => blocks.push(block),
+                _ => {}
             }
         }
     }
-    let left = match &*content {
-        Json::Array(items) => items.iter().any(is_tool_use),
-        block => is_tool_use(block),
+    blocks
+}
+
+/// Whether the upstream's message `message` carries `tool_result` blocks to
+/// the client's model ([`judged_for_client`] may change it).
+pub fn carries_tool_results(message: &Json) -> bool {
+    let is_request = message.get("method").is_some();
+    let Json::Object(members) = message else {
+        return false;
     };
-    if !left
-        && let Some(stop) = member_mut(result, "stopReason")
-        && stop.as_str() == Some("toolUse")
-    {
-        *stop = Json::String("endTurn".into());
+    let in_messages = |params: &Json| match member(params, "messages") {
+        Some(Json::Array(messages)) => messages.iter().any(|m| match member(m, "content") {
+            Some(Json::Array(items)) => items.iter().any(is_tool_result),
+            Some(block) => is_tool_result(block),
+            None => false,
+        }),
+        _ => false,
+    };
+    members.iter().any(|(name, value)| {
+        if is_request {
+            equal_fold(name, "params") && in_messages(value)
+        } else {
+            equal_fold(name, "result")
+                && matches!(
+                    member(value, "inputRequests"),
+                    Some(Json::Object(requests)) if requests
+                        .iter()
+                        .any(|(_, r)| member(r, "params").is_some_and(in_messages))
+                )
+        }
+    })
+}
+
+/// A `tool_result` block as the client's model reads it: its `toolUseId`,
+/// and the members of `result` (a tool result the mesh decided).
+fn tool_result_block(id: Json, result: Json) -> Json {
+    let mut members = vec![
+        ("type".into(), Json::String("tool_result".into())),
+        ("toolUseId".into(), id),
+    ];
+    if let Json::Object(decided) = result {
+        members.extend(
+            decided
+                .into_iter()
+                .filter(|(k, _)| JUDGED.contains(&k.as_str())),
+        );
     }
-    Some(message.to_text())
+    Json::Object(members)
+}
+
+/// A withheld tool result: an error result saying why.
+fn withheld(why: &str) -> Json {
+    Json::Object(vec![
+        (
+            "content".into(),
+            Json::Array(vec![text_block(format!(
+                "guardmesh: this tool result was withheld: {why}"
+            ))]),
+        ),
+        ("isError".into(), Json::Bool(true)),
+    ])
+}
+
+/// R33: what the client receives of the upstream's message `message` in
+/// `session`: unchanged unless it carries `tool_result` blocks to the
+/// client's model ([`sampling_blocks`]: a `sampling/createMessage` request,
+/// or one inside an `input_required` result). Each `tool_result` block then
+/// goes through the results phase, all of the message in one batch, and
+/// the client's model reads the result as the mesh decided it (passed,
+/// rewritten, or blocked as an error result), the block's other members
+/// dropped:
+///
+/// | the block's `toolUseId` names | judged |
+/// |---|---|
+/// | a `tool_use` of a sampling answer in the session that the mesh let proceed, when the chain judged results | as the result of that call (its call id and final tool) |
+/// | such a `tool_use`, when the chain judged no results then | no: relayed as read |
+/// | anything else (a call the gateway did not judge, or no longer remembers) | as the result of a call of the tool a `tool_use` of the same id in the message names, unless the latest decision said the chain judges no results; withheld when no `tool_use` names it |
+///
+/// A result the mesh does not judge (unreachable, refused, no decision) is
+/// withheld: the block holds an error result saying so.
+pub async fn judged_for_client(judge: &Judge, session: &str, mut message: Json) -> Json {
+    let mut blocks = sampling_blocks(&mut message);
+    if !blocks.iter().any(|b| is_tool_result(b)) {
+        return message;
+    }
+    let names: std::collections::HashMap<String, String> = blocks
+        .iter()
+        .filter(|b| is_tool_use(b))
+        .filter_map(|b| {
+            let id = member(b, "id")?.as_str()?;
+            let name = member(b, "name")?.as_str()?;
+            Some((id.to_owned(), name.to_owned()))
+        })
+        .collect();
+    let n = TOOL_RESULTS.fetch_add(1, Ordering::Relaxed);
+    // What becomes of each `tool_result` block: judged as the result of a
+    // call, relayed, or withheld (why).
+    enum Plan {
+        Judge(PendingResult),
+        Relay,
+        Withhold(String),
+    }
+    let mut results = Vec::new();
+    let mut plans = Vec::new();
+    for (i, block) in blocks.iter().filter(|b| is_tool_result(b)).enumerate() {
+        let id = member(block, "toolUseId")
+            .and_then(Json::as_str)
+            .unwrap_or_default();
+        let plan = match judge.sampled_call(session, id) {
+            Some(Some(pending)) => Plan::Judge(pending),
+            Some(None) => Plan::Relay,
+            None if judge.judges_no_results() => Plan::Relay,
+            None => match names.get(id) {
+                Some(tool) => Plan::Judge(PendingResult {
+                    call_id: format!("sampling-result-{n}-{i}"),
+                    tool: tool.clone(),
+                }),
+                None => Plan::Withhold(
+                    "no tool call of this session names it, so it cannot be judged".into(),
+                ),
+            },
+        };
+        if let Plan::Judge(pending) = &plan {
+            let judged: Vec<(String, Json)> = match block {
+                Json::Object(members) => JUDGED
+                    .iter()
+                    .filter_map(|name| {
+                        members
+                            .iter()
+                            .find(|(k, _)| equal_fold(k, name))
+                            .map(|(_, v)| ((*name).to_owned(), v.clone()))
+                    })
+                    .collect(),
+                _ => Vec::new(),
+            };
+            results.push((pending.clone(), Json::Object(judged).to_text()));
+        }
+        plans.push(plan);
+    }
+    let decision = if results.is_empty() {
+        Ok(BatchDecision::empty(String::new()))
+    } else {
+        judge
+            .evaluate_results(session, results)
+            .await
+            .map_err(|error| {
+                tracing::warn!(%error, "a tool result sent through sampling was withheld");
+                format!("the mesh did not judge it: {error}")
+            })
+    };
+    let tool_results = blocks.iter_mut().filter(|b| is_tool_result(b));
+    for (block, plan) in tool_results.zip(plans) {
+        let id = member(block, "toolUseId")
+            .cloned()
+            .unwrap_or(Json::String(String::new()));
+        let result = match (plan, &decision) {
+            (Plan::Relay, _) => continue,
+            (Plan::Withhold(why), _) => withheld(&why),
+            (Plan::Judge(_), Err(why)) => withheld(why),
+            (Plan::Judge(pending), Ok(decision)) => match decision
+                .result(&pending.call_id)
+                .and_then(|decided| json::read(&decided.result).ok())
+            {
+                Some(decided) if decided.ambiguity.is_none() => decided.value,
+                _ => withheld("the mesh returned no decision for it"),
+            },
+        };
+        **block = tool_result_block(id, result);
+    }
+    message
 }
 
 #[cfg(test)]
@@ -250,6 +574,77 @@ mod tests {
             assert!(!out.contains("\"tool_use\""), "{out}");
             assert!(out.contains("the tool call delete_db was not run"), "{out}");
             assert!(!out.contains("toolUse"), "{out}");
+        }
+    }
+
+    /// R33: a `tool_result` block sent to the client's model (in a
+    /// sampling request, or one inside an `input_required` result, under
+    /// any spelling Go reads as the names) that the mesh cannot judge is
+    /// withheld: an error result saying why, its other members dropped.
+    #[tokio::test]
+    async fn r33_a_tool_result_the_mesh_cannot_judge_never_reaches_the_model() {
+        let judge = unreachable_judge();
+        let secret = "AKIAIOSFODNN7EXAMPLE";
+        let messages = format!(
+            r#"[{{"role":"assistant","content":{{"type":"tool_use","id":"u1","name":"read_db","input":{{}}}}}},{{"role":"user","Content":[{{"Type":"tool_result","toolUseId":"u1","content":[{{"type":"text","text":"{secret}"}}],"extra":"{secret}"}}]}},{{"role":"user","content":{{"type":"tool_result","toolUseId":"nobody","content":[{{"type":"text","text":"{secret}"}}]}}}}]"#
+        );
+        for text in [
+            format!(
+                r#"{{"jsonrpc":"2.0","id":1,"method":"sampling/createMessage","params":{{"maxTokens":9,"messages":{messages}}}}}"#
+            ),
+            format!(
+                r#"{{"jsonrpc":"2.0","id":1,"result":{{"resultType":"input_required","InputRequests":{{"m":{{"method":"sampling/createMessage","Params":{{"maxTokens":9,"Messages":{messages}}}}}}}}}}}"#
+            ),
+        ] {
+            let message = json::read(&text).unwrap().value;
+            assert!(carries_tool_results(&message), "{text}");
+            let out = judged_for_client(&judge, "s", message).await.to_text();
+            assert!(!out.contains(secret), "{out}");
+            assert_eq!(
+                out.matches("this tool result was withheld").count(),
+                2,
+                "{out}"
+            );
+            assert!(
+                out.contains("no tool call of this session names it"),
+                "{out}"
+            );
+            assert!(out.contains(r#""toolUseId":"u1""#), "{out}");
+        }
+        let plain = json::read(
+            r#"{"jsonrpc":"2.0","id":1,"method":"sampling/createMessage","params":{"messages":[{"role":"user","content":{"type":"text","text":"tool_result"}}]}}"#,
+        )
+        .unwrap()
+        .value;
+        assert!(!carries_tool_results(&plain));
+    }
+
+    /// R31 at 2026-07-28: a request's `inputResponses` values holding
+    /// `tool_use` blocks (under any spelling Go reads as the names) are
+    /// judged like a sampling answer; with the mesh unreachable, none is
+    /// forwarded. A request without them is forwarded unchanged.
+    #[tokio::test]
+    async fn r31_a_tool_use_in_input_responses_the_mesh_cannot_judge_is_never_forwarded() {
+        let judge = unreachable_judge();
+        for text in [
+            r#"{"jsonrpc":"2.0","id":2,"method":"tools/call","params":{"name":"plan","arguments":{},"requestState":"s","inputResponses":{"model":{"role":"assistant","content":[{"type":"tool_use","id":"u1","name":"delete_db","input":{}}],"model":"m","stopReason":"toolUse"}}}}"#,
+            r#"{"jsonrpc":"2.0","id":2,"method":"prompts/get","params":{"name":"p","InputResponses":{"a":{"action":"accept"},"b":{"Content":{"Type":"tool_use","id":"u1","NAME":"delete_db","input":{}},"stopReason":"toolUse"}}}}"#,
+        ] {
+            let out = judged_request(&judge, "s", text.to_owned()).await.unwrap();
+            assert!(!out.contains("\"tool_use\""), "{out}");
+            assert!(out.contains("the tool call delete_db was not run"), "{out}");
+            assert!(!out.contains("toolUse"), "{out}");
+        }
+        for text in [
+            r#"{"jsonrpc":"2.0","id":2,"method":"tools/call","params":{"name":"tool_use","arguments":{}}}"#,
+            r#"{"jsonrpc":"2.0","id":2,"method":"tools/call","params":{"name":"x","inputResponses":{"a":{"content":{"type":"text","text":"tool_use"}}}}}"#,
+        ] {
+            assert_eq!(
+                judged_request(&judge, "s", text.to_owned())
+                    .await
+                    .as_deref(),
+                Ok(text)
+            );
         }
     }
 }

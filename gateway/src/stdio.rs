@@ -423,6 +423,7 @@ where
         let collector = collector.clone();
         let (judge, flight) = (judge.clone(), flight.clone());
         let to_upstream = to_upstream.clone();
+        let session = session.clone();
         let mut results = tokio::task::JoinSet::new();
         let max = args.max_upstream_message_bytes;
         async move {
@@ -462,6 +463,20 @@ where
                         } else {
                             message
                         };
+                        // R33: tool results it sends the client's model,
+                        // judged in a task of its own.
+                        if crate::sampling::carries_tool_results(&message) {
+                            let (judge, session) = (judge.clone(), session.clone());
+                            let (to_client, collector) = (to_client.clone(), collector.clone());
+                            results.spawn(async move {
+                                let message =
+                                    crate::sampling::judged_for_client(&judge, &session, message)
+                                        .await;
+                                deliver(&collector, &to_client, &message.to_text()).await
+                            });
+                            while results.try_join_next().is_some() {}
+                            continue;
+                        }
                         if !deliver(&collector, &to_client, &message.to_text()).await {
                             break;
                         }
@@ -499,7 +514,9 @@ where
                         continue;
                     }
                 };
-                if sent.purpose.judged().is_none() {
+                if sent.purpose.judged().is_none()
+                    && !crate::sampling::carries_tool_results(&message)
+                {
                     let answer = crate::upstream::answer(&judge, &flight, sent, message).await;
                     if judge.hides_skipped_tools() && lists_tools(&collector, &answer) {
                         // Tool visibility: the mesh is asked in a task of
@@ -634,14 +651,34 @@ where
                         if lists_tools {
                             lock(&collector).lists_tools(request.as_ref());
                         }
-                        // R33: a task's result is fetched only when it can
-                        // be judged.
-                        match flight.purpose_of(&text) {
-                            Ok(purpose) => flight.send(&session, key, purpose, &text),
-                            Err(error) => {
-                                flight.release(&session, key);
-                                let _ =
-                                    to_client.send(crate::upstream::refuse(&text, &error)).await;
+                        // R31: the tool calls of sampling answers in
+                        // `inputResponses` (2026-07-28), judged first, in
+                        // a task of its own.
+                        if crate::sampling::may_use_tools(&text) {
+                            let (judge, flight) = (judge.clone(), flight.clone());
+                            let (session, key) = (session.clone(), key.clone());
+                            let (to_client, to_upstream) = (to_client.clone(), to_upstream.clone());
+                            tasks.spawn(async move {
+                                let judged =
+                                    crate::sampling::judged_request(&judge, &session, text).await;
+                                if judged.is_err() {
+                                    flight.release(&session, &key);
+                                }
+                                let sent = judged.and_then(|text| {
+                                    request_upstream(&flight, &session, &key, &text)
+                                });
+                                match sent {
+                                    Ok(Some(text)) => drop(to_upstream.send(text).await),
+                                    Ok(None) => {}
+                                    Err(answer) => drop(to_client.send(answer).await),
+                                }
+                            });
+                            continue;
+                        }
+                        match request_upstream(&flight, &session, key, &text) {
+                            Ok(text) => text,
+                            Err(answer) => {
+                                let _ = to_client.send(answer).await;
                                 continue;
                             }
                         }
@@ -690,6 +727,18 @@ where
                     };
                     match disposition {
                         Disposition::Forward(text) => {
+                            // R31: tool calls in its `inputResponses`.
+                            let text = match crate::sampling::judged_request(&judge, &session, text)
+                                .await
+                            {
+                                Ok(text) => text,
+                                Err(answer) => {
+                                    judge.take_pending(&session, &key);
+                                    flight.release(&session, &key);
+                                    let _ = to_client.send(answer).await;
+                                    return;
+                                }
+                            };
                             let text = crate::upstream::forward_call(
                                 &judge, &flight, &session, &key, &text,
                             );
@@ -810,6 +859,25 @@ where
     }
 }
 
+/// A reserved client request `text` (not a `tools/call`) of `session`
+/// with id key `key` as it goes upstream (`None`: not a request), or the
+/// answer refusing it, its id released (R33: a task's result is fetched
+/// only when it can be judged).
+fn request_upstream(
+    flight: &crate::upstream::InFlight,
+    session: &str,
+    key: &str,
+    text: &str,
+) -> Result<Option<String>, String> {
+    match flight.purpose_of(text) {
+        Ok(purpose) => Ok(flight.send(session, key, purpose, text)),
+        Err(error) => {
+            flight.release(session, key);
+            Err(crate::upstream::refuse(text, &error))
+        }
+    }
+}
+
 /// Relays one JSON-RPC batch: its tool calls judged as one guard batch.
 /// Each request goes upstream under the gateway's own id; one reusing an
 /// id in flight (of the session, or earlier in the batch) is refused.
@@ -855,6 +923,15 @@ async fn relay_batch(
                 if lists_tools {
                     lock(collector).lists_tools(Some(&key));
                 }
+                // R31: tool calls in its `inputResponses`.
+                let text = match crate::sampling::judged_request(judge, session, text).await {
+                    Ok(text) => text,
+                    Err(answer) => {
+                        flight.release(session, &key);
+                        answers.push(answer);
+                        continue;
+                    }
+                };
                 let purpose = match flight.purpose_of(&text) {
                     Ok(purpose) => purpose,
                     Err(error) => {
@@ -904,6 +981,16 @@ async fn relay_batch(
         };
         match disposition {
             Disposition::Forward(text) => {
+                // R31: tool calls in its `inputResponses`.
+                let text = match crate::sampling::judged_request(judge, session, text).await {
+                    Ok(text) => text,
+                    Err(answer) => {
+                        judge.take_pending(session, &key);
+                        flight.release(session, &key);
+                        answers.push(answer);
+                        continue;
+                    }
+                };
                 if let Some(text) =
                     crate::upstream::forward_call(judge, flight, session, &key, &text)
                 {

@@ -22,17 +22,53 @@ type Out = http_body_util::combinators::BoxBody<Bytes, hyper::Error>;
 /// ends there.
 pub const MAX_EVENT_BYTES: usize = 32 << 20;
 
+/// The session whose requests a relayed answer belongs to: the tool
+/// results the upstream sends the client's model in it (sampling requests,
+/// `input_required` results) are judged there (R33,
+/// [`crate::sampling::judged_for_client`]).
+#[derive(Clone)]
+pub struct Judging {
+    pub judge: std::sync::Arc<crate::judge::Judge>,
+    pub session: String,
+}
+
+/// `message` as the client gets it: its tool results judged when
+/// `judging` (in a task of its own: the relayed body is shared between
+/// threads, the judging is not). `None`: not relayed.
+async fn judged(judging: Option<&Judging>, message: Json) -> Option<String> {
+    match judging {
+        Some(j) if crate::sampling::carries_tool_results(&message) => {
+            let Judging { judge, session } = j.clone();
+            let judging = tokio::spawn(async move {
+                crate::sampling::judged_for_client(&judge, &session, message).await
+            });
+            match judging.await {
+                Ok(message) => Some(message.to_text()),
+                Err(error) => {
+                    tracing::warn!(%error, "a message holding tool results was not relayed");
+                    None
+                }
+            }
+        }
+        _ => Some(message.to_text()),
+    }
+}
+
 /// One message as the client gets it (see the module's documentation);
 /// `expected`: the id of the request the answer is for, when one.
-pub fn message(text: &str, expected: Option<&Json>) -> Option<String> {
+pub async fn message(
+    text: &str,
+    expected: Option<&Json>,
+    judging: Option<&Judging>,
+) -> Option<String> {
     match upstream::read(text) {
-        Ok(Message::Other(message)) => Some(message.to_text()),
+        Ok(Message::Other(message)) => judged(judging, message).await,
         Ok(Message::Response { id, message }) => match expected {
             Some(expected) if *expected != id => {
                 tracing::warn!(id = %id.to_text(), "dropped an upstream response that answers another request");
                 None
             }
-            _ => Some(message.to_text()),
+            _ => judged(judging, message).await,
         },
         Err(unreadable) => {
             tracing::warn!(why = %unreadable.why, "refused an upstream message");
@@ -47,23 +83,27 @@ pub fn message(text: &str, expected: Option<&Json>) -> Option<String> {
 }
 
 /// A JSON body: one message, or an array of them.
-pub fn json_body(text: &str, expected: Option<&Json>) -> String {
+pub async fn json_body(text: &str, expected: Option<&Json>, judging: Option<&Judging>) -> String {
     match serde_json::from_str::<Vec<Box<serde_json::value::RawValue>>>(text) {
         Ok(many) => {
-            let kept: Vec<String> = many
-                .iter()
-                .filter_map(|m| message(m.get(), expected))
-                .collect();
+            let mut kept: Vec<String> = Vec::with_capacity(many.len());
+            for m in &many {
+                kept.extend(message(m.get(), expected, judging).await);
+            }
             format!("[{}]", kept.join(","))
         }
-        Err(_) => message(text, expected).unwrap_or_default(),
+        Err(_) => message(text, expected, judging).await.unwrap_or_default(),
     }
 }
 
 /// One SSE event (its lines, LF-ended, without the blank line ending it)
 /// as the client gets it, with its blank line; `None` when nothing of it
 /// is relayed.
-pub fn sse_event(event: &str, expected: Option<&Json>) -> Option<String> {
+pub async fn sse_event(
+    event: &str,
+    expected: Option<&Json>,
+    judging: Option<&Judging>,
+) -> Option<String> {
     let mut data: Vec<&str> = Vec::new();
     let mut fields = String::new();
     for line in event.lines() {
@@ -78,7 +118,7 @@ pub fn sse_event(event: &str, expected: Option<&Json>) -> Option<String> {
         // A retry or id alone: no message in it.
         return (!fields.is_empty()).then(|| fields + "\n");
     }
-    let body = json_body(&data.join("\n"), expected);
+    let body = json_body(&data.join("\n"), expected, judging).await;
     if body.is_empty() || body == "[]" {
         return None;
     }
@@ -86,11 +126,13 @@ pub fn sse_event(event: &str, expected: Option<&Json>) -> Option<String> {
 }
 
 /// A whole SSE body, event by event.
-pub fn sse_body(text: &str, expected: Option<&Json>) -> String {
+pub async fn sse_body(text: &str, expected: Option<&Json>, judging: Option<&Judging>) -> String {
     let text = text.replace("\r\n", "\n").replace('\r', "\n");
-    text.split("\n\n")
-        .filter_map(|event| sse_event(event, expected))
-        .collect()
+    let mut out = String::new();
+    for event in text.split("\n\n") {
+        out.extend(sse_event(event, expected, judging).await);
+    }
+    out
 }
 
 /// Whether a response is an SSE stream.
@@ -133,11 +175,15 @@ fn event_end(buf: &[u8]) -> Option<(usize, usize)> {
 
 /// The upstream's answer relayed message by message as it streams (see
 /// the module's documentation); any other content type as it came.
-pub async fn relay(response: Response<Body>, expected: Option<Json>) -> Response<Out> {
+pub async fn relay(
+    response: Response<Body>,
+    expected: Option<Json>,
+    judging: Option<Judging>,
+) -> Response<Out> {
     let (mut parts, body) = response.into_parts();
     let out: Out = if is_sse(&parts.headers) {
         parts.headers.remove(header::CONTENT_LENGTH);
-        sse_stream(body, expected)
+        sse_stream(body, expected, judging)
     } else if is_json(&parts.headers) {
         parts.headers.remove(header::CONTENT_LENGTH);
         let bytes = match http_body_util::Limited::new(body, MAX_EVENT_BYTES)
@@ -150,7 +196,12 @@ pub async fn relay(response: Response<Body>, expected: Option<Json>) -> Response
                 Bytes::new()
             }
         };
-        let text = json_body(&String::from_utf8_lossy(&bytes), expected.as_ref());
+        let text = json_body(
+            &String::from_utf8_lossy(&bytes),
+            expected.as_ref(),
+            judging.as_ref(),
+        )
+        .await;
         http_body_util::Full::new(Bytes::from(text))
             .map_err(|never| match never {})
             .boxed()
@@ -160,18 +211,20 @@ pub async fn relay(response: Response<Body>, expected: Option<Json>) -> Response
     Response::from_parts(parts, out)
 }
 
-fn sse_stream(body: Body, expected: Option<Json>) -> Out {
+fn sse_stream(body: Body, expected: Option<Json>, judging: Option<Judging>) -> Out {
     struct State {
         body: Body,
         buf: BytesMut,
         done: bool,
         expected: Option<Json>,
+        judging: Option<Judging>,
     }
     let state = State {
         body,
         buf: BytesMut::new(),
         done: false,
         expected,
+        judging,
     };
     let stream = futures::stream::unfold(state, |mut state| async move {
         loop {
@@ -180,7 +233,8 @@ fn sse_stream(body: Body, expected: Option<Json>) -> Out {
                 let text = String::from_utf8_lossy(&event[..start])
                     .replace("\r\n", "\n")
                     .replace('\r', "\n");
-                if let Some(out) = sse_event(&text, state.expected.as_ref()) {
+                let out = sse_event(&text, state.expected.as_ref(), state.judging.as_ref()).await;
+                if let Some(out) = out {
                     return Some((Ok(Frame::data(Bytes::from(out))), state));
                 }
                 continue;
@@ -193,7 +247,8 @@ fn sse_stream(body: Body, expected: Option<Json>) -> Out {
                 let text = String::from_utf8_lossy(&rest)
                     .replace("\r\n", "\n")
                     .replace('\r', "\n");
-                return sse_event(&text, state.expected.as_ref())
+                return sse_event(&text, state.expected.as_ref(), state.judging.as_ref())
+                    .await
                     .map(|out| (Ok(Frame::data(Bytes::from(out))), state));
             }
             if state.buf.len() > MAX_EVENT_BYTES {
@@ -339,14 +394,14 @@ impl Messages {
 mod tests {
     use super::*;
 
-    #[test]
-    fn r31_sse_events_are_rewritten_and_odd_ones_dropped() {
+    #[tokio::test]
+    async fn r31_sse_events_are_rewritten_and_odd_ones_dropped() {
         let id = Json::Number("3".into());
         let body = "event: message\r\nid: e1\r\ndata: {\"jsonrpc\":\"2.0\",\"method\":\"notifications/progress\",  \"params\":{}}\r\n\r\n\
                     : a comment\n\n\
                     data: {\"jsonrpc\":\"2.0\",\"id\":\"3\",\"result\":{\"leak\":1}}\n\n\
                     data: {\"jsonrpc\":\"2.0\",\"id\":3,\"result\":{},\"result\":{\"leak\":1}}\n\n";
-        let out = sse_body(body, Some(&id));
+        let out = sse_body(body, Some(&id), None).await;
         let events: Vec<&str> = out.split_terminator("\n\n").collect();
         assert_eq!(events.len(), 2, "{out}");
         assert_eq!(

@@ -661,6 +661,11 @@ pub async fn answer(
     mut message: Json,
 ) -> String {
     message.set("id", sent.client_id.clone());
+    // R33: tool results sent to the client's model in an `input_required`
+    // result's sampling requests (2026-07-28).
+    if crate::sampling::carries_tool_results(&message) {
+        message = crate::sampling::judged_for_client(judge, &sent.session, message).await;
+    }
     if let Purpose::Call(pending) = &sent.purpose
         && let Some(task) = message.get("result").and_then(created_task)
     {

@@ -12,11 +12,13 @@ SCENARIO_JSON: {"mode": "legacy" | "auto", "ca": CA_PEM_FILE (https only),
                   action in turn: "hang" never answers),
                 "sample": [[BLOCK, ...], ...]
                   (declares sampling with tools; each sampling request is
-                  printed as {"op": "sampled", ...} and answered with the
-                  next list of content blocks, as the model's answer),
+                  printed as {"op": "sampled", "tools": [...], "messages":
+                  [...]} and answered with the next list of content
+                  blocks, as the model's answer),
                 "steps": [
   {"op": "list_tools"},
   {"op": "call", "name": "pay", "arguments": {...}, "meta": {...}},
+  {"op": "prompt", "name": "report", "arguments": {...}},
   {"op": "wait", "path": FILE} (until FILE exists, at most 60 s)]}
 """
 
@@ -87,7 +89,9 @@ def sampling_callback(answers):
 
     async def callback(context, params):
         blocks = answers.pop(0) if answers else [{"type": "text", "text": "nothing more"}]
-        out({"op": "sampled", "tools": [t.name for t in params.tools or []]})
+        out({"op": "sampled", "tools": [t.name for t in params.tools or []],
+             "messages": [m.model_dump(mode="json", by_alias=True, exclude_none=True)
+                          for m in params.messages]})
         uses = any(b.get("type") == "tool_use" for b in blocks)
         return types.CreateMessageResultWithTools.model_validate({
             "role": "assistant", "content": blocks, "model": "scripted",
@@ -115,6 +119,13 @@ async def run(scenario, server):
                         break
                     await anyio.sleep(0.1)
                 out({"op": "waited"})
+            elif step["op"] == "prompt":
+                try:
+                    result = await client.get_prompt(step["name"], step.get("arguments"))
+                    out({"op": "prompt", "messages": [m.model_dump(mode="json", by_alias=True, exclude_none=True)
+                                                      for m in result.messages]})
+                except MCPError as e:
+                    out({"op": "prompt", "error": {"code": e.code, "message": e.message}})
             elif step["op"] == "call":
                 try:
                     result = await client.call_tool(step["name"], step.get("arguments"), meta=step.get("meta"))

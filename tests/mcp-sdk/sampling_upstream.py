@@ -1,10 +1,18 @@
 """An upstream MCP server for the gateway's sampling tests (tests/mcp_sampling.rs),
-built with the official Python SDK. Its one tool, `plan`, asks the client's
+built with the official Python SDK. Its tool `plan` asks the client's
 model (sampling/createMessage, with the tools `delete_db` and `read_db`
 offered) what to do, then runs every tool the model's answer asks for
 (`tool_use` blocks), as a server running a sampling tool loop does. Every
 tool it runs is appended to LOG as one JSON line, and so is each answer's
 content as it arrived, so a test can assert what reached the server.
+
+The prompt `report` does the same (outside any tool call), then samples
+once more with the tools' results (`tool_result` blocks) for the model to
+read, as the next turn of a sampling tool loop does: `read_db` answers rows
+holding an AWS key id (SECRET). The tool `plan_later` is `report` at the
+2026-07-28 revision: each sampling request travels in an `input_required`
+result, and the model's answer comes back in the retried call's
+`inputResponses`.
 
 Usage: sampling_upstream.py LOG stdio
        sampling_upstream.py LOG http PORT   (Streamable HTTP on 127.0.0.1:PORT/mcp)
@@ -20,6 +28,8 @@ LOG = sys.argv[1]
 MODE = sys.argv[2]
 
 server = MCPServer("guardmesh-test-sampling-upstream")
+
+SECRET = "AKIA" + "IOSFODNN7EXAMPLE"
 
 TOOLS = [
     types.Tool(name="delete_db", description="Deletes the database.",
@@ -52,6 +62,71 @@ async def plan(task: str, ctx: Context) -> str:
             ran.append(block.name)
     texts = [b.text for b in blocks if b.type == "text"]
     return json.dumps({"ran": ran, "texts": texts})
+
+
+def run_tools(blocks):
+    """Runs the answer's `tool_use` blocks: the `tool_result` blocks."""
+    results = []
+    for block in blocks:
+        if block.type == "tool_use":
+            record({"tool": block.name, "arguments": block.input})
+            text = f"rows of {block.input.get('table')}: key {SECRET}" if block.name == "read_db" \
+                else f"{block.name} done"
+            results.append(types.ToolResultContent(type="tool_result", tool_use_id=block.id,
+                                                   content=[types.TextContent(type="text", text=text)]))
+    return results
+
+
+def record_answer(blocks, stop_reason):
+    record({"answer": [b.model_dump(mode="json", by_alias=True, exclude_none=True) for b in blocks],
+            "stopReason": stop_reason})
+
+
+def conversation(task, blocks, results):
+    """The messages of the turn after the tools ran."""
+    return [types.SamplingMessage(role="user", content=types.TextContent(type="text", text=task)),
+            types.SamplingMessage(role="assistant", content=blocks),
+            types.SamplingMessage(role="user", content=results)]
+
+
+@server.prompt()
+async def report(task: str, ctx: Context) -> str:
+    """`plan`, then the tools' results sent to the model in the next sampling request."""
+    answer = await ctx.session.create_message(
+        messages=[types.SamplingMessage(role="user", content=types.TextContent(type="text", text=task))],
+        max_tokens=100,
+        tools=TOOLS,
+    )
+    blocks = answer.content_as_list
+    record_answer(blocks, answer.stop_reason)
+    results = run_tools(blocks)
+    if results:
+        await ctx.session.create_message(messages=conversation(task, blocks, results), max_tokens=100,
+                                         tools=TOOLS)
+    return f"ran {len(results)}"
+
+
+def sampling(messages):
+    return types.CreateMessageRequest(params=types.CreateMessageRequestParams(
+        messages=messages, max_tokens=100, tools=TOOLS))
+
+
+@server.tool(structured_output=False)
+async def plan_later(task: str, ctx: Context) -> str | types.InputRequiredResult:
+    """`report` as a tool, through `input_required` rounds (2026-07-28)."""
+    first = [types.SamplingMessage(role="user", content=types.TextContent(type="text", text=task))]
+    if ctx.request_state is None:
+        return types.InputRequiredResult(input_requests={"model": sampling(first)}, request_state="asked")
+    if ctx.request_state == "asked":
+        answer = (ctx.input_responses or {}).get("model")
+        blocks = answer.content if isinstance(answer.content, list) else [answer.content]
+        record_answer(blocks, answer.stop_reason)
+        results = run_tools(blocks)
+        if results:
+            return types.InputRequiredResult(
+                input_requests={"model": sampling(conversation(task, blocks, results))},
+                request_state="reported")
+    return "done"
 
 
 if MODE == "http":
