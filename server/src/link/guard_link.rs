@@ -261,7 +261,7 @@ impl GuardLink {
     /// nothing for `stall` (its timeout): then it is not reading, a failure.
     pub(crate) fn send(
         &self,
-        mut batch: GuardBatch,
+        batch: &GuardBatch,
         shared: Bytes,
         tag: usize,
         events: Report,
@@ -269,10 +269,9 @@ impl GuardLink {
         stall: Duration,
     ) -> Result<u64, NotSent> {
         let id = self.shared.next_id.fetch_add(1, Ordering::Relaxed);
-        batch.request_id = id;
         // Encoded once, outside the lock; the calls' bytes are shared with
         // the other guards sent the same calls.
-        let request = Encoded::batch(&batch, shared);
+        let request = Encoded::batch_as(batch, id, shared);
         // A client's own key never collides with the mesh's.
         let client = if client == queue::CONTROL { 0 } else { client };
         let bounds = queue::Bounds {

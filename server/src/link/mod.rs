@@ -98,6 +98,13 @@ pub enum LinkEvent {
 }
 
 impl LinkEvent {
+    /// The tag the request was sent with.
+    pub fn tag(&self) -> usize {
+        match self {
+            Self::Answer { tag, .. } | Self::Failed { tag, .. } | Self::Shed { tag, .. } => *tag,
+        }
+    }
+
     /// The replica that answered or failed.
     pub fn replica(&self) -> &Arc<str> {
         match self {

@@ -635,6 +635,9 @@ struct Inner {
     wake: Arc<Notify>,
     /// The attempt timer's task, ended with the pool.
     timer: Mutex<Option<tokio::task::AbortHandle>>,
+    /// Where the replicas' links report: one hook for every request, each
+    /// sent tagged with the pool's id of it (no hook made per request).
+    report: Report,
 }
 
 impl Drop for Inner {
@@ -771,7 +774,7 @@ impl GuardPool {
         sources: Option<GuardSources>,
         identity: Option<String>,
     ) -> Self {
-        let inner = Arc::new(Inner {
+        let inner = Arc::new_cyclic(|weak: &Weak<Inner>| Inner {
             name: name.to_owned(),
             spawn,
             flow: metrics.flow_series(name),
@@ -797,6 +800,14 @@ impl GuardPool {
             resolvers: Mutex::new(HashMap::new()),
             wake: Arc::new(Notify::new()),
             timer: Mutex::new(None),
+            report: {
+                let weak = weak.clone();
+                Report(Arc::new(move |event: LinkEvent| {
+                    if let Some(inner) = weak.upgrade() {
+                        inner.on_event(event.tag() as u64, event);
+                    }
+                }))
+            },
         });
         let timer = tokio::spawn(attempt_timer(Arc::downgrade(&inner), inner.wake.clone()));
         *inner.timer.lock().unwrap_or_else(PoisonError::into_inner) = Some(timer.abort_handle());
@@ -967,10 +978,7 @@ impl GuardPool {
             self.inner.gauges(&mut state);
             return Ok(id);
         }
-        let hook = self.inner.hook(id);
-        let sent = self
-            .inner
-            .dispatch_new(&mut state, id, &request.asked, &hook);
+        let sent = self.inner.dispatch_new(&mut state, id, &request.asked);
         let result = match sent {
             Ok((replica, link_id, sent_at)) => {
                 self.inner
@@ -1061,16 +1069,6 @@ impl GuardPool {
 impl Inner {
     fn lock(&self) -> std::sync::MutexGuard<'_, State> {
         self.state.lock().unwrap_or_else(PoisonError::into_inner)
-    }
-
-    /// Where replica links report request `id`.
-    fn hook(self: &Arc<Self>, id: u64) -> Report {
-        let weak: Weak<Inner> = Arc::downgrade(self);
-        Report(Arc::new(move |event| {
-            if let Some(inner) = weak.upgrade() {
-                inner.on_event(id, event);
-            }
-        }))
     }
 
     /// Makes the live set `targets`: keeps the replicas still listed, opens
@@ -1343,8 +1341,7 @@ impl Inner {
                 self.give_up(state, request, now);
                 continue;
             }
-            let hook = self.hook(id);
-            let sent = self.dispatch_new(state, id, &request.asked, &hook);
+            let sent = self.dispatch_new(state, id, &request.asked);
             match sent {
                 Ok((replica, link_id, sent_at)) => {
                     self.start(state, id, request, replica, link_id, sent_at);
@@ -1528,9 +1525,8 @@ impl Inner {
             );
             return None;
         }
-        let hook = self.hook(id);
         let (next, link_id, sent_at) = self
-            .dispatch(state, id, &batch, &shared, client, stall, &tried, &hook)
+            .dispatch(state, id, &batch, &shared, client, stall, &tried)
             .ok()?;
         state.budget.spend(now);
         let pending = state.requests.get_mut(&id)?;
@@ -1706,7 +1702,6 @@ impl Inner {
         state: &mut State,
         id: u64,
         asked: &Request,
-        hook: &Report,
     ) -> Result<(Arc<Replica>, u64, Instant), Undispatched> {
         let Request {
             batch,
@@ -1715,7 +1710,7 @@ impl Inner {
             stall,
             ..
         } = asked;
-        self.dispatch(state, id, batch, shared, *client, *stall, &[], hook)
+        self.dispatch(state, id, batch, shared, *client, *stall, &[])
     }
 
     /// Sends to the first replica of [`Self::candidates`] that takes the
@@ -1734,7 +1729,6 @@ impl Inner {
         client: u64,
         stall: Duration,
         exclude: &[Arc<str>],
-        hook: &Report,
     ) -> Result<(Arc<Replica>, u64, Instant), Undispatched> {
         let now = Instant::now();
         let mut busy = None;
@@ -1750,10 +1744,10 @@ impl Inner {
                 break;
             }
             match replica.link.send(
-                batch.clone(),
+                batch,
                 shared.clone(),
-                0,
-                hook.clone(),
+                id as usize,
+                self.report.clone(),
                 client,
                 stall,
             ) {
@@ -1871,9 +1865,7 @@ impl Inner {
                         pending.moved_on_timeout,
                     );
                     let outage = self.eject(state, &failed, &failure, now);
-                    let hook = self.hook(id);
-                    let sent =
-                        self.dispatch(state, id, &batch, &shared, client, stall, &tried, &hook);
+                    let sent = self.dispatch(state, id, &batch, &shared, client, stall, &tried);
                     if let Err(Undispatched::Full) = sent {
                         // The other replicas are at their limits: it waits
                         // for room as a new request would (R25, R32).

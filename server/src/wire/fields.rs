@@ -26,6 +26,7 @@ pub(crate) mod judge_request {
 
 /// `GuardBatch`: the parts of a batch encoded once and shared by guards.
 pub(crate) mod guard_batch {
+    pub(crate) const REQUEST_ID: u32 = 1;
     pub(crate) const CONTEXT: u32 = 4;
     pub(crate) const CALLS: u32 = 5;
     /// R33.
@@ -148,6 +149,10 @@ mod tests {
             change(&mut message);
             only_field(&message)
         };
+        assert_eq!(
+            only(|m| m.request_id = 1),
+            (guard_batch::REQUEST_ID, VARINT)
+        );
         assert_eq!(
             only(|m| m.context = Some(BatchContext::default())),
             (guard_batch::CONTEXT, LEN)

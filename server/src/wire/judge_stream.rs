@@ -59,12 +59,31 @@ impl Encoded {
     /// are ignored), `shared` its context and calls as
     /// [`shared_part`] encodes them.
     pub fn batch(head: &GuardBatch, shared: Bytes) -> Self {
+        Self::batch_as(head, head.request_id, shared)
+    }
+
+    /// [`Self::batch`] with `request_id` in place of `head`'s (so that a
+    /// head sent to several replicas, each with its own id, is not cloned
+    /// per send).
+    pub fn batch_as(head: &GuardBatch, request_id: u64, shared: Bytes) -> Self {
         debug_assert!(head.context.is_none() && head.calls.is_empty());
-        let own = head.encoded_len();
+        // `head`'s own id, when set, is left out: protobuf readers take the
+        // last of a singular field, but no reader need be trusted to.
+        let own = head.encoded_len() - write::varint_len(guard_batch::REQUEST_ID, head.request_id)
+            + write::varint_len(guard_batch::REQUEST_ID, request_id);
         let inner = own + shared.len();
         let mut bytes = Vec::with_capacity(write::header_len(judge_request::BATCH, inner) + own);
         write::header(judge_request::BATCH, inner, &mut bytes);
-        head.encode_raw(&mut bytes);
+        write::varint(guard_batch::REQUEST_ID, request_id, &mut bytes);
+        if head.request_id == 0 {
+            head.encode_raw(&mut bytes);
+        } else {
+            let head = GuardBatch {
+                request_id: 0,
+                ..head.clone()
+            };
+            head.encode_raw(&mut bytes);
+        }
         Self {
             head: bytes.into(),
             shared,
@@ -459,6 +478,36 @@ mod tests {
             )),
         };
         assert_eq!(decoded(&Encoded::request(&cancel)), cancel);
+    }
+
+    #[test]
+    fn a_head_sent_with_another_request_id_reads_as_that_id_alone() {
+        let b = batch("g1", 0, "{\"q\":1}");
+        let shared = shared_part(b.context.as_ref(), b.calls.iter());
+        for (own, sent) in [(0, 7), (0, u64::MAX), (5, 7), (5, 0), (u64::MAX, 1)] {
+            let head = GuardBatch {
+                request_id: own,
+                context: None,
+                calls: Vec::new(),
+                ..b.clone()
+            };
+            let encoded = Encoded::batch_as(&head, sent, shared.clone());
+            let whole = as_request(GuardBatch {
+                request_id: sent,
+                ..b.clone()
+            });
+            assert_eq!(decoded(&encoded), whole, "own {own}, sent {sent}");
+            assert_eq!(encoded.len(), whole.encoded_len(), "own {own}, sent {sent}");
+            // The id appears once: no reader has two to choose between.
+            let bytes = encoded.to_vec();
+            let mut rest = &bytes[..];
+            let (_, _) = super::super::read::key(&mut rest).unwrap();
+            let _ = prost::encoding::decode_varint(&mut rest).unwrap();
+            let ids = super::super::read::Fields(rest)
+                .filter(|f| f.is_ok_and(|(number, _)| number == 1))
+                .count();
+            assert_eq!(ids, usize::from(sent != 0), "own {own}, sent {sent}");
+        }
     }
 
     #[test]
