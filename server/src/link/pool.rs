@@ -1196,20 +1196,24 @@ impl Inner {
     /// Publishes the guard's requests in flight, limit and waiting, and
     /// each replica's limit, when they changed (labels cost allocations).
     fn gauges(&self, state: &mut State) {
+        // One pass, each replica's load locked once.
+        let (mut held, mut limits) = (0, 0);
         for replica in &state.live {
-            let limit = {
+            let changed = {
                 let mut load = replica.load();
                 let limit = load.limit.get();
-                if load.published == Some(limit) {
-                    continue;
-                }
-                load.published = Some(limit);
-                limit
+                held += load.in_flight.len();
+                limits += limit;
+                (load.published != Some(limit)).then(|| {
+                    load.published = Some(limit);
+                    limit
+                })
             };
-            replica.series.limit(limit);
+            if let Some(limit) = changed {
+                replica.series.limit(limit);
+            }
         }
-        let (held, limit, _) = self.load(state);
-        let flow = (held, limit, state.waiting.len());
+        let flow = (held, limits, state.waiting.len());
         if state.published != Some(flow) {
             state.published = Some(flow);
             self.flow.set(flow.0, flow.1, flow.2);
