@@ -653,3 +653,58 @@ fn config_reference_lists_every_environment_variable_the_code_reads() {
         ["OTEL_X"]
     );
 }
+
+/// Each file a config names that cannot be read (R24 token files, R27
+/// policy files, R34 the Redis password) is reported on its key's line,
+/// saying which file it is and that it cannot be read, with a fix naming
+/// what the file should hold.
+#[test]
+fn r24_r27_r34_config_check_names_each_unreadable_file_and_what_it_should_hold() {
+    let dir = folder("unreadable");
+    let secret = crate::harness::session_secret(&dir, "sessions.secret");
+    let config = write(
+        &dir,
+        "mesh.toml",
+        &format!(
+            "[sessions]\n\
+             store = \"redis\"\n\
+             redis_url = \"redis://127.0.0.1:9\"\n\
+             secret_file = {:?}\n\
+             redis_password_file = \"missing.password\"\n\
+             [[auth.principal]]\n\
+             id = \"ops\"\n\
+             roles = [\"evaluate\"]\n\
+             token_file = \"missing.token\"\n\
+             [[guard]]\n\
+             name = \"p\"\n\
+             policy = \"missing-policy.toml\"\n",
+            secret.display().to_string()
+        ),
+    );
+    let (code, out) = check(&config);
+    assert_eq!(code, Some(1), "{out}");
+    let shown = config.display().to_string();
+    let file = |name: &str| dir.join(name).display().to_string();
+    for (line, key, says, fix) in [
+        (
+            5,
+            "sessions.redis_password_file",
+            format!("cannot read {}: ", file("missing.password")),
+            "point it at a readable file holding Redis's password",
+        ),
+        (
+            9,
+            "auth[1].principal.token_file",
+            format!("cannot read token file {}: ", file("missing.token")),
+            "point it at a readable file holding the principal's token",
+        ),
+        (
+            12,
+            "guard[1].policy",
+            format!("cannot read policy file {}: ", file("missing-policy.toml")),
+            "point it at a readable policy file (CEL rules, R27)",
+        ),
+    ] {
+        assert_finding(&out, &shown, line, key, &says, fix);
+    }
+}

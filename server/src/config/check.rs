@@ -374,45 +374,79 @@ fn locate(text: &str, document: &DeTable<'_>, key: &str, index: Option<usize>) -
     best
 }
 
+/// The findings of [`check_files`], each placed at its key's line.
+struct FileFindings<'a> {
+    out: Vec<Finding>,
+    locate: &'a dyn Fn(&str, Option<usize>) -> Option<usize>,
+}
+
+impl FileFindings<'_> {
+    fn error(&mut self, key: &str, index: Option<usize>, message: String, fix: String) {
+        self.out.push(Finding {
+            severity: Severity::Error,
+            line: (self.locate)(key, index),
+            key: numbered(key, index),
+            message,
+            fix,
+        });
+    }
+
+    /// The text of `file` (at most `limit` bytes), or `None` with a
+    /// "cannot read" error at `key`: `named` precedes the file's path in
+    /// the message, `what` says in the fix what the file should be.
+    fn read(
+        &mut self,
+        key: &str,
+        index: Option<usize>,
+        file: &Path,
+        limit: u64,
+        named: &str,
+        what: &str,
+    ) -> Option<String> {
+        match crate::files::read_to_string(file, limit) {
+            Ok(text) => Some(text),
+            Err(e) => {
+                let message = format!("cannot read {named}{}: {e}", file.display());
+                self.error(key, index, message, file_fix(what));
+                None
+            }
+        }
+    }
+}
+
+/// The fix for a file that cannot be read or is not what `what` says.
+fn file_fix(what: &str) -> String {
+    format!(
+        "point it at a readable {what} (relative paths are relative to the config file's folder)"
+    )
+}
+
 /// Reads every file the config names, as the mesh would at start.
 fn check_files(
     config: &mut Config,
     locate: &dyn Fn(&str, Option<usize>) -> Option<usize>,
 ) -> Vec<Finding> {
-    let mut out = Vec::new();
-    let mut error = |key: &str, index: Option<usize>, message: String, fix: String| {
-        out.push(Finding {
-            severity: Severity::Error,
-            line: locate(key, index),
-            key: numbered(key, index),
-            message,
-            fix,
-        });
-    };
-    let file_fix = |what: &str| {
-        format!(
-            "point it at a readable {what} (relative paths are relative to the config file's folder)"
-        )
+    let mut findings = FileFindings {
+        out: Vec::new(),
+        locate,
     };
     for (i, guard) in config.guards.iter_mut().enumerate() {
         let Some(file) = &guard.policy else { continue };
         let index = Some(i + 1);
-        match crate::files::read_to_string(file, crate::files::MAX_POLICY_FILE_BYTES) {
-            Err(e) => error(
+        let limit = crate::files::MAX_POLICY_FILE_BYTES;
+        let what = "policy file (CEL rules, R27)";
+        let Some(source) = findings.read("guard.policy", index, file, limit, "policy file ", what)
+        else {
+            continue;
+        };
+        match crate::policy::Policy::compile(&source) {
+            Err(e) => findings.error(
                 "guard.policy",
                 index,
-                format!("cannot read policy file {}: {e}", file.display()),
-                file_fix("policy file (CEL rules, R27)"),
+                format!("policy file {}: {e}", file.display()),
+                "fix the policy file (`guardmesh policy check FILE` shows its rules)".into(),
             ),
-            Ok(source) => match crate::policy::Policy::compile(&source) {
-                Err(e) => error(
-                    "guard.policy",
-                    index,
-                    format!("policy file {}: {e}", file.display()),
-                    "fix the policy file (`guardmesh policy check FILE` shows its rules)".into(),
-                ),
-                Ok(_) => guard.policy_source = Some(source),
-            },
+            Ok(_) => guard.policy_source = Some(source),
         }
     }
     let certs = |path: &Path| crate::security::tls::load_certs(path).map(|_| ());
@@ -426,7 +460,7 @@ fn check_files(
             } else {
                 "PEM private key file"
             };
-            error(name, None, e.to_string(), file_fix(what));
+            findings.error(name, None, e.to_string(), file_fix(what));
         }
     };
     if let Some(tls) = &config.tls {
@@ -456,20 +490,18 @@ fn check_files(
                 continue;
             };
             let index = Some(i + 1);
-            match crate::files::read_to_string(file, crate::files::MAX_SECRET_FILE_BYTES) {
-                Err(e) => error(
-                    "auth.principal.token_file",
-                    index,
-                    format!("cannot read token file {}: {e}", file.display()),
-                    file_fix("file holding the principal's token"),
-                ),
-                Ok(text) if text.trim().is_empty() => error(
-                    "auth.principal.token_file",
+            let key = "auth.principal.token_file";
+            let limit = crate::files::MAX_SECRET_FILE_BYTES;
+            let what = "file holding the principal's token";
+            if let Some(text) = findings.read(key, index, file, limit, "token file ", what)
+                && text.trim().is_empty()
+            {
+                findings.error(
+                    key,
                     index,
                     format!("token file {} is empty", file.display()),
                     "write the principal's bearer token on the file's one line".into(),
-                ),
-                Ok(_) => {}
+                );
             }
         }
     }
@@ -477,7 +509,7 @@ fn check_files(
         && let Some(key) = &log.signing_key
         && let Err(e) = crate::decision_log::checkpoint::read_signing_key(key)
     {
-        error(
+        findings.error(
             "decision_log.signing_key",
             None,
             e.to_string(),
@@ -494,13 +526,13 @@ fn check_files(
                 ),
                 _ => "fix the [sessions] section as the message says".into(),
             };
-            error(e.key(), None, e.to_string(), fix);
+            findings.error(e.key(), None, e.to_string(), fix);
         }
         Ok(_) => {
             if let Some(path) = &config.sessions.secret_file
                 && let Err(e) = crate::session::secret::read_secret(path)
             {
-                error(
+                findings.error(
                     "sessions.secret_file",
                     None,
                     e.to_string(),
@@ -508,25 +540,23 @@ fn check_files(
                 );
             }
             if let Some(path) = &config.sessions.redis_password_file {
-                match crate::files::read_to_string(path, crate::files::MAX_SECRET_FILE_BYTES) {
-                    Err(e) => error(
-                        "sessions.redis_password_file",
-                        None,
-                        format!("cannot read {}: {e}", path.display()),
-                        file_fix("file holding Redis's password"),
-                    ),
-                    Ok(text) if text.trim_end_matches(['\r', '\n']).is_empty() => error(
-                        "sessions.redis_password_file",
+                let key = "sessions.redis_password_file";
+                let limit = crate::files::MAX_SECRET_FILE_BYTES;
+                let what = "file holding Redis's password";
+                if let Some(text) = findings.read(key, None, path, limit, "", what)
+                    && text.trim_end_matches(['\r', '\n']).is_empty()
+                {
+                    findings.error(
+                        key,
                         None,
                         format!("{} is empty", path.display()),
                         "write Redis's password on the file's one line".into(),
-                    ),
-                    Ok(_) => {}
+                    );
                 }
             }
         }
     }
-    out
+    findings.out
 }
 
 /// What only the assembled settings show: the listener's certificate and

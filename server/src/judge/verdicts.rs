@@ -111,25 +111,10 @@ pub(crate) use crate::session::limits::{MAX_LABEL_BYTES, MAX_LABELS_PER_VERDICT}
 /// Checks `verdicts` from `guard`, which was sent the calls at `sent`;
 /// `current(i)` is call `i` as the guard saw it. `answered` tracks calls
 /// already answered by this guard (R8: a second verdict is ignored). A
-/// rewrite outside the grant rejects the whole answer (R11).
-#[cfg(test)]
-pub(crate) fn check_verdicts<'c>(
-    guard: &Guard,
-    limits: &validate::Limits,
-    current: impl Fn(usize) -> &'c ToolCall,
-    index_of: &CallIndex,
-    sent: &[bool],
-    answered: &mut [bool],
-    verdicts: Vec<Verdict>,
-) -> Result<Checked, Rejection> {
-    check_verdicts_in(
-        false, guard, limits, current, index_of, sent, answered, verdicts,
-    )
-}
-
-/// [`check_verdicts`] in a phase: with `results`, the calls are results
-/// (R33), and a rewrite is held to the guard's result grant, may not
-/// rename, and must leave a `CallToolResult` (R11).
+/// rewrite outside the grant rejects the whole answer (R11). With
+/// `results`, the calls are results (R33), and a rewrite is held to the
+/// guard's result grant, may not rename, and must leave a
+/// `CallToolResult` (R11).
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn check_verdicts_in<'c>(
     results: bool,
@@ -444,7 +429,8 @@ mod tests {
         let calls = calls();
         let index_of = CallIndex::new(calls.len(), |i| calls[i].call_id.as_str());
         let mut answered = vec![false; 3];
-        let result = check_verdicts(
+        let result = check_verdicts_in(
+            false,
             guard,
             &validate::Limits::default(),
             |i| &calls[i],

@@ -173,29 +173,44 @@ mod tests {
         breaker
     }
 
+    /// A breaker opened by 3 failures, its probe admitted as the open
+    /// period ends; with that moment.
+    fn probing() -> (ConsecutiveFailures, Instant) {
+        let t0 = Instant::now();
+        let mut breaker = opened(t0);
+        let t1 = t0 + OPEN_FOR;
+        assert_eq!(breaker.admit(t1), Ok(Admitted::Probe));
+        (breaker, t1)
+    }
+
+    /// Two failures, below the threshold of 3, leave `breaker` closed.
+    fn assert_closed_after_two_failures(breaker: &mut ConsecutiveFailures, at: Instant) {
+        assert_eq!(breaker.admit(at), Ok(Admitted::Closed));
+        assert_eq!(breaker.record_failure(at, &"a"), None);
+        assert_eq!(breaker.record_failure(at, &"b"), None);
+        assert_eq!(breaker.admit(at), Ok(Admitted::Closed));
+    }
+
+    /// What an open circuit answers after `failures`, the last `last`.
+    fn refused(failures: u32, last: &str, retry_in: Duration) -> Refused {
+        Refused {
+            failures,
+            last: last.into(),
+            retry_in,
+        }
+    }
+
     #[test]
     fn closed_admits_and_stays_closed_below_the_threshold() {
-        let t0 = Instant::now();
         let mut breaker = ConsecutiveFailures::new(3, OPEN_FOR);
-        assert_eq!(breaker.admit(t0), Ok(Admitted::Closed));
-        assert_eq!(breaker.record_failure(t0, &"down"), None);
-        assert_eq!(breaker.record_failure(t0, &"down"), None);
-        assert_eq!(breaker.admit(t0), Ok(Admitted::Closed));
+        assert_closed_after_two_failures(&mut breaker, Instant::now());
     }
 
     #[test]
     fn closed_opens_after_n_consecutive_failures() {
         let t0 = Instant::now();
         let mut breaker = opened(t0);
-        let refused = breaker.admit(t0 + MS).unwrap_err();
-        assert_eq!(
-            refused,
-            Refused {
-                failures: 3,
-                last: "c".into(),
-                retry_in: OPEN_FOR - MS,
-            }
-        );
+        assert_eq!(breaker.admit(t0 + MS), Err(refused(3, "c", OPEN_FOR - MS)));
     }
 
     #[test]
@@ -241,10 +256,7 @@ mod tests {
 
     #[test]
     fn half_open_admits_exactly_one_probe() {
-        let t0 = Instant::now();
-        let mut breaker = opened(t0);
-        let t1 = t0 + OPEN_FOR;
-        assert_eq!(breaker.admit(t1), Ok(Admitted::Probe));
+        let (mut breaker, t1) = probing();
         for at in [t1, t1 + MS, t1 + OPEN_FOR - MS] {
             let refused = breaker.admit(at).unwrap_err();
             assert_eq!(refused.retry_in, Duration::ZERO, "the probe is out");
@@ -254,16 +266,10 @@ mod tests {
 
     #[test]
     fn a_successful_probe_closes_the_circuit() {
-        let t0 = Instant::now();
-        let mut breaker = opened(t0);
-        let t1 = t0 + OPEN_FOR;
-        assert_eq!(breaker.admit(t1), Ok(Admitted::Probe));
+        let (mut breaker, t1) = probing();
         assert_eq!(breaker.record_success(), Some(Transition::Closed));
-        assert_eq!(breaker.admit(t1), Ok(Admitted::Closed));
         // The count starts again from zero.
-        assert_eq!(breaker.record_failure(t1, &"a"), None);
-        assert_eq!(breaker.record_failure(t1, &"b"), None);
-        assert_eq!(breaker.admit(t1), Ok(Admitted::Closed));
+        assert_closed_after_two_failures(&mut breaker, t1);
     }
 
     #[test]
@@ -277,33 +283,22 @@ mod tests {
 
     #[test]
     fn a_failed_probe_reopens_the_circuit() {
-        let t0 = Instant::now();
-        let mut breaker = opened(t0);
-        let t1 = t0 + OPEN_FOR;
-        assert_eq!(breaker.admit(t1), Ok(Admitted::Probe));
+        let (mut breaker, t1) = probing();
         let t2 = t1 + 50 * MS;
         assert_eq!(
             breaker.record_failure(t2, &"probe failed"),
             Some(Transition::Reopened { failures: 4 })
         );
-        let refused = breaker.admit(t2 + MS).unwrap_err();
         assert_eq!(
-            refused,
-            Refused {
-                failures: 4,
-                last: "probe failed".into(),
-                retry_in: OPEN_FOR - MS,
-            }
+            breaker.admit(t2 + MS),
+            Err(refused(4, "probe failed", OPEN_FOR - MS))
         );
         assert_eq!(breaker.admit(t2 + OPEN_FOR), Ok(Admitted::Probe));
     }
 
     #[test]
     fn a_probe_without_an_outcome_is_replaced_after_open_for() {
-        let t0 = Instant::now();
-        let mut breaker = opened(t0);
-        let t1 = t0 + OPEN_FOR;
-        assert_eq!(breaker.admit(t1), Ok(Admitted::Probe));
+        let (mut breaker, t1) = probing();
         assert!(breaker.admit(t1 + OPEN_FOR - MS).is_err());
         assert_eq!(breaker.admit(t1 + OPEN_FOR), Ok(Admitted::Probe));
         assert!(breaker.admit(t1 + OPEN_FOR).is_err());

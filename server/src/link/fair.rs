@@ -265,13 +265,23 @@ mod tests {
         share: 1000,
     };
 
+    /// A queue holding `items`, pushed in order within [`WIDE`] bounds.
+    fn queued(items: impl IntoIterator<Item = (Sender, i32)>) -> Fair<i32> {
+        let mut q = Fair::new();
+        for (sender, item) in items {
+            assert_eq!(q.push(sender, item, WIDE), Ok(None), "item {item}");
+        }
+        q
+    }
+
+    /// What `q` holds, in the order it hands it out.
+    fn drain(q: &mut Fair<i32>) -> Vec<i32> {
+        std::iter::from_fn(|| q.pop()).collect()
+    }
+
     #[test]
     fn r25_one_request_of_a_quiet_client_waits_for_one_of_a_bursting_client() {
-        let mut q = Fair::new();
-        for i in 0..200 {
-            q.push(s(1, 0), i, WIDE).unwrap();
-        }
-        q.push(s(2, 0), 1000, WIDE).unwrap();
+        let mut q = queued((0..200).map(|i| (s(1, 0), i)).chain([(s(2, 0), 1000)]));
         assert_eq!(q.pop(), Some(0));
         assert_eq!(q.pop(), Some(1000), "the quiet client's turn comes next");
         assert_eq!(q.pop(), Some(1));
@@ -280,14 +290,12 @@ mod tests {
 
     #[test]
     fn r25_flows_of_one_client_take_turns_and_each_flow_is_first_in_first_out() {
-        let mut q = Fair::new();
-        for i in 0..3 {
-            q.push(s(1, 7), i, WIDE).unwrap();
-        }
-        q.push(s(1, 8), 100, WIDE).unwrap();
-        q.push(s(2, 0), 200, WIDE).unwrap();
-        let order: Vec<i32> = std::iter::from_fn(|| q.pop()).collect();
-        assert_eq!(order, vec![0, 200, 100, 1, 2]);
+        let mut q = queued(
+            (0..3)
+                .map(|i| (s(1, 7), i))
+                .chain([(s(1, 8), 100), (s(2, 0), 200)]),
+        );
+        assert_eq!(drain(&mut q), vec![0, 200, 100, 1, 2]);
         assert!(q.is_empty());
     }
 
@@ -329,21 +337,15 @@ mod tests {
         assert_eq!(q.push(s(4, 0), 30, bounds), Ok(Some((1, 1))));
         // One each: a fifth client would hold as many; refused.
         assert!(q.push(s(5, 0), 40, bounds).is_err());
-        let order: Vec<i32> = std::iter::from_fn(|| q.pop()).collect();
-        assert_eq!(order, vec![0, 10, 20, 30]);
+        assert_eq!(drain(&mut q), vec![0, 10, 20, 30]);
     }
 
     #[test]
     fn r25_a_withdrawn_request_leaves_its_turn() {
-        let mut q = Fair::new();
-        q.push(s(1, 0), 1, WIDE).unwrap();
-        q.push(s(2, 0), 2, WIDE).unwrap();
-        q.push(s(2, 0), 3, WIDE).unwrap();
+        let mut q = queued([(s(1, 0), 1), (s(2, 0), 2), (s(2, 0), 3)]);
         assert!(q.remove(s(1, 0), &1));
         assert!(!q.remove(s(1, 0), &1));
         assert_eq!(q.held(1), 0);
-        assert_eq!(q.pop(), Some(2));
-        assert_eq!(q.pop(), Some(3));
-        assert_eq!(q.pop(), None);
+        assert_eq!(drain(&mut q), vec![2, 3]);
     }
 }

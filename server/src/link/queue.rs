@@ -236,17 +236,32 @@ mod tests {
         }
     }
 
+    /// An empty queue, and the moment it was made.
+    fn empty() -> (Load, Instant) {
+        let t0 = Instant::now();
+        (Load::new(t0), t0)
+    }
+
+    /// Asserts that one more MB from `client` at `at` is refused as `want`
+    /// ("busy" or "stalled"; the kind of refusal only).
+    fn assert_refused(load: &Load, client: Client, at: Instant, want: &str) {
+        let got = match load.check(MB, client, bounds(), at) {
+            Ok(()) => "admitted",
+            Err(Refusal::Busy { .. }) => "busy",
+            Err(Refusal::Stalled { .. }) => "stalled",
+        };
+        assert_eq!(got, want);
+    }
+
     #[test]
     fn r25_an_empty_queue_takes_any_request() {
-        let t0 = Instant::now();
-        let load = Load::new(t0);
+        let (load, t0) = empty();
         assert_eq!(load.check(100 * MB, 1, bounds(), t0), Ok(()));
     }
 
     #[test]
     fn r25_one_client_gets_its_share_and_one_request_more_never_the_queue() {
-        let t0 = Instant::now();
-        let mut load = Load::new(t0);
+        let (mut load, t0) = empty();
         // Its first request is admitted whatever the share.
         assert_eq!(load.check(5 * MB, 1, bounds(), t0), Ok(()));
         load.add(5 * MB, 1, t0);
@@ -267,8 +282,7 @@ mod tests {
 
     #[test]
     fn r25_the_queue_bound_holds_for_all_clients_together() {
-        let t0 = Instant::now();
-        let mut load = Load::new(t0);
+        let (mut load, t0) = empty();
         for client in 0..4 {
             load.add(4 * MB, client, t0);
         }
@@ -283,14 +297,10 @@ mod tests {
 
     #[test]
     fn r25_a_guard_that_takes_nothing_for_its_stall_bound_is_not_reading() {
-        let t0 = Instant::now();
-        let mut load = Load::new(t0);
+        let (mut load, t0) = empty();
         load.add(16 * MB, 1, t0);
         let busy = t0 + Duration::from_secs(4);
-        assert!(matches!(
-            load.check(MB, 2, bounds(), busy),
-            Err(Refusal::Busy { .. })
-        ));
+        assert_refused(&load, 2, busy, "busy");
         let stuck = t0 + Duration::from_secs(5);
         assert_eq!(
             load.check(MB, 2, bounds(), stuck),
@@ -302,28 +312,20 @@ mod tests {
         // A request taken is progress: the clock starts again.
         load.remove(4 * MB, 1, stuck, true);
         load.add(4 * MB, 1, stuck);
-        assert!(matches!(
-            load.check(MB, 2, bounds(), stuck + Duration::from_secs(4)),
-            Err(Refusal::Busy { .. })
-        ));
+        assert_refused(&load, 2, stuck + Duration::from_secs(4), "busy");
     }
 
     #[test]
     fn r25_the_stall_is_measured_from_when_the_queue_last_filled_not_from_an_idle_past() {
-        let t0 = Instant::now();
-        let mut load = Load::new(t0);
+        let (mut load, t0) = empty();
         let later = t0 + Duration::from_secs(3600);
         load.add(16 * MB, 1, later);
-        assert!(matches!(
-            load.check(MB, 2, bounds(), later + Duration::from_secs(1)),
-            Err(Refusal::Busy { .. })
-        ));
+        assert_refused(&load, 2, later + Duration::from_secs(1), "busy");
     }
 
     #[test]
     fn r25_a_withdrawn_request_frees_its_client_share_but_is_no_progress() {
-        let t0 = Instant::now();
-        let mut load = Load::new(t0);
+        let (mut load, t0) = empty();
         load.add(2 * MB, 1, t0);
         load.add(3 * MB, 1, t0);
         load.remove(3 * MB, 1, t0 + Duration::from_secs(9), false);
@@ -331,16 +333,12 @@ mod tests {
         assert_eq!(load.check(2 * MB, 1, bounds(), t0), Ok(()));
         // Not progress: the stall clock still runs from t0.
         load.add(14 * MB, 2, t0);
-        assert!(matches!(
-            load.check(MB, 3, bounds(), t0 + Duration::from_secs(9)),
-            Err(Refusal::Stalled { .. })
-        ));
+        assert_refused(&load, 3, t0 + Duration::from_secs(9), "stalled");
     }
 
     #[test]
     fn r25_control_messages_have_no_share_and_never_stall() {
-        let t0 = Instant::now();
-        let mut load = Load::new(t0);
+        let (mut load, t0) = empty();
         load.add(8 * MB, CONTROL, t0);
         assert_eq!(
             load.check(

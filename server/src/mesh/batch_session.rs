@@ -6,7 +6,7 @@
 use super::Mesh;
 use crate::admit::result_batch::{self, ResultBatch};
 use crate::judge::{Chain, Phase, TraceContext};
-use crate::policy::SessionVal;
+use crate::policy::{Policy, SessionVal};
 use crate::session::{
     Applied, ResultError, ResultSeen, SessionKey, SessionMemory, StoreError, Update,
 };
@@ -111,21 +111,22 @@ impl Mesh {
     /// Whether a guard of `chain` reads session memory: a policy guard one
     /// of whose rules names `session`.
     pub(crate) fn chain_reads_session(chain: &Chain) -> bool {
-        chain
-            .guards
-            .iter()
-            .filter_map(|g| g.guard.policy.as_ref())
-            .any(|p| p.compiled.reads_session())
+        Self::chain_has_policy(chain, Policy::reads_session)
     }
 
     /// Whether a guard of `chain` reads the memory of the caller's
     /// identity: a policy guard one of whose rules names `identity` (R34).
     pub(crate) fn chain_reads_identity(chain: &Chain) -> bool {
+        Self::chain_has_policy(chain, Policy::reads_identity)
+    }
+
+    /// Whether a policy guard of `chain` has a policy that `holds`.
+    fn chain_has_policy(chain: &Chain, holds: impl Fn(&Policy) -> bool) -> bool {
         chain
             .guards
             .iter()
             .filter_map(|g| g.guard.policy.as_ref())
-            .any(|p| p.compiled.reads_identity())
+            .any(|p| holds(&p.compiled))
     }
 
     /// Whether a guard of `chain` uses session memory at all: a policy

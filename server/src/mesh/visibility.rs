@@ -152,6 +152,32 @@ message = '"deleting the database is not allowed"'
         }
     }
 
+    /// A policy of one rule (on the tools `tools` matches; its `message`
+    /// a CEL expression) and then [`CANCEL_DELETE`].
+    fn rule_then_cancel_delete(
+        name: &str,
+        tools: &str,
+        when: &str,
+        action: &str,
+        message: &str,
+    ) -> String {
+        format!(
+            "[[rule]]\nname = \"{name}\"\ntools = [\"{tools}\"]\nwhen = \"{when}\"\n\
+             action = \"{action}\"\nmessage = '{message}'\n{CANCEL_DELETE}"
+        )
+    }
+
+    /// `spec` made a mutate guard granted `tools`, and renames if
+    /// `may_rename`.
+    fn mutate(mut spec: GuardSpec, tools: &[&str], may_rename: bool) -> GuardSpec {
+        spec.role = GuardRole::Mutate as i32;
+        spec.grant = Some(RewriteGrant {
+            tools: tools.iter().map(|t| (*t).to_owned()).collect(),
+            may_rename,
+        });
+        spec
+    }
+
     fn remote(name: &str, tools: &[&str]) -> GuardSpec {
         GuardSpec {
             name: name.into(),
@@ -223,15 +249,12 @@ message = '"deleting the database is not allowed"'
 
     #[test]
     fn r35_an_ask_rule_before_the_constant_one_is_shown() {
-        let policy = format!(
-            r#"
-[[rule]]
-name = "ask-first"
-tools = ["delete_*"]
-when = "call.args.force == true"
-action = "ask"
-message = '"a person decides"'
-{CANCEL_DELETE}"#
+        let policy = rule_then_cancel_delete(
+            "ask-first",
+            "delete_*",
+            "call.args.force == true",
+            "ask",
+            r#""a person decides""#,
         );
         assert!(!hidden(&[policy_guard("p", &policy)], "delete_db"));
         // A constant ask is never a skip.
@@ -241,15 +264,12 @@ message = '"a person decides"'
 
     #[test]
     fn r27_earlier_steer_or_cancel_rules_still_skip_whatever_their_when() {
-        let policy = format!(
-            r#"
-[[rule]]
-name = "steer-first"
-tools = ["delete_db"]
-when = "call.args.table == 'users'"
-action = "steer"
-message = '"name another table: " + call.args.table'
-{CANCEL_DELETE}"#
+        let policy = rule_then_cancel_delete(
+            "steer-first",
+            "delete_db",
+            "call.args.table == 'users'",
+            "steer",
+            r#""name another table: " + call.args.table"#,
         );
         let got = skipped(
             &[policy_guard("p", &policy)],
@@ -287,12 +307,11 @@ message = '"name another table: " + call.args.table'
 
     #[test]
     fn r10_a_mutate_guard_that_may_rename_the_tool_shows_it() {
-        let mut renamer = remote("m", &["delete_*"]);
-        renamer.role = GuardRole::Mutate as i32;
-        renamer.grant = Some(RewriteGrant {
-            tools: vec!["delete_db".into(), "archive_db".into()],
-            may_rename: true,
-        });
+        let renamer = mutate(
+            remote("m", &["delete_*"]),
+            &["delete_db", "archive_db"],
+            true,
+        );
         let specs = [renamer.clone(), policy_guard("p", CANCEL_DELETE)];
         assert!(!hidden(&specs, "delete_db"));
         assert!(
@@ -301,20 +320,12 @@ message = '"name another table: " + call.args.table'
         );
         // One that may only rewrite arguments, or whose grant does not
         // hold the tool, cannot make it another tool.
-        let mut args_only = renamer.clone();
-        args_only.grant = Some(RewriteGrant {
-            tools: vec!["delete_db".into()],
-            may_rename: false,
-        });
+        let args_only = mutate(renamer.clone(), &["delete_db"], false);
         assert!(hidden(
             &[args_only, policy_guard("p", CANCEL_DELETE)],
             "delete_db"
         ));
-        let mut elsewhere = renamer.clone();
-        elsewhere.grant = Some(RewriteGrant {
-            tools: vec!["archive_db".into()],
-            may_rename: true,
-        });
+        let elsewhere = mutate(renamer.clone(), &["archive_db"], true);
         assert!(hidden(
             &[elsewhere, policy_guard("p", CANCEL_DELETE)],
             "delete_db"

@@ -137,6 +137,42 @@ fn count(n: usize) -> i64 {
     i64::try_from(n).unwrap_or(i64::MAX)
 }
 
+/// A span of one gRPC exchange, `kind` "server" or "client", of a
+/// `service` method (its full name, then its name), with the RPC
+/// attributes `conventions` asks for (the legacy ones, the current ones or
+/// both), the server's address and port, and then `$rest`. Both the batch
+/// and a guard's exchange are spans of this one shape.
+macro_rules! rpc_span {
+    (
+        $(parent: $parent:expr,)?
+        $name:literal,
+        $conventions:expr,
+        kind: $kind:literal,
+        service: $service:expr,
+        method: ($full:expr, $method:expr),
+        server: ($address:expr, $port:expr),
+        $($rest:tt)*
+    ) => {
+        tracing::debug_span!(
+            $(parent: $parent,)?
+            $name,
+            otel.name = $full,
+            otel.kind = $kind,
+            otel.status_description = Empty,
+            rpc.system = $conventions.legacy.then_some("grpc"),
+            rpc.system.name = $conventions.current.then_some("grpc"),
+            rpc.service = $conventions.legacy.then_some($service),
+            rpc.method = if $conventions.current { $full } else { $method },
+            rpc.grpc.status_code = Empty,
+            rpc.status_code = Empty,
+            server.address = $address,
+            server.port = $port,
+            "error.type" = Empty,
+            $($rest)*
+        )
+    };
+}
+
 /// The server span of one batch. `served_at` is the mesh's listening
 /// address, when it is serving.
 pub(crate) fn batch_span(
@@ -154,20 +190,16 @@ pub(crate) fn batch_span(
     };
     let session = context.map_or("", |c| c.session_id.as_str());
     let served_at = served_at.filter(|a| !a.ip().is_unspecified());
-    tracing::debug_span!(
+    rpc_span!(
         "guardmesh.batch",
-        otel.name = full,
-        otel.kind = "server",
-        otel.status_description = Empty,
-        rpc.system = conventions.legacy.then_some("grpc"),
-        rpc.system.name = conventions.current.then_some("grpc"),
-        rpc.service = conventions.legacy.then_some(PRE_TOOL_SERVICE),
-        rpc.method = if conventions.current { full } else { method },
-        rpc.grpc.status_code = Empty,
-        rpc.status_code = Empty,
-        server.address = served_at.map(|a| tracing::field::display(a.ip())),
-        server.port = served_at.map(|a| i64::from(a.port())),
-        "error.type" = Empty,
+        conventions,
+        kind: "server",
+        service: PRE_TOOL_SERVICE,
+        method: (full, method),
+        server: (
+            served_at.map(|a| tracing::field::display(a.ip())),
+            served_at.map(|a| i64::from(a.port()))
+        ),
         gen_ai.conversation.id = (!session.is_empty()).then_some(session),
         guardmesh.batch_id = batch_id,
         guardmesh.session_id = session,
@@ -298,21 +330,14 @@ fn host_port(endpoint: &str) -> Option<(String, Option<u16>)> {
 /// guardrail span.
 pub(crate) fn judge_span(parent: &Span, guard: &SpanGuard<'_>) -> Span {
     let conventions = *CONVENTIONS;
-    let span = tracing::debug_span!(
+    let span = rpc_span!(
         parent: parent,
         "guardmesh.guard",
-        otel.name = JUDGE,
-        otel.kind = "client",
-        otel.status_description = Empty,
-        rpc.system = conventions.legacy.then_some("grpc"),
-        rpc.system.name = conventions.current.then_some("grpc"),
-        rpc.service = conventions.legacy.then_some(GUARD_SERVICE),
-        rpc.method = if conventions.current { JUDGE } else { "Judge" },
-        rpc.grpc.status_code = Empty,
-        rpc.status_code = Empty,
-        server.address = Empty,
-        server.port = Empty,
-        "error.type" = Empty,
+        conventions,
+        kind: "client",
+        service: GUARD_SERVICE,
+        method: (JUDGE, "Judge"),
+        server: (Empty, Empty),
         guardmesh.guard = guard.name,
     );
     if !span.is_disabled() {

@@ -59,6 +59,25 @@ fn refused(source: &str) -> CompileError {
     Policy::compile(source).expect_err("the policy should be refused")
 }
 
+/// The TOML of one rule named `name`, on the tools `tools` match (every
+/// tool when none), of the CEL expressions `when` and `message`.
+fn rule(name: &str, tools: &[&str], when: &str, action: &str, message: &str) -> String {
+    let tools = if tools.is_empty() {
+        String::new()
+    } else {
+        format!("tools = {tools:?}\n")
+    };
+    format!(
+        "[[rule]]\nname = {name:?}\n{tools}when = {when:?}\naction = {action:?}\nmessage = {message:?}\n"
+    )
+}
+
+/// The policy of `rules`, in order.
+fn compiled(rules: &[String]) -> Policy {
+    let source = rules.concat();
+    Policy::compile(&source).unwrap_or_else(|error| panic!("{error}:\n{source}"))
+}
+
 const TWO_RULES: &str = r#"
 [[rule]]
 name = "first"
@@ -90,23 +109,10 @@ fn r27_the_first_matching_rule_decides() {
 /// R27: a rule applies to the tools its globs match; without globs, to all.
 #[test]
 fn r27_tool_globs_select_the_rules() {
-    let policy = Policy::compile(
-        r#"
-[[rule]]
-name = "sql-only"
-tools = ["sql.*", "db_exec"]
-when = "true"
-action = "cancel"
-message = "'sql'"
-
-[[rule]]
-name = "everything"
-when = "call.tool != 'free'"
-action = "steer"
-message = "'all'"
-"#,
-    )
-    .unwrap();
+    let policy = compiled(&[
+        rule("sql-only", &["sql.*", "db_exec"], "true", "cancel", "'sql'"),
+        rule("everything", &[], "call.tool != 'free'", "steer", "'all'"),
+    ]);
     assert_eq!(
         matched(&one(&policy, "sql.query", json!({}))).rule,
         "sql-only"
@@ -125,23 +131,10 @@ message = "'all'"
 /// names has filled it, and stays bounded.
 #[test]
 fn r27_remembered_tools_get_the_globs_answer() {
-    let policy = Policy::compile(
-        r#"
-[[rule]]
-name = "sql-only"
-tools = ["sql.*"]
-when = "true"
-action = "cancel"
-message = "'sql'"
-
-[[rule]]
-name = "everything"
-when = "true"
-action = "steer"
-message = "'all'"
-"#,
-    )
-    .unwrap();
+    let policy = compiled(&[
+        rule("sql-only", &["sql.*"], "true", "cancel", "'sql'"),
+        rule("everything", &[], "true", "steer", "'all'"),
+    ]);
     let rule = |tool: &str| matched(&one(&policy, tool, json!({}))).rule.clone();
     for round in 0..2 {
         assert_eq!(rule("sql.query"), "sql-only", "round {round}");
@@ -168,16 +161,13 @@ message = "'all'"
 /// R27: the message is a CEL string expression, so it can quote the call.
 #[test]
 fn r27_the_message_quotes_the_call() {
-    let policy = Policy::compile(
-        r#"
-[[rule]]
-name = "quote"
-when = "true"
-action = "cancel"
-message = '"refused " + call.tool + " (" + call.call_id + "): " + call.args.q + " in " + context.session_id'
-"#,
-    )
-    .unwrap();
+    let policy = compiled(&[rule(
+        "quote",
+        &[],
+        "true",
+        "cancel",
+        r#""refused " + call.tool + " (" + call.call_id + "): " + call.args.q + " in " + context.session_id"#,
+    )]);
     let mut input = batch(vec![call("id-9", "web.get", json!({"q": "x'y\"z"}))]);
     input.session_id = "s1".into();
     let outcome = policy.evaluate(&input).remove(0);
@@ -210,31 +200,17 @@ fn r27_an_evaluation_error_is_an_error_not_a_proceed() {
         "{error}"
     );
 
-    let policy = Policy::compile(
-        r#"
-[[rule]]
-name = "not-bool"
-tools = ["a"]
-when = "call.args"
-action = "cancel"
-message = "'x'"
-
-[[rule]]
-name = "not-string"
-tools = ["b"]
-when = "true"
-action = "cancel"
-message = "42"
-
-[[rule]]
-name = "message-fails"
-tools = ["c"]
-when = "true"
-action = "cancel"
-message = "'x' + call.args.missing"
-"#,
-    )
-    .unwrap();
+    let policy = compiled(&[
+        rule("not-bool", &["a"], "call.args", "cancel", "'x'"),
+        rule("not-string", &["b"], "true", "cancel", "42"),
+        rule(
+            "message-fails",
+            &["c"],
+            "true",
+            "cancel",
+            "'x' + call.args.missing",
+        ),
+    ]);
     assert!(matches!(
         one(&policy, "a", json!({})),
         Outcome::Error(EvalError::NotBool { got, .. }) if got == "map"
@@ -252,16 +228,13 @@ message = "'x' + call.args.missing"
 /// `matches`, in both forms, with written and computed patterns.
 #[test]
 fn matches_uses_precompiled_and_computed_patterns() {
-    let policy = Policy::compile(
-        r#"
-[[rule]]
-name = "m"
-when = "call.args.q.matches(r'^\\d+$') && matches(call.args.q, call.args.p)"
-action = "cancel"
-message = "'m'"
-"#,
-    )
-    .unwrap();
+    let policy = compiled(&[rule(
+        "m",
+        &[],
+        r#"call.args.q.matches(r'^\d+$') && matches(call.args.q, call.args.p)"#,
+        "cancel",
+        "'m'",
+    )]);
     assert!(matches!(
         one(&policy, "t", json!({"q": "123", "p": "2"})),
         Outcome::Matched(_)
@@ -282,16 +255,13 @@ message = "'m'"
 /// longer than their receivers.
 #[test]
 fn r27_rules_normalise_case_and_white_space() {
-    let policy = Policy::compile(
-        r#"
-[[rule]]
-name = "no-http-delete"
-when = "has(call.args.method) && call.args.method.trim().lowerAscii() == 'delete'"
-action = "cancel"
-message = "'no ' + call.args.method.trim().upperAscii() + ' (' + call.args.method.lowerAscii() + ')'"
-"#,
-    )
-    .unwrap();
+    let policy = compiled(&[rule(
+        "no-http-delete",
+        &[],
+        "has(call.args.method) && call.args.method.trim().lowerAscii() == 'delete'",
+        "cancel",
+        "'no ' + call.args.method.trim().upperAscii() + ' (' + call.args.method.lowerAscii() + ')'",
+    )]);
     for method in ["DELETE", "Delete", " delete\n", "\u{2003}dElEtE"] {
         let outcome = one(&policy, "http.request", json!({ "method": method }));
         assert_eq!(matched(&outcome).rule, "no-http-delete", "{method:?}");
@@ -324,17 +294,13 @@ message = "'no ' + call.args.method.trim().upperAscii() + ' (' + call.args.metho
 /// R27: `calls` holds every call of the batch, so a rule can count them.
 #[test]
 fn r27_rules_see_the_whole_batch() {
-    let policy = Policy::compile(
-        r#"
-[[rule]]
-name = "at-most-2"
-tools = ["email.send"]
-when = "calls.filter(c, c.tool == 'email.send').size() > 2"
-action = "steer"
-message = "'too many emails'"
-"#,
-    )
-    .unwrap();
+    let policy = compiled(&[rule(
+        "at-most-2",
+        &["email.send"],
+        "calls.filter(c, c.tool == 'email.send').size() > 2",
+        "steer",
+        "'too many emails'",
+    )]);
     let two = batch(vec![
         call("1", "email.send", json!({})),
         call("2", "email.send", json!({})),
@@ -962,17 +928,13 @@ fn measure_a_policy_file() {
 fn r27_a_batch_wide_rule_judges_each_call_with_its_own_message() {
     // `when` reads no `call`: evaluated once per batch, its verdict given
     // to every call it applies to, each with a message quoting that call.
-    let policy = Policy::compile(
-        r#"
-[[rule]]
-name = "injected"
-tools = ["sql.*", "http.*"]
-when = "context.model_text.matches('(?i)ignore (all|previous) rules') && size(calls) > 1"
-action = "cancel"
-message = "'refused ' + call.tool + ' in an injected round'"
-"#,
-    )
-    .expect("compiles");
+    let policy = compiled(&[rule(
+        "injected",
+        &["sql.*", "http.*"],
+        "context.model_text.matches('(?i)ignore (all|previous) rules') && size(calls) > 1",
+        "cancel",
+        "'refused ' + call.tool + ' in an injected round'",
+    )]);
     let mut input = batch(vec![
         call("c1", "sql.query", json!({})),
         call("c2", "fs.read", json!({})),
@@ -1041,16 +1003,13 @@ message = "'y'"
 /// lookup of a large object is a search in its sorted keys, not a scan).
 #[test]
 fn r27_a_huge_object_does_not_make_key_lookups_quadratic() {
-    let policy = Policy::compile(
-        r#"
-[[rule]]
-name = "any-zero"
-when = "call.args.exists(k, call.args[k] < 1)"
-action = "steer"
-message = "'zero'"
-"#,
-    )
-    .expect("compiles");
+    let policy = compiled(&[rule(
+        "any-zero",
+        &[],
+        "call.args.exists(k, call.args[k] < 1)",
+        "steer",
+        "'zero'",
+    )]);
     let args: serde_json::Map<String, serde_json::Value> = (0..50_000)
         .map(|i| (format!("k{i}"), json!(i + 1)))
         .collect();
@@ -1073,16 +1032,13 @@ message = "'zero'"
 /// value, in small and in large (sorted) objects alike.
 #[test]
 fn r27_a_repeated_member_is_judged_by_the_interpreter_last_value_wins() {
-    let policy = Policy::compile(
-        r#"
-[[rule]]
-name = "big-amount"
-when = "call.args.amount > 100"
-action = "steer"
-message = "'big'"
-"#,
-    )
-    .expect("compiles");
+    let policy = compiled(&[rule(
+        "big-amount",
+        &[],
+        "call.args.amount > 100",
+        "steer",
+        "'big'",
+    )]);
     for members in [2, 40] {
         let filler: String = (0..members).map(|i| format!("\"m{i}\":{i},")).collect();
         let text = format!("{{{filler}\"amount\":1,\"amount\":500}}");
@@ -1124,16 +1080,13 @@ fn one_pay_call(args: Args<'_>) -> BatchValues<'_> {
 /// is: never a proceed the interpreter would not give.
 #[test]
 fn r27_nested_arguments_read_late_are_judged_as_read_early() {
-    let policy = Policy::compile(
-        r#"
-[[rule]]
-name = "big-amount"
-when = "call.args.payment.amount > 100"
-action = "steer"
-message = "'big'"
-"#,
-    )
-    .expect("compiles");
+    let policy = compiled(&[rule(
+        "big-amount",
+        &[],
+        "call.args.payment.amount > 100",
+        "steer",
+        "'big'",
+    )]);
     let cases = [
         (
             r#"{"note":"x","payment":{"amount":500}}"#,

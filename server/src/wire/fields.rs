@@ -108,13 +108,17 @@ mod tests {
         (number, wire_type)
     }
 
+    /// The number and wire type of the one field a default `M` that
+    /// `change` sets encodes to.
+    fn changed<M: Message + Default>(change: fn(&mut M)) -> (u32, u8) {
+        let mut message = M::default();
+        change(&mut message);
+        only_field(&message)
+    }
+
     #[test]
     fn evaluate_request_fields_are_the_generated_ones() {
-        let only = |change: fn(&mut EvaluateRequest)| {
-            let mut message = EvaluateRequest::default();
-            change(&mut message);
-            only_field(&message)
-        };
+        let only = changed::<EvaluateRequest>;
         assert_eq!(
             only(|m| m.batch_id = "b".into()),
             (evaluate_request::BATCH_ID, LEN)
@@ -144,11 +148,7 @@ mod tests {
             kind: Some(Kind::Batch(GuardBatch::default())),
         };
         assert_eq!(only_field(&request), (judge_request::BATCH, LEN));
-        let only = |change: fn(&mut GuardBatch)| {
-            let mut message = GuardBatch::default();
-            change(&mut message);
-            only_field(&message)
-        };
+        let only = changed::<GuardBatch>;
         assert_eq!(
             only(|m| m.request_id = 1),
             (guard_batch::REQUEST_ID, VARINT)
@@ -178,11 +178,7 @@ mod tests {
             ..JudgeResponse::default()
         };
         assert_eq!(only_field(&response), (judge_response::VERDICTS, LEN));
-        let only = |change: fn(&mut Verdict)| {
-            let mut message = Verdict::default();
-            change(&mut message);
-            only_field(&message)
-        };
+        let only = changed::<Verdict>;
         assert_eq!(only(|m| m.call_id = "c".into()), (verdict::CALL_ID, LEN));
         assert_eq!(
             only(|m| m.outcome = Some(Outcome::Skip(Skip::default()))),
@@ -214,11 +210,7 @@ mod tests {
 
     #[test]
     fn session_memory_and_call_fields_are_the_generated_ones() {
-        let only = |change: fn(&mut SessionMemory)| {
-            let mut message = SessionMemory::default();
-            change(&mut message);
-            only_field(&message)
-        };
+        let only = changed::<SessionMemory>;
         assert_eq!(
             only(|m| m.labels = vec!["l".into()]),
             (session_memory::LABELS, LEN)
@@ -251,11 +243,7 @@ mod tests {
             only(|m| m.truncated = true),
             (session_memory::TRUNCATED, VARINT)
         );
-        let only = |change: fn(&mut SessionCall)| {
-            let mut message = SessionCall::default();
-            change(&mut message);
-            only_field(&message)
-        };
+        let only = changed::<SessionCall>;
         assert_eq!(only(|m| m.tool = "t".into()), (session_call::TOOL, LEN));
         assert_eq!(only(|m| m.server = "s".into()), (session_call::SERVER, LEN));
         assert_eq!(

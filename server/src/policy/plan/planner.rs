@@ -36,6 +36,22 @@ impl Planner {
         out.try_into().ok()
     }
 
+    /// The node `make` builds of the one operand in `args`.
+    fn unary(&mut self, args: &[IdedExpr], make: fn(Box<Node>) -> Node) -> Option<Node> {
+        let [a] = self.nodes(args)?;
+        Some(make(a))
+    }
+
+    /// The node `make` builds of the two operands in `args`.
+    fn binary(
+        &mut self,
+        args: &[IdedExpr],
+        make: fn(Box<Node>, Box<Node>) -> Node,
+    ) -> Option<Node> {
+        let [a, b] = self.nodes(args)?;
+        Some(make(a, b))
+    }
+
     pub(super) fn node(&mut self, expr: &IdedExpr) -> Option<Node> {
         Some(match &expr.expr {
             Expr::Literal(literal) => match literal {
@@ -263,38 +279,17 @@ impl Planner {
             };
         }
         Some(match name {
-            op::LOGICAL_AND => {
-                let [a, b] = self.nodes(args)?;
-                Node::And(a, b)
-            }
-            op::LOGICAL_OR => {
-                let [a, b] = self.nodes(args)?;
-                Node::Or(a, b)
-            }
-            op::LOGICAL_NOT => {
-                let [a] = self.nodes(args)?;
-                Node::Not(a)
-            }
-            op::NEGATE => {
-                let [a] = self.nodes(args)?;
-                Node::Negate(a)
-            }
-            op::NOT_STRICTLY_FALSE => {
-                let [a] = self.nodes(args)?;
-                Node::NotStrictlyFalse(a)
-            }
+            op::LOGICAL_AND => self.binary(args, Node::And)?,
+            op::LOGICAL_OR => self.binary(args, Node::Or)?,
+            op::LOGICAL_NOT => self.unary(args, Node::Not)?,
+            op::NEGATE => self.unary(args, Node::Negate)?,
+            op::NOT_STRICTLY_FALSE => self.unary(args, Node::NotStrictlyFalse)?,
             op::CONDITIONAL => {
                 let [c, a, b] = self.nodes(args)?;
                 Node::Cond(Box::new([*c, *a, *b]))
             }
-            op::EQUALS => {
-                let [a, b] = self.nodes(args)?;
-                Node::Eq(a, b)
-            }
-            op::NOT_EQUALS => {
-                let [a, b] = self.nodes(args)?;
-                Node::Ne(a, b)
-            }
+            op::EQUALS => self.binary(args, Node::Eq)?,
+            op::NOT_EQUALS => self.binary(args, Node::Ne)?,
             op::LESS | op::LESS_EQUALS | op::GREATER | op::GREATER_EQUALS => {
                 let [a, b] = self.nodes(args)?;
                 let compare = match name {
@@ -314,14 +309,8 @@ impl Planner {
                 };
                 Node::Arith(arith, a, b)
             }
-            op::IN => {
-                let [a, b] = self.nodes(args)?;
-                Node::In(a, b)
-            }
-            op::INDEX => {
-                let [a, b] = self.nodes(args)?;
-                Node::Index(a, b)
-            }
+            op::IN => self.binary(args, Node::In)?,
+            op::INDEX => self.binary(args, Node::Index)?,
             "size" => {
                 let [a] = self.nodes(args)?;
                 Node::Size(a)
