@@ -15,7 +15,7 @@
 //!   where `gradient = (TOLERANCE * unloaded + SLACK) / round trip`, held
 //!   to `[0.5, 1]`: while answers come back within [`TOLERANCE`] times the
 //!   unloaded latency (plus [`SLACK`], so that a guard answering in
-//!   microseconds is not held back by a busy machine's scheduling) the limit grows (by about its square root, the room
+//!   microseconds is not held back by a scheduler's jitter) the limit grows (by about its square root, the room
 //!   left for requests that queue at the guard); once they take longer,
 //!   requests are queuing inside the guard, and the limit shrinks towards
 //!   what the guard judges at once. The `sqrt` term keeps it from falling
@@ -40,17 +40,8 @@ use tokio::time::Instant;
 /// [`SLACK`]) do not shrink the limit.
 pub(crate) const TOLERANCE: f64 = 1.0;
 
-/// Queueing this short at a guard never shrinks the limit: the most a
-/// request of one client queues inside a guard behind another client's
-/// burst. A guard that answers in microseconds on a machine whose CPUs
-/// are busy (the mesh, its guards and their clients sharing them) takes a
-/// few milliseconds to answer because it waits to be scheduled, not
-/// because it queues. At 2 ms the limit took that for queueing: in the
-/// benchmark's throughput run (64 batches in flight, four zero-latency
-/// guards, one CPU) each guard's limit fell as low as 5 and the requests
-/// past it waited in the mesh, each costing it more there (more wake-ups,
-/// fewer requests per write); at 10 ms it stays above 100.
-pub(crate) const SLACK: Duration = Duration::from_millis(10);
+/// Queueing this short at a guard never shrinks the limit.
+pub(crate) const SLACK: Duration = Duration::from_millis(2);
 
 /// The least round trip is the least of this window and the one before.
 pub(crate) const MIN_RTT_WINDOW: Duration = Duration::from_secs(10);
