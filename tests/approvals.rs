@@ -538,12 +538,8 @@ async fn r35_two_replicas_on_etcd_let_one_approval_run_once() {
     let more = "store_timeout_ms = 2000";
     let (a, b) = crate::sessions_store::etcd_replicas(&cluster, &dir, "approvals-etcd", more).await;
     let guard = refund_guard().await;
-    guardmesh_client::Registrar::connect(a.url.clone())
-        .await
-        .unwrap()
-        .register(Registration::validate("refunds", &guard.url))
-        .await
-        .unwrap();
+    a.register(Registration::validate("refunds", &guard.url))
+        .await;
     let (ca, cb) = (
         guardmesh_client::Coordinator::connect(a.url.clone())
             .await
@@ -1214,12 +1210,8 @@ async fn r35_two_replicas_on_redis_let_one_approval_run_once() {
     let (a, b) = redis_replicas(&redis, &dir, "approvals-redis", more).await;
     let guard = refund_guard().await;
     for mesh in [&a, &b] {
-        guardmesh_client::Registrar::connect(mesh.url.clone())
-            .await
-            .unwrap()
-            .register(Registration::validate("refunds", &guard.url))
-            .await
-            .unwrap();
+        mesh.register(Registration::validate("refunds", &guard.url))
+            .await;
     }
     let (ca, cb) = (
         guardmesh_client::Coordinator::connect(a.url.clone())

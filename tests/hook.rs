@@ -334,14 +334,10 @@ async fn r31b_r35_hook_answers_a_guards_ask_with_the_hosts_ask() {
             .then(|| guardmesh_client::verdict::ask(&call.call_id, "refunds need a person"))
     })
     .await;
-    guardmesh_client::Registrar::connect(mesh.url.clone())
-        .await
-        .unwrap()
-        .register(guardmesh_client::Registration::validate(
-            "refunds", &asker.url,
-        ))
-        .await
-        .unwrap();
+    mesh.register(guardmesh_client::Registration::validate(
+        "refunds", &asker.url,
+    ))
+    .await;
     let url = mesh.url.clone();
     tokio::task::spawn_blocking(move || {
         let input = payload("refund", json!({"amount": 1500}));

@@ -7,10 +7,10 @@
 //! Needs `scripts/setup-polyglot` (the SDK in build/venv).
 
 use crate::harness::*;
+use guardmesh_client::Registration;
 use guardmesh_client::proto::FailurePolicy;
 use guardmesh_client::proto::GuardBatch;
 use guardmesh_client::verdict::{cancel, rewrite_arguments, steer};
-use guardmesh_client::{Registrar, Registration};
 use serde_json::{Value, json};
 use std::io::{BufRead, Write};
 use std::path::PathBuf;
@@ -165,12 +165,8 @@ pub(crate) fn policy(
 pub(crate) async fn mesh_with_policy(name: &str) -> (MeshProcess, TestGuard) {
     let mesh = MeshProcess::start(name, "", None).await;
     let guard = call_guard(Duration::ZERO, policy).await;
-    Registrar::connect(mesh.url.clone())
-        .await
-        .unwrap()
-        .register(Registration::mutate("policy", &guard.url, ["read_file"]))
-        .await
-        .unwrap();
+    mesh.register(Registration::mutate("policy", &guard.url, ["read_file"]))
+        .await;
     (mesh, guard)
 }
 
@@ -349,14 +345,10 @@ async fn r31_r13_aborted_and_unreachable_answer_json_rpc_errors_and_forward_noth
         ..Script::default()
     })
     .await;
-    Registrar::connect(mesh.url.clone())
-        .await
-        .unwrap()
-        .register(
-            Registration::validate("strict", &broken.url).failure_policy(FailurePolicy::Abort),
-        )
-        .await
-        .unwrap();
+    mesh.register(
+        Registration::validate("strict", &broken.url).failure_policy(FailurePolicy::Abort),
+    )
+    .await;
     let scratch = Scratch::new("abort");
     let scenario = json!({"mode": "legacy", "steps": [
         {"op": "call", "name": "pay", "arguments": {"amount": 1, "to": "bob"}},

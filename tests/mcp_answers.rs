@@ -183,14 +183,10 @@ async fn r31_the_gateway_judges_on_a_new_stream_after_the_mesh_restarts() {
     let guard = call_guard(std::time::Duration::ZERO, crate::mcp::policy).await;
     let start = move |name: &'static str, endpoint: String| async move {
         let mesh = MeshProcess::start_at(name, "", None, port).await;
-        guardmesh_client::Registrar::connect(mesh.url.clone())
-            .await
-            .unwrap()
-            .register(guardmesh_client::Registration::validate(
-                "policy", &endpoint,
-            ))
-            .await
-            .unwrap();
+        mesh.register(guardmesh_client::Registration::validate(
+            "policy", &endpoint,
+        ))
+        .await;
         mesh
     };
     let mut mesh = start("mcp-restart-1", guard.url.clone()).await;

@@ -11,7 +11,7 @@
 
 use crate::harness::*;
 use crate::mcp::{Scratch, mcp_python, mesh_with_policy, post};
-use guardmesh_client::{Registrar, Registration};
+use guardmesh_client::Registration;
 use serde_json::{Value, json};
 use std::io::{BufRead, Write};
 use std::process::{Command, Stdio};
@@ -362,16 +362,12 @@ async fn r31_r25_http_one_session_cannot_starve_the_mesh_link() {
     let _heavy = HEAVY.lock().await;
     let (mesh, _guard) = mesh_with_policy("bounds-fair").await;
     let slow = call_guard(Duration::from_secs(6), |_| None).await;
-    Registrar::connect(mesh.url.clone())
-        .await
-        .unwrap()
-        .register(
-            Registration::validate("slow", &slow.url)
-                .tools(["read_file"])
-                .timeout(HOLD),
-        )
-        .await
-        .unwrap();
+    mesh.register(
+        Registration::validate("slow", &slow.url)
+            .tools(["read_file"])
+            .timeout(HOLD),
+    )
+    .await;
     let scratch = Scratch::new("bounds-fair");
     let gw = HttpGateway::start(&mesh.url, &scratch, None, &["--batch-window-ms", "0"]).await;
     let session = gw.session().await;

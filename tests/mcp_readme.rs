@@ -17,8 +17,8 @@
 
 use crate::harness::*;
 use crate::mcp::{Scratch, calls, mcp_python, mesh_with_policy, sdk_dir};
+use guardmesh_client::Registration;
 use guardmesh_client::verdict::{rewrite_arguments, steer};
-use guardmesh_client::{Registrar, Registration};
 use serde_json::{Value, json};
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
@@ -312,12 +312,8 @@ async fn r31_readme_pre_tool_use_hook_runs_as_written() {
         }
     })
     .await;
-    Registrar::connect(mesh.url.clone())
-        .await
-        .unwrap()
-        .register(Registration::mutate("policy", &guard.url, ["Read"]))
-        .await
-        .unwrap();
+    mesh.register(Registration::mutate("policy", &guard.url, ["Read"]))
+        .await;
     let command = with_mesh(&commands, &mesh.url).remove(0);
     tokio::task::spawn_blocking(move || {
         let (code, out) = run_hook(

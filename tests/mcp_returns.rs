@@ -15,9 +15,9 @@ use crate::mcp::{
     run_client_off_thread, sdk_dir, via_gateway_judging,
 };
 use crate::mcp_relay::http_session;
+use guardmesh_client::Registration;
 use guardmesh_client::proto::{GuardBatch, GuardPhases};
 use guardmesh_client::verdict::block_result;
-use guardmesh_client::{Registrar, Registration};
 use serde_json::{Value, json};
 use std::process::Command;
 
@@ -41,12 +41,8 @@ pub(crate) fn block_secrets(batch: &GuardBatch) -> Script {
 async fn mesh_judging_results(name: &str) -> (MeshProcess, TestGuard) {
     let mesh = MeshProcess::start(name, "", None).await;
     let guard = script_guard(block_secrets).await;
-    Registrar::connect(mesh.url.clone())
-        .await
-        .unwrap()
-        .register(Registration::validate("secrets", &guard.url).phases(GuardPhases::Results))
-        .await
-        .unwrap();
+    mesh.register(Registration::validate("secrets", &guard.url).phases(GuardPhases::Results))
+        .await;
     (mesh, guard)
 }
 

@@ -15,9 +15,9 @@ use crate::mcp::{
     sdk_dir, via_gateway_judging,
 };
 use crate::mcp_returns::{WITHHELD, block_secrets};
+use guardmesh_client::Registration;
 use guardmesh_client::proto::{GuardBatch, GuardPhases, ToolCall, Verdict};
 use guardmesh_client::verdict::{cancel, rewrite_arguments};
-use guardmesh_client::{Registrar, Registration};
 use serde_json::{Value, json};
 use std::process::{Command, Stdio};
 use std::time::Duration;
@@ -43,12 +43,8 @@ fn guard_policy(call: &ToolCall) -> Option<Verdict> {
 async fn mesh_with_guard(name: &str) -> (MeshProcess, TestGuard) {
     let mesh = MeshProcess::start(name, "", None).await;
     let guard = call_guard(Duration::ZERO, guard_policy).await;
-    Registrar::connect(mesh.url.clone())
-        .await
-        .unwrap()
-        .register(Registration::mutate("db", &guard.url, ["read_db"]))
-        .await
-        .unwrap();
+    mesh.register(Registration::mutate("db", &guard.url, ["read_db"]))
+        .await;
     (mesh, guard)
 }
 
@@ -77,6 +73,91 @@ fn embedded_config(scratch: &Scratch, guard: &TestGuard, more: &str) -> String {
     )
     .unwrap();
     config.display().to_string()
+}
+
+/// Which way the client reaches the upstream: through `mcp stdio` or
+/// `mcp http` before a mesh process, or through `mcp stdio` with its
+/// mesh embedded.
+#[derive(Clone, Copy)]
+enum Way {
+    Stdio,
+    Http,
+    Embedded,
+}
+
+/// A gateway before the sampling upstream, the way `way` says, its chain
+/// the call guard of [`mesh_with_guard`] and, with `results`, the results
+/// guard of [`mesh_judging_results`]; what keeps it running.
+struct Setup {
+    target: Vec<String>,
+    scratch: Scratch,
+    guard: TestGuard,
+    results: Option<TestGuard>,
+    _mesh: Option<MeshProcess>,
+    _processes: Vec<KillOnDrop>,
+}
+
+impl Setup {
+    async fn new(way: Way, name: &str, results: bool) -> Self {
+        let scratch = Scratch::new(name);
+        let (mesh, guard, results) = match (way, results) {
+            (Way::Embedded, _) => {
+                let guard = call_guard(Duration::ZERO, guard_policy).await;
+                let results = if results {
+                    Some(script_guard(block_secrets).await)
+                } else {
+                    None
+                };
+                (None, guard, results)
+            }
+            (_, true) => {
+                let (mesh, guard, results) = mesh_judging_results(name).await;
+                (Some(mesh), guard, Some(results))
+            }
+            (_, false) => {
+                let (mesh, guard) = mesh_with_guard(name).await;
+                (Some(mesh), guard, None)
+            }
+        };
+        let mut processes = Vec::new();
+        let target = match (way, &mesh) {
+            (Way::Http, Some(mesh)) => {
+                let (url, upstream, gateway) = http_gateway_to_upstream(&mesh.url, &scratch).await;
+                processes.extend([upstream, gateway]);
+                vec!["http".into(), url]
+            }
+            (Way::Stdio, Some(mesh)) => {
+                via_gateway_judging(["--mesh", &mesh.url], &[], upstream(&scratch, &["stdio"]))
+            }
+            _ => {
+                let more = results
+                    .as_ref()
+                    .map_or_else(String::new, results_guard_toml);
+                let config = embedded_config(&scratch, &guard, &more);
+                via_gateway_judging(["--config", &config], &[], upstream(&scratch, &["stdio"]))
+            }
+        };
+        Self {
+            target,
+            scratch,
+            guard,
+            results,
+            _mesh: mesh,
+            _processes: processes,
+        }
+    }
+
+    /// [`sampled_tool_use_is_judged_at`] through this gateway.
+    async fn tool_use_is_judged(&self, revision: Revision) {
+        sampled_tool_use_is_judged_at(revision, self.target.clone(), &self.scratch, &self.guard)
+            .await;
+    }
+
+    /// [`sampled_tool_result_is_judged`] through this gateway.
+    async fn tool_result_is_judged(&self, revision: Revision) {
+        let results = self.results.as_ref().expect("a setup judging results");
+        sampled_tool_result_is_judged(revision, self.target.clone(), &self.scratch, results).await;
+    }
 }
 
 /// The upstream on Streamable HTTP and `guardmesh mcp http --mesh MESH`
@@ -127,14 +208,9 @@ impl Revision {
 }
 
 /// The client asks the upstream to `plan`; the upstream samples, the
-/// client's model answers [`answer`]. The upstream must run only `read_db`,
-/// as rewritten, and read what the guard said of `delete_db`.
-async fn sampled_tool_use_is_judged(target: Vec<String>, scratch: &Scratch, guard: &TestGuard) {
-    sampled_tool_use_is_judged_at(Revision::Legacy, target, scratch, guard).await;
-}
-
-/// [`sampled_tool_use_is_judged`], the sampling travelling as `revision`
-/// says.
+/// client's model answers [`answer`] (the sampling travelling as
+/// `revision` says). The upstream must run only `read_db`, as rewritten,
+/// and read what the guard said of `delete_db`.
 async fn sampled_tool_use_is_judged_at(
     revision: Revision,
     target: Vec<String>,
@@ -208,27 +284,26 @@ async fn sampled_tool_use_is_judged_at(
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn r31_a_tool_use_through_sampling_is_judged_as_a_call_stdio() {
-    let (mesh, guard) = mesh_with_guard("sampling-stdio").await;
-    let scratch = Scratch::new("sampling-stdio");
-    let target = via_gateway_judging(["--mesh", &mesh.url], &[], upstream(&scratch, &["stdio"]));
-    sampled_tool_use_is_judged(target, &scratch, &guard).await;
+    Setup::new(Way::Stdio, "sampling-stdio", false)
+        .await
+        .tool_use_is_judged(Revision::Legacy)
+        .await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn r31_a_tool_use_through_sampling_is_judged_as_a_call_embedded() {
-    let guard = call_guard(Duration::ZERO, guard_policy).await;
-    let scratch = Scratch::new("sampling-embedded");
-    let config = embedded_config(&scratch, &guard, "");
-    let target = via_gateway_judging(["--config", &config], &[], upstream(&scratch, &["stdio"]));
-    sampled_tool_use_is_judged(target, &scratch, &guard).await;
+    Setup::new(Way::Embedded, "sampling-embedded", false)
+        .await
+        .tool_use_is_judged(Revision::Legacy)
+        .await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn r31_a_tool_use_through_sampling_is_judged_as_a_call_http() {
-    let (mesh, guard) = mesh_with_guard("sampling-http").await;
-    let scratch = Scratch::new("sampling-http");
-    let (url, _upstream, _gateway) = http_gateway_to_upstream(&mesh.url, &scratch).await;
-    sampled_tool_use_is_judged(vec!["http".into(), url], &scratch, &guard).await;
+    Setup::new(Way::Http, "sampling-http", false)
+        .await
+        .tool_use_is_judged(Revision::Legacy)
+        .await;
 }
 
 /// R31 over stdio: a sampling answer sent inside a JSON-RPC batch is
@@ -289,33 +364,26 @@ async fn r31_a_tool_use_through_sampling_in_a_batch_is_judged() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn r31_a_tool_use_in_input_responses_is_judged_as_a_call_stdio() {
-    let (mesh, guard) = mesh_with_guard("sampling-mrtr-stdio").await;
-    let scratch = Scratch::new("sampling-mrtr-stdio");
-    let target = via_gateway_judging(["--mesh", &mesh.url], &[], upstream(&scratch, &["stdio"]));
-    sampled_tool_use_is_judged_at(Revision::InputRequired, target, &scratch, &guard).await;
+    Setup::new(Way::Stdio, "sampling-mrtr-stdio", false)
+        .await
+        .tool_use_is_judged(Revision::InputRequired)
+        .await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn r31_a_tool_use_in_input_responses_is_judged_as_a_call_embedded() {
-    let guard = call_guard(Duration::ZERO, guard_policy).await;
-    let scratch = Scratch::new("sampling-mrtr-embedded");
-    let config = embedded_config(&scratch, &guard, "");
-    let target = via_gateway_judging(["--config", &config], &[], upstream(&scratch, &["stdio"]));
-    sampled_tool_use_is_judged_at(Revision::InputRequired, target, &scratch, &guard).await;
+    Setup::new(Way::Embedded, "sampling-mrtr-embedded", false)
+        .await
+        .tool_use_is_judged(Revision::InputRequired)
+        .await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn r31_a_tool_use_in_input_responses_is_judged_as_a_call_http() {
-    let (mesh, guard) = mesh_with_guard("sampling-mrtr-http").await;
-    let scratch = Scratch::new("sampling-mrtr-http");
-    let (url, _upstream, _gateway) = http_gateway_to_upstream(&mesh.url, &scratch).await;
-    sampled_tool_use_is_judged_at(
-        Revision::InputRequired,
-        vec!["http".into(), url],
-        &scratch,
-        &guard,
-    )
-    .await;
+    Setup::new(Way::Http, "sampling-mrtr-http", false)
+        .await
+        .tool_use_is_judged(Revision::InputRequired)
+        .await;
 }
 
 // ---------------------------------------------------------------------------
@@ -330,12 +398,8 @@ async fn r31_a_tool_use_in_input_responses_is_judged_as_a_call_http() {
 async fn mesh_judging_results(name: &str) -> (MeshProcess, TestGuard, TestGuard) {
     let (mesh, guard) = mesh_with_guard(name).await;
     let results = script_guard(block_secrets).await;
-    Registrar::connect(mesh.url.clone())
-        .await
-        .unwrap()
-        .register(Registration::validate("secrets", &results.url).phases(GuardPhases::Results))
-        .await
-        .unwrap();
+    mesh.register(Registration::validate("secrets", &results.url).phases(GuardPhases::Results))
+        .await;
     (mesh, guard, results)
 }
 
@@ -414,54 +478,40 @@ async fn sampled_tool_result_is_judged(
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn r33_a_tool_result_sent_to_the_model_through_sampling_is_judged_stdio() {
-    let (mesh, _guard, results) = mesh_judging_results("sampling-result-stdio").await;
-    let scratch = Scratch::new("sampling-result-stdio");
-    let target = via_gateway_judging(["--mesh", &mesh.url], &[], upstream(&scratch, &["stdio"]));
-    sampled_tool_result_is_judged(Revision::Legacy, target, &scratch, &results).await;
+    Setup::new(Way::Stdio, "sampling-result-stdio", true)
+        .await
+        .tool_result_is_judged(Revision::Legacy)
+        .await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn r33_a_tool_result_sent_to_the_model_through_sampling_is_judged_http() {
-    let (mesh, _guard, results) = mesh_judging_results("sampling-result-http").await;
-    let scratch = Scratch::new("sampling-result-http");
-    let (url, _upstream, _gateway) = http_gateway_to_upstream(&mesh.url, &scratch).await;
-    sampled_tool_result_is_judged(
-        Revision::Legacy,
-        vec!["http".into(), url],
-        &scratch,
-        &results,
-    )
-    .await;
+    Setup::new(Way::Http, "sampling-result-http", true)
+        .await
+        .tool_result_is_judged(Revision::Legacy)
+        .await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn r33_a_tool_result_sent_to_the_model_through_sampling_is_judged_embedded() {
-    let guard = call_guard(Duration::ZERO, guard_policy).await;
-    let results = script_guard(block_secrets).await;
-    let scratch = Scratch::new("sampling-result-embedded");
-    let config = embedded_config(&scratch, &guard, &results_guard_toml(&results));
-    let target = via_gateway_judging(["--config", &config], &[], upstream(&scratch, &["stdio"]));
-    sampled_tool_result_is_judged(Revision::Legacy, target, &scratch, &results).await;
+    Setup::new(Way::Embedded, "sampling-result-embedded", true)
+        .await
+        .tool_result_is_judged(Revision::Legacy)
+        .await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn r33_a_tool_result_in_an_input_required_sampling_request_is_judged_stdio() {
-    let (mesh, _guard, results) = mesh_judging_results("sampling-mrtr-result-stdio").await;
-    let scratch = Scratch::new("sampling-mrtr-result-stdio");
-    let target = via_gateway_judging(["--mesh", &mesh.url], &[], upstream(&scratch, &["stdio"]));
-    sampled_tool_result_is_judged(Revision::InputRequired, target, &scratch, &results).await;
+    Setup::new(Way::Stdio, "sampling-mrtr-result-stdio", true)
+        .await
+        .tool_result_is_judged(Revision::InputRequired)
+        .await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn r33_a_tool_result_in_an_input_required_sampling_request_is_judged_http() {
-    let (mesh, _guard, results) = mesh_judging_results("sampling-mrtr-result-http").await;
-    let scratch = Scratch::new("sampling-mrtr-result-http");
-    let (url, _upstream, _gateway) = http_gateway_to_upstream(&mesh.url, &scratch).await;
-    sampled_tool_result_is_judged(
-        Revision::InputRequired,
-        vec!["http".into(), url],
-        &scratch,
-        &results,
-    )
-    .await;
+    Setup::new(Way::Http, "sampling-mrtr-result-http", true)
+        .await
+        .tool_result_is_judged(Revision::InputRequired)
+        .await;
 }

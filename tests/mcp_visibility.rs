@@ -16,7 +16,7 @@ use crate::mcp::{
     RawGateway, Scratch, calls, gateway_before, mcp_python, post, run_client_off_thread, sdk_dir,
     via_gateway, via_gateway_judging,
 };
-use guardmesh_client::{Registrar, Registration};
+use guardmesh_client::Registration;
 use serde_json::{Value, json};
 use std::collections::HashMap;
 
@@ -29,12 +29,8 @@ const NO_DELETE: &str = policy_rule!(name: "no-delete", tools: ["delete_file"], 
 /// A mesh whose chain is one policy guard holding [`NO_DELETE`].
 async fn mesh_without_delete(name: &str) -> MeshProcess {
     let mesh = MeshProcess::start(name, "", None).await;
-    Registrar::connect(mesh.url.clone())
-        .await
-        .unwrap()
-        .register(Registration::policy("never-delete", NO_DELETE))
-        .await
-        .unwrap();
+    mesh.register(Registration::policy("never-delete", NO_DELETE))
+        .await;
     mesh
 }
 
@@ -317,12 +313,8 @@ const NO_PAY: &str = policy_rule!(name: "no-pay", tools: ["pay"], action: "cance
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn r27_r31_the_typescript_sdk_v2_client_does_not_see_a_tool_the_chain_always_cancels() {
     let mesh = MeshProcess::start("visibility-ts2", "", None).await;
-    Registrar::connect(mesh.url.clone())
-        .await
-        .unwrap()
-        .register(Registration::policy("never-pay", NO_PAY))
-        .await
-        .unwrap();
+    mesh.register(Registration::policy("never-pay", NO_PAY))
+        .await;
     let scratch = Scratch::new("visibility-ts2");
     let (url, _upstream, _gateway) = crate::mcp_revision_ts::gateway_before_ts2_upstream_with(
         &mesh.url,

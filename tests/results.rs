@@ -269,12 +269,8 @@ fn block_secrets(batch: &guardmesh_client::proto::GuardBatch) -> Script {
 async fn mesh_with_results_guard(name: &str) -> (MeshProcess, TestGuard) {
     let mesh = MeshProcess::start(name, "", None).await;
     let guard = script_guard(block_secrets).await;
-    guardmesh_client::Registrar::connect(mesh.url.clone())
-        .await
-        .unwrap()
-        .register(Registration::validate("secrets", &guard.url).phases(GuardPhases::Results))
-        .await
-        .unwrap();
+    mesh.register(Registration::validate("secrets", &guard.url).phases(GuardPhases::Results))
+        .await;
     (mesh, guard)
 }
 
@@ -348,16 +344,12 @@ async fn r31_r33_a_result_the_mesh_cannot_judge_is_withheld_not_forwarded() {
     let (mesh, guard) = mesh_with_results_guard("results-down").await;
     // The results guard is a dead endpoint under fail_closed: the result
     // is blocked by the mesh's failure policy, never forwarded unjudged.
-    guardmesh_client::Registrar::connect(mesh.url.clone())
-        .await
-        .unwrap()
-        .register(
-            Registration::validate("secrets", closed_port().await)
-                .phases(GuardPhases::Results)
-                .timeout(Duration::from_millis(300)),
-        )
-        .await
-        .unwrap();
+    mesh.register(
+        Registration::validate("secrets", closed_port().await)
+            .phases(GuardPhases::Results)
+            .timeout(Duration::from_millis(300)),
+    )
+    .await;
     drop(guard);
     let scratch = Scratch::new("results-down");
     let scenario = json!({"mode": "legacy", "steps": [

@@ -57,7 +57,7 @@ impl TestMesh {
         Registrar::connect(self.url.clone()).await.unwrap()
     }
 
-    pub(crate) async fn register(&self, spec: Registration) {
+    pub(crate) async fn register(&self, spec: impl Into<guardmesh_proto::v1::GuardSpec>) {
         self.registrar().await.register(spec).await.unwrap();
     }
 
@@ -306,6 +306,16 @@ impl MeshProcess {
     /// A coordinator of the mesh.
     pub(crate) async fn coordinator(&self) -> Coordinator {
         Coordinator::connect(self.url.clone()).await.unwrap()
+    }
+
+    /// Registers `spec` with the mesh (it must be accepted).
+    pub(crate) async fn register(&self, spec: impl Into<guardmesh_proto::v1::GuardSpec>) {
+        Registrar::connect(self.url.clone())
+            .await
+            .unwrap()
+            .register(spec)
+            .await
+            .unwrap();
     }
 
     /// What the process wrote to stderr so far.
