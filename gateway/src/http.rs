@@ -463,6 +463,10 @@ impl Proxy {
     /// keys of its `tools/list` request ids), the upstream's answer is read
     /// whole (JSON or SSE, at most [`MAX_LISTING_BYTES`]) and relayed
     /// without the tools' output schemas ([`crate::schemas`]).
+    /// `session`: the gateway session the request was read in (a
+    /// stateless client's own, made for this request), where the tool
+    /// results in the answer are judged (R33): the session its sampled
+    /// calls were remembered in.
     async fn forward_listing(
         &self,
         method: Method,
@@ -470,12 +474,16 @@ impl Proxy {
         body: Out,
         listing: &[String],
         expected: Option<Json>,
+        session: &str,
     ) -> Response<Out> {
         let response = match self.send(method, headers, body).await {
             Ok(response) => response,
             Err(why) => return Self::bad_gateway(why),
         };
-        let judging = self.judging(headers);
+        let judging = crate::stream::Judging {
+            judge: self.judge.clone(),
+            session: session.to_owned(),
+        };
         if listing.is_empty() {
             return crate::stream::relay(response, expected, Some(judging)).await;
         }
@@ -492,11 +500,7 @@ impl Proxy {
                 ));
             }
         };
-        let sse = parts
-            .headers
-            .get(header::CONTENT_TYPE)
-            .and_then(|v| v.to_str().ok())
-            .is_some_and(|v| v.starts_with("text/event-stream"));
+        let sse = crate::stream::is_sse(&parts.headers);
         let text = String::from_utf8_lossy(&body);
         let body = if sse {
             crate::stream::sse_body(&text, expected.as_ref(), Some(&judging)).await
@@ -804,7 +808,14 @@ impl Proxy {
                     .flatten();
                 let listing: Vec<String> = request.filter(|_| lists_tools).into_iter().collect();
                 let response = self
-                    .forward_listing(parts.method, &parts.headers, full(text), &listing, expected)
+                    .forward_listing(
+                        parts.method,
+                        &parts.headers,
+                        full(text),
+                        &listing,
+                        expected,
+                        &session,
+                    )
                     .await;
                 if let Some(initialize) = initialize {
                     self.learn(&initialize, &response);
@@ -921,7 +932,14 @@ impl Proxy {
                         .collect();
                     let body = format!("[{}]", texts.join(","));
                     return self
-                        .forward_listing(parts.method, &parts.headers, full(body), &listing, None)
+                        .forward_listing(
+                            parts.method,
+                            &parts.headers,
+                            full(body),
+                            &listing,
+                            None,
+                            &session,
+                        )
                         .await;
                 }
                 let _slot = match self.calls.enter(&session) {

@@ -188,11 +188,22 @@ pub async fn judged_request(judge: &Judge, session: &str, text: String) -> Resul
         return Err(crate::upstream::refuse(&text, &data));
     };
     let mut message = read.value;
-    let Some(Json::Object(responses)) =
-        member_mut(&mut message, "params").and_then(|p| member_mut(p, "inputResponses"))
-    else {
-        return Ok(text);
-    };
+    let responses =
+        match member_mut(&mut message, "params").and_then(|p| member_mut(p, "inputResponses")) {
+            Some(Json::Object(responses)) => responses,
+            None => return Ok(text),
+            // Not the map the revision defines: no peer is sent what the
+            // gateway could not read as it (its `tool_use` blocks unjudged).
+            Some(_) => {
+                let data = rmcp::model::ErrorData::new(
+                    rmcp::model::ErrorCode::INVALID_PARAMS,
+                    "guardmesh: params.inputResponses must be an object of the client's answers; \
+                 the request was not forwarded",
+                    None,
+                );
+                return Err(crate::upstream::refuse(&text, &data));
+            }
+        };
     let mut answers: Vec<&mut Json> = responses.iter_mut().map(|(_, v)| v).collect();
     if !judge_tool_uses(judge, session, &mut answers).await {
         return Ok(text);
@@ -645,6 +656,22 @@ mod tests {
                     .as_deref(),
                 Ok(text)
             );
+        }
+        // Answers that are not the revision's map of answers are refused,
+        // never forwarded with their blocks unread.
+        for text in [
+            r#"{"jsonrpc":"2.0","id":2,"method":"tools/call","params":{"name":"plan","inputResponses":[{"content":{"type":"tool_use","id":"u1","name":"delete_db","input":{}}}]}}"#,
+            r#"{"jsonrpc":"2.0","id":2,"method":"prompts/get","params":{"name":"p","inputresponses":"tool_use"}}"#,
+        ] {
+            let refused = judged_request(&judge, "s", text.to_owned())
+                .await
+                .unwrap_err();
+            assert!(refused.contains("-32602"), "{refused}");
+            assert!(
+                refused.contains("inputResponses must be an object"),
+                "{refused}"
+            );
+            assert!(!refused.contains("delete_db"), "{refused}");
         }
     }
 }

@@ -135,19 +135,42 @@ pub async fn sse_body(text: &str, expected: Option<&Json>, judging: Option<&Judg
     out
 }
 
-/// Whether a response is an SSE stream.
-pub fn is_sse(headers: &http::HeaderMap) -> bool {
-    headers
+/// What a response's body is, by its media type as the MCP SDKs read it:
+/// the type before any parameter, white space trimmed, case ignored (the
+/// Python SDK lower-cases it), so that no spelling of a type a client
+/// parses reaches it unread.
+#[derive(Debug, PartialEq, Eq)]
+enum Media {
+    Sse,
+    Json,
+    /// Any other type, or none: no MCP client reads its body as messages.
+    Other,
+}
+
+fn media(headers: &http::HeaderMap) -> Media {
+    let Some(value) = headers
         .get(header::CONTENT_TYPE)
         .and_then(|v| v.to_str().ok())
-        .is_some_and(|v| v.starts_with("text/event-stream"))
+    else {
+        return Media::Other;
+    };
+    let essence = value.split(';').next().unwrap_or_default().trim();
+    if essence.eq_ignore_ascii_case("text/event-stream") {
+        Media::Sse
+    } else if essence.eq_ignore_ascii_case("application/json") {
+        Media::Json
+    } else {
+        Media::Other
+    }
+}
+
+/// Whether a response is an SSE stream.
+pub fn is_sse(headers: &http::HeaderMap) -> bool {
+    media(headers) == Media::Sse
 }
 
 fn is_json(headers: &http::HeaderMap) -> bool {
-    headers
-        .get(header::CONTENT_TYPE)
-        .and_then(|v| v.to_str().ok())
-        .is_some_and(|v| v.starts_with("application/json"))
+    media(headers) == Media::Json
 }
 
 /// The end of the first event in `buf` (LF, CR LF or CR line ends): where
@@ -174,17 +197,20 @@ fn event_end(buf: &[u8]) -> Option<(usize, usize)> {
 }
 
 /// The upstream's answer relayed message by message as it streams (see
-/// the module's documentation); any other content type as it came.
+/// the module's documentation); a body of any other content type is not
+/// relayed (its status and headers are): nothing the gateway did not read
+/// reaches the client.
 pub async fn relay(
     response: Response<Body>,
     expected: Option<Json>,
     judging: Option<Judging>,
 ) -> Response<Out> {
     let (mut parts, body) = response.into_parts();
-    let out: Out = if is_sse(&parts.headers) {
+    let media = media(&parts.headers);
+    let out: Out = if media == Media::Sse {
         parts.headers.remove(header::CONTENT_LENGTH);
         sse_stream(body, expected, judging)
-    } else if is_json(&parts.headers) {
+    } else if media == Media::Json {
         parts.headers.remove(header::CONTENT_LENGTH);
         let bytes = match http_body_util::Limited::new(body, MAX_EVENT_BYTES)
             .collect()
@@ -206,7 +232,11 @@ pub async fn relay(
             .map_err(|never| match never {})
             .boxed()
     } else {
-        body.boxed()
+        parts.headers.remove(header::CONTENT_LENGTH);
+        drop(body);
+        http_body_util::Empty::new()
+            .map_err(|never| match never {})
+            .boxed()
     };
     Response::from_parts(parts, out)
 }
@@ -415,6 +445,43 @@ mod tests {
         );
         assert!(events[1].contains("appears twice"), "{out}");
         assert!(!out.contains("leak"));
+    }
+
+    /// R31: a spelling of a media type a client reads as SSE or JSON is
+    /// read (and judged) by the gateway too; anything else is not relayed.
+    #[test]
+    fn r31_media_types_are_read_as_the_sdks_read_them() {
+        let of = |value: &str| {
+            let mut headers = http::HeaderMap::new();
+            headers.insert(header::CONTENT_TYPE, value.parse().unwrap());
+            media(&headers)
+        };
+        for sse in [
+            "text/event-stream",
+            "Text/Event-Stream",
+            "TEXT/EVENT-STREAM; charset=utf-8",
+            " text/event-stream ;x=1",
+        ] {
+            assert_eq!(of(sse), Media::Sse, "{sse}");
+        }
+        for json in [
+            "application/json",
+            "Application/JSON",
+            "application/json; charset=utf-8",
+        ] {
+            assert_eq!(of(json), Media::Json, "{json}");
+        }
+        for other in [
+            "text/plain",
+            "text/event-streamx",
+            "application/json-seq",
+            "application/jsonx",
+            "text/html",
+            "",
+        ] {
+            assert_eq!(of(other), Media::Other, "{other}");
+        }
+        assert_eq!(media(&http::HeaderMap::new()), Media::Other);
     }
 
     #[test]
