@@ -217,6 +217,15 @@ struct SampledCalls {
 /// Tool calls asked for through sampling remembered at once, at most.
 pub const MAX_SAMPLED_CALLS: usize = 4096;
 
+/// Of [`MAX_SAMPLED_CALLS`], what one session may hold: a session's flood
+/// forgets its own oldest calls, not other sessions'.
+pub const MAX_SAMPLED_CALLS_PER_SESSION: usize = MAX_SAMPLED_CALLS / 16;
+
+/// A `tool_use` id longer than this is not remembered (its result is then
+/// judged as one the gateway never saw called, or withheld): what the
+/// gateway holds is bounded by its count, not by what a peer writes.
+pub const MAX_SAMPLED_ID_BYTES: usize = 256;
+
 /// Calls a guard asked about whose approval requests the gateway names
 /// when the same call (session, tool, arguments as the gateway writes
 /// them) comes again (R35): an approval given out of band (`guardmesh
@@ -319,10 +328,25 @@ impl Judge {
     /// proceeded; its result is judged as `pending` says when the upstream
     /// sends it to the client's model (`None`: not judged).
     pub fn remember_sampled(&self, session: &str, id: &str, pending: Option<PendingResult>) {
+        if id.len() > MAX_SAMPLED_ID_BYTES || session.len() > MAX_SAMPLED_ID_BYTES {
+            tracing::debug!(
+                bytes = id.len(),
+                "a sampled tool_use id past the bound was not remembered"
+            );
+            return;
+        }
         let mut sampled = self.sampled();
         let key = (session.to_owned(), id.to_owned());
         if sampled.by_id.insert(key.clone(), pending).is_none() {
             sampled.order.push_back(key);
+        }
+        // A session past its share forgets its own oldest call.
+        let held = sampled.order.iter().filter(|(s, _)| s == session).count();
+        if held > MAX_SAMPLED_CALLS_PER_SESSION
+            && let Some(at) = sampled.order.iter().position(|(s, _)| s == session)
+            && let Some(old) = sampled.order.remove(at)
+        {
+            sampled.by_id.remove(&old);
         }
         while sampled.by_id.len() > MAX_SAMPLED_CALLS {
             match sampled.order.pop_front() {

@@ -555,6 +555,42 @@ mod tests {
         Judge::new(args, "test")
     }
 
+    /// R33, R20: what the gateway remembers of sampled calls is bounded by
+    /// count and bytes whatever peers write, and one session's flood
+    /// forgets its own calls, not another session's.
+    #[test]
+    fn r20_r33_sampled_calls_are_remembered_within_bounds() {
+        use crate::judge::{MAX_SAMPLED_CALLS_PER_SESSION, MAX_SAMPLED_ID_BYTES, PendingResult};
+        let judge = unreachable_judge();
+        let pending = |n: usize| {
+            Some(PendingResult {
+                call_id: format!("c{n}"),
+                tool: "read_db".into(),
+            })
+        };
+        judge.remember_sampled("victim", "u1", pending(0));
+        for n in 0..MAX_SAMPLED_CALLS_PER_SESSION * 20 {
+            judge.remember_sampled("flood", &format!("f{n}"), pending(n));
+        }
+        assert_eq!(
+            judge
+                .sampled_call("victim", "u1")
+                .flatten()
+                .map(|p| p.call_id),
+            Some("c0".to_owned()),
+            "another session's flood evicted the victim's call"
+        );
+        let last = MAX_SAMPLED_CALLS_PER_SESSION * 20 - 1;
+        assert!(judge.sampled_call("flood", &format!("f{last}")).is_some());
+        assert!(judge.sampled_call("flood", "f0").is_none());
+        let long = "u".repeat(MAX_SAMPLED_ID_BYTES + 1);
+        judge.remember_sampled("victim", &long, pending(1));
+        assert!(judge.sampled_call("victim", &long).is_none());
+        let edge = "u".repeat(MAX_SAMPLED_ID_BYTES);
+        judge.remember_sampled("victim", &edge, pending(2));
+        assert!(judge.sampled_call("victim", &edge).is_some());
+    }
+
     #[tokio::test]
     async fn r31_answers_without_tool_use_pass_unchanged() {
         let judge = unreachable_judge();
