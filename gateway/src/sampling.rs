@@ -151,6 +151,11 @@ pub async fn judged_answer(judge: &Judge, session: &str, text: String) -> Option
         return None;
     };
     let mut message = read.value;
+    if message.get("method").is_some() && message.get("id").is_none() {
+        // A notification is judged as a request would be: `tool_use`
+        // blocks in its `inputResponses` never go upstream unjudged.
+        return judged_request(judge, session, text).await.ok();
+    }
     if message.get("method").is_some() || message.get("result").is_none() {
         return Some(text);
     }
@@ -482,9 +487,12 @@ pub async fn judged_for_client(judge: &Judge, session: &str, mut message: Json) 
             .unwrap_or_default();
         let plan = match judge.sampled_call(session, id) {
             Some(Some(pending)) => Plan::Judge(pending),
-            Some(None) => Plan::Relay,
-            None if judge.judges_no_results() => Plan::Relay,
-            None => match names.get(id) {
+            // A call that proceeded when the chain judged no results, or
+            // one never seen: relayed only while the mesh's latest
+            // decision still says the chain judges none (a results guard
+            // registered since is not escaped by what was true then).
+            _ if judge.judges_no_results() => Plan::Relay,
+            _ => match names.get(id) {
                 Some(tool) => Plan::Judge(PendingResult {
                     call_id: format!("sampling-result-{n}-{i}"),
                     tool: tool.clone(),
@@ -658,6 +666,16 @@ mod tests {
             );
             assert!(out.contains(r#""toolUseId":"u1""#), "{out}");
         }
+        // A call remembered as proceeding while the chain judged no results
+        // is not relayed on that memory once the mesh may judge them.
+        judge.remember_sampled("s", "then", None);
+        let stale = json::read(&format!(
+            r#"{{"jsonrpc":"2.0","id":1,"method":"sampling/createMessage","params":{{"messages":[{{"role":"user","content":{{"type":"tool_result","toolUseId":"then","content":[{{"type":"text","text":"{secret}"}}]}}}}]}}}}"#
+        ))
+        .unwrap()
+        .value;
+        let out = judged_for_client(&judge, "s", stale).await.to_text();
+        assert!(!out.contains(secret), "{out}");
         let plain = json::read(
             r#"{"jsonrpc":"2.0","id":1,"method":"sampling/createMessage","params":{"messages":[{"role":"user","content":{"type":"text","text":"tool_result"}}]}}"#,
         )
@@ -693,6 +711,21 @@ mod tests {
                 Ok(text)
             );
         }
+        // A notification carrying them is judged alike (or not forwarded).
+        let notification = r#"{"jsonrpc":"2.0","method":"prompts/get","params":{"name":"p","inputResponses":{"m":{"content":{"type":"tool_use","id":"u","name":"delete_db","input":{}}}}}}"#;
+        let out = judged_answer(&judge, "s", notification.to_owned()).await;
+        assert!(
+            out.as_deref()
+                .is_none_or(|out| !out.contains("\"tool_use\"")),
+            "{out:?}"
+        );
+        let cancelled = r#"{"jsonrpc":"2.0","method":"notifications/cancelled","params":{"requestId":3,"reason":"tool_use"}}"#;
+        assert_eq!(
+            judged_answer(&judge, "s", cancelled.to_owned())
+                .await
+                .as_deref(),
+            Some(cancelled)
+        );
         // Answers that are not the revision's map of answers are refused,
         // never forwarded with their blocks unread.
         for text in [
