@@ -677,6 +677,10 @@ async fn r34_a_session_at_its_bounds_is_logged_once_not_at_every_batch() {
         .finish();
     // (A test runs on one thread: the subscriber sees every line of it.)
     let _logging = tracing::subscriber::set_default(subscriber);
+    // Another test's thread may have registered the log's call site while
+    // this subscriber was being made, and cached it as disabled (only the
+    // global no-op subscriber seen): ask every call site again.
+    tracing::callsite::rebuild_interest_cache();
     let mem = memory();
     let (a, b) = (SessionKey::new("a", "s-1"), SessionKey::new("a", "s-2"));
     for i in 0..500 {
