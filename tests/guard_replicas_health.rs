@@ -77,7 +77,7 @@ fn replicated(name: &str, urls: &[String]) -> GuardSpec {
 #[derive(Default)]
 struct Seen {
     judged: Vec<(Instant, String)>,
-    failed: Vec<String>,
+    failed: Vec<(Instant, String)>,
 }
 
 /// Batches from `workers` sessions until `stop`.
@@ -102,8 +102,8 @@ async fn load(
                     Ok(d) if deny_list_decided(&d, "hg") => {
                         seen.judged.push((sent, replica_of(&d, "hg")));
                     }
-                    Ok(d) => seen.failed.push(format!("{:?}", d.trace)),
-                    Err(e) => seen.failed.push(e.to_string()),
+                    Ok(d) => seen.failed.push((sent, format!("{:?}", d.trace))),
+                    Err(e) => seen.failed.push((sent, e.to_string())),
                 }
             }
         }));
@@ -121,6 +121,8 @@ struct Draining {
     stop: Arc<AtomicBool>,
     seen: Arc<Mutex<Seen>>,
     tasks: Vec<tokio::task::JoinHandle<()>>,
+    /// When the load started.
+    started: Instant,
 }
 
 impl Draining {
@@ -135,6 +137,7 @@ impl Draining {
             .unwrap();
         let stop = Arc::new(AtomicBool::new(false));
         let seen = Arc::new(Mutex::new(Seen::default()));
+        let started = Instant::now();
         let tasks = load(&mesh, 8, stop.clone(), seen.clone()).await;
         tokio::time::sleep(Duration::from_millis(1500)).await;
         Self {
@@ -145,6 +148,7 @@ impl Draining {
             stop,
             seen,
             tasks,
+            started,
         }
     }
 
@@ -169,13 +173,39 @@ impl Drop for Draining {
 }
 
 impl Seen {
-    /// Fails unless no batch failed (R32).
-    fn assert_none_failed(&self) {
-        assert!(
-            self.failed.is_empty(),
-            "R32: {} batches failed; first: {:?}",
+    /// Fails unless no batch failed (R32), naming each kind of failure,
+    /// how often, and when it was first sent (from `phases`: the moments
+    /// the test changed the replicas' health, by name).
+    fn assert_none_failed(&self, phases: &[(&str, Instant)]) {
+        if self.failed.is_empty() {
+            return;
+        }
+        let when = |at: Instant| {
+            phases
+                .iter()
+                .rev()
+                .find(|(_, since)| at >= *since)
+                .map_or_else(
+                    || "before the first phase".to_owned(),
+                    |(name, since)| format!("{} ms after {name}", (at - *since).as_millis()),
+                )
+        };
+        let mut kinds: Vec<(String, usize, Instant)> = Vec::new();
+        for (at, why) in &self.failed {
+            match kinds.iter_mut().find(|(kind, ..)| kind == why) {
+                Some((_, n, _)) => *n += 1,
+                None => kinds.push((why.clone(), 1, *at)),
+            }
+        }
+        let kinds: Vec<String> = kinds
+            .iter()
+            .map(|(why, n, first)| format!("{n}x, first sent {}: {why}", when(*first)))
+            .collect();
+        panic!(
+            "R32: {} of {} batches failed:\n{}",
             self.failed.len(),
-            self.failed.first()
+            self.failed.len() + self.judged.len(),
+            kinds.join("\n")
         );
     }
 }
@@ -208,6 +238,7 @@ async fn r32_a_not_serving_replica_gets_no_new_requests_then_serves_again() {
             &format!(r#"guardmesh_guard_replica_draining{{guard="hg",replica="{url}"}}"#),
         )
     };
+    let told_down = Instant::now();
     command(&mut run.guards[0], "down");
     // Measured from when the mesh has heard it (its gauge says so): on a
     // loaded machine the health message itself can take a while.
@@ -273,7 +304,13 @@ async fn r32_a_not_serving_replica_gets_no_new_requests_then_serves_again() {
         total >= 10,
         "every replica NOT_SERVING still judges: {total}"
     );
-    seen.assert_none_failed();
+    seen.assert_none_failed(&[
+        ("the load started", run.started),
+        ("the first replica was told NOT_SERVING", told_down),
+        ("the mesh heard it", down),
+        ("the first replica was told SERVING", up),
+        ("every replica was told NOT_SERVING", all_down),
+    ]);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -295,7 +332,10 @@ async fn r32_a_replica_shutting_down_gracefully_finishes_its_requests_and_gets_n
     eprintln!("after a graceful stop: the replica judged {after} of {total}");
     assert!(total >= 30, "load flowed: {total}");
     assert_eq!(after, 0, "R32: a stopping replica got new requests");
-    seen.assert_none_failed();
+    seen.assert_none_failed(&[
+        ("the load started", run.started),
+        ("the first replica was told to stop", stopped),
+    ]);
 }
 
 /// A TLS script guard on 127.0.0.1 whose certificate names `id`
