@@ -13,7 +13,7 @@
 //! **Choice**: power of two choices, by cost. Two replicas are drawn at
 //! random among those that are not ejected, not draining (their health
 //! watch says `NOT_SERVING`, [`super::health`]) and whose link is not down, and
-//! the cheaper gets the request. Two costs within a factor of [`COST_TIE`]
+//! the cheaper gets the request. Two costs within a factor of [`COST_TIE`](replica::COST_TIE)
 //! of each other are a tie, which the requests each holds decide, then the
 //! draw: equal replicas' latency estimates differ by noise, and following
 //! it sent nearly every request to whichever looked a little faster (at
@@ -29,7 +29,7 @@
 //! every moment its requests wait), and the new request as the estimate
 //! ([`Load::price`]). The estimate is a peak-EWMA of its answers' round
 //! trips: a slower answer sets it at once, a faster one moves it a tenth
-//! of the way ([`EWMA_WEIGHT`]); a request withdrawn unanswered (the
+//! of the way ([`EWMA_WEIGHT`](replica::EWMA_WEIGHT)); a request withdrawn unanswered (the
 //! batch's time ran out, or the batch no longer needed it) raises it to
 //! its age. A replica that has not answered yet is priced at its
 //! *default*: the lowest estimate among the other replicas that have
@@ -54,7 +54,7 @@
 //! Python replicas: 200/208/192 by outstanding requests; 243/174/183 with
 //! peak-EWMA; 189/191/220 and then 266/160/174 (outside +-25%) with the
 //! damped peak; 168/206/226 and 199/186/215 with the plain EWMA. With the
-//! tie band ([`COST_TIE`]), the same test counting from the replicas' own
+//! tie band ([`COST_TIE`](replica::COST_TIE)), the same test counting from the replicas' own
 //! tally, 1,200 batches paced at 320 a second: 389/406/405, 395/404/401,
 //! 396/405/399 (without the band 424/377/399, 438/380/382, 408/417/375);
 //! closed loop of 16 sessions: 406/394/400, 406/397/397, 410/398/392
@@ -83,7 +83,7 @@
 //! **A timeout fails over too** (R32: R13 applies only when no replica
 //! can judge in time). A request that another available replica could
 //! take gives its replica half of the guard's time left, so that a second
-//! attempt fits, but at least [`ATTEMPT_ESTIMATES`] (3) times the
+//! attempt fits, but at least [`ATTEMPT_ESTIMATES`](moves::ATTEMPT_ESTIMATES) (3) times the
 //! replica's estimate (a replica at its usual pace is not cut off, and a
 //! guard whose answers take a large part of its timeout is not split at
 //! all). When that runs out unanswered ([`attempt_timer`], one task per
@@ -106,7 +106,7 @@
 //! room ([`super::fair`]: in turns across clients and their sessions, at
 //! most half the guard's time, one client at most a quarter of
 //! `LinkConfig::max_waiting`). A request past its client's share, or that
-//! waited its time, or that has less than [`NEEDS_ESTIMATES`] of the
+//! waited its time, or that has less than [`NEEDS_ESTIMATES`](waiting::NEEDS_ESTIMATES) of the
 //! quickest replica's typical round trip left, is shed ([`LinkEvent::Shed`]: the
 //! batch is refused with `RESOURCE_EXHAUSTED`), unless the guard's replicas
 //! answered none of the requests they held meanwhile: then the guard makes
@@ -129,13 +129,12 @@
 use super::discover::dns::ResolveHandle;
 use super::discover::sources::GuardSources;
 use super::discover::{ReplicaTarget, Replicas};
-use super::fair::{self, Fair, Sender};
+use super::fair::{Fair, Sender};
 use super::limit::Limit;
-use super::{Busy, GuardFailure, GuardLink, LinkEvent, NoRoom, NotSent, Report};
-use crate::observe::metrics::{FlowSeries, Metrics, ReplicaSeries};
+use super::{GuardFailure, GuardLink, LinkEvent, NotSent, Report};
+use crate::observe::metrics::{FlowSeries, Metrics};
 use guardmesh_proto::v1::GuardBatch;
 use prost::bytes::Bytes;
-use rand::Rng;
 use rand::SeedableRng;
 use std::collections::{BTreeSet, HashMap};
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
@@ -144,340 +143,20 @@ use std::time::Duration;
 use tokio::sync::{Notify, mpsc};
 use tokio::time::Instant;
 
+mod choice;
+mod moves;
+mod replica;
+mod waiting;
+
+use choice::Undispatched;
+use moves::{Budget, attempt_timer};
+pub use moves::{EJECT_INITIAL, EJECT_MAX};
+pub use replica::{DECAY, DEFAULT_RTT};
+use replica::{Ejection, Ended, Load, Prices, Replica};
+use waiting::Waiting;
+
 /// Opens the link to one replica.
 pub type SpawnLink = Box<dyn Fn(&ReplicaTarget) -> GuardLink + Send + Sync>;
-
-/// How long a failed replica is first ejected; doubled per consecutive
-/// ejection up to [`EJECT_MAX`], reset by an answer.
-pub const EJECT_INITIAL: Duration = Duration::from_millis(500);
-/// The longest ejection.
-pub const EJECT_MAX: Duration = Duration::from_secs(8);
-
-/// What a replica is priced at before any replica of its guard has
-/// answered ([`Prices`]): a figure of the order of a guard's round trip,
-/// never zero (a replica that never answered used to look the cheapest).
-pub const DEFAULT_RTT: Duration = Duration::from_millis(30);
-
-/// The time constant with which a latency estimate above its default
-/// decays towards it ([`Load::estimate`]): a replica once slow is tried
-/// again after a few of these, though nothing was sent to it meanwhile.
-pub const DECAY: Duration = Duration::from_millis(500);
-
-/// A request that another replica could take if its own does not answer
-/// in time gives that replica half the guard's time left, so that a
-/// second attempt fits, but never less than this many of the replica's
-/// latency estimate: a replica answering at its own pace is not cut off
-/// (and a guard whose answers take most of its timeout is not split).
-const ATTEMPT_ESTIMATES: f64 = 3.0;
-
-/// A request that waited for room is sent only with this many of the
-/// quickest replica's typical round trip left of its guard's time; with
-/// less it is shed (R25) rather than sent to time out (R13).
-const NEEDS_ESTIMATES: f64 = 1.5;
-
-/// How far a replica's typical round trip moves towards each answer's.
-const TYPICAL_WEIGHT: f64 = 0.2;
-
-/// The budget of requests moved to another replica because theirs did not
-/// answer in time ([`Budget`]): per window of this long, ...
-const BUDGET_WINDOW: Duration = Duration::from_secs(1);
-/// ... this many, ...
-const BUDGET_MIN: u32 = 10;
-/// ... and this share of the requests sent in the window.
-const BUDGET_RATIO: f64 = 0.2;
-
-/// How far the latency estimate moves towards an answer faster than it.
-/// (A slower answer sets it at once: peak.)
-const EWMA_WEIGHT: f64 = 0.1;
-
-/// Two replicas whose costs are within this factor of each other are a
-/// tie for the choice ([`Price::cheaper_than`]).
-const COST_TIE: f64 = 2.0;
-
-/// The least latency estimate, in nanoseconds: a cost is never zero.
-const MIN_ESTIMATE: f64 = 1_000.0;
-
-fn nanos(d: Duration) -> f64 {
-    d.as_nanos() as f64
-}
-
-/// One replica: its link and its load.
-struct Replica {
-    endpoint: Arc<str>,
-    /// The registered name it was found from ([`ReplicaTarget::registered`]).
-    registered: Option<Arc<str>>,
-    link: GuardLink,
-    /// Consecutive outages (for the backoff), reset by an answer.
-    ejections: AtomicU32,
-    /// Its ejection and its outage. A leaf lock.
-    ejection: Mutex<Ejection>,
-    /// Its requests in flight and its latency estimate. A leaf lock.
-    load: Mutex<Load>,
-    /// Its metric series, looked up once when it joined.
-    series: ReplicaSeries,
-    /// [`Load::estimate`] as last set, in nanoseconds (f64 bits; 0 before
-    /// its first answer): read without the lock to price the other
-    /// replicas ([`Prices`]).
-    estimate: AtomicU64,
-}
-
-/// A replica's ejection ([`Inner::eject`]).
-#[derive(Debug, Default)]
-struct Ejection {
-    /// Until when it gets no new requests, unless no other replica can.
-    until: Option<Instant>,
-    /// Until when its failures are one outage, of which its circuit hears
-    /// once: its backoff period, whether it was ejected or not (at most
-    /// half the replicas are).
-    outage_until: Option<Instant>,
-}
-
-/// A replica's requests in flight and its latency estimate.
-struct Load {
-    /// Requests sent to it and not yet answered, failed or withdrawn: when
-    /// each was sent, and the pool's id of it. Oldest first.
-    in_flight: BTreeSet<(Instant, u64)>,
-    /// Peak-EWMA of its answers' round trips, in nanoseconds: a slower
-    /// answer sets it, a faster one moves it by [`EWMA_WEIGHT`]. `None`
-    /// until its first answer.
-    estimate: Option<f64>,
-    /// When `estimate` was last set: its decay runs from then.
-    updated: Instant,
-    /// How many requests it may hold at once ([`Limit`], R25).
-    limit: Limit,
-    /// The limit last published as its gauge.
-    published: Option<usize>,
-    /// A plain moving average of its answers' round trips, in nanoseconds
-    /// (withdrawn requests do not count): what a request sent to it now
-    /// typically waits, for the shedding of waiting requests that could
-    /// not be judged in time ([`NEEDS_ESTIMATES`]). The peak-sensitive
-    /// estimate would let one hung request shed every waiting one.
-    typical: Option<f64>,
-    /// When it last answered a request: a replica that answers is making
-    /// progress, and its requests that time out meanwhile waited behind
-    /// load, which never opens its circuit (R25, R13).
-    answered: Option<Instant>,
-}
-
-impl Load {
-    /// The latency estimate at `now`, in nanoseconds. A replica that has
-    /// not answered yet is priced at `default` (what its peers take,
-    /// [`Prices`]); an estimate above `default` decays towards it with
-    /// the time constant [`DECAY`], so a replica that was slow, and so
-    /// got nothing since, is tried again.
-    fn estimate(&self, now: Instant, default: f64) -> f64 {
-        let estimate = match self.estimate {
-            None => default,
-            Some(estimate) if estimate > default => {
-                let elapsed = nanos(now.saturating_duration_since(self.updated));
-                default + (estimate - default) * (-elapsed / nanos(DECAY)).exp()
-            }
-            Some(estimate) => estimate,
-        };
-        estimate.max(MIN_ESTIMATE)
-    }
-
-    /// What sending it one more request costs: each request in flight
-    /// counts as the estimate, or as its age once it is older than that
-    /// (a replica that stopped answering costs more with every moment),
-    /// and the new request as the estimate.
-    fn price(&self, now: Instant, default: f64) -> Price {
-        let estimate = self.estimate(now, default);
-        let mut cost = estimate * (self.in_flight.len() as f64 + 1.0);
-        for (sent, _) in &self.in_flight {
-            let age = nanos(now.saturating_duration_since(*sent));
-            if age <= estimate {
-                break;
-            }
-            cost += age - estimate;
-        }
-        Price {
-            cost,
-            outstanding: self.in_flight.len(),
-        }
-    }
-
-    /// Folds `rtt` in at `now`: a round trip slower than the estimate sets
-    /// it (peak), a faster one moves it by [`EWMA_WEIGHT`]. With
-    /// `bound_only`, `rtt` is only a lower bound (a request withdrawn
-    /// unanswered after that long): it can raise the estimate, never
-    /// lower it.
-    fn observe(&mut self, rtt: f64, now: Instant, default: f64, bound_only: bool) -> Option<f64> {
-        let current = self.estimate.map(|_| self.estimate(now, default));
-        let next = match current {
-            Some(current) if rtt >= current => rtt,
-            Some(current) if !bound_only => current + (rtt - current) * EWMA_WEIGHT,
-            None if !bound_only || rtt > default => rtt,
-            _ => return None,
-        };
-        self.estimate = Some(next);
-        self.updated = now;
-        Some(next)
-    }
-}
-
-/// What one more request to a replica costs, and the requests it holds.
-#[derive(Debug, Clone, Copy)]
-struct Price {
-    cost: f64,
-    outstanding: usize,
-}
-
-impl Price {
-    /// Whether the choice prefers this replica to `other`. Costs within
-    /// [`COST_TIE`] of each other are a tie, told apart by the requests
-    /// each holds: what separates equal replicas' latency estimates is
-    /// noise (a descheduled process, a busy core), and a choice that
-    /// followed it would send nearly every request to whichever replica
-    /// last looked a little faster. A real difference (a replica several
-    /// times slower, or holding many more requests, or holding one it has
-    /// not answered for long) is past the band.
-    fn cheaper_than(self, other: Price) -> bool {
-        let (mine, theirs) = (self.cost, other.cost);
-        if mine.max(theirs) <= mine.min(theirs) * COST_TIE {
-            self.outstanding < other.outstanding
-        } else {
-            mine < theirs
-        }
-    }
-}
-
-/// What each replica of a guard is priced at while it has not answered,
-/// and what its estimate decays towards: the lowest latency estimate among
-/// the *other* replicas that have answered (what a replica of this guard
-/// is known to take), or [`DEFAULT_RTT`] when none has.
-struct Prices {
-    lowest: Option<(f64, *const Replica)>,
-    second: Option<f64>,
-}
-
-impl Prices {
-    fn of(live: &[Arc<Replica>]) -> Self {
-        let mut prices = Prices {
-            lowest: None,
-            second: None,
-        };
-        for replica in live {
-            let estimate = f64::from_bits(replica.estimate.load(Ordering::Relaxed));
-            if estimate <= 0.0 {
-                continue;
-            }
-            match prices.lowest {
-                Some((lowest, _)) if estimate >= lowest => {
-                    if prices.second.is_none_or(|second| estimate < second) {
-                        prices.second = Some(estimate);
-                    }
-                }
-                _ => {
-                    prices.second = prices.lowest.map(|(lowest, _)| lowest);
-                    prices.lowest = Some((estimate, Arc::as_ptr(replica)));
-                }
-            }
-        }
-        prices
-    }
-
-    /// The default of `replica`: the lowest estimate but its own.
-    fn default_for(&self, replica: &Replica) -> f64 {
-        let others = match self.lowest {
-            Some((_, which)) if std::ptr::eq(which, replica) => self.second,
-            lowest => lowest.map(|(lowest, _)| lowest),
-        };
-        others.unwrap_or_else(|| nanos(DEFAULT_RTT))
-    }
-}
-
-impl Replica {
-    fn ejected_until(&self) -> Option<Instant> {
-        self.ejection
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .until
-    }
-
-    fn available(&self, now: Instant) -> bool {
-        self.ejected_until().is_none_or(|until| until <= now)
-            && !self.link.is_down()
-            && !self.link.draining()
-    }
-
-    fn load(&self) -> std::sync::MutexGuard<'_, Load> {
-        self.load.lock().unwrap_or_else(PoisonError::into_inner)
-    }
-
-    fn price(&self, now: Instant, prices: &Prices) -> Price {
-        self.load().price(now, prices.default_for(self))
-    }
-
-    /// Request `id`, sent at `sent`, is now held by this replica: how many
-    /// it holds.
-    fn hold(&self, sent: Instant, id: u64) -> usize {
-        let mut load = self.load();
-        load.in_flight.insert((sent, id));
-        load.in_flight.len()
-    }
-
-    /// Request `id`, sent at `sent`, left this replica at `now`: answered
-    /// (its round trip folded into the estimate), withdrawn unanswered
-    /// (its age a lower bound of the estimate), or failed (no round
-    /// trip). How many it still holds.
-    fn release(
-        &self,
-        sent: Instant,
-        id: u64,
-        now: Instant,
-        ended: Ended,
-        prices: &Prices,
-    ) -> usize {
-        let default = prices.default_for(self);
-        let mut load = self.load();
-        let held = load.in_flight.len();
-        load.in_flight.remove(&(sent, id));
-        let rtt = nanos(now.saturating_duration_since(sent));
-        if let Ended::Answered = ended {
-            load.limit
-                .answered(now.saturating_duration_since(sent), held, now);
-            load.answered = Some(now);
-            load.typical = Some(
-                load.typical
-                    .map_or(rtt, |typical| typical + (rtt - typical) * TYPICAL_WEIGHT),
-            );
-        }
-        let estimate = match ended {
-            Ended::Answered => load.observe(rtt, now, default, false),
-            Ended::Withdrawn => load.observe(rtt, now, default, true),
-            Ended::Failed => None,
-        };
-        if let Some(estimate) = estimate {
-            self.estimate.store(estimate.to_bits(), Ordering::Relaxed);
-        }
-        load.in_flight.len()
-    }
-
-    fn outstanding(&self) -> usize {
-        self.load().in_flight.len()
-    }
-
-    /// Whether it holds fewer requests than its limit allows.
-    fn has_room(&self) -> bool {
-        let load = self.load();
-        load.in_flight.len() < load.limit.get()
-    }
-
-    /// Whether it answered a request after `since`: it is making
-    /// progress.
-    fn answered_since(&self, since: Instant) -> bool {
-        self.load().answered.is_some_and(|at| at > since)
-    }
-}
-
-/// How a request left a replica ([`Replica::release`]).
-#[derive(Debug, Clone, Copy)]
-enum Ended {
-    Answered,
-    Withdrawn,
-    Failed,
-}
 
 /// A request as [`GuardPool::send`] was asked to send it: the batch, its
 /// sender, and when the guard's time for it is up.
@@ -520,48 +199,10 @@ struct Pending {
     moved_on_timeout: bool,
 }
 
-/// A request waiting for room at the guard's replicas ([`fair`]): every
-/// replica that could take it holds as many requests as its limit allows.
-struct Waiting {
-    asked: Request,
-    /// Since when it waits.
-    since: Instant,
-    /// Until when it may wait: half the guard's time left when it began
-    /// to (its entry in [`State::waits`]).
-    wait_until: Instant,
-}
-
-impl Waiting {
-    /// `asked`, waiting from `now` for at most half the guard's time left.
-    fn new(asked: Request, now: Instant) -> Self {
-        let wait_until = now + asked.until.saturating_duration_since(now) / 2;
-        Waiting {
-            asked,
-            since: now,
-            wait_until,
-        }
-    }
-}
-
-/// Why [`Inner::dispatch`] sent nothing.
-enum Undispatched {
-    /// Every available replica holds as many requests as its limit
-    /// allows: the request waits for room.
-    Full,
-    /// Busy or failed at every replica tried.
-    Not(NotSent),
-}
-
-impl From<NotSent> for Undispatched {
-    fn from(not: NotSent) -> Self {
-        Self::Not(not)
-    }
-}
-
 struct State {
     live: Vec<Arc<Replica>>,
     requests: super::IdMap<u64, Pending>,
-    /// Requests waiting for room, by id, and their turns ([`fair`]).
+    /// Requests waiting for room, by id, and their turns ([`fair`](super::fair)).
     queued: super::IdMap<u64, Waiting>,
     waiting: Fair<u64>,
     /// Their wait deadlines, earliest first.
@@ -575,46 +216,6 @@ struct State {
     /// The deadline the attempt timer sleeps until ([`Inner::expire`]).
     armed: Option<Instant>,
     budget: Budget,
-}
-
-/// How many requests the pool moved to another replica because theirs did
-/// not answer in time, against how many it sent, in the current window of
-/// [`BUDGET_WINDOW`]: at most [`BUDGET_MIN`] plus [`BUDGET_RATIO`] of
-/// them. Past it a request waits for its replica to the guard's time, so
-/// a guard whose replicas all hang is not sent every batch twice. (Moves
-/// after a replica *failed* are not counted: that replica has dropped the
-/// request, nothing is sent twice to a live one.)
-struct Budget {
-    since: Instant,
-    sent: u32,
-    moved: u32,
-}
-
-impl Budget {
-    fn roll(&mut self, now: Instant) {
-        if now.saturating_duration_since(self.since) >= BUDGET_WINDOW {
-            *self = Budget {
-                since: now,
-                sent: 0,
-                moved: 0,
-            };
-        }
-    }
-
-    fn sent(&mut self, now: Instant) {
-        self.roll(now);
-        self.sent = self.sent.saturating_add(1);
-    }
-
-    fn allows(&mut self, now: Instant) -> bool {
-        self.roll(now);
-        f64::from(self.moved) < f64::from(BUDGET_MIN) + f64::from(self.sent) * BUDGET_RATIO
-    }
-
-    fn spend(&mut self, now: Instant) {
-        self.roll(now);
-        self.moved = self.moved.saturating_add(1);
-    }
 }
 
 struct Inner {
@@ -645,29 +246,6 @@ impl Drop for Inner {
         let timer = self.timer.get_mut().unwrap_or_else(PoisonError::into_inner);
         if let Some(timer) = timer.take() {
             timer.abort();
-        }
-    }
-}
-
-/// Moves the requests whose attempt ran out to another replica
-/// ([`Inner::expire`]), then sleeps until the next attempt deadline or an
-/// earlier one is set. Holds the pool weakly: it ends with it.
-async fn attempt_timer(inner: Weak<Inner>, wake: Arc<Notify>) {
-    loop {
-        let next = {
-            let Some(inner) = inner.upgrade() else {
-                return;
-            };
-            inner.expire(Instant::now())
-        };
-        match next {
-            Some(at) => {
-                tokio::select! {
-                    () = tokio::time::sleep_until(at) => {}
-                    () = wake.notified() => {}
-                }
-            }
-            None => wake.notified().await,
         }
     }
 }
@@ -962,7 +540,7 @@ impl GuardPool {
     /// guard's time for this batch is up; a request whose replica fails
     /// before then is sent to another. When every replica holds as many
     /// requests as its limit allows, the request waits for room, in turn
-    /// with the other clients' (`sender`, [`fair`]), for at most half the
+    /// with the other clients' (`sender`, [`fair`](super::fair)), for at most half the
     /// guard's time; a request shed meanwhile is reported as
     /// [`LinkEvent::Shed`] (R25). Returns the pool's id of the request,
     /// for [`Self::cancel`].
@@ -1230,562 +808,6 @@ impl Inner {
         }
         let from = answered.unwrap_or(since).min(since);
         Some((held, now.saturating_duration_since(from)))
-    }
-
-    /// Request `id` waits for room ([`fair`]): within the bound of
-    /// waiting requests and its client's share, or refused: busy (R25),
-    /// unless the guard has answered nothing for its timeout (`stall`)
-    /// while holding requests, a failure (R13). A request of another
-    /// client that made room is shed.
-    fn enqueue(&self, state: &mut State, id: u64, request: Waiting) -> Result<(), NotSent> {
-        let now = request.since;
-        let max_waiting = state
-            .live
-            .first()
-            .map_or(super::DEFAULT_MAX_WAITING, |r| r.link.flow().2);
-        let bounds = fair::Bounds {
-            total: max_waiting,
-            share: (max_waiting / super::CLIENT_SHARES).max(1),
-        };
-        if request.wait_until <= now {
-            return Err(self.refusal(state, request.asked.stall, now, 0, bounds.share));
-        }
-        match state.waiting.push(request.asked.sender, id, bounds) {
-            Err(refused) => {
-                Err(self.refusal(state, request.asked.stall, now, refused.held, bounds.share))
-            }
-            Ok(evicted) => {
-                state.waits.insert((request.wait_until, id));
-                let at = request.wait_until;
-                state.queued.insert(id, request);
-                self.wake_at(state, at);
-                if let Some((_, evicted)) = evicted
-                    && let Some(shed) = state.queued.remove(&evicted)
-                {
-                    state.waits.remove(&(shed.wait_until, evicted));
-                    let busy = self.full(state, shed.asked.sender, bounds.share);
-                    self.shed(shed, busy.into());
-                }
-                Ok(())
-            }
-        }
-    }
-
-    /// Busy for a request of a client holding `held` waiting, or failed
-    /// when the guard has answered nothing for `stall`.
-    fn refusal(
-        &self,
-        state: &State,
-        stall: Duration,
-        now: Instant,
-        held: usize,
-        share: usize,
-    ) -> NotSent {
-        if let Some(since) = now.checked_sub(stall)
-            && let Some((in_flight, stalled)) = self.stalled(state, since, now)
-        {
-            return NotSent::Failed(GuardFailure::NoProgress { in_flight, stalled });
-        }
-        let (in_flight, limit, _) = self.load(state);
-        NotSent::NoRoom(NoRoom::Full {
-            in_flight,
-            limit,
-            waiting: state.waiting.len(),
-            held,
-            share,
-        })
-    }
-
-    fn full(&self, state: &State, sender: Sender, share: usize) -> NoRoom {
-        let (in_flight, limit, _) = self.load(state);
-        NoRoom::Full {
-            in_flight,
-            limit,
-            waiting: state.waiting.len(),
-            held: state.waiting.held(sender.client),
-            share,
-        }
-    }
-
-    /// Tells a waiting request's batch that it is shed (R25), counted.
-    fn shed(&self, request: Waiting, busy: Busy) {
-        tracing::debug!(guard = %self.name, error = %busy, "request shed: the guard is busy");
-        let _ = request.asked.events.send(LinkEvent::Shed {
-            tag: request.asked.tag,
-            busy,
-            replica: Arc::from(""),
-        });
-    }
-
-    /// Sends waiting requests, in turn, while an available replica has
-    /// room (or none is available: then they go where [`Self::dispatch`]
-    /// sends them, and fail there per the guard's policy if they must).
-    fn drain(self: &Arc<Self>, state: &mut State) {
-        while !state.waiting.is_empty() {
-            let now = Instant::now();
-            let room = state.live.iter().any(|r| r.available(now) && r.has_room())
-                || !state.live.iter().any(|r| r.available(now));
-            if !room {
-                return;
-            }
-            let Some(id) = state.waiting.pop() else {
-                return;
-            };
-            let Some(request) = state.queued.remove(&id) else {
-                continue;
-            };
-            state.waits.remove(&(request.wait_until, id));
-            // Less time left than the replicas now take, with a margin
-            // for their queues growing: sent, it would only time out (a
-            // failure for its batch); shed instead.
-            let left = request.asked.until.saturating_duration_since(now);
-            if let Some(takes) = self.least_estimate(state, now)
-                && left < takes.mul_f64(NEEDS_ESTIMATES)
-            {
-                self.give_up(state, request, now);
-                continue;
-            }
-            let sent = self.dispatch_new(state, id, &request.asked);
-            match sent {
-                Ok((replica, link_id, sent_at)) => {
-                    self.start(state, id, request, replica, link_id, sent_at);
-                }
-                Err(Undispatched::Full) => {
-                    // Room went between the check and the send: it waits
-                    // again, at the back of its flow.
-                    let sender = request.asked.sender;
-                    let at = request.wait_until;
-                    if state
-                        .waiting
-                        .push(
-                            sender,
-                            id,
-                            fair::Bounds {
-                                total: usize::MAX,
-                                share: usize::MAX,
-                            },
-                        )
-                        .is_ok()
-                    {
-                        state.waits.insert((at, id));
-                        state.queued.insert(id, request);
-                    }
-                    return;
-                }
-                Err(Undispatched::Not(NotSent::Busy(busy))) => self.shed(request, busy.into()),
-                Err(Undispatched::Not(NotSent::NoRoom(busy))) => self.shed(request, busy.into()),
-                Err(Undispatched::Not(NotSent::Failed(failure))) => {
-                    let _ = request.asked.events.send(LinkEvent::Failed {
-                        tag: request.asked.tag,
-                        failure,
-                        replica: Arc::from(""),
-                    });
-                }
-            }
-        }
-    }
-
-    /// What the quickest available replica with room typically takes to
-    /// answer now, if any has answered.
-    fn least_estimate(&self, state: &State, now: Instant) -> Option<Duration> {
-        state
-            .live
-            .iter()
-            .filter(|r| r.available(now) && r.has_room())
-            .filter_map(|r| r.load().typical)
-            .min_by(f64::total_cmp)
-            .map(|nanos| Duration::from_nanos(nanos as u64))
-    }
-
-    /// The waiting requests whose wait is up at `now`: shed (R25), or
-    /// failed when the guard answered nothing while they waited (R13).
-    fn expire_waits(&self, state: &mut State, now: Instant) {
-        while let Some(&(at, id)) = state.waits.first() {
-            if at > now {
-                break;
-            }
-            state.waits.pop_first();
-            let Some(request) = state.queued.remove(&id) else {
-                continue;
-            };
-            state.waiting.remove(request.asked.sender, &id);
-            self.give_up(state, request, now);
-        }
-    }
-
-    /// Ends a waiting request that will not be sent: shed (R25), or failed
-    /// when nothing was answered while it waited: not load, a guard making
-    /// no progress (R13).
-    fn give_up(&self, state: &State, request: Waiting, now: Instant) {
-        if let Some((in_flight, stalled)) = self.stalled(state, request.since, now) {
-            let _ = request.asked.events.send(LinkEvent::Failed {
-                tag: request.asked.tag,
-                failure: GuardFailure::NoProgress { in_flight, stalled },
-                replica: Arc::from(""),
-            });
-            return;
-        }
-        let (in_flight, limit, _) = self.load(state);
-        let busy = NoRoom::Waited {
-            waited: now.saturating_duration_since(request.since),
-            in_flight,
-            limit,
-        };
-        self.shed(request, busy.into());
-    }
-
-    /// When the attempt just sent to `replica` at `now`, of a request whose
-    /// time ends `until` and which replicas `tried` already failed, gives
-    /// up for another replica: `None` (it waits to `until`) when no other
-    /// replica is available to take it, the budget of such moves is spent,
-    /// or [`ATTEMPT_ESTIMATES`] of the replica's estimate leave no time for
-    /// a second attempt.
-    fn attempt_deadline(
-        &self,
-        state: &mut State,
-        replica: &Replica,
-        tried: &[Arc<str>],
-        now: Instant,
-        until: Instant,
-    ) -> Option<Instant> {
-        let left = until.checked_duration_since(now)?;
-        let another = state.live.iter().any(|r| {
-            !std::ptr::eq(Arc::as_ptr(r), replica)
-                && !tried.contains(&r.endpoint)
-                && r.available(now)
-        });
-        if !another || !state.budget.allows(now) {
-            return None;
-        }
-        let prices = Prices::of(&state.live);
-        let estimate = replica.load().estimate(now, prices.default_for(replica));
-        let attempt = (left / 2).max(Duration::from_nanos((estimate * ATTEMPT_ESTIMATES) as u64));
-        (attempt < left).then(|| now + attempt)
-    }
-
-    /// Moves the requests whose attempt deadline is past at `now` to
-    /// another replica ([`Self::attempt_timed_out`]); the next deadline.
-    fn expire(self: &Arc<Self>, now: Instant) -> Option<Instant> {
-        let mut moved = Vec::new();
-        let mut state = self.lock();
-        while let Some(&(at, id)) = state.attempts.first() {
-            if at > now {
-                break;
-            }
-            state.attempts.pop_first();
-            moved.extend(self.attempt_timed_out(&mut state, id, now));
-        }
-        self.expire_waits(&mut state, now);
-        self.drain(&mut state);
-        self.gauges(&mut state);
-        let attempt = state.attempts.first().map(|(at, _)| *at);
-        let wait = state.waits.first().map(|(at, _)| *at);
-        state.armed = match (attempt, wait) {
-            (Some(a), Some(w)) => Some(a.min(w)),
-            (a, w) => a.or(w),
-        };
-        let next = state.armed;
-        drop(state);
-        // The replicas they left, outside the lock.
-        drop(moved);
-        next
-    }
-
-    /// Request `id`'s replica has not answered by its attempt deadline
-    /// (R32: "R13 applies only when no replica can judge in time"): it is
-    /// sent to another replica not yet tried, within the budget, and only
-    /// once; then withdrawn from the first, whose estimate rises to the
-    /// time it waited, and which is ejected as a failed one is. A request
-    /// with a partial answer stays (its verdicts are in the batch's fold),
-    /// and so does one that no other replica takes: both wait for the
-    /// guard's time. The replica it left, to be dropped outside the lock.
-    fn attempt_timed_out(
-        self: &Arc<Self>,
-        state: &mut State,
-        id: u64,
-        now: Instant,
-    ) -> Option<Arc<Replica>> {
-        let pending = state.requests.get_mut(&id)?;
-        pending.attempt_until = None;
-        if pending.partial || pending.moved_on_timeout || now >= pending.asked.until {
-            return None;
-        }
-        let failed = pending.replica.clone();
-        let mut tried = pending.tried.clone();
-        tried.push(failed.endpoint.clone());
-        let mut batch = pending.asked.batch.clone();
-        batch.deadline_ms =
-            u32::try_from((pending.asked.until - now).as_millis().max(1)).unwrap_or(u32::MAX);
-        let (shared, client, stall) = (
-            pending.asked.shared.clone(),
-            pending.asked.client,
-            pending.asked.stall,
-        );
-        if !state.budget.allows(now) {
-            tracing::debug!(
-                guard = %self.name,
-                replica = %failed.endpoint,
-                "no answer in time; the failover budget is spent: the request waits for the guard's time"
-            );
-            return None;
-        }
-        let (next, link_id, sent_at) = self
-            .dispatch(state, id, &batch, &shared, client, stall, &tried)
-            .ok()?;
-        state.budget.spend(now);
-        let pending = state.requests.get_mut(&id)?;
-        let old_link = std::mem::replace(&mut pending.link_id, link_id);
-        let sent = std::mem::replace(&mut pending.sent_at, sent_at);
-        let old = std::mem::replace(&mut pending.replica, next.clone());
-        pending.tried = tried;
-        pending.moved_on_timeout = true;
-        failed.link.cancel(old_link);
-        let left = failed.release(sent, id, now, Ended::Withdrawn, &Prices::of(&state.live));
-        failed.series.outstanding(left);
-        let waited = now.saturating_duration_since(sent);
-        let failure = GuardFailure::TimedOut(waited);
-        // The replica's circuit hears of it once per outage, as of a
-        // replica that failed; the batch never does. A replica that
-        // answered others meanwhile is busy, not hung (R25): neither
-        // ejected nor told.
-        if !failed.answered_since(sent) && self.eject(state, &failed, &failure, now) {
-            failed.link.record(Err(&failure));
-        }
-        self.metrics.replica_failover(&self.name, &failed.endpoint);
-        tracing::info!(
-            guard = %self.name,
-            from = %failed.endpoint,
-            to = %next.endpoint,
-            waited = ?waited,
-            "request sent to another replica: no answer in time"
-        );
-        Some(old)
-    }
-
-    /// Ejects `replica` after `failure`: it gets no new requests for its
-    /// backoff, unless no other replica can take them; but never more than
-    /// half of the replicas at once (never all: Envoy's
-    /// `max_ejection_percent` of 50), so one outage of several replicas
-    /// leaves the others, and a replica past the cap stays in the choice,
-    /// where the age of its unanswered requests prices it out.
-    /// True when this is the first failure of an outage, which the
-    /// replica's circuit hears of; the others within its backoff are not.
-    fn eject(
-        &self,
-        state: &State,
-        replica: &Replica,
-        failure: &GuardFailure,
-        now: Instant,
-    ) -> bool {
-        if matches!(failure, GuardFailure::CircuitOpen { .. }) {
-            return false;
-        }
-        let out = state
-            .live
-            .iter()
-            .filter(|r| !std::ptr::eq(Arc::as_ptr(r), replica))
-            .filter(|r| r.ejected_until().is_some_and(|until| until > now))
-            .count();
-        let cap = state.live.len() / 2;
-        let mut ejection = replica
-            .ejection
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner);
-        // One outage is one ejection: the other requests it fails while
-        // the replica is out extend nothing.
-        if ejection.outage_until.is_some_and(|u| u > now) {
-            return false;
-        }
-        let n = replica.ejections.fetch_add(1, Ordering::Relaxed);
-        let period = EJECT_INITIAL
-            .saturating_mul(1u32 << n.min(5))
-            .min(EJECT_MAX);
-        ejection.outage_until = Some(now + period);
-        let ejected = out < cap;
-        if ejected {
-            ejection.until = Some(now + period);
-        }
-        drop(ejection);
-        if ejected {
-            tracing::warn!(
-                guard = %self.name,
-                replica = %replica.endpoint,
-                error = %failure,
-                ejected_for = ?period,
-                "replica ejected"
-            );
-            self.metrics.replica_ejected(&self.name, &replica.endpoint);
-        } else {
-            tracing::warn!(
-                guard = %self.name,
-                replica = %replica.endpoint,
-                error = %failure,
-                ejected = out,
-                replicas = state.live.len(),
-                "replica failed; not ejected: at most half the replicas are at once"
-            );
-        }
-        // A replica of a name that cannot be reached may have moved: the
-        // name is resolved again (at most once a gap) rather than at the
-        // next interval.
-        let connection = matches!(
-            failure,
-            GuardFailure::Unreachable(_)
-                | GuardFailure::StreamClosed
-                | GuardFailure::Status {
-                    code: tonic::Code::Unavailable,
-                    ..
-                }
-        );
-        if let (true, Some(name)) = (connection, &replica.registered) {
-            let handle = self
-                .resolvers
-                .lock()
-                .unwrap_or_else(PoisonError::into_inner)
-                .get(&**name)
-                .cloned();
-            if let Some(handle) = handle {
-                handle.resolve_now();
-            }
-        }
-        true
-    }
-
-    /// The replicas to try for a request, best first: two drawn at random
-    /// among the available ones, the less loaded first (power of two
-    /// choices), then the other available ones by load, then the ejected
-    /// or down ones, the soonest back first, then the draining ones (health
-    /// `NOT_SERVING`). `exclude`: already tried.
-    fn candidates(
-        &self,
-        state: &mut State,
-        exclude: &[Arc<str>],
-        now: Instant,
-    ) -> Vec<Arc<Replica>> {
-        let (mut available, mut out): (Vec<Arc<Replica>>, Vec<Arc<Replica>>) = state
-            .live
-            .iter()
-            .filter(|r| !exclude.iter().any(|e| *e == r.endpoint))
-            .cloned()
-            .partition(|r| r.available(now));
-        let mut order = Vec::with_capacity(available.len() + out.len());
-        let prices = Prices::of(&state.live);
-        if available.len() >= 2 {
-            let i = state.rng.random_range(0..available.len());
-            let mut j = state.rng.random_range(0..available.len() - 1);
-            if j >= i {
-                j += 1;
-            }
-            let (pi, pj) = (
-                available[i].price(now, &prices),
-                available[j].price(now, &prices),
-            );
-            let (first, second) = if pj.cheaper_than(pi) { (j, i) } else { (i, j) };
-            order.push(available[first].clone());
-            order.push(available[second].clone());
-            let (hi, lo) = (first.max(second), first.min(second));
-            available.swap_remove(hi);
-            available.swap_remove(lo);
-        }
-        let mut rest: Vec<(f64, Arc<Replica>)> = available
-            .into_iter()
-            .map(|r| (r.price(now, &prices).cost, r))
-            .collect();
-        rest.sort_by(|a, b| a.0.total_cmp(&b.0));
-        order.extend(rest.into_iter().map(|(_, r)| r));
-        // A draining replica (health NOT_SERVING) only when nothing else
-        // can take the request.
-        out.sort_by_key(|r| (r.link.draining(), r.ejected_until()));
-        order.extend(out);
-        order
-    }
-
-    /// [`Self::dispatch`] of a request as it was asked, to any replica.
-    fn dispatch_new(
-        &self,
-        state: &mut State,
-        id: u64,
-        asked: &Request,
-    ) -> Result<(Arc<Replica>, u64, Instant), Undispatched> {
-        let Request {
-            batch,
-            shared,
-            client,
-            stall,
-            ..
-        } = asked;
-        self.dispatch(state, id, batch, shared, *client, *stall, &[])
-    }
-
-    /// Sends to the first replica of [`Self::candidates`] that takes the
-    /// request. An available replica at its limit is passed over; when
-    /// every available one is, the request waits for room (`Full`, R25)
-    /// rather than go to an ejected or down one. Busy everywhere: `Busy`
-    /// (R25, shed); else the first failure, each failing replica ejected
-    /// and its circuit told.
-    #[allow(clippy::too_many_arguments)]
-    fn dispatch(
-        &self,
-        state: &mut State,
-        id: u64,
-        batch: &GuardBatch,
-        shared: &Bytes,
-        client: u64,
-        stall: Duration,
-        exclude: &[Arc<str>],
-    ) -> Result<(Arc<Replica>, u64, Instant), Undispatched> {
-        let now = Instant::now();
-        let mut busy = None;
-        let mut failed = None;
-        let mut full = false;
-        for replica in self.candidates(state, exclude, now) {
-            let available = replica.available(now);
-            if available && !replica.has_room() {
-                full = true;
-                continue;
-            }
-            if full && !available {
-                break;
-            }
-            match replica.link.send(
-                batch,
-                shared.clone(),
-                id as usize,
-                self.report.clone(),
-                client,
-                stall,
-            ) {
-                Ok(link_id) => {
-                    let held = replica.hold(now, id);
-                    replica.series.sent(held);
-                    return Ok((replica, link_id, now));
-                }
-                Err(NotSent::Busy(b)) => {
-                    busy.get_or_insert(b);
-                }
-                // A link never answers so: only the pool has no room.
-                Err(NotSent::NoRoom(_)) => {}
-                Err(NotSent::Failed(f)) => {
-                    if fails_over(&f) {
-                        self.eject(state, &replica, &f, now);
-                    }
-                    replica.link.record(Err(&f));
-                    failed.get_or_insert(f);
-                }
-            }
-        }
-        if full && busy.is_none() {
-            return Err(Undispatched::Full);
-        }
-        Err(Undispatched::Not(match (busy, failed) {
-            (Some(b), _) => NotSent::Busy(b),
-            (None, Some(f)) => NotSent::Failed(f),
-            // R15: a guard whose replicas all left stays in the chain and
-            // fails per R13.
-            (None, None) => NotSent::Failed(GuardFailure::Unreachable(
-                "the guard has no replicas".into(),
-            )),
-        }))
     }
 
     /// A replica's link reports on request `id`: answers go to the batch;
