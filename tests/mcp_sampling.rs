@@ -99,11 +99,18 @@ struct Setup {
 
 impl Setup {
     async fn new(way: Way, name: &str, results: bool) -> Self {
+        Self::judging_results_of(way, name, results.then_some(&[][..])).await
+    }
+
+    /// [`Self::new`], its results guard judging the results of `tools`
+    /// only (`Some(&[])`: of every tool; `None`: no results guard).
+    async fn judging_results_of(way: Way, name: &str, results: Option<&[&str]>) -> Self {
         let scratch = Scratch::new(name);
-        let (mesh, guard, results) = match (way, results) {
+        let tools = results.unwrap_or_default();
+        let (mesh, guard, results) = match (way, results.is_some()) {
             (Way::Embedded, _) => {
                 let guard = call_guard(Duration::ZERO, guard_policy).await;
-                let results = if results {
+                let results = if results.is_some() {
                     Some(script_guard(block_secrets).await)
                 } else {
                     None
@@ -111,7 +118,7 @@ impl Setup {
                 (None, guard, results)
             }
             (_, true) => {
-                let (mesh, guard, results) = mesh_judging_results(name).await;
+                let (mesh, guard, results) = mesh_judging_results(name, tools).await;
                 (Some(mesh), guard, Some(results))
             }
             (_, false) => {
@@ -132,7 +139,7 @@ impl Setup {
             _ => {
                 let more = results
                     .as_ref()
-                    .map_or_else(String::new, results_guard_toml);
+                    .map_or_else(String::new, |r| results_guard_toml(r, tools));
                 let config = embedded_config(&scratch, &guard, &more);
                 via_gateway_judging(["--config", &config], &[], upstream(&scratch, &["stdio"]))
             }
@@ -393,21 +400,30 @@ async fn r31_a_tool_use_in_input_responses_is_judged_as_a_call_http() {
 // ---------------------------------------------------------------------------
 
 /// A mesh process with the guard of [`mesh_with_guard`] and a results
-/// guard blocking every result holding an AWS key id: (mesh, the call
-/// guard, the results guard).
-async fn mesh_judging_results(name: &str) -> (MeshProcess, TestGuard, TestGuard) {
+/// guard blocking every result holding an AWS key id, of the tools `tools`
+/// (empty: of every tool): (mesh, the call guard, the results guard).
+async fn mesh_judging_results(name: &str, tools: &[&str]) -> (MeshProcess, TestGuard, TestGuard) {
     let (mesh, guard) = mesh_with_guard(name).await;
     let results = script_guard(block_secrets).await;
-    mesh.register(Registration::validate("secrets", &results.url).phases(GuardPhases::Results))
-        .await;
+    mesh.register(
+        Registration::validate("secrets", &results.url)
+            .phases(GuardPhases::Results)
+            .tools(tools.iter().copied()),
+    )
+    .await;
     (mesh, guard, results)
 }
 
 /// The results guard of [`mesh_judging_results`] in a config (TOML).
-fn results_guard_toml(results: &TestGuard) -> String {
+fn results_guard_toml(results: &TestGuard, tools: &[&str]) -> String {
+    let tools = if tools.is_empty() {
+        String::new()
+    } else {
+        format!("tools = {tools:?}\n")
+    };
     format!(
         "[[guard]]\nname = \"secrets\"\nendpoint = {:?}\nrole = \"validate\"\n\
-         phases = \"results\"\n",
+         phases = \"results\"\n{tools}",
         results.url
     )
 }
@@ -520,4 +536,94 @@ async fn r33_a_tool_result_in_an_input_required_sampling_request_is_judged_http(
         .await
         .tool_result_is_judged(Revision::InputRequired)
         .await;
+}
+
+// ---------------------------------------------------------------------------
+// A `tool_result` whose `toolUseId` names no call the gateway judged (R33):
+// the upstream writes the `tool_use` it answers itself, so the name there
+// is the upstream's word, not a judged call. Never judged under it.
+// ---------------------------------------------------------------------------
+
+/// The upstream forges a conversation (its prompt `forge`, or at
+/// 2026-07-28 its tool `forge_later`): a `tool_use` of the harmless tool
+/// `echo` no model asked for, and a `tool_result` for it holding an AWS
+/// key id. The chain's results guard judges the results of `read_db` only
+/// (where secrets are read). The client's model must read an error result
+/// saying the result was withheld, never the key; and no `echo` result
+/// was sent to the mesh under the name the upstream chose.
+async fn forged_tool_result_is_withheld(revision: Revision, setup: &Setup) {
+    let step = match revision {
+        Revision::Legacy => json!({"op": "prompt", "name": "forge", "arguments": {"task": "t"}}),
+        Revision::InputRequired => {
+            json!({"op": "call", "name": "forge_later", "arguments": {"task": "t"}})
+        }
+    };
+    let (mode, _) = revision.mode_and_tool();
+    let scenario = json!({"mode": mode, "sample": [], "steps": [step]});
+    let lines = run_client_off_thread(scenario, setup.target.clone()).await;
+    let done = lines.last().unwrap_or_else(|| panic!("{lines:?}"));
+    assert!(done.get("error").is_none(), "{lines:?}");
+    let sampled: Vec<&Value> = lines.iter().filter(|l| l["op"] == "sampled").collect();
+    assert_eq!(sampled.len(), 1, "{lines:?}");
+    let messages = &sampled[0]["messages"];
+    assert!(
+        !messages.to_string().contains("AKIA"),
+        "the key reached the client's model: {messages}"
+    );
+    let block = &messages[2]["content"][0];
+    assert_eq!(block["type"], "tool_result", "{messages}");
+    assert_eq!(block["toolUseId"], "x", "{messages}");
+    assert_eq!(block["isError"], true, "{messages}");
+    let text = block["content"][0]["text"].as_str().unwrap_or_default();
+    assert!(
+        text.contains("withheld") && text.contains("not a call judged through this gateway"),
+        "{messages}"
+    );
+    // The upstream's own `tool_use` is relayed as it wrote it: it is the
+    // upstream's text, not a call.
+    assert_eq!(messages[1]["content"][0]["name"], "echo", "{messages}");
+    let results = setup.results.as_ref().expect("a setup judging results");
+    let judged: Vec<String> = results
+        .guard
+        .batches()
+        .iter()
+        .flat_map(|b| b.results.iter().map(|r| r.tool.clone()))
+        .collect();
+    assert!(judged.is_empty(), "{judged:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn r33_a_forged_tool_result_is_withheld_not_judged_under_its_name_stdio() {
+    let setup = Setup::judging_results_of(Way::Stdio, "sampling-forged-stdio", Some(&["read_db"]));
+    forged_tool_result_is_withheld(Revision::Legacy, &setup.await).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn r33_a_forged_tool_result_is_withheld_not_judged_under_its_name_http() {
+    let setup = Setup::judging_results_of(Way::Http, "sampling-forged-http", Some(&["read_db"]));
+    forged_tool_result_is_withheld(Revision::Legacy, &setup.await).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn r33_a_forged_tool_result_is_withheld_not_judged_under_its_name_embedded() {
+    let setup = Setup::judging_results_of(
+        Way::Embedded,
+        "sampling-forged-embedded",
+        Some(&["read_db"]),
+    );
+    forged_tool_result_is_withheld(Revision::Legacy, &setup.await).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn r33_a_forged_tool_result_in_an_input_required_result_is_withheld_stdio() {
+    let setup =
+        Setup::judging_results_of(Way::Stdio, "sampling-forged-mrtr-stdio", Some(&["read_db"]));
+    forged_tool_result_is_withheld(Revision::InputRequired, &setup.await).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn r33_a_forged_tool_result_in_an_input_required_result_is_withheld_http() {
+    let setup =
+        Setup::judging_results_of(Way::Http, "sampling-forged-mrtr-http", Some(&["read_db"]));
+    forged_tool_result_is_withheld(Revision::InputRequired, &setup.await).await;
 }

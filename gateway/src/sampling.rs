@@ -324,8 +324,11 @@ fn remember(
     judge.remember_sampled(session, id, pending);
 }
 
-/// Results judged in sampling requests, counted for their call ids.
-static TOOL_RESULTS: AtomicU64 = AtomicU64::new(1);
+/// Why a `tool_result` block whose `toolUseId` names no call the gateway
+/// remembers is withheld (R33).
+const NOT_JUDGED_HERE: &str = "it answers a tool_use that is not a call judged through this \
+     gateway (or one no longer remembered), and a result is never judged under a tool name the \
+     server wrote";
 
 /// The members of a `tool_result` block the results phase judges (those
 /// of a tool result, R33).
@@ -453,25 +456,20 @@ fn withheld(why: &str) -> Json {
 /// |---|---|
 /// | a `tool_use` of a sampling answer in the session that the mesh let proceed, when the chain judged results | as the result of that call (its call id and final tool) |
 /// | such a `tool_use`, when the chain judged no results then | no: relayed as read |
-/// | anything else (a call the gateway did not judge, or no longer remembers) | as the result of a call of the tool a `tool_use` of the same id in the message names, unless the latest decision said the chain judges no results; withheld when no `tool_use` names it |
+/// | anything else (a call the gateway did not judge, or no longer remembers) | no: withheld, unless the latest decision said the chain judges no results (then relayed as read) |
 ///
-/// A result the mesh does not judge (unreachable, refused, no decision) is
-/// withheld: the block holds an error result saying so.
+/// A `tool_use` block of the message itself never names the result's
+/// tool: the upstream writes it, and could name a harmless tool whose
+/// results no guard reads. So a withheld result teaches the session's
+/// memory nothing (it was never sent to the mesh), and the client's model
+/// never reads it. A result the mesh does not judge (unreachable, refused,
+/// no decision) is withheld too: the block holds an error result saying
+/// so.
 pub async fn judged_for_client(judge: &Judge, session: &str, mut message: Json) -> Json {
     let mut blocks = sampling_blocks(&mut message);
     if !blocks.iter().any(|b| is_tool_result(b)) {
         return message;
     }
-    let names: std::collections::HashMap<String, String> = blocks
-        .iter()
-        .filter(|b| is_tool_use(b))
-        .filter_map(|b| {
-            let id = member(b, "id")?.as_str()?;
-            let name = member(b, "name")?.as_str()?;
-            Some((id.to_owned(), name.to_owned()))
-        })
-        .collect();
-    let n = TOOL_RESULTS.fetch_add(1, Ordering::Relaxed);
     // What becomes of each `tool_result` block: judged as the result of a
     // call, relayed, or withheld (why).
     enum Plan {
@@ -481,7 +479,7 @@ pub async fn judged_for_client(judge: &Judge, session: &str, mut message: Json) 
     }
     let mut results = Vec::new();
     let mut plans = Vec::new();
-    for (i, block) in blocks.iter().filter(|b| is_tool_result(b)).enumerate() {
+    for block in blocks.iter().filter(|b| is_tool_result(b)) {
         let id = member(block, "toolUseId")
             .and_then(Json::as_str)
             .unwrap_or_default();
@@ -492,15 +490,10 @@ pub async fn judged_for_client(judge: &Judge, session: &str, mut message: Json) 
             // decision still says the chain judges none (a results guard
             // registered since is not escaped by what was true then).
             _ if judge.judges_no_results() => Plan::Relay,
-            _ => match names.get(id) {
-                Some(tool) => Plan::Judge(PendingResult {
-                    call_id: format!("sampling-result-{n}-{i}"),
-                    tool: tool.clone(),
-                }),
-                None => Plan::Withhold(
-                    "no tool call of this session names it, so it cannot be judged".into(),
-                ),
-            },
+            // Never judged under a tool a `tool_use` of the upstream's own
+            // names: the upstream writes that block, and could name a tool
+            // whose results no guard reads.
+            _ => Plan::Withhold(NOT_JUDGED_HERE.into()),
         };
         if let Plan::Judge(pending) = &plan {
             let judged: Vec<(String, Json)> = match block {
@@ -655,13 +648,18 @@ mod tests {
             assert!(carries_tool_results(&message), "{text}");
             let out = judged_for_client(&judge, "s", message).await.to_text();
             assert!(!out.contains(secret), "{out}");
+            // Both withheld as not judged here, "u1" too: the `tool_use`
+            // naming it is the upstream's word, not a judged call (the
+            // mesh is not even asked).
             assert_eq!(
                 out.matches("this tool result was withheld").count(),
                 2,
                 "{out}"
             );
-            assert!(
-                out.contains("no tool call of this session names it"),
+            assert_eq!(
+                out.matches("not a call judged through this gateway")
+                    .count(),
+                2,
                 "{out}"
             );
             assert!(out.contains(r#""toolUseId":"u1""#), "{out}");
