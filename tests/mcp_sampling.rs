@@ -627,3 +627,235 @@ async fn r33_a_forged_tool_result_in_an_input_required_result_is_withheld_http()
         Setup::judging_results_of(Way::Http, "sampling-forged-mrtr-http", Some(&["read_db"]));
     forged_tool_result_is_withheld(Revision::InputRequired, &setup.await).await;
 }
+
+// ---------------------------------------------------------------------------
+// `mcp stdio`: sampling messages are judged in one ordered lane per
+// direction, within the bound of messages judged at once (R25, R31): a
+// flood waits (the gateway stops reading the peer), nothing is dropped,
+// and a message sent after a sampling message reaches the peer after it.
+// ---------------------------------------------------------------------------
+
+/// Messages judged at once by `mcp stdio`, at most, per direction (the
+/// bound the relay documents).
+const JUDGED_AT_ONCE: usize = 64;
+
+/// Sampling messages in a flood: three times the bound.
+const FLOOD: usize = 3 * JUDGED_AT_ONCE;
+
+/// A mesh that sends its guards every batch at once (a fixed limit far
+/// past the flood), so the guard sees what the gateway sends.
+async fn mesh_sending_every_batch(name: &str) -> MeshProcess {
+    let config = "[guard_links]\nmin_in_flight = 1024\nmax_in_flight = 1024\n";
+    MeshProcess::start(name, config, None).await
+}
+
+/// The scripted upstream's command line (tests/mcp-sdk/flood_upstream.py).
+fn flood_upstream(scratch: &Scratch) -> Vec<String> {
+    vec![
+        mcp_python().display().to_string(),
+        sdk_dir().join("flood_upstream.py").display().to_string(),
+        scratch.log().display().to_string(),
+    ]
+}
+
+/// `guardmesh mcp stdio` before the flood upstream, judging with `mesh`
+/// (batches may wait 30 s there), its client declaring sampling with
+/// tools; and its process id.
+async fn flood_gateway(mesh: &MeshProcess, scratch: &Scratch) -> (RawGateway, u32) {
+    let mut command = Command::new(env!("CARGO_BIN_EXE_guardmesh"));
+    command
+        .args([
+            "mcp",
+            "stdio",
+            "--mesh",
+            &mesh.url,
+            "--timeout-ms",
+            "30000",
+            "--",
+        ])
+        .args(flood_upstream(scratch))
+        .stderr(Stdio::null());
+    let gateway = tokio::task::spawn_blocking(move || {
+        RawGateway::spawn_declaring(command, json!({"sampling": {"tools": {}}}))
+    })
+    .await
+    .unwrap();
+    let pid = gateway.child.id();
+    (gateway, pid)
+}
+
+/// Runs `f` with the gateway off the runtime's threads, at most 60 s
+/// (then the gateway, the process `pid`, is killed and the test fails).
+async fn off_thread<T: Send + 'static>(
+    pid: u32,
+    gateway: RawGateway,
+    f: impl FnOnce(&mut RawGateway) -> T + Send + 'static,
+) -> (RawGateway, T) {
+    let mut gateway = gateway;
+    let work = tokio::task::spawn_blocking(move || {
+        let out = f(&mut gateway);
+        (gateway, out)
+    });
+    match tokio::time::timeout(Duration::from_secs(60), work).await {
+        Ok(done) => done.unwrap(),
+        Err(_) => {
+            let _ = Command::new("kill").arg(pid.to_string()).status();
+            panic!("the gateway did not answer within 60 s");
+        }
+    }
+}
+
+/// Waits (at most 30 s) until `held` has received `JUDGED_AT_ONCE`
+/// batches, then half a second more (a gateway past its bound sends more
+/// meanwhile; one within it cannot): how many it holds at once.
+async fn held_at_once(held: &HeldHandle) -> usize {
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    while held.guard.requests() < JUDGED_AT_ONCE && std::time::Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    held.guard.requests()
+}
+
+/// What a message is, for the order checks: its method, or "response".
+fn kind(message: &Value) -> String {
+    message["method"]
+        .as_str()
+        .map_or_else(|| "response".to_owned(), str::to_owned)
+}
+
+/// R25, R31 (upstream to client): the upstream sends `FLOOD` sampling
+/// requests holding a tool result the mesh judges, while the results
+/// guard holds every batch: the mesh is sent at most `JUDGED_AT_ONCE` at
+/// once, the rest wait; once it answers, the client receives every one,
+/// in the order sent, and the log message and the prompt's answer the
+/// upstream sent after them only after them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn r31_sampling_requests_are_judged_in_order_within_the_bound_stdio() {
+    let mesh = mesh_sending_every_batch("sampling-flood-up").await;
+    let held = held_guard().await;
+    mesh.register(
+        Registration::validate("held", &held.url)
+            .phases(GuardPhases::Results)
+            .timeout(Duration::from_secs(30)),
+    )
+    .await;
+    let scratch = Scratch::new("sampling-flood-up");
+    let (gateway, pid) = flood_gateway(&mesh, &scratch).await;
+    let (gateway, ()) = off_thread(pid, gateway, |gateway| {
+        let flood = FLOOD.to_string();
+        gateway.send(
+            &json!({"jsonrpc": "2.0", "id": 1, "method": "prompts/get",
+                    "params": {"name": "flood", "arguments": {"n": flood}}})
+            .to_string(),
+        );
+        let asked = gateway.recv();
+        assert_eq!(asked["method"], "sampling/createMessage", "{asked}");
+        let read = json!([{"type": "tool_use", "id": "u1", "name": "read_db", "input": {}}]);
+        gateway.send(
+            &json!({"jsonrpc": "2.0", "id": asked["id"], "result": {
+                "role": "assistant", "content": read, "model": "m", "stopReason": "toolUse"}})
+            .to_string(),
+        );
+    })
+    .await;
+    let at_once = held_at_once(&held).await;
+    held.guard.release();
+    // Judged concurrently up to the bound, never past it.
+    assert_eq!(at_once, JUDGED_AT_ONCE, "sampling requests judged at once");
+    let (mut gateway, received) = off_thread(pid, gateway, |gateway| {
+        let mut received = Vec::new();
+        loop {
+            let message = gateway.recv();
+            let last = message["id"] == 1;
+            received.push(message);
+            if last {
+                return received;
+            }
+        }
+    })
+    .await;
+    let kinds: Vec<String> = received.iter().map(kind).collect();
+    let mut expected = vec!["sampling/createMessage".to_owned(); FLOOD];
+    expected.extend(["notifications/message".to_owned(), "response".to_owned()]);
+    assert_eq!(kinds, expected, "{received:?}");
+    for (i, request) in received[..FLOOD].iter().enumerate() {
+        let messages = &request["params"]["messages"];
+        assert_eq!(
+            messages[0]["content"]["text"],
+            format!("flood {}", i + 1),
+            "{request}"
+        );
+        assert_eq!(
+            messages[2]["content"][0]["content"][0]["text"],
+            format!("rows {}", i + 1),
+            "judged and passed: {request}"
+        );
+    }
+    assert_eq!(held.guard.requests(), FLOOD, "each judged once");
+    gateway.end();
+}
+
+/// R25, R31 (client to upstream): the client answers `FLOOD` sampling
+/// requests with a `tool_use` each, then pings, while the call guard holds
+/// every batch: the mesh is sent at most `JUDGED_AT_ONCE` at once; once it
+/// answers, the upstream receives every answer, in the order sent, and
+/// the ping only after them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn r31_sampling_answers_are_judged_in_order_within_the_bound_stdio() {
+    let mesh = mesh_sending_every_batch("sampling-flood-down").await;
+    let held = held_guard().await;
+    mesh.register(Registration::validate("held", &held.url).timeout(Duration::from_secs(30)))
+        .await;
+    let scratch = Scratch::new("sampling-flood-down");
+    let (gateway, pid) = flood_gateway(&mesh, &scratch).await;
+    let (gateway, ()) = off_thread(pid, gateway, |gateway| {
+        let flood = FLOOD.to_string();
+        gateway.send(
+            &json!({"jsonrpc": "2.0", "id": 1, "method": "prompts/get",
+                    "params": {"name": "ask", "arguments": {"n": flood}}})
+            .to_string(),
+        );
+        let asked: Vec<Value> = (0..FLOOD).map(|_| gateway.recv()).collect();
+        for (i, asked) in asked.iter().enumerate() {
+            assert_eq!(asked["method"], "sampling/createMessage", "{asked}");
+            let read = json!([{"type": "tool_use", "id": format!("u{}", i + 1),
+                               "name": "read_db", "input": {"row": i + 1}}]);
+            gateway.send(
+                &json!({"jsonrpc": "2.0", "id": asked["id"], "result": {
+                    "role": "assistant", "content": read, "model": "m",
+                    "stopReason": "toolUse"}})
+                .to_string(),
+            );
+        }
+        gateway.send(r#"{"jsonrpc":"2.0","id":"after","method":"ping"}"#);
+    })
+    .await;
+    let at_once = held_at_once(&held).await;
+    held.guard.release();
+    // Judged concurrently up to the bound, never past it.
+    assert_eq!(at_once, JUDGED_AT_ONCE, "sampling answers judged at once");
+    let (mut gateway, answers) =
+        off_thread(pid, gateway, |gateway| [gateway.recv(), gateway.recv()]).await;
+    gateway.end();
+    assert!(
+        answers.iter().any(|a| a["id"] == 1) && answers.iter().any(|a| a["id"] == "after"),
+        "{answers:?}"
+    );
+    let received: Vec<Value> = scratch
+        .executed()
+        .into_iter()
+        .map(|e| e["received"].clone())
+        .filter(|m| m.get("method").is_none() || m["method"] == "ping")
+        .collect();
+    assert_eq!(received.len(), FLOOD + 1, "{received:?}");
+    for (i, answer) in received[..FLOOD].iter().enumerate() {
+        assert_eq!(
+            answer["result"]["content"][0]["input"]["row"],
+            i + 1,
+            "in the order sent: {answer}"
+        );
+    }
+    assert_eq!(received[FLOOD]["method"], "ping", "{received:?}");
+    assert_eq!(held.guard.requests(), FLOOD, "each judged once");
+}

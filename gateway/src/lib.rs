@@ -76,6 +76,7 @@ pub mod interceptors;
 pub mod json;
 pub mod jsonrpc;
 pub mod judge;
+mod lane;
 mod pipes;
 pub mod routing;
 pub mod sampling;

@@ -14,7 +14,12 @@
 //!   together by the client) are judged as one guard batch as soon as all
 //!   that was sent is read, or, with `--batch-window-ms`, those arriving
 //!   within that window ([`crate::group`]).
-//!   Everything else is forwarded as the gateway writes it.
+//!   Everything else is forwarded as the gateway writes it, in order: a
+//!   message that waits for the mesh other than a `tools/call` (a sampling
+//!   answer's `tool_use` blocks, a request's `inputResponses`) is judged
+//!   in the direction's ordered lane (`lane.rs`), within the same
+//!   bound as tool calls (`MAX_IN_FLIGHT`), and what is read after it goes
+//!   upstream after it.
 //! * A JSON-RPC batch: its `tools/call`s are one guard batch; a batch with an
 //!   element the gateway cannot judge is refused whole. Its elements are
 //!   forwarded one by one (servers of the current MCP revision do not accept
@@ -24,7 +29,9 @@
 //!   its request by the gateway's own ids ([`crate::upstream`]); what the
 //!   client gets is the gateway's serialization of it, or of what the mesh
 //!   judged of a result (R31, R33). A request reusing an id in flight is
-//!   refused. A line longer
+//!   refused. Tool results it sends the client's model (sampling) are
+//!   judged in this direction's ordered lane, at most `MAX_IN_FLIGHT` at
+//!   once; past it the gateway stops reading the upstream. A line longer
 //!   than `--max-upstream-message-bytes` (default 32 MiB) ends the session:
 //!   the gateway holds no more than that of it, stops the upstream, and
 //!   exits with an error naming the limit (the client sees the server
@@ -45,6 +52,7 @@
 use crate::group::Grouper;
 use crate::jsonrpc::{self, Incoming, Item, codes};
 use crate::judge::{Disposition, Judge, JudgeArgs};
+use crate::lane::Lane;
 use bytes::BytesMut;
 use rmcp::model::ErrorData;
 use rmcp::transport::async_rw::{JsonRpcMessageCodec, JsonRpcMessageCodecError};
@@ -120,7 +128,8 @@ enum UpstreamEnd {
     TooLong,
 }
 
-/// Messages (or batches) with tool calls judged at once, per session.
+/// Messages (or batches) with tool calls judged at once, per session; and
+/// messages holding tool results judged at once in the other direction.
 const MAX_IN_FLIGHT: usize = 64;
 
 /// Bytes read from a stdio peer at once, at most.
@@ -426,6 +435,20 @@ where
         let session = session.clone();
         let mut results = tokio::task::JoinSet::new();
         let max = args.max_upstream_message_bytes;
+        // The messages the upstream sends that wait for the mesh (tool
+        // results sent to the client's model) are judged in order, within
+        // the bound, and nothing read after them overtakes them.
+        let lane = Lane::new(
+            Arc::new(tokio::sync::Semaphore::new(MAX_IN_FLIGHT)),
+            MAX_IN_FLIGHT,
+            {
+                let (collector, to_client) = (collector.clone(), to_client.clone());
+                Arc::new(move |message: String| {
+                    let (collector, to_client) = (collector.clone(), to_client.clone());
+                    Box::pin(async move { deliver(&collector, &to_client, &message).await })
+                })
+            },
+        );
         async move {
             let mut buf = BytesMut::new();
             let mut codec = JsonRpcMessageCodec::<Box<RawValue>>::new_with_max_length(max);
@@ -437,6 +460,7 @@ where
                     Ok(message) => message,
                     Err(JsonRpcMessageCodecError::Io(_)) => break,
                     Err(JsonRpcMessageCodecError::MaxLineLengthExceeded) => {
+                        lane.abort();
                         return UpstreamEnd::TooLong;
                     }
                     Err(error) => {
@@ -464,20 +488,21 @@ where
                             message
                         };
                         // R33: tool results it sends the client's model,
-                        // judged in a task of its own.
+                        // judged in the lane.
                         if crate::sampling::carries_tool_results(&message) {
                             let (judge, session) = (judge.clone(), session.clone());
-                            let (to_client, collector) = (to_client.clone(), collector.clone());
-                            results.spawn(async move {
+                            let judging = async move {
                                 let message =
                                     crate::sampling::judged_for_client(&judge, &session, message)
                                         .await;
-                                deliver(&collector, &to_client, &message.to_text()).await
-                            });
-                            while results.try_join_next().is_some() {}
+                                Some(message.to_text())
+                            };
+                            if !lane.judge(judging).await {
+                                break;
+                            }
                             continue;
                         }
-                        if !deliver(&collector, &to_client, &message.to_text()).await {
+                        if !lane.send(message.to_text()).await {
                             break;
                         }
                         continue;
@@ -502,7 +527,7 @@ where
                                     &sent.client_id,
                                     &unreadable.why,
                                 );
-                                if !deliver(&collector, &to_client, &answer).await {
+                                if !lane.send(answer).await {
                                     break;
                                 }
                             }
@@ -515,8 +540,20 @@ where
                     }
                 };
                 if sent.purpose.judged().is_none()
-                    && !crate::sampling::carries_tool_results(&message)
+                    && crate::sampling::carries_tool_results(&message)
                 {
+                    // R33: an answer holding tool results sent to the
+                    // client's model (`input_required`), judged in the lane.
+                    let (judge, flight) = (judge.clone(), flight.clone());
+                    let judging = async move {
+                        Some(crate::upstream::answer(&judge, &flight, sent, message).await)
+                    };
+                    if !lane.judge(judging).await {
+                        break;
+                    }
+                    continue;
+                }
+                if sent.purpose.judged().is_none() {
                     let answer = crate::upstream::answer(&judge, &flight, sent, message).await;
                     if judge.hides_skipped_tools() && lists_tools(&collector, &answer) {
                         // Tool visibility: the mesh is asked in a task of
@@ -531,7 +568,7 @@ where
                         while results.try_join_next().is_some() {}
                         continue;
                     }
-                    if !deliver(&collector, &to_client, &answer).await {
+                    if !lane.send(answer).await {
                         break;
                     }
                     continue;
@@ -548,6 +585,7 @@ where
                 while results.try_join_next().is_some() {}
             }
             // Results being judged are answered before the session ends.
+            lane.finish().await;
             while results.join_next().await.is_some() {}
             UpstreamEnd::Closed
         }
@@ -563,6 +601,16 @@ where
     // Bounds the messages being judged at once: past it, the gateway stops
     // reading the client until one is answered.
     let in_flight = Arc::new(tokio::sync::Semaphore::new(MAX_IN_FLIGHT));
+    // What goes upstream after a message that waits for the mesh (a
+    // sampling answer's tool calls, a request's `inputResponses`) goes in
+    // order, within the same bound as tool calls.
+    let lane = Lane::new(in_flight.clone(), MAX_IN_FLIGHT, {
+        let to_upstream = to_upstream.clone();
+        Arc::new(move |message: String| {
+            let to_upstream = to_upstream.clone();
+            Box::pin(async move { to_upstream.send(message).await.is_ok() })
+        })
+    });
     let mut upstream_done = false;
     let mut too_long = false;
     loop {
@@ -628,17 +676,17 @@ where
                     approvals.cancel_call(&text);
                 }
                 // R31: the tool calls a model asks for through sampling are
-                // judged before the upstream receives the answer.
+                // judged before the upstream receives the answer, in the
+                // lane.
                 if request.is_none() && crate::sampling::may_use_tools(&text) {
                     let (judge, session) = (judge.clone(), session.clone());
-                    let to_upstream = to_upstream.clone();
-                    tasks.spawn(async move {
-                        if let Some(text) =
-                            crate::sampling::judged_answer(&judge, &session, text).await
-                        {
-                            let _ = to_upstream.send(text).await;
-                        }
-                    });
+                    if !lane.has_permit() {
+                        grouper.flush();
+                    }
+                    lane.judge(async move {
+                        crate::sampling::judged_answer(&judge, &session, text).await
+                    })
+                    .await;
                     continue;
                 }
                 let text = match &request {
@@ -653,12 +701,15 @@ where
                         }
                         // R31: the tool calls of sampling answers in
                         // `inputResponses` (2026-07-28), judged first, in
-                        // a task of its own.
+                        // the lane.
                         if crate::sampling::may_use_tools(&text) {
                             let (judge, flight) = (judge.clone(), flight.clone());
                             let (session, key) = (session.clone(), key.clone());
-                            let (to_client, to_upstream) = (to_client.clone(), to_upstream.clone());
-                            tasks.spawn(async move {
+                            let to_client = to_client.clone();
+                            if !lane.has_permit() {
+                                grouper.flush();
+                            }
+                            lane.judge(async move {
                                 let judged =
                                     crate::sampling::judged_request(&judge, &session, text).await;
                                 if judged.is_err() {
@@ -668,26 +719,38 @@ where
                                     request_upstream(&flight, &session, &key, &text)
                                 });
                                 match sent {
-                                    Ok(Some(text)) => drop(to_upstream.send(text).await),
-                                    Ok(None) => {}
-                                    Err(answer) => drop(to_client.send(answer).await),
+                                    Ok(text) => text,
+                                    Err(answer) => {
+                                        drop(to_client.send(answer).await);
+                                        None
+                                    }
                                 }
-                            });
+                            })
+                            .await;
                             continue;
                         }
                         match request_upstream(&flight, &session, key, &text) {
-                            Ok(text) => text,
+                            Ok(Some(text)) => text,
+                            Ok(None) => continue,
                             Err(answer) => {
                                 let _ = to_client.send(answer).await;
                                 continue;
                             }
                         }
                     }
-                    None => flight.outgoing_notification(&session, text),
+                    None => {
+                        // A `notifications/cancelled` is mapped when its
+                        // turn comes: the request it names may be one
+                        // still waiting in the lane.
+                        let (flight, session) = (flight.clone(), session.clone());
+                        lane.send_made(Box::new(move || {
+                            flight.outgoing_notification(&session, text)
+                        }))
+                        .await;
+                        continue;
+                    }
                 };
-                if let Some(text) = text {
-                    let _ = to_upstream.send(text).await;
-                }
+                lane.send(text).await;
             }
             Incoming::Single(Item::Reject { id, error }) => {
                 let _ = to_client.send(jsonrpc::error(id.as_deref(), &error)).await;
@@ -794,6 +857,7 @@ where
         // the client's user can no longer be answered.
         approvals.close();
         while tasks.join_next().await.is_some() {}
+        lane.finish().await;
         // Closing its stdin tells the upstream the session is over.
         to_upstream.close().await;
         if tokio::time::timeout(Duration::from_secs(5), &mut upstream_reader)
@@ -805,6 +869,7 @@ where
     } else {
         approvals.close();
         tasks.abort_all();
+        lane.abort();
         to_upstream.close_now();
     }
     to_client.close().await;
