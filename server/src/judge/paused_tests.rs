@@ -24,9 +24,10 @@ use crate::link::scripted::{
 use crate::link::transport::GuardTransport;
 use crate::registry::{Admission, MemoryRegistry, Registry, admit_blocking};
 use crate::{Mesh, MeshConfig};
+use guardmesh_proto::v1::FailurePolicy::{Abort, FailClosed, FailOpen};
 use guardmesh_proto::v1::{
     Action, BatchDecision, CallDecision, EvaluateRequest, FailurePolicy, GuardBatch, GuardRole,
-    GuardSpec, GuardTrace, RewriteGrant, ToolCall, TraceStatus,
+    GuardSpec, GuardTrace, RewriteGrant, ToolCall, TraceStatus, Verdict,
 };
 use std::sync::atomic::{AtomicU16, Ordering};
 use std::sync::{Arc, Mutex};
@@ -35,6 +36,10 @@ use tokio::time::Instant;
 
 fn ms(n: u64) -> Duration {
     Duration::from_millis(n)
+}
+
+fn secs(n: u64) -> Duration {
+    Duration::from_secs(n)
 }
 
 /// The integration harness's `fast_config`: quick redials.
@@ -162,7 +167,7 @@ impl World {
 
     /// A guard that proceeds every call at once.
     fn proceed_guard(&self) -> (String, Arc<ScriptedGuard>) {
-        self.guard(|b| vec![Step::answer(b, Vec::new())])
+        self.guard(proceed_all)
     }
 
     pub(super) async fn register(&self, spec: GuardSpec) {
@@ -177,8 +182,35 @@ impl World {
             .expect("registered");
     }
 
+    /// A scripted guard at a new endpoint, registered as `spec(endpoint)`.
+    pub(super) async fn guarded(
+        &self,
+        spec: impl FnOnce(&str) -> GuardSpec,
+        script: impl Fn(&GuardBatch) -> Vec<Step> + Send + Sync + 'static,
+    ) -> Arc<ScriptedGuard> {
+        let (url, guard) = self.guard(script);
+        self.register(spec(&url)).await;
+        guard
+    }
+
     async fn evaluate(&self, batch: Batch) -> Result<BatchDecision, BatchError> {
         evaluate(&self.mesh, batch).await
+    }
+
+    /// The decision on `batch`, asserting it took `want` (see
+    /// [`World::took`]).
+    async fn decision_after(&self, batch: Batch, want: Duration, what: &str) -> BatchDecision {
+        let started = Instant::now();
+        let d = self.decision(batch).await;
+        self.took(started, want, what);
+        d
+    }
+
+    /// Evaluates `batch`, which must get a decision.
+    async fn decision(&self, batch: Batch) -> BatchDecision {
+        self.evaluate(batch)
+            .await
+            .unwrap_or_else(|e| panic!("a decision, not {e}"))
     }
 
     /// Evaluates `batch` in a task of its own: a batch left in flight while
@@ -235,10 +267,22 @@ impl Batch {
         Self {
             id: format!("b{id}"),
             calls: Vec::new(),
-            timeout: Duration::from_secs(5),
+            timeout: secs(5),
             client: 0,
             unary: false,
         }
+    }
+
+    /// A batch of `calls` (id and tool) without arguments.
+    fn of(id: impl std::fmt::Display, calls: &[(&str, &str)]) -> Self {
+        calls.iter().fold(Self::new(id), |batch, (call, tool)| {
+            batch.call(call, tool, "{}")
+        })
+    }
+
+    /// A batch of one call, `c1` of tool `t`, without arguments.
+    fn one(id: impl std::fmt::Display) -> Self {
+        Self::of(id, &[("c1", "t")])
     }
 
     fn call(mut self, id: &str, tool: &str, arguments: &str) -> Self {
@@ -367,9 +411,9 @@ async fn settle() {
 /// (fail_open, `b.*`), `ab` (abort, `c.*`), all at `url`.
 async fn register_each_policy(world: &World, url: &str, timeout: Duration) {
     for (name, tools, policy) in [
-        ("fc", "a.*", FailurePolicy::FailClosed),
-        ("fo", "b.*", FailurePolicy::FailOpen),
-        ("ab", "c.*", FailurePolicy::Abort),
+        ("fc", "a.*", FailClosed),
+        ("fo", "b.*", FailOpen),
+        ("ab", "c.*", Abort),
     ] {
         world
             .register(
@@ -382,13 +426,27 @@ async fn register_each_policy(world: &World, url: &str, timeout: Duration) {
     }
 }
 
+/// `faults::assert_each_policy_fails` where each guard fails at once,
+/// traced as failed with its cause `needle`.
+async fn assert_each_policy_fails(world: &World, what: &str, rounds: u32, needle: &str) {
+    assert_each_policy_fails_as(
+        world,
+        what,
+        rounds,
+        TraceStatus::Failed,
+        needle,
+        Duration::ZERO,
+    )
+    .await;
+}
+
 /// `faults::assert_each_policy_fails`, plus the virtual time each batch
-/// took: `waited` exactly.
-async fn assert_each_policy_fails(
+/// took: `waited` exactly; each failed guard is traced `want`.
+async fn assert_each_policy_fails_as(
     world: &World,
     what: &str,
     rounds: u32,
-    statuses: &[TraceStatus],
+    want: TraceStatus,
     needle: &str,
     waited: Duration,
 ) {
@@ -397,11 +455,7 @@ async fn assert_each_policy_fails(
         let started = Instant::now();
         let d = world
             .evaluate(
-                Batch::new(round)
-                    .call("a1", "a.x", "{}")
-                    .call("b1", "b.x", "{}")
-                    .call("z1", "z.x", "{}")
-                    .timeout(Duration::from_secs(10)),
+                Batch::of(round, &[("a1", "a.x"), ("b1", "b.x"), ("z1", "z.x")]).timeout(secs(10)),
             )
             .await
             .unwrap_or_else(|e| panic!("{what}: every batch gets a decision: {e}"));
@@ -415,8 +469,7 @@ async fn assert_each_policy_fails(
         );
         assert_eq!(executed(&d), ["b1", "z1"], "{what}");
         for guard in ["fc", "fo"] {
-            let status = status(&d, guard);
-            assert!(statuses.contains(&status), "{what}: {guard} is {status:?}");
+            assert_eq!(status(&d, guard), want, "{what}: {guard}");
             let error = &entry(&d, guard).error;
             assert!(
                 error.contains(needle),
@@ -427,12 +480,7 @@ async fn assert_each_policy_fails(
 
         let started = Instant::now();
         let err = world
-            .evaluate(
-                Batch::new(round)
-                    .call("c1", "c.x", "{}")
-                    .call("z2", "z.x", "{}")
-                    .timeout(Duration::from_secs(10)),
-            )
+            .evaluate(Batch::of(round, &[("c1", "c.x"), ("z2", "z.x")]).timeout(secs(10)))
             .await
             .expect_err("abort: no call proceeds");
         world.took(started, waited, &format!("{what}: aborted after"));
@@ -473,20 +521,26 @@ async fn partial_then_close_batch(
     } else {
         validate("g", &url)
     };
-    world
-        .register(spec.policy(policy).timeout(Duration::from_secs(5)))
-        .await;
+    world.register(spec.policy(policy).timeout(secs(5))).await;
     let started = Instant::now();
     let result = world
-        .evaluate(
-            Batch::new(0)
-                .call("c1", "t", "{}")
-                .call("c2", "t", "{}")
-                .call("c3", "t", "{}")
-                .timeout(Duration::from_secs(10)),
-        )
+        .evaluate(Batch::of(0, &[("c1", "t"), ("c2", "t"), ("c3", "t")]).timeout(secs(10)))
         .await;
     (result, started.elapsed())
+}
+
+/// The batch of [`partial_then_close_batch`] under `fail_closed` and
+/// `fail_open`: decided when the stream ended, the skip sent kept.
+async fn assert_partial_then_close_per_policy(transport: Transport, role_mutate: bool) {
+    let role = if role_mutate { "mutate" } else { "validate" };
+    for policy in [FailClosed, FailOpen] {
+        let what = format!("{role} guard, {policy:?}");
+        let (d, took) = partial_then_close_batch(transport, role_mutate, policy).await;
+        let d = d.unwrap_or_else(|e| panic!("{what}: {e}"));
+        assert_partial_then_close(&d, policy, &what);
+        let when = format!("{what}: decided when the stream ended");
+        transport.assert_took(took, ms(40), &when);
+    }
 }
 
 fn assert_partial_then_close(d: &BatchDecision, policy: FailurePolicy, what: &str) {
@@ -494,12 +548,12 @@ fn assert_partial_then_close(d: &BatchDecision, policy: FailurePolicy, what: &st
     assert_skip(&d.decisions[0], "g", Action::Steer, "partial skip", what);
     for call in &d.decisions[1..] {
         match policy {
-            FailurePolicy::FailClosed => assert_failure_cancel(call, "g", what),
+            FailClosed => assert_failure_cancel(call, "g", what),
             _ => assert_bypassed(call, "g", what),
         }
     }
     match policy {
-        FailurePolicy::FailClosed => assert!(d.execute.is_empty(), "{what}"),
+        FailClosed => assert!(d.execute.is_empty(), "{what}"),
         _ => assert_eq!(executed(d), ["c2", "c3"], "{what}"),
     }
     assert_eq!(status(d, "g"), TraceStatus::Failed, "{what}");
@@ -512,6 +566,25 @@ fn assert_partial_then_close(d: &BatchDecision, policy: FailurePolicy, what: &st
 
 fn never(_: &GuardBatch) -> Vec<Step> {
     Vec::new()
+}
+
+/// A steer with `content` for each call of `b` that `which` picks.
+fn steer_each(b: &GuardBatch, which: impl Fn(&ToolCall) -> bool, content: &str) -> Vec<Verdict> {
+    b.calls
+        .iter()
+        .filter(|c| which(c))
+        .map(|c| steer(&c.call_id, content))
+        .collect()
+}
+
+/// Proceeds every call at once.
+fn proceed_all(b: &GuardBatch) -> Vec<Step> {
+    vec![Step::answer(b, Vec::new())]
+}
+
+/// Proceeds every call `after` the batch arrived.
+fn proceed_after(after: Duration) -> impl Fn(&GuardBatch) -> Vec<Step> + Send + Sync {
+    move |b| vec![Step::answer(b, Vec::new()).after(after)]
 }
 
 // ---------------------------------------------------------------------------
@@ -553,18 +626,10 @@ async fn r13_oversized_guard_answer_fails_that_guard_per_policy_then_it_reconnec
         vec![Step::answer(b, verdicts)]
     });
     world
-        .register(
-            validate("fc", &url)
-                .tools(&["a.*"])
-                .policy(FailurePolicy::FailClosed),
-        )
+        .register(validate("fc", &url).tools(&["a.*"]).policy(FailClosed))
         .await;
     world
-        .register(
-            validate("fo", &url)
-                .tools(&["b.*"])
-                .policy(FailurePolicy::FailOpen),
-        )
+        .register(validate("fo", &url).tools(&["b.*"]).policy(FailOpen))
         .await;
     let normal = || {
         Batch::new(0)
@@ -576,20 +641,19 @@ async fn r13_oversized_guard_answer_fails_that_guard_per_policy_then_it_reconnec
             .iter()
             .all(|c| action(c) == Action::Steer && c.content == "small" && !c.failure)
     };
-    let d = world.evaluate(normal()).await.unwrap();
+    let d = world.decision(normal()).await;
     assert!(judged(&d), "{:?}", d.decisions);
     for round in 0..2 {
         let what = format!("round {round}");
         let streams = guard.streams();
         let d = world
-            .evaluate(
+            .decision(
                 Batch::new(1)
                     .call("a1", "a.x", r#"{"m":"big"}"#)
                     .call("b1", "b.x", r#"{"m":"big"}"#)
                     .call("z1", "z.x", "{}"),
             )
-            .await
-            .unwrap();
+            .await;
         assert_failure_cancel(&d.decisions[0], "fc", &what);
         assert_bypassed(&d.decisions[1], "fo", &what);
         assert!(proceeds(&d.decisions[2]));
@@ -600,7 +664,7 @@ async fn r13_oversized_guard_answer_fails_that_guard_per_policy_then_it_reconnec
         let down = Instant::now();
         let mut recovered = None;
         for _ in 0..200 {
-            let d = world.evaluate(normal()).await.unwrap();
+            let d = world.decision(normal()).await;
             if judged(&d) {
                 recovered = Some(down.elapsed());
                 break;
@@ -629,12 +693,7 @@ async fn r13_oversized_guard_answer_fails_that_guard_per_policy_then_it_reconnec
 
 /// The `veto-marker` guard: steers every call whose arguments say "veto".
 fn veto_marker(b: &GuardBatch) -> Vec<Step> {
-    let verdicts = b
-        .calls
-        .iter()
-        .filter(|c| c.arguments.contains("veto"))
-        .map(|c| steer(&c.call_id, "vetoed by marker"))
-        .collect();
+    let verdicts = steer_each(b, |c| c.arguments.contains("veto"), "vetoed by marker");
     vec![Step::answer(b, verdicts)]
 }
 
@@ -666,21 +725,18 @@ fn judged_by_marker(d: &BatchDecision) -> bool {
 async fn r15_killed_guard_fails_per_policy_while_down_then_judges_again() {
     let world = World::with(restart_config);
     let (url, guard) = world.guard(veto_marker);
-    for (name, tools, policy) in [
-        ("closed", "a.*", FailurePolicy::FailClosed),
-        ("open", "b.*", FailurePolicy::FailOpen),
-    ] {
+    for (name, tools, policy) in [("closed", "a.*", FailClosed), ("open", "b.*", FailOpen)] {
         world
             .register(
                 validate(name, &url)
                     .tools(&[tools])
                     .policy(policy)
-                    .timeout(Duration::from_secs(10)),
+                    .timeout(secs(10)),
             )
             .await;
     }
     let mut turn = 0;
-    let d = world.evaluate(restart_round(turn)).await.unwrap();
+    let d = world.decision(restart_round(turn)).await;
     assert!(judged_by_marker(&d), "{:?}", d.decisions);
     for cycle in 0..2 {
         guard.kill();
@@ -688,7 +744,7 @@ async fn r15_killed_guard_fails_per_policy_while_down_then_judges_again() {
             turn += 1;
             let what = format!("cycle {cycle}, down, turn {turn}");
             let started = Instant::now();
-            let d = world.evaluate(restart_round(turn)).await.unwrap();
+            let d = world.decision(restart_round(turn)).await;
             assert_eq!(started.elapsed(), Duration::ZERO, "{what}: at once");
             assert_failure_cancel(&d.decisions[0], "closed", &what);
             assert_failure_cancel(&d.decisions[1], "closed", &what);
@@ -702,7 +758,7 @@ async fn r15_killed_guard_fails_per_policy_while_down_then_judges_again() {
         let mut recovered = None;
         for _ in 0..100 {
             turn += 1;
-            let d = world.evaluate(restart_round(turn)).await.unwrap();
+            let d = world.decision(restart_round(turn)).await;
             if judged_by_marker(&d) {
                 recovered = Some(back.elapsed());
                 break;
@@ -721,7 +777,7 @@ async fn r15_killed_guard_fails_per_policy_while_down_then_judges_again() {
         );
         for _ in 0..3 {
             turn += 1;
-            let d = world.evaluate(restart_round(turn)).await.unwrap();
+            let d = world.decision(restart_round(turn)).await;
             assert!(judged_by_marker(&d), "cycle {cycle}: {:?}", d.decisions);
         }
     }
@@ -789,11 +845,7 @@ async fn r25_r13_a_guard_that_takes_nothing_for_its_timeout_fails_as_not_reading
     let (url, stuck) = world.proceed_guard();
     stuck.reading(false);
     world
-        .register(
-            validate("stuck", &url)
-                .policy(FailurePolicy::FailClosed)
-                .timeout(ms(300)),
-        )
+        .register(validate("stuck", &url).policy(FailClosed).timeout(ms(300)))
         .await;
     let blob = format!(r#"{{"blob":"{}"}}"#, "x".repeat(256 * 1024));
     for round in 0..4u32 {
@@ -802,7 +854,7 @@ async fn r25_r13_a_guard_that_takes_nothing_for_its_timeout_fails_as_not_reading
             .evaluate(
                 Batch::new(round)
                     .call("u", "upload", &blob)
-                    .timeout(Duration::from_secs(10)),
+                    .timeout(secs(10)),
             )
             .await
             .unwrap_or_else(|e| panic!("round {round}: {e}"));
@@ -826,37 +878,23 @@ async fn r25_a_busy_guard_sheds_the_flooding_client_and_never_cancels_or_opens_i
     const FLOOD: usize = 16;
     let world = World::with(|config| config.link.max_queued_bytes = 64 * 1024);
     let (url, slow) = world.guard(|b: &GuardBatch| {
-        let verdicts = b
-            .calls
-            .iter()
-            .filter(|c| c.tool == "forbidden")
-            .map(|c| steer(&c.call_id, "not that one"))
-            .collect();
+        let verdicts = steer_each(b, |c| c.tool == "forbidden", "not that one");
         vec![Step::answer(b, verdicts).after(ms(300))]
     });
     slow.serial();
     world
-        .register(
-            validate("slow", &url)
-                .policy(FailurePolicy::FailClosed)
-                .timeout(Duration::from_secs(20)),
-        )
+        .register(validate("slow", &url).policy(FailClosed).timeout(secs(20)))
         .await;
     let victim = |round: u32| {
-        Batch::new(round)
-            .call("bad", "forbidden", "{}")
-            .call("ok", "read", "{}")
-            .timeout(Duration::from_secs(30))
+        Batch::of(round, &[("bad", "forbidden"), ("ok", "read")])
+            .timeout(secs(30))
             .client(2)
     };
     let assert_judged = |d: &BatchDecision, what: &str| {
         assert_skip(&d.decisions[0], "slow", Action::Steer, "not that one", what);
         assert!(proceeds(&d.decisions[1]), "{what}");
     };
-    assert_judged(
-        &world.evaluate(victim(0)).await.unwrap(),
-        "before the flood",
-    );
+    assert_judged(&world.decision(victim(0)).await, "before the flood");
 
     // 4 calls of 4 KB: a client's share (a quarter of 64 KiB) holds one.
     let blob = format!(r#"{{"blob":"{}"}}"#, "x".repeat(4000));
@@ -868,14 +906,14 @@ async fn r25_a_busy_guard_sheds_the_flooding_client_and_never_cancels_or_opens_i
                     .call("u2", "upload", &blob)
                     .call("u3", "upload", &blob)
                     .call("u4", "upload", &blob)
-                    .timeout(Duration::from_secs(30))
+                    .timeout(secs(30))
                     .client(1),
             )
         })
         .collect();
     settle().await;
     for round in 1..=3 {
-        let d = world.evaluate(victim(round)).await.unwrap();
+        let d = world.decision(victim(round)).await;
         assert_judged(&d, &format!("victim round {round} during the flood"));
     }
     let (mut shed, mut judged) = (0, 0);
@@ -909,14 +947,8 @@ async fn r25_a_busy_guard_sheds_the_flooding_client_and_never_cancels_or_opens_i
     );
     assert!(slow.cancels().is_empty(), "load never cancels a request");
     let d = world
-        .evaluate(
-            Batch::new(99)
-                .call("bad", "forbidden", "{}")
-                .call("ok", "read", "{}")
-                .client(1),
-        )
-        .await
-        .unwrap();
+        .decision(Batch::of(99, &[("bad", "forbidden"), ("ok", "read")]).client(1))
+        .await;
     assert_judged(&d, "the flooding client after the flood");
 }
 
@@ -933,23 +965,16 @@ async fn r13_circuit_opens_after_repeated_failures_and_fail_closed_still_blocks(
         config.link.circuit_failures = 3;
         config.link.circuit_open_for = ms(300);
     });
-    let (url, guard) = world.guard(never);
-    world
-        .register(validate("hangs", &url).timeout(ms(100)))
+    let guard = world
+        .guarded(|url| validate("hangs", url).timeout(ms(100)), never)
         .await;
     for turn in 0..3 {
-        let d = world
-            .evaluate(Batch::new(turn).call("c", "t", "{}"))
-            .await
-            .unwrap();
+        let d = world.decision(Batch::new(turn).call("c", "t", "{}")).await;
         assert_eq!(status(&d, "hangs"), TraceStatus::TimedOut);
     }
     let opened = Instant::now();
     let sent = guard.requests();
-    let d = world
-        .evaluate(Batch::new(3).call("c", "t", "{}"))
-        .await
-        .unwrap();
+    let d = world.decision(Batch::new(3).call("c", "t", "{}")).await;
     assert_eq!(opened.elapsed(), Duration::ZERO, "no wait while open");
     assert_eq!(status(&d, "hangs"), TraceStatus::Failed);
     assert!(entry(&d, "hangs").error.contains("circuit open"));
@@ -960,24 +985,15 @@ async fn r13_circuit_opens_after_repeated_failures_and_fail_closed_still_blocks(
         1.0
     );
     // The guard recovers; still refused until the open period is over.
-    guard.set_script(|b| vec![Step::answer(b, Vec::new())]);
+    guard.set_script(proceed_all);
     tokio::time::sleep(ms(299)).await;
-    let d = world
-        .evaluate(Batch::new(4).call("c", "t", "{}"))
-        .await
-        .unwrap();
+    let d = world.decision(Batch::new(4).call("c", "t", "{}")).await;
     assert!(entry(&d, "hangs").error.contains("circuit open"));
     assert_eq!(guard.requests(), sent);
     tokio::time::sleep(ms(1)).await;
-    let d = world
-        .evaluate(Batch::new(5).call("c", "t", "{}"))
-        .await
-        .unwrap();
+    let d = world.decision(Batch::new(5).call("c", "t", "{}")).await;
     assert!(proceeds(&d.decisions[0]), "the probe: {:?}", d.trace);
-    let d = world
-        .evaluate(Batch::new(6).call("c", "t", "{}"))
-        .await
-        .unwrap();
+    let d = world.decision(Batch::new(6).call("c", "t", "{}")).await;
     assert!(proceeds(&d.decisions[0]), "closed");
     assert_eq!(guard.requests(), sent + 2);
 }
@@ -988,18 +1004,15 @@ async fn r13_circuit_opens_after_repeated_failures_and_fail_closed_still_blocks(
 async fn r13_circuit_open_under_fail_open_is_recorded_as_bypass() {
     let world = World::with(|config| {
         config.link.circuit_failures = 2;
-        config.link.circuit_open_for = Duration::from_secs(60);
+        config.link.circuit_open_for = secs(60);
     });
     let down = world.closed_port();
     world
-        .register(validate("down", &down).policy(FailurePolicy::FailOpen))
+        .register(validate("down", &down).policy(FailOpen))
         .await;
     let mut open = Vec::new();
     for turn in 0..10 {
-        let d = world
-            .evaluate(Batch::new(turn).call("c", "t", "{}"))
-            .await
-            .unwrap();
+        let d = world.decision(Batch::new(turn).call("c", "t", "{}")).await;
         assert_bypassed(&d.decisions[0], "down", &format!("turn {turn}"));
         open.push(entry(&d, "down").error.contains("circuit open"));
         tokio::time::sleep(ms(10)).await;
@@ -1054,6 +1067,26 @@ on_both_transports!(
 mod scenarios {
     use super::*;
 
+    /// The chain of the R14 budget scenarios, each guard given 20 s: mutate
+    /// guards `m1` (scripted `first`) and `m2` (proceeds), granted `t`,
+    /// under `policies`; then validate guard `v` (proceeds).
+    async fn budget_chain(
+        world: &World,
+        first: impl Fn(&GuardBatch) -> Vec<Step> + Send + Sync + 'static,
+        policies: [FailurePolicy; 2],
+    ) -> [Arc<ScriptedGuard>; 3] {
+        let [p1, p2] = policies;
+        let m1 = |url: &str| mutate("m1", url, &["t"]).policy(p1).timeout(secs(20));
+        let m2 = |url: &str| mutate("m2", url, &["t"]).policy(p2).timeout(secs(20));
+        [
+            world.guarded(m1, first).await,
+            world.guarded(m2, proceed_all).await,
+            world
+                .guarded(|url| validate("v", url).timeout(secs(20)), proceed_all)
+                .await,
+        ]
+    }
+
     /// Mirrors
     /// `faults::unreachable_guard_closed_port_blocks_under_fail_closed_and_is_bypassed_under_fail_open`:
     /// every round fails per policy at once, never at a timeout.
@@ -1062,16 +1095,8 @@ mod scenarios {
     ) {
         let world = World::on(transport);
         let url = world.closed_port();
-        register_each_policy(&world, &url, Duration::from_secs(2)).await;
-        assert_each_policy_fails(
-            &world,
-            "closed port",
-            4,
-            &[TraceStatus::Failed],
-            "unreachable",
-            Duration::ZERO,
-        )
-        .await;
+        register_each_policy(&world, &url, secs(2)).await;
+        assert_each_policy_fails(&world, "closed port", 4, "unreachable").await;
     }
 
     /// Mirrors
@@ -1081,20 +1106,12 @@ mod scenarios {
         transport: Transport,
     ) {
         let world = World::on(transport);
-        let (url, guard) = world.guard(|b| vec![Step::answer(b, Vec::new())]);
+        let (url, guard) = world.guard(proceed_all);
         for _ in 0..100 {
             guard.refuse_stream(tonic::Status::unimplemented("not a guard"));
         }
         register_each_policy(&world, &url, ms(300)).await;
-        assert_each_policy_fails(
-            &world,
-            "not a guard",
-            3,
-            &[TraceStatus::Failed],
-            "not a guard",
-            Duration::ZERO,
-        )
-        .await;
+        assert_each_policy_fails(&world, "not a guard", 3, "not a guard").await;
         assert_eq!(guard.streams(), 0, "no stream was ever opened");
         assert_eq!(guard.requests(), 0);
     }
@@ -1106,19 +1123,11 @@ mod scenarios {
     ) {
         let world = World::on(transport);
         let (url, guard) = world.guard(|_| vec![Step::end()]);
-        register_each_policy(&world, &url, Duration::from_secs(5)).await;
-        assert_each_policy_fails(
-            &world,
-            "closed with OK",
-            3,
-            &[TraceStatus::Failed],
-            "closed its stream",
-            Duration::ZERO,
-        )
-        .await;
+        register_each_policy(&world, &url, secs(5)).await;
+        assert_each_policy_fails(&world, "closed with OK", 3, "closed its stream").await;
         // R15: the mesh keeps redialling a guard that closes on it.
         let streams = guard.streams();
-        tokio::time::sleep(Duration::from_secs(1)).await;
+        tokio::time::sleep(secs(1)).await;
         assert!(
             guard.streams() > streams && streams >= 3,
             "the mesh reopens the guard's streams: {streams} then {}",
@@ -1134,16 +1143,8 @@ mod scenarios {
         let world = World::on(transport);
         let (url, _guard) =
             world.guard(|_| vec![Step::fail(tonic::Status::internal("guard exploded"))]);
-        register_each_policy(&world, &url, Duration::from_secs(5)).await;
-        assert_each_policy_fails(
-            &world,
-            "closed with an error",
-            3,
-            &[TraceStatus::Failed],
-            "guard exploded",
-            Duration::ZERO,
-        )
-        .await;
+        register_each_policy(&world, &url, secs(5)).await;
+        assert_each_policy_fails(&world, "closed with an error", 3, "guard exploded").await;
     }
 
     /// Mirrors
@@ -1151,18 +1152,8 @@ mod scenarios {
     pub(super) async fn r13_guard_closes_stream_mid_batch_answered_call_keeps_its_verdict_pending_calls_fail(
         transport: Transport,
     ) {
-        for policy in [FailurePolicy::FailClosed, FailurePolicy::FailOpen] {
-            let what = format!("validate guard, {policy:?}");
-            let (d, took) = partial_then_close_batch(transport, false, policy).await;
-            let d = d.unwrap_or_else(|e| panic!("{what}: {e}"));
-            assert_partial_then_close(&d, policy, &what);
-            transport.assert_took(
-                took,
-                ms(40),
-                &format!("{what}: decided when the stream ended"),
-            );
-        }
-        let (err, took) = partial_then_close_batch(transport, false, FailurePolicy::Abort).await;
+        assert_partial_then_close_per_policy(transport, false).await;
+        let (err, took) = partial_then_close_batch(transport, false, Abort).await;
         let err = err.expect_err("abort: the whole batch is refused");
         assert_eq!(err.status().code(), tonic::Code::Unavailable, "{err}");
         assert!(err.to_string().contains("\"g\""), "{err}");
@@ -1174,13 +1165,7 @@ mod scenarios {
     pub(super) async fn r12_r13_guard_closes_stream_mid_batch_mutate_guard_keeps_the_skip_it_sent(
         transport: Transport,
     ) {
-        for policy in [FailurePolicy::FailClosed, FailurePolicy::FailOpen] {
-            let what = format!("mutate guard, {policy:?}");
-            let (d, took) = partial_then_close_batch(transport, true, policy).await;
-            let d = d.unwrap_or_else(|e| panic!("{what}: {e}"));
-            assert_partial_then_close(&d, policy, &what);
-            transport.assert_took(took, ms(40), &what);
-        }
+        assert_partial_then_close_per_policy(transport, true).await;
     }
 
     /// Mirrors
@@ -1191,11 +1176,11 @@ mod scenarios {
         let world = World::on(transport);
         let (url, hung) = world.guard(never);
         register_each_policy(&world, &url, ms(200)).await;
-        assert_each_policy_fails(
+        assert_each_policy_fails_as(
             &world,
             "hung guard",
             2,
-            &[TraceStatus::TimedOut],
+            TraceStatus::TimedOut,
             "did not answer",
             ms(200),
         )
@@ -1221,15 +1206,10 @@ mod scenarios {
     ) {
         let world = World::on(transport);
         let (url, hung) = world.guard(never);
-        register_each_policy(&world, &url, Duration::from_secs(20)).await;
+        register_each_policy(&world, &url, secs(20)).await;
         let started = Instant::now();
         let d = world
-            .evaluate(
-                Batch::new(0)
-                    .call("a1", "a.x", "{}")
-                    .call("b1", "b.x", "{}")
-                    .timeout(ms(400)),
-            )
+            .evaluate(Batch::of(0, &[("a1", "a.x"), ("b1", "b.x")]).timeout(ms(400)))
             .await
             .expect("a decision, not DEADLINE_EXCEEDED");
         world.took(started, ms(400), "decided after");
@@ -1252,12 +1232,10 @@ mod scenarios {
     /// `faults::hang_unary_batch_gets_a_decision_before_its_grpc_deadline`.
     pub(super) async fn r14_hang_unary_batch_gets_a_decision_at_its_deadline(transport: Transport) {
         let world = World::on(transport);
-        let (url, _hung) = world.guard(never);
-        world
-            .register(
-                validate("fc", &url)
-                    .policy(FailurePolicy::FailClosed)
-                    .timeout(Duration::from_secs(20)),
+        let _hung = world
+            .guarded(
+                |url| validate("fc", url).policy(FailClosed).timeout(secs(20)),
+                never,
             )
             .await;
         for turn in 0..3 {
@@ -1281,29 +1259,13 @@ mod scenarios {
         transport: Transport,
     ) {
         let world = World::on(transport);
-        let (first_url, first) = world.guard(|b| vec![Step::answer(b, Vec::new()).after(ms(300))]);
-        let (second_url, second) = world.proceed_guard();
-        let (v_url, v) = world.proceed_guard();
-        world
-            .register(mutate("m1", &first_url, &["t"]).timeout(Duration::from_secs(20)))
-            .await;
-        world
-            .register(mutate("m2", &second_url, &["t"]).timeout(Duration::from_secs(20)))
-            .await;
-        world
-            .register(validate("v", &v_url).timeout(Duration::from_secs(20)))
-            .await;
-        let started = Instant::now();
+        // The default policy (fail_closed), as the test mirrored.
+        let policies = [FailClosed; 2];
+        let [first, second, v] = budget_chain(&world, proceed_after(ms(300)), policies).await;
         let d = world
-            .evaluate(
-                Batch::new(0)
-                    .call("c1", "t", "{}")
-                    .timeout(Duration::from_secs(3)),
-            )
-            .await
-            .unwrap();
+            .decision_after(Batch::one(0).timeout(secs(3)), ms(300), "decided after")
+            .await;
         assert!(proceeds(&d.decisions[0]), "{:?}", d.decisions[0]);
-        world.took(started, ms(300), "decided after");
         // R10: the second is asked once the first has answered.
         transport.assert_took(
             second.read_at()[0] - first.read_at()[0],
@@ -1321,32 +1283,10 @@ mod scenarios {
         transport: Transport,
     ) {
         let world = World::on(transport);
-        let (hung_url, hung) = world.guard(never);
-        let (later_url, later) = world.proceed_guard();
-        let (v_url, v) = world.proceed_guard();
-        world
-            .register(
-                mutate("m1", &hung_url, &["t"])
-                    .policy(FailurePolicy::FailOpen)
-                    .timeout(Duration::from_secs(20)),
-            )
-            .await;
-        world
-            .register(
-                mutate("m2", &later_url, &["t"])
-                    .policy(FailurePolicy::FailClosed)
-                    .timeout(Duration::from_secs(20)),
-            )
-            .await;
-        world
-            .register(validate("v", &v_url).timeout(Duration::from_secs(20)))
-            .await;
-        let started = Instant::now();
+        let [hung, later, v] = budget_chain(&world, never, [FailOpen, FailClosed]).await;
         let d = world
-            .evaluate(Batch::new(0).call("c1", "t", "{}").timeout(ms(400)))
-            .await
-            .expect("a decision");
-        world.took(started, ms(400), "decided after");
+            .decision_after(Batch::one(0).timeout(ms(400)), ms(400), "decided after")
+            .await;
         let call = &d.decisions[0];
         assert_failure_cancel(call, "m2", "exhausted budget");
         assert_eq!(call.bypassed, ["m1"], "{call:?}");
@@ -1364,35 +1304,19 @@ mod scenarios {
         transport: Transport,
     ) {
         let world = World::on(transport);
-        let (url, slow) = world.guard(|b| vec![Step::answer(b, Vec::new()).after(ms(3000))]);
-        world
-            .register(validate("slow", &url).timeout(Duration::from_secs(20)))
-            .await;
-        let started = Instant::now();
-        let d = world
-            .evaluate(Batch::new(0).call("c1", "t", "{}").timeout(ms(300)))
-            .await
-            .unwrap();
-        world.took(started, ms(300), "decided after");
-        assert_eq!(status(&d, "slow"), TraceStatus::TimedOut);
-        assert!(d.decisions[0].failure);
-        world.told(slow.batches()[0].deadline_ms, 300, "R14");
-
-        world
-            .register(validate("slow", &url).timeout(ms(100)))
-            .await;
-        let started = Instant::now();
-        let d = world
-            .evaluate(
-                Batch::new(1)
-                    .call("c1", "t", "{}")
-                    .timeout(Duration::from_secs(20)),
-            )
-            .await
-            .unwrap();
-        world.took(started, ms(100), "decided after");
-        assert_eq!(status(&d, "slow"), TraceStatus::TimedOut);
-        world.told(slow.batches()[1].deadline_ms, 100, "R14");
+        let (url, slow) = world.guard(proceed_after(ms(3000)));
+        // (turn, the guard's timeout, the batch's, the one that bounds it)
+        let rounds = [(0, secs(20), ms(300), 300), (1, ms(100), secs(20), 100)];
+        for (turn, guard, batch, want) in rounds {
+            world.register(validate("slow", &url).timeout(guard)).await;
+            let want_ms = ms(u64::from(want));
+            let d = world
+                .decision_after(Batch::one(turn).timeout(batch), want_ms, "decided after")
+                .await;
+            assert_eq!(status(&d, "slow"), TraceStatus::TimedOut, "turn {turn}");
+            assert!(d.decisions[0].failure, "turn {turn}");
+            world.told(slow.batches()[turn].deadline_ms, want, "R14");
+        }
     }
 
     /// Mirrors
@@ -1424,27 +1348,19 @@ mod scenarios {
         });
         guard.ignore_cancels();
         world
-            .register(
-                validate("late", &url)
-                    .policy(FailurePolicy::FailClosed)
-                    .timeout(ms(200)),
-            )
+            .register(validate("late", &url).policy(FailClosed).timeout(ms(200)))
             .await;
-        let batch = |n: u32| {
-            Batch::new(n)
-                .call("c1", "t", "{}")
-                .timeout(Duration::from_secs(10))
-        };
-        let d1 = world.evaluate(batch(1)).await.unwrap();
+        let batch = |n: u32| Batch::one(n).timeout(secs(10));
+        let d1 = world.decision(batch(1)).await;
         assert_failure_cancel(&d1.decisions[0], "late", "b1");
         assert_eq!(status(&d1, "late"), TraceStatus::TimedOut);
         assert_eq!(spurious(&world, "late"), 0.0);
 
-        let d2 = world.evaluate(batch(2)).await.unwrap();
+        let d2 = world.decision(batch(2)).await;
         assert_skip(&d2.decisions[0], "late", Action::Steer, "b2 skipped", "b2");
         assert_eq!(spurious(&world, "late"), 1.0, "b1's late answer is counted");
 
-        let d3 = world.evaluate(batch(3)).await.unwrap();
+        let d3 = world.decision(batch(3)).await;
         assert_skip(&d3.decisions[0], "late", Action::Steer, "b3 skipped", "b3");
         world.settle().await;
         assert_eq!(
@@ -1452,7 +1368,7 @@ mod scenarios {
             2.0,
             "the second answer is counted"
         );
-        let d4 = world.evaluate(batch(4)).await.unwrap();
+        let d4 = world.decision(batch(4)).await;
         assert!(proceeds(&d4.decisions[0]), "the stream goes on");
         assert_eq!(status(&d4, "late"), TraceStatus::Proceeded);
         assert_eq!(
@@ -1485,27 +1401,15 @@ mod scenarios {
                 },
                 Step::answer_to(u64::MAX, all_proceed, false),
             ];
-            let verdicts = b
-                .calls
-                .iter()
-                .filter(|c| c.tool == "deny")
-                .map(|c| steer(&c.call_id, "real skip"))
-                .collect();
+            let verdicts = steer_each(b, |c| c.tool == "deny", "real skip");
             steps.push(Step::answer(b, verdicts));
             steps
         });
-        world
-            .register(validate("g", &url).timeout(Duration::from_secs(5)))
-            .await;
+        world.register(validate("g", &url).timeout(secs(5))).await;
         for turn in 0..3u32 {
             let d = world
-                .evaluate(
-                    Batch::new(turn)
-                        .call("c1", "deny", "{}")
-                        .call("c2", "ok", "{}"),
-                )
-                .await
-                .unwrap();
+                .decision(Batch::of(turn, &[("c1", "deny"), ("c2", "ok")]))
+                .await;
             assert_skip(
                 &d.decisions[0],
                 "g",
@@ -1545,17 +1449,18 @@ mod scenarios {
             } else {
                 validate("g", &url)
             };
-            world.register(spec.policy(FailurePolicy::FailOpen)).await;
+            world.register(spec.policy(FailOpen)).await;
             let d = world
-                .evaluate(
-                    Batch::new(0)
-                        .call("c1", "seven", "{}")
-                        .call("c2", "negative", "{}")
-                        .call("c3", "max", "{}")
-                        .call("c4", "fine", "{}"),
-                )
-                .await
-                .unwrap();
+                .decision(Batch::of(
+                    0,
+                    &[
+                        ("c1", "seven"),
+                        ("c2", "negative"),
+                        ("c3", "max"),
+                        ("c4", "fine"),
+                    ],
+                ))
+                .await;
             let what = if mutating { "mutate" } else { "validate" };
             for (call, kind) in d.decisions.iter().zip([7, -3, i32::MAX]) {
                 assert_skip(call, "g", Action::Steer, &format!("kind {kind}"), what);
@@ -1572,21 +1477,14 @@ mod scenarios {
     pub(super) async fn r13_abort_guard_failure_is_counted_in_guard_outcomes(transport: Transport) {
         let world = World::on(transport);
         let down = world.closed_port();
-        let (fine_url, _fine) = world.proceed_guard();
         world
-            .register(
-                mutate("mab", &down, &["m.*"])
-                    .tools(&["m.*"])
-                    .policy(FailurePolicy::Abort),
-            )
+            .register(mutate("mab", &down, &["m.*"]).tools(&["m.*"]).policy(Abort))
             .await;
-        world.register(validate("fine", &fine_url)).await;
+        let _fine = world
+            .guarded(|url| validate("fine", url), proceed_all)
+            .await;
         world
-            .register(
-                validate("ab", &down)
-                    .tools(&["c.*"])
-                    .policy(FailurePolicy::Abort),
-            )
+            .register(validate("ab", &down).tools(&["c.*"]).policy(Abort))
             .await;
         for (tool, guard) in [("c.x", "ab"), ("m.x", "mab")] {
             let err = world
@@ -1627,11 +1525,7 @@ mod scenarios {
             ("timeout", never),
         ];
         for (cause, script) in causes {
-            for policy in [
-                FailurePolicy::FailClosed,
-                FailurePolicy::FailOpen,
-                FailurePolicy::Abort,
-            ] {
+            for policy in [FailClosed, FailOpen, Abort] {
                 let what = format!("{cause} under {policy:?}");
                 let world = World::on(transport);
                 let url = if cause == "unreachable" {
@@ -1639,7 +1533,6 @@ mod scenarios {
                 } else {
                     world.guard(script).0
                 };
-                let (ok_url, _ok) = world.proceed_guard();
                 world
                     .register(
                         validate("flaky", &url)
@@ -1648,14 +1541,10 @@ mod scenarios {
                             .tools(&["db.*"]),
                     )
                     .await;
-                world.register(validate("ok", &ok_url)).await;
+                let _ok = world.guarded(|url| validate("ok", url), proceed_all).await;
                 let started = Instant::now();
                 let result = world
-                    .evaluate(
-                        Batch::new(0)
-                            .call("c1", "db.query", "{}")
-                            .call("c2", "fs.read", "{}"),
-                    )
+                    .evaluate(Batch::of(0, &[("c1", "db.query"), ("c2", "fs.read")]))
                     .await;
                 let waited = if cause == "timeout" {
                     ms(200)
@@ -1664,7 +1553,7 @@ mod scenarios {
                 };
                 world.took(started, waited, &what);
                 match policy {
-                    FailurePolicy::FailClosed => {
+                    FailClosed => {
                         let d = result.unwrap_or_else(|e| panic!("{what}: {e}"));
                         assert_failure_cancel(&d.decisions[0], "flaky", &what);
                         assert!(proceeds(&d.decisions[1]), "{what}: R6");
@@ -1676,20 +1565,19 @@ mod scenarios {
                         assert_eq!(status(&d, "flaky"), want, "{what}");
                         assert!(!entry(&d, "flaky").error.is_empty(), "{what}");
                     }
-                    FailurePolicy::FailOpen => {
+                    FailOpen => {
                         let d = result.unwrap_or_else(|e| panic!("{what}: {e}"));
                         assert_bypassed(&d.decisions[0], "flaky", &what);
                         assert!(d.decisions[1].bypassed.is_empty(), "{what}");
                         assert_ne!(status(&d, "flaky"), TraceStatus::Proceeded, "{what}");
                     }
-                    FailurePolicy::Abort => {
+                    Abort => {
                         let err = result.expect_err(&what);
                         assert_eq!(err.status().code(), tonic::Code::Unavailable, "{what}");
                         assert!(err.to_string().contains("flaky"), "{what}: {err}");
                         let d = world
-                            .evaluate(Batch::new(1).call("c3", "fs.read", "{}"))
-                            .await
-                            .unwrap();
+                            .decision(Batch::new(1).call("c3", "fs.read", "{}"))
+                            .await;
                         assert!(proceeds(&d.decisions[0]), "{what}");
                     }
                 }
@@ -1700,17 +1588,13 @@ mod scenarios {
     /// Mirrors `rules::r1_zero_calls_contact_no_guard`.
     pub(super) async fn r1_zero_calls_contact_no_guard(transport: Transport) {
         let world = World::on(transport);
-        let (url, guard) = world.proceed_guard();
-        world.register(validate("g", &url)).await;
-        let d = world.evaluate(Batch::new(0)).await.unwrap();
+        let guard = world.guarded(|url| validate("g", url), proceed_all).await;
+        let d = world.decision(Batch::new(0)).await;
         assert!(d.decisions.is_empty() && d.execute.is_empty());
         assert_eq!(status(&d, "g"), TraceStatus::NotApplicable);
         world.settle().await;
         assert_eq!(guard.requests(), 0, "zero calls contact no guard");
-        world
-            .evaluate(Batch::new(1).call("c1", "t", "{}"))
-            .await
-            .unwrap();
+        world.decision(Batch::one(1)).await;
         assert_eq!(guard.requests(), 1);
     }
 
@@ -1732,12 +1616,9 @@ mod scenarios {
         world.register(validate("early", &early_url)).await;
         world.register(validate("late", &late_url)).await;
         for turn in 0..3 {
-            let started = Instant::now();
             let d = world
-                .evaluate(Batch::new(turn).call("c1", "t", "{}"))
-                .await
-                .unwrap();
-            world.took(started, ms(300), "waits for the earlier guard");
+                .decision_after(Batch::one(turn), ms(300), "waits for the earlier guard")
+                .await;
             assert_skip(
                 &d.decisions[0],
                 "early",
@@ -1768,17 +1649,13 @@ mod scenarios {
             verdicts.push(steer("never-sent", "unknown call id"));
             vec![Step::answer(b, verdicts)]
         });
-        let (later_url, _later) = world.proceed_guard();
         world.register(validate("buggy", &url)).await;
-        world.register(validate("later", &later_url)).await;
+        let _later = world
+            .guarded(|url| validate("later", url), proceed_all)
+            .await;
         let d = world
-            .evaluate(
-                Batch::new(0)
-                    .call("blank", "t", "{}")
-                    .call("twice", "t", "{}"),
-            )
-            .await
-            .unwrap();
+            .decision(Batch::of(0, &[("blank", "t"), ("twice", "t")]))
+            .await;
         assert!(proceeds(&d.decisions[0]), "a blank skip counts as proceed");
         assert!(proceeds(&d.decisions[1]), "the second verdict is ignored");
         assert_eq!(status(&d, "buggy"), TraceStatus::Malformed);
@@ -1792,27 +1669,29 @@ mod scenarios {
     /// Mirrors `rules::r9_guard_receives_only_the_calls_it_applies_to`.
     pub(super) async fn r9_guard_receives_only_the_calls_it_applies_to(transport: Transport) {
         let world = World::on(transport);
-        let (sql_url, sql) = world.proceed_guard();
-        let (files_url, files) = world.proceed_guard();
-        let (none_url, none) = world.proceed_guard();
-        world
-            .register(validate("sql", &sql_url).tools(&["sql.*"]))
+        let sql = world
+            .guarded(|url| validate("sql", url).tools(&["sql.*"]), proceed_all)
             .await;
-        world
-            .register(validate("files", &files_url).tools(&["fs.read", "fs.write"]))
+        let files = world
+            .guarded(
+                |url| validate("files", url).tools(&["fs.read", "fs.write"]),
+                proceed_all,
+            )
             .await;
-        world
-            .register(validate("none", &none_url).tools(&["payments.*"]))
+        let none = world
+            .guarded(
+                |url| validate("none", url).tools(&["payments.*"]),
+                proceed_all,
+            )
             .await;
         let d = world
-            .evaluate(
+            .decision(
                 Batch::new(0)
                     .call("q", "sql.query", r#"{"sql":"SELECT 1"}"#)
                     .call("r", "fs.read", "{}")
                     .call("x", "shell", "{}"),
             )
-            .await
-            .unwrap();
+            .await;
         let got = |g: &ScriptedGuard| -> Vec<String> {
             g.batches()[0]
                 .calls
@@ -1844,13 +1723,11 @@ mod scenarios {
                 .collect();
             vec![Step::answer(b, verdicts)]
         });
-        let (v_url, v) = world.proceed_guard();
         world.register(mutate("m", &m_url, &["t"])).await;
-        world.register(validate("v", &v_url)).await;
+        let v = world.guarded(|url| validate("v", url), proceed_all).await;
         let d = world
-            .evaluate(Batch::new(0).call("c1", "t", "{}").call("c2", "t", "{}"))
-            .await
-            .unwrap();
+            .decision(Batch::of(0, &[("c1", "t"), ("c2", "t")]))
+            .await;
         assert_skip(&d.decisions[0], "m", Action::Steer, "mutate says no", "c1");
         assert!(proceeds(&d.decisions[1]));
         assert_eq!(d.decisions[1].rewritten_by, ["m"]);
@@ -1885,14 +1762,15 @@ mod scenarios {
         transport: Transport,
     ) {
         let world = World::on(transport);
-        let (slow_url, slow) = world.guard(|b| vec![Step::answer(b, Vec::new()).after(ms(500))]);
         let (veto_url, veto) = world.guard(|b| {
             vec![Step::answer(
                 b,
                 vec![cancel(&b.calls[0].call_id, "new guard")],
             )]
         });
-        world.register(validate("slow", &slow_url)).await;
+        let slow = world
+            .guarded(|url| validate("slow", url), proceed_after(ms(500)))
+            .await;
         let in_flight = world.spawn(Batch::new(0).call("c", "t", "{}"));
         world.settle().await;
         assert_eq!(slow.requests(), 1);
@@ -1905,10 +1783,7 @@ mod scenarios {
             "judged with the chain it started with"
         );
         assert_eq!(d.trace.len(), 1);
-        let next = world
-            .evaluate(Batch::new(1).call("c", "t", "{}"))
-            .await
-            .unwrap();
+        let next = world.decision(Batch::new(1).call("c", "t", "{}")).await;
         assert_eq!(next.decisions[0].decided_by, "veto");
         assert_eq!(next.trace.len(), 2);
         assert!(next.chain_revision > d.chain_revision);
@@ -1921,23 +1796,19 @@ mod scenarios {
         transport: Transport,
     ) {
         let world = World::on(transport);
-        let (proc_url, process) =
-            world.guard(|b| vec![Step::answer(b, Vec::new()).after(ms(20_000))]);
-        let (probe_url, probe) = world.proceed_guard();
+        let (proc_url, process) = world.guard(proceed_after(ms(20_000)));
         world
             .register(
                 validate("proc", &proc_url)
-                    .policy(FailurePolicy::FailClosed)
-                    .timeout(Duration::from_secs(30)),
+                    .policy(FailClosed)
+                    .timeout(secs(30)),
             )
             .await;
-        world.register(validate("probe", &probe_url)).await;
+        let probe = world
+            .guarded(|url| validate("probe", url), proceed_all)
+            .await;
         let started = Instant::now();
-        let batch = world.spawn(
-            Batch::new(0)
-                .call("c1", "t", "{}")
-                .timeout(Duration::from_secs(30)),
-        );
+        let batch = world.spawn(Batch::one(0).timeout(secs(30)));
         world.sleep_at_least(ms(10)).await;
         assert_eq!((probe.requests(), process.requests()), (1, 1));
         assert!(!batch.is_finished());
@@ -1952,29 +1823,21 @@ mod scenarios {
     /// `rules::r15_a_killed_guard_keeps_failing_until_deregistered`.
     pub(super) async fn r15_a_killed_guard_keeps_failing_until_deregistered(transport: Transport) {
         let world = World::on(transport);
-        let (url, guard) = world.proceed_guard();
-        world.register(validate("g", &url).timeout(ms(300))).await;
-        let d = world
-            .evaluate(Batch::new(0).call("c", "t", "{}"))
-            .await
-            .unwrap();
+        let guard = world
+            .guarded(|url| validate("g", url).timeout(ms(300)), proceed_all)
+            .await;
+        let d = world.decision(Batch::new(0).call("c", "t", "{}")).await;
         assert_eq!(status(&d, "g"), TraceStatus::Proceeded);
         guard.kill();
         for turn in 1..5 {
-            let d = world
-                .evaluate(Batch::new(turn).call("c", "t", "{}"))
-                .await
-                .unwrap();
+            let d = world.decision(Batch::new(turn).call("c", "t", "{}")).await;
             assert_failure_cancel(&d.decisions[0], "g", &format!("turn {turn}"));
             assert_eq!(status(&d, "g"), TraceStatus::Failed);
             tokio::time::sleep(ms(100)).await;
         }
         assert_eq!(world.registry.chain().guards.len(), 1, "still in the chain");
         assert!(world.registry.deregister("g".into()).await.unwrap().removed);
-        let d = world
-            .evaluate(Batch::new(9).call("c", "t", "{}"))
-            .await
-            .unwrap();
+        let d = world.decision(Batch::new(9).call("c", "t", "{}")).await;
         assert!(proceeds(&d.decisions[0]));
         assert!(d.trace.is_empty());
     }
@@ -1985,45 +1848,35 @@ mod scenarios {
         transport: Transport,
     ) {
         let world = World::on(transport);
-        let (held_url, held) = world.guard(|b| vec![Step::answer(b, Vec::new()).after(ms(2_000))]);
-        let (other_url, _other) = world.proceed_guard();
-        world
-            .register(
-                validate("held", &held_url)
-                    .tools(&["slow.*"])
-                    .timeout(Duration::from_secs(60)),
+        let held = world
+            .guarded(
+                |url| validate("held", url).tools(&["slow.*"]).timeout(secs(60)),
+                proceed_after(ms(2_000)),
             )
             .await;
-        world.register(validate("other", &other_url)).await;
+        let _other = world
+            .guarded(|url| validate("other", url), proceed_all)
+            .await;
         let started = Instant::now();
-        let slow = world.spawn(
-            Batch::new(0)
-                .call("s1", "slow.op", "{}")
-                .timeout(Duration::from_secs(60)),
-        );
+        let slow = world.spawn(Batch::new(0).call("s1", "slow.op", "{}").timeout(secs(60)));
         world.settle().await;
         assert_eq!(held.requests(), 1, "the slow batch reached the held guard");
         for i in 0..10 {
             let fast_started = Instant::now();
             let d = world
-                .evaluate(
+                .decision(
                     Batch::new(1 + i)
                         .call(&format!("f{i}"), "fast.op", "{}")
                         .client(i % 2),
                 )
-                .await
-                .unwrap();
+                .await;
             world.took(fast_started, Duration::ZERO, &format!("fast batch {i}"));
             assert!(!slow.is_finished(), "fast batch {i} before the slow one");
             assert!(proceeds(&d.decisions[0]));
             assert_eq!(status(&d, "held"), TraceStatus::NotApplicable);
         }
-        let mixed = world.spawn(
-            Batch::new(50)
-                .call("m1", "fast.op", "{}")
-                .call("m2", "slow.op", "{}")
-                .timeout(Duration::from_secs(60)),
-        );
+        let mixed =
+            world.spawn(Batch::of(50, &[("m1", "fast.op"), ("m2", "slow.op")]).timeout(secs(60)));
         world.settle().await;
         assert_eq!(held.requests(), 2);
         assert!(!mixed.is_finished());
@@ -2044,27 +1897,26 @@ mod scenarios {
         let world = World::on(transport);
         let (veto_url, _veto) =
             world.guard(|b| vec![Step::answer(b, vec![cancel(&b.calls[0].call_id, "denied")])]);
-        let (slow_url, slow) = world.guard(|b| vec![Step::answer(b, Vec::new()).after(ms(1_000))]);
         world.register(validate("veto", &veto_url)).await;
-        world
-            .register(validate("slow", &slow_url).timeout(Duration::from_secs(20)))
-            .await;
-        let started = Instant::now();
-        let d = world
-            .evaluate(
-                Batch::new(0)
-                    .call("c1", "t", "{}")
-                    .timeout(Duration::from_secs(30)),
+        let slow = world
+            .guarded(
+                |url| validate("slow", url).timeout(secs(20)),
+                proceed_after(ms(1_000)),
             )
-            .await
-            .unwrap();
-        world.took(started, Duration::ZERO, "answered at the veto");
+            .await;
+        let d = world
+            .decision_after(
+                Batch::one(0).timeout(secs(30)),
+                Duration::ZERO,
+                "answered at the veto",
+            )
+            .await;
         assert_eq!(d.decisions[0].decided_by, "veto");
         assert_eq!(status(&d, "slow"), TraceStatus::Superseded);
         world.settle().await;
         assert_eq!(slow.requests(), 1);
         assert_eq!(slow.cancels(), [slow.batches()[0].request_id]);
-        tokio::time::sleep(Duration::from_secs(2)).await;
+        tokio::time::sleep(secs(2)).await;
         assert_eq!(slow.answered(), 0, "the cancelled work never answered");
     }
 
@@ -2103,16 +1955,8 @@ mod scenarios {
                     &extra,
                 ))]
             });
-            register_each_policy(&world, &url, Duration::from_secs(5)).await;
-            assert_each_policy_fails(
-                &world,
-                variant,
-                2,
-                &[TraceStatus::Failed],
-                "field 9",
-                Duration::ZERO,
-            )
-            .await;
+            register_each_policy(&world, &url, secs(5)).await;
+            assert_each_policy_fails(&world, variant, 2, "field 9").await;
             assert_eq!(
                 guard.streams(),
                 3,
@@ -2155,20 +1999,11 @@ mod scenarios {
             ))]
         });
         world
-            .register(
-                validate("g", &url)
-                    .policy(FailurePolicy::FailOpen)
-                    .timeout(Duration::from_secs(5)),
-            )
+            .register(validate("g", &url).policy(FailOpen).timeout(secs(5)))
             .await;
         let d = world
-            .evaluate(
-                Batch::new(0)
-                    .call("c1", "fs.delete", "{}")
-                    .call("c2", "fs.read", "{}"),
-            )
-            .await
-            .unwrap();
+            .decision(Batch::of(0, &[("c1", "fs.delete"), ("c2", "fs.read")]))
+            .await;
         assert_skip(&d.decisions[0], "g", Action::Steer, "no deletes", "outside");
         assert!(d.decisions[0].bypassed.is_empty());
         assert!(proceeds(&d.decisions[1]) && d.decisions[1].bypassed.is_empty());
@@ -2201,24 +2036,22 @@ mod scenarios {
                 &[],
             ))]
         });
-        let (later_url, _later) = world.proceed_guard();
         world
             .register(
                 mutate("m", &url, &["fs.*"])
                     .tools(&["fs.*"])
-                    .policy(FailurePolicy::FailClosed)
-                    .timeout(Duration::from_secs(5)),
+                    .policy(FailClosed)
+                    .timeout(secs(5)),
             )
             .await;
-        world.register(validate("v", &later_url)).await;
+        let _later = world.guarded(|url| validate("v", url), proceed_all).await;
         let d = world
-            .evaluate(
+            .decision(
                 Batch::new(0)
                     .call("c1", "fs.write", r#"{"path":"/etc/passwd"}"#)
                     .call("c2", "net.get", "{}"),
             )
-            .await
-            .unwrap();
+            .await;
         assert_failure_cancel(&d.decisions[0], "m", "unknown rewrite field");
         assert!(d.decisions[0].rewritten_by.is_empty());
         assert_eq!(

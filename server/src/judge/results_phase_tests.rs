@@ -64,9 +64,7 @@ impl World {
         phases: GuardPhases,
         script: impl Fn(&GuardBatch) -> Vec<Step> + Send + Sync + 'static,
     ) -> Arc<ScriptedGuard> {
-        let (url, guard) = self.guard(script);
-        self.register(spec(name, &url, phases)).await;
-        guard
+        self.guarded(|url| spec(name, url, phases), script).await
     }
 
     /// The decision on `request`, given 5 s.
