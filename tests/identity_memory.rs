@@ -7,11 +7,14 @@
 //! keeps the identity's memory under is refused from coordinators (R20).
 
 use crate::harness::*;
-use crate::sessions::Down;
+use crate::sessions::{
+    Down, attach_store, decision, dotenv_result, outcome, proceeds, read_dotenv, read_env,
+    two_callers,
+};
+use crate::sessions_serialized::six_at_once;
 use guardmesh_client::{Batch, Coordinator, Outcome, Registration};
 use guardmesh_server::session::{
-    Applied, Digester, Memory, SessionKey, SessionLimits, SessionMemory, SessionStore, StoreError,
-    Write,
+    Applied, Memory, SessionKey, SessionLimits, SessionStore, StoreError, Write,
 };
 use std::sync::Arc;
 
@@ -19,39 +22,10 @@ fn identity_policy() -> String {
     std::fs::read_to_string(repo_root().join("examples/policy/identity.toml")).unwrap()
 }
 
-async fn outcome(c: &Coordinator, session: &str, turn: u32, tool: &str, args: &str) -> Outcome {
-    let d = c
-        .evaluate_once(session, Batch::new(turn).call("c", tool, args))
-        .await
-        .unwrap();
-    d.call("c").unwrap().outcome.clone()
-}
-
-fn proceeds(o: &Outcome) -> bool {
-    matches!(o, Outcome::Proceed)
-}
-
 /// A mesh whose `[auth]` knows `alice` and `bob`, with the example
 /// identity policy registered: the coordinators of both.
 async fn alice_and_bob() -> (TestMesh, Coordinator, Coordinator) {
-    let pki = TestPki::new();
-    let (mesh, url) = TestMesh::with_tokens(
-        &pki,
-        &[
-            OPS,
-            ("alice", "alice-token", &["evaluate"]),
-            ("bob", "bob-token", &["evaluate"]),
-        ],
-        "",
-    )
-    .await;
-    let ops = pki.registrar(&url, "ops-token").await;
-    ops.register(Registration::policy("caller", identity_policy()).build())
-        .await
-        .unwrap();
-    let alice = pki.coordinator(&url, "alice-token").await;
-    let bob = pki.coordinator(&url, "bob-token").await;
-    (mesh, alice, bob)
+    two_callers(["alice", "bob"], "caller", identity_policy()).await
 }
 
 /// Three emails an hour per caller: Alice's batches in six different
@@ -100,25 +74,8 @@ async fn r34_an_identity_budget_binds_across_session_ids() {
 async fn r34_a_value_read_in_one_session_cannot_leave_from_another_of_the_same_identity() {
     let (mesh, alice, bob) = alice_and_bob().await;
     let secret = "hunter2-Sup3rS3cret";
-    let d = alice
-        .evaluate_once(
-            "A",
-            Batch::new(0).call("r1", "fs.read_file", r#"{"path":".env"}"#),
-        )
-        .await
-        .unwrap();
-    assert!(proceeds(&d.call("r1").unwrap().outcome));
-    let result = serde_json::json!({
-        "content": [{"type": "text", "text": format!("DB_PASSWORD={secret}\n")}]
-    })
-    .to_string();
-    let d = alice
-        .evaluate_once(
-            "A",
-            Batch::new(1).result("r1", "fs.read_file", "fs", result),
-        )
-        .await
-        .unwrap();
+    let result = read_env(&alice, "A", 0, secret).await;
+    let d = dotenv_result(&alice, "A", 1, &result).await;
     assert!(!d.result("r1").unwrap().blocked());
     let insert = format!(r#"{{"sql":"INSERT INTO notes VALUES ('{secret}')"}}"#);
     let sent = outcome(&alice, "B", 0, "sqlite.query", &insert).await;
@@ -150,31 +107,15 @@ async fn r34_concurrent_batches_of_one_identity_in_different_sessions_cannot_rac
     mesh.register(Registration::policy("caller", identity_policy()))
         .await;
     // Without principals, every caller is one identity (R24).
-    let mut sent = Vec::new();
-    for turn in 0..6u32 {
-        let url = mesh.url.clone();
-        sent.push(tokio::spawn(async move {
-            let c = Coordinator::connect(url).await.unwrap();
-            let d = c
-                .evaluate_once(
-                    &format!("race-{turn}"),
-                    Batch::new(turn).call("e", "email.send", r#"{"to":"a@example.com"}"#),
-                )
-                .await
-                .unwrap();
-            d.call("e").unwrap().outcome.clone()
-        }));
-    }
-    let mut proceeded = 0;
-    for sent in sent {
-        match sent.await.unwrap() {
-            Outcome::Proceed => proceeded += 1,
-            Outcome::Cancel { content } => {
-                assert!(content.contains("whatever the session"), "{content}");
-            }
-            other => panic!("{other:?}"),
-        }
-    }
+    let proceeded = six_at_once(
+        std::slice::from_ref(&mesh.url),
+        "whatever the session",
+        |turn| {
+            let batch = Batch::new(turn).call("e", "email.send", r#"{"to":"a@example.com"}"#);
+            (format!("race-{turn}"), batch)
+        },
+    )
+    .await;
     assert_eq!(proceeded, 3);
     mesh.shutdown().await;
 }
@@ -184,17 +125,13 @@ async fn r34_concurrent_batches_of_one_identity_in_different_sessions_cannot_rac
 #[tokio::test]
 async fn r34_r13_identity_memory_that_cannot_be_read_fails_the_rule_closed() {
     let mesh = TestMesh::start().await;
-    let down = SessionMemory::new(Arc::new(Down), Digester::random(), SessionLimits::default());
-    mesh.mesh.attach_sessions(Arc::new(down)).unwrap();
+    attach_store(&mesh, Arc::new(Down));
     let only_identity = "[[rule]]\nname='budget'\ntools=['email.send']\n\
         when='identity.count(\"email.send\", \"1h\") >= 3'\naction='cancel'\nmessage='\"over\"'\n";
     mesh.register(Registration::policy("caller", only_identity))
         .await;
     let c = mesh.coordinator().await;
-    let d = c
-        .evaluate_once("s", Batch::new(0).call("c", "email.send", "{}"))
-        .await
-        .unwrap();
+    let d = decision(&c, "s", 0, "email.send", "{}").await;
     let call = d.call("c").unwrap();
     assert!(
         matches!(&call.outcome, Outcome::Cancel { .. }) && call.failure,
@@ -255,30 +192,13 @@ async fn r34_two_replicas_on_redis_cannot_race_an_identity_count() {
     );
     let a = MeshProcess::start("identity-race-a", &config, None).await;
     let b = MeshProcess::start("identity-race-b", &config, None).await;
+    let urls = [a.url.clone(), b.url.clone()];
     for round in 0..3u32 {
-        let mut sent = Vec::new();
-        for turn in 0..6u32 {
-            let url = if turn % 2 == 0 { &a.url } else { &b.url }.clone();
-            sent.push(tokio::spawn(async move {
-                let c = Coordinator::connect(url).await.unwrap();
-                let d = c
-                    .evaluate_once(
-                        &format!("r{round}-s{turn}"),
-                        Batch::new(turn).call("e", format!("email.r{round}"), "{}"),
-                    )
-                    .await
-                    .unwrap();
-                d.call("e").unwrap().outcome.clone()
-            }));
-        }
-        let mut proceeded = 0;
-        for sent in sent {
-            match sent.await.unwrap() {
-                Outcome::Proceed => proceeded += 1,
-                Outcome::Cancel { .. } => {}
-                other => panic!("{other:?}"),
-            }
-        }
+        let proceeded = six_at_once(&urls, "", |turn| {
+            let batch = Batch::new(turn).call("e", format!("email.r{round}"), "{}");
+            (format!("r{round}-s{turn}"), batch)
+        })
+        .await;
         assert_eq!(proceeded, 3, "round {round}");
     }
     drop((a, b));
@@ -342,8 +262,7 @@ async fn r13_r34_a_call_or_result_the_identity_memory_cannot_record_is_not_passe
         guardmesh_server::session::LocalStore::new(SessionLimits::default()),
         true.into(),
     ));
-    let memory = SessionMemory::new(store.clone(), Digester::random(), SessionLimits::default());
-    mesh.mesh.attach_sessions(Arc::new(memory)).unwrap();
+    attach_store(&mesh, store.clone());
     mesh.register(Registration::policy("caller", identity_policy()))
         .await;
     let c = mesh.coordinator().await;
@@ -363,26 +282,13 @@ async fn r13_r34_a_call_or_result_the_identity_memory_cannot_record_is_not_passe
         assert!(d.execute.is_empty(), "{d:?}");
     }
     store.1.store(false, std::sync::atomic::Ordering::SeqCst);
-    let d = c
-        .evaluate_once(
-            "r",
-            Batch::new(0).call("r1", "fs.read_file", r#"{"path":".env"}"#),
-        )
-        .await
-        .unwrap();
-    assert!(proceeds(&d.call("r1").unwrap().outcome));
+    read_dotenv(&c, "r", 0).await;
     store.1.store(true, std::sync::atomic::Ordering::SeqCst);
     let result = serde_json::json!({
         "content": [{"type": "text", "text": "DB_PASSWORD=hunter2-Sup3rS3cret"}]
     })
     .to_string();
-    let d = c
-        .evaluate_once(
-            "r",
-            Batch::new(1).result("r1", "fs.read_file", "fs", result),
-        )
-        .await
-        .unwrap();
+    let d = dotenv_result(&c, "r", 1, &result).await;
     let r = d.result("r1").unwrap();
     assert!(
         r.blocked() && r.failure && !r.result.contains("hunter2"),

@@ -11,7 +11,7 @@
 
 use crate::harness::*;
 use guardmesh_client::proto::FailurePolicy;
-use guardmesh_client::{Batch, Coordinator, Outcome, Registration};
+use guardmesh_client::{Batch, BatchDecision, Coordinator, Outcome, Registration};
 use guardmesh_server::session::{
     Applied, Digester, Memory, SessionKey, SessionLimits, SessionMemory, SessionStore, StoreError,
     Update, Write,
@@ -22,21 +22,39 @@ fn relaybleed() -> String {
     std::fs::read_to_string(repo_root().join("examples/policy/relaybleed.toml")).unwrap()
 }
 
-async fn outcome(c: &Coordinator, session: &str, turn: u32, tool: &str, args: &str) -> Outcome {
-    let d = c
-        .evaluate_once(session, Batch::new(turn).call("c", tool, args))
+/// The decision on call `c` of `tool` with `args`, sent alone in
+/// `session`.
+pub(crate) async fn decision(
+    c: &Coordinator,
+    session: &str,
+    turn: u32,
+    tool: &str,
+    args: &str,
+) -> BatchDecision {
+    c.evaluate_once(session, Batch::new(turn).call("c", tool, args))
         .await
-        .unwrap();
+        .unwrap()
+}
+
+/// The outcome of call `c` of `tool` with `args`, sent alone in `session`.
+pub(crate) async fn outcome(
+    c: &Coordinator,
+    session: &str,
+    turn: u32,
+    tool: &str,
+    args: &str,
+) -> Outcome {
+    let d = decision(c, session, turn, tool, args).await;
     d.call("c").unwrap().outcome.clone()
 }
 
-fn proceeds(o: &Outcome) -> bool {
+pub(crate) fn proceeds(o: &Outcome) -> bool {
     matches!(o, Outcome::Proceed)
 }
 
-/// Runs the `.env` read `r1` in `session` (it proceeds and is recorded by
-/// the mesh) and returns its result, a `CallToolResult` holding `secret`.
-async fn read_env(c: &Coordinator, session: &str, turn: u32, secret: &str) -> String {
+/// Runs the `.env` read `r1` in `session`: it proceeds and is recorded by
+/// the mesh.
+pub(crate) async fn read_dotenv(c: &Coordinator, session: &str, turn: u32) {
     let d = c
         .evaluate_once(
             session,
@@ -45,17 +63,70 @@ async fn read_env(c: &Coordinator, session: &str, turn: u32, secret: &str) -> St
         .await
         .unwrap();
     assert!(proceeds(&d.call("r1").unwrap().outcome));
+}
+
+/// The decision on `result`, sent in `session` as the result of the `.env`
+/// read `r1`.
+pub(crate) async fn dotenv_result(
+    c: &Coordinator,
+    session: &str,
+    turn: u32,
+    result: &str,
+) -> BatchDecision {
+    c.evaluate_once(
+        session,
+        Batch::new(turn).result("r1", "fs.read_file", "fs", result),
+    )
+    .await
+    .unwrap()
+}
+
+/// [`read_dotenv`], and its result: a `CallToolResult` holding `secret`.
+pub(crate) async fn read_env(c: &Coordinator, session: &str, turn: u32, secret: &str) -> String {
+    read_dotenv(c, session, turn).await;
     serde_json::json!({
         "content": [{"type": "text", "text": format!("DB_PASSWORD={secret}\n")}]
     })
     .to_string()
 }
 
-/// [`flows`], the mesh's session memory kept in `store`.
-async fn flows_in(mesh: &TestMesh, store: Arc<dyn SessionStore>) -> Coordinator {
+/// Keeps `mesh`'s session memory in `store` (a random session secret, the
+/// default bounds).
+pub(crate) fn attach_store(mesh: &TestMesh, store: Arc<dyn SessionStore>) {
     let memory = SessionMemory::new(store, Digester::random(), SessionLimits::default());
     mesh.mesh.attach_sessions(Arc::new(memory)).unwrap();
+}
+
+/// [`flows`], the mesh's session memory kept in `store`.
+async fn flows_in(mesh: &TestMesh, store: Arc<dyn SessionStore>) -> Coordinator {
+    attach_store(mesh, store);
     flows(mesh).await
+}
+
+/// A mesh whose `[auth]` knows ops and the two callers `names` (each with
+/// token `<name>-token` and role `evaluate`), with `policy` registered by
+/// ops as policy guard `guard`: the mesh and a coordinator of each caller.
+pub(crate) async fn two_callers(
+    names: [&str; 2],
+    guard: &str,
+    policy: String,
+) -> (TestMesh, Coordinator, Coordinator) {
+    let pki = TestPki::new();
+    let tokens = names.map(|name| format!("{name}-token"));
+    let evaluate: &[&str] = &["evaluate"];
+    let principals = [
+        OPS,
+        (names[0], tokens[0].as_str(), evaluate),
+        (names[1], tokens[1].as_str(), evaluate),
+    ];
+    let (mesh, url) = TestMesh::with_tokens(&pki, &principals, "").await;
+    let ops = pki.registrar(&url, "ops-token").await;
+    ops.register(Registration::policy(guard, policy).build())
+        .await
+        .unwrap();
+    let first = pki.coordinator(&url, &tokens[0]).await;
+    let second = pki.coordinator(&url, &tokens[1]).await;
+    (mesh, first, second)
 }
 
 /// Registers the relaybleed flow rules as policy guard `flows`: a
@@ -132,13 +203,7 @@ async fn r33_r34_no_session_id_is_one_session_not_a_way_around_a_flow_rule() {
     let c = flows(&mesh).await;
     let secret = "hunter2-Sup3rS3cret";
     let result = read_env(&c, "", 0, secret).await;
-    let d = c
-        .evaluate_once(
-            "",
-            Batch::new(1).result("r1", "fs.read_file", "fs", &result),
-        )
-        .await
-        .unwrap();
+    let d = dotenv_result(&c, "", 1, &result).await;
     assert!(!d.result("r1").unwrap().blocked());
     let insert = format!(r#"{{"sql":"INSERT INTO notes VALUES ('{secret}')"}}"#);
     let denied = outcome(&c, "", 2, "sqlite.query", &insert).await;
@@ -154,23 +219,7 @@ async fn r33_r34_no_session_id_is_one_session_not_a_way_around_a_flow_rule() {
 
 #[tokio::test]
 async fn r34_rate_limit_per_session_never_shared_with_another_identity() {
-    let pki = TestPki::new();
-    let (mesh, url) = TestMesh::with_tokens(
-        &pki,
-        &[
-            OPS,
-            ("alice", "alice-token", &["evaluate"]),
-            ("mallory", "mallory-token", &["evaluate"]),
-        ],
-        "",
-    )
-    .await;
-    let ops = pki.registrar(&url, "ops-token").await;
-    ops.register(Registration::policy("flows", relaybleed()).build())
-        .await
-        .unwrap();
-    let alice = pki.coordinator(&url, "alice-token").await;
-    let mallory = pki.coordinator(&url, "mallory-token").await;
+    let (mesh, alice, mallory) = two_callers(["alice", "mallory"], "flows", relaybleed()).await;
     for turn in 0..3 {
         assert!(
             proceeds(&outcome(&alice, "s", turn, "email.send", "{}").await),
@@ -215,13 +264,9 @@ impl SessionStore for Down {
 #[tokio::test]
 async fn r34_store_down_fails_the_session_rules_per_their_guard_policy() {
     let mesh = TestMesh::start().await;
-    let down = SessionMemory::new(Arc::new(Down), Digester::random(), SessionLimits::default());
-    mesh.mesh.attach_sessions(Arc::new(down)).unwrap();
+    attach_store(&mesh, Arc::new(Down));
     let c = flows(&mesh).await;
-    let d = c
-        .evaluate_once("s", Batch::new(0).call("c", "email.send", "{}"))
-        .await
-        .unwrap();
+    let d = decision(&c, "s", 0, "email.send", "{}").await;
     let call = d.call("c").unwrap();
     assert!(
         matches!(&call.outcome, Outcome::Cancel { content } if content.contains("unavailable")),
@@ -235,10 +280,7 @@ async fn r34_store_down_fails_the_session_rules_per_their_guard_policy() {
         Registration::policy("flows", relaybleed()).failure_policy(FailurePolicy::FailOpen),
     )
     .await;
-    let d = c
-        .evaluate_once("s", Batch::new(1).call("c", "email.send", "{}"))
-        .await
-        .unwrap();
+    let d = decision(&c, "s", 1, "email.send", "{}").await;
     let call = d.call("c").unwrap();
     assert!(proceeds(&call.outcome));
     assert!(call.bypassed.contains(&"flows".to_owned()), "{call:?}");
@@ -359,8 +401,7 @@ async fn r13_r34_a_call_or_result_that_cannot_be_remembered_fails_per_the_reader
 #[tokio::test]
 async fn r34_policies_without_session_pay_nothing() {
     let mesh = TestMesh::start().await;
-    let down = SessionMemory::new(Arc::new(Down), Digester::random(), SessionLimits::default());
-    mesh.mesh.attach_sessions(Arc::new(down)).unwrap();
+    attach_store(&mesh, Arc::new(Down));
     let plain = "[[rule]]\nname='no-rm'\nwhen='call.tool == \"shell.rm\"'\naction='cancel'\nmessage='\"no\"'\n";
     mesh.register(Registration::policy("plain", plain)).await;
     let c = mesh.coordinator().await;
@@ -451,14 +492,7 @@ async fn r34_replicas_on_a_3_member_etcd_share_session_memory() {
         Outcome::Cancel { .. }
     ));
     // A value read through A (its result fed to A's hook) is followed on B.
-    let d = ca
-        .evaluate_once(
-            "s",
-            Batch::new(5).call("r1", "fs.read_file", r#"{"path":".env"}"#),
-        )
-        .await
-        .unwrap();
-    assert!(proceeds(&d.call("r1").unwrap().outcome));
+    read_dotenv(&ca, "s", 5).await;
     let result =
         r#"{"content":[{"type":"text","text":"TOKEN=ghp_abcdefghijklmnopqrstuv0123456789"}]}"#;
     a.mesh
@@ -691,10 +725,7 @@ async fn r13_r34_a_batch_whose_memory_changed_meanwhile_is_judged_again_or_fails
     store.changes.store(u32::MAX, SeqCst);
     store.reads.store(0, SeqCst);
     let started = std::time::Instant::now();
-    let d = c
-        .evaluate_once("s", Batch::new(1).call("c", "email.send", email))
-        .await
-        .unwrap();
+    let d = decision(&c, "s", 1, "email.send", email).await;
     let call = d.call("c").unwrap();
     assert!(
         matches!(&call.outcome, Outcome::Cancel { content } if content.contains("flows")),
@@ -733,13 +764,7 @@ async fn r34_one_large_result_cannot_wash_a_secret_out_into_a_proceed() {
     let c = flows(&mesh).await;
     let secret = "hunter2-Sup3rS3cretValue";
     let result = read_env(&c, "washed", 1, secret).await;
-    let d = c
-        .evaluate_once(
-            "washed",
-            Batch::new(2).result("r1", "fs.read_file", "fs", result),
-        )
-        .await
-        .unwrap();
+    let d = dotenv_result(&c, "washed", 2, &result).await;
     assert_eq!(d.results.len(), 1);
     // Many results of many distinct names each, until the memory dropped
     // values: the secret's digest, the oldest, goes first.

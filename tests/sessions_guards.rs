@@ -5,11 +5,11 @@
 //! guard on calls and results (R29, R33).
 
 use crate::harness::*;
-use crate::sessions::Down;
+use crate::sessions::{Down, attach_store, decision};
 use guardmesh_client::proto::{GuardPhases, SessionMemory as WireMemory};
 use guardmesh_client::verdict::{self, labelled};
 use guardmesh_client::{Batch, Outcome, Registration};
-use guardmesh_server::session::{Digester, SessionKey, SessionLimits, SessionMemory};
+use guardmesh_server::session::SessionKey;
 use prost::Message;
 use std::sync::Arc;
 use std::sync::atomic::Ordering as AtomicOrdering;
@@ -121,8 +121,7 @@ async fn r34_remote_guard_is_sent_session_memory_never_a_value() {
 #[tokio::test]
 async fn r34_a_guard_that_does_not_ask_is_sent_nothing_and_costs_no_read() {
     let mesh = TestMesh::start().await;
-    let down = SessionMemory::new(Arc::new(Down), Digester::random(), SessionLimits::default());
-    mesh.mesh.attach_sessions(Arc::new(down)).unwrap();
+    attach_store(&mesh, Arc::new(Down));
     let silent = proceed_guard().await;
     let plain = proceed_guard().await;
     mesh.register(Registration::validate("silent", &silent.url))
@@ -130,10 +129,7 @@ async fn r34_a_guard_that_does_not_ask_is_sent_nothing_and_costs_no_read() {
     mesh.register(Registration::validate("plain", &plain.url).without_session_memory())
         .await;
     let c = mesh.coordinator().await;
-    let d = c
-        .evaluate_once("s", Batch::new(0).call("c", "email.send", "{}"))
-        .await
-        .unwrap();
+    let d = decision(&c, "s", 0, "email.send", "{}").await;
     assert!(matches!(d.call("c").unwrap().outcome, Outcome::Proceed));
     assert!(silent.guard.batches()[0].session.is_none());
     assert!(plain.guard.batches()[0].session.is_none());
@@ -168,15 +164,12 @@ async fn r34_a_guard_that_does_not_ask_is_sent_nothing_and_costs_no_read() {
 #[tokio::test]
 async fn r34_store_down_a_guard_is_told_the_memory_is_unavailable_not_empty() {
     let mesh = TestMesh::start().await;
-    let down = SessionMemory::new(Arc::new(Down), Digester::random(), SessionLimits::default());
-    mesh.mesh.attach_sessions(Arc::new(down)).unwrap();
+    attach_store(&mesh, Arc::new(Down));
     let guard = proceed_guard().await;
     mesh.register(Registration::validate("flows", &guard.url).reads_session_memory())
         .await;
     let c = mesh.coordinator().await;
-    c.evaluate_once("s", Batch::new(0).call("c", "email.send", "{}"))
-        .await
-        .unwrap();
+    decision(&c, "s", 0, "email.send", "{}").await;
     let memory = memory_of(&guard.guard.batches()[0]);
     assert!(
         memory.unavailable.contains("unavailable"),
@@ -256,10 +249,7 @@ async fn r34_labels_outside_the_grammar_or_bounds_are_refused_and_counted() {
     mesh.register(Registration::validate("labeller", &guard.url))
         .await;
     let c = mesh.coordinator().await;
-    let d = c
-        .evaluate_once("s", Batch::new(0).call("c", "email.send", "{}"))
-        .await
-        .unwrap();
+    let d = decision(&c, "s", 0, "email.send", "{}").await;
     assert!(matches!(
         d.call("c").unwrap().outcome,
         Outcome::Cancel { .. }
@@ -298,10 +288,7 @@ async fn r34_labels_of_a_dry_run_or_failed_guard_are_not_applied() {
     )
     .await;
     let c = mesh.coordinator().await;
-    let d = c
-        .evaluate_once("s", Batch::new(0).call("c", "email.send", "{}"))
-        .await
-        .unwrap();
+    let d = decision(&c, "s", 0, "email.send", "{}").await;
     assert_eq!(d.guard("dry").unwrap().labels, ["dry:label"]);
     assert!(d.guard("rejected").unwrap().labels.is_empty());
     assert!(labels_of(&mesh, "s").await.is_empty());
@@ -430,10 +417,7 @@ async fn r29_r33_the_redaction_guard_leaves_no_secret_in_calls_or_results() {
     let pem_body = "MIIEpAIBAAKCAQEAsecretkeybody";
     let c = mesh.coordinator().await;
     let args = format!(r#"{{"body":"key {aws} and {stripe}"}}"#);
-    let d = c
-        .evaluate_once("s", Batch::new(0).call("c", "email.send", &args))
-        .await
-        .unwrap();
+    let d = decision(&c, "s", 0, "email.send", &args).await;
     let sent: String = d.execute.iter().map(|c| c.arguments.clone()).collect();
     assert!(sent.contains("[REDACTED:aws-access-key]"), "{sent}");
     assert!(!sent.contains(aws) && !sent.contains(stripe), "{sent}");

@@ -11,37 +11,55 @@ fn relaybleed() -> String {
     std::fs::read_to_string(repo_root().join("examples/policy/relaybleed.toml")).unwrap()
 }
 
+/// A single-email batch of turn `turn`: its call `e`.
+fn email(turn: u32) -> Batch {
+    Batch::new(turn).call("e", "email.send", r#"{"to":"a@example.com"}"#)
+}
+
 /// What becomes of a single-email batch of turn `turn` of `session`.
 async fn one_email(c: &guardmesh_client::Coordinator, session: &str, turn: u32) -> Outcome {
-    let batch = Batch::new(turn).call("e", "email.send", r#"{"to":"a@example.com"}"#);
-    let d = c.evaluate_once(session, batch).await.unwrap();
+    let d = c.evaluate_once(session, email(turn)).await.unwrap();
     d.call("e").unwrap().outcome.clone()
+}
+
+/// Six single-call batches sent at once, each on a connection of its own,
+/// in turn to each of `urls`; `batch(turn)` is each one's session and
+/// batch, its call `e`. How many of the calls ran; each that did not was
+/// cancelled with content holding `cancelled`.
+pub(crate) async fn six_at_once(
+    urls: &[String],
+    cancelled: &str,
+    batch: impl Fn(u32) -> (String, Batch),
+) -> usize {
+    let mut sent = Vec::new();
+    for turn in 0..6u32 {
+        let url = urls[turn as usize % urls.len()].clone();
+        let (session, batch) = batch(turn);
+        sent.push(tokio::spawn(async move {
+            let c = guardmesh_client::Coordinator::connect(url).await.unwrap();
+            let d = c.evaluate_once(&session, batch).await.unwrap();
+            (session, d.call("e").unwrap().outcome.clone())
+        }));
+    }
+    let mut proceeded = 0;
+    for sent in sent {
+        let (session, outcome) = sent.await.unwrap();
+        match outcome {
+            Outcome::Proceed => proceeded += 1,
+            Outcome::Cancel { content } => {
+                assert!(content.contains(cancelled), "{session}: {content}");
+            }
+            other => panic!("{session}: {other:?}"),
+        }
+    }
+    proceeded
 }
 
 /// Six single-email batches of `session` sent at once, each on a
 /// connection of its own, in turn to each of `urls`: how many ran. Every
 /// other one is cancelled by the three-emails rule.
 async fn six_emails_at_once(urls: &[String], session: &str) -> usize {
-    let mut sent = Vec::new();
-    for turn in 0..6u32 {
-        let url = urls[turn as usize % urls.len()].clone();
-        let session = session.to_owned();
-        sent.push(tokio::spawn(async move {
-            let c = guardmesh_client::Coordinator::connect(url).await.unwrap();
-            one_email(&c, &session, turn).await
-        }));
-    }
-    let mut proceeded = 0;
-    for sent in sent {
-        match sent.await.unwrap() {
-            Outcome::Proceed => proceeded += 1,
-            Outcome::Cancel { content } => {
-                assert!(content.contains("3 emails"), "{session}: {content}");
-            }
-            other => panic!("{session}: {other:?}"),
-        }
-    }
-    proceeded
+    six_at_once(urls, "3 emails", |turn| (session.to_owned(), email(turn))).await
 }
 
 /// A remote guard that reads the session's memory (it asks for it) and
