@@ -1,6 +1,7 @@
 //! The mesh's gRPC server: `PreToolService`, `GuardRegistry`, health and
 //! reflection, composed in one place.
 
+mod answer_body;
 mod approval_service;
 mod inbound;
 mod interceptor_service;

@@ -13,6 +13,7 @@
 use crate::admit::{self, StreamGate};
 use crate::decision_log::MeshLog;
 use crate::decision_log::from_mesh::{self, RegistryChange};
+use crate::grpc::answer_body::AnswerBody;
 use crate::grpc::inbound::InboundCodec;
 use crate::judge::TraceContext;
 use crate::mesh::Mesh;
@@ -36,7 +37,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::task::{Context, Poll};
 use std::time::Duration;
 use tokio::sync::mpsc::OwnedPermit;
-use tokio::sync::{Notify, OwnedSemaphorePermit, Semaphore, mpsc, watch};
+use tokio::sync::{Notify, OwnedSemaphorePermit, Semaphore, mpsc, oneshot, watch};
 use tokio::task::JoinSet;
 use tonic::metadata::MetadataMap;
 use tonic::{Request, Response, Status, Streaming};
@@ -594,26 +595,32 @@ impl tonic::server::NamedService for PreToolServer {
 
 type BoxFuture<T> = Pin<Box<dyn Future<Output = T> + Send + 'static>>;
 
-/// `Evaluate` with [`InboundCodec`].
-struct EvaluateMethod(PreTool);
+/// `Evaluate` with [`InboundCodec`]. tonic reads the request and writes
+/// the response's head; the stream's answers go to `answers`, whose body
+/// ([`AnswerBody`]) replaces the one tonic would encode them with.
+struct EvaluateMethod {
+    tool: PreTool,
+    answers: Option<oneshot::Sender<AnswerStream>>,
+}
 
 impl tonic::server::StreamingService<Inbound> for EvaluateMethod {
     type Response = EvaluateResponse;
-    type ResponseStream = AnswerStream;
-    type Future = BoxFuture<Result<Response<AnswerStream>, Status>>;
+    type ResponseStream = futures::stream::Empty<Result<EvaluateResponse, Status>>;
+    type Future = BoxFuture<Result<Response<Self::ResponseStream>, Status>>;
 
     fn call(&mut self, request: Request<Streaming<Inbound>>) -> Self::Future {
-        let tool = self.0.clone();
+        let tool = self.tool.clone();
+        let answers = self.answers.take();
         Box::pin(async move {
             let trace = door_trace(&request);
             let caller = log_caller(&tool.mesh, &request);
             let replay = may_replay(&request);
-            Ok(Response::new(tool.open_stream(
-                trace,
-                caller,
-                replay,
-                request.into_inner(),
-            )?))
+            let stream = tool.open_stream(trace, caller, replay, request.into_inner())?;
+            let sent = answers.map(|answers| answers.send(stream));
+            if !matches!(sent, Some(Ok(()))) {
+                return Err(Status::internal("the answer stream has no body to go to"));
+            }
+            Ok(Response::new(futures::stream::empty()))
         })
     }
 }
@@ -663,8 +670,27 @@ where
         let path = request.uri().path();
         if path == "/guardmesh.v1.PreToolService/Evaluate" {
             let mut grpc = self.grpc::<EvaluateResponse>();
-            let method = EvaluateMethod(self.tool.clone());
-            Box::pin(async move { Ok(grpc.streaming(method, request).await) })
+            let (answers, opened) = oneshot::channel();
+            let method = EvaluateMethod {
+                tool: self.tool.clone(),
+                answers: Some(answers),
+            };
+            let max_message = self.max_encoding;
+            Box::pin(async move {
+                let response = grpc.streaming(method, request).await;
+                // Opened: the answers go in a body of the mesh's framing
+                // (tonic's head kept); refused: tonic's answer as it is.
+                Ok(match opened.await {
+                    Ok(answers) => {
+                        let (head, _) = response.into_parts();
+                        http::Response::from_parts(
+                            head,
+                            tonic::body::Body::new(AnswerBody::new(answers, max_message)),
+                        )
+                    }
+                    Err(_) => response,
+                })
+            })
         } else if path == "/guardmesh.v1.PreToolService/EvaluateBatch" {
             let mut grpc = self.grpc::<BatchDecision>();
             let method = EvaluateBatchMethod(self.tool.clone());
