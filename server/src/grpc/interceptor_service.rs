@@ -2,10 +2,9 @@
 //! MCP gateway speaking the interceptor extension. See
 //! [`crate::mesh::interceptor_chain`].
 
-use crate::grpc::service::{door_trace, grpc_timeout, log_caller, may_replay};
+use crate::grpc::service::RequestDoor;
 use crate::mesh::Mesh;
 use crate::mesh::interceptor_chain::MAX_EVENT_FILTER_BYTES;
-use crate::mesh::pipeline::Door;
 use guardmesh_proto::v1::interceptor_service_server::InterceptorService;
 use guardmesh_proto::v1::{
     InterceptorInvokeRequest, InterceptorInvokeResponse, InterceptorListRequest,
@@ -50,10 +49,7 @@ impl InterceptorService for Interceptors {
         &self,
         request: Request<InterceptorInvokeRequest>,
     ) -> Result<Response<InterceptorInvokeResponse>, Status> {
-        let trace = door_trace(&request);
-        let caller = log_caller(&self.mesh, &request);
-        let may_replay = may_replay(&request);
-        let transport = grpc_timeout(request.metadata());
+        let door = RequestDoor::read(&self.mesh, &request);
         let InterceptorInvokeRequest { name, batch } = request.into_inner();
         if name.is_empty() || name.len() > MAX_NAME_BYTES {
             return Err(Status::not_found(format!(
@@ -66,12 +62,9 @@ impl InterceptorService for Interceptors {
                 "`batch` is missing: an invocation judges one call or one result",
             ));
         };
-        let mut door = Door::unary(&trace, caller.as_ref());
-        door.transport = transport;
-        door.may_replay = may_replay;
         let decision = self
             .mesh
-            .invoke_interceptor(&name, batch, door)
+            .invoke_interceptor(&name, batch, door.unary())
             .await
             .map_err(|error| error.status())?;
         Ok(Response::new(InterceptorInvokeResponse {

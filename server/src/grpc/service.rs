@@ -125,6 +125,40 @@ pub(crate) fn door_trace<T>(request: &Request<T>) -> TraceContext {
     trace
 }
 
+/// What every door reads of a request before its batches, the same at
+/// each: the trace context with the connection's key and the caller (R22,
+/// R25, R33, R34), the caller for the decision log (R29), whether it may
+/// send batch ids in the replay prefix (R20), and the transport's deadline
+/// (R14).
+#[derive(Debug)]
+pub(crate) struct RequestDoor {
+    trace: TraceContext,
+    caller: Option<LogCaller>,
+    may_replay: bool,
+    /// `grpc-timeout`, when the request has one; a stream's batches carry
+    /// their own deadlines.
+    transport: Option<Duration>,
+}
+
+impl RequestDoor {
+    pub(crate) fn read<T>(mesh: &Mesh, request: &Request<T>) -> Self {
+        Self {
+            trace: door_trace(request),
+            caller: log_caller(mesh, request),
+            may_replay: may_replay(request),
+            transport: grpc_timeout(request.metadata()),
+        }
+    }
+
+    /// The door of a unary call's one batch.
+    pub(crate) fn unary(&self) -> Door<'_> {
+        let mut door = Door::unary(&self.trace, self.caller.as_ref());
+        door.transport = self.transport;
+        door.may_replay = self.may_replay;
+        door
+    }
+}
+
 /// Parses a `grpc-timeout` header (`<digits><H|M|S|m|u|n>`).
 pub(crate) fn grpc_timeout(metadata: &MetadataMap) -> Option<Duration> {
     let value = metadata.get("grpc-timeout")?.to_str().ok()?;
@@ -171,9 +205,7 @@ impl PreTool {
     /// Opens a coordinator stream reading `inbound` (R19, R25).
     pub(crate) fn open_stream<S>(
         &self,
-        trace: TraceContext,
-        caller: Option<LogCaller>,
-        may_replay: bool,
+        door: RequestDoor,
         inbound: S,
     ) -> Result<AnswerStream, Status>
     where
@@ -192,9 +224,9 @@ impl PreTool {
         });
         let stream = StreamLoop {
             tool: self.clone(),
-            trace,
-            caller,
-            may_replay,
+            trace: door.trace,
+            caller: door.caller,
+            may_replay: door.may_replay,
             tx,
             budget: budget.clone(),
             tasks: JoinSet::new(),
@@ -216,10 +248,13 @@ impl PreTool {
         caller: &LogCaller,
     ) -> Result<BatchDecision, Status> {
         let inbound = Inbound::from_request(request, &self.mesh.config.limits);
-        let caller = self.mesh.decision_log().map(|_| caller.clone());
-        let trace = trace_context(&MetadataMap::new());
-        self.unary(Door::unary(&trace, caller.as_ref()), inbound)
-            .await
+        let door = RequestDoor {
+            trace: trace_context(&MetadataMap::new()),
+            caller: self.mesh.decision_log().map(|_| caller.clone()),
+            may_replay: true,
+            transport: None,
+        };
+        self.unary(door.unary(), inbound).await
     }
 
     /// Judges the one batch of a unary call through the pipeline.
@@ -228,20 +263,6 @@ impl PreTool {
             Arrival::Admitted(admitted) => admitted.run(&self.mesh).await,
             Arrival::Refused(refused) => Err(refused.status().await),
         }
-    }
-
-    /// The door of a unary call: its trace, caller and deadline.
-    async fn unary_request(
-        &self,
-        metadata: &MetadataMap,
-        trace: TraceContext,
-        (caller, may_replay): (Option<LogCaller>, bool),
-        inbound: Inbound,
-    ) -> Result<BatchDecision, Status> {
-        let mut door = Door::unary(&trace, caller.as_ref());
-        door.transport = grpc_timeout(metadata);
-        door.may_replay = may_replay;
-        self.unary(door, inbound).await
     }
 }
 
@@ -524,16 +545,12 @@ impl PreToolService for PreTool {
         &self,
         request: Request<Streaming<EvaluateRequest>>,
     ) -> Result<Response<Self::EvaluateStream>, Status> {
-        let trace = door_trace(&request);
-        let caller = log_caller(&self.mesh, &request);
+        let door = RequestDoor::read(&self.mesh, &request);
         let limits = self.mesh.config.limits;
-        let replay = may_replay(&request);
         let inbound = request
             .into_inner()
             .map(move |message| message.map(|m| Inbound::from_request(m, &limits)));
-        Ok(Response::new(
-            self.open_stream(trace, caller, replay, inbound)?,
-        ))
+        Ok(Response::new(self.open_stream(door, inbound)?))
     }
 
     /// Tool visibility: see [`Mesh::always_skipped`]. Nothing is judged
@@ -550,14 +567,9 @@ impl PreToolService for PreTool {
         &self,
         request: Request<EvaluateRequest>,
     ) -> Result<Response<BatchDecision>, Status> {
-        let trace = door_trace(&request);
-        let caller = (log_caller(&self.mesh, &request), may_replay(&request));
-        let (metadata, _, batch) = request.into_parts();
-        let inbound = Inbound::from_request(batch, &self.mesh.config.limits);
-        Ok(Response::new(
-            self.unary_request(&metadata, trace, caller, inbound)
-                .await?,
-        ))
+        let door = RequestDoor::read(&self.mesh, &request);
+        let inbound = Inbound::from_request(request.into_inner(), &self.mesh.config.limits);
+        Ok(Response::new(self.unary(door.unary(), inbound).await?))
     }
 }
 
@@ -609,19 +621,17 @@ impl tonic::server::StreamingService<Inbound> for EvaluateMethod {
     type Future = BoxFuture<Result<Response<Self::ResponseStream>, Status>>;
 
     fn call(&mut self, request: Request<Streaming<Inbound>>) -> Self::Future {
-        let tool = self.tool.clone();
-        let answers = self.answers.take();
-        Box::pin(async move {
-            let trace = door_trace(&request);
-            let caller = log_caller(&tool.mesh, &request);
-            let replay = may_replay(&request);
-            let stream = tool.open_stream(trace, caller, replay, request.into_inner())?;
-            let sent = answers.map(|answers| answers.send(stream));
-            if !matches!(sent, Some(Ok(()))) {
-                return Err(Status::internal("the answer stream has no body to go to"));
-            }
-            Ok(Response::new(futures::stream::empty()))
-        })
+        let door = RequestDoor::read(&self.tool.mesh, &request);
+        let opened =
+            self.tool
+                .open_stream(door, request.into_inner())
+                .and_then(
+                    |stream| match self.answers.take().map(|to| to.send(stream)) {
+                        Some(Ok(())) => Ok(Response::new(futures::stream::empty())),
+                        _ => Err(Status::internal("the answer stream has no body to go to")),
+                    },
+                );
+        Box::pin(std::future::ready(opened))
     }
 }
 
@@ -637,18 +647,14 @@ impl tonic::server::ClientStreamingService<Inbound> for EvaluateBatchMethod {
     fn call(&mut self, request: Request<Streaming<Inbound>>) -> Self::Future {
         let tool = self.0.clone();
         Box::pin(async move {
-            let trace = door_trace(&request);
-            let caller = (log_caller(&tool.mesh, &request), may_replay(&request));
-            let (metadata, _, mut inbound) = request.into_parts();
+            let door = RequestDoor::read(&tool.mesh, &request);
+            let mut inbound = request.into_inner();
             let message = inbound
                 .message()
                 .await
                 .map_err(transport_status)?
                 .ok_or_else(|| Status::invalid_argument("EvaluateBatch sent no request message"))?;
-            Ok(Response::new(
-                tool.unary_request(&metadata, trace, caller, message)
-                    .await?,
-            ))
+            Ok(Response::new(tool.unary(door.unary(), message).await?))
         })
     }
 }
