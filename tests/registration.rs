@@ -8,7 +8,7 @@
 use crate::etcd::{Cluster, cluster_settings};
 use crate::harness::*;
 use guardmesh_client::{ClientError, Connection, Registrar, Registration};
-use guardmesh_server::registry::etcd::EtcdRegistry;
+use guardmesh_server::registry::etcd::{EtcdConfig, EtcdRegistry};
 use guardmesh_server::security::auth::{AuthPolicy, Caller, Principal, Role};
 use guardmesh_server::{MeshConfig, Registry};
 use std::sync::Arc;
@@ -75,13 +75,16 @@ fn status(result: Result<impl std::fmt::Debug, ClientError>) -> (tonic::Code, St
 /// A mesh replica whose registry is on the cluster, under `prefix`.
 async fn replica(cluster: &Cluster, prefix: &str, quota: usize) -> (TestMesh, Arc<EtcdRegistry>) {
     let config = auth_config(quota);
+    // The fault tests' short request timeout (700 ms) is not what this
+    // file tests: on a loaded machine a quorum write can take longer.
+    let settings = EtcdConfig {
+        request_timeout: Duration::from_secs(5),
+        ..cluster_settings(cluster.urls(), prefix)
+    };
     let registry = Arc::new(
-        EtcdRegistry::connect(
-            cluster_settings(cluster.urls(), prefix),
-            config.default_guard_timeout,
-        )
-        .await
-        .unwrap(),
+        EtcdRegistry::connect(settings, config.default_guard_timeout)
+            .await
+            .unwrap(),
     );
     (
         TestMesh::with_registry(config, registry.clone()).await,
