@@ -192,7 +192,9 @@ pub struct BenchArgs {
     /// session memory on and off, a result batch against a call batch, and
     /// the etcd and Redis stores against the mesh's own memory; `busy`, a
     /// steady client's p99 while another bursts at a busy guard, against
-    /// the same client alone.
+    /// the same client alone; `memory`, the mesh's resident memory idle and
+    /// with 1,000 coordinator streams each answered once
+    /// (`rss_mib_1000_streams`, as in a full run).
     #[arg(long, value_enum)]
     pub only: Option<Only>,
     /// After the run, fails when `cpu_per_batch_mesh4_vs_relay_floor4` or
@@ -217,6 +219,7 @@ pub enum Only {
     Replicas,
     Sessions,
     Busy,
+    Memory,
 }
 
 /// Logs to stderr, `RUST_LOG` or `default_filter`.
@@ -1562,6 +1565,26 @@ async fn run(args: &BenchArgs) -> Result<(), Error> {
             throughput: Vec::new(),
             memory: Memory::none(),
             extra_ratios: figures.ratios,
+        };
+        return report(&results, args, mode, started, guards);
+    }
+    if args.only == Some(Only::Memory) {
+        let memory = memory(&exe, dir, &guards, &work, &plan, args.idle_connections).await?;
+        let mut setup = Map::new();
+        setup.insert("only".into(), json!("memory"));
+        setup.insert("idle_streams".into(), json!(IDLE_STREAMS));
+        setup.insert("elapsed_s".into(), json!(started.elapsed().as_secs_f64()));
+        let rss = (
+            "rss_mib_1000_streams".to_owned(),
+            Memory::mib(memory.with_streams_bytes),
+        );
+        let results = Results {
+            quick: args.quick,
+            setup,
+            latency: Vec::new(),
+            throughput: Vec::new(),
+            memory,
+            extra_ratios: vec![rss],
         };
         return report(&results, args, mode, started, guards);
     }
