@@ -298,30 +298,37 @@ pub(crate) fn declare(env: &mut Env) {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::policy::tests::{compiled, rule};
     use crate::policy::{Args, BatchValues, CallRef, ContextRef, Outcome, Policy};
     use crate::session::{SessionKey, SessionLimits, SessionMemory, Update};
 
-    const RELAYBLEED: &str = r#"
-[[rule]]
-name = "fs-values-stay-on-fs"
-when = '!call.tool.startsWith("fs.") && session.seen_from(call.args, "fs")'
-action = "cancel"
-message = '"Tool call blocked: it sends a value read from the fs server to " + call.tool'
-
-[[rule]]
-name = "email-rate"
-tools = ["email.send"]
-when = 'session.count("email.send", "1h") >= 3'
-action = "cancel"
-message = '"Tool call blocked: no more than 3 emails an hour in a session"'
-
-[[rule]]
-name = "tainted-no-http"
-tools = ["http.*"]
-when = '"secret:fs" in session.labels'
-action = "steer"
-message = '"Tool call blocked: this session read a secret"'
-"#;
+    /// Values read from `fs` stay on `fs`, three emails an hour in a
+    /// session, and no `http.*` call once the session read a secret.
+    fn relaybleed() -> Policy {
+        compiled(&[
+            rule(
+                "fs-values-stay-on-fs",
+                &[],
+                r#"!call.tool.startsWith("fs.") && session.seen_from(call.args, "fs")"#,
+                "cancel",
+                r#""Tool call blocked: it sends a value read from the fs server to " + call.tool"#,
+            ),
+            rule(
+                "email-rate",
+                &["email.send"],
+                r#"session.count("email.send", "1h") >= 3"#,
+                "cancel",
+                r#""Tool call blocked: no more than 3 emails an hour in a session""#,
+            ),
+            rule(
+                "tainted-no-http",
+                &["http.*"],
+                r#""secret:fs" in session.labels"#,
+                "steer",
+                r#""Tool call blocked: this session read a secret""#,
+            ),
+        ])
+    }
 
     fn judge(policy: &Policy, session: SessionVal, tool: &str, args: &str) -> Outcome {
         let mut values = BatchValues::new(
@@ -404,7 +411,7 @@ message = '"Tool call blocked: this session read a secret"'
 
     #[tokio::test]
     async fn r34_relaybleed_a_value_read_from_one_server_sent_to_another_is_denied() {
-        let policy = Policy::compile(RELAYBLEED).unwrap();
+        let policy = relaybleed();
         assert!(policy.reads_session());
         let mem = SessionMemory::in_memory(SessionLimits::default());
         let key = SessionKey::new("agent", "s1");
@@ -461,7 +468,7 @@ message = '"Tool call blocked: this session read a secret"'
 
     #[tokio::test]
     async fn r34_rate_limit_counts_calls_of_a_tool_in_a_window() {
-        let policy = Policy::compile(RELAYBLEED).unwrap();
+        let policy = relaybleed();
         let mem = SessionMemory::in_memory(SessionLimits::default());
         let key = SessionKey::new("agent", "s1");
         for i in 0..3 {
@@ -495,7 +502,7 @@ message = '"Tool call blocked: this session read a secret"'
     /// the calls of earlier batches add up with those of this one.
     #[tokio::test]
     async fn r34_a_count_sees_the_earlier_calls_of_its_own_batch() {
-        let policy = Policy::compile(RELAYBLEED).unwrap();
+        let policy = relaybleed();
         let mem = SessionMemory::in_memory(SessionLimits::default());
         let key = SessionKey::new("agent", "s1");
         let judge_batch = |session: SessionVal, tools: &[&str]| {
@@ -570,7 +577,7 @@ message = '"Tool call blocked: this session read a secret"'
 
     #[test]
     fn r34_memory_that_cannot_be_read_fails_the_rule_never_proceeds() {
-        let policy = Policy::compile(RELAYBLEED).unwrap();
+        let policy = relaybleed();
         let down = SessionVal::Unavailable("the session store is unavailable".into());
         for tool in ["sqlite.query", "email.send", "http.get"] {
             let outcome = judge(&policy, down.clone(), tool, r#"{"sql":"x"}"#);
@@ -607,17 +614,20 @@ message = '"Tool call blocked: this session read a secret"'
 #[cfg(test)]
 mod identity_tests {
     use super::*;
+    use crate::policy::tests::{compiled, rule};
     use crate::policy::{Outcome, Policy};
     use crate::session::{SessionKey, SessionLimits, SessionMemory, Update};
 
-    const BUDGET: &str = r#"
-[[rule]]
-name = "email-budget"
-tools = ["email.send"]
-when = 'identity.count("email.send", "1h") >= 3'
-action = "cancel"
-message = '"over budget"'
-"#;
+    /// At most three `email.send` calls an hour for one identity.
+    fn budget() -> Policy {
+        compiled(&[rule(
+            "email-budget",
+            &["email.send"],
+            r#"identity.count("email.send", "1h") >= 3"#,
+            "cancel",
+            r#""over budget""#,
+        )])
+    }
 
     /// The calls' rules of a batch of `tools` in session `session_id`,
     /// reading `identity` (and no session): whether each proceeds.
@@ -633,7 +643,7 @@ message = '"over budget"'
     /// session's; one naming only `session` does not read the identity's.
     #[test]
     fn r34_only_policies_naming_identity_read_the_identity_memory() {
-        let budget = Policy::compile(BUDGET).unwrap();
+        let budget = budget();
         assert!(budget.reads_identity() && budget.reads_session());
         let session_only = Policy::compile(
             "[[rule]]\nname='a'\nwhen='session.count(\"x\", \"1h\") > 1'\naction='cancel'\nmessage='\"no\"'\n",
@@ -652,7 +662,7 @@ message = '"over budget"'
     /// rule, never proceeds.
     #[tokio::test]
     async fn r34_identity_count_sees_its_memory_and_its_batch_and_fails_when_unread() {
-        let policy = Policy::compile(BUDGET).unwrap();
+        let policy = budget();
         let mem = SessionMemory::in_memory(SessionLimits::default());
         let key = SessionKey::identity("alice");
         let view = SessionVal::Read(mem.read(&key).await.unwrap());

@@ -61,7 +61,7 @@ fn refused(source: &str) -> CompileError {
 
 /// The TOML of one rule named `name`, on the tools `tools` match (every
 /// tool when none), of the CEL expressions `when` and `message`.
-fn rule(name: &str, tools: &[&str], when: &str, action: &str, message: &str) -> String {
+pub(super) fn rule(name: &str, tools: &[&str], when: &str, action: &str, message: &str) -> String {
     let tools = if tools.is_empty() {
         String::new()
     } else {
@@ -73,7 +73,7 @@ fn rule(name: &str, tools: &[&str], when: &str, action: &str, message: &str) -> 
 }
 
 /// The policy of `rules`, in order.
-fn compiled(rules: &[String]) -> Policy {
+pub(super) fn compiled(rules: &[String]) -> Policy {
     let source = rules.concat();
     Policy::compile(&source).unwrap_or_else(|error| panic!("{error}:\n{source}"))
 }
