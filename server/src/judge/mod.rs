@@ -314,17 +314,9 @@ impl<'a> Judging<'a> {
     fn new(input: JudgeInput<'a>) -> Self {
         let JudgeInput {
             chain,
-            limits,
-            unguarded,
             mut request,
-            members,
-            deadline,
-            trace,
-            span,
-            phase,
-            session,
-            identity,
             approvals,
+            ..
         } = input;
         let mut approvals = approvals.into_iter();
         let calls: Vec<Call> = std::mem::take(&mut request.calls)
@@ -369,9 +361,9 @@ impl<'a> Judging<'a> {
         let index_of = CallIndex::new(n, |i| calls[i].original.call_id.as_str());
         Self {
             index_of,
-            members,
-            limits,
-            unguarded,
+            members: input.members,
+            limits: input.limits,
+            unguarded: input.unguarded,
             unguarded_calls: 0,
             chain,
             context: request.context.take(),
@@ -379,12 +371,12 @@ impl<'a> Judging<'a> {
             calls,
             runs: (0..chain.guards.len()).map(|_| GuardRun::new(n)).collect(),
             encoded: Vec::new(),
-            deadline,
-            trace,
-            span,
-            phase,
-            session,
-            identity,
+            deadline: input.deadline,
+            trace: input.trace,
+            span: input.span,
+            phase: input.phase,
+            session: input.session,
+            identity: input.identity,
             memory: None,
             sender: None,
         }
