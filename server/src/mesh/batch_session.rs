@@ -8,7 +8,7 @@ use crate::admit::result_batch::{self, ResultBatch};
 use crate::judge::{Chain, Phase, TraceContext};
 use crate::policy::{Policy, SessionVal};
 use crate::session::{
-    Applied, ResultError, ResultSeen, SessionKey, SessionMemory, StoreError, Update,
+    Applied, Mismatch, ResultError, ResultSeen, SessionKey, SessionMemory, StoreError, Update,
 };
 use crate::validate;
 use guardmesh_proto::v1::{BatchDecision, EvaluateRequest};
@@ -299,7 +299,7 @@ impl Mesh {
                     results.attribute(i, &server);
                     calls.push(Ok(server));
                 }
-                Err(ResultError::OtherServer { sent, recorded, .. }) => {
+                Err(ResultError::OtherServer(Mismatch { sent, recorded, .. })) => {
                     return Err(result_batch::other_server(
                         i,
                         &call.call_id,
@@ -308,7 +308,7 @@ impl Mesh {
                         &recorded,
                     ));
                 }
-                Err(ResultError::OtherTool { sent, recorded, .. }) => {
+                Err(ResultError::OtherTool(Mismatch { sent, recorded, .. })) => {
                     return Err(result_batch::other_tool(i, &call.call_id, &sent, &recorded));
                 }
                 Err(other) => calls.push(Err(other)),

@@ -94,27 +94,33 @@ pub enum ResultError {
     /// The result names another server than the one its call was recorded
     /// with (R34: a result belongs to the server of the call it answers).
     #[error(
-        "the result of call {call_id:?} names server {sent:?}, but its call was recorded as a \
-         call to server {recorded:?}"
+        "the result of call {:?} names server {:?}, but its call was recorded as a call to \
+         server {:?}",
+        .0.call_id, .0.sent, .0.recorded
     )]
-    OtherServer {
-        call_id: String,
-        sent: String,
-        recorded: String,
-    },
+    OtherServer(Mismatch),
     /// The result names the id of a call that ran in this session, but
     /// another tool than the one the call was recorded with.
     #[error(
-        "the result of call {call_id:?} names tool {sent:?}, but the call was recorded as a \
-         call of tool {recorded:?}"
+        "the result of call {:?} names tool {:?}, but the call was recorded as a call of \
+         tool {:?}",
+        .0.call_id, .0.sent, .0.recorded
     )]
-    OtherTool {
-        call_id: String,
-        sent: String,
-        recorded: String,
-    },
+    OtherTool(Mismatch),
     #[error("the result is not JSON: {0}")]
     NotJson(String),
+}
+
+/// A result's call as the result named it against what the call was
+/// recorded with ([`ResultError::OtherServer`], [`ResultError::OtherTool`]).
+#[derive(Debug, Clone)]
+pub struct Mismatch {
+    /// The call id the result named.
+    pub call_id: String,
+    /// The server or tool the result named.
+    pub sent: String,
+    /// The server or tool its call was recorded with.
+    pub recorded: String,
 }
 
 /// One result read in a session, for [`SessionMemory::results_seen`].

@@ -337,7 +337,7 @@ async fn r34_a_result_belongs_to_the_server_its_call_was_recorded_with() {
         )
         .await;
     assert!(
-        matches!(&other, Err(ResultError::OtherServer { sent, recorded, .. })
+        matches!(&other, Err(ResultError::OtherServer(Mismatch { sent, recorded, .. }))
             if sent == "sqlite" && recorded == "fs"),
         "{other:?}"
     );

@@ -145,22 +145,22 @@ impl SessionView {
             });
         };
         if call.tool != tool {
-            return Err(super::ResultError::OtherTool {
+            return Err(super::ResultError::OtherTool(super::Mismatch {
                 call_id: call_id.to_owned(),
                 sent: tool.to_owned(),
                 recorded: call.tool.clone(),
-            });
+            }));
         }
         if call.server.is_empty() {
             Ok(sent)
         } else if sent.is_empty() || sent.eq_ignore_ascii_case(&call.server) {
             Ok(&call.server)
         } else {
-            Err(super::ResultError::OtherServer {
+            Err(super::ResultError::OtherServer(super::Mismatch {
                 call_id: call_id.to_owned(),
                 sent: sent.to_owned(),
                 recorded: call.server.clone(),
-            })
+            }))
         }
     }
 
