@@ -11,8 +11,8 @@
 //! queued. Nothing below calls back up here.
 
 use crate::admit::{self, StreamGate};
-use crate::decision_log::MeshLog;
 use crate::decision_log::from_mesh::{self, RegistryChange};
+use crate::decision_log::{ChangeKind, MeshLog};
 use crate::grpc::answer_body::AnswerBody;
 use crate::grpc::inbound::InboundCodec;
 use crate::judge::TraceContext;
@@ -826,41 +826,26 @@ impl GuardRegistry for Registrar {
         &self,
         request: Request<RegisterRequest>,
     ) -> Result<Response<RegisterResponse>, Status> {
-        let Some(caller) = log_caller(&self.mesh, &request) else {
-            return self.register_in(request, None).await.map(Response::new);
+        let named = |r: &RegisterRequest| {
+            let spec = r.guard.as_ref();
+            let name = spec.map(|g| g.name.clone()).unwrap_or_default();
+            (name, spec.map(from_mesh::spec))
         };
-        let spec = request.get_ref().guard.as_ref();
-        let change = RegistryChange {
-            kind: crate::decision_log::ChangeKind::Register,
-            guard: spec.map(|g| g.name.clone()).unwrap_or_default(),
-            spec: spec.map(from_mesh::spec),
-            old_revision: self.mesh.registry().chain().revision,
-        };
-        let ahead = self.ahead(&caller, &change);
-        let result = self.register_in(request, ahead).await;
-        self.record(caller, change, result.as_ref().map(|r| r.revision))
-            .await;
-        result.map(Response::new)
+        let apply = |request, ahead| self.register_in(request, ahead);
+        self.logged(request, ChangeKind::Register, named, apply, |r| r.revision)
+            .await
     }
 
     async fn deregister(
         &self,
         request: Request<DeregisterRequest>,
     ) -> Result<Response<DeregisterResponse>, Status> {
-        let Some(caller) = log_caller(&self.mesh, &request) else {
-            return self.deregister_in(request, None).await.map(Response::new);
-        };
-        let change = RegistryChange {
-            kind: crate::decision_log::ChangeKind::Deregister,
-            guard: request.get_ref().name.clone(),
-            spec: None,
-            old_revision: self.mesh.registry().chain().revision,
-        };
-        let ahead = self.ahead(&caller, &change);
-        let result = self.deregister_in(request, ahead).await;
-        self.record(caller, change, result.as_ref().map(|r| r.revision))
-            .await;
-        result.map(Response::new)
+        let named = |r: &DeregisterRequest| (r.name.clone(), None);
+        let apply = |request, ahead| self.deregister_in(request, ahead);
+        self.logged(request, ChangeKind::Deregister, named, apply, |r| {
+            r.revision
+        })
+        .await
     }
 
     async fn list(&self, _request: Request<ListRequest>) -> Result<Response<ListResponse>, Status> {
@@ -887,6 +872,40 @@ impl Ahead {
 }
 
 impl Registrar {
+    /// Applies the registry change `request` asks for through `apply`
+    /// (R29): without a decision log as it is; with one, as a change of
+    /// `kind` to the guard (and registration) `named` finds in the request,
+    /// its record written ahead of it when the log refuses unrecorded
+    /// changes, and recorded with its caller once applied (`revision`: the
+    /// new revision) or refused.
+    async fn logged<T, R, Fut>(
+        &self,
+        request: Request<T>,
+        kind: ChangeKind,
+        named: impl FnOnce(&T) -> (String, Option<serde_json::Value>),
+        apply: impl FnOnce(Request<T>, Option<Ahead>) -> Fut,
+        revision: fn(&R) -> u64,
+    ) -> Result<Response<R>, Status>
+    where
+        Fut: Future<Output = Result<R, Status>>,
+    {
+        let Some(caller) = log_caller(&self.mesh, &request) else {
+            return apply(request, None).await.map(Response::new);
+        };
+        let (guard, spec) = named(request.get_ref());
+        let change = RegistryChange {
+            kind,
+            guard,
+            spec,
+            old_revision: self.mesh.registry().chain().revision,
+        };
+        let ahead = self.ahead(&caller, &change);
+        let result = apply(request, ahead).await;
+        self.record(caller, change, result.as_ref().map(revision))
+            .await;
+        result.map(Response::new)
+    }
+
     /// Records `change` once applied (`Ok`: the new revision) or refused
     /// (R29).
     async fn record(
