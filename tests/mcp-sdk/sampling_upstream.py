@@ -49,17 +49,28 @@ def record(entry):
         log.write(json.dumps(entry) + "\n")
 
 
-@server.tool(structured_output=False)
-async def plan(task: str, ctx: Context) -> str:
-    """Asks the client's model how to do `task`, and runs what it asks for."""
+def record_answer(blocks, stop_reason):
+    record({"answer": [b.model_dump(mode="json", by_alias=True, exclude_none=True) for b in blocks],
+            "stopReason": stop_reason})
+
+
+async def ask(task, ctx):
+    """Asks the client's model how to do `task`, the tools offered; records
+    its answer and returns the answer's blocks."""
     answer = await ctx.session.create_message(
         messages=[types.SamplingMessage(role="user", content=types.TextContent(type="text", text=task))],
         max_tokens=100,
         tools=TOOLS,
     )
     blocks = answer.content_as_list
-    record({"answer": [b.model_dump(mode="json", by_alias=True, exclude_none=True) for b in blocks],
-            "stopReason": answer.stop_reason})
+    record_answer(blocks, answer.stop_reason)
+    return blocks
+
+
+@server.tool(structured_output=False)
+async def plan(task: str, ctx: Context) -> str:
+    """Asks the client's model how to do `task`, and runs what it asks for."""
+    blocks = await ask(task, ctx)
     ran = []
     for block in blocks:
         if block.type == "tool_use":
@@ -82,11 +93,6 @@ def run_tools(blocks):
     return results
 
 
-def record_answer(blocks, stop_reason):
-    record({"answer": [b.model_dump(mode="json", by_alias=True, exclude_none=True) for b in blocks],
-            "stopReason": stop_reason})
-
-
 def conversation(task, blocks, results):
     """The messages of the turn after the tools ran."""
     return [types.SamplingMessage(role="user", content=types.TextContent(type="text", text=task)),
@@ -97,13 +103,7 @@ def conversation(task, blocks, results):
 @server.prompt()
 async def report(task: str, ctx: Context) -> str:
     """`plan`, then the tools' results sent to the model in the next sampling request."""
-    answer = await ctx.session.create_message(
-        messages=[types.SamplingMessage(role="user", content=types.TextContent(type="text", text=task))],
-        max_tokens=100,
-        tools=TOOLS,
-    )
-    blocks = answer.content_as_list
-    record_answer(blocks, answer.stop_reason)
+    blocks = await ask(task, ctx)
     results = run_tools(blocks)
     if results:
         await ctx.session.create_message(messages=conversation(task, blocks, results), max_tokens=100,

@@ -12,6 +12,7 @@
 import { Client } from "@modelcontextprotocol/sdk/client/index.js";
 import { StdioClientTransport } from "@modelcontextprotocol/sdk/client/stdio.js";
 import { StreamableHTTPClientTransport } from "@modelcontextprotocol/sdk/client/streamableHttp.js";
+import { runSteps } from "../steps.mjs";
 
 const [scenarioText, kind, ...target] = process.argv.slice(2);
 const scenario = JSON.parse(scenarioText);
@@ -24,24 +25,5 @@ const transport =
 const client = new Client({ name: "guardmesh-test-client-ts", version: "0.0.0" });
 await client.connect(transport);
 out({ op: "connected" });
-for (const step of scenario.steps) {
-  if (step.op === "list_tools") {
-    const { tools } = await client.listTools();
-    out({ op: "list_tools", tools });
-  } else if (step.op === "call") {
-    try {
-      const result = await client.callTool({ name: step.name, arguments: step.arguments ?? {} });
-      out({
-        op: "call",
-        isError: Boolean(result.isError),
-        text: (result.content ?? []).filter((c) => c.type === "text").map((c) => c.text),
-        structured: result.structuredContent ?? null,
-      });
-    } catch (error) {
-      // A JSON-RPC error the gateway answered is an answer; anything else
-      // (a result the SDK refuses) is the failure this client exists to see.
-      out({ op: "call", error: { code: error.code ?? null, message: String(error.message ?? error) } });
-    }
-  }
-}
+await runSteps(client, scenario.steps, out);
 await client.close();

@@ -12,6 +12,7 @@
 // `tamper` overwrites headers of that call's request after the SDK wrote
 // them (a client whose headers disagree with its body).
 import { Client, StreamableHTTPClientTransport } from "@modelcontextprotocol/client";
+import { runSteps } from "../steps.mjs";
 
 const [scenarioText, url] = process.argv.slice(2);
 const scenario = JSON.parse(scenarioText);
@@ -39,25 +40,13 @@ const client = new Client(
 );
 await client.connect(transport);
 out({ op: "connected", protocol: client.getNegotiatedProtocolVersion?.() ?? null });
-for (const step of scenario.steps) {
-  if (step.op === "list_tools") {
-    const { tools } = await client.listTools();
-    out({ op: "list_tools", tools });
-  } else if (step.op === "call") {
+await runSteps(client, scenario.steps, out, {
+  before: (step) => {
     tamper = step.tamper ?? null;
-    try {
-      const result = await client.callTool({ name: step.name, arguments: step.arguments ?? {} });
-      out({
-        op: "call",
-        isError: Boolean(result.isError),
-        text: (result.content ?? []).filter((c) => c.type === "text").map((c) => c.text),
-        structured: result.structuredContent ?? null,
-      });
-    } catch (error) {
-      out({ op: "call", error: { code: error.code ?? null, message: String(error.message ?? error) } });
-    }
+  },
+  after: () => {
     tamper = null;
-  }
-}
+  },
+});
 out({ op: "sent", requests: sent });
 await client.close();
