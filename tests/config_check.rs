@@ -62,27 +62,43 @@ fn assert_finding(out: &str, shown: &str, line: usize, key: &str, says: &str, fi
     );
 }
 
+/// Writes `mesh.toml` in `dir`: a key that is not one (`lisen`, line 1)
+/// and a value not allowed (`unguarded = "maybe"`, line 2), then `rest`.
+fn write_broken(dir: &Path, rest: &str) -> PathBuf {
+    let head = "lisen = \"127.0.0.1:0\"\nunguarded = \"maybe\"\n";
+    write(dir, "mesh.toml", &format!("{head}{rest}"))
+}
+
+/// `config check` of `config` finds it invalid, with `errors` errors among
+/// which `findings`, each a line, key, what it says and its fix as
+/// [`assert_finding`] reads them; returns what it printed.
+#[track_caller]
+fn assert_findings(config: &Path, errors: usize, findings: &[(usize, &str, &str, &str)]) -> String {
+    let (code, out) = check(config);
+    assert_eq!(code, Some(1), "{out}");
+    let shown = config.display().to_string();
+    for &(line, key, says, fix) in findings {
+        assert_finding(&out, &shown, line, key, says, fix);
+    }
+    assert!(out.contains(&format!("invalid ({errors} errors")), "{out}");
+    out
+}
+
 /// Every error of the file at once, each on its line with its key and what
 /// to write instead.
 #[test]
 fn config_check_names_line_key_and_fix_of_every_error() {
     let dir = folder("broken");
-    let config = write(
+    let config = write_broken(
         &dir,
-        "mesh.toml",
-        "lisen = \"127.0.0.1:0\"\n\
-         unguarded = \"maybe\"\n\
-         [limits]\n\
+        "[limits]\n\
          max_calls_per_batch = \"many\"\n\
          [[guard]]\n\
          name = \"g\"\n\
          endpoint = \"http://127.0.0.1:1\"\n\
          tols = [\"sql.*\"]\n",
     );
-    let (code, out) = check(&config);
-    assert_eq!(code, Some(1), "{out}");
-    let shown = config.display().to_string();
-    for (line, key, says, fix) in [
+    let findings = [
         (
             1,
             "lisen",
@@ -107,10 +123,8 @@ fn config_check_names_line_key_and_fix_of_every_error() {
             "unknown key (did you mean `tools`?)",
             "fix: write `tools`",
         ),
-    ] {
-        assert_finding(&out, &shown, line, key, says, fix);
-    }
-    assert!(out.contains("invalid (4 errors"), "{out}");
+    ];
+    assert_findings(&config, 4, &findings);
     // Settings that parse but cannot work are all reported too.
     let config = write(
         &dir,
@@ -455,12 +469,9 @@ fn r25_a_fifo_or_a_sparse_gigabyte_named_by_a_config_is_refused_not_read() {
 #[test]
 fn config_check_reports_errors_of_every_kind_in_one_run() {
     let dir = folder("every-kind");
-    let config = write(
+    let config = write_broken(
         &dir,
-        "mesh.toml",
-        "lisen = \"127.0.0.1:0\"\n\
-         unguarded = \"maybe\"\n\
-         listen = \"localhost\"\n\
+        "listen = \"localhost\"\n\
          default_guard_timeout_ms = 0\n\
          [limits]\n\
          max_calls_per_batch = -1\n\
@@ -468,10 +479,7 @@ fn config_check_reports_errors_of_every_kind_in_one_run() {
          name = \"p\"\n\
          policy = \"missing-policy.toml\"\n",
     );
-    let (code, out) = check(&config);
-    assert_eq!(code, Some(1), "{out}");
-    let shown = config.display().to_string();
-    for (line, key, says, fix) in [
+    let findings = [
         (1, "lisen", "unknown key", "write `listen`"),
         (
             2,
@@ -504,10 +512,8 @@ fn config_check_reports_errors_of_every_kind_in_one_run() {
             "cannot read policy file",
             "point it at",
         ),
-    ] {
-        assert_finding(&out, &shown, line, key, says, fix);
-    }
-    assert!(out.contains("invalid (6 errors"), "{out}");
+    ];
+    let out = assert_findings(&config, 6, &findings);
     assert!(
         !out.contains("9090"),
         "no hint names the metrics port:\n{out}"
