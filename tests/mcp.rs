@@ -495,38 +495,51 @@ impl Drop for RawGateway {
     }
 }
 
-fn by_id(answers: &Value) -> std::collections::HashMap<String, Value> {
+/// The answers of a JSON-RPC batch's answer `answers` by their id (as
+/// JSON text: `1`, `"3"`).
+pub(crate) fn by_id(answers: &Value) -> std::collections::HashMap<String, Value> {
     answers
         .as_array()
-        .unwrap()
+        .unwrap_or_else(|| panic!("an array: {answers}"))
         .iter()
         .map(|a| (a["id"].to_string(), a.clone()))
         .collect()
+}
+
+/// Sends the JSON-RPC `batch` to a raw `guardmesh mcp stdio` of `mesh`
+/// (with `extra` flags) before `upstream`, and reads its one answer: the
+/// answers by id.
+pub(crate) async fn stdio_batch(
+    mesh: &str,
+    extra: &[&'static str],
+    upstream: Vec<String>,
+    batch: Value,
+) -> std::collections::HashMap<String, Value> {
+    let (mesh, extra) = (mesh.to_owned(), extra.to_vec());
+    let answers = tokio::task::spawn_blocking(move || {
+        let mut gateway = RawGateway::start(&mesh, &extra, upstream);
+        gateway.send(&batch.to_string());
+        gateway.recv()
+    })
+    .await
+    .unwrap();
+    by_id(&answers)
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn r31_a_json_rpc_batch_of_tool_calls_is_one_guard_batch() {
     let (mesh, guard) = mesh_with_policy("mcp-batch").await;
     let scratch = Scratch::new("batch");
-    let upstream = scratch.upstream(&["stdio"]);
-    let url = mesh.url.clone();
-    let answers = tokio::task::spawn_blocking(move || {
-        let mut gateway = RawGateway::start(&url, &[], upstream);
-        let batch = json!([
-            RawGateway::call(json!(1), "delete_file", json!({"path": "/x"})),
-            RawGateway::call(json!(2), "read_file", json!({"path": "/etc/passwd"})),
-            RawGateway::call(json!("3"), "pay", json!({"amount": 1000, "to": "m"})),
-            {"jsonrpc": "2.0", "id": 4, "method": "tools/list"},
-            {"jsonrpc": "2.0", "method": "notifications/progress",
-             "params": {"progressToken": 1, "progress": 1}},
-        ]);
-        gateway.send(&batch.to_string());
-        gateway.recv()
-    })
-    .await
-    .unwrap();
+    let batch = json!([
+        RawGateway::call(json!(1), "delete_file", json!({"path": "/x"})),
+        RawGateway::call(json!(2), "read_file", json!({"path": "/etc/passwd"})),
+        RawGateway::call(json!("3"), "pay", json!({"amount": 1000, "to": "m"})),
+        {"jsonrpc": "2.0", "id": 4, "method": "tools/list"},
+        {"jsonrpc": "2.0", "method": "notifications/progress",
+         "params": {"progressToken": 1, "progress": 1}},
+    ]);
     // One array answering every request of the batch.
-    let answers = by_id(&answers);
+    let answers = stdio_batch(&mesh.url, &[], scratch.upstream(&["stdio"]), batch).await;
     assert_eq!(answers.len(), 4, "{answers:?}");
     assert_eq!(answers["1"]["result"]["isError"], true);
     assert_eq!(
@@ -1346,24 +1359,31 @@ pub(crate) async fn post(url: &str, session: Option<&str>, body: &str) -> (u16, 
     mcp_post(url, "2025-11-25", &session, body).await
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn r31_http_json_rpc_batch_is_one_guard_batch() {
-    let (mesh, guard) = mesh_with_policy("mcp-http-batch").await;
-    let scratch = Scratch::new("http-batch");
-    let (url, _upstream, _gateway) = http_gateway(&mesh.url, &scratch).await;
+/// Initializes a Streamable HTTP session (2025-11-25); returns its
+/// `Mcp-Session-Id`.
+pub(crate) async fn http_session(url: &str) -> String {
     let init = json!({"jsonrpc": "2.0", "id": 0, "method": "initialize", "params": {
         "protocolVersion": "2025-11-25", "capabilities": {},
         "clientInfo": {"name": "raw", "version": "0"}}});
-    let (status, head, _) = post(&url, None, &init.to_string()).await;
+    let (status, head, _) = post(url, None, &init.to_string()).await;
     assert_eq!(status, 200, "{head}");
     let session = header_value(&head, "mcp-session-id").expect("Mcp-Session-Id");
     let (status, _, _) = post(
-        &url,
+        url,
         Some(&session),
         r#"{"jsonrpc":"2.0","method":"notifications/initialized"}"#,
     )
     .await;
     assert_eq!(status, 202);
+    session
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn r31_http_json_rpc_batch_is_one_guard_batch() {
+    let (mesh, guard) = mesh_with_policy("mcp-http-batch").await;
+    let scratch = Scratch::new("http-batch");
+    let (url, _upstream, _gateway) = http_gateway(&mesh.url, &scratch).await;
+    let session = http_session(&url).await;
     let batch = json!([
         RawGateway::call(json!(1), "delete_file", json!({"path": "/x"})),
         RawGateway::call(json!(2), "read_file", json!({"path": "/etc/passwd"})),

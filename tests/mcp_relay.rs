@@ -3,30 +3,10 @@
 //! one guard batch, and what the relay of the upstream's stderr in
 //! `guardmesh mcp stdio` does that an inherited stderr would not.
 
-use crate::harness::header_value;
-use crate::mcp::{RawGateway, Scratch, http_gateway_with, mesh_with_policy, post};
+use crate::mcp::{RawGateway, Scratch, http_gateway_with, http_session, mesh_with_policy, post};
 use serde_json::{Value, json};
 use std::ffi::OsStr;
 use std::process::{Command, Stdio};
-
-/// Initializes a Streamable HTTP session (2025-11-25); returns its
-/// `Mcp-Session-Id`.
-pub(crate) async fn http_session(url: &str) -> String {
-    let init = json!({"jsonrpc": "2.0", "id": 0, "method": "initialize", "params": {
-        "protocolVersion": "2025-11-25", "capabilities": {},
-        "clientInfo": {"name": "raw", "version": "0"}}});
-    let (status, head, _) = post(url, None, &init.to_string()).await;
-    assert_eq!(status, 200, "{head}");
-    let session = header_value(&head, "mcp-session-id").expect("Mcp-Session-Id");
-    let (status, _, _) = post(
-        url,
-        Some(&session),
-        r#"{"jsonrpc":"2.0","method":"notifications/initialized"}"#,
-    )
-    .await;
-    assert_eq!(status, 202);
-    session
-}
 
 /// The JSON-RPC message of an HTTP answer: a JSON body, or the first
 /// `data:` line of an SSE body (chunked transfer coding undone).

@@ -11,10 +11,9 @@
 
 use crate::harness::*;
 use crate::mcp::{
-    RawGateway, Scratch, calls, gateway_before, gateway_command, listening, mcp_python, post,
-    run_client_off_thread, sdk_dir, via_gateway_judging,
+    RawGateway, Scratch, calls, gateway_before, gateway_command, http_session, listening,
+    mcp_python, post, run_client_off_thread, sdk_dir, via_gateway_judging,
 };
-use crate::mcp_relay::http_session;
 use guardmesh_client::Registration;
 use guardmesh_client::proto::{GuardBatch, GuardPhases};
 use guardmesh_client::verdict::block_result;

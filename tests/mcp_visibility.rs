@@ -13,12 +13,11 @@
 
 use crate::harness::*;
 use crate::mcp::{
-    RawGateway, Scratch, calls, gateway_before, mcp_python, post, run_client_off_thread, sdk_dir,
-    via_gateway, via_gateway_judging,
+    RawGateway, Scratch, by_id, calls, gateway_before, http_session, mcp_python, post,
+    run_client_off_thread, sdk_dir, stdio_batch, via_gateway, via_gateway_judging,
 };
 use guardmesh_client::Registration;
 use serde_json::{Value, json};
-use std::collections::HashMap;
 
 const HIDE: &str = "--hide-skipped-tools";
 
@@ -122,15 +121,6 @@ async fn r27_r31_http_hides_a_tool_a_constant_cancel_rule_names_and_still_judges
     assert_eq!(names, ["pay", "read_file", "write_note"]);
 }
 
-fn by_id(answers: &Value) -> HashMap<String, Value> {
-    answers
-        .as_array()
-        .unwrap_or_else(|| panic!("an array: {answers}"))
-        .iter()
-        .map(|a| (a["id"].to_string(), a.clone()))
-        .collect()
-}
-
 fn names_of(answer: &Value) -> Vec<&str> {
     answer["result"]["tools"]
         .as_array()
@@ -150,19 +140,8 @@ async fn r31_tool_visibility_holds_inside_json_rpc_batches_on_stdio_and_http() {
         {"jsonrpc": "2.0", "id": 3, "method": "ping"},
     ]);
     // stdio.
-    let (url, upstream, sent) = (
-        mesh.url.clone(),
-        scratch.upstream(&["stdio"]),
-        batch.clone(),
-    );
-    let answers = tokio::task::spawn_blocking(move || {
-        let mut gateway = RawGateway::start(&url, &[HIDE], upstream);
-        gateway.send(&sent.to_string());
-        gateway.recv()
-    })
-    .await
-    .unwrap();
-    let answers = by_id(&answers);
+    let upstream = scratch.upstream(&["stdio"]);
+    let answers = stdio_batch(&mesh.url, &[HIDE], upstream, batch.clone()).await;
     assert_eq!(answers.len(), 3, "{answers:?}");
     let mut names = names_of(&answers["1"]);
     names.sort_unstable();
@@ -172,14 +151,7 @@ async fn r31_tool_visibility_holds_inside_json_rpc_batches_on_stdio_and_http() {
     let (upstream_port, _upstream) = scratch.http_upstream().await;
     let (url, _gateway) =
         gateway_before(&mesh.url, "127.0.0.1", upstream_port, &[HIDE.as_ref()]).await;
-    let init = json!({"jsonrpc": "2.0", "id": 0, "method": "initialize", "params": {
-        "protocolVersion": "2025-11-25", "capabilities": {},
-        "clientInfo": {"name": "raw", "version": "0"}}});
-    let (status, head, _) = post(&url, None, &init.to_string()).await;
-    assert_eq!(status, 200, "{head}");
-    let session = header_value(&head, "mcp-session-id").expect("Mcp-Session-Id");
-    let initialized = r#"{"jsonrpc":"2.0","method":"notifications/initialized"}"#;
-    assert_eq!(post(&url, Some(&session), initialized).await.0, 202);
+    let session = http_session(&url).await;
     let (status, head, body) = post(&url, Some(&session), &batch.to_string()).await;
     assert_eq!(status, 200, "{head}\n{body}");
     let answers = by_id(&serde_json::from_str(&body).unwrap());
