@@ -560,11 +560,7 @@ async fn hang_remaining_batch_budget_shrinks_across_mutate_guards() {
     mesh.register(Registration::validate("v", &validate.url).timeout(Duration::from_secs(20)))
         .await;
     let (_session, d) = mesh
-        .session_decides(
-            Batch::new(0)
-                .call("c1", "t", "{}")
-                .timeout(Duration::from_secs(3)),
-        )
+        .session_decides(timed_batch(0, Duration::from_secs(3)))
         .await;
     assert!(d.calls[0].proceeds(), "{:?}", d.calls[0]);
     assert_eq!(*first_answered_when_second_asked.lock().unwrap(), [1]);
@@ -607,11 +603,7 @@ async fn hang_exhausted_batch_budget_fails_later_guards_without_contacting_them(
         .await;
     let session = mesh.coordinator().await.session("s").await.unwrap();
     let d = session
-        .evaluate(
-            Batch::new(0)
-                .call("c1", "t", "{}")
-                .timeout(Duration::from_millis(400)),
-        )
+        .evaluate(timed_batch(0, Duration::from_millis(400)))
         .await
         .expect("a decision, not DEADLINE_EXCEEDED");
     // m1 used the whole budget and was bypassed (fail_open); nothing was left
@@ -1272,11 +1264,7 @@ async fn restart_guard_process_killed_with_a_batch_in_flight_fails_that_batch_pe
     mesh.register(Registration::validate("probe", &probe.url))
         .await;
     let session = mesh.coordinator().await.session("s").await.unwrap();
-    let batch = session.evaluate(
-        Batch::new(0)
-            .call("c1", "t", "{}")
-            .timeout(Duration::from_secs(30)),
-    );
+    let batch = session.evaluate(timed_batch(0, Duration::from_secs(30)));
     tokio::pin!(batch);
     // Validate guards are asked together: once the probe has the batch, so
     // has the process.

@@ -27,6 +27,28 @@ async fn eventually(mut check: impl FnMut() -> bool) -> bool {
     false
 }
 
+/// No guard was contacted for the batches the mesh refused, and the stream
+/// still serves: a fine call `ok` of `tool` with `args` proceeds, the first
+/// request `guard` sees.
+async fn assert_refused_unseen_and_still_serving(
+    session: &guardmesh_client::Session,
+    guard: &TestGuard,
+    tool: &str,
+    args: &str,
+) {
+    assert_eq!(
+        guard.guard.requests(),
+        0,
+        "no guard contacted for a refused batch"
+    );
+    let d = session
+        .evaluate(Batch::new(0).call("ok", tool, args))
+        .await
+        .unwrap();
+    assert!(d.calls[0].proceeds(), "the stream still serves");
+    assert_eq!(guard.guard.requests(), 1);
+}
+
 #[tokio::test]
 async fn r1_zero_calls_contact_no_guard() {
     let mesh = TestMesh::start().await;
@@ -108,11 +130,7 @@ async fn r5_early_veto_answers_and_cancels_the_slow_later_guard() {
     mesh.register(Registration::validate("slow", &slow.url).timeout(Duration::from_secs(20)))
         .await;
     let (_session, d) = mesh
-        .session_decides(
-            Batch::new(0)
-                .call("c1", "t", "{}")
-                .timeout(Duration::from_secs(30)),
-        )
+        .session_decides(timed_batch(0, Duration::from_secs(30)))
         .await;
     assert_eq!(d.calls[0].decided_by.as_deref(), Some("veto"));
     assert_eq!(status_of(&d, "slow"), TraceStatus::Superseded);
@@ -177,13 +195,7 @@ async fn r7_skip_without_kind_is_steer() {
     })
     .await;
     mesh.register(Registration::validate("g", &guard.url)).await;
-    let (_session, d) = mesh
-        .session_decides(
-            Batch::new(0)
-                .call("default", "t", "{}")
-                .call("cancel", "t", "{}"),
-        )
-        .await;
+    let (_session, d) = mesh.session_decides(t_calls(&["default", "cancel"])).await;
     assert_eq!(d.calls[0].outcome, steered("fix it"));
     assert_eq!(d.calls[1].outcome, cancelled("not allowed"));
 }
@@ -215,13 +227,7 @@ async fn r8_malformed_verdicts_are_dropped_and_traced() {
         .await;
     mesh.register(Registration::validate("later", &later.url))
         .await;
-    let (_session, d) = mesh
-        .session_decides(
-            Batch::new(0)
-                .call("blank", "t", "{}")
-                .call("twice", "t", "{}"),
-        )
-        .await;
+    let (_session, d) = mesh.session_decides(t_calls(&["blank", "twice"])).await;
     assert!(d.calls[0].proceeds(), "a blank skip counts as proceed");
     assert!(d.calls[1].proceeds(), "the second verdict is ignored");
     assert_eq!(status_of(&d, "buggy"), TraceStatus::Malformed);
@@ -405,11 +411,7 @@ async fn r14_guard_gets_the_smaller_of_its_timeout_and_the_batch_deadline() {
         .await;
     let session = mesh.coordinator().await.session("s").await.unwrap();
     let d = session
-        .evaluate(
-            Batch::new(0)
-                .call("c1", "t", "{}")
-                .timeout(Duration::from_millis(300)),
-        )
+        .evaluate(timed_batch(0, Duration::from_millis(300)))
         .await
         .unwrap();
     assert_eq!(status_of(&d, "slow"), TraceStatus::TimedOut);
@@ -421,11 +423,7 @@ async fn r14_guard_gets_the_smaller_of_its_timeout_and_the_batch_deadline() {
     mesh.register(Registration::validate("slow", &slow.url).timeout(Duration::from_millis(100)))
         .await;
     let d = session
-        .evaluate(
-            Batch::new(1)
-                .call("c1", "t", "{}")
-                .timeout(Duration::from_secs(20)),
-        )
+        .evaluate(timed_batch(1, Duration::from_secs(20)))
         .await
         .unwrap();
     assert_eq!(status_of(&d, "slow"), TraceStatus::TimedOut);
@@ -692,17 +690,7 @@ async fn r20_bad_batches_are_refused_and_the_stream_goes_on() {
         assert_eq!(status.code(), code, "case {i}: {status:?}");
         assert!(status.message().contains(needle), "case {i}: {status:?}");
     }
-    assert_eq!(
-        guard.guard.requests(),
-        0,
-        "no guard contacted for a refused batch"
-    );
-    let d = session
-        .evaluate(Batch::new(0).call("ok", "t", r#"{"fine":true}"#))
-        .await
-        .unwrap();
-    assert!(d.calls[0].proceeds(), "the stream still serves");
-    assert_eq!(guard.guard.requests(), 1);
+    assert_refused_unseen_and_still_serving(&session, &guard, "t", r#"{"fine":true}"#).await;
 }
 
 #[tokio::test]
@@ -734,11 +722,7 @@ async fn r21_one_trace_entry_per_guard_with_its_status() {
     )
     .await;
     let (_session, d) = mesh
-        .session_decides(
-            Batch::new(0)
-                .call("c1", "t", "{}")
-                .timeout(Duration::from_secs(30)),
-        )
+        .session_decides(timed_batch(0, Duration::from_secs(30)))
         .await;
     let got: Vec<_> = d
         .trace
@@ -831,23 +815,14 @@ async fn r20_arguments_must_be_i_json_or_the_batch_is_refused() {
         assert!(message.len() < 300, "case {i}: {} bytes", message.len());
     }
     assert_eq!(
-        guard.guard.requests(),
-        0,
-        "no guard contacted for a refused batch"
-    );
-    assert_eq!(
         metric(
             &mesh,
             r#"guardmesh_batches_refused_total{reason="arguments_not_i_json"}"#
         ),
         6.0
     );
-    let d = session
-        .evaluate(Batch::new(0).call("ok", "sql", r#"{"sql":"SELECT 1","n":1e300}"#))
-        .await
-        .unwrap();
-    assert!(d.calls[0].proceeds(), "the stream still serves");
-    assert_eq!(guard.guard.requests(), 1);
+    let fine = r#"{"sql":"SELECT 1","n":1e300}"#;
+    assert_refused_unseen_and_still_serving(&session, &guard, "sql", fine).await;
 }
 
 /// Log injection: ids and arguments come from the network. A batch id with

@@ -111,6 +111,23 @@ impl Drop for TestMesh {
     }
 }
 
+/// Batch `turn`: one call `c1` of tool `t` (arguments `{}`) within
+/// `timeout`, as the deadline tests send it.
+pub(crate) fn timed_batch(turn: u32, timeout: Duration) -> guardmesh_client::Batch {
+    guardmesh_client::Batch::new(turn)
+        .call("c1", "t", "{}")
+        .timeout(timeout)
+}
+
+/// Batch 0: one call of tool `t` (arguments `{}`) per id of `ids`, in
+/// order.
+pub(crate) fn t_calls(ids: &[&str]) -> guardmesh_client::Batch {
+    ids.iter()
+        .fold(guardmesh_client::Batch::new(0), |batch, id| {
+            batch.call(*id, "t", "{}")
+        })
+}
+
 /// Short backoffs so that reconnect tests stay quick.
 pub(crate) fn fast_config() -> MeshConfig {
     let mut config = MeshConfig::default();
