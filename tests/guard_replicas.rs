@@ -99,31 +99,19 @@ async fn steady_load(
 /// A Python kit guard (grpcio, default server options) that cancels
 /// `fs.delete` as `no_delete.py` does, and counts the batches it judged:
 /// `count` on its stdin prints `COUNT <n>`.
-const COUNTING: &str = r#"
-import sys, threading
-from guardmesh import guard as gg
-
-judged = 0
-lock = threading.Lock()
-
-def judge(batch):
-    global judged
+fn counting() -> String {
+    let state = "import threading\n\njudged = 0\nlock = threading.Lock()\n";
+    let work = r#"    global judged
     with lock:
-        judged += 1
-    for call in batch.calls:
-        if call.tool == "fs.delete":
-            yield gg.cancel(call.call_id, "Deleting files is not allowed.")
-
-server, port = gg.serve(judge, port=0, name="nd")
-print(f"LISTENING {port}", flush=True)
-for line in sys.stdin:
-    if line.strip() == "count":
+        judged += 1"#;
+    let answer = r#"    if command == "count":
         with lock:
             n = judged
-        print(f"COUNT {n}", flush=True)
-"#;
+        print(f"COUNT {n}", flush=True)"#;
+    deny_list_script(state, work, "nd", answer)
+}
 
-/// The batches a [`COUNTING`] replica says it judged.
+/// The batches a [`counting`] replica says it judged.
 fn judged(replica: &mut ScriptedReplica) -> usize {
     let line = replica.ask("count");
     line.strip_prefix("COUNT ")
@@ -136,7 +124,7 @@ async fn r32_requests_spread_evenly_over_three_python_replicas() {
     let mesh = TestMesh::start().await;
     let dir = folder("replica-spread");
     let script = dir.join("counting_guard.py");
-    std::fs::write(&script, COUNTING).unwrap();
+    std::fs::write(&script, counting()).unwrap();
     let mut replicas = Vec::new();
     for _ in 0..3 {
         let script = script.clone();

@@ -18,30 +18,18 @@ use std::time::{Duration, Instant};
 /// A kit guard that cancels `fs.delete` after 20 ms of work per batch and
 /// takes commands on stdin: `down` / `up` (its health status, through the
 /// kit's `GuardServer.set_serving`), `stop` (the kit's graceful stop).
-const SCRIPT: &str = r#"
-import sys, time
-from guardmesh import guard as gg
-
-def judge(batch):
-    time.sleep(0.02)
-    for call in batch.calls:
-        if call.tool == "fs.delete":
-            yield gg.cancel(call.call_id, "Deleting files is not allowed.")
-
-server, port = gg.serve(judge, port=0, name="hg")
-print(f"LISTENING {port}", flush=True)
-for line in sys.stdin:
-    command = line.strip()
-    if command == "down":
+fn script_text() -> String {
+    let answer = r#"    if command == "down":
         server.set_serving(False)
     elif command == "up":
         server.set_serving(True)
     elif command == "stop":
         server.stop(5.0)
-    print(f"OK {command}", flush=True)
-"#;
+    print(f"OK {command}", flush=True)"#;
+    deny_list_script("import time\n", "    time.sleep(0.02)", "hg", answer)
+}
 
-/// Sends a replica of [`SCRIPT`] `command` (`down`, `up`, `stop`) and
+/// Sends a replica of [`script_text`] `command` (`down`, `up`, `stop`) and
 /// checks it was done.
 fn command(replica: &mut ScriptedReplica, command: &str) {
     assert_eq!(replica.ask(command), format!("OK {command}"));
@@ -50,7 +38,7 @@ fn command(replica: &mut ScriptedReplica, command: &str) {
 fn script() -> (std::path::PathBuf, std::path::PathBuf) {
     let dir = fresh_dir("health");
     let path = dir.join("health_guard.py");
-    std::fs::write(&path, SCRIPT).unwrap();
+    std::fs::write(&path, script_text()).unwrap();
     (dir, path)
 }
 
@@ -111,7 +99,7 @@ async fn load(
     tasks
 }
 
-/// Three replicas of [`SCRIPT`] as the guard `hg` of a mesh, under load
+/// Three replicas of [`script_text`] as the guard `hg` of a mesh, under load
 /// from 8 sessions (started 1.5 s before [`Draining::start`] returns).
 struct Draining {
     mesh: TestMesh,

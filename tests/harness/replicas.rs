@@ -56,3 +56,30 @@ pub(crate) async fn count_replicas(
     }
     (counts, wrong)
 }
+
+/// The Python script of a kit guard (grpcio, default server options) named
+/// `name` that cancels `fs.delete` as `no_delete.py` does and answers its
+/// stdin: `prelude` (more imports, its state) comes after the kit's import,
+/// `work` runs at the start of every batch it judges, and `answer` once for
+/// each line on its stdin, stripped as `command`; both indented by four
+/// spaces.
+pub(crate) fn deny_list_script(prelude: &str, work: &str, name: &str, answer: &str) -> String {
+    format!(
+        r#"
+import sys
+from guardmesh import guard as gg
+{prelude}
+def judge(batch):
+{work}
+    for call in batch.calls:
+        if call.tool == "fs.delete":
+            yield gg.cancel(call.call_id, "Deleting files is not allowed.")
+
+server, port = gg.serve(judge, port=0, name="{name}")
+print(f"LISTENING {{port}}", flush=True)
+for line in sys.stdin:
+    command = line.strip()
+{answer}
+"#
+    )
+}
