@@ -92,6 +92,50 @@ async fn replica(cluster: &Cluster, prefix: &str, quota: usize) -> (TestMesh, Ar
     )
 }
 
+/// Replicas A and B of one chain on `cluster` under `prefix` (the team's
+/// quota 3), each with its registry and the team's registrar on it.
+async fn team_replicas(
+    cluster: &Cluster,
+    prefix: &str,
+) -> [(TestMesh, Arc<EtcdRegistry>, Registrar); 2] {
+    let mut out = Vec::new();
+    for _ in 0..2 {
+        let (mesh, registry) = replica(cluster, prefix, 3).await;
+        let team = registrar(&mesh.url, TEAM_TOKEN).await;
+        out.push((mesh, registry, team));
+    }
+    out.try_into().unwrap_or_else(|_| unreachable!())
+}
+
+/// The names of the guards in `registry`'s chain once it has read
+/// `revision` (within 15 s), sorted.
+async fn names_at(registry: &EtcdRegistry, revision: u64) -> Vec<String> {
+    assert!(registry.wait_for(revision, Duration::from_secs(15)).await);
+    let mut names: Vec<String> = registry
+        .chain()
+        .guards
+        .iter()
+        .map(|g| g.name.clone())
+        .collect();
+    names.sort();
+    names
+}
+
+/// Registers through `on` the policy guard `name` of [`pattern_policy`]
+/// of `tag`.
+async fn register_policy(on: &Registrar, name: &str, tag: &str) {
+    on.register(Registration::policy(name, pattern_policy(tag)))
+        .await
+        .unwrap();
+}
+
+/// The message of `on`'s refusal of `registration`: RESOURCE_EXHAUSTED.
+async fn exhausted(on: &Registrar, registration: Registration) -> String {
+    let (code, message) = status(on.register(registration).await);
+    assert_eq!(code, tonic::Code::ResourceExhausted, "{message}");
+    message
+}
+
 /// The quota refusal as a single mesh has always worded it.
 const QUOTA_3: &str = "team already registered 3 guards, its limit";
 
@@ -103,11 +147,7 @@ const QUOTA_3: &str = "team already registered 3 guards, its limit";
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn r16_registration_quota_is_shared_by_etcd_replicas() {
     let cluster = Cluster::start().await;
-    let prefix = "/t/quota";
-    let (a, _) = replica(&cluster, prefix, 3).await;
-    let (b, b_registry) = replica(&cluster, prefix, 3).await;
-    let on_a = registrar(&a.url, TEAM_TOKEN).await;
-    let on_b = registrar(&b.url, TEAM_TOKEN).await;
+    let [(a, _, on_a), (b, b_registry, on_b)] = team_replicas(&cluster, "/t/quota").await;
     let endpoint = "127.0.0.1:1";
     on_a.register(Registration::validate("g0", endpoint))
         .await
@@ -140,22 +180,10 @@ async fn r16_registration_quota_is_shared_by_etcd_replicas() {
     on_a.register(Registration::validate("g3", endpoint))
         .await
         .unwrap();
-    let (code, message) = status(on_b.register(Registration::validate("g4", endpoint)).await);
-    assert_eq!(code, tonic::Code::ResourceExhausted, "{message}");
+    let message = exhausted(&on_b, Registration::validate("g4", endpoint)).await;
     assert_eq!(message, QUOTA_3);
     let last = registrar(&b.url, ADMIN_TOKEN).await.list().await.unwrap();
-    assert!(
-        b_registry
-            .wait_for(last.revision, Duration::from_secs(15))
-            .await
-    );
-    let mut names: Vec<String> = b_registry
-        .chain()
-        .guards
-        .iter()
-        .map(|g| g.name.clone())
-        .collect();
-    names.sort();
+    let names = names_at(&b_registry, last.revision).await;
     assert_eq!(names, ["g0", "g2", "g3", "o0"]);
     a.shutdown().await;
     b.shutdown().await;
@@ -169,11 +197,8 @@ async fn r16_registration_quota_is_shared_by_etcd_replicas() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn r16_concurrent_registrations_on_two_replicas_never_exceed_the_quota() {
     let cluster = Cluster::start().await;
-    let prefix = "/t/quota-race";
-    let (a, a_registry) = replica(&cluster, prefix, 3).await;
-    let (b, b_registry) = replica(&cluster, prefix, 3).await;
-    let on_a = registrar(&a.url, TEAM_TOKEN).await;
-    let on_b = registrar(&b.url, TEAM_TOKEN).await;
+    let [(a, a_registry, on_a), (b, b_registry, on_b)] =
+        team_replicas(&cluster, "/t/quota-race").await;
     let admin = registrar(&a.url, ADMIN_TOKEN).await;
     for round in 0..3 {
         let mut tasks = tokio::task::JoinSet::new();
@@ -208,16 +233,9 @@ async fn r16_concurrent_registrations_on_two_replicas_never_exceed_the_quota() {
         }
         assert_eq!(applied.len(), 3, "round {round}: applied {applied:?}");
         let revision = admin.list().await.unwrap().revision;
+        applied.sort();
         for registry in [&a_registry, &b_registry] {
-            assert!(registry.wait_for(revision, Duration::from_secs(15)).await);
-            let mut names: Vec<String> = registry
-                .chain()
-                .guards
-                .iter()
-                .map(|g| g.name.clone())
-                .collect();
-            names.sort();
-            applied.sort();
+            let names = names_at(registry, revision).await;
             assert_eq!(names, applied, "round {round}");
         }
         for name in &applied {
@@ -315,19 +333,11 @@ async fn r25_compiled_policy_bytes_are_bounded_per_identity() {
     let mesh = TestMesh::with_config(config).await;
     let team = registrar(&mesh.url, TEAM_TOKEN).await;
     for tag in ["p0", "p1"] {
-        team.register(Registration::policy(tag, pattern_policy(tag)))
-            .await
-            .unwrap();
+        register_policy(&team, tag, tag).await;
     }
     // Updating a guard in place replaces its charge.
-    team.register(Registration::policy("p1", pattern_policy("q1")))
-        .await
-        .unwrap();
-    let (code, message) = status(
-        team.register(Registration::policy("p2", pattern_policy("p2")))
-            .await,
-    );
-    assert_eq!(code, tonic::Code::ResourceExhausted, "{message}");
+    register_policy(&team, "p1", "q1").await;
+    let message = exhausted(&team, Registration::policy("p2", pattern_policy("p2"))).await;
     for needle in [
         "team:".to_owned(),
         "max_policy_bytes_per_identity".to_owned(),
@@ -351,9 +361,7 @@ async fn r25_compiled_policy_bytes_are_bounded_per_identity() {
         .await
         .unwrap();
     assert!(team.deregister("p0").await.unwrap());
-    team.register(Registration::policy("p2", pattern_policy("p2")))
-        .await
-        .unwrap();
+    register_policy(&team, "p2", "p2").await;
     mesh.shutdown().await;
 }
 
@@ -383,25 +391,15 @@ async fn r25_policy_bytes_per_identity_are_counted_across_etcd_replicas() {
     let b = start(bound).await;
     let on_a = registrar(&a.url, TEAM_TOKEN).await;
     let on_b = registrar(&b.url, TEAM_TOKEN).await;
-    on_a.register(Registration::policy("p0", pattern_policy("p0")))
-        .await
-        .unwrap();
-    on_b.register(Registration::policy("p1", pattern_policy("p1")))
-        .await
-        .unwrap();
-    let (code, message) = status(
-        on_a.register(Registration::policy("p2", pattern_policy("p2")))
-            .await,
-    );
-    assert_eq!(code, tonic::Code::ResourceExhausted, "{message}");
+    register_policy(&on_a, "p0", "p0").await;
+    register_policy(&on_b, "p1", "p1").await;
+    let message = exhausted(&on_a, Registration::policy("p2", pattern_policy("p2"))).await;
     assert!(
         message.contains(&format!("hold {} bytes now", 2 * each)),
         "{message}"
     );
     assert!(on_a.deregister("p1").await.unwrap());
-    on_b.register(Registration::policy("p2", pattern_policy("p2")))
-        .await
-        .unwrap();
+    register_policy(&on_b, "p2", "p2").await;
     a.shutdown().await;
     b.shutdown().await;
 }
