@@ -104,14 +104,7 @@ fn cut_tail(log: &Path, n: usize) {
 /// run off this runtime's thread: the cluster's peer proxies run on it.
 async fn verify_etcd(dir: &Path, cluster: &Cluster, prefix: &str, extra: &[&str]) -> Output {
     let endpoints = cluster.urls().join(",");
-    let log = dir.join("log");
-    let public = dir.join("log.key.pub");
-    let mut args = vec![
-        "log",
-        "verify",
-        path(&log),
-        "--key",
-        path(&public),
+    let anchor = [
         "--etcd",
         &endpoints,
         "--etcd-prefix",
@@ -119,17 +112,32 @@ async fn verify_etcd(dir: &Path, cluster: &Cluster, prefix: &str, extra: &[&str]
         "--instance",
         INSTANCE,
     ];
-    args.extend_from_slice(extra);
-    guardmesh_off_thread(args).await
+    verify_with(dir, &[&anchor[..], extra].concat()).await
+}
+
+/// A `guardmesh log verify` that found the log wrong (exit code 1),
+/// saying `says`.
+#[track_caller]
+fn assert_verify_failed(out: &Output, says: &str) {
+    assert_eq!(out.status.code(), Some(1), "{}", text(&out.stdout));
+    assert!(text(&out.stderr).contains(says), "{}", text(&out.stderr));
+}
+
+/// A mesh served and stopped once by [`serve_and_stop`] as `name`, with
+/// its log in the keyed folder `name` and its anchor under `/name` on a
+/// cluster of its own: the cluster, the folder and the prefix.
+async fn served_once(name: &str) -> (Cluster, PathBuf, String) {
+    let cluster = Cluster::start().await;
+    let dir = keyed_folder(name);
+    let prefix = format!("/{name}");
+    serve_and_stop(name, &dir, &cluster, &prefix, "").await;
+    (cluster, dir, prefix)
 }
 
 #[tokio::test]
 async fn r29_a_log_cut_after_its_etcd_anchor_refuses_to_start_and_fails_verify() {
-    let cluster = Cluster::start().await;
-    let dir = keyed_folder("anchor-cut");
-    let prefix = "/anchor-cut";
-    serve_and_stop("anchor-cut", &dir, &cluster, prefix, "").await;
-    let out = verify_etcd(&dir, &cluster, prefix, &[]).await;
+    let (cluster, dir, prefix) = served_once("anchor-cut").await;
+    let out = verify_etcd(&dir, &cluster, &prefix, &[]).await;
     assert_succeeded(&out);
     assert!(text(&out.stdout).contains("anchor: the log holds the outside checkpoint"));
 
@@ -138,7 +146,7 @@ async fn r29_a_log_cut_after_its_etcd_anchor_refuses_to_start_and_fails_verify()
     let before = log_lines(&log);
     let stderr = serve_refused(
         &dir,
-        &config(&dir, &cluster.urls(), prefix, "", free_port()),
+        &config(&dir, &cluster.urls(), &prefix, "", free_port()),
     )
     .await;
     assert!(
@@ -149,13 +157,8 @@ async fn r29_a_log_cut_after_its_etcd_anchor_refuses_to_start_and_fails_verify()
     );
     assert_eq!(log_lines(&log), before, "a refused start wrote to the log");
 
-    let out = verify_etcd(&dir, &cluster, prefix, &[]).await;
-    assert_eq!(out.status.code(), Some(1), "{}", text(&out.stdout));
-    assert!(
-        text(&out.stderr).contains("3 records missing"),
-        "{}",
-        text(&out.stderr)
-    );
+    let out = verify_etcd(&dir, &cluster, &prefix, &[]).await;
+    assert_verify_failed(&out, "3 records missing");
 }
 
 #[tokio::test]
@@ -176,8 +179,7 @@ async fn r29_with_allow_gap_a_mesh_behind_its_etcd_anchor_starts_after_a_signed_
     // Verify names the gap, and accepts it when told to; the anchor is now
     // the second run's closing checkpoint.
     let out = verify_etcd(&dir, &cluster, prefix, &[]).await;
-    assert_eq!(out.status.code(), Some(1), "{}", text(&out.stdout));
-    assert!(text(&out.stderr).contains("gap"), "{}", text(&out.stderr));
+    assert_verify_failed(&out, "gap");
     let out = verify_etcd(&dir, &cluster, prefix, &["--allow-gap"]).await;
     assert_succeeded(&out);
     assert!(text(&out.stdout).contains("gap: at seq"));
@@ -185,10 +187,7 @@ async fn r29_with_allow_gap_a_mesh_behind_its_etcd_anchor_starts_after_a_signed_
 
 #[tokio::test]
 async fn r29_a_record_forged_after_the_etcd_anchor_fails_verify_with_the_key() {
-    let cluster = Cluster::start().await;
-    let dir = keyed_folder("anchor-forged");
-    let prefix = "/anchor-forged";
-    serve_and_stop("anchor-forged", &dir, &cluster, prefix, "").await;
+    let (cluster, dir, prefix) = served_once("anchor-forged").await;
     let log = dir.join("log");
     let lines = log_lines(&log);
     let last = lines.last().unwrap();
@@ -223,7 +222,7 @@ async fn r29_a_record_forged_after_the_etcd_anchor_fails_verify_with_the_key() {
     let out = guardmesh(&["log", "verify", path(&log)]);
     assert!(out.status.success(), "{}", text(&out.stderr));
     // With the key and the anchor it is refused.
-    let out = verify_etcd(&dir, &cluster, prefix, &[]).await;
+    let out = verify_etcd(&dir, &cluster, &prefix, &[]).await;
     assert_eq!(out.status.code(), Some(1), "{}", text(&out.stdout));
 }
 
@@ -303,10 +302,7 @@ async fn verify_with(dir: &Path, args: &[&str]) -> Output {
 
 #[tokio::test]
 async fn r29_log_verify_reads_the_etcd_anchor_with_the_mesh_configs_credentials() {
-    let cluster = Cluster::start().await;
-    let dir = keyed_folder("anchor-auth");
-    let prefix = "/anchor-auth";
-    serve_and_stop("anchor-auth", &dir, &cluster, prefix, "").await;
+    let (cluster, dir, prefix) = served_once("anchor-auth").await;
 
     // The cluster turns on authentication after the mesh ran: reading the
     // anchor now needs the user the mesh's config names.
@@ -319,24 +315,12 @@ async fn r29_log_verify_reads_the_etcd_anchor_with_the_mesh_configs_credentials(
 
     // Without credentials (--etcd): the anchor cannot be read, and verify
     // says so instead of passing without it.
-    let endpoints = cluster.urls().join(",");
-    let out = verify_with(
-        &dir,
-        &[
-            "--etcd",
-            &endpoints,
-            "--etcd-prefix",
-            prefix,
-            "--instance",
-            INSTANCE,
-        ],
-    )
-    .await;
+    let out = verify_etcd(&dir, &cluster, &prefix, &[]).await;
     assert_eq!(out.status.code(), Some(2), "{}", text(&out.stderr));
 
     // With the mesh's config (user and password from the environment, as
     // an operator keeps it): the anchor is read and the log holds it.
-    let mesh_config = config(&dir, &cluster.urls(), prefix, "", free_port()).replace(
+    let mesh_config = config(&dir, &cluster.urls(), &prefix, "", free_port()).replace(
         "request_timeout_ms = 500\n",
         "request_timeout_ms = 500\nusername = \"root\"\npassword_env = \"ANCHOR_TEST_ETCD_PW\"\n",
     );
@@ -353,12 +337,7 @@ async fn r29_log_verify_reads_the_etcd_anchor_with_the_mesh_configs_credentials(
     // The config's anchor is the one checked: a cut log fails verify.
     cut_tail(&dir.join("log"), 3);
     let out = verify_with_config(&dir, &file).await;
-    assert_eq!(out.status.code(), Some(1), "{}", text(&out.stdout));
-    assert!(
-        text(&out.stderr).contains("3 records missing"),
-        "{}",
-        text(&out.stderr)
-    );
+    assert_verify_failed(&out, "3 records missing");
 }
 
 /// `guardmesh log verify --config FILE` with the etcd password in the
