@@ -16,7 +16,7 @@
 use crate::etcd::Cluster;
 use crate::harness::*;
 use guardmesh_client::{Batch, BatchDecision, Coordinator, Outcome};
-use guardmesh_server::session::{SessionKey, store::sessions_prefix};
+use guardmesh_server::session::{CallRan, SessionKey, Update, store::sessions_prefix};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
@@ -108,6 +108,35 @@ async fn outcome(c: &Coordinator, session: &str, turn: u32, tool: &str, args: &s
         .clone()
 }
 
+/// The outcome of a harmless fetch in `session` (batch `turn`): what the
+/// session rules let through once they can read the memory.
+async fn fetch(c: &Coordinator, session: &str, turn: u32) -> Outcome {
+    outcome(
+        c,
+        session,
+        turn,
+        "http.get",
+        r#"{"url":"https://example.com"}"#,
+    )
+    .await
+}
+
+/// The memory's update of one call `id` of `fs.read_file` on server `fs`
+/// (arguments of 16 zero bytes), as a replica records it.
+fn read_file_ran(id: String) -> Update {
+    Update {
+        calls: vec![CallRan {
+            id,
+            tool: "fs.read_file".into(),
+            server: "fs".into(),
+            args: "00".repeat(16),
+            at: 0,
+            seq: 0,
+        }],
+        ..Update::default()
+    }
+}
+
 /// `batch` in `session`, answered within 10 s.
 async fn decide(c: &Coordinator, session: &str, batch: Batch) -> BatchDecision {
     tokio::time::timeout(Duration::from_secs(10), c.evaluate_once(session, batch))
@@ -187,6 +216,17 @@ async fn flow_across(a: &Coordinator, b: &Coordinator, session: &str) {
     );
 }
 
+/// A coordinator on each of the replicas `a` and `b`, once the flow ran
+/// across them in session `s` ([`flow_across`]).
+async fn flowed_across(a: &MeshProcess, b: &MeshProcess) -> (Coordinator, Coordinator) {
+    let (ca, cb) = (
+        Coordinator::connect(a.url.clone()).await.unwrap(),
+        Coordinator::connect(b.url.clone()).await.unwrap(),
+    );
+    flow_across(&ca, &cb, "s").await;
+    (ca, cb)
+}
+
 /// A batch whose session rules cannot read the memory: cancelled as a
 /// failure (fail_closed), answered within `bound`.
 async fn fails_closed(c: &Coordinator, session: &str, bound: Duration) -> BatchDecision {
@@ -219,6 +259,17 @@ fn redis_binary() -> Option<PathBuf> {
         .map(|dir| dir.join("redis-server"))
         .chain([PathBuf::from("/usr/bin/redis-server")])
         .find(|candidate| candidate.is_file())
+}
+
+/// A [`Redis`] for the test `$test`, or a return from the test (skipped,
+/// said loudly) when `redis-server` is not installed.
+macro_rules! redis_or_skip {
+    ($test:literal) => {
+        match Redis::start($test).await {
+            Some(redis) => redis,
+            None => return,
+        }
+    };
 }
 
 /// `redis-server` on a free loopback port, nothing saved; killed when
@@ -399,11 +450,7 @@ async fn r34_two_serve_replicas_on_a_3_member_etcd_share_session_memory() {
     let dir = fresh_dir("store-etcd");
     let (a, b) = etcd_replicas(&cluster, &dir, "store-etcd", "store_timeout_ms = 300").await;
     let (prefix, secret) = ("/t/store-etcd", secret_file(&dir, "session.secret"));
-    let (ca, cb) = (
-        Coordinator::connect(a.url.clone()).await.unwrap(),
-        Coordinator::connect(b.url.clone()).await.unwrap(),
-    );
-    flow_across(&ca, &cb, "s").await;
+    let (ca, cb) = flowed_across(&a, &b).await;
     // What etcd holds: the sessions beside the registry's keys, by digest
     // only; neither the value read nor the session secret.
     let mut client = etcd_client::Client::connect(urls.clone(), None)
@@ -466,19 +513,11 @@ async fn r34_two_serve_replicas_on_a_3_member_etcd_share_session_memory() {
 /// session Redis lost reads as lost, never as new.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn r34_two_serve_replicas_on_redis_share_session_memory() {
-    let Some(mut redis) =
-        Redis::start("r34_two_serve_replicas_on_redis_share_session_memory").await
-    else {
-        return;
-    };
+    let mut redis = redis_or_skip!("r34_two_serve_replicas_on_redis_share_session_memory");
     let dir = fresh_dir("store-redis");
     let (a, b) = redis_replicas(&redis, &dir, "store-redis", "store_timeout_ms = 300").await;
     let (prefix, secret) = ("/t/store-redis", secret_file(&dir, "session.secret"));
-    let (ca, cb) = (
-        Coordinator::connect(a.url.clone()).await.unwrap(),
-        Coordinator::connect(b.url.clone()).await.unwrap(),
-    );
-    flow_across(&ca, &cb, "s").await;
+    let (ca, cb) = flowed_across(&a, &b).await;
     // One key per session, JSON, on a time to live of the memory's age
     // (24 h by default); no value read, no secret.
     let key = stored_key(prefix, "s", &secret);
@@ -534,14 +573,7 @@ async fn r34_two_serve_replicas_on_redis_share_session_memory() {
     for c in [&ca, &cb] {
         let deadline = Instant::now() + Duration::from_secs(15);
         loop {
-            let o = outcome(
-                c,
-                "after",
-                0,
-                "http.get",
-                r#"{"url":"https://example.com"}"#,
-            )
-            .await;
+            let o = fetch(c, "after", 0).await;
             if o == Outcome::Proceed {
                 break;
             }
@@ -852,7 +884,7 @@ async fn no_update_is_lost(
     a: std::sync::Arc<dyn guardmesh_server::session::SessionStore>,
     b: std::sync::Arc<dyn guardmesh_server::session::SessionStore>,
 ) {
-    use guardmesh_server::session::{CallRan, SessionLimits, StoreError, Update, Write, now_ms};
+    use guardmesh_server::session::{SessionLimits, StoreError, Write, now_ms};
     let key = SessionKey::new("", "contended");
     let limits = SessionLimits::default();
     let mut tasks = Vec::new();
@@ -862,17 +894,7 @@ async fn no_update_is_lost(
             tasks.push(tokio::spawn(async move {
                 let mut ok = 0u64;
                 for i in 0..10 {
-                    let update = Update {
-                        calls: vec![CallRan {
-                            id: format!("{replica}-{task}-{i}"),
-                            tool: "fs.read_file".into(),
-                            server: "fs".into(),
-                            args: "00".repeat(16),
-                            at: 0,
-                            seq: 0,
-                        }],
-                        ..Update::default()
-                    };
+                    let update = read_file_ran(format!("{replica}-{task}-{i}"));
                     match store
                         .update(
                             &key,
@@ -910,11 +932,7 @@ async fn no_update_is_lost(
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn r34_replicas_updating_one_session_in_redis_lose_no_update() {
     use guardmesh_server::session::redis::{RedisSettings, RedisStore};
-    let Some(redis) =
-        Redis::start("r34_replicas_updating_one_session_in_redis_lose_no_update").await
-    else {
-        return;
-    };
+    let redis = redis_or_skip!("r34_replicas_updating_one_session_in_redis_lose_no_update");
     let settings = RedisSettings {
         url: redis.url(),
         password: None,
@@ -953,9 +971,7 @@ async fn r34_replicas_updating_one_session_in_etcd_lose_no_update() {
 /// (R34). The replica with the same secret starts.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn r34_a_replica_with_another_secret_does_not_start() {
-    let Some(redis) = Redis::start("r34_a_replica_with_another_secret_does_not_start").await else {
-        return;
-    };
+    let redis = redis_or_skip!("r34_a_replica_with_another_secret_does_not_start");
     let dir = fresh_dir("store-secrets");
     let config = |secret: &Path| {
         mesh_config(
@@ -992,9 +1008,7 @@ async fn r34_a_replica_with_another_secret_does_not_start() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn r34_an_active_session_outlives_its_first_etcd_lease() {
     use guardmesh_server::session::etcd::EtcdStore;
-    use guardmesh_server::session::{
-        CallRan, SessionLimits, SessionStore as _, Update, Write, now_ms,
-    };
+    use guardmesh_server::session::{SessionLimits, SessionStore as _, Write, now_ms};
     let cluster = Cluster::start().await;
     let client = etcd_client::Client::connect(cluster.urls(), None)
         .await
@@ -1006,40 +1020,17 @@ async fn r34_an_active_session_outlives_its_first_etcd_lease() {
         ..SessionLimits::default()
     };
     let key = SessionKey::new("", "active");
-    let call = |id: &str| Update {
-        calls: vec![CallRan {
-            id: id.into(),
-            tool: "fs.read_file".into(),
-            server: "fs".into(),
-            args: "00".repeat(16),
-            at: 0,
-            seq: 0,
-        }],
-        ..Update::default()
+    let write = async |id: &str| {
+        let write = Write {
+            update: &read_file_ran(id.to_owned()),
+            limits: &limits,
+            now: now_ms(),
+        };
+        store.update(&key, write).await.unwrap();
     };
-    store
-        .update(
-            &key,
-            Write {
-                update: &call("first"),
-                limits: &limits,
-                now: now_ms(),
-            },
-        )
-        .await
-        .unwrap();
+    write("first").await;
     tokio::time::sleep(Duration::from_millis(2500)).await;
-    store
-        .update(
-            &key,
-            Write {
-                update: &call("second"),
-                limits: &limits,
-                now: now_ms(),
-            },
-        )
-        .await
-        .unwrap();
+    write("second").await;
     tokio::time::sleep(Duration::from_millis(2500)).await;
     let memory = store
         .load(&key)
@@ -1087,14 +1078,7 @@ impl Drop for Paused {
 async fn until_the_store_answers(c: &Coordinator) {
     let deadline = Instant::now() + Duration::from_secs(15);
     for turn in 0.. {
-        let o = outcome(
-            c,
-            "probe",
-            turn,
-            "http.get",
-            r#"{"url":"https://example.com"}"#,
-        )
-        .await;
+        let o = fetch(c, "probe", turn).await;
         if o == Outcome::Proceed {
             return;
         }
@@ -1198,11 +1182,8 @@ async fn r13_r34_a_paused_etcd_passes_no_call_or_result_it_cannot_remember() {
 /// `redis-server`, its process paused with SIGSTOP.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn r13_r34_a_paused_redis_passes_no_call_or_result_it_cannot_remember() {
-    let Some(redis) =
-        Redis::start("r13_r34_a_paused_redis_passes_no_call_or_result_it_cannot_remember").await
-    else {
-        return;
-    };
+    let redis =
+        redis_or_skip!("r13_r34_a_paused_redis_passes_no_call_or_result_it_cannot_remember");
     let dir = fresh_dir("store-redis-paused");
     let secret = secret_file(&dir, "session.secret");
     let sessions = format!(
