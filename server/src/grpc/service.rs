@@ -366,6 +366,10 @@ impl StreamLoop {
         let mut is_draining = *draining.borrow();
         let mut stream_error = None;
         loop {
+            // Finished batches are reaped here, not by waking the loop for
+            // each one (that cost a pass through `next` per batch); while
+            // draining, `next` wakes for them to see the stream emptied.
+            while self.tasks.try_join_next().is_some() {}
             if is_draining && self.tasks.is_empty() {
                 // R25: every batch read has been answered; stop reading.
                 break;
@@ -432,6 +436,9 @@ impl StreamLoop {
         S: Stream<Item = Result<Inbound, Status>> + Unpin,
     {
         let watch_draining = !*is_draining;
+        // Woken by a finished batch only while draining (to end once every
+        // batch read is answered); otherwise the loop reaps them in passing.
+        let reap = *is_draining;
         let drain = async {
             let _ = draining.wait_for(|d| *d).await;
             tracing::debug!("draining: batches read from now on are answered UNAVAILABLE");
@@ -446,7 +453,7 @@ impl StreamLoop {
                     Step::Again
                 }
                 () = self.budget.released.notified() => Step::Again,
-                Some(_) = self.tasks.join_next(), if !self.tasks.is_empty() => Step::Again,
+                Some(_) = self.tasks.join_next(), if reap && !self.tasks.is_empty() => Step::Again,
             };
         }
         let slot = tokio::select! {
@@ -460,7 +467,7 @@ impl StreamLoop {
                 Ok(slot) => slot,
                 Err(_) => return Step::Gone,
             },
-            Some(_) = self.tasks.join_next(), if !self.tasks.is_empty() => return Step::Again,
+            Some(_) = self.tasks.join_next(), if reap && !self.tasks.is_empty() => return Step::Again,
         };
         tokio::select! {
             biased;
@@ -469,7 +476,7 @@ impl StreamLoop {
                 *is_draining = true;
                 Step::Again
             }
-            Some(_) = self.tasks.join_next(), if !self.tasks.is_empty() => Step::Again,
+            Some(_) = self.tasks.join_next(), if reap && !self.tasks.is_empty() => Step::Again,
             message = inbound.next() => Step::Read(message, slot),
         }
     }

@@ -38,6 +38,15 @@ impl Inner {
         exclude: &[Arc<str>],
         now: Instant,
     ) -> Vec<Arc<Replica>> {
+        // One replica (most guards): it is the only candidate, whatever
+        // its state; no draw, no prices, no sort.
+        if let [only] = state.live.as_slice() {
+            return if exclude.iter().any(|e| *e == only.endpoint) {
+                Vec::new()
+            } else {
+                vec![only.clone()]
+            };
+        }
         let (mut available, mut out): (Vec<Arc<Replica>>, Vec<Arc<Replica>>) = state
             .live
             .iter()
