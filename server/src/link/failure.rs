@@ -183,12 +183,13 @@ pub const CLIENT_SHARES: usize = 4;
 /// ([`GuardFailure::counts_for_circuit`]); the others leave it as it is.
 pub(super) fn record_outcome(
     circuit: &mut ConsecutiveFailures,
-    now: tokio::time::Instant,
+    now: impl FnOnce() -> tokio::time::Instant,
     outcome: Result<(), &GuardFailure>,
 ) -> Option<breaker::Transition> {
     match outcome {
+        // A success reads no clock: most requests end so.
         Ok(()) => circuit.record_success(),
-        Err(failure) if failure.counts_for_circuit() => circuit.record_failure(now, failure),
+        Err(failure) if failure.counts_for_circuit() => circuit.record_failure(now(), failure),
         Err(_) => None,
     }
 }
@@ -245,9 +246,9 @@ mod tests {
         for failure in counting() {
             assert!(failure.counts_for_circuit(), "{failure}");
             let mut circuit = ConsecutiveFailures::new(2, open_for);
-            assert_eq!(record_outcome(&mut circuit, t0, Err(&failure)), None);
+            assert_eq!(record_outcome(&mut circuit, || t0, Err(&failure)), None);
             assert_eq!(
-                record_outcome(&mut circuit, t0, Err(&failure)),
+                record_outcome(&mut circuit, || t0, Err(&failure)),
                 Some(breaker::Transition::Opened { failures: 2 }),
                 "{failure}"
             );
@@ -258,7 +259,7 @@ mod tests {
             assert!(!failure.counts_for_circuit(), "{failure}");
             let mut circuit = ConsecutiveFailures::new(2, open_for);
             for _ in 0..10 {
-                assert_eq!(record_outcome(&mut circuit, t0, Err(&failure)), None);
+                assert_eq!(record_outcome(&mut circuit, || t0, Err(&failure)), None);
             }
             assert_eq!(
                 circuit.admit(t0),
@@ -275,10 +276,10 @@ mod tests {
         let down = GuardFailure::StreamClosed;
         for failure in not_counting() {
             let mut circuit = ConsecutiveFailures::new(1, open_for);
-            record_outcome(&mut circuit, t0, Err(&down));
+            record_outcome(&mut circuit, || t0, Err(&down));
             // Open: an uncounted failure neither extends it nor renames it.
             let t1 = t0 + open_for / 2;
-            assert_eq!(record_outcome(&mut circuit, t1, Err(&failure)), None);
+            assert_eq!(record_outcome(&mut circuit, || t1, Err(&failure)), None);
             let refused = circuit.admit(t1).unwrap_err();
             assert_eq!(refused.failures, 1, "{failure}");
             assert_eq!(*refused.last, down.to_string());
@@ -287,10 +288,10 @@ mod tests {
             // nor re-opens.
             let t2 = t0 + open_for;
             assert_eq!(circuit.admit(t2), Ok(breaker::Admitted::Probe));
-            assert_eq!(record_outcome(&mut circuit, t2, Err(&failure)), None);
+            assert_eq!(record_outcome(&mut circuit, || t2, Err(&failure)), None);
             assert_eq!(circuit.admit(t2).unwrap_err().retry_in, Duration::ZERO);
             assert_eq!(
-                record_outcome(&mut circuit, t2, Ok(())),
+                record_outcome(&mut circuit, || t2, Ok(())),
                 Some(breaker::Transition::Closed)
             );
         }

@@ -76,6 +76,7 @@ impl Shared {
                 }),
                 queue::CONTROL,
                 queue::Bounds::control(self.max_queued_bytes),
+                tokio::time::Instant::now(),
             );
         }
     }
@@ -279,18 +280,20 @@ impl GuardLink {
             share: client_share(self.shared.max_queued_bytes),
             stall,
         };
+        // One reading of the clock for the room, the circuit and the queue.
+        let now = tokio::time::Instant::now();
         let mut state = self.shared.lock();
         // Room first: a batch shed for load neither takes the circuit's
         // half-open probe nor tells the circuit anything. All pushes happen
         // under the state's lock, so the room is still there below.
         if let Conn::Open(queue) = &state.conn {
             queue
-                .check(request.len(), client, bounds)
+                .check(request.len(), client, bounds, now)
                 .map_err(|refusal| self.refused(refusal))?;
         }
         state
             .circuit
-            .admit(tokio::time::Instant::now())
+            .admit(now)
             .map_err(|refused| GuardFailure::CircuitOpen {
                 failures: refused.failures,
                 last: refused.last,
@@ -300,7 +303,7 @@ impl GuardLink {
             Conn::Open(queue) => queue,
             Conn::Down(error) => return Err(GuardFailure::Unreachable(error.clone()).into()),
         };
-        match queue.push(request, client, bounds) {
+        match queue.push(request, client, bounds, now) {
             Ok(()) => {}
             Err(QueueError::Closed) => {
                 return Err(GuardFailure::Unreachable("stream is closing".into()).into());
@@ -335,7 +338,7 @@ impl GuardLink {
     pub fn record(&self, outcome: Result<(), &GuardFailure>) {
         let transition = {
             let mut state = self.shared.lock();
-            record_outcome(&mut state.circuit, tokio::time::Instant::now(), outcome)
+            record_outcome(&mut state.circuit, tokio::time::Instant::now, outcome)
         };
         match (transition, outcome) {
             (Some(breaker::Transition::Closed), _) => {

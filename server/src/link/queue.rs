@@ -188,21 +188,27 @@ impl Queue {
         self.load.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
-    /// Whether `len` bytes from `client` would be queued now.
-    pub(crate) fn check(&self, len: usize, client: Client, bounds: Bounds) -> Result<(), Refusal> {
-        self.load()
-            .check(len, client, bounds, tokio::time::Instant::now())
+    /// Whether `len` bytes from `client` would be queued at `now`.
+    pub(crate) fn check(
+        &self,
+        len: usize,
+        client: Client,
+        bounds: Bounds,
+        now: tokio::time::Instant,
+    ) -> Result<(), Refusal> {
+        self.load().check(len, client, bounds, now)
     }
 
-    /// Queues `request` from `client` within `bounds` (see [`Load`]).
+    /// Queues `request` from `client` within `bounds` at `now` (see
+    /// [`Load`]).
     pub(crate) fn push(
         &self,
         request: Encoded,
         client: Client,
         bounds: Bounds,
+        now: tokio::time::Instant,
     ) -> Result<(), QueueError> {
         let len = request.len();
-        let now = tokio::time::Instant::now();
         {
             let mut load = self.load();
             load.check(len, client, bounds, now)

@@ -85,12 +85,14 @@ impl Inner {
         order
     }
 
-    /// [`Self::dispatch`] of a request as it was asked, to any replica.
+    /// [`Self::dispatch`] of a request as it was asked, to any replica, at
+    /// `now`.
     pub(super) fn dispatch_new(
         &self,
         state: &mut State,
         id: u64,
         asked: &Request,
+        now: Instant,
     ) -> Result<(Arc<Replica>, u64, Instant), Undispatched> {
         let Request {
             batch,
@@ -99,7 +101,7 @@ impl Inner {
             stall,
             ..
         } = asked;
-        self.dispatch(state, id, batch, shared, *client, *stall, &[])
+        self.dispatch(state, id, batch, shared, *client, *stall, &[], now)
     }
 
     /// Sends to the first replica of [`Self::candidates`] that takes the
@@ -118,8 +120,8 @@ impl Inner {
         client: u64,
         stall: Duration,
         exclude: &[Arc<str>],
+        now: Instant,
     ) -> Result<(Arc<Replica>, u64, Instant), Undispatched> {
-        let now = Instant::now();
         let mut busy = None;
         let mut failed = None;
         let mut full = false;

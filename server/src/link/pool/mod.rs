@@ -556,7 +556,7 @@ impl GuardPool {
             self.inner.gauges(&mut state);
             return Ok(id);
         }
-        let sent = self.inner.dispatch_new(&mut state, id, &request.asked);
+        let sent = self.inner.dispatch_new(&mut state, id, &request.asked, now);
         let result = match sent {
             Ok((replica, link_id, sent_at)) => {
                 self.inner
@@ -891,7 +891,8 @@ impl Inner {
                         pending.moved_on_timeout,
                     );
                     let outage = self.eject(state, &failed, &failure, now);
-                    let sent = self.dispatch(state, id, &batch, &shared, client, stall, &tried);
+                    let sent =
+                        self.dispatch(state, id, &batch, &shared, client, stall, &tried, now);
                     if let Err(Undispatched::Full) = sent {
                         // The other replicas are at their limits: it waits
                         // for room as a new request would (R25, R32).

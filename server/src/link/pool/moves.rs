@@ -195,7 +195,7 @@ impl Inner {
             return None;
         }
         let (next, link_id, sent_at) = self
-            .dispatch(state, id, &batch, &shared, client, stall, &tried)
+            .dispatch(state, id, &batch, &shared, client, stall, &tried, now)
             .ok()?;
         state.budget.spend(now);
         let pending = state.requests.get_mut(&id)?;

@@ -157,7 +157,7 @@ impl Inner {
                 self.give_up(state, request, now);
                 continue;
             }
-            let sent = self.dispatch_new(state, id, &request.asked);
+            let sent = self.dispatch_new(state, id, &request.asked, now);
             match sent {
                 Ok((replica, link_id, sent_at)) => {
                     self.start(state, id, request, replica, link_id, sent_at);
