@@ -11,8 +11,9 @@ use super::{BatchError, ChainGuard, Judging, span_guard};
 use crate::link::pool::Request;
 use crate::link::{Busy, GuardFailure, LinkEvent, NotSent};
 use crate::wire::fields::guard_batch;
+use crate::wire::judge_stream::Head;
 use crate::wire::write;
-use guardmesh_proto::v1::{GuardBatch, GuardRole, JudgeResponse, Verdict};
+use guardmesh_proto::v1::{GuardRole, JudgeResponse, Verdict};
 use prost::bytes::Bytes;
 use std::time::Duration;
 use tokio::sync::mpsc;
@@ -116,8 +117,7 @@ impl Judging<'_> {
         let span = crate::observe::spans::judge_span(&guardrail, &named);
         run.guardrail = Some(guardrail);
         // R22: the guard's span is parented on this guard's client span.
-        let traceparent = guardmesh_client::trace::span_traceparent(&span)
-            .unwrap_or_else(|| self.trace.traceparent.clone());
+        let own_traceparent = guardmesh_client::trace::span_traceparent(&span);
         run.span = Some(span);
         if budget.is_zero() {
             return Err(GuardFailure::TimedOut(Duration::ZERO).into());
@@ -132,24 +132,23 @@ impl Judging<'_> {
                 self.context.as_ref().map_or("", |c| c.session_id.as_str()),
             )
         });
-        let batch = GuardBatch {
-            session: None,
-            request_id: 0,
-            batch_id: self.request.batch_id.clone(),
-            guard: guard.name.clone(),
-            context: None,
-            calls: Vec::new(),
-            deadline_ms: u32::try_from(budget.as_millis()).unwrap_or(u32::MAX),
-            traceparent,
-            tracestate: self.trace.tracestate.clone(),
-            results: Vec::new(),
-        };
+        // Written from the batch's own text: nothing of it is copied per
+        // guard but these bytes.
+        let head = Head::new(
+            &self.request.batch_id,
+            &guard.name,
+            u32::try_from(budget.as_millis()).unwrap_or(u32::MAX),
+            own_traceparent
+                .as_deref()
+                .unwrap_or(&self.trace.traceparent),
+            &self.trace.tracestate,
+        );
         let shared = self.shared_part(g);
         // A guard that takes nothing off its stream for its own timeout is
         // not reading (a failure); one that is slow but takes requests is
         // busy, and the batch is shed (R25).
         let id = link.send(Request {
-            batch,
+            head,
             shared,
             tag,
             events: events.clone(),

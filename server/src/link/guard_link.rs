@@ -7,9 +7,9 @@ use super::breaker::{self, ConsecutiveFailures};
 use super::failure::{GuardFailure, LinkBusy, NotSent, client_share, record_outcome};
 use super::queue::{self, Queue, QueueError};
 use super::transport::{GrpcTransport, GuardTransport};
-use super::wire::Encoded;
+use super::wire::{Encoded, Head};
 use super::{LinkConfig, LinkEvent, MIN_PEER_PING_INTERVAL, Report, health, stream};
-use guardmesh_proto::v1::{CancelBatch, GuardBatch, JudgeRequest, judge_request};
+use guardmesh_proto::v1::{CancelBatch, JudgeRequest, judge_request};
 use prost::bytes::Bytes;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
@@ -250,11 +250,10 @@ impl GuardLink {
         self.shared.lock().last_failure.clone()
     }
 
-    /// Sends `batch` (its `request_id` is assigned here) with `shared`, its
-    /// context and calls as [`super::wire::shared_part`] encoded them: `batch`'s
-    /// own `context` and `calls` are left empty. The answer or the failure
-    /// is reported to `events`, tagged with `tag`. Fails at once when the guard
-    /// is known to be down.
+    /// Sends a batch of `head`'s fields (its `request_id` is assigned here)
+    /// with `shared`, its context and calls as [`super::wire::shared_part`]
+    /// encoded them. The answer or the failure is reported to `events`,
+    /// tagged with `tag`. Fails at once when the guard is known to be down.
     ///
     /// `client` is the sending coordinator connection's key: it holds at
     /// most its [`client_share`] of the queue. When the queue has no room,
@@ -262,7 +261,7 @@ impl GuardLink {
     /// nothing for `stall` (its timeout): then it is not reading, a failure.
     pub(crate) fn send(
         &self,
-        batch: &GuardBatch,
+        head: &Head,
         shared: Bytes,
         tag: usize,
         events: Report,
@@ -272,7 +271,7 @@ impl GuardLink {
         let id = self.shared.next_id.fetch_add(1, Ordering::Relaxed);
         // Encoded once, outside the lock; the calls' bytes are shared with
         // the other guards sent the same calls.
-        let request = Encoded::batch_as(batch, id, shared);
+        let request = Encoded::head_as(head, id, shared);
         // A client's own key never collides with the mesh's.
         let client = if client == queue::CONTROL { 0 } else { client };
         let bounds = queue::Bounds {

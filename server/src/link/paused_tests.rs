@@ -127,7 +127,8 @@ impl Rig {
         let report = Report(Arc::new(move |event| {
             let _ = tx.send(event);
         }));
-        self.link.send(&batch, shared, tag, report, client, stall)
+        self.link
+            .send(&wire::Head::of(&batch), shared, tag, report, client, stall)
     }
 
     /// The next event, and how long it took.

@@ -96,7 +96,7 @@ fn send(
         ..Default::default()
     };
     pool.send(Request {
-        batch,
+        head: wire::Head::of(&batch),
         shared,
         tag,
         events: tx.clone(),

@@ -27,8 +27,13 @@ pub(crate) mod judge_request {
 /// `GuardBatch`: the parts of a batch encoded once and shared by guards.
 pub(crate) mod guard_batch {
     pub(crate) const REQUEST_ID: u32 = 1;
+    pub(crate) const BATCH_ID: u32 = 2;
+    pub(crate) const GUARD: u32 = 3;
     pub(crate) const CONTEXT: u32 = 4;
     pub(crate) const CALLS: u32 = 5;
+    pub(crate) const DEADLINE_MS: u32 = 6;
+    pub(crate) const TRACEPARENT: u32 = 7;
+    pub(crate) const TRACESTATE: u32 = 8;
     /// R33.
     pub(crate) const RESULTS: u32 = 9;
     /// R34.
@@ -154,8 +159,25 @@ mod tests {
             (guard_batch::REQUEST_ID, VARINT)
         );
         assert_eq!(
+            only(|m| m.batch_id = "b".into()),
+            (guard_batch::BATCH_ID, LEN)
+        );
+        assert_eq!(only(|m| m.guard = "g".into()), (guard_batch::GUARD, LEN));
+        assert_eq!(
             only(|m| m.context = Some(BatchContext::default())),
             (guard_batch::CONTEXT, LEN)
+        );
+        assert_eq!(
+            only(|m| m.deadline_ms = 1),
+            (guard_batch::DEADLINE_MS, VARINT)
+        );
+        assert_eq!(
+            only(|m| m.traceparent = "t".into()),
+            (guard_batch::TRACEPARENT, LEN)
+        );
+        assert_eq!(
+            only(|m| m.tracestate = "s".into()),
+            (guard_batch::TRACESTATE, LEN)
         );
         assert_eq!(
             only(|m| m.calls = vec![ToolCall::default()]),

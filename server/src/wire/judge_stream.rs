@@ -46,6 +46,70 @@ pub fn shared_part<'a>(
     Bytes::from(buf)
 }
 
+/// A guard request's own fields but its request id: the batch id, the
+/// guard's name, the deadline and the trace context. Written once, from
+/// borrowed text, when the request is made (no copy of that text is kept
+/// but these bytes); the request id is written at each send
+/// ([`Encoded::head_as`]), and a request moved to another replica with
+/// less time left takes [`Head::with_deadline`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Head {
+    /// `batch_id` and `guard`, then `traceparent` and `tracestate`,
+    /// encoded; the deadline is written between the two.
+    fields: Bytes,
+    /// Where the trace context starts in `fields`.
+    trace_at: usize,
+    deadline_ms: u32,
+}
+
+impl Head {
+    pub fn new(
+        batch_id: &str,
+        guard: &str,
+        deadline_ms: u32,
+        traceparent: &str,
+        tracestate: &str,
+    ) -> Self {
+        use guard_batch::{BATCH_ID, GUARD, TRACEPARENT, TRACESTATE};
+        let names =
+            write::string_len(BATCH_ID, batch_id, true) + write::string_len(GUARD, guard, true);
+        let trace = write::string_len(TRACEPARENT, traceparent, true)
+            + write::string_len(TRACESTATE, tracestate, true);
+        let mut fields = Vec::with_capacity(names + trace);
+        write::string(BATCH_ID, batch_id, true, &mut fields);
+        write::string(GUARD, guard, true, &mut fields);
+        write::string(TRACEPARENT, traceparent, true, &mut fields);
+        write::string(TRACESTATE, tracestate, true, &mut fields);
+        Self {
+            fields: fields.into(),
+            trace_at: names,
+            deadline_ms,
+        }
+    }
+
+    /// The head of `batch` (its request id, context, calls, results and
+    /// memory are not part of a head).
+    pub fn of(batch: &GuardBatch) -> Self {
+        debug_assert!(batch.context.is_none() && batch.calls.is_empty());
+        Self::new(
+            &batch.batch_id,
+            &batch.guard,
+            batch.deadline_ms,
+            &batch.traceparent,
+            &batch.tracestate,
+        )
+    }
+
+    /// The same head with another deadline.
+    pub fn with_deadline(&self, deadline_ms: u32) -> Self {
+        Self {
+            fields: self.fields.clone(),
+            trace_at: self.trace_at,
+            deadline_ms,
+        }
+    }
+}
+
 impl Encoded {
     /// Any request, encoded whole.
     pub fn request(request: &JudgeRequest) -> Self {
@@ -59,31 +123,25 @@ impl Encoded {
     /// are ignored), `shared` its context and calls as
     /// [`shared_part`] encodes them.
     pub fn batch(head: &GuardBatch, shared: Bytes) -> Self {
-        Self::batch_as(head, head.request_id, shared)
+        Self::head_as(&Head::of(head), head.request_id, shared)
     }
 
-    /// [`Self::batch`] with `request_id` in place of `head`'s (so that a
-    /// head sent to several replicas, each with its own id, is not cloned
-    /// per send).
-    pub fn batch_as(head: &GuardBatch, request_id: u64, shared: Bytes) -> Self {
-        debug_assert!(head.context.is_none() && head.calls.is_empty());
-        // `head`'s own id, when set, is left out: protobuf readers take the
-        // last of a singular field, but no reader need be trusted to.
-        let own = head.encoded_len() - write::varint_len(guard_batch::REQUEST_ID, head.request_id)
-            + write::varint_len(guard_batch::REQUEST_ID, request_id);
+    /// A batch of `head`'s fields sent as request `request_id` (each
+    /// replica a request goes to gives it its own), then `shared`. Its
+    /// fields in the order prost writes them.
+    pub fn head_as(head: &Head, request_id: u64, shared: Bytes) -> Self {
+        let deadline = u64::from(head.deadline_ms);
+        let own = write::varint_len(guard_batch::REQUEST_ID, request_id)
+            + write::varint_len(guard_batch::DEADLINE_MS, deadline)
+            + head.fields.len();
         let inner = own + shared.len();
         let mut bytes = Vec::with_capacity(write::header_len(judge_request::BATCH, inner) + own);
         write::header(judge_request::BATCH, inner, &mut bytes);
         write::varint(guard_batch::REQUEST_ID, request_id, &mut bytes);
-        if head.request_id == 0 {
-            head.encode_raw(&mut bytes);
-        } else {
-            let head = GuardBatch {
-                request_id: 0,
-                ..head.clone()
-            };
-            head.encode_raw(&mut bytes);
-        }
+        let (names, trace) = head.fields.split_at(head.trace_at);
+        bytes.extend_from_slice(names);
+        write::varint(guard_batch::DEADLINE_MS, deadline, &mut bytes);
+        bytes.extend_from_slice(trace);
         Self {
             head: bytes.into(),
             shared,
@@ -427,6 +485,13 @@ mod tests {
         JudgeRequest::decode(&encoded.to_vec()[..]).unwrap()
     }
 
+    fn whole_batch(request: &JudgeRequest) -> GuardBatch {
+        match &request.kind {
+            Some(guardmesh_proto::v1::judge_request::Kind::Batch(batch)) => batch.clone(),
+            other => panic!("not a batch: {other:?}"),
+        }
+    }
+
     fn as_request(batch: GuardBatch) -> JudgeRequest {
         JudgeRequest {
             kind: Some(guardmesh_proto::v1::judge_request::Kind::Batch(batch)),
@@ -491,7 +556,7 @@ mod tests {
                 calls: Vec::new(),
                 ..b.clone()
             };
-            let encoded = Encoded::batch_as(&head, sent, shared.clone());
+            let encoded = Encoded::head_as(&Head::of(&head), sent, shared.clone());
             let whole = as_request(GuardBatch {
                 request_id: sent,
                 ..b.clone()
@@ -507,6 +572,42 @@ mod tests {
                 .filter(|f| f.is_ok_and(|(number, _)| number == 1))
                 .count();
             assert_eq!(ids, usize::from(sent != 0), "own {own}, sent {sent}");
+        }
+    }
+
+    #[test]
+    fn a_head_with_another_deadline_reads_as_that_deadline_alone() {
+        let mut b = batch("g1", 0, "{\"q\":1}");
+        b.traceparent = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01".into();
+        b.tracestate = "k=v".into();
+        let shared = shared_part(b.context.as_ref(), b.calls.iter());
+        let head = Head::of(&GuardBatch {
+            context: None,
+            calls: Vec::new(),
+            ..b.clone()
+        });
+        for deadline in [0, 1, 250, u32::MAX] {
+            let moved = head.with_deadline(deadline);
+            let encoded = Encoded::head_as(&moved, 3, shared.clone());
+            let whole = as_request(GuardBatch {
+                request_id: 3,
+                deadline_ms: deadline,
+                ..b.clone()
+            });
+            assert_eq!(decoded(&encoded), whole, "deadline {deadline}");
+            assert_eq!(encoded.len(), whole.encoded_len(), "deadline {deadline}");
+            // The head alone, byte for byte as prost writes it (its fields
+            // in prost's order; the shared part follows them).
+            let alone = as_request(GuardBatch {
+                context: None,
+                calls: Vec::new(),
+                ..whole_batch(&whole)
+            });
+            assert_eq!(
+                Encoded::head_as(&moved, 3, Bytes::new()).to_vec(),
+                alone.encode_to_vec(),
+                "deadline {deadline}"
+            );
         }
     }
 

@@ -1,10 +1,10 @@
 //! The choice of a replica for a request: power of two choices among the
 //! available replicas by price, then the others, and the send.
 
+use super::super::wire::Head;
 use super::super::{GuardFailure, NotSent};
 use super::replica::{Prices, Replica};
 use super::{Inner, Request, State, fails_over};
-use guardmesh_proto::v1::GuardBatch;
 use prost::bytes::Bytes;
 use rand::Rng;
 use std::sync::Arc;
@@ -95,13 +95,13 @@ impl Inner {
         now: Instant,
     ) -> Result<(Arc<Replica>, u64, Instant), Undispatched> {
         let Request {
-            batch,
+            head,
             shared,
             client,
             stall,
             ..
         } = asked;
-        self.dispatch(state, id, batch, shared, *client, *stall, &[], now)
+        self.dispatch(state, id, head, shared, *client, *stall, &[], now)
     }
 
     /// Sends to the first replica of [`Self::candidates`] that takes the
@@ -115,7 +115,7 @@ impl Inner {
         &self,
         state: &mut State,
         id: u64,
-        batch: &GuardBatch,
+        head: &Head,
         shared: &Bytes,
         client: u64,
         stall: Duration,
@@ -135,7 +135,7 @@ impl Inner {
                 break;
             }
             match replica.link.send(
-                batch,
+                head,
                 shared.clone(),
                 id as usize,
                 self.report.clone(),

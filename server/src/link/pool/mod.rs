@@ -131,9 +131,9 @@ use super::discover::sources::GuardSources;
 use super::discover::{ReplicaTarget, Replicas};
 use super::fair::{Fair, Sender};
 use super::limit::Limit;
+use super::wire::Head;
 use super::{GuardFailure, GuardLink, LinkEvent, NotSent, Report};
 use crate::observe::metrics::{FlowSeries, Metrics};
-use guardmesh_proto::v1::GuardBatch;
 use prost::bytes::Bytes;
 use rand::SeedableRng;
 use std::collections::{BTreeSet, HashMap};
@@ -161,8 +161,9 @@ pub type SpawnLink = Box<dyn Fn(&ReplicaTarget) -> GuardLink + Send + Sync>;
 /// A request as [`GuardPool::send`] was asked to send it: the batch, its
 /// sender, and when the guard's time for it is up.
 pub struct Request {
-    /// The batch for the guard, without its context and calls.
-    pub batch: GuardBatch,
+    /// The batch's own fields for the guard, encoded (its context and
+    /// calls are `shared`).
+    pub head: Head,
     /// Its context and calls, as [`super::wire::shared_part`] encoded them.
     pub shared: Bytes,
     /// Names the request in the events it causes.
@@ -534,7 +535,7 @@ impl GuardPool {
             .collect()
     }
 
-    /// Sends the request's `batch` to one replica (see [`GuardLink::send`] for `shared`,
+    /// Sends the request's batch to one replica (see [`GuardLink::send`] for `shared`,
     /// `client` and `stall`); the answer or the failure arrives on
     /// `events` tagged `tag`, naming the replica. `until`: when the
     /// guard's time for this batch is up; a request whose replica fails
@@ -878,10 +879,10 @@ impl Inner {
                 failed.series.outstanding(left);
                 if fails_over(&failure) && !pending.partial && now < pending.asked.until {
                     pending.tried.push(failed.endpoint.clone());
-                    let mut batch = pending.asked.batch.clone();
-                    batch.deadline_ms =
+                    let head = pending.asked.head.with_deadline(
                         u32::try_from((pending.asked.until - now).as_millis().max(1))
-                            .unwrap_or(u32::MAX);
+                            .unwrap_or(u32::MAX),
+                    );
                     let tried = pending.tried.clone();
                     let (shared, client, stall, until, moved) = (
                         pending.asked.shared.clone(),
@@ -891,8 +892,7 @@ impl Inner {
                         pending.moved_on_timeout,
                     );
                     let outage = self.eject(state, &failed, &failure, now);
-                    let sent =
-                        self.dispatch(state, id, &batch, &shared, client, stall, &tried, now);
+                    let sent = self.dispatch(state, id, &head, &shared, client, stall, &tried, now);
                     if let Err(Undispatched::Full) = sent {
                         // The other replicas are at their limits: it waits
                         // for room as a new request would (R25, R32).
@@ -903,7 +903,7 @@ impl Inner {
                             let events = pending.asked.events.clone();
                             let tag = pending.asked.tag;
                             let asked = Request {
-                                batch,
+                                head,
                                 ..pending.asked
                             };
                             let request = Waiting::new(asked, now);

@@ -178,9 +178,9 @@ impl Inner {
         let failed = pending.replica.clone();
         let mut tried = pending.tried.clone();
         tried.push(failed.endpoint.clone());
-        let mut batch = pending.asked.batch.clone();
-        batch.deadline_ms =
-            u32::try_from((pending.asked.until - now).as_millis().max(1)).unwrap_or(u32::MAX);
+        let head = pending.asked.head.with_deadline(
+            u32::try_from((pending.asked.until - now).as_millis().max(1)).unwrap_or(u32::MAX),
+        );
         let (shared, client, stall) = (
             pending.asked.shared.clone(),
             pending.asked.client,
@@ -195,7 +195,7 @@ impl Inner {
             return None;
         }
         let (next, link_id, sent_at) = self
-            .dispatch(state, id, &batch, &shared, client, stall, &tried, now)
+            .dispatch(state, id, &head, &shared, client, stall, &tried, now)
             .ok()?;
         state.budget.spend(now);
         let pending = state.requests.get_mut(&id)?;
