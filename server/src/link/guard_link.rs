@@ -279,9 +279,10 @@ impl GuardLink {
             share: client_share(self.shared.max_queued_bytes),
             stall,
         };
-        // One reading of the clock for the room, the circuit and the queue.
-        let now = tokio::time::Instant::now();
         let mut state = self.shared.lock();
+        // One reading of the clock, under the lock, for the room, the
+        // circuit and the queue.
+        let now = tokio::time::Instant::now();
         // Room first: a batch shed for load neither takes the circuit's
         // half-open probe nor tells the circuit anything. All pushes happen
         // under the state's lock, so the room is still there below.

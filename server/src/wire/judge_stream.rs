@@ -88,9 +88,14 @@ impl Head {
     }
 
     /// The head of `batch` (its request id, context, calls, results and
-    /// memory are not part of a head).
+    /// memory are not part of a head: they go in the shared part).
     pub fn of(batch: &GuardBatch) -> Self {
-        debug_assert!(batch.context.is_none() && batch.calls.is_empty());
+        debug_assert!(
+            batch.context.is_none()
+                && batch.calls.is_empty()
+                && batch.results.is_empty()
+                && batch.session.is_none()
+        );
         Self::new(
             &batch.batch_id,
             &batch.guard,
@@ -119,8 +124,8 @@ impl Encoded {
         }
     }
 
-    /// A batch: `head` is the batch without context and calls (those
-    /// are ignored), `shared` its context and calls as
+    /// A batch: `head` is the batch without its context, calls, results
+    /// and memory (see [`Head::of`]), `shared` its context and calls as
     /// [`shared_part`] encodes them.
     pub fn batch(head: &GuardBatch, shared: Bytes) -> Self {
         Self::head_as(&Head::of(head), head.request_id, shared)
