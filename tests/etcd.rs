@@ -1320,14 +1320,6 @@ impl Cluster {
                 .arg(format!("--initial-cluster={initial}"))
                 .arg("--initial-cluster-state=new")
                 .arg(format!("--initial-cluster-token={token}"))
-                // The peer links run through proxy tasks in this process
-                // (so a test can cut them), which a loaded machine can
-                // starve for longer than etcd's default 1 s election
-                // timeout: elections then fail again and again ("no
-                // leader"). Ten heartbeats a window keeps the ratio etcd
-                // recommends with room for that.
-                .arg("--heartbeat-interval=250")
-                .arg("--election-timeout=2500")
                 .stdin(Stdio::null())
                 .stdout(Stdio::from(log.try_clone().unwrap()))
                 .stderr(Stdio::from(log))
