@@ -581,7 +581,7 @@ mod tests {
     }
 
     #[test]
-    fn a_head_with_another_deadline_reads_as_that_deadline_alone() {
+    fn r14_r32_a_moved_request_reads_with_its_new_deadline_alone() {
         let mut b = batch("g1", 0, "{\"q\":1}");
         b.traceparent = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01".into();
         b.tracestate = "k=v".into();
