@@ -44,9 +44,10 @@
 //! * Headers must arrive within `--header-timeout-ms` (also the limit on
 //!   an idle kept-alive connection), a POST body within `--body-timeout-ms`
 //!   (408). A body is at most `--max-message-bytes` (413); bodies being
-//!   read share `--max-buffered-bytes` beyond their first
-//!   [`BODY_ALLOWANCE`] bytes, and a body that finds the budget spent is
-//!   answered 503 at once.
+//!   read share `--max-buffered-bytes` of memory beyond their first
+//!   [`BODY_ALLOWANCE`] bytes (counted as buffers are allocated, see
+//!   `body_buffer`), and a body that finds the budget spent is answered
+//!   503 at once.
 //! * At most `--max-connections` connections are open (default: from the
 //!   open-file limit). At the cap, a new connection takes the place of the
 //!   one that has waited longest without a request in progress (idle, or
@@ -150,8 +151,9 @@ pub struct HttpArgs {
     /// upstream and the mesh).
     #[arg(long, default_value_t = 0)]
     pub max_connections: usize,
-    /// Bytes of request bodies held at once, over all connections, beyond
-    /// the first 16 KiB of each; a body that finds them spent is answered
+    /// Memory of request bodies being read, over all connections, beyond
+    /// the first 16 KiB of each (a body that declares its length holds all
+    /// of it from its first bytes); a body that finds it spent is answered
     /// 503.
     #[arg(long, default_value_t = 64 << 20)]
     pub max_buffered_bytes: usize,
@@ -189,7 +191,8 @@ struct Proxy {
     grouper: crate::group::Grouper,
     max: usize,
     body_timeout: Duration,
-    /// Bytes of bodies beyond [`BODY_ALLOWANCE`], one permit a byte.
+    /// Memory of bodies being read (their buffers' capacity) beyond
+    /// [`BODY_ALLOWANCE`] each, one permit a byte.
     budget: Arc<tokio::sync::Semaphore>,
     calls: CallLimits,
     access: Access,
@@ -569,8 +572,13 @@ impl Proxy {
         mut body: Body,
     ) -> Result<(Bytes, Option<tokio::sync::OwnedSemaphorePermit>), Response<Out>> {
         let deadline = tokio::time::Instant::now() + self.body_timeout;
-        let mut bytes = bytes::BytesMut::new();
-        let mut permit: Option<tokio::sync::OwnedSemaphorePermit> = None;
+        let declared = hyper::body::Body::size_hint(&body).exact();
+        let mut buffer = crate::body_buffer::BodyBuffer::new(
+            self.budget.clone(),
+            BODY_ALLOWANCE,
+            self.max,
+            declared,
+        );
         loop {
             let frame = match tokio::time::timeout_at(deadline, body.frame()).await {
                 Err(_) => {
@@ -598,37 +606,27 @@ impl Proxy {
             let Ok(data) = frame.into_data() else {
                 continue;
             };
-            let total = bytes.len() + data.len();
-            if total > self.max {
-                let data = ErrorData::new(
-                    codes::TOO_LARGE,
-                    format!("guardmesh: request body longer than {} bytes", self.max),
-                    None,
-                );
-                return Err(error_response(StatusCode::PAYLOAD_TOO_LARGE, None, &data));
-            }
-            let counted =
-                total.saturating_sub(BODY_ALLOWANCE) - bytes.len().saturating_sub(BODY_ALLOWANCE);
-            if counted > 0 {
-                let more = u32::try_from(counted)
-                    .ok()
-                    .and_then(|n| self.budget.clone().try_acquire_many_owned(n).ok());
-                let Some(more) = more else {
+            match buffer.push(&data) {
+                Ok(()) => {}
+                Err(crate::body_buffer::Refused::TooLarge) => {
+                    let data = ErrorData::new(
+                        codes::TOO_LARGE,
+                        format!("guardmesh: request body longer than {} bytes", self.max),
+                        None,
+                    );
+                    return Err(error_response(StatusCode::PAYLOAD_TOO_LARGE, None, &data));
+                }
+                Err(crate::body_buffer::Refused::Busy) => {
                     let data = ErrorData::new(
                         BUSY,
                         "guardmesh: too many request bodies are being read at once; try again",
                         None,
                     );
                     return Err(busy_response(StatusCode::SERVICE_UNAVAILABLE, &data));
-                };
-                match &mut permit {
-                    Some(held) => held.merge(more),
-                    None => permit = Some(more),
                 }
             }
-            bytes.extend_from_slice(&data);
         }
-        Ok((bytes.freeze(), permit))
+        Ok(buffer.finish())
     }
 
     async fn handle(self: &Arc<Self>, request: Request<Body>) -> Response<Out> {

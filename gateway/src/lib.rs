@@ -69,6 +69,7 @@
 //! handling for every crate of the build).
 
 pub mod approval;
+mod body_buffer;
 pub mod group;
 pub mod hook;
 pub mod http;
