@@ -72,7 +72,11 @@ impl BodyBuffer {
     /// Appends a frame of the body, in new blocks paid for from the budget
     /// when the last one is full.
     pub(crate) fn push(&mut self, mut data: &[u8]) -> Result<(), Refused> {
-        if self.len.saturating_add(data.len()) > self.max {
+        // A body that says it is too long is refused before it holds any
+        // of the budget.
+        if self.len.saturating_add(data.len()) > self.max
+            || self.declared.is_some_and(|declared| declared > self.max)
+        {
             return Err(Refused::TooLarge);
         }
         while !data.is_empty() {
@@ -242,7 +246,8 @@ mod tests {
         assert_eq!(held(&budget, total), 0);
     }
 
-    /// R31: over the limit is refused too large, declared or not.
+    /// R31: over the limit is refused too large, declared or not; a body
+    /// that declares a length over the limit at its first bytes.
     #[test]
     fn r31_past_the_limit_is_too_large() {
         let mut body = BodyBuffer::new(budget(1 << 30), ALLOWANCE, 100_000, Some(50));
@@ -250,5 +255,9 @@ mod tests {
         assert_eq!(body.push(&[b' '; 100_000]), Err(Refused::TooLarge));
         let mut body = BodyBuffer::new(budget(1 << 30), ALLOWANCE, 100_000, None);
         assert_eq!(body.push(&[b' '; 100_001]), Err(Refused::TooLarge));
+        let budget = budget(1 << 20);
+        let mut body = BodyBuffer::new(budget.clone(), ALLOWANCE, 100_000, Some(100_001));
+        assert_eq!(body.push(b"{"), Err(Refused::TooLarge));
+        assert_eq!(budget.available_permits(), 1 << 20, "nothing held");
     }
 }
