@@ -1406,9 +1406,48 @@ impl Drop for Cluster {
         for connection in self.partition.connections.lock().unwrap().drain(..) {
             connection.copier.abort();
         }
+        let failed = std::thread::panicking();
         for member in &mut self.members {
             member.kill();
+            if failed {
+                member.print_elections();
+            }
             let _ = std::fs::remove_dir_all(&member.dir);
+        }
+    }
+}
+
+impl Member {
+    /// Prints what the member logged about leaders and elections (the
+    /// last 40 such lines), so that a failed cluster test says whether the
+    /// quorum had a leader while it ran.
+    fn print_elections(&self) {
+        let Ok(log) = std::fs::read_to_string(self.dir.join("etcd.log")) else {
+            return;
+        };
+        let lines: Vec<&str> = log
+            .lines()
+            .filter(|line| {
+                [
+                    "leader",
+                    "elect",
+                    "campaign",
+                    "lost",
+                    "became",
+                    "partition",
+                    "slow",
+                ]
+                .iter()
+                .any(|word| line.contains(word))
+            })
+            .collect();
+        eprintln!(
+            "--- etcd {}: leader and election lines ({} in all)",
+            self.name,
+            lines.len()
+        );
+        for line in &lines[lines.len().saturating_sub(40)..] {
+            eprintln!("{line}");
         }
     }
 }
