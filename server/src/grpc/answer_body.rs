@@ -15,7 +15,6 @@
 //! headers and compression negotiation stay tonic's.
 
 use super::service::AnswerStream;
-use futures::Stream;
 use guardmesh_proto::v1::EvaluateResponse;
 use http_body::Frame;
 use prost::Message;
@@ -46,14 +45,16 @@ impl AnswerBody {
     }
 }
 
-/// Appends `response` to `buf` as one uncompressed gRPC message; refused
-/// `OUT_OF_RANGE` over `max_message` bytes, as tonic refuses it.
+/// Appends `response`, of `len` encoded bytes (its `encoded_len`, counted
+/// once when it was queued), to `buf` as one uncompressed gRPC message;
+/// refused `OUT_OF_RANGE` over `max_message` bytes, as tonic refuses it.
 fn frame_into(
     buf: &mut BytesMut,
     response: &EvaluateResponse,
+    len: usize,
     max_message: usize,
 ) -> Result<(), Status> {
-    let len = response.encoded_len();
+    debug_assert_eq!(len, response.encoded_len());
     if len > max_message {
         return Err(Status::out_of_range(format!(
             "an answer of {len} bytes is over the mesh's limit of {max_message} bytes per message"
@@ -80,15 +81,15 @@ impl http_body::Body for AnswerBody {
         if self.ended {
             return Poll::Ready(None);
         }
-        let status = match ready!(Pin::new(&mut self.answers).poll_next(cx)) {
-            Some(Ok(response)) => {
+        let status = match ready!(self.answers.poll_answer(cx)) {
+            Some((Ok(response), len)) => {
                 let mut buf = BytesMut::new();
-                match frame_into(&mut buf, &response, self.max_message) {
+                match frame_into(&mut buf, &response, len, self.max_message) {
                     Ok(()) => return Poll::Ready(Some(Ok(Frame::data(buf.freeze())))),
                     Err(status) => status,
                 }
             }
-            Some(Err(status)) => status,
+            Some((Err(status), _)) => status,
             None => Status::ok(""),
         };
         // The end of the stream, or an error that ends it: its trailers.
@@ -125,8 +126,8 @@ mod tests {
     fn r19_answers_are_framed_as_uncompressed_grpc_messages_that_decode_back() {
         let (first, second) = (answer("b1"), answer("b2"));
         let mut buf = BytesMut::new();
-        frame_into(&mut buf, &first, 1 << 20).unwrap();
-        frame_into(&mut buf, &second, 1 << 20).unwrap();
+        frame_into(&mut buf, &first, first.encoded_len(), 1 << 20).unwrap();
+        frame_into(&mut buf, &second, second.encoded_len(), 1 << 20).unwrap();
         let mut rest = &buf[..];
         for want in [first, second] {
             assert_eq!(rest[0], 0, "not compressed");
@@ -141,7 +142,8 @@ mod tests {
     #[test]
     fn an_answer_over_the_limit_is_refused_out_of_range() {
         let mut buf = BytesMut::new();
-        let status = frame_into(&mut buf, &answer(&"b".repeat(100)), 50).unwrap_err();
+        let long = answer(&"b".repeat(100));
+        let status = frame_into(&mut buf, &long, long.encoded_len(), 50).unwrap_err();
         assert_eq!(status.code(), tonic::Code::OutOfRange);
         assert!(status.message().contains("limit of 50 bytes"), "{status:?}");
         assert!(buf.is_empty(), "nothing of it is sent");

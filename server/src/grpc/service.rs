@@ -318,18 +318,30 @@ pub(crate) struct AnswerStream {
     budget: Arc<StreamBudget>,
 }
 
-impl Stream for AnswerStream {
-    type Item = Result<EvaluateResponse, Status>;
-
-    fn poll_next(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Self::Item>> {
+impl AnswerStream {
+    /// The next answer with its encoded length (counted once, when it was
+    /// queued; 0 for an error), its bytes freed of the stream's budget.
+    pub(crate) fn poll_answer(
+        &mut self,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<(Result<EvaluateResponse, Status>, usize)>> {
         match self.rx.poll_recv(cx) {
             Poll::Ready(Some(answer)) => {
                 self.budget.release(answer.bytes);
-                Poll::Ready(Some(*answer.response))
+                Poll::Ready(Some((*answer.response, answer.bytes)))
             }
             Poll::Ready(None) => Poll::Ready(None),
             Poll::Pending => Poll::Pending,
         }
+    }
+}
+
+impl Stream for AnswerStream {
+    type Item = Result<EvaluateResponse, Status>;
+
+    fn poll_next(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Self::Item>> {
+        self.poll_answer(cx)
+            .map(|answer| answer.map(|(response, _)| response))
     }
 }
 
