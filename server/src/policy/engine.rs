@@ -417,8 +417,17 @@ impl Policy {
         // call of the batch, evaluated once): a set of those evaluated, and
         // a set of those true.
         let words = self.rules.len().div_ceil(64);
-        let mut bits = vec![0u64; words];
-        let mut batch_wide = vec![0u64; 2 * words];
+        // The three sets on the stack up to `STACK_WORDS` words (that many
+        // times 64 rules), else in one allocation.
+        let mut on_stack = [0u64; 3 * STACK_WORDS];
+        let mut on_heap = Vec::new();
+        let sets = if words <= STACK_WORDS {
+            &mut on_stack[..3 * words]
+        } else {
+            on_heap.resize(3 * words, 0u64);
+            &mut on_heap[..]
+        };
+        let (bits, batch_wide) = sets.split_at_mut(words);
         let (evaluated, held) = batch_wide.split_at_mut(words);
         let mut batch_wide = BatchWide { evaluated, held };
         let mut matched = Vec::new();
@@ -437,7 +446,7 @@ impl Policy {
             let n = values.call_largest(i);
             let cost = self.tools.applicable(
                 values.tool(i),
-                &mut bits,
+                bits,
                 &mut matched,
                 &self.rules,
                 (n, batch_n),
@@ -447,7 +456,7 @@ impl Policy {
                 continue;
             }
             if cost > self.limits.max_cost_per_call {
-                let rule = self.costliest(&bits, (n, batch_n));
+                let rule = self.costliest(bits, (n, batch_n));
                 outcomes.push(Outcome::Bounded(self.bounded(
                     rule,
                     format!(
@@ -468,7 +477,7 @@ impl Policy {
                 units = units.min(inline.work);
             }
             let meter = Meter::new(units, deadline);
-            let outcome = self.judge(values, i, &bits, &mut batch_wide, &meter);
+            let outcome = self.judge(values, i, bits, &mut batch_wide, &meter);
             if let Some(inline) = inline.as_deref_mut() {
                 if units < self.limits.max_work_per_call && meter.stopped() == Some(Stop::Work) {
                     return Err(OverInline);
@@ -679,6 +688,10 @@ impl BatchWide<'_> {
         }
     }
 }
+
+/// Words of rule sets kept on the stack while a batch is judged (64 rules
+/// a word): a policy of up to 128 rules allocates none.
+const STACK_WORDS: usize = 2;
 
 /// The indices of the bits set in `bits`, lowest first.
 fn set_bits(bits: &[u64]) -> impl Iterator<Item = usize> + '_ {
