@@ -158,10 +158,10 @@ pub struct BatchValues<'a> {
     largest: usize,
     /// Per call, the items of the largest array or object of its arguments.
     call_largest: Vec<usize>,
-    /// Per call, the bytes of its arguments (what reading `call` may touch).
-    call_bytes: Vec<usize>,
-    /// The bytes of every call's arguments together.
-    batch_bytes: usize,
+    /// Per call, the bytes of its arguments (what reading `call` may
+    /// touch), and those of every call's arguments together: counted when
+    /// the interpreter first reads a variable (the fast path does not).
+    call_bytes: OnceCell<(Vec<usize>, usize)>,
     /// The bytes of the context's strings.
     context_bytes: usize,
     /// `session`, when the batch's policies read it (R34), with the tools
@@ -217,7 +217,6 @@ impl<'a> BatchValues<'a> {
         let mut largest = metadata.len();
         let sources: Vec<CallRef<'a>> = calls.into_iter().collect();
         let mut call_largest = Vec::with_capacity(sources.len());
-        let mut call_bytes = Vec::with_capacity(sources.len());
         let fast_calls = sources
             .iter()
             .map(|call| {
@@ -240,16 +239,6 @@ impl<'a> BatchValues<'a> {
                 };
                 largest = largest.max(mine);
                 call_largest.push(mine);
-                call_bytes.push(
-                    match call.args {
-                        Args::Text(text)
-                        | Args::Checked(text)
-                        | Args::Recorded { text, .. }
-                        | Args::Counted { text, .. } => text.len(),
-                        Args::Json(json) => json.to_string().len(),
-                    } + call.call_id.len()
-                        + call.tool.len(),
-                );
                 FastCall {
                     call_id: call.call_id,
                     tool: call.tool,
@@ -258,7 +247,6 @@ impl<'a> BatchValues<'a> {
             })
             .collect();
         largest = largest.max(sources.len());
-        let batch_bytes = call_bytes.iter().sum();
         let context_bytes = context.session_id.len()
             + context.model_text.len()
             + metadata
@@ -278,8 +266,7 @@ impl<'a> BatchValues<'a> {
             cel: OnceCell::new(),
             largest,
             call_largest,
-            call_bytes,
-            batch_bytes,
+            call_bytes: OnceCell::new(),
             context_bytes,
             session: None,
             identity: None,
@@ -457,9 +444,27 @@ impl<'a> BatchValues<'a> {
     /// [`Self::scope`], each read of a variable charged to `meter`: one
     /// unit and the bytes it holds (see `meter`).
     pub(crate) fn scope_metered<'m>(&'m self, i: usize, meter: &'m Meter) -> Scope<'m, 'a> {
+        let (call_bytes, batch_bytes) = self.call_bytes.get_or_init(|| {
+            let call_bytes: Vec<usize> = self
+                .sources
+                .iter()
+                .map(|call| {
+                    let args = match call.args {
+                        Args::Text(text)
+                        | Args::Checked(text)
+                        | Args::Recorded { text, .. }
+                        | Args::Counted { text, .. } => text.len(),
+                        Args::Json(json) => json.to_string().len(),
+                    };
+                    args + call.call_id.len() + call.tool.len()
+                })
+                .collect();
+            let batch_bytes = call_bytes.iter().sum();
+            (call_bytes, batch_bytes)
+        });
         let bytes = [
-            self.call_bytes.get(i).copied().unwrap_or(0),
-            self.batch_bytes,
+            call_bytes.get(i).copied().unwrap_or(0),
+            *batch_bytes,
             self.context_bytes,
             0,
         ]
