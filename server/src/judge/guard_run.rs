@@ -53,9 +53,11 @@ pub(crate) struct GuardRun {
 pub(crate) const MAX_LABELS_PER_GUARD: usize = 64;
 
 impl GuardRun {
-    pub(super) fn new(calls: usize) -> Self {
+    /// A guard not sent anything yet: it allocates nothing until
+    /// [`Self::send`] (an empty `sent` reads as no call sent).
+    pub(super) fn new() -> Self {
         Self {
-            sent: vec![false; calls],
+            sent: Vec::new(),
             sent_any: false,
             request_id: None,
             replica: None,
@@ -66,7 +68,7 @@ impl GuardRun {
             malformed: Vec::new(),
             failure: None,
             superseded: false,
-            answered: vec![false; calls],
+            answered: Vec::new(),
             skip_kinds: Vec::new(),
             guardrail: None,
             span: None,
@@ -76,6 +78,13 @@ impl GuardRun {
             asked: Vec::new(),
             approved: Vec::new(),
         }
+    }
+
+    /// The calls it is sent, by index (R9), none answered yet.
+    pub(super) fn send(&mut self, sent: Vec<bool>) {
+        self.sent_any = sent.contains(&true);
+        self.answered = vec![false; sent.len()];
+        self.sent = sent;
     }
 
     /// The reason of its ask about call `i`, if it asked (R35).
@@ -294,9 +303,8 @@ mod tests {
 
     /// A run of a guard that was sent the first of two calls.
     fn run() -> GuardRun {
-        let mut run = GuardRun::new(2);
-        run.sent = vec![true, false];
-        run.sent_any = true;
+        let mut run = GuardRun::new();
+        run.send(vec![true, false]);
         let now = Instant::now();
         run.started = Some(now);
         run.finished = Some(now + Duration::from_micros(250));
@@ -347,8 +355,8 @@ mod tests {
         assert_eq!(entry.status, TraceStatus::DryRun as i32);
         assert_eq!(entry.dry_run_status, TraceStatus::Skipped as i32);
         assert_eq!(entry.skipped_call_ids, vec!["a".to_owned()]);
-        let mut idle = GuardRun::new(2);
-        idle.sent_any = false;
+        let mut idle = GuardRun::new();
+        idle.send(vec![false, false]);
         let entry = trace_entry(&guard(GuardMode::DryRun), &idle, &["a", "b"]);
         assert_eq!(entry.status, TraceStatus::NotApplicable as i32);
         assert_eq!(entry.dry_run_status, TraceStatus::Unspecified as i32);

@@ -369,7 +369,7 @@ impl<'a> Judging<'a> {
             context: request.context.take(),
             request,
             calls,
-            runs: (0..chain.guards.len()).map(|_| GuardRun::new(n)).collect(),
+            runs: (0..chain.guards.len()).map(|_| GuardRun::new()).collect(),
             encoded: Vec::new(),
             deadline: input.deadline,
             trace: input.trace,

@@ -225,8 +225,7 @@ impl Judging<'_> {
         if !sent.contains(&true) {
             return Ok(());
         }
-        self.runs[g].sent_any = true;
-        self.runs[g].sent = sent;
+        self.runs[g].send(sent);
         let mut fold = self.fold_of(&[g]);
         let (events_tx, mut events) = mpsc::unbounded_channel();
         let now = Instant::now();
@@ -328,8 +327,7 @@ impl Judging<'_> {
         for &g in &order {
             let mut sent = self.select(g);
             self.stand_in(g, &mut sent);
-            self.runs[g].sent_any = sent.contains(&true);
-            self.runs[g].sent = sent;
+            self.runs[g].send(sent);
         }
         let mut fold = self.fold_of(&order);
         // The remote guards' answers, on a channel made when one is sent to.
