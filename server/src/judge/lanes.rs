@@ -135,19 +135,21 @@ impl Judging<'_> {
     pub(super) async fn evaluate_policies(
         &mut self,
         order: &[usize],
-        policies: &[usize],
+        now: Instant,
     ) -> Result<Vec<(usize, Instant, Vec<PolicyOutcome>)>, BatchError> {
-        let now = Instant::now();
-        let jobs: Vec<PolicyJob> = policies
+        // Borrowed from the guards' runs while judged here; owned only to
+        // go to the pool.
+        let jobs: Vec<Job<'_>> = order
             .iter()
-            .filter_map(|&k| {
-                let g = order[k];
+            .enumerate()
+            .filter_map(|(k, &g)| {
                 let guard = &self.chain.guards[g].guard;
                 let rules = guard.policy.as_ref()?;
-                Some(PolicyJob {
+                let run = &self.runs[g];
+                run.sent_any.then(|| Job {
                     k,
-                    policy: Arc::clone(&rules.compiled),
-                    sent: self.runs[g].sent.clone(),
+                    policy: &rules.compiled,
+                    sent: &run.sent,
                     until: now + self.budget(guard, now),
                 })
             })
@@ -173,6 +175,7 @@ impl Judging<'_> {
                 Err(_) => return Ok(panicked(&jobs, now)),
             }
         }
+        let jobs: Vec<PolicyJob> = jobs.into_iter().map(Job::for_pool).collect();
         // Waiting for a thread is load, not evaluation: a batch still
         // waiting when the first of its policy guards' time is up is shed
         // (R25), as is one whose client has its share waiting already; no
@@ -204,7 +207,10 @@ impl Judging<'_> {
                 match outcomes {
                     Some(outcomes) => Ok(outcomes),
                     // A panic in evaluation: every policy guard fails (R13).
-                    None => Ok(panicked(&work.jobs, now)),
+                    None => {
+                        let jobs: Vec<Job<'_>> = work.jobs.iter().map(PolicyJob::as_job).collect();
+                        Ok(panicked(&jobs, now))
+                    }
                 }
             }
             // The calls went with the work: the batch cannot be decided.
@@ -257,14 +263,46 @@ impl Judging<'_> {
 }
 
 /// One policy guard's evaluation of a batch, in the policy lane.
-struct PolicyJob {
+#[derive(Clone, Copy)]
+struct Job<'a> {
     /// Its position in the validate fold.
     k: usize,
-    policy: Arc<crate::policy::Policy>,
+    policy: &'a Arc<crate::policy::Policy>,
     /// The calls it was sent.
-    sent: Vec<bool>,
+    sent: &'a [bool],
     /// Its timeout within the batch's deadline (R14).
     until: Instant,
+}
+
+impl Job<'_> {
+    /// The job as it goes to an evaluation thread.
+    fn for_pool(self) -> PolicyJob {
+        PolicyJob {
+            k: self.k,
+            policy: Arc::clone(self.policy),
+            sent: self.sent.to_vec(),
+            until: self.until,
+        }
+    }
+}
+
+/// A [`Job`] of its own, moved to an evaluation thread and back.
+struct PolicyJob {
+    k: usize,
+    policy: Arc<crate::policy::Policy>,
+    sent: Vec<bool>,
+    until: Instant,
+}
+
+impl PolicyJob {
+    fn as_job(&self) -> Job<'_> {
+        Job {
+            k: self.k,
+            policy: &self.policy,
+            sent: &self.sent,
+            until: self.until,
+        }
+    }
 }
 
 /// What a batch's policy guards read, moved to an evaluation thread and
@@ -292,16 +330,17 @@ impl PolicyWork {
     /// The batch's CEL values are built once, straight from the calls'
     /// JSON text, and shared by all the policies.
     fn evaluate_all(&self) -> PolicyOutcomes {
+        let jobs: Vec<Job<'_>> = self.jobs.iter().map(PolicyJob::as_job).collect();
         let values = batch_values(
             &self.calls,
             &self.members,
             self.context.as_ref(),
-            &self.jobs,
+            &jobs,
             self.session.as_ref(),
             self.identity.as_ref(),
         );
-        evaluate_jobs(&values, &self.jobs, None)
-            .unwrap_or_else(|crate::policy::OverInline| panicked(&self.jobs, Instant::now()))
+        evaluate_jobs(&values, &jobs, None)
+            .unwrap_or_else(|crate::policy::OverInline| panicked(&jobs, Instant::now()))
     }
 }
 
@@ -311,7 +350,7 @@ fn batch_values<'a>(
     calls: &'a [Call],
     members: &'a Recorded,
     context: Option<&'a BatchContext>,
-    jobs: &[PolicyJob],
+    jobs: &[Job<'_>],
     session: Option<&crate::policy::SessionVal>,
     identity: Option<&crate::policy::SessionVal>,
 ) -> BatchValues<'a> {
@@ -363,7 +402,7 @@ fn batch_values<'a>(
 /// Judges every job on `values`; under `inline`, stops at its bound.
 fn evaluate_jobs(
     values: &BatchValues<'_>,
-    jobs: &[PolicyJob],
+    jobs: &[Job<'_>],
     mut inline: Option<&mut crate::policy::Inline>,
 ) -> Result<PolicyOutcomes, crate::policy::OverInline> {
     jobs.iter()
@@ -373,11 +412,9 @@ fn evaluate_jobs(
             let outcomes = match inline.as_deref_mut() {
                 Some(inline) => {
                     job.policy
-                        .evaluate_inline(values, Some(&job.sent), deadline, inline)?
+                        .evaluate_inline(values, Some(job.sent), deadline, inline)?
                 }
-                None => job
-                    .policy
-                    .evaluate_within(values, Some(&job.sent), deadline),
+                None => job.policy.evaluate_within(values, Some(job.sent), deadline),
             };
             Ok((job.k, started, outcomes))
         })
@@ -386,7 +423,7 @@ fn evaluate_jobs(
 
 /// Every policy guard of `jobs` failed on every call it was sent: its
 /// evaluation panicked (R13).
-fn panicked(jobs: &[PolicyJob], at: Instant) -> PolicyOutcomes {
+fn panicked(jobs: &[Job<'_>], at: Instant) -> PolicyOutcomes {
     jobs.iter()
         .map(|job| {
             let outcomes = job

@@ -350,14 +350,11 @@ impl Judging<'_> {
         }
         // Policy guards (R27) answer at once, in the mesh, through the same
         // fold as remote guards, once the remote ones are on their way.
-        let policies: Vec<usize> = (0..order.len())
-            .filter(|&k| {
-                let g = order[k];
-                self.runs[g].sent_any && self.chain.guards[g].guard.is_policy()
-            })
-            .collect();
-        if !policies.is_empty() {
-            for (k, started, outcomes) in self.evaluate_policies(&order, &policies).await? {
+        let policies = order
+            .iter()
+            .any(|&g| self.runs[g].sent_any && self.chain.guards[g].guard.is_policy());
+        if policies {
+            for (k, started, outcomes) in self.evaluate_policies(&order, now).await? {
                 let order = order.as_slice();
                 self.judge_policy(outcomes, started, order, k, &mut fold, &mut deadlines);
             }
