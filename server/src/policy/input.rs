@@ -156,8 +156,6 @@ pub struct BatchValues<'a> {
     /// arguments. The `n` of the cost bounds (see `cost`) of rules that
     /// read `calls`.
     largest: usize,
-    /// Per call, the items of the largest array or object of its arguments.
-    call_largest: Vec<usize>,
     /// Per call, the bytes of its arguments (what reading `call` may
     /// touch), and those of every call's arguments together: counted when
     /// the interpreter first reads a variable (the fast path does not).
@@ -216,7 +214,6 @@ impl<'a> BatchValues<'a> {
         let metadata: Vec<(&'a str, &'a str)> = metadata.into_iter().collect();
         let mut largest = metadata.len();
         let sources: Vec<CallRef<'a>> = calls.into_iter().collect();
-        let mut call_largest = Vec::with_capacity(sources.len());
         let fast_calls = sources
             .iter()
             .map(|call| {
@@ -238,11 +235,11 @@ impl<'a> BatchValues<'a> {
                     Args::Json(json) => Some(Json::from_value(json, &mut mine)),
                 };
                 largest = largest.max(mine);
-                call_largest.push(mine);
                 FastCall {
                     call_id: call.call_id,
                     tool: call.tool,
                     args,
+                    largest: mine,
                 }
             })
             .collect();
@@ -265,7 +262,6 @@ impl<'a> BatchValues<'a> {
             },
             cel: OnceCell::new(),
             largest,
-            call_largest,
             call_bytes: OnceCell::new(),
             context_bytes,
             session: None,
@@ -406,10 +402,9 @@ impl<'a> BatchValues<'a> {
     /// The `n` of the cost bounds of a rule reading call `i` alone: the
     /// items of the largest list or map of its arguments, or the metadata.
     pub(crate) fn call_largest(&self, i: usize) -> usize {
-        self.call_largest
+        self.fast_calls
             .get(i)
-            .copied()
-            .unwrap_or(0)
+            .map_or(0, |call| call.largest)
             .max(self.fast_context.metadata.len())
     }
 

@@ -39,6 +39,8 @@ pub(crate) struct FastCall<'a> {
     /// `None` when the arguments are only for the interpreter (see
     /// `Json::from_text`).
     pub(crate) args: Option<Json<'a>>,
+    /// The items of the largest array or object of its arguments.
+    pub(crate) largest: usize,
 }
 
 /// The batch's context, for the fast path.
