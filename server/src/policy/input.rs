@@ -115,6 +115,19 @@ pub enum Args<'a> {
     },
 }
 
+impl<'a> Args<'a> {
+    /// The arguments' text, or the parsed JSON they were given as.
+    fn text_or_json(&self) -> Result<&'a str, &'a serde_json::Value> {
+        match *self {
+            Args::Text(text)
+            | Args::Checked(text)
+            | Args::Recorded { text, .. }
+            | Args::Counted { text, .. } => Ok(text),
+            Args::Json(json) => Err(json),
+        }
+    }
+}
+
 /// One call, as given to [`BatchValues::new`].
 #[derive(Debug, Clone, Copy)]
 pub struct CallRef<'a> {
@@ -340,12 +353,9 @@ impl<'a> BatchValues<'a> {
                 .sources
                 .iter()
                 .map(|call| {
-                    let args = match call.args {
-                        Args::Text(text)
-                        | Args::Checked(text)
-                        | Args::Recorded { text, .. }
-                        | Args::Counted { text, .. } => from_text(text, &mut ignored),
-                        Args::Json(json) => from_json(json, &mut ignored),
+                    let args = match call.args.text_or_json() {
+                        Ok(text) => from_text(text, &mut ignored),
+                        Err(json) => from_json(json, &mut ignored),
                     };
                     Box::new(CelMap::from(HashMap::from([
                         (CelMapKey::from("call_id"), string(call.call_id)),
@@ -444,12 +454,9 @@ impl<'a> BatchValues<'a> {
                 .sources
                 .iter()
                 .map(|call| {
-                    let args = match call.args {
-                        Args::Text(text)
-                        | Args::Checked(text)
-                        | Args::Recorded { text, .. }
-                        | Args::Counted { text, .. } => text.len(),
-                        Args::Json(json) => json.to_string().len(),
+                    let args = match call.args.text_or_json() {
+                        Ok(text) => text.len(),
+                        Err(json) => json.to_string().len(),
                     };
                     args + call.call_id.len() + call.tool.len()
                 })
