@@ -158,8 +158,8 @@ pub struct BenchArgs {
     pub idle_connections: usize,
     /// Worker threads of the extra throughput runs of `mesh_4` (`guardmesh
     /// serve --worker-threads N`), next to the one with the default;
-    /// comma-separated, empty for none.
-    #[arg(long, value_delimiter = ',', default_values_t = [1, 2])]
+    /// comma-separated; `--mesh-threads` with no value for none.
+    #[arg(long, value_delimiter = ',', num_args = 0.., default_values_t = [1, 2])]
     pub mesh_threads: Vec<usize>,
     /// Runtime flavour of the load generator (this process).
     #[arg(long, value_enum, default_value_t = Flavor::Current)]
@@ -194,7 +194,9 @@ pub struct BenchArgs {
     /// steady client's p99 while another bursts at a busy guard, against
     /// the same client alone; `memory`, the mesh's resident memory idle and
     /// with 1,000 coordinator streams each answered once
-    /// (`rss_mib_1000_streams`, as in a full run).
+    /// (`rss_mib_1000_streams`, as in a full run); `throughput`, `mesh_4`
+    /// against the relay floor and the echo with `--in-flight` batches in
+    /// flight (the tripwire's two figures, and a window to profile).
     #[arg(long, value_enum)]
     pub only: Option<Only>,
     /// After the run, fails when `cpu_per_batch_mesh4_vs_relay_floor4` or
@@ -220,6 +222,7 @@ pub enum Only {
     Sessions,
     Busy,
     Memory,
+    Throughput,
 }
 
 /// Logs to stderr, `RUST_LOG` or `default_filter`.
@@ -1585,6 +1588,38 @@ async fn run(args: &BenchArgs) -> Result<(), Error> {
             throughput: Vec::new(),
             memory,
             extra_ratios: vec![rss],
+        };
+        return report(&results, args, mode, started, guards);
+    }
+    if args.only == Some(Only::Throughput) {
+        let in_flight = args.in_flight.max(1);
+        let throughput = throughput(
+            &exe,
+            dir,
+            &mut guards,
+            &work,
+            &plan,
+            in_flight,
+            &args.mesh_threads,
+        )
+        .await?;
+        let mut setup = Map::new();
+        setup.insert("only".into(), json!("throughput"));
+        setup.insert("in_flight".into(), json!(in_flight));
+        setup.insert("throughput_windows".into(), json!(plan.throughput_windows));
+        setup.insert(
+            "throughput_window_s".into(),
+            json!(plan.throughput_window.as_secs_f64()),
+        );
+        setup.insert("mesh_threads".into(), json!(args.mesh_threads));
+        setup.insert("elapsed_s".into(), json!(started.elapsed().as_secs_f64()));
+        let results = Results {
+            quick: args.quick,
+            setup,
+            latency: Vec::new(),
+            throughput,
+            memory: Memory::none(),
+            extra_ratios: Vec::new(),
         };
         return report(&results, args, mode, started, guards);
     }

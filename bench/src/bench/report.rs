@@ -300,6 +300,30 @@ impl Results {
         ) {
             return Ok(self.extra_ratios.clone());
         }
+        if self.setup.get("only").and_then(Value::as_str) == Some("throughput") {
+            let mesh_load = self.throughput("mesh_4")?;
+            let relay_load = self.throughput("relay_floor_4")?;
+            let echo_load = self.throughput("echo")?;
+            let ratio = |a: f64, b: f64| if b > 0.0 { a / b } else { f64::NAN };
+            return Ok(vec![
+                (
+                    "throughput_mesh4_vs_relay_floor4".to_owned(),
+                    ratio(mesh_load.per_second, relay_load.per_second),
+                ),
+                (
+                    "cpu_per_batch_mesh4_vs_relay_floor4".to_owned(),
+                    ratio(mesh_load.server_cpu(), relay_load.server_cpu()),
+                ),
+                (
+                    "throughput_relay_floor4_vs_echo".to_owned(),
+                    ratio(relay_load.per_second, echo_load.per_second),
+                ),
+                (
+                    "cpu_per_batch_relay_floor4_vs_echo_call".to_owned(),
+                    ratio(relay_load.server_cpu(), echo_load.server_cpu()),
+                ),
+            ]);
+        }
         let direct = self.latency("direct_unary")?;
         let parallel = self.latency("direct_parallel_4")?;
         let floor = self.latency("stream_floor")?;
