@@ -968,3 +968,76 @@ async fn r32_at_most_half_the_replicas_are_ejected_at_once() {
         .collect();
     assert_eq!(ejected, 2, "R32: never more than half ejected: {lines:?}");
 }
+
+/// The value of the series `name{labels}` in `text`.
+fn series(text: &str, name: &str, labels: &str) -> Option<i64> {
+    let prefix = format!("{name}{{{labels}}} ");
+    text.lines()
+        .find_map(|line| line.strip_prefix(&prefix))
+        .and_then(|value| value.trim().parse().ok())
+}
+
+#[tokio::test(start_paused = true)]
+async fn r25_the_flow_gauges_follow_requests_held_waiting_and_answered() {
+    // Two replicas of a fixed limit of 2: six requests are four held and
+    // two waiting; once every one is answered, nothing is held or waits.
+    let mut rig = rig(
+        2,
+        |c| {
+            c.min_in_flight = 2;
+            c.max_in_flight = 2;
+        },
+        |_| answer_after(ms(100)),
+    );
+    settle().await;
+    rig.send_all(0..6, Duration::from_secs(5));
+    settle().await;
+    let text = rig.metrics.encode();
+    let guard = r#"guard="g""#;
+    assert_eq!(
+        series(&text, "guardmesh_guard_in_flight", guard),
+        Some(4),
+        "{text}"
+    );
+    assert_eq!(
+        series(&text, "guardmesh_guard_limit", guard),
+        Some(4),
+        "{text}"
+    );
+    assert_eq!(
+        series(&text, "guardmesh_guard_waiting", guard),
+        Some(2),
+        "{text}"
+    );
+    for i in 0..2 {
+        let replica = format!(r#"guard="g",replica="{}""#, url(i));
+        assert_eq!(
+            series(&text, "guardmesh_guard_replica_limit", &replica),
+            Some(2),
+            "{text}"
+        );
+        assert_eq!(
+            series(&text, "guardmesh_guard_replica_outstanding", &replica),
+            Some(2),
+            "{text}"
+        );
+    }
+    rig.answers(6).await;
+    settle().await;
+    let text = rig.metrics.encode();
+    assert_eq!(
+        series(&text, "guardmesh_guard_in_flight", guard),
+        Some(0),
+        "{text}"
+    );
+    assert_eq!(
+        series(&text, "guardmesh_guard_waiting", guard),
+        Some(0),
+        "{text}"
+    );
+    assert_eq!(
+        series(&text, "guardmesh_guard_limit", guard),
+        Some(4),
+        "{text}"
+    );
+}

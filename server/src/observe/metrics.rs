@@ -14,6 +14,7 @@ use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::Histogram;
 use prometheus_client::registry::Registry;
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, OnceLock, PoisonError, RwLock};
 use std::time::Duration;
 
@@ -688,13 +689,27 @@ impl Metrics {
         }
     }
 
+    /// R25: `guard`'s requests in flight, all its replicas together: a
+    /// count its pool keeps and publishes on every change (one per pool,
+    /// so a pool built again for a reload starts from its own count).
+    pub fn guard_held(&self, guard: &str) -> HeldSeries {
+        let label = GuardLabel {
+            guard: guard.to_owned(),
+        };
+        let gauge = self.guard_in_flight.get_or_create(&label).clone();
+        gauge.set(0);
+        HeldSeries {
+            count: Arc::new(AtomicUsize::new(0)),
+            gauge,
+        }
+    }
+
     /// R25: the flow series of `guard`'s pool, looked up once with it.
     pub fn flow_series(&self, guard: &str) -> FlowSeries {
         let label = GuardLabel {
             guard: guard.to_owned(),
         };
         FlowSeries {
-            in_flight: self.guard_in_flight.get_or_create(&label).clone(),
             limit: self.guard_limit.get_or_create(&label).clone(),
             waiting: self.guard_waiting.get_or_create(&label).clone(),
         }
@@ -1040,17 +1055,38 @@ impl ReplicaSeries {
 /// One guard's flow series ([`Metrics::flow_series`]).
 #[derive(Clone, Debug)]
 pub struct FlowSeries {
-    in_flight: Gauge,
     limit: Gauge,
     waiting: Gauge,
 }
 
 impl FlowSeries {
-    /// R25: the requests the guard's replicas hold (`in_flight`), may hold
-    /// (`limit`), and that wait for room (`waiting`).
-    pub fn set(&self, in_flight: usize, limit: usize, waiting: usize) {
-        self.in_flight.set(gauge_value(in_flight));
+    /// R25: the requests the guard's replicas may hold (`limit`), and
+    /// that wait for room (`waiting`).
+    pub fn set(&self, limit: usize, waiting: usize) {
         self.limit.set(gauge_value(limit));
         self.waiting.set(gauge_value(waiting));
+    }
+}
+
+/// The requests one guard's replicas hold, all together
+/// ([`Metrics::guard_held`]): counted as each is sent and as each ends,
+/// and published as it moves (an atomic add and a store, no lock).
+#[derive(Clone, Debug)]
+pub struct HeldSeries {
+    count: Arc<AtomicUsize>,
+    gauge: Gauge,
+}
+
+impl HeldSeries {
+    /// One more request held.
+    pub fn add(&self) {
+        let held = self.count.fetch_add(1, Ordering::Relaxed) + 1;
+        self.gauge.set(gauge_value(held));
+    }
+
+    /// One request fewer (each [`Self::add`] is matched by one).
+    pub fn sub(&self) {
+        let held = self.count.fetch_sub(1, Ordering::Relaxed).saturating_sub(1);
+        self.gauge.set(gauge_value(held));
     }
 }

@@ -133,11 +133,11 @@ use super::fair::{Fair, Sender};
 use super::limit::Limit;
 use super::wire::Head;
 use super::{GuardFailure, GuardLink, LinkEvent, NotSent, Report};
-use crate::observe::metrics::{FlowSeries, Metrics};
+use crate::observe::metrics::{FlowSeries, HeldSeries, Metrics};
 use prost::bytes::Bytes;
 use rand::SeedableRng;
 use std::collections::{BTreeSet, HashMap};
-use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU32, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, PoisonError, Weak};
 use std::time::Duration;
 use tokio::sync::{Notify, mpsc};
@@ -208,8 +208,9 @@ struct State {
     waiting: Fair<u64>,
     /// Their wait deadlines, earliest first.
     waits: BTreeSet<(Instant, u64)>,
-    /// The guard's gauges as last published: in flight, limit, waiting.
-    published: Option<(usize, usize, usize)>,
+    /// The guard's gauges as last published: its replicas' limits
+    /// together, and the requests waiting.
+    published: Option<(usize, usize)>,
     rng: rand::rngs::SmallRng,
     /// The requests' attempt deadlines ([`Pending::attempt_until`]),
     /// earliest first, with each request's id.
@@ -225,6 +226,8 @@ struct Inner {
     metrics: Arc<Metrics>,
     /// The guard's flow series ([`Inner::gauges`]), looked up once.
     flow: FlowSeries,
+    /// The requests its replicas hold together, published as each moves.
+    held: HeldSeries,
     state: Mutex<State>,
     next_id: AtomicU64,
     /// Which watch of the replica set the pool follows now: a set read
@@ -357,6 +360,7 @@ impl GuardPool {
             name: name.to_owned(),
             spawn,
             flow: metrics.flow_series(name),
+            held: metrics.guard_held(name),
             metrics,
             state: Mutex::new(State {
                 live: Vec::new(),
@@ -687,12 +691,14 @@ impl Inner {
                                 estimate: None,
                                 updated: now,
                                 limit,
-                                published: None,
                                 typical: None,
                                 answered: None,
                             }),
                             estimate: AtomicU64::new(0f64.to_bits()),
                             series: self.metrics.replica_series(&self.name, &target.endpoint),
+                            guard_held: self.held.clone(),
+                            // Published by the next `gauges`.
+                            published_limit: AtomicUsize::new(0),
                         }));
                     }
                 }
@@ -772,30 +778,29 @@ impl Inner {
         (held, limit, answered)
     }
 
-    /// Publishes the guard's requests in flight, limit and waiting, and
-    /// each replica's limit, when they changed (labels cost allocations).
+    /// Publishes the guard's limit (its replicas' together) and the
+    /// requests waiting, when they changed. Each replica's limit is
+    /// published when it moves ([`Replica::release`]) and the requests in
+    /// flight as each is sent or ends ([`HeldSeries`]): nothing here takes
+    /// a replica's lock.
     fn gauges(&self, state: &mut State) {
-        // One pass, each replica's load locked once.
-        let (mut held, mut limits) = (0, 0);
+        let mut limits = 0;
         for replica in &state.live {
-            let changed = {
-                let mut load = replica.load();
-                let limit = load.limit.get();
-                held += load.in_flight.len();
-                limits += limit;
-                (load.published != Some(limit)).then(|| {
-                    load.published = Some(limit);
-                    limit
-                })
-            };
-            if let Some(limit) = changed {
+            let published = replica.published_limit.load(Ordering::Relaxed);
+            limits += if published == 0 {
+                // Joined since the last call: its first limit.
+                let limit = replica.load().limit.get();
+                replica.published_limit.store(limit, Ordering::Relaxed);
                 replica.series.limit(limit);
-            }
+                limit
+            } else {
+                published
+            };
         }
-        let flow = (held, limits, state.waiting.len());
+        let flow = (limits, state.waiting.len());
         if state.published != Some(flow) {
             state.published = Some(flow);
-            self.flow.set(flow.0, flow.1, flow.2);
+            self.flow.set(flow.0, flow.1);
         }
     }
 

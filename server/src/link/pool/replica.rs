@@ -4,9 +4,9 @@
 
 use super::super::GuardLink;
 use super::super::limit::Limit;
-use crate::observe::metrics::ReplicaSeries;
+use crate::observe::metrics::{HeldSeries, ReplicaSeries};
 use std::collections::BTreeSet;
-use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU32, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 use tokio::time::Instant;
@@ -53,6 +53,12 @@ pub(super) struct Replica {
     pub(super) load: Mutex<Load>,
     /// Its metric series, looked up once when it joined.
     pub(super) series: ReplicaSeries,
+    /// The requests its guard's replicas hold together (a count of the
+    /// pool's, shared by its replicas).
+    pub(super) guard_held: HeldSeries,
+    /// Its limit as last published, read without the lock to sum the
+    /// guard's ([`Inner::gauges`](super::Inner::gauges)).
+    pub(super) published_limit: AtomicUsize,
     /// [`Load::estimate`] as last set, in nanoseconds (f64 bits; 0 before
     /// its first answer): read without the lock to price the other
     /// replicas ([`Prices`]).
@@ -83,8 +89,6 @@ pub(super) struct Load {
     pub(super) updated: Instant,
     /// How many requests it may hold at once ([`Limit`], R25).
     pub(super) limit: Limit,
-    /// The limit last published as its gauge.
-    pub(super) published: Option<usize>,
     /// A plain moving average of its answers' round trips, in nanoseconds
     /// (withdrawn requests do not count): what a request sent to it now
     /// typically waits, for the shedding of waiting requests that could
@@ -257,7 +261,9 @@ impl Replica {
     /// it holds.
     pub(super) fn hold(&self, sent: Instant, id: u64) -> usize {
         let mut load = self.load();
-        load.in_flight.insert((sent, id));
+        if load.in_flight.insert((sent, id)) {
+            self.guard_held.add();
+        }
         load.in_flight.len()
     }
 
@@ -276,11 +282,17 @@ impl Replica {
         let default = prices.default_for(self);
         let mut load = self.load();
         let held = load.in_flight.len();
-        load.in_flight.remove(&(sent, id));
+        if load.in_flight.remove(&(sent, id)) {
+            self.guard_held.sub();
+        }
         let rtt = nanos(now.saturating_duration_since(sent));
         if let Ended::Answered = ended {
             load.limit
                 .answered(now.saturating_duration_since(sent), held, now);
+            let limit = load.limit.get();
+            if self.published_limit.swap(limit, Ordering::Relaxed) != limit {
+                self.series.limit(limit);
+            }
             load.answered = Some(now);
             load.typical = Some(
                 load.typical
