@@ -259,6 +259,9 @@ impl GuardLink {
     /// most its [`client_share`] of the queue. When the queue has no room,
     /// the guard is busy ([`NotSent::Busy`]) unless its stream has taken
     /// nothing for `stall` (its timeout): then it is not reading, a failure.
+    /// `now`: the time of the send, read once by the caller for the room,
+    /// the circuit and the queue.
+    #[allow(clippy::too_many_arguments)]
     pub(crate) fn send(
         &self,
         head: &Head,
@@ -267,6 +270,7 @@ impl GuardLink {
         events: Report,
         client: u64,
         stall: Duration,
+        now: tokio::time::Instant,
     ) -> Result<u64, NotSent> {
         let id = self.shared.next_id.fetch_add(1, Ordering::Relaxed);
         // Encoded once, outside the lock; the calls' bytes are shared with
@@ -280,9 +284,6 @@ impl GuardLink {
             stall,
         };
         let mut state = self.shared.lock();
-        // One reading of the clock, under the lock, for the room, the
-        // circuit and the queue.
-        let now = tokio::time::Instant::now();
         // Room first: a batch shed for load neither takes the circuit's
         // half-open probe nor tells the circuit anything. All pushes happen
         // under the state's lock, so the room is still there below.

@@ -127,8 +127,15 @@ impl Rig {
         let report = Report(Arc::new(move |event| {
             let _ = tx.send(event);
         }));
-        self.link
-            .send(&wire::Head::of(&batch), shared, tag, report, client, stall)
+        self.link.send(
+            &wire::Head::of(&batch),
+            shared,
+            tag,
+            report,
+            client,
+            stall,
+            tokio::time::Instant::now(),
+        )
     }
 
     /// The next event, and how long it took.

@@ -27,7 +27,8 @@ impl From<NotSent> for Undispatched {
 }
 
 impl Inner {
-    /// The replicas to try for a request, best first: two drawn at random
+    /// The replicas to try for a request, of a guard of two or more, best
+    /// first: two drawn at random
     /// among the available ones, the less loaded first (power of two
     /// choices), then the other available ones by load, then the ejected
     /// or down ones, the soonest back first, then the draining ones (health
@@ -38,15 +39,6 @@ impl Inner {
         exclude: &[Arc<str>],
         now: Instant,
     ) -> Vec<Arc<Replica>> {
-        // One replica (most guards): it is the only candidate, whatever
-        // its state; no draw, no prices, no sort.
-        if let [only] = state.live.as_slice() {
-            return if exclude.iter().any(|e| *e == only.endpoint) {
-                Vec::new()
-            } else {
-                vec![only.clone()]
-            };
-        }
         let (mut available, mut out): (Vec<Arc<Replica>>, Vec<Arc<Replica>>) = state
             .live
             .iter()
@@ -125,13 +117,29 @@ impl Inner {
         let mut busy = None;
         let mut failed = None;
         let mut full = false;
-        for replica in self.candidates(state, exclude, now) {
-            let available = replica.available(now);
-            if available && !replica.has_room() {
+        // One replica (most guards): it is the only candidate, whatever
+        // its state; no draw, no prices, no sort, no list.
+        let (one, many);
+        let candidates: &[Arc<Replica>] = match state.live.as_slice() {
+            [only] if exclude.iter().any(|e| *e == only.endpoint) => &[],
+            [only] => {
+                one = [only.clone()];
+                &one
+            }
+            _ => {
+                many = self.candidates(state, exclude, now);
+                &many
+            }
+        };
+        for replica in candidates {
+            // Whether it is available is asked only when it matters (its
+            // ejection and its link each take a lock): when it has no room,
+            // or when an available one before it had none.
+            if !replica.has_room() && replica.available(now) {
                 full = true;
                 continue;
             }
-            if full && !available {
+            if full && !replica.available(now) {
                 break;
             }
             match replica.link.send(
@@ -141,11 +149,12 @@ impl Inner {
                 self.report.clone(),
                 client,
                 stall,
+                now,
             ) {
                 Ok(link_id) => {
                     let held = replica.hold(now, id);
                     replica.series.sent(held);
-                    return Ok((replica, link_id, now));
+                    return Ok((replica.clone(), link_id, now));
                 }
                 Err(NotSent::Busy(b)) => {
                     busy.get_or_insert(b);
@@ -154,7 +163,7 @@ impl Inner {
                 Err(NotSent::NoRoom(_)) => {}
                 Err(NotSent::Failed(f)) => {
                     if fails_over(&f) {
-                        self.eject(state, &replica, &f, now);
+                        self.eject(state, replica, &f, now);
                     }
                     replica.link.record(Err(&f));
                     failed.get_or_insert(f);
