@@ -788,10 +788,14 @@ impl Inner {
         for replica in &state.live {
             let published = replica.published_limit.load(Ordering::Relaxed);
             limits += if published == 0 {
-                // Joined since the last call: its first limit.
-                let limit = replica.load().limit.get();
+                // Joined since the last call: its first limit, published
+                // under its lock (an answer that moves it meanwhile then
+                // publishes after this, never before).
+                let load = replica.load();
+                let limit = load.limit.get();
                 replica.published_limit.store(limit, Ordering::Relaxed);
                 replica.series.limit(limit);
+                drop(load);
                 limit
             } else {
                 published
