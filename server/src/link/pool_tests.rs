@@ -993,51 +993,27 @@ async fn r25_the_flow_gauges_follow_requests_held_waiting_and_answered() {
     rig.send_all(0..6, Duration::from_secs(5));
     settle().await;
     let text = rig.metrics.encode();
-    let guard = r#"guard="g""#;
-    assert_eq!(
-        series(&text, "guardmesh_guard_in_flight", guard),
-        Some(4),
-        "{text}"
-    );
-    assert_eq!(
-        series(&text, "guardmesh_guard_limit", guard),
-        Some(4),
-        "{text}"
-    );
-    assert_eq!(
-        series(&text, "guardmesh_guard_waiting", guard),
-        Some(2),
-        "{text}"
-    );
+    assert_eq!(flow(&text), [Some(4), Some(4), Some(2)], "{text}");
     for i in 0..2 {
         let replica = format!(r#"guard="g",replica="{}""#, url(i));
+        let of = |name| series(&text, name, &replica);
         assert_eq!(
-            series(&text, "guardmesh_guard_replica_limit", &replica),
-            Some(2),
-            "{text}"
-        );
-        assert_eq!(
-            series(&text, "guardmesh_guard_replica_outstanding", &replica),
-            Some(2),
+            [
+                of("guardmesh_guard_replica_limit"),
+                of("guardmesh_guard_replica_outstanding")
+            ],
+            [Some(2), Some(2)],
             "{text}"
         );
     }
     rig.answers(6).await;
     settle().await;
     let text = rig.metrics.encode();
-    assert_eq!(
-        series(&text, "guardmesh_guard_in_flight", guard),
-        Some(0),
-        "{text}"
-    );
-    assert_eq!(
-        series(&text, "guardmesh_guard_waiting", guard),
-        Some(0),
-        "{text}"
-    );
-    assert_eq!(
-        series(&text, "guardmesh_guard_limit", guard),
-        Some(4),
-        "{text}"
-    );
+    assert_eq!(flow(&text), [Some(0), Some(4), Some(0)], "{text}");
+}
+
+/// Guard `g`'s in-flight, limit and waiting gauges in `text`.
+fn flow(text: &str) -> [Option<i64>; 3] {
+    ["in_flight", "limit", "waiting"]
+        .map(|gauge| series(text, &format!("guardmesh_guard_{gauge}"), r#"guard="g""#))
 }
