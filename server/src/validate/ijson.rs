@@ -541,6 +541,18 @@ impl<'a> Scanner<'a, '_> {
         }
         let names = &mut self.names[start..];
         self.largest = self.largest.max(names.len());
+        // The usual object: a few ASCII names, no two alike under ASCII
+        // case folding, so none equal either: one pass over the pairs
+        // (most differ in length) clears it of both faults. Otherwise the
+        // checks below tell which fault it is.
+        if names.len() <= SMALL_OBJECT
+            && names.iter().all(|n| n.is_ascii())
+            && !(1..names.len())
+                .any(|j| names[..j].iter().any(|n| n.eq_ignore_ascii_case(&names[j])))
+        {
+            self.names.truncate(start);
+            return Ok(());
+        }
         let duplicate = if names.len() <= SMALL_OBJECT {
             // Few members: compare each pair, in order.
             (1..names.len()).find_map(|j| names[..j].iter().find(|n| **n == names[j]))
