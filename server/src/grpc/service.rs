@@ -451,6 +451,8 @@ impl StreamLoop {
         // Woken by a finished batch only while draining (to end once every
         // batch read is answered); otherwise the loop reaps them in passing.
         let reap = *is_draining;
+        // No shutdown begun since the stream last looked (see below).
+        let quiet = !watch_draining || matches!(draining.has_changed(), Ok(false));
         let drain = async {
             let _ = draining.wait_for(|d| *d).await;
             tracing::debug!("draining: batches read from now on are answered UNAVAILABLE");
@@ -468,18 +470,37 @@ impl StreamLoop {
                 Some(_) = self.tasks.join_next(), if reap && !self.tasks.is_empty() => Step::Again,
             };
         }
-        let slot = tokio::select! {
-            biased;
-            () = self.tx.closed() => return Step::Gone,
-            () = &mut drain, if watch_draining => {
-                *is_draining = true;
-                return Step::Again;
+        // The usual case, with nothing to wait for: room for the answer and
+        // no shutdown begun. The stream's waits (its coordinator gone, the
+        // shutdown, a finished batch) are registered only when the next
+        // message is not there yet.
+        let slot = match self.tx.clone().try_reserve_owned() {
+            Ok(slot) if quiet && !reap => {
+                if let Some(message) = futures::FutureExt::now_or_never(inbound.next()) {
+                    return Step::Read(message, slot);
+                }
+                Some(slot)
             }
-            slot = self.tx.clone().reserve_owned() => match slot {
-                Ok(slot) => slot,
-                Err(_) => return Step::Gone,
-            },
-            Some(_) = self.tasks.join_next(), if reap && !self.tasks.is_empty() => return Step::Again,
+            Ok(slot) => Some(slot),
+            Err(mpsc::error::TrySendError::Closed(_)) => return Step::Gone,
+            Err(mpsc::error::TrySendError::Full(_)) => None,
+        };
+        let slot = if let Some(slot) = slot {
+            slot
+        } else {
+            tokio::select! {
+                biased;
+                () = self.tx.closed() => return Step::Gone,
+                () = &mut drain, if watch_draining => {
+                    *is_draining = true;
+                    return Step::Again;
+                }
+                slot = self.tx.clone().reserve_owned() => match slot {
+                    Ok(slot) => slot,
+                    Err(_) => return Step::Gone,
+                },
+                Some(_) = self.tasks.join_next(), if reap && !self.tasks.is_empty() => return Step::Again,
+            }
         };
         tokio::select! {
             biased;
