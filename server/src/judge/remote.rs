@@ -8,6 +8,7 @@ use super::fold::Fold;
 use super::results_phase::{self, Phase};
 use super::verdicts::{Checked, Rejection, check_verdicts_in};
 use super::{BatchError, ChainGuard, Judging, span_guard};
+use crate::link::events::{EventSender, Events, mailbox};
 use crate::link::pool::Request;
 use crate::link::{Busy, GuardFailure, LinkEvent, NotSent};
 use crate::wire::fields::guard_batch;
@@ -16,7 +17,6 @@ use crate::wire::write;
 use guardmesh_proto::v1::{GuardRole, JudgeResponse, Verdict};
 use prost::bytes::Bytes;
 use std::time::Duration;
-use tokio::sync::mpsc;
 use tokio::time::Instant;
 
 impl Judging<'_> {
@@ -96,7 +96,7 @@ impl Judging<'_> {
         &mut self,
         g: usize,
         tag: usize,
-        events: &mpsc::UnboundedSender<LinkEvent>,
+        events: &EventSender,
         now: Instant,
     ) -> Result<Instant, NotSent> {
         let chain = self.chain;
@@ -227,7 +227,7 @@ impl Judging<'_> {
         }
         self.runs[g].send(sent);
         let mut fold = self.fold_of(&[g]);
-        let (events_tx, mut events) = mpsc::unbounded_channel();
+        let (events_tx, mut events) = mailbox();
         let now = Instant::now();
         // Verdicts arrive in one final answer or in partial ones; a guard
         // that fails after partial answers keeps the skips it sent.
@@ -239,28 +239,27 @@ impl Judging<'_> {
             Ok(guard_deadline) => loop {
                 tokio::select! {
                     event = events.recv() => match event {
-                        Some(LinkEvent::Answer { response, replica, .. }) if !response.error.is_empty() => {
+                        LinkEvent::Answer { response, replica, .. } if !response.error.is_empty() => {
                             self.runs[g].replica = Some(replica);
                             break Some(GuardFailure::Refused(response.error));
                         }
-                        Some(LinkEvent::Answer { response, replica, .. }) => {
+                        LinkEvent::Answer { response, replica, .. } => {
                             self.runs[g].replica = Some(replica);
                             verdicts.extend(response.verdicts);
                             if !response.partial {
                                 break None;
                             }
                         }
-                        Some(LinkEvent::Failed { failure, replica, .. }) => {
+                        LinkEvent::Failed { failure, replica, .. } => {
                             self.runs[g].replica = Some(replica);
                             break Some(failure);
                         }
                         // It waited for room and was shed (R25): the batch
                         // is refused, nothing decided.
-                        Some(LinkEvent::Shed { busy, .. }) => {
+                        LinkEvent::Shed { busy, .. } => {
                             self.runs[g].request_id = None;
                             return Err(self.shed(g, busy));
                         }
-                        None => break Some(GuardFailure::StreamClosed),
                     },
                     () = tokio::time::sleep_until(guard_deadline) => {
                         break Some(GuardFailure::TimedOut(guard_deadline - now));
@@ -338,7 +337,7 @@ impl Judging<'_> {
             if !self.runs[g].sent_any || self.chain.guards[g].guard.is_policy() {
                 continue;
             }
-            let (events_tx, _) = channel.get_or_insert_with(mpsc::unbounded_channel);
+            let (events_tx, _) = channel.get_or_insert_with(mailbox);
             match self.send(g, k, events_tx, now) {
                 Ok(at) => deadlines[k] = Some(at),
                 Err(NotSent::Busy(busy)) => return Err(self.shed(g, busy.into())),
@@ -360,7 +359,7 @@ impl Judging<'_> {
             }
         }
         if !fold.done() {
-            let events = &mut channel.get_or_insert_with(mpsc::unbounded_channel).1;
+            let events = &mut channel.get_or_insert_with(mailbox).1;
             self.collect(&order, events, &mut fold, &mut deadlines, now)
                 .await?;
         }
@@ -384,7 +383,7 @@ impl Judging<'_> {
     async fn collect(
         &mut self,
         order: &[usize],
-        events: &mut mpsc::UnboundedReceiver<LinkEvent>,
+        events: &mut Events,
         fold: &mut Fold,
         deadlines: &mut [Option<Instant>],
         now: Instant,
@@ -404,11 +403,11 @@ impl Judging<'_> {
                         armed = Some(at);
                     }
                     tokio::select! {
-                        event = events.recv() => event,
+                        event = events.recv() => Some(event),
                         () = &mut timer => None,
                     }
                 }
-                None => events.recv().await,
+                None => Some(events.recv().await),
             };
             match event {
                 Some(LinkEvent::Answer {

@@ -44,6 +44,7 @@ mod backoff;
 mod breaker;
 pub mod dial;
 pub mod discover;
+pub mod events;
 mod failure;
 pub mod fair;
 mod guard_link;

@@ -9,12 +9,13 @@ use super::pool::{EJECT_INITIAL, GuardPool, Request, SpawnLink};
 use super::scripted::{ScriptedGuard, ScriptedNet, Step, proceed};
 use super::transport::GuardTransport;
 use super::{GuardFailure, GuardLink, LinkConfig, LinkEvent, NotSent, wire};
+use crate::link::events::{EventSender, Events, mailbox};
 use crate::observe::metrics::Metrics;
 use guardmesh_proto::v1::{GuardBatch, ToolCall};
 use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Duration;
-use tokio::sync::{mpsc, watch};
+use tokio::sync::watch;
 use tokio::time::Instant;
 
 fn ms(n: u64) -> Duration {
@@ -29,8 +30,8 @@ struct Rig {
     guards: Vec<Arc<ScriptedGuard>>,
     pool: GuardPool,
     metrics: Arc<Metrics>,
-    events: mpsc::UnboundedReceiver<LinkEvent>,
-    tx: mpsc::UnboundedSender<LinkEvent>,
+    events: Events,
+    tx: EventSender,
     set: Option<watch::Sender<Arc<[ReplicaTarget]>>>,
 }
 
@@ -77,12 +78,7 @@ fn spawn_links(config: LinkConfig, net: &Arc<ScriptedNet>, metrics: &Arc<Metrics
 }
 
 /// Sends `pool` a one-call batch tagged `tag`, the guard's time `within`.
-fn send(
-    pool: &GuardPool,
-    tx: &mpsc::UnboundedSender<LinkEvent>,
-    tag: usize,
-    within: Duration,
-) -> Result<u64, NotSent> {
+fn send(pool: &GuardPool, tx: &EventSender, tag: usize, within: Duration) -> Result<u64, NotSent> {
     let calls = [ToolCall {
         call_id: format!("c{tag}"),
         tool: "t".into(),
@@ -130,7 +126,7 @@ where
         spawn_links(config, &net, &metrics),
         metrics.clone(),
     );
-    let (tx, events) = mpsc::unbounded_channel();
+    let (tx, events) = mailbox();
     Rig {
         guards,
         pool,
@@ -155,7 +151,7 @@ impl Rig {
     }
 
     async fn next(&mut self) -> LinkEvent {
-        self.events.recv().await.expect("the rig holds a sender")
+        self.events.recv().await
     }
 
     /// Waits for the next `n` events, each an answer.
@@ -601,7 +597,7 @@ async fn r32_a_name_is_its_addresses_and_a_failed_one_asks_for_a_resolution() {
     }
     assert_eq!(pool.endpoints(), [url(0), url(1)], "the name's addresses");
     assert_eq!(resolver.0.load(Ordering::Relaxed), 1);
-    let (tx, mut events) = mpsc::unbounded_channel();
+    let (tx, mut events) = mailbox();
     for tag in 0..10 {
         send(&pool, &tx, tag, ms(2000)).unwrap();
     }
@@ -609,7 +605,7 @@ async fn r32_a_name_is_its_addresses_and_a_failed_one_asks_for_a_resolution() {
     assert!(guards[0].requests() > 0);
     guards[0].kill();
     for _ in 0..10 {
-        match events.recv().await.unwrap() {
+        match events.recv().await {
             LinkEvent::Answer { replica, .. } => assert_eq!(&*replica, url(1)),
             LinkEvent::Failed { failure, .. } => panic!("failed: {failure}"),
             LinkEvent::Shed { busy, .. } => panic!("shed: {busy}"),
@@ -684,7 +680,7 @@ impl Rig {
         };
         loop {
             tokio::select! {
-                event = self.events.recv() => match event.expect("the rig holds a sender") {
+                event = self.events.recv() => match event {
                     LinkEvent::Answer { tag: t, replica, .. } if t == tag => return Ok(replica),
                     LinkEvent::Failed { tag: t, failure, .. } if t == tag => return Err(failure),
                     LinkEvent::Shed { busy, .. } => panic!("shed: {busy}"),
@@ -912,7 +908,7 @@ async fn r13_every_replica_hung_fails_at_the_guard_s_time_and_each_batch_is_sent
         .map(|tag| rig.send(tag, Duration::from_secs(1)).unwrap())
         .collect();
     tokio::time::sleep(Duration::from_secs(1)).await;
-    assert!(rig.events.try_recv().is_err(), "nothing answered");
+    assert!(rig.events.try_recv().is_none(), "nothing answered");
     for id in ids {
         rig.pool.cancel(id);
     }

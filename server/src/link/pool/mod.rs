@@ -129,6 +129,7 @@
 use super::discover::dns::ResolveHandle;
 use super::discover::sources::GuardSources;
 use super::discover::{ReplicaTarget, Replicas};
+use super::events::EventSender;
 use super::fair::{Fair, Sender};
 use super::limit::Limit;
 use super::wire::Head;
@@ -140,7 +141,7 @@ use std::collections::{BTreeSet, HashMap};
 use std::sync::atomic::{AtomicU32, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, PoisonError, Weak};
 use std::time::Duration;
-use tokio::sync::{Notify, mpsc};
+use tokio::sync::Notify;
 use tokio::time::Instant;
 
 mod choice;
@@ -169,7 +170,7 @@ pub struct Request {
     /// Names the request in the events it causes.
     pub tag: usize,
     /// Where the answer or the failure is reported.
-    pub events: mpsc::UnboundedSender<LinkEvent>,
+    pub events: EventSender,
     /// The sending coordinator connection's key.
     pub client: u64,
     /// Its place in the fair queue.
@@ -847,7 +848,7 @@ impl Inner {
                         response,
                         replica,
                     };
-                    let _ = pending.asked.events.send(event);
+                    pending.asked.events.send(event);
                     return;
                 }
                 let Some(pending) = state.requests.remove(&id) else {
@@ -935,7 +936,7 @@ impl Inner {
                                 }),
                             };
                             if let Some(event) = event {
-                                let _ = events.send(event);
+                                events.send(event);
                             }
                             self.gauges(state);
                         }
@@ -999,7 +1000,7 @@ impl Inner {
             | LinkEvent::Failed { tag, .. }
             | LinkEvent::Shed { tag, .. } => *tag = pending.asked.tag,
         }
-        let _ = pending.asked.events.send(event);
+        pending.asked.events.send(event);
         // A replica has room again: the next waiting request, in turn.
         {
             let mut state = self.lock();

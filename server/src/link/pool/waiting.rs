@@ -122,7 +122,7 @@ impl Inner {
     /// Tells a waiting request's batch that it is shed (R25), counted.
     pub(super) fn shed(&self, request: Waiting, busy: Busy) {
         tracing::debug!(guard = %self.name, error = %busy, "request shed: the guard is busy");
-        let _ = request.asked.events.send(LinkEvent::Shed {
+        request.asked.events.send(LinkEvent::Shed {
             tag: request.asked.tag,
             busy,
             replica: Arc::from(""),
@@ -187,7 +187,7 @@ impl Inner {
                 Err(Undispatched::Not(NotSent::Busy(busy))) => self.shed(request, busy.into()),
                 Err(Undispatched::Not(NotSent::NoRoom(busy))) => self.shed(request, busy.into()),
                 Err(Undispatched::Not(NotSent::Failed(failure))) => {
-                    let _ = request.asked.events.send(LinkEvent::Failed {
+                    request.asked.events.send(LinkEvent::Failed {
                         tag: request.asked.tag,
                         failure,
                         replica: Arc::from(""),
@@ -230,7 +230,7 @@ impl Inner {
     /// no progress (R13).
     pub(super) fn give_up(&self, state: &State, request: Waiting, now: Instant) {
         if let Some((in_flight, stalled)) = self.stalled(state, request.since, now) {
-            let _ = request.asked.events.send(LinkEvent::Failed {
+            request.asked.events.send(LinkEvent::Failed {
                 tag: request.asked.tag,
                 failure: GuardFailure::NoProgress { in_flight, stalled },
                 replica: Arc::from(""),

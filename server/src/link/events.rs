@@ -1,0 +1,145 @@
+//! A batch's mailbox: where the requests it sent to guards report their
+//! answers, failures and sheds ([`LinkEvent`]), in the order they happen.
+//!
+//! One per batch, made when it sends its first guard request and dropped
+//! with it; every request of the batch holds a sender. A batch has a few
+//! requests out and reads each event as it comes, so the mailbox is a short
+//! queue under a lock and one waker: one small allocation per batch where a
+//! general channel made two (its shared state and a block of 32 slots) and
+//! counted its senders and permits on every event. The batch holds a sender
+//! of its own while it waits, so [`Events::recv`] never waits on a mailbox
+//! nobody can write to; a request that ends without an event is still
+//! bounded by the guard's deadline the batch waits with (R14).
+
+use super::LinkEvent;
+use futures::task::AtomicWaker;
+use std::collections::VecDeque;
+use std::future::poll_fn;
+use std::sync::{Arc, Mutex, PoisonError};
+use std::task::Poll;
+
+/// A new mailbox: its sending side (cloned into each request) and the
+/// batch's reading side.
+pub fn mailbox() -> (EventSender, Events) {
+    let shared = Arc::new(Mailbox {
+        queue: Mutex::new(VecDeque::new()),
+        waker: AtomicWaker::new(),
+    });
+    (EventSender(shared.clone()), Events(shared))
+}
+
+#[derive(Debug)]
+struct Mailbox {
+    queue: Mutex<VecDeque<LinkEvent>>,
+    /// The batch's task, while it waits for an event.
+    waker: AtomicWaker,
+}
+
+impl Mailbox {
+    fn pop(&self) -> Option<LinkEvent> {
+        self.queue
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .pop_front()
+    }
+}
+
+/// Where a request reports to its batch.
+#[derive(Debug, Clone)]
+pub struct EventSender(Arc<Mailbox>);
+
+impl EventSender {
+    /// Queues `event` for the batch and wakes it. An event for a batch that
+    /// is gone (it was decided, or its coordinator left) is dropped with
+    /// the mailbox.
+    pub fn send(&self, event: LinkEvent) {
+        self.0
+            .queue
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .push_back(event);
+        self.0.waker.wake();
+    }
+}
+
+/// The batch's side of its mailbox.
+#[derive(Debug)]
+pub struct Events(Arc<Mailbox>);
+
+impl Events {
+    /// The next event, waiting for one (cancel-safe: an event is taken
+    /// only when returned).
+    pub async fn recv(&mut self) -> LinkEvent {
+        poll_fn(|cx| {
+            if let Some(event) = self.0.pop() {
+                return Poll::Ready(event);
+            }
+            self.0.waker.register(cx.waker());
+            // An event queued between the look and the registration.
+            match self.0.pop() {
+                Some(event) => Poll::Ready(event),
+                None => Poll::Pending,
+            }
+        })
+        .await
+    }
+
+    /// The next event if one is queued.
+    pub fn try_recv(&mut self) -> Option<LinkEvent> {
+        self.0.pop()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::link::GuardFailure;
+    use std::time::Duration;
+
+    fn failed(tag: usize) -> LinkEvent {
+        LinkEvent::Failed {
+            tag,
+            failure: GuardFailure::StreamClosed,
+            replica: Arc::from("r"),
+        }
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn events_arrive_in_order_and_wake_the_waiting_batch() {
+        let (tx, mut events) = mailbox();
+        assert!(events.try_recv().is_none(), "a new mailbox is empty");
+        let waiting = tokio::spawn(async move {
+            let mut tags = Vec::new();
+            for _ in 0..3 {
+                tags.push(events.recv().await.tag());
+            }
+            tags
+        });
+        // The batch waits first; each send wakes it (R13, R14: an answer
+        // sent is an answer read).
+        tokio::time::sleep(Duration::from_millis(1)).await;
+        let other = tx.clone();
+        tx.send(failed(2));
+        tokio::time::sleep(Duration::from_millis(1)).await;
+        other.send(failed(0));
+        other.send(failed(1));
+        let tags = tokio::time::timeout(Duration::from_secs(5), waiting)
+            .await
+            .expect("R14: every event sent wakes the batch");
+        assert_eq!(tags.expect("the batch ends"), vec![2, 0, 1]);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_withdrawn_wait_takes_nothing() {
+        let (tx, mut events) = mailbox();
+        // A wait given up (the batch's deadline won a select) takes no
+        // event: the next wait gets it.
+        let gave_up = tokio::time::timeout(Duration::from_millis(5), events.recv()).await;
+        assert!(gave_up.is_err(), "nothing was sent");
+        tx.send(failed(7));
+        assert_eq!(events.recv().await.tag(), 7);
+        // Sending to a mailbox whose batch is gone is not an error.
+        drop(events);
+        tx.send(failed(8));
+    }
+}
