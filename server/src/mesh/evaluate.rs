@@ -42,8 +42,11 @@ impl Mesh {
         {
             trace.trace_id = trace_id.to_owned();
         }
+        // Boxed under the span: the judging future is several KiB, and
+        // unboxed it was copied into the span's wrapper and again into
+        // each future that awaits it, per batch.
         let mut outcome = tracing::Instrument::instrument(
-            self.pass_in(request, deadline, trace, span.clone(), pass),
+            Box::pin(self.pass_in(request, deadline, trace, span.clone(), pass)),
             span.clone(),
         )
         .await;

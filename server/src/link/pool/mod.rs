@@ -118,7 +118,7 @@
 //! **Why not tower's `balance::p2c`**: tower's balancer drives
 //! `tower::Service`s, one call per request and readiness polled before
 //! each call. A guard link is a multiplexed stream whose requests answer
-//! through events on the batch's channel, whose "not ready" comes in two
+//! through events on the batch's mailbox, whose "not ready" comes in two
 //! kinds (busy: try another, shed if all are; failed: eject and try
 //! another), and whose requests must move to another replica after they
 //! were sent. tower's `Balance` cannot resend an accepted request nor tell
