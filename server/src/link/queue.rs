@@ -141,18 +141,26 @@ impl Load {
         *held = held.saturating_add(len);
     }
 
-    /// Takes `len` bytes of `client` off the count: the stream took its
-    /// request at `now` (`progress`), or it was never sent.
-    pub(crate) fn remove(&mut self, len: usize, client: Client, now: Instant, progress: bool) {
+    /// The stream took a request of `len` bytes from `client`: progress,
+    /// at `now`. The clock is read only when requests are still queued (an
+    /// empty queue's mark is set again by the next [`Self::add`]): most
+    /// requests are taken as soon as queued.
+    pub(crate) fn taken(&mut self, len: usize, client: Client, now: impl FnOnce() -> Instant) {
+        self.remove(len, client);
+        if self.bytes > 0 {
+            self.mark = now();
+        }
+    }
+
+    /// Takes `len` bytes of `client` off the count, with no progress: a
+    /// request never sent (see [`Self::taken`] for one the stream took).
+    pub(crate) fn remove(&mut self, len: usize, client: Client) {
         self.bytes = self.bytes.saturating_sub(len);
         if let Some(held) = self.by_client.get_mut(&client) {
             *held = held.saturating_sub(len);
             if *held == 0 {
                 self.by_client.remove(&client);
             }
-        }
-        if progress {
-            self.mark = now;
         }
     }
 }
@@ -173,11 +181,10 @@ impl Queue {
         let load = Arc::new(Mutex::new(Load::new(tokio::time::Instant::now())));
         let taken = load.clone();
         let stream = UnboundedReceiverStream::new(rx).map(move |(request, client)| {
-            taken.lock().unwrap_or_else(PoisonError::into_inner).remove(
+            taken.lock().unwrap_or_else(PoisonError::into_inner).taken(
                 request.len(),
                 client,
-                tokio::time::Instant::now(),
-                true,
+                Instant::now,
             );
             request
         });
@@ -216,7 +223,7 @@ impl Queue {
             load.add(len, client, now);
         }
         self.tx.send((request, client)).map_err(|_| {
-            self.load().remove(len, client, now, false);
+            self.load().remove(len, client);
             QueueError::Closed
         })
     }
@@ -316,9 +323,28 @@ mod tests {
             })
         );
         // A request taken is progress: the clock starts again.
-        load.remove(4 * MB, 1, stuck, true);
+        load.taken(4 * MB, 1, || stuck);
         load.add(4 * MB, 1, stuck);
         assert_refused(&load, 2, stuck + Duration::from_secs(4), "busy");
+    }
+
+    #[test]
+    fn r25_a_queue_emptied_needs_no_clock_and_its_next_fill_starts_the_stall() {
+        let (mut load, t0) = empty();
+        load.add(16 * MB, 1, t0);
+        load.taken(16 * MB, 1, || panic!("an emptied queue reads no clock"));
+        // Filled again ten seconds on: the stall runs from the fill, not
+        // from the last request taken.
+        let filled = t0 + Duration::from_secs(10);
+        load.add(16 * MB, 1, filled);
+        assert_refused(&load, 2, filled + Duration::from_secs(4), "busy");
+        assert_refused(&load, 2, filled + Duration::from_secs(5), "stalled");
+        // Taken with more still queued: progress, the clock read.
+        load.add(MB, 3, filled);
+        let took = filled + Duration::from_secs(6);
+        load.taken(16 * MB, 1, || took);
+        load.add(15 * MB, 1, took);
+        assert_refused(&load, 2, took + Duration::from_secs(4), "busy");
     }
 
     #[test]
@@ -334,7 +360,7 @@ mod tests {
         let (mut load, t0) = empty();
         load.add(2 * MB, 1, t0);
         load.add(3 * MB, 1, t0);
-        load.remove(3 * MB, 1, t0 + Duration::from_secs(9), false);
+        load.remove(3 * MB, 1);
         assert_eq!(load.bytes(), 2 * MB);
         assert_eq!(load.check(2 * MB, 1, bounds(), t0), Ok(()));
         // Not progress: the stall clock still runs from t0.
