@@ -414,9 +414,10 @@ impl Judging<'_> {
                     tag: k,
                     response,
                     replica,
+                    answered,
                 }) => {
                     self.runs[order[k]].replica = Some(replica);
-                    self.on_answer(order, k, response, fold, deadlines);
+                    self.on_answer(order, k, response, answered, fold, deadlines);
                 }
                 Some(LinkEvent::Failed {
                     tag: k,
@@ -457,6 +458,7 @@ impl Judging<'_> {
         order: &[usize],
         k: usize,
         response: JudgeResponse,
+        answered: Instant,
         fold: &mut Fold,
         deadlines: &mut [Option<Instant>],
     ) {
@@ -485,7 +487,7 @@ impl Judging<'_> {
                 run.asked.extend(checked.asks);
                 if final_answer {
                     deadlines[k] = None;
-                    run.finished = Some(Instant::now());
+                    run.finished = Some(answered);
                     fold.complete(k);
                     if let Some(link) = &self.chain.guards[g].link {
                         link.record(run.replica.as_deref(), Ok(()));

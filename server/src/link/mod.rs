@@ -80,6 +80,10 @@ pub enum LinkEvent {
         tag: usize,
         response: JudgeResponse,
         replica: Arc<str>,
+        /// When the mesh read it off the guard's stream: the request's
+        /// latency ends here, for the replica's limit and the guard's
+        /// trace entry alike (one reading of the clock for both).
+        answered: tokio::time::Instant,
     },
     /// The request to the guard at index `tag` failed.
     Failed {

@@ -115,6 +115,7 @@ async fn serve_stream(
 /// request (R23), partial or not: the guard is told to stop work on it.
 fn route(shared: &Shared, answer: wire::Answer) {
     let wire::Answer { response, unknown } = answer;
+    let answered = tokio::time::Instant::now();
     let id = response.request_id;
     let mut state = shared.lock();
     let waiter = if response.partial && unknown.is_none() {
@@ -133,6 +134,7 @@ fn route(shared: &Shared, answer: wire::Answer) {
                 tag,
                 response,
                 replica,
+                answered,
             });
         }
         (Some((tag, events)), Some(field)) => {

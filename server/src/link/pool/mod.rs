@@ -834,7 +834,10 @@ impl Inner {
             // A link never sheds: only the pool does.
             LinkEvent::Shed { .. } => return,
             LinkEvent::Answer {
-                response, replica, ..
+                response,
+                replica,
+                answered,
+                ..
             } => {
                 if response.partial && response.error.is_empty() {
                     pending.partial = true;
@@ -847,6 +850,7 @@ impl Inner {
                         tag: pending.asked.tag,
                         response,
                         replica,
+                        answered,
                     };
                     pending.asked.events.send(event);
                     return;
@@ -862,7 +866,7 @@ impl Inner {
                 let left = pending.replica.release(
                     pending.sent_at,
                     id,
-                    Instant::now(),
+                    answered,
                     Ended::Answered,
                     &prices,
                 );
@@ -873,6 +877,7 @@ impl Inner {
                         tag: 0,
                         response,
                         replica,
+                        answered,
                     },
                 )
             }
