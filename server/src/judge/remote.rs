@@ -269,11 +269,9 @@ impl Judging<'_> {
         };
         self.runs[g].finished = Some(Instant::now());
         // A guard that answered in full is healthy, even when its answer is
-        // then rejected (R11): that is a policy bug, not an outage.
+        // then rejected (R11): that is a policy bug, not an outage. The
+        // pool told its replica's circuit when the answer came.
         let answered = failure.is_none();
-        if answered && let Some(link) = &self.chain.guards[g].link {
-            link.record(self.runs[g].replica.as_deref(), Ok(()));
-        }
         let checked = self.check_verdicts(g, verdicts);
         let chain = self.chain;
         let guard = &chain.guards[g].guard;
@@ -488,10 +486,8 @@ impl Judging<'_> {
                 if final_answer {
                     deadlines[k] = None;
                     run.finished = Some(answered);
+                    // The replica's circuit was told by the pool.
                     fold.complete(k);
-                    if let Some(link) = &self.chain.guards[g].link {
-                        link.record(run.replica.as_deref(), Ok(()));
-                    }
                 }
             }
             Err(reason) => {

@@ -495,6 +495,49 @@ async fn r32_one_replica_s_failures_never_open_the_others_circuits() {
 }
 
 #[tokio::test(start_paused = true)]
+async fn r13_a_final_answer_resets_the_replica_s_circuit_without_the_batch_telling() {
+    // Two failures, an answer, two failures, an answer...: never three
+    // failures in a row, so the circuit (3) never opens. The rig reports
+    // each failure back as a batch does; of an answer, the pool tells the
+    // replica's circuit itself.
+    let mut rig = rig(
+        1,
+        |c| c.circuit_failures = 3,
+        |_| {
+            |b: &GuardBatch| {
+                let tag: usize = b.batch_id[1..].parse().expect("b<tag>");
+                if tag % 3 == 2 {
+                    vec![Step::answer(b, vec![])]
+                } else {
+                    vec![Step::fail(tonic::Status::unavailable("reset"))]
+                }
+            }
+        },
+    );
+    settle().await;
+    for tag in 0..9 {
+        // Past the reconnect's backoff, well within an open circuit's 5 s.
+        tokio::time::sleep(Duration::from_secs(1)).await;
+        let sent = rig.send(tag, Duration::from_secs(1));
+        assert!(sent.is_ok(), "R13: round {tag} refused: {sent:?}");
+        match rig.next().await {
+            LinkEvent::Answer { .. } => assert_eq!(tag % 3, 2, "round {tag}"),
+            LinkEvent::Failed {
+                failure, replica, ..
+            } => {
+                assert_ne!(tag % 3, 2, "round {tag}: {failure}");
+                assert!(
+                    matches!(failure, GuardFailure::Status { .. }),
+                    "R13: round {tag} failed by an open circuit: {failure}"
+                );
+                rig.pool.record(Some(&replica), Err(&failure));
+            }
+            LinkEvent::Shed { busy, .. } => panic!("shed: {busy}"),
+        }
+    }
+}
+
+#[tokio::test(start_paused = true)]
 async fn r32_a_request_with_a_partial_answer_is_not_sent_again() {
     let mut rig = rig(
         2,

@@ -871,6 +871,14 @@ impl Inner {
                     &prices,
                 );
                 pending.replica.series.outstanding(left);
+                // A final answer that is not an error: the replica is
+                // healthy (R13, R32), whatever the batch then makes of the
+                // verdicts (a rejected rewrite is a policy bug, R11, not
+                // an outage). Told here, where the replica is at hand.
+                if response.error.is_empty() {
+                    pending.replica.ejections.store(0, Ordering::Relaxed);
+                    pending.replica.link.record(Ok(()));
+                }
                 (
                     pending,
                     LinkEvent::Answer {
