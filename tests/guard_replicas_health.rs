@@ -60,11 +60,11 @@ fn replicated(name: &str, urls: &[String]) -> GuardSpec {
     crate::guard_replicas::replicated(name, urls, Duration::from_secs(5))
 }
 
-/// What a load run saw: each decision's send time, its replica, and
-/// whether it was right; and every failure.
+/// What a load run saw: each decision's send and answer times and its
+/// replica; and every failure.
 #[derive(Default)]
 struct Seen {
-    judged: Vec<(Instant, String)>,
+    judged: Vec<(Instant, Instant, String)>,
     failed: Vec<(Instant, String)>,
 }
 
@@ -88,7 +88,8 @@ async fn load(
                 let mut seen = seen.lock().unwrap();
                 match outcome {
                     Ok(d) if deny_list_decided(&d, "hg") => {
-                        seen.judged.push((sent, replica_of(&d, "hg")));
+                        seen.judged
+                            .push((sent, Instant::now(), replica_of(&d, "hg")));
                     }
                     Ok(d) => seen.failed.push((sent, format!("{:?}", d.trace))),
                     Err(e) => seen.failed.push((sent, e.to_string())),
@@ -198,15 +199,18 @@ impl Seen {
     }
 }
 
-/// Batches sent within `[from, to)` that `replica` judged, and all sent then.
+/// Batches sent from `from` and answered before `to` that `replica`
+/// judged, and all such batches: each was sent to its replica within
+/// `[from, to)`. (By the send time alone, a batch sent just before `to`
+/// may wait for room in the mesh and reach a replica after it.)
 fn judged_between(seen: &Seen, replica: &str, from: Instant, to: Instant) -> (usize, usize) {
     let window: Vec<_> = seen
         .judged
         .iter()
-        .filter(|(at, _)| *at >= from && *at < to)
+        .filter(|(sent, answered, _)| *sent >= from && *answered < to)
         .collect();
     (
-        window.iter().filter(|(_, r)| r == replica).count(),
+        window.iter().filter(|(_, _, r)| r == replica).count(),
         window.len(),
     )
 }
@@ -239,7 +243,8 @@ async fn r32_a_not_serving_replica_gets_no_new_requests_then_serves_again() {
     tokio::time::sleep(Duration::from_secs(3)).await;
     assert_eq!(draining(&urls[1]), 0.0, "R32: a serving replica's gauge");
     // Taken before the command: the replica says SERVING before it
-    // answers it, and batches sent from then on may rightly go to it.
+    // answers it, so a batch answered before this instant was sent to a
+    // replica while the first one drained.
     let up = Instant::now();
     command(&mut run.guards[0], "up");
     tokio::time::sleep(Duration::from_secs(3)).await;
