@@ -9,7 +9,10 @@
 //! counted its senders and permits on every event. The batch holds a sender
 //! of its own while it waits, so [`Events::recv`] never waits on a mailbox
 //! nobody can write to; a request that ends without an event is still
-//! bounded by the guard's deadline the batch waits with (R14).
+//! bounded by the guard's deadline the batch waits with (R14). Once the
+//! batch is gone (decided, or its coordinator left) the mailbox is closed:
+//! what its requests still send (a slow guard's answers, partial ones) is
+//! dropped, not kept for as long as a request lives.
 
 use super::LinkEvent;
 use futures::task::AtomicWaker;
@@ -22,7 +25,7 @@ use std::task::Poll;
 /// batch's reading side.
 pub fn mailbox() -> (EventSender, Events) {
     let shared = Arc::new(Mailbox {
-        queue: Mutex::new(VecDeque::new()),
+        inbox: Mutex::new(Inbox::default()),
         waker: AtomicWaker::new(),
     });
     (EventSender(shared.clone()), Events(shared))
@@ -30,17 +33,25 @@ pub fn mailbox() -> (EventSender, Events) {
 
 #[derive(Debug)]
 struct Mailbox {
-    queue: Mutex<VecDeque<LinkEvent>>,
+    inbox: Mutex<Inbox>,
     /// The batch's task, while it waits for an event.
     waker: AtomicWaker,
 }
 
+#[derive(Debug, Default)]
+struct Inbox {
+    events: VecDeque<LinkEvent>,
+    /// The batch is gone: nothing more is kept.
+    closed: bool,
+}
+
 impl Mailbox {
+    fn inbox(&self) -> std::sync::MutexGuard<'_, Inbox> {
+        self.inbox.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
     fn pop(&self) -> Option<LinkEvent> {
-        self.queue
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .pop_front()
+        self.inbox().events.pop_front()
     }
 }
 
@@ -53,12 +64,20 @@ impl EventSender {
     /// is gone (it was decided, or its coordinator left) is dropped with
     /// the mailbox.
     pub fn send(&self, event: LinkEvent) {
-        self.0
-            .queue
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .push_back(event);
+        {
+            let mut inbox = self.0.inbox();
+            if inbox.closed {
+                return;
+            }
+            inbox.events.push_back(event);
+        }
         self.0.waker.wake();
+    }
+
+    /// Events queued and not yet read.
+    #[cfg(test)]
+    fn queued(&self) -> usize {
+        self.0.inbox().events.len()
     }
 }
 
@@ -87,6 +106,17 @@ impl Events {
     /// The next event if one is queued.
     pub fn try_recv(&mut self) -> Option<LinkEvent> {
         self.0.pop()
+    }
+}
+
+impl Drop for Events {
+    fn drop(&mut self) {
+        let mut inbox = self.0.inbox();
+        inbox.closed = true;
+        // Dropped outside the lock.
+        let events = std::mem::take(&mut inbox.events);
+        drop(inbox);
+        drop(events);
     }
 }
 
@@ -138,8 +168,14 @@ mod tests {
         assert!(gave_up.is_err(), "nothing was sent");
         tx.send(failed(7));
         assert_eq!(events.recv().await.tag(), 7);
-        // Sending to a mailbox whose batch is gone is not an error.
-        drop(events);
+        // A batch gone: what was queued goes with it, and what its
+        // requests still send is not kept (a slow guard's answers would
+        // otherwise live as long as its request).
         tx.send(failed(8));
+        assert_eq!(tx.queued(), 1);
+        drop(events);
+        assert_eq!(tx.queued(), 0, "the batch's events outlive it");
+        tx.send(failed(9));
+        assert_eq!(tx.queued(), 0, "an event kept for a batch that is gone");
     }
 }
