@@ -477,6 +477,11 @@ impl StreamLoop {
         let slot = match self.tx.clone().try_reserve_owned() {
             Ok(slot) if quiet && !reap => {
                 if let Some(message) = futures::FutureExt::now_or_never(inbound.next()) {
+                    // A yield point, as the waits it skips were: a
+                    // coordinator whose batches are all answered at once
+                    // (refused) never holds the thread past the runtime's
+                    // budget.
+                    tokio::task::coop::consume_budget().await;
                     return Step::Read(message, slot);
                 }
                 Some(slot)
