@@ -871,13 +871,34 @@ impl Inner {
                     &prices,
                 );
                 pending.replica.series.outstanding(left);
-                // A final answer that is not an error: the replica is
-                // healthy (R13, R32), whatever the batch then makes of the
-                // verdicts (a rejected rewrite is a policy bug, R11, not
-                // an outage). Told here, where the replica is at hand.
-                if response.error.is_empty() {
-                    pending.replica.ejections.store(0, Ordering::Relaxed);
-                    pending.replica.link.record(Ok(()));
+                // A final answer that is not an error: the replica that
+                // sent it is healthy (R13, R32), whatever the batch then
+                // makes of the verdicts (a rejected rewrite is a policy
+                // bug, R11, not an outage). Told here, where the replica
+                // is at hand.
+                if *pending.replica.endpoint == *replica {
+                    if response.error.is_empty() {
+                        pending.replica.ejections.store(0, Ordering::Relaxed);
+                        pending.replica.link.record(Ok(()));
+                    }
+                } else {
+                    // The replica the request had just moved away from
+                    // answered as its attempt ran out: the copy sent to
+                    // the other one is withdrawn, and the one that
+                    // answered is the healthy one, not the other.
+                    pending.replica.link.cancel(pending.link_id);
+                    let answering = self
+                        .lock()
+                        .live
+                        .iter()
+                        .find(|r| *r.endpoint == *replica)
+                        .cloned();
+                    if let Some(answering) = answering
+                        && response.error.is_empty()
+                    {
+                        answering.ejections.store(0, Ordering::Relaxed);
+                        answering.link.record(Ok(()));
+                    }
                 }
                 (
                     pending,
