@@ -232,6 +232,8 @@ impl Judging<'_> {
         // Verdicts arrive in one final answer or in partial ones; a guard
         // that fails after partial answers keeps the skips it sent.
         let mut verdicts = Vec::new();
+        // When the final answer was read; else when the guard failed.
+        let mut finished = None;
         let failure = match self.send(g, 0, &events_tx, now) {
             Err(NotSent::Busy(busy)) => return Err(self.shed(g, busy.into())),
             Err(NotSent::NoRoom(busy)) => return Err(self.shed(g, busy.into())),
@@ -243,10 +245,11 @@ impl Judging<'_> {
                             self.runs[g].replica = Some(replica);
                             break Some(GuardFailure::Refused(response.error));
                         }
-                        LinkEvent::Answer { response, replica, .. } => {
+                        LinkEvent::Answer { response, replica, answered, .. } => {
                             self.runs[g].replica = Some(replica);
                             verdicts.extend(response.verdicts);
                             if !response.partial {
+                                finished = Some(answered);
                                 break None;
                             }
                         }
@@ -267,7 +270,7 @@ impl Judging<'_> {
                 }
             },
         };
-        self.runs[g].finished = Some(Instant::now());
+        self.runs[g].finished = Some(finished.unwrap_or_else(Instant::now));
         // A guard that answered in full is healthy, even when its answer is
         // then rejected (R11): that is a policy bug, not an outage. The
         // pool told its replica's circuit when the answer came.
