@@ -135,7 +135,7 @@ mod tests {
     }
 
     #[tokio::test(start_paused = true)]
-    async fn events_arrive_in_order_and_wake_the_waiting_batch() {
+    async fn r14_events_arrive_in_order_and_wake_the_waiting_batch() {
         let (tx, mut events) = mailbox();
         assert!(events.try_recv().is_none(), "a new mailbox is empty");
         let waiting = tokio::spawn(async move {
@@ -160,7 +160,7 @@ mod tests {
     }
 
     #[tokio::test(start_paused = true)]
-    async fn a_withdrawn_wait_takes_nothing() {
+    async fn r14_a_withdrawn_wait_takes_nothing_and_a_gone_batch_keeps_nothing() {
         let (tx, mut events) = mailbox();
         // A wait given up (the batch's deadline won a select) takes no
         // event: the next wait gets it.

@@ -616,16 +616,10 @@ impl GuardPool {
     /// then; `replica` is `None` for those.
     pub fn record(&self, replica: Option<&str>, outcome: Result<(), &GuardFailure>) {
         let Some(replica) = replica else { return };
-        let found = self
-            .inner
-            .lock()
-            .live
-            .iter()
-            .find(|r| &*r.endpoint == replica)
-            .cloned();
-        if let Some(found) = found {
+        if let Some(found) = self.inner.live_replica(replica) {
             if outcome.is_ok() {
-                found.ejections.store(0, Ordering::Relaxed);
+                found.answered_in_full();
+                return;
             }
             // R25, R13: a request that timed out on a replica that answered
             // others meanwhile waited behind load; the circuit opens only
@@ -653,6 +647,15 @@ impl GuardPool {
 impl Inner {
     fn lock(&self) -> std::sync::MutexGuard<'_, State> {
         self.state.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// The live replica at `endpoint`, if it is still one.
+    fn live_replica(&self, endpoint: &str) -> Option<Arc<Replica>> {
+        self.lock()
+            .live
+            .iter()
+            .find(|r| *r.endpoint == *endpoint)
+            .cloned()
     }
 
     /// Makes the live set `targets`: keeps the replicas still listed, opens
@@ -876,29 +879,22 @@ impl Inner {
                 // makes of the verdicts (a rejected rewrite is a policy
                 // bug, R11, not an outage). Told here, where the replica
                 // is at hand.
-                if *pending.replica.endpoint == *replica {
-                    if response.error.is_empty() {
-                        pending.replica.ejections.store(0, Ordering::Relaxed);
-                        pending.replica.link.record(Ok(()));
-                    }
+                let moved_from;
+                let answering = if *pending.replica.endpoint == *replica {
+                    Some(&pending.replica)
                 } else {
                     // The replica the request had just moved away from
                     // answered as its attempt ran out: the copy sent to
                     // the other one is withdrawn, and the one that
                     // answered is the healthy one, not the other.
                     pending.replica.link.cancel(pending.link_id);
-                    let answering = self
-                        .lock()
-                        .live
-                        .iter()
-                        .find(|r| *r.endpoint == *replica)
-                        .cloned();
-                    if let Some(answering) = answering
-                        && response.error.is_empty()
-                    {
-                        answering.ejections.store(0, Ordering::Relaxed);
-                        answering.link.record(Ok(()));
-                    }
+                    moved_from = self.live_replica(&replica);
+                    moved_from.as_ref()
+                };
+                if let Some(answering) = answering
+                    && response.error.is_empty()
+                {
+                    answering.answered_in_full();
                 }
                 (
                     pending,

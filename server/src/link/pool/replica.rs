@@ -325,6 +325,13 @@ impl Replica {
     pub(super) fn answered_since(&self, since: Instant) -> bool {
         self.load().answered.is_some_and(|at| at > since)
     }
+    /// It answered a request in full (not with an error): it is healthy.
+    /// Its ejection backoff starts over and its circuit hears of a
+    /// success (R13, R32).
+    pub(super) fn answered_in_full(&self) {
+        self.ejections.store(0, Ordering::Relaxed);
+        self.link.record(Ok(()));
+    }
 }
 
 /// How a request left a replica ([`Replica::release`]).
