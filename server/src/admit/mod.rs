@@ -203,7 +203,10 @@ pub(crate) fn stream(
 /// judged at once.
 #[derive(Debug)]
 pub(crate) struct StreamGate {
-    in_flight: Mutex<HashSet<String>>,
+    /// The ids in flight: a peer's strings, hashed by foldhash seeded per
+    /// process (as the mesh's other maps of a peer's keys), at most the
+    /// stream's batches in flight.
+    in_flight: Mutex<HashSet<String, foldhash::fast::RandomState>>,
     judged: AtomicUsize,
     max_batches: usize,
 }

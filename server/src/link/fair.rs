@@ -19,7 +19,12 @@
 //! exceed its share of the queue.
 
 use std::collections::VecDeque;
-use std::hash::{Hash, Hasher};
+use std::hash::BuildHasher;
+
+/// Hashes identities and sessions into clients and flows: a fixed seed, so
+/// a sender's key is the same in every run.
+const FLOWS: foldhash::fast::FixedState =
+    foldhash::fast::FixedState::with_seed(0x6775_6172_646d_6573);
 
 /// Who sent a waiting request: its client and its flow within the client.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
@@ -34,12 +39,7 @@ impl Sender {
     /// `session`: the client is the identity when there is one, else the
     /// connection.
     pub fn of(connection: u64, identity: &str, session: &str) -> Self {
-        let hash = |tag: u8, text: &str| {
-            let mut hasher = std::collections::hash_map::DefaultHasher::new();
-            tag.hash(&mut hasher);
-            text.hash(&mut hasher);
-            hasher.finish()
-        };
+        let hash = |tag: u8, text: &str| FLOWS.hash_one((tag, text));
         Self {
             client: if identity.is_empty() {
                 connection

@@ -87,7 +87,9 @@ impl Limit {
 
     /// Requests the replica may hold now: at least 1.
     pub(crate) fn get(&self) -> usize {
-        (self.limit.floor() as usize).max(1)
+        // The limit is at least 1, so truncation is its floor (without a
+        // call to the maths library per request).
+        (self.limit as usize).max(1)
     }
 
     /// The unloaded latency as measured, if any answer came yet.
@@ -115,13 +117,13 @@ impl Limit {
         if (in_flight as f64) * 2.0 <= self.limit {
             self.light = true;
         }
-        let rtt = (rtt.as_nanos() as f64).max(1.0);
+        let rtt = nanos(rtt).max(1.0);
         self.current = Some(self.current.map_or(rtt, |least| least.min(rtt)));
         let Some(unloaded) = self.unloaded() else {
             return;
         };
-        let unloaded = (unloaded.as_nanos() as f64).max(1.0);
-        let slack = SLACK.as_nanos() as f64;
+        let unloaded = nanos(unloaded).max(1.0);
+        let slack = nanos(SLACK);
         let gradient = ((TOLERANCE * unloaded + slack) / rtt).clamp(0.5, 1.0);
         let mut next = self.limit * gradient + self.limit.sqrt();
         // An idle replica proves nothing about a larger limit.
@@ -132,12 +134,40 @@ impl Limit {
     }
 }
 
+/// `d` in nanoseconds, as a float: from its seconds and nanoseconds, not
+/// from the 128-bit `as_nanos` (whose conversion to a float is a software
+/// routine), and equal to it for any duration under 104 days.
+pub(crate) fn nanos(d: Duration) -> f64 {
+    d.as_secs() as f64 * 1e9 + f64::from(d.subsec_nanos())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
 
     fn ms(n: u64) -> Duration {
         Duration::from_millis(n)
+    }
+
+    /// R25: the limit's and the replica prices' arithmetic reads a round
+    /// trip as its 128-bit nanoseconds did, to the nanosecond, for any
+    /// round trip up to 104 days (a change of the conversion changes no
+    /// choice of replica and no limit).
+    #[test]
+    fn r25_round_trips_read_in_nanoseconds_exactly() {
+        let day = 86_400;
+        for d in [
+            Duration::ZERO,
+            Duration::from_nanos(1),
+            Duration::from_nanos(999_999_999),
+            Duration::from_micros(1_500),
+            Duration::new(1, 1),
+            Duration::new(59, 999_999_999),
+            Duration::new(104 * day, 123_456_789),
+        ] {
+            assert_eq!(nanos(d), d.as_nanos() as f64, "{d:?}");
+            assert_eq!(nanos(d) as u128, d.as_nanos(), "{d:?}");
+        }
     }
 
     /// A guard that judges `workers` requests at a time, each in `each`,

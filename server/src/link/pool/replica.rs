@@ -35,9 +35,7 @@ pub(super) const COST_TIE: f64 = 2.0;
 /// The least latency estimate, in nanoseconds: a cost is never zero.
 pub(super) const MIN_ESTIMATE: f64 = 1_000.0;
 
-pub(super) fn nanos(d: Duration) -> f64 {
-    d.as_nanos() as f64
-}
+pub(super) use crate::link::limit::nanos;
 
 /// One replica: its link and its load.
 pub(super) struct Replica {
