@@ -156,6 +156,7 @@ impl Judging<'_> {
             sender,
             stall: guard.timeout,
             until: now + budget,
+            at: now,
         })?;
         self.runs[g].request_id = Some(id);
         Ok(now + budget)

@@ -100,6 +100,7 @@ fn send(pool: &GuardPool, tx: &EventSender, tag: usize, within: Duration) -> Res
         sender: crate::link::fair::Sender::default(),
         stall: Duration::from_secs(1),
         until: Instant::now() + within,
+        at: Instant::now(),
     })
 }
 

@@ -180,6 +180,9 @@ pub struct Request {
     pub stall: Duration,
     /// When the guard's time for this batch is up.
     pub until: Instant,
+    /// When the batch sent it: the pool's time for it, read once by the
+    /// batch for all its guards, not once more by the pool per guard.
+    pub at: Instant,
 }
 
 /// A request the pool has sent and not settled.
@@ -553,12 +556,12 @@ impl GuardPool {
     pub fn send(&self, asked: Request) -> Result<u64, NotSent> {
         let id = self.inner.next_id.fetch_add(1, Ordering::Relaxed);
         let mut state = self.inner.lock();
-        let now = Instant::now();
+        let now = asked.at;
         let request = Waiting::new(asked, now);
         // Others wait already: this one takes its turn after them.
         if !state.waiting.is_empty() {
             self.inner.enqueue(&mut state, id, request)?;
-            self.inner.drain(&mut state);
+            self.inner.drain(&mut state, Some(now));
             self.inner.gauges(&mut state);
             return Ok(id);
         }
@@ -595,16 +598,13 @@ impl GuardPool {
         };
         pending.replica.link.cancel(pending.link_id);
         // Unanswered for this long: its estimate is at least that.
-        let left = pending.replica.release(
-            pending.sent_at,
-            id,
-            Instant::now(),
-            Ended::Withdrawn,
-            &prices,
-        );
+        let now = Instant::now();
+        let left = pending
+            .replica
+            .release(pending.sent_at, id, now, Ended::Withdrawn, &prices);
         pending.replica.series.outstanding(left);
         let mut state = self.inner.lock();
-        self.inner.drain(&mut state);
+        self.inner.drain(&mut state, Some(now));
         self.inner.gauges(&mut state);
         drop(state);
         Some(pending.replica.endpoint.clone())
@@ -1030,11 +1030,16 @@ impl Inner {
             | LinkEvent::Failed { tag, .. }
             | LinkEvent::Shed { tag, .. } => *tag = pending.asked.tag,
         }
+        // An answer was timed as it was read: the turn's time.
+        let now = match &event {
+            LinkEvent::Answer { answered, .. } => Some(*answered),
+            LinkEvent::Failed { .. } | LinkEvent::Shed { .. } => None,
+        };
         pending.asked.events.send(event);
         // A replica has room again: the next waiting request, in turn.
         {
             let mut state = self.lock();
-            self.drain(&mut state);
+            self.drain(&mut state, now);
             self.gauges(&mut state);
         }
         // `pending` (and the replica it may hold last) goes here, outside

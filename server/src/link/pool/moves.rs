@@ -141,7 +141,7 @@ impl Inner {
             moved.extend(self.attempt_timed_out(&mut state, id, now));
         }
         self.expire_waits(&mut state, now);
-        self.drain(&mut state);
+        self.drain(&mut state, Some(now));
         self.gauges(&mut state);
         let attempt = state.attempts.first().map(|(at, _)| *at);
         let wait = state.waits.first().map(|(at, _)| *at);

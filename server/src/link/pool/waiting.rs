@@ -132,9 +132,14 @@ impl Inner {
     /// Sends waiting requests, in turn, while an available replica has
     /// room (or none is available: then they go where [`Self::dispatch`]
     /// sends them, and fail there per the guard's policy if they must).
-    pub(super) fn drain(self: &Arc<Self>, state: &mut State) {
+    /// `now`: the time when the caller has just read it (a send, an
+    /// answer), else read here, once for the turn (it takes microseconds).
+    pub(super) fn drain(self: &Arc<Self>, state: &mut State, now: Option<Instant>) {
+        if state.waiting.is_empty() {
+            return;
+        }
+        let now = now.unwrap_or_else(Instant::now);
         while !state.waiting.is_empty() {
-            let now = Instant::now();
             let room = state.live.iter().any(|r| r.available(now) && r.has_room())
                 || !state.live.iter().any(|r| r.available(now));
             if !room {
