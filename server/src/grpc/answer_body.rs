@@ -15,16 +15,65 @@
 //! headers and compression negotiation stay tonic's.
 
 use super::service::AnswerStream;
-use guardmesh_proto::v1::EvaluateResponse;
+use guardmesh_proto::v1::{EvaluateResponse, evaluate_response};
 use http_body::Frame;
 use prost::Message;
 use prost::bytes::{BufMut, Bytes, BytesMut};
+use prost::encoding::{WireType, encode_key, encode_varint, encoded_len_varint, key_len};
 use std::pin::Pin;
 use std::task::{Context, Poll, ready};
 use tonic::Status;
 
 /// The gRPC message prefix: a compression flag and a 4-byte length.
 const PREFIX_BYTES: usize = 5;
+
+/// `EvaluateResponse.decision`'s field number.
+const DECISION_FIELD: u32 = 2;
+
+/// An answer's encoded length, counted once when it is queued: the whole
+/// message's, and its decision's when it has one (the prefix of that
+/// field, which encoding the message would count again, nested messages
+/// and all).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub(crate) struct Counted {
+    /// The encoded `EvaluateResponse`, in bytes.
+    pub(crate) len: usize,
+    /// Its `decision` field's message, in bytes.
+    decision: Option<usize>,
+}
+
+impl Counted {
+    pub(crate) fn of(response: &EvaluateResponse) -> Self {
+        // Every field named: a field added to the message is a field this
+        // count and `frame_into` must write.
+        let EvaluateResponse { batch_id, result } = response;
+        match result {
+            Some(evaluate_response::Result::Decision(decision)) => {
+                let inner = decision.encoded_len();
+                Self {
+                    len: batch_id_len(batch_id)
+                        + key_len(DECISION_FIELD)
+                        + encoded_len_varint(inner as u64)
+                        + inner,
+                    decision: Some(inner),
+                }
+            }
+            Some(evaluate_response::Result::Error(_)) | None => Self {
+                len: response.encoded_len(),
+                decision: None,
+            },
+        }
+    }
+}
+
+/// `batch_id`'s field, as proto3 writes it: nothing when empty.
+fn batch_id_len(batch_id: &str) -> usize {
+    if batch_id.is_empty() {
+        0
+    } else {
+        key_len(1) + encoded_len_varint(batch_id.len() as u64) + batch_id.len()
+    }
+}
 
 /// An `Evaluate` stream's answers as HTTP/2 frames, then its trailers.
 #[derive(Debug)]
@@ -45,16 +94,17 @@ impl AnswerBody {
     }
 }
 
-/// Appends `response`, of `len` encoded bytes (its `encoded_len`, counted
-/// once when it was queued), to `buf` as one uncompressed gRPC message;
-/// refused `OUT_OF_RANGE` over `max_message` bytes, as tonic refuses it.
+/// Appends `response`, of the length `counted` when it was queued, to
+/// `buf` as one uncompressed gRPC message; refused `OUT_OF_RANGE` over
+/// `max_message` bytes, as tonic refuses it, and `INTERNAL` (nothing
+/// appended) if it does not encode to that length.
 fn frame_into(
     buf: &mut BytesMut,
     response: &EvaluateResponse,
-    len: usize,
+    counted: Counted,
     max_message: usize,
 ) -> Result<(), Status> {
-    debug_assert_eq!(len, response.encoded_len());
+    let len = counted.len;
     if len > max_message {
         return Err(Status::out_of_range(format!(
             "an answer of {len} bytes is over the mesh's limit of {max_message} bytes per message"
@@ -63,11 +113,42 @@ fn frame_into(
     let prefix = u32::try_from(len)
         .map_err(|_| Status::out_of_range(format!("an answer of {len} bytes")))?;
     buf.reserve(PREFIX_BYTES + len);
+    let start = buf.len();
     buf.put_u8(0);
     buf.put_u32(prefix);
-    response
-        .encode(buf)
-        .map_err(|e| Status::internal(format!("encoding an answer: {e}")))
+    // Written without `encode`, whose check of the room left counts the
+    // whole answer's length again, and with the decision's length as
+    // counted (prost's would count it, every nested message of it, once
+    // more): the lengths are known, and the room reserved.
+    match (&response.result, counted.decision) {
+        (Some(evaluate_response::Result::Decision(decision)), Some(inner)) => {
+            if !response.batch_id.is_empty() {
+                prost::encoding::string::encode(1, &response.batch_id, buf);
+            }
+            encode_key(DECISION_FIELD, WireType::LengthDelimited, buf);
+            encode_varint(inner as u64, buf);
+            let at = buf.len();
+            decision.encode_raw(buf);
+            let wrote = buf.len() - at;
+            if wrote != inner {
+                buf.truncate(start);
+                return Err(Status::internal(format!(
+                    "an answer's decision encoded to {wrote} bytes, not the {inner} it was counted at"
+                )));
+            }
+        }
+        _ => response.encode_raw(buf),
+    }
+    let written = buf.len() - start - PREFIX_BYTES;
+    if written != len {
+        // Never sent: a frame whose prefix disagrees with its message
+        // would garble every later message of the stream.
+        buf.truncate(start);
+        return Err(Status::internal(format!(
+            "an answer encoded to {written} bytes, not the {len} it was counted at"
+        )));
+    }
+    Ok(())
 }
 
 impl http_body::Body for AnswerBody {
@@ -82,9 +163,9 @@ impl http_body::Body for AnswerBody {
             return Poll::Ready(None);
         }
         let status = match ready!(self.answers.poll_answer(cx)) {
-            Some((Ok(response), len)) => {
+            Some((Ok(response), counted)) => {
                 let mut buf = BytesMut::new();
-                match frame_into(&mut buf, &response, len, self.max_message) {
+                match frame_into(&mut buf, &response, counted, self.max_message) {
                     Ok(()) => return Poll::Ready(Some(Ok(Frame::data(buf.freeze())))),
                     Err(status) => status,
                 }
@@ -110,7 +191,9 @@ impl http_body::Body for AnswerBody {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use guardmesh_proto::v1::{BatchError, evaluate_response};
+    use guardmesh_proto::v1::{
+        Action, BatchDecision, BatchError, CallDecision, GuardTrace, ToolCall, evaluate_response,
+    };
 
     fn answer(batch_id: &str) -> EvaluateResponse {
         EvaluateResponse {
@@ -122,28 +205,159 @@ mod tests {
         }
     }
 
+    /// A decision of `calls` calls, each in it three times (R12), with a
+    /// trace entry per guard (R21): long enough that its lengths take
+    /// varints of two and three bytes.
+    fn decided(batch_id: &str, calls: usize, arguments: usize) -> EvaluateResponse {
+        let call = |i: usize| ToolCall {
+            call_id: format!("c{i}"),
+            tool: "sql.query".into(),
+            arguments: format!("{{\"q\":\"{}\"}}", "x".repeat(arguments)),
+        };
+        EvaluateResponse {
+            batch_id: batch_id.into(),
+            result: Some(evaluate_response::Result::Decision(BatchDecision {
+                decisions: (0..calls)
+                    .map(|i| CallDecision {
+                        call_id: format!("c{i}"),
+                        action: Action::Proceed as i32,
+                        call: Some(call(i)),
+                        original: Some(call(i)),
+                        ..Default::default()
+                    })
+                    .collect(),
+                execute: (0..calls).map(call).collect(),
+                trace: (0..4)
+                    .map(|g| GuardTrace {
+                        guard: format!("g{g}"),
+                        latency_us: 1234,
+                        sent_call_ids: (0..calls).map(|i| format!("c{i}")).collect(),
+                        ..Default::default()
+                    })
+                    .collect(),
+                chain_revision: 7,
+                trace_id: "4bf92f3577b34da6a3ce929d0e0e4736".into(),
+                ..Default::default()
+            })),
+        }
+    }
+
+    /// The messages of the frames in `buf`.
+    fn messages(buf: &[u8]) -> Vec<&[u8]> {
+        let mut rest = buf;
+        let mut out = Vec::new();
+        while !rest.is_empty() {
+            assert_eq!(rest[0], 0, "not compressed");
+            let len = u32::from_be_bytes([rest[1], rest[2], rest[3], rest[4]]) as usize;
+            out.push(&rest[PREFIX_BYTES..PREFIX_BYTES + len]);
+            rest = &rest[PREFIX_BYTES + len..];
+        }
+        out
+    }
+
     #[test]
     fn r19_answers_are_framed_as_uncompressed_grpc_messages_that_decode_back() {
         let (first, second) = (answer("b1"), answer("b2"));
         let mut buf = BytesMut::new();
-        frame_into(&mut buf, &first, first.encoded_len(), 1 << 20).unwrap();
-        frame_into(&mut buf, &second, second.encoded_len(), 1 << 20).unwrap();
-        let mut rest = &buf[..];
-        for want in [first, second] {
-            assert_eq!(rest[0], 0, "not compressed");
-            let len = u32::from_be_bytes([rest[1], rest[2], rest[3], rest[4]]) as usize;
-            let message = &rest[PREFIX_BYTES..PREFIX_BYTES + len];
+        frame_into(&mut buf, &first, Counted::of(&first), 1 << 20).unwrap();
+        frame_into(&mut buf, &second, Counted::of(&second), 1 << 20).unwrap();
+        let framed = messages(&buf);
+        assert_eq!(framed.len(), 2);
+        for (message, want) in framed.into_iter().zip([first, second]) {
             assert_eq!(EvaluateResponse::decode(message).unwrap(), want);
-            rest = &rest[PREFIX_BYTES + len..];
         }
-        assert!(rest.is_empty());
+    }
+
+    /// R12, R19: a decision is written with its length as counted when it
+    /// was queued, and its bytes are prost's own, byte for byte: with and
+    /// without a batch id, small and large (lengths of one to three varint
+    /// bytes), an error, and an answer with no result.
+    #[test]
+    fn r19_decisions_are_written_as_prost_writes_them() {
+        let answers = [
+            decided("b1", 4, 500),
+            decided("", 4, 500),
+            decided("b2", 1, 0),
+            decided("b3", 0, 0),
+            decided(&"b".repeat(200), 64, 2_000),
+            answer("b4"),
+            EvaluateResponse {
+                batch_id: "b5".into(),
+                result: None,
+            },
+        ];
+        for response in answers {
+            let counted = Counted::of(&response);
+            assert_eq!(counted.len, response.encoded_len());
+            let mut buf = BytesMut::new();
+            frame_into(&mut buf, &response, counted, 1 << 24).unwrap();
+            let framed = messages(&buf);
+            assert_eq!(framed, [response.encode_to_vec().as_slice()]);
+        }
+    }
+
+    /// R19: a frame's length prefix is the length of the message it
+    /// carries, or the frame is not written: a miscounted answer would
+    /// garble the stream for every batch after it.
+    #[test]
+    fn r19_an_answer_counted_at_another_length_is_refused_and_nothing_is_appended() {
+        let mut buf = BytesMut::new();
+        let first = answer("b1");
+        frame_into(&mut buf, &first, Counted::of(&first), 1 << 20).unwrap();
+        let framed = buf.len();
+        let error = answer("b2");
+        let decision = decided("b3", 4, 500);
+        let right = Counted::of(&decision);
+        let inner = right.decision.unwrap();
+        let wrong = [
+            (
+                &error,
+                Counted {
+                    len: Counted::of(&error).len - 1,
+                    decision: None,
+                },
+            ),
+            (
+                &error,
+                Counted {
+                    len: Counted::of(&error).len + 1,
+                    decision: None,
+                },
+            ),
+            (
+                &decision,
+                Counted {
+                    len: right.len + 1,
+                    ..right
+                },
+            ),
+            (
+                &decision,
+                Counted {
+                    decision: Some(inner - 1),
+                    ..right
+                },
+            ),
+            (
+                &decision,
+                Counted {
+                    len: right.len - 1,
+                    decision: Some(inner - 1),
+                },
+            ),
+        ];
+        for (response, counted) in wrong {
+            let status = frame_into(&mut buf, response, counted, 1 << 20).unwrap_err();
+            assert_eq!(status.code(), tonic::Code::Internal, "{status:?}");
+            assert_eq!(buf.len(), framed, "nothing of it is appended");
+        }
     }
 
     #[test]
     fn an_answer_over_the_limit_is_refused_out_of_range() {
         let mut buf = BytesMut::new();
         let long = answer(&"b".repeat(100));
-        let status = frame_into(&mut buf, &long, long.encoded_len(), 50).unwrap_err();
+        let status = frame_into(&mut buf, &long, Counted::of(&long), 50).unwrap_err();
         assert_eq!(status.code(), tonic::Code::OutOfRange);
         assert!(status.message().contains("limit of 50 bytes"), "{status:?}");
         assert!(buf.is_empty(), "nothing of it is sent");

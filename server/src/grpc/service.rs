@@ -13,7 +13,7 @@
 use crate::admit::{self, StreamGate};
 use crate::decision_log::from_mesh::{self, RegistryChange};
 use crate::decision_log::{ChangeKind, MeshLog};
-use crate::grpc::answer_body::AnswerBody;
+use crate::grpc::answer_body::{AnswerBody, Counted};
 use crate::grpc::inbound::InboundCodec;
 use crate::judge::TraceContext;
 use crate::mesh::Mesh;
@@ -29,7 +29,6 @@ use guardmesh_proto::v1::{
     DeregisterResponse, EvaluateRequest, EvaluateResponse, ListRequest, ListResponse,
     RegisterRequest, RegisterResponse, evaluate_response,
 };
-use prost::Message;
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::Arc;
@@ -298,13 +297,14 @@ struct Answer {
     /// opens, and an unboxed answer (with room for a `Status`) made each
     /// idle stream hold about 7 KiB of them.
     response: Box<Result<EvaluateResponse, Status>>,
-    bytes: usize,
+    /// Its encoded length: the bytes it holds of the stream's budget.
+    counted: Counted,
 }
 
 impl Answer {
     fn new(response: EvaluateResponse) -> Self {
         Self {
-            bytes: response.encoded_len(),
+            counted: Counted::of(&response),
             response: Box::new(Ok(response)),
         }
     }
@@ -324,11 +324,11 @@ impl AnswerStream {
     pub(crate) fn poll_answer(
         &mut self,
         cx: &mut Context<'_>,
-    ) -> Poll<Option<(Result<EvaluateResponse, Status>, usize)>> {
+    ) -> Poll<Option<(Result<EvaluateResponse, Status>, Counted)>> {
         match self.rx.poll_recv(cx) {
             Poll::Ready(Some(answer)) => {
-                self.budget.release(answer.bytes);
-                Poll::Ready(Some((*answer.response, answer.bytes)))
+                self.budget.release(answer.counted.len);
+                Poll::Ready(Some((*answer.response, answer.counted)))
             }
             Poll::Ready(None) => Poll::Ready(None),
             Poll::Pending => Poll::Pending,
@@ -423,7 +423,7 @@ impl StreamLoop {
                 let _ = tx
                     .send(Answer {
                         response: Box::new(Err(status)),
-                        bytes: 0,
+                        counted: Counted::default(),
                     })
                     .await;
             }
@@ -522,7 +522,7 @@ impl StreamLoop {
     /// Queues an answer in its reserved slot.
     fn answer(&self, slot: OwnedPermit<Answer>, response: EvaluateResponse) {
         let answer = Answer::new(response);
-        self.budget.add(answer.bytes);
+        self.budget.add(answer.counted.len);
         slot.send(answer);
     }
 
@@ -543,7 +543,7 @@ impl StreamLoop {
         self.tasks.spawn(async move {
             let status = status.await;
             let answer = Answer::new(error_response(batch_id, &status));
-            budget.add(answer.bytes);
+            budget.add(answer.counted.len);
             slot.send(answer);
         });
     }
@@ -571,7 +571,7 @@ impl StreamLoop {
                 Err(status) => error_response(batch_id, &status),
             };
             let answer = Answer::new(response);
-            budget.add(answer.bytes);
+            budget.add(answer.counted.len);
             budget.release(size);
             slot.send(answer);
         }));
