@@ -27,7 +27,8 @@ use tonic::Status;
 /// The gRPC message prefix: a compression flag and a 4-byte length.
 const PREFIX_BYTES: usize = 5;
 
-/// `EvaluateResponse.decision`'s field number.
+/// `EvaluateResponse.batch_id`'s and `.decision`'s field numbers.
+const BATCH_ID_FIELD: u32 = 1;
 const DECISION_FIELD: u32 = 2;
 
 /// An answer's encoded length, counted once when it is queued: the whole
@@ -67,11 +68,11 @@ impl Counted {
 }
 
 /// `batch_id`'s field, as proto3 writes it: nothing when empty.
-fn batch_id_len(batch_id: &str) -> usize {
+fn batch_id_len(batch_id: &String) -> usize {
     if batch_id.is_empty() {
         0
     } else {
-        key_len(1) + encoded_len_varint(batch_id.len() as u64) + batch_id.len()
+        prost::encoding::string::encoded_len(BATCH_ID_FIELD, batch_id)
     }
 }
 
@@ -123,7 +124,7 @@ fn frame_into(
     match (&response.result, counted.decision) {
         (Some(evaluate_response::Result::Decision(decision)), Some(inner)) => {
             if !response.batch_id.is_empty() {
-                prost::encoding::string::encode(1, &response.batch_id, buf);
+                prost::encoding::string::encode(BATCH_ID_FIELD, &response.batch_id, buf);
             }
             encode_key(DECISION_FIELD, WireType::LengthDelimited, buf);
             encode_varint(inner as u64, buf);
