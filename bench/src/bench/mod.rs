@@ -446,7 +446,10 @@ impl Plan {
                 slow: (20, 40),
                 sequential: (5, 12),
                 veto: (50, 80),
-                throughput_windows: 1,
+                // Two windows a load, alternating: a burst of the machine's
+                // other work during one of them moves the tripwire's
+                // ratios half as much as with one.
+                throughput_windows: 2,
                 throughput_warmup: Duration::from_millis(300),
                 throughput_window: Duration::from_secs(1),
                 settle: Duration::from_millis(300),
