@@ -15,11 +15,13 @@
 //! headers and compression negotiation stay tonic's.
 
 use super::service::AnswerStream;
-use guardmesh_proto::v1::{EvaluateResponse, evaluate_response};
+use guardmesh_proto::v1::{BatchDecision, EvaluateResponse, evaluate_response};
 use http_body::Frame;
 use prost::Message;
 use prost::bytes::{BufMut, Bytes, BytesMut};
-use prost::encoding::{WireType, encode_key, encode_varint, encoded_len_varint, key_len};
+use prost::encoding::{
+    WireType, bool, encode_key, encode_varint, encoded_len_varint, key_len, string, uint64,
+};
 use std::pin::Pin;
 use std::task::{Context, Poll, ready};
 use tonic::Status;
@@ -31,16 +33,148 @@ const PREFIX_BYTES: usize = 5;
 const BATCH_ID_FIELD: u32 = 1;
 const DECISION_FIELD: u32 = 2;
 
+/// `BatchDecision`'s field numbers.
+mod batch_decision {
+    pub(super) const DECISIONS: u32 = 1;
+    pub(super) const EXECUTE: u32 = 2;
+    pub(super) const TRACE: u32 = 3;
+    pub(super) const CHAIN_REVISION: u32 = 4;
+    pub(super) const TRACE_ID: u32 = 5;
+    pub(super) const RESULTS: u32 = 6;
+    pub(super) const JUDGES_RESULTS: u32 = 7;
+}
+
 /// An answer's encoded length, counted once when it is queued: the whole
 /// message's, and its decision's when it has one (the prefix of that
 /// field, which encoding the message would count again, nested messages
 /// and all).
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub(crate) struct Counted {
     /// The encoded `EvaluateResponse`, in bytes.
     pub(crate) len: usize,
-    /// Its `decision` field's message, in bytes.
-    decision: Option<usize>,
+    /// Its `decision` field's message, when it has one.
+    decision: Option<DecisionLengths>,
+}
+
+/// A `BatchDecision`'s encoded length and those of the messages of its
+/// repeated fields, in field order (`decisions`, `execute`, `trace`,
+/// `results`): written as counted, not counted again for each level
+/// of nesting as prost's encoding of the whole message counts them.
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct DecisionLengths {
+    len: usize,
+    parts: Vec<usize>,
+}
+
+/// A nested message's field: its key, length and message, in bytes.
+fn field_len(tag: u32, len: usize) -> usize {
+    key_len(tag) + encoded_len_varint(len as u64) + len
+}
+
+impl DecisionLengths {
+    fn of(decision: &BatchDecision) -> Self {
+        use batch_decision as f;
+        // Every field named: a field added to the message is a field this
+        // count and `write_decision` must write.
+        let BatchDecision {
+            decisions,
+            execute,
+            trace,
+            chain_revision,
+            trace_id,
+            results,
+            judges_results,
+        } = decision;
+        let mut parts =
+            Vec::with_capacity(decisions.len() + execute.len() + trace.len() + results.len());
+        let mut len = 0;
+        let mut count = |tag: u32, message_len: usize| {
+            parts.push(message_len);
+            len += field_len(tag, message_len);
+        };
+        decisions
+            .iter()
+            .for_each(|m| count(f::DECISIONS, m.encoded_len()));
+        execute
+            .iter()
+            .for_each(|m| count(f::EXECUTE, m.encoded_len()));
+        trace.iter().for_each(|m| count(f::TRACE, m.encoded_len()));
+        results
+            .iter()
+            .for_each(|m| count(f::RESULTS, m.encoded_len()));
+        if *chain_revision != 0 {
+            len += uint64::encoded_len(f::CHAIN_REVISION, chain_revision);
+        }
+        if !trace_id.is_empty() {
+            len += string::encoded_len(f::TRACE_ID, trace_id);
+        }
+        if *judges_results {
+            len += bool::encoded_len(f::JUDGES_RESULTS, judges_results);
+        }
+        Self { len, parts }
+    }
+}
+
+/// Writes `decision`'s fields, in field order as prost writes them, each
+/// nested message with its length as counted in `lengths`; `Err` with
+/// what went wrong if a nested message is not of its counted length (what
+/// was written of it is then garbage, to be truncated).
+fn write_decision(
+    decision: &BatchDecision,
+    lengths: &DecisionLengths,
+    buf: &mut BytesMut,
+) -> Result<(), String> {
+    use batch_decision as f;
+    let BatchDecision {
+        decisions,
+        execute,
+        trace,
+        chain_revision,
+        trace_id,
+        results,
+        judges_results,
+    } = decision;
+    let mut parts = lengths.parts.iter().copied();
+    nested(f::DECISIONS, decisions, &mut parts, buf)?;
+    nested(f::EXECUTE, execute, &mut parts, buf)?;
+    nested(f::TRACE, trace, &mut parts, buf)?;
+    if *chain_revision != 0 {
+        uint64::encode(f::CHAIN_REVISION, chain_revision, buf);
+    }
+    if !trace_id.is_empty() {
+        string::encode(f::TRACE_ID, trace_id, buf);
+    }
+    nested(f::RESULTS, results, &mut parts, buf)?;
+    if *judges_results {
+        bool::encode(f::JUDGES_RESULTS, judges_results, buf);
+    }
+    Ok(())
+}
+
+/// Writes `messages` as the repeated field `tag`, each with the next of
+/// the lengths counted; `Err` if one is not of that length.
+fn nested<M: Message>(
+    tag: u32,
+    messages: &[M],
+    lengths: &mut impl Iterator<Item = usize>,
+    buf: &mut BytesMut,
+) -> Result<(), String> {
+    for message in messages {
+        let Some(counted) = lengths.next() else {
+            return Err(format!("field {tag} has more messages than were counted"));
+        };
+        encode_key(tag, WireType::LengthDelimited, buf);
+        encode_varint(counted as u64, buf);
+        let at = buf.len();
+        message.encode_raw(buf);
+        let wrote = buf.len() - at;
+        if wrote != counted {
+            return Err(format!(
+                "a message of field {tag} encoded to {wrote} bytes, not the {counted} it was counted at"
+            ));
+        }
+    }
+    Ok(())
 }
 
 impl Counted {
@@ -50,13 +184,10 @@ impl Counted {
         let EvaluateResponse { batch_id, result } = response;
         match result {
             Some(evaluate_response::Result::Decision(decision)) => {
-                let inner = decision.encoded_len();
+                let lengths = DecisionLengths::of(decision);
                 Self {
-                    len: batch_id_len(batch_id)
-                        + key_len(DECISION_FIELD)
-                        + encoded_len_varint(inner as u64)
-                        + inner,
-                    decision: Some(inner),
+                    len: batch_id_len(batch_id) + field_len(DECISION_FIELD, lengths.len),
+                    decision: Some(lengths),
                 }
             }
             Some(evaluate_response::Result::Error(_)) | None => Self {
@@ -72,7 +203,7 @@ fn batch_id_len(batch_id: &String) -> usize {
     if batch_id.is_empty() {
         0
     } else {
-        prost::encoding::string::encoded_len(BATCH_ID_FIELD, batch_id)
+        string::encoded_len(BATCH_ID_FIELD, batch_id)
     }
 }
 
@@ -102,7 +233,7 @@ impl AnswerBody {
 fn frame_into(
     buf: &mut BytesMut,
     response: &EvaluateResponse,
-    counted: Counted,
+    counted: &Counted,
     max_message: usize,
 ) -> Result<(), Status> {
     let len = counted.len;
@@ -118,23 +249,32 @@ fn frame_into(
     buf.put_u8(0);
     buf.put_u32(prefix);
     // Written without `encode`, whose check of the room left counts the
-    // whole answer's length again, and with the decision's length as
-    // counted (prost's would count it, every nested message of it, once
-    // more): the lengths are known, and the room reserved.
-    match (&response.result, counted.decision) {
-        (Some(evaluate_response::Result::Decision(decision)), Some(inner)) => {
+    // whole answer's length again, and with the decision's lengths as
+    // counted (prost's would count them, every nested message's, once or
+    // twice more): the lengths are known, and the room reserved.
+    match (&response.result, &counted.decision) {
+        (Some(evaluate_response::Result::Decision(decision)), Some(lengths)) => {
             if !response.batch_id.is_empty() {
-                prost::encoding::string::encode(BATCH_ID_FIELD, &response.batch_id, buf);
+                string::encode(BATCH_ID_FIELD, &response.batch_id, buf);
             }
+            let inner = lengths.len;
             encode_key(DECISION_FIELD, WireType::LengthDelimited, buf);
             encode_varint(inner as u64, buf);
             let at = buf.len();
-            decision.encode_raw(buf);
-            let wrote = buf.len() - at;
-            if wrote != inner {
+            let wrote = write_decision(decision, lengths, buf).and_then(|()| {
+                let wrote = buf.len() - at;
+                if wrote == inner {
+                    Ok(())
+                } else {
+                    Err(format!(
+                        "its decision encoded to {wrote} bytes, not the {inner} it was counted at"
+                    ))
+                }
+            });
+            if let Err(what) = wrote {
                 buf.truncate(start);
                 return Err(Status::internal(format!(
-                    "an answer's decision encoded to {wrote} bytes, not the {inner} it was counted at"
+                    "an answer was not written: {what}"
                 )));
             }
         }
@@ -166,7 +306,7 @@ impl http_body::Body for AnswerBody {
         let status = match ready!(self.answers.poll_answer(cx)) {
             Some((Ok(response), counted)) => {
                 let mut buf = BytesMut::new();
-                match frame_into(&mut buf, &response, counted, self.max_message) {
+                match frame_into(&mut buf, &response, &counted, self.max_message) {
                     Ok(()) => return Poll::Ready(Some(Ok(Frame::data(buf.freeze())))),
                     Err(status) => status,
                 }
@@ -193,7 +333,8 @@ impl http_body::Body for AnswerBody {
 mod tests {
     use super::*;
     use guardmesh_proto::v1::{
-        Action, BatchDecision, BatchError, CallDecision, GuardTrace, ToolCall, evaluate_response,
+        Action, ApprovalRequest, BatchError, CallDecision, GuardTrace, ResultDecision, ToolCall,
+        ToolResult, evaluate_response,
     };
 
     fn answer(batch_id: &str) -> EvaluateResponse {
@@ -243,6 +384,47 @@ mod tests {
         }
     }
 
+    /// A decision with every field of `BatchDecision` set, and nested
+    /// messages with maps, repeated fields and an approval request: of
+    /// calls (R12, R21, R35) and of results (R33).
+    fn decided_in_full() -> EvaluateResponse {
+        let mut response = decided("b9", 3, 300);
+        let Some(evaluate_response::Result::Decision(decision)) = &mut response.result else {
+            unreachable!("decided answers with a decision")
+        };
+        decision.decisions[1].action = Action::Ask as i32;
+        decision.decisions[1].approval = Some(ApprovalRequest {
+            id: "ar-1".into(),
+            guard: "g1".into(),
+            reason: "a person must look".into(),
+            digest: "d".repeat(64),
+            chain_revision: 7,
+            ..Default::default()
+        });
+        decision.decisions[2].rewritten_by = vec!["g0".into(), "g2".into()];
+        decision.decisions[2].bypassed = vec!["g3".into()];
+        decision.decisions[0].content = "Tool call blocked: é ✓".into();
+        decision.trace[0].rules = [("c0".to_owned(), "no-delete".to_owned())].into();
+        decision.trace[0].labels = vec!["pii".into()];
+        decision.trace[2].error = "did not answer within 100 ms".into();
+        decision.results = vec![
+            ResultDecision {
+                call_id: "c0".into(),
+                result: "{\"rows\":3}".into(),
+                original: Some(ToolResult {
+                    call_id: "c0".into(),
+                    result: "{\"rows\":3}".into(),
+                    ..Default::default()
+                }),
+                rewritten_by: vec!["redact".into()],
+                ..Default::default()
+            },
+            ResultDecision::default(),
+        ];
+        decision.judges_results = true;
+        response
+    }
+
     /// The messages of the frames in `buf`.
     fn messages(buf: &[u8]) -> Vec<&[u8]> {
         let mut rest = buf;
@@ -260,8 +442,8 @@ mod tests {
     fn r19_answers_are_framed_as_uncompressed_grpc_messages_that_decode_back() {
         let (first, second) = (answer("b1"), answer("b2"));
         let mut buf = BytesMut::new();
-        frame_into(&mut buf, &first, Counted::of(&first), 1 << 20).unwrap();
-        frame_into(&mut buf, &second, Counted::of(&second), 1 << 20).unwrap();
+        frame_into(&mut buf, &first, &Counted::of(&first), 1 << 20).unwrap();
+        frame_into(&mut buf, &second, &Counted::of(&second), 1 << 20).unwrap();
         let framed = messages(&buf);
         assert_eq!(framed.len(), 2);
         for (message, want) in framed.into_iter().zip([first, second]) {
@@ -269,10 +451,11 @@ mod tests {
         }
     }
 
-    /// R12, R19: a decision is written with its length as counted when it
+    /// R12, R19: a decision is written with its lengths as counted when it
     /// was queued, and its bytes are prost's own, byte for byte: with and
     /// without a batch id, small and large (lengths of one to three varint
-    /// bytes), an error, and an answer with no result.
+    /// bytes), every field set, an empty decision, an error, and an answer
+    /// with no result.
     #[test]
     fn r19_decisions_are_written_as_prost_writes_them() {
         let answers = [
@@ -281,6 +464,11 @@ mod tests {
             decided("b2", 1, 0),
             decided("b3", 0, 0),
             decided(&"b".repeat(200), 64, 2_000),
+            decided_in_full(),
+            EvaluateResponse {
+                batch_id: "b6".into(),
+                result: Some(evaluate_response::Result::Decision(BatchDecision::default())),
+            },
             answer("b4"),
             EvaluateResponse {
                 batch_id: "b5".into(),
@@ -291,7 +479,7 @@ mod tests {
             let counted = Counted::of(&response);
             assert_eq!(counted.len, response.encoded_len());
             let mut buf = BytesMut::new();
-            frame_into(&mut buf, &response, counted, 1 << 24).unwrap();
+            frame_into(&mut buf, &response, &counted, 1 << 24).unwrap();
             let framed = messages(&buf);
             assert_eq!(framed, [response.encode_to_vec().as_slice()]);
         }
@@ -304,12 +492,19 @@ mod tests {
     fn r19_an_answer_counted_at_another_length_is_refused_and_nothing_is_appended() {
         let mut buf = BytesMut::new();
         let first = answer("b1");
-        frame_into(&mut buf, &first, Counted::of(&first), 1 << 20).unwrap();
+        frame_into(&mut buf, &first, &Counted::of(&first), 1 << 20).unwrap();
         let framed = buf.len();
         let error = answer("b2");
         let decision = decided("b3", 4, 500);
         let right = Counted::of(&decision);
-        let inner = right.decision.unwrap();
+        let lengths = right.decision.clone().unwrap();
+        let shorter = |by: usize| DecisionLengths {
+            len: lengths.len - by,
+            ..lengths.clone()
+        };
+        // One nested message counted a byte short, the total kept.
+        let mut part_short = lengths.clone();
+        part_short.parts[2] -= 1;
         let wrong = [
             (
                 &error,
@@ -329,26 +524,33 @@ mod tests {
                 &decision,
                 Counted {
                     len: right.len + 1,
-                    ..right
+                    ..right.clone()
                 },
             ),
             (
                 &decision,
                 Counted {
-                    decision: Some(inner - 1),
-                    ..right
+                    decision: Some(shorter(1)),
+                    ..right.clone()
                 },
             ),
             (
                 &decision,
                 Counted {
                     len: right.len - 1,
-                    decision: Some(inner - 1),
+                    decision: Some(shorter(1)),
+                },
+            ),
+            (
+                &decision,
+                Counted {
+                    decision: Some(part_short),
+                    ..right.clone()
                 },
             ),
         ];
         for (response, counted) in wrong {
-            let status = frame_into(&mut buf, response, counted, 1 << 20).unwrap_err();
+            let status = frame_into(&mut buf, response, &counted, 1 << 20).unwrap_err();
             assert_eq!(status.code(), tonic::Code::Internal, "{status:?}");
             assert_eq!(buf.len(), framed, "nothing of it is appended");
         }
@@ -358,7 +560,7 @@ mod tests {
     fn an_answer_over_the_limit_is_refused_out_of_range() {
         let mut buf = BytesMut::new();
         let long = answer(&"b".repeat(100));
-        let status = frame_into(&mut buf, &long, Counted::of(&long), 50).unwrap_err();
+        let status = frame_into(&mut buf, &long, &Counted::of(&long), 50).unwrap_err();
         assert_eq!(status.code(), tonic::Code::OutOfRange);
         assert!(status.message().contains("limit of 50 bytes"), "{status:?}");
         assert!(buf.is_empty(), "nothing of it is sent");
