@@ -203,8 +203,9 @@ pub struct BenchArgs {
     /// `throughput_mesh4_vs_relay_floor4` is more than 1.5 times worse than
     /// in this file of committed figures (`bench/last-full-run.json`, the
     /// last full run's). Ratios in one run; meant for `--quick --placement
-    /// split`.
-    #[arg(long, value_name = "FILE", conflicts_with = "only")]
+    /// split`, alone or with `--only throughput` (which measures just the
+    /// two figures).
+    #[arg(long, value_name = "FILE")]
     pub tripwire: Option<PathBuf>,
     /// Another build's `guardmesh` executable, for `--only compare`: its
     /// meshes run beside this build's, round by round.
@@ -1469,6 +1470,9 @@ async fn run(args: &BenchArgs) -> Result<(), Error> {
         work.request_bytes,
         dir.display()
     );
+    if args.tripwire.is_some() && args.only.is_some_and(|only| only != Only::Throughput) {
+        return Err("--tripwire reads the figures of a whole run or of --only throughput, not of another --only".into());
+    }
     if args.only == Some(Only::Compare) && args.baseline.is_none() {
         return Err("--only compare needs --baseline EXE: the guardmesh executable to compare this build against".into());
     }
