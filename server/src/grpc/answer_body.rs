@@ -56,14 +56,34 @@ pub(crate) struct Counted {
     decision: Option<DecisionLengths>,
 }
 
-/// A `BatchDecision`'s encoded length and those of the messages of its
-/// repeated fields, in field order (`decisions`, `execute`, `trace`,
-/// `results`): written as counted, not counted again for each level
-/// of nesting as prost's encoding of the whole message counts them.
+/// A `BatchDecision`'s encoded length, then those of the messages of its
+/// repeated fields in field order (`decisions`, `execute`, `trace`,
+/// `results`): written as counted, not counted again for each level of
+/// nesting as prost's encoding of the whole message counts them. One
+/// boxed slice of `u32` (an answer is at most `u32::MAX` bytes, its gRPC
+/// prefix says so), so that a queued answer is no larger than it was
+/// before these lengths were kept: each stream's channel holds a block of
+/// answer slots while it is open.
 #[derive(Debug, Clone, PartialEq, Eq)]
-struct DecisionLengths {
-    len: usize,
-    parts: Vec<usize>,
+struct DecisionLengths(Box<[u32]>);
+
+impl DecisionLengths {
+    /// The decision's own length.
+    fn len(&self) -> usize {
+        self.0.first().map_or(0, |&len| len as usize)
+    }
+
+    /// Its nested messages' lengths, in the order written.
+    fn parts(&self) -> impl Iterator<Item = usize> + '_ {
+        self.0.iter().skip(1).map(|&len| len as usize)
+    }
+}
+
+/// A length as kept: one over `u32::MAX` is kept as `u32::MAX`, which no
+/// message encodes to, so the frame is refused (over the message limit,
+/// or as written at another length than counted), never sent.
+fn kept(len: usize) -> u32 {
+    u32::try_from(len).unwrap_or(u32::MAX)
 }
 
 /// A nested message's field: its key, length and message, in bytes.
@@ -86,10 +106,11 @@ impl DecisionLengths {
             judges_results,
         } = decision;
         let mut parts =
-            Vec::with_capacity(decisions.len() + execute.len() + trace.len() + results.len());
+            Vec::with_capacity(1 + decisions.len() + execute.len() + trace.len() + results.len());
+        parts.push(0);
         let mut len = 0;
         let mut count = |tag: u32, message_len: usize| {
-            parts.push(message_len);
+            parts.push(kept(message_len));
             len += field_len(tag, message_len);
         };
         decisions
@@ -111,7 +132,8 @@ impl DecisionLengths {
         if *judges_results {
             len += bool::encoded_len(f::JUDGES_RESULTS, judges_results);
         }
-        Self { len, parts }
+        parts[0] = kept(len);
+        Self(parts.into_boxed_slice())
     }
 }
 
@@ -134,7 +156,7 @@ fn write_decision(
         results,
         judges_results,
     } = decision;
-    let mut parts = lengths.parts.iter().copied();
+    let mut parts = lengths.parts();
     nested(f::DECISIONS, decisions, &mut parts, buf)?;
     nested(f::EXECUTE, execute, &mut parts, buf)?;
     nested(f::TRACE, trace, &mut parts, buf)?;
@@ -186,7 +208,7 @@ impl Counted {
             Some(evaluate_response::Result::Decision(decision)) => {
                 let lengths = DecisionLengths::of(decision);
                 Self {
-                    len: batch_id_len(batch_id) + field_len(DECISION_FIELD, lengths.len),
+                    len: batch_id_len(batch_id) + field_len(DECISION_FIELD, lengths.len()),
                     decision: Some(lengths),
                 }
             }
@@ -257,7 +279,7 @@ fn frame_into(
             if !response.batch_id.is_empty() {
                 string::encode(BATCH_ID_FIELD, &response.batch_id, buf);
             }
-            let inner = lengths.len;
+            let inner = lengths.len();
             encode_key(DECISION_FIELD, WireType::LengthDelimited, buf);
             encode_varint(inner as u64, buf);
             let at = buf.len();
@@ -498,13 +520,14 @@ mod tests {
         let decision = decided("b3", 4, 500);
         let right = Counted::of(&decision);
         let lengths = right.decision.clone().unwrap();
-        let shorter = |by: usize| DecisionLengths {
-            len: lengths.len - by,
-            ..lengths.clone()
+        let shorter = |by: u32| {
+            let mut lengths = lengths.clone();
+            lengths.0[0] -= by;
+            lengths
         };
         // One nested message counted a byte short, the total kept.
         let mut part_short = lengths.clone();
-        part_short.parts[2] -= 1;
+        part_short.0[3] -= 1;
         let wrong = [
             (
                 &error,

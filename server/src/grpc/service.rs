@@ -1062,4 +1062,17 @@ mod tests {
         m.insert("grpc-timeout", "x".parse().unwrap());
         assert_eq!(grpc_timeout(&m), None);
     }
+
+    /// R19, idle streams' memory: an open stream's answer channel holds a
+    /// block of 32 answer slots, so a queued answer stays a pointer and
+    /// its counted lengths (32 bytes; 48 when the lengths were a `Vec`
+    /// and a length beside it).
+    #[test]
+    fn a_queued_answer_is_small_whatever_it_holds() {
+        assert!(
+            std::mem::size_of::<Answer>() <= 32,
+            "{} bytes",
+            std::mem::size_of::<Answer>()
+        );
+    }
 }
