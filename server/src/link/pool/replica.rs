@@ -283,10 +283,10 @@ impl Replica {
         if load.in_flight.remove(&(sent, id)) {
             self.guard_held.sub();
         }
-        let rtt = nanos(now.saturating_duration_since(sent));
+        let round_trip = now.saturating_duration_since(sent);
+        let rtt = nanos(round_trip);
         if let Ended::Answered = ended {
-            load.limit
-                .answered(now.saturating_duration_since(sent), held, now);
+            load.limit.answered(round_trip, held, now);
             let limit = load.limit.get();
             if self.published_limit.swap(limit, Ordering::Relaxed) != limit {
                 self.series.limit(limit);
