@@ -31,9 +31,13 @@
 //! build writes for these scenarios (`listen`, `[[guard]]` with `endpoint`
 //! or `policy`), which every release since policy guards does.
 
-use super::report::Latency;
-use super::{Error, GuardProcess, MeshProcess, Op, Plan, Scenario, Work, ZERO, policy, run_group};
+use super::report::{Latency, Throughput};
+use super::{
+    Error, GuardProcess, LoadRun, MeshProcess, Op, Plan, Scenario, Work, ZERO, policy, run_group,
+    run_windows,
+};
 use std::path::Path;
+use std::sync::Arc;
 
 /// The scenarios' names, in the order they are listed.
 pub(super) const MESH4: &str = "mesh_4";
@@ -81,15 +85,55 @@ fn write_secret(dir: &Path) -> Result<std::path::PathBuf, Error> {
     Ok(path)
 }
 
-/// Runs the group: this build's and the baseline's meshes, interleaved.
+/// What the group measured.
+pub(super) struct Figures {
+    /// Every scenario's latency, one batch in flight.
+    pub latency: Vec<Latency>,
+    /// Closed-loop throughput and CPU per batch of this build's `mesh_4`,
+    /// the baseline's and the relay floor, windows interleaved.
+    pub throughput: Vec<Throughput>,
+}
+
+/// A scenario of the latency group: its name, what it is, and its mesh.
+type Started = (&'static str, &'static str, MeshProcess);
+
+/// The baseline's scenario `baseline` and this build's `this`, both with
+/// config `sections`; none, said loudly, when the baseline cannot run it
+/// (a build older than a feature the scenario uses: its config refused).
+async fn pair_or_skip(
+    exe: &Path,
+    baseline: &Path,
+    dir: &Path,
+    this: (&'static str, &'static str),
+    other: (&'static str, &'static str),
+    sections: &str,
+) -> Result<Option<[Started; 2]>, Error> {
+    let theirs = match MeshProcess::start_config(baseline, dir, other.0, sections, 1, None).await {
+        Ok(mesh) => mesh,
+        Err(error) => {
+            eprintln!(
+                "[bench] {} and {} skipped: the baseline cannot run them: {error}",
+                this.0, other.0
+            );
+            return Ok(None);
+        }
+    };
+    let ours = MeshProcess::start_config(exe, dir, this.0, sections, 1, None).await?;
+    Ok(Some([(this.0, this.1, ours), (other.0, other.1, theirs)]))
+}
+
+/// Runs the group: this build's and the baseline's meshes, interleaved
+/// round by round (latency), then window by window (throughput, `in_flight`
+/// batches at a time).
 pub(super) async fn run(
     exe: &Path,
     baseline: &Path,
     dir: &Path,
     guards: &mut GuardProcess,
-    work: &Work,
+    work: &Arc<Work>,
     plan: &Plan,
-) -> Result<Vec<Latency>, Error> {
+    in_flight: usize,
+) -> Result<Figures, Error> {
     if !baseline.is_file() {
         return Err(format!(
             "--baseline {}: not a file (the guardmesh executable to compare against)",
@@ -113,19 +157,64 @@ pub(super) async fn run(
             "no `redis-server` on PATH: {SESSION_ON_REDIS} and {BASELINE_SESSION_ON_REDIS} are skipped"
         );
     }
-    let mut meshes = vec![
-        MeshProcess::start_config(exe, dir, MESH4, &zero, ZERO.len(), None).await?,
-        MeshProcess::start_config(baseline, dir, BASELINE_MESH4, &zero, ZERO.len(), None).await?,
-        MeshProcess::start_relay(exe, dir, RELAY4, guards, &ZERO, None).await?,
-        MeshProcess::start_config(exe, dir, NO_GUARD, "", 0, None).await?,
-        MeshProcess::start_config(baseline, dir, BASELINE_NO_GUARD, "", 0, None).await?,
-        MeshProcess::start_config(exe, dir, POLICY20, &policy_section, 1, None).await?,
-        MeshProcess::start_config(baseline, dir, BASELINE_POLICY20, &policy_section, 1, None)
-            .await?,
-        MeshProcess::start_config(exe, dir, SESSION_ON, &flows_section, 1, None).await?,
-        MeshProcess::start_config(baseline, dir, BASELINE_SESSION_ON, &flows_section, 1, None)
-            .await?,
+    let mut started: Vec<Started> = vec![
+        (
+            MESH4,
+            "this build, 4 zero-latency guards",
+            MeshProcess::start_config(exe, dir, MESH4, &zero, ZERO.len(), None).await?,
+        ),
+        (
+            BASELINE_MESH4,
+            "the baseline build, 4 zero-latency guards",
+            MeshProcess::start_config(baseline, dir, BASELINE_MESH4, &zero, ZERO.len(), None)
+                .await?,
+        ),
+        (
+            RELAY4,
+            "the relay floor: the hops to 4 zero-latency guards",
+            MeshProcess::start_relay(exe, dir, RELAY4, guards, &ZERO, None).await?,
+        ),
+        (
+            NO_GUARD,
+            "this build, no guard",
+            MeshProcess::start_config(exe, dir, NO_GUARD, "", 0, None).await?,
+        ),
+        (
+            BASELINE_NO_GUARD,
+            "the baseline build, no guard",
+            MeshProcess::start_config(baseline, dir, BASELINE_NO_GUARD, "", 0, None).await?,
+        ),
+        (
+            POLICY20,
+            "this build, one policy guard of 20 rules",
+            MeshProcess::start_config(exe, dir, POLICY20, &policy_section, 1, None).await?,
+        ),
+        (
+            BASELINE_POLICY20,
+            "the baseline build, one policy guard of 20 rules",
+            MeshProcess::start_config(baseline, dir, BASELINE_POLICY20, &policy_section, 1, None)
+                .await?,
+        ),
     ];
+    started.extend(
+        pair_or_skip(
+            exe,
+            baseline,
+            dir,
+            (
+                SESSION_ON,
+                "this build, the relaybleed rules on one session's memory",
+            ),
+            (
+                BASELINE_SESSION_ON,
+                "the baseline build, the relaybleed rules on one session's memory",
+            ),
+            &flows_section,
+        )
+        .await?
+        .into_iter()
+        .flatten(),
+    );
     if let Some(redis) = &redis {
         let secret = write_secret(dir)?;
         // `[sessions]` first: the guard's table follows it.
@@ -134,43 +223,28 @@ pub(super) async fn run(
             redis.url,
             secret.display().to_string()
         );
-        meshes
-            .push(MeshProcess::start_config(exe, dir, SESSION_ON_REDIS, &section, 1, None).await?);
-        meshes.push(
-            MeshProcess::start_config(baseline, dir, BASELINE_SESSION_ON_REDIS, &section, 1, None)
-                .await?,
+        started.extend(
+            pair_or_skip(
+                exe,
+                baseline,
+                dir,
+                (
+                    SESSION_ON_REDIS,
+                    "this build, the relaybleed rules, the memory in Redis",
+                ),
+                (
+                    BASELINE_SESSION_ON_REDIS,
+                    "the baseline build, the relaybleed rules, the memory in Redis",
+                ),
+                &section,
+            )
+            .await?
+            .into_iter()
+            .flatten(),
         );
     }
-    let described: [(&'static str, &'static str); 11] = [
-        (MESH4, "this build, 4 zero-latency guards"),
-        (BASELINE_MESH4, "the baseline build, 4 zero-latency guards"),
-        (RELAY4, "the relay floor: the hops to 4 zero-latency guards"),
-        (NO_GUARD, "this build, no guard"),
-        (BASELINE_NO_GUARD, "the baseline build, no guard"),
-        (POLICY20, "this build, one policy guard of 20 rules"),
-        (
-            BASELINE_POLICY20,
-            "the baseline build, one policy guard of 20 rules",
-        ),
-        (
-            SESSION_ON,
-            "this build, the relaybleed rules on one session's memory",
-        ),
-        (
-            BASELINE_SESSION_ON,
-            "the baseline build, the relaybleed rules on one session's memory",
-        ),
-        (
-            SESSION_ON_REDIS,
-            "this build, the relaybleed rules, the memory in Redis",
-        ),
-        (
-            BASELINE_SESSION_ON_REDIS,
-            "the baseline build, the relaybleed rules, the memory in Redis",
-        ),
-    ];
-    let mut scenarios = Vec::with_capacity(described.len());
-    for ((name, what), mesh) in described.into_iter().zip(&meshes) {
+    let mut scenarios = Vec::with_capacity(started.len());
+    for (name, what, mesh) in &started {
         scenarios.push(Scenario::new(
             name,
             what,
@@ -180,8 +254,9 @@ pub(super) async fn run(
             plan.fast,
         )?);
     }
+    let mut meshes: Vec<MeshProcess> = started.into_iter().map(|(_, _, mesh)| mesh).collect();
     let mut refs: Vec<&mut MeshProcess> = meshes.iter_mut().collect();
-    run_group(
+    let latency = run_group(
         "this build against the baseline",
         &mut scenarios,
         plan.rounds,
@@ -189,14 +264,93 @@ pub(super) async fn run(
         guards,
         &mut refs,
     )
-    .await
+    .await?;
+    drop(scenarios);
+    drop(meshes);
+    let throughput = throughput(exe, baseline, dir, guards, work, plan, in_flight).await?;
+    Ok(Figures {
+        latency,
+        throughput,
+    })
+}
+
+/// Closed-loop throughput of this build's `mesh_4`, the baseline's and the
+/// relay floor, each a fresh process, their windows interleaved: the CPU
+/// per batch and batches per second of both builds in the same moments.
+async fn throughput(
+    exe: &Path,
+    baseline: &Path,
+    dir: &Path,
+    guards: &mut GuardProcess,
+    work: &Arc<Work>,
+    plan: &Plan,
+    in_flight: usize,
+) -> Result<Vec<Throughput>, Error> {
+    eprintln!("[bench] throughput: {MESH4}, {BASELINE_MESH4}, {RELAY4}; {in_flight} in flight");
+    let zero = MeshProcess::guard_sections(guards, &ZERO)?;
+    let label = |name: &str| format!("throughput_{name}");
+    let ours = MeshProcess::start_config(exe, dir, &label(MESH4), &zero, ZERO.len(), None).await?;
+    let theirs = MeshProcess::start_config(
+        baseline,
+        dir,
+        &label(BASELINE_MESH4),
+        &zero,
+        ZERO.len(),
+        None,
+    )
+    .await?;
+    let relay = MeshProcess::start_relay(exe, dir, &label(RELAY4), guards, &ZERO, None).await?;
+    let mut runs = vec![
+        LoadRun::on_mesh(
+            MESH4.into(),
+            "batches through this build, 4 zero-latency guards".into(),
+            ours,
+            in_flight,
+        )
+        .await?,
+        LoadRun::on_mesh(
+            BASELINE_MESH4.into(),
+            "batches through the baseline build, 4 zero-latency guards".into(),
+            theirs,
+            in_flight,
+        )
+        .await?,
+        LoadRun::on_mesh(
+            RELAY4.into(),
+            "batches through the relay floor: the hops, none of the work".into(),
+            relay,
+            in_flight,
+        )
+        .await?,
+    ];
+    run_windows(&mut runs, guards, work, plan).await?;
+    Ok(runs.into_iter().map(LoadRun::figures).collect())
 }
 
 /// The group's ratios; none for a scenario the run does not have.
-pub(super) fn ratios(latency: &[Latency]) -> Vec<(String, f64)> {
+pub(super) fn ratios(latency: &[Latency], throughput: &[Throughput]) -> Vec<(String, f64)> {
     let ratio = |a: f64, b: f64| if b > 0.0 { a / b } else { f64::NAN };
     let find = |name: &str| latency.iter().find(|l| l.name == name);
     let mut out = Vec::new();
+    let load = |name: &str| throughput.iter().find(|t| t.name == name);
+    let mut loads = |key: &str, a: &str, b: &str| {
+        let (Some(a), Some(b)) = (load(a), load(b)) else {
+            return;
+        };
+        out.push((
+            format!("throughput_{key}"),
+            ratio(a.per_second, b.per_second),
+        ));
+        out.push((
+            format!("cpu_per_batch_{key}"),
+            ratio(a.server_cpu(), b.server_cpu()),
+        ));
+    };
+    loads("mesh4_vs_baseline", MESH4, BASELINE_MESH4);
+    // The figures of a full run, named as there, for this build and the
+    // baseline against the same floor.
+    loads("mesh4_vs_relay_floor4", MESH4, RELAY4);
+    loads("baseline_mesh4_vs_relay_floor4", BASELINE_MESH4, RELAY4);
     let mut pair = |key: &str, a: &str, b: &str| {
         let (Some(a), Some(b)) = (find(a), find(b)) else {
             return;
@@ -262,7 +416,7 @@ mod tests {
             latency(BASELINE_MESH4, 150),
             latency(RELAY4, 100),
         ];
-        let ratios = ratios(&figures);
+        let ratios = ratios(&figures, &[]);
         let get = |k: &str| {
             ratios
                 .iter()
@@ -275,5 +429,62 @@ mod tests {
         assert!((get("baseline_mesh4_vs_relay_floor4_p50") - 1.5).abs() < 0.02);
         // No policy scenarios in this run: no policy ratios, rather than NaN.
         assert!(!ratios.iter().any(|(k, _)| k.starts_with("policy20")));
+        // No throughput figures: no throughput or CPU ratios.
+        assert!(
+            !ratios
+                .iter()
+                .any(|(k, _)| k.starts_with("throughput") || k.starts_with("cpu_per_batch"))
+        );
+    }
+
+    /// A throughput run of `ops` batches in one second, the serving
+    /// process using `cpu_ms` of CPU.
+    fn load(name: &'static str, ops: u64, cpu_ms: u64) -> Throughput {
+        let mut h = histogram().expect("histogram");
+        for _ in 0..ops {
+            h.record(1_000_000).expect("record");
+        }
+        let cpu = Cpu {
+            mesh: std::time::Duration::from_millis(cpu_ms),
+            ..Cpu::default()
+        };
+        Throughput::new(
+            name.into(),
+            String::new(),
+            &h,
+            std::time::Duration::from_secs(1),
+            cpu,
+            true,
+        )
+    }
+
+    /// The figures for both builds against the floor of the same
+    /// windows, and this build against the baseline, each named for what
+    /// it divides.
+    #[test]
+    fn both_builds_throughput_and_cpu_are_read_against_the_same_floor() {
+        let loads = [
+            load(MESH4, 800, 400),
+            load(BASELINE_MESH4, 1000, 360),
+            load(RELAY4, 1000, 300),
+        ];
+        let ratios = ratios(&[], &loads);
+        let get = |k: &str| {
+            ratios
+                .iter()
+                .find(|(key, _)| key == k)
+                .map(|(_, v)| *v)
+                .unwrap_or_else(|| panic!("no {k} in {ratios:?}"))
+        };
+        // Per second: 800 against 1000.
+        assert!((get("throughput_mesh4_vs_baseline") - 0.8).abs() < 0.01);
+        assert!((get("throughput_mesh4_vs_relay_floor4") - 0.8).abs() < 0.01);
+        assert!((get("throughput_baseline_mesh4_vs_relay_floor4") - 1.0).abs() < 0.01);
+        // Per batch: 500 µs, 360 µs and 300 µs of CPU.
+        assert!((get("cpu_per_batch_mesh4_vs_baseline") - 500.0 / 360.0).abs() < 0.01);
+        assert!((get("cpu_per_batch_mesh4_vs_relay_floor4") - 500.0 / 300.0).abs() < 0.01);
+        assert!((get("cpu_per_batch_baseline_mesh4_vs_relay_floor4") - 1.2).abs() < 0.01);
+        // No latency scenarios: no latency ratios.
+        assert!(!ratios.iter().any(|(k, _)| k.ends_with("_p50")));
     }
 }

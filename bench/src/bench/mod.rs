@@ -1260,6 +1260,44 @@ struct LoadRun {
     totals: LoadTotals,
 }
 
+impl LoadRun {
+    /// `in_flight` batches at a time through `mesh`, each worker on a
+    /// session of its own.
+    async fn on_mesh(
+        name: String,
+        what: String,
+        mesh: MeshProcess,
+        in_flight: usize,
+    ) -> Result<Self, Error> {
+        let coordinator = mesh.coordinator().await?;
+        let mut loads = Vec::with_capacity(in_flight);
+        for i in 0..in_flight {
+            loads.push(Load::Mesh(Arc::new(
+                coordinator.session(format!("load-{i}")).await?,
+            )));
+        }
+        Ok(Self {
+            name,
+            what,
+            mesh: Some(mesh),
+            loads,
+            totals: LoadTotals::new()?,
+        })
+    }
+
+    /// The run's figures, its windows summed.
+    fn figures(self) -> Throughput {
+        Throughput::new(
+            self.name,
+            self.what,
+            &self.totals.histogram,
+            self.totals.elapsed,
+            self.totals.cpu,
+            self.mesh.is_some(),
+        )
+    }
+}
+
 /// Throughput of `mesh_4` (the mesh as `guardmesh serve` runs by default,
 /// then with each of `threads` worker threads) against the raw echo,
 /// windows alternating.
@@ -1304,20 +1342,7 @@ async fn throughput(
         } else {
             MeshProcess::start_with(exe, dir, &label, guards, &ZERO, t).await?
         };
-        let coordinator = mesh.coordinator().await?;
-        let mut loads = Vec::with_capacity(in_flight);
-        for i in 0..in_flight {
-            loads.push(Load::Mesh(Arc::new(
-                coordinator.session(format!("load-{i}")).await?,
-            )));
-        }
-        runs.push(LoadRun {
-            name,
-            what,
-            mesh: Some(mesh),
-            loads,
-            totals: LoadTotals::new()?,
-        });
+        runs.push(LoadRun::on_mesh(name, what, mesh, in_flight).await?);
     }
     let echo = guards.echo().await?;
     runs.push(LoadRun {
@@ -1328,19 +1353,7 @@ async fn throughput(
         totals: LoadTotals::new()?,
     });
     run_windows(&mut runs, guards, work, plan).await?;
-    Ok(runs
-        .into_iter()
-        .map(|run| {
-            Throughput::new(
-                run.name,
-                run.what,
-                &run.totals.histogram,
-                run.totals.elapsed,
-                run.totals.cpu,
-                run.mesh.is_some(),
-            )
-        })
-        .collect())
+    Ok(runs.into_iter().map(LoadRun::figures).collect())
 }
 
 /// The RSS of a fresh `mesh_4` mesh, then with [`IDLE_STREAMS`] idle
@@ -1478,17 +1491,25 @@ async fn run(args: &BenchArgs) -> Result<(), Error> {
     }
     let mut guards = GuardProcess::start(&exe, dir, &catalog(), args).await?;
     if let (Some(Only::Compare), Some(baseline)) = (args.only, &args.baseline) {
-        let latency = compare::run(&exe, baseline, dir, &mut guards, &work, &plan).await?;
+        let in_flight = args.in_flight.max(1);
+        let figures =
+            compare::run(&exe, baseline, dir, &mut guards, &work, &plan, in_flight).await?;
         let mut setup = Map::new();
         setup.insert("only".into(), json!("compare"));
         setup.insert("baseline".into(), json!(baseline.display().to_string()));
         setup.insert("rounds".into(), json!(plan.rounds));
+        setup.insert("in_flight".into(), json!(in_flight));
+        setup.insert("throughput_windows".into(), json!(plan.throughput_windows));
+        setup.insert(
+            "throughput_window_s".into(),
+            json!(plan.throughput_window.as_secs_f64()),
+        );
         setup.insert("elapsed_s".into(), json!(started.elapsed().as_secs_f64()));
         let results = Results {
             quick: args.quick,
             setup,
-            latency,
-            throughput: Vec::new(),
+            latency: figures.latency,
+            throughput: figures.throughput,
             memory: Memory::none(),
             extra_ratios: Vec::new(),
         };

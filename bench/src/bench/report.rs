@@ -292,7 +292,7 @@ impl Results {
             return Ok(super::decision_log::ratios(&self.latency, &self.throughput));
         }
         if self.setup.get("only").and_then(Value::as_str) == Some("compare") {
-            return Ok(super::compare::ratios(&self.latency));
+            return Ok(super::compare::ratios(&self.latency, &self.throughput));
         }
         if matches!(
             self.setup.get("only").and_then(Value::as_str),
