@@ -22,7 +22,17 @@
 //!
 //! The session scenarios give a change to session memory (its reads,
 //! writes and the serialization of a session's batches) its before and
-//! after in one run.
+//! after in one run; a baseline older than session memory cannot read
+//! their rules, and they are skipped, naming why.
+//!
+//! Then throughput: this build's `mesh_4`, the baseline's and the relay
+//! floor, each a fresh process, `--in-flight` batches at a time (each on a
+//! session of its own, as the full run's throughput load), their windows
+//! interleaved: `throughput_mesh4_vs_baseline` and
+//! `cpu_per_batch_mesh4_vs_baseline`, and the full run's two tripwire
+//! figures for both builds (`throughput_mesh4_vs_relay_floor4`,
+//! `throughput_baseline_mesh4_vs_relay_floor4`, and the same for
+//! `cpu_per_batch_`).
 //!
 //! Its ratios name the build: `mesh4_vs_baseline_p50` is this build's p50
 //! over the baseline's; `mesh4_vs_relay_floor4_p50` and
