@@ -411,6 +411,15 @@ mod tests {
     }
     use crate::bench::report::{Cpu, histogram};
 
+    /// The ratio named `key`; a test fails naming it when it is missing.
+    fn ratio_of(ratios: &[(String, f64)], key: &str) -> f64 {
+        ratios
+            .iter()
+            .find(|(k, _)| k == key)
+            .map(|(_, v)| *v)
+            .unwrap_or_else(|| panic!("no {key} in {ratios:?}"))
+    }
+
     fn latency(name: &'static str, p50_us: u64) -> Latency {
         let mut h = histogram().expect("histogram");
         for _ in 0..100 {
@@ -427,13 +436,7 @@ mod tests {
             latency(RELAY4, 100),
         ];
         let ratios = ratios(&figures, &[]);
-        let get = |k: &str| {
-            ratios
-                .iter()
-                .find(|(key, _)| key == k)
-                .map(|(_, v)| *v)
-                .unwrap_or_else(|| panic!("no {k} in {ratios:?}"))
-        };
+        let get = |k: &str| ratio_of(&ratios, k);
         assert!((get("mesh4_vs_baseline_p50") - 0.8).abs() < 0.02);
         assert!((get("mesh4_vs_relay_floor4_p50") - 1.2).abs() < 0.02);
         assert!((get("baseline_mesh4_vs_relay_floor4_p50") - 1.5).abs() < 0.02);
@@ -479,13 +482,7 @@ mod tests {
             load(RELAY4, 1000, 300),
         ];
         let ratios = ratios(&[], &loads);
-        let get = |k: &str| {
-            ratios
-                .iter()
-                .find(|(key, _)| key == k)
-                .map(|(_, v)| *v)
-                .unwrap_or_else(|| panic!("no {k} in {ratios:?}"))
-        };
+        let get = |k: &str| ratio_of(&ratios, k);
         // Per second: 800 against 1000.
         assert!((get("throughput_mesh4_vs_baseline") - 0.8).abs() < 0.01);
         assert!((get("throughput_mesh4_vs_relay_floor4") - 0.8).abs() < 0.01);
