@@ -804,31 +804,27 @@ mod tests {
             len: Counted::of(&a[1]).len + 1,
             ..Counted::of(&a[1])
         };
-        let mut body = body(vec![
+        let mut stream = body(vec![
             ok(&a[0]),
             Step::Answer(Ok(a[1].clone()), wrong),
             ok(&a[2]),
         ]);
-        assert!(matches!(poll(&mut body), Polled::Data(m) if m == a[..1]));
+        assert!(matches!(poll(&mut stream), Polled::Data(m) if m == a[..1]));
         assert!(matches!(
-            poll(&mut body),
+            poll(&mut stream),
             Polled::Trailers(tonic::Code::Internal, _)
         ));
-        assert!(matches!(poll(&mut body), Polled::Done));
+        assert!(matches!(poll(&mut stream), Polled::Done));
         // The first one miscounted: nothing is sent but the trailers.
-        let mut first = body_of_first_wrong(&a);
+        let short = Counted {
+            len: Counted::of(&a[0]).len - 1,
+            ..Counted::of(&a[0])
+        };
+        let mut first = body(vec![Step::Answer(Ok(a[0].clone()), short), ok(&a[1])]);
         assert!(matches!(
             poll(&mut first),
             Polled::Trailers(tonic::Code::Internal, _)
         ));
-    }
-
-    fn body_of_first_wrong(a: &[EvaluateResponse; 3]) -> AnswerBody<Script> {
-        let wrong = Counted {
-            len: Counted::of(&a[0]).len - 1,
-            ..Counted::of(&a[0])
-        };
-        body(vec![Step::Answer(Ok(a[0].clone()), wrong), ok(&a[1])])
     }
 
     /// R19, R25: a frame holds answers up to its bound and one more at
